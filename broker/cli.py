@@ -1,0 +1,97 @@
+"""Command line of rpc-broker.
+
+    rpc-broker serve [--config FILE] [--<setting> VALUE ...]
+    rpc-broker check-config FILE
+
+Every ``serve`` flag is generated from the settings table in `broker.config`.
+Exit codes: 0 success, 2 bad usage or bad configuration; ``serve`` otherwise
+returns what `broker.server.serve` returns.
+"""
+
+import argparse
+import os
+import sys
+
+from broker import config
+
+PROG = "rpc-broker"
+_PRECEDENCE = (
+    "Settings come from, lowest to highest precedence: built-in defaults, the TOML\n"
+    "file (keys = setting names), RPC_BROKER_<NAME> environment variables, flags."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rpc-broker`` parser with its ``serve`` and ``check-config`` subcommands."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="JSON-RPC 2.0 broker: an HTTP front end that hands calls to a pool\n"
+        "of worker processes.",
+        epilog=_PRECEDENCE + f"\nRun '{PROG} serve --help' for every setting.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     title="commands")
+    serve = commands.add_parser(
+        "serve",
+        help="run the broker until SIGTERM/SIGINT (flags override file and environment)",
+        description="Run the broker: bind the HTTP front end, start the workers and\n"
+        "serve JSON-RPC until SIGTERM or SIGINT.",
+        epilog=_PRECEDENCE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--config", metavar="FILE",
+                       help="TOML file of settings; environment and flags override it")
+    config.add_flags(serve.add_argument_group("settings"))
+    check = commands.add_parser(
+        "check-config",
+        help="validate a TOML config file (plus RPC_BROKER_* environment) and print "
+        "the effective settings; exit 0 if valid, 2 if not",
+        description="Validate FILE together with the RPC_BROKER_* environment; print\n"
+        "'ok' and the effective settings as TOML, or the error.",
+        epilog=_PRECEDENCE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check.add_argument("file", metavar="FILE", help="TOML config file to check")
+    # Room for `rpc-broker bench`: a load generator against a running broker.
+    return parser
+
+
+def _load(path: str | None, flags: dict[str, object]) -> config.Config | None:
+    try:
+        return config.load(path, os.environ, flags)
+    except config.ConfigError as exc:
+        print(f"{PROG}: config error: {exc}", file=sys.stderr)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``) and return the exit code.
+
+    ``--help`` returns 0 and usage errors 2 (argparse's codes) instead of raising
+    ``SystemExit``; a `config.ConfigError` is printed to stderr and returns 2.
+    """
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    if ns.command == "check-config":
+        cfg = _load(ns.file, {})
+        if cfg is None:
+            return 2
+        print("ok")
+        print(config.dump_toml(cfg), end="")
+        return 0
+    # serve
+    flags = {s.name: getattr(ns, s.name) for s in config.SETTINGS if hasattr(ns, s.name)}
+    cfg = _load(ns.config, flags)
+    if cfg is None:
+        return 2
+    from broker.server import serve  # written separately; imported only when serving
+
+    return serve(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,500 @@
+"""Broker settings, each declared once, and the loader that fills them.
+
+Theory of operation
+-------------------
+The fields of `Config` are the one table of settings. Each field declares:
+
+    name: Annotated[<type>, Meta(<constraint>), Doc("<one-line meaning>")] = <default>
+
+* the field name is the setting's name and its TOML key; the CLI flag is
+  ``--<name-with-dashes>`` (unless ``Doc.flag`` says otherwise) and the
+  environment variable is ``RPC_BROKER_<NAME_UPPER>``;
+* ``Seconds`` / ``Bytes`` carry the unit inside the type, and the defaults are
+  written with the unit constants (``30 * SECONDS``, ``1 * MIB``);
+* ``msgspec.Meta`` holds the constraint that msgspec enforces, and ``Literal``
+  the enumerations;
+* ``Doc`` holds the one-line meaning for ``--help`` and the reference page.
+
+At import, `SETTINGS` derives one `Setting` row per field. `add_flags` (the
+``rpc-broker serve`` flags), `render_reference` (README table), `dump_toml`
+and `load` all read that table, so adding a setting means adding one field.
+
+`load` layers the sources, lowest precedence first: defaults < TOML file <
+environment < flags. Each value is checked against its field as soon as it is
+read, so a `ConfigError` names the setting, the source it came from (file
+path, variable or flag) and what is wrong; the merged result is then built
+with one ``msgspec.convert``. ``method_timeouts`` is merged per method name
+across layers; every other setting is replaced whole by a higher layer.
+"""
+
+import argparse
+import difflib
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Final, Literal, get_args, get_origin
+
+import msgspec
+from msgspec import Meta
+
+ENV_PREFIX: Final = "RPC_BROKER_"
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """Unit marker inside ``Annotated``: ``name`` for docs, ``metavar`` for --help."""
+
+    name: str
+    metavar: str
+
+
+@dataclass(frozen=True, slots=True)
+class Doc:
+    """Documentation marker inside ``Annotated``.
+
+    ``text`` is the one-line meaning; ``rule`` a human wording of the
+    constraint where the ``Meta`` alone reads badly (regex patterns);
+    ``flag`` / ``metavar`` override the derived CLI flag and placeholder.
+    """
+
+    text: str
+    rule: str = ""
+    flag: str = ""
+    metavar: str = ""
+
+
+Seconds = Annotated[float, Unit("seconds", "SECONDS")]
+Bytes = Annotated[int, Unit("bytes", "BYTES")]
+SECONDS: Final = 1.0
+BYTES: Final = 1
+KIB: Final = 1024 * BYTES
+MIB: Final = 1024 * KIB
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+_IDENT: Final = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Validated broker settings; build one with `load` (or ``Config()`` for defaults).
+
+    Durations are float seconds, sizes int bytes. ``method_timeouts`` maps a
+    JSON-RPC method name to its deadline in seconds; treat it as read-only.
+    """
+
+    host: Annotated[str, Meta(min_length=1),
+                    Doc("address to bind (loopback by default)", metavar="ADDR")
+                    ] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535),
+                    Doc("TCP port to listen on")
+                    ] = 8080
+    workers: Annotated[int, Meta(ge=0, le=1024),
+                       Doc("worker processes; 0 means one per CPU")
+                       ] = 0
+    app: Annotated[str, Meta(pattern=rf"^{_IDENT}:[A-Za-z_]\w*$"),
+                   Doc("'module:attribute' of the broker.worker.Registry to serve",
+                       rule="module:attribute", metavar="MODULE:ATTR")
+                   ] = "broker.demo:registry"
+    rpc_path: Annotated[str, Meta(pattern=r"^/\S*$"),
+                        Doc("HTTP path that accepts JSON-RPC POSTs",
+                            rule="starts with '/', no whitespace", metavar="PATH")
+                        ] = "/"
+    max_body_bytes: Annotated[Bytes, Meta(ge=1),
+                              Doc("largest HTTP request body")
+                              ] = 1 * MIB
+    max_batch: Annotated[int, Meta(ge=1),
+                         Doc("largest batch (number of elements)")
+                         ] = 1000
+    max_depth: Annotated[int, Meta(ge=1, le=10000),
+                         Doc("largest JSON nesting depth of a request")
+                         ] = 64
+    timeout: Annotated[Seconds, Meta(gt=0),
+                       Doc("default per-call deadline")
+                       ] = 30 * SECONDS
+    method_timeouts: Annotated[
+        dict[Annotated[str, Meta(min_length=1)], Annotated[Seconds, Meta(gt=0)]],
+        Doc("per-method deadlines in seconds, overriding timeout (in TOML, quote "
+            "method names that contain dots)",
+            flag="--method-timeout", metavar="NAME=SECONDS"),
+    ] = {}
+    worker_concurrency: Annotated[int, Meta(ge=1),
+                                  Doc("calls in flight per worker")
+                                  ] = 100
+    max_queue: Annotated[int, Meta(ge=0),
+                         Doc("calls waiting for a free worker before the broker "
+                             "answers 'overloaded'")
+                         ] = 10000
+    grace_period: Annotated[Seconds, Meta(ge=0),
+                            Doc("on SIGTERM, how long in-flight calls may take")
+                            ] = 30 * SECONDS
+    keepalive_timeout: Annotated[Seconds, Meta(gt=0),
+                                 Doc("idle HTTP keep-alive connections are closed "
+                                     "after this")
+                                 ] = 75 * SECONDS
+    max_frame_bytes: Annotated[Bytes, Meta(ge=1 * KIB),
+                               Doc("largest worker wire frame (results included)")
+                               ] = 16 * MIB
+    restart_backoff_max: Annotated[Seconds, Meta(gt=0),
+                                   Doc("cap of the exponential backoff between "
+                                       "restarts of a crashing worker")
+                                   ] = 10 * SECONDS
+    socket_dir: Annotated[str, Meta(max_length=80),
+                          Doc("directory for the worker Unix sockets; empty means a "
+                              "private 0700 temporary directory (short, so socket "
+                              "paths stay under 108 bytes)", metavar="DIR")
+                          ] = ""
+    debug: Annotated[bool,
+                     Doc("put tracebacks in error 'data' (never on in production)")
+                     ] = False
+    log_level: Annotated[LogLevel,
+                         Doc("logging threshold")
+                         ] = "info"
+
+    @property
+    def worker_count(self) -> int:
+        """Worker processes to start: ``workers``, or when 0 the CPUs this process may use."""
+        return self.workers or _cpu_count()
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # respects taskset / cpusets
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class ConfigError(Exception):
+    """A setting could not be loaded; the message names source, setting and problem."""
+
+
+Kind = Literal["bool", "int", "float", "str", "choice", "map"]
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One row of the settings table, derived from a `Config` field.
+
+    ``default`` is the Python value; ``unit`` is "" / "seconds" / "bytes";
+    ``rule`` is the constraint in words ("" when any value of the type goes).
+    """
+
+    name: str
+    kind: Kind
+    default: object
+    unit: str
+    rule: str
+    doc: str
+    flag: str
+    env: str
+    metavar: str
+    choices: tuple[str, ...]
+
+
+def _split(tp: object) -> tuple[object, tuple[object, ...]]:
+    """``Annotated[base, *extras]`` -> ``(base, extras)``; any other type -> ``(tp, ())``."""
+    if get_origin(tp) is Annotated:
+        base, *extras = get_args(tp)
+        return base, tuple(extras)
+    return tp, ()
+
+
+def _rule_of(meta: Meta | None) -> str:
+    if meta is None:
+        return ""
+    parts = []
+    if meta.ge is not None and meta.le is not None:
+        parts.append(f"{meta.ge}..{meta.le}")
+    else:
+        for op, bound in ((">=", meta.ge), (">", meta.gt), ("<=", meta.le), ("<", meta.lt)):
+            if bound is not None:
+                parts.append(f"{op} {bound}")
+    if meta.min_length == 1:
+        parts.append("non-empty")
+    elif meta.min_length is not None:
+        parts.append(f"at least {meta.min_length} characters")
+    if meta.max_length is not None:
+        parts.append(f"at most {meta.max_length} characters")
+    if meta.pattern is not None:
+        parts.append(f"matches {meta.pattern}")
+    return ", ".join(parts)
+
+
+_KIND_OF_TYPE: Final[dict[object, Kind]] = {bool: "bool", int: "int", float: "float", str: "str"}
+_METAVAR_OF_KIND: Final[dict[Kind, str]] = {
+    "bool": "", "int": "INT", "float": "NUMBER", "str": "TEXT", "choice": "", "map": "",
+}
+
+
+def _derive(field: msgspec.structs.FieldInfo) -> Setting:
+    base, extras = _split(field.type)
+    docs = [x for x in extras if isinstance(x, Doc)]
+    if not docs:
+        raise TypeError(f"Config.{field.name} has no Doc(...) annotation")
+    doc = docs[0]
+    value_extras = extras
+    choices: tuple[str, ...] = ()
+    if get_origin(base) is dict:
+        kind: Kind = "map"
+        _, value_extras = _split(get_args(base)[1])
+    elif get_origin(base) is Literal:
+        kind, choices = "choice", tuple(str(c) for c in get_args(base))
+    else:
+        kind = _KIND_OF_TYPE[base]
+    unit = next((x for x in value_extras if isinstance(x, Unit)), None)
+    meta = next((x for x in value_extras if isinstance(x, Meta)), None)
+    rule = doc.rule or _rule_of(meta)
+    if kind == "choice":
+        rule = "one of " + ", ".join(choices)
+    elif kind == "map" and rule:
+        rule = f"each value {rule}"
+    default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+    metavar = doc.metavar or (unit.metavar if unit else "") or _METAVAR_OF_KIND[kind]
+    if kind == "choice":
+        metavar = "{" + ",".join(choices) + "}"
+    return Setting(
+        name=field.name, kind=kind, default=default, unit=unit.name if unit else "",
+        rule=rule, doc=doc.text, flag=doc.flag or "--" + field.name.replace("_", "-"),
+        env=ENV_PREFIX + field.name.upper(), metavar=metavar, choices=choices,
+    )
+
+
+SETTINGS: Final[tuple[Setting, ...]] = tuple(_derive(f) for f in msgspec.structs.fields(Config))
+_BY_NAME: Final[dict[str, Setting]] = {s.name: s for s in SETTINGS}
+
+
+# -- rendering ---------------------------------------------------------------
+
+
+def _toml(value: object) -> str:
+    """TOML literal for a setting value (str, bool, int, float or str->float dict)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML
+    if isinstance(value, float):
+        return repr(value)  # 30.0, inf, nan are TOML floats
+    if isinstance(value, dict):
+        items = ", ".join(f"{_toml(str(k))} = {_toml(v)}" for k, v in value.items())
+        return "{ " + items + " }" if items else "{}"
+    return str(value)
+
+
+def _default_text(s: Setting) -> str:
+    text = _toml(s.default)
+    if s.unit and s.kind != "map":
+        text += f" {s.unit}"
+    if s.unit == "bytes" and isinstance(s.default, int) and s.default % MIB == 0:
+        text += f" ({s.default // MIB} MiB)"
+    return text
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add one flag per setting to ``parser`` (dest = setting name, absent unless given).
+
+    Values arrive as text (bools as ``--x/--no-x``, ``method_timeouts`` as a
+    list of ``NAME=SECONDS``); `load` parses and checks them, so bad values
+    become a `ConfigError` naming the flag.
+    """
+    for s in SETTINGS:
+        help_text = f"{s.doc}. Default: {_default_text(s)}."
+        if s.rule:
+            help_text += f" Allowed: {s.rule}."
+        if s.kind == "map":
+            help_text += " Repeatable."
+        help_text += f" Env: {s.env}."
+        help_text = help_text.replace("%", "%%")
+        if s.kind == "bool":
+            parser.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        elif s.kind == "map":
+            parser.add_argument(s.flag, dest=s.name, action="append", metavar=s.metavar,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(s.flag, dest=s.name, metavar=s.metavar,
+                                default=argparse.SUPPRESS, help=help_text)
+
+
+def render_reference() -> str:
+    """Markdown table of every setting (setting / TOML key / flag / env var / default / meaning)."""
+    rows = [
+        "| setting | TOML key | flag | env var | default | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in SETTINGS:
+        key = f"`[{s.name}]` table" if s.kind == "map" else f"`{s.name}`"
+        if s.kind == "bool":
+            flag = f"`{s.flag}` / `--no-{s.flag[2:]}`"
+        else:
+            flag = f"`{s.flag} {s.metavar}`"
+        meaning = s.doc[0].upper() + s.doc[1:] + "."
+        if s.rule:
+            meaning += f" Allowed: {s.rule}."
+        if s.kind == "map":
+            meaning += " Env value: a JSON object; flag repeatable."
+        cells = [s.name, key, flag, f"`{s.env}`", f"`{_default_text(s)}`", meaning]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def dump_toml(cfg: Config) -> str:
+    """Effective settings of ``cfg`` as TOML text, one ``name = value`` line per setting."""
+    lines = []
+    for s in SETTINGS:
+        line = f"{s.name} = {_toml(getattr(cfg, s.name))}"
+        if s.name == "workers":
+            line += f"  # {cfg.worker_count} processes"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+# -- loading -----------------------------------------------------------------
+
+_BOOLS: Final = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+_AT_PATH: Final = re.compile(r" - at `[^`]*`( in `[^`]*`)?$")
+
+
+def _unknown(source: str, what: str) -> ConfigError:
+    names = [s.name for s in SETTINGS]
+    close = difflib.get_close_matches(what.lower().removeprefix(ENV_PREFIX.lower()), names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{source}: unknown setting {what!r}{hint}")
+
+
+def _check(s: Setting, value: object, source: str) -> None:
+    """Validate one value against its `Config` field; raise `ConfigError` naming it."""
+    entries = value.items() if s.kind == "map" and isinstance(value, dict) else [(None, value)]
+    for key, item in entries:
+        try:
+            msgspec.convert({s.name: item if key is None else {key: item}}, Config)
+        except msgspec.ValidationError as exc:
+            problem = _AT_PATH.sub("", str(exc))
+            problem = problem[0].lower() + problem[1:]
+            label = s.name if key is None else f"{s.name}[{key!r}]"
+            if s.rule:
+                problem += f" (allowed: {s.rule})"
+            raise ConfigError(f"{source}: {label} = {item!r}: {problem}") from None
+
+
+def _parse_text(s: Setting, text: str, source: str) -> object:
+    """Parse an env/flag string into the setting's Python shape; range checks come later."""
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{source}: {s.name} = {text!r}: expected {expected}")
+
+    unit = f" of {s.unit}" if s.unit else ""
+    if s.kind == "bool":
+        try:
+            return _BOOLS[text.strip().lower()]
+        except KeyError:
+            raise bad("one of 1/0/true/false/yes/no") from None
+    if s.kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise bad(f"an integer{unit}") from None
+    if s.kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise bad(f"a number{unit}") from None
+    if s.kind == "map":
+        try:
+            parsed: object = msgspec.json.decode(text)
+        except msgspec.DecodeError as exc:
+            raise bad(f'a JSON object like {{"method": seconds}} ({exc})') from None
+        if not isinstance(parsed, dict):
+            raise bad('a JSON object like {"method": seconds}')
+        return parsed
+    return text
+
+
+def _parse_pairs(s: Setting, pairs: Sequence[str], source: str) -> dict[str, object]:
+    """``["a=1", "b=2.5"]`` -> ``{"a": 1.0, "b": 2.5}``; a later pair wins."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        name, sep, seconds = pair.partition("=")
+        name = name.strip()
+        try:
+            if not sep or not name:
+                raise ValueError
+            out[name] = float(seconds)
+        except ValueError:
+            raise ConfigError(f"{source}: {s.name}: expected NAME=SECONDS, got {pair!r}") from None
+    return out
+
+
+def _from_file(path: str) -> list[tuple[Setting, object, str]]:
+    source = f"config file {path}"
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: not UTF-8 ({exc.reason})") from None
+    out = []
+    for key, value in data.items():
+        s = _BY_NAME.get(key)
+        if s is None:
+            raise _unknown(source, key)
+        out.append((s, value, source))
+    return out
+
+
+def _from_env(env: Mapping[str, str]) -> list[tuple[Setting, object, str]]:
+    out = []
+    for var, text in env.items():
+        if not var.startswith(ENV_PREFIX):
+            continue
+        source = f"environment variable {var}"
+        s = _BY_NAME.get(var[len(ENV_PREFIX):].lower())
+        if s is None or s.env != var:
+            raise _unknown(source, var)
+        out.append((s, _parse_text(s, text, source), source))
+    return out
+
+
+def _from_flags(flags: Mapping[str, object]) -> list[tuple[Setting, object, str]]:
+    out = []
+    for name, value in flags.items():
+        s = _BY_NAME.get(name)
+        if s is None:
+            raise _unknown("flags", name)
+        if value is None:
+            continue
+        source = f"flag {s.flag}"
+        if s.kind == "map" and isinstance(value, (str, list, tuple)):
+            value = _parse_pairs(s, [value] if isinstance(value, str) else value, source)
+        elif isinstance(value, str) and s.kind not in ("str", "choice"):
+            value = _parse_text(s, value, source)
+        out.append((s, value, source))
+    return out
+
+
+def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) -> Config:
+    """Build the `Config`: defaults < TOML file at ``path`` < ``env`` < ``flags``.
+
+    ``env`` is an environment mapping (only ``RPC_BROKER_*`` names are read;
+    values are text: bools 1/0/true/false/yes/no, ``method_timeouts`` a JSON
+    object). ``flags`` maps setting names to values; ``None`` means not given,
+    strings are parsed like env values, and ``method_timeouts`` may be a list
+    of ``"NAME=SECONDS"``. Raises `ConfigError` naming source, setting and
+    problem for: an unreadable or invalid TOML file, an unknown key or
+    ``RPC_BROKER_*`` variable, an unparsable value, a wrong type or a value
+    out of range.
+    """
+    layers = [*(_from_file(path) if path is not None else []), *_from_env(env), *_from_flags(flags)]
+    merged: dict[str, object] = {}
+    for s, value, source in layers:
+        _check(s, value, source)
+        previous = merged.get(s.name)
+        if isinstance(previous, dict) and isinstance(value, dict):
+            value = {**previous, **value}  # method_timeouts: merged per method name
+        merged[s.name] = value
+    try:
+        return msgspec.convert(merged, Config)
+    except msgspec.ValidationError as exc:  # unreachable once every value passed _check
+        raise ConfigError(f"invalid configuration: {exc}") from None

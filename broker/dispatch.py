@@ -1,0 +1,378 @@
+"""Dispatch: broker call ids, the pending table, deadlines, routing and reassembly.
+
+Theory of operation
+-------------------
+A front-end decodes a request body with `jsonrpc.Codec` and hands the `Body` to
+`Dispatcher.submit` together with a callback. `submit` makes one `Exchange` (the
+answers owed for that body, one slot per answered element, in request order) and one
+`Call` per valid request. Each call gets a fresh broker call id (a monotonic integer:
+client ids collide across connections and may repeat inside a batch) and goes to the
+ready worker with the fewest outstanding calls, if one is under its concurrency
+limit; otherwise it waits in one bounded FIFO queue shared by all workers, and when
+that is full it is answered at once with the "overloaded" error (load shedding).
+
+A worker's reply (`on_reply`) finds its call by id in the pending table, splices the
+raw result or error object after the client's raw id, and fills the call's slot; the
+exchange calls back when its last slot is filled. Answers from different workers
+arrive in any order; the slots keep request order.
+
+Every call ends in exactly one of these ways, and only the first one answers:
+
+    reply       the worker answered (RESULT or ERROR)
+    deadline    the call's timer fired: "timed out", and CANCEL goes to the worker
+    worker lost the worker died with the call in flight: "worker died"
+    shed        the queue was full: "overloaded" (never queued)
+    shutdown    the grace period ended with the call still queued or in flight
+
+A call that timed out stays in the pending table (without its exchange) until its
+worker replies, so the worker's outstanding count stays exact; that reply is then
+dropped and counted as late. Notifications travel the same way with no exchange.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import typing
+from collections import deque
+from collections.abc import Callable
+
+from broker import jsonrpc, wire
+from broker.jsonrpc import Body, ErrorCode, Request, error_object, response_error, response_result
+
+if typing.TYPE_CHECKING:
+    from broker.pool import Worker
+
+__all__ = ["Call", "Dispatcher", "DispatcherStats", "Exchange", "Route"]
+
+_RESULT = int(wire.Kind.RESULT)
+_CALL = int(wire.Kind.CALL)
+_NOTIFY = int(wire.Kind.NOTIFY)
+_METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
+_OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
+_STATUS = {code: info.http_status for code, info in jsonrpc.ERRORS.items()}
+
+
+class Exchange:
+    """The answers owed for one request body: a single response or a batch array.
+
+    answers: one entry per answered element, in request order; None until filled.
+    remaining: slots still waiting for a worker.
+    status: HTTP status of the whole answer (a non-batch error may change it).
+    on_done: called once, with this exchange, when the last slot is filled.
+    """
+
+    __slots__ = ("answers", "batch", "context", "on_done", "remaining", "status")
+
+    def __init__(self, batch: bool, status: int, on_done: Callable[[Exchange], None]) -> None:
+        self.context: object = None  # the front-end's own per-request state
+        self.batch = batch
+        self.answers: list[bytes | None] = []
+        self.remaining = 0
+        self.status = status
+        self.on_done = on_done
+
+    def fill(self, slot: int, answer: bytes, status: int = 200) -> None:
+        """Put one response in its slot; call back if it was the last one."""
+        self.answers[slot] = answer
+        if status != 200 and not self.batch:
+            self.status = status
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.on_done(self)
+
+    def body(self) -> bytes:
+        """The response body: one Response object, or an array of them."""
+        if self.batch:
+            return b"[" + b",".join(typing.cast(list[bytes], self.answers)) + b"]"
+        return typing.cast(bytes, self.answers[0])
+
+
+class Route(typing.NamedTuple):
+    """Where a method's calls go: its index in the workers' method list and deadline (s)."""
+
+    index: int
+    timeout: float
+
+
+class Call:
+    """One call (or notification) on its way through the broker."""
+
+    __slots__ = ("call_id", "exchange", "id", "index", "kind", "params", "slot", "timeout", "timer", "worker")
+
+    def __init__(
+        self,
+        call_id: int,
+        exchange: Exchange | None,
+        slot: int,
+        request: Request,
+        route: Route,
+    ) -> None:
+        self.call_id = call_id
+        self.exchange = exchange  # None for a notification, or once answered
+        self.slot = slot
+        self.id = request.id
+        self.kind = _CALL if exchange is not None else _NOTIFY
+        self.index = route.index
+        self.params = request.params
+        self.timeout = route.timeout
+        self.worker: Worker | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class DispatcherStats(typing.NamedTuple):
+    """A snapshot of the dispatcher's counters (see `Dispatcher.statistics`)."""
+
+    in_flight: int
+    queued: int
+    calls_total: int
+    timeouts_total: int
+    late_replies_total: int
+    shed_total: int
+    worker_died_total: int
+
+
+class Dispatcher:
+    """Routes calls to workers and answers them; one per broker process.
+
+    max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
+    timeout: default deadline in seconds; `method_timeouts` overrides it per method.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        max_queue: int = 10000,
+        timeout: float = 30.0,
+        method_timeouts: typing.Mapping[str, float] | None = None,
+    ) -> None:
+        self._loop = loop
+        self._max_queue = max_queue
+        self._timeout = timeout
+        self._method_timeouts = dict(method_timeouts or {})
+        self._routes: dict[str, Route] = {}
+        self._pending: dict[int, Call] = {}
+        self._queue: deque[Call] = deque()
+        self._ready: list[Worker] = []
+        self._ids = itertools.count(1)
+        self.accepting = True
+        self.calls_total = 0
+        self.timeouts_total = 0
+        self.late_replies_total = 0
+        self.shed_total = 0
+        self.worker_died_total = 0
+        self._idle: asyncio.Event = asyncio.Event()
+        self._idle.set()
+
+    # -- configuration from the pool -------------------------------------------------
+
+    def set_methods(self, names: list[str]) -> None:
+        """Install the method table announced by the workers' HELLO (in their order)."""
+        self._routes = {
+            name: Route(i, self._method_timeouts.get(name, self._timeout))
+            for i, name in enumerate(names)
+        }
+
+    @property
+    def methods(self) -> list[str]:
+        """Names of the routable methods."""
+        return list(self._routes)
+
+    def worker_ready(self, worker: Worker) -> None:
+        """A worker can take calls: add it to the rotation and give it queued work."""
+        if worker not in self._ready:
+            self._ready.append(worker)
+        self._pump()
+
+    def worker_unready(self, worker: Worker) -> None:
+        """Take a worker out of the rotation (draining, dying); its calls stay pending."""
+        try:
+            self._ready.remove(worker)
+        except ValueError:
+            pass
+
+    def worker_lost(self, worker: Worker, reason: str) -> None:
+        """The worker's process is gone: answer its in-flight calls "worker died"."""
+        self.worker_unready(worker)
+        lost = [c for c in self._pending.values() if c.worker is worker]
+        if not lost:
+            return
+        error = error_object(ErrorCode.WORKER_DIED, data={"pid": worker.pid, "status": reason})
+        for call in lost:
+            del self._pending[call.call_id]
+            if call.exchange is not None:
+                self.worker_died_total += 1
+            self._finish(call, error, ErrorCode.WORKER_DIED)
+        worker.outstanding = 0
+        self._check_idle()
+        self._pump()
+
+    @property
+    def ready_workers(self) -> int:
+        """How many workers are taking calls."""
+        return len(self._ready)
+
+    # -- the hot path ------------------------------------------------------------------
+
+    def submit(self, body: Body, on_done: Callable[[Exchange], None]) -> Exchange | None:
+        """Start every call of a decoded body; return its `Exchange`.
+
+        Returns None when nothing is owed (only notifications). If the returned
+        exchange has `remaining == 0` it is complete already and `on_done` will not
+        be called: the caller answers at once.
+        """
+        exchange = Exchange(body.batch, body.status, on_done)
+        answers = exchange.answers
+        routes = self._routes
+        for item in body.items:
+            if type(item) is bytes:
+                answers.append(item)
+                continue
+            request = typing.cast(Request, item)
+            route = routes.get(request.method)
+            if route is None:
+                if request.id:
+                    answers.append(response_error(request.id, _METHOD_NOT_FOUND))
+                continue
+            self.calls_total += 1
+            if request.id:
+                call = Call(next(self._ids), exchange, len(answers), request, route)
+                answers.append(None)
+                exchange.remaining += 1
+            else:
+                call = Call(next(self._ids), None, -1, request, route)
+            self._start(call)
+        if not answers:
+            return None
+        return exchange
+
+    def _start(self, call: Call) -> None:
+        worker = self._pick()
+        if worker is not None:
+            self._send(worker, call)
+        elif not self.accepting:
+            self._finish(call, error_object(ErrorCode.SHUTTING_DOWN), ErrorCode.SHUTTING_DOWN, remaining=False)
+        elif len(self._queue) >= self._max_queue:
+            self.shed_total += 1
+            self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
+        else:
+            call.timer = self._loop.call_later(call.timeout, self._on_timeout, call)
+            self._queue.append(call)
+            self._idle.clear()
+
+    def _pick(self) -> Worker | None:
+        best: Worker | None = None
+        least = 1 << 62
+        for w in self._ready:
+            n = w.outstanding
+            if n < least and n < w.concurrency:
+                best, least = w, n
+        return best
+
+    def _send(self, worker: Worker, call: Call) -> None:
+        call.worker = worker
+        worker.outstanding += 1
+        self._pending[call.call_id] = call
+        if call.timer is None:
+            call.timer = self._loop.call_later(call.timeout, self._on_timeout, call)
+        worker.channel.send(call.kind, call.call_id, call.index, call.params)
+        self._idle.clear()
+
+    def on_reply(self, worker: Worker, kind: int, call_id: int, payload: bytes) -> None:
+        """A worker answered `call_id` with a RESULT or ERROR payload (raw JSON)."""
+        call = self._pending.pop(call_id, None)
+        if call is None or call.worker is not worker:
+            self.late_replies_total += 1
+            return
+        worker.outstanding -= 1
+        exchange = call.exchange
+        if exchange is not None:
+            call.timer.cancel()  # type: ignore[union-attr]
+            if kind == _RESULT:
+                exchange.fill(call.slot, response_result(call.id, payload))
+            else:
+                exchange.fill(call.slot, response_error(call.id, payload))
+        elif call.timer is not None:  # a notification
+            call.timer.cancel()
+        else:  # its deadline passed: the client has its answer already
+            self.late_replies_total += 1
+        if self._queue:
+            self._pump()
+        elif not self._pending:
+            self._idle.set()
+
+    def _pump(self) -> None:
+        queue = self._queue
+        while queue:
+            worker = self._pick()
+            if worker is None:
+                return
+            call = queue.popleft()
+            if call.timer is None:  # timed out while queued
+                continue
+            self._send(worker, call)
+        self._check_idle()
+
+    def _on_timeout(self, call: Call) -> None:
+        call.timer = None
+        self.timeouts_total += 1
+        self._finish(
+            call,
+            error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout}),
+            ErrorCode.TIMED_OUT,
+        )
+        worker = call.worker
+        if worker is not None and worker.channel is not None:
+            worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
+
+    def _finish(self, call: Call, error: bytes, code: int, remaining: bool = True) -> None:
+        """Answer `call` with a broker error (once); `remaining=False` when not yet counted."""
+        timer = call.timer
+        if timer is not None:
+            timer.cancel()
+            call.timer = None
+        exchange = call.exchange
+        if exchange is None:
+            return
+        call.exchange = None
+        if remaining:
+            exchange.fill(call.slot, response_error(call.id, error), _STATUS[code])
+        else:
+            exchange.remaining -= 1
+            exchange.answers[call.slot] = response_error(call.id, error)
+            if not exchange.batch:
+                exchange.status = _STATUS[code]
+
+    def _check_idle(self) -> None:
+        if not self._queue and not self._pending:
+            self._idle.set()
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    async def drain(self, grace: float) -> None:
+        """Stop taking calls; wait up to `grace` s for the owed answers, then answer
+        whatever is left with "shutting down"."""
+        self.accepting = False
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+        except TimeoutError:
+            pass
+        error = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
+        while self._queue:
+            self._finish(self._queue.popleft(), error, ErrorCode.SHUTTING_DOWN)
+        for call in list(self._pending.values()):
+            self._finish(call, error, ErrorCode.SHUTTING_DOWN)
+        self._idle.set()
+
+    def statistics(self) -> DispatcherStats:
+        """Counters and gauges as a frozen record."""
+        return DispatcherStats(
+            in_flight=len(self._pending),
+            queued=len(self._queue),
+            calls_total=self.calls_total,
+            timeouts_total=self.timeouts_total,
+            late_replies_total=self.late_replies_total,
+            shed_total=self.shed_total,
+            worker_died_total=self.worker_died_total,
+        )

@@ -1,0 +1,399 @@
+"""HTTP/1.1 front-end: one `asyncio.Protocol` per connection, parsed by httptools.
+
+Theory of operation
+-------------------
+`data_received` feeds the parser; httptools calls back per request. A POST on the
+RPC path is decoded (`jsonrpc.Codec`) and handed to the dispatcher as soon as its
+body is complete (no task per request); the dispatcher calls back when the last
+answer is in. Every request takes its place in the connection's `_responses` queue,
+so pipelined requests are answered in the order they came, however their calls
+finish; a response is written (status line, headers and body in one `write`) as soon
+as everything before it has been written.
+
+Answers:
+    POST rpc_path          200 with the JSON-RPC response; 204 when nothing is owed
+                           (only notifications); the status in `jsonrpc.ERRORS` for a
+                           single error response; 413 past `max_body_bytes` (checked
+                           on Content-Length before the body arrives, and on chunks)
+    GET/HEAD /healthz      200 while the process runs
+    GET/HEAD /readyz       200 when at least one worker is ready, else 503
+    other method           405 with Allow
+    other path             404
+    bad HTTP               400 and close; headers past 64 KiB: 431 and close
+
+Flow control (aiohttp and uvicorn do the same): reading pauses while the transport's
+write buffer is above its high-water mark, or while more than `PIPELINE_HIGH`
+requests wait for answers on one connection, and resumes below the low marks.
+Idle connections (nothing owed, no bytes for `keepalive_timeout` seconds) are closed
+by one sweep per second for all connections, not a timer per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import typing
+from collections import deque
+from http import HTTPStatus
+
+import httptools
+
+from broker.dispatch import Dispatcher, Exchange
+from broker.jsonrpc import Codec, ErrorCode, error_object, response_error
+
+__all__ = ["HttpFrontend", "HttpProtocol"]
+
+log = logging.getLogger("broker.http")
+
+PIPELINE_HIGH = 64  # requests owed on one connection before reading pauses
+PIPELINE_LOW = 16  # ... and resumes
+MAX_HEADER_BYTES = 64 * 1024  # request line and headers, like nginx's large buffers
+SWEEP_SECONDS = 1.0
+
+
+def _status_line(code: int) -> bytes:
+    return f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n".encode()
+
+
+_STATUS_LINES = {code: _status_line(code) for code in (200, 204, 400, 404, 405, 413, 431, 500, 502, 503, 504)}
+_JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
+_CLOSE = b"connection: close\r\n"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_NO_CONTENT_KEEP = _STATUS_LINES[204] + b"\r\n"
+_NO_CONTENT_CLOSE = _STATUS_LINES[204] + _CLOSE + b"\r\n"
+
+
+def _json_response(status: int, body: bytes, keep_alive: bool, extra: bytes = b"") -> bytes:
+    return b"".join(
+        (
+            _STATUS_LINES.get(status) or _status_line(status),
+            _JSON_HEADERS,
+            str(len(body)).encode(),
+            b"\r\n",
+            extra,
+            b"" if keep_alive else _CLOSE,
+            b"\r\n",
+            body,
+        )
+    )
+
+
+def _error_body(code: int, data: object = None) -> bytes:
+    return response_error(b"null", error_object(code, data=data))
+
+
+class HttpFrontend:
+    """Shared state of all HTTP connections: codec, dispatcher, limits, connections."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        *,
+        rpc_path: str = "/",
+        max_body_bytes: int = 1024 * 1024,
+        max_batch: int = 1000,
+        keepalive_timeout: float = 75.0,
+        ready: typing.Callable[[], bool] | None = None,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.codec = Codec(max_batch)
+        self.rpc_path = rpc_path.encode()
+        self.max_body_bytes = max_body_bytes
+        self.keepalive_timeout = keepalive_timeout
+        self.ready = ready or (lambda: dispatcher.ready_workers > 0)
+        self.connections: set[HttpProtocol] = set()
+        self.draining = False
+        self.loop = asyncio.get_running_loop()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.too_large = _json_response(
+            413, _error_body(ErrorCode.INVALID_REQUEST, f"body exceeds max_body_bytes {max_body_bytes}"), False
+        )
+
+    def protocol(self) -> HttpProtocol:
+        """Protocol factory for `loop.create_server`."""
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
+        return HttpProtocol(self)
+
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        limit = self.keepalive_timeout
+        for conn in list(self.connections):
+            if not conn.owed and now - conn.last_active > limit:
+                conn.close()
+        self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
+
+    def drain(self) -> None:
+        """Close idle connections now; the others close after their last answer."""
+        self.draining = True
+        for conn in list(self.connections):
+            if not conn.owed:
+                conn.close()
+
+    async def wait_closed(self, timeout: float) -> None:
+        """Wait up to `timeout` s for connections to finish writing and close."""
+        deadline = self.loop.time() + timeout
+        while self.connections and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+
+class HttpProtocol(asyncio.Protocol):
+    """One HTTP/1.1 client connection (keep-alive, pipelining, chunked bodies)."""
+
+    __slots__ = (
+        "_body",
+        "_body_size",
+        "_closing",
+        "_expect",
+        "_fe",
+        "_header_bytes",
+        "_parser",
+        "_read_paused",
+        "_responses",
+        "_skip",
+        "_transport",
+        "_url",
+        "_write_paused",
+        "last_active",
+    )
+
+    def __init__(self, frontend: HttpFrontend) -> None:
+        self._fe = frontend
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._url = b""
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._header_bytes = 0
+        self._expect = False
+        self._skip = False  # the current request was answered early (413): drop its body
+        self._responses: deque[Exchange | tuple[bytes, bool]] = deque()
+        self._read_paused = False
+        self._write_paused = False
+        self._closing = False
+        self.last_active = frontend.loop.time()
+
+    @property
+    def owed(self) -> int:
+        """Requests received and not yet answered on this connection."""
+        return len(self._responses)
+
+    # -- asyncio.Protocol --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = typing.cast(asyncio.Transport, transport)
+        self._fe.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._responses.clear()
+        self._fe.connections.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        self.last_active = self._fe.loop.time()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._answer_and_close(400, b"upgrade not supported")
+        except httptools.HttpParserError as exc:
+            if not self._closing:
+                self._answer_and_close(400, f"bad HTTP request: {exc}".encode())
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._pause()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._maybe_resume()
+
+    # -- httptools callbacks -------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._body = []
+        self._body_size = 0
+        self._header_bytes = 0
+        self._expect = False
+        self._skip = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._header_bytes += len(url)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._answer_and_close(431, b"request line and headers too large")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._answer_and_close(431, b"request line and headers too large")
+            return
+        n = len(name)
+        if n == 14 and name.lower() == b"content-length":
+            try:
+                size = int(value)
+            except ValueError:
+                return  # httptools rejects it
+            if size > self._fe.max_body_bytes:
+                self._skip = True
+        elif n == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
+            self._expect = True
+
+    def on_headers_complete(self) -> None:
+        if self._closing:
+            return
+        if self._skip:
+            self._queue(self._fe.too_large, False)
+            self._closing = True
+            return
+        if self._expect and self._parser.get_method() == b"POST":
+            assert self._transport is not None
+            self._transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        if self._skip or self._closing:
+            return
+        self._body_size += len(body)
+        if self._body_size > self._fe.max_body_bytes:
+            self._skip = True
+            self._body = []
+            self._queue(self._fe.too_large, False)
+            self._closing = True
+            return
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._skip or self._closing:
+            return
+        fe = self._fe
+        method = self._parser.get_method()
+        url = self._url
+        if b"?" in url:
+            url = url.partition(b"?")[0]
+        keep_alive = self._parser.should_keep_alive() and not fe.draining
+        if url == fe.rpc_path:
+            if method == b"POST":
+                self._rpc(keep_alive)
+            else:
+                self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, b"allow: POST\r\n")
+        elif url == b"/healthz" or url == b"/readyz":
+            if method == b"GET" or method == b"HEAD":
+                ok = url == b"/healthz" or fe.ready()
+                body = b'{"status":"ok"}' if ok else b'{"status":"no worker ready"}'
+                response = _json_response(200 if ok else 503, body, keep_alive)
+                if method == b"HEAD":
+                    response = response[: len(response) - len(body)]
+                self._queue(response, keep_alive)
+            else:
+                self._queue_plain(405, b"use GET", keep_alive, b"allow: GET, HEAD\r\n")
+        else:
+            self._queue_plain(404, b"not found", keep_alive)
+        if not keep_alive:
+            self._closing = True
+
+    # -- answering ---------------------------------------------------------------------
+
+    def _rpc(self, keep_alive: bool) -> None:
+        parts = self._body
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        self._body = []
+        fe = self._fe
+        decoded = fe.codec.decode(body)
+        exchange = fe.dispatcher.submit(decoded, self._exchange_done)
+        if exchange is None:
+            self._queue(_NO_CONTENT_KEEP if keep_alive else _NO_CONTENT_CLOSE, keep_alive)
+            return
+        exchange.context = keep_alive
+        if exchange.remaining == 0 and not self._responses:
+            self._write(_json_response(exchange.status, exchange.body(), keep_alive), keep_alive)
+            return
+        self._responses.append(exchange)
+        if len(self._responses) > PIPELINE_HIGH:
+            self._pause()
+        elif exchange.remaining == 0:
+            self._flush_ready()
+
+    def _exchange_done(self, exchange: Exchange) -> None:
+        if self._transport is None:
+            return
+        if self._responses and self._responses[0] is exchange:
+            self._flush_ready()
+
+    def _flush_ready(self) -> None:
+        responses = self._responses
+        while responses:
+            head = responses[0]
+            if type(head) is tuple:
+                data, keep_alive = head
+            else:
+                exchange = typing.cast(Exchange, head)
+                if exchange.remaining:
+                    break
+                keep_alive = bool(exchange.context)
+                data = _json_response(exchange.status, exchange.body(), keep_alive)
+            responses.popleft()
+            self._write(data, keep_alive)
+            if self._transport is None:
+                return
+        if self._read_paused and len(responses) < PIPELINE_LOW:
+            self._maybe_resume()
+
+    def _write(self, data: bytes, keep_alive: bool) -> None:
+        transport = self._transport
+        if transport is None:
+            return
+        transport.write(data)
+        if not keep_alive:
+            self._closing = True
+            self._responses.clear()
+            transport.close()
+        elif self._fe.draining and not self._responses:
+            transport.close()
+
+    def _queue(self, response: bytes, keep_alive: bool) -> None:
+        """Write a finished response now, or after those owed before it."""
+        if not self._responses:
+            self._write(response, keep_alive)
+        else:
+            self._responses.append((response, keep_alive))
+
+    def _queue_plain(self, status: int, message: bytes, keep_alive: bool, extra: bytes = b"") -> None:
+        body = b'{"error":"' + message + b'"}'
+        self._queue(_json_response(status, body, keep_alive, extra), keep_alive)
+
+    def _answer_and_close(self, status: int, message: bytes) -> None:
+        self._closing = True
+        self._queue_plain(status, message.replace(b'"', b"'"), False)
+
+    # -- flow control ------------------------------------------------------------------
+
+    def _pause(self) -> None:
+        if not self._read_paused and self._transport is not None:
+            self._read_paused = True
+            self._transport.pause_reading()
+
+    def _maybe_resume(self) -> None:
+        if (
+            self._read_paused
+            and not self._write_paused
+            and len(self._responses) < PIPELINE_LOW
+            and self._transport is not None
+        ):
+            self._read_paused = False
+            self._transport.resume_reading()
+
+    def close(self) -> None:
+        """Close the connection after what is already written."""
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection at once."""
+        if self._transport is not None:
+            self._transport.abort()

@@ -1,0 +1,305 @@
+"""JSON-RPC 2.0 codec, sans-IO: request bodies in, response bytes out.
+
+Source: the JSON-RPC 2.0 specification, https://www.jsonrpc.org/specification
+(sections 4 "Request object", 5 "Response object", 5.1 "Error object", 6 "Batch").
+
+Theory of operation
+-------------------
+`Codec.decode(body)` turns one request body (an HTTP POST body or one NDJSON line)
+into a `Body`: whether it was a batch, and its elements in order. Each element is
+either a `Request` (a valid request or notification: `id` is empty for a
+notification) or `bytes`: the complete error response for an element that is not a
+valid Request object. Only the envelope is decoded: `params` and `id` stay
+`msgspec.Raw`, i.e. the exact bytes the client sent, so ids are echoed byte for byte
+(`1.5e3`, `18446744073709551617`, `"1"`) and params travel to the worker untouched.
+
+The fast path decodes the whole body at once as `Request | list[Request]` (one
+msgspec call). Only when that fails does the slow path look at the body element by
+element to find which ones are bad and which ids can still be echoed.
+
+Rules the spec leaves to us, and what we chose:
+
+- An element that is not a valid Request object is answered with -32600 even when
+  it has no `id` member: the spec's own examples answer
+  `{"jsonrpc": "2.0", "method": 1, "params": "bar"}` and `{"foo": "boo"}` with
+  `"id": null`. Its id is echoed when it is a valid id, else `null`.
+- A *valid* request without `id` is a notification and is never answered, whatever
+  happens to it later (unknown method, bad params, handler error).
+- `[]` is answered with one -32600 error object, not an array (spec example).
+- A body past the batch length limit, or nested deeper than the parser can take,
+  is answered with one -32600 error object whose `data` says which limit.
+
+`response_result` / `response_error` splice a response from raw pieces without
+decoding them; `error_object` builds an error object (section 5.1).
+"""
+
+from __future__ import annotations
+
+import typing
+from enum import IntEnum
+
+import msgspec
+from msgspec import Raw
+
+__all__ = [
+    "ERRORS",
+    "Body",
+    "Codec",
+    "ErrorCode",
+    "Request",
+    "error_object",
+    "http_status",
+    "response_error",
+    "response_result",
+]
+
+
+class ErrorCode(IntEnum):
+    """Every error code the broker itself puts in an error object.
+
+    -32768..-32000 are reserved by the spec (section 5.1); -32099..-32000 are for
+    "implementation-defined server errors", and the broker's own live there.
+    """
+
+    PARSE_ERROR = -32700
+    INVALID_REQUEST = -32600
+    METHOD_NOT_FOUND = -32601
+    INVALID_PARAMS = -32602
+    INTERNAL_ERROR = -32603
+    OVERLOADED = -32000
+    TIMED_OUT = -32001
+    WORKER_DIED = -32002
+    NO_WORKER = -32003
+    SHUTTING_DOWN = -32004
+
+
+class ErrorInfo(typing.NamedTuple):
+    message: str
+    http_status: int
+    meaning: str
+
+
+# One table: code -> message, the HTTP status of a *single* (non-batch) response
+# carrying it, and why. A batch response is always 200: its elements may disagree.
+# Errors about the envelope are the client's fault (400, as nginx/proxyd answer a
+# malformed request); errors inside a well-formed exchange (unknown method, bad
+# params, a handler's failure) are a normal JSON-RPC answer (200, as geth and most
+# JSON-RPC servers do, so clients read the body); capacity problems use the status a
+# reverse proxy would (503 overloaded, 502 upstream died, 504 upstream timed out) so
+# load balancers and retry logic see them for what they are.
+ERRORS: dict[int, ErrorInfo] = {
+    ErrorCode.PARSE_ERROR: ErrorInfo("Parse error", 400, "the body is not valid JSON"),
+    ErrorCode.INVALID_REQUEST: ErrorInfo(
+        "Invalid Request", 400, "not a valid Request object, or past a size/batch/depth limit"
+    ),
+    ErrorCode.METHOD_NOT_FOUND: ErrorInfo(
+        "Method not found", 200, "no registered method by that name (names are case-sensitive)"
+    ),
+    ErrorCode.INVALID_PARAMS: ErrorInfo(
+        "Invalid params", 200, "params do not fit the method's signature; data says which and why"
+    ),
+    ErrorCode.INTERNAL_ERROR: ErrorInfo(
+        "Internal error", 200, "the handler raised, or its result could not be encoded"
+    ),
+    ErrorCode.OVERLOADED: ErrorInfo(
+        "Server overloaded", 503, "every worker is at its concurrency limit and the queue is full"
+    ),
+    ErrorCode.TIMED_OUT: ErrorInfo(
+        "Call timed out", 504, "the call's deadline passed; the worker was told to cancel it"
+    ),
+    ErrorCode.WORKER_DIED: ErrorInfo(
+        "Worker died", 502, "the worker process running the call exited; data has pid and status"
+    ),
+    ErrorCode.NO_WORKER: ErrorInfo(
+        "No worker available", 503, "no worker is ready (all starting or restarting)"
+    ),
+    ErrorCode.SHUTTING_DOWN: ErrorInfo(
+        "Shutting down", 503, "the broker is stopping and its grace period ended"
+    ),
+}
+
+
+def http_status(code: int) -> int:
+    """HTTP status for a single response whose error has `code` (200 if not ours)."""
+    info = ERRORS.get(code)
+    return 200 if info is None else info.http_status
+
+
+class Request(msgspec.Struct, gc=False):
+    """A decoded Request object (spec section 4); `params` and `id` stay raw.
+
+    `params` is empty (`len(params) == 0`) when absent; `id` is empty when absent,
+    which makes the request a notification (section 4.1).
+    """
+
+    jsonrpc: typing.Literal["2.0"]
+    method: str
+    params: Raw = Raw()
+    id: Raw = Raw()
+
+
+class _IdOnly(msgspec.Struct, gc=False):
+    """What the slow path reads of an element that is not a valid Request."""
+
+    id: Raw = Raw()
+
+
+class Body(typing.NamedTuple):
+    """One decoded request body.
+
+    batch: True when the body was a JSON array (the answer is then an array).
+    items: the elements in request order, each a `Request` or the finished error
+        response (bytes) for an invalid element.
+    status: the HTTP status for a non-batch body answered by the codec itself
+        (400 for the error cases, see `ERRORS`); 200 otherwise.
+    """
+
+    batch: bool
+    items: list[Request | bytes]
+    status: int = 200
+
+
+_NULL = b"null"
+_ID_FIRST = frozenset(b'"-0123456789n')  # string, number, null (section 4: "id")
+_PARAMS_FIRST = frozenset(b"[{")  # array or object (section 4: "params")
+_RESP_HEAD = b'{"jsonrpc":"2.0","id":'
+_RESULT = b',"result":'
+_ERROR = b',"error":'
+_TAIL = b"}"
+
+
+def response_result(id_: Raw | bytes, result: bytes | bytearray | Raw) -> bytes:
+    """Splice a success Response object (section 5) from the raw id and raw result."""
+    return b"".join((_RESP_HEAD, id_, _RESULT, result, _TAIL))
+
+
+def response_error(id_: Raw | bytes, error: bytes | bytearray | Raw) -> bytes:
+    """Splice an error Response object (section 5) from the raw id and error object."""
+    return b"".join((_RESP_HEAD, id_, _ERROR, error, _TAIL))
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def error_object(code: int, message: str | None = None, data: object = None) -> bytes:
+    """Encode an Error object (section 5.1): `{"code", "message"[, "data"]}`.
+
+    `message` defaults to the table's message for `code`; `data` is omitted when None.
+    Raises `TypeError` if `data` is not JSON-encodable.
+    """
+    if message is None:
+        info = ERRORS.get(code)
+        message = info.message if info is not None else "Server error"
+    if data is None:
+        return _encode({"code": code, "message": message})
+    return _encode({"code": code, "message": message, "data": data})
+
+
+def _valid_id(raw: Raw) -> bool:
+    return len(raw) == 0 or memoryview(raw)[0] in _ID_FIRST
+
+
+class Codec:
+    """Decodes request bodies; one instance per front-end (decoders are reused).
+
+    max_batch: largest number of elements accepted in a batch.
+    """
+
+    __slots__ = ("_decoder", "_element", "_id_only", "_slow", "max_batch")
+
+    def __init__(self, max_batch: int = 1000) -> None:
+        self.max_batch = max_batch
+        self._decoder = msgspec.json.Decoder(Request | list[Request])
+        self._slow = msgspec.json.Decoder(list[Raw] | Raw)
+        self._element = msgspec.json.Decoder(Request)
+        self._id_only = msgspec.json.Decoder(_IdOnly)
+
+    def decode(self, body: bytes | bytearray | memoryview) -> Body:
+        """Decode one request body into a `Body` (never raises for bad input).
+
+        A body that cannot be a request at all (invalid JSON, a scalar, `[]`, a
+        batch past `max_batch`, nesting too deep) comes back as a non-batch `Body`
+        whose only item is the error response.
+        """
+        try:
+            decoded = self._decoder.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            return self._decode_slow(body)
+        if type(decoded) is list:
+            if not decoded:
+                return Body(False, [_EMPTY_BATCH], 400)
+            if len(decoded) > self.max_batch:
+                return self._batch_too_large(len(decoded))
+            for req in decoded:
+                if not (_valid_id(req.id) and _valid_params(req.params)):
+                    return self._decode_slow(body)
+            return Body(True, decoded)  # type: ignore[arg-type]
+        req = typing.cast(Request, decoded)
+        if _valid_id(req.id) and _valid_params(req.params):
+            return Body(False, [req])
+        return Body(False, [self._invalid(req.id)], 400)
+
+    def _batch_too_large(self, n: int) -> Body:
+        return Body(
+            False,
+            [
+                response_error(
+                    _NULL,
+                    error_object(
+                        ErrorCode.INVALID_REQUEST,
+                        data=f"batch of {n} elements exceeds max_batch {self.max_batch}",
+                    ),
+                )
+            ],
+            400,
+        )
+
+    def _decode_slow(self, body: bytes | bytearray | memoryview) -> Body:
+        try:
+            outer = self._slow.decode(body)
+        except RecursionError:
+            return Body(False, [_TOO_DEEP], 400)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return Body(False, [_PARSE_ERROR], 400)
+        if type(outer) is not list:
+            item = self._element_item(typing.cast(Raw, outer))
+            return Body(False, [item], 200 if type(item) is Request else 400)
+        if not outer:
+            return Body(False, [_EMPTY_BATCH], 400)
+        if len(outer) > self.max_batch:
+            return self._batch_too_large(len(outer))
+        return Body(True, [self._element_item(raw) for raw in outer])
+
+    def _element_item(self, raw: Raw) -> Request | bytes:
+        try:
+            req = self._element.decode(raw)
+        except RecursionError:
+            return _TOO_DEEP
+        except msgspec.ValidationError:
+            try:
+                id_ = self._id_only.decode(raw).id
+            except (msgspec.ValidationError, RecursionError):  # not an object
+                return _INVALID_NULL
+            return self._invalid(id_)
+        if _valid_id(req.id) and _valid_params(req.params):
+            return req
+        return self._invalid(req.id)
+
+    @staticmethod
+    def _invalid(id_: Raw) -> bytes:
+        if len(id_) and _valid_id(id_):
+            return response_error(id_, _INVALID_REQUEST_ERROR)
+        return _INVALID_NULL
+
+
+def _valid_params(raw: Raw) -> bool:
+    return len(raw) == 0 or memoryview(raw)[0] in _PARAMS_FIRST
+
+
+_INVALID_REQUEST_ERROR = error_object(ErrorCode.INVALID_REQUEST)
+_INVALID_NULL = response_error(_NULL, _INVALID_REQUEST_ERROR)
+_PARSE_ERROR = response_error(_NULL, error_object(ErrorCode.PARSE_ERROR))
+_EMPTY_BATCH = _INVALID_NULL  # spec example: `[]` gets one plain -32600
+_TOO_DEEP = response_error(
+    _NULL, error_object(ErrorCode.INVALID_REQUEST, data="nesting too deep")
+)

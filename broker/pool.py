@@ -1,0 +1,429 @@
+"""Worker supervisor: spawn worker processes, handshake, restart with backoff, stop.
+
+Theory of operation
+-------------------
+The pool listens on one Unix socket, `workers.sock`, inside a private 0700 directory.
+It spawns N fresh interpreters (`python -m broker.worker`, never forked from the
+running event loop), each told its slot and the socket path. A worker connects and
+sends HELLO (its pid, slot, methods and concurrency limit); the pool checks the pid
+against the process it spawned and the method list against the first worker's, and
+the worker becomes READY: the dispatcher starts routing calls to it.
+
+Each slot's life follows `TRANSITIONS`:
+
+    STARTING --HELLO--> READY --BYE sent--> DRAINING --exit--> DEAD
+        |                 |                                      |
+        +------exit-------+-------exit or socket closed----------+--backoff--> STARTING
+
+A slot whose process exits (or whose socket closes) is DEAD: the dispatcher answers
+its in-flight calls with "worker died" and its queued calls go to other workers. The
+slot is respawned after an exponential backoff (0.1 s doubling up to
+`restart_backoff_max`, reset once a worker has stayed up for 30 s). A worker that
+exits with `WORKER_BOOT_ERROR` while the pool is starting stops the whole start:
+a bad `--app` is a bad deploy, not something to retry forever (gunicorn does the same).
+
+The pool waits on process exits (one waiter task per process) and on socket events:
+it never polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import typing
+
+from broker import wire
+from broker.dispatch import Dispatcher
+from broker.worker import WORKER_BOOT_ERROR
+
+__all__ = ["TRANSITIONS", "Pool", "PoolStats", "Worker", "WorkerBootError", "WorkerChannel", "WorkerState"]
+
+log = logging.getLogger("broker.pool")
+
+
+class WorkerState(enum.Enum):
+    """The life of one worker slot (see `TRANSITIONS`)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.STARTING: frozenset({WorkerState.READY, WorkerState.DEAD}),
+    WorkerState.READY: frozenset({WorkerState.DRAINING, WorkerState.DEAD}),
+    WorkerState.DRAINING: frozenset({WorkerState.DEAD}),
+    WorkerState.DEAD: frozenset({WorkerState.STARTING}),
+}
+
+STABLE_SECONDS = 30.0  # a worker up this long resets its slot's backoff
+BOOT_TIMEOUT_SECONDS = 60.0  # a worker that has not said HELLO by then is killed
+KILL_AFTER_SECONDS = 2.0  # a worker whose socket closed but lives on is killed after
+
+
+class WorkerBootError(Exception):
+    """A worker could not load the app (exit status `WORKER_BOOT_ERROR`) at start."""
+
+
+class Worker:
+    """One worker slot: its current process, channel, state and load."""
+
+    __slots__ = (
+        "channel",
+        "concurrency",
+        "exited",
+        "failures",
+        "outstanding",
+        "pid",
+        "process",
+        "restarts",
+        "slot",
+        "started_at",
+        "state",
+    )
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.state = WorkerState.DEAD
+        self.pid = 0
+        self.process: asyncio.subprocess.Process | None = None
+        self.channel: WorkerChannel | None = None
+        self.outstanding = 0
+        self.concurrency = 1
+        self.started_at = 0.0
+        self.restarts = 0
+        self.failures = 0
+        self.exited: asyncio.Future[int] | None = None
+
+    def move(self, state: WorkerState) -> None:
+        """Change state; raises `RuntimeError` on a transition not in `TRANSITIONS`."""
+        if state not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"worker {self.slot}: {self.state.name} -> {state.name} is not a transition")
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<Worker slot={self.slot} pid={self.pid} {self.state.name} outstanding={self.outstanding}>"
+
+
+_HELLO = int(wire.Kind.HELLO)
+_RESULT = int(wire.Kind.RESULT)
+_ERROR = int(wire.Kind.ERROR)
+_pack_header = wire.HEADER.pack
+FLUSH_AT_BYTES = 256 * 1024  # write at once past this much queued, else once per loop turn
+
+
+class WorkerChannel(asyncio.Protocol):
+    """The broker's end of one worker's Unix socket.
+
+    `send` queues a frame; everything queued in one loop iteration goes out in one
+    write. Replies go straight to `Dispatcher.on_reply`.
+    """
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self._dispatcher = pool.dispatcher
+        self._decoder = wire.FrameDecoder(pool.max_frame_bytes)
+        self._out = bytearray()
+        self._flush_scheduled = False
+        self._transport: asyncio.Transport | None = None
+        self.worker: Worker | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = typing.cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        if self.worker is not None:
+            self._pool.channel_lost(self.worker)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except wire.FrameError as exc:
+            log.error("worker %s sent a bad frame: %s", self.worker, exc)
+            self.close()
+            return
+        worker = self.worker
+        on_reply = self._dispatcher.on_reply
+        for kind, call_id, _aux, payload in frames:
+            if worker is not None and (kind == _RESULT or kind == _ERROR):
+                on_reply(worker, kind, call_id, payload)
+            elif kind == _HELLO and worker is None:
+                try:
+                    worker = self.worker = self._pool.hello(self, wire.decode_hello(payload))
+                except wire.FrameError as exc:
+                    log.error("rejected a worker connection: %s", exc)
+                    self.close()
+                    return
+            else:
+                log.error("worker %s sent an unexpected frame kind %d", worker, kind)
+                self.close()
+                return
+
+    def send(self, kind: int, call_id: int, aux: int, payload: bytes | bytearray | memoryview) -> None:
+        """Queue one frame for the worker (written at the end of this loop iteration)."""
+        out = self._out
+        out += _pack_header(len(payload), kind, call_id, aux)
+        out += payload
+        if len(out) >= FLUSH_AT_BYTES:
+            self.flush()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._pool.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write everything queued now."""
+        self._flush_scheduled = False
+        if self._out and self._transport is not None:
+            self._transport.write(bytes(self._out))
+        self._out.clear()
+
+    def close(self) -> None:
+        """Close the socket (the worker exits when it sees that)."""
+        if self._transport is not None:
+            self._transport.close()
+
+
+class PoolStats(typing.NamedTuple):
+    """Snapshot of the pool: workers per state and restarts so far."""
+
+    starting: int
+    ready: int
+    draining: int
+    dead: int
+    restarts_total: int
+
+
+class Pool:
+    """Supervises `size` worker processes serving `app` for one `Dispatcher`."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        *,
+        size: int,
+        app: str,
+        concurrency: int = 100,
+        max_depth: int = 64,
+        max_frame_bytes: int = 16 * 1024 * 1024,
+        restart_backoff_max: float = 10.0,
+        socket_dir: str = "",
+        debug: bool = False,
+        log_level: str = "info",
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.loop = asyncio.get_running_loop()
+        self.size = size
+        self.app = app
+        self.concurrency = concurrency
+        self.max_depth = max_depth
+        self.max_frame_bytes = max_frame_bytes
+        self.restart_backoff_max = restart_backoff_max
+        self.debug = debug
+        self.log_level = log_level
+        self.workers = [Worker(i) for i in range(size)]
+        self.methods: list[str] | None = None
+        self._socket_dir_given = socket_dir
+        self._dir = ""
+        self._path = ""
+        self._server: asyncio.AbstractServer | None = None
+        self._stopping = False
+        self._starting = True
+        self._boot_failure: asyncio.Future[str] = self.loop.create_future()
+        self._changed = asyncio.Event()
+        self.restarts_total = 0
+
+    @property
+    def socket_path(self) -> str:
+        """Path of the Unix socket workers connect to."""
+        return self._path
+
+    async def start(self, timeout: float = BOOT_TIMEOUT_SECONDS) -> None:
+        """Spawn every worker and wait until all are READY.
+
+        Raises `WorkerBootError` if a worker cannot load the app, and `TimeoutError`
+        if they are not all ready within `timeout` seconds.
+        """
+        if self._socket_dir_given:
+            os.makedirs(self._socket_dir_given, mode=0o700, exist_ok=True)
+            self._dir = tempfile.mkdtemp(prefix="rpc-broker-", dir=self._socket_dir_given)
+        else:
+            self._dir = tempfile.mkdtemp(prefix="rpc-broker-")  # mode 0700
+        self._path = os.path.join(self._dir, "workers.sock")
+        self._server = await self.loop.create_unix_server(lambda: WorkerChannel(self), self._path)
+        os.chmod(self._path, 0o600)
+        for worker in self.workers:
+            await self._spawn(worker)
+        deadline = self.loop.time() + timeout
+        while not all(w.state is WorkerState.READY for w in self.workers):
+            if self._boot_failure.done():
+                raise WorkerBootError(self._boot_failure.result())
+            self._changed.clear()
+            left = deadline - self.loop.time()
+            if left <= 0:
+                raise TimeoutError(f"workers not ready after {timeout} s: {self.workers}")
+            waiter = asyncio.ensure_future(self._changed.wait())
+            await asyncio.wait([waiter, self._boot_failure], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        self._starting = False
+
+    async def _spawn(self, worker: Worker) -> None:
+        if self._stopping:
+            return
+        worker.move(WorkerState.STARTING)
+        worker.channel = None
+        worker.outstanding = 0
+        argv = [
+            sys.executable, "-m", "broker.worker",
+            "--socket", self._path,
+            "--slot", str(worker.slot),
+            "--app", self.app,
+            "--concurrency", str(self.concurrency),
+            "--max-depth", str(self.max_depth),
+            "--max-frame-bytes", str(self.max_frame_bytes),
+            "--log-level", self.log_level,
+        ]  # fmt: skip
+        if self.debug:
+            argv.append("--debug")
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
+        )
+        worker.process = process
+        worker.pid = process.pid
+        worker.started_at = time.monotonic()
+        exited: asyncio.Future[int] = self.loop.create_future()
+        worker.exited = exited
+        task = self.loop.create_task(self._watch(worker, process, exited))
+        task.add_done_callback(_log_task_error)
+        self.loop.call_later(BOOT_TIMEOUT_SECONDS, self._boot_deadline, worker, process)
+
+    async def _watch(self, worker: Worker, process: asyncio.subprocess.Process, exited: asyncio.Future[int]) -> None:
+        status = await process.wait()
+        exited.set_result(status)
+        if worker.process is not process:
+            return
+        reason = describe_status(status)
+        was_starting = worker.state is WorkerState.STARTING
+        if worker.state is not WorkerState.DEAD:
+            worker.move(WorkerState.DEAD)
+        self.dispatcher.worker_lost(worker, reason)
+        worker.channel = None
+        self._changed.set()
+        if self._stopping:
+            return
+        log.warning("worker %d (pid %d) %s", worker.slot, worker.pid, reason)
+        if status == WORKER_BOOT_ERROR and was_starting and self._starting:
+            if not self._boot_failure.done():
+                self._boot_failure.set_result(f"worker {worker.slot} could not load app {self.app!r} (see its log above)")
+            return
+        up = time.monotonic() - worker.started_at
+        worker.failures = 0 if up >= STABLE_SECONDS else worker.failures + 1
+        delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
+        worker.restarts += 1
+        self.restarts_total += 1
+        await asyncio.sleep(delay)
+        if not self._stopping and worker.process is process:
+            await self._spawn(worker)
+
+    def _boot_deadline(self, worker: Worker, process: asyncio.subprocess.Process) -> None:
+        if worker.process is process and worker.state is WorkerState.STARTING:
+            log.error("worker %d (pid %d) sent no HELLO in %s s: killing it", worker.slot, worker.pid, BOOT_TIMEOUT_SECONDS)
+            _kill(process)
+
+    def hello(self, channel: WorkerChannel, hello: wire.Hello) -> Worker:
+        """Bind a new connection to its worker slot; raises `wire.FrameError` if it
+        does not match a worker we started (wrong slot or pid, other methods)."""
+        if not 0 <= hello.slot < self.size:
+            raise wire.FrameError(f"HELLO from unknown slot {hello.slot}")
+        worker = self.workers[hello.slot]
+        if worker.state is not WorkerState.STARTING or worker.pid != hello.pid:
+            raise wire.FrameError(f"HELLO from pid {hello.pid} for slot {hello.slot}, expected pid {worker.pid}")
+        names = [m.name for m in hello.methods]
+        if self.methods is None:
+            self.methods = names
+            self.dispatcher.set_methods(names)
+        elif names != self.methods:
+            raise wire.FrameError(f"worker {hello.slot} serves {names}, not {self.methods}")
+        worker.channel = channel
+        worker.concurrency = max(1, hello.concurrency)
+        worker.move(WorkerState.READY)
+        log.info("worker %d ready (pid %d, %d methods)", worker.slot, worker.pid, len(names))
+        self.dispatcher.worker_ready(worker)
+        self._changed.set()
+        return worker
+
+    def channel_lost(self, worker: Worker) -> None:
+        """A worker's socket closed: stop routing to it; kill it if it lingers."""
+        self.dispatcher.worker_unready(worker)
+        if worker.state is not WorkerState.DEAD:
+            worker.move(WorkerState.DEAD)
+        process = worker.process
+        if process is not None and process.returncode is None:
+            self.loop.call_later(KILL_AFTER_SECONDS, _kill_if_alive, process)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask every worker to finish and exit (BYE); SIGKILL those still alive after
+        `timeout` s; remove the socket directory."""
+        self._stopping = True
+        for worker in self.workers:
+            if worker.channel is not None and worker.state is WorkerState.READY:
+                worker.move(WorkerState.DRAINING)
+                self.dispatcher.worker_unready(worker)
+                worker.channel.send(wire.Kind.BYE, 0, 0, b"")
+        waits = [w.exited for w in self.workers if w.exited is not None and not w.exited.done()]
+        if waits:
+            _, alive = await asyncio.wait(waits, timeout=timeout)
+            if alive:
+                for worker in self.workers:
+                    if worker.process is not None and worker.process.returncode is None:
+                        log.warning("worker %d (pid %d) did not exit in %s s: SIGKILL", worker.slot, worker.pid, timeout)
+                        _kill(worker.process)
+                await asyncio.wait(alive, timeout=5.0)
+        if self._server is not None:
+            self._server.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def statistics(self) -> PoolStats:
+        """Workers per state, and restarts so far."""
+        count = {s: 0 for s in WorkerState}
+        for w in self.workers:
+            count[w.state] += 1
+        return PoolStats(
+            count[WorkerState.STARTING], count[WorkerState.READY], count[WorkerState.DRAINING],
+            count[WorkerState.DEAD], self.restarts_total,
+        )  # fmt: skip
+
+
+def describe_status(status: int) -> str:
+    """Human words for a process exit status ("exited with 1", "killed by SIGKILL")."""
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exited with {status}"
+
+
+def _kill(process: asyncio.subprocess.Process) -> None:
+    try:
+        process.kill()
+    except ProcessLookupError:
+        pass
+
+
+def _kill_if_alive(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        _kill(process)
+
+
+def _log_task_error(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("worker supervision failed", exc_info=task.exception())

@@ -1,0 +1,112 @@
+"""The daemon's process: wires config, dispatcher, worker pool and front-ends together.
+
+Kept apart from `cli.py` (argument handling) so tests and embedders can start a
+broker from a `Config` without going through argv.
+
+Signals (handlers only set an event; the main coroutine acts on it):
+    SIGTERM, SIGINT  stop accepting, answer what is in flight (up to grace_period),
+                     stop the workers, exit 0
+    SIGHUP           logged and ignored for now (rolling restart is future work)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from broker.config import Config
+from broker.dispatch import Dispatcher
+from broker.frontend.http import HttpFrontend
+from broker.pool import Pool, WorkerBootError
+from broker.worker import WORKER_BOOT_ERROR
+
+__all__ = ["run", "serve"]
+
+log = logging.getLogger("broker")
+
+
+def serve(config: Config) -> int:
+    """Run the broker until SIGTERM/SIGINT; return the process exit status.
+
+    0 after a clean shutdown, `WORKER_BOOT_ERROR` (3) when the workers cannot load
+    the app, 1 when the listening socket cannot be opened.
+    """
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s broker pid %(process)d %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    import uvloop
+
+    return uvloop.run(run(config))
+
+
+async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = None) -> int:
+    """The broker's main coroutine; sets `started` to the bound (host, port) once ready."""
+    loop = asyncio.get_running_loop()
+    dispatcher = Dispatcher(
+        loop,
+        max_queue=config.max_queue,
+        timeout=config.timeout,
+        method_timeouts=config.method_timeouts,
+    )
+    pool = Pool(
+        dispatcher,
+        size=config.worker_count,
+        app=config.app,
+        concurrency=config.worker_concurrency,
+        max_depth=config.max_depth,
+        max_frame_bytes=config.max_frame_bytes,
+        restart_backoff_max=config.restart_backoff_max,
+        socket_dir=config.socket_dir,
+        debug=config.debug,
+        log_level=config.log_level,
+    )
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP: rolling restart is not implemented yet; ignored")
+    try:
+        try:
+            await pool.start()
+        except WorkerBootError as exc:
+            log.error("%s", exc)
+            await pool.stop(timeout=2.0)
+            return WORKER_BOOT_ERROR
+        frontend = HttpFrontend(
+            dispatcher,
+            rpc_path=config.rpc_path,
+            max_body_bytes=config.max_body_bytes,
+            max_batch=config.max_batch,
+            keepalive_timeout=config.keepalive_timeout,
+        )
+        try:
+            server = await loop.create_server(frontend.protocol, config.host, config.port, backlog=2048)
+        except OSError as exc:
+            log.error("cannot listen on %s:%s: %s", config.host, config.port, exc)
+            await pool.stop(timeout=2.0)
+            return 1
+        host, port = server.sockets[0].getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(
+            f"rpc-broker: serving JSON-RPC on http://{shown}:{port}{config.rpc_path}"
+            f" with {pool.size} workers (app {config.app})",
+            file=sys.stderr,
+            flush=True,
+        )
+        if started is not None:
+            started.set_result((host, port))
+        await stop.wait()
+        log.info("stopping: no new connections; answering what is in flight (grace %s s)", config.grace_period)
+        server.close()
+        frontend.drain()
+        await dispatcher.drain(config.grace_period)
+        await frontend.wait_closed(timeout=2.0)
+        await pool.stop()
+        log.info("stopped")
+        return 0
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,165 @@
+"""Worker wire protocol, sans-IO: frame encoding and an incremental frame decoder.
+
+The broker and each worker process talk over one Unix stream socket. Every message
+is a frame with a fixed 17-byte header, all integers big-endian:
+
+     0                   4     5                               13              17
+    +-------------------+-----+-------------------------------+---------------+
+    | payload length u32| kind| call id u64                   | aux u32       |
+    +-------------------+-----+-------------------------------+---------------+
+    | payload (length bytes) ...
+    +- - - - - - - - - - - - - - - -
+
+Kinds, who sends them, and what `aux` and the payload hold:
+
+    HELLO   worker → broker  aux 0; payload: JSON `Hello` (pid, slot, methods, concurrency)
+    CALL    broker → worker  aux: method index (its place in HELLO's list);
+                             payload: the request's raw JSON params (empty if absent)
+    NOTIFY  broker → worker  as CALL, for a notification; the worker still replies, so
+                             the broker can account for the worker's capacity
+    RESULT  worker → broker  aux: service time in µs; payload: raw JSON result
+    ERROR   worker → broker  aux: service time in µs; payload: raw JSON error object
+    CANCEL  broker → worker  aux 0; no payload: the call's deadline passed
+    BYE     broker → worker  aux 0; no payload: finish what is in flight, then exit
+
+The worker replies to every CALL and NOTIFY exactly once (a cancelled call with an
+ERROR), so the broker's count of a worker's outstanding calls stays exact.
+Payloads are JSON or raw bytes only: nothing on this wire is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum
+
+import msgspec
+
+__all__ = [
+    "HEADER",
+    "HEADER_SIZE",
+    "FrameDecoder",
+    "FrameError",
+    "Hello",
+    "Kind",
+    "MethodInfo",
+    "decode_hello",
+    "encode_frame",
+]
+
+
+class Kind(IntEnum):
+    """Frame kinds; see the module docstring for who sends each."""
+
+    HELLO = 1
+    CALL = 2
+    NOTIFY = 3
+    RESULT = 4
+    ERROR = 5
+    CANCEL = 6
+    BYE = 7
+
+
+HEADER = struct.Struct(">IBQI")
+HEADER_SIZE = HEADER.size  # 17
+_KINDS = frozenset(int(k) for k in Kind)
+
+
+class MethodInfo(msgspec.Struct, frozen=True):
+    """One method a worker serves: its name and the JSON Schema of its params."""
+
+    name: str
+    params_schema: dict[str, object] = {}
+    doc: str = ""
+
+
+class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """HELLO payload: the worker introduces itself after connecting."""
+
+    pid: int
+    slot: int
+    methods: list[MethodInfo]
+    concurrency: int
+
+
+class FrameError(Exception):
+    """The peer sent bytes that are not a valid frame; the connection must close."""
+
+
+def encode_frame(kind: int, call_id: int, aux: int = 0, payload: bytes = b"") -> bytes:
+    """One whole frame as bytes (header and payload).
+
+    Hot paths append to a bytearray with `HEADER.pack` instead; this is for the rest.
+    """
+    return HEADER.pack(len(payload), kind, call_id, aux) + payload
+
+
+class FrameDecoder:
+    """Incremental frame decoder: feed bytes as they arrive, get whole frames back.
+
+    max_frame_bytes: largest payload accepted; a larger length raises `FrameError`
+    at once (before the payload arrives), as does an unknown kind.
+    Leftover bytes of an incomplete frame are kept (compacted once per `feed`).
+    """
+
+    __slots__ = ("_buf", "max_frame_bytes")
+
+    def __init__(self, max_frame_bytes: int = 16 * 1024 * 1024) -> None:
+        self._buf = bytearray()
+        self.max_frame_bytes = max_frame_bytes
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held of an incomplete frame."""
+        return len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[int, int, int, bytes]]:
+        """Add `data`; return the frames it completes as (kind, call id, aux, payload).
+
+        Raises `FrameError` for an unknown kind or an oversize length; after that
+        the decoder must not be fed again.
+        """
+        buf = self._buf
+        if buf:
+            buf += data
+            src: bytes | bytearray = buf
+        else:
+            src = bytes(data)
+        frames: list[tuple[int, int, int, bytes]] = []
+        end_all = len(src)
+        pos = 0
+        unpack = HEADER.unpack_from
+        limit = self.max_frame_bytes
+        while end_all - pos >= HEADER_SIZE:
+            length, kind, call_id, aux = unpack(src, pos)
+            if kind not in _KINDS:
+                raise FrameError(
+                    f"unknown frame kind {kind} in header {bytes(src[pos:pos + HEADER_SIZE])!r}"
+                )
+            if length > limit:
+                raise FrameError(
+                    f"frame of {length} bytes exceeds max_frame_bytes {limit}"
+                    f" (header {bytes(src[pos:pos + HEADER_SIZE])!r})"
+                )
+            start = pos + HEADER_SIZE
+            end = start + length
+            if end > end_all:
+                break
+            frames.append((kind, call_id, aux, bytes(src[start:end])))
+            pos = end
+        if src is buf:
+            if pos:
+                del buf[:pos]
+        elif pos < end_all:
+            buf += src[pos:]
+        return frames
+
+
+def decode_hello(payload: bytes) -> Hello:
+    """Decode a HELLO payload; raises `FrameError` if it is not a valid `Hello`."""
+    try:
+        return _hello_decoder.decode(payload)
+    except msgspec.MsgspecError as exc:
+        raise FrameError(f"bad HELLO: {exc}") from None
+
+
+_hello_decoder = msgspec.json.Decoder(Hello)

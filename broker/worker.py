@@ -1,0 +1,584 @@
+"""Worker SDK and the worker process's run loop.
+
+Write tools as plain functions and register them::
+
+    from broker.worker import Registry, RpcError
+
+    registry = Registry()
+
+    @registry.method
+    def subtract(minuend: int, subtrahend: int) -> int:
+        return minuend - subtrahend
+
+    @registry.method(name="math.divide")
+    async def divide(a: float, b: float) -> float:
+        if b == 0:
+            raise RpcError(1001, "division by zero", {"a": a})
+        return a / b
+
+then serve them with ``rpc-broker serve --app mymodule:registry``.
+
+Params binding (JSON-RPC 2.0 section 4.2): positional params (an array) bind to the
+handler's parameters in order, named params (an object) by name; omitted params take
+their defaults; `*args` and `**kwargs` take the rest. msgspec converts and validates
+each value against the type hints; a mismatch answers -32602 with
+`data = {"param": name, "reason": why}`. A handler raises `RpcError` for its own
+errors; any other exception answers -32603 without a traceback unless debug is on.
+Results are encoded with orjson (dataclasses, datetimes, UUIDs, enums, numpy arrays),
+falling back to msgspec (msgspec Structs, integers past 64 bits, `msgspec.Raw`).
+
+Sync handlers run inline on the worker's event loop, one at a time: a worker is a
+process, so CPU-bound tools scale with `--workers`. Async handlers run concurrently,
+up to the worker's concurrency limit. A worker process serves one connection to the
+broker and exits when it closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import logging
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+import typing
+from collections.abc import Callable
+
+import msgspec
+import orjson
+
+from broker import wire
+from broker.jsonrpc import ErrorCode, error_object
+
+__all__ = ["WORKER_BOOT_ERROR", "Method", "Registry", "RpcError", "main"]
+
+log = logging.getLogger("broker.worker")
+
+WORKER_BOOT_ERROR = 3
+"""Exit status of a worker that could not load its app: the broker stops rather
+than restart it in a loop (as gunicorn's WORKER_BOOT_ERROR)."""
+
+
+class RpcError(Exception):
+    """Raise from a handler to answer with your own JSON-RPC error object.
+
+    code: an integer error code (section 5.1). -32768..-32000 are reserved by the
+        spec; -32099..-32000 are the broker's (see the README's table), so pick
+        codes outside that range for your application's errors.
+    message: a short description.
+    data: anything JSON-encodable, or None to omit it.
+    """
+
+    def __init__(self, code: int, message: str, data: object = None) -> None:
+        super().__init__(code, message, data)
+        self.code = int(code)
+        self.message = str(message)
+        self.data = data
+
+
+class InvalidParams(Exception):
+    """params did not fit the signature: which parameter (or None) and why."""
+
+    def __init__(self, param: str | None, reason: str) -> None:
+        super().__init__(param, reason)
+        self.param = param
+        self.reason = reason
+
+
+_EMPTY = inspect.Parameter.empty
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_VALIDATION_AT = re.compile(r"^(.*?) - at `\$(?:\[(\d+)\]|\.([^`.\[]+))[^`]*`$")
+_FIELD_IN_MSG = re.compile(r"field `([^`]+)`")
+_decode_json = msgspec.json.decode
+
+
+class Method:
+    """One registered handler and how to bind JSON params to it.
+
+    Built by `Registry.method`; `bind(params)` turns the raw JSON params of a call
+    into `(args, kwargs)` or raises `InvalidParams`.
+    """
+
+    __slots__ = (
+        "_kwonly",
+        "_named_type",
+        "_pos_names",
+        "_pos_type",
+        "_required_kwonly",
+        "_var_kw",
+        "_var_pos",
+        "doc",
+        "fn",
+        "is_async",
+        "name",
+        "raw_params",
+    )
+
+    def __init__(self, name: str, fn: Callable[..., object], raw_params: bool = False) -> None:
+        self.name = name
+        self.fn = fn
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.raw_params = raw_params
+        self.doc = inspect.getdoc(fn) or ""
+        sig = inspect.signature(fn)
+        hints = typing.get_type_hints(fn)
+        pos: list[tuple[str, object, object]] = []
+        kwonly: list[tuple[str, object, object]] = []
+        self._var_pos: object | None = None
+        self._var_kw: object | None = None
+        for p in sig.parameters.values():
+            hint = hints.get(p.name, typing.Any)
+            if p.kind in _POSITIONAL:
+                pos.append((p.name, hint, p.default))
+            elif p.kind is inspect.Parameter.KEYWORD_ONLY:
+                kwonly.append((p.name, hint, p.default))
+            elif p.kind is inspect.Parameter.VAR_POSITIONAL:
+                self._var_pos = list[hint]  # type: ignore[valid-type]
+            else:
+                self._var_kw = dict[str, hint]  # type: ignore[valid-type]
+        self._pos_names = [n for n, _, _ in pos]
+        self._kwonly = [n for n, _, _ in kwonly]
+        self._required_kwonly = [n for n, _, d in kwonly if d is _EMPTY]
+
+        def fields(params: list[tuple[str, object, object]]) -> list[tuple[str, object] | tuple[str, object, object]]:
+            return [(n, h) if d is _EMPTY else (n, h, d) for n, h, d in params]
+
+        # Defaults may not precede required fields in a Struct; Python enforces the
+        # same order on positional parameters, and keyword-only ones go last.
+        self._pos_type = msgspec.defstruct(
+            f"{name}_positional", fields(pos), array_like=True, forbid_unknown_fields=True
+        )
+        named = pos + sorted(kwonly, key=lambda f: f[2] is not _EMPTY)
+        self._named_type = msgspec.defstruct(
+            f"{name}_named", fields(named), forbid_unknown_fields=self._var_kw is None
+        )
+
+    def params_schema(self) -> dict[str, object]:
+        """JSON Schema of the named params (used by HELLO, and later by MCP)."""
+        if self.raw_params:
+            return {}
+        try:
+            return msgspec.json.schema(self._named_type)
+        except (TypeError, ValueError):  # a hint msgspec cannot describe
+            return {}
+
+    def bind(self, params: bytes, max_depth: int) -> tuple[tuple[object, ...], dict[str, object]]:
+        """Raw JSON params (b"" when absent) → `(args, kwargs)` for the handler.
+
+        Raises `InvalidParams` when they do not fit the signature, and
+        `NestingTooDeep` past `max_depth` levels of arrays and objects.
+        """
+        if self.raw_params:
+            return ((msgspec.Raw(params) if params else None),), {}
+        if not params:
+            params = b"[]"
+        # Cheap bound first: a body with at most max_depth brackets cannot be deeper.
+        if params.count(b"[") + params.count(b"{") > max_depth:
+            try:
+                obj = _decode_json(params)
+            except RecursionError:
+                raise NestingTooDeep(max_depth) from None
+            if _depth(obj, max_depth) > max_depth:
+                raise NestingTooDeep(max_depth)
+        else:
+            obj = _decode_json(params)
+        if type(obj) is list:
+            return self._bind_positional(obj), {}
+        return self._bind_named(typing.cast(dict[str, object], obj))
+
+    def _bind_positional(self, values: list[object]) -> tuple[object, ...]:
+        if self._required_kwonly:
+            raise InvalidParams(
+                self._required_kwonly[0], "keyword-only parameter: pass params by name"
+            )
+        n = len(self._pos_names)
+        head = values[:n] if self._var_pos is not None else values
+        try:
+            bound = msgspec.structs.astuple(msgspec.convert(head, self._pos_type))
+        except msgspec.ValidationError as exc:
+            raise self._invalid(str(exc), len(head)) from None
+        if self._var_pos is None or len(values) <= n:
+            return bound
+        try:
+            rest = msgspec.convert(values[n:], self._var_pos)
+        except msgspec.ValidationError as exc:
+            raise InvalidParams(None, str(exc)) from None
+        return bound + tuple(rest)  # type: ignore[arg-type]
+
+    def _bind_named(self, values: dict[str, object]) -> tuple[tuple[object, ...], dict[str, object]]:
+        extra: dict[str, object] = {}
+        if self._var_kw is not None:
+            known = set(self._pos_names) | set(self._kwonly)
+            extra = {k: values[k] for k in values if k not in known}
+            try:
+                extra = msgspec.convert(extra, self._var_kw)
+            except msgspec.ValidationError as exc:
+                raise InvalidParams(None, str(exc)) from None
+        try:
+            bound = msgspec.structs.astuple(msgspec.convert(values, self._named_type))
+        except msgspec.ValidationError as exc:
+            raise self._invalid(str(exc), None) from None
+        n = len(self._pos_names)
+        kwargs = dict(zip(self._named_kwonly_order(), bound[n:]))
+        kwargs.update(extra)
+        return bound[:n], kwargs
+
+    def _named_kwonly_order(self) -> list[str]:
+        return list(self._named_type.__struct_fields__[len(self._pos_names):])
+
+    def _invalid(self, message: str, given: int | None) -> InvalidParams:
+        """Map a msgspec validation message to the parameter it is about."""
+        m = _VALIDATION_AT.match(message)
+        if m:
+            reason, index, field = m.groups()
+            name = self._pos_names[int(index)] if index is not None else field
+            return InvalidParams(name, reason)
+        if given is not None and "array" in message:
+            n = len(self._pos_names)
+            if given < n:
+                return InvalidParams(self._pos_names[given], "missing required parameter")
+            return InvalidParams(None, f"too many positional params: takes at most {n}, got {given}")
+        f = _FIELD_IN_MSG.search(message)
+        if f and "missing" in message:
+            return InvalidParams(f.group(1), "missing required parameter")
+        if f and "unknown" in message:
+            return InvalidParams(f.group(1), "unexpected parameter")
+        return InvalidParams(None, message)
+
+
+class NestingTooDeep(Exception):
+    """params nest arrays/objects deeper than the configured max_depth."""
+
+
+def _depth(obj: object, limit: int, level: int = 1) -> int:
+    """Nesting depth of a decoded JSON value (scalars are 0), stopping past `limit`."""
+    if level > limit:
+        return level
+    if type(obj) is list:
+        return max((_depth(v, limit, level + 1) for v in obj), default=level)
+    if type(obj) is dict:
+        return max((_depth(v, limit, level + 1) for v in obj.values()), default=level)
+    return level - 1
+
+
+class Registry:
+    """The set of methods a worker serves, by JSON-RPC method name.
+
+    Names are case-sensitive; names starting with "rpc." are reserved by the spec
+    (section 4) and refused with `ValueError`, as are duplicates.
+    """
+
+    def __init__(self) -> None:
+        self._methods: dict[str, Method] = {}
+
+    @typing.overload
+    def method(self, fn: Callable[..., object], /) -> Callable[..., object]: ...
+
+    @typing.overload
+    def method(
+        self, *, name: str | None = None, raw_params: bool = False
+    ) -> Callable[[Callable[..., object]], Callable[..., object]]: ...
+
+    def method(
+        self,
+        fn: Callable[..., object] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        raw_params: bool = False,
+    ) -> Callable[..., object]:
+        """Register `fn` under `name` (default: the function's name).
+
+        Use bare (`@registry.method`) or with options
+        (`@registry.method(name="ns.op", raw_params=True)`). With `raw_params` the
+        handler gets the params' exact JSON as one `msgspec.Raw` argument (None if
+        absent), unvalidated; returning a `msgspec.Raw` passes JSON through unchanged.
+        Returns `fn` unchanged.
+        """
+
+        def register(f: Callable[..., object]) -> Callable[..., object]:
+            method_name = name or f.__name__
+            if method_name.startswith("rpc."):
+                raise ValueError(f"method names starting with 'rpc.' are reserved: {method_name!r}")
+            if method_name in self._methods:
+                raise ValueError(f"method {method_name!r} is already registered")
+            self._methods[method_name] = Method(method_name, f, raw_params)
+            return f
+
+        return register(fn) if fn is not None else register
+
+    def methods(self) -> list[Method]:
+        """The registered methods, in registration order."""
+        return list(self._methods.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._methods
+
+    def __len__(self) -> int:
+        return len(self._methods)
+
+
+def load_app(spec: str) -> Registry:
+    """Import "module:attribute" and return the `Registry` it names.
+
+    Raises `ImportError`, `AttributeError` or `TypeError` with a clear message.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--app must look like 'module:attribute', got {spec!r}")
+    module = importlib.import_module(module_name)
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise AttributeError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, Registry):
+        raise TypeError(f"{spec} is a {type(obj).__name__}, not a broker.worker.Registry")
+    if not len(obj):
+        raise ValueError(f"{spec} has no methods registered")
+    return obj
+
+
+_ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+
+
+def _orjson_default(obj: object) -> object:
+    if isinstance(obj, msgspec.Struct):
+        return msgspec.to_builtins(obj)
+    if isinstance(obj, (set, frozenset)):
+        return list(obj)
+    raise TypeError
+
+
+_msgspec_encode = msgspec.json.Encoder(enc_hook=_orjson_default).encode
+
+
+def encode_result(result: object) -> bytes:
+    """JSON bytes of a handler's result; raises `TypeError` if it has no JSON form."""
+    try:
+        return orjson.dumps(result, default=_orjson_default, option=_ORJSON_OPTIONS)
+    except TypeError:
+        # msgspec takes what orjson refuses: big integers and msgspec.Raw.
+        try:
+            return _msgspec_encode(result)
+        except (TypeError, msgspec.EncodeError, OverflowError) as exc:
+            raise TypeError(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
+
+
+_RESULT = int(wire.Kind.RESULT)
+_ERROR = int(wire.Kind.ERROR)
+_CALL = int(wire.Kind.CALL)
+_NOTIFY = int(wire.Kind.NOTIFY)
+_CANCEL = int(wire.Kind.CANCEL)
+_BYE = int(wire.Kind.BYE)
+_pack_header = wire.HEADER.pack
+_perf = time.perf_counter
+_CANCELLED = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")
+
+
+class WorkerProtocol(asyncio.Protocol):
+    """The worker's end of its Unix socket to the broker.
+
+    Runs each CALL/NOTIFY frame's handler and answers with exactly one RESULT or
+    ERROR frame. Replies produced while handling one read go out in one write; replies
+    of async handlers that finish later are coalesced per loop iteration.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        slot: int,
+        concurrency: int,
+        max_depth: int = 64,
+        max_frame_bytes: int = 16 * 1024 * 1024,
+        debug: bool = False,
+    ) -> None:
+        self._methods = registry.methods()
+        self._slot = slot
+        self._concurrency = concurrency
+        self._max_depth = max_depth
+        self._debug = debug
+        self._decoder = wire.FrameDecoder(max_frame_bytes)
+        self._out = bytearray()
+        self._flush_scheduled = False
+        self._tasks: dict[int, asyncio.Task[object]] = {}
+        self._closing = False
+        self._transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[None] = self._loop.create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = typing.cast(asyncio.Transport, transport)
+        hello = wire.Hello(
+            pid=os.getpid(),
+            slot=self._slot,
+            methods=[
+                wire.MethodInfo(m.name, m.params_schema(), m.doc) for m in self._methods
+            ],
+            concurrency=self._concurrency,
+        )
+        self._transport.write(wire.encode_frame(wire.Kind.HELLO, 0, 0, msgspec.json.encode(hello)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except wire.FrameError as exc:
+            log.error("worker %d: bad frame from broker: %s", self._slot, exc)
+            assert self._transport is not None
+            self._transport.close()
+            return
+        for kind, call_id, aux, payload in frames:
+            if kind == _CALL or kind == _NOTIFY:
+                self._call(call_id, aux, payload)
+            elif kind == _CANCEL:
+                task = self._tasks.get(call_id)
+                if task is not None:
+                    task.cancel()
+            elif kind == _BYE:
+                self._closing = True
+        self._flush()
+
+    def stop(self) -> None:
+        """Finish the calls in flight, then close (as on BYE)."""
+        self._closing = True
+        self._flush()
+
+    def _call(self, call_id: int, index: int, params: bytes) -> None:
+        t0 = _perf()
+        try:
+            method = self._methods[index]
+            args, kwargs = method.bind(params, self._max_depth)
+            if method.is_async:
+                coro = typing.cast(typing.Coroutine[object, object, object], method.fn(*args, **kwargs))
+                task = self._loop.create_task(coro)
+                self._tasks[call_id] = task
+                task.add_done_callback(lambda t: self._task_done(call_id, t0, t))
+                return
+            result = method.fn(*args, **kwargs)
+            body = encode_result(result)
+            kind = _RESULT
+        except Exception as exc:  # every failure becomes one ERROR reply
+            kind, body = _ERROR, self._error(exc, index)
+        self._reply(kind, call_id, t0, body)
+
+    def _task_done(self, call_id: int, t0: float, task: asyncio.Task[object]) -> None:
+        self._tasks.pop(call_id, None)
+        if task.cancelled():
+            kind, body = _ERROR, _CANCELLED
+        else:
+            exc = task.exception()
+            if exc is None:
+                try:
+                    kind, body = _RESULT, encode_result(task.result())
+                except TypeError as e:
+                    kind, body = _ERROR, self._error(e, -1)
+            else:
+                kind, body = _ERROR, self._error(exc, -1)
+        self._reply(kind, call_id, t0, body)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _reply(self, kind: int, call_id: int, t0: float, body: bytes) -> None:
+        service_us = min(int((_perf() - t0) * 1e6), 0xFFFFFFFF)
+        out = self._out
+        out += _pack_header(len(body), kind, call_id, service_us)
+        out += body
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        transport = self._transport
+        if self._out and transport is not None and not transport.is_closing():
+            transport.write(bytes(self._out))
+            self._out.clear()
+        if self._closing and not self._tasks and transport is not None:
+            transport.close()
+
+    def _error(self, exc: BaseException, index: int) -> bytes:
+        if isinstance(exc, RpcError):
+            try:
+                return error_object(exc.code, exc.message, exc.data)
+            except TypeError:
+                return error_object(exc.code, exc.message, repr(exc.data))
+        if isinstance(exc, InvalidParams):
+            return error_object(ErrorCode.INVALID_PARAMS, data={"param": exc.param, "reason": exc.reason})
+        if isinstance(exc, NestingTooDeep):
+            return error_object(
+                ErrorCode.INVALID_REQUEST, data=f"params nest deeper than max_depth {exc.args[0]}"
+            )
+        if isinstance(exc, IndexError) and index >= len(self._methods):
+            return error_object(ErrorCode.METHOD_NOT_FOUND)
+        if isinstance(exc, (msgspec.DecodeError, RecursionError)):
+            return error_object(ErrorCode.INVALID_PARAMS, data={"param": None, "reason": str(exc)})
+        name = self._methods[index].name if 0 <= index < len(self._methods) else "?"
+        log.error("worker %d: handler %s raised", self._slot, name, exc_info=exc)
+        data: dict[str, object] = {"type": type(exc).__name__}
+        if self._debug:
+            data["message"] = str(exc)
+            data["traceback"] = "".join(traceback.format_exception(exc))
+        return error_object(ErrorCode.INTERNAL_ERROR, data=data)
+
+
+async def _serve(args: argparse.Namespace, registry: Registry) -> None:
+    loop = asyncio.get_running_loop()
+    if hasattr(asyncio, "eager_task_factory"):  # 3.12+: async handlers that never
+        loop.set_task_factory(asyncio.eager_task_factory)  # suspend finish inline
+    proto = WorkerProtocol(
+        registry, args.slot, args.concurrency, args.max_depth, args.max_frame_bytes, args.debug
+    )
+    loop.add_signal_handler(signal.SIGTERM, proto.stop)
+    await loop.create_unix_connection(lambda: proto, args.socket)
+    await proto.done
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker process entry point: `python -m broker.worker --socket PATH --slot N ...`.
+
+    Started by the broker, not by hand. Exits 0 when the broker closes the
+    connection or says BYE, `WORKER_BOOT_ERROR` when the app cannot be loaded.
+    """
+    parser = argparse.ArgumentParser(prog="python -m broker.worker")
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--slot", type=int, required=True)
+    parser.add_argument("--app", required=True)
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--max-depth", type=int, default=64)
+    parser.add_argument("--max-frame-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s worker[{args.slot}] pid %(process)d %(levelname)s %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the broker decides when we stop
+    try:
+        registry = load_app(args.app)
+    except Exception as exc:
+        log.error("cannot load app %r: %s", args.app, exc, exc_info=args.debug)
+        return WORKER_BOOT_ERROR
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        asyncio.run(_serve(args, registry))
+    else:
+        uvloop.run(_serve(args, registry))
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the real module's main: under `-m` this file is `__main__`, and its own
+    # Registry class would not be the one the app's module imported.
+    from broker.worker import main as _main
+
+    sys.exit(_main())

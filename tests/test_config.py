@@ -1,0 +1,481 @@
+"""Tests of broker.config (settings table, loader) and broker.cli (serve, check-config)."""
+
+import os
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from broker import cli, config
+from broker.config import SETTINGS, Config, ConfigError, load
+
+EXPECTED_DEFAULTS = {
+    "host": "127.0.0.1",
+    "port": 8080,
+    "workers": 0,
+    "app": "broker.demo:registry",
+    "rpc_path": "/",
+    "max_body_bytes": 1048576,
+    "max_batch": 1000,
+    "max_depth": 64,
+    "timeout": 30.0,
+    "method_timeouts": {},
+    "worker_concurrency": 100,
+    "max_queue": 10000,
+    "grace_period": 30.0,
+    "keepalive_timeout": 75.0,
+    "max_frame_bytes": 16777216,
+    "restart_backoff_max": 10.0,
+    "socket_dir": "",
+    "debug": False,
+    "log_level": "info",
+}
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check-config and serve read os.environ: keep RPC_BROKER_* from the outside out."""
+    for var in [v for v in os.environ if v.startswith("RPC_BROKER_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("COLUMNS", "100")
+
+
+def write(tmp_path: Path, text: str, name: str = "broker.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+# -- the table ----------------------------------------------------------------
+
+
+def test_table_covers_every_field_once() -> None:
+    names = [s.name for s in SETTINGS]
+    assert names == list(Config.__struct_fields__) == list(EXPECTED_DEFAULTS)
+    assert [s.env for s in SETTINGS] == ["RPC_BROKER_" + n.upper() for n in names]
+    flags = {s.name: s.flag for s in SETTINGS}
+    assert flags["max_body_bytes"] == "--max-body-bytes"
+    assert flags["method_timeouts"] == "--method-timeout"
+    units = {s.name: s.unit for s in SETTINGS}
+    assert units["timeout"] == units["method_timeouts"] == "seconds"
+    assert units["max_frame_bytes"] == "bytes"
+    assert units["port"] == ""
+    assert {s.name: s.rule for s in SETTINGS}["port"] == "0..65535"
+
+
+def test_defaults() -> None:
+    cfg = load(None, {}, {})
+    assert cfg == Config()
+    assert msgspec.structs.asdict(cfg) == EXPECTED_DEFAULTS
+    assert isinstance(cfg.timeout, float)
+
+
+def test_worker_count() -> None:
+    expected = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert Config().worker_count == expected
+    assert Config(workers=3).worker_count == 3
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(AttributeError):
+        Config().port = 1  # type: ignore[misc]
+
+
+# -- precedence ---------------------------------------------------------------
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    path = write(tmp_path, 'port = 1000\nworkers = 2\nhost = "10.0.0.1"\ntimeout = 5\n')
+    env = {"RPC_BROKER_PORT": "2000", "RPC_BROKER_WORKERS": "3", "HOME": "/ignored"}
+    flags: dict[str, object] = {"port": 3000}
+
+    cfg = load(path, env, flags)
+    assert (cfg.port, cfg.workers, cfg.host, cfg.timeout) == (3000, 3, "10.0.0.1", 5.0)
+    assert load(path, env, {}).port == 2000
+    assert load(path, {}, {}).port == 1000
+    assert load(None, {}, {}).port == 8080
+
+
+def test_flags_as_text_and_none(tmp_path: Path) -> None:
+    flags: dict[str, object] = {"port": "9000", "debug": True, "timeout": "2.5", "workers": None}
+    cfg = load(None, {"RPC_BROKER_WORKERS": "7"}, flags)
+    assert (cfg.port, cfg.debug, cfg.timeout, cfg.workers) == (9000, True, 2.5, 7)
+
+
+def test_whole_file(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+host = "0.0.0.0"
+port = 0
+workers = 1024
+app = "my_app.rpc:methods"
+rpc_path = "/rpc"
+max_body_bytes = 1
+max_batch = 1
+max_depth = 10000
+timeout = 0.25
+worker_concurrency = 1
+max_queue = 0
+grace_period = 0
+keepalive_timeout = 1
+max_frame_bytes = 1024
+restart_backoff_max = 0.5
+socket_dir = "/run/rpc"
+debug = true
+log_level = "debug"
+
+[method_timeouts]
+"eth.call" = 2
+slow = 120.5
+""")
+    cfg = load(path, {}, {})
+    assert msgspec.structs.asdict(cfg) == {
+        "host": "0.0.0.0", "port": 0, "workers": 1024, "app": "my_app.rpc:methods",
+        "rpc_path": "/rpc", "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
+        "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
+        "worker_concurrency": 1, "max_queue": 0, "grace_period": 0.0,
+        "keepalive_timeout": 1.0, "max_frame_bytes": 1024, "restart_backoff_max": 0.5,
+        "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
+    }
+    assert cfg.worker_count == 1024
+
+
+# -- errors -------------------------------------------------------------------
+
+
+def test_unknown_toml_key_fails_naming_it(tmp_path: Path) -> None:
+    path = write(tmp_path, "prot = 9000\n")
+    with pytest.raises(ConfigError) as err:
+        load(path, {}, {})
+    assert str(err.value) == f"config file {path}: unknown setting 'prot' (did you mean 'port'?)"
+
+
+def test_unknown_section_fails(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nport = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown setting 'server'"):
+        load(path, {}, {})
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("port = 65536", "port = 65536: expected `int` <= 65535 (allowed: 0..65535)"),
+        ("port = -1", "port = -1: expected `int` >= 0 (allowed: 0..65535)"),
+        ('port = "80"', "port = '80': expected `int`, got `str` (allowed: 0..65535)"),
+        ("port = true", "port = True: expected `int`, got `bool` (allowed: 0..65535)"),
+        ("workers = 1025", "workers = 1025: expected `int` <= 1024 (allowed: 0..1024)"),
+        ("max_depth = 0", "max_depth = 0: expected `int` >= 1 (allowed: 1..10000)"),
+        ("max_batch = 0", "max_batch = 0: expected `int` >= 1 (allowed: >= 1)"),
+        ("max_body_bytes = 0", "max_body_bytes = 0: expected `int` >= 1 (allowed: >= 1)"),
+        ("max_frame_bytes = 1023",
+         "max_frame_bytes = 1023: expected `int` >= 1024 (allowed: >= 1024)"),
+        ("max_queue = -1", "max_queue = -1: expected `int` >= 0 (allowed: >= 0)"),
+        ("timeout = 0", "timeout = 0: expected `float` > 0.0 (allowed: > 0)"),
+        ("timeout = nan", "timeout = nan: expected `float` > 0.0 (allowed: > 0)"),
+        ("grace_period = -0.5", "grace_period = -0.5: expected `float` >= 0.0 (allowed: >= 0)"),
+        ("keepalive_timeout = 0", "keepalive_timeout = 0: expected `float` > 0.0 (allowed: > 0)"),
+        ("restart_backoff_max = 0",
+         "restart_backoff_max = 0: expected `float` > 0.0 (allowed: > 0)"),
+        ('host = ""', "host = '': expected `str` of length >= 1 (allowed: non-empty)"),
+        ('log_level = "verbose"',
+         ("log_level = 'verbose': invalid enum value 'verbose' "
+          "(allowed: one of debug, info, warning, error)")),
+        ("debug = 1", "debug = 1: expected `bool`, got `int`"),
+        ("[method_timeouts]\nfoo = 0",
+         "method_timeouts['foo'] = 0: expected `float` > 0.0 (allowed: each value > 0)"),
+        ('[method_timeouts]\nfoo = "1"',
+         ("method_timeouts['foo'] = '1': expected `float`, got `str` "
+          "(allowed: each value > 0)")),
+    ],
+)
+def test_bad_toml_values(tmp_path: Path, toml: str, expected: str) -> None:
+    path = write(tmp_path, toml + "\n")
+    with pytest.raises(ConfigError) as err:
+        load(path, {}, {})
+    assert str(err.value) == f"config file {path}: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("app", "broker.demo"),
+        ("app", "broker.demo:"),
+        ("app", ":registry"),
+        ("app", "broker demo:registry"),
+        ("app", "broker.demo:registry.sub"),
+        ("rpc_path", "rpc"),
+        ("rpc_path", "/a b"),
+        ("rpc_path", ""),
+        ("socket_dir", "/" + "d" * 80),
+    ],
+)
+def test_bad_strings(tmp_path: Path, setting: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^config file .*: {setting} = '.*': expected `str`"):
+        load(write(tmp_path, f"{setting} = {msgspec.json.encode(value).decode()}\n"), {}, {})
+
+
+def test_good_strings() -> None:
+    cfg = load(None, {"RPC_BROKER_APP": "a_b.c1:_reg", "RPC_BROKER_RPC_PATH": "/v1/rpc"}, {})
+    assert (cfg.app, cfg.rpc_path) == ("a_b.c1:_reg", "/v1/rpc")
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    path = write(tmp_path, "port = \n")
+    with pytest.raises(ConfigError, match=rf"^config file {path}: invalid TOML: "):
+        load(path, {}, {})
+
+
+def test_non_utf8_toml(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'host = "\xe9"\n')
+    with pytest.raises(ConfigError, match=r"invalid TOML: not UTF-8"):
+        load(str(path), {}, {})
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError) as err:
+        load(missing, {}, {})
+    assert str(err.value) == f"config file {missing}: cannot read: No such file or directory"
+    with pytest.raises(ConfigError, match=r"cannot read: Is a directory"):
+        load(str(tmp_path), {}, {})
+
+
+@pytest.mark.parametrize(
+    ("var", "text", "expected"),
+    [
+        ("RPC_BROKER_PORT", "abc", "port = 'abc': expected an integer"),
+        ("RPC_BROKER_PORT", "80.0", "port = '80.0': expected an integer"),
+        ("RPC_BROKER_PORT", "", "port = '': expected an integer"),
+        ("RPC_BROKER_PORT", "70000", "port = 70000: expected `int` <= 65535 (allowed: 0..65535)"),
+        ("RPC_BROKER_MAX_BODY_BYTES", "1MiB",
+         "max_body_bytes = '1MiB': expected an integer of bytes"),
+        ("RPC_BROKER_TIMEOUT", "soon", "timeout = 'soon': expected a number of seconds"),
+        ("RPC_BROKER_TIMEOUT", "-1", "timeout = -1.0: expected `float` > 0.0 (allowed: > 0)"),
+        ("RPC_BROKER_DEBUG", "maybe", "debug = 'maybe': expected one of 1/0/true/false/yes/no"),
+        ("RPC_BROKER_LOG_LEVEL", "INFO",
+         ("log_level = 'INFO': invalid enum value 'INFO' "
+          "(allowed: one of debug, info, warning, error)")),
+        ("RPC_BROKER_METHOD_TIMEOUTS", "[1]",
+         "method_timeouts = '[1]': expected a JSON object like {\"method\": seconds}"),
+        ("RPC_BROKER_METHOD_TIMEOUTS", '{"a": -1}',
+         "method_timeouts['a'] = -1: expected `float` > 0.0 (allowed: each value > 0)"),
+        ("RPC_BROKER_PROT", "1", "unknown setting 'RPC_BROKER_PROT' (did you mean 'port'?)"),
+        ("RPC_BROKER_port", "1", "unknown setting 'RPC_BROKER_port' (did you mean 'port'?)"),
+    ],
+)
+def test_bad_env_values(var: str, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load(None, {var: text}, {})
+    assert str(err.value) == f"environment variable {var}: {expected}"
+
+
+def test_bad_env_json() -> None:
+    with pytest.raises(ConfigError, match=r"^environment variable RPC_BROKER_METHOD_TIMEOUTS: "
+                       r"method_timeouts = '\{bad': expected a JSON object like"):
+        load(None, {"RPC_BROKER_METHOD_TIMEOUTS": "{bad"}, {})
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1", True), ("true", True), ("YES", True), (" True ", True),
+     ("0", False), ("false", False), ("no", False), ("No", False)],
+)
+def test_env_bools(text: str, value: bool) -> None:
+    assert load(None, {"RPC_BROKER_DEBUG": text}, {}).debug is value
+
+
+def test_env_numbers_and_strings() -> None:
+    env = {"RPC_BROKER_PORT": " 9001 ", "RPC_BROKER_GRACE_PERIOD": "0",
+           "RPC_BROKER_KEEPALIVE_TIMEOUT": "1e1", "RPC_BROKER_HOST": "::1",
+           "RPC_BROKER_SOCKET_DIR": ""}
+    cfg = load(None, env, {})
+    assert (cfg.port, cfg.grace_period, cfg.keepalive_timeout, cfg.host, cfg.socket_dir) == (
+        9001, 0.0, 10.0, "::1", "")
+
+
+def test_bad_flag_values() -> None:
+    with pytest.raises(ConfigError) as err:
+        load(None, {}, {"port": "x"})
+    assert str(err.value) == "flag --port: port = 'x': expected an integer"
+    with pytest.raises(ConfigError) as err:
+        load(None, {}, {"max_queue": -5})
+    assert str(err.value) == "flag --max-queue: max_queue = -5: expected `int` >= 0 (allowed: >= 0)"
+    with pytest.raises(ConfigError, match=r"^flags: unknown setting 'prot' \(did you mean 'port'\?\)"):
+        load(None, {}, {"prot": 1})
+
+
+@given(st.sampled_from(SETTINGS), st.text())
+def test_any_env_text_loads_or_raises_config_error(setting: config.Setting, text: str) -> None:
+    try:
+        cfg = load(None, {setting.env: text}, {})
+    except ConfigError as exc:
+        assert f"environment variable {setting.env}: " in str(exc)
+    else:
+        assert isinstance(cfg, Config)
+
+
+# -- method_timeouts ----------------------------------------------------------
+
+
+def test_method_timeouts_layers_merge_per_method(tmp_path: Path) -> None:
+    path = write(tmp_path, '[method_timeouts]\na = 1\nb = 2\n"rpc.c" = 3\n')
+    env = {"RPC_BROKER_METHOD_TIMEOUTS": '{"b": 20, "d": 4.5}'}
+    flags: dict[str, object] = {"method_timeouts": ["a=10", "e = 0.5", "a=11"]}
+
+    assert load(path, {}, {}).method_timeouts == {"a": 1.0, "b": 2.0, "rpc.c": 3.0}
+    assert load(None, env, {}).method_timeouts == {"b": 20.0, "d": 4.5}
+    assert load(None, {}, flags).method_timeouts == {"a": 11.0, "e": 0.5}
+    assert load(path, env, flags).method_timeouts == {
+        "a": 11.0, "b": 20.0, "rpc.c": 3.0, "d": 4.5, "e": 0.5}
+
+
+def test_method_timeouts_flag_given_as_mapping() -> None:
+    cfg = load(None, {}, {"method_timeouts": {"x": 2}})
+    assert cfg.method_timeouts == {"x": 2.0}
+
+
+@pytest.mark.parametrize(
+    ("pair", "expected"),
+    [
+        ("slow", "method_timeouts: expected NAME=SECONDS, got 'slow'"),
+        ("=3", "method_timeouts: expected NAME=SECONDS, got '=3'"),
+        ("slow=soon", "method_timeouts: expected NAME=SECONDS, got 'slow=soon'"),
+        ("slow=0", ("method_timeouts['slow'] = 0.0: expected `float` > 0.0 "
+                    "(allowed: each value > 0)")),
+    ],
+)
+def test_bad_method_timeout_flag(pair: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load(None, {}, {"method_timeouts": ["ok=1", pair]})
+    assert str(err.value) == f"flag --method-timeout: {expected}"
+
+
+def test_dotted_method_unquoted_in_toml(tmp_path: Path) -> None:
+    path = write(tmp_path, "[method_timeouts]\neth.call = 2\n")
+    with pytest.raises(ConfigError, match=r"method_timeouts\['eth'\] = \{'call': 2\}: expected `float`"):
+        load(path, {}, {})
+
+
+# -- rendering ----------------------------------------------------------------
+
+
+def test_render_reference_lists_every_setting() -> None:
+    text = config.render_reference()
+    lines = text.splitlines()
+    assert lines[0] == "| setting | TOML key | flag | env var | default | meaning |"
+    assert lines[1] == "|---|---|---|---|---|---|"
+    assert len(lines) == 2 + len(SETTINGS)
+    for s, line in zip(SETTINGS, lines[2:], strict=True):
+        assert line.startswith(f"| {s.name} | ")
+        assert s.flag in line and f"`{s.env}`" in line
+        assert line.count(" | ") == 5
+    assert "| port | `port` | `--port INT` | `RPC_BROKER_PORT` | `8080` | TCP port to listen on." in text
+    assert "`1048576 bytes (1 MiB)`" in text
+    assert "`30.0 seconds`" in text
+    assert "`--debug` / `--no-debug`" in text
+    assert "`[method_timeouts]` table" in text
+
+
+def test_dump_toml_round_trips(tmp_path: Path) -> None:
+    cfg = Config(host="a\"b", method_timeouts={"x.y": 1.5}, debug=True, workers=2,
+                 timeout=float("inf"))
+    data = tomllib.loads(config.dump_toml(cfg))
+    assert data == msgspec.structs.asdict(cfg)
+    assert load(write(tmp_path, config.dump_toml(cfg)), {}, {}) == cfg
+
+
+# -- CLI ----------------------------------------------------------------------
+
+
+def test_help_mentions_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "serve" in out and "check-config" in out
+    assert "run the broker" in out and "validate a TOML config file" in out
+
+
+def test_serve_help_mentions_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--config FILE" in out
+    for s in SETTINGS:
+        assert s.flag in out, s.flag
+        assert s.env in out, s.env
+    assert "--no-debug" in out
+    words = " ".join(out.split())  # help text is wrapped to the terminal width
+    assert ("default per-call deadline. Default: 30.0 seconds. Allowed: > 0. "
+            "Env: RPC_BROKER_TIMEOUT.") in words
+    assert "Default: 16777216 bytes (16 MiB)" in words
+
+
+def test_usage_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert cli.main(["serve", "--no-such-flag"]) == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, "port = 9000\n[method_timeouts]\nslow = 60\n")
+    monkeypatch.setenv("RPC_BROKER_LOG_LEVEL", "warning")
+    assert cli.main(["check-config", path]) == 0
+    out = capsys.readouterr().out
+    first, _, rest = out.partition("\n")
+    assert first == "ok"
+    assert "port = 9000\n" in rest
+    assert 'log_level = "warning"\n' in rest
+    assert 'method_timeouts = { "slow" = 60.0 }\n' in rest
+    assert tomllib.loads(rest)["port"] == 9000
+
+
+def test_check_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, "max_depht = 3\n")
+    assert cli.main(["check-config", path]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"rpc-broker: config error: config file {path}: "
+                            "unknown setting 'max_depht' (did you mean 'max_depth'?)\n")
+
+    assert cli.main(["check-config", str(tmp_path / "nope.toml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+    monkeypatch.setenv("RPC_BROKER_WORKERS", "many")
+    assert cli.main(["check-config", write(tmp_path, "")]) == 2
+    assert capsys.readouterr().err == (
+        "rpc-broker: config error: environment variable RPC_BROKER_WORKERS: "
+        "workers = 'many': expected an integer\n")
+
+
+def test_serve_loads_config_then_calls_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Config] = []
+
+    def serve(cfg: Config) -> int:
+        seen.append(cfg)
+        return 0
+
+    monkeypatch.setitem(sys.modules, "broker.server", types.SimpleNamespace(serve=serve))
+    monkeypatch.setenv("RPC_BROKER_WORKERS", "4")
+    path = write(tmp_path, "port = 1000\nworkers = 2\ndebug = true\n")
+    argv = ["serve", "--config", path, "--port", "9000", "--no-debug", "--log-level", "error",
+            "--method-timeout", "a=1", "--method-timeout", "b=2.5", "--timeout", "3"]
+    assert cli.main(argv) == 0
+    assert len(seen) == 1
+    cfg = seen[0]
+    assert (cfg.port, cfg.workers, cfg.debug, cfg.log_level, cfg.timeout) == (
+        9000, 4, False, "error", 3.0)
+    assert cfg.method_timeouts == {"a": 1.0, "b": 2.5}
+
+
+def test_serve_config_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--port", "65536"]) == 2
+    assert capsys.readouterr().err == (
+        "rpc-broker: config error: flag --port: port = 65536: "
+        "expected `int` <= 65535 (allowed: 0..65535)\n")
