@@ -1,0 +1,167 @@
+"""Shared fixtures: a real broker daemon on loopback, and a small HTTP client.
+
+`broker_factory(*flags)` starts `python -m broker serve --port 0 ...` as a child
+process, reads the address it bound from its "serving JSON-RPC on ..." line, and
+stops it (SIGTERM, then SIGKILL) by its own PID at the end of the test.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTDATA = ROOT.parent / "shared" / "testdata"
+_SERVING = re.compile(r"serving JSON-RPC on http://(\[[^\]]+\]|[^:/]+):(\d+)(/\S*)")
+
+
+class Broker:
+    """A running `rpc-broker serve` child process."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], host: str, port: int, path: str, log: list[str]) -> None:
+        self.proc = proc
+        self.host = host
+        self.port = port
+        self.path = path
+        self.log = log
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def connection(self, timeout: float = 30.0) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host.strip("[]"), self.port, timeout=timeout)
+
+    def post(self, body: bytes | str, *, path: str | None = None, headers: dict[str, str] | None = None,
+             timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+        """POST `body` on a fresh connection; return (status, headers, body)."""
+        conn = self.connection(timeout)
+        try:
+            if isinstance(body, str):
+                body = body.encode()
+            conn.request("POST", path or self.path, body=body,
+                         headers={"content-type": "application/json", **(headers or {})})
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    def call(self, method: str, params: object = None, id_: object = 1, timeout: float = 30.0) -> dict[str, object]:
+        """One call; returns the decoded Response object."""
+        req: dict[str, object] = {"jsonrpc": "2.0", "method": method, "id": id_}
+        if params is not None:
+            req["params"] = params
+        status, _, body = self.post(json.dumps(req), timeout=timeout)
+        return json.loads(body)
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        conn = self.connection()
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def read_log(self, timeout: float = 0.0) -> str:
+        """Collect what the daemon wrote to stderr so far (waiting up to `timeout` s)."""
+        _drain(self.proc, self.log, timeout)
+        return "".join(self.log)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait; SIGKILL if it does not exit in `timeout` s. Returns the status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        _drain(self.proc, self.log, 0.0)
+        if self.proc.stderr is not None and not self.proc.stderr.closed:
+            self.proc.stderr.close()
+        return self.proc.returncode
+
+
+def _drain(proc: subprocess.Popen[bytes], log: list[str], timeout: float) -> None:
+    assert proc.stderr is not None
+    if proc.stderr.closed:
+        return
+    fd = proc.stderr.fileno()
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            return
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return
+        log.append(chunk.decode(errors="replace"))
+
+
+def start_broker(*flags: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> Broker:
+    """Start a broker on 127.0.0.1, an OS-chosen port; raise if it is not serving in time."""
+    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, cwd=ROOT, env={**os.environ, **(env or {})})
+    log: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _drain(proc, log, 0.1)
+        m = _SERVING.search("".join(log))
+        if m:
+            return Broker(proc, m.group(1), int(m.group(2)), m.group(3), log)
+        if proc.poll() is not None:
+            _drain(proc, log, 0.5)
+            proc.stderr.close()  # type: ignore[union-attr]
+            raise RuntimeError(f"broker exited with {proc.returncode}:\n{''.join(log)}")
+    proc.kill()
+    proc.wait(10)
+    proc.stderr.close()  # type: ignore[union-attr]
+    raise RuntimeError(f"broker not serving after {timeout} s:\n{''.join(log)}")
+
+
+@pytest.fixture
+def broker_factory() -> Iterator[object]:
+    """Start brokers with given flags; all are stopped at the end of the test."""
+    started: list[Broker] = []
+
+    def factory(*flags: str, env: dict[str, str] | None = None) -> Broker:
+        b = start_broker(*flags, env=env)
+        started.append(b)
+        return b
+
+    yield factory
+    for b in started:
+        b.stop()
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[Broker]:
+    """One broker with 2 workers shared by a test module (tests must not break it)."""
+    b = start_broker("--workers", "2")
+    yield b
+    status = b.stop()
+    assert status == 0, b.read_log()
+
+
+def wait_for(predicate: object, timeout: float = 10.0, interval: float = 0.02) -> None:
+    """Poll `predicate()` until true or raise AssertionError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
