@@ -140,6 +140,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                    Doc("cap of the exponential backoff between "
                                        "restarts of a crashing worker")
                                    ] = 10 * SECONDS
+    cancel_grace: Annotated[Seconds, Meta(gt=0),
+                            Doc("a worker that has not answered a timed-out call this "
+                                "long after the CANCEL is deemed hung and killed")
+                            ] = 10 * SECONDS
     socket_dir: Annotated[str, Meta(max_length=80),
                           Doc("directory for the worker Unix sockets; empty means a "
                               "private 0700 temporary directory (short, so socket "

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import typing
 from collections import deque
 from collections.abc import Callable
@@ -44,6 +45,8 @@ if typing.TYPE_CHECKING:
     from broker.pool import Worker
 
 __all__ = ["Call", "Dispatcher", "DispatcherStats", "Exchange", "Route"]
+
+log = logging.getLogger("broker.dispatch")
 
 _RESULT = int(wire.Kind.RESULT)
 _CALL = int(wire.Kind.CALL)
@@ -137,6 +140,8 @@ class Dispatcher:
 
     max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
     timeout: default deadline in seconds; `method_timeouts` overrides it per method.
+    cancel_grace: seconds a worker has to answer a timed-out call before it is
+        killed as hung.
     """
 
     def __init__(
@@ -146,8 +151,10 @@ class Dispatcher:
         max_queue: int = 10000,
         timeout: float = 30.0,
         method_timeouts: typing.Mapping[str, float] | None = None,
+        cancel_grace: float = 10.0,
     ) -> None:
         self._loop = loop
+        self._cancel_grace = cancel_grace
         self._max_queue = max_queue
         self._timeout = timeout
         self._method_timeouts = dict(method_timeouts or {})
@@ -162,8 +169,7 @@ class Dispatcher:
         self.late_replies_total = 0
         self.shed_total = 0
         self.worker_died_total = 0
-        self._idle: asyncio.Event = asyncio.Event()
-        self._idle.set()
+        self._idle = asyncio.Event()  # set once draining and nothing is owed
 
     # -- configuration from the pool -------------------------------------------------
 
@@ -259,7 +265,6 @@ class Dispatcher:
         else:
             call.timer = self._loop.call_later(call.timeout, self._on_timeout, call)
             self._queue.append(call)
-            self._idle.clear()
 
     def _pick(self) -> Worker | None:
         best: Worker | None = None
@@ -277,7 +282,6 @@ class Dispatcher:
         if call.timer is None:
             call.timer = self._loop.call_later(call.timeout, self._on_timeout, call)
         worker.channel.send(call.kind, call.call_id, call.index, call.params)
-        self._idle.clear()
 
     def on_reply(self, worker: Worker, kind: int, call_id: int, payload: bytes) -> None:
         """A worker answered `call_id` with a RESULT or ERROR payload (raw JSON)."""
@@ -299,7 +303,7 @@ class Dispatcher:
             self.late_replies_total += 1
         if self._queue:
             self._pump()
-        elif not self._pending:
+        elif not self.accepting and not self._pending:
             self._idle.set()
 
     def _pump(self) -> None:
@@ -325,6 +329,18 @@ class Dispatcher:
         worker = call.worker
         if worker is not None and worker.channel is not None:
             worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
+            self._loop.call_later(self._cancel_grace, self._check_hung, call)
+
+    def _check_hung(self, call: Call) -> None:
+        """Kill the worker if it still has not answered a call cancelled long ago: a
+        sync handler stuck in a loop never reads CANCEL (gunicorn's worker timeout)."""
+        worker = call.worker
+        if self._pending.get(call.call_id) is call and worker is not None and worker.process is not None:
+            log.warning(
+                "worker %d (pid %d) has not answered call %d %s s after its deadline: killing it as hung",
+                worker.slot, worker.pid, call.call_id, self._cancel_grace,
+            )
+            worker.process.kill()
 
     def _finish(self, call: Call, error: bytes, code: int, remaining: bool = True) -> None:
         """Answer `call` with a broker error (once); `remaining=False` when not yet counted."""
@@ -345,7 +361,7 @@ class Dispatcher:
                 exchange.status = _STATUS[code]
 
     def _check_idle(self) -> None:
-        if not self._queue and not self._pending:
+        if not self.accepting and not self._queue and not self._pending:
             self._idle.set()
 
     # -- shutdown --------------------------------------------------------------------------
@@ -354,6 +370,7 @@ class Dispatcher:
         """Stop taking calls; wait up to `grace` s for the owed answers, then answer
         whatever is left with "shutting down"."""
         self.accepting = False
+        self._check_idle()
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
         except TimeoutError:

@@ -51,6 +51,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         max_queue=config.max_queue,
         timeout=config.timeout,
         method_timeouts=config.method_timeouts,
+        cancel_grace=config.cancel_grace,
     )
     pool = Pool(
         dispatcher,

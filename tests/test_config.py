@@ -1,9 +1,7 @@
 """Tests of broker.config (settings table, loader) and broker.cli (serve, check-config)."""
 
 import os
-import sys
 import tomllib
-import types
 from pathlib import Path
 
 import msgspec
@@ -450,28 +448,6 @@ def test_check_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert capsys.readouterr().err == (
         "rpc-broker: config error: environment variable RPC_BROKER_WORKERS: "
         "workers = 'many': expected an integer\n")
-
-
-def test_serve_loads_config_then_calls_server(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seen: list[Config] = []
-
-    def serve(cfg: Config) -> int:
-        seen.append(cfg)
-        return 0
-
-    monkeypatch.setitem(sys.modules, "broker.server", types.SimpleNamespace(serve=serve))
-    monkeypatch.setenv("RPC_BROKER_WORKERS", "4")
-    path = write(tmp_path, "port = 1000\nworkers = 2\ndebug = true\n")
-    argv = ["serve", "--config", path, "--port", "9000", "--no-debug", "--log-level", "error",
-            "--method-timeout", "a=1", "--method-timeout", "b=2.5", "--timeout", "3"]
-    assert cli.main(argv) == 0
-    assert len(seen) == 1
-    cfg = seen[0]
-    assert (cfg.port, cfg.workers, cfg.debug, cfg.log_level, cfg.timeout) == (
-        9000, 4, False, "error", 3.0)
-    assert cfg.method_timeouts == {"a": 1.0, "b": 2.5}
 
 
 def test_serve_config_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:

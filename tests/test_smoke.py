@@ -1,4 +1,6 @@
-"""A first end-to-end check: the daemon starts, answers a call and stops cleanly."""
+"""First end-to-end checks: the daemon starts, answers, takes its settings, stops cleanly."""
+
+from conftest import wait_for
 
 
 def test_call_and_clean_stop(broker_factory):
@@ -7,3 +9,33 @@ def test_call_and_clean_stop(broker_factory):
     assert b.get("/healthz")[0] == 200
     assert b.stop() == 0
     assert "stopped" in b.read_log()
+
+
+def test_serve_layers_file_env_and_flags(broker_factory, tmp_path):
+    """The real daemon takes its settings from file < environment < flags."""
+    cfg = tmp_path / "broker.toml"
+    cfg.write_text('rpc_path = "/rpc"\nworkers = 1\nmax_batch = 50\n\n[method_timeouts]\nsleep = 0.3\n')
+    b = broker_factory("--config", str(cfg), "--workers", "2", env={"RPC_BROKER_MAX_BATCH": "2"})
+    assert b.path == "/rpc"
+    assert "with 2 workers" in b.read_log()
+    ok = b"".join([b'[{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1},',
+                   b'{"jsonrpc":"2.0","method":"add","params":[3,4],"id":2}]'])
+    status, _, body = b.post(ok)
+    assert (status, body) == (200, b'[{"jsonrpc":"2.0","id":1,"result":3},{"jsonrpc":"2.0","id":2,"result":7}]')
+    status, _, body = b.post(b"[" + b",".join([b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}'] * 3) + b"]")
+    assert status == 400
+    assert b"max_batch 2" in body
+    reply = b.call("sleep", [2])
+    assert reply["error"]["code"] == -32001
+    assert reply["error"]["data"] == {"timeout_seconds": 0.3}
+
+
+def test_hung_worker_is_killed_and_replaced(broker_factory):
+    """A sync handler stuck past its deadline + cancel_grace gets its worker killed."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry",
+                       "--timeout", "0.3", "--cancel-grace", "0.5")
+    first = b.call("pid")["result"]
+    reply = b.call("spin", [60])
+    assert reply["error"]["code"] == -32001
+    wait_for(lambda: "killing it as hung" in b.read_log(0.1), timeout=20)
+    wait_for(lambda: b.call("pid").get("result") not in (None, first), timeout=20)
