@@ -94,7 +94,7 @@ class Exchange:
 class Route(typing.NamedTuple):
     """Where a method's calls go: its index in the workers' method list and deadline (s)."""
 
-    index: int
+    method_index: int
     timeout: float
 
 
@@ -116,7 +116,7 @@ class Call:
         self.slot = slot
         self.id = request.id
         self.kind = _CALL if exchange is not None else _NOTIFY
-        self.index = route.index
+        self.index = route.method_index
         self.params = request.params
         self.timeout = route.timeout
         self.worker: Worker | None = None
@@ -281,7 +281,7 @@ class Dispatcher:
         self._pending[call.call_id] = call
         if call.timer is None:
             call.timer = self._loop.call_later(call.timeout, self._on_timeout, call)
-        worker.channel.send(call.kind, call.call_id, call.index, call.params)
+        worker.channel.send(call.kind, call.call_id, call.index, call.params)  # type: ignore[union-attr]
 
     def on_reply(self, worker: Worker, kind: int, call_id: int, payload: bytes) -> None:
         """A worker answered `call_id` with a RESULT or ERROR payload (raw JSON)."""

@@ -270,8 +270,9 @@ class Pool:
             left = deadline - self.loop.time()
             if left <= 0:
                 raise TimeoutError(f"workers not ready after {timeout} s: {self.workers}")
-            waiter = asyncio.ensure_future(self._changed.wait())
-            await asyncio.wait([waiter, self._boot_failure], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            waiter: asyncio.Future[object] = asyncio.ensure_future(self._changed.wait())
+            failed: asyncio.Future[object] = typing.cast("asyncio.Future[object]", self._boot_failure)
+            await asyncio.wait([waiter, failed], timeout=left, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
         self._starting = False
 

@@ -1,0 +1,93 @@
+"""Throughput and latency of the broker under wrk: single calls and batches of 100.
+
+Usage: .venv/bin/python benchmarks/wrk_broker.py [--workers 2] [--duration 10] [--runs 3]
+
+Starts `rpc-broker serve` on 127.0.0.1 (an OS-chosen port), drives it with wrk
+(Debian package `wrk`) and prints, per scenario, the median and spread of requests/s,
+calls/s and wrk's p50/p99 latency over `--runs` runs. Every answer's status is
+checked by wrk's non-2xx count. Prints figures only: nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from conftest import start_broker  # noqa: E402  (the same launcher the tests use)
+
+SCENARIOS = {
+    "single add, 64 conns": (64, {"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 1}, 1),
+    "batch of 100 add, 16 conns": (
+        16,
+        [{"jsonrpc": "2.0", "method": "add", "params": [1, i], "id": i} for i in range(100)],
+        100,
+    ),
+}
+
+
+def _ms(text: str) -> float:
+    m = re.match(r"([\d.]+)(us|ms|s)", text)
+    assert m, text
+    value, unit = float(m.group(1)), m.group(2)
+    return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+
+def run_wrk(url: str, body_file: str, connections: int, duration: int) -> dict[str, float]:
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(HERE / "wrk_post.lua"), url],
+        env={**os.environ, "BODY": body_file}, capture_output=True, text=True, check=True,
+    ).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    p50 = _ms(re.search(r"50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    errors = re.search(r"Socket errors:.*", out)
+    if bad or errors:
+        print(f"  wrk reported problems: {bad.group(0) if bad else ''} {errors.group(0) if errors else ''}")
+    return {"rps": rps, "p50": p50, "p99": p99}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--duration", type=int, default=10, help="seconds per run")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    if not shutil.which("wrk"):
+        print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
+        return 2
+    broker = start_broker("--workers", str(args.workers), "--log-level", "warning")
+    try:
+        url = f"http://{broker.host}:{broker.port}{broker.path}"
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"rpc-broker, {args.workers} workers, {os.cpu_count()} CPUs, wrk on the same machine")
+            for name, (conns, payload, calls) in SCENARIOS.items():
+                body = Path(tmp) / "body.json"
+                body.write_text(json.dumps(payload))
+                run_wrk(url, str(body), conns, 2)  # warm-up
+                runs = [run_wrk(url, str(body), conns, args.duration) for _ in range(args.runs)]
+                rps = [r["rps"] for r in runs]
+                print(
+                    f"{name:28s} req/s median {statistics.median(rps):9.0f} (min {min(rps):.0f}, max {max(rps):.0f})"
+                    f"  calls/s {statistics.median(rps) * calls:9.0f}"
+                    f"  p50 {statistics.median(r['p50'] for r in runs):.2f} ms"
+                    f"  p99 {statistics.median(r['p99'] for r in runs):.2f} ms"
+                )
+    finally:
+        broker.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
