@@ -53,7 +53,20 @@ _CALL = int(wire.Kind.CALL)
 _NOTIFY = int(wire.Kind.NOTIFY)
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
+_NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _STATUS = {code: info.http_status for code, info in jsonrpc.ERRORS.items()}
+_CODE_AT = len(b'{"code":')
+
+
+def _error_status(error: bytes) -> int:
+    """HTTP status of a single response carrying a worker's error object, by its code
+    (as `jsonrpc.ERRORS` says: e.g. 400 for -32600 past max_depth; 200 if not ours).
+    Error replies only; the worker encodes error objects code first."""
+    end = error.find(b",", _CODE_AT)
+    try:
+        return _STATUS.get(int(error[_CODE_AT:end]), 200)
+    except ValueError:
+        return 200
 
 
 class Exchange:
@@ -170,6 +183,8 @@ class Dispatcher:
         self.shed_total = 0
         self.worker_died_total = 0
         self._idle = asyncio.Event()  # set once draining and nothing is owed
+        # Set by the pool: is a worker on its way to READY? (else "no worker available")
+        self.worker_coming: Callable[[], bool] = lambda: True
 
     # -- configuration from the pool -------------------------------------------------
 
@@ -213,6 +228,13 @@ class Dispatcher:
         worker.outstanding = 0
         self._check_idle()
         self._pump()
+
+    def no_worker_coming(self) -> None:
+        """Every worker is down and none is starting (restart backoff): answer the
+        queued calls "no worker available" rather than let them wait for their deadline."""
+        while self._queue:
+            self._finish(self._queue.popleft(), _NO_WORKER, ErrorCode.NO_WORKER)
+        self._check_idle()
 
     @property
     def ready_workers(self) -> int:
@@ -259,6 +281,8 @@ class Dispatcher:
             self._send(worker, call)
         elif not self.accepting:
             self._finish(call, error_object(ErrorCode.SHUTTING_DOWN), ErrorCode.SHUTTING_DOWN, remaining=False)
+        elif not self._ready and not self.worker_coming():
+            self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
         elif len(self._queue) >= self._max_queue:
             self.shed_total += 1
             self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
@@ -296,7 +320,7 @@ class Dispatcher:
             if kind == _RESULT:
                 exchange.fill(call.slot, response_result(call.id, payload))
             else:
-                exchange.fill(call.slot, response_error(call.id, payload))
+                exchange.fill(call.slot, response_error(call.id, payload), _error_status(payload))
         elif call.timer is not None:  # a notification
             call.timer.cancel()
         else:  # its deadline passed: the client has its answer already
@@ -380,6 +404,11 @@ class Dispatcher:
             self._finish(self._queue.popleft(), error, ErrorCode.SHUTTING_DOWN)
         for call in list(self._pending.values()):
             self._finish(call, error, ErrorCode.SHUTTING_DOWN)
+            # Cancel it on the worker too: a worker told BYE waits for its calls in
+            # flight, so an uncancelled long call would hold up the stop.
+            worker = call.worker
+            if worker is not None and worker.channel is not None:
+                worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
         self._idle.set()
 
     def statistics(self) -> DispatcherStats:

@@ -27,7 +27,9 @@ Rules the spec leaves to us, and what we chose:
   happens to it later (unknown method, bad params, handler error).
 - `[]` is answered with one -32600 error object, not an array (spec example).
 - A body past the batch length limit, or nested deeper than the parser can take,
-  is answered with one -32600 error object whose `data` says which limit.
+  is answered with one -32600 error object whose `data` says which limit (but a
+  too-deep body whose brackets or strings are left open is a -32700 parse error:
+  it cannot be JSON, as JSONTestSuite's n_structure_100000_opening_arrays).
 
 `response_result` / `response_error` splice a response from raw pieces without
 decoding them; `error_object` builds an error object (section 5.1).
@@ -35,6 +37,7 @@ decoding them; `error_object` builds an error object (section 5.1).
 
 from __future__ import annotations
 
+import re
 import typing
 from enum import IntEnum
 
@@ -210,7 +213,9 @@ class Codec:
     def __init__(self, max_batch: int = 1000) -> None:
         self.max_batch = max_batch
         self._decoder = msgspec.json.Decoder(Request | list[Request])
-        self._slow = msgspec.json.Decoder(list[Raw] | Raw)
+        # Not `list[Raw] | Raw`: msgspec drops `Raw` from a union, so any body that is
+        # valid JSON but not an array would be reported as a parse error.
+        self._slow = msgspec.json.Decoder(Raw)
         self._element = msgspec.json.Decoder(Request)
         self._id_only = msgspec.json.Decoder(_IdOnly)
 
@@ -256,19 +261,28 @@ class Codec:
 
     def _decode_slow(self, body: bytes | bytearray | memoryview) -> Body:
         try:
-            outer = self._slow.decode(body)
+            outer = self._slow.decode(body)  # checks the whole body is one JSON value
+            if memoryview(outer)[0] == 0x5B:  # "[": a batch
+                outer = _RAW_LIST.decode(outer)
         except RecursionError:
-            return Body(False, [_TOO_DEEP], 400)
+            # The parser gave up before the end: only call it "too deep" when the
+            # body could still be JSON (an unclosed bracket is a parse error).
+            return Body(False, [_PARSE_ERROR if _unbalanced(body) else _TOO_DEEP], 400)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return Body(False, [_PARSE_ERROR], 400)
-        if type(outer) is not list:
-            item = self._element_item(typing.cast(Raw, outer))
-            return Body(False, [item], 200 if type(item) is Request else 400)
-        if not outer:
-            return Body(False, [_EMPTY_BATCH], 400)
-        if len(outer) > self.max_batch:
-            return self._batch_too_large(len(outer))
-        return Body(True, [self._element_item(raw) for raw in outer])
+        # `Raw` skips strings without checking their UTF-8; decoding `jsonrpc` or
+        # `method` as `str` does check it, and raises DecodeError: not JSON text.
+        try:
+            if type(outer) is not list:
+                item = self._element_item(typing.cast(Raw, outer))
+                return Body(False, [item], 200 if type(item) is Request else 400)
+            if not outer:
+                return Body(False, [_EMPTY_BATCH], 400)
+            if len(outer) > self.max_batch:
+                return self._batch_too_large(len(outer))
+            return Body(True, [self._element_item(raw) for raw in outer])
+        except msgspec.DecodeError:
+            return Body(False, [_PARSE_ERROR], 400)
 
     def _element_item(self, raw: Raw) -> Request | bytes:
         try:
@@ -294,6 +308,17 @@ class Codec:
 
 def _valid_params(raw: Raw) -> bool:
     return len(raw) == 0 or memoryview(raw)[0] in _PARAMS_FIRST
+
+
+_RAW_LIST = msgspec.json.Decoder(list[Raw])
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+def _unbalanced(body: bytes | bytearray | memoryview) -> bool:
+    """True when, outside strings, brackets do not pair up or a string is left open:
+    such a body is not JSON whatever else it holds. No recursion, C-speed scans."""
+    bare = _STRING.sub(b"", body)
+    return b'"' in bare or bare.count(b"[") != bare.count(b"]") or bare.count(b"{") != bare.count(b"}")
 
 
 _INVALID_REQUEST_ERROR = error_object(ErrorCode.INVALID_REQUEST)

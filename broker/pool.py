@@ -240,6 +240,10 @@ class Pool:
         self._boot_failure: asyncio.Future[str] = self.loop.create_future()
         self._changed = asyncio.Event()
         self.restarts_total = 0
+        dispatcher.worker_coming = self._worker_coming
+
+    def _worker_coming(self) -> bool:
+        return any(w.state is WorkerState.STARTING for w in self.workers)
 
     @property
     def socket_path(self) -> str:
@@ -330,6 +334,8 @@ class Pool:
         delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
         worker.restarts += 1
         self.restarts_total += 1
+        if delay and not self.dispatcher.ready_workers and not self._worker_coming():
+            self.dispatcher.no_worker_coming()
         await asyncio.sleep(delay)
         if not self._stopping and worker.process is process:
             await self._spawn(worker)

@@ -146,16 +146,17 @@ class Method:
         self._required_kwonly = [n for n, _, d in kwonly if d is _EMPTY]
 
         def fields(params: list[tuple[str, object, object]]) -> list[tuple[str, object] | tuple[str, object, object]]:
-            return [(n, h) if d is _EMPTY else (n, h, d) for n, h, d in params]
+            return [(n, h) if d is _EMPTY else (n, h, _struct_default(d)) for n, h, d in params]
 
         # Defaults may not precede required fields in a Struct; Python enforces the
-        # same order on positional parameters, and keyword-only ones go last.
+        # same order on positional parameters. The named struct is kw_only: a required
+        # keyword-only param may follow a positional one with a default (f(a, b=1, *, c)).
         self._pos_type = msgspec.defstruct(
             f"{name}_positional", fields(pos), array_like=True, forbid_unknown_fields=True
         )
-        named = pos + sorted(kwonly, key=lambda f: f[2] is not _EMPTY)
+        named = pos + kwonly
         self._named_type = msgspec.defstruct(
-            f"{name}_named", fields(named), forbid_unknown_fields=self._var_kw is None
+            f"{name}_named", fields(named), kw_only=True, forbid_unknown_fields=self._var_kw is None
         )
 
     def params_schema(self) -> dict[str, object]:
@@ -177,19 +178,20 @@ class Method:
             return ((msgspec.Raw(params) if params else None),), {}
         if not params:
             params = b"[]"
-        # Cheap bound first: a body with at most max_depth brackets cannot be deeper.
-        if params.count(b"[") + params.count(b"{") > max_depth:
-            try:
-                obj = _decode_json(params)
-            except RecursionError:
-                raise NestingTooDeep(max_depth) from None
-            if _depth(obj, max_depth) > max_depth:
-                raise NestingTooDeep(max_depth)
-        else:
+        try:
             obj = _decode_json(params)
+        except RecursionError:  # deeper than the parser takes, whatever max_depth says
+            raise NestingTooDeep(max_depth) from None
+        except msgspec.DecodeError as exc:
+            raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
+        # Cheap bound first: a body with at most max_depth brackets cannot be deeper.
+        if params.count(b"[") + params.count(b"{") > max_depth and _depth(obj, max_depth) > max_depth:
+            raise NestingTooDeep(max_depth)
         if type(obj) is list:
             return self._bind_positional(obj), {}
-        return self._bind_named(typing.cast(dict[str, object], obj))
+        if type(obj) is not dict:  # section 4.2: params is an array or an object
+            raise InvalidParams(None, "params must be an array or an object")
+        return self._bind_named(obj)
 
     def _bind_positional(self, values: list[object]) -> tuple[object, ...]:
         if self._required_kwonly:
@@ -206,8 +208,8 @@ class Method:
             return bound
         try:
             rest = msgspec.convert(values[n:], self._var_pos)
-        except msgspec.ValidationError as exc:
-            raise InvalidParams(None, str(exc)) from None
+        except msgspec.ValidationError:
+            raise self._invalid_extra(values[n:]) from None
         return bound + tuple(rest)  # type: ignore[arg-type]
 
     def _bind_named(self, values: dict[str, object]) -> tuple[tuple[object, ...], dict[str, object]]:
@@ -217,8 +219,8 @@ class Method:
             extra = {k: values[k] for k in values if k not in known}
             try:
                 extra = msgspec.convert(extra, self._var_kw)
-            except msgspec.ValidationError as exc:
-                raise InvalidParams(None, str(exc)) from None
+            except msgspec.ValidationError:
+                raise self._invalid_extra(extra) from None
         try:
             bound = msgspec.structs.astuple(msgspec.convert(values, self._named_type))
         except msgspec.ValidationError as exc:
@@ -227,6 +229,27 @@ class Method:
         kwargs = dict(zip(self._named_kwonly_order(), bound[n:]))
         kwargs.update(extra)
         return bound[:n], kwargs
+
+    def _invalid_extra(self, values: list[object] | dict[str, object]) -> InvalidParams:
+        """Name the value taken by `*args` (its name and place in params) or by
+        `**kwargs` (the key) that does not fit the hint; cold path, so it re-checks."""
+        if type(values) is list:
+            hint = typing.get_args(self._var_pos)[0]
+            name = next(p.name for p in inspect.signature(self.fn).parameters.values()
+                        if p.kind is inspect.Parameter.VAR_POSITIONAL)
+            for i, value in enumerate(values, len(self._pos_names)):
+                try:
+                    msgspec.convert(value, hint)
+                except msgspec.ValidationError as exc:
+                    return InvalidParams(name, f"{exc} (params[{i}])")
+        else:
+            hint = typing.get_args(self._var_kw)[1]
+            for key, value in typing.cast(dict[str, object], values).items():
+                try:
+                    msgspec.convert(value, hint)
+                except msgspec.ValidationError as exc:
+                    return InvalidParams(key, str(exc))
+        return InvalidParams(None, "params do not fit the signature")
 
     def _named_kwonly_order(self) -> list[str]:
         return list(self._named_type.__struct_fields__[len(self._pos_names):])
@@ -249,6 +272,15 @@ class Method:
         if f and "unknown" in message:
             return InvalidParams(f.group(1), "unexpected parameter")
         return InvalidParams(None, message)
+
+
+def _struct_default(value: object) -> object:
+    """A parameter's default as a Struct field default. msgspec refuses a non-empty
+    list/dict/set/bytearray, so give it through a factory that returns that same
+    object: the handler sees its default exactly as a Python call would."""
+    if type(value) in (list, dict, set, bytearray) and value:
+        return msgspec.field(default_factory=lambda: value)
+    return value
 
 
 class NestingTooDeep(Exception):
@@ -346,12 +378,21 @@ def load_app(spec: str) -> Registry:
 _ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 
+def _numpy_to_builtins(obj: object) -> object:
+    """to_builtins hook: numpy arrays and scalars held by a Struct (orjson takes them
+    everywhere else, but to_builtins would refuse them)."""
+    tolist = getattr(obj, "tolist", None)
+    if tolist is None:
+        raise NotImplementedError
+    return tolist()
+
+
 def _orjson_default(obj: object) -> object:
     if isinstance(obj, msgspec.Struct):
-        return msgspec.to_builtins(obj)
+        return msgspec.to_builtins(obj, enc_hook=_numpy_to_builtins)
     if isinstance(obj, (set, frozenset)):
         return list(obj)
-    raise TypeError
+    raise TypeError(f"cannot encode an object of type {type(obj).__name__}")
 
 
 _msgspec_encode = msgspec.json.Encoder(enc_hook=_orjson_default).encode
@@ -365,7 +406,7 @@ def encode_result(result: object) -> bytes:
         # msgspec takes what orjson refuses: big integers and msgspec.Raw.
         try:
             return _msgspec_encode(result)
-        except (TypeError, msgspec.EncodeError, OverflowError) as exc:
+        except (TypeError, msgspec.EncodeError, OverflowError, RecursionError) as exc:
             raise TypeError(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
 
 

@@ -62,7 +62,7 @@ class Broker:
         req: dict[str, object] = {"jsonrpc": "2.0", "method": method, "id": id_}
         if params is not None:
             req["params"] = params
-        status, _, body = self.post(json.dumps(req), timeout=timeout)
+        _status, _, body = self.post(json.dumps(req), timeout=timeout)
         return json.loads(body)
 
     def get(self, path: str) -> tuple[int, bytes]:

@@ -29,6 +29,7 @@ EXPECTED_DEFAULTS = {
     "keepalive_timeout": 75.0,
     "max_frame_bytes": 16777216,
     "restart_backoff_max": 10.0,
+    "cancel_grace": 10.0,
     "socket_dir": "",
     "debug": False,
     "log_level": "info",
@@ -122,6 +123,7 @@ grace_period = 0
 keepalive_timeout = 1
 max_frame_bytes = 1024
 restart_backoff_max = 0.5
+cancel_grace = 2.5
 socket_dir = "/run/rpc"
 debug = true
 log_level = "debug"
@@ -137,7 +139,7 @@ slow = 120.5
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
         "worker_concurrency": 1, "max_queue": 0, "grace_period": 0.0,
         "keepalive_timeout": 1.0, "max_frame_bytes": 1024, "restart_backoff_max": 0.5,
-        "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
+        "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
     }
     assert cfg.worker_count == 1024
 

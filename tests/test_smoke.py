@@ -1,5 +1,7 @@
 """First end-to-end checks: the daemon starts, answers, takes its settings, stops cleanly."""
 
+import json
+
 from conftest import wait_for
 
 
@@ -39,3 +41,20 @@ def test_hung_worker_is_killed_and_replaced(broker_factory):
     assert reply["error"]["code"] == -32001
     wait_for(lambda: "killing it as hung" in b.read_log(0.1), timeout=20)
     wait_for(lambda: b.call("pid").get("result") not in (None, first), timeout=20)
+
+
+def test_no_worker_available_while_every_worker_waits_to_restart(broker_factory):
+    """A worker that keeps crashing backs off; calls then get -32003 at once (503)."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.crashy:registry", "--restart-backoff-max", "5")
+    seen_no_worker = False
+    for _ in range(8):  # bounded: each crash doubles the backoff (0.1 s, 0.2 s, ... 5 s)
+        reply = b.call("crash", timeout=20)
+        assert reply["error"]["code"] in (-32002, -32003), reply
+        if reply["error"]["code"] == -32003:
+            seen_no_worker = True
+            break
+    assert seen_no_worker
+    status, _, body = b.post(b'{"jsonrpc":"2.0","method":"pid","id":1}')
+    if status == 503:  # still in the backoff window
+        assert json.loads(body)["error"]["code"] == -32003
+    wait_for(lambda: "result" in b.call("pid"), timeout=20)

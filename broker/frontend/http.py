@@ -349,10 +349,18 @@ class HttpProtocol(asyncio.Protocol):
         if transport is None:
             return
         transport.write(data)
+        self.last_active = self._fe.loop.time()  # idle time counts from the last answer
         if not keep_alive:
             self._closing = True
             self._responses.clear()
-            transport.close()
+            if self._skip and transport.can_write_eof():
+                # 413 before the body was read: closing now would reset the connection
+                # under a client still sending, and it would never see the answer. Half-
+                # close and keep discarding its bytes (nginx's lingering close); the
+                # client closes, or the idle sweep does after keepalive_timeout.
+                transport.write_eof()
+            else:
+                transport.close()
         elif self._fe.draining and not self._responses:
             transport.close()
 

@@ -1,0 +1,489 @@
+"""Sans-IO tests of `broker.jsonrpc`: bytes in, `Body` / response bytes out.
+
+The spec examples are those of https://www.jsonrpc.org/specification section 7.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broker.jsonrpc import (
+    ERRORS,
+    Body,
+    Codec,
+    ErrorCode,
+    Request,
+    error_object,
+    http_status,
+    response_error,
+    response_result,
+)
+
+JSONTESTSUITE = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "JSONTestSuite" / "test_parsing"
+VALID_ID_KINDS = (str, int, float, type(None))
+
+
+def err(item: Request | bytes) -> dict[str, object]:
+    """Decode an error response item and check the envelope every error must have."""
+    assert type(item) is bytes, item
+    obj = json.loads(item)
+    assert set(obj) == {"jsonrpc", "id", "error"}
+    assert obj["jsonrpc"] == "2.0"
+    assert type(obj["error"]["code"]) is int
+    assert type(obj["error"]["message"]) is str
+    return obj
+
+
+def code_of(item: Request | bytes) -> int:
+    return err(item)["error"]["code"]  # type: ignore[index]
+
+
+def req(item: Request | bytes) -> Request:
+    assert type(item) is Request, item
+    return item
+
+
+def body(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+@pytest.fixture
+def codec() -> Codec:
+    return Codec()
+
+
+# --- the spec's examples (section 7) -------------------------------------------------
+
+
+def test_positional_request(codec):
+    b = codec.decode(b'{"jsonrpc": "2.0", "method": "subtract", "params": [42, 23], "id": 1}')
+    assert (b.batch, b.status) == (False, 200)
+    r = req(b.items[0])
+    assert (r.jsonrpc, r.method, bytes(r.params), bytes(r.id)) == ("2.0", "subtract", b"[42, 23]", b"1")
+
+
+def test_named_request_keeps_params_bytes(codec):
+    raw = b'{"subtrahend": 23,  "minuend": 42}'
+    b = codec.decode(b'{"jsonrpc": "2.0", "method": "subtract", "params": ' + raw + b', "id": 3}')
+    assert bytes(req(b.items[0]).params) == raw
+
+
+def test_notification_has_empty_id(codec):
+    r = req(codec.decode(b'{"jsonrpc": "2.0", "method": "update", "params": [1,2,3,4,5]}').items[0])
+    assert len(r.id) == 0
+    assert bytes(r.params) == b"[1,2,3,4,5]"
+
+
+def test_request_without_params_has_empty_params(codec):
+    r = req(codec.decode(b'{"jsonrpc": "2.0", "method": "foobar", "id": "1"}').items[0])
+    assert len(r.params) == 0
+    assert bytes(r.id) == b'"1"'
+
+
+def test_invalid_json_is_parse_error(codec):
+    b = codec.decode(b'{"jsonrpc": "2.0", "method": "foobar, "params": "bar", "baz]')
+    assert (b.batch, b.status, len(b.items)) == (False, 400, 1)
+    assert err(b.items[0]) == {
+        "jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "Parse error"},
+    }
+
+
+def test_invalid_request_object_is_invalid_request_not_parse_error(codec):
+    b = codec.decode(b'{"jsonrpc": "2.0", "method": 1, "params": "bar"}')
+    assert (b.batch, b.status) == (False, 400)
+    assert err(b.items[0]) == {
+        "jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request"},
+    }
+
+
+def test_batch_with_invalid_json_is_one_parse_error(codec):
+    b = codec.decode(
+        b'[{"jsonrpc": "2.0", "method": "sum", "params": [1,2,4], "id": "1"},'
+        b'{"jsonrpc": "2.0", "method"]'
+    )
+    assert (b.batch, b.status, [code_of(i) for i in b.items]) == (False, 400, [-32700])
+
+
+def test_empty_array_is_one_invalid_request_not_an_array(codec):
+    b = codec.decode(b"[]")
+    assert (b.batch, b.status, [code_of(i) for i in b.items]) == (False, 400, [-32600])
+    assert err(b.items[0])["id"] is None
+
+
+@pytest.mark.parametrize("text", [b"[1]", b"[1,2,3]", b'[null, "x", true, []]'])
+def test_batch_of_non_objects_answers_each(codec, text):
+    b = codec.decode(text)
+    n = len(json.loads(text))
+    assert (b.batch, b.status) == (True, 200)
+    assert [err(i) for i in b.items] == [
+        {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request"}}
+    ] * n
+
+
+def test_mixed_batch_spec_example(codec):
+    b = codec.decode(b"""[
+        {"jsonrpc": "2.0", "method": "sum", "params": [1,2,4], "id": "1"},
+        {"jsonrpc": "2.0", "method": "notify_hello", "params": [7]},
+        {"jsonrpc": "2.0", "method": "subtract", "params": [42,23], "id": "2"},
+        {"foo": "boo"},
+        {"jsonrpc": "2.0", "method": "foo.get", "params": {"name": "myself"}, "id": "5"},
+        {"jsonrpc": "2.0", "method": "get_data", "id": "9"}
+    ]""")
+    assert (b.batch, b.status, len(b.items)) == (True, 200, 6)
+    assert [req(b.items[i]).method for i in (0, 1, 2, 4, 5)] == [
+        "sum", "notify_hello", "subtract", "foo.get", "get_data",
+    ]
+    assert [bytes(req(b.items[i]).id) for i in (0, 1, 2, 4, 5)] == [b'"1"', b"", b'"2"', b'"5"', b'"9"']
+    assert bytes(req(b.items[4]).params) == b'{"name": "myself"}'
+    assert err(b.items[3]) == {
+        "jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request"},
+    }
+
+
+def test_all_notifications_batch_decodes_to_requests(codec):
+    b = codec.decode(
+        b'[{"jsonrpc": "2.0", "method": "notify_sum", "params": [1,2,4]},'
+        b'{"jsonrpc": "2.0", "method": "notify_hello", "params": [7]}]'
+    )
+    assert b.batch
+    assert all(len(req(i).id) == 0 for i in b.items)
+
+
+# --- rules the module docstring chose --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw_id", "echoed"),
+    [
+        (b"7", b"7"),
+        (b'"seven"', b'"seven"'),
+        (b"1.5e3", b"1.5e3"),
+        (b"null", b"null"),
+        (b"true", b"null"),  # not a valid id: null
+        (b"[1]", b"null"),
+        (b'{"a": 1}', b"null"),
+    ],
+)
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b'"jsonrpc": "1.0", "method": "m"',  # wrong version
+        b'"method": "m"',  # no jsonrpc member
+        b'"jsonrpc": "2.0"',  # no method
+        b'"jsonrpc": "2.0", "method": 5',  # method not a string
+        b'"jsonrpc": "2.0", "method": "m", "params": "bar"',  # params a scalar
+        b'"jsonrpc": "2.0", "method": "m", "params": null',
+        b'"jsonrpc": 2.0, "method": "m"',
+    ],
+)
+def test_invalid_element_echoes_valid_id_else_null(codec, bad, raw_id, echoed):
+    text = b"{" + bad + b', "id": ' + raw_id + b"}"
+    single = codec.decode(text)
+    assert (single.batch, single.status) == (False, 400)
+    assert single.items == [b'{"jsonrpc":"2.0","id":' + echoed + b',"error":{"code":-32600,"message":"Invalid Request"}}']
+    batch = codec.decode(b"[" + text + b"]")
+    assert (batch.batch, batch.status, batch.items) == (True, 200, single.items)
+
+
+def test_valid_request_with_invalid_id_is_invalid(codec):
+    for raw_id in (b"true", b"false", b"[1]", b"{}"):
+        b = codec.decode(b'{"jsonrpc": "2.0", "method": "m", "id": ' + raw_id + b"}")
+        assert err(b.items[0])["id"] is None
+        assert b.status == 400
+
+
+def test_element_without_id_is_still_answered_when_invalid(codec):
+    b = codec.decode(b'[{"jsonrpc": "2.0", "method": 1}, {"jsonrpc": "2.0", "method": "ok"}]')
+    assert code_of(b.items[0]) == -32600
+    assert len(req(b.items[1]).id) == 0
+
+
+@pytest.mark.parametrize("raw_id", [b"1.5e3", b"18446744073709551617", b'"1"', b"-0", b"1E+2", b'"\\u00e9\\n"', b"null", b"0.10"])
+def test_ids_echoed_byte_for_byte(codec, raw_id):
+    r = req(codec.decode(b'{"jsonrpc":"2.0","method":"m","id":  ' + raw_id + b"  }").items[0])
+    assert bytes(r.id) == raw_id
+    ok = response_result(r.id, b'{"x": [1, 2.50]}')
+    assert ok == b'{"jsonrpc":"2.0","id":' + raw_id + b',"result":{"x": [1, 2.50]}}'
+    assert json.loads(ok)["id"] == json.loads(raw_id)
+    bad = response_error(r.id, error_object(-32601))
+    assert bad == b'{"jsonrpc":"2.0","id":' + raw_id + b',"error":{"code":-32601,"message":"Method not found"}}'
+    assert json.loads(bad)["id"] == json.loads(raw_id)
+
+
+def test_response_splicers_take_raw_bytes_and_bytearray():
+    assert response_result(msgspec.Raw(b'"a"'), bytearray(b"[]")) == b'{"jsonrpc":"2.0","id":"a","result":[]}'
+    assert response_error(b"3", msgspec.Raw(b'{"code":1,"message":"m"}')) == (
+        b'{"jsonrpc":"2.0","id":3,"error":{"code":1,"message":"m"}}'
+    )
+
+
+@pytest.mark.parametrize("scalar", [b"1", b'"x"', b"null", b"true", b"3.5"])
+def test_scalar_body_is_invalid_request(codec, scalar):
+    b = codec.decode(scalar)
+    assert (b.batch, b.status, [code_of(i) for i in b.items]) == (False, 400, [-32600])
+
+
+@pytest.mark.parametrize("text", [b"", b"   ", b"{", b"[", b'{"jsonrpc":"2.0"', b"nul", b"\xff\xfe", b"[1,]", b'{"a":1}x'])
+def test_not_json_is_parse_error(codec, text):
+    b = codec.decode(text)
+    assert (b.batch, b.status, b.items) == (
+        False, 400, [b'{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error"}}'],
+    )
+
+
+def test_whitespace_around_body_is_fine(codec):
+    b = codec.decode(b' \n\t{"jsonrpc":"2.0","method":"m","id":1}\r\n ')
+    assert req(b.items[0]).method == "m"
+    b = codec.decode(b' [ {"jsonrpc":"2.0","method":"m","id":1} , 5 ] ')
+    assert b.batch and req(b.items[0]).method == "m" and code_of(b.items[1]) == -32600
+
+
+def test_bytearray_and_memoryview_bodies(codec):
+    text = b'[{"jsonrpc":"2.0","method":"m","params":[1],"id":1}, 2]'
+    for buf in (bytearray(text), memoryview(text)):
+        b = codec.decode(buf)
+        assert bytes(req(b.items[0]).params) == b"[1]"
+        assert code_of(b.items[1]) == -32600
+
+
+@pytest.mark.parametrize("valid", [True, False])
+def test_batch_limit(valid):
+    codec = Codec(max_batch=3)
+    element = {"jsonrpc": "2.0", "method": "m", "id": 1} if valid else 5
+    at_limit = codec.decode(body([element] * 3))
+    assert at_limit.batch and len(at_limit.items) == 3
+    over = codec.decode(body([element] * 4))
+    assert (over.batch, over.status, len(over.items)) == (False, 400, 1)
+    e = err(over.items[0])
+    assert e["id"] is None
+    assert e["error"] == {
+        "code": -32600, "message": "Invalid Request", "data": "batch of 4 elements exceeds max_batch 3",
+    }
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"[" * 100000 + b"]" * 100000,
+        b'{"a":' * 50000 + b"1" + b"}" * 50000,
+        b'{"jsonrpc":"2.0","method":"m","id":9,"params":' + b"[" * 100000 + b"]" * 100000 + b"}",
+        b'[{"jsonrpc":"2.0","method":"m","id":1},' + b"[" * 100000 + b"]" * 100000 + b"]",
+    ],
+    ids=["arrays", "objects", "in-params", "in-batch"],
+)
+def test_too_deep_is_one_invalid_request_saying_so(codec, text):
+    b = codec.decode(text)
+    assert (b.batch, b.status, len(b.items)) == (False, 400, 1)
+    e = err(b.items[0])
+    assert e["id"] is None
+    assert e["error"] == {"code": -32600, "message": "Invalid Request", "data": "nesting too deep"}
+
+
+@pytest.mark.parametrize("text", [b"[" * 100000, b'{"a":' * 100000, b'["' * 100000])
+def test_too_deep_and_unclosed_is_parse_error(codec, text):
+    assert code_of(codec.decode(text).items[0]) == -32700
+
+
+def test_moderate_nesting_passes_untouched(codec):
+    params = b"[" * 50 + b"1" + b"]" * 50
+    r = req(codec.decode(b'{"jsonrpc":"2.0","method":"m","params":' + params + b',"id":1}').items[0])
+    assert bytes(r.params) == params
+
+
+# --- fast path and slow path agree -----------------------------------------------------
+
+
+def test_bad_element_sends_batch_to_slow_path_without_changing_good_ones(codec):
+    good = [
+        b'{"jsonrpc":"2.0","method":"a","params":[1, 2.50, "x"],"id":1.5e3}',
+        b'{"id":"k", "params":{"z": [true, null]}, "method":"b", "jsonrpc":"2.0"}',
+        b'{"jsonrpc":"2.0","method":"c"}',
+        b'{"jsonrpc":"2.0","method":"d","id":18446744073709551617}',
+    ]
+    fast = codec.decode(b"[" + b",".join(good) + b"]")
+    mixed = codec.decode(b"[" + b",".join([good[0], good[1], b'{"jsonrpc":"2.0","method":7,"id":2}', good[2], b"5", good[3]]) + b"]")
+    assert fast.batch and mixed.batch
+    fast_items = [req(i) for i in fast.items]
+    mixed_good = [req(mixed.items[i]) for i in (0, 1, 3, 5)]
+    for a, b in zip(fast_items, mixed_good, strict=True):
+        assert (a.method, bytes(a.params), bytes(a.id)) == (b.method, bytes(b.params), bytes(b.id))
+    assert [bytes(r.id) for r in mixed_good] == [b"1.5e3", b'"k"', b"", b"18446744073709551617"]
+    assert bytes(mixed_good[1].params) == b'{"z": [true, null]}'
+    assert err(mixed.items[2])["id"] == 2
+    assert err(mixed.items[4])["id"] is None
+
+
+def test_slow_path_decodes_valid_bodies_as_the_fast_path(codec):
+    # _decode_slow is only reached through failures; call it directly to compare.
+    for text in (
+        b'{"jsonrpc":"2.0","method":"a","params":[1],"id":1}',
+        b'[{"jsonrpc":"2.0","method":"a","params":{"k":1},"id":"x"},{"jsonrpc":"2.0","method":"b"}]',
+    ):
+        assert codec._decode_slow(text) == codec.decode(text)
+
+
+# --- error objects and the status table ------------------------------------------------
+
+
+def test_error_object_shapes():
+    assert json.loads(error_object(ErrorCode.METHOD_NOT_FOUND)) == {"code": -32601, "message": "Method not found"}
+    assert json.loads(error_object(-32602, data={"param": "a", "reason": "r"})) == {
+        "code": -32602, "message": "Invalid params", "data": {"param": "a", "reason": "r"},
+    }
+    assert json.loads(error_object(1001, "division by zero", [1])) == {
+        "code": 1001, "message": "division by zero", "data": [1],
+    }
+    assert json.loads(error_object(1001)) == {"code": 1001, "message": "Server error"}
+    assert json.loads(error_object(-32603, "mine")) == {"code": -32603, "message": "mine"}
+    assert json.loads(error_object(-32603, data=0)) == {"code": -32603, "message": "Internal error", "data": 0}
+    assert json.loads(error_object(-32603, data=False))["data"] is False
+    with pytest.raises(TypeError):
+        error_object(-32603, data=object())
+
+
+def test_every_error_code_is_in_the_table_with_a_message():
+    assert set(ERRORS) == {int(c) for c in ErrorCode}
+    for code in ErrorCode:
+        assert -32768 <= code <= -32000
+        assert json.loads(error_object(code))["message"] == ERRORS[code].message
+        assert ERRORS[code].meaning
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (-32700, 400), (-32600, 400), (-32601, 200), (-32602, 200), (-32603, 200),
+        (-32000, 503), (-32001, 504), (-32002, 502), (-32003, 503), (-32004, 503),
+        (1001, 200), (-32099, 200), (0, 200),
+    ],
+)
+def test_http_status_table(code, status):
+    assert http_status(code) == status
+
+
+# --- JSONTestSuite, replayed sans-IO ---------------------------------------------------
+
+
+def _suite(prefix: str) -> list[Path]:
+    return sorted(JSONTESTSUITE.glob(prefix + "_*.json"))
+
+
+@pytest.mark.skipif(not JSONTESTSUITE.is_dir(), reason="shared JSONTestSuite data not present")
+def test_jsontestsuite(codec):
+    assert _suite("n") and _suite("y") and _suite("i")
+    for path in _suite("n"):
+        b = codec.decode(path.read_bytes())
+        assert [code_of(i) for i in b.items] == [-32700], path.name
+    for path in _suite("y") + _suite("i"):
+        b = codec.decode(path.read_bytes())
+        check_body(b)
+        if path.name.startswith("y"):
+            assert all(type(i) is Request or code_of(i) != -32700 for i in b.items), path.name
+
+
+# --- properties: never raises, every answer well formed ---------------------------------
+
+
+def check_body(b: Body) -> None:
+    assert type(b) is Body
+    assert b.items
+    assert b.status in (200, 400)
+    if not b.batch:
+        assert len(b.items) == 1
+        assert b.status == (200 if type(b.items[0]) is Request else 400)
+    else:
+        assert b.status == 200
+    for item in b.items:
+        if type(item) is Request:
+            assert item.jsonrpc == "2.0" and type(item.method) is str
+            assert len(item.id) == 0 or type(json.loads(bytes(item.id))) in VALID_ID_KINDS
+            assert len(item.params) == 0 or type(json.loads(bytes(item.params))) in (list, dict)
+        else:
+            code_of(item)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(st.characters(blacklist_categories=("Cs",)), max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=8,
+)
+fragments = st.sampled_from(
+    [b"{", b"}", b"[", b"]", b",", b":", b'"jsonrpc"', b'"2.0"', b'"method"', b'"m"', b'"params"',
+     b'"id"', b"1", b"null", b" ", b'"', b"\\", b"1e999", b"-", b"\xff"]
+)
+
+
+@settings(max_examples=400, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=200) | st.lists(fragments, max_size=40).map(b"".join))
+def test_any_bytes_give_a_body(data):
+    check_body(Codec(max_batch=5).decode(data))
+
+
+@st.composite
+def request_like(draw: st.DrawFn) -> dict[str, object]:
+    obj: dict[str, object] = {}
+    if draw(st.booleans()):
+        obj["jsonrpc"] = draw(st.sampled_from(["2.0", "1.0", 2.0, None]) | json_values)
+    if draw(st.booleans()):
+        obj["method"] = draw(st.text(max_size=5) | json_values)
+    if draw(st.booleans()):
+        obj["params"] = draw(json_values)
+    if draw(st.booleans()):
+        obj["id"] = draw(json_values)
+    obj.update(draw(st.dictionaries(st.text(max_size=4).filter(lambda k: k not in obj), json_values, max_size=2)))
+    return obj
+
+
+def is_valid_id(v: object) -> bool:
+    return type(v) in VALID_ID_KINDS and not (type(v) is float and math.isinf(v))
+
+
+def check_against_model(obj: dict[str, object], item: Request | bytes) -> None:
+    valid = (
+        obj.get("jsonrpc") == "2.0" and type(obj.get("jsonrpc")) is str
+        and type(obj.get("method")) is str
+        and ("params" not in obj or type(obj["params"]) in (list, dict))
+        and ("id" not in obj or is_valid_id(obj["id"]))
+    )
+    if valid:
+        r = req(item)
+        assert r.method == obj["method"]
+        assert (json.loads(bytes(r.params)) if len(r.params) else "absent") == obj.get("params", "absent")
+        assert (json.loads(bytes(r.id)) if len(r.id) else "absent") == obj.get("id", "absent")
+    else:
+        e = err(item)
+        assert e["error"]["code"] == -32600  # type: ignore[index]
+        assert e["id"] == (obj["id"] if "id" in obj and is_valid_id(obj["id"]) else None)
+
+
+@settings(max_examples=200, deadline=None, print_blob=True)
+@given(request_like())
+def test_request_shaped_object_is_request_or_invalid_request(obj):
+    b = Codec().decode(body(obj))
+    assert not b.batch
+    check_against_model(obj, b.items[0])
+
+
+@settings(max_examples=80, deadline=None, print_blob=True)
+@given(st.lists(request_like(), min_size=1, max_size=6))
+def test_batch_elements_decode_as_they_would_alone(objs):
+    codec = Codec()
+    b = codec.decode(body(objs))
+    assert b.batch and len(b.items) == len(objs)
+    for obj, item in zip(objs, b.items, strict=True):
+        check_against_model(obj, item)
+        alone = codec.decode(body(obj)).items[0]
+        if type(item) is Request:
+            assert (item.method, bytes(item.params), bytes(item.id)) == (
+                req(alone).method, bytes(req(alone).params), bytes(req(alone).id),
+            )
+        else:
+            assert item == alone

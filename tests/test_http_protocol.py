@@ -1,0 +1,406 @@
+"""HTTP/1.1 front-end, end to end: the real daemon over loopback, mostly raw sockets.
+
+Raw sockets because http.client hides what is tested here: it reconnects silently,
+cannot pipeline, and handles `Expect: 100-continue` and chunked bodies its own way.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import Broker, start_broker
+
+RPC = "/rpc"
+MAX_BODY = 4096
+
+
+@pytest.fixture(scope="module")
+def hb() -> Iterator[Broker]:
+    """A broker with 2 workers, the RPC endpoint on /rpc and a 4 KiB body limit."""
+    b = start_broker("--workers", "2", "--rpc-path", RPC, "--max-body-bytes", str(MAX_BODY))
+    yield b
+    status = b.stop()
+    assert status == 0, b.read_log()
+
+
+class Conn:
+    """One client connection with its own receive buffer (no hidden reconnects)."""
+
+    def __init__(self, b: Broker, timeout: float = 15.0) -> None:
+        self.sock = socket.create_connection((b.host.strip("[]"), b.port), timeout=timeout)
+        self.buf = b""
+
+    def __enter__(self) -> Conn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise EOFError(f"connection closed; unparsed: {self.buf!r}")
+        self.buf += chunk
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            self._fill()
+        line, _, self.buf = self.buf.partition(b"\r\n")
+        return line
+
+    def response(self, head_only: bool = False) -> tuple[int, dict[str, str], bytes]:
+        """Read one response: (status, lower-cased headers, body)."""
+        status_line = self._line()
+        version, code, *_ = status_line.decode("latin-1").split(" ")
+        assert version == "HTTP/1.1", status_line
+        headers: dict[str, str] = {}
+        while line := self._line():
+            name, _, value = line.decode("latin-1").partition(":")
+            assert name.lower() not in headers, f"duplicate header {name}"
+            headers[name.strip().lower()] = value.strip()
+        status = int(code)
+        if head_only or status < 200 or status in (204, 304):
+            return status, headers, b""
+        n = int(headers["content-length"])
+        while len(self.buf) < n:
+            self._fill()
+        body, self.buf = self.buf[:n], self.buf[n:]
+        return status, headers, body
+
+    def closed_within(self, seconds: float) -> bool:
+        """True if the server closes the connection within `seconds` (nothing else arriving)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready, _, _ = select.select([self.sock], [], [], left)
+            if not ready:
+                return False
+            try:
+                chunk = self.sock.recv(65536)
+            except ConnectionResetError:
+                return True
+            if not chunk:
+                return True
+            self.buf += chunk
+
+    def nothing_pending(self) -> bool:
+        """No bytes arrived beyond what was parsed (checked without blocking)."""
+        ready, _, _ = select.select([self.sock], [], [], 0)
+        return not self.buf and not ready
+
+
+def post(body: bytes | str, path: str = RPC, version: str = "HTTP/1.1", headers: str = "") -> bytes:
+    if isinstance(body, str):
+        body = body.encode()
+    return (
+        f"POST {path} {version}\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{headers}\r\n"
+    ).encode() + body
+
+
+def call(method: str, params: object = None, id_: object = 1) -> str:
+    r: dict[str, object] = {"jsonrpc": "2.0", "method": method, "id": id_}
+    if params is not None:
+        r["params"] = params
+    return json.dumps(r)
+
+
+def rpc(body: bytes) -> object:
+    return json.loads(body)
+
+
+# -- keep-alive ---------------------------------------------------------------------------
+
+
+def test_keep_alive_serves_several_requests_on_one_connection(hb):
+    with Conn(hb) as c:
+        for i in range(5):
+            c.send(post(call("add", [i, 1], i)))
+            status, headers, body = c.response()
+            assert status == 200
+            assert headers["content-type"] == "application/json"
+            assert "close" not in headers.get("connection", "")
+            assert rpc(body) == {"jsonrpc": "2.0", "id": i, "result": i + 1}
+        c.send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert c.response()[0] == 200
+        assert not c.closed_within(0.2)
+        assert c.nothing_pending()
+
+
+def test_http_1_0_without_keep_alive_closes_after_the_answer(hb):
+    with Conn(hb) as c:
+        c.send(post(call("subtract", [42, 23]), version="HTTP/1.0"))
+        status, headers, body = c.response()
+        assert status == 200
+        assert rpc(body) == {"jsonrpc": "2.0", "id": 1, "result": 19}
+        assert headers.get("connection") == "close"
+        assert c.closed_within(5)
+        assert c.buf == b""
+
+
+def test_connection_close_is_honoured(hb):
+    with Conn(hb) as c:
+        c.send(post(call("add", [1, 2]), headers="Connection: close\r\n"))
+        status, headers, body = c.response()
+        assert (status, rpc(body)) == (200, {"jsonrpc": "2.0", "id": 1, "result": 3})
+        assert headers.get("connection") == "close"
+        assert c.closed_within(5)
+        assert c.buf == b""
+
+
+def test_requests_pipelined_after_connection_close_are_not_answered(hb):
+    with Conn(hb) as c:
+        c.send(post(call("add", [1, 2], 1), headers="Connection: close\r\n") + post(call("add", [3, 4], 2)))
+        status, _, body = c.response()
+        assert (status, rpc(body)["id"]) == (200, 1)
+        assert c.closed_within(5)
+        assert c.buf == b""
+
+
+# -- pipelining ---------------------------------------------------------------------------
+
+
+def test_pipelined_requests_are_answered_in_request_order(hb):
+    with Conn(hb) as c:
+        c.send(post(call("sleep", [0.3], "a")) + post(call("sleep", [0], "b")) + post(call("subtract", [5, 2], "c")))
+        answers = [c.response() for _ in range(3)]
+        assert [a[0] for a in answers] == [200, 200, 200]
+        assert [rpc(a[2]) for a in answers] == [
+            {"jsonrpc": "2.0", "id": "a", "result": 0.3},
+            {"jsonrpc": "2.0", "id": "b", "result": 0.0},
+            {"jsonrpc": "2.0", "id": "c", "result": 3},
+        ]
+        # Same connection, still usable.
+        c.send(post(call("add", [1, 1], "d")))
+        assert rpc(c.response()[2]) == {"jsonrpc": "2.0", "id": "d", "result": 2}
+
+
+def test_pipelined_mix_of_rpc_errors_and_plain_endpoints_keeps_order(hb):
+    with Conn(hb) as c:
+        c.send(
+            post(call("sleep", [0.2], 1))
+            + b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+            + post(json.dumps({"jsonrpc": "2.0", "method": "notify_hello"}))
+            + b"GET /nope HTTP/1.1\r\nHost: t\r\n\r\n"
+            + post("{not json")
+            + post(call("add", [2, 3], 6))
+        )
+        answers = [c.response() for _ in range(6)]
+        assert [a[0] for a in answers] == [200, 200, 204, 404, 400, 200]
+        assert rpc(answers[0][2])["result"] == 0.2
+        assert rpc(answers[4][2])["error"]["code"] == -32700
+        assert rpc(answers[5][2]) == {"jsonrpc": "2.0", "id": 6, "result": 5}
+
+
+# -- chunked bodies -----------------------------------------------------------------------
+
+
+def chunked(parts: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+def test_chunked_request_body(hb):
+    body = call("subtract", {"minuend": 42, "subtrahend": 23}, "ch").encode()
+    parts = [body[:5], body[5:17], body[17:18], body[18:]]
+    head = f"POST {RPC} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    with Conn(hb) as c:
+        # Chunks in separate writes, as a streaming client would send them.
+        c.send(head)
+        for part in parts:
+            c.send(b"%x\r\n%s\r\n" % (len(part), part))
+        c.send(b"0\r\n\r\n")
+        status, _, answer = c.response()
+        assert (status, rpc(answer)) == (200, {"jsonrpc": "2.0", "id": "ch", "result": 19})
+        # And all in one write, on the same connection.
+        c.send(head + chunked(parts))
+        status, _, answer = c.response()
+        assert (status, rpc(answer)) == (200, {"jsonrpc": "2.0", "id": "ch", "result": 19})
+
+
+def test_chunked_body_over_max_body_bytes_is_413(hb):
+    # Each chunk is under the limit; together they are over it.
+    big = json.dumps({"jsonrpc": "2.0", "method": "echo", "params": ["x" * 5000], "id": 1}).encode()
+    parts = [big[i:i + 1000] for i in range(0, len(big), 1000)]
+    head = f"POST {RPC} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    with Conn(hb) as c:
+        c.send(head + chunked(parts))
+        status, headers, body = c.response()
+        assert status == 413
+        assert headers.get("connection") == "close"
+        assert f"max_body_bytes {MAX_BODY}".encode() in body
+        assert c.closed_within(5)
+    # A body just under the limit is fine.
+    ok = json.dumps({"jsonrpc": "2.0", "method": "echo", "params": ["y" * 3000], "id": 2}).encode()
+    with Conn(hb) as c:
+        c.send(head + chunked([ok[i:i + 700] for i in range(0, len(ok), 700)]))
+        status, _, body = c.response()
+        assert status == 200
+        assert rpc(body)["result"] == ["y" * 3000]
+
+
+def test_content_length_over_max_body_bytes_is_413_before_the_body(hb):
+    with Conn(hb) as c:
+        c.send(f"POST {RPC} HTTP/1.1\r\nHost: t\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n".encode())
+        status, headers, _ = c.response()
+        assert status == 413
+        assert headers.get("connection") == "close"
+        assert c.closed_within(5)
+
+
+# -- Expect: 100-continue -----------------------------------------------------------------
+
+
+def test_expect_100_continue(hb):
+    body = call("add", [20, 22], "e").encode()
+    with Conn(hb) as c:
+        c.send(
+            f"POST {RPC} HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\n"
+            "Expect: 100-continue\r\n\r\n".encode()
+        )
+        status, headers, _ = c.response()
+        assert (status, headers) == (100, {})
+        c.send(body)
+        status, _, answer = c.response()
+        assert (status, rpc(answer)) == (200, {"jsonrpc": "2.0", "id": "e", "result": 42})
+        # The connection stays usable.
+        c.send(post(call("add", [1, 1], "f")))
+        assert rpc(c.response()[2])["result"] == 2
+
+
+def test_expect_100_continue_with_oversize_body_gets_413_without_100(hb):
+    with Conn(hb) as c:
+        c.send(
+            f"POST {RPC} HTTP/1.1\r\nHost: t\r\nContent-Length: {MAX_BODY * 10}\r\n"
+            "Expect: 100-continue\r\n\r\n".encode()
+        )
+        status, headers, _ = c.response()
+        assert status == 413
+        assert headers.get("connection") == "close"
+        assert c.closed_within(5)
+        assert c.buf == b""
+
+
+# -- methods, paths, bad requests ---------------------------------------------------------
+
+
+def test_get_on_rpc_path_is_405_with_allow_post(hb):
+    with Conn(hb) as c:
+        c.send(f"GET {RPC} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        status, headers, _ = c.response()
+        assert status == 405
+        assert headers["allow"] == "POST"
+        # A 405 does not end the connection.
+        c.send(post(call("add", [1, 2])))
+        assert c.response()[0] == 200
+
+
+def test_unknown_path_is_404(hb):
+    status, _ = hb.get("/nope")
+    assert status == 404
+    with Conn(hb) as c:
+        c.send(post(call("add", [1, 2]), path="/"))  # not the RPC path of this broker
+        assert c.response()[0] == 404
+        c.send(post(call("add", [1, 2]), path=RPC + "/x"))
+        assert c.response()[0] == 404
+
+
+def test_healthz_and_readyz(hb):
+    assert hb.get("/healthz") == (200, b'{"status":"ok"}')
+    assert hb.get("/readyz") == (200, b'{"status":"ok"}')
+    with Conn(hb) as c:
+        c.send(b"HEAD /readyz HTTP/1.1\r\nHost: t\r\n\r\n")
+        status, headers, _ = c.response(head_only=True)
+        assert status == 200
+        assert headers["content-length"] == str(len(b'{"status":"ok"}'))
+        # HEAD sent no body: the next response starts right away.
+        c.send(b"GET /healthz?probe=1 HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert c.response() == (200, {"content-type": "application/json", "content-length": "15"},
+                                b'{"status":"ok"}')
+        c.send(b"POST /healthz HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+        status, headers, _ = c.response()
+        assert status == 405
+        assert "GET" in headers["allow"]
+
+
+def test_query_string_on_rpc_path_is_accepted(hb):
+    with Conn(hb) as c:
+        c.send(post(call("subtract", [10, 4], "q"), path=RPC + "?trace=1&x=%20"))
+        status, _, body = c.response()
+        assert (status, rpc(body)) == (200, {"jsonrpc": "2.0", "id": "q", "result": 6})
+
+
+def test_garbage_bytes_get_400_and_close(hb):
+    with Conn(hb) as c:
+        c.send(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03garbage\r\n\r\n")
+        status, headers, _ = c.response()
+        assert status == 400
+        assert headers.get("connection") == "close"
+        assert c.closed_within(5)
+    # The broker serves the next client.
+    assert hb.get("/healthz")[0] == 200
+
+
+def test_bad_request_after_a_good_one_is_answered_in_order(hb):
+    with Conn(hb) as c:
+        c.send(post(call("sleep", [0.2], 1)) + b"BLAH / HTTP/1.1\r\n\r\n")
+        first = c.response()
+        assert (first[0], rpc(first[2])["result"]) == (200, 0.2)
+        assert c.response()[0] == 400
+        assert c.closed_within(5)
+
+
+@pytest.mark.parametrize("shape", ["one_header", "many_headers", "long_url"])
+def test_headers_past_64_kib_get_431(hb, shape):
+    if shape == "one_header":
+        head = f"POST {RPC} HTTP/1.1\r\nHost: t\r\nX-Big: {'a' * 70_000}\r\n"
+    elif shape == "many_headers":
+        head = f"POST {RPC} HTTP/1.1\r\nHost: t\r\n" + "".join(f"X-H{i}: {'b' * 1000}\r\n" for i in range(70))
+    else:
+        head = f"GET {RPC}?{'c' * 70_000} HTTP/1.1\r\nHost: t\r\n"
+    with Conn(hb) as c:
+        c.send(head.encode() + b"Content-Length: 2\r\n\r\n{}")
+        status, headers, _ = c.response()
+        assert status == 431
+        assert headers.get("connection") == "close"
+        assert c.closed_within(5)
+    # Headers just under the limit are fine.
+    with Conn(hb) as c:
+        c.send(post(call("add", [1, 2]), headers=f"X-Big: {'a' * 60_000}\r\n"))
+        assert c.response()[0] == 200
+
+
+# -- idle keep-alive timeout --------------------------------------------------------------
+
+
+def test_idle_keep_alive_connection_is_closed(broker_factory):
+    b = broker_factory("--workers", "1", "--keepalive-timeout", "1")
+    with Conn(b) as c:
+        c.send(post(call("add", [1, 2]), path=b.path))
+        assert c.response()[0] == 200
+        t0 = time.monotonic()
+        assert c.closed_within(6)
+        assert time.monotonic() - t0 >= 0.9  # not before it was idle for the timeout
+        assert c.buf == b""
+
+
+def test_idle_timeout_counts_from_the_last_answer_not_the_request(broker_factory):
+    """A call that takes longer than the keep-alive timeout does not make the
+    connection look idle the moment it is answered."""
+    b = broker_factory("--workers", "1", "--keepalive-timeout", "1")
+    with Conn(b) as c:
+        c.send(post(call("sleep", [1.6], "slow"), path=b.path))
+        assert rpc(c.response()[2])["result"] == 1.6
+        # Idle for 0.6 s, well under the 1 s timeout: the connection must be open.
+        assert not c.closed_within(0.6)
+        c.send(post(call("add", [1, 2], "next"), path=b.path))
+        assert rpc(c.response()[2]) == {"jsonrpc": "2.0", "id": "next", "result": 3}

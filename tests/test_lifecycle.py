@@ -1,0 +1,426 @@
+"""End-to-end lifecycle tests: the real daemon, real worker processes, real loopback sockets.
+
+Covers batch reassembly across workers, a worker killed mid-call, deadlines, load
+shedding, graceful stop (SIGTERM), boot failures and notifications. Raw sockets are
+used where several calls must be in flight at once on separate connections.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import time
+
+import pytest
+from conftest import Broker, start_broker, wait_for
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def req(method: str, params: object = None, id_: object = None) -> dict[str, object]:
+    """A Request object; a notification when `id_` is None."""
+    r: dict[str, object] = {"jsonrpc": "2.0", "method": method}
+    if params is not None:
+        r["params"] = params
+    if id_ is not None:
+        r["id"] = id_
+    return r
+
+
+def post_json(b: Broker, payload: object, timeout: float = 30.0) -> tuple[int, object]:
+    """POST `payload` as JSON; return (HTTP status, decoded body or None when empty)."""
+    status, _, body = b.post(json.dumps(payload), timeout=timeout)
+    return status, (json.loads(body) if body else None)
+
+
+def worker_pids(b: Broker, n: int, timeout: float = 30.0) -> set[int]:
+    """Poll until a batch of `n` worker_info calls is answered by `n` distinct pids.
+
+    On an idle pool the dispatcher gives each call of one batch to the least busy
+    worker, so `n` ready workers answer with `n` different pids.
+    """
+    seen: set[int] = set()
+
+    def ready() -> bool:
+        status, replies = post_json(b, [req("worker_info", id_=i) for i in range(n)], timeout=10)
+        if status != 200:
+            return False
+        pids = {r["result"]["pid"] for r in replies if "result" in r}  # type: ignore[union-attr]
+        seen.clear()
+        seen.update(pids)
+        return len(pids) == n
+
+    wait_for(ready, timeout=timeout, interval=0.1)
+    return set(seen)
+
+
+def http_request(b: Broker, payload: object, close: bool = True) -> bytes:
+    body = json.dumps(payload).encode()
+    head = (
+        f"POST {b.path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n"
+    )
+    return head.encode() + body
+
+
+def open_call(b: Broker, payload: object) -> socket.socket:
+    """Send one request with `Connection: close` on a new connection; don't wait."""
+    s = socket.create_connection((b.host, b.port), timeout=30)
+    s.sendall(http_request(b, payload))
+    return s
+
+
+def parse_responses(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """Split raw bytes into HTTP responses (Content-Length framed); all bytes must be used."""
+    out = []
+    while data:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        assert sep, f"incomplete response head: {data!r}"
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        n = int(headers.get("content-length", "0"))
+        assert len(rest) >= n, f"truncated body: {data!r}"
+        out.append((status, headers, rest[:n]))
+        data = rest[n:]
+    return out
+
+
+def read_all(socks: list[socket.socket], timeout: float = 30.0) -> list[tuple[bytes, float]]:
+    """Read every socket to EOF; return (bytes, monotonic time of EOF) per socket."""
+    bufs = [bytearray() for _ in socks]
+    done: list[float | None] = [None] * len(socks)
+    sel = selectors.DefaultSelector()
+    for i, s in enumerate(socks):
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ, i)
+    deadline = time.monotonic() + timeout
+    try:
+        while any(t is None for t in done):
+            left = deadline - time.monotonic()
+            assert left > 0, f"no EOF within {timeout} s: {[bytes(x) for x in bufs]}"
+            for key, _ in sel.select(left):
+                i = key.data
+                try:
+                    chunk = socks[i].recv(65536)
+                except ConnectionResetError:
+                    chunk = b""
+                if chunk:
+                    bufs[i] += chunk
+                else:
+                    done[i] = time.monotonic()
+                    sel.unregister(socks[i])
+    finally:
+        sel.close()
+        for s in socks:
+            s.close()
+    return [(bytes(buf), t) for buf, t in zip(bufs, done)]  # type: ignore[misc]
+
+
+def one_answer(data: bytes) -> tuple[int, dict[str, object]]:
+    """Exactly one HTTP response carrying one JSON-RPC response: (status, decoded body)."""
+    responses = parse_responses(data)
+    assert len(responses) == 1, responses
+    status, _, body = responses[0]
+    return status, json.loads(body)
+
+
+def barrier(b: Broker) -> None:
+    """A request round trip: requests sent before it have been read and dispatched.
+
+    Their bytes were in the broker's socket buffers before this connection was even
+    opened; the event loop reads them no later than the loop turn that reads ours.
+    """
+    assert b.get("/healthz")[0] == 200
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still "exists" until reaped; count it as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# -- 1. reassembly ------------------------------------------------------------------------
+
+
+def test_batch_is_reassembled_in_request_order_across_workers(broker_factory):
+    b = broker_factory("--workers", "3")
+    pids = worker_pids(b, 3)
+    batch = [
+        req("sleep", [0.3], "slow"),
+        req("sleep", [0], 2),
+        req("notify_hello", [7]),  # a notification: no slot in the answer
+        req("sleep", {"seconds": 0.2}, 3.5),
+        req("worker_info", id_=10),
+        req("worker_info", id_=11),
+        req("worker_info", id_=12),
+        req("subtract", [42, 23], None),  # notification again
+        req("subtract", {"subtrahend": 23, "minuend": 42}, "last"),
+    ]
+    t0 = time.monotonic()
+    status, body = post_json(b, batch)
+    elapsed = time.monotonic() - t0
+    assert status == 200
+    assert isinstance(body, list)
+    assert [r["id"] for r in body] == ["slow", 2, 3.5, 10, 11, 12, "last"]
+    assert all(r["jsonrpc"] == "2.0" for r in body)
+    assert [r["result"] for r in body[:3]] == [0.3, 0, 0.2]
+    assert body[6]["result"] == 19
+    # The three worker_info calls of one batch ran on three different processes.
+    assert {r["result"]["pid"] for r in body[3:6]} == pids
+    # The batch waited for its slowest call (lower bound only: machines are noisy).
+    assert elapsed >= 0.3
+
+
+def test_batch_answers_arrive_out_of_order_but_stay_in_slots(broker_factory):
+    """The fast call of a batch finishes first on its own worker; slots keep order."""
+    b = broker_factory("--workers", "2", "--worker-concurrency", "1")
+    worker_pids(b, 2)
+    status, body = post_json(b, [req("sleep", [0.4], 1), req("worker_info", id_=2), req("sleep", [0.1], 3)])
+    assert status == 200
+    assert [r["id"] for r in body] == [1, 2, 3]
+    assert body[0]["result"] == 0.4
+    assert isinstance(body[1]["result"]["pid"], int)
+    assert body[2]["result"] == 0.1
+
+
+# -- 2. worker killed mid-call ------------------------------------------------------------
+
+
+def test_worker_killed_mid_call_answers_worker_died_and_pool_recovers(broker_factory):
+    b = broker_factory("--workers", "2", "--worker-concurrency", "1")
+    pids = worker_pids(b, 2)
+
+    doomed_sock = open_call(b, req("sleep", [30], "doomed"))
+
+    # Find the worker running the long call: with concurrency 1, once it is busy both
+    # calls of a 2-call batch must be answered by the other worker.
+    victim: list[int] = []
+
+    def located() -> bool:
+        status, replies = post_json(b, [req("worker_info", id_=1), req("worker_info", id_=2)], timeout=10)
+        got = {r["result"]["pid"] for r in replies}  # type: ignore[union-attr]
+        if status == 200 and len(got) == 1:
+            victim[:] = list(pids - got)
+            return True
+        return False
+
+    wait_for(located, timeout=10, interval=0.05)
+    (victim_pid,) = victim
+    (survivor_pid,) = pids - {victim_pid}
+
+    other_sock = open_call(b, req("sleep", [1.5], "other"))  # must go to the survivor
+    barrier(b)
+    os.kill(victim_pid, signal.SIGKILL)
+
+    (doomed_raw, t_doomed), (other_raw, t_other) = read_all([doomed_sock, other_sock], timeout=20)
+    status, doomed = one_answer(doomed_raw)
+    assert status == 502
+    assert doomed["id"] == "doomed"
+    assert "result" not in doomed
+    assert doomed["error"]["code"] == -32002
+    assert doomed["error"]["data"] == {"pid": victim_pid, "status": "killed by SIGKILL"}
+    assert t_doomed < t_other  # answered at once, not when the other call finished
+    status, other = one_answer(other_raw)
+    assert (status, other) == (200, {"jsonrpc": "2.0", "id": "other", "result": 1.5})
+
+    # Back to full strength: two distinct pids again, a fresh one replacing the victim.
+    new_pids = worker_pids(b, 2, timeout=30)
+    assert victim_pid not in new_pids
+    assert survivor_pid in new_pids
+    assert not pid_exists(victim_pid)
+    assert b.get("/readyz")[0] == 200
+    assert b.call("subtract", [5, 3]) == {"jsonrpc": "2.0", "id": 1, "result": 2}
+    assert "killed by SIGKILL" in b.read_log()
+
+
+def test_worker_killed_mid_batch_fills_only_its_slots(broker_factory):
+    b = broker_factory("--workers", "2", "--worker-concurrency", "1")
+    pids = worker_pids(b, 2)
+    sock = open_call(b, [req("sleep", [30], "a"), req("sleep", [0.5], "b")])
+    barrier(b)
+    # Both workers are busy (concurrency 1); the next call waits for the first one to
+    # free up, which is the one that ran "b": the other one is running "a".
+    freed = b.call("worker_info", timeout=20)["result"]["pid"]  # type: ignore[index]
+    (victim,) = pids - {freed}
+    os.kill(victim, signal.SIGKILL)
+    ((raw, _),) = read_all([sock], timeout=20)
+    status, body = one_answer(raw)
+    assert status == 200  # a batch is 200 whatever its elements say
+    assert [r["id"] for r in body] == ["a", "b"]
+    assert body[0]["error"]["code"] == -32002
+    assert body[0]["error"]["data"] == {"pid": victim, "status": "killed by SIGKILL"}
+    assert body[1] == {"jsonrpc": "2.0", "id": "b", "result": 0.5}
+    assert victim not in worker_pids(b, 2, timeout=30)
+
+
+# -- 3. deadlines -------------------------------------------------------------------------
+
+
+def test_deadline_answers_timed_out_and_broker_keeps_serving(broker_factory):
+    b = broker_factory("--workers", "1", "--timeout", "0.5")
+    t0 = time.monotonic()
+    status, body = post_json(b, req("sleep", [5], 7))
+    elapsed = time.monotonic() - t0
+    assert status == 504
+    assert body["id"] == 7
+    assert body["error"]["code"] == -32001
+    assert body["error"]["data"] == {"timeout_seconds": 0.5}
+    assert 0.5 <= elapsed < 4.0
+    # The worker was told to cancel; the broker and the same worker keep serving.
+    assert b.call("subtract", [42, 23]) == {"jsonrpc": "2.0", "id": 1, "result": 19}
+    assert b.call("sleep", [0.05])["result"] == 0.05
+    # In a batch a timed-out element is one error among results, and the batch is 200.
+    status, body = post_json(b, [req("sleep", [5], 1), req("add", [1, 2], 2)])
+    assert status == 200
+    assert body[0]["error"]["code"] == -32001
+    assert body[1]["result"] == 3
+
+
+def test_method_timeout_overrides_the_default_for_that_method_only(broker_factory):
+    b = broker_factory("--workers", "2", "--timeout", "0.5", "--method-timeout", "sleep=0.3")
+    worker_pids(b, 2)
+    t0 = time.monotonic()
+    # fib(35) is CPU-bound for seconds: it can only hit the default deadline, 0.5 s.
+    status, body = post_json(b, [req("sleep", [5], "s"), req("fib", [35], "f")])
+    elapsed = time.monotonic() - t0
+    assert status == 200
+    assert [r["id"] for r in body] == ["s", "f"]
+    assert body[0]["error"]["code"] == -32001
+    assert body[0]["error"]["data"] == {"timeout_seconds": 0.3}
+    assert body[1]["error"]["code"] == -32001
+    assert body[1]["error"]["data"] == {"timeout_seconds": 0.5}
+    assert elapsed < 4.0
+    # The worker stuck in fib still owes its (late) reply; the other one serves.
+    assert b.call("add", [2, 2]) == {"jsonrpc": "2.0", "id": 1, "result": 4}
+    assert b.call("sleep", [0.1])["result"] == 0.1
+
+
+# -- 4. overload --------------------------------------------------------------------------
+
+
+def test_full_queue_sheds_load_with_overloaded(broker_factory):
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--max-queue", "2")
+    worker_pids(b, 1)
+    socks = [socket.create_connection((b.host, b.port), timeout=30) for _ in range(6)]
+    t0 = time.monotonic()
+    for i, s in enumerate(socks):
+        s.sendall(http_request(b, req("sleep", [0.5], i)))
+    results = read_all(socks, timeout=30)
+    answers = [(one_answer(raw), t) for raw, t in results]  # exactly one answer each
+    ok = [(body, t) for (status, body), t in answers if status == 200]
+    shed = [(body, t) for (status, body), t in answers if status == 503]
+    assert len(ok) == 3 and len(shed) == 3, answers
+    for body, _ in ok:
+        assert body["result"] == 0.5
+    for body, _ in shed:
+        assert body["error"]["code"] == -32000
+        assert body["error"]["message"] == "Server overloaded"
+    # Shed at once: every overloaded answer came before the first call finished.
+    assert max(t for _, t in shed) < min(t for _, t in ok)
+    assert sorted(body["id"] for body, _ in ok + shed) == list(range(6))
+    # 1 ran and 2 waited their turn: three 0.5 s sleeps one after the other.
+    assert max(t for _, t in ok) - t0 >= 1.4
+    # Afterwards the broker works again.
+    assert b.call("subtract", [1, 1])["result"] == 0
+
+
+# -- 5. graceful stop ---------------------------------------------------------------------
+
+
+def test_sigterm_answers_in_flight_calls_then_exits_0(broker_factory):
+    b = broker_factory("--workers", "2", "--grace-period", "10")
+    pids = worker_pids(b, 2)
+    # An idle keep-alive connection (one answered request, still open).
+    idle = socket.create_connection((b.host, b.port), timeout=30)
+    idle.sendall(http_request(b, req("add", [1, 1], 0), close=False))
+    assert idle.recv(65536).startswith(b"HTTP/1.1 200 ")
+    socks = [open_call(b, req("sleep", [1.0], "x")), open_call(b, [req("sleep", [0.8], 1), req("add", [1, 2], 2)])]
+    barrier(b)
+    b.proc.send_signal(signal.SIGTERM)
+    (raw1, t1), (raw2, t2), (rest, t_idle) = read_all([*socks, idle], timeout=20)
+    assert one_answer(raw1) == (200, {"jsonrpc": "2.0", "id": "x", "result": 1.0})
+    assert one_answer(raw2) == (200, [{"jsonrpc": "2.0", "id": 1, "result": 0.8},
+                                      {"jsonrpc": "2.0", "id": 2, "result": 3}])
+    # The idle connection was closed at once, without waiting for the calls.
+    assert rest == b""
+    assert t_idle < min(t1, t2)
+    assert b.proc.wait(timeout=20) == 0
+    wait_for(lambda: not any(pid_exists(p) for p in pids), timeout=10)
+    assert "stopped" in b.read_log()
+    with pytest.raises(OSError):
+        socket.create_connection((b.host, b.port), timeout=5).close()
+
+
+def test_sigterm_grace_period_ends_long_calls_with_shutting_down(broker_factory):
+    b = broker_factory("--workers", "1", "--grace-period", "0.5")
+    (pid,) = worker_pids(b, 1)
+    sock = open_call(b, req("sleep", [10], "long"))
+    barrier(b)
+    t0 = time.monotonic()
+    b.proc.send_signal(signal.SIGTERM)
+    ((raw, t_answer),) = read_all([sock], timeout=20)
+    status, body = one_answer(raw)
+    assert status == 503
+    assert body["id"] == "long"
+    assert body["error"]["code"] == -32004
+    assert body["error"]["data"] == "grace period ended"
+    assert t_answer - t0 < 5.0
+    assert b.proc.wait(timeout=20) == 0
+    exited = time.monotonic() - t0
+    assert exited < 5.0, f"exit took {exited:.1f} s:\n{b.read_log()}"
+    wait_for(lambda: not pid_exists(pid), timeout=10)
+
+
+# -- 6. boot failure ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("app", "words"),
+    [
+        ("nonexistent.module:registry", "No module named 'nonexistent'"),
+        ("broker.demo:nothing", "has no attribute 'nothing'"),
+    ],
+)
+def test_bad_app_exits_with_status_3_and_says_why(app, words):
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        start_broker("--workers", "2", "--app", app, timeout=60)
+    message = str(info.value)
+    assert message.startswith("broker exited with 3:"), message
+    assert words in message
+    assert f"could not load app {app!r}" in message
+    assert time.monotonic() - t0 < 30
+
+
+# -- 7. notifications ---------------------------------------------------------------------
+
+
+def test_notifications_run_but_are_never_answered(broker_factory):
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1")
+    worker_pids(b, 1)
+    t0 = time.monotonic()
+    # A notification is answered by HTTP 204 with no body at all...
+    status, _, body = b.post(json.dumps(req("sleep", [0.5])))
+    assert (status, body) == (204, b"")
+    # ...but it runs: it holds the only worker slot, so the next call waits for it.
+    assert b.call("subtract", [3, 1]) == {"jsonrpc": "2.0", "id": 1, "result": 2}
+    assert time.monotonic() - t0 >= 0.45
+    # A batch of notifications only (even failing ones) is 204, no body.
+    status, _, body = b.post(json.dumps([req("add", [1, 2]), req("sleep", ["x"]), req("no_such_method")]))
+    assert (status, body) == (204, b"")
+    # In a mixed batch only the calls are answered.
+    status, replies = post_json(b, [req("notify_hello", [1]), req("add", [1, 2], "c"), req("update", [5])])
+    assert (status, replies) == (200, [{"jsonrpc": "2.0", "id": "c", "result": 3}])

@@ -1,0 +1,219 @@
+"""Sans-IO tests of `broker.wire`: frames in, frames out, under every way of splitting.
+
+As h11's `tr()`: every stream is fed whole, one byte at a time and in random chunks,
+and a trailing partial frame must be held back until the rest arrives.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import wire
+from broker.wire import HEADER_SIZE, FrameDecoder, FrameError, Kind, decode_hello, encode_frame
+
+Frame = tuple[int, int, int, bytes]
+
+FRAMES: list[Frame] = [
+    (Kind.HELLO, 0, 0, b'{"pid":1,"slot":0,"methods":[],"concurrency":1}'),
+    (Kind.CALL, 1, 3, b"[42, 23]"),
+    (Kind.NOTIFY, 2, 0, b""),
+    (Kind.RESULT, 2**64 - 1, 2**32 - 1, b"19"),
+    (Kind.ERROR, 7, 12, b'{"code":-32603,"message":"Internal error"}'),
+    (Kind.CANCEL, 8, 0, b""),
+    (Kind.CALL, 9, 0, bytes(range(256)) * 40),  # binary, 10 KiB
+    (Kind.BYE, 0, 0, b""),
+]
+
+
+def stream(frames: list[Frame]) -> bytes:
+    return b"".join(encode_frame(*f) for f in frames)
+
+
+def feed_chunks(chunks: list[bytes], decoder: FrameDecoder | None = None) -> list[Frame]:
+    decoder = decoder or FrameDecoder()
+    out: list[Frame] = []
+    for chunk in chunks:
+        out += decoder.feed(chunk)
+    assert decoder.buffered == 0
+    return out
+
+
+def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
+    cuts = sorted({c for c in cuts if 0 < c < len(data)})
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+
+
+def test_header_layout_matches_the_diagram():
+    assert HEADER_SIZE == 17
+    frame = encode_frame(Kind.RESULT, 0x0102030405060708, 0x0A0B0C0D, b"xyz")
+    assert frame == (
+        b"\x00\x00\x00\x03"  # payload length u32
+        b"\x04"  # kind
+        b"\x01\x02\x03\x04\x05\x06\x07\x08"  # call id u64
+        b"\x0a\x0b\x0c\x0d"  # aux u32
+        b"xyz"
+    )
+    assert [int(k) for k in Kind] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_whole():
+    assert feed_chunks([stream(FRAMES)]) == FRAMES
+
+
+def test_one_byte_at_a_time():
+    data = stream(FRAMES)
+    decoder = FrameDecoder()
+    out: list[Frame] = []
+    for i in range(len(data)):
+        got = decoder.feed(data[i:i + 1])
+        out += got
+        assert decoder.buffered == (i + 1) - len(stream(out))
+    assert out == FRAMES
+
+
+def test_frames_are_bytes_and_independent_of_the_buffer():
+    decoder = FrameDecoder()
+    data = stream(FRAMES)
+    first = decoder.feed(data[:30])  # HELLO is whole, CALL is not
+    rest = decoder.feed(bytearray(data[30:]))
+    for kind, call_id, aux, payload in first + rest:
+        assert type(kind) is int and type(call_id) is int and type(aux) is int
+        assert type(payload) is bytes
+    assert first + rest == FRAMES
+
+
+@pytest.mark.parametrize("wrap", [bytes, bytearray, memoryview])
+def test_buffer_types(wrap):
+    data = stream(FRAMES)
+    assert feed_chunks([wrap(data[:40]), wrap(data[40:41]), wrap(data[41:])]) == FRAMES
+
+
+def test_random_chunks_seeded():
+    data = stream(FRAMES * 3)
+    seed = int.from_bytes(os.urandom(4), "big")
+    rnd = random.Random(seed)
+    for _ in range(50):
+        cuts = [rnd.randrange(len(data)) for _ in range(rnd.randrange(1, 40))]
+        assert feed_chunks(split_at(data, cuts)) == FRAMES * 3, f"seed {seed}, cuts {sorted(cuts)}"
+
+
+frames_st = st.lists(
+    st.tuples(
+        st.sampled_from([int(k) for k in Kind]),
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**32 - 1),
+        st.binary(max_size=64),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=200, deadline=None, print_blob=True)
+@given(frames_st, st.data())
+def test_random_chunks(frames, data):
+    raw = stream(frames)
+    cuts = data.draw(st.lists(st.integers(0, max(len(raw), 1)), max_size=20), label="cuts")
+    assert feed_chunks(split_at(raw, cuts)) == frames
+
+
+@settings(max_examples=100, deadline=None, print_blob=True)
+@given(frames_st.filter(bool), st.data())
+def test_trailing_partial_frame_is_held_back(frames, data):
+    raw = stream(frames)
+    last = encode_frame(*frames[-1])
+    keep = data.draw(st.integers(0, len(last) - 1), label="bytes of the last frame sent")
+    decoder = FrameDecoder()
+    head = raw[: len(raw) - len(last) + keep]
+    assert decoder.feed(head) == frames[:-1]
+    assert decoder.buffered == keep
+    assert decoder.feed(last[keep:]) == frames[-1:]
+    assert decoder.buffered == 0
+
+
+def test_many_frames_in_one_feed():
+    frames = [(Kind.CALL, i, i % 7, str(i).encode()) for i in range(5000)]
+    decoder = FrameDecoder()
+    data = stream(frames) + encode_frame(Kind.CALL, 5000, 0, b"partial")[:-3]
+    assert decoder.feed(data) == frames
+    assert decoder.buffered == HEADER_SIZE + 4
+    assert decoder.feed(b"ial") == [(Kind.CALL, 5000, 0, b"partial")]
+
+
+@pytest.mark.parametrize("kind", [0, 8, 0x7F, 0xFF])
+def test_unknown_kind_raises_on_the_header_before_the_payload(kind):
+    header = wire.HEADER.pack(1000, kind, 5, 0)
+    decoder = FrameDecoder()
+    for b in header[:-1]:  # an incomplete header is just waited for
+        assert decoder.feed(bytes([b])) == []
+    with pytest.raises(FrameError) as info:
+        decoder.feed(header[-1:])
+    assert f"unknown frame kind {kind}" in str(info.value)
+    assert repr(header) in str(info.value)
+
+
+def test_unknown_kind_after_good_frames():
+    header = wire.HEADER.pack(0, 9, 1, 0)
+    with pytest.raises(FrameError, match="unknown frame kind 9"):
+        FrameDecoder().feed(encode_frame(Kind.CALL, 1, 0, b"[]") + header)
+
+
+def test_oversize_length_raises_on_the_header_before_the_payload():
+    decoder = FrameDecoder(max_frame_bytes=100)
+    assert decoder.feed(encode_frame(Kind.CALL, 1, 0, b"x" * 100)) == [(Kind.CALL, 1, 0, b"x" * 100)]
+    header = wire.HEADER.pack(101, Kind.CALL, 2, 0)
+    with pytest.raises(FrameError) as info:
+        decoder.feed(header)
+    assert "frame of 101 bytes exceeds max_frame_bytes 100" in str(info.value)
+    assert repr(header) in str(info.value)
+
+
+def test_huge_length_at_the_default_limit():
+    header = wire.HEADER.pack(2**32 - 1, Kind.RESULT, 1, 0)
+    with pytest.raises(FrameError, match="exceeds max_frame_bytes"):
+        FrameDecoder().feed(header)
+
+
+def test_length_at_the_limit_waits_for_the_payload():
+    decoder = FrameDecoder(max_frame_bytes=100)
+    assert decoder.feed(wire.HEADER.pack(100, Kind.CALL, 2, 0) + b"x" * 99) == []
+    assert decoder.buffered == HEADER_SIZE + 99
+    assert decoder.feed(b"y") == [(Kind.CALL, 2, 0, b"x" * 99 + b"y")]
+
+
+# --- HELLO ---------------------------------------------------------------------------------
+
+
+def test_decode_hello_round_trip():
+    hello = wire.Hello(
+        pid=123, slot=2, concurrency=10,
+        methods=[wire.MethodInfo("add", {"type": "object"}, "a + b"), wire.MethodInfo("echo")],
+    )
+    got = decode_hello(msgspec.json.encode(hello))
+    assert got == hello
+    assert got.methods[1] == wire.MethodInfo("echo", {}, "")
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"not json",
+        b"[]",
+        b'{"pid":1,"slot":0,"methods":[]}',  # concurrency missing
+        b'{"pid":"1","slot":0,"methods":[],"concurrency":1}',  # pid a string
+        b'{"pid":1,"slot":0,"methods":{},"concurrency":1}',  # methods not a list
+        b'{"pid":1,"slot":0,"methods":[{"doc":"x"}],"concurrency":1}',  # method without name
+        b'{"pid":1,"slot":0,"methods":[],"concurrency":1,"extra":true}',  # unknown field
+        b'{"pid":1,"slot":0,"methods":[],"concurrency":1.5}',
+        b'{"pid":1,"slot":0,"methods":[],"concurrency":1}x',
+    ],
+)
+def test_decode_hello_rejects_bad_payloads(payload):
+    with pytest.raises(FrameError, match="bad HELLO"):
+        decode_hello(payload)

@@ -1,0 +1,851 @@
+"""Tests of the worker SDK (`broker.worker`): registration, params binding, result
+encoding, and the real `WorkerProtocol` on a real socketpair under uvloop and asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import decimal
+import enum
+import inspect
+import json
+import os
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import numpy as np
+import pytest
+import uvloop
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import demo
+from broker.wire import HEADER, FrameDecoder, Kind, decode_hello, encode_frame
+from broker.worker import (
+    InvalidParams,
+    Method,
+    NestingTooDeep,
+    Registry,
+    RpcError,
+    WorkerProtocol,
+    encode_result,
+)
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
+
+class Box(msgspec.Struct):
+    w: float
+    h: float
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+class Level(enum.IntEnum):
+    HIGH = 3
+
+
+def bind(fn: Callable[..., object], params: bytes, max_depth: int = 64) -> tuple[tuple[object, ...], dict[str, object]]:
+    return Method(fn.__name__, fn).bind(params, max_depth)
+
+
+def invalid(fn: Callable[..., object], params: bytes) -> tuple[str | None, str]:
+    with pytest.raises(InvalidParams) as info:
+        bind(fn, params)
+    return info.value.param, info.value.reason
+
+
+# --- Registry ----------------------------------------------------------------------------
+
+
+def test_registry_bare_and_named_and_raw():
+    reg = Registry()
+
+    def plain(a: int) -> int:
+        """Doc of plain."""
+        return a
+
+    async def coro() -> None:
+        pass
+
+    def raw(params: msgspec.Raw | None) -> object:
+        return params
+
+    assert reg.method(plain) is plain
+    assert reg.method(name="ns.coro")(coro) is coro
+    assert reg.method(name="raw", raw_params=True)(raw) is raw
+    assert len(reg) == 3
+    assert "plain" in reg and "ns.coro" in reg and "raw" in reg and "coro" not in reg
+    assert "Plain" not in reg  # case-sensitive
+    methods = reg.methods()
+    assert [(m.name, m.is_async, m.raw_params) for m in methods] == [
+        ("plain", False, False), ("ns.coro", True, False), ("raw", False, True),
+    ]
+    assert methods[0].doc == "Doc of plain."
+    assert methods[0].fn is plain
+    assert methods[2].params_schema() == {}
+    schema = methods[0].params_schema()
+    named = schema["$defs"]["plain_named"]  # type: ignore[index]
+    assert named["properties"] == {"a": {"type": "integer"}} and named["required"] == ["a"]
+
+
+def test_registry_refuses_reserved_and_duplicate_names():
+    reg = Registry()
+
+    def f() -> None:
+        pass
+
+    with pytest.raises(ValueError, match="reserved"):
+        reg.method(name="rpc.discover")(f)
+    with pytest.raises(ValueError, match="reserved"):
+        reg.method(name="rpc.")(f)
+    reg.method(f)
+    with pytest.raises(ValueError, match="already registered"):
+        reg.method(f)
+    with pytest.raises(ValueError, match="already registered"):
+        reg.method(name="f", raw_params=True)(f)
+    reg.method(name="rpcx")(f)  # only the "rpc." prefix is reserved
+    assert [m.name for m in reg.methods()] == ["f", "rpcx"]
+
+
+def test_raw_params_passes_exact_bytes_or_none():
+    def echo(params: msgspec.Raw | None) -> object:
+        return params
+
+    m = Method("echo", echo, raw_params=True)
+    args, kwargs = m.bind(b'[1,  2.50, "x"]', 64)
+    assert kwargs == {} and len(args) == 1
+    assert type(args[0]) is msgspec.Raw and bytes(args[0]) == b'[1,  2.50, "x"]'
+    assert m.bind(b"", 64) == ((None,), {})
+    deep = b"[" * 1000 + b"]" * 1000  # raw params are not looked at
+    assert bytes(m.bind(deep, 3)[0][0]) == deep  # type: ignore[arg-type]
+
+
+# --- Method.bind ---------------------------------------------------------------------------
+
+
+def typed(i: int, f: float, s: str, items: list[int], p: Point, b: Box) -> None:
+    pass
+
+
+def test_bind_positional_and_named_convert_types():
+    args, kwargs = bind(typed, b'[1, 2, "s", [3, 4], {"x": 5, "y": 6}, {"w": 1.5, "h": 2}]')
+    assert kwargs == {}
+    assert args == (1, 2.0, "s", [3, 4], Point(5, 6), Box(1.5, 2.0))
+    assert type(args[1]) is float and type(args[5].h) is float  # type: ignore[union-attr]
+    named = bind(typed, b'{"b": {"w": 1, "h": 2}, "p": {"y": 6, "x": 5}, "items": [], "s": "", "f": 0.5, "i": -1}')
+    assert named == ((-1, 0.5, "", [], Point(5, 6), Box(1.0, 2.0)), {})
+
+
+def defaults(a: int, b: float = 2.5, c: str = "c") -> None:
+    pass
+
+
+def test_bind_defaults():
+    assert bind(defaults, b"[1]") == ((1, 2.5, "c"), {})
+    assert bind(defaults, b"[1, 3]") == ((1, 3.0, "c"), {})
+    assert bind(defaults, b'{"a": 1, "c": "z"}') == ((1, 2.5, "z"), {})
+    assert bind(get_nothing, b"") == ((), {})
+    assert bind(get_nothing, b"[]") == ((), {})
+    assert bind(get_nothing, b"{}") == ((), {})
+
+
+def get_nothing() -> None:
+    pass
+
+
+def kwonly(a: int, b: int = 1, *, c: str, d: int = 4) -> None:
+    pass
+
+
+def test_bind_keyword_only_after_a_default():
+    # A required keyword-only param after a positional default: legal Python, and
+    # registering it must not fail (the named struct used to refuse this order).
+    assert bind(kwonly, b'{"a": 1, "c": "x"}') == ((1, 1), {"c": "x", "d": 4})
+    assert bind(kwonly, b'{"d": 9, "c": "x", "b": 2, "a": 1}') == ((1, 2), {"c": "x", "d": 9})
+    assert invalid(kwonly, b"[1, 2]") == ("c", "keyword-only parameter: pass params by name")
+    assert invalid(kwonly, b'{"a": 1}') == ("c", "missing required parameter")
+
+
+def optional_kwonly(a: int, *, flag: bool = False) -> None:
+    pass
+
+
+def test_bind_keyword_only_with_default_by_position():
+    assert bind(optional_kwonly, b"[1]") == ((1,), {})
+    assert invalid(optional_kwonly, b"[1, true]") == (None, "too many positional params: takes at most 1, got 2")
+    assert bind(optional_kwonly, b'{"a": 1, "flag": true}') == ((1,), {"flag": True})
+
+
+MUTABLE_DEFAULT = [1, 2]
+
+
+def mutable_defaults(a: list[int] = MUTABLE_DEFAULT, b: dict[str, int] = {"k": 1}, c: list[int] = []) -> None:  # noqa: B006
+    pass
+
+
+def test_bind_non_empty_mutable_defaults():
+    # msgspec refuses such Struct defaults; registering the handler used to fail.
+    args, kwargs = bind(mutable_defaults, b"[]")
+    assert args == ([1, 2], {"k": 1}, []) and kwargs == {}
+    assert args[0] is MUTABLE_DEFAULT  # the handler's own default, as a Python call gives
+    assert bind(mutable_defaults, b'{"b": {"z": 2}}') == (([1, 2], {"z": 2}, []), {})
+    assert invalid(mutable_defaults, b'[["x"]]') == ("a", "Expected `int`, got `str`")
+
+
+def positional_only(a: int, /, b: int) -> None:
+    pass
+
+
+def test_bind_positional_only_by_name():
+    assert bind(positional_only, b"[1, 2]") == ((1, 2), {})
+    assert bind(positional_only, b'{"b": 2, "a": 1}') == ((1, 2), {})
+
+
+def varargs(first: str, *rest: int) -> None:
+    pass
+
+
+def test_bind_var_positional():
+    assert bind(varargs, b'["a"]') == (("a",), {})
+    assert bind(varargs, b'["a", 1, 2, 3]') == (("a", 1, 2, 3), {})
+    assert bind(varargs, b'{"first": "a"}') == (("a",), {})
+    assert invalid(varargs, b'["a", 1, "x"]') == ("rest", "Expected `int`, got `str` (params[2])")
+    assert invalid(varargs, b"[]") == ("first", "missing required parameter")
+    assert invalid(varargs, b'{"first": "a", "rest": [1]}') == ("rest", "unexpected parameter")
+
+
+def varkw(a: int, *, b: int = 0, **extra: float) -> None:
+    pass
+
+
+def test_bind_var_keyword():
+    assert bind(varkw, b'{"a": 1, "z": 2, "y": 0.5}') == ((1,), {"b": 0, "z": 2.0, "y": 0.5})
+    assert bind(varkw, b'{"a": 1, "b": 3}') == ((1,), {"b": 3})
+    assert invalid(varkw, b'{"a": 1, "z": 2, "y": "q"}') == ("y", "Expected `float`, got `str`")
+    assert invalid(varkw, b'{"a": "1"}') == ("a", "Expected `int`, got `str`")
+
+
+def untyped(a, b=None, *args, **kwargs):  # no hints: anything goes
+    pass
+
+
+def test_bind_untyped():
+    assert bind(untyped, b'[{"k": [1]}, "x", 3, null]') == (({"k": [1]}, "x", 3, None), {})
+    assert bind(untyped, b'{"a": 1, "q": true}') == ((1, None), {"q": True})
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@pytest.mark.parametrize(
+    ("fn", "params", "param", "reason"),
+    [
+        (add, b'["1", 2]', "a", "Expected `int`, got `str`"),  # wrong type, positional
+        (add, b"[1, 2.5]", "b", "Expected `int`, got `float`"),
+        (add, b"[1, [2]]", "b", "Expected `int`, got `array`"),
+        (add, b"[true, 2]", "a", "Expected `int`, got `bool`"),
+        (add, b'{"a": 1, "b": "2"}', "b", "Expected `int`, got `str`"),  # wrong type, named
+        (add, b'{"a": null, "b": 2}', "a", "Expected `int`, got `null`"),
+        (add, b"[1]", "b", "missing required parameter"),  # missing, positional
+        (add, b"[]", "a", "missing required parameter"),
+        (add, b"", "a", "missing required parameter"),  # params absent
+        (add, b'{"a": 1}', "b", "missing required parameter"),  # missing, named
+        (add, b"[1, 2, 3]", None, "too many positional params: takes at most 2, got 3"),
+        (add, b'{"a": 1, "b": 2, "c": 3}', "c", "unexpected parameter"),  # unknown named
+        (typed, b'[1, 2, "s", [3, "4"], {"x": 5, "y": 6}, {"w": 1, "h": 2}]', "items", "Expected `int`, got `str`"),
+        (typed, b'[1, 2, "s", [], {"x": 5}, {"w": 1, "h": 2}]', "p", "Object missing required field `y`"),
+        (get_nothing, b"[1]", None, "too many positional params: takes at most 0, got 1"),
+        (get_nothing, b'{"x": 1}', "x", "unexpected parameter"),
+    ],
+)
+def test_bind_invalid_params(fn, params, param, reason):
+    assert invalid(fn, params) == (param, reason)
+
+
+@pytest.mark.parametrize("fn", [add, varkw, untyped])
+@pytest.mark.parametrize("params", [b"null", b"5", b'"s"', b"true"])
+def test_bind_scalar_params_are_invalid_params(fn, params):
+    # With **kwargs this used to raise TypeError (-32603 instead of -32602).
+    assert invalid(fn, params) == (None, "params must be an array or an object")
+
+
+def test_bind_params_not_json_is_invalid_params():
+    param, reason = invalid(add, b"[1, 2")
+    assert param is None and reason.startswith("params are not valid JSON")
+
+
+def any_param(x: object = None) -> None:
+    pass
+
+
+def nest(depth: int, inner: bytes = b"1") -> bytes:
+    return b"[" * depth + inner + b"]" * depth
+
+
+@pytest.mark.parametrize("limit", [1, 2, 5, 64])
+def test_max_depth_just_under_and_just_over(limit):
+    assert bind(any_param, nest(limit), limit)  # the params array itself is level 1
+    assert bind(any_param, nest(limit - 1, b"[]"), limit)
+    with pytest.raises(NestingTooDeep):
+        bind(any_param, nest(limit + 1), limit)
+    with pytest.raises(NestingTooDeep):
+        bind(any_param, nest(limit, b"[]"), limit)
+
+
+def test_max_depth_counts_objects_and_ignores_brackets_in_strings():
+    assert bind(any_param, b'{"x": {"a": {"b": 1}}}', 3)[0] == ({"a": {"b": 1}},)
+    with pytest.raises(NestingTooDeep):
+        bind(any_param, b'{"x": {"a": {"b": []}}}', 3)
+    assert bind(any_param, b'["[[[[[[[[{{{{{{"]', 2) == (("[[[[[[[[{{{{{{",), {})
+
+
+@pytest.mark.parametrize("max_depth", [64, 10000])  # 10000: the largest the config allows
+@pytest.mark.parametrize(
+    "body",
+    [
+        nest(100000),
+        b'{"x":' * 100000 + b"1" + b"}" * 100000,
+        nest(5000),  # fewer brackets than max_depth 10000, deeper than the parser takes
+    ],
+)
+def test_very_deep_params_raise_nesting_too_deep_not_recursion_error(body, max_depth):
+    with pytest.raises(NestingTooDeep):
+        bind(any_param, body, max_depth)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["a", "b", "c", "d", "i", "f", "s", "p", "x", "y", "first", "rest", "zz"]), inner, max_size=4
+    ),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=300, deadline=None, print_blob=True)
+@given(
+    st.sampled_from([typed, defaults, kwonly, optional_kwonly, positional_only, varargs, varkw, untyped, add, get_nothing]),
+    json_values.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=30),
+    st.integers(1, 6),
+)
+def test_bind_any_params_binds_or_raises_invalid_params(fn, params, max_depth):
+    try:
+        args, kwargs = bind(fn, params, max_depth)
+    except InvalidParams as exc:
+        assert exc.param is None or type(exc.param) is str
+        assert type(exc.reason) is str and exc.reason
+        return
+    except NestingTooDeep:
+        return
+    inspect.signature(fn).bind(*args, **kwargs)  # the handler can be called with them
+
+
+# --- encode_result -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (Point(1, 2), {"x": 1, "y": 2}),
+        (datetime.datetime(2024, 1, 2, 3, 4, 5, tzinfo=datetime.UTC), "2024-01-02T03:04:05+00:00"),
+        (datetime.date(2024, 1, 2), "2024-01-02"),
+        (uuid.UUID(int=1), "00000000-0000-0000-0000-000000000001"),
+        (Color.RED, "red"),
+        (Level.HIGH, 3),
+        (np.arange(3), [0, 1, 2]),
+        (np.array([[1.5, 2.0]], dtype=np.float32), [[1.5, 2.0]]),
+        (np.int64(7), 7),
+        (Box(1.0, 2.5), {"w": 1.0, "h": 2.5}),
+        ({1, 2, 3}, [1, 2, 3]),
+        (frozenset({"a"}), ["a"]),
+        (2**64, 2**64),
+        (-(2**70) - 1, -(2**70) - 1),
+        ({"big": [2**100]}, {"big": [2**100]}),
+        (Point(2**65, 0), {"x": 2**65, "y": 0}),
+        ({1: "one"}, {"1": "one"}),
+        (None, None),
+        ([], []),
+    ],
+)
+def test_encode_result(value, expected):
+    out = encode_result(value)
+    assert type(out) is bytes
+    got = json.loads(out)
+    assert (sorted(got) if isinstance(value, (set, frozenset)) else got) == expected
+
+
+class Holder(msgspec.Struct):
+    value: object
+    more: object = None
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        # numpy inside a Struct: to_builtins used to refuse it, so the result failed.
+        (Holder(np.arange(2), np.float64(1.5)), b'{"value":[0,1],"more":1.5}'),
+        (Holder([np.int8(3)], {1, 2}), b'{"value":[3],"more":[1,2]}'),
+        (Holder(Point(1, 2), datetime.date(2020, 1, 1)), b'{"value":{"x":1,"y":2},"more":"2020-01-01"}'),
+        (Holder(msgspec.Raw(b"[1, 2]"), 2**70), b'{"value":[1, 2],"more":1180591620717411303424}'),
+    ],
+)
+def test_encode_result_struct_fields(value, expected):
+    assert encode_result(value) == expected
+
+
+def test_encode_result_raw_passes_through_byte_for_byte():
+    assert encode_result(msgspec.Raw(b'{"x":  [1, 2.50]}')) == b'{"x":  [1, 2.50]}'
+    assert encode_result([msgspec.Raw(b"1.0e3"), 2]) == b"[1.0e3,2]"
+
+
+@pytest.mark.parametrize(
+    "value", [object(), complex(1, 2), np.array([object()]), {"k": object()}, Holder(object()), [2**70, object()]]
+)
+def test_encode_result_unserializable_is_type_error(value):
+    with pytest.raises(TypeError, match=f"result of type {type(value).__name__} is not JSON-serializable"):
+        encode_result(value)
+
+
+def test_encode_result_error_names_the_culprit():
+    with pytest.raises(TypeError, match="cannot encode an object of type object"):
+        encode_result({"k": [object()]})
+
+
+def test_encode_result_too_deep_is_type_error_not_recursion_error():
+    deep: list[object] = []
+    cur = deep
+    for _ in range(100000):
+        nxt: list[object] = []
+        cur.append(nxt)
+        cur = nxt
+    with pytest.raises(TypeError, match="is not JSON-serializable"):
+        encode_result(deep)
+
+
+def test_encode_result_decimal_is_a_string():
+    assert encode_result(decimal.Decimal("1.10")) == b'"1.10"'
+
+
+# --- WorkerProtocol on a real socketpair ---------------------------------------------------
+
+
+registry = Registry()
+
+
+@registry.method
+def add_ints(a: int, b: int) -> int:
+    return a + b
+
+
+@registry.method
+def fail_rpc() -> None:
+    raise RpcError(1001, "division by zero", {"a": 1, "why": ["b", 0]})
+
+
+@registry.method
+def fail_rpc_bad_data() -> None:
+    raise RpcError(-1, "odd data", object())
+
+
+@registry.method
+def fail_plain() -> None:
+    raise ValueError("secret detail")
+
+
+@registry.method
+async def nap(seconds: float) -> float:
+    await asyncio.sleep(seconds)
+    return seconds
+
+
+@registry.method
+async def async_add(a: int, b: int) -> int:
+    await asyncio.sleep(0)
+    return a + b
+
+
+@registry.method
+def unserializable() -> object:
+    return object()
+
+
+@registry.method
+async def deep_result() -> object:
+    deep: list[object] = []
+    cur = deep
+    for _ in range(100000):
+        nxt: list[object] = []
+        cur.append(nxt)
+        cur = nxt
+    return deep
+
+
+@registry.method
+async def async_fail() -> None:
+    await asyncio.sleep(0)
+    raise KeyError("k")
+
+
+@registry.method
+async def stubborn() -> str:
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        return "finished anyway"
+    return "slept"
+
+
+INDEX = {m.name: i for i, m in enumerate(registry.methods())}
+Frame = tuple[int, int, int, bytes]
+
+
+class Broker:
+    """The broker's end of the socketpair: write frames, read frames with a deadline."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.decoder = FrameDecoder()
+        self.frames: list[Frame] = []
+        self.hello = b""
+
+    def call(self, call_id: int, method: str, params: bytes = b"", kind: int = Kind.CALL) -> bytes:
+        return encode_frame(kind, call_id, INDEX[method], params)
+
+    def send(self, *frames: bytes) -> None:
+        self.writer.write(b"".join(frames))
+
+    async def read(self, n: int = 1, timeout: float = 5.0) -> list[Frame]:
+        async with asyncio.timeout(timeout):
+            while len(self.frames) < n:
+                data = await self.reader.read(65536)
+                assert data, f"worker closed with {len(self.frames)} of {n} frames read"
+                self.frames += self.decoder.feed(data)
+        out, self.frames = self.frames[:n], self.frames[n:]
+        return out
+
+    async def read_eof(self, timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            rest = await self.reader.read()
+        assert not self.frames and not self.decoder.feed(rest) and not self.decoder.buffered
+
+    async def nothing_more(self, wait: float = 0.05) -> None:
+        try:
+            async with asyncio.timeout(wait):
+                data = await self.reader.read(65536)
+        except TimeoutError:
+            return
+        raise AssertionError(f"unexpected bytes from the worker: {data!r}")
+
+
+LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def run(request: pytest.FixtureRequest) -> Callable[..., object]:
+    """run(test, **protocol_kwargs): a connected WorkerProtocol and Broker inside a
+    fresh loop of the parametrized kind; fails on any loop exception-handler call."""
+
+    def runner(test: Callable[[WorkerProtocol, Broker], Awaitable[None]], **kwargs: object) -> None:
+        errors: list[dict[str, object]] = []
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+            worker_sock, broker_sock = socket.socketpair()
+            proto = WorkerProtocol(
+                kwargs.pop("registry", registry), slot=3, concurrency=10, **kwargs  # type: ignore[arg-type]
+            )
+            transport, _ = await loop.create_unix_connection(lambda: proto, sock=worker_sock)
+            reader, writer = await asyncio.open_unix_connection(sock=broker_sock)
+            broker = Broker(reader, writer)
+            try:
+                [hello] = await broker.read()
+                assert hello[:3] == (Kind.HELLO, 0, 0)
+                broker.hello = hello[3]
+                await test(proto, broker)
+            finally:
+                transport.close()
+                writer.close()
+                await asyncio.wait_for(proto.done, 5)
+                try:
+                    await writer.wait_closed()
+                except (ConnectionError, BrokenPipeError):
+                    pass
+
+        with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner_:
+            runner_.run(main())
+        assert not errors, errors
+
+    return runner
+
+
+def result(frame: Frame) -> object:
+    assert frame[0] == Kind.RESULT, frame
+    return json.loads(frame[3])
+
+
+def error(frame: Frame) -> dict[str, object]:
+    assert frame[0] == Kind.ERROR, frame
+    obj = json.loads(frame[3])
+    assert type(obj["code"]) is int and type(obj["message"]) is str
+    return obj
+
+
+def test_hello_comes_first_with_pid_slot_and_methods(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        hello = decode_hello(b.hello)
+        assert (hello.pid, hello.slot, hello.concurrency) == (os.getpid(), 3, 10)
+        assert [m.name for m in hello.methods] == [m.name for m in demo.registry.methods()]
+        subtract = hello.methods[0]
+        assert subtract.doc.startswith("minuend - subtrahend")
+        assert subtract.params_schema["$defs"]["subtract_named"]["required"] == ["minuend", "subtrahend"]  # type: ignore[index]
+        assert hello.methods[[m.name for m in hello.methods].index("echo")].params_schema == {}
+
+    run(test, registry=demo.registry)
+
+
+def test_demo_registry_over_the_wire(run):
+    index = {m.name: i for i, m in enumerate(demo.registry.methods())}
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(
+            encode_frame(Kind.CALL, 1, index["subtract"], b"[42, 23]"),
+            encode_frame(Kind.CALL, 2, index["sum"], b"[1, 2, 4]"),
+            encode_frame(Kind.CALL, 3, index["echo"], b'{"k":  [1.50]}'),
+            encode_frame(Kind.CALL, 4, index["sleep"], b"[-1]"),
+        )
+        replies = {f[1]: f for f in await b.read(4)}
+        assert replies[1][3] == b"19" and replies[2][3] == b"7"
+        assert replies[3][:1] == (Kind.RESULT,) and replies[3][3] == b'{"k":  [1.50]}'
+        assert error(replies[4])["code"] == -32602
+
+    run(test, registry=demo.registry)
+
+
+def test_call_gets_result_with_its_call_id(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(2**64 - 1, "add_ints", b"[40, 2]"))
+        [(kind, call_id, aux, payload)] = await b.read()
+        assert (kind, call_id, payload) == (Kind.RESULT, 2**64 - 1, b"42")
+        assert 0 <= aux < 5_000_000  # service time in µs
+        b.send(b.call(7, "add_ints", b'{"b": 1, "a": 2}'))
+        assert [(f[1], result(f)) for f in await b.read()] == [(7, 3)]
+
+    run(test)
+
+
+def test_notify_is_answered_too(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(11, "add_ints", b"[1, 1]", kind=Kind.NOTIFY))
+        [f] = await b.read()
+        assert (f[1], result(f)) == (11, 2)
+
+    run(test)
+
+
+def test_rpc_error_keeps_code_message_and_data(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(3, "fail_rpc"))
+        [f] = await b.read()
+        assert f[1] == 3
+        assert error(f) == {"code": 1001, "message": "division by zero", "data": {"a": 1, "why": ["b", 0]}}
+
+    run(test)
+
+
+def test_rpc_error_with_unencodable_data_sends_its_repr(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(3, "fail_rpc_bad_data"))
+        e = error((await b.read())[0])
+        assert (e["code"], e["message"]) == (-1, "odd data")
+        assert str(e["data"]).startswith("<object object at")
+
+    run(test)
+
+
+def test_plain_exception_is_internal_error_with_only_the_type(run, caplog):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(4, "fail_plain"), b.call(5, "async_fail"))
+        f4, f5 = sorted(await b.read(2), key=lambda f: f[1])
+        assert error(f4) == {"code": -32603, "message": "Internal error", "data": {"type": "ValueError"}}
+        assert error(f5) == {"code": -32603, "message": "Internal error", "data": {"type": "KeyError"}}
+        assert b"secret" not in f4[3]
+
+    run(test)
+    assert "secret detail" in caplog.text  # logged for the operator, not sent
+
+
+def test_plain_exception_with_debug_has_message_and_traceback(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(4, "fail_plain"))
+        data = error((await b.read())[0])["data"]
+        assert data["type"] == "ValueError"  # type: ignore[index]
+        assert data["message"] == "secret detail"  # type: ignore[index]
+        assert "Traceback" in data["traceback"] and "fail_plain" in data["traceback"]  # type: ignore[index]
+
+    run(test, debug=True)
+
+
+@pytest.mark.parametrize(
+    ("method", "params", "data"),
+    [
+        ("add_ints", b'[1, "2"]', {"param": "b", "reason": "Expected `int`, got `str`"}),
+        ("add_ints", b'{"a": 1}', {"param": "b", "reason": "missing required parameter"}),
+        ("async_add", b"[1, 2, 3]", {"param": None, "reason": "too many positional params: takes at most 2, got 3"}),
+        ("add_ints", b"null", {"param": None, "reason": "params must be an array or an object"}),
+        ("add_ints", b"[1, 2", {"param": None, "reason": "params are not valid JSON: Input data was truncated"}),
+    ],
+)
+def test_bad_params_are_invalid_params(run, method, params, data):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(6, method, params))
+        [f] = await b.read()
+        assert f[1] == 6
+        assert error(f) == {"code": -32602, "message": "Invalid params", "data": data}
+
+    run(test)
+
+
+def test_too_deep_params_and_unknown_method_index(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(
+            b.call(1, "add_ints", nest(5)),
+            encode_frame(Kind.CALL, 2, len(INDEX), b"[]"),
+        )
+        f1, f2 = await b.read(2)
+        assert error(f1) == {"code": -32600, "message": "Invalid Request", "data": "params nest deeper than max_depth 4"}
+        assert (f2[1], error(f2)) == (2, {"code": -32601, "message": "Method not found"})
+
+    run(test, max_depth=4)
+
+
+def test_unserializable_results_are_internal_errors(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(1, "unserializable"), b.call(2, "deep_result"))
+        replies = dict((f[1], error(f)) for f in await b.read(2))
+        assert replies[1]["data"] == {"type": "TypeError"}
+        # Used to raise RecursionError inside the task's done callback: no reply at all.
+        assert replies[2] == {"code": -32603, "message": "Internal error", "data": {"type": "TypeError"}}
+
+    run(test)
+
+
+def test_async_handler(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(9, "async_add", b"[2, 3]"), b.call(10, "nap", b"[0.01]"))
+        replies = {f[1]: result(f) for f in await b.read(2)}
+        assert replies == {9: 5, 10: 0.01}
+
+    run(test)
+
+
+def test_cancel_of_a_slow_async_call_gives_exactly_one_error(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(21, "nap", b"[30]"), b.call(23, "nap", b"[30]"))
+        await asyncio.sleep(0)
+        b.send(encode_frame(Kind.CANCEL, 21))
+        [f] = await b.read()
+        assert f[1] == 21
+        assert error(f) == {"code": -32001, "message": "Call timed out", "data": "cancelled by the broker"}
+        # A late CANCEL for the same call and one for an unknown call are ignored: the
+        # next frame is the answer to the next call, not a second reply for 21.
+        b.send(encode_frame(Kind.CANCEL, 21), encode_frame(Kind.CANCEL, 999), b.call(22, "add_ints", b"[1, 2]"))
+        [g] = await b.read()
+        assert (g[1], result(g)) == (22, 3)
+        await b.nothing_more()
+        assert list(proto._tasks) == [23]  # the other slow call was not touched
+
+    run(test)
+
+
+def test_cancel_of_a_call_that_swallows_it_still_gives_one_reply(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(31, "stubborn"))
+        await asyncio.sleep(0.01)
+        b.send(encode_frame(Kind.CANCEL, 31))
+        [f] = await b.read()
+        assert (f[1], result(f)) == (31, "finished anyway")
+        await b.nothing_more()
+
+    run(test)
+
+
+def test_several_calls_in_one_write(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        n = 200
+        b.send(*(b.call(i, "add_ints", f"[{i}, 1]".encode()) for i in range(n)),
+               *(b.call(n + i, "async_add", f"[{i}, 2]".encode()) for i in range(n)))
+        frames = await b.read(2 * n)
+        assert sorted((f[1], result(f)) for f in frames) == (
+            [(i, i + 1) for i in range(n)] + [(n + i, i + 2) for i in range(n)]
+        )
+        await b.nothing_more()
+
+    run(test)
+
+
+def test_bye_closes_after_in_flight_calls_finish(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(1, "nap", b"[0.1]"), b.call(2, "add_ints", b"[1, 2]"), encode_frame(Kind.BYE, 0))
+        f2 = (await b.read())[0]
+        assert (f2[1], result(f2)) == (2, 3)
+        f1 = (await b.read())[0]  # the worker did not close before call 1 finished
+        assert (f1[1], result(f1)) == (1, 0.1)
+        await b.read_eof()
+        await asyncio.wait_for(proto.done, 5)
+
+    run(test)
+
+
+def test_bye_with_nothing_in_flight_closes_at_once(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(encode_frame(Kind.BYE, 0))
+        await b.read_eof()
+        await asyncio.wait_for(proto.done, 5)
+
+    run(test)
+
+
+def test_stop_is_like_bye(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(1, "nap", b"[0.05]"))
+        await asyncio.sleep(0.01)
+        proto.stop()
+        assert result((await b.read())[0]) == 0.05
+        await b.read_eof()
+
+    run(test)
+
+
+def test_bad_frame_closes_the_connection(run, caplog):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(HEADER.pack(0, 99, 1, 0))
+        await b.read_eof()
+        await asyncio.wait_for(proto.done, 5)
+
+    run(test)
+    assert "unknown frame kind 99" in caplog.text
+
+
+def test_broker_closing_cancels_in_flight_calls(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(1, "nap", b"[30]"))
+        await asyncio.sleep(0.01)
+        b.writer.close()
+        await asyncio.wait_for(proto.done, 5)
+
+    run(test)
