@@ -108,7 +108,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                          Doc("largest batch (number of elements)")
                          ] = 1000
     max_depth: Annotated[int, Meta(ge=1, le=10000),
-                         Doc("largest JSON nesting depth of a request")
+                         Doc("largest nesting depth of a call's params (checked in "
+                             "the worker; bodies past ~1000 levels are refused by the "
+                             "parser whatever this says)")
                          ] = 64
     timeout: Annotated[Seconds, Meta(gt=0),
                        Doc("default per-call deadline")
@@ -133,8 +135,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                  Doc("idle HTTP keep-alive connections are closed "
                                      "after this")
                                  ] = 75 * SECONDS
-    max_frame_bytes: Annotated[Bytes, Meta(ge=1 * KIB),
-                               Doc("largest worker wire frame (results included)")
+    max_frame_bytes: Annotated[Bytes, Meta(ge=64 * KIB),
+                               Doc("largest worker wire frame: a call's params or "
+                                   "result, and the worker's method list")
                                ] = 16 * MIB
     restart_backoff_max: Annotated[Seconds, Meta(gt=0),
                                    Doc("cap of the exponential backoff between "
@@ -499,6 +502,12 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
             value = {**previous, **value}  # method_timeouts: merged per method name
         merged[s.name] = value
     try:
-        return msgspec.convert(merged, Config)
+        cfg = msgspec.convert(merged, Config)
     except msgspec.ValidationError as exc:  # unreachable once every value passed _check
         raise ConfigError(f"invalid configuration: {exc}") from None
+    if cfg.max_body_bytes > cfg.max_frame_bytes - 1 * KIB:
+        raise ConfigError(
+            f"max_body_bytes = {cfg.max_body_bytes} must be at most max_frame_bytes - 1024"
+            f" = {cfg.max_frame_bytes - 1 * KIB}: a call's params travel to its worker in one frame"
+        )
+    return cfg

@@ -175,6 +175,7 @@ class Dispatcher:
         self._pending: dict[int, Call] = {}
         self._queue: deque[Call] = deque()
         self._ready: list[Worker] = []
+        self._rotation = 0
         self._ids = itertools.count(1)
         self.accepting = True
         self.calls_total = 0
@@ -291,12 +292,20 @@ class Dispatcher:
             self._queue.append(call)
 
     def _pick(self) -> Worker | None:
+        """The ready worker with the fewest outstanding calls under its limit; ties
+        go round-robin (the scan starts one further each time), so one-at-a-time
+        calls spread over the workers instead of all landing on the first."""
+        ready = self._ready
+        n = len(ready)
+        if n == 0:
+            return None
+        start = self._rotation = (self._rotation + 1) % n
         best: Worker | None = None
         least = 1 << 62
-        for w in self._ready:
-            n = w.outstanding
-            if n < least and n < w.concurrency:
-                best, least = w, n
+        for w in ready[start:] + ready[:start] if start else ready:
+            k = w.outstanding
+            if k < least and k < w.concurrency:
+                best, least = w, k
         return best
 
     def _send(self, worker: Worker, call: Call) -> None:

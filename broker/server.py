@@ -76,6 +76,10 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             log.error("%s", exc)
             await pool.stop(timeout=2.0)
             return WORKER_BOOT_ERROR
+        except TimeoutError as exc:
+            log.error("%s", exc)
+            await pool.stop(timeout=2.0)
+            return 1
         frontend = HttpFrontend(
             dispatcher,
             rpc_path=config.rpc_path,
@@ -93,7 +97,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         shown = f"[{host}]" if ":" in host else host
         print(
             f"rpc-broker: serving JSON-RPC on http://{shown}:{port}{config.rpc_path}"
-            f" with {pool.size} workers (app {config.app})",
+            f" with {pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app})",
             file=sys.stderr,
             flush=True,
         )

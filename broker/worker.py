@@ -174,9 +174,9 @@ class Method:
         Raises `InvalidParams` when they do not fit the signature, and
         `NestingTooDeep` past `max_depth` levels of arrays and objects.
         """
-        if self.raw_params:
-            return ((msgspec.Raw(params) if params else None),), {}
         if not params:
+            if self.raw_params:
+                return (None,), {}
             params = b"[]"
         try:
             obj = _decode_json(params)
@@ -187,6 +187,8 @@ class Method:
         # Cheap bound first: a body with at most max_depth brackets cannot be deeper.
         if params.count(b"[") + params.count(b"{") > max_depth and _depth(obj, max_depth) > max_depth:
             raise NestingTooDeep(max_depth)
+        if self.raw_params:  # decoded anyway: the same UTF-8, JSON and depth checks
+            return (msgspec.Raw(params),), {}
         if type(obj) is list:
             return self._bind_positional(obj), {}
         if type(obj) is not dict:  # section 4.2: params is an array or an object
@@ -289,11 +291,13 @@ class NestingTooDeep(Exception):
 
 def _depth(obj: object, limit: int, level: int = 1) -> int:
     """Nesting depth of a decoded JSON value (scalars are 0), stopping past `limit`."""
-    if level > limit:
-        return level
     if type(obj) is list:
+        if level > limit:
+            return level
         return max((_depth(v, limit, level + 1) for v in obj), default=level)
     if type(obj) is dict:
+        if level > limit:
+            return level
         return max((_depth(v, limit, level + 1) for v in obj.values()), default=level)
     return level - 1
 
@@ -503,7 +507,7 @@ class WorkerProtocol(asyncio.Protocol):
                 coro = typing.cast(typing.Coroutine[object, object, object], method.fn(*args, **kwargs))
                 task = self._loop.create_task(coro)
                 self._tasks[call_id] = task
-                task.add_done_callback(lambda t: self._task_done(call_id, t0, t))
+                task.add_done_callback(lambda t: self._task_done(call_id, index, t0, t))
                 return
             result = method.fn(*args, **kwargs)
             body = encode_result(result)
@@ -512,7 +516,7 @@ class WorkerProtocol(asyncio.Protocol):
             kind, body = _ERROR, self._error(exc, index)
         self._reply(kind, call_id, t0, body)
 
-    def _task_done(self, call_id: int, t0: float, task: asyncio.Task[object]) -> None:
+    def _task_done(self, call_id: int, index: int, t0: float, task: asyncio.Task[object]) -> None:
         self._tasks.pop(call_id, None)
         if task.cancelled():
             kind, body = _ERROR, _CANCELLED
@@ -522,9 +526,9 @@ class WorkerProtocol(asyncio.Protocol):
                 try:
                     kind, body = _RESULT, encode_result(task.result())
                 except TypeError as e:
-                    kind, body = _ERROR, self._error(e, -1)
+                    kind, body = _ERROR, self._error(e, index)
             else:
-                kind, body = _ERROR, self._error(exc, -1)
+                kind, body = _ERROR, self._error(exc, index)
         self._reply(kind, call_id, t0, body)
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -532,6 +536,11 @@ class WorkerProtocol(asyncio.Protocol):
 
     def _reply(self, kind: int, call_id: int, t0: float, body: bytes) -> None:
         service_us = min(int((_perf() - t0) * 1e6), 0xFFFFFFFF)
+        if len(body) > self._decoder.max_frame_bytes:  # the broker would drop the connection
+            kind, body = _ERROR, error_object(
+                ErrorCode.INTERNAL_ERROR,
+                data=f"result of {len(body)} bytes exceeds max_frame_bytes {self._decoder.max_frame_bytes}",
+            )
         out = self._out
         out += _pack_header(len(body), kind, call_id, service_us)
         out += body

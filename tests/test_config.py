@@ -121,7 +121,7 @@ worker_concurrency = 1
 max_queue = 0
 grace_period = 0
 keepalive_timeout = 1
-max_frame_bytes = 1024
+max_frame_bytes = 65536
 restart_backoff_max = 0.5
 cancel_grace = 2.5
 socket_dir = "/run/rpc"
@@ -138,7 +138,7 @@ slow = 120.5
         "rpc_path": "/rpc", "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
         "worker_concurrency": 1, "max_queue": 0, "grace_period": 0.0,
-        "keepalive_timeout": 1.0, "max_frame_bytes": 1024, "restart_backoff_max": 0.5,
+        "keepalive_timeout": 1.0, "max_frame_bytes": 65536, "restart_backoff_max": 0.5,
         "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
     }
     assert cfg.worker_count == 1024
@@ -171,8 +171,8 @@ def test_unknown_section_fails(tmp_path: Path) -> None:
         ("max_depth = 0", "max_depth = 0: expected `int` >= 1 (allowed: 1..10000)"),
         ("max_batch = 0", "max_batch = 0: expected `int` >= 1 (allowed: >= 1)"),
         ("max_body_bytes = 0", "max_body_bytes = 0: expected `int` >= 1 (allowed: >= 1)"),
-        ("max_frame_bytes = 1023",
-         "max_frame_bytes = 1023: expected `int` >= 1024 (allowed: >= 1024)"),
+        ("max_frame_bytes = 65535",
+         "max_frame_bytes = 65535: expected `int` >= 65536 (allowed: >= 65536)"),
         ("max_queue = -1", "max_queue = -1: expected `int` >= 0 (allowed: >= 0)"),
         ("timeout = 0", "timeout = 0: expected `float` > 0.0 (allowed: > 0)"),
         ("timeout = nan", "timeout = nan: expected `float` > 0.0 (allowed: > 0)"),
@@ -457,3 +457,12 @@ def test_serve_config_error_returns_2(capsys: pytest.CaptureFixture[str]) -> Non
     assert capsys.readouterr().err == (
         "rpc-broker: config error: flag --port: port = 65536: "
         "expected `int` <= 65535 (allowed: 0..65535)\n")
+
+
+def test_body_limit_must_fit_in_a_worker_frame(tmp_path: Path) -> None:
+    """A call's params go to the worker in one frame, so the body limit must fit."""
+    path = write(tmp_path, "max_body_bytes = 65536\nmax_frame_bytes = 65536\n")
+    with pytest.raises(ConfigError, match="max_body_bytes = 65536 must be at most max_frame_bytes - 1024 = 64512"):
+        load(path, {}, {})
+    path = write(tmp_path, "max_body_bytes = 64512\nmax_frame_bytes = 65536\n")
+    assert load(path, {}, {}).max_body_bytes == 64512

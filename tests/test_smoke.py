@@ -58,3 +58,9 @@ def test_no_worker_available_while_every_worker_waits_to_restart(broker_factory)
     if status == 503:  # still in the backoff window
         assert json.loads(body)["error"]["code"] == -32003
     wait_for(lambda: "result" in b.call("pid"), timeout=20)
+
+
+def test_one_at_a_time_calls_spread_over_idle_workers(broker):
+    """Ties in least-outstanding routing go round-robin, not always to worker 0."""
+    pids = [broker.call("worker_info")["result"]["pid"] for _ in range(4)]
+    assert len(set(pids)) == 2, pids

@@ -127,8 +127,10 @@ def test_raw_params_passes_exact_bytes_or_none():
     assert kwargs == {} and len(args) == 1
     assert type(args[0]) is msgspec.Raw and bytes(args[0]) == b'[1,  2.50, "x"]'
     assert m.bind(b"", 64) == ((None,), {})
-    deep = b"[" * 1000 + b"]" * 1000  # raw params are not looked at
+    deep = b"[" * 3 + b"]" * 3  # raw params are checked against max_depth too
     assert bytes(m.bind(deep, 3)[0][0]) == deep  # type: ignore[arg-type]
+    with pytest.raises(NestingTooDeep):
+        m.bind(b"[" * 4 + b"]" * 4, 3)
 
 
 # --- Method.bind ---------------------------------------------------------------------------
@@ -508,6 +510,11 @@ async def stubborn() -> str:
     return "slept"
 
 
+@registry.method
+def big(n: int) -> str:
+    return "x" * n
+
+
 INDEX = {m.name: i for i, m in enumerate(registry.methods())}
 Frame = tuple[int, int, int, bytes]
 
@@ -849,3 +856,56 @@ def test_broker_closing_cancels_in_flight_calls(run):
         await asyncio.wait_for(proto.done, 5)
 
     run(test)
+
+
+def test_raw_params_methods_get_the_same_depth_and_utf8_checks():
+    """raw_params skips conversion, not validation: max_depth and UTF-8 still apply."""
+    reg = Registry()
+
+    @reg.method(raw_params=True)
+    def passthrough(params):
+        return params
+
+    method = reg.methods()[0]
+    (raw,), _ = method.bind(b'[[1], {"a": [2]}]', 3)  # depth 3: scalars add no level
+    assert bytes(raw) == b'[[1], {"a": [2]}]'
+    assert method.bind(b"", 3) == ((None,), {})
+    with pytest.raises(NestingTooDeep):
+        method.bind(b"[[[[1]]]]", 3)
+    with pytest.raises(InvalidParams):
+        method.bind(b'["\xff"]', 3)
+
+
+@pytest.mark.parametrize(("params", "depth"), [
+    (b"[1]", 1), (b"[[1]]", 2), (b'[{"a": [1, 2]}]', 3), (b'{"a": {"b": "x"}}', 2), (b"[[], [[]]]", 3),
+])
+def test_scalars_inside_the_deepest_allowed_level_are_accepted(params, depth):
+    """A value nested exactly max_depth deep binds; one level less is refused."""
+    m = Method("anything", lambda *a, **k: None)
+    m.bind(params, depth)
+    with pytest.raises(NestingTooDeep):
+        m.bind(params, depth - 1)
+
+
+def test_result_past_max_frame_bytes_is_an_error_not_a_dropped_connection(run):
+    """The broker would close a worker sending an oversize frame, failing every call
+    on it; the worker answers that one call with -32603 instead."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(1, "big", b"[65000]"), b.call(2, "big", b"[70000]"), b.call(3, "add_ints", b"[1, 2]"))
+        f1, f2, f3 = sorted(await b.read(3), key=lambda f: f[1])
+        assert len(result(f1)) == 65000  # type: ignore[arg-type]
+        assert error(f2) == {"code": -32603, "message": "Internal error",
+                             "data": "result of 70002 bytes exceeds max_frame_bytes 65536"}
+        assert result(f3) == 3
+
+    run(test, max_frame_bytes=65536)
+
+
+def test_async_handler_failure_is_logged_with_its_method_name(run, caplog):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(5, "async_fail"))
+        await b.read()
+
+    run(test)
+    assert "handler async_fail raised" in caplog.text
