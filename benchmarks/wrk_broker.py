@@ -4,7 +4,9 @@ Usage: .venv/bin/python benchmarks/wrk_broker.py [--workers 2] [--duration 10] [
 
 Starts `rpc-broker serve` on 127.0.0.1 (an OS-chosen port), drives it with wrk
 (Debian package `wrk`) and prints, per scenario, the median and spread of requests/s,
-calls/s and wrk's p50/p99 latency over `--runs` runs. Every answer's status is
+calls/s and wrk's p50/p99 latency over `--runs` runs, and the CPU time the broker
+process and its workers spent per call (from /proc: steadier than throughput on a
+shared machine, so use it to compare before and after a change). Every answer's status is
 checked by wrk's non-2xx count. Prints figures only: nothing here is a test.
 """
 
@@ -43,6 +45,20 @@ def _ms(text: str) -> float:
     return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by `pids` (from /proc/PID/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+def children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def run_wrk(url: str, body_file: str, connections: int, duration: int) -> dict[str, float]:
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(HERE / "wrk_post.lua"), url],
@@ -76,13 +92,23 @@ def main() -> int:
                 body = Path(tmp) / "body.json"
                 body.write_text(json.dumps(payload))
                 run_wrk(url, str(body), conns, 2)  # warm-up
-                runs = [run_wrk(url, str(body), conns, args.duration) for _ in range(args.runs)]
+                runs = []
+                workers = children(broker.pid)
+                for _ in range(args.runs):
+                    before = cpu_seconds([broker.pid]), cpu_seconds(workers)
+                    r = run_wrk(url, str(body), conns, args.duration)
+                    total = r["rps"] * args.duration * calls
+                    r["broker_us"] = (cpu_seconds([broker.pid]) - before[0]) / total * 1e6
+                    r["worker_us"] = (cpu_seconds(workers) - before[1]) / total * 1e6
+                    runs.append(r)
                 rps = [r["rps"] for r in runs]
                 print(
                     f"{name:28s} req/s median {statistics.median(rps):9.0f} (min {min(rps):.0f}, max {max(rps):.0f})"
                     f"  calls/s {statistics.median(rps) * calls:9.0f}"
                     f"  p50 {statistics.median(r['p50'] for r in runs):.2f} ms"
                     f"  p99 {statistics.median(r['p99'] for r in runs):.2f} ms"
+                    f"  CPU per call: broker {statistics.median(r['broker_us'] for r in runs):.1f} us,"
+                    f" workers {statistics.median(r['worker_us'] for r in runs):.1f} us"
                 )
     finally:
         broker.stop()

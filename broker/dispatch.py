@@ -366,15 +366,23 @@ class Dispatcher:
         calls spread over the workers instead of all landing on the first."""
         ready = self._ready
         n = len(ready)
-        if n == 0:
+        if n <= 1:
+            if n and ready[0].outstanding < ready[0].concurrency:
+                return ready[0]
             return None
-        start = self._rotation = (self._rotation + 1) % n
+        i = self._rotation = (self._rotation + 1) % n
         best: Worker | None = None
         least = 1 << 62
-        for w in ready[start:] + ready[:start] if start else ready:
+        for _ in range(n):
+            w = ready[i]
             k = w.outstanding
             if k < least and k < w.concurrency:
+                if k == 0:
+                    return w
                 best, least = w, k
+            i += 1
+            if i == n:
+                i = 0
         return best
 
     def _send(self, worker: Worker, call: Call) -> None:
@@ -401,8 +409,17 @@ class Dispatcher:
             self._deadlines.remove(call)
         else:  # its deadline passed: the client has its answer already
             self.late_replies_total += 1
-        if self._queue:
-            self._pump()
+        queue = self._queue
+        if queue:
+            # The queue is only non-empty while every ready worker is at its limit, so
+            # the worker that just answered is the one with a free slot: it takes the
+            # oldest live queued call, without a scan.
+            if worker.outstanding < worker.concurrency and worker in self._ready:
+                while queue:
+                    call = queue.popleft()
+                    if call.tick:  # else it timed out while queued
+                        self._send(worker, call)
+                        break
         elif not self.accepting and not self._pending:
             self._idle.set()
 
