@@ -235,12 +235,13 @@ class Codec:
                 return Body(False, [_EMPTY_BATCH], 400)
             if len(decoded) > self.max_batch:
                 return self._batch_too_large(len(decoded))
-            for req in decoded:
-                if not (_valid_id(req.id) and _valid_params(req.params)):
-                    return self._decode_slow(body)
+            if _SUSPECT.search(body) is not None:
+                for req in decoded:
+                    if not (_valid_id(req.id) and _valid_params(req.params)):
+                        return self._decode_slow(body)
             return Body(True, decoded)  # type: ignore[arg-type]
         req = typing.cast(Request, decoded)
-        if _valid_id(req.id) and _valid_params(req.params):
+        if _SUSPECT.search(body) is None or (_valid_id(req.id) and _valid_params(req.params)):
             return Body(False, [req])
         return Body(False, [self._invalid(req.id)], 400)
 
@@ -304,6 +305,15 @@ class Codec:
         if len(id_) and _valid_id(id_):
             return response_error(id_, _INVALID_REQUEST_ERROR)
         return _INVALID_NULL
+
+
+# msgspec checks every member but these two, which stay Raw. Rather than look at each
+# element's raw id and params (0.8 us a call), one C-speed scan of the whole body
+# finds where an id or params member *could* have the wrong type: a key "id" or
+# "params" followed by a value that cannot start a valid one. Inside a string those
+# quotes would be escaped, so the scan only errs towards suspicion (a nested "id"
+# key, say); a key spelled with \u escapes is caught by the last alternative.
+_SUSPECT = re.compile(rb'"id"\s*:\s*[^"\-0-9n\s]|"params"\s*:\s*[^\[{\s]|\\u')
 
 
 def _valid_params(raw: Raw) -> bool:

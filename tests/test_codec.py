@@ -487,3 +487,17 @@ def test_batch_elements_decode_as_they_would_alone(objs):
             )
         else:
             assert item == alone
+
+
+@pytest.mark.parametrize("body", [
+    b'{"jsonrpc":"2.0","method":"m","\\u0069d":true}',
+    b'[{"jsonrpc":"2.0","method":"m","id":1},{"jsonrpc":"2.0","method":"m","\\u0069d":{}}]',
+    b'{"jsonrpc":"2.0","method":"m","p\\u0061rams":"x","id":1}',
+    b'[{"jsonrpc":"2.0","method":"m","id":1},{"jsonrpc":"2.0","method":"m","params" :\\n 5,"id":2}]',
+])
+def test_escaped_or_spaced_member_names_are_still_checked(body):
+    """The whole-body pre-scan must not let a bad id/params through under an escaped name."""
+    decoded = Codec().decode(body.replace(b"\\n", b"\n"))
+    last = decoded.items[-1]
+    assert isinstance(last, bytes), last
+    assert json.loads(last)["error"]["code"] == -32600
