@@ -236,6 +236,7 @@ class Pool:
         self._path = ""
         self._server: asyncio.AbstractServer | None = None
         self._stopping = False
+        self._reloading = False
         self._starting = True
         self._boot_failure: asyncio.Future[str] = self.loop.create_future()
         self._changed = asyncio.Event()
@@ -324,6 +325,9 @@ class Pool:
         self._changed.set()
         if self._stopping:
             return
+        if self.workers[worker.slot] is not worker:  # replaced by a reload: no restart
+            log.info("worker %d (pid %d) retired: %s", worker.slot, worker.pid, reason)
+            return
         log.warning("worker %d (pid %d) %s", worker.slot, worker.pid, reason)
         if status == WORKER_BOOT_ERROR and was_starting and self._starting:
             if not self._boot_failure.done():
@@ -375,6 +379,53 @@ class Pool:
         process = worker.process
         if process is not None and process.returncode is None:
             self.loop.call_later(KILL_AFTER_SECONDS, _kill_if_alive, process)
+
+    async def reload(self, timeout: float = BOOT_TIMEOUT_SECONDS) -> bool:
+        """Rolling restart (SIGHUP): slot by slot, start a fresh worker (it imports the
+        app anew), wait until it is READY, then send the old one BYE; the old one
+        finishes its calls in flight and exits. No call is lost, and since each new
+        worker is ready before its old one drains, capacity never drops below N.
+
+        Returns False, leaving the remaining old workers serving, if a new worker
+        fails to start (a broken deploy does not take the pool down).
+        """
+        if self._reloading or self._stopping:
+            return False
+        self._reloading = True
+        try:
+            for slot in range(self.size):
+                old = self.workers[slot]
+                new = self.workers[slot] = Worker(slot)
+                await self._spawn(new)
+                if not await self._wait_ready(new, timeout):
+                    log.error("reload: new worker %d did not start; keeping the old workers", slot)
+                    self.workers[slot] = old
+                    if new.process is not None:
+                        _kill(new.process)
+                    return False
+                if old.state is WorkerState.READY and old.channel is not None:
+                    old.move(WorkerState.DRAINING)
+                    self.dispatcher.worker_unready(old)
+                    old.channel.send(wire.Kind.BYE, 0, 0, b"")
+                elif old.process is not None and old.process.returncode is None:
+                    _kill(old.process)  # never got ready: nothing to drain
+            log.info("reload: all %d workers replaced", self.size)
+            return True
+        finally:
+            self._reloading = False
+
+    async def _wait_ready(self, worker: Worker, timeout: float) -> bool:
+        deadline = self.loop.time() + timeout
+        while worker.state is not WorkerState.READY:
+            if worker.exited is None or worker.exited.done() or self.loop.time() >= deadline:
+                return False
+            self._changed.clear()
+            waiter: asyncio.Future[object] = asyncio.ensure_future(self._changed.wait())
+            exited = typing.cast("asyncio.Future[object]", worker.exited)
+            await asyncio.wait([waiter, exited], timeout=deadline - self.loop.time(),
+                               return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        return True
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask every worker to finish and exit (BYE); SIGKILL those still alive after

@@ -6,7 +6,8 @@ broker from a `Config` without going through argv.
 Signals (handlers only set an event; the main coroutine acts on it):
     SIGTERM, SIGINT  stop accepting, answer what is in flight (up to grace_period),
                      stop the workers, exit 0
-    SIGHUP           logged and ignored for now (rolling restart is future work)
+    SIGHUP           rolling restart of the workers (`Pool.reload`): each is replaced by a
+                     fresh process that imports the app anew; no call is lost
 """
 
 from __future__ import annotations
@@ -68,7 +69,15 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP: rolling restart is not implemented yet; ignored")
+    loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP while starting: ignored")
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def handle_hup() -> None:
+        log.info("SIGHUP: rolling restart of the workers")
+        task = loop.create_task(pool.reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
     try:
         try:
             await pool.start()
@@ -101,6 +110,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             file=sys.stderr,
             flush=True,
         )
+        loop.add_signal_handler(signal.SIGHUP, handle_hup)
         if started is not None:
             started.set_result((host, port))
         await stop.wait()

@@ -12,6 +12,7 @@ import os
 import selectors
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -424,3 +425,27 @@ def test_notifications_run_but_are_never_answered(broker_factory):
     # In a mixed batch only the calls are answered.
     status, replies = post_json(b, [req("notify_hello", [1]), req("add", [1, 2], "c"), req("update", [5])])
     assert (status, replies) == (200, [{"jsonrpc": "2.0", "id": "c", "result": 3}])
+
+
+def test_sighup_replaces_every_worker_without_losing_a_call(broker_factory):
+    """Rolling restart: an in-flight call finishes on its old worker, calls made during
+    the reload all get results, and afterwards every worker is a new process."""
+    b = broker_factory("--workers", "2")
+    old = {b.call("worker_info")["result"]["pid"] for _ in range(6)}
+    assert len(old) == 2
+    slow: dict[str, object] = {}
+    t = threading.Thread(target=lambda: slow.update(b.call("sleep", [1.0], timeout=30)))
+    t.start()  # in flight before or during the reload: either way it must complete
+    os.kill(b.pid, signal.SIGHUP)
+    replies = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "all 2 workers replaced" not in b.read_log():
+        status, _, body = b.post(json.dumps({"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 1}))
+        replies.append((status, body))
+    t.join(30)
+    assert slow.get("result") == 1.0, slow
+    assert replies and all(r == (200, b'{"jsonrpc":"2.0","id":1,"result":3}') for r in replies), replies[-3:]
+    new = {b.call("worker_info")["result"]["pid"] for _ in range(6)}
+    assert len(new) == 2 and not (new & old)
+    for pid in old:
+        wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), timeout=10)
