@@ -449,3 +449,14 @@ def test_sighup_replaces_every_worker_without_losing_a_call(broker_factory):
     assert len(new) == 2 and not (new & old)
     for pid in old:
         wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), timeout=10)
+
+
+def test_sighup_with_a_broken_app_keeps_the_old_workers(broker_factory, tmp_path):
+    flag = tmp_path / "broken"
+    b = broker_factory("--workers", "2", "--app", "tests.apps.breakable:registry",
+                       env={"BREAKABLE_APP_FLAG": str(flag)})
+    old = {b.call("pid")["result"] for _ in range(6)}
+    flag.write_text("")
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: "keeping the old workers" in b.read_log(0.1), timeout=30)
+    assert {b.call("pid")["result"] for _ in range(6)} == old
