@@ -20,7 +20,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check broker tests
+	$(BIN)/ruff check broker tests benchmarks
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

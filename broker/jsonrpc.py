@@ -262,9 +262,10 @@ class Codec:
 
     def _decode_slow(self, body: bytes | bytearray | memoryview) -> Body:
         try:
-            outer = self._slow.decode(body)  # checks the whole body is one JSON value
-            if memoryview(outer)[0] == 0x5B:  # "[": a batch
-                outer = _RAW_LIST.decode(outer)
+            whole = self._slow.decode(body)  # checks the whole body is one JSON value
+            outer: Raw | list[Raw] = whole
+            if memoryview(whole)[0] == 0x5B:  # "[": a batch
+                outer = _RAW_LIST.decode(whole)
         except RecursionError:
             # The parser gave up before the end: only call it "too deep" when the
             # body could still be JSON (an unclosed bracket is a parse error).
@@ -274,8 +275,8 @@ class Codec:
         # `Raw` skips strings without checking their UTF-8; decoding `jsonrpc` or
         # `method` as `str` does check it, and raises DecodeError: not JSON text.
         try:
-            if type(outer) is not list:
-                item = self._element_item(typing.cast(Raw, outer))
+            if not isinstance(outer, list):
+                item = self._element_item(outer)
                 return Body(False, [item], 200 if type(item) is Request else 400)
             if not outer:
                 return Body(False, [_EMPTY_BATCH], 400)

@@ -212,7 +212,7 @@ class Method:
             rest = msgspec.convert(values[n:], self._var_pos)
         except msgspec.ValidationError:
             raise self._invalid_extra(values[n:]) from None
-        return bound + tuple(rest)  # type: ignore[arg-type]
+        return bound + tuple(rest)
 
     def _bind_named(self, values: dict[str, object]) -> tuple[tuple[object, ...], dict[str, object]]:
         extra: dict[str, object] = {}
@@ -317,7 +317,7 @@ class Registry:
 
     @typing.overload
     def method(
-        self, *, name: str | None = None, raw_params: bool = False
+        self, fn: None = None, /, *, name: str | None = None, raw_params: bool = False
     ) -> Callable[[Callable[..., object]], Callable[..., object]]: ...
 
     def method(
