@@ -95,6 +95,7 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 _VALIDATION_AT = re.compile(r"^(.*?) - at `\$(?:\[(\d+)\]|\.([^`.\[]+))[^`]*`$")
 _FIELD_IN_MSG = re.compile(r"field `([^`]+)`")
 _decode_json = msgspec.json.decode
+_astuple = msgspec.structs.astuple
 
 
 class Method:
@@ -105,6 +106,7 @@ class Method:
     """
 
     __slots__ = (
+        "_fast",
         "_kwonly",
         "_named_type",
         "_pos_names",
@@ -158,6 +160,15 @@ class Method:
         self._named_type = msgspec.defstruct(
             f"{name}_named", fields(named), kw_only=True, forbid_unknown_fields=self._var_kw is None
         )
+        # The common case, fixed parameters only: msgspec decodes the params straight
+        # into the struct (0.19 us for `add`, against 1.6 us for decode + convert).
+        # Any failure falls back to the general path, which says what is wrong.
+        self._fast: tuple[msgspec.json.Decoder[msgspec.Struct], msgspec.json.Decoder[msgspec.Struct] | None] | None = None
+        if not (raw_params or self._var_pos or self._var_kw or self._required_kwonly):
+            self._fast = (
+                msgspec.json.Decoder(self._pos_type),
+                None if kwonly else msgspec.json.Decoder(self._named_type),
+            )
 
     def params_schema(self) -> dict[str, object]:
         """JSON Schema of the named params (used by HELLO, and later by MCP)."""
@@ -178,6 +189,16 @@ class Method:
             if self.raw_params:
                 return (None,), {}
             params = b"[]"
+        fast = self._fast
+        if fast is not None and params.count(b"[") + params.count(b"{") <= max_depth:
+            try:
+                first = params[0]
+                if first == 0x5B:  # "["
+                    return _astuple(fast[0].decode(params)), {}
+                if first == 0x7B and fast[1] is not None:  # "{"
+                    return _astuple(fast[1].decode(params)), {}
+            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+                pass
         try:
             obj = _decode_json(params)
         except RecursionError:  # deeper than the parser takes, whatever max_depth says

@@ -909,3 +909,31 @@ def test_async_handler_failure_is_logged_with_its_method_name(run, caplog):
 
     run(test)
     assert "handler async_fail raised" in caplog.text
+
+
+def _typed(a: int, b: float = 1.5, c: list[str] | None = None, /, d: dict[str, int] | None = None) -> None: ...
+
+
+@given(st.one_of(
+    st.lists(st.one_of(st.integers(-5, 5), st.floats(allow_nan=False), st.text(max_size=3), st.none(),
+                       st.lists(st.text(max_size=2), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(0, 3), max_size=2)),
+             max_size=5),
+    st.dictionaries(st.sampled_from(["a", "b", "c", "d", "e"]),
+                    st.one_of(st.integers(-5, 5), st.text(max_size=3), st.none()), max_size=5),
+))
+@settings(max_examples=300, deadline=None)
+def test_fast_binding_agrees_with_the_general_path(value):
+    """The direct typed decode and the decode-then-convert path bind the same values
+    and refuse the same params."""
+    fast = Method("typed", _typed)
+    general = Method("typed", _typed)
+    general._fast = None
+    params = json.dumps(value).encode()
+    outcomes = []
+    for m in (fast, general):
+        try:
+            outcomes.append(m.bind(params, 64))
+        except InvalidParams as exc:
+            outcomes.append((exc.param, exc.reason))
+    assert fast._fast is not None
+    assert outcomes[0] == outcomes[1]
