@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import importlib
 import inspect
 import logging
@@ -444,6 +445,7 @@ _BYE = int(wire.Kind.BYE)
 _pack_header = wire.HEADER.pack
 _perf = time.perf_counter
 _CANCELLED = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")
+SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
 
 
 class WorkerProtocol(asyncio.Protocol):
@@ -472,6 +474,8 @@ class WorkerProtocol(asyncio.Protocol):
         self._out = bytearray()
         self._flush_scheduled = False
         self._tasks: dict[int, asyncio.Task[object]] = {}
+        self._backlog: collections.deque[tuple[int, int, bytes]] = collections.deque()
+        self._run_scheduled = False
         self._closing = False
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
@@ -503,15 +507,43 @@ class WorkerProtocol(asyncio.Protocol):
             assert self._transport is not None
             self._transport.close()
             return
+        backlog = self._backlog
         for kind, call_id, aux, payload in frames:
             if kind == _CALL or kind == _NOTIFY:
-                self._call(call_id, aux, payload)
+                backlog.append((call_id, aux, payload))
             elif kind == _CANCEL:
-                task = self._tasks.get(call_id)
-                if task is not None:
-                    task.cancel()
+                self._cancel(call_id)
             elif kind == _BYE:
                 self._closing = True
+        if not self._run_scheduled:
+            self._run()
+
+    def _cancel(self, call_id: int) -> None:
+        task = self._tasks.get(call_id)
+        if task is not None:
+            task.cancel()
+            return
+        for i, queued in enumerate(self._backlog):  # rare: a call still waiting here
+            if queued[0] == call_id:
+                del self._backlog[i]
+                self._reply(_ERROR, call_id, _perf(), _CANCELLED)
+                return
+
+    def _run(self) -> None:
+        """Run waiting calls for up to `SLICE_SECONDS`, then write their replies. If
+        calls remain, go on in the next loop iteration, after the loop has read what
+        arrived (CANCEL frames) and written the replies: a slow sync handler neither
+        holds back the replies of the calls before it nor hides a CANCEL."""
+        self._run_scheduled = False
+        backlog = self._backlog
+        deadline = _perf() + SLICE_SECONDS
+        while backlog:
+            call_id, index, params = backlog.popleft()
+            self._call(call_id, index, params)
+            if backlog and _perf() > deadline:
+                self._run_scheduled = True
+                self._loop.call_soon(self._run)
+                break
         self._flush()
 
     def stop(self) -> None:
@@ -533,7 +565,7 @@ class WorkerProtocol(asyncio.Protocol):
             result = method.fn(*args, **kwargs)
             body = encode_result(result)
             kind = _RESULT
-        except Exception as exc:  # every failure becomes one ERROR reply
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # one ERROR reply, worker lives on
             kind, body = _ERROR, self._error(exc, index)
         self._reply(kind, call_id, t0, body)
 
@@ -572,7 +604,7 @@ class WorkerProtocol(asyncio.Protocol):
         if self._out and transport is not None and not transport.is_closing():
             transport.write(bytes(self._out))
             self._out.clear()
-        if self._closing and not self._tasks and transport is not None:
+        if self._closing and not self._tasks and not self._backlog and transport is not None:
             transport.close()
 
     def _error(self, exc: BaseException, index: int) -> bytes:
@@ -589,8 +621,6 @@ class WorkerProtocol(asyncio.Protocol):
             )
         if isinstance(exc, IndexError) and index >= len(self._methods):
             return error_object(ErrorCode.METHOD_NOT_FOUND)
-        if isinstance(exc, (msgspec.DecodeError, RecursionError)):
-            return error_object(ErrorCode.INVALID_PARAMS, data={"param": None, "reason": str(exc)})
         name = self._methods[index].name if 0 <= index < len(self._methods) else "?"
         log.error("worker %d: handler %s raised", self._slot, name, exc_info=exc)
         data: dict[str, object] = {"type": type(exc).__name__}

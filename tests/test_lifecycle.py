@@ -460,3 +460,17 @@ def test_sighup_with_a_broken_app_keeps_the_old_workers(broker_factory, tmp_path
     os.kill(b.pid, signal.SIGHUP)
     wait_for(lambda: "keeping the old workers" in b.read_log(0.1), timeout=30)
     assert {b.call("pid")["result"] for _ in range(6)} == old
+
+
+def test_sync_replies_are_not_held_back_behind_later_calls(broker_factory):
+    """A batch of three 0.3 s sync calls reaches one worker in one read. Each answer
+    must leave when its handler returns: with a 0.7 s deadline the first two are
+    results and only the third times out (all three used to wait for the last,
+    and all timed out)."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--timeout", "0.7")
+    batch = [{"jsonrpc": "2.0", "method": "spin", "params": [0.3], "id": i} for i in (1, 2, 3)]
+    status, _, body = b.post(json.dumps(batch))
+    replies = json.loads(body)
+    assert status == 200
+    assert [r.get("result", "missing") for r in replies[:2]] == [None, None], replies
+    assert replies[2]["error"]["code"] == -32001, replies

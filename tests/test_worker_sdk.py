@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -515,6 +516,20 @@ def big(n: int) -> str:
     return "x" * n
 
 
+@registry.method
+def spin(seconds: float) -> float:
+    """A sync handler that holds the worker's loop for `seconds` of wall time."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return seconds
+
+
+@registry.method
+def exits() -> None:
+    raise SystemExit(3)
+
+
 INDEX = {m.name: i for i, m in enumerate(registry.methods())}
 Frame = tuple[int, int, int, bytes]
 
@@ -937,3 +952,28 @@ def test_fast_binding_agrees_with_the_general_path(value):
             outcomes.append((exc.param, exc.reason))
     assert fast._fast is not None
     assert outcomes[0] == outcomes[1]
+
+
+def test_cancel_reaches_a_call_still_waiting_behind_a_sync_handler(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        b.send(b.call(1, "spin", b"[0.3]"), b.call(2, "spin", b"[0.3]"))
+        b.send(encode_frame(Kind.CANCEL, 2, 0, b""))
+        f1, f2 = sorted(await b.read(2, timeout=10), key=lambda f: f[1])
+        assert (f1[1], result(f1)) == (1, 0.3)
+        assert f2[1] == 2 and error(f2)["data"] == "cancelled by the broker"
+        assert loop.time() - start < 0.55  # call 2 never ran
+        await b.nothing_more()
+
+    run(test)
+
+
+def test_system_exit_in_a_handler_is_an_error_not_a_dead_worker(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(1, "exits"), b.call(2, "add_ints", b"[1, 2]"))
+        f1, f2 = await b.read(2)
+        assert error(f1)["data"] == {"type": "SystemExit"}
+        assert result(f2) == 3
+
+    run(test)
