@@ -226,6 +226,15 @@ class Codec:
         batch past `max_batch`, nesting too deep) comes back as a non-batch `Body`
         whose only item is the error response.
         """
+        if type(body) is memoryview:
+            body = bytes(body)
+        if not body.isascii():
+            # JSON text is UTF-8 (RFC 8259 section 8.1). msgspec checks the strings it
+            # decodes, but not inside the Raw id and params, which would be echoed.
+            try:
+                body.decode()
+            except UnicodeDecodeError:
+                return Body(False, [_PARSE_ERROR], 400)
         try:
             decoded = self._decoder.decode(body)
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):

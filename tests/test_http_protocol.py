@@ -7,13 +7,16 @@ cannot pipeline, and handles `Expect: 100-continue` and chunked bodies its own w
 from __future__ import annotations
 
 import json
+import os
 import select
+import signal
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from conftest import Broker, start_broker
+from conftest import Broker, start_broker, wait_for
 
 RPC = "/rpc"
 MAX_BODY = 4096
@@ -404,3 +407,116 @@ def test_idle_timeout_counts_from_the_last_answer_not_the_request(broker_factory
         assert not c.closed_within(0.6)
         c.send(post(call("add", [1, 2], "next"), path=b.path))
         assert rpc(c.response()[2]) == {"jsonrpc": "2.0", "id": "next", "result": 3}
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_an_endless_header_line_gets_431_not_unbounded_memory(hb):
+    """httptools grows an unfinished header line without calling back; the broker
+    counts raw head bytes and answers 431 past 64 KiB."""
+    before = _rss_kib(hb.pid)
+    with Conn(hb) as c:
+        c.send(b"POST /rpc HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        try:
+            for _ in range(64):  # 4 MiB, bounded; past 64 KiB the broker only discards
+                c.send(b"a" * 65536)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, _, body = c.response()
+        assert status == 431 and b"too large" in body
+    assert _rss_kib(hb.pid) - before < 20 * 1024  # no balloon
+
+
+def test_every_head_answer_has_no_body(hb):
+    """HEAD answers carry headers only, so the next pipelined response parses."""
+    with Conn(hb) as c:
+        c.send(b"HEAD /rpc HTTP/1.1\r\nHost: x\r\n\r\nHEAD /nope HTTP/1.1\r\nHost: x\r\n\r\n"
+               b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + post('{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}'))
+        for expected in (405, 404, 200):
+            status, headers, _ = c.response(head_only=True)
+            assert status == expected and int(headers["content-length"]) > 0
+        status, _, body = c.response()
+        assert (status, body) == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
+
+
+def test_an_h2c_upgrade_request_is_served_as_http11_once(hb):
+    """`curl --http2` on http:// adds `Upgrade: h2c`; the call is answered once, over
+    HTTP/1.1, and the connection closes (nginx ignores such upgrades too)."""
+    body = b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}'
+    with Conn(hb) as c:
+        c.send(b"POST /rpc HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+               b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        status, _, answer = c.response()
+        assert (status, answer) == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
+        assert c.closed_within(5) and not c.buf
+
+
+def test_a_websocket_upgrade_gets_exactly_one_answer(hb):
+    with Conn(hb) as c:
+        c.send(b"GET /rpc HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+        status, headers, _ = c.response()
+        assert status == 405 and headers["allow"] == "POST"
+        assert c.closed_within(5) and not c.buf
+
+
+def test_invalid_utf8_anywhere_in_the_body_is_a_parse_error(hb):
+    for body in (b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":"\xff"}',
+                 b'[{"jsonrpc":"2.0","method":"echo","params":["\xed\xa0\x80"],"id":1}]',
+                 b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1,"x":"\xc0\xaf"}'):
+        with Conn(hb) as c:
+            c.send(post(body))
+            status, _, answer = c.response()
+            assert status == 400
+            assert answer == b'{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error"}}'
+    with Conn(hb) as c:  # valid UTF-8 beyond ASCII still round-trips
+        c.send(post('{"jsonrpc":"2.0","method":"echo","params":["h\u00e9\u4e16\U0001f600"],"id":"\u00e9"}'))
+        status, _, answer = c.response()
+        assert answer == '{"jsonrpc":"2.0","id":"\u00e9","result":["h\u00e9\u4e16\U0001f600"]}'.encode()
+
+
+def test_a_head_trickling_in_is_cut_off_after_the_timeout(broker_factory):
+    """Slowloris: one header line every 0.3 s keeps bytes coming, but a request's head
+    must be complete within keepalive_timeout (nginx: client_header_timeout)."""
+    b = broker_factory("--workers", "1", "--keepalive-timeout", "1")
+    with Conn(b) as c:
+        c.send(b"POST / HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        closed = False
+        for i in range(30):  # bounded: at most ~9 s
+            try:
+                c.send(b"X-Slow-%d: y\r\n" % i)
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            if c.closed_within(0.3):
+                closed = True
+                break
+        assert closed and time.monotonic() - start < 5
+
+
+def test_sigterm_answers_a_request_sent_on_a_fresh_connection(broker_factory):
+    """A connection accepted just before SIGTERM, whose request is not parsed yet, is
+    not closed as idle: its request is answered."""
+    b = broker_factory("--workers", "1")
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{b.pid}/fd"))
+
+    busy = Conn(b)
+    busy.send(post('{"jsonrpc":"2.0","method":"sleep","params":[0.5],"id":1}', path="/"))
+    n = fds()
+    with Conn(b) as c:
+        wait_for(lambda: fds() > n, timeout=10)  # the broker has accepted it
+        os.kill(b.pid, signal.SIGTERM)
+        wait_for(lambda: "stopping" in b.read_log(0.05), timeout=10)  # drain has run
+        c.send(post('{"jsonrpc":"2.0","method":"add","params":[1,2],"id":2}', path="/"))
+        status, _, body = c.response()
+        assert (status, body) == (200, b'{"jsonrpc":"2.0","id":2,"result":3}')
+        assert busy.response()[2] == b'{"jsonrpc":"2.0","id":1,"result":0.5}'
+        busy.sock.close()
+    assert b.proc.wait(20) == 0

@@ -121,13 +121,17 @@ class HttpFrontend:
         for conn in list(self.connections):
             if not conn.owed and now - conn.last_active > limit:
                 conn.close()
+            elif conn.head_started and now - conn.head_started > limit:
+                conn.close()  # a head trickling in (slowloris): nginx's client_header_timeout
         self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
 
     def drain(self) -> None:
-        """Close idle connections now; the others close after their last answer."""
+        """Close idle keep-alive connections now; the others close after their next
+        answer. A connection that has not sent a request yet may still have one on
+        its way: it gets until `wait_closed` gives up."""
         self.draining = True
         for conn in list(self.connections):
-            if not conn.owed:
+            if not conn.owed and conn.requests and not conn.head_started:
                 conn.close()
 
     async def wait_closed(self, timeout: float) -> None:
@@ -148,22 +152,36 @@ class HttpProtocol(asyncio.Protocol):
         "_body",
         "_body_size",
         "_closing",
+        "_content_length",
         "_expect",
         "_fe",
+        "_head_bytes",
+        "_head_done",
         "_header_bytes",
+        "_linger",
         "_parser",
         "_read_paused",
         "_responses",
         "_skip",
         "_transport",
+        "_upgrade",
         "_url",
         "_write_paused",
+        "head_started",
         "last_active",
+        "requests",
     )
 
     def __init__(self, frontend: HttpFrontend) -> None:
         self._fe = frontend
         self._parser = httptools.HttpRequestParser(self)
+        self._head_bytes = 0  # bytes received while a request's head is incomplete
+        self._head_done = False
+        self._content_length = 0
+        self._linger = False  # half-close after the answer: the client may still be sending
+        self._upgrade: tuple[bytes, bytes] | None = None  # (method, url) of an Upgrade request
+        self.head_started = 0.0  # loop time a request's first byte came; 0 once its head is in
+        self.requests = 0  # requests answered or owed on this connection
         self._transport: asyncio.Transport | None = None
         self._url = b""
         self._body: list[bytes] = []
@@ -197,13 +215,33 @@ class HttpProtocol(asyncio.Protocol):
         if self._closing:
             return
         self.last_active = self._fe.loop.time()
+        if not self._head_done:
+            self._head_bytes += len(data)
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._answer_and_close(400, b"upgrade not supported")
+        except httptools.HttpParserUpgrade as exc:
+            self._serve_upgrade(data[exc.args[0]:] if exc.args else b"")
         except httptools.HttpParserError as exc:
             if not self._closing:
                 self._answer_and_close(400, f"bad HTTP request: {exc}".encode())
+        else:
+            # httptools keeps growing an unfinished header line without calling back:
+            # count raw bytes until the head is complete (nginx: large_client_header_buffers).
+            if not self._head_done and self._head_bytes > MAX_HEADER_BYTES and not self._closing:
+                self._answer_and_close(431, b"request line and headers too large")
+
+    def _serve_upgrade(self, rest: bytes) -> None:
+        """An `Upgrade` request (h2c, websocket): answer it as plain HTTP/1.1 and
+        close, as nginx does; its body, if any, is in `rest` (httptools stops there)."""
+        pending, self._upgrade = self._upgrade, None
+        if pending is None or len(rest) < self._content_length or self._closing:
+            if not self._closing:
+                self._answer_and_close(400, b"upgrade not supported")
+            return
+        method, url = pending
+        self._body = [rest[: self._content_length]] if self._content_length else []
+        self._route(method, url, False)
+        self._closing = True
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -216,6 +254,8 @@ class HttpProtocol(asyncio.Protocol):
     # -- httptools callbacks -------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self.head_started = self._fe.loop.time()
+        self._content_length = 0
         self._url = b""
         self._body = []
         self._body_size = 0
@@ -240,15 +280,19 @@ class HttpProtocol(asyncio.Protocol):
                 size = int(value)
             except ValueError:
                 return  # httptools rejects it
+            self._content_length = size
             if size > self._fe.max_body_bytes:
                 self._skip = True
         elif n == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
             self._expect = True
 
     def on_headers_complete(self) -> None:
+        self._head_done = True
+        self.head_started = 0.0
         if self._closing:
             return
         if self._skip:
+            self._linger = True
             self._queue(self._fe.too_large, False)
             self._closing = True
             return
@@ -263,39 +307,50 @@ class HttpProtocol(asyncio.Protocol):
         if self._body_size > self._fe.max_body_bytes:
             self._skip = True
             self._body = []
+            self._linger = True
             self._queue(self._fe.too_large, False)
             self._closing = True
             return
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._head_done = False
+        self._head_bytes = 0
         if self._skip or self._closing:
             return
-        fe = self._fe
         method = self._parser.get_method()
         url = self._url
         if b"?" in url:
             url = url.partition(b"?")[0]
-        keep_alive = self._parser.should_keep_alive() and not fe.draining
+        if self._parser.should_upgrade():  # answered by _serve_upgrade, body and all
+            self._upgrade = (method, url)
+            return
+        keep_alive = self._parser.should_keep_alive() and not self._fe.draining
+        self._route(method, url, keep_alive)
+        if not keep_alive:
+            self._closing = True
+
+    def _route(self, method: bytes, url: bytes, keep_alive: bool) -> None:
+        fe = self._fe
+        self.requests += 1
+        head = method == b"HEAD"
         if url == fe.rpc_path:
             if method == b"POST":
                 self._rpc(keep_alive)
             else:
-                self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, b"allow: POST\r\n")
+                self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, b"allow: POST\r\n", head)
         elif url == b"/healthz" or url == b"/readyz":
-            if method == b"GET" or method == b"HEAD":
+            if method == b"GET" or head:
                 ok = url == b"/healthz" or fe.ready()
                 body = b'{"status":"ok"}' if ok else b'{"status":"no worker ready"}'
                 response = _json_response(200 if ok else 503, body, keep_alive)
-                if method == b"HEAD":
+                if head:
                     response = response[: len(response) - len(body)]
                 self._queue(response, keep_alive)
             else:
-                self._queue_plain(405, b"use GET", keep_alive, b"allow: GET, HEAD\r\n")
+                self._queue_plain(405, b"use GET", keep_alive, b"allow: GET, HEAD\r\n", head)
         else:
-            self._queue_plain(404, b"not found", keep_alive)
-        if not keep_alive:
-            self._closing = True
+            self._queue_plain(404, b"not found", keep_alive, b"", head)
 
     # -- answering ---------------------------------------------------------------------
 
@@ -353,7 +408,7 @@ class HttpProtocol(asyncio.Protocol):
         if not keep_alive:
             self._closing = True
             self._responses.clear()
-            if self._skip and transport.can_write_eof():
+            if self._linger and transport.can_write_eof():
                 # 413 before the body was read: closing now would reset the connection
                 # under a client still sending, and it would never see the answer. Half-
                 # close and keep discarding its bytes (nginx's lingering close); the
@@ -371,12 +426,19 @@ class HttpProtocol(asyncio.Protocol):
         else:
             self._responses.append((response, keep_alive))
 
-    def _queue_plain(self, status: int, message: bytes, keep_alive: bool, extra: bytes = b"") -> None:
+    def _queue_plain(
+        self, status: int, message: bytes, keep_alive: bool, extra: bytes = b"", head: bool = False
+    ) -> None:
         body = b'{"error":"' + message + b'"}'
-        self._queue(_json_response(status, body, keep_alive, extra), keep_alive)
+        response = _json_response(status, body, keep_alive, extra)
+        if head:  # a HEAD answer has the headers of the GET answer and no body (RFC 9110 9.3.2)
+            response = response[: len(response) - len(body)]
+        self._queue(response, keep_alive)
 
     def _answer_and_close(self, status: int, message: bytes) -> None:
+        """Answer an unreadable request and close (lingering: it may still be sending)."""
         self._closing = True
+        self._linger = True
         self._queue_plain(status, message.replace(b'"', b"'"), False)
 
     # -- flow control ------------------------------------------------------------------
