@@ -451,7 +451,13 @@ class Dispatcher:
         """Kill the worker if it still has not answered a call cancelled long ago: a
         sync handler stuck in a loop never reads CANCEL (gunicorn's worker timeout)."""
         worker = call.worker
-        if self._pending.get(call.call_id) is call and worker is not None and worker.process is not None:
+        if (
+            self._pending.get(call.call_id) is call
+            and worker is not None
+            and worker.process is not None
+            and not worker.kill_reason  # once per worker, however many calls it holds
+        ):
+            worker.kill_reason = f"hung: no answer {self._cancel_grace} s after a cancelled call"
             log.warning(
                 "worker %d (pid %d) has not answered call %d %s s after its deadline: killing it as hung",
                 worker.slot, worker.pid, call.call_id, self._cancel_grace,
@@ -480,15 +486,17 @@ class Dispatcher:
 
     # -- shutdown --------------------------------------------------------------------------
 
-    async def drain(self, grace: float) -> None:
-        """Stop taking calls; wait up to `grace` s for the owed answers, then answer
-        whatever is left with "shutting down"."""
+    async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> None:
+        """Stop taking calls; wait up to `grace` s (or until `hurry` is set) for the
+        owed answers, then answer whatever is left with "shutting down"."""
         self.accepting = False
         self._check_idle()
-        try:
-            await asyncio.wait_for(self._idle.wait(), grace)
-        except TimeoutError:
-            pass
+        waits = [asyncio.ensure_future(self._idle.wait())]
+        if hurry is not None:
+            waits.append(asyncio.ensure_future(hurry.wait()))
+        await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
         error = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
         while self._queue:
             self._finish(self._queue.popleft(), error, ErrorCode.SHUTTING_DOWN)

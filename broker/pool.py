@@ -81,6 +81,7 @@ class Worker:
         "concurrency",
         "exited",
         "failures",
+        "kill_reason",
         "outstanding",
         "pid",
         "process",
@@ -102,6 +103,7 @@ class Worker:
         self.restarts = 0
         self.failures = 0
         self.exited: asyncio.Future[int] | None = None
+        self.kill_reason = ""  # why the broker killed this process, if it did
 
     def move(self, state: WorkerState) -> None:
         """Change state; raises `RuntimeError` on a transition not in `TRANSITIONS`."""
@@ -287,6 +289,7 @@ class Pool:
         worker.move(WorkerState.STARTING)
         worker.channel = None
         worker.outstanding = 0
+        worker.kill_reason = ""
         argv = [
             sys.executable, "-m", "broker.worker",
             "--socket", self._path,
@@ -317,6 +320,8 @@ class Pool:
         if worker.process is not process:
             return
         reason = describe_status(status)
+        if worker.kill_reason:
+            reason = f"{reason} ({worker.kill_reason})"
         was_starting = worker.state is WorkerState.STARTING
         if worker.state is not WorkerState.DEAD:
             worker.move(WorkerState.DEAD)

@@ -5,7 +5,7 @@ broker from a `Config` without going through argv.
 
 Signals (handlers only set an event; the main coroutine acts on it):
     SIGTERM, SIGINT  stop accepting, answer what is in flight (up to grace_period),
-                     stop the workers, exit 0
+                     stop the workers, exit 0; a second one cuts the grace period short
     SIGHUP           rolling restart of the workers (`Pool.reload`): each is replaced by a
                      fresh process that imports the app anew; no call is lost
 """
@@ -67,8 +67,16 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         log_level=config.log_level,
     )
     stop = asyncio.Event()
+    hurry = asyncio.Event()
+
+    def handle_stop() -> None:
+        if stop.is_set():
+            log.warning("second stop signal: answering what is left with 'shutting down' now")
+            hurry.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, handle_stop)
     loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP while starting: ignored")
     reloads: set[asyncio.Task[bool]] = set()
 
@@ -117,9 +125,9 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         log.info("stopping: no new connections; answering what is in flight (grace %s s)", config.grace_period)
         server.close()
         frontend.drain()
-        await dispatcher.drain(config.grace_period)
-        await frontend.wait_closed(timeout=2.0)
-        await pool.stop()
+        await dispatcher.drain(config.grace_period, hurry)
+        await frontend.wait_closed(timeout=0.2 if hurry.is_set() else 2.0)
+        await pool.stop(timeout=1.0 if hurry.is_set() else 10.0)
         log.info("stopped")
         return 0
     finally:

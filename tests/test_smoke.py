@@ -1,6 +1,10 @@
 """First end-to-end checks: the daemon starts, answers, takes its settings, stops cleanly."""
 
 import json
+import os
+import signal
+import threading
+import time
 
 from conftest import wait_for
 
@@ -64,3 +68,37 @@ def test_one_at_a_time_calls_spread_over_idle_workers(broker):
     """Ties in least-outstanding routing go round-robin, not always to worker 0."""
     pids = [broker.call("worker_info")["result"]["pid"] for _ in range(4)]
     assert len(set(pids)) == 2, pids
+
+
+def test_a_hung_worker_is_killed_once_and_its_calls_say_why(broker_factory):
+    """Two cancelled calls stuck on one worker: one kill, one log line; a call still in
+    flight behind them gets -32002 whose status names the hang."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry",
+                       "--timeout", "0.3", "--cancel-grace", "0.5", "--method-timeout", "pid=30")
+    first = b.call("pid")["result"]
+    batch = [{"jsonrpc": "2.0", "method": "spin", "params": [60], "id": 1},
+             {"jsonrpc": "2.0", "method": "spin", "params": [60], "id": 2},
+             {"jsonrpc": "2.0", "method": "pid", "id": 3}]
+    _, _, body = b.post(json.dumps(batch), timeout=30)
+    replies = json.loads(body)
+    assert [r["error"]["code"] for r in replies] == [-32001, -32001, -32002], replies
+    assert replies[2]["error"]["data"] == {
+        "pid": first, "status": "killed by SIGKILL (hung: no answer 0.5 s after a cancelled call)"}
+    wait_for(lambda: b.call("pid").get("result") not in (None, first), timeout=20)
+    assert b.read_log().count("killing it as hung") == 1
+
+
+def test_a_second_sigterm_cuts_the_grace_period_short(broker_factory):
+    b = broker_factory("--workers", "1", "--grace-period", "60")
+    reply: dict[str, object] = {}
+    t = threading.Thread(target=lambda: reply.update(b.call("sleep", [30], timeout=60)))
+    t.start()
+    wait_for(lambda: b.call("add", [1, 2]).get("result") == 3, timeout=10)
+    os.kill(b.pid, signal.SIGTERM)
+    wait_for(lambda: "stopping" in b.read_log(0.05), timeout=10)
+    start = time.monotonic()
+    os.kill(b.pid, signal.SIGTERM)
+    assert b.proc.wait(20) == 0
+    t.join(20)
+    assert time.monotonic() - start < 10
+    assert reply["error"]["code"] == -32004, reply
