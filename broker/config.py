@@ -128,6 +128,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                          Doc("calls waiting for a free worker before the broker "
                              "answers 'overloaded'")
                          ] = 10000
+    max_queue_bytes: Annotated[Bytes, Meta(ge=0),
+                               Doc("total params bytes of the waiting calls before "
+                                   "the broker answers 'overloaded'")
+                               ] = 64 * MIB
     grace_period: Annotated[Seconds, Meta(ge=0),
                             Doc("on SIGTERM, how long in-flight calls may take")
                             ] = 30 * SECONDS

@@ -219,6 +219,7 @@ class Dispatcher:
     """Routes calls to workers and answers them; one per broker process.
 
     max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
+    max_queue_bytes: the same bound on the waiting calls' params, in bytes.
     timeout: default deadline in seconds; `method_timeouts` overrides it per method.
     cancel_grace: seconds a worker has to answer a timed-out call before it is
         killed as hung.
@@ -229,6 +230,7 @@ class Dispatcher:
         loop: asyncio.AbstractEventLoop,
         *,
         max_queue: int = 10000,
+        max_queue_bytes: int = 64 * 1024 * 1024,
         timeout: float = 30.0,
         method_timeouts: typing.Mapping[str, float] | None = None,
         cancel_grace: float = 10.0,
@@ -236,6 +238,8 @@ class Dispatcher:
         self._loop = loop
         self._cancel_grace = cancel_grace
         self._max_queue = max_queue
+        self._max_queue_bytes = max_queue_bytes
+        self._queued_bytes = 0  # params bytes held by the queued calls
         self._timeout = timeout
         self._method_timeouts = dict(method_timeouts or {})
         self._routes: dict[str, Route] = {}
@@ -302,7 +306,7 @@ class Dispatcher:
         """Every worker is down and none is starting (restart backoff): answer the
         queued calls "no worker available" rather than let them wait for their deadline."""
         while self._queue:
-            self._finish(self._queue.popleft(), _NO_WORKER, ErrorCode.NO_WORKER)
+            self._finish(self._dequeue(), _NO_WORKER, ErrorCode.NO_WORKER)
         self._check_idle()
 
     @property
@@ -354,11 +358,14 @@ class Dispatcher:
             self._finish(call, error_object(ErrorCode.SHUTTING_DOWN), ErrorCode.SHUTTING_DOWN, remaining=False)
         elif not self._ready and not self.worker_coming():
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
-        elif len(self._queue) >= self._max_queue:
+        elif len(self._queue) >= self._max_queue or (
+            self._queued_bytes + len(call.params) > self._max_queue_bytes
+        ):
             self.shed_total += 1
             self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
         else:
             self._queue.append(call)
+            self._queued_bytes += len(call.params)
 
     def _pick(self) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit; ties
@@ -416,12 +423,17 @@ class Dispatcher:
             # oldest live queued call, without a scan.
             if worker.outstanding < worker.concurrency and worker in self._ready:
                 while queue:
-                    call = queue.popleft()
+                    call = self._dequeue()
                     if call.tick:  # else it timed out while queued
                         self._send(worker, call)
                         break
         elif not self.accepting and not self._pending:
             self._idle.set()
+
+    def _dequeue(self) -> Call:
+        call = self._queue.popleft()
+        self._queued_bytes -= len(call.params)
+        return call
 
     def _pump(self) -> None:
         queue = self._queue
@@ -429,7 +441,7 @@ class Dispatcher:
             worker = self._pick()
             if worker is None:
                 return
-            call = queue.popleft()
+            call = self._dequeue()
             if not call.tick:  # timed out while queued
                 continue
             self._send(worker, call)
@@ -499,7 +511,7 @@ class Dispatcher:
             w.cancel()
         error = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
         while self._queue:
-            self._finish(self._queue.popleft(), error, ErrorCode.SHUTTING_DOWN)
+            self._finish(self._dequeue(), error, ErrorCode.SHUTTING_DOWN)
         for call in list(self._pending.values()):
             self._finish(call, error, ErrorCode.SHUTTING_DOWN)
             # Cancel it on the worker too: a worker told BYE waits for its calls in

@@ -50,6 +50,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
     dispatcher = Dispatcher(
         loop,
         max_queue=config.max_queue,
+        max_queue_bytes=config.max_queue_bytes,
         timeout=config.timeout,
         method_timeouts=config.method_timeouts,
         cancel_grace=config.cancel_grace,

@@ -474,3 +474,18 @@ def test_sync_replies_are_not_held_back_behind_later_calls(broker_factory):
     assert status == 200
     assert [r.get("result", "missing") for r in replies[:2]] == [None, None], replies
     assert replies[2]["error"]["code"] == -32001, replies
+
+
+def test_queued_params_are_bounded_in_bytes(broker_factory):
+    """max_queue_bytes sheds a call whose params would push the queue past it."""
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--max-queue-bytes", "100000")
+    blob = "x" * 60000
+    batch = [{"jsonrpc": "2.0", "method": "sleep", "params": [0.3], "id": 1},
+             {"jsonrpc": "2.0", "method": "echo", "params": [blob], "id": 2},
+             {"jsonrpc": "2.0", "method": "echo", "params": [blob], "id": 3}]
+    status, _, body = b.post(json.dumps(batch))
+    replies = json.loads(body)
+    assert status == 200
+    assert replies[0]["result"] == 0.3 and replies[1]["result"] == [blob]
+    assert replies[2]["error"] == {"code": -32000, "message": "Server overloaded", "data": "queue full"}
+    assert b.call("echo", [blob])["result"] == [blob]  # the queue's byte count went back down
