@@ -244,13 +244,13 @@ class Codec:
                 return Body(False, [_EMPTY_BATCH], 400)
             if len(decoded) > self.max_batch:
                 return self._batch_too_large(len(decoded))
-            if _SUSPECT.search(body) is not None:
+            if _suspect(body):
                 for req in decoded:
                     if not (_valid_id(req.id) and _valid_params(req.params)):
                         return self._decode_slow(body)
             return Body(True, decoded)  # type: ignore[arg-type]
         req = typing.cast(Request, decoded)
-        if _SUSPECT.search(body) is None or (_valid_id(req.id) and _valid_params(req.params)):
+        if not _suspect(body) or (_valid_id(req.id) and _valid_params(req.params)):
             return Body(False, [req])
         return Body(False, [self._invalid(req.id)], 400)
 
@@ -318,12 +318,23 @@ class Codec:
 
 
 # msgspec checks every member but these two, which stay Raw. Rather than look at each
-# element's raw id and params (0.8 us a call), one C-speed scan of the whole body
+# element's raw id and params (0.8 us a call), C-speed scans of the whole body (0.5)
 # finds where an id or params member *could* have the wrong type: a key "id" or
 # "params" followed by a value that cannot start a valid one. Inside a string those
 # quotes would be escaped, so the scan only errs towards suspicion (a nested "id"
-# key, say); a key spelled with \u escapes is caught by the last alternative.
-_SUSPECT = re.compile(rb'"id"\s*:\s*[^"\-0-9n\s]|"params"\s*:\s*[^\[{\s]|\\u')
+# key, say); a key spelled with \u escapes is caught by the `\u` test. Three scans,
+# not one regex with alternatives: each then starts from a literal, which `re` and
+# `bytes.find` search fast (47 us against 124 us for a batch of 100, measured).
+_SUSPECT_ID = re.compile(rb'"id"\s*:\s*[^"\-0-9n\s]')
+_SUSPECT_PARAMS = re.compile(rb'"params"\s*:\s*[^\[{\s]')
+
+
+def _suspect(body: bytes | bytearray) -> bool:
+    return (
+        b"\\u" in body
+        or _SUSPECT_ID.search(body) is not None
+        or _SUSPECT_PARAMS.search(body) is not None
+    )
 
 
 def _valid_params(raw: Raw) -> bool:
