@@ -39,6 +39,8 @@ import typing
 from collections import deque
 from collections.abc import Callable
 
+from msgspec import Raw
+
 from broker import jsonrpc, wire
 from broker.jsonrpc import Body, ErrorCode, Request, error_object, response_error, response_result
 
@@ -50,6 +52,12 @@ __all__ = ["Call", "Dispatcher", "DispatcherStats", "Exchange", "Route"]
 log = logging.getLogger("broker.dispatch")
 
 _RESULT = int(wire.Kind.RESULT)
+_CHUNK = int(wire.Kind.CHUNK)
+_CHUNK_REPLY = int(wire.Kind.CHUNK_REPLY)
+_CHUNK_PART = int(wire.Kind.CHUNK_PART)
+_CALL_ENTRY = wire.CALL_ENTRY
+_REPLY_ENTRY = wire.REPLY_ENTRY
+_NOTIFY_FLAG = wire.NOTIFY_FLAG
 _CALL = int(wire.Kind.CALL)
 _NOTIFY = int(wire.Kind.NOTIFY)
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
@@ -98,6 +106,12 @@ class Exchange:
         if self.remaining == 0:
             self.on_done(self)
 
+    def filled(self, count: int) -> None:
+        """`count` slots were filled directly (a chunk's answers); call back if last."""
+        self.remaining -= count
+        if self.remaining == 0 and count:
+            self.on_done(self)
+
     def body(self) -> bytes:
         """The response body: one Response object, or an array of them."""
         if self.batch:
@@ -115,7 +129,10 @@ class Route(typing.NamedTuple):
 class Call:
     """One call (or notification) on its way through the broker."""
 
-    __slots__ = ("call_id", "exchange", "id", "index", "kind", "params", "slot", "tick", "timeout", "worker")
+    __slots__ = (
+        "call_id", "exchange", "id", "ids", "index", "kind", "params", "slot", "slots",
+        "tick", "timeout", "weight", "worker",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -131,10 +148,40 @@ class Call:
         self.id = request.id
         self.kind = _CALL if exchange is not None else _NOTIFY
         self.index = route.method_index
-        self.params = request.params
+        self.params: Raw | bytes = request.params
         self.timeout = route.timeout
         self.worker: Worker | None = None
         self.tick = 0  # its slot in the DeadlineWheel; 0 once expired or answered
+        self.weight = 1  # calls it stands for (a chunk stands for several)
+        self.slots: list[int] | None = None  # a chunk's answer slots (-1: notification)
+        self.ids: list[Raw] | None = None  # a chunk's raw client ids
+
+    @classmethod
+    def chunk(
+        cls, call_id: int, exchange: Exchange, entries: list[tuple[int, Request, Route]], timeout: float
+    ) -> Call:
+        """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
+        one deadline (they share `timeout`), one reply."""
+        self = cls.__new__(cls)
+        self.call_id = call_id
+        self.slots = [slot for slot, _, _ in entries]
+        self.exchange = exchange if any(slot >= 0 for slot in self.slots) else None
+        self.slot = -1
+        self.id = Raw()
+        self.ids = [request.id for _, request, _ in entries]
+        self.kind = _CHUNK
+        self.index = len(entries)
+        payload = bytearray()
+        pack = _CALL_ENTRY.pack
+        for slot, request, route in entries:
+            payload += pack(route.method_index, 0 if slot >= 0 else _NOTIFY_FLAG, len(request.params))
+            payload += request.params
+        self.params = bytes(payload)
+        self.timeout = timeout
+        self.worker = None
+        self.tick = 0
+        self.weight = len(entries)
+        return self
 
 
 class DispatcherStats(typing.NamedTuple):
@@ -296,7 +343,7 @@ class Dispatcher:
         for call in lost:
             del self._pending[call.call_id]
             if call.exchange is not None:
-                self.worker_died_total += 1
+                self.worker_died_total += call.weight
             self._finish(call, error, ErrorCode.WORKER_DIED)
         worker.outstanding = 0
         self._check_idle()
@@ -324,6 +371,8 @@ class Dispatcher:
         be called: the caller answers at once.
         """
         exchange = Exchange(body.batch, body.status, on_done)
+        if body.batch and len(body.items) > 2 and len(self._ready) and self.accepting:
+            return self._submit_chunks(body, exchange)
         answers = exchange.answers
         routes = self._routes
         now = self._loop.time()
@@ -345,6 +394,54 @@ class Dispatcher:
             else:
                 call = Call(next(self._ids), None, -1, request, route)
             self._start(call, now)
+        if not answers:
+            return None
+        return exchange
+
+    def _submit_chunks(self, body: Body, exchange: Exchange) -> Exchange | None:
+        """A batch: its calls go out in a few chunks (about one per ready worker)
+        instead of one frame each. Calls with different deadlines never share one."""
+        answers = exchange.answers
+        routes = self._routes
+        groups: dict[float, list[tuple[int, Request, Route]]] = {}
+        for item in body.items:
+            if type(item) is bytes:
+                answers.append(item)
+                continue
+            request = typing.cast(Request, item)
+            route = routes.get(request.method)
+            if route is None:
+                if request.id:
+                    answers.append(response_error(request.id, _METHOD_NOT_FOUND))
+                continue
+            if request.id:
+                slot = len(answers)
+                answers.append(None)
+            else:
+                slot = -1
+            group = groups.get(route.timeout)
+            if group is None:
+                group = groups[route.timeout] = []
+            group.append((slot, request, route))
+        now = self._loop.time()
+        workers = len(self._ready)
+        for timeout, entries in groups.items():
+            self.calls_total += len(entries)
+            chunks = min(workers, len(entries))
+            for first in range(chunks):
+                # Dealt out like cards: neighbours in a batch are often alike (the
+                # same slow method), so interleaving spreads them over the workers.
+                part = entries[first::chunks]
+                if len(part) == 1:
+                    slot, request, route = part[0]
+                    call = Call(next(self._ids), exchange if slot >= 0 else None, slot, request, route)
+                else:
+                    # A chunk goes to a worker below its concurrency limit like a call
+                    # does, so it may overshoot the limit by its size; it queues and is
+                    # shed as one unit.
+                    call = Call.chunk(next(self._ids), exchange, part, timeout)
+                exchange.remaining += sum(1 for slot, _, _ in part if slot >= 0)
+                self._start(call, now)
         if not answers:
             return None
         return exchange
@@ -394,21 +491,33 @@ class Dispatcher:
 
     def _send(self, worker: Worker, call: Call) -> None:
         call.worker = worker
-        worker.outstanding += 1
+        worker.outstanding += call.weight
         self._pending[call.call_id] = call
         worker.channel.send(call.kind, call.call_id, call.index, call.params)  # type: ignore[union-attr]
 
     def on_reply(self, worker: Worker, kind: int, call_id: int, payload: bytes) -> None:
-        """A worker answered `call_id` with a RESULT or ERROR payload (raw JSON)."""
+        """A worker answered `call_id` with a RESULT or ERROR payload (raw JSON), or
+        with (part of) a chunk's answers."""
+        if kind == _CHUNK_PART:  # some of a chunk's answers; the chunk stays pending
+            part = self._pending.get(call_id)
+            if part is not None and part.worker is worker and part.exchange is not None:
+                self._fill_chunk(part, part.exchange, payload)
+            return
         call = self._pending.pop(call_id, None)
         if call is None or call.worker is not worker:
             self.late_replies_total += 1
             return
-        worker.outstanding -= 1
+        worker.outstanding -= call.weight
         exchange = call.exchange
         if exchange is not None:
             self._deadlines.remove(call)
-            if kind == _RESULT:
+            if call.slots is not None:
+                call.exchange = None
+                if kind == _CHUNK_REPLY:
+                    self._fill_chunk(call, exchange, payload)
+                else:  # one ERROR for the whole chunk
+                    self._fail_chunk(call, exchange, payload, True)
+            elif kind == _RESULT:
                 exchange.fill(call.slot, response_result(call.id, payload))
             else:
                 exchange.fill(call.slot, response_error(call.id, payload), _error_status(payload))
@@ -430,6 +539,43 @@ class Dispatcher:
         elif not self.accepting and not self._pending:
             self._idle.set()
 
+    def _fill_chunk(self, call: Call, exchange: Exchange, payload: bytes) -> None:
+        """Splice the answers of a CHUNK_PART or CHUNK_REPLY payload into their slots."""
+        slots = typing.cast(list[int], call.slots)
+        ids = typing.cast(list[Raw], call.ids)
+        answers = exchange.answers
+        view = memoryview(payload)
+        unpack = _REPLY_ENTRY.unpack_from
+        size = _REPLY_ENTRY.size
+        end = len(payload)
+        pos = filled = 0
+        while pos < end:
+            i, entry_kind, length = unpack(payload, pos)
+            pos += size
+            slot = slots[i]
+            if slot >= 0 and answers[slot] is None:
+                result = view[pos : pos + length]
+                if entry_kind == _RESULT:
+                    answers[slot] = response_result(ids[i], result)
+                else:
+                    answers[slot] = response_error(ids[i], result)
+                filled += 1
+            pos += length
+        exchange.filled(filled)
+
+    def _fail_chunk(self, call: Call, exchange: Exchange, error: bytes, remaining: bool) -> None:
+        """Answer every still-unanswered call of a chunk with `error` (an error object)."""
+        answers = exchange.answers
+        count = 0
+        for slot, id_ in zip(typing.cast(list[int], call.slots), typing.cast(list[Raw], call.ids)):
+            if slot >= 0 and answers[slot] is None:
+                answers[slot] = response_error(id_, error)
+                count += 1
+        if remaining:
+            exchange.filled(count)
+        else:
+            exchange.remaining -= count
+
     def _dequeue(self) -> Call:
         call = self._queue.popleft()
         self._queued_bytes -= len(call.params)
@@ -448,7 +594,7 @@ class Dispatcher:
         self._check_idle()
 
     def _on_timeout(self, call: Call) -> None:
-        self.timeouts_total += 1
+        self.timeouts_total += call.weight
         self._finish(
             call,
             error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout}),
@@ -484,6 +630,9 @@ class Dispatcher:
         if exchange is None:
             return
         call.exchange = None
+        if call.slots is not None:  # a chunk: every call in it not yet answered
+            self._fail_chunk(call, exchange, error, remaining)
+            return
         if remaining:
             exchange.fill(call.slot, response_error(call.id, error), _STATUS[code])
         else:

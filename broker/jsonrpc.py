@@ -171,12 +171,12 @@ _ERROR = b',"error":'
 _TAIL = b"}"
 
 
-def response_result(id_: Raw | bytes, result: bytes | bytearray | Raw) -> bytes:
+def response_result(id_: Raw | bytes, result: bytes | bytearray | memoryview | Raw) -> bytes:
     """Splice a success Response object (section 5) from the raw id and raw result."""
     return b"".join((_RESP_HEAD, id_, _RESULT, result, _TAIL))
 
 
-def response_error(id_: Raw | bytes, error: bytes | bytearray | Raw) -> bytes:
+def response_error(id_: Raw | bytes, error: bytes | bytearray | memoryview | Raw) -> bytes:
     """Splice an error Response object (section 5) from the raw id and error object."""
     return b"".join((_RESP_HEAD, id_, _ERROR, error, _TAIL))
 

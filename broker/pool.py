@@ -118,6 +118,7 @@ class Worker:
 _HELLO = int(wire.Kind.HELLO)
 _RESULT = int(wire.Kind.RESULT)
 _ERROR = int(wire.Kind.ERROR)
+_CHUNK_REPLY = int(wire.Kind.CHUNK_REPLY)
 _pack_header = wire.HEADER.pack
 FLUSH_AT_BYTES = 256 * 1024  # write at once past this much queued, else once per loop turn
 
@@ -156,7 +157,7 @@ class WorkerChannel(asyncio.Protocol):
         worker = self.worker
         on_reply = self._dispatcher.on_reply
         for kind, call_id, _aux, payload in frames:
-            if worker is not None and (kind == _RESULT or kind == _ERROR):
+            if worker is not None and (kind == _RESULT or kind == _ERROR or kind >= _CHUNK_REPLY):
                 on_reply(worker, kind, call_id, payload)
             elif kind == _HELLO and worker is None:
                 try:

@@ -19,10 +19,26 @@ Kinds, who sends them, and what `aux` and the payload hold:
                              the broker can account for the worker's capacity
     RESULT  worker → broker  aux: service time in µs; payload: raw JSON result
     ERROR   worker → broker  aux: service time in µs; payload: raw JSON error object
-    CANCEL  broker → worker  aux 0; no payload: the call's deadline passed
+    CANCEL  broker → worker  aux 0; no payload: the call's (or chunk's) deadline passed
     BYE     broker → worker  aux 0; no payload: finish what is in flight, then exit
+    CHUNK   broker → worker  several calls of one batch in one frame; aux: their count;
+                             payload: per call a `CALL_ENTRY` (method index u16,
+                             flags u8 (1 = notification), params length u32), then
+                             the raw params
+    CHUNK_PART worker → broker  answers to some calls of a CHUNK, sent when running
+                             it takes longer than one slice (so no answer waits for
+                             the whole chunk); payload: per answer a `REPLY_ENTRY`
+                             (the call's place in the chunk u32, kind u8: RESULT or
+                             ERROR, length u32), then the raw JSON result or error
+    CHUNK_REPLY worker → broker  the rest of a CHUNK's answers (as CHUNK_PART), sent
+                             once all of its calls are done; it ends the chunk.
+                             aux: service time in µs. A worker may instead answer a
+                             whole CHUNK with one ERROR frame (e.g. cancelled before
+                             it ran).
 
-The worker replies to every CALL and NOTIFY exactly once (a cancelled call with an
+A chunk travels and is accounted for as one unit (one call id, one deadline): it
+saves the per-call frame work on both sides for batches. The worker replies to every
+CALL, NOTIFY and CHUNK exactly once (a cancelled call with an
 ERROR), so the broker's count of a worker's outstanding calls stays exact.
 Payloads are JSON or raw bytes only: nothing on this wire is ever unpickled.
 """
@@ -35,8 +51,11 @@ from enum import IntEnum
 import msgspec
 
 __all__ = [
+    "CALL_ENTRY",
     "HEADER",
     "HEADER_SIZE",
+    "NOTIFY_FLAG",
+    "REPLY_ENTRY",
     "FrameDecoder",
     "FrameError",
     "Hello",
@@ -57,10 +76,16 @@ class Kind(IntEnum):
     ERROR = 5
     CANCEL = 6
     BYE = 7
+    CHUNK = 8
+    CHUNK_REPLY = 9
+    CHUNK_PART = 10
 
 
 HEADER = struct.Struct(">IBQI")
 HEADER_SIZE = HEADER.size  # 17
+CALL_ENTRY = struct.Struct(">HBI")  # in a CHUNK: method index, flags, params length
+REPLY_ENTRY = struct.Struct(">IBI")  # in a CHUNK_PART/REPLY: call's place, kind, length
+NOTIFY_FLAG = 1
 _KINDS = frozenset(int(k) for k in Kind)
 
 

@@ -38,12 +38,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import importlib
 import inspect
 import logging
 import os
 import re
 import signal
+import struct
 import sys
 import time
 import traceback
@@ -441,11 +443,33 @@ _ERROR = int(wire.Kind.ERROR)
 _CALL = int(wire.Kind.CALL)
 _NOTIFY = int(wire.Kind.NOTIFY)
 _CANCEL = int(wire.Kind.CANCEL)
+_CHUNK = int(wire.Kind.CHUNK)
+_CHUNK_PART = int(wire.Kind.CHUNK_PART)
+_CHUNK_REPLY = int(wire.Kind.CHUNK_REPLY)
+_CALL_ENTRY = wire.CALL_ENTRY
+_REPLY_ENTRY = wire.REPLY_ENTRY
 _BYE = int(wire.Kind.BYE)
 _pack_header = wire.HEADER.pack
 _perf = time.perf_counter
 _CANCELLED = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")
 SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
+
+
+class _Chunk:
+    """A CHUNK being run: where its next call starts, and answers not yet sent."""
+
+    __slots__ = ("chunk_id", "count", "next", "payload", "pos", "t0", "tasks", "unsent", "waiting")
+
+    def __init__(self, chunk_id: int, count: int, payload: bytes) -> None:
+        self.chunk_id = chunk_id
+        self.count = count
+        self.payload = payload
+        self.pos = 0  # byte offset of the next call's entry
+        self.next = 0  # index of the next call to start
+        self.unsent = bytearray()  # REPLY_ENTRY-framed answers for the next part
+        self.tasks: list[asyncio.Task[object]] = []
+        self.waiting = 0  # async calls still running
+        self.t0 = _perf()
 
 
 class WorkerProtocol(asyncio.Protocol):
@@ -474,7 +498,9 @@ class WorkerProtocol(asyncio.Protocol):
         self._out = bytearray()
         self._flush_scheduled = False
         self._tasks: dict[int, asyncio.Task[object]] = {}
-        self._backlog: collections.deque[tuple[int, int, bytes]] = collections.deque()
+        self._backlog: collections.deque[tuple[int, int, int, bytes] | _Chunk] = collections.deque()
+        self._chunks: dict[int, _Chunk] = {}  # chunks started and not yet fully answered
+        self._dirty: set[_Chunk] = set()  # chunks with answers to send
         self._run_scheduled = False
         self._closing = False
         self._transport: asyncio.Transport | None = None
@@ -496,6 +522,9 @@ class WorkerProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         for task in self._tasks.values():
             task.cancel()
+        for chunk in self._chunks.values():
+            for task in chunk.tasks:
+                task.cancel()
         if not self.done.done():
             self.done.set_result(None)
 
@@ -509,8 +538,8 @@ class WorkerProtocol(asyncio.Protocol):
             return
         backlog = self._backlog
         for kind, call_id, aux, payload in frames:
-            if kind == _CALL or kind == _NOTIFY:
-                backlog.append((call_id, aux, payload))
+            if kind == _CALL or kind == _NOTIFY or kind == _CHUNK:
+                backlog.append((kind, call_id, aux, payload))
             elif kind == _CANCEL:
                 self._cancel(call_id)
             elif kind == _BYE:
@@ -523,10 +552,26 @@ class WorkerProtocol(asyncio.Protocol):
         if task is not None:
             task.cancel()
             return
+        chunk = self._chunks.get(call_id)
+        if chunk is not None:
+            for task in chunk.tasks:
+                task.cancel()
+            while chunk.next < chunk.count:  # calls not started: answered cancelled
+                _index, _flags, length = _CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
+                chunk.pos += _CALL_ENTRY.size + length
+                chunk.unsent += _REPLY_ENTRY.pack(chunk.next, _ERROR, len(_CANCELLED))
+                chunk.unsent += _CANCELLED
+                chunk.next += 1
+            try:
+                self._backlog.remove(chunk)
+            except ValueError:
+                pass
+            self._dirty.add(chunk)
+            return
         for i, queued in enumerate(self._backlog):  # rare: a call still waiting here
-            if queued[0] == call_id:
+            if type(queued) is tuple and queued[1] == call_id:
                 del self._backlog[i]
-                self._reply(_ERROR, call_id, _perf(), _CANCELLED)
+                self._reply(_ERROR, call_id, _perf(), _CANCELLED)  # a whole chunk, too
                 return
 
     def _run(self) -> None:
@@ -538,8 +583,18 @@ class WorkerProtocol(asyncio.Protocol):
         backlog = self._backlog
         deadline = _perf() + SLICE_SECONDS
         while backlog:
-            call_id, index, params = backlog.popleft()
-            self._call(call_id, index, params)
+            item = backlog[0]
+            if type(item) is _Chunk:
+                if self._advance(item, deadline):
+                    backlog.popleft()
+            else:
+                backlog.popleft()
+                kind, call_id, aux, payload = typing.cast("tuple[int, int, int, bytes]", item)
+                if kind == _CHUNK:
+                    chunk = self._chunks[call_id] = _Chunk(call_id, aux, payload)
+                    backlog.appendleft(chunk)
+                    continue
+                self._call(call_id, aux, payload)
             if backlog and _perf() > deadline:
                 self._run_scheduled = True
                 self._loop.call_soon(self._run)
@@ -551,45 +606,109 @@ class WorkerProtocol(asyncio.Protocol):
         self._closing = True
         self._flush()
 
-    def _call(self, call_id: int, index: int, params: bytes) -> None:
-        t0 = _perf()
+    def _execute(self, index: int, params: bytes) -> tuple[int, bytes] | asyncio.Task[object]:
+        """Run one call: (kind, body) for a sync handler or a failure, or the Task
+        running an async handler (its outcome comes from `_outcome`)."""
         try:
             method = self._methods[index]
             args, kwargs = method.bind(params, self._max_depth)
             if method.is_async:
                 coro = typing.cast(typing.Coroutine[object, object, object], method.fn(*args, **kwargs))
-                task = self._loop.create_task(coro)
-                self._tasks[call_id] = task
-                task.add_done_callback(lambda t: self._task_done(call_id, index, t0, t))
-                return
-            result = method.fn(*args, **kwargs)
-            body = encode_result(result)
-            kind = _RESULT
+                return self._loop.create_task(coro)
+            return _RESULT, encode_result(method.fn(*args, **kwargs))
         except (Exception, SystemExit, KeyboardInterrupt) as exc:  # one ERROR reply, worker lives on
-            kind, body = _ERROR, self._error(exc, index)
-        self._reply(kind, call_id, t0, body)
+            return _ERROR, self._error(exc, index)
+
+    def _outcome(self, task: asyncio.Task[object], index: int) -> tuple[int, bytes]:
+        if task.cancelled():
+            return _ERROR, _CANCELLED
+        exc = task.exception()
+        if exc is not None:
+            return _ERROR, self._error(exc, index)
+        try:
+            return _RESULT, encode_result(task.result())
+        except TypeError as e:
+            return _ERROR, self._error(e, index)
+
+    def _call(self, call_id: int, index: int, params: bytes) -> None:
+        t0 = _perf()
+        done = self._execute(index, params)
+        if type(done) is tuple:
+            self._reply(done[0], call_id, t0, done[1])
+            return
+        task = typing.cast("asyncio.Task[object]", done)
+        self._tasks[call_id] = task
+        task.add_done_callback(lambda t: self._task_done(call_id, index, t0, t))
 
     def _task_done(self, call_id: int, index: int, t0: float, task: asyncio.Task[object]) -> None:
         self._tasks.pop(call_id, None)
-        if task.cancelled():
-            kind, body = _ERROR, _CANCELLED
-        else:
-            exc = task.exception()
-            if exc is None:
-                try:
-                    kind, body = _RESULT, encode_result(task.result())
-                except TypeError as e:
-                    kind, body = _ERROR, self._error(e, index)
-            else:
-                kind, body = _ERROR, self._error(exc, index)
+        kind, body = self._outcome(task, index)
         self._reply(kind, call_id, t0, body)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
+    def _advance(self, chunk: _Chunk, deadline: float) -> bool:
+        """Start a chunk's calls until `deadline` (perf_counter s); True once all have
+        started. Its answers so far go out as a CHUNK_PART, or as the CHUNK_REPLY
+        when none is left running."""
+        unpack = _CALL_ENTRY.unpack_from
+        size = _CALL_ENTRY.size
+        pack = _REPLY_ENTRY.pack
+        payload = chunk.payload
+        unsent = chunk.unsent
+        while chunk.next < chunk.count:
+            i = chunk.next
+            try:
+                index, _flags, length = unpack(payload, chunk.pos)
+            except struct.error:
+                index, length = len(self._methods), 0  # answered "method not found"
+            start = chunk.pos + size
+            chunk.pos = start + length
+            chunk.next += 1
+            done = self._execute(index, payload[start : start + length])
+            if type(done) is tuple:
+                kind, body = done
+                unsent += pack(i, kind, len(body))
+                unsent += body
+            else:
+                task = typing.cast("asyncio.Task[object]", done)
+                chunk.tasks.append(task)
+                chunk.waiting += 1
+                task.add_done_callback(functools.partial(self._chunk_task_done, chunk, i, index))
+            if chunk.next < chunk.count and _perf() > deadline:
+                self._dirty.add(chunk)
+                return False
+        self._dirty.add(chunk)
+        return True
+
+    def _chunk_task_done(self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[object]) -> None:
+        kind, body = self._outcome(task, index)
+        chunk.unsent += _REPLY_ENTRY.pack(i, kind, len(body))
+        chunk.unsent += body
+        chunk.waiting -= 1
+        self._dirty.add(chunk)
+        self._schedule_flush()
+
+    def _emit(self, chunk: _Chunk) -> None:
+        """Send a chunk's unsent answers: the CHUNK_REPLY once nothing in it is left
+        to run, else a CHUNK_PART."""
+        if chunk.next == chunk.count and not chunk.waiting:
+            self._chunks.pop(chunk.chunk_id, None)
+            self._reply(_CHUNK_REPLY, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
+        elif chunk.unsent:
+            self._reply(_CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
+        else:
+            return
+        chunk.unsent.clear()
+
     def _reply(self, kind: int, call_id: int, t0: float, body: bytes) -> None:
         service_us = min(int((_perf() - t0) * 1e6), 0xFFFFFFFF)
         if len(body) > self._decoder.max_frame_bytes:  # the broker would drop the connection
+            # (for a chunk: one ERROR for all of its calls)
             kind, body = _ERROR, error_object(
                 ErrorCode.INTERNAL_ERROR,
                 data=f"result of {len(body)} bytes exceeds max_frame_bytes {self._decoder.max_frame_bytes}",
@@ -600,11 +719,15 @@ class WorkerProtocol(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self._dirty:
+            for chunk in self._dirty:
+                self._emit(chunk)
+            self._dirty.clear()
         transport = self._transport
         if self._out and transport is not None and not transport.is_closing():
             transport.write(bytes(self._out))
             self._out.clear()
-        if self._closing and not self._tasks and not self._backlog and transport is not None:
+        if self._closing and not (self._tasks or self._backlog or self._chunks) and transport is not None:
             transport.close()
 
     def _error(self, exc: BaseException, index: int) -> bytes:

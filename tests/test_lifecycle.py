@@ -477,15 +477,22 @@ def test_sync_replies_are_not_held_back_behind_later_calls(broker_factory):
 
 
 def test_queued_params_are_bounded_in_bytes(broker_factory):
-    """max_queue_bytes sheds a call whose params would push the queue past it."""
+    """max_queue_bytes sheds a call whose params would push the queue past it. Three
+    requests pipelined on one connection reach the dispatcher in order."""
     b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--max-queue-bytes", "100000")
     blob = "x" * 60000
-    batch = [{"jsonrpc": "2.0", "method": "sleep", "params": [0.3], "id": 1},
-             {"jsonrpc": "2.0", "method": "echo", "params": [blob], "id": 2},
-             {"jsonrpc": "2.0", "method": "echo", "params": [blob], "id": 3}]
-    status, _, body = b.post(json.dumps(batch))
-    replies = json.loads(body)
-    assert status == 200
+    bodies = [json.dumps({"jsonrpc": "2.0", "method": "sleep", "params": [0.3], "id": 1}),
+              json.dumps({"jsonrpc": "2.0", "method": "echo", "params": [blob], "id": 2}),
+              json.dumps({"jsonrpc": "2.0", "method": "echo", "params": [blob], "id": 3})]
+    with socket.create_connection((b.host, b.port), timeout=20) as sock:
+        sock.sendall(b"".join(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(x), x.encode())
+                              for x in bodies))
+        data = b""
+        while data.count(b"HTTP/1.1 ") < 3 or not data.rstrip().endswith(b"}"):
+            chunk = sock.recv(1 << 20)
+            assert chunk, data[-200:]
+            data += chunk
+    replies = [json.loads(part.partition(b"\r\n\r\n")[2]) for part in data.split(b"HTTP/1.1 ")[1:]]
     assert replies[0]["result"] == 0.3 and replies[1]["result"] == [blob]
     assert replies[2]["error"] == {"code": -32000, "message": "Server overloaded", "data": "queue full"}
     assert b.call("echo", [blob])["result"] == [blob]  # the queue's byte count went back down

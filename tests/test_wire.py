@@ -59,7 +59,7 @@ def test_header_layout_matches_the_diagram():
         b"\x0a\x0b\x0c\x0d"  # aux u32
         b"xyz"
     )
-    assert [int(k) for k in Kind] == [1, 2, 3, 4, 5, 6, 7]
+    assert [int(k) for k in Kind] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 
 
 def test_whole():
@@ -145,7 +145,7 @@ def test_many_frames_in_one_feed():
     assert decoder.feed(b"ial") == [(Kind.CALL, 5000, 0, b"partial")]
 
 
-@pytest.mark.parametrize("kind", [0, 8, 0x7F, 0xFF])
+@pytest.mark.parametrize("kind", [0, 11, 0x7F, 0xFF])
 def test_unknown_kind_raises_on_the_header_before_the_payload(kind):
     header = wire.HEADER.pack(1000, kind, 5, 0)
     decoder = FrameDecoder()
@@ -158,8 +158,8 @@ def test_unknown_kind_raises_on_the_header_before_the_payload(kind):
 
 
 def test_unknown_kind_after_good_frames():
-    header = wire.HEADER.pack(0, 9, 1, 0)
-    with pytest.raises(FrameError, match="unknown frame kind 9"):
+    header = wire.HEADER.pack(0, 11, 1, 0)
+    with pytest.raises(FrameError, match="unknown frame kind 11"):
         FrameDecoder().feed(encode_frame(Kind.CALL, 1, 0, b"[]") + header)
 
 

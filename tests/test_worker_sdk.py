@@ -24,7 +24,7 @@ import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import demo
+from broker import demo, wire
 from broker.wire import HEADER, FrameDecoder, Kind, decode_hello, encode_frame
 from broker.worker import (
     InvalidParams,
@@ -975,5 +975,82 @@ def test_system_exit_in_a_handler_is_an_error_not_a_dead_worker(run):
         f1, f2 = await b.read(2)
         assert error(f1)["data"] == {"type": "SystemExit"}
         assert result(f2) == 3
+
+    run(test)
+
+
+# --- CHUNK frames (several calls of a batch in one frame) --------------------------------
+
+
+def chunk_frame(chunk_id: int, calls: list[tuple[str, bytes, bool]]) -> bytes:
+    """A CHUNK frame: (method, params, notification) per call."""
+    payload = b"".join(
+        wire.CALL_ENTRY.pack(INDEX[m], wire.NOTIFY_FLAG if note else 0, len(p)) + p for m, p, note in calls
+    )
+    return encode_frame(Kind.CHUNK, chunk_id, len(calls), payload)
+
+
+def chunk_answers(frames: list[Frame]) -> dict[int, tuple[int, bytes]]:
+    """{place in chunk: (kind, body)} from CHUNK_PART/CHUNK_REPLY frames; fails on a repeat."""
+    answers: dict[int, tuple[int, bytes]] = {}
+    for kind, _, _, payload in frames:
+        assert kind in (Kind.CHUNK_PART, Kind.CHUNK_REPLY), kind
+        pos = 0
+        while pos < len(payload):
+            i, entry_kind, length = wire.REPLY_ENTRY.unpack_from(payload, pos)
+            pos += wire.REPLY_ENTRY.size
+            assert i not in answers, f"call {i} answered twice"
+            answers[i] = (entry_kind, payload[pos:pos + length])
+            pos += length
+    return answers
+
+
+async def read_chunk(b: Broker, chunk_id: int) -> tuple[list[Frame], dict[int, tuple[int, bytes]]]:
+    frames: list[Frame] = []
+    while not frames or frames[-1][0] != Kind.CHUNK_REPLY:
+        [f] = await b.read(timeout=10)
+        assert f[1] == chunk_id
+        frames.append(f)
+    return frames, chunk_answers(frames)
+
+
+def test_a_chunk_gets_every_answer_once_sync_async_errors_and_notifications(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(chunk_frame(9, [("add_ints", b"[1, 2]", False), ("nap", b"[0.05]", False),
+                               ("fail_rpc", b"", False), ("add_ints", b"[3, 4]", True),
+                               ("add_ints", b'["x", 1]', False)]))
+        _, answers = await read_chunk(b, 9)
+        assert sorted(answers) == [0, 1, 2, 3, 4]
+        assert answers[0] == (Kind.RESULT, b"3") and answers[3] == (Kind.RESULT, b"7")
+        assert answers[1] == (Kind.RESULT, b"0.05")
+        assert answers[2][0] == Kind.ERROR and json.loads(answers[2][1])["code"] == 1001
+        assert answers[4][0] == Kind.ERROR and json.loads(answers[4][1])["code"] == -32602
+        await b.nothing_more()
+
+    run(test)
+
+
+def test_a_slow_chunk_sends_its_answers_in_parts(run):
+    """Sync calls longer than a slice: answers leave in CHUNK_PARTs, not all at the end."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(chunk_frame(4, [("spin", b"[0.02]", False)] * 4))
+        frames, answers = await read_chunk(b, 4)
+        assert sorted(answers) == [0, 1, 2, 3]
+        assert [f[0] for f in frames].count(Kind.CHUNK_PART) >= 1
+
+    run(test)
+
+
+def test_cancelling_a_chunk_answers_each_call_once(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(chunk_frame(5, [("nap", b"[30]", False), ("add_ints", b"[1, 1]", False), ("nap", b"[30]", False)]))
+        await asyncio.sleep(0.05)
+        b.send(encode_frame(Kind.CANCEL, 5, 0, b""))
+        _, answers = await read_chunk(b, 5)
+        assert answers[1] == (Kind.RESULT, b"2")
+        for i in (0, 2):
+            assert answers[i][0] == Kind.ERROR
+            assert json.loads(answers[i][1])["data"] == "cancelled by the broker"
 
     run(test)
