@@ -2,10 +2,12 @@
 
     rpc-broker serve [--config FILE] [--<setting> VALUE ...]
     rpc-broker check-config FILE
+    rpc-broker bench URL [options] | rpc-broker bench plot FILE... -o PNG
 
 Every ``serve`` flag is generated from the settings table in `broker.config`.
 Exit codes: 0 success, 2 bad usage or bad configuration; ``serve`` otherwise
-returns what `broker.server.serve` returns.
+returns what `broker.server.serve` returns; ``bench`` returns what
+`broker.loadgen.cli.main` returns (0 all answers right, 1 failures, 2 usage).
 """
 
 import argparse
@@ -53,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     check.add_argument("file", metavar="FILE", help="TOML config file to check")
-    # Room for `rpc-broker bench`: a load generator against a running broker.
+    commands.add_parser(
+        "bench", add_help=False, prefix_chars="\0",
+        help="JSON-RPC load generator that checks every answer; "
+        f"'{PROG} bench --help' for its flags",
+    )
     return parser
 
 
@@ -71,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     ``--help`` returns 0 and usage errors 2 (argparse's codes) instead of raising
     ``SystemExit``; a `config.ConfigError` is printed to stderr and returns 2.
     """
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["bench"]:
+        from broker.loadgen.cli import main as bench_main
+
+        return bench_main(args[1:])
     parser = build_parser()
     try:
         ns = parser.parse_args(argv)

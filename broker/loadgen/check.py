@@ -1,0 +1,258 @@
+"""Checks every answer the load generator gets. Sans-IO: (HTTP status, body, `Expect`) in,
+counts out.
+
+Rules (JSON-RPC 2.0 spec sections 5, 5.1 and 6):
+
+* Exactly one answer per call that has an id; none for notifications. Answers are
+  matched to calls by their raw id bytes, compared byte for byte (``1.5e3`` is not
+  ``1500.0``), as a multiset: an id sent twice (``--ids repeated``) must come back
+  twice.
+* An answer whose id was never sent is ``wrong_id``; a second answer for an id
+  whose answers are used up is ``duplicate``; a call left without any answer is
+  ``missing`` (a wrong-id answer stands in for one missing call, so a server that
+  mangles one id counts one ``wrong_id``, not also one ``missing``).
+* ``malformed``: a body that is not JSON, an answer that is not a Response object
+  (``jsonrpc`` not ``"2.0"``, no ``id``, not exactly one of ``result``/``error``, an
+  error without an integer ``code`` and string ``message``), an array answering a
+  single call or an object answering a batch, an empty array, a status outside
+  2xx/4xx/5xx, a 4xx/5xx carrying a result, or a body that answers only
+  notifications. Each bad answer counts once; the good ones in the same body are
+  still matched.
+* A body of only notifications must get an empty body (204, or 200/202 empty).
+* Accepted without failure: an error answer with ``"id": null`` to a *single* call
+  (the server could not read the id: spec section 5), and one error object with
+  ``"id": null`` answering a whole batch (a server refusing the body, e.g. a batch
+  over its limit); their codes are counted in ``errors_by_code``.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import msgspec
+from msgspec import Raw
+
+from broker.loadgen.workload import Expect
+
+__all__ = ["Answer", "Checker", "Tally"]
+
+
+class Answer(msgspec.Struct, gc=False):
+    """A Response object, envelope only (raw `id`, `result`, `error`; empty = absent)."""
+
+    jsonrpc: str = ""
+    id: Raw = Raw()
+    result: Raw = Raw()
+    error: Raw = Raw()
+
+
+class _ErrorObject(msgspec.Struct, gc=False):
+    code: int
+    message: str
+
+
+class Tally:
+    """Counters of one load process (all ints; merged by `add`).
+
+    requests / calls: answered request bodies and the calls they held, counted
+        only while recording (`recording` True: after warm-up).
+    errors_by_code: JSON-RPC error answers by code (while recording).
+    wrong_id / missing / duplicate / malformed: check failures (always counted:
+        a wrong answer during warm-up is still wrong).
+    transport_errors: requests lost to the transport (reset, closed, timed out,
+        refused, unparsable HTTP), always counted.
+    """
+
+    __slots__ = ("calls", "duplicate", "errors_by_code", "malformed", "missing", "recording",
+                 "requests", "transport_errors", "wrong_id")
+
+    def __init__(self) -> None:
+        self.recording = True
+        self.requests = 0
+        self.calls = 0
+        self.errors_by_code: dict[int, int] = {}
+        self.wrong_id = 0
+        self.missing = 0
+        self.duplicate = 0
+        self.malformed = 0
+        self.transport_errors = 0
+
+    @property
+    def failures(self) -> int:
+        """Sum of the four check-failure counters."""
+        return self.wrong_id + self.missing + self.duplicate + self.malformed
+
+    @property
+    def errors(self) -> int:
+        """Total JSON-RPC error answers."""
+        return sum(self.errors_by_code.values())
+
+    def add(self, other: Tally) -> None:
+        """Add `other`'s counters into this one."""
+        self.requests += other.requests
+        self.calls += other.calls
+        for code, n in other.errors_by_code.items():
+            self.errors_by_code[code] = self.errors_by_code.get(code, 0) + n
+        self.wrong_id += other.wrong_id
+        self.missing += other.missing
+        self.duplicate += other.duplicate
+        self.malformed += other.malformed
+        self.transport_errors += other.transport_errors
+
+
+_NULL = b"null"
+
+
+class Checker:
+    """Checks answers into a `Tally` (one per load process; decoders reused)."""
+
+    __slots__ = ("_decode", "_decode_error", "_decode_list", "_decode_one", "tally")
+
+    def __init__(self, tally: Tally) -> None:
+        self.tally = tally
+        self._decode = msgspec.json.Decoder(Answer | list[Answer]).decode
+        self._decode_one = msgspec.json.Decoder(Answer).decode
+        self._decode_list = msgspec.json.Decoder(list[Raw]).decode
+        self._decode_error = msgspec.json.Decoder(_ErrorObject).decode
+
+    def check(self, status: int, body: bytes, expect: Expect | Raw) -> None:
+        """Check one HTTP answer (status code, whole body) to a body sent with `expect`
+        (a `Raw`: the id of a single call, the `Workload.body` fast path)."""
+        tally = self.tally
+        if type(expect) is Raw:
+            # Fast path: one call, one answer object, status 200.
+            if status == 200:
+                try:
+                    a = self._decode_one(body)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    pass
+                else:
+                    if (a.jsonrpc == "2.0" and a.id == expect and len(a.error) == 0
+                            and len(a.result)):
+                        if tally.recording:
+                            tally.requests += 1
+                            tally.calls += 1
+                        return
+            expect = Expect(False, (bytes(expect),), 1)
+        if tally.recording:
+            tally.requests += 1
+            tally.calls += expect.calls
+        ids = expect.ids
+        klass = status // 100
+        if not body:
+            if klass != 2:
+                tally.malformed += 1
+            tally.missing += len(ids)
+            return
+        if klass != 2 and klass != 4 and klass != 5:
+            tally.malformed += 1
+            tally.missing += len(ids)
+            return
+        try:
+            decoded = self._decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self._check_slow(klass, body, expect)
+            return
+        if type(decoded) is Answer:
+            # One call, one answer object.
+            if (not expect.batch and len(ids) == 1 and decoded.jsonrpc == "2.0"
+                    and bytes(decoded.id) == ids[0]):
+                if len(decoded.error) == 0:
+                    if len(decoded.result) and klass == 2:
+                        return
+                    tally.malformed += 1
+                    return
+                if len(decoded.result) == 0 and self._count_error(decoded.error):
+                    return
+                tally.malformed += 1
+                return
+            self._match([decoded], klass, expect)
+            return
+        answers = typing.cast(list[Answer], decoded)
+        if klass == 2 and len(answers) == len(ids) and expect.batch:
+            # Fast path: every answer a result, in request order (~0.3 µs a call
+            # against ~3 µs for the multiset match).
+            for a, id_ in zip(answers, ids):
+                if not (len(a.error) == 0 and len(a.result) and bytes(a.id) == id_ and a.jsonrpc == "2.0"):
+                    break
+            else:
+                return
+        self._match(answers, klass, expect, array=True)
+
+    def _check_slow(self, klass: int, body: bytes, expect: Expect) -> None:
+        """The body did not decode as answers: find the good ones among the bad."""
+        tally = self.tally
+        try:
+            raws = self._decode_list(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            # Not JSON, or not an array (then it is one malformed answer).
+            tally.malformed += 1
+            tally.missing += max(0, len(expect.ids) - 1)
+            return
+        answers: list[Answer] = []
+        for raw in raws:
+            try:
+                answers.append(self._decode_one(raw))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                tally.malformed += 1
+        bad = len(raws) - len(answers)
+        self._match(answers, klass, expect, array=True, already_bad=bad)
+
+    def _count_error(self, error: Raw) -> bool:
+        try:
+            code = self._decode_error(error).code
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        if self.tally.recording:
+            by_code = self.tally.errors_by_code
+            by_code[code] = by_code.get(code, 0) + 1
+        return True
+
+    def _valid(self, a: Answer, klass: int) -> bool:
+        """Shape of one answer; counts its error code. False = malformed."""
+        if a.jsonrpc != "2.0" or len(a.id) == 0:
+            return False
+        if len(a.error) == 0:
+            return len(a.result) != 0 and klass == 2
+        return len(a.result) == 0 and self._count_error(a.error)
+
+    def _match(self, answers: list[Answer], klass: int, expect: Expect, *, array: bool = False,
+               already_bad: int = 0) -> None:
+        tally = self.tally
+        ids = expect.ids
+        if not ids:
+            tally.malformed += max(1, len(answers))  # answers to notifications only
+            return
+        if array != expect.batch or (array and klass != 2) or (array and not answers and not already_bad):
+            if (not array and expect.batch and bytes(answers[0].id) == _NULL and len(answers[0].error)
+                    and len(answers[0].result) == 0 and answers[0].jsonrpc == "2.0"
+                    and self._count_error(answers[0].error)):
+                return  # one error for the whole batch: the server refused the body
+            tally.malformed += 1
+            tally.missing += len(ids)
+            return
+        left: dict[bytes, int] = {}
+        for i in ids:
+            left[i] = left.get(i, 0) + 1
+        wrong = 0
+        bad = already_bad
+        for a in answers:
+            if not self._valid(a, klass):
+                bad += 1
+                continue
+            key = bytes(a.id)
+            n = left.get(key)
+            if n is None:
+                if key == _NULL and not expect.batch:
+                    left[ids[0]] = 0  # spec 5: id null when the server could not read it
+                    continue
+                wrong += 1
+            elif n == 0:
+                tally.duplicate += 1
+            else:
+                left[key] = n - 1
+        tally.malformed += bad - already_bad
+        unanswered = sum(left.values())
+        tally.wrong_id += wrong
+        # A wrong-id or malformed answer stands in for one unanswered call.
+        tally.missing += max(0, unanswered - wrong - bad)

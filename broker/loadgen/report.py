@@ -1,0 +1,95 @@
+"""Turning process results into a `Report`, the final table and the live progress line."""
+
+from __future__ import annotations
+
+import typing
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from broker.loadgen.check import Tally
+from broker.loadgen.runner import ProcessResult, Progress, Spec, Target
+from broker.loadgen.stats import SCHEMA, Check, Latency, LatencyMs, Report
+
+__all__ = ["build_report", "merge", "print_table", "progress_text"]
+
+
+def merge(results: typing.Sequence[ProcessResult]) -> tuple[Tally, Latency, int]:
+    """Add the processes' tallies and histograms: (tally, histogram, unsent)."""
+    tally = Tally()
+    hist = Latency()
+    unsent = 0
+    for r in results:
+        tally.add(r.tally())
+        hist.add(Latency(r.histogram))
+        unsent += r.unsent
+    return tally, hist, unsent
+
+
+def build_report(spec: Spec, tally: Tally, hist: Latency) -> Report:
+    """The ``rpc-broker-bench/1`` record of a run (rates over ``spec.duration``)."""
+    duration = spec.duration
+    failures = tally.failures
+    p = hist.percentiles_ms([50.0, 90.0, 99.0, 99.9])
+    return Report(
+        schema=SCHEMA,
+        target=Target.parse(spec.target).url,
+        mode="closed" if spec.rate is None else "open",
+        connections=spec.connections,
+        depth=max(spec.depth, spec.pipeline),
+        rate=spec.rate,
+        batch=spec.batch,
+        processes=spec.processes,
+        duration_s=float(duration),
+        warmup_s=float(spec.warmup),
+        requests=tally.requests,
+        calls=tally.calls,
+        requests_per_s=tally.requests / duration if duration > 0 else 0.0,
+        calls_per_s=tally.calls / duration if duration > 0 else 0.0,
+        errors_by_code={str(k): v for k, v in sorted(tally.errors_by_code.items())},
+        transport_errors=tally.transport_errors,
+        check=Check(tally.wrong_id, tally.missing, tally.duplicate, tally.malformed, failures == 0),
+        latency_ms=LatencyMs(p[50.0], p[90.0], p[99.0], p[99.9], hist.max_ms, hist.mean_ms),
+        percentiles=hist.curve(),
+    )
+
+
+def progress_text(p: Progress, elapsed: float) -> Text:
+    """The one-line live status: elapsed s, calls/s so far, errors, failures, p99."""
+    rate = p.calls / elapsed if elapsed > 0 else 0.0
+    style = "bold red" if p.failures or p.transport_errors else ""
+    line = (f"{elapsed:6.1f} s  {rate:12,.0f} calls/s  errors {p.errors:,}  "
+            f"check failures {p.failures:,}  transport errors {p.transport_errors:,}")
+    if p.p99_ms:
+        line += f"  p99 {p.p99_ms:.3f} ms"
+    return Text(line, style=style)
+
+
+def print_table(report: Report, unsent: int, console: Console) -> None:
+    """Print the final summary table of a run."""
+    t = Table(title=f"rpc-broker bench: {report.target}", show_header=False, box=None)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    load = (f"closed loop, {report.connections} connections x depth {report.depth}"
+            if report.mode == "closed"
+            else f"open loop at {report.rate:,.0f} req/s over {report.connections} connections")
+    t.add_row("load", f"{load}, batch {report.batch}, {report.processes} process(es), "
+              f"{report.duration_s:g} s (+{report.warmup_s:g} s warm-up)")
+    t.add_row("requests/s", f"{report.requests_per_s:,.1f}  ({report.requests:,} requests)")
+    t.add_row("calls/s", f"{report.calls_per_s:,.1f}  ({report.calls:,} calls)")
+    errors = ", ".join(f"{code}: {n:,}" for code, n in report.errors_by_code.items()) or "none"
+    t.add_row("JSON-RPC errors", errors)
+    c = report.check
+    bad = "green" if c.ok else "bold red"
+    t.add_row("check failures", Text(f"wrong id {c.wrong_id:,}, missing {c.missing:,}, duplicate "
+                                     f"{c.duplicate:,}, malformed {c.malformed:,}", style=bad))
+    t.add_row("transport errors", Text(f"{report.transport_errors:,}",
+                                       style="bold red" if report.transport_errors else "green"))
+    if unsent:
+        t.add_row("never sent", Text(f"{unsent:,} scheduled requests (the server could not keep up)",
+                                     style="yellow"))
+    lat = report.latency_ms
+    t.add_row("latency ms", f"p50 {lat.p50:.3f}  p90 {lat.p90:.3f}  p99 {lat.p99:.3f}  "
+              f"p99.9 {lat.p99_9:.3f}  max {lat.max:.3f}  mean {lat.mean:.3f}")
+    console.print(t)

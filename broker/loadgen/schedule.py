@@ -1,0 +1,55 @@
+"""Open-loop schedule: when each request is *meant* to be sent. Pure functions.
+
+Coordinated omission (Gil Tene, "How NOT to Measure Latency"; wrk2's README): a
+load generator that waits for an answer before sending the next request stops
+asking while the server stalls, so the stall hides in a handful of slow samples.
+In open-loop mode (``--rate R``) request ``i`` of connection ``g`` (of ``C``) has
+an intended send time fixed in advance,
+
+    intended(i) = t0 + g / R + i * C / R
+
+so the ``C`` connections interleave into one evenly spaced stream of ``R``
+requests/s. Its latency is measured from ``intended(i)``, not from when it went
+out: a request that had to wait behind a stall (its connection's ``--depth`` was
+full) still counts the wait. Requests are sent up to ``t_end`` of intended time.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["connection_timing", "due", "intended", "planned"]
+
+
+def connection_timing(rate: float, connections: int, index: int) -> tuple[float, float]:
+    """(phase, interval) in seconds of connection ``index`` (0-based) of ``connections``
+    sharing ``rate`` requests/s. Raises ValueError unless rate > 0 and 0 <= index < connections."""
+    if not rate > 0 or not 0 <= index < connections:
+        raise ValueError(f"need rate > 0 and 0 <= index < connections, got {rate}, {index}, {connections}")
+    return index / rate, connections / rate
+
+
+def intended(t0: float, phase: float, interval: float, i: int) -> float:
+    """Intended send time (s, same clock as ``t0``) of request ``i`` (0-based) of a connection."""
+    return t0 + phase + i * interval
+
+
+def due(t0: float, phase: float, interval: float, sent: int, now: float, t_end: float) -> int:
+    """How many requests, after the ``sent`` already sent, are due at ``now``: those with
+    intended time <= ``now`` and < ``t_end``. Never negative."""
+    limit = min(now, math.nextafter(t_end, -math.inf))
+    if limit < t0 + phase:
+        return 0
+    last = math.floor((limit - t0 - phase) / interval)  # index of the last due request
+    # Guard the float division at exact boundaries.
+    while intended(t0, phase, interval, last + 1) <= limit:
+        last += 1
+    while last >= 0 and intended(t0, phase, interval, last) > limit:
+        last -= 1
+    return max(0, last + 1 - sent)
+
+
+def planned(rate: float, connections: int, duration: float) -> int:
+    """Total requests the schedule holds in ``duration`` s (intended times in [0, duration))."""
+    return sum(due(0.0, *connection_timing(rate, connections, g), 0, duration, duration)
+               for g in range(connections))

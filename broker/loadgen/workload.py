@@ -1,0 +1,229 @@
+"""What the load generator sends: request bodies with ids patched in, and what it expects back.
+
+Sans-IO. A `Workload` is built once from the CLI's `--method/--params` or `--mix FILE`,
+`--batch` and `--ids`; `Workload.body(k)` then returns request body number `k` of a
+connection together with its `Expect` record, in about a microsecond per call:
+
+* each call's element is prebuilt as constant bytes up to its `"id":` member
+  (`{"jsonrpc":"2.0","method":"add","params":[1,2],"id":`), so a body is one
+  ``b"".join`` of prefixes, id bytes and ``}`` (a notification's element is whole);
+* the calls of a mix are drawn by weight once, into a fixed cycle (`PLAN_LENGTH`
+  entries, seeded), so the hot path makes no random draws;
+* ids are bytes built from the request number: each id is unique on its connection
+  except in ``repeated`` mode, where all calls of one batch share one id.
+
+Id modes (``--ids``):
+
+    int       1, 2, 3 ...
+    string    "r1", "r2" ...
+    large     ints past 2**64 (18446744073709551617+n, -36893488147419103232-n) and
+              floats written with exponents (n.5e3, n.25E-2): a server must echo
+              them byte for byte
+    repeated  the request number, the same for every call of a batch; answers are
+              then matched as a multiset (count per id), not one by one
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tomllib
+import typing
+from pathlib import Path
+
+import msgspec
+from msgspec import Raw
+
+__all__ = [
+    "ID_MODES",
+    "PLAN_LENGTH",
+    "Call",
+    "Expect",
+    "IdMode",
+    "MixError",
+    "Workload",
+    "load_mix",
+]
+
+IdMode = typing.Literal["int", "string", "large", "repeated"]
+ID_MODES: tuple[IdMode, ...] = typing.get_args(IdMode)
+PLAN_LENGTH = 1024  # cycle of drawn calls for a weighted mix (one entry when there is one call)
+
+
+class MixError(ValueError):
+    """A workload that cannot be built: bad mix file, bad params JSON, no answerable call."""
+
+
+class Call(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One kind of call in the workload (one entry of a ``--mix`` file).
+
+    method: the JSON-RPC method name.
+    params: JSON text of the params (an array or object), or None to omit them.
+    weight: relative frequency (> 0) among the mix's calls.
+    notification: send it without an id; it is then never answered.
+    """
+
+    method: str
+    params: str | None = None
+    weight: float = 1.0
+    notification: bool = False
+
+
+class _MixEntry(msgspec.Struct, forbid_unknown_fields=True):
+    method: str
+    params: list[object] | dict[str, object] | None = None
+    weight: typing.Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    notification: bool = False
+
+
+class _MixFile(msgspec.Struct, forbid_unknown_fields=True):
+    calls: list[_MixEntry] = []
+    call: list[_MixEntry] = []
+
+
+def load_mix(path: str | Path) -> list[Call]:
+    """Read a mix file: TOML (``[[call]]`` tables) or JSON (a list of entries, or
+    ``{"calls": [...]}``); each entry ``{method, params?, weight?, notification?}``.
+
+    Raises `MixError` naming the file on any problem (unknown key, bad type,
+    weight <= 0, empty mix).
+    """
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+        data: object
+        if path.suffix.lower() == ".toml":
+            data = tomllib.loads(text.decode())
+        else:
+            data = json.loads(text)
+        if isinstance(data, list):
+            data = {"calls": data}
+        mix = msgspec.convert(data, _MixFile)
+    except (OSError, ValueError, msgspec.ValidationError) as exc:
+        raise MixError(f"mix file {path}: {exc}") from None
+    entries = mix.calls + mix.call
+    if not entries:
+        raise MixError(f"mix file {path}: no calls (expected [[call]] tables or a list)")
+    return [
+        Call(e.method, None if e.params is None else msgspec.json.encode(e.params).decode(),
+             e.weight, e.notification)
+        for e in entries
+    ]
+
+
+class Expect(typing.NamedTuple):
+    """What answer one request body must get.
+
+    batch: the body was a JSON array (the answer must be an array, or nothing).
+    ids: the raw id of every call that must be answered, in body order
+        (notifications left out); may hold repeats in ``repeated`` id mode.
+    calls: number of calls in the body, notifications included.
+    """
+
+    batch: bool
+    ids: tuple[bytes, ...]
+    calls: int
+
+
+_NOTIF_HEAD = b'{"jsonrpc":"2.0","method":'
+_PARAMS = b',"params":'
+_ID = b',"id":'
+_END = b"}"
+_TWO64 = 2**64 + 1  # strictly past 2**64
+_TWO65 = 2**65
+
+
+def _id_int(n: int) -> bytes:
+    return b"%d" % n
+
+
+def _id_string(n: int) -> bytes:
+    return b'"r%d"' % n
+
+
+def _id_large(n: int) -> bytes:
+    form = n & 3
+    if form == 0:
+        return b"%d" % (_TWO64 + n)
+    if form == 1:
+        return b"%d" % (-_TWO65 - n)
+    if form == 2:
+        return b"%d.5e3" % n
+    return b"%d.25E-2" % n
+
+
+class Workload:
+    """Builds request bodies for one connection-independent workload.
+
+    calls: the kinds of call (at least one must not be a notification unless
+        ``batch`` bodies of only notifications are really wanted: allowed).
+    batch: calls per body; 1 sends a plain object, >= 2 a JSON array.
+    ids: the id mode (see the module docstring).
+    seed: seeds the weighted draw of the plan.
+
+    Raises `MixError` for params that are not a JSON array or object.
+    """
+
+    __slots__ = ("_fast", "_id", "_plan", "_plen", "batch", "ids")
+
+    def __init__(self, calls: typing.Sequence[Call], batch: int = 1, ids: IdMode = "int",
+                 seed: int = 0) -> None:
+        if batch < 1:
+            raise MixError("batch must be >= 1")
+        if not calls:
+            raise MixError("no calls")
+        self.batch = batch
+        self.ids = ids
+        pieces: list[tuple[bytes, bool]] = []  # (element prefix or whole element, is_notification)
+        for c in calls:
+            head = _NOTIF_HEAD + msgspec.json.encode(c.method)
+            if c.params is not None:
+                try:
+                    raw = msgspec.json.decode(c.params.encode(), type=list[object] | dict[str, object])
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    raise MixError(f"params of {c.method!r} must be a JSON array or object: {exc}") from None
+                head += _PARAMS + msgspec.json.encode(raw)
+            pieces.append((head + _END, True) if c.notification else (head + _ID, False))
+        if len(pieces) == 1:
+            plan = pieces
+        else:
+            rng = random.Random(seed)
+            plan = rng.choices(pieces, weights=[c.weight for c in calls], k=PLAN_LENGTH)
+        self._plan = plan
+        self._plen = len(plan)
+        self._id = {"int": _id_int, "string": _id_string, "large": _id_large, "repeated": _id_int}[ids]
+        # The common case, one call per body and one kind of call: one join, no loop.
+        self._fast = plan[0][0] if batch == 1 and len(plan) == 1 and not plan[0][1] else None
+
+    def body(self, k: int) -> tuple[bytes, Expect | Raw]:
+        """Request body number ``k`` (>= 0) of a connection, and what it must get back:
+        an `Expect`, or, for one plain call (the common case), just its id as a
+        `msgspec.Raw`: no NamedTuple to build (~0.4 µs), and Raw == Raw compares in
+        30 ns where bytes(raw) == bytes takes 130."""
+        fast = self._fast
+        if fast is not None:
+            id_ = self._id(k)
+            return b"".join((fast, id_, _END)), Raw(id_)
+        batch = self.batch
+        plan = self._plan
+        plen = self._plen
+        make_id = self._id
+        repeated = self.ids == "repeated"
+        parts: list[bytes] = []
+        ids: list[bytes] = []
+        base = k * batch
+        for j in range(batch):
+            head, notification = plan[(base + j) % plen]
+            if j:
+                parts.append(b",")
+            if notification:
+                parts.append(head)
+                continue
+            id_ = make_id(k if repeated else base + j)
+            ids.append(id_)
+            parts.append(head)
+            parts.append(id_)
+            parts.append(_END)
+        if batch == 1:
+            return b"".join(parts), Expect(False, tuple(ids), 1)
+        return b"".join((b"[", *parts, b"]")), Expect(True, tuple(ids), batch)

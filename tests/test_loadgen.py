@@ -1,0 +1,474 @@
+"""`rpc-broker bench`: the answer checker, the schedule, histograms, the report schema,
+the plot, and whole runs against real servers on loopback.
+
+`FaultyServer` is a small uvloop + httptools JSON-RPC server (answers echo their params)
+run in a thread; its `mode` makes it answer wrongly in one precise way. Run this file
+as a script (`python tests/test_loadgen.py PORT`) to serve it in "ok" mode, e.g. to
+measure the load generator's ceiling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httptools
+import msgspec
+import pytest
+
+from broker import cli
+from broker.jsonrpc import Codec, Request, response_result
+from broker.loadgen import runner, schedule
+from broker.loadgen.check import Checker, Tally
+from broker.loadgen.report import build_report, merge
+from broker.loadgen.stats import SCHEMA, Latency, Report
+from broker.loadgen.workload import Call, Expect, MixError, Workload, load_mix
+
+# -- a server that answers wrongly on purpose --------------------------------------------------
+
+FAULT_EVERY = 25  # the faulty modes spoil every 25th request body (server-wide count)
+
+
+class _ServerState:
+    def __init__(self, mode: str, stall_after: int, stall_s: float) -> None:
+        self.mode = mode
+        self.requests = 0
+        self.stall_after = stall_after
+        self.stall_s = stall_s
+        self.stall_until = 0.0
+
+
+class FaultyHttp(asyncio.Protocol):
+    """One server connection. Modes: ok, missing (drops the last answer of a batch),
+    wrong_id, duplicate (answers the first call twice), malformed (cuts the JSON),
+    close (closes the connection instead of answering), stall (holds every answer
+    for `stall_s` once `stall_after` requests have arrived)."""
+
+    def __init__(self, state: _ServerState, loop: asyncio.AbstractEventLoop) -> None:
+        self.state = state
+        self.loop = loop
+        self.codec = Codec()
+        self.parser = httptools.HttpRequestParser(self)
+        self.body: list[bytes] = []
+        self.transport: asyncio.Transport | None = None
+        self.held: list[bytes] = []
+        self.flush_at: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, chunk: bytes) -> None:
+        self.body.append(chunk)
+
+    def on_message_complete(self) -> None:
+        st = self.state
+        st.requests += 1
+        n = st.requests
+        body = b"".join(self.body)
+        self.body.clear()
+        decoded = self.codec.decode(body)
+        answers = [response_result(r.id, r.params or b"3") for r in decoded.items
+                   if isinstance(r, Request) and len(r.id)]
+        fault = n % FAULT_EVERY == 0
+        mode = st.mode
+        if fault and mode == "close":
+            assert self.transport is not None
+            self.transport.close()
+            return
+        if fault and mode == "missing" and answers:
+            answers.pop()
+        if fault and mode == "duplicate" and answers:
+            answers.append(answers[0])
+        if fault and mode == "wrong_id" and answers:
+            answers[0] = response_result(b'"not-an-id-we-sent"', b"3")
+        if not answers:
+            out = b"HTTP/1.1 204 No Content\r\n\r\n"
+        else:
+            payload = b"[" + b",".join(answers) + b"]" if decoded.batch else answers[0]
+            if fault and mode == "malformed":
+                payload = payload[:-3]
+            out = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+                len(payload), payload)
+        now = self.loop.time()
+        if mode == "stall" and n == st.stall_after:
+            st.stall_until = now + st.stall_s
+        if now < st.stall_until or self.held:
+            self.held.append(out)
+            if self.flush_at is None:
+                self.flush_at = self.loop.call_at(max(st.stall_until, now), self.flush)
+            return
+        assert self.transport is not None
+        self.transport.write(out)
+
+    def flush(self) -> None:
+        self.flush_at = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(self.held))
+        self.held.clear()
+
+
+class FaultyServer:
+    """A `FaultyHttp` server on 127.0.0.1 in a thread with its own uvloop loop."""
+
+    def __init__(self, mode: str = "ok", stall_after: int = 0, stall_s: float = 0.0) -> None:
+        import uvloop
+
+        self.state = _ServerState(mode, stall_after, stall_s)
+        self.loop = uvloop.new_event_loop()
+        self.loop_errors: list[dict[str, object]] = []
+        self.loop.set_exception_handler(lambda _loop, ctx: self.loop_errors.append(ctx))
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.started = threading.Event()
+        self.thread.start()
+        assert self.started.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(
+            self.loop.create_server(lambda: FaultyHttp(self.state, self.loop), sock=self.sock))
+        self.loop.call_soon(self.started.set)
+        self.loop.run_forever()
+        self.server.close()
+        self.loop.run_until_complete(self.server.wait_closed())
+        self.loop.close()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        assert not self.loop_errors, self.loop_errors
+
+
+@pytest.fixture
+def serve() -> Iterator[object]:
+    servers: list[FaultyServer] = []
+
+    def start(mode: str = "ok", **kw: object) -> FaultyServer:
+        s = FaultyServer(mode, **kw)  # type: ignore[arg-type]
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def bench(tmp_path: Path, url: str, *flags: str) -> tuple[int, Report]:
+    """Run `rpc-broker bench` through the real CLI; return its exit code and JSON report."""
+    out = tmp_path / f"run{len(list(tmp_path.glob('run*.json')))}.json"
+    code = cli.main(["bench", url, "--quiet", "--json", str(out), "--duration", "1",
+                     "--warmup", "0.2", "-c", "4", *flags])
+    return code, Report.from_json(out.read_bytes())
+
+
+# -- workload ----------------------------------------------------------------------------------
+
+def test_bodies_are_valid_requests_with_the_expected_ids():
+    codec = Codec()
+    w = Workload([Call("add", "[1, 2]")])
+    body, exp = w.body(7)
+    assert body == b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":7}'
+    assert exp == msgspec.Raw(b"7")  # one plain call: just its id
+    for ids in ("int", "string", "large", "repeated"):
+        w = Workload([Call("add", "[1,2]", 3.0), Call("echo", '{"a":1}'), Call("update", "[1]", 1.0, True)],
+                     batch=8, ids=ids)  # type: ignore[arg-type]
+        for k in range(5):
+            body, exp = w.body(k)
+            decoded = codec.decode(body)
+            assert decoded.batch and len(decoded.items) == 8 == exp.calls
+            sent = [bytes(r.id) for r in decoded.items if isinstance(r, Request) and len(r.id)]
+            assert tuple(sent) == exp.ids
+            if ids == "repeated":
+                assert set(sent) <= {b"%d" % k}
+            else:
+                assert len(set(sent)) == len(sent)
+    big = [bytes(Workload([Call("add")], ids="large").body(k)[1]) for k in range(8)]  # type: ignore[arg-type]
+    assert int(big[0]) > 2**64 and int(big[1]) < -(2**64)
+    assert b"e3" in big[2] and b"E-2" in big[3]
+    assert Workload([Call("add")], ids="string").body(1)[1] == msgspec.Raw(b'"r1"')
+
+
+def test_mix_files_toml_and_json(tmp_path):
+    t = tmp_path / "mix.toml"
+    t.write_text('[[call]]\nmethod = "add"\nparams = [1, 2]\nweight = 2\n\n'
+                 '[[call]]\nmethod = "update"\nparams = {x = 1}\nnotification = true\n')
+    calls = load_mix(t)
+    assert calls == [Call("add", "[1,2]", 2.0), Call("update", '{"x":1}', 1.0, True)]
+    j = tmp_path / "mix.json"
+    j.write_text(json.dumps([{"method": "add", "params": [1, 2]}]))
+    assert load_mix(j) == [Call("add", "[1,2]")]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"method": "add", "wieght": 2}]))
+    with pytest.raises(MixError, match="wieght"):
+        load_mix(bad)
+    with pytest.raises(MixError):
+        Workload([Call("add", "3")])
+
+
+# -- the checker, sans-IO ----------------------------------------------------------------------
+
+def _check(status: int, body: bytes, exp: Expect) -> Tally:
+    t = Tally()
+    Checker(t).check(status, body, exp)
+    return t
+
+
+def _counts(t: Tally) -> tuple[int, int, int, int]:
+    return t.wrong_id, t.missing, t.duplicate, t.malformed
+
+
+ONE = Expect(False, (b"1.5e3",), 1)
+THREE = Expect(True, (b"1", b"2", b"3"), 3)
+REPEATED = Expect(True, (b"7", b"7"), 2)
+
+
+def _r(id_: str, result: str = "3") -> str:
+    return f'{{"jsonrpc":"2.0","id":{id_},"result":{result}}}'
+
+
+@pytest.mark.parametrize(("status", "body", "exp", "counts", "errors"), [
+    (200, _r("1.5e3"), ONE, (0, 0, 0, 0), {}),
+    (200, _r("1500.0"), ONE, (1, 0, 0, 0), {}),  # ids are compared byte for byte
+    (200, '{"jsonrpc":"2.0","id":1.5e3,"error":{"code":-32601,"message":"x"}}', ONE, (0, 0, 0, 0), {-32601: 1}),
+    (400, '{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"x"}}', ONE, (0, 0, 0, 0), {-32700: 1}),
+    (500, _r("1.5e3"), ONE, (0, 0, 0, 1), {}),  # a result with a 5xx status
+    (200, '{"jsonrpc":"2.0","id":1.5e3,"result":3', ONE, (0, 0, 0, 1), {}),
+    (200, '{"jsonrpc":"1.0","id":1.5e3,"result":3}', ONE, (0, 0, 0, 1), {}),
+    (200, '{"jsonrpc":"2.0","id":1.5e3,"result":3,"error":{"code":1,"message":"x"}}', ONE, (0, 0, 0, 1), {}),
+    (200, f"[{_r('1.5e3')}]", ONE, (0, 1, 0, 1), {}),  # an array for a single call
+    (204, "", ONE, (0, 1, 0, 0), {}),
+    (302, _r("1.5e3"), ONE, (0, 1, 0, 1), {}),
+    (200, f"[{_r('1')},{_r('2')},{_r('3')}]", THREE, (0, 0, 0, 0), {}),
+    (200, f"[{_r('3')},{_r('1')},{_r('2')}]", THREE, (0, 0, 0, 0), {}),  # any order
+    (200, f"[{_r('1')},{_r('2')}]", THREE, (0, 1, 0, 0), {}),
+    (200, f"[{_r('1')},{_r('2')},{_r('3')},{_r('2')}]", THREE, (0, 0, 1, 0), {}),
+    (200, f"[{_r('1')},{_r('2')},{_r('9')}]", THREE, (1, 0, 0, 0), {}),
+    (200, f'[{_r("1")},{_r("2")},{{"id":3}}]', THREE, (0, 0, 0, 1), {}),
+    (200, f'[{_r("1")},{_r("2")},7]', THREE, (0, 0, 0, 1), {}),
+    (200, "[]", THREE, (0, 3, 0, 1), {}),
+    (200, _r("1"), THREE, (0, 3, 0, 1), {}),  # an object for a batch
+    (400, '{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"too big"}}', THREE, (0, 0, 0, 0),
+     {-32600: 1}),
+    (200, "not json", THREE, (0, 2, 0, 1), {}),
+    (200, f"[{_r('7')},{_r('7')}]", REPEATED, (0, 0, 0, 0), {}),
+    (200, f"[{_r('7')}]", REPEATED, (0, 1, 0, 0), {}),
+    (200, f"[{_r('7')},{_r('7')},{_r('7')}]", REPEATED, (0, 0, 1, 0), {}),
+    (204, "", Expect(True, (), 3), (0, 0, 0, 0), {}),  # only notifications
+    (200, "", Expect(False, (), 1), (0, 0, 0, 0), {}),
+    (200, _r("1"), Expect(False, (), 1), (0, 0, 0, 1), {}),  # an answer to a notification
+])
+def test_checker(status, body, exp, counts, errors):
+    t = _check(status, body.encode(), exp)
+    assert _counts(t) == counts
+    assert t.errors_by_code == errors
+    assert (t.requests, t.calls) == (1, exp.calls)
+    if exp is ONE:  # the fast path (`Workload.body` gives a single call's id as a Raw) agrees
+        fast = _check(status, body.encode(), msgspec.Raw(ONE.ids[0]))
+        assert (_counts(fast), fast.errors_by_code, fast.requests, fast.calls) == (counts, errors, 1, 1)
+
+
+# -- schedule, histograms ----------------------------------------------------------------------
+
+def test_schedule_math():
+    assert schedule.connection_timing(100.0, 4, 1) == (0.01, 0.04)
+    phase, interval = schedule.connection_timing(100.0, 4, 1)
+    assert schedule.intended(10.0, phase, interval, 3) == pytest.approx(10.13)
+    # due: intended <= now and < t_end, minus those already sent
+    assert schedule.due(0.0, 0.0, 0.1, 0, -0.5, 10.0) == 0
+    assert schedule.due(0.0, 0.0, 0.1, 0, 0.0, 10.0) == 1
+    assert schedule.due(0.0, 0.0, 0.1, 0, 0.35, 10.0) == 4
+    assert schedule.due(0.0, 0.0, 0.1, 3, 0.35, 10.0) == 1
+    assert schedule.due(0.0, 0.0, 0.1, 9, 0.35, 10.0) == 0
+    assert schedule.due(0.0, 0.0, 0.1, 0, 99.0, 1.0) == 10  # t_end excluded
+    # the connections interleave into R evenly spaced requests/s
+    times = sorted(schedule.intended(0.0, *schedule.connection_timing(50.0, 3, g), i)
+                   for g in range(3) for i in range(20))
+    assert [round(b - a, 9) for a, b in itertools.pairwise(times)] == [0.02] * 59
+    assert schedule.planned(1000.0, 16, 2.0) == 2000
+    assert schedule.planned(7.0, 3, 1.0) == 7
+    with pytest.raises(ValueError):
+        schedule.connection_timing(0.0, 1, 0)
+
+
+def test_histograms_merge_across_processes():
+    a, b = Latency(), Latency()
+    a.record_many([100] * 900 + [10_000] * 100)
+    b.record_many([200] * 1000)
+    merged = Latency()
+    for h in (a, b):
+        merged.add(Latency(h.encode()))  # as the parent does with each process's histogram
+    assert merged.count == a.count + b.count == 2000
+    assert merged.percentile_ms(40) == pytest.approx(0.1, rel=1e-3)
+    assert merged.percentile_ms(60) == pytest.approx(0.2, rel=1e-3)
+    assert merged.percentile_ms(99) == pytest.approx(10.0, rel=1e-3)
+    assert merged.max_ms == pytest.approx(10.0, rel=1e-3)
+    curve = merged.curve()
+    assert curve[-1][0] == 100.0
+    assert [p for p, _ in curve] == sorted(p for p, _ in curve)
+    assert [ms for _, ms in curve] == sorted(ms for _, ms in curve)
+    huge = Latency()
+    huge.record_many([0, 10**12])  # clamped into 1 µs .. 60 s
+    assert huge.count == 2
+
+
+def test_report_schema_is_exact():
+    spec = runner.Spec(target="http://127.0.0.1:1/", calls=[Call("add", "[1,2]")], duration=2.0)
+    t = Tally()
+    t.requests, t.calls, t.errors_by_code = 10, 10, {-32601: 2}
+    h = Latency()
+    h.record_many([1000, 2000])
+    data = json.loads(build_report(spec, t, h).to_json())
+    assert list(data) == ["schema", "target", "mode", "connections", "depth", "rate", "batch", "processes",
+                          "duration_s", "warmup_s", "requests", "calls", "requests_per_s", "calls_per_s",
+                          "errors_by_code", "transport_errors", "check", "latency_ms", "percentiles"]
+    assert data["schema"] == SCHEMA and data["rate"] is None and data["requests_per_s"] == 5.0
+    assert data["errors_by_code"] == {"-32601": 2}
+    assert list(data["check"]) == ["wrong_id", "missing", "duplicate", "malformed", "ok"]
+    assert list(data["latency_ms"]) == ["p50", "p90", "p99", "p99.9", "max", "mean"]
+    assert all(len(pt) == 2 for pt in data["percentiles"])
+    with pytest.raises(msgspec.ValidationError):
+        Report.from_json(json.dumps({**data, "extra": 1}).encode())
+
+
+# -- whole runs ----------------------------------------------------------------------------------
+
+def test_correct_server_passes(serve, tmp_path):
+    s = serve("ok")
+    code, rep = bench(tmp_path, s.url, "--batch", "5", "--ids", "large", "-d", "2")
+    assert code == 0
+    assert rep.check.ok and rep.transport_errors == 0 and rep.requests > 0
+    assert rep.calls == 5 * rep.requests
+    assert rep.mode == "closed" and rep.depth == 2 and rep.batch == 5
+
+
+@pytest.mark.parametrize(("mode", "counter"), [
+    ("missing", "missing"), ("wrong_id", "wrong_id"), ("duplicate", "duplicate"), ("malformed", "malformed"),
+])
+def test_wrong_answers_are_caught(serve, tmp_path, mode, counter):
+    s = serve(mode)
+    code, rep = bench(tmp_path, s.url, "--batch", "4")
+    assert code == 1
+    assert not rep.check.ok
+    assert getattr(rep.check, counter) > 0
+    others = {"missing", "wrong_id", "duplicate", "malformed"} - {counter}
+    if mode != "malformed":  # a cut body also leaves its calls unanswered
+        assert all(getattr(rep.check, o) == 0 for o in others), rep.check
+
+
+def test_connection_closed_mid_run_is_a_transport_error(serve, tmp_path):
+    s = serve("close")
+    code, rep = bench(tmp_path, s.url, "--pipeline", "2")
+    assert code == 1
+    assert rep.transport_errors > 0 and rep.check.ok
+    assert rep.requests > 0  # it reconnected and went on
+
+
+def test_nothing_listening_and_bad_targets(tmp_path):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    code = cli.main(["bench", f"http://127.0.0.1:{port}/", "-q", "--duration", "0.3", "--warmup", "0",
+                     "-c", "2", "--timeout", "2"])
+    assert code == 1
+    assert cli.main(["bench", "tcp://127.0.0.1:1", "-q"]) == 2
+    assert cli.main(["bench", "http://127.0.0.1:1/", "--params", "3", "-q"]) == 2
+    assert cli.main(["bench", "http://127.0.0.1:1/", "-c", "1", "-P", "2", "-q"]) == 2
+
+
+def test_real_broker_batches_and_odd_ids(broker, tmp_path):
+    url = f"http://{broker.host}:{broker.port}{broker.path}"
+    for flags in (["--batch", "10", "--ids", "large"], ["--batch", "10", "--ids", "repeated", "-d", "2"],
+                  ["--ids", "string", "--method", "echo", "--params", '{"a":[1,2]}']):
+        code, rep = bench(tmp_path, url, *flags)
+        assert (code, rep.check, rep.transport_errors) == (0, rep.check, 0)
+        assert rep.check.ok and rep.requests > 0, flags
+        assert rep.errors_by_code == {}
+
+
+def test_real_broker_mix_with_notifications_and_errors(broker, tmp_path):
+    url = f"http://{broker.host}:{broker.port}{broker.path}"
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps([
+        {"method": "add", "params": [1, 2], "weight": 3},
+        {"method": "update", "params": [1], "notification": True},
+        {"method": "no_such_method"},
+    ]))
+    code, rep = bench(tmp_path, url, "--mix", str(mix), "--batch", "3")
+    assert code == 0 and rep.check.ok
+    assert rep.errors_by_code.get("-32601", 0) > 0
+    # a body of notifications only: 204, nothing to match
+    code, rep = bench(tmp_path, url, "--method", "update", "--params", "[1]", "--mix", str(_notif(tmp_path)))
+    assert code == 0 and rep.requests > 0
+
+
+def _notif(tmp_path: Path) -> Path:
+    p = tmp_path / "notif.toml"
+    p.write_text('[[call]]\nmethod = "update"\nparams = [1]\nnotification = true\n')
+    return p
+
+
+def test_open_loop_counts_a_stall_from_intended_send_times(serve):
+    """The server holds every answer for 0.6 s after its 60th request. At 200 requests/s
+    about 120 requests are due during the stall; measured from their intended times many
+    wait hundreds of ms (a closed loop would show only one slow request per connection)."""
+    rate, duration, stall = 200.0, 2.0, 0.6
+    s = serve("stall", stall_after=60, stall_s=stall)
+    spec = runner.Spec(target=s.url, calls=[Call("add", "[1,2]")], connections=4, rate=rate,
+                       duration=duration, warmup=0.0, timeout=10.0)
+    tally, hist, unsent = merge(runner.run(spec))
+    assert tally.failures == 0 and tally.transport_errors == 0
+    planned = schedule.planned(rate, 4, duration)
+    assert planned == 400
+    assert 0.8 * planned <= tally.requests + unsent <= planned
+    assert hist.count == tally.requests
+    assert hist.max_ms >= stall * 1000 * 0.9
+    # >= 5 % of the requests waited >= 200 ms (about 15 % expected, vs 1 % for a closed loop)
+    assert hist.percentile_ms(95) >= 200
+
+
+def test_processes_merge_and_plot(serve, tmp_path):
+    s = serve("ok")
+    code, rep = bench(tmp_path, s.url, "-P", "2", "--rate", "400", "--batch", "2")
+    assert code == 0 and rep.processes == 2 and rep.mode == "open" and rep.rate == 400.0
+    # 400/s over 1 s, both processes' requests merged into one report
+    assert 0.8 * 400 <= rep.requests <= 400
+    assert rep.percentiles[-1][0] == 100.0
+    assert bench(tmp_path, s.url)[0] == 0
+    png = tmp_path / "out.png"
+    files = sorted(str(p) for p in tmp_path.glob("run*.json"))
+    assert cli.main(["bench", "plot", *files, "-o", str(png)]) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def main() -> None:
+    """Serve `FaultyHttp` in "ok" mode on PORT (argv[1]) until interrupted."""
+    import uvloop
+
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+
+    async def serve_forever() -> None:
+        loop = asyncio.get_running_loop()
+        state = _ServerState("ok", 0, 0.0)
+        server = await loop.create_server(lambda: FaultyHttp(state, loop), "127.0.0.1", port)
+        print(f"serving on http://127.0.0.1:{server.sockets[0].getsockname()[1]}/", flush=True)
+        await server.serve_forever()
+
+    uvloop.run(serve_forever())
+
+
+if __name__ == "__main__":
+    main()
