@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: serve test lint clean
+.PHONY: serve test lint clean bench bench-quick
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,3 +25,16 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+
+# ---- bench: the broker side by side with its peers (benchmarks/run.py writes benchmarks/RESULTS.md)
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/run.py $(ARGS)
+
+bench-quick: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/run.py --quick $(ARGS)

@@ -7,7 +7,8 @@ Starts `rpc-broker serve` on 127.0.0.1 (an OS-chosen port), drives it with wrk
 calls/s and wrk's p50/p99 latency over `--runs` runs, and the CPU time the broker
 process and its workers spent per call (from /proc: steadier than throughput on a
 shared machine, so use it to compare before and after a change). Every answer's status is
-checked by wrk's non-2xx count. Prints figures only: nothing here is a test.
+checked by wrk's non-2xx count. Prints figures only: nothing here is a test. For the broker
+side by side with the reference server and its peers, see `run.py` (`make bench`).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def run_wrk(url: str, body_file: str, connections: int, duration: int) -> dict[s
         env={**os.environ, "BODY": body_file}, capture_output=True, text=True, check=True,
     ).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    p50 = _ms(re.search(r"50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
-    p99 = _ms(re.search(r"99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    p50 = _ms(re.search(r"^\s+50%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"^\s+99%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     errors = re.search(r"Socket errors:.*", out)
     if bad or errors:

@@ -1,0 +1,75 @@
+"""Smoke runs of the benchmark runner (benchmarks/run.py): it completes, every server it probes
+answers correctly, and the report has its tables. Timings are never asserted.
+
+The broker and the reference server always run; peers from the `bench` extra are probed only
+when installed (`make test` installs the dev extra alone).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ROOT / "benchmarks" / "run.py"
+PEERS = {  # server name -> modules it needs
+    "aiohttp-1p": ("aiohttp", "jsonrpcserver"),
+    "aiohttp-2p": ("aiohttp", "jsonrpcserver", "gunicorn"),
+    "fastapi-1w": ("fastapi_jsonrpc", "uvicorn"),
+    "fastapi-2w": ("fastapi_jsonrpc", "uvicorn"),
+}
+
+
+def run(tmp_path: Path, *flags: str) -> tuple[str, str]:
+    out = tmp_path / "RESULTS.md"
+    done = subprocess.run([sys.executable, str(RUNNER), "--output", str(out), *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out.read_text(), done.stdout
+
+
+def probe_rows(report: str) -> dict[str, str]:
+    """server -> its 'answered correctly' cell in the probe table."""
+    section = report.split("## Correctness probes", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| (\S+) \| (yes|NO) \|", section, re.M)}
+
+
+def tables(report: str) -> dict[str, list[str]]:
+    """scenario heading -> the server names in its tables."""
+    found: dict[str, list[str]] = {}
+    for part in report.split("\n## ")[1:]:
+        heading, _, body = part.partition("\n")
+        rows = re.findall(r"^\| ([\w-]+) \| [\d,]+", body, re.M)
+        if rows:
+            found[heading] = rows
+    return found
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None and importlib.util.find_spec("broker.loadgen") is None,
+                    reason="neither wrk nor rpc-broker bench is available")
+def test_quick_run_writes_the_tables(tmp_path: Path) -> None:
+    report, stdout = run(tmp_path, "--quick")
+    assert probe_rows(report) == {"reference": "yes", "broker-2w": "yes"}
+    found = tables(report)
+    for scenario in ("S1: single `add` calls, 16 connections", "S1: single `add` calls, 64 connections",
+                     "S2: batches of 100 `add`, 16 connections"):
+        assert scenario in found, report
+        assert set(found[scenario]) == {"reference", "broker-2w"}, report
+    assert "| server | req/s median (min-max) | calls/s | p50 ms | p99 ms | vs reference |" in report
+    assert "FAILED" not in report, report
+    assert "## Machine" in report and "## Method" in report and "## Targets" in report
+    assert "S2: batches of 100 `add`, 16 connections" in stdout  # the same tables are printed
+
+
+def test_probe_every_installed_server(tmp_path: Path) -> None:
+    installed = [name for name, mods in PEERS.items()
+                 if all(importlib.util.find_spec(m) is not None for m in mods)]
+    servers = ["reference", "broker-2w", *installed]
+    report, _ = run(tmp_path, "--probe-only", "--servers", ",".join(servers))
+    assert probe_rows(report) == dict.fromkeys(servers, "yes"), report
