@@ -371,39 +371,27 @@ class Dispatcher:
         be called: the caller answers at once.
         """
         exchange = Exchange(body.batch, body.status, on_done)
-        if body.batch and len(body.items) > 2 and len(self._ready) and self.accepting:
-            return self._submit_chunks(body, exchange)
-        answers = exchange.answers
-        routes = self._routes
+        entries = self._entries(body, exchange)
         now = self._loop.time()
-        for item in body.items:
-            if type(item) is bytes:
-                answers.append(item)
-                continue
-            request = typing.cast(Request, item)
-            route = routes.get(request.method)
-            if route is None:
-                if request.id:
-                    answers.append(response_error(request.id, _METHOD_NOT_FOUND))
-                continue
-            self.calls_total += 1
-            if request.id:
-                call = Call(next(self._ids), exchange, len(answers), request, route)
-                answers.append(None)
-                exchange.remaining += 1
-            else:
-                call = Call(next(self._ids), None, -1, request, route)
-            self._start(call, now)
-        if not answers:
-            return None
-        return exchange
+        self.calls_total += len(entries)
+        if body.batch and len(entries) > 2 and self._ready and self.accepting:
+            self._start_chunks(entries, exchange, now)
+        else:
+            for slot, request, route in entries:
+                if slot >= 0:
+                    exchange.remaining += 1
+                    self._start(Call(next(self._ids), exchange, slot, request, route), now)
+                else:
+                    self._start(Call(next(self._ids), None, -1, request, route), now)
+        return exchange if exchange.answers else None
 
-    def _submit_chunks(self, body: Body, exchange: Exchange) -> Exchange | None:
-        """A batch: its calls go out in a few chunks (about one per ready worker)
-        instead of one frame each. Calls with different deadlines never share one."""
+    def _entries(self, body: Body, exchange: Exchange) -> list[tuple[int, Request, Route]]:
+        """Walk a body in order: answers known at once (invalid elements, unknown
+        methods) go into their slots; each routable request gets an empty slot, or -1
+        for a notification. Returns (slot, request, route) per routable request."""
         answers = exchange.answers
         routes = self._routes
-        groups: dict[float, list[tuple[int, Request, Route]]] = {}
+        entries: list[tuple[int, Request, Route]] = []
         for item in body.items:
             if type(item) is bytes:
                 answers.append(item)
@@ -413,25 +401,29 @@ class Dispatcher:
             if route is None:
                 if request.id:
                     answers.append(response_error(request.id, _METHOD_NOT_FOUND))
-                continue
-            if request.id:
-                slot = len(answers)
+            elif request.id:
+                entries.append((len(answers), request, route))
                 answers.append(None)
             else:
-                slot = -1
-            group = groups.get(route.timeout)
+                entries.append((-1, request, route))
+        return entries
+
+    def _start_chunks(self, entries: list[tuple[int, Request, Route]], exchange: Exchange, now: float) -> None:
+        """A batch's calls go out in a few chunks (about one per ready worker) instead
+        of one frame each. Calls with different deadlines never share a chunk."""
+        groups: dict[float, list[tuple[int, Request, Route]]] = {}
+        for entry in entries:
+            group = groups.get(entry[2].timeout)
             if group is None:
-                group = groups[route.timeout] = []
-            group.append((slot, request, route))
-        now = self._loop.time()
+                group = groups[entry[2].timeout] = []
+            group.append(entry)
         workers = len(self._ready)
-        for timeout, entries in groups.items():
-            self.calls_total += len(entries)
-            chunks = min(workers, len(entries))
+        for timeout, group in groups.items():
+            chunks = min(workers, len(group))
             for first in range(chunks):
                 # Dealt out like cards: neighbours in a batch are often alike (the
                 # same slow method), so interleaving spreads them over the workers.
-                part = entries[first::chunks]
+                part = group[first::chunks]
                 if len(part) == 1:
                     slot, request, route = part[0]
                     call = Call(next(self._ids), exchange if slot >= 0 else None, slot, request, route)
@@ -442,9 +434,6 @@ class Dispatcher:
                     call = Call.chunk(next(self._ids), exchange, part, timeout)
                 exchange.remaining += sum(1 for slot, _, _ in part if slot >= 0)
                 self._start(call, now)
-        if not answers:
-            return None
-        return exchange
 
     def _start(self, call: Call, now: float) -> None:
         self._deadlines.add(call, now)
