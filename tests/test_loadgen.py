@@ -428,7 +428,7 @@ def test_open_loop_counts_a_stall_from_intended_send_times(serve):
     s = serve("stall", stall_after=60, stall_s=stall)
     spec = runner.Spec(target=s.url, calls=[Call("add", "[1,2]")], connections=4, rate=rate,
                        duration=duration, warmup=0.0, timeout=10.0)
-    tally, hist, unsent = merge(runner.run(spec))
+    tally, hist, unsent, _drain = merge(runner.run(spec))
     assert tally.failures == 0 and tally.transport_errors == 0
     planned = schedule.planned(rate, 4, duration)
     assert planned == 400
@@ -472,3 +472,14 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def test_open_loop_rate_counts_the_drain_of_a_server_that_fell_behind(serve, tmp_path):
+    """Answers that only arrive after the window (the server fell behind) stretch the
+    time the requests took: requests/s is what the server managed, not the offered rate."""
+    s = serve("stall", stall_after=150, stall_s=1.0)
+    code, report = bench(tmp_path, s.url, "--rate", "200", "--warmup", "0", "--timeout", "10")
+    assert code == 0
+    assert report.duration_s == 1.0  # the configured window, as before
+    assert report.requests >= 150
+    assert report.requests_per_s < 0.8 * 200  # the ~0.7 s drain counts

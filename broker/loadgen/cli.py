@@ -129,6 +129,9 @@ def _plot(ns: argparse.Namespace) -> int:
 
     try:
         plot(ns.files, ns.output, ns.title)
+    except ImportError as exc:  # matplotlib is the optional `plot` extra
+        print(f"{PROG} plot: {exc}; install the plot extra: pip install 'rpc-broker[plot]'", file=sys.stderr)
+        return 2
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         print(f"{PROG} plot: {exc}", file=sys.stderr)
         return 2
@@ -181,8 +184,11 @@ def _bench(ns: argparse.Namespace) -> int:
     except RunError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
-    tally, hist, unsent = rep.merge(results)
-    report = rep.build_report(spec, tally, hist)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    tally, hist, unsent, drain = rep.merge(results)
+    report = rep.build_report(spec, tally, hist, drain)
     if not ns.quiet or not ns.json:
         rep.print_table(report, unsent, console)
     if ns.json:

@@ -143,6 +143,8 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
 
     histogram: `Latency.encode()` of its latencies (µs).
     unsent: open-loop requests that were due but never sent before the drain ended.
+    drain_s: how long answers kept coming after the measured window (an overloaded
+        server in open loop answers the backlog then).
     """
 
     requests: int
@@ -155,6 +157,7 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
     transport_errors: int
     unsent: int
     histogram: bytes
+    drain_s: float = 0.0  # seconds from the end of the measured window to the last answer
 
     def tally(self) -> Tally:
         """The counters as a `Tally`."""
@@ -507,6 +510,7 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
             tick()
             next_tick = now + TICK_S
         await asyncio.sleep(0.01)
+    drain_s = max(0.0, _now() - s.t_end)
     unsent = 0
     s.stopped = True
     for c in conns:
@@ -520,7 +524,7 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
     hist.record_many(s.lat)
     return ProcessResult(tally.requests, tally.calls, dict(tally.errors_by_code), tally.wrong_id,
                          tally.missing, tally.duplicate, tally.malformed, tally.transport_errors,
-                         unsent, hist.encode())
+                         unsent, hist.encode(), drain_s)
 
 
 # -- several processes ----------------------------------------------------------------------
@@ -548,7 +552,11 @@ def split(connections: int, processes: int) -> list[tuple[int, int]]:
 def _child(spec_bytes: bytes, first: int, count: int, pipe: multiprocessing.connection.Connection,
            want_p99: bool) -> None:
     """Entry point of a spawned load process."""
+    import signal
+
     import uvloop
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; daemons die with it
 
     spec = msgspec.msgpack.decode(spec_bytes, type=Spec)
 
