@@ -375,7 +375,7 @@ def test_connection_closed_mid_run_is_a_transport_error(serve, tmp_path):
     assert rep.requests > 0  # it reconnected and went on
 
 
-def test_nothing_listening_and_bad_targets(tmp_path):
+def test_nothing_listening_and_bad_targets(tmp_path, capsys):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -383,6 +383,8 @@ def test_nothing_listening_and_bad_targets(tmp_path):
     code = cli.main(["bench", f"http://127.0.0.1:{port}/", "-q", "--duration", "0.3", "--warmup", "0",
                      "-c", "2", "--timeout", "2"])
     assert code == 1
+    err = capsys.readouterr().err
+    assert f"first problem: cannot connect to 127.0.0.1:{port}" in err, err
     assert cli.main(["bench", "tcp://127.0.0.1:1", "-q"]) == 2
     assert cli.main(["bench", "http://127.0.0.1:1/", "--params", "3", "-q"]) == 2
     assert cli.main(["bench", "http://127.0.0.1:1/", "-c", "1", "-P", "2", "-q"]) == 2
@@ -483,3 +485,20 @@ def test_open_loop_rate_counts_the_drain_of_a_server_that_fell_behind(serve, tmp
     assert report.duration_s == 1.0  # the configured window, as before
     assert report.requests >= 150
     assert report.requests_per_s < 0.8 * 200  # the ~0.7 s drain counts
+
+
+def test_a_plain_http_server_is_named_as_the_first_problem(tmp_path, capsys):
+    """Not a JSON-RPC server: the run fails and says what came back, not just a count."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code = cli.main(["bench", f"http://127.0.0.1:{server.server_address[1]}/", "-q", "--duration", "0.3",
+                         "--warmup", "0", "-c", "1"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == 1
+    assert "first problem: bad answer: HTTP 501" in capsys.readouterr().err

@@ -61,10 +61,12 @@ class Tally:
         a wrong answer during warm-up is still wrong).
     transport_errors: requests lost to the transport (reset, closed, timed out,
         refused, unparsable HTTP), always counted.
+    first_problem: words for the first failure or transport error ("" if none), so a
+        run against the wrong target says why ("connection refused", "HTTP 501 ...").
     """
 
-    __slots__ = ("calls", "duplicate", "errors_by_code", "malformed", "missing", "recording",
-                 "requests", "transport_errors", "wrong_id")
+    __slots__ = ("calls", "duplicate", "errors_by_code", "first_problem", "malformed", "missing",
+                 "recording", "requests", "transport_errors", "wrong_id")
 
     def __init__(self) -> None:
         self.recording = True
@@ -76,6 +78,12 @@ class Tally:
         self.duplicate = 0
         self.malformed = 0
         self.transport_errors = 0
+        self.first_problem = ""
+
+    def problem(self, words: str) -> None:
+        """Remember `words` if they describe the run's first problem."""
+        if not self.first_problem:
+            self.first_problem = words
 
     @property
     def failures(self) -> int:
@@ -98,6 +106,7 @@ class Tally:
         self.duplicate += other.duplicate
         self.malformed += other.malformed
         self.transport_errors += other.transport_errors
+        self.problem(other.first_problem)
 
 
 _NULL = b"null"
@@ -118,6 +127,16 @@ class Checker:
     def check(self, status: int, body: bytes, expect: Expect | Raw) -> None:
         """Check one HTTP answer (status code, whole body) to a body sent with `expect`
         (a `Raw`: the id of a single call, the `Workload.body` fast path)."""
+        tally = self.tally
+        if tally.first_problem:
+            self._check(status, body, expect)
+            return
+        before = tally.failures
+        self._check(status, body, expect)
+        if tally.failures != before:
+            tally.problem(f"bad answer: HTTP {status}, body {body[:120]!r}")
+
+    def _check(self, status: int, body: bytes, expect: Expect | Raw) -> None:
         tally = self.tally
         if type(expect) is Raw:
             # Fast path: one call, one answer object, status 200.

@@ -190,11 +190,14 @@ def _bench(ns: argparse.Namespace) -> int:
     tally, hist, unsent, drain = rep.merge(results)
     report = rep.build_report(spec, tally, hist, drain)
     if not ns.quiet or not ns.json:
-        rep.print_table(report, unsent, console)
+        rep.print_table(report, unsent, console, tally.first_problem)
     if ns.json:
         try:
             Path(ns.json).write_bytes(report.to_json())
         except OSError as exc:
             print(f"{PROG}: cannot write {ns.json}: {exc}", file=sys.stderr)
             return 2
-    return 0 if report.check.ok and report.transport_errors == 0 else 1
+    if not (report.check.ok and report.transport_errors == 0):
+        print(f"{PROG}: failed; first problem: {tally.first_problem or 'see the table'}", file=sys.stderr)
+        return 1
+    return 0

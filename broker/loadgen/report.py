@@ -21,11 +21,14 @@ def merge(results: typing.Sequence[ProcessResult]) -> tuple[Tally, Latency, int,
     hist = Latency()
     unsent = 0
     drain = 0.0
+    problem = ""
     for r in results:
         tally.add(r.tally())
         hist.add(Latency(r.histogram))
         unsent += r.unsent
         drain = max(drain, r.drain_s)
+        problem = problem or r.first_problem
+    tally.first_problem = problem
     return tally, hist, unsent, drain
 
 
@@ -71,8 +74,8 @@ def progress_text(p: Progress, elapsed: float) -> Text:
     return Text(line, style=style)
 
 
-def print_table(report: Report, unsent: int, console: Console) -> None:
-    """Print the final summary table of a run."""
+def print_table(report: Report, unsent: int, console: Console, first_problem: str = "") -> None:
+    """Print the final summary table of a run (with the first problem's words, if any)."""
     t = Table(title=f"rpc-broker bench: {report.target}", show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -91,10 +94,15 @@ def print_table(report: Report, unsent: int, console: Console) -> None:
                                      f"{c.duplicate:,}, malformed {c.malformed:,}", style=bad))
     t.add_row("transport errors", Text(f"{report.transport_errors:,}",
                                        style="bold red" if report.transport_errors else "green"))
+    if first_problem:
+        t.add_row("first problem", Text(first_problem, style="bold red"))
     if unsent:
         t.add_row("never sent", Text(f"{unsent:,} scheduled requests (the server could not keep up)",
                                      style="yellow"))
     lat = report.latency_ms
-    t.add_row("latency ms", f"p50 {lat.p50:.3f}  p90 {lat.p90:.3f}  p99 {lat.p99:.3f}  "
-              f"p99.9 {lat.p99_9:.3f}  max {lat.max:.3f}  mean {lat.mean:.3f}")
+    if report.requests:
+        t.add_row("latency ms", f"p50 {lat.p50:.3f}  p90 {lat.p90:.3f}  p99 {lat.p99:.3f}  "
+                  f"p99.9 {lat.p99_9:.3f}  max {lat.max:.3f}  mean {lat.mean:.3f}")
+    else:
+        t.add_row("latency ms", "n/a (no answer was measured)")
     console.print(t)

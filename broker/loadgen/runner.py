@@ -158,6 +158,7 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
     unsent: int
     histogram: bytes
     drain_s: float = 0.0  # seconds from the end of the measured window to the last answer
+    first_problem: str = ""
 
     def tally(self) -> Tally:
         """The counters as a `Tally`."""
@@ -167,6 +168,7 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
         t.wrong_id, t.missing, t.duplicate, t.malformed = (
             self.wrong_id, self.missing, self.duplicate, self.malformed)
         t.transport_errors = self.transport_errors
+        t.first_problem = self.first_problem
         return t
 
 
@@ -242,8 +244,10 @@ class LoadConnection(asyncio.Protocol):
         self._inflight.clear()
         if lost:
             s.checker.tally.transport_errors += lost
+            s.checker.tally.problem(f"connection lost with {lost} request(s) in flight" + (f": {exc}" if exc else ""))
         elif not self._aborted and self.wanted():
             s.checker.tally.transport_errors += 1  # closed on us with nothing in flight
+            s.checker.tally.problem("the server closed an idle connection")
         if self.wanted():
             s.loop.call_later(RECONNECT_S, self.reconnect)
 
@@ -330,6 +334,7 @@ class LoadConnection(asyncio.Protocol):
         inflight = self._inflight
         if inflight and now - inflight[0][1] > self._s.timeout and self._transport is not None:
             self._s.checker.tally.transport_errors += len(inflight)
+            self._s.checker.tally.problem(f"no answer within --timeout {self._s.timeout:g} s")
             inflight.clear()
             self.abort()
 
@@ -422,8 +427,11 @@ async def connect(conn: LoadConnection, start: bool = True) -> bool:
     t = s.target
     try:
         await asyncio.wait_for(s.loop.create_connection(lambda: conn, t.host, t.port), s.timeout)
-    except (TimeoutError, OSError):
+    except (TimeoutError, OSError) as exc:
         s.checker.tally.transport_errors += 1
+        s.checker.tally.problem(f"cannot connect to {t.host}:{t.port}: {exc.strerror or type(exc).__name__}"
+                                if isinstance(exc, OSError) and exc.strerror else
+                                f"cannot connect to {t.host}:{t.port}: {type(exc).__name__}")
         if conn.wanted():
             s.loop.call_later(RECONNECT_S, conn.reconnect)
         return False
@@ -524,7 +532,7 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
     hist.record_many(s.lat)
     return ProcessResult(tally.requests, tally.calls, dict(tally.errors_by_code), tally.wrong_id,
                          tally.missing, tally.duplicate, tally.malformed, tally.transport_errors,
-                         unsent, hist.encode(), drain_s)
+                         unsent, hist.encode(), drain_s, tally.first_problem)
 
 
 # -- several processes ----------------------------------------------------------------------
