@@ -44,6 +44,27 @@ def serve(config: Config) -> int:
     return uvloop.run(run(config))
 
 
+def fit_open_files(max_connections: int) -> int:
+    """Raise the soft RLIMIT_NOFILE towards the hard limit so `max_connections` client
+    sockets fit (plus 64 for the listener, worker sockets and logs), as nginx's
+    worker_rlimit_nofile does; return the connection limit that really fits."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + 64
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    fits = max_connections if soft == resource.RLIM_INFINITY else min(max_connections, soft - 64)
+    if fits < max_connections:
+        log.warning("open-files limit %d allows %d connections, not max_connections %d", soft, fits, max_connections)
+    return max(1, fits)
+
+
 async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = None) -> int:
     """The broker's main coroutine; sets `started` to the bound (host, port) once ready."""
     loop = asyncio.get_running_loop()
@@ -104,6 +125,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             max_body_bytes=config.max_body_bytes,
             max_batch=config.max_batch,
             keepalive_timeout=config.keepalive_timeout,
+            max_connections=fit_open_files(config.max_connections),
         )
         try:
             server = await loop.create_server(frontend.protocol, config.host, config.port, backlog=2048)

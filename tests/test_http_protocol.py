@@ -520,3 +520,44 @@ def test_sigterm_answers_a_request_sent_on_a_fresh_connection(broker_factory):
         assert busy.response()[2] == b'{"jsonrpc":"2.0","id":1,"result":0.5}'
         busy.sock.close()
     assert b.proc.wait(20) == 0
+
+
+def test_connections_past_max_connections_get_503_and_close(broker_factory):
+    b = broker_factory("--workers", "1", "--max-connections", "2")
+    first, second = Conn(b), Conn(b)
+    try:
+        for c in (first, second):  # both accepted and served
+            c.send(post('{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}', path="/"))
+            assert c.response()[0] == 200
+        with Conn(b) as third:
+            status, headers, body = third.response()
+            assert (status, headers["connection"], body) == (503, "close", b'{"error":"too many connections"}')
+            assert third.closed_within(5)
+        first.sock.close()
+        deadline = time.monotonic() + 10
+        while True:  # the freed slot is taken by the next connection
+            with Conn(b) as again:
+                try:
+                    again.send(post('{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}', path="/"))
+                    if again.response()[0] == 200:
+                        break
+                except (OSError, EOFError):
+                    pass  # refused while the broker had not yet seen the close
+            assert time.monotonic() < deadline
+    finally:
+        first.sock.close()
+        second.sock.close()
+    assert "max_connections 2 reached" in b.read_log()
+
+
+def test_the_open_files_limit_is_raised_to_fit_max_connections():
+    import resource
+
+    from broker.server import fit_open_files
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert fit_open_files(100) == 100
+    fits = fit_open_files(10**9)  # more than any limit allows
+    new_soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert new_soft >= soft and fits == new_soft - 64
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -59,6 +59,11 @@ _STATUS_LINES = {code: _status_line(code) for code in (200, 204, 400, 404, 405, 
 _JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_TOO_MANY_BODY = b'{"error":"too many connections"}'
+_TOO_MANY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: "
+    + str(len(_TOO_MANY_BODY)).encode() + b"\r\nconnection: close\r\n\r\n" + _TOO_MANY_BODY
+)
 _NO_CONTENT_KEEP = _STATUS_LINES[204] + b"\r\n"
 _NO_CONTENT_CLOSE = _STATUS_LINES[204] + _CLOSE + b"\r\n"
 
@@ -93,6 +98,7 @@ class HttpFrontend:
         max_body_bytes: int = 1024 * 1024,
         max_batch: int = 1000,
         keepalive_timeout: float = 75.0,
+        max_connections: int = 10000,
         ready: typing.Callable[[], bool] | None = None,
     ) -> None:
         self.dispatcher = dispatcher
@@ -100,6 +106,8 @@ class HttpFrontend:
         self.rpc_path = rpc_path.encode()
         self.max_body_bytes = max_body_bytes
         self.keepalive_timeout = keepalive_timeout
+        self.max_connections = max_connections
+        self.refused_total = 0
         self.ready = ready or (lambda: dispatcher.ready_workers > 0)
         self.connections: set[HttpProtocol] = set()
         self.draining = False
@@ -204,7 +212,17 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
-        self._fe.connections.add(self)
+        fe = self._fe
+        if len(fe.connections) >= fe.max_connections:  # nginx: worker_connections
+            fe.refused_total += 1
+            if fe.refused_total == 1 or fe.refused_total % 1000 == 0:
+                log.warning("max_connections %d reached: refusing connections (%d so far)",
+                            fe.max_connections, fe.refused_total)
+            self._closing = True
+            self._transport.write(_TOO_MANY)
+            self._transport.close()
+            return
+        fe.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
