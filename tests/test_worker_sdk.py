@@ -427,15 +427,20 @@ def test_encode_result_error_names_the_culprit():
         encode_result({"k": [object()]})
 
 
-def test_encode_result_too_deep_is_type_error_not_recursion_error():
+def nested_lists(depth: int) -> list[object]:
+    """[[[...]]] nested `depth` deep, built without recursion."""
     deep: list[object] = []
     cur = deep
-    for _ in range(100000):
+    for _ in range(depth):
         nxt: list[object] = []
         cur.append(nxt)
         cur = nxt
+    return deep
+
+
+def test_encode_result_too_deep_is_type_error_not_recursion_error():
     with pytest.raises(TypeError, match="is not JSON-serializable"):
-        encode_result(deep)
+        encode_result(nested_lists(100000))
 
 
 def test_encode_result_decimal_is_a_string():
@@ -487,13 +492,7 @@ def unserializable() -> object:
 
 @registry.method
 async def deep_result() -> object:
-    deep: list[object] = []
-    cur = deep
-    for _ in range(100000):
-        nxt: list[object] = []
-        cur.append(nxt)
-        cur = nxt
-    return deep
+    return nested_lists(100000)
 
 
 @registry.method
