@@ -95,7 +95,7 @@ class InvalidParams(Exception):
 
 _EMPTY = inspect.Parameter.empty
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-_VALIDATION_AT = re.compile(r"^(.*?) - at `\$(?:\[(\d+)\]|\.([^`.\[]+))[^`]*`$")
+_VALIDATION_AT = re.compile(r"^(.*?) - at `\$(?:\[(\d+)\]|\.([^`.\[]+))([^`]*)`$")
 _FIELD_IN_MSG = re.compile(r"field `([^`]+)`")
 _decode_json = msgspec.json.decode
 _astuple = msgspec.structs.astuple
@@ -284,8 +284,10 @@ class Method:
         """Map a msgspec validation message to the parameter it is about."""
         m = _VALIDATION_AT.match(message)
         if m:
-            reason, index, field = m.groups()
+            reason, index, field, inner = m.groups()
             name = self._pos_names[int(index)] if index is not None else field
+            if inner:  # inside the parameter: say where, e.g. `items[0].qty`
+                reason = f"{reason} - at `{name}{inner}`"
             return InvalidParams(name, reason)
         if given is not None and "array" in message:
             n = len(self._pos_names)

@@ -561,3 +561,17 @@ def test_the_open_files_limit_is_raised_to_fit_max_connections():
     new_soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert new_soft >= soft and fits == new_soft - 64
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_http10_keep_alive_is_confirmed_in_the_answer(hb):
+    """An HTTP/1.0 client keeps the connection only if the answer says keep-alive."""
+    with Conn(hb) as c:
+        body = '{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}'
+        for _ in range(2):  # the second request proves the connection stayed open
+            c.send(post(body, version="HTTP/1.0", headers="Connection: keep-alive\r\n"))
+            status, headers, answer = c.response()
+            assert (status, headers["connection"], answer) == (200, "keep-alive", b'{"jsonrpc":"2.0","id":1,"result":3}')
+        c.send(post('{"jsonrpc":"2.0","method":"update","params":[1]}', version="HTTP/1.0",
+                    headers="Connection: keep-alive\r\n"))
+        status, headers, _ = c.response()
+        assert (status, headers["connection"]) == (204, "keep-alive")

@@ -203,7 +203,7 @@ def test_bind_non_empty_mutable_defaults():
     assert args == ([1, 2], {"k": 1}, []) and kwargs == {}
     assert args[0] is MUTABLE_DEFAULT  # the handler's own default, as a Python call gives
     assert bind(mutable_defaults, b'{"b": {"z": 2}}') == (([1, 2], {"z": 2}, []), {})
-    assert invalid(mutable_defaults, b'[["x"]]') == ("a", "Expected `int`, got `str`")
+    assert invalid(mutable_defaults, b'[["x"]]') == ("a", "Expected `int`, got `str` - at `a[0]`")
 
 
 def positional_only(a: int, /, b: int) -> None:
@@ -267,7 +267,7 @@ def add(a: int, b: int) -> int:
         (add, b'{"a": 1}', "b", "missing required parameter"),  # missing, named
         (add, b"[1, 2, 3]", None, "too many positional params: takes at most 2, got 3"),
         (add, b'{"a": 1, "b": 2, "c": 3}', "c", "unexpected parameter"),  # unknown named
-        (typed, b'[1, 2, "s", [3, "4"], {"x": 5, "y": 6}, {"w": 1, "h": 2}]', "items", "Expected `int`, got `str`"),
+        (typed, b'[1, 2, "s", [3, "4"], {"x": 5, "y": 6}, {"w": 1, "h": 2}]', "items", "Expected `int`, got `str` - at `items[1]`"),
         (typed, b'[1, 2, "s", [], {"x": 5}, {"w": 1, "h": 2}]', "p", "Object missing required field `y`"),
         (get_nothing, b"[1]", None, "too many positional params: takes at most 0, got 1"),
         (get_nothing, b'{"x": 1}', "x", "unexpected parameter"),
@@ -1053,3 +1053,19 @@ def test_cancelling_a_chunk_answers_each_call_once(run):
             assert json.loads(answers[i][1])["data"] == "cancelled by the broker"
 
     run(test)
+
+
+class _Item(msgspec.Struct):
+    sku: str
+    qty: int
+
+
+def _total(items: list[_Item], discount: float = 0) -> float:
+    return 0.0
+
+
+@pytest.mark.parametrize("params", [b'[[{"sku":"a","qty":"two"}]]', b'{"items":[{"sku":"a","qty":"two"}]}'])
+def test_invalid_params_inside_a_parameter_say_where(params):
+    with pytest.raises(InvalidParams) as info:
+        Method("total", _total).bind(params, 64)
+    assert (info.value.param, info.value.reason) == ("items", "Expected `int`, got `str` - at `items[0].qty`")

@@ -58,13 +58,13 @@ def _status_line(code: int) -> bytes:
 _STATUS_LINES = {code: _status_line(code) for code in (200, 204, 400, 404, 405, 413, 431, 500, 502, 503, 504)}
 _JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
+_KEEP_ALIVE = b"connection: keep-alive\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _TOO_MANY_BODY = b'{"error":"too many connections"}'
 _TOO_MANY = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: "
     + str(len(_TOO_MANY_BODY)).encode() + b"\r\nconnection: close\r\n\r\n" + _TOO_MANY_BODY
 )
-_NO_CONTENT_KEEP = _STATUS_LINES[204] + b"\r\n"
 _NO_CONTENT_CLOSE = _STATUS_LINES[204] + _CLOSE + b"\r\n"
 
 
@@ -166,6 +166,7 @@ class HttpProtocol(asyncio.Protocol):
         "_head_bytes",
         "_head_done",
         "_header_bytes",
+        "_keep_header",
         "_linger",
         "_parser",
         "_read_paused",
@@ -187,6 +188,7 @@ class HttpProtocol(asyncio.Protocol):
         self._head_done = False
         self._content_length = 0
         self._linger = False  # half-close after the answer: the client may still be sending
+        self._keep_header = b""  # "connection: keep-alive" for an HTTP/1.0 client that asked
         self._upgrade: tuple[bytes, bytes] | None = None  # (method, url) of an Upgrade request
         self.head_started = 0.0  # loop time a request's first byte came; 0 once its head is in
         self.requests = 0  # requests answered or owed on this connection
@@ -344,6 +346,8 @@ class HttpProtocol(asyncio.Protocol):
             self._upgrade = (method, url)
             return
         keep_alive = self._parser.should_keep_alive() and not self._fe.draining
+        if keep_alive and not self._keep_header and self._parser.get_http_version() == "1.0":
+            self._keep_header = _KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
         self._route(method, url, keep_alive)
         if not keep_alive:
             self._closing = True
@@ -361,7 +365,7 @@ class HttpProtocol(asyncio.Protocol):
             if method == b"GET" or head:
                 ok = url == b"/healthz" or fe.ready()
                 body = b'{"status":"ok"}' if ok else b'{"status":"no worker ready"}'
-                response = _json_response(200 if ok else 503, body, keep_alive)
+                response = _json_response(200 if ok else 503, body, keep_alive, self._keep_header if keep_alive else b"")
                 if head:
                     response = response[: len(response) - len(body)]
                 self._queue(response, keep_alive)
@@ -380,11 +384,15 @@ class HttpProtocol(asyncio.Protocol):
         decoded = fe.codec.decode(body)
         exchange = fe.dispatcher.submit(decoded, self._exchange_done)
         if exchange is None:
-            self._queue(_NO_CONTENT_KEEP if keep_alive else _NO_CONTENT_CLOSE, keep_alive)
+            if not keep_alive:
+                self._queue(_NO_CONTENT_CLOSE, False)
+            else:
+                self._queue(_STATUS_LINES[204] + self._keep_header + b"\r\n", True)
             return
         exchange.context = keep_alive
         if exchange.remaining == 0 and not self._responses:
-            self._write(_json_response(exchange.status, exchange.body(), keep_alive), keep_alive)
+            extra = self._keep_header if keep_alive else b""
+            self._write(_json_response(exchange.status, exchange.body(), keep_alive, extra), keep_alive)
             return
         self._responses.append(exchange)
         if len(self._responses) > PIPELINE_HIGH:
@@ -409,7 +417,9 @@ class HttpProtocol(asyncio.Protocol):
                 if exchange.remaining:
                     break
                 keep_alive = bool(exchange.context)
-                data = _json_response(exchange.status, exchange.body(), keep_alive)
+                data = _json_response(
+                    exchange.status, exchange.body(), keep_alive, self._keep_header if keep_alive else b""
+                )
             responses.popleft()
             self._write(data, keep_alive)
             if self._transport is None:
@@ -448,7 +458,7 @@ class HttpProtocol(asyncio.Protocol):
         self, status: int, message: bytes, keep_alive: bool, extra: bytes = b"", head: bool = False
     ) -> None:
         body = b'{"error":"' + message + b'"}'
-        response = _json_response(status, body, keep_alive, extra)
+        response = _json_response(status, body, keep_alive, extra + self._keep_header if keep_alive else extra)
         if head:  # a HEAD answer has the headers of the GET answer and no body (RFC 9110 9.3.2)
             response = response[: len(response) - len(body)]
         self._queue(response, keep_alive)
