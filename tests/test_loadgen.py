@@ -502,3 +502,9 @@ def test_a_plain_http_server_is_named_as_the_first_problem(tmp_path, capsys):
         server.server_close()
     assert code == 1
     assert "first problem: bad answer: HTTP 501" in capsys.readouterr().err
+
+
+def test_an_unwritable_json_path_is_refused_before_the_run(tmp_path, capsys):
+    code = cli.main(["bench", "http://127.0.0.1:1/", "-q", "--json", str(tmp_path / "missing-dir" / "run.json")])
+    assert code == 2
+    assert "not a writable file path" in capsys.readouterr().err  # refused up front, before any load

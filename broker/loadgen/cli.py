@@ -10,6 +10,7 @@ process died); 2 bad usage (bad flags, mix file, target).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import typing
@@ -154,6 +155,11 @@ def _bench(ns: argparse.Namespace) -> int:
     except (MixError, RunError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
+    if ns.json:  # find out now, not after the whole run
+        parent = Path(ns.json).resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(ns.json).is_dir():
+            print(f"{PROG}: cannot write {ns.json}: not a writable file path", file=sys.stderr)
+            return 2
     if ns.processes > ns.connections:
         print(f"{PROG}: --processes ({ns.processes}) must not exceed --connections "
               f"({ns.connections})", file=sys.stderr)
