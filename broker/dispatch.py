@@ -41,8 +41,16 @@ from collections.abc import Callable
 
 from msgspec import Raw
 
-from broker import jsonrpc, wire
-from broker.jsonrpc import Body, ErrorCode, Request, error_object, response_error, response_result
+from broker import wire
+from broker.jsonrpc import (
+    Body,
+    ErrorCode,
+    Request,
+    error_object,
+    http_status,
+    response_error,
+    response_result,
+)
 
 if typing.TYPE_CHECKING:
     from broker.pool import Worker
@@ -63,7 +71,6 @@ _NOTIFY = int(wire.Kind.NOTIFY)
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
-_STATUS = {code: info.http_status for code, info in jsonrpc.ERRORS.items()}
 _CODE_AT = len(b'{"code":')
 
 
@@ -73,7 +80,7 @@ def _error_status(error: bytes) -> int:
     Error replies only; the worker encodes error objects code first."""
     end = error.find(b",", _CODE_AT)
     try:
-        return _STATUS.get(int(error[_CODE_AT:end]), 200)
+        return http_status(int(error[_CODE_AT:end]))
     except ValueError:
         return 200
 
@@ -314,11 +321,6 @@ class Dispatcher:
             name: Route(i, self._method_timeouts.get(name, self._timeout))
             for i, name in enumerate(names)
         }
-
-    @property
-    def methods(self) -> list[str]:
-        """Names of the routable methods."""
-        return list(self._routes)
 
     def worker_ready(self, worker: Worker) -> None:
         """A worker can take calls: add it to the rotation and give it queued work."""
@@ -623,12 +625,12 @@ class Dispatcher:
             self._fail_chunk(call, exchange, error, remaining)
             return
         if remaining:
-            exchange.fill(call.slot, response_error(call.id, error), _STATUS[code])
+            exchange.fill(call.slot, response_error(call.id, error), http_status(code))
         else:
             exchange.remaining -= 1
             exchange.answers[call.slot] = response_error(call.id, error)
             if not exchange.batch:
-                exchange.status = _STATUS[code]
+                exchange.status = http_status(code)
 
     def _check_idle(self) -> None:
         if not self.accepting and not self._queue and not self._pending:
