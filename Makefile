@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: serve test lint clean bench bench-quick
+.PHONY: serve test lint clean bench bench-quick prometheus-bin
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,12 +16,34 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/rpc-broker serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) prometheus-bin
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check broker tests benchmarks
+	$(BIN)/ruff check broker tests benchmarks grafana
 	$(BIN)/mypy
+
+# ---- prometheus-bin: the tests run `promtool` and a real `prometheus` (Debian package
+# `prometheus`), installed here when missing. The package's postinst would start a system
+# prometheus daemon (init.d or systemd); a temporary policy-rc.d that answers 101 ("action
+# forbidden", honoured by invoke-rc.d and deb-systemd-invoke) stops it from doing so, unless
+# the machine already has one (Docker images ship it). apt-get update runs only when apt
+# has no candidate for the package or its lists are stale.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus
+
+prometheus-bin:
+	@if command -v promtool >/dev/null && command -v prometheus >/dev/null; then exit 0; fi; \
+	set -e; echo "installing the Debian package prometheus (promtool, prometheus) for the tests"; \
+	guard=; \
+	if [ ! -e /usr/sbin/policy-rc.d ]; then \
+		printf '#!/bin/sh\nexit 101\n' | $(SUDO) tee /usr/sbin/policy-rc.d >/dev/null; \
+		$(SUDO) chmod 755 /usr/sbin/policy-rc.d; guard=1; \
+	fi; \
+	trap 'if [ -n "$$guard" ]; then $(SUDO) rm -f /usr/sbin/policy-rc.d; fi' EXIT; \
+	if ! apt-cache policy prometheus 2>/dev/null | grep -q 'Candidate: [0-9]'; then $(SUDO) apt-get update; fi; \
+	$(APT_INSTALL) || { $(SUDO) apt-get update && $(APT_INSTALL); }; \
+	promtool --version >/dev/null
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,6 +1,7 @@
 """Throughput and latency of the broker under wrk: single calls and batches of 100.
 
 Usage: .venv/bin/python benchmarks/wrk_broker.py [--workers 2] [--duration 10] [--runs 3]
+                                                 [--metrics on|off|both]
 
 Starts `rpc-broker serve` on 127.0.0.1 (an OS-chosen port), drives it with wrk
 (Debian package `wrk`) and prints, per scenario, the median and spread of requests/s,
@@ -80,39 +81,53 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--duration", type=int, default=10, help="seconds per run")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--metrics", choices=("on", "off", "both"), default="on",
+        help="metrics on (the default setting), off (--no-metrics), or both, runs alternating",
+    )  # fmt: skip
     args = parser.parse_args()
     if not shutil.which("wrk"):
         print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
         return 2
-    broker = start_broker("--workers", str(args.workers), "--log-level", "warning")
+    modes = ["on", "off"] if args.metrics == "both" else [args.metrics]
+    brokers = {
+        mode: start_broker("--workers", str(args.workers), "--log-level", "warning",
+                           *(["--no-metrics"] if mode == "off" else []))
+        for mode in modes
+    }  # fmt: skip
     try:
-        url = f"http://{broker.host}:{broker.port}{broker.path}"
         with tempfile.TemporaryDirectory() as tmp:
             print(f"rpc-broker, {args.workers} workers, {os.cpu_count()} CPUs, wrk on the same machine")
             for name, (conns, payload, calls) in SCENARIOS.items():
                 body = Path(tmp) / "body.json"
                 body.write_text(json.dumps(payload))
-                run_wrk(url, str(body), conns, 2)  # warm-up
-                runs = []
-                workers = children(broker.pid)
+                runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
                 for _ in range(args.runs):
-                    before = cpu_seconds([broker.pid]), cpu_seconds(workers)
-                    r = run_wrk(url, str(body), conns, args.duration)
-                    total = r["rps"] * args.duration * calls
-                    r["broker_us"] = (cpu_seconds([broker.pid]) - before[0]) / total * 1e6
-                    r["worker_us"] = (cpu_seconds(workers) - before[1]) / total * 1e6
-                    runs.append(r)
-                rps = [r["rps"] for r in runs]
-                print(
-                    f"{name:28s} req/s median {statistics.median(rps):9.0f} (min {min(rps):.0f}, max {max(rps):.0f})"
-                    f"  calls/s {statistics.median(rps) * calls:9.0f}"
-                    f"  p50 {statistics.median(r['p50'] for r in runs):.2f} ms"
-                    f"  p99 {statistics.median(r['p99'] for r in runs):.2f} ms"
-                    f"  CPU per call: broker {statistics.median(r['broker_us'] for r in runs):.1f} us,"
-                    f" workers {statistics.median(r['worker_us'] for r in runs):.1f} us"
-                )
+                    for mode, broker in brokers.items():  # alternating: noise hits both alike
+                        url = f"http://{broker.host}:{broker.port}{broker.path}"
+                        if not runs[mode]:
+                            run_wrk(url, str(body), conns, 2)  # warm-up
+                        workers = children(broker.pid)
+                        before = cpu_seconds([broker.pid]), cpu_seconds(workers)
+                        r = run_wrk(url, str(body), conns, args.duration)
+                        total = r["rps"] * args.duration * calls
+                        r["broker_us"] = (cpu_seconds([broker.pid]) - before[0]) / total * 1e6
+                        r["worker_us"] = (cpu_seconds(workers) - before[1]) / total * 1e6
+                        runs[mode].append(r)
+                for mode in modes:
+                    rps = [r["rps"] for r in runs[mode]]
+                    label = name if len(modes) == 1 else f"{name}, metrics {mode}"
+                    print(
+                        f"{label:40s} req/s median {statistics.median(rps):9.0f} (min {min(rps):.0f}, max {max(rps):.0f})"
+                        f"  calls/s {statistics.median(rps) * calls:9.0f}"
+                        f"  p50 {statistics.median(r['p50'] for r in runs[mode]):.2f} ms"
+                        f"  p99 {statistics.median(r['p99'] for r in runs[mode]):.2f} ms"
+                        f"  CPU per call: broker {statistics.median(r['broker_us'] for r in runs[mode]):.1f} us,"
+                        f" workers {statistics.median(r['worker_us'] for r in runs[mode]):.1f} us"
+                    )
     finally:
-        broker.stop()
+        for broker in brokers.values():
+            broker.stop()
     return 0
 
 

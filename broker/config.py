@@ -101,6 +101,17 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                         Doc("HTTP path that accepts JSON-RPC POSTs",
                             rule="starts with '/', no whitespace", metavar="PATH")
                         ] = "/"
+    metrics: Annotated[bool,
+                       Doc("serve Prometheus metrics at GET /metrics")
+                       ] = True
+    metrics_host: Annotated[str, Meta(min_length=1),
+                            Doc("address of the separate metrics listener (with metrics_port)",
+                                metavar="ADDR")
+                            ] = "127.0.0.1"
+    metrics_port: Annotated[int, Meta(ge=0, le=65535),
+                            Doc("serve /metrics (and /healthz, /readyz) on this port instead "
+                                "of the RPC listener; 0 means on the RPC listener")
+                            ] = 0
     max_body_bytes: Annotated[Bytes, Meta(ge=1),
                               Doc("largest HTTP request body")
                               ] = 1 * MIB

@@ -35,8 +35,9 @@ import asyncio
 import heapq
 import itertools
 import logging
+import time
 import typing
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from msgspec import Raw
@@ -51,6 +52,7 @@ from broker.jsonrpc import (
     response_error,
     response_result,
 )
+from broker.metrics import CallMetrics
 
 if typing.TYPE_CHECKING:
     from broker.pool import Worker
@@ -72,6 +74,36 @@ _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _CODE_AT = len(b'{"code":')
+_clock = time.perf_counter
+
+
+def _error_code(error: bytes) -> int:
+    """The code of a worker's error object (it encodes `code` first)."""
+    end = error.find(b",", _CODE_AT)
+    try:
+        return int(error[_CODE_AT:end])
+    except ValueError:
+        return ErrorCode.INTERNAL_ERROR
+
+
+def _mix(methods: list[int]) -> dict[int, int]:
+    """{method index: calls} of a chunk; most chunks hold one method (counted in C)."""
+    first = methods[0]
+    if methods.count(first) == len(methods):
+        return {first: len(methods)}
+    return Counter(methods)
+
+
+def _answer_code(answer: bytes) -> int:
+    """The error code inside a whole Response object the codec made (invalid elements)."""
+    at = answer.find(b'"code":')
+    if at < 0:
+        return ErrorCode.INVALID_REQUEST
+    end = answer.find(b",", at)
+    try:
+        return int(answer[at + 7 : end])
+    except ValueError:
+        return ErrorCode.INVALID_REQUEST
 
 
 def _error_status(error: bytes) -> int:
@@ -137,8 +169,8 @@ class Call:
     """One call (or notification) on its way through the broker."""
 
     __slots__ = (
-        "call_id", "exchange", "id", "ids", "index", "kind", "params", "slot", "slots",
-        "tick", "timeout", "weight", "worker",
+        "arrival", "call_id", "exchange", "id", "ids", "index", "kind", "methods", "params", "slot",
+        "slots", "tick", "timeout", "weight", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -148,8 +180,10 @@ class Call:
         slot: int,
         request: Request,
         route: Route,
+        arrival: float,
     ) -> None:
         self.call_id = call_id
+        self.arrival = arrival  # when the call arrived (time.perf_counter)
         self.exchange = exchange  # None for a notification, or once answered
         self.slot = slot
         self.id = request.id
@@ -162,10 +196,16 @@ class Call:
         self.weight = 1  # calls it stands for (a chunk stands for several)
         self.slots: list[int] | None = None  # a chunk's answer slots (-1: notification)
         self.ids: list[Raw] | None = None  # a chunk's raw client ids
+        self.methods: list[int] | None = None  # a chunk's method indexes
 
     @classmethod
     def chunk(
-        cls, call_id: int, exchange: Exchange, entries: list[tuple[int, Request, Route]], timeout: float
+        cls,
+        call_id: int,
+        exchange: Exchange,
+        entries: list[tuple[int, Request, Route]],
+        timeout: float,
+        arrival: float,
     ) -> Call:
         """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
         one deadline (they share `timeout`), one reply."""
@@ -176,6 +216,8 @@ class Call:
         self.slot = -1
         self.id = Raw()
         self.ids = [request.id for _, request, _ in entries]
+        self.methods = [route.method_index for _, _, route in entries]
+        self.arrival = arrival
         self.kind = _CHUNK
         self.index = len(entries)
         payload = bytearray()
@@ -277,6 +319,8 @@ class Dispatcher:
     timeout: default deadline in seconds; `method_timeouts` overrides it per method.
     cancel_grace: seconds a worker has to answer a timed-out call before it is
         killed as hung.
+    metrics: where to count answers, latencies and batch sizes (`metrics.CallMetrics`),
+        or None.
     """
 
     def __init__(
@@ -288,8 +332,10 @@ class Dispatcher:
         timeout: float = 30.0,
         method_timeouts: typing.Mapping[str, float] | None = None,
         cancel_grace: float = 10.0,
+        metrics: CallMetrics | None = None,
     ) -> None:
         self._loop = loop
+        self.metrics = metrics  # None: count nothing per call (metrics off)
         self._cancel_grace = cancel_grace
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
@@ -321,6 +367,8 @@ class Dispatcher:
             name: Route(i, self._method_timeouts.get(name, self._timeout))
             for i, name in enumerate(names)
         }
+        if self.metrics is not None:
+            self.metrics.set_methods(names)
 
     def worker_ready(self, worker: Worker) -> None:
         """A worker can take calls: add it to the rotation and give it queued work."""
@@ -363,6 +411,11 @@ class Dispatcher:
         """How many workers are taking calls."""
         return len(self._ready)
 
+    @property
+    def queued_calls(self) -> int:
+        """Calls waiting for a worker (a queued chunk counts its calls)."""
+        return sum(call.weight for call in self._queue)
+
     # -- the hot path ------------------------------------------------------------------
 
     def submit(self, body: Body, on_done: Callable[[Exchange], None]) -> Exchange | None:
@@ -374,17 +427,20 @@ class Dispatcher:
         """
         exchange = Exchange(body.batch, body.status, on_done)
         entries = self._entries(body, exchange)
-        now = self._loop.time()
+        now = self._loop.time()  # for deadlines (uvloop: milliseconds, cached per loop turn)
+        arrival = _clock()  # for latencies
         self.calls_total += len(entries)
+        if body.batch and self.metrics is not None:
+            self.metrics.batch_size.observe(len(body.items))
         if body.batch and len(entries) > 2 and self._ready and self.accepting:
-            self._start_chunks(entries, exchange, now)
+            self._start_chunks(entries, exchange, now, arrival)
         else:
             for slot, request, route in entries:
                 if slot >= 0:
                     exchange.remaining += 1
-                    self._start(Call(next(self._ids), exchange, slot, request, route), now)
+                    self._start(Call(next(self._ids), exchange, slot, request, route, arrival), now)
                 else:
-                    self._start(Call(next(self._ids), None, -1, request, route), now)
+                    self._start(Call(next(self._ids), None, -1, request, route, arrival), now)
         return exchange if exchange.answers else None
 
     def _entries(self, body: Body, exchange: Exchange) -> list[tuple[int, Request, Route]]:
@@ -393,24 +449,35 @@ class Dispatcher:
         for a notification. Returns (slot, request, route) per routable request."""
         answers = exchange.answers
         routes = self._routes
+        metrics = self.metrics
         entries: list[tuple[int, Request, Route]] = []
         for item in body.items:
             if type(item) is bytes:
                 answers.append(item)
+                if metrics is not None:
+                    metrics.answered(metrics.other, _answer_code(item), 0.0)
                 continue
             request = typing.cast(Request, item)
             route = routes.get(request.method)
             if route is None:
                 if request.id:
                     answers.append(response_error(request.id, _METHOD_NOT_FOUND))
+                    if metrics is not None:
+                        metrics.answered(metrics.other, ErrorCode.METHOD_NOT_FOUND, 0.0)
+                elif metrics is not None:
+                    metrics.notifications[metrics.other] += 1
             elif request.id:
                 entries.append((len(answers), request, route))
                 answers.append(None)
             else:
                 entries.append((-1, request, route))
+                if metrics is not None:
+                    metrics.notifications[route.method_index] += 1
         return entries
 
-    def _start_chunks(self, entries: list[tuple[int, Request, Route]], exchange: Exchange, now: float) -> None:
+    def _start_chunks(
+        self, entries: list[tuple[int, Request, Route]], exchange: Exchange, now: float, arrival: float
+    ) -> None:
         """A batch's calls go out in a few chunks (about one per ready worker) instead
         of one frame each. Calls with different deadlines never share a chunk."""
         groups: dict[float, list[tuple[int, Request, Route]]] = {}
@@ -428,12 +495,12 @@ class Dispatcher:
                 part = group[first::chunks]
                 if len(part) == 1:
                     slot, request, route = part[0]
-                    call = Call(next(self._ids), exchange if slot >= 0 else None, slot, request, route)
+                    call = Call(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival)
                 else:
                     # A chunk goes to a worker below its concurrency limit like a call
                     # does, so it may overshoot the limit by its size; it queues and is
                     # shed as one unit.
-                    call = Call.chunk(next(self._ids), exchange, part, timeout)
+                    call = Call.chunk(next(self._ids), exchange, part, timeout, arrival)
                 exchange.remaining += sum(1 for slot, _, _ in part if slot >= 0)
                 self._start(call, now)
 
@@ -442,6 +509,8 @@ class Dispatcher:
         worker = self._pick()
         if worker is not None:
             self._send(worker, call)
+            if self.metrics is not None:
+                self.metrics.sent_at_once += call.weight
         elif not self.accepting:
             self._finish(call, error_object(ErrorCode.SHUTTING_DOWN), ErrorCode.SHUTTING_DOWN, remaining=False)
         elif not self._ready and not self.worker_coming():
@@ -486,9 +555,9 @@ class Dispatcher:
         self._pending[call.call_id] = call
         worker.channel.send(call.kind, call.call_id, call.index, call.params)  # type: ignore[union-attr]
 
-    def on_reply(self, worker: Worker, kind: int, call_id: int, payload: bytes) -> None:
+    def on_reply(self, worker: Worker, kind: int, call_id: int, aux: int, payload: bytes) -> None:
         """A worker answered `call_id` with a RESULT or ERROR payload (raw JSON), or
-        with (part of) a chunk's answers."""
+        with (part of) a chunk's answers; `aux` is its service time in microseconds."""
         if kind == _CHUNK_PART:  # some of a chunk's answers; the chunk stays pending
             part = self._pending.get(call_id)
             if part is not None and part.worker is worker and part.exchange is not None:
@@ -500,6 +569,14 @@ class Dispatcher:
             return
         worker.outstanding -= call.weight
         exchange = call.exchange
+        metrics = self.metrics
+        if metrics is not None:
+            if call.methods is not None:  # a chunk: each call at the chunk's time over its size
+                per_call = aux // call.weight
+                for index, n in _mix(call.methods).items():
+                    metrics.service[index].observe_us(per_call, n)
+            elif kind != _RESULT or exchange is None:  # (results: in metrics.result below)
+                metrics.service[call.index].observe_us(aux)
         if exchange is not None:
             self._deadlines.remove(call)
             if call.slots is not None:
@@ -509,8 +586,12 @@ class Dispatcher:
                 else:  # one ERROR for the whole chunk
                     self._fail_chunk(call, exchange, payload, True)
             elif kind == _RESULT:
+                if metrics is not None:
+                    metrics.result(call.index, _clock() - call.arrival, aux)
                 exchange.fill(call.slot, response_result(call.id, payload))
             else:
+                if metrics is not None:
+                    metrics.answered(call.index, _error_code(payload), _clock() - call.arrival)
                 exchange.fill(call.slot, response_error(call.id, payload), _error_status(payload))
         elif call.tick:  # a notification
             self._deadlines.remove(call)
@@ -526,6 +607,8 @@ class Dispatcher:
                     call = self._dequeue()
                     if call.tick:  # else it timed out while queued
                         self._send(worker, call)
+                        if metrics is not None:
+                            metrics.queue_wait.observe_us(int((_clock() - call.arrival) * 1e6), call.weight)
                         break
         elif not self.accepting and not self._pending:
             self._idle.set()
@@ -534,6 +617,8 @@ class Dispatcher:
         """Splice the answers of a CHUNK_PART or CHUNK_REPLY payload into their slots."""
         slots = typing.cast(list[int], call.slots)
         ids = typing.cast(list[Raw], call.ids)
+        metrics = self.metrics
+        results = 0  # results filled (for metrics)
         answers = exchange.answers
         view = memoryview(payload)
         unpack = _REPLY_ENTRY.unpack_from
@@ -548,20 +633,48 @@ class Dispatcher:
                 result = view[pos : pos + length]
                 if entry_kind == _RESULT:
                     answers[slot] = response_result(ids[i], result)
+                    results += 1
                 else:
                     answers[slot] = response_error(ids[i], result)
+                    if metrics is not None:
+                        metrics.answered(
+                            typing.cast(list[int], call.methods)[i],
+                            _error_code(bytes(result)),
+                            _clock() - call.arrival,
+                        )
                 filled += 1
             pos += length
+        if results and metrics is not None:
+            latency = _clock() - call.arrival
+            methods = typing.cast(list[int], call.methods)
+            if results == call.weight:  # the common case: every call of the chunk, all results
+                mix = _mix(methods)
+            else:  # some answered before (CHUNK_PART), errors, notifications: walk it again
+                mix = Counter()
+                pos = 0
+                while pos < end:
+                    i, entry_kind, length = unpack(payload, pos)
+                    if entry_kind == _RESULT and slots[i] >= 0:
+                        mix[methods[i]] += 1
+                    pos += size + length
+            for index, n in mix.items():
+                metrics.answered(index, 0, latency, n)
         exchange.filled(filled)
 
     def _fail_chunk(self, call: Call, exchange: Exchange, error: bytes, remaining: bool) -> None:
         """Answer every still-unanswered call of a chunk with `error` (an error object)."""
         answers = exchange.answers
         count = 0
-        for slot, id_ in zip(typing.cast(list[int], call.slots), typing.cast(list[Raw], call.ids)):
+        metrics = self.metrics
+        code = _error_code(error)
+        latency = _clock() - call.arrival
+        methods = typing.cast(list[int], call.methods)
+        for i, (slot, id_) in enumerate(zip(typing.cast(list[int], call.slots), typing.cast(list[Raw], call.ids))):
             if slot >= 0 and answers[slot] is None:
                 answers[slot] = response_error(id_, error)
                 count += 1
+                if metrics is not None:
+                    metrics.answered(methods[i], code, latency)
         if remaining:
             exchange.filled(count)
         else:
@@ -582,6 +695,8 @@ class Dispatcher:
             if not call.tick:  # timed out while queued
                 continue
             self._send(worker, call)
+            if self.metrics is not None:
+                self.metrics.queue_wait.observe_us(int((_clock() - call.arrival) * 1e6), call.weight)
         self._check_idle()
 
     def _on_timeout(self, call: Call) -> None:
@@ -624,6 +739,8 @@ class Dispatcher:
         if call.slots is not None:  # a chunk: every call in it not yet answered
             self._fail_chunk(call, exchange, error, remaining)
             return
+        if self.metrics is not None:
+            self.metrics.answered(call.index, code, _clock() - call.arrival)
         if remaining:
             exchange.fill(call.slot, response_error(call.id, error), http_status(code))
         else:

@@ -156,9 +156,9 @@ class WorkerChannel(asyncio.Protocol):
             return
         worker = self.worker
         on_reply = self._dispatcher.on_reply
-        for kind, call_id, _aux, payload in frames:
+        for kind, call_id, aux, payload in frames:
             if worker is not None and (kind == _RESULT or kind == _ERROR or kind >= _CHUNK_REPLY):
-                on_reply(worker, kind, call_id, payload)
+                on_reply(worker, kind, call_id, aux, payload)
             elif kind == _HELLO and worker is None:
                 try:
                     worker = self.worker = self._pool.hello(self, wire.decode_hello(payload))
@@ -244,6 +244,8 @@ class Pool:
         self._boot_failure: asyncio.Future[str] = self.loop.create_future()
         self._changed = asyncio.Event()
         self.restarts_total = 0
+        # Restarts by reason (the metric's label): exited, killed, hung, boot_timeout, reload
+        self.restarts_by_reason: dict[str, int] = {}
         dispatcher.worker_coming = self._worker_coming
 
     def _worker_coming(self) -> bool:
@@ -344,6 +346,8 @@ class Pool:
         delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
         worker.restarts += 1
         self.restarts_total += 1
+        why = restart_reason(status, worker.kill_reason)
+        self.restarts_by_reason[why] = self.restarts_by_reason.get(why, 0) + 1
         if delay and not self.dispatcher.ready_workers and not self._worker_coming():
             self.dispatcher.no_worker_coming()
         await asyncio.sleep(delay)
@@ -353,6 +357,7 @@ class Pool:
     def _boot_deadline(self, worker: Worker, process: asyncio.subprocess.Process) -> None:
         if worker.process is process and worker.state is WorkerState.STARTING:
             log.error("worker %d (pid %d) sent no HELLO in %s s: killing it", worker.slot, worker.pid, BOOT_TIMEOUT_SECONDS)
+            worker.kill_reason = f"boot timeout: no HELLO in {BOOT_TIMEOUT_SECONDS} s"
             _kill(process)
 
     def hello(self, channel: WorkerChannel, hello: wire.Hello) -> Worker:
@@ -409,6 +414,7 @@ class Pool:
                     if new.process is not None:
                         _kill(new.process)
                     return False
+                self.restarts_by_reason["reload"] = self.restarts_by_reason.get("reload", 0) + 1
                 if old.state is WorkerState.READY and old.channel is not None:
                     old.move(WorkerState.DRAINING)
                     self.dispatcher.worker_unready(old)
@@ -464,6 +470,16 @@ class Pool:
             count[WorkerState.STARTING], count[WorkerState.READY], count[WorkerState.DRAINING],
             count[WorkerState.DEAD], self.restarts_total,
         )  # fmt: skip
+
+
+def restart_reason(status: int, kill_reason: str) -> str:
+    """The bounded `reason` label of a restart: "hung" or "boot_timeout" when the broker
+    killed the worker for that, "killed" by another signal, else "exited"."""
+    if kill_reason.startswith("hung"):
+        return "hung"
+    if kill_reason.startswith("boot timeout"):
+        return "boot_timeout"
+    return "killed" if status < 0 else "exited"
 
 
 def describe_status(status: int) -> str:

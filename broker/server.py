@@ -20,6 +20,7 @@ import sys
 from broker.config import Config
 from broker.dispatch import Dispatcher
 from broker.frontend.http import HttpFrontend
+from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.pool import Pool, WorkerBootError
 from broker.worker import WORKER_BOOT_ERROR
 
@@ -42,6 +43,10 @@ def serve(config: Config) -> int:
     import uvloop
 
     return uvloop.run(run(config))
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def fit_open_files(max_connections: int) -> int:
@@ -75,6 +80,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         timeout=config.timeout,
         method_timeouts=config.method_timeouts,
         cancel_grace=config.cancel_grace,
+        metrics=CallMetrics() if config.metrics else None,
     )
     pool = Pool(
         dispatcher,
@@ -119,6 +125,16 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             log.error("%s", exc)
             await pool.stop(timeout=2.0)
             return 1
+        frontends: list[HttpFrontend] = []
+        scrape = None
+        if config.metrics:
+            collector = BrokerCollector(dispatcher, pool, frontends, config.max_queue)
+            reg = registry(collector)
+
+            def scrape() -> bytes:
+                return exposition(reg)
+
+        separate = config.metrics and config.metrics_port != 0
         frontend = HttpFrontend(
             dispatcher,
             rpc_path=config.rpc_path,
@@ -126,30 +142,49 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             max_batch=config.max_batch,
             keepalive_timeout=config.keepalive_timeout,
             max_connections=fit_open_files(config.max_connections),
+            metrics=None if separate else scrape,
         )
-        try:
-            server = await loop.create_server(frontend.protocol, config.host, config.port, backlog=2048)
-        except OSError as exc:
-            log.error("cannot listen on %s:%s: %s", config.host, config.port, exc)
-            await pool.stop(timeout=2.0)
-            return 1
-        host, port = server.sockets[0].getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
+        frontends.append(frontend)
+        servers: list[asyncio.Server] = []
+        listeners = [(frontend, config.host, config.port)]
+        if separate:
+            metrics_frontend = HttpFrontend(
+                dispatcher, max_connections=64, metrics=scrape, serve_rpc=False,
+                keepalive_timeout=config.keepalive_timeout,
+            )  # fmt: skip
+            frontends.append(metrics_frontend)
+            listeners.append((metrics_frontend, config.metrics_host, config.metrics_port))
+        for fe, bind_host, bind_port in listeners:
+            try:
+                servers.append(await loop.create_server(fe.protocol, bind_host, bind_port, backlog=2048))
+            except OSError as exc:
+                log.error("cannot listen on %s:%s: %s", bind_host, bind_port, exc)
+                for server in servers:
+                    server.close()
+                await pool.stop(timeout=2.0)
+                return 1
+        host, port = servers[0].sockets[0].getsockname()[:2]
         print(
-            f"rpc-broker: serving JSON-RPC on http://{shown}:{port}{config.rpc_path}"
+            f"rpc-broker: serving JSON-RPC on {_url(host, port)}{config.rpc_path}"
             f" with {pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app})",
             file=sys.stderr,
             flush=True,
         )
+        if config.metrics:
+            where = servers[-1].sockets[0].getsockname()[:2]
+            print(f"rpc-broker: metrics on {_url(*where)}/metrics", file=sys.stderr, flush=True)
         loop.add_signal_handler(signal.SIGHUP, handle_hup)
         if started is not None:
             started.set_result((host, port))
         await stop.wait()
         log.info("stopping: no new connections; answering what is in flight (grace %s s)", config.grace_period)
-        server.close()
-        frontend.drain()
+        for server in servers:
+            server.close()
+        for fe in frontends:
+            fe.drain()
         await dispatcher.drain(config.grace_period, hurry)
-        await frontend.wait_closed(timeout=0.2 if hurry.is_set() else 2.0)
+        for fe in frontends:
+            await fe.wait_closed(timeout=0.2 if hurry.is_set() else 2.0)
         await pool.stop(timeout=1.0 if hurry.is_set() else 10.0)
         log.info("stopped")
         return 0

@@ -17,6 +17,7 @@ Answers:
                            on Content-Length before the body arrives, and on chunks)
     GET/HEAD /healthz      200 while the process runs
     GET/HEAD /readyz       200 when at least one worker is ready, else 503
+    GET/HEAD /metrics      Prometheus text format, when this listener serves metrics
     other method           405 with Allow
     other path             404
     bad HTTP               400 and close; headers past 64 KiB: 431 and close
@@ -40,6 +41,7 @@ import httptools
 
 from broker.dispatch import Dispatcher, Exchange
 from broker.jsonrpc import Codec, ErrorCode, error_object, response_error
+from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 __all__ = ["HttpFrontend", "HttpProtocol"]
 
@@ -66,6 +68,7 @@ _TOO_MANY = (
     + str(len(_TOO_MANY_BODY)).encode() + b"\r\nconnection: close\r\n\r\n" + _TOO_MANY_BODY
 )
 _NO_CONTENT_CLOSE = _STATUS_LINES[204] + _CLOSE + b"\r\n"
+_METRICS_HEADERS = b"content-type: " + METRICS_CONTENT_TYPE.encode() + b"\r\ncontent-length: "
 
 
 def _json_response(status: int, body: bytes, keep_alive: bool, extra: bytes = b"") -> bytes:
@@ -100,14 +103,21 @@ class HttpFrontend:
         keepalive_timeout: float = 75.0,
         max_connections: int = 10000,
         ready: typing.Callable[[], bool] | None = None,
+        metrics: typing.Callable[[], bytes] | None = None,
+        serve_rpc: bool = True,
     ) -> None:
         self.dispatcher = dispatcher
         self.codec = Codec(max_batch)
-        self.rpc_path = rpc_path.encode()
+        # A metrics-only listener (metrics_port) answers no RPC path: b"" matches no URL.
+        self.rpc_path = rpc_path.encode() if serve_rpc else b""
+        self.metrics = metrics  # makes the /metrics body; None: 404 on /metrics
         self.max_body_bytes = max_body_bytes
         self.keepalive_timeout = keepalive_timeout
         self.max_connections = max_connections
         self.refused_total = 0
+        self.received_bytes = 0
+        self.sent_bytes = 0
+        self.statuses: dict[bytes, int] = {}  # b"200": responses written with that status
         self.ready = ready or (lambda: dispatcher.ready_workers > 0)
         self.connections: set[HttpProtocol] = set()
         self.draining = False
@@ -221,6 +231,8 @@ class HttpProtocol(asyncio.Protocol):
                 log.warning("max_connections %d reached: refusing connections (%d so far)",
                             fe.max_connections, fe.refused_total)
             self._closing = True
+            fe.sent_bytes += len(_TOO_MANY)
+            fe.statuses[b"503"] = fe.statuses.get(b"503", 0) + 1
             self._transport.write(_TOO_MANY)
             self._transport.close()
             return
@@ -234,7 +246,9 @@ class HttpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
-        self.last_active = self._fe.loop.time()
+        fe = self._fe
+        fe.received_bytes += len(data)
+        self.last_active = fe.loop.time()
         if not self._head_done:
             self._head_bytes += len(data)
         try:
@@ -318,6 +332,7 @@ class HttpProtocol(asyncio.Protocol):
             return
         if self._expect and self._parser.get_method() == b"POST":
             assert self._transport is not None
+            self._fe.sent_bytes += len(_CONTINUE)
             self._transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
@@ -368,6 +383,16 @@ class HttpProtocol(asyncio.Protocol):
                 response = _json_response(200 if ok else 503, body, keep_alive, self._keep_header if keep_alive else b"")
                 if head:
                     response = response[: len(response) - len(body)]
+                self._queue(response, keep_alive)
+            else:
+                self._queue_plain(405, b"use GET", keep_alive, b"allow: GET, HEAD\r\n", head)
+        elif url == b"/metrics" and fe.metrics is not None:
+            if method == b"GET" or head:
+                body = fe.metrics()
+                response = b"".join((
+                    _STATUS_LINES[200], _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
+                    self._keep_header if keep_alive else _CLOSE, b"\r\n", b"" if head else body,
+                ))  # fmt: skip
                 self._queue(response, keep_alive)
             else:
                 self._queue_plain(405, b"use GET", keep_alive, b"allow: GET, HEAD\r\n", head)
@@ -432,7 +457,11 @@ class HttpProtocol(asyncio.Protocol):
         if transport is None:
             return
         transport.write(data)
-        self.last_active = self._fe.loop.time()  # idle time counts from the last answer
+        fe = self._fe
+        fe.sent_bytes += len(data)
+        status = data[9:12]
+        fe.statuses[status] = fe.statuses.get(status, 0) + 1
+        self.last_active = fe.loop.time()  # idle time counts from the last answer
         if not keep_alive:
             self._closing = True
             self._responses.clear()

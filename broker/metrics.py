@@ -1,0 +1,412 @@
+"""Prometheus metrics of the broker, exported by the front-end process only.
+
+Theory of operation
+-------------------
+The hot path never touches prometheus-client: its `Counter.labels(...).inc()` takes a
+lock and a label lookup per call (about 1 us each), which would cost several percent
+of a 30 us call. Instead the dispatcher counts into plain lists indexed by method
+(`CallMetrics`, `LatencyHistogram`: an `int.bit_length` and two additions per
+observation, measured at about 0.5 us per answered call in all), and one
+`BrokerCollector` turns those numbers, the pool's and the front-ends', into metric
+families when Prometheus scrapes (prometheus-client's "custom collector", see
+https://prometheus.github.io/client_python/collector/custom/). Workers send their
+service time with every reply (wire.py: `aux` of RESULT, ERROR and CHUNK_REPLY), and
+their CPU and memory are read from /proc by psutil at scrape time, so there are no
+multiprocess files.
+
+Names follow https://prometheus.io/docs/practices/naming/: the `rpc_broker_` prefix,
+base units (seconds, bytes), `_total` on counters. Label values are bounded: `method`
+is a registered method or `other`; `code` one of the broker's own codes or
+`application`; `slot` a worker slot index; `status` an HTTP status code.
+"""
+
+from __future__ import annotations
+
+import bisect
+import importlib.metadata
+import platform
+import typing
+from collections.abc import Iterable, Iterator
+
+import psutil
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from broker.jsonrpc import ERRORS, ErrorCode
+
+if typing.TYPE_CHECKING:
+    from broker.dispatch import Dispatcher
+    from broker.frontend.http import HttpFrontend
+    from broker.pool import Pool
+
+__all__ = [
+    "BATCH_BUCKETS",
+    "CONTENT_TYPE",
+    "OTHER",
+    "SECONDS_BUCKETS",
+    "BrokerCollector",
+    "CallMetrics",
+    "Histogram",
+    "LatencyHistogram",
+    "exposition",
+    "outcome_name",
+    "registry",
+]
+
+# Powers of two microseconds, from 128 us (a trivial call answered by a worker) to
+# 33.5 s (past the 30 s default deadline): a bucket is then one `int.bit_length`, the
+# cheapest bucketing Python has (Prometheus's native histograms are exponential too).
+_FIRST_K, _LAST_K = 7, 25
+SECONDS_BUCKETS: tuple[float, ...] = tuple(2**k / 1e6 for k in range(_FIRST_K, _LAST_K + 1))
+BATCH_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+OTHER = "other"  # the `method` label of calls to no registered method
+# The classic text format (what generate_latest writes for these names); newer
+# prometheus-client says version=1.0.0, which Prometheus 2.x servers predate.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OK = 0  # the outcome code of a result (error codes are never 0)
+
+_OUTCOMES: dict[int, str] = {
+    ErrorCode.PARSE_ERROR: "parse_error",
+    ErrorCode.INVALID_REQUEST: "invalid_request",
+    ErrorCode.METHOD_NOT_FOUND: "method_not_found",
+    ErrorCode.INVALID_PARAMS: "invalid_params",
+    ErrorCode.INTERNAL_ERROR: "internal_error",
+    ErrorCode.OVERLOADED: "overloaded",
+    ErrorCode.TIMED_OUT: "timed_out",
+    ErrorCode.WORKER_DIED: "worker_died",
+    ErrorCode.NO_WORKER: "no_worker",
+    ErrorCode.SHUTTING_DOWN: "shutting_down",
+}
+assert set(_OUTCOMES) == set(ERRORS), "every broker error code has an outcome name"
+
+
+RESTART_REASONS = ("exited", "killed", "hung", "boot_timeout", "reload")  # see pool.restart_reason
+_NO_RESTARTS = dict.fromkeys(RESTART_REASONS, 0)
+
+
+def outcome_name(code: int) -> str:
+    """The `outcome` label of an answer: "ok" for a result (code 0), the error's name
+    for one of the broker's codes (`jsonrpc.ERRORS`), else "application_error"."""
+    if code == OK:
+        return "ok"
+    return _OUTCOMES.get(code, "application_error")
+
+
+def _code_label(code: int) -> str:
+    return str(code) if code in _OUTCOMES else "application"
+
+
+class LatencyHistogram:
+    """Durations in whole microseconds, bucketed by powers of two.
+
+    counts[k]: observations with `us.bit_length() == k`, i.e. 2**(k-1) <= us < 2**k
+    (k = 0: under 1 us). sum_us: their total, microseconds. `buckets()` gives the
+    cumulative `SECONDS_BUCKETS` pairs at scrape time.
+    """
+
+    __slots__ = ("counts", "sum_us")
+
+    def __init__(self) -> None:
+        self.counts = [0] * 65  # any u64 fits
+        self.sum_us = 0
+
+    def observe_us(self, us: int, n: int = 1) -> None:
+        """Count `n` observations of `us` microseconds (>= 0)."""
+        self.counts[us.bit_length()] += n
+        self.sum_us += us * n
+
+    @property
+    def sum(self) -> float:
+        """Total of the observations, seconds."""
+        return self.sum_us / 1e6
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative (le, count) pairs, le in seconds, ending with "+Inf"."""
+        counts = self.counts
+        total = sum(counts[: _FIRST_K + 1])
+        out = [(repr(SECONDS_BUCKETS[0]), float(total))]
+        for k in range(_FIRST_K + 1, _LAST_K + 1):
+            total += counts[k]
+            out.append((repr(SECONDS_BUCKETS[k - _FIRST_K]), float(total)))
+        out.append(("+Inf", float(sum(counts))))
+        return out
+
+
+class Histogram:
+    """Counts of observations per bucket, Prometheus-style (upper bounds inclusive);
+    for values off the hot path (batch sizes).
+
+    bounds: the finite upper bounds, ascending; counts has one more slot (+Inf).
+    Not cumulative: `buckets()` makes the cumulative pairs at scrape time.
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        """Count `n` observations of `value` (for n > 1: n calls that took as long)."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative (le, count) pairs, ending with "+Inf", for HistogramMetricFamily."""
+        out: list[tuple[str, float]] = []
+        total = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts):
+            total += count
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+        return out
+
+
+class CallMetrics:
+    """What the dispatcher counts per call, indexed by method index (the place of the
+    method in the workers' HELLO list; index len(methods) is `OTHER`).
+
+    outcomes[m]: {code: answers} with code 0 for results.
+    latency[m]: arrival (body decoded) to answer ready.
+    service[m]: time inside the worker (its own measure); a chunk's calls are
+                counted at the chunk's time divided by its number of calls.
+    queue_wait: arrival to the call being written to a worker, for calls that
+                waited in the queue; `sent_at_once` counts those that did not (0 s).
+    batch_size: requests and notifications per batch.
+    notifications[m]: notifications received.
+    """
+
+    __slots__ = (
+        "batch_size", "latency", "names", "notifications", "outcomes", "queue_wait", "sent_at_once", "service",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.names: list[str] = [OTHER]
+        self.outcomes: list[dict[int, int]] = [{}]
+        self.latency = [LatencyHistogram()]
+        self.service = [LatencyHistogram()]
+        self.notifications = [0]
+        self.queue_wait = LatencyHistogram()
+        self.sent_at_once = 0
+        self.batch_size = Histogram(BATCH_BUCKETS)
+
+    def set_methods(self, names: list[str]) -> None:
+        """Size the tables for `names` (plus `OTHER` last); counts so far are kept
+        under `OTHER` (there are none before the first worker says HELLO)."""
+        n = len(names)
+        self.names = [*names, OTHER]
+        self.outcomes = [{} for _ in range(n)] + [self.outcomes[-1]]
+        self.latency = [LatencyHistogram() for _ in range(n)] + [self.latency[-1]]
+        self.service = [LatencyHistogram() for _ in range(n)] + [self.service[-1]]
+        self.notifications = [0] * n + [self.notifications[-1]]
+
+    @property
+    def other(self) -> int:
+        """The method index counted as `OTHER`."""
+        return len(self.names) - 1
+
+    def result(self, method: int, latency: float, service_us: int) -> None:
+        """One call answered with a result: `latency` seconds since it arrived,
+        `service_us` microseconds in the worker (the hot path: kept inline)."""
+        outcomes = self.outcomes[method]
+        outcomes[OK] = outcomes.get(OK, 0) + 1
+        us = int(latency * 1e6)
+        h = self.latency[method]
+        h.counts[us.bit_length()] += 1
+        h.sum_us += us
+        h = self.service[method]
+        h.counts[service_us.bit_length()] += 1
+        h.sum_us += service_us
+
+    def answered(self, method: int, code: int, latency: float, n: int = 1) -> None:
+        """`n` answers with `code` (0 for results, else the error object's code),
+        `latency` seconds after they arrived."""
+        outcomes = self.outcomes[method]
+        outcomes[code] = outcomes.get(code, 0) + n
+        self.latency[method].observe_us(int(latency * 1e6), n)
+
+
+def _family_counter(name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str], float]]) -> Metric:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for values, value in rows:
+        family.add_metric(values, value)
+    return family
+
+
+def _family_gauge(name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str], float]]) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=labels)
+    for values, value in rows:
+        family.add_metric(values, value)
+    return family
+
+
+class BrokerCollector(Collector):
+    """Builds every `rpc_broker_*` metric family from the live objects at scrape time.
+
+    dispatcher: its `metrics` (a `CallMetrics`) and counters; pool: workers and
+    restarts; frontends: HTTP listeners (the RPC one, and the metrics one if separate).
+    """
+
+    def __init__(self, dispatcher: Dispatcher, pool: Pool, frontends: list[HttpFrontend], max_queue: int) -> None:
+        self.dispatcher = dispatcher
+        self.pool = pool
+        self.frontends = frontends
+        self.max_queue = max_queue
+        self._processes: dict[int, psutil.Process] = {}
+        try:
+            version = importlib.metadata.version("rpc-broker")
+        except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+            version = "unknown"
+        self._build = [version, platform.python_version()]
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the families (called by the registry on every scrape)."""
+        d = self.dispatcher
+        m = d.metrics
+        if m is not None:
+            yield from self._calls(m)
+        yield _family_gauge(
+            "rpc_broker_calls_in_flight", "Calls sent to a worker and not answered yet.", [],
+            [([], sum(w.outstanding for w in self.pool.workers))],
+        )  # fmt: skip
+        yield _family_gauge("rpc_broker_calls_queued", "Calls waiting for a worker.", [], [([], d.queued_calls)])
+        yield _family_gauge(
+            "rpc_broker_queue_capacity", "Calls the queue holds before answering overloaded (max_queue).", [],
+            [([], self.max_queue)],
+        )  # fmt: skip
+        yield _family_counter(
+            "rpc_broker_late_replies", "Worker replies dropped: the call had been answered already (deadline).",
+            [], [([], d.late_replies_total)],
+        )  # fmt: skip
+        yield from self._http()
+        yield from self._workers()
+        yield _family_gauge(
+            "rpc_broker_build_info", "The running broker's version and Python; always 1.", ["version", "python"],
+            [(self._build, 1)],
+        )  # fmt: skip
+
+    def _calls(self, m: CallMetrics) -> Iterator[Metric]:
+        names = m.names
+        calls = CounterMetricFamily(
+            "rpc_broker_calls", "Requests answered, by method and outcome (ok or the error's name).",
+            labels=["method", "outcome"],
+        )  # fmt: skip
+        # Series that exist from the first scrape, at 0: a counter that appears only at
+        # its first event loses that event to rate() and increase().
+        errors: dict[str, int] = {_code_label(code): 0 for code in _OUTCOMES}
+        errors["application"] = 0
+        timeouts = CounterMetricFamily(
+            "rpc_broker_timeouts", "Calls answered -32001: their deadline passed.", labels=["method"]
+        )
+        for name, outcomes in zip(names, m.outcomes):
+            by_outcome: dict[str, int] = {"ok": 0}
+            for code, count in outcomes.items():
+                label = outcome_name(code)
+                by_outcome[label] = by_outcome.get(label, 0) + count
+                if code != OK:
+                    key = _code_label(code)
+                    errors[key] = errors.get(key, 0) + count
+            for label, count in sorted(by_outcome.items()):
+                calls.add_metric([name, label], count)
+            timeouts.add_metric([name], outcomes.get(ErrorCode.TIMED_OUT, 0))
+        yield calls
+        yield timeouts
+        yield _family_counter(
+            "rpc_broker_errors", "Error objects sent, by code (the broker's codes, or 'application').",
+            ["code"], (([code], n) for code, n in sorted(errors.items())),
+        )  # fmt: skip
+        yield _family_counter(
+            "rpc_broker_notifications", "Notifications received (never answered), by method.", ["method"],
+            (([name], n) for name, n in zip(names, m.notifications)),
+        )  # fmt: skip
+        for family, doc, hists in (
+            ("rpc_broker_call_duration_seconds", "From a call's arrival to its answer ready.", m.latency),
+            ("rpc_broker_worker_service_seconds", "Time inside the worker, as the worker measured it.", m.service),
+        ):
+            h = HistogramMetricFamily(family, doc, labels=["method"])
+            for name, hist in zip(names, hists):
+                h.add_metric([name], hist.buckets(), hist.sum)
+            yield h
+        wait = m.queue_wait
+        h = HistogramMetricFamily("rpc_broker_queue_wait_seconds", "From a call's arrival to its writing to a worker.")
+        h.add_metric([], [(le, n + m.sent_at_once) for le, n in wait.buckets()], wait.sum)
+        yield h
+        h = HistogramMetricFamily("rpc_broker_batch_size", "Requests and notifications per batch.")
+        h.add_metric([], m.batch_size.buckets(), m.batch_size.sum)
+        yield h
+
+    def _http(self) -> Iterator[Metric]:
+        statuses: dict[bytes, int] = {}
+        received = sent = refused = connections = 0
+        for fe in self.frontends:
+            for status, count in fe.statuses.items():
+                statuses[status] = statuses.get(status, 0) + count
+            received += fe.received_bytes
+            sent += fe.sent_bytes
+            refused += fe.refused_total
+            connections += len(fe.connections)
+        yield _family_counter(
+            "rpc_broker_http_responses", "HTTP responses, by status code.", ["status"],
+            (([status.decode()], n) for status, n in sorted(statuses.items())),
+        )  # fmt: skip
+        yield _family_gauge("rpc_broker_connections", "Open client connections.", ["transport"], [(["http"], connections)])
+        yield _family_counter(
+            "rpc_broker_connections_refused", "Connections closed at once: max_connections was reached.",
+            ["transport"], [(["http"], refused)],
+        )  # fmt: skip
+        yield _family_counter("rpc_broker_received_bytes", "Bytes read from clients.", ["transport"], [(["http"], received)])
+        yield _family_counter("rpc_broker_sent_bytes", "Bytes written to clients.", ["transport"], [(["http"], sent)])
+
+    def _workers(self) -> Iterator[Metric]:
+        pool = self.pool
+        states: dict[str, int] = {state: 0 for state in ("starting", "ready", "draining", "dead")}
+        for w in pool.workers:
+            states[w.state.value] += 1
+        yield _family_gauge("rpc_broker_workers", "Worker slots by state.", ["state"], (([s], n) for s, n in states.items()))
+        yield _family_counter(
+            "rpc_broker_worker_restarts", "Worker processes restarted, by reason.", ["reason"],
+            (([reason], n) for reason, n in sorted({**_NO_RESTARTS, **pool.restarts_by_reason}.items())),
+        )  # fmt: skip
+        cpu = CounterMetricFamily(
+            "rpc_broker_worker_cpu_seconds", "CPU (user + system) of the worker process in a slot; resets on restart.",
+            labels=["slot"],
+        )  # fmt: skip
+        rss = GaugeMetricFamily(
+            "rpc_broker_worker_resident_memory_bytes", "Resident memory of the worker process in a slot.",
+            labels=["slot"],
+        )  # fmt: skip
+        alive: dict[int, psutil.Process] = {}
+        for w in pool.workers:
+            if not w.pid or w.process is None or w.process.returncode is not None:
+                continue
+            proc = self._processes.get(w.pid) or psutil.Process(w.pid)
+            try:
+                with proc.oneshot():
+                    times = proc.cpu_times()
+                    resident = proc.memory_info().rss
+            except psutil.Error:  # exited between the check and the read
+                continue
+            alive[w.pid] = proc
+            cpu.add_metric([str(w.slot)], times.user + times.system)
+            rss.add_metric([str(w.slot)], resident)
+        self._processes = alive
+        yield cpu
+        yield rss
+
+
+def registry(collector: BrokerCollector) -> CollectorRegistry:
+    """A registry with the broker's collector and prometheus-client's process, platform
+    and GC collectors for the front-end process itself (process_*, python_*)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(collector)
+    ProcessCollector(registry=reg)
+    PlatformCollector(registry=reg)
+    GCCollector(registry=reg)
+    return reg
+
+
+def exposition(reg: CollectorRegistry) -> bytes:
+    """The text exposition of everything in `reg` (what GET /metrics answers)."""
+    return generate_latest(reg)

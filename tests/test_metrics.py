@@ -1,0 +1,297 @@
+"""GET /metrics of a real broker: every family's values match the traffic sent.
+
+Each test reads the exposition before and after some traffic (parsed with
+prometheus-client's own text parser) and checks the deltas, so tests can share a
+broker. The end-to-end check through a real Prometheus is in test_prometheus.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from collections.abc import Iterator
+
+import pytest
+from conftest import Broker, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.metrics import BATCH_BUCKETS, SECONDS_BUCKETS, Histogram, LatencyHistogram, outcome_name
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(b: Broker, path: str = "/metrics", port: int | None = None) -> Samples:
+    """Every sample of the exposition, keyed by (name, sorted labels)."""
+    import http.client
+
+    conn = http.client.HTTPConnection(b.host, port or b.port, timeout=30)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = response.read()
+        assert response.status == 200, (response.status, body)
+        assert response.getheader("content-type", "").startswith("text/plain; version=0.0.4")
+    finally:
+        conn.close()
+    out: Samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def req(method: str, params: object, id_: object = None) -> dict[str, object]:
+    r: dict[str, object] = {"jsonrpc": "2.0", "method": method, "params": params}
+    if id_ is not None:
+        r["id"] = id_
+    return r
+
+
+# -- the hot-path histogram ------------------------------------------------------------
+
+
+def test_histogram_buckets_are_inclusive_upper_bounds_and_cumulative():
+    h = Histogram((0.001, 0.01, 0.1))
+    for v in (0.0005, 0.001, 0.002, 0.01, 0.5):
+        h.observe(v)
+    h.observe(0.05, n=3)
+    assert h.buckets() == [("0.001", 2), ("0.01", 4), ("0.1", 7), ("+Inf", 8)]
+    assert h.sum == pytest.approx(0.0005 + 0.001 + 0.002 + 0.01 + 0.5 + 0.15)
+
+
+def test_latency_histogram_buckets_by_powers_of_two_microseconds():
+    h = LatencyHistogram()
+    for us in (0, 5, 127, 128, 129, 1000, 40_000_000):
+        h.observe_us(us)
+    h.observe_us(300, n=2)
+    pairs = h.buckets()
+    # Whole microseconds are truncated times: 127 us is a time in [127, 128) us, so <= 128
+    # us; 128 us is one in [128, 129), past the bound (equal only with probability 0).
+    assert pairs[0] == ("0.000128", 3)  # 0, 5, 127
+    assert pairs[1] == ("0.000256", 5)  # + 128, 129
+    assert pairs[2] == ("0.000512", 7)  # + 300 twice
+    assert pairs[3] == ("0.001024", 8)  # + 1000
+    assert pairs[-2] == ("33.554432", 8)  # 40 s is past the last bound
+    assert pairs[-1] == ("+Inf", 9)
+    assert [le for le, _ in pairs[:-1]] == [repr(b) for b in SECONDS_BUCKETS]
+    assert h.sum == pytest.approx((0 + 5 + 127 + 128 + 129 + 1000 + 40_000_000 + 600) / 1e6)
+
+
+def test_buckets_cover_sub_millisecond_calls_to_the_30_s_deadline():
+    assert SECONDS_BUCKETS[0] <= 0.00025 and SECONDS_BUCKETS[-1] >= 30.0
+    assert list(SECONDS_BUCKETS) == sorted(SECONDS_BUCKETS)
+    assert BATCH_BUCKETS[-1] >= 1000  # the default max_batch
+
+
+def test_outcome_names():
+    assert outcome_name(0) == "ok"
+    assert outcome_name(-32601) == "method_not_found"
+    assert outcome_name(-32001) == "timed_out"
+    assert outcome_name(-32099) == "application_error"
+    assert outcome_name(42) == "application_error"
+
+
+# -- a real broker ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mb() -> Iterator[Broker]:
+    from conftest import start_broker
+
+    b = start_broker("--workers", "2", "--method-timeout", "sleep=0.3")
+    yield b
+    assert b.stop() == 0, b.read_log()
+
+
+def test_calls_by_method_and_outcome_and_errors_by_code(mb: Broker):
+    before = scrape(mb)
+    for i in range(7):
+        assert mb.call("add", [i, 1], id_=i)["result"] == i + 1
+    mb.call("add", [1], id_=1)  # -32602
+    mb.call("no_such_method", [], id_=2)  # -32601
+    mb.post(b"{bad json")  # -32700
+    mb.post(b'{"jsonrpc":"2.0","method":1,"id":3}')  # -32600
+    mb.post(json.dumps(req("sleep", [5], "t")))  # -32001 after 0.3 s
+    after = scrape(mb)
+    assert delta(before, after, "rpc_broker_calls_total", method="add", outcome="ok") == 7
+    assert delta(before, after, "rpc_broker_calls_total", method="add", outcome="invalid_params") == 1
+    assert delta(before, after, "rpc_broker_calls_total", method="other", outcome="method_not_found") == 1
+    assert delta(before, after, "rpc_broker_calls_total", method="other", outcome="parse_error") == 1
+    assert delta(before, after, "rpc_broker_calls_total", method="other", outcome="invalid_request") == 1
+    assert delta(before, after, "rpc_broker_calls_total", method="sleep", outcome="timed_out") == 1
+    assert delta(before, after, "rpc_broker_timeouts_total", method="sleep") == 1
+    for code in ("-32602", "-32601", "-32700", "-32600", "-32001"):
+        assert delta(before, after, "rpc_broker_errors_total", code=code) == 1, code
+    # The latency histogram counts the same answers, and they took time.
+    assert delta(before, after, "rpc_broker_call_duration_seconds_count", method="add") == 8
+    assert delta(before, after, "rpc_broker_call_duration_seconds_sum", method="add") > 0
+    assert delta(before, after, "rpc_broker_call_duration_seconds_sum", method="sleep") >= 0.3
+    assert delta(before, after, "rpc_broker_call_duration_seconds_bucket", method="sleep", le="0.262144") == 0
+    assert delta(before, after, "rpc_broker_call_duration_seconds_bucket", method="sleep", le="0.524288") == 1
+
+
+def test_handler_errors_count_by_their_code(mb: Broker):
+    before = scrape(mb)
+    assert mb.call("fib", [99], id_=1)["error"]["code"] == -32602  # raised by the handler (RpcError)
+    assert mb.call("get_data", [1], id_=2)["error"]["code"] == -32602  # from the signature
+    after = scrape(mb)
+    assert delta(before, after, "rpc_broker_calls_total", method="fib", outcome="invalid_params") == 1
+    assert delta(before, after, "rpc_broker_calls_total", method="get_data", outcome="invalid_params") == 1
+    assert delta(before, after, "rpc_broker_errors_total", code="-32602") == 2
+
+
+def test_batch_sizes_notifications_and_chunked_batches(mb: Broker):
+    before = scrape(mb)
+    batch = [req("add", [i, i], i) for i in range(50)] + [req("notify_hello", [1]) for _ in range(3)]
+    status, _, body = mb.post(json.dumps(batch))
+    assert status == 200 and len(json.loads(body)) == 50
+    status, _, body = mb.post(json.dumps([req("add", [1, 2], 1), req("add", ["x", 2], 2), 7]))
+    assert status == 200
+    after = scrape(mb)
+    assert delta(before, after, "rpc_broker_batch_size_count") == 2
+    assert delta(before, after, "rpc_broker_batch_size_sum") == 53 + 3
+    assert delta(before, after, "rpc_broker_batch_size_bucket", le="50.0") == 1
+    assert delta(before, after, "rpc_broker_batch_size_bucket", le="100.0") == 2
+    assert delta(before, after, "rpc_broker_notifications_total", method="notify_hello") == 3
+    assert delta(before, after, "rpc_broker_calls_total", method="add", outcome="ok") == 51
+    assert delta(before, after, "rpc_broker_calls_total", method="add", outcome="invalid_params") == 1
+    assert delta(before, after, "rpc_broker_calls_total", method="other", outcome="invalid_request") == 1
+    assert delta(before, after, "rpc_broker_call_duration_seconds_count", method="add") == 52
+    # Service time: the 50-call batch went in chunks, each call counted once, plus the
+    # notifications (the worker answers them too) and the 2 calls of the small batch.
+    assert delta(before, after, "rpc_broker_worker_service_seconds_count", method="add") == 52
+    assert delta(before, after, "rpc_broker_worker_service_seconds_count", method="notify_hello") == 3
+    assert delta(before, after, "rpc_broker_queue_wait_seconds_count") >= 52
+
+
+def test_http_responses_bytes_and_connections(mb: Broker):
+    before = scrape(mb)
+    body = json.dumps(req("add", [1, 2], 1)).encode()
+    for _ in range(3):
+        assert mb.post(body)[0] == 200
+    assert mb.get("/nowhere")[0] == 404
+    assert mb.post(b'{"jsonrpc":"2.0","method":"notify_hello"}')[0] == 204
+    open_socks = [socket.create_connection((mb.host, mb.port)) for _ in range(3)]
+    try:
+        during = scrape(mb)
+        assert value(during, "rpc_broker_connections", transport="http") >= 4  # 3 + the scrape
+    finally:
+        for s in open_socks:
+            s.close()
+    after = scrape(mb)
+    assert delta(before, after, "rpc_broker_http_responses_total", status="200") >= 3 + 1  # + the first scrape
+    assert delta(before, after, "rpc_broker_http_responses_total", status="404") == 1
+    assert delta(before, after, "rpc_broker_http_responses_total", status="204") == 1
+    assert delta(before, after, "rpc_broker_received_bytes_total", transport="http") > 3 * len(body)
+    assert delta(before, after, "rpc_broker_sent_bytes_total", transport="http") > 3 * 40
+
+
+def test_workers_by_state_cpu_memory_and_build_info(mb: Broker):
+    samples = scrape(mb)
+    assert value(samples, "rpc_broker_workers", state="ready") == 2
+    assert value(samples, "rpc_broker_workers", state="dead") == 0
+    for slot in ("0", "1"):
+        assert value(samples, "rpc_broker_worker_resident_memory_bytes", slot=slot) > 5_000_000
+        assert value(samples, "rpc_broker_worker_cpu_seconds_total", slot=slot) > 0
+    info = [k for k in samples if k[0] == "rpc_broker_build_info"]
+    assert len(info) == 1 and samples[info[0]] == 1
+    assert dict(info[0][1])["version"]
+    assert value(samples, "rpc_broker_queue_capacity") == 10000
+    assert value(samples, "rpc_broker_calls_in_flight") == 0
+    assert value(samples, "rpc_broker_calls_queued") == 0
+    assert ("process_resident_memory_bytes", ()) in samples  # the front-end process itself
+
+
+def test_only_registered_methods_become_label_values(mb: Broker):
+    for i in range(200):
+        mb.call(f"random_{i}", [], id_=i)
+    methods = {dict(labels).get("method") for (name, labels) in scrape(mb) if name == "rpc_broker_calls_total"}
+    assert "random_0" not in methods
+    assert methods <= {"add", "subtract", "sum", "update", "notify_hello", "get_data", "echo", "sleep",
+                       "fib", "worker_info", "other"}
+
+
+def test_in_flight_and_queued_gauges(broker_factory):
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1")
+    socks = [socket.create_connection((b.host, b.port), timeout=30) for _ in range(3)]
+    try:
+        for i, s in enumerate(socks):
+            body = json.dumps(req("sleep", [1.0], i)).encode()
+            s.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: "
+                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_for(lambda: value(scrape(b), "rpc_broker_calls_queued") == 2, timeout=5)
+        samples = scrape(b)
+        assert value(samples, "rpc_broker_calls_in_flight") == 1
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_worker_restarts_by_reason(broker_factory):
+    b = broker_factory("--workers", "1", "--app", "tests.apps.crashy:registry")
+    before = scrape(b)
+    pid = b.call("pid", [])["result"]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: value(scrape(b), "rpc_broker_worker_restarts_total", reason="killed") == 1)
+    wait_for(lambda: b.get("/readyz")[0] == 200)
+    assert b.call("crash", [])["error"]["code"] == -32002
+    wait_for(lambda: value(scrape(b), "rpc_broker_worker_restarts_total", reason="exited") == 1)
+    wait_for(lambda: value(scrape(b), "rpc_broker_workers", state="ready") == 1)
+    after = scrape(b)
+    assert delta(before, after, "rpc_broker_calls_total", method="crash", outcome="worker_died") == 1
+    assert delta(before, after, "rpc_broker_errors_total", code="-32002") == 1
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: value(scrape(b), "rpc_broker_worker_restarts_total", reason="reload") == 1)
+
+
+def test_hung_worker_restart_and_late_reply(broker_factory):
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry",
+                       "--timeout", "0.2", "--cancel-grace", "0.5")
+    assert b.call("spin", [0.4])["error"]["code"] == -32001  # answers late: dropped
+    wait_for(lambda: value(scrape(b), "rpc_broker_late_replies_total") == 1)
+    assert b.call("spin", [30])["error"]["code"] == -32001  # never answers: killed as hung
+    wait_for(lambda: value(scrape(b), "rpc_broker_worker_restarts_total", reason="hung") == 1)
+
+
+def test_metrics_off_answers_404(broker_factory):
+    b = broker_factory("--workers", "1", "--no-metrics")
+    assert b.get("/metrics")[0] == 404
+    assert b.call("add", [1, 2])["result"] == 3
+
+
+def test_separate_metrics_listener(broker_factory):
+    with socket.socket() as s:  # a free port for the metrics listener
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    b = broker_factory("--workers", "1", "--metrics-port", str(port))
+    assert f"metrics on http://127.0.0.1:{port}/metrics" in b.read_log(1.0)
+    assert b.get("/metrics")[0] == 404  # not on the RPC listener
+    assert b.call("add", [1, 2])["result"] == 3
+    samples = scrape(b, port=port)
+    assert value(samples, "rpc_broker_calls_total", method="add", outcome="ok") == 1
+    # The metrics listener serves no RPC, but does answer the probes.
+    import http.client
+
+    conn = http.client.HTTPConnection(b.host, port, timeout=10)
+    conn.request("POST", "/", body=json.dumps(req("add", [1, 2], 1)), headers={"content-type": "application/json"})
+    assert conn.getresponse().status == 404
+    conn.close()
+    conn = http.client.HTTPConnection(b.host, port, timeout=10)
+    conn.request("GET", "/readyz")
+    assert conn.getresponse().status == 200
+    conn.close()
+
+
+def test_series_stay_bounded(mb: Broker):
+    # 11 methods (10 + other) x (2 histograms x 21 series + outcomes) and the rest.
+    assert len(scrape(mb)) < 1000
