@@ -82,6 +82,9 @@ _OUTCOMES: dict[int, str] = {
 assert set(_OUTCOMES) == set(ERRORS), "every broker error code has an outcome name"
 
 
+_OUTCOME_NAMES = ("ok", *_OUTCOMES.values(), "application_error")
+# The statuses the HTTP front-end answers with (their series exist from the start).
+HTTP_STATUSES = (b"200", b"204", b"400", b"404", b"405", b"413", b"431", b"500", b"502", b"503", b"504")
 RESTART_REASONS = ("exited", "killed", "hung", "boot_timeout", "reload")  # see pool.restart_reason
 _NO_RESTARTS = dict.fromkeys(RESTART_REASONS, 0)
 
@@ -301,7 +304,7 @@ class BrokerCollector(Collector):
             "rpc_broker_timeouts", "Calls answered -32001: their deadline passed.", labels=["method"]
         )
         for name, outcomes in zip(names, m.outcomes):
-            by_outcome: dict[str, int] = {"ok": 0}
+            by_outcome = dict.fromkeys(_OUTCOME_NAMES, 0)
             for code, count in outcomes.items():
                 label = outcome_name(code)
                 by_outcome[label] = by_outcome.get(label, 0) + count
@@ -338,7 +341,7 @@ class BrokerCollector(Collector):
         yield h
 
     def _http(self) -> Iterator[Metric]:
-        statuses: dict[bytes, int] = {}
+        statuses = dict.fromkeys(HTTP_STATUSES, 0)
         received = sent = refused = connections = 0
         for fe in self.frontends:
             for status, count in fe.statuses.items():

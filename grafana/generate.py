@@ -231,7 +231,9 @@ def traffic() -> list[Panel]:
         timeseries(
             "Timeouts and late replies",
             "Calls answered -32001 because their deadline passed, by method; and worker replies dropped "
-            "because the call had already been answered.",
+            "because the call had already been answered. Each timeout normally brings one late reply "
+            "(the worker answers the cancel, or finishes the call late); fewer late replies than "
+            "timeouts mean workers killed as hung or dead before answering (see restarts).",
             [(f"sum by (method) ({rate('rpc_broker_timeouts_total')})", "timeout {{method}}"),
              (f"sum({rate('rpc_broker_late_replies_total')})", "late replies")],
             unit="cps",
