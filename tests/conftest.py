@@ -8,6 +8,7 @@ stops it (SIGTERM, then SIGKILL) by its own PID at the end of the test.
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -165,3 +167,13 @@ def wait_for(predicate: object, timeout: float = 10.0, interval: float = 0.02) -
             return
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+def load_generator() -> ModuleType:
+    """grafana/generate.py as a module (it is a script, not part of the package)."""
+    path = ROOT / "grafana" / "generate.py"
+    spec = importlib.util.spec_from_file_location("rpc_broker_grafana_generate", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -10,7 +10,6 @@ scraping a live broker is the integration test's job; it gets them from
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import load_generator
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATOR = ROOT / "grafana" / "generate.py"
@@ -28,14 +28,6 @@ DASHBOARD = ROOT / "grafana" / "dashboards" / "rpc-broker.json"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 ALERTS_TEST = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
-
-
-def load_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("rpc_broker_grafana_generate", GENERATOR)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ Both processes are stopped by their own PIDs at the end; every wait has a deadli
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -32,18 +31,16 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import yaml
-from conftest import Broker, start_broker
+from conftest import Broker, load_generator, start_broker
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARD = ROOT / "grafana" / "dashboards" / "rpc-broker.json"
-GENERATOR = ROOT / "grafana" / "generate.py"
 JOB = "rpc-broker"
 ALERT_NAMES = {"RpcBrokerDown", "RpcBrokerNoReadyWorkers", "RpcBrokerHighErrorRatio",
                "RpcBrokerLatencyHigh", "RpcBrokerQueueSaturated", "RpcBrokerWorkersRestarting"}
@@ -368,14 +365,6 @@ def test_http_responses_by_status(traffic: Traffic) -> None:
 
 
 # ---- every dashboard and alert expression evaluates -------------------------------------------
-
-
-def load_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("rpc_broker_grafana_generate", GENERATOR)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
