@@ -68,11 +68,12 @@ class Server:
     description: str
     argv: Callable[[int], list[str]]
     requires: tuple[str, ...] = ()  # modules that must be importable (peers of the bench extra)
+    only: tuple[str, ...] = ()  # the scenario keys it runs (empty: all)
 
 
-def _broker(workers: int) -> Callable[[int], list[str]]:
+def _broker(workers: int, *flags: str) -> Callable[[int], list[str]]:
     return lambda port: [PY, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(port),
-                         "--workers", str(workers), "--log-level", "warning"]
+                         "--workers", str(workers), "--log-level", "warning", *flags]
 
 
 SERVERS = [
@@ -80,6 +81,8 @@ SERVERS = [
            lambda port: [PY, str(HERE / "reference_server.py"), "--port", str(port)]),
     Server("broker-2w", "broker", "rpc-broker serve --workers 2", _broker(2)),
     Server("broker-1w", "broker", "rpc-broker serve --workers 1", _broker(1)),
+    Server("broker-2w-nometrics", "broker", "rpc-broker serve --workers 2 --no-metrics: what the metrics cost "
+           "(S1 at 64 connections and S2 only)", _broker(2, "--no-metrics"), only=("S1-64", "S2")),
     Server("aiohttp-1p", "peer", "aiohttp + jsonrpcserver, 1 process (uvloop)",
            lambda port: [PY, str(PEERS / "aiohttp_jsonrpcserver.py"), "--port", str(port)],
            ("aiohttp", "jsonrpcserver")),
@@ -614,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
                     if problems or args.probe_only:
                         continue
                     for sc in all_scenarios:
+                        if server.only and sc.key not in server.only:
+                            continue
                         rate = None
                         if sc.open_loop:
                             if s5_rate is None:
@@ -665,6 +670,29 @@ def _progress(rep: int, server: str, key: str, tool: str, m: Measure) -> None:
     state = "ok" if m.ok else f"FAILED {m.problem}"
     print(f"[rep {rep + 1}] {server:11s} {key:6s} {tool:16s} {m.rps:10,.0f} req/s {m.cps:11,.0f} calls/s "
           f"p50 {m.p50:7.2f} ms p99 {m.p99:7.2f} ms  {state}", flush=True)
+
+
+def metrics_cost(results: dict[str, dict[str, dict[str, list[Measure]]]]) -> list[str]:
+    """The "Metrics cost" section: broker-2w (metrics on, the default) against
+    broker-2w-nometrics in the scenarios both ran; empty if they did not."""
+    rows = []
+    for key in ("S1-64", "S2"):
+        for tool in ("loadgen", "wrk"):
+            runs = results.get(key, {}).get(tool, {})
+            on = med([m.cps for m in runs.get("broker-2w", []) if m.ok])
+            off = med([m.cps for m in runs.get("broker-2w-nometrics", []) if m.ok])
+            if on and off:
+                label = "checked, `rpc-broker bench`" if tool == "loadgen" else "unchecked, wrk"
+                rows.append(f"| {key} | {label} | {fmt_n(on)} | {fmt_n(off)} | {(on / off - 1) * 100:+.1f} % |")
+    if not rows:
+        return []
+    return ["## Metrics cost", "",
+            "broker-2w counts every call for `GET /metrics` (the default); broker-2w-nometrics is the same broker "
+            "with `--no-metrics`. Medians of calls/s; the target is a loss under 5 %. The CPU each costs per "
+            "call, steadier than throughput on a shared machine: `benchmarks/wrk_broker.py --metrics both` and "
+            "`benchmarks/metrics_cost.py`.", "",
+            "| scenario | load | metrics on, calls/s | metrics off, calls/s | change |", "|---|---|---:|---:|---:|",
+            *rows, ""]
 
 
 def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, list[str]],
@@ -743,6 +771,7 @@ def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, l
                 lines += [f"Note: wrk drove the reference {unchecked / checked:.1f}x as fast as `rpc-broker bench`: "
                           "here the checking generator (one Python process on the same cores) is the limit, so "
                           "the checked figures understate the fastest servers and compress the ratios.", ""]
+        lines += metrics_cost(results)
         lines += ["## Targets", ""]
         lines += targets(results, "loadgen" if has_loadgen else "wrk")
     return "\n".join(lines).rstrip() + "\n"
