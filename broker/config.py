@@ -101,6 +101,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                         Doc("HTTP path that accepts JSON-RPC POSTs",
                             rule="starts with '/', no whitespace", metavar="PATH")
                         ] = "/"
+    stream_port: Annotated[int, Meta(ge=0, le=65535),
+                           Doc("also serve newline-delimited JSON-RPC over TCP on host:this "
+                               "port; 0 means off")
+                           ] = 0
+    stream_socket: Annotated[str, Meta(max_length=100),
+                             Doc("also serve newline-delimited JSON-RPC on a Unix socket at "
+                                 "this path (mode 0600); empty means off", metavar="PATH")
+                             ] = ""
     metrics: Annotated[bool,
                        Doc("serve Prometheus metrics at GET /metrics")
                        ] = True

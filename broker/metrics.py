@@ -39,6 +39,7 @@ from broker.jsonrpc import ERRORS, ErrorCode
 if typing.TYPE_CHECKING:
     from broker.dispatch import Dispatcher
     from broker.frontend.http import HttpFrontend
+    from broker.frontend.stream import StreamFrontend
     from broker.pool import Pool
 
 __all__ = [
@@ -252,7 +253,7 @@ class BrokerCollector(Collector):
     restarts; frontends: HTTP listeners (the RPC one, and the metrics one if separate).
     """
 
-    def __init__(self, dispatcher: Dispatcher, pool: Pool, frontends: list[HttpFrontend], max_queue: int) -> None:
+    def __init__(self, dispatcher: Dispatcher, pool: Pool, frontends: list[HttpFrontend | StreamFrontend], max_queue: int) -> None:
         self.dispatcher = dispatcher
         self.pool = pool
         self.frontends = frontends
@@ -342,25 +343,28 @@ class BrokerCollector(Collector):
 
     def _http(self) -> Iterator[Metric]:
         statuses = dict.fromkeys(HTTP_STATUSES, 0)
-        received = sent = refused = connections = 0
+        # per transport: [connections, refused, received bytes, sent bytes]
+        by_transport: dict[str, list[int]] = {}
         for fe in self.frontends:
             for status, count in fe.statuses.items():
                 statuses[status] = statuses.get(status, 0) + count
-            received += fe.received_bytes
-            sent += fe.sent_bytes
-            refused += fe.refused_total
-            connections += len(fe.connections)
+            row = by_transport.setdefault(fe.transport, [0, 0, 0, 0])
+            row[0] += len(fe.connections)
+            row[1] += fe.refused_total
+            row[2] += fe.received_bytes
+            row[3] += fe.sent_bytes
         yield _family_counter(
             "rpc_broker_http_responses", "HTTP responses, by status code.", ["status"],
             (([status.decode()], n) for status, n in sorted(statuses.items())),
         )  # fmt: skip
-        yield _family_gauge("rpc_broker_connections", "Open client connections.", ["transport"], [(["http"], connections)])
-        yield _family_counter(
-            "rpc_broker_connections_refused", "Connections closed at once: max_connections was reached.",
-            ["transport"], [(["http"], refused)],
-        )  # fmt: skip
-        yield _family_counter("rpc_broker_received_bytes", "Bytes read from clients.", ["transport"], [(["http"], received)])
-        yield _family_counter("rpc_broker_sent_bytes", "Bytes written to clients.", ["transport"], [(["http"], sent)])
+        for i, (family, doc, counter) in enumerate((
+            ("rpc_broker_connections", "Open client connections.", False),
+            ("rpc_broker_connections_refused", "Connections closed at once: max_connections was reached.", True),
+            ("rpc_broker_received_bytes", "Bytes read from clients.", True),
+            ("rpc_broker_sent_bytes", "Bytes written to clients.", True),
+        )):  # fmt: skip
+            make = _family_counter if counter else _family_gauge
+            yield make(family, doc, ["transport"], (([t], row[i]) for t, row in sorted(by_transport.items())))
 
     def _workers(self) -> Iterator[Metric]:
         pool = self.pool

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
+import stat
 import sys
+import typing
 
 from broker.config import Config
 from broker.dispatch import Dispatcher
 from broker.frontend.http import HttpFrontend
+from broker.frontend.stream import StreamFrontend
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.pool import Pool, WorkerBootError
 from broker.worker import WORKER_BOOT_ERROR
@@ -43,6 +48,39 @@ def serve(config: Config) -> int:
     import uvloop
 
     return uvloop.run(run(config))
+
+
+async def _unix_server(
+    loop: asyncio.AbstractEventLoop, factory: typing.Callable[[], asyncio.BaseProtocol], path: str
+) -> asyncio.Server:
+    """Listen on a Unix socket at `path`, mode 0600 from the start. A leftover socket
+    file (a broker that died) is replaced; one a live process listens on is not."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise OSError(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: stale
+        else:
+            raise OSError(f"{path} is in use by another process")
+        finally:
+            probe.close()
+    old = os.umask(0o177)
+    try:
+        return await loop.create_unix_server(factory, path, backlog=2048)
+    finally:
+        os.umask(old)
+
+
+def _remove_socket(path: str) -> None:
+    if path:
+        try:
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def _url(host: str, port: int) -> str:
@@ -125,7 +163,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             log.error("%s", exc)
             await pool.stop(timeout=2.0)
             return 1
-        frontends: list[HttpFrontend] = []
+        frontends: list[HttpFrontend | StreamFrontend] = []
         scrape = None
         if config.metrics:
             collector = BrokerCollector(dispatcher, pool, frontends, config.max_queue)
@@ -135,34 +173,53 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
                 return exposition(reg)
 
         separate = config.metrics and config.metrics_port != 0
+        max_connections = fit_open_files(config.max_connections)
         frontend = HttpFrontend(
             dispatcher,
             rpc_path=config.rpc_path,
             max_body_bytes=config.max_body_bytes,
             max_batch=config.max_batch,
             keepalive_timeout=config.keepalive_timeout,
-            max_connections=fit_open_files(config.max_connections),
+            max_connections=max_connections,
             metrics=None if separate else scrape,
         )
-        frontends.append(frontend)
-        servers: list[asyncio.Server] = []
-        listeners = [(frontend, config.host, config.port)]
+        # (front-end, host or socket path, port or None for a Unix socket)
+        listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = [(frontend, config.host, config.port)]
         if separate:
             metrics_frontend = HttpFrontend(
                 dispatcher, max_connections=64, metrics=scrape, serve_rpc=False,
                 keepalive_timeout=config.keepalive_timeout,
             )  # fmt: skip
-            frontends.append(metrics_frontend)
             listeners.append((metrics_frontend, config.metrics_host, config.metrics_port))
-        for fe, bind_host, bind_port in listeners:
+        for transport, where, port_ in (
+            ("tcp", config.host, config.stream_port),
+            ("unix", config.stream_socket, None),
+        ):
+            if (port_ if transport == "tcp" else where):
+                stream = StreamFrontend(
+                    dispatcher, transport=transport, max_body_bytes=config.max_body_bytes,
+                    max_batch=config.max_batch, keepalive_timeout=config.keepalive_timeout,
+                    max_connections=max_connections,
+                )  # fmt: skip
+                listeners.append((stream, where, port_))
+        servers: list[asyncio.Server] = []
+        own_socket = ""  # the Unix socket file this broker made (removed at exit)
+        for fe, where, port_ in listeners:
             try:
-                servers.append(await loop.create_server(fe.protocol, bind_host, bind_port, backlog=2048))
+                if port_ is None:
+                    server = await _unix_server(loop, fe.protocol, where)
+                    own_socket = where
+                else:
+                    server = await loop.create_server(fe.protocol, where, port_, backlog=2048)
             except OSError as exc:
-                log.error("cannot listen on %s:%s: %s", bind_host, bind_port, exc)
+                log.error("cannot listen on %s: %s", where if port_ is None else f"{where}:{port_}", exc)
                 for server in servers:
                     server.close()
+                _remove_socket(own_socket)
                 await pool.stop(timeout=2.0)
                 return 1
+            servers.append(server)
+            frontends.append(fe)
         host, port = servers[0].sockets[0].getsockname()[:2]
         print(
             f"rpc-broker: serving JSON-RPC on {_url(host, port)}{config.rpc_path}"
@@ -170,9 +227,14 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             file=sys.stderr,
             flush=True,
         )
-        if config.metrics:
-            where = servers[-1].sockets[0].getsockname()[:2]
-            print(f"rpc-broker: metrics on {_url(*where)}/metrics", file=sys.stderr, flush=True)
+        for fe, server in zip(frontends, servers):
+            if isinstance(fe, StreamFrontend):
+                name = server.sockets[0].getsockname()
+                shown = f"unix://{name}" if fe.transport == "unix" else _url(*name[:2]).replace("http", "tcp", 1)
+                print(f"rpc-broker: serving NDJSON JSON-RPC on {shown}", file=sys.stderr, flush=True)
+            elif fe.metrics is not None:
+                print(f"rpc-broker: metrics on {_url(*server.sockets[0].getsockname()[:2])}/metrics",
+                      file=sys.stderr, flush=True)
         loop.add_signal_handler(signal.SIGHUP, handle_hup)
         if started is not None:
             started.set_result((host, port))
@@ -186,6 +248,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         for fe in frontends:
             await fe.wait_closed(timeout=0.2 if hurry.is_set() else 2.0)
         await pool.stop(timeout=1.0 if hurry.is_set() else 10.0)
+        _remove_socket(own_socket)
         log.info("stopped")
         return 0
     finally:

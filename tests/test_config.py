@@ -18,6 +18,8 @@ EXPECTED_DEFAULTS = {
     "workers": 0,
     "app": "broker.demo:registry",
     "rpc_path": "/",
+    "stream_port": 0,
+    "stream_socket": "",
     "metrics": True,
     "metrics_host": "127.0.0.1",
     "metrics_port": 0,
@@ -118,6 +120,8 @@ port = 0
 workers = 1024
 app = "my_app.rpc:methods"
 rpc_path = "/rpc"
+stream_port = 9001
+stream_socket = "/run/rpc/broker.sock"
 metrics = false
 metrics_host = "::1"
 metrics_port = 9100
@@ -145,7 +149,7 @@ slow = 120.5
     cfg = load(path, {}, {})
     assert msgspec.structs.asdict(cfg) == {
         "host": "0.0.0.0", "port": 0, "workers": 1024, "app": "my_app.rpc:methods",
-        "rpc_path": "/rpc", "metrics": False, "metrics_host": "::1", "metrics_port": 9100, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
+        "rpc_path": "/rpc", "stream_port": 9001, "stream_socket": "/run/rpc/broker.sock", "metrics": False, "metrics_host": "::1", "metrics_port": 9100, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
         "worker_concurrency": 1, "max_queue": 0, "max_queue_bytes": 0, "grace_period": 0.0,
         "keepalive_timeout": 1.0, "max_connections": 5, "max_frame_bytes": 65536, "restart_backoff_max": 0.5,

@@ -114,6 +114,7 @@ class HttpFrontend:
         self.max_body_bytes = max_body_bytes
         self.keepalive_timeout = keepalive_timeout
         self.max_connections = max_connections
+        self.transport = "http"  # the metrics' transport label
         self.refused_total = 0
         self.received_bytes = 0
         self.sent_bytes = 0

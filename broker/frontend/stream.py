@@ -1,0 +1,257 @@
+"""Newline-delimited JSON front-end: JSON-RPC over plain TCP and Unix stream sockets.
+
+Theory of operation
+-------------------
+Each line a client sends is one JSON-RPC request body: a single request, a
+notification or a batch (NDJSON, https://github.com/ndjson/ndjson-spec: UTF-8, one
+JSON text per line, `\\n` separated, `\\r\\n` accepted). Lines are decoded
+(`jsonrpc.Codec`) and handed to the dispatcher as they complete; each answer (a
+response object or a batch array) is written as one line as soon as it is ready, so
+a slow call does not hold back the answers of the calls after it. Answers may
+therefore come in another order than the requests: clients match them by id, as
+JSON-RPC 2.0 requires (the Ethereum clients' IPC sockets work the same way). A line
+of only notifications is answered with nothing; blank lines are skipped.
+
+Limits:
+    a line longer than `max_body_bytes` is answered with one -32600 error (id null)
+    and skipped up to its newline; the connection stays usable
+    a line that stays incomplete for `keepalive_timeout` seconds closes the
+    connection (a client trickling bytes); an idle connection with nothing owed is
+    left open (streams are long-lived, like an IPC socket)
+    reading pauses while more than `PIPELINE_HIGH` bodies wait for answers on one
+    connection, or while its write buffer is full
+    `max_connections` per listener, as for HTTP: past it a connection is closed at once
+    (with no line: there is no request to answer)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import typing
+
+from broker.dispatch import Dispatcher, Exchange
+from broker.jsonrpc import Codec, ErrorCode, error_object, response_error
+
+__all__ = ["StreamFrontend", "StreamProtocol"]
+
+log = logging.getLogger("broker.stream")
+
+PIPELINE_HIGH = 1024  # bodies owed on one connection before reading pauses
+PIPELINE_LOW = 256  # ... and resumes
+SWEEP_SECONDS = 1.0
+_NL = b"\n"
+
+
+class StreamFrontend:
+    """Shared state of the NDJSON connections of one listener (TCP or Unix).
+
+    transport: the `transport` label of the metrics ("tcp" or "unix").
+    """
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        *,
+        transport: str,
+        max_body_bytes: int = 1024 * 1024,
+        max_batch: int = 1000,
+        keepalive_timeout: float = 75.0,
+        max_connections: int = 10000,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.transport = transport
+        self.codec = Codec(max_batch)
+        self.max_body_bytes = max_body_bytes
+        self.keepalive_timeout = keepalive_timeout
+        self.max_connections = max_connections
+        self.connections: set[StreamProtocol] = set()
+        self.refused_total = 0
+        self.received_bytes = 0
+        self.sent_bytes = 0
+        self.statuses: dict[bytes, int] = {}  # (HTTP only; kept so metrics treat front-ends alike)
+        self.draining = False
+        self.loop = asyncio.get_running_loop()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.too_long = (
+            response_error(
+                b"null",
+                error_object(ErrorCode.INVALID_REQUEST, data=f"line exceeds max_body_bytes {max_body_bytes}"),
+            )
+            + _NL
+        )
+
+    def protocol(self) -> StreamProtocol:
+        """Protocol factory for `loop.create_server` / `create_unix_server`."""
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
+        return StreamProtocol(self)
+
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        limit = self.keepalive_timeout
+        for conn in list(self.connections):
+            if conn.line_started and now - conn.line_started > limit:
+                conn.close()  # a line trickling in, never finished
+        self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
+
+    def drain(self) -> None:
+        """Stop reading new lines; connections close once they owe nothing."""
+        self.draining = True
+        for conn in list(self.connections):
+            conn.drain()
+
+    async def wait_closed(self, timeout: float) -> None:
+        """Wait up to `timeout` s for connections to finish writing and close."""
+        deadline = self.loop.time() + timeout
+        while self.connections and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+
+class StreamProtocol(asyncio.Protocol):
+    """One NDJSON client connection."""
+
+    __slots__ = ("_buffer", "_fe", "_read_paused", "_skipping", "_transport", "_write_paused", "line_started", "owed")
+
+    def __init__(self, frontend: StreamFrontend) -> None:
+        self._fe = frontend
+        self._buffer = bytearray()  # the incomplete last line
+        self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
+        self._transport: asyncio.Transport | None = None
+        self._read_paused = False
+        self._write_paused = False
+        self.line_started = 0.0  # loop time an incomplete line's first byte came; 0 if none
+        self.owed = 0  # bodies received and not yet answered
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = typing.cast(asyncio.Transport, transport)
+        fe = self._fe
+        if len(fe.connections) >= fe.max_connections or fe.draining:
+            fe.refused_total += 1
+            if fe.refused_total == 1 or fe.refused_total % 1000 == 0:
+                log.warning("%s: max_connections %d reached: refusing connections (%d so far)",
+                            fe.transport, fe.max_connections, fe.refused_total)
+            self._transport.close()
+            return
+        fe.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._fe.connections.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        fe = self._fe
+        fe.received_bytes += len(data)
+        if fe.draining:
+            return
+        start = 0
+        end = len(data)
+        while start < end:
+            nl = data.find(_NL, start)
+            if nl < 0:
+                self._partial(data, start, end)
+                return
+            if self._skipping:
+                self._skipping = False
+            elif self._buffer:
+                self._buffer += data[start:nl]
+                line = bytes(self._buffer)
+                self._buffer.clear()
+                if len(line) > fe.max_body_bytes:
+                    self._send(fe.too_long)
+                else:
+                    self._line(line)
+            elif nl - start > fe.max_body_bytes:
+                self._send(fe.too_long)
+            else:
+                self._line(data[start:nl])
+            self.line_started = 0.0
+            start = nl + 1
+            if self._transport is None:
+                return
+
+    def _partial(self, data: bytes, start: int, end: int) -> None:
+        """Keep an unfinished line (or drop it, past the limit) until its newline."""
+        fe = self._fe
+        if not self.line_started:
+            self.line_started = fe.loop.time()
+        if self._skipping:
+            return
+        if len(self._buffer) + end - start > fe.max_body_bytes:
+            self._buffer.clear()
+            self._skipping = True
+            self._send(fe.too_long)
+            return
+        self._buffer += data[start:end]
+
+    def _line(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        fe = self._fe
+        exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done)
+        if exchange is None:
+            return
+        if exchange.remaining == 0:
+            self._send(exchange.body() + _NL)
+            return
+        self.owed += 1
+        if self.owed > PIPELINE_HIGH:
+            self._pause()
+
+    def _exchange_done(self, exchange: Exchange) -> None:
+        self.owed -= 1
+        self._send(exchange.body() + _NL)
+        if self._read_paused and self.owed < PIPELINE_LOW:
+            self._maybe_resume()
+        if self._fe.draining and not self.owed:
+            self.close()
+
+    def _send(self, data: bytes) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        self._fe.sent_bytes += len(data)
+        transport.write(data)
+
+    # -- flow control ------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._pause()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._maybe_resume()
+
+    def _pause(self) -> None:
+        if not self._read_paused and self._transport is not None:
+            self._read_paused = True
+            self._transport.pause_reading()
+
+    def _maybe_resume(self) -> None:
+        if self._read_paused and not self._write_paused and self.owed < PIPELINE_LOW and self._transport is not None:
+            self._read_paused = False
+            self._transport.resume_reading()
+
+    # -- closing -----------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Read no more; close now if nothing is owed, else after the last answer."""
+        if self._transport is None:
+            return
+        if not self.owed:
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection after what is already written."""
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection at once."""
+        if self._transport is not None:
+            self._transport.abort()
