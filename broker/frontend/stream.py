@@ -91,7 +91,8 @@ class StreamFrontend:
         now = self.loop.time()
         limit = self.keepalive_timeout
         for conn in list(self.connections):
-            if conn.line_started and now - conn.line_started > limit:
+            # (not while the broker itself has stopped reading: the rest may be waiting)
+            if conn.line_started and not conn.read_paused and now - conn.line_started > limit:
                 conn.close()  # a line trickling in, never finished
         self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
 
@@ -115,15 +116,17 @@ class StreamFrontend:
 class StreamProtocol(asyncio.Protocol):
     """One NDJSON client connection."""
 
-    __slots__ = ("_buffer", "_fe", "_read_paused", "_skipping", "_transport", "_write_paused", "line_started", "owed")
+    __slots__ = ("_buffer", "_eof", "_fe", "_skipping", "_transport", "_write_paused", "line_started", "owed",
+                 "read_paused")
 
     def __init__(self, frontend: StreamFrontend) -> None:
         self._fe = frontend
         self._buffer = bytearray()  # the incomplete last line
         self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
         self._transport: asyncio.Transport | None = None
-        self._read_paused = False
+        self.read_paused = False
         self._write_paused = False
+        self._eof = False  # the client half-closed: close once nothing is owed
         self.line_started = 0.0  # loop time an incomplete line's first byte came; 0 if none
         self.owed = 0  # bodies received and not yet answered
 
@@ -138,6 +141,14 @@ class StreamProtocol(asyncio.Protocol):
             self._transport.close()
             return
         fe.connections.add(self)
+
+    def eof_received(self) -> bool:
+        """The client shut its sending side (`nc -N`, socat at the end of input): answer
+        what is owed, then close. A last line without its newline is dropped."""
+        if self.owed:
+            self._eof = True
+            return True  # keep the transport open for writing
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -161,11 +172,11 @@ class StreamProtocol(asyncio.Protocol):
                 self._buffer += data[start:nl]
                 line = bytes(self._buffer)
                 self._buffer.clear()
-                if len(line) > fe.max_body_bytes:
+                if len(line) - line.endswith(b"\r") > fe.max_body_bytes:
                     self._send(fe.too_long)
                 else:
                     self._line(line)
-            elif nl - start > fe.max_body_bytes:
+            elif nl - start - (nl > start and data[nl - 1] == 13) > fe.max_body_bytes:
                 self._send(fe.too_long)
             else:
                 self._line(data[start:nl])
@@ -181,7 +192,7 @@ class StreamProtocol(asyncio.Protocol):
             self.line_started = fe.loop.time()
         if self._skipping:
             return
-        if len(self._buffer) + end - start > fe.max_body_bytes:
+        if len(self._buffer) + end - start > fe.max_body_bytes + 1:  # (+1: a "\r" may end it)
             self._buffer.clear()
             self._skipping = True
             self._send(fe.too_long)
@@ -205,9 +216,9 @@ class StreamProtocol(asyncio.Protocol):
     def _exchange_done(self, exchange: Exchange) -> None:
         self.owed -= 1
         self._send(exchange.body() + _NL)
-        if self._read_paused and self.owed < PIPELINE_LOW:
+        if self.read_paused and self.owed < PIPELINE_LOW:
             self._maybe_resume()
-        if self._fe.draining and not self.owed:
+        if (self._fe.draining or self._eof) and not self.owed:
             self.close()
 
     def _send(self, data: bytes) -> None:
@@ -228,13 +239,15 @@ class StreamProtocol(asyncio.Protocol):
         self._maybe_resume()
 
     def _pause(self) -> None:
-        if not self._read_paused and self._transport is not None:
-            self._read_paused = True
+        if not self.read_paused and self._transport is not None:
+            self.read_paused = True
             self._transport.pause_reading()
 
     def _maybe_resume(self) -> None:
-        if self._read_paused and not self._write_paused and self.owed < PIPELINE_LOW and self._transport is not None:
-            self._read_paused = False
+        if self.read_paused and not self._write_paused and self.owed < PIPELINE_LOW and self._transport is not None:
+            self.read_paused = False
+            if self.line_started:  # the unfinished line's time restarts with reading
+                self.line_started = self._fe.loop.time()
             self._transport.resume_reading()
 
     # -- closing -----------------------------------------------------------------------

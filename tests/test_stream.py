@@ -1,0 +1,643 @@
+"""The NDJSON front-end (broker/frontend/stream.py) end to end: a real broker, real sockets.
+
+Every test talks to a real `rpc-broker serve` child process over loopback TCP
+(`--stream-port`) or a Unix socket (`--stream-socket`, under pytest's tmp dir): one
+JSON-RPC body per line in, one answer per line out, answers as soon as ready (clients
+match ids). Most tests share one broker per module and leave it as they found it;
+tests that need other flags or stop the broker start their own. Every wait is bounded.
+
+Where a test proves that nothing more was answered, it sends a sentinel call after
+the lines under test and checks that the sentinel's answer is the next line.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import select
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Broker, start_broker, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+MAX_BODY = 2000  # --max-body-bytes of the shared broker
+PARSE_ERROR = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error"}}'
+INVALID_NULL = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Invalid Request"}}'
+TOO_LONG = (
+    b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Invalid Request",'
+    b'"data":"line exceeds max_body_bytes 2000"}}'
+)  # the one answer to a line past --max-body-bytes 2000
+TRANSPORTS = ("tcp", "unix")
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (bind port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def socket_path(directory: Path, name: str = "broker.sock") -> str:
+    path = str(directory / name)
+    assert len(path) <= 100, path  # the setting's limit (sun_path is 108 bytes)
+    return path
+
+
+def line(method: str, params: object = None, id_: object = None) -> bytes:
+    """One request (a notification when `id_` is None) as compact JSON, no newline."""
+    r: dict[str, object] = {"jsonrpc": "2.0", "method": method}
+    if params is not None:
+        r["params"] = params
+    if id_ is not None:
+        r["id"] = id_
+    return json.dumps(r, separators=(",", ":")).encode()
+
+
+def result(id_: str | int, value: str | int | float) -> bytes:
+    """The exact answer line (no newline) the broker writes for a result."""
+    return b'{"jsonrpc":"2.0","id":%s,"result":%s}' % (json.dumps(id_).encode(), json.dumps(value).encode())
+
+
+class Closed(AssertionError):
+    """The broker closed (or reset) the connection while the test expected data."""
+
+
+class Stream:
+    """A blocking NDJSON client on one connected socket; every read has a deadline."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.sentinels = 0
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def readline(self, timeout: float = 10.0) -> bytes:
+        """The next answer line, without its newline; Closed on EOF/reset, AssertionError on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            nl = self.buf.find(b"\n")
+            if nl >= 0:
+                out = bytes(self.buf[:nl])
+                del self.buf[: nl + 1]
+                return out
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no answer line within {timeout} s (have {bytes(self.buf[:200])!r})")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionResetError as exc:
+                raise Closed(f"connection reset: {exc}") from None
+            if not chunk:
+                raise Closed(f"connection closed by the broker (pending {bytes(self.buf[:200])!r})")
+            self.buf += chunk
+
+    def lines(self, n: int, timeout: float = 10.0) -> list[bytes]:
+        deadline = time.monotonic() + timeout
+        return [self.readline(max(0.01, deadline - time.monotonic())) for _ in range(n)]
+
+    def call(self, data: bytes, timeout: float = 10.0) -> bytes:
+        self.send(data + b"\n")
+        return self.readline(timeout)
+
+    def assert_nothing_more(self) -> None:
+        """No answer is pending: a fresh call's answer is the very next line."""
+        self.sentinels += 1
+        id_ = f"sentinel-{self.sentinels}"
+        assert self.call(line("add", [self.sentinels, 1], id_)) == result(id_, self.sentinels + 1)
+        assert not self.buf
+
+    def closed_within(self, timeout: float) -> float:
+        """Seconds until the broker closes the connection (EOF or reset); fails after `timeout`.
+        Fails too if any data arrives."""
+        start = time.monotonic()
+        deadline = start + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"connection still open after {timeout} s")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                return time.monotonic() - start
+            if not chunk:
+                return time.monotonic() - start
+            raise AssertionError(f"unexpected data before close: {chunk[:200]!r}")
+
+    def assert_open_and_silent(self, seconds: float) -> None:
+        """Nothing arrives and the connection is not closed for `seconds`."""
+        readable, _, _ = select.select([self.sock], [], [], seconds)
+        assert not readable, "the broker wrote or closed while the connection should stay open and silent"
+
+
+def connect(where: str | int, timeout: float = 10.0) -> Stream:
+    """A Stream on tcp://127.0.0.1:`where` (an int) or unix://`where` (a path)."""
+    if isinstance(where, int):
+        sock = socket.create_connection(("127.0.0.1", where), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    else:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(where)
+        except OSError:
+            sock.close()
+            raise
+    return Stream(sock)
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(b: Broker, port: int | None = None) -> Samples:
+    """Every sample of GET /metrics, keyed by (name, sorted labels)."""
+    conn = http.client.HTTPConnection(b.host, port or b.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        body = response.read()
+        assert response.status == 200, (response.status, body)
+    finally:
+        conn.close()
+    out: Samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def delta(before: Samples, after: Samples, name: str, transport: str) -> float:
+    return metric(after, name, transport=transport) - metric(before, name, transport=transport)
+
+
+def open_streams(b: Broker, transport: str, port: int | None = None) -> float:
+    """rpc_broker_connections{transport} as GET /metrics says now."""
+    return metric(scrape(b, port), "rpc_broker_connections", transport=transport)
+
+
+@dataclass
+class StreamBroker:
+    broker: Broker
+    tcp_port: int
+    unix_path: str
+
+    def where(self, transport: str) -> str | int:
+        return self.tcp_port if transport == "tcp" else self.unix_path
+
+    def connect(self, transport: str) -> Stream:
+        return connect(self.where(transport))
+
+
+def start_stream_broker(directory: Path, *flags: str) -> StreamBroker:
+    port = free_port()
+    path = socket_path(directory)
+    b = start_broker("--stream-port", str(port), "--stream-socket", path, *flags)
+    # The NDJSON lines are printed right after the HTTP one.
+    wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
+    return StreamBroker(b, port, path)
+
+
+@pytest.fixture(scope="module")
+def sb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StreamBroker]:
+    """The shared broker: 2 workers, NDJSON on TCP and on a Unix socket, 2000-byte lines."""
+    s = start_stream_broker(
+        tmp_path_factory.mktemp("stream"), "--workers", "2", "--max-body-bytes", str(MAX_BODY)
+    )
+    yield s
+    status = s.broker.stop()
+    assert status == 0, s.broker.read_log()
+
+
+@pytest.fixture(scope="module")
+def kb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StreamBroker]:
+    """A broker with `--keepalive-timeout 1` (room for 2000 concurrent sleeps)."""
+    s = start_stream_broker(
+        tmp_path_factory.mktemp("keepalive"), "--workers", "2", "--keepalive-timeout", "1",
+        "--worker-concurrency", "1000",
+    )  # fmt: skip
+    yield s
+    status = s.broker.stop()
+    assert status == 0, s.broker.read_log()
+
+
+# -- startup -----------------------------------------------------------------------------
+
+
+def test_startup_announces_both_listeners(sb):
+    log = sb.broker.read_log()
+    assert f"rpc-broker: serving NDJSON JSON-RPC on tcp://127.0.0.1:{sb.tcp_port}\n" in log
+    assert f"rpc-broker: serving NDJSON JSON-RPC on unix://{sb.unix_path}\n" in log
+
+
+def test_unix_socket_is_mode_0600(sb):
+    st = os.stat(sb.unix_path)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+
+
+# -- one line, one body --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_single_call_named_and_positional(sb, transport):
+    with sb.connect(transport) as s:
+        assert s.call(line("subtract", [42, 23], 1)) == result(1, 19)
+        assert s.call(line("subtract", {"subtrahend": 23, "minuend": 42}, "two")) == result("two", 19)
+        # ids and params are echoed byte for byte
+        assert s.call(b'{"jsonrpc":"2.0","method":"echo","params":[1.50],"id":1.5e3}') == (
+            b'{"jsonrpc":"2.0","id":1.5e3,"result":[1.50]}'
+        )
+        s.assert_nothing_more()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_batch_is_one_line_answered_by_one_array_line(sb, transport):
+    batch = b"[%s]" % b",".join([
+        line("sleep", [0.3], "slow"),
+        line("add", [1, 2], "fast"),
+        line("notify_hello", [7]),
+        b'{"foo":"boo"}',
+        line("foo.get", None, "5"),
+    ])  # fmt: skip
+    with sb.connect(transport) as s:
+        assert s.call(batch) == (
+            b'[{"jsonrpc":"2.0","id":"slow","result":0.3},{"jsonrpc":"2.0","id":"fast","result":3},'
+            + INVALID_NULL
+            + b',{"jsonrpc":"2.0","id":"5","error":{"code":-32601,"message":"Method not found"}}]'
+        )
+        s.assert_nothing_more()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_notification_only_lines_get_no_answer(sb, transport):
+    notes = line("update", [1, 2, 3]) + b"\n" + b"[%s,%s]\n" % (line("notify_hello", [7]), line("update"))
+    with sb.connect(transport) as s:
+        s.send(notes)
+        s.assert_nothing_more()  # the sentinel's answer is the first line of all
+        s.assert_open_and_silent(0.2)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_blank_lines_and_crlf_endings(sb, transport):
+    data = (
+        b"\n\n   \n\t\r\n"
+        + line("add", [1, 1], "crlf")
+        + b"\r\n\r\n\n"
+        + line("add", [2, 2], "lf")
+        + b"\n  \r\n"
+    )
+    with sb.connect(transport) as s:
+        s.send(data)
+        assert sorted(s.lines(2)) == sorted([result("crlf", 2), result("lf", 4)])
+        s.assert_nothing_more()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_bad_lines_are_answered_and_the_connection_keeps_working(sb, transport):
+    with sb.connect(transport) as s:
+        assert s.call(b'{"jsonrpc":"2.0","method":"subtract","params":[42,23') == PARSE_ERROR
+        assert s.call(line("add", [1, 2], 1)) == result(1, 3)
+        assert s.call(b"not json at all") == PARSE_ERROR
+        assert s.call(b'{"jsonrpc":"2.0","method":1,"params":"bar","id":3}') == (
+            b'{"jsonrpc":"2.0","id":3,"error":{"code":-32600,"message":"Invalid Request"}}'
+        )
+        assert s.call(b'{"foo":"boo"}') == INVALID_NULL
+        assert s.call(b"[]") == INVALID_NULL
+        assert s.call(b"[1]") == b"[" + INVALID_NULL + b"]"
+        assert s.call(line("Subtract", [42, 23], 4)) == (
+            b'{"jsonrpc":"2.0","id":4,"error":{"code":-32601,"message":"Method not found"}}'
+        )
+        # invalid UTF-8 inside a string: not JSON text (RFC 8259 section 8.1)
+        assert s.call(b'{"jsonrpc":"2.0","method":"echo","params":["\xff\xfe"],"id":5}') == PARSE_ERROR
+        assert s.call(b"\xc3\x28") == PARSE_ERROR
+        assert s.call(line("add", [2, 3], 6)) == result(6, 5)
+        s.assert_nothing_more()
+
+
+# -- answers as soon as ready ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_fast_answer_overtakes_slow_one_on_the_same_connection(sb, transport):
+    with sb.connect(transport) as s:
+        s.send(line("sleep", [1.0], "slow") + b"\n" + line("add", [1, 2], "fast") + b"\n")
+        assert s.readline() == result("fast", 3)  # not held back behind the sleep sent before it
+        assert s.readline() == result("slow", 1.0)
+        s.assert_nothing_more()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_5000_pipelined_calls_each_answered_once(sb, transport):
+    n = 5000
+    data = b"".join(line("add", [i, i], i) + b"\n" for i in range(n))
+    got: list[bytes] = []
+    failure: list[BaseException] = []
+    with sb.connect(transport) as s:
+
+        def reader() -> None:
+            try:
+                got.extend(s.lines(n, timeout=45))
+            except BaseException as exc:
+                failure.append(exc)
+
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        s.sock.settimeout(45)
+        s.send(data)  # everything before reading anything (the reader runs alongside)
+        t.join(50)
+        assert not t.is_alive(), "reader still waiting"
+        assert not failure, failure
+        answers = [json.loads(g) for g in got]
+        ids = Counter(a["id"] for a in answers)
+        assert set(ids) == set(range(n))
+        assert max(ids.values()) == 1
+        assert all(a == {"jsonrpc": "2.0", "id": a["id"], "result": 2 * a["id"]} for a in answers)
+        s.assert_nothing_more()
+
+
+# -- the line length limit ----------------------------------------------------------------
+
+
+def echo_line(length: int, id_: int = 1) -> bytes:
+    """An `echo` call exactly `length` bytes long (no newline)."""
+    head = b'{"jsonrpc":"2.0","method":"echo","params":["'
+    tail = b'"],"id":%d}' % id_
+    out = head + b"x" * (length - len(head) - len(tail)) + tail
+    assert len(out) == length
+    return out
+
+
+def send_in_pieces(s: Stream, data: bytes, cuts: list[int], pause: float = 0.002) -> None:
+    """Send `data` cut at the given offsets, pausing between sends so they arrive apart."""
+    last = 0
+    for cut in [*cuts, len(data)]:
+        if cut > last:
+            s.send(data[last:cut])
+            time.sleep(pause)
+        last = cut
+
+
+SPLITS = {
+    "one_send": lambda n: [],
+    "newline_alone": lambda n: [n],
+    "halves": lambda n: [n // 2],
+    "1500_then_rest": lambda n: [1500],
+    "trickle_100_bytes": lambda n: list(range(100, n + 1, 100)),
+}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_line_longer_than_max_body_bytes_gets_one_error_then_next_line_is_served(sb, transport, split):
+    long = echo_line(3 * MAX_BODY, id_=99) + b"\n"
+    following = line("add", [40, 2], "after")
+    with sb.connect(transport) as s:
+        send_in_pieces(s, long, SPLITS[split](len(long) - 1))
+        s.send(following + b"\n")
+        assert s.lines(2) == [TOO_LONG, result("after", 42)]
+        s.assert_nothing_more()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("split", ["one_send", "newline_alone", "halves"])
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
+def test_line_of_exactly_max_body_bytes_is_served_one_more_is_refused(sb, transport, split, ending):
+    # The limit is on the body: a "\r" before the newline is the line's ending, not the body's.
+    with sb.connect(transport) as s:
+        ok = echo_line(MAX_BODY, id_=1) + ending
+        send_in_pieces(s, ok, SPLITS[split](len(ok) - 1))
+        pad = ok.count(b"x")
+        assert s.readline() == b'{"jsonrpc":"2.0","id":1,"result":["%s"]}' % (b"x" * pad)
+        over = echo_line(MAX_BODY + 1, id_=2) + ending
+        send_in_pieces(s, over, SPLITS[split](len(over) - 1))
+        assert s.readline() == TOO_LONG
+        s.assert_nothing_more()
+
+
+# -- keepalive_timeout ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_partial_line_that_never_completes_closes_the_connection(kb, transport):
+    with kb.connect(transport) as s:
+        assert s.call(line("add", [1, 2], 1)) == result(1, 3)
+        s.send(b'{"jsonrpc":"2.0","method":"add",')  # ... and nothing more
+        elapsed = s.closed_within(6.0)  # keepalive 1 s, swept every second
+        assert elapsed >= 0.9
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_idle_connections_outlive_keepalive_timeout(kb, transport):
+    with kb.connect(transport) as silent, kb.connect(transport) as used, kb.connect(transport) as owed:
+        assert used.call(line("add", [1, 2], 1)) == result(1, 3)
+        owed.send(line("sleep", [2.5], "long") + b"\n")  # owed an answer past the timeout
+        used.assert_open_and_silent(2.6)  # > keepalive 1 s + the 1 s sweep period
+        silent.assert_open_and_silent(0.0)
+        assert owed.readline() == result("long", 2.5)
+        for s in (silent, used, owed):
+            s.assert_nothing_more()
+
+
+# -- max_connections -----------------------------------------------------------------------
+
+
+def test_max_connections_closes_extra_stream_connections_and_counts_them(tmp_path):
+    mport = free_port()
+    sb = start_stream_broker(
+        tmp_path, "--workers", "1", "--max-connections", "2", "--metrics-port", str(mport)
+    )
+    try:
+        for transport in TRANSPORTS:
+            before = scrape(sb.broker, mport)
+            with sb.connect(transport) as a, sb.connect(transport) as b:
+                assert a.call(line("add", [1, 1], "a")) == result("a", 2)
+                assert b.call(line("add", [2, 2], "b")) == result("b", 4)
+                with sb.connect(transport) as third:
+                    assert third.closed_within(5.0) < 5.0
+                after = scrape(sb.broker, mport)
+                refused = "rpc_broker_connections_refused_total"
+                assert {t: delta(before, after, refused, t) for t in ("http", *TRANSPORTS)} == {
+                    "http": 0, "tcp": 1 if transport == "tcp" else 0, "unix": 1 if transport == "unix" else 0,
+                }  # fmt: skip
+                assert metric(after, "rpc_broker_connections", transport=transport) == 2
+                # the two admitted connections still work
+                a.assert_nothing_more()
+                b.assert_nothing_more()
+                b.sock.close()
+                wait_for(lambda t=transport: open_streams(sb.broker, t, mport) == 1)
+                with sb.connect(transport) as again:  # a slot is free again
+                    assert again.call(line("add", [3, 3], "c")) == result("c", 6)
+            wait_for(lambda t=transport: open_streams(sb.broker, t, mport) == 0)
+    finally:
+        assert sb.broker.stop() == 0, sb.broker.read_log()
+
+
+# -- metrics ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_metrics_count_connections_and_bytes_by_transport(sb, transport):
+    other = "unix" if transport == "tcp" else "tcp"
+    names = ("rpc_broker_received_bytes_total", "rpc_broker_sent_bytes_total")
+    wait_for(lambda: open_streams(sb.broker, "tcp") == open_streams(sb.broker, "unix") == 0)
+    before = scrape(sb.broker)
+    sent = line("add", [20, 22], "m") + b"\n" + b"garbage\n" + line("update", [1]) + b"\n"
+    with sb.connect(transport) as s:
+        wait_for(lambda: open_streams(sb.broker, transport) == 1)
+        s.send(sent)
+        answers = s.lines(2)
+        assert sorted(answers) == sorted([result("m", 42), PARSE_ERROR])
+        during = scrape(sb.broker)
+        assert metric(during, "rpc_broker_connections", transport=transport) == 1
+        assert metric(during, "rpc_broker_connections", transport=other) == 0
+        # exact bytes: the three lines read, the two answer lines written (with their newlines)
+        assert [delta(before, during, name, transport) for name in names] == [
+            len(sent),
+            sum(len(a) + 1 for a in answers),
+        ]
+        assert [delta(before, during, name, other) for name in names] == [0, 0]
+    wait_for(lambda: open_streams(sb.broker, transport) == 0)
+
+
+# -- the Unix socket file ---------------------------------------------------------------------
+
+
+def run_to_exit(*flags: str, timeout: float = 60.0) -> tuple[int, str]:
+    """Run `rpc-broker serve` expecting it to exit on its own; (status, stderr)."""
+    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
+    proc = subprocess.run(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        timeout=timeout,
+        check=False,
+    )
+    return proc.returncode, proc.stderr.decode(errors="replace")
+
+
+def test_stale_socket_file_is_replaced_and_removed_after_sigterm(tmp_path):
+    path = socket_path(tmp_path)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()  # the file stays, nobody listens: what a killed broker leaves behind
+    assert stat.S_ISSOCK(os.stat(path).st_mode)
+    b = start_broker("--workers", "1", "--stream-socket", path)
+    try:
+        wait_for(lambda: f"serving NDJSON JSON-RPC on unix://{path}" in b.read_log(0.05), timeout=10)
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        with connect(path) as s:
+            assert s.call(line("add", [1, 2], 1)) == result(1, 3)
+    finally:
+        assert b.stop() == 0, b.read_log()
+    assert not os.path.exists(path)
+
+
+def test_second_broker_on_a_live_socket_fails_and_leaves_it_alone(tmp_path):
+    path = socket_path(tmp_path)
+    first = start_broker("--workers", "1", "--stream-socket", path)
+    try:
+        wait_for(lambda: f"unix://{path}" in first.read_log(0.05), timeout=10)
+        inode = os.stat(path).st_ino
+        status, log = run_to_exit("--workers", "1", "--stream-socket", path)
+        assert status == 1, log
+        assert f"{path} is in use" in log
+        assert "serving NDJSON" not in log
+        assert os.stat(path).st_ino == inode  # the first broker's socket, untouched
+        with connect(path) as s:
+            assert s.call(line("add", [2, 3], 1)) == result(1, 5)
+    finally:
+        assert first.stop() == 0, first.read_log()
+    assert not os.path.exists(path)
+
+
+def test_path_that_is_not_a_socket_is_refused_and_kept(tmp_path):
+    path = socket_path(tmp_path)
+    Path(path).write_text("precious")
+    status, log = run_to_exit("--workers", "1", "--stream-socket", path)
+    assert status == 1, log
+    assert "is not a socket" in log
+    assert Path(path).read_text() == "precious"
+
+
+# -- SIGTERM ------------------------------------------------------------------------------------
+
+
+def test_sigterm_answers_calls_in_flight_then_closes_streams_and_exits_0(tmp_path):
+    sb = start_stream_broker(tmp_path, "--workers", "1")
+    streams = {t: sb.connect(t) for t in TRANSPORTS}
+    idle = sb.connect("tcp")
+    try:
+        for t, s in streams.items():
+            assert s.call(line("add", [1, 1], "warm")) == result("warm", 2)
+            s.send(line("sleep", [1.0], f"in-flight-{t}") + b"\n")
+        wait_for(lambda: metric(scrape(sb.broker), "rpc_broker_calls_in_flight") == 2, timeout=10)
+        sb.broker.proc.send_signal(signal.SIGTERM)
+        for t, s in streams.items():
+            assert s.readline(10) == result(f"in-flight-{t}", 1.0)
+            s.closed_within(5.0)
+        idle.closed_within(5.0)  # owed nothing: closed at once
+        assert sb.broker.proc.wait(30) == 0, sb.broker.read_log()
+        assert not os.path.exists(sb.unix_path)
+    finally:
+        for s in (*streams.values(), idle):
+            s.sock.close()
+        sb.broker.stop()
+
+
+# -- bugs found by these tests, fixed -------------------------------------------------------------
+
+
+def test_paused_reading_does_not_count_as_a_trickling_line(kb):
+    n = 1100  # > PIPELINE_HIGH (1024): reading pauses
+    calls = b"".join(line("sleep", [3], i) + b"\n" for i in range(n))
+    last = line("add", [1, 2], "last")
+    with kb.connect("tcp") as s:
+        s.send(calls + last[:20])
+        time.sleep(0.2)
+        s.send(last[20:] + b"\n")  # the line is complete 0.2 s later, well within keepalive 1 s
+        answers = [json.loads(a) for a in s.lines(n + 1, timeout=20)]
+        ids = Counter(a["id"] for a in answers)
+        assert set(ids) == {*range(n), "last"} and max(ids.values()) == 1
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_half_closed_client_still_gets_its_answers(sb, transport):
+    with sb.connect(transport) as s:
+        s.send(line("sleep", [0.2], "slow") + b"\n" + line("add", [1, 2], "fast") + b"\n")
+        s.sock.shutdown(socket.SHUT_WR)  # no more requests; answers still wanted
+        assert sorted(s.lines(2)) == sorted([result("slow", 0.2), result("fast", 3)])
+        s.closed_within(5.0)  # and then the broker closes its side
