@@ -2,9 +2,10 @@
 the plot, and whole runs against real servers on loopback.
 
 `FaultyServer` is a small uvloop + httptools JSON-RPC server (answers echo their params)
-run in a thread; its `mode` makes it answer wrongly in one precise way. Run this file
-as a script (`python tests/test_loadgen.py PORT`) to serve it in "ok" mode, e.g. to
-measure the load generator's ceiling.
+run in a thread; its `mode` makes it answer wrongly in one precise way. With
+``ndjson=True`` it speaks newline-delimited JSON over TCP instead (`FaultyNdjson`), as the
+broker's stream front-end does. Run this file as a script (`python tests/test_loadgen.py
+PORT`) to serve it in "ok" mode, e.g. to measure the load generator's ceiling.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +45,7 @@ class _ServerState:
         self.stall_after = stall_after
         self.stall_s = stall_s
         self.stall_until = 0.0
+        self.held = 0  # NDJSON "shuffle": answers written late
 
 
 class FaultyHttp(asyncio.Protocol):
@@ -116,20 +120,98 @@ class FaultyHttp(asyncio.Protocol):
         self.held.clear()
 
 
-class FaultyServer:
-    """A `FaultyHttp` server on 127.0.0.1 in a thread with its own uvloop loop."""
+class FaultyNdjson(asyncio.Protocol):
+    """One NDJSON server connection: one request body per line, one answer line per
+    answered body. Modes: ok; shuffle (the answers of odd-numbered lines are held 5 ms,
+    so later answers overtake them); split (each answer line ends in \\r\\n and is
+    written in two pieces 1 ms apart); and, for every 25th line: silent (never answers
+    it), wrong_id, duplicate (answers it twice, as two lines), malformed (cuts its answer
+    line), missing (drops the last answer of a batch array), close (closes the
+    connection instead of answering)."""
 
-    def __init__(self, mode: str = "ok", stall_after: int = 0, stall_s: float = 0.0) -> None:
+    def __init__(self, state: _ServerState, loop: asyncio.AbstractEventLoop) -> None:
+        self.state = state
+        self.loop = loop
+        self.codec = Codec()
+        self.buffer = b""
+        self.tail: bytes | None = None  # "split": the rest of the lines, written 1 ms later
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        *lines, self.buffer = (self.buffer + data).split(b"\n")
+        for line in lines:
+            if self.transport is not None and not self.transport.is_closing():
+                self.line(line)
+
+    def line(self, line: bytes) -> None:
+        st = self.state
+        st.requests += 1
+        n = st.requests
+        decoded = self.codec.decode(line)
+        answers = [response_result(r.id, r.params or b"3") for r in decoded.items
+                   if isinstance(r, Request) and len(r.id)]
+        fault = n % FAULT_EVERY == 0
+        mode = st.mode
+        assert self.transport is not None
+        if fault and mode == "close":
+            self.transport.close()
+            return
+        if not answers or (fault and mode == "silent"):
+            return
+        if fault and mode == "missing":
+            answers.pop()
+        if fault and mode == "wrong_id":
+            answers[0] = response_result(b'"not-an-id-we-sent"', b"3")
+        payload = b"[" + b",".join(answers) + b"]" if decoded.batch else answers[0]
+        if fault and mode == "malformed":
+            payload = payload[:-3]
+        out = payload + b"\n"
+        if fault and mode == "duplicate":
+            out += out
+        if mode == "shuffle" and n % 2:
+            st.held += 1
+            self.loop.call_later(0.005, self.write, out)
+        elif mode == "split":
+            out = out[:-1] + b"\r\n"
+            if self.tail is not None:
+                self.tail += out  # keep the byte order: behind the piece still to come
+            else:
+                self.transport.write(out[:7])
+                self.tail = out[7:]
+                self.loop.call_later(0.001, self.flush_tail)
+        else:
+            self.transport.write(out)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def flush_tail(self) -> None:
+        tail, self.tail = self.tail, None
+        if tail:
+            self.write(tail)
+
+
+class FaultyServer:
+    """A `FaultyHttp` (or `FaultyNdjson`) server on 127.0.0.1 in a thread with its own
+    uvloop loop."""
+
+    def __init__(self, mode: str = "ok", stall_after: int = 0, stall_s: float = 0.0,
+                 ndjson: bool = False) -> None:
         import uvloop
 
         self.state = _ServerState(mode, stall_after, stall_s)
+        self.ndjson = ndjson
         self.loop = uvloop.new_event_loop()
         self.loop_errors: list[dict[str, object]] = []
         self.loop.set_exception_handler(lambda _loop, ctx: self.loop_errors.append(ctx))
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}/"
+        self.url = f"tcp://127.0.0.1:{self.port}" if ndjson else f"http://127.0.0.1:{self.port}/"
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.started = threading.Event()
         self.thread.start()
@@ -137,8 +219,9 @@ class FaultyServer:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
+        kind = FaultyNdjson if self.ndjson else FaultyHttp
         self.server = self.loop.run_until_complete(
-            self.loop.create_server(lambda: FaultyHttp(self.state, self.loop), sock=self.sock))
+            self.loop.create_server(lambda: kind(self.state, self.loop), sock=self.sock))
         self.loop.call_soon(self.started.set)
         self.loop.run_forever()
         self.server.close()
@@ -385,7 +468,9 @@ def test_nothing_listening_and_bad_targets(tmp_path, capsys):
     assert code == 1
     err = capsys.readouterr().err
     assert f"first problem: cannot connect to 127.0.0.1:{port}" in err, err
-    assert cli.main(["bench", "tcp://127.0.0.1:1", "-q"]) == 2
+    for bad in ("tcp://127.0.0.1", "tcp://127.0.0.1:1/path", "unix://", "ftp://127.0.0.1:1/",
+                "unix:///" + "x" * 120):
+        assert cli.main(["bench", bad, "-q"]) == 2, bad
     assert cli.main(["bench", "http://127.0.0.1:1/", "--params", "3", "-q"]) == 2
     assert cli.main(["bench", "http://127.0.0.1:1/", "-c", "1", "-P", "2", "-q"]) == 2
 
@@ -508,3 +593,144 @@ def test_an_unwritable_json_path_is_refused_before_the_run(tmp_path, capsys):
     code = cli.main(["bench", "http://127.0.0.1:1/", "-q", "--json", str(tmp_path / "missing-dir" / "run.json")])
     assert code == 2
     assert "not a writable file path" in capsys.readouterr().err  # refused up front, before any load
+
+
+# -- NDJSON stream targets (tcp://, unix://) ------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path, for Unix sockets (108-byte limit)."""
+    d = Path(tempfile.mkdtemp(prefix="lg", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def stream_broker(broker_factory, short_dir) -> tuple[str, str]:
+    """A real broker (2 workers) with both NDJSON listeners: (tcp URL, unix URL)."""
+    port = _free_port()
+    sock = short_dir / "b.sock"
+    b = broker_factory("--workers", "2", "--stream-port", str(port), "--stream-socket", str(sock))
+    assert "serving NDJSON JSON-RPC on unix://" in b.read_log(5.0) or sock.exists()
+    return f"tcp://127.0.0.1:{port}", f"unix://{sock}"
+
+
+def test_stream_targets_parse():
+    t = runner.Target.parse("tcp://127.0.0.1:9000")
+    assert (t.scheme, t.host, t.port, t.stream, t.where) == ("tcp", "127.0.0.1", 9000, True, "127.0.0.1:9000")
+    t = runner.Target.parse("tcp://[::1]:9000/")
+    assert (t.host, t.port) == ("::1", 9000)
+    t = runner.Target.parse("unix:///tmp/x.sock")
+    assert (t.scheme, t.path, t.stream, t.where) == ("unix", "/tmp/x.sock", True, "unix:///tmp/x.sock")
+    assert runner.Target.parse("unix://rel.sock").path == "rel.sock"
+    assert not runner.Target.parse("http://h/").stream
+    for bad, words in [("tcp://127.0.0.1", "no port"), ("tcp://h:1/x", "no path"), ("tcp://h:1?q", "no path"),
+                       ("unix://", "no socket path"), ("unix:///" + "x" * 110, "too long"),
+                       ("udp://h:1", "tcp://host:port")]:
+        with pytest.raises(runner.RunError, match=words):
+            runner.Target.parse(bad)
+
+
+def test_body_of_id_inverts_the_id_numbering():
+    """On a stream an answer whose body is not in flight is a duplicate when its id was
+    sent on the connection, else a wrong id: the id numbering must be invertible."""
+    for ids in ("int", "string", "large", "repeated"):
+        for batch, calls in ((1, [Call("add", "[1]")]), (4, [Call("add", "[1]"), Call("u", "[1]", 1.0, True)])):
+            w = Workload(calls, batch=batch, ids=ids)  # type: ignore[arg-type]
+            for k in range(50):
+                exp = w.body(k)[1]
+                for id_ in (bytes(exp),) if isinstance(exp, msgspec.Raw) else exp.ids:
+                    assert w.body_of_id(id_) == k, (ids, batch, k, id_)
+            for never in (b'"not-an-id-we-sent"', b"null", b"1.5", b"-1", b'"r-1"', b"[1]"):
+                assert w.body_of_id(never) is None, (ids, never)
+
+
+def test_real_broker_stream_closed_loop_tcp_and_unix(stream_broker, tmp_path):
+    tcp, unix = stream_broker
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps([
+        {"method": "add", "params": [1, 2], "weight": 3},
+        {"method": "update", "params": [1], "notification": True},
+        {"method": "no_such_method"},
+    ]))
+    runs = [
+        (tcp, ["-d", "4"]),
+        (unix, ["-d", "4", "--pipeline", "2"]),
+        (unix, ["--batch", "10", "--ids", "large"]),
+        (tcp, ["--batch", "5", "--ids", "repeated", "-d", "2"]),
+        (tcp, ["--ids", "string", "--method", "echo", "--params", '{"a":[1,2]}']),
+        (unix, ["--mix", str(mix), "--batch", "3", "-d", "2"]),
+        (tcp, ["--mix", str(mix)]),
+    ]
+    for url, flags in runs:
+        code, rep = bench(tmp_path, url, *flags)
+        assert code == 0, (url, flags, rep)
+        assert rep.check.ok and rep.transport_errors == 0 and rep.requests > 0, (url, flags, rep)
+        assert rep.latency_ms.p50 > 0 and rep.target == url
+        if "--mix" in flags:
+            assert rep.errors_by_code.get("-32601", 0) > 0, flags
+        else:
+            assert rep.errors_by_code == {}, flags
+    # a body of only notifications gets no line: done once written, nothing to match
+    code, rep = bench(tmp_path, tcp, "--mix", str(_notif(tmp_path)), "-c", "1")
+    assert code == 0 and rep.check.ok and rep.requests > 0
+
+
+def test_real_broker_stream_open_loop_two_processes(stream_broker, tmp_path):
+    tcp, _unix = stream_broker
+    code, rep = bench(tmp_path, tcp, "--rate", "400", "-P", "2", "-d", "4")
+    assert code == 0 and rep.check.ok and rep.transport_errors == 0
+    assert rep.mode == "open" and rep.processes == 2
+    assert 0.8 * 400 <= rep.requests <= 400  # 400/s over the 1 s window, both processes merged
+
+
+def test_stream_answers_out_of_order_are_matched_by_id(serve, tmp_path):
+    s = serve("shuffle", ndjson=True)
+    for flags in (["-d", "8"], ["-d", "4", "--batch", "3", "--ids", "large"], ["--rate", "400", "-d", "4"]):
+        code, rep = bench(tmp_path, s.url, *flags)
+        assert code == 0 and rep.check.ok and rep.transport_errors == 0 and rep.requests > 0, (flags, rep)
+    assert s.state.held > 0  # answers really were overtaken
+
+
+def test_stream_lines_split_across_reads_and_crlf(serve, tmp_path):
+    s = serve("split", ndjson=True)
+    code, rep = bench(tmp_path, s.url, "-d", "4", "--batch", "2")
+    assert code == 0 and rep.check.ok and rep.transport_errors == 0 and rep.requests > 0
+
+
+@pytest.mark.parametrize(("mode", "flags", "counter", "words"), [
+    ("silent", ["-d", "4"], "transport_errors", "first problem: no answer to id "),
+    ("wrong_id", ["-d", "4"], "wrong_id", "first problem: an answer with an id nobody is waiting for"),
+    ("wrong_id", ["-d", "1"], "wrong_id", "first problem: an answer with an id nobody is waiting for"),
+    ("duplicate", ["-d", "4"], "duplicate", "first problem: a duplicate answer"),
+    ("malformed", ["-d", "4"], "malformed", "first problem: malformed answer line"),
+    ("missing", ["-d", "2", "--batch", "4"], "missing", "first problem: bad answer line"),
+    ("close", ["-d", "4"], "transport_errors", "first problem: connection lost with"),
+])
+def test_stream_wrong_answers_are_caught(serve, tmp_path, capsys, mode, flags, counter, words):
+    """A faulty NDJSON server spoils every 25th line in one way: each is caught, the run
+    exits 1 and names the first problem; nothing else is counted."""
+    s = serve(mode, ndjson=True)
+    code, rep = bench(tmp_path, s.url, "--timeout", "1", *flags)
+    assert code == 1
+    err = capsys.readouterr().err
+    assert words in err, err
+    counts = {"wrong_id": rep.check.wrong_id, "missing": rep.check.missing, "duplicate": rep.check.duplicate,
+              "malformed": rep.check.malformed, "transport_errors": rep.transport_errors}
+    assert counts.pop(counter) > 0, counts
+    assert set(counts.values()) == {0}, counts  # a stray line stands in for the call it spoiled
+    assert rep.requests > 0
+
+
+def test_stream_nothing_listening(short_dir, capsys):
+    sock = short_dir / "none.sock"
+    code = cli.main(["bench", f"unix://{sock}", "-q", "--duration", "0.3", "--warmup", "0", "-c", "1",
+                     "--timeout", "2"])
+    assert code == 1
+    assert f"first problem: cannot connect to unix://{sock}" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """Checks every answer the load generator gets. Sans-IO: (HTTP status, body, `Expect`) in,
-counts out.
+counts out; an NDJSON answer line is checked as the body of a 200 (`Checker.check_line`).
 
 Rules (JSON-RPC 2.0 spec sections 5, 5.1 and 6):
 
@@ -23,6 +23,10 @@ Rules (JSON-RPC 2.0 spec sections 5, 5.1 and 6):
   (the server could not read the id: spec section 5), and one error object with
   ``"id": null`` answering a whole batch (a server refusing the body, e.g. a batch
   over its limit); their codes are counted in ``errors_by_code``.
+
+On a stream the runner first finds the body a line answers (by id, see `runner`), then
+checks the line against that body's `Expect` with the same rules; the lines it cannot
+tie to any body (wrong id, duplicate, not JSON) it counts itself.
 """
 
 from __future__ import annotations
@@ -172,6 +176,28 @@ class Checker:
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._check_slow(klass, body, expect)
             return
+        self._check_decoded(klass, decoded, expect)
+
+    def check_line(self, line: bytes, expect: Expect | Raw, decoded: Answer | list[Answer] | None = None) -> None:
+        """Check one NDJSON answer line to the body sent with `expect`, as the body of an
+        HTTP 200; ``decoded``: the line already decoded by the reader (saves a decode)."""
+        tally = self.tally
+        before = tally.failures
+        if decoded is None:
+            self._check(200, line, expect)
+        else:
+            if isinstance(expect, Raw):
+                expect = Expect(False, (bytes(expect),), 1)
+            if tally.recording:
+                tally.requests += 1
+                tally.calls += expect.calls
+            self._check_decoded(2, decoded, expect)
+        if tally.failures != before:
+            tally.problem(f"bad answer line: {line[:120]!r}")
+
+    def _check_decoded(self, klass: int, decoded: Answer | list[Answer], expect: Expect) -> None:
+        tally = self.tally
+        ids = expect.ids
         if type(decoded) is Answer:
             # One call, one answer object.
             if (not expect.batch and len(ids) == 1 and decoded.jsonrpc == "2.0"

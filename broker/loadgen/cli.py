@@ -3,6 +3,11 @@
     rpc-broker bench URL [options]          drive a JSON-RPC server, check every answer
     rpc-broker bench plot A.json ... -o out.png
 
+URL is ``http://host:port/path`` (HTTP/1.1 keep-alive, answers in request order) or a
+newline-delimited JSON stream, ``tcp://host:port`` or ``unix:///path/to.sock`` (one
+request body per line; answer lines may come in any order and are matched to their
+request by id).
+
 Exit codes: 0 every answer was right; 1 check failures or transport errors (or a load
 process died); 2 bad usage (bad flags, mix file, target).
 """
@@ -49,15 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="JSON-RPC 2.0 load generator that checks every answer (status, shape, "
-        "byte-exact ids, one answer per call).\nRun '%(prog)s plot --help' to plot saved runs.",
+        "byte-exact ids, one answer per call).\n\n"
+        "Targets:\n"
+        "  http://host:port/path   HTTP/1.1 keep-alive POSTs\n"
+        "  tcp://host:port         newline-delimited JSON (NDJSON): one request body per line,\n"
+        "  unix:///path/to.sock    one answer line per body, in any order: each line is matched\n"
+        "                          to its request by id (a batch by its set of ids)\n\n"
+        "Run '%(prog)s plot --help' to plot saved runs.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("target", metavar="URL", help="http://host:port/path (HTTP/1.1 keep-alive)")
+    p.add_argument("target", metavar="URL",
+                   help="http://host:port/path, tcp://host:port or unix:///path/to.sock (see above)")
     load = p.add_argument_group("load")
     load.add_argument("-c", "--connections", type=_positive_int, default=16, metavar="C",
                       help="connections in all (split across processes; default 16)")
     load.add_argument("-d", "--depth", type=_positive_int, default=1, metavar="D",
-                      help="requests in flight per connection (default 1; >1 pipelines)")
+                      help="requests in flight per connection (default 1; >1 pipelines; on tcp:// "
+                      "and unix:// the answers may overtake each other)")
     load.add_argument("--pipeline", type=_positive_int, default=1, metavar="N",
                       help="closed loop: write requests N at a time, back to back (implies depth >= N)")
     load.add_argument("-R", "--rate", type=_positive, default=None, metavar="R",
@@ -70,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--warmup", type=_non_negative, default=1.0, metavar="S",
                       help="seconds of load before measuring, not recorded (default 1)")
     load.add_argument("--timeout", type=_positive, default=30.0, metavar="S",
-                      help="per request; a late answer counts as a transport error (default 30)")
+                      help="per request; a late answer counts as a transport error (default 30; "
+                      "HTTP drops the connection, a stream gives up on that request alone)")
     work = p.add_argument_group("workload")
     work.add_argument("-m", "--method", default="add", help="method to call (default add)")
     work.add_argument("--params", default="[1,2]", metavar="JSON",
@@ -82,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="calls per request body (N >= 2 sends a JSON array; default 1)")
     work.add_argument("--ids", choices=ID_MODES, default="int",
                       help="id style: int, string, large (past 2**64, exponent floats), repeated "
-                      "(one id per batch; answers matched as a multiset)")
+                      "(one id per batch; answers matched as a multiset). Every id names one request "
+                      "body of its connection, so all styles work on tcp:// and unix:// too")
     work.add_argument("--seed", type=int, default=0, help="seed of the mix draw (default 0)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the run as JSON (schema rpc-broker-bench/1)")

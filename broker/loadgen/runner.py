@@ -8,20 +8,21 @@ reconnects) and does everything in its callbacks; there is no task per request:
 
 * **send** (`LoadConnection._fill`): while fewer than ``depth`` requests are in
   flight, build the next body (`Workload.body`), frame it (`_frame`: the HTTP
-  request head is prebuilt, only Content-Length varies), and append
-  ``(t_start, t_sent, Expect)`` to the in-flight deque; all requests made in one
+  request head is prebuilt, only Content-Length varies; NDJSON adds a newline), and
+  enter ``(t_start, t_sent, Expect)`` in the in-flight table; all requests made in one
   call are written with one ``write``. Closed loop: refill as answers come back
   (with ``--pipeline N``, only once N slots are free, so requests go out N at a
   time). Open loop: send the requests whose intended time (`schedule`) has come;
   ``t_start`` is the *intended* time; a timer wakes the connection at the next one.
-* **receive** (`data_received`): one clock read per chunk; httptools calls
+* **receive** (`data_received`): one clock read per chunk. HTTP: httptools calls
   `on_message_complete` per response; the oldest in-flight record is popped (HTTP/1.1
-  answers in order), the answer checked (`Checker.check`) and ``now - t_start``
-  appended in µs to a plain list (folded into the histogram every tick).
+  answers in order). NDJSON: each line is looked up by id (below). The answer is
+  checked (`Checker`) and ``now - t_start`` appended in µs to a plain list (folded
+  into the histogram every tick).
 * **failures**: a reset, a close by the server, an unparsable response or a request
   older than ``--timeout`` (swept every 100 ms) counts every in-flight request of
-  that connection as a transport error; the connection reconnects after 50 ms while
-  there is still something to send.
+  that connection as a transport error (NDJSON: only the requests that are late, see
+  below); the connection reconnects after 50 ms while there is still something to send.
 
 Time line (monotonic clock, shared by all processes on Linux):
 
@@ -32,10 +33,43 @@ After ``t_end`` nothing new is scheduled; in-flight answers are awaited, and in
 open loop the requests that were due before ``t_end`` but could not be sent (their
 connection was full) are still sent and measured from their intended time.
 
-Transport seam: `LoadConnection` holds scheduling, in-flight records and checking;
-a subclass supplies the framing (`_frame`) and the reading (`data_received`).
-`HttpLoadConnection` is HTTP/1.1; NDJSON over ``tcp://`` / ``unix://`` would be a
-second subclass selected by `Target.scheme`.
+Transport seam: `LoadConnection` holds the scheduling and the depth; a subclass
+supplies the framing (`_frame`), the in-flight table (`_inflight`, filled through
+`_push`), the reading (`data_received`), the timeout `sweep` and `give_up`.
+`HttpLoadConnection` is HTTP/1.1; `StreamLoadConnection` is NDJSON over ``tcp://``
+and ``unix://`` (selected by `Target.scheme`).
+
+NDJSON: matching out-of-order answers
+-------------------------------------
+The stream front-end writes each answer line as soon as it is ready, so lines come
+in any order. Every id names exactly one body of its connection (`workload`: ids
+count up across reconnects; in ``repeated`` mode the calls of one batch share their
+body's id), so the in-flight table is a dict keyed by raw id bytes: a single call
+by its id, a batch by its first id, with a second dict from each of a batch's ids
+to that key. A line is decoded once (msgspec, envelope only) and its (first
+known) id pops the record; the line is then checked against that body's `Expect`
+with the HTTP rules (an array must answer a batch, by its set of ids as a
+multiset, and so on). Lines that match no record:
+
+* an id sent on this connection whose body was answered already: ``duplicate``;
+* an id never sent on this connection: ``wrong_id``; a line that is not JSON, or
+  has no id: ``malformed``. Such a *stray* line stands in for one body left without
+  an answer (as a wrong-id answer does over HTTP): that body is given up when its
+  ``--timeout`` passes, when the connection closes or the run ends, or at once
+  when there are as many strays as bodies in flight (with ``--depth 1``: at once);
+  it then counts no transport error (a batch: its calls beyond the stray's count
+  are ``missing``). An answer arriving after its body was given up is ignored;
+* an error answer with ``"id": null`` (the server could not read the request):
+  taken as the answer to the oldest body in flight.
+
+A body of only notifications gets no line: it is done once written (counted in
+``requests``, no latency) and holds no slot, so the connection goes on at the next
+loop iteration, paced by the transport's write buffer. Per-call timeouts do not
+close a stream connection: later answers keep coming on it.
+
+Cost per single call on the hot path: one ``split`` per chunk, one msgspec decode
+of the envelope, ``bytes(id)`` (~0.2 µs) and one dict pop; no NamedTuple, no
+second decode (`Checker.check_line` gets the decoded line on the slow path).
 
 Several processes (``--processes``): `run` spawns them (multiprocessing "spawn"),
 each connects, reports ready, and starts at a common ``t0`` sent by the parent;
@@ -50,6 +84,7 @@ import collections
 import gc
 import multiprocessing
 import multiprocessing.connection
+import os
 import time
 import typing
 import urllib.parse
@@ -59,7 +94,7 @@ import httptools
 import msgspec
 
 from broker.loadgen import schedule
-from broker.loadgen.check import Checker, Tally
+from broker.loadgen.check import Answer, Checker, Tally
 from broker.loadgen.stats import Latency
 from broker.loadgen.workload import Call, Expect, IdMode, Workload
 
@@ -75,10 +110,17 @@ class RunError(Exception):
     """The run could not be done at all (bad target, a load process died, ...)."""
 
 
-class Target(typing.NamedTuple):
-    """Where to send: parsed from ``http://host:port/path``.
+UNIX_PATH_MAX = 107  # bytes of a Unix socket path (sun_path is 108 with its NUL)
+TARGET_FORMS = "http://host:port/path, tcp://host:port or unix:///path/to.sock"
 
-    scheme: "http" (``tcp`` and ``unix`` NDJSON are reserved for later).
+
+class Target(typing.NamedTuple):
+    """Where to send: parsed from ``http://host:port/path`` (HTTP/1.1),
+    ``tcp://host:port`` or ``unix:///path/to.sock`` (newline-delimited JSON).
+
+    scheme: "http", "tcp" or "unix".
+    host / port: of http and tcp ("" and 0 for unix).
+    path: the HTTP request path, or the Unix socket path ("" for tcp).
     """
 
     scheme: str
@@ -87,24 +129,46 @@ class Target(typing.NamedTuple):
     path: str
     url: str
 
+    @property
+    def stream(self) -> bool:
+        """True for the NDJSON targets (tcp, unix)."""
+        return self.scheme != "http"
+
+    @property
+    def where(self) -> str:
+        """The address, for messages: ``host:port`` or ``unix://path``."""
+        return f"unix://{self.path}" if self.scheme == "unix" else f"{self.host}:{self.port}"
+
     @classmethod
     def parse(cls, url: str) -> Target:
         """Parse a target URL; raises `RunError` for an unsupported or malformed one."""
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme in ("tcp", "unix"):
-            raise RunError(f"{parts.scheme}:// (NDJSON) targets are not supported yet: {url}")
-        if parts.scheme != "http":
-            raise RunError(f"target must be http://host:port/path, got {url!r}")
+        if parts.scheme == "unix":
+            path = url[len("unix://"):] if url.startswith("unix://") else ""
+            if not path:
+                raise RunError(f"no socket path in {url!r}: write unix:///path/to.sock")
+            if len(os.fsencode(path)) > UNIX_PATH_MAX:
+                raise RunError(f"Unix socket path too long in {url!r}: "
+                               f"{len(os.fsencode(path))} bytes, at most {UNIX_PATH_MAX}")
+            return cls("unix", "", 0, path, url)
+        if parts.scheme not in ("http", "tcp"):
+            raise RunError(f"target must be {TARGET_FORMS}; got {url!r}")
         try:
-            port = parts.port or 80
+            port = parts.port
         except ValueError as exc:
             raise RunError(f"bad port in {url!r}: {exc}") from None
         if not parts.hostname:
             raise RunError(f"no host in {url!r}")
+        if parts.scheme == "tcp":
+            if port is None:
+                raise RunError(f"no port in {url!r}: write tcp://host:port")
+            if parts.path not in ("", "/") or parts.query or parts.fragment:
+                raise RunError(f"a tcp:// target has no path or query: {url!r}")
+            return cls("tcp", parts.hostname, port, "", url)
         path = parts.path or "/"
         if parts.query:
             path += "?" + parts.query
-        return cls("http", parts.hostname, port, path, url)
+        return cls("http", parts.hostname, port or 80, path, url)
 
 
 class Spec(msgspec.Struct, frozen=True, kw_only=True):
@@ -175,7 +239,8 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
 class _Shared:
     """State of one load process that its connections share."""
 
-    __slots__ = ("checker", "conns", "depth", "lat", "loop", "open", "pipeline", "sending", "started",
+    __slots__ = ("checker", "connecting", "conns", "depth", "lat", "loop", "open", "pipeline", "sending",
+                 "started",
                  "stopped", "t0", "t_end", "t_measure", "target", "timeout", "workload")
 
     def __init__(self, spec: Spec, loop: asyncio.AbstractEventLoop) -> None:
@@ -194,26 +259,40 @@ class _Shared:
         self.t0 = self.t_end = 0.0
         self.t_measure = float("inf")
         self.conns: list[LoadConnection] = []
+        self.connecting: set[asyncio.Task[bool]] = set()  # reconnects under way
 
 
 _Record = tuple[float, float, Expect | msgspec.Raw]  # (t_start: intended or sent, t_sent, expect)
 
 
+class _InFlight(typing.Protocol):
+    """The in-flight table of a connection, as the base class sees it: one entry per
+    request body awaiting its answer."""
+
+    def __len__(self) -> int: ...
+
+    def clear(self) -> None: ...
+
+
 class LoadConnection(asyncio.Protocol):
-    """One connection's scheduling, in-flight records and checking (transport-neutral).
+    """One connection's scheduling and depth (transport-neutral).
 
     phase / interval: its open-loop timing (`schedule.connection_timing`), unused in
-    closed loop. Subclasses implement `_frame` and `data_received`.
+    closed loop. Subclasses set `_inflight` and `_push` (records a request just
+    framed), and implement `_frame`, `_reset_reader`, `data_received`, `sweep` and
+    `give_up`.
     """
 
-    __slots__ = ("_aborted", "_inflight", "_interval", "_k", "_next_i", "_now", "_phase", "_s",
+    __slots__ = ("_aborted", "_inflight", "_interval", "_k", "_next_i", "_now", "_phase", "_push", "_s",
                  "_timer", "_transport", "connected")
+
+    _inflight: _InFlight
+    _push: Callable[[_Record], None]
 
     def __init__(self, shared: _Shared, phase: float = 0.0, interval: float = 0.0) -> None:
         self._s = shared
         self._phase = phase
         self._interval = interval
-        self._inflight: collections.deque[_Record] = collections.deque()
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._k = 0  # bodies built (ids stay unique across reconnects)
@@ -232,6 +311,10 @@ class LoadConnection(asyncio.Protocol):
     # -- asyncio callbacks -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
+        if self._s.stopped:  # a reconnect that finished after the run: uvloop's loop.close()
+            self._aborted = True  # would wait for this open transport forever
+            self._transport.close()
+            return
         self._aborted = False
         self.connected = True
         self._reset_reader()
@@ -279,6 +362,7 @@ class LoadConnection(asyncio.Protocol):
             return
         body_of = s.workload.body
         frame = self._frame
+        push = self._push
         out: list[bytes] = []
         now = _now()
         k = self._k
@@ -289,7 +373,7 @@ class LoadConnection(asyncio.Protocol):
                 body, expect = body_of(k)
                 k += 1
                 out.append(frame(body))
-                inflight.append((now, now, expect))
+                push((now, now, expect))
         elif s.started:
             i = self._next_i
             t0, phase, interval, t_end = s.t0, self._phase, self._interval, s.t_end
@@ -298,7 +382,7 @@ class LoadConnection(asyncio.Protocol):
                 body, expect = body_of(k)
                 k += 1
                 out.append(frame(body))
-                inflight.append((t, now, expect))
+                push((t, now, expect))
                 free -= 1
                 i += 1
                 t = t0 + phase + i * interval
@@ -313,30 +397,21 @@ class LoadConnection(asyncio.Protocol):
         self._timer = None
         self._fill()
 
-    # -- answers ---------------------------------------------------------------------------
-    def _answered(self, status: int, body: bytes) -> None:
-        s = self._s
-        try:
-            t_start, _sent, expect = self._inflight.popleft()
-        except IndexError:  # an answer nobody asked for
-            s.checker.tally.malformed += 1
-            return
-        recording = t_start >= s.t_measure
-        checker = s.checker
-        checker.tally.recording = recording
-        checker.check(status, body, expect)
-        if recording:
-            s.lat.append(int((self._now - t_start) * 1e6))
-
     # -- failures --------------------------------------------------------------------------
     def sweep(self, now: float) -> None:
-        """Abort the connection if its oldest request is older than the timeout."""
-        inflight = self._inflight
-        if inflight and now - inflight[0][1] > self._s.timeout and self._transport is not None:
-            self._s.checker.tally.transport_errors += len(inflight)
-            self._s.checker.tally.problem(f"no answer within --timeout {self._s.timeout:g} s")
-            inflight.clear()
-            self.abort()
+        """Give up on requests older than the timeout (called every `SWEEP_S`)."""
+        raise NotImplementedError
+
+    def give_up(self) -> int:
+        """End of the drain: count what is still in flight as lost; return how many."""
+        n = len(self._inflight)
+        if n:
+            tally = self._s.checker.tally
+            tally.transport_errors += n
+            tally.problem(f"{n} request(s) still unanswered at the end of the drain (--timeout "
+                          f"{self._s.timeout:g} s)")
+            self._inflight.clear()
+        return n
 
     def abort(self) -> None:
         """Drop the connection without counting anything more."""
@@ -347,7 +422,9 @@ class LoadConnection(asyncio.Protocol):
     def reconnect(self) -> None:
         """Open a new connection for this protocol object (if still wanted)."""
         if self._transport is None and self.wanted():
-            self._s.loop.create_task(connect(self))
+            task = self._s.loop.create_task(connect(self))
+            self._s.connecting.add(task)
+            task.add_done_callback(self._s.connecting.discard)
 
     def idle(self) -> bool:
         """Nothing in flight and nothing left to send."""
@@ -372,12 +449,16 @@ class LoadConnection(asyncio.Protocol):
 
 
 class HttpLoadConnection(LoadConnection):
-    """HTTP/1.1 keep-alive framing: POST requests, httptools response parser."""
+    """HTTP/1.1 keep-alive framing: POST requests, httptools response parser; answers
+    come in request order, so the in-flight table is a FIFO."""
 
-    __slots__ = ("_body", "_head", "_keep_alive", "_parser")
+    __slots__ = ("_body", "_head", "_keep_alive", "_parser", "_queue")
 
     def __init__(self, shared: _Shared, phase: float = 0.0, interval: float = 0.0) -> None:
         super().__init__(shared, phase, interval)
+        self._queue: collections.deque[_Record] = collections.deque()
+        self._inflight = self._queue
+        self._push = self._queue.append
         t = shared.target
         host = t.host if ":" not in t.host else f"[{t.host}]"
         self._head = (f"POST {t.path} HTTP/1.1\r\nHost: {host}:{t.port}\r\n"
@@ -419,6 +500,361 @@ class HttpLoadConnection(LoadConnection):
             self._aborted = True  # and its close is not an error
         self._answered(self._parser.get_status_code(), body)
 
+    def _answered(self, status: int, body: bytes) -> None:
+        s = self._s
+        try:
+            t_start, _sent, expect = self._queue.popleft()
+        except IndexError:  # an answer nobody asked for
+            s.checker.tally.malformed += 1
+            s.checker.tally.problem(f"an HTTP response to no request: HTTP {status}, body {body[:120]!r}")
+            return
+        recording = t_start >= s.t_measure
+        checker = s.checker
+        checker.tally.recording = recording
+        checker.check(status, body, expect)
+        if recording:
+            s.lat.append(int((self._now - t_start) * 1e6))
+
+    def sweep(self, now: float) -> None:
+        """Abort the connection if its oldest request is older than the timeout (the
+        answers behind it cannot overtake it)."""
+        queue = self._queue
+        if queue and now - queue[0][1] > self._s.timeout and self._transport is not None:
+            self._s.checker.tally.transport_errors += len(queue)
+            self._s.checker.tally.problem(f"no answer within --timeout {self._s.timeout:g} s")
+            queue.clear()
+            self.abort()
+
+
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
+_NL = b"\n"
+_NULL = b"null"
+MAX_LINE_BYTES = 64 * 1024 * 1024  # an answer line longer than this: malformed, connection dropped
+
+
+class _IdOnly(msgspec.Struct, gc=False):
+    """Just the id of an answer that is not a well-formed Response (to find its body)."""
+
+    id: msgspec.Raw = msgspec.Raw()
+
+
+class StreamLoadConnection(LoadConnection):
+    """NDJSON over TCP or a Unix socket: one request body per line out, one answer line
+    per answered body back, in any order (matched by id: see the module docstring).
+
+    `_pending` is the in-flight table: raw id bytes of a single call, or first id of a
+    batch, to its record; insertion order is send order, so its first entry is the
+    oldest. `_owner` maps each id of a batch in flight to its key.
+    """
+
+    __slots__ = ("_decode", "_decode_id", "_decode_raws", "_expired", "_k_first", "_owner", "_parts",
+                 "_parts_len", "_pending", "_quiet", "_refill_armed", "_strays", "_write_paused")
+
+    def __init__(self, shared: _Shared, phase: float = 0.0, interval: float = 0.0) -> None:
+        super().__init__(shared, phase, interval)
+        self._pending: dict[bytes, _Record] = {}
+        self._inflight = self._pending
+        self._push = self._register
+        self._owner: dict[bytes, bytes] = {}
+        self._strays: collections.deque[int] = collections.deque()  # failures each stray line counted
+        self._expired: set[bytes] = set()  # ids of bodies given up on: their late answers are ignored
+        self._parts: list[bytes] = []  # the incomplete last line, in chunks (never rescanned)
+        self._parts_len = 0
+        self._k_first = 0  # first body number sent on the current connection
+        self._quiet = 0  # bodies of only notifications written by the current `_fill`
+        self._refill_armed = False
+        self._write_paused = False
+        self._decode = msgspec.json.Decoder(Answer | list[Answer]).decode
+        self._decode_id = msgspec.json.Decoder(_IdOnly).decode
+        self._decode_raws = msgspec.json.Decoder(list[msgspec.Raw]).decode
+
+    def _frame(self, body: bytes) -> bytes:
+        return body + _NL
+
+    def _reset_reader(self) -> None:
+        self._parts.clear()
+        self._parts_len = 0
+        self._owner.clear()
+        self._strays.clear()
+        self._expired.clear()
+        self._k_first = self._k
+        self._write_paused = False
+
+    # -- sending ---------------------------------------------------------------------------
+    def _register(self, rec: _Record) -> None:
+        """Enter a request just framed in the in-flight table (its `_push`)."""
+        expect = rec[2]
+        if type(expect) is msgspec.Raw:
+            self._pending[bytes(expect)] = rec
+            return
+        ids = expect.ids
+        if not ids:  # only notifications: no line will answer it; done once written
+            self._quiet += 1
+            if rec[0] >= self._s.t_measure:
+                tally = self._s.checker.tally
+                tally.requests += 1
+                tally.calls += expect.calls
+            return
+        key = ids[0]
+        self._pending[key] = rec
+        if expect.batch:
+            owner = self._owner
+            for id_ in ids:
+                owner[id_] = key
+
+    def _fill(self) -> None:
+        self._quiet = 0
+        super()._fill()
+        # Notification-only bodies hold no slot and get no answer to refill on: go on
+        # at the next loop iteration (paced by the transport's write buffer).
+        if self._quiet and not self._refill_armed and not self._write_paused:
+            self._refill_armed = True
+            self._s.loop.call_soon(self._refill)
+
+    def _refill(self) -> None:
+        self._refill_armed = False
+        if not self._write_paused:
+            self._fill()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._fill()
+
+    # -- answers ---------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        self._now = now = _now()
+        if self._parts or data.find(_NL) < 0:
+            data = self._join_partial(data)
+            if not data:
+                return
+        lines = data.split(_NL)
+        tail = lines.pop()
+        if tail:
+            self._parts.append(tail)
+            self._parts_len = len(tail)
+        s = self._s
+        pending = self._pending
+        decode = self._decode
+        t_measure = s.t_measure
+        tally = s.checker.tally
+        lat = s.lat
+        for line in lines:
+            try:
+                d = decode(line)
+            except _DECODE_ERRORS:
+                self._odd_line(line, None)
+                continue
+            if type(d) is Answer:
+                rec = pending.pop(bytes(d.id), None)
+                if (rec is not None and type(rec[2]) is msgspec.Raw and len(d.error) == 0
+                        and len(d.result) and d.jsonrpc == "2.0"):
+                    # Fast path: one call, answered by a result (its id matched by the pop).
+                    t_start = rec[0]
+                    if t_start >= t_measure:
+                        tally.requests += 1
+                        tally.calls += 1
+                        lat.append(int((now - t_start) * 1e6))
+                    continue
+                if rec is not None:
+                    self._answered(rec, line, d)
+                    continue
+            self._odd_line(line, d)
+        if self._transport is not None:
+            self._fill()
+
+    def _join_partial(self, data: bytes) -> bytes:
+        """Add ``data`` to the incomplete line; return the bytes to split into lines
+        (b"" while no line is complete). Drops the connection past `MAX_LINE_BYTES`."""
+        nl = data.find(_NL)
+        if nl < 0:
+            self._parts.append(data)
+            self._parts_len += len(data)
+            if self._parts_len > MAX_LINE_BYTES:
+                tally = self._s.checker.tally
+                tally.malformed += 1
+                tally.problem(f"an answer line longer than {MAX_LINE_BYTES} bytes")
+                self._parts.clear()
+                self._parts_len = 0
+                self.abort()  # connection_lost counts what is in flight
+            return b""
+        self._parts.append(data)
+        joined = b"".join(self._parts)
+        self._parts.clear()
+        self._parts_len = 0
+        return joined
+
+    def _find(self, key: bytes) -> _Record | None:
+        """Pop the record of the body that the id ``key`` belongs to, if in flight."""
+        rec = self._pending.pop(key, None)
+        if rec is None and self._owner:
+            owner_key = self._owner.get(key)
+            if owner_key is not None:
+                rec = self._pending.pop(owner_key, None)
+        return rec
+
+    def _answered(self, rec: _Record, line: bytes, decoded: Answer | list[Answer] | None) -> None:
+        """Check ``line`` as the answer to the body of ``rec`` (popped from `_pending`)."""
+        s = self._s
+        t_start, _sent, expect = rec
+        if type(expect) is not msgspec.Raw and expect.batch:
+            owner = self._owner
+            for id_ in expect.ids:
+                owner.pop(id_, None)
+        recording = t_start >= s.t_measure
+        checker = s.checker
+        checker.tally.recording = recording
+        checker.check_line(line, expect, decoded)
+        if recording:
+            s.lat.append(int((self._now - t_start) * 1e6))
+
+    def _ids_of(self, line: bytes) -> list[bytes] | None:
+        """The ids in a line that is not a well-formed answer (None: not JSON at all)."""
+        try:
+            one = self._decode_id(line)
+        except _DECODE_ERRORS:
+            pass
+        else:
+            return [bytes(one.id)] if len(one.id) else []
+        try:
+            raws = self._decode_raws(line)
+        except _DECODE_ERRORS:
+            return None
+        ids: list[bytes] = []
+        for raw in raws:
+            try:
+                one = self._decode_id(raw)
+            except _DECODE_ERRORS:
+                continue
+            if len(one.id):
+                ids.append(bytes(one.id))
+        return ids
+
+    def _odd_line(self, line: bytes, decoded: Answer | list[Answer] | None) -> None:
+        """The slow path: a line that did not decode as answers, an array, or an answer
+        whose id is not in flight."""
+        if decoded is None:
+            if not line.strip():
+                return  # a blank line (or the \r of a \r\n one)
+            ids = self._ids_of(line)
+        elif type(decoded) is Answer:
+            ids = [bytes(decoded.id)]
+        else:
+            ids = [bytes(a.id) for a in typing.cast(list[Answer], decoded)]
+        for key in ids or ():
+            rec = self._find(key)
+            if rec is not None:
+                self._answered(rec, line, decoded)
+                return
+        tally = self._s.checker.tally
+        if not ids:  # not JSON, or no id anywhere
+            tally.malformed += 1
+            tally.problem(f"malformed answer line: {line[:120]!r}")
+            self._stray(1)
+            return
+        if (type(decoded) is Answer and ids[0] == _NULL and len(decoded.error)
+                and len(decoded.result) == 0 and self._pending):
+            # The server could not read a request's id (spec 5): take it as the answer
+            # to the oldest body in flight.
+            self._answered(self._pending.pop(next(iter(self._pending))), line, decoded)
+            return
+        wrong = duplicate = 0
+        body_of_id = self._s.workload.body_of_id
+        for key in ids:
+            if key in self._expired:
+                continue  # late: its body was given up (and counted) already
+            k = body_of_id(key)
+            if k is not None and self._k_first <= k < self._k:
+                duplicate += 1
+            else:
+                wrong += 1
+        tally.duplicate += duplicate
+        tally.wrong_id += wrong
+        if wrong:
+            tally.problem(f"an answer with an id nobody is waiting for: {line[:120]!r}")
+            self._stray(wrong)
+        elif duplicate:
+            tally.problem(f"a duplicate answer (its call was answered already): {line[:120]!r}")
+
+    def _stray(self, failures: int) -> None:
+        """A line tied to no body, which counted ``failures``: it stands in for one body
+        that will get no answer; if the strays now cover every body in flight, give
+        those up at once (nothing else could answer them). With nothing in flight it
+        stands in for nothing."""
+        if not self._pending:
+            return  # nothing in flight: an unsolicited line, it stands in for nothing
+        strays = self._strays
+        strays.append(failures)
+        if len(self._pending) <= len(strays):
+            self._expire(list(self._pending))
+
+    def _expire(self, keys: list[bytes], why: str = "no answer to id {id}") -> None:
+        """Give up on the bodies ``keys``: each taken by a stray line if one is left
+        (no more counted), else one transport error (first problem: ``why``, with
+        ``{id}`` filled in)."""
+        pending = self._pending
+        strays = self._strays
+        tally = self._s.checker.tally
+        for key in keys:
+            rec = pending.pop(key, None)
+            if rec is None:
+                continue
+            expect = rec[2]
+            if type(expect) is msgspec.Raw:
+                ids: tuple[bytes, ...] = (key,)
+            else:
+                ids = expect.ids
+                if expect.batch:
+                    for id_ in ids:
+                        self._owner.pop(id_, None)
+            self._expired.update(ids)
+            if strays:
+                tally.missing += max(0, len(ids) - strays.popleft())
+            else:
+                tally.transport_errors += 1
+                tally.problem(why.format(id=key.decode(errors="replace")))
+
+    def _lose_all(self) -> None:
+        """Before the base class counts what is in flight as lost: the strays take
+        the oldest bodies they can stand in for."""
+        if self._strays and self._pending:
+            self._expire(list(self._pending)[: len(self._strays)])
+
+    # -- failures --------------------------------------------------------------------------
+    def sweep(self, now: float) -> None:
+        """Give up on each request older than the timeout, alone: the connection stays
+        (the answers of later requests can overtake a stuck one)."""
+        pending = self._pending
+        if not pending:
+            return
+        limit = now - self._s.timeout
+        late: list[bytes] = []
+        for key, rec in pending.items():
+            if rec[1] >= limit:
+                break
+            late.append(key)
+        if late:
+            self._expire(late, f"no answer to id {{id}} within --timeout {self._s.timeout:g} s")
+        if self._strays and len(pending) <= len(self._strays) and not self.wanted():
+            self._expire(list(pending))  # draining: only the bodies the strays stood for are left
+        if late:
+            self._fill()  # their slots are free again, and no answer may come to refill them
+
+    def give_up(self) -> int:
+        n = len(self._pending)
+        self._lose_all()
+        super().give_up()
+        self._owner.clear()
+        return n
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lose_all()
+        self._owner.clear()
+        self._strays.clear()
+        super().connection_lost(exc)
+
 
 async def connect(conn: LoadConnection, start: bool = True) -> bool:
     """Connect ``conn`` to its target and (if ``start``) begin sending; on failure count
@@ -426,12 +862,15 @@ async def connect(conn: LoadConnection, start: bool = True) -> bool:
     s = conn._s
     t = s.target
     try:
-        await asyncio.wait_for(s.loop.create_connection(lambda: conn, t.host, t.port), s.timeout)
+        if t.scheme == "unix":
+            await asyncio.wait_for(s.loop.create_unix_connection(lambda: conn, t.path), s.timeout)
+        else:
+            await asyncio.wait_for(s.loop.create_connection(lambda: conn, t.host, t.port), s.timeout)
     except (TimeoutError, OSError) as exc:
         s.checker.tally.transport_errors += 1
-        s.checker.tally.problem(f"cannot connect to {t.host}:{t.port}: {exc.strerror or type(exc).__name__}"
+        s.checker.tally.problem(f"cannot connect to {t.where}: {exc.strerror}"
                                 if isinstance(exc, OSError) and exc.strerror else
-                                f"cannot connect to {t.host}:{t.port}: {type(exc).__name__}")
+                                f"cannot connect to {t.where}: {type(exc).__name__}")
         if conn.wanted():
             s.loop.call_later(RECONNECT_S, conn.reconnect)
         return False
@@ -472,11 +911,12 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
                        on_progress: Callable[[Progress], None] | None,
                        want_p99: bool) -> ProcessResult:
     conns: list[LoadConnection] = []
+    kind: type[LoadConnection] = StreamLoadConnection if s.target.stream else HttpLoadConnection
     for g in range(first, first + count):
         phase = interval = 0.0
         if spec.rate is not None:
             phase, interval = schedule.connection_timing(spec.rate, spec.connections, g)
-        conns.append(HttpLoadConnection(s, phase, interval))
+        conns.append(kind(s, phase, interval))
     s.conns = conns
     await asyncio.gather(*(connect(c, start=False) for c in conns))
     t0 = ready() if ready is not None else _now()
@@ -523,11 +963,12 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
     s.stopped = True
     for c in conns:
         out = c.outstanding()
-        inflight = len(c._inflight)
-        tally.transport_errors += inflight  # still unanswered at the end of the drain
-        c._inflight.clear()
-        unsent += out - inflight
+        unsent += out - c.give_up()  # what is still unanswered counts as lost
         c.close()
+    if s.connecting:  # reconnects still under way: stop them (connection_made closes late ones)
+        for task in s.connecting:
+            task.cancel()
+        await asyncio.gather(*s.connecting, return_exceptions=True)
     await asyncio.sleep(0)
     hist.record_many(s.lat)
     return ProcessResult(tally.requests, tally.calls, dict(tally.errors_by_code), tally.wrong_id,

@@ -21,12 +21,18 @@ Id modes (``--ids``):
               them byte for byte
     repeated  the request number, the same for every call of a batch; answers are
               then matched as a multiset (count per id), not one by one
+
+In every mode an id names exactly one body of its connection (in ``repeated`` mode
+all calls of that body share it), so an out-of-order stream can match each answer
+line to its body by id; `Workload.body_of_id` inverts the numbering (slow path: to
+tell a duplicate answer from an answer with an id that was never sent).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -152,6 +158,27 @@ def _id_large(n: int) -> bytes:
     return b"%d.25E-2" % n
 
 
+_INT = re.compile(rb"-?[0-9]+")
+_STRING = re.compile(rb'"r([0-9]+)"')
+_LARGE_FLOAT = re.compile(rb"([0-9]+)\.(?:5e3|25E-2)")
+
+
+def _id_numbers(mode: IdMode, id_: bytes) -> list[int]:
+    """Candidate id numbers ``n`` with ``make_id(n) == id_`` (checked by the caller)."""
+    if mode == "string":
+        m = _STRING.fullmatch(id_)
+        return [int(m[1])] if m else []
+    if mode != "large":
+        return [int(id_)] if _INT.fullmatch(id_) else []
+    m = _LARGE_FLOAT.fullmatch(id_)
+    if m:
+        return [int(m[1])]
+    if _INT.fullmatch(id_):
+        v = int(id_)
+        return [v - _TWO64, -_TWO65 - v]
+    return []
+
+
 class Workload:
     """Builds request bodies for one connection-independent workload.
 
@@ -227,3 +254,17 @@ class Workload:
         if batch == 1:
             return b"".join(parts), Expect(False, tuple(ids), 1)
         return b"".join((b"[", *parts, b"]")), Expect(True, tuple(ids), batch)
+
+    def body_of_id(self, id_: bytes) -> int | None:
+        """The number ``k`` of the body whose calls carry the raw id ``id_`` (as
+        `body` makes them), or None when no body of any connection carries it.
+        Slow (it rebuilds the body to be sure): for odd answers only."""
+        make_id = self._id
+        for n in _id_numbers(self.ids, id_):
+            if n < 0 or make_id(n) != id_:
+                continue
+            k = n if self.ids == "repeated" or self.batch == 1 else n // self.batch
+            expect = self.body(k)[1]
+            if id_ in ((bytes(expect),) if isinstance(expect, Raw) else expect.ids):
+                return k
+        return None
