@@ -523,16 +523,36 @@ def test_sigterm_answers_a_request_sent_on_a_fresh_connection(broker_factory):
 
 
 def test_connections_past_max_connections_get_503_and_close(broker_factory):
+    from broker.frontend.http import PROBE_RESERVE
+
     b = broker_factory("--workers", "1", "--max-connections", "2")
     first, second = Conn(b), Conn(b)
+    reserve: list[Conn] = []
     try:
         for c in (first, second):  # both accepted and served
             c.send(post('{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}', path="/"))
             assert c.response()[0] == 200
         with Conn(b) as third:
+            # Past the limit a connection still serves the probes and /metrics (a full
+            # broker is alive: its liveness probe and Prometheus must not see it dead) ...
+            for path in ("/healthz", "/readyz", "/metrics"):
+                third.send(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+                assert third.response()[0] == 200, path
+            # ... but no JSON-RPC.
+            third.send(post('{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}', path="/"))
             status, headers, body = third.response()
             assert (status, headers["connection"], body) == (503, "close", b'{"error":"too many connections"}')
             assert third.closed_within(5)
+        reserve = [Conn(b) for _ in range(PROBE_RESERVE)]
+        for c in reserve:  # the reserve is taken (a request proves each was accepted)
+            c.send(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert c.response()[0] == 200
+        with Conn(b) as over:  # past the reserve: 503 at once, before any request
+            status, headers, body = over.response()
+            assert (status, headers["connection"], body) == (503, "close", b'{"error":"too many connections"}')
+            assert over.closed_within(5)
+        for c in reserve:
+            c.sock.close()
         first.sock.close()
         deadline = time.monotonic() + 10
         while True:  # the freed slot is taken by the next connection
@@ -547,7 +567,45 @@ def test_connections_past_max_connections_get_503_and_close(broker_factory):
     finally:
         first.sock.close()
         second.sock.close()
+        for c in reserve:
+            c.sock.close()
     assert "max_connections 2 reached" in b.read_log()
+
+
+def test_a_client_pipelining_scrapes_without_reading_does_not_grow_memory(broker_factory):
+    # Each /metrics answer is made only when the client has read what came before:
+    # 20,000 pipelined scrapes that are never read cost the broker little memory, and
+    # JSON-RPC on other connections goes on.
+    b = broker_factory("--workers", "1")
+
+    def rss_kib() -> int:
+        for line in Path(f"/proc/{b.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+    before = rss_kib()
+    greedy = socket.socket()
+    greedy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    greedy.connect((b.host, b.port))
+    greedy.setblocking(False)
+    request = b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n"
+    sent = 0
+    deadline = time.monotonic() + 5
+    try:
+        while sent < 20000 * len(request) and time.monotonic() < deadline:
+            try:
+                sent += greedy.send(request * 500)
+            except BlockingIOError:
+                time.sleep(0.01)  # the broker stopped reading: as it should
+        for i in range(20):
+            assert b.call("add", [i, 1])["result"] == i + 1
+        grown = rss_kib() - before
+        # Without the deferral every parsed request made a ~50 KiB answer: 1,000+ of
+        # them, 50+ MiB. Now a few answers sit in the socket buffers.
+        assert grown < 20 * 1024, f"broker RSS grew by {grown} KiB"
+    finally:
+        greedy.close()
 
 
 def test_the_open_files_limit_is_raised_to_fit_max_connections():

@@ -51,6 +51,8 @@ PIPELINE_HIGH = 64  # requests owed on one connection before reading pauses
 PIPELINE_LOW = 16  # ... and resumes
 MAX_HEADER_BYTES = 64 * 1024  # request line and headers, like nginx's large buffers
 SWEEP_SECONDS = 1.0
+PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
+_PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
 
 
 def _status_line(code: int) -> bytes:
@@ -90,6 +92,16 @@ def _error_body(code: int, data: object = None) -> bytes:
     return response_error(b"null", error_object(code, data=data))
 
 
+class _Scrape:
+    """A GET or HEAD /metrics owed on a connection (its answer is made when due)."""
+
+    __slots__ = ("head", "keep_alive")
+
+    def __init__(self, head: bool, keep_alive: bool) -> None:
+        self.head = head
+        self.keep_alive = keep_alive
+
+
 class HttpFrontend:
     """Shared state of all HTTP connections: codec, dispatcher, limits, connections."""
 
@@ -127,6 +139,13 @@ class HttpFrontend:
         self.too_large = _json_response(
             413, _error_body(ErrorCode.INVALID_REQUEST, f"body exceeds max_body_bytes {max_body_bytes}"), False
         )
+
+    def refused(self) -> None:
+        """Count a connection turned away at max_connections (logged now and then)."""
+        self.refused_total += 1
+        if self.refused_total == 1 or self.refused_total % 1000 == 0:
+            log.warning("max_connections %d reached: refusing connections (%d so far)",
+                        self.max_connections, self.refused_total)
 
     def protocol(self) -> HttpProtocol:
         """Protocol factory for `loop.create_server`."""
@@ -180,6 +199,7 @@ class HttpProtocol(asyncio.Protocol):
         "_keep_header",
         "_linger",
         "_parser",
+        "_probe_only",
         "_read_paused",
         "_responses",
         "_skip",
@@ -200,6 +220,7 @@ class HttpProtocol(asyncio.Protocol):
         self._content_length = 0
         self._linger = False  # half-close after the answer: the client may still be sending
         self._keep_header = b""  # "connection: keep-alive" for an HTTP/1.0 client that asked
+        self._probe_only = False  # taken past max_connections: probes and /metrics only
         self._upgrade: tuple[bytes, bytes] | None = None  # (method, url) of an Upgrade request
         self.head_started = 0.0  # loop time a request's first byte came; 0 once its head is in
         self.requests = 0  # requests answered or owed on this connection
@@ -210,7 +231,9 @@ class HttpProtocol(asyncio.Protocol):
         self._header_bytes = 0
         self._expect = False
         self._skip = False  # the current request was answered early (413): drop its body
-        self._responses: deque[Exchange | tuple[bytes, bool]] = deque()
+        # What each request is owed, in order: an Exchange (JSON-RPC), finished bytes, or
+        # a _Scrape (a /metrics answer, made only once the client reads what came before).
+        self._responses: deque[Exchange | tuple[bytes, bool] | _Scrape] = deque()
         self._read_paused = False
         self._write_paused = False
         self._closing = False
@@ -227,10 +250,14 @@ class HttpProtocol(asyncio.Protocol):
         self._transport = typing.cast(asyncio.Transport, transport)
         fe = self._fe
         if len(fe.connections) >= fe.max_connections:  # nginx: worker_connections
-            fe.refused_total += 1
-            if fe.refused_total == 1 or fe.refused_total % 1000 == 0:
-                log.warning("max_connections %d reached: refusing connections (%d so far)",
-                            fe.max_connections, fe.refused_total)
+            if len(fe.connections) < fe.max_connections + PROBE_RESERVE:
+                # Past the limit a few connections are still taken, for /healthz, /readyz
+                # and /metrics only: a full broker is alive, and must not look dead to
+                # its liveness probe or to Prometheus.
+                self._probe_only = True
+                fe.connections.add(self)
+                return
+            fe.refused()
             self._closing = True
             fe.sent_bytes += len(_TOO_MANY)
             fe.statuses[b"503"] = fe.statuses.get(b"503", 0) + 1
@@ -284,6 +311,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        if self._responses:
+            self._flush_ready()
         self._maybe_resume()
 
     # -- httptools callbacks -------------------------------------------------------------
@@ -372,6 +401,11 @@ class HttpProtocol(asyncio.Protocol):
         fe = self._fe
         self.requests += 1
         head = method == b"HEAD"
+        if self._probe_only and url not in _PROBE_PATHS:
+            fe.refused()
+            self._closing = True
+            self._queue(_TOO_MANY, False)
+            return
         if url == fe.rpc_path:
             if method == b"POST":
                 self._rpc(keep_alive)
@@ -389,12 +423,15 @@ class HttpProtocol(asyncio.Protocol):
                 self._queue_plain(405, b"use GET", keep_alive, b"allow: GET, HEAD\r\n", head)
         elif url == b"/metrics" and fe.metrics is not None:
             if method == b"GET" or head:
-                body = fe.metrics()
-                response = b"".join((
-                    _STATUS_LINES[200], _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
-                    self._keep_header if keep_alive else _CLOSE, b"\r\n", b"" if head else body,
-                ))  # fmt: skip
-                self._queue(response, keep_alive)
+                scrape = _Scrape(head, keep_alive)
+                if not self._responses and not self._write_paused:
+                    self._write(self._scrape_response(scrape), keep_alive)
+                else:
+                    # A scrape is large (tens of KiB): one made for every request a client
+                    # pipelines without reading would pile up in memory. Made when due.
+                    self._responses.append(scrape)
+                    if len(self._responses) > PIPELINE_HIGH:
+                        self._pause()
             else:
                 self._queue_plain(405, b"use GET", keep_alive, b"allow: GET, HEAD\r\n", head)
         else:
@@ -432,12 +469,25 @@ class HttpProtocol(asyncio.Protocol):
         if self._responses and self._responses[0] is exchange:
             self._flush_ready()
 
+    def _scrape_response(self, scrape: _Scrape) -> bytes:
+        metrics = typing.cast(typing.Callable[[], bytes], self._fe.metrics)
+        body = metrics()
+        return b"".join((
+            _STATUS_LINES[200], _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
+            self._keep_header if scrape.keep_alive else _CLOSE, b"\r\n", b"" if scrape.head else body,
+        ))  # fmt: skip
+
     def _flush_ready(self) -> None:
         responses = self._responses
         while responses:
             head = responses[0]
             if type(head) is tuple:
                 data, keep_alive = head
+            elif type(head) is _Scrape:
+                if self._write_paused:
+                    break  # resume_writing comes back here
+                keep_alive = head.keep_alive
+                data = self._scrape_response(head)
             else:
                 exchange = typing.cast(Exchange, head)
                 if exchange.remaining:
