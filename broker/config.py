@@ -538,4 +538,23 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
             f"max_body_bytes = {cfg.max_body_bytes} must be at most max_frame_bytes - 1024"
             f" = {cfg.max_frame_bytes - 1 * KIB}: a call's params travel to its worker in one frame"
         )
+    _check_listeners(cfg)
     return cfg
+
+
+def _check_listeners(cfg: Config) -> None:
+    """Settings that are each valid but clash: raise `ConfigError` saying which."""
+    if cfg.rpc_path in ("/healthz", "/readyz", "/metrics"):
+        raise ConfigError(f"rpc_path = {cfg.rpc_path!r} would hide the broker's own {cfg.rpc_path}: choose another path")
+    if cfg.metrics_port and not cfg.metrics:
+        raise ConfigError("metrics_port is set but metrics = false: set metrics = true, or metrics_port = 0")
+    ports = {"port": cfg.port, "stream_port": cfg.stream_port}
+    if cfg.metrics:
+        ports["metrics_port"] = cfg.metrics_port
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if port == 0:  # 0: off (stream_port, metrics_port) or OS-chosen (port)
+            continue
+        if port in seen:
+            raise ConfigError(f"{name} = {port} is also {seen[port]}: each listener needs its own port")
+        seen[port] = name

@@ -416,6 +416,22 @@ class Dispatcher:
         """Calls waiting for a worker (a queued chunk counts its calls)."""
         return sum(call.weight for call in self._queue)
 
+    def count_refused_body(self) -> None:
+        """A front-end answered a body past max_body_bytes with -32600 (metrics)."""
+        if self.metrics is not None:
+            self.metrics.answered(self.metrics.other, ErrorCode.INVALID_REQUEST, 0.0)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Params bytes of the calls waiting for a worker."""
+        return self._queued_bytes
+
+    @property
+    def in_flight_calls(self) -> int:
+        """Calls sent to a worker and not answered by it yet (those of workers being
+        retired by a reload included; a chunk counts its calls)."""
+        return sum(call.weight for call in self._pending.values())
+
     # -- the hot path ------------------------------------------------------------------
 
     def submit(self, body: Body, on_done: Callable[[Exchange], None]) -> Exchange | None:

@@ -200,7 +200,9 @@ class CallMetrics:
         """Size the tables for `names` (plus `OTHER` last); counts so far are kept
         under `OTHER` (there are none before the first worker says HELLO)."""
         n = len(names)
-        self.names = [*names, OTHER]
+        # An app may register a method called "other": then the sentinel is "rpc.other",
+        # a name no app can register (JSON-RPC 2.0 section 4 reserves "rpc.").
+        self.names = [*names, OTHER if OTHER not in names else "rpc.other"]
         self.outcomes = [{} for _ in range(n)] + [self.outcomes[-1]]
         self.latency = [LatencyHistogram() for _ in range(n)] + [self.latency[-1]]
         self.service = [LatencyHistogram() for _ in range(n)] + [self.service[-1]]
@@ -253,11 +255,19 @@ class BrokerCollector(Collector):
     restarts; frontends: HTTP listeners (the RPC one, and the metrics one if separate).
     """
 
-    def __init__(self, dispatcher: Dispatcher, pool: Pool, frontends: list[HttpFrontend | StreamFrontend], max_queue: int) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        pool: Pool,
+        frontends: list[HttpFrontend | StreamFrontend],
+        max_queue: int,
+        max_queue_bytes: int = 0,
+    ) -> None:
         self.dispatcher = dispatcher
         self.pool = pool
         self.frontends = frontends
         self.max_queue = max_queue
+        self.max_queue_bytes = max_queue_bytes
         self._processes: dict[int, psutil.Process] = {}
         try:
             version = importlib.metadata.version("rpc-broker")
@@ -272,13 +282,19 @@ class BrokerCollector(Collector):
         if m is not None:
             yield from self._calls(m)
         yield _family_gauge(
-            "rpc_broker_calls_in_flight", "Calls sent to a worker and not answered yet.", [],
-            [([], sum(w.outstanding for w in self.pool.workers))],
-        )  # fmt: skip
+            "rpc_broker_calls_in_flight", "Calls sent to a worker and not answered yet.", [], [([], d.in_flight_calls)]
+        )
         yield _family_gauge("rpc_broker_calls_queued", "Calls waiting for a worker.", [], [([], d.queued_calls)])
         yield _family_gauge(
             "rpc_broker_queue_capacity", "Calls the queue holds before answering overloaded (max_queue).", [],
             [([], self.max_queue)],
+        )  # fmt: skip
+        yield _family_gauge(
+            "rpc_broker_queued_bytes", "Params bytes of the calls waiting for a worker.", [], [([], d.queued_bytes)]
+        )
+        yield _family_gauge(
+            "rpc_broker_queue_capacity_bytes", "Params bytes the queue holds before answering overloaded "
+            "(max_queue_bytes).", [], [([], self.max_queue_bytes)],
         )  # fmt: skip
         yield _family_counter(
             "rpc_broker_late_replies", "Worker replies dropped: the call had been answered already (deadline).",
@@ -371,6 +387,7 @@ class BrokerCollector(Collector):
         states: dict[str, int] = {state: 0 for state in ("starting", "ready", "draining", "dead")}
         for w in pool.workers:
             states[w.state.value] += 1
+        states["draining"] += len(pool.retiring)  # replaced by a reload, finishing their calls
         yield _family_gauge("rpc_broker_workers", "Worker slots by state.", ["state"], (([s], n) for s, n in states.items()))
         yield _family_counter(
             "rpc_broker_worker_restarts", "Worker processes restarted, by reason.", ["reason"],

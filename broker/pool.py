@@ -246,6 +246,7 @@ class Pool:
         self.restarts_total = 0
         # Restarts by reason (the metric's label): exited, killed, hung, boot_timeout, reload
         self.restarts_by_reason: dict[str, int] = {}
+        self.retiring: set[Worker] = set()  # replaced by a reload, not exited yet
         dispatcher.worker_coming = self._worker_coming
 
     def _worker_coming(self) -> bool:
@@ -334,6 +335,7 @@ class Pool:
         if self._stopping:
             return
         if self.workers[worker.slot] is not worker:  # replaced by a reload: no restart
+            self.retiring.discard(worker)
             log.info("worker %d (pid %d) retired: %s", worker.slot, worker.pid, reason)
             return
         log.warning("worker %d (pid %d) %s", worker.slot, worker.pid, reason)
@@ -415,6 +417,8 @@ class Pool:
                         _kill(new.process)
                     return False
                 self.restarts_by_reason["reload"] = self.restarts_by_reason.get("reload", 0) + 1
+                if old.process is not None and old.process.returncode is None:
+                    self.retiring.add(old)
                 if old.state is WorkerState.READY and old.channel is not None:
                     old.move(WorkerState.DRAINING)
                     self.dispatcher.worker_unready(old)

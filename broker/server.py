@@ -83,6 +83,12 @@ def _remove_socket(path: str) -> None:
             pass
 
 
+_LISTENER_NAMES = {
+    "http": "JSON-RPC over HTTP, port", "metrics": "metrics, metrics_port",
+    "tcp": "NDJSON over TCP, stream_port", "unix": "NDJSON over a Unix socket, stream_socket",
+}  # fmt: skip
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -166,7 +172,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         frontends: list[HttpFrontend | StreamFrontend] = []
         scrape = None
         if config.metrics:
-            collector = BrokerCollector(dispatcher, pool, frontends, config.max_queue)
+            collector = BrokerCollector(dispatcher, pool, frontends, config.max_queue, config.max_queue_bytes)
             reg = registry(collector)
 
             def scrape() -> bytes:
@@ -188,7 +194,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         if separate:
             metrics_frontend = HttpFrontend(
                 dispatcher, max_connections=64, metrics=scrape, serve_rpc=False,
-                keepalive_timeout=config.keepalive_timeout,
+                keepalive_timeout=config.keepalive_timeout, transport="metrics",
             )  # fmt: skip
             listeners.append((metrics_frontend, config.metrics_host, config.metrics_port))
         for transport, where, port_ in (
@@ -212,7 +218,8 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
                 else:
                     server = await loop.create_server(fe.protocol, where, port_, backlog=2048)
             except OSError as exc:
-                log.error("cannot listen on %s: %s", where if port_ is None else f"{where}:{port_}", exc)
+                log.error("cannot listen (%s) on %s: %s", _LISTENER_NAMES[fe.transport],
+                          where if port_ is None else f"{where}:{port_}", exc)
                 for server in servers:
                     server.close()
                 _remove_socket(own_socket)
@@ -240,11 +247,17 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             started.set_result((host, port))
         await stop.wait()
         log.info("stopping: no new connections; answering what is in flight (grace %s s)", config.grace_period)
-        for server in servers:
-            server.close()
-        for fe in frontends:
-            fe.drain()
+        # A separate metrics listener stays open while the calls drain, so the drain
+        # can be watched; it closes last.
+        last = [i for i, fe in enumerate(frontends) if fe.transport == "metrics"]
+        for i, (server, fe) in enumerate(zip(servers, frontends)):
+            if i not in last:
+                server.close()
+                fe.drain()
         await dispatcher.drain(config.grace_period, hurry)
+        for i in last:
+            servers[i].close()
+            frontends[i].drain()
         for fe in frontends:
             await fe.wait_closed(timeout=0.2 if hurry.is_set() else 2.0)
         await pool.stop(timeout=1.0 if hurry.is_set() else 10.0)

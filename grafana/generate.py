@@ -5,9 +5,10 @@
     python grafana/generate.py --check   # exit 1 if the committed JSON differs from the output
 
 The dashboard is written against the metric contract (names, types, labels) of
-`broker/metrics.py`. Every query filters on the `instance` template variable and reads
-through the `datasource` variable, so the JSON imports into any Grafana with a Prometheus
-data source. The output is deterministic (no timestamps, fixed key and panel order), so the
+`broker/metrics.py`. Every query filters on the `instance` template variable (and on no job:
+the broker is found by its `rpc_broker_*` metrics, whatever the scrape job is called) and
+reads through the `datasource` variable, so the JSON imports into any Grafana with a
+Prometheus data source. The output is deterministic (no timestamps, fixed key and panel order), so the
 committed JSON can be compared with a fresh run; a test does exactly that.
 
 `expressions(dashboard)` returns every PromQL expression of the dashboard with Grafana's
@@ -42,6 +43,9 @@ INSTANCE = 'instance=~"$instance"'
 SERVER_ERROR_CODES = "-32603|-32000|-32001|-32002|-32003|-32004"
 SERVER_ERRORS = f'code=~"{SERVER_ERROR_CODES}"'
 READY = 'state="ready"'
+# Calls to unknown methods, parse errors and invalid requests: answered at once, without a
+# worker. A flood of them drags an all-methods latency quantile down and hides a slow tool.
+NOT_OTHER = 'method!="other"'
 
 # Concrete values for Grafana's variables, used by `expressions()`.
 SUBSTITUTIONS = {
@@ -63,15 +67,32 @@ def rate(metric: str, *matchers: str) -> str:
     return f"rate({sel(metric, *matchers)}[$__rate_interval])"
 
 
-def quantile(q: float, histogram: str, by: str = "") -> str:
-    """`histogram_quantile` over the per-`le` rate of `histogram`'s buckets, also grouped by `by`."""
+def quantile(q: float, histogram: str, by: str = "", *matchers: str) -> str:
+    """`histogram_quantile` over the per-`le` rate of `histogram`'s buckets (those `matchers`
+    select), also grouped by `by`."""
     group = f"le, {by}" if by else "le"
-    return f"histogram_quantile({q}, sum by ({group}) ({rate(histogram + '_bucket')}))"
+    return f"histogram_quantile({q}, sum by ({group}) ({rate(histogram + '_bucket', *matchers)}))"
 
 
 def ratio(numerator: str, denominator: str) -> str:
     """`numerator / denominator`, empty (not NaN) while the denominator is 0."""
     return f"{numerator} / ({denominator} > 0)"
+
+
+def larger(**ratios: str) -> str:
+    """The largest of `ratios` (keyword: a name for it), whichever of them exist. Each is
+    labelled `limit=<name>` first: `or` keeps only one of several series with the same labels."""
+    tagged = [f'label_replace({expr}, "limit", "{name}", "", "")' for name, expr in ratios.items()]
+    return "max(" + " or ".join(tagged) + ")"
+
+
+# The queue's fill: the fuller of its two limits, max_queue calls and max_queue_bytes of
+# params (the rule RpcBrokerQueueSaturated in deploy/prometheus/alerts.yml, over all instances).
+QUEUE_FILL = larger(
+    max_queue=ratio(f"sum({sel('rpc_broker_calls_queued')})", f"sum({sel('rpc_broker_queue_capacity')})"),
+    max_queue_bytes=ratio(f"sum({sel('rpc_broker_queued_bytes')})",
+                          f"sum({sel('rpc_broker_queue_capacity_bytes')})"),
+)
 
 
 # ---- panel builders ------------------------------------------------------------------
@@ -162,6 +183,25 @@ def stat(title: str, description: str, expr: str, *, unit: str, legend: str = ""
     }
 
 
+def emphasised(series: str) -> JSON:
+    """An override drawing `series` (its legend name) as a thick line."""
+    return {
+        "matcher": {"id": "byName", "options": series},
+        "properties": [{"id": "custom.lineWidth", "value": 3}],
+    }
+
+
+def thin_dashed(series: str) -> JSON:
+    """An override drawing `series` as a dashed, unfilled line in its usual color."""
+    return {
+        "matcher": {"id": "byName", "options": series},
+        "properties": [
+            {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [4, 4]}},
+            {"id": "custom.fillOpacity", "value": 0},
+        ],
+    }
+
+
 def dashed(series: str, color: str) -> JSON:
     """An override drawing `series` (its legend name) as a dashed, unfilled line."""
     return {
@@ -187,15 +227,19 @@ def overview() -> list[Panel]:
              ratio(f"sum({rate('rpc_broker_errors_total', SERVER_ERRORS)})",
                    f"sum({rate('rpc_broker_calls_total')})"),
              unit="percentunit", thresholds=[(None, "green"), (0.01, "orange"), (0.05, "red")]),
-        stat("p99 latency", "99th percentile of the call duration (arrival to answer ready), all methods.",
-             quantile(0.99, "rpc_broker_call_duration_seconds"), unit="s",
+        stat("p99 latency",
+             "99th percentile of the call duration (arrival to answer ready), all methods except `other`: "
+             "unknown methods, parse errors and invalid requests are answered at once, and a flood of them "
+             "would hide a slow tool.",
+             quantile(0.99, "rpc_broker_call_duration_seconds", "", NOT_OTHER), unit="s",
              thresholds=[(None, "green"), (0.5, "orange"), (1, "red")]),
         stat("Ready workers", "Worker slots in the ready state.",
              f"sum({sel('rpc_broker_workers', READY)})", unit="short",
              thresholds=[(None, "red"), (1, "green")]),
-        stat("Queue fill", "Calls waiting for a worker, as a share of the queue capacity (max_queue).",
-             ratio(f"sum({sel('rpc_broker_calls_queued')})", f"sum({sel('rpc_broker_queue_capacity')})"),
-             unit="percentunit", thresholds=[(None, "green"), (0.5, "orange"), (0.8, "red")]),
+        stat("Queue fill",
+             "How full the queue is: the larger of calls waiting / max_queue and their params bytes / "
+             "max_queue_bytes. When either limit is reached, calls are refused with -32000 (overloaded).",
+             QUEUE_FILL, unit="percentunit", thresholds=[(None, "green"), (0.5, "orange"), (0.8, "red")]),
         stat("Version", "Broker version(s) running on the selected instances.",
              f"count by (version) ({sel('rpc_broker_build_info')})", unit="none",
              legend="{{version}}", text_mode="name"),
@@ -254,9 +298,9 @@ def latency() -> list[Panel]:
             "Queue wait vs worker service time (p99)",
             "p99 of the time a call waits in the broker before it is written to a worker, next to p99 of the "
             "time it spends inside the worker (measured by the worker). Queue wait growing while service "
-            "time stays flat means too few workers.",
+            "time stays flat means too few workers. Neither counts `other` (unknown methods never reach a worker).",
             [(quantile(0.99, "rpc_broker_queue_wait_seconds"), "queue wait p99"),
-             (quantile(0.99, "rpc_broker_worker_service_seconds"), "worker service p99")],
+             (quantile(0.99, "rpc_broker_worker_service_seconds", "", NOT_OTHER), "worker service p99")],
             unit="s",
         ),
     ]
@@ -267,26 +311,38 @@ def capacity() -> list[Panel]:
         timeseries(
             "In-flight and queued calls",
             "Calls sent to a worker and not answered yet, calls waiting for a worker, and the queue "
-            "capacity (max_queue): past it, calls are refused with -32000 (overloaded).",
+            "capacity (max_queue): past it, calls are refused with -32000 (overloaded). The queue's "
+            "other limit, in bytes, is in \"Queued params bytes\".",
             [(f"sum({sel('rpc_broker_calls_in_flight')})", "in flight"),
              (f"sum({sel('rpc_broker_calls_queued')})", "queued"),
              (f"sum({sel('rpc_broker_queue_capacity')})", "queue capacity")],
             overrides=[dashed("queue capacity", "red")],
         ),
         timeseries(
+            "Queued params bytes",
+            "Params bytes of the calls waiting for a worker, and the queue's capacity in bytes "
+            "(max_queue_bytes): past it, calls are refused with -32000 (overloaded) however few are queued.",
+            [(f"sum({sel('rpc_broker_queued_bytes')})", "queued bytes"),
+             (f"sum({sel('rpc_broker_queue_capacity_bytes')})", "queue capacity (bytes)")],
+            unit="bytes", overrides=[dashed("queue capacity (bytes)", "red")],
+        ),
+        timeseries(
             "Batch size",
-            "Requests plus notifications per batch: p50, p99 and mean.",
-            [(quantile(0.5, "rpc_broker_batch_size"), "p50"),
-             (quantile(0.99, "rpc_broker_batch_size"), "p99"),
-             (ratio(f"sum({rate('rpc_broker_batch_size_sum')})", f"sum({rate('rpc_broker_batch_size_count')})"),
-              "mean")],
-            width=6,
+            "Requests plus notifications per batch. The mean (sum / count, thick line) is exact. p50 and "
+            "p99 are estimates from the histogram's buckets (1, 2, 5, 10, 20, 50, ...): histogram_quantile "
+            "interpolates inside a bucket, so batches all of 10 show a p50 of 7.5.",
+            [(ratio(f"sum({rate('rpc_broker_batch_size_sum')})", f"sum({rate('rpc_broker_batch_size_count')})"),
+              "mean"),
+             (quantile(0.5, "rpc_broker_batch_size"), "p50 (bucket estimate)"),
+             (quantile(0.99, "rpc_broker_batch_size"), "p99 (bucket estimate)")],
+            overrides=[emphasised("mean"), thin_dashed("p50 (bucket estimate)"),
+                       thin_dashed("p99 (bucket estimate)")],
         ),
         timeseries(
             "Batch rate",
             "Batches received per second.",
             [(f"sum({rate('rpc_broker_batch_size_count')})", "batches")],
-            unit="cps", width=6,
+            unit="cps",
         ),
     ]
 
@@ -328,7 +384,8 @@ def network() -> list[Panel]:
     return [
         timeseries(
             "Open connections",
-            "Open client connections by transport.",
+            "Open connections by transport: `http`, `tcp` and `unix` (NDJSON streams), and `metrics` "
+            "(the separate metrics listener, with metrics_port).",
             [(f"sum by (transport) ({sel('rpc_broker_connections')})", "{{transport}}")],
             width=8,
         ),
@@ -340,7 +397,8 @@ def network() -> list[Panel]:
         ),
         timeseries(
             "Bytes in / out",
-            "Bytes read from and written to clients per second, by transport.",
+            "Bytes read from and written to clients per second, by transport (`metrics`: the separate "
+            "metrics listener's scrapes, with metrics_port).",
             [(f"sum by (transport) ({rate('rpc_broker_received_bytes_total')})", "in {{transport}}"),
              (f"sum by (transport) ({rate('rpc_broker_sent_bytes_total')})", "out {{transport}}")],
             unit="Bps", width=8,

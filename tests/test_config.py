@@ -1,6 +1,7 @@
 """Tests of broker.config (settings table, loader) and broker.cli (serve, check-config)."""
 
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -124,7 +125,7 @@ stream_port = 9001
 stream_socket = "/run/rpc/broker.sock"
 metrics = false
 metrics_host = "::1"
-metrics_port = 9100
+metrics_port = 0
 max_body_bytes = 1
 max_batch = 1
 max_depth = 10000
@@ -149,7 +150,7 @@ slow = 120.5
     cfg = load(path, {}, {})
     assert msgspec.structs.asdict(cfg) == {
         "host": "0.0.0.0", "port": 0, "workers": 1024, "app": "my_app.rpc:methods",
-        "rpc_path": "/rpc", "stream_port": 9001, "stream_socket": "/run/rpc/broker.sock", "metrics": False, "metrics_host": "::1", "metrics_port": 9100, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
+        "rpc_path": "/rpc", "stream_port": 9001, "stream_socket": "/run/rpc/broker.sock", "metrics": False, "metrics_host": "::1", "metrics_port": 0, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
         "worker_concurrency": 1, "max_queue": 0, "max_queue_bytes": 0, "grace_period": 0.0,
         "keepalive_timeout": 1.0, "max_connections": 5, "max_frame_bytes": 65536, "restart_backoff_max": 0.5,
@@ -480,3 +481,29 @@ def test_body_limit_must_fit_in_a_worker_frame(tmp_path: Path) -> None:
         load(path, {}, {})
     path = write(tmp_path, "max_body_bytes = 64512\nmax_frame_bytes = 65536\n")
     assert load(path, {}, {}).max_body_bytes == 64512
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('rpc_path = "/metrics"\n', "rpc_path = '/metrics' would hide the broker's own /metrics"),
+        ('rpc_path = "/healthz"\n', "rpc_path = '/healthz' would hide the broker's own /healthz"),
+        ("metrics = false\nmetrics_port = 9100\n", "metrics_port is set but metrics = false"),
+        ("port = 9000\nmetrics_port = 9000\n", "metrics_port = 9000 is also port"),
+        ("port = 9000\nstream_port = 9000\n", "stream_port = 9000 is also port"),
+        ("stream_port = 9100\nmetrics_port = 9100\n", "metrics_port = 9100 is also stream_port"),
+    ],
+)
+def test_listener_settings_that_clash_are_refused(tmp_path: Path, toml: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(write(tmp_path, toml), {}, {})
+
+
+def test_listener_settings_that_do_not_clash(tmp_path: Path) -> None:
+    # 0 is "off" (stream_port, metrics_port) or "OS-chosen" (port): never a clash.
+    cfg = load(write(tmp_path, "port = 0\nstream_port = 0\nmetrics_port = 0\n"), {}, {})
+    assert (cfg.port, cfg.stream_port, cfg.metrics_port) == (0, 0, 0)
+    cfg = load(write(tmp_path, 'metrics = false\nport = 9000\nrpc_path = "/rpc"\n'), {}, {})
+    assert cfg.rpc_path == "/rpc"
+    cfg = load(write(tmp_path, "port = 9000\nmetrics_port = 9100\nstream_port = 9200\n"), {}, {})
+    assert (cfg.port, cfg.metrics_port, cfg.stream_port) == (9000, 9100, 9200)

@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,15 @@ K8S_VERSIONS = ("1.31.0", "1.37.0")
 # workers to exit before SIGKILL (README, "Signals"): every stop timeout must exceed both.
 WORKER_EXIT_SECONDS = 10.0
 METRICS_PATH = "/metrics"
-JOB = "rpc-broker"  # the job name the dashboards and alerts select
+JOB = "rpc-broker"  # the job name RpcBrokerDown selects (up{job="rpc-broker"})
+README = ROOT / "README.md"
+
+
+def readme_section(title: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n### {title}\n")
+    end = min(i for i in (text.find("\n### ", start + 1), text.find("\n## ", start + 1)) if i != -1)
+    return text[start:end]
 
 
 # -- systemd -----------------------------------------------------------------
@@ -577,3 +586,68 @@ def test_health_checks_against_a_real_broker(compose: dict[str, Any], stages: li
     finally:
         assert broker.stop() == 0, broker.read_log()
     assert run(image_check) != 0, "the image's health check passes with no broker running"
+
+
+# -- documentation agrees with the files --------------------------------------------
+
+
+def run_image(line: str) -> str:
+    """The image of a `docker run` command line."""
+    words = shlex.split(line.lstrip("# "))[2:]
+    while words[0].startswith("-"):
+        option = words.pop(0)
+        if option in ("-p", "-v", "-e", "--name", "--env-file"):
+            words.pop(0)
+    return words[0]
+
+
+def test_image_tag_is_the_same_everywhere(k8s: dict[str, dict[str, Any]]) -> None:
+    """The image the README and the Dockerfile build is the one the Deployment runs, tagged
+    with the package version."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    _, container = pod_of(k8s)
+    image = container["image"]
+    assert image == f"rpc-broker:{version}"
+    deployment_text = readme_section("Deployment")
+    for where, text in (("README", deployment_text), ("Dockerfile", DOCKERFILE.read_text())):
+        built = re.findall(r"docker build .*-t (\S+)", text)
+        assert built and set(built) == {image}, (where, built)
+        ran = [run_image(line) for line in text.replace("\\\n", " ").splitlines()
+               if line.lstrip("# ").startswith("docker run ")]
+        assert ran and set(ran) == {image}, (where, ran)
+    assert f"FROM {image}" in deployment_text
+
+
+def test_deploy_paths_mentioned_exist() -> None:
+    """Comments and README name deploy/... paths: each of them exists."""
+    texts = {path: path.read_text() for path in DEPLOY.rglob("*") if path.is_file()}
+    texts[README] = README.read_text(encoding="utf-8")
+    for path, text in texts.items():
+        for mention in re.findall(r"\bdeploy/[\w./-]*[\w/]", text):
+            assert (ROOT / mention).exists(), f"{path.relative_to(ROOT)} names {mention}, which does not exist"
+
+
+def test_a_metrics_port_in_a_container_needs_metrics_host(stages: list[Stage]) -> None:
+    """The separate metrics listener binds 127.0.0.1 unless told otherwise: in a container
+    that is unreachable, so the README says to set RPC_BROKER_METRICS_HOST with the port."""
+    image_env = stages[-1].env()
+    cfg = config.load(None, {**image_env, "RPC_BROKER_METRICS_PORT": "9100"}, {})
+    assert (cfg.host, cfg.metrics_host, cfg.metrics_port) == ("0.0.0.0", "127.0.0.1", 9100)
+    cfg = config.load(None, {**image_env, "RPC_BROKER_METRICS_PORT": "9100",
+                             "RPC_BROKER_METRICS_HOST": "0.0.0.0"}, {})
+    assert cfg.metrics_host == "0.0.0.0"
+    assert "RPC_BROKER_METRICS_HOST=0.0.0.0" in readme_section("Deployment")
+    for path in (COMPOSE, K8S / "deployment.yaml"):
+        assert "RPC_BROKER_METRICS_HOST" in path.read_text(), path
+
+
+def test_job_name_claims_are_true() -> None:
+    """Only RpcBrokerDown selects on the job; the dashboard selects on no job at all."""
+    groups = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"]
+    with_job = {rule["alert"] for group in groups for rule in group["rules"] if "job=" in rule["expr"]}
+    assert with_job == {"RpcBrokerDown"}
+    dashboard = (ROOT / "grafana" / "dashboards" / "rpc-broker.json").read_text()
+    assert "job=" not in dashboard.replace('\\"', '"')
+    for path in (README, K8S / "servicemonitor.yaml", DEPLOY / "prometheus.yml"):
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"dashboards? (and alerts )?selects?", text), path

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -295,3 +296,96 @@ def test_separate_metrics_listener(broker_factory):
 def test_series_stay_bounded(mb: Broker):
     # 11 methods (10 + other) x (2 histograms x 21 series + outcomes) and the rest.
     assert len(scrape(mb)) < 1000
+
+
+# -- found by a new user's review ------------------------------------------------------
+
+
+def test_queued_bytes_and_their_capacity(broker_factory):
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--max-queue-bytes", "5000")
+    assert value(scrape(b), "rpc_broker_queue_capacity_bytes") == 5000
+    pad = "x" * 900
+    socks = [socket.create_connection((b.host, b.port), timeout=30) for _ in range(3)]
+    try:
+        for i, s in enumerate(socks):  # the first runs for 1 s, the other two wait in the queue
+            call = req("sleep", [1.0], i) if i == 0 else req("update", [pad], i)
+            body = json.dumps(call).encode()
+            s.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: " + str(len(body)).encode()
+                      + b"\r\n\r\n" + body)
+            if i == 0:
+                wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 1, timeout=5)
+        wait_for(lambda: value(scrape(b), "rpc_broker_calls_queued") == 2, timeout=5)
+        queued = value(scrape(b), "rpc_broker_queued_bytes")
+        assert queued == 2 * len(json.dumps([pad]))  # the two waiting calls' params
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_reload_shows_draining_workers_and_their_calls_in_flight(broker_factory):
+    b = broker_factory("--workers", "2")
+    sock = socket.create_connection((b.host, b.port), timeout=30)
+    try:
+        batch = json.dumps([req("sleep", [1.5], i) for i in range(10)]).encode()
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: " + str(len(batch)).encode()
+                     + b"\r\n\r\n" + batch)
+        wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 10, timeout=5)
+        os.kill(b.pid, signal.SIGHUP)
+        # The old workers finish their calls while new ones serve: both show.
+        wait_for(lambda: value(scrape(b), "rpc_broker_workers", state="draining") >= 1, timeout=10)
+        samples = scrape(b)
+        assert value(samples, "rpc_broker_calls_in_flight") == 10
+        wait_for(lambda: value(scrape(b), "rpc_broker_workers", state="draining") == 0, timeout=15)
+        samples = scrape(b)
+        assert value(samples, "rpc_broker_calls_in_flight") == 0
+        assert value(samples, "rpc_broker_workers", state="ready") == 2
+    finally:
+        sock.close()
+
+
+def test_a_method_named_other_does_not_collide_with_the_unknown_bucket(broker_factory):
+    b = broker_factory("--workers", "1", "--app", "tests.apps.named_other:registry")
+    assert b.call("other", [])["result"] == "a real method"
+    assert b.call("missing", [])["error"]["code"] == -32601
+    samples = scrape(b)  # (the parser rejects duplicate series, so this also checks that)
+    assert value(samples, "rpc_broker_calls_total", method="other", outcome="ok") == 1
+    assert value(samples, "rpc_broker_calls_total", method="rpc.other", outcome="method_not_found") == 1
+
+
+def test_bodies_past_max_body_bytes_are_counted(broker_factory):
+    b = broker_factory("--workers", "1", "--max-body-bytes", "1000")
+    before = scrape(b)
+    status, _, _ = b.post(json.dumps(req("echo", ["x" * 2000], 1)))
+    assert status == 413
+    after = scrape(b)
+    assert delta(before, after, "rpc_broker_calls_total", method="other", outcome="invalid_request") == 1
+    assert delta(before, after, "rpc_broker_errors_total", code="-32600") == 1
+    assert delta(before, after, "rpc_broker_http_responses_total", status="413") == 1
+
+
+def test_the_metrics_listener_is_its_own_transport_and_outlives_the_drain(broker_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    b = broker_factory("--workers", "1", "--metrics-port", str(port), "--grace-period", "5")
+    samples = scrape(b, port=port)
+    scrape(b, port=port)
+    samples = scrape(b, port=port)
+    assert value(samples, "rpc_broker_received_bytes_total", transport="metrics") > 0
+    assert value(samples, "rpc_broker_received_bytes_total", transport="http") == 0
+    sock = socket.create_connection((b.host, b.port), timeout=30)
+    try:
+        body = json.dumps(req("sleep", [1.5], 1)).encode()
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        wait_for(lambda: value(scrape(b, port=port), "rpc_broker_calls_in_flight") == 1, timeout=5)
+        b.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        # Draining: the RPC listener is closed, the metrics one still answers.
+        with pytest.raises(OSError):
+            socket.create_connection((b.host, b.port), timeout=2).close()
+        assert value(scrape(b, port=port), "rpc_broker_calls_in_flight") == 1
+        assert b"\"result\":1.5" in sock.recv(65536)
+    finally:
+        sock.close()
+    assert b.stop() == 0

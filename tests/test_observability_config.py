@@ -11,6 +11,7 @@ scraping a live broker is the integration test's job; it gets them from
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,7 @@ DASHBOARD = ROOT / "grafana" / "dashboards" / "rpc-broker.json"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 ALERTS_TEST = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
+README = ROOT / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +125,90 @@ def test_panels_cover_the_issue(dashboard: dict[str, Any]) -> None:
                    "Queue wait vs worker service time (p99)", "In-flight and queued calls", "Workers by state",
                    "Worker restarts by reason", "Batch size", "Open connections", "Refused connections",
                    "Bytes in / out", "Worker CPU by slot", "Worker resident memory by slot",
-                   "HTTP responses by status"):
+                   "HTTP responses by status", "Queued params bytes"):
         assert wanted in titles
+
+
+def panel(dashboard: dict[str, Any], title: str) -> dict[str, Any]:
+    (found,) = [p for p in panels(dashboard) if p["title"] == title]
+    return found
+
+
+# histogram_quantile(q, sum by (<labels>) (rate(rpc_broker_call_duration_seconds_bucket{<matchers>}[...])))
+CALL_DURATION_QUANTILE = re.compile(
+    r"histogram_quantile\([^,]+, sum by \(([^)]*)\) \(rate\((rpc_broker_(?:call_duration|worker_service)"
+    r"_seconds)_bucket\{([^}]*)\}")
+
+
+def test_all_methods_latency_quantiles_leave_out_other(dashboard: dict[str, Any]) -> None:
+    """Unknown methods are answered at once: over all methods, a flood of them would drag
+    the p99 under any threshold. Every quantile not split by method leaves them out, in the
+    dashboard and in the latency alert."""
+    exprs = [t["expr"] for p in panels(dashboard) for t in p["targets"]]
+    groups = yaml.safe_load(ALERTS.read_text(encoding="utf-8"))["groups"]
+    rules = {rule["alert"]: rule["expr"] for group in groups for rule in group["rules"]}
+    exprs.append(rules["RpcBrokerLatencyHigh"])
+    pooled = 0
+    for expr in exprs:
+        for by, _metric, matchers in CALL_DURATION_QUANTILE.findall(expr):
+            if "method" not in [label.strip() for label in by.split(",")]:
+                pooled += 1
+                assert 'method!="other"' in matchers, expr
+    assert pooled >= 3  # the "p99 latency" stat, the worker service p99 and the alert
+    assert 'method!="other"' in panel(dashboard, "p99 latency")["targets"][0]["expr"]
+    # the alert's "is there traffic" guard counts the same calls as its quantile
+    assert 'rpc_broker_call_duration_seconds_count{method!="other"}' in rules["RpcBrokerLatencyHigh"]
+
+
+def test_queue_fill_counts_both_limits(dashboard: dict[str, Any]) -> None:
+    groups = yaml.safe_load(ALERTS.read_text(encoding="utf-8"))["groups"]
+    rules = {rule["alert"]: rule["expr"] for group in groups for rule in group["rules"]}
+    fill = panel(dashboard, "Queue fill")["targets"][0]["expr"]
+    for expr in (fill, rules["RpcBrokerQueueSaturated"]):
+        for metric in ("rpc_broker_calls_queued", "rpc_broker_queue_capacity", "rpc_broker_queued_bytes",
+                       "rpc_broker_queue_capacity_bytes"):
+            assert metric in expr, (metric, expr)
+        assert expr.lstrip().startswith("max"), expr
+        assert expr.count("> 0)") == 2, f"both divisions are guarded: {expr}"
+    queued_bytes = [t["expr"] for t in panel(dashboard, "Queued params bytes")["targets"]]
+    assert "rpc_broker_queued_bytes" in queued_bytes[0], queued_bytes
+    assert "rpc_broker_queue_capacity_bytes" in queued_bytes[1], queued_bytes
+    assert panel(dashboard, "Queued params bytes")["fieldConfig"]["defaults"]["unit"] == "bytes"
+
+
+def test_batch_size_shows_the_exact_mean_first(dashboard: dict[str, Any]) -> None:
+    batch = panel(dashboard, "Batch size")
+    first, *quantiles = batch["targets"]
+    assert first["legendFormat"] == "mean"
+    assert "rpc_broker_batch_size_sum" in first["expr"] and "rpc_broker_batch_size_count" in first["expr"]
+    assert all("bucket estimate" in t["legendFormat"] for t in quantiles) and len(quantiles) == 2
+    assert "bucket" in batch["description"] and "7.5" in batch["description"]
+    thick = {o["matcher"]["options"] for o in batch["fieldConfig"]["overrides"]
+             if {"id": "custom.lineWidth", "value": 3} in o["properties"]}
+    assert thick == {"mean"}
+
+
+def readme_section(title: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n### {title}\n")
+    end = min(i for i in (text.find("\n### ", start + 1), text.find("\n## ", start + 1)) if i != -1)
+    return text[start:end]
+
+
+def table_first_cells(section: str, column: int) -> list[str]:
+    rows = [line for line in section.splitlines() if line.startswith("|") and not line.startswith("|---")]
+    return [line.split("|")[column + 1].strip() for line in rows[1:]]
+
+
+def test_readme_dashboard_table_lists_every_panel(dashboard: dict[str, Any]) -> None:
+    listed = table_first_cells(readme_section("Dashboard"), 1)
+    assert listed == [p["title"] for p in panels(dashboard)]
+
+
+def test_readme_alerts_table_lists_every_alert() -> None:
+    groups = yaml.safe_load(ALERTS.read_text(encoding="utf-8"))["groups"]
+    names = [rule["alert"] for group in groups for rule in group["rules"]]
+    assert table_first_cells(readme_section("Alerts"), 0) == names
 
 
 def test_expressions_substitute_every_variable(generator: ModuleType, dashboard: dict[str, Any]) -> None:

@@ -485,6 +485,26 @@ def test_in_flight_and_queued(traffic: Traffic, prometheus: Prometheus) -> None:
     assert values == [[0], [0], [10000]]  # in flight, queued, queue capacity (the default max_queue)
 
 
+def test_queued_params_bytes(traffic: Traffic, prometheus: Prometheus) -> None:
+    # needs the broker's rpc_broker_queued_bytes and rpc_broker_queue_capacity_bytes gauges
+    title = "Queued params bytes"
+    values = [[float(s["value"][1]) for s in prometheus.query(panel_query(title, i))] for i in range(2)]
+    assert values == [[0], [64 * 1024 * 1024]]  # queued bytes, capacity (the default max_queue_bytes)
+
+
+def test_queue_saturated_sees_both_limits(traffic: Traffic, prometheus: Prometheus) -> None:
+    # The rule with its threshold lowered to 0 selects the broker: the ratio of the fuller limit.
+    expr = ALERT_RULES["RpcBrokerQueueSaturated"]
+    assert "> 0.8" in expr
+    (sample,) = prometheus.query(expr.replace("> 0.8", ">= 0"))
+    assert sample["metric"] == {"job": JOB, "instance": sample["metric"]["instance"]}
+    assert float(sample["value"][1]) == 0
+    # both limits are there to compare (needs the broker's bytes gauges)
+    inner = expr[expr.index("label_replace"):expr.rindex(")")]  # what `max by (job, instance)` takes
+    limits = by_label(prometheus.query(inner), "limit")
+    assert limits == {"max_queue": 0, "max_queue_bytes": 0}
+
+
 def test_worker_cpu_and_memory_by_slot(traffic: Traffic, prometheus: Prometheus) -> None:
     cpu = by_label(prometheus.query(panel_query("Worker CPU by slot")), "slot")
     assert set(cpu) == {"0", "1"} and all(v >= 0 for v in cpu.values()), cpu
@@ -502,6 +522,8 @@ def test_overview_stats(traffic: Traffic, prometheus: Prometheus) -> None:
     assert 0 < value("Server error ratio") < 1  # the timeouts
     assert value("Ready workers") == 2
     assert value("Queue fill") == 0
+    # all methods but `other`: the 4 `sleep` calls timed out at 0.3 s, over 1 % of the rest
+    assert 0.262144 < value("p99 latency") <= 0.524288
     (version,) = prometheus.query(panel_query("Version"))
     assert version["metric"]["version"]
 

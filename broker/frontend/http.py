@@ -117,6 +117,7 @@ class HttpFrontend:
         ready: typing.Callable[[], bool] | None = None,
         metrics: typing.Callable[[], bytes] | None = None,
         serve_rpc: bool = True,
+        transport: str = "http",
     ) -> None:
         self.dispatcher = dispatcher
         self.codec = Codec(max_batch)
@@ -126,7 +127,7 @@ class HttpFrontend:
         self.max_body_bytes = max_body_bytes
         self.keepalive_timeout = keepalive_timeout
         self.max_connections = max_connections
-        self.transport = "http"  # the metrics' transport label
+        self.transport = transport  # the metrics' label: "http", or "metrics" for its own listener
         self.refused_total = 0
         self.received_bytes = 0
         self.sent_bytes = 0
@@ -358,6 +359,7 @@ class HttpProtocol(asyncio.Protocol):
         if self._skip:
             self._linger = True
             self._queue(self._fe.too_large, False)
+            self._fe.dispatcher.count_refused_body()
             self._closing = True
             return
         if self._expect and self._parser.get_method() == b"POST":
@@ -374,6 +376,7 @@ class HttpProtocol(asyncio.Protocol):
             self._body = []
             self._linger = True
             self._queue(self._fe.too_large, False)
+            self._fe.dispatcher.count_refused_body()
             self._closing = True
             return
         self._body.append(body)

@@ -173,11 +173,11 @@ class StreamProtocol(asyncio.Protocol):
                 line = bytes(self._buffer)
                 self._buffer.clear()
                 if len(line) - line.endswith(b"\r") > fe.max_body_bytes:
-                    self._send(fe.too_long)
+                    self._too_long()
                 else:
                     self._line(line)
             elif nl - start - (nl > start and data[nl - 1] == 13) > fe.max_body_bytes:
-                self._send(fe.too_long)
+                self._too_long()
             else:
                 self._line(data[start:nl])
             self.line_started = 0.0
@@ -195,9 +195,13 @@ class StreamProtocol(asyncio.Protocol):
         if len(self._buffer) + end - start > fe.max_body_bytes + 1:  # (+1: a "\r" may end it)
             self._buffer.clear()
             self._skipping = True
-            self._send(fe.too_long)
+            self._too_long()
             return
         self._buffer += data[start:end]
+
+    def _too_long(self) -> None:
+        self._send(self._fe.too_long)
+        self._fe.dispatcher.count_refused_body()
 
     def _line(self, line: bytes) -> None:
         if not line.strip():
