@@ -74,10 +74,14 @@ async def _unix_server(
         os.umask(old)
 
 
-def _remove_socket(path: str) -> None:
-    if path:
+def _remove_socket(made: tuple[str, int, int] | None) -> None:
+    """Remove the socket file this broker made, if it is still that file (another
+    broker may have been started on the path since it was moved away)."""
+    if made is not None:
+        path, dev, ino = made
         try:
-            if stat.S_ISSOCK(os.stat(path).st_mode):
+            now = os.stat(path)
+            if stat.S_ISSOCK(now.st_mode) and (now.st_dev, now.st_ino) == (dev, ino):
                 os.unlink(path)
         except OSError:
             pass
@@ -209,12 +213,13 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
                 )  # fmt: skip
                 listeners.append((stream, where, port_))
         servers: list[asyncio.Server] = []
-        own_socket = ""  # the Unix socket file this broker made (removed at exit)
+        own_socket: tuple[str, int, int] | None = None  # (path, st_dev, st_ino) of the socket file made
         for fe, where, port_ in listeners:
             try:
                 if port_ is None:
                     server = await _unix_server(loop, fe.protocol, where)
-                    own_socket = where
+                    made = os.stat(where)
+                    own_socket = (where, made.st_dev, made.st_ino)
                 else:
                     server = await loop.create_server(fe.protocol, where, port_, backlog=2048)
             except OSError as exc:

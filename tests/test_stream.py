@@ -622,7 +622,7 @@ def test_sigterm_answers_calls_in_flight_then_closes_streams_and_exits_0(tmp_pat
 
 
 def test_paused_reading_does_not_count_as_a_trickling_line(kb):
-    n = 1100  # > PIPELINE_HIGH (1024): reading pauses
+    n = 1100  # > PIPELINE_HIGH: reading pauses
     calls = b"".join(line("sleep", [3], i) + b"\n" for i in range(n))
     last = line("add", [1, 2], "last")
     with kb.connect("tcp") as s:
@@ -641,3 +641,59 @@ def test_half_closed_client_still_gets_its_answers(sb, transport):
         s.sock.shutdown(socket.SHUT_WR)  # no more requests; answers still wanted
         assert sorted(s.lines(2)) == sorted([result("slow", 0.2), result("fast", 3)])
         s.closed_within(5.0)  # and then the broker closes its side
+
+
+# -- found by a new user's check, fixed ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sigterm_delivers_every_owed_answer_to_a_client_still_writing(tmp_path, transport):
+    # Closing a socket with unread bytes in it sends a reset, which destroys answers the
+    # client has not read yet: the broker half-closes and drains instead.
+    sb = start_stream_broker(tmp_path, "--workers", "2")
+    s = sb.connect(transport)
+    try:
+        s.send(b"".join(line("sleep", [1.0], i) + b"\n" for i in range(20)))
+        wait_for(lambda: metric(scrape(sb.broker), "rpc_broker_calls_in_flight") == 20, timeout=10)
+        sb.broker.proc.send_signal(signal.SIGTERM)
+        s.sock.setblocking(False)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # keeps writing, reads nothing yet
+            try:
+                s.sock.send(line("add", [1, 1], "late") + b"\n")
+            except (BlockingIOError, BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.01)
+        s.sock.setblocking(True)
+        s.sock.settimeout(10)
+        data = b""
+        while True:
+            try:
+                chunk = s.sock.recv(65536)
+            except ConnectionResetError:  # would lose the answers: the bug
+                break
+            if not chunk:
+                break
+            data += chunk
+        answers = [json.loads(x) for x in data.splitlines() if x]
+        assert sorted(a["id"] for a in answers if a["id"] != "late") == list(range(20)), data[:300]
+        assert sb.broker.proc.wait(30) == 0, sb.broker.read_log()
+    finally:
+        s.sock.close()
+        sb.broker.stop()
+
+
+def test_a_broker_removes_only_its_own_socket_file(tmp_path):
+    first = start_stream_broker(tmp_path, "--workers", "1")
+    path = first.unix_path
+    os.rename(path, path + ".moved")  # an operator moves it away ...
+    second = start_stream_broker(tmp_path, "--workers", "1")  # ... and starts another on the path
+    try:
+        assert second.unix_path == path
+        assert first.broker.stop() == 0
+        assert os.path.exists(path), "the first broker removed the second one's socket"
+        with second.connect("unix") as s:
+            assert s.call(line("add", [1, 2], 1)) == result(1, 3)
+    finally:
+        first.broker.stop()
+        second.broker.stop()

@@ -37,8 +37,8 @@ __all__ = ["StreamFrontend", "StreamProtocol"]
 
 log = logging.getLogger("broker.stream")
 
-PIPELINE_HIGH = 1024  # bodies owed on one connection before reading pauses
-PIPELINE_LOW = 256  # ... and resumes
+PIPELINE_HIGH = 64  # bodies owed on one connection before reading pauses (as for HTTP)
+PIPELINE_LOW = 16  # ... and resumes
 SWEEP_SECONDS = 1.0
 _NL = b"\n"
 
@@ -222,8 +222,10 @@ class StreamProtocol(asyncio.Protocol):
         self._send(exchange.body() + _NL)
         if self.read_paused and self.owed < PIPELINE_LOW:
             self._maybe_resume()
-        if (self._fe.draining or self._eof) and not self.owed:
+        if self._eof and not self.owed:
             self.close()
+        elif self._fe.draining and not self.owed:
+            self._linger()
 
     def _send(self, data: bytes) -> None:
         transport = self._transport
@@ -257,11 +259,26 @@ class StreamProtocol(asyncio.Protocol):
     # -- closing -----------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Read no more; close now if nothing is owed, else after the last answer."""
+        """Serve no more lines; close now if nothing is owed, else after the last answer."""
         if self._transport is None:
             return
         if not self.owed:
-            self.close()
+            self._linger()
+
+    def _linger(self) -> None:
+        """Half-close and discard what the client still sends until it closes (or
+        `StreamFrontend.wait_closed` gives up): closing a socket with unread bytes
+        sends a reset, which can destroy answers the client has not read yet."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        if self.read_paused:
+            self.read_paused = False
+            transport.resume_reading()
 
     def close(self) -> None:
         """Close the connection after what is already written."""
