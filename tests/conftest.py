@@ -177,3 +177,32 @@ def load_generator() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape_metrics(b: Broker, port: int | None = None) -> Samples:
+    """Every sample of the broker's GET /metrics (on `port`, else its RPC port), keyed
+    by (name, sorted labels), parsed by prometheus-client's own text parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection(b.host, port or b.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        body = response.read()
+        assert response.status == 200, (response.status, body)
+        assert response.getheader("content-type", "").startswith("text/plain; version=0.0.4")
+    finally:
+        conn.close()
+    out: Samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    """One sample's value (0 when absent)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)

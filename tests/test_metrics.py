@@ -15,36 +15,16 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import Broker, wait_for
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import Broker, Samples, sample, scrape_metrics, wait_for
 
 from broker.metrics import BATCH_BUCKETS, SECONDS_BUCKETS, Histogram, LatencyHistogram, outcome_name
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+def scrape(b: Broker, port: int | None = None) -> Samples:
+    return scrape_metrics(b, port)
 
 
-def scrape(b: Broker, path: str = "/metrics", port: int | None = None) -> Samples:
-    """Every sample of the exposition, keyed by (name, sorted labels)."""
-    import http.client
-
-    conn = http.client.HTTPConnection(b.host, port or b.port, timeout=30)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        body = response.read()
-        assert response.status == 200, (response.status, body)
-        assert response.getheader("content-type", "").startswith("text/plain; version=0.0.4")
-    finally:
-        conn.close()
-    out: Samples = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+value = sample
 
 
 def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:

@@ -12,7 +12,6 @@ the lines under test and checks that the sentinel's answer is the next line.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import select
@@ -29,8 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Broker, start_broker, wait_for
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import ROOT, Broker, Samples, sample, scrape_metrics, start_broker, wait_for
 
 MAX_BODY = 2000  # --max-body-bytes of the shared broker
 PARSE_ERROR = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error"}}'
@@ -173,28 +171,11 @@ def connect(where: str | int, timeout: float = 10.0) -> Stream:
     return Stream(sock)
 
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
 def scrape(b: Broker, port: int | None = None) -> Samples:
-    """Every sample of GET /metrics, keyed by (name, sorted labels)."""
-    conn = http.client.HTTPConnection(b.host, port or b.port, timeout=30)
-    try:
-        conn.request("GET", "/metrics")
-        response = conn.getresponse()
-        body = response.read()
-        assert response.status == 200, (response.status, body)
-    finally:
-        conn.close()
-    out: Samples = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+    return scrape_metrics(b, port)
 
 
-def metric(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+metric = sample
 
 
 def delta(before: Samples, after: Samples, name: str, transport: str) -> float:

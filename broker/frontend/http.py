@@ -32,7 +32,6 @@ by one sweep per second for all connections, not a timer per request.
 from __future__ import annotations
 
 import asyncio
-import logging
 import typing
 from collections import deque
 from http import HTTPStatus
@@ -40,17 +39,16 @@ from http import HTTPStatus
 import httptools
 
 from broker.dispatch import Dispatcher, Exchange
-from broker.jsonrpc import Codec, ErrorCode, error_object, response_error
+from broker.frontend.base import Listener
+from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 __all__ = ["HttpFrontend", "HttpProtocol"]
 
-log = logging.getLogger("broker.http")
 
 PIPELINE_HIGH = 64  # requests owed on one connection before reading pauses
 PIPELINE_LOW = 16  # ... and resumes
 MAX_HEADER_BYTES = 64 * 1024  # request line and headers, like nginx's large buffers
-SWEEP_SECONDS = 1.0
 PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
 _PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
 
@@ -102,7 +100,7 @@ class _Scrape:
         self.keep_alive = keep_alive
 
 
-class HttpFrontend:
+class HttpFrontend(Listener):
     """Shared state of all HTTP connections: codec, dispatcher, limits, connections."""
 
     def __init__(
@@ -119,39 +117,21 @@ class HttpFrontend:
         serve_rpc: bool = True,
         transport: str = "http",
     ) -> None:
-        self.dispatcher = dispatcher
-        self.codec = Codec(max_batch)
+        super().__init__(
+            dispatcher, transport=transport, max_body_bytes=max_body_bytes, max_batch=max_batch,
+            keepalive_timeout=keepalive_timeout, max_connections=max_connections,
+        )  # fmt: skip
         # A metrics-only listener (metrics_port) answers no RPC path: b"" matches no URL.
         self.rpc_path = rpc_path.encode() if serve_rpc else b""
         self.metrics = metrics  # makes the /metrics body; None: 404 on /metrics
-        self.max_body_bytes = max_body_bytes
-        self.keepalive_timeout = keepalive_timeout
-        self.max_connections = max_connections
-        self.transport = transport  # the metrics' label: "http", or "metrics" for its own listener
-        self.refused_total = 0
-        self.received_bytes = 0
-        self.sent_bytes = 0
-        self.statuses: dict[bytes, int] = {}  # b"200": responses written with that status
         self.ready = ready or (lambda: dispatcher.ready_workers > 0)
-        self.connections: set[HttpProtocol] = set()
-        self.draining = False
-        self.loop = asyncio.get_running_loop()
-        self._sweeper: asyncio.TimerHandle | None = None
         self.too_large = _json_response(
             413, _error_body(ErrorCode.INVALID_REQUEST, f"body exceeds max_body_bytes {max_body_bytes}"), False
         )
 
-    def refused(self) -> None:
-        """Count a connection turned away at max_connections (logged now and then)."""
-        self.refused_total += 1
-        if self.refused_total == 1 or self.refused_total % 1000 == 0:
-            log.warning("max_connections %d reached: refusing connections (%d so far)",
-                        self.max_connections, self.refused_total)
-
     def protocol(self) -> HttpProtocol:
         """Protocol factory for `loop.create_server`."""
-        if self._sweeper is None:
-            self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
+        self.start_sweeping()
         return HttpProtocol(self)
 
     def _sweep(self) -> None:
@@ -162,7 +142,6 @@ class HttpFrontend:
                 conn.close()
             elif conn.head_started and now - conn.head_started > limit:
                 conn.close()  # a head trickling in (slowloris): nginx's client_header_timeout
-        self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
 
     def drain(self) -> None:
         """Close idle keep-alive connections now; the others close after their next
@@ -172,16 +151,6 @@ class HttpFrontend:
         for conn in list(self.connections):
             if not conn.owed and conn.requests and not conn.head_started:
                 conn.close()
-
-    async def wait_closed(self, timeout: float) -> None:
-        """Wait up to `timeout` s for connections to finish writing and close."""
-        deadline = self.loop.time() + timeout
-        while self.connections and self.loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        for conn in list(self.connections):
-            conn.abort()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
 
 
 class HttpProtocol(asyncio.Protocol):

@@ -27,23 +27,21 @@ Limits:
 from __future__ import annotations
 
 import asyncio
-import logging
 import typing
 
 from broker.dispatch import Dispatcher, Exchange
-from broker.jsonrpc import Codec, ErrorCode, error_object, response_error
+from broker.frontend.base import Listener
+from broker.jsonrpc import ErrorCode, error_object, response_error
 
 __all__ = ["StreamFrontend", "StreamProtocol"]
 
-log = logging.getLogger("broker.stream")
 
 PIPELINE_HIGH = 64  # bodies owed on one connection before reading pauses (as for HTTP)
 PIPELINE_LOW = 16  # ... and resumes
-SWEEP_SECONDS = 1.0
 _NL = b"\n"
 
 
-class StreamFrontend:
+class StreamFrontend(Listener):
     """Shared state of the NDJSON connections of one listener (TCP or Unix).
 
     transport: the `transport` label of the metrics ("tcp" or "unix").
@@ -59,20 +57,10 @@ class StreamFrontend:
         keepalive_timeout: float = 75.0,
         max_connections: int = 10000,
     ) -> None:
-        self.dispatcher = dispatcher
-        self.transport = transport
-        self.codec = Codec(max_batch)
-        self.max_body_bytes = max_body_bytes
-        self.keepalive_timeout = keepalive_timeout
-        self.max_connections = max_connections
-        self.connections: set[StreamProtocol] = set()
-        self.refused_total = 0
-        self.received_bytes = 0
-        self.sent_bytes = 0
-        self.statuses: dict[bytes, int] = {}  # (HTTP only; kept so metrics treat front-ends alike)
-        self.draining = False
-        self.loop = asyncio.get_running_loop()
-        self._sweeper: asyncio.TimerHandle | None = None
+        super().__init__(
+            dispatcher, transport=transport, max_body_bytes=max_body_bytes, max_batch=max_batch,
+            keepalive_timeout=keepalive_timeout, max_connections=max_connections,
+        )  # fmt: skip
         self.too_long = (
             response_error(
                 b"null",
@@ -83,8 +71,7 @@ class StreamFrontend:
 
     def protocol(self) -> StreamProtocol:
         """Protocol factory for `loop.create_server` / `create_unix_server`."""
-        if self._sweeper is None:
-            self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
+        self.start_sweeping()
         return StreamProtocol(self)
 
     def _sweep(self) -> None:
@@ -94,23 +81,12 @@ class StreamFrontend:
             # (not while the broker itself has stopped reading: the rest may be waiting)
             if conn.line_started and not conn.read_paused and now - conn.line_started > limit:
                 conn.close()  # a line trickling in, never finished
-        self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
 
     def drain(self) -> None:
         """Stop reading new lines; connections close once they owe nothing."""
         self.draining = True
         for conn in list(self.connections):
             conn.drain()
-
-    async def wait_closed(self, timeout: float) -> None:
-        """Wait up to `timeout` s for connections to finish writing and close."""
-        deadline = self.loop.time() + timeout
-        while self.connections and self.loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        for conn in list(self.connections):
-            conn.abort()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
 
 
 class StreamProtocol(asyncio.Protocol):
@@ -134,10 +110,7 @@ class StreamProtocol(asyncio.Protocol):
         self._transport = typing.cast(asyncio.Transport, transport)
         fe = self._fe
         if len(fe.connections) >= fe.max_connections or fe.draining:
-            fe.refused_total += 1
-            if fe.refused_total == 1 or fe.refused_total % 1000 == 0:
-                log.warning("%s: max_connections %d reached: refusing connections (%d so far)",
-                            fe.transport, fe.max_connections, fe.refused_total)
+            fe.refused()
             self._transport.close()
             return
         fe.connections.add(self)
