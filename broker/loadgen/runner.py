@@ -313,7 +313,7 @@ class LoadConnection(asyncio.Protocol):
         self._transport = typing.cast(asyncio.Transport, transport)
         if self._s.stopped:  # a reconnect that finished after the run: uvloop's loop.close()
             self._aborted = True  # would wait for this open transport forever
-            self._transport.close()
+            self._transport.abort()
             return
         self._aborted = False
         self.connected = True
@@ -439,13 +439,15 @@ class LoadConnection(asyncio.Protocol):
         return len(self._inflight) + unsent
 
     def close(self) -> None:
-        """Stop: cancel the timer and close the transport."""
+        """Stop: cancel the timer and drop the transport. Aborted, not closed: a close
+        waits to flush what is buffered, and a server that stopped reading would keep
+        the handle open past the run (uvloop's loop.close() then fails with EBUSY)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._aborted = True
         if self._transport is not None:
-            self._transport.close()
+            self._transport.abort()
 
 
 class HttpLoadConnection(LoadConnection):
