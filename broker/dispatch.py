@@ -78,7 +78,9 @@ _clock = time.perf_counter
 
 
 def _error_code(error: bytes) -> int:
-    """The code of a worker's error object (it encodes `code` first)."""
+    """The code of a worker's error object (it encodes `code` first); -32603 if it
+    cannot be read. `jsonrpc.http_status` of it is the HTTP status of a single response
+    (e.g. 400 for -32600 past max_depth; 200 for codes not in `jsonrpc.ERRORS`)."""
     end = error.find(b",", _CODE_AT)
     try:
         return int(error[_CODE_AT:end])
@@ -105,16 +107,6 @@ def _answer_code(answer: bytes) -> int:
     except ValueError:
         return ErrorCode.INVALID_REQUEST
 
-
-def _error_status(error: bytes) -> int:
-    """HTTP status of a single response carrying a worker's error object, by its code
-    (as `jsonrpc.ERRORS` says: e.g. 400 for -32600 past max_depth; 200 if not ours).
-    Error replies only; the worker encodes error objects code first."""
-    end = error.find(b",", _CODE_AT)
-    try:
-        return http_status(int(error[_CODE_AT:end]))
-    except ValueError:
-        return 200
 
 
 class Exchange:
@@ -606,9 +598,10 @@ class Dispatcher:
                     metrics.result(call.index, _clock() - call.arrival, aux)
                 exchange.fill(call.slot, response_result(call.id, payload))
             else:
+                code = _error_code(payload)
                 if metrics is not None:
-                    metrics.answered(call.index, _error_code(payload), _clock() - call.arrival)
-                exchange.fill(call.slot, response_error(call.id, payload), _error_status(payload))
+                    metrics.answered(call.index, code, _clock() - call.arrival)
+                exchange.fill(call.slot, response_error(call.id, payload), http_status(code))
         elif call.tick:  # a notification
             self._deadlines.remove(call)
         else:  # its deadline passed: the client has its answer already
