@@ -672,21 +672,21 @@ def _progress(rep: int, server: str, key: str, tool: str, m: Measure) -> None:
           f"p50 {m.p50:7.2f} ms p99 {m.p99:7.2f} ms  {state}", flush=True)
 
 
-def dispatcher_cost() -> list[str]:
-    """benchmarks/metrics_cost.py's figures (the dispatcher's CPU per call, metrics on
-    and off, in-process: steadier than throughput on a shared machine)."""
+def frontend_cost() -> list[str]:
+    """benchmarks/hotpath.py's figures (the front-end's CPU per call, metrics on and
+    off, in-process: steadier than throughput on a shared machine)."""
     try:
-        out = subprocess.run([PY, str(HERE / "metrics_cost.py"), "--calls", "100000", "--rounds", "5"],
-                             capture_output=True, text=True, timeout=300, check=True).stdout
+        out = subprocess.run([PY, str(HERE / "hotpath.py"), "--metrics", "both", "--rounds", "5"],
+                             capture_output=True, text=True, timeout=600, check=True).stdout
     except (subprocess.SubprocessError, OSError) as e:
-        return [f"(benchmarks/metrics_cost.py failed: {e})"]
+        return [f"(benchmarks/hotpath.py failed: {e})"]
     return ["```", *out.strip().splitlines(), "```"]
 
 
 def metrics_cost(results: dict[str, dict[str, dict[str, list[Measure]]]], in_process: list[str]) -> list[str]:
     """The "Metrics cost" section: broker-2w (metrics on, the default) against
     broker-2w-nometrics in the scenarios both ran, and `in_process` (the output of
-    `dispatcher_cost`); empty if they did not run."""
+    `frontend_cost`); empty if they did not run."""
     rows = []
     for key in ("S1-64", "S2"):
         for tool in ("loadgen", "wrk"):
@@ -702,11 +702,12 @@ def metrics_cost(results: dict[str, dict[str, dict[str, list[Measure]]]], in_pro
             "broker-2w counts every call for `GET /metrics` (the default); broker-2w-nometrics is the same broker "
             "with `--no-metrics`. Medians of calls/s; the target is a loss under 5 %. The CPU each costs per "
             "call, steadier than throughput on a shared machine: `benchmarks/wrk_broker.py --metrics both` and "
-            "`benchmarks/metrics_cost.py`.", "",
+            "`benchmarks/hotpath.py --metrics both`.", "",
             "| scenario | load | metrics on, calls/s | metrics off, calls/s | change |", "|---|---|---:|---:|---:|",
             *rows, "", "Throughput on a shared 2-core machine moves by more than the metrics cost; the CPU the "
-            "dispatcher spends per call, in-process with no sockets (`benchmarks/metrics_cost.py`, alternating "
-            "rounds), shows the cost itself (the dispatcher is about a fifth of the broker's CPU per single call; "
+            "front-end spends per call from HTTP request bytes to HTTP response bytes, in-process with no sockets "
+            "(`benchmarks/hotpath.py`, alternating rounds), shows the cost itself (system calls and the event "
+            "loop, about half of the process's CPU per single call, are left out; "
             "`benchmarks/wrk_broker.py --metrics both` measures the whole process's):", "", *in_process, ""]
 
 
@@ -787,7 +788,7 @@ def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, l
                           "here the checking generator (one Python process on the same cores) is the limit, so "
                           "the checked figures understate the fastest servers and compress the ratios.", ""]
         measured = any(s.name == "broker-2w-nometrics" for s in servers)
-        lines += metrics_cost(results, dispatcher_cost() if measured else [])
+        lines += metrics_cost(results, frontend_cost() if measured else [])
         lines += ["## Targets", ""]
         lines += targets(results, "loadgen" if has_loadgen else "wrk")
     return "\n".join(lines).rstrip() + "\n"

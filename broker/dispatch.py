@@ -40,6 +40,7 @@ import typing
 from collections import Counter, deque
 from collections.abc import Callable
 
+import msgspec
 from msgspec import Raw
 
 from broker import wire
@@ -75,6 +76,7 @@ _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _CODE_AT = len(b'{"code":')
 _clock = time.perf_counter
+_NO_ID = Raw()
 
 
 def _error_code(error: bytes) -> int:
@@ -109,24 +111,26 @@ def _answer_code(answer: bytes) -> int:
 
 
 
-class Exchange:
+class Exchange(msgspec.Struct, eq=False):
     """The answers owed for one request body: a single response or a batch array.
 
-    answers: one entry per answered element, in request order; None until filled.
-    remaining: slots still waiting for a worker.
+    batch: True when the body was a batch (the answer is an array).
     status: HTTP status of the whole answer (a non-batch error may change it).
     on_done: called once, with this exchange, when the last slot is filled.
+    answers: one entry per answered element, in request order; None until filled.
+    remaining: slots still waiting for a worker.
+    context: the front-end's own per-request state.
+
+    A Struct (as `Call`): one is made per request, and a Struct's C `__init__` costs
+    a fraction of a Python one's.
     """
 
-    __slots__ = ("answers", "batch", "context", "on_done", "remaining", "status")
-
-    def __init__(self, batch: bool, status: int, on_done: Callable[[Exchange], None]) -> None:
-        self.context: object = None  # the front-end's own per-request state
-        self.batch = batch
-        self.answers: list[bytes | None] = []
-        self.remaining = 0
-        self.status = status
-        self.on_done = on_done
+    batch: bool
+    status: int
+    on_done: Callable[[Exchange], None]
+    answers: list[bytes | None] = []
+    remaining: int = 0
+    context: object = None
 
     def fill(self, slot: int, answer: bytes, status: int = 200) -> None:
         """Put one response in its slot; call back if it was the last one."""
@@ -157,38 +161,36 @@ class Route(typing.NamedTuple):
     timeout: float
 
 
-class Call:
-    """One call (or notification) on its way through the broker."""
+class Call(msgspec.Struct, eq=False):
+    """One call (or notification, or chunk of a batch) on its way through the broker.
 
-    __slots__ = (
-        "arrival", "call_id", "exchange", "id", "ids", "index", "kind", "methods", "params", "slot",
-        "slots", "tick", "timeout", "weight", "worker",
-    )  # fmt: skip
+    Made with `Call.of` (one request) or `Call.chunk` (several calls of one batch).
+    eq=False: calls compare and hash by identity (they are keys of the deadline wheel).
+    """
 
-    def __init__(
-        self,
-        call_id: int,
-        exchange: Exchange | None,
-        slot: int,
-        request: Request,
-        route: Route,
-        arrival: float,
-    ) -> None:
-        self.call_id = call_id
-        self.arrival = arrival  # when the call arrived (time.perf_counter)
-        self.exchange = exchange  # None for a notification, or once answered
-        self.slot = slot
-        self.id = request.id
-        self.kind = _CALL if exchange is not None else _NOTIFY
-        self.index = route.method_index
-        self.params: Raw | bytes = request.params
-        self.timeout = route.timeout
-        self.worker: Worker | None = None
-        self.tick = 0  # its slot in the DeadlineWheel; 0 once expired or answered
-        self.weight = 1  # calls it stands for (a chunk stands for several)
-        self.slots: list[int] | None = None  # a chunk's answer slots (-1: notification)
-        self.ids: list[Raw] | None = None  # a chunk's raw client ids
-        self.methods: list[int] | None = None  # a chunk's method indexes
+    call_id: int  # the broker's own id on the wire
+    exchange: Exchange | None  # None for a notification, or once answered
+    slot: int  # its answer's place in the exchange (-1: none)
+    id: Raw  # the client's raw id
+    kind: int  # wire.Kind of its frame: CALL, NOTIFY or CHUNK
+    index: int  # method index (a chunk: its number of entries)
+    params: Raw | bytes  # raw params (a chunk: its CALL_ENTRY payload)
+    timeout: float  # seconds
+    arrival: float  # when the call arrived (time.perf_counter)
+    worker: Worker | None = None
+    tick: int = 0  # its slot in the DeadlineWheel; 0 once expired or answered
+    weight: int = 1  # calls it stands for (a chunk stands for several)
+    slots: list[int] | None = None  # a chunk's answer slots (-1: notification)
+    ids: list[Raw] | None = None  # a chunk's raw client ids
+    methods: list[int] | None = None  # a chunk's method indexes
+
+    @classmethod
+    def of(cls, call_id: int, exchange: Exchange | None, slot: int, request: Request, route: Route, arrival: float) -> Call:
+        """One request (a call, or a notification when `exchange` is None)."""
+        return cls(
+            call_id, exchange, slot, request.id, _CALL if exchange is not None else _NOTIFY,
+            route.method_index, request.params, route.timeout, arrival,
+        )  # fmt: skip
 
     @classmethod
     def chunk(
@@ -201,28 +203,27 @@ class Call:
     ) -> Call:
         """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
         one deadline (they share `timeout`), one reply."""
-        self = cls.__new__(cls)
-        self.call_id = call_id
-        self.slots = [slot for slot, _, _ in entries]
-        self.exchange = exchange if any(slot >= 0 for slot in self.slots) else None
-        self.slot = -1
-        self.id = Raw()
-        self.ids = [request.id for _, request, _ in entries]
-        self.methods = [route.method_index for _, _, route in entries]
-        self.arrival = arrival
-        self.kind = _CHUNK
-        self.index = len(entries)
+        slots = [slot for slot, _, _ in entries]
         payload = bytearray()
         pack = _CALL_ENTRY.pack
         for slot, request, route in entries:
             payload += pack(route.method_index, 0 if slot >= 0 else _NOTIFY_FLAG, len(request.params))
             payload += request.params
-        self.params = bytes(payload)
-        self.timeout = timeout
-        self.worker = None
-        self.tick = 0
-        self.weight = len(entries)
-        return self
+        return cls(
+            call_id,
+            exchange if any(slot >= 0 for slot in slots) else None,
+            -1,
+            _NO_ID,
+            _CHUNK,
+            len(entries),
+            bytes(payload),
+            timeout,
+            arrival,
+            weight=len(entries),
+            slots=slots,
+            ids=[request.id for _, request, _ in entries],
+            methods=[route.method_index for _, _, route in entries],
+        )
 
 
 class DispatcherStats(typing.NamedTuple):
@@ -433,6 +434,20 @@ class Dispatcher:
         exchange has `remaining == 0` it is complete already and `on_done` will not
         be called: the caller answers at once.
         """
+        if not body.batch:  # the common case first: one call to a registered method
+            request = body.items[0]
+            if type(request) is Request and request.id:
+                route = self._routes.get(request.method)
+                if route is not None:
+                    exchange = Exchange(False, 200, on_done)
+                    exchange.answers.append(None)
+                    exchange.remaining = 1
+                    self.calls_total += 1
+                    self._start(
+                        Call.of(next(self._ids), exchange, 0, request, route, _clock()),
+                        self._loop.time(),
+                    )
+                    return exchange
         exchange = Exchange(body.batch, body.status, on_done)
         entries = self._entries(body, exchange)
         now = self._loop.time()  # for deadlines (uvloop: milliseconds, cached per loop turn)
@@ -446,9 +461,9 @@ class Dispatcher:
             for slot, request, route in entries:
                 if slot >= 0:
                     exchange.remaining += 1
-                    self._start(Call(next(self._ids), exchange, slot, request, route, arrival), now)
+                    self._start(Call.of(next(self._ids), exchange, slot, request, route, arrival), now)
                 else:
-                    self._start(Call(next(self._ids), None, -1, request, route, arrival), now)
+                    self._start(Call.of(next(self._ids), None, -1, request, route, arrival), now)
         return exchange if exchange.answers else None
 
     def _entries(self, body: Body, exchange: Exchange) -> list[tuple[int, Request, Route]]:
@@ -503,7 +518,7 @@ class Dispatcher:
                 part = group[first::chunks]
                 if len(part) == 1:
                     slot, request, route = part[0]
-                    call = Call(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival)
+                    call = Call.of(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival)
                 else:
                     # A chunk goes to a worker below its concurrency limit like a call
                     # does, so it may overshoot the limit by its size; it queues and is

@@ -14,7 +14,7 @@ LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 
 
 def make_call(call_id: int, timeout: float) -> Call:
-    return Call(call_id, None, -1, Request("2.0", "m"), Route(0, timeout), 0.0)
+    return Call.of(call_id, None, -1, Request("2.0", "m"), Route(0, timeout), 0.0)
 
 
 @pytest.mark.parametrize("loop_name", sorted(LOOPS))

@@ -288,7 +288,7 @@ class HttpProtocol(asyncio.Protocol):
     # -- httptools callbacks -------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self.head_started = self._fe.loop.time()
+        self.head_started = self.last_active  # set by data_received, which is running
         self._content_length = 0
         self._url = b""
         self._body = []
@@ -438,8 +438,17 @@ class HttpProtocol(asyncio.Protocol):
     def _exchange_done(self, exchange: Exchange) -> None:
         if self._transport is None:
             return
-        if self._responses and self._responses[0] is exchange:
-            self._flush_ready()
+        responses = self._responses
+        if responses and responses[0] is exchange:
+            if len(responses) == 1 and not self._read_paused:  # the common case: nothing else owed
+                responses.popleft()
+                keep_alive = bool(exchange.context)
+                self._write(
+                    _json_response(exchange.status, exchange.body(), keep_alive, self._keep_header if keep_alive else b""),
+                    keep_alive,
+                )
+            else:
+                self._flush_ready()
 
     def _scrape_response(self, scrape: _Scrape) -> bytes:
         metrics = typing.cast(typing.Callable[[], bytes], self._fe.metrics)
