@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
+import re
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -24,11 +27,13 @@ from pathlib import Path
 import httptools
 import msgspec
 import pytest
+from conftest import ROOT, wait_for
 
 from broker import cli
 from broker.jsonrpc import Codec, Request, response_result
 from broker.loadgen import runner, schedule
-from broker.loadgen.check import Checker, Tally
+from broker.loadgen.check import Answer, Checker, Tally
+from broker.loadgen.plot import PlotError, load_reports
 from broker.loadgen.report import build_report, merge
 from broker.loadgen.stats import SCHEMA, Latency, Report
 from broker.loadgen.workload import Call, Expect, MixError, Workload, load_mix
@@ -300,6 +305,123 @@ def test_mix_files_toml_and_json(tmp_path):
         Workload([Call("add", "3")])
 
 
+_CALL = '[[call]]\nmethod = "add"\n'
+
+
+@pytest.mark.parametrize(("name", "text", "words"), [
+    # not JSON / not TOML / not UTF-8
+    ("bad.json", '[{"method": "add",]', "not valid JSON: "),
+    ("bad.toml", '[[call]\nmethod = "add"\n', "not valid TOML: "),
+    ("mix.txt", _CALL, "not valid JSON (only a .toml file is read as TOML): "),
+    ("latin1.toml", b'[[call]]\nmethod = "\xe9"\n', "not UTF-8 text: "),
+    # the wrong shape
+    ("scalar.json", "3", 'expected a list of calls, or an object {"calls": [...]}; got a number'),
+    ("top.json", '{"cals": []}', "unknown top-level key 'cals'"),
+    ("top.toml", 'kall = 1\n' + _CALL, "unknown top-level key 'kall'; expected [[call]] tables"),
+    ("object.json", '{"calls": {"method": "add"}}', "'calls' must be an array of call tables, got an object"),
+    ("table.toml", '[call]\nmethod = "add"\n', "'call' must be an array of call tables, got an object: "
+                                               "write [[call]], not [call]"),
+    ("entry.json", '[{"method": "add"}, 7]', "entry 2 ($[1]): Expected `object`, got `int`"),
+    ("empty.toml", "", "no calls (expected [[call]] tables)"),
+    ("empty.json", "[]", "no calls (expected a list of calls"),
+    # a key missing, unknown, of the wrong type or out of range, in a given entry
+    ("missing.json", '{"calls": [{"method": "add"}, {"params": [1]}]}',
+     "entry 2 ($.calls[1]): Object missing required field `method`"),
+    ("missing.toml", _CALL + '\n[[call]]\nweight = 2\n', "[[call]] table 2: Object missing required field `method`"),
+    ("unknown.toml", _CALL + "wieght = 2\n", "[[call]] table 1: Object contains unknown field `wieght`"),
+    ("type.json", '[{"method": 3}]', "entry 1 ($[0]), key 'method': Expected `str`, got `int`"),
+    ("params.json", '[{"method": "add", "params": 3}]', "entry 1 ($[0]), key 'params': Expected `object | array"),
+    ("weight.toml", _CALL + "weight = 0\n", "[[call]] table 1, key 'weight': Expected `float` > 0.0"),
+    ("inf.toml", _CALL + "weight = inf\n", "[[call]] table 1, key 'weight': must be finite, got inf"),
+    ("huge.json", '[{"method": "a", "weight": 1e308}, {"method": "b", "weight": 1e308}]', "weights add up"),
+])
+def test_mix_file_errors_name_the_file_and_the_entry(tmp_path, capsys, name, text, words):
+    """Every way a --mix file can be wrong gives one message that names the file, and for
+    a bad entry which entry and which key; the command exits 2 before any load."""
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(MixError) as caught:
+        load_mix(path)
+    message = str(caught.value)
+    assert message.startswith(f"mix file {path}: ") and words in message, message
+    assert cli.main(["bench", "http://127.0.0.1:1/", "-q", "--mix", str(path)]) == 2
+    assert capsys.readouterr().err == f"rpc-broker bench: {message}\n"
+
+
+def test_an_unreadable_mix_file_is_named(tmp_path, capsys):
+    for path, why in ((tmp_path / "nowhere.toml", "No such file or directory"), (tmp_path, "Is a directory")):
+        assert cli.main(["bench", "http://127.0.0.1:1/", "-q", "--mix", str(path)]) == 2
+        assert capsys.readouterr().err == f"rpc-broker bench: mix file {path}: cannot read it: {why}\n"
+
+
+# -- bench plot: its inputs ----------------------------------------------------------------------
+
+def _saved_report(requests: int = 10) -> Report:
+    spec = runner.Spec(target="http://127.0.0.1:1/", calls=[Call("add", "[1,2]")], duration=2.0)
+    t = Tally()
+    t.requests = t.calls = requests
+    h = Latency()
+    h.record_many([1000, 2000] * requests)
+    return build_report(spec, t, h)
+
+
+def _edit(**changes: object) -> str:
+    data = json.loads(_saved_report().to_json())
+    for key, value in changes.items():
+        if value is None:
+            del data[key]
+        else:
+            data[key] = value
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("{not json", "not valid JSON: "),
+    ("", "not valid JSON: "),
+    ("[1, 2]", "Expected `object`, got `array`"),
+    (_edit(check=None), "Object missing required field `check`"),
+    (_edit(requests="many"), "key 'requests': Expected `int`, got `str`"),
+    (_edit(check={"wrong_id": 0, "missing": 0, "duplicate": 0, "malformed": 0, "ok": "yes"}),
+     "key 'check.ok': Expected `bool`, got `str`"),
+    (_edit(schema="rpc-broker-bench/9"), "key 'schema': Invalid enum value 'rpc-broker-bench/9'"),
+    (_edit(extra=1), "Object contains unknown field `extra`"),
+], ids=["bad-json", "empty", "array", "missing-key", "wrong-type", "nested-key", "other-schema", "unknown-key"])
+def test_plot_input_errors_name_the_file_and_the_key(tmp_path, capsys, text, words):
+    """`bench plot good.json bad.json`: the message names bad.json (and the key that is
+    wrong), not good.json; nothing is drawn."""
+    good = tmp_path / "good.json"
+    good.write_bytes(_saved_report().to_json())
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    png = tmp_path / "out.png"
+    assert cli.main(["bench", "plot", str(good), str(bad), "-o", str(png)]) == 2
+    err = capsys.readouterr().err
+    prefix = f"rpc-broker bench plot: input file {bad}: "
+    assert err.startswith(prefix) and words in err and str(good) not in err, err
+    if words.startswith("not valid JSON"):
+        assert "schema" not in err
+    else:
+        assert err.startswith(f"{prefix}not a report of 'rpc-broker bench --json' (schema {SCHEMA}): "), err
+    assert not png.exists()
+    with pytest.raises(PlotError, match=re.escape(f"input file {bad}: ")):
+        load_reports([good, bad])
+
+
+def test_plot_unreadable_inputs_and_unwritable_output_are_named(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    good.write_bytes(_saved_report().to_json())
+    for path, why in ((tmp_path / "nowhere.json", "No such file or directory"), (tmp_path, "Is a directory")):
+        assert cli.main(["bench", "plot", str(good), str(path), "-o", str(tmp_path / "out.png")]) == 2
+        assert capsys.readouterr().err == f"rpc-broker bench plot: input file {path}: cannot read it: {why}\n"
+    out = tmp_path / "missing-dir" / "out.png"
+    assert cli.main(["bench", "plot", str(good), "-o", str(out)]) == 2
+    assert capsys.readouterr().err == f"rpc-broker bench plot: cannot write {out}: No such file or directory\n"
+    # a run with no answer measured has no curve: drawn without one (and without a warning)
+    empty = tmp_path / "empty.json"
+    empty.write_bytes(_saved_report(requests=0).to_json())
+    assert cli.main(["bench", "plot", str(empty), "-o", str(tmp_path / "empty.png")]) == 0
+
+
 # -- the checker, sans-IO ----------------------------------------------------------------------
 
 def _check(status: int, body: bytes, exp: Expect) -> Tally:
@@ -342,8 +464,6 @@ def _r(id_: str, result: str = "3") -> str:
     (200, f'[{_r("1")},{_r("2")},7]', THREE, (0, 0, 0, 1), {}),
     (200, "[]", THREE, (0, 3, 0, 1), {}),
     (200, _r("1"), THREE, (0, 3, 0, 1), {}),  # an object for a batch
-    (400, '{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"too big"}}', THREE, (0, 0, 0, 0),
-     {-32600: 1}),
     (200, "not json", THREE, (0, 2, 0, 1), {}),
     (200, f"[{_r('7')},{_r('7')}]", REPEATED, (0, 0, 0, 0), {}),
     (200, f"[{_r('7')}]", REPEATED, (0, 1, 0, 0), {}),
@@ -360,6 +480,46 @@ def test_checker(status, body, exp, counts, errors):
     if exp is ONE:  # the fast path (`Workload.body` gives a single call's id as a Raw) agrees
         fast = _check(status, body.encode(), msgspec.Raw(ONE.ids[0]))
         assert (_counts(fast), fast.errors_by_code, fast.requests, fast.calls) == (counts, errors, 1, 1)
+
+
+REFUSED = (b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Invalid Request",'
+           b'"data":"batch of 3 elements exceeds max_batch 2"}}')
+
+
+def _refusal(t: Tally) -> tuple[int, int, int, dict[int, int], tuple[int, int, int, int]]:
+    return t.requests, t.calls, t.refused_batches, t.errors_by_code, _counts(t)
+
+
+def test_a_batch_refused_whole_is_one_error_answer_and_no_calls():
+    """One error object with "id": null answering a batch: the server refused the whole
+    body (a broker past its max_batch). It is an answer, not a failure: one request, one
+    error under its code, one refused batch, and no calls (none of them ran)."""
+    refused = (1, 0, 1, {-32600: 1}, (0, 0, 0, 0))
+    for status in (400, 200):
+        assert _refusal(_check(status, REFUSED, THREE)) == refused
+    # the same answer as an NDJSON line, decoded by the reader or not
+    for decoded in (None, msgspec.json.decode(REFUSED, type=Answer | list[Answer])):
+        t = Tally()
+        Checker(t).check_line(REFUSED, THREE, decoded)
+        assert _refusal(t) == refused
+    # a batch of only notifications refused whole: the same (an invalid request is answered)
+    assert _refusal(_check(400, REFUSED, Expect(True, (), 3))) == refused
+    # during warm-up it is checked, not counted
+    t = Tally()
+    t.recording = False
+    Checker(t).check(400, REFUSED, THREE)
+    assert _refusal(t) == (0, 0, 0, {}, (0, 0, 0, 0))
+    # not a refusal: an error with an id of its own for a batch; id null for a single call
+    other = b'{"jsonrpc":"2.0","id":1,"error":{"code":-32600,"message":"x"}}'
+    assert _refusal(_check(400, other, THREE)) == (1, 3, 0, {}, (0, 3, 0, 1))
+    assert _refusal(_check(400, REFUSED, ONE)) == (1, 1, 0, {-32600: 1}, (0, 0, 0, 0))
+    # the count goes from the load processes to the parent, and adds up there
+    t = _check(400, REFUSED, THREE)
+    result = runner.ProcessResult(t.requests, t.calls, t.errors_by_code, 0, 0, 0, 0, 0, 0, Latency().encode(),
+                                  refused_batches=t.refused_batches)
+    result = msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=runner.ProcessResult)
+    merged = merge([result, result])[0]
+    assert _refusal(merged) == (2, 0, 2, {-32600: 2}, (0, 0, 0, 0))
 
 
 # -- schedule, histograms ----------------------------------------------------------------------
@@ -412,12 +572,19 @@ def test_report_schema_is_exact():
     t.requests, t.calls, t.errors_by_code = 10, 10, {-32601: 2}
     h = Latency()
     h.record_many([1000, 2000])
-    data = json.loads(build_report(spec, t, h).to_json())
+    t.refused_batches = 3
+    data = json.loads(build_report(spec, t, h, unsent=7).to_json())
     assert list(data) == ["schema", "target", "mode", "connections", "depth", "rate", "batch", "processes",
                           "duration_s", "warmup_s", "requests", "calls", "requests_per_s", "calls_per_s",
-                          "errors_by_code", "transport_errors", "check", "latency_ms", "percentiles"]
+                          "errors_by_code", "transport_errors", "refused_batches", "unsent_requests", "check",
+                          "latency_ms", "percentiles"]
     assert data["schema"] == SCHEMA and data["rate"] is None and data["requests_per_s"] == 5.0
     assert data["errors_by_code"] == {"-32601": 2}
+    assert (data["refused_batches"], data["unsent_requests"]) == (3, 7)
+    # a file written before these two keys existed still loads (bench plot reads old runs)
+    older = {k: v for k, v in data.items() if k not in ("refused_batches", "unsent_requests")}
+    rep = Report.from_json(json.dumps(older).encode())
+    assert (rep.refused_batches, rep.unsent_requests, rep.requests) == (0, 0, 10)
     assert list(data["check"]) == ["wrong_id", "missing", "duplicate", "malformed", "ok"]
     assert list(data["latency_ms"]) == ["p50", "p90", "p99", "p99.9", "max", "mean"]
     assert all(len(pt) == 2 for pt in data["percentiles"])
@@ -734,3 +901,125 @@ def test_stream_nothing_listening(short_dir, capsys):
                      "--timeout", "2"])
     assert code == 1
     assert f"first problem: cannot connect to unix://{sock}" in capsys.readouterr().err
+
+
+# -- the final report: requests never sent, batches refused whole, 80 columns ---------------------
+
+def test_open_loop_requests_never_sent_are_in_the_json(serve, tmp_path):
+    """The server stops answering after its 20th request: each connection's one slot
+    stays taken until --timeout gives it up, so most of the schedule is never sent.
+    Every planned request is accounted for once: answered, lost, or never sent."""
+    s = serve("stall", stall_after=20, stall_s=600.0)
+    rate, connections = 200, 2
+    code, rep = bench(tmp_path, s.url, "--rate", str(rate), "-c", str(connections), "--warmup", "0",
+                      "--timeout", "0.3")
+    assert code == 1  # lost requests are transport errors
+    assert rep.unsent_requests > 0 and rep.transport_errors > 0 and rep.requests >= 19
+    planned = schedule.planned(rate, connections, rep.duration_s)
+    assert rep.requests + rep.transport_errors + rep.unsent_requests == planned
+    # a closed loop has no schedule: nothing is ever "due but unsent"
+    code, rep = bench(tmp_path, serve("ok").url)
+    assert code == 0 and rep.unsent_requests == 0
+
+
+def test_a_batch_over_the_brokers_max_batch_is_one_refused_request(broker_factory, broker, tmp_path):
+    """A broker refuses a batch past its max_batch with one -32600 error object (not an
+    array). The run counts what happened: one answered request per batch, one error under
+    -32600, one refused batch, and no calls (none ran). It is an answer, not a wrong one:
+    exit 0, as for single calls answered with errors. Over HTTP and NDJSON, with one and
+    two load processes; and a batch that fits still counts all its calls."""
+    port = _free_port()
+    b = broker_factory("--workers", "1", "--max-batch", "4", "--stream-port", str(port))
+    wait_for(lambda: "serving NDJSON JSON-RPC on tcp://" in b.read_log())
+    http = f"http://{b.host}:{b.port}{b.path}"
+    for url in (http, f"tcp://127.0.0.1:{port}"):
+        code, rep = bench(tmp_path, url, "--batch", "4", "-c", "2")
+        assert code == 0 and rep.check.ok and rep.transport_errors == 0, (url, rep)
+        assert rep.requests > 0 and rep.calls == 4 * rep.requests and rep.refused_batches == 0
+        assert rep.errors_by_code == {}
+        for flags in (["--batch", "5", "-c", "2"], ["--batch", "5", "-c", "2", "-P", "2", "-d", "2"]):
+            code, rep = bench(tmp_path, url, *flags)
+            assert code == 0 and rep.check.ok and rep.transport_errors == 0, (url, flags, rep)
+            assert rep.requests > 0 and rep.refused_batches == rep.requests, (url, flags, rep)
+            assert rep.errors_by_code == {"-32600": rep.requests}
+            assert rep.calls == 0 and rep.calls_per_s == 0.0
+    # a batch of only notifications refused whole: the same (HTTP answers every body)
+    code, rep = bench(tmp_path, http, "--mix", str(_notif(tmp_path)), "--batch", "5", "-c", "2")
+    assert code == 0 and rep.check.ok and rep.requests > 0
+    assert (rep.refused_batches, rep.calls, rep.errors_by_code) == (rep.requests, 0, {"-32600": rep.requests})
+    # the case as users meet it: --batch 1001 against the default max_batch of 1000
+    code, rep = bench(tmp_path, f"http://{broker.host}:{broker.port}{broker.path}", "--batch", "1001", "-c", "2")
+    assert code == 0 and rep.check.ok and rep.requests > 0
+    assert (rep.refused_batches, rep.calls, rep.errors_by_code) == (rep.requests, 0, {"-32600": rep.requests})
+
+
+TABLE_LABELS = ("load", "requests/s", "calls/s", "JSON-RPC errors", "check failures", "transport errors",
+                "latency ms")
+
+
+def _bench_piped(tmp_path: Path, columns: str | None, url: str, *flags: str) -> tuple[int, str, Report]:
+    """Run `rpc-broker bench` in a child process with its stdout a pipe (COLUMNS unset or
+    set); return its exit code, what it printed and its --json report."""
+    out = tmp_path / f"piped{len(list(tmp_path.glob('piped*.json')))}.json"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COLUMNS", "LINES", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
+    if columns is not None:
+        env["COLUMNS"] = columns
+    done = subprocess.run([sys.executable, "-m", "broker", "bench", url, "--json", str(out), "-c", "2",
+                           "--duration", "0.5", "--warmup", "0.1", *flags],
+                          cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode, done.stdout, Report.from_json(out.read_bytes())
+
+
+def _figures(rep: Report) -> list[str]:
+    """Every figure of the report, as the table writes it."""
+    c, lat = rep.check, rep.latency_ms
+    figures = [f"rpc-broker bench: {rep.target}", f"{rep.connections} connections", f"batch {rep.batch}",
+               f"{rep.duration_s:g} s measured after {rep.warmup_s:g} s warm-up",
+               f"requests/s {rep.requests_per_s:,.1f} ({rep.requests:,} requests)",
+               f"calls/s {rep.calls_per_s:,.1f} ({rep.calls:,} calls)",
+               "JSON-RPC errors " + (", ".join(f"{k}: {n:,}" for k, n in rep.errors_by_code.items()) or "none"),
+               f"check failures wrong id {c.wrong_id:,}, missing {c.missing:,}, duplicate {c.duplicate:,}, "
+               f"malformed {c.malformed:,}",
+               f"transport errors {rep.transport_errors:,}"]
+    if rep.refused_batches:
+        figures.append(f"refused batches {rep.refused_batches:,} (each answered by one error")
+    if rep.unsent_requests:
+        figures.append(f"never sent {rep.unsent_requests:,} scheduled requests")
+    if rep.requests:
+        figures += [f"p50 {lat.p50:.3f} p90 {lat.p90:.3f} p99 {lat.p99:.3f}",
+                    f"p99.9 {lat.p99_9:.3f} max {lat.max:.3f} mean {lat.mean:.3f}"]
+    else:
+        figures.append("latency ms n/a (no answer was measured)")
+    return figures
+
+
+@pytest.mark.parametrize("columns", [None, "80"], ids=["COLUMNS-unset", "COLUMNS-80"])
+def test_final_table_fits_80_columns_in_a_pipe(serve, broker_factory, tmp_path, columns):
+    """The final table read from a pipe (as in CI logs) or an 80-column terminal: no line
+    past 80 characters, each label whole at the start of its line, every figure there.
+    Three runs fill every row: an open loop against a server that stops answering (lost
+    and never-sent requests, a first problem), batches a broker refuses whole (errors by
+    code), and wrong ids (check failures, a long first problem that must wrap)."""
+    b = broker_factory("--workers", "1", "--max-batch", "4")
+    runs = [
+        (serve("stall", stall_after=20, stall_s=600.0).url, ["--rate", "200", "--timeout", "0.3"], 1),
+        (f"http://{b.host}:{b.port}{b.path}", ["--batch", "5", "-P", "2"], 0),
+        (serve("wrong_id").url, ["--batch", "4"], 1),
+    ]
+    for url, flags, expected in runs:
+        code, stdout, rep = _bench_piped(tmp_path, columns, url, *flags)
+        assert code == expected, stdout
+        lines = stdout.splitlines()
+        assert "\x1b" not in stdout  # no colour codes into a pipe
+        assert max(len(line) for line in lines) <= 80, stdout
+        for label in TABLE_LABELS:
+            assert any(line.startswith(f"{label} ") for line in lines), (label, stdout)
+        flat = " ".join(stdout.split())  # values that wrapped inside their column read on
+        for figure in _figures(rep):
+            assert figure in flat, (figure, stdout)
+        if code:
+            assert any(line.startswith("first problem ") for line in lines), stdout
+    assert rep.check.wrong_id > 0  # the last run

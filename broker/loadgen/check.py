@@ -22,7 +22,12 @@ Rules (JSON-RPC 2.0 spec sections 5, 5.1 and 6):
 * Accepted without failure: an error answer with ``"id": null`` to a *single* call
   (the server could not read the id: spec section 5), and one error object with
   ``"id": null`` answering a whole batch (a server refusing the body, e.g. a batch
-  over its limit); their codes are counted in ``errors_by_code``.
+  over its limit); their codes are counted in ``errors_by_code``, once per answer.
+* A batch refused whole is counted as a request (it was answered) and in
+  ``refused_batches``, but its calls are not counted in ``calls``: none of them ran.
+  It is a JSON-RPC error answer like any other, not a failure (a batch of only
+  notifications refused whole included: the spec makes the server answer an invalid
+  request even when it holds no id).
 
 On a stream the runner first finds the body a line answers (by id, see `runner`), then
 checks the line against that body's `Expect` with the same rules; the lines it cannot
@@ -58,9 +63,12 @@ class _ErrorObject(msgspec.Struct, gc=False):
 class Tally:
     """Counters of one load process (all ints; merged by `add`).
 
-    requests / calls: answered request bodies and the calls they held, counted
-        only while recording (`recording` True: after warm-up).
+    requests / calls: answered request bodies and the calls answered in them,
+        counted only while recording (`recording` True: after warm-up). A batch
+        refused whole is a request but adds no calls.
     errors_by_code: JSON-RPC error answers by code (while recording).
+    refused_batches: batches answered by one error object for the whole body
+        (while recording); each also counts once in `errors_by_code`.
     wrong_id / missing / duplicate / malformed: check failures (always counted:
         a wrong answer during warm-up is still wrong).
     transport_errors: requests lost to the transport (reset, closed, timed out,
@@ -70,13 +78,14 @@ class Tally:
     """
 
     __slots__ = ("calls", "duplicate", "errors_by_code", "first_problem", "malformed", "missing",
-                 "recording", "requests", "transport_errors", "wrong_id")
+                 "recording", "refused_batches", "requests", "transport_errors", "wrong_id")
 
     def __init__(self) -> None:
         self.recording = True
         self.requests = 0
         self.calls = 0
         self.errors_by_code: dict[int, int] = {}
+        self.refused_batches = 0
         self.wrong_id = 0
         self.missing = 0
         self.duplicate = 0
@@ -105,6 +114,7 @@ class Tally:
         self.calls += other.calls
         for code, n in other.errors_by_code.items():
             self.errors_by_code[code] = self.errors_by_code.get(code, 0) + n
+        self.refused_batches += other.refused_batches
         self.wrong_id += other.wrong_id
         self.missing += other.missing
         self.duplicate += other.duplicate
@@ -253,6 +263,20 @@ class Checker:
             by_code[code] = by_code.get(code, 0) + 1
         return True
 
+    def _refused(self, a: Answer, expect: Expect) -> bool:
+        """Whether the single object ``a`` answering the batch ``expect`` is one error
+        with ``"id": null`` for the whole body (the server refused it, e.g. past its
+        batch limit); if so, count it as one error and one refused batch. The calls
+        the callers counted on entry for this body are taken back: none of them ran."""
+        if not (bytes(a.id) == _NULL and len(a.error) and len(a.result) == 0 and a.jsonrpc == "2.0"
+                and self._count_error(a.error)):
+            return False
+        tally = self.tally
+        if tally.recording:
+            tally.calls -= expect.calls
+            tally.refused_batches += 1
+        return True
+
     def _valid(self, a: Answer, klass: int) -> bool:
         """Shape of one answer; counts its error code. False = malformed."""
         if a.jsonrpc != "2.0" or len(a.id) == 0:
@@ -265,14 +289,12 @@ class Checker:
                already_bad: int = 0) -> None:
         tally = self.tally
         ids = expect.ids
+        if not array and expect.batch and self._refused(answers[0], expect):
+            return
         if not ids:
             tally.malformed += max(1, len(answers))  # answers to notifications only
             return
         if array != expect.batch or (array and klass != 2) or (array and not answers and not already_bad):
-            if (not array and expect.batch and bytes(answers[0].id) == _NULL and len(answers[0].error)
-                    and len(answers[0].result) == 0 and answers[0].jsonrpc == "2.0"
-                    and self._count_error(answers[0].error)):
-                return  # one error for the whole batch: the server refused the body
             tally.malformed += 1
             tally.missing += len(ids)
             return

@@ -139,16 +139,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(ns: argparse.Namespace) -> int:
-    import msgspec
-
-    from broker.loadgen.plot import plot
+    from broker.loadgen.plot import PlotError, plot
 
     try:
         plot(ns.files, ns.output, ns.title)
     except ImportError as exc:  # matplotlib is the optional `plot` extra
         print(f"{PROG} plot: {exc}; install the plot extra: pip install 'rpc-broker[plot]'", file=sys.stderr)
         return 2
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except PlotError as exc:  # names the file (and the key) that is wrong
         print(f"{PROG} plot: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {ns.output}")
@@ -209,9 +207,9 @@ def _bench(ns: argparse.Namespace) -> int:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     tally, hist, unsent, drain = rep.merge(results)
-    report = rep.build_report(spec, tally, hist, drain)
+    report = rep.build_report(spec, tally, hist, drain, unsent)
     if not ns.quiet or not ns.json:
-        rep.print_table(report, unsent, console, tally.first_problem)
+        rep.print_table(report, console, tally.first_problem)
     if ns.json:
         try:
             Path(ns.json).write_bytes(report.to_json())

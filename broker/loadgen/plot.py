@@ -3,16 +3,22 @@
 The x axis is ``1 / (1 - p)`` on a log scale, as HdrHistogram's plotter draws it, so
 50%, 90%, 99%, 99.9% and 99.99% are evenly spaced; y is latency in ms. Each curve is
 labelled by its file's stem (or by its target when two files share a stem).
+
+Every input is read and checked before matplotlib is imported, so a bad file is
+reported (naming it, and the key that is wrong) even where matplotlib is missing.
 """
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 
-from broker.loadgen.stats import Report
+import msgspec
 
-__all__ = ["TICKS", "plot"]
+from broker.loadgen.stats import SCHEMA, Report
+
+__all__ = ["TICKS", "PlotError", "load_reports", "plot"]
 
 TICKS: tuple[tuple[float, str], ...] = (
     (50.0, "50%"), (90.0, "90%"), (99.0, "99%"), (99.9, "99.9%"), (99.99, "99.99%"))
@@ -24,22 +30,57 @@ def _x(percentile: float) -> float:
     return _MAX_X if rest <= 1.0 / _MAX_X else 1.0 / rest
 
 
+class PlotError(ValueError):
+    """An input file the plot cannot use, or an output it cannot write; the message
+    names the file (and, for a report that does not follow the schema, the key)."""
+
+
+_AT = re.compile(r"(.*) - at `\$\.?(.*)`", re.S)
+
+
+def load_reports(files: typing.Sequence[str | Path]) -> list[tuple[Path, Report]]:
+    """Read and check each ``--json`` report; raises `PlotError` for the first file
+    that cannot be read, is not JSON, or does not follow the schema."""
+    out: list[tuple[Path, Report]] = []
+    for f in files:
+        path = Path(f)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise PlotError(f"input file {path}: cannot read it: {exc.strerror or exc}") from None
+        try:
+            report = Report.from_json(data)
+        except msgspec.ValidationError as exc:  # before DecodeError: it is a subclass
+            text = str(exc)
+            m = _AT.fullmatch(text)
+            if m:
+                text = f"key {m[2]!r}: {m[1]}"
+            raise PlotError(f"input file {path}: not a report of 'rpc-broker bench --json' "
+                            f"(schema {SCHEMA}): {text}") from None
+        except msgspec.DecodeError as exc:
+            raise PlotError(f"input file {path}: not valid JSON: {exc}") from None
+        out.append((path, report))
+    return out
+
+
 def plot(files: typing.Sequence[str | Path], out: str | Path, title: str | None = None) -> None:
     """Draw the ``percentiles`` curves of the given ``--json`` reports into the PNG ``out``.
 
-    Raises OSError for unreadable files, `msgspec.ValidationError` /
-    `msgspec.DecodeError` for a file that does not follow the schema.
+    Raises `PlotError` naming the file for an input that cannot be read or does
+    not follow the schema, or an output that cannot be written; ImportError when
+    matplotlib is missing.
     """
+    reports = load_reports(files)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    reports = [(Path(f), Report.from_json(Path(f).read_bytes())) for f in files]
     stems = [p.stem for p, _ in reports]
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
     try:
         top = 1.0
+        drawn = 0
         for (path, rep), stem in zip(reports, stems):
             label = stem if stems.count(stem) == 1 else f"{rep.target} ({path.name})"
             pts = [(_x(p), ms) for p, ms in rep.percentiles if p < 100.0]
@@ -50,6 +91,7 @@ def plot(files: typing.Sequence[str | Path], out: str | Path, title: str | None 
             xs, ys = zip(*pts)
             top = max(top, *xs)
             ax.plot(xs, ys, label=label, linewidth=1.5)
+            drawn += 1
         ax.set_xscale("log")
         ticks = [(_x(p), name) for p, name in TICKS]
         ax.set_xticks([x for x, _ in ticks], [name for _, name in ticks])
@@ -59,8 +101,12 @@ def plot(files: typing.Sequence[str | Path], out: str | Path, title: str | None 
         ax.set_ylim(bottom=0)
         ax.grid(True, which="major", alpha=0.4)
         ax.set_title(title or "Latency by percentile")
-        ax.legend(loc="upper left")
+        if drawn:  # a run with no answer measured has no curve (and an empty legend warns)
+            ax.legend(loc="upper left")
         fig.tight_layout()
-        fig.savefig(str(out), format="png")
+        try:
+            fig.savefig(str(out), format="png")
+        except OSError as exc:
+            raise PlotError(f"cannot write {out}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)

@@ -207,6 +207,7 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
 
     histogram: `Latency.encode()` of its latencies (µs).
     unsent: open-loop requests that were due but never sent before the drain ended.
+    refused_batches: batches the server answered with one error for the whole body.
     drain_s: how long answers kept coming after the measured window (an overloaded
         server in open loop answers the backlog then).
     """
@@ -223,12 +224,14 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
     histogram: bytes
     drain_s: float = 0.0  # seconds from the end of the measured window to the last answer
     first_problem: str = ""
+    refused_batches: int = 0
 
     def tally(self) -> Tally:
         """The counters as a `Tally`."""
         t = Tally()
         t.requests, t.calls = self.requests, self.calls
         t.errors_by_code = dict(self.errors_by_code)
+        t.refused_batches = self.refused_batches
         t.wrong_id, t.missing, t.duplicate, t.malformed = (
             self.wrong_id, self.missing, self.duplicate, self.malformed)
         t.transport_errors = self.transport_errors
@@ -975,7 +978,7 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
     hist.record_many(s.lat)
     return ProcessResult(tally.requests, tally.calls, dict(tally.errors_by_code), tally.wrong_id,
                          tally.missing, tally.duplicate, tally.malformed, tally.transport_errors,
-                         unsent, hist.encode(), drain_s, tally.first_problem)
+                         unsent, hist.encode(), drain_s, tally.first_problem, tally.refused_batches)
 
 
 # -- several processes ----------------------------------------------------------------------

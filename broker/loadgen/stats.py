@@ -14,13 +14,22 @@ fields are fixed by the schema below (names, types, units):
     connections, depth, batch, processes: ints as run
     rate          requests/s asked for (open loop), null for closed loop
     duration_s, warmup_s: seconds
-    requests, calls: answered request bodies / calls in them, measured window only
+    requests, calls: answered request bodies / calls answered in them, measured
+                  window only (a batch refused whole is a request with no calls)
     requests_per_s, calls_per_s: the above divided by duration_s
-    errors_by_code: {"<JSON-RPC code>": count}
+    errors_by_code: {"<JSON-RPC code>": count}, one per error answer
     transport_errors: requests lost to resets, closes, timeouts, refused connects
+    refused_batches: batches answered by one error object for the whole body (e.g.
+                  past the server's batch limit), measured window only; each is
+                  also one count in errors_by_code. Not a check failure.
+    unsent_requests: open loop: requests that were due but never sent by the end of
+                  the drain (the "never sent" of the table); 0 in closed loop
     check         {"wrong_id", "missing", "duplicate", "malformed": int, "ok": bool}
     latency_ms    {"p50", "p90", "p99", "p99.9", "max", "mean": float ms}
     percentiles   [[percentile (0..100), ms], ...] ascending: the plotted curve
+
+refused_batches and unsent_requests were added to version 1 without a new schema
+name: they default to 0 when read, so files written before them still load.
 """
 
 from __future__ import annotations
@@ -141,7 +150,7 @@ class LatencyMs(msgspec.Struct, forbid_unknown_fields=True):
     mean: float = 0.0
 
 
-class Report(msgspec.Struct, forbid_unknown_fields=True):
+class Report(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One run, as written by ``--json`` (schema ``rpc-broker-bench/1``; see module doc)."""
 
     schema: typing.Literal["rpc-broker-bench/1"]
@@ -160,6 +169,8 @@ class Report(msgspec.Struct, forbid_unknown_fields=True):
     calls_per_s: float
     errors_by_code: dict[str, int]
     transport_errors: int
+    refused_batches: int = 0  # absent from files written before it
+    unsent_requests: int = 0  # absent from files written before it
     check: Check
     latency_ms: LatencyMs
     percentiles: list[tuple[float, float]]

@@ -31,6 +31,7 @@ tell a duplicate answer from an answer with an id that was never sent).
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import tomllib
@@ -82,39 +83,91 @@ class _MixEntry(msgspec.Struct, forbid_unknown_fields=True):
     notification: bool = False
 
 
-class _MixFile(msgspec.Struct, forbid_unknown_fields=True):
-    calls: list[_MixEntry] = []
-    call: list[_MixEntry] = []
+_JSON_KINDS: dict[type, str] = {list: "an array", dict: "an object", str: "a string", bool: "a boolean",
+                                int: "a number", float: "a number", type(None): "null"}
+
+
+def _kind(value: object) -> str:
+    """What a decoded JSON/TOML value is, in JSON's words (for messages)."""
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
+_AT = re.compile(r"(.*) - at `\$(.*)`", re.S)
+
+
+def _entry_error(path: Path, where: str, exc: msgspec.ValidationError) -> MixError:
+    """`exc` (one entry's validation error) as a message naming the file, the entry
+    and, where msgspec gives one, the key: ``mix file m.json: entry 2 ($[1]), key
+    "weight": Expected `float` > 0.0``."""
+    text = str(exc)
+    m = _AT.fullmatch(text)
+    if m:
+        text = m[1]
+        where += f", key {m[2].lstrip('.')!r}"
+    return MixError(f"mix file {path}: {where}: {text}")
 
 
 def load_mix(path: str | Path) -> list[Call]:
     """Read a mix file: TOML (``[[call]]`` tables) or JSON (a list of entries, or
     ``{"calls": [...]}``); each entry ``{method, params?, weight?, notification?}``.
 
-    Raises `MixError` naming the file on any problem (unknown key, bad type,
-    weight <= 0, empty mix).
+    Raises `MixError` on any problem, naming the file and, for a bad entry, which
+    one and which key: unreadable file, not TOML/JSON, wrong shape, unknown or
+    missing key, bad type, weight not finite and > 0, empty mix.
     """
     path = Path(path)
+    toml = path.suffix.lower() == ".toml"
     try:
         text = path.read_bytes()
-        data: object
-        if path.suffix.lower() == ".toml":
-            data = tomllib.loads(text.decode())
-        else:
-            data = json.loads(text)
-        if isinstance(data, list):
-            data = {"calls": data}
-        mix = msgspec.convert(data, _MixFile)
-    except (OSError, ValueError, msgspec.ValidationError) as exc:
-        raise MixError(f"mix file {path}: {exc}") from None
-    entries = mix.calls + mix.call
-    if not entries:
-        raise MixError(f"mix file {path}: no calls (expected [[call]] tables or a list)")
-    return [
-        Call(e.method, None if e.params is None else msgspec.json.encode(e.params).decode(),
-             e.weight, e.notification)
-        for e in entries
-    ]
+    except OSError as exc:
+        raise MixError(f"mix file {path}: cannot read it: {exc.strerror or exc}") from None
+    data: object
+    try:
+        data = tomllib.loads(text.decode()) if toml else json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise MixError(f"mix file {path}: not UTF-8 text: {exc}") from None
+    except RecursionError:
+        raise MixError(f"mix file {path}: nested too deeply to read") from None
+    except ValueError as exc:  # tomllib.TOMLDecodeError, json.JSONDecodeError
+        hint = "" if toml or path.suffix.lower() == ".json" else " (only a .toml file is read as TOML)"
+        raise MixError(f"mix file {path}: not valid {'TOML' if toml else 'JSON'}{hint}: {exc}") from None
+    shape = ("expected [[call]] tables" if toml
+             else 'expected a list of calls, or an object {"calls": [...]}')
+    tables: list[tuple[str, list[object]]]  # (name of the list, for messages; its entries)
+    if isinstance(data, list):
+        tables = [("", data)]
+    elif isinstance(data, dict):
+        tables = []
+        for key, value in data.items():
+            if key not in ("call", "calls"):
+                raise MixError(f"mix file {path}: unknown top-level key {key!r}; {shape}")
+            if not isinstance(value, list):
+                fix = f": write [[{key}]], not [{key}]" if toml and isinstance(value, dict) else ""
+                raise MixError(f"mix file {path}: {key!r} must be an array of call tables, "
+                               f"got {_kind(value)}{fix}")
+            tables.append((key, value))
+    else:
+        raise MixError(f"mix file {path}: {shape}; got {_kind(data)}")
+    calls: list[Call] = []
+    for key, entries in tables:
+        for i, raw in enumerate(entries):
+            if toml:
+                where = f"[[{key}]] table {i + 1}"
+            else:
+                where = f"entry {i + 1} ($[{i}])" if not key else f"entry {i + 1} ($.{key}[{i}])"
+            try:
+                e = msgspec.convert(raw, _MixEntry)
+            except msgspec.ValidationError as exc:
+                raise _entry_error(path, where, exc) from None
+            if not math.isfinite(e.weight):
+                raise MixError(f"mix file {path}: {where}, key 'weight': must be finite, got {e.weight}")
+            params = None if e.params is None else msgspec.json.encode(e.params).decode()
+            calls.append(Call(e.method, params, e.weight, e.notification))
+    if not calls:
+        raise MixError(f"mix file {path}: no calls ({shape})")
+    if not math.isfinite(sum(c.weight for c in calls)):
+        raise MixError(f"mix file {path}: the weights add up to more than a float holds; make them smaller")
+    return calls
 
 
 class Expect(typing.NamedTuple):
