@@ -342,6 +342,9 @@ def run_loadgen(cmd: list[str], url: str, sc: Scenario, duration: float, warmup:
     ok = bool(check.get("ok")) and not errors and not r.get("transport_errors")
     problem = "" if ok else json.dumps({"check": check, "errors_by_code": errors,
                                          "transport_errors": r.get("transport_errors")})[:300]
+    if lat.get("p50") is None or lat.get("p99") is None:  # nothing was answered: no latency to report
+        return Measure(float(r["requests_per_s"]), float(r["calls_per_s"]), 0, 0, None, False,
+                       problem or "no answer was timed")
     return Measure(float(r["requests_per_s"]), float(r["calls_per_s"]), float(lat["p50"]), float(lat["p99"]),
                    float(lat["p99.9"]) if lat.get("p99.9") is not None else None, ok, problem)
 

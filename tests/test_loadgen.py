@@ -13,14 +13,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,21 +56,14 @@ class _ServerState:
         self.held = 0  # NDJSON "shuffle": answers written late
 
 
-class FaultyHttp(asyncio.Protocol):
-    """One server connection. Modes: ok, missing (drops the last answer of a batch),
-    wrong_id, duplicate (answers the first call twice), malformed (cuts the JSON),
-    close (closes the connection instead of answering), stall (holds every answer
-    for `stall_s` once `stall_after` requests have arrived)."""
+class _HttpServer(asyncio.Protocol):
+    """A test server's HTTP connection: httptools parses, the body is gathered in
+    `body`; subclasses answer in `on_message_complete`."""
 
-    def __init__(self, state: _ServerState, loop: asyncio.AbstractEventLoop) -> None:
-        self.state = state
-        self.loop = loop
-        self.codec = Codec()
+    def __init__(self) -> None:
         self.parser = httptools.HttpRequestParser(self)
         self.body: list[bytes] = []
         self.transport: asyncio.Transport | None = None
-        self.held: list[bytes] = []
-        self.flush_at: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -77,6 +73,21 @@ class FaultyHttp(asyncio.Protocol):
 
     def on_body(self, chunk: bytes) -> None:
         self.body.append(chunk)
+
+
+class FaultyHttp(_HttpServer):
+    """One server connection. Modes: ok, missing (drops the last answer of a batch),
+    wrong_id, duplicate (answers the first call twice), malformed (cuts the JSON),
+    close (closes the connection instead of answering), stall (holds every answer
+    for `stall_s` once `stall_after` requests have arrived)."""
+
+    def __init__(self, state: _ServerState, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self.state = state
+        self.loop = loop
+        self.codec = Codec()
+        self.held: list[bytes] = []
+        self.flush_at: asyncio.TimerHandle | None = None
 
     def on_message_complete(self) -> None:
         st = self.state
@@ -200,43 +211,55 @@ class FaultyNdjson(asyncio.Protocol):
             self.write(tail)
 
 
-class FaultyServer:
-    """A `FaultyHttp` (or `FaultyNdjson`) server on 127.0.0.1 in a thread with its own
-    uvloop loop."""
+class _ThreadServer:
+    """A uvloop server on 127.0.0.1, in a thread, making one `factory()` per connection."""
 
-    def __init__(self, mode: str = "ok", stall_after: int = 0, stall_s: float = 0.0,
-                 ndjson: bool = False) -> None:
+    def __init__(self, factory: typing.Callable[[], asyncio.Protocol]) -> None:
         import uvloop
 
-        self.state = _ServerState(mode, stall_after, stall_s)
-        self.ndjson = ndjson
         self.loop = uvloop.new_event_loop()
         self.loop_errors: list[dict[str, object]] = []
         self.loop.set_exception_handler(lambda _loop, ctx: self.loop_errors.append(ctx))
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.url = f"tcp://127.0.0.1:{self.port}" if ndjson else f"http://127.0.0.1:{self.port}/"
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.started = threading.Event()
-        self.thread.start()
-        assert self.started.wait(10)
+        self.connections = 0
+        started = threading.Event()
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        kind = FaultyNdjson if self.ndjson else FaultyHttp
-        self.server = self.loop.run_until_complete(
-            self.loop.create_server(lambda: kind(self.state, self.loop), sock=self.sock))
-        self.loop.call_soon(self.started.set)
-        self.loop.run_forever()
-        self.server.close()
-        self.loop.run_until_complete(self.server.wait_closed())
-        self.loop.close()
+        def counted() -> asyncio.Protocol:
+            self.connections += 1
+            return factory()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            server = self.loop.run_until_complete(self.loop.create_server(counted, sock=self.sock))
+            self.loop.call_soon(started.set)
+            self.loop.run_forever()
+            server.close()
+            self.loop.run_until_complete(server.wait_closed())
+            self.loop.close()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(10)
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         assert not self.loop_errors, self.loop_errors
+
+
+class FaultyServer(_ThreadServer):
+    """A `FaultyHttp` (or `FaultyNdjson`) server on 127.0.0.1 in a thread with its own
+    uvloop loop."""
+
+    def __init__(self, mode: str = "ok", stall_after: int = 0, stall_s: float = 0.0,
+                 ndjson: bool = False) -> None:
+        self.state = _ServerState(mode, stall_after, stall_s)
+        self.ndjson = ndjson
+        kind = FaultyNdjson if ndjson else FaultyHttp
+        super().__init__(lambda: kind(self.state, self.loop))
+        self.url = f"tcp://127.0.0.1:{self.port}" if ndjson else f"http://127.0.0.1:{self.port}/"
 
 
 @pytest.fixture
@@ -416,10 +439,13 @@ def test_plot_unreadable_inputs_and_unwritable_output_are_named(tmp_path, capsys
     out = tmp_path / "missing-dir" / "out.png"
     assert cli.main(["bench", "plot", str(good), "-o", str(out)]) == 2
     assert capsys.readouterr().err == f"rpc-broker bench plot: cannot write {out}: No such file or directory\n"
-    # a run with no answer measured has no curve: drawn without one (and without a warning)
+    # a run with no answer measured has no curve: alone, there is nothing to draw
     empty = tmp_path / "empty.json"
     empty.write_bytes(_saved_report(requests=0).to_json())
-    assert cli.main(["bench", "plot", str(empty), "-o", str(tmp_path / "empty.png")]) == 0
+    assert cli.main(["bench", "plot", str(empty), "-o", str(tmp_path / "empty.png")]) == 2
+    assert f"nothing to plot: no input has a latency curve (no answer was measured in {empty})" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "empty.png").exists()
 
 
 # -- the checker, sans-IO ----------------------------------------------------------------------
@@ -476,10 +502,12 @@ def test_checker(status, body, exp, counts, errors):
     t = _check(status, body.encode(), exp)
     assert _counts(t) == counts
     assert t.errors_by_code == errors
-    assert (t.requests, t.calls) == (1, exp.calls)
+    # calls answered: a call whose answer is missing, wrong or malformed is not counted
+    answered = exp.calls - min(len(exp.ids), counts[0] + counts[1] + counts[3])
+    assert (t.requests, t.calls) == (1, answered)
     if exp is ONE:  # the fast path (`Workload.body` gives a single call's id as a Raw) agrees
         fast = _check(status, body.encode(), msgspec.Raw(ONE.ids[0]))
-        assert (_counts(fast), fast.errors_by_code, fast.requests, fast.calls) == (counts, errors, 1, 1)
+        assert (_counts(fast), fast.errors_by_code, fast.requests, fast.calls) == (counts, errors, 1, answered)
 
 
 REFUSED = (b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Invalid Request",'
@@ -511,7 +539,7 @@ def test_a_batch_refused_whole_is_one_error_answer_and_no_calls():
     assert _refusal(t) == (0, 0, 0, {}, (0, 0, 0, 0))
     # not a refusal: an error with an id of its own for a batch; id null for a single call
     other = b'{"jsonrpc":"2.0","id":1,"error":{"code":-32600,"message":"x"}}'
-    assert _refusal(_check(400, other, THREE)) == (1, 3, 0, {}, (0, 3, 0, 1))
+    assert _refusal(_check(400, other, THREE)) == (1, 0, 0, {}, (0, 3, 0, 1))
     assert _refusal(_check(400, REFUSED, ONE)) == (1, 1, 0, {-32600: 1}, (0, 0, 0, 0))
     # the count goes from the load processes to the parent, and adds up there
     t = _check(400, REFUSED, THREE)
@@ -574,17 +602,19 @@ def test_report_schema_is_exact():
     h.record_many([1000, 2000])
     t.refused_batches = 3
     data = json.loads(build_report(spec, t, h, unsent=7).to_json())
-    assert list(data) == ["schema", "target", "mode", "connections", "depth", "rate", "batch", "processes",
-                          "duration_s", "warmup_s", "requests", "calls", "requests_per_s", "calls_per_s",
+    assert list(data) == ["schema", "target", "mode", "connections", "depth", "pipeline", "rate", "batch",
+                          "processes", "duration_s", "warmup_s", "timeout_s", "ids", "seed", "workload",
+                          "requests", "calls", "calls_counted", "requests_per_s", "calls_per_s",
                           "errors_by_code", "transport_errors", "refused_batches", "unsent_requests", "check",
-                          "latency_ms", "percentiles"]
+                          "latency_ms", "percentiles", "interrupted"]
     assert data["schema"] == SCHEMA and data["rate"] is None and data["requests_per_s"] == 5.0
     assert data["errors_by_code"] == {"-32601": 2}
     assert (data["refused_batches"], data["unsent_requests"]) == (3, 7)
     # a file written before these two keys existed still loads (bench plot reads old runs)
-    older = {k: v for k, v in data.items() if k not in ("refused_batches", "unsent_requests")}
+    assert data["interrupted"] is False
+    older = {k: v for k, v in data.items() if k not in ("refused_batches", "unsent_requests", "interrupted")}
     rep = Report.from_json(json.dumps(older).encode())
-    assert (rep.refused_batches, rep.unsent_requests, rep.requests) == (0, 0, 10)
+    assert (rep.refused_batches, rep.unsent_requests, rep.requests, rep.interrupted) == (0, 0, 10, False)
     assert list(data["check"]) == ["wrong_id", "missing", "duplicate", "malformed", "ok"]
     assert list(data["latency_ms"]) == ["p50", "p90", "p99", "p99.9", "max", "mean"]
     assert all(len(pt) == 2 for pt in data["percentiles"])
@@ -759,7 +789,7 @@ def test_a_plain_http_server_is_named_as_the_first_problem(tmp_path, capsys):
 def test_an_unwritable_json_path_is_refused_before_the_run(tmp_path, capsys):
     code = cli.main(["bench", "http://127.0.0.1:1/", "-q", "--json", str(tmp_path / "missing-dir" / "run.json")])
     assert code == 2
-    assert "not a writable file path" in capsys.readouterr().err  # refused up front, before any load
+    assert "cannot write" in capsys.readouterr().err  # refused up front, before any load
 
 
 # -- NDJSON stream targets (tcp://, unix://) ------------------------------------------------------
@@ -978,8 +1008,8 @@ def _figures(rep: Report) -> list[str]:
     c, lat = rep.check, rep.latency_ms
     figures = [f"rpc-broker bench: {rep.target}", f"{rep.connections} connections", f"batch {rep.batch}",
                f"{rep.duration_s:g} s measured after {rep.warmup_s:g} s warm-up",
-               f"requests/s {rep.requests_per_s:,.1f} ({rep.requests:,} requests)",
-               f"calls/s {rep.calls_per_s:,.1f} ({rep.calls:,} calls)",
+               f"requests/s {rep.requests_per_s:,.1f} ({rep.requests:,} request",
+               f"calls/s {rep.calls_per_s:,.1f} ({rep.calls:,} call",
                "JSON-RPC errors " + (", ".join(f"{k}: {n:,}" for k, n in rep.errors_by_code.items()) or "none"),
                f"check failures wrong id {c.wrong_id:,}, missing {c.missing:,}, duplicate {c.duplicate:,}, "
                f"malformed {c.malformed:,}",
@@ -988,7 +1018,7 @@ def _figures(rep: Report) -> list[str]:
         figures.append(f"refused batches {rep.refused_batches:,} (each answered by one error")
     if rep.unsent_requests:
         figures.append(f"never sent {rep.unsent_requests:,} scheduled requests")
-    if rep.requests:
+    if lat.p50 is not None:
         figures += [f"p50 {lat.p50:.3f} p90 {lat.p90:.3f} p99 {lat.p99:.3f}",
                     f"p99.9 {lat.p99_9:.3f} max {lat.max:.3f} mean {lat.mean:.3f}"]
     else:
@@ -1023,3 +1053,461 @@ def test_final_table_fits_80_columns_in_a_pipe(serve, broker_factory, tmp_path, 
         if code:
             assert any(line.startswith("first problem ") for line in lines), stdout
     assert rep.check.wrong_id > 0  # the last run
+
+
+# runner robustness ------------------------------------------------------------------------------
+# Refused and closed connections, interrupts, the drain, reconnects, counting across transports.
+
+class _OneShotHttp(_HttpServer):
+    """Answers each request with one JSON-RPC result (its own id) and `Connection: close`,
+    then closes: every answer is complete and announces the close (as a server that
+    does not keep connections alive, or a 413, does)."""
+
+    def on_message_complete(self) -> None:
+        request = json.loads(b"".join(self.body))
+        self.body.clear()
+        payload = json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": 3}).encode()
+        assert self.transport is not None
+        if not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            self.transport.close()
+
+
+class _WrongIds(asyncio.Protocol):
+    """Answers every request body, over HTTP or NDJSON, with a result whose id was never sent."""
+
+    ANSWER = b'{"jsonrpc":"2.0","id":"not-an-id-we-sent","result":3}'
+
+    def __init__(self, ndjson: bool) -> None:
+        self.ndjson = ndjson
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        if not self.ndjson:
+            self.parser.feed_data(data)
+            return
+        *lines, self.buffer = (self.buffer + data).split(b"\n")
+        self.transport.write(b"".join(self.ANSWER + b"\n" for _ in lines))
+
+    def on_message_complete(self) -> None:
+        assert self.transport is not None
+        self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(self.ANSWER), self.ANSWER))
+
+
+@pytest.fixture
+def thread_server() -> Iterator[typing.Callable[[typing.Callable[[], asyncio.Protocol]], _ThreadServer]]:
+    servers: list[_ThreadServer] = []
+
+    def start(factory: typing.Callable[[], asyncio.Protocol]) -> _ThreadServer:
+        servers.append(_ThreadServer(factory))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def test_connections_past_the_brokers_max_connections_are_refused_not_a_crash(broker_factory, tmp_path, capsys):
+    """A broker with --max-connections 2 answers the connections past it (and its few
+    probe-only spares) 503 and closes them, some before the generator starts sending.
+    None of them is written to once closed; each refusal is a transport error named as
+    such; the run ends with its table and exit 1."""
+    b = broker_factory("--workers", "1", "--max-connections", "2")
+    out = tmp_path / "refused.json"
+    code = cli.main(["bench", f"http://{b.host}:{b.port}{b.path}", "-c", "40", "--duration", "1",
+                     "--warmup", "0", "--timeout", "5", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err
+    assert "first problem: the server refused the connection: HTTP 503" in captured.err, captured.err
+    assert "transport errors" in captured.out  # the table
+    rep = Report.from_json(out.read_bytes())
+    assert rep.transport_errors > 0 and rep.requests > 0  # the two it kept were served
+    assert not rep.interrupted
+
+
+def test_reconnects_after_an_orderly_close_at_once_and_back_off_after_failures(thread_server):
+    """A server that answers once with `Connection: close` and closes: the generator
+    reopens at once (no back-off taken), and the run is clean. With nothing listening,
+    every reconnect waits (backs off) first."""
+    s = thread_server(_OneShotHttp)
+    spec = runner.Spec(target=f"http://127.0.0.1:{s.port}/", calls=[Call("add", "[1,2]")], connections=2,
+                       duration=1.0, warmup=0.0, timeout=5.0)
+    results = runner.run(spec)
+    tally = merge(results)[0]
+    assert tally.failures == 0 and tally.transport_errors == 0, tally.first_problem
+    reconnects = sum(r.reconnects for r in results)
+    assert reconnects > 0 and sum(r.backoffs for r in results) == 0
+    assert tally.requests >= reconnects  # one answer per connection, each one reopened
+    assert s.connections >= reconnects
+    port = _free_port()
+    spec = msgspec.structs.replace(spec, target=f"http://127.0.0.1:{port}/", duration=0.5)
+    results = runner.run(spec)
+    assert sum(r.reconnects for r in results) == sum(r.backoffs for r in results) > 0
+
+
+@pytest.mark.parametrize(("ndjson", "flags"), [(False, ["-d", "1"]), (False, ["-d", "4"]),
+                                                (True, ["-d", "1"]), (True, ["-d", "4"])])
+def test_wrong_ids_count_as_answered_requests_on_every_transport(thread_server, tmp_path, ndjson, flags):
+    """Every answer carries an id never sent: over HTTP and over a tcp:// stream alike,
+    each counts once in requests (it was answered) and once in wrong_id, and the run
+    fails."""
+    s = thread_server(lambda: _WrongIds(ndjson))
+    url = f"tcp://127.0.0.1:{s.port}" if ndjson else f"http://127.0.0.1:{s.port}/"
+    code, rep = bench(tmp_path, url, "--warmup", "0", "--timeout", "2", *flags)
+    assert code == 1
+    assert rep.check.wrong_id > 0 and rep.requests == rep.check.wrong_id, rep
+    assert (rep.check.missing, rep.check.duplicate, rep.check.malformed, rep.transport_errors) == (0, 0, 0, 0)
+
+
+def test_http_against_a_non_http_port_names_the_problem(broker_factory, capsys):
+    """`bench http://` pointed at the broker's NDJSON port: the answer is not HTTP, and
+    the first problem says so and shows what came back."""
+    port = _free_port()
+    b = broker_factory("--workers", "1", "--stream-port", str(port))
+    wait_for(lambda: "serving NDJSON JSON-RPC on tcp://" in b.read_log())
+    code = cli.main(["bench", f"http://127.0.0.1:{port}/", "-q", "--duration", "0.5", "--warmup", "0",
+                     "-c", "2", "--timeout", "2"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "first problem: not an HTTP response (" in err and "it began b'" in err, err
+
+
+def test_open_loop_sends_nothing_after_the_window(serve, tmp_path):
+    """The server holds its answers from its 20th request for 1.5 s, past the end of the
+    1 s window: the backlog of requests due during the stall is never sent (not sent in
+    the drain either), the drain waits only for the two held answers, and the run is
+    clean: every request sent was answered and counted."""
+    s = serve("stall", stall_after=20, stall_s=1.5)
+    rate, connections = 200, 2
+    code, rep = bench(tmp_path, s.url, "--rate", str(rate), "-c", str(connections), "--warmup", "0",
+                      "--timeout", "5")
+    assert code == 0, rep
+    assert rep.transport_errors == 0 and rep.check.ok
+    assert rep.unsent_requests > 0
+    assert rep.requests == s.state.requests  # nothing was sent beyond what was answered
+    assert rep.requests + rep.unsent_requests == schedule.planned(rate, connections, rep.duration_s)
+
+
+def _bench_process(url: str, out: Path, *flags: str) -> subprocess.Popen[str]:
+    """`rpc-broker bench` in its own session (so a signal can go to its process group)."""
+    return subprocess.Popen([sys.executable, "-m", "broker", "bench", url, "--json", str(out), "-c", "4",
+                             "--duration", "20", "--warmup", "0", "--timeout", "5", *flags],
+                            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _load_processes(pid: int) -> list[int]:
+    """The load processes of bench ``pid`` (its spawned children, not the resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+@pytest.mark.parametrize(("processes", "how", "expected"), [
+    (1, "SIGINT", 130), (1, "SIGTERM", 143), (2, "group SIGINT", 130), (2, "group SIGTERM", 143),
+    (2, "kill -9 one load process", 1),
+])
+def test_an_interrupted_run_reports_what_it_measured(serve, tmp_path, processes, how, expected):
+    """Interrupted mid-run (a 20 s run, stopped once answers flow), the generator stops
+    sending, drains briefly, prints the table of the window it really measured, writes
+    --json with "interrupted": true, and exits 128 + the signal (1 when a load process
+    was killed: the survivors are stopped and still reported). No traceback from any
+    process."""
+    s = serve("ok")
+    out = tmp_path / "cut.json"
+    proc = _bench_process(s.url, out, "-P", str(processes))
+    try:
+        wait_for(lambda: s.state.requests > 500, timeout=60)
+        if how == "kill -9 one load process":
+            os.kill(_load_processes(proc.pid)[0], signal.SIGKILL)
+        elif how.startswith("group "):
+            os.killpg(proc.pid, getattr(signal, how.split()[1]))
+        else:
+            proc.send_signal(getattr(signal, how))
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == expected, stderr
+    assert "Traceback" not in stderr and "Error" not in stderr.replace("errors", ""), stderr
+    assert "transport errors" in stdout  # the table
+    assert ("died" if expected == 1 else f"interrupted by {how.split()[-1]}") in stderr, stderr
+    rep = Report.from_json(out.read_bytes())
+    assert rep.interrupted and rep.requests > 0 and 0 < rep.duration_s < 20
+    if expected != 1:
+        assert rep.check.ok and rep.transport_errors == 0, rep
+
+
+# validation and report ---------------------------------------------------------------------------
+# Parse-time bounds, null latencies, calls answered, the plot's inputs and formats, -q, --json,
+# the workload in the JSON, --help, NaN params, the progress line and the table's wording.
+
+def _refused_flag(capsys, *flags: str) -> str:
+    """Run `bench` with `flags` against a port nothing listens on; it must exit 2 at once."""
+    assert cli.main(["bench", "http://127.0.0.1:1/", "-q", *flags]) == 2, flags
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--rate", "inf"], "argument -R/--rate: must be a finite number, got inf"),
+    (["--rate", "nan"], "argument -R/--rate: must be a finite number, got nan"),
+    (["--rate", "1e300"], "argument -R/--rate: must be <= 10,000,000 requests/s, got 1e300"),
+    (["--rate", "1e15"], "argument -R/--rate: must be <= 10,000,000 requests/s, got 1e15"),
+    (["--rate", "0"], "argument -R/--rate: must be > 0, got 0"),
+    (["--rate", "fast"], "argument -R/--rate: not a number: 'fast'"),
+    (["--duration", "inf"], "argument --duration: must be a finite number, got inf"),
+    (["--duration", "86401"], "argument --duration: must be <= 86,400 s (one day), got 86401"),
+    (["--warmup", "inf"], "argument --warmup: must be a finite number, got inf"),
+    (["--warmup=-1"], "argument --warmup: must be >= 0, got -1"),
+    (["--timeout", "1e9"], "argument --timeout: must be <= 86,400 s (one day), got 1e9"),
+    (["--timeout=-inf"], "argument --timeout: must be a finite number, got -inf"),
+    (["--rate", "100", "--pipeline", "2"], "--pipeline is for the closed loop; with --rate"),
+    (["--rate", "100", "--pipeline", "1"], "--pipeline is for the closed loop; with --rate"),
+], ids=lambda v: "_".join(v) if isinstance(v, list) else "")
+def test_bad_load_flags_are_refused_at_parse_time(capsys, flags, words):
+    """inf crashed (ZeroDivisionError), 1e300 hung, 1e15 reported a quadrillion requests
+    never sent, inf durations ran forever: all are refused before anything starts."""
+    err = _refused_flag(capsys, *flags)
+    assert words in err, err
+
+
+def test_port_0_in_a_target_is_refused(capsys):
+    for url in ("http://127.0.0.1:0/", "tcp://127.0.0.1:0"):
+        assert cli.main(["bench", url, "-q"]) == 2, url
+        assert f"port 0 in {url!r}" in capsys.readouterr().err
+
+
+def test_schedule_due_refuses_what_it_cannot_count_and_never_spins():
+    for rate in (math.inf, math.nan, 0.0, -1.0):
+        with pytest.raises(ValueError):
+            schedule.connection_timing(rate, 4, 0)
+    for interval in (0.0, math.inf, math.nan, -0.1):
+        with pytest.raises(ValueError):
+            schedule.due(0.0, 0.0, interval, 0, 1.0, 2.0)
+    # 1e300 requests/s: the span is past float precision; refused at once, not looped over
+    phase, interval = schedule.connection_timing(1e300, 1, 0)
+    with pytest.raises(ValueError, match="too long"):
+        schedule.due(0.0, phase, interval, 0, 1.0, 2.0)
+    with pytest.raises(ValueError):
+        schedule.due(0.0, 0.0, 0.1, 0, math.inf, math.inf)
+    # the bounds the CLI allows stay exact: 10,000,000 requests/s for a day
+    phase, interval = schedule.connection_timing(10_000_000.0, 1, 0)
+    assert schedule.due(0.0, phase, interval, 0, 86_400.0, 86_400.0) == 864_000_000_000
+    assert schedule.due(0.0, 0.0, 0.1, 0, 0.35, math.inf) == 4  # t_end inf, now finite: fine
+
+
+def test_no_answers_is_null_latency_not_zero(tmp_path, capsys):
+    """Nothing listening: no latency was measured, so the JSON says null (not 0.0, which a
+    script would read as a perfect p99) and the table says n/a."""
+    out = tmp_path / "refused.json"
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    code = cli.main(["bench", f"http://127.0.0.1:{port}/", "-q", "--duration", "0.3", "--warmup", "0",
+                     "-c", "2", "--timeout", "2", "--json", str(out)])
+    assert code == 1
+    data = json.loads(out.read_bytes())
+    assert data["latency_ms"] == {"p50": None, "p90": None, "p99": None, "p99.9": None, "max": None,
+                                  "mean": None}
+    assert data["percentiles"] == [] and data["requests"] == 0 and data["calls"] == 0
+    assert "latency ms n/a (no answer was measured)" in " ".join(capsys.readouterr().out.split())
+    # older files (floats everywhere) still load under the same schema name
+    older = json.loads(_saved_report().to_json())
+    for key in ("pipeline", "timeout_s", "ids", "seed", "workload", "calls_counted"):
+        del older[key]
+    rep = Report.from_json(json.dumps(older).encode())
+    assert rep.schema == SCHEMA and rep.latency_ms.p99 == 2.0 and rep.calls_counted == "sent"
+    assert rep.workload is None and rep.timeout_s is None
+
+
+def test_a_notification_only_load_has_no_latency_and_counts_what_was_written(serve, tmp_path, capsys):
+    """On a stream a body of notifications gets no line: done once written, no latency
+    (null and n/a, not 0.000), and the table says the rate is of requests written."""
+    s = serve("ok", ndjson=True)
+    code, rep = bench(tmp_path, s.url, "--mix", str(_notif(tmp_path)), "-c", "1")
+    assert code == 0 and rep.requests > 0 and rep.calls == rep.requests
+    assert rep.latency_ms.p50 is None and rep.latency_ms.max is None and rep.percentiles == []
+    flat = " ".join(capsys.readouterr().out.split())
+    assert f"({rep.requests:,} requests written; notifications only: no answer is expected)" in flat
+    assert f"({rep.calls:,} notifications written)" in flat
+    assert "latency ms n/a (notifications only: no answer to time)" in flat and "0.000" not in flat
+    # over HTTP each such body is answered by an empty 204: a real latency, and "answered"
+    code, rep = bench(tmp_path, serve("ok").url, "--mix", str(_notif(tmp_path)), "-c", "1")
+    assert code == 0 and rep.requests > 0 and rep.latency_ms.p50 is not None
+    flat = " ".join(capsys.readouterr().out.split())
+    assert f"({rep.requests:,} requests answered, empty: notifications only)" in flat
+
+
+def test_calls_are_calls_answered(serve, tmp_path):
+    """The server drops the last answer of every 25th batch: those calls were sent, not
+    answered, and calls/s leaves them out (it counted them before)."""
+    s = serve("missing")
+    code, rep = bench(tmp_path, s.url, "--batch", "4", "--warmup", "0", "-c", "2")
+    assert code == 1 and rep.check.missing > 0 and rep.calls_counted == "answered"
+    assert rep.calls == 4 * rep.requests - rep.check.missing
+    assert rep.calls_per_s == pytest.approx(rep.requests_per_s * rep.calls / rep.requests)
+    # sans-IO: an object answering a batch of 4 answers no call; a wrong id answers none;
+    # an "id": null error to a single call (refused for size) is one call answered
+    four = Expect(True, (b"1", b"2", b"3", b"4"), 4)
+    assert _check(200, _r("1").encode(), four).calls == 0
+    assert _check(200, f"[{_r('1')},{_r('2')},{_r('3')},{_r('9')}]".encode(), four).calls == 3
+    t = _check(400, REFUSED, ONE)
+    assert (t.calls, t.errors_by_code) == (1, {-32600: 1})
+    assert _check(400, REFUSED, four).calls == 0  # a batch refused whole: none ran
+    # a duplicate answer takes nothing back; notifications count once written
+    mixed = Expect(True, (b"1", b"2"), 3)
+    assert _check(200, f"[{_r('1')},{_r('2')},{_r('2')}]".encode(), mixed).calls == 3
+    assert _check(200, f"[{_r('1')}]".encode(), mixed).calls == 2
+    # the stream reader's decoded path agrees
+    t = Tally()
+    line = f"[{_r('1')}]".encode()
+    Checker(t).check_line(line, mixed, msgspec.json.decode(line, type=Answer | list[Answer]))
+    assert (t.calls, t.missing) == (2, 1)
+
+
+def test_quiet_keeps_the_table_and_the_json_records_the_workload(serve, tmp_path, capsys):
+    s = serve("ok")
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps([{"method": "add", "params": [1, 2], "weight": 3},
+                               {"method": "update", "params": {"a": 1.5e3}, "notification": True}]))
+    code, rep = bench(tmp_path, s.url, "--mix", str(mix), "--batch", "3", "--ids", "large", "-d", "2",
+                      "--pipeline", "2", "--timeout", "5", "--seed", "7")
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "calls/s" in out and "latency ms" in out  # -q with --json: the table is still printed
+    assert (rep.depth, rep.pipeline, rep.ids, rep.seed, rep.timeout_s, rep.batch) == (2, 2, "large", 7, 5.0, 3)
+    assert rep.workload is not None and rep.workload.mix == str(mix)
+    assert [(c.method, c.params, c.weight, c.notification) for c in rep.workload.calls] == [
+        ("add", [1, 2], 3.0, False), ("update", {"a": 1500.0}, 1.0, True)]
+    code, rep = bench(tmp_path, s.url, "--method", "echo", "--params", '{"x":[1]}', "--rate", "100")
+    assert code == 0 and rep.workload is not None and rep.workload.mix is None
+    assert [(c.method, c.params) for c in rep.workload.calls] == [("echo", {"x": [1]})]
+    assert (rep.rate, rep.pipeline, rep.mode, rep.connections, rep.processes) == (100.0, 1, "open", 4, 1)
+    assert rep.target == s.url and rep.warmup_s == 0.2 and rep.duration_s == 1.0
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_json_write_failure_after_the_run_is_exit_1(serve, capsys):
+    s = serve("ok")
+    code = cli.main(["bench", s.url, "-q", "--json", "/dev/full", "--duration", "0.2", "--warmup", "0",
+                     "-c", "1"])
+    assert code == 1
+    assert "rpc-broker bench: cannot write /dev/full: No space left on device" in capsys.readouterr().err
+
+
+def test_json_path_is_opened_before_the_load_and_a_probe_leaves_nothing(tmp_path, capsys):
+    new = tmp_path / "new.json"
+    # refused later (bad -P) after the --json probe: the probe's empty file is not left behind
+    assert cli.main(["bench", "http://127.0.0.1:1/", "-q", "--json", str(new), "-c", "1", "-P", "2"]) == 2
+    assert not new.exists()
+    old = tmp_path / "old.json"
+    old.write_text("kept")
+    assert cli.main(["bench", "http://127.0.0.1:1/", "-q", "--json", str(old), "-c", "1", "-P", "2"]) == 2
+    assert old.read_text() == "kept"
+    assert cli.main(["bench", "http://127.0.0.1:1/", "-q", "--json", str(tmp_path)]) == 2
+    assert f"cannot write {tmp_path}: Is a directory" in capsys.readouterr().err
+
+
+def test_help_lists_exit_codes_and_the_longest_run(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("Exit codes:", "0 every answer was checked and right", "1 a check failed",
+                  "2 bad usage", "130/143 interrupted by SIGINT/SIGTERM",
+                  "a run lasts up to --warmup + --duration + --timeout",
+                  "the final table is still printed", "at most 10,000,000", "at most 86400"):
+        assert words in text, words
+
+
+@pytest.mark.parametrize(("name", "text", "key"), [
+    ("nan.json", '[{"method": "a", "params": [1, NaN]}]', "'params[1]': nan"),
+    ("inf.json", '[{"method": "a", "params": {"x": {"y": -Infinity}}}]', "'params.x.y': -inf"),
+    ("nan.toml", '[[call]]\nmethod = "a"\nparams = [1, nan]\n', "'params[1]': nan"),
+    ("inf.toml", '[[call]]\nmethod = "a"\nparams = {x = inf}\n', "'params.x': inf"),
+])
+def test_non_finite_numbers_in_mix_params_are_refused(tmp_path, capsys, name, text, key):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(MixError, match=re.escape(f"key {key} is not a JSON number")):
+        load_mix(path)
+    assert cli.main(["bench", "http://127.0.0.1:1/", "-q", "--mix", str(path)]) == 2
+    assert f"mix file {path}: " in capsys.readouterr().err
+
+
+def test_plot_warns_about_runs_without_a_curve_and_writes_the_suffix_format(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    good = tmp_path / "run.json"
+    good.write_bytes(_saved_report().to_json())
+    refused = tmp_path / "refused.json"
+    refused.write_bytes(_saved_report(requests=0).to_json())
+    png = tmp_path / "mixed.png"
+    assert cli.main(["bench", "plot", str(refused), str(good), "-o", str(png)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (f"rpc-broker bench plot: warning: {refused}: no latency curve (no answer was "
+                            "measured); left out of the chart\n")
+    assert captured.out == f"wrote {png}\n" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for suffix, magic in ((".pdf", b"%PDF"), (".svg", b"<svg"), (".PNG", b"\x89PNG")):
+        out = tmp_path / f"chart{suffix}"
+        assert cli.main(["bench", "plot", str(good), "-o", str(out)]) == 0
+        assert magic in out.read_bytes()[:400], suffix
+    for name in ("chart.xyz", "chart"):
+        out = tmp_path / name
+        assert cli.main(["bench", "plot", str(good), "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot write {out}: unknown image format" in err and ".png, .pdf or .svg" in err, err
+        assert not out.exists()
+
+
+@pytest.mark.parametrize(("curve", "key"), [
+    ([[50.0, 1.0], [150.0, 2.0]], "key 'percentiles[1][0]': Expected `float` <= 100.0"),
+    ([[-1.0, 1.0]], "key 'percentiles[0][0]': Expected `float` >= 0.0"),
+    ([[50.0, -2.0]], "key 'percentiles[0][1]': Expected `float` >= 0.0"),
+])
+def test_plot_refuses_percentiles_outside_0_to_100(tmp_path, capsys, curve, key):
+    bad = tmp_path / "bad.json"
+    bad.write_text(_edit(percentiles=curve))
+    assert cli.main(["bench", "plot", str(bad), "-o", str(tmp_path / "out.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rpc-broker bench plot: input file {bad}: ") and key in err, err
+
+
+def test_progress_line_fits_80_columns():
+    from broker.loadgen.report import PROGRESS_WIDTH, progress_line
+
+    typical = progress_line(runner.Progress(512_345, 12, 0, 3, 1.234), 10.0)
+    assert typical == "  10.0 s  51,234 calls/s  errors 12  failures 0  transport 3  p99 1.234 ms"
+    assert progress_line(runner.Progress(5, 0, 0, 0, 0.0), 1.0) == (
+        "   1.0 s  5 calls/s  errors 0  check failures 0  transport errors 0")
+    assert len(typical) <= PROGRESS_WIDTH < 80
+    huge = runner.Progress(10**15, 10**12, 10**12, 10**12, 59_999.999)
+    for elapsed in (0.0, 0.1, 86_400.0 * 2 + 0.5):
+        assert len(progress_line(huge, elapsed)) <= PROGRESS_WIDTH
+
+
+def test_table_wording_counts_and_thousands(capsys):
+    import io
+
+    from rich.console import Console
+
+    from broker.loadgen.report import print_table
+
+    spec = runner.Spec(target="http://127.0.0.1:1/", calls=[Call("add", "[1,2]")], connections=12_000,
+                       processes=1, duration=2.0)
+    t = Tally()
+    t.requests = t.calls = 1
+    h = Latency()
+    h.record_many([1000])
+    buf = io.StringIO()
+    print_table(build_report(spec, t, h), Console(file=buf, width=80))
+    flat = " ".join(buf.getvalue().split())
+    assert "12,000 connections" in flat and "1 process," in flat
+    assert "(1 request answered)" in flat and "(1 call answered)" in flat and "requests)" not in flat

@@ -23,6 +23,13 @@ Rules (JSON-RPC 2.0 spec sections 5, 5.1 and 6):
   (the server could not read the id: spec section 5), and one error object with
   ``"id": null`` answering a whole batch (a server refusing the body, e.g. a batch
   over its limit); their codes are counted in ``errors_by_code``, once per answer.
+* ``calls`` counts calls *answered*: each call that got its own answer with its id,
+  a result or a JSON-RPC error (an error with ``"id": null`` to a single call
+  included), plus the notifications of the body (never answered: done once
+  written). A call whose answer is missing, carries a wrong id or is malformed is
+  not counted: per body, ``min(calls with an id, new wrong_id + missing +
+  malformed)`` calls are taken back (a duplicate answer takes none back: its call
+  was answered).
 * A batch refused whole is counted as a request (it was answered) and in
   ``refused_batches``, but its calls are not counted in ``calls``: none of them ran.
   It is a JSON-RPC error answer like any other, not a failure (a batch of only
@@ -63,9 +70,11 @@ class _ErrorObject(msgspec.Struct, gc=False):
 class Tally:
     """Counters of one load process (all ints; merged by `add`).
 
-    requests / calls: answered request bodies and the calls answered in them,
+    requests / calls: answered request bodies and the calls answered in them (a
+        result or an error with the call's id; notifications count once written),
         counted only while recording (`recording` True: after warm-up). A batch
-        refused whole is a request but adds no calls.
+        refused whole is a request but adds no calls; a call left without a right
+        answer (missing, wrong id, malformed) adds none either.
     errors_by_code: JSON-RPC error answers by code (while recording).
     refused_batches: batches answered by one error object for the whole body
         (while recording); each also counts once in `errors_by_code`.
@@ -167,9 +176,26 @@ class Checker:
                             tally.calls += 1
                         return
             expect = Expect(False, (bytes(expect),), 1)
-        if tally.recording:
-            tally.requests += 1
-            tally.calls += expect.calls
+        if not tally.recording:
+            self._check_body(status, body, expect)
+            return
+        tally.requests += 1
+        tally.calls += expect.calls
+        before = tally.wrong_id + tally.missing + tally.malformed
+        self._check_body(status, body, expect)
+        self._take_back(expect, before)
+
+    def _take_back(self, expect: Expect, before: int) -> None:
+        """Take back from ``calls`` the calls of the body just checked that got no right
+        answer: one per wrong_id, missing or malformed counted since ``before``, at most
+        one per call with an id (notifications count as done once written)."""
+        tally = self.tally
+        spoiled = tally.wrong_id + tally.missing + tally.malformed - before
+        if spoiled:
+            tally.calls -= min(len(expect.ids), spoiled)
+
+    def _check_body(self, status: int, body: bytes, expect: Expect) -> None:
+        tally = self.tally
         ids = expect.ids
         klass = status // 100
         if not body:
@@ -201,7 +227,11 @@ class Checker:
             if tally.recording:
                 tally.requests += 1
                 tally.calls += expect.calls
-            self._check_decoded(2, decoded, expect)
+                spoiled = tally.wrong_id + tally.missing + tally.malformed
+                self._check_decoded(2, decoded, expect)
+                self._take_back(expect, spoiled)
+            else:
+                self._check_decoded(2, decoded, expect)
         if tally.failures != before:
             tally.problem(f"bad answer line: {line[:120]!r}")
 

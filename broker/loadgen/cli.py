@@ -9,16 +9,19 @@ request body per line; answer lines may come in any order and are matched to the
 request by id).
 
 Exit codes: 0 every answer was right; 1 check failures or transport errors (or a load
-process died); 2 bad usage (bad flags, mix file, target).
+process died, or --json could not be written after the run); 2 bad usage (bad flags, mix file, target); 130 / 143 interrupted by SIGINT /
+SIGTERM (the table of what was measured is still printed, and --json written).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 import typing
+import urllib.parse
 from pathlib import Path
 
 from broker.loadgen.workload import ID_MODES, Call, MixError, load_mix
@@ -35,18 +38,36 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _non_negative(text: str) -> float:
-    x = float(text)
-    if not x >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+MAX_RATE = 10_000_000.0  # requests/s: --rate; far past what one machine can send
+MAX_SECONDS = 86_400.0  # one day: --duration, --warmup, --timeout
+
+
+def _number(text: str, low: float, low_ok: bool, high: float, unit: str) -> float:
+    """``text`` as a finite float in (low or [low, high]; ArgumentTypeError otherwise
+    (inf and nan included: a run must end, and a schedule must be countable)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    if not (x >= low if low_ok else x > low):
+        raise argparse.ArgumentTypeError(f"must be {'>=' if low_ok else '>'} {low:g}, got {text}")
+    if x > high:
+        raise argparse.ArgumentTypeError(f"must be <= {high:,.0f} {unit}, got {text}")
     return x
 
 
-def _positive(text: str) -> float:
-    x = float(text)
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return x
+def _seconds(text: str) -> float:
+    return _number(text, 0.0, False, MAX_SECONDS, "s (one day)")
+
+
+def _seconds_or_0(text: str) -> float:
+    return _number(text, 0.0, True, MAX_SECONDS, "s (one day)")
+
+
+def _rate(text: str) -> float:
+    return _number(text, 0.0, False, MAX_RATE, "requests/s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         "  unix:///path/to.sock    one answer line per body, in any order: each line is matched\n"
         "                          to its request by id (a batch by its set of ids)\n\n"
         "Run '%(prog)s plot --help' to plot saved runs.",
+        epilog="A run lasts up to --warmup + --duration + --timeout (plus connecting): after the\n"
+        "measured window it waits up to --timeout for the answers still owed.\n\n"
+        "Exit codes:\n"
+        "  0        every answer was checked and right (JSON-RPC errors are answers too)\n"
+        "  1        a check failed (wrong id, missing, duplicate, malformed answer), a\n"
+        "           transport error, a load process died, or --json could not be written\n"
+        "  2        bad usage: bad flags, mix file, target or --json path\n"
+        "  130/143  interrupted by SIGINT/SIGTERM (the table of what was measured is printed)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("target", metavar="URL",
@@ -71,20 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("-d", "--depth", type=_positive_int, default=1, metavar="D",
                       help="requests in flight per connection (default 1; >1 pipelines; on tcp:// "
                       "and unix:// the answers may overtake each other)")
-    load.add_argument("--pipeline", type=_positive_int, default=1, metavar="N",
-                      help="closed loop: write requests N at a time, back to back (implies depth >= N)")
-    load.add_argument("-R", "--rate", type=_positive, default=None, metavar="R",
-                      help="open loop: R requests/s in all, latency from each request's intended "
-                      "send time (no coordinated omission); default: closed loop")
+    load.add_argument("--pipeline", type=_positive_int, default=None, metavar="N",
+                      help="closed loop: write requests N at a time, back to back (implies depth >= N); "
+                      "refused with --rate, where each request goes out when it is due")
+    load.add_argument("-R", "--rate", type=_rate, default=None, metavar="R",
+                      help="open loop: R requests/s in all (at most 10,000,000), latency from each "
+                      "request's intended send time (no coordinated omission); default: closed loop")
     load.add_argument("-P", "--processes", type=_positive_int, default=1, metavar="P",
                       help="load processes, each with its own uvloop loop (default 1)")
-    load.add_argument("--duration", type=_positive, default=10.0, metavar="S",
-                      help="measured seconds (default 10)")
-    load.add_argument("--warmup", type=_non_negative, default=1.0, metavar="S",
-                      help="seconds of load before measuring, not recorded (default 1)")
-    load.add_argument("--timeout", type=_positive, default=30.0, metavar="S",
-                      help="per request; a late answer counts as a transport error (default 30; "
-                      "HTTP drops the connection, a stream gives up on that request alone)")
+    load.add_argument("--duration", type=_seconds, default=10.0, metavar="S",
+                      help="measured seconds (default 10; at most 86400)")
+    load.add_argument("--warmup", type=_seconds_or_0, default=1.0, metavar="S",
+                      help="seconds of load before measuring, not recorded (default 1; at most 86400)")
+    load.add_argument("--timeout", type=_seconds, default=30.0, metavar="S",
+                      help="per request; a late answer counts as a transport error (default 30; at "
+                      "most 86400; HTTP drops the connection, a stream gives up on that request "
+                      "alone). After --duration the run waits up to --timeout for the answers "
+                      "still owed, so a run lasts up to --warmup + --duration + --timeout")
     work = p.add_argument_group("workload")
     work.add_argument("-m", "--method", default="add", help="method to call (default add)")
     work.add_argument("--params", default="[1,2]", metavar="JSON",
@@ -102,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the run as JSON (schema rpc-broker-bench/1)")
     out.add_argument("-q", "--quiet", action="store_true",
-                     help="no live progress line (also off when stdout is not a terminal)")
+                     help="no live progress line (also off when stdout is not a terminal); the "
+                     "final table is still printed")
     return p
 
 
@@ -110,9 +143,13 @@ def build_plot_parser() -> argparse.ArgumentParser:
     """Parser of ``rpc-broker bench plot FILE... -o OUT``."""
     p = argparse.ArgumentParser(
         prog=f"{PROG} plot",
-        description="Latency percentile curves of several --json runs on one chart (PNG).")
+        description="Latency percentile curves of several --json runs on one chart. A run with "
+        "no latency curve (no answer measured) is left out, with a warning.",
+        epilog="Exit codes: 0 chart written; 2 bad usage (an unreadable or invalid input, no input "
+        "with a curve, an unknown output format, an unwritable output, matplotlib missing).")
     p.add_argument("files", nargs="+", metavar="FILE", help="--json outputs of bench runs")
-    p.add_argument("-o", "--output", required=True, metavar="PNG", help="image to write")
+    p.add_argument("-o", "--output", required=True, metavar="OUT",
+                   help="image to write; its suffix picks the format: .png, .pdf, .svg")
     p.add_argument("--title", help="chart title")
     return p
 
@@ -142,43 +179,72 @@ def _plot(ns: argparse.Namespace) -> int:
     from broker.loadgen.plot import PlotError, plot
 
     try:
-        plot(ns.files, ns.output, ns.title)
+        left_out = plot(ns.files, ns.output, ns.title)
     except ImportError as exc:  # matplotlib is the optional `plot` extra
         print(f"{PROG} plot: {exc}; install the plot extra: pip install 'rpc-broker[plot]'", file=sys.stderr)
         return 2
     except PlotError as exc:  # names the file (and the key) that is wrong
         print(f"{PROG} plot: {exc}", file=sys.stderr)
         return 2
+    for path in left_out:
+        print(f"{PROG} plot: warning: {path}: no latency curve (no answer was measured); "
+              "left out of the chart", file=sys.stderr)
     print(f"wrote {ns.output}")
     return 0
 
 
+def _writable(path: str) -> bool:
+    """Open ``path`` for writing (appending: an existing file is left as it is until the
+    run is over), so that a bad --json path is refused before the load, not after it;
+    a file made by this probe is removed again. Prints the reason when it is not."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        print(f"{PROG}: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+        return False
+    if not existed:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return True
+
+
 def _bench(ns: argparse.Namespace) -> int:
+    import signal
+
+    import msgspec
     from rich.console import Console
     from rich.live import Live
 
     from broker.loadgen import report as rep
-    from broker.loadgen.runner import Progress, RunError, Spec, Target, run
+    from broker.loadgen.runner import ProcessDied, Progress, RunError, RunInterrupted, Spec, Target, run
     from broker.loadgen.workload import Workload
 
     try:
         calls = load_mix(ns.mix) if ns.mix else [Call(ns.method, ns.params)]
         Workload(calls, ns.batch, ns.ids)  # validate params before starting anything
-        Target.parse(ns.target)
+        target = Target.parse(ns.target)
     except (MixError, RunError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    if ns.json:  # find out now, not after the whole run
-        parent = Path(ns.json).resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(ns.json).is_dir():
-            print(f"{PROG}: cannot write {ns.json}: not a writable file path", file=sys.stderr)
-            return 2
+    if target.scheme != "unix" and urllib.parse.urlsplit(ns.target).port == 0:
+        print(f"{PROG}: port 0 in {ns.target!r}: give the port the server listens on", file=sys.stderr)
+        return 2
+    if ns.pipeline is not None and ns.rate is not None:
+        print(f"{PROG}: --pipeline is for the closed loop; with --rate each request goes out when "
+              "it is due (use --depth to allow several in flight per connection)", file=sys.stderr)
+        return 2
+    if ns.json and not _writable(ns.json):  # find out now, not after the whole run
+        return 2
     if ns.processes > ns.connections:
         print(f"{PROG}: --processes ({ns.processes}) must not exceed --connections "
               f"({ns.connections})", file=sys.stderr)
         return 2
     spec = Spec(target=ns.target, calls=calls, connections=ns.connections, depth=ns.depth,
-                pipeline=ns.pipeline, rate=ns.rate, batch=ns.batch, ids=ns.ids,
+                pipeline=ns.pipeline or 1, rate=ns.rate, batch=ns.batch, ids=ns.ids,
                 processes=ns.processes, duration=ns.duration, warmup=ns.warmup, timeout=ns.timeout,
                 seed=ns.seed)
     console = Console()
@@ -192,6 +258,7 @@ def _bench(ns: argparse.Namespace) -> int:
         def on_progress(p: Progress) -> None:
             shown.update(rep.progress_text(p, time.monotonic() - started), refresh=True)
 
+    died = ""
     try:
         if live is not None:
             live.start()
@@ -200,22 +267,42 @@ def _bench(ns: argparse.Namespace) -> int:
         finally:
             if live is not None:
                 live.stop()
+    except RunInterrupted as exc:  # before the load started: nothing to report
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 128 + exc.signum
+    except ProcessDied as exc:  # the other processes were stopped: report what they measured
+        results, died = exc.results, str(exc)
     except RunError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # outside the run's own handling (e.g. not the main thread)
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    signum = max((r.interrupted for r in results), default=0)
+    cut = bool(signum or died)
+    if cut:  # the window really measured, not the one asked for
+        spec = msgspec.structs.replace(spec, duration=round(max((r.window_s for r in results), default=0.0), 3))
     tally, hist, unsent, drain = rep.merge(results)
-    report = rep.build_report(spec, tally, hist, drain, unsent)
-    if not ns.quiet or not ns.json:
-        rep.print_table(report, console, tally.first_problem)
+    report = rep.build_report(spec, tally, hist, drain, unsent, mix=ns.mix)
+    report.interrupted = cut
+    rep.print_table(report, console, tally.first_problem)  # -q hides only the progress line
+    if cut:
+        why = died or f"interrupted by {signal.Signals(signum).name}"
+        abandoned = sum(r.abandoned for r in results)
+        print(f"{PROG}: {why}: the table covers the {report.duration_s:.3g} s measured of the "
+              f"{ns.duration:g} s asked for" + (f"; {abandoned:,} request(s) still in flight were "
+                                                 "not awaited (not counted)" if abandoned else ""),
+              file=sys.stderr)
     if ns.json:
         try:
             Path(ns.json).write_bytes(report.to_json())
-        except OSError as exc:
-            print(f"{PROG}: cannot write {ns.json}: {exc}", file=sys.stderr)
-            return 2
+        except OSError as exc:  # after the run (a full disk, /dev/full): a failure, not bad usage
+            print(f"{PROG}: cannot write {ns.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+    if died:
+        return 1
+    if signum:
+        return 128 + signum  # as a shell reports a process killed by it: 130 SIGINT, 143 SIGTERM
     if not (report.check.ok and report.transport_errors == 0):
         print(f"{PROG}: failed; first problem: {tally.first_problem or 'see the table'}", file=sys.stderr)
         return 1

@@ -5,7 +5,13 @@ The x axis is ``1 / (1 - p)`` on a log scale, as HdrHistogram's plotter draws it
 labelled by its file's stem (or by its target when two files share a stem).
 
 Every input is read and checked before matplotlib is imported, so a bad file is
-reported (naming it, and the key that is wrong) even where matplotlib is missing.
+reported (naming it, and the key that is wrong) even where matplotlib is missing;
+percentiles outside 0..100 and negative latencies are refused by the schema itself.
+A run with no latency curve (no answer was measured) is left out of the chart, and
+`plot` returns its path so that the caller can warn; when no input has a curve
+there is nothing to draw (`PlotError`). The output's suffix picks the format
+(``.png``, ``.pdf``, ``.svg``, or any other that matplotlib writes); a name without
+a known suffix is refused before anything is drawn.
 """
 
 from __future__ import annotations
@@ -63,21 +69,34 @@ def load_reports(files: typing.Sequence[str | Path]) -> list[tuple[Path, Report]
     return out
 
 
-def plot(files: typing.Sequence[str | Path], out: str | Path, title: str | None = None) -> None:
-    """Draw the ``percentiles`` curves of the given ``--json`` reports into the PNG ``out``.
+def plot(files: typing.Sequence[str | Path], out: str | Path, title: str | None = None) -> list[Path]:
+    """Draw the ``percentiles`` curves of the given ``--json`` reports into ``out``, in
+    the format its suffix names; return the inputs left out for having no curve.
 
     Raises `PlotError` naming the file for an input that cannot be read or does
-    not follow the schema, or an output that cannot be written; ImportError when
+    not follow the schema, when no input has a curve, for an output suffix that
+    matplotlib cannot write, or an output that cannot be written; ImportError when
     matplotlib is missing.
     """
     reports = load_reports(files)
+    empty = [path for path, rep in reports if not rep.percentiles]
+    if len(empty) == len(reports):
+        names = ", ".join(str(path) for path in empty)
+        raise PlotError(f"nothing to plot: no input has a latency curve (no answer was measured in "
+                        f"{names})")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    suffix = Path(out).suffix.lower().lstrip(".")
     stems = [p.stem for p, _ in reports]
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
+    formats: dict[str, str] = fig.canvas.get_supported_filetypes()
+    if suffix not in formats:
+        plt.close(fig)
+        raise PlotError(f"cannot write {out}: unknown image format {'.' + suffix if suffix else '(no suffix)'}; "
+                        f"name it .png, .pdf or .svg (or {', '.join('.' + f for f in sorted(formats))})")
     try:
         top = 1.0
         drawn = 0
@@ -105,8 +124,9 @@ def plot(files: typing.Sequence[str | Path], out: str | Path, title: str | None 
             ax.legend(loc="upper left")
         fig.tight_layout()
         try:
-            fig.savefig(str(out), format="png")
+            fig.savefig(str(out), format=suffix)
         except OSError as exc:
             raise PlotError(f"cannot write {out}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
+    return empty

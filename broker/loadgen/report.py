@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import typing
 
+import msgspec
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from broker.loadgen.check import Tally
 from broker.loadgen.runner import ProcessResult, Progress, Spec, Target
-from broker.loadgen.stats import SCHEMA, Check, Latency, LatencyMs, Report
+from broker.loadgen.stats import SCHEMA, Check, Latency, LatencyMs, Report, RunWorkload, WorkloadCall
 
 __all__ = ["build_report", "merge", "print_table", "progress_text"]
 
@@ -32,28 +33,41 @@ def merge(results: typing.Sequence[ProcessResult]) -> tuple[Tally, Latency, int,
     return tally, hist, unsent, drain
 
 
-def build_report(spec: Spec, tally: Tally, hist: Latency, drain: float = 0.0, unsent: int = 0) -> Report:
+def _workload(spec: Spec, mix: str | None) -> RunWorkload:
+    calls = [WorkloadCall(c.method, None if c.params is None else msgspec.json.decode(c.params),
+                          c.weight, c.notification) for c in spec.calls]
+    return RunWorkload(mix, calls)
+
+
+def build_report(spec: Spec, tally: Tally, hist: Latency, drain: float = 0.0, unsent: int = 0,
+                 mix: str | None = None) -> Report:
     """The ``rpc-broker-bench/1`` record of a run. Rates are over the measured window
     plus the drain after it (`drain` s, the longest of the processes'), since answers
     to requests of the window still arrive then: in an open loop past the server's
     capacity that drain is long, and the rate is what the server really managed.
-    `unsent`: open-loop requests that were due but never sent."""
+    `unsent`: open-loop requests that were due but never sent. `mix`: the --mix file
+    the calls came from (recorded with them), None for --method/--params."""
     duration = spec.duration + drain
     failures = tally.failures
-    p = hist.percentiles_ms([50.0, 90.0, 99.0, 99.9])
     return Report(
         schema=SCHEMA,
         target=Target.parse(spec.target).url,
         mode="closed" if spec.rate is None else "open",
         connections=spec.connections,
         depth=max(spec.depth, spec.pipeline),
+        pipeline=spec.pipeline,
         rate=spec.rate,
         batch=spec.batch,
         processes=spec.processes,
         duration_s=float(spec.duration),
         warmup_s=float(spec.warmup),
+        timeout_s=float(spec.timeout),
+        ids=spec.ids,
+        seed=spec.seed,
+        workload=_workload(spec, mix),
         requests=tally.requests,
         calls=tally.calls,
+        calls_counted="answered",
         requests_per_s=tally.requests / duration if duration > 0 else 0.0,
         calls_per_s=tally.calls / duration if duration > 0 else 0.0,
         errors_by_code={str(k): v for k, v in sorted(tally.errors_by_code.items())},
@@ -61,20 +75,52 @@ def build_report(spec: Spec, tally: Tally, hist: Latency, drain: float = 0.0, un
         refused_batches=tally.refused_batches,
         unsent_requests=unsent,
         check=Check(tally.wrong_id, tally.missing, tally.duplicate, tally.malformed, failures == 0),
-        latency_ms=LatencyMs(p[50.0], p[90.0], p[99.0], p[99.9], hist.max_ms, hist.mean_ms),
+        latency_ms=LatencyMs.of(hist),
         percentiles=hist.curve(),
     )
 
 
-def progress_text(p: Progress, elapsed: float) -> Text:
-    """The one-line live status: elapsed s, calls/s so far, errors, failures, p99."""
+PROGRESS_WIDTH = 79  # the live line never wraps in an 80-column terminal
+
+
+def progress_line(p: Progress, elapsed: float) -> str:
+    """The live status as plain text, at most `PROGRESS_WIDTH` characters: elapsed s,
+    calls answered per s so far, JSON-RPC errors, check failures, transport errors,
+    p99. Shorter words (then no p99) when the figures grow too long for the line."""
     rate = p.calls / elapsed if elapsed > 0 else 0.0
+    head = f"{elapsed:6.1f} s  {rate:,.0f} calls/s"
+    p99 = f"  p99 {p.p99_ms:.3f} ms" if p.p99_ms else ""
+    forms = (
+        f"{head}  errors {p.errors:,}  check failures {p.failures:,}  "
+        f"transport errors {p.transport_errors:,}{p99}",
+        f"{head}  errors {p.errors:,}  failures {p.failures:,}  transport {p.transport_errors:,}{p99}",
+        f"{head}  err {p.errors:,}  fail {p.failures:,}  lost {p.transport_errors:,}{p99}",
+        f"{head}  err {p.errors:,}  fail {p.failures:,}  lost {p.transport_errors:,}",
+    )
+    for line in forms:
+        if len(line) <= PROGRESS_WIDTH:
+            return line
+    return forms[-1][:PROGRESS_WIDTH]
+
+
+def progress_text(p: Progress, elapsed: float) -> Text:
+    """`progress_line`, in red once a check failure or a transport error was seen."""
     style = "bold red" if p.failures or p.transport_errors else ""
-    line = (f"{elapsed:6.1f} s  {rate:12,.0f} calls/s  errors {p.errors:,}  "
-            f"check failures {p.failures:,}  transport errors {p.transport_errors:,}")
-    if p.p99_ms:
-        line += f"  p99 {p.p99_ms:.3f} ms"
-    return Text(line, style=style)
+    return Text(progress_line(p, elapsed), style=style)
+
+
+def _n(count: int, word: str) -> str:
+    """``1 request``, ``2 requests``, ``12,000 requests``."""
+    return f"{count:,} {word}" if count == 1 else f"{count:,} {word}s"
+
+
+def _all_notifications(report: Report) -> bool:
+    return report.workload is not None and all(c.notification for c in report.workload.calls)
+
+
+def _stream(report: Report) -> bool:
+    """An NDJSON target: a body of only notifications gets no line (done once written)."""
+    return report.target.startswith(("tcp://", "unix://"))
 
 
 LABEL_WIDTH = 16  # len("transport errors"), the longest label: never wrapped
@@ -92,14 +138,24 @@ def print_table(report: Report, console: Console, first_problem: str = "") -> No
               box=None, padding=(0, 1), pad_edge=False)
     t.add_column(style="bold", no_wrap=True, min_width=LABEL_WIDTH)
     t.add_column(overflow="fold")
-    load = (f"closed loop, {report.connections} connections x depth {report.depth}"
+    load = (f"closed loop, {_n(report.connections, 'connection')} x depth {report.depth}"
             if report.mode == "closed"
-            else f"open loop at {report.rate:,.0f} req/s, {report.connections} connections")
-    t.add_row("load", f"{load}, batch {report.batch}\n{report.processes} "
-              f"{'process' if report.processes == 1 else 'processes'}, "
+            else f"open loop at {report.rate:,.0f} req/s, {_n(report.connections, 'connection')}")
+    processes = f"{report.processes:,} {'process' if report.processes == 1 else 'processes'}"
+    t.add_row("load", f"{load}, batch {report.batch}\n{processes}, "
               f"{report.duration_s:g} s measured after {report.warmup_s:g} s warm-up")
-    t.add_row("requests/s", f"{report.requests_per_s:,.1f}  ({report.requests:,} requests)")
-    t.add_row("calls/s", f"{report.calls_per_s:,.1f}  ({report.calls:,} calls)")
+    notifications = _all_notifications(report)
+    if notifications and _stream(report):  # no line answers them: the rates are of bodies written
+        t.add_row("requests/s", f"{report.requests_per_s:,.1f}  ({_n(report.requests, 'request')} "
+                  "written;\nnotifications only: no answer is expected)")
+        t.add_row("calls/s", f"{report.calls_per_s:,.1f}  ({_n(report.calls, 'notification')} written)")
+    elif notifications:  # HTTP answers each body with an empty 204 (its latency is measured)
+        t.add_row("requests/s", f"{report.requests_per_s:,.1f}  ({_n(report.requests, 'request')} "
+                  "answered,\nempty: notifications only)")
+        t.add_row("calls/s", f"{report.calls_per_s:,.1f}  ({_n(report.calls, 'notification')})")
+    else:
+        t.add_row("requests/s", f"{report.requests_per_s:,.1f}  ({_n(report.requests, 'request')} answered)")
+        t.add_row("calls/s", f"{report.calls_per_s:,.1f}  ({_n(report.calls, 'call')} answered)")
     errors = ", ".join(f"{code}: {n:,}" for code, n in report.errors_by_code.items()) or "none"
     t.add_row("JSON-RPC errors", errors)
     if report.refused_batches:
@@ -118,9 +174,12 @@ def print_table(report: Report, console: Console, first_problem: str = "") -> No
         t.add_row("never sent", Text(f"{report.unsent_requests:,} scheduled requests "
                                      "(the server could not keep up)", style="yellow"))
     lat = report.latency_ms
-    if report.requests:
+    if lat.p50 is not None and lat.p90 is not None and lat.p99 is not None and lat.p99_9 is not None \
+            and lat.max is not None and lat.mean is not None:
         t.add_row("latency ms", f"p50 {lat.p50:.3f}  p90 {lat.p90:.3f}  p99 {lat.p99:.3f}\n"
                   f"p99.9 {lat.p99_9:.3f}  max {lat.max:.3f}  mean {lat.mean:.3f}")
+    elif _all_notifications(report):
+        t.add_row("latency ms", "n/a (notifications only: no answer to time)")
     else:
         t.add_row("latency ms", "n/a (no answer was measured)")
     console.print(t)

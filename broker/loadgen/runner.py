@@ -22,16 +22,28 @@ reconnects) and does everything in its callbacks; there is no task per request:
 * **failures**: a reset, a close by the server, an unparsable response or a request
   older than ``--timeout`` (swept every 100 ms) counts every in-flight request of
   that connection as a transport error (NDJSON: only the requests that are late, see
-  below); the connection reconnects after 50 ms while there is still something to send.
+  below). While there is still something to send the connection is reopened: at once
+  after an orderly close (the server announced it with its last, complete answer),
+  after a back-off (`RECONNECT_S` doubling to `RECONNECT_MAX_S`) after a failure: a
+  refused or failed connect, a reset, a 503 turning the connection away, a timeout.
+  A transport that is closed or closing is never written to.
 
 Time line (monotonic clock, shared by all processes on Linux):
 
     t0 ---- warm-up ---- t_measure ---- duration ---- t_end ---- drain (<= timeout)
 
 Requests whose ``t_start`` is before ``t_measure`` are checked but not recorded.
-After ``t_end`` nothing new is scheduled; in-flight answers are awaited, and in
-open loop the requests that were due before ``t_end`` but could not be sent (their
-connection was full) are still sent and measured from their intended time.
+After ``t_end`` nothing is sent (``sending`` is False): in open loop the requests that
+were due before ``t_end`` but could not be sent (their connection was full) are
+"never sent" (``unsent``). The drain only awaits answers to requests already sent; at
+its end (``t_end + timeout``) what is still unanswered has waited past ``--timeout`` and
+counts as timed out (transport errors, one problem line for all connections).
+
+Interrupts: `_Shared.interrupt` (SIGINT/SIGTERM handler, or the parent's ``stop``
+message) only notes the signal and wakes the main loop, which ends the window there
+(``t_end`` = now), drains for at most `INTERRUPT_DRAIN_S` (or ``--timeout``) and
+returns the result with ``interrupted`` and the real ``window_s``; requests still in
+flight then are ``abandoned``, not errors. A second interrupt ends the drain at once.
 
 Transport seam: `LoadConnection` holds the scheduling and the depth; a subclass
 supplies the framing (`_frame`), the in-flight table (`_inflight`, filled through
@@ -57,8 +69,8 @@ multiset, and so on). Lines that match no record:
   an answer (as a wrong-id answer does over HTTP): that body is given up when its
   ``--timeout`` passes, when the connection closes or the run ends, or at once
   when there are as many strays as bodies in flight (with ``--depth 1``: at once);
-  it then counts no transport error (a batch: its calls beyond the stray's count
-  are ``missing``). An answer arriving after its body was given up is ignored;
+  it then counts no transport error but one answered request, as a wrong answer
+  does over HTTP (a batch: its calls beyond the stray's count are ``missing``). An answer arriving after its body was given up is ignored;
 * an error answer with ``"id": null`` (the server could not read the request):
   taken as the answer to the oldest body in flight.
 
@@ -102,7 +114,9 @@ __all__ = ["ProcessResult", "Progress", "RunError", "Spec", "Target", "run", "ru
 
 TICK_S = 0.25  # histogram fold and progress period
 SWEEP_S = 0.1  # timeout sweep period
-RECONNECT_S = 0.05
+RECONNECT_S = 0.05  # first back-off after a failed connection; doubles per failure in a row
+RECONNECT_MAX_S = 1.0  # the back-off's cap
+INTERRUPT_DRAIN_S = 1.0  # interrupted: answers to requests in flight are awaited this long at most
 _now = time.monotonic
 
 
@@ -168,7 +182,7 @@ class Target(typing.NamedTuple):
         path = parts.path or "/"
         if parts.query:
             path += "?" + parts.query
-        return cls("http", parts.hostname, port or 80, path, url)
+        return cls("http", parts.hostname, 80 if port is None else port, path, url)
 
 
 class Spec(msgspec.Struct, frozen=True, kw_only=True):
@@ -225,6 +239,11 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
     drain_s: float = 0.0  # seconds from the end of the measured window to the last answer
     first_problem: str = ""
     refused_batches: int = 0
+    interrupted: int = 0  # the signal that stopped the run early (0: it ran its course)
+    window_s: float = 0.0  # the measured window's real length (shorter when interrupted)
+    abandoned: int = 0  # interrupted: requests still in flight when it stopped (not errors)
+    reconnects: int = 0  # connections reopened after a close, a reset or a failed connect
+    backoffs: int = 0  # of those, the ones that waited first (after a failure)
 
     def tally(self) -> Tally:
         """The counters as a `Tally`."""
@@ -242,9 +261,9 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
 class _Shared:
     """State of one load process that its connections share."""
 
-    __slots__ = ("checker", "connecting", "conns", "depth", "lat", "loop", "open", "pipeline", "sending",
-                 "started",
-                 "stopped", "t0", "t_end", "t_measure", "target", "timeout", "workload")
+    __slots__ = ("backoffs", "checker", "connecting", "conns", "depth", "hurry", "interrupted", "lat", "loop",
+                 "open", "pipeline", "reconnects", "sending", "started", "stopped", "t0", "t_end", "t_measure",
+                 "target", "timeout", "wake", "workload")
 
     def __init__(self, spec: Spec, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -263,6 +282,20 @@ class _Shared:
         self.t_measure = float("inf")
         self.conns: list[LoadConnection] = []
         self.connecting: set[asyncio.Task[bool]] = set()  # reconnects under way
+        self.interrupted = 0  # the signal (or stop message) that ended the run early
+        self.hurry = False  # interrupted twice: end the drain now
+        self.wake = asyncio.Event()  # set by `interrupt` to wake the main loop at once
+        self.reconnects = 0
+        self.backoffs = 0
+
+    def interrupt(self, signum: int) -> None:
+        """Stop early (a signal handler's whole job: the main loop acts on it). A second
+        call cuts the drain short."""
+        if self.interrupted:
+            self.hurry = True
+        else:
+            self.interrupted = signum
+        self.wake.set()
 
 
 _Record = tuple[float, float, Expect | msgspec.Raw]  # (t_start: intended or sent, t_sent, expect)
@@ -286,8 +319,8 @@ class LoadConnection(asyncio.Protocol):
     `give_up`.
     """
 
-    __slots__ = ("_aborted", "_inflight", "_interval", "_k", "_next_i", "_now", "_phase", "_push", "_s",
-                 "_timer", "_transport", "connected")
+    __slots__ = ("_aborted", "_connecting", "_failed", "_fails", "_inflight", "_interval", "_k", "_k_conn",
+                 "_next_i", "_now", "_orderly", "_phase", "_push", "_s", "_timer", "_transport", "connected")
 
     _inflight: _InFlight
     _push: Callable[[_Record], None]
@@ -302,6 +335,11 @@ class LoadConnection(asyncio.Protocol):
         self._next_i = 0  # open loop: next request index of the schedule
         self._now = 0.0
         self._aborted = False
+        self._orderly = False  # the server announced its close after a complete answer
+        self._failed = False  # refused, timed out or not HTTP: back off before reconnecting
+        self._connecting = False  # a `connect` for it is under way
+        self._fails = 0  # failed connections in a row (sets the reconnect back-off)
+        self._k_conn = 0  # `_k` when the current connection was made
         self.connected = False
 
     # -- framing, by subclasses -----------------------------------------------------------
@@ -319,11 +357,15 @@ class LoadConnection(asyncio.Protocol):
             self._transport.abort()
             return
         self._aborted = False
+        self._orderly = self._failed = False
+        self._k_conn = self._k
         self.connected = True
         self._reset_reader()
 
     def connection_lost(self, exc: Exception | None) -> None:
         s = self._s
+        if self._transport is not None and not self._transport.is_closing():
+            return  # the loss of an older transport of this object (a connect given up on)
         self._transport = None
         self.connected = False
         lost = len(self._inflight)
@@ -334,8 +376,25 @@ class LoadConnection(asyncio.Protocol):
         elif not self._aborted and self.wanted():
             s.checker.tally.transport_errors += 1  # closed on us with nothing in flight
             s.checker.tally.problem("the server closed an idle connection")
-        if self.wanted():
-            s.loop.call_later(RECONNECT_S, self.reconnect)
+        # An orderly close after complete answers: reopen at once. Anything else (reset,
+        # refusal, nothing answered): back off, doubling up to a cap, so that a server out
+        # of descriptors is not hammered.
+        if self._failed or lost or self._k - self._k_conn <= 0:
+            self._fails += 1
+        else:
+            self._fails = 0
+        if self.wanted() and not self._connecting:  # else `connect` retries
+            self.retry()
+
+    def retry(self) -> None:
+        """Reconnect: at once after an orderly close, else after the back-off."""
+        s = self._s
+        s.reconnects += 1
+        if self._fails:
+            s.backoffs += 1
+            s.loop.call_later(min(RECONNECT_MAX_S, RECONNECT_S * 2 ** (self._fails - 1)), self.reconnect)
+        else:
+            self.reconnect()
 
     # -- sending ---------------------------------------------------------------------------
     def wanted(self) -> bool:
@@ -345,20 +404,21 @@ class LoadConnection(asyncio.Protocol):
             return False
         if not s.started:
             return True
+        if not s.sending:  # the window is over: nothing more is sent, not even a backlog
+            return False
         if not s.open:
-            return s.sending
+            return True
         return schedule.intended(s.t0, self._phase, self._interval, self._next_i) < s.t_end
 
     def start(self) -> None:
         """Begin sending (called at t0)."""
-        if self._transport is not None:
-            self._fill()
+        self._fill()
 
     def _fill(self) -> None:
         s = self._s
         transport = self._transport
-        if transport is None:
-            return
+        if transport is None or transport.is_closing():
+            return  # closed (or closing) by the server or a failure: connection_lost will count it
         inflight = self._inflight
         free = s.depth - len(inflight)
         if free <= 0:
@@ -377,7 +437,7 @@ class LoadConnection(asyncio.Protocol):
                 k += 1
                 out.append(frame(body))
                 push((now, now, expect))
-        elif s.started:
+        elif s.sending:
             i = self._next_i
             t0, phase, interval, t_end = s.t0, self._phase, self._interval, s.t_end
             t = t0 + phase + i * interval
@@ -405,14 +465,13 @@ class LoadConnection(asyncio.Protocol):
         """Give up on requests older than the timeout (called every `SWEEP_S`)."""
         raise NotImplementedError
 
-    def give_up(self) -> int:
-        """End of the drain: count what is still in flight as lost; return how many."""
+    def give_up(self, count: bool = True) -> int:
+        """End of the drain: drop what is still in flight and return how many; ``count``:
+        as transport errors (the caller words the problem once, for all connections)."""
         n = len(self._inflight)
         if n:
-            tally = self._s.checker.tally
-            tally.transport_errors += n
-            tally.problem(f"{n} request(s) still unanswered at the end of the drain (--timeout "
-                          f"{self._s.timeout:g} s)")
+            if count:
+                self._s.checker.tally.transport_errors += n
             self._inflight.clear()
         return n
 
@@ -424,7 +483,7 @@ class LoadConnection(asyncio.Protocol):
 
     def reconnect(self) -> None:
         """Open a new connection for this protocol object (if still wanted)."""
-        if self._transport is None and self.wanted():
+        if self._transport is None and not self._connecting and self.wanted():
             task = self._s.loop.create_task(connect(self))
             self._s.connecting.add(task)
             task.add_done_callback(self._s.connecting.discard)
@@ -484,14 +543,19 @@ class HttpLoadConnection(LoadConnection):
         self._now = _now()
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError:
-            self._s.checker.tally.malformed += 1
-            self._s.checker.tally.transport_errors += len(self._inflight)
+        except httptools.HttpParserError as exc:
+            tally = self._s.checker.tally
+            tally.malformed += 1
+            tally.transport_errors += len(self._inflight)
+            tally.problem(f"not an HTTP response ({exc or type(exc).__name__}): it began {data[:80]!r}")
             self._inflight.clear()
+            self._failed = True  # not a server we can talk to: back off before trying again
             self.abort()
             return
         if self._keep_alive:
             self._fill()
+        elif not self._queue and self._transport is not None:
+            self._transport.close()  # the server closes after its answer: so do we, and reopen
 
     def on_body(self, chunk: bytes) -> None:
         self._body.append(chunk)
@@ -500,10 +564,26 @@ class HttpLoadConnection(LoadConnection):
         chunks = self._body
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
+        status = self._parser.get_status_code()
         if not self._parser.should_keep_alive():
             self._keep_alive = False  # the server will close: do not send more here
             self._aborted = True  # and its close is not an error
-        self._answered(self._parser.get_status_code(), body)
+            self._orderly = True
+            if status == 503 and b'"jsonrpc"' not in body:
+                # Turned away (a broker past its max_connections answers so, before or
+                # instead of reading a request): a refused connection, not an answer.
+                self._refuse(status, body)
+                return
+        self._answered(status, body)
+
+    def _refuse(self, status: int, body: bytes) -> None:
+        tally = self._s.checker.tally
+        tally.transport_errors += 1
+        tally.problem(f"the server refused the connection: HTTP {status}, body {body[:120]!r}")
+        self._failed = True
+        self._orderly = False
+        if self._queue:
+            self._queue.popleft()  # the request it was sent instead of an answer to
 
     def _answered(self, status: int, body: bytes) -> None:
         s = self._s
@@ -528,6 +608,7 @@ class HttpLoadConnection(LoadConnection):
             self._s.checker.tally.transport_errors += len(queue)
             self._s.checker.tally.problem(f"no answer within --timeout {self._s.timeout:g} s")
             queue.clear()
+            self._failed = True
             self.abort()
 
 
@@ -561,7 +642,8 @@ class StreamLoadConnection(LoadConnection):
         self._inflight = self._pending
         self._push = self._register
         self._owner: dict[bytes, bytes] = {}
-        self._strays: collections.deque[int] = collections.deque()  # failures each stray line counted
+        # (failures it counted, arrival time) of each stray line not yet tied to a body
+        self._strays: collections.deque[tuple[int, float]] = collections.deque()
         self._expired: set[bytes] = set()  # ids of bodies given up on: their late answers are ignored
         self._parts: list[bytes] = []  # the incomplete last line, in chunks (never rescanned)
         self._parts_len = 0
@@ -791,7 +873,7 @@ class StreamLoadConnection(LoadConnection):
         if not self._pending:
             return  # nothing in flight: an unsolicited line, it stands in for nothing
         strays = self._strays
-        strays.append(failures)
+        strays.append((failures, self._now))
         if len(self._pending) <= len(strays):
             self._expire(list(self._pending))
 
@@ -816,7 +898,15 @@ class StreamLoadConnection(LoadConnection):
                         self._owner.pop(id_, None)
             self._expired.update(ids)
             if strays:
-                tally.missing += max(0, len(ids) - strays.popleft())
+                # Answered, wrongly: a request like a wrong answer over HTTP (the checker
+                # counts those as requests too), its calls beyond the stray's count missing.
+                failures, t_answer = strays.popleft()
+                tally.missing += max(0, len(ids) - failures)
+                t_start = rec[0]
+                if t_start >= self._s.t_measure:
+                    tally.requests += 1
+                    tally.calls += 1 if type(expect) is msgspec.Raw else expect.calls
+                    self._s.lat.append(int((t_answer - t_start) * 1e6))
             else:
                 tally.transport_errors += 1
                 tally.problem(why.format(id=key.decode(errors="replace")))
@@ -847,10 +937,10 @@ class StreamLoadConnection(LoadConnection):
         if late:
             self._fill()  # their slots are free again, and no answer may come to refill them
 
-    def give_up(self) -> int:
+    def give_up(self, count: bool = True) -> int:
         n = len(self._pending)
         self._lose_all()
-        super().give_up()
+        super().give_up(count)
         self._owner.clear()
         return n
 
@@ -863,21 +953,34 @@ class StreamLoadConnection(LoadConnection):
 
 async def connect(conn: LoadConnection, start: bool = True) -> bool:
     """Connect ``conn`` to its target and (if ``start``) begin sending; on failure count
-    a transport error and retry after `RECONNECT_S` while the connection is wanted."""
+    a transport error and retry after the back-off (`LoadConnection.retry`) while the
+    connection is wanted."""
     s = conn._s
     t = s.target
+    conn._connecting = True
     try:
         if t.scheme == "unix":
             await asyncio.wait_for(s.loop.create_unix_connection(lambda: conn, t.path), s.timeout)
         else:
             await asyncio.wait_for(s.loop.create_connection(lambda: conn, t.host, t.port), s.timeout)
     except (TimeoutError, OSError) as exc:
+        conn._connecting = False
+        if conn._transport is not None:  # made, then given up on (timed out): never write to it
+            conn._transport.abort()
+            conn._transport = None
         s.checker.tally.transport_errors += 1
         s.checker.tally.problem(f"cannot connect to {t.where}: {exc.strerror}"
                                 if isinstance(exc, OSError) and exc.strerror else
                                 f"cannot connect to {t.where}: {type(exc).__name__}")
+        conn._fails += 1
         if conn.wanted():
-            s.loop.call_later(RECONNECT_S, conn.reconnect)
+            conn.retry()
+        return False
+    finally:
+        conn._connecting = False
+    if conn._transport is None:  # made and already lost (its connection_lost left the retry to us)
+        if conn.wanted():
+            conn.retry()
         return False
     if start:
         conn.start()
@@ -887,17 +990,28 @@ async def connect(conn: LoadConnection, start: bool = True) -> bool:
 async def run_process(spec: Spec, first: int, count: int, *,
                       ready: Callable[[], float] | None = None,
                       on_progress: Callable[[Progress], None] | None = None,
-                      want_p99: bool = False) -> ProcessResult:
+                      want_p99: bool = False,
+                      signals: tuple[int, ...] = (),
+                      on_shared: Callable[[_Shared], None] | None = None) -> ProcessResult:
     """Run connections ``first .. first+count-1`` (of ``spec.connections``) in this loop.
 
     ready: called once all are connected; returns t0 (monotonic seconds) to start
         at (default: now).
     on_progress: called every `TICK_S` seconds with this process's counters
         (``p99_ms`` computed only when ``want_p99``: it costs ~1 ms).
+    signals: these signals interrupt the run (`_Shared.interrupt`): it stops sending,
+        drains for at most `INTERRUPT_DRAIN_S` (or ``--timeout``), and returns what it
+        measured, with ``interrupted`` set to the signal number.
+    on_shared: called with the process's shared state once made (a load process
+        uses it to interrupt the run when its parent says so).
     Returns when the run and its drain are over.
     """
     loop = asyncio.get_running_loop()
     s = _Shared(spec, loop)
+    for sig in signals:
+        loop.add_signal_handler(sig, s.interrupt, sig)
+    if on_shared is not None:
+        on_shared(s)
     # The hot path makes no reference cycles; the cyclic GC would only add pauses
     # (a full collection of a big heap takes milliseconds) to the latencies measured.
     gc_was_enabled = gc.isenabled()
@@ -909,6 +1023,8 @@ async def run_process(spec: Spec, first: int, count: int, *,
         if gc_was_enabled:
             gc.enable()
         gc.unfreeze()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
 
 
 async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
@@ -927,12 +1043,17 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
     t0 = ready() if ready is not None else _now()
     s.t0, s.t_measure = t0, t0 + spec.warmup
     s.t_end = s.t_measure + spec.duration
-    if t0 > _now():
-        await asyncio.sleep(t0 - _now())
+    if t0 > _now() and not s.interrupted:
+        try:
+            await asyncio.wait_for(s.wake.wait(), t0 - _now())
+        except TimeoutError:
+            pass
     s.started = True
-    s.sending = True
+    s.sending = not s.interrupted
+    if s.interrupted:
+        s.t_end = s.t_measure = s.t0  # nothing was measured
     for c in conns:
-        c.start()
+        c.start()  # a connection closed or failed since it was made is skipped (not written to)
     hist = Latency()
     tally = s.checker.tally
 
@@ -945,17 +1066,27 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
     next_tick = _now() + TICK_S
     while True:
         now = _now()
-        if now >= s.t_end:
+        if now >= s.t_end or s.interrupted:
             break
         for c in conns:
             c.sweep(now)
         if now >= next_tick:
             tick()
             next_tick = now + TICK_S
-        await asyncio.sleep(min(SWEEP_S, s.t_end - now))
+        try:
+            await asyncio.wait_for(s.wake.wait(), min(SWEEP_S, s.t_end - now))
+        except TimeoutError:
+            pass
+    # The window is over (or cut short): from now on nothing is sent, not even an open
+    # loop's backlog (requests due but not sent are "never sent"); the drain only waits
+    # for answers to requests already sent.
     s.sending = False
-    deadline = s.t_end + spec.timeout
-    while _now() < deadline and not all(c.idle() for c in conns):
+    if s.interrupted:
+        s.t_end = min(s.t_end, max(_now(), s.t_measure))
+        deadline = _now() + min(spec.timeout, INTERRUPT_DRAIN_S)
+    else:
+        deadline = s.t_end + spec.timeout
+    while _now() < deadline and not s.hurry and not all(c.idle() for c in conns):
         now = _now()
         for c in conns:
             c.sweep(now)
@@ -964,12 +1095,20 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
             next_tick = now + TICK_S
         await asyncio.sleep(0.01)
     drain_s = max(0.0, _now() - s.t_end)
-    unsent = 0
+    unsent = lost = 0
     s.stopped = True
+    interrupted = bool(s.interrupted)
     for c in conns:
         out = c.outstanding()
-        unsent += out - c.give_up()  # what is still unanswered counts as lost
+        n = c.give_up(count=not interrupted)
+        lost += n
+        unsent += out - n
         c.close()
+    if lost and not interrupted:
+        # Sent by the end of the window and still unanswered --timeout later: timed out,
+        # a transport error by the same rule as a request timing out within the window.
+        tally.problem(f"{lost} request(s) with no answer within --timeout {spec.timeout:g} s "
+                      "(given up at the end of the drain)")
     if s.connecting:  # reconnects still under way: stop them (connection_made closes late ones)
         for task in s.connecting:
             task.cancel()
@@ -978,7 +1117,11 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
     hist.record_many(s.lat)
     return ProcessResult(tally.requests, tally.calls, dict(tally.errors_by_code), tally.wrong_id,
                          tally.missing, tally.duplicate, tally.malformed, tally.transport_errors,
-                         unsent, hist.encode(), drain_s, tally.first_problem, tally.refused_batches)
+                         unsent, hist.encode(), drain_s, tally.first_problem, tally.refused_batches,
+                         interrupted=s.interrupted,
+                         window_s=max(0.0, s.t_end - s.t_measure),
+                         abandoned=lost if interrupted else 0,
+                         reconnects=s.reconnects, backoffs=s.backoffs)
 
 
 # -- several processes ----------------------------------------------------------------------
@@ -1005,26 +1148,96 @@ def split(connections: int, processes: int) -> list[tuple[int, int]]:
 
 def _child(spec_bytes: bytes, first: int, count: int, pipe: multiprocessing.connection.Connection,
            want_p99: bool) -> None:
-    """Entry point of a spawned load process."""
+    """Entry point of a spawned load process.
+
+    Ctrl-C is the parent's (it sends ``stop SIGNUM``, then ``hurry`` on a second one);
+    SIGTERM stops this process's run the same way. If the parent is gone (its end of
+    the pipe closed), the run stops at once and the process exits quietly, sending
+    nothing."""
     import signal
 
     import uvloop
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; daemons die with it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     spec = msgspec.msgpack.decode(spec_bytes, type=Spec)
+    shared: list[_Shared] = []
+    gone = False
+
+    def parent_gone() -> None:
+        nonlocal gone
+        gone = True
+        s = shared[0]
+        try:
+            s.loop.remove_reader(pipe.fileno())
+        except (OSError, ValueError):
+            pass
+        if not s.interrupted:
+            s.interrupt(signal.SIGTERM)
+        s.hurry = True
+
+    def on_message() -> None:
+        try:
+            msg = pipe.recv_bytes()
+        except (EOFError, OSError):
+            parent_gone()
+            return
+        s = shared[0]
+        if msg == b"hurry":
+            s.hurry = True
+            s.wake.set()
+        elif msg.startswith(b"stop ") and not s.interrupted:
+            s.interrupt(int(msg[5:]))
 
     def ready() -> float:
-        pipe.send_bytes(b"ready")
-        return float(pipe.recv_bytes().decode())
+        try:
+            pipe.send_bytes(b"ready")
+            t0 = float(pipe.recv_bytes().decode())
+        except (EOFError, OSError):
+            parent_gone()
+            return _now()
+        shared[0].loop.add_reader(pipe.fileno(), on_message)
+        return t0
 
     def progress(p: Progress) -> None:
-        pipe.send_bytes(_encode(p))
+        if gone:
+            return
+        try:
+            pipe.send_bytes(_encode(p))
+        except OSError:  # BrokenPipeError: the parent is gone
+            parent_gone()
 
     result = uvloop.run(run_process(spec, first, count, ready=ready, on_progress=progress,
-                                    want_p99=want_p99))
-    pipe.send_bytes(_encode(result))
+                                    want_p99=want_p99, signals=(signal.SIGTERM,),
+                                    on_shared=shared.append))
+    if not gone:
+        try:
+            pipe.send_bytes(_encode(result))
+        except OSError:
+            pass
     pipe.close()
+
+
+class RunInterrupted(RunError):
+    """Interrupted (signal ``signum``) before the load started: nothing was measured."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__("interrupted before the load started")
+        self.signum = signum
+
+
+class ProcessDied(RunError):
+    """A load process died; ``results``: what the others measured (they were stopped)."""
+
+    def __init__(self, message: str, results: list[ProcessResult]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def run(spec: Spec, on_progress: Callable[[Progress], None] | None = None,
@@ -1032,18 +1245,54 @@ def run(spec: Spec, on_progress: Callable[[Progress], None] | None = None,
     """Run ``spec`` in ``spec.processes`` load processes (in this one when 1) and return
     each process's result. ``on_progress`` gets the *summed* counters (p99: the largest
     of the processes' p99s) about every `TICK_S` s. Raises `RunError` if the target is
-    bad or a load process dies or does not become ready within ``timeout + 30`` s."""
+    bad or a load process does not become ready within ``timeout + 30`` s, and
+    `ProcessDied` (with the others' results) if one dies.
+
+    SIGINT and SIGTERM (when called in the main thread) stop the run early: sending
+    stops, answers in flight are awaited briefly, and the results measured so far come
+    back with ``interrupted`` set to the signal; a second signal cuts the drain short.
+    Before the load has started they raise `RunInterrupted`."""
+    import signal
+
     Target.parse(spec.target)
+    signals = (signal.SIGINT, signal.SIGTERM) if _main_thread() else ()
     if spec.processes <= 1:
         import uvloop
 
         return [uvloop.run(run_process(spec, 0, spec.connections, on_progress=on_progress,
-                                       want_p99=want_p99))]
+                                       want_p99=want_p99, signals=signals))]
+    return _run_processes(spec, on_progress, want_p99, signals)
+
+
+def _run_processes(spec: Spec, on_progress: Callable[[Progress], None] | None, want_p99: bool,
+                   signals: tuple[int, ...]) -> list[ProcessResult]:
+    import signal
+    import socket
+    import types
+
     parts = split(spec.connections, spec.processes)
     ctx = multiprocessing.get_context("spawn")
     spec_bytes = msgspec.msgpack.encode(spec)
     procs: list[multiprocessing.process.BaseProcess] = []
     pipes: list[multiprocessing.connection.Connection] = []
+    # Signal handlers only note the signal; the wake-up fd makes `wait` return at once.
+    got: list[int] = []
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    old_handlers: dict[int, Callable[[int, types.FrameType | None], object] | int | None] = {}
+    old_wakeup = -1
+    if signals:
+        old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+        for sig in signals:
+            old_handlers[sig] = signal.signal(sig, lambda signum, _frame: got.append(signum))
+
+    def tell(i: int, msg: bytes) -> None:
+        try:
+            pipes[i].send_bytes(msg)
+        except OSError:
+            pass  # that process is gone: its sentinel says so
+
     try:
         for first, count in parts:
             parent_end, child_end = ctx.Pipe()
@@ -1056,32 +1305,54 @@ def run(spec: Spec, on_progress: Callable[[Progress], None] | None = None,
         deadline = _now() + spec.timeout + 30
         for pipe, proc in zip(pipes, procs):
             while not pipe.poll(0.1):
+                if got:
+                    raise RunInterrupted(got[0])
                 if not proc.is_alive() or _now() > deadline:
                     raise RunError(f"load process {proc.name} did not start (exit code {proc.exitcode})")
             if pipe.recv_bytes() != b"ready":
                 raise RunError("load process protocol error")
+        if got:
+            raise RunInterrupted(got[0])
         t0 = _now() + 0.05
         for pipe in pipes:
             pipe.send_bytes(repr(t0).encode())
         latest: dict[int, Progress] = {}
         results: dict[int, ProcessResult] = {}
+        dead: dict[int, str] = {}
+        stopped = hurried = False
         by_fd = {pipe.fileno(): i for i, pipe in enumerate(pipes)}
         end = t0 + spec.warmup + spec.duration + spec.timeout + 30
-        while len(results) < len(pipes):
-            waiting = [pipes[i] for i in range(len(pipes)) if i not in results]
-            sentinels = [procs[i].sentinel for i in range(len(procs)) if i not in results]
+        while len(results) + len(dead) < len(pipes):
+            live = [i for i in range(len(pipes)) if i not in results and i not in dead]
+            if (got or dead) and not stopped:
+                stopped = True  # interrupted, or one died: the others stop and report
+                for i in live:
+                    tell(i, b"stop %d" % (got[0] if got else signal.SIGTERM))
+            if len(got) > 1 and not hurried:
+                hurried = True
+                for i in live:
+                    tell(i, b"hurry")
             if _now() > end:
                 raise RunError("load processes did not finish in time")
-            for obj in multiprocessing.connection.wait([*waiting, *sentinels], timeout=0.5):
+            ready = multiprocessing.connection.wait(
+                [*(pipes[i] for i in live), *(procs[i].sentinel for i in live), wake_r], timeout=0.5)
+            for obj in ready:
+                if obj is wake_r:
+                    try:
+                        wake_r.recv(4096)
+                    except BlockingIOError:
+                        pass
+                    continue
                 if isinstance(obj, int):
                     continue  # a process exited: its pipe says whether it finished
                 pipe = typing.cast(multiprocessing.connection.Connection, obj)
                 i = by_fd[pipe.fileno()]
                 try:
                     msg = _decode_msg(pipe.recv_bytes())
-                except EOFError:
-                    raise RunError(f"load process {procs[i].name} died "
-                                   f"(exit code {procs[i].exitcode})") from None
+                except (EOFError, OSError):
+                    procs[i].join(1)
+                    dead[i] = f"load process {procs[i].name} died (exit code {procs[i].exitcode})"
+                    continue
                 if isinstance(msg, ProcessResult):
                     results[i] = msg
                 else:
@@ -1092,8 +1363,19 @@ def run(spec: Spec, on_progress: Callable[[Progress], None] | None = None,
                             sum(m.failures for m in latest.values()),
                             sum(m.transport_errors for m in latest.values()),
                             max(m.p99_ms for m in latest.values())))
-        return [results[i] for i in range(len(pipes))]
+        done = [results[i] for i in sorted(results)]
+        if got:
+            done = [msgspec.structs.replace(r, interrupted=got[0]) for r in done]
+        if dead:
+            raise ProcessDied(next(iter(dead.values())), done)
+        return done
     finally:
+        if signals:
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
+            signal.set_wakeup_fd(old_wakeup)
+        wake_r.close()
+        wake_w.close()
         for pipe in pipes:
             pipe.close()
         for proc in procs:

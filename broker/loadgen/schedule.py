@@ -20,13 +20,18 @@ import math
 
 __all__ = ["connection_timing", "due", "intended", "planned"]
 
+_MAX_INDEX = 2.0**53  # past it, consecutive request indices are no longer distinct floats
+
 
 def connection_timing(rate: float, connections: int, index: int) -> tuple[float, float]:
     """(phase, interval) in seconds of connection ``index`` (0-based) of ``connections``
     sharing ``rate`` requests/s. Raises ValueError unless rate > 0 and 0 <= index < connections."""
-    if not rate > 0 or not 0 <= index < connections:
-        raise ValueError(f"need rate > 0 and 0 <= index < connections, got {rate}, {index}, {connections}")
-    return index / rate, connections / rate
+    if not (0 < rate < math.inf) or not 0 <= index < connections:
+        raise ValueError(f"need 0 < rate < inf and 0 <= index < connections, got {rate}, {index}, {connections}")
+    interval = connections / rate
+    if not interval > 0:  # rate so high that the interval underflows to 0
+        raise ValueError(f"rate {rate} too high for {connections} connections")
+    return index / rate, interval
 
 
 def intended(t0: float, phase: float, interval: float, i: int) -> float:
@@ -36,15 +41,26 @@ def intended(t0: float, phase: float, interval: float, i: int) -> float:
 
 def due(t0: float, phase: float, interval: float, sent: int, now: float, t_end: float) -> int:
     """How many requests, after the ``sent`` already sent, are due at ``now``: those with
-    intended time <= ``now`` and < ``t_end``. Never negative."""
+    intended time <= ``now`` and < ``t_end``. Never negative.
+
+    Raises ValueError for an interval that is not finite and > 0, or a span of
+    intended times too long to count in floats (an infinite ``now`` and ``t_end``,
+    or more than 2**53 requests): the CLI bounds ``--rate`` and the durations so
+    that a run never gets near either, and the answer always comes in O(1)."""
+    if not 0 < interval < math.inf:
+        raise ValueError(f"need 0 < interval < inf, got {interval}")
     limit = min(now, math.nextafter(t_end, -math.inf))
     if limit < t0 + phase:
         return 0
-    last = math.floor((limit - t0 - phase) / interval)  # index of the last due request
-    # Guard the float division at exact boundaries.
-    while intended(t0, phase, interval, last + 1) <= limit:
+    span = (limit - t0 - phase) / interval
+    if not span < _MAX_INDEX:  # also catches inf and nan
+        raise ValueError(f"schedule span too long: {span} intervals")
+    last = math.floor(span)  # index of the last due request
+    # Guard the float division at exact boundaries: one step either way is enough
+    # (the division is off by at most an ulp), and a bounded step cannot spin.
+    if intended(t0, phase, interval, last + 1) <= limit:
         last += 1
-    while last >= 0 and intended(t0, phase, interval, last) > limit:
+    elif last >= 0 and intended(t0, phase, interval, last) > limit:
         last -= 1
     return max(0, last + 1 - sent)
 

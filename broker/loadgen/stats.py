@@ -11,12 +11,28 @@ fields are fixed by the schema below (names, types, units):
     schema        "rpc-broker-bench/1"
     target        the URL driven
     mode          "closed" | "open"
-    connections, depth, batch, processes: ints as run
+    connections, depth, batch, processes: ints as run (depth: requests in flight
+                  per connection, the larger of --depth and --pipeline)
+    pipeline      --pipeline (closed loop: requests written back to back)
     rate          requests/s asked for (open loop), null for closed loop
-    duration_s, warmup_s: seconds
-    requests, calls: answered request bodies / calls answered in them, measured
-                  window only (a batch refused whole is a request with no calls)
-    requests_per_s, calls_per_s: the above divided by duration_s
+    duration_s, warmup_s, timeout_s: seconds (--duration, --warmup, --timeout)
+    ids           the --ids style; seed: the --seed of the mix draw
+    workload      {"mix": the --mix file as given, or null for --method/--params;
+                   "calls": [{"method", "params" (JSON array/object or null),
+                   "weight", "notification"}, ...]}: what was sent
+    requests      request bodies answered (a body of only notifications: written),
+                  measured window only; a batch refused whole counts
+    calls         calls answered, measured window only: each call that got its own
+                  answer with its id, a result or a JSON-RPC error (an error with
+                  "id": null to a single call included), plus the notifications
+                  written in those bodies (never answered: done once written). Not
+                  counted: calls whose answer is missing, has a wrong id or is
+                  malformed, calls lost to the transport, and the calls of a batch
+                  refused whole (none of them ran)
+    calls_counted "answered" (the definition above); files written before this key
+                  existed read "sent": their calls counted every call of an
+                  answered body, missing answers included
+    requests_per_s, calls_per_s: the above divided by duration_s plus the drain
     errors_by_code: {"<JSON-RPC code>": count}, one per error answer
     transport_errors: requests lost to resets, closes, timeouts, refused connects
     refused_batches: batches answered by one error object for the whole body (e.g.
@@ -25,11 +41,20 @@ fields are fixed by the schema below (names, types, units):
     unsent_requests: open loop: requests that were due but never sent by the end of
                   the drain (the "never sent" of the table); 0 in closed loop
     check         {"wrong_id", "missing", "duplicate", "malformed": int, "ok": bool}
-    latency_ms    {"p50", "p90", "p99", "p99.9", "max", "mean": float ms}
-    percentiles   [[percentile (0..100), ms], ...] ascending: the plotted curve
+    latency_ms    {"p50", "p90", "p99", "p99.9", "max", "mean": float ms, or null
+                  each when no latency was measured (no answer came back, or only
+                  notifications were sent): never 0 standing for "nothing"}
+    percentiles   [[percentile (0..100), ms >= 0], ...] ascending: the plotted
+                  curve; [] when no latency was measured
 
-refused_batches and unsent_requests were added to version 1 without a new schema
-name: they default to 0 when read, so files written before them still load.
+    interrupted   true when a signal (or a dead load process) stopped the run early:
+                  duration_s is then the window really measured
+
+refused_batches, unsent_requests and interrupted were added to version 1 without a new schema
+name: they default to 0 (false) when read, so files written before them still load.
+So were calls_counted (read as "sent"), pipeline, timeout_s, ids, seed and workload
+(read as null: not recorded); and latency_ms figures became nullable (older files hold
+floats there).
 """
 
 from __future__ import annotations
@@ -40,7 +65,7 @@ import typing
 import msgspec
 from hdrh.histogram import HdrHistogram  # type: ignore[import-untyped]
 
-__all__ = ["HIGHEST_US", "SCHEMA", "Check", "Latency", "LatencyMs", "Report"]
+__all__ = ["HIGHEST_US", "SCHEMA", "Check", "Latency", "LatencyMs", "Report", "RunWorkload", "WorkloadCall"]
 
 SCHEMA: typing.Final = "rpc-broker-bench/1"
 LOWEST_US = 1
@@ -139,15 +164,43 @@ class Check(msgspec.Struct, forbid_unknown_fields=True):
     ok: bool
 
 
-class LatencyMs(msgspec.Struct, forbid_unknown_fields=True):
-    """Latency summary in milliseconds."""
+Ms = typing.Annotated[float, msgspec.Meta(ge=0)]
+Percentile = typing.Annotated[float, msgspec.Meta(ge=0, le=100)]
 
-    p50: float
-    p90: float
-    p99: float
-    p99_9: float = msgspec.field(name="p99.9")
-    max: float = 0.0
-    mean: float = 0.0
+
+class LatencyMs(msgspec.Struct, forbid_unknown_fields=True):
+    """Latency summary in milliseconds; every figure None when nothing was measured."""
+
+    p50: Ms | None
+    p90: Ms | None
+    p99: Ms | None
+    p99_9: Ms | None = msgspec.field(name="p99.9")
+    max: Ms | None = None
+    mean: Ms | None = None
+
+    @classmethod
+    def of(cls, hist: Latency) -> LatencyMs:
+        """The summary of ``hist``; all None when it holds no value."""
+        if not hist.count:
+            return cls(None, None, None, None, None, None)
+        p = hist.percentiles_ms([50.0, 90.0, 99.0, 99.9])
+        return cls(p[50.0], p[90.0], p[99.0], p[99.9], hist.max_ms, hist.mean_ms)
+
+
+class WorkloadCall(msgspec.Struct, forbid_unknown_fields=True):
+    """One kind of call sent (one entry of the mix, or --method/--params)."""
+
+    method: str
+    params: list[object] | dict[str, object] | None
+    weight: float = 1.0
+    notification: bool = False
+
+
+class RunWorkload(msgspec.Struct, forbid_unknown_fields=True):
+    """What a run sent: the mix file (None for --method/--params) and its calls."""
+
+    mix: str | None
+    calls: list[WorkloadCall]
 
 
 class Report(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -158,13 +211,19 @@ class Report(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mode: typing.Literal["closed", "open"]
     connections: int
     depth: int
+    pipeline: int | None = None  # absent from files written before it
     rate: float | None
     batch: int
     processes: int
     duration_s: float
     warmup_s: float
+    timeout_s: float | None = None  # absent from files written before it
+    ids: str | None = None  # absent from files written before it
+    seed: int | None = None  # absent from files written before it
+    workload: RunWorkload | None = None  # absent from files written before it
     requests: int
     calls: int
+    calls_counted: typing.Literal["answered", "sent"] = "sent"  # "sent" in files written before it
     requests_per_s: float
     calls_per_s: float
     errors_by_code: dict[str, int]
@@ -173,7 +232,8 @@ class Report(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     unsent_requests: int = 0  # absent from files written before it
     check: Check
     latency_ms: LatencyMs
-    percentiles: list[tuple[float, float]]
+    percentiles: list[tuple[Percentile, Ms]]
+    interrupted: bool = False  # stopped early by a signal; absent from files written before it
 
     def to_json(self) -> bytes:
         """The report as indented JSON text (UTF-8, trailing newline)."""

@@ -95,6 +95,25 @@ def _kind(value: object) -> str:
 _AT = re.compile(r"(.*) - at `\$(.*)`", re.S)
 
 
+def _non_finite(value: object, at: str = "") -> tuple[str, float] | None:
+    """(where, number) of the first NaN or infinity in a decoded JSON/TOML value, or
+    None. JSON has no such numbers (Python's json reads ``NaN`` and TOML has ``nan``
+    and ``inf``; encoding them would send null)."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (at, value)
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _non_finite(item, f"{at}[{i}]")
+            if found:
+                return found
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _non_finite(item, f"{at}.{key}")
+            if found:
+                return found
+    return None
+
+
 def _entry_error(path: Path, where: str, exc: msgspec.ValidationError) -> MixError:
     """`exc` (one entry's validation error) as a message naming the file, the entry
     and, where msgspec gives one, the key: ``mix file m.json: entry 2 ($[1]), key
@@ -113,7 +132,8 @@ def load_mix(path: str | Path) -> list[Call]:
 
     Raises `MixError` on any problem, naming the file and, for a bad entry, which
     one and which key: unreadable file, not TOML/JSON, wrong shape, unknown or
-    missing key, bad type, weight not finite and > 0, empty mix.
+    missing key, bad type, weight not finite and > 0, a NaN or infinity in params,
+    empty mix.
     """
     path = Path(path)
     toml = path.suffix.lower() == ".toml"
@@ -161,6 +181,10 @@ def load_mix(path: str | Path) -> list[Call]:
                 raise _entry_error(path, where, exc) from None
             if not math.isfinite(e.weight):
                 raise MixError(f"mix file {path}: {where}, key 'weight': must be finite, got {e.weight}")
+            bad = _non_finite(e.params)
+            if bad:
+                raise MixError(f"mix file {path}: {where}, key 'params{bad[0]}': {bad[1]} is not a JSON "
+                               "number (JSON has no NaN or Infinity)")
             params = None if e.params is None else msgspec.json.encode(e.params).decode()
             calls.append(Call(e.method, params, e.weight, e.notification))
     if not calls:
