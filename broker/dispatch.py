@@ -77,6 +77,7 @@ _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and wa
 _CODE_AT = len(b'{"code":')
 _clock = time.perf_counter
 _NO_ID = Raw()
+_RESP_HEAD, _RESP_RESULT = b'{"jsonrpc":"2.0","id":', b',"result":'  # as jsonrpc.response_result
 
 
 def _error_code(error: bytes) -> int:
@@ -203,15 +204,21 @@ class Call(msgspec.Struct, eq=False):
     ) -> Call:
         """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
         one deadline (they share `timeout`), one reply."""
-        slots = [slot for slot, _, _ in entries]
+        slots = []
+        ids = []
+        methods = []
         payload = bytearray()
         pack = _CALL_ENTRY.pack
         for slot, request, route in entries:
-            payload += pack(route.method_index, 0 if slot >= 0 else _NOTIFY_FLAG, len(request.params))
-            payload += request.params
+            params = request.params
+            payload += pack(route.method_index, 0 if slot >= 0 else _NOTIFY_FLAG, len(params))
+            payload += params
+            slots.append(slot)
+            ids.append(request.id)
+            methods.append(route.method_index)
         return cls(
             call_id,
-            exchange if any(slot >= 0 for slot in slots) else None,
+            exchange if slots.count(-1) < len(slots) else None,
             -1,
             _NO_ID,
             _CHUNK,
@@ -221,8 +228,8 @@ class Call(msgspec.Struct, eq=False):
             arrival,
             weight=len(entries),
             slots=slots,
-            ids=[request.id for _, request, _ in entries],
-            methods=[route.method_index for _, _, route in entries],
+            ids=ids,
+            methods=methods,
         )
 
 
@@ -336,6 +343,7 @@ class Dispatcher:
         self._timeout = timeout
         self._method_timeouts = dict(method_timeouts or {})
         self._routes: dict[str, Route] = {}
+        self._one_timeout = True  # every method has the same deadline (see set_methods)
         self._pending: dict[int, Call] = {}
         self._queue: deque[Call] = deque()
         self._ready: list[Worker] = []
@@ -360,6 +368,9 @@ class Dispatcher:
             name: Route(i, self._method_timeouts.get(name, self._timeout))
             for i, name in enumerate(names)
         }
+        # When every method has the same deadline (the usual case) a batch needs no
+        # grouping by deadline before it is cut into chunks.
+        self._one_timeout = len({route.timeout for route in self._routes.values()}) <= 1
         if self.metrics is not None:
             self.metrics.set_methods(names)
 
@@ -504,11 +515,14 @@ class Dispatcher:
         """A batch's calls go out in a few chunks (about one per ready worker) instead
         of one frame each. Calls with different deadlines never share a chunk."""
         groups: dict[float, list[tuple[int, Request, Route]]] = {}
-        for entry in entries:
-            group = groups.get(entry[2].timeout)
-            if group is None:
-                group = groups[entry[2].timeout] = []
-            group.append(entry)
+        if self._one_timeout:
+            groups[entries[0][2].timeout] = entries
+        else:
+            for entry in entries:
+                group = groups.get(entry[2].timeout)
+                if group is None:
+                    group = groups[entry[2].timeout] = []
+                group.append(entry)
         workers = len(self._ready)
         for timeout, group in groups.items():
             chunks = min(workers, len(group))
@@ -519,12 +533,13 @@ class Dispatcher:
                 if len(part) == 1:
                     slot, request, route = part[0]
                     call = Call.of(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival)
+                    exchange.remaining += slot >= 0
                 else:
                     # A chunk goes to a worker below its concurrency limit like a call
                     # does, so it may overshoot the limit by its size; it queues and is
                     # shed as one unit.
                     call = Call.chunk(next(self._ids), exchange, part, timeout, arrival)
-                exchange.remaining += sum(1 for slot, _, _ in part if slot >= 0)
+                    exchange.remaining += call.weight - typing.cast(list[int], call.slots).count(-1)
                 self._start(call, now)
 
     def _start(self, call: Call, now: float) -> None:
@@ -647,6 +662,7 @@ class Dispatcher:
         view = memoryview(payload)
         unpack = _REPLY_ENTRY.unpack_from
         size = _REPLY_ENTRY.size
+        join = b"".join
         end = len(payload)
         pos = filled = 0
         while pos < end:
@@ -656,7 +672,7 @@ class Dispatcher:
             if slot >= 0 and answers[slot] is None:
                 result = view[pos : pos + length]
                 if entry_kind == _RESULT:
-                    answers[slot] = response_result(ids[i], result)
+                    answers[slot] = join((_RESP_HEAD, ids[i], _RESP_RESULT, result, b"}"))  # response_result, inline
                     results += 1
                 else:
                     answers[slot] = response_error(ids[i], result)

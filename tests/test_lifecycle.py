@@ -309,6 +309,25 @@ def test_method_timeout_overrides_the_default_for_that_method_only(broker_factor
     assert b.call("sleep", [0.1])["result"] == 0.1
 
 
+def test_a_batch_in_chunks_keeps_each_methods_deadline(broker_factory):
+    """A batch past 2 calls goes out in chunks; calls whose methods have different
+    deadlines never share a chunk, so each times out on its own method's deadline."""
+    b = broker_factory("--workers", "2", "--timeout", "5", "--method-timeout", "sleep=0.3")
+    worker_pids(b, 2)
+    batch = [req("sleep", [5], f"s{i}") if i % 2 else req("add", [i, 1], f"a{i}") for i in range(8)]
+    t0 = time.monotonic()
+    status, body = post_json(b, batch)
+    elapsed = time.monotonic() - t0
+    assert status == 200
+    assert [r["id"] for r in body] == [f"s{i}" if i % 2 else f"a{i}" for i in range(8)]
+    for i, r in enumerate(body):
+        if i % 2:
+            assert r["error"]["code"] == -32001 and r["error"]["data"] == {"timeout_seconds": 0.3}
+        else:
+            assert r == {"jsonrpc": "2.0", "id": f"a{i}", "result": i + 1}
+    assert elapsed < 4.0  # the adds were not held to the sleeps' chunk, nor the sleeps to 5 s
+
+
 # -- 4. overload --------------------------------------------------------------------------
 
 
