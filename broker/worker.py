@@ -193,7 +193,8 @@ class Method:
                 return (None,), {}
             params = b"[]"
         fast = self._fast
-        if fast is not None and params.count(b"[") + params.count(b"{") <= max_depth:
+        # (params shorter than max_depth cannot hold more brackets: no need to count them)
+        if fast is not None and (len(params) <= max_depth or params.count(b"[") + params.count(b"{") <= max_depth):
             try:
                 first = params[0]
                 if first == 0x5B:  # "["
