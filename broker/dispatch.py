@@ -340,6 +340,9 @@ class Dispatcher:
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0  # params bytes held by the queued calls
+        # Queued calls whose deadline passed stay in the deque until they reach its head
+        # (removing one from the middle is O(n)); they no longer hold a place or bytes.
+        self._expired_queued = 0
         self._timeout = timeout
         self._method_timeouts = dict(method_timeouts or {})
         self._routes: dict[str, Route] = {}
@@ -355,6 +358,10 @@ class Dispatcher:
         self.timeouts_total = 0
         self.late_replies_total = 0
         self.shed_total = 0
+        # Notifications that never reached a worker, by the error a call would have had
+        # (overloaded, timed out while queued, no worker, shutting down): they get no
+        # answer, so this count is their only trace.
+        self.notifications_dropped: dict[int, int] = {}
         self.worker_died_total = 0
         self._idle = asyncio.Event()  # set once draining and nothing is owed
         # Set by the pool: is a worker on its way to READY? (else "no worker available")
@@ -407,7 +414,9 @@ class Dispatcher:
         """Every worker is down and none is starting (restart backoff): answer the
         queued calls "no worker available" rather than let them wait for their deadline."""
         while self._queue:
-            self._finish(self._dequeue(), _NO_WORKER, ErrorCode.NO_WORKER)
+            call = self._dequeue()
+            if call.tick:  # (else it timed out while queued: answered already)
+                self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER)
         self._check_idle()
 
     @property
@@ -418,7 +427,7 @@ class Dispatcher:
     @property
     def queued_calls(self) -> int:
         """Calls waiting for a worker (a queued chunk counts its calls)."""
-        return sum(call.weight for call in self._queue)
+        return sum(call.weight for call in self._queue if call.tick)
 
     def count_refused_body(self) -> None:
         """A front-end answered a body past max_body_bytes with -32600 (metrics)."""
@@ -553,7 +562,7 @@ class Dispatcher:
             self._finish(call, error_object(ErrorCode.SHUTTING_DOWN), ErrorCode.SHUTTING_DOWN, remaining=False)
         elif not self._ready and not self.worker_coming():
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
-        elif len(self._queue) >= self._max_queue or (
+        elif len(self._queue) - self._expired_queued >= self._max_queue or (
             self._queued_bytes + len(call.params) > self._max_queue_bytes
         ):
             self.shed_total += 1
@@ -722,7 +731,10 @@ class Dispatcher:
 
     def _dequeue(self) -> Call:
         call = self._queue.popleft()
-        self._queued_bytes -= len(call.params)
+        if call.tick:
+            self._queued_bytes -= len(call.params)
+        else:  # expired while queued: counted out already (_on_timeout)
+            self._expired_queued -= 1
         return call
 
     def _pump(self) -> None:
@@ -741,6 +753,9 @@ class Dispatcher:
 
     def _on_timeout(self, call: Call) -> None:
         self.timeouts_total += call.weight
+        if call.worker is None:  # still queued: it gives up its place and bytes now
+            self._expired_queued += 1
+            self._queued_bytes -= len(call.params)
         self._finish(
             call,
             error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout}),
@@ -772,6 +787,10 @@ class Dispatcher:
         """Answer `call` with a broker error (once); `remaining=False` when not yet counted."""
         if call.tick:
             self._deadlines.remove(call)
+        if call.worker is None:  # never sent: its notifications are dropped unrun
+            dropped = call.slots.count(-1) if call.slots is not None else int(call.kind == _NOTIFY)
+            if dropped:
+                self.notifications_dropped[code] = self.notifications_dropped.get(code, 0) + dropped
         exchange = call.exchange
         if exchange is None:
             return
@@ -808,7 +827,9 @@ class Dispatcher:
             w.cancel()
         error = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
         while self._queue:
-            self._finish(self._dequeue(), error, ErrorCode.SHUTTING_DOWN)
+            call = self._dequeue()
+            if call.tick:  # (else it timed out while queued: answered already)
+                self._finish(call, error, ErrorCode.SHUTTING_DOWN)
         for call in list(self._pending.values()):
             self._finish(call, error, ErrorCode.SHUTTING_DOWN)
             # Cancel it on the worker too: a worker told BYE waits for its calls in
@@ -822,7 +843,7 @@ class Dispatcher:
         """Counters and gauges as a frozen record."""
         return DispatcherStats(
             in_flight=len(self._pending),
-            queued=len(self._queue),
+            queued=len(self._queue) - self._expired_queued,
             calls_total=self.calls_total,
             timeouts_total=self.timeouts_total,
             late_replies_total=self.late_replies_total,

@@ -87,6 +87,9 @@ _OUTCOME_NAMES = ("ok", *_OUTCOMES.values(), "application_error")
 # The statuses the HTTP front-end answers with (their series exist from the start).
 HTTP_STATUSES = (b"200", b"204", b"400", b"404", b"405", b"413", b"431", b"500", b"502", b"503", b"504")
 RESTART_REASONS = ("exited", "killed", "hung", "boot_timeout", "reload")  # see pool.restart_reason
+# Why a notification never reached a worker (Dispatcher.notifications_dropped's keys).
+DROP_REASONS = {code: _OUTCOMES[code] for code in (
+    ErrorCode.OVERLOADED, ErrorCode.TIMED_OUT, ErrorCode.NO_WORKER, ErrorCode.SHUTTING_DOWN)}
 _NO_RESTARTS = dict.fromkeys(RESTART_REASONS, 0)
 
 
@@ -299,6 +302,11 @@ class BrokerCollector(Collector):
         yield _family_counter(
             "rpc_broker_late_replies", "Worker replies dropped: the call had been answered already (deadline).",
             [], [([], d.late_replies_total)],
+        )  # fmt: skip
+        yield _family_counter(
+            "rpc_broker_notifications_dropped", "Notifications that never reached a worker, by reason (they get "
+            "no answer, so this is their only trace).", ["reason"],
+            [([reason], d.notifications_dropped.get(code, 0)) for code, reason in DROP_REASONS.items()],
         )  # fmt: skip
         yield from self._http()
         yield from self._workers()

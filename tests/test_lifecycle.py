@@ -7,6 +7,7 @@ used where several calls must be in flight at once on separate connections.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import selectors
@@ -16,7 +17,7 @@ import threading
 import time
 
 import pytest
-from conftest import Broker, start_broker, wait_for
+from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
 
 # -- helpers ------------------------------------------------------------------------------
 
@@ -515,3 +516,19 @@ def test_queued_params_are_bounded_in_bytes(broker_factory):
     assert replies[0]["result"] == 0.3 and replies[1]["result"] == [blob]
     assert replies[2]["error"] == {"code": -32000, "message": "Server overloaded", "data": "queue full"}
     assert b.call("echo", [blob])["result"] == [blob]  # the queue's byte count went back down
+
+
+def test_a_call_that_expired_in_the_queue_gives_its_place_back(broker_factory):
+    """A queued call whose deadline passed is answered at once, and its queue place is
+    free at once too (it used to hold it until the worker came free: new calls were
+    refused "overloaded" by a queue of dead entries)."""
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--max-queue", "1",
+                       "--method-timeout", "add=0.2")
+    worker_pids(b, 1)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        slow = pool.submit(b.call, "sleep", [1.5], "slow")
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=5)
+        assert b.call("add", [1, 2], "q")["error"]["code"] == -32001  # timed out in the queue
+        late = pool.submit(b.call, "sleep", [0.01], "late")  # takes the place the expired call left
+        assert late.result(timeout=10) == {"jsonrpc": "2.0", "id": "late", "result": 0.01}
+        assert slow.result(timeout=10)["result"] == 1.5

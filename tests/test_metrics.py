@@ -369,3 +369,39 @@ def test_the_metrics_listener_is_its_own_transport_and_outlives_the_drain(broker
     finally:
         sock.close()
     assert b.stop() == 0
+
+
+def test_notifications_that_never_reach_a_worker_are_counted_by_reason(broker_factory):
+    # A notification gets no answer whatever happens to it: one shed by a full queue,
+    # or whose deadline passes while it waits, would otherwise leave no trace.
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--max-queue", "1",
+                       "--method-timeout", "notify_hello=0.3")
+    for reason in ("overloaded", "timed_out", "no_worker", "shutting_down"):
+        assert value(scrape(b), "rpc_broker_notifications_dropped_total", reason=reason) == 0
+    sock = socket.create_connection((b.host, b.port), timeout=30)
+    try:
+        body = json.dumps(req("sleep", [1.5], 1)).encode()
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 1, timeout=5)
+        for _ in range(3):  # the first waits in the queue (1 place), the next two are shed
+            status, _, _ = b.post(json.dumps(req("notify_hello", [1])))
+            assert status == 204
+        samples = scrape(b)
+        assert value(samples, "rpc_broker_notifications_dropped_total", reason="overloaded") == 2
+        # The queued one waits past its 0.3 s deadline behind the 1.5 s call: dropped unrun.
+        wait_for(lambda: value(scrape(b), "rpc_broker_notifications_dropped_total", reason="timed_out") == 1,
+                 timeout=5)
+    finally:
+        sock.close()
+    # The expired one gave its queue place back at once: a new one waits, not shed.
+    assert b.post(json.dumps(req("notify_hello", [2])))[0] == 204
+    assert value(scrape(b), "rpc_broker_notifications_dropped_total", reason="overloaded") == 2
+    # Once the worker is free, one that runs is not counted.
+    wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 0, timeout=5)
+    assert b.post(json.dumps(req("notify_hello", [3])))[0] == 204
+    wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 0, timeout=5)
+    samples = scrape(b)
+    assert value(samples, "rpc_broker_notifications_dropped_total", reason="overloaded") == 2
+    # The second queued one ([2]) also waited past 0.3 s behind the 1.5 s call.
+    assert value(samples, "rpc_broker_notifications_dropped_total", reason="timed_out") == 2
