@@ -273,13 +273,17 @@ def traffic() -> list[Panel]:
             unit="reqps",
         ),
         timeseries(
-            "Timeouts and late replies",
+            "Timeouts, late replies, dropped notifications",
             "Calls answered -32001 because their deadline passed, by method; and worker replies dropped "
-            "because the call had already been answered. Each timeout normally brings one late reply "
-            "(the worker answers the cancel, or finishes the call late); fewer late replies than "
-            "timeouts mean workers killed as hung or dead before answering (see restarts).",
+            "because the call had already been answered. Each timeout of a call sent to a worker normally "
+            "brings one late reply (the worker answers the cancel, or finishes the call late); fewer late "
+            "replies than timeouts mean calls that expired in the queue, or workers killed as hung or dead "
+            "before answering (see restarts). Notifications that never reached a worker, by reason: they get "
+            "no answer, so this is their only trace.",
             [(f"sum by (method) ({rate('rpc_broker_timeouts_total')})", "timeout {{method}}"),
-             (f"sum({rate('rpc_broker_late_replies_total')})", "late replies")],
+             (f"sum({rate('rpc_broker_late_replies_total')})", "late replies"),
+             (f"sum by (reason) ({rate('rpc_broker_notifications_dropped_total')})",
+              "notifications dropped: {{reason}}")],
             unit="cps",
         ),
     ]
