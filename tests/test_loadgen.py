@@ -606,7 +606,7 @@ def test_report_schema_is_exact():
                           "processes", "duration_s", "warmup_s", "timeout_s", "ids", "seed", "workload",
                           "requests", "calls", "calls_counted", "requests_per_s", "calls_per_s",
                           "errors_by_code", "transport_errors", "refused_batches", "unsent_requests", "check",
-                          "latency_ms", "percentiles", "interrupted"]
+                          "latency_ms", "percentiles", "interrupted", "processes_lost"]
     assert data["schema"] == SCHEMA and data["rate"] is None and data["requests_per_s"] == 5.0
     assert data["errors_by_code"] == {"-32601": 2}
     assert (data["refused_batches"], data["unsent_requests"]) == (3, 7)
@@ -1061,7 +1061,9 @@ def test_final_table_fits_80_columns_in_a_pipe(serve, broker_factory, tmp_path, 
 class _OneShotHttp(_HttpServer):
     """Answers each request with one JSON-RPC result (its own id) and `Connection: close`,
     then closes: every answer is complete and announces the close (as a server that
-    does not keep connections alive, or a 413, does)."""
+    does not keep connections alive, or a 413, does). `CONNECTION` is the header sent."""
+
+    CONNECTION = b"close"
 
     def on_message_complete(self) -> None:
         request = json.loads(b"".join(self.body))
@@ -1069,8 +1071,8 @@ class _OneShotHttp(_HttpServer):
         payload = json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": 3}).encode()
         assert self.transport is not None
         if not self.transport.is_closing():
-            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: %s\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (self.CONNECTION, len(payload), payload))
             self.transport.close()
 
 
@@ -1511,3 +1513,146 @@ def test_table_wording_counts_and_thousands(capsys):
     flat = " ".join(buf.getvalue().split())
     assert "12,000 connections" in flat and "1 process," in flat
     assert "(1 request answered)" in flat and "(1 call answered)" in flat and "requests)" not in flat
+
+
+# bounds, warm-up backlog, silent close -----------------------------------------------------------
+# Upper bounds of the counts (and RLIMIT_NOFILE), the open loop's warm-up backlog dropped at the
+# window's start, a window with nothing answered, a server closing keep-alive connections without
+# announcing it, a load process lost under -P.
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["-c", "99999999999"], "argument -c/--connections: must be <= 100,000, got 99999999999"),
+    (["-d", "99999999999"], "argument -d/--depth: must be <= 4,096 requests in flight per connection"),
+    (["--pipeline", "99999999999"], "argument --pipeline: must be <= 4,096 requests in flight"),
+    (["-b", "99999999999"], "argument -b/--batch: must be <= 100,000 calls per request body"),
+    (["-P", "99999999999"], f"argument -P/--processes: must be <= {4 * (os.cpu_count() or 1)} (4 per CPU"),
+    (["-c", "0"], "argument -c/--connections: must be >= 1, got 0"),
+    (["-c", "inf"], "argument -c/--connections: not a whole number: 'inf'"),
+    (["-d", "nan"], "argument -d/--depth: not a whole number: 'nan'"),
+    (["-b", "1e400"], "argument -b/--batch: not a whole number: '1e400'"),
+    (["-P", "2.5"], "argument -P/--processes: not a whole number: '2.5'"),
+    (["--seed", "inf"], "argument --seed: not a whole number: 'inf'"),
+    (["--seed", str(2**64)], "argument --seed: must be <= 18,446,744,073,709,551,615"),
+    (["--duration", "1e-300"], "argument --duration: must be >= 0.01, got 1e-300"),
+    (["-c", "1000", "-d", "4096"], "--connections x --depth x --batch (1,000 x 4,096 x 1) must be <= 2,000,000"),
+    (["-c", "100", "-b", "100000"], "must be <= 2,000,000 calls in flight"),
+], ids=lambda v: "_".join(v) if isinstance(v, list) else "")
+def test_counts_are_bounded_and_named_at_parse_time(capsys, flags, words):
+    """-c/-d/--pipeline/-b 99999999999 ran the machine out of memory; inf, nan and 1e400
+    were refused with argparse's internal function name; --duration 1e-300 was taken."""
+    err = _refused_flag(capsys, *flags)
+    assert words in err and "invalid" not in err and "_whole" not in err, err
+
+
+def _nofile(soft: int, hard: int) -> typing.Callable[[], None]:
+    import resource
+
+    def set_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, min(hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1])))
+    return set_limit
+
+
+def test_connections_past_the_open_files_limit_are_refused_or_the_soft_limit_raised(serve, tmp_path):
+    """Past the hard RLIMIT_NOFILE: exit 2 naming --connections and the limit, before any
+    connection is made. Past only the soft limit: it is raised and the run is clean."""
+    s = serve("ok")
+    argv = [sys.executable, "-m", "broker", "bench", s.url, "-q", "--duration", "0.3", "--warmup", "0",
+            "--timeout", "5", "-c", "300"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60, preexec_fn=_nofile(200, 200))
+    assert done.returncode == 2, done.stderr
+    assert "--connections: 300 need 364 open files" in done.stderr and "RLIMIT_NOFILE" in done.stderr
+    assert s.connections == 0  # refused before connecting
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60, preexec_fn=_nofile(200, 4096))
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert s.connections == 300
+
+
+def test_open_loop_past_capacity_drops_the_warmup_backlog(broker_factory, tmp_path):
+    """A real broker at 100,000 requests/s, far past what it answers, after a warm-up: the
+    backlog built in the warm-up is dropped when the window begins, so "never sent" counts
+    only requests due inside the window, and the window's answers are counted (they were
+    0, with more requests never sent than the window's whole schedule)."""
+    b = broker_factory("--workers", "1")
+    rate, duration, connections = 100_000, 1.0, 4
+    code, rep = bench(tmp_path, f"http://{b.host}:{b.port}{b.path}", "--rate", str(rate), "-c", str(connections),
+                      "--duration", str(duration), "--warmup", "0.5", "--timeout", "2")
+    assert code == 0, rep
+    assert rep.requests > 0 and rep.requests_per_s > 0 and rep.transport_errors == 0
+    assert rep.unsent_requests <= rate * duration + connections
+    # every request the window scheduled was answered or never sent (one either way per connection)
+    assert abs(rep.requests + rep.unsent_requests - rate * duration) <= connections, rep
+
+
+def test_a_window_with_nothing_answered_fails(serve, tmp_path, capsys):
+    """The warm-up's request holds the only slot through the whole window (answered in the
+    drain): nothing of the window is answered, all of it never sent. Not a silent exit 0."""
+    s = serve("stall", stall_after=20, stall_s=1.2)
+    code, rep = bench(tmp_path, s.url, "-c", "1", "--rate", "100", "--warmup", "0.5", "--duration", "0.5",
+                      "--timeout", "3")
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert rep.requests == 0 and rep.transport_errors == 0 and rep.unsent_requests == 50, rep
+    assert "no request of the measured 0.5 s window was answered (50 never sent" in err, err
+
+
+class _SilentClose(_OneShotHttp):
+    """Answers each request (a correct JSON-RPC result, keep-alive headers, no
+    `Connection: close`) and then closes the connection, as HTTP/1.1 allows."""
+
+    CONNECTION = b"keep-alive"
+
+
+def test_an_unannounced_close_after_an_answer_is_orderly(thread_server):
+    """Each connection gets one answer, then the server closes it without announcing it
+    (the generator has just written its next request): no transport error, no back-off
+    (it reopened at once and sent that request again), every answer right."""
+    s = thread_server(_SilentClose)
+    spec = runner.Spec(target=f"http://127.0.0.1:{s.port}/", calls=[Call("add", "[1,2]")], connections=2,
+                       duration=1.0, warmup=0.0, timeout=5.0)
+    results = runner.run(spec)
+    tally = merge(results)[0]
+    assert tally.failures == 0 and tally.transport_errors == 0, tally.first_problem
+    assert sum(r.backoffs for r in results) == 0
+    reconnects = sum(r.reconnects for r in results)
+    assert tally.requests > 10 and reconnects >= tally.requests - 2
+
+
+def test_interrupted_in_the_warmup_measures_nothing_and_never_sent_is_0(serve, tmp_path):
+    """SIGINT during an open loop's warm-up: 0 s measured, requests/s n/a (not 0.0), and
+    none of the warm-up's requests counted as never sent."""
+    s = serve("ok")
+    out = tmp_path / "warm.json"
+    proc = _bench_process(s.url, out, "--rate", "1000", "--warmup", "30")
+    try:
+        wait_for(lambda: s.state.requests > 50, timeout=60)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, stderr
+    rep = Report.from_json(out.read_bytes())
+    assert rep.interrupted and rep.duration_s == 0 and rep.requests == 0 and rep.unsent_requests == 0, rep
+    assert "requests/s        n/a (0 s measured" in stdout, stdout
+
+
+def test_a_load_process_lost_is_in_the_json_and_the_table(serve, tmp_path):
+    """kill -9 of one of two load processes: exit 1, "processes_lost": 1 in the JSON, and a
+    table row saying the figures miss it."""
+    s = serve("ok")
+    out = tmp_path / "lost.json"
+    proc = _bench_process(s.url, out, "-P", "2")
+    try:
+        wait_for(lambda: s.state.requests > 500, timeout=60)
+        os.kill(_load_processes(proc.pid)[0], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 1, stderr
+    rep = Report.from_json(out.read_bytes())
+    assert rep.processes == 2 and rep.processes_lost == 1 and rep.interrupted and rep.requests > 0
+    assert "processes lost" in stdout and "1 of 2 load processes died" in stdout, stdout
+    assert "the figures of 1 are missing" in stderr, stderr

@@ -8,8 +8,9 @@ newline-delimited JSON stream, ``tcp://host:port`` or ``unix:///path/to.sock`` (
 request body per line; answer lines may come in any order and are matched to their
 request by id).
 
-Exit codes: 0 every answer was right; 1 check failures or transport errors (or a load
-process died, or --json could not be written after the run); 2 bad usage (bad flags, mix file, target); 130 / 143 interrupted by SIGINT /
+Exit codes: 0 every answer was right; 1 check failures or transport errors (or nothing
+of the measured window was answered, a load process died, or --json could not be written
+after the run); 2 bad usage (bad flags, mix file, target); 130 / 143 interrupted by SIGINT /
 SIGTERM (the table of what was measured is still printed, and --json written).
 """
 
@@ -31,11 +32,52 @@ __all__ = ["build_parser", "build_plot_parser", "main"]
 PROG = "rpc-broker bench"
 
 
-def _positive_int(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+def _whole(text: str, low: int, high: int, what: str) -> int:
+    """``text`` as an int in [low, high]; ArgumentTypeError otherwise (argparse prefixes the
+    flag: "argument -c/--connections: not a whole number: 'inf'")."""
+    try:
+        n = int(text)
+    except ValueError:  # inf, nan, 1e400, 2.5, a word, or more digits than int() reads
+        raise argparse.ArgumentTypeError(f"not a whole number: {text[:40]!r}") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low:,}, got {text}")
+    if n > high:
+        raise argparse.ArgumentTypeError(f"must be <= {high:,}{what}, got {text[:40]}")
     return n
+
+
+# Upper bounds of the counts: far past a useful load, low enough that the memory a run
+# builds up front (one protocol object per connection, `depth` request bodies and their
+# expected ids per connection) cannot take the machine down; see also MAX_CALLS_IN_FLIGHT.
+MAX_CONNECTIONS = 100_000  # also at most what RLIMIT_NOFILE allows (checked after parsing)
+MAX_DEPTH = 4_096  # --depth and --pipeline: requests in flight per connection
+MAX_BATCH = 100_000  # calls per request body
+MAX_CALLS_IN_FLIGHT = 2_000_000  # connections x depth x batch (a few hundred bytes each)
+PROCESSES_PER_CPU = 4  # --processes at most 4 x os.cpu_count(): more only adds contention
+MAX_PROCESSES = PROCESSES_PER_CPU * (os.cpu_count() or 1)
+FD_RESERVE = 64  # descriptors a load process needs besides its connections (pipes, loop, std streams)
+MIN_DURATION = 0.01  # s: --duration below it measures nothing but the clock
+SEED_LOW, SEED_HIGH = -(2**63), 2**64 - 1  # what msgpack carries to the load processes
+
+
+def _connections(text: str) -> int:
+    return _whole(text, 1, MAX_CONNECTIONS, "")
+
+
+def _depth(text: str) -> int:
+    return _whole(text, 1, MAX_DEPTH, " requests in flight per connection")
+
+
+def _batch(text: str) -> int:
+    return _whole(text, 1, MAX_BATCH, " calls per request body")
+
+
+def _processes(text: str) -> int:
+    return _whole(text, 1, MAX_PROCESSES, f" ({PROCESSES_PER_CPU} per CPU, {os.cpu_count() or 1} CPUs)")
+
+
+def _seed(text: str) -> int:
+    return _whole(text, SEED_LOW, SEED_HIGH, "")
 
 
 MAX_RATE = 10_000_000.0  # requests/s: --rate; far past what one machine can send
@@ -60,6 +102,10 @@ def _number(text: str, low: float, low_ok: bool, high: float, unit: str) -> floa
 
 def _seconds(text: str) -> float:
     return _number(text, 0.0, False, MAX_SECONDS, "s (one day)")
+
+
+def _duration(text: str) -> float:
+    return _number(text, MIN_DURATION, True, MAX_SECONDS, "s (one day)")
 
 
 def _seconds_or_0(text: str) -> float:
@@ -87,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit codes:\n"
         "  0        every answer was checked and right (JSON-RPC errors are answers too)\n"
         "  1        a check failed (wrong id, missing, duplicate, malformed answer), a\n"
-        "           transport error, a load process died, or --json could not be written\n"
+        "           transport error, nothing of the window was answered, a load process\n"
+        "           died, or --json could not be written\n"
         "  2        bad usage: bad flags, mix file, target or --json path\n"
         "  130/143  interrupted by SIGINT/SIGTERM (the table of what was measured is printed)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -95,21 +142,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="URL",
                    help="http://host:port/path, tcp://host:port or unix:///path/to.sock (see above)")
     load = p.add_argument_group("load")
-    load.add_argument("-c", "--connections", type=_positive_int, default=16, metavar="C",
-                      help="connections in all (split across processes; default 16)")
-    load.add_argument("-d", "--depth", type=_positive_int, default=1, metavar="D",
-                      help="requests in flight per connection (default 1; >1 pipelines; on tcp:// "
+    load.add_argument("-c", "--connections", type=_connections, default=16, metavar="C",
+                      help="connections in all (split across processes; default 16; at most 100,000 "
+                      "and what the open-files limit allows)")
+    load.add_argument("-d", "--depth", type=_depth, default=1, metavar="D",
+                      help="requests in flight per connection (default 1, at most 4,096; >1 pipelines; on tcp:// "
                       "and unix:// the answers may overtake each other)")
-    load.add_argument("--pipeline", type=_positive_int, default=None, metavar="N",
-                      help="closed loop: write requests N at a time, back to back (implies depth >= N); "
+    load.add_argument("--pipeline", type=_depth, default=None, metavar="N",
+                      help="closed loop: write requests N at a time, back to back (implies depth >= N; "
+                      "at most 4,096); "
                       "refused with --rate, where each request goes out when it is due")
     load.add_argument("-R", "--rate", type=_rate, default=None, metavar="R",
                       help="open loop: R requests/s in all (at most 10,000,000), latency from each "
                       "request's intended send time (no coordinated omission); default: closed loop")
-    load.add_argument("-P", "--processes", type=_positive_int, default=1, metavar="P",
-                      help="load processes, each with its own uvloop loop (default 1)")
-    load.add_argument("--duration", type=_seconds, default=10.0, metavar="S",
-                      help="measured seconds (default 10; at most 86400)")
+    load.add_argument("-P", "--processes", type=_processes, default=1, metavar="P",
+                      help="load processes, each with its own uvloop loop (default 1; at most 4 per CPU)")
+    load.add_argument("--duration", type=_duration, default=10.0, metavar="S",
+                      help="measured seconds (default 10; at least 0.01, at most 86400)")
     load.add_argument("--warmup", type=_seconds_or_0, default=1.0, metavar="S",
                       help="seconds of load before measuring, not recorded (default 1; at most 86400)")
     load.add_argument("--timeout", type=_seconds, default=30.0, metavar="S",
@@ -124,13 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--mix", metavar="FILE",
                       help="TOML ([[call]] tables) or JSON list of {method, params, weight, "
                       "notification}; replaces --method/--params")
-    work.add_argument("-b", "--batch", type=_positive_int, default=1, metavar="N",
-                      help="calls per request body (N >= 2 sends a JSON array; default 1)")
+    work.add_argument("-b", "--batch", type=_batch, default=1, metavar="N",
+                      help="calls per request body (N >= 2 sends a JSON array; default 1; at most 100,000)")
     work.add_argument("--ids", choices=ID_MODES, default="int",
                       help="id style: int, string, large (past 2**64, exponent floats), repeated "
                       "(one id per batch; answers matched as a multiset). Every id names one request "
                       "body of its connection, so all styles work on tcp:// and unix:// too")
-    work.add_argument("--seed", type=int, default=0, help="seed of the mix draw (default 0)")
+    work.add_argument("--seed", type=_seed, default=0, help="seed of the mix draw (default 0)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the run as JSON (schema rpc-broker-bench/1)")
     out.add_argument("-q", "--quiet", action="store_true",
@@ -212,6 +261,29 @@ def _writable(path: str) -> bool:
     return True
 
 
+def _open_files_fit(connections: int, processes: int) -> str:
+    """Make room for the connections of the busiest load process in the open-files limit
+    (RLIMIT_NOFILE): raise the soft limit up to the hard one if needed (spawned load
+    processes inherit it). Returns "" when they fit, else the reason, naming the flag."""
+    import resource
+
+    need = -(-connections // processes) + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return ""
+    if hard == resource.RLIM_INFINITY or need <= hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        except (OSError, ValueError) as exc:
+            return (f"--connections: {connections:,} need {need:,} open files per load process, "
+                    f"and raising the open-files limit (RLIMIT_NOFILE) from {soft:,} failed: {exc}")
+        return ""
+    per = f" per load process ({processes})" if processes > 1 else ""
+    return (f"--connections: {connections:,} need {need:,} open files{per}, more than the open-files "
+            f"limit (RLIMIT_NOFILE) allows even when raised to its hard limit ({hard:,}); use fewer "
+            "connections, more --processes, or a higher hard limit (ulimit -Hn)")
+
+
 def _bench(ns: argparse.Namespace) -> int:
     import signal
 
@@ -237,11 +309,21 @@ def _bench(ns: argparse.Namespace) -> int:
         print(f"{PROG}: --pipeline is for the closed loop; with --rate each request goes out when "
               "it is due (use --depth to allow several in flight per connection)", file=sys.stderr)
         return 2
-    if ns.json and not _writable(ns.json):  # find out now, not after the whole run
-        return 2
     if ns.processes > ns.connections:
         print(f"{PROG}: --processes ({ns.processes}) must not exceed --connections "
               f"({ns.connections})", file=sys.stderr)
+        return 2
+    depth = max(ns.depth, ns.pipeline or 1)
+    if ns.connections * depth * ns.batch > MAX_CALLS_IN_FLIGHT:
+        print(f"{PROG}: --connections x --depth x --batch ({ns.connections:,} x {depth:,} x "
+              f"{ns.batch:,}) must be <= {MAX_CALLS_IN_FLIGHT:,} calls in flight (each holds "
+              "memory until answered)", file=sys.stderr)
+        return 2
+    why = _open_files_fit(ns.connections, ns.processes)
+    if why:
+        print(f"{PROG}: {why}", file=sys.stderr)
+        return 2
+    if ns.json and not _writable(ns.json):  # find out now, not after the whole run
         return 2
     spec = Spec(target=ns.target, calls=calls, connections=ns.connections, depth=ns.depth,
                 pipeline=ns.pipeline or 1, rate=ns.rate, batch=ns.batch, ids=ns.ids,
@@ -283,13 +365,19 @@ def _bench(ns: argparse.Namespace) -> int:
     if cut:  # the window really measured, not the one asked for
         spec = msgspec.structs.replace(spec, duration=round(max((r.window_s for r in results), default=0.0), 3))
     tally, hist, unsent, drain = rep.merge(results)
+    if not cut and tally.requests == 0:  # load was offered and nothing came back in the window
+        tally.problem(f"no request of the measured {spec.duration:g} s window was answered"
+                      + (f" ({unsent:,} never sent: the server could not keep up)" if unsent else ""))
     report = rep.build_report(spec, tally, hist, drain, unsent, mix=ns.mix)
     report.interrupted = cut
+    report.processes_lost = spec.processes - len(results) if died else 0
     rep.print_table(report, console, tally.first_problem)  # -q hides only the progress line
     if cut:
         why = died or f"interrupted by {signal.Signals(signum).name}"
         abandoned = sum(r.abandoned for r in results)
-        print(f"{PROG}: {why}: the table covers the {report.duration_s:.3g} s measured of the "
+        lost = (f" by the {len(results):,} surviving load process(es) (the figures of "
+                f"{report.processes_lost:,} are missing)" if report.processes_lost else "")
+        print(f"{PROG}: {why}: the table covers the {report.duration_s:.3g} s measured{lost} of the "
               f"{ns.duration:g} s asked for" + (f"; {abandoned:,} request(s) still in flight were "
                                                  "not awaited (not counted)" if abandoned else ""),
               file=sys.stderr)
@@ -303,7 +391,7 @@ def _bench(ns: argparse.Namespace) -> int:
         return 1
     if signum:
         return 128 + signum  # as a shell reports a process killed by it: 130 SIGINT, 143 SIGTERM
-    if not (report.check.ok and report.transport_errors == 0):
+    if not (report.check.ok and report.transport_errors == 0 and report.requests > 0):
         print(f"{PROG}: failed; first problem: {tally.first_problem or 'see the table'}", file=sys.stderr)
         return 1
     return 0

@@ -47,7 +47,7 @@ def build_report(spec: Spec, tally: Tally, hist: Latency, drain: float = 0.0, un
     capacity that drain is long, and the rate is what the server really managed.
     `unsent`: open-loop requests that were due but never sent. `mix`: the --mix file
     the calls came from (recorded with them), None for --method/--params."""
-    duration = spec.duration + drain
+    duration = spec.duration + drain if spec.duration > 0 else 0.0  # 0: interrupted in the warm-up
     failures = tally.failures
     return Report(
         schema=SCHEMA,
@@ -144,6 +144,10 @@ def print_table(report: Report, console: Console, first_problem: str = "") -> No
     processes = f"{report.processes:,} {'process' if report.processes == 1 else 'processes'}"
     t.add_row("load", f"{load}, batch {report.batch}\n{processes}, "
               f"{report.duration_s:g} s measured after {report.warmup_s:g} s warm-up")
+    if report.processes_lost:
+        t.add_row("processes lost", Text(
+            f"{report.processes_lost:,} of {report.processes:,} load processes died: the figures\n"
+            "below miss what they sent and measured", style="bold red"))
     notifications = _all_notifications(report)
     if notifications and _stream(report):  # no line answers them: the rates are of bodies written
         t.add_row("requests/s", f"{report.requests_per_s:,.1f}  ({_n(report.requests, 'request')} "
@@ -153,6 +157,9 @@ def print_table(report: Report, console: Console, first_problem: str = "") -> No
         t.add_row("requests/s", f"{report.requests_per_s:,.1f}  ({_n(report.requests, 'request')} "
                   "answered,\nempty: notifications only)")
         t.add_row("calls/s", f"{report.calls_per_s:,.1f}  ({_n(report.calls, 'notification')})")
+    elif report.duration_s <= 0:  # interrupted in the warm-up: no rate to give
+        t.add_row("requests/s", f"n/a (0 s measured; {_n(report.requests, 'request')} answered)")
+        t.add_row("calls/s", f"n/a (0 s measured; {_n(report.calls, 'call')} answered)")
     else:
         t.add_row("requests/s", f"{report.requests_per_s:,.1f}  ({_n(report.requests, 'request')} answered)")
         t.add_row("calls/s", f"{report.calls_per_s:,.1f}  ({_n(report.calls, 'call')} answered)")

@@ -22,17 +22,24 @@ reconnects) and does everything in its callbacks; there is no task per request:
 * **failures**: a reset, a close by the server, an unparsable response or a request
   older than ``--timeout`` (swept every 100 ms) counts every in-flight request of
   that connection as a transport error (NDJSON: only the requests that are late, see
-  below). While there is still something to send the connection is reopened: at once
-  after an orderly close (the server announced it with its last, complete answer),
-  after a back-off (`RECONNECT_S` doubling to `RECONNECT_MAX_S`) after a failure: a
-  refused or failed connect, a reset, a 503 turning the connection away, a timeout.
+  below). Except over HTTP, an unannounced close between answers (a complete answer,
+  no byte of the next, every request in flight written after that answer): those
+  requests are sent again on the next connection (`_keep_for_retry`, `resent`). A close
+  with nothing in flight after a complete answer is orderly, announced or not. While
+  there is still something to send the connection is reopened: at once if it got an
+  answer, after a back-off (`RECONNECT_S` doubling to `RECONNECT_MAX_S`) otherwise or
+  after a failure: a refused or failed connect, a close or reset before any answer, a
+  503 turning the connection away, a timeout.
   A transport that is closed or closing is never written to.
 
 Time line (monotonic clock, shared by all processes on Linux):
 
     t0 ---- warm-up ---- t_measure ---- duration ---- t_end ---- drain (<= timeout)
 
-Requests whose ``t_start`` is before ``t_measure`` are checked but not recorded.
+Requests whose ``t_start`` is before ``t_measure`` are checked but not recorded. In open
+loop, at ``t_measure`` the warm-up's requests not yet sent are dropped (`_skip_warmup`):
+the window's schedule starts afresh, so a warm-up backlog is neither sent in the window
+(where its answers would not count) nor counted as never sent.
 After ``t_end`` nothing is sent (``sending`` is False): in open loop the requests that
 were due before ``t_end`` but could not be sent (their connection was full) are
 "never sent" (``unsent``). The drain only awaits answers to requests already sent; at
@@ -244,6 +251,7 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
     abandoned: int = 0  # interrupted: requests still in flight when it stopped (not errors)
     reconnects: int = 0  # connections reopened after a close, a reset or a failed connect
     backoffs: int = 0  # of those, the ones that waited first (after a failure)
+    resent: int = 0  # HTTP: requests sent again after an unannounced close between answers
 
     def tally(self) -> Tally:
         """The counters as a `Tally`."""
@@ -262,7 +270,7 @@ class _Shared:
     """State of one load process that its connections share."""
 
     __slots__ = ("backoffs", "checker", "connecting", "conns", "depth", "hurry", "interrupted", "lat", "loop",
-                 "open", "pipeline", "reconnects", "sending", "started", "stopped", "t0", "t_end", "t_measure",
+                 "open", "pipeline", "reconnects", "resent", "sending", "started", "stopped", "t0", "t_end", "t_measure",
                  "target", "timeout", "wake", "workload")
 
     def __init__(self, spec: Spec, loop: asyncio.AbstractEventLoop) -> None:
@@ -287,6 +295,7 @@ class _Shared:
         self.wake = asyncio.Event()  # set by `interrupt` to wake the main loop at once
         self.reconnects = 0
         self.backoffs = 0
+        self.resent = 0
 
     def interrupt(self, signum: int) -> None:
         """Stop early (a signal handler's whole job: the main loop acts on it). A second
@@ -319,8 +328,9 @@ class LoadConnection(asyncio.Protocol):
     `give_up`.
     """
 
-    __slots__ = ("_aborted", "_connecting", "_failed", "_fails", "_inflight", "_interval", "_k", "_k_conn",
-                 "_next_i", "_now", "_orderly", "_phase", "_push", "_s", "_timer", "_transport", "connected")
+    __slots__ = ("_aborted", "_answered_here", "_connecting", "_failed", "_fails", "_inflight", "_interval", "_k",
+                 "_k_conn", "_next_i", "_now", "_orderly", "_phase", "_push", "_retry", "_s", "_timer", "_transport",
+                 "connected")
 
     _inflight: _InFlight
     _push: Callable[[_Record], None]
@@ -340,6 +350,8 @@ class LoadConnection(asyncio.Protocol):
         self._connecting = False  # a `connect` for it is under way
         self._fails = 0  # failed connections in a row (sets the reconnect back-off)
         self._k_conn = 0  # `_k` when the current connection was made
+        self._answered_here = False  # a complete answer came on the current connection
+        self._retry: list[float] = []  # HTTP: t_start of requests to send again (see _keep_for_retry)
         self.connected = False
 
     # -- framing, by subclasses -----------------------------------------------------------
@@ -357,7 +369,7 @@ class LoadConnection(asyncio.Protocol):
             self._transport.abort()
             return
         self._aborted = False
-        self._orderly = self._failed = False
+        self._orderly = self._failed = self._answered_here = False
         self._k_conn = self._k
         self.connected = True
         self._reset_reader()
@@ -369,22 +381,33 @@ class LoadConnection(asyncio.Protocol):
         self._transport = None
         self.connected = False
         lost = len(self._inflight)
+        if lost:
+            lost -= self._keep_for_retry()
         self._inflight.clear()
         if lost:
             s.checker.tally.transport_errors += lost
             s.checker.tally.problem(f"connection lost with {lost} request(s) in flight" + (f": {exc}" if exc else ""))
-        elif not self._aborted and self.wanted():
-            s.checker.tally.transport_errors += 1  # closed on us with nothing in flight
-            s.checker.tally.problem("the server closed an idle connection")
-        # An orderly close after complete answers: reopen at once. Anything else (reset,
-        # refusal, nothing answered): back off, doubling up to a cap, so that a server out
-        # of descriptors is not hammered.
-        if self._failed or lost or self._k - self._k_conn <= 0:
+        elif not self._aborted and not self._answered_here and not self._retry and self.wanted():
+            s.checker.tally.transport_errors += 1  # closed on us before answering anything
+            s.checker.tally.problem("the server closed a connection before answering on it")
+        # (A close with nothing in flight after complete answers is orderly, announced or
+        # not: HTTP/1.1 lets a server close an idle keep-alive connection at any time.)
+        # A connection that got answers is reopened at once. Anything else (refused, a
+        # failed connect, closed or reset before answering, a 503 turning it away, a
+        # timeout): back off, doubling up to a cap, so that a server out of descriptors
+        # is not hammered.
+        if self._failed or not self._answered_here:
             self._fails += 1
         else:
             self._fails = 0
         if self.wanted() and not self._connecting:  # else `connect` retries
             self.retry()
+
+    def _keep_for_retry(self) -> int:
+        """The connection was lost with requests in flight: keep those that the server
+        never began to answer, to send again on the next connection (their start times
+        in `_retry`), and return how many. None here (HTTP overrides it)."""
+        return 0
 
     def retry(self) -> None:
         """Reconnect: at once after an orderly close, else after the back-off."""
@@ -402,7 +425,7 @@ class LoadConnection(asyncio.Protocol):
         s = self._s
         if s.stopped:
             return False
-        if not s.started:
+        if not s.started or self._retry:
             return True
         if not s.sending:  # the window is over: nothing more is sent, not even a backlog
             return False
@@ -441,6 +464,9 @@ class LoadConnection(asyncio.Protocol):
             i = self._next_i
             t0, phase, interval, t_end = s.t0, self._phase, self._interval, s.t_end
             t = t0 + phase + i * interval
+            if t < s.t_measure <= now:  # the window began with a warm-up backlog: drop it
+                i = self._skip_warmup()
+                t = t0 + phase + i * interval
             while free and t <= now and t < t_end:
                 body, expect = body_of(k)
                 k += 1
@@ -456,6 +482,17 @@ class LoadConnection(asyncio.Protocol):
         if out:
             transport.write(out[0] if len(out) == 1 else b"".join(out))
 
+    def _skip_warmup(self) -> int:
+        """Open loop, once the measured window has begun: drop the warm-up's requests that
+        are not sent yet (counted nowhere), so that the window's schedule starts afresh at
+        ``t_measure`` and a backlog built up in the warm-up is neither sent in the window
+        nor counted as never sent. Returns the new `_next_i`."""
+        s = self._s
+        first = schedule.first_at(s.t0, self._phase, self._interval, s.t_measure)
+        if first > self._next_i:
+            self._next_i = first
+        return self._next_i
+
     def _on_timer(self) -> None:
         self._timer = None
         self._fill()
@@ -468,11 +505,12 @@ class LoadConnection(asyncio.Protocol):
     def give_up(self, count: bool = True) -> int:
         """End of the drain: drop what is still in flight and return how many; ``count``:
         as transport errors (the caller words the problem once, for all connections)."""
-        n = len(self._inflight)
+        n = len(self._inflight) + len(self._retry)
         if n:
             if count:
                 self._s.checker.tally.transport_errors += n
             self._inflight.clear()
+            self._retry.clear()
         return n
 
     def abort(self) -> None:
@@ -497,8 +535,8 @@ class LoadConnection(asyncio.Protocol):
         s = self._s
         unsent = 0
         if s.open and s.started:
-            unsent = schedule.due(s.t0, self._phase, self._interval, self._next_i, s.t_end, s.t_end)
-        return len(self._inflight) + unsent
+            unsent = schedule.due(s.t0, self._phase, self._interval, self._skip_warmup(), s.t_end, s.t_end)
+        return len(self._inflight) + len(self._retry) + unsent
 
     def close(self) -> None:
         """Stop: cancel the timer and drop the transport. Aborted, not closed: a close
@@ -516,7 +554,7 @@ class HttpLoadConnection(LoadConnection):
     """HTTP/1.1 keep-alive framing: POST requests, httptools response parser; answers
     come in request order, so the in-flight table is a FIFO."""
 
-    __slots__ = ("_body", "_head", "_keep_alive", "_parser", "_queue")
+    __slots__ = ("_body", "_head", "_keep_alive", "_mid", "_parser", "_queue", "_t_answer")
 
     def __init__(self, shared: _Shared, phase: float = 0.0, interval: float = 0.0) -> None:
         super().__init__(shared, phase, interval)
@@ -530,6 +568,8 @@ class HttpLoadConnection(LoadConnection):
         self._body: list[bytes] = []
         self._parser = httptools.HttpResponseParser(self)
         self._keep_alive = True
+        self._mid = False  # part of a response has come (on_message_begin), not all of it
+        self._t_answer = 0.0  # arrival of the last complete answer
 
     def _frame(self, body: bytes) -> bytes:
         return b"%s%d\r\n\r\n%s" % (self._head, len(body), body)
@@ -538,6 +578,47 @@ class HttpLoadConnection(LoadConnection):
         self._parser = httptools.HttpResponseParser(self)
         self._body.clear()
         self._keep_alive = True
+        self._mid = False
+
+    def _fill(self) -> None:
+        if self._retry:
+            self._resend()
+        super()._fill()
+
+    def _resend(self) -> None:
+        """Send the requests kept by `_keep_for_retry` again, first, as new bodies (ids
+        count up) that keep their start times: their latency includes the reconnect."""
+        transport = self._transport
+        if transport is None or transport.is_closing() or self._s.stopped:
+            return
+        s = self._s
+        now = _now()
+        out: list[bytes] = []
+        for t_start in self._retry:
+            body, expect = s.workload.body(self._k)
+            self._k += 1
+            out.append(self._frame(body))
+            self._push((t_start, now, expect))
+        s.resent += len(self._retry)
+        self._retry.clear()
+        transport.write(b"".join(out))
+
+    def _keep_for_retry(self) -> int:
+        """An unannounced close between answers (HTTP/1.1 lets a server close a keep-alive
+        connection at any time, without `Connection: close`): after a complete answer, no
+        byte of the next, and every request in flight written after that answer (the
+        generator answered the answer with a new request as the server closed). Those
+        requests are sent again on the next connection, not counted as lost. Anything
+        else (a failure, a cut answer, a request the server had before its last answer)
+        is lost: transport errors."""
+        queue = self._queue
+        if self._failed or self._mid or not self._answered_here or queue[0][1] < self._t_answer:
+            return 0
+        self._retry.extend(rec[0] for rec in queue)
+        return len(queue)
+
+    def on_message_begin(self) -> None:
+        self._mid = True
 
     def data_received(self, data: bytes) -> None:
         self._now = _now()
@@ -565,6 +646,9 @@ class HttpLoadConnection(LoadConnection):
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         status = self._parser.get_status_code()
+        self._mid = False
+        self._t_answer = self._now
+        self._answered_here = True
         if not self._parser.should_keep_alive():
             self._keep_alive = False  # the server will close: do not send more here
             self._aborted = True  # and its close is not an error
@@ -717,6 +801,7 @@ class StreamLoadConnection(LoadConnection):
             data = self._join_partial(data)
             if not data:
                 return
+        self._answered_here = True  # a complete line came: the connection works
         lines = data.split(_NL)
         tail = lines.pop()
         if tail:
@@ -1121,7 +1206,7 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
                          interrupted=s.interrupted,
                          window_s=max(0.0, s.t_end - s.t_measure),
                          abandoned=lost if interrupted else 0,
-                         reconnects=s.reconnects, backoffs=s.backoffs)
+                         reconnects=s.reconnects, backoffs=s.backoffs, resent=s.resent)
 
 
 # -- several processes ----------------------------------------------------------------------

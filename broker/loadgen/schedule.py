@@ -11,14 +11,16 @@ an intended send time fixed in advance,
 so the ``C`` connections interleave into one evenly spaced stream of ``R``
 requests/s. Its latency is measured from ``intended(i)``, not from when it went
 out: a request that had to wait behind a stall (its connection's ``--depth`` was
-full) still counts the wait. Requests are sent up to ``t_end`` of intended time.
+full) still counts the wait. Requests are sent up to ``t_end`` of intended time. When
+the measured window begins (``t_measure``), a connection skips to `first_at`
+(``t_measure``): the warm-up's requests not sent by then are dropped, not sent late.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["connection_timing", "due", "intended", "planned"]
+__all__ = ["connection_timing", "due", "first_at", "intended", "planned"]
 
 _MAX_INDEX = 2.0**53  # past it, consecutive request indices are no longer distinct floats
 
@@ -63,6 +65,13 @@ def due(t0: float, phase: float, interval: float, sent: int, now: float, t_end: 
     elif last >= 0 and intended(t0, phase, interval, last) > limit:
         last -= 1
     return max(0, last + 1 - sent)
+
+
+def first_at(t0: float, phase: float, interval: float, t: float) -> int:
+    """Index of a connection's first request with intended time >= ``t`` (0 if ``t`` is
+    before its first). The open loop skips to it when the measured window begins at
+    ``t``, dropping the warm-up's backlog. Raises ValueError as `due` does."""
+    return due(t0, phase, interval, 0, t, t)
 
 
 def planned(rate: float, connections: int, duration: float) -> int:

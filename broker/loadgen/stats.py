@@ -234,6 +234,7 @@ class Report(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     latency_ms: LatencyMs
     percentiles: list[tuple[Percentile, Ms]]
     interrupted: bool = False  # stopped early by a signal; absent from files written before it
+    processes_lost: int = 0  # load processes that died: their counts are missing; absent before it
 
     def to_json(self) -> bytes:
         """The report as indented JSON text (UTF-8, trailing newline)."""
