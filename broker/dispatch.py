@@ -45,6 +45,7 @@ from msgspec import Raw
 
 from broker import wire
 from broker.jsonrpc import (
+    _RESP_HEAD,  # with _RESP_RESULT: response_result's pieces, for splicing inline
     Body,
     ErrorCode,
     Request,
@@ -53,6 +54,7 @@ from broker.jsonrpc import (
     response_error,
     response_result,
 )
+from broker.jsonrpc import _RESULT as _RESP_RESULT
 from broker.metrics import CallMetrics
 
 if typing.TYPE_CHECKING:
@@ -77,7 +79,6 @@ _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and wa
 _CODE_AT = len(b'{"code":')
 _clock = time.perf_counter
 _NO_ID = Raw()
-_RESP_HEAD, _RESP_RESULT = b'{"jsonrpc":"2.0","id":', b',"result":'  # as jsonrpc.response_result
 
 
 def _error_code(error: bytes) -> int:
