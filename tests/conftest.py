@@ -24,7 +24,7 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTDATA = ROOT.parent / "shared" / "testdata"
+TESTDATA = ROOT / "tests" / "data"  # everything the tests read is in the repository
 _SERVING = re.compile(r"serving JSON-RPC on http://(\[[^\]]+\]|[^:/]+):(\d+)(/\S*)")
 
 

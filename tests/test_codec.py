@@ -26,7 +26,7 @@ from broker.jsonrpc import (
     response_result,
 )
 
-JSONTESTSUITE = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "JSONTestSuite" / "test_parsing"
+JSONTESTSUITE = Path(__file__).resolve().parent / "data" / "JSONTestSuite" / "test_parsing"
 VALID_ID_KINDS = (str, int, float, type(None))
 
 
@@ -375,7 +375,6 @@ def _suite(prefix: str) -> list[Path]:
     return sorted(JSONTESTSUITE.glob(prefix + "_*.json"))
 
 
-@pytest.mark.skipif(not JSONTESTSUITE.is_dir(), reason="shared JSONTestSuite data not present")
 def test_jsontestsuite(codec):
     assert _suite("n") and _suite("y") and _suite("i")
     for path in _suite("n"):

@@ -1,7 +1,7 @@
 """JSON-RPC 2.0 spec-exactness, end to end: real HTTP on loopback against the real daemon.
 
 What a client sees on the wire, checked against the specification
-(https://www.jsonrpc.org/specification) and the shared JSONTestSuite corpus:
+(https://www.jsonrpc.org/specification) and the JSONTestSuite corpus (tests/data/JSONTestSuite, MIT):
 
 - every example of the spec's section 7, kept as data files in tests/data/spec_examples/
   and replayed by one test;
@@ -518,7 +518,7 @@ def _suite(prefix: str) -> list[Path]:
 
 
 def test_jsontestsuite_is_there():
-    # CI runs from a fresh clone with shared/ beside it: a missing corpus is a failure.
+    # The corpus is in the repository (tests/data/JSONTestSuite): a missing one is a failure.
     assert len(_suite("n")) > 150 and len(_suite("y")) > 90 and len(_suite("i")) > 30, JSONTESTSUITE
 
 
