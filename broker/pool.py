@@ -303,6 +303,7 @@ class Pool:
             "--max-depth", str(self.max_depth),
             "--max-frame-bytes", str(self.max_frame_bytes),
             "--log-level", self.log_level,
+            "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         if self.debug:
             argv.append("--debug")

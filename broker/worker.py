@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import ctypes
 import functools
 import importlib
 import inspect
@@ -47,6 +48,7 @@ import re
 import signal
 import struct
 import sys
+import threading
 import time
 import traceback
 import typing
@@ -437,7 +439,8 @@ def encode_result(result: object) -> bytes:
         # msgspec takes what orjson refuses: big integers and msgspec.Raw.
         try:
             return _msgspec_encode(result)
-        except (TypeError, msgspec.EncodeError, OverflowError, RecursionError) as exc:
+        except Exception as exc:  # TypeError, EncodeError, OverflowError, RecursionError,
+            # UnicodeEncodeError (a lone surrogate next to a big integer), a hook's own error
             raise TypeError(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
 
 
@@ -455,7 +458,29 @@ _BYE = int(wire.Kind.BYE)
 _pack_header = wire.HEADER.pack
 _perf = time.perf_counter
 _CANCELLED = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")
+# The answer of last resort, when even a -32603 naming the failure cannot be encoded.
+_INTERNAL = error_object(ErrorCode.INTERNAL_ERROR, data={"type": "unknown"})
 SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
+
+
+def _text(value: str) -> str:
+    """`value` with lone surrogates (a surrogateescape'd file name) written as \\udcxx
+    escapes, so it can be encoded as UTF-8 (JSON text is UTF-8: RFC 8259 section 8.1)."""
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[bool, object]:
+    """Run an async handler to its end: (True, result) or (False, the exception raised).
+
+    Never raises, not even BaseException: a Task re-raises SystemExit and
+    KeyboardInterrupt out of the event loop (asyncio's Task.__step), which would stop
+    the worker with every other call in flight. A CancelledError is returned too; the
+    caller tells the broker's CANCEL apart from one the handler raised itself.
+    """
+    try:
+        return True, await typing.cast(typing.Awaitable[object], fn(*args, **kwargs))
+    except BaseException as exc:  # the point: one answer, the worker lives on
+        return False, exc
 
 
 class _Chunk:
@@ -470,7 +495,7 @@ class _Chunk:
         self.pos = 0  # byte offset of the next call's entry
         self.next = 0  # index of the next call to start
         self.unsent = bytearray()  # REPLY_ENTRY-framed answers for the next part
-        self.tasks: list[asyncio.Task[object]] = []
+        self.tasks: list[asyncio.Task[tuple[bool, object]]] = []
         self.waiting = 0  # async calls still running
         self.t0 = _perf()
 
@@ -498,9 +523,13 @@ class WorkerProtocol(asyncio.Protocol):
         self._max_depth = max_depth
         self._debug = debug
         self._decoder = wire.FrameDecoder(max_frame_bytes)
+        self._max_result = max_frame_bytes  # largest result or error object sent
         self._out = bytearray()
         self._flush_scheduled = False
-        self._tasks: dict[int, asyncio.Task[object]] = {}
+        self._tasks: dict[int, asyncio.Task[tuple[bool, object]]] = {}
+        # Tasks the broker cancelled (CANCEL): only their CancelledError is "cancelled
+        # by the broker" (-32001); one a handler raises by itself is -32603.
+        self._cancelled: set[asyncio.Task[tuple[bool, object]]] = set()
         self._backlog: collections.deque[tuple[int, int, int, bytes] | _Chunk] = collections.deque()
         self._chunks: dict[int, _Chunk] = {}  # chunks started and not yet fully answered
         self._dirty: set[_Chunk] = set()  # chunks with answers to send
@@ -553,17 +582,20 @@ class WorkerProtocol(asyncio.Protocol):
     def _cancel(self, call_id: int) -> None:
         task = self._tasks.get(call_id)
         if task is not None:
-            task.cancel()
+            if not task.done():
+                self._cancelled.add(task)
+                task.cancel()
             return
         chunk = self._chunks.get(call_id)
         if chunk is not None:
             for task in chunk.tasks:
-                task.cancel()
+                if not task.done():
+                    self._cancelled.add(task)
+                    task.cancel()
             while chunk.next < chunk.count:  # calls not started: answered cancelled
                 _index, _flags, length = _CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
                 chunk.pos += _CALL_ENTRY.size + length
-                chunk.unsent += _REPLY_ENTRY.pack(chunk.next, _ERROR, len(_CANCELLED))
-                chunk.unsent += _CANCELLED
+                self._chunk_answer(chunk, chunk.next, _ERROR, _CANCELLED)
                 chunk.next += 1
             try:
                 self._backlog.remove(chunk)
@@ -609,29 +641,38 @@ class WorkerProtocol(asyncio.Protocol):
         self._closing = True
         self._flush()
 
-    def _execute(self, index: int, params: bytes) -> tuple[int, bytes] | asyncio.Task[object]:
+    def _execute(self, index: int, params: bytes) -> tuple[int, bytes] | asyncio.Task[tuple[bool, object]]:
         """Run one call: (kind, body) for a sync handler or a failure, or the Task
-        running an async handler (its outcome comes from `_outcome`)."""
+        running an async handler (its outcome comes from `_outcome`). Never raises."""
         try:
             method = self._methods[index]
             args, kwargs = method.bind(params, self._max_depth)
             if method.is_async:
-                coro = typing.cast(typing.Coroutine[object, object, object], method.fn(*args, **kwargs))
-                return self._loop.create_task(coro)
+                return self._loop.create_task(_guarded(method.fn, args, kwargs))
             return _RESULT, encode_result(method.fn(*args, **kwargs))
-        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # one ERROR reply, worker lives on
+        except BaseException as exc:  # one ERROR reply, the worker lives on
             return _ERROR, self._error(exc, index)
 
-    def _outcome(self, task: asyncio.Task[object], index: int) -> tuple[int, bytes]:
-        if task.cancelled():
-            return _ERROR, _CANCELLED
-        exc = task.exception()
-        if exc is not None:
-            return _ERROR, self._error(exc, index)
+    def _outcome(self, task: asyncio.Task[tuple[bool, object]], index: int) -> tuple[int, bytes]:
+        """The answer of a finished async call, as `_execute` gives a sync one. Never
+        raises: an exception here would be lost in a done callback, and the call would
+        never be answered."""
+        by_broker = task in self._cancelled
+        if by_broker:
+            self._cancelled.discard(task)
         try:
-            return _RESULT, encode_result(task.result())
-        except TypeError as e:
-            return _ERROR, self._error(e, index)
+            value: object
+            if task.cancelled():  # cancelled before it ever ran
+                ok, value = False, asyncio.CancelledError()
+            else:
+                ok, value = task.result()
+            if ok:
+                return _RESULT, encode_result(value)
+            if by_broker and isinstance(value, asyncio.CancelledError):
+                return _ERROR, _CANCELLED
+            return _ERROR, self._error(typing.cast(BaseException, value), index)
+        except Exception as exc:  # the result has no JSON form
+            return _ERROR, self._error(exc, index)
 
     def _call(self, call_id: int, index: int, params: bytes) -> None:
         t0 = _perf()
@@ -639,11 +680,11 @@ class WorkerProtocol(asyncio.Protocol):
         if type(done) is tuple:
             self._reply(done[0], call_id, t0, done[1])
             return
-        task = typing.cast("asyncio.Task[object]", done)
+        task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
         self._tasks[call_id] = task
         task.add_done_callback(lambda t: self._task_done(call_id, index, t0, t))
 
-    def _task_done(self, call_id: int, index: int, t0: float, task: asyncio.Task[object]) -> None:
+    def _task_done(self, call_id: int, index: int, t0: float, task: asyncio.Task[tuple[bool, object]]) -> None:
         self._tasks.pop(call_id, None)
         kind, body = self._outcome(task, index)
         self._reply(kind, call_id, t0, body)
@@ -663,6 +704,7 @@ class WorkerProtocol(asyncio.Protocol):
         pack = _REPLY_ENTRY.pack
         payload = chunk.payload
         unsent = chunk.unsent
+        limit = self._max_result
         while chunk.next < chunk.count:
             i = chunk.next
             try:
@@ -675,10 +717,13 @@ class WorkerProtocol(asyncio.Protocol):
             done = self._execute(index, payload[start : start + length])
             if type(done) is tuple:
                 kind, body = done
-                unsent += pack(i, kind, len(body))
-                unsent += body
+                if len(unsent) + len(body) <= limit:  # fits this part (the common case)
+                    unsent += pack(i, kind, len(body))
+                    unsent += body
+                else:
+                    self._chunk_answer(chunk, i, kind, body)
             else:
-                task = typing.cast("asyncio.Task[object]", done)
+                task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
                 chunk.tasks.append(task)
                 chunk.waiting += 1
                 task.add_done_callback(functools.partial(self._chunk_task_done, chunk, i, index))
@@ -688,13 +733,31 @@ class WorkerProtocol(asyncio.Protocol):
         self._dirty.add(chunk)
         return True
 
-    def _chunk_task_done(self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[object]) -> None:
+    def _chunk_task_done(self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[tuple[bool, object]]) -> None:
         kind, body = self._outcome(task, index)
-        chunk.unsent += _REPLY_ENTRY.pack(i, kind, len(body))
-        chunk.unsent += body
+        self._chunk_answer(chunk, i, kind, body)
         chunk.waiting -= 1
         self._dirty.add(chunk)
         self._schedule_flush()
+
+    def _chunk_answer(self, chunk: _Chunk, i: int, kind: int, body: bytes) -> None:
+        """Add the answer of a chunk's call `i` to its unsent answers. A chunk's answers
+        may together pass max_frame_bytes: those before this one go out first as a
+        CHUNK_PART, so each frame holds at most max_frame_bytes of answers (plus one
+        entry header). Only an answer that alone is larger fails (-32603)."""
+        if len(body) > self._max_result:
+            kind, body = _ERROR, self._too_large(len(body))
+        unsent = chunk.unsent
+        if unsent and len(unsent) + len(body) > self._max_result:
+            self._reply(_CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(unsent))
+            unsent.clear()
+        unsent += _REPLY_ENTRY.pack(i, kind, len(body))
+        unsent += body
+
+    def _too_large(self, size: int) -> bytes:
+        return error_object(
+            ErrorCode.INTERNAL_ERROR, data=f"result of {size} bytes exceeds max_frame_bytes {self._max_result}"
+        )
 
     def _emit(self, chunk: _Chunk) -> None:
         """Send a chunk's unsent answers: the CHUNK_REPLY once nothing in it is left
@@ -710,12 +773,8 @@ class WorkerProtocol(asyncio.Protocol):
 
     def _reply(self, kind: int, call_id: int, t0: float, body: bytes) -> None:
         service_us = min(int((_perf() - t0) * 1e6), 0xFFFFFFFF)
-        if len(body) > self._decoder.max_frame_bytes:  # the broker would drop the connection
-            # (for a chunk: one ERROR for all of its calls)
-            kind, body = _ERROR, error_object(
-                ErrorCode.INTERNAL_ERROR,
-                data=f"result of {len(body)} bytes exceeds max_frame_bytes {self._decoder.max_frame_bytes}",
-            )
+        if len(body) > self._max_result and kind < _CHUNK_REPLY:  # the broker would drop the
+            kind, body = _ERROR, self._too_large(len(body))  # connection (chunks: _chunk_answer)
         out = self._out
         out += _pack_header(len(body), kind, call_id, service_us)
         out += body
@@ -734,10 +793,32 @@ class WorkerProtocol(asyncio.Protocol):
             transport.close()
 
     def _error(self, exc: BaseException, index: int) -> bytes:
+        """The error object answering a call that raised `exc`. Never raises: an
+        exception here would escape the read loop and kill the worker with every
+        call in flight on it. What cannot be encoded (an RpcError whose message has
+        a lone surrogate, or whose data refers to itself) answers -32603."""
+        try:
+            return self._error_object(exc, index)
+        except Exception as failure:
+            return self._unencodable(exc, index, failure)
+
+    def _unencodable(self, exc: BaseException, index: int, failure: Exception) -> bytes:
+        try:
+            name = self._methods[index].name if 0 <= index < len(self._methods) else "?"
+            log.error("worker %d: handler %s raised %s, whose error object has no JSON form (%r)",
+                      self._slot, name, type(exc).__name__, failure)
+            return error_object(ErrorCode.INTERNAL_ERROR, data={
+                "type": _text(type(exc).__name__),
+                "reason": f"the error object has no JSON form: {type(failure).__name__}",
+            })
+        except Exception:
+            return _INTERNAL
+
+    def _error_object(self, exc: BaseException, index: int) -> bytes:
         if isinstance(exc, RpcError):
             try:
                 return error_object(exc.code, exc.message, exc.data)
-            except TypeError:
+            except TypeError:  # data of a type with no JSON form: its repr
                 return error_object(exc.code, exc.message, repr(exc.data))
         if isinstance(exc, InvalidParams):
             return error_object(ErrorCode.INVALID_PARAMS, data={"param": exc.param, "reason": exc.reason})
@@ -751,9 +832,47 @@ class WorkerProtocol(asyncio.Protocol):
         log.error("worker %d: handler %s raised", self._slot, name, exc_info=exc)
         data: dict[str, object] = {"type": type(exc).__name__}
         if self._debug:
-            data["message"] = str(exc)
-            data["traceback"] = "".join(traceback.format_exception(exc))
+            data["message"] = _text(str(exc))
+            data["traceback"] = _text("".join(traceback.format_exception(exc)))
         return error_object(ErrorCode.INTERNAL_ERROR, data=data)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_POLL_SECONDS = 0.5  # the fallback watcher's period
+
+
+def die_with_parent(parent: int, *, prctl: bool = True) -> str:
+    """Make this process die (SIGKILL) when process `parent` (the broker) does, whatever
+    it is doing: a worker busy in a sync handler must not outlive a broker killed with
+    SIGKILL. Returns how: "prctl" or "thread".
+
+    On Linux, prctl(PR_SET_PDEATHSIG, SIGKILL) (prctl(2)): the kernel sends the signal
+    when the thread that forked us exits; the broker spawns its workers from its main
+    thread (the event loop's), which lives as long as the process. Elsewhere (or with
+    `prctl=False`), a daemon thread polls getppid() every `PARENT_POLL_SECONDS`: once
+    the parent is gone we are reparented and the parent pid changes. Either way, a
+    parent that died before this call (the race between fork and prctl) is seen at
+    once by comparing getppid() with `parent`.
+    """
+    how = "thread"
+    if prctl and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+                how = "prctl"
+        except (OSError, AttributeError):  # no libc symbol: fall back to the thread
+            pass
+    if os.getppid() != parent:
+        log.error("the broker (pid %d) is gone: exiting", parent)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "thread":
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(PARENT_POLL_SECONDS)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    return how
 
 
 async def _serve(args: argparse.Namespace, registry: Registry) -> None:
@@ -772,7 +891,8 @@ def main(argv: list[str] | None = None) -> int:
     """Worker process entry point: `python -m broker.worker --socket PATH --slot N ...`.
 
     Started by the broker, not by hand. Exits 0 when the broker closes the
-    connection or says BYE, `WORKER_BOOT_ERROR` when the app cannot be loaded.
+    connection or says BYE, `WORKER_BOOT_ERROR` when the app cannot be loaded (an
+    exception or sys.exit() at import), and dies (SIGKILL) with the broker.
     """
     parser = argparse.ArgumentParser(prog="python -m broker.worker")
     parser.add_argument("--socket", required=True)
@@ -783,15 +903,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-frame-bytes", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--debug", action="store_true")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--parent-pid", type=int, default=0,
+                        help="the broker's pid: this process dies with it (default: the parent now)")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s worker[{args.slot}] pid %(process)d %(levelname)s %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the broker decides when we stop
+    die_with_parent(args.parent_pid or os.getppid())
     try:
         registry = load_app(args.app)
-    except Exception as exc:
+    except SystemExit as exc:  # the app called sys.exit() at import: a boot failure too
+        log.error("cannot load app %r: it called sys.exit(%r) at import", args.app, exc.code)
+        return WORKER_BOOT_ERROR
+    except BaseException as exc:
         log.error("cannot load app %r: %s", args.app, exc, exc_info=args.debug)
         return WORKER_BOOT_ERROR
     try:

@@ -1,0 +1,137 @@
+"""A handler's odd failure answers that one call and keeps its worker (issue 9, items
+16 to 19): the real daemon, one real worker process running tests/apps/hostile.py.
+
+Each test puts an innocent call in flight on the worker first: it must still get its
+result, and the worker must still be the same process, after the hostile call."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from conftest import ROOT, Broker, sample, scrape_metrics, start_broker, wait_for
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[Broker]:
+    b = start_broker("--workers", "1", "--app", "tests.apps.hostile:registry", "--timeout", "20",
+                     "--max-frame-bytes", str(4 << 20), "--max-body-bytes", str(1 << 20))
+    yield b
+    b.stop()
+
+
+def in_flight(b: Broker) -> float:
+    return sample(scrape_metrics(b), "rpc_broker_calls_in_flight")
+
+
+@pytest.mark.parametrize(("method", "exc_type"), [
+    ("surrogate_message", "RpcError"),  # item 16: a lone surrogate in the message
+    ("async_surrogate_data", "RpcError"),  # ... or in data
+    ("self_referring_data", "RpcError"),  # ... data that contains itself
+    ("async_unencodable", "TypeError"),  # item 17: an async result with no JSON form
+    ("async_self_referring", "TypeError"),
+    ("async_exit", "SystemExit"),  # item 18: BaseExceptions out of an async handler
+    ("async_interrupt", "KeyboardInterrupt"),
+    ("async_cancelled", "CancelledError"),  # raised by the handler: nobody cancelled it
+])
+def test_a_hostile_call_gets_internal_error_and_the_worker_lives_on(hostile: Broker, method: str, exc_type: str) -> None:
+    b = hostile
+    worker = b.call("pid")["result"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        innocent = pool.submit(b.call, "nap", [1.0], "innocent")
+        wait_for(lambda: in_flight(b) == 1, timeout=10)
+        answer = b.call(method, id_="hostile")
+        assert answer["id"] == "hostile" and answer["error"]["code"] == -32603, answer
+        assert answer["error"]["data"]["type"] == exc_type, answer
+        assert innocent.result(timeout=20) == {"jsonrpc": "2.0", "id": "innocent", "result": 1.0}
+    assert b.call("pid")["result"] == worker, "the worker was replaced"
+    assert "Traceback" not in json.dumps(answer)
+
+
+def test_async_results_of_a_batch_past_the_frame_limit_are_split_across_frames(hostile: Broker) -> None:
+    """Item 19: 12 results of 1 MB from one worker make 12 MB, three times the 4 MiB
+    frame limit: each gets its result. Only one result larger than the limit alone fails."""
+    b = hostile
+    worker = b.call("pid")["result"]
+    size = 1_000_000
+    batch = [{"jsonrpc": "2.0", "method": "async_blob", "params": [size], "id": i} for i in range(12)]
+    batch.append({"jsonrpc": "2.0", "method": "async_blob", "params": [5 * 1024 * 1024], "id": "huge"})
+    status, _, body = b.post(json.dumps(batch), timeout=60)
+    replies = {r["id"]: r for r in json.loads(body)}
+    assert status == 200 and len(replies) == 13
+    for i in range(12):
+        assert replies[i].get("result") == "x" * size, str(replies[i])[:200]
+    huge = replies["huge"]["error"]
+    assert huge["code"] == -32603 and "exceeds max_frame_bytes" in huge["data"], huge
+    assert b.call("pid")["result"] == worker
+
+
+# -- item 21: workers die with their broker --------------------------------------------
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_worker_busy_in_a_sync_handler_dies_with_a_sigkilled_broker(broker_factory) -> None:
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--timeout", "60")
+    worker = b.call("pid")["result"]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(b.call, "spin", [60])  # holds the worker's only thread
+            wait_for(lambda: in_flight(b) == 1, timeout=10)
+            os.kill(b.pid, signal.SIGKILL)
+            wait_for(lambda: not pid_alive(worker), timeout=10)
+            with pytest.raises(OSError):
+                busy.result(timeout=10)  # its connection went with the broker
+    finally:
+        if pid_alive(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+CHILD = """
+import os, sys, time
+from broker.worker import die_with_parent
+print(os.getpid(), die_with_parent(os.getppid(), prctl=False), flush=True)
+end = time.monotonic() + 60
+while time.monotonic() < end:  # busy, as a sync handler
+    pass
+"""
+
+
+def test_without_prctl_a_thread_watches_the_parent(tmp_path) -> None:
+    """The fallback for systems without PR_SET_PDEATHSIG: the child of a process killed
+    with SIGKILL notices it is orphaned and dies, although its main thread is busy."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {CHILD!r}]); "
+                               "time.sleep(60)"],
+        stdout=subprocess.PIPE, cwd=ROOT,
+    )
+    child = 0
+    try:
+        assert parent.stdout is not None
+        line = parent.stdout.readline().split()
+        child, how = int(line[0]), line[1].decode()
+        assert how == "thread"
+        parent.kill()
+        parent.wait(10)
+        wait_for(lambda: not pid_alive(child), timeout=10)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
+        if parent.stdout is not None:
+            parent.stdout.close()
+        if child and pid_alive(child):
+            os.kill(child, signal.SIGKILL)
