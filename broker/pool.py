@@ -133,7 +133,9 @@ class WorkerChannel(asyncio.Protocol):
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
         self._dispatcher = pool.dispatcher
-        self._decoder = wire.FrameDecoder(pool.max_frame_bytes)
+        # A chunk's reply frame holds up to max_frame_bytes of answers plus one entry
+        # header (worker.WorkerProtocol._chunk_answer): a result of exactly the limit fits.
+        self._decoder = wire.FrameDecoder(pool.max_frame_bytes + wire.REPLY_ENTRY.size)
         self._out = bytearray()
         self._flush_scheduled = False
         self._transport: asyncio.Transport | None = None

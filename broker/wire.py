@@ -34,7 +34,9 @@ Kinds, who sends them, and what `aux` and the payload hold:
                              once all of its calls are done; it ends the chunk.
                              aux: service time in µs. A worker may instead answer a
                              whole CHUNK with one ERROR frame (e.g. cancelled before
-                             it ran).
+                             it ran). Answers that together pass max_frame_bytes are
+                             split over several CHUNK_PARTs; one part holds at most
+                             max_frame_bytes of answers plus one REPLY_ENTRY header.
 
 A chunk travels and is accounted for as one unit (one call id, one deadline): it
 saves the per-call frame work on both sides for batches. The worker replies to every

@@ -56,15 +56,20 @@ def test_a_hostile_call_gets_internal_error_and_the_worker_lives_on(hostile: Bro
 
 def test_async_results_of_a_batch_past_the_frame_limit_are_split_across_frames(hostile: Broker) -> None:
     """Item 19: 12 results of 1 MB from one worker make 12 MB, three times the 4 MiB
-    frame limit: each gets its result. Only one result larger than the limit alone fails."""
+    frame limit: each gets its result, and so do two of exactly the limit. Only one
+    result larger than the limit alone fails."""
     b = hostile
     worker = b.call("pid")["result"]
     size = 1_000_000
     batch = [{"jsonrpc": "2.0", "method": "async_blob", "params": [size], "id": i} for i in range(12)]
     batch.append({"jsonrpc": "2.0", "method": "async_blob", "params": [5 * 1024 * 1024], "id": "huge"})
+    limit = 4 << 20  # results of exactly max_frame_bytes (with their quotes) still fit
+    batch += [{"jsonrpc": "2.0", "method": "async_blob", "params": [limit - 2], "id": f"limit{i}"} for i in (1, 2)]
     status, _, body = b.post(json.dumps(batch), timeout=60)
     replies = {r["id"]: r for r in json.loads(body)}
-    assert status == 200 and len(replies) == 13
+    assert status == 200 and len(replies) == 15
+    for i in (1, 2):
+        assert replies[f"limit{i}"].get("result") == "x" * (limit - 2), str(replies[f"limit{i}"])[:200]
     for i in range(12):
         assert replies[i].get("result") == "x" * size, str(replies[i])[:200]
     huge = replies["huge"]["error"]

@@ -1069,3 +1069,24 @@ def test_invalid_params_inside_a_parameter_say_where(params):
     with pytest.raises(InvalidParams) as info:
         Method("total", _total).bind(params, 64)
     assert (info.value.param, info.value.reason) == ("items", "Expected `int`, got `str` - at `items[0].qty`")
+
+
+def test_a_chunks_answers_past_max_frame_bytes_are_split_into_parts(run):
+    """Three results of exactly max_frame_bytes (65536) in one chunk: each goes out in a
+    frame of its own, none larger than the limit plus one entry header; only a result
+    one byte larger than the limit fails."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(chunk_frame(6, [("big", b"[65534]", False), ("big", b"[65535]", False),
+                               ("big", b"[65534]", False), ("add_ints", b"[1, 2]", False),
+                               ("big", b"[65534]", False)]))
+        frames, answers = await read_chunk(b, 6)
+        assert all(len(f[3]) <= 65536 + wire.REPLY_ENTRY.size for f in frames), [len(f[3]) for f in frames]
+        assert len(frames) >= 3
+        for i in (0, 2, 4):
+            assert answers[i] == (Kind.RESULT, b'"' + b"x" * 65534 + b'"')
+        assert answers[1][0] == Kind.ERROR
+        assert json.loads(answers[1][1])["data"] == "result of 65537 bytes exceeds max_frame_bytes 65536"
+        assert answers[3] == (Kind.RESULT, b"3")
+
+    run(test, max_frame_bytes=65536)
