@@ -19,8 +19,10 @@ A slot whose process exits (or whose socket closes) is DEAD: the dispatcher answ
 its in-flight calls with "worker died" and its queued calls go to other workers. The
 slot is respawned after an exponential backoff (0.1 s doubling up to
 `restart_backoff_max`, reset once a worker has stayed up for 30 s). A worker that
-exits with `WORKER_BOOT_ERROR` while the pool is starting stops the whole start:
-a bad `--app` is a bad deploy, not something to retry forever (gunicorn does the same).
+exits before its HELLO while the pool is starting stops the whole start, whatever its
+status (`WORKER_BOOT_ERROR` for an exception or sys.exit() at import, but os._exit()
+says nothing): a bad `--app` is a bad deploy, not something to retry forever (gunicorn's
+WORKER_BOOT_ERROR does the same).
 
 The pool waits on process exits (one waiter task per process) and on socket events:
 it never polls.
@@ -70,7 +72,8 @@ KILL_AFTER_SECONDS = 2.0  # a worker whose socket closed but lives on is killed 
 
 
 class WorkerBootError(Exception):
-    """A worker could not load the app (exit status `WORKER_BOOT_ERROR`) at start."""
+    """A worker exited before its HELLO while the pool was starting: it could not load
+    the app (exit status `WORKER_BOOT_ERROR`, or any other)."""
 
 
 class Worker:
@@ -342,9 +345,15 @@ class Pool:
             log.info("worker %d (pid %d) retired: %s", worker.slot, worker.pid, reason)
             return
         log.warning("worker %d (pid %d) %s", worker.slot, worker.pid, reason)
-        if status == WORKER_BOOT_ERROR and was_starting and self._starting:
+        if was_starting and self._starting:
+            # Exited before its HELLO while the pool starts: the app cannot boot, whatever
+            # the status (an exception or sys.exit() at import is WORKER_BOOT_ERROR, but
+            # os._exit() or a signal at import say nothing). Retrying would loop.
             if not self._boot_failure.done():
-                self._boot_failure.set_result(f"worker {worker.slot} could not load app {self.app!r} (see its log above)")
+                self._boot_failure.set_result(
+                    f"worker {worker.slot} {reason} before it was ready: it could not load app {self.app!r}"
+                    + (" (see its log above)" if status == WORKER_BOOT_ERROR else "")
+                )
             return
         up = time.monotonic() - worker.started_at
         worker.failures = 0 if up >= STABLE_SECONDS else worker.failures + 1

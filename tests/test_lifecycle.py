@@ -426,6 +426,28 @@ def test_bad_app_exits_with_status_3_and_says_why(app, words):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.parametrize(
+    ("how", "words"),
+    [
+        ("sys.exit:no config file found", "it called sys.exit('no config file found') at import"),
+        ("sys.exit0", "it called sys.exit(0) at import"),
+        ("os._exit:0", "exited with 0 before it was ready"),
+        ("os._exit:7", "exited with 7 before it was ready"),
+    ],
+)
+def test_an_app_that_exits_at_import_is_a_boot_failure(how, words):
+    """Exiting at import, by sys.exit() or os._exit() and with any status, is a bad
+    deploy like an exception: exit 3 at once with the reason, never a restart loop."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        start_broker("--workers", "2", "--app", "tests.apps.exits:registry", env={"EXITS_AT_IMPORT": how}, timeout=60)
+    message = str(info.value)
+    assert message.startswith("broker exited with 3:"), message
+    assert words in message and "could not load app 'tests.apps.exits:registry'" in message, message
+    assert "restart" not in message.lower(), message
+    assert time.monotonic() - t0 < 30
+
+
 # -- 7. notifications ---------------------------------------------------------------------
 
 
