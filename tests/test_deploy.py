@@ -328,6 +328,18 @@ def test_compose_services_and_mounts(compose: dict[str, Any]) -> None:
     assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
 
 
+def test_compose_broker_gives_up_on_a_boot_failure(compose: dict[str, Any]) -> None:
+    """A boot failure (exit 3) must not restart forever. Compose cannot skip one exit
+    code, so the broker's policy must be on-failure with a small retry count (Docker's
+    MaximumRetryCount); unless-stopped or always would loop. A deploy.restart_policy
+    would take precedence over `restart:`, so there must be none."""
+    broker = compose["services"]["broker"]
+    match = re.fullmatch(r"on-failure:(\d+)", str(broker.get("restart", "")))
+    assert match and 1 <= int(match.group(1)) <= 10, broker.get("restart")
+    policy = broker.get("deploy", {}).get("restart_policy")
+    assert policy is None, f"deploy.restart_policy would take over: {policy}"
+
+
 def test_compose_broker_config_and_stop_timeout(compose: dict[str, Any], stages: list[Stage]) -> None:
     broker = compose["services"]["broker"]
     env = {**stages[-1].env(), **{k: str(v) for k, v in broker.get("environment", {}).items()}}
