@@ -371,7 +371,17 @@ class Dispatcher:
     # -- configuration from the pool -------------------------------------------------
 
     def set_methods(self, names: list[str]) -> None:
-        """Install the method table announced by the workers' HELLO (in their order)."""
+        """Install the method table announced by the workers' HELLO (in their order).
+
+        Called again by a reload whose new workers serve another table, after the old
+        workers left the rotation and before the new ones join (`Pool._swap`). Calls
+        routed before carry the old table's indexes, so they are translated: a queued
+        call gets its method's new index, or len(names) if the new code lost it (the
+        worker answers that -32601, as for any unknown index); a call in flight on an
+        old worker keeps the index it was sent with, and only the index its answer is
+        counted under changes (`other` for a lost method).
+        """
+        old = [name for name, _ in sorted(self._routes.items(), key=lambda item: item[1].method_index)]
         self._routes = {
             name: Route(i, self._method_timeouts.get(name, self._timeout))
             for i, name in enumerate(names)
@@ -379,8 +389,33 @@ class Dispatcher:
         # When every method has the same deadline (the usual case) a batch needs no
         # grouping by deadline before it is cut into chunks.
         self._one_timeout = len({route.timeout for route in self._routes.values()}) <= 1
+        if old and old != names:
+            new = {name: i for i, name in enumerate(names)}
+            self._translate([new.get(name, len(names)) for name in old] + [len(names)])
         if self.metrics is not None:
             self.metrics.set_methods(names)
+
+    def _translate(self, index: list[int]) -> None:
+        """Old method index → new (`index`, one entry per old method plus `other`) for
+        every call routed but not answered; a queued chunk's frame is rewritten too."""
+        for call in self._pending.values():  # sent already: only their metrics index
+            if call.methods is not None:
+                call.methods = [index[m] for m in call.methods]
+            else:
+                call.index = index[call.index]
+        size = _CALL_ENTRY.size
+        for call in self._queue:
+            if call.methods is None:
+                call.index = index[call.index]
+                continue
+            call.methods = [index[m] for m in call.methods]
+            payload = bytearray(call.params)
+            pos = 0
+            for m in call.methods:
+                _old, flags, length = _CALL_ENTRY.unpack_from(payload, pos)
+                _CALL_ENTRY.pack_into(payload, pos, m, flags, length)
+                pos += size + length
+            call.params = bytes(payload)
 
     def worker_ready(self, worker: Worker) -> None:
         """A worker can take calls: add it to the rotation and give it queued work."""

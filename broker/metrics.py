@@ -200,16 +200,18 @@ class CallMetrics:
         self.batch_size = Histogram(BATCH_BUCKETS)
 
     def set_methods(self, names: list[str]) -> None:
-        """Size the tables for `names` (plus `OTHER` last); counts so far are kept
-        under `OTHER` (there are none before the first worker says HELLO)."""
-        n = len(names)
+        """Size the tables for `names` (plus `OTHER` last). Counts so far stay with
+        their method's name (a reload may reorder the table); `OTHER`'s stay
+        `OTHER`'s; those of a method no longer served are dropped."""
         # An app may register a method called "other": then the sentinel is "rpc.other",
         # a name no app can register (JSON-RPC 2.0 section 4 reserves "rpc.").
+        old = {name: i for i, name in enumerate(self.names[:-1])}
+        keep = [old.get(name, -1) for name in names]
         self.names = [*names, OTHER if OTHER not in names else "rpc.other"]
-        self.outcomes = [{} for _ in range(n)] + [self.outcomes[-1]]
-        self.latency = [LatencyHistogram() for _ in range(n)] + [self.latency[-1]]
-        self.service = [LatencyHistogram() for _ in range(n)] + [self.service[-1]]
-        self.notifications = [0] * n + [self.notifications[-1]]
+        self.outcomes = [self.outcomes[i] if i >= 0 else {} for i in keep] + [self.outcomes[-1]]
+        self.latency = [self.latency[i] if i >= 0 else LatencyHistogram() for i in keep] + [self.latency[-1]]
+        self.service = [self.service[i] if i >= 0 else LatencyHistogram() for i in keep] + [self.service[-1]]
+        self.notifications = [self.notifications[i] if i >= 0 else 0 for i in keep] + [self.notifications[-1]]
 
     @property
     def other(self) -> int:
@@ -396,7 +398,13 @@ class BrokerCollector(Collector):
         for w in pool.workers:
             states[w.state.value] += 1
         states["draining"] += len(pool.retiring)  # replaced by a reload, finishing their calls
+        states["starting"] += len(pool.incoming)  # a reload's, until they all are ready
         yield _family_gauge("rpc_broker_workers", "Worker slots by state.", ["state"], (([s], n) for s, n in states.items()))
+        yield _family_counter(
+            "rpc_broker_reloads", "Reloads (SIGHUP) by result: success (the new code serves) or failure "
+            "(a new worker did not start; the old code serves on).", ["result"],
+            (([result], n) for result, n in sorted(pool.reloads.items())),
+        )  # fmt: skip
         yield _family_counter(
             "rpc_broker_worker_restarts", "Worker processes restarted, by reason.", ["reason"],
             (([reason], n) for reason, n in sorted({**_NO_RESTARTS, **pool.restarts_by_reason}.items())),

@@ -24,6 +24,15 @@ status (`WORKER_BOOT_ERROR` for an exception or sys.exit() at import, but os._ex
 says nothing): a bad `--app` is a bad deploy, not something to retry forever (gunicorn's
 WORKER_BOOT_ERROR does the same).
 
+A reload (SIGHUP, `reload`) deploys the app anew, whatever methods it now has: a new
+Worker for every slot is spawned outside `workers` (`incoming`); each says HELLO and
+is READY but takes no call. Once all are, `_swap` acts in one step (no await): the old
+workers leave the rotation, the new method table is installed (`Dispatcher.set_methods`
+translates the calls already routed), the new workers join, and the old ones get BYE
+and drain. Old and new code never take calls at the same time, so a call's method
+index always means the same method to the worker it reaches. If a new worker fails,
+the new ones are killed and nothing else changes: only `workers` are ever restarted.
+
 The pool waits on process exits (one waiter task per process) and on socket events:
 it never polls.
 """
@@ -252,6 +261,12 @@ class Pool:
         # Restarts by reason (the metric's label): exited, killed, hung, boot_timeout, reload
         self.restarts_by_reason: dict[str, int] = {}
         self.retiring: set[Worker] = set()  # replaced by a reload, not exited yet
+        # A reload under way: its new workers (not in `workers`, taking no calls until
+        # the swap), the method list they announce, and why it failed, if it did.
+        self.incoming: list[Worker] = []
+        self._incoming_methods: list[str] | None = None
+        self._incoming_error = ""
+        self.reloads = {"success": 0, "failure": 0}  # reloads by outcome (a metric's label)
         dispatcher.worker_coming = self._worker_coming
 
     def _worker_coming(self) -> bool:
@@ -340,6 +355,9 @@ class Pool:
         self._changed.set()
         if self._stopping:
             return
+        if worker in self.incoming:  # a new worker of a reload that failed: no restart
+            log.warning("reload: new worker %d (pid %d) %s", worker.slot, worker.pid, reason)
+            return
         if self.workers[worker.slot] is not worker:  # replaced by a reload: no restart
             self.retiring.discard(worker)
             log.info("worker %d (pid %d) retired: %s", worker.slot, worker.pid, reason)
@@ -365,8 +383,8 @@ class Pool:
         if delay and not self.dispatcher.ready_workers and not self._worker_coming():
             self.dispatcher.no_worker_coming()
         await asyncio.sleep(delay)
-        if not self._stopping and worker.process is process:
-            await self._spawn(worker)
+        if not self._stopping and worker.process is process and self.workers[worker.slot] is worker:
+            await self._spawn(worker)  # (unless a reload replaced it meanwhile)
 
     def _boot_deadline(self, worker: Worker, process: asyncio.subprocess.Process) -> None:
         if worker.process is process and worker.state is WorkerState.STARTING:
@@ -379,20 +397,46 @@ class Pool:
         does not match a worker we started (wrong slot or pid, other methods)."""
         if not 0 <= hello.slot < self.size:
             raise wire.FrameError(f"HELLO from unknown slot {hello.slot}")
+        names = [m.name for m in hello.methods]
+        if self.incoming:
+            new = self.incoming[hello.slot]
+            if new.state is WorkerState.STARTING and new.pid == hello.pid:
+                return self._hello_incoming(channel, new, names, hello.concurrency)
         worker = self.workers[hello.slot]
         if worker.state is not WorkerState.STARTING or worker.pid != hello.pid:
             raise wire.FrameError(f"HELLO from pid {hello.pid} for slot {hello.slot}, expected pid {worker.pid}")
-        names = [m.name for m in hello.methods]
         if self.methods is None:
             self.methods = names
             self.dispatcher.set_methods(names)
         elif names != self.methods:
-            raise wire.FrameError(f"worker {hello.slot} serves {names}, not {self.methods}")
+            raise wire.FrameError(
+                f"worker {hello.slot} serves {names}, not {self.methods}: the app changed on disk;"
+                " a reload (SIGHUP) deploys new code"
+            )
         worker.channel = channel
         worker.concurrency = max(1, hello.concurrency)
         worker.move(WorkerState.READY)
         log.info("worker %d ready (pid %d, %d methods)", worker.slot, worker.pid, len(names))
         self.dispatcher.worker_ready(worker)
+        self._changed.set()
+        return worker
+
+    def _hello_incoming(self, channel: WorkerChannel, worker: Worker, names: list[str], concurrency: int) -> Worker:
+        """HELLO from a new worker of a reload: READY, but it takes calls only at the
+        swap. Every new worker must serve the same method list as the first one."""
+        if self._incoming_methods is None:
+            self._incoming_methods = names
+        elif names != self._incoming_methods:
+            self._incoming_error = (
+                f"new worker {worker.slot} serves {names}, not {self._incoming_methods} as new worker"
+                " did before it (the app changed on disk during the reload?)"
+            )
+            self._changed.set()
+            raise wire.FrameError(self._incoming_error)
+        worker.channel = channel
+        worker.concurrency = max(1, concurrency)
+        worker.move(WorkerState.READY)
+        log.info("reload: new worker %d ready (pid %d, %d methods)", worker.slot, worker.pid, len(names))
         self._changed.set()
         return worker
 
@@ -406,69 +450,120 @@ class Pool:
             self.loop.call_later(KILL_AFTER_SECONDS, _kill_if_alive, process)
 
     async def reload(self, timeout: float = BOOT_TIMEOUT_SECONDS) -> bool:
-        """Rolling restart (SIGHUP): slot by slot, start a fresh worker (it imports the
-        app anew), wait until it is READY, then send the old one BYE; the old one
-        finishes its calls in flight and exits. No call is lost, and since each new
-        worker is ready before its old one drains, capacity never drops below N.
+        """Deploy the app anew (SIGHUP): start a fresh worker for every slot (each imports
+        the app anew), wait until all are READY, then swap in one step: the new workers'
+        method table replaces the old one, the new workers take calls, and the old ones
+        get BYE, finish their calls in flight and exit. No call is lost; capacity is
+        briefly doubled (both sets of processes run), never reduced.
 
-        Returns False, leaving the remaining old workers serving, if a new worker
-        fails to start (a broken deploy does not take the pool down).
+        The new code may serve other methods: old and new workers never take calls at
+        the same time, so a call only ever goes to a worker serving its table (calls
+        routed before the swap are translated by `Dispatcher.set_methods`; calls to a
+        method the new code lost answer -32601).
+
+        Returns False, leaving the old workers serving and spawning nothing more, if a
+        new worker fails to start (exits, closes its socket, is not ready within
+        `timeout` s, or serves another method list than its new peers): a broken deploy
+        does not take the pool down. The outcome is logged and counted in `reloads`.
         """
-        if self._reloading or self._stopping:
+        if self._stopping:
+            return False
+        if self._reloading:
+            log.warning("reload: one is already under way; this one is ignored")
             return False
         self._reloading = True
+        self.incoming = [Worker(slot) for slot in range(self.size)]
+        self._incoming_methods = None
+        self._incoming_error = ""
         try:
-            for slot in range(self.size):
-                old = self.workers[slot]
-                new = self.workers[slot] = Worker(slot)
-                await self._spawn(new)
-                if not await self._wait_ready(new, timeout):
-                    log.error("reload: new worker %d did not start; keeping the old workers", slot)
-                    self.workers[slot] = old
-                    if new.process is not None:
-                        _kill(new.process)
-                    return False
-                self.restarts_by_reason["reload"] = self.restarts_by_reason.get("reload", 0) + 1
-                if old.process is not None and old.process.returncode is None:
-                    self.retiring.add(old)
-                if old.state is WorkerState.READY and old.channel is not None:
-                    old.move(WorkerState.DRAINING)
-                    self.dispatcher.worker_unready(old)
-                    old.channel.send(wire.Kind.BYE, 0, 0, b"")
-                elif old.process is not None and old.process.returncode is None:
-                    _kill(old.process)  # never got ready: nothing to drain
+            for worker in self.incoming:
+                await self._spawn(worker)
+            failure = await self._wait_incoming(timeout)
+            if failure and self._stopping:
+                return False
+            if failure:
+                for worker in self.incoming:
+                    if worker.channel is not None:
+                        worker.channel.close()
+                    if worker.process is not None:
+                        _kill_if_alive(worker.process)
+                self.reloads["failure"] += 1
+                log.error("reload failed: %s; keeping the old workers (the old code serves on)", failure)
+                return False
+            self._swap(self.incoming, typing.cast(list[str], self._incoming_methods))
+            self.reloads["success"] += 1
             log.info("reload: all %d workers replaced", self.size)
             return True
         finally:
+            self.incoming = []
             self._reloading = False
 
-    async def _wait_ready(self, worker: Worker, timeout: float) -> bool:
+    async def _wait_incoming(self, timeout: float) -> str:
+        """Wait until every new worker of a reload is READY; "" then, else what failed."""
         deadline = self.loop.time() + timeout
-        while worker.state is not WorkerState.READY:
-            if worker.exited is None or worker.exited.done() or self.loop.time() >= deadline:
-                return False
+        while True:
+            if self._incoming_error:
+                return self._incoming_error
+            if self._stopping:
+                return "the broker is stopping"
+            for w in self.incoming:
+                if w.exited is not None and w.exited.done():
+                    return f"new worker {w.slot} (pid {w.pid}) {describe_status(w.exited.result())} before it was ready"
+                if w.state is WorkerState.DEAD:
+                    return f"new worker {w.slot} (pid {w.pid}) closed its connection before it was ready"
+            if all(w.state is WorkerState.READY for w in self.incoming):
+                return ""
+            left = deadline - self.loop.time()
+            if left <= 0:
+                starting = [w.slot for w in self.incoming if w.state is not WorkerState.READY]
+                return f"new workers {starting} not ready after {timeout} s"
             self._changed.clear()
-            waiter: asyncio.Future[object] = asyncio.ensure_future(self._changed.wait())
-            exited = typing.cast("asyncio.Future[object]", worker.exited)
-            await asyncio.wait([waiter, exited], timeout=deadline - self.loop.time(),
-                               return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-        return True
+            waits: list[asyncio.Future[object]] = [asyncio.ensure_future(self._changed.wait())]
+            waits += [typing.cast("asyncio.Future[object]", w.exited) for w in self.incoming if w.exited is not None]
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            waits[0].cancel()
+
+    def _swap(self, incoming: list[Worker], names: list[str]) -> None:
+        """Put the ready new workers of a reload in place of the old ones, in one step
+        (no await: no call is routed half-way)."""
+        old_workers = self.workers
+        for old in old_workers:  # first out of the rotation: nothing more goes to them
+            self.dispatcher.worker_unready(old)
+        if names != self.methods:
+            before = set(self.methods or ())
+            log.info("reload: the new code adds %s and removes %s", sorted(set(names) - before) or "no method",
+                     sorted(before - set(names)) or "no method")
+            self.methods = names
+            self.dispatcher.set_methods(names)
+        self.workers = list(incoming)
+        for new in incoming:
+            self.dispatcher.worker_ready(new)
+        for old in old_workers:
+            self.restarts_by_reason["reload"] = self.restarts_by_reason.get("reload", 0) + 1
+            alive = old.process is not None and old.process.returncode is None
+            if alive:
+                self.retiring.add(old)
+            if old.state is WorkerState.READY and old.channel is not None:
+                old.move(WorkerState.DRAINING)
+                old.channel.send(wire.Kind.BYE, 0, 0, b"")
+            elif alive:
+                _kill(typing.cast(asyncio.subprocess.Process, old.process))  # never got ready: nothing to drain
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask every worker to finish and exit (BYE); SIGKILL those still alive after
         `timeout` s; remove the socket directory."""
         self._stopping = True
-        for worker in self.workers:
+        everyone = [*self.workers, *self.incoming, *self.retiring]
+        for worker in everyone:
             if worker.channel is not None and worker.state is WorkerState.READY:
                 worker.move(WorkerState.DRAINING)
                 self.dispatcher.worker_unready(worker)
                 worker.channel.send(wire.Kind.BYE, 0, 0, b"")
-        waits = [w.exited for w in self.workers if w.exited is not None and not w.exited.done()]
+        waits = [w.exited for w in everyone if w.exited is not None and not w.exited.done()]
         if waits:
             _, alive = await asyncio.wait(waits, timeout=timeout)
             if alive:
-                for worker in self.workers:
+                for worker in everyone:
                     if worker.process is not None and worker.process.returncode is None:
                         log.warning("worker %d (pid %d) did not exit in %s s: SIGKILL", worker.slot, worker.pid, timeout)
                         _kill(worker.process)

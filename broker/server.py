@@ -6,8 +6,9 @@ broker from a `Config` without going through argv.
 Signals (handlers only set an event; the main coroutine acts on it):
     SIGTERM, SIGINT  stop accepting, answer what is in flight (up to grace_period),
                      stop the workers, exit 0; a second one cuts the grace period short
-    SIGHUP           rolling restart of the workers (`Pool.reload`): each is replaced by a
-                     fresh process that imports the app anew; no call is lost
+    SIGHUP           reload (`Pool.reload`): fresh workers import the app anew and, once all
+                     are ready, replace the old ones and their method table in one step;
+                     no call is lost; a failed reload leaves the old workers serving
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
     reloads: set[asyncio.Task[bool]] = set()
 
     def handle_hup() -> None:
-        log.info("SIGHUP: rolling restart of the workers")
+        log.info("SIGHUP: reloading the workers (the app is imported anew)")
         task = loop.create_task(pool.reload())
         reloads.add(task)
         task.add_done_callback(reloads.discard)

@@ -361,9 +361,12 @@ def workers() -> list[Panel]:
         timeseries(
             "Worker restarts by reason",
             "Worker processes restarted per rate interval, by reason: exited, killed, hung, boot_timeout, "
-            "reload (a SIGHUP reload restarts every worker on purpose).",
+            "reload (a SIGHUP reload restarts every worker on purpose); and SIGHUP reloads by result: "
+            "reload success, or reload failure (a new worker did not start: the old code serves on).",
             [(f"sum by (reason) (increase({sel('rpc_broker_worker_restarts_total')}[$__rate_interval]))",
-              "{{reason}}")],
+              "{{reason}}"),
+             (f"sum by (result) (increase({sel('rpc_broker_reloads_total')}[$__rate_interval]))",
+              "reload {{result}}")],
             bars=True,
         ),
         timeseries(

@@ -1,0 +1,127 @@
+"""SIGHUP deploys new code whatever methods it has (issue 9, item 24): the real daemon,
+real worker processes, and an app (tests/apps/versioned.py) whose methods come from a
+file the test rewrites between reloads."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+from pathlib import Path
+
+from conftest import Broker, sample, scrape_metrics, wait_for
+
+APP = "tests.apps.versioned:registry"
+
+
+def write(path: Path, **spec: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(spec))
+    tmp.replace(path)  # a worker importing now reads the old file or the new one, whole
+
+
+def metric(b: Broker, name: str, **labels: str) -> float:
+    return sample(scrape_metrics(b), name, **labels)
+
+
+def restarts(b: Broker) -> float:
+    samples = scrape_metrics(b)
+    return sum(v for (name, _), v in samples.items() if name == "rpc_broker_worker_restarts_total")
+
+
+def req(method: str, id_: object, params: object = None) -> dict[str, object]:
+    r: dict[str, object] = {"jsonrpc": "2.0", "method": method, "id": id_}
+    if params is not None:
+        r["params"] = params
+    return r
+
+
+def children(pid: int) -> set[int]:
+    """Live child processes of `pid` (from /proc; zombies not counted)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.add(int(entry))
+    return out
+
+
+def test_a_reload_deploys_code_that_adds_and_removes_methods(broker_factory, tmp_path: Path) -> None:
+    """v1 serves [kept, removed, pid, version, nap]; v2 serves [added, kept, pid, ...]:
+    `kept` moves from index 0 to 1, and index 1 was `removed`'s. Calls queued behind
+    busy old workers during the swap go to the new workers under their new index: a
+    call to `removed` gets -32601 (it must not run v2's method 1, `kept`); calls in
+    flight on the old workers finish there."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["kept", "removed"])
+    b = broker_factory("--workers", "2", "--worker-concurrency", "1", "--app", APP, "--timeout", "60",
+                       env={"VERSIONED_APP_FILE": str(spec)})
+    old = {b.call("pid", id_=i)["result"] for i in range(6)}
+    assert b.call("removed")["result"] == {"method": "removed", "version": 1}
+    assert b.call("kept")["result"] == {"method": "kept", "version": 1}
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        naps = [pool.submit(b.call, "nap", [2.0], f"nap{i}") for i in range(2)]
+        wait_for(lambda: metric(b, "rpc_broker_calls_in_flight") == 2, timeout=10)
+        single = [pool.submit(b.call, method, None, method) for method in ("removed", "kept")]
+        batch_methods = ["kept", "removed", "version", "removed", "kept", "version"]
+        batch = pool.submit(b.post, json.dumps([req(m, i) for i, m in enumerate(batch_methods)]))
+        wait_for(lambda: metric(b, "rpc_broker_calls_queued") == 8, timeout=10)
+        write(spec, version=2, methods=["added", "kept"])
+        os.kill(b.pid, signal.SIGHUP)
+        for nap in naps:  # in flight on the old code: answered by it
+            assert nap.result(timeout=30)["result"] == 1
+        removed, kept = (f.result(timeout=30) for f in single)
+        assert removed["error"]["code"] == -32601, removed
+        assert kept["result"] == {"method": "kept", "version": 2}, kept
+        status, _, body = batch.result(timeout=30)
+        replies = json.loads(body)
+    assert status == 200
+    for i, (method, reply) in enumerate(zip(batch_methods, replies)):
+        assert reply["id"] == i
+        if method == "removed":
+            assert reply["error"]["code"] == -32601, reply
+        else:
+            assert reply["result"] == ({"method": "kept", "version": 2} if method == "kept" else 2), reply
+    wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 1, timeout=10)
+    assert b.call("added")["result"] == {"method": "added", "version": 2}
+    assert b.call("removed")["error"]["code"] == -32601
+    assert b.call("version")["result"] == 2
+    new = {b.call("pid", id_=i)["result"] for i in range(6)}
+    assert len(new) == 2 and not new & old
+    wait_for(lambda: children(b.pid) == new, timeout=10)  # the old workers exited
+    samples = scrape_metrics(b)
+    assert sample(samples, "rpc_broker_reloads_total", result="failure") == 0
+    assert sample(samples, "rpc_broker_calls_total", method="added", outcome="ok") == 1
+    # A method both codes serve keeps its counts (1 call before the reload, 3 after).
+    assert sample(samples, "rpc_broker_calls_total", method="kept", outcome="ok") == 4
+
+
+def test_a_failed_reload_respawns_nothing_and_is_counted(broker_factory, tmp_path: Path) -> None:
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"])
+    b = broker_factory("--workers", "2", "--app", APP, env={"VERSIONED_APP_FILE": str(spec)})
+    old = {b.call("pid", id_=i)["result"] for i in range(6)}
+    assert len(old) == 2 and children(b.pid) == old
+    write(spec, broken=True)
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="failure") == 1, timeout=30)
+    log = b.read_log(0.1)
+    assert "reload failed: new worker" in log and "this deploy is broken" in log, log
+    assert restarts(b) == 0
+    wait_for(lambda: children(b.pid) == old, timeout=10)  # the new workers are gone, no other came
+    assert {b.call("pid", id_=i)["result"] for i in range(6)} == old
+    assert b.call("version")["result"] == 1
+    # The deploy mended: a reload deploys it (a method added too).
+    write(spec, version=2, methods=["a", "b"])
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 1, timeout=30)
+    assert b.call("b")["result"] == {"method": "b", "version": 2}
+    assert metric(b, "rpc_broker_reloads_total", result="failure") == 1
+    assert metric(b, "rpc_broker_worker_restarts_total", reason="reload") == 2
+    assert restarts(b) == 2
