@@ -554,6 +554,9 @@ class Pool:
         `timeout` s; remove the socket directory."""
         self._stopping = True
         everyone = [*self.workers, *self.incoming, *self.retiring]
+        for worker in self.incoming:  # a reload's, still importing: nothing to finish
+            if worker.state is WorkerState.STARTING and worker.process is not None:
+                _kill_if_alive(worker.process)
         for worker in everyone:
             if worker.channel is not None and worker.state is WorkerState.READY:
                 worker.move(WorkerState.DRAINING)

@@ -545,7 +545,7 @@ class WorkerProtocol(asyncio.Protocol):
             pid=os.getpid(),
             slot=self._slot,
             methods=[
-                wire.MethodInfo(m.name, m.params_schema(), m.doc) for m in self._methods
+                wire.MethodInfo(m.name, m.params_schema(), _text(m.doc)) for m in self._methods
             ],
             concurrency=self._concurrency,
         )

@@ -125,3 +125,31 @@ def test_a_failed_reload_respawns_nothing_and_is_counted(broker_factory, tmp_pat
     assert metric(b, "rpc_broker_reloads_total", result="failure") == 1
     assert metric(b, "rpc_broker_worker_restarts_total", reason="reload") == 2
     assert restarts(b) == 2
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_during_a_reload_stops_the_new_workers_too(broker_factory, tmp_path: Path) -> None:
+    """The new workers of a reload under way are the broker's too: a stop kills those
+    still importing at once (it used to wait its 10 s for them, then SIGKILL them) and
+    leaves none running."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"])
+    b = broker_factory("--workers", "2", "--app", APP, env={"VERSIONED_APP_FILE": str(spec)})
+    old = {b.call("pid", id_=i)["result"] for i in range(6)}
+    write(spec, version=2, methods=["a"], import_seconds=60)
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: len(children(b.pid)) == 4, timeout=10)  # the new ones are importing
+    everyone = children(b.pid)
+    assert everyone > old
+    assert b.stop(timeout=30) == 0, b.read_log()
+    assert "did not exit" not in b.read_log(), b.read_log()
+    for pid in everyone:
+        wait_for(lambda pid=pid: not alive(pid), timeout=10)

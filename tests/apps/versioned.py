@@ -1,6 +1,7 @@
 """A test app whose code "changes on disk" between reloads: its version and the methods
 it registers come from the JSON file named by $VERSIONED_APP_FILE, read at import:
-{"version": 1, "methods": ["a", "b"]}. "broken": true makes the import fail.
+{"version": 1, "methods": ["a", "b"]}. "broken": true makes the import fail;
+"import_seconds": s makes it take that long.
 
 Every listed method answers {"method": its name, "version": the version}; `pid`,
 `version` and `nap` (an async sleep, answered with the version) are always there."""
@@ -8,6 +9,7 @@ Every listed method answers {"method": its name, "version": the version}; `pid`,
 import asyncio
 import json
 import os
+import time
 
 from broker.worker import Registry
 
@@ -15,6 +17,7 @@ with open(os.environ["VERSIONED_APP_FILE"]) as f:
     SPEC = json.load(f)
 if SPEC.get("broken"):
     raise ImportError("this deploy is broken")
+time.sleep(SPEC.get("import_seconds", 0))  # a slow import
 VERSION = SPEC["version"]
 
 registry = Registry()
