@@ -479,6 +479,8 @@ async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: 
     """
     try:
         return True, await typing.cast(typing.Awaitable[object], fn(*args, **kwargs))
+    except GeneratorExit:  # the coroutine is being closed: it must not go on
+        raise
     except BaseException as exc:  # the point: one answer, the worker lives on
         return False, exc
 
@@ -662,10 +664,10 @@ class WorkerProtocol(asyncio.Protocol):
             self._cancelled.discard(task)
         try:
             value: object
-            if task.cancelled():  # cancelled before it ever ran
-                ok, value = False, asyncio.CancelledError()
-            else:
+            try:
                 ok, value = task.result()
+            except BaseException as exc:  # cancelled before it ever ran, or a GeneratorExit
+                ok, value = False, exc  # raised by the handler (_guarded lets that through)
             if ok:
                 return _RESULT, encode_result(value)
             if by_broker and isinstance(value, asyncio.CancelledError):

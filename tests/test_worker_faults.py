@@ -39,6 +39,7 @@ def in_flight(b: Broker) -> float:
     ("async_exit", "SystemExit"),  # item 18: BaseExceptions out of an async handler
     ("async_interrupt", "KeyboardInterrupt"),
     ("async_cancelled", "CancelledError"),  # raised by the handler: nobody cancelled it
+    ("async_generator_exit", "GeneratorExit"),
 ])
 def test_a_hostile_call_gets_internal_error_and_the_worker_lives_on(hostile: Broker, method: str, exc_type: str) -> None:
     b = hostile

@@ -75,6 +75,12 @@ async def async_cancelled() -> None:
 
 
 @registry.method
+async def async_generator_exit() -> None:
+    await asyncio.sleep(0)
+    raise GeneratorExit
+
+
+@registry.method
 async def async_blob(size: int) -> str:
     await asyncio.sleep(0)
     return "x" * size
