@@ -508,7 +508,9 @@ class Pool:
                 return "the broker is stopping"
             for w in self.incoming:
                 if w.exited is not None and w.exited.done():
-                    return f"new worker {w.slot} (pid {w.pid}) {describe_status(w.exited.result())} before it was ready"
+                    status = w.exited.result()
+                    return (f"new worker {w.slot} (pid {w.pid}) {describe_status(status)} before it was ready"
+                            + (": it could not load the app (see its log above)" if status == WORKER_BOOT_ERROR else ""))
                 if w.state is WorkerState.DEAD:
                     return f"new worker {w.slot} (pid {w.pid}) closed its connection before it was ready"
             if all(w.state is WorkerState.READY for w in self.incoming):
