@@ -17,7 +17,8 @@ multiprocess files.
 Names follow https://prometheus.io/docs/practices/naming/: the `rpc_broker_` prefix,
 base units (seconds, bytes), `_total` on counters. Label values are bounded: `method`
 is a registered method or `other`; `code` one of the broker's own codes or
-`application`; `slot` a worker slot index; `status` an HTTP status code.
+`application`; `slot` a worker slot index; `status` an HTTP status code; `result` of
+a reload `success` or `failure`.
 """
 
 from __future__ import annotations

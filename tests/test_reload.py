@@ -108,6 +108,9 @@ def test_a_failed_reload_respawns_nothing_and_is_counted(broker_factory, tmp_pat
     b = broker_factory("--workers", "2", "--app", APP, env={"VERSIONED_APP_FILE": str(spec)})
     old = {b.call("pid", id_=i)["result"] for i in range(6)}
     assert len(old) == 2 and children(b.pid) == old
+    samples = scrape_metrics(b)  # both series exist from the start, at 0
+    for result in ("success", "failure"):
+        assert samples[("rpc_broker_reloads_total", (("result", result),))] == 0
     write(spec, broken=True)
     os.kill(b.pid, signal.SIGHUP)
     wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="failure") == 1, timeout=30)
