@@ -673,7 +673,7 @@ class WorkerProtocol(asyncio.Protocol):
             if by_broker and isinstance(value, asyncio.CancelledError):
                 return _ERROR, _CANCELLED
             return _ERROR, self._error(typing.cast(BaseException, value), index)
-        except Exception as exc:  # the result has no JSON form
+        except BaseException as exc:  # the result has no JSON form (or a hook raised)
             return _ERROR, self._error(exc, index)
 
     def _call(self, call_id: int, index: int, params: bytes) -> None:
@@ -801,10 +801,10 @@ class WorkerProtocol(asyncio.Protocol):
         a lone surrogate, or whose data refers to itself) answers -32603."""
         try:
             return self._error_object(exc, index)
-        except Exception as failure:
+        except BaseException as failure:  # (even a __repr__ that raises SystemExit)
             return self._unencodable(exc, index, failure)
 
-    def _unencodable(self, exc: BaseException, index: int, failure: Exception) -> bytes:
+    def _unencodable(self, exc: BaseException, index: int, failure: BaseException) -> bytes:
         try:
             name = self._methods[index].name if 0 <= index < len(self._methods) else "?"
             log.error("worker %d: handler %s raised %s, whose error object has no JSON form (%r)",
@@ -813,7 +813,7 @@ class WorkerProtocol(asyncio.Protocol):
                 "type": _text(type(exc).__name__),
                 "reason": f"the error object has no JSON form: {type(failure).__name__}",
             })
-        except Exception:
+        except BaseException:
             return _INTERNAL
 
     def _error_object(self, exc: BaseException, index: int) -> bytes:
