@@ -25,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -258,7 +259,8 @@ _OUTCOME = re.compile(r'<pre id="outcome">(.*?)</pre>', re.S)
 # whether the tool ran); the last fetch is an ordinary CORS call, preflighted.
 CROSS_SITE_PAGE = """<!doctype html><html><body><pre id="outcome"></pre><script>
 const target = "%(target)s";
-const call = (mark) => JSON.stringify({jsonrpc: "2.0", method: "record", params: [mark], id: 1});
+// (The newline ends the body as a line, for the NDJSON stream port.)
+const call = (mark) => JSON.stringify({jsonrpc: "2.0", method: "record", params: [mark], id: 1}) + "\\n";
 const noCors = (body, headers) => fetch(target, {method: "POST", mode: "no-cors", body, headers});
 (async () => {
   const out = {sent: 0, failed: []};
@@ -429,6 +431,46 @@ def test_a_page_from_an_allowed_origin_can_call_but_not_without_json(broker_fact
     assert json.loads(str(cors["body"])) == {"jsonrpc": "2.0", "id": 1, "result": 1}
     assert http_responses(b, "415") - unsupported == 4
     assert marks(ledger) == ["cors"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_http_request_on_the_stream_port_closes_it_unanswered(broker_factory, tmp_path):
+    """A browser can POST to the NDJSON port too: its head comes as lines before a body
+    that is a valid call. The request line closes the connection before the body is read."""
+    ledger, port = tmp_path / "calls.txt", free_port()
+    b = broker_factory(*LEDGER_APP, "--stream-port", str(port), env={"LEDGER_FILE": str(ledger)})
+    with socket.create_connection((b.host, port), timeout=15) as s:
+        s.sendall(request(record("http") + b"\n", content_type="text/plain"))
+        received = b""
+        try:
+            while chunk := s.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+    assert received == b""
+    with socket.create_connection((b.host, port), timeout=15) as s:
+        s.sendall(record("ndjson") + b"\n")
+        assert json.loads(s.makefile("rb").readline())["result"] == 1
+    assert marks(ledger) == ["ndjson"]
+
+
+@needs_chromium
+def test_a_page_cannot_run_a_tool_through_the_stream_port(broker_factory, tmp_path):
+    ledger, port = tmp_path / "calls.txt", free_port()
+    b = broker_factory(*LEDGER_APP, "--stream-port", str(port), env={"LEDGER_FILE": str(ledger)})
+    server = PageServer(CROSS_SITE_PAGE % {"target": f"http://127.0.0.1:{port}/"})
+    try:
+        outcome = cross_site(tmp_path, server)
+    finally:
+        server.stop()
+    assert marks(ledger) == []
+    assert outcome["sent"] == 0 and len(typing.cast(list[str], outcome["failed"])) == 4, outcome
+    assert b.call("record", ["after"])["result"] == 1  # the broker still serves
 
 
 def rebind(tmp_path: Path, broker_flags: list[str], ledger: Path) -> tuple[dict[str, object], Broker]:

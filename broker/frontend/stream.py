@@ -22,6 +22,9 @@ Limits:
     connection, or while its write buffer is full
     `max_connections` per listener, as for HTTP: past it a connection is closed at once
     (with no line: there is no request to answer)
+    a line that is an HTTP request line (`POST / HTTP/1.1`) closes the connection at
+    once, unanswered: any web page can make a browser POST to this port, and the body
+    after the headers could be a valid call (cross-protocol request; Redis does the same)
 """
 
 from __future__ import annotations
@@ -178,6 +181,10 @@ class StreamProtocol(asyncio.Protocol):
 
     def _line(self, line: bytes) -> None:
         if not line.strip():
+            return
+        if 65 <= line[0] <= 90 and line.rstrip(b"\r").endswith((b" HTTP/1.1", b" HTTP/1.0")):
+            self.abort()  # an HTTP request (a browser's?): read nothing after it
+            self._transport = None
             return
         fe = self._fe
         exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done)
