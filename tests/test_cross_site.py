@@ -159,6 +159,15 @@ def test_metrics_checks_the_host_and_the_probes_do_not(ledger_broker):
     status, _, body = exchange(b, request(b"", method="GET", path="/metrics", host="127.0.0.1",
                                           origin="http://rebind.test"))
     assert status == 403, body
+    # A HEAD answer has no body, refused or not (RFC 9110 9.3.2): the next response would be misread.
+    for path in ("/metrics", "/"):
+        with socket.create_connection((b.host, b.port), timeout=15) as s:
+            s.sendall(request(b"", method="HEAD", path=path, host="rebind.test") * 2)
+            data = b""
+            while data.count(b"\r\n\r\n") < 2:
+                data += s.recv(65536)
+            first, second = data.split(b"\r\n\r\n")[:2]
+            assert first.startswith(b"HTTP/1.1 421 ") and second.startswith(b"HTTP/1.1 421 "), (path, data)
     status, headers, _ = exchange(b, request(b"", method="GET", path="/metrics", host="localhost:9"))
     assert status == 200 and headers["content-type"].startswith("text/plain")
     for path in ("/healthz", "/readyz"):

@@ -464,7 +464,7 @@ class HttpProtocol(asyncio.Protocol):
                 and self._host is not None and fe.host_allowed(self._host)
             ):  # fmt: skip
                 self._rpc(keep_alive)  # the common case, checked once
-            elif not self._refused(True, keep_alive):
+            elif not self._refused(True, keep_alive, head):
                 cors = b"" if self._origin is None else typing.cast(bytes, fe.cors_headers(self._origin))
                 if method == b"OPTIONS" and cors:  # a CORS preflight (Fetch standard 3.2.2)
                     self._queue(_STATUS_LINES[204] + cors + _PREFLIGHT + self._keep_header + b"\r\n", keep_alive)
@@ -485,7 +485,7 @@ class HttpProtocol(asyncio.Protocol):
             else:
                 self._queue_plain(405, b"use GET", keep_alive, b"allow: GET, HEAD\r\n", head)
         elif url == b"/metrics" and fe.metrics is not None:
-            if self._refused(False, keep_alive):
+            if self._refused(False, keep_alive, head):
                 pass
             elif method == b"GET" or head:
                 scrape = _Scrape(head, keep_alive)
@@ -502,7 +502,7 @@ class HttpProtocol(asyncio.Protocol):
         else:
             self._queue_plain(404, b"not found", keep_alive, b"", head)
 
-    def _refused(self, rpc: bool, keep_alive: bool) -> bool:
+    def _refused(self, rpc: bool, keep_alive: bool, head: bool) -> bool:
         """Answer a request for rpc_path (`rpc`) or /metrics that comes from where it may
         not: 400 with no Host on HTTP/1.1, 421 for a Host not allowed, 403 for an Origin
         not allowed (see the module docstring). Return True if it was answered."""
@@ -521,11 +521,11 @@ class HttpProtocol(asyncio.Protocol):
             status, reason, value = 403, "Origin not in allowed_origins", origin
         if not status:
             return False
-        if rpc:
+        if rpc and not head:
             data = f"{reason}: {value.decode('latin-1')}" if value else reason
             self._queue_invalid(status, data, keep_alive)
         else:
-            self._queue_plain(status, reason.encode(), keep_alive)
+            self._queue_plain(status, reason.encode(), keep_alive, b"", head)
         return True
 
     # -- answering ---------------------------------------------------------------------
