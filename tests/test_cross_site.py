@@ -448,9 +448,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_an_http_request_on_the_stream_port_closes_it_unanswered(broker_factory, tmp_path):
+def test_an_http_request_on_the_stream_port_closes_it(broker_factory, tmp_path):
     """A browser can POST to the NDJSON port too: its head comes as lines before a body
-    that is a valid call. The request line closes the connection before the body is read."""
+    that is a valid call. The request line is answered with one error line saying so, and
+    the connection closes before the body is read."""
     ledger, port = tmp_path / "calls.txt", free_port()
     b = broker_factory(*LEDGER_APP, "--stream-port", str(port), env={"LEDGER_FILE": str(ledger)})
     with socket.create_connection((b.host, port), timeout=15) as s:
@@ -461,7 +462,9 @@ def test_an_http_request_on_the_stream_port_closes_it_unanswered(broker_factory,
                 received += chunk
         except ConnectionResetError:
             pass
-    assert received == b""
+    error = json.loads(received)  # one line
+    assert error["id"] is None and error["error"]["code"] == -32600, received
+    assert "an HTTP request" in error["error"]["data"]
     with socket.create_connection((b.host, port), timeout=15) as s:
         s.sendall(record("ndjson") + b"\n")
         assert json.loads(s.makefile("rb").readline())["result"] == 1

@@ -22,9 +22,10 @@ Limits:
     connection, or while its write buffer is full
     `max_connections` per listener, as for HTTP: past it a connection is closed at once
     (with no line: there is no request to answer)
-    a line that is an HTTP request line (`POST / HTTP/1.1`) closes the connection at
-    once, unanswered: any web page can make a browser POST to this port, and the body
-    after the headers could be a valid call (cross-protocol request; Redis does the same)
+    a line that is an HTTP request line (`POST / HTTP/1.1`) is answered with one -32600
+    error saying so, and the connection closes before anything after it is read: any web
+    page can make a browser POST to this port, and the body after the headers could be
+    a valid call (a cross-protocol request; Redis closes on them too)
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ __all__ = ["StreamFrontend", "StreamProtocol"]
 
 PIPELINE_HIGH = 64  # bodies owed on one connection before reading pauses (as for HTTP)
 PIPELINE_LOW = 16  # ... and resumes
+_HTTP_REQUEST = response_error(
+    b"null", error_object(ErrorCode.INVALID_REQUEST, data="an HTTP request: this port speaks newline-delimited JSON-RPC")
+) + b"\n"
 _NL = b"\n"
 
 
@@ -183,8 +187,9 @@ class StreamProtocol(asyncio.Protocol):
         if not line.strip():
             return
         if 65 <= line[0] <= 90 and line.rstrip(b"\r").endswith((b" HTTP/1.1", b" HTTP/1.0")):
-            self.abort()  # an HTTP request (a browser's?): read nothing after it
-            self._transport = None
+            self._send(_HTTP_REQUEST)  # a browser's, or a client on the wrong port
+            self.close()
+            self._transport = None  # read nothing after it
             return
         fe = self._fe
         exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done)
