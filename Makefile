@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: serve test lint clean bench bench-quick prometheus-bin
+.PHONY: serve test lint clean bench bench-quick prometheus-bin chromium-bin
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/rpc-broker serve $(ARGS)
 
-test: $(STAMP) prometheus-bin
+test: $(STAMP) prometheus-bin chromium-bin
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(STAMP)
@@ -44,6 +44,17 @@ prometheus-bin:
 	if ! apt-cache policy prometheus 2>/dev/null | grep -q 'Candidate: [0-9]'; then $(SUDO) apt-get update; fi; \
 	$(APT_INSTALL) || { $(SUDO) apt-get update && $(APT_INSTALL); }; \
 	promtool --version >/dev/null
+
+# ---- chromium-bin: tests/test_cross_site.py drives a real headless browser (Debian package
+# `chromium`), installed here when missing, as prometheus-bin does (chromium starts no service).
+APT_CHROMIUM := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium
+
+chromium-bin:
+	@if command -v chromium >/dev/null; then exit 0; fi; \
+	set -e; echo "installing the Debian package chromium (a headless browser) for the tests"; \
+	if ! apt-cache policy chromium 2>/dev/null | grep -q 'Candidate: [0-9]'; then $(SUDO) apt-get update; fi; \
+	$(APT_CHROMIUM) || { $(SUDO) apt-get update && $(APT_CHROMIUM); }; \
+	chromium --version >/dev/null
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Final, Literal, get_args, get_origin
@@ -75,6 +76,10 @@ MIB: Final = 1024 * KIB
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 _IDENT: Final = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+# A Host header's name part (RFC 9110 7.2): reg-name, IPv4, or IPv6 with or without brackets.
+_HOST_NAME: Final = r"^(\*|[A-Za-z0-9_.~-]+|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*)$"
+# A serialized origin (RFC 6454 6.2): scheme "://" host [":" port], or "null", or '*'.
+_ORIGIN: Final = r"^(\*|null|[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+)$"
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -109,6 +114,18 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                              Doc("also serve newline-delimited JSON-RPC on a Unix socket at "
                                  "this path (mode 0600); empty means off", metavar="PATH")
                              ] = ""
+    allowed_hosts: Annotated[
+        tuple[Annotated[str, Meta(pattern=_HOST_NAME)], ...],
+        Doc("Host header names (any port) accepted on rpc_path and /metrics, besides "
+            "host and metrics_host; other hosts get 421 (against DNS rebinding); '*' "
+            "accepts any", rule="host names, IP addresses or '*'", metavar="NAMES"),
+    ] = ("localhost", "127.0.0.1", "[::1]")
+    allowed_origins: Annotated[
+        tuple[Annotated[str, Meta(pattern=_ORIGIN)], ...],
+        Doc("browser origins allowed to call rpc_path (answered with CORS headers); a "
+            "request with another Origin header gets 403; '*' allows any",
+            rule="origins like https://app.example or '*'", metavar="ORIGINS"),
+    ] = ()
     metrics: Annotated[bool,
                        Doc("serve Prometheus metrics at GET /metrics")
                        ] = True
@@ -204,7 +221,7 @@ class ConfigError(Exception):
     """A setting could not be loaded; the message names source, setting and problem."""
 
 
-Kind = Literal["bool", "int", "float", "str", "choice", "map"]
+Kind = Literal["bool", "int", "float", "str", "choice", "map", "list"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +275,7 @@ def _rule_of(meta: Meta | None) -> str:
 
 _KIND_OF_TYPE: Final[dict[object, Kind]] = {bool: "bool", int: "int", float: "float", str: "str"}
 _METAVAR_OF_KIND: Final[dict[Kind, str]] = {
-    "bool": "", "int": "INT", "float": "NUMBER", "str": "TEXT", "choice": "", "map": "",
+    "bool": "", "int": "INT", "float": "NUMBER", "str": "TEXT", "choice": "", "map": "", "list": "LIST",
 }
 
 
@@ -273,6 +290,9 @@ def _derive(field: msgspec.structs.FieldInfo) -> Setting:
     if get_origin(base) is dict:
         kind: Kind = "map"
         _, value_extras = _split(get_args(base)[1])
+    elif get_origin(base) is tuple:
+        kind = "list"
+        _, value_extras = _split(get_args(base)[0])
     elif get_origin(base) is Literal:
         kind, choices = "choice", tuple(str(c) for c in get_args(base))
     else:
@@ -284,6 +304,8 @@ def _derive(field: msgspec.structs.FieldInfo) -> Setting:
         rule = "one of " + ", ".join(choices)
     elif kind == "map" and rule:
         rule = f"each value {rule}"
+    elif kind == "list" and rule and not doc.rule:
+        rule = f"each item {rule}"
     default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
     metavar = doc.metavar or (unit.metavar if unit else "") or _METAVAR_OF_KIND[kind]
     if kind == "choice":
@@ -303,7 +325,7 @@ _BY_NAME: Final[dict[str, Setting]] = {s.name: s for s in SETTINGS}
 
 
 def _toml(value: object) -> str:
-    """TOML literal for a setting value (str, bool, int, float or str->float dict)."""
+    """TOML literal for a setting value (str, bool, int, float, str list or str->float dict)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
@@ -313,6 +335,8 @@ def _toml(value: object) -> str:
     if isinstance(value, dict):
         items = ", ".join(f"{_toml(str(k))} = {_toml(v)}" for k, v in value.items())
         return "{ " + items + " }" if items else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
     return str(value)
 
 
@@ -336,14 +360,14 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None
         help_text = f"{s.doc}. Default: {_default_text(s)}."
         if s.rule:
             help_text += f" Allowed: {s.rule}."
-        if s.kind == "map":
+        if s.kind in ("map", "list"):
             help_text += " Repeatable."
         help_text += f" Env: {s.env}."
         help_text = help_text.replace("%", "%%")
         if s.kind == "bool":
             parser.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
-        elif s.kind == "map":
+        elif s.kind in ("map", "list"):
             parser.add_argument(s.flag, dest=s.name, action="append", metavar=s.metavar,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
@@ -368,6 +392,8 @@ def render_reference() -> str:
             meaning += f" Allowed: {s.rule}."
         if s.kind == "map":
             meaning += " Env value: a JSON object; flag repeatable."
+        elif s.kind == "list":
+            meaning += " Env value and flag: comma-separated; flag repeatable."
         cells = [s.name, key, flag, f"`{s.env}`", f"`{_default_text(s)}`", meaning]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"
@@ -433,6 +459,8 @@ def _parse_text(s: Setting, text: str, source: str) -> object:
             return float(text)
         except ValueError:
             raise bad(f"a number{unit}") from None
+    if s.kind == "list":
+        return [item.strip() for item in text.split(",") if item.strip()]
     if s.kind == "map":
         try:
             parsed: object = msgspec.json.decode(text)
@@ -503,6 +531,9 @@ def _from_flags(flags: Mapping[str, object]) -> list[tuple[Setting, object, str]
         source = f"flag {s.flag}"
         if s.kind == "map" and isinstance(value, (str, list, tuple)):
             value = _parse_pairs(s, [value] if isinstance(value, str) else value, source)
+        elif s.kind == "list" and isinstance(value, (str, list, tuple)):
+            value = [item for text in ([value] if isinstance(value, str) else value)
+                     for item in typing.cast(list[str], _parse_text(s, str(text), source))]
         elif isinstance(value, str) and s.kind not in ("str", "choice"):
             value = _parse_text(s, value, source)
         out.append((s, value, source))

@@ -86,7 +86,9 @@ assert set(_OUTCOMES) == set(ERRORS), "every broker error code has an outcome na
 
 _OUTCOME_NAMES = ("ok", *_OUTCOMES.values(), "application_error")
 # The statuses the HTTP front-end answers with (their series exist from the start).
-HTTP_STATUSES = (b"200", b"204", b"400", b"404", b"405", b"413", b"431", b"500", b"502", b"503", b"504")
+HTTP_STATUSES = (
+    b"200", b"204", b"400", b"403", b"404", b"405", b"413", b"415", b"421", b"431", b"500", b"502", b"503", b"504",
+)
 RESTART_REASONS = ("exited", "killed", "hung", "boot_timeout", "reload")  # see pool.restart_reason
 # Why a notification never reached a worker (Dispatcher.notifications_dropped's keys).
 DROP_REASONS = {code: _OUTCOMES[code] for code in (

@@ -185,6 +185,8 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
 
         separate = config.metrics and config.metrics_port != 0
         max_connections = fit_open_files(config.max_connections)
+        # Who may call (issue 9 item 11): the bind addresses are always names of this server.
+        hosts = (*config.allowed_hosts, config.host, config.metrics_host)
         frontend = HttpFrontend(
             dispatcher,
             rpc_path=config.rpc_path,
@@ -193,6 +195,8 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             keepalive_timeout=config.keepalive_timeout,
             max_connections=max_connections,
             metrics=None if separate else scrape,
+            allowed_hosts=hosts,
+            allowed_origins=config.allowed_origins,
         )
         # (front-end, host or socket path, port or None for a Unix socket)
         listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = [(frontend, config.host, config.port)]
@@ -200,6 +204,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             metrics_frontend = HttpFrontend(
                 dispatcher, max_connections=64, metrics=scrape, serve_rpc=False,
                 keepalive_timeout=config.keepalive_timeout, transport="metrics",
+                allowed_hosts=hosts, allowed_origins=config.allowed_origins,
             )  # fmt: skip
             listeners.append((metrics_frontend, config.metrics_host, config.metrics_port))
         for transport, where, port_ in (

@@ -26,7 +26,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import ROOT, start_broker, wait_for
+from conftest import ROOT, Broker, start_broker, wait_for
 
 from broker import config
 
@@ -476,6 +476,22 @@ def pod_of(k8s: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, An
     return template, container
 
 
+POD_IP, POD_NAMESPACE = "10.1.2.3", "tools"  # what the downward API would give one pod
+
+
+def pod_env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as kubelet makes it: downward-API fields filled in (the
+    pod IP and namespace above), and `$(NAME)` replaced by an earlier variable's value."""
+    fields = {"status.podIP": POD_IP, "metadata.namespace": POD_NAMESPACE}
+    env: dict[str, str] = {}
+    for e in container["env"]:
+        if "valueFrom" in e:
+            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+    return env
+
+
 def container_port(container: dict[str, Any], port: int | str) -> int:
     for p in container["ports"]:
         if port in (p["containerPort"], p.get("name")):
@@ -533,8 +549,7 @@ def test_kubernetes_pod_probes_security_and_config(k8s: dict[str, dict[str, Any]
     assert volumes[mount["name"]]["configMap"]["name"] == k8s["ConfigMap"]["metadata"]["name"]
     toml_file = tmp_path / config_path.name
     toml_file.write_text(k8s["ConfigMap"]["data"][config_path.name])
-    env = {e["name"]: e["value"] for e in container["env"]}
-    cfg = config.load(str(toml_file), env, {})
+    cfg = config.load(str(toml_file), pod_env(container), {})
     assert cfg.host == "0.0.0.0"
     assert cfg.workers >= 1, "0 would start one worker per CPU of the node, not of the CPU limit"
 
@@ -598,6 +613,42 @@ def test_health_checks_against_a_real_broker(compose: dict[str, Any], stages: li
     finally:
         assert broker.stop() == 0, broker.read_log()
     assert run(image_check) != 0, "the image's health check passes with no broker running"
+
+
+def get_as(broker: Broker, path: str, host: str) -> int:
+    """GET `path` from the broker with the Host header `host`; return the status."""
+    conn = broker.connection()
+    try:
+        conn.request("GET", path, headers={"Host": host})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def test_prometheus_and_clients_pass_the_host_check(compose: dict[str, Any], k8s: dict[str, dict[str, Any]]) -> None:
+    """With the shipped allowed_hosts, Prometheus's scrape (Compose: broker:8080; Kubernetes:
+    the pod IP) and the Service's names are answered, an unknown name is not, and the probes
+    answer whatever the Host (kubelet sends the pod IP). A real broker on loopback, given
+    the shipped setting; the Host header says which name the client used."""
+    _, container = pod_of(k8s)
+    compose_env = {k: str(v) for k, v in compose["services"]["broker"]["environment"].items()}
+    cases = {
+        "compose": (compose_env["RPC_BROKER_ALLOWED_HOSTS"], ["broker", "localhost", "127.0.0.1"]),
+        "kubernetes": (pod_env(container)["RPC_BROKER_ALLOWED_HOSTS"],
+                       [POD_IP, "rpc-broker", f"rpc-broker.{POD_NAMESPACE}.svc.cluster.local", "localhost"]),
+    }
+    for where, (allowed, names) in cases.items():
+        broker = start_broker("--workers", "1", env={"RPC_BROKER_ALLOWED_HOSTS": allowed})
+        try:
+            wait_for(lambda b=broker: get_as(b, "/readyz", f"{POD_IP}:8080") == 200, timeout=30)
+            for name in names:
+                assert get_as(broker, METRICS_PATH, f"{name}:8080") == 200, (where, name)
+            assert get_as(broker, METRICS_PATH, "rebind.example:8080") == 421, where
+            assert get_as(broker, "/healthz", "10.9.9.9:8080") == 200, where
+        finally:
+            assert broker.stop() == 0, broker.read_log()
 
 
 # -- documentation agrees with the files --------------------------------------------

@@ -106,7 +106,7 @@ def post(body: bytes | str, path: str = RPC, version: str = "HTTP/1.1", headers:
     if isinstance(body, str):
         body = body.encode()
     return (
-        f"POST {path} {version}\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"POST {path} {version}\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n{headers}\r\n"
     ).encode() + body
 
@@ -134,7 +134,7 @@ def test_keep_alive_serves_several_requests_on_one_connection(hb):
             assert headers["content-type"] == "application/json"
             assert "close" not in headers.get("connection", "")
             assert rpc(body) == {"jsonrpc": "2.0", "id": i, "result": i + 1}
-        c.send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        c.send(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert c.response()[0] == 200
         assert not c.closed_within(0.2)
         assert c.nothing_pending()
@@ -192,9 +192,9 @@ def test_pipelined_mix_of_rpc_errors_and_plain_endpoints_keeps_order(hb):
     with Conn(hb) as c:
         c.send(
             post(call("sleep", [0.2], 1))
-            + b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+            + b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"
             + post(json.dumps({"jsonrpc": "2.0", "method": "notify_hello"}))
-            + b"GET /nope HTTP/1.1\r\nHost: t\r\n\r\n"
+            + b"GET /nope HTTP/1.1\r\nHost: localhost\r\n\r\n"
             + post("{not json")
             + post(call("add", [2, 3], 6))
         )
@@ -215,7 +215,7 @@ def chunked(parts: list[bytes]) -> bytes:
 def test_chunked_request_body(hb):
     body = call("subtract", {"minuend": 42, "subtrahend": 23}, "ch").encode()
     parts = [body[:5], body[5:17], body[17:18], body[18:]]
-    head = f"POST {RPC} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    head = f"POST {RPC} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
     with Conn(hb) as c:
         # Chunks in separate writes, as a streaming client would send them.
         c.send(head)
@@ -234,7 +234,7 @@ def test_chunked_body_over_max_body_bytes_is_413(hb):
     # Each chunk is under the limit; together they are over it.
     big = json.dumps({"jsonrpc": "2.0", "method": "echo", "params": ["x" * 5000], "id": 1}).encode()
     parts = [big[i:i + 1000] for i in range(0, len(big), 1000)]
-    head = f"POST {RPC} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    head = f"POST {RPC} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
     with Conn(hb) as c:
         c.send(head + chunked(parts))
         status, headers, body = c.response()
@@ -253,7 +253,7 @@ def test_chunked_body_over_max_body_bytes_is_413(hb):
 
 def test_content_length_over_max_body_bytes_is_413_before_the_body(hb):
     with Conn(hb) as c:
-        c.send(f"POST {RPC} HTTP/1.1\r\nHost: t\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n".encode())
+        c.send(f"POST {RPC} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n".encode())
         status, headers, _ = c.response()
         assert status == 413
         assert headers.get("connection") == "close"
@@ -267,7 +267,7 @@ def test_expect_100_continue(hb):
     body = call("add", [20, 22], "e").encode()
     with Conn(hb) as c:
         c.send(
-            f"POST {RPC} HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\n"
+            f"POST {RPC} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             "Expect: 100-continue\r\n\r\n".encode()
         )
         status, headers, _ = c.response()
@@ -283,7 +283,7 @@ def test_expect_100_continue(hb):
 def test_expect_100_continue_with_oversize_body_gets_413_without_100(hb):
     with Conn(hb) as c:
         c.send(
-            f"POST {RPC} HTTP/1.1\r\nHost: t\r\nContent-Length: {MAX_BODY * 10}\r\n"
+            f"POST {RPC} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {MAX_BODY * 10}\r\n"
             "Expect: 100-continue\r\n\r\n".encode()
         )
         status, headers, _ = c.response()
@@ -298,7 +298,7 @@ def test_expect_100_continue_with_oversize_body_gets_413_without_100(hb):
 
 def test_get_on_rpc_path_is_405_with_allow_post(hb):
     with Conn(hb) as c:
-        c.send(f"GET {RPC} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        c.send(f"GET {RPC} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
         status, headers, _ = c.response()
         assert status == 405
         assert headers["allow"] == "POST"
@@ -321,15 +321,15 @@ def test_healthz_and_readyz(hb):
     assert hb.get("/healthz") == (200, b'{"status":"ok"}')
     assert hb.get("/readyz") == (200, b'{"status":"ok"}')
     with Conn(hb) as c:
-        c.send(b"HEAD /readyz HTTP/1.1\r\nHost: t\r\n\r\n")
+        c.send(b"HEAD /readyz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         status, headers, _ = c.response(head_only=True)
         assert status == 200
         assert headers["content-length"] == str(len(b'{"status":"ok"}'))
         # HEAD sent no body: the next response starts right away.
-        c.send(b"GET /healthz?probe=1 HTTP/1.1\r\nHost: t\r\n\r\n")
+        c.send(b"GET /healthz?probe=1 HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert c.response() == (200, {"content-type": "application/json", "content-length": "15"},
                                 b'{"status":"ok"}')
-        c.send(b"POST /healthz HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+        c.send(b"POST /healthz HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n")
         status, headers, _ = c.response()
         assert status == 405
         assert "GET" in headers["allow"]
@@ -365,11 +365,11 @@ def test_bad_request_after_a_good_one_is_answered_in_order(hb):
 @pytest.mark.parametrize("shape", ["one_header", "many_headers", "long_url"])
 def test_headers_past_64_kib_get_431(hb, shape):
     if shape == "one_header":
-        head = f"POST {RPC} HTTP/1.1\r\nHost: t\r\nX-Big: {'a' * 70_000}\r\n"
+        head = f"POST {RPC} HTTP/1.1\r\nHost: localhost\r\nX-Big: {'a' * 70_000}\r\n"
     elif shape == "many_headers":
-        head = f"POST {RPC} HTTP/1.1\r\nHost: t\r\n" + "".join(f"X-H{i}: {'b' * 1000}\r\n" for i in range(70))
+        head = f"POST {RPC} HTTP/1.1\r\nHost: localhost\r\n" + "".join(f"X-H{i}: {'b' * 1000}\r\n" for i in range(70))
     else:
-        head = f"GET {RPC}?{'c' * 70_000} HTTP/1.1\r\nHost: t\r\n"
+        head = f"GET {RPC}?{'c' * 70_000} HTTP/1.1\r\nHost: localhost\r\n"
     with Conn(hb) as c:
         c.send(head.encode() + b"Content-Length: 2\r\n\r\n{}")
         status, headers, _ = c.response()
@@ -421,7 +421,7 @@ def test_an_endless_header_line_gets_431_not_unbounded_memory(hb):
     counts raw head bytes and answers 431 past 64 KiB."""
     before = _rss_kib(hb.pid)
     with Conn(hb) as c:
-        c.send(b"POST /rpc HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        c.send(b"POST /rpc HTTP/1.1\r\nHost: localhost\r\nX-Big: ")
         try:
             for _ in range(64):  # 4 MiB, bounded; past 64 KiB the broker only discards
                 c.send(b"a" * 65536)
@@ -435,8 +435,8 @@ def test_an_endless_header_line_gets_431_not_unbounded_memory(hb):
 def test_every_head_answer_has_no_body(hb):
     """HEAD answers carry headers only, so the next pipelined response parses."""
     with Conn(hb) as c:
-        c.send(b"HEAD /rpc HTTP/1.1\r\nHost: x\r\n\r\nHEAD /nope HTTP/1.1\r\nHost: x\r\n\r\n"
-               b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + post('{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}'))
+        c.send(b"HEAD /rpc HTTP/1.1\r\nHost: localhost\r\n\r\nHEAD /nope HTTP/1.1\r\nHost: localhost\r\n\r\n"
+               b"HEAD /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n" + post('{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}'))
         for expected in (405, 404, 200):
             status, headers, _ = c.response(head_only=True)
             assert status == expected and int(headers["content-length"]) > 0
@@ -449,7 +449,7 @@ def test_an_h2c_upgrade_request_is_served_as_http11_once(hb):
     HTTP/1.1, and the connection closes (nginx ignores such upgrades too)."""
     body = b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}'
     with Conn(hb) as c:
-        c.send(b"POST /rpc HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        c.send(b"POST /rpc HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
                b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         status, _, answer = c.response()
         assert (status, answer) == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
@@ -458,7 +458,7 @@ def test_an_h2c_upgrade_request_is_served_as_http11_once(hb):
 
 def test_a_websocket_upgrade_gets_exactly_one_answer(hb):
     with Conn(hb) as c:
-        c.send(b"GET /rpc HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+        c.send(b"GET /rpc HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
         status, headers, _ = c.response()
         assert status == 405 and headers["allow"] == "POST"
         assert c.closed_within(5) and not c.buf
@@ -484,7 +484,7 @@ def test_a_head_trickling_in_is_cut_off_after_the_timeout(broker_factory):
     must be complete within keepalive_timeout (nginx: client_header_timeout)."""
     b = broker_factory("--workers", "1", "--keepalive-timeout", "1")
     with Conn(b) as c:
-        c.send(b"POST / HTTP/1.1\r\nHost: x\r\n")
+        c.send(b"POST / HTTP/1.1\r\nHost: localhost\r\n")
         start = time.monotonic()
         closed = False
         for i in range(30):  # bounded: at most ~9 s
@@ -536,7 +536,7 @@ def test_connections_past_max_connections_get_503_and_close(broker_factory):
             # Past the limit a connection still serves the probes and /metrics (a full
             # broker is alive: its liveness probe and Prometheus must not see it dead) ...
             for path in ("/healthz", "/readyz", "/metrics"):
-                third.send(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+                third.send(f"GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n".encode())
                 assert third.response()[0] == 200, path
             # ... but no JSON-RPC.
             third.send(post('{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}', path="/"))
@@ -545,7 +545,7 @@ def test_connections_past_max_connections_get_503_and_close(broker_factory):
             assert third.closed_within(5)
         reserve = [Conn(b) for _ in range(PROBE_RESERVE)]
         for c in reserve:  # the reserve is taken (a request proves each was accepted)
-            c.send(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            c.send(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n")
             assert c.response()[0] == 200
         with Conn(b) as over:  # past the reserve: 503 at once, before any request
             status, headers, body = over.response()
@@ -589,7 +589,7 @@ def test_a_client_pipelining_scrapes_without_reading_does_not_grow_memory(broker
     greedy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     greedy.connect((b.host, b.port))
     greedy.setblocking(False)
-    request = b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n"
+    request = b"GET /metrics HTTP/1.1\r\nhost: localhost\r\n\r\n"
     sent = 0
     deadline = time.monotonic() + 5
     try:

@@ -415,14 +415,14 @@ def test_max_body_bytes(broker_factory):
     # chunked: no Content-Length, counted as the chunks arrive
     for size in (limit + 1, 3_000_000):
         body = padded(call, size)
-        response = raw_exchange(b, b"POST / HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        response = raw_exchange(b, b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                                    b"Transfer-Encoding: chunked\r\n\r\n"
                                    + b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 1000]), body[i:i + 1000])
                                               for i in range(0, len(body), 1000)) + b"0\r\n\r\n")
         status, head, payload = split_http(response)
         assert status == 413 and loads(payload) == too_large_answer(limit), response[:300]
     # Expect: 100-continue with a Content-Length over the limit: 413 at once, no 100
-    response = raw_exchange(b, b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 10000000\r\n"
+    response = raw_exchange(b, b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10000000\r\n"
                                b"Expect: 100-continue\r\n\r\n")
     status, head, payload = split_http(response)
     assert status == 413 and b"100 continue" not in head and loads(payload) == too_large_answer(limit)

@@ -62,7 +62,7 @@ def worker_pids(b: Broker, n: int, timeout: float = 30.0) -> set[int]:
 def http_request(b: Broker, payload: object, close: bool = True) -> bytes:
     body = json.dumps(payload).encode()
     head = (
-        f"POST {b.path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"POST {b.path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n"
     )
     return head.encode() + body
@@ -527,7 +527,7 @@ def test_queued_params_are_bounded_in_bytes(broker_factory):
               json.dumps({"jsonrpc": "2.0", "method": "echo", "params": [blob], "id": 2}),
               json.dumps({"jsonrpc": "2.0", "method": "echo", "params": [blob], "id": 3})]
     with socket.create_connection((b.host, b.port), timeout=20) as sock:
-        sock.sendall(b"".join(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(x), x.encode())
+        sock.sendall(b"".join(b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(x), x.encode())
                               for x in bodies))
         data = b""
         while data.count(b"HTTP/1.1 ") < 3 or not data.rstrip().endswith(b"}"):

@@ -208,7 +208,7 @@ def test_in_flight_and_queued_gauges(broker_factory):
     try:
         for i, s in enumerate(socks):
             body = json.dumps(req("sleep", [1.0], i)).encode()
-            s.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: "
+            s.sendall(b"POST / HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: "
                       + str(len(body)).encode() + b"\r\n\r\n" + body)
         wait_for(lambda: value(scrape(b), "rpc_broker_calls_queued") == 2, timeout=5)
         samples = scrape(b)
@@ -290,7 +290,7 @@ def test_queued_bytes_and_their_capacity(broker_factory):
         for i, s in enumerate(socks):  # the first runs for 1 s, the other two wait in the queue
             call = req("sleep", [1.0], i) if i == 0 else req("update", [pad], i)
             body = json.dumps(call).encode()
-            s.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: " + str(len(body)).encode()
+            s.sendall(b"POST / HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: " + str(len(body)).encode()
                       + b"\r\n\r\n" + body)
             if i == 0:
                 wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 1, timeout=5)
@@ -307,7 +307,7 @@ def test_reload_shows_draining_workers_and_their_calls_in_flight(broker_factory)
     sock = socket.create_connection((b.host, b.port), timeout=30)
     try:
         batch = json.dumps([req("sleep", [1.5], i) for i in range(10)]).encode()
-        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: " + str(len(batch)).encode()
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: " + str(len(batch)).encode()
                      + b"\r\n\r\n" + batch)
         wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 10, timeout=5)
         os.kill(b.pid, signal.SIGHUP)
@@ -356,7 +356,7 @@ def test_the_metrics_listener_is_its_own_transport_and_outlives_the_drain(broker
     sock = socket.create_connection((b.host, b.port), timeout=30)
     try:
         body = json.dumps(req("sleep", [1.5], 1)).encode()
-        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: " + str(len(body)).encode()
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: " + str(len(body)).encode()
                      + b"\r\n\r\n" + body)
         wait_for(lambda: value(scrape(b, port=port), "rpc_broker_calls_in_flight") == 1, timeout=5)
         b.proc.send_signal(signal.SIGTERM)
@@ -381,7 +381,7 @@ def test_notifications_that_never_reach_a_worker_are_counted_by_reason(broker_fa
     sock = socket.create_connection((b.host, b.port), timeout=30)
     try:
         body = json.dumps(req("sleep", [1.5], 1)).encode()
-        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: " + str(len(body)).encode()
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: " + str(len(body)).encode()
                      + b"\r\n\r\n" + body)
         wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 1, timeout=5)
         for _ in range(3):  # the first waits in the queue (1 place), the next two are shed

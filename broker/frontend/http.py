@@ -18,9 +18,20 @@ Answers:
     GET/HEAD /healthz      200 while the process runs
     GET/HEAD /readyz       200 when at least one worker is ready, else 503
     GET/HEAD /metrics      Prometheus text format, when this listener serves metrics
+    OPTIONS rpc_path       204 with CORS headers: a preflight from an allowed Origin
     other method           405 with Allow
     other path             404
     bad HTTP               400 and close; headers past 64 KiB: 431 and close
+
+Who may call (issue 9 item 11): a web page must not be able to run a tool, cross-site
+or through DNS rebinding. On rpc_path and /metrics a request whose Host name (any port)
+is not in `allowed_hosts` gets 421, one with an `Origin` not in `allowed_origins` 403,
+and a POST to rpc_path whose Content-Type is not application/json 415 (browsers send
+only text/plain and form types cross-site without a CORS preflight). A request with no
+Origin (curl, SDKs) is not affected, nor is an HTTP/1.0 one with no Host (no browser
+sends one); an HTTP/1.1 one with no Host gets 400 (RFC 9112 3.2). /healthz and /readyz
+are not checked: they tell nothing and change nothing, and kubelet's probes send the
+pod IP as Host. The headers are kept in `on_header`; `_route` refuses in one place.
 
 Flow control (aiohttp and uvicorn do the same): reading pauses while the transport's
 write buffer is above its high-water mark, or while more than `PIPELINE_HIGH`
@@ -51,13 +62,21 @@ PIPELINE_LOW = 16  # ... and resumes
 MAX_HEADER_BYTES = 64 * 1024  # request line and headers, like nginx's large buffers
 PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
 _PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
+_JSON_TYPE = b"application/json"
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # config.Config.allowed_hosts' default
+_PREFLIGHT = (
+    b"access-control-allow-methods: POST\r\naccess-control-allow-headers: content-type\r\n"
+    b"access-control-max-age: 600\r\n"
+)
 
 
 def _status_line(code: int) -> bytes:
     return f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n".encode()
 
 
-_STATUS_LINES = {code: _status_line(code) for code in (200, 204, 400, 404, 405, 413, 431, 500, 502, 503, 504)}
+_STATUS_LINES = {
+    code: _status_line(code) for code in (200, 204, 400, 403, 404, 405, 413, 415, 421, 431, 500, 502, 503, 504)
+}
 _JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
 _KEEP_ALIVE = b"connection: keep-alive\r\n"
@@ -90,6 +109,14 @@ def _error_body(code: int, data: object = None) -> bytes:
     return response_error(b"null", error_object(code, data=data))
 
 
+def _is_json(content_type: bytes | None) -> bool:
+    """True if a Content-Type value names application/json: the media type compared
+    case-insensitively, parameters (`; charset=utf-8`) allowed (RFC 9110 8.3.1)."""
+    if content_type == _JSON_TYPE:
+        return True
+    return content_type is not None and content_type.partition(b";")[0].strip(b" \t").lower() == _JSON_TYPE
+
+
 class _Scrape:
     """A GET or HEAD /metrics owed on a connection (its answer is made when due)."""
 
@@ -116,6 +143,8 @@ class HttpFrontend(Listener):
         metrics: typing.Callable[[], bytes] | None = None,
         serve_rpc: bool = True,
         transport: str = "http",
+        allowed_hosts: typing.Iterable[str] = _LOOPBACK_NAMES,
+        allowed_origins: typing.Iterable[str] = (),
     ) -> None:
         super().__init__(
             dispatcher, transport=transport, max_body_bytes=max_body_bytes, max_batch=max_batch,
@@ -125,9 +154,45 @@ class HttpFrontend(Listener):
         self.rpc_path = rpc_path.encode() if serve_rpc else b""
         self.metrics = metrics  # makes the /metrics body; None: 404 on /metrics
         self.ready = ready or (lambda: dispatcher.ready_workers > 0)
+        # Host names (b"localhost", b"[::1]"), lower case; None: any ('*').
+        self.hosts: frozenset[bytes] | None = frozenset(
+            (f"[{h}]" if ":" in h and not h.startswith("[") else h).lower().encode() for h in allowed_hosts
+        )
+        if b"*" in self.hosts:
+            self.hosts = None
+        self.origins = frozenset(o.lower().encode() for o in allowed_origins)  # b"*": any
+        self.good_hosts: set[bytes] = set()  # Host values seen allowed (bounded), for the fast path
         self.too_large = _json_response(
             413, _error_body(ErrorCode.INVALID_REQUEST, f"body exceeds max_body_bytes {max_body_bytes}"), False
         )
+
+    def host_allowed(self, host: bytes) -> bool:
+        """Whether a Host header value (`name[:port]`, RFC 9110 7.2) names this server:
+        its name is in `allowed_hosts`, with any port. Remembers up to 64 values seen."""
+        if host in self.good_hosts:
+            return True
+        if self.hosts is None:
+            ok = True
+        else:
+            value = host.lower()
+            if value.startswith(b"["):  # an IPv6 literal keeps its brackets
+                name, _, port = value.partition(b"]")
+                name += b"]"
+                ok = not port or (port[:1] == b":" and port[1:].isdigit())
+            else:
+                name, _, port = value.partition(b":")
+                ok = not port or port.isdigit()
+            ok = ok and name in self.hosts
+        if ok and len(self.good_hosts) < 64:
+            self.good_hosts.add(host)
+        return ok
+
+    def cors_headers(self, origin: bytes) -> bytes | None:
+        """The CORS answer headers for an `Origin` in `allowed_origins`; None when it is not
+        allowed (compared case-insensitively, RFC 6454 6.2 serialization)."""
+        if b"*" in self.origins or origin.lower() in self.origins:
+            return b"access-control-allow-origin: " + origin + b"\r\nvary: origin\r\n"
+        return None
 
     def protocol(self) -> HttpProtocol:
         """Protocol factory for `loop.create_server`."""
@@ -161,13 +226,16 @@ class HttpProtocol(asyncio.Protocol):
         "_body_size",
         "_closing",
         "_content_length",
+        "_content_type",
         "_expect",
         "_fe",
         "_head_bytes",
         "_head_done",
         "_header_bytes",
+        "_host",
         "_keep_header",
         "_linger",
+        "_origin",
         "_parser",
         "_probe_only",
         "_read_paused",
@@ -201,6 +269,9 @@ class HttpProtocol(asyncio.Protocol):
         self._header_bytes = 0
         self._expect = False
         self._skip = False  # the current request was answered early (413): drop its body
+        self._host: bytes | None = None  # the request's Host, Origin and Content-Type values
+        self._origin: bytes | None = None
+        self._content_type: bytes | None = None
         # What each request is owed, in order: an Exchange (JSON-RPC), finished bytes, or
         # a _Scrape (a /metrics answer, made only once the client reads what came before).
         self._responses: deque[Exchange | tuple[bytes, bool] | _Scrape] = deque()
@@ -296,6 +367,7 @@ class HttpProtocol(asyncio.Protocol):
         self._header_bytes = 0
         self._expect = False
         self._skip = False
+        self._host = self._origin = self._content_type = None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -317,8 +389,17 @@ class HttpProtocol(asyncio.Protocol):
             self._content_length = size
             if size > self._fe.max_body_bytes:
                 self._skip = True
-        elif n == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
-            self._expect = True
+        # (The usual spelling is tried first: bytes.lower() costs more than the compare.)
+        elif n == 4 and (name == b"Host" or name.lower() == b"host"):
+            self._host = value if self._host is None else b""  # two: no name matches
+        elif n == 12 and (name == b"Content-Type" or name.lower() == b"content-type"):
+            self._content_type = value
+        elif n == 6:
+            name = name.lower()
+            if name == b"origin":
+                self._origin = value
+            elif name == b"expect" and value.lower() == b"100-continue":
+                self._expect = True
 
     def on_headers_complete(self) -> None:
         self._head_done = True
@@ -379,10 +460,23 @@ class HttpProtocol(asyncio.Protocol):
             self._queue(_TOO_MANY, False)
             return
         if url == fe.rpc_path:
-            if method == b"POST":
-                self._rpc(keep_alive)
-            else:
-                self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, b"allow: POST\r\n", head)
+            host = self._host
+            if (
+                method == b"POST" and self._origin is None
+                and (self._content_type == _JSON_TYPE or _is_json(self._content_type))
+                and (host in fe.good_hosts or (host is not None and fe.host_allowed(host)))
+            ):  # fmt: skip
+                self._rpc(keep_alive)  # the common case: one test, no call
+            elif not self._refused(True, keep_alive, head):
+                cors = b"" if self._origin is None else typing.cast(bytes, fe.cors_headers(self._origin))
+                if method == b"OPTIONS" and cors:  # a CORS preflight (Fetch standard 3.2.2)
+                    self._queue(_STATUS_LINES[204] + cors + _PREFLIGHT + self._keep_header + b"\r\n", keep_alive)
+                elif method != b"POST":
+                    self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, b"allow: POST\r\n", head)
+                elif not _is_json(self._content_type):
+                    self._queue_invalid(415, "Content-Type must be application/json", keep_alive)
+                else:
+                    self._rpc(keep_alive, cors)
         elif url == b"/healthz" or url == b"/readyz":
             if method == b"GET" or head:
                 ok = url == b"/healthz" or fe.ready()
@@ -394,7 +488,9 @@ class HttpProtocol(asyncio.Protocol):
             else:
                 self._queue_plain(405, b"use GET", keep_alive, b"allow: GET, HEAD\r\n", head)
         elif url == b"/metrics" and fe.metrics is not None:
-            if method == b"GET" or head:
+            if self._refused(False, keep_alive, head):
+                pass
+            elif method == b"GET" or head:
                 scrape = _Scrape(head, keep_alive)
                 if not self._responses and not self._write_paused:
                     self._write(self._scrape_response(scrape), keep_alive)
@@ -409,9 +505,35 @@ class HttpProtocol(asyncio.Protocol):
         else:
             self._queue_plain(404, b"not found", keep_alive, b"", head)
 
+    def _refused(self, rpc: bool, keep_alive: bool, head: bool) -> bool:
+        """Answer a request for rpc_path (`rpc`) or /metrics that comes from where it may
+        not: 400 with no Host on HTTP/1.1, 421 for a Host not allowed, 403 for an Origin
+        not allowed (see the module docstring). Return True if it was answered."""
+        fe = self._fe
+        host, origin = self._host, self._origin
+        if host is None:
+            if fe.hosts is None or self._parser.get_http_version() != "1.1":
+                status, reason, value = 0, "", b""
+            else:
+                status, reason, value = 400, "Host header required (RFC 9112 3.2)", b""
+        elif not fe.host_allowed(host):
+            status, reason, value = 421, "Host not in allowed_hosts", host
+        else:
+            status, reason, value = 0, "", b""
+        if not status and origin is not None and fe.cors_headers(origin) is None:
+            status, reason, value = 403, "Origin not in allowed_origins", origin
+        if not status:
+            return False
+        if rpc and not head:
+            data = f"{reason}: {value.decode('latin-1')}" if value else reason
+            self._queue_invalid(status, data, keep_alive)
+        else:
+            self._queue_plain(status, reason.encode(), keep_alive, b"", head)
+        return True
+
     # -- answering ---------------------------------------------------------------------
 
-    def _rpc(self, keep_alive: bool) -> None:
+    def _rpc(self, keep_alive: bool, cors: bytes = b"") -> None:
         parts = self._body
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         self._body = []
@@ -419,15 +541,20 @@ class HttpProtocol(asyncio.Protocol):
         decoded = fe.codec.decode(body)
         exchange = fe.dispatcher.submit(decoded, self._exchange_done)
         if exchange is None:
-            if not keep_alive:
+            if not keep_alive and not cors:
                 self._queue(_NO_CONTENT_CLOSE, False)
             else:
-                self._queue(_STATUS_LINES[204] + self._keep_header + b"\r\n", True)
+                self._queue(_STATUS_LINES[204] + cors + (self._keep_header if keep_alive else _CLOSE) + b"\r\n",
+                            keep_alive)  # fmt: skip
             return
-        exchange.context = keep_alive
+        # Read back by _answer: keep_alive, or (keep_alive, CORS headers) for a cross-origin call
+        exchange.context = (keep_alive, cors) if cors else keep_alive
         if exchange.remaining == 0 and not self._responses:
-            extra = self._keep_header if keep_alive else b""
-            self._write(_json_response(exchange.status, exchange.body(), keep_alive, extra), keep_alive)
+            if cors:
+                self._write(*self._answer(exchange))
+            else:
+                extra = self._keep_header if keep_alive else b""
+                self._write(_json_response(exchange.status, exchange.body(), keep_alive, extra), keep_alive)
             return
         self._responses.append(exchange)
         if len(self._responses) > PIPELINE_HIGH:
@@ -442,13 +569,25 @@ class HttpProtocol(asyncio.Protocol):
         if responses and responses[0] is exchange:
             if len(responses) == 1 and not self._read_paused:  # the common case: nothing else owed
                 responses.popleft()
-                keep_alive = bool(exchange.context)
-                self._write(
-                    _json_response(exchange.status, exchange.body(), keep_alive, self._keep_header if keep_alive else b""),
-                    keep_alive,
-                )
+                keep_alive = exchange.context
+                if type(keep_alive) is bool:  # no CORS headers: _answer inlined, for speed
+                    extra = self._keep_header if keep_alive else b""
+                    self._write(_json_response(exchange.status, exchange.body(), keep_alive, extra), keep_alive)
+                else:
+                    self._write(*self._answer(exchange))
             else:
                 self._flush_ready()
+
+    def _answer(self, exchange: Exchange) -> tuple[bytes, bool]:
+        """The HTTP response to a finished exchange, and whether the connection stays open."""
+        context = exchange.context
+        if type(context) is tuple:  # an allowed cross-origin call: (keep_alive, CORS headers)
+            keep_alive, extra = context
+        else:
+            keep_alive, extra = bool(context), b""
+        if keep_alive:
+            extra += self._keep_header
+        return _json_response(exchange.status, exchange.body(), keep_alive, extra), keep_alive
 
     def _scrape_response(self, scrape: _Scrape) -> bytes:
         metrics = typing.cast(typing.Callable[[], bytes], self._fe.metrics)
@@ -473,10 +612,7 @@ class HttpProtocol(asyncio.Protocol):
                 exchange = typing.cast(Exchange, head)
                 if exchange.remaining:
                     break
-                keep_alive = bool(exchange.context)
-                data = _json_response(
-                    exchange.status, exchange.body(), keep_alive, self._keep_header if keep_alive else b""
-                )
+                data, keep_alive = self._answer(exchange)
             responses.popleft()
             self._write(data, keep_alive)
             if self._transport is None:
@@ -523,6 +659,11 @@ class HttpProtocol(asyncio.Protocol):
         if head:  # a HEAD answer has the headers of the GET answer and no body (RFC 9110 9.3.2)
             response = response[: len(response) - len(body)]
         self._queue(response, keep_alive)
+
+    def _queue_invalid(self, status: int, data: str, keep_alive: bool) -> None:
+        """Queue an Invalid Request error object (id null) whose `data` says why, as `status`."""
+        body = _error_body(ErrorCode.INVALID_REQUEST, data)
+        self._queue(_json_response(status, body, keep_alive, self._keep_header if keep_alive else b""), keep_alive)
 
     def _answer_and_close(self, status: int, message: bytes) -> None:
         """Answer an unreadable request and close (lingering: it may still be sending)."""

@@ -22,6 +22,10 @@ Limits:
     connection, or while its write buffer is full
     `max_connections` per listener, as for HTTP: past it a connection is closed at once
     (with no line: there is no request to answer)
+    a line that is an HTTP request line (`POST / HTTP/1.1`) is answered with one -32600
+    error saying so, and the connection closes before anything after it is read: any web
+    page can make a browser POST to this port, and the body after the headers could be
+    a valid call (a cross-protocol request; Redis closes on them too)
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ __all__ = ["StreamFrontend", "StreamProtocol"]
 
 PIPELINE_HIGH = 64  # bodies owed on one connection before reading pauses (as for HTTP)
 PIPELINE_LOW = 16  # ... and resumes
+_HTTP_REQUEST = response_error(
+    b"null", error_object(ErrorCode.INVALID_REQUEST, data="an HTTP request: this port speaks newline-delimited JSON-RPC")
+) + b"\n"
 _NL = b"\n"
 
 
@@ -178,6 +185,11 @@ class StreamProtocol(asyncio.Protocol):
 
     def _line(self, line: bytes) -> None:
         if not line.strip():
+            return
+        if 65 <= line[0] <= 90 and line.rstrip(b"\r").endswith((b" HTTP/1.1", b" HTTP/1.0")):
+            self._send(_HTTP_REQUEST)  # a browser's, or a client on the wrong port
+            self.close()
+            self._transport = None  # read nothing after it
             return
         fe = self._fe
         exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done)
