@@ -26,10 +26,20 @@ Rules the spec leaves to us, and what we chose:
 - A *valid* request without `id` is a notification and is never answered, whatever
   happens to it later (unknown method, bad params, handler error).
 - `[]` is answered with one -32600 error object, not an array (spec example).
-- A body past the batch length limit, or nested deeper than the parser can take,
-  is answered with one -32600 error object whose `data` says which limit (but a
-  too-deep body whose brackets or strings are left open is a -32700 parse error:
-  it cannot be JSON, as JSONTestSuite's n_structure_100000_opening_arrays).
+- A batch past the batch length limit is answered with one -32600 error object
+  whose `data` says so.
+- Nesting past the parser's limit (msgspec stops at Python's recursion limit, about
+  1000 levels) is refused per request, not per body: a request whose params (or
+  another member) nest too deep gets its own -32600, with its id when that id is
+  readable (even after the params), and the other elements of its batch are
+  answered as usual. A too-deep body that is not JSON is a -32700 whose `data`
+  names the limit (JSONTestSuite's n_structure_100000_opening_arrays).
+
+The slow path is linear in the body: whatever msgspec cannot take (the only bodies
+it cannot take are those nested past its limit) goes through `scan_json`, one
+non-recursive scan whose token patterns never backtrack; it checks the body is JSON
+and finds the batch's elements, which are then decoded one by one.
+`benchmarks/pathological.py` measures the worst shapes found.
 
 `response_result` / `response_error` splice a response from raw pieces without
 decoding them; `error_object` builds an error object (section 5.1).
