@@ -455,27 +455,75 @@ class Scanned(typing.NamedTuple):
 _WS = rb"[ \t\n\r]*+"
 _ESC = rb'|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*+"'
 _STR = rb'"(?:[^"\\\x00-\x1f]++' + _ESC
-# A string with no bracket, "," or ":" in it: runs of them need no further look.
-_STR_NB = rb'"(?:[^"\\\x00-\x1f\[\]{},:]++' + _ESC
 _NUM_LIT = rb"-?+(?:0|[1-9][0-9]*+)(?:\.[0-9]++)?+(?:[eE][+-]?+[0-9]++)?+|true|false|null"
-# In runs, an empty array or object counts as a scalar (no space inside: see `_push`).
-_SCALAR = rb"(?:" + _NUM_LIT + rb"|" + _STR_NB + rb"|\[\]|\{\})"
 # One token: 1 "[", 2 "{", 3 a run of closers, 4 a string, 5 a number or literal, 6 ",", 7 ":".
 _TOKEN = re.compile(
     _WS + rb"(?:(\[)|(\{)|([\]}]++)|(" + _STR + rb")|(" + _NUM_LIT + rb")|(,)|(:))"
 )
-# Runs that take many levels or siblings in one step (the common deep shapes): openers,
-# each followed by the scalar members that precede its next opener ...
-_DESCENT = re.compile(
-    _WS + rb"(?:\[" + _WS + rb"(?:" + _SCALAR + _WS + rb"," + _WS + rb")*+"
-    rb"|\{" + _WS + _STR_NB + _WS + rb":" + _WS
-    + rb"(?:" + _SCALAR + _WS + rb"," + _WS + _STR_NB + _WS + rb":" + _WS + rb")*+)++"
+# Runs that take many levels or siblings in one step, so that the usual deep shapes cost
+# a few matches per KiB. In them a "scalar" is a number, literal, string, or a flat
+# array or object (one holding only those): `_push` tells its brackets from the
+# levels' openers, which a run never closes.
+_S0 = rb"(?:" + _NUM_LIT + rb"|" + _STR + rb")"
+_FLAT = (
+    rb"\[" + _WS + rb"(?:" + _S0 + rb"(?:" + _WS + rb"," + _WS + _S0 + rb")*+)?+" + _WS + rb"\]"
+    rb"|\{" + _WS + rb"(?:" + _STR + _WS + rb":" + _WS + _S0
+    + rb"(?:" + _WS + rb"," + _WS + _STR + _WS + rb":" + _WS + _S0 + rb")*+)?+" + _WS + rb"\}"
 )
-# ... and scalar siblings after a value, in an array and in an object.
-_SIBLINGS = (
-    re.compile(rb"(?:" + _WS + rb"," + _WS + _SCALAR + rb")++"),
-    re.compile(rb"(?:" + _WS + rb"," + _WS + _STR_NB + _WS + rb":" + _WS + _SCALAR + rb")++"),
+
+
+class _Runs(typing.NamedTuple):
+    descent: re.Pattern[bytes]  # going down: 1 the levels, 2 the scalar that ends them
+    turn: re.Pattern[bytes]  # 1 closers, a ",", 2 a member name, 3 levels, 4 a scalar
+    siblings: tuple[re.Pattern[bytes], re.Pattern[bytes]]  # ", scalar" in an array, an object
+
+
+def _runs(scalar: bytes) -> _Runs:
+    """The run patterns, for one kind of scalar (see `_FAST` and `_EXACT`)."""
+    levels = (  # openers, each followed by the scalar members before its next opener
+        rb"(?:\[" + _WS + rb"(?:" + scalar + _WS + rb"," + _WS + rb")*+"
+        rb"|\{" + _WS + _STR + _WS + rb":" + _WS
+        + rb"(?:" + scalar + _WS + rb"," + _WS + _STR + _WS + rb":" + _WS + rb")*+)"
+    )
+    return _Runs(
+        re.compile(_WS + rb"(" + levels + rb"++)(" + scalar + rb")?+"),
+        re.compile(
+            rb"([\]}]*+)" + _WS + rb"," + _WS + rb"(" + _STR + _WS + rb":" + _WS + rb")?+"
+            rb"(" + levels + rb"*+)(" + scalar + rb")?+"
+        ),
+        (
+            re.compile(rb"(?:" + _WS + rb"," + _WS + scalar + rb")++"),
+            re.compile(rb"(?:" + _WS + rb"," + _WS + _STR + _WS + rb":" + _WS + scalar + rb")++"),
+        ),
+    )
+
+
+# Flat arrays and objects taken as scalars: fewer, longer runs in hostile shapes, but
+# the depth then misses their level; `_EXACT` counts every level (for max_depth).
+_FAST = _runs(rb"(?:" + _S0 + rb"|" + _FLAT + rb")")
+_EXACT = _runs(_S0)
+_STR_NB = rb'"(?:[^"\\\x00-\x1f\[\]{},:]++' + _ESC
+_NB = rb"(?:" + _NUM_LIT + rb"|" + _STR_NB + rb"|\[\]|\{\})"
+_CHILD_SIBLINGS = (
+    re.compile(rb"(?:" + _WS + rb"," + _WS + _NB + rb")++"),
+    re.compile(rb"(?:" + _WS + rb"," + _WS + _STR_NB + _WS + rb":" + _WS + _NB + rb")++"),
 )
+_OPEN_ARRAYS = re.compile(rb"\[\[++")
+_STRINGS = re.compile(_STR)
+_PAIRS = re.compile(rb"\[[^\[\]{}]*\]|\{[^\[\]{}]*\}")
+
+
+def _push(stack: bytearray, levels: bytes) -> int:
+    """Push the openers of a run's levels; return the state that follows them."""
+    text = levels
+    if 0x22 in text:  # '"': strings may hold brackets
+        text = _STRINGS.sub(b"", text)
+    if 0x5D in text or 0x7D in text:  # "]" or "}": flat scalars, closed in the run
+        text = _PAIRS.sub(b"", text)
+    stack += text.translate(None, _OPENERS_ONLY)
+    return _VALUE_OR_CLOSE if levels.rstrip(b" \t\n\r")[-1] == 0x5B else _VALUE
+
+
 _WS_ONLY = re.compile(_WS)
 _OPENERS_ONLY = bytes(b for b in range(256) if b not in b"[{")
 _CLOSING = bytes.maketrans(b"[{", b"]}")
@@ -483,12 +531,14 @@ _CLOSING = bytes.maketrans(b"[{", b"]}")
 _VALUE, _VALUE_OR_CLOSE, _KEY_OR_CLOSE, _KEY, _COLON, _AFTER = range(6)
 
 
-def scan_json(buf: bytes, max_children: int = 0) -> Scanned:
+def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = False) -> Scanned:
     """Check that `buf` is one JSON text (RFC 8259) and find its top value's children,
     at any depth, in time linear in `len(buf)` and without recursion.
 
     The UTF-8 of strings is not checked here (`Codec.decode` checks the whole body).
     `max_children` caps the children listed (0: no cap); `total` counts them all.
+    `depth` is exact with `exact_depth`; without, a flat array or object among the
+    scalars of a run is not counted (the scan is faster on hostile shapes).
     Raises `NotJson` with the offset where `buf` stops being JSON. The cost is one
     regex match per token, and several levels or scalar siblings make one token in
     the usual deep shapes, so deep bodies cost microseconds per KiB.
@@ -503,7 +553,8 @@ def scan_json(buf: bytes, max_children: int = 0) -> Scanned:
     pos = 0
     n = len(buf)
     token = _TOKEN.match
-    descent = _DESCENT.match
+    runs = _EXACT if exact_depth else _FAST
+    descent = runs.descent.match
     while True:
         level = len(stack)
         if state == _AFTER:
@@ -512,23 +563,53 @@ def scan_json(buf: bytes, max_children: int = 0) -> Scanned:
                 if rest is None or rest.end() != n:
                     raise NotJson(pos if rest is None else rest.end())
                 break
-            run = _SIBLINGS[stack[-1] == 0x7B].match(buf, pos)
-            if run is not None:
-                if level == 1:
+            if level == 1:
+                run = _CHILD_SIBLINGS[stack[0] == 0x7B].match(buf, pos)
+                if run is not None:
                     first = buf.index(b",", pos) + 1
-                    k = buf.count(b",", first, run.end()) + 1  # _STR_NB holds no ","
+                    k = buf.count(b",", first, run.end()) + 1  # _NB holds no ","
                     if not max_children or count < max_children:
                         children.append((first, run.end(), k))
                     count += k
+                    pos = run.end()
+                    continue
+            else:
+                run = runs.siblings[stack[-1] == 0x7B].match(buf, pos)
+                if run is not None:
+                    pos = run.end()
+                    continue
+                run = runs.turn.match(buf, pos)
+                if run is not None:
+                    closers = run.group(1)
+                    k = len(closers)
+                    # Only while it stays below the top value's children, and only
+                    # when it is right: else the one-token path says where it is wrong.
+                    if (
+                        level - k >= 2
+                        and stack[level - k:][::-1].translate(_CLOSING) == closers
+                        and (stack[level - k - 1] == 0x7B) == (run.group(2) is not None)
+                    ):
+                        del stack[level - k:]
+                        state = _push(stack, run.group(3)) if run.group(3) else _VALUE
+                        if run.group(4) is not None:
+                            state = _AFTER
+                        depth = max(depth, len(stack))
+                        pos = run.end()
+                        continue
+        elif level >= 2 and state <= _VALUE_OR_CLOSE:
+            run = _OPEN_ARRAYS.match(buf, pos)  # "[[[[": 300 times cheaper than a descent
+            if run is not None:
+                stack += run.group()
+                depth = max(depth, len(stack))
+                state = _VALUE_OR_CLOSE
                 pos = run.end()
                 continue
-        elif level >= 2 and state <= _VALUE_OR_CLOSE:
             run = descent(buf, pos)
             if run is not None:
-                # Every "]" or "}" in a descent closes an empty scalar "[]" or "{}".
-                stack += run.group().replace(b"[]", b"").replace(b"{}", b"").translate(None, _OPENERS_ONLY)
+                state = _push(stack, run.group(1))
+                if run.group(2) is not None:
+                    state = _AFTER
                 depth = max(depth, len(stack))
-                state = _VALUE_OR_CLOSE if run.group().rstrip(b" \t\n\r")[-1] == 0x5B else _VALUE
                 pos = run.end()
                 continue
         m = token(buf, pos)

@@ -21,11 +21,13 @@ from broker.jsonrpc import (
     Body,
     Codec,
     ErrorCode,
+    NotJson,
     Request,
     error_object,
     http_status,
     response_error,
     response_result,
+    scan_json,
 )
 
 JSONTESTSUITE = Path(__file__).resolve().parent / "data" / "JSONTestSuite" / "test_parsing"
@@ -602,3 +604,92 @@ def test_escaped_or_spaced_member_names_are_still_checked(body):
     last = decoded.items[-1]
     assert isinstance(last, bytes), last
     assert json.loads(last)["error"]["code"] == -32600
+
+
+# --- scan_json, the slow path's scanner, against msgspec ------------------------------
+
+SCAN_FRAGMENTS = [
+    b"{", b"}", b"[", b"]", b",", b":", b" ", b"\n", b'"a"', b'"id"', b'"[,:"', b'"\\"]"', b'"\\u00e9"',
+    b"1", b"-0.5e3", b"01", b"-", b"1.", b"null", b"true", b"nul", b'"', b"\\", b"[]", b"{}",
+    b'[1,"x"]', b'{"[k":[]}', b"[ ]", b"[[0]]",
+]
+# Each wrapper is a valid context for one value: wrapping a body in it many times keeps
+# the body's validity, and takes it past the parser's limit.
+SCAN_WRAPPERS = [
+    (b"[", b"]"), (b'{"a":', b"}"), (b"[0,", b"]"), (b'{"a":1,"b":', b"}"), (b'[ "x" , ', b",1 ]"),
+    (b'{"k" :', b', "z":null}'), (b"[[],", b",{}]"), (b'{"[" : [0, [], {"a":"]"},', b"]}"), (b"[[[0]],", b"]"),
+    (b'{"a":[1,{"b":2}],"c":', b"}"),
+]
+_raw_decoder = msgspec.json.Decoder(msgspec.Raw)
+_raw_list = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+def msgspec_says_json(text: bytes) -> bool:
+    try:
+        _raw_decoder.decode(text)
+    except msgspec.DecodeError:
+        return False
+    return True
+
+
+def scan_says_json(text: bytes) -> bool:
+    try:
+        scan_json(text)
+    except NotJson:
+        return False
+    return True
+
+
+@settings(max_examples=1500, deadline=None, print_blob=True)
+@given(st.lists(st.sampled_from(SCAN_FRAGMENTS), min_size=1, max_size=14).map(b"".join))
+def test_scan_json_agrees_with_msgspec(text):
+    assert scan_says_json(text) == msgspec_says_json(text), text
+    if msgspec_says_json(text) and text.strip().startswith(b"["):
+        found = scan_json(text)
+        items: list[bytes] = []
+        for start, end, run in found.children:
+            piece = text[start:end]
+            items += [bytes(r) for r in _raw_list.decode(b"[" + piece + b"]")] if run else [piece]
+        assert items == [bytes(r) for r in _raw_list.decode(text)]
+        assert found.total == len(items)
+
+
+@settings(max_examples=300, deadline=None, print_blob=True)
+@given(
+    st.lists(st.sampled_from(SCAN_FRAGMENTS), min_size=1, max_size=8).map(b"".join),
+    st.lists(st.sampled_from(SCAN_WRAPPERS), min_size=1, max_size=4),
+    st.integers(300, 1500),
+)
+def test_scan_json_past_the_parser_limit_agrees_with_msgspec_below_it(inner, wrappers, levels):
+    """Deep: the same body wrapped a thousand times is JSON exactly when it is JSON
+    wrapped once (msgspec can tell that one), and its depth is counted."""
+    opening = b"".join(wrappers[i % len(wrappers)][0] for i in range(levels))
+    closing = b"".join(wrappers[i % len(wrappers)][1] for i in reversed(range(levels)))
+    innermost = wrappers[(levels - 1) % len(wrappers)]
+    assert scan_says_json(opening + inner + closing) == msgspec_says_json(innermost[0] + inner + innermost[1])
+    text = opening + inner + closing
+    if scan_says_json(text):
+        assert scan_json(text, exact_depth=True).depth == reference_depth(text)
+        assert scan_json(text).depth <= reference_depth(text)
+
+
+def reference_depth(text: bytes) -> int:
+    """The nesting depth of valid JSON, the plain way: one byte at a time."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in b"]}":
+            depth -= 1
+    return deepest
