@@ -693,3 +693,13 @@ def reference_depth(text: bytes) -> int:
         elif byte in b"]}":
             depth -= 1
     return deepest
+
+
+@pytest.mark.parametrize("text", [
+    b'[{"jsonrpc":"2.0","method":"\\ud800","params":' + b"[" * 2000 + b"]" * 2000 + b"}]",
+    b'{"jsonrpc":"2.0","method":"\\ud800","params":' + b"[" * 2000 + b"]" * 2000 + b"}",
+    b'[{"jsonrpc":"2.0","method":"m","id":"\\udc00"},' + b"[" * 2000 + b"]" * 2000 + b"]",
+])
+def test_deep_body_with_a_lone_surrogate_is_answered(codec, text):
+    """msgspec refuses `\\ud800` where the scanner lets it by: still an answer, not a raise."""
+    check_body(codec.decode(text))
