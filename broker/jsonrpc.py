@@ -498,7 +498,9 @@ class _Runs(typing.NamedTuple):
 def _runs(scalar: bytes) -> _Runs:
     """The run patterns, for one kind of scalar (see `_FAST` and `_EXACT`)."""
     levels = (  # openers, each followed by the scalar members before its next opener
-        rb"(?:\[" + _WS + rb"(?:" + scalar + _WS + rb"," + _WS + rb")*+"
+        rb"(?:\[" + _WS + rb"(?:" + scalar + _WS + rb"," + _WS + rb")++"
+        # "[[[" in one step, but not the "[" of an empty "[]" (a scalar)
+        rb"|(?:\[(?!\]))++" + _WS + rb"(?:" + scalar + _WS + rb"," + _WS + rb")*+"
         rb"|\{" + _WS + _STR + _WS + rb":" + _WS
         + rb"(?:" + scalar + _WS + rb"," + _WS + _STR + _WS + rb":" + _WS + rb")*+)"
     )
