@@ -60,11 +60,14 @@ __all__ = [
     "Body",
     "Codec",
     "ErrorCode",
+    "NotJson",
     "Request",
+    "Scanned",
     "error_object",
     "http_status",
     "response_error",
     "response_result",
+    "scan_json",
 ]
 
 
@@ -529,7 +532,7 @@ _CHILD_SIBLINGS = (
 )
 _OPEN_ARRAYS = re.compile(rb"\[\[++")
 _STRINGS = re.compile(_STR)
-_PAIRS = re.compile(rb"\[[^\[\]{}]*\]|\{[^\[\]{}]*\}")
+_PAIRS = re.compile(rb"\[[^\[\]{}]*+\]|\{[^\[\]{}]*+\}")
 
 
 def _push(stack: bytearray, levels: bytes) -> int:
@@ -559,8 +562,9 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = False) -> S
     `depth` is exact with `exact_depth`; without, a flat array or object among the
     scalars of a run is not counted (the scan is faster on hostile shapes).
     Raises `NotJson` with the offset where `buf` stops being JSON. The cost is one
-    regex match per token, and several levels or scalar siblings make one token in
-    the usual deep shapes, so deep bodies cost microseconds per KiB.
+    regex match per token, and runs of levels or scalar siblings make one token:
+    about 2 us per KiB for deep arrays, up to about 200 for the most hostile deep
+    shapes found (benchmarks/RESULTS.md, "Pathological request bodies").
     """
     stack = bytearray()  # "[" or "{" per open container, innermost last
     state = _VALUE
