@@ -58,7 +58,7 @@ import msgspec
 import orjson
 
 from broker import wire
-from broker.jsonrpc import ErrorCode, error_object
+from broker.jsonrpc import ErrorCode, error_object, scan_json
 
 __all__ = ["WORKER_BOOT_ERROR", "Method", "Registry", "RpcError", "main"]
 
@@ -205,17 +205,18 @@ class Method:
                     return _astuple(fast[1].decode(params)), {}
             except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
                 pass
+        if self.raw_params:
+            _check_raw(params, max_depth)
+            return (msgspec.Raw(params),), {}
         try:
             obj = _decode_json(params)
         except RecursionError:  # deeper than the parser takes, whatever max_depth says
             raise NestingTooDeep(max_depth) from None
+        except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
+            raise InvalidParams(None, str(exc)) from None
         except msgspec.DecodeError as exc:
             raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
-        # Cheap bound first: a body with at most max_depth brackets cannot be deeper.
-        if params.count(b"[") + params.count(b"{") > max_depth and _depth(obj, max_depth) > max_depth:
-            raise NestingTooDeep(max_depth)
-        if self.raw_params:  # decoded anyway: the same UTF-8, JSON and depth checks
-            return (msgspec.Raw(params),), {}
+        _check_depth(params, max_depth)
         if type(obj) is list:
             return self._bind_positional(obj), {}
         if type(obj) is not dict:  # section 4.2: params is an array or an object
@@ -318,17 +319,33 @@ class NestingTooDeep(Exception):
     """params nest arrays/objects deeper than the configured max_depth."""
 
 
-def _depth(obj: object, limit: int, level: int = 1) -> int:
-    """Nesting depth of a decoded JSON value (scalars are 0), stopping past `limit`."""
-    if type(obj) is list:
-        if level > limit:
-            return level
-        return max((_depth(v, limit, level + 1) for v in obj), default=level)
-    if type(obj) is dict:
-        if level > limit:
-            return level
-        return max((_depth(v, limit, level + 1) for v in obj.values()), default=level)
-    return level - 1
+def _check_depth(params: bytes, max_depth: int) -> None:
+    """Raise `NestingTooDeep` when `params` (valid JSON) nest deeper than `max_depth`.
+    Params with no more brackets than max_depth cannot be deeper; others are measured
+    on their bytes, without recursion and without decoding a number."""
+    if params.count(b"[") + params.count(b"{") > max_depth and scan_json(params, exact_depth=True).depth > max_depth:
+        raise NestingTooDeep(max_depth)
+
+
+def _check_raw(params: bytes, max_depth: int) -> None:
+    """The checks raw params get before a `raw_params` handler sees them: JSON
+    (RFC 8259), UTF-8 (section 8.1) and max_depth. Any valid JSON passes: `1e400` and
+    a 5000-digit integer are JSON, though no float or int of msgspec holds them."""
+    try:
+        _decode_raw(params)
+    except RecursionError:
+        raise NestingTooDeep(max_depth) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
+    if not params.isascii():
+        try:
+            params.decode()
+        except UnicodeDecodeError:
+            raise InvalidParams(None, "params are not valid UTF-8") from None
+    _check_depth(params, max_depth)
+
+
+_decode_raw = msgspec.json.Decoder(msgspec.Raw).decode
 
 
 class Registry:

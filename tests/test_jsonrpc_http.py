@@ -455,20 +455,48 @@ def test_max_depth_of_params(broker_factory):
     assert_healthy(b)
 
 
+def parser_limit_error(id_: object, what: str, answer: object) -> None:
+    """`answer` is the -32600 owed to a request that nests past the JSON parser's limit."""
+    assert type(answer) is dict
+    assert answer["id"] == id_
+    error = answer["error"]
+    assert (error["code"], error["message"]) == (-32600, "Invalid Request")
+    assert error["data"].startswith(f"{what} deeper than the JSON parser's limit of about ")
+
+
+@pytest.mark.parametrize("depth", [1100, 100_000])
+def test_params_past_the_parser_limit_keep_their_id_and_the_batch(broker, depth):
+    """Issue 9 item 2: the deep call gets its own answer with its own id; add(1,2) is served."""
+    deep = call_body("echo", nested(depth, b""), b"1")
+    status, _, answer = post(broker, b"[" + deep + b"," + call_body("add", b"[1,2]", b"2") + b"]")
+    assert status == 200 and type(answer) is list and len(answer) == 2
+    parser_limit_error(1, "params nest", answer[0])
+    assert answer[1] == {"jsonrpc": "2.0", "id": 2, "result": 3}
+    # alone, and with its id after the params
+    status, _, answer = post(broker, b'{"jsonrpc":"2.0","method":"echo","params":' + nested(depth, b"") + b',"id":"x"}')
+    assert status == 400
+    parser_limit_error("x", "params nest", answer)
+    assert_healthy(broker)
+
+
 def test_body_nested_far_too_deep(broker):
-    too_deep = {"jsonrpc": "2.0", "id": None,
-                "error": {"code": -32600, "message": "Invalid Request", "data": "nesting too deep"}}
-    cases = [
-        (nested(100_000, b""), too_deep),  # valid JSON the parser will not descend into
-        (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, too_deep),
-        (call_body("sum", nested(100_000, b"")), too_deep),
-        (b"[" * 100_000, PARSE_ERROR),  # never closed: not JSON whatever its depth
-        (b'{"a":' * 100_000, PARSE_ERROR),
-        (b'["' + b"[" * 100_000, PARSE_ERROR),
-    ]
-    for body, want in cases:
+    limit = "not JSON, and nested deeper than the JSON parser's limit of about "
+    status, _, answer = post(broker, nested(100_000, b""))  # JSON: a batch of one array
+    assert (status, answer) == (200, [INVALID_NULL])
+    status, _, answer = post(broker, b'{"a":' * 100_000 + b"1" + b"}" * 100_000)
+    assert status == 400
+    parser_limit_error(None, "the request nests", answer)
+    for body in (
+        b"[" * 100_000,  # never closed: not JSON whatever its depth
+        b'{"a":' * 100_000,
+        b"[" * 1100 + b'"' + b'\\"' * 16000,  # issue 9 item 1: 33 KB that took 7 s
+    ):
         status, _, answer = post(broker, body)
-        assert (status, answer) == (400, want), body[:40]
+        assert status == 400 and answer["id"] is None, body[:40]  # type: ignore[index]
+        error = answer["error"]  # type: ignore[index]
+        assert (error["code"], error["message"]) == (-32700, "Parse error") and error["data"].startswith(limit)
+    status, _, answer = post(broker, b'["' + b"[" * 100_000)
+    assert (status, answer) == (400, PARSE_ERROR)
     assert_healthy(broker)
 
 
@@ -525,6 +553,8 @@ def test_jsontestsuite_is_there():
 @pytest.mark.parametrize("path", _suite("n"), ids=lambda p: p.name)
 def test_jsontestsuite_n_body_is_parse_error(broker, path):
     status, _, answer = post(broker, path.read_bytes())
+    data = answer["error"].pop("data", None)  # type: ignore[index]
+    assert data is None or data.startswith("not JSON, and nested deeper than the JSON parser's limit")
     assert (status, answer) == (400, PARSE_ERROR)
 
 
@@ -564,6 +594,26 @@ def test_jsontestsuite_y_body_is_invalid_request_not_parse_error(broker, path):
     assert classify(value) == "invalid" or (type(value) is list and all(classify(v) == "invalid" for v in value))
     status, raw, answer = post(broker, data)
     assert (status, answer) == _expected_for_value(value), raw
+
+
+NUMBERS = [p for p in _suite("y") + _suite("i") if "number" in p.name]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"1e400", b"-1e400", b"1E-400", b"9" * 5000, b"-" + b"1" * 5000 + b".5e99999"]
+    + [p.read_bytes().strip() for p in NUMBERS],
+    ids=lambda v: v[:24].decode(errors="replace"),
+)
+def test_echo_passes_every_valid_json_number(broker, value):
+    """Issue 9 item 22: raw params pass through as the README promises, numbers no float
+    or int holds included (the JSONTestSuite y_/i_ number files among them)."""
+    status, _, raw = broker.post(echo_body(value), timeout=CLIENT_TIMEOUT)  # 5000 digits: past json.loads
+    assert (status, raw) == (200, b'{"jsonrpc":"2.0","id":1,"result":[' + value + b"]}")
+
+
+def test_jsontestsuite_number_files_are_there():
+    assert len([p for p in NUMBERS if p.name.startswith("i_")]) >= 10
 
 
 @pytest.mark.parametrize("path", _suite("i"), ids=lambda p: p.name)

@@ -134,6 +134,43 @@ def test_raw_params_passes_exact_bytes_or_none():
         m.bind(b"[" * 4 + b"]" * 4, 3)
 
 
+RAW_ECHO = Method("echo", lambda params: params, raw_params=True)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [b"[1e400]", b"[-1e400, 1E-400]", b"[" + b"9" * 5000 + b"]", b'{"n": -' + b"1" * 5000 + b".5e999999}",
+     b'["\\u00e9", "' + "\u00e9".encode() + b'"]', b'[["[[[[[["]]'],
+)
+def test_raw_params_pass_any_valid_json_through(params):
+    """Issue 9 item 22: valid JSON numbers no float or int holds still pass unchanged."""
+    (raw,), kwargs = RAW_ECHO.bind(params, 2)
+    assert kwargs == {} and type(raw) is msgspec.Raw and bytes(raw) == params
+
+
+@pytest.mark.parametrize(
+    ("params", "reason"),
+    [(b"[1e400", "params are not valid JSON"), (b"[\"" + bytes([0xFF]) + b"\"]", "params are not valid UTF-8"),
+     (b"[01]", "params are not valid JSON")],
+)
+def test_raw_params_still_refuse_what_is_not_json(params, reason):
+    with pytest.raises(InvalidParams) as info:
+        RAW_ECHO.bind(params, 64)
+    assert info.value.reason.startswith(reason)
+
+
+def test_raw_params_depth_is_measured_without_decoding_numbers():
+    with pytest.raises(NestingTooDeep):
+        RAW_ECHO.bind(b"[[[1e400]]]", 2)
+    with pytest.raises(NestingTooDeep):
+        RAW_ECHO.bind(nest(5000, b"1e400"), 10000)
+
+
+def test_typed_params_with_numbers_too_large_are_invalid_params_not_invalid_json():
+    param, reason = invalid(any_param, b"[1e400]")
+    assert param is None and reason == "Number out of range - at `$[0]`"
+
+
 # --- Method.bind ---------------------------------------------------------------------------
 
 

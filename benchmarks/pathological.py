@@ -1,0 +1,124 @@
+"""What the slowest request bodies cost the codec, in-process: `Codec.decode` on each shape.
+
+Usage: .venv/bin/python benchmarks/pathological.py [--max-bytes 1048576] [--rounds 5]
+
+Each shape is grown to several sizes up to `--max-bytes` (the default `max_body_bytes`,
+1 MiB) and decoded `--rounds` times; the figure is the fastest round (the least noisy on a
+shared machine), as microseconds per KiB and milliseconds per MiB of body, with the
+answer's first error code. The shapes are the worst ones found for each part of the
+codec: nesting past the parser's limit (closed, left open, with members at each level,
+with scalar or container siblings), unclosed strings and runs of escapes, many invalid
+batch elements, batches past `max_batch`, long keys, huge numbers, `\\u` escapes that send
+a valid batch down the slow path, many small notifications. Linear time shows as a
+steady µs per KiB across sizes; the aim is under 10 ms per MiB for every shape. Prints
+figures only: nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from broker.jsonrpc import Codec, Request
+
+KiB = 1024
+
+
+def repeat_to(unit: bytes, size: int) -> int:
+    return max(1, size // len(unit))
+
+
+def call(params: bytes, id_: bytes = b"1") -> bytes:
+    return b'{"jsonrpc":"2.0","method":"echo","params":' + params + b',"id":' + id_ + b"}"
+
+
+def deep_params(size: int) -> bytes:
+    n = max(1100, (size - 60) // 2)
+    return b"[" + call(b"[" * n + b"]" * n) + b',{"jsonrpc":"2.0","method":"add","params":[1,2],"id":2}]'
+
+
+def id_after_deep_params(size: int) -> bytes:
+    n = max(1100, (size - 60) // 2)
+    return b'{"jsonrpc":"2.0","method":"echo","params":' + b"[" * n + b"]" * n + b',"id":7}'
+
+
+def in_string(size: int) -> bytes:
+    return b"[" * 1100 + b'"' + b'\\"' * repeat_to(b'\\"', size - 1101)
+
+
+SHAPES: dict[str, Callable[[int], bytes]] = {
+    # the issue's own: an unclosed string of escaped quotes inside 1100 arrays
+    "deep + unclosed escapes": in_string,
+    "deep arrays, closed": lambda s: b"[" * (s // 2) + b"]" * (s // 2),
+    "deep arrays, open": lambda s: b"[" * s,
+    "deep objects": lambda s: b'{"a":' * (s // 6) + b"1" + b"}" * (s // 6),
+    "deep [0, siblings": lambda s: b"[0," * (s // 4) + b"0" + b"]" * (s // 4),
+    "deep [[], siblings": lambda s: b"[[]," * (s // 5) + b"0" + b"]" * (s // 5),
+    "deep [[0], siblings": lambda s: b"[[0]," * (s // 6) + b"0" + b"]" * (s // 6),
+    "deep spaced [ [": lambda s: b"[ " * (s // 3) + b"]" * (s // 3),
+    "deep {\"k\":[ with keys": lambda s: b'{"k":[' * (s // 7) + b"]}" * (s // 7),
+    "deep params, batch of 2": deep_params,
+    "deep [[],[]... in params": lambda s: b"[" + call(b"[" * 1100 + b"[]," * repeat_to(b"[],", s - 2300) + b"0" + b"]" * 1100) + b"]",
+    "id after deep params": id_after_deep_params,
+    "deep, then 1,1,1...": lambda s: b"[" * 1100 + b"1," * repeat_to(b"1,", s - 2200) + b"1" + b"]" * 1100,
+    "deep, then {},{},...": lambda s: b"[" * 1100 + b"{}," * repeat_to(b"{},", s - 2200) + b"1" + b"]" * 1100,
+    "unclosed string": lambda s: b'["' + b"a" * s,
+    "unclosed escapes": lambda s: b'["' + b'\\"' * (s // 2),
+    "invalid elements [1,1,...]": lambda s: b"[" + b",".join([b"1"] * repeat_to(b"1,", s)) + b"]",
+    "invalid elements, padded": lambda s: b"[" + b",".join([b"1" + b" " * 1000] * min(1000, repeat_to(b" " * 1001, s))) + b"]",
+    "invalid objects {}": lambda s: b"[" + b",".join([b"{}"] * min(1000, repeat_to(b"{},", s))) + b"]",
+    "invalid method, big params": lambda s: b"[" + b",".join(
+        [b'{"jsonrpc":"2.0","method":1,"params":[' + b"1," * 500 + b'1],"id":1}'] * min(1000, repeat_to(b"1," * 520, s))
+    ) + b"]",
+    "long key": lambda s: b'{"jsonrpc":"2.0","method":"m","' + b"k" * s + b'":1,"id":1}',
+    "huge number id": lambda s: b'{"jsonrpc":"2.0","method":"m","id":' + b"9" * s + b"}",
+    "\\u escapes (suspect)": lambda s: b"[" + b",".join(
+        [b'{"jsonrpc":"2.0","method":"m","params":["\\u00e9' + b"\\u00e9" * 150 + b'"],"id":1}'] * min(1000, repeat_to(b"\\u00e9" * 155, s))
+    ) + b"]",
+    "many small notifications": lambda s: b"[" + b",".join(
+        [b'{"jsonrpc":"2.0","method":"m"}'] * min(1000, repeat_to(b'{"jsonrpc":"2.0","method":"m"},', s))
+    ) + b"]",
+}
+
+
+def code_of(codec: Codec, body: bytes) -> str:
+    items = codec.decode(body).items
+    first = items[0]
+    if type(first) is Request:
+        return "request"
+    return str(first).split('"code":')[1].split(",")[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-bytes", type=int, default=1024 * KiB)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    codec = Codec()
+    sizes = [s for s in (16 * KiB, 64 * KiB, 256 * KiB, 1024 * KiB) if s <= args.max_bytes] or [args.max_bytes]
+    print(f"{'shape':30} {'bytes':>9} {'us/KiB':>9} {'ms/MiB':>8}  answer")
+    worst = (0.0, "", 0)  # ms per MiB at a shape's largest size, the shape, its bytes
+    for name, make in SHAPES.items():
+        for size in sizes:
+            body = make(size)
+            if len(body) > args.max_bytes:  # whole shapes, never cut: trim the size asked
+                body = make(size - (len(body) - args.max_bytes) - 64)
+            best = float("inf")
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                codec.decode(body)
+                best = min(best, time.perf_counter() - t0)
+            per_kib = best * 1e6 / (len(body) / KiB)
+            if size == sizes[-1]:
+                worst = max(worst, (per_kib * 1.024, name, len(body)))
+            print(f"{name:30} {len(body):>9} {per_kib:>9.2f} {per_kib * 1.024:>8.2f}  {code_of(codec, body)}")
+    print(f"worst: {worst[1]}, {worst[0]:.2f} ms per MiB ({worst[2]} bytes)")
+
+
+if __name__ == "__main__":
+    main()
