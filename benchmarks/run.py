@@ -678,11 +678,26 @@ def main(argv: list[str] | None = None) -> int:
 
     report = render(args, servers, skipped, probes, results, all_scenarios, fib_n, loadgen is not None, has_wrk,
                     rates, s5_over, load_avg, time.monotonic() - started)
-    args.output.write_text(report)
+    args.output.write_text(report + kept_sections(args.output))
     print()
     print(report)
     print(f"wrote {args.output}")
     return 0 if ok else 1
+
+
+KEEP_MARK = "<!-- sections below are written by other benchmark scripts; run.py keeps them -->"
+
+
+def kept_sections(path: Path) -> str:
+    """What `path` holds from `KEEP_MARK` on (figures of benchmarks/pathological.py,
+    sync_mix.py and the like, pasted by hand), so that a run rewrites only its own part;
+    "" when the file or the mark is missing."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return ""
+    at = text.find(KEEP_MARK)
+    return "" if at < 0 else "\n" + text[at:]
 
 
 def s1_capacity(results: dict[str, dict[str, dict[str, list[Measure]]]], name: str) -> float | None:

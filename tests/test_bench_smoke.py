@@ -73,3 +73,19 @@ def test_probe_every_installed_server(tmp_path: Path) -> None:
     servers = ["reference", "broker-2w", *installed]
     report, _ = run(tmp_path, "--probe-only", "--servers", ",".join(servers))
     assert probe_rows(report) == dict.fromkeys(servers, "yes"), report
+
+
+def test_a_run_keeps_the_sections_other_scripts_wrote(tmp_path: Path) -> None:
+    # make bench rewrote the whole RESULTS.md and lost the figures pasted from
+    # benchmarks/pathological.py and sync_mix.py; everything from the mark on is kept.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from run import KEEP_MARK
+    finally:
+        sys.path.pop(0)
+    kept = f"{KEEP_MARK}\n\n## Pathological request bodies (codec)\n\n| shape | ms per MiB |\n| x | 1.0 |\n"
+    (tmp_path / "RESULTS.md").write_text("# an old report\n\n## Correctness probes\n\nstale\n\n" + kept)
+    report, _ = run(tmp_path, "--probe-only", "--servers", "reference")
+    assert report.endswith(kept), report[-500:]
+    assert "an old report" not in report and "stale" not in report
+    assert probe_rows(report) == {"reference": "yes"}
