@@ -82,6 +82,7 @@ class Worker:
         "exited",
         "failures",
         "kill_reason",
+        "limit",
         "outstanding",
         "pid",
         "process",
@@ -89,6 +90,7 @@ class Worker:
         "slot",
         "started_at",
         "state",
+        "sync_calls",
     )
 
     def __init__(self, slot: int) -> None:
@@ -99,6 +101,8 @@ class Worker:
         self.channel: WorkerChannel | None = None
         self.outstanding = 0
         self.concurrency = 1
+        self.limit = 1  # calls in flight it may have now (the dispatcher's: see dispatch.py)
+        self.sync_calls = 0  # sync calls in flight (the dispatcher's)
         self.started_at = 0.0
         self.restarts = 0
         self.failures = 0
@@ -373,7 +377,7 @@ class Pool:
         names = [m.name for m in hello.methods]
         if self.methods is None:
             self.methods = names
-            self.dispatcher.set_methods(names)
+            self.dispatcher.set_methods(names, hello.sync_methods)
         elif names != self.methods:
             raise wire.FrameError(f"worker {hello.slot} serves {names}, not {self.methods}")
         worker.channel = channel

@@ -30,6 +30,7 @@ EXPECTED_DEFAULTS = {
     "timeout": 30.0,
     "method_timeouts": {},
     "worker_concurrency": 100,
+    "sync_prefetch": 1,
     "max_queue": 10000,
     "max_queue_bytes": 67108864,
     "grace_period": 30.0,
@@ -131,6 +132,7 @@ max_batch = 1
 max_depth = 10000
 timeout = 0.25
 worker_concurrency = 1
+sync_prefetch = 0
 max_queue = 0
 max_queue_bytes = 0
 grace_period = 0
@@ -152,7 +154,7 @@ slow = 120.5
         "host": "0.0.0.0", "port": 0, "workers": 1024, "app": "my_app.rpc:methods",
         "rpc_path": "/rpc", "stream_port": 9001, "stream_socket": "/run/rpc/broker.sock", "metrics": False, "metrics_host": "::1", "metrics_port": 0, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
-        "worker_concurrency": 1, "max_queue": 0, "max_queue_bytes": 0, "grace_period": 0.0,
+        "worker_concurrency": 1, "sync_prefetch": 0, "max_queue": 0, "max_queue_bytes": 0, "grace_period": 0.0,
         "keepalive_timeout": 1.0, "max_connections": 5, "max_frame_bytes": 65536, "restart_backoff_max": 0.5,
         "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
     }

@@ -239,7 +239,8 @@ def test_hung_worker_restart_and_late_reply(broker_factory):
     b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry",
                        "--timeout", "0.2", "--cancel-grace", "0.5")
     assert b.call("spin", [0.4])["error"]["code"] == -32001  # answers late: dropped
-    wait_for(lambda: value(scrape(b), "rpc_broker_late_replies_total") == 1)
+    wait_for(lambda: value(scrape(b), "rpc_broker_late_replies_total", kind="result") == 1)
+    assert value(scrape(b), "rpc_broker_late_replies_total", kind="cancelled") == 0
     assert b.call("spin", [30])["error"]["code"] == -32001  # never answers: killed as hung
     wait_for(lambda: value(scrape(b), "rpc_broker_worker_restarts_total", reason="hung") == 1)
 
