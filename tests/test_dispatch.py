@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import tracemalloc
 import typing
 
@@ -229,5 +230,180 @@ def test_max_queue_bytes_counts_what_a_queued_call_holds():
                 answers.append(ex.body())
         assert d.statistics().queued == 1 and d.queued_bytes == 605
         assert len(answers) == 1 and b"-32000" in answers[0]  # the second one is shed
+
+    run(main)
+
+
+async def wait_until(predicate: typing.Callable[[], bool], timeout: float = 5.0) -> None:
+    """Let the loop run until `predicate()` holds; AssertionError after `timeout` s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+def test_late_replies_are_told_apart_cancel_acknowledgements_from_late_results():
+    """Issue 9 item 15: a reply to a call that timed out is the worker's acknowledgement
+    of the CANCEL (wire.CANCEL_ACK), or a result that came late; counted per call."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=0.02)
+        d.set_methods(["sleep"])
+        w = add_worker(d, 0, concurrency=100)
+        codec = Codec()
+        done: list[Exchange] = []
+        d.submit(body(codec, req("sleep", [1], 1)), done.append)
+        d.submit(body(codec, req("sleep", [1], 2)), done.append)
+        d.submit(body(codec, [req("sleep", [1], i) for i in range(3)]), done.append)
+        d.submit(body(codec, [req("sleep", [1], i) for i in range(4)]), done.append)
+        one, two, chunk3, chunk4 = w.channel.take()
+        await wait_until(lambda: len(done) == 4)  # every one answered "timed out"
+        assert all(b"-32001" in e.body() for e in done)
+        assert w.channel.take() == [(wire.Kind.CANCEL, f[1], 0, b"") for f in (one, two, chunk3, chunk4)]
+        d.on_reply(w, wire.Kind.ERROR, one[1], 0, wire.CANCEL_ACK)
+        d.on_reply(w, wire.Kind.RESULT, two[1], 0, b"1")
+        part = wire.REPLY_ENTRY.pack(0, wire.Kind.RESULT, 1) + b"1"
+        d.on_reply(w, wire.Kind.CHUNK_PART, chunk3[1], 0, part)
+        rest = b"".join(wire.REPLY_ENTRY.pack(i, wire.Kind.ERROR, len(wire.CANCEL_ACK)) + wire.CANCEL_ACK
+                        for i in (1, 2))
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk3[1], 0, rest)
+        d.on_reply(w, wire.Kind.ERROR, chunk4[1], 0, wire.CANCEL_ACK)  # a whole chunk, unstarted
+        stats = d.statistics()
+        assert (stats.late_cancelled_total, stats.late_results_total) == (1 + 2 + 4, 1 + 1)
+        assert stats.timeouts_total == 2 + 3 + 4 and w.outstanding == 0
+
+    run(main)
+
+
+def test_error_codes_outside_the_broker_table_share_one_metrics_entry():
+    """Issue 9 item 14: per-method outcome state no longer grows with each distinct
+    application error code; the counts are all there, as `application`."""
+    from broker.metrics import APPLICATION, CallMetrics, outcome_name
+
+    async def main() -> None:
+        metrics = CallMetrics()
+        d = Dispatcher(asyncio.get_running_loop(), metrics=metrics)
+        d.set_methods(["fail"])
+        w = add_worker(d, 0, concurrency=1 << 30)
+        codec = Codec()
+        codes = [*range(-32768, -32000), *range(1, 20_000)]  # reserved and free codes
+        for i, code in enumerate(codes):
+            d.submit(body(codec, req("fail", [code], i)), lambda e: None)
+        for (_kind, call_id, _aux, params), code in zip(w.channel.take(), codes, strict=True):
+            assert json.loads(params) == [code]
+            d.on_reply(w, wire.Kind.ERROR, call_id, 5, b'{"code":%d,"message":"no"}' % code)
+        outcomes = metrics.outcomes[0]
+        broker_codes = {-32700, -32600, -32601, -32602, -32603, -32000, -32001, -32002, -32003, -32004}
+        assert set(outcomes) <= broker_codes | {APPLICATION}
+        assert sum(outcomes.values()) == len(codes)
+        assert outcomes[APPLICATION] == len(codes) - len(broker_codes & set(codes))
+        assert outcome_name(APPLICATION) == "application_error"
+
+    run(main)
+
+
+def sync_dispatcher(prefetch: int, workers: int = 2, concurrency: int = 100) -> tuple[Dispatcher, list[Worker]]:
+    d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=prefetch)
+    d.set_methods(["slow", "fast", "quick"], sync_methods=["slow", "quick"])  # fast: async
+    return d, [add_worker(d, slot, concurrency) for slot in range(workers)]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_a_worker_busy_in_a_sync_call_gets_no_more_than_the_prefetch(prefetch):
+    """Issue 9 item 23: calls sent to a worker blocked in a sync handler wait behind it;
+    it gets at most `sync_prefetch` of them, and the other worker takes the rest."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(prefetch)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [0.2], "s")), lambda e: None)
+        [slow] = a.channel.take() + b.channel.take()
+        busy, other = (a, b) if a.sync_calls else (b, a)
+        assert busy.sync_calls == 1 and busy.limit == 1 + prefetch
+        for i in range(40):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        assert len(busy.channel.take()) == prefetch
+        assert len(other.channel.take()) == 40 - prefetch
+        d.on_reply(busy, wire.Kind.RESULT, slow[1], 200_000, b"0.2")  # it returns
+        assert (busy.sync_calls, busy.limit) == (0, 100)
+        d.submit(body(codec, req("fast", ["after"], "after")), lambda e: None)
+        assert len(busy.channel.take()) == 1  # the least loaded again
+
+    run(main)
+
+
+def test_sync_methods_measured_fast_do_not_take_the_limit_down():
+    """A sync method counts as blocking until a reply shows its calls take under 1 ms;
+    one slow call makes it blocking again at once."""
+
+    async def main() -> None:
+        d, (a,) = sync_dispatcher(1, workers=1)
+        codec = Codec()
+        d.submit(body(codec, req("quick", [], 1)), lambda e: None)
+        assert a.limit == 2  # not measured yet: blocking
+        [first] = a.channel.take()
+        d.on_reply(a, wire.Kind.RESULT, first[1], 20, b"1")  # 20 us
+        for i in range(10):
+            d.submit(body(codec, req("quick", [], i)), lambda e: None)
+        assert a.limit == 100 and a.sync_calls == 0 and len(a.channel.frames) == 10
+        frames = a.channel.take()
+        for frame in frames[:-1]:
+            d.on_reply(a, wire.Kind.RESULT, frame[1], 20, b"1")
+        d.on_reply(a, wire.Kind.RESULT, frames[-1][1], 50_000, b"1")  # the last one took 50 ms
+        d.submit(body(codec, req("quick", [], "q")), lambda e: None)
+        assert a.sync_calls == 1 and a.limit == 2
+
+    run(main)
+
+
+def test_a_batch_of_blocking_sync_calls_goes_in_chunks_of_one_plus_the_prefetch():
+    """A chunk counts its sync calls: 10 slow calls in a batch go two to a chunk, one
+    chunk to each worker, the rest queued until a worker is free again."""
+
+    async def main() -> None:
+        d, workers = sync_dispatcher(1)
+        codec = Codec()
+        d.submit(body(codec, [req("slow", [0.2], i) for i in range(10)]), lambda e: None)
+        sent = [w.channel.take() for w in workers]
+        assert [[(f[0], f[2]) for f in frames] for frames in sent] == [[(wire.Kind.CHUNK, 2)]] * 2
+        assert [(w.sync_calls, w.outstanding) for w in workers] == [(2, 2), (2, 2)]
+        assert d.queued_calls == 6
+        d.submit(body(codec, req("fast", [0], "f")), lambda e: None)
+        assert d.queued_calls == 7  # FIFO: behind the queued chunks
+        frame = sent[0][0]
+        d.on_reply(workers[0], wire.Kind.CHUNK_REPLY, frame[1], 400_000, chunk_reply(frame))
+        [(kind, _id, count, _)] = workers[0].channel.take()
+        assert (kind, count, workers[0].sync_calls) == (wire.Kind.CHUNK, 2, 2)
+
+    run(main)
+
+
+def test_the_worker_hello_names_its_sync_methods():
+    """The HELLO a real WorkerProtocol writes on connecting lists the demo's sync
+    methods (every one but `sleep`); a HELLO without the field still decodes."""
+    from broker.demo import registry
+    from broker.worker import WorkerProtocol
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        transport, _ = await loop.create_unix_connection(lambda: WorkerProtocol(registry, 3, 7), sock=theirs)
+        try:
+            decoder = wire.FrameDecoder()
+            frames: list[tuple[int, int, int, bytes]] = []
+            while not frames:
+                frames += decoder.feed(await loop.sock_recv(ours, 65536))
+        finally:
+            transport.close()
+            ours.close()
+        [(kind, _, _, payload)] = frames
+        hello = wire.decode_hello(payload)
+        assert kind == wire.Kind.HELLO and (hello.slot, hello.concurrency) == (3, 7)
+        names = [m.name for m in hello.methods]
+        assert "sleep" in names and sorted(hello.sync_methods) == sorted(n for n in names if n != "sleep")
+        old = json.dumps({"pid": 1, "slot": 0, "methods": [{"name": "add"}], "concurrency": 1}).encode()
+        assert wire.decode_hello(old).sync_methods == []
 
     run(main)
