@@ -627,12 +627,16 @@ class Dispatcher:
         workers = len(self._ready)
         for (timeout, sync), group in groups.items():
             chunks = min(workers, len(group))
-            if sync:
+            size = 0
+            if sync:  # slow sync calls: in request order, at most _sync_limit a chunk
                 chunks = max(chunks, -(-len(group) // self._sync_limit))
+                size = -(-len(group) // chunks)
             for first in range(chunks):
                 # Dealt out like cards: neighbours in a batch are often alike (the
                 # same slow method), so interleaving spreads them over the workers.
-                part = group[first::chunks]
+                # Slow sync chunks are cut in order instead: each runs its calls one
+                # after another, and they start in FIFO order as workers free up.
+                part = group[first * size : (first + 1) * size] if size else group[first::chunks]
                 if len(part) == 1:
                     slot, request, route = part[0]
                     call = Call.of(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival)

@@ -358,23 +358,25 @@ def test_sync_methods_measured_fast_do_not_take_the_limit_down():
 
 
 def test_a_batch_of_blocking_sync_calls_goes_in_chunks_of_one_plus_the_prefetch():
-    """A chunk counts its sync calls: 10 slow calls in a batch go two to a chunk, one
-    chunk to each worker, the rest queued until a worker is free again."""
+    """A chunk counts its sync calls: 10 slow calls in a batch go two to a chunk, in
+    request order, one chunk to each worker, the rest queued until a worker is free."""
 
     async def main() -> None:
         d, workers = sync_dispatcher(1)
         codec = Codec()
-        d.submit(body(codec, [req("slow", [0.2], i) for i in range(10)]), lambda e: None)
+        d.submit(body(codec, [req("slow", [i], i) for i in range(10)]), lambda e: None)
         sent = [w.channel.take() for w in workers]
         assert [[(f[0], f[2]) for f in frames] for frames in sent] == [[(wire.Kind.CHUNK, 2)]] * 2
+        assert sorted(first_params(frames[0]) for frames in sent) == [[0], [2]]
         assert [(w.sync_calls, w.outstanding) for w in workers] == [(2, 2), (2, 2)]
         assert d.queued_calls == 6
         d.submit(body(codec, req("fast", [0], "f")), lambda e: None)
         assert d.queued_calls == 7  # FIFO: behind the queued chunks
         frame = sent[0][0]
         d.on_reply(workers[0], wire.Kind.CHUNK_REPLY, frame[1], 400_000, chunk_reply(frame))
-        [(kind, _id, count, _)] = workers[0].channel.take()
-        assert (kind, count, workers[0].sync_calls) == (wire.Kind.CHUNK, 2, 2)
+        [next_chunk] = workers[0].channel.take()
+        assert (next_chunk[0], next_chunk[2], workers[0].sync_calls) == (wire.Kind.CHUNK, 2, 2)
+        assert first_params(next_chunk) == [4]
 
     run(main)
 

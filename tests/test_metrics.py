@@ -297,7 +297,7 @@ def test_queued_bytes_and_their_capacity(broker_factory):
                 wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 1, timeout=5)
         wait_for(lambda: value(scrape(b), "rpc_broker_calls_queued") == 2, timeout=5)
         queued = value(scrape(b), "rpc_broker_queued_bytes")
-        assert queued == 2 * len(json.dumps([pad]))  # the two waiting calls' params
+        assert queued == 2 * len(json.dumps([pad])) + len(b"1") + len(b"2")  # their params and ids
     finally:
         for s in socks:
             s.close()
