@@ -25,7 +25,8 @@ flight: a sync handler (`wire.Hello.sync_methods`) blocks the worker's whole pro
 so anything sent to it waits behind that call, and would be taken down with it if
 the call hung and the worker were killed. A worker busy in such calls gets no more
 than it can start: its limit is then `1 + sync_prefetch` calls in flight (the sync
-call running, and a small prefetch so it never idles between two). A chunk counts
+call running, and a small prefetch so it never idles between two), and it is the last
+choice: it gets a call only when no unblocked worker can take it. A chunk counts
 its sync calls, and a batch's blocking sync calls go out in chunks of at most
 `1 + sync_prefetch` (a chunk of 50 of them would be head-of-line by itself). The
 limit does not depend on what the next call is, so the FIFO head can always go
@@ -116,6 +117,7 @@ _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _CODE_AT = len(b'{"code":')
 BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
+_BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
 _clock = time.perf_counter
 _NO_ID = Raw()
 
@@ -678,7 +680,8 @@ class Dispatcher:
         """The ready worker with the fewest outstanding calls under its limit (see
         the module docstring); ties go round-robin (the scan starts one further each
         time), so one-at-a-time calls spread over the workers instead of all landing
-        on the first."""
+        on the first. A worker blocked in a slow sync call (its limit taken down) is
+        picked only when no other can take the call: there it would wait."""
         ready = self._ready
         n = len(ready)
         if n <= 1:
@@ -691,10 +694,14 @@ class Dispatcher:
         for _ in range(n):
             w = ready[i]
             k = w.outstanding
-            if k < least and k < w.limit:
-                if k == 0:
-                    return w
-                best, least = w, k
+            limit = w.limit
+            if k < limit:
+                if limit < w.concurrency:  # blocked: last choice
+                    k += _BLOCKED
+                if k < least:
+                    if k == 0:
+                        return w
+                    best, least = w, k
             i += 1
             if i == n:
                 i = 0

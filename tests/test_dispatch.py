@@ -311,24 +311,44 @@ def sync_dispatcher(prefetch: int, workers: int = 2, concurrency: int = 100) -> 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_a_worker_busy_in_a_sync_call_gets_no_more_than_the_prefetch(prefetch):
-    """Issue 9 item 23: calls sent to a worker blocked in a sync handler wait behind it;
-    it gets at most `sync_prefetch` of them, and the other worker takes the rest."""
+    """Issue 9 item 23: calls sent to a worker blocked in a sync handler wait behind it.
+    It is the last choice, and gets at most `sync_prefetch` calls even then: the other
+    worker takes calls up to its limit, then the blocked one its prefetch, then they queue."""
 
     async def main() -> None:
-        d, (a, b) = sync_dispatcher(prefetch)
+        d, (a, b) = sync_dispatcher(prefetch, concurrency=10)
         codec = Codec()
         d.submit(body(codec, req("slow", [0.2], "s")), lambda e: None)
         [slow] = a.channel.take() + b.channel.take()
         busy, other = (a, b) if a.sync_calls else (b, a)
         assert busy.sync_calls == 1 and busy.limit == 1 + prefetch
-        for i in range(40):
+        for i in range(5):
             d.submit(body(codec, req("fast", [i], i)), lambda e: None)
-        assert len(busy.channel.take()) == prefetch
-        assert len(other.channel.take()) == 40 - prefetch
+        assert len(busy.channel.take()) == 0 and len(other.channel.take()) == 5
+        for i in range(5, 40):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        assert len(other.channel.take()) == 5  # up to its limit of 10
+        assert [first_params(f) for f in busy.channel.take()] == [[10 + n] for n in range(prefetch)]
+        assert d.queued_calls == 40 - 10 - prefetch
         d.on_reply(busy, wire.Kind.RESULT, slow[1], 200_000, b"0.2")  # it returns
-        assert (busy.sync_calls, busy.limit) == (0, 100)
-        d.submit(body(codec, req("fast", ["after"], "after")), lambda e: None)
-        assert len(busy.channel.take()) == 1  # the least loaded again
+        assert (busy.sync_calls, busy.limit) == (0, 10)
+        assert [first_params(f) for f in busy.channel.take()] == [[10 + n] for n in range(prefetch, 10)]
+
+    run(main)
+
+
+def test_with_the_prefetch_at_the_concurrency_sync_routing_is_off():
+    """--sync-prefetch >= worker_concurrency: a worker in a sync call is picked like
+    any other (the least loaded, ties in turn), as before issue 9 item 23."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(100)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [0.2], "s")), lambda e: None)
+        busy, other = (a, b) if a.outstanding else (b, a)
+        for i in range(9):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        assert (busy.outstanding, other.outstanding, busy.limit) == (5, 5, 100)
 
     run(main)
 
