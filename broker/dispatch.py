@@ -413,6 +413,7 @@ class Dispatcher:
         self.metrics = metrics  # None: count nothing per call (metrics off)
         self._cancel_grace = cancel_grace
         self._sync_limit = 1 + sync_prefetch  # a worker's limit while busy in a sync call
+        self._blocked = 0  # workers whose limit that is now
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
@@ -473,7 +474,7 @@ class Dispatcher:
     def worker_ready(self, worker: Worker) -> None:
         """A worker can take calls: add it to the rotation and give it queued work."""
         if worker not in self._ready:
-            worker.limit = worker.concurrency if not worker.sync_calls else min(worker.concurrency, self._sync_limit)
+            worker.limit = worker.concurrency  # (a worker is ready with nothing in flight)
             self._ready.append(worker)
         self._pump()
 
@@ -496,6 +497,8 @@ class Dispatcher:
             if call.exchange is not None:
                 self.worker_died_total += call.weight
             self._finish(call, error, ErrorCode.WORKER_DIED)
+        if worker.limit < worker.concurrency:
+            self._blocked -= 1
         worker.outstanding = worker.sync_calls = 0
         worker.limit = worker.concurrency
         self._check_idle()
@@ -691,6 +694,18 @@ class Dispatcher:
         i = self._rotation = (self._rotation + 1) % n
         best: Worker | None = None
         least = 1 << 62
+        if not self._blocked:
+            for _ in range(n):
+                w = ready[i]
+                k = w.outstanding
+                if k < least and k < w.limit:
+                    if k == 0:
+                        return w
+                    best, least = w, k
+                i += 1
+                if i == n:
+                    i = 0
+            return best
         for _ in range(n):
             w = ready[i]
             k = w.outstanding
@@ -714,6 +729,7 @@ class Dispatcher:
             worker.sync_calls += call.sync
             if worker.limit > self._sync_limit:
                 worker.limit = self._sync_limit
+                self._blocked += 1
         self._pending[call.call_id] = call
         worker.channel.send(call.kind, call.call_id, call.index, call.params)  # type: ignore[union-attr]
 
@@ -737,8 +753,9 @@ class Dispatcher:
         worker.outstanding -= call.weight
         if call.sync:
             worker.sync_calls -= call.sync
-            if not worker.sync_calls:
+            if not worker.sync_calls and worker.limit < worker.concurrency:
                 worker.limit = worker.concurrency
+                self._blocked -= 1
         if call.methods is None:
             est = self._sync_us[call.index]
             if est >= 0:  # a sync method: how long do its calls take? (see BLOCKING_US)
