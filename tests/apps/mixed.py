@@ -1,0 +1,27 @@
+"""A test and benchmark app mixing a slow sync handler with fast ones
+(benchmarks/sync_mix.py; tests/test_dispatch_e2e.py)."""
+
+import time
+
+from broker.worker import Registry
+
+registry = Registry()
+
+
+@registry.method
+def block(seconds: float) -> float:
+    """Sleeps `seconds` in a plain function: blocks its worker's whole process."""
+    time.sleep(seconds)
+    return seconds
+
+
+@registry.method
+def add(a: int, b: int) -> int:
+    """A fast sync call."""
+    return a + b
+
+
+@registry.method
+async def ping() -> str:
+    """A fast async call."""
+    return "pong"
