@@ -23,14 +23,16 @@ head is never passed over, and never waits for a worker to empty entirely.
 A worker's limit is `worker_concurrency`, except while it has a blocking sync call in
 flight: a sync handler (`wire.Hello.sync_methods`) blocks the worker's whole process,
 so anything sent to it waits behind that call, and would be taken down with it if
-the call hung and the worker were killed. A worker busy in such calls gets no more
-than it can start: its limit is then `1 + sync_prefetch` calls in flight (the sync
-call running, and a small prefetch so it never idles between two), and it is the last
-choice: it gets a call only when no unblocked worker can take it. A chunk counts
-its sync calls, and a batch's blocking sync calls go out in chunks of at most
-`1 + sync_prefetch` (a chunk of 50 of them would be head-of-line by itself). The
-limit does not depend on what the next call is, so the FIFO head can always go
-wherever any call could.
+the call hung and the worker were killed. A worker busy in such a call gets no more
+than it can start: at most one blocking sync call in flight, and its limit is
+`1 + sync_prefetch` calls in flight (that call and a small prefetch of other calls,
+which start the moment it returns). Such a worker is the last choice: it gets a call
+only when no unblocked worker can take it. A batch's blocking sync calls go out one
+by one (a chunk of 50 of them would be head-of-line by itself; a chunk counts its
+sync calls all the same). So a blocking sync call at the head of the queue waits for
+a worker that is not blocked, and the calls behind it wait with it (FIFO): never
+longer than until some worker's sync call returns. With `sync_prefetch` at
+`worker_concurrency` or more, none of this applies: every call is routed as before.
 
 A sync method counts as blocking while its calls take `BLOCKING_US` or more in the
 worker, as the worker measures them (each reply's service time; the estimate jumps
@@ -617,8 +619,8 @@ class Dispatcher:
     ) -> None:
         """A batch's calls go out in a few chunks (about one per ready worker) instead
         of one frame each. Calls with different deadlines never share a chunk, nor
-        do blocking sync calls and others; blocking sync calls go at most
-        `1 + sync_prefetch` to a chunk (see the module docstring)."""
+        do blocking sync calls and others; blocking sync calls go one by one (see
+        the module docstring)."""
         groups: dict[tuple[float, int], list[tuple[int, Request, Route]]] = {}
         if self._one_timeout and 1 not in self._blocking:
             groups[entries[0][2].timeout, 0] = entries
@@ -632,16 +634,12 @@ class Dispatcher:
         workers = len(self._ready)
         for (timeout, sync), group in groups.items():
             chunks = min(workers, len(group))
-            size = 0
-            if sync:  # slow sync calls: in request order, at most _sync_limit a chunk
-                chunks = max(chunks, -(-len(group) // self._sync_limit))
-                size = -(-len(group) // chunks)
+            if sync and self._sync_limit < self._ready[0].concurrency:  # slow sync calls: one by one
+                chunks = len(group)
             for first in range(chunks):
                 # Dealt out like cards: neighbours in a batch are often alike (the
                 # same slow method), so interleaving spreads them over the workers.
-                # Slow sync chunks are cut in order instead: each runs its calls one
-                # after another, and they start in FIFO order as workers free up.
-                part = group[first * size : (first + 1) * size] if size else group[first::chunks]
+                part = group[first::chunks]
                 if len(part) == 1:
                     slot, request, route = part[0]
                     call = Call.of(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival)
@@ -660,7 +658,7 @@ class Dispatcher:
         if queue:  # FIFO: while a live call waits, a new one joins the tail
             while queue and not queue[0].tick:  # (calls that expired while queued)
                 self._dequeue()
-        worker = self._pick() if not queue else None
+        worker = self._pick(call.sync) if not queue else None
         if worker is not None:
             self._send(worker, call)
             if self.metrics is not None:
@@ -679,17 +677,20 @@ class Dispatcher:
             queue.append(call)
             self._queued_bytes += call.held
 
-    def _pick(self) -> Worker | None:
+    def _pick(self, sync: int) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
         the module docstring); ties go round-robin (the scan starts one further each
         time), so one-at-a-time calls spread over the workers instead of all landing
         on the first. A worker blocked in a slow sync call (its limit taken down) is
-        picked only when no other can take the call: there it would wait."""
+        picked only when no other can take the call (there it would wait), and never
+        for a call holding blocking sync calls (`sync` > 0)."""
         ready = self._ready
         n = len(ready)
         if n <= 1:
-            if n and ready[0].outstanding < ready[0].limit:
-                return ready[0]
+            if n:
+                w = ready[0]
+                if w.outstanding < w.limit and not (sync and w.limit < w.concurrency):
+                    return w
             return None
         i = self._rotation = (self._rotation + 1) % n
         best: Worker | None = None
@@ -711,8 +712,8 @@ class Dispatcher:
             k = w.outstanding
             limit = w.limit
             if k < limit:
-                if limit < w.concurrency:  # blocked: last choice
-                    k += _BLOCKED
+                if limit < w.concurrency:  # blocked: the last choice, and none for a sync call
+                    k = k + _BLOCKED if not sync else least
                 if k < least:
                     if k == 0:
                         return w
@@ -927,7 +928,7 @@ class Dispatcher:
         while queue:
             call = queue[0]
             if call.tick:  # (else it timed out while queued: just drop it)
-                worker = self._pick()
+                worker = self._pick(call.sync)
                 if worker is None:
                     return
                 self._dequeue()

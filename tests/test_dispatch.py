@@ -377,26 +377,46 @@ def test_sync_methods_measured_fast_do_not_take_the_limit_down():
     run(main)
 
 
-def test_a_batch_of_blocking_sync_calls_goes_in_chunks_of_one_plus_the_prefetch():
-    """A chunk counts its sync calls: 10 slow calls in a batch go two to a chunk, in
-    request order, one chunk to each worker, the rest queued until a worker is free."""
+def test_a_batch_of_blocking_sync_calls_goes_out_one_by_one():
+    """A chunk of slow sync calls would be head-of-line by itself: a batch's slow sync
+    calls go one by one, in request order, one to each worker not blocked; the rest
+    wait in the queue, and a call submitted after them waits behind them (FIFO)."""
 
     async def main() -> None:
         d, workers = sync_dispatcher(1)
         codec = Codec()
         d.submit(body(codec, [req("slow", [i], i) for i in range(10)]), lambda e: None)
         sent = [w.channel.take() for w in workers]
-        assert [[(f[0], f[2]) for f in frames] for frames in sent] == [[(wire.Kind.CHUNK, 2)]] * 2
-        assert sorted(first_params(frames[0]) for frames in sent) == [[0], [2]]
-        assert [(w.sync_calls, w.outstanding) for w in workers] == [(2, 2), (2, 2)]
-        assert d.queued_calls == 6
+        assert sorted(first_params(f) for frames in sent for f in frames) == [[0], [1]]
+        assert all(f[0] == wire.Kind.CALL for frames in sent for f in frames)
+        assert [(w.sync_calls, w.outstanding) for w in workers] == [(1, 1), (1, 1)]
+        assert d.queued_calls == 8
         d.submit(body(codec, req("fast", [0], "f")), lambda e: None)
-        assert d.queued_calls == 7  # FIFO: behind the queued chunks
-        frame = sent[0][0]
-        d.on_reply(workers[0], wire.Kind.CHUNK_REPLY, frame[1], 400_000, chunk_reply(frame))
-        [next_chunk] = workers[0].channel.take()
-        assert (next_chunk[0], next_chunk[2], workers[0].sync_calls) == (wire.Kind.CHUNK, 2, 2)
-        assert first_params(next_chunk) == [4]
+        assert d.queued_calls == 9  # FIFO: behind the queued slow calls
+        [frame] = sent[0]
+        d.on_reply(workers[0], wire.Kind.RESULT, frame[1], 200_000, b"0")
+        assert [first_params(f) for f in workers[0].channel.take()] == [[2]]
+        assert workers[0].sync_calls == 1 and d.queued_calls == 8
+
+    run(main)
+
+
+def test_a_blocked_worker_takes_no_second_sync_call_but_its_prefetch_of_others():
+    """One worker, --sync-prefetch 2: a second slow call waits in the queue (at most
+    one blocking sync call per worker), and so does a fast call behind it; once the
+    first returns, the second starts and the fast call is prefetched behind it."""
+
+    async def main() -> None:
+        d, (w,) = sync_dispatcher(2, workers=1)
+        codec = Codec()
+        for params in (["s1"], ["s2"]):
+            d.submit(body(codec, req("slow", params, params[0])), lambda e: None)
+        d.submit(body(codec, req("fast", ["f"], "f")), lambda e: None)
+        [first] = w.channel.take()
+        assert first_params(first) == ["s1"] and d.queued_calls == 2 and w.limit == 3
+        d.on_reply(w, wire.Kind.RESULT, first[1], 200_000, b"0")
+        assert [first_params(f) for f in w.channel.take()] == [["s2"], ["f"]]
+        assert (w.sync_calls, w.outstanding, d.queued_calls) == (1, 2, 0)
 
     run(main)
 
