@@ -35,12 +35,15 @@ longer than until some worker's sync call returns. With `sync_prefetch` at
 `worker_concurrency` or more, none of this applies: every call is routed as before.
 
 A sync method counts as blocking while its calls take `BLOCKING_US` or more in the
-worker, as the worker measures them (each reply's service time; the estimate jumps
-up at once to a slower call and decays by 1/8 towards each faster one; a method
-starts as blocking until its first reply). Below that the worker runs many of its
-calls in one slice of its loop, and the limit would only add round trips: routing
-every call of the sync `add` this way cut single-call throughput on 2 workers from
-about 32,000 to 13,000 calls/s, for no gain.
+worker, as the worker measures them: a moving average of each reply's service time,
+moving 1/8 of the way to each new one (a 200 ms method is blocking after its first
+call; a 20 µs one needs an outlier past 8 ms, a loaded machine's descheduling, to
+cross for a call or two; an estimate that jumped to each slower call flipped `add` to
+blocking on every such outlier). A method starts as blocking until its first reply.
+Below the threshold the worker runs many of its calls in one slice of its loop, and
+the limit would only add round trips: routing every call of the sync `add` this way
+cut single-call throughput on 2 workers from about 32,000 to 13,000 calls/s, for no
+gain.
 
 What a queued call keeps alive is bounded by `max_queue_bytes`: its raw id and params
 are zero-copy views into the request body, and one small view would keep the whole
@@ -760,7 +763,7 @@ class Dispatcher:
         if call.methods is None:
             est = self._sync_us[call.index]
             if est >= 0:  # a sync method: how long do its calls take? (see BLOCKING_US)
-                est = aux if aux > est else est - (est >> 3) + (aux >> 3)
+                est += (aux - est) >> 3
                 if kind != _ERROR or payload != _CANCEL_ACK:  # (a cancel took no time)
                     self._sync_us[call.index] = est
                     if (est >= BLOCKING_US) != self._blocking[call.index]:
@@ -818,7 +821,7 @@ class Dispatcher:
         est = self._sync_us[index]
         if est >= 0 and methods.count(index) == len(methods):
             per_call = aux // len(methods)
-            est = per_call if per_call > est else est - (est >> 3) + (per_call >> 3)
+            est += (per_call - est) >> 3
             self._sync_us[index] = est
             if (est >= BLOCKING_US) != self._blocking[index]:
                 self._reclassify(index, est)
