@@ -10,7 +10,7 @@ worker busy in a sync call is picked like any other, the broker before issue 9 i
 rounds so the machine's noise hits both alike: `--slow-clients` clients call the sync
 `block(0.2)` back to back (each blocks a worker's whole process for 0.2 s), while fast
 calls go out open loop at each of `--rates` per second, alternating the sync `add` and
-the async `ping`, each on a free keep-alive connection. A fast call's latency runs from
+the async `wait(0.005)` (5 ms of I/O), each on a free keep-alive connection. A fast call's latency runs from
 the moment it was due (no coordinated omission) to its answer. Prints, per number of
 slow clients, rate and mode, the fast calls' p50, p99 and max and the slow calls done
 (the more fast calls are in flight, the more often routing off ties the blocked worker
@@ -38,6 +38,7 @@ from conftest import Broker, start_broker  # noqa: E402  (the same launcher the 
 
 MODES = {"off (--sync-prefetch 100)": ["--sync-prefetch", "100"], "on (--sync-prefetch 1)": []}
 SLOW_SECONDS = 0.2
+FAST_WAIT = 0.005
 BEGIN, END = "<!-- sync_mix:begin -->", "<!-- sync_mix:end -->"
 
 
@@ -94,12 +95,12 @@ async def measure(b: Broker, duration: float, rate: float, slow_clients: int) ->
         if i % 2:
             assert await conns.call("add", [i, 1], i) == i + 1
         else:
-            assert await conns.call("ping", [], i) == "pong"
+            assert await conns.call("wait", [FAST_WAIT], i) == FAST_WAIT
         latencies.append(loop.time() - due)
 
     try:
         for i in range(20):  # warm-up: every method answered once (the broker learns their times)
-            await conns.call("add" if i % 2 else "ping", [i, 1] if i % 2 else [], i)
+            await conns.call("add" if i % 2 else "wait", [i, 1] if i % 2 else [FAST_WAIT], i)
         await conns.call("block", [SLOW_SECONDS], 0)
         slows = [asyncio.ensure_future(slow()) for _ in range(slow_clients)]
         await asyncio.sleep(0.05)  # the slow calls under way first
@@ -148,7 +149,7 @@ def main() -> int:
     finally:
         for b in brokers.values():
             b.stop()
-    header = (f"2 workers, worker_concurrency 100; fast calls (`add` sync, `ping` async, alternating) open loop "
+    header = (f"2 workers, worker_concurrency 100; fast calls (`add` sync, `wait({FAST_WAIT})` async, alternating) open loop "
               f"at a fixed rate beside clients calling the sync `block({SLOW_SECONDS})` back to back; "
               f"{args.rounds} rounds of {args.duration:g} s per mode, alternating; {os.cpu_count()} CPUs, "
               f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
@@ -172,12 +173,20 @@ def write_results(header: str, table: list[str]) -> None:
         "## Slow sync calls beside fast ones",
         "",
         f"Written by `benchmarks/sync_mix.py --write` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
-        + header + ". A fast call's latency runs from when it was due to its answer.",
+        + header + ". A fast call's latency runs from when it was due to its answer. (`benchmarks/run.py` "
+        "rewrites this file whole: run `sync_mix.py --write` after it.)",
         "",
-        "With routing off, a fast call sent to the worker busy in `block` waits up to 0.2 s behind it. With "
-        "it on, that worker is the last choice and holds at most `sync_prefetch` calls besides the sync one, "
-        "so fast calls go to the other worker. With as many slow clients as workers there is often no "
-        "unblocked worker to go to: the fast calls then wait in the broker's queue instead of in a worker.",
+        "Routing off is the broker as it was before (issue 9 item 23), with the FIFO queue of item 12: a fast "
+        "call whose least-loaded pick ties the worker busy in `block` with the free one goes behind `block` "
+        "and waits up to 0.2 s, the more often the more fast calls are in flight. Routing on makes the busy "
+        "worker the last choice, holding at most `sync_prefetch` other calls. What is left of the tail with "
+        "it on: async calls already in flight on the worker a `block` call is routed to cannot finish until "
+        "it returns (it goes to the least loaded worker, but at 1000/s of 5 ms calls none is idle). With as "
+        "many slow clients as workers, every worker is mostly blocked and routing cannot make room: with it "
+        "on, a slow call never waits behind another slow call, so each worker takes the next `block` as soon "
+        "as it is free (more slow calls/s) and fast calls get only the gaps (a worse median, about the same "
+        "p99); with it off, a `block` sometimes queues behind another on the same worker and leaves the "
+        "other worker free for fast calls for a while.",
         "",
         *table,
         END,

@@ -1,6 +1,7 @@
 """A test and benchmark app mixing a slow sync handler with fast ones
 (benchmarks/sync_mix.py; tests/test_dispatch_e2e.py)."""
 
+import asyncio
 import time
 
 from broker.worker import Registry
@@ -22,6 +23,7 @@ def add(a: int, b: int) -> int:
 
 
 @registry.method
-async def ping() -> str:
-    """A fast async call."""
-    return "pong"
+async def wait(seconds: float) -> float:
+    """A fast async call that waits on I/O for `seconds` without blocking its worker."""
+    await asyncio.sleep(seconds)
+    return seconds
