@@ -273,15 +273,16 @@ class Call(msgspec.Struct, eq=False):
         entries: list[tuple[int, Request, Route]],
         timeout: float,
         arrival: float,
+        sync: bool = False,
     ) -> Call:
         """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
-        one deadline (they share `timeout`), one reply."""
+        one deadline (they share `timeout`), one reply. `sync`: they are all blocking
+        sync calls (`Route.sync`; a chunk never mixes them with others)."""
         slots = []
         ids = []
         methods = []
         payload = bytearray()
         pack = _CALL_ENTRY.pack
-        sync = 0
         for slot, request, route in entries:
             params = request.params
             payload += pack(route.method_index, 0 if slot >= 0 else _NOTIFY_FLAG, len(params))
@@ -289,7 +290,6 @@ class Call(msgspec.Struct, eq=False):
             slots.append(slot)
             ids.append(request.id)
             methods.append(route.method_index)
-            sync += route.sync
         return cls(
             call_id,
             exchange if slots.count(-1) < len(slots) else None,
@@ -300,7 +300,7 @@ class Call(msgspec.Struct, eq=False):
             bytes(payload),
             timeout,
             arrival,
-            sync,
+            len(entries) if sync else 0,
             weight=len(entries),
             slots=slots,
             ids=ids,
@@ -651,7 +651,7 @@ class Dispatcher:
                     # A chunk goes to a worker below its concurrency limit like a call
                     # does, so it may overshoot the limit by its size; it queues and is
                     # shed as one unit.
-                    call = Call.chunk(next(self._ids), exchange, part, timeout, arrival)
+                    call = Call.chunk(next(self._ids), exchange, part, timeout, arrival, bool(sync))
                     exchange.remaining += call.weight - typing.cast(list[int], call.slots).count(-1)
                 self._start(call, now)
 

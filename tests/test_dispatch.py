@@ -349,6 +349,11 @@ def test_with_the_prefetch_at_the_concurrency_sync_routing_is_off():
         for i in range(9):
             d.submit(body(codec, req("fast", [i], i)), lambda e: None)
         assert (busy.outstanding, other.outstanding, busy.limit) == (5, 5, 100)
+        a.channel.take(), b.channel.take()
+        d.submit(body(codec, [req("slow", [i], i) for i in range(4)]), lambda e: None)  # chunks, as before
+        chunks = a.channel.take() + b.channel.take()
+        assert sorted((f[0], f[2], first_params(f)[0]) for f in chunks) == [(wire.Kind.CHUNK, 2, 0), (wire.Kind.CHUNK, 2, 1)]
+        assert (a.limit, b.limit) == (100, 100)
 
     run(main)
 
