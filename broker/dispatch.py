@@ -225,7 +225,8 @@ class Exchange(msgspec.Struct, eq=False):
 
 class Route(typing.NamedTuple):
     """Where a method's calls go: its index in the workers' method list, deadline (s),
-    and 1 if its handler is sync (it blocks the worker while it runs), else 0."""
+    and `sync`: 1 for a sync handler that blocks its worker (see BLOCKING_US), -1 for
+    a sync handler measured fast (its calls' times are watched), 0 for an async one."""
 
     method_index: int
     timeout: float
@@ -248,7 +249,7 @@ class Call(msgspec.Struct, eq=False):
     params: Raw | bytes  # raw params (a chunk: its CALL_ENTRY payload)
     timeout: float  # seconds
     arrival: float  # when the call arrived (time.perf_counter)
-    sync: int  # sync calls it holds (0 or 1; a chunk: its count of them)
+    sync: int  # > 0: blocking sync calls it holds (a chunk: their count); -1: see Route.sync
     worker: Worker | None = None
     tick: int = 0  # its slot in the DeadlineWheel; 0 once expired or answered
     weight: int = 1  # calls it stands for (a chunk stands for several)
@@ -629,7 +630,7 @@ class Dispatcher:
             groups[entries[0][2].timeout, 0] = entries
         else:
             for entry in entries:
-                key = entry[2].timeout, entry[2].sync
+                key = entry[2].timeout, int(entry[2].sync > 0)
                 group = groups.get(key)
                 if group is None:
                     group = groups[key] = []
@@ -692,7 +693,7 @@ class Dispatcher:
         if n <= 1:
             if n:
                 w = ready[0]
-                if w.outstanding < w.limit and not (sync and w.limit < w.concurrency):
+                if w.outstanding < w.limit and not (sync > 0 and w.limit < w.concurrency):
                     return w
             return None
         i = self._rotation = (self._rotation + 1) % n
@@ -716,7 +717,7 @@ class Dispatcher:
             limit = w.limit
             if k < limit:
                 if limit < w.concurrency:  # blocked: the last choice, and none for a sync call
-                    k = k + _BLOCKED if not sync else least
+                    k = k + _BLOCKED if sync <= 0 else least
                 if k < least:
                     if k == 0:
                         return w
@@ -729,7 +730,7 @@ class Dispatcher:
     def _send(self, worker: Worker, call: Call) -> None:
         call.worker = worker
         worker.outstanding += call.weight
-        if call.sync:  # the worker is (or will be) blocked in it: take its limit down
+        if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
             worker.sync_calls += call.sync
             if worker.limit > self._sync_limit:
                 worker.limit = self._sync_limit
@@ -755,21 +756,21 @@ class Dispatcher:
             self._count_late(kind, payload, 1)
             return
         worker.outstanding -= call.weight
-        if call.sync:
-            worker.sync_calls -= call.sync
-            if not worker.sync_calls and worker.limit < worker.concurrency:
-                worker.limit = worker.concurrency
-                self._blocked -= 1
-        if call.methods is None:
-            est = self._sync_us[call.index]
-            if est >= 0:  # a sync method: how long do its calls take? (see BLOCKING_US)
+        sync = call.sync
+        if sync:
+            if sync > 0:
+                worker.sync_calls -= sync
+                if not worker.sync_calls and worker.limit < worker.concurrency:
+                    worker.limit = worker.concurrency
+                    self._blocked -= 1
+            if call.methods is None:  # how long do this sync method's calls take? (BLOCKING_US)
+                index = call.index
+                est = self._sync_us[index]
                 est += (aux - est) >> 3
                 if kind != _ERROR or payload != _CANCEL_ACK:  # (a cancel took no time)
-                    self._sync_us[call.index] = est
-                    if (est >= BLOCKING_US) != self._blocking[call.index]:
-                        self._reclassify(call.index, est)
-        elif kind == _CHUNK_REPLY:
-            self._learn_chunk(call, aux)
+                    self._sync_us[index] = est
+                    if (est >= BLOCKING_US) != self._blocking[index]:
+                        self._reclassify(index, est)
         exchange = call.exchange
         metrics = self.metrics
         if metrics is not None:
@@ -785,6 +786,7 @@ class Dispatcher:
                 call.exchange = None
                 if kind == _CHUNK_REPLY:
                     self._fill_chunk(call, exchange, payload)
+                    self._learn_chunk(call, aux)
                 else:  # one ERROR for the whole chunk
                     self._fail_chunk(call, exchange, payload, True)
             elif kind == _RESULT:
@@ -810,7 +812,7 @@ class Dispatcher:
         blocking = int(est >= BLOCKING_US)
         self._blocking[index] = blocking
         name = self._names[index]
-        self._routes[name] = self._routes[name]._replace(sync=blocking)
+        self._routes[name] = self._routes[name]._replace(sync=1 if blocking else -1)
         log.debug("sync method %s takes about %d us: %s", name, est, "blocking" if blocking else "not blocking")
 
     def _learn_chunk(self, call: Call, aux: int) -> None:
