@@ -649,9 +649,9 @@ class Dispatcher:
                     call = Call.of(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival)
                     exchange.remaining += slot >= 0
                 else:
-                    # A chunk goes to a worker below its concurrency limit like a call
-                    # does, so it may overshoot the limit by its size; it queues and is
-                    # shed as one unit.
+                    # A chunk goes to a worker below its limit like a call does, so it
+                    # may overshoot the limit by its size; it queues and is shed as one
+                    # unit.
                     call = Call.chunk(next(self._ids), exchange, part, timeout, arrival, bool(sync))
                     exchange.remaining += call.weight - typing.cast(list[int], call.slots).count(-1)
                 self._start(call, now)
