@@ -160,13 +160,18 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     worker_concurrency: Annotated[int, Meta(ge=1),
                                   Doc("calls in flight per worker")
                                   ] = 100
+    sync_prefetch: Annotated[int, Meta(ge=0),
+                             Doc("calls a worker busy in a sync handler may hold besides it "
+                                 "(it cannot start them until that handler returns); a "
+                                 "value of worker_concurrency or more turns this routing off")
+                             ] = 1
     max_queue: Annotated[int, Meta(ge=0),
                          Doc("calls waiting for a free worker before the broker "
                              "answers 'overloaded'")
                          ] = 10000
     max_queue_bytes: Annotated[Bytes, Meta(ge=0),
-                               Doc("total params bytes of the waiting calls before "
-                                   "the broker answers 'overloaded'")
+                               Doc("total bytes the waiting calls hold (raw params and "
+                                   "ids) before the broker answers 'overloaded'")
                                ] = 64 * MIB
     grace_period: Annotated[Seconds, Meta(ge=0),
                             Doc("on SIGTERM, how long in-flight calls may take")

@@ -7,9 +7,48 @@ A front-end decodes a request body with `jsonrpc.Codec` and hands the `Body` to
 answers owed for that body, one slot per answered element, in request order) and one
 `Call` per valid request. Each call gets a fresh broker call id (a monotonic integer:
 client ids collide across connections and may repeat inside a batch) and goes to the
-ready worker with the fewest outstanding calls, if one is under its concurrency
-limit; otherwise it waits in one bounded FIFO queue shared by all workers, and when
-that is full it is answered at once with the "overloaded" error (load shedding).
+ready worker with the fewest outstanding calls, if one is under its limit; otherwise
+it waits in one bounded FIFO queue shared by all workers, and when that is full it is
+answered at once with the "overloaded" error (load shedding).
+
+The queue is strictly first in, first out. A new call never overtakes it: while a
+live call waits there, new calls join its tail. Whenever a worker frees capacity (a
+reply, a worker becoming ready, a lost worker's calls moving on), `_pump` hands the
+head of the queue to the best worker, again and again until the queue is empty or no
+worker is under its limit: every freed slot is filled at once, in arrival order. A
+chunk of a batch (several calls as one unit) needs what a single call needs, one
+worker under its limit, and then overshoots that limit by its size: so a chunk at the
+head is never passed over, and never waits for a worker to empty entirely.
+
+A worker's limit is `worker_concurrency`, except while it has a blocking sync call in
+flight: a sync handler (`wire.Hello.sync_methods`) blocks the worker's whole process,
+so anything sent to it waits behind that call, and would be taken down with it if
+the call hung and the worker were killed. A worker busy in such a call gets no more
+than it can start: at most one blocking sync call in flight, and its limit is
+`1 + sync_prefetch` calls in flight (that call and a small prefetch of other calls,
+which start the moment it returns). Such a worker is the last choice: it gets a call
+only when no unblocked worker can take it. A batch's blocking sync calls go out one
+by one (a chunk of 50 of them would be head-of-line by itself; a chunk counts its
+sync calls all the same). So a blocking sync call at the head of the queue waits for
+a worker that is not blocked, and the calls behind it wait with it (FIFO): never
+longer than until some worker's sync call returns. With `sync_prefetch` at
+`worker_concurrency` or more, none of this applies: every call is routed as before.
+
+A sync method counts as blocking while its calls take `BLOCKING_US` or more in the
+worker, as the worker measures them: a moving average of each reply's service time,
+moving 1/8 of the way to each new one (a 200 ms method is blocking after its first
+call; a 20 µs one needs an outlier past 8 ms, a loaded machine's descheduling, to
+cross for a call or two; an estimate that jumped to each slower call flipped `add` to
+blocking on every such outlier). A method starts as blocking until its first reply.
+Below the threshold the worker runs many of its calls in one slice of its loop, and
+the limit would only add round trips: routing every call of the sync `add` this way
+cut single-call throughput on 2 workers from about 32,000 to 13,000 calls/s, for no
+gain.
+
+What a queued call keeps alive is bounded by `max_queue_bytes`: its raw id and params
+are zero-copy views into the request body, and one small view would keep the whole
+body (up to `max_body_bytes`) alive, so they are copied out when the call is queued,
+and the bytes counted are those copies.
 
 A worker's reply (`on_reply`) finds its call by id in the pending table, splices the
 raw result or error object after the client's raw id, and fills the call's slot; the
@@ -26,7 +65,10 @@ Every call ends in exactly one of these ways, and only the first one answers:
 
 A call that timed out stays in the pending table (without its exchange) until its
 worker replies, so the worker's outstanding count stays exact; that reply is then
-dropped and counted as late. Notifications travel the same way with no exchange.
+dropped and counted as late: as `cancelled` when it is the worker's acknowledgement
+of the CANCEL (`wire.CANCEL_ACK`), else as `result` (the handler finished after the
+deadline, e.g. a sync handler that could not be interrupted). Notifications travel
+the same way with no exchange.
 """
 
 from __future__ import annotations
@@ -73,10 +115,14 @@ _REPLY_ENTRY = wire.REPLY_ENTRY
 _NOTIFY_FLAG = wire.NOTIFY_FLAG
 _CALL = int(wire.Kind.CALL)
 _NOTIFY = int(wire.Kind.NOTIFY)
+_ERROR = int(wire.Kind.ERROR)
+_CANCEL_ACK = wire.CANCEL_ACK
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _CODE_AT = len(b'{"code":')
+BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
+_BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
 _clock = time.perf_counter
 _NO_ID = Raw()
 
@@ -111,6 +157,27 @@ def _answer_code(answer: bytes) -> int:
     except ValueError:
         return ErrorCode.INVALID_REQUEST
 
+
+
+def _held(call: Call) -> int:
+    """Bytes `call` would hold while queued: its raw params and client id(s)."""
+    if call.ids is None:
+        return len(call.params) + len(call.id)
+    return len(call.params) + sum(map(len, call.ids))
+
+
+def _hold(call: Call) -> None:
+    """Copy what a call about to be queued keeps of its request body (raw id and
+    params: `msgspec.Raw` views into the whole body, which they would keep alive) and
+    record the bytes it holds in `call.held`. (A chunk's params are its own already.)"""
+    if call.ids is None:
+        call.id = call.id.copy()
+        params = call.params
+        if type(params) is Raw:
+            call.params = params.copy()
+    else:
+        call.ids = [id_.copy() for id_ in call.ids]
+    call.held = _held(call)
 
 
 class Exchange(msgspec.Struct, eq=False):
@@ -157,10 +224,13 @@ class Exchange(msgspec.Struct, eq=False):
 
 
 class Route(typing.NamedTuple):
-    """Where a method's calls go: its index in the workers' method list and deadline (s)."""
+    """Where a method's calls go: its index in the workers' method list, deadline (s),
+    and `sync`: 1 for a sync handler that blocks its worker (see BLOCKING_US), -1 for
+    a sync handler measured fast (its calls' times are watched), 0 for an async one."""
 
     method_index: int
     timeout: float
+    sync: int = 0
 
 
 class Call(msgspec.Struct, eq=False):
@@ -179,19 +249,21 @@ class Call(msgspec.Struct, eq=False):
     params: Raw | bytes  # raw params (a chunk: its CALL_ENTRY payload)
     timeout: float  # seconds
     arrival: float  # when the call arrived (time.perf_counter)
+    sync: int  # > 0: blocking sync calls it holds (a chunk: their count); -1: see Route.sync
     worker: Worker | None = None
     tick: int = 0  # its slot in the DeadlineWheel; 0 once expired or answered
     weight: int = 1  # calls it stands for (a chunk stands for several)
     slots: list[int] | None = None  # a chunk's answer slots (-1: notification)
     ids: list[Raw] | None = None  # a chunk's raw client ids
     methods: list[int] | None = None  # a chunk's method indexes
+    held: int = 0  # bytes it holds while queued (counted in max_queue_bytes)
 
     @classmethod
     def of(cls, call_id: int, exchange: Exchange | None, slot: int, request: Request, route: Route, arrival: float) -> Call:
         """One request (a call, or a notification when `exchange` is None)."""
         return cls(
             call_id, exchange, slot, request.id, _CALL if exchange is not None else _NOTIFY,
-            route.method_index, request.params, route.timeout, arrival,
+            route.method_index, request.params, route.timeout, arrival, route.sync,
         )  # fmt: skip
 
     @classmethod
@@ -202,9 +274,11 @@ class Call(msgspec.Struct, eq=False):
         entries: list[tuple[int, Request, Route]],
         timeout: float,
         arrival: float,
+        sync: bool = False,
     ) -> Call:
         """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
-        one deadline (they share `timeout`), one reply."""
+        one deadline (they share `timeout`), one reply. `sync`: they are all blocking
+        sync calls (`Route.sync`; a chunk never mixes them with others)."""
         slots = []
         ids = []
         methods = []
@@ -227,6 +301,7 @@ class Call(msgspec.Struct, eq=False):
             bytes(payload),
             timeout,
             arrival,
+            len(entries) if sync else 0,
             weight=len(entries),
             slots=slots,
             ids=ids,
@@ -241,7 +316,8 @@ class DispatcherStats(typing.NamedTuple):
     queued: int
     calls_total: int
     timeouts_total: int
-    late_replies_total: int
+    late_results_total: int
+    late_cancelled_total: int
     shed_total: int
     worker_died_total: int
 
@@ -316,10 +392,13 @@ class Dispatcher:
     """Routes calls to workers and answers them; one per broker process.
 
     max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
-    max_queue_bytes: the same bound on the waiting calls' params, in bytes.
+    max_queue_bytes: the same bound on the bytes the waiting calls hold (their raw
+        params and ids, copied out of the request body when queued).
     timeout: default deadline in seconds; `method_timeouts` overrides it per method.
     cancel_grace: seconds a worker has to answer a timed-out call before it is
         killed as hung.
+    sync_prefetch: calls (>= 0) a worker busy in a sync call may hold besides that
+        call; see the module docstring.
     metrics: where to count answers, latencies and batch sizes (`metrics.CallMetrics`),
         or None.
     """
@@ -333,20 +412,28 @@ class Dispatcher:
         timeout: float = 30.0,
         method_timeouts: typing.Mapping[str, float] | None = None,
         cancel_grace: float = 10.0,
+        sync_prefetch: int = 1,
         metrics: CallMetrics | None = None,
     ) -> None:
         self._loop = loop
         self.metrics = metrics  # None: count nothing per call (metrics off)
         self._cancel_grace = cancel_grace
+        self._sync_limit = 1 + sync_prefetch  # a worker's limit while busy in a sync call
+        self._blocked = 0  # workers whose limit that is now
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
-        self._queued_bytes = 0  # params bytes held by the queued calls
+        self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
         # Queued calls whose deadline passed stay in the deque until they reach its head
         # (removing one from the middle is O(n)); they no longer hold a place or bytes.
         self._expired_queued = 0
         self._timeout = timeout
         self._method_timeouts = dict(method_timeouts or {})
         self._routes: dict[str, Route] = {}
+        self._names: list[str] = []
+        # Per method index: the service-time estimate (µs) of a sync method, -1 for an
+        # async one; and whether it counts as blocking now (its Route.sync).
+        self._sync_us: list[int] = []
+        self._blocking: list[int] = []
         self._one_timeout = True  # every method has the same deadline (see set_methods)
         self._pending: dict[int, Call] = {}
         self._queue: deque[Call] = deque()
@@ -357,7 +444,10 @@ class Dispatcher:
         self.accepting = True
         self.calls_total = 0
         self.timeouts_total = 0
-        self.late_replies_total = 0
+        # Replies to calls answered already (deadline, shutdown): the worker's
+        # acknowledgement of a CANCEL, or a result (or error) that came late.
+        self.late_cancelled_total = 0
+        self.late_results_total = 0
         self.shed_total = 0
         # Notifications that never reached a worker, by the error a call would have had
         # (overloaded, timed out while queued, no worker, shutting down): they get no
@@ -370,8 +460,9 @@ class Dispatcher:
 
     # -- configuration from the pool -------------------------------------------------
 
-    def set_methods(self, names: list[str]) -> None:
-        """Install the method table announced by the workers' HELLO (in their order).
+    def set_methods(self, names: list[str], sync_methods: typing.Collection[str] = ()) -> None:
+        """Install the method table announced by the workers' HELLO (in their order);
+        `sync_methods` names those whose handlers are sync (`wire.Hello`).
 
         Called again by a reload whose new workers serve another table, after the old
         workers left the rotation and before the new ones join (`Pool._swap`). Calls
@@ -381,9 +472,14 @@ class Dispatcher:
         old worker keeps the index it was sent with, and only the index its answer is
         counted under changes (`other` for a lost method).
         """
-        old = [name for name, _ in sorted(self._routes.items(), key=lambda item: item[1].method_index)]
+        old = self._names
+        sync = [int(name in sync_methods) for name in names]
+        self._names = list(names)
+        # One entry past the table too: `other`, the index a reload gives a lost method.
+        self._blocking = [*sync, 0]  # until its first reply says otherwise
+        self._sync_us = [*(BLOCKING_US if s else -1 for s in sync), -1]
         self._routes = {
-            name: Route(i, self._method_timeouts.get(name, self._timeout))
+            name: Route(i, self._method_timeouts.get(name, self._timeout), sync[i])
             for i, name in enumerate(names)
         }
         # When every method has the same deadline (the usual case) a batch needs no
@@ -420,6 +516,7 @@ class Dispatcher:
     def worker_ready(self, worker: Worker) -> None:
         """A worker can take calls: add it to the rotation and give it queued work."""
         if worker not in self._ready:
+            worker.limit = worker.concurrency  # (a worker is ready with nothing in flight)
             self._ready.append(worker)
         self._pump()
 
@@ -442,7 +539,10 @@ class Dispatcher:
             if call.exchange is not None:
                 self.worker_died_total += call.weight
             self._finish(call, error, ErrorCode.WORKER_DIED)
-        worker.outstanding = 0
+        if worker.limit < worker.concurrency:
+            self._blocked -= 1
+        worker.outstanding = worker.sync_calls = 0
+        worker.limit = worker.concurrency
         self._check_idle()
         self._pump()
 
@@ -472,7 +572,7 @@ class Dispatcher:
 
     @property
     def queued_bytes(self) -> int:
-        """Params bytes of the calls waiting for a worker."""
+        """Bytes the calls waiting for a worker hold (raw params and ids)."""
         return self._queued_bytes
 
     @property
@@ -558,19 +658,24 @@ class Dispatcher:
         self, entries: list[tuple[int, Request, Route]], exchange: Exchange, now: float, arrival: float
     ) -> None:
         """A batch's calls go out in a few chunks (about one per ready worker) instead
-        of one frame each. Calls with different deadlines never share a chunk."""
-        groups: dict[float, list[tuple[int, Request, Route]]] = {}
-        if self._one_timeout:
-            groups[entries[0][2].timeout] = entries
+        of one frame each. Calls with different deadlines never share a chunk, nor
+        do blocking sync calls and others; blocking sync calls go one by one (see
+        the module docstring)."""
+        groups: dict[tuple[float, int], list[tuple[int, Request, Route]]] = {}
+        if self._one_timeout and 1 not in self._blocking:
+            groups[entries[0][2].timeout, 0] = entries
         else:
             for entry in entries:
-                group = groups.get(entry[2].timeout)
+                key = entry[2].timeout, int(entry[2].sync > 0)
+                group = groups.get(key)
                 if group is None:
-                    group = groups[entry[2].timeout] = []
+                    group = groups[key] = []
                 group.append(entry)
         workers = len(self._ready)
-        for timeout, group in groups.items():
+        for (timeout, sync), group in groups.items():
             chunks = min(workers, len(group))
+            if sync and self._sync_limit < self._ready[0].concurrency:  # slow sync calls: one by one
+                chunks = len(group)
             for first in range(chunks):
                 # Dealt out like cards: neighbours in a batch are often alike (the
                 # same slow method), so interleaving spreads them over the workers.
@@ -580,16 +685,20 @@ class Dispatcher:
                     call = Call.of(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival)
                     exchange.remaining += slot >= 0
                 else:
-                    # A chunk goes to a worker below its concurrency limit like a call
-                    # does, so it may overshoot the limit by its size; it queues and is
-                    # shed as one unit.
-                    call = Call.chunk(next(self._ids), exchange, part, timeout, arrival)
+                    # A chunk goes to a worker below its limit like a call does, so it
+                    # may overshoot the limit by its size; it queues and is shed as one
+                    # unit.
+                    call = Call.chunk(next(self._ids), exchange, part, timeout, arrival, bool(sync))
                     exchange.remaining += call.weight - typing.cast(list[int], call.slots).count(-1)
                 self._start(call, now)
 
     def _start(self, call: Call, now: float) -> None:
         self._deadlines.add(call, now)
-        worker = self._pick()
+        queue = self._queue
+        if queue:  # FIFO: while a live call waits, a new one joins the tail
+            while queue and not queue[0].tick:  # (calls that expired while queued)
+                self._dequeue()
+        worker = self._pick(call.sync) if not queue else None
         if worker is not None:
             self._send(worker, call)
             if self.metrics is not None:
@@ -598,35 +707,57 @@ class Dispatcher:
             self._finish(call, error_object(ErrorCode.SHUTTING_DOWN), ErrorCode.SHUTTING_DOWN, remaining=False)
         elif not self._ready and not self.worker_coming():
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
-        elif len(self._queue) - self._expired_queued >= self._max_queue or (
-            self._queued_bytes + len(call.params) > self._max_queue_bytes
+        elif len(queue) - self._expired_queued >= self._max_queue or (
+            self._queued_bytes + _held(call) > self._max_queue_bytes
         ):
             self.shed_total += 1
             self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
         else:
-            self._queue.append(call)
-            self._queued_bytes += len(call.params)
+            _hold(call)
+            queue.append(call)
+            self._queued_bytes += call.held
 
-    def _pick(self) -> Worker | None:
-        """The ready worker with the fewest outstanding calls under its limit; ties
-        go round-robin (the scan starts one further each time), so one-at-a-time
-        calls spread over the workers instead of all landing on the first."""
+    def _pick(self, sync: int) -> Worker | None:
+        """The ready worker with the fewest outstanding calls under its limit (see
+        the module docstring); ties go round-robin (the scan starts one further each
+        time), so one-at-a-time calls spread over the workers instead of all landing
+        on the first. A worker blocked in a slow sync call (its limit taken down) is
+        picked only when no other can take the call (there it would wait), and never
+        for a call holding blocking sync calls (`sync` > 0)."""
         ready = self._ready
         n = len(ready)
         if n <= 1:
-            if n and ready[0].outstanding < ready[0].concurrency:
-                return ready[0]
+            if n:
+                w = ready[0]
+                if w.outstanding < w.limit and not (sync > 0 and w.limit < w.concurrency):
+                    return w
             return None
         i = self._rotation = (self._rotation + 1) % n
         best: Worker | None = None
         least = 1 << 62
+        if not self._blocked:
+            for _ in range(n):
+                w = ready[i]
+                k = w.outstanding
+                if k < least and k < w.limit:
+                    if k == 0:
+                        return w
+                    best, least = w, k
+                i += 1
+                if i == n:
+                    i = 0
+            return best
         for _ in range(n):
             w = ready[i]
             k = w.outstanding
-            if k < least and k < w.concurrency:
-                if k == 0:
-                    return w
-                best, least = w, k
+            limit = w.limit
+            if k < limit:
+                if limit < w.concurrency:  # blocked: the last choice, and none for a sync call
+                    k = k + _BLOCKED if sync <= 0 else least
+                if k < least:
+                    if k == 0:
+                        return w
+                    best, least = w, k
             i += 1
             if i == n:
                 i = 0
@@ -635,6 +766,11 @@ class Dispatcher:
     def _send(self, worker: Worker, call: Call) -> None:
         call.worker = worker
         worker.outstanding += call.weight
+        if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
+            worker.sync_calls += call.sync
+            if worker.limit > self._sync_limit:
+                worker.limit = self._sync_limit
+                self._blocked += 1
         self._pending[call.call_id] = call
         worker.channel.send(call.kind, call.call_id, call.index, call.params)  # type: ignore[union-attr]
 
@@ -643,14 +779,34 @@ class Dispatcher:
         with (part of) a chunk's answers; `aux` is its service time in microseconds."""
         if kind == _CHUNK_PART:  # some of a chunk's answers; the chunk stays pending
             part = self._pending.get(call_id)
-            if part is not None and part.worker is worker and part.exchange is not None:
-                self._fill_chunk(part, part.exchange, payload)
+            if part is not None and part.worker is worker:
+                if part.exchange is not None:
+                    self._fill_chunk(part, part.exchange, payload)
+                elif not part.tick:  # its deadline passed: these answers come late
+                    self._count_late(kind, payload, 0)
             return
         call = self._pending.pop(call_id, None)
-        if call is None or call.worker is not worker:
-            self.late_replies_total += 1
+        if call is None or call.worker is not worker:  # not a call of this worker's
+            if call is not None:
+                self._pending[call_id] = call
+            self._count_late(kind, payload, 1)
             return
         worker.outstanding -= call.weight
+        sync = call.sync
+        if sync:
+            if sync > 0:
+                worker.sync_calls -= sync
+                if not worker.sync_calls and worker.limit < worker.concurrency:
+                    worker.limit = worker.concurrency
+                    self._blocked -= 1
+            if call.methods is None:  # how long do this sync method's calls take? (BLOCKING_US)
+                index = call.index
+                est = self._sync_us[index]
+                est += (aux - est) >> 3
+                if kind != _ERROR or payload != _CANCEL_ACK:  # (a cancel took no time)
+                    self._sync_us[index] = est
+                    if (est >= BLOCKING_US) != self._blocking[index]:
+                        self._reclassify(index, est)
         exchange = call.exchange
         metrics = self.metrics
         if metrics is not None:
@@ -666,6 +822,7 @@ class Dispatcher:
                 call.exchange = None
                 if kind == _CHUNK_REPLY:
                     self._fill_chunk(call, exchange, payload)
+                    self._learn_chunk(call, aux)
                 else:  # one ERROR for the whole chunk
                     self._fail_chunk(call, exchange, payload, True)
             elif kind == _RESULT:
@@ -680,22 +837,56 @@ class Dispatcher:
         elif call.tick:  # a notification
             self._deadlines.remove(call)
         else:  # its deadline passed: the client has its answer already
-            self.late_replies_total += 1
-        queue = self._queue
-        if queue:
-            # The queue is only non-empty while every ready worker is at its limit, so
-            # the worker that just answered is the one with a free slot: it takes the
-            # oldest live queued call, without a scan.
-            if worker.outstanding < worker.concurrency and worker in self._ready:
-                while queue:
-                    call = self._dequeue()
-                    if call.tick:  # else it timed out while queued
-                        self._send(worker, call)
-                        if metrics is not None:
-                            metrics.queue_wait.observe_us(int((_clock() - call.arrival) * 1e6), call.weight)
-                        break
+            self._count_late(kind, payload, call.weight)
+        if self._queue:  # capacity was freed: fill all of it from the queue, in order
+            self._pump()
         elif not self.accepting and not self._pending:
             self._idle.set()
+
+    def _reclassify(self, index: int, est: int) -> None:
+        """A sync method's estimate crossed BLOCKING_US: route its calls accordingly."""
+        if index >= len(self._names):  # `other`: a method a reload removed
+            return
+        blocking = int(est >= BLOCKING_US)
+        self._blocking[index] = blocking
+        name = self._names[index]
+        self._routes[name] = self._routes[name]._replace(sync=1 if blocking else -1)
+        log.debug("sync method %s takes about %d us: %s", name, est, "blocking" if blocking else "not blocking")
+
+    def _learn_chunk(self, call: Call, aux: int) -> None:
+        """Learn a sync method's service time from a chunk of its calls alone (a
+        chunk's `aux` is its total: of several methods, it says nothing of each)."""
+        methods = typing.cast(list[int], call.methods)
+        index = methods[0]
+        est = self._sync_us[index]
+        if est >= 0 and methods.count(index) == len(methods):
+            per_call = aux // len(methods)
+            est += (per_call - est) >> 3
+            self._sync_us[index] = est
+            if (est >= BLOCKING_US) != self._blocking[index]:
+                self._reclassify(index, est)
+
+    def _count_late(self, kind: int, payload: bytes, weight: int) -> None:
+        """Count a reply to a call answered already: per call, as the worker's
+        acknowledgement of a CANCEL (`wire.CANCEL_ACK`) or as a late result. `weight`:
+        the calls one ERROR frame stands for (a whole chunk's)."""
+        if kind == _CHUNK_REPLY or kind == _CHUNK_PART:
+            unpack = _REPLY_ENTRY.unpack_from
+            size = _REPLY_ENTRY.size
+            ack = len(_CANCEL_ACK)
+            pos, end = 0, len(payload)
+            while pos + size <= end:
+                _i, entry_kind, length = unpack(payload, pos)
+                pos += size
+                if entry_kind == _ERROR and length == ack and payload[pos : pos + length] == _CANCEL_ACK:
+                    self.late_cancelled_total += 1
+                else:
+                    self.late_results_total += 1
+                pos += length
+        elif kind == _ERROR and payload == _CANCEL_ACK:
+            self.late_cancelled_total += max(weight, 1)
+        else:
+            self.late_results_total += max(weight, 1)
 
     def _fill_chunk(self, call: Call, exchange: Exchange, payload: bytes) -> None:
         """Splice the answers of a CHUNK_PART or CHUNK_REPLY payload into their slots."""
@@ -743,7 +934,7 @@ class Dispatcher:
                         mix[methods[i]] += 1
                     pos += size + length
             for index, n in mix.items():
-                metrics.answered(index, 0, latency, n)
+                metrics.ok(index, latency, n)
         exchange.filled(filled)
 
     def _fail_chunk(self, call: Call, exchange: Exchange, error: bytes, remaining: bool) -> None:
@@ -768,30 +959,34 @@ class Dispatcher:
     def _dequeue(self) -> Call:
         call = self._queue.popleft()
         if call.tick:
-            self._queued_bytes -= len(call.params)
+            self._queued_bytes -= call.held
         else:  # expired while queued: counted out already (_on_timeout)
             self._expired_queued -= 1
         return call
 
     def _pump(self) -> None:
+        """Start queued calls, oldest first, while a worker is under its limit."""
         queue = self._queue
+        metrics = self.metrics
         while queue:
-            worker = self._pick()
-            if worker is None:
-                return
-            call = self._dequeue()
-            if not call.tick:  # timed out while queued
-                continue
-            self._send(worker, call)
-            if self.metrics is not None:
-                self.metrics.queue_wait.observe_us(int((_clock() - call.arrival) * 1e6), call.weight)
+            call = queue[0]
+            if call.tick:  # (else it timed out while queued: just drop it)
+                worker = self._pick(call.sync)
+                if worker is None:
+                    return
+                self._dequeue()
+                self._send(worker, call)
+                if metrics is not None:
+                    metrics.queue_wait.observe_us(int((_clock() - call.arrival) * 1e6), call.weight)
+            else:
+                self._dequeue()
         self._check_idle()
 
     def _on_timeout(self, call: Call) -> None:
         self.timeouts_total += call.weight
         if call.worker is None:  # still queued: it gives up its place and bytes now
             self._expired_queued += 1
-            self._queued_bytes -= len(call.params)
+            self._queued_bytes -= call.held
         self._finish(
             call,
             error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout}),
@@ -882,7 +1077,8 @@ class Dispatcher:
             queued=len(self._queue) - self._expired_queued,
             calls_total=self.calls_total,
             timeouts_total=self.timeouts_total,
-            late_replies_total=self.late_replies_total,
+            late_results_total=self.late_results_total,
+            late_cancelled_total=self.late_cancelled_total,
             shed_total=self.shed_total,
             worker_died_total=self.worker_died_total,
         )

@@ -17,8 +17,14 @@ multiprocess files.
 Names follow https://prometheus.io/docs/practices/naming/: the `rpc_broker_` prefix,
 base units (seconds, bytes), `_total` on counters. Label values are bounded: `method`
 is a registered method or `other`; `code` one of the broker's own codes or
-`application`; `slot` a worker slot index; `status` an HTTP status code; `result` of
-a reload `success` or `failure`.
+`application`; `slot` a worker slot index; `status` an HTTP status code; `kind` of a
+late reply `cancelled` or `result`; `result` of a reload `success` or `failure`.
+
+The state behind them is bounded too: an error code outside the broker's table
+(`jsonrpc.ERRORS`) is folded into one `APPLICATION` entry when it is counted, not kept
+per code, since it is exported only as `application` anyway. That includes the rest
+of the range the spec reserves (-32768..-32000): a tool may answer any code there,
+and 769 values per method would be state with no label to show it.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ if typing.TYPE_CHECKING:
     from broker.pool import Pool
 
 __all__ = [
+    "APPLICATION",
     "BATCH_BUCKETS",
     "CONTENT_TYPE",
     "OTHER",
@@ -67,7 +74,8 @@ OTHER = "other"  # the `method` label of calls to no registered method
 # The classic text format (what generate_latest writes for these names); newer
 # prometheus-client says version=1.0.0, which Prometheus 2.x servers predate.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-OK = 0  # the outcome code of a result (error codes are never 0)
+OK = 0  # the outcome code of a result
+APPLICATION = 1  # the outcome code every error code outside `jsonrpc.ERRORS` is counted as
 
 _OUTCOMES: dict[int, str] = {
     ErrorCode.PARSE_ERROR: "parse_error",
@@ -178,7 +186,8 @@ class CallMetrics:
     """What the dispatcher counts per call, indexed by method index (the place of the
     method in the workers' HELLO list; index len(methods) is `OTHER`).
 
-    outcomes[m]: {code: answers} with code 0 for results.
+    outcomes[m]: {code: answers}: `OK` for results, the broker's error codes, and
+                 `APPLICATION` for every other code (so at most 12 entries).
     latency[m]: arrival (body decoded) to answer ready.
     service[m]: time inside the worker (its own measure); a chunk's calls are
                 counted at the chunk's time divided by its number of calls.
@@ -235,10 +244,19 @@ class CallMetrics:
         h.sum_us += service_us
 
     def answered(self, method: int, code: int, latency: float, n: int = 1) -> None:
-        """`n` answers with `code` (0 for results, else the error object's code),
-        `latency` seconds after they arrived."""
+        """`n` answers with the error object's `code` (any integer: codes outside
+        the broker's table are counted as `APPLICATION`), `latency` seconds after
+        they arrived."""
+        if code not in _OUTCOMES:
+            code = APPLICATION
         outcomes = self.outcomes[method]
         outcomes[code] = outcomes.get(code, 0) + n
+        self.latency[method].observe_us(int(latency * 1e6), n)
+
+    def ok(self, method: int, latency: float, n: int = 1) -> None:
+        """`n` answers with a result, `latency` seconds after they arrived."""
+        outcomes = self.outcomes[method]
+        outcomes[OK] = outcomes.get(OK, 0) + n
         self.latency[method].observe_us(int(latency * 1e6), n)
 
 
@@ -298,15 +316,17 @@ class BrokerCollector(Collector):
             [([], self.max_queue)],
         )  # fmt: skip
         yield _family_gauge(
-            "rpc_broker_queued_bytes", "Params bytes of the calls waiting for a worker.", [], [([], d.queued_bytes)]
+            "rpc_broker_queued_bytes", "Bytes the calls waiting for a worker hold (raw params and ids).", [],
+            [([], d.queued_bytes)],
         )
         yield _family_gauge(
-            "rpc_broker_queue_capacity_bytes", "Params bytes the queue holds before answering overloaded "
+            "rpc_broker_queue_capacity_bytes", "Bytes the queue holds before answering overloaded "
             "(max_queue_bytes).", [], [([], self.max_queue_bytes)],
         )  # fmt: skip
         yield _family_counter(
-            "rpc_broker_late_replies", "Worker replies dropped: the call had been answered already (deadline).",
-            [], [([], d.late_replies_total)],
+            "rpc_broker_late_replies", "Worker replies dropped: the call had been answered already (deadline, "
+            "shutdown). kind: cancelled (the worker acknowledged the cancel) or result (the call finished late).",
+            ["kind"], [(["cancelled"], d.late_cancelled_total), (["result"], d.late_results_total)],
         )  # fmt: skip
         yield _family_counter(
             "rpc_broker_notifications_dropped", "Notifications that never reached a worker, by reason (they get "

@@ -94,6 +94,7 @@ class Worker:
         "exited",
         "failures",
         "kill_reason",
+        "limit",
         "outstanding",
         "pid",
         "process",
@@ -101,6 +102,7 @@ class Worker:
         "slot",
         "started_at",
         "state",
+        "sync_calls",
     )
 
     def __init__(self, slot: int) -> None:
@@ -111,6 +113,8 @@ class Worker:
         self.channel: WorkerChannel | None = None
         self.outstanding = 0
         self.concurrency = 1
+        self.limit = 1  # calls in flight it may have now (the dispatcher's: see dispatch.py)
+        self.sync_calls = 0  # sync calls in flight (the dispatcher's)
         self.started_at = 0.0
         self.restarts = 0
         self.failures = 0
@@ -248,6 +252,7 @@ class Pool:
         self.log_level = log_level
         self.workers = [Worker(i) for i in range(size)]
         self.methods: list[str] | None = None
+        self.sync_methods: list[str] = []  # those of `methods` whose handlers are sync (HELLO)
         self._socket_dir_given = socket_dir
         self._dir = ""
         self._path = ""
@@ -265,6 +270,7 @@ class Pool:
         # the swap), the method list they announce, and why it failed, if it did.
         self.incoming: list[Worker] = []
         self._incoming_methods: list[str] | None = None
+        self._incoming_sync: list[str] = []
         self._incoming_error = ""
         self.reloads = {"success": 0, "failure": 0}  # reloads by outcome (a metric's label)
         dispatcher.worker_coming = self._worker_coming
@@ -401,13 +407,14 @@ class Pool:
         if self.incoming:
             new = self.incoming[hello.slot]
             if new.state is WorkerState.STARTING and new.pid == hello.pid:
-                return self._hello_incoming(channel, new, names, hello.concurrency)
+                return self._hello_incoming(channel, new, names, hello)
         worker = self.workers[hello.slot]
         if worker.state is not WorkerState.STARTING or worker.pid != hello.pid:
             raise wire.FrameError(f"HELLO from pid {hello.pid} for slot {hello.slot}, expected pid {worker.pid}")
         if self.methods is None:
             self.methods = names
-            self.dispatcher.set_methods(names)
+            self.sync_methods = list(hello.sync_methods)
+            self.dispatcher.set_methods(names, self.sync_methods)
         elif names != self.methods:
             raise wire.FrameError(
                 f"worker {hello.slot} serves {names}, not {self.methods}: the app changed on disk;"
@@ -421,11 +428,12 @@ class Pool:
         self._changed.set()
         return worker
 
-    def _hello_incoming(self, channel: WorkerChannel, worker: Worker, names: list[str], concurrency: int) -> Worker:
+    def _hello_incoming(self, channel: WorkerChannel, worker: Worker, names: list[str], hello: wire.Hello) -> Worker:
         """HELLO from a new worker of a reload: READY, but it takes calls only at the
         swap. Every new worker must serve the same method list as the first one."""
         if self._incoming_methods is None:
             self._incoming_methods = names
+            self._incoming_sync = list(hello.sync_methods)
         elif names != self._incoming_methods:
             self._incoming_error = (
                 f"new worker {worker.slot} serves {names}, not {self._incoming_methods} as new worker"
@@ -434,7 +442,7 @@ class Pool:
             self._changed.set()
             raise wire.FrameError(self._incoming_error)
         worker.channel = channel
-        worker.concurrency = max(1, concurrency)
+        worker.concurrency = max(1, hello.concurrency)
         worker.move(WorkerState.READY)
         log.info("reload: new worker %d ready (pid %d, %d methods)", worker.slot, worker.pid, len(names))
         self._changed.set()
@@ -474,6 +482,7 @@ class Pool:
         self._reloading = True
         self.incoming = [Worker(slot) for slot in range(self.size)]
         self._incoming_methods = None
+        self._incoming_sync = []
         self._incoming_error = ""
         try:
             for worker in self.incoming:
@@ -490,7 +499,7 @@ class Pool:
                 self.reloads["failure"] += 1
                 log.error("reload failed: %s; keeping the old workers (the old code serves on)", failure)
                 return False
-            self._swap(self.incoming, typing.cast(list[str], self._incoming_methods))
+            self._swap(self.incoming, typing.cast(list[str], self._incoming_methods), self._incoming_sync)
             self.reloads["success"] += 1
             log.info("reload: all %d workers replaced", self.size)
             return True
@@ -525,18 +534,19 @@ class Pool:
             await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             waits[0].cancel()
 
-    def _swap(self, incoming: list[Worker], names: list[str]) -> None:
+    def _swap(self, incoming: list[Worker], names: list[str], sync_methods: list[str]) -> None:
         """Put the ready new workers of a reload in place of the old ones, in one step
         (no await: no call is routed half-way)."""
         old_workers = self.workers
         for old in old_workers:  # first out of the rotation: nothing more goes to them
             self.dispatcher.worker_unready(old)
-        if names != self.methods:
+        if names != self.methods or sync_methods != self.sync_methods:
             before = set(self.methods or ())
             log.info("reload: the new code adds %s and removes %s", sorted(set(names) - before) or "no method",
                      sorted(before - set(names)) or "no method")
             self.methods = names
-            self.dispatcher.set_methods(names)
+            self.sync_methods = sync_methods
+            self.dispatcher.set_methods(names, sync_methods)
         self.workers = list(incoming)
         for new in incoming:
             self.dispatcher.worker_ready(new)

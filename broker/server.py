@@ -129,6 +129,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         timeout=config.timeout,
         method_timeouts=config.method_timeouts,
         cancel_grace=config.cancel_grace,
+        sync_prefetch=config.sync_prefetch,
         metrics=CallMetrics() if config.metrics else None,
     )
     pool = Pool(

@@ -12,7 +12,8 @@ is a frame with a fixed 17-byte header, all integers big-endian:
 
 Kinds, who sends them, and what `aux` and the payload hold:
 
-    HELLO   worker → broker  aux 0; payload: JSON `Hello` (pid, slot, methods, concurrency)
+    HELLO   worker → broker  aux 0; payload: JSON `Hello` (pid, slot, methods, concurrency,
+                             which methods are sync)
     CALL    broker → worker  aux: method index (its place in HELLO's list);
                              payload: the request's raw JSON params (empty if absent)
     NOTIFY  broker → worker  as CALL, for a notification; the worker still replies, so
@@ -40,8 +41,10 @@ Kinds, who sends them, and what `aux` and the payload hold:
 
 A chunk travels and is accounted for as one unit (one call id, one deadline): it
 saves the per-call frame work on both sides for batches. The worker replies to every
-CALL, NOTIFY and CHUNK exactly once (a cancelled call with an
-ERROR), so the broker's count of a worker's outstanding calls stays exact.
+CALL, NOTIFY and CHUNK exactly once (a call it cancelled, or never ran, with an ERROR
+whose payload is exactly `CANCEL_ACK`, so the broker can tell that acknowledgement from
+a result that merely came late), so the broker's count of a worker's outstanding calls
+stays exact.
 Payloads are JSON or raw bytes only: nothing on this wire is ever unpickled.
 """
 
@@ -52,8 +55,11 @@ from enum import IntEnum
 
 import msgspec
 
+from broker.jsonrpc import ErrorCode, error_object
+
 __all__ = [
     "CALL_ENTRY",
+    "CANCEL_ACK",
     "HEADER",
     "HEADER_SIZE",
     "NOTIFY_FLAG",
@@ -88,6 +94,9 @@ HEADER_SIZE = HEADER.size  # 17
 CALL_ENTRY = struct.Struct(">HBI")  # in a CHUNK: method index, flags, params length
 REPLY_ENTRY = struct.Struct(">IBI")  # in a CHUNK_PART/REPLY: call's place, kind, length
 NOTIFY_FLAG = 1
+# The error object a worker answers a call with when it cancelled it on CANCEL (or
+# dropped it unstarted): byte for byte, so the broker recognises it (late replies).
+CANCEL_ACK = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")
 _KINDS = frozenset(int(k) for k in Kind)
 
 
@@ -100,12 +109,22 @@ class MethodInfo(msgspec.Struct, frozen=True):
 
 
 class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """HELLO payload: the worker introduces itself after connecting."""
+    """HELLO payload: the worker introduces itself after connecting.
+
+    pid, slot: the worker process and the pool slot it was started for.
+    methods: the methods it serves; their order gives each its index (CALL's aux).
+    concurrency: calls it may have in flight.
+    sync_methods: names of the methods whose handler is a plain (sync) function: it
+        runs on the worker's event loop and blocks the whole process until it returns,
+        so the broker routes around a worker busy in one (`Dispatcher`). Optional: a
+        HELLO without it (an older worker) says every method is async.
+    """
 
     pid: int
     slot: int
     methods: list[MethodInfo]
     concurrency: int
+    sync_methods: list[str] = []
 
 
 class FrameError(Exception):

@@ -474,7 +474,7 @@ _REPLY_ENTRY = wire.REPLY_ENTRY
 _BYE = int(wire.Kind.BYE)
 _pack_header = wire.HEADER.pack
 _perf = time.perf_counter
-_CANCELLED = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")
+_CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a late result
 # The answer of last resort, when even a -32603 naming the failure cannot be encoded.
 _INTERNAL = error_object(ErrorCode.INTERNAL_ERROR, data={"type": "unknown"})
 SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
@@ -567,6 +567,7 @@ class WorkerProtocol(asyncio.Protocol):
                 wire.MethodInfo(m.name, m.params_schema(), _text(m.doc)) for m in self._methods
             ],
             concurrency=self._concurrency,
+            sync_methods=[m.name for m in self._methods if not m.is_async],
         )
         self._transport.write(wire.encode_frame(wire.Kind.HELLO, 0, 0, msgspec.json.encode(hello)))
 

@@ -237,7 +237,7 @@ def overview() -> list[Panel]:
              f"sum({sel('rpc_broker_workers', READY)})", unit="short",
              thresholds=[(None, "red"), (1, "green")]),
         stat("Queue fill",
-             "How full the queue is: the larger of calls waiting / max_queue and their params bytes / "
+             "How full the queue is: the larger of calls waiting / max_queue and the bytes they hold / "
              "max_queue_bytes. When either limit is reached, calls are refused with -32000 (overloaded).",
              QUEUE_FILL, unit="percentunit", thresholds=[(None, "green"), (0.5, "orange"), (0.8, "red")]),
         stat("Version", "Broker version(s) running on the selected instances.",
@@ -275,13 +275,15 @@ def traffic() -> list[Panel]:
         timeseries(
             "Timeouts, late replies, dropped notifications",
             "Calls answered -32001 because their deadline passed, by method; and worker replies dropped "
-            "because the call had already been answered. Each timeout of a call sent to a worker normally "
-            "brings one late reply (the worker answers the cancel, or finishes the call late); fewer late "
-            "replies than timeouts mean calls that expired in the queue, or workers killed as hung or dead "
-            "before answering (see restarts). Notifications that never reached a worker, by reason: they get "
-            "no answer, so this is their only trace.",
+            "because the call had already been answered, by kind. Each timeout of a call sent to a worker "
+            "normally brings one late reply: `cancelled` when the worker stopped the call on the broker's "
+            "cancel (async handlers), `result` when the call ran to its end anyway (sync handlers cannot be "
+            "interrupted: they held their worker past the deadline). Fewer late replies than timeouts mean "
+            "calls that expired in the queue, or workers killed as hung or dead before answering (see "
+            "restarts). Notifications that never reached a worker, by reason: they get no answer, so this "
+            "is their only trace.",
             [(f"sum by (method) ({rate('rpc_broker_timeouts_total')})", "timeout {{method}}"),
-             (f"sum({rate('rpc_broker_late_replies_total')})", "late replies"),
+             (f"sum by (kind) ({rate('rpc_broker_late_replies_total')})", "late reply: {{kind}}"),
              (f"sum by (reason) ({rate('rpc_broker_notifications_dropped_total')})",
               "notifications dropped: {{reason}}")],
             unit="cps",
@@ -316,15 +318,15 @@ def capacity() -> list[Panel]:
             "In-flight and queued calls",
             "Calls sent to a worker and not answered yet, calls waiting for a worker, and the queue "
             "capacity (max_queue): past it, calls are refused with -32000 (overloaded). The queue's "
-            "other limit, in bytes, is in \"Queued params bytes\".",
+            "other limit, in bytes, is in \"Queued bytes\".",
             [(f"sum({sel('rpc_broker_calls_in_flight')})", "in flight"),
              (f"sum({sel('rpc_broker_calls_queued')})", "queued"),
              (f"sum({sel('rpc_broker_queue_capacity')})", "queue capacity")],
             overrides=[dashed("queue capacity", "red")],
         ),
         timeseries(
-            "Queued params bytes",
-            "Params bytes of the calls waiting for a worker, and the queue's capacity in bytes "
+            "Queued bytes",
+            "Bytes the calls waiting for a worker hold (copies of their raw params and ids), and the queue's capacity in bytes "
             "(max_queue_bytes): past it, calls are refused with -32000 (overloaded) however few are queued.",
             [(f"sum({sel('rpc_broker_queued_bytes')})", "queued bytes"),
              (f"sum({sel('rpc_broker_queue_capacity_bytes')})", "queue capacity (bytes)")],

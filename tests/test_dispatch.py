@@ -1,14 +1,22 @@
-"""The dispatcher's deadline wheel, on real event loops (uvloop and asyncio)."""
+"""The dispatcher in memory: its deadline wheel on real event loops (uvloop and
+asyncio), and its queue, routing, memory bound and late-reply accounting driven with
+real `pool.Worker` records whose channels record the frames sent to them."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import tracemalloc
+import typing
 
 import pytest
 import uvloop
 
-from broker.dispatch import Call, DeadlineWheel, Route
-from broker.jsonrpc import Request
+from broker import wire
+from broker.dispatch import Call, DeadlineWheel, Dispatcher, Exchange, Route
+from broker.jsonrpc import Body, Codec, Request
+from broker.pool import Worker, WorkerState
 
 LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 
@@ -57,3 +65,395 @@ def test_an_earlier_deadline_rearms_the_timer(loop_name):
 
     with asyncio.Runner(loop_factory=LOOPS[loop_name]) as runner:
         runner.run(main())
+
+
+# -- the dispatcher in memory --------------------------------------------------------
+# A real Dispatcher and real pool.Worker records; what stands in for each worker's
+# socket is a channel that records the frames sent to it. Replies are fed back through
+# Dispatcher.on_reply as the real WorkerChannel does.
+
+
+class RecordingChannel:
+    """Where a worker's frames would be written: keeps them, (kind, call id, aux, payload)."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[int, int, int, bytes]] = []
+
+    def send(self, kind: int, call_id: int, aux: int, payload: object) -> None:
+        self.frames.append((kind, call_id, aux, bytes(payload)))  # type: ignore[call-overload]
+
+    def take(self) -> list[tuple[int, int, int, bytes]]:
+        frames, self.frames = self.frames, []
+        return frames
+
+
+def add_worker(d: Dispatcher, slot: int, concurrency: int) -> Worker:
+    w = Worker(slot)
+    w.channel = RecordingChannel()  # type: ignore[assignment]
+    w.concurrency = concurrency
+    w.state = WorkerState.READY
+    d.worker_ready(w)
+    return w
+
+
+def body(codec: Codec, payload: object) -> Body:
+    return codec.decode(json.dumps(payload).encode())
+
+
+def req(method: str, params: object, id_: object) -> dict[str, object]:
+    return {"jsonrpc": "2.0", "method": method, "params": params, "id": id_}
+
+
+def run(main: typing.Callable[[], typing.Awaitable[None]]) -> None:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
+
+
+def chunk_reply(frame: tuple[int, int, int, bytes], kind: int = wire.Kind.RESULT, body_: bytes = b"0") -> bytes:
+    """A CHUNK_REPLY payload answering every call of a CHUNK frame with `body_`."""
+    return b"".join(wire.REPLY_ENTRY.pack(i, kind, len(body_)) + body_ for i in range(frame[2]))
+
+
+def first_params(frame: tuple[int, int, int, bytes]) -> object:
+    """The params of a CALL frame, or of a CHUNK's first call, decoded."""
+    if frame[0] == wire.Kind.CHUNK:
+        _index, _flags, length = wire.CALL_ENTRY.unpack_from(frame[3], 0)
+        return json.loads(frame[3][wire.CALL_ENTRY.size : wire.CALL_ENTRY.size + length])
+    return json.loads(frame[3])
+
+
+def test_freed_slots_are_all_filled_from_the_queue_in_fifo_order():
+    """Issue 9 item 12: a chunk's reply frees many slots; every one is filled from the
+    queue at once, oldest call first, and a new call joins the tail of the queue."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["sleep"])
+        w = add_worker(d, 0, concurrency=4)
+        codec = Codec()
+        done: list[Exchange] = []
+        d.submit(body(codec, [req("sleep", [1.0], i) for i in range(10)]), done.append)
+        [chunk] = w.channel.take()
+        assert chunk[0] == wire.Kind.CHUNK and w.outstanding == 10  # a chunk overshoots the limit
+        for n in range(8):
+            d.submit(body(codec, req("sleep", [n], n)), done.append)
+        assert w.channel.take() == [] and d.statistics().queued == 8
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 0, chunk_reply(chunk))
+        started = w.channel.take()
+        assert [first_params(f) for f in started] == [[0], [1], [2], [3]]  # all 4 slots, in order
+        assert w.outstanding == 4 and len(done) == 1
+        d.submit(body(codec, req("sleep", ["new"], "new")), done.append)  # must not overtake
+        assert w.channel.take() == []
+        for frame in started:
+            d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
+        assert [first_params(f) for f in w.channel.take()] == [[4], [5], [6], [7]]
+        assert d.statistics().queued == 1
+
+    run(main)
+
+
+def test_a_chunk_at_the_head_of_the_queue_goes_first_and_is_not_starved():
+    """A queued chunk needs one free slot, as a call does (then overshoots the limit):
+    calls queued behind it never pass it, and they start once it has gone."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["sleep"])
+        w = add_worker(d, 0, concurrency=2)
+        codec = Codec()
+        d.submit(body(codec, req("sleep", ["a"], 1)), lambda e: None)
+        d.submit(body(codec, req("sleep", ["b"], 2)), lambda e: None)
+        a, b = w.channel.take()
+        d.submit(body(codec, [req("sleep", ["chunk"], i) for i in range(5)]), lambda e: None)
+        d.submit(body(codec, req("sleep", ["c"], 3)), lambda e: None)
+        assert w.channel.take() == []
+        d.on_reply(w, wire.Kind.RESULT, a[1], 0, b"0")
+        [chunk] = w.channel.take()  # the chunk, not the call behind it
+        assert chunk[0] == wire.Kind.CHUNK and first_params(chunk) == ["chunk"]
+        d.on_reply(w, wire.Kind.RESULT, b[1], 0, b"0")
+        assert w.channel.take() == [] and w.outstanding == 5  # still over the limit
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 0, chunk_reply(chunk))
+        assert [first_params(f) for f in w.channel.take()] == [["c"]]
+
+    run(main)
+
+
+def test_queued_calls_keep_only_their_own_bytes_of_the_request_body():
+    """Issue 9 item 13: a queued call's raw id and params were views pinning the whole
+    body. Measured with tracemalloc: 300 queued calls, each from a body with a 256 KiB
+    extra member, keep about what the queue says they hold, not 75 MiB of bodies."""
+    pad = "x" * (256 * 1024)
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), max_queue_bytes=64 * 1024 * 1024)
+        d.set_methods(["add", "sleep"])
+        w = add_worker(d, 0, concurrency=1)
+        codec = Codec()
+        d.submit(body(codec, req("sleep", [60], 0)), lambda e: None)  # takes the only slot
+        keep: list[Exchange | None] = []
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(300):
+                raw = json.dumps({**req("add", [i, i], f"id-{i}"), "pad": pad}).encode()
+                keep.append(d.submit(codec.decode(raw), lambda e: None))
+                del raw
+            for i in range(3):  # batches: their chunks queue too (one per batch: one worker)
+                raw = json.dumps([{**req("add", [i, j], j), "pad": pad} for j in range(3)]).encode()
+                keep.append(d.submit(codec.decode(raw), lambda e: None))
+                del raw
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert d.queued_calls == 300 + 9 and len(w.channel.frames) == 1
+        # The calls themselves (Call, Exchange, copies, deque) cost about 1.5 KiB each.
+        assert held < 2 * 1024 * 1024, f"{held} bytes kept by 303 queued bodies"
+        assert 300 * len(b'[0,0]"id-0"') < d.queued_bytes < 20_000  # what they hold, counted
+
+    run(main)
+
+
+def test_max_queue_bytes_counts_what_a_queued_call_holds():
+    """The bound covers the raw id as well as the params (both are copied and kept)."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), max_queue_bytes=1000)
+        d.set_methods(["echo"])
+        add_worker(d, 0, concurrency=1)
+        codec = Codec()
+        d.submit(body(codec, req("echo", [0], 0)), lambda e: None)
+        answers: list[bytes] = []
+        big_id = "i" * 600  # 602 bytes of raw id, 3 of params
+        for n in range(2):
+            ex = d.submit(body(codec, req("echo", [n], big_id)), lambda e: None)
+            if ex is not None and ex.remaining == 0:
+                answers.append(ex.body())
+        assert d.statistics().queued == 1 and d.queued_bytes == 605
+        assert len(answers) == 1 and b"-32000" in answers[0]  # the second one is shed
+
+    run(main)
+
+
+async def wait_until(predicate: typing.Callable[[], bool], timeout: float = 5.0) -> None:
+    """Let the loop run until `predicate()` holds; AssertionError after `timeout` s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+def test_late_replies_are_told_apart_cancel_acknowledgements_from_late_results():
+    """Issue 9 item 15: a reply to a call that timed out is the worker's acknowledgement
+    of the CANCEL (wire.CANCEL_ACK), or a result that came late; counted per call."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=0.02)
+        d.set_methods(["sleep"])
+        w = add_worker(d, 0, concurrency=100)
+        codec = Codec()
+        done: list[Exchange] = []
+        d.submit(body(codec, req("sleep", [1], 1)), done.append)
+        d.submit(body(codec, req("sleep", [1], 2)), done.append)
+        d.submit(body(codec, [req("sleep", [1], i) for i in range(3)]), done.append)
+        d.submit(body(codec, [req("sleep", [1], i) for i in range(4)]), done.append)
+        one, two, chunk3, chunk4 = w.channel.take()
+        await wait_until(lambda: len(done) == 4)  # every one answered "timed out"
+        assert all(b"-32001" in e.body() for e in done)
+        assert w.channel.take() == [(wire.Kind.CANCEL, f[1], 0, b"") for f in (one, two, chunk3, chunk4)]
+        d.on_reply(w, wire.Kind.ERROR, one[1], 0, wire.CANCEL_ACK)
+        d.on_reply(w, wire.Kind.RESULT, two[1], 0, b"1")
+        part = wire.REPLY_ENTRY.pack(0, wire.Kind.RESULT, 1) + b"1"
+        d.on_reply(w, wire.Kind.CHUNK_PART, chunk3[1], 0, part)
+        rest = b"".join(wire.REPLY_ENTRY.pack(i, wire.Kind.ERROR, len(wire.CANCEL_ACK)) + wire.CANCEL_ACK
+                        for i in (1, 2))
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk3[1], 0, rest)
+        d.on_reply(w, wire.Kind.ERROR, chunk4[1], 0, wire.CANCEL_ACK)  # a whole chunk, unstarted
+        stats = d.statistics()
+        assert (stats.late_cancelled_total, stats.late_results_total) == (1 + 2 + 4, 1 + 1)
+        assert stats.timeouts_total == 2 + 3 + 4 and w.outstanding == 0
+
+    run(main)
+
+
+def test_error_codes_outside_the_broker_table_share_one_metrics_entry():
+    """Issue 9 item 14: per-method outcome state no longer grows with each distinct
+    application error code; the counts are all there, as `application`."""
+    from broker.metrics import APPLICATION, CallMetrics, outcome_name
+
+    async def main() -> None:
+        metrics = CallMetrics()
+        d = Dispatcher(asyncio.get_running_loop(), metrics=metrics)
+        d.set_methods(["fail"])
+        w = add_worker(d, 0, concurrency=1 << 30)
+        codec = Codec()
+        codes = [*range(-32768, -32000), *range(1, 20_000)]  # reserved and free codes
+        for i, code in enumerate(codes):
+            d.submit(body(codec, req("fail", [code], i)), lambda e: None)
+        for (_kind, call_id, _aux, params), code in zip(w.channel.take(), codes, strict=True):
+            assert json.loads(params) == [code]
+            d.on_reply(w, wire.Kind.ERROR, call_id, 5, b'{"code":%d,"message":"no"}' % code)
+        outcomes = metrics.outcomes[0]
+        broker_codes = {-32700, -32600, -32601, -32602, -32603, -32000, -32001, -32002, -32003, -32004}
+        assert set(outcomes) <= broker_codes | {APPLICATION}
+        assert sum(outcomes.values()) == len(codes)
+        assert outcomes[APPLICATION] == len(codes) - len(broker_codes & set(codes))
+        assert outcome_name(APPLICATION) == "application_error"
+
+    run(main)
+
+
+def sync_dispatcher(prefetch: int, workers: int = 2, concurrency: int = 100) -> tuple[Dispatcher, list[Worker]]:
+    d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=prefetch)
+    d.set_methods(["slow", "fast", "quick"], sync_methods=["slow", "quick"])  # fast: async
+    return d, [add_worker(d, slot, concurrency) for slot in range(workers)]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_a_worker_busy_in_a_sync_call_gets_no_more_than_the_prefetch(prefetch):
+    """Issue 9 item 23: calls sent to a worker blocked in a sync handler wait behind it.
+    It is the last choice, and gets at most `sync_prefetch` calls even then: the other
+    worker takes calls up to its limit, then the blocked one its prefetch, then they queue."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(prefetch, concurrency=10)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [0.2], "s")), lambda e: None)
+        [slow] = a.channel.take() + b.channel.take()
+        busy, other = (a, b) if a.sync_calls else (b, a)
+        assert busy.sync_calls == 1 and busy.limit == 1 + prefetch
+        for i in range(5):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        assert len(busy.channel.take()) == 0 and len(other.channel.take()) == 5
+        for i in range(5, 40):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        assert len(other.channel.take()) == 5  # up to its limit of 10
+        assert [first_params(f) for f in busy.channel.take()] == [[10 + n] for n in range(prefetch)]
+        assert d.queued_calls == 40 - 10 - prefetch
+        d.on_reply(busy, wire.Kind.RESULT, slow[1], 200_000, b"0.2")  # it returns
+        assert (busy.sync_calls, busy.limit) == (0, 10)
+        assert [first_params(f) for f in busy.channel.take()] == [[10 + n] for n in range(prefetch, 10)]
+
+    run(main)
+
+
+def test_with_the_prefetch_at_the_concurrency_sync_routing_is_off():
+    """--sync-prefetch >= worker_concurrency: a worker in a sync call is picked like
+    any other (the least loaded, ties in turn), as before issue 9 item 23."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(100)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [0.2], "s")), lambda e: None)
+        busy, other = (a, b) if a.outstanding else (b, a)
+        for i in range(9):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        assert (busy.outstanding, other.outstanding, busy.limit) == (5, 5, 100)
+        a.channel.take(), b.channel.take()
+        d.submit(body(codec, [req("slow", [i], i) for i in range(4)]), lambda e: None)  # chunks, as before
+        chunks = a.channel.take() + b.channel.take()
+        assert sorted((f[0], f[2], first_params(f)[0]) for f in chunks) == [(wire.Kind.CHUNK, 2, 0), (wire.Kind.CHUNK, 2, 1)]
+        assert (a.limit, b.limit) == (100, 100)
+
+    run(main)
+
+
+def test_sync_methods_measured_fast_do_not_take_the_limit_down():
+    """A sync method counts as blocking until a reply shows its calls take under 1 ms;
+    a lone 3 ms outlier does not make it blocking (a moving average), a 50 ms call does."""
+
+    async def main() -> None:
+        d, (a,) = sync_dispatcher(1, workers=1)
+        codec = Codec()
+        d.submit(body(codec, req("quick", [], 1)), lambda e: None)
+        assert a.limit == 2  # not measured yet: blocking
+        [first] = a.channel.take()
+        d.on_reply(a, wire.Kind.RESULT, first[1], 20, b"1")  # 20 us
+        for i in range(10):
+            d.submit(body(codec, req("quick", [], i)), lambda e: None)
+        assert a.limit == 100 and a.sync_calls == 0 and len(a.channel.frames) == 10
+        frames = a.channel.take()
+        for frame in frames[:-2]:
+            d.on_reply(a, wire.Kind.RESULT, frame[1], 20, b"1")
+        d.on_reply(a, wire.Kind.RESULT, frames[-2][1], 3_000, b"1")  # descheduled for 3 ms
+        d.submit(body(codec, req("quick", [], "o")), lambda e: None)
+        assert a.sync_calls == 0 and a.limit == 100
+        d.on_reply(a, wire.Kind.RESULT, frames[-1][1], 50_000, b"1")  # the last one took 50 ms
+        d.submit(body(codec, req("quick", [], "q")), lambda e: None)
+        assert a.sync_calls == 1 and a.limit == 2
+
+    run(main)
+
+
+def test_a_batch_of_blocking_sync_calls_goes_out_one_by_one():
+    """A chunk of slow sync calls would be head-of-line by itself: a batch's slow sync
+    calls go one by one, in request order, one to each worker not blocked; the rest
+    wait in the queue, and a call submitted after them waits behind them (FIFO)."""
+
+    async def main() -> None:
+        d, workers = sync_dispatcher(1)
+        codec = Codec()
+        d.submit(body(codec, [req("slow", [i], i) for i in range(10)]), lambda e: None)
+        sent = [w.channel.take() for w in workers]
+        assert sorted(first_params(f) for frames in sent for f in frames) == [[0], [1]]
+        assert all(f[0] == wire.Kind.CALL for frames in sent for f in frames)
+        assert [(w.sync_calls, w.outstanding) for w in workers] == [(1, 1), (1, 1)]
+        assert d.queued_calls == 8
+        d.submit(body(codec, req("fast", [0], "f")), lambda e: None)
+        assert d.queued_calls == 9  # FIFO: behind the queued slow calls
+        [frame] = sent[0]
+        d.on_reply(workers[0], wire.Kind.RESULT, frame[1], 200_000, b"0")
+        assert [first_params(f) for f in workers[0].channel.take()] == [[2]]
+        assert workers[0].sync_calls == 1 and d.queued_calls == 8
+
+    run(main)
+
+
+def test_a_blocked_worker_takes_no_second_sync_call_but_its_prefetch_of_others():
+    """One worker, --sync-prefetch 2: a second slow call waits in the queue (at most
+    one blocking sync call per worker), and so does a fast call behind it; once the
+    first returns, the second starts and the fast call is prefetched behind it."""
+
+    async def main() -> None:
+        d, (w,) = sync_dispatcher(2, workers=1)
+        codec = Codec()
+        for params in (["s1"], ["s2"]):
+            d.submit(body(codec, req("slow", params, params[0])), lambda e: None)
+        d.submit(body(codec, req("fast", ["f"], "f")), lambda e: None)
+        [first] = w.channel.take()
+        assert first_params(first) == ["s1"] and d.queued_calls == 2 and w.limit == 3
+        d.on_reply(w, wire.Kind.RESULT, first[1], 200_000, b"0")
+        assert [first_params(f) for f in w.channel.take()] == [["s2"], ["f"]]
+        assert (w.sync_calls, w.outstanding, d.queued_calls) == (1, 2, 0)
+
+    run(main)
+
+
+def test_the_worker_hello_names_its_sync_methods():
+    """The HELLO a real WorkerProtocol writes on connecting lists the demo's sync
+    methods (every one but `sleep`); a HELLO without the field still decodes."""
+    from broker.demo import registry
+    from broker.worker import WorkerProtocol
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        transport, _ = await loop.create_unix_connection(lambda: WorkerProtocol(registry, 3, 7), sock=theirs)
+        try:
+            decoder = wire.FrameDecoder()
+            frames: list[tuple[int, int, int, bytes]] = []
+            while not frames:
+                frames += decoder.feed(await loop.sock_recv(ours, 65536))
+        finally:
+            transport.close()
+            ours.close()
+        [(kind, _, _, payload)] = frames
+        hello = wire.decode_hello(payload)
+        assert kind == wire.Kind.HELLO and (hello.slot, hello.concurrency) == (3, 7)
+        names = [m.name for m in hello.methods]
+        assert "sleep" in names and sorted(hello.sync_methods) == sorted(n for n in names if n != "sleep")
+        old = json.dumps({"pid": 1, "slot": 0, "methods": [{"name": "add"}], "concurrency": 1}).encode()
+        assert wire.decode_hello(old).sync_methods == []
+
+    run(main)

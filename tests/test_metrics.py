@@ -239,7 +239,8 @@ def test_hung_worker_restart_and_late_reply(broker_factory):
     b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry",
                        "--timeout", "0.2", "--cancel-grace", "0.5")
     assert b.call("spin", [0.4])["error"]["code"] == -32001  # answers late: dropped
-    wait_for(lambda: value(scrape(b), "rpc_broker_late_replies_total") == 1)
+    wait_for(lambda: value(scrape(b), "rpc_broker_late_replies_total", kind="result") == 1)
+    assert value(scrape(b), "rpc_broker_late_replies_total", kind="cancelled") == 0
     assert b.call("spin", [30])["error"]["code"] == -32001  # never answers: killed as hung
     wait_for(lambda: value(scrape(b), "rpc_broker_worker_restarts_total", reason="hung") == 1)
 
@@ -296,7 +297,7 @@ def test_queued_bytes_and_their_capacity(broker_factory):
                 wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 1, timeout=5)
         wait_for(lambda: value(scrape(b), "rpc_broker_calls_queued") == 2, timeout=5)
         queued = value(scrape(b), "rpc_broker_queued_bytes")
-        assert queued == 2 * len(json.dumps([pad]))  # the two waiting calls' params
+        assert queued == 2 * len(json.dumps([pad])) + len(b"1") + len(b"2")  # their params and ids
     finally:
         for s in socks:
             s.close()

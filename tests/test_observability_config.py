@@ -125,7 +125,7 @@ def test_panels_cover_the_issue(dashboard: dict[str, Any]) -> None:
                    "Queue wait vs worker service time (p99)", "In-flight and queued calls", "Workers by state",
                    "Worker restarts by reason", "Batch size", "Open connections", "Refused connections",
                    "Bytes in / out", "Worker CPU by slot", "Worker resident memory by slot",
-                   "HTTP responses by status", "Queued params bytes"):
+                   "HTTP responses by status", "Queued bytes"):
         assert wanted in titles
 
 
@@ -170,10 +170,10 @@ def test_queue_fill_counts_both_limits(dashboard: dict[str, Any]) -> None:
             assert metric in expr, (metric, expr)
         assert expr.lstrip().startswith("max"), expr
         assert expr.count("> 0)") == 2, f"both divisions are guarded: {expr}"
-    queued_bytes = [t["expr"] for t in panel(dashboard, "Queued params bytes")["targets"]]
+    queued_bytes = [t["expr"] for t in panel(dashboard, "Queued bytes")["targets"]]
     assert "rpc_broker_queued_bytes" in queued_bytes[0], queued_bytes
     assert "rpc_broker_queue_capacity_bytes" in queued_bytes[1], queued_bytes
-    assert panel(dashboard, "Queued params bytes")["fieldConfig"]["defaults"]["unit"] == "bytes"
+    assert panel(dashboard, "Queued bytes")["fieldConfig"]["defaults"]["unit"] == "bytes"
 
 
 def test_batch_size_shows_the_exact_mean_first(dashboard: dict[str, Any]) -> None:

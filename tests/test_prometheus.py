@@ -487,7 +487,7 @@ def test_in_flight_and_queued(traffic: Traffic, prometheus: Prometheus) -> None:
 
 def test_queued_params_bytes(traffic: Traffic, prometheus: Prometheus) -> None:
     # needs the broker's rpc_broker_queued_bytes and rpc_broker_queue_capacity_bytes gauges
-    title = "Queued params bytes"
+    title = "Queued bytes"
     values = [[float(s["value"][1]) for s in prometheus.query(panel_query(title, i))] for i in range(2)]
     assert values == [[0], [64 * 1024 * 1024]]  # queued bytes, capacity (the default max_queue_bytes)
 

@@ -72,8 +72,9 @@ def test_one_at_a_time_calls_spread_over_idle_workers(broker):
 
 def test_a_hung_worker_is_killed_once_and_its_calls_say_why(broker_factory):
     """Two cancelled calls stuck on one worker: one kill, one log line; a call still in
-    flight behind them gets -32002 whose status names the hang."""
-    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry",
+    flight behind them gets -32002 whose status names the hang. (--sync-prefetch 100:
+    by default the pid call would wait in the broker instead, not behind the spins.)"""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--sync-prefetch", "100",
                        "--timeout", "0.3", "--cancel-grace", "0.5", "--method-timeout", "pid=30")
     first = b.call("pid")["result"]
     batch = [{"jsonrpc": "2.0", "method": "spin", "params": [60], "id": 1},

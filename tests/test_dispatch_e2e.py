@@ -1,0 +1,94 @@
+"""The dispatcher end to end, with real brokers and worker processes: the queue fills
+every freed slot, sync-aware routing keeps calls away from a worker blocked in a sync
+handler, late replies are told apart, application error codes are counted bounded.
+(The same mechanisms in memory, step by step: test_dispatch.py.)"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from conftest import Broker, sample, scrape_metrics, wait_for
+
+from broker.jsonrpc import ERRORS
+from broker.metrics import outcome_name
+
+
+def req(method: str, params: object, id_: object) -> dict[str, object]:
+    return {"jsonrpc": "2.0", "method": method, "params": params, "id": id_}
+
+
+def post(b: Broker, payload: object, timeout: float = 60.0) -> object:
+    _status, _, body = b.post(json.dumps(payload), timeout=timeout)
+    return json.loads(body)
+
+
+def test_a_chunk_reply_starts_every_queued_call_it_makes_room_for(broker_factory):
+    """Issue 9 item 12: 60 sleep(0.1) calls queued behind a batch of 100 sleep(0.5) on
+    one worker of concurrency 10. Started 10 at a time once the batch is answered they
+    take about 1.1 s in all; started one per reply (the old queue) they took over 6 s."""
+    b = broker_factory("--workers", "1", "--worker-concurrency", "10")
+    with ThreadPoolExecutor(61) as pool:
+        batch = pool.submit(post, b, [req("sleep", [0.5], i) for i in range(100)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 100, timeout=10)
+        start = time.monotonic()
+        singles = [pool.submit(post, b, req("sleep", [0.1], i)) for i in range(60)]
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 60 or batch.done(), timeout=10)
+        answers = [f.result(timeout=60) for f in singles]
+        elapsed = time.monotonic() - start
+    assert [a["result"] for a in batch.result()] == [0.5] * 100  # type: ignore[index]
+    assert [a["result"] for a in answers] == [0.1] * 60  # type: ignore[index]
+    assert elapsed < 4.0, f"60 queued calls took {elapsed:.1f} s"
+
+
+def test_calls_avoid_a_worker_blocked_in_a_hung_sync_call(broker_factory):
+    """Issue 9 item 23: a worker spinning in a sync handler is sent nothing more
+    (--sync-prefetch 0), so a batch sent meanwhile is answered by the other worker, and
+    the hung worker's kill takes no innocent call with it (they used to get -32002)."""
+    b = broker_factory("--workers", "2", "--app", "tests.apps.stuck:registry", "--sync-prefetch", "0",
+                       "--method-timeout", "spin=0.5", "--cancel-grace", "0.5")
+    with ThreadPoolExecutor(1) as pool:
+        spin = pool.submit(post, b, req("spin", [60], "spin"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        answers = post(b, [req("pid", [], i) for i in range(10)])
+        assert spin.result(timeout=30)["error"]["code"] == -32001  # type: ignore[index]
+    pids = {a.get("result") for a in answers}  # type: ignore[union-attr]
+    assert len(pids) == 1 and None not in pids, answers
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") == 1, timeout=20)
+    assert post(b, req("pid", [], "after"))["result"] in pids  # type: ignore[index]  # (the other is restarting)
+
+
+def test_late_replies_are_counted_by_kind(broker_factory):
+    """Issue 9 item 15: an async call cancelled at its deadline is acknowledged by the
+    worker (kind="cancelled"); a sync call that runs past it answers late (kind="result")."""
+    b = broker_factory("--workers", "1", "--timeout", "0.2", "--method-timeout", "fib=0.05")
+    assert post(b, req("sleep", [5], 1))["error"]["code"] == -32001  # type: ignore[index]
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="cancelled") == 1)
+    assert sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="result") == 0
+    assert post(b, req("fib", [30], 2))["error"]["code"] == -32001  # type: ignore[index]  # ~0.3 s of CPU
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="result") == 1)
+    assert sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="cancelled") == 1
+
+
+def test_application_error_codes_are_counted_whatever_their_number(broker_factory):
+    """Issue 9 item 14: codes outside the broker's table are one `application` count
+    (the broker keeps no state per code); codes in its table keep their names."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.failing:registry")
+    before = scrape_metrics(b)
+    codes = [*range(-32768, -32568), *range(1, 301), 0]  # (-32700, -32600..-32603 among them)
+    named = [code for code in codes if code in ERRORS]
+    answers = post(b, [req("fail", [code], i) for i, code in enumerate(codes)])
+    assert sorted(a["error"]["code"] for a in answers) == sorted(codes)  # type: ignore[index]
+    after = scrape_metrics(b)
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert len(named) == 5
+    assert delta("rpc_broker_calls_total", method="fail", outcome="application_error") == len(codes) - 5
+    assert delta("rpc_broker_errors_total", code="application") == len(codes) - 5
+    for code in named:
+        assert delta("rpc_broker_calls_total", method="fail", outcome=outcome_name(code)) == 1
+        assert delta("rpc_broker_errors_total", code=str(code)) == 1
+    assert delta("rpc_broker_calls_total", method="fail", outcome="ok") == 0  # (code 0 is an error too)
