@@ -156,3 +156,26 @@ def test_sigterm_during_a_reload_stops_the_new_workers_too(broker_factory, tmp_p
     assert "did not exit" not in b.read_log(), b.read_log()
     for pid in everyone:
         wait_for(lambda pid=pid: not alive(pid), timeout=10)
+
+
+def test_a_sync_call_in_flight_on_a_method_the_reload_removes_is_answered(broker_factory, tmp_path: Path) -> None:
+    """A blocking sync call in flight on the old code when the new code drops its method:
+    its answer is counted under `other` and its routing state lives at the index past the
+    new table (an IndexError there lost the answer and broke the reply path). The new
+    code's sync methods are routed as sync too."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["kept"], sleepers=["snooze"])
+    b = broker_factory("--workers", "1", "--app", APP, "--timeout", "60",
+                       env={"VERSIONED_APP_FILE": str(spec)})
+    assert b.call("snooze", [0.01])["result"] == {"method": "snooze", "version": 1}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        snooze = pool.submit(b.call, "snooze", [2.0], "s")
+        wait_for(lambda: metric(b, "rpc_broker_calls_in_flight") == 1, timeout=10)
+        write(spec, version=2, methods=["kept"], sleepers=["doze"])
+        os.kill(b.pid, signal.SIGHUP)
+        wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 1, timeout=30)
+        assert snooze.result(timeout=30)["result"] == {"method": "snooze", "version": 1}
+    assert b.call("snooze", [0.01])["error"]["code"] == -32601
+    assert b.call("doze", [0.01])["result"] == {"method": "doze", "version": 2}
+    assert b.call("kept")["result"] == {"method": "kept", "version": 2}
+    assert metric(b, "rpc_broker_calls_total", method="other", outcome="ok") >= 1

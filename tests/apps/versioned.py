@@ -1,7 +1,8 @@
 """A test app whose code "changes on disk" between reloads: its version and the methods
 it registers come from the JSON file named by $VERSIONED_APP_FILE, read at import:
 {"version": 1, "methods": ["a", "b"]}. "broken": true makes the import fail;
-"import_seconds": s makes it take that long.
+"import_seconds": s makes it take that long; "sleepers": ["c"] registers sync
+methods that sleep their one param's seconds (a sync call that blocks its worker).
 
 Every listed method answers {"method": its name, "version": the version}; `pid`,
 `version` and `nap` (an async sleep, answered with the version) are always there."""
@@ -32,6 +33,18 @@ def _make(name: str):  # type: ignore[no-untyped-def]
 
 for _name in SPEC["methods"]:
     registry.method(name=_name)(_make(_name))
+
+
+def _sleeper(name: str):  # type: ignore[no-untyped-def]
+    def handler(seconds: float) -> dict[str, object]:
+        time.sleep(seconds)
+        return {"method": name, "version": VERSION}
+
+    return handler
+
+
+for _name in SPEC.get("sleepers", []):
+    registry.method(name=_name)(_sleeper(_name))
 
 
 @registry.method
