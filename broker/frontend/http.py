@@ -321,9 +321,11 @@ class HttpProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
         fe = self._fe
-        if len(fe.connections) >= fe.max_connections and not fe.make_room():  # nginx: worker_connections
+        if len(fe.connections) >= fe.max_connections:  # nginx: worker_connections
+            fe.make_room()  # an idle connection, if any, gives its place
+        if len(fe.connections) >= fe.max_connections:
             if len(fe.connections) < fe.max_connections + PROBE_RESERVE:
-                # Past the limit, with every connection busy, a few more are still taken
+                # Past the limit, with no idle connection to close, a few more are taken
                 # for /healthz, /readyz and /metrics only: a full broker is alive, and
                 # must not look dead to its liveness probe or to Prometheus.
                 self._probe_only = True
