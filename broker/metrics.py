@@ -372,8 +372,9 @@ class BrokerCollector(Collector):
         # per transport: [connections, refused, received bytes, sent bytes]
         by_transport: dict[str, list[int]] = {}
         for fe in self.frontends:
-            for key, count in fe.statuses.items():
-                statuses[key] = statuses.get(key, 0) + count
+            for path, counts in fe.statuses.items():
+                for status, count in counts.items():
+                    statuses[path, status] = statuses.get((path, status), 0) + count
             row = by_transport.setdefault(fe.transport, [0, 0, 0, 0])
             row[0] += len(fe.connections)
             row[1] += fe.refused_total

@@ -57,8 +57,8 @@ class Listener:
         self.refused_total = 0
         self.received_bytes = 0
         self.sent_bytes = 0
-        # HTTP responses by (path label, status): ("rpc", b"200"); empty for streams
-        self.statuses: dict[tuple[str, bytes], int] = {}
+        # HTTP responses by path label, then status: {"rpc": {b"200": 5}}; empty for streams
+        self.statuses: dict[str, dict[bytes, int]] = {}
         self.draining = False
         self.loop = asyncio.get_running_loop()
         self._sweeper: asyncio.TimerHandle | None = None

@@ -77,14 +77,15 @@ _PATH_OF_URL = {b"/healthz": "health", b"/readyz": "ready", b"/metrics": "metric
 
 
 def _status_line(code: int) -> bytes:
-    return f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n".encode()
+    """The status line; a 503's carries `retry-after` with it (RFC 9110 10.2.3)."""
+    line = f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n".encode()
+    return (line + b"retry-after: %d\r\n" % RETRY_AFTER_SECONDS) if code == 503 else line
 
 
 _STATUS_LINES = {code: _status_line(code) for code in (200, 204, 400, 404, 405, 408, 413, 431, 500, 502, 503, 504)}
 _JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
 _KEEP_ALIVE = b"connection: keep-alive\r\n"
-_RETRY_AFTER = b"retry-after: %d\r\n" % RETRY_AFTER_SECONDS
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _TOO_MANY_BODY = b'{"error":"too many connections"}'
 _METRICS_HEADERS = b"content-type: " + METRICS_CONTENT_TYPE.encode() + b"\r\ncontent-length: "
@@ -97,15 +98,14 @@ def date_header() -> bytes:
     return b"date: " + formatdate(usegmt=True).encode() + b"\r\n"
 
 
-def _json_response(status: int, body: bytes, keep_alive: bool, extra: bytes, date: bytes) -> bytes:
+def _json_response(status: int, body: bytes, keep_alive: bool, extra: bytes, json_head: bytes) -> bytes:
+    """A JSON answer; `json_head` is `HttpFrontend.json_head` (date and content-type)."""
     return b"".join(
         (
             _STATUS_LINES.get(status) or _status_line(status),
-            date,
-            _JSON_HEADERS,
+            json_head,
             str(len(body)).encode(),
             b"\r\n",
-            _RETRY_AFTER if status == 503 else b"",
             extra,
             b"" if keep_alive else _CLOSE,
             b"\r\n",
@@ -157,22 +157,29 @@ class HttpFrontend(Listener):
         # A metrics-only listener (metrics_port) answers no RPC path: b"" matches no URL.
         self.rpc_path = rpc_path.encode() if serve_rpc else b""
         self.request_timeout = request_timeout
+        self.statuses = {path: {} for path in PATHS}
         self.metrics = metrics  # makes the /metrics body; None: 404 on /metrics
         self.ready = ready or (lambda: dispatcher.ready_workers > 0)
         self.too_large_body = _error_body(ErrorCode.INVALID_REQUEST, f"body exceeds max_body_bytes {max_body_bytes}")
-        self.date = date_header()  # refreshed by every sweep (once a second)
+        self.date = b""  # the date header line, refreshed by every sweep (once a second)
+        self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
+        self._refresh_date()
         self._evictable: list[HttpProtocol] = []  # idle connections found by the last scan, most idle last
         self._rescan_at = 0.0  # loop time before which a scan that found none is not repeated
 
     def protocol(self) -> HttpProtocol:
         """Protocol factory for `loop.create_server`."""
         if self._sweeper is None:
-            self.date = date_header()
+            self._refresh_date()
             self.start_sweeping()
         return HttpProtocol(self)
 
-    def _sweep(self) -> None:
+    def _refresh_date(self) -> None:
         self.date = date_header()
+        self.json_head = self.date + _JSON_HEADERS
+
+    def _sweep(self) -> None:
+        self._refresh_date()
         now = self.loop.time()
         keepalive = self.keepalive_timeout
         request_timeout = self.request_timeout
@@ -333,7 +340,7 @@ class HttpProtocol(asyncio.Protocol):
                 return
             fe.refused()
             self._closing = True
-            self._write(_json_response(503, _TOO_MANY_BODY, False, b"", fe.date), False, "other")
+            self._write(_json_response(503, _TOO_MANY_BODY, False, b"", fe.json_head), False, "other")
             return
         fe.connections.add(self)
 
@@ -519,13 +526,13 @@ class HttpProtocol(asyncio.Protocol):
         if self._probe_only and url not in _PROBE_PATHS:
             fe.refused()
             self._closing = True
-            self._queue(_json_response(503, _TOO_MANY_BODY, False, b"", fe.date), False, path)
+            self._queue(_json_response(503, _TOO_MANY_BODY, False, b"", fe.json_head), False, path)
         elif url == b"/healthz" or url == b"/readyz":
             if method == b"GET" or head:
                 ok = url == b"/healthz" or fe.ready()
                 body = b'{"status":"ok"}' if ok else b'{"status":"no worker ready"}'
                 response = _json_response(
-                    200 if ok else 503, body, keep_alive, self._keep_header if keep_alive else b"", fe.date
+                    200 if ok else 503, body, keep_alive, self._keep_header if keep_alive else b"", fe.json_head
                 )
                 if head:
                     response = response[: len(response) - len(body)]
@@ -567,7 +574,7 @@ class HttpProtocol(asyncio.Protocol):
         exchange.context = keep_alive
         if exchange.remaining == 0 and not self._responses:
             extra = self._keep_header if keep_alive else b""
-            self._write(_json_response(exchange.status, exchange.body(), keep_alive, extra, fe.date), keep_alive, "rpc")
+            self._write(_json_response(exchange.status, exchange.body(), keep_alive, extra, fe.json_head), keep_alive, "rpc")
             return
         self._responses.append(exchange)
         if len(self._responses) > PIPELINE_HIGH:
@@ -586,7 +593,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._write(
                     _json_response(
                         exchange.status, exchange.body(), keep_alive,
-                        self._keep_header if keep_alive else b"", self._fe.date,
+                        self._keep_header if keep_alive else b"", self._fe.json_head,
                     ),
                     keep_alive, "rpc",
                 )  # fmt: skip
@@ -620,7 +627,7 @@ class HttpProtocol(asyncio.Protocol):
                 keep_alive = bool(exchange.context)
                 data = _json_response(
                     exchange.status, exchange.body(), keep_alive,
-                    self._keep_header if keep_alive else b"", self._fe.date,
+                    self._keep_header if keep_alive else b"", self._fe.json_head,
                 )  # fmt: skip
                 path = "rpc"
             responses.popleft()
@@ -638,8 +645,9 @@ class HttpProtocol(asyncio.Protocol):
         transport.write(data)
         fe = self._fe
         fe.sent_bytes += len(data)
-        key = (path, data[9:12])
-        fe.statuses[key] = fe.statuses.get(key, 0) + 1
+        counts = fe.statuses[path]  # by path, then status: no tuple per answer
+        status = data[9:12]
+        counts[status] = counts.get(status, 0) + 1
         self.last_active = fe.loop.time()  # idle time counts from the last answer
         if not keep_alive:
             self._closing = True
@@ -668,7 +676,7 @@ class HttpProtocol(asyncio.Protocol):
         body = b'{"error":"' + message + b'"}'
         if keep_alive:
             extra += self._keep_header
-        response = _json_response(status, body, keep_alive, extra, self._fe.date)
+        response = _json_response(status, body, keep_alive, extra, self._fe.json_head)
         if head:  # a HEAD answer has the headers of the GET answer and no body (RFC 9110 9.3.2)
             response = response[: len(response) - len(body)]
         self._queue(response, keep_alive, path)
@@ -686,7 +694,7 @@ class HttpProtocol(asyncio.Protocol):
         self._linger = True
         self.request_started = 0.0
         path = self._path_of(self._url.partition(b"?")[0])
-        self._queue(_json_response(413, fe.too_large_body, False, b"", fe.date), False, path)
+        self._queue(_json_response(413, fe.too_large_body, False, b"", fe.json_head), False, path)
         fe.dispatcher.count_refused_body()
         self._closing = True
 
