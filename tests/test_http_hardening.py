@@ -158,6 +158,30 @@ def test_idle_connections_at_the_limit_make_room_for_probes_and_calls(broker_fac
             c.sock.close()
 
 
+def test_silent_connections_at_the_limit_make_room_after_a_second(broker_factory):
+    """Connections that never send a byte are idle too, once a second old."""
+    from broker.frontend.http import PROBE_RESERVE
+
+    b = broker_factory("--workers", "1", "--max-connections", "4")
+    silent = [Conn(b) for _ in range(4 + PROBE_RESERVE)]  # accepted before the probe below
+    try:
+
+        def served(request: bytes) -> bool:
+            with Conn(b) as c:
+                try:
+                    c.send(request)
+                    return c.response()[0] == 200
+                except (OSError, EOFError):
+                    return False
+
+        wait_for(lambda: served(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"), timeout=10, interval=0.2)
+        assert served(post(call("add", [1, 2]), path=b.path))
+        assert silent[0].closed_within(5)  # the oldest made room
+    finally:
+        for c in silent:
+            c.sock.close()
+
+
 # -- item 7: h2c upgrade whose body comes after its head -------------------------------------
 
 

@@ -194,30 +194,36 @@ class HttpFrontend(Listener):
             elif not conn.owed and now - conn.last_active > keepalive:
                 conn.close()
 
-    def make_room(self) -> bool:
-        """At `max_connections`: close the least recently active idle connection to
-        make room for a new one (nginx reuses keep-alive connections the same way when
-        worker_connections run out). Returns False when no connection is idle.
+    def make_room(self) -> None:
+        """At `max_connections`: close the least recently active idle connections until
+        a new one fits under the limit, or none is left (nginx reuses keep-alive
+        connections the same way when worker_connections run out).
 
-        One scan of all connections finds up to `EVICT_BATCH` candidates, used one per
-        call (each checked to be still idle); a scan that finds none is not repeated
+        Idle: no request under way and none owed (`HttpProtocol.idle`), and either a
+        request served already or no byte for `SWEEP_SECONDS` (a connection just
+        accepted, whose request may be on its way, is left alone: a burst of new
+        connections does not close its own members before they can send).
+        One scan of all connections finds up to `EVICT_BATCH` candidates, used one by
+        one (each checked to be still idle); a scan that finds none is not repeated
         for `SWEEP_SECONDS`, so a flood of connections at the limit costs no O(n) each.
         """
         evictable = self._evictable
-        while True:
-            while evictable:
-                conn = evictable.pop()
-                if conn.idle and conn in self.connections:
-                    self.connections.discard(conn)
-                    conn.close()
-                    return True
+        connections = self.connections
+        while len(connections) >= self.max_connections:
             now = self.loop.time()
+            fresh = now - SWEEP_SECONDS
+            if evictable:
+                conn = evictable.pop()
+                if conn.idle and (conn.requests or conn.last_active <= fresh) and conn in connections:
+                    connections.discard(conn)
+                    conn.close()
+                continue
             if now < self._rescan_at:
-                return False
-            idle = [conn for conn in self.connections if conn.idle]
+                return
+            idle = [conn for conn in connections if conn.idle and (conn.requests or conn.last_active <= fresh)]
             if not idle:
                 self._rescan_at = now + SWEEP_SECONDS
-                return False
+                return
             evictable[:] = heapq.nsmallest(EVICT_BATCH, idle, key=_last_active)
             evictable.reverse()
 
@@ -329,7 +335,7 @@ class HttpProtocol(asyncio.Protocol):
         self._transport = typing.cast(asyncio.Transport, transport)
         fe = self._fe
         if len(fe.connections) >= fe.max_connections:  # nginx: worker_connections
-            fe.make_room()  # an idle connection, if any, gives its place
+            fe.make_room()  # idle connections, if any, give their places
         if len(fe.connections) >= fe.max_connections:
             if len(fe.connections) < fe.max_connections + PROBE_RESERVE:
                 # Past the limit, with no idle connection to close, a few more are taken
