@@ -18,7 +18,25 @@ from pathlib import Path
 
 import pytest
 from conftest import Broker, sample, scrape_metrics, wait_for
-from test_http_protocol import Conn, call, post
+from test_http_protocol import Conn, call
+from test_http_protocol import post as _post
+
+# Every request names the broker's bind address as its Host and POSTs JSON as
+# application/json: what any Host or Content-Type check lets through.
+
+
+def post(body: bytes | str, path: str, headers: str = "") -> bytes:
+    """test_http_protocol.post with `Host: 127.0.0.1`."""
+    return _post(body, path=path, headers=headers).replace(b"Host: test\r\n", b"Host: 127.0.0.1\r\n", 1)
+
+
+def post_head(b: Broker, headers: str) -> bytes:
+    """The head of a JSON POST to the broker's RPC path; `headers` ends it (CRLF CRLF)."""
+    return f"POST {b.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{headers}".encode()
+
+
+def get(path: str, method: str = "GET") -> bytes:
+    return f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
 
 
 def rss_kib(pid: int) -> int:
@@ -42,7 +60,7 @@ def test_a_body_in_2_byte_chunks_costs_about_its_size_in_memory(broker_factory):
     filler = 1_000_000 - len(call("echo", [""], 1))
     body = call("echo", ["x" * filler], 1).encode()
     assert len(body) == 1_000_000
-    head = f"POST {b.path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    head = post_head(b, "Transfer-Encoding: chunked\r\n\r\n")
     chunks = b"".join(b"2\r\n" + body[i:i + 2] + b"\r\n" for i in range(0, len(body), 2))
     with Conn(b) as warm:  # the same body once in one piece: the allocator's steady state
         warm.send(post(body, path=b.path))
@@ -70,10 +88,10 @@ def test_a_body_trickling_in_gets_408_after_request_timeout(broker_factory, fram
     b = broker_factory("--workers", "1", "--request-timeout", "1")
     body = call("add", [1, 2]).encode()
     if framing == "chunked":
-        head = f"POST {b.path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        head = post_head(b, "Transfer-Encoding: chunked\r\n\r\n")
         trickle = b"".join(b"1\r\n%c\r\n" % byte for byte in body)
     else:
-        head = f"POST {b.path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        head = post_head(b, f"Content-Length: {len(body)}\r\n\r\n")
         trickle = body
     with Conn(b) as c:
         c.send(head)
@@ -110,7 +128,7 @@ def test_many_small_header_fields_get_431(broker_factory):
     b = broker_factory("--workers", "1")
     many = b"X: a\r\n" * 20_000  # 120 KB in one read; names and values alone are 40 KB
     with Conn(b) as c:
-        c.send(f"POST {b.path} HTTP/1.1\r\nHost: x\r\n".encode() + many + b"Content-Length: 2\r\n\r\n{}")
+        c.send(post_head(b, "") + many + b"Content-Length: 2\r\n\r\n{}")
         status, headers, answer = c.response()
         assert (status, headers["connection"]) == (431, "close")
         assert c.closed_within(5)
@@ -138,12 +156,12 @@ def test_idle_connections_at_the_limit_make_room_for_probes_and_calls(broker_fac
     try:
         for _ in range(4 + PROBE_RESERVE):
             c = Conn(b)
-            c.send(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")  # accepted and served, then idle
+            c.send(get("/healthz"))  # accepted and served, then idle
             assert c.response()[0] == 200
             idle.append(c)
         for path in ("/healthz", "/readyz", "/metrics"):
             with Conn(b) as probe:
-                probe.send(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+                probe.send(get(path))
                 status, _, _ = probe.response()
                 assert status == 200, path
         with Conn(b) as c:
@@ -151,7 +169,7 @@ def test_idle_connections_at_the_limit_make_room_for_probes_and_calls(broker_fac
             assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
         # The least recently active connections made the room, the newest are still open.
         assert idle[0].closed_within(5)
-        idle[-1].send(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        idle[-1].send(get("/healthz"))
         assert idle[-1].response()[0] == 200
     finally:
         for c in idle:
@@ -174,7 +192,7 @@ def test_silent_connections_at_the_limit_make_room_after_a_second(broker_factory
                 except (OSError, EOFError):
                     return False
 
-        wait_for(lambda: served(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"), timeout=10, interval=0.2)
+        wait_for(lambda: served(get("/healthz")), timeout=10, interval=0.2)
         assert served(post(call("add", [1, 2]), path=b.path))
         assert silent[0].closed_within(5)  # the oldest made room
     finally:
@@ -203,7 +221,7 @@ def test_an_h2c_upgrade_with_its_body_after_the_head_is_served_once(broker_facto
         te = b"Content-Length: %d\r\n" % len(body)
         payload = body
     with Conn(b, timeout=30) as c:
-        c.send(f"POST {b.path} HTTP/1.1\r\nHost: x\r\n".encode() + H2C + te + b"Expect: 100-continue\r\n\r\n")
+        c.send(post_head(b, "") + H2C + te + b"Expect: 100-continue\r\n\r\n")
         assert c.response()[0] == 100  # the head is read: the body comes in reads of its own
         c.send(payload)
         status, headers, answer = c.response()
@@ -216,7 +234,7 @@ def test_an_h2c_upgrade_past_max_body_bytes_is_413(broker_factory):
     b = broker_factory("--workers", "1", "--max-body-bytes", "1000")
     big = call("echo", ["z" * 2000]).encode()
     with Conn(b) as c:
-        c.send(f"POST {b.path} HTTP/1.1\r\nHost: x\r\n".encode() + H2C + b"Transfer-Encoding: chunked\r\n\r\n")
+        c.send(post_head(b, "") + H2C + b"Transfer-Encoding: chunked\r\n\r\n")
         c.send(b"".join(b"%x\r\n%s\r\n" % (len(big[i:i + 100]), big[i:i + 100]) for i in range(0, len(big), 100)))
         status, headers, _ = c.response()
         assert (status, headers["connection"]) == (413, "close")
@@ -232,8 +250,7 @@ def test_sigterm_answers_a_keep_alive_request_whose_body_is_still_coming(broker_
     with Conn(b) as c:
         c.send(post(call("add", [1, 2], 1), path=b.path))
         assert c.response()[0] == 200  # the connection has served a request: keep-alive
-        c.send(f"POST {b.path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
-               "Expect: 100-continue\r\n\r\n".encode())
+        c.send(post_head(b, f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n"))
         assert c.response()[0] == 100  # the head is in; the body is under way
         c.send(body[:10])
         os.kill(b.pid, signal.SIGTERM)
@@ -258,7 +275,7 @@ def test_a_half_closed_client_gets_its_answers_then_eof(broker_factory):
         assert c.response()[2] == b'{"jsonrpc":"2.0","id":2,"result":3}'
         assert c.closed_within(5) and not c.buf
     with Conn(b) as c:  # answered at once, before the EOF is read
-        c.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        c.send(get("/healthz"))
         c.sock.shutdown(socket.SHUT_WR)
         assert c.response()[0] == 200
         assert c.closed_within(5) and not c.buf
@@ -283,10 +300,10 @@ def test_every_answer_has_a_date_and_503s_a_retry_after(broker_factory):
         (post(call("add", [1, 2]), path=b.path), 200),
         (post('{"jsonrpc":"2.0","method":"update","params":[1]}', path=b.path), 204),
         (post("{bad", path=b.path), 400),
-        (b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n", 404),
-        (b"GET " + b.path.encode() + b" HTTP/1.1\r\nHost: x\r\n\r\n", 405),
-        (b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n", 200),
-        (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", 200),
+        (get("/nope"), 404),
+        (get(b.path), 405),
+        (get("/healthz", "HEAD"), 200),
+        (get("/metrics"), 200),
         (post(call("echo", ["x" * 2000]), path=b.path), 413),
     ]
     now = datetime.now(UTC)
@@ -298,7 +315,7 @@ def test_every_answer_has_a_date_and_503s_a_retry_after(broker_factory):
             assert abs((_date(headers) - now).total_seconds()) < 10
             assert "retry-after" not in headers
     with Conn(b) as c:
-        c.send(b"GET / HTTP/1.1\r\n" + b"X: a\r\n" * 200 + b"\r\n")
+        c.send(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X: a\r\n" * 200 + b"\r\n")
         status, headers, _ = c.response()
         assert status == 431 and _date(headers)
     with Conn(b) as busy:  # the one worker slot taken, no queue: the next call is overloaded
@@ -319,7 +336,7 @@ def test_every_answer_has_a_date_and_503s_a_retry_after(broker_factory):
     try:
         for _ in range(3 + PROBE_RESERVE):  # each accepted, then busy (a request under way)
             holders.append(h := Conn(b))
-            h.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\n")
+            h.send(get("/healthz") + b"GET /healthz HTTP/1.1\r\n")
             assert h.response()[0] == 200
         with Conn(b) as over:
             status, headers, _ = over.response()
@@ -334,7 +351,7 @@ def test_the_date_is_refreshed(broker_factory):
 
     def date() -> str:
         with Conn(b) as c:
-            c.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            c.send(get("/healthz"))
             return c.response()[1]["date"]
 
     first = date()
