@@ -257,6 +257,40 @@ def test_allowed_hosts_and_origins_settings_are_parsed_and_checked():
             config.load(None, {}, {"allowed_origins": [bad]})
 
 
+# -- the refusals are answers like the others ----------------------------------------------
+
+
+def test_refusals_and_cors_answers_have_a_date_and_are_counted_by_path(broker_factory, tmp_path):
+    """Every answer carries `Date` (RFC 9110 6.6.1) and is counted in
+    rpc_broker_http_responses_total under its path: the refusals and CORS answers too."""
+    b = broker_factory(*LEDGER_APP, "--allowed-origins", "http://app.test",
+                       env={"LEDGER_FILE": str(tmp_path / "l")})
+    note = json.dumps({"jsonrpc": "2.0", "method": "record", "params": ["note"]}).encode()
+    cases = [  # (request, status, path label)
+        (request(record("a"), content_type="text/plain"), 415, "rpc"),
+        (request(record("a"), host="rebind.test"), 421, "rpc"),
+        (request(record("a"), origin="http://rebind.test"), 403, "rpc"),
+        (request(record("a"), host=None), 400, "rpc"),
+        (request(b"", method="OPTIONS", origin="http://app.test",
+                 extra="Access-Control-Request-Method: POST\r\n"), 204, "rpc"),
+        (request(record("cors"), origin="http://app.test"), 200, "rpc"),
+        (request(note, origin="http://app.test"), 204, "rpc"),
+        (request(b"", method="GET", path="/metrics", host="rebind.test"), 421, "metrics"),
+        (request(b"", method="GET", path="/metrics", origin="http://rebind.test"), 403, "metrics"),
+    ]
+    name = "rpc_broker_http_responses_total"
+    for raw, expected, path in cases:
+        before = scrape_metrics(b)
+        status, headers, body = exchange(b, raw)
+        assert status == expected, (raw, body)
+        assert headers["date"].endswith(" GMT"), headers
+        after = scrape_metrics(b)  # (this scrape's own answer is counted after it is made)
+        moved = {key: after[key] - before.get(key, 0.0) for key in after
+                 if key[0] == name and after[key] != before.get(key, 0.0)}
+        assert moved == {(name, (("path", path), ("status", str(expected)))): 1.0,
+                         (name, (("path", "metrics"), ("status", "200"))): 1.0}, raw
+
+
 # -- a real browser ----------------------------------------------------------------------
 
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (make chromium-bin)")
@@ -395,7 +429,7 @@ def typing_dict(value: object) -> dict[str, object]:
 
 
 def http_responses(b: Broker, status: str) -> float:
-    return sample(scrape_metrics(b), "rpc_broker_http_responses_total", status=status)
+    return sample(scrape_metrics(b), "rpc_broker_http_responses_total", path="rpc", status=status)
 
 
 def cross_site(tmp_path: Path, page_server: PageServer) -> dict[str, object]:
