@@ -150,6 +150,32 @@ def test_a_missing_host_is_400_on_http11_and_served_on_http10(ledger_broker):
     assert marks(ledger)[-1] == "no host 1.0"
 
 
+@pytest.mark.parametrize(("header", "status"), [
+    ({}, 200), ({"version": "HTTP/1.0", "host": None}, 200), ({"host": None}, 400),
+    ({"host": "rebind.test"}, 421), ({"content_type": "text/plain"}, 415), ({"origin": "http://rebind.test"}, 403),
+], ids=repr)
+def test_an_h2c_upgrade_whose_body_comes_later_gets_the_same_checks(ledger_broker, header, status):
+    """An Upgrade request's body is read by a second parser (test_http_hardening.py):
+    its answer is decided as for any POST, on the request's own version and headers."""
+    b, ledger = ledger_broker
+    before = marks(ledger)
+    body = record("upgrade")
+    raw = request(body, extra="Connection: Upgrade\r\nUpgrade: h2c\r\nExpect: 100-continue\r\n", **header)
+    with socket.create_connection((b.host, b.port), timeout=15) as s:
+        s.sendall(raw[: len(raw) - len(body)])  # the head, then the body in a read of its own
+        continue_ = b"HTTP/1.1 100 Continue\r\n\r\n"
+        received = b""
+        while len(received) < len(continue_) and (chunk := s.recv(len(continue_) - len(received))):
+            received += chunk
+        assert received == continue_  # the head is read
+        s.sendall(body)
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        answer = response.read()
+    assert response.status == status, answer
+    assert marks(ledger) == ([*before, "upgrade"] if status == 200 else before)
+
+
 def test_metrics_checks_the_host_and_the_probes_do_not(ledger_broker):
     """/metrics names the methods: a rebound page must not read it. The probes tell nothing,
     and kubelet sends the pod IP as Host, so they answer whatever the Host or Origin."""

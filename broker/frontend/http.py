@@ -470,9 +470,11 @@ class HttpProtocol(asyncio.Protocol):
             framing = b"transfer-encoding: " + self._transfer_encoding + b"\r\n"
         elif self._content_length >= 0:
             framing = b"content-length: %d\r\n" % self._content_length
+        # The same HTTP version: `_refused` reads it from the parser (no Host is fine on 1.0).
+        version = self._parser.get_http_version().encode()
         self._parser = httptools.HttpRequestParser(_UpgradeBody(self))
         try:
-            self._parser.feed_data(b"POST / HTTP/1.1\r\n" + framing + b"\r\n" + rest)
+            self._parser.feed_data(b"POST / HTTP/" + version + b"\r\n" + framing + b"\r\n" + rest)
         except httptools.HttpParserError as exc:  # later reads: data_received has the same
             if not self._closing:
                 self._answer_and_close(400, f"bad HTTP request: {exc}".encode())
