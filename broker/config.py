@@ -180,6 +180,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                  Doc("idle HTTP keep-alive connections are closed "
                                      "after this")
                                  ] = 75 * SECONDS
+    request_timeout: Annotated[Seconds, Meta(gt=0),
+                               Doc("an HTTP request's line, headers and body must all "
+                                   "arrive within this of its first byte, however they "
+                                   "trickle; past it the client gets 408 and the "
+                                   "connection closes")
+                               ] = 30 * SECONDS
     max_connections: Annotated[int, Meta(ge=1),
                                Doc("open client connections at most; past it a new one "
                                    "is answered 503 and closed (the broker also raises its "

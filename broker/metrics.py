@@ -95,8 +95,11 @@ assert set(_OUTCOMES) == set(ERRORS), "every broker error code has an outcome na
 _OUTCOME_NAMES = ("ok", *_OUTCOMES.values(), "application_error")
 # The statuses the HTTP front-end answers with (their series exist from the start).
 HTTP_STATUSES = (
-    b"200", b"204", b"400", b"403", b"404", b"405", b"413", b"415", b"421", b"431", b"500", b"502", b"503", b"504",
+    b"200", b"204", b"400", b"403", b"404", b"405", b"408", b"413", b"415", b"421", b"431", b"500", b"502", b"503",
+    b"504",
 )
+# The `path` label of the HTTP responses: rpc_path, /healthz, /readyz, /metrics, anything else.
+HTTP_PATHS = ("rpc", "health", "ready", "metrics", "other")
 RESTART_REASONS = ("exited", "killed", "hung", "boot_timeout", "reload")  # see pool.restart_reason
 # Why a notification never reached a worker (Dispatcher.notifications_dropped's keys).
 DROP_REASONS = {code: _OUTCOMES[code] for code in (
@@ -391,20 +394,21 @@ class BrokerCollector(Collector):
         yield h
 
     def _http(self) -> Iterator[Metric]:
-        statuses = dict.fromkeys(HTTP_STATUSES, 0)
+        statuses = {(path, status): 0 for path in HTTP_PATHS for status in HTTP_STATUSES}
         # per transport: [connections, refused, received bytes, sent bytes]
         by_transport: dict[str, list[int]] = {}
         for fe in self.frontends:
-            for status, count in fe.statuses.items():
-                statuses[status] = statuses.get(status, 0) + count
+            for path, counts in fe.statuses.items():
+                for status, count in counts.items():
+                    statuses[path, status] = statuses.get((path, status), 0) + count
             row = by_transport.setdefault(fe.transport, [0, 0, 0, 0])
             row[0] += len(fe.connections)
             row[1] += fe.refused_total
             row[2] += fe.received_bytes
             row[3] += fe.sent_bytes
         yield _family_counter(
-            "rpc_broker_http_responses", "HTTP responses, by status code.", ["status"],
-            (([status.decode()], n) for status, n in sorted(statuses.items())),
+            "rpc_broker_http_responses", "HTTP responses, by path and status code.", ["path", "status"],
+            (([path, status.decode()], n) for (path, status), n in sorted(statuses.items())),
         )  # fmt: skip
         for i, (family, doc, counter) in enumerate((
             ("rpc_broker_connections", "Open client connections.", False),

@@ -194,6 +194,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             max_body_bytes=config.max_body_bytes,
             max_batch=config.max_batch,
             keepalive_timeout=config.keepalive_timeout,
+            request_timeout=config.request_timeout,
             max_connections=max_connections,
             metrics=None if separate else scrape,
             allowed_hosts=hosts,
@@ -204,8 +205,8 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         if separate:
             metrics_frontend = HttpFrontend(
                 dispatcher, max_connections=64, metrics=scrape, serve_rpc=False,
-                keepalive_timeout=config.keepalive_timeout, transport="metrics",
-                allowed_hosts=hosts, allowed_origins=config.allowed_origins,
+                keepalive_timeout=config.keepalive_timeout, request_timeout=config.request_timeout,
+                transport="metrics", allowed_hosts=hosts, allowed_origins=config.allowed_origins,
             )  # fmt: skip
             listeners.append((metrics_frontend, config.metrics_host, config.metrics_port))
         for transport, where, port_ in (

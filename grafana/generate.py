@@ -267,9 +267,11 @@ def traffic() -> list[Panel]:
             unit="percentunit",
         ),
         timeseries(
-            "HTTP responses by status",
-            "HTTP responses per second by status code (a batch is always 200; see the README's error table).",
-            [(f"sum by (status) ({rate('rpc_broker_http_responses_total')})", "{{status}}")],
+            "HTTP responses by path and status",
+            "HTTP responses per second by path (rpc: the JSON-RPC path; health, ready, metrics: the "
+            "probes and scrapes; other: any other path, and requests unreadable as HTTP) and status code "
+            "(a batch is always 200; see the README's error table).",
+            [(f"sum by (path, status) ({rate('rpc_broker_http_responses_total')})", "{{path}} {{status}}")],
             unit="reqps",
         ),
         timeseries(

@@ -150,6 +150,32 @@ def test_a_missing_host_is_400_on_http11_and_served_on_http10(ledger_broker):
     assert marks(ledger)[-1] == "no host 1.0"
 
 
+@pytest.mark.parametrize(("header", "status"), [
+    ({}, 200), ({"version": "HTTP/1.0", "host": None}, 200), ({"host": None}, 400),
+    ({"host": "rebind.test"}, 421), ({"content_type": "text/plain"}, 415), ({"origin": "http://rebind.test"}, 403),
+], ids=repr)
+def test_an_h2c_upgrade_whose_body_comes_later_gets_the_same_checks(ledger_broker, header, status):
+    """An Upgrade request's body is read by a second parser (test_http_hardening.py):
+    its answer is decided as for any POST, on the request's own version and headers."""
+    b, ledger = ledger_broker
+    before = marks(ledger)
+    body = record("upgrade")
+    raw = request(body, extra="Connection: Upgrade\r\nUpgrade: h2c\r\nExpect: 100-continue\r\n", **header)
+    with socket.create_connection((b.host, b.port), timeout=15) as s:
+        s.sendall(raw[: len(raw) - len(body)])  # the head, then the body in a read of its own
+        continue_ = b"HTTP/1.1 100 Continue\r\n\r\n"
+        received = b""
+        while len(received) < len(continue_) and (chunk := s.recv(len(continue_) - len(received))):
+            received += chunk
+        assert received == continue_  # the head is read
+        s.sendall(body)
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        answer = response.read()
+    assert response.status == status, answer
+    assert marks(ledger) == ([*before, "upgrade"] if status == 200 else before)
+
+
 def test_metrics_checks_the_host_and_the_probes_do_not(ledger_broker):
     """/metrics names the methods: a rebound page must not read it. The probes tell nothing,
     and kubelet sends the pod IP as Host, so they answer whatever the Host or Origin."""
@@ -255,6 +281,40 @@ def test_allowed_hosts_and_origins_settings_are_parsed_and_checked():
     for bad in ("a.example", "https://a.example/", "https://a.example/path"):
         with pytest.raises(config.ConfigError, match="allowed_origins"):
             config.load(None, {}, {"allowed_origins": [bad]})
+
+
+# -- the refusals are answers like the others ----------------------------------------------
+
+
+def test_refusals_and_cors_answers_have_a_date_and_are_counted_by_path(broker_factory, tmp_path):
+    """Every answer carries `Date` (RFC 9110 6.6.1) and is counted in
+    rpc_broker_http_responses_total under its path: the refusals and CORS answers too."""
+    b = broker_factory(*LEDGER_APP, "--allowed-origins", "http://app.test",
+                       env={"LEDGER_FILE": str(tmp_path / "l")})
+    note = json.dumps({"jsonrpc": "2.0", "method": "record", "params": ["note"]}).encode()
+    cases = [  # (request, status, path label)
+        (request(record("a"), content_type="text/plain"), 415, "rpc"),
+        (request(record("a"), host="rebind.test"), 421, "rpc"),
+        (request(record("a"), origin="http://rebind.test"), 403, "rpc"),
+        (request(record("a"), host=None), 400, "rpc"),
+        (request(b"", method="OPTIONS", origin="http://app.test",
+                 extra="Access-Control-Request-Method: POST\r\n"), 204, "rpc"),
+        (request(record("cors"), origin="http://app.test"), 200, "rpc"),
+        (request(note, origin="http://app.test"), 204, "rpc"),
+        (request(b"", method="GET", path="/metrics", host="rebind.test"), 421, "metrics"),
+        (request(b"", method="GET", path="/metrics", origin="http://rebind.test"), 403, "metrics"),
+    ]
+    name = "rpc_broker_http_responses_total"
+    for raw, expected, path in cases:
+        before = scrape_metrics(b)
+        status, headers, body = exchange(b, raw)
+        assert status == expected, (raw, body)
+        assert headers["date"].endswith(" GMT"), headers
+        after = scrape_metrics(b)  # (this scrape's own answer is counted after it is made)
+        moved = {key: after[key] - before.get(key, 0.0) for key in after
+                 if key[0] == name and after[key] != before.get(key, 0.0)}
+        assert moved == {(name, (("path", path), ("status", str(expected)))): 1.0,
+                         (name, (("path", "metrics"), ("status", "200"))): 1.0}, raw
 
 
 # -- a real browser ----------------------------------------------------------------------
@@ -395,7 +455,7 @@ def typing_dict(value: object) -> dict[str, object]:
 
 
 def http_responses(b: Broker, status: str) -> float:
-    return sample(scrape_metrics(b), "rpc_broker_http_responses_total", status=status)
+    return sample(scrape_metrics(b), "rpc_broker_http_responses_total", path="rpc", status=status)
 
 
 def cross_site(tmp_path: Path, page_server: PageServer) -> dict[str, object]:

@@ -170,9 +170,10 @@ def test_http_responses_bytes_and_connections(mb: Broker):
         for s in open_socks:
             s.close()
     after = scrape(mb)
-    assert delta(before, after, "rpc_broker_http_responses_total", status="200") >= 3 + 1  # + the first scrape
-    assert delta(before, after, "rpc_broker_http_responses_total", status="404") == 1
-    assert delta(before, after, "rpc_broker_http_responses_total", status="204") == 1
+    assert delta(before, after, "rpc_broker_http_responses_total", path="rpc", status="200") == 3
+    assert delta(before, after, "rpc_broker_http_responses_total", path="metrics", status="200") >= 1  # `before`
+    assert delta(before, after, "rpc_broker_http_responses_total", path="other", status="404") == 1
+    assert delta(before, after, "rpc_broker_http_responses_total", path="rpc", status="204") == 1
     assert delta(before, after, "rpc_broker_received_bytes_total", transport="http") > 3 * len(body)
     assert delta(before, after, "rpc_broker_sent_bytes_total", transport="http") > 3 * 40
 
@@ -341,7 +342,7 @@ def test_bodies_past_max_body_bytes_are_counted(broker_factory):
     after = scrape(b)
     assert delta(before, after, "rpc_broker_calls_total", method="other", outcome="invalid_request") == 1
     assert delta(before, after, "rpc_broker_errors_total", code="-32600") == 1
-    assert delta(before, after, "rpc_broker_http_responses_total", status="413") == 1
+    assert delta(before, after, "rpc_broker_http_responses_total", path="rpc", status="413") == 1
 
 
 def test_the_metrics_listener_is_its_own_transport_and_outlives_the_drain(broker_factory):

@@ -125,7 +125,7 @@ def test_panels_cover_the_issue(dashboard: dict[str, Any]) -> None:
                    "Queue wait vs worker service time (p99)", "In-flight and queued calls", "Workers by state",
                    "Worker restarts by reason", "Batch size", "Open connections", "Refused connections",
                    "Bytes in / out", "Worker CPU by slot", "Worker resident memory by slot",
-                   "HTTP responses by status", "Queued bytes"):
+                   "HTTP responses by path and status", "Queued bytes"):
         assert wanted in titles
 
 

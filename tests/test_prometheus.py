@@ -223,8 +223,10 @@ EXPECTED_CALLS = {  # rpc_broker_calls_total{method, outcome}: any other series 
 EXPECTED_ERRORS = {"-32601": 4, "-32602": 2, "-32700": 2, "-32600": 1, "-32001": 4}  # the other codes: 0
 EXPECTED_TIMEOUTS = {"sleep": 4}
 EXPECTED_NOTIFICATIONS = {"notify_hello": 2, "update": 1}
-# HTTP statuses of the requests above (200 also counts Prometheus's own scrapes: added later).
-EXPECTED_HTTP = {"200": OK_CALLS + 3 + 2 + 2 + 1, "400": 2 + 1, "504": 4, "204": 1, "404": 1}
+# HTTP responses to the requests above by (path, status); Prometheus's own scrapes are
+# ("metrics", "200"), added later.
+EXPECTED_HTTP = {("rpc", "200"): OK_CALLS + 3 + 2 + 2 + 1, ("rpc", "400"): 2 + 1, ("rpc", "504"): 4,
+                 ("rpc", "204"): 1, ("other", "404"): 1}
 
 
 def send_traffic(b: Broker) -> None:
@@ -290,11 +292,12 @@ def snapshot(prom: Prometheus) -> Snapshot:
         errors=by_label(prom.query(f"rpc_broker_errors_total{sel}", at), "code"),
         timeouts=by_label(prom.query(f"rpc_broker_timeouts_total{sel}", at), "method"),
         notifications=by_label(prom.query(f"rpc_broker_notifications_total{sel}", at), "method"),
-        http=by_label(prom.query(f"rpc_broker_http_responses_total{sel}", at), "status"),
+        http=by_label(prom.query(f"rpc_broker_http_responses_total{sel}", at), "path", "status"),
         batch_count=one(f"rpc_broker_batch_size_count{sel}"),
         batch_sum=one(f"rpc_broker_batch_size_sum{sel}"),
         duration_count=by_label(prom.query(f"rpc_broker_call_duration_seconds_count{sel}", at), "method"),
-        http_200_sampled_at=one(f'timestamp(rpc_broker_http_responses_total{{job="{JOB}", status="200"}})'),
+        http_200_sampled_at=one(
+            f'timestamp(rpc_broker_http_responses_total{{job="{JOB}", path="metrics", status="200"}})'),
     )
 
 
@@ -315,7 +318,7 @@ class Traffic:
 def traffic(broker: Broker, prometheus: Prometheus) -> Traffic:
     # A status series appears with its first response: the 200 of the first scrape shows
     # from the second scrape on.
-    status_200 = f'rpc_broker_http_responses_total{{job="{JOB}", status="200"}}'
+    status_200 = f'rpc_broker_http_responses_total{{job="{JOB}", path="metrics", status="200"}}'
     eventually(f"Prometheus holding {status_200}", lambda: prometheus.query(status_200))
     before = snapshot(prometheus)
     send_traffic(broker)
@@ -361,7 +364,7 @@ def test_http_responses_by_status(traffic: Traffic) -> None:
     moved = deltas(traffic.before.http, traffic.after.http)
     assert traffic.scrapes_between >= 1
     # Each scrape is answered 200 too, counted from the next scrape on.
-    assert moved == {**EXPECTED_HTTP, "200": EXPECTED_HTTP["200"] + traffic.scrapes_between}
+    assert moved == {**EXPECTED_HTTP, ("metrics", "200"): traffic.scrapes_between}
 
 
 # ---- every dashboard and alert expression evaluates -------------------------------------------

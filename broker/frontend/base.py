@@ -57,7 +57,8 @@ class Listener:
         self.refused_total = 0
         self.received_bytes = 0
         self.sent_bytes = 0
-        self.statuses: dict[bytes, int] = {}  # HTTP responses by status (b"200"); empty for streams
+        # HTTP responses by path label, then status: {"rpc": {b"200": 5}}; empty for streams
+        self.statuses: dict[str, dict[bytes, int]] = {}
         self.draining = False
         self.loop = asyncio.get_running_loop()
         self._sweeper: asyncio.TimerHandle | None = None

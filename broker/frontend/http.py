@@ -10,6 +10,11 @@ so pipelined requests are answered in the order they came, however their calls
 finish; a response is written (status line, headers and body in one `write`) as soon
 as everything before it has been written.
 
+A request is *under way* from its first byte (`on_message_begin`, `request_started`)
+until it is complete and routed; once routed it is *owed* (`owed`) until answered. A
+connection with neither is idle: only idle connections are ever closed to drain
+(SIGTERM) or to make room at `max_connections`.
+
 Answers:
     POST rpc_path          200 with the JSON-RPC response; 204 when nothing is owed
                            (only notifications); the status in `jsonrpc.ERRORS` for a
@@ -21,7 +26,11 @@ Answers:
     OPTIONS rpc_path       204 with CORS headers: a preflight from an allowed Origin
     other method           405 with Allow
     other path             404
-    bad HTTP               400 and close; headers past 64 KiB: 431 and close
+    bad HTTP               400 and close; a head past 64 KiB or 100 header fields: 431
+                           and close; a request not all in within request_timeout:
+                           408 and close
+Every answer has a `date` header (RFC 9110 6.6.1; formatted once a second by the
+sweep), and every 503 a `retry-after` (RFC 9110 10.2.3).
 
 Who may call (issue 9 item 11): a web page must not be able to run a tool, cross-site
 or through DNS rebinding. On rpc_path and /metrics a request whose Host name (any port)
@@ -36,31 +45,43 @@ pod IP as Host. The headers are kept in `on_header`; `_route` refuses in one pla
 Flow control (aiohttp and uvicorn do the same): reading pauses while the transport's
 write buffer is above its high-water mark, or while more than `PIPELINE_HIGH`
 requests wait for answers on one connection, and resumes below the low marks.
-Idle connections (nothing owed, no bytes for `keepalive_timeout` seconds) are closed
-by one sweep per second for all connections, not a timer per request.
+One sweep per second for all connections, not a timer per request, closes idle
+connections (nothing owed, no bytes for `keepalive_timeout` seconds) and answers 408
+to requests under way for longer than `request_timeout` (nginx's
+client_header_timeout and client_body_timeout, for the whole request).
+
+A client that half-closes after sending (`shutdown(SHUT_WR)`, `nc -N`) gets what it is
+owed, then the connection closes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import operator
 import typing
 from collections import deque
+from email.utils import formatdate
 from http import HTTPStatus
 
 import httptools
 
 from broker.dispatch import Dispatcher, Exchange
-from broker.frontend.base import Listener
+from broker.frontend.base import SWEEP_SECONDS, Listener
 from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from broker.metrics import HTTP_PATHS
 
 __all__ = ["HttpFrontend", "HttpProtocol"]
 
 
 PIPELINE_HIGH = 64  # requests owed on one connection before reading pauses
 PIPELINE_LOW = 16  # ... and resumes
-MAX_HEADER_BYTES = 64 * 1024  # request line and headers, like nginx's large buffers
+MAX_HEADER_BYTES = 64 * 1024  # request line and header lines, like nginx's large buffers
+MAX_HEADERS = 100  # header fields in one request (h11 and nginx allow 100 too)
 PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
+EVICT_BATCH = 64  # idle connections found per scan at max_connections (closed one at a time)
+RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
 _PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
 _JSON_TYPE = b"application/json"
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # config.Config.allowed_hosts' default
@@ -68,33 +89,41 @@ _PREFLIGHT = (
     b"access-control-allow-methods: POST\r\naccess-control-allow-headers: content-type\r\n"
     b"access-control-max-age: 600\r\n"
 )
+PATHS = HTTP_PATHS  # the `path` label of rpc_broker_http_responses_total (bounded)
+_PATH_OF_URL = {b"/healthz": "health", b"/readyz": "ready", b"/metrics": "metrics"}
 
 
 def _status_line(code: int) -> bytes:
-    return f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n".encode()
+    """The status line; a 503's carries `retry-after` with it (RFC 9110 10.2.3)."""
+    line = f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n".encode()
+    return (line + b"retry-after: %d\r\n" % RETRY_AFTER_SECONDS) if code == 503 else line
 
 
 _STATUS_LINES = {
-    code: _status_line(code) for code in (200, 204, 400, 403, 404, 405, 413, 415, 421, 431, 500, 502, 503, 504)
+    code: _status_line(code)
+    for code in (200, 204, 400, 403, 404, 405, 408, 413, 415, 421, 431, 500, 502, 503, 504)
 }
 _JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
 _KEEP_ALIVE = b"connection: keep-alive\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _TOO_MANY_BODY = b'{"error":"too many connections"}'
-_TOO_MANY = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: "
-    + str(len(_TOO_MANY_BODY)).encode() + b"\r\nconnection: close\r\n\r\n" + _TOO_MANY_BODY
-)
-_NO_CONTENT_CLOSE = _STATUS_LINES[204] + _CLOSE + b"\r\n"
 _METRICS_HEADERS = b"content-type: " + METRICS_CONTENT_TYPE.encode() + b"\r\ncontent-length: "
+_last_active = operator.attrgetter("last_active")
 
 
-def _json_response(status: int, body: bytes, keep_alive: bool, extra: bytes = b"") -> bytes:
+def date_header() -> bytes:
+    """The `date` header line for now: ``b"date: Tue, 01 Dec 2026 05:52:03 GMT\\r\\n"``
+    (IMF-fixdate, RFC 9110 section 5.6.7)."""
+    return b"date: " + formatdate(usegmt=True).encode() + b"\r\n"
+
+
+def _json_response(status: int, body: bytes, keep_alive: bool, extra: bytes, json_head: bytes) -> bytes:
+    """A JSON answer; `json_head` is `HttpFrontend.json_head` (date and content-type)."""
     return b"".join(
         (
             _STATUS_LINES.get(status) or _status_line(status),
-            _JSON_HEADERS,
+            json_head,
             str(len(body)).encode(),
             b"\r\n",
             extra,
@@ -128,7 +157,11 @@ class _Scrape:
 
 
 class HttpFrontend(Listener):
-    """Shared state of all HTTP connections: codec, dispatcher, limits, connections."""
+    """Shared state of all HTTP connections: codec, dispatcher, limits, connections.
+
+    request_timeout: seconds from a request's first byte until its head and body are
+        all in; past it the client gets 408 and the connection closes.
+    """
 
     def __init__(
         self,
@@ -138,6 +171,7 @@ class HttpFrontend(Listener):
         max_body_bytes: int = 1024 * 1024,
         max_batch: int = 1000,
         keepalive_timeout: float = 75.0,
+        request_timeout: float = 30.0,
         max_connections: int = 10000,
         ready: typing.Callable[[], bool] | None = None,
         metrics: typing.Callable[[], bytes] | None = None,
@@ -152,6 +186,8 @@ class HttpFrontend(Listener):
         )  # fmt: skip
         # A metrics-only listener (metrics_port) answers no RPC path: b"" matches no URL.
         self.rpc_path = rpc_path.encode() if serve_rpc else b""
+        self.request_timeout = request_timeout
+        self.statuses = {path: {} for path in PATHS}
         self.metrics = metrics  # makes the /metrics body; None: 404 on /metrics
         self.ready = ready or (lambda: dispatcher.ready_workers > 0)
         # Host names (b"localhost", b"[::1]"), lower case; None: any ('*').
@@ -162,9 +198,12 @@ class HttpFrontend(Listener):
             self.hosts = None
         self.origins = frozenset(o.lower().encode() for o in allowed_origins)  # b"*": any
         self.good_hosts: set[bytes] = set()  # Host values seen allowed (bounded), for the fast path
-        self.too_large = _json_response(
-            413, _error_body(ErrorCode.INVALID_REQUEST, f"body exceeds max_body_bytes {max_body_bytes}"), False
-        )
+        self.too_large_body = _error_body(ErrorCode.INVALID_REQUEST, f"body exceeds max_body_bytes {max_body_bytes}")
+        self.date = b""  # the date header line, refreshed by every sweep (once a second)
+        self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
+        self._refresh_date()
+        self._evictable: list[HttpProtocol] = []  # idle connections found by the last scan, most idle last
+        self._rescan_at = 0.0  # loop time before which a scan that found none is not repeated
 
     def host_allowed(self, host: bytes) -> bool:
         """Whether a Host header value (`name[:port]`, RFC 9110 7.2) names this server:
@@ -196,26 +235,90 @@ class HttpFrontend(Listener):
 
     def protocol(self) -> HttpProtocol:
         """Protocol factory for `loop.create_server`."""
-        self.start_sweeping()
+        if self._sweeper is None:
+            self._refresh_date()
+            self.start_sweeping()
         return HttpProtocol(self)
 
+    def _refresh_date(self) -> None:
+        self.date = date_header()
+        self.json_head = self.date + _JSON_HEADERS
+
     def _sweep(self) -> None:
+        self._refresh_date()
         now = self.loop.time()
-        limit = self.keepalive_timeout
+        keepalive = self.keepalive_timeout
+        request_timeout = self.request_timeout
         for conn in list(self.connections):
-            if not conn.owed and now - conn.last_active > limit:
+            started = conn.request_started
+            if started:
+                # The whole request, head and body, however it trickles (nginx's
+                # client_header_timeout and client_body_timeout). The clock does not
+                # run while the broker itself is not reading (its own backpressure).
+                if now - started > request_timeout and not conn.read_paused:
+                    conn.request_timed_out()
+            elif not conn.owed and now - conn.last_active > keepalive:
                 conn.close()
-            elif conn.head_started and now - conn.head_started > limit:
-                conn.close()  # a head trickling in (slowloris): nginx's client_header_timeout
+
+    def make_room(self) -> None:
+        """At `max_connections`: close the least recently active idle connections until
+        a new one fits under the limit, or none is left (nginx reuses keep-alive
+        connections the same way when worker_connections run out).
+
+        Idle: no request under way and none owed (`HttpProtocol.idle`), and either a
+        request served already or no byte for `SWEEP_SECONDS` (a connection just
+        accepted, whose request may be on its way, is left alone: a burst of new
+        connections does not close its own members before they can send).
+        One scan of all connections finds up to `EVICT_BATCH` candidates, used one by
+        one (each checked to be still idle); a scan that finds none is not repeated
+        for `SWEEP_SECONDS`, so a flood of connections at the limit costs no O(n) each.
+        """
+        evictable = self._evictable
+        connections = self.connections
+        while len(connections) >= self.max_connections:
+            now = self.loop.time()
+            fresh = now - SWEEP_SECONDS
+            if evictable:
+                conn = evictable.pop()
+                if conn.idle and (conn.requests or conn.last_active <= fresh) and conn in connections:
+                    connections.discard(conn)
+                    conn.close()
+                continue
+            if now < self._rescan_at:
+                return
+            idle = [conn for conn in connections if conn.idle and (conn.requests or conn.last_active <= fresh)]
+            if not idle:
+                self._rescan_at = now + SWEEP_SECONDS
+                return
+            evictable[:] = heapq.nsmallest(EVICT_BATCH, idle, key=_last_active)
+            evictable.reverse()
 
     def drain(self) -> None:
         """Close idle keep-alive connections now; the others close after their next
-        answer. A connection that has not sent a request yet may still have one on
-        its way: it gets until `wait_closed` gives up."""
+        answer. A connection with a request under way (its head or body still coming)
+        is answered first. A connection that has not sent a request yet may still have
+        one on its way: it gets until `wait_closed` gives up."""
         self.draining = True
         for conn in list(self.connections):
-            if not conn.owed and conn.requests and not conn.head_started:
+            if not conn.owed and conn.requests and not conn.request_started:
                 conn.close()
+
+
+class _UpgradeBody:
+    """Parser callbacks for the body of an `Upgrade` request: httptools stops at the
+    end of such a request's head (what follows belongs to the new protocol), so its
+    body, with its own framing, is read by a second parser into this connection."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: HttpProtocol) -> None:
+        self.conn = conn
+
+    def on_body(self, body: bytes) -> None:
+        self.conn.on_body(body)
+
+    def on_message_complete(self) -> None:
+        self.conn.upgrade_body_complete()
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -223,59 +326,67 @@ class HttpProtocol(asyncio.Protocol):
 
     __slots__ = (
         "_body",
-        "_body_size",
         "_closing",
         "_content_length",
         "_content_type",
+        "_eof",
         "_expect",
         "_fe",
         "_head_bytes",
         "_head_done",
         "_header_bytes",
+        "_headers",
         "_host",
         "_keep_header",
         "_linger",
         "_origin",
         "_parser",
         "_probe_only",
-        "_read_paused",
         "_responses",
         "_skip",
+        "_transfer_encoding",
         "_transport",
         "_upgrade",
         "_url",
         "_write_paused",
-        "head_started",
         "last_active",
+        "read_paused",
+        "request_started",
         "requests",
     )
 
     def __init__(self, frontend: HttpFrontend) -> None:
         self._fe = frontend
         self._parser = httptools.HttpRequestParser(self)
-        self._head_bytes = 0  # bytes received while a request's head is incomplete
+        self._head_bytes = 0  # raw bytes received while a request's head is incomplete
         self._head_done = False
-        self._content_length = 0
+        self._content_length = -1  # -1: no Content-Length header
+        self._transfer_encoding = b""
         self._linger = False  # half-close after the answer: the client may still be sending
         self._keep_header = b""  # "connection: keep-alive" for an HTTP/1.0 client that asked
         self._probe_only = False  # taken past max_connections: probes and /metrics only
         self._upgrade: tuple[bytes, bytes] | None = None  # (method, url) of an Upgrade request
-        self.head_started = 0.0  # loop time a request's first byte came; 0 once its head is in
+        self._eof = False  # the client half-closed: close once nothing is owed
+        self.request_started = 0.0  # loop time a request's first byte came; 0 when none is under way
         self.requests = 0  # requests answered or owed on this connection
         self._transport: asyncio.Transport | None = None
         self._url = b""
-        self._body: list[bytes] = []
-        self._body_size = 0
-        self._header_bytes = 0
+        # The request body: the first piece as httptools gave it (no copy in the common
+        # case of a body in one read), then one bytearray bounded by max_body_bytes (a
+        # list of pieces cost ~50 bytes of objects per piece: 2-byte chunks, 27x).
+        self._body: bytes | bytearray = b""
+        self._header_bytes = 0  # request line and header lines of the current head
+        self._headers = 0  # header fields of the current head
         self._expect = False
         self._skip = False  # the current request was answered early (413): drop its body
         self._host: bytes | None = None  # the request's Host, Origin and Content-Type values
         self._origin: bytes | None = None
         self._content_type: bytes | None = None
-        # What each request is owed, in order: an Exchange (JSON-RPC), finished bytes, or
-        # a _Scrape (a /metrics answer, made only once the client reads what came before).
-        self._responses: deque[Exchange | tuple[bytes, bool] | _Scrape] = deque()
-        self._read_paused = False
+        # What each request is owed, in order: an Exchange (JSON-RPC), finished bytes with
+        # their keep-alive and path label, or a _Scrape (a /metrics answer, made only
+        # once the client reads what came before).
+        self._responses: deque[Exchange | tuple[bytes, bool, str] | _Scrape] = deque()
+        self.read_paused = False
         self._write_paused = False
         self._closing = False
         self.last_active = frontend.loop.time()
@@ -285,25 +396,29 @@ class HttpProtocol(asyncio.Protocol):
         """Requests received and not yet answered on this connection."""
         return len(self._responses)
 
+    @property
+    def idle(self) -> bool:
+        """No request under way, none owed, not closing: closing it loses nothing."""
+        return not self._responses and not self.request_started and not self._closing
+
     # -- asyncio.Protocol --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
         fe = self._fe
         if len(fe.connections) >= fe.max_connections:  # nginx: worker_connections
+            fe.make_room()  # idle connections, if any, give their places
+        if len(fe.connections) >= fe.max_connections:
             if len(fe.connections) < fe.max_connections + PROBE_RESERVE:
-                # Past the limit a few connections are still taken, for /healthz, /readyz
-                # and /metrics only: a full broker is alive, and must not look dead to
-                # its liveness probe or to Prometheus.
+                # Past the limit, with no idle connection to close, a few more are taken
+                # for /healthz, /readyz and /metrics only: a full broker is alive, and
+                # must not look dead to its liveness probe or to Prometheus.
                 self._probe_only = True
                 fe.connections.add(self)
                 return
             fe.refused()
             self._closing = True
-            fe.sent_bytes += len(_TOO_MANY)
-            fe.statuses[b"503"] = fe.statuses.get(b"503", 0) + 1
-            self._transport.write(_TOO_MANY)
-            self._transport.close()
+            self._write(_json_response(503, _TOO_MANY_BODY, False, b"", fe.json_head), False, "other")
             return
         fe.connections.add(self)
 
@@ -333,16 +448,44 @@ class HttpProtocol(asyncio.Protocol):
             if not self._head_done and self._head_bytes > MAX_HEADER_BYTES and not self._closing:
                 self._answer_and_close(431, b"request line and headers too large")
 
+    def eof_received(self) -> bool:
+        """The client half-closed (`shutdown(SHUT_WR)`): keep the transport open to
+        write what it is owed, then close; close at once if nothing is owed (a request
+        still under way can no longer complete)."""
+        self._eof = True
+        return bool(self._responses)
+
     def _serve_upgrade(self, rest: bytes) -> None:
         """An `Upgrade` request (h2c, websocket): answer it as plain HTTP/1.1 and
-        close, as nginx does; its body, if any, is in `rest` (httptools stops there)."""
-        pending, self._upgrade = self._upgrade, None
-        if pending is None or len(rest) < self._content_length or self._closing:
+        close, as nginx does. httptools stops at the end of its head: its body, if
+        any (in `rest` and the reads to come), is read by a second parser that gets
+        the same framing (Content-Length or Transfer-Encoding) and nothing else."""
+        if self._upgrade is None or self._closing:
             if not self._closing:
                 self._answer_and_close(400, b"upgrade not supported")
             return
+        self._head_done = True  # the body is not head: no 431 for its bytes
+        framing = b""
+        if self._transfer_encoding:
+            framing = b"transfer-encoding: " + self._transfer_encoding + b"\r\n"
+        elif self._content_length >= 0:
+            framing = b"content-length: %d\r\n" % self._content_length
+        # The same HTTP version: `_refused` reads it from the parser (no Host is fine on 1.0).
+        version = self._parser.get_http_version().encode()
+        self._parser = httptools.HttpRequestParser(_UpgradeBody(self))
+        try:
+            self._parser.feed_data(b"POST / HTTP/" + version + b"\r\n" + framing + b"\r\n" + rest)
+        except httptools.HttpParserError as exc:  # later reads: data_received has the same
+            if not self._closing:
+                self._answer_and_close(400, f"bad HTTP request: {exc}".encode())
+
+    def upgrade_body_complete(self) -> None:
+        """The Upgrade request's body is all in: answer it once, then close."""
+        pending, self._upgrade = self._upgrade, None
+        if pending is None or self._skip or self._closing:
+            return
+        self.request_started = 0.0
         method, url = pending
-        self._body = [rest[: self._content_length]] if self._content_length else []
         self._route(method, url, False)
         self._closing = True
 
@@ -359,12 +502,13 @@ class HttpProtocol(asyncio.Protocol):
     # -- httptools callbacks -------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self.head_started = self.last_active  # set by data_received, which is running
-        self._content_length = 0
+        self.request_started = self.last_active  # set by data_received, which is running
+        self._content_length = -1
+        self._transfer_encoding = b""
         self._url = b""
-        self._body = []
-        self._body_size = 0
+        self._body = b""
         self._header_bytes = 0
+        self._headers = 0
         self._expect = False
         self._skip = False
         self._host = self._origin = self._content_type = None
@@ -376,9 +520,15 @@ class HttpProtocol(asyncio.Protocol):
             self._answer_and_close(431, b"request line and headers too large")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_bytes += len(name) + len(value)
+        # The whole line counts: name, value, ": " and CRLF (20,000 fields of "X: a" are
+        # 120 KB of head, not 40 KB); and so does the number of fields.
+        self._header_bytes += len(name) + len(value) + 4
+        self._headers += 1
         if self._header_bytes > MAX_HEADER_BYTES:
             self._answer_and_close(431, b"request line and headers too large")
+            return
+        if self._headers > MAX_HEADERS:
+            self._answer_and_close(431, b"too many header fields (limit %d)" % MAX_HEADERS)
             return
         n = len(name)
         if n == 14 and name.lower() == b"content-length":
@@ -400,17 +550,15 @@ class HttpProtocol(asyncio.Protocol):
                 self._origin = value
             elif name == b"expect" and value.lower() == b"100-continue":
                 self._expect = True
+        elif n == 17 and name.lower() == b"transfer-encoding":
+            self._transfer_encoding = value  # for the body of an Upgrade request
 
     def on_headers_complete(self) -> None:
         self._head_done = True
-        self.head_started = 0.0
         if self._closing:
             return
         if self._skip:
-            self._linger = True
-            self._queue(self._fe.too_large, False)
-            self._fe.dispatcher.count_refused_body()
-            self._closing = True
+            self._refuse_body()
             return
         if self._expect and self._parser.get_method() == b"POST":
             assert self._transport is not None
@@ -420,29 +568,33 @@ class HttpProtocol(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self._skip or self._closing:
             return
-        self._body_size += len(body)
-        if self._body_size > self._fe.max_body_bytes:
+        buf = self._body
+        if len(buf) + len(body) > self._fe.max_body_bytes:
             self._skip = True
-            self._body = []
-            self._linger = True
-            self._queue(self._fe.too_large, False)
-            self._fe.dispatcher.count_refused_body()
-            self._closing = True
+            self._body = b""
+            self._refuse_body()
             return
-        self._body.append(body)
+        if not buf:
+            self._body = body
+        else:
+            if type(buf) is bytes:
+                buf = self._body = bytearray(buf)
+            buf += body
 
     def on_message_complete(self) -> None:
         self._head_done = False
         self._head_bytes = 0
         if self._skip or self._closing:
+            self.request_started = 0.0
             return
         method = self._parser.get_method()
         url = self._url
         if b"?" in url:
             url = url.partition(b"?")[0]
-        if self._parser.should_upgrade():  # answered by _serve_upgrade, body and all
+        if self._parser.should_upgrade():  # answered once its body is in: see _serve_upgrade
             self._upgrade = (method, url)
             return
+        self.request_started = 0.0
         keep_alive = self._parser.should_keep_alive() and not self._fe.draining
         if keep_alive and not self._keep_header and self._parser.get_http_version() == "1.0":
             self._keep_header = _KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
@@ -454,12 +606,7 @@ class HttpProtocol(asyncio.Protocol):
         fe = self._fe
         self.requests += 1
         head = method == b"HEAD"
-        if self._probe_only and url not in _PROBE_PATHS:
-            fe.refused()
-            self._closing = True
-            self._queue(_TOO_MANY, False)
-            return
-        if url == fe.rpc_path:
+        if url == fe.rpc_path and not self._probe_only:
             host = self._host
             if (
                 method == b"POST" and self._origin is None
@@ -470,30 +617,39 @@ class HttpProtocol(asyncio.Protocol):
             elif not self._refused(True, keep_alive, head):
                 cors = b"" if self._origin is None else typing.cast(bytes, fe.cors_headers(self._origin))
                 if method == b"OPTIONS" and cors:  # a CORS preflight (Fetch standard 3.2.2)
-                    self._queue(_STATUS_LINES[204] + cors + _PREFLIGHT + self._keep_header + b"\r\n", keep_alive)
+                    extra = self._keep_header if keep_alive else _CLOSE
+                    self._queue(_STATUS_LINES[204] + fe.date + cors + _PREFLIGHT + extra + b"\r\n", keep_alive, "rpc")
                 elif method != b"POST":
-                    self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, b"allow: POST\r\n", head)
+                    self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, "rpc", b"allow: POST\r\n", head)
                 elif not _is_json(self._content_type):
-                    self._queue_invalid(415, "Content-Type must be application/json", keep_alive)
+                    self._queue_invalid(415, "Content-Type must be application/json", keep_alive, "rpc")
                 else:
                     self._rpc(keep_alive, cors)
+            return
+        path = self._path_of(url)
+        if self._probe_only and url not in _PROBE_PATHS:
+            fe.refused()
+            self._closing = True
+            self._queue(_json_response(503, _TOO_MANY_BODY, False, b"", fe.json_head), False, path)
         elif url == b"/healthz" or url == b"/readyz":
             if method == b"GET" or head:
                 ok = url == b"/healthz" or fe.ready()
                 body = b'{"status":"ok"}' if ok else b'{"status":"no worker ready"}'
-                response = _json_response(200 if ok else 503, body, keep_alive, self._keep_header if keep_alive else b"")
+                response = _json_response(
+                    200 if ok else 503, body, keep_alive, self._keep_header if keep_alive else b"", fe.json_head
+                )
                 if head:
                     response = response[: len(response) - len(body)]
-                self._queue(response, keep_alive)
+                self._queue(response, keep_alive, path)
             else:
-                self._queue_plain(405, b"use GET", keep_alive, b"allow: GET, HEAD\r\n", head)
+                self._queue_plain(405, b"use GET", keep_alive, path, b"allow: GET, HEAD\r\n", head)
         elif url == b"/metrics" and fe.metrics is not None:
             if self._refused(False, keep_alive, head):
                 pass
             elif method == b"GET" or head:
                 scrape = _Scrape(head, keep_alive)
                 if not self._responses and not self._write_paused:
-                    self._write(self._scrape_response(scrape), keep_alive)
+                    self._write(self._scrape_response(scrape), keep_alive, path)
                 else:
                     # A scrape is large (tens of KiB): one made for every request a client
                     # pipelines without reading would pile up in memory. Made when due.
@@ -501,9 +657,13 @@ class HttpProtocol(asyncio.Protocol):
                     if len(self._responses) > PIPELINE_HIGH:
                         self._pause()
             else:
-                self._queue_plain(405, b"use GET", keep_alive, b"allow: GET, HEAD\r\n", head)
+                self._queue_plain(405, b"use GET", keep_alive, path, b"allow: GET, HEAD\r\n", head)
         else:
-            self._queue_plain(404, b"not found", keep_alive, b"", head)
+            self._queue_plain(404, b"not found", keep_alive, path, b"", head)
+
+    def _path_of(self, url: bytes) -> str:
+        """The `path` label of an answer to `url` (query string removed): one of `PATHS`."""
+        return "rpc" if url == self._fe.rpc_path else _PATH_OF_URL.get(url, "other")
 
     def _refused(self, rpc: bool, keep_alive: bool, head: bool) -> bool:
         """Answer a request for rpc_path (`rpc`) or /metrics that comes from where it may
@@ -526,35 +686,32 @@ class HttpProtocol(asyncio.Protocol):
             return False
         if rpc and not head:
             data = f"{reason}: {value.decode('latin-1')}" if value else reason
-            self._queue_invalid(status, data, keep_alive)
+            self._queue_invalid(status, data, keep_alive, "rpc")
         else:
-            self._queue_plain(status, reason.encode(), keep_alive, b"", head)
+            self._queue_plain(status, reason.encode(), keep_alive, "rpc" if rpc else "metrics", b"", head)
         return True
 
     # -- answering ---------------------------------------------------------------------
 
     def _rpc(self, keep_alive: bool, cors: bytes = b"") -> None:
-        parts = self._body
-        body = parts[0] if len(parts) == 1 else b"".join(parts)
-        self._body = []
+        body = self._body
+        self._body = b""
         fe = self._fe
         decoded = fe.codec.decode(body)
         exchange = fe.dispatcher.submit(decoded, self._exchange_done)
         if exchange is None:
-            if not keep_alive and not cors:
-                self._queue(_NO_CONTENT_CLOSE, False)
-            else:
-                self._queue(_STATUS_LINES[204] + cors + (self._keep_header if keep_alive else _CLOSE) + b"\r\n",
-                            keep_alive)  # fmt: skip
+            extra = self._keep_header if keep_alive else _CLOSE
+            self._queue(_STATUS_LINES[204] + fe.date + cors + extra + b"\r\n", keep_alive, "rpc")
             return
         # Read back by _answer: keep_alive, or (keep_alive, CORS headers) for a cross-origin call
         exchange.context = (keep_alive, cors) if cors else keep_alive
         if exchange.remaining == 0 and not self._responses:
             if cors:
-                self._write(*self._answer(exchange))
+                data, keep_alive = self._answer(exchange)
+                self._write(data, keep_alive, "rpc")
             else:
                 extra = self._keep_header if keep_alive else b""
-                self._write(_json_response(exchange.status, exchange.body(), keep_alive, extra), keep_alive)
+                self._write(_json_response(exchange.status, exchange.body(), keep_alive, extra, fe.json_head), keep_alive, "rpc")
             return
         self._responses.append(exchange)
         if len(self._responses) > PIPELINE_HIGH:
@@ -567,14 +724,18 @@ class HttpProtocol(asyncio.Protocol):
             return
         responses = self._responses
         if responses and responses[0] is exchange:
-            if len(responses) == 1 and not self._read_paused:  # the common case: nothing else owed
+            if len(responses) == 1 and not self.read_paused:  # the common case: nothing else owed
                 responses.popleft()
                 keep_alive = exchange.context
                 if type(keep_alive) is bool:  # no CORS headers: _answer inlined, for speed
                     extra = self._keep_header if keep_alive else b""
-                    self._write(_json_response(exchange.status, exchange.body(), keep_alive, extra), keep_alive)
+                    self._write(
+                        _json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head),
+                        keep_alive, "rpc",
+                    )  # fmt: skip
                 else:
-                    self._write(*self._answer(exchange))
+                    data, keep_alive = self._answer(exchange)
+                    self._write(data, keep_alive, "rpc")
             else:
                 self._flush_ready()
 
@@ -587,13 +748,13 @@ class HttpProtocol(asyncio.Protocol):
             keep_alive, extra = bool(context), b""
         if keep_alive:
             extra += self._keep_header
-        return _json_response(exchange.status, exchange.body(), keep_alive, extra), keep_alive
+        return _json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head), keep_alive
 
     def _scrape_response(self, scrape: _Scrape) -> bytes:
         metrics = typing.cast(typing.Callable[[], bytes], self._fe.metrics)
         body = metrics()
         return b"".join((
-            _STATUS_LINES[200], _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
+            _STATUS_LINES[200], self._fe.date, _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
             self._keep_header if scrape.keep_alive else _CLOSE, b"\r\n", b"" if scrape.head else body,
         ))  # fmt: skip
 
@@ -602,91 +763,121 @@ class HttpProtocol(asyncio.Protocol):
         while responses:
             head = responses[0]
             if type(head) is tuple:
-                data, keep_alive = head
+                data, keep_alive, path = head
             elif type(head) is _Scrape:
                 if self._write_paused:
                     break  # resume_writing comes back here
                 keep_alive = head.keep_alive
                 data = self._scrape_response(head)
+                path = "metrics"
             else:
                 exchange = typing.cast(Exchange, head)
                 if exchange.remaining:
                     break
                 data, keep_alive = self._answer(exchange)
+                path = "rpc"
             responses.popleft()
-            self._write(data, keep_alive)
+            self._write(data, keep_alive, path)
             if self._transport is None:
                 return
-        if self._read_paused and len(responses) < PIPELINE_LOW:
+        if self.read_paused and len(responses) < PIPELINE_LOW:
             self._maybe_resume()
 
-    def _write(self, data: bytes, keep_alive: bool) -> None:
+    def _write(self, data: bytes, keep_alive: bool, path: str) -> None:
+        """Write one response; `path` is its label in the statuses counter (`PATHS`)."""
         transport = self._transport
         if transport is None:
             return
         transport.write(data)
         fe = self._fe
         fe.sent_bytes += len(data)
+        counts = fe.statuses[path]  # by path, then status: no tuple per answer
         status = data[9:12]
-        fe.statuses[status] = fe.statuses.get(status, 0) + 1
+        counts[status] = counts.get(status, 0) + 1
         self.last_active = fe.loop.time()  # idle time counts from the last answer
         if not keep_alive:
             self._closing = True
             self._responses.clear()
-            if self._linger and transport.can_write_eof():
-                # 413 before the body was read: closing now would reset the connection
-                # under a client still sending, and it would never see the answer. Half-
-                # close and keep discarding its bytes (nginx's lingering close); the
-                # client closes, or the idle sweep does after keepalive_timeout.
+            if self._linger and not self._eof and transport.can_write_eof():
+                # An answer before the request was read: closing now would reset the
+                # connection under a client still sending, and it would never see the
+                # answer. Half-close and keep discarding its bytes (nginx's lingering
+                # close); the client closes, or the idle sweep does after keepalive_timeout.
                 transport.write_eof()
             else:
                 transport.close()
-        elif self._fe.draining and not self._responses:
+        elif (fe.draining or self._eof) and not self._responses:
             transport.close()
 
-    def _queue(self, response: bytes, keep_alive: bool) -> None:
+    def _queue(self, response: bytes, keep_alive: bool, path: str) -> None:
         """Write a finished response now, or after those owed before it."""
         if not self._responses:
-            self._write(response, keep_alive)
+            self._write(response, keep_alive, path)
         else:
-            self._responses.append((response, keep_alive))
+            self._responses.append((response, keep_alive, path))
 
     def _queue_plain(
-        self, status: int, message: bytes, keep_alive: bool, extra: bytes = b"", head: bool = False
+        self, status: int, message: bytes, keep_alive: bool, path: str, extra: bytes = b"", head: bool = False
     ) -> None:
         body = b'{"error":"' + message + b'"}'
-        response = _json_response(status, body, keep_alive, extra + self._keep_header if keep_alive else extra)
+        if keep_alive:
+            extra += self._keep_header
+        response = _json_response(status, body, keep_alive, extra, self._fe.json_head)
         if head:  # a HEAD answer has the headers of the GET answer and no body (RFC 9110 9.3.2)
             response = response[: len(response) - len(body)]
-        self._queue(response, keep_alive)
+        self._queue(response, keep_alive, path)
 
-    def _queue_invalid(self, status: int, data: str, keep_alive: bool) -> None:
-        """Queue an Invalid Request error object (id null) whose `data` says why, as `status`."""
+    def _queue_invalid(self, status: int, data: str, keep_alive: bool, path: str) -> None:
+        """Queue an Invalid Request error object (id null) whose `data` says why, as `status`;
+        `path` is its label in the statuses counter (`PATHS`)."""
         body = _error_body(ErrorCode.INVALID_REQUEST, data)
-        self._queue(_json_response(status, body, keep_alive, self._keep_header if keep_alive else b""), keep_alive)
+        extra = self._keep_header if keep_alive else b""
+        self._queue(_json_response(status, body, keep_alive, extra, self._fe.json_head), keep_alive, path)
 
     def _answer_and_close(self, status: int, message: bytes) -> None:
         """Answer an unreadable request and close (lingering: it may still be sending)."""
         self._closing = True
         self._linger = True
-        self._queue_plain(status, message.replace(b'"', b"'"), False)
+        self.request_started = 0.0
+        self._queue_plain(status, message.replace(b'"', b"'"), False, "other")
+
+    def _refuse_body(self) -> None:
+        """413 before the rest of the body is read, then close (lingering)."""
+        fe = self._fe
+        self._linger = True
+        self.request_started = 0.0
+        path = self._path_of(self._url.partition(b"?")[0])
+        self._queue(_json_response(413, fe.too_large_body, False, b"", fe.json_head), False, path)
+        fe.dispatcher.count_refused_body()
+        self._closing = True
+
+    def request_timed_out(self) -> None:
+        """Called by the sweep: the request under way took longer than request_timeout
+        to arrive; answer 408 and close (RFC 9110 15.5.9)."""
+        if self._closing:  # a request pipelined after `Connection: close`: never answered
+            self.request_started = 0.0
+            return
+        self._answer_and_close(408, b"request not received within request_timeout %g s" % self._fe.request_timeout)
 
     # -- flow control ------------------------------------------------------------------
 
     def _pause(self) -> None:
-        if not self._read_paused and self._transport is not None:
-            self._read_paused = True
+        if not self.read_paused and self._transport is not None:
+            self.read_paused = True
             self._transport.pause_reading()
 
     def _maybe_resume(self) -> None:
         if (
-            self._read_paused
+            self.read_paused
             and not self._write_paused
             and len(self._responses) < PIPELINE_LOW
             and self._transport is not None
         ):
-            self._read_paused = False
-            self._transport.resume_reading()
+            self.read_paused = False
+            if self.request_started:  # the request's clock stood still while not read
+                self.request_started = self._fe.loop.time()
+            if not self._eof:
+                self._transport.resume_reading()
 
     def close(self) -> None:
         """Close the connection after what is already written."""

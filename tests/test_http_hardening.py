@@ -1,0 +1,389 @@
+"""HTTP front-end hardening (issue 9, items 3-10 and 15): the real daemon over loopback.
+
+Each test holds one defect found by hostile testing: memory per connection, request
+deadlines, head limits, the probes' reserve, h2c upgrades, drain, half-close, the
+Date and Retry-After headers, and the `path` label of the HTTP responses counter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+
+import pytest
+from conftest import Broker, sample, scrape_metrics, wait_for
+from test_http_protocol import Conn, call
+from test_http_protocol import post as _post
+
+# Every request names the broker's bind address as its Host and POSTs JSON as
+# application/json: what any Host or Content-Type check lets through.
+
+
+def post(body: bytes | str, path: str, headers: str = "") -> bytes:
+    """test_http_protocol.post with `Host: 127.0.0.1`."""
+    request = _post(body, path=path, headers=headers)
+    assert b"Host: localhost\r\n" in request
+    return request.replace(b"Host: localhost\r\n", b"Host: 127.0.0.1\r\n", 1)
+
+
+def post_head(b: Broker, headers: str) -> bytes:
+    """The head of a JSON POST to the broker's RPC path; `headers` ends it (CRLF CRLF)."""
+    return f"POST {b.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{headers}".encode()
+
+
+def get(path: str, method: str = "GET") -> bytes:
+    return f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def received_http_bytes(b: Broker) -> float:
+    return sample(scrape_metrics(b), "rpc_broker_received_bytes_total", transport="http")
+
+
+# -- item 3: chunked bodies stay within max_body_bytes in memory --------------------------
+
+
+def test_a_body_in_2_byte_chunks_costs_about_its_size_in_memory(broker_factory):
+    """1,000,000 bytes as 2-byte chunks held ~27 MB (one object per chunk); the body
+    is one buffer now, so the broker grows by about the body's size."""
+    b = broker_factory("--workers", "1")  # max_body_bytes 1 MiB
+    filler = 1_000_000 - len(call("echo", [""], 1))
+    body = call("echo", ["x" * filler], 1).encode()
+    assert len(body) == 1_000_000
+    head = post_head(b, "Transfer-Encoding: chunked\r\n\r\n")
+    chunks = b"".join(b"2\r\n" + body[i:i + 2] + b"\r\n" for i in range(0, len(body), 2))
+    with Conn(b) as warm:  # the same body once in one piece: the allocator's steady state
+        warm.send(post(body, path=b.path))
+        status, _, answer = warm.response()
+        assert status == 200 and json.loads(answer)["result"] == ["x" * filler]
+    before_bytes = received_http_bytes(b)
+    before = rss_kib(b.pid)
+    with Conn(b, timeout=60) as c:
+        c.send(head + chunks)  # all but the last chunk: the body is held, unfinished
+        wait_for(lambda: received_http_bytes(b) >= before_bytes + len(head) + len(chunks), timeout=60)
+        grown = rss_kib(b.pid) - before
+        c.send(b"0\r\n\r\n")
+        status, _, answer = c.response()
+        assert status == 200 and json.loads(answer)["result"] == ["x" * filler]
+    # The body is 977 KiB; a list of 500,000 chunks made it ~27 MB.
+    assert grown < 6 * 1024, f"broker RSS grew by {grown} KiB while holding a 1 MB chunked body"
+
+
+# -- item 4: request_timeout ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_body_trickling_in_gets_408_after_request_timeout(broker_factory, framing):
+    """One byte of body every 0.3 s resets the idle clock, but not the request's."""
+    b = broker_factory("--workers", "1", "--request-timeout", "1")
+    body = call("add", [1, 2]).encode()
+    if framing == "chunked":
+        head = post_head(b, "Transfer-Encoding: chunked\r\n\r\n")
+        trickle = b"".join(b"1\r\n%c\r\n" % byte for byte in body)
+    else:
+        head = post_head(b, f"Content-Length: {len(body)}\r\n\r\n")
+        trickle = body
+    with Conn(b) as c:
+        c.send(head)
+        start = time.monotonic()
+        answered = False
+        for i in range(30):  # bounded: at most ~9 s, well short of the whole body
+            try:
+                c.send(trickle[i:i + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if not c.nothing_pending() or c.closed_within(0.3):
+                answered = True
+                break
+        assert answered
+        status, headers, answer = c.response()
+        elapsed = time.monotonic() - start
+        assert (status, headers["connection"]) == (408, "close")
+        assert b"request_timeout 1 s" in answer
+        assert 0.9 <= elapsed < 6  # not before the timeout
+        assert c.closed_within(5)
+    # Only the arrival counts: a call that takes longer than request_timeout is answered.
+    with Conn(b) as c:
+        c.send(post(call("sleep", [1.5], "slow"), path=b.path))
+        status, _, answer = c.response()
+        assert (status, json.loads(answer)["result"]) == (200, 1.5)
+        c.send(post(call("add", [1, 2]), path=b.path))  # and the connection lives on
+        assert c.response()[0] == 200
+
+
+# -- item 5: the whole head counts, and the number of header fields -----------------------
+
+
+def test_many_small_header_fields_get_431(broker_factory):
+    b = broker_factory("--workers", "1")
+    many = b"X: a\r\n" * 20_000  # 120 KB in one read; names and values alone are 40 KB
+    with Conn(b) as c:
+        c.send(post_head(b, "") + many + b"Content-Length: 2\r\n\r\n{}")
+        status, headers, answer = c.response()
+        assert (status, headers["connection"]) == (431, "close")
+        assert c.closed_within(5)
+    body = call("add", [1, 2]).encode()
+    # post() sends Host, Content-Type and Content-Length: 97 more make 100, the limit.
+    for extra, expected in ((97, 200), (98, 431)):
+        with Conn(b) as c:
+            c.send(post(body, path=b.path, headers="".join(f"X-{i}: a\r\n" for i in range(extra))))
+            status, _, answer = c.response()
+            assert status == expected, (extra, answer)
+            if expected == 431:
+                assert b"too many header fields (limit 100)" in answer
+
+
+# -- item 6: a full broker answers its probes -----------------------------------------------
+
+
+def test_idle_connections_at_the_limit_make_room_for_probes_and_calls(broker_factory):
+    """max_connections + 8 idle keep-alive connections took every slot and the probes'
+    reserve: /healthz got 503. The oldest idle connection is closed to make room."""
+    from broker.frontend.http import PROBE_RESERVE
+
+    b = broker_factory("--workers", "1", "--max-connections", "4")
+    idle: list[Conn] = []
+    try:
+        for _ in range(4 + PROBE_RESERVE):
+            c = Conn(b)
+            c.send(get("/healthz"))  # accepted and served, then idle
+            assert c.response()[0] == 200
+            idle.append(c)
+        for path in ("/healthz", "/readyz", "/metrics"):
+            with Conn(b) as probe:
+                probe.send(get(path))
+                status, _, _ = probe.response()
+                assert status == 200, path
+        with Conn(b) as c:
+            c.send(post(call("add", [1, 2]), path=b.path))
+            assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
+        # The least recently active connections made the room, the newest are still open.
+        assert idle[0].closed_within(5)
+        idle[-1].send(get("/healthz"))
+        assert idle[-1].response()[0] == 200
+    finally:
+        for c in idle:
+            c.sock.close()
+
+
+def test_silent_connections_at_the_limit_make_room_after_a_second(broker_factory):
+    """Connections that never send a byte are idle too, once a second old."""
+    from broker.frontend.http import PROBE_RESERVE
+
+    b = broker_factory("--workers", "1", "--max-connections", "4")
+    silent = [Conn(b) for _ in range(4 + PROBE_RESERVE)]  # accepted before the probe below
+    try:
+
+        def served(request: bytes) -> bool:
+            with Conn(b) as c:
+                try:
+                    c.send(request)
+                    return c.response()[0] == 200
+                except (OSError, EOFError):
+                    return False
+
+        wait_for(lambda: served(get("/healthz")), timeout=10, interval=0.2)
+        assert served(post(call("add", [1, 2]), path=b.path))
+        assert silent[0].closed_within(5)  # the oldest made room
+    finally:
+        for c in silent:
+            c.sock.close()
+
+
+# -- item 7: h2c upgrade whose body comes after its head -------------------------------------
+
+
+H2C = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_an_h2c_upgrade_with_its_body_after_the_head_is_served_once(broker_factory, framing):
+    """`curl --http2 -d @600k.json`: the head (with Expect: 100-continue), then the body
+    in later reads. Answered once as HTTP/1.1, then closed."""
+    b = broker_factory("--workers", "1")
+    params = ["y" * 600_000]
+    body = call("echo", params, 7).encode()
+    if framing == "chunked":
+        te = b"Transfer-Encoding: chunked\r\n"
+        payload = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 65536]), body[i:i + 65536])
+                           for i in range(0, len(body), 65536)) + b"0\r\n\r\n"
+    else:
+        te = b"Content-Length: %d\r\n" % len(body)
+        payload = body
+    with Conn(b, timeout=30) as c:
+        c.send(post_head(b, "") + H2C + te + b"Expect: 100-continue\r\n\r\n")
+        assert c.response()[0] == 100  # the head is read: the body comes in reads of its own
+        c.send(payload)
+        status, headers, answer = c.response()
+        assert (status, headers["connection"]) == (200, "close")
+        assert json.loads(answer) == {"jsonrpc": "2.0", "id": 7, "result": params}
+        assert c.closed_within(5) and not c.buf
+
+
+def test_an_h2c_upgrade_past_max_body_bytes_is_413(broker_factory):
+    b = broker_factory("--workers", "1", "--max-body-bytes", "1000")
+    big = call("echo", ["z" * 2000]).encode()
+    with Conn(b) as c:
+        c.send(post_head(b, "") + H2C + b"Transfer-Encoding: chunked\r\n\r\n")
+        c.send(b"".join(b"%x\r\n%s\r\n" % (len(big[i:i + 100]), big[i:i + 100]) for i in range(0, len(big), 100)))
+        status, headers, _ = c.response()
+        assert (status, headers["connection"]) == (413, "close")
+        assert c.closed_within(5)
+
+
+# -- item 8: SIGTERM waits for a request under way ------------------------------------------
+
+
+def test_sigterm_answers_a_keep_alive_request_whose_body_is_still_coming(broker_factory):
+    b = broker_factory("--workers", "1")
+    body = call("add", [20, 22], 2).encode()
+    with Conn(b) as c:
+        c.send(post(call("add", [1, 2], 1), path=b.path))
+        assert c.response()[0] == 200  # the connection has served a request: keep-alive
+        c.send(post_head(b, f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n"))
+        assert c.response()[0] == 100  # the head is in; the body is under way
+        c.send(body[:10])
+        os.kill(b.pid, signal.SIGTERM)
+        wait_for(lambda: "stopping" in b.read_log(0.05), timeout=10)  # drain has run
+        c.send(body[10:])
+        status, headers, answer = c.response()
+        assert (status, headers["connection"]) == (200, "close")
+        assert answer == b'{"jsonrpc":"2.0","id":2,"result":42}'
+        assert c.closed_within(5)
+    assert b.proc.wait(20) == 0
+
+
+# -- item 9: a client that half-closes gets its answers ----------------------------------------
+
+
+def test_a_half_closed_client_gets_its_answers_then_eof(broker_factory):
+    b = broker_factory("--workers", "1")
+    with Conn(b) as c:  # what `nc -N` does: send, shutdown(SHUT_WR), read
+        c.send(post(call("sleep", [0.3], 1), path=b.path) + post(call("add", [1, 2], 2), path=b.path))
+        c.sock.shutdown(socket.SHUT_WR)
+        assert c.response()[2] == b'{"jsonrpc":"2.0","id":1,"result":0.3}'
+        assert c.response()[2] == b'{"jsonrpc":"2.0","id":2,"result":3}'
+        assert c.closed_within(5) and not c.buf
+    with Conn(b) as c:  # answered at once, before the EOF is read
+        c.send(get("/healthz"))
+        c.sock.shutdown(socket.SHUT_WR)
+        assert c.response()[0] == 200
+        assert c.closed_within(5) and not c.buf
+    with Conn(b) as c:  # nothing owed: closed
+        c.sock.shutdown(socket.SHUT_WR)
+        assert c.closed_within(5) and not c.buf
+
+
+# -- item 10: Date on every answer, Retry-After on 503 --------------------------------------
+
+
+def _date(headers: dict[str, str]) -> datetime:
+    when = parsedate_to_datetime(headers["date"])
+    assert headers["date"].endswith(" GMT") and when.tzinfo is not None, headers["date"]
+    return when
+
+
+def test_every_answer_has_a_date_and_503s_a_retry_after(broker_factory):
+    b = broker_factory("--workers", "1", "--max-body-bytes", "1000", "--max-connections", "3",
+                       "--worker-concurrency", "1", "--max-queue", "0")
+    requests = [
+        (post(call("add", [1, 2]), path=b.path), 200),
+        (post('{"jsonrpc":"2.0","method":"update","params":[1]}', path=b.path), 204),
+        (post("{bad", path=b.path), 400),
+        (get("/nope"), 404),
+        (get(b.path), 405),
+        (get("/healthz", "HEAD"), 200),
+        (get("/metrics"), 200),
+        (post(call("echo", ["x" * 2000]), path=b.path), 413),
+    ]
+    now = datetime.now(UTC)
+    with Conn(b) as c:
+        for request, expected in requests:
+            c.send(request)
+            status, headers, _ = c.response(head_only=request.startswith(b"HEAD"))
+            assert status == expected
+            assert abs((_date(headers) - now).total_seconds()) < 10
+            assert "retry-after" not in headers
+    with Conn(b) as c:
+        c.send(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X: a\r\n" * 200 + b"\r\n")
+        status, headers, _ = c.response()
+        assert status == 431 and _date(headers)
+    with Conn(b) as busy:  # the one worker slot taken, no queue: the next call is overloaded
+        busy.send(post(call("sleep", [1], "busy"), path=b.path))
+        deadline = time.monotonic() + 10
+        while True:  # (until the broker has the sleep in flight)
+            status, headers, answer = b.post(call("add", [1, 2]))
+            if status == 503 and b"-32000" in answer:
+                break
+            assert time.monotonic() < deadline
+        assert json.loads(answer)["error"]["code"] == -32000
+        assert headers["retry-after"] == "1" and _date(headers)
+        assert busy.response()[0] == 200
+    # Past max_connections (3) and the probes' reserve, every connection busy:
+    from broker.frontend.http import PROBE_RESERVE
+
+    holders: list[Conn] = []
+    try:
+        for _ in range(3 + PROBE_RESERVE):  # each accepted, then busy (a request under way)
+            holders.append(h := Conn(b))
+            h.send(get("/healthz") + b"GET /healthz HTTP/1.1\r\n")
+            assert h.response()[0] == 200
+        with Conn(b) as over:
+            status, headers, _ = over.response()
+            assert (status, headers["retry-after"]) == (503, "1") and _date(headers)
+    finally:
+        for h in holders:
+            h.sock.close()
+
+
+def test_the_date_is_refreshed(broker_factory):
+    b = broker_factory("--workers", "1")
+
+    def date() -> str:
+        with Conn(b) as c:
+            c.send(get("/healthz"))
+            return c.response()[1]["date"]
+
+    first = date()
+    wait_for(lambda: date() != first, timeout=10, interval=0.2)
+
+
+# -- item 15: rpc_broker_http_responses_total by path ---------------------------------------
+
+
+def test_http_responses_are_counted_by_path(broker_factory):
+    b = broker_factory("--workers", "1", "--rpc-path", "/rpc")
+    before = scrape_metrics(b)
+    assert b.post(call("add", [1, 2]))[0] == 200
+    assert b.post(call("add", [1, 2]), path="/other")[0] == 404
+    for path in ("/healthz", "/readyz", "/healthz?x=1"):
+        assert b.get(path)[0] == 200
+    with Conn(b) as c:
+        c.send(b"\x16\x03\x01garbage\r\n\r\n")
+        assert c.response()[0] == 400
+    after = scrape_metrics(b)
+
+    def moved(path: str, status: str) -> float:
+        name = "rpc_broker_http_responses_total"
+        return sample(after, name, path=path, status=status) - sample(before, name, path=path, status=status)
+
+    assert moved("rpc", "200") == 1
+    assert moved("health", "200") == 2
+    assert moved("ready", "200") == 1
+    assert moved("metrics", "200") == 1  # `before`
+    assert moved("other", "404") == 1
+    assert moved("other", "400") == 1  # not readable as HTTP: no path to speak of
+    labels = {dict(key[1]).get("path") for key in after if key[0] == "rpc_broker_http_responses_total"}
+    assert labels == {"rpc", "health", "ready", "metrics", "other"}
