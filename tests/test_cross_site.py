@@ -381,16 +381,31 @@ class PageServer(http.server.ThreadingHTTPServer):
         self.waiting = threading.Event()  # the page has asked for /wait
         self.release = threading.Event()
         self.hold = hold
+        self.sockets: list[socket.socket] = []  # every connection accepted
+        self.held: socket.socket | None = None  # the one /wait is held on
         super().__init__(("127.0.0.1", 0), _PageHandler)
         self.port = self.server_address[1]
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
 
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        self.sockets.append(request)
+        super().process_request(request, client_address)
+
     def stop(self) -> None:
-        """Stop accepting and close the listening socket (open connections stay)."""
+        """Stop accepting, close the listening socket and every connection but the one
+        /wait is held on. Chromium preconnects spare sockets to an origin: one left open
+        here would carry the page's next request to this server instead of the broker
+        (a 501 for its POST, seen under load)."""
         self.shutdown()
         self.server_close()
         self.thread.join(10)
+        for sock in self.sockets:
+            if sock is not self.held:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 class _PageHandler(http.server.BaseHTTPRequestHandler):
@@ -401,6 +416,7 @@ class _PageHandler(http.server.BaseHTTPRequestHandler):
         if self.path == "/page":
             self._send(b"text/html", self.server.page)
         elif self.path == "/wait" and self.server.hold:
+            self.server.held = self.connection
             self.server.waiting.set()
             self.server.release.wait(60)
             self._send(b"text/plain", b"go")
