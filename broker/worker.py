@@ -478,6 +478,7 @@ _CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a lat
 # The answer of last resort, when even a -32603 naming the failure cannot be encoded.
 _INTERNAL = error_object(ErrorCode.INTERNAL_ERROR, data={"type": "unknown"})
 SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
+SLOW_SYNC_US = 1000  # a sync call this long (µs) blocks the replies behind it (dispatch.BLOCKING_US)
 
 
 def _text(value: str) -> str:
@@ -537,6 +538,9 @@ class WorkerProtocol(asyncio.Protocol):
         debug: bool = False,
     ) -> None:
         self._methods = registry.methods()
+        # Per method index: did its last sync call take SLOW_SYNC_US or more? (one past the
+        # table: an index the broker sends for a method this code does not have)
+        self._slow = [False] * (len(self._methods) + 1)
         self._slot = slot
         self._concurrency = concurrency
         self._max_depth = max_depth
@@ -695,10 +699,15 @@ class WorkerProtocol(asyncio.Protocol):
             return _ERROR, self._error(exc, index)
 
     def _call(self, call_id: int, index: int, params: bytes) -> None:
+        index = min(index, len(self._methods))  # (past the table: answered -32601)
+        if self._slow[index] and (self._out or self._dirty):
+            # This method's last call blocked the loop: what is ready goes out now, not
+            # after it (fast calls read with it would wait for the slow one otherwise).
+            self._write_out()
         t0 = _perf()
         done = self._execute(index, params)
         if type(done) is tuple:
-            self._reply(done[0], call_id, t0, done[1])
+            self._slow[index] = self._reply(done[0], call_id, t0, done[1]) >= SLOW_SYNC_US
             return
         task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
         self._tasks[call_id] = task
@@ -791,16 +800,25 @@ class WorkerProtocol(asyncio.Protocol):
             return
         chunk.unsent.clear()
 
-    def _reply(self, kind: int, call_id: int, t0: float, body: bytes) -> None:
+    def _reply(self, kind: int, call_id: int, t0: float, body: bytes) -> int:
+        """Queue one reply frame; returns its service time (µs since `t0`)."""
         service_us = min(int((_perf() - t0) * 1e6), 0xFFFFFFFF)
         if len(body) > self._max_result and kind < _CHUNK_REPLY:  # the broker would drop the
             kind, body = _ERROR, self._too_large(len(body))  # connection (chunks: _chunk_answer)
         out = self._out
         out += _pack_header(len(body), kind, call_id, service_us)
         out += body
+        return service_us
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        self._write_out()
+        transport = self._transport
+        if self._closing and not (self._tasks or self._backlog or self._chunks) and transport is not None:
+            transport.close()
+
+    def _write_out(self) -> None:
+        """Write every reply ready now (chunks' answers included) in one write."""
         if self._dirty:
             for chunk in self._dirty:
                 self._emit(chunk)
@@ -809,8 +827,6 @@ class WorkerProtocol(asyncio.Protocol):
         if self._out and transport is not None and not transport.is_closing():
             transport.write(bytes(self._out))
             self._out.clear()
-        if self._closing and not (self._tasks or self._backlog or self._chunks) and transport is not None:
-            transport.close()
 
     def _error(self, exc: BaseException, index: int) -> bytes:
         """The error object answering a call that raised `exc`. Never raises: an

@@ -92,3 +92,42 @@ def test_application_error_codes_are_counted_whatever_their_number(broker_factor
         assert delta("rpc_broker_calls_total", method="fail", outcome=outcome_name(code)) == 1
         assert delta("rpc_broker_errors_total", code=str(code)) == 1
     assert delta("rpc_broker_calls_total", method="fail", outcome="ok") == 0  # (code 0 is an error too)
+
+
+def test_a_fast_reply_is_not_held_back_by_a_slow_sync_call_read_with_it(broker_factory):
+    """A fast call and a slow sync call reach one worker in one read (two NDJSON lines in
+    one write; routing off, so both go to the one worker). The worker used to run both and
+    write both replies after the slow one: the fast answer waited 1 s. Once the worker has
+    seen that `block` is slow, it writes what is ready before it starts one."""
+    import socket
+
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry", "--sync-prefetch", "100",
+                       "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    assert b.call("block", [0.01])["result"] == 0.01  # the worker learns: block is slow
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":"fast"}\n'
+                  b'{"jsonrpc":"2.0","method":"block","params":[1.5],"id":"slow"}\n')
+        got = b""
+        while b"\n" not in got:
+            chunk = s.recv(65536)
+            assert chunk, got
+            got += chunk
+        first, _, rest = got.partition(b"\n")
+        assert json.loads(first) == {"jsonrpc": "2.0", "id": "fast", "result": 3}
+        assert rest == b"", "the fast answer came with the slow one, after it"
+        s.settimeout(0.5)  # the slow call sleeps 1.5 s: its answer cannot be here yet
+        try:
+            early = s.recv(1)
+        except TimeoutError:
+            early = b""
+        assert early == b"", "the slow answer came within 0.5 s of the fast one"
+        s.settimeout(30)
+        while not rest.endswith(b"\n"):
+            chunk = s.recv(65536)
+            assert chunk, rest
+            rest += chunk
+        assert json.loads(rest) == {"jsonrpc": "2.0", "id": "slow", "result": 1.5}
