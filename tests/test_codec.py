@@ -619,6 +619,8 @@ SCAN_WRAPPERS = [
     (b"[", b"]"), (b'{"a":', b"}"), (b"[0,", b"]"), (b'{"a":1,"b":', b"}"), (b'[ "x" , ', b",1 ]"),
     (b'{"k" :', b', "z":null}'), (b"[[],", b",{}]"), (b'{"[" : [0, [], {"a":"]"},', b"]}"), (b"[[[0]],", b"]"),
     (b'{"a":[1,{"b":2}],"c":', b"}"),
+    # escaped backslashes and quotes next to brackets, in keys and in flat members
+    (b'{"\\\\\\"[" :', b"}"), (b'[["\\\\","]"],{"\\"{":1},', b"]"),
 ]
 _raw_decoder = msgspec.json.Decoder(msgspec.Raw)
 _raw_list = msgspec.json.Decoder(list[msgspec.Raw])
