@@ -336,7 +336,9 @@ class Codec:
             return None
         return [raw for raw in fields if len(raw)]
 
-    def _element_item(self, raw: Raw | bytes) -> Request | bytes:
+    def _element_item(self, raw: Raw | bytes, parent: Scanned | None = None, offset: int = 0) -> Request | bytes:
+        """The Request in one element, or the error response for it; `parent` and
+        `offset`: the scan of the body that holds `raw`, and where (see `deep_members`)."""
         if memoryview(raw)[0] != 0x7B:  # not "{": not a Request object, no id to read
             return _INVALID_NULL
         try:
@@ -344,7 +346,7 @@ class Codec:
             # for the usual invalid objects, `{}` or a method that is not a string.
             lax = self._lax.decode(raw)
         except RecursionError:
-            return self._deep_element(bytes(raw))
+            return self._deep_element(bytes(raw), parent, offset)
         if not (lax.jsonrpc and lax.method and bytes(lax.method)[0] == 0x22):
             return self._invalid(lax.id)
         try:
@@ -366,7 +368,7 @@ class Codec:
             return Body(False, [_parse_error_too_deep()], 400)
         if top.kind != 0x5B:  # one request object (a scalar is never too deep)
             try:
-                item = self._element_item(body[top.start:top.end])
+                item = self._element_item(body[top.start:top.end], top, top.start)
             except msgspec.DecodeError:
                 return Body(False, [_PARSE_ERROR], 400)
             return Body(False, [item], 200 if type(item) is Request else 400)
@@ -378,17 +380,17 @@ class Codec:
                 if run:  # a run of scalars: invalid Request objects, one answer each
                     items.extend([_INVALID_NULL] * run)
                 else:
-                    items.append(self._element_item(body[start:end]))
+                    items.append(self._element_item(body[start:end], top, start))
         except msgspec.DecodeError:  # msgspec refuses a lone surrogate escape, scan_json not
             return Body(False, [_PARSE_ERROR], 400)
         return Body(True, items)
 
-    def _deep_element(self, element: bytes) -> bytes:
+    def _deep_element(self, element: bytes, parent: Scanned | None = None, offset: int = 0) -> bytes:
         """The answer to one Request object whose members nest past the parser's
         limit: -32600 with its id when that id is readable and valid, else null.
         The too-deep values are replaced by 0, then by 1: msgspec reads the rest, and
         a member that differs between the two was one of them."""
-        spans = deep_members(element)
+        spans = deep_members(element, parent, offset)
         copies = []
         for fill in (b"0", b"1"):
             pieces: list[bytes] = []

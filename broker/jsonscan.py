@@ -56,6 +56,7 @@ class Scanned(typing.NamedTuple):
         (one child each; a run of n scalar children would say n).
     total: how many children the top value has (all of them, past `max_children` too).
     depth: the deepest nesting of arrays and objects (a scalar is 0).
+    structure: the scan's arrays, for `deep_members` on a child (no second pass).
     """
 
     kind: int
@@ -64,6 +65,7 @@ class Scanned(typing.NamedTuple):
     children: list[tuple[int, int, int]]
     total: int
     depth: int
+    structure: typing.Any = None
 
 
 class _Structure(typing.NamedTuple):
@@ -100,7 +102,7 @@ def _structure(buf: bytes) -> _Structure:
     text = buf
     if b"\\" in buf:  # in JSON a backslash starts an escape: blank \\ and \" (same length)
         text = buf.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-    cls = _CLASS[np.frombuffer(text, np.uint8)]
+    cls = _CLASS.take(np.frombuffer(text, np.uint8))  # take: half a fancy index's cost
     quotes = np.flatnonzero(cls == 7)
     structural = (cls != 0) & (cls != 7)
     if len(quotes):
@@ -111,8 +113,8 @@ def _structure(buf: bytes) -> _Structure:
         inside[quotes[1::2]] = -1
         structural &= np.cumsum(inside, dtype=np.int8) == 0
     pos = np.flatnonzero(structural)
-    kinds = cls[pos]
-    delta = _DELTA[kinds]
+    kinds = cls.take(pos)
+    delta = _DELTA.take(kinds)
     depth = np.cumsum(delta, dtype=np.int32)
     if len(depth):
         if depth.min() < 0:
@@ -137,14 +139,14 @@ def _check(buf: bytes, st: _Structure, deepest: int) -> None:
         parts: list[bytes] = []
         top = buf
     else:
-        opened = np.bincount(st.level[st.delta == 1], minlength=deepest)
+        opened = np.bincount(st.level.compress(st.delta == 1), minlength=deepest)
         rows = (deepest - 1 + window - 1) // window
         padded = np.full(rows * window, len(buf) + 1, np.int64)
         padded[: deepest - 1] = opened[1:]
         cuts = padded.reshape(rows, window).argmin(axis=1) + np.arange(rows) * window + 1
         is_cut = np.zeros(deepest + 1, bool)
         is_cut[cuts] = True
-        at_cut = np.flatnonzero(is_cut[st.level] & (st.delta != 0))
+        at_cut = np.flatnonzero(is_cut.take(st.level) & (st.delta != 0))
         # At one level, openers and closers alternate (the depth never drops below it
         # between them): sorted by level, then offset, they pair up in turn.
         order = at_cut[np.lexsort((at_cut, st.level[at_cut]))]
@@ -200,7 +202,7 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
         return Scanned(kind, start, end, [], 0, 0)
     seps = [start, *st.pos[(st.level == 0) & (st.cls == 5)].tolist(), end - 1]
     if len(seps) == 2 and not buf[start + 1:end - 1].strip(_WS):
-        return Scanned(kind, start, end, [], 0, deepest)
+        return Scanned(kind, start, end, [], 0, deepest, st)
     total = len(seps) - 1
     listed = total if not max_children else min(total, max_children)
     children: list[tuple[int, int, int]] = []
@@ -208,18 +210,28 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
         a, b = seps[i] + 1, seps[i + 1]
         piece = buf[a:b]
         children.append((a + len(piece) - len(piece.lstrip(_WS)), a + len(piece.rstrip(_WS)), 0))
-    return Scanned(kind, start, end, children, total, deepest)
+    return Scanned(kind, start, end, children, total, deepest, st)
 
 
-def deep_members(obj: bytes) -> list[tuple[int, int]]:
+def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> list[tuple[int, int]]:
     """The spans (start, end) of the member values of `obj`, a JSON object (valid,
     checked already), that nest too deep for msgspec: those on which its `Raw` decoder,
-    one level down, raises RecursionError (only values over 64 levels deep are tried).
+    one level down, raises RecursionError (values over 64 levels deep are tried).
 
     Replacing them by two different scalars, then decoding the two copies, tells which
-    members they were, by msgspec's own rules for duplicate and escaped names."""
+    members they were, by msgspec's own rules for duplicate and escaped names.
+    `parent`: the `scan_json` of a text holding `obj` at `offset` (its arrays are then
+    reused instead of scanning `obj` again)."""
     np = _numpy()
-    st = _structure(obj)
+    if parent is None or parent.structure is None:
+        st = _structure(obj)
+    else:
+        whole = parent.structure
+        i, j = np.searchsorted(whole.pos, (offset, offset + len(obj)))
+        base = int(whole.level[i])  # the level of obj's "{"
+        st = _Structure(
+            whole.pos[i:j] - offset, whole.cls[i:j], whole.delta[i:j], whole.depth[i:j] - base, whole.level[i:j] - base
+        )
     outer = st.level == 0
     colons = np.flatnonzero(outer & (st.cls == 6))
     if not len(colons):
@@ -227,12 +239,25 @@ def deep_members(obj: bytes) -> list[tuple[int, int]]:
     ends = np.flatnonzero(outer & ((st.cls == 5) | (st.delta == -1)))
     ends = ends[np.searchsorted(ends, colons)]  # the "," or "}" after each member's ":"
     # The deepest point from one ":" to the next: the member's value (a name is flat).
-    deepest = np.maximum.reduceat(st.depth, colons)
-    spans = []
-    for i in np.flatnonzero(deepest > 65).tolist():
+    nesting = np.maximum.reduceat(st.depth, colons) - 1
+    tried = np.flatnonzero(nesting > 64)
+    if not len(tried):
+        return []
+    # msgspec takes one recursion step per array or object level, so whether it can
+    # read a value depends on its nesting only: find the least nesting it refuses by
+    # a binary search over the nestings present, one real value of each tried.
+    levels, first = np.unique(nesting[tried], return_index=True)
+    lo, hi = 0, len(levels)  # levels[hi:] refused; levels[:lo] read
+    while lo < hi:
+        mid = (lo + hi) // 2
+        i = int(tried[first[mid]])
         start, end = int(st.pos[colons[i]]) + 1, int(st.pos[ends[i]])
         try:
             _RAW.decode(b"[" + obj[start:end] + b"]")
+            lo = mid + 1
         except RecursionError:
-            spans.append((start, end))
-    return spans
+            hi = mid
+    if hi == len(levels):
+        return []
+    refused = tried[nesting[tried] >= levels[hi]].tolist()
+    return [(int(st.pos[colons[i]]) + 1, int(st.pos[ends[i]])) for i in refused]
