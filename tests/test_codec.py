@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import typing
 from pathlib import Path
@@ -673,6 +674,40 @@ def test_scan_json_past_the_parser_limit_agrees_with_msgspec_below_it(inner, wra
     if scan_says_json(text):
         assert scan_json(text, exact_depth=True).depth == reference_depth(text)
         assert scan_json(text).depth <= reference_depth(text)
+
+
+def msgspec_says_json_unlimited(text: bytes) -> bool:
+    """msgspec's verdict on a text nested past its usual limit: the recursion limit
+    raised for the call (a few thousand levels fit the C stack easily)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        return msgspec_says_json(text)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+@settings(max_examples=400, deadline=None, print_blob=True)
+@given(
+    st.lists(st.sampled_from(SCAN_WRAPPERS), min_size=1, max_size=4),
+    st.integers(300, 2500),
+    st.lists(st.sampled_from(SCAN_FRAGMENTS), min_size=1, max_size=4).map(b"".join),
+    st.floats(0, 1),
+    st.sampled_from([b"", b"[0]", b"1,", b"]", b'{"a":[]}']),
+    st.floats(0, 1),
+)
+def test_scan_json_with_faults_at_any_depth_agrees_with_msgspec(wrappers, levels, fault, where, other, where2):
+    """Deep bodies are checked in parts cut at chosen levels (broker/jsonscan.py): a
+    fault at any depth, in the opening or in the closing, must be found as msgspec
+    finds it when it is allowed to recurse that deep."""
+    opens = [wrappers[i % len(wrappers)][0] for i in range(levels)]
+    closes = [wrappers[i % len(wrappers)][1] for i in reversed(range(levels))]
+    opens.insert(int(where * levels), fault)
+    closes.insert(int(where2 * levels), other)
+    text = b"".join(opens) + b"0" + b"".join(closes)
+    assert scan_says_json(text) == msgspec_says_json_unlimited(text), text[:200]
+    if scan_says_json(text):
+        assert scan_json(text).depth == reference_depth(text)
 
 
 def reference_depth(text: bytes) -> int:
