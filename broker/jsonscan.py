@@ -127,8 +127,13 @@ def _structure(buf: bytes) -> _Structure:
 
 def _window() -> int:
     """Levels per cut window: parts are at most twice as deep, under the parser's limit
-    with room for the stack in use."""
-    return max(4, (sys.getrecursionlimit() - 200) // 2)
+    less the frames in use (msgspec's levels and Python's frames share one count)."""
+    frames = 0
+    frame = sys._getframe()
+    while frame is not None:
+        frames += 1
+        frame = frame.f_back  # type: ignore[assignment]
+    return max(4, (sys.getrecursionlimit() - frames - 50) // 2)
 
 
 def _check(buf: bytes, st: _Structure, deepest: int) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from broker.jsonrpc import (
@@ -708,6 +708,31 @@ def test_scan_json_with_faults_at_any_depth_agrees_with_msgspec(wrappers, levels
     assert scan_says_json(text) == msgspec_says_json_unlimited(text), text[:200]
     if scan_says_json(text):
         assert scan_json(text).depth == reference_depth(text)
+
+
+# 10,000 levels: past the parser's limit also where hypothesis raises the recursion limit
+DEEP = b"[" * 10_000 + b"]" * 10_000
+MEMBER_NAMES = [b'"id"', b'"\\u0069d"', b'"params"', b'"p\\u0061rams"', b'"x"']
+MEMBER_VALUES = [b"1", b'"s"', b"null", b"true", b"[1]", b"[" * 70 + b"]" * 70, DEEP, b'{"a":' + DEEP + b"}"]
+
+
+@settings(max_examples=150, deadline=None, print_blob=True)
+@given(st.lists(st.tuples(st.sampled_from(MEMBER_NAMES), st.sampled_from(MEMBER_VALUES)), min_size=0, max_size=6))
+def test_too_deep_request_is_answered_by_its_last_members(members):
+    """A Request object with some member nested too deep: its answer reads the id and
+    params as msgspec would (the last of duplicate names wins, escaped names count),
+    with null for an id that is itself too deep, and says whether params were."""
+    deep_values = (DEEP, b'{"a":' + DEEP + b"}")
+    # msgspec skips unknown members however deep: only id and params can be too deep
+    assume(any(json.loads(k) in ("id", "params") and v in deep_values for k, v in members))
+    body = b'{"jsonrpc":"2.0","method":"m",' + b",".join(k + b":" + v for k, v in members) + b"}"
+    last = {json.loads(k): v for k, v in members}
+    e = err(Codec().decode(body).items[0])
+    assert e["error"]["code"] == -32600  # type: ignore[index]
+    id_ = last.get("id")
+    assert e["id"] == (json.loads(id_) if id_ is not None and id_ not in deep_values and is_valid_id(json.loads(id_)) else None)
+    what = "params nest" if last.get("params") in deep_values else "the request nests"
+    assert e["error"]["data"].startswith(what)  # type: ignore[index]
 
 
 def reference_depth(text: bytes) -> int:
