@@ -67,6 +67,11 @@ SHAPES: dict[str, Callable[[int], bytes]] = {
     "id after deep params": id_after_deep_params,
     "deep, then 1,1,1...": lambda s: b"[" * 1100 + b"1," * repeat_to(b"1,", s - 2200) + b"1" + b"]" * 1100,
     "deep, then {},{},...": lambda s: b"[" * 1100 + b"{}," * repeat_to(b"{},", s - 2200) + b"1" + b"]" * 1100,
+    "deep, then escaped strings": lambda s: b"[" * 1100 + b'"\\"[\\\\",' * repeat_to(b'"\\"[\\\\",', s - 2200) + b"1" + b"]" * 1100,
+    # jsonscan's deep_members tries each member value over 64 levels deep with msgspec
+    "members 70 deep, params too": lambda s: b'{"jsonrpc":"2.0","method":"m",' + b"".join(
+        b'"a%d":' % i + b"[" * 70 + b"]" * 70 + b"," for i in range(repeat_to(b'"a0000":' + b"[]" * 70 + b",", s - 2300))
+    ) + b'"params":' + b"[" * 1100 + b"]" * 1100 + b',"id":3}',
     "unclosed string": lambda s: b'["' + b"a" * s,
     "unclosed escapes": lambda s: b'["' + b'\\"' * (s // 2),
     "invalid elements [1,1,...]": lambda s: b"[" + b",".join([b"1"] * repeat_to(b"1,", s)) + b"]",

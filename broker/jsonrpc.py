@@ -36,9 +36,9 @@ Rules the spec leaves to us, and what we chose:
   names the limit (JSONTestSuite's n_structure_100000_opening_arrays).
 
 The slow path is linear in the body: whatever msgspec cannot take (the only bodies
-it cannot take are those nested past its limit) goes through `scan_json`, one
-non-recursive scan whose token patterns never backtrack; it checks the body is JSON
-and finds the batch's elements, which are then decoded one by one.
+it cannot take are those nested past its limit) goes through `scan_json` (broker/jsonscan.py):
+a constant number of passes in C (numpy, then msgspec on parts cut under its limit)
+check the body is JSON and find the batch's elements, which are then decoded one by one.
 `benchmarks/pathological.py` measures the worst shapes found.
 
 `response_result` / `response_error` splice a response from raw pieces without
@@ -54,6 +54,8 @@ from enum import IntEnum
 
 import msgspec
 from msgspec import Raw
+
+from broker.jsonscan import NotJson, Scanned, deep_members, scan_json
 
 __all__ = [
     "ERRORS",
@@ -155,10 +157,11 @@ class Request(msgspec.Struct, gc=False):
     id: Raw = Raw()
 
 
-class _IdOnly(msgspec.Struct, gc=False):
-    """What the slow path reads of an element that is not a valid Request."""
+class _IdParams(msgspec.Struct, gc=False):
+    """The two members a too-deep Request object's answer looks at."""
 
     id: Raw = Raw()
+    params: Raw = Raw()
 
 
 class _Lax(msgspec.Struct, gc=False):
@@ -231,7 +234,7 @@ class Codec:
     max_batch: largest number of elements accepted in a batch.
     """
 
-    __slots__ = ("_decoder", "_element", "_first", "_id_only", "_lax", "_slow", "max_batch")
+    __slots__ = ("_decoder", "_element", "_first", "_id_params", "_lax", "_slow", "max_batch")
 
     def __init__(self, max_batch: int = 1000) -> None:
         self.max_batch = max_batch
@@ -240,8 +243,8 @@ class Codec:
         # valid JSON but not an array would be reported as a parse error.
         self._slow = msgspec.json.Decoder(Raw)
         self._element = msgspec.json.Decoder(Request)
-        self._id_only = msgspec.json.Decoder(_IdOnly)
         self._lax = msgspec.json.Decoder(_Lax)
+        self._id_params = msgspec.json.Decoder(_IdParams)
         self._first: msgspec.json.Decoder[msgspec.Struct] | None = None  # see `_elements`
 
     def decode(self, body: bytes | bytearray | memoryview) -> Body:
@@ -333,7 +336,9 @@ class Codec:
             return None
         return [raw for raw in fields if len(raw)]
 
-    def _element_item(self, raw: Raw | bytes) -> Request | bytes:
+    def _element_item(self, raw: Raw | bytes, parent: Scanned | None = None, offset: int = 0) -> Request | bytes:
+        """The Request in one element, or the error response for it; `parent` and
+        `offset`: the scan of the body that holds `raw`, and where (see `deep_members`)."""
         if memoryview(raw)[0] != 0x7B:  # not "{": not a Request object, no id to read
             return _INVALID_NULL
         try:
@@ -341,7 +346,7 @@ class Codec:
             # for the usual invalid objects, `{}` or a method that is not a string.
             lax = self._lax.decode(raw)
         except RecursionError:
-            return self._deep_element(bytes(raw))
+            return self._deep_element(bytes(raw), parent, offset)
         if not (lax.jsonrpc and lax.method and bytes(lax.method)[0] == 0x22):
             return self._invalid(lax.id)
         try:
@@ -363,7 +368,7 @@ class Codec:
             return Body(False, [_parse_error_too_deep()], 400)
         if top.kind != 0x5B:  # one request object (a scalar is never too deep)
             try:
-                item = self._element_item(body[top.start:top.end])
+                item = self._element_item(body[top.start:top.end], top, top.start)
             except msgspec.DecodeError:
                 return Body(False, [_PARSE_ERROR], 400)
             return Body(False, [item], 200 if type(item) is Request else 400)
@@ -375,36 +380,33 @@ class Codec:
                 if run:  # a run of scalars: invalid Request objects, one answer each
                     items.extend([_INVALID_NULL] * run)
                 else:
-                    items.append(self._element_item(body[start:end]))
+                    items.append(self._element_item(body[start:end], top, start))
         except msgspec.DecodeError:  # msgspec refuses a lone surrogate escape, scan_json not
             return Body(False, [_PARSE_ERROR], 400)
         return Body(True, items)
 
-    def _deep_element(self, element: bytes) -> bytes:
+    def _deep_element(self, element: bytes, parent: Scanned | None = None, offset: int = 0) -> bytes:
         """The answer to one Request object whose members nest past the parser's
-        limit: -32600 with its id when that id is readable and valid, else null."""
-        try:
-            obj = scan_json(element, 0)
-        except NotJson:  # not reached: the body was scanned already
-            return _parse_error_too_deep()
-        id_ = Raw()
-        deep_params = False
-        for start, end, run in obj.children:
-            piece = element[start:end]
-            if run:  # `"k": scalar` members, without the braces
-                found = self._id_only.decode(b"{" + piece + b"}").id
-                if len(found):
-                    id_ = found
-                continue
-            key, value = _member(piece)
-            if key == "id":
-                id_ = Raw(value)
-            elif key == "params":
-                deep_params = _too_deep(value)
-        what = "params nest" if deep_params else "the request nests"
-        error = error_object(
-            ErrorCode.INVALID_REQUEST, data=f"{what} deeper than {_parser_limit()}"
-        )
+        limit: -32600 with its id when that id is readable and valid, else null.
+        The too-deep values are replaced by 0, then by 1: msgspec reads the rest, and
+        a member that differs between the two was one of them."""
+        spans = deep_members(element, parent, offset)
+        copies = []
+        for fill in (b"0", b"1"):
+            pieces: list[bytes] = []
+            cursor = 0
+            for start, end in spans:
+                pieces += (element[cursor:start], fill)
+                cursor = end
+            pieces.append(element[cursor:])
+            try:
+                copies.append(self._id_params.decode(b"".join(pieces)))
+            except (RecursionError, msgspec.DecodeError):  # not reached: checked already
+                return _parse_error_too_deep()
+        first, second = copies
+        id_ = first.id if bytes(first.id) == bytes(second.id) else Raw()  # a deep id: invalid
+        what = "params nest" if bytes(first.params) != bytes(second.params) else "the request nests"
+        error = error_object(ErrorCode.INVALID_REQUEST, data=f"{what} deeper than {_parser_limit()}")
         return response_error(id_ if len(id_) and _valid_id(id_) else _NULL, error)
 
     @staticmethod
@@ -440,278 +442,6 @@ def _valid_params(raw: Raw) -> bool:
 
 _RAW_LIST = msgspec.json.Decoder(list[Raw])
 _MAX_BATCH_STRUCT = 10_000  # past this max_batch, `_elements` decodes `list[Raw]`
-
-
-class NotJson(ValueError):
-    """`scan_json` found bytes that are not one JSON text (RFC 8259); `args[0]` is
-    the byte offset where it gave up."""
-
-
-class Scanned(typing.NamedTuple):
-    """What `scan_json` found: the top value and its direct children.
-
-    kind: the top value's first byte (0x5B "[" for an array, 0x7B "{" for an object).
-    start, end: the top value's span in the buffer (whitespace around it excluded).
-    children: one (start, end, run) per direct child, in order, up to `max_children`.
-        run == 0: one child; for an object, the span runs from its key to its value.
-        run > 0: `run` scalar children in a row, the span without the comma before
-        the first (`1,2,3` in an array; `"a":1,"b":2` in an object).
-    total: how many children the top value has (all of them, past `max_children` too).
-    depth: the deepest nesting of arrays and objects (a scalar is 0).
-    """
-
-    kind: int
-    start: int
-    end: int
-    children: list[tuple[int, int, int]]
-    total: int
-    depth: int
-
-
-# The scanner's tokens (RFC 8259 sections 2-7), with possessive quantifiers so that no
-# pattern ever backtracks: each match costs the bytes it reads, and a failed match
-# (an unclosed string, say) is not retried at later offsets. That is what keeps the
-# scan linear; the quadratic regex it replaces retried an unclosed string at each `"`.
-_WS = rb"[ \t\n\r]*+"
-_ESC = rb'|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*+"'
-_STR = rb'"(?:[^"\\\x00-\x1f]++' + _ESC
-_NUM_LIT = rb"-?+(?:0|[1-9][0-9]*+)(?:\.[0-9]++)?+(?:[eE][+-]?+[0-9]++)?+|true|false|null"
-# One token: 1 "[", 2 "{", 3 a run of closers, 4 a string, 5 a number or literal, 6 ",", 7 ":".
-_TOKEN = re.compile(
-    _WS + rb"(?:(\[)|(\{)|([\]}]++)|(" + _STR + rb")|(" + _NUM_LIT + rb")|(,)|(:))"
-)
-# Runs that take many levels or siblings in one step, so that the usual deep shapes cost
-# a few matches per KiB. In them a "scalar" is a number, literal, string, or a flat
-# array or object (one holding only those): `_push` tells its brackets from the
-# levels' openers, which a run never closes.
-_S0 = rb"(?:" + _NUM_LIT + rb"|" + _STR + rb")"
-_FLAT = (
-    rb"\[" + _WS + rb"(?:" + _S0 + rb"(?:" + _WS + rb"," + _WS + _S0 + rb")*+)?+" + _WS + rb"\]"
-    rb"|\{" + _WS + rb"(?:" + _STR + _WS + rb":" + _WS + _S0
-    + rb"(?:" + _WS + rb"," + _WS + _STR + _WS + rb":" + _WS + _S0 + rb")*+)?+" + _WS + rb"\}"
-)
-
-
-class _Runs(typing.NamedTuple):
-    descent: re.Pattern[bytes]  # going down: 1 the levels, 2 the scalar that ends them
-    turn: re.Pattern[bytes]  # 1 closers, a ",", 2 a member name, 3 levels, 4 a scalar
-    siblings: tuple[re.Pattern[bytes], re.Pattern[bytes]]  # ", scalar" in an array, an object
-
-
-def _runs(scalar: bytes) -> _Runs:
-    """The run patterns, for one kind of scalar (see `_FAST` and `_EXACT`)."""
-    levels = (  # openers, each followed by the scalar members before its next opener
-        rb"(?:\[" + _WS + rb"(?:" + scalar + _WS + rb"," + _WS + rb")++"
-        # "[[[" in one step, but not the "[" of an empty "[]" (a scalar)
-        rb"|(?:\[(?!\]))++" + _WS + rb"(?:" + scalar + _WS + rb"," + _WS + rb")*+"
-        rb"|\{" + _WS + _STR + _WS + rb":" + _WS
-        + rb"(?:" + scalar + _WS + rb"," + _WS + _STR + _WS + rb":" + _WS + rb")*+)"
-    )
-    return _Runs(
-        re.compile(_WS + rb"(" + levels + rb"++)(" + scalar + rb")?+"),
-        re.compile(
-            rb"([\]}]*+)" + _WS + rb"," + _WS + rb"(" + _STR + _WS + rb":" + _WS + rb")?+"
-            rb"(" + levels + rb"*+)(" + scalar + rb")?+"
-        ),
-        (
-            re.compile(rb"(?:" + _WS + rb"," + _WS + scalar + rb")++"),
-            re.compile(rb"(?:" + _WS + rb"," + _WS + _STR + _WS + rb":" + _WS + scalar + rb")++"),
-        ),
-    )
-
-
-# Flat arrays and objects taken as scalars: fewer, longer runs in hostile shapes, but
-# the depth then misses their level; `_EXACT` counts every level (for max_depth).
-_FAST = _runs(rb"(?:" + _S0 + rb"|" + _FLAT + rb")")
-_EXACT = _runs(_S0)
-_STR_NB = rb'"(?:[^"\\\x00-\x1f\[\]{},:]++' + _ESC
-_NB = rb"(?:" + _NUM_LIT + rb"|" + _STR_NB + rb"|\[\]|\{\})"
-_CHILD_SIBLINGS = (
-    re.compile(rb"(?:" + _WS + rb"," + _WS + _NB + rb")++"),
-    re.compile(rb"(?:" + _WS + rb"," + _WS + _STR_NB + _WS + rb":" + _WS + _NB + rb")++"),
-)
-_OPEN_ARRAYS = re.compile(rb"\[\[++")
-_STRINGS = re.compile(_STR)
-_PAIRS = re.compile(rb"\[[^\[\]{}]*+\]|\{[^\[\]{}]*+\}")
-
-
-def _push(stack: bytearray, levels: bytes) -> int:
-    """Push the openers of a run's levels; return the state that follows them."""
-    text = levels
-    if 0x22 in text:  # '"': strings may hold brackets
-        text = _STRINGS.sub(b"", text)
-    if 0x5D in text or 0x7D in text:  # "]" or "}": flat scalars, closed in the run
-        text = _PAIRS.sub(b"", text)
-    stack += text.translate(None, _OPENERS_ONLY)
-    return _VALUE_OR_CLOSE if levels.rstrip(b" \t\n\r")[-1] == 0x5B else _VALUE
-
-
-_WS_ONLY = re.compile(_WS)
-_OPENERS_ONLY = bytes(b for b in range(256) if b not in b"[{")
-_CLOSING = bytes.maketrans(b"[{", b"]}")
-# Scanner states: what may come next.
-_VALUE, _VALUE_OR_CLOSE, _KEY_OR_CLOSE, _KEY, _COLON, _AFTER = range(6)
-
-
-def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = False) -> Scanned:
-    """Check that `buf` is one JSON text (RFC 8259) and find its top value's children,
-    at any depth, in time linear in `len(buf)` and without recursion.
-
-    The UTF-8 of strings is not checked here (`Codec.decode` checks the whole body).
-    `max_children` caps the children listed (0: no cap); `total` counts them all.
-    `depth` is exact with `exact_depth`; without, a flat array or object among the
-    scalars of a run is not counted (the scan is faster on hostile shapes).
-    Raises `NotJson` with the offset where `buf` stops being JSON. The cost is one
-    regex match per token, and runs of levels or scalar siblings make one token:
-    about 2 us per KiB for deep arrays, up to about 200 for the most hostile deep
-    shapes found (benchmarks/RESULTS.md, "Pathological request bodies").
-    """
-    stack = bytearray()  # "[" or "{" per open container, innermost last
-    state = _VALUE
-    children: list[tuple[int, int, int]] = []
-    count = 0
-    cur = 0  # where the top value's current child starts
-    top_start = -1
-    depth = 0
-    pos = 0
-    n = len(buf)
-    token = _TOKEN.match
-    runs = _EXACT if exact_depth else _FAST
-    descent = runs.descent.match
-    while True:
-        level = len(stack)
-        if state == _AFTER:
-            if not level:
-                rest = _WS_ONLY.match(buf, pos)
-                if rest is None or rest.end() != n:
-                    raise NotJson(pos if rest is None else rest.end())
-                break
-            if level == 1:
-                run = _CHILD_SIBLINGS[stack[0] == 0x7B].match(buf, pos)
-                if run is not None:
-                    first = buf.index(b",", pos) + 1
-                    k = buf.count(b",", first, run.end()) + 1  # _NB holds no ","
-                    if not max_children or count < max_children:
-                        children.append((first, run.end(), k))
-                    count += k
-                    pos = run.end()
-                    continue
-            else:
-                run = runs.siblings[stack[-1] == 0x7B].match(buf, pos)
-                if run is not None:
-                    pos = run.end()
-                    continue
-                run = runs.turn.match(buf, pos)
-                if run is not None:
-                    closers = run.group(1)
-                    k = len(closers)
-                    # Only while it stays below the top value's children, and only
-                    # when it is right: else the one-token path says where it is wrong.
-                    if (
-                        level - k >= 2
-                        and stack[level - k:][::-1].translate(_CLOSING) == closers
-                        and (stack[level - k - 1] == 0x7B) == (run.group(2) is not None)
-                    ):
-                        del stack[level - k:]
-                        state = _push(stack, run.group(3)) if run.group(3) else _VALUE
-                        if run.group(4) is not None:
-                            state = _AFTER
-                        depth = max(depth, len(stack))
-                        pos = run.end()
-                        continue
-        elif level >= 2 and state <= _VALUE_OR_CLOSE:
-            run = _OPEN_ARRAYS.match(buf, pos)  # "[[[[": 300 times cheaper than a descent
-            if run is not None:
-                stack += run.group()
-                depth = max(depth, len(stack))
-                state = _VALUE_OR_CLOSE
-                pos = run.end()
-                continue
-            run = descent(buf, pos)
-            if run is not None:
-                state = _push(stack, run.group(1))
-                if run.group(2) is not None:
-                    state = _AFTER
-                depth = max(depth, len(stack))
-                pos = run.end()
-                continue
-        m = token(buf, pos)
-        if m is None:
-            raise NotJson(_WS_ONLY.match(buf, pos).end())  # type: ignore[union-attr]
-        kind = m.lastindex
-        at = m.start(kind)  # type: ignore[arg-type]
-        pos = m.end()
-        if kind == 1 or kind == 2:  # "[" or "{"
-            if state > _VALUE_OR_CLOSE:
-                raise NotJson(at)
-            if level == 0:
-                top_start = at
-            elif level == 1 and stack[0] == 0x5B:
-                cur = at
-            stack.append(0x5B if kind == 1 else 0x7B)
-            depth = max(depth, level + 1)
-            state = _VALUE_OR_CLOSE if kind == 1 else _KEY_OR_CLOSE
-        elif kind == 3:  # "]" and "}"
-            closers = m.group(3)
-            k = len(closers)
-            if state not in (_AFTER, _VALUE_OR_CLOSE, _KEY_OR_CLOSE) or k > level:
-                raise NotJson(at)
-            if stack[level - k:][::-1].translate(_CLOSING) != closers:
-                raise NotJson(at)
-            if level >= 2 and level - k <= 1:  # one of them closes a child of the top value
-                _child(children, count, max_children, cur, at + level - 1)
-                count += 1
-            del stack[level - k:]
-            state = _AFTER
-        elif kind == 4 and state in (_KEY, _KEY_OR_CLOSE):  # a member's name
-            if level == 1:
-                cur = at
-            state = _COLON
-        elif kind == 4 or kind == 5:  # a scalar value
-            if state > _VALUE_OR_CLOSE:
-                raise NotJson(at)
-            if level == 0:
-                top_start = at
-            elif level == 1:
-                _child(children, count, max_children, at if stack[0] == 0x5B else cur, pos)
-                count += 1
-            state = _AFTER
-        elif kind == 6:  # ","
-            if state != _AFTER or not level:
-                raise NotJson(at)
-            state = _KEY if stack[-1] == 0x7B else _VALUE
-        else:  # ":"
-            if state != _COLON:
-                raise NotJson(at)
-            state = _VALUE
-    end = len(buf.rstrip(b" \t\n\r"))
-    return Scanned(buf[top_start], top_start, end, children, count, depth)
-
-
-def _child(children: list[tuple[int, int, int]], count: int, cap: int, start: int, end: int) -> None:
-    if not cap or count < cap:
-        children.append((start, end, 0))
-
-
-_MEMBER = re.compile(rb"(" + _STR + rb")" + _WS + rb":" + _WS)
-
-
-def _member(piece: bytes) -> tuple[str, bytes]:
-    """Split one `"key": value` member (as `scan_json` lists it) into key and value."""
-    m = _MEMBER.match(piece)
-    assert m is not None  # scanned already
-    return msgspec.json.decode(m.group(1), type=str), piece[m.end():]
-
-
-def _too_deep(value: bytes) -> bool:
-    try:
-        _RAW.decode(value)
-    except RecursionError:
-        return True
-    return False
-
-
-_RAW = msgspec.json.Decoder(Raw)
 
 
 def _parser_limit() -> str:

@@ -323,7 +323,7 @@ def _check_depth(params: bytes, max_depth: int) -> None:
     """Raise `NestingTooDeep` when `params` (valid JSON) nest deeper than `max_depth`.
     Params with no more brackets than max_depth cannot be deeper; others are measured
     on their bytes, without recursion and without decoding a number."""
-    if params.count(b"[") + params.count(b"{") > max_depth and scan_json(params, exact_depth=True).depth > max_depth:
+    if params.count(b"[") + params.count(b"{") > max_depth and scan_json(params, 1).depth > max_depth:
         raise NestingTooDeep(max_depth)
 
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import typing
 from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from broker.jsonrpc import (
@@ -619,6 +620,8 @@ SCAN_WRAPPERS = [
     (b"[", b"]"), (b'{"a":', b"}"), (b"[0,", b"]"), (b'{"a":1,"b":', b"}"), (b'[ "x" , ', b",1 ]"),
     (b'{"k" :', b', "z":null}'), (b"[[],", b",{}]"), (b'{"[" : [0, [], {"a":"]"},', b"]}"), (b"[[[0]],", b"]"),
     (b'{"a":[1,{"b":2}],"c":', b"}"),
+    # escaped backslashes and quotes next to brackets, in keys and in flat members
+    (b'{"\\\\\\"[" :', b"}"), (b'[["\\\\","]"],{"\\"{":1},', b"]"),
 ]
 _raw_decoder = msgspec.json.Decoder(msgspec.Raw)
 _raw_list = msgspec.json.Decoder(list[msgspec.Raw])
@@ -671,6 +674,65 @@ def test_scan_json_past_the_parser_limit_agrees_with_msgspec_below_it(inner, wra
     if scan_says_json(text):
         assert scan_json(text, exact_depth=True).depth == reference_depth(text)
         assert scan_json(text).depth <= reference_depth(text)
+
+
+def msgspec_says_json_unlimited(text: bytes) -> bool:
+    """msgspec's verdict on a text nested past its usual limit: the recursion limit
+    raised for the call (a few thousand levels fit the C stack easily)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        return msgspec_says_json(text)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+@settings(max_examples=400, deadline=None, print_blob=True)
+@given(
+    st.lists(st.sampled_from(SCAN_WRAPPERS), min_size=1, max_size=4),
+    st.integers(300, 2500),
+    st.lists(st.sampled_from(SCAN_FRAGMENTS), min_size=1, max_size=4).map(b"".join),
+    st.floats(0, 1),
+    st.sampled_from([b"", b"[0]", b"1,", b"]", b'{"a":[]}']),
+    st.floats(0, 1),
+)
+def test_scan_json_with_faults_at_any_depth_agrees_with_msgspec(wrappers, levels, fault, where, other, where2):
+    """Deep bodies are checked in parts cut at chosen levels (broker/jsonscan.py): a
+    fault at any depth, in the opening or in the closing, must be found as msgspec
+    finds it when it is allowed to recurse that deep."""
+    opens = [wrappers[i % len(wrappers)][0] for i in range(levels)]
+    closes = [wrappers[i % len(wrappers)][1] for i in reversed(range(levels))]
+    opens.insert(int(where * levels), fault)
+    closes.insert(int(where2 * levels), other)
+    text = b"".join(opens) + b"0" + b"".join(closes)
+    assert scan_says_json(text) == msgspec_says_json_unlimited(text), text[:200]
+    if scan_says_json(text):
+        assert scan_json(text).depth == reference_depth(text)
+
+
+# 10,000 levels: past the parser's limit also where hypothesis raises the recursion limit
+DEEP = b"[" * 10_000 + b"]" * 10_000
+MEMBER_NAMES = [b'"id"', b'"\\u0069d"', b'"params"', b'"p\\u0061rams"', b'"x"']
+MEMBER_VALUES = [b"1", b'"s"', b"null", b"true", b"[1]", b"[" * 70 + b"]" * 70, DEEP, b'{"a":' + DEEP + b"}"]
+
+
+@settings(max_examples=150, deadline=None, print_blob=True)
+@given(st.lists(st.tuples(st.sampled_from(MEMBER_NAMES), st.sampled_from(MEMBER_VALUES)), min_size=0, max_size=6))
+def test_too_deep_request_is_answered_by_its_last_members(members):
+    """A Request object with some member nested too deep: its answer reads the id and
+    params as msgspec would (the last of duplicate names wins, escaped names count),
+    with null for an id that is itself too deep, and says whether params were."""
+    deep_values = (DEEP, b'{"a":' + DEEP + b"}")
+    # msgspec skips unknown members however deep: only id and params can be too deep
+    assume(any(json.loads(k) in ("id", "params") and v in deep_values for k, v in members))
+    body = b'{"jsonrpc":"2.0","method":"m",' + b",".join(k + b":" + v for k, v in members) + b"}"
+    last = {json.loads(k): v for k, v in members}
+    e = err(Codec().decode(body).items[0])
+    assert e["error"]["code"] == -32600  # type: ignore[index]
+    id_ = last.get("id")
+    assert e["id"] == (json.loads(id_) if id_ is not None and id_ not in deep_values and is_valid_id(json.loads(id_)) else None)
+    what = "params nest" if last.get("params") in deep_values else "the request nests"
+    assert e["error"]["data"].startswith(what)  # type: ignore[index]
 
 
 def reference_depth(text: bytes) -> int:

@@ -1,0 +1,271 @@
+"""JSON nested past the parser's limit: checked and split in linear time, with no recursion.
+
+msgspec's parser recurses, and stops (RecursionError) where Python's recursion limit does,
+about 1000 levels down. The codec's slow path needs three things of such a body: is it
+JSON at all (RFC 8259), where are its top value's children (a batch's elements), and which
+members of a too-deep Request object nest too deep. This module answers them with a
+constant number of passes over the bytes, in C (numpy and msgspec), whatever the shape:
+
+1. Structure (numpy). Escaped backslashes and quotes are blanked (`bytes.replace`), so
+   every quote left opens or closes a string; a cumulative sum over the quotes marks the
+   bytes inside strings. Outside strings, `[ { ] } , :` give the depth (a cumulative sum
+   of +1 and -1) and each one's level: the number of containers around it, not counting
+   the container whose bracket it is.
+2. Validation (msgspec). Some levels are picked as cuts, one in each window of W levels
+   (W about half the parser's limit), the one with the fewest containers opening at it.
+   Each container opening at a cut is cut out of its parent and replaced there by ` 0 `;
+   every part is then at most 2W levels deep, and msgspec checks them all, in one call.
+   The body is JSON exactly when every part is: a valid part stays valid when a ` 0 `
+   (a value there, since the part parsed) is replaced by a valid value, and conversely.
+   Picking the emptiest level keeps the parts few (at most the number of containers
+   divided by W), so the Python work is small against the bytes.
+
+The cost is 10 to 20 passes over the body's bytes or its structural bytes, in C, and Python
+work per part: 5 to 50 ms per MiB measured on a shared 2-core machine (benchmarks/RESULTS.md,
+"Pathological request bodies"), against 120 to 200 for the worst shapes with the Python regex
+scanner this replaces. numpy is imported on the first call only (workers that never see a deep
+body do not load it).
+"""
+
+from __future__ import annotations
+
+import sys
+import typing
+
+import msgspec
+
+if typing.TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+__all__ = ["NotJson", "Scanned", "deep_members", "scan_json"]
+
+_WS = b" \t\n\r"
+_RAW = msgspec.json.Decoder(msgspec.Raw)
+
+
+class NotJson(ValueError):
+    """`scan_json` found bytes that are not one JSON text (RFC 8259); `args[0]` is the
+    byte offset of the part found not to be JSON (0 when it is the top one)."""
+
+
+class Scanned(typing.NamedTuple):
+    """What `scan_json` found: the top value and its direct children.
+
+    kind: the top value's first byte (0x5B "[" for an array, 0x7B "{" for an object).
+    start, end: the top value's span in the buffer (whitespace around it excluded).
+    children: one (start, end, run) per direct child, in order, up to `max_children`.
+        For an object, the span runs from a member's name to its value. `run` is 0
+        (one child each; a run of n scalar children would say n).
+    total: how many children the top value has (all of them, past `max_children` too).
+    depth: the deepest nesting of arrays and objects (a scalar is 0).
+    structure: the scan's arrays, for `deep_members` on a child (no second pass).
+    """
+
+    kind: int
+    start: int
+    end: int
+    children: list[tuple[int, int, int]]
+    total: int
+    depth: int
+    structure: typing.Any = None
+
+
+class _Structure(typing.NamedTuple):
+    pos: npt.NDArray[np.int64]  # offsets of the structural bytes outside strings
+    cls: npt.NDArray[np.int8]  # their class: 1 "[", 2 "{", 3 "]", 4 "}", 5 ",", 6 ":"
+    delta: npt.NDArray[np.int8]  # +1 an opener, -1 a closer, 0 "," or ":"
+    depth: npt.NDArray[np.int32]  # containers open after each
+    level: npt.NDArray[np.int32]  # containers around each, not its own
+
+
+_np: typing.Any = None
+_CLASS: typing.Any = None
+_DELTA: typing.Any = None
+
+
+def _numpy() -> typing.Any:
+    global _np, _CLASS, _DELTA
+    if _np is None:
+        import numpy
+
+        cls = numpy.zeros(256, numpy.int8)
+        for code, byte in enumerate(b'[{]},:"', 1):
+            cls[byte] = code
+        _CLASS = cls
+        _DELTA = numpy.array([0, 1, 1, -1, -1, 0, 0, 0], numpy.int8)
+        _np = numpy
+    return _np
+
+
+def _structure(buf: bytes) -> _Structure:
+    """The structural bytes of `buf` and their depth; raises `NotJson` when a string is
+    left open or the brackets cannot pair up (too many closers, or some left open)."""
+    np = _numpy()
+    text = buf
+    if b"\\" in buf:  # in JSON a backslash starts an escape: blank \\ and \" (same length)
+        text = buf.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    cls = _CLASS.take(np.frombuffer(text, np.uint8))  # take: half a fancy index's cost
+    quotes = np.flatnonzero(cls == 7)
+    structural = (cls != 0) & (cls != 7)
+    if len(quotes):
+        if len(quotes) % 2:
+            raise NotJson(int(quotes[-1]))
+        inside = np.zeros(len(buf), np.int8)
+        inside[quotes[0::2]] = 1
+        inside[quotes[1::2]] = -1
+        structural &= np.cumsum(inside, dtype=np.int8) == 0
+    pos = np.flatnonzero(structural)
+    kinds = cls.take(pos)
+    delta = _DELTA.take(kinds)
+    depth = np.cumsum(delta, dtype=np.int32)
+    if len(depth):
+        if depth.min() < 0:
+            raise NotJson(int(pos[np.argmax(depth < 0)]))
+        if depth[-1]:
+            raise NotJson(len(buf))
+    level = depth - (delta >= 0)
+    return _Structure(pos, kinds, delta, depth, level)
+
+
+def _window() -> int:
+    """Levels per cut window: parts are at most twice as deep, under the parser's limit
+    less the frames in use (msgspec's levels and Python's frames share one count)."""
+    frames = 0
+    frame = sys._getframe()
+    while frame is not None:
+        frames += 1
+        frame = frame.f_back  # type: ignore[assignment]
+    return max(4, (sys.getrecursionlimit() - frames - 50) // 2)
+
+
+def _check(buf: bytes, st: _Structure, deepest: int) -> None:
+    """Raise `NotJson` unless `buf` is one JSON text (see the module's docstring)."""
+    np = _np
+    window = _window()
+    if deepest < window:
+        parts: list[bytes] = []
+        top = buf
+    else:
+        opened = np.bincount(st.level.compress(st.delta == 1), minlength=deepest)
+        rows = (deepest - 1 + window - 1) // window
+        padded = np.full(rows * window, len(buf) + 1, np.int64)
+        padded[: deepest - 1] = opened[1:]
+        cuts = padded.reshape(rows, window).argmin(axis=1) + np.arange(rows) * window + 1
+        is_cut = np.zeros(deepest + 1, bool)
+        is_cut[cuts] = True
+        at_cut = np.flatnonzero(is_cut.take(st.level) & (st.delta != 0))
+        # At one level, openers and closers alternate (the depth never drops below it
+        # between them): sorted by level, then offset, they pair up in turn.
+        order = at_cut[np.lexsort((at_cut, st.level[at_cut]))]
+        opens, closes = st.pos[order[0::2]], st.pos[order[1::2]]
+        by_open = np.argsort(opens, kind="stable")
+        parts = []
+        frames: list[list[typing.Any]] = [[[], 0, len(buf)]]  # pieces, cursor, end
+        for start, end in zip(opens[by_open].tolist(), (closes[by_open] + 1).tolist(), strict=True):
+            while frames[-1][2] <= start:  # the innermost open part ended before this one
+                pieces, cursor, stop = frames.pop()
+                pieces.append(buf[cursor:stop])
+                parts.append(b"".join(pieces))
+            outer = frames[-1]
+            outer[0] += (buf[outer[1]:start], b" 0 ")
+            outer[1] = end
+            frames.append([[], start, end])
+        while len(frames) > 1:
+            pieces, cursor, stop = frames.pop()
+            pieces.append(buf[cursor:stop])
+            parts.append(b"".join(pieces))
+        pieces, cursor, stop = frames[0]
+        pieces.append(buf[cursor:stop])
+        top = b"".join(pieces)
+    try:
+        _RAW.decode(top)
+    except msgspec.DecodeError:
+        raise NotJson(0) from None
+    if parts:
+        try:  # each part is one bracketed value: one array of them, one call
+            _RAW.decode(b"[" + b",".join(parts) + b"]")
+        except msgspec.DecodeError:
+            raise NotJson(1) from None
+
+
+def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Scanned:
+    """Check that `buf` is one JSON text (RFC 8259) and find its top value's children,
+    at any depth, in time linear in `len(buf)` and without recursion.
+
+    The UTF-8 of strings is not checked here (`Codec.decode` checks the whole body);
+    escapes are checked as msgspec checks them for `Raw` (a lone surrogate passes).
+    `max_children` caps the children listed (0: no cap); `total` counts them all.
+    `depth` is always exact (`exact_depth` is kept for callers). Raises `NotJson`.
+    Cost: linear, 5 to 50 ms per MiB measured whatever the shape (benchmarks/RESULTS.md,
+    "Pathological request bodies"); the module's docstring says how.
+    """
+    st = _structure(buf)
+    deepest = int(st.depth.max()) if len(st.depth) else 0
+    _check(buf, st, deepest)
+    start = len(buf) - len(buf.lstrip(_WS))
+    end = len(buf.rstrip(_WS))
+    kind = buf[start]
+    if kind != 0x5B and kind != 0x7B:
+        return Scanned(kind, start, end, [], 0, 0)
+    seps = [start, *st.pos[(st.level == 0) & (st.cls == 5)].tolist(), end - 1]
+    if len(seps) == 2 and not buf[start + 1:end - 1].strip(_WS):
+        return Scanned(kind, start, end, [], 0, deepest, st)
+    total = len(seps) - 1
+    listed = total if not max_children else min(total, max_children)
+    children: list[tuple[int, int, int]] = []
+    for i in range(listed):
+        a, b = seps[i] + 1, seps[i + 1]
+        piece = buf[a:b]
+        children.append((a + len(piece) - len(piece.lstrip(_WS)), a + len(piece.rstrip(_WS)), 0))
+    return Scanned(kind, start, end, children, total, deepest, st)
+
+
+def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> list[tuple[int, int]]:
+    """The spans (start, end) of the member values of `obj`, a JSON object (valid,
+    checked already), that nest too deep for msgspec: those on which its `Raw` decoder,
+    one level down, raises RecursionError (values over 64 levels deep are tried).
+
+    Replacing them by two different scalars, then decoding the two copies, tells which
+    members they were, by msgspec's own rules for duplicate and escaped names.
+    `parent`: the `scan_json` of a text holding `obj` at `offset` (its arrays are then
+    reused instead of scanning `obj` again)."""
+    np = _numpy()
+    if parent is None or parent.structure is None:
+        st = _structure(obj)
+    else:
+        whole = parent.structure
+        i, j = np.searchsorted(whole.pos, (offset, offset + len(obj)))
+        base = int(whole.level[i])  # the level of obj's "{"
+        st = _Structure(
+            whole.pos[i:j] - offset, whole.cls[i:j], whole.delta[i:j], whole.depth[i:j] - base, whole.level[i:j] - base
+        )
+    outer = st.level == 0
+    colons = np.flatnonzero(outer & (st.cls == 6))
+    if not len(colons):
+        return []
+    ends = np.flatnonzero(outer & ((st.cls == 5) | (st.delta == -1)))
+    ends = ends[np.searchsorted(ends, colons)]  # the "," or "}" after each member's ":"
+    # The deepest point from one ":" to the next: the member's value (a name is flat).
+    nesting = np.maximum.reduceat(st.depth, colons) - 1
+    tried = np.flatnonzero(nesting > 64)
+    if not len(tried):
+        return []
+    # msgspec takes one recursion step per array or object level, so whether it can
+    # read a value depends on its nesting only: find the least nesting it refuses by
+    # a binary search over the nestings present, one real value of each tried.
+    levels, first = np.unique(nesting[tried], return_index=True)
+    lo, hi = 0, len(levels)  # levels[hi:] refused; levels[:lo] read
+    while lo < hi:
+        mid = (lo + hi) // 2
+        i = int(tried[first[mid]])
+        start, end = int(st.pos[colons[i]]) + 1, int(st.pos[ends[i]])
+        try:
+            _RAW.decode(b"[" + obj[start:end] + b"]")
+            lo = mid + 1
+        except RecursionError:
+            hi = mid
+    if hi == len(levels):
+        return []
+    refused = tried[nesting[tried] >= levels[hi]].tolist()
+    return [(int(st.pos[colons[i]]) + 1, int(st.pos[ends[i]])) for i in refused]
