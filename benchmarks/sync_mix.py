@@ -173,8 +173,7 @@ def write_results(header: str, table: list[str]) -> None:
         "## Slow sync calls beside fast ones",
         "",
         f"Written by `benchmarks/sync_mix.py --write` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
-        + header + ". A fast call's latency runs from when it was due to its answer. (`benchmarks/run.py` "
-        "rewrites this file whole: run `sync_mix.py --write` after it.)",
+        + header + ". A fast call's latency runs from when it was due to its answer.",
         "",
         "Routing off is the broker as it was before (issue 9 item 23), with the FIFO queue of item 12: a fast "
         "call whose least-loaded pick ties the worker busy in `block` with the free one goes behind `block` "
