@@ -228,6 +228,24 @@ def _valid_id(raw: Raw) -> bool:
     return len(raw) == 0 or memoryview(raw)[0] in _ID_FIRST
 
 
+UNPIN_ABOVE = 64 * 1024  # bytes: a larger body's requests get their own copies of id and params
+
+
+def _unpinned(body: Body) -> Body:
+    """Give each request of a large body its own copy of its raw id and params.
+
+    `Raw` values are zero-copy views: a call would otherwise keep its whole request
+    body alive until it is answered (a small call padded with 1 MiB of whitespace held
+    1 MiB in flight). Bodies up to `UNPIN_ABOVE` are left alone (the copy would cost
+    more than it frees), so what calls in flight pin is at most that per call.
+    """
+    for item in body.items:
+        if type(item) is Request:
+            item.params = item.params.copy()
+            item.id = item.id.copy()
+    return body
+
+
 class Codec:
     """Decodes request bodies; one instance per front-end (decoders are reused).
 
@@ -266,7 +284,7 @@ class Codec:
         try:
             decoded = self._decoder.decode(body)
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-            return self._decode_slow(body)
+            return _unpinned(self._decode_slow(body)) if len(body) > UNPIN_ABOVE else self._decode_slow(body)
         if type(decoded) is list:
             if not decoded:
                 return Body(False, [_EMPTY_BATCH], 400)
@@ -275,13 +293,15 @@ class Codec:
             if _suspect(body):
                 for req in decoded:
                     if not (_valid_id(req.id) and _valid_params(req.params)):
-                        return self._decode_slow(body)
+                        return _unpinned(self._decode_slow(body))
+            if len(body) > UNPIN_ABOVE:
+                return _unpinned(Body(True, decoded))  # type: ignore[arg-type]
             return Body(True, decoded)  # type: ignore[arg-type]
         # One request: looking at its id and params directly is cheaper than the scans.
         req = typing.cast(Request, decoded)
         id_, params = req.id, req.params
         if (not id_ or bytes(id_)[0] in _ID_FIRST) and (not params or bytes(params)[0] in _PARAMS_FIRST):
-            return Body(False, [req])
+            return Body(False, [req]) if len(body) <= UNPIN_ABOVE else _unpinned(Body(False, [req]))
         return Body(False, [self._invalid(id_)], 400)
 
     def _batch_too_large(self, n: int | None) -> Body:
