@@ -234,7 +234,7 @@ def test_calls_in_flight_keep_only_their_own_bytes_of_a_large_request_body():
                 raw = (json.dumps(req("sleep", [60], f"id-{i}")) + pad).encode()
                 keep.append(d.submit(codec.decode(raw), lambda e: None))
                 del raw
-            for i in range(3):
+            for _ in range(3):
                 raw = (json.dumps([req("sleep", [60], j) for j in range(3)]) + pad).encode()
                 keep.append(d.submit(codec.decode(raw), lambda e: None))
                 del raw
