@@ -25,7 +25,8 @@ each value against the type hints; a mismatch answers -32602 with
 `data = {"param": name, "reason": why}`. A handler raises `RpcError` for its own
 errors; any other exception answers -32603 without a traceback unless debug is on.
 Results are encoded with orjson (dataclasses, datetimes, UUIDs, enums, numpy arrays),
-falling back to msgspec (msgspec Structs, integers past 64 bits, `msgspec.Raw`).
+falling back to msgspec (msgspec Structs, integers past 64 bits, `msgspec.Raw`, whose
+JSON is checked and made compact). An RpcError's code must be outside `BROKER_CODES`.
 
 Sync handlers run inline on the worker's event loop, one at a time: a worker is a
 process, so CPU-bound tools scale with `--workers`. Async handlers run concurrently,
@@ -74,8 +75,9 @@ class RpcError(Exception):
     """Raise from a handler to answer with your own JSON-RPC error object.
 
     code: an integer error code (section 5.1). -32768..-32000 are reserved by the
-        spec; -32099..-32000 are the broker's (see the README's table), so pick
-        codes outside that range for your application's errors.
+        spec; -32099..-32000 are the broker's (`BROKER_CODES`, the README's table):
+        one of those is answered -32603, so pick codes outside that range.
+        code, message and data are read when the error object is built.
     message: a short description.
     data: anything JSON-encodable, or None to omit it.
     """
@@ -435,8 +437,8 @@ class Registry:
         Use bare (`@registry.method`) or with options
         (`@registry.method(name="ns.op", raw_params=True)`). With `raw_params` the
         handler gets the params' exact JSON as one `msgspec.Raw` argument (None if
-        absent), unvalidated; returning a `msgspec.Raw` passes JSON through unchanged.
-        Returns `fn` unchanged.
+        absent), unvalidated; returning a `msgspec.Raw` sends that JSON on, checked and
+        made compact (`encode_result`). Returns `fn` unchanged.
         """
 
         def register(f: Callable[..., object]) -> Callable[..., object]:
