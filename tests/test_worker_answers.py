@@ -175,11 +175,13 @@ def test_calls_in_flight_on_a_worker_whose_loop_a_handler_stops_get_worker_died(
     worker = b.call("pid")["result"]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         naps = [pool.submit(b.call, "nap", [20], i) for i in range(3)]
-        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 3, timeout=10)
+        batch = pool.submit(post, b, [call("nap", [20], i) for i in range(3, 6)])  # (one CHUNK)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 6, timeout=10)
         b.call(killer, id_="killer")  # answered or not: the worker goes down
-        for i, nap in enumerate(naps):
-            reply = nap.result(timeout=25)
-            assert reply["id"] == i and reply["error"]["code"] == -32002, reply
+        replies = [nap.result(timeout=25) for nap in naps] + json.loads(batch.result(timeout=25)[1])
+        assert sorted(r["id"] for r in replies) == list(range(6)), replies
+        for reply in replies:
+            assert reply["error"]["code"] == -32002, reply
             assert reply["error"]["data"]["pid"] == worker and "exited" in reply["error"]["data"]["status"], reply
     wait_for(lambda: isinstance(b.call("pid").get("result"), int) and b.call("pid")["result"] != worker, timeout=20)
 
