@@ -50,7 +50,8 @@ def get_data() -> list[object]:
 
 @registry.method(raw_params=True)
 def echo(params: msgspec.Raw | None) -> msgspec.Raw | None:
-    """Returns its params unchanged, byte for byte (null when there are none)."""
+    """Returns its params, numbers and strings byte for byte, without whitespace
+    outside strings (null when there are none)."""
     return params
 
 

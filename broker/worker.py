@@ -25,7 +25,8 @@ each value against the type hints; a mismatch answers -32602 with
 `data = {"param": name, "reason": why}`. A handler raises `RpcError` for its own
 errors; any other exception answers -32603 without a traceback unless debug is on.
 Results are encoded with orjson (dataclasses, datetimes, UUIDs, enums, numpy arrays),
-falling back to msgspec (msgspec Structs, integers past 64 bits, `msgspec.Raw`).
+falling back to msgspec (msgspec Structs, integers past 64 bits, `msgspec.Raw`, whose
+JSON is checked and made compact). An RpcError's code must be outside `BROKER_CODES`.
 
 Sync handlers run inline on the worker's event loop, one at a time: a worker is a
 process, so CPU-bound tools scale with `--workers`. Async handlers run concurrently,
@@ -51,6 +52,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import typing
 from collections.abc import Callable
 
@@ -60,7 +62,7 @@ import orjson
 from broker import wire
 from broker.jsonrpc import ErrorCode, error_object, scan_json
 
-__all__ = ["WORKER_BOOT_ERROR", "Method", "Registry", "RpcError", "main"]
+__all__ = ["BROKER_CODES", "WORKER_BOOT_ERROR", "InvalidJson", "Method", "Registry", "RpcError", "main"]
 
 log = logging.getLogger("broker.worker")
 
@@ -73,8 +75,9 @@ class RpcError(Exception):
     """Raise from a handler to answer with your own JSON-RPC error object.
 
     code: an integer error code (section 5.1). -32768..-32000 are reserved by the
-        spec; -32099..-32000 are the broker's (see the README's table), so pick
-        codes outside that range for your application's errors.
+        spec; -32099..-32000 are the broker's (`BROKER_CODES`, the README's table):
+        one of those is answered -32603, so pick codes outside that range.
+        code, message and data are read when the error object is built.
     message: a short description.
     data: anything JSON-encodable, or None to omit it.
     """
@@ -84,6 +87,47 @@ class RpcError(Exception):
         self.code = int(code)
         self.message = str(message)
         self.data = data
+
+
+BROKER_CODES = range(-32099, -32000 + 1)
+"""Error codes only the broker answers with (README, Errors): -32000 overloaded, -32001
+timed out, -32002 worker died, -32003 no worker, -32004 shutting down, and the rest of
+the range the spec leaves to the server (JSON-RPC 2.0 section 5.1). An `RpcError` with
+one of them is answered -32603: a client, an HTTP status (503/504/502) and the metrics
+could not tell it from the broker's own error."""
+
+
+class _Refused(Exception):
+    """An `RpcError` the worker will not send as it is; `data` of the -32603 answering it."""
+
+    def __init__(self, data: dict[str, object]) -> None:
+        super().__init__(data)
+        self.data = data
+
+
+def _rpc_error_object(exc: RpcError) -> bytes:
+    """The error object (section 5.1) of an `RpcError`, from its attributes as they are
+    now (a handler may have changed them after `__init__`). `code` must be an integer
+    outside `BROKER_CODES` and `message` becomes a string, else `_Refused`; `data` is
+    encoded as a result is (orjson, then msgspec with its `msgspec.Raw` checked), its
+    repr if it has no JSON form. Raises `_Refused`, or what encoding the message raises."""
+    code = exc.code
+    if type(code) is not int:
+        if not isinstance(code, int) or isinstance(code, bool):  # (an IntEnum is fine)
+            raise _Refused({"type": "RpcError", "reason": f"RpcError code is a {type(code).__name__}, not an integer"})
+        code = int(code)
+    if code in BROKER_CODES:
+        raise _Refused({"type": "RpcError", "code": code,
+                        "reason": f"RpcError code {code} is reserved for the broker's own errors (-32099..-32000)"})
+    message = exc.message if type(exc.message) is str else str(exc.message)
+    try:
+        encoded = error_object(code, message, exc.data)
+    except TypeError:  # data of a type with no JSON form: its repr
+        encoded = error_object(code, message, repr(exc.data))
+    try:  # (a msgspec.Raw in data is copied verbatim)
+        return _checked_json(encoded)
+    except InvalidJson as invalid:
+        raise _Refused({"type": "RpcError", "reason": f"RpcError data is {invalid}"}) from None
 
 
 class InvalidParams(Exception):
@@ -129,7 +173,7 @@ class Method:
     def __init__(self, name: str, fn: Callable[..., object], raw_params: bool = False) -> None:
         self.name = name
         self.fn = fn
-        self.is_async = inspect.iscoroutinefunction(fn)
+        self.is_async = _is_async(fn)
         self.raw_params = raw_params
         self.doc = inspect.getdoc(fn) or ""
         sig = inspect.signature(fn)
@@ -306,6 +350,20 @@ class Method:
         return InvalidParams(None, message)
 
 
+def _is_async(fn: Callable[..., object]) -> bool:
+    """Is `fn` an async handler: a coroutine function, one marked so
+    (`inspect.markcoroutinefunction`, 3.12+), or a sync wrapper of one made with
+    `functools.wraps` (which returns the coroutine: run as a task, not inline)? A sync
+    handler that returns an awaitable anyway is still run as a task (`_execute`)."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    try:
+        inner = inspect.unwrap(fn)
+    except ValueError:  # a __wrapped__ cycle
+        return False
+    return inner is not fn and inspect.iscoroutinefunction(inner)
+
+
 def _struct_default(value: object) -> object:
     """A parameter's default as a Struct field default. msgspec refuses a non-empty
     list/dict/set/bytearray, so give it through a factory that returns that same
@@ -379,8 +437,8 @@ class Registry:
         Use bare (`@registry.method`) or with options
         (`@registry.method(name="ns.op", raw_params=True)`). With `raw_params` the
         handler gets the params' exact JSON as one `msgspec.Raw` argument (None if
-        absent), unvalidated; returning a `msgspec.Raw` passes JSON through unchanged.
-        Returns `fn` unchanged.
+        absent), unvalidated; returning a `msgspec.Raw` sends that JSON on, checked and
+        made compact (`encode_result`). Returns `fn` unchanged.
         """
 
         def register(f: Callable[..., object]) -> Callable[..., object]:
@@ -449,16 +507,45 @@ _msgspec_encode = msgspec.json.Encoder(enc_hook=_orjson_default).encode
 
 
 def encode_result(result: object) -> bytes:
-    """JSON bytes of a handler's result; raises `TypeError` if it has no JSON form."""
+    """Compact JSON bytes of a handler's result (never a raw newline: they are framed
+    as NDJSON lines too). Raises `TypeError` if it has no JSON form, `InvalidJson` (a
+    `TypeError`) if a `msgspec.Raw` in it is not valid JSON."""
     try:
         return orjson.dumps(result, default=_orjson_default, option=_ORJSON_OPTIONS)
     except TypeError:
         # msgspec takes what orjson refuses: big integers and msgspec.Raw.
         try:
-            return _msgspec_encode(result)
+            encoded = _msgspec_encode(result)
         except Exception as exc:  # TypeError, EncodeError, OverflowError, RecursionError,
             # UnicodeEncodeError (a lone surrogate next to a big integer), a hook's own error
             raise TypeError(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
+        return _checked_json(encoded)
+
+
+def _checked_json(encoded: bytes) -> bytes:
+    """`encoded` checked as one JSON value (RFC 8259) in UTF-8 (section 8.1) and made
+    compact: msgspec copies a `msgspec.Raw` verbatim, so it could hold anything (`}{`,
+    a second Response object, a pretty-printed document whose newlines would split an
+    NDJSON line). Whitespace outside strings goes (JSON strings cannot hold a raw
+    newline); numbers and strings are kept byte for byte. Raises `InvalidJson` (a
+    `TypeError`) if it is not valid JSON."""
+    try:
+        compact = _format_json(encoded, indent=-1)
+    except Exception as exc:  # DecodeError; RecursionError past the parser's depth
+        raise InvalidJson(f"not valid JSON (a msgspec.Raw inside?): {exc}") from None
+    if not compact.isascii():
+        try:
+            compact.decode()
+        except UnicodeDecodeError as exc:
+            raise InvalidJson(f"not valid UTF-8 (a msgspec.Raw inside?): {exc}") from None
+    return compact
+
+
+class InvalidJson(TypeError):
+    """What msgspec encoded (a `msgspec.Raw` copied verbatim) is not one valid JSON value."""
+
+
+_format_json = msgspec.json.format
 
 
 _RESULT = int(wire.Kind.RESULT)
@@ -487,6 +574,13 @@ def _text(value: str) -> str:
     return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+_COROUTINE = types.CoroutineType
+
+
+def _identity(value: object) -> object:
+    return value
+
+
 async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[bool, object]:
     """Run an async handler to its end: (True, result) or (False, the exception raised).
 
@@ -496,7 +590,10 @@ async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: 
     caller tells the broker's CANCEL apart from one the handler raised itself.
     """
     try:
-        return True, await typing.cast(typing.Awaitable[object], fn(*args, **kwargs))
+        value = fn(*args, **kwargs)
+        if type(value) is _COROUTINE or inspect.isawaitable(value):  # (a wraps-decorated async
+            value = await typing.cast(typing.Awaitable[object], value)  # function may not be)
+        return True, value
     except GeneratorExit:  # the coroutine is being closed: it must not go on
         raise
     except BaseException as exc:  # the point: one answer, the worker lives on
@@ -558,6 +655,7 @@ class WorkerProtocol(asyncio.Protocol):
         self._dirty: set[_Chunk] = set()  # chunks with answers to send
         self._run_scheduled = False
         self._closing = False
+        self._down = False  # see going_down
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self.done: asyncio.Future[None] = self._loop.create_future()
@@ -575,7 +673,15 @@ class WorkerProtocol(asyncio.Protocol):
         )
         self._transport.write(wire.encode_frame(wire.Kind.HELLO, 0, 0, msgspec.json.encode(hello)))
 
+    def going_down(self) -> None:
+        """The worker is exiting (its loop was stopped, or the connection is gone): the
+        calls still running are cancelled and get no answer from here. The broker
+        answers them -32002 with this process's pid and exit status once it is gone; a
+        -32603 CancelledError would say the handler raised it itself."""
+        self._down = True
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._down = True
         for task in self._tasks.values():
             task.cancel()
         for chunk in self._chunks.values():
@@ -673,7 +779,15 @@ class WorkerProtocol(asyncio.Protocol):
             args, kwargs = method.bind(params, self._max_depth)
             if method.is_async:
                 return self._loop.create_task(_guarded(method.fn, args, kwargs))
-            return _RESULT, encode_result(method.fn(*args, **kwargs))
+            result = method.fn(*args, **kwargs)
+            try:
+                return _RESULT, encode_result(result)
+            except TypeError:  # (no JSON form: checked only now, off the fast path)
+                if not inspect.isawaitable(result):
+                    raise
+            # A sync handler that returned a coroutine (a decorator `_is_async` could
+            # not see through): run it as an async one's.
+            return self._loop.create_task(_guarded(_identity, (result,), {}))
         except BaseException as exc:  # one ERROR reply, the worker lives on
             return _ERROR, self._error(exc, index)
 
@@ -715,6 +829,8 @@ class WorkerProtocol(asyncio.Protocol):
 
     def _task_done(self, call_id: int, index: int, t0: float, task: asyncio.Task[tuple[bool, object]]) -> None:
         self._tasks.pop(call_id, None)
+        if self._down:
+            return
         kind, body = self._outcome(task, index)
         self._reply(kind, call_id, t0, body)
         self._schedule_flush()
@@ -763,6 +879,8 @@ class WorkerProtocol(asyncio.Protocol):
         return True
 
     def _chunk_task_done(self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[tuple[bool, object]]) -> None:
+        if self._down:
+            return
         kind, body = self._outcome(task, index)
         self._chunk_answer(chunk, i, kind, body)
         chunk.waiting -= 1
@@ -775,7 +893,7 @@ class WorkerProtocol(asyncio.Protocol):
         CHUNK_PART, so each frame holds at most max_frame_bytes of answers (plus one
         entry header). Only an answer that alone is larger fails (-32603)."""
         if len(body) > self._max_result:
-            kind, body = _ERROR, self._too_large(len(body))
+            kind, body = _ERROR, self._too_large(kind, len(body))
         unsent = chunk.unsent
         if unsent and len(unsent) + len(body) > self._max_result:
             self._reply(_CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(unsent))
@@ -783,9 +901,12 @@ class WorkerProtocol(asyncio.Protocol):
         unsent += _REPLY_ENTRY.pack(i, kind, len(body))
         unsent += body
 
-    def _too_large(self, size: int) -> bytes:
+    def _too_large(self, kind: int, size: int) -> bytes:
+        """-32603 for an answer of `size` bytes past max_frame_bytes: a result's, or
+        (`kind` ERROR) an error object's, as an RpcError with a big `data`."""
+        what = "error object" if kind == _ERROR else "result"
         return error_object(
-            ErrorCode.INTERNAL_ERROR, data=f"result of {size} bytes exceeds max_frame_bytes {self._max_result}"
+            ErrorCode.INTERNAL_ERROR, data=f"{what} of {size} bytes exceeds max_frame_bytes {self._max_result}"
         )
 
     def _emit(self, chunk: _Chunk) -> None:
@@ -804,7 +925,7 @@ class WorkerProtocol(asyncio.Protocol):
         """Queue one reply frame; returns its service time (µs since `t0`)."""
         service_us = min(int((_perf() - t0) * 1e6), 0xFFFFFFFF)
         if len(body) > self._max_result and kind < _CHUNK_REPLY:  # the broker would drop the
-            kind, body = _ERROR, self._too_large(len(body))  # connection (chunks: _chunk_answer)
+            kind, body = _ERROR, self._too_large(kind, len(body))  # connection (chunks: _chunk_answer)
         out = self._out
         out += _pack_header(len(body), kind, call_id, service_us)
         out += body
@@ -838,11 +959,13 @@ class WorkerProtocol(asyncio.Protocol):
         except BaseException as failure:  # (even a __repr__ that raises SystemExit)
             return self._unencodable(exc, index, failure)
 
+    def _name(self, index: int) -> str:
+        return self._methods[index].name if 0 <= index < len(self._methods) else "?"
+
     def _unencodable(self, exc: BaseException, index: int, failure: BaseException) -> bytes:
         try:
-            name = self._methods[index].name if 0 <= index < len(self._methods) else "?"
             log.error("worker %d: handler %s raised %s, whose error object has no JSON form (%r)",
-                      self._slot, name, type(exc).__name__, failure)
+                      self._slot, self._name(index), type(exc).__name__, failure)
             return error_object(ErrorCode.INTERNAL_ERROR, data={
                 "type": _text(type(exc).__name__),
                 "reason": f"the error object has no JSON form: {type(failure).__name__}",
@@ -853,9 +976,14 @@ class WorkerProtocol(asyncio.Protocol):
     def _error_object(self, exc: BaseException, index: int) -> bytes:
         if isinstance(exc, RpcError):
             try:
-                return error_object(exc.code, exc.message, exc.data)
-            except TypeError:  # data of a type with no JSON form: its repr
-                return error_object(exc.code, exc.message, repr(exc.data))
+                return _rpc_error_object(exc)
+            except _Refused as refused:
+                log.error("worker %d: handler %s raised an RpcError the worker refuses: %s",
+                          self._slot, self._name(index), refused.data["reason"])
+                return error_object(ErrorCode.INTERNAL_ERROR, data=refused.data)
+        if isinstance(exc, InvalidJson):
+            log.error("worker %d: handler %s returned a result that is %s", self._slot, self._name(index), exc)
+            return error_object(ErrorCode.INTERNAL_ERROR, data={"type": "TypeError", "reason": f"the result is {exc}"})
         if isinstance(exc, InvalidParams):
             return error_object(ErrorCode.INVALID_PARAMS, data={"param": exc.param, "reason": exc.reason})
         if isinstance(exc, NestingTooDeep):
@@ -864,8 +992,7 @@ class WorkerProtocol(asyncio.Protocol):
             )
         if isinstance(exc, IndexError) and index >= len(self._methods):
             return error_object(ErrorCode.METHOD_NOT_FOUND)
-        name = self._methods[index].name if 0 <= index < len(self._methods) else "?"
-        log.error("worker %d: handler %s raised", self._slot, name, exc_info=exc)
+        log.error("worker %d: handler %s raised", self._slot, self._name(index), exc_info=exc)
         data: dict[str, object] = {"type": type(exc).__name__}
         if self._debug:
             data["message"] = _text(str(exc))
@@ -920,7 +1047,10 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> None:
     )
     loop.add_signal_handler(signal.SIGTERM, proto.stop)
     await loop.create_unix_connection(lambda: proto, args.socket)
-    await proto.done
+    try:
+        await proto.done
+    finally:  # done, or the loop is going down (a handler stopped it: the runner cancels
+        proto.going_down()  # what is left)
 
 
 def main(argv: list[str] | None = None) -> int:

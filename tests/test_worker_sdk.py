@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from broker import demo, wire
 from broker.wire import HEADER, FrameDecoder, Kind, decode_hello, encode_frame
 from broker.worker import (
+    InvalidJson,
     InvalidParams,
     Method,
     NestingTooDeep,
@@ -439,16 +440,24 @@ class Holder(msgspec.Struct):
         (Holder(np.arange(2), np.float64(1.5)), b'{"value":[0,1],"more":1.5}'),
         (Holder([np.int8(3)], {1, 2}), b'{"value":[3],"more":[1,2]}'),
         (Holder(Point(1, 2), datetime.date(2020, 1, 1)), b'{"value":{"x":1,"y":2},"more":"2020-01-01"}'),
-        (Holder(msgspec.Raw(b"[1, 2]"), 2**70), b'{"value":[1, 2],"more":1180591620717411303424}'),
+        # A Raw is checked and made compact (no whitespace outside strings: NDJSON framing).
+            (Holder(msgspec.Raw(b"[1, 2]"), 2**70), b'{"value":[1,2],"more":1180591620717411303424}'),
     ],
 )
 def test_encode_result_struct_fields(value, expected):
     assert encode_result(value) == expected
 
 
-def test_encode_result_raw_passes_through_byte_for_byte():
-    assert encode_result(msgspec.Raw(b'{"x":  [1, 2.50]}')) == b'{"x":  [1, 2.50]}'
+def test_encode_result_raw_keeps_numbers_and_strings_byte_for_byte_and_is_made_compact():
+    assert encode_result(msgspec.Raw(b'{"x":  [1, 2.50],\n "s": " a\\n"}')) == b'{"x":[1,2.50],"s":" a\\n"}'
     assert encode_result([msgspec.Raw(b"1.0e3"), 2]) == b"[1.0e3,2]"
+
+
+@pytest.mark.parametrize("raw", [b"}{", b"", b"1 2", b'1},{"id":99', b"[1,", b'"\xff"', b'"a\nb"'])
+def test_encode_result_raw_that_is_not_one_json_value_is_invalid_json(raw):
+    for value in (msgspec.Raw(raw), {"k": msgspec.Raw(raw)}):
+        with pytest.raises(InvalidJson):
+            encode_result(value)
 
 
 @pytest.mark.parametrize(
@@ -688,7 +697,7 @@ def test_demo_registry_over_the_wire(run):
         )
         replies = {f[1]: f for f in await b.read(4)}
         assert replies[1][3] == b"19" and replies[2][3] == b"7"
-        assert replies[3][:1] == (Kind.RESULT,) and replies[3][3] == b'{"k":  [1.50]}'
+        assert replies[3][:1] == (Kind.RESULT,) and replies[3][3] == b'{"k":[1.50]}'  # compact, 1.50 as sent
         assert error(replies[4])["code"] == -32602
 
     run(test, registry=demo.registry)
@@ -1127,3 +1136,22 @@ def test_a_chunks_answers_past_max_frame_bytes_are_split_into_parts(run):
         assert answers[3] == (Kind.RESULT, b"3")
 
     run(test, max_frame_bytes=65536)
+
+
+def test_hello_lists_an_async_handler_behind_a_decorator_as_async(run):
+    """A functools.wraps decorator's sync wrapper returning the coroutine is async
+    (attack B, finding 10): not in sync_methods, so the broker does not route its calls
+    one at a time per worker; a sync handler that returns a coroutine is not detected
+    here, but its coroutine runs as a task (tests/test_worker_answers.py)."""
+    from tests.apps import answers
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        sync = set(decode_hello(b.hello).sync_methods)
+        assert "wrapped_nap" not in sync and "nap" not in sync
+        assert {"pid", "raw", "returns_coroutine"} <= sync
+        index = {m.name: i for i, m in enumerate(answers.registry.methods())}
+        b.send(encode_frame(Kind.CALL, 1, index["wrapped_nap"], b"[0]"),
+               encode_frame(Kind.CALL, 2, index["returns_coroutine"], b"[0]"))
+        assert sorted((f[0], f[1], f[3]) for f in await b.read(2)) == [(Kind.RESULT, 1, b"0.0"), (Kind.RESULT, 2, b"0.0")]
+
+    run(test, registry=answers.registry)
