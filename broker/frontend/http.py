@@ -543,7 +543,7 @@ class HttpProtocol(asyncio.Protocol):
         elif n == 4 and (name == b"Host" or name.lower() == b"host"):
             self._host = value if self._host is None else b""  # two: no name matches
         elif n == 12 and (name == b"Content-Type" or name.lower() == b"content-type"):
-            self._content_type = value
+            self._content_type = value if self._content_type is None else b""  # two: not JSON, 415
         elif n == 6:
             name = name.lower()
             if name == b"origin":
