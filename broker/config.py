@@ -121,7 +121,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         tuple[Annotated[str, Meta(pattern=_HOST_NAME)], ...],
         Doc("Host header names (any port) accepted on rpc_path and /metrics, besides "
             "host and metrics_host; other hosts get 421 (against DNS rebinding); '*' "
-            "accepts any", rule="host names, IP addresses or '*'", metavar="NAMES"),
+            "accepts any", rule="host names or IP addresses, without a port; or '*'", metavar="NAMES"),
     ] = ("localhost", "127.0.0.1", "[::1]")
     allowed_origins: Annotated[
         tuple[Annotated[str, Meta(pattern=_ORIGIN)], ...],

@@ -526,7 +526,7 @@ def test_listener_settings_that_do_not_clash(tmp_path: Path) -> None:
         ({"RPC_BROKER_APP": "mytools"}, "app = 'mytools': expected module:attribute"),
         ({"RPC_BROKER_RPC_PATH": "rpc"}, "rpc_path = 'rpc': expected starts with '/', no whitespace"),
         ({"RPC_BROKER_ALLOWED_HOSTS": "a b"},
-         "allowed_hosts = ['a b']: expected host names, IP addresses or '*'"),
+         "allowed_hosts = ['a b']: expected host names or IP addresses, without a port; or '*'"),
         ({"RPC_BROKER_ALLOWED_ORIGINS": "x"},
          "allowed_origins = ['x']: expected origins like https://app.example or '*'"),
     ],
