@@ -52,11 +52,9 @@ def serve(config: Config) -> int:
     return uvloop.run(run(config))
 
 
-async def _unix_server(
-    loop: asyncio.AbstractEventLoop, factory: typing.Callable[[], asyncio.BaseProtocol], path: str
-) -> asyncio.Server:
-    """Bind a Unix socket at `path`, mode 0600 from the start (`start_serving` listens). A leftover socket
-    file (a broker that died) is replaced; one a live process listens on is not."""
+def _check_socket_path(path: str) -> None:
+    """Raise OSError if `path` exists and is not a socket, or a live process listens on
+    it; a leftover socket file (a broker that died) passes (`_unix_server` replaces it)."""
     if os.path.exists(path):
         if not stat.S_ISSOCK(os.stat(path).st_mode):
             raise OSError(f"{path} exists and is not a socket")
@@ -64,14 +62,24 @@ async def _unix_server(
         try:
             probe.connect(path)
         except OSError:
-            os.unlink(path)  # nobody listens: stale
+            return  # nobody listens: stale
         else:
             raise OSError(f"{path} is in use by another process")
         finally:
             probe.close()
+
+
+async def _unix_server(
+    loop: asyncio.AbstractEventLoop, factory: typing.Callable[[], asyncio.BaseProtocol], path: str
+) -> asyncio.Server:
+    """Listen on a Unix socket at `path`, mode 0600 from the start. A leftover socket
+    file (a broker that died) is replaced; one a live process listens on is not."""
+    _check_socket_path(path)
+    if os.path.exists(path):
+        os.unlink(path)  # stale
     old = os.umask(0o177)
     try:
-        return await loop.create_unix_server(factory, path, backlog=2048, start_serving=False)
+        return await loop.create_unix_server(factory, path, backlog=2048)
     finally:
         os.umask(old)
 
@@ -232,34 +240,39 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
                     max_connections=max_connections,
                 )  # fmt: skip
                 listeners.append((stream, where, port_))
-        # Bind every listener before the workers start, so a taken port fails at once
-        # rather than after the app is imported N times; but listen (accept) only once
-        # they are ready: until then a client is refused by the kernel (ECONNREFUSED),
-        # which a client retries, where an accepted call would get "no worker" (-32003).
-        servers: list[asyncio.Server] = []
+        # Bind the TCP listeners before the workers start, so a taken port fails at once
+        # rather than after the app is imported in every worker; but listen (accept) only
+        # once they are ready: until then a client is refused by the kernel (ECONNREFUSED,
+        # which clients retry) instead of being answered before the method table is known
+        # (-32601). The Unix socket is only checked now (not a socket, or in use: fail) and
+        # bound once the workers are ready: a bound file nobody listens on would look stale
+        # to another broker starting on the same path, which would replace it.
+        bound: list[asyncio.Server | None] = []
         own_socket: tuple[str, int, int] | None = None  # (path, st_dev, st_ino) of the socket file made
 
         async def give_up() -> None:
-            for server in servers:
-                server.close()
+            for server in bound:
+                if server is not None:
+                    server.close()
             _remove_socket(own_socket)
             await pool.stop(timeout=2.0)
+
+        def cannot_listen(fe: HttpFrontend | StreamFrontend, where: str, port_: int | None, exc: OSError) -> None:
+            log.error("cannot listen (%s) on %s: %s", _LISTENER_NAMES[fe.transport],
+                      where if port_ is None else f"{where}:{port_}", exc)
 
         for fe, where, port_ in listeners:
             try:
                 if port_ is None:
-                    server = await _unix_server(loop, fe.protocol, where)
-                    made = os.stat(where)
-                    own_socket = (where, made.st_dev, made.st_ino)
+                    _check_socket_path(where)
+                    bound.append(None)
                 else:
-                    server = await loop.create_server(fe.protocol, where, port_, backlog=2048, start_serving=False)
+                    bound.append(await loop.create_server(fe.protocol, where, port_, backlog=2048,
+                                                          start_serving=False))
             except OSError as exc:
-                log.error("cannot listen (%s) on %s: %s", _LISTENER_NAMES[fe.transport],
-                          where if port_ is None else f"{where}:{port_}", exc)
+                cannot_listen(fe, where, port_, exc)
                 await give_up()
                 return 1
-            servers.append(server)
-            frontends.append(fe)
         try:
             await pool.start()
         except WorkerBootError as exc:
@@ -271,14 +284,21 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             await give_up()
             return 1
         warn_unserved_timeouts(config.method_timeouts, pool.methods or [])
-        for fe, server in zip(frontends, servers):
+        servers: list[asyncio.Server] = []
+        for (fe, where, port_), server in zip(listeners, bound):
             try:
-                await server.start_serving()  # listen(2) now
-            except OSError as exc:  # bound with SO_REUSEADDR beside a socket not yet listening
-                name = server.sockets[0].getsockname()
-                log.error("cannot listen (%s) on %s: %s", _LISTENER_NAMES[fe.transport], name, exc)
+                if server is None:
+                    server = await _unix_server(loop, fe.protocol, where)
+                    made = os.stat(where)
+                    own_socket = (where, made.st_dev, made.st_ino)
+                else:
+                    await server.start_serving()  # listen(2) now
+            except OSError as exc:  # (TCP: bound with SO_REUSEADDR beside a socket not listening yet)
+                cannot_listen(fe, where, port_, exc)
                 await give_up()
                 return 1
+            servers.append(server)
+            frontends.append(fe)
         host, port = servers[0].sockets[0].getsockname()[:2]
         print(
             f"rpc-broker: serving JSON-RPC on {_url(host, port)}{config.rpc_path}"

@@ -628,6 +628,7 @@ def test_second_broker_on_a_live_socket_fails_and_leaves_it_alone(tmp_path):
         assert status == 1, log
         assert f"{path} is in use" in log
         assert "serving NDJSON" not in log
+        assert "worker 0 ready" not in log  # checked before the workers start: it fails at once
         assert os.stat(path).st_ino == inode  # the first broker's socket, untouched
         with connect(path) as s:
             assert s.call(line("add", [2, 3], 1)) == result(1, 5)
