@@ -190,9 +190,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                    "connection closes")
                                ] = 30 * SECONDS
     max_connections: Annotated[int, Meta(ge=1),
-                               Doc("open client connections at most; past it a new one "
-                                   "is answered 503 and closed (the broker also raises its "
-                                   "open-files limit to fit, when the system allows)")
+                               Doc("open client connections at most, per listener; at it the "
+                                   "least recently active idle one makes room, and with none "
+                                   "idle a new one is refused (HTTP 503, NDJSON a -32000 line) "
+                                   "and closed (the broker also raises its open-files limit to "
+                                   "fit, when the system allows)")
                                ] = 10000
     max_frame_bytes: Annotated[Bytes, Meta(ge=64 * KIB),
                                Doc("largest worker wire frame: a call's params or "
