@@ -3,6 +3,7 @@
     rpc-broker serve [--config FILE] [--<setting> VALUE ...]
     rpc-broker check-config FILE
     rpc-broker bench URL [options] | rpc-broker bench plot FILE... -o PNG
+    rpc-broker --version
 
 Every ``serve`` flag is generated from the settings table in `broker.config`.
 Exit codes: 0 success, 2 bad usage or bad configuration; ``serve`` otherwise
@@ -13,6 +14,7 @@ returns what `broker.server.serve` returns; ``bench`` returns what
 import argparse
 import os
 import sys
+from importlib import metadata
 
 from broker import config
 
@@ -21,6 +23,15 @@ _PRECEDENCE = (
     "Settings come from, lowest to highest precedence: built-in defaults, the TOML\n"
     "file (keys = setting names), RPC_BROKER_<NAME> environment variables, flags."
 )
+
+
+def _version() -> str:
+    """The installed distribution's version (PEP 566 metadata), or "unknown" when run
+    from a source tree that was never installed."""
+    try:
+        return metadata.version(PROG)
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_PRECEDENCE + f"\nRun '{PROG} serve --help' for every setting.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      title="commands")
     serve = commands.add_parser(

@@ -29,6 +29,7 @@ across layers; every other setting is replaced whole by a higher layer.
 
 import argparse
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -76,7 +77,9 @@ MIB: Final = 1024 * KIB
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 _IDENT: Final = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
-# A Host header's name part (RFC 9110 7.2): reg-name, IPv4, or IPv6 with or without brackets.
+# A Host header's name part (RFC 9110 7.2): reg-name, IPv4, or IPv6 with or without
+# brackets. The pattern lets through what may be an IPv6 literal; `_host_problem`
+# then checks it with `ipaddress` (a regex cannot tell "10.1.2.3:8080" from IPv6).
 _HOST_NAME: Final = r"^(\*|[A-Za-z0-9_.~-]+|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*)$"
 # A serialized origin (RFC 6454 6.2): scheme "://" host [":" port], or "null", or '*'.
 _ORIGIN: Final = r"^(\*|null|[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+)$"
@@ -118,7 +121,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         tuple[Annotated[str, Meta(pattern=_HOST_NAME)], ...],
         Doc("Host header names (any port) accepted on rpc_path and /metrics, besides "
             "host and metrics_host; other hosts get 421 (against DNS rebinding); '*' "
-            "accepts any", rule="host names, IP addresses or '*'", metavar="NAMES"),
+            "accepts any", rule="host names or IP addresses, without a port; or '*'", metavar="NAMES"),
     ] = ("localhost", "127.0.0.1", "[::1]")
     allowed_origins: Annotated[
         tuple[Annotated[str, Meta(pattern=_ORIGIN)], ...],
@@ -187,9 +190,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                    "connection closes")
                                ] = 30 * SECONDS
     max_connections: Annotated[int, Meta(ge=1),
-                               Doc("open client connections at most; past it a new one "
-                                   "is answered 503 and closed (the broker also raises its "
-                                   "open-files limit to fit, when the system allows)")
+                               Doc("open client connections at most, per listener; at it the "
+                                   "least recently active idle one makes room, and with none "
+                                   "idle a new one is refused (HTTP 503, NDJSON a -32000 line) "
+                                   "and closed (the broker also raises its open-files limit to "
+                                   "fit, when the system allows)")
                                ] = 10000
     max_frame_bytes: Annotated[Bytes, Meta(ge=64 * KIB),
                                Doc("largest worker wire frame: a call's params or "
@@ -425,6 +430,7 @@ def dump_toml(cfg: Config) -> str:
 
 _BOOLS: Final = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 _AT_PATH: Final = re.compile(r" - at `[^`]*`( in `[^`]*`)?$")
+_REGEX: Final = re.compile(r"^expected `str` matching regex '.*'$")  # msgspec's wording
 
 
 def _unknown(source: str, what: str) -> ConfigError:
@@ -436,6 +442,11 @@ def _unknown(source: str, what: str) -> ConfigError:
 
 def _check(s: Setting, value: object, source: str) -> None:
     """Validate one value against its `Config` field; raise `ConfigError` naming it."""
+    if s.name == "allowed_hosts" and isinstance(value, (list, tuple)):
+        for entry in value:
+            problem = _host_problem(str(entry))
+            if problem:
+                raise ConfigError(f"{source}: allowed_hosts entry {entry!r}: {problem}")
     entries = value.items() if s.kind == "map" and isinstance(value, dict) else [(None, value)]
     for key, item in entries:
         try:
@@ -444,9 +455,31 @@ def _check(s: Setting, value: object, source: str) -> None:
             problem = _AT_PATH.sub("", str(exc))
             problem = problem[0].lower() + problem[1:]
             label = s.name if key is None else f"{s.name}[{key!r}]"
-            if s.rule:
+            if s.rule and _REGEX.search(problem):  # the rule in words, not the regex behind it
+                problem = f"expected {s.rule}"
+            elif s.rule:
                 problem += f" (allowed: {s.rule})"
             raise ConfigError(f"{source}: {label} = {item!r}: {problem}") from None
+
+
+def _host_problem(entry: str) -> str:
+    """What is wrong with an `allowed_hosts` entry that passed `_HOST_NAME`, or "".
+
+    An entry with a colon must be an IPv6 literal (RFC 4291 2.2, checked with
+    `ipaddress`), bracketed or not; `name:port`, `IPv4:port` and `[IPv6]:port` are
+    refused with a hint, since an entry matches its name on any port."""
+    if ":" not in entry:
+        return ""
+    bare = entry[1:-1] if entry.startswith("[") and entry.endswith("]") else entry
+    try:
+        ipaddress.IPv6Address(bare)
+        return ""
+    except ValueError:
+        pass
+    name, _, port = entry.rpartition(":")
+    if port.isdigit() and name and (":" not in name or (name.startswith("[") and name.endswith("]"))):
+        return (f"has a port ({port}); entries match their host on any port, so write {name!r}")
+    return "not an IPv6 address (an entry with ':' must be one, like ::1 or [::1])"
 
 
 def _parse_text(s: Setting, text: str, source: str) -> object:
@@ -565,8 +598,10 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
     """
     layers = [*(_from_file(path) if path is not None else []), *_from_env(env), *_from_flags(flags)]
     merged: dict[str, object] = {}
+    sources: dict[str, str] = {}  # setting name -> where its value came from
     for s, value, source in layers:
         _check(s, value, source)
+        sources[s.name] = source if s.name not in sources or s.kind != "map" else f"{sources[s.name]} and {source}"
         previous = merged.get(s.name)
         if isinstance(previous, dict) and isinstance(value, dict):
             value = {**previous, **value}  # method_timeouts: merged per method name
@@ -575,21 +610,25 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
         cfg = msgspec.convert(merged, Config)
     except msgspec.ValidationError as exc:  # unreachable once every value passed _check
         raise ConfigError(f"invalid configuration: {exc}") from None
-    if cfg.max_body_bytes > cfg.max_frame_bytes - 1 * KIB:
-        raise ConfigError(
-            f"max_body_bytes = {cfg.max_body_bytes} must be at most max_frame_bytes - 1024"
-            f" = {cfg.max_frame_bytes - 1 * KIB}: a call's params travel to its worker in one frame"
-        )
-    _check_listeners(cfg)
+    clash = _clash(cfg)
+    if clash is not None:
+        problem, names = clash
+        where = "; ".join(f"{name} from {sources.get(name, 'the default')}" for name in names)
+        raise ConfigError(f"{problem} ({where})")
     return cfg
 
 
-def _check_listeners(cfg: Config) -> None:
-    """Settings that are each valid but clash: raise `ConfigError` saying which."""
+def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
+    """Settings that are each valid but clash: (the problem, the settings involved), or None."""
+    if cfg.max_body_bytes > cfg.max_frame_bytes - 1 * KIB:
+        return (
+            f"max_body_bytes = {cfg.max_body_bytes} must be at most max_frame_bytes - 1024"
+            f" = {cfg.max_frame_bytes - 1 * KIB}: a call's params travel to its worker in one frame"
+        ), ("max_body_bytes", "max_frame_bytes")
     if cfg.rpc_path in ("/healthz", "/readyz", "/metrics"):
-        raise ConfigError(f"rpc_path = {cfg.rpc_path!r} would hide the broker's own {cfg.rpc_path}: choose another path")
+        return f"rpc_path = {cfg.rpc_path!r} would hide the broker's own {cfg.rpc_path}: choose another path", ("rpc_path",)
     if cfg.metrics_port and not cfg.metrics:
-        raise ConfigError("metrics_port is set but metrics = false: set metrics = true, or metrics_port = 0")
+        return "metrics_port is set but metrics = false: set metrics = true, or metrics_port = 0", ("metrics_port", "metrics")
     ports = {"port": cfg.port, "stream_port": cfg.stream_port}
     if cfg.metrics:
         ports["metrics_port"] = cfg.metrics_port
@@ -598,5 +637,6 @@ def _check_listeners(cfg: Config) -> None:
         if port == 0:  # 0: off (stream_port, metrics_port) or OS-chosen (port)
             continue
         if port in seen:
-            raise ConfigError(f"{name} = {port} is also {seen[port]}: each listener needs its own port")
+            return f"{name} = {port} is also {seen[port]}: each listener needs its own port", (seen[port], name)
         seen[port] = name
+    return None

@@ -14,6 +14,7 @@ Signals (handlers only set an event; the main coroutine acts on it):
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 import os
 import signal
@@ -30,7 +31,7 @@ from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.pool import Pool, WorkerBootError
 from broker.worker import WORKER_BOOT_ERROR
 
-__all__ = ["run", "serve"]
+__all__ = ["run", "serve", "warn_unserved_timeouts"]
 
 log = logging.getLogger("broker")
 
@@ -51,11 +52,9 @@ def serve(config: Config) -> int:
     return uvloop.run(run(config))
 
 
-async def _unix_server(
-    loop: asyncio.AbstractEventLoop, factory: typing.Callable[[], asyncio.BaseProtocol], path: str
-) -> asyncio.Server:
-    """Listen on a Unix socket at `path`, mode 0600 from the start. A leftover socket
-    file (a broker that died) is replaced; one a live process listens on is not."""
+def _check_socket_path(path: str) -> None:
+    """Raise OSError if `path` exists and is not a socket, or a live process listens on
+    it; a leftover socket file (a broker that died) passes (`_unix_server` replaces it)."""
     if os.path.exists(path):
         if not stat.S_ISSOCK(os.stat(path).st_mode):
             raise OSError(f"{path} exists and is not a socket")
@@ -63,11 +62,21 @@ async def _unix_server(
         try:
             probe.connect(path)
         except OSError:
-            os.unlink(path)  # nobody listens: stale
+            return  # nobody listens: stale
         else:
             raise OSError(f"{path} is in use by another process")
         finally:
             probe.close()
+
+
+async def _unix_server(
+    loop: asyncio.AbstractEventLoop, factory: typing.Callable[[], asyncio.BaseProtocol], path: str
+) -> asyncio.Server:
+    """Listen on a Unix socket at `path`, mode 0600 from the start. A leftover socket
+    file (a broker that died) is replaced; one a live process listens on is not."""
+    _check_socket_path(path)
+    if os.path.exists(path):
+        os.unlink(path)  # stale
     old = os.umask(0o177)
     try:
         return await loop.create_unix_server(factory, path, backlog=2048)
@@ -119,6 +128,21 @@ def fit_open_files(max_connections: int) -> int:
     return max(1, fits)
 
 
+def warn_unserved_timeouts(method_timeouts: typing.Mapping[str, float], methods: typing.Sequence[str]) -> list[str]:
+    """Log a WARNING for each `method_timeouts` name the workers do not serve (a typo or
+    a wrong case: names are case-sensitive, JSON-RPC 2.0 section 4), with the closest
+    served names (`difflib`); return those names. Called once the method table is known
+    (after the workers' HELLO, and after each reload)."""
+    served = set(methods)
+    unserved = [name for name in method_timeouts if name not in served]
+    for name in unserved:
+        close = difflib.get_close_matches(name, methods, n=3) or [m for m in methods if m.lower() == name.lower()]
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+        log.warning("method_timeouts names %r, which the workers do not serve: its deadline is unused%s",
+                    name, hint)
+    return unserved
+
+
 async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = None) -> int:
     """The broker's main coroutine; sets `started` to the bound (host, port) once ready."""
     loop = asyncio.get_running_loop()
@@ -158,23 +182,19 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
     loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP while starting: ignored")
     reloads: set[asyncio.Task[bool]] = set()
 
+    async def reload() -> bool:
+        done = await pool.reload()
+        if done:
+            warn_unserved_timeouts(config.method_timeouts, pool.methods or [])
+        return done
+
     def handle_hup() -> None:
         log.info("SIGHUP: reloading the workers (the app is imported anew)")
-        task = loop.create_task(pool.reload())
+        task = loop.create_task(reload())
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
     try:
-        try:
-            await pool.start()
-        except WorkerBootError as exc:
-            log.error("%s", exc)
-            await pool.stop(timeout=2.0)
-            return WORKER_BOOT_ERROR
-        except TimeoutError as exc:
-            log.error("%s", exc)
-            await pool.stop(timeout=2.0)
-            return 1
         frontends: list[HttpFrontend | StreamFrontend] = []
         scrape = None
         if config.metrics:
@@ -220,23 +240,62 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
                     max_connections=max_connections,
                 )  # fmt: skip
                 listeners.append((stream, where, port_))
-        servers: list[asyncio.Server] = []
+        # Bind the TCP listeners before the workers start, so a taken port fails at once
+        # rather than after the app is imported in every worker; but listen (accept) only
+        # once they are ready: until then a client is refused by the kernel (ECONNREFUSED,
+        # which clients retry) instead of being answered before the method table is known
+        # (-32601). The Unix socket is only checked now (not a socket, or in use: fail) and
+        # bound once the workers are ready: a bound file nobody listens on would look stale
+        # to another broker starting on the same path, which would replace it.
+        bound: list[asyncio.Server | None] = []
         own_socket: tuple[str, int, int] | None = None  # (path, st_dev, st_ino) of the socket file made
+
+        async def give_up() -> None:
+            for server in bound:
+                if server is not None:
+                    server.close()
+            _remove_socket(own_socket)
+            await pool.stop(timeout=2.0)
+
+        def cannot_listen(fe: HttpFrontend | StreamFrontend, where: str, port_: int | None, exc: OSError) -> None:
+            log.error("cannot listen (%s) on %s: %s", _LISTENER_NAMES[fe.transport],
+                      where if port_ is None else f"{where}:{port_}", exc)
+
         for fe, where, port_ in listeners:
             try:
                 if port_ is None:
+                    _check_socket_path(where)
+                    bound.append(None)
+                else:
+                    bound.append(await loop.create_server(fe.protocol, where, port_, backlog=2048,
+                                                          start_serving=False))
+            except OSError as exc:
+                cannot_listen(fe, where, port_, exc)
+                await give_up()
+                return 1
+        try:
+            await pool.start()
+        except WorkerBootError as exc:
+            log.error("%s", exc)
+            await give_up()
+            return WORKER_BOOT_ERROR
+        except TimeoutError as exc:
+            log.error("%s", exc)
+            await give_up()
+            return 1
+        warn_unserved_timeouts(config.method_timeouts, pool.methods or [])
+        servers: list[asyncio.Server] = []
+        for (fe, where, port_), server in zip(listeners, bound):
+            try:
+                if server is None:
                     server = await _unix_server(loop, fe.protocol, where)
                     made = os.stat(where)
                     own_socket = (where, made.st_dev, made.st_ino)
                 else:
-                    server = await loop.create_server(fe.protocol, where, port_, backlog=2048)
-            except OSError as exc:
-                log.error("cannot listen (%s) on %s: %s", _LISTENER_NAMES[fe.transport],
-                          where if port_ is None else f"{where}:{port_}", exc)
-                for server in servers:
-                    server.close()
-                _remove_socket(own_socket)
-                await pool.stop(timeout=2.0)
+                    await server.start_serving()  # listen(2) now
+            except OSError as exc:  # (TCP: bound with SO_REUSEADDR beside a socket not listening yet)
+                cannot_listen(fe, where, port_, exc)
+                await give_up()
                 return 1
             servers.append(server)
             frontends.append(fe)

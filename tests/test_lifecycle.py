@@ -554,3 +554,71 @@ def test_a_call_that_expired_in_the_queue_gives_its_place_back(broker_factory):
         late = pool.submit(b.call, "sleep", [0.01], "late")  # takes the place the expired call left
         assert late.result(timeout=10) == {"jsonrpc": "2.0", "id": "late", "result": 0.01}
         assert slow.result(timeout=10)["result"] == 1.5
+
+
+def test_a_taken_port_fails_before_any_worker_starts(tmp_path) -> None:
+    """The listeners are bound before the workers start: a port in use exits 1 at once,
+    without importing the app in every worker first (they would all be thrown away)."""
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", "2"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+    log = done.stderr.decode()
+    assert done.returncode == 1, log
+    assert f"cannot listen (JSON-RPC over HTTP, port) on 127.0.0.1:{port}" in log
+    assert "worker 0 ready" not in log and "worker 1 ready" not in log, log  # none was started
+
+
+def test_no_connection_is_accepted_before_the_workers_are_ready(tmp_path) -> None:
+    """Bound early, the listeners listen only once the workers are ready: a client that
+    connects while the app is still importing is refused by the kernel (and retries),
+    not accepted and answered 'no worker' (-32003)."""
+    import subprocess
+    import sys
+
+    app = tmp_path / "slowapp.py"
+    gate = tmp_path / "go"
+    app.write_text(
+        "import os, time\nfrom broker.worker import Registry\n"
+        f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.02)\n"
+        "registry = Registry()\n\n@registry.method\ndef one() -> int:\n    return 1\n"
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--app", "slowapp:registry"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    b = Broker(proc, "127.0.0.1", port, "/", [])
+    try:
+        wait_for(lambda: _bound(port), timeout=30)
+        with pytest.raises(ConnectionRefusedError):  # bound, not listening: refused
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        assert "serving JSON-RPC" not in b.read_log()
+        gate.touch()
+        wait_for(lambda: "serving JSON-RPC" in b.read_log(0.05), timeout=30)
+        assert b.call("one")["result"] == 1
+    finally:
+        assert b.stop() == 0, b.read_log()
+
+
+def _bound(port: int) -> bool:
+    """Whether some socket is bound to 127.0.0.1:`port` (a bind of our own fails)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False

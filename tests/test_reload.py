@@ -179,3 +179,23 @@ def test_a_sync_call_in_flight_on_a_method_the_reload_removes_is_answered(broker
     assert b.call("doze", [0.01])["result"] == {"method": "doze", "version": 2}
     assert b.call("kept")["result"] == {"method": "kept", "version": 2}
     assert metric(b, "rpc_broker_calls_total", method="other", outcome="ok") >= 1
+
+
+def test_method_timeouts_for_methods_not_served_are_warned_about(broker_factory, tmp_path: Path) -> None:
+    """`--method-timeout` naming a method the workers do not serve (a typo, a wrong case)
+    would silently do nothing: once the workers' table is known, at start and after a
+    reload, each such name is logged as a WARNING with the closest served names."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["kept", "removed"])
+    b = broker_factory("--workers", "1", "--app", APP, "--method-timeout", "Kept=5",
+                       "--method-timeout", "removed=5", "--method-timeout", "nothing_like_it=5",
+                       env={"VERSIONED_APP_FILE": str(spec)})
+    log = b.read_log(0.5)
+    assert ("method_timeouts names 'Kept', which the workers do not serve: its deadline is unused "
+            "(did you mean 'kept'?)") in log
+    assert "method_timeouts names 'nothing_like_it', which the workers do not serve: its deadline is unused\n" in log
+    assert "names 'removed'" not in log
+    write(spec, version=2, methods=["added", "kept"])
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: "method_timeouts names 'removed'," in b.read_log(0.1), timeout=30)
+    assert b.read_log().count("method_timeouts names 'Kept',") == 2

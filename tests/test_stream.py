@@ -464,8 +464,19 @@ def test_max_connections_closes_extra_stream_connections_and_counts_them(tmp_pat
             with sb.connect(transport) as a, sb.connect(transport) as b:
                 assert a.call(line("add", [1, 1], "a")) == result("a", 2)
                 assert b.call(line("add", [2, 2], "b")) == result("b", 4)
+                # Neither is idle (a line under way on each): no room can be made.
+                half = [line("add", [5, n], f"h{n}") for n in range(2)]
+                a.send(half[0][:9])
+                b.send(half[1][:9])
                 with sb.connect(transport) as third:
+                    assert json.loads(third.readline()) == {
+                        "jsonrpc": "2.0", "id": None,
+                        "error": {"code": -32000, "message": "Server overloaded", "data": "too many connections"},
+                    }
                     assert third.closed_within(5.0) < 5.0
+                a.send(half[0][9:] + b"\n")
+                b.send(half[1][9:] + b"\n")
+                assert (a.readline(), b.readline()) == (result("h0", 5), result("h1", 6))
                 after = scrape(sb.broker, mport)
                 refused = "rpc_broker_connections_refused_total"
                 assert {t: delta(before, after, refused, t) for t in ("http", *TRANSPORTS)} == {
@@ -480,6 +491,66 @@ def test_max_connections_closes_extra_stream_connections_and_counts_them(tmp_pat
                 with sb.connect(transport) as again:  # a slot is free again
                     assert again.call(line("add", [3, 3], "c")) == result("c", 6)
             wait_for(lambda t=transport: open_streams(sb.broker, t, mport) == 0)
+    finally:
+        assert sb.broker.stop() == 0, sb.broker.read_log()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_idle_stream_connections_make_room_at_max_connections(tmp_path, transport):
+    """As for HTTP (test_http_hardening.py): at max_connections the least recently active
+    idle connection is closed for a new one. A connection that served a line is idle at
+    once; one that never sent a byte only after a second (its first line may be coming).
+    Before, two silent connections locked everyone out (the third got a reset)."""
+    mport = free_port()
+    sb = start_stream_broker(tmp_path, "--workers", "1", "--max-connections", "2", "--metrics-port", str(mport))
+    refused = "rpc_broker_connections_refused_total"
+    try:
+        with sb.connect(transport) as a, sb.connect(transport) as b:
+            assert a.call(line("add", [1, 1], "a")) == result("a", 2)
+            assert b.call(line("add", [2, 2], "b")) == result("b", 4)  # b is the more recently active
+            with sb.connect(transport) as c:
+                assert c.call(line("add", [3, 3], "c")) == result("c", 6)
+                assert a.closed_within(5.0) < 5.0  # the least recently active made room
+                b.assert_nothing_more()
+        wait_for(lambda: open_streams(sb.broker, transport, mport) == 0)
+        with sb.connect(transport) as d:  # silent
+            # (one scrape apart: the loop's clock ticks in ms, and ties have no order)
+            wait_for(lambda: open_streams(sb.broker, transport, mport) == 1)
+            e = sb.connect(transport)
+            wait_for(lambda: open_streams(sb.broker, transport, mport) == 2)
+            time.sleep(1.5)  # past SWEEP_SECONDS without a byte: they count as idle now
+            with sb.connect(transport) as f:
+                assert f.call(line("add", [4, 4], "f")) == result("f", 8)
+                assert d.closed_within(5.0) < 5.0  # the older of the two silent ones
+                with e:
+                    e.assert_nothing_more()
+        assert metric(scrape(sb.broker, mport), refused, transport=transport) == 0
+    finally:
+        assert sb.broker.stop() == 0, sb.broker.read_log()
+
+
+def test_a_refused_stream_client_that_already_wrote_reads_the_error_not_a_reset(tmp_path):
+    """At max_connections with no idle connection, a client whose line is already sent
+    (as `socat` or `nc` send it) reads one -32000 "too many connections" line and an
+    orderly close: its unread line must not turn the close into a reset."""
+    sb = start_stream_broker(tmp_path, "--workers", "1", "--max-connections", "1")
+    try:
+        for transport in TRANSPORTS:
+            with sb.connect(transport) as busy:
+                busy.send(b'{"jsonrpc":')  # a line under way: not idle
+                for n in range(3):
+                    sock = socket.create_connection(("127.0.0.1", sb.tcp_port)) if transport == "tcp" else None
+                    if sock is None:
+                        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        sock.connect(sb.unix_path)
+                    with Stream(sock) as late:
+                        late.send(line("add", [n, 1], n) + b"\n")
+                        answer = json.loads(late.readline())
+                        assert answer["error"]["code"] == -32000 and answer["error"]["data"] == "too many connections"
+                        with pytest.raises(Closed, match="closed by the broker"):
+                            late.readline()
+                busy.send(b'"2.0","method":"add","params":[1,2],"id":1}\n')
+                assert busy.readline() == result(1, 3)
     finally:
         assert sb.broker.stop() == 0, sb.broker.read_log()
 
@@ -557,6 +628,7 @@ def test_second_broker_on_a_live_socket_fails_and_leaves_it_alone(tmp_path):
         assert status == 1, log
         assert f"{path} is in use" in log
         assert "serving NDJSON" not in log
+        assert "worker 0 ready" not in log  # checked before the workers start: it fails at once
         assert os.stat(path).st_ino == inode  # the first broker's socket, untouched
         with connect(path) as s:
             assert s.call(line("add", [2, 3], 1)) == result(1, 5)

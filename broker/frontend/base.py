@@ -8,24 +8,37 @@ The counters are read by `metrics.BrokerCollector` under the `transport` label.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
+import operator
 import typing
 
 from broker.dispatch import Dispatcher
 from broker.jsonrpc import Codec
 
-__all__ = ["SWEEP_SECONDS", "Connection", "Listener"]
+__all__ = ["EVICT_BATCH", "SWEEP_SECONDS", "Connection", "Listener"]
 
 log = logging.getLogger("broker.frontend")
 
 SWEEP_SECONDS = 1.0  # one sweep for all connections of a listener, not a timer each
+EVICT_BATCH = 64  # idle connections found per scan at max_connections (closed one at a time)
+_last_active = operator.attrgetter("last_active")
 
 
 class Connection(typing.Protocol):
-    """What a listener needs of its connections."""
+    """What a listener needs of its connections.
+
+    last_active: loop time of the connection's last byte received or answer sent.
+    """
+
+    last_active: float
 
     def close(self) -> None: ...
     def abort(self) -> None: ...
+    def evictable(self, fresh: float) -> bool:
+        """Whether closing it at `max_connections` loses nothing: nothing under way or
+        owed, and either a request served already or no byte since loop time `fresh`."""
+        ...
 
 
 class Listener:
@@ -62,6 +75,8 @@ class Listener:
         self.draining = False
         self.loop = asyncio.get_running_loop()
         self._sweeper: asyncio.TimerHandle | None = None
+        self._evictable: list[Connection] = []  # idle connections found by the last scan, most idle last
+        self._rescan_at = 0.0  # loop time before which a scan that found none is not repeated
 
     def refused(self) -> None:
         """Count a connection turned away at max_connections (logged now and then)."""
@@ -69,6 +84,38 @@ class Listener:
         if self.refused_total == 1 or self.refused_total % 1000 == 0:
             log.warning("%s: max_connections %d reached: refusing connections (%d so far)",
                         self.transport, self.max_connections, self.refused_total)
+
+    def make_room(self) -> None:
+        """At `max_connections`: close the least recently active idle connections
+        (`Connection.evictable`) until a new one fits under the limit, or none is left
+        (nginx reuses keep-alive connections the same way when worker_connections run
+        out). A connection just accepted, whose first request may be on its way, is
+        not idle until `SWEEP_SECONDS` pass without a byte: a burst of new connections
+        does not close its own members before they can send.
+
+        One scan of all connections finds up to `EVICT_BATCH` candidates, used one by
+        one (each checked to be still idle); a scan that finds none is not repeated
+        for `SWEEP_SECONDS`, so a flood of connections at the limit costs no O(n) each.
+        """
+        evictable = self._evictable
+        connections = self.connections
+        while len(connections) >= self.max_connections:
+            now = self.loop.time()
+            fresh = now - SWEEP_SECONDS
+            if evictable:
+                conn = evictable.pop()
+                if conn in connections and conn.evictable(fresh):
+                    connections.discard(conn)
+                    conn.close()
+                continue
+            if now < self._rescan_at:
+                return
+            idle = [conn for conn in connections if conn.evictable(fresh)]
+            if not idle:
+                self._rescan_at = now + SWEEP_SECONDS
+                return
+            evictable[:] = heapq.nsmallest(EVICT_BATCH, idle, key=_last_active)
+            evictable.reverse()
 
     def start_sweeping(self) -> None:
         """Start the periodic `_sweep` (once; called by the protocol factory)."""

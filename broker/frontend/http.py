@@ -57,8 +57,6 @@ owed, then the connection closes.
 from __future__ import annotations
 
 import asyncio
-import heapq
-import operator
 import typing
 from collections import deque
 from email.utils import formatdate
@@ -67,7 +65,7 @@ from http import HTTPStatus
 import httptools
 
 from broker.dispatch import Dispatcher, Exchange
-from broker.frontend.base import SWEEP_SECONDS, Listener
+from broker.frontend.base import Listener
 from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.metrics import HTTP_PATHS
@@ -80,7 +78,6 @@ PIPELINE_LOW = 16  # ... and resumes
 MAX_HEADER_BYTES = 64 * 1024  # request line and header lines, like nginx's large buffers
 MAX_HEADERS = 100  # header fields in one request (h11 and nginx allow 100 too)
 PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
-EVICT_BATCH = 64  # idle connections found per scan at max_connections (closed one at a time)
 RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
 _PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
 _JSON_TYPE = b"application/json"
@@ -109,7 +106,6 @@ _KEEP_ALIVE = b"connection: keep-alive\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _TOO_MANY_BODY = b'{"error":"too many connections"}'
 _METRICS_HEADERS = b"content-type: " + METRICS_CONTENT_TYPE.encode() + b"\r\ncontent-length: "
-_last_active = operator.attrgetter("last_active")
 
 
 def date_header() -> bytes:
@@ -202,8 +198,6 @@ class HttpFrontend(Listener):
         self.date = b""  # the date header line, refreshed by every sweep (once a second)
         self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
         self._refresh_date()
-        self._evictable: list[HttpProtocol] = []  # idle connections found by the last scan, most idle last
-        self._rescan_at = 0.0  # loop time before which a scan that found none is not repeated
 
     def host_allowed(self, host: bytes) -> bool:
         """Whether a Host header value (`name[:port]`, RFC 9110 7.2) names this server:
@@ -259,39 +253,6 @@ class HttpFrontend(Listener):
                     conn.request_timed_out()
             elif not conn.owed and now - conn.last_active > keepalive:
                 conn.close()
-
-    def make_room(self) -> None:
-        """At `max_connections`: close the least recently active idle connections until
-        a new one fits under the limit, or none is left (nginx reuses keep-alive
-        connections the same way when worker_connections run out).
-
-        Idle: no request under way and none owed (`HttpProtocol.idle`), and either a
-        request served already or no byte for `SWEEP_SECONDS` (a connection just
-        accepted, whose request may be on its way, is left alone: a burst of new
-        connections does not close its own members before they can send).
-        One scan of all connections finds up to `EVICT_BATCH` candidates, used one by
-        one (each checked to be still idle); a scan that finds none is not repeated
-        for `SWEEP_SECONDS`, so a flood of connections at the limit costs no O(n) each.
-        """
-        evictable = self._evictable
-        connections = self.connections
-        while len(connections) >= self.max_connections:
-            now = self.loop.time()
-            fresh = now - SWEEP_SECONDS
-            if evictable:
-                conn = evictable.pop()
-                if conn.idle and (conn.requests or conn.last_active <= fresh) and conn in connections:
-                    connections.discard(conn)
-                    conn.close()
-                continue
-            if now < self._rescan_at:
-                return
-            idle = [conn for conn in connections if conn.idle and (conn.requests or conn.last_active <= fresh)]
-            if not idle:
-                self._rescan_at = now + SWEEP_SECONDS
-                return
-            evictable[:] = heapq.nsmallest(EVICT_BATCH, idle, key=_last_active)
-            evictable.reverse()
 
     def drain(self) -> None:
         """Close idle keep-alive connections now; the others close after their next
@@ -400,6 +361,10 @@ class HttpProtocol(asyncio.Protocol):
     def idle(self) -> bool:
         """No request under way, none owed, not closing: closing it loses nothing."""
         return not self._responses and not self.request_started and not self._closing
+
+    def evictable(self, fresh: float) -> bool:
+        """Idle, and a request served already or no byte since `fresh` (`Listener.make_room`)."""
+        return self.idle and (self.requests > 0 or self.last_active <= fresh)
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
@@ -543,7 +508,7 @@ class HttpProtocol(asyncio.Protocol):
         elif n == 4 and (name == b"Host" or name.lower() == b"host"):
             self._host = value if self._host is None else b""  # two: no name matches
         elif n == 12 and (name == b"Content-Type" or name.lower() == b"content-type"):
-            self._content_type = value
+            self._content_type = value if self._content_type is None else b""  # two: not JSON, 415
         elif n == 6:
             name = name.lower()
             if name == b"origin":

@@ -20,8 +20,13 @@ Limits:
     left open (streams are long-lived, like an IPC socket)
     reading pauses while more than `PIPELINE_HIGH` bodies wait for answers on one
     connection, or while its write buffer is full
-    `max_connections` per listener, as for HTTP: past it a connection is closed at once
-    (with no line: there is no request to answer)
+    `max_connections` per listener, as for HTTP: at the limit the least recently active
+    idle connection (nothing owed, no line under way, and a line served or none sent for
+    `SWEEP_SECONDS`) is closed to make room (`Listener.make_room`); with none idle, the
+    new connection gets one -32000 error line "too many connections" (id null: HTTP
+    answers 503) and is half-closed, its input discarded until it closes (or for at most
+    `REFUSED_LINGER` seconds), so a client that already wrote its line reads the error
+    rather than a reset
     a line that is an HTTP request line (`POST / HTTP/1.1`) is answered with one -32600
     error saying so, and the connection closes before anything after it is read: any web
     page can make a browser POST to this port, and the body after the headers could be
@@ -34,7 +39,7 @@ import asyncio
 import typing
 
 from broker.dispatch import Dispatcher, Exchange
-from broker.frontend.base import Listener
+from broker.frontend.base import SWEEP_SECONDS, Listener
 from broker.jsonrpc import ErrorCode, error_object, response_error
 
 __all__ = ["StreamFrontend", "StreamProtocol"]
@@ -46,6 +51,8 @@ _HTTP_REQUEST = response_error(
     b"null", error_object(ErrorCode.INVALID_REQUEST, data="an HTTP request: this port speaks newline-delimited JSON-RPC")
 ) + b"\n"
 _NL = b"\n"
+_TOO_MANY = response_error(b"null", error_object(ErrorCode.OVERLOADED, data="too many connections")) + _NL
+REFUSED_LINGER = SWEEP_SECONDS  # seconds a refused connection may keep sending before it is dropped
 
 
 class StreamFrontend(Listener):
@@ -99,8 +106,8 @@ class StreamFrontend(Listener):
 class StreamProtocol(asyncio.Protocol):
     """One NDJSON client connection."""
 
-    __slots__ = ("_buffer", "_eof", "_fe", "_skipping", "_transport", "_write_paused", "line_started", "owed",
-                 "read_paused")
+    __slots__ = ("_buffer", "_eof", "_fe", "_refused", "_skipping", "_transport", "_write_paused", "last_active",
+                 "line_started", "lines", "owed", "read_paused")
 
     def __init__(self, frontend: StreamFrontend) -> None:
         self._fe = frontend
@@ -112,20 +119,50 @@ class StreamProtocol(asyncio.Protocol):
         self._eof = False  # the client half-closed: close once nothing is owed
         self.line_started = 0.0  # loop time an incomplete line's first byte came; 0 if none
         self.owed = 0  # bodies received and not yet answered
+        self.lines = 0  # lines served (answered or owed)
+        self.last_active = frontend.loop.time()  # last byte received or answer sent
+        self._refused = False  # turned away at max_connections: its input is discarded
+
+    def evictable(self, fresh: float) -> bool:
+        """Nothing owed, no line under way, open, and a line served already or no byte
+        since loop time `fresh` (`Listener.make_room`)."""
+        transport = self._transport
+        return (
+            not self.owed and not self.line_started and not self._eof
+            and transport is not None and not transport.is_closing()
+            and (self.lines > 0 or self.last_active <= fresh)
+        )  # fmt: skip
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
         fe = self._fe
+        if len(fe.connections) >= fe.max_connections and not fe.draining:
+            fe.make_room()  # idle connections, if any, give their places
         if len(fe.connections) >= fe.max_connections or fe.draining:
-            fe.refused()
-            self._transport.close()
+            self._refuse()
             return
         fe.connections.add(self)
+
+    def _refuse(self) -> None:
+        """Answer one "too many connections" error line and half-close; discard what the
+        client sends (closing with its bytes unread would reset the connection and
+        destroy the line) until it closes, or abort after `REFUSED_LINGER` seconds."""
+        fe = self._fe
+        fe.refused()
+        transport = self._transport
+        assert transport is not None
+        self._refused = True
+        self._send(_TOO_MANY)
+        if transport.can_write_eof():
+            transport.write_eof()
+            fe.loop.call_later(REFUSED_LINGER, transport.abort)
+        else:
+            transport.close()
 
     def eof_received(self) -> bool:
         """The client shut its sending side (`nc -N`, socat at the end of input): answer
         what is owed, then close. A last line without its newline is dropped."""
-        if self.owed:
+        if self.owed and not self._refused:
             self._eof = True
             return True  # keep the transport open for writing
         return False
@@ -137,8 +174,9 @@ class StreamProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         fe = self._fe
         fe.received_bytes += len(data)
-        if fe.draining:
+        if fe.draining or self._refused:
             return
+        self.last_active = fe.loop.time()
         start = 0
         end = len(data)
         while start < end:
@@ -192,6 +230,7 @@ class StreamProtocol(asyncio.Protocol):
             self._transport = None  # read nothing after it
             return
         fe = self._fe
+        self.lines += 1
         exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done)
         if exchange is None:
             return
@@ -204,6 +243,7 @@ class StreamProtocol(asyncio.Protocol):
 
     def _exchange_done(self, exchange: Exchange) -> None:
         self.owed -= 1
+        self.last_active = self._fe.loop.time()  # idle time counts from the last answer
         self._send(exchange.body() + _NL)
         if self.read_paused and self.owed < PIPELINE_LOW:
             self._maybe_resume()
