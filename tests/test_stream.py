@@ -507,6 +507,7 @@ def test_idle_stream_connections_make_room_at_max_connections(tmp_path, transpor
     try:
         with sb.connect(transport) as a, sb.connect(transport) as b:
             assert a.call(line("add", [1, 1], "a")) == result("a", 2)
+            time.sleep(0.005)  # apart in the loop's clock (uvloop's has 1 ms steps): a strict order
             assert b.call(line("add", [2, 2], "b")) == result("b", 4)  # b is the more recently active
             with sb.connect(transport) as c:
                 assert c.call(line("add", [3, 3], "c")) == result("c", 6)
