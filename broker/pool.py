@@ -546,7 +546,9 @@ class Pool:
                      sorted(before - set(names)) or "no method")
             self.methods = names
             self.sync_methods = sync_methods
-            self.dispatcher.set_methods(names, sync_methods)
+        # Always, even for the same table: routing state (sync methods' service-time
+        # estimates) is the new code's to learn, not carried over from the old one.
+        self.dispatcher.set_methods(names, sync_methods)
         self.workers = list(incoming)
         for new in incoming:
             self.dispatcher.worker_ready(new)
