@@ -203,6 +203,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                    Doc("cap of the exponential backoff between "
                                        "restarts of a crashing worker")
                                    ] = 10 * SECONDS
+    boot_timeout: Annotated[Seconds, Meta(gt=0, le=DAY),
+                            Doc("a worker that has not said HELLO this long after its spawn "
+                                "(its app import hangs, or the process is stopped) is killed; "
+                                "at start that is a boot failure, exit 3")
+                            ] = 60 * SECONDS
     cancel_grace: Annotated[Seconds, Meta(gt=0, le=DAY),
                             Doc("a worker that has not answered a timed-out call this "
                                 "long after the CANCEL is deemed hung and killed")

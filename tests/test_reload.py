@@ -10,7 +10,7 @@ import os
 import signal
 from pathlib import Path
 
-from conftest import Broker, sample, scrape_metrics, wait_for
+from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
 
 APP = "tests.apps.versioned:registry"
 
@@ -179,3 +179,72 @@ def test_a_sync_call_in_flight_on_a_method_the_reload_removes_is_answered(broker
     assert b.call("doze", [0.01])["result"] == {"method": "doze", "version": 2}
     assert b.call("kept")["result"] == {"method": "kept", "version": 2}
     assert metric(b, "rpc_broker_calls_total", method="other", outcome="ok") >= 1
+
+
+def test_a_sighup_during_a_reload_runs_one_more_reload_after_it(broker_factory, tmp_path: Path) -> None:
+    """Attack B finding 5: deploy v2 (a slow import) and SIGHUP, then deploy v3 and
+    SIGHUP while v2's workers still import: the second SIGHUP used to be dropped and v2
+    served on. Now it makes one more reload once the first ends: v3 is served."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"])
+    b = broker_factory("--workers", "2", "--app", APP, env={"VERSIONED_APP_FILE": str(spec)})
+    old = children(b.pid)
+    write(spec, version=2, methods=["a"], import_seconds=2)
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: len(children(b.pid)) == 4, timeout=10)  # v2's workers are importing
+    write(spec, version=3, methods=["a", "b"])
+    os.kill(b.pid, signal.SIGHUP)
+    os.kill(b.pid, signal.SIGHUP)  # any number of them meanwhile make one more reload
+    wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 2, timeout=30)
+    assert b.call("version")["result"] == 3
+    assert b.call("b")["result"] == {"method": "b", "version": 3}
+    wait_for(lambda: len(children(b.pid)) == 2 and not children(b.pid) & old, timeout=10)
+    log = b.read_log(0.1)
+    assert "reload: another was asked for while this one ran" in log, log
+    assert metric(b, "rpc_broker_reloads_total", result="success") == 2  # not 3: they coalesce
+
+
+def test_a_sighup_while_the_broker_starts_reloads_once_it_has_started(tmp_path: Path) -> None:
+    """Attack B finding 5: a SIGHUP while the workers still import (the broker is not
+    serving yet) used to be logged and ignored; it now reloads once the start is over,
+    deploying what is on disk then."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"], import_seconds=2)
+    before = children(os.getpid())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(start_broker, "--workers", "2", "--app", APP, env={"VERSIONED_APP_FILE": str(spec)})
+        wait_for(lambda: len(children(os.getpid()) - before) == 1, timeout=10)
+        [pid] = children(os.getpid()) - before
+        wait_for(lambda: len(children(pid)) == 2, timeout=10)  # its workers are importing
+        write(spec, version=2, methods=["a", "b"])
+        os.kill(pid, signal.SIGHUP)
+        b = starting.result(timeout=60)
+    try:
+        wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 1, timeout=30)
+        assert b.call("b")["result"] == {"method": "b", "version": 2}
+        assert "reload: one was asked for while the broker started" in b.read_log(0.1)
+    finally:
+        assert b.stop() == 0, b.read_log()
+
+
+def test_new_code_on_disk_and_a_worker_crash_reload_every_worker_to_it(broker_factory, tmp_path: Path) -> None:
+    """Attack B finding 8: new code (another method list) written without a SIGHUP, then
+    a worker crashes: its restart imports the new code, and its HELLO used to be refused
+    again and again (restarts counted "exited", the slot never back). Now the pool
+    deploys that code to every worker, as a SIGHUP would, and says so."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"])
+    b = broker_factory("--workers", "2", "--app", APP, env={"VERSIONED_APP_FILE": str(spec)})
+    old = children(b.pid)
+    write(spec, version=2, methods=["a", "b"])
+    os.kill(min(old), signal.SIGKILL)
+    wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 1, timeout=30)
+    wait_for(lambda: len(children(b.pid)) == 2 and not children(b.pid) & old, timeout=10)
+    assert b.call("b")["result"] == {"method": "b", "version": 2}
+    assert {b.call("version", id_=i)["result"] for i in range(6)} == {2}
+    assert metric(b, "rpc_broker_workers", state="ready") == 2
+    assert metric(b, "rpc_broker_worker_restarts_total", reason="killed") == 1
+    assert metric(b, "rpc_broker_worker_restarts_total", reason="code_changed") == 1
+    assert metric(b, "rpc_broker_worker_restarts_total", reason="exited") == 0
+    log = b.read_log(0.1)
+    assert "the app changed on disk without a SIGHUP; reloading every worker to it" in log, log
