@@ -248,3 +248,28 @@ def test_new_code_on_disk_and_a_worker_crash_reload_every_worker_to_it(broker_fa
     assert metric(b, "rpc_broker_worker_restarts_total", reason="exited") == 0
     log = b.read_log(0.1)
     assert "the app changed on disk without a SIGHUP; reloading every worker to it" in log, log
+
+
+def test_a_method_a_reload_makes_async_is_not_routed_as_sync_by_an_old_reply(broker_factory, tmp_path: Path) -> None:
+    """Attack B finding 2: `m` is a slow sync handler in v1 and an async one in v2. The
+    v1 call in flight at the reload used to teach v2's async `m` a blocking service
+    time: it was then routed one call per worker at a time (plus the prefetch), for
+    good. After the reload, 6 concurrent calls of `m` are all in flight on the one
+    worker at once."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=[], sleepers=["m"])
+    b = broker_factory("--workers", "1", "--worker-concurrency", "10", "--app", APP, "--timeout", "60",
+                       env={"VERSIONED_APP_FILE": str(spec)})
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        old = pool.submit(b.call, "m", [1.5], "old")
+        wait_for(lambda: metric(b, "rpc_broker_calls_in_flight") == 1, timeout=10)
+        write(spec, version=2, methods=[], nappers=["m"])
+        os.kill(b.pid, signal.SIGHUP)
+        wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 1, timeout=30)
+        assert old.result(timeout=30)["result"] == {"method": "m", "version": 1}
+        wait_for(lambda: metric(b, "rpc_broker_calls_in_flight") == 0, timeout=10)
+        calls = [pool.submit(b.call, "m", [3.0], i) for i in range(6)]
+        wait_for(lambda: metric(b, "rpc_broker_calls_in_flight") == 6, timeout=10)
+        assert metric(b, "rpc_broker_calls_queued") == 0
+        for call in calls:
+            assert call.result(timeout=30)["result"] == {"method": "m", "version": 2}
