@@ -22,7 +22,8 @@ slot is respawned after an exponential backoff (0.1 s doubling up to
 exits before its HELLO while the pool is starting stops the whole start, whatever its
 status (`WORKER_BOOT_ERROR` for an exception or sys.exit() at import, but os._exit()
 says nothing): a bad `--app` is a bad deploy, not something to retry forever (gunicorn's
-WORKER_BOOT_ERROR does the same).
+WORKER_BOOT_ERROR does the same). So is a worker with no HELLO within `boot_timeout` (an
+import that hangs, a process stopped at import): it is killed, and the start fails.
 
 A reload (SIGHUP, `reload`) deploys the app anew, whatever methods it now has: a new
 Worker for every slot is spawned outside `workers` (`incoming`); each says HELLO and
@@ -32,6 +33,16 @@ translates the calls already routed), the new workers join, and the old ones get
 and drain. Old and new code never take calls at the same time, so a call's method
 index always means the same method to the worker it reaches. If a new worker fails,
 the new ones are killed and nothing else changes: only `workers` are ever restarted.
+Reloads are asked for with `request_reload`, which coalesces: one asked for during a
+reload, or while the pool starts, runs once that ends (nginx's and gunicorn's SIGHUP),
+so the code on disk last is the code deployed.
+
+A worker restarted after a crash imports what is on disk now. If its HELLO lists other
+methods than the running workers', the code changed on disk without a SIGHUP: it cannot
+join them (its method indexes mean other methods), so it is refused and not restarted
+(restart reason "code_changed"), and a reload deploys that code to every worker. If that
+reload fails, the slot stays down until one succeeds: no restart loop. (With the same
+method list nothing tells the pool the code changed: the worker joins on new code.)
 
 The pool waits on process exits (one waiter task per process) and on socket events:
 it never polls.
@@ -511,6 +522,7 @@ class Pool:
             self._reload_wanted = True
             return
         self._reload_task = self.loop.create_task(self._reloads())
+        self._reload_task.add_done_callback(_log_task_error)
 
     async def _reloads(self) -> None:
         try:
