@@ -74,6 +74,10 @@ SECONDS: Final = 1.0
 BYTES: Final = 1
 KIB: Final = 1024 * BYTES
 MIB: Final = 1024 * KIB
+GIB: Final = 1024 * MIB
+# Upper bound of every duration: past it a value is a typo or an attempt at "never"
+# (inf, 1e300), which deadline and timer arithmetic cannot take (int(inf) raises).
+DAY: Final = 86400 * SECONDS
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 _IDENT: Final = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
@@ -151,11 +155,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                              "the worker; bodies past ~1000 levels are refused by the "
                              "parser whatever this says)")
                          ] = 64
-    timeout: Annotated[Seconds, Meta(gt=0),
+    timeout: Annotated[Seconds, Meta(gt=0, le=DAY),
                        Doc("default per-call deadline")
                        ] = 30 * SECONDS
     method_timeouts: Annotated[
-        dict[Annotated[str, Meta(min_length=1)], Annotated[Seconds, Meta(gt=0)]],
+        dict[Annotated[str, Meta(min_length=1)], Annotated[Seconds, Meta(gt=0, le=DAY)]],
         Doc("per-method deadlines in seconds, overriding timeout (in TOML, quote "
             "method names that contain dots)",
             flag="--method-timeout", metavar="NAME=SECONDS"),
@@ -176,14 +180,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                Doc("total bytes the waiting calls hold (raw params and "
                                    "ids) before the broker answers 'overloaded'")
                                ] = 64 * MIB
-    grace_period: Annotated[Seconds, Meta(ge=0),
+    grace_period: Annotated[Seconds, Meta(ge=0, le=DAY),
                             Doc("on SIGTERM, how long in-flight calls may take")
                             ] = 30 * SECONDS
-    keepalive_timeout: Annotated[Seconds, Meta(gt=0),
+    keepalive_timeout: Annotated[Seconds, Meta(gt=0, le=DAY),
                                  Doc("idle HTTP keep-alive connections are closed "
                                      "after this")
                                  ] = 75 * SECONDS
-    request_timeout: Annotated[Seconds, Meta(gt=0),
+    request_timeout: Annotated[Seconds, Meta(gt=0, le=DAY),
                                Doc("an HTTP request's line, headers and body must all "
                                    "arrive within this of its first byte, however they "
                                    "trickle; past it the client gets 408 and the "
@@ -196,15 +200,20 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                    "and closed (the broker also raises its open-files limit to "
                                    "fit, when the system allows)")
                                ] = 10000
-    max_frame_bytes: Annotated[Bytes, Meta(ge=64 * KIB),
+    max_frame_bytes: Annotated[Bytes, Meta(ge=64 * KIB, le=1 * GIB),
                                Doc("largest worker wire frame: a call's params or "
                                    "result, and the worker's method list")
                                ] = 16 * MIB
-    restart_backoff_max: Annotated[Seconds, Meta(gt=0),
+    restart_backoff_max: Annotated[Seconds, Meta(gt=0, le=DAY),
                                    Doc("cap of the exponential backoff between "
                                        "restarts of a crashing worker")
                                    ] = 10 * SECONDS
-    cancel_grace: Annotated[Seconds, Meta(gt=0),
+    boot_timeout: Annotated[Seconds, Meta(gt=0, le=DAY),
+                            Doc("a worker that has not said HELLO this long after its spawn "
+                                "(its app import hangs, or the process is stopped) is killed; "
+                                "at start that is a boot failure, exit 3")
+                            ] = 60 * SECONDS
+    cancel_grace: Annotated[Seconds, Meta(gt=0, le=DAY),
                             Doc("a worker that has not answered a timed-out call this "
                                 "long after the CANCEL is deemed hung and killed")
                             ] = 10 * SECONDS

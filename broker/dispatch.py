@@ -121,6 +121,7 @@ _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _CODE_AT = len(b'{"code":')
+MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
 BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
 _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
 _clock = time.perf_counter
@@ -257,6 +258,7 @@ class Call(msgspec.Struct, eq=False):
     ids: list[Raw] | None = None  # a chunk's raw client ids
     methods: list[int] | None = None  # a chunk's method indexes
     held: int = 0  # bytes it holds while queued (counted in max_queue_bytes)
+    stale: bool = False  # in flight when a reload replaced the method table: its reply teaches nothing
 
     @classmethod
     def of(cls, call_id: int, exchange: Exchange | None, slot: int, request: Request, route: Route, arrival: float) -> Call:
@@ -395,6 +397,8 @@ class Dispatcher:
     max_queue_bytes: the same bound on the bytes the waiting calls hold (their raw
         params and ids, copied out of the request body when queued).
     timeout: default deadline in seconds; `method_timeouts` overrides it per method.
+        Each must be > 0 and <= `MAX_TIMEOUT` (one day), else `ValueError`: the
+        deadline wheel turns deadlines into integer ticks, which inf or nan cannot be.
     cancel_grace: seconds a worker has to answer a timed-out call before it is
         killed as hung.
     sync_prefetch: calls (>= 0) a worker busy in a sync call may hold besides that
@@ -428,6 +432,9 @@ class Dispatcher:
         self._expired_queued = 0
         self._timeout = timeout
         self._method_timeouts = dict(method_timeouts or {})
+        for name, seconds in (("timeout", timeout), *self._method_timeouts.items()):
+            if not 0 < seconds <= MAX_TIMEOUT:  # (nan fails both comparisons)
+                raise ValueError(f"deadline of {name} = {seconds!r} s: it must be > 0 and <= {MAX_TIMEOUT}")
         self._routes: dict[str, Route] = {}
         self._names: list[str] = []
         # Per method index: the service-time estimate (µs) of a sync method, -1 for an
@@ -471,6 +478,13 @@ class Dispatcher:
         worker answers that -32601, as for any unknown index); a call in flight on an
         old worker keeps the index it was sent with, and only the index its answer is
         counted under changes (`other` for a lost method).
+
+        Routing state belongs to the new code only: every method starts unmeasured
+        (a sync one as blocking, until its first reply), a queued call's `sync` is
+        recomputed from the new table (a chunk's: its count of blocking sync calls),
+        and a call in flight on an old worker is marked `stale`: its reply still
+        frees the worker's sync accounting it took, but teaches no estimate (the
+        old handler's time says nothing of the new one, which may even be async).
         """
         old = self._names
         sync = [int(name in sync_methods) for name in names]
@@ -485,7 +499,7 @@ class Dispatcher:
         # When every method has the same deadline (the usual case) a batch needs no
         # grouping by deadline before it is cut into chunks.
         self._one_timeout = len({route.timeout for route in self._routes.values()}) <= 1
-        if old and old != names:
+        if old:
             new = {name: i for i, name in enumerate(names)}
             self._translate([new.get(name, len(names)) for name in old] + [len(names)])
         if self.metrics is not None:
@@ -493,18 +507,23 @@ class Dispatcher:
 
     def _translate(self, index: list[int]) -> None:
         """Old method index → new (`index`, one entry per old method plus `other`) for
-        every call routed but not answered; a queued chunk's frame is rewritten too."""
+        every call routed but not answered; a queued call's `sync` is recomputed from
+        the new table, and a queued chunk's frame is rewritten too."""
         for call in self._pending.values():  # sent already: only their metrics index
+            call.stale = True
             if call.methods is not None:
                 call.methods = [index[m] for m in call.methods]
             else:
                 call.index = index[call.index]
         size = _CALL_ENTRY.size
+        blocking = self._blocking  # the new table's (its `other` entry is 0)
         for call in self._queue:
             if call.methods is None:
                 call.index = index[call.index]
+                call.sync = 1 if blocking[call.index] else -1 if self._sync_us[call.index] >= 0 else 0
                 continue
             call.methods = [index[m] for m in call.methods]
+            call.sync = sum(blocking[m] for m in call.methods)
             payload = bytearray(call.params)
             pos = 0
             for m in call.methods:
@@ -799,7 +818,7 @@ class Dispatcher:
                 if not worker.sync_calls and worker.limit < worker.concurrency:
                     worker.limit = worker.concurrency
                     self._blocked -= 1
-            if call.methods is None:  # how long do this sync method's calls take? (BLOCKING_US)
+            if call.methods is None and not call.stale:  # how long do its calls take? (BLOCKING_US)
                 index = call.index
                 est = self._sync_us[index]
                 est += (aux - est) >> 3
@@ -822,7 +841,8 @@ class Dispatcher:
                 call.exchange = None
                 if kind == _CHUNK_REPLY:
                     self._fill_chunk(call, exchange, payload)
-                    self._learn_chunk(call, aux)
+                    if not call.stale:
+                        self._learn_chunk(call, aux)
                 else:  # one ERROR for the whole chunk
                     self._fail_chunk(call, exchange, payload, True)
             elif kind == _RESULT:

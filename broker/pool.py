@@ -22,7 +22,8 @@ slot is respawned after an exponential backoff (0.1 s doubling up to
 exits before its HELLO while the pool is starting stops the whole start, whatever its
 status (`WORKER_BOOT_ERROR` for an exception or sys.exit() at import, but os._exit()
 says nothing): a bad `--app` is a bad deploy, not something to retry forever (gunicorn's
-WORKER_BOOT_ERROR does the same).
+WORKER_BOOT_ERROR does the same). So is a worker with no HELLO within `boot_timeout` (an
+import that hangs, a process stopped at import): it is killed, and the start fails.
 
 A reload (SIGHUP, `reload`) deploys the app anew, whatever methods it now has: a new
 Worker for every slot is spawned outside `workers` (`incoming`); each says HELLO and
@@ -32,6 +33,16 @@ translates the calls already routed), the new workers join, and the old ones get
 and drain. Old and new code never take calls at the same time, so a call's method
 index always means the same method to the worker it reaches. If a new worker fails,
 the new ones are killed and nothing else changes: only `workers` are ever restarted.
+Reloads are asked for with `request_reload`, which coalesces: one asked for during a
+reload, or while the pool starts, runs once that ends (nginx's and gunicorn's SIGHUP),
+so the code on disk last is the code deployed.
+
+A worker restarted after a crash imports what is on disk now. If its HELLO lists other
+methods than the running workers', the code changed on disk without a SIGHUP: it cannot
+join them (its method indexes mean other methods), so it is refused and not restarted
+(restart reason "code_changed"), and a reload deploys that code to every worker. If that
+reload fails, the slot stays down until one succeeds: no restart loop. (With the same
+method list nothing tells the pool the code changed: the worker joins on new code.)
 
 The pool waits on process exits (one waiter task per process) and on socket events:
 it never polls.
@@ -76,13 +87,15 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 }
 
 STABLE_SECONDS = 30.0  # a worker up this long resets its slot's backoff
-BOOT_TIMEOUT_SECONDS = 60.0  # a worker that has not said HELLO by then is killed
+BOOT_TIMEOUT_SECONDS = 60.0  # default of boot_timeout: a worker with no HELLO by then is killed
+CODE_CHANGED = "code changed on disk"  # kill_reason of a restarted worker whose HELLO was refused
 KILL_AFTER_SECONDS = 2.0  # a worker whose socket closed but lives on is killed after
 
 
 class WorkerBootError(Exception):
     """A worker exited before its HELLO while the pool was starting: it could not load
-    the app (exit status `WORKER_BOOT_ERROR`, or any other)."""
+    the app (exit status `WORKER_BOOT_ERROR`, or any other), or it sent no HELLO within
+    the boot timeout (an import that hangs, or a process stopped at import)."""
 
 
 class Worker:
@@ -236,6 +249,7 @@ class Pool:
         max_depth: int = 64,
         max_frame_bytes: int = 16 * 1024 * 1024,
         restart_backoff_max: float = 10.0,
+        boot_timeout: float = BOOT_TIMEOUT_SECONDS,
         socket_dir: str = "",
         debug: bool = False,
         log_level: str = "info",
@@ -248,6 +262,7 @@ class Pool:
         self.max_depth = max_depth
         self.max_frame_bytes = max_frame_bytes
         self.restart_backoff_max = restart_backoff_max
+        self.boot_timeout = boot_timeout
         self.debug = debug
         self.log_level = log_level
         self.workers = [Worker(i) for i in range(size)]
@@ -272,7 +287,12 @@ class Pool:
         self._incoming_methods: list[str] | None = None
         self._incoming_sync: list[str] = []
         self._incoming_error = ""
+        self.after_reload: typing.Callable[[], None] | None = None  # called after each successful reload
         self.reloads = {"success": 0, "failure": 0}  # reloads by outcome (a metric's label)
+        # Reloads asked for (`request_reload`): the task running them, and whether
+        # one more was asked for while it ran (or while the pool started).
+        self._reload_task: asyncio.Task[None] | None = None
+        self._reload_wanted = False
         dispatcher.worker_coming = self._worker_coming
 
     def _worker_coming(self) -> bool:
@@ -283,12 +303,15 @@ class Pool:
         """Path of the Unix socket workers connect to."""
         return self._path
 
-    async def start(self, timeout: float = BOOT_TIMEOUT_SECONDS) -> None:
+    async def start(self) -> None:
         """Spawn every worker and wait until all are READY.
 
-        Raises `WorkerBootError` if a worker cannot load the app, and `TimeoutError`
-        if they are not all ready within `timeout` seconds.
+        Raises `WorkerBootError` if a worker cannot load the app, or if they are not
+        all ready within `boot_timeout` seconds (an import that hangs: those still
+        starting are killed). A reload asked for meanwhile (`request_reload`) runs once
+        the start is over.
         """
+        timeout = self.boot_timeout
         if self._socket_dir_given:
             os.makedirs(self._socket_dir_given, mode=0o700, exist_ok=True)
             self._dir = tempfile.mkdtemp(prefix="rpc-broker-", dir=self._socket_dir_given)
@@ -306,12 +329,23 @@ class Pool:
             self._changed.clear()
             left = deadline - self.loop.time()
             if left <= 0:
-                raise TimeoutError(f"workers not ready after {timeout} s: {self.workers}")
+                late = [w for w in self.workers if w.state is not WorkerState.READY]
+                for w in late:
+                    if w.process is not None:
+                        _kill_if_alive(w.process)
+                raise WorkerBootError(
+                    f"worker {', '.join(str(w.slot) for w in late)} sent no HELLO within boot_timeout"
+                    f" {timeout} s: app {self.app!r} hangs at import (or its process was stopped);"
+                    " killed"
+                )
             waiter: asyncio.Future[object] = asyncio.ensure_future(self._changed.wait())
             failed: asyncio.Future[object] = typing.cast("asyncio.Future[object]", self._boot_failure)
             await asyncio.wait([waiter, failed], timeout=left, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
         self._starting = False
+        if self._reload_wanted:  # a SIGHUP came while starting: deploy what is on disk now
+            log.info("reload: one was asked for while the broker started: reloading now")
+            self.request_reload()
 
     async def _spawn(self, worker: Worker) -> None:
         if self._stopping:
@@ -343,7 +377,7 @@ class Pool:
         worker.exited = exited
         task = self.loop.create_task(self._watch(worker, process, exited))
         task.add_done_callback(_log_task_error)
-        self.loop.call_later(BOOT_TIMEOUT_SECONDS, self._boot_deadline, worker, process)
+        self.loop.call_later(self.boot_timeout, self._boot_deadline, worker, process)
 
     async def _watch(self, worker: Worker, process: asyncio.subprocess.Process, exited: asyncio.Future[int]) -> None:
         status = await process.wait()
@@ -367,6 +401,11 @@ class Pool:
         if self.workers[worker.slot] is not worker:  # replaced by a reload: no restart
             self.retiring.discard(worker)
             log.info("worker %d (pid %d) retired: %s", worker.slot, worker.pid, reason)
+            return
+        if worker.kill_reason.startswith(CODE_CHANGED):  # its HELLO was refused (`hello`)
+            self.restarts_by_reason["code_changed"] = self.restarts_by_reason.get("code_changed", 0) + 1
+            log.warning("worker %d (pid %d) %s; not restarted: the reload asked for replaces it",
+                        worker.slot, worker.pid, reason)
             return
         log.warning("worker %d (pid %d) %s", worker.slot, worker.pid, reason)
         if was_starting and self._starting:
@@ -394,8 +433,9 @@ class Pool:
 
     def _boot_deadline(self, worker: Worker, process: asyncio.subprocess.Process) -> None:
         if worker.process is process and worker.state is WorkerState.STARTING:
-            log.error("worker %d (pid %d) sent no HELLO in %s s: killing it", worker.slot, worker.pid, BOOT_TIMEOUT_SECONDS)
-            worker.kill_reason = f"boot timeout: no HELLO in {BOOT_TIMEOUT_SECONDS} s"
+            log.error("worker %d (pid %d) sent no HELLO in %s s (boot_timeout): killing it",
+                      worker.slot, worker.pid, self.boot_timeout)
+            worker.kill_reason = f"boot timeout: no HELLO in {self.boot_timeout} s"
             _kill(process)
 
     def hello(self, channel: WorkerChannel, hello: wire.Hello) -> Worker:
@@ -416,10 +456,18 @@ class Pool:
             self.sync_methods = list(hello.sync_methods)
             self.dispatcher.set_methods(names, self.sync_methods)
         elif names != self.methods:
-            raise wire.FrameError(
-                f"worker {hello.slot} serves {names}, not {self.methods}: the app changed on disk;"
-                " a reload (SIGHUP) deploys new code"
-            )
+            # A restarted worker imported code that changed on disk without a SIGHUP.
+            # It cannot join (its method indexes mean other methods): deploy that code
+            # to every worker instead, as a SIGHUP would (see the module docstring).
+            problem = f"worker {hello.slot} (pid {hello.pid}) serves {names}, not {self.methods}"
+            worker.kill_reason = f"{CODE_CHANGED}: {problem}"
+            if self._starting:  # the first workers disagree: a deploy half-written at start
+                if not self._boot_failure.done():
+                    self._boot_failure.set_result(f"{problem}: the app changed on disk while the broker started")
+            else:
+                log.warning("%s: the app changed on disk without a SIGHUP; reloading every worker to it", problem)
+                self.request_reload()
+            raise wire.FrameError(f"{problem}: the app changed on disk")
         worker.channel = channel
         worker.concurrency = max(1, hello.concurrency)
         worker.move(WorkerState.READY)
@@ -457,7 +505,38 @@ class Pool:
         if process is not None and process.returncode is None:
             self.loop.call_later(KILL_AFTER_SECONDS, _kill_if_alive, process)
 
-    async def reload(self, timeout: float = BOOT_TIMEOUT_SECONDS) -> bool:
+    def request_reload(self) -> None:
+        """Ask for a reload (SIGHUP; a restarted worker found new code on disk).
+
+        Requests coalesce, as in nginx and gunicorn, so the latest code on disk gets
+        deployed: with none under way a reload starts now; one asked for while a
+        reload runs, or while the pool starts, runs once that ends (any number of
+        requests meanwhile make one more reload, which imports what is on disk then).
+        Ignored once the pool is stopping.
+        """
+        if self._stopping:
+            return
+        if self._starting or self._reload_task is not None:
+            if not self._reload_wanted:
+                log.info("reload: asked for while %s; it runs once that ends",
+                         "the broker starts" if self._starting else "a reload is under way")
+            self._reload_wanted = True
+            return
+        self._reload_task = self.loop.create_task(self._reloads())
+        self._reload_task.add_done_callback(_log_task_error)
+
+    async def _reloads(self) -> None:
+        try:
+            while True:
+                self._reload_wanted = False
+                await self.reload()
+                if not self._reload_wanted or self._stopping:
+                    return
+                log.info("reload: another was asked for while this one ran: reloading again")
+        finally:
+            self._reload_task = None
+
+    async def reload(self, timeout: float | None = None) -> bool:
         """Deploy the app anew (SIGHUP): start a fresh worker for every slot (each imports
         the app anew), wait until all are READY, then swap in one step: the new workers'
         method table replaces the old one, the new workers take calls, and the old ones
@@ -473,12 +552,16 @@ class Pool:
         new worker fails to start (exits, closes its socket, is not ready within
         `timeout` s, or serves another method list than its new peers): a broken deploy
         does not take the pool down. The outcome is logged and counted in `reloads`.
+        `timeout` defaults to `boot_timeout`. Returns False at once if a reload is under
+        way already (`request_reload` queues one instead).
         """
         if self._stopping:
             return False
         if self._reloading:
             log.warning("reload: one is already under way; this one is ignored")
             return False
+        if timeout is None:
+            timeout = self.boot_timeout
         self._reloading = True
         self.incoming = [Worker(slot) for slot in range(self.size)]
         self._incoming_methods = None
@@ -498,9 +581,15 @@ class Pool:
                         _kill_if_alive(worker.process)
                 self.reloads["failure"] += 1
                 log.error("reload failed: %s; keeping the old workers (the old code serves on)", failure)
+                down = [w.slot for w in self.workers if w.kill_reason.startswith(CODE_CHANGED)]
+                if down:
+                    log.error("worker slot %s stays down until a reload succeeds: the code on disk"
+                              " serves other methods than the running workers", ", ".join(map(str, down)))
                 return False
             self._swap(self.incoming, typing.cast(list[str], self._incoming_methods), self._incoming_sync)
             self.reloads["success"] += 1
+            if self.after_reload is not None:
+                self.after_reload()
             log.info("reload: all %d workers replaced", self.size)
             return True
         finally:
@@ -546,7 +635,9 @@ class Pool:
                      sorted(before - set(names)) or "no method")
             self.methods = names
             self.sync_methods = sync_methods
-            self.dispatcher.set_methods(names, sync_methods)
+        # Always, even for the same table: routing state (sync methods' service-time
+        # estimates) is the new code's to learn, not carried over from the old one.
+        self.dispatcher.set_methods(names, sync_methods)
         self.workers = list(incoming)
         for new in incoming:
             self.dispatcher.worker_ready(new)
@@ -583,6 +674,8 @@ class Pool:
                         log.warning("worker %d (pid %d) did not exit in %s s: SIGKILL", worker.slot, worker.pid, timeout)
                         _kill(worker.process)
                 await asyncio.wait(alive, timeout=5.0)
+        if self._reload_task is not None:  # it sees _stopping and gives up
+            await asyncio.wait([self._reload_task], timeout=5.0)
         if self._server is not None:
             self._server.close()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -600,7 +693,8 @@ class Pool:
 
 def restart_reason(status: int, kill_reason: str) -> str:
     """The bounded `reason` label of a restart: "hung" or "boot_timeout" when the broker
-    killed the worker for that, "killed" by another signal, else "exited"."""
+    killed the worker for that, "killed" by another signal, else "exited". (A worker
+    refused because the code changed on disk is counted "code_changed" by the pool.)"""
     if kill_reason.startswith("hung"):
         return "hung"
     if kill_reason.startswith("boot timeout"):

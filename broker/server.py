@@ -6,9 +6,11 @@ broker from a `Config` without going through argv.
 Signals (handlers only set an event; the main coroutine acts on it):
     SIGTERM, SIGINT  stop accepting, answer what is in flight (up to grace_period),
                      stop the workers, exit 0; a second one cuts the grace period short
-    SIGHUP           reload (`Pool.reload`): fresh workers import the app anew and, once all
-                     are ready, replace the old ones and their method table in one step;
-                     no call is lost; a failed reload leaves the old workers serving
+    SIGHUP           reload (`Pool.request_reload`): fresh workers import the app anew and,
+                     once all are ready, replace the old ones and their method table in one
+                     step; no call is lost; a failed reload leaves the old workers serving.
+                     A SIGHUP during a reload (or while the broker starts) is not dropped:
+                     one more reload runs once that ends, so the latest code is deployed
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def serve(config: Config) -> int:
     """Run the broker until SIGTERM/SIGINT; return the process exit status.
 
     0 after a clean shutdown, `WORKER_BOOT_ERROR` (3) when the workers cannot load
-    the app, 1 when the listening socket cannot be opened.
+    the app (an exception or exit at import, or no HELLO within boot_timeout), 1 when
+    the listening socket cannot be opened.
     """
     logging.basicConfig(
         level=config.log_level.upper(),
@@ -164,6 +167,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         max_depth=config.max_depth,
         max_frame_bytes=config.max_frame_bytes,
         restart_backoff_max=config.restart_backoff_max,
+        boot_timeout=config.boot_timeout,
         socket_dir=config.socket_dir,
         debug=config.debug,
         log_level=config.log_level,
@@ -179,20 +183,17 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, handle_stop)
-    loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP while starting: ignored")
-    reloads: set[asyncio.Task[bool]] = set()
 
-    async def reload() -> bool:
-        done = await pool.reload()
-        if done:
-            warn_unserved_timeouts(config.method_timeouts, pool.methods or [])
-        return done
+    def after_reload() -> None:
+        warn_unserved_timeouts(config.method_timeouts, pool.methods or [])
+
+    pool.after_reload = after_reload
 
     def handle_hup() -> None:
         log.info("SIGHUP: reloading the workers (the app is imported anew)")
-        task = loop.create_task(reload())
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
+        pool.request_reload()  # coalesced: one during a reload or the start runs after it
+
+    loop.add_signal_handler(signal.SIGHUP, handle_hup)
 
     try:
         frontends: list[HttpFrontend | StreamFrontend] = []
@@ -314,7 +315,6 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             elif fe.metrics is not None:
                 print(f"rpc-broker: metrics on {_url(*server.sockets[0].getsockname()[:2])}/metrics",
                       file=sys.stderr, flush=True)
-        loop.add_signal_handler(signal.SIGHUP, handle_hup)
         if started is not None:
             started.set_result((host, port))
         await stop.wait()

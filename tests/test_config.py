@@ -41,6 +41,7 @@ EXPECTED_DEFAULTS = {
     "max_connections": 10000,
     "max_frame_bytes": 16777216,
     "restart_backoff_max": 10.0,
+    "boot_timeout": 60.0,
     "cancel_grace": 10.0,
     "socket_dir": "",
     "debug": False,
@@ -146,6 +147,7 @@ request_timeout = 0.5
 max_connections = 5
 max_frame_bytes = 65536
 restart_backoff_max = 0.5
+boot_timeout = 3
 cancel_grace = 2.5
 socket_dir = "/run/rpc"
 debug = true
@@ -163,7 +165,7 @@ slow = 120.5
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
         "worker_concurrency": 1, "sync_prefetch": 0, "max_queue": 0, "max_queue_bytes": 0, "grace_period": 0.0,
         "keepalive_timeout": 1.0, "request_timeout": 0.5, "max_connections": 5, "max_frame_bytes": 65536, "restart_backoff_max": 0.5,
-        "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
+        "boot_timeout": 3.0, "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
     }
     assert cfg.worker_count == 1024
 
@@ -196,24 +198,38 @@ def test_unknown_section_fails(tmp_path: Path) -> None:
         ("max_batch = 0", "max_batch = 0: expected `int` >= 1 (allowed: >= 1)"),
         ("max_body_bytes = 0", "max_body_bytes = 0: expected `int` >= 1 (allowed: >= 1)"),
         ("max_frame_bytes = 65535",
-         "max_frame_bytes = 65535: expected `int` >= 65536 (allowed: >= 65536)"),
+         "max_frame_bytes = 65535: expected `int` >= 65536 (allowed: 65536..1073741824)"),
         ("max_queue = -1", "max_queue = -1: expected `int` >= 0 (allowed: >= 0)"),
-        ("timeout = 0", "timeout = 0: expected `float` > 0.0 (allowed: > 0)"),
-        ("timeout = nan", "timeout = nan: expected `float` > 0.0 (allowed: > 0)"),
-        ("grace_period = -0.5", "grace_period = -0.5: expected `float` >= 0.0 (allowed: >= 0)"),
-        ("keepalive_timeout = 0", "keepalive_timeout = 0: expected `float` > 0.0 (allowed: > 0)"),
+        ("timeout = 0", "timeout = 0: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
+        ("timeout = nan", "timeout = nan: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
+        ("timeout = inf", "timeout = inf: expected `float` <= 86400.0 (allowed: > 0, <= 86400.0)"),
+        ("timeout = 1e300", "timeout = 1e+300: expected `float` <= 86400.0 (allowed: > 0, <= 86400.0)"),
+        ("grace_period = inf", "grace_period = inf: expected `float` <= 86400.0 (allowed: 0..86400.0)"),
+        ("keepalive_timeout = inf",
+         "keepalive_timeout = inf: expected `float` <= 86400.0 (allowed: > 0, <= 86400.0)"),
+        ("request_timeout = 1e20",
+         "request_timeout = 1e+20: expected `float` <= 86400.0 (allowed: > 0, <= 86400.0)"),
+        ("cancel_grace = inf", "cancel_grace = inf: expected `float` <= 86400.0 (allowed: > 0, <= 86400.0)"),
+        ("restart_backoff_max = nan",
+         "restart_backoff_max = nan: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
+        ("max_frame_bytes = 4294967296",
+         "max_frame_bytes = 4294967296: expected `int` <= 1073741824 (allowed: 65536..1073741824)"),
+        ("[method_timeouts]\nadd = inf",
+         "method_timeouts['add'] = inf: expected `float` <= 86400.0 (allowed: each value > 0, <= 86400.0)"),
+        ("grace_period = -0.5", "grace_period = -0.5: expected `float` >= 0.0 (allowed: 0..86400.0)"),
+        ("keepalive_timeout = 0", "keepalive_timeout = 0: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
         ("restart_backoff_max = 0",
-         "restart_backoff_max = 0: expected `float` > 0.0 (allowed: > 0)"),
+         "restart_backoff_max = 0: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
         ('host = ""', "host = '': expected `str` of length >= 1 (allowed: non-empty)"),
         ('log_level = "verbose"',
          ("log_level = 'verbose': invalid enum value 'verbose' "
           "(allowed: one of debug, info, warning, error)")),
         ("debug = 1", "debug = 1: expected `bool`, got `int`"),
         ("[method_timeouts]\nfoo = 0",
-         "method_timeouts['foo'] = 0: expected `float` > 0.0 (allowed: each value > 0)"),
+         "method_timeouts['foo'] = 0: expected `float` > 0.0 (allowed: each value > 0, <= 86400.0)"),
         ('[method_timeouts]\nfoo = "1"',
          ("method_timeouts['foo'] = '1': expected `float`, got `str` "
-          "(allowed: each value > 0)")),
+          "(allowed: each value > 0, <= 86400.0)")),
     ],
 )
 def test_bad_toml_values(tmp_path: Path, toml: str, expected: str) -> None:
@@ -280,7 +296,7 @@ def test_unreadable_file(tmp_path: Path) -> None:
         ("RPC_BROKER_MAX_BODY_BYTES", "1MiB",
          "max_body_bytes = '1MiB': expected an integer of bytes"),
         ("RPC_BROKER_TIMEOUT", "soon", "timeout = 'soon': expected a number of seconds"),
-        ("RPC_BROKER_TIMEOUT", "-1", "timeout = -1.0: expected `float` > 0.0 (allowed: > 0)"),
+        ("RPC_BROKER_TIMEOUT", "-1", "timeout = -1.0: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
         ("RPC_BROKER_DEBUG", "maybe", "debug = 'maybe': expected one of 1/0/true/false/yes/no"),
         ("RPC_BROKER_LOG_LEVEL", "INFO",
          ("log_level = 'INFO': invalid enum value 'INFO' "
@@ -288,7 +304,7 @@ def test_unreadable_file(tmp_path: Path) -> None:
         ("RPC_BROKER_METHOD_TIMEOUTS", "[1]",
          "method_timeouts = '[1]': expected a JSON object like {\"method\": seconds}"),
         ("RPC_BROKER_METHOD_TIMEOUTS", '{"a": -1}',
-         "method_timeouts['a'] = -1: expected `float` > 0.0 (allowed: each value > 0)"),
+         "method_timeouts['a'] = -1: expected `float` > 0.0 (allowed: each value > 0, <= 86400.0)"),
         ("RPC_BROKER_PROT", "1", "unknown setting 'RPC_BROKER_PROT' (did you mean 'port'?)"),
         ("RPC_BROKER_port", "1", "unknown setting 'RPC_BROKER_port' (did you mean 'port'?)"),
     ],
@@ -371,7 +387,7 @@ def test_method_timeouts_flag_given_as_mapping() -> None:
         ("=3", "method_timeouts: expected NAME=SECONDS, got '=3'"),
         ("slow=soon", "method_timeouts: expected NAME=SECONDS, got 'slow=soon'"),
         ("slow=0", ("method_timeouts['slow'] = 0.0: expected `float` > 0.0 "
-                    "(allowed: each value > 0)")),
+                    "(allowed: each value > 0, <= 86400.0)")),
     ],
 )
 def test_bad_method_timeout_flag(pair: str, expected: str) -> None:
@@ -408,7 +424,7 @@ def test_render_reference_lists_every_setting() -> None:
 
 def test_dump_toml_round_trips(tmp_path: Path) -> None:
     cfg = Config(host="a\"b", method_timeouts={"x.y": 1.5}, debug=True, workers=2,
-                 timeout=float("inf"))
+                 timeout=86400.0)
     data = tomllib.loads(config.dump_toml(cfg))
     as_toml = {k: list(v) if isinstance(v, tuple) else v for k, v in msgspec.structs.asdict(cfg).items()}
     assert data == as_toml  # TOML arrays load as lists
@@ -434,7 +450,7 @@ def test_serve_help_mentions_every_flag(capsys: pytest.CaptureFixture[str]) -> N
         assert s.env in out, s.env
     assert "--no-debug" in out
     words = " ".join(out.split())  # help text is wrapped to the terminal width
-    assert ("default per-call deadline. Default: 30.0 seconds. Allowed: > 0. "
+    assert ("default per-call deadline. Default: 30.0 seconds. Allowed: > 0, <= 86400.0. "
             "Env: RPC_BROKER_TIMEOUT.") in words
     assert "Default: 16777216 bytes (16 MiB)" in words
 
@@ -467,6 +483,9 @@ def test_check_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert captured.out == ""
     assert captured.err == (f"rpc-broker: config error: config file {path}: "
                             "unknown setting 'max_depht' (did you mean 'max_depth'?)\n")
+
+    assert cli.main(["check-config", write(tmp_path, "timeout = inf\n")]) == 2  # attack B finding 4
+    assert "timeout = inf: expected `float` <= 86400.0" in capsys.readouterr().err
 
     assert cli.main(["check-config", str(tmp_path / "nope.toml")]) == 2
     assert "cannot read" in capsys.readouterr().err

@@ -491,3 +491,74 @@ def test_the_worker_hello_names_its_sync_methods():
         assert wire.decode_hello(old).sync_methods == []
 
     run(main)
+
+
+def test_a_reload_that_makes_a_sync_method_async_routes_it_as_async():
+    """Attack B finding 2: `m` is sync in the old code and async in the new. The old
+    worker's reply to a call in flight at the swap must not teach the new async method
+    an estimate (it used to become a blocking sync method for good), and the call
+    queued at the swap goes out as an async call; the old worker's sync accounting
+    still ends at zero."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=1)
+        d.set_methods(["m"], sync_methods=["m"])
+        old = add_worker(d, 0, 100)
+        codec = Codec()
+        d.submit(body(codec, req("m", [1], 1)), lambda e: None)
+        d.submit(body(codec, req("m", [2], 2)), lambda e: None)  # a second blocking call: queued
+        [in_flight] = old.channel.take()
+        assert (old.sync_calls, old.limit, d.queued_calls) == (1, 2, 1)
+        d.worker_unready(old)  # the swap (Pool._swap): old out, new table, new worker in
+        d.set_methods(["m"], sync_methods=[])
+        new = add_worker(d, 0, 100)
+        [queued] = new.channel.take()
+        assert first_params(queued) == [2]
+        assert (new.sync_calls, new.limit) == (0, 100)
+        d.on_reply(old, wire.Kind.RESULT, in_flight[1], 900_000, b"1")  # the old handler took 0.9 s
+        assert (old.sync_calls, old.limit, old.outstanding) == (0, 100, 0)
+        for i in range(10):
+            d.submit(body(codec, req("m", [i], f"n{i}")), lambda e: None)
+        assert len(new.channel.take()) == 10 and (new.sync_calls, new.limit) == (0, 100)
+        d.on_reply(new, wire.Kind.RESULT, queued[1], 900_000, b"1")  # async: never measured
+        d.submit(body(codec, req("m", [0], "after")), lambda e: None)
+        assert new.sync_calls == 0 and new.limit == 100
+
+    run(main)
+
+
+def test_a_reload_that_makes_an_async_method_sync_blocks_its_queued_calls():
+    """The other way: calls queued at the swap to a method now sync (unmeasured, so
+    blocking) go out as blocking sync calls, one per worker."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=1)
+        d.set_methods(["m"])
+        old = add_worker(d, 0, 1)
+        codec = Codec()
+        for i in range(3):
+            d.submit(body(codec, req("m", [i], i)), lambda e: None)
+        assert len(old.channel.take()) == 1 and d.queued_calls == 2
+        d.worker_unready(old)
+        d.set_methods(["m"], sync_methods=["m"])
+        new = add_worker(d, 0, 100)
+        assert [first_params(f) for f in new.channel.take()] == [[1]]  # one blocking call, the other waits
+        assert (new.sync_calls, new.limit, d.queued_calls) == (1, 2, 1)
+
+    run(main)
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 1e300, 0.0, -1.0])
+def test_a_deadline_the_wheel_cannot_hold_is_refused_at_construction(seconds):
+    """Attack B finding 4: timeout = inf passed the dispatcher and every call then
+    raised OverflowError inside a front-end callback (int(inf) in DeadlineWheel.add)."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        with pytest.raises(ValueError, match="deadline of timeout"):
+            Dispatcher(loop, timeout=seconds)
+        with pytest.raises(ValueError, match="deadline of add"):
+            Dispatcher(loop, method_timeouts={"add": seconds})
+        Dispatcher(loop, timeout=86400.0, method_timeouts={"add": 86400.0})
+
+    run(main)

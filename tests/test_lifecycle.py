@@ -622,3 +622,20 @@ def _bound(port: int) -> bool:
         except OSError:
             return True
         return False
+
+
+def test_an_app_that_hangs_at_import_is_a_boot_failure(tmp_path):
+    """Attack B finding 7: an import that never ends (no HELLO) used to make the broker
+    exit 1 after 60 s, which systemd's RestartPreventExitStatus=3 does not catch. Past
+    boot_timeout the workers are killed and the broker exits 3, saying why."""
+    spec = tmp_path / "app.json"
+    spec.write_text(json.dumps({"version": 1, "methods": ["a"], "import_seconds": 120}))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        start_broker("--workers", "2", "--app", "tests.apps.versioned:registry", "--boot-timeout", "1",
+                     env={"VERSIONED_APP_FILE": str(spec)}, timeout=60)
+    message = str(info.value)
+    assert message.startswith("broker exited with 3:"), message
+    assert "sent no HELLO in 1.0 s (boot_timeout): killing it" in message, message
+    assert "could not load app 'tests.apps.versioned:registry'" in message, message
+    assert time.monotonic() - t0 < 30

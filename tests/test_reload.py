@@ -10,7 +10,7 @@ import os
 import signal
 from pathlib import Path
 
-from conftest import Broker, sample, scrape_metrics, wait_for
+from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
 
 APP = "tests.apps.versioned:registry"
 
@@ -199,3 +199,97 @@ def test_method_timeouts_for_methods_not_served_are_warned_about(broker_factory,
     os.kill(b.pid, signal.SIGHUP)
     wait_for(lambda: "method_timeouts names 'removed'," in b.read_log(0.1), timeout=30)
     assert b.read_log().count("method_timeouts names 'Kept',") == 2
+
+
+def test_a_sighup_during_a_reload_runs_one_more_reload_after_it(broker_factory, tmp_path: Path) -> None:
+    """Attack B finding 5: deploy v2 (a slow import) and SIGHUP, then deploy v3 and
+    SIGHUP while v2's workers still import: the second SIGHUP used to be dropped and v2
+    served on. Now it makes one more reload once the first ends: v3 is served."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"])
+    b = broker_factory("--workers", "2", "--app", APP, env={"VERSIONED_APP_FILE": str(spec)})
+    old = children(b.pid)
+    write(spec, version=2, methods=["a"], import_seconds=2)
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: len(children(b.pid)) == 4, timeout=10)  # v2's workers are importing
+    write(spec, version=3, methods=["a", "b"])
+    os.kill(b.pid, signal.SIGHUP)
+    os.kill(b.pid, signal.SIGHUP)  # any number of them meanwhile make one more reload
+    wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 2, timeout=30)
+    assert b.call("version")["result"] == 3
+    assert b.call("b")["result"] == {"method": "b", "version": 3}
+    wait_for(lambda: len(children(b.pid)) == 2 and not children(b.pid) & old, timeout=10)
+    log = b.read_log(0.1)
+    assert "reload: another was asked for while this one ran" in log, log
+    assert metric(b, "rpc_broker_reloads_total", result="success") == 2  # not 3: they coalesce
+
+
+def test_a_sighup_while_the_broker_starts_reloads_once_it_has_started(tmp_path: Path) -> None:
+    """Attack B finding 5: a SIGHUP while the workers still import (the broker is not
+    serving yet) used to be logged and ignored; it now reloads once the start is over,
+    deploying what is on disk then."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"], import_seconds=2)
+    before = children(os.getpid())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(start_broker, "--workers", "2", "--app", APP, env={"VERSIONED_APP_FILE": str(spec)})
+        wait_for(lambda: len(children(os.getpid()) - before) == 1, timeout=10)
+        [pid] = children(os.getpid()) - before
+        wait_for(lambda: len(children(pid)) == 2, timeout=10)  # its workers are importing
+        write(spec, version=2, methods=["a", "b"])
+        os.kill(pid, signal.SIGHUP)
+        b = starting.result(timeout=60)
+    try:
+        wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 1, timeout=30)
+        assert b.call("b")["result"] == {"method": "b", "version": 2}
+        assert "reload: one was asked for while the broker started" in b.read_log(0.1)
+    finally:
+        assert b.stop() == 0, b.read_log()
+
+
+def test_new_code_on_disk_and_a_worker_crash_reload_every_worker_to_it(broker_factory, tmp_path: Path) -> None:
+    """Attack B finding 8: new code (another method list) written without a SIGHUP, then
+    a worker crashes: its restart imports the new code, and its HELLO used to be refused
+    again and again (restarts counted "exited", the slot never back). Now the pool
+    deploys that code to every worker, as a SIGHUP would, and says so."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"])
+    b = broker_factory("--workers", "2", "--app", APP, env={"VERSIONED_APP_FILE": str(spec)})
+    old = children(b.pid)
+    write(spec, version=2, methods=["a", "b"])
+    os.kill(min(old), signal.SIGKILL)
+    wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 1, timeout=30)
+    wait_for(lambda: len(children(b.pid)) == 2 and not children(b.pid) & old, timeout=10)
+    assert b.call("b")["result"] == {"method": "b", "version": 2}
+    assert {b.call("version", id_=i)["result"] for i in range(6)} == {2}
+    assert metric(b, "rpc_broker_workers", state="ready") == 2
+    assert metric(b, "rpc_broker_worker_restarts_total", reason="killed") == 1
+    assert metric(b, "rpc_broker_worker_restarts_total", reason="code_changed") == 1
+    assert metric(b, "rpc_broker_worker_restarts_total", reason="exited") == 0
+    log = b.read_log(0.1)
+    assert "the app changed on disk without a SIGHUP; reloading every worker to it" in log, log
+
+
+def test_a_method_a_reload_makes_async_is_not_routed_as_sync_by_an_old_reply(broker_factory, tmp_path: Path) -> None:
+    """Attack B finding 2: `m` is a slow sync handler in v1 and an async one in v2. The
+    v1 call in flight at the reload used to teach v2's async `m` a blocking service
+    time: it was then routed one call per worker at a time (plus the prefetch), for
+    good. After the reload, 6 concurrent calls of `m` are all in flight on the one
+    worker at once."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=[], sleepers=["m"])
+    b = broker_factory("--workers", "1", "--worker-concurrency", "10", "--app", APP, "--timeout", "60",
+                       env={"VERSIONED_APP_FILE": str(spec)})
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        old = pool.submit(b.call, "m", [1.5], "old")
+        wait_for(lambda: metric(b, "rpc_broker_calls_in_flight") == 1, timeout=10)
+        write(spec, version=2, methods=[], nappers=["m"])
+        os.kill(b.pid, signal.SIGHUP)
+        wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 1, timeout=30)
+        assert old.result(timeout=30)["result"] == {"method": "m", "version": 1}
+        wait_for(lambda: metric(b, "rpc_broker_calls_in_flight") == 0, timeout=10)
+        calls = [pool.submit(b.call, "m", [3.0], i) for i in range(6)]
+        wait_for(lambda: metric(b, "rpc_broker_calls_in_flight") == 6, timeout=10)
+        assert metric(b, "rpc_broker_calls_queued") == 0
+        for call in calls:
+            assert call.result(timeout=30)["result"] == {"method": "m", "version": 2}

@@ -2,7 +2,8 @@
 it registers come from the JSON file named by $VERSIONED_APP_FILE, read at import:
 {"version": 1, "methods": ["a", "b"]}. "broken": true makes the import fail;
 "import_seconds": s makes it take that long; "sleepers": ["c"] registers sync
-methods that sleep their one param's seconds (a sync call that blocks its worker).
+methods that sleep their one param's seconds (a sync call that blocks its worker),
+"nappers": ["c"] async methods that do the same with asyncio.sleep.
 
 Every listed method answers {"method": its name, "version": the version}; `pid`,
 `version` and `nap` (an async sleep, answered with the version) are always there."""
@@ -45,6 +46,18 @@ def _sleeper(name: str):  # type: ignore[no-untyped-def]
 
 for _name in SPEC.get("sleepers", []):
     registry.method(name=_name)(_sleeper(_name))
+
+
+def _napper(name: str):  # type: ignore[no-untyped-def]
+    async def handler(seconds: float) -> dict[str, object]:
+        await asyncio.sleep(seconds)
+        return {"method": name, "version": VERSION}
+
+    return handler
+
+
+for _name in SPEC.get("nappers", []):
+    registry.method(name=_name)(_napper(_name))
 
 
 @registry.method
