@@ -82,6 +82,8 @@ MAX_HEADERS = 100  # header fields in one request (h11 and nginx allow 100 too)
 PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
 EVICT_BATCH = 64  # idle connections found per scan at max_connections (closed one at a time)
 RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
+LINGER_TIMEOUT = 5.0  # a half-closed connection after an error answer: closed after 5 s silent
+LINGER_TIME = 30.0  # ... or 30 s in all (nginx's lingering_timeout and lingering_time)
 _PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
 _JSON_TYPE = b"application/json"
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # config.Config.allowed_hosts' default
@@ -101,14 +103,15 @@ def _status_line(code: int) -> bytes:
 
 _STATUS_LINES = {
     code: _status_line(code)
-    for code in (200, 204, 400, 403, 404, 405, 408, 413, 415, 421, 431, 500, 502, 503, 504)
+    for code in (200, 204, 400, 403, 404, 405, 408, 413, 415, 421, 431, 500, 502, 503, 504, 505)
 }
 _JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
 _KEEP_ALIVE = b"connection: keep-alive\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _TOO_MANY_BODY = b'{"error":"too many connections"}'
-_METRICS_HEADERS = b"content-type: " + METRICS_CONTENT_TYPE.encode() + b"\r\ncontent-length: "
+_METRICS_TYPE = b"content-type: " + METRICS_CONTENT_TYPE.encode() + b"\r\n"
+_METRICS_HEADERS = _METRICS_TYPE + b"content-length: "
 _last_active = operator.attrgetter("last_active")
 
 
@@ -147,12 +150,11 @@ def _is_json(content_type: bytes | None) -> bool:
 
 
 class _Scrape:
-    """A GET or HEAD /metrics owed on a connection (its answer is made when due)."""
+    """A GET /metrics owed on a connection (its answer is made when due)."""
 
-    __slots__ = ("head", "keep_alive")
+    __slots__ = ("keep_alive",)
 
-    def __init__(self, head: bool, keep_alive: bool) -> None:
-        self.head = head
+    def __init__(self, keep_alive: bool) -> None:
         self.keep_alive = keep_alive
 
 
@@ -204,6 +206,7 @@ class HttpFrontend(Listener):
         self._refresh_date()
         self._evictable: list[HttpProtocol] = []  # idle connections found by the last scan, most idle last
         self._rescan_at = 0.0  # loop time before which a scan that found none is not repeated
+        self.probe_conns: set[HttpProtocol] = set()  # those taken past max_connections (PROBE_RESERVE)
 
     def host_allowed(self, host: bytes) -> bool:
         """Whether a Host header value (`name[:port]`, RFC 9110 7.2) names this server:
@@ -257,6 +260,9 @@ class HttpFrontend(Listener):
                 # run while the broker itself is not reading (its own backpressure).
                 if now - started > request_timeout and not conn.read_paused:
                     conn.request_timed_out()
+            elif conn.lingering_since:  # half-closed after an error answer (nginx's lingering close)
+                if now - conn.last_active > LINGER_TIMEOUT or now - conn.lingering_since > LINGER_TIME:
+                    conn.close()
             elif not conn.owed and now - conn.last_active > keepalive:
                 conn.close()
 
@@ -343,13 +349,16 @@ class HttpProtocol(asyncio.Protocol):
         "_parser",
         "_probe_only",
         "_responses",
+        "_scraped",
         "_skip",
+        "_trailer_bytes",
         "_transfer_encoding",
         "_transport",
         "_upgrade",
         "_url",
         "_write_paused",
         "last_active",
+        "lingering_since",
         "read_paused",
         "request_started",
         "requests",
@@ -363,6 +372,9 @@ class HttpProtocol(asyncio.Protocol):
         self._content_length = -1  # -1: no Content-Length header
         self._transfer_encoding = b""
         self._linger = False  # half-close after the answer: the client may still be sending
+        self.lingering_since = 0.0  # loop time of the half-close (`_linger`); 0 when not lingering
+        self._trailer_bytes = -1  # raw bytes read in a chunked body's trailer section; -1: not in one
+        self._scraped = False  # a /metrics body was made in this loop iteration: the next waits
         self._keep_header = b""  # "connection: keep-alive" for an HTTP/1.0 client that asked
         self._probe_only = False  # taken past max_connections: probes and /metrics only
         self._upgrade: tuple[bytes, bytes] | None = None  # (method, url) of an Upgrade request
@@ -398,8 +410,9 @@ class HttpProtocol(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        """No request under way, none owed, not closing: closing it loses nothing."""
-        return not self._responses and not self.request_started and not self._closing
+        """No request under way, none owed, not closing (or only lingering after an error
+        answer, see `_write`): closing it loses nothing."""
+        return not self._responses and not self.request_started and (not self._closing or self.lingering_since > 0)
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
@@ -409,12 +422,15 @@ class HttpProtocol(asyncio.Protocol):
         if len(fe.connections) >= fe.max_connections:  # nginx: worker_connections
             fe.make_room()  # idle connections, if any, give their places
         if len(fe.connections) >= fe.max_connections:
+            if len(fe.connections) >= fe.max_connections + PROBE_RESERVE:
+                self._take_reserve_slot()
             if len(fe.connections) < fe.max_connections + PROBE_RESERVE:
                 # Past the limit, with no idle connection to close, a few more are taken
                 # for /healthz, /readyz and /metrics only: a full broker is alive, and
                 # must not look dead to its liveness probe or to Prometheus.
                 self._probe_only = True
                 fe.connections.add(self)
+                fe.probe_conns.add(self)
                 return
             fe.refused()
             self._closing = True
@@ -422,19 +438,37 @@ class HttpProtocol(asyncio.Protocol):
             return
         fe.connections.add(self)
 
+    def _take_reserve_slot(self) -> None:
+        """The probes' reserve is full: close the least recently active reserve connection
+        that is owed nothing (one trickling a head, idle or lingering), so that a probe
+        always gets in; a probe that is owed its answer keeps its place."""
+        fe = self._fe
+        victims = [conn for conn in fe.probe_conns if not conn.owed]
+        if victims:
+            victim = min(victims, key=_last_active)
+            fe.probe_conns.discard(victim)
+            fe.connections.discard(victim)
+            victim.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._responses.clear()
         self._fe.connections.discard(self)
+        if self._probe_only:
+            self._fe.probe_conns.discard(self)
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
+            if self.lingering_since:  # discarded; the sweep closes it after LINGER_TIMEOUT silent
+                self.last_active = self._fe.loop.time()
             return
         fe = self._fe
         fe.received_bytes += len(data)
         self.last_active = fe.loop.time()
         if not self._head_done:
             self._head_bytes += len(data)
+        elif self._trailer_bytes >= 0:  # a chunked body's trailer section (or its next chunk)
+            self._trailer_bytes += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -447,6 +481,8 @@ class HttpProtocol(asyncio.Protocol):
             # count raw bytes until the head is complete (nginx: large_client_header_buffers).
             if not self._head_done and self._head_bytes > MAX_HEADER_BYTES and not self._closing:
                 self._answer_and_close(431, b"request line and headers too large")
+            elif self._trailer_bytes > MAX_HEADER_BYTES and not self._closing:  # the same for trailers
+                self._answer_and_close(431, b"trailer section too large")
 
     def eof_received(self) -> bool:
         """The client half-closed (`shutdown(SHUT_WR)`): keep the transport open to
@@ -521,7 +557,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # The whole line counts: name, value, ": " and CRLF (20,000 fields of "X: a" are
-        # 120 KB of head, not 40 KB); and so does the number of fields.
+        # 120 KB of head, not 40 KB); and so does the number of fields. Trailer fields
+        # (after a chunked body) count on with the head's.
         self._header_bytes += len(name) + len(value) + 4
         self._headers += 1
         if self._header_bytes > MAX_HEADER_BYTES:
@@ -530,6 +567,8 @@ class HttpProtocol(asyncio.Protocol):
         if self._headers > MAX_HEADERS:
             self._answer_and_close(431, b"too many header fields (limit %d)" % MAX_HEADERS)
             return
+        if self._head_done:
+            return  # a trailer field: never merged into the header section (RFC 9110 6.5.1)
         n = len(name)
         if n == 14 and name.lower() == b"content-length":
             try:
@@ -541,7 +580,10 @@ class HttpProtocol(asyncio.Protocol):
                 self._skip = True
         # (The usual spelling is tried first: bytes.lower() costs more than the compare.)
         elif n == 4 and (name == b"Host" or name.lower() == b"host"):
-            self._host = value if self._host is None else b""  # two: no name matches
+            if self._host is not None:
+                self._answer_and_close(400, b"more than one Host header (RFC 9112 3.2)")
+                return
+            self._host = value
         elif n == 12 and (name == b"Content-Type" or name.lower() == b"content-type"):
             self._content_type = value
         elif n == 6:
@@ -551,7 +593,9 @@ class HttpProtocol(asyncio.Protocol):
             elif name == b"expect" and value.lower() == b"100-continue":
                 self._expect = True
         elif n == 17 and name.lower() == b"transfer-encoding":
-            self._transfer_encoding = value  # for the body of an Upgrade request
+            # all of them, as one list (RFC 9110 5.3): checked in on_headers_complete
+            te = self._transfer_encoding
+            self._transfer_encoding = value if not te else te + b", " + value
 
     def on_headers_complete(self) -> None:
         self._head_done = True
@@ -560,12 +604,65 @@ class HttpProtocol(asyncio.Protocol):
         if self._skip:
             self._refuse_body()
             return
-        if self._expect and self._parser.get_method() == b"POST":
+        version = self._parser.get_http_version()
+        if version != "1.1" and version != "1.0":
+            self._answer_and_close(505, b"HTTP/%s not supported: use HTTP/1.1" % version.encode())
+            return
+        if self._transfer_encoding and b"," in self._transfer_encoding:
+            # httptools takes "identity, chunked" as chunked; chunked is the only coding
+            # served, once (RFC 9112 6.1): any list is refused, as nginx does.
+            self._answer_and_close(400, b"unsupported Transfer-Encoding: use chunked alone")
+            return
+        if self._url[:1] != b"/" and not self._absolute_form():
+            return
+        if self._expect and version == "1.1" and not self._responses and self._will_serve_rpc():
+            # 100 only when nothing is owed before it, never to HTTP/1.0, and not for a
+            # request about to be refused: the server may skip it (RFC 9110 10.1.1).
             assert self._transport is not None
             self._fe.sent_bytes += len(_CONTINUE)
             self._transport.write(_CONTINUE)
 
+    def _absolute_form(self) -> bool:
+        """An absolute-form target (`POST http://host:port/path HTTP/1.1`, RFC 9112 3.2.2):
+        its path is the URL, its authority replaces the Host header (which the server
+        must then ignore). Other forms are left as they are (404). False if answered 400."""
+        try:
+            parsed = httptools.parse_url(self._url)
+        except httptools.HttpParserInvalidURLError:
+            return True  # not a URL: 404
+        if parsed.schema is None or parsed.schema.lower() not in (b"http", b"https") or not parsed.host:
+            return True
+        host = parsed.host
+        if b":" in host:
+            host = b"[" + host + b"]"  # an IPv6 literal (RFC 3986 3.2.2)
+        self._host = host if parsed.port is None else b"%s:%d" % (host, parsed.port)
+        path = parsed.path or b"/"
+        self._url = path if parsed.query is None else path + b"?" + parsed.query
+        return True
+
+    def _will_serve_rpc(self) -> bool:
+        """Whether the request whose head just came will be served as a JSON-RPC call,
+        not refused (404, 405, 415, 421, 403, 503): the test of `_route` and `_refused`."""
+        fe = self._fe
+        host, origin = self._host, self._origin
+        return (
+            not self._probe_only
+            and self._parser.get_method() == b"POST"
+            and self._url.partition(b"?")[0] == fe.rpc_path
+            and _is_json(self._content_type)
+            and (fe.hosts is None if host is None else fe.host_allowed(host))
+            and (origin is None or fe.cors_headers(origin) is not None)
+        )
+
+    def on_chunk_header(self) -> None:
+        # A chunk's size line: its data comes next (on_body), or, after the last (0)
+        # chunk, the trailer section, whose raw bytes data_received counts from here.
+        if self._trailer_bytes < 0:
+            self._trailer_bytes = 0
+
     def on_body(self, body: bytes) -> None:
+        if self._trailer_bytes >= 0:  # data of a chunk: not its trailers
+            self._trailer_bytes = -1
         if self._skip or self._closing:
             return
         buf = self._body
@@ -584,6 +681,7 @@ class HttpProtocol(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._head_done = False
         self._head_bytes = 0
+        self._trailer_bytes = -1
         if self._skip or self._closing:
             self.request_started = 0.0
             return
@@ -646,16 +744,19 @@ class HttpProtocol(asyncio.Protocol):
         elif url == b"/metrics" and fe.metrics is not None:
             if self._refused(False, keep_alive, head):
                 pass
-            elif method == b"GET" or head:
-                scrape = _Scrape(head, keep_alive)
-                if not self._responses and not self._write_paused:
+            elif head:  # the headers of the GET answer, with no body: none is made (RFC 9110 9.3.2)
+                extra = self._keep_header if keep_alive else _CLOSE
+                self._queue(_STATUS_LINES[200] + fe.date + _METRICS_TYPE + extra + b"\r\n", keep_alive, path)
+            elif method == b"GET":
+                scrape = _Scrape(keep_alive)
+                if not self._responses and not self._write_paused and not self._scraped:
                     self._write(self._scrape_response(scrape), keep_alive, path)
                 else:
-                    # A scrape is large (tens of KiB): one made for every request a client
-                    # pipelines without reading would pile up in memory. Made when due.
+                    # A scrape is large (tens of KiB, ms of CPU): one made for every request a
+                    # client pipelines would pile up in memory and hold the loop. Made when due,
+                    # one per loop iteration, while reading waits.
                     self._responses.append(scrape)
-                    if len(self._responses) > PIPELINE_HIGH:
-                        self._pause()
+                    self._pause()
             else:
                 self._queue_plain(405, b"use GET", keep_alive, path, b"allow: GET, HEAD\r\n", head)
         else:
@@ -751,12 +852,21 @@ class HttpProtocol(asyncio.Protocol):
         return _json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head), keep_alive
 
     def _scrape_response(self, scrape: _Scrape) -> bytes:
+        """Make a GET /metrics answer; the next one waits for the loop's next iteration."""
         metrics = typing.cast(typing.Callable[[], bytes], self._fe.metrics)
         body = metrics()
+        if not self._scraped:
+            self._scraped = True
+            self._fe.loop.call_soon(self._next_scrape)
         return b"".join((
             _STATUS_LINES[200], self._fe.date, _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
-            self._keep_header if scrape.keep_alive else _CLOSE, b"\r\n", b"" if scrape.head else body,
+            self._keep_header if scrape.keep_alive else _CLOSE, b"\r\n", body,
         ))  # fmt: skip
+
+    def _next_scrape(self) -> None:
+        self._scraped = False
+        if self._transport is not None and self._responses:
+            self._flush_ready()
 
     def _flush_ready(self) -> None:
         responses = self._responses
@@ -765,8 +875,8 @@ class HttpProtocol(asyncio.Protocol):
             if type(head) is tuple:
                 data, keep_alive, path = head
             elif type(head) is _Scrape:
-                if self._write_paused:
-                    break  # resume_writing comes back here
+                if self._write_paused or self._scraped:
+                    break  # resume_writing, or _next_scrape, comes back here
                 keep_alive = head.keep_alive
                 data = self._scrape_response(head)
                 path = "metrics"
@@ -798,12 +908,15 @@ class HttpProtocol(asyncio.Protocol):
         if not keep_alive:
             self._closing = True
             self._responses.clear()
-            if self._linger and not self._eof and transport.can_write_eof():
+            if self._linger and not self._eof and not self._probe_only and transport.can_write_eof():
                 # An answer before the request was read: closing now would reset the
                 # connection under a client still sending, and it would never see the
                 # answer. Half-close and keep discarding its bytes (nginx's lingering
-                # close); the client closes, or the idle sweep does after keepalive_timeout.
+                # close); the client closes, or the sweep does after LINGER_TIMEOUT
+                # silent or LINGER_TIME in all; make_room may close it sooner. (The
+                # probes' reserve is not held that long: closed at once.)
                 transport.write_eof()
+                self.lingering_since = self.last_active
             else:
                 transport.close()
         elif (fe.draining or self._eof) and not self._responses:
