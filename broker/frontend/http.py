@@ -22,13 +22,20 @@ Answers:
                            on Content-Length before the body arrives, and on chunks)
     GET/HEAD /healthz      200 while the process runs
     GET/HEAD /readyz       200 when at least one worker is ready, else 503
-    GET/HEAD /metrics      Prometheus text format, when this listener serves metrics
+    GET/HEAD /metrics      Prometheus text format, when this listener serves metrics (a
+                           HEAD makes no scrape and has no content-length, RFC 9110 9.3.2;
+                           pipelined GETs are made one per loop iteration)
     OPTIONS rpc_path       204 with CORS headers: a preflight from an allowed Origin
     other method           405 with Allow
     other path             404
-    bad HTTP               400 and close; a head past 64 KiB or 100 header fields: 431
-                           and close; a request not all in within request_timeout:
-                           408 and close
+    bad HTTP               400 and close (two Host fields, a Transfer-Encoding list);
+                           a version not 1.0/1.1: 505; a head past 64 KiB or 100 header
+                           fields, trailers counted in: 431 and close; a request not all
+                           in within request_timeout: 408 and close
+An absolute-form target (`http://host:port/path`) is served as its path, its authority
+taking the Host header's place (RFC 9112 3.2.2). Trailer fields are counted, never
+merged into the header fields (RFC 9110 6.5.1). `100 Continue` goes only to an HTTP/1.1
+call about to be served with nothing owed before it (RFC 9110 10.1.1).
 Every answer has a `date` header (RFC 9110 6.6.1; formatted once a second by the
 sweep), and every 503 a `retry-after` (RFC 9110 10.2.3).
 
@@ -51,7 +58,10 @@ to requests under way for longer than `request_timeout` (nginx's
 client_header_timeout and client_body_timeout, for the whole request).
 
 A client that half-closes after sending (`shutdown(SHUT_WR)`, `nc -N`) gets what it is
-owed, then the connection closes.
+owed, then the connection closes. After an error answer the broker half-closes and
+discards (lingers) for at most LINGER_TIMEOUT silent, LINGER_TIME in all; a lingering
+connection is idle for `make_room`. A full probes' reserve gives its least recently
+active connection owed nothing to a newcomer, so trickling heads cannot lock probes out.
 """
 
 from __future__ import annotations
@@ -320,6 +330,12 @@ class _UpgradeBody:
     def __init__(self, conn: HttpProtocol) -> None:
         self.conn = conn
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.conn.on_header(name, value)  # after the head: counted, never taken (trailers)
+
+    def on_chunk_header(self) -> None:
+        self.conn.on_chunk_header()  # an unfinished trailer line is counted too
+
     def on_body(self, body: bytes) -> None:
         self.conn.on_body(body)
 
@@ -440,10 +456,12 @@ class HttpProtocol(asyncio.Protocol):
 
     def _take_reserve_slot(self) -> None:
         """The probes' reserve is full: close the least recently active reserve connection
-        that is owed nothing (one trickling a head, idle or lingering), so that a probe
-        always gets in; a probe that is owed its answer keeps its place."""
+        owed nothing whose request has been under way for `SWEEP_SECONDS` or more (a
+        probe sends its request at once: this one trickles), or that has been idle as
+        long, so that a probe gets in; one owed its answer keeps its place."""
         fe = self._fe
-        victims = [conn for conn in fe.probe_conns if not conn.owed]
+        old = fe.loop.time() - SWEEP_SECONDS
+        victims = [c for c in fe.probe_conns if not c.owed and (c.request_started or c.last_active) <= old]
         if victims:
             victim = min(victims, key=_last_active)
             fe.probe_conns.discard(victim)
