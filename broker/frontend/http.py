@@ -622,10 +622,6 @@ class HttpProtocol(asyncio.Protocol):
         if self._skip:
             self._refuse_body()
             return
-        version = self._parser.get_http_version()
-        if version != "1.1" and version != "1.0":
-            self._answer_and_close(505, b"HTTP/%s not supported: use HTTP/1.1" % version.encode())
-            return
         if self._transfer_encoding and b"," in self._transfer_encoding:
             # httptools takes "identity, chunked" as chunked; chunked is the only coding
             # served, once (RFC 9112 6.1): any list is refused, as nginx does.
@@ -633,7 +629,7 @@ class HttpProtocol(asyncio.Protocol):
             return
         if self._url[:1] != b"/" and not self._absolute_form():
             return
-        if self._expect and version == "1.1" and not self._responses and self._will_serve_rpc():
+        if self._expect and not self._responses and self._will_serve_rpc():
             # 100 only when nothing is owed before it, never to HTTP/1.0, and not for a
             # request about to be refused: the server may skip it (RFC 9110 10.1.1).
             assert self._transport is not None
@@ -660,11 +656,13 @@ class HttpProtocol(asyncio.Protocol):
 
     def _will_serve_rpc(self) -> bool:
         """Whether the request whose head just came will be served as a JSON-RPC call,
-        not refused (404, 405, 415, 421, 403, 503): the test of `_route` and `_refused`."""
+        not refused (404, 405, 415, 421, 403, 503, 505): the test of `_route` and `_refused`,
+        on HTTP/1.1 only (no 100 to an HTTP/1.0 client, RFC 9110 10.1.1)."""
         fe = self._fe
         host, origin = self._host, self._origin
         return (
             not self._probe_only
+            and self._parser.get_http_version() == "1.1"
             and self._parser.get_method() == b"POST"
             and self._url.partition(b"?")[0] == fe.rpc_path
             and _is_json(self._content_type)
@@ -703,6 +701,10 @@ class HttpProtocol(asyncio.Protocol):
         if self._skip or self._closing:
             self.request_started = 0.0
             return
+        version = self._parser.get_http_version()
+        if version != "1.1" and version != "1.0":  # (checked here, once per request: it costs)
+            self._answer_and_close(505, b"HTTP/%s not supported: use HTTP/1.1" % version.encode())
+            return
         method = self._parser.get_method()
         url = self._url
         if b"?" in url:
@@ -712,7 +714,7 @@ class HttpProtocol(asyncio.Protocol):
             return
         self.request_started = 0.0
         keep_alive = self._parser.should_keep_alive() and not self._fe.draining
-        if keep_alive and not self._keep_header and self._parser.get_http_version() == "1.0":
+        if keep_alive and not self._keep_header and version == "1.0":
             self._keep_header = _KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
         self._route(method, url, keep_alive)
         if not keep_alive:
