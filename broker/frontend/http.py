@@ -619,6 +619,8 @@ class HttpProtocol(asyncio.Protocol):
         self._head_done = True
         if self._closing:
             return
+        if self._url[:1] != b"/":
+            self._absolute_form()
         if self._skip:
             self._refuse_body()
             return
@@ -627,8 +629,6 @@ class HttpProtocol(asyncio.Protocol):
             # served, once (RFC 9112 6.1): any list is refused, as nginx does.
             self._answer_and_close(400, b"unsupported Transfer-Encoding: use chunked alone")
             return
-        if self._url[:1] != b"/" and not self._absolute_form():
-            return
         if self._expect and not self._responses and self._will_serve_rpc():
             # 100 only when nothing is owed before it, never to HTTP/1.0, and not for a
             # request about to be refused: the server may skip it (RFC 9110 10.1.1).
@@ -636,23 +636,22 @@ class HttpProtocol(asyncio.Protocol):
             self._fe.sent_bytes += len(_CONTINUE)
             self._transport.write(_CONTINUE)
 
-    def _absolute_form(self) -> bool:
+    def _absolute_form(self) -> None:
         """An absolute-form target (`POST http://host:port/path HTTP/1.1`, RFC 9112 3.2.2):
         its path is the URL, its authority replaces the Host header (which the server
-        must then ignore). Other forms are left as they are (404). False if answered 400."""
+        must then ignore). Other forms (`*`, authority-form) are left as they are: 404."""
         try:
             parsed = httptools.parse_url(self._url)
         except httptools.HttpParserInvalidURLError:
-            return True  # not a URL: 404
+            return  # not a URL: 404
         if parsed.schema is None or parsed.schema.lower() not in (b"http", b"https") or not parsed.host:
-            return True
+            return
         host = parsed.host
         if b":" in host:
             host = b"[" + host + b"]"  # an IPv6 literal (RFC 3986 3.2.2)
         self._host = host if parsed.port is None else b"%s:%d" % (host, parsed.port)
         path = parsed.path or b"/"
         self._url = path if parsed.query is None else path + b"?" + parsed.query
-        return True
 
     def _will_serve_rpc(self) -> bool:
         """Whether the request whose head just came will be served as a JSON-RPC call,
