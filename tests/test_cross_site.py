@@ -25,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,7 +131,6 @@ _NOT_HOST = "Host not in allowed_hosts"
     *(({"host": h}, 421, _NOT_HOST) for h in (
         "rebind.test", "rebind.test:8080", "localhost.rebind.test", "127.0.0.1.nip.io:80", "localhost:80:80",
         "localhost:http", "[::1]x", "[::2]:80", "", "0.0.0.1")),
-    ({"extra": "Host: rebind.test\r\n"}, 421, _NOT_HOST),  # a second Host line
     # Two Content-Type lines: which one a proxy or the browser's CORS check read is anyone's
     # guess (a "simple" text/plain request followed by a JSON one), so neither counts.
     ({"content_type": "text/plain", "extra": "Content-Type: application/json\r\n"}, 415, _NOT_JSON),
@@ -141,6 +141,15 @@ def test_refused_requests_run_nothing(ledger_broker, header, status, why):
     before = marks(ledger)
     answer_status, _, body = exchange(b, request(record("refused"), **header))
     assert_refused(answer_status, body, status, why)
+    assert marks(ledger) == before
+
+
+def test_a_second_host_line_is_400_and_runs_nothing(ledger_broker):
+    """More than one Host field: 400, as bad HTTP (RFC 9112 3.2); it was 421."""
+    b, ledger = ledger_broker
+    before = marks(ledger)
+    status, _, body = exchange(b, request(record("refused"), extra="Host: rebind.test\r\n"))
+    assert (status, json.loads(body)) == (400, {"error": "more than one Host header (RFC 9112 3.2)"})
     assert marks(ledger) == before
 
 
@@ -165,16 +174,19 @@ def test_an_h2c_upgrade_whose_body_comes_later_gets_the_same_checks(ledger_broke
     before = marks(ledger)
     body = record("upgrade")
     raw = request(body, extra="Connection: Upgrade\r\nUpgrade: h2c\r\nExpect: 100-continue\r\n", **header)
+    # 100 Continue only for a call that will be served, on HTTP/1.1 (RFC 9110 10.1.1).
+    continue_ = b"HTTP/1.1 100 Continue\r\n\r\n" if status == 200 and "version" not in header else b""
     with socket.create_connection((b.host, b.port), timeout=15) as s:
         s.sendall(raw[: len(raw) - len(body)])  # the head, then the body in a read of its own
-        continue_ = b"HTTP/1.1 100 Continue\r\n\r\n"
         received = b""
         while len(received) < len(continue_) and (chunk := s.recv(len(continue_) - len(received))):
             received += chunk
         assert received == continue_  # the head is read
+        if not continue_:
+            time.sleep(0.2)  # nothing to wait for: give the head a read of its own
         s.sendall(body)
         response = http.client.HTTPResponse(s)
-        response.begin()
+        response.begin()  # (would skip a 100: the one answer's status line is checked below)
         answer = response.read()
     assert response.status == status, answer
     assert marks(ledger) == ([*before, "upgrade"] if status == 200 else before)

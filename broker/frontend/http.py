@@ -22,13 +22,20 @@ Answers:
                            on Content-Length before the body arrives, and on chunks)
     GET/HEAD /healthz      200 while the process runs
     GET/HEAD /readyz       200 when at least one worker is ready, else 503
-    GET/HEAD /metrics      Prometheus text format, when this listener serves metrics
+    GET/HEAD /metrics      Prometheus text format, when this listener serves metrics (a
+                           HEAD makes no scrape and has no content-length, RFC 9110 9.3.2;
+                           pipelined GETs are made one per loop iteration)
     OPTIONS rpc_path       204 with CORS headers: a preflight from an allowed Origin
     other method           405 with Allow
     other path             404
-    bad HTTP               400 and close; a head past 64 KiB or 100 header fields: 431
-                           and close; a request not all in within request_timeout:
-                           408 and close
+    bad HTTP               400 and close (two Host fields, a Transfer-Encoding list);
+                           a version not 1.0/1.1: 505; a head past 64 KiB or 100 header
+                           fields, trailers counted in: 431 and close; a request not all
+                           in within request_timeout: 408 and close
+An absolute-form target (`http://host:port/path`) is served as its path, its authority
+taking the Host header's place (RFC 9112 3.2.2). Trailer fields are counted, never
+merged into the header fields (RFC 9110 6.5.1). `100 Continue` goes only to an HTTP/1.1
+call about to be served with nothing owed before it (RFC 9110 10.1.1).
 Every answer has a `date` header (RFC 9110 6.6.1; formatted once a second by the
 sweep), and every 503 a `retry-after` (RFC 9110 10.2.3).
 
@@ -51,7 +58,10 @@ to requests under way for longer than `request_timeout` (nginx's
 client_header_timeout and client_body_timeout, for the whole request).
 
 A client that half-closes after sending (`shutdown(SHUT_WR)`, `nc -N`) gets what it is
-owed, then the connection closes.
+owed, then the connection closes. After an error answer the broker half-closes and
+discards (lingers) for at most LINGER_TIMEOUT silent, LINGER_TIME in all; a lingering
+connection is idle for `make_room`. A full probes' reserve gives its least recently
+active connection owed nothing to a newcomer, so trickling heads cannot lock probes out.
 """
 
 from __future__ import annotations
@@ -61,11 +71,12 @@ import typing
 from collections import deque
 from email.utils import formatdate
 from http import HTTPStatus
+from operator import attrgetter
 
 import httptools
 
 from broker.dispatch import Dispatcher, Exchange
-from broker.frontend.base import Listener
+from broker.frontend.base import SWEEP_SECONDS, Listener
 from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.metrics import HTTP_PATHS
@@ -79,6 +90,8 @@ MAX_HEADER_BYTES = 64 * 1024  # request line and header lines, like nginx's larg
 MAX_HEADERS = 100  # header fields in one request (h11 and nginx allow 100 too)
 PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
 RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
+LINGER_TIMEOUT = 5.0  # a half-closed connection after an error answer: closed after 5 s silent
+LINGER_TIME = 30.0  # ... or 30 s in all (nginx's lingering_timeout and lingering_time)
 _PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
 _JSON_TYPE = b"application/json"
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # config.Config.allowed_hosts' default
@@ -98,14 +111,15 @@ def _status_line(code: int) -> bytes:
 
 _STATUS_LINES = {
     code: _status_line(code)
-    for code in (200, 204, 400, 403, 404, 405, 408, 413, 415, 421, 431, 500, 502, 503, 504)
+    for code in (200, 204, 400, 403, 404, 405, 408, 413, 415, 421, 431, 500, 502, 503, 504, 505)
 }
 _JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
 _KEEP_ALIVE = b"connection: keep-alive\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _TOO_MANY_BODY = b'{"error":"too many connections"}'
-_METRICS_HEADERS = b"content-type: " + METRICS_CONTENT_TYPE.encode() + b"\r\ncontent-length: "
+_METRICS_TYPE = b"content-type: " + METRICS_CONTENT_TYPE.encode() + b"\r\n"
+_METRICS_HEADERS = _METRICS_TYPE + b"content-length: "
 
 
 def date_header() -> bytes:
@@ -143,12 +157,11 @@ def _is_json(content_type: bytes | None) -> bool:
 
 
 class _Scrape:
-    """A GET or HEAD /metrics owed on a connection (its answer is made when due)."""
+    """A GET /metrics owed on a connection (its answer is made when due)."""
 
-    __slots__ = ("head", "keep_alive")
+    __slots__ = ("keep_alive",)
 
-    def __init__(self, head: bool, keep_alive: bool) -> None:
-        self.head = head
+    def __init__(self, keep_alive: bool) -> None:
         self.keep_alive = keep_alive
 
 
@@ -198,6 +211,7 @@ class HttpFrontend(Listener):
         self.date = b""  # the date header line, refreshed by every sweep (once a second)
         self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
         self._refresh_date()
+        self.probe_conns: set[HttpProtocol] = set()  # those taken past max_connections (PROBE_RESERVE)
 
     def host_allowed(self, host: bytes) -> bool:
         """Whether a Host header value (`name[:port]`, RFC 9110 7.2) names this server:
@@ -251,6 +265,9 @@ class HttpFrontend(Listener):
                 # run while the broker itself is not reading (its own backpressure).
                 if now - started > request_timeout and not conn.read_paused:
                     conn.request_timed_out()
+            elif conn.lingering_since:  # half-closed after an error answer (nginx's lingering close)
+                if now - conn.last_active > LINGER_TIMEOUT or now - conn.lingering_since > LINGER_TIME:
+                    conn.close()
             elif not conn.owed and now - conn.last_active > keepalive:
                 conn.close()
 
@@ -274,6 +291,12 @@ class _UpgradeBody:
 
     def __init__(self, conn: HttpProtocol) -> None:
         self.conn = conn
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.conn.on_header(name, value)  # after the head: counted, never taken (trailers)
+
+    def on_chunk_header(self) -> None:
+        self.conn.on_chunk_header()  # an unfinished trailer line is counted too
 
     def on_body(self, body: bytes) -> None:
         self.conn.on_body(body)
@@ -304,13 +327,16 @@ class HttpProtocol(asyncio.Protocol):
         "_parser",
         "_probe_only",
         "_responses",
+        "_scraped",
         "_skip",
+        "_trailer_bytes",
         "_transfer_encoding",
         "_transport",
         "_upgrade",
         "_url",
         "_write_paused",
         "last_active",
+        "lingering_since",
         "read_paused",
         "request_started",
         "requests",
@@ -324,6 +350,9 @@ class HttpProtocol(asyncio.Protocol):
         self._content_length = -1  # -1: no Content-Length header
         self._transfer_encoding = b""
         self._linger = False  # half-close after the answer: the client may still be sending
+        self.lingering_since = 0.0  # loop time of the half-close (`_linger`); 0 when not lingering
+        self._trailer_bytes = -1  # raw bytes read in a chunked body's trailer section; -1: not in one
+        self._scraped = False  # a /metrics body was made in this loop iteration: the next waits
         self._keep_header = b""  # "connection: keep-alive" for an HTTP/1.0 client that asked
         self._probe_only = False  # taken past max_connections: probes and /metrics only
         self._upgrade: tuple[bytes, bytes] | None = None  # (method, url) of an Upgrade request
@@ -359,8 +388,9 @@ class HttpProtocol(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        """No request under way, none owed, not closing: closing it loses nothing."""
-        return not self._responses and not self.request_started and not self._closing
+        """No request under way, none owed, not closing (or only lingering after an error
+        answer, see `_write`): closing it loses nothing."""
+        return not self._responses and not self.request_started and (not self._closing or self.lingering_since > 0)
 
     def evictable(self, fresh: float) -> bool:
         """Idle, and a request served already or no byte since `fresh` (`Listener.make_room`)."""
@@ -374,12 +404,15 @@ class HttpProtocol(asyncio.Protocol):
         if len(fe.connections) >= fe.max_connections:  # nginx: worker_connections
             fe.make_room()  # idle connections, if any, give their places
         if len(fe.connections) >= fe.max_connections:
+            if len(fe.connections) >= fe.max_connections + PROBE_RESERVE:
+                self._take_reserve_slot()
             if len(fe.connections) < fe.max_connections + PROBE_RESERVE:
                 # Past the limit, with no idle connection to close, a few more are taken
                 # for /healthz, /readyz and /metrics only: a full broker is alive, and
                 # must not look dead to its liveness probe or to Prometheus.
                 self._probe_only = True
                 fe.connections.add(self)
+                fe.probe_conns.add(self)
                 return
             fe.refused()
             self._closing = True
@@ -387,19 +420,39 @@ class HttpProtocol(asyncio.Protocol):
             return
         fe.connections.add(self)
 
+    def _take_reserve_slot(self) -> None:
+        """The probes' reserve is full: close the least recently active reserve connection
+        owed nothing whose request has been under way for `SWEEP_SECONDS` or more (a
+        probe sends its request at once: this one trickles), or that has been idle as
+        long, so that a probe gets in; one owed its answer keeps its place."""
+        fe = self._fe
+        old = fe.loop.time() - SWEEP_SECONDS
+        victims = [c for c in fe.probe_conns if not c.owed and (c.request_started or c.last_active) <= old]
+        if victims:
+            victim = min(victims, key=attrgetter("last_active"))
+            fe.probe_conns.discard(victim)
+            fe.connections.discard(victim)
+            victim.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._responses.clear()
         self._fe.connections.discard(self)
+        if self._probe_only:
+            self._fe.probe_conns.discard(self)
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
+            if self.lingering_since:  # discarded; the sweep closes it after LINGER_TIMEOUT silent
+                self.last_active = self._fe.loop.time()
             return
         fe = self._fe
         fe.received_bytes += len(data)
         self.last_active = fe.loop.time()
         if not self._head_done:
             self._head_bytes += len(data)
+        elif self._trailer_bytes >= 0:  # a chunked body's trailer section (or its next chunk)
+            self._trailer_bytes += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -412,6 +465,8 @@ class HttpProtocol(asyncio.Protocol):
             # count raw bytes until the head is complete (nginx: large_client_header_buffers).
             if not self._head_done and self._head_bytes > MAX_HEADER_BYTES and not self._closing:
                 self._answer_and_close(431, b"request line and headers too large")
+            elif self._trailer_bytes > MAX_HEADER_BYTES and not self._closing:  # the same for trailers
+                self._answer_and_close(431, b"trailer section too large")
 
     def eof_received(self) -> bool:
         """The client half-closed (`shutdown(SHUT_WR)`): keep the transport open to
@@ -486,7 +541,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # The whole line counts: name, value, ": " and CRLF (20,000 fields of "X: a" are
-        # 120 KB of head, not 40 KB); and so does the number of fields.
+        # 120 KB of head, not 40 KB); and so does the number of fields. Trailer fields
+        # (after a chunked body) count on with the head's.
         self._header_bytes += len(name) + len(value) + 4
         self._headers += 1
         if self._header_bytes > MAX_HEADER_BYTES:
@@ -495,6 +551,8 @@ class HttpProtocol(asyncio.Protocol):
         if self._headers > MAX_HEADERS:
             self._answer_and_close(431, b"too many header fields (limit %d)" % MAX_HEADERS)
             return
+        if self._head_done:
+            return  # a trailer field: never merged into the header section (RFC 9110 6.5.1)
         n = len(name)
         if n == 14 and name.lower() == b"content-length":
             try:
@@ -506,7 +564,10 @@ class HttpProtocol(asyncio.Protocol):
                 self._skip = True
         # (The usual spelling is tried first: bytes.lower() costs more than the compare.)
         elif n == 4 and (name == b"Host" or name.lower() == b"host"):
-            self._host = value if self._host is None else b""  # two: no name matches
+            if self._host is not None:
+                self._answer_and_close(400, b"more than one Host header (RFC 9112 3.2)")
+                return
+            self._host = value
         elif n == 12 and (name == b"Content-Type" or name.lower() == b"content-type"):
             self._content_type = value if self._content_type is None else b""  # two: not JSON, 415
         elif n == 6:
@@ -516,21 +577,73 @@ class HttpProtocol(asyncio.Protocol):
             elif name == b"expect" and value.lower() == b"100-continue":
                 self._expect = True
         elif n == 17 and name.lower() == b"transfer-encoding":
-            self._transfer_encoding = value  # for the body of an Upgrade request
+            # all of them, as one list (RFC 9110 5.3): checked in on_headers_complete
+            te = self._transfer_encoding
+            self._transfer_encoding = value if not te else te + b", " + value
 
     def on_headers_complete(self) -> None:
         self._head_done = True
         if self._closing:
             return
+        if self._url[:1] != b"/":
+            self._absolute_form()
         if self._skip:
             self._refuse_body()
             return
-        if self._expect and self._parser.get_method() == b"POST":
+        if self._transfer_encoding and b"," in self._transfer_encoding:
+            # httptools takes "identity, chunked" as chunked; chunked is the only coding
+            # served, once (RFC 9112 6.1): any list is refused, as nginx does.
+            self._answer_and_close(400, b"unsupported Transfer-Encoding: use chunked alone")
+            return
+        if self._expect and not self._responses and self._will_serve_rpc():
+            # 100 only when nothing is owed before it, never to HTTP/1.0, and not for a
+            # request about to be refused: the server may skip it (RFC 9110 10.1.1).
             assert self._transport is not None
             self._fe.sent_bytes += len(_CONTINUE)
             self._transport.write(_CONTINUE)
 
+    def _absolute_form(self) -> None:
+        """An absolute-form target (`POST http://host:port/path HTTP/1.1`, RFC 9112 3.2.2):
+        its path is the URL, its authority replaces the Host header (which the server
+        must then ignore). Other forms (`*`, authority-form) are left as they are: 404."""
+        try:
+            parsed = httptools.parse_url(self._url)
+        except httptools.HttpParserInvalidURLError:
+            return  # not a URL: 404
+        if parsed.schema is None or parsed.schema.lower() not in (b"http", b"https") or not parsed.host:
+            return
+        host = parsed.host
+        if b":" in host:
+            host = b"[" + host + b"]"  # an IPv6 literal (RFC 3986 3.2.2)
+        self._host = host if parsed.port is None else b"%s:%d" % (host, parsed.port)
+        path = parsed.path or b"/"
+        self._url = path if parsed.query is None else path + b"?" + parsed.query
+
+    def _will_serve_rpc(self) -> bool:
+        """Whether the request whose head just came will be served as a JSON-RPC call,
+        not refused (404, 405, 415, 421, 403, 503, 505): the test of `_route` and `_refused`,
+        on HTTP/1.1 only (no 100 to an HTTP/1.0 client, RFC 9110 10.1.1)."""
+        fe = self._fe
+        host, origin = self._host, self._origin
+        return (
+            not self._probe_only
+            and self._parser.get_http_version() == "1.1"
+            and self._parser.get_method() == b"POST"
+            and self._url.partition(b"?")[0] == fe.rpc_path
+            and _is_json(self._content_type)
+            and (fe.hosts is None if host is None else fe.host_allowed(host))
+            and (origin is None or fe.cors_headers(origin) is not None)
+        )
+
+    def on_chunk_header(self) -> None:
+        # A chunk's size line: its data comes next (on_body), or, after the last (0)
+        # chunk, the trailer section, whose raw bytes data_received counts from here.
+        if self._trailer_bytes < 0:
+            self._trailer_bytes = 0
+
     def on_body(self, body: bytes) -> None:
+        if self._trailer_bytes >= 0:  # data of a chunk: not its trailers
+            self._trailer_bytes = -1
         if self._skip or self._closing:
             return
         buf = self._body
@@ -549,8 +662,13 @@ class HttpProtocol(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._head_done = False
         self._head_bytes = 0
+        self._trailer_bytes = -1
         if self._skip or self._closing:
             self.request_started = 0.0
+            return
+        version = self._parser.get_http_version()
+        if version != "1.1" and version != "1.0":  # (checked here, once per request: it costs)
+            self._answer_and_close(505, b"HTTP/%s not supported: use HTTP/1.1" % version.encode())
             return
         method = self._parser.get_method()
         url = self._url
@@ -561,7 +679,7 @@ class HttpProtocol(asyncio.Protocol):
             return
         self.request_started = 0.0
         keep_alive = self._parser.should_keep_alive() and not self._fe.draining
-        if keep_alive and not self._keep_header and self._parser.get_http_version() == "1.0":
+        if keep_alive and not self._keep_header and version == "1.0":
             self._keep_header = _KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
         self._route(method, url, keep_alive)
         if not keep_alive:
@@ -611,16 +729,19 @@ class HttpProtocol(asyncio.Protocol):
         elif url == b"/metrics" and fe.metrics is not None:
             if self._refused(False, keep_alive, head):
                 pass
-            elif method == b"GET" or head:
-                scrape = _Scrape(head, keep_alive)
-                if not self._responses and not self._write_paused:
+            elif head:  # the headers of the GET answer, with no body: none is made (RFC 9110 9.3.2)
+                extra = self._keep_header if keep_alive else _CLOSE
+                self._queue(_STATUS_LINES[200] + fe.date + _METRICS_TYPE + extra + b"\r\n", keep_alive, path)
+            elif method == b"GET":
+                scrape = _Scrape(keep_alive)
+                if not self._responses and not self._write_paused and not self._scraped:
                     self._write(self._scrape_response(scrape), keep_alive, path)
                 else:
-                    # A scrape is large (tens of KiB): one made for every request a client
-                    # pipelines without reading would pile up in memory. Made when due.
+                    # A scrape is large (tens of KiB, ms of CPU): one made for every request a
+                    # client pipelines would pile up in memory and hold the loop. Made when due,
+                    # one per loop iteration, while reading waits.
                     self._responses.append(scrape)
-                    if len(self._responses) > PIPELINE_HIGH:
-                        self._pause()
+                    self._pause()
             else:
                 self._queue_plain(405, b"use GET", keep_alive, path, b"allow: GET, HEAD\r\n", head)
         else:
@@ -716,12 +837,21 @@ class HttpProtocol(asyncio.Protocol):
         return _json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head), keep_alive
 
     def _scrape_response(self, scrape: _Scrape) -> bytes:
+        """Make a GET /metrics answer; the next one waits for the loop's next iteration."""
         metrics = typing.cast(typing.Callable[[], bytes], self._fe.metrics)
         body = metrics()
+        if not self._scraped:
+            self._scraped = True
+            self._fe.loop.call_soon(self._next_scrape)
         return b"".join((
             _STATUS_LINES[200], self._fe.date, _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
-            self._keep_header if scrape.keep_alive else _CLOSE, b"\r\n", b"" if scrape.head else body,
+            self._keep_header if scrape.keep_alive else _CLOSE, b"\r\n", body,
         ))  # fmt: skip
+
+    def _next_scrape(self) -> None:
+        self._scraped = False
+        if self._transport is not None and self._responses:
+            self._flush_ready()
 
     def _flush_ready(self) -> None:
         responses = self._responses
@@ -730,8 +860,8 @@ class HttpProtocol(asyncio.Protocol):
             if type(head) is tuple:
                 data, keep_alive, path = head
             elif type(head) is _Scrape:
-                if self._write_paused:
-                    break  # resume_writing comes back here
+                if self._write_paused or self._scraped:
+                    break  # resume_writing, or _next_scrape, comes back here
                 keep_alive = head.keep_alive
                 data = self._scrape_response(head)
                 path = "metrics"
@@ -763,12 +893,15 @@ class HttpProtocol(asyncio.Protocol):
         if not keep_alive:
             self._closing = True
             self._responses.clear()
-            if self._linger and not self._eof and transport.can_write_eof():
+            if self._linger and not self._eof and not self._probe_only and transport.can_write_eof():
                 # An answer before the request was read: closing now would reset the
                 # connection under a client still sending, and it would never see the
                 # answer. Half-close and keep discarding its bytes (nginx's lingering
-                # close); the client closes, or the idle sweep does after keepalive_timeout.
+                # close); the client closes, or the sweep does after LINGER_TIMEOUT
+                # silent or LINGER_TIME in all; make_room may close it sooner. (The
+                # probes' reserve is not held that long: closed at once.)
                 transport.write_eof()
+                self.lingering_since = self.last_active
             else:
                 transport.close()
         elif (fe.draining or self._eof) and not self._responses:

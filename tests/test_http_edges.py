@@ -1,0 +1,254 @@
+"""HTTP front-end edges found by hostile testing (attack report A, items 1, 3, 5, 9, 10, 12).
+
+Pipelined /metrics scrapes, chunked trailers, 100 Continue, absolute-form targets,
+framing and version checks, and the probes' reserve: over real loopback sockets, the
+daemon itself, or `HttpProtocol` in this process where what is counted is inside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from conftest import Broker, wait_for
+from test_http_hardening import get, post, post_head
+from test_http_protocol import Conn, call
+
+# -- item 1: /metrics scrapes, pipelined ----------------------------------------------------
+
+
+def test_pipelined_scrapes_build_no_head_body_and_one_get_body_per_loop_iteration():
+    """1,400 pipelined HEAD /metrics built the whole scrape each (to send 150 bytes) and
+    1,000 GETs were all built in one read: the loop stalled for seconds. A HEAD builds no
+    body; GET bodies are made one per loop iteration per connection, and another
+    connection's /healthz is answered while scrapes are still owed."""
+    from broker.dispatch import Dispatcher
+    from broker.frontend.http import HttpFrontend
+
+    heads, gets = 300, 40
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        tick = 0
+        ticks: list[int] = []  # the loop iteration of each scrape made
+
+        def ticker() -> None:
+            nonlocal tick
+            tick += 1
+            if running:
+                loop.call_soon(ticker)
+
+        def metrics() -> bytes:
+            ticks.append(tick)
+            return b"# a scrape\n" * 2000
+
+        running = True
+        loop.call_soon(ticker)
+        fe = HttpFrontend(Dispatcher(loop), metrics=metrics, allowed_hosts=["127.0.0.1"])
+        server = await loop.create_server(fe.protocol, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(get("/metrics", "HEAD") * heads)
+            # The HEAD answers come whole, with no scrape made for them.
+            for _ in range(heads):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200 ") and b"text/plain" in head, head
+            assert ticks == []
+            # Another connection is answered while most GET bodies are still owed.
+            writer.write(get("/metrics") * gets)
+            await writer.drain()
+            w2.write(get("/healthz"))
+            assert (await asyncio.wait_for(r2.readuntil(b"\r\n"), 10)).startswith(b"HTTP/1.1 200")
+            assert len(ticks) < gets, len(ticks)
+            w2.close()
+            for _ in range(gets):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
+                assert len(await asyncio.wait_for(reader.readexactly(length), 10)) == length
+            assert len(ticks) == gets
+            assert len(set(ticks)) == gets, "two scrapes made in one loop iteration"
+            writer.close()
+        finally:
+            running = False
+            server.close()
+            for conn in list(fe.connections):
+                conn.abort()
+            await server.wait_closed()
+
+    asyncio.run(scenario())
+
+
+# -- items 3 and 9: the trailer section of a chunked body -----------------------------------
+
+
+def chunked_head(b: Broker) -> bytes:
+    return post_head(b, "Transfer-Encoding: chunked\r\n\r\n")
+
+
+def test_an_unfinished_trailer_line_past_64_kib_gets_431(broker_factory):
+    """After the last chunk, one unfinished trailer line was counted by nothing: 150 MB
+    grew in httptools' buffer (quadratic copies). It counts against the head limit."""
+    b = broker_factory("--workers", "1")
+    body = call("add", [1, 2]).encode()
+    with Conn(b, timeout=10) as c:
+        c.send(chunked_head(b) + b"%x\r\n%s\r\n0\r\nX-T: " % (len(body), body))
+        status = None
+        try:
+            for _ in range(40):  # up to 80 KiB, in reads of their own
+                c.send(b"a" * 2048)
+                if c.closed_within(0.01):
+                    break
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status = c.response()[0]
+        assert status == 431
+
+
+def test_many_trailer_fields_get_431(broker_factory):
+    b = broker_factory("--workers", "1")
+    body = call("add", [1, 2]).encode()
+    with Conn(b) as c:
+        c.send(chunked_head(b) + b"%x\r\n%s\r\n0\r\n" % (len(body), body) + b"X: a\r\n" * 120 + b"\r\n")
+        assert c.response()[0] == 431
+
+
+@pytest.mark.parametrize(
+    "trailer",
+    ["Host: evil.example", "Origin: http://evil.example", "Content-Type: text/plain", "Expect: 100-continue"],
+)
+def test_trailer_fields_do_not_override_header_fields(broker_factory, trailer):
+    """A trailer Host, Origin or Content-Type made a good request get 421, 403 or 415
+    (RFC 9110 6.5.1: trailer fields are not merged into the header section)."""
+    b = broker_factory("--workers", "1")
+    body = call("add", [1, 2]).encode()
+    with Conn(b) as c:
+        c.send(chunked_head(b) + b"%x\r\n%s\r\n0\r\n%s\r\n\r\n" % (len(body), body, trailer.encode()))
+        assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
+        c.send(get("/healthz"))  # and the connection goes on
+        assert c.response()[0] == 200
+
+
+# -- item 10: 100 Continue -------------------------------------------------------------------
+
+
+def expect_post(b: Broker, body: bytes, version: str = "1.1", host: str = "127.0.0.1", ct: str = "application/json") -> bytes:
+    return (
+        f"POST {b.path} HTTP/{version}\r\nHost: {host}\r\nContent-Type: {ct}\r\n"
+        f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n"
+    ).encode() + body
+
+
+def test_100_continue_is_never_ahead_of_an_earlier_answer(broker_factory):
+    """100 Continue was written at once, before the final answer to an earlier
+    pipelined request still being served (out of order)."""
+    b = broker_factory("--workers", "1")
+    with Conn(b) as c:
+        c.send(post(call("sleep", [0.3]), path=b.path) + expect_post(b, call("add", [1, 2]).encode()))
+        assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":1,"result":0.3}')
+        assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')  # no 100 between
+
+
+@pytest.mark.parametrize(
+    ("version", "host", "ct", "status"),
+    [("1.0", "127.0.0.1", "application/json", 200), ("1.1", "evil.example", "application/json", 421),
+     ("1.1", "127.0.0.1", "text/plain", 415)],
+)
+def test_no_100_continue_to_http_1_0_nor_before_a_refusal(broker_factory, version, host, ct, status):
+    b = broker_factory("--workers", "1")
+    with Conn(b) as c:
+        c.send(expect_post(b, call("add", [1, 2]).encode(), version, host, ct))
+        assert c.response()[0] == status  # the first answer: not 100
+
+
+def test_100_continue_for_a_call_that_will_be_served(broker_factory):
+    b = broker_factory("--workers", "1")
+    with Conn(b) as c:
+        request = expect_post(b, call("add", [1, 2]).encode())
+        head, _, body = request.partition(b"\r\n\r\n")
+        c.send(head + b"\r\n\r\n")
+        assert c.response()[0] == 100
+        c.send(body)
+        assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
+
+
+# -- item 12: request targets, framing, versions ---------------------------------------------
+
+
+def test_absolute_form_targets_are_served_by_their_authority(broker_factory):
+    """`POST http://127.0.0.1:PORT/ HTTP/1.1` got 404; the target's authority is the host
+    checked, and the Host header is ignored (RFC 9112 3.2.2)."""
+    b = broker_factory("--workers", "1")
+    body = call("add", [1, 2])
+    good = post(body, path=f"http://127.0.0.1:{b.port}{b.path}").replace(b"Host: 127.0.0.1", b"Host: evil.example")
+    bad = post(body, path=f"http://evil.example{b.path}?x=1")
+    with Conn(b) as c:
+        c.send(good + bad + f"GET HTTP://localhost:{b.port}/healthz HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
+        assert c.response()[0] == 421
+        assert c.response()[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("request_", "status"),
+    [
+        (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: identity, chunked\r\n\r\n0\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
+         b"0\r\n\r\n", 400),
+        (b"GET /healthz HTTP/2.0\r\nHost: 127.0.0.1\r\n\r\n", 505),
+        (b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\n\r\n", 400),
+    ],
+)
+def test_bad_framing_version_and_duplicate_host_are_refused(broker_factory, request_, status):
+    b = broker_factory("--workers", "1")
+    with Conn(b) as c:
+        c.send(request_)
+        got, headers, _ = c.response()
+        assert (got, headers.get("connection")) == (status, "close")
+
+
+# -- item 5: the probes' reserve ------------------------------------------------------------
+
+
+def healthz_served(b: Broker) -> bool:
+    try:
+        with Conn(b, timeout=2) as c:
+            c.send(get("/healthz"))
+            return c.response()[0] == 200
+    except (OSError, EOFError):
+        return False
+
+
+@pytest.mark.parametrize("mode", ["slowloris", "bad"])
+def test_a_full_broker_answers_its_probes_past_hostile_connections(broker_factory, mode):
+    """max_connections + 8 connections that each trickle a head (slowloris), or sent
+    "X\\r\\n" and were half-closed after their 400 (lingering), took every slot and the
+    probes' reserve for up to 30 s (or 75 s): /healthz got 503."""
+    from broker.frontend.http import LINGER_TIMEOUT, PROBE_RESERVE
+
+    b = broker_factory("--workers", "1", "--max-connections", "4")
+    hostile = [socket.create_connection(("127.0.0.1", b.port)) for _ in range(4 + PROBE_RESERVE)]
+    try:
+        for s in hostile:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nX-a: " if mode == "slowloris" else b"X\r\n")
+        for _ in range(3):  # and again: the reserve is taken back each time
+            for s in hostile:
+                if mode == "slowloris":
+                    try:
+                        s.send(b"a")
+                    except OSError:
+                        pass
+            wait_for(lambda: healthz_served(b), timeout=3 * LINGER_TIMEOUT / 5, interval=0.1)
+        if mode == "bad":  # and the lingering ones are closed after LINGER_TIMEOUT
+            for s in hostile:
+                s.settimeout(LINGER_TIMEOUT + 4)
+                try:
+                    while s.recv(65536):
+                        pass
+                except ConnectionResetError:
+                    pass
+    finally:
+        for s in hostile:
+            s.close()
