@@ -14,7 +14,8 @@ of only notifications is answered with nothing; blank lines are skipped.
 
 Limits:
     a line longer than `max_body_bytes` is answered with one -32600 error (id null)
-    and skipped up to its newline; the connection stays usable
+    and skipped up to its newline; the connection stays usable (unless the line
+    starts as an HTTP request line: see below)
     a line that stays incomplete for `keepalive_timeout` seconds closes the
     connection (a client trickling bytes); an idle connection with nothing owed is
     left open (streams are long-lived, like an IPC socket)
@@ -25,12 +26,15 @@ Limits:
     a line that is an HTTP request line (`POST / HTTP/1.1`) is answered with one -32600
     error saying so, and the connection closes before anything after it is read: any web
     page can make a browser POST to this port, and the body after the headers could be
-    a valid call (a cross-protocol request; Redis closes on them too)
+    a valid call (a cross-protocol request; Redis closes on them too). A line past
+    `max_body_bytes` that starts like one (`METHOD target`: a URL megabytes long) is
+    closed on as soon as it is found too long, before its newline comes
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import typing
 
 from broker.dispatch import Dispatcher, Exchange
@@ -46,6 +50,9 @@ _HTTP_REQUEST = response_error(
     b"null", error_object(ErrorCode.INVALID_REQUEST, data="an HTTP request: this port speaks newline-delimited JSON-RPC")
 ) + b"\n"
 _NL = b"\n"
+# The start of an HTTP request line (RFC 9112 3: method SP request-target): no JSON text
+# starts with an upper-case letter, so a line past max_body_bytes that starts so is one.
+_HTTP_START = re.compile(rb"[A-Z]{3,10} [^ ]")
 
 
 class StreamFrontend(Listener):
@@ -153,11 +160,11 @@ class StreamProtocol(asyncio.Protocol):
                 line = bytes(self._buffer)
                 self._buffer.clear()
                 if len(line) - line.endswith(b"\r") > fe.max_body_bytes:
-                    self._too_long()
+                    self._too_long(line)
                 else:
                     self._line(line)
             elif nl - start - (nl > start and data[nl - 1] == 13) > fe.max_body_bytes:
-                self._too_long()
+                self._too_long(data[start:start + 16])
             else:
                 self._line(data[start:nl])
             self.line_started = 0.0
@@ -173,23 +180,34 @@ class StreamProtocol(asyncio.Protocol):
         if self._skipping:
             return
         if len(self._buffer) + end - start > fe.max_body_bytes + 1:  # (+1: a "\r" may end it)
+            line_start = bytes(self._buffer[:16]) + data[start:start + 16]
             self._buffer.clear()
             self._skipping = True
-            self._too_long()
+            self._too_long(line_start)
             return
         self._buffer += data[start:end]
 
-    def _too_long(self) -> None:
+    def _too_long(self, line_start: bytes) -> None:
+        """A line past max_body_bytes, whose first bytes are `line_start` (16 or more, or
+        the whole line): one -32600 error line, and the rest of the line is skipped; if it
+        starts as an HTTP request line (a URL longer than the limit), closed as `_line`
+        closes on a short one: what follows it could be a valid call."""
+        if _HTTP_START.match(line_start):
+            self._http_request()
+            return
         self._send(self._fe.too_long)
         self._fe.dispatcher.count_refused_body()
+
+    def _http_request(self) -> None:
+        self._send(_HTTP_REQUEST)  # a browser's, or a client on the wrong port
+        self.close()
+        self._transport = None  # read nothing after it
 
     def _line(self, line: bytes) -> None:
         if not line.strip():
             return
         if 65 <= line[0] <= 90 and line.rstrip(b"\r").endswith((b" HTTP/1.1", b" HTTP/1.0")):
-            self._send(_HTTP_REQUEST)  # a browser's, or a client on the wrong port
-            self.close()
-            self._transport = None  # read nothing after it
+            self._http_request()
             return
         fe = self._fe
         exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done)
