@@ -20,7 +20,8 @@ Limits:
     connection (a client trickling bytes); an idle connection with nothing owed is
     left open (streams are long-lived, like an IPC socket)
     reading pauses while more than `PIPELINE_HIGH` bodies wait for answers on one
-    connection, or while its write buffer is full
+    connection, or while its write buffer is full; a connection whose write buffer
+    stays full (its client does not read) for `send_timeout` seconds is aborted
     `max_connections` per listener, as for HTTP: past it a connection is closed at once
     (with no line: there is no request to answer)
     a line that is an HTTP request line (`POST / HTTP/1.1`) is answered with one -32600
@@ -70,10 +71,11 @@ class StreamFrontend(Listener):
         max_batch: int = 1000,
         keepalive_timeout: float = 75.0,
         max_connections: int = 10000,
+        send_timeout: float = 60.0,
     ) -> None:
         super().__init__(
             dispatcher, transport=transport, max_body_bytes=max_body_bytes, max_batch=max_batch,
-            keepalive_timeout=keepalive_timeout, max_connections=max_connections,
+            keepalive_timeout=keepalive_timeout, max_connections=max_connections, send_timeout=send_timeout,
         )  # fmt: skip
         self.too_long = (
             response_error(
@@ -92,6 +94,8 @@ class StreamFrontend(Listener):
         now = self.loop.time()
         limit = self.keepalive_timeout
         for conn in list(self.connections):
+            if self.send_timed_out(conn, now):
+                continue  # its client does not read its answers
             # (not while the broker itself has stopped reading: the rest may be waiting)
             if conn.line_started and not conn.read_paused and now - conn.line_started > limit:
                 conn.close()  # a line trickling in, never finished
@@ -107,7 +111,7 @@ class StreamProtocol(asyncio.Protocol):
     """One NDJSON client connection."""
 
     __slots__ = ("_buffer", "_eof", "_fe", "_skipping", "_transport", "_write_paused", "line_started", "owed",
-                 "read_paused")
+                 "read_paused", "send_stalled")
 
     def __init__(self, frontend: StreamFrontend) -> None:
         self._fe = frontend
@@ -119,6 +123,12 @@ class StreamProtocol(asyncio.Protocol):
         self._eof = False  # the client half-closed: close once nothing is owed
         self.line_started = 0.0  # loop time an incomplete line's first byte came; 0 if none
         self.owed = 0  # bodies received and not yet answered
+        self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        """The connection's transport; None once it is lost (or closed on an HTTP request line)."""
+        return self._transport
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
@@ -241,10 +251,12 @@ class StreamProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self.send_stalled = self._fe.loop.time()
         self._pause()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self.send_stalled = 0.0
         self._maybe_resume()
 
     def _pause(self) -> None:
