@@ -19,6 +19,8 @@ Limits:
     a line that stays incomplete for `keepalive_timeout` seconds closes the
     connection (a client trickling bytes); an idle connection with nothing owed is
     left open (streams are long-lived, like an IPC socket)
+    the lines of one read are handled `LINES_PER_TURN` at a time, a loop iteration
+    apart (reading paused meanwhile), and none while the write buffer is full
     reading pauses while more than `PIPELINE_HIGH` bodies wait for answers on one
     connection, or while its write buffer is full; a connection whose write buffer
     stays full (its client does not read) for `send_timeout` seconds is aborted
@@ -47,6 +49,7 @@ __all__ = ["StreamFrontend", "StreamProtocol"]
 
 PIPELINE_HIGH = 64  # bodies owed on one connection before reading pauses (as for HTTP)
 PIPELINE_LOW = 16  # ... and resumes
+LINES_PER_TURN = 16  # lines handled per callback; the rest of a read waits a loop iteration
 _HTTP_REQUEST = response_error(
     b"null", error_object(ErrorCode.INVALID_REQUEST, data="an HTTP request: this port speaks newline-delimited JSON-RPC")
 ) + b"\n"
@@ -110,12 +113,13 @@ class StreamFrontend(Listener):
 class StreamProtocol(asyncio.Protocol):
     """One NDJSON client connection."""
 
-    __slots__ = ("_buffer", "_eof", "_fe", "_skipping", "_transport", "_write_paused", "line_started", "owed",
-                 "read_paused", "send_stalled")
+    __slots__ = ("_backlog", "_buffer", "_eof", "_fe", "_skipping", "_transport", "_write_paused", "line_started",
+                 "owed", "read_paused", "send_stalled")
 
     def __init__(self, frontend: StreamFrontend) -> None:
         self._fe = frontend
         self._buffer = bytearray()  # the incomplete last line
+        self._backlog = b""  # the rest of a read past LINES_PER_TURN lines: reading paused until it is done
         self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
         self._transport: asyncio.Transport | None = None
         self.read_paused = False
@@ -156,8 +160,18 @@ class StreamProtocol(asyncio.Protocol):
         fe.received_bytes += len(data)
         if fe.draining:
             return
+        self._lines(data)
+
+    def _lines(self, data: bytes) -> None:
+        """Handle up to LINES_PER_TURN lines of `data`; leave the rest in `_backlog`, with
+        reading paused, for a later loop iteration (`_next_turn`): one read of many large
+        batches would otherwise hold the loop for every other connection. No turn is
+        taken while the write buffer is full (`pause_writing`): a client that does not
+        read gets no more answers made than fit it."""
+        fe = self._fe
         start = 0
         end = len(data)
+        turn = LINES_PER_TURN
         while start < end:
             nl = data.find(_NL, start)
             if nl < 0:
@@ -181,6 +195,25 @@ class StreamProtocol(asyncio.Protocol):
             start = nl + 1
             if self._transport is None:
                 return
+            turn -= 1
+            if not turn and start < end:
+                self._backlog = data[start:]
+                self._transport.pause_reading()
+                if not self._write_paused:
+                    fe.loop.call_soon(self._next_turn)
+                return  # else `resume_writing` schedules it
+
+    def _next_turn(self) -> None:
+        """Go on with the lines of a read left in `_backlog`; reading resumes when it is done."""
+        transport, backlog = self._transport, self._backlog
+        if transport is None or not backlog or self._write_paused:
+            return
+        self._backlog = b""
+        if self._fe.draining:
+            return
+        self._lines(backlog)
+        if not self._backlog and not self.read_paused and self._transport is not None:
+            self._transport.resume_reading()
 
     def _partial(self, data: bytes, start: int, end: int) -> None:
         """Keep an unfinished line (or drop it, past the limit) until its newline."""
@@ -257,6 +290,8 @@ class StreamProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self.send_stalled = 0.0
+        if self._backlog:
+            self._fe.loop.call_soon(self._next_turn)
         self._maybe_resume()
 
     def _pause(self) -> None:
@@ -269,7 +304,8 @@ class StreamProtocol(asyncio.Protocol):
             self.read_paused = False
             if self.line_started:  # the unfinished line's time restarts with reading
                 self.line_started = self._fe.loop.time()
-            self._transport.resume_reading()
+            if not self._backlog:  # else `_next_turn` resumes reading once it is done
+                self._transport.resume_reading()
 
     # -- closing -----------------------------------------------------------------------
 
