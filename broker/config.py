@@ -193,6 +193,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                    "trickle; past it the client gets 408 and the "
                                    "connection closes")
                                ] = 30 * SECONDS
+    send_timeout: Annotated[Seconds, Meta(gt=0, le=DAY),
+                            Doc("a connection whose client does not read its answers "
+                                "(writing paused: its send buffer full) for this long is "
+                                "closed, its unsent answers dropped (HTTP and NDJSON; "
+                                "nginx's send_timeout)")
+                            ] = 60 * SECONDS
     max_connections: Annotated[int, Meta(ge=1),
                                Doc("open client connections at most, per listener; at it the "
                                    "least recently active idle one makes room, and with none "

@@ -216,6 +216,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             max_batch=config.max_batch,
             keepalive_timeout=config.keepalive_timeout,
             request_timeout=config.request_timeout,
+            send_timeout=config.send_timeout,
             max_connections=max_connections,
             metrics=None if separate else scrape,
             allowed_hosts=hosts,
@@ -227,7 +228,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             metrics_frontend = HttpFrontend(
                 dispatcher, max_connections=64, metrics=scrape, serve_rpc=False,
                 keepalive_timeout=config.keepalive_timeout, request_timeout=config.request_timeout,
-                transport="metrics", allowed_hosts=hosts, allowed_origins=config.allowed_origins,
+                send_timeout=config.send_timeout, transport="metrics", allowed_hosts=hosts, allowed_origins=config.allowed_origins,
             )  # fmt: skip
             listeners.append((metrics_frontend, config.metrics_host, config.metrics_port))
         for transport, where, port_ in (
@@ -238,7 +239,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
                 stream = StreamFrontend(
                     dispatcher, transport=transport, max_body_bytes=config.max_body_bytes,
                     max_batch=config.max_batch, keepalive_timeout=config.keepalive_timeout,
-                    max_connections=max_connections,
+                    max_connections=max_connections, send_timeout=config.send_timeout,
                 )  # fmt: skip
                 listeners.append((stream, where, port_))
         # Bind the TCP listeners before the workers start, so a taken port fails at once

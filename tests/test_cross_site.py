@@ -563,6 +563,36 @@ def test_an_http_request_on_the_stream_port_closes_it(broker_factory, tmp_path):
     assert marks(ledger) == ["ndjson"]
 
 
+@pytest.mark.parametrize("finished", [True, False], ids=["whole request", "request line never ends"])
+def test_an_http_request_line_longer_than_max_body_bytes_closes_the_stream_port(broker_factory, tmp_path, finished):
+    """A page can make the request line longer than max_body_bytes (a URL of megabytes):
+    it is found as soon as the line is too long, by its start (`POST /...`), and closed on
+    as a short one is, before the headers and the body (a valid call) are read."""
+    ledger, port = tmp_path / "calls.txt", free_port()
+    b = broker_factory(*LEDGER_APP, "--stream-port", str(port), "--max-body-bytes", "4096",
+                       env={"LEDGER_FILE": str(ledger)})
+    raw = request(record("long url") + b"\n", content_type="text/plain", path="/" + "a" * 300_000)
+    if not finished:
+        raw = raw[: raw.index(b" HTTP/1.1")]
+    received = b""
+    with socket.create_connection((b.host, port), timeout=15) as s:
+        try:
+            s.sendall(raw)
+            while chunk := s.recv(65536):  # (a timeout here: the connection stayed open)
+                received += chunk
+        except ConnectionResetError:  # closed with bytes unread: the error line may be lost
+            pass
+    assert not received or received.count(b"\n") == 1, received[:500]
+    if received:
+        error = json.loads(received)
+        assert error["id"] is None and error["error"]["code"] == -32600, received
+        assert "an HTTP request" in error["error"]["data"]
+    with socket.create_connection((b.host, port), timeout=15) as s:
+        s.sendall(record("ndjson") + b"\n")
+        assert json.loads(s.makefile("rb").readline())["result"] == 1
+    assert marks(ledger) == ["ndjson"]
+
+
 @needs_chromium
 def test_a_page_cannot_run_a_tool_through_the_stream_port(broker_factory, tmp_path):
     ledger, port = tmp_path / "calls.txt", free_port()

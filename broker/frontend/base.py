@@ -40,6 +40,8 @@ class Connection(typing.Protocol):
         owed, and either a request served already or no byte since loop time `fresh`."""
         ...
 
+    send_stalled: float  # loop time writing paused (or close began with bytes unsent); 0: not
+
 
 class Listener:
     """Shared state of the connections of one listening socket.
@@ -48,6 +50,8 @@ class Listener:
     max_connections: connections at once; the subclass decides what happens past it
         (`refused` counts and logs those turned away).
     keepalive_timeout: seconds, for the subclass's sweep.
+    send_timeout: seconds a connection's answers may stay unsent (its client not reading)
+        before `send_timed_out` aborts it (nginx's send_timeout).
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class Listener:
         max_batch: int,
         keepalive_timeout: float,
         max_connections: int,
+        send_timeout: float = 60.0,
     ) -> None:
         self.dispatcher = dispatcher
         self.transport = transport
@@ -66,6 +71,7 @@ class Listener:
         self.max_body_bytes = max_body_bytes
         self.keepalive_timeout = keepalive_timeout
         self.max_connections = max_connections
+        self.send_timeout = send_timeout
         self.connections: set[typing.Any] = set()  # the subclass's protocol objects
         self.refused_total = 0
         self.received_bytes = 0
@@ -128,6 +134,25 @@ class Listener:
 
     def _sweep(self) -> None:
         """Close connections idle or stalled too long (the subclass says which)."""
+
+    def send_timed_out(self, conn: typing.Any, now: float) -> bool:
+        """For the sweep: abort `conn` if its client has not taken its answers for
+        `send_timeout` seconds, and return True. Stalled since `conn.send_stalled`: set by
+        its `pause_writing` (the write buffer above its high-water mark), cleared by
+        `resume_writing`; or, found here, since a close began with bytes still unsent
+        (`close` waits for them forever). Aborting drops the unsent answers and frees
+        them; calls still running complete and their answers are dropped."""
+        since = conn.send_stalled
+        if not since:
+            transport = conn.transport
+            if transport is None or not transport.is_closing() or not transport.get_write_buffer_size():
+                return False
+            conn.send_stalled = now
+            return False
+        if now - since <= self.send_timeout:
+            return False
+        conn.abort()
+        return True
 
     async def wait_closed(self, timeout: float) -> None:
         """Wait up to `timeout` s for connections to finish writing and close; abort

@@ -53,9 +53,12 @@ Flow control (aiohttp and uvicorn do the same): reading pauses while the transpo
 write buffer is above its high-water mark, or while more than `PIPELINE_HIGH`
 requests wait for answers on one connection, and resumes below the low marks.
 One sweep per second for all connections, not a timer per request, closes idle
-connections (nothing owed, no bytes for `keepalive_timeout` seconds) and answers 408
+connections (nothing owed, no bytes for `keepalive_timeout` seconds), answers 408
 to requests under way for longer than `request_timeout` (nginx's
-client_header_timeout and client_body_timeout, for the whole request).
+client_header_timeout and client_body_timeout, for the whole request), and aborts
+connections whose client has left its answers unread (writing paused) for longer
+than `send_timeout` (nginx's send_timeout): the request clock stands still while
+the broker paused reading, so this is what bounds a client that sends and never reads.
 
 A client that half-closes after sending (`shutdown(SHUT_WR)`, `nc -N`) gets what it is
 owed, then the connection closes. After an error answer the broker half-closes and
@@ -170,6 +173,7 @@ class HttpFrontend(Listener):
 
     request_timeout: seconds from a request's first byte until its head and body are
         all in; past it the client gets 408 and the connection closes.
+    send_timeout: seconds a client may leave its answers unread (see `Listener`).
     """
 
     def __init__(
@@ -181,6 +185,7 @@ class HttpFrontend(Listener):
         max_batch: int = 1000,
         keepalive_timeout: float = 75.0,
         request_timeout: float = 30.0,
+        send_timeout: float = 60.0,
         max_connections: int = 10000,
         ready: typing.Callable[[], bool] | None = None,
         metrics: typing.Callable[[], bytes] | None = None,
@@ -191,7 +196,7 @@ class HttpFrontend(Listener):
     ) -> None:
         super().__init__(
             dispatcher, transport=transport, max_body_bytes=max_body_bytes, max_batch=max_batch,
-            keepalive_timeout=keepalive_timeout, max_connections=max_connections,
+            keepalive_timeout=keepalive_timeout, max_connections=max_connections, send_timeout=send_timeout,
         )  # fmt: skip
         # A metrics-only listener (metrics_port) answers no RPC path: b"" matches no URL.
         self.rpc_path = rpc_path.encode() if serve_rpc else b""
@@ -258,6 +263,8 @@ class HttpFrontend(Listener):
         keepalive = self.keepalive_timeout
         request_timeout = self.request_timeout
         for conn in list(self.connections):
+            if self.send_timed_out(conn, now):
+                continue  # its client does not read its answers
             started = conn.request_started
             if started:
                 # The whole request, head and body, however it trickles (nginx's
@@ -340,6 +347,7 @@ class HttpProtocol(asyncio.Protocol):
         "read_paused",
         "request_started",
         "requests",
+        "send_stalled",
     )
 
     def __init__(self, frontend: HttpFrontend) -> None:
@@ -379,6 +387,7 @@ class HttpProtocol(asyncio.Protocol):
         self.read_paused = False
         self._write_paused = False
         self._closing = False
+        self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
         self.last_active = frontend.loop.time()
 
     @property
@@ -389,12 +398,21 @@ class HttpProtocol(asyncio.Protocol):
     @property
     def idle(self) -> bool:
         """No request under way, none owed, not closing (or only lingering after an error
-        answer, see `_write`): closing it loses nothing."""
-        return not self._responses and not self.request_started and (not self._closing or self.lingering_since > 0)
+        answer, see `_write`), answers not stuck unsent (those are for send_timeout: a close
+        would wait for them): closing it loses nothing."""
+        return (
+            not self._responses and not self.request_started
+            and (not self._closing or self.lingering_since > 0) and not self.send_stalled
+        )  # fmt: skip
 
     def evictable(self, fresh: float) -> bool:
         """Idle, and a request served already or no byte since `fresh` (`Listener.make_room`)."""
         return self.idle and (self.requests > 0 or self.last_active <= fresh)
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        """The connection's transport; None once it is lost."""
+        return self._transport
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
@@ -511,10 +529,12 @@ class HttpProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self.send_stalled = self._fe.loop.time()
         self._pause()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self.send_stalled = 0.0
         if self._responses:
             self._flush_ready()
         self._maybe_resume()

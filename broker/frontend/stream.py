@@ -14,28 +14,35 @@ of only notifications is answered with nothing; blank lines are skipped.
 
 Limits:
     a line longer than `max_body_bytes` is answered with one -32600 error (id null)
-    and skipped up to its newline; the connection stays usable
+    and skipped up to its newline; the connection stays usable (unless the line
+    starts as an HTTP request line: see below)
     a line that stays incomplete for `keepalive_timeout` seconds closes the
     connection (a client trickling bytes); an idle connection with nothing owed is
     left open (streams are long-lived, like an IPC socket)
+    the lines of one read are handled `LINES_PER_TURN` at a time, a loop iteration
+    apart (reading paused meanwhile), and none while the write buffer is full
     reading pauses while more than `PIPELINE_HIGH` bodies wait for answers on one
-    connection, or while its write buffer is full
+    connection, or while its write buffer is full; a connection whose write buffer
+    stays full (its client does not read) for `send_timeout` seconds is aborted
     `max_connections` per listener, as for HTTP: at the limit the least recently active
-    idle connection (nothing owed, no line under way, and a line served or none sent for
-    `SWEEP_SECONDS`) is closed to make room (`Listener.make_room`); with none idle, the
-    new connection gets one -32000 error line "too many connections" (id null: HTTP
-    answers 503) and is half-closed, its input discarded until it closes (or for at most
-    `REFUSED_LINGER` seconds), so a client that already wrote its line reads the error
-    rather than a reset
+    idle connection (nothing owed, no line under way, writing not stalled, and a line
+    served or none sent for `SWEEP_SECONDS`) is closed to make room
+    (`Listener.make_room`); with none idle, the new connection gets one -32000 error line
+    "too many connections" (id null: HTTP answers 503) and is half-closed, its input
+    discarded until it closes (or for at most `REFUSED_LINGER` seconds), so a client
+    that already wrote its line reads the error rather than a reset
     a line that is an HTTP request line (`POST / HTTP/1.1`) is answered with one -32600
     error saying so, and the connection closes before anything after it is read: any web
     page can make a browser POST to this port, and the body after the headers could be
-    a valid call (a cross-protocol request; Redis closes on them too)
+    a valid call (a cross-protocol request; Redis closes on them too). A line past
+    `max_body_bytes` that starts like one (`METHOD target`: a URL megabytes long) is
+    closed on as soon as it is found too long, before its newline comes
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import typing
 
 from broker.dispatch import Dispatcher, Exchange
@@ -47,12 +54,16 @@ __all__ = ["StreamFrontend", "StreamProtocol"]
 
 PIPELINE_HIGH = 64  # bodies owed on one connection before reading pauses (as for HTTP)
 PIPELINE_LOW = 16  # ... and resumes
+LINES_PER_TURN = 16  # lines handled per callback; the rest of a read waits a loop iteration
 _HTTP_REQUEST = response_error(
     b"null", error_object(ErrorCode.INVALID_REQUEST, data="an HTTP request: this port speaks newline-delimited JSON-RPC")
 ) + b"\n"
 _NL = b"\n"
 _TOO_MANY = response_error(b"null", error_object(ErrorCode.OVERLOADED, data="too many connections")) + _NL
 REFUSED_LINGER = SWEEP_SECONDS  # seconds a refused connection may keep sending before it is dropped
+# The start of an HTTP request line (RFC 9112 3: method SP request-target): no JSON text
+# starts with an upper-case letter, so a line past max_body_bytes that starts so is one.
+_HTTP_START = re.compile(rb"[A-Z]{3,10} [^ ]")
 
 
 class StreamFrontend(Listener):
@@ -70,10 +81,11 @@ class StreamFrontend(Listener):
         max_batch: int = 1000,
         keepalive_timeout: float = 75.0,
         max_connections: int = 10000,
+        send_timeout: float = 60.0,
     ) -> None:
         super().__init__(
             dispatcher, transport=transport, max_body_bytes=max_body_bytes, max_batch=max_batch,
-            keepalive_timeout=keepalive_timeout, max_connections=max_connections,
+            keepalive_timeout=keepalive_timeout, max_connections=max_connections, send_timeout=send_timeout,
         )  # fmt: skip
         self.too_long = (
             response_error(
@@ -92,6 +104,8 @@ class StreamFrontend(Listener):
         now = self.loop.time()
         limit = self.keepalive_timeout
         for conn in list(self.connections):
+            if self.send_timed_out(conn, now):
+                continue  # its client does not read its answers
             # (not while the broker itself has stopped reading: the rest may be waiting)
             if conn.line_started and not conn.read_paused and now - conn.line_started > limit:
                 conn.close()  # a line trickling in, never finished
@@ -106,12 +120,13 @@ class StreamFrontend(Listener):
 class StreamProtocol(asyncio.Protocol):
     """One NDJSON client connection."""
 
-    __slots__ = ("_buffer", "_eof", "_fe", "_refused", "_skipping", "_transport", "_write_paused", "last_active",
-                 "line_started", "lines", "owed", "read_paused")
+    __slots__ = ("_backlog", "_buffer", "_eof", "_fe", "_refused", "_skipping", "_transport", "_write_paused",
+                 "last_active", "line_started", "lines", "owed", "read_paused", "send_stalled")
 
     def __init__(self, frontend: StreamFrontend) -> None:
         self._fe = frontend
         self._buffer = bytearray()  # the incomplete last line
+        self._backlog = b""  # the rest of a read past LINES_PER_TURN lines: reading paused until it is done
         self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
         self._transport: asyncio.Transport | None = None
         self.read_paused = False
@@ -122,16 +137,22 @@ class StreamProtocol(asyncio.Protocol):
         self.lines = 0  # lines served (answered or owed)
         self.last_active = frontend.loop.time()  # last byte received or answer sent
         self._refused = False  # turned away at max_connections: its input is discarded
+        self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
 
     def evictable(self, fresh: float) -> bool:
-        """Nothing owed, no line under way, open, and a line served already or no byte
+        """Nothing owed, no line under way, open, writing not stalled, and a line served or no byte
         since loop time `fresh` (`Listener.make_room`)."""
         transport = self._transport
         return (
             not self.owed and not self.line_started and not self._eof
             and transport is not None and not transport.is_closing()
-            and (self.lines > 0 or self.last_active <= fresh)
+            and not self.send_stalled and (self.lines > 0 or self.last_active <= fresh)
         )  # fmt: skip
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        """The connection's transport; None once it is lost (or closed on an HTTP request line)."""
+        return self._transport
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
@@ -177,8 +198,18 @@ class StreamProtocol(asyncio.Protocol):
         if fe.draining or self._refused:
             return
         self.last_active = fe.loop.time()
+        self._lines(data)
+
+    def _lines(self, data: bytes) -> None:
+        """Handle up to LINES_PER_TURN lines of `data`; leave the rest in `_backlog`, with
+        reading paused, for a later loop iteration (`_next_turn`): one read of many large
+        batches would otherwise hold the loop for every other connection. No turn is
+        taken while the write buffer is full (`pause_writing`): a client that does not
+        read gets no more answers made than fit it."""
+        fe = self._fe
         start = 0
         end = len(data)
+        turn = LINES_PER_TURN
         while start < end:
             nl = data.find(_NL, start)
             if nl < 0:
@@ -191,17 +222,36 @@ class StreamProtocol(asyncio.Protocol):
                 line = bytes(self._buffer)
                 self._buffer.clear()
                 if len(line) - line.endswith(b"\r") > fe.max_body_bytes:
-                    self._too_long()
+                    self._too_long(line)
                 else:
                     self._line(line)
             elif nl - start - (nl > start and data[nl - 1] == 13) > fe.max_body_bytes:
-                self._too_long()
+                self._too_long(data[start:start + 16])
             else:
                 self._line(data[start:nl])
             self.line_started = 0.0
             start = nl + 1
             if self._transport is None:
                 return
+            turn -= 1
+            if not turn and start < end:
+                self._backlog = data[start:]
+                self._transport.pause_reading()
+                if not self._write_paused:
+                    fe.loop.call_soon(self._next_turn)
+                return  # else `resume_writing` schedules it
+
+    def _next_turn(self) -> None:
+        """Go on with the lines of a read left in `_backlog`; reading resumes when it is done."""
+        transport, backlog = self._transport, self._backlog
+        if transport is None or not backlog or self._write_paused:
+            return
+        self._backlog = b""
+        if self._fe.draining:
+            return
+        self._lines(backlog)
+        if not self._backlog and not self.read_paused and self._transport is not None:
+            self._transport.resume_reading()
 
     def _partial(self, data: bytes, start: int, end: int) -> None:
         """Keep an unfinished line (or drop it, past the limit) until its newline."""
@@ -211,23 +261,34 @@ class StreamProtocol(asyncio.Protocol):
         if self._skipping:
             return
         if len(self._buffer) + end - start > fe.max_body_bytes + 1:  # (+1: a "\r" may end it)
+            line_start = bytes(self._buffer[:16]) + data[start:start + 16]
             self._buffer.clear()
             self._skipping = True
-            self._too_long()
+            self._too_long(line_start)
             return
         self._buffer += data[start:end]
 
-    def _too_long(self) -> None:
+    def _too_long(self, line_start: bytes) -> None:
+        """A line past max_body_bytes, whose first bytes are `line_start` (16 or more, or
+        the whole line): one -32600 error line, and the rest of the line is skipped; if it
+        starts as an HTTP request line (a URL longer than the limit), closed as `_line`
+        closes on a short one: what follows it could be a valid call."""
+        if _HTTP_START.match(line_start):
+            self._http_request()
+            return
         self._send(self._fe.too_long)
         self._fe.dispatcher.count_refused_body()
+
+    def _http_request(self) -> None:
+        self._send(_HTTP_REQUEST)  # a browser's, or a client on the wrong port
+        self.close()
+        self._transport = None  # read nothing after it
 
     def _line(self, line: bytes) -> None:
         if not line.strip():
             return
         if 65 <= line[0] <= 90 and line.rstrip(b"\r").endswith((b" HTTP/1.1", b" HTTP/1.0")):
-            self._send(_HTTP_REQUEST)  # a browser's, or a client on the wrong port
-            self.close()
-            self._transport = None  # read nothing after it
+            self._http_request()
             return
         fe = self._fe
         self.lines += 1
@@ -263,10 +324,14 @@ class StreamProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self.send_stalled = self._fe.loop.time()
         self._pause()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self.send_stalled = 0.0
+        if self._backlog:
+            self._fe.loop.call_soon(self._next_turn)
         self._maybe_resume()
 
     def _pause(self) -> None:
@@ -279,7 +344,8 @@ class StreamProtocol(asyncio.Protocol):
             self.read_paused = False
             if self.line_started:  # the unfinished line's time restarts with reading
                 self.line_started = self._fe.loop.time()
-            self._transport.resume_reading()
+            if not self._backlog:  # else `_next_turn` resumes reading once it is done
+                self._transport.resume_reading()
 
     # -- closing -----------------------------------------------------------------------
 

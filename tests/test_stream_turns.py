@@ -1,0 +1,67 @@
+"""Bounded work per read on the NDJSON port (attack-a finding 6): the lines of one read
+are handled LINES_PER_TURN at a time, a loop iteration apart, with the flow control
+checked between turns, so one client's pipelined batches neither hold the loop for
+the other connections nor pile up answers past a full write buffer.
+
+Real broker, real Unix socket; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from conftest import sample, scrape_metrics, start_broker, wait_for
+
+from broker.frontend.stream import LINES_PER_TURN
+
+BATCH = b"[" + b",".join([b"1"] * 1000) + b"]\n"  # one line, 1000 -32600 error objects (~72 KB) in answer
+
+
+def errors_sent(b) -> float:
+    return sample(scrape_metrics(b), "rpc_broker_errors_total", code="-32600")
+
+
+def test_one_read_of_many_batches_stops_at_a_full_write_buffer(tmp_path):
+    """A client sends 100 batch lines (200 KB, a read or a few) and reads nothing. Their
+    answers fill the write buffer after a few lines; the lines after the turn in which it
+    filled wait, unread, instead of all being answered into memory at once."""
+    path = str(tmp_path / "b.sock")
+    b = start_broker("--workers", "1", "--stream-socket", path)
+    try:
+        wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            s.setblocking(False)
+            payload, sent = BATCH * 100, 0
+            deadline = time.monotonic() + 5
+            while sent < len(payload) and time.monotonic() < deadline:
+                try:
+                    sent += s.send(payload[sent:])
+                except BlockingIOError:
+                    time.sleep(0.01)
+            # The broker is done with what it will handle: the count stops moving.
+            seen: list[float] = []
+
+            def settled() -> bool:
+                seen.append(errors_sent(b))
+                return len(seen) >= 3 and seen[-1] == seen[-3] > 0
+
+            wait_for(settled, timeout=20, interval=0.3)
+            lines = seen[-1] / 1000
+            # A few lines fill the socket and write buffers; then at most the rest of one turn.
+            assert lines <= 8 + LINES_PER_TURN, f"{lines:.0f} of 100 lines answered to a client reading nothing"
+            # The connection is paused, not stuck: it reads on, once the client reads.
+            s.setblocking(True)
+            s.settimeout(30)
+            received = b""
+            while received.count(b"\n") < 100:
+                chunk = s.recv(1 << 20)
+                assert chunk, "closed before all 100 answers came"
+                received += chunk
+            assert received.count(b"\n") == 100
+        finally:
+            s.close()
+    finally:
+        assert b.stop() == 0, b.read_log()
