@@ -636,6 +636,8 @@ def test_an_app_that_hangs_at_import_is_a_boot_failure(tmp_path):
                      env={"VERSIONED_APP_FILE": str(spec)}, timeout=60)
     message = str(info.value)
     assert message.startswith("broker exited with 3:"), message
-    assert "sent no HELLO in 1.0 s (boot_timeout): killing it" in message, message
-    assert "could not load app 'tests.apps.versioned:registry'" in message, message
+    # Which notices first, the worker's own boot deadline or the start's, is a race: either
+    # way the log says boot_timeout and names the app.
+    assert "sent no HELLO" in message and "boot_timeout" in message, message
+    assert "app 'tests.apps.versioned:registry'" in message, message
     assert time.monotonic() - t0 < 30
