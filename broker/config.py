@@ -109,9 +109,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                    Doc("'module:attribute' of the broker.worker.Registry to serve",
                        rule="module:attribute", metavar="MODULE:ATTR")
                    ] = "broker.demo:registry"
-    rpc_path: Annotated[str, Meta(pattern=r"^/\S*$"),
+    rpc_path: Annotated[str, Meta(pattern=r"^/[^\s?#]*$"),
                         Doc("HTTP path that accepts JSON-RPC POSTs",
-                            rule="starts with '/', no whitespace", metavar="PATH")
+                            rule="starts with '/', no whitespace, '?' or '#' (a query or "
+                                 "fragment is not part of the path it is matched against)",
+                            metavar="PATH")
                         ] = "/"
     stream_port: Annotated[int, Meta(ge=0, le=65535),
                            Doc("also serve newline-delimited JSON-RPC over TCP on host:this "

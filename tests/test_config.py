@@ -252,6 +252,8 @@ def test_bad_toml_values(tmp_path: Path, toml: str, expected: str) -> None:
         ("rpc_path", "rpc"),
         ("rpc_path", "/a b"),
         ("rpc_path", ""),
+        ("rpc_path", "/rpc?v=1"),  # the router matches the path without its query: every call got 404
+        ("rpc_path", "/a#b"),
         ("socket_dir", "/" + "d" * 80),
     ],
 )
@@ -545,7 +547,7 @@ def test_listener_settings_that_do_not_clash(tmp_path: Path) -> None:
     ("env", "expected"),
     [
         ({"RPC_BROKER_APP": "mytools"}, "app = 'mytools': expected module:attribute"),
-        ({"RPC_BROKER_RPC_PATH": "rpc"}, "rpc_path = 'rpc': expected starts with '/', no whitespace"),
+        ({"RPC_BROKER_RPC_PATH": "rpc"}, "rpc_path = 'rpc': expected starts with '/', no whitespace, '?' or '#' (a query or fragment is not part of the path it is matched against)"),
         ({"RPC_BROKER_ALLOWED_HOSTS": "a b"},
          "allowed_hosts = ['a b']: expected host names or IP addresses, without a port; or '*'"),
         ({"RPC_BROKER_ALLOWED_ORIGINS": "x"},
