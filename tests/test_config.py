@@ -40,6 +40,7 @@ EXPECTED_DEFAULTS = {
     "request_timeout": 30.0,
     "max_connections": 10000,
     "max_frame_bytes": 16777216,
+    "max_response_bytes": 33554432,
     "restart_backoff_max": 10.0,
     "cancel_grace": 10.0,
     "socket_dir": "",
@@ -145,6 +146,7 @@ keepalive_timeout = 1
 request_timeout = 0.5
 max_connections = 5
 max_frame_bytes = 65536
+max_response_bytes = 65536
 restart_backoff_max = 0.5
 cancel_grace = 2.5
 socket_dir = "/run/rpc"
@@ -162,7 +164,7 @@ slow = 120.5
         "allowed_hosts": ("rpc.example", "::1"), "allowed_origins": ("https://app.example:8443",), "metrics": False, "metrics_host": "::1", "metrics_port": 0, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
         "worker_concurrency": 1, "sync_prefetch": 0, "max_queue": 0, "max_queue_bytes": 0, "grace_period": 0.0,
-        "keepalive_timeout": 1.0, "request_timeout": 0.5, "max_connections": 5, "max_frame_bytes": 65536, "restart_backoff_max": 0.5,
+        "keepalive_timeout": 1.0, "request_timeout": 0.5, "max_connections": 5, "max_frame_bytes": 65536, "max_response_bytes": 65536, "restart_backoff_max": 0.5,
         "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
     }
     assert cfg.worker_count == 1024

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import typing
+from collections import deque
 
-from broker.dispatch import Dispatcher, Exchange
+from broker.dispatch import Dispatcher, Exchange, ResponseBudget
 from broker.frontend.base import Listener
 from broker.jsonrpc import ErrorCode, error_object, response_error
 
@@ -99,8 +100,8 @@ class StreamFrontend(Listener):
 class StreamProtocol(asyncio.Protocol):
     """One NDJSON client connection."""
 
-    __slots__ = ("_buffer", "_eof", "_fe", "_skipping", "_transport", "_write_paused", "line_started", "owed",
-                 "read_paused")
+    __slots__ = ("_budget", "_buffer", "_eof", "_fe", "_skipping", "_transport", "_waiting",
+                 "_write_paused", "line_started", "owed", "read_paused")
 
     def __init__(self, frontend: StreamFrontend) -> None:
         self._fe = frontend
@@ -111,7 +112,10 @@ class StreamProtocol(asyncio.Protocol):
         self._write_paused = False
         self._eof = False  # the client half-closed: close once nothing is owed
         self.line_started = 0.0  # loop time an incomplete line's first byte came; 0 if none
-        self.owed = 0  # bodies received and not yet answered
+        self.owed = 0  # bodies dispatched and not yet answered
+        # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
+        self._budget = ResponseBudget()
+        self._waiting: deque[bytes] = deque()  # lines not dispatched yet (see _gated), in order
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
@@ -125,7 +129,7 @@ class StreamProtocol(asyncio.Protocol):
     def eof_received(self) -> bool:
         """The client shut its sending side (`nc -N`, socat at the end of input): answer
         what is owed, then close. A last line without its newline is dropped."""
-        if self.owed:
+        if self.owed or self._waiting:
             self._eof = True
             return True  # keep the transport open for writing
         return False
@@ -191,25 +195,57 @@ class StreamProtocol(asyncio.Protocol):
             self.close()
             self._transport = None  # read nothing after it
             return
+        if self._write_paused or self._waiting or self._budget.held >= self._fe.dispatcher.max_response_bytes:
+            self._waiting.append(line)  # (_gated, inlined)
+            self._pause()
+            return
+        self._submit(line)
+
+    def _submit(self, line: bytes) -> None:
         fe = self._fe
-        exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done)
+        exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done, self._budget)
         if exchange is None:
             return
         if exchange.remaining == 0:
             self._send(exchange.body() + _NL)
+            self._budget.written(exchange, self._write_paused)
             return
         self.owed += 1
         if self.owed > PIPELINE_HIGH:
             self._pause()
 
+    def _gated(self) -> bool:
+        """Whether a line must wait before it is dispatched: the client is not taking
+        its answers (the write buffer is above its high-water mark), or the answers it
+        is owed and has not taken reach max_response_bytes (as `http.HttpProtocol`)."""
+        return self._write_paused or self._budget.held >= self._fe.dispatcher.max_response_bytes
+
+    def _dispatch_waiting(self) -> None:
+        """Dispatch the lines that wait, in order, while `_gated` allows."""
+        waiting = self._waiting
+        while waiting and not self._gated() and self._transport is not None:
+            self._submit(waiting.popleft())
+        self._maybe_resume()
+        self._maybe_close()
+
     def _exchange_done(self, exchange: Exchange) -> None:
         self.owed -= 1
         self._send(exchange.body() + _NL)
+        self._budget.written(exchange, self._write_paused)
+        if self._waiting:
+            if not self._gated():  # (not from inside the dispatcher's callback)
+                self._fe.loop.call_soon(self._dispatch_waiting)
+            return
         if self.read_paused and self.owed < PIPELINE_LOW:
             self._maybe_resume()
-        if self._eof and not self.owed:
+        self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        if self.owed or self._waiting:
+            return
+        if self._eof:
             self.close()
-        elif self._fe.draining and not self.owed:
+        elif self._fe.draining:
             self._linger()
 
     def _send(self, data: bytes) -> None:
@@ -227,6 +263,9 @@ class StreamProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._budget.drained()
+        if self._waiting:
+            self._dispatch_waiting()
         self._maybe_resume()
 
     def _pause(self) -> None:
@@ -235,7 +274,10 @@ class StreamProtocol(asyncio.Protocol):
             self._transport.pause_reading()
 
     def _maybe_resume(self) -> None:
-        if self.read_paused and not self._write_paused and self.owed < PIPELINE_LOW and self._transport is not None:
+        if (
+            self.read_paused and not self._write_paused and not self._waiting and self.owed < PIPELINE_LOW
+            and self._transport is not None
+        ):  # fmt: skip
             self.read_paused = False
             if self.line_started:  # the unfinished line's time restarts with reading
                 self.line_started = self._fe.loop.time()
@@ -247,7 +289,7 @@ class StreamProtocol(asyncio.Protocol):
         """Serve no more lines; close now if nothing is owed, else after the last answer."""
         if self._transport is None:
             return
-        if not self.owed:
+        if not self.owed and not self._waiting:
             self._linger()
 
     def _linger(self) -> None:
