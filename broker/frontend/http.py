@@ -342,6 +342,7 @@ class HttpProtocol(asyncio.Protocol):
     __slots__ = (
         "_body",
         "_budget",
+        "_busy",
         "_closing",
         "_content_length",
         "_content_type",
@@ -355,6 +356,7 @@ class HttpProtocol(asyncio.Protocol):
         "_host",
         "_keep_header",
         "_linger",
+        "_one_by_one",
         "_origin",
         "_parser",
         "_probe_only",
@@ -406,6 +408,14 @@ class HttpProtocol(asyncio.Protocol):
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
         self._budget = ResponseBudget()
         self._waiting: deque[_Deferred] = deque()  # requests not dispatched yet, in order
+        # The last one dispatched from `_waiting`: a connection that had to wait gets its
+        # waiting requests dispatched one at a time, each once the one before is answered,
+        # so each has the whole budget (all at once, they would share it).
+        self._busy: Exchange | None = None
+        # Set when the client fell behind (answers were parked in a full write buffer):
+        # its next requests all go through `_waiting`, one at a time, until it is owed
+        # nothing (else those read at once when it resumes would share one budget).
+        self._one_by_one = False
         self.read_paused = False
         self._write_paused = False
         self._closing = False
@@ -515,6 +525,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        if self._budget.parked:
+            self._one_by_one = True
         self._budget.drained()
         if self._waiting:
             self._dispatch_waiting()
@@ -728,11 +740,16 @@ class HttpProtocol(asyncio.Protocol):
         body = self._body
         self._body = b""
         fe = self._fe
-        if self._write_paused or self._waiting or self._budget.held >= fe.dispatcher.max_response_bytes:
+        if (
+            self._write_paused or self._waiting or self._one_by_one
+            or self._budget.held >= fe.dispatcher.max_response_bytes
+        ):  # fmt: skip
             deferred = _Deferred(body, keep_alive, cors)  # (_gated, inlined: one test per request)
             self._waiting.append(deferred)
             self._responses.append(deferred)
             self._pause()
+            if not self._gated():
+                fe.loop.call_soon(self._dispatch_waiting)
             return
         decoded = fe.codec.decode(body)
         exchange = fe.dispatcher.submit(decoded, self._exchange_done, self._budget)
@@ -798,7 +815,10 @@ class HttpProtocol(asyncio.Protocol):
         """Dispatch the requests that wait (`_waiting`), in order, while `_gated` allows."""
         fe = self._fe
         waiting = self._waiting
+        busy = self._busy
         while waiting and not self._gated() and self._transport is not None:
+            if busy is not None and busy.remaining:
+                break  # one at a time: see _busy
             deferred = waiting.popleft()
             body, deferred.body = deferred.body, b""
             exchange = fe.dispatcher.submit(fe.codec.decode(body), self._deferred_done, self._budget)
@@ -807,7 +827,7 @@ class HttpProtocol(asyncio.Protocol):
                 deferred.response = _STATUS_LINES[204] + fe.date + deferred.cors + extra + b"\r\n"
             else:
                 exchange.context = (deferred.keep_alive, deferred.cors) if deferred.cors else deferred.keep_alive
-                deferred.exchange = exchange
+                deferred.exchange = busy = self._busy = exchange
         if self._transport is not None:
             self._flush_ready()  # (an exchange complete at once is not called back)
             self._maybe_resume()
@@ -864,6 +884,8 @@ class HttpProtocol(asyncio.Protocol):
                 return
         if self._waiting and not self._gated():  # (not from inside the dispatcher's callback)
             self._fe.loop.call_soon(self._dispatch_waiting)
+        elif not responses:
+            self._one_by_one = False
         if self.read_paused and len(responses) < PIPELINE_LOW:
             self._maybe_resume()
 

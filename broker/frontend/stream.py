@@ -100,8 +100,21 @@ class StreamFrontend(Listener):
 class StreamProtocol(asyncio.Protocol):
     """One NDJSON client connection."""
 
-    __slots__ = ("_budget", "_buffer", "_eof", "_fe", "_skipping", "_transport", "_waiting",
-                 "_write_paused", "line_started", "owed", "read_paused")
+    __slots__ = (
+        "_budget",
+        "_buffer",
+        "_busy",
+        "_eof",
+        "_fe",
+        "_one_by_one",
+        "_skipping",
+        "_transport",
+        "_waiting",
+        "_write_paused",
+        "line_started",
+        "owed",
+        "read_paused",
+    )
 
     def __init__(self, frontend: StreamFrontend) -> None:
         self._fe = frontend
@@ -116,6 +129,12 @@ class StreamProtocol(asyncio.Protocol):
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
         self._budget = ResponseBudget()
         self._waiting: deque[bytes] = deque()  # lines not dispatched yet (see _gated), in order
+        # The last line dispatched from `_waiting`: they go one at a time, each once the one
+        # before is answered, so each has the whole budget (as for HTTP).
+        self._busy: Exchange | None = None
+        # Set when the client fell behind: its next lines all go through `_waiting`, one
+        # at a time, until it is owed nothing (as for HTTP).
+        self._one_by_one = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
@@ -195,24 +214,31 @@ class StreamProtocol(asyncio.Protocol):
             self.close()
             self._transport = None  # read nothing after it
             return
-        if self._write_paused or self._waiting or self._budget.held >= self._fe.dispatcher.max_response_bytes:
+        if (
+            self._write_paused or self._waiting or self._one_by_one
+            or self._budget.held >= self._fe.dispatcher.max_response_bytes
+        ):  # fmt: skip
             self._waiting.append(line)  # (_gated, inlined)
             self._pause()
+            if not self._gated():
+                self._fe.loop.call_soon(self._dispatch_waiting)
             return
         self._submit(line)
 
-    def _submit(self, line: bytes) -> None:
+    def _submit(self, line: bytes) -> Exchange | None:
+        """Dispatch one line; return its exchange if answers are still owed for it."""
         fe = self._fe
         exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done, self._budget)
         if exchange is None:
-            return
+            return None
         if exchange.remaining == 0:
             self._send(exchange.body() + _NL)
             self._budget.written(exchange, self._write_paused)
-            return
+            return None
         self.owed += 1
         if self.owed > PIPELINE_HIGH:
             self._pause()
+        return exchange
 
     def _gated(self) -> bool:
         """Whether a line must wait before it is dispatched: the client is not taking
@@ -224,7 +250,10 @@ class StreamProtocol(asyncio.Protocol):
         """Dispatch the lines that wait, in order, while `_gated` allows."""
         waiting = self._waiting
         while waiting and not self._gated() and self._transport is not None:
-            self._submit(waiting.popleft())
+            busy = self._busy
+            if busy is not None and busy.remaining:
+                break  # one at a time: see _busy
+            self._busy = self._submit(waiting.popleft())
         self._maybe_resume()
         self._maybe_close()
 
@@ -236,6 +265,8 @@ class StreamProtocol(asyncio.Protocol):
             if not self._gated():  # (not from inside the dispatcher's callback)
                 self._fe.loop.call_soon(self._dispatch_waiting)
             return
+        if not self.owed:
+            self._one_by_one = False
         if self.read_paused and self.owed < PIPELINE_LOW:
             self._maybe_resume()
         self._maybe_close()
@@ -263,6 +294,8 @@ class StreamProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        if self._budget.parked:
+            self._one_by_one = True
         self._budget.drained()
         if self._waiting:
             self._dispatch_waiting()
