@@ -125,6 +125,7 @@ BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its 
 _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
 _clock = time.perf_counter
 _NO_ID = Raw()
+_SPLICE_BYTES = len(response_result(b"", b""))  # an answer's bytes besides its id and result (or error)
 _TOO_LARGE_MARK = memoryview(b"")  # (_fill_chunk: an entry answered past max_response_bytes)
 
 
@@ -236,7 +237,7 @@ class Exchange(msgspec.Struct, eq=False):
     answers: list[bytes | None] = []
     remaining: int = 0
     context: object = None
-    budget: ResponseBudget | None = None
+    budget: ResponseBudget = None  # type: ignore[assignment]  # (submit always gives one)
     size: int = 0
 
     def fill(self, slot: int, answer: bytes, status: int = 200) -> None:
@@ -878,28 +879,18 @@ class Dispatcher:
                 else:  # one ERROR for the whole chunk
                     self._fail_chunk(call, exchange, payload, True)
             else:
-                answer = response_result(call.id, payload) if kind == _RESULT else response_error(call.id, payload)
-                budget = typing.cast(ResponseBudget, exchange.budget)
-                held = budget.held + len(answer)
-                if held <= self.max_response_bytes:  # (the answers owed on its connection)
-                    budget.held = held
-                    exchange.size += len(answer)
-                    if kind == _RESULT:
-                        if metrics is not None:
-                            metrics.result(call.index, _clock() - call.arrival, aux)
-                        exchange.fill(call.slot, answer)
-                        answer = b""
-                    else:
-                        code = _error_code(payload)
-                else:
-                    answer = self._oversize(call.id)
-                    budget.held += len(answer)
-                    exchange.size += len(answer)
-                    code = ErrorCode.INTERNAL_ERROR
-                if answer:
+                # The answer's size, counted before it is made: the answers owed on its
+                # connection may not go past max_response_bytes (see ResponseBudget).
+                size = len(payload) + len(call.id) + _SPLICE_BYTES
+                budget = exchange.budget
+                if budget.held + size <= self.max_response_bytes and kind == _RESULT:
+                    budget.held += size
+                    exchange.size += size
                     if metrics is not None:
-                        metrics.answered(call.index, code, _clock() - call.arrival)
-                    exchange.fill(call.slot, answer, http_status(code))
+                        metrics.result(call.index, _clock() - call.arrival, aux)
+                    exchange.fill(call.slot, response_result(call.id, payload))
+                else:
+                    self._answer_error(call, exchange, payload, size)
         elif call.tick:  # a notification
             self._deadlines.remove(call)
         else:  # its deadline passed: the client has its answer already
@@ -908,6 +899,23 @@ class Dispatcher:
             self._pump()
         elif not self.accepting and not self._pending:
             self._idle.set()
+
+    def _answer_error(self, call: Call, exchange: Exchange, error: bytes, size: int) -> None:
+        """Fill a single call's slot with the worker's error object `error` (`size`: the
+        answer's bytes), or with -32603 if the answer would take its connection's answers
+        owed past max_response_bytes (a result too: then `error` is that result)."""
+        budget = exchange.budget
+        if budget.held + size <= self.max_response_bytes:
+            code = _error_code(error)
+            answer = response_error(call.id, error)
+        else:
+            code = ErrorCode.INTERNAL_ERROR
+            answer = self._oversize(call.id)
+        budget.held += len(answer)
+        exchange.size += len(answer)
+        if self.metrics is not None:
+            self.metrics.answered(call.index, code, _clock() - call.arrival)
+        exchange.fill(call.slot, answer, http_status(code))
 
     def _oversize(self, id_: Raw) -> bytes:
         """The -32603 answer (small: the caller counts it in the budget all the same) for
@@ -977,10 +985,7 @@ class Dispatcher:
         join = b"".join
         end = len(payload)
         pos = filled = 0
-        budget = typing.cast(ResponseBudget, exchange.budget)
-        held = budget.held  # bytes owed on the connection (written back before on_done)
-        limit = self.max_response_bytes
-        added = 0
+        room = start = self.max_response_bytes - exchange.budget.held  # what the connection may still be owed
         refused: set[int] | None = None  # entries answered -32603 past max_response_bytes
         while pos < end:
             i, entry_kind, length = unpack(payload, pos)
@@ -992,15 +997,16 @@ class Dispatcher:
                     answer = join((_RESP_HEAD, ids[i], _RESP_RESULT, result, b"}"))  # response_result, inline
                 else:
                     answer = response_error(ids[i], result)
-                if held + len(answer) > limit:
+                room -= len(answer)
+                if room < 0:
+                    room += len(answer)
                     answer = self._oversize(ids[i])
+                    room -= len(answer)  # (admitted past the limit: it is small)
                     entry_kind = _ERROR
                     if refused is None:
                         refused = set()
                     refused.add(i)
                     result = _TOO_LARGE_MARK
-                held += len(answer)
-                added += len(answer)
                 answers[slot] = answer
                 if entry_kind == _RESULT:
                     results += 1
@@ -1012,8 +1018,8 @@ class Dispatcher:
                     )
                 filled += 1
             pos += length
-        budget.held = held
-        exchange.size += added
+        exchange.budget.held += start - room  # (before on_done: see filled below)
+        exchange.size += start - room
         if results and metrics is not None:
             latency = _clock() - call.arrival
             methods = typing.cast(list[int], call.methods)
@@ -1039,7 +1045,7 @@ class Dispatcher:
         code = _error_code(error)
         latency = _clock() - call.arrival
         methods = typing.cast(list[int], call.methods)
-        budget = typing.cast(ResponseBudget, exchange.budget)
+        budget = exchange.budget
         limit = self.max_response_bytes
         for i, (slot, id_) in enumerate(zip(typing.cast(list[int], call.slots), typing.cast(list[Raw], call.ids))):
             if slot >= 0 and answers[slot] is None:
@@ -1135,7 +1141,7 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.answered(call.index, code, _clock() - call.arrival)
         answer = response_error(call.id, error)  # (a broker error: small, counted all the same)
-        typing.cast(ResponseBudget, exchange.budget).held += len(answer)
+        exchange.budget.held += len(answer)
         exchange.size += len(answer)
         if remaining:
             exchange.fill(call.slot, answer, http_status(code))

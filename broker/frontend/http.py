@@ -734,17 +734,20 @@ class HttpProtocol(asyncio.Protocol):
         answers it is owed and has not taken reach max_response_bytes. Then what it is
         owed is bounded by that, whatever it pipelines (aiohttp and uvicorn stop reading
         requests while a client does not read; nginx's proxy_buffers bound a response)."""
-        return self._write_paused or self._budget.held >= self._fe.dispatcher.max_response_bytes
+        return self._write_paused or self._budget.held >= self._fe.max_response_bytes
 
     def _rpc(self, keep_alive: bool, cors: bytes = b"") -> None:
         body = self._body
         self._body = b""
         fe = self._fe
-        if (
+        # (_gated, inlined. With nothing owed, the write buffer below its high mark and the
+        # client not behind, it is open: `held` counts what is owed, or parked while the
+        # buffer is full.)
+        if (self._responses or self._write_paused or self._one_by_one) and (
             self._write_paused or self._waiting or self._one_by_one
-            or self._budget.held >= fe.dispatcher.max_response_bytes
+            or self._budget.held >= fe.max_response_bytes
         ):  # fmt: skip
-            deferred = _Deferred(body, keep_alive, cors)  # (_gated, inlined: one test per request)
+            deferred = _Deferred(body, keep_alive, cors)
             self._waiting.append(deferred)
             self._responses.append(deferred)
             self._pause()

@@ -216,7 +216,7 @@ class StreamProtocol(asyncio.Protocol):
             return
         if (
             self._write_paused or self._waiting or self._one_by_one
-            or self._budget.held >= self._fe.dispatcher.max_response_bytes
+            or self._budget.held >= self._fe.max_response_bytes
         ):  # fmt: skip
             self._waiting.append(line)  # (_gated, inlined)
             self._pause()
@@ -244,7 +244,7 @@ class StreamProtocol(asyncio.Protocol):
         """Whether a line must wait before it is dispatched: the client is not taking
         its answers (the write buffer is above its high-water mark), or the answers it
         is owed and has not taken reach max_response_bytes (as `http.HttpProtocol`)."""
-        return self._write_paused or self._budget.held >= self._fe.dispatcher.max_response_bytes
+        return self._write_paused or self._budget.held >= self._fe.max_response_bytes
 
     def _dispatch_waiting(self) -> None:
         """Dispatch the lines that wait, in order, while `_gated` allows."""
