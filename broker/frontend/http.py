@@ -45,6 +45,11 @@ pod IP as Host. The headers are kept in `on_header`; `_route` refuses in one pla
 Flow control (aiohttp and uvicorn do the same): reading pauses while the transport's
 write buffer is above its high-water mark, or while more than `PIPELINE_HIGH`
 requests wait for answers on one connection, and resumes below the low marks.
+Memory for answers: the answers a connection is owed and its client has not read stay
+under `max_response_bytes` (`dispatch.ResponseBudget`; results past it are answered
+-32603). While it is reached, or the client is not reading, requests already read wait
+undispatched (`_Deferred` in `_waiting`, holding their place in `_responses`), and go
+one at a time once the client reads (`_busy`, `_one_by_one`).
 One sweep per second for all connections, not a timer per request, closes idle
 connections (nothing owed, no bytes for `keepalive_timeout` seconds) and answers 408
 to requests under way for longer than `request_timeout` (nginx's

@@ -20,6 +20,10 @@ Limits:
     left open (streams are long-lived, like an IPC socket)
     reading pauses while more than `PIPELINE_HIGH` bodies wait for answers on one
     connection, or while its write buffer is full
+    the answers a connection is owed and has not read stay under `max_response_bytes`
+    (`dispatch.ResponseBudget`: results past it are answered -32603); while it is
+    reached, or the client is not reading, the lines read wait undispatched in
+    `_waiting`, and go one at a time once it reads (`_busy`, `_one_by_one`)
     `max_connections` per listener, as for HTTP: past it a connection is closed at once
     (with no line: there is no request to answer)
     a line that is an HTTP request line (`POST / HTTP/1.1`) is answered with one -32600
