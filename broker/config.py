@@ -212,6 +212,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                Doc("largest worker wire frame: a call's params or "
                                    "result, and the worker's method list")
                                ] = 16 * MIB
+    max_response_bytes: Annotated[Bytes, Meta(ge=64 * KIB, le=1 * GIB),
+                                  Doc("answers one client connection may be owed and not have "
+                                      "read, in bytes (one response or batch array, or several "
+                                      "pipelined); a result past it is answered with -32603, "
+                                      "and the connection's next requests wait while it is "
+                                      "reached or the client is not reading")
+                                  ] = 32 * MIB
     restart_backoff_max: Annotated[Seconds, Meta(gt=0, le=DAY),
                                    Doc("cap of the exponential backoff between "
                                        "restarts of a crashing worker")

@@ -102,7 +102,7 @@ from broker.metrics import CallMetrics
 if typing.TYPE_CHECKING:
     from broker.pool import Worker
 
-__all__ = ["Call", "Dispatcher", "DispatcherStats", "Exchange", "Route"]
+__all__ = ["Call", "Dispatcher", "DispatcherStats", "Exchange", "ResponseBudget", "Route"]
 
 log = logging.getLogger("broker.dispatch")
 
@@ -126,6 +126,8 @@ BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its 
 _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
 _clock = time.perf_counter
 _NO_ID = Raw()
+_SPLICE_BYTES = len(response_result(b"", b""))  # an answer's bytes besides its id and result (or error)
+_TOO_LARGE_MARK = memoryview(b"")  # (_fill_chunk: an entry answered past max_response_bytes)
 
 
 def _error_code(error: bytes) -> int:
@@ -181,6 +183,39 @@ def _hold(call: Call) -> None:
     call.held = _held(call)
 
 
+class ResponseBudget:
+    """Bytes of answers owed on one connection and not yet written to it (`held`).
+
+    Shared by the `Exchange`s of one connection: the dispatcher adds each answer it
+    puts in a slot (`Exchange.size` too) and refuses one that would take `held` past
+    `max_response_bytes`; the front-end takes an exchange's `size` back off when it
+    writes (or drops) its answer. So the answers a connection is owed at once, whether
+    one response, one batch array or several pipelined bodies, hold at most
+    `max_response_bytes` (nginx's proxy_buffers play the same part for a proxy).
+    """
+
+    __slots__ = ("held", "parked")
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.parked = 0  # (in `held`) answers written while the write buffer was past its high mark
+
+    def written(self, exchange: Exchange, write_paused: bool) -> None:
+        """The answer of `exchange` was written: its bytes leave `held` now, or when the
+        transport's buffer drains (`drained`) if it was past its high-water mark."""
+        if write_paused:
+            self.parked += exchange.size
+        else:
+            self.held -= exchange.size
+        exchange.size = 0
+
+    def drained(self) -> None:
+        """The write buffer went below its low-water mark (`resume_writing`): the client
+        took the answers written while it was full."""
+        self.held -= self.parked
+        self.parked = 0
+
+
 class Exchange(msgspec.Struct, eq=False):
     """The answers owed for one request body: a single response or a batch array.
 
@@ -190,6 +225,8 @@ class Exchange(msgspec.Struct, eq=False):
     answers: one entry per answered element, in request order; None until filled.
     remaining: slots still waiting for a worker.
     context: the front-end's own per-request state.
+    budget: the connection's `ResponseBudget` (its own when the caller gave none).
+    size: bytes of the answers the dispatcher filled (counted in `budget.held`).
 
     A Struct (as `Call`): one is made per request, and a Struct's C `__init__` costs
     a fraction of a Python one's.
@@ -201,6 +238,8 @@ class Exchange(msgspec.Struct, eq=False):
     answers: list[bytes | None] = []
     remaining: int = 0
     context: object = None
+    budget: ResponseBudget = None  # type: ignore[assignment]  # (submit always gives one)
+    size: int = 0
 
     def fill(self, slot: int, answer: bytes, status: int = 200) -> None:
         """Put one response in its slot; call back if it was the last one."""
@@ -405,6 +444,10 @@ class Dispatcher:
         call; see the module docstring.
     metrics: where to count answers, latencies and batch sizes (`metrics.CallMetrics`),
         or None.
+    max_response_bytes: bytes of answers one connection may be owed at once and not
+        yet written (its `ResponseBudget`; an exchange with no budget has its own):
+        a result or error object that would go past it is answered with -32603
+        "response exceeds max_response_bytes N" instead (counted in `oversize_total`).
     """
 
     def __init__(
@@ -418,8 +461,14 @@ class Dispatcher:
         cancel_grace: float = 10.0,
         sync_prefetch: int = 1,
         metrics: CallMetrics | None = None,
+        max_response_bytes: int = 32 * 1024 * 1024,
     ) -> None:
         self._loop = loop
+        self.max_response_bytes = max_response_bytes
+        self._too_large = error_object(
+            ErrorCode.INTERNAL_ERROR, data=f"response exceeds max_response_bytes {max_response_bytes}"
+        )
+        self.oversize_total = 0  # answers refused past max_response_bytes
         self.metrics = metrics  # None: count nothing per call (metrics off)
         self._cancel_grace = cancel_grace
         self._sync_limit = 1 + sync_prefetch  # a worker's limit while busy in a sync call
@@ -602,28 +651,32 @@ class Dispatcher:
 
     # -- the hot path ------------------------------------------------------------------
 
-    def submit(self, body: Body, on_done: Callable[[Exchange], None]) -> Exchange | None:
+    def submit(
+        self, body: Body, on_done: Callable[[Exchange], None], budget: ResponseBudget | None = None
+    ) -> Exchange | None:
         """Start every call of a decoded body; return its `Exchange`.
 
         Returns None when nothing is owed (only notifications). If the returned
         exchange has `remaining == 0` it is complete already and `on_done` will not
-        be called: the caller answers at once.
+        be called: the caller answers at once. `budget`: the connection's (see
+        `ResponseBudget`); the caller releases the exchange from it once its answer
+        is written. None: the exchange gets its own (`max_response_bytes` per body).
         """
+        if budget is None:
+            budget = ResponseBudget()
         if not body.batch:  # the common case first: one call to a registered method
             request = body.items[0]
             if type(request) is Request and request.id:
                 route = self._routes.get(request.method)
                 if route is not None:
-                    exchange = Exchange(False, 200, on_done)
-                    exchange.answers.append(None)
-                    exchange.remaining = 1
+                    exchange = Exchange(False, 200, on_done, [None], 1, None, budget)
                     self.calls_total += 1
                     self._start(
                         Call.of(next(self._ids), exchange, 0, request, route, _clock()),
                         self._loop.time(),
                     )
                     return exchange
-        exchange = Exchange(body.batch, body.status, on_done)
+        exchange = Exchange(body.batch, body.status, on_done, budget=budget)
         entries = self._entries(body, exchange)
         now = self._loop.time()  # for deadlines (uvloop: milliseconds, cached per loop turn)
         arrival = _clock()  # for latencies
@@ -845,15 +898,19 @@ class Dispatcher:
                         self._learn_chunk(call, aux)
                 else:  # one ERROR for the whole chunk
                     self._fail_chunk(call, exchange, payload, True)
-            elif kind == _RESULT:
-                if metrics is not None:
-                    metrics.result(call.index, _clock() - call.arrival, aux)
-                exchange.fill(call.slot, response_result(call.id, payload))
             else:
-                code = _error_code(payload)
-                if metrics is not None:
-                    metrics.answered(call.index, code, _clock() - call.arrival)
-                exchange.fill(call.slot, response_error(call.id, payload), http_status(code))
+                # The answer's size, counted before it is made: the answers owed on its
+                # connection may not go past max_response_bytes (see ResponseBudget).
+                size = len(payload) + len(call.id) + _SPLICE_BYTES
+                budget = exchange.budget
+                if budget.held + size <= self.max_response_bytes and kind == _RESULT:
+                    budget.held += size
+                    exchange.size += size
+                    if metrics is not None:
+                        metrics.result(call.index, _clock() - call.arrival, aux)
+                    exchange.fill(call.slot, response_result(call.id, payload))
+                else:
+                    self._answer_error(call, exchange, payload, size)
         elif call.tick:  # a notification
             self._deadlines.remove(call)
         else:  # its deadline passed: the client has its answer already
@@ -862,6 +919,33 @@ class Dispatcher:
             self._pump()
         elif not self.accepting and not self._pending:
             self._idle.set()
+
+    def _answer_error(self, call: Call, exchange: Exchange, error: bytes, size: int) -> None:
+        """Fill a single call's slot with the worker's error object `error` (`size`: the
+        answer's bytes), or with -32603 if the answer would take its connection's answers
+        owed past max_response_bytes (a result too: then `error` is that result)."""
+        budget = exchange.budget
+        if budget.held + size <= self.max_response_bytes:
+            code = _error_code(error)
+            answer = response_error(call.id, error)
+        else:
+            code = ErrorCode.INTERNAL_ERROR
+            answer = self._oversize(call.id)
+        budget.held += len(answer)
+        exchange.size += len(answer)
+        if self.metrics is not None:
+            self.metrics.answered(call.index, code, _clock() - call.arrival)
+        exchange.fill(call.slot, answer, http_status(code))
+
+    def _oversize(self, id_: Raw) -> bytes:
+        """The -32603 answer (small: the caller counts it in the budget all the same) for
+        call `id_`, whose own answer would take its connection's answers owed past
+        max_response_bytes."""
+        self.oversize_total += 1
+        if self.oversize_total == 1 or self.oversize_total % 1000 == 0:
+            log.warning("answers refused: response exceeds max_response_bytes %d (%d so far)",
+                        self.max_response_bytes, self.oversize_total)
+        return response_error(id_, self._too_large)
 
     def _reclassify(self, index: int, est: int) -> None:
         """A sync method's estimate crossed BLOCKING_US: route its calls accordingly."""
@@ -921,6 +1005,8 @@ class Dispatcher:
         join = b"".join
         end = len(payload)
         pos = filled = 0
+        room = start = self.max_response_bytes - exchange.budget.held  # what the connection may still be owed
+        refused: set[int] | None = None  # entries answered -32603 past max_response_bytes
         while pos < end:
             i, entry_kind, length = unpack(payload, pos)
             pos += size
@@ -928,18 +1014,32 @@ class Dispatcher:
             if slot >= 0 and answers[slot] is None:
                 result = view[pos : pos + length]
                 if entry_kind == _RESULT:
-                    answers[slot] = join((_RESP_HEAD, ids[i], _RESP_RESULT, result, b"}"))  # response_result, inline
-                    results += 1
+                    answer = join((_RESP_HEAD, ids[i], _RESP_RESULT, result, b"}"))  # response_result, inline
                 else:
-                    answers[slot] = response_error(ids[i], result)
-                    if metrics is not None:
-                        metrics.answered(
-                            typing.cast(list[int], call.methods)[i],
-                            _error_code(bytes(result)),
-                            _clock() - call.arrival,
-                        )
+                    answer = response_error(ids[i], result)
+                room -= len(answer)
+                if room < 0:
+                    room += len(answer)
+                    answer = self._oversize(ids[i])
+                    room -= len(answer)  # (admitted past the limit: it is small)
+                    entry_kind = _ERROR
+                    if refused is None:
+                        refused = set()
+                    refused.add(i)
+                    result = _TOO_LARGE_MARK
+                answers[slot] = answer
+                if entry_kind == _RESULT:
+                    results += 1
+                elif metrics is not None:
+                    metrics.answered(
+                        typing.cast(list[int], call.methods)[i],
+                        ErrorCode.INTERNAL_ERROR if result is _TOO_LARGE_MARK else _error_code(bytes(result)),
+                        _clock() - call.arrival,
+                    )
                 filled += 1
             pos += length
+        exchange.budget.held += start - room  # (before on_done: see filled below)
+        exchange.size += start - room
         if results and metrics is not None:
             latency = _clock() - call.arrival
             methods = typing.cast(list[int], call.methods)
@@ -950,7 +1050,7 @@ class Dispatcher:
                 pos = 0
                 while pos < end:
                     i, entry_kind, length = unpack(payload, pos)
-                    if entry_kind == _RESULT and slots[i] >= 0:
+                    if entry_kind == _RESULT and slots[i] >= 0 and (refused is None or i not in refused):
                         mix[methods[i]] += 1
                     pos += size + length
             for index, n in mix.items():
@@ -965,12 +1065,21 @@ class Dispatcher:
         code = _error_code(error)
         latency = _clock() - call.arrival
         methods = typing.cast(list[int], call.methods)
+        budget = exchange.budget
+        limit = self.max_response_bytes
         for i, (slot, id_) in enumerate(zip(typing.cast(list[int], call.slots), typing.cast(list[Raw], call.ids))):
             if slot >= 0 and answers[slot] is None:
-                answers[slot] = response_error(id_, error)
-                count += 1
-                if metrics is not None:
+                answer = response_error(id_, error)
+                if budget.held + len(answer) > limit:  # (a worker's error object can be large)
+                    answer = self._oversize(id_)
+                    if metrics is not None:
+                        metrics.answered(methods[i], ErrorCode.INTERNAL_ERROR, latency)
+                elif metrics is not None:
                     metrics.answered(methods[i], code, latency)
+                budget.held += len(answer)
+                exchange.size += len(answer)
+                answers[slot] = answer
+                count += 1
         if remaining:
             exchange.filled(count)
         else:
@@ -1051,11 +1160,14 @@ class Dispatcher:
             return
         if self.metrics is not None:
             self.metrics.answered(call.index, code, _clock() - call.arrival)
+        answer = response_error(call.id, error)  # (a broker error: small, counted all the same)
+        exchange.budget.held += len(answer)
+        exchange.size += len(answer)
         if remaining:
-            exchange.fill(call.slot, response_error(call.id, error), http_status(code))
+            exchange.fill(call.slot, answer, http_status(code))
         else:
             exchange.remaining -= 1
-            exchange.answers[call.slot] = response_error(call.id, error)
+            exchange.answers[call.slot] = answer
             if not exchange.batch:
                 exchange.status = http_status(code)
 

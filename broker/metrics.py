@@ -336,6 +336,11 @@ class BrokerCollector(Collector):
             "no answer, so this is their only trace).", ["reason"],
             [([reason], d.notifications_dropped.get(code, 0)) for code, reason in DROP_REASONS.items()],
         )  # fmt: skip
+        yield _family_counter(
+            "rpc_broker_responses_oversize", "Results (or error objects) answered -32603 instead, because they "
+            "would take the answers their connection is owed past max_response_bytes.", [],
+            [([], d.oversize_total)],
+        )  # fmt: skip
         yield from self._http()
         yield from self._workers()
         yield _family_gauge(

@@ -158,6 +158,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         cancel_grace=config.cancel_grace,
         sync_prefetch=config.sync_prefetch,
         metrics=CallMetrics() if config.metrics else None,
+        max_response_bytes=config.max_response_bytes,
     )
     pool = Pool(
         dispatcher,

@@ -41,6 +41,7 @@ EXPECTED_DEFAULTS = {
     "send_timeout": 60.0,
     "max_connections": 10000,
     "max_frame_bytes": 16777216,
+    "max_response_bytes": 33554432,
     "restart_backoff_max": 10.0,
     "boot_timeout": 60.0,
     "cancel_grace": 10.0,
@@ -148,6 +149,7 @@ request_timeout = 0.5
 send_timeout = 7.5
 max_connections = 5
 max_frame_bytes = 65536
+max_response_bytes = 65536
 restart_backoff_max = 0.5
 boot_timeout = 3
 cancel_grace = 2.5
@@ -166,7 +168,8 @@ slow = 120.5
         "allowed_hosts": ("rpc.example", "::1"), "allowed_origins": ("https://app.example:8443",), "metrics": False, "metrics_host": "::1", "metrics_port": 0, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
         "worker_concurrency": 1, "sync_prefetch": 0, "max_queue": 0, "max_queue_bytes": 0, "grace_period": 0.0,
-        "keepalive_timeout": 1.0, "request_timeout": 0.5, "send_timeout": 7.5, "max_connections": 5, "max_frame_bytes": 65536, "restart_backoff_max": 0.5,
+        "keepalive_timeout": 1.0, "request_timeout": 0.5, "send_timeout": 7.5, "max_connections": 5, "max_frame_bytes": 65536,
+        "max_response_bytes": 65536, "restart_backoff_max": 0.5,
         "boot_timeout": 3.0, "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
     }
     assert cfg.worker_count == 1024

@@ -562,3 +562,47 @@ def test_a_deadline_the_wheel_cannot_hold_is_refused_at_construction(seconds):
         Dispatcher(loop, timeout=86400.0, method_timeouts={"add": 86400.0})
 
     run(main)
+
+
+def test_answers_owed_on_one_connection_share_max_response_bytes_and_are_given_back():
+    """The exchanges of one connection share its ResponseBudget: a result (single call or
+    in a chunk) that would take what the connection is owed past max_response_bytes is
+    answered -32603 with its own id; writing an answer gives its bytes back (written), at
+    once or, past the write buffer's high mark, once it drains; the budget is exact."""
+    from broker.dispatch import ResponseBudget
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), max_response_bytes=1000)
+        d.set_methods(["blob"])
+        w = add_worker(d, 0, concurrency=100)
+        codec = Codec()
+        budget = ResponseBudget()
+        done: list[Exchange] = []
+        result = b'"' + b"x" * 398 + b'"'  # 400 bytes: two fit in 1000, with the splice
+        first = d.submit(body(codec, req("blob", [], 1)), done.append, budget)
+        batch = d.submit(body(codec, [req("blob", [], f"b{i}") for i in range(4)]), done.append, budget)
+        assert first is not None and batch is not None
+        single, chunk = w.channel.take()
+        d.on_reply(w, wire.Kind.RESULT, single[1], 0, result)
+        assert budget.held == first.size == len(first.answers[0] or b"") > 400
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 0, chunk_reply(chunk, body_=result))
+        answers = [json.loads(a or b"") for a in batch.answers]
+        assert [a["id"] for a in answers] == ["b0", "b1", "b2", "b3"]
+        assert ["result" in a for a in answers] == [True, False, False, False]  # 1 + 1 fit
+        for a in answers[1:]:
+            assert a["error"] == {"code": -32603, "message": "Internal error",
+                                  "data": "response exceeds max_response_bytes 1000"}
+        assert d.oversize_total == 3 and len(done) == 2
+        assert budget.held == first.size + batch.size == sum(len(a or b"") for a in [*first.answers, *batch.answers])
+        budget.written(first, write_paused=True)  # parked until the buffer drains
+        assert budget.held == first.size + batch.size + budget.parked and first.size == 0
+        budget.drained()
+        budget.written(batch, write_paused=False)
+        assert (budget.held, budget.parked) == (0, 0)
+        again = d.submit(body(codec, req("blob", [], 2)), done.append, budget)
+        assert again is not None
+        [frame] = w.channel.take()
+        d.on_reply(w, wire.Kind.RESULT, frame[1], 0, result)
+        assert json.loads(again.answers[0] or b"")["result"] == "x" * 398  # room again
+
+    run(main)

@@ -185,8 +185,11 @@ def test_silent_connections_at_the_limit_make_room_after_a_second(broker_factory
     from broker.frontend.http import PROBE_RESERVE
 
     b = broker_factory("--workers", "1", "--max-connections", "4")
-    silent = [Conn(b) for _ in range(4 + PROBE_RESERVE)]  # accepted before the probe below
+    silent = []  # accepted before the probe below
     try:
+        for _ in range(4 + PROBE_RESERVE):
+            silent.append(Conn(b))
+            time.sleep(0.005)  # apart in the loop's clock (1 ms steps): "the oldest" is one connection
 
         def served(request: bytes) -> bool:
             with Conn(b) as c:

@@ -24,7 +24,7 @@ from test_stream import free_port
 
 SEND_TIMEOUT = 2.0
 CONNECTIONS = 40
-HELD_KIB = 20 * 1024  # what the non-readers' answers must at least hold in the broker (~70 MB seen)
+HELD_KIB = 20 * 1024  # growth a second round must stay well under (without bounds: ~70 MB a round)
 BATCH = b"[" + b",".join([b"1"] * 1000) + b"]"  # 1000 invalid elements: 1000 error objects
 
 
@@ -79,21 +79,17 @@ def test_clients_that_never_read_are_closed_within_send_timeout_and_their_memory
     """Two rounds of CONNECTIONS clients that pipeline requests and never read: each
     round's connections are aborted within send_timeout, and the memory their unsent
     answers held is freed for reuse: the second round leaves the broker no bigger than
-    the first did (RSS itself need not fall: the allocator may keep freed heap pages)."""
+    the first did (RSS itself need not fall: the allocator may keep freed heap pages).
+    Since max_response_bytes, a non-reader's requests wait undispatched once its write
+    buffer is full, so what a round holds is bounded (test_response_limits measures it)."""
     b, stream_port = tb
     port = b.port if transport == "http" else stream_port
     payload = http_request(BATCH) * 120 if transport == "http" else (BATCH + b"\n") * 120
     baseline = open_connections(b, transport)
 
     def one_round() -> int:
-        rss_before = rss_kib(b.pid)
         socks = [non_reader((b.host, port), payload, seconds=0.5) for _ in range(CONNECTIONS)]
         try:
-            # The unsent answers pile up in the broker (about 2 MB per connection here);
-            # in the second round, in the memory the first round's freed.
-            if rss_before < first_peak[0]:
-                wait_for(lambda: rss_kib(b.pid) - rss_before > HELD_KIB, timeout=20)
-                first_peak[0] = rss_kib(b.pid)
             # Aborted within send_timeout, plus a sweep (1 s), plus margin for a loaded machine.
             wait_for(lambda: open_connections(b, transport) <= baseline, timeout=SEND_TIMEOUT + 20)
             for s in socks:  # the client sees the connection end (reset, or EOF after the data)
@@ -109,7 +105,6 @@ def test_clients_that_never_read_are_closed_within_send_timeout_and_their_memory
                 s.close()
         return rss_kib(b.pid)
 
-    first_peak = [1 << 62]
     after_first = one_round()
     after_second = one_round()
     assert after_second - after_first < HELD_KIB / 2, (after_first, after_second)

@@ -8,6 +8,7 @@ Real broker, real Unix socket; every wait is bounded.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -22,6 +23,17 @@ def errors_sent(b) -> float:
     return sample(scrape_metrics(b), "rpc_broker_errors_total", code="-32600")
 
 
+def send_for(s: socket.socket, payload: bytes, seconds: float) -> int:
+    """Send as much of `payload` on non-blocking `s` as the peer takes within `seconds`."""
+    sent, deadline = 0, time.monotonic() + seconds
+    while sent < len(payload) and time.monotonic() < deadline:
+        try:
+            sent += s.send(payload[sent:])
+        except BlockingIOError:
+            time.sleep(0.01)
+    return sent
+
+
 def test_one_read_of_many_batches_stops_at_a_full_write_buffer(tmp_path):
     """A client sends 100 batch lines (200 KB, a read or a few) and reads nothing. Their
     answers fill the write buffer after a few lines; the lines after the turn in which it
@@ -34,13 +46,7 @@ def test_one_read_of_many_batches_stops_at_a_full_write_buffer(tmp_path):
         try:
             s.connect(path)
             s.setblocking(False)
-            payload, sent = BATCH * 100, 0
-            deadline = time.monotonic() + 5
-            while sent < len(payload) and time.monotonic() < deadline:
-                try:
-                    sent += s.send(payload[sent:])
-                except BlockingIOError:
-                    time.sleep(0.01)
+            send_for(s, BATCH * 100, seconds=5)
             # The broker is done with what it will handle: the count stops moving.
             seen: list[float] = []
 
@@ -61,6 +67,41 @@ def test_one_read_of_many_batches_stops_at_a_full_write_buffer(tmp_path):
                 assert chunk, "closed before all 100 answers came"
                 received += chunk
             assert received.count(b"\n") == 100
+        finally:
+            s.close()
+    finally:
+        assert b.stop() == 0, b.read_log()
+
+
+def test_lines_left_in_the_backlog_and_waiting_are_each_answered_once_in_order(tmp_path):
+    """Both deferrals at once: 100 batch lines sent in one go, then the client half-closes
+    and reads nothing for a while. Answers fill the write buffer, so the lines past it
+    wait (`_backlog` for the rest of the read, `_waiting` once max_response_bytes'
+    gate is shut); when the client reads, every line is answered exactly once, in the
+    order sent (these answers are made at once, with no worker), and then the
+    connection closes (the half-close kept it open while anything was owed)."""
+    path = str(tmp_path / "b.sock")
+    b = start_broker("--workers", "1", "--stream-socket", path, "--max-response-bytes", str(64 * 1024))
+    try:
+        wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            s.setblocking(False)
+            lines = [b'[{"jsonrpc":"2.0","method":"no.such","id":%d},' % i + b",".join([b"1"] * 999) + b"]\n"
+                     for i in range(100)]
+            assert send_for(s, b"".join(lines), seconds=10) == sum(map(len, lines))
+            s.shutdown(socket.SHUT_WR)
+            time.sleep(0.5)  # reading nothing: the write buffer fills, the rest waits
+            s.setblocking(True)
+            s.settimeout(30)
+            received = b""
+            while chunk := s.recv(1 << 20):
+                received += chunk
+            answers = received.split(b"\n")
+            assert answers[-1] == b"" and len(answers) == 101, len(answers)
+            ids = [next(a["id"] for a in json.loads(line) if a["id"] is not None) for line in answers[:-1]]
+            assert ids == list(range(100))
         finally:
             s.close()
     finally:

@@ -69,6 +69,7 @@ class Listener:
         self.transport = transport
         self.codec = Codec(max_batch)
         self.max_body_bytes = max_body_bytes
+        self.max_response_bytes = dispatcher.max_response_bytes  # (read per request: one lookup)
         self.keepalive_timeout = keepalive_timeout
         self.max_connections = max_connections
         self.send_timeout = send_timeout

@@ -52,6 +52,11 @@ pod IP as Host. The headers are kept in `on_header`; `_route` refuses in one pla
 Flow control (aiohttp and uvicorn do the same): reading pauses while the transport's
 write buffer is above its high-water mark, or while more than `PIPELINE_HIGH`
 requests wait for answers on one connection, and resumes below the low marks.
+Memory for answers: the answers a connection is owed and its client has not read stay
+under `max_response_bytes` (`dispatch.ResponseBudget`; results past it are answered
+-32603). While it is reached, or the client is not reading, requests already read wait
+undispatched (`_Deferred` in `_waiting`, holding their place in `_responses`), and go
+one at a time once the client reads (`_busy`, `_one_by_one`).
 One sweep per second for all connections, not a timer per request, closes idle
 connections (nothing owed, no bytes for `keepalive_timeout` seconds), answers 408
 to requests under way for longer than `request_timeout` (nginx's
@@ -78,7 +83,7 @@ from operator import attrgetter
 
 import httptools
 
-from broker.dispatch import Dispatcher, Exchange
+from broker.dispatch import Dispatcher, Exchange, ResponseBudget
 from broker.frontend.base import SWEEP_SECONDS, Listener
 from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -166,6 +171,21 @@ class _Scrape:
 
     def __init__(self, keep_alive: bool) -> None:
         self.keep_alive = keep_alive
+
+
+class _Deferred:
+    """A JSON-RPC request whose body waits to be dispatched: its connection was owed
+    max_response_bytes of answers, or its client was not reading (see `_gated`).
+    `exchange` once dispatched; `response` if it then owed nothing (204)."""
+
+    __slots__ = ("body", "cors", "exchange", "keep_alive", "response")
+
+    def __init__(self, body: bytes | bytearray, keep_alive: bool, cors: bytes) -> None:
+        self.body = body
+        self.keep_alive = keep_alive
+        self.cors = cors
+        self.exchange: Exchange | None = None
+        self.response = b""
 
 
 class HttpFrontend(Listener):
@@ -317,6 +337,8 @@ class HttpProtocol(asyncio.Protocol):
 
     __slots__ = (
         "_body",
+        "_budget",
+        "_busy",
         "_closing",
         "_content_length",
         "_content_type",
@@ -330,6 +352,7 @@ class HttpProtocol(asyncio.Protocol):
         "_host",
         "_keep_header",
         "_linger",
+        "_one_by_one",
         "_origin",
         "_parser",
         "_probe_only",
@@ -341,6 +364,7 @@ class HttpProtocol(asyncio.Protocol):
         "_transport",
         "_upgrade",
         "_url",
+        "_waiting",
         "_write_paused",
         "last_active",
         "lingering_since",
@@ -383,7 +407,18 @@ class HttpProtocol(asyncio.Protocol):
         # What each request is owed, in order: an Exchange (JSON-RPC), finished bytes with
         # their keep-alive and path label, or a _Scrape (a /metrics answer, made only
         # once the client reads what came before).
-        self._responses: deque[Exchange | tuple[bytes, bool, str] | _Scrape] = deque()
+        self._responses: deque[Exchange | tuple[bytes, bool, str] | _Scrape | _Deferred] = deque()
+        # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
+        self._budget = ResponseBudget()
+        self._waiting: deque[_Deferred] = deque()  # requests not dispatched yet, in order
+        # The last one dispatched from `_waiting`: a connection that had to wait gets its
+        # waiting requests dispatched one at a time, each once the one before is answered,
+        # so each has the whole budget (all at once, they would share it).
+        self._busy: Exchange | None = None
+        # Set when the client fell behind (answers were parked in a full write buffer):
+        # its next requests all go through `_waiting`, one at a time, until it is owed
+        # nothing (else those read at once when it resumes would share one budget).
+        self._one_by_one = False
         self.read_paused = False
         self._write_paused = False
         self._closing = False
@@ -535,6 +570,11 @@ class HttpProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self.send_stalled = 0.0
+        if self._budget.parked:
+            self._one_by_one = True
+        self._budget.drained()
+        if self._waiting:
+            self._dispatch_waiting()
         if self._responses:
             self._flush_ready()
         self._maybe_resume()
@@ -799,12 +839,34 @@ class HttpProtocol(asyncio.Protocol):
 
     # -- answering ---------------------------------------------------------------------
 
+    def _gated(self) -> bool:
+        """Whether a request's body must wait before it is dispatched: the client is not
+        taking its answers (the write buffer is above its high-water mark), or the
+        answers it is owed and has not taken reach max_response_bytes. Then what it is
+        owed is bounded by that, whatever it pipelines (aiohttp and uvicorn stop reading
+        requests while a client does not read; nginx's proxy_buffers bound a response)."""
+        return self._write_paused or self._budget.held >= self._fe.max_response_bytes
+
     def _rpc(self, keep_alive: bool, cors: bytes = b"") -> None:
         body = self._body
         self._body = b""
         fe = self._fe
+        # (_gated, inlined. With nothing owed, the write buffer below its high mark and the
+        # client not behind, it is open: `held` counts what is owed, or parked while the
+        # buffer is full.)
+        if (self._responses or self._write_paused or self._one_by_one) and (
+            self._write_paused or self._waiting or self._one_by_one
+            or self._budget.held >= fe.max_response_bytes
+        ):  # fmt: skip
+            deferred = _Deferred(body, keep_alive, cors)
+            self._waiting.append(deferred)
+            self._responses.append(deferred)
+            self._pause()
+            if not self._gated():
+                fe.loop.call_soon(self._dispatch_waiting)
+            return
         decoded = fe.codec.decode(body)
-        exchange = fe.dispatcher.submit(decoded, self._exchange_done)
+        exchange = fe.dispatcher.submit(decoded, self._exchange_done, self._budget)
         if exchange is None:
             extra = self._keep_header if keep_alive else _CLOSE
             self._queue(_STATUS_LINES[204] + fe.date + cors + extra + b"\r\n", keep_alive, "rpc")
@@ -815,9 +877,11 @@ class HttpProtocol(asyncio.Protocol):
             if cors:
                 data, keep_alive = self._answer(exchange)
                 self._write(data, keep_alive, "rpc")
+                self._budget.written(exchange, self._write_paused)
             else:
                 extra = self._keep_header if keep_alive else b""
                 self._write(_json_response(exchange.status, exchange.body(), keep_alive, extra, fe.json_head), keep_alive, "rpc")
+                self._budget.written(exchange, self._write_paused)
             return
         self._responses.append(exchange)
         if len(self._responses) > PIPELINE_HIGH:
@@ -839,6 +903,10 @@ class HttpProtocol(asyncio.Protocol):
                         _json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head),
                         keep_alive, "rpc",
                     )  # fmt: skip
+                    if self._write_paused:  # (ResponseBudget.written, inlined)
+                        self._budget.parked += exchange.size
+                    else:
+                        self._budget.held -= exchange.size
                 else:
                     data, keep_alive = self._answer(exchange)
                     self._write(data, keep_alive, "rpc")
@@ -846,7 +914,8 @@ class HttpProtocol(asyncio.Protocol):
                 self._flush_ready()
 
     def _answer(self, exchange: Exchange) -> tuple[bytes, bool]:
-        """The HTTP response to a finished exchange, and whether the connection stays open."""
+        """The HTTP response to a finished exchange, and whether the connection stays
+        open. The caller writes it, then calls `ResponseBudget.written`."""
         context = exchange.context
         if type(context) is tuple:  # an allowed cross-origin call: (keep_alive, CORS headers)
             keep_alive, extra = context
@@ -855,6 +924,31 @@ class HttpProtocol(asyncio.Protocol):
         if keep_alive:
             extra += self._keep_header
         return _json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head), keep_alive
+
+    def _dispatch_waiting(self) -> None:
+        """Dispatch the requests that wait (`_waiting`), in order, while `_gated` allows."""
+        fe = self._fe
+        waiting = self._waiting
+        busy = self._busy
+        while waiting and not self._gated() and self._transport is not None:
+            if busy is not None and busy.remaining:
+                break  # one at a time: see _busy
+            deferred = waiting.popleft()
+            body, deferred.body = deferred.body, b""
+            exchange = fe.dispatcher.submit(fe.codec.decode(body), self._deferred_done, self._budget)
+            if exchange is None:
+                extra = self._keep_header if deferred.keep_alive else _CLOSE
+                deferred.response = _STATUS_LINES[204] + fe.date + deferred.cors + extra + b"\r\n"
+            else:
+                exchange.context = (deferred.keep_alive, deferred.cors) if deferred.cors else deferred.keep_alive
+                deferred.exchange = busy = self._busy = exchange
+        if self._transport is not None:
+            self._flush_ready()  # (an exchange complete at once is not called back)
+            self._maybe_resume()
+
+    def _deferred_done(self, exchange: Exchange) -> None:
+        if self._transport is not None:
+            self._flush_ready()
 
     def _scrape_response(self, scrape: _Scrape) -> bytes:
         """Make a GET /metrics answer; the next one waits for the loop's next iteration."""
@@ -886,15 +980,35 @@ class HttpProtocol(asyncio.Protocol):
                 data = self._scrape_response(head)
                 path = "metrics"
             else:
-                exchange = typing.cast(Exchange, head)
+                if type(head) is _Deferred:
+                    if head.response:  # dispatched: only notifications
+                        responses.popleft()
+                        self._write(head.response, head.keep_alive, "rpc")
+                        if self._transport is None:
+                            return
+                        continue
+                    if head.exchange is None:  # not dispatched yet
+                        break
+                    exchange = head.exchange
+                else:
+                    exchange = typing.cast(Exchange, head)
                 if exchange.remaining:
                     break
                 data, keep_alive = self._answer(exchange)
-                path = "rpc"
+                responses.popleft()
+                self._write(data, keep_alive, "rpc")
+                self._budget.written(exchange, self._write_paused)
+                if self._transport is None:
+                    return
+                continue
             responses.popleft()
             self._write(data, keep_alive, path)
             if self._transport is None:
                 return
+        if self._waiting and not self._gated():  # (not from inside the dispatcher's callback)
+            self._fe.loop.call_soon(self._dispatch_waiting)
+        elif not responses:
+            self._one_by_one = False
         if self.read_paused and len(responses) < PIPELINE_LOW:
             self._maybe_resume()
 
@@ -988,6 +1102,7 @@ class HttpProtocol(asyncio.Protocol):
         if (
             self.read_paused
             and not self._write_paused
+            and not self._waiting
             and len(self._responses) < PIPELINE_LOW
             and self._transport is not None
         ):

@@ -24,6 +24,11 @@ Limits:
     reading pauses while more than `PIPELINE_HIGH` bodies wait for answers on one
     connection, or while its write buffer is full; a connection whose write buffer
     stays full (its client does not read) for `send_timeout` seconds is aborted
+    the answers a connection is owed and has not read stay under `max_response_bytes`
+    (`dispatch.ResponseBudget`: results past it are answered -32603); while it is
+    reached, or the client is not reading, the lines read wait undispatched in
+    `_waiting`, and go one at a time once it reads (`_busy`, `_one_by_one`); a line
+    left in `_backlog` goes, in its turn, to dispatch or to the end of `_waiting`
     `max_connections` per listener, as for HTTP: at the limit the least recently active
     idle connection (nothing owed, no line under way, writing not stalled, and a line
     served or none sent for `SWEEP_SECONDS`) is closed to make room
@@ -44,8 +49,9 @@ from __future__ import annotations
 import asyncio
 import re
 import typing
+from collections import deque
 
-from broker.dispatch import Dispatcher, Exchange
+from broker.dispatch import Dispatcher, Exchange, ResponseBudget
 from broker.frontend.base import SWEEP_SECONDS, Listener
 from broker.jsonrpc import ErrorCode, error_object, response_error
 
@@ -120,8 +126,26 @@ class StreamFrontend(Listener):
 class StreamProtocol(asyncio.Protocol):
     """One NDJSON client connection."""
 
-    __slots__ = ("_backlog", "_buffer", "_eof", "_fe", "_refused", "_skipping", "_transport", "_write_paused",
-                 "last_active", "line_started", "lines", "owed", "read_paused", "send_stalled")
+    __slots__ = (
+        "_backlog",
+        "_budget",
+        "_buffer",
+        "_busy",
+        "_eof",
+        "_fe",
+        "_one_by_one",
+        "_refused",
+        "_skipping",
+        "_transport",
+        "_waiting",
+        "_write_paused",
+        "last_active",
+        "line_started",
+        "lines",
+        "owed",
+        "read_paused",
+        "send_stalled",
+    )
 
     def __init__(self, frontend: StreamFrontend) -> None:
         self._fe = frontend
@@ -133,19 +157,28 @@ class StreamProtocol(asyncio.Protocol):
         self._write_paused = False
         self._eof = False  # the client half-closed: close once nothing is owed
         self.line_started = 0.0  # loop time an incomplete line's first byte came; 0 if none
-        self.owed = 0  # bodies received and not yet answered
-        self.lines = 0  # lines served (answered or owed)
+        self.owed = 0  # bodies dispatched and not yet answered
+        self.lines = 0  # lines served (answered, owed or waiting)
         self.last_active = frontend.loop.time()  # last byte received or answer sent
         self._refused = False  # turned away at max_connections: its input is discarded
         self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
+        # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
+        self._budget = ResponseBudget()
+        self._waiting: deque[bytes] = deque()  # lines not dispatched yet (see _gated), in order
+        # The last line dispatched from `_waiting`: they go one at a time, each once the one
+        # before is answered, so each has the whole budget (as for HTTP).
+        self._busy: Exchange | None = None
+        # Set when the client fell behind: its next lines all go through `_waiting`, one
+        # at a time, until it is owed nothing (as for HTTP).
+        self._one_by_one = False
 
     def evictable(self, fresh: float) -> bool:
-        """Nothing owed, no line under way, open, writing not stalled, and a line served or no byte
-        since loop time `fresh` (`Listener.make_room`)."""
+        """Nothing owed or waiting, no line under way, open, writing not stalled, and a line
+        served or no byte since loop time `fresh` (`Listener.make_room`)."""
         transport = self._transport
         return (
-            not self.owed and not self.line_started and not self._eof
-            and transport is not None and not transport.is_closing()
+            not self.owed and not self._waiting and not self._backlog and not self.line_started
+            and not self._eof and transport is not None and not transport.is_closing()
             and not self.send_stalled and (self.lines > 0 or self.last_active <= fresh)
         )  # fmt: skip
 
@@ -183,7 +216,7 @@ class StreamProtocol(asyncio.Protocol):
     def eof_received(self) -> bool:
         """The client shut its sending side (`nc -N`, socat at the end of input): answer
         what is owed, then close. A last line without its newline is dropped."""
-        if self.owed and not self._refused:
+        if (self.owed or self._waiting or self._backlog) and not self._refused:
             self._eof = True
             return True  # keep the transport open for writing
         return False
@@ -248,10 +281,13 @@ class StreamProtocol(asyncio.Protocol):
             return
         self._backlog = b""
         if self._fe.draining:
+            self._maybe_close()
             return
-        self._lines(backlog)
-        if not self._backlog and not self.read_paused and self._transport is not None:
-            self._transport.resume_reading()
+        self._lines(backlog)  # each line to dispatch, or after the others in `_waiting`
+        if not self._backlog and self._transport is not None:
+            if not self.read_paused:
+                self._transport.resume_reading()
+            self._maybe_close()  # (the client may have half-closed after the lines)
 
     def _partial(self, data: bytes, start: int, end: int) -> None:
         """Keep an unfinished line (or drop it, past the limit) until its newline."""
@@ -290,27 +326,71 @@ class StreamProtocol(asyncio.Protocol):
         if 65 <= line[0] <= 90 and line.rstrip(b"\r").endswith((b" HTTP/1.1", b" HTTP/1.0")):
             self._http_request()
             return
-        fe = self._fe
         self.lines += 1
-        exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done)
-        if exchange is None:
+        if (
+            self._write_paused or self._waiting or self._one_by_one
+            or self._budget.held >= self._fe.max_response_bytes
+        ):  # fmt: skip
+            self._waiting.append(line)  # (_gated, inlined)
+            self._pause()
+            if not self._gated():
+                self._fe.loop.call_soon(self._dispatch_waiting)
             return
+        self._submit(line)
+
+    def _submit(self, line: bytes) -> Exchange | None:
+        """Dispatch one line; return its exchange if answers are still owed for it."""
+        fe = self._fe
+        exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done, self._budget)
+        if exchange is None:
+            return None
         if exchange.remaining == 0:
             self._send(exchange.body() + _NL)
-            return
+            self._budget.written(exchange, self._write_paused)
+            return None
         self.owed += 1
         if self.owed > PIPELINE_HIGH:
             self._pause()
+        return exchange
+
+    def _gated(self) -> bool:
+        """Whether a line must wait before it is dispatched: the client is not taking
+        its answers (the write buffer is above its high-water mark), or the answers it
+        is owed and has not taken reach max_response_bytes (as `http.HttpProtocol`)."""
+        return self._write_paused or self._budget.held >= self._fe.max_response_bytes
+
+    def _dispatch_waiting(self) -> None:
+        """Dispatch the lines that wait, in order, while `_gated` allows."""
+        waiting = self._waiting
+        while waiting and not self._gated() and self._transport is not None:
+            busy = self._busy
+            if busy is not None and busy.remaining:
+                break  # one at a time: see _busy
+            self._busy = self._submit(waiting.popleft())
+        self._maybe_resume()
+        self._maybe_close()
 
     def _exchange_done(self, exchange: Exchange) -> None:
         self.owed -= 1
         self.last_active = self._fe.loop.time()  # idle time counts from the last answer
         self._send(exchange.body() + _NL)
+        self._budget.written(exchange, self._write_paused)
+        if self._waiting:
+            if not self._gated():  # (not from inside the dispatcher's callback)
+                self._fe.loop.call_soon(self._dispatch_waiting)
+            return
+        if not self.owed:
+            self._one_by_one = False
         if self.read_paused and self.owed < PIPELINE_LOW:
             self._maybe_resume()
-        if self._eof and not self.owed:
+        self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        if self.owed or self._waiting or self._backlog:
+            return
+        if self._eof:
             self.close()
-        elif self._fe.draining and not self.owed:
+        elif self._fe.draining:
             self._linger()
 
     def _send(self, data: bytes) -> None:
@@ -330,6 +410,11 @@ class StreamProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self.send_stalled = 0.0
+        if self._budget.parked:
+            self._one_by_one = True
+        self._budget.drained()
+        if self._waiting:
+            self._dispatch_waiting()
         if self._backlog:
             self._fe.loop.call_soon(self._next_turn)
         self._maybe_resume()
@@ -340,7 +425,10 @@ class StreamProtocol(asyncio.Protocol):
             self._transport.pause_reading()
 
     def _maybe_resume(self) -> None:
-        if self.read_paused and not self._write_paused and self.owed < PIPELINE_LOW and self._transport is not None:
+        if (
+            self.read_paused and not self._write_paused and not self._waiting and self.owed < PIPELINE_LOW
+            and self._transport is not None
+        ):  # fmt: skip
             self.read_paused = False
             if self.line_started:  # the unfinished line's time restarts with reading
                 self.line_started = self._fe.loop.time()
@@ -353,7 +441,7 @@ class StreamProtocol(asyncio.Protocol):
         """Serve no more lines; close now if nothing is owed, else after the last answer."""
         if self._transport is None:
             return
-        if not self.owed:
+        if not self.owed and not self._waiting:
             self._linger()
 
     def _linger(self) -> None:

@@ -1,0 +1,223 @@
+"""max_response_bytes: what one connection may be owed of answers it has not read
+(attack-b finding 3: 8 pipelined batches of big answers, never read, took the broker from
+36 MB to 973 MB). Real broker, real workers (tests/apps/hostile.py `async_blob`), real
+sockets on loopback: the broker's resident memory is read from /proc while a client
+pipelines batches with big answers and does not read; then the client reads, and every
+call must be answered exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import typing
+
+import pytest
+from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
+
+APP = "tests.apps.hostile:registry"
+LIMIT = 8 * 1024 * 1024  # --max-response-bytes
+BLOB = 300_000  # bytes of each result: 100 of them make a 30 MB batch answer
+BATCH = 100
+BURST = 8  # bodies sent at once (read together): 240 MB of answers
+BODIES = 16  # pipelined in all: 480 MB of answers
+TOO_LARGE = f"response exceeds max_response_bytes {LIMIT}"
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process `pid` (Linux /proc/<pid>/status VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for row in f:
+            if row.startswith("VmRSS:"):
+                return int(row.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def batch_body(tag: int) -> bytes:
+    return json.dumps(
+        [{"jsonrpc": "2.0", "method": "async_blob", "params": [BLOB], "id": f"{tag}-{i}"} for i in range(BATCH)]
+    ).encode()
+
+
+def http_request(body: bytes) -> bytes:
+    return (
+        b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    ) + body
+
+
+def recv_until(sock: socket.socket, buf: bytearray, done: typing.Callable[[], bool]) -> None:
+    """Receive into `buf` until `done()` (the socket's timeout bounds each read)."""
+    while not done():
+        chunk = sock.recv(1 << 20)
+        assert chunk, "connection closed"
+        buf += chunk
+
+
+def read_http_response(sock: socket.socket, buf: bytearray) -> tuple[int, bytes]:
+    """One HTTP/1.1 response with a content-length from `sock` (rest kept in `buf`)."""
+    recv_until(sock, buf, lambda: b"\r\n\r\n" in buf)
+    head, _, _ = bytes(buf).partition(b"\r\n\r\n")
+    del buf[: len(head) + 4]
+    length = next(int(v) for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")[1:]) if k.lower() == b"content-length")
+    recv_until(sock, buf, lambda: len(buf) >= length)
+    body = bytes(buf[:length])
+    del buf[:length]
+    return int(head[9:12]), body
+
+
+def read_line(sock: socket.socket, buf: bytearray) -> bytes:
+    recv_until(sock, buf, lambda: b"\n" in buf)
+    line, _, _ = bytes(buf).partition(b"\n")
+    del buf[: len(line) + 1]
+    return line
+
+
+def quiet(b: Broker) -> bool:
+    """No call in flight or queued, seen on two scrapes 0.2 s apart (the calls the broker
+    dispatched are all answered; what it holds back stays held back)."""
+    for _ in range(2):
+        s = scrape_metrics(b)
+        if sample(s, "rpc_broker_calls_in_flight") or sample(s, "rpc_broker_queued_calls"):
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def check_batch(answer: list[dict[str, object]], tag: int) -> tuple[int, int]:
+    """Every call of batch `tag` answered exactly once: a full result, or -32603 saying
+    max_response_bytes, with its own id. Returns (results, refused)."""
+    assert sorted(str(a["id"]) for a in answer) == sorted(f"{tag}-{i}" for i in range(BATCH))
+    results = refused = 0
+    for a in answer:
+        if "result" in a:
+            assert a["result"] == "x" * BLOB
+            results += 1
+        else:
+            assert a["error"] == {"code": -32603, "message": "Internal error", "data": TOO_LARGE}, a
+            refused += 1
+    return results, refused
+
+
+def answered(b: Broker) -> float:
+    """Calls of async_blob answered so far, whatever their outcome."""
+    return sum(
+        v for (name, labels), v in scrape_metrics(b).items()
+        if name == "rpc_broker_calls_total" and ("method", "async_blob") in labels
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("transport", ["http", "ndjson"])
+def test_a_client_that_does_not_read_big_answers_holds_about_max_response_bytes(transport: str) -> None:
+    """8 pipelined batches sent at once (the broker reads them together), each answer
+    (30 MB) past max_response_bytes (8 MiB), not read; then 8 more: 480 MB of answers in
+    all. The first 8 run and share the budget (their results past it are refused); the
+    next 8 wait undispatched while the client does not read; the broker's memory grows by
+    far less than 240 MB (every answer was kept before). Once the client reads, the waiting
+    ones run one after the other, each with the whole budget: every call of every batch is
+    answered exactly once (a result, or -32603 with its id)."""
+    flags = ["--workers", "2", "--app", APP, "--max-response-bytes", str(LIMIT), "--timeout", "60"]
+    port = 0
+    if transport == "ndjson":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        flags += ["--stream-port", str(port)]
+    b = start_broker(*flags)
+    sock = socket.socket()
+    try:
+        if transport == "ndjson":
+            wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+        assert b.call("async_blob", [10])["result"] == "x" * 10  # workers warm
+        before = rss_bytes(b.pid)
+        # A small receive window, so that the kernel's buffers (up to 4 MiB of send buffer
+        # here: tcp_wmem) take less than one budget's worth of answers.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.settimeout(30)
+        sock.connect(("127.0.0.1", port or b.port))
+        frame = http_request if transport == "http" else (lambda body: body + b"\n")
+        peak = before
+        for first, last in ((0, BURST), (BURST, BODIES)):
+            sock.sendall(b"".join(frame(batch_body(tag)) for tag in range(first, last)))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                peak = max(peak, rss_bytes(b.pid))
+                if peak - before > 250 * 1024 * 1024 or quiet(b):
+                    break
+            peak = max(peak, rss_bytes(b.pid))
+            # The budget (8 MiB), the transient copies of one answer while it is written,
+            # the bodies read, the workers' reply frames passing through (the calls of the
+            # bodies read together all run; their results past the budget are dropped as
+            # they come): tens of MB. 128 MiB is a generous margin; 240 MB were kept before.
+            assert peak - before < 128 * 1024 * 1024, f"RSS grew by {(peak - before) / 2**20:.0f} MiB"
+            # The burst ran; the bodies sent after it wait: none of their calls ran.
+            assert answered(b) == 1 + BATCH * BURST
+
+        # Now read: every call answered exactly once, in every batch.
+        buf = bytearray()
+        seen: set[int] = set()
+        for _ in range(BODIES):
+            if transport == "http":
+                status, body = read_http_response(sock, buf)
+                assert status == 200
+            else:
+                body = read_line(sock, buf)
+            answer = json.loads(body)
+            tag = int(str(answer[0]["id"]).partition("-")[0])
+            assert tag not in seen
+            seen.add(tag)
+            results, refused = check_batch(answer, tag)
+            if tag >= BURST:  # run one at a time once the client read: each had the whole budget
+                assert results >= LIMIT // (BLOB + 100) - 1, (tag, results)  # (id and members: < 100 bytes)
+            assert refused > 0  # 30 MB of results do not fit in 8 MiB
+        assert seen == set(range(BODIES))
+        sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):  # nothing more: no answer twice
+            sock.recv(1)
+        assert answered(b) == 1 + BATCH * BODIES
+    finally:
+        sock.close()
+        assert b.stop() == 0, b.read_log()
+
+
+def test_results_past_max_response_bytes_get_internal_error_with_their_own_ids(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    """A batch whose answer would pass max_response_bytes: the results that would push it
+    past are answered -32603 with their own ids, the others (small ones included) as
+    usual; a single result past it is -32603 too (status 200, as every -32603)."""
+    limit = 64 * 1024
+    b: Broker = broker_factory("--workers", "1", "--app", APP, "--max-response-bytes", str(limit))
+    conn = b.connection()  # one keep-alive connection: its budget is given back after each answer
+
+    def post(body: object) -> tuple[int, bytes]:
+        conn.request("POST", "/", body=json.dumps(body), headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read()
+
+    calls = [{"jsonrpc": "2.0", "method": "async_blob", "params": [25_000], "id": i} for i in range(4)]
+    calls += [{"jsonrpc": "2.0", "method": "async_blob", "params": [3], "id": "small"}]
+    for _ in range(2):
+        status, raw = post(calls)
+        assert status == 200
+        answer = {json.dumps(a["id"]): a for a in json.loads(raw)}
+        assert sorted(answer) == sorted(json.dumps(c["id"]) for c in calls)
+        assert answer['"small"']["result"] == "xxx"
+        big = [answer[str(i)] for i in range(4)]
+        kept = [a for a in big if "result" in a]
+        assert len(kept) == 2, big  # 2 x 25 kB fit in 64 KiB, a third does not
+        assert all(a["result"] == "x" * 25_000 for a in kept)
+        for a in big:
+            if "error" in a:
+                assert a["error"] == {
+                    "code": -32603, "message": "Internal error",
+                    "data": f"response exceeds max_response_bytes {limit}",
+                }  # fmt: skip
+        assert len(raw) <= limit + 1024
+    status, raw = post({"jsonrpc": "2.0", "method": "async_blob", "params": [70_000], "id": "one"})
+    assert status == 200
+    assert json.loads(raw)["id"] == "one"
+    assert json.loads(raw)["error"]["data"] == f"response exceeds max_response_bytes {limit}"
+    assert sample(scrape_metrics(b), "rpc_broker_responses_oversize_total") == 2 + 2 + 1
+    status, raw = post({"jsonrpc": "2.0", "method": "async_blob", "params": [60_000], "id": 2})
+    assert json.loads(raw)["result"] == "x" * 60_000
+    conn.close()
