@@ -540,14 +540,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_an_http_request_on_the_stream_port_closes_it(broker_factory, tmp_path):
+@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0", "HTTP/2.0"])
+def test_an_http_request_on_the_stream_port_closes_it(broker_factory, tmp_path, version):
     """A browser can POST to the NDJSON port too: its head comes as lines before a body
     that is a valid call. The request line is answered with one error line saying so, and
-    the connection closes before the body is read."""
+    the connection closes before the body is read. (Any version: an `HTTP/2.0` request
+    line was taken for a bad JSON line, and the body after the head ran.)"""
     ledger, port = tmp_path / "calls.txt", free_port()
     b = broker_factory(*LEDGER_APP, "--stream-port", str(port), env={"LEDGER_FILE": str(ledger)})
     with socket.create_connection((b.host, port), timeout=15) as s:
-        s.sendall(request(record("http") + b"\n", content_type="text/plain"))
+        s.sendall(request(record("http") + b"\n", content_type="text/plain", version=version))
         received = b""
         try:
             while chunk := s.recv(65536):

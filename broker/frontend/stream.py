@@ -70,6 +70,8 @@ REFUSED_LINGER = SWEEP_SECONDS  # seconds a refused connection may keep sending 
 # The start of an HTTP request line (RFC 9112 3: method SP request-target): no JSON text
 # starts with an upper-case letter, so a line past max_body_bytes that starts so is one.
 _HTTP_START = re.compile(rb"[A-Z]{3,10} [^ ]")
+# A whole HTTP request line, any version (HTTP/2.0 and HTTP/0.9-style odd ones included).
+_HTTP_LINE = re.compile(rb"[A-Z]{3,10} [^ ]+ HTTP/\d")
 
 
 class StreamFrontend(Listener):
@@ -323,7 +325,7 @@ class StreamProtocol(asyncio.Protocol):
     def _line(self, line: bytes) -> None:
         if not line.strip():
             return
-        if 65 <= line[0] <= 90 and line.rstrip(b"\r").endswith((b" HTTP/1.1", b" HTTP/1.0")):
+        if 65 <= line[0] <= 90 and _HTTP_LINE.match(line):
             self._http_request()
             return
         self.lines += 1
