@@ -807,7 +807,7 @@ class Dispatcher:
         i = self._rotation = (self._rotation + 1) % n
         best: Worker | None = None
         least = 1 << 62
-        if not self._blocked:
+        if not self._blocked:  # the usual case, kept apart: the loop below without its blocked test
             for _ in range(n):
                 w = ready[i]
                 k = w.outstanding

@@ -540,6 +540,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def assert_only_ndjson_ran(b: Broker, port: int, ledger: Path) -> None:
+    """The stream port still serves a real NDJSON call, and the ledger holds only that one:
+    nothing sent after an HTTP request line ran."""
+    with socket.create_connection((b.host, port), timeout=15) as s:
+        s.sendall(record("ndjson") + b"\n")
+        assert json.loads(s.makefile("rb").readline())["result"] == 1
+    assert marks(ledger) == ["ndjson"]
+
+
 @pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0", "HTTP/2.0"])
 def test_an_http_request_on_the_stream_port_closes_it(broker_factory, tmp_path, version):
     """A browser can POST to the NDJSON port too: its head comes as lines before a body
@@ -559,10 +568,7 @@ def test_an_http_request_on_the_stream_port_closes_it(broker_factory, tmp_path, 
     error = json.loads(received)  # one line
     assert error["id"] is None and error["error"]["code"] == -32600, received
     assert "an HTTP request" in error["error"]["data"]
-    with socket.create_connection((b.host, port), timeout=15) as s:
-        s.sendall(record("ndjson") + b"\n")
-        assert json.loads(s.makefile("rb").readline())["result"] == 1
-    assert marks(ledger) == ["ndjson"]
+    assert_only_ndjson_ran(b, port, ledger)
 
 
 @pytest.mark.parametrize("finished", [True, False], ids=["whole request", "request line never ends"])
@@ -589,10 +595,7 @@ def test_an_http_request_line_longer_than_max_body_bytes_closes_the_stream_port(
         error = json.loads(received)
         assert error["id"] is None and error["error"]["code"] == -32600, received
         assert "an HTTP request" in error["error"]["data"]
-    with socket.create_connection((b.host, port), timeout=15) as s:
-        s.sendall(record("ndjson") + b"\n")
-        assert json.loads(s.makefile("rb").readline())["result"] == 1
-    assert marks(ledger) == ["ndjson"]
+    assert_only_ndjson_ran(b, port, ledger)
 
 
 @needs_chromium

@@ -8,11 +8,14 @@ Real broker, real Unix socket; every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
-from conftest import sample, scrape_metrics, start_broker, wait_for
+from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
 
 from broker.frontend.stream import LINES_PER_TURN
 
@@ -21,6 +24,25 @@ BATCH = b"[" + b",".join([b"1"] * 1000) + b"]\n"  # one line, 1000 -32600 error 
 
 def errors_sent(b) -> float:
     return sample(scrape_metrics(b), "rpc_broker_errors_total", code="-32600")
+
+
+@contextlib.contextmanager
+def stream_client(tmp_path: Path, *flags: str) -> Iterator[tuple[Broker, socket.socket]]:
+    """A broker (1 worker) on a Unix stream socket and a non-blocking client connected to
+    it; the client is closed and the broker stopped (status 0) at the end."""
+    path = str(tmp_path / "b.sock")
+    b = start_broker("--workers", "1", "--stream-socket", path, *flags)
+    try:
+        wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            s.setblocking(False)
+            yield b, s
+        finally:
+            s.close()
+    finally:
+        assert b.stop() == 0, b.read_log()
 
 
 def send_for(s: socket.socket, payload: bytes, seconds: float) -> int:
@@ -38,39 +60,28 @@ def test_one_read_of_many_batches_stops_at_a_full_write_buffer(tmp_path):
     """A client sends 100 batch lines (200 KB, a read or a few) and reads nothing. Their
     answers fill the write buffer after a few lines; the lines after the turn in which it
     filled wait, unread, instead of all being answered into memory at once."""
-    path = str(tmp_path / "b.sock")
-    b = start_broker("--workers", "1", "--stream-socket", path)
-    try:
-        wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(path)
-            s.setblocking(False)
-            send_for(s, BATCH * 100, seconds=5)
-            # The broker is done with what it will handle: the count stops moving.
-            seen: list[float] = []
+    with stream_client(tmp_path) as (b, s):
+        send_for(s, BATCH * 100, seconds=5)
+        # The broker is done with what it will handle: the count stops moving.
+        seen: list[float] = []
 
-            def settled() -> bool:
-                seen.append(errors_sent(b))
-                return len(seen) >= 3 and seen[-1] == seen[-3] > 0
+        def settled() -> bool:
+            seen.append(errors_sent(b))
+            return len(seen) >= 3 and seen[-1] == seen[-3] > 0
 
-            wait_for(settled, timeout=20, interval=0.3)
-            lines = seen[-1] / 1000
-            # A few lines fill the socket and write buffers; then at most the rest of one turn.
-            assert lines <= 8 + LINES_PER_TURN, f"{lines:.0f} of 100 lines answered to a client reading nothing"
-            # The connection is paused, not stuck: it reads on, once the client reads.
-            s.setblocking(True)
-            s.settimeout(30)
-            received = b""
-            while received.count(b"\n") < 100:
-                chunk = s.recv(1 << 20)
-                assert chunk, "closed before all 100 answers came"
-                received += chunk
-            assert received.count(b"\n") == 100
-        finally:
-            s.close()
-    finally:
-        assert b.stop() == 0, b.read_log()
+        wait_for(settled, timeout=20, interval=0.3)
+        lines = seen[-1] / 1000
+        # A few lines fill the socket and write buffers; then at most the rest of one turn.
+        assert lines <= 8 + LINES_PER_TURN, f"{lines:.0f} of 100 lines answered to a client reading nothing"
+        # The connection is paused, not stuck: it reads on, once the client reads.
+        s.setblocking(True)
+        s.settimeout(30)
+        received = b""
+        while received.count(b"\n") < 100:
+            chunk = s.recv(1 << 20)
+            assert chunk, "closed before all 100 answers came"
+            received += chunk
+        assert received.count(b"\n") == 100
 
 
 def test_lines_left_in_the_backlog_and_waiting_are_each_answered_once_in_order(tmp_path):
@@ -80,29 +91,18 @@ def test_lines_left_in_the_backlog_and_waiting_are_each_answered_once_in_order(t
     gate is shut); when the client reads, every line is answered exactly once, in the
     order sent (these answers are made at once, with no worker), and then the
     connection closes (the half-close kept it open while anything was owed)."""
-    path = str(tmp_path / "b.sock")
-    b = start_broker("--workers", "1", "--stream-socket", path, "--max-response-bytes", str(64 * 1024))
-    try:
-        wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(path)
-            s.setblocking(False)
-            lines = [b'[{"jsonrpc":"2.0","method":"no.such","id":%d},' % i + b",".join([b"1"] * 999) + b"]\n"
-                     for i in range(100)]
-            assert send_for(s, b"".join(lines), seconds=10) == sum(map(len, lines))
-            s.shutdown(socket.SHUT_WR)
-            time.sleep(0.5)  # reading nothing: the write buffer fills, the rest waits
-            s.setblocking(True)
-            s.settimeout(30)
-            received = b""
-            while chunk := s.recv(1 << 20):
-                received += chunk
-            answers = received.split(b"\n")
-            assert answers[-1] == b"" and len(answers) == 101, len(answers)
-            ids = [next(a["id"] for a in json.loads(line) if a["id"] is not None) for line in answers[:-1]]
-            assert ids == list(range(100))
-        finally:
-            s.close()
-    finally:
-        assert b.stop() == 0, b.read_log()
+    with stream_client(tmp_path, "--max-response-bytes", str(64 * 1024)) as (_broker, s):
+        lines = [b'[{"jsonrpc":"2.0","method":"no.such","id":%d},' % i + b",".join([b"1"] * 999) + b"]\n"
+                 for i in range(100)]
+        assert send_for(s, b"".join(lines), seconds=10) == sum(map(len, lines))
+        s.shutdown(socket.SHUT_WR)
+        time.sleep(0.5)  # reading nothing: the write buffer fills, the rest waits
+        s.setblocking(True)
+        s.settimeout(30)
+        received = b""
+        while chunk := s.recv(1 << 20):
+            received += chunk
+        answers = received.split(b"\n")
+        assert answers[-1] == b"" and len(answers) == 101, len(answers)
+        ids = [next(a["id"] for a in json.loads(line) if a["id"] is not None) for line in answers[:-1]]
+        assert ids == list(range(100))
