@@ -72,28 +72,27 @@ class Scanned(typing.NamedTuple):
 
 
 class _Structure(typing.NamedTuple):
-    pos: npt.NDArray[np.int64]  # offsets of the structural bytes outside strings
-    cls: npt.NDArray[np.int8]  # their class: 1 "[", 2 "{", 3 "]", 4 "}", 5 ",", 6 ":"
-    delta: npt.NDArray[np.int8]  # +1 an opener, -1 a closer, 0 "," or ":"
-    depth: npt.NDArray[np.int32]  # containers open after each
-    level: npt.NDArray[np.int32]  # containers around each, not its own
+    """One entry per byte of the body (offsets are the indexes: nothing is compressed)."""
+
+    cls: npt.NDArray[np.int8]  # 1 "[" or "{", -1 "]" or "}", 4 ",", 8 ":", 0 any other (strings too)
+    delta: npt.NDArray[np.int8]  # +1 an opener, -1 a closer, 0 any other byte
+    depth: npt.NDArray[np.int32]  # containers open after each byte
 
 
 _np: typing.Any = None
 _CLASS: typing.Any = None
-_DELTA: typing.Any = None
+_QUOTE = 16  # the class of `"` before strings are blanked
 
 
 def _numpy() -> typing.Any:
-    global _np, _CLASS, _DELTA
+    global _np, _CLASS
     if _np is None:
         import numpy
 
         cls = numpy.zeros(256, numpy.int8)
-        for code, byte in enumerate(b'[{]},:"', 1):
+        for byte, code in zip(b'[{]},:"', (1, 1, -1, -1, 4, 8, _QUOTE), strict=True):
             cls[byte] = code
         _CLASS = cls
-        _DELTA = numpy.array([0, 1, 1, -1, -1, 0, 0, 0], numpy.int8)
         _np = numpy
     return _np
 
@@ -106,26 +105,23 @@ def _structure(buf: bytes) -> _Structure:
     if b"\\" in buf:  # in JSON a backslash starts an escape: blank \\ and \" (same length)
         text = buf.replace(b"\\\\", b"__").replace(b'\\"', b"__")
     cls = _CLASS.take(np.frombuffer(text, np.uint8))  # take: half a fancy index's cost
-    quotes = np.flatnonzero(cls == 7)
-    structural = (cls != 0) & (cls != 7)
-    if len(quotes):
+    if b'"' in text:
+        quotes = np.flatnonzero(cls == _QUOTE)
         if len(quotes) % 2:
             raise NotJson(int(quotes[-1]))
-        inside = np.zeros(len(buf), np.int8)
+        inside = np.zeros(len(buf) + 1, np.int8)  # 1 from an opening quote to its closing one
         inside[quotes[0::2]] = 1
-        inside[quotes[1::2]] = -1
-        structural &= np.cumsum(inside, dtype=np.int8) == 0
-    pos = np.flatnonzero(structural)
-    kinds = cls.take(pos)
-    delta = _DELTA.take(kinds)
+        inside[quotes[1::2] + 1] -= 1  # (where the next string opens at once: 0)
+        cls *= np.cumsum(inside[:-1], dtype=np.int8) == 0
+    delta = cls << 6  # the low two bits, sign-extended: 1 and -1 stay, 4 and 8 become 0
+    delta >>= 6
     depth = np.cumsum(delta, dtype=np.int32)
     if len(depth):
         if depth.min() < 0:
-            raise NotJson(int(pos[np.argmax(depth < 0)]))
+            raise NotJson(int(np.argmax(depth < 0)))
         if depth[-1]:
             raise NotJson(len(buf))
-    level = depth - (delta >= 0)
-    return _Structure(pos, kinds, delta, depth, level)
+    return _Structure(cls, delta, depth)
 
 
 def _window() -> int:
@@ -147,18 +143,20 @@ def _check(buf: bytes, st: _Structure, deepest: int) -> None:
         parts: list[bytes] = []
         top = buf
     else:
-        opened = np.bincount(st.level.compress(st.delta == 1), minlength=deepest)
+        openers = st.delta == 1
+        opened = np.bincount(st.depth[openers], minlength=deepest + 1)  # [L + 1]: at level L
         rows = (deepest - 1 + window - 1) // window
-        padded = np.full(rows * window, len(buf) + 1, np.int64)
-        padded[: deepest - 1] = opened[1:]
+        padded = np.full(rows * window, len(buf) + 1, np.int32)
+        padded[: deepest - 1] = opened[2:]
         cuts = padded.reshape(rows, window).argmin(axis=1) + np.arange(rows) * window + 1
         is_cut = np.zeros(deepest + 1, bool)
         is_cut[cuts] = True
-        at_cut = np.flatnonzero(is_cut.take(st.level) & (st.delta != 0))
+        level = st.depth - openers  # a bracket's level: containers around it, not its own
+        at_cut = np.flatnonzero(is_cut.take(level) & (st.delta != 0))
         # At one level, openers and closers alternate (the depth never drops below it
         # between them): sorted by level, then offset, they pair up in turn.
-        order = at_cut[np.lexsort((at_cut, st.level[at_cut]))]
-        opens, closes = st.pos[order[0::2]], st.pos[order[1::2]]
+        order = at_cut[np.argsort(level.take(at_cut), kind="stable")]
+        opens, closes = order[0::2], order[1::2]
         by_open = np.argsort(opens, kind="stable")
         parts = []
         frames: list[list[typing.Any]] = [[[], 0, len(buf)]]  # pieces, cursor, end
@@ -208,7 +206,7 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
     kind = buf[start]
     if kind != 0x5B and kind != 0x7B:
         return Scanned(kind, start, end, [], 0, 0)
-    seps = [start, *st.pos[(st.level == 0) & (st.cls == 5)].tolist(), end - 1]
+    seps = [start, *_np.flatnonzero((st.depth == 1) & (st.cls == 4)).tolist(), end - 1]
     if len(seps) == 2 and not buf[start + 1:end - 1].strip(_WS):
         return Scanned(kind, start, end, [], 0, deepest, st)
     total = len(seps) - 1
@@ -232,22 +230,17 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     reused instead of scanning `obj` again)."""
     np = _numpy()
     if parent is None or parent.structure is None:
-        st = _structure(obj)
+        cls, delta, depth = _structure(obj)
     else:
-        whole = parent.structure
-        i, j = np.searchsorted(whole.pos, (offset, offset + len(obj)))
-        base = int(whole.level[i])  # the level of obj's "{"
-        st = _Structure(
-            whole.pos[i:j] - offset, whole.cls[i:j], whole.delta[i:j], whole.depth[i:j] - base, whole.level[i:j] - base
-        )
-    outer = st.level == 0
-    colons = np.flatnonzero(outer & (st.cls == 6))
+        cls, delta, depth = (a[offset:offset + len(obj)] for a in parent.structure)
+    base = int(depth[0])  # containers open after obj's "{"
+    colons = np.flatnonzero((cls == 8) & (depth == base))
     if not len(colons):
         return []
-    ends = np.flatnonzero(outer & ((st.cls == 5) | (st.delta == -1)))
+    ends = np.flatnonzero(((cls == 4) & (depth == base)) | ((delta == -1) & (depth == base - 1)))
     ends = ends[np.searchsorted(ends, colons)]  # the "," or "}" after each member's ":"
     # The deepest point from one ":" to the next: the member's value (a name is flat).
-    nesting = np.maximum.reduceat(st.depth, colons) - 1
+    nesting = np.maximum.reduceat(depth, colons) - base
     tried = np.flatnonzero(nesting > 64)
     if not len(tried):
         return []
@@ -259,7 +252,7 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     while lo < hi:
         mid = (lo + hi) // 2
         i = int(tried[first[mid]])
-        start, end = int(st.pos[colons[i]]) + 1, int(st.pos[ends[i]])
+        start, end = int(colons[i]) + 1, int(ends[i])
         try:
             _RAW.decode(b"[" + obj[start:end] + b"]")
             lo = mid + 1
@@ -268,4 +261,4 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     if hi == len(levels):
         return []
     refused = tried[nesting[tried] >= levels[hi]].tolist()
-    return [(int(st.pos[colons[i]]) + 1, int(st.pos[ends[i]])) for i in refused]
+    return [(int(colons[i]) + 1, int(ends[i])) for i in refused]
