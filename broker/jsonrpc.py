@@ -48,6 +48,7 @@ decoding them; `error_object` builds an error object (section 5.1).
 from __future__ import annotations
 
 import re
+import secrets
 import sys
 import typing
 from enum import IntEnum
@@ -55,7 +56,7 @@ from enum import IntEnum
 import msgspec
 from msgspec import Raw
 
-from broker.jsonscan import NotJson, Scanned, deep_members, scan_json
+from broker.jsonscan import NotJson, Scanned, deep_members, nesting, scan_json
 
 __all__ = [
     "ERRORS",
@@ -361,6 +362,9 @@ class Codec:
         `offset`: the scan of the body that holds `raw`, and where (see `deep_members`)."""
         if memoryview(raw)[0] != 0x7B:  # not "{": not a Request object, no id to read
             return _INVALID_NULL
+        limit = sys.getrecursionlimit() + 1  # msgspec takes a step of it per level: past it, it stops
+        if parent is not None and len(raw) > 2 * limit and nesting(parent, offset, offset + len(raw)) > limit:
+            return self._deep_element(bytes(raw), parent, offset)  # spares a decode that fails late
         try:
             # Every member as Raw first: no exception to raise and catch (1 us each)
             # for the usual invalid objects, `{}` or a method that is not a string.
@@ -408,24 +412,25 @@ class Codec:
     def _deep_element(self, element: bytes, parent: Scanned | None = None, offset: int = 0) -> bytes:
         """The answer to one Request object whose members nest past the parser's
         limit: -32600 with its id when that id is readable and valid, else null.
-        The too-deep values are replaced by 0, then by 1: msgspec reads the rest, and
-        a member that differs between the two was one of them."""
+        The too-deep values are replaced by one string found nowhere in `element` (a
+        random one): msgspec reads the rest, and an id or params that reads as that
+        string was one of them (one decode, by msgspec's rules for duplicate names)."""
         spans = deep_members(element, parent, offset)
-        copies = []
-        for fill in (b"0", b"1"):
-            pieces: list[bytes] = []
-            cursor = 0
-            for start, end in spans:
-                pieces += (element[cursor:start], fill)
-                cursor = end
-            pieces.append(element[cursor:])
-            try:
-                copies.append(self._id_params.decode(b"".join(pieces)))
-            except (RecursionError, msgspec.DecodeError):  # not reached: checked already
-                return _parse_error_too_deep()
-        first, second = copies
-        id_ = first.id if bytes(first.id) == bytes(second.id) else Raw()  # a deep id: invalid
-        what = "params nest" if bytes(first.params) != bytes(second.params) else "the request nests"
+        fill = b'"%s"' % secrets.token_hex(16).encode()
+        while fill in element:  # 2**-128 a try: no real member can read as `fill`
+            fill = b'"%s"' % secrets.token_hex(16).encode()
+        pieces: list[bytes] = []
+        cursor = 0
+        for start, end in spans:
+            pieces += (element[cursor:start], fill)
+            cursor = end
+        pieces.append(element[cursor:])
+        try:
+            members = self._id_params.decode(b"".join(pieces))
+        except (RecursionError, msgspec.DecodeError):  # not reached: checked already
+            return _parse_error_too_deep()
+        id_ = Raw() if bytes(members.id) == fill else members.id  # a deep id: invalid
+        what = "params nest" if bytes(members.params) == fill else "the request nests"
         error = error_object(ErrorCode.INVALID_REQUEST, data=f"{what} deeper than {_parser_limit()}")
         return response_error(id_ if len(id_) and _valid_id(id_) else _NULL, error)
 

@@ -38,7 +38,7 @@ if typing.TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ["NotJson", "Scanned", "deep_members", "scan_json"]
+__all__ = ["NotJson", "Scanned", "deep_members", "nesting", "scan_json"]
 
 _WS = b" \t\n\r"
 _RAW = msgspec.json.Decoder(msgspec.Raw)
@@ -217,6 +217,15 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
         piece = buf[a:b]
         children.append((a + len(piece) - len(piece.lstrip(_WS)), a + len(piece.rstrip(_WS)), 0))
     return Scanned(kind, start, end, children, total, deepest, st)
+
+
+def nesting(parent: Scanned, start: int, end: int) -> int:
+    """How deep the value at `start:end` of the text `parent` scanned nests: its levels of
+    arrays and objects (0 for a scalar, or when `parent` kept no structure)."""
+    if parent.structure is None or start >= end:
+        return 0
+    depth = parent.structure.depth
+    return int(depth[start:end].max()) - (int(depth[start - 1]) if start else 0)
 
 
 def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> list[tuple[int, int]]:
