@@ -362,9 +362,10 @@ class Codec:
         `offset`: the scan of the body that holds `raw`, and where (see `deep_members`)."""
         if memoryview(raw)[0] != 0x7B:  # not "{": not a Request object, no id to read
             return _INVALID_NULL
-        limit = sys.getrecursionlimit() + 1  # msgspec takes a step of it per level: past it, it stops
-        if parent is not None and len(raw) > 2 * limit and nesting(parent, offset, offset + len(raw)) > limit:
-            return self._deep_element(bytes(raw), parent, offset)  # spares a decode that fails late
+        if parent is not None:  # msgspec takes a step of the recursion limit per level
+            limit = sys.getrecursionlimit() + 1
+            if len(raw) > 2 * limit and nesting(parent, offset, offset + len(raw)) > limit:
+                return self._deep_element(bytes(raw), parent, offset)  # spares a decode that fails late
         try:
             # Every member as Raw first: no exception to raise and catch (1 us each)
             # for the usual invalid objects, `{}` or a method that is not a string.

@@ -177,19 +177,27 @@ def _check(buf: bytes, st: _Structure, deepest: int) -> None:
         parts = b""
         top = buf
     else:
-        openers = st.delta == 1
-        opened = np.bincount(st.depth[openers], minlength=deepest + 1)  # [L + 1]: at level L
+        # The brackets alone when they are few (a body mostly of strings or scalars),
+        # else every byte: the arrays below are then as long as the body, but made
+        # without a gather.
+        is_bracket = st.delta != 0  # (nonzero on a bool array: 2.5 times faster than on int8)
+        brackets = np.flatnonzero(is_bracket) if 4 * np.count_nonzero(is_bracket) < len(buf) else None
+        depth, delta = (st.depth, st.delta) if brackets is None else (st.depth.take(brackets), st.delta.take(brackets))
+        openers = delta == 1
+        opened = np.bincount(depth[openers], minlength=deepest + 1)  # [L + 1]: at level L
         rows = (deepest - 1 + window - 1) // window
         padded = np.full(rows * window, len(buf) + 1, np.int32)
         padded[: deepest - 1] = opened[2:]
         cuts = padded.reshape(rows, window).argmin(axis=1) + np.arange(rows) * window + 1
         is_cut = np.zeros(deepest + 1, bool)
         is_cut[cuts] = True
-        level = st.depth - openers  # a bracket's level: containers around it, not its own
-        at_cut = np.flatnonzero(is_cut.take(level) & (st.delta != 0))
+        level = depth - openers  # a bracket's level: containers around it, not its own
+        at_cut = np.flatnonzero(is_cut.take(level) & (is_bracket if brackets is None else True))
         # At one level, openers and closers alternate (the depth never drops below it
         # between them): sorted by level, then offset, they pair up in turn.
         order = at_cut[np.argsort(level.take(at_cut), kind="stable")]
+        if brackets is not None:
+            order = brackets.take(order)
         opens, ends = order[0::2], order[1::2] + 1
         by_open = np.argsort(opens, kind="stable")
         top, parts = _cut(buf, opens[by_open], ends[by_open])
