@@ -198,8 +198,8 @@ def _check(buf: bytes, st: _Structure, deepest: int) -> None:
         cuts = padded.reshape(rows, window).argmin(axis=1) + np.arange(rows) * window + 1
         is_cut = np.zeros(deepest + 1, bool)
         is_cut[cuts] = True
-        found: list[npt.NDArray[np.intp]] = []
-        levels: list[npt.NDArray[np.int32]] = []
+        found: list[typing.Any] = []  # per block: offsets of the brackets at cut levels
+        levels: list[typing.Any] = []  # and their levels
         for a, b in blocks:
             delta = deltas[a:b]
             level = depths[a:b] - (delta == 1)  # a bracket's level: containers around it, not its own
