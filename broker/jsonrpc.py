@@ -414,16 +414,18 @@ class Codec:
         """The answer to one Request object whose members nest past the parser's
         limit: -32600 with its id when that id is readable and valid, else null.
         The too-deep values are replaced by one string found nowhere in `element` (a
-        random one): msgspec reads the rest, and an id or params that reads as that
-        string was one of them (one decode, by msgspec's rules for duplicate names)."""
+        random one), the other values over 64 levels deep by `[]` (an invalid id, and
+        params that do not nest too deep, as they were): msgspec reads the rest, and an
+        id or params that reads as that string was too deep (one decode, by msgspec's
+        rules for duplicate and escaped names)."""
         spans = deep_members(element, parent, offset)
         fill = b'"%s"' % secrets.token_hex(16).encode()
         while fill in element:  # 2**-128 a try: no real member can read as `fill`
             fill = b'"%s"' % secrets.token_hex(16).encode()
         pieces: list[bytes] = []
         cursor = 0
-        for start, end in spans:
-            pieces += (element[cursor:start], fill)
+        for start, end, refused in spans:
+            pieces += (element[cursor:start], fill if refused else b"[]")
             cursor = end
         pieces.append(element[cursor:])
         try:

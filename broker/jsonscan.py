@@ -267,13 +267,13 @@ def nesting(parent: Scanned, start: int, end: int) -> int:
     return int(depth[start:end].max()) - (int(depth[start - 1]) if start else 0)
 
 
-def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> list[tuple[int, int]]:
-    """The spans (start, end) of the member values of `obj`, a JSON object (valid,
-    checked already), that nest too deep for msgspec: those on which its `Raw` decoder,
-    one level down, raises RecursionError (values over 64 levels deep are tried).
+def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> list[tuple[int, int, bool]]:
+    """The member values of `obj`, a JSON object (valid, checked already), nested over
+    64 levels: (start, end, refused) each, `refused` when msgspec cannot read it (its
+    `Raw` decoder, one level down, raises RecursionError). None when none is refused.
 
-    Replacing them by two different scalars, then decoding the two copies, tells which
-    members they were, by msgspec's own rules for duplicate and escaped names.
+    The caller replaces them (the refused ones by a marker), then decodes the copy:
+    msgspec's own rules for duplicate and escaped names tell which members they were.
     `parent`: the `scan_json` of a text holding `obj` at `offset` (its arrays are then
     reused instead of scanning `obj` again)."""
     np = _numpy()
@@ -308,5 +308,7 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
             hi = mid
     if hi == len(levels):
         return []
-    refused = tried[nesting[tried] >= levels[hi]].tolist()
-    return [(int(colons[i]) + 1, int(ends[i])) for i in refused]
+    refused = (nesting[tried] >= levels[hi]).tolist()
+    return [
+        (int(colons[i]) + 1, int(ends[i]), no) for i, no in zip(tried.tolist(), refused, strict=True)
+    ]
