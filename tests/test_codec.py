@@ -30,6 +30,7 @@ from broker.jsonrpc import (
     response_result,
     scan_json,
 )
+from broker.jsonscan import nesting
 
 JSONTESTSUITE = Path(__file__).resolve().parent / "data" / "JSONTestSuite" / "test_parsing"
 VALID_ID_KINDS = (str, int, float, type(None))
@@ -708,6 +709,23 @@ def test_scan_json_with_faults_at_any_depth_agrees_with_msgspec(wrappers, levels
     assert scan_says_json(text) == msgspec_says_json_unlimited(text), text[:200]
     if scan_says_json(text):
         assert scan_json(text).depth == reference_depth(text)
+
+
+@settings(max_examples=150, deadline=None, print_blob=True)
+@given(st.lists(
+    st.tuples(st.sampled_from(SCAN_WRAPPERS), st.integers(0, 2500), st.sampled_from([b"0", b'"]"', b"[]", b'{"a":[1]}'])),
+    min_size=1, max_size=4,
+))
+def test_nesting_reads_each_child_of_a_deep_batch_off_the_scan(elements):
+    """`nesting` takes a child's depth from its parent's scan (the codec sends a child
+    nested past the recursion limit straight to its too-deep answer): it must be the
+    child's own depth, counted the plain way, whatever comes before it."""
+    texts = [opening * levels + inner + closing * levels for (opening, closing), levels, inner in elements]
+    body = b"[" + b",".join(texts) + b"]"
+    found = scan_json(body)
+    assert [body[start:end] for start, end, _ in found.children] == texts
+    for start, end, _ in found.children:
+        assert nesting(found, start, end) == reference_depth(body[start:end])
 
 
 # 10,000 levels: past the parser's limit also where hypothesis raises the recursion limit
