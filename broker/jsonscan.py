@@ -107,13 +107,14 @@ def _structure(buf: bytes) -> _Structure:
         text = buf.replace(b"\\\\", b"__").replace(b'\\"', b"__")
     cls = _CLASS.take(np.frombuffer(text, np.uint8))  # take: half a fancy index's cost
     if b'"' in text:
-        quotes = np.flatnonzero(cls == _QUOTE)
-        if len(quotes) % 2:
-            raise NotJson(int(quotes[-1]))
-        inside = np.zeros(len(buf) + 1, np.int8)  # 1 from an opening quote to its closing one
-        inside[quotes[0::2]] = 1
-        inside[quotes[1::2] + 1] -= 1  # (where the next string opens at once: 0)
-        cls *= np.cumsum(inside[:-1], dtype=np.int8) == 0
+        if text.count(b'"') % 2:
+            raise NotJson(text.rfind(b'"'))
+        # The quotes so far, odd (1) from an opening quote up to its closing one: the
+        # bytes in strings are blanked (a closing quote keeps its class, which is no
+        # bracket, comma or colon).
+        outside = np.bitwise_xor.accumulate((cls == _QUOTE).view(np.uint8))
+        outside ^= 1
+        cls *= outside
     delta = cls << 6  # the low two bits, sign-extended: 1 and -1 stay, 4 and 8 become 0
     delta >>= 6
     depth = np.cumsum(delta, dtype=np.int32)
