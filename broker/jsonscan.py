@@ -183,7 +183,7 @@ def _check(buf: bytes, st: _Structure, deepest: int) -> None:
         # else every byte; block by block: arrays as long as the body (4 MiB of int32
         # for 1 MiB) cost more in fresh pages and cache misses than the work on them.
         is_bracket = st.delta != 0  # (nonzero on a bool array: 2.5 times faster than on int8)
-        brackets = np.flatnonzero(is_bracket) if 4 * np.count_nonzero(is_bracket) < len(buf) else None
+        brackets = np.flatnonzero(is_bracket) if 4 * np.count_nonzero(is_bracket) < 3 * len(buf) else None
         depths, deltas = (st.depth, st.delta) if brackets is None else (st.depth.take(brackets), st.delta.take(brackets))
         opened = np.zeros(deepest + 1, np.int64)  # [L + 1]: containers opening at level L
         blocks = [(a, min(a + _BLOCK, len(depths))) for a in range(0, len(depths), _BLOCK)]
