@@ -6,11 +6,12 @@ JSON at all (RFC 8259), where are its top value's children (a batch's elements),
 members of a too-deep Request object nest too deep. This module answers them with a
 constant number of passes over the bytes, in C (numpy and msgspec), whatever the shape:
 
-1. Structure (numpy). Escaped backslashes and quotes are blanked (`bytes.replace`), so
-   every quote left opens or closes a string; a cumulative sum over the quotes marks the
-   bytes inside strings. Outside strings, `[ { ] } , :` give the depth (a cumulative sum
-   of +1 and -1) and each one's level: the number of containers around it, not counting
-   the container whose bracket it is.
+1. Structure (numpy), one entry per byte. Escaped backslashes and quotes are blanked
+   (`bytes.replace`), so every quote left opens or closes a string; a running xor over
+   the quotes marks the bytes inside strings, whose class is blanked. Outside strings,
+   `[ { ] } , :` get a class (int8), the brackets +1 or -1, and a cumulative sum of these
+   gives the depth after each byte (int32); a bracket's level is the number of
+   containers around it, not counting its own.
 2. Validation (msgspec). Some levels are picked as cuts, one in each window of W levels
    (W about half the parser's limit), the one with the fewest containers opening at it.
    Each container opening at a cut is cut out of its parent and replaced there by ` 0 `;
@@ -18,13 +19,22 @@ constant number of passes over the bytes, in C (numpy and msgspec), whatever the
    The body is JSON exactly when every part is: a valid part stays valid when a ` 0 `
    (a value there, since the part parsed) is replaced by a valid value, and conversely.
    Picking the emptiest level keeps the parts few (at most the number of containers
-   divided by W), so the Python work is small against the bytes.
+   divided by W). The histogram of levels and the brackets at the cuts are found in
+   blocks of 64 KiB (the brackets alone when they are under 3/4 of the bytes); the parts
+   are put together by array work on the cut points (parents, pieces, owners), with one
+   Python slice per piece.
 
-The cost is 10 to 20 passes over the body's bytes or its structural bytes, in C, and Python
-work per part: 5 to 50 ms per MiB measured on a shared 2-core machine (benchmarks/RESULTS.md,
-"Pathological request bodies"), against 120 to 200 for the worst shapes with the Python regex
-scanner this replaces. numpy is imported on the first call only (workers that never see a deep
-body do not load it).
+Where the time goes, for 1 MiB of `[[[...]]]` (measured): about 2 ms for the structure,
+3.5 for the histogram and the cuts, 1.5 for putting the parts together, 3.5 for msgspec on
+the parts, 12 in all for `scan_json`. Arrays as long as the body cost more than their passes
+suggest: a 4 MiB int32 array in fresh memory costs 2 to 3 ms in page faults and cache
+misses on this machine, against 0.5 ms for the same cumulative sum into memory in use,
+which is why the cut work goes by blocks. Whole `Codec.decode` figures: 2 to 24 ms per MiB
+measured over the deep shapes of benchmarks/pathological.py at 1 MiB, on a shared 2-core
+machine (benchmarks/RESULTS.md, "Pathological request bodies"); the worst is a Request object
+with thousands of members 70 levels deep, where msgspec reads the whole body three times
+(two failed attempts in `Codec.decode`, the top part here). numpy is imported on the first
+call only (workers that never see a deep body do not load it).
 """
 
 from __future__ import annotations
@@ -235,8 +245,8 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
     escapes are checked as msgspec checks them for `Raw` (a lone surrogate passes).
     `max_children` caps the children listed (0: no cap); `total` counts them all.
     `depth` is always exact (`exact_depth` is kept for callers). Raises `NotJson`.
-    Cost: linear, 5 to 50 ms per MiB measured whatever the shape (benchmarks/RESULTS.md,
-    "Pathological request bodies"); the module's docstring says how.
+    Cost: linear, 2 to 24 ms per MiB of `Codec.decode` measured on the deep shapes
+    (benchmarks/RESULTS.md, "Pathological request bodies"); the module's docstring says how.
     """
     st = _structure(buf)
     deepest = int(st.depth.max()) if len(st.depth) else 0
