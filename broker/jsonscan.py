@@ -84,7 +84,7 @@ class Scanned(typing.NamedTuple):
 class _Structure(typing.NamedTuple):
     """One entry per byte of the body (offsets are the indexes: nothing is compressed)."""
 
-    cls: npt.NDArray[np.int8]  # 1 "[" or "{", -1 "]" or "}", 4 ",", 8 ":", 0 any other (strings too)
+    cls: npt.NDArray[np.int8]  # 1 "[" or "{", -1 "]" or "}", 4 ",", 8 ":", 16 a closing quote, 0 other
     delta: npt.NDArray[np.int8]  # +1 an opener, -1 a closer, 0 any other byte
     depth: npt.NDArray[np.int32]  # containers open after each byte
 
@@ -281,7 +281,7 @@ def nesting(parent: Scanned, start: int, end: int) -> int:
 def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> list[tuple[int, int, bool]]:
     """The member values of `obj`, a JSON object (valid, checked already), nested over
     64 levels: (start, end, refused) each, `refused` when msgspec cannot read it (its
-    `Raw` decoder, one level down, raises RecursionError). None when none is refused.
+    `Raw` decoder, one level down, raises RecursionError); an empty list when none is refused.
 
     The caller replaces them (the refused ones by a marker), then decodes the copy:
     msgspec's own rules for duplicate and escaped names tell which members they were.
