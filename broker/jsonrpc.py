@@ -284,8 +284,11 @@ class Codec:
                 return Body(False, [_PARSE_ERROR], 400)
         try:
             decoded = self._decoder.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        except (msgspec.ValidationError, msgspec.DecodeError):
             return _unpinned(self._decode_slow(body)) if len(body) > UNPIN_ABOVE else self._decode_slow(body)
+        except RecursionError:  # nested past the parser's limit: so would `_slow` be
+            deep = self._decode_deep(bytes(body))
+            return _unpinned(deep) if len(body) > UNPIN_ABOVE else deep
         if type(decoded) is list:
             if not decoded:
                 return Body(False, [_EMPTY_BATCH], 400)
