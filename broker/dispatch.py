@@ -1001,7 +1001,11 @@ class Dispatcher:
             self.late_results_total += max(weight, 1)
 
     def _fill_chunk(self, call: Call, exchange: Exchange, payload: bytes) -> None:
-        """Splice the answers of a CHUNK_PART or CHUNK_REPLY payload into their slots."""
+        """Splice the answers of a CHUNK_PART or CHUNK_REPLY payload into their slots.
+
+        Each answer is tested against what its connection may still be owed. (One test
+        per payload instead, when all of it fits, was measured: the bound needs the
+        chunk's ids' bytes, and summing them costs what the tests per answer save.)"""
         # (Annotations, not typing.cast: a cast of list[int] costs 130 ns, per chunk.)
         slots: list[int] = call.slots  # type: ignore[assignment]
         ids: list[Raw] = call.ids  # type: ignore[assignment]
