@@ -78,6 +78,11 @@ GIB: Final = 1024 * MIB
 # Upper bound of every duration: past it a value is a typo or an attempt at "never"
 # (inf, 1e300), which deadline and timer arithmetic cannot take (int(inf) raises).
 DAY: Final = 86400 * SECONDS
+# Lower bound of every positive duration: the event loop's clock (uvloop) has 1 ms
+# steps, so a shorter one would not be kept as written. Refused, not rounded up: as
+# nginx (whose smallest time unit is ms) and gunicorn do, a value the broker cannot
+# honour stops it at start rather than silently meaning something else (`_check`).
+MS: Final = 0.001 * SECONDS
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 _IDENT: Final = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
@@ -157,11 +162,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                              "the worker; bodies past ~1000 levels are refused by the "
                              "parser whatever this says)")
                          ] = 64
-    timeout: Annotated[Seconds, Meta(gt=0, le=DAY),
+    timeout: Annotated[Seconds, Meta(ge=MS, le=DAY),
                        Doc("default per-call deadline")
                        ] = 30 * SECONDS
     method_timeouts: Annotated[
-        dict[Annotated[str, Meta(min_length=1)], Annotated[Seconds, Meta(gt=0, le=DAY)]],
+        dict[Annotated[str, Meta(min_length=1)], Annotated[Seconds, Meta(ge=MS, le=DAY)]],
         Doc("per-method deadlines in seconds, overriding timeout (in TOML, quote "
             "method names that contain dots)",
             flag="--method-timeout", metavar="NAME=SECONDS"),
@@ -183,19 +188,21 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                    "ids) before the broker answers 'overloaded'")
                                ] = 64 * MIB
     grace_period: Annotated[Seconds, Meta(ge=0, le=DAY),
-                            Doc("on SIGTERM, how long in-flight calls may take")
+                            Doc("on SIGTERM, how long in-flight calls may take; 0 answers "
+                                "them 'shutting down' at once",
+                                rule="0, or 0.001..86400.0")
                             ] = 30 * SECONDS
-    keepalive_timeout: Annotated[Seconds, Meta(gt=0, le=DAY),
+    keepalive_timeout: Annotated[Seconds, Meta(ge=MS, le=DAY),
                                  Doc("idle HTTP keep-alive connections are closed "
                                      "after this")
                                  ] = 75 * SECONDS
-    request_timeout: Annotated[Seconds, Meta(gt=0, le=DAY),
+    request_timeout: Annotated[Seconds, Meta(ge=MS, le=DAY),
                                Doc("an HTTP request's line, headers and body must all "
                                    "arrive within this of its first byte, however they "
                                    "trickle; past it the client gets 408 and the "
                                    "connection closes")
                                ] = 30 * SECONDS
-    send_timeout: Annotated[Seconds, Meta(gt=0, le=DAY),
+    send_timeout: Annotated[Seconds, Meta(ge=MS, le=DAY),
                             Doc("a connection whose client does not read its answers "
                                 "(writing paused: its send buffer full) for this long is "
                                 "closed, its unsent answers dropped (HTTP and NDJSON; "
@@ -219,16 +226,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                       "and the connection's next requests wait while it is "
                                       "reached or the client is not reading")
                                   ] = 32 * MIB
-    restart_backoff_max: Annotated[Seconds, Meta(gt=0, le=DAY),
+    restart_backoff_max: Annotated[Seconds, Meta(ge=MS, le=DAY),
                                    Doc("cap of the exponential backoff between "
                                        "restarts of a crashing worker")
                                    ] = 10 * SECONDS
-    boot_timeout: Annotated[Seconds, Meta(gt=0, le=DAY),
+    boot_timeout: Annotated[Seconds, Meta(ge=MS, le=DAY),
                             Doc("a worker that has not said HELLO this long after its spawn "
                                 "(its app import hangs, or the process is stopped) is killed; "
                                 "at start that is a boot failure, exit 3")
                             ] = 60 * SECONDS
-    cancel_grace: Annotated[Seconds, Meta(gt=0, le=DAY),
+    cancel_grace: Annotated[Seconds, Meta(ge=MS, le=DAY),
                             Doc("a worker that has not answered a timed-out call this "
                                 "long after the CANCEL is deemed hung and killed")
                             ] = 10 * SECONDS
@@ -473,12 +480,18 @@ def _check(s: Setting, value: object, source: str) -> None:
                 raise ConfigError(f"{source}: allowed_hosts entry {entry!r}: {problem}")
     entries = value.items() if s.kind == "map" and isinstance(value, dict) else [(None, value)]
     for key, item in entries:
+        label = s.name if key is None else f"{s.name}[{key!r}]"
+        if s.unit == "seconds" and isinstance(item, (int, float)) and 0 < item < MS:
+            least = "0 or at least" if s.name == "grace_period" else "at least"
+            raise ConfigError(
+                f"{source}: {label} = {item!r}: must be {least} {MS} (1 ms): the event loop's "
+                "clock has 1 ms steps, so a shorter duration would not be kept as written"
+            )
         try:
             msgspec.convert({s.name: item if key is None else {key: item}}, Config)
         except msgspec.ValidationError as exc:
             problem = _AT_PATH.sub("", str(exc))
             problem = problem[0].lower() + problem[1:]
-            label = s.name if key is None else f"{s.name}[{key!r}]"
             if s.rule and _REGEX.search(problem):  # the rule in words, not the regex behind it
                 problem = f"expected {s.rule}"
             elif s.rule:

@@ -128,6 +128,7 @@ _clock = time.perf_counter
 _NO_ID = Raw()
 _SPLICE_BYTES = len(response_result(b"", b""))  # an answer's bytes besides its id and result (or error)
 _TOO_LARGE_MARK = memoryview(b"")  # (_fill_chunk: an entry answered past max_response_bytes)
+_VIEW_FROM = 4096  # (_fill_chunk: results from this many bytes are viewed, not copied, to be spliced)
 
 
 def _error_code(error: bytes) -> int:
@@ -671,10 +672,11 @@ class Dispatcher:
                 if route is not None:
                     exchange = Exchange(False, 200, on_done, [None], 1, None, budget)
                     self.calls_total += 1
-                    self._start(
-                        Call.of(next(self._ids), exchange, 0, request, route, _clock()),
-                        self._loop.time(),
-                    )
+                    call = Call(  # Call.of, inline (a call less: about 0.1 µs)
+                        next(self._ids), exchange, 0, request.id, _CALL, route.method_index,
+                        request.params, route.timeout, _clock(), route.sync,
+                    )  # fmt: skip
+                    self._start(call, self._loop.time())
                     return exchange
         exchange = Exchange(body.batch, body.status, on_done, budget=budget)
         entries = self._entries(body, exchange)
@@ -699,29 +701,31 @@ class Dispatcher:
         methods) go into their slots; each routable request gets an empty slot, or -1
         for a notification. Returns (slot, request, route) per routable request."""
         answers = exchange.answers
+        answer = answers.append
         routes = self._routes
         metrics = self.metrics
         entries: list[tuple[int, Request, Route]] = []
-        for item in body.items:
-            if type(item) is bytes:
-                answers.append(item)
+        entry = entries.append
+        for request in body.items:
+            if type(request) is not Request:  # (a test mypy narrows by: no typing.cast, 50 ns, per element)
+                invalid = typing.cast(bytes, request)  # an invalid element's answer
+                answer(invalid)
                 if metrics is not None:
-                    metrics.answered(metrics.other, _answer_code(item), 0.0)
+                    metrics.answered(metrics.other, _answer_code(invalid), 0.0)
                 continue
-            request = typing.cast(Request, item)
             route = routes.get(request.method)
             if route is None:
                 if request.id:
-                    answers.append(response_error(request.id, _METHOD_NOT_FOUND))
+                    answer(response_error(request.id, _METHOD_NOT_FOUND))
                     if metrics is not None:
                         metrics.answered(metrics.other, ErrorCode.METHOD_NOT_FOUND, 0.0)
                 elif metrics is not None:
                     metrics.notifications[metrics.other] += 1
             elif request.id:
-                entries.append((len(answers), request, route))
-                answers.append(None)
+                entry((len(answers), request, route))
+                answer(None)
             else:
-                entries.append((-1, request, route))
+                entry((-1, request, route))
                 if metrics is not None:
                     metrics.notifications[route.method_index] += 1
         return entries
@@ -761,7 +765,7 @@ class Dispatcher:
                     # may overshoot the limit by its size; it queues and is shed as one
                     # unit.
                     call = Call.chunk(next(self._ids), exchange, part, timeout, arrival, bool(sync))
-                    exchange.remaining += call.weight - typing.cast(list[int], call.slots).count(-1)
+                    exchange.remaining += call.weight - call.slots.count(-1)  # type: ignore[union-attr]  # (no cast: 130 ns)
                 self._start(call, now)
 
     def _start(self, call: Call, now: float) -> None:
@@ -908,7 +912,11 @@ class Dispatcher:
                     exchange.size += size
                     if metrics is not None:
                         metrics.result(call.index, _clock() - call.arrival, aux)
-                    exchange.fill(call.slot, response_result(call.id, payload))
+                    # exchange.fill(call.slot, response_result(...)), inline: two calls less (0.1 µs)
+                    exchange.answers[call.slot] = b"".join((_RESP_HEAD, call.id, _RESP_RESULT, payload, b"}"))
+                    exchange.remaining -= 1
+                    if not exchange.remaining:
+                        exchange.on_done(exchange)
                 else:
                     self._answer_error(call, exchange, payload, size)
         elif call.tick:  # a notification
@@ -960,7 +968,7 @@ class Dispatcher:
     def _learn_chunk(self, call: Call, aux: int) -> None:
         """Learn a sync method's service time from a chunk of its calls alone (a
         chunk's `aux` is its total: of several methods, it says nothing of each)."""
-        methods = typing.cast(list[int], call.methods)
+        methods: list[int] = call.methods  # type: ignore[assignment]  # (no cast: 130 ns per chunk)
         index = methods[0]
         est = self._sync_us[index]
         if est >= 0 and methods.count(index) == len(methods):
@@ -993,9 +1001,14 @@ class Dispatcher:
             self.late_results_total += max(weight, 1)
 
     def _fill_chunk(self, call: Call, exchange: Exchange, payload: bytes) -> None:
-        """Splice the answers of a CHUNK_PART or CHUNK_REPLY payload into their slots."""
-        slots = typing.cast(list[int], call.slots)
-        ids = typing.cast(list[Raw], call.ids)
+        """Splice the answers of a CHUNK_PART or CHUNK_REPLY payload into their slots.
+
+        Each answer is tested against what its connection may still be owed. (One test
+        per payload instead, when all of it fits, was measured: the bound needs the
+        chunk's ids' bytes, and summing them costs what the tests per answer save.)"""
+        # (Annotations, not typing.cast: a cast of list[int] costs 130 ns, per chunk.)
+        slots: list[int] = call.slots  # type: ignore[assignment]
+        ids: list[Raw] = call.ids  # type: ignore[assignment]
         metrics = self.metrics
         results = 0  # results filled (for metrics)
         answers = exchange.answers
@@ -1012,7 +1025,9 @@ class Dispatcher:
             pos += size
             slot = slots[i]
             if slot >= 0 and answers[slot] is None:
-                result = view[pos : pos + length]
+                # A small result is sliced out (a copy), a large one viewed: a memoryview
+                # costs 40 ns more than a slice of a few bytes, per answer.
+                result = payload[pos : pos + length] if length < _VIEW_FROM else view[pos : pos + length]
                 if entry_kind == _RESULT:
                     answer = join((_RESP_HEAD, ids[i], _RESP_RESULT, result, b"}"))  # response_result, inline
                 else:
@@ -1042,7 +1057,7 @@ class Dispatcher:
         exchange.size += start - room
         if results and metrics is not None:
             latency = _clock() - call.arrival
-            methods = typing.cast(list[int], call.methods)
+            methods: list[int] = call.methods  # type: ignore[assignment]
             if results == call.weight:  # the common case: every call of the chunk, all results
                 mix = _mix(methods)
             else:  # some answered before (CHUNK_PART), errors, notifications: walk it again

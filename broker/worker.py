@@ -257,7 +257,7 @@ class Method:
         except RecursionError:  # deeper than the parser takes, whatever max_depth says
             raise NestingTooDeep(max_depth) from None
         except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
-            raise InvalidParams(None, str(exc)) from None
+            raise self._out_of_range(params, str(exc)) from None
         except msgspec.DecodeError as exc:
             raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
         _check_depth(params, max_depth)
@@ -309,8 +309,7 @@ class Method:
         `**kwargs` (the key) that does not fit the hint; cold path, so it re-checks."""
         if type(values) is list:
             hint = typing.get_args(self._var_pos)[0]
-            name = next(p.name for p in inspect.signature(self.fn).parameters.values()
-                        if p.kind is inspect.Parameter.VAR_POSITIONAL)
+            name = self._var_pos_name()
             for i, value in enumerate(values, len(self._pos_names)):
                 try:
                     msgspec.convert(value, hint)
@@ -324,6 +323,38 @@ class Method:
                 except msgspec.ValidationError as exc:
                     return InvalidParams(key, str(exc))
         return InvalidParams(None, "params do not fit the signature")
+
+    def _out_of_range(self, params: bytes, message: str) -> InvalidParams:
+        """Name the parameter holding a value msgspec cannot hold (a number past a
+        double's range, e.g. 1e400). msgspec's `message` locates it as `$[i]...` in an
+        array (the i-th positional parameter, or `*args`), but only as `$[...]...` in an
+        object: its key is then found by decoding each value alone. Cold path."""
+        m = _VALIDATION_AT.match(message)
+        if m is not None and m.group(2) is not None:  # $[i]
+            index = int(m.group(2))
+            if index < len(self._pos_names):
+                return self._invalid(message, None)
+            if self._var_pos is not None:
+                reason, inner = m.group(1), m.group(4)
+                where = f" - at `params[{index}]{inner}`" if inner else f" (params[{index}])"
+                return InvalidParams(self._var_pos_name(), reason + where)
+            return InvalidParams(None, message)  # past the positional parameters
+        try:
+            values = msgspec.json.decode(params, type=dict[str, msgspec.Raw])
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return InvalidParams(None, message)
+        for key, value in values.items():
+            try:
+                _decode_json(value)
+            except msgspec.ValidationError as exc:
+                reason, _, inner = str(exc).partition(" - at `$")  # (inner ends with its `)
+                return InvalidParams(key, f"{reason} - at `{key}{inner}" if inner else reason)
+        return InvalidParams(None, message)
+
+    def _var_pos_name(self) -> str:
+        """The name of the `*args` parameter (cold path: read from the signature)."""
+        return next(p.name for p in inspect.signature(self.fn).parameters.values()
+                    if p.kind is inspect.Parameter.VAR_POSITIONAL)
 
     def _named_kwonly_order(self) -> list[str]:
         return list(self._named_type.__struct_fields__[len(self._pos_names):])

@@ -205,36 +205,36 @@ def test_unknown_section_fails(tmp_path: Path) -> None:
         ("max_frame_bytes = 65535",
          "max_frame_bytes = 65535: expected `int` >= 65536 (allowed: 65536..1073741824)"),
         ("max_queue = -1", "max_queue = -1: expected `int` >= 0 (allowed: >= 0)"),
-        ("timeout = 0", "timeout = 0: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
-        ("timeout = nan", "timeout = nan: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
-        ("timeout = inf", "timeout = inf: expected `float` <= 86400.0 (allowed: > 0, <= 86400.0)"),
-        ("timeout = 1e300", "timeout = 1e+300: expected `float` <= 86400.0 (allowed: > 0, <= 86400.0)"),
-        ("grace_period = inf", "grace_period = inf: expected `float` <= 86400.0 (allowed: 0..86400.0)"),
+        ("timeout = 0", "timeout = 0: expected `float` >= 0.001 (allowed: 0.001..86400.0)"),
+        ("timeout = nan", "timeout = nan: expected `float` >= 0.001 (allowed: 0.001..86400.0)"),
+        ("timeout = inf", "timeout = inf: expected `float` <= 86400.0 (allowed: 0.001..86400.0)"),
+        ("timeout = 1e300", "timeout = 1e+300: expected `float` <= 86400.0 (allowed: 0.001..86400.0)"),
+        ("grace_period = inf", "grace_period = inf: expected `float` <= 86400.0 (allowed: 0, or 0.001..86400.0)"),
         ("keepalive_timeout = inf",
-         "keepalive_timeout = inf: expected `float` <= 86400.0 (allowed: > 0, <= 86400.0)"),
+         "keepalive_timeout = inf: expected `float` <= 86400.0 (allowed: 0.001..86400.0)"),
         ("request_timeout = 1e20",
-         "request_timeout = 1e+20: expected `float` <= 86400.0 (allowed: > 0, <= 86400.0)"),
-        ("cancel_grace = inf", "cancel_grace = inf: expected `float` <= 86400.0 (allowed: > 0, <= 86400.0)"),
+         "request_timeout = 1e+20: expected `float` <= 86400.0 (allowed: 0.001..86400.0)"),
+        ("cancel_grace = inf", "cancel_grace = inf: expected `float` <= 86400.0 (allowed: 0.001..86400.0)"),
         ("restart_backoff_max = nan",
-         "restart_backoff_max = nan: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
+         "restart_backoff_max = nan: expected `float` >= 0.001 (allowed: 0.001..86400.0)"),
         ("max_frame_bytes = 4294967296",
          "max_frame_bytes = 4294967296: expected `int` <= 1073741824 (allowed: 65536..1073741824)"),
         ("[method_timeouts]\nadd = inf",
-         "method_timeouts['add'] = inf: expected `float` <= 86400.0 (allowed: each value > 0, <= 86400.0)"),
-        ("grace_period = -0.5", "grace_period = -0.5: expected `float` >= 0.0 (allowed: 0..86400.0)"),
-        ("keepalive_timeout = 0", "keepalive_timeout = 0: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
+         "method_timeouts['add'] = inf: expected `float` <= 86400.0 (allowed: each value 0.001..86400.0)"),
+        ("grace_period = -0.5", "grace_period = -0.5: expected `float` >= 0.0 (allowed: 0, or 0.001..86400.0)"),
+        ("keepalive_timeout = 0", "keepalive_timeout = 0: expected `float` >= 0.001 (allowed: 0.001..86400.0)"),
         ("restart_backoff_max = 0",
-         "restart_backoff_max = 0: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
+         "restart_backoff_max = 0: expected `float` >= 0.001 (allowed: 0.001..86400.0)"),
         ('host = ""', "host = '': expected `str` of length >= 1 (allowed: non-empty)"),
         ('log_level = "verbose"',
          ("log_level = 'verbose': invalid enum value 'verbose' "
           "(allowed: one of debug, info, warning, error)")),
         ("debug = 1", "debug = 1: expected `bool`, got `int`"),
         ("[method_timeouts]\nfoo = 0",
-         "method_timeouts['foo'] = 0: expected `float` > 0.0 (allowed: each value > 0, <= 86400.0)"),
+         "method_timeouts['foo'] = 0: expected `float` >= 0.001 (allowed: each value 0.001..86400.0)"),
         ('[method_timeouts]\nfoo = "1"',
          ("method_timeouts['foo'] = '1': expected `float`, got `str` "
-          "(allowed: each value > 0, <= 86400.0)")),
+          "(allowed: each value 0.001..86400.0)")),
     ],
 )
 def test_bad_toml_values(tmp_path: Path, toml: str, expected: str) -> None:
@@ -303,7 +303,7 @@ def test_unreadable_file(tmp_path: Path) -> None:
         ("RPC_BROKER_MAX_BODY_BYTES", "1MiB",
          "max_body_bytes = '1MiB': expected an integer of bytes"),
         ("RPC_BROKER_TIMEOUT", "soon", "timeout = 'soon': expected a number of seconds"),
-        ("RPC_BROKER_TIMEOUT", "-1", "timeout = -1.0: expected `float` > 0.0 (allowed: > 0, <= 86400.0)"),
+        ("RPC_BROKER_TIMEOUT", "-1", "timeout = -1.0: expected `float` >= 0.001 (allowed: 0.001..86400.0)"),
         ("RPC_BROKER_DEBUG", "maybe", "debug = 'maybe': expected one of 1/0/true/false/yes/no"),
         ("RPC_BROKER_LOG_LEVEL", "INFO",
          ("log_level = 'INFO': invalid enum value 'INFO' "
@@ -311,7 +311,7 @@ def test_unreadable_file(tmp_path: Path) -> None:
         ("RPC_BROKER_METHOD_TIMEOUTS", "[1]",
          "method_timeouts = '[1]': expected a JSON object like {\"method\": seconds}"),
         ("RPC_BROKER_METHOD_TIMEOUTS", '{"a": -1}',
-         "method_timeouts['a'] = -1: expected `float` > 0.0 (allowed: each value > 0, <= 86400.0)"),
+         "method_timeouts['a'] = -1: expected `float` >= 0.001 (allowed: each value 0.001..86400.0)"),
         ("RPC_BROKER_PROT", "1", "unknown setting 'RPC_BROKER_PROT' (did you mean 'port'?)"),
         ("RPC_BROKER_port", "1", "unknown setting 'RPC_BROKER_port' (did you mean 'port'?)"),
     ],
@@ -393,8 +393,8 @@ def test_method_timeouts_flag_given_as_mapping() -> None:
         ("slow", "method_timeouts: expected NAME=SECONDS, got 'slow'"),
         ("=3", "method_timeouts: expected NAME=SECONDS, got '=3'"),
         ("slow=soon", "method_timeouts: expected NAME=SECONDS, got 'slow=soon'"),
-        ("slow=0", ("method_timeouts['slow'] = 0.0: expected `float` > 0.0 "
-                    "(allowed: each value > 0, <= 86400.0)")),
+        ("slow=0", ("method_timeouts['slow'] = 0.0: expected `float` >= 0.001 "
+                    "(allowed: each value 0.001..86400.0)")),
     ],
 )
 def test_bad_method_timeout_flag(pair: str, expected: str) -> None:
@@ -457,7 +457,7 @@ def test_serve_help_mentions_every_flag(capsys: pytest.CaptureFixture[str]) -> N
         assert s.env in out, s.env
     assert "--no-debug" in out
     words = " ".join(out.split())  # help text is wrapped to the terminal width
-    assert ("default per-call deadline. Default: 30.0 seconds. Allowed: > 0, <= 86400.0. "
+    assert ("default per-call deadline. Default: 30.0 seconds. Allowed: 0.001..86400.0. "
             "Env: RPC_BROKER_TIMEOUT.") in words
     assert "Default: 16777216 bytes (16 MiB)" in words
 
@@ -620,3 +620,37 @@ def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"rpc-broker {metadata.version('rpc-broker')}\n"
+
+
+SUB_MS = "the event loop's clock has 1 ms steps, so a shorter duration would not be kept as written"
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("timeout = 0.0005", f"timeout = 0.0005: must be at least 0.001 (1 ms): {SUB_MS}"),
+        ("keepalive_timeout = 1e-9", f"keepalive_timeout = 1e-09: must be at least 0.001 (1 ms): {SUB_MS}"),
+        ("send_timeout = 0.0009", f"send_timeout = 0.0009: must be at least 0.001 (1 ms): {SUB_MS}"),
+        ("cancel_grace = 0.0001", f"cancel_grace = 0.0001: must be at least 0.001 (1 ms): {SUB_MS}"),
+        ("[method_timeouts]\nadd = 0.0002",
+         f"method_timeouts['add'] = 0.0002: must be at least 0.001 (1 ms): {SUB_MS}"),
+        ("grace_period = 0.0005", f"grace_period = 0.0005: must be 0 or at least 0.001 (1 ms): {SUB_MS}"),
+    ],
+)
+def test_a_positive_duration_under_one_millisecond_is_refused(tmp_path: Path, toml: str, expected: str) -> None:
+    """Issue 9 (LOW): 0.0005 s was accepted, but the loop's clock has 1 ms steps, so the
+    deadline was not kept as written. Refused at start (as nginx and gunicorn refuse a
+    value they cannot honour), naming the setting and the minimum; from env and flags too."""
+    path = write(tmp_path, toml + "\n")
+    with pytest.raises(ConfigError) as err:
+        load(path, {}, {})
+    assert str(err.value) == f"config file {path}: {expected}"
+
+
+def test_one_millisecond_and_a_grace_period_of_zero_are_accepted() -> None:
+    cfg = load(None, {"RPC_BROKER_TIMEOUT": "0.001"}, {"grace_period": "0", "method_timeouts": ["add=0.001"]})
+    assert (cfg.timeout, cfg.grace_period, cfg.method_timeouts) == (0.001, 0.0, {"add": 0.001})
+    with pytest.raises(ConfigError, match=r"^environment variable RPC_BROKER_TIMEOUT: timeout = 0.0005: must be at least 0.001"):
+        load(None, {"RPC_BROKER_TIMEOUT": "0.0005"}, {})
+    with pytest.raises(ConfigError, match=r"^flag --request-timeout: request_timeout = 0.0001: must be at least 0.001"):
+        load(None, {}, {"request_timeout": "0.0001"})

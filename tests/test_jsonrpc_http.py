@@ -519,6 +519,16 @@ INVALID_PARAMS = [
     ("get_data", b"[1]", None, "too many positional params: takes at most 0, got 1"),
     ("get_data", b'{"a":1}', "a", "unexpected parameter"),
     ("sum", b'[1,"2"]', None, None),
+    # A number past a double's range (valid JSON that msgspec cannot hold) names its
+    # parameter too: in an array by place, in an object by key (issue 9).
+    ("subtract", b"[42,1e400]", "subtrahend", "Number out of range"),
+    ("subtract", b"[-1e400,1]", "minuend", "Number out of range"),
+    ("subtract", b'{"subtrahend":1,"minuend":1e400}', "minuend", "Number out of range"),
+    ("subtract", b"[[1,1e400],1]", "minuend", "Number out of range - at `minuend[1]`"),
+    ("subtract", b'{"minuend":{"x":[1e400]},"subtrahend":1}', "minuend", "Number out of range - at `minuend[...][0]`"),
+    ("sum", b"[1,2,1e400]", "values", "Number out of range (params[2])"),
+    ("sum", b"[1,[2,1e400]]", "values", "Number out of range - at `params[1][1]`"),
+    ("subtract", b"[1,2,1e400]", None, "Number out of range - at `$[2]`"),
 ]
 
 

@@ -168,8 +168,9 @@ def test_raw_params_depth_is_measured_without_decoding_numbers():
 
 
 def test_typed_params_with_numbers_too_large_are_invalid_params_not_invalid_json():
-    param, reason = invalid(any_param, b"[1e400]")
-    assert param is None and reason == "Number out of range - at `$[0]`"
+    """...and name the parameter (issue 9: `param` was null), by place or by key."""
+    assert invalid(any_param, b"[1e400]") == ("x", "Number out of range")
+    assert invalid(any_param, b'{"x": [1, 1e400]}') == ("x", "Number out of range - at `x[1]`")
 
 
 # --- Method.bind ---------------------------------------------------------------------------
