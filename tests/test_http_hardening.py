@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -199,12 +200,63 @@ def test_silent_connections_at_the_limit_make_room_after_a_second(broker_factory
                 except (OSError, EOFError):
                     return False
 
-        wait_for(lambda: served(get("/healthz")), timeout=10, interval=0.2)
-        assert served(post(call("add", [1, 2]), path=b.path))
+        assert served(get("/healthz"))  # at once: in the reserve, in the place of a silent one
+        wait_for(lambda: served(post(call("add", [1, 2]), path=b.path)), timeout=10, interval=0.2)
         assert silent[0].closed_within(5)  # the oldest made room
     finally:
         for c in silent:
             c.sock.close()
+
+
+@pytest.mark.parametrize("opening", [b"GET /healthz HTTP/1.1\r\nX-a: ", b""])
+def test_probes_get_through_a_reserve_flooded_with_fresh_slowloris_connections(broker_factory, opening):
+    """A newcomer took the place of a reserve connection only if that one's request, or
+    last byte, was a second old: an attacker opening a connection that trickles a head
+    (or sends nothing) every 20 ms kept the 8 places full of younger ones, and /healthz
+    got 503 while it ran. Every probe must be served."""
+    b = broker_factory("--workers", "1", "--max-connections", "2")
+    body = call("add", [1, 2]).encode()
+    held = []  # max_connections taken by requests under way (their bodies still coming): not idle
+    for _ in range(2):
+        held.append(c := Conn(b))
+        c.send(post_head(b, f"Content-Length: {len(body)}\r\n\r\n") + body[:5])
+    attackers: list[socket.socket] = []
+    stop = threading.Event()
+
+    def attack() -> None:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and not stop.is_set() and len(attackers) < 400:
+            try:
+                s = socket.create_connection(("127.0.0.1", b.port), timeout=2)
+                if opening:
+                    s.sendall(opening)
+                attackers.append(s)
+            except OSError:
+                pass
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=attack, daemon=True)
+    statuses: list[int | str] = []
+    try:
+        thread.start()
+        time.sleep(0.5)  # the reserve is full of attackers by now
+        while thread.is_alive() and len(statuses) < 40:
+            try:
+                with Conn(b, timeout=5) as probe:
+                    probe.send(get("/healthz"))
+                    statuses.append(probe.response()[0])
+            except (OSError, EOFError) as exc:
+                statuses.append(type(exc).__name__)
+            time.sleep(0.15)
+    finally:
+        stop.set()
+        thread.join(10)
+        for s in attackers:
+            s.close()
+        for c in held:
+            c.sock.close()
+    assert len(statuses) >= 5 and len(attackers) >= 50, (len(statuses), len(attackers))
+    assert statuses == [200] * len(statuses), statuses
 
 
 # -- item 7: h2c upgrade whose body comes after its head -------------------------------------
@@ -336,16 +388,15 @@ def test_every_answer_has_a_date_and_503s_a_retry_after(broker_factory):
         assert json.loads(answer)["error"]["code"] == -32000
         assert headers["retry-after"] == "1" and _date(headers)
         assert busy.response()[0] == 200
-    # Past max_connections (3) and the probes' reserve, every connection busy:
-    from broker.frontend.http import PROBE_RESERVE
-
+    # Past max_connections (3), every connection busy: the reserve serves probes only
     holders: list[Conn] = []
     try:
-        for _ in range(3 + PROBE_RESERVE):  # each accepted, then busy (a request under way)
+        for _ in range(3):  # each accepted, then busy (a request under way)
             holders.append(h := Conn(b))
             h.send(get("/healthz") + b"GET /healthz HTTP/1.1\r\n")
             assert h.response()[0] == 200
         with Conn(b) as over:
+            over.send(post(call("add", [1, 2]), path=b.path))
             status, headers, _ = over.response()
             assert (status, headers["retry-after"]) == (503, "1") and _date(headers)
     finally:

@@ -68,8 +68,15 @@ the broker paused reading, so this is what bounds a client that sends and never 
 A client that half-closes after sending (`shutdown(SHUT_WR)`, `nc -N`) gets what it is
 owed, then the connection closes. After an error answer the broker half-closes and
 discards (lingers) for at most LINGER_TIMEOUT silent, LINGER_TIME in all; a lingering
-connection is idle for `make_room`. A full probes' reserve gives its least recently
-active connection owed nothing to a newcomer, so trickling heads cannot lock probes out.
+connection is idle for `make_room`.
+
+The probes' reserve (PROBE_RESERVE connections past max_connections, for /healthz,
+/readyz and /metrics only) is never held against a probe: when it is full, a newcomer
+takes the place of a reserve connection owed nothing, whatever its age: first one
+trickling a request in (no probe does), then one served and idle (Prometheus between
+scrapes: it reconnects), last one silent since accepted (a probe may be on its way).
+A probe sends its head at once and is answered at once, so connections opened every
+few ms displace one another, not the probe. Only one owed its answer keeps its place.
 """
 
 from __future__ import annotations
@@ -79,12 +86,11 @@ import typing
 from collections import deque
 from email.utils import formatdate
 from http import HTTPStatus
-from operator import attrgetter
 
 import httptools
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget
-from broker.frontend.base import SWEEP_SECONDS, Listener
+from broker.frontend.base import Listener
 from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.metrics import HTTP_PATHS
@@ -309,6 +315,14 @@ class HttpFrontend(Listener):
                 conn.close()
 
 
+def _reserve_rank(conn: HttpProtocol) -> tuple[int, float]:
+    """The order in which the probes' reserve gives up its connections owed nothing
+    (see `HttpProtocol._take_reserve_slot`): trickling, then served, then silent."""
+    if conn.request_started:
+        return 0, conn.request_started
+    return (1 if conn.requests else 2), conn.last_active
+
+
 class _UpgradeBody:
     """Parser callbacks for the body of an `Upgrade` request: httptools stops at the
     end of such a request's head (what follows belongs to the new protocol), so its
@@ -474,15 +488,22 @@ class HttpProtocol(asyncio.Protocol):
         fe.connections.add(self)
 
     def _take_reserve_slot(self) -> None:
-        """The probes' reserve is full: close the least recently active reserve connection
-        owed nothing whose request has been under way for `SWEEP_SECONDS` or more (a
-        probe sends its request at once: this one trickles), or that has been idle as
-        long, so that a probe gets in; one owed its answer keeps its place."""
+        """The probes' reserve is full: close the reserve connection owed nothing that
+        looks least like a probe, whatever its age, so that this newcomer gets in. A
+        probe sends its whole head at once and is answered at once, so it is owed its
+        answer, or served, within a millisecond of its first byte; a connection owed
+        its answer keeps its place. In order (`_reserve_rank`): one with a request under
+        way (a head or body trickling in: no probe does that), oldest request first;
+        then one served and now idle (a Prometheus keep-alive connection between
+        scrapes: it reconnects), least recently active first; last one that has sent
+        nothing yet (a probe may be on its way), oldest first. An attacker who opens a
+        connection every few ms only ever displaces its own: a probe is displaced only
+        if all the reserve's places are taken by connections accepted after it before
+        its head is read."""
         fe = self._fe
-        old = fe.loop.time() - SWEEP_SECONDS
-        victims = [c for c in fe.probe_conns if not c.owed and (c.request_started or c.last_active) <= old]
+        victims = [c for c in fe.probe_conns if not c.owed]
         if victims:
-            victim = min(victims, key=attrgetter("last_active"))
+            victim = min(victims, key=_reserve_rank)
             fe.probe_conns.discard(victim)
             fe.connections.discard(victim)
             victim.abort()
