@@ -33,7 +33,7 @@ Answers:
                            fields, trailers counted in: 431 and close; a request not all
                            in within request_timeout: 408 and close
 An absolute-form target (`http://host:port/path`) is served as its path, its authority
-taking the Host header's place (RFC 9112 3.2.2). Trailer fields are counted, never
+taking the Host header's place (RFC 9112 3.2.2) and checked exactly as a Host value is. Trailer fields are counted, never
 merged into the header fields (RFC 9110 6.5.1). `100 Continue` goes only to an HTTP/1.1
 call about to be served with nothing owed before it (RFC 9110 10.1.1).
 Every answer has a `date` header (RFC 9110 6.6.1; formatted once a second by the
@@ -686,19 +686,20 @@ class HttpProtocol(asyncio.Protocol):
     def _absolute_form(self) -> None:
         """An absolute-form target (`POST http://host:port/path HTTP/1.1`, RFC 9112 3.2.2):
         its path is the URL, its authority replaces the Host header (which the server
-        must then ignore). Other forms (`*`, authority-form) are left as they are: 404."""
-        try:
-            parsed = httptools.parse_url(self._url)
-        except httptools.HttpParserInvalidURLError:
-            return  # not a URL: 404
-        if parsed.schema is None or parsed.schema.lower() not in (b"http", b"https") or not parsed.host:
+        must then ignore) and is checked exactly as a Host value is (`host_allowed`): an
+        empty or odd port, userinfo, an empty authority get the same answer in either
+        place. Other forms (`*`, authority-form, other schemes) are left as they are: 404."""
+        scheme, sep, rest = self._url.partition(b"://")
+        if not sep or scheme.lower() not in (b"http", b"https"):
             return
-        host = parsed.host
-        if b":" in host:
-            host = b"[" + host + b"]"  # an IPv6 literal (RFC 3986 3.2.2)
-        self._host = host if parsed.port is None else b"%s:%d" % (host, parsed.port)
-        path = parsed.path or b"/"
-        self._url = path if parsed.query is None else path + b"?" + parsed.query
+        end = len(rest)
+        for delimiter in b"/?":  # the authority ends at the path or the query (RFC 3986 3.2)
+            i = rest.find(delimiter, 0, end)
+            if i >= 0:
+                end = i
+        self._host = rest[:end]
+        path = rest[end:]
+        self._url = path if path[:1] == b"/" else b"/" + path
 
     def _will_serve_rpc(self) -> bool:
         """Whether the request whose head just came will be served as a JSON-RPC call,
