@@ -58,7 +58,8 @@ under `max_response_bytes` (`dispatch.ResponseBudget`; results past it are answe
 undispatched (`_Deferred` in `_waiting`, holding their place in `_responses`), and go
 one at a time once the client reads (`_busy`, `_one_by_one`).
 One sweep per second for all connections, not a timer per request, closes idle
-connections (nothing owed, no bytes for `keepalive_timeout` seconds), answers 408
+connections (nothing owed, no bytes for `keepalive_timeout` seconds, and the last answer
+taken: bytes still leaving the kernel's send queue restart the clock, `taking_answer`), answers 408
 to requests under way for longer than `request_timeout` (nginx's
 client_header_timeout and client_body_timeout, for the whole request), and aborts
 connections whose client has left its answers unread (writing paused) for longer
@@ -90,7 +91,7 @@ from http import HTTPStatus
 import httptools
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget
-from broker.frontend.base import Listener
+from broker.frontend.base import Listener, reset, unsent_bytes
 from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.metrics import HTTP_PATHS
@@ -301,7 +302,7 @@ class HttpFrontend(Listener):
             elif conn.lingering_since:  # half-closed after an error answer (nginx's lingering close)
                 if now - conn.last_active > LINGER_TIMEOUT or now - conn.lingering_since > LINGER_TIME:
                     conn.close()
-            elif not conn.owed and now - conn.last_active > keepalive:
+            elif not conn.owed and now - conn.last_active > keepalive and not conn.taking_answer(now):
                 conn.close()
 
     def drain(self) -> None:
@@ -373,9 +374,11 @@ class HttpProtocol(asyncio.Protocol):
         "_responses",
         "_scraped",
         "_skip",
+        "_stuck_since",
         "_trailer_bytes",
         "_transfer_encoding",
         "_transport",
+        "_unsent",
         "_upgrade",
         "_url",
         "_waiting",
@@ -437,6 +440,8 @@ class HttpProtocol(asyncio.Protocol):
         self._write_paused = False
         self._closing = False
         self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
+        self._unsent = 0  # bytes of answers not yet taken by the client, at the sweep's last look
+        self._stuck_since = 0.0  # loop time the sweep found those bytes not moving (`taking_answer`)
         self.last_active = frontend.loop.time()
 
     @property
@@ -457,6 +462,34 @@ class HttpProtocol(asyncio.Protocol):
     def evictable(self, fresh: float) -> bool:
         """Idle, and a request served already or no byte since `fresh` (`Listener.make_room`)."""
         return self.idle and (self.requests > 0 or self.last_active <= fresh)
+
+    def taking_answer(self, now: float) -> bool:
+        """For the sweep, on a connection owed nothing with no byte or answer for
+        keepalive_timeout: whether its client is still taking its last answer (a slow
+        reader of a large one), so the connection is not idle. The bytes it has not
+        taken (`unsent_bytes`: the transport's buffer and the kernel's send queue) are
+        compared with the last look's: fewer (or a first look at some) restart the idle
+        clock, so keep-alive counts from the answer taken, not written, and restart
+        send_timeout's clock too if it runs (nginx's send_timeout is between two
+        successive writes). Bytes that do not move for send_timeout reset the connection
+        (`reset`: a close would leave them in the kernel for a client that never reads)."""
+        transport = self._transport
+        if transport is None:
+            return False
+        unsent = unsent_bytes(transport)
+        before, self._unsent = self._unsent, unsent
+        if unsent < before or (unsent and not before):
+            self.last_active = now
+            if self.send_stalled:
+                self.send_stalled = now
+            return True
+        if not unsent:
+            return False
+        if self._stuck_since < self.last_active:  # (one found stuck before its last activity: stale)
+            self._stuck_since = now
+        elif now - self._stuck_since > self._fe.send_timeout:
+            reset(self)
+        return True
 
     @property
     def transport(self) -> asyncio.Transport | None:
