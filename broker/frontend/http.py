@@ -459,9 +459,9 @@ class HttpProtocol(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        """No request under way, none owed or waiting its turn (`_backlog`), not closing (or only lingering after an error
-        answer, see `_write`), answers not stuck unsent (those are for send_timeout: a close
-        would wait for them): closing it loses nothing."""
+        """No request under way, none owed or waiting its turn (`_backlog`), not closing
+        (or only lingering after an error answer, see `_write`), answers not stuck unsent
+        (those are for send_timeout: a close would wait for them): closing it loses nothing."""
         return (
             not self._responses and not self.request_started and not self._backlog
             and (not self._closing or self.lingering_since > 0) and not self.send_stalled
