@@ -81,7 +81,8 @@ takes the place of a reserve connection owed nothing, whatever its age: first on
 trickling a request in (no probe does), then one served and idle (Prometheus between
 scrapes: it reconnects), last one silent since accepted (a probe may be on its way).
 A probe sends its head at once and is answered at once, so connections opened every
-few ms displace one another, not the probe. Only one owed its answer keeps its place.
+few ms displace one another, not the probe. Only one owed its answer keeps its place;
+the one displaced gets a refused connection's 503 (or, served and idle, a close).
 """
 
 from __future__ import annotations
@@ -522,9 +523,7 @@ class HttpProtocol(asyncio.Protocol):
                 fe.connections.add(self)
                 fe.probe_conns.add(self)
                 return
-            fe.refused()
-            self._closing = True
-            self._write(_json_response(503, _TOO_MANY_BODY, False, b"", fe.json_head), False, "other")
+            self._refuse()
             return
         fe.connections.add(self)
 
@@ -533,7 +532,8 @@ class HttpProtocol(asyncio.Protocol):
         looks least like a probe, whatever its age, so that this newcomer gets in. A
         probe sends its whole head at once and is answered at once, so it is owed its
         answer, or served, within a millisecond of its first byte; a connection owed
-        its answer keeps its place. In order (`_reserve_rank`): one with a request under
+        its answer keeps its place. The one closed gets the 503 of a connection refused
+        at accept, or, if served and idle, a keep-alive close. In order (`_reserve_rank`): one with a request under
         way (a head or body trickling in: no probe does that), oldest request first;
         then one served and now idle (a Prometheus keep-alive connection between
         scrapes: it reconnects), least recently active first; last one that has sent
@@ -547,7 +547,16 @@ class HttpProtocol(asyncio.Protocol):
             victim = min(victims, key=_reserve_rank)
             fe.probe_conns.discard(victim)
             fe.connections.discard(victim)
-            victim.abort()
+            if victim.requests and not victim.request_started:
+                victim.close()  # served, and idle: a keep-alive close
+            else:
+                victim._refuse()  # what a connection refused at accept gets
+
+    def _refuse(self) -> None:
+        """Turned away at max_connections: 503 "too many connections", then close."""
+        self._fe.refused()
+        self._closing = True
+        self._write(_json_response(503, _TOO_MANY_BODY, False, b"", self._fe.json_head), False, "other")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
