@@ -181,7 +181,8 @@ class Listener:
         its `pause_writing` (the write buffer above its high-water mark), cleared by
         `resume_writing`; or, found here, since a close began with bytes still unsent
         (`close` waits for them forever). Aborting drops the unsent answers (the
-        transport's buffer and the kernel's send queue) and frees them; calls still running complete and their answers are dropped."""
+        transport's buffer and the kernel's send queue) and frees them; calls still
+        running complete and their answers are dropped."""
         since = conn.send_stalled
         if not since:
             transport = conn.transport
