@@ -192,6 +192,32 @@ def test_absolute_form_targets_are_served_by_their_authority(broker_factory):
 
 
 @pytest.mark.parametrize(
+    ("authority", "status"),
+    [
+        ("127.0.0.1:", 200),  # an empty port (RFC 3986 3.2.3 allows it): got 404 in the target
+        ("127.0.0.1:99999", 200),  # digits, any number of them: got 404 in the target
+        ("LocalHost:1", 200),
+        ("[::1]", 200),
+        ("127.0.0.1:x", 421),  # got 404 in the target
+        ("u@127.0.0.1", 421),  # userinfo (RFC 9110 4.2.4): was served in the target
+        ("", 421),  # got 404 in the target
+        ("evil.example", 421),
+    ],
+)
+def test_an_absolute_form_authority_is_checked_exactly_like_a_host_header(broker_factory, authority, status):
+    """The authority of `POST http://AUTHORITY/ HTTP/1.1` replaces the Host header (RFC
+    9112 3.2.2): the same value gets the same answer in either place."""
+    b = broker_factory("--workers", "1")
+    body = call("add", [1, 2])
+    in_host = post(body, path=b.path).replace(b"Host: 127.0.0.1", f"Host: {authority}".encode())
+    in_target = post(body, path=f"http://{authority}{b.path}").replace(b"Host: 127.0.0.1", b"Host: 127.0.0.1:1")
+    with Conn(b) as c:
+        c.send(in_host + in_target)
+        got = [c.response()[0], c.response()[0]]
+    assert got == [status, status], authority
+
+
+@pytest.mark.parametrize(
     ("request_", "status"),
     [
         (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: identity, chunked\r\n\r\n0\r\n\r\n", 400),

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -199,12 +200,119 @@ def test_silent_connections_at_the_limit_make_room_after_a_second(broker_factory
                 except (OSError, EOFError):
                     return False
 
-        wait_for(lambda: served(get("/healthz")), timeout=10, interval=0.2)
-        assert served(post(call("add", [1, 2]), path=b.path))
+        assert served(get("/healthz"))  # at once: in the reserve, in the place of a silent one
+        wait_for(lambda: served(post(call("add", [1, 2]), path=b.path)), timeout=10, interval=0.2)
         assert silent[0].closed_within(5)  # the oldest made room
     finally:
         for c in silent:
             c.sock.close()
+
+
+@pytest.mark.parametrize("opening", [b"GET /healthz HTTP/1.1\r\nX-a: ", b""])
+def test_probes_get_through_a_reserve_flooded_with_fresh_slowloris_connections(broker_factory, opening):
+    """A newcomer took the place of a reserve connection only if that one's request, or
+    last byte, was a second old: an attacker opening a connection that trickles a head
+    (or sends nothing) every 20 ms kept the 8 places full of younger ones, and /healthz
+    got 503 while it ran. Every probe must be served."""
+    b = broker_factory("--workers", "1", "--max-connections", "2")
+    body = call("add", [1, 2]).encode()
+    held = []  # max_connections taken by requests under way (their bodies still coming): not idle
+    for _ in range(2):
+        held.append(c := Conn(b))
+        c.send(post_head(b, f"Content-Length: {len(body)}\r\n\r\n") + body[:5])
+    attackers: list[socket.socket] = []
+    stop = threading.Event()
+
+    def attack() -> None:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and not stop.is_set() and len(attackers) < 400:
+            try:
+                s = socket.create_connection(("127.0.0.1", b.port), timeout=2)
+                if opening:
+                    s.sendall(opening)
+                attackers.append(s)
+            except OSError:
+                pass
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=attack, daemon=True)
+    statuses: list[int | str] = []
+    try:
+        thread.start()
+        time.sleep(0.5)  # the reserve is full of attackers by now
+        while thread.is_alive() and len(statuses) < 40:
+            try:
+                with Conn(b, timeout=5) as probe:
+                    probe.send(get("/healthz"))
+                    statuses.append(probe.response()[0])
+            except (OSError, EOFError) as exc:
+                statuses.append(type(exc).__name__)
+            time.sleep(0.15)
+    finally:
+        stop.set()
+        thread.join(10)
+        for s in attackers:
+            s.close()
+        for c in held:
+            c.sock.close()
+    assert len(statuses) >= 5 and len(attackers) >= 50, (len(statuses), len(attackers))
+    assert statuses == [200] * len(statuses), statuses
+
+
+def test_one_read_of_many_pipelined_requests_does_not_hold_other_connections(broker_factory):
+    """httptools parses a whole read at once, and libuv reads a connection up to 32 times
+    (256 KB each) while it has data and reading is not paused: 50,000 pipelined GET
+    /healthz (answered at once, so the pipeline never pauses reading) were all answered
+    before another connection's request was even read, seconds later. The requests of
+    a read are handled REQUESTS_PER_TURN at a time, as NDJSON lines are: a scrape sent
+    once the flood is under way is answered while most of it still waits. (Ordered by
+    the broker's own counter: no clock in the test.)"""
+    b = broker_factory("--workers", "1")
+    total = 50_000
+    answers = [0]
+
+    def read_answers(sock: socket.socket) -> None:
+        tail = b""
+        while answers[0] < total:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                return
+            data = tail + chunk
+            answers[0] += data.count(b"HTTP/1.1 200")
+            tail = data[-11:]
+
+    before = sample(scrape_metrics(b), "rpc_broker_http_responses_total", path="health", status="200")
+    with Conn(b, timeout=60) as flood:
+        reader = threading.Thread(target=read_answers, args=(flood.sock,), daemon=True)
+        reader.start()
+        flood.send(get("/healthz") * total)
+        wait_for(lambda: answers[0] > 0, timeout=30, interval=0.001)  # the flood is being served
+        during = sample(scrape_metrics(b), "rpc_broker_http_responses_total", path="health", status="200")
+        reader.join(60)
+        assert answers[0] == total
+    assert during - before < total / 2, (during - before, total)
+
+
+def test_a_read_of_many_pipelined_calls_is_answered_whole_and_in_order(broker_factory):
+    """The requests of a large read are parsed in pieces over several loop turns: calls
+    with bodies of every size and framing, past PIPELINE_HIGH, all answered in order."""
+    b = broker_factory("--workers", "1")
+    requests, expected = [], []
+    for i in range(300):
+        body = call("echo", ["y" * (i * 37 % 9000)], i).encode()
+        if i % 3 == 1:  # chunked, in pieces of 1000
+            pieces = [body[j:j + 1000] for j in range(0, len(body), 1000)]
+            requests.append(post_head(b, "Transfer-Encoding: chunked\r\n\r\n")
+                            + b"".join(b"%x\r\n%s\r\n" % (len(x), x) for x in pieces) + b"0\r\n\r\n")
+        else:
+            requests.append(post(body, path=b.path))
+        expected.append({"jsonrpc": "2.0", "id": i, "result": ["y" * (i * 37 % 9000)]})
+    with Conn(b, timeout=60) as c:
+        writer = threading.Thread(target=c.send, args=(b"".join(requests),), daemon=True)
+        writer.start()  # (while this thread reads: the answers are larger than the buffers)
+        got = [json.loads(c.response()[2]) for _ in requests]
+        writer.join(30)
+    assert got == expected
 
 
 # -- item 7: h2c upgrade whose body comes after its head -------------------------------------
@@ -336,16 +444,15 @@ def test_every_answer_has_a_date_and_503s_a_retry_after(broker_factory):
         assert json.loads(answer)["error"]["code"] == -32000
         assert headers["retry-after"] == "1" and _date(headers)
         assert busy.response()[0] == 200
-    # Past max_connections (3) and the probes' reserve, every connection busy:
-    from broker.frontend.http import PROBE_RESERVE
-
+    # Past max_connections (3), every connection busy: the reserve serves probes only
     holders: list[Conn] = []
     try:
-        for _ in range(3 + PROBE_RESERVE):  # each accepted, then busy (a request under way)
+        for _ in range(3):  # each accepted, then busy (a request under way)
             holders.append(h := Conn(b))
             h.send(get("/healthz") + b"GET /healthz HTTP/1.1\r\n")
             assert h.response()[0] == 200
         with Conn(b) as over:
+            over.send(post(call("add", [1, 2]), path=b.path))
             status, headers, _ = over.response()
             assert (status, headers["retry-after"]) == (503, "1") and _date(headers)
     finally:

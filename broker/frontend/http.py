@@ -33,7 +33,7 @@ Answers:
                            fields, trailers counted in: 431 and close; a request not all
                            in within request_timeout: 408 and close
 An absolute-form target (`http://host:port/path`) is served as its path, its authority
-taking the Host header's place (RFC 9112 3.2.2). Trailer fields are counted, never
+taking the Host header's place (RFC 9112 3.2.2) and checked exactly as a Host value is. Trailer fields are counted, never
 merged into the header fields (RFC 9110 6.5.1). `100 Continue` goes only to an HTTP/1.1
 call about to be served with nothing owed before it (RFC 9110 10.1.1).
 Every answer has a `date` header (RFC 9110 6.6.1; formatted once a second by the
@@ -52,13 +52,18 @@ pod IP as Host. The headers are kept in `on_header`; `_route` refuses in one pla
 Flow control (aiohttp and uvicorn do the same): reading pauses while the transport's
 write buffer is above its high-water mark, or while more than `PIPELINE_HIGH`
 requests wait for answers on one connection, and resumes below the low marks.
+Work per loop turn: a read past FEED_BYTES is parsed in pieces, REQUESTS_PER_TURN
+requests a turn, the rest kept in `_backlog` with reading paused (`_feed_turn`,
+`_next_turn`; NDJSON's LINES_PER_TURN): httptools parses all it is fed at once, and
+requests answered at once never fill the pipeline to pause reading.
 Memory for answers: the answers a connection is owed and its client has not read stay
 under `max_response_bytes` (`dispatch.ResponseBudget`; results past it are answered
 -32603). While it is reached, or the client is not reading, requests already read wait
 undispatched (`_Deferred` in `_waiting`, holding their place in `_responses`), and go
 one at a time once the client reads (`_busy`, `_one_by_one`).
 One sweep per second for all connections, not a timer per request, closes idle
-connections (nothing owed, no bytes for `keepalive_timeout` seconds), answers 408
+connections (nothing owed, no bytes for `keepalive_timeout` seconds, and the last answer
+taken: bytes still leaving the kernel's send queue restart the clock, `taking_answer`), answers 408
 to requests under way for longer than `request_timeout` (nginx's
 client_header_timeout and client_body_timeout, for the whole request), and aborts
 connections whose client has left its answers unread (writing paused) for longer
@@ -68,8 +73,16 @@ the broker paused reading, so this is what bounds a client that sends and never 
 A client that half-closes after sending (`shutdown(SHUT_WR)`, `nc -N`) gets what it is
 owed, then the connection closes. After an error answer the broker half-closes and
 discards (lingers) for at most LINGER_TIMEOUT silent, LINGER_TIME in all; a lingering
-connection is idle for `make_room`. A full probes' reserve gives its least recently
-active connection owed nothing to a newcomer, so trickling heads cannot lock probes out.
+connection is idle for `make_room`.
+
+The probes' reserve (PROBE_RESERVE connections past max_connections, for /healthz,
+/readyz and /metrics only) is never held against a probe: when it is full, a newcomer
+takes the place of a reserve connection owed nothing, whatever its age: first one
+trickling a request in (no probe does), then one served and idle (Prometheus between
+scrapes: it reconnects), last one silent since accepted (a probe may be on its way).
+A probe sends its head at once and is answered at once, so connections opened every
+few ms displace one another, not the probe. Only one owed its answer keeps its place;
+the one displaced gets a refused connection's 503 (or, served and idle, a close).
 """
 
 from __future__ import annotations
@@ -79,12 +92,11 @@ import typing
 from collections import deque
 from email.utils import formatdate
 from http import HTTPStatus
-from operator import attrgetter
 
 import httptools
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget
-from broker.frontend.base import SWEEP_SECONDS, Listener
+from broker.frontend.base import Listener, reset, unsent_bytes
 from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.metrics import HTTP_PATHS
@@ -94,6 +106,8 @@ __all__ = ["HttpFrontend", "HttpProtocol"]
 
 PIPELINE_HIGH = 64  # requests owed on one connection before reading pauses
 PIPELINE_LOW = 16  # ... and resumes
+REQUESTS_PER_TURN = 16  # requests routed from one read per loop turn; the rest waits (NDJSON's LINES_PER_TURN)
+FEED_BYTES = 4096  # a read past this is parsed in pieces, so that a turn can end between them
 MAX_HEADER_BYTES = 64 * 1024  # request line and header lines, like nginx's large buffers
 MAX_HEADERS = 100  # header fields in one request (h11 and nginx allow 100 too)
 PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
@@ -295,7 +309,7 @@ class HttpFrontend(Listener):
             elif conn.lingering_since:  # half-closed after an error answer (nginx's lingering close)
                 if now - conn.last_active > LINGER_TIMEOUT or now - conn.lingering_since > LINGER_TIME:
                     conn.close()
-            elif not conn.owed and now - conn.last_active > keepalive:
+            elif not conn.owed and now - conn.last_active > keepalive and not conn.taking_answer(now):
                 conn.close()
 
     def drain(self) -> None:
@@ -305,8 +319,16 @@ class HttpFrontend(Listener):
         one on its way: it gets until `wait_closed` gives up."""
         self.draining = True
         for conn in list(self.connections):
-            if not conn.owed and conn.requests and not conn.request_started:
+            if not conn.owed and conn.requests and not conn.request_started and not conn._backlog:
                 conn.close()
+
+
+def _reserve_rank(conn: HttpProtocol) -> tuple[int, float]:
+    """The order in which the probes' reserve gives up its connections owed nothing
+    (see `HttpProtocol._take_reserve_slot`): trickling, then served, then silent."""
+    if conn.request_started:
+        return 0, conn.request_started
+    return (1 if conn.requests else 2), conn.last_active
 
 
 class _UpgradeBody:
@@ -336,6 +358,7 @@ class HttpProtocol(asyncio.Protocol):
     """One HTTP/1.1 client connection (keep-alive, pipelining, chunked bodies)."""
 
     __slots__ = (
+        "_backlog",
         "_body",
         "_budget",
         "_busy",
@@ -359,9 +382,11 @@ class HttpProtocol(asyncio.Protocol):
         "_responses",
         "_scraped",
         "_skip",
+        "_stuck_since",
         "_trailer_bytes",
         "_transfer_encoding",
         "_transport",
+        "_unsent",
         "_upgrade",
         "_url",
         "_waiting",
@@ -397,6 +422,7 @@ class HttpProtocol(asyncio.Protocol):
         # case of a body in one read), then one bytearray bounded by max_body_bytes (a
         # list of pieces cost ~50 bytes of objects per piece: 2-byte chunks, 27x).
         self._body: bytes | bytearray = b""
+        self._backlog = b""  # the rest of a read past REQUESTS_PER_TURN requests: reading paused until it is done
         self._header_bytes = 0  # request line and header lines of the current head
         self._headers = 0  # header fields of the current head
         self._expect = False
@@ -423,6 +449,8 @@ class HttpProtocol(asyncio.Protocol):
         self._write_paused = False
         self._closing = False
         self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
+        self._unsent = 0  # bytes of answers not yet taken by the client, at the sweep's last look
+        self._stuck_since = 0.0  # loop time the sweep found those bytes not moving (`taking_answer`)
         self.last_active = frontend.loop.time()
 
     @property
@@ -432,17 +460,45 @@ class HttpProtocol(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        """No request under way, none owed, not closing (or only lingering after an error
-        answer, see `_write`), answers not stuck unsent (those are for send_timeout: a close
-        would wait for them): closing it loses nothing."""
+        """No request under way, none owed or waiting its turn (`_backlog`), not closing
+        (or only lingering after an error answer, see `_write`), answers not stuck unsent
+        (those are for send_timeout: a close would wait for them): closing it loses nothing."""
         return (
-            not self._responses and not self.request_started
+            not self._responses and not self.request_started and not self._backlog
             and (not self._closing or self.lingering_since > 0) and not self.send_stalled
         )  # fmt: skip
 
     def evictable(self, fresh: float) -> bool:
         """Idle, and a request served already or no byte since `fresh` (`Listener.make_room`)."""
         return self.idle and (self.requests > 0 or self.last_active <= fresh)
+
+    def taking_answer(self, now: float) -> bool:
+        """For the sweep, on a connection owed nothing with no byte or answer for
+        keepalive_timeout: whether its client is still taking its last answer (a slow
+        reader of a large one), so the connection is not idle. The bytes it has not
+        taken (`unsent_bytes`: the transport's buffer and the kernel's send queue) are
+        compared with the last look's: fewer (or a first look at some) restart the idle
+        clock, so keep-alive counts from the answer taken, not written, and restart
+        send_timeout's clock too if it runs (nginx's send_timeout is between two
+        successive writes). Bytes that do not move for send_timeout reset the connection
+        (`reset`: a close would leave them in the kernel for a client that never reads)."""
+        transport = self._transport
+        if transport is None:
+            return False
+        unsent = unsent_bytes(transport)
+        before, self._unsent = self._unsent, unsent
+        if unsent < before or (unsent and not before):
+            self.last_active = now
+            if self.send_stalled:
+                self.send_stalled = now
+            return True
+        if not unsent:
+            return False
+        if self._stuck_since < self.last_active:  # (one found stuck before its last activity: stale)
+            self._stuck_since = now
+        elif now - self._stuck_since > self._fe.send_timeout:
+            reset(self)
+        return True
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -467,25 +523,40 @@ class HttpProtocol(asyncio.Protocol):
                 fe.connections.add(self)
                 fe.probe_conns.add(self)
                 return
-            fe.refused()
-            self._closing = True
-            self._write(_json_response(503, _TOO_MANY_BODY, False, b"", fe.json_head), False, "other")
+            self._refuse()
             return
         fe.connections.add(self)
 
     def _take_reserve_slot(self) -> None:
-        """The probes' reserve is full: close the least recently active reserve connection
-        owed nothing whose request has been under way for `SWEEP_SECONDS` or more (a
-        probe sends its request at once: this one trickles), or that has been idle as
-        long, so that a probe gets in; one owed its answer keeps its place."""
+        """The probes' reserve is full: close the reserve connection owed nothing that
+        looks least like a probe, whatever its age, so that this newcomer gets in. A
+        probe sends its whole head at once and is answered at once, so it is owed its
+        answer, or served, within a millisecond of its first byte; a connection owed
+        its answer keeps its place. The one closed gets the 503 of a connection refused
+        at accept, or, if served and idle, a keep-alive close. In order (`_reserve_rank`): one with a request under
+        way (a head or body trickling in: no probe does that), oldest request first;
+        then one served and now idle (a Prometheus keep-alive connection between
+        scrapes: it reconnects), least recently active first; last one that has sent
+        nothing yet (a probe may be on its way), oldest first. An attacker who opens a
+        connection every few ms only ever displaces its own: a probe is displaced only
+        if all the reserve's places are taken by connections accepted after it before
+        its head is read."""
         fe = self._fe
-        old = fe.loop.time() - SWEEP_SECONDS
-        victims = [c for c in fe.probe_conns if not c.owed and (c.request_started or c.last_active) <= old]
+        victims = [c for c in fe.probe_conns if not c.owed]
         if victims:
-            victim = min(victims, key=attrgetter("last_active"))
+            victim = min(victims, key=_reserve_rank)
             fe.probe_conns.discard(victim)
             fe.connections.discard(victim)
-            victim.abort()
+            if victim.requests and not victim.request_started:
+                victim.close()  # served, and idle: a keep-alive close
+            else:
+                victim._refuse()  # what a connection refused at accept gets
+
+    def _refuse(self) -> None:
+        """Turned away at max_connections: 503 "too many connections", then close."""
+        self._fe.refused()
+        self._closing = True
+        self._write(_json_response(503, _TOO_MANY_BODY, False, b"", self._fe.json_head), False, "other")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -502,6 +573,13 @@ class HttpProtocol(asyncio.Protocol):
         fe = self._fe
         fe.received_bytes += len(data)
         self.last_active = fe.loop.time()
+        if len(data) > FEED_BYTES:
+            self._feed_turn(data)
+        else:
+            self._parse(data)
+
+    def _parse(self, data: bytes | memoryview) -> None:
+        """Feed `data` to the parser, which calls back per request."""
         if not self._head_done:
             self._head_bytes += len(data)
         elif self._trailer_bytes >= 0:  # a chunked body's trailer section (or its next chunk)
@@ -509,7 +587,7 @@ class HttpProtocol(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
-            self._serve_upgrade(data[exc.args[0]:] if exc.args else b"")
+            self._serve_upgrade(bytes(data[exc.args[0]:]) if exc.args else b"")
         except httptools.HttpParserError as exc:
             if not self._closing:
                 self._answer_and_close(400, f"bad HTTP request: {exc}".encode())
@@ -520,6 +598,54 @@ class HttpProtocol(asyncio.Protocol):
                 self._answer_and_close(431, b"request line and headers too large")
             elif self._trailer_bytes > MAX_HEADER_BYTES and not self._closing:  # the same for trailers
                 self._answer_and_close(431, b"trailer section too large")
+
+    def _feed_turn(self, data: bytes) -> None:
+        """Parse `data` (a read past FEED_BYTES, or what the last turn left) in pieces until
+        REQUESTS_PER_TURN requests are routed; leave the rest in `_backlog`, reading paused,
+        for a later loop iteration (`_next_turn`), as NDJSON does with lines. httptools
+        parses all it is fed at once, and libuv reads a connection up to 32 times in a row
+        while it has data: 256 KB reads of tiny pipelined requests answered at once (6000
+        GET /healthz, 30 ms each) held every other connection for as long as they came.
+        A piece (a view: no copy) ends where a head ends; a body of known length is one
+        piece, so it reaches the codec as one `bytes` as when it comes in a read of its
+        own; anything else goes FEED_BYTES at a time, twice the last piece's size after
+        one that completed no request (a chunked body goes in a few pieces)."""
+        view = memoryview(data)
+        start, end = 0, len(data)
+        size = FEED_BYTES
+        routed = self.requests
+        while start < end:
+            before = self.requests
+            stop = start + size
+            if not self._head_done:
+                head_end = data.find(b"\r\n\r\n", start, stop)
+                if head_end >= 0:
+                    stop = head_end + 4
+            elif self._content_length > 0 and not self._transfer_encoding:
+                stop = start + max(1, self._content_length - len(self._body))
+            self._parse(view[start:stop])
+            start = stop
+            if self._closing or self._transport is None:
+                return
+            if self.requests - routed >= REQUESTS_PER_TURN and start < end:
+                self._backlog = data[start:]
+                self._pause()
+                if not self._write_paused:  # else `resume_writing` schedules it
+                    self._fe.loop.call_soon(self._next_turn)
+                return
+            size = FEED_BYTES if self.requests != before else size * 2
+
+    def _next_turn(self) -> None:
+        """Go on with the requests of a read left in `_backlog`; reading resumes
+        (`_maybe_resume`) once it is done."""
+        backlog = self._backlog
+        if self._transport is None or not backlog or self._write_paused:
+            return
+        self._backlog = b""
+        if not self._closing:
+            self._feed_turn(backlog)
+        if not self._backlog:
+            self._maybe_resume()
 
     def eof_received(self) -> bool:
         """The client half-closed (`shutdown(SHUT_WR)`): keep the transport open to
@@ -577,6 +703,8 @@ class HttpProtocol(asyncio.Protocol):
             self._dispatch_waiting()
         if self._responses:
             self._flush_ready()
+        if self._backlog:
+            self._fe.loop.call_soon(self._next_turn)
         self._maybe_resume()
 
     # -- httptools callbacks -------------------------------------------------------------
@@ -665,19 +793,20 @@ class HttpProtocol(asyncio.Protocol):
     def _absolute_form(self) -> None:
         """An absolute-form target (`POST http://host:port/path HTTP/1.1`, RFC 9112 3.2.2):
         its path is the URL, its authority replaces the Host header (which the server
-        must then ignore). Other forms (`*`, authority-form) are left as they are: 404."""
-        try:
-            parsed = httptools.parse_url(self._url)
-        except httptools.HttpParserInvalidURLError:
-            return  # not a URL: 404
-        if parsed.schema is None or parsed.schema.lower() not in (b"http", b"https") or not parsed.host:
+        must then ignore) and is checked exactly as a Host value is (`host_allowed`): an
+        empty or odd port, userinfo, an empty authority get the same answer in either
+        place. Other forms (`*`, authority-form, other schemes) are left as they are: 404."""
+        scheme, sep, rest = self._url.partition(b"://")
+        if not sep or scheme.lower() not in (b"http", b"https"):
             return
-        host = parsed.host
-        if b":" in host:
-            host = b"[" + host + b"]"  # an IPv6 literal (RFC 3986 3.2.2)
-        self._host = host if parsed.port is None else b"%s:%d" % (host, parsed.port)
-        path = parsed.path or b"/"
-        self._url = path if parsed.query is None else path + b"?" + parsed.query
+        end = len(rest)
+        for delimiter in b"/?":  # the authority ends at the path or the query (RFC 3986 3.2)
+            i = rest.find(delimiter, 0, end)
+            if i >= 0:
+                end = i
+        self._host = rest[:end]
+        path = rest[end:]
+        self._url = path if path[:1] == b"/" else b"/" + path
 
     def _will_serve_rpc(self) -> bool:
         """Whether the request whose head just came will be served as a JSON-RPC call,
@@ -1103,6 +1232,7 @@ class HttpProtocol(asyncio.Protocol):
             self.read_paused
             and not self._write_paused
             and not self._waiting
+            and not self._backlog  # `_next_turn` comes back here once it is done
             and len(self._responses) < PIPELINE_LOW
             and self._transport is not None
         ):
