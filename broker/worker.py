@@ -597,6 +597,7 @@ _CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a lat
 _INTERNAL = error_object(ErrorCode.INTERNAL_ERROR, data={"type": "unknown"})
 SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
 SLOW_SYNC_US = 1000  # a sync call this long (µs) blocks the replies behind it (dispatch.BLOCKING_US)
+_SLOW_SYNC_S = SLOW_SYNC_US / 1e6
 
 
 def _text(value: str) -> str:
@@ -666,9 +667,11 @@ class WorkerProtocol(asyncio.Protocol):
         debug: bool = False,
     ) -> None:
         self._methods = registry.methods()
-        # Per method index: did its last sync call take SLOW_SYNC_US or more? (one past the
-        # table: an index the broker sends for a method this code does not have)
-        self._slow = [False] * (len(self._methods) + 1)
+        # Per method index: did its last sync call take SLOW_SYNC_US or more? A sync method
+        # not run yet counts as slow, as the broker counts it (dispatch.BLOCKING_US): what is
+        # ready goes out before its first call, which may block. (One past the table: an
+        # index the broker sends for a method this code does not have.)
+        self._slow = [not m.is_async for m in self._methods] + [False]
         self._slot = slot
         self._concurrency = concurrency
         self._max_depth = max_depth
@@ -854,6 +857,7 @@ class WorkerProtocol(asyncio.Protocol):
         if type(done) is tuple:
             self._slow[index] = self._reply(done[0], call_id, t0, done[1]) >= SLOW_SYNC_US
             return
+        self._slow[index] = False  # an async handler (or a sync one's coroutine) blocks nothing
         task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
         self._tasks[call_id] = task
         task.add_done_callback(lambda t: self._task_done(call_id, index, t0, t))
@@ -881,17 +885,31 @@ class WorkerProtocol(asyncio.Protocol):
         payload = chunk.payload
         unsent = chunk.unsent
         limit = self._max_result
+        slow = self._slow
+        unknown = len(self._methods)  # (answered "method not found")
+        t0 = _perf()
         while chunk.next < chunk.count:
             i = chunk.next
             try:
                 index, _flags, length = unpack(payload, chunk.pos)
             except struct.error:
-                index, length = len(self._methods), 0  # answered "method not found"
+                index, length = unknown, 0
+            if index > unknown:
+                index = unknown
+            if slow[index] and (unsent or self._out or self._dirty):
+                # As in `_call`: the answers ready so far go out (a CHUNK_PART: call i is
+                # not started yet) before a call that may block the loop, so they are not
+                # held past their deadline behind it.
+                self._dirty.add(chunk)
+                self._write_out()
+                t0 = _perf()
             start = chunk.pos + size
             chunk.pos = start + length
             chunk.next += 1
             done = self._execute(index, payload[start : start + length])
+            now = _perf()
             if type(done) is tuple:
+                slow[index] = now - t0 >= _SLOW_SYNC_S
                 kind, body = done
                 if len(unsent) + len(body) <= limit:  # fits this part (the common case)
                     unsent += pack(i, kind, len(body))
@@ -900,10 +918,12 @@ class WorkerProtocol(asyncio.Protocol):
                     self._chunk_answer(chunk, i, kind, body)
             else:
                 task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
+                slow[index] = False
                 chunk.tasks.append(task)
                 chunk.waiting += 1
                 task.add_done_callback(functools.partial(self._chunk_task_done, chunk, i, index))
-            if chunk.next < chunk.count and _perf() > deadline:
+            t0 = now
+            if chunk.next < chunk.count and now > deadline:
                 self._dirty.add(chunk)
                 return False
         self._dirty.add(chunk)

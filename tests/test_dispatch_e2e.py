@@ -131,3 +131,31 @@ def test_a_fast_reply_is_not_held_back_by_a_slow_sync_call_read_with_it(broker_f
             assert chunk, rest
             rest += chunk
         assert json.loads(rest) == {"jsonrpc": "2.0", "id": "slow", "result": 1.5}
+
+
+def test_fast_answers_leave_before_a_fresh_workers_first_slow_sync_call(broker_factory):
+    """Hostile testing (issue 9): the broker learns that `add` is fast, but a fresh worker
+    had never run `block`; it ran the batch's chunk of `add` calls, then `block` (sent on
+    its own: the broker counts an unanswered sync method as blocking), and held the `add`
+    answers behind it: past the 1 s deadline they were answered -32001 and their results
+    dropped as late. A sync method not run yet counts as slow in the worker too."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry", "--timeout", "1",
+                       "--cancel-grace", "5")
+    for i in range(20):
+        assert b.call("add", [i, 1])["result"] == i + 1
+    answers = post(b, [req("add", [1, 2], i) for i in range(3)] + [req("block", [1.5], "slow")])
+    assert answers[:3] == [{"jsonrpc": "2.0", "id": i, "result": 3} for i in range(3)]  # type: ignore[index]
+    assert answers[3]["error"]["code"] == -32001  # type: ignore[index]
+    assert sample(scrape_metrics(b), "rpc_broker_timeouts_total", method="add") == 0
+
+
+def test_a_chunks_answers_leave_before_a_slow_sync_call_in_the_same_chunk(broker_factory):
+    """The same inside one chunk (routing off: the batch goes as one chunk with `block`
+    last): the `add` answers go out as a part before `block` starts, so they are not
+    timed out behind it; only `block` gets -32001."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry", "--timeout", "1",
+                       "--cancel-grace", "5", "--sync-prefetch", "100")
+    answers = post(b, [req("add", [1, 2], i) for i in range(5)] + [req("block", [1.5], "slow")])
+    assert answers[:5] == [{"jsonrpc": "2.0", "id": i, "result": 3} for i in range(5)]  # type: ignore[index]
+    assert answers[5]["error"]["code"] == -32001  # type: ignore[index]
+    assert sample(scrape_metrics(b), "rpc_broker_timeouts_total", method="add") == 0
