@@ -219,6 +219,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                Doc("largest worker wire frame: a call's params or "
                                    "result, and the worker's method list")
                                ] = 16 * MIB
+    max_incoming_bytes: Annotated[Bytes, Meta(ge=1),
+                                  Doc("request bytes still arriving, over all connections "
+                                      "together: HTTP bodies and NDJSON lines whose end has not "
+                                      "come yet; one that would take them past this is refused "
+                                      "(HTTP 503, NDJSON a -32000 line) and its bytes dropped "
+                                      "(at least max_body_bytes)")
+                                  ] = 256 * MIB
     max_response_bytes: Annotated[Bytes, Meta(ge=64 * KIB, le=1 * GIB),
                                   Doc("answers one client connection may be owed and not have "
                                       "read, in bytes (one response or batch array, or several "
@@ -662,6 +669,11 @@ def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
             f"max_body_bytes = {cfg.max_body_bytes} must be at most max_frame_bytes - 1024"
             f" = {cfg.max_frame_bytes - 1 * KIB}: a call's params travel to its worker in one frame"
         ), ("max_body_bytes", "max_frame_bytes")
+    if cfg.max_incoming_bytes < cfg.max_body_bytes:
+        return (
+            f"max_incoming_bytes = {cfg.max_incoming_bytes} must be at least max_body_bytes"
+            f" = {cfg.max_body_bytes}: a body of that size arriving in pieces would always be refused"
+        ), ("max_incoming_bytes", "max_body_bytes")
     if cfg.rpc_path in ("/healthz", "/readyz", "/metrics"):
         return f"rpc_path = {cfg.rpc_path!r} would hide the broker's own {cfg.rpc_path}: choose another path", ("rpc_path",)
     if cfg.metrics_port and not cfg.metrics:

@@ -634,10 +634,11 @@ class Dispatcher:
         """Calls waiting for a worker (a queued chunk counts its calls)."""
         return sum(call.weight for call in self._queue if call.tick)
 
-    def count_refused_body(self) -> None:
-        """A front-end answered a body past max_body_bytes with -32600 (metrics)."""
+    def count_refused_body(self, code: int = ErrorCode.INVALID_REQUEST) -> None:
+        """A front-end answered a body it refused unread with `code` (metrics): -32600
+        past max_body_bytes, -32000 past max_incoming_bytes."""
         if self.metrics is not None:
-            self.metrics.answered(self.metrics.other, ErrorCode.INVALID_REQUEST, 0.0)
+            self.metrics.answered(self.metrics.other, code, 0.0)
 
     @property
     def queued_bytes(self) -> int:

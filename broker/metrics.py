@@ -423,6 +423,20 @@ class BrokerCollector(Collector):
         )):  # fmt: skip
             make = _family_counter if counter else _family_gauge
             yield make(family, doc, ["transport"], (([t], row[i]) for t, row in sorted(by_transport.items())))
+        if self.frontends:
+            incoming = self.frontends[0].incoming  # (one for all the listeners)
+            yield _family_gauge(
+                "rpc_broker_incoming_bytes", "Bytes of requests still arriving (HTTP bodies and NDJSON lines "
+                "not finished yet), all connections together.", [], [([], incoming.held)],
+            )  # fmt: skip
+            yield _family_gauge(
+                "rpc_broker_incoming_capacity_bytes", "Bytes of requests still arriving the broker holds before "
+                "refusing more (max_incoming_bytes).", [], [([], incoming.limit)],
+            )  # fmt: skip
+            yield _family_counter(
+                "rpc_broker_incoming_refused", "Requests refused while arriving: they would have taken the bytes "
+                "still arriving past max_incoming_bytes.", [], [([], incoming.refused_total)],
+            )  # fmt: skip
 
     def _workers(self) -> Iterator[Metric]:
         pool = self.pool

@@ -27,6 +27,7 @@ import typing
 
 from broker.config import Config
 from broker.dispatch import Dispatcher
+from broker.frontend.base import Incoming
 from broker.frontend.http import HttpFrontend
 from broker.frontend.stream import StreamFrontend
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
@@ -210,6 +211,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         max_connections = fit_open_files(config.max_connections)
         # Who may call (issue 9 item 11): the bind addresses are always names of this server.
         hosts = (*config.allowed_hosts, config.host, config.metrics_host)
+        incoming = Incoming(config.max_incoming_bytes)  # (one for all the listeners)
         frontend = HttpFrontend(
             dispatcher,
             rpc_path=config.rpc_path,
@@ -222,6 +224,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             metrics=None if separate else scrape,
             allowed_hosts=hosts,
             allowed_origins=config.allowed_origins,
+            incoming=incoming,
         )
         # (front-end, host or socket path, port or None for a Unix socket)
         listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = [(frontend, config.host, config.port)]
@@ -230,6 +233,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
                 dispatcher, max_connections=64, metrics=scrape, serve_rpc=False,
                 keepalive_timeout=config.keepalive_timeout, request_timeout=config.request_timeout,
                 send_timeout=config.send_timeout, transport="metrics", allowed_hosts=hosts, allowed_origins=config.allowed_origins,
+                incoming=incoming,
             )  # fmt: skip
             listeners.append((metrics_frontend, config.metrics_host, config.metrics_port))
         for transport, where, port_ in (
@@ -240,7 +244,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
                 stream = StreamFrontend(
                     dispatcher, transport=transport, max_body_bytes=config.max_body_bytes,
                     max_batch=config.max_batch, keepalive_timeout=config.keepalive_timeout,
-                    max_connections=max_connections, send_timeout=config.send_timeout,
+                    max_connections=max_connections, send_timeout=config.send_timeout, incoming=incoming,
                 )  # fmt: skip
                 listeners.append((stream, where, port_))
         # Bind the TCP listeners before the workers start, so a taken port fails at once

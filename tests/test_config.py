@@ -41,6 +41,7 @@ EXPECTED_DEFAULTS = {
     "send_timeout": 60.0,
     "max_connections": 10000,
     "max_frame_bytes": 16777216,
+    "max_incoming_bytes": 268435456,
     "max_response_bytes": 33554432,
     "restart_backoff_max": 10.0,
     "boot_timeout": 60.0,
@@ -149,6 +150,7 @@ request_timeout = 0.5
 send_timeout = 7.5
 max_connections = 5
 max_frame_bytes = 65536
+max_incoming_bytes = 1
 max_response_bytes = 65536
 restart_backoff_max = 0.5
 boot_timeout = 3
@@ -169,7 +171,7 @@ slow = 120.5
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
         "worker_concurrency": 1, "sync_prefetch": 0, "max_queue": 0, "max_queue_bytes": 0, "grace_period": 0.0,
         "keepalive_timeout": 1.0, "request_timeout": 0.5, "send_timeout": 7.5, "max_connections": 5, "max_frame_bytes": 65536,
-        "max_response_bytes": 65536, "restart_backoff_max": 0.5,
+        "max_incoming_bytes": 1, "max_response_bytes": 65536, "restart_backoff_max": 0.5,
         "boot_timeout": 3.0, "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
     }
     assert cfg.worker_count == 1024
@@ -518,6 +520,14 @@ def test_body_limit_must_fit_in_a_worker_frame(tmp_path: Path) -> None:
         load(path, {}, {})
     path = write(tmp_path, "max_body_bytes = 64512\nmax_frame_bytes = 65536\n")
     assert load(path, {}, {}).max_body_bytes == 64512
+
+
+def test_max_incoming_bytes_must_hold_one_whole_body(tmp_path: Path) -> None:
+    path = write(tmp_path, "max_body_bytes = 1000\nmax_incoming_bytes = 999\n")
+    with pytest.raises(ConfigError, match="max_incoming_bytes = 999 must be at least max_body_bytes = 1000"):
+        load(path, {}, {})
+    path = write(tmp_path, "max_body_bytes = 1000\nmax_incoming_bytes = 1000\n")
+    assert load(path, {}, {}).max_incoming_bytes == 1000
 
 
 @pytest.mark.parametrize(

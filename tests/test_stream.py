@@ -530,6 +530,47 @@ def test_idle_stream_connections_make_room_at_max_connections(tmp_path, transpor
         assert sb.broker.stop() == 0, sb.broker.read_log()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_connections_sending_only_empty_lines_make_room(tmp_path, transport):
+    """Hostile testing: an empty line counted as activity, though it is no line served, so
+    connections sending one every 0.1 s were never idle and held every place: new clients
+    got the -32000 "too many connections" line for as long as they kept at it."""
+    sb = start_stream_broker(tmp_path, "--workers", "1", "--max-connections", "2")
+    try:
+        with sb.connect(transport) as a, sb.connect(transport) as b:
+            for _ in range(15):  # 1.5 s: past SWEEP_SECONDS, the age of a silent idle one
+                a.send(b"\n")
+                b.send(b"  \r\n")
+                time.sleep(0.1)
+            with sb.connect(transport) as c:
+                assert c.call(line("add", [3, 3], "c")) == result("c", 6)
+            # one of them made room (they are of an age, within the loop clock's 1 ms steps)
+            closed = []
+            for conn in (a, b):
+                try:
+                    closed.append(conn.closed_within(2.5) < 2.5)
+                except AssertionError:  # still open
+                    closed.append(False)
+            assert closed.count(True) == 1, closed
+    finally:
+        assert sb.broker.stop() == 0, sb.broker.read_log()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_lines_before_an_http_request_line_are_answered_before_the_close(sb, transport):
+    """A new user's check: the lines before an HTTP request line lost their answers (the
+    connection was closed at once). They are answered now, with the error line for the
+    HTTP line; what comes after it is never read, and the connection then closes."""
+    with sb.connect(transport) as s:
+        s.send(line("sleep", [0.3], 1) + b"\n" + line("add", [1, 2], 2) + b"\n"
+               + b"POST / HTTP/1.1\r\n" + line("add", [5, 5], 3) + b"\n")
+        got = sorted(s.lines(3))
+        error = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Invalid Request",' \
+                b'"data":"an HTTP request: this port speaks newline-delimited JSON-RPC"}}'
+        assert got == sorted([result(1, 0.3), result(2, 3), error])
+        assert s.closed_within(5.0) < 5.0  # and id 3, after the HTTP line, was never run
+
+
 def test_a_refused_stream_client_that_already_wrote_reads_the_error_not_a_reset(tmp_path):
     """At max_connections with no idle connection, a client whose line is already sent
     (as `socat` or `nc` send it) reads one -32000 "too many connections" line and an

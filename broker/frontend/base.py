@@ -20,7 +20,7 @@ import typing
 from broker.dispatch import Dispatcher
 from broker.jsonrpc import Codec
 
-__all__ = ["EVICT_BATCH", "SWEEP_SECONDS", "Connection", "Listener", "reset", "unsent_bytes"]
+__all__ = ["EVICT_BATCH", "SWEEP_SECONDS", "Connection", "Incoming", "Listener", "reset", "unsent_bytes"]
 
 log = logging.getLogger("broker.frontend")
 
@@ -64,6 +64,43 @@ def reset(conn: typing.Any) -> None:
     conn.abort()
 
 
+class Incoming:
+    """The bytes of requests still arriving, over every listener of a broker: HTTP bodies
+    and NDJSON lines whose end has not come yet, kept between reads. (What a read brings
+    whole is handled at once and never counted.) Each connection holds at most
+    max_body_bytes; this bounds them all together, whatever max_connections allows: a
+    request whose bytes would take the total past `limit` (max_incoming_bytes) is refused,
+    HTTP 503 or a -32000 line, and its bytes dropped (tower's load shedding; nginx bounds the
+    same memory with client_body_buffer_size and temporary files).
+
+    held: bytes counted now. refused_total: requests refused past the limit.
+    """
+
+    __slots__ = ("held", "limit", "refused_total")
+
+    def __init__(self, limit: int = 1 << 62) -> None:
+        self.limit = limit
+        self.held = 0
+        self.refused_total = 0
+
+    def hold(self, before: int, after: int) -> bool:
+        """A connection's count goes from `before` to `after` bytes. False, with nothing
+        changed, when it grows past the limit: the caller drops the bytes (`refuse`)."""
+        held = self.held + after - before
+        if held > self.limit and after > before:
+            return False
+        self.held = held
+        return True
+
+    def refuse(self, before: int) -> None:
+        """A connection that held `before` bytes dropped them, refused (`hold` said no)."""
+        self.held -= before
+        self.refused_total += 1
+        if self.refused_total == 1 or self.refused_total % 1000 == 0:
+            log.warning("max_incoming_bytes %d reached: refusing requests still arriving (%d so far)",
+                        self.limit, self.refused_total)
+
+
 class Connection(typing.Protocol):
     """What a listener needs of its connections.
 
@@ -91,6 +128,8 @@ class Listener:
     keepalive_timeout: seconds, for the subclass's sweep.
     send_timeout: seconds a connection's answers may stay unsent (its client not reading)
         before `send_timed_out` aborts it (nginx's send_timeout).
+    incoming: the bytes of requests still arriving (`Incoming`), one for all the
+        broker's listeners; by default one of its own, with no limit.
     """
 
     def __init__(
@@ -103,8 +142,10 @@ class Listener:
         keepalive_timeout: float,
         max_connections: int,
         send_timeout: float = 60.0,
+        incoming: Incoming | None = None,
     ) -> None:
         self.dispatcher = dispatcher
+        self.incoming = Incoming() if incoming is None else incoming  # shared by a broker's listeners
         self.transport = transport
         self.codec = Codec(max_batch)
         self.max_body_bytes = max_body_bytes

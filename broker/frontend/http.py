@@ -96,7 +96,7 @@ from http import HTTPStatus
 import httptools
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget
-from broker.frontend.base import Listener, reset, unsent_bytes
+from broker.frontend.base import Incoming, Listener, reset, unsent_bytes
 from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.metrics import HTTP_PATHS
@@ -110,6 +110,13 @@ REQUESTS_PER_TURN = 16  # requests routed from one read per loop turn; the rest 
 FEED_BYTES = 4096  # a read past this is parsed in pieces, so that a turn can end between them
 MAX_HEADER_BYTES = 64 * 1024  # request line and header lines, like nginx's large buffers
 MAX_HEADERS = 100  # header fields in one request (h11 and nginx allow 100 too)
+# Each chunk of a chunked body costs two Python callbacks (about 0.5 µs): 1-byte chunks made
+# a 1 MiB body cost 400 ms. A body may have SMALL_CHUNKS chunks, plus one per MIN_CHUNK_BYTES
+# of it; one with more is refused (400): what a body's chunks cost stays under that of the
+# same bytes sent as small requests. (h11 and nginx set no such bound; no client sends an
+# RPC body in thousands of tiny chunks.)
+SMALL_CHUNKS = 1024
+MIN_CHUNK_BYTES = 64
 PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
 RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
 LINGER_TIMEOUT = 5.0  # a half-closed connection after an error answer: closed after 5 s silent
@@ -178,6 +185,10 @@ def _is_json(content_type: bytes | None) -> bool:
     return content_type is not None and content_type.partition(b";")[0].strip(b" \t").lower() == _JSON_TYPE
 
 
+class _StopParsing(Exception):
+    """Raised from a parser callback to end the feed: the request is answered already."""
+
+
 class _Scrape:
     """A GET /metrics owed on a connection (its answer is made when due)."""
 
@@ -227,10 +238,12 @@ class HttpFrontend(Listener):
         transport: str = "http",
         allowed_hosts: typing.Iterable[str] = _LOOPBACK_NAMES,
         allowed_origins: typing.Iterable[str] = (),
+        incoming: Incoming | None = None,
     ) -> None:
         super().__init__(
             dispatcher, transport=transport, max_body_bytes=max_body_bytes, max_batch=max_batch,
             keepalive_timeout=keepalive_timeout, max_connections=max_connections, send_timeout=send_timeout,
+            incoming=incoming,
         )  # fmt: skip
         # A metrics-only listener (metrics_port) answers no RPC path: b"" matches no URL.
         self.rpc_path = rpc_path.encode() if serve_rpc else b""
@@ -247,6 +260,9 @@ class HttpFrontend(Listener):
         self.origins = frozenset(o.lower().encode() for o in allowed_origins)  # b"*": any
         self.good_hosts: set[bytes] = set()  # Host values seen allowed (bounded), for the fast path
         self.too_large_body = _error_body(ErrorCode.INVALID_REQUEST, f"body exceeds max_body_bytes {max_body_bytes}")
+        self.incoming_full_body = _error_body(
+            ErrorCode.OVERLOADED, f"request bodies still arriving exceed max_incoming_bytes {self.incoming.limit}"
+        )
         self.date = b""  # the date header line, refreshed by every sweep (once a second)
         self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
         self._refresh_date()
@@ -362,6 +378,7 @@ class HttpProtocol(asyncio.Protocol):
         "_body",
         "_budget",
         "_busy",
+        "_chunks",
         "_closing",
         "_content_length",
         "_content_type",
@@ -373,12 +390,14 @@ class HttpProtocol(asyncio.Protocol):
         "_header_bytes",
         "_headers",
         "_host",
+        "_incoming",
         "_keep_header",
         "_linger",
         "_one_by_one",
         "_origin",
         "_parser",
         "_probe_only",
+        "_read_at",
         "_responses",
         "_scraped",
         "_skip",
@@ -427,6 +446,8 @@ class HttpProtocol(asyncio.Protocol):
         self._headers = 0  # header fields of the current head
         self._expect = False
         self._skip = False  # the current request was answered early (413): drop its body
+        self._chunks = 0  # chunks of the current request's body so far
+        self._incoming = 0  # bytes of an unfinished body counted in the listener's `Incoming`
         self._host: bytes | None = None  # the request's Host, Origin and Content-Type values
         self._origin: bytes | None = None
         self._content_type: bytes | None = None
@@ -451,7 +472,7 @@ class HttpProtocol(asyncio.Protocol):
         self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
         self._unsent = 0  # bytes of answers not yet taken by the client, at the sweep's last look
         self._stuck_since = 0.0  # loop time the sweep found those bytes not moving (`taking_answer`)
-        self.last_active = frontend.loop.time()
+        self.last_active = self._read_at = frontend.loop.time()
 
     @property
     def owed(self) -> int:
@@ -561,6 +582,14 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._responses.clear()
+        # The parser holds this protocol's bound methods, and it the parser: a cycle, freed
+        # only by the garbage collector's rare full runs. What is big goes now (a partial
+        # body of up to max_body_bytes, a read's unparsed rest, requests never dispatched).
+        self._body = self._backlog = b""
+        self._waiting.clear()
+        if self._incoming:
+            self._fe.incoming.hold(self._incoming, 0)
+            self._incoming = 0
         self._fe.connections.discard(self)
         if self._probe_only:
             self._fe.probe_conns.discard(self)
@@ -572,7 +601,10 @@ class HttpProtocol(asyncio.Protocol):
             return
         fe = self._fe
         fe.received_bytes += len(data)
-        self.last_active = fe.loop.time()
+        # Not `last_active`: bytes that start no request (empty lines before a request
+        # line, which httptools skips, RFC 9112 2.2) keep no connection alive, nor out of
+        # reach of `make_room`; a request's first byte does (`on_message_begin`).
+        self._read_at = fe.loop.time()
         if len(data) > FEED_BYTES:
             self._feed_turn(data)
         else:
@@ -598,6 +630,22 @@ class HttpProtocol(asyncio.Protocol):
                 self._answer_and_close(431, b"request line and headers too large")
             elif self._trailer_bytes > MAX_HEADER_BYTES and not self._closing:  # the same for trailers
                 self._answer_and_close(431, b"trailer section too large")
+        if len(self._body) != self._incoming:  # a body left unfinished, grown, or taken
+            self._hold(len(self._body))
+
+    def _hold(self, held: int) -> None:
+        """Count `held` bytes of the unfinished body in the broker's `Incoming`; past
+        max_incoming_bytes, drop it and answer 503 (then close, lingering)."""
+        incoming = self._fe.incoming
+        if incoming.hold(self._incoming, held):
+            self._incoming = held
+            return
+        incoming.refuse(self._incoming)
+        self._incoming = 0
+        self._body = b""
+        self._skip = True
+        if not self._closing:
+            self._refuse_body(503, self._fe.incoming_full_body, ErrorCode.OVERLOADED)
 
     def _feed_turn(self, data: bytes) -> None:
         """Parse `data` (a read past FEED_BYTES, or what the last turn left) in pieces until
@@ -710,7 +758,7 @@ class HttpProtocol(asyncio.Protocol):
     # -- httptools callbacks -------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self.request_started = self.last_active  # set by data_received, which is running
+        self.request_started = self.last_active = self._read_at  # (data_received is running)
         self._content_length = -1
         self._transfer_encoding = b""
         self._url = b""
@@ -719,6 +767,7 @@ class HttpProtocol(asyncio.Protocol):
         self._headers = 0
         self._expect = False
         self._skip = False
+        self._chunks = 0
         self._host = self._origin = self._content_type = None
 
     def on_url(self, url: bytes) -> None:
@@ -829,6 +878,11 @@ class HttpProtocol(asyncio.Protocol):
         # chunk, the trailer section, whose raw bytes data_received counts from here.
         if self._trailer_bytes < 0:
             self._trailer_bytes = 0
+        chunks = self._chunks = self._chunks + 1
+        if (chunks - SMALL_CHUNKS) * MIN_CHUNK_BYTES > len(self._body) and not self._closing:
+            self._answer_and_close(400, b"chunked body in %d chunks for %d bytes: more than %d plus one per %d bytes" % (
+                chunks, len(self._body), SMALL_CHUNKS, MIN_CHUNK_BYTES))
+            raise _StopParsing  # httptools stops this feed (HttpParserCallbackError): _parse
 
     def on_body(self, body: bytes) -> None:
         if self._trailer_bytes >= 0:  # data of a chunk: not its trailers
@@ -1202,14 +1256,15 @@ class HttpProtocol(asyncio.Protocol):
         self.request_started = 0.0
         self._queue_plain(status, message.replace(b'"', b"'"), False, "other")
 
-    def _refuse_body(self) -> None:
-        """413 before the rest of the body is read, then close (lingering)."""
+    def _refuse_body(self, status: int = 413, body: bytes | None = None, code: int = ErrorCode.INVALID_REQUEST) -> None:
+        """`status` with the error response `body` (413: past max_body_bytes) before the
+        rest of the body is read, then close (lingering); counted as an answer `code`."""
         fe = self._fe
         self._linger = True
         self.request_started = 0.0
         path = self._path_of(self._url.partition(b"?")[0])
-        self._queue(_json_response(413, fe.too_large_body, False, b"", fe.json_head), False, path)
-        fe.dispatcher.count_refused_body()
+        self._queue(_json_response(status, body or fe.too_large_body, False, b"", fe.json_head), False, path)
+        fe.dispatcher.count_refused_body(code)
         self._closing = True
 
     def request_timed_out(self) -> None:

@@ -52,7 +52,7 @@ import typing
 from collections import deque
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget
-from broker.frontend.base import SWEEP_SECONDS, Listener
+from broker.frontend.base import SWEEP_SECONDS, Incoming, Listener
 from broker.jsonrpc import ErrorCode, error_object, response_error
 
 __all__ = ["StreamFrontend", "StreamProtocol"]
@@ -90,10 +90,12 @@ class StreamFrontend(Listener):
         keepalive_timeout: float = 75.0,
         max_connections: int = 10000,
         send_timeout: float = 60.0,
+        incoming: Incoming | None = None,
     ) -> None:
         super().__init__(
             dispatcher, transport=transport, max_body_bytes=max_body_bytes, max_batch=max_batch,
             keepalive_timeout=keepalive_timeout, max_connections=max_connections, send_timeout=send_timeout,
+            incoming=incoming,
         )  # fmt: skip
         self.too_long = (
             response_error(
@@ -102,6 +104,11 @@ class StreamFrontend(Listener):
             )
             + _NL
         )
+        self.incoming_full = (
+            response_error(b"null", error_object(
+                ErrorCode.OVERLOADED, data=f"lines still arriving exceed max_incoming_bytes {self.incoming.limit}"))
+            + _NL
+        )  # fmt: skip
 
     def protocol(self) -> StreamProtocol:
         """Protocol factory for `loop.create_server` / `create_unix_server`."""
@@ -135,6 +142,7 @@ class StreamProtocol(asyncio.Protocol):
         "_busy",
         "_eof",
         "_fe",
+        "_incoming",
         "_one_by_one",
         "_refused",
         "_skipping",
@@ -152,6 +160,7 @@ class StreamProtocol(asyncio.Protocol):
     def __init__(self, frontend: StreamFrontend) -> None:
         self._fe = frontend
         self._buffer = bytearray()  # the incomplete last line
+        self._incoming = 0  # its bytes, as counted in the listener's `Incoming`
         self._backlog = b""  # the rest of a read past LINES_PER_TURN lines: reading paused until it is done
         self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
         self._transport: asyncio.Transport | None = None
@@ -161,8 +170,8 @@ class StreamProtocol(asyncio.Protocol):
         self.line_started = 0.0  # loop time an incomplete line's first byte came; 0 if none
         self.owed = 0  # bodies dispatched and not yet answered
         self.lines = 0  # lines served (answered, owed or waiting)
-        self.last_active = frontend.loop.time()  # last byte received or answer sent
-        self._refused = False  # turned away at max_connections: its input is discarded
+        self.last_active = frontend.loop.time()  # last line received (not an empty one) or answer sent
+        self._refused = False  # turned away at max_connections, or sent an HTTP request line: its input is discarded
         self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
         self._budget = ResponseBudget()
@@ -218,7 +227,7 @@ class StreamProtocol(asyncio.Protocol):
     def eof_received(self) -> bool:
         """The client shut its sending side (`nc -N`, socat at the end of input): answer
         what is owed, then close. A last line without its newline is dropped."""
-        if (self.owed or self._waiting or self._backlog) and not self._refused:
+        if self.owed or self._waiting or self._backlog:  # (none on a connection refused at accept)
             self._eof = True
             return True  # keep the transport open for writing
         return False
@@ -226,14 +235,23 @@ class StreamProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._fe.connections.discard(self)
+        self._buffer.clear()  # (a partial line, up to max_body_bytes: not kept for a collector)
+        self._backlog = b""
+        self._waiting.clear()
+        if self._incoming:
+            self._fe.incoming.hold(self._incoming, 0)
+            self._incoming = 0
 
     def data_received(self, data: bytes) -> None:
         fe = self._fe
         fe.received_bytes += len(data)
         if fe.draining or self._refused:
             return
-        self.last_active = fe.loop.time()
+        now = fe.loop.time()
+        lines = self.lines
         self._lines(data)
+        if self.lines != lines:  # empty lines, or a line still coming, are not activity:
+            self.last_active = now  # they keep no connection out of reach of `make_room`
 
     def _lines(self, data: bytes) -> None:
         """Handle up to LINES_PER_TURN lines of `data`; leave the rest in `_backlog`, with
@@ -256,6 +274,8 @@ class StreamProtocol(asyncio.Protocol):
                 self._buffer += data[start:nl]
                 line = bytes(self._buffer)
                 self._buffer.clear()
+                self._fe.incoming.hold(self._incoming, 0)
+                self._incoming = 0
                 if len(line) - line.endswith(b"\r") > fe.max_body_bytes:
                     self._too_long(line)
                 else:
@@ -266,7 +286,7 @@ class StreamProtocol(asyncio.Protocol):
                 self._line(data[start:nl])
             self.line_started = 0.0
             start = nl + 1
-            if self._transport is None:
+            if self._transport is None or self._refused:
                 return
             turn -= 1
             if not turn and start < end:
@@ -301,10 +321,23 @@ class StreamProtocol(asyncio.Protocol):
         if len(self._buffer) + end - start > fe.max_body_bytes + 1:  # (+1: a "\r" may end it)
             line_start = bytes(self._buffer[:16]) + data[start:start + 16]
             self._buffer.clear()
+            fe.incoming.hold(self._incoming, 0)
+            self._incoming = 0
             self._skipping = True
             self._too_long(line_start)
             return
         self._buffer += data[start:end]
+        held = len(self._buffer)
+        incoming = fe.incoming
+        if incoming.hold(self._incoming, held):
+            self._incoming = held
+            return
+        incoming.refuse(self._incoming)  # past max_incoming_bytes: this line is dropped
+        self._incoming = 0
+        self._buffer.clear()
+        self._skipping = True
+        self._send(fe.incoming_full)
+        fe.dispatcher.count_refused_body(ErrorCode.OVERLOADED)
 
     def _too_long(self, line_start: bytes) -> None:
         """A line past max_body_bytes, whose first bytes are `line_start` (16 or more, or
@@ -319,8 +352,15 @@ class StreamProtocol(asyncio.Protocol):
 
     def _http_request(self) -> None:
         self._send(_HTTP_REQUEST)  # a browser's, or a client on the wrong port
-        self.close()
-        self._transport = None  # read nothing after it
+        # Read nothing after it (what follows could be a valid call: a body), but answer
+        # the lines before it, then close (`_maybe_close`).
+        self._refused = True
+        self._backlog = b""
+        self._buffer.clear()
+        self._fe.incoming.hold(self._incoming, 0)
+        self._incoming = 0
+        self._eof = True  # (reading goes on, discarded: no reset at the close for bytes unread)
+        self._maybe_close()
 
     def _line(self, line: bytes) -> None:
         if not line.strip():

@@ -1,0 +1,86 @@
+"""max_incoming_bytes: the request bytes still arriving, HTTP bodies and NDJSON lines not
+finished yet, are bounded over all connections together. Hostile testing (issue 9): 200
+connections each holding most of a 1 MiB body (or a 1 MiB NDJSON line with no newline)
+grew the broker by about 190 MiB each way, and nothing but max_connections (10000 per
+listener: about 10 GiB) bounded it."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import sample, scrape_metrics, wait_for
+from test_http_protocol import Conn
+from test_stream import line, result, start_stream_broker
+
+BODY = 200_000  # --max-body-bytes
+LIMIT = 500_000  # --max-incoming-bytes: two and a half bodies
+PART = 150_000  # what each client sends of its body before it stops
+
+
+def head(path: str, length: int) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def padded_call(size: int, id_: int) -> bytes:
+    """An `add` call of exactly `size` bytes (spaces before its closing brace)."""
+    call = f'{{"jsonrpc":"2.0","method":"add","params":[{id_},1],"id":{id_}'.encode()
+    return call + b" " * (size - len(call) - 1) + b"}"
+
+
+def incoming(b: object) -> float:
+    return sample(scrape_metrics(b), "rpc_broker_incoming_bytes")  # type: ignore[arg-type]
+
+
+def test_unfinished_bodies_and_lines_share_one_bound(tmp_path):
+    """Three connections hold 150,000 bytes each of their bodies (two HTTP, one NDJSON):
+    450,000 of the 500,000 allowed. A fourth that sends as much is refused, HTTP 503 with a
+    -32000 error and a close, NDJSON a -32000 line (its line dropped, the connection kept);
+    those already holding finish and are answered, and the bytes they held are free again."""
+    sb = start_stream_broker(tmp_path, "--workers", "1", "--max-body-bytes", str(BODY),
+                             "--max-incoming-bytes", str(LIMIT))
+    b = sb.broker
+    try:
+        assert sample(scrape_metrics(b), "rpc_broker_incoming_capacity_bytes") == LIMIT
+        bodies = [padded_call(BODY, i) for i in range(3)]
+        first, second = Conn(b, timeout=30), Conn(b, timeout=30)
+        first.send(head(b.path, BODY) + bodies[0][:PART])
+        second.send(head(b.path, BODY) + bodies[1][:PART])
+        wait_for(lambda: incoming(b) == 2 * PART, timeout=10)
+        with sb.connect("tcp") as stream:
+            stream.send(padded_call(BODY, 2)[:PART])
+            wait_for(lambda: incoming(b) == 3 * PART, timeout=10)
+            with Conn(b, timeout=30) as late:  # past the bound: refused, its bytes dropped
+                late.send(head(b.path, BODY) + padded_call(BODY, 3)[:PART])
+                status, headers, answer = late.response()
+                assert status == 503, answer
+                assert json.loads(answer) == {"jsonrpc": "2.0", "id": None, "error": {
+                    "code": -32000, "message": "Server overloaded",
+                    "data": f"request bodies still arriving exceed max_incoming_bytes {LIMIT}"}}
+                assert headers.get("retry-after") == "1"
+                assert late.closed_within(5)
+            with sb.connect("unix") as late_line:  # the same bound for NDJSON lines
+                late_line.send(padded_call(BODY, 4)[:PART])
+                assert json.loads(late_line.readline()) == {"jsonrpc": "2.0", "id": None, "error": {
+                    "code": -32000, "message": "Server overloaded",
+                    "data": f"lines still arriving exceed max_incoming_bytes {LIMIT}"}}
+                late_line.send(padded_call(BODY, 4)[PART:] + b"\n")  # the rest of the dropped line: skipped
+                assert late_line.call(line("add", [5, 1], 5)) == result(5, 6)  # the connection goes on
+            assert incoming(b) == 3 * PART
+            assert sample(scrape_metrics(b), "rpc_broker_incoming_refused_total") == 2
+            # Those that held their place finish, and are answered.
+            first.send(bodies[0][PART:])
+            assert first.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":0,"result":1}')
+            stream.send(padded_call(BODY, 2)[PART:] + b"\n")
+            assert stream.readline() == result(2, 3)
+            wait_for(lambda: incoming(b) == PART, timeout=10)
+        second.sock.close()  # a client that hangs up frees what it held
+        wait_for(lambda: incoming(b) == 0, timeout=10)
+        with Conn(b, timeout=30) as again:  # room again
+            again.send(head(b.path, BODY) + padded_call(BODY, 7)[:PART])
+            wait_for(lambda: incoming(b) == PART, timeout=10)
+            again.send(padded_call(BODY, 7)[PART:])
+            assert again.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":7,"result":8}')
+        first.sock.close()
+    finally:
+        assert b.stop() == 0, b.read_log()
