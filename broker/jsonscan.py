@@ -278,15 +278,17 @@ def nesting(parent: Scanned, start: int, end: int) -> int:
     return int(depth[start:end].max()) - (int(depth[start - 1]) if start else 0)
 
 
-def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> list[tuple[int, int, bool]]:
+def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> tuple[list[int], list[int], list[bool]]:
     """The member values of `obj`, a JSON object (valid, checked already), nested over
-    64 levels: (start, end, refused) each, `refused` when msgspec cannot read it (its
-    `Raw` decoder, one level down, raises RecursionError); an empty list when none is refused.
+    64 levels: their starts, their ends and whether each is refused (msgspec cannot read
+    it: its `Raw` decoder, one level down, raises RecursionError), as three lists in
+    order; empty lists when none is refused.
 
     The caller replaces them (the refused ones by a marker), then decodes the copy:
     msgspec's own rules for duplicate and escaped names tell which members they were.
     `parent`: the `scan_json` of a text holding `obj` at `offset` (its arrays are then
-    reused instead of scanning `obj` again)."""
+    reused instead of scanning `obj` again). Array work per member, no Python loop
+    over them (a Request object of 1 MiB can have 7,000 such members)."""
     np = _numpy()
     if parent is None or parent.structure is None:
         cls, delta, depth = _structure(obj)
@@ -295,14 +297,14 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     base = int(depth[0])  # containers open after obj's "{"
     colons = np.flatnonzero((cls == 8) & (depth == base))
     if not len(colons):
-        return []
+        return [], [], []
     ends = np.flatnonzero(((cls == 4) & (depth == base)) | ((delta == -1) & (depth == base - 1)))
     ends = ends[np.searchsorted(ends, colons)]  # the "," or "}" after each member's ":"
     # The deepest point from one ":" to the next: the member's value (a name is flat).
     nesting = np.maximum.reduceat(depth, colons) - base
     tried = np.flatnonzero(nesting > 64)
     if not len(tried):
-        return []
+        return [], [], []
     # msgspec takes one recursion step per array or object level, so whether it can
     # read a value depends on its nesting only: find the least nesting it refuses by
     # a binary search over the nestings present, one real value of each tried.
@@ -318,8 +320,5 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
         except RecursionError:
             hi = mid
     if hi == len(levels):
-        return []
-    refused = (nesting[tried] >= levels[hi]).tolist()
-    return [
-        (int(colons[i]) + 1, int(ends[i]), no) for i, no in zip(tried.tolist(), refused, strict=True)
-    ]
+        return [], [], []
+    return (colons[tried] + 1).tolist(), ends[tried].tolist(), (nesting[tried] >= levels[hi]).tolist()
