@@ -828,3 +828,41 @@ def test_deep_hint_answers_as_msgspec_first_does(run, inner, place, tail):
     assert [x if type(x) is bytes else msgspec.json.encode(x) for x in hinted.items] == [
         x if type(x) is bytes else msgspec.json.encode(x) for x in usual.items
     ], text[:120]
+
+
+def _scan_by_numpy(text: bytes) -> object:
+    """`scan_json` with its bracket-run shortcut turned off: the numpy scan, or NotJson."""
+    import broker.jsonscan as module
+
+    saved = module._bracket_run
+    module._bracket_run = lambda *_: None
+    try:
+        return scan_json(text, 1001)
+    except NotJson:
+        return NotJson
+    finally:
+        module._bracket_run = saved
+
+
+@settings(max_examples=400, deadline=None, print_blob=True)
+@given(
+    st.integers(2, 2500),
+    st.integers(0, 2500),
+    st.lists(st.sampled_from([*SCAN_FRAGMENTS, b'"\\\\"', b"\\u00e9", b'"\\ud800"', b"\t"]), max_size=6).map(b"".join),
+    st.sampled_from([b"", b" ", b"\n "]),
+)
+def test_bracket_runs_scan_as_numpy_does(opened, closed, middle, space):
+    """`[[[...X...]]]` with no bracket in X is scanned by bytes methods alone: the same
+    verdict, children, depth and children's nesting as the numpy scan, and msgspec's
+    verdict when it may recurse that deep."""
+    text = space + b"[" * opened + middle + b"]" * closed + space
+    try:
+        found: object = scan_json(text, 1001)
+    except NotJson:
+        found = NotJson
+    numpy = _scan_by_numpy(text)
+    assert (found is NotJson) == (numpy is NotJson) == (not msgspec_says_json_unlimited(text)), text[:80]
+    if isinstance(found, tuple) and isinstance(numpy, tuple):
+        assert found[:6] == numpy[:6]
+        for start, end, _ in found.children:
+            assert nesting(found, start, end) == nesting(numpy, start, end) == reference_depth(text[start:end])
