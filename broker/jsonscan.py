@@ -106,7 +106,7 @@ def _numpy() -> typing.Any:
         cls = numpy.zeros(256, numpy.int8)
         for byte, code in zip(b'[{]},:"', (1, 1, -1, -1, 4, 8, _QUOTE), strict=True):
             cls[byte] = code
-        _CLASS = cls
+        _CLASS = cls.view(numpy.uint8).tobytes()  # a `bytes.translate` table
         _np = numpy
     return _np
 
@@ -118,16 +118,17 @@ def _structure(buf: bytes) -> _Structure:
     text = buf
     if b"\\" in buf:  # in JSON a backslash starts an escape: blank \\ and \" (same length)
         text = buf.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-    cls = _CLASS.take(np.frombuffer(text, np.uint8))  # take: half a fancy index's cost
+    # bytes.translate: 0.6 ms for 1 MiB, numpy's take 1.1, a fancy index twice that
+    cls = np.frombuffer(text.translate(_CLASS), np.int8)  # (read-only: it is not changed)
     if b'"' in text:
         if text.count(b'"') % 2:
             raise NotJson(text.rfind(b'"'))
         # The quotes so far, odd (1) from an opening quote up to its closing one: the
         # bytes in strings are blanked (a closing quote keeps its class, which is no
         # bracket, comma or colon).
-        outside = np.bitwise_xor.accumulate((cls == _QUOTE).view(np.uint8))
+        outside = np.bitwise_xor.accumulate((cls == _QUOTE).view(np.uint8)).view(np.int8)
         outside ^= 1
-        cls *= outside
+        cls = np.multiply(cls, outside, out=outside)  # (into `outside`: no fresh array)
     delta = cls << 6  # the low two bits, sign-extended: 1 and -1 stay, 4 and 8 become 0
     delta >>= 6
     depth = np.cumsum(delta, dtype=np.int32)
