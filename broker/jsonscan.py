@@ -32,11 +32,11 @@ Where the time goes, for 1 MiB of `[[[...]]]` (measured): about 2 ms for the str
 the parts, 12 in all for `scan_json`. Arrays as long as the body cost more than their passes
 suggest: a 4 MiB int32 array in fresh memory costs 2 to 3 ms in page faults and cache
 misses on this machine, against 0.5 ms for the same cumulative sum into memory in use,
-which is why the cut work goes by blocks. Whole `Codec.decode` figures: 2 to 24 ms per MiB
-measured over the deep shapes of benchmarks/pathological.py at 1 MiB, on a shared 2-core
-machine (benchmarks/RESULTS.md, "Pathological request bodies"); the worst is a Request object
-with thousands of members 70 levels deep, where msgspec reads the whole body three times
-(two failed attempts in `Codec.decode`, the top part here). numpy is imported on the first
+which is why the cut work goes by blocks. Whole `Codec.decode` figures: 14 to 26 ms per MiB
+(0.9 to 3.7 by the shortcut of step 0) measured over the deep shapes of benchmarks/pathological.py at 1 MiB, on a shared 2-core
+machine (benchmarks/RESULTS.md, "Pathological request bodies", third pass); the worst are the
+deep shapes with short runs of brackets, where numpy's passes and msgspec over the whole body
+add up (`Codec.decode` skips its own failed attempts for a body with a run of 1000 `[`). numpy is imported on the first
 call only (workers that never see a deep body do not load it).
 """
 
@@ -284,7 +284,7 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
     escapes are checked as msgspec checks them for `Raw` (a lone surrogate passes).
     `max_children` caps the children listed (0: no cap); `total` counts them all.
     `depth` is always exact (`exact_depth` is kept for callers). Raises `NotJson`.
-    Cost: linear, 2 to 24 ms per MiB of `Codec.decode` measured on the deep shapes
+    Cost: linear, 0.9 to 26 ms per MiB of `Codec.decode` measured on the deep shapes
     (benchmarks/RESULTS.md, "Pathological request bodies"); the module's docstring says how.
     """
     start = len(buf) - len(buf.lstrip(_WS))
