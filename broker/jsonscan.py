@@ -6,6 +6,9 @@ JSON at all (RFC 8259), where are its top value's children (a batch's elements),
 members of a too-deep Request object nest too deep. This module answers them with a
 constant number of passes over the bytes, in C (numpy and msgspec), whatever the shape:
 
+0. A shortcut first (bytes methods): a text that is a run of `[`, bytes with no bracket,
+   then a run of `]` (`[[[...]]]`, open or closed, scalars or escapes inside) is JSON
+   exactly when the runs match and `[X]` is JSON (`_bracket_run`): under 1 ms for 1 MiB.
 1. Structure (numpy), one entry per byte. Escaped backslashes and quotes are blanked
    (`bytes.replace`), so every quote left opens or closes a string; a running xor over
    the quotes marks the bytes inside strings, whose class is blanked. Outside strings,
@@ -29,11 +32,11 @@ Where the time goes, for 1 MiB of `[[[...]]]` (measured): about 2 ms for the str
 the parts, 12 in all for `scan_json`. Arrays as long as the body cost more than their passes
 suggest: a 4 MiB int32 array in fresh memory costs 2 to 3 ms in page faults and cache
 misses on this machine, against 0.5 ms for the same cumulative sum into memory in use,
-which is why the cut work goes by blocks. Whole `Codec.decode` figures: 2 to 24 ms per MiB
-measured over the deep shapes of benchmarks/pathological.py at 1 MiB, on a shared 2-core
-machine (benchmarks/RESULTS.md, "Pathological request bodies"); the worst is a Request object
-with thousands of members 70 levels deep, where msgspec reads the whole body three times
-(two failed attempts in `Codec.decode`, the top part here). numpy is imported on the first
+which is why the cut work goes by blocks. Whole `Codec.decode` figures: 14 to 26 ms per MiB
+(0.9 to 3.7 by the shortcut of step 0) measured over the deep shapes of benchmarks/pathological.py at 1 MiB, on a shared 2-core
+machine (benchmarks/RESULTS.md, "Pathological request bodies", third pass); the worst are the
+deep shapes with short runs of brackets, where numpy's passes and msgspec over the whole body
+add up (`Codec.decode` skips its own failed attempts for a body with a run of 1000 `[`). numpy is imported on the first
 call only (workers that never see a deep body do not load it).
 """
 
@@ -103,7 +106,7 @@ def _numpy() -> typing.Any:
         cls = numpy.zeros(256, numpy.int8)
         for byte, code in zip(b'[{]},:"', (1, 1, -1, -1, 4, 8, _QUOTE), strict=True):
             cls[byte] = code
-        _CLASS = cls
+        _CLASS = cls.view(numpy.uint8).tobytes()  # a `bytes.translate` table
         _np = numpy
     return _np
 
@@ -115,16 +118,17 @@ def _structure(buf: bytes) -> _Structure:
     text = buf
     if b"\\" in buf:  # in JSON a backslash starts an escape: blank \\ and \" (same length)
         text = buf.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-    cls = _CLASS.take(np.frombuffer(text, np.uint8))  # take: half a fancy index's cost
+    # bytes.translate: 0.6 ms for 1 MiB, numpy's take 1.1, a fancy index twice that
+    cls = np.frombuffer(text.translate(_CLASS), np.int8)  # (read-only: it is not changed)
     if b'"' in text:
         if text.count(b'"') % 2:
             raise NotJson(text.rfind(b'"'))
         # The quotes so far, odd (1) from an opening quote up to its closing one: the
         # bytes in strings are blanked (a closing quote keeps its class, which is no
         # bracket, comma or colon).
-        outside = np.bitwise_xor.accumulate((cls == _QUOTE).view(np.uint8))
+        outside = np.bitwise_xor.accumulate((cls == _QUOTE).view(np.uint8)).view(np.int8)
         outside ^= 1
-        cls *= outside
+        cls = np.multiply(cls, outside, out=outside)  # (into `outside`: no fresh array)
     delta = cls << 6  # the low two bits, sign-extended: 1 and -1 stay, 4 and 8 become 0
     delta >>= 6
     depth = np.cumsum(delta, dtype=np.int32)
@@ -237,6 +241,41 @@ def _check(buf: bytes, st: _Structure, deepest: int) -> None:
             raise NotJson(1) from None
 
 
+class _Run(typing.NamedTuple):
+    """The structure `scan_json` keeps for a text `[[...[X]...]]` with a bracket-free X:
+    where its run of `[` starts and how long it is (the depth of a span is the number
+    of those `[` in it)."""
+
+    start: int
+    length: int
+
+
+def _bracket_run(buf: bytes, start: int, end: int) -> Scanned | None:
+    """`scan_json` of `buf[start:end]` when it is a run of two `[` or more, bytes with
+    no bracket at all, then a run of `]` (`[[[[...]]]]`, left open or not, escapes or
+    scalars in the middle); None for any other text. Two comparisons and the bytes'
+    own searches (`bytes.lstrip` takes 1.2 ms for 512 KiB of `[`; numpy's first
+    mismatch 0.06 ms).
+
+    Such a text is JSON exactly when both runs have the same length and `[X]` is JSON:
+    X holds no bracket (in a string or not), so the innermost `[` is closed by the first
+    `]`, each `[` around it holds one value only, and `[V]` is JSON exactly when V is."""
+    np = _numpy()
+    codes = np.frombuffer(buf, np.uint8)[start:end]
+    opened = int(np.argmax(codes != 0x5B)) or len(codes)  # (0: every byte is `[`)
+    closed = int(np.argmax(codes[::-1] != 0x5D))  # (the first byte is no `]`)
+    middle = buf[start + opened:end - closed]
+    if b"[" in middle or b"]" in middle or b"{" in middle or b"}" in middle:
+        return None
+    if opened != closed:
+        raise NotJson(0)
+    try:
+        _RAW.decode(b"[" + middle + b"]")
+    except msgspec.DecodeError:
+        raise NotJson(0) from None
+    return Scanned(0x5B, start, end, [(start + 1, end - 1, 0)], 1, opened, _Run(start, opened))
+
+
 def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Scanned:
     """Check that `buf` is one JSON text (RFC 8259) and find its top value's children,
     at any depth, in time linear in `len(buf)` and without recursion.
@@ -245,14 +284,18 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
     escapes are checked as msgspec checks them for `Raw` (a lone surrogate passes).
     `max_children` caps the children listed (0: no cap); `total` counts them all.
     `depth` is always exact (`exact_depth` is kept for callers). Raises `NotJson`.
-    Cost: linear, 2 to 24 ms per MiB of `Codec.decode` measured on the deep shapes
+    Cost: linear, 0.9 to 26 ms per MiB of `Codec.decode` measured on the deep shapes
     (benchmarks/RESULTS.md, "Pathological request bodies"); the module's docstring says how.
     """
+    start = len(buf) - len(buf.lstrip(_WS))
+    end = len(buf.rstrip(_WS))
+    if buf.startswith(b"[[", start):  # 1 MiB of `[[[...]]]`: about 0.5 ms here, 12 by numpy
+        run = _bracket_run(buf, start, end)
+        if run is not None:
+            return run
     st = _structure(buf)
     deepest = int(st.depth.max()) if len(st.depth) else 0
     _check(buf, st, deepest)
-    start = len(buf) - len(buf.lstrip(_WS))
-    end = len(buf.rstrip(_WS))
     kind = buf[start]
     if kind != 0x5B and kind != 0x7B:
         return Scanned(kind, start, end, [], 0, 0)
@@ -274,35 +317,42 @@ def nesting(parent: Scanned, start: int, end: int) -> int:
     arrays and objects (0 for a scalar, or when `parent` kept no structure)."""
     if parent.structure is None or start >= end:
         return 0
+    if type(parent.structure) is _Run:  # the `[` of the run that are in the span
+        run = parent.structure
+        return max(0, min(end, run.start + run.length) - max(start, run.start))
     depth = parent.structure.depth
     return int(depth[start:end].max()) - (int(depth[start - 1]) if start else 0)
 
 
-def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> list[tuple[int, int, bool]]:
+def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> tuple[list[int], list[int], list[bool]]:
     """The member values of `obj`, a JSON object (valid, checked already), nested over
-    64 levels: (start, end, refused) each, `refused` when msgspec cannot read it (its
-    `Raw` decoder, one level down, raises RecursionError); an empty list when none is refused.
+    64 levels: their starts, their ends and whether each is refused (msgspec cannot read
+    it: its `Raw` decoder, one level down, raises RecursionError), as three lists in
+    order; empty lists when none is refused.
 
     The caller replaces them (the refused ones by a marker), then decodes the copy:
     msgspec's own rules for duplicate and escaped names tell which members they were.
     `parent`: the `scan_json` of a text holding `obj` at `offset` (its arrays are then
-    reused instead of scanning `obj` again)."""
+    reused instead of scanning `obj` again). Array work per member, no Python loop
+    over them (a Request object of 1 MiB can have 7,000 such members)."""
     np = _numpy()
-    if parent is None or parent.structure is None:
+    if parent is None or type(parent.structure) is not _Structure:
         cls, delta, depth = _structure(obj)
     else:
-        cls, delta, depth = (a[offset:offset + len(obj)] for a in parent.structure)
+        whole = parent.structure
+        span = slice(offset, offset + len(obj))
+        cls, delta, depth = whole.cls[span], whole.delta[span], whole.depth[span]
     base = int(depth[0])  # containers open after obj's "{"
     colons = np.flatnonzero((cls == 8) & (depth == base))
     if not len(colons):
-        return []
+        return [], [], []
     ends = np.flatnonzero(((cls == 4) & (depth == base)) | ((delta == -1) & (depth == base - 1)))
     ends = ends[np.searchsorted(ends, colons)]  # the "," or "}" after each member's ":"
     # The deepest point from one ":" to the next: the member's value (a name is flat).
     nesting = np.maximum.reduceat(depth, colons) - base
     tried = np.flatnonzero(nesting > 64)
     if not len(tried):
-        return []
+        return [], [], []
     # msgspec takes one recursion step per array or object level, so whether it can
     # read a value depends on its nesting only: find the least nesting it refuses by
     # a binary search over the nestings present, one real value of each tried.
@@ -318,8 +368,5 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
         except RecursionError:
             hi = mid
     if hi == len(levels):
-        return []
-    refused = (nesting[tried] >= levels[hi]).tolist()
-    return [
-        (int(colons[i]) + 1, int(ends[i]), no) for i, no in zip(tried.tolist(), refused, strict=True)
-    ]
+        return [], [], []
+    return (colons[tried] + 1).tolist(), ends[tried].tolist(), (nesting[tried] >= levels[hi]).tolist()

@@ -783,3 +783,86 @@ def reference_depth(text: bytes) -> int:
 def test_deep_body_with_a_lone_surrogate_is_answered(codec, text):
     """msgspec refuses `\\ud800` where the scanner lets it by: still an answer, not a raise."""
     check_body(codec.decode(text))
+
+
+# --- the deep hint: `Codec.decode` scanning first, against msgspec's attempts first ------
+
+# 12,000: past the parser's limit also where hypothesis raises the recursion limit
+HINT_RUNS = [b"[" * 1000, b"[" * 12_000, b"[" * 99 + b" " + b"[" * 12_000, b'"' + b"[" * 12_000 + b'"']
+HINT_PLACES = [
+    lambda deep, inner: deep + inner + deep.count(b"[") * b"]",  # the whole body
+    lambda deep, inner: call(deep + inner + deep.count(b"[") * b"]"),  # params
+    lambda deep, inner: b"[" + ADD_2 + b"," + call(deep + inner + deep.count(b"[") * b"]", b'"x"') + b"]",
+    lambda deep, inner: b'{"jsonrpc":"2.0","method":"m","a":' + b"[" * 70 + b"]" * 70 + b',"params":'
+    + deep + inner + deep.count(b"[") * b"]" + b',"id":3}',
+    lambda deep, inner: b'{"jsonrpc":"2.0","method":"m","params":' + deep + inner,  # left open
+]
+
+
+def _without_hint(codec: Codec, body: bytes) -> Body:
+    import broker.jsonrpc as module
+
+    saved = module._DEEP_HINT_BYTES
+    module._DEEP_HINT_BYTES = sys.maxsize  # `decode` as it was: msgspec's attempts first
+    try:
+        return codec.decode(body)
+    finally:
+        module._DEEP_HINT_BYTES = saved
+
+
+@settings(max_examples=200, deadline=None, print_blob=True)
+@given(
+    st.sampled_from(HINT_RUNS),
+    st.lists(st.sampled_from(SCAN_FRAGMENTS), min_size=0, max_size=5).map(b"".join),
+    st.sampled_from(HINT_PLACES),
+    st.sampled_from([b"", b"[", b"]", b"1,", b'"']),
+)
+def test_deep_hint_answers_as_msgspec_first_does(run, inner, place, tail):
+    """A body with a run of 1000 `[` is scanned before msgspec tries it (the attempts
+    would fail late); the answers must be those of the usual order, byte for byte,
+    JSON or not, too deep or not (a run in a string, or its closers moved)."""
+    text = place(run, inner) + tail
+    codec = Codec()
+    hinted, usual = codec.decode(text), _without_hint(codec, text)
+    assert hinted.batch == usual.batch and hinted.status == usual.status
+    assert [x if type(x) is bytes else msgspec.json.encode(x) for x in hinted.items] == [
+        x if type(x) is bytes else msgspec.json.encode(x) for x in usual.items
+    ], text[:120]
+
+
+def _scan_by_numpy(text: bytes) -> object:
+    """`scan_json` with its bracket-run shortcut turned off: the numpy scan, or NotJson."""
+    import broker.jsonscan as module
+
+    saved = module._bracket_run
+    module._bracket_run = lambda *_: None
+    try:
+        return scan_json(text, 1001)
+    except NotJson:
+        return NotJson
+    finally:
+        module._bracket_run = saved
+
+
+@settings(max_examples=400, deadline=None, print_blob=True)
+@given(
+    st.integers(2, 2500),
+    st.integers(0, 2500),
+    st.lists(st.sampled_from([*SCAN_FRAGMENTS, b'"\\\\"', b"\\u00e9", b'"\\ud800"', b"\t"]), max_size=6).map(b"".join),
+    st.sampled_from([b"", b" ", b"\n "]),
+)
+def test_bracket_runs_scan_as_numpy_does(opened, closed, middle, space):
+    """`[[[...X...]]]` with no bracket in X is scanned by bytes methods alone: the same
+    verdict, children, depth and children's nesting as the numpy scan, and msgspec's
+    verdict when it may recurse that deep."""
+    text = space + b"[" * opened + middle + b"]" * closed + space
+    try:
+        found: object = scan_json(text, 1001)
+    except NotJson:
+        found = NotJson
+    numpy = _scan_by_numpy(text)
+    assert (found is NotJson) == (numpy is NotJson) == (not msgspec_says_json_unlimited(text)), text[:80]
+    if isinstance(found, tuple) and isinstance(numpy, tuple):
+        assert found[:6] == numpy[:6]
+        for start, end, _ in found.children:
+            assert nesting(found, start, end) == nesting(numpy, start, end) == reference_depth(text[start:end])
