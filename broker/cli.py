@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``rpc-broker`` parser with its ``serve`` and ``check-config`` subcommands."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="JSON-RPC 2.0 broker: an HTTP front end that hands calls to a pool\n"
-        "of worker processes.",
+        description="JSON-RPC 2.0 broker: an HTTP/1.1 front end (and, when set, newline-\n"
+        "delimited JSON streams over TCP and a Unix socket) that hands calls to a\n"
+        "pool of worker processes.",
         epilog=_PRECEDENCE + f"\nRun '{PROG} serve --help' for every setting.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -48,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      title="commands")
     serve = commands.add_parser(
         "serve",
+        allow_abbrev=False,  # `--worker 1` is refused as unknown, not guessed (or called ambiguous)
         help="run the broker until SIGTERM/SIGINT (flags override file and environment)",
-        description="Run the broker: bind the HTTP front end, start the workers and\n"
-        "serve JSON-RPC until SIGTERM or SIGINT.",
+        description="Run the broker: bind the HTTP front end (and the NDJSON streams, when\n"
+        "set), start the workers and serve JSON-RPC until SIGTERM or SIGINT.",
         epilog=_PRECEDENCE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

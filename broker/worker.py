@@ -1089,6 +1089,39 @@ def die_with_parent(parent: int, *, prctl: bool = True) -> str:
     return how
 
 
+def isolate_forks(channel_fd: int) -> None:
+    """Keep the children a handler forks (os.fork(), multiprocessing's fork context) off
+    the broker's channel, and make them die with this worker.
+
+    Such a child has a copy of the worker: its loop, its tasks in flight and the channel's
+    descriptor. Should it go back into the loop (a handler that returns in both
+    processes), it would read the broker's frames and answer calls a second time (the
+    broker counted them as late replies), and it would outlive the broker. In the child
+    (`os.register_at_fork`), `channel_fd` is replaced by /dev/null: its loop reads
+    end-of-file there and stops, and what it writes goes nowhere. A child forked by the
+    loop's thread also gets `die_with_parent` (prctl's signal is tied to the thread that
+    forked: a child forked by a thread that ends early would die with it).
+    """
+    worker = os.getpid()
+    loop_thread = threading.get_ident()
+    by_loop_thread = [False]
+
+    def before() -> None:
+        by_loop_thread[0] = threading.get_ident() == loop_thread
+
+    def after_in_child() -> None:
+        try:
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, channel_fd)
+            os.close(null)
+        except OSError:
+            pass
+        if by_loop_thread[0]:
+            die_with_parent(worker)
+
+    os.register_at_fork(before=before, after_in_child=after_in_child)
+
+
 async def _serve(args: argparse.Namespace, registry: Registry) -> None:
     loop = asyncio.get_running_loop()
     if hasattr(asyncio, "eager_task_factory"):  # 3.12+: async handlers that never
@@ -1097,7 +1130,8 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> None:
         registry, args.slot, args.concurrency, args.max_depth, args.max_frame_bytes, args.debug
     )
     loop.add_signal_handler(signal.SIGTERM, proto.stop)
-    await loop.create_unix_connection(lambda: proto, args.socket)
+    transport, _ = await loop.create_unix_connection(lambda: proto, args.socket)
+    isolate_forks(transport.get_extra_info("socket").fileno())
     try:
         await proto.done
     finally:  # done, or the loop is going down (a handler stopped it: the runner cancels

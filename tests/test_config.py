@@ -468,6 +468,12 @@ def test_usage_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
     assert cli.main(["serve", "--no-such-flag"]) == 2
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    # A new user's check: `--worker 1` was "ambiguous" (a prefix of --workers and
+    # --worker-concurrency), and an unambiguous prefix was taken silently.
+    assert cli.main(["serve", "--worker", "1"]) == 2
+    assert "unrecognized arguments: --worker 1" in capsys.readouterr().err
+    assert cli.main(["serve", "--request-time", "1"]) == 2
+    assert "unrecognized arguments: --request-time 1" in capsys.readouterr().err
 
 
 def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str],

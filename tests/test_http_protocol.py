@@ -611,7 +611,7 @@ def test_connections_past_max_connections_get_503_and_close(broker_factory):
             # ... but no JSON-RPC.
             third.send(post('{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}', path="/"))
             status, headers, body = third.response()
-            assert (status, headers["connection"], body) == (503, "close", b'{"error":"too many connections"}')
+            assert (status, headers["connection"], body) == (503, "close", b'{"jsonrpc":"2.0","id":null,"error":{"code":-32000,"message":"Server overloaded","data":"too many connections"}}')
             assert headers["retry-after"] == "1"
             assert third.closed_within(5)
         for _ in range(PROBE_RESERVE):  # the reserve is taken (a request proves each was accepted), and busy

@@ -1466,6 +1466,8 @@ def test_plot_warns_about_runs_without_a_curve_and_writes_the_suffix_format(tmp_
         assert cli.main(["bench", "plot", str(good), "-o", str(out)]) == 2
         err = capsys.readouterr().err
         assert f"cannot write {out}: unknown image format" in err and ".png, .pdf or .svg" in err, err
+        others = err.split("(or ", 1)[1].split(")", 1)[0].split(", ")
+        assert not {".png", ".pdf", ".svg"} & set(others), err  # each named once
         assert not out.exists()
 
 

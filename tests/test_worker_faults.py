@@ -141,3 +141,24 @@ def test_without_prctl_a_thread_watches_the_parent(tmp_path) -> None:
             parent.stdout.close()
         if child and pid_alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_child_a_handler_forks_neither_answers_calls_nor_outlives_its_worker(broker_factory) -> None:
+    """Hostile testing: a handler that forks and returns in both processes left a child
+    running the worker's loop on the broker's channel. It answered the call and the calls
+    in flight a second time (counted as late replies: 4 of them) and survived the broker's
+    own SIGTERM stop. The child now has /dev/null for the channel, and dies with its worker."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.hostile:registry", "--timeout", "20")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        naps = [pool.submit(b.call, "nap", [1.0], f"nap{i}") for i in range(3)]
+        wait_for(lambda: in_flight(b) == 3, timeout=10)
+        answer = b.call("fork_and_return", id_="fork")
+        assert answer["result"].startswith("parent "), answer
+        child = int(answer["result"].split()[1])
+        assert [f.result(timeout=20)["result"] for f in naps] == [1.0] * 3
+    for i in range(20):  # frames the child, if it still read the channel, could take
+        assert b.call("nap", [0.01], i)["result"] == 0.01
+    assert sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="result") == 0
+    assert sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="cancelled") == 0
+    assert b.stop() == 0
+    wait_for(lambda: not pid_alive(child), timeout=10)

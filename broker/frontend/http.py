@@ -146,7 +146,6 @@ _JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
 _KEEP_ALIVE = b"connection: keep-alive\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_TOO_MANY_BODY = b'{"error":"too many connections"}'
 _METRICS_TYPE = b"content-type: " + METRICS_CONTENT_TYPE.encode() + b"\r\n"
 _METRICS_HEADERS = _METRICS_TYPE + b"content-length: "
 
@@ -175,6 +174,10 @@ def _json_response(status: int, body: bytes, keep_alive: bool, extra: bytes, jso
 
 def _error_body(code: int, data: object = None) -> bytes:
     return response_error(b"null", error_object(code, data=data))
+
+
+# (a JSON-RPC error object, as NDJSON's line: a client may read it as the answer to its call)
+_TOO_MANY_BODY = _error_body(ErrorCode.OVERLOADED, "too many connections")
 
 
 def _is_json(content_type: bytes | None) -> bool:

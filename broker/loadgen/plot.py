@@ -96,7 +96,7 @@ def plot(files: typing.Sequence[str | Path], out: str | Path, title: str | None 
     if suffix not in formats:
         plt.close(fig)
         raise PlotError(f"cannot write {out}: unknown image format {'.' + suffix if suffix else '(no suffix)'}; "
-                        f"name it .png, .pdf or .svg (or {', '.join('.' + f for f in sorted(formats))})")
+                        f"name it .png, .pdf or .svg (or {', '.join('.' + f for f in sorted(set(formats) - {'png', 'pdf', 'svg'}))})")
     try:
         top = 1.0
         drawn = 0

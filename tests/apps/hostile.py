@@ -84,3 +84,11 @@ async def async_generator_exit() -> None:
 async def async_blob(size: int) -> str:
     await asyncio.sleep(0)
     return "x" * size
+
+
+@registry.method
+def fork_and_return() -> str:
+    """Forks, and returns in both processes: the child goes back into the worker's loop
+    with a copy of everything in flight (hostile testing)."""
+    child = os.fork()
+    return "child" if child == 0 else f"parent {child}"
