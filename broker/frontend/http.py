@@ -19,7 +19,9 @@ Answers:
     POST rpc_path          200 with the JSON-RPC response; 204 when nothing is owed
                            (only notifications); the status in `jsonrpc.ERRORS` for a
                            single error response; 413 past `max_body_bytes` (checked
-                           on Content-Length before the body arrives, and on chunks)
+                           on Content-Length before the body arrives, and on chunks);
+                           503 when an unfinished body would take the bytes still
+                           arriving on all connections past `max_incoming_bytes`
     GET/HEAD /healthz      200 while the process runs
     GET/HEAD /readyz       200 when at least one worker is ready, else 503
     GET/HEAD /metrics      Prometheus text format, when this listener serves metrics (a
@@ -28,7 +30,9 @@ Answers:
     OPTIONS rpc_path       204 with CORS headers: a preflight from an allowed Origin
     other method           405 with Allow
     other path             404
-    bad HTTP               400 and close (two Host fields, a Transfer-Encoding list);
+    bad HTTP               400 and close (two Host fields, a Transfer-Encoding list, a
+                           chunked body of more than SMALL_CHUNKS chunks plus one per
+                           MIN_CHUNK_BYTES);
                            a version not 1.0/1.1: 505; a head past 64 KiB or 100 header
                            fields, trailers counted in: 431 and close; a request not all
                            in within request_timeout: 408 and close
