@@ -36,7 +36,7 @@ Rules (JSON-RPC 2.0 spec sections 5, 5.1 and 6):
   notifications refused whole included: the spec makes the server answer an invalid
   request even when it holds no id).
 
-On a stream the runner first finds the body a line answers (by id, see `runner`), then
+On a stream the connection first finds the body a line answers (by id, see `stream`), then
 checks the line against that body's `Expect` with the same rules; the lines it cannot
 tie to any body (wrong id, duplicate, not JSON) it counts itself.
 """

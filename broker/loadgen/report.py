@@ -10,8 +10,8 @@ from rich.table import Table
 from rich.text import Text
 
 from broker.loadgen.check import Tally
-from broker.loadgen.runner import ProcessResult, Progress, Spec, Target
 from broker.loadgen.stats import SCHEMA, Check, Latency, LatencyMs, Report, RunWorkload, WorkloadCall
+from broker.loadgen.target import ProcessResult, Progress, Spec, Target
 
 __all__ = ["build_report", "merge", "print_table", "progress_text"]
 
