@@ -126,8 +126,7 @@ class LoadConnection(asyncio.Protocol):
     """
 
     __slots__ = ("_aborted", "_answered_here", "_connecting", "_failed", "_fails", "_inflight", "_interval", "_k",
-                 "_k_conn", "_next_i", "_now", "_orderly", "_phase", "_push", "_retry", "_s", "_timer", "_transport",
-                 "connected")
+                 "_next_i", "_now", "_phase", "_push", "_retry", "_s", "_timer", "_transport", "connected")
 
     _inflight: _InFlight
     _push: Callable[[_Record], None]
@@ -142,11 +141,9 @@ class LoadConnection(asyncio.Protocol):
         self._next_i = 0  # open loop: next request index of the schedule
         self._now = 0.0
         self._aborted = False
-        self._orderly = False  # the server announced its close after a complete answer
         self._failed = False  # refused, timed out or not HTTP: back off before reconnecting
         self._connecting = False  # a `connect` for it is under way
         self._fails = 0  # failed connections in a row (sets the reconnect back-off)
-        self._k_conn = 0  # `_k` when the current connection was made
         self._answered_here = False  # a complete answer came on the current connection
         self._retry: list[float] = []  # HTTP: t_start of requests to send again (see _keep_for_retry)
         self.connected = False
@@ -166,8 +163,7 @@ class LoadConnection(asyncio.Protocol):
             self._transport.abort()
             return
         self._aborted = False
-        self._orderly = self._failed = self._answered_here = False
-        self._k_conn = self._k
+        self._failed = self._answered_here = False
         self.connected = True
         self._reset_reader()
 

@@ -120,7 +120,6 @@ class HttpLoadConnection(LoadConnection):
         if not self._parser.should_keep_alive():
             self._keep_alive = False  # the server will close: do not send more here
             self._aborted = True  # and its close is not an error
-            self._orderly = True
             if status == 503 and b'"jsonrpc"' not in body:
                 # Turned away (a broker past its max_connections answers so, before or
                 # instead of reading a request): a refused connection, not an answer.
@@ -133,7 +132,6 @@ class HttpLoadConnection(LoadConnection):
         tally.transport_errors += 1
         tally.problem(f"the server refused the connection: HTTP {status}, body {body[:120]!r}")
         self._failed = True
-        self._orderly = False
         if self._queue:
             self._queue.popleft()  # the request it was sent instead of an answer to
 
