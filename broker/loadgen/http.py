@@ -120,9 +120,10 @@ class HttpLoadConnection(LoadConnection):
         if not self._parser.should_keep_alive():
             self._keep_alive = False  # the server will close: do not send more here
             self._aborted = True  # and its close is not an error
-            if status == 503 and b'"jsonrpc"' not in body:
+            if status == 503 and (b'"jsonrpc"' not in body or b'"id":null' in body):
                 # Turned away (a broker past its max_connections answers so, before or
-                # instead of reading a request): a refused connection, not an answer.
+                # instead of reading a request: an error with no id, or no JSON-RPC at
+                # all): a refused connection, not an answer.
                 self._refuse(status, body)
                 return
         self._answered(status, body)
