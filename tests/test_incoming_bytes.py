@@ -84,3 +84,31 @@ def test_unfinished_bodies_and_lines_share_one_bound(tmp_path):
         first.sock.close()
     finally:
         assert b.stop() == 0, b.read_log()
+
+
+def test_bodies_of_requests_answered_without_them_are_not_kept(broker_factory):
+    """Hostile testing: the body of a request that no route takes (GET /healthz with a
+    body, a 404, a 415) stayed in memory and counted in max_incoming_bytes while its
+    keep-alive connection idled: 256 such connections filled the whole budget for
+    keepalive_timeout, and every request arriving in pieces was refused 503."""
+    b = broker_factory("--workers", "1", "--max-body-bytes", str(BODY), "--max-incoming-bytes", str(LIMIT))
+    idle = [Conn(b, timeout=30) for _ in range(3)]
+    try:
+        for c, (method, path, ctype) in zip(idle, [("GET", "/healthz", "application/json"), ("POST", "/nope", "application/json"),
+                                                   ("POST", b.path, "text/plain")], strict=True):
+            body = b"x" * (BODY - 10)
+            c.send(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {ctype}\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:1000])
+            wait_for(lambda: incoming(b) > 0, timeout=10)  # (arrives in pieces)
+            c.send(body[1000:])
+            assert c.response()[0] in (200, 404, 415)
+        wait_for(lambda: incoming(b) == 0, timeout=10)  # answered: nothing is held for them
+        with Conn(b, timeout=30) as c:  # and a call arriving in pieces is served
+            call = padded_call(BODY, 9)
+            c.send(head(b.path, BODY) + call[:PART])
+            wait_for(lambda: incoming(b) == PART, timeout=10)
+            c.send(call[PART:])
+            assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":9,"result":10}')
+    finally:
+        for c in idle:
+            c.sock.close()

@@ -557,6 +557,36 @@ def test_connections_sending_only_empty_lines_make_room(tmp_path, transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_large_lines_on_one_connection_are_all_answered(tmp_path, transport):
+    """Reading pauses for a loop turn after TURN_BYTES (as for HTTP): nothing is lost."""
+    sb2 = start_stream_broker(tmp_path, "--workers", "1")
+    try:
+        with sb2.connect(transport) as s:
+            s.send(b"".join(b'{"jsonrpc":"2.0","method":"nope","params":["' + b"a" * 250_000 + b'"],"id":%d}\n' % i
+                            for i in range(40)))
+            got = [json.loads(answer)["id"] for answer in s.lines(40, timeout=60)]
+            assert sorted(got) == list(range(40))
+    finally:
+        assert sb2.broker.stop() == 0, sb2.broker.read_log()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_runs_of_empty_lines_and_leading_white_space_are_skipped(sb, transport):
+    """Empty lines, and white space before a line, are skipped in one step (they cost
+    1 µs a byte, and a turn each, before): a megabyte of them, then calls whose lines
+    start with white space or follow CRLF runs, all in few reads, are answered."""
+    with sb.connect(transport) as s:
+        s.send(b"\n" * (1 << 20) + b" \t\r\n" * 1000 + b"   " + line("add", [1, 2], 1) + b"\r\n"
+               + b"\r\n\r\n\t" + line("add", [3, 4], 2) + b"\n   \n")
+        assert sorted(s.lines(2)) == sorted([result(1, 3), result(2, 7)])
+        s.send(b"  ")  # white space that ends a read, then a line in the next one
+        time.sleep(0.05)
+        s.send(line("add", [5, 6], 3) + b"\n")
+        assert s.lines(1) == [result(3, 11)]
+        s.assert_nothing_more()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_lines_before_an_http_request_line_are_answered_before_the_close(sb, transport):
     """A new user's check: the lines before an HTTP request line lost their answers (the
     connection was closed at once). They are answered now, with the error line for the

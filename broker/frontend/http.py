@@ -100,7 +100,7 @@ from http import HTTPStatus
 import httptools
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget
-from broker.frontend.base import Incoming, Listener, reset, unsent_bytes
+from broker.frontend.base import TURN_BYTES, Incoming, Listener, reset, unsent_bytes
 from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.metrics import HTTP_PATHS
@@ -190,6 +190,10 @@ def _is_json(content_type: bytes | None) -> bool:
     if content_type == _JSON_TYPE:
         return True
     return content_type is not None and content_type.partition(b";")[0].strip(b" \t").lower() == _JSON_TYPE
+
+
+class _Gone:
+    """The callbacks of a lost connection's parser: none."""
 
 
 class _StopParsing(Exception):
@@ -412,6 +416,7 @@ class HttpProtocol(asyncio.Protocol):
         "_trailer_bytes",
         "_transfer_encoding",
         "_transport",
+        "_turn_bytes",
         "_unsent",
         "_upgrade",
         "_url",
@@ -455,6 +460,7 @@ class HttpProtocol(asyncio.Protocol):
         self._skip = False  # the current request was answered early (413): drop its body
         self._chunks = 0  # chunks of the current request's body so far
         self._incoming = 0  # bytes of an unfinished body counted in the listener's `Incoming`
+        self._turn_bytes = 0  # bytes received since the last turn's pause (TURN_BYTES)
         self._host: bytes | None = None  # the request's Host, Origin and Content-Type values
         self._origin: bytes | None = None
         self._content_type: bytes | None = None
@@ -590,9 +596,12 @@ class HttpProtocol(asyncio.Protocol):
         self._transport = None
         self._responses.clear()
         # The parser holds this protocol's bound methods, and it the parser: a cycle, freed
-        # only by the garbage collector's rare full runs. What is big goes now (a partial
-        # body of up to max_body_bytes, a read's unparsed rest, requests never dispatched).
-        self._body = self._backlog = b""
+        # only by the garbage collector's rare full runs. The cycle is broken (a parser of
+        # nothing takes its place: the parser's own buffers, a partial header of up to 64
+        # KiB, go with it), and what is big goes now (a partial body of up to
+        # max_body_bytes, a read's unparsed rest, requests never dispatched, the URL).
+        self._parser = httptools.HttpRequestParser(_Gone())
+        self._body = self._backlog = self._url = b""
         self._waiting.clear()
         if self._incoming:
             self._fe.incoming.hold(self._incoming, 0)
@@ -612,6 +621,12 @@ class HttpProtocol(asyncio.Protocol):
         # line, which httptools skips, RFC 9112 2.2) keep no connection alive, nor out of
         # reach of `make_room`; a request's first byte does (`on_message_begin`).
         self._read_at = fe.loop.time()
+        turn = self._turn_bytes = self._turn_bytes + len(data)
+        if turn > TURN_BYTES:  # enough for this loop turn: the others' turn now
+            self._turn_bytes = 0
+            if not self.read_paused:
+                self._pause()
+                fe.loop.call_soon(self._end_turn)
         if len(data) > FEED_BYTES:
             self._feed_turn(data)
         else:
@@ -915,6 +930,7 @@ class HttpProtocol(asyncio.Protocol):
         self._trailer_bytes = -1
         if self._skip or self._closing:
             self.request_started = 0.0
+            self._body = b""
             return
         version = self._parser.get_http_version()
         if version != "1.1" and version != "1.0":  # (checked here, once per request: it costs)
@@ -932,6 +948,8 @@ class HttpProtocol(asyncio.Protocol):
         if keep_alive and not self._keep_header and version == "1.0":
             self._keep_header = _KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
         self._route(method, url, keep_alive)
+        if self._body:  # a body no route took (a GET's, a 404's, a refused call's): not kept
+            self._body = b""  # (nor counted in `Incoming`) while the connection idles
         if not keep_alive:
             self._closing = True
 
@@ -1303,6 +1321,13 @@ class HttpProtocol(asyncio.Protocol):
                 self.request_started = self._fe.loop.time()
             if not self._eof:
                 self._transport.resume_reading()
+
+    def _end_turn(self) -> None:
+        """Resume reading after a turn's pause (TURN_BYTES), unless something else holds it
+        paused; the pause lasted one loop iteration, so the request's clock goes on."""
+        started = self.request_started
+        self._maybe_resume()
+        self.request_started = started
 
     def close(self) -> None:
         """Close the connection after what is already written."""
