@@ -361,6 +361,8 @@ class Codec:
             if not outer:
                 return Body(False, [_EMPTY_BATCH], 400)
             return Body(True, [self._element_item(raw) for raw in outer])
+        except RecursionError:  # `_elements` reads the batch a frame deeper than `_slow` did
+            return self._decode_deep(bytes(body), scanned)
         except msgspec.DecodeError:
             return Body(False, [_PARSE_ERROR], 400)
 

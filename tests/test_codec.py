@@ -866,3 +866,17 @@ def test_bracket_runs_scan_as_numpy_does(opened, closed, middle, space):
         assert found[:6] == numpy[:6]
         for start, end, _ in found.children:
             assert nesting(found, start, end) == nesting(numpy, start, end) == reference_depth(text[start:end])
+
+
+def test_batch_nested_where_msgspec_stops_is_answered_not_raised():
+    """A batch nested just where msgspec stops: its `Raw` check in `_decode_slow` passed
+    and `_elements`, a frame deeper, raised RecursionError out of `Codec.decode`
+    (hostile testing: every nesting from 30 levels under to 5 over, from here)."""
+    codec = Codec()
+    limit = sys.getrecursionlimit()
+    for n in range(limit - 60, limit + 5):
+        for text in (
+            b'[{"method":' + b"[" * n + b"]" * n + b',"jsonrpc":"2.0","method":"m"}]',
+            b"[" + call(b"[" * n + b"]" * n) + b',{"a":1}]',
+        ):
+            check_body(codec.decode(text))
