@@ -3,7 +3,8 @@
 msgspec's parser recurses, and stops (RecursionError) where Python's recursion limit does,
 about 1000 levels down. The codec's slow path needs three things of such a body: is it
 JSON at all (RFC 8259), where are its top value's children (a batch's elements), and which
-members of a too-deep Request object nest too deep. This module answers them with a
+members of a too-deep Request object nest too deep (`deep_members` for one object,
+`batch_members` and `refused_members` for all of a batch's). This module answers them with a
 constant number of passes over the bytes, in C (numpy and msgspec), whatever the shape:
 
 0. A shortcut first (bytes methods): a text that is a run of `[`, bytes with no bracket,
@@ -51,7 +52,7 @@ if typing.TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ["NotJson", "Scanned", "deep_members", "nesting", "scan_json"]
+__all__ = ["Members", "NotJson", "Scanned", "batch_members", "deep_members", "nesting", "refused_members", "scan_json"]
 
 _WS = b" \t\n\r"
 _RAW = msgspec.json.Decoder(msgspec.Raw)
@@ -370,3 +371,100 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     if hi == len(levels):
         return [], [], []
     return (colons[tried] + 1).tolist(), ends[tried].tolist(), (nesting[tried] >= levels[hi]).tolist()
+
+
+
+class Members(typing.NamedTuple):
+    """The members of a batch's object elements, all elements at once (`batch_members`).
+
+    starts, ends: each member value's span in the body, in order (from the byte after
+        its ":" to its "," or its object's "}"); owners: the element (an index in
+        `Scanned.children`) each belongs to.
+    nesting: each value's levels of arrays and objects (a scalar is 0).
+    depth: per element, 1 + the nesting of its deepest member (0 when it has none).
+    """
+
+    starts: npt.NDArray[np.intp]
+    ends: npt.NDArray[np.intp]
+    owners: npt.NDArray[np.intp]
+    nesting: npt.NDArray[np.intp]
+    depth: list[int]
+
+
+def batch_members(parent: Scanned) -> Members | None:
+    """`deep_members`' spans and nestings for the members of every object element of
+    the batch `parent` scanned, by array work on its structure: a constant number of
+    passes over the body, none per element (`deep_members` costs about 140 us of numpy
+    calls an element). None when the scan kept no per-byte structure (a `[[[...]]]`
+    run, whose only child is an array)."""
+    np = _numpy()
+    st = parent.structure
+    if type(st) is not _Structure:
+        return None
+    # Members of an element are at depth 2, after its "{" (the top "[" opens depth 1).
+    # The bytes that shallow are few in a deep batch (every byte in a flat one).
+    shallow = np.flatnonzero(st.depth <= 2)
+    cls, depth = st.cls.take(shallow), st.depth.take(shallow)
+    colons = shallow[(cls == 8) & (depth == 2)]
+    ends = shallow[((cls == 4) & (depth == 2)) | ((cls == -1) & (depth == 1))]
+    ends = ends[np.searchsorted(ends, colons)]  # the "," or "}" after each ":"
+    firsts = np.array([a for a, _, _ in parent.children], np.intp)
+    owners = np.searchsorted(firsts, colons, side="right") - 1
+    own = np.zeros(len(firsts), np.intp)
+    if not len(colons):
+        return Members(colons + 1, ends, owners, owners, own.tolist())
+    # The deepest point of each value, from its ":" to its end (a name is flat).
+    bounds = np.empty(2 * len(colons), np.intp)
+    bounds[0::2], bounds[1::2] = colons, ends
+    nests = np.maximum.reduceat(st.depth, bounds)[0::2].astype(np.intp) - 2
+    groups = np.flatnonzero(np.diff(owners, prepend=-1))  # each element's first member
+    own[owners.take(groups)] = np.maximum.reduceat(nests, groups) + 1
+    return Members(colons + 1, ends, owners, nests, own.tolist())
+
+
+def refused_members(buf: bytes, members: Members, chosen: list[int]) -> tuple[list[int], list[int], list[bool], list[int]]:
+    """`deep_members` for each element in `chosen` (indexes into `members.depth`, in
+    order) at once: the starts, ends, refusals and owners of the members over 64
+    levels deep of the chosen elements that have a refused member, in order (an
+    element with none refused has none listed, as `deep_members` gives it none)."""
+    np = _np
+    mask = np.zeros(len(members.depth), bool)
+    mask[chosen] = True
+    tried = np.flatnonzero(mask.take(members.owners) & (members.nesting > 64))
+    if not len(tried):
+        return [], [], [], []
+    nests = members.nesting.take(tried)
+    least = _least_refused(buf, members.starts.take(tried), members.ends.take(tried), nests)
+    refused = nests >= least
+    owners = members.owners.take(tried)
+    # Per element, whether any member was refused: then all its tried members are listed.
+    listed = np.zeros(len(members.depth), bool)
+    listed[owners[refused]] = True
+    keep = listed.take(owners)
+    return (
+        members.starts.take(tried[keep]).tolist(),
+        members.ends.take(tried[keep]).tolist(),
+        refused[keep].tolist(),
+        owners[keep].tolist(),
+    )
+
+
+def _least_refused(buf: bytes, starts: npt.NDArray[np.intp], ends: npt.NDArray[np.intp], nests: npt.NDArray[np.intp]) -> int:
+    """The least nesting msgspec refuses among `nests` (one more than the deepest when
+    it refuses none), by `deep_members`' binary search with one real value of each.
+    Called from `refused_members` one frame below the codec's `_deep_items`, so its
+    probes run as deep in Python's stack as `deep_members`' ran for `_deep_element`
+    (msgspec's levels and Python's frames share one count: one frame more would
+    refuse one level less)."""
+    np = _np
+    levels, first = np.unique(nests, return_index=True)
+    lo, hi = 0, len(levels)  # levels[hi:] refused; levels[:lo] read
+    while lo < hi:
+        mid = (lo + hi) // 2
+        i = int(first[mid])
+        try:
+            _RAW.decode(b"[" + buf[int(starts[i]):int(ends[i])] + b"]")
+            lo = mid + 1
+        except RecursionError:
+            hi = mid
+    return int(levels[hi]) if hi < len(levels) else int(levels[-1]) + 1

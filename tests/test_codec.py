@@ -880,3 +880,124 @@ def test_batch_nested_where_msgspec_stops_is_answered_not_raised():
             b"[" + call(b"[" * n + b"]" * n) + b',{"a":1}]',
         ):
             check_body(codec.decode(text))
+
+
+# --- a batch's too-deep elements answered together, against one at a time ------------
+
+
+def _one_by_one(codec: Codec, body: bytes) -> Body:
+    """`Codec.decode` as it was: each element of a deep batch through `_element_item`
+    alone (the path `_decode_deep` keeps for a scan with no per-byte structure)."""
+    import broker.jsonrpc as module
+
+    saved = module.batch_members
+    module.batch_members = lambda _: None
+    try:
+        return codec.decode(body)
+    finally:
+        module.batch_members = saved
+
+
+def _together(codec: Codec, body: bytes) -> Body:
+    """`Codec.decode` called as deep in the stack as `_one_by_one` calls it (msgspec's
+    limit counts Python frames: one frame less would read one level more)."""
+    return codec.decode(body)
+
+
+def _same_answers(codec: Codec, text: bytes) -> None:
+    together, alone = _together(codec, text), _one_by_one(codec, text)
+    assert (together.batch, together.status) == (alone.batch, alone.status), text[:120]
+    assert [x if type(x) is bytes else msgspec.json.encode(x) for x in together.items] == [
+        x if type(x) is bytes else msgspec.json.encode(x) for x in alone.items
+    ], text[:120]
+
+
+def _nest(levels: int, opening: bytes = b"[", closing: bytes = b"]", inner: bytes = b"") -> bytes:
+    return opening * levels + inner + closing * levels
+
+
+DEEP_BATCH_HEAD = b'{"id":1,"jsonrpc":"2.0","method":"echo",'
+
+
+@pytest.mark.parametrize("text", [
+    # the hostile tester's: every element just past the parser's limit, in each member
+    b"[" + b",".join([DEEP_BATCH_HEAD + b'"params":' + _nest(1001) + b"}"] * 40) + b"]",
+    b"[" + b",".join([b'{"jsonrpc":"2.0","method":"echo","id":' + _nest(1001) + b"}"] * 40) + b"]",
+    b"[" + b",".join([DEEP_BATCH_HEAD + b'"x":' + _nest(1001) + b"}"] * 40) + b"]",
+    b"[" + b",".join([DEEP_BATCH_HEAD + b'"params":' + _nest(1001, b'{"a":', b"}", b"1") + b"}"] * 40) + b"]",
+    b"[" + b",".join([DEEP_BATCH_HEAD + b'"params":' + _nest(1001) + b"}", ADD_2] * 20) + b"]",
+    b"[" + b",".join([DEEP_BATCH_HEAD + b'"params":[' + b"0," * 400 + _nest(1001) + b"]}", call(b"[" + b"1," * 450 + b"1]")] * 20) + b"]",
+    # deep elements that are not objects, scalars, {} and invalid ones between
+    b"[" + b",".join([_nest(1500), b"5", b"{}", b'{"jsonrpc":"2.0","method":1,"id":"a"}', call(_nest(1200), b'"q"')]) + b"]",
+    # a member just under the limit that msgspec reads, and one just over 64 levels
+    b"[" + b",".join([call(_nest(900), b"3"), call(_nest(70), b"4"), call(_nest(2000), b"[1]"), ADD_2]) + b"]",
+    # two members too deep, duplicate and escaped names, the last id wins
+    b'[{"jsonrpc":"2.0","method":"m","id":1,"params":' + _nest(1100) + b',"\\u0069d":' + _nest(1100) + b"}," + ADD_2 + b"]",
+    b'[{"jsonrpc":"2.0","method":"m","id":' + _nest(1100) + b',"id":"z","params":' + _nest(66) + b"}, 1]",
+    # whitespace everywhere, a lone surrogate in a shallow element (a parse error)
+    b' [ { "jsonrpc" : "2.0" , "method" : "m" , "params" : ' + _nest(1100) + b' , "id" : 9 } , ' + ADD_2 + b" ] ",
+    b'[{"jsonrpc":"2.0","method":"m","id":"\\udc00"},' + call(_nest(2000)) + b"]",
+    b'[{"jsonrpc":"2.0","method":"\\ud800","params":' + _nest(2000) + b"}," + ADD_2 + b"]",
+])
+def test_deep_batch_elements_answered_together_as_alone(codec, text):
+    _same_answers(codec, text)
+
+
+def _refused_from_here() -> int:
+    """The least nesting msgspec refuses when called from here (the limit less the
+    frames in use, which pytest and hypothesis take many of)."""
+    lo, hi = 1, sys.getrecursionlimit() + 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            _raw_decoder.decode(_nest(mid))
+            lo = mid + 1
+        except RecursionError:
+            hi = mid
+    return lo
+
+
+def _deep_batch_elements(limit: int, refused: int) -> st.SearchStrategy[bytes]:
+    """Elements for a batch: Request objects with some members nested near where
+    msgspec stops (a few frames deeper or shallower than here) and near the limit,
+    others flat, non-objects between."""
+    near = [*range(refused - 16, refused + 8), *range(limit - 3, limit + 3)]
+    levels = st.sampled_from([1, 64, 65, 70, *near, limit + 50, 3000])
+    wrapper = st.sampled_from([(b"[", b"]", b""), (b'{"a":', b"}", b"1"), (b"[0,", b"]", b"0"), (b'{"k":[', b"]}", b"")])
+    value = st.builds(lambda n, w: _nest(n, *w), levels, wrapper) | st.sampled_from([b"1", b'"s"', b"null", b"[1]", b"true"])
+    name = st.sampled_from([b'"id"', b'"\\u0069d"', b'"params"', b'"x"', b'"method"', b'"jsonrpc"'])
+    member = st.builds(lambda k, v, sp: k + sp + b":" + sp + v, name, value, st.sampled_from([b"", b" "]))
+    head = st.sampled_from([b'"jsonrpc":"2.0","method":"m"', b'"jsonrpc":"2.0","method":5', b'"method":"m"'])
+    obj = st.builds(
+        lambda h, ms, first: b"{" + b",".join([h, *ms] if first else [*ms, h]) + b"}",
+        head, st.lists(member, max_size=4), st.booleans(),
+    )
+    return obj | value | st.just(b"{}")
+
+
+@settings(max_examples=300, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_deep_batches_answered_together_as_alone(data):
+    """Byte for byte, whatever the elements: the batch path (`batch_members`,
+    `refused_members`, one decode) gives each element the answer `_element_item`
+    gave it alone, at the frame depth where msgspec's limit falls."""
+    elements = data.draw(st.lists(_deep_batch_elements(sys.getrecursionlimit(), _refused_from_here()), min_size=1, max_size=6))
+    text = b"[" + b",".join(elements) + b"]"
+    assume(b"[" * 1000 in text or b'{"a":' * 300 in text or b"[0," * 300 in text or b'{"k":[' * 300 in text)
+    _same_answers(Codec(max_batch=5), text)
+
+
+def test_deep_batch_members_where_msgspec_stops_answered_as_alone(codec):
+    """Next to a member far too deep, one nested where msgspec stops, level by level:
+    whether it is refused depends on the frames in use when it is tried, which the
+    batch path must keep as `_deep_element` had them."""
+    refused = _refused_from_here()
+    for n in range(refused - 24, refused + 6):
+        near = _nest(n)
+        elements = [
+            b'{"jsonrpc":"2.0","method":"m","id":' + _nest(3000) + b',"params":' + near + b"}",
+            b'{"jsonrpc":"2.0","method":"m","params":' + _nest(3000) + b',"id":' + near + b"}",
+            b'{"jsonrpc":"2.0","method":"m","params":' + near + b',"id":7}',
+            ADD_2,
+        ]
+        _same_answers(codec, b"[" + b",".join(elements) + b"]")
