@@ -456,7 +456,8 @@ class Codec:
             return Body(False, [item], 200 if type(item) is Request else 400)
         if top.total > self.max_batch:
             return self._batch_too_large(top.total)
-        members = batch_members(top)
+        # (No object among the elements: none to read, and no array pass over the body.)
+        members = batch_members(top) if any(body[a] == 0x7B for a, _, _ in top.children) else None
         items: list[Request | bytes] = []
         try:
             if members is None:  # no per-byte structure: the elements one by one

@@ -10,6 +10,13 @@ constant number of passes over the bytes, in C (numpy and msgspec), whatever the
 0. A shortcut first (bytes methods): a text that is a run of `[`, bytes with no bracket,
    then a run of `]` (`[[[...]]]`, open or closed, scalars or escapes inside) is JSON
    exactly when the runs match and `[X]` is JSON (`_bracket_run`): under 1 ms for 1 MiB.
+0b. Long run pairs collapsed (`_collapse`, array work on the long runs only): each
+   `[`^a X `]`^b inside the body (a, b >= 32, X a few bytes with no bracket, brace or
+   quote, outside strings) is cut to a few levels, by the same equivalence as step 0;
+   when that removes half the body or more, steps 1 and 2 run on the collapsed text
+   and the removed levels are added back to its depth (`_Collapsed` maps offsets
+   both ways). A 1 MiB request with 500,000-deep params, or a batch of elements each
+   1001 deep, is then a few KiB to scan.
 1. Structure (numpy), one entry per byte. Escaped backslashes and quotes are blanked
    (`bytes.replace`), so every quote left opens or closes a string; a running xor over
    the quotes marks the bytes inside strings, whose class is blanked. Outside strings,
@@ -277,6 +284,135 @@ def _bracket_run(buf: bytes, start: int, end: int) -> Scanned | None:
     return Scanned(0x5B, start, end, [(start + 1, end - 1, 0)], 1, opened, _Run(start, opened))
 
 
+_MIN_RUN = 32  # brackets: a run pair shorter than this is left as it is
+_LONG_RUN = b"[" * _MIN_RUN
+_X_MAX = 16  # bytes: a run pair's X longer than this is left as it is (never needed)
+# X's bytes: 0 a byte X may hold, 1 the `]` that ends X, 2 a byte it may not hold
+_X_CLASS = bytes(1 if b == 0x5D else 2 if b in b'[{}"\\' else 0 for b in range(256))
+
+
+class _Collapsed(typing.NamedTuple):
+    """The structure `scan_json` keeps for a body whose long run pairs it collapsed
+    (`_collapse`): the collapsed text's arrays, its depth with the removed levels
+    added back, and where the collapsed runs were, to map offsets both ways.
+
+    A text offset x is the body offset x + the levels removed before it, a run's
+    removed `[` counting from its innermost `[` on and its removed `]` from its
+    innermost `]` on: a value that started at the first removed `[` starts at the
+    innermost `[` in the text, and one that ended after the last removed `]` ends
+    after the innermost `]`."""
+
+    st: _Structure
+    inner: npt.NDArray[np.intp]  # text offsets of the innermost `[` of each run pair
+    close: npt.NDArray[np.intp]  # and of its innermost `]`
+    inner_at: npt.NDArray[np.intp]  # body offsets: the first removed `[` of each
+    close_at: npt.NDArray[np.intp]  # and its innermost `]`
+    removed: npt.NDArray[np.intp]  # levels removed by the pairs before each (one more entry)
+
+    def body(self, x: typing.Any) -> typing.Any:
+        """Body offsets of text offsets (an int or an array)."""
+        np = _np
+        r = self.removed
+        return x + r[np.searchsorted(self.inner, x)] + r[np.searchsorted(self.close, x)]
+
+    def text(self, y: typing.Any) -> typing.Any:
+        """Text offsets of body offsets that start or end values (an int or an array)."""
+        np = _np
+        r = self.removed
+        return y - r[np.searchsorted(self.inner_at, y)] - r[np.searchsorted(self.close_at, y)]
+
+
+def _long_runs(buf: bytes, codes: npt.NDArray[np.uint8], byte: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """Starts and ends of the runs of `byte` in `buf` of `_MIN_RUN` bytes or more.
+    Such a run holds 3 aligned 8-byte words of `byte` or more: the words are found
+    by one comparison a word (0.1 ms for 1 MiB, however many short runs there are),
+    and each run of them is widened by the bytes of `byte` next to it (7 at most)."""
+    np = _np
+    words = np.frombuffer(buf, np.uint64, len(buf) // 8) == np.uint64(int.from_bytes(bytes([byte]) * 8, "little"))
+    edges = np.flatnonzero(words[1:] != words[:-1]) + 1
+    if len(words) and words[0]:
+        edges = np.concatenate(([0], edges))
+    if len(edges) % 2:
+        edges = np.append(edges, len(words))
+    first, last = edges[0::2], edges[1::2]
+    keep = last - first >= 3
+    starts, ends = first[keep] * 8, last[keep] * 8
+    steps = np.arange(1, 8)
+    for side, bounds in ((-1, starts), (1, ends)):
+        at = bounds[:, None] + side * steps if side < 0 else bounds[:, None] + steps - 1
+        inside = (at >= 0) & (at < len(buf))
+        same = (codes.take(np.clip(at, 0, len(buf) - 1)) == byte) & inside
+        bounds += side * np.cumprod(same, axis=1).sum(axis=1)
+    long = ends - starts >= _MIN_RUN
+    return starts[long], ends[long]
+
+
+def _collapse(buf: bytes) -> tuple[bytes, npt.NDArray[np.intp], npt.NDArray[np.intp], npt.NDArray[np.intp]] | None:
+    """`buf` with each run pair `[`^a X `]`^b (a, b >= `_MIN_RUN`, outside strings, X
+    of `_X_MAX` bytes or less with no bracket, brace or quote) cut to `[`^(a-k) X
+    `]`^(b-k), k = min(a, b) - 2 (the outermost `[` and `]` stay: no value starts or
+    ends in the removed bytes but the one the outermost holds, which starts at the
+    first removed `[` and ends after the last): the text, and per pair its innermost
+    `[` and `]` in `buf` and its k. None when `buf` has a backslash (escaped quotes:
+    strings not found by counting quotes) or when the pairs would remove under half
+    of `buf`. The text is JSON exactly when `buf` is: each of the k removed levels
+    held one value only, the next (the innermost `[` closes at the first `]`: X holds
+    no bracket, and is in no string), as in `_bracket_run`. Array work on the long
+    runs only, one slice per kept piece; a pair left out only costs its levels."""
+    np = _numpy()
+    # (`bytes.find` of a run of 32: 0.1 ms for 1 MiB: bodies with no long run pay little.)
+    if len(buf) < 4 * _MIN_RUN or b"\\" in buf or _LONG_RUN not in buf:
+        return None
+    codes = np.frombuffer(buf, np.uint8)
+    o_starts, e = _long_runs(buf, codes, 0x5B)
+    c_starts, c_ends = _long_runs(buf, codes, 0x5D)
+    if not len(e) or not len(c_starts):
+        return None
+    # X = buf[e:f], f the first `]` after the run of `[`: of bytes that may be in X
+    # up to a `]` within `_X_MAX` bytes, and that `]` starts a long run.
+    at = np.minimum(e[:, None] + np.arange(_X_MAX + 1), len(buf) - 1)
+    kinds = np.frombuffer(_X_CLASS, np.uint8).take(codes.take(at))
+    width = np.argmax(kinds != 0, axis=1)
+    ok = kinds[np.arange(len(e)), width] == 1
+    f = e + width
+    j = np.minimum(np.searchsorted(c_starts, f), len(c_starts) - 1)
+    ok &= c_starts[j] == f
+    k = np.minimum(e - o_starts, c_ends[j] - f) - 2  # (the outermost pair stays: see above)
+    ok &= k >= _MIN_RUN - 2
+    if 4 * int(k[ok].sum()) < len(buf):  # too little to remove
+        return None
+    # Outside strings: an even number of quotes before X (no backslash: no escaped ones).
+    quotes = np.flatnonzero(codes == 0x22)
+    ok &= np.searchsorted(quotes, e) % 2 == 0
+    e, f, k = e[ok], f[ok], k[ok]
+    if 4 * int(k.sum()) < len(buf):
+        return None
+    # Kept: up to the removed `[` (k before the innermost), from the innermost `[`
+    # to the innermost `]`, then from after the removed `]` on.
+    froms = np.sort(np.concatenate(([0], e - 1, f + 1 + k)))  # (the pairs are apart, in order)
+    tos = np.sort(np.concatenate((e - 1 - k, f + 1, [len(buf)])))
+    text = b"".join([buf[a:b] for a, b in zip(froms.tolist(), tos.tolist(), strict=True)])
+    return text, e - 1, f, k
+
+
+def _collapsed_scan(buf: bytes, found: tuple[bytes, typing.Any, typing.Any, typing.Any]) -> tuple[_Collapsed, int]:
+    """Check the collapsed text (`NotJson` for it is for `buf` too), and give its
+    structure with the removed levels added back, and the deepest nesting of `buf`."""
+    np = _np
+    text, inner_at, close_at, k = found
+    st = _structure(text)
+    _check(text, st, int(st.depth.max()) if len(st.depth) else 0)
+    removed = np.concatenate(([0], np.cumsum(k)))
+    before = 2 * removed[:-1] + k  # bytes removed before each innermost `[` and `]`
+    inner, close = inner_at - before, close_at - before
+    add = np.zeros(len(text) + 1, np.int32)  # k levels from the innermost `[` to its `]`
+    add[inner] += k.astype(np.int32)
+    add[close] -= k.astype(np.int32)
+    depth = st.depth + np.cumsum(add[:-1], dtype=np.int32)
+    view = _Collapsed(_Structure(st.cls, st.delta, depth), inner, close, inner_at - k, close_at, removed)
+    return view, int(depth.max())
+
+
 def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Scanned:
     """Check that `buf` is one JSON text (RFC 8259) and find its top value's children,
     at any depth, in time linear in `len(buf)` and without recursion.
@@ -294,15 +430,24 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
         run = _bracket_run(buf, start, end)
         if run is not None:
             return run
-    st = _structure(buf)
-    deepest = int(st.depth.max()) if len(st.depth) else 0
-    _check(buf, st, deepest)
+    collapsed = _collapse(buf)
+    kept: _Structure | _Collapsed
+    if collapsed is None:
+        st = kept = _structure(buf)
+        deepest = int(st.depth.max()) if len(st.depth) else 0
+        _check(buf, st, deepest)
+    else:  # long run pairs: the collapsed text checked, the levels added back
+        kept, deepest = _collapsed_scan(buf, collapsed)
+        st = kept.st
     kind = buf[start]
     if kind != 0x5B and kind != 0x7B:
         return Scanned(kind, start, end, [], 0, 0)
-    seps = [start, *_np.flatnonzero((st.depth == 1) & (st.cls == 4)).tolist(), end - 1]
+    commas = _np.flatnonzero((st.depth == 1) & (st.cls == 4))
+    if type(kept) is _Collapsed:
+        commas = kept.body(commas)
+    seps = [start, *commas.tolist(), end - 1]
     if len(seps) == 2 and not buf[start + 1:end - 1].strip(_WS):
-        return Scanned(kind, start, end, [], 0, deepest, st)
+        return Scanned(kind, start, end, [], 0, deepest, kept)
     total = len(seps) - 1
     listed = total if not max_children else min(total, max_children)
     children: list[tuple[int, int, int]] = []
@@ -310,7 +455,7 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
         a, b = seps[i] + 1, seps[i + 1]
         piece = buf[a:b]
         children.append((a + len(piece) - len(piece.lstrip(_WS)), a + len(piece.rstrip(_WS)), 0))
-    return Scanned(kind, start, end, children, total, deepest, st)
+    return Scanned(kind, start, end, children, total, deepest, kept)
 
 
 def nesting(parent: Scanned, start: int, end: int) -> int:
@@ -321,7 +466,12 @@ def nesting(parent: Scanned, start: int, end: int) -> int:
     if type(parent.structure) is _Run:  # the `[` of the run that are in the span
         run = parent.structure
         return max(0, min(end, run.start + run.length) - max(start, run.start))
-    depth = parent.structure.depth
+    if type(parent.structure) is _Collapsed:
+        view = parent.structure
+        depth = view.st.depth
+        start, end = int(view.text(start)), int(view.text(end))
+    else:
+        depth = parent.structure.depth
     return int(depth[start:end].max()) - (int(depth[start - 1]) if start else 0)
 
 
@@ -337,12 +487,17 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     reused instead of scanning `obj` again). Array work per member, no Python loop
     over them (a Request object of 1 MiB can have 7,000 such members)."""
     np = _numpy()
-    if parent is None or type(parent.structure) is not _Structure:
-        cls, delta, depth = _structure(obj)
-    else:
-        whole = parent.structure
+    view = None if parent is None else parent.structure
+    if type(view) is _Structure:
         span = slice(offset, offset + len(obj))
-        cls, delta, depth = whole.cls[span], whole.delta[span], whole.depth[span]
+        cls, delta, depth = view.cls[span], view.delta[span], view.depth[span]
+    elif type(view) is _Collapsed:  # in the collapsed text's offsets, mapped back below
+        at = int(view.text(offset))  # (obj starts and ends a value: it maps)
+        span = slice(at, int(view.text(offset + len(obj))))
+        cls, delta, depth = view.st.cls[span], view.st.delta[span], view.st.depth[span]
+    else:
+        view = None
+        cls, delta, depth = _structure(obj)
     base = int(depth[0])  # containers open after obj's "{"
     colons = np.flatnonzero((cls == 8) & (depth == base))
     if not len(colons):
@@ -354,6 +509,9 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     tried = np.flatnonzero(nesting > 64)
     if not len(tried):
         return [], [], []
+    starts = colons + 1
+    if view is not None and type(view) is _Collapsed:  # back to obj's own offsets
+        starts, ends = view.body(starts + at) - offset, view.body(ends + at) - offset
     # msgspec takes one recursion step per array or object level, so whether it can
     # read a value depends on its nesting only: find the least nesting it refuses by
     # a binary search over the nestings present, one real value of each tried.
@@ -362,7 +520,7 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     while lo < hi:
         mid = (lo + hi) // 2
         i = int(tried[first[mid]])
-        start, end = int(colons[i]) + 1, int(ends[i])
+        start, end = int(starts[i]), int(ends[i])
         try:
             _RAW.decode(b"[" + obj[start:end] + b"]")
             lo = mid + 1
@@ -370,7 +528,7 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
             hi = mid
     if hi == len(levels):
         return [], [], []
-    return (colons[tried] + 1).tolist(), ends[tried].tolist(), (nesting[tried] >= levels[hi]).tolist()
+    return starts[tried].tolist(), ends[tried].tolist(), (nesting[tried] >= levels[hi]).tolist()
 
 
 
@@ -398,8 +556,12 @@ def batch_members(parent: Scanned) -> Members | None:
     calls an element). None when the scan kept no per-byte structure (a `[[[...]]]`
     run, whose only child is an array)."""
     np = _numpy()
-    st = parent.structure
-    if type(st) is not _Structure:
+    view = parent.structure
+    if type(view) is _Structure:
+        st = view
+    elif type(view) is _Collapsed:  # in the collapsed text's offsets, mapped back below
+        st = view.st
+    else:
         return None
     # Members of an element are at depth 2, after its "{" (the top "[" opens depth 1).
     # The bytes that shallow are few in a deep batch (every byte in a flat one).
@@ -409,17 +571,21 @@ def batch_members(parent: Scanned) -> Members | None:
     ends = shallow[((cls == 4) & (depth == 2)) | ((cls == -1) & (depth == 1))]
     ends = ends[np.searchsorted(ends, colons)]  # the "," or "}" after each ":"
     firsts = np.array([a for a, _, _ in parent.children], np.intp)
+    if type(view) is _Collapsed:
+        firsts = view.text(firsts)
     owners = np.searchsorted(firsts, colons, side="right") - 1
     own = np.zeros(len(firsts), np.intp)
-    if not len(colons):
-        return Members(colons + 1, ends, owners, owners, own.tolist())
-    # The deepest point of each value, from its ":" to its end (a name is flat).
-    bounds = np.empty(2 * len(colons), np.intp)
-    bounds[0::2], bounds[1::2] = colons, ends
-    nests = np.maximum.reduceat(st.depth, bounds)[0::2].astype(np.intp) - 2
-    groups = np.flatnonzero(np.diff(owners, prepend=-1))  # each element's first member
-    own[owners.take(groups)] = np.maximum.reduceat(nests, groups) + 1
-    return Members(colons + 1, ends, owners, nests, own.tolist())
+    nests = owners
+    if len(colons):  # the deepest point of each value, from its ":" to its end (a name is flat)
+        bounds = np.empty(2 * len(colons), np.intp)
+        bounds[0::2], bounds[1::2] = colons, ends
+        nests = np.maximum.reduceat(st.depth, bounds)[0::2].astype(np.intp) - 2
+        groups = np.flatnonzero(np.diff(owners, prepend=-1))  # each element's first member
+        own[owners.take(groups)] = np.maximum.reduceat(nests, groups) + 1
+    starts = colons + 1
+    if type(view) is _Collapsed:
+        starts, ends = view.body(starts), view.body(ends)
+    return Members(starts, ends, owners, nests, own.tolist())
 
 
 def refused_members(buf: bytes, members: Members, chosen: list[int]) -> tuple[list[int], list[int], list[bool], list[int]]:

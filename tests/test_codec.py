@@ -1001,3 +1001,78 @@ def test_deep_batch_members_where_msgspec_stops_answered_as_alone(codec):
             ADD_2,
         ]
         _same_answers(codec, b"[" + b",".join(elements) + b"]")
+
+
+# --- long run pairs collapsed before the scan, against the scan of the whole body -----
+
+
+def _uncollapsed(call_: typing.Callable[[], typing.Any]) -> typing.Any:
+    """`call_()` with `scan_json`'s collapse of long run pairs turned off."""
+    import broker.jsonscan as module
+
+    saved = module._collapse
+    module._collapse = lambda _: None
+    try:
+        return call_()
+    finally:
+        module._collapse = saved
+
+
+RUN_INNER = [b"", b"1", b"0,1", b" ", b"null", b"1,", b"-", b"]", b"[", b"{}", b'"x"', b"1 2", b"[]", b"\\"]
+
+
+@st.composite
+def run_pair_bodies(draw: st.DrawFn) -> bytes:
+    """Bodies made mostly of long `[`...`]` run pairs, in each place a scan looks:
+    the whole body, batch elements, members (params, id, others), strings, with
+    runs of unequal lengths and faults among them."""
+    def pair() -> bytes:
+        a = draw(st.sampled_from([2, 31, 32, 33, 40, 500, 1000, 1001, 1002, 3000]))
+        b = draw(st.sampled_from([a, a, a, a - 1, a + 1, 33]))
+        return b"[" * a + draw(st.sampled_from(RUN_INNER)) + b"]" * b
+    values = [pair() for _ in range(draw(st.integers(1, 4)))]
+    place = draw(st.sampled_from(["element", "params", "id", "other", "string", "wrapped", "mixed"]))
+    parts: list[bytes] = []
+    for v in values:
+        if place == "element":
+            parts.append(v)
+        elif place == "params":
+            parts.append(b'{"jsonrpc":"2.0","method":"m","params":' + v + b',"id":1}')
+        elif place == "id":
+            parts.append(b'{"jsonrpc":"2.0","method":"m","id":' + v + b',"params":[1]}')
+        elif place == "other":
+            parts.append(b'{"x":' + v + b',"jsonrpc":"2.0","method":"m","id":"a"}')
+        elif place == "string":
+            parts.append(b'{"jsonrpc":"2.0","method":"m","params":["' + v + b'"],"id":2}')
+        elif place == "wrapped":
+            parts.append(b"[0,[" + v + b"],{}]")
+        else:
+            parts.append(draw(st.sampled_from([v, ADD_2, b"1", call(v, b"[]"), call(b"[" + v + b"," + v + b"]")])))
+    if draw(st.booleans()):
+        return b"[" + b",".join(parts) + b"]" + draw(st.sampled_from([b"", b" ", b"]", b","]))
+    return parts[0] + draw(st.sampled_from([b"", b"\n", b"}"]))
+
+
+@settings(max_examples=400, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+@given(run_pair_bodies())
+def test_collapsed_run_pairs_scan_as_the_whole_body_does(text):
+    """Long run pairs are cut to a few levels before the numpy scan, and the levels
+    added back: the same verdict as msgspec's (allowed that deep), and the same
+    children, depth, children's nesting and answers as the scan of the whole body."""
+    def scan() -> object:
+        try:
+            return scan_json(text, 1001)
+        except NotJson:
+            return NotJson
+    found, whole = scan(), _uncollapsed(scan)
+    assert (found is NotJson) == (whole is NotJson) == (not msgspec_says_json_unlimited(text)), text[:120]
+    if isinstance(found, tuple) and isinstance(whole, tuple):
+        assert found[:6] == whole[:6]
+        for start, end, _ in found.children:
+            assert nesting(found, start, end) == nesting(whole, start, end) == reference_depth(text[start:end])
+    codec = Codec()
+    collapsed, plain = _together(codec, text), _uncollapsed(lambda: codec.decode(text))
+    assert (collapsed.batch, collapsed.status) == (plain.batch, plain.status)
+    assert [x if type(x) is bytes else msgspec.json.encode(x) for x in collapsed.items] == [
+        x if type(x) is bytes else msgspec.json.encode(x) for x in plain.items
+    ], text[:120]
