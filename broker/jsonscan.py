@@ -286,9 +286,10 @@ def _bracket_run(buf: bytes, start: int, end: int) -> Scanned | None:
 
 _MIN_RUN = 32  # brackets: a run pair shorter than this is left as it is
 _LONG_RUN = b"[" * _MIN_RUN
-_X_MAX = 16  # bytes: a run pair's X longer than this is left as it is (never needed)
+_X_MAX = 16  # bytes after a run of `[` looked at together for the end of X
 # X's bytes: 0 a byte X may hold, 1 the `]` that ends X, 2 a byte it may not hold
 _X_CLASS = bytes(1 if b == 0x5D else 2 if b in b'[{}"\\' else 0 for b in range(256))
+_X_MARKS = bytes(0 if c == 0 else 1 for c in _X_CLASS)  # (as bools: any byte X may not hold)
 
 
 class _Collapsed(typing.NamedTuple):
@@ -349,40 +350,49 @@ def _long_runs(buf: bytes, codes: npt.NDArray[np.uint8], byte: int) -> tuple[npt
 
 def _collapse(buf: bytes) -> tuple[bytes, npt.NDArray[np.intp], npt.NDArray[np.intp], npt.NDArray[np.intp]] | None:
     """`buf` with each run pair `[`^a X `]`^b (a, b >= `_MIN_RUN`, outside strings, X
-    of `_X_MAX` bytes or less with no bracket, brace or quote) cut to `[`^(a-k) X
+    with no bracket, brace, quote or backslash) cut to `[`^(a-k) X
     `]`^(b-k), k = min(a, b) - 2 (the outermost `[` and `]` stay: no value starts or
     ends in the removed bytes but the one the outermost holds, which starts at the
     first removed `[` and ends after the last): the text, and per pair its innermost
-    `[` and `]` in `buf` and its k. None when `buf` has a backslash (escaped quotes:
-    strings not found by counting quotes) or when the pairs would remove under half
-    of `buf`. The text is JSON exactly when `buf` is: each of the k removed levels
+    `[` and `]` in `buf` and its k. None when the pairs would remove under half of
+    `buf`. The text is JSON exactly when `buf` is: each of the k removed levels
     held one value only, the next (the innermost `[` closes at the first `]`: X holds
     no bracket, and is in no string), as in `_bracket_run`. Array work on the long
     runs only, one slice per kept piece; a pair left out only costs its levels."""
     np = _numpy()
     # (`bytes.find` of a run of 32: 0.1 ms for 1 MiB: bodies with no long run pay little.)
-    if len(buf) < 4 * _MIN_RUN or b"\\" in buf or _LONG_RUN not in buf:
+    if len(buf) < 4 * _MIN_RUN or _LONG_RUN not in buf:
         return None
     codes = np.frombuffer(buf, np.uint8)
     o_starts, e = _long_runs(buf, codes, 0x5B)
     c_starts, c_ends = _long_runs(buf, codes, 0x5D)
     if not len(e) or not len(c_starts):
         return None
-    # X = buf[e:f], f the first `]` after the run of `[`: of bytes that may be in X
-    # up to a `]` within `_X_MAX` bytes, and that `]` starts a long run.
-    at = np.minimum(e[:, None] + np.arange(_X_MAX + 1), len(buf) - 1)
+    # X = buf[e:f], f the start of the next long run of `]`: no bracket, brace, quote
+    # or backslash in it. The first `_X_MAX` bytes after each run of `[` are looked at
+    # together; a longer X (a scalar of many digits, spaces) by one pass of its own.
+    j = np.minimum(np.searchsorted(c_starts, e), len(c_starts) - 1)
+    f = c_starts[j]
+    ok = (f >= e) & (f <= np.append(o_starts[1:], len(buf)))  # (no long run of `[` in X)
+    at = np.minimum(e[:, None] + np.arange(_X_MAX), len(buf) - 1)
     kinds = np.frombuffer(_X_CLASS, np.uint8).take(codes.take(at))
     width = np.argmax(kinds != 0, axis=1)
-    ok = kinds[np.arange(len(e)), width] == 1
-    f = e + width
-    j = np.minimum(np.searchsorted(c_starts, f), len(c_starts) - 1)
-    ok &= c_starts[j] == f
+    found = kinds[np.arange(len(e)), width] != 0
+    ok &= np.where(found, e + width == f, True)
+    longer = np.flatnonzero(ok & ~found)
+    if len(longer):  # any such byte from e to f (spans apart): a reduceat over the body
+        marks = np.frombuffer(buf.translate(_X_MARKS), np.bool_)
+        bounds = np.empty(2 * len(longer), np.intp)
+        bounds[0::2], bounds[1::2] = e[longer], f[longer]
+        ok[longer] = ~np.logical_or.reduceat(marks, bounds)[0::2]
     k = np.minimum(e - o_starts, c_ends[j] - f) - 2  # (the outermost pair stays: see above)
     ok &= k >= _MIN_RUN - 2
     if 4 * int(k[ok].sum()) < len(buf):  # too little to remove
         return None
-    # Outside strings: an even number of quotes before X (no backslash: no escaped ones).
-    quotes = np.flatnonzero(codes == 0x22)
+    # Outside strings: an even number of quotes before X, escaped ones blanked first
+    # (as `_structure` blanks them).
+    text = buf if b"\\" not in buf else buf.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    quotes = np.flatnonzero(np.frombuffer(text, np.uint8) == 0x22)
     ok &= np.searchsorted(quotes, e) % 2 == 0
     e, f, k = e[ok], f[ok], k[ok]
     if 4 * int(k.sum()) < len(buf):

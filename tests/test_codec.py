@@ -1018,7 +1018,10 @@ def _uncollapsed(call_: typing.Callable[[], typing.Any]) -> typing.Any:
         module._collapse = saved
 
 
-RUN_INNER = [b"", b"1", b"0,1", b" ", b"null", b"1,", b"-", b"]", b"[", b"{}", b'"x"', b"1 2", b"[]", b"\\"]
+RUN_INNER = [
+    b"", b"1", b"0,1", b" ", b"null", b"1,", b"-", b"]", b"[", b"{}", b'"x"', b"1 2", b"[]", b"\\",
+    b"1" * 40, b" " * 15 + b"1", b" " * 16 + b"1", b"1" * 20 + b",", b"0," * 30 + b"0", b"1" * 20 + b'"',
+]
 
 
 @st.composite
@@ -1031,7 +1034,7 @@ def run_pair_bodies(draw: st.DrawFn) -> bytes:
         b = draw(st.sampled_from([a, a, a, a - 1, a + 1, 33]))
         return b"[" * a + draw(st.sampled_from(RUN_INNER)) + b"]" * b
     values = [pair() for _ in range(draw(st.integers(1, 4)))]
-    place = draw(st.sampled_from(["element", "params", "id", "other", "string", "wrapped", "mixed"]))
+    place = draw(st.sampled_from(["element", "params", "id", "other", "string", "escapes", "wrapped", "mixed"]))
     parts: list[bytes] = []
     for v in values:
         if place == "element":
@@ -1044,6 +1047,9 @@ def run_pair_bodies(draw: st.DrawFn) -> bytes:
             parts.append(b'{"x":' + v + b',"jsonrpc":"2.0","method":"m","id":"a"}')
         elif place == "string":
             parts.append(b'{"jsonrpc":"2.0","method":"m","params":["' + v + b'"],"id":2}')
+        elif place == "escapes":  # escaped quotes and backslashes before and in strings
+            inner = draw(st.sampled_from([v, b"[" * 40 + b"]" * 40]))
+            parts.append(b'{"jsonrpc":"2.0","method":"\\"\\\\","params":["\\"' + inner + b'\\\\",' + v + b'],"id":"\\""}')
         elif place == "wrapped":
             parts.append(b"[0,[" + v + b"],{}]")
         else:
