@@ -13,7 +13,7 @@ constant number of passes over the bytes, in C (numpy and msgspec), whatever the
 0b. Long run pairs collapsed (`_collapse`, array work on the long runs only): each
    `[`^a X `]`^b inside the body (a, b >= 32, X a few bytes with no bracket, brace or
    quote, outside strings) is cut to a few levels, by the same equivalence as step 0;
-   when that removes half the body or more, steps 1 and 2 run on the collapsed text
+   when that removes an eighth of the body or more, steps 1 and 2 run on the collapsed text
    and the removed levels are added back to its depth (`_Collapsed` maps offsets
    both ways). A 1 MiB request with 500,000-deep params, or a batch of elements each
    1001 deep, is then a few KiB to scan.
@@ -354,7 +354,7 @@ def _collapse(buf: bytes) -> tuple[bytes, npt.NDArray[np.intp], npt.NDArray[np.i
     `]`^(b-k), k = min(a, b) - 2 (the outermost `[` and `]` stay: no value starts or
     ends in the removed bytes but the one the outermost holds, which starts at the
     first removed `[` and ends after the last): the text, and per pair its innermost
-    `[` and `]` in `buf` and its k. None when the pairs would remove under half of
+    `[` and `]` in `buf` and its k. None when the pairs would remove under an eighth of
     `buf`. The text is JSON exactly when `buf` is: each of the k removed levels
     held one value only, the next (the innermost `[` closes at the first `]`: X holds
     no bracket, and is in no string), as in `_bracket_run`. Array work on the long
@@ -387,7 +387,7 @@ def _collapse(buf: bytes) -> tuple[bytes, npt.NDArray[np.intp], npt.NDArray[np.i
         ok[longer] = ~np.logical_or.reduceat(marks, bounds)[0::2]
     k = np.minimum(e - o_starts, c_ends[j] - f) - 2  # (the outermost pair stays: see above)
     ok &= k >= _MIN_RUN - 2
-    if 4 * int(k[ok].sum()) < len(buf):  # too little to remove
+    if 16 * int(k[ok].sum()) < len(buf):  # too little to remove: under an eighth of buf
         return None
     # Outside strings: an even number of quotes before X, escaped ones blanked first
     # (as `_structure` blanks them).
@@ -395,7 +395,7 @@ def _collapse(buf: bytes) -> tuple[bytes, npt.NDArray[np.intp], npt.NDArray[np.i
     quotes = np.flatnonzero(np.frombuffer(text, np.uint8) == 0x22)
     ok &= np.searchsorted(quotes, e) % 2 == 0
     e, f, k = e[ok], f[ok], k[ok]
-    if 4 * int(k.sum()) < len(buf):
+    if 16 * int(k.sum()) < len(buf):
         return None
     # Kept: up to the removed `[` (k before the innermost), from the innermost `[`
     # to the innermost `]`, then from after the removed `]` on.
