@@ -286,6 +286,7 @@ def _bracket_run(buf: bytes, start: int, end: int) -> Scanned | None:
 
 _MIN_RUN = 32  # brackets: a run pair shorter than this is left as it is
 _LONG_RUN = b"[" * _MIN_RUN
+_LEADING_ONES = bytes(next(i for i in range(9) if not b >> i & 1) for b in range(256))
 _X_MAX = 16  # bytes after a run of `[` looked at together for the end of X
 # X's bytes: 0 a byte X may hold, 1 the `]` that ends X, 2 a byte it may not hold
 _X_CLASS = bytes(1 if b == 0x5D else 2 if b in b'[{}"\\' else 0 for b in range(256))
@@ -324,10 +325,11 @@ class _Collapsed(typing.NamedTuple):
 
 
 def _long_runs(buf: bytes, codes: npt.NDArray[np.uint8], byte: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
-    """Starts and ends of the runs of `byte` in `buf` of `_MIN_RUN` bytes or more.
-    Such a run holds 3 aligned 8-byte words of `byte` or more: the words are found
-    by one comparison a word (0.1 ms for 1 MiB, however many short runs there are),
-    and each run of them is widened by the bytes of `byte` next to it (7 at most)."""
+    """Starts and ends of the runs of `byte` in `buf` of `_MIN_RUN` bytes or more (and
+    of some shorter ones, 24 bytes or more). Such a run holds 3 aligned 8-byte words
+    of `byte` or more: the words are found by one comparison a word (0.1 ms for 1 MiB,
+    however many short runs there are), and each run of them is widened by the bytes
+    of `byte` next to it (7 at most a side), for all runs at once."""
     np = _np
     words = np.frombuffer(buf, np.uint64, len(buf) // 8) == np.uint64(int.from_bytes(bytes([byte]) * 8, "little"))
     edges = np.flatnonzero(words[1:] != words[:-1]) + 1
@@ -338,14 +340,14 @@ def _long_runs(buf: bytes, codes: npt.NDArray[np.uint8], byte: int) -> tuple[npt
     first, last = edges[0::2], edges[1::2]
     keep = last - first >= 3
     starts, ends = first[keep] * 8, last[keep] * 8
-    steps = np.arange(1, 8)
-    for side, bounds in ((-1, starts), (1, ends)):
-        at = bounds[:, None] + side * steps if side < 0 else bounds[:, None] + steps - 1
-        inside = (at >= 0) & (at < len(buf))
-        same = (codes.take(np.clip(at, 0, len(buf) - 1)) == byte) & inside
-        bounds += side * np.cumprod(same, axis=1).sum(axis=1)
-    long = ends - starts >= _MIN_RUN
-    return starts[long], ends[long]
+    leading = np.frombuffer(_LEADING_ONES, np.uint8)
+    for bounds, steps in ((ends, np.arange(8)), (starts, -1 - np.arange(8))):
+        at = bounds[:, None] + steps
+        same = (codes.take(np.clip(at, 0, len(buf) - 1)) == byte) & (at >= 0) & (at < len(buf))
+        same[:, 7] = False  # (7 at most: the word there is not all `byte`)
+        grown = leading.take(np.packbits(same, axis=1, bitorder="little")[:, 0]).astype(np.intp)
+        bounds += grown * steps[0] if steps[0] < 0 else grown
+    return starts, ends
 
 
 def _collapse(buf: bytes) -> tuple[bytes, npt.NDArray[np.intp], npt.NDArray[np.intp], npt.NDArray[np.intp]] | None:
@@ -358,50 +360,66 @@ def _collapse(buf: bytes) -> tuple[bytes, npt.NDArray[np.intp], npt.NDArray[np.i
     `buf`. The text is JSON exactly when `buf` is: each of the k removed levels
     held one value only, the next (the innermost `[` closes at the first `]`: X holds
     no bracket, and is in no string), as in `_bracket_run`. Array work on the long
-    runs only, one slice per kept piece; a pair left out only costs its levels."""
+    runs only, and one gather of the kept bytes; a pair left out only costs its levels."""
     np = _numpy()
     # (`bytes.find` of a run of 32: 0.1 ms for 1 MiB: bodies with no long run pay little.)
     if len(buf) < 4 * _MIN_RUN or _LONG_RUN not in buf:
         return None
     codes = np.frombuffer(buf, np.uint8)
     o_starts, e = _long_runs(buf, codes, 0x5B)
-    c_starts, c_ends = _long_runs(buf, codes, 0x5D)
-    if not len(e) or not len(c_starts):
+
+    def enough(levels: typing.Any) -> bool:  # an eighth of buf or more to remove
+        return 16 * int(levels.sum()) >= len(buf)
+
+    # The cheap refusals first, each followed by the count of what is left (at most
+    # a - 2 levels a pair).
+    if not enough(e - o_starts - 2):
         return None
-    # X = buf[e:f], f the start of the next long run of `]`: no bracket, brace, quote
-    # or backslash in it. The first `_X_MAX` bytes after each run of `[` are looked at
-    # together; a longer X (a scalar of many digits, spaces) by one pass of its own.
-    j = np.minimum(np.searchsorted(c_starts, e), len(c_starts) - 1)
-    f = c_starts[j]
-    ok = (f >= e) & (f <= np.append(o_starts[1:], len(buf)))  # (no long run of `[` in X)
+    # Outside strings: an even number of quotes before X, escaped ones blanked first
+    # (as `_structure` blanks them).
+    text = buf if b"\\" not in buf else buf.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    quotes = np.flatnonzero(np.frombuffer(text, np.uint8) == 0x22)
+    ok = np.searchsorted(quotes, e) % 2 == 0
+    if not enough((e - o_starts - 2)[ok]):
+        return None
+    o_starts, e = o_starts[ok], e[ok]
+    # X = buf[e:f], f the first `]` after the run of `[`: no bracket, brace, quote or
+    # backslash before it. The first `_X_MAX` bytes after each run of `[` are looked
+    # at together; a longer X (a scalar of many digits, spaces) by a pass of its own.
     at = np.minimum(e[:, None] + np.arange(_X_MAX), len(buf) - 1)
     kinds = np.frombuffer(_X_CLASS, np.uint8).take(codes.take(at))
     width = np.argmax(kinds != 0, axis=1)
-    found = kinds[np.arange(len(e)), width] != 0
-    ok &= np.where(found, e + width == f, True)
-    longer = np.flatnonzero(ok & ~found)
+    found = kinds[np.arange(len(e)), width]
+    ok = found != 2
+    if not enough((e - o_starts - 2)[ok]):
+        return None
+    o_starts, e, width, found = o_starts[ok], e[ok], width[ok], found[ok]
+    c_starts, c_ends = _long_runs(buf, codes, 0x5D)
+    if not len(c_starts):
+        return None
+    j = np.minimum(np.searchsorted(c_starts, e), len(c_starts) - 1)
+    f = c_starts[j]  # and that `]` starts a long run of `]`
+    ok = np.where(found == 1, e + width == f, (f >= e) & (f <= np.append(o_starts[1:], len(buf))))
+    longer = np.flatnonzero(ok & (found == 0))
     if len(longer):  # any such byte from e to f (spans apart): a reduceat over the body
         marks = np.frombuffer(buf.translate(_X_MARKS), np.bool_)
         bounds = np.empty(2 * len(longer), np.intp)
         bounds[0::2], bounds[1::2] = e[longer], f[longer]
         ok[longer] = ~np.logical_or.reduceat(marks, bounds)[0::2]
     k = np.minimum(e - o_starts, c_ends[j] - f) - 2  # (the outermost pair stays: see above)
-    ok &= k >= _MIN_RUN - 2
-    if 16 * int(k[ok].sum()) < len(buf):  # too little to remove: under an eighth of buf
+    ok &= k > 0
+    if not enough(k[ok]):
         return None
-    # Outside strings: an even number of quotes before X, escaped ones blanked first
-    # (as `_structure` blanks them).
-    text = buf if b"\\" not in buf else buf.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-    quotes = np.flatnonzero(np.frombuffer(text, np.uint8) == 0x22)
-    ok &= np.searchsorted(quotes, e) % 2 == 0
     e, f, k = e[ok], f[ok], k[ok]
-    if 16 * int(k.sum()) < len(buf):
-        return None
     # Kept: up to the removed `[` (k before the innermost), from the innermost `[`
     # to the innermost `]`, then from after the removed `]` on.
     froms = np.sort(np.concatenate(([0], e - 1, f + 1 + k)))  # (the pairs are apart, in order)
     tos = np.sort(np.concatenate((e - 1 - k, f + 1, [len(buf)])))
-    text = b"".join([buf[a:b] for a, b in zip(froms.tolist(), tos.tolist(), strict=True)])
+    # The kept bytes gathered by one index (a slice a piece: 180 ns each, 9 ms for
+    # 16,000 pairs): each piece's offsets, shifted to where it starts in buf.
+    sizes = tos - froms
+    shift = np.repeat(froms - (np.cumsum(sizes) - sizes), sizes)
+    text = codes.take(np.arange(len(shift)) + shift).tobytes()
     return text, e - 1, f, k
 
 
