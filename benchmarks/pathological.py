@@ -83,6 +83,7 @@ BATCH_SHAPES: dict[str, Callable[[int], bytes]] = {
     "batch, other member just past": lambda s: batch_of([DEEP_HEAD + b'"x":' + nest(JUST_PAST) + b"}"], s),
     "batch, {\"a\": params just past": lambda s: batch_of([DEEP_HEAD + b'"params":' + nest(JUST_PAST, b'{"a":', b"}", b"1") + b"}"], s),
     "batch, params just past, \\\" ids": lambda s: batch_of([b'{"id":"\\"","jsonrpc":"2.0","method":"echo","params":' + nest(JUST_PAST) + b"}"], s),
+        "batch, params of runs of 40 just past": lambda s: batch_of([DEEP_HEAD + b'"params":' + (b"[" * 40 + b"1,") * 26 + b"1" + b"]" * 1040 + b"}"], s),
         "batch, just past and normal": lambda s: batch_of([JUST_PAST_PARAMS, call(b"[" + b"1," * 1000 + b"1]")], s),
     "batch ~1000, every other just past": lambda s: batch_of([JUST_PAST_PARAMS, call(b"[1,2]")], s),
 }

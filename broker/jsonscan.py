@@ -289,7 +289,6 @@ def _bracket_run(buf: bytes, start: int, end: int) -> Scanned | None:
 
 _MIN_RUN = 32  # brackets: a run pair shorter than this is left as it is
 _LONG_RUN = b"[" * _MIN_RUN
-_LEADING_ONES = bytes(next(i for i in range(9) if not b >> i & 1) for b in range(256))
 _X_MAX = 16  # bytes after a run of `[` looked at together for the end of X
 # X's bytes: 0 a byte X may hold, 1 the `]` that ends X, 2 a byte it may not hold
 _X_CLASS = bytes(1 if b == 0x5D else 2 if b in b'[{}"\\' else 0 for b in range(256))
@@ -327,14 +326,25 @@ class _Collapsed(typing.NamedTuple):
         return y - r[np.searchsorted(self.inner_at, y)] - r[np.searchsorted(self.close_at, y)]
 
 
+def _low_zero_bytes(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.intp]:
+    """How many low-order bytes of each (nonzero) word are zero: the lowest set bit,
+    isolated, is a power of two, which float64 holds exactly."""
+    low = x & (~x + _np.uint64(1))
+    shifts: npt.NDArray[np.intp] = _np.log2(low.astype(_np.float64)).astype(_np.intp)
+    return shifts >> 3
+
+
 def _long_runs(buf: bytes, codes: npt.NDArray[np.uint8], byte: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
     """Starts and ends of the runs of `byte` in `buf` of `_MIN_RUN` bytes or more (and
     of some shorter ones, 24 bytes or more). Such a run holds 3 aligned 8-byte words
     of `byte` or more: the words are found by one comparison a word (0.1 ms for 1 MiB,
     however many short runs there are), and each run of them is widened by the bytes
-    of `byte` next to it (7 at most a side), for all runs at once."""
+    of `byte` in the words on either side, read off those words' values (a word's
+    bytes are in memory order from its low end: little-endian)."""
     np = _np
-    words = np.frombuffer(buf, np.uint64, len(buf) // 8) == np.uint64(int.from_bytes(bytes([byte]) * 8, "little"))
+    pattern = np.uint64(int.from_bytes(bytes([byte]) * 8, "little"))
+    raw = np.frombuffer(buf + bytes(16 - len(buf) % 8), "<u8")  # (a partial last word, padded)
+    words = raw[: len(buf) // 8] == pattern
     edges = np.flatnonzero(words[1:] != words[:-1]) + 1
     if len(words) and words[0]:
         edges = np.concatenate(([0], edges))
@@ -342,15 +352,12 @@ def _long_runs(buf: bytes, codes: npt.NDArray[np.uint8], byte: int) -> tuple[npt
         edges = np.append(edges, len(words))
     first, last = edges[0::2], edges[1::2]
     keep = last - first >= 3
-    starts, ends = first[keep] * 8, last[keep] * 8
-    leading = np.frombuffer(_LEADING_ONES, np.uint8)
-    for bounds, steps in ((ends, np.arange(8)), (starts, -1 - np.arange(8))):
-        at = bounds[:, None] + steps
-        same = (codes.take(np.clip(at, 0, len(buf) - 1)) == byte) & (at >= 0) & (at < len(buf))
-        same[:, 7] = False  # (7 at most: the word there is not all `byte`)
-        grown = leading.take(np.packbits(same, axis=1, bitorder="little")[:, 0]).astype(np.intp)
-        bounds += grown * steps[0] if steps[0] < 0 else grown
-    return starts, ends
+    first, last = first[keep], last[keep]
+    ends = last * 8 + _low_zero_bytes(raw.take(last) ^ pattern)  # (the word after: never all `byte`)
+    # The word before, its high bytes first (byte-swapped); none before the first word.
+    before = np.where(first > 0, raw.take(np.maximum(first - 1, 0)) ^ pattern, np.uint64(0xFF))
+    grown = np.where(first > 0, _low_zero_bytes(before.byteswap()), 0)
+    return first * 8 - grown, ends
 
 
 def _collapse(buf: bytes) -> tuple[bytes, npt.NDArray[np.intp], npt.NDArray[np.intp], npt.NDArray[np.intp]] | None:

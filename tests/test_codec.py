@@ -1082,3 +1082,28 @@ def test_collapsed_run_pairs_scan_as_the_whole_body_does(text):
     assert [x if type(x) is bytes else msgspec.json.encode(x) for x in collapsed.items] == [
         x if type(x) is bytes else msgspec.json.encode(x) for x in plain.items
     ], text[:120]
+
+
+@settings(max_examples=500, deadline=None, print_blob=True)
+@given(st.lists(st.tuples(st.sampled_from([b"[", b"]", b"x", b" "]), st.sampled_from([1, 5, 23, 24, 25, 31, 32, 33, 40, 64, 100])), min_size=1, max_size=8))
+def test_long_runs_found_from_words(parts):
+    """`_long_runs` finds runs from aligned 8-byte words: every run of 32 bytes or more,
+    exactly, and no run under 24, whatever the alignment and the neighbours."""
+    import numpy as np
+
+    from broker import jsonscan
+
+    jsonscan._numpy()
+    text = b"".join(byte * n for byte, n in parts)
+    for byte in (0x5B, 0x5D):
+        runs, at = [], 0
+        while at < len(text):
+            if text[at] == byte:
+                end = len(text) - len(text[at:].lstrip(bytes([byte])))
+                runs.append((at, end))
+                at = end
+            else:
+                at += 1
+        starts, ends = jsonscan._long_runs(text, np.frombuffer(text, np.uint8), byte)
+        found = set(zip(starts.tolist(), ends.tolist(), strict=True))
+        assert {r for r in runs if r[1] - r[0] >= 32} <= found <= {r for r in runs if r[1] - r[0] >= 24}, text
