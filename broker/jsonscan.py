@@ -44,7 +44,7 @@ misses on this machine, against 0.5 ms for the same cumulative sum into memory i
 which is why the cut work goes by blocks. Whole `Codec.decode` figures, measured over the
 deep shapes of benchmarks/pathological.py at 1 MiB on a shared 2-core machine
 (benchmarks/RESULTS.md, "Pathological request bodies", fourth pass): 1 to 9 ms per MiB
-for the bodies steps 0 and 0b shrink, 13 to 30 for the others, the deep shapes with
+for the bodies steps 0 and 0b shrink, 14 to 25 for the others, the deep shapes with
 short runs of brackets (`[0,`, `{"a":`, spaced `[ [`), where numpy's passes and msgspec
 over the whole body add up (`Codec.decode` skips its own failed attempts for a body
 with a run of 1000 `[`). numpy is imported on the first call only (workers that never
@@ -459,7 +459,7 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
     escapes are checked as msgspec checks them for `Raw` (a lone surrogate passes).
     `max_children` caps the children listed (0: no cap); `total` counts them all.
     `depth` is always exact (`exact_depth` is kept for callers). Raises `NotJson`.
-    Cost: linear, 0.9 to 26 ms per MiB of `Codec.decode` measured on the deep shapes
+    Cost: linear, 0.9 to 25 ms per MiB of `Codec.decode` measured on the deep shapes
     (benchmarks/RESULTS.md, "Pathological request bodies"); the module's docstring says how.
     """
     start = len(buf) - len(buf.lstrip(_WS))
