@@ -7,7 +7,8 @@ Each shape is grown to several sizes up to `--max-bytes` (the default `max_body_
 shared machine), as microseconds per KiB and milliseconds per MiB of body, with the
 answer's first error code. The shapes are the worst ones found for each part of the
 codec: nesting past the parser's limit (closed, left open, with members at each level,
-with scalar or container siblings), unclosed strings and runs of escapes, many invalid
+with scalar or container siblings, batches whose elements each nest just past it in one
+member or another), unclosed strings and runs of escapes, many invalid
 batch elements, batches past `max_batch`, long keys, huge numbers, `\\u` escapes that send
 a valid batch down the slow path, many small notifications. Linear time shows as a
 steady µs per KiB across sizes; the aim is under 10 ms per MiB for every shape.
@@ -58,6 +59,35 @@ def in_string(size: int) -> bytes:
     return b"[" * 1100 + b'"' + b'\\"' * repeat_to(b'\\"', size - 1101)
 
 
+JUST_PAST = 1001  # levels: an element `{"params":` these deep nests just past the parser's limit
+DEEP_HEAD = b'{"id":1,"jsonrpc":"2.0","method":"echo",'
+
+
+def batch_of(elements: list[bytes], size: int) -> bytes:
+    """A batch of `elements` repeated in turn, as many as fit in `size` (max_batch at most)."""
+    unit = sum(len(e) + 1 for e in elements) / len(elements)
+    n = max(len(elements), min(1000, int((size - 2) // unit)))
+    return b"[" + b",".join(elements[i % len(elements)] for i in range(n)) + b"]"
+
+
+def nest(levels: int, opening: bytes = b"[", closing: bytes = b"]", inner: bytes = b"") -> bytes:
+    return opening * levels + inner + closing * levels
+
+
+# Batches whose elements each nest just past the parser's limit (hostile testing: every
+# element took the deep path alone, 75 to 115 ms per MiB), in each member the answer reads
+JUST_PAST_PARAMS = DEEP_HEAD + b'"params":' + nest(JUST_PAST) + b"}"
+BATCH_SHAPES: dict[str, Callable[[int], bytes]] = {
+    "batch, params just past": lambda s: batch_of([JUST_PAST_PARAMS], s),
+    "batch, id just past": lambda s: batch_of([b'{"jsonrpc":"2.0","method":"echo","id":' + nest(JUST_PAST) + b"}"], s),
+    "batch, other member just past": lambda s: batch_of([DEEP_HEAD + b'"x":' + nest(JUST_PAST) + b"}"], s),
+    "batch, {\"a\": params just past": lambda s: batch_of([DEEP_HEAD + b'"params":' + nest(JUST_PAST, b'{"a":', b"}", b"1") + b"}"], s),
+    "batch, params just past, \\\" ids": lambda s: batch_of([b'{"id":"\\"","jsonrpc":"2.0","method":"echo","params":' + nest(JUST_PAST) + b"}"], s),
+        "batch, params of runs of 40 just past": lambda s: batch_of([DEEP_HEAD + b'"params":' + (b"[" * 40 + b"1,") * 26 + b"1" + b"]" * 1040 + b"}"], s),
+        "batch, just past and normal": lambda s: batch_of([JUST_PAST_PARAMS, call(b"[" + b"1," * 1000 + b"1]")], s),
+    "batch ~1000, every other just past": lambda s: batch_of([JUST_PAST_PARAMS, call(b"[1,2]")], s),
+}
+
 SHAPES: dict[str, Callable[[int], bytes]] = {
     # the issue's own: an unclosed string of escaped quotes inside 1100 arrays
     "deep + unclosed escapes": in_string,
@@ -79,6 +109,7 @@ SHAPES: dict[str, Callable[[int], bytes]] = {
     "members 70 deep, params too": lambda s: b'{"jsonrpc":"2.0","method":"m",' + b"".join(
         b'"a%d":' % i + b"[" * 70 + b"]" * 70 + b"," for i in range(repeat_to(b'"a0000":' + b"[]" * 70 + b",", s - 2300))
     ) + b'"params":' + b"[" * 1100 + b"]" * 1100 + b',"id":3}',
+    **BATCH_SHAPES,
     "unclosed string": lambda s: b'["' + b"a" * s,
     "unclosed escapes": lambda s: b'["' + b'\\"' * (s // 2),
     "invalid elements [1,1,...]": lambda s: b"[" + b",".join([b"1"] * repeat_to(b"1,", s)) + b"]",

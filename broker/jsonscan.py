@@ -3,12 +3,21 @@
 msgspec's parser recurses, and stops (RecursionError) where Python's recursion limit does,
 about 1000 levels down. The codec's slow path needs three things of such a body: is it
 JSON at all (RFC 8259), where are its top value's children (a batch's elements), and which
-members of a too-deep Request object nest too deep. This module answers them with a
+members of a too-deep Request object nest too deep (`deep_members` for one object,
+`batch_members` and `refused_members` for all of a batch's). This module answers them with a
 constant number of passes over the bytes, in C (numpy and msgspec), whatever the shape:
 
 0. A shortcut first (bytes methods): a text that is a run of `[`, bytes with no bracket,
    then a run of `]` (`[[[...]]]`, open or closed, scalars or escapes inside) is JSON
    exactly when the runs match and `[X]` is JSON (`_bracket_run`): under 1 ms for 1 MiB.
+0b. Long run pairs collapsed (`_collapse`, array work on the long runs only): each
+   `[`^a X `]`^b inside the body (a, b >= 32, X with no bracket, brace, quote or
+   backslash, outside strings) is cut to 2 levels, by the same equivalence as step 0;
+   when that removes an eighth of the body or more, steps 1 and 2 run on the collapsed
+   text and the removed levels are added back to its depth (`_Collapsed` maps offsets
+   both ways, for `nesting`, `deep_members` and `batch_members`). A 1 MiB request with
+   500,000-deep params, or a batch of elements each 1001 deep, is then a few KiB to
+   scan; a body with no run of 32 `[` pays one `bytes.find`.
 1. Structure (numpy), one entry per byte. Escaped backslashes and quotes are blanked
    (`bytes.replace`), so every quote left opens or closes a string; a running xor over
    the quotes marks the bytes inside strings, whose class is blanked. Outside strings,
@@ -32,12 +41,14 @@ Where the time goes, for 1 MiB of `[[[...]]]` (measured): about 2 ms for the str
 the parts, 12 in all for `scan_json`. Arrays as long as the body cost more than their passes
 suggest: a 4 MiB int32 array in fresh memory costs 2 to 3 ms in page faults and cache
 misses on this machine, against 0.5 ms for the same cumulative sum into memory in use,
-which is why the cut work goes by blocks. Whole `Codec.decode` figures: 14 to 26 ms per MiB
-(0.9 to 3.7 by the shortcut of step 0) measured over the deep shapes of benchmarks/pathological.py at 1 MiB, on a shared 2-core
-machine (benchmarks/RESULTS.md, "Pathological request bodies", third pass); the worst are the
-deep shapes with short runs of brackets, where numpy's passes and msgspec over the whole body
-add up (`Codec.decode` skips its own failed attempts for a body with a run of 1000 `[`). numpy is imported on the first
-call only (workers that never see a deep body do not load it).
+which is why the cut work goes by blocks. Whole `Codec.decode` figures, measured over the
+deep shapes of benchmarks/pathological.py at 1 MiB on a shared 2-core machine
+(benchmarks/RESULTS.md, "Pathological request bodies", fourth pass): 1 to 9 ms per MiB
+for the bodies steps 0 and 0b shrink, 14 to 25 for the others, the deep shapes with
+short runs of brackets (`[0,`, `{"a":`, spaced `[ [`), where numpy's passes and msgspec
+over the whole body add up (`Codec.decode` skips its own failed attempts for a body
+with a run of 1000 `[`). numpy is imported on the first call only (workers that never
+see a deep body do not load it).
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ if typing.TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ["NotJson", "Scanned", "deep_members", "nesting", "scan_json"]
+__all__ = ["Members", "NotJson", "Scanned", "batch_members", "deep_members", "nesting", "refused_members", "scan_json"]
 
 _WS = b" \t\n\r"
 _RAW = msgspec.json.Decoder(msgspec.Raw)
@@ -276,6 +287,170 @@ def _bracket_run(buf: bytes, start: int, end: int) -> Scanned | None:
     return Scanned(0x5B, start, end, [(start + 1, end - 1, 0)], 1, opened, _Run(start, opened))
 
 
+_MIN_RUN = 32  # brackets: a run pair shorter than this is left as it is
+_LONG_RUN = b"[" * _MIN_RUN
+_X_MAX = 16  # bytes after a run of `[` looked at together for the end of X
+# X's bytes: 0 a byte X may hold, 1 the `]` that ends X, 2 a byte it may not hold
+_X_CLASS = bytes(1 if b == 0x5D else 2 if b in b'[{}"\\' else 0 for b in range(256))
+_X_MARKS = bytes(0 if c == 0 else 1 for c in _X_CLASS)  # (as bools: any byte X may not hold)
+
+
+class _Collapsed(typing.NamedTuple):
+    """The structure `scan_json` keeps for a body whose long run pairs it collapsed
+    (`_collapse`): the collapsed text's arrays, its depth with the removed levels
+    added back, and where the collapsed runs were, to map offsets both ways.
+
+    A text offset x is the body offset x + the levels removed before it, a run's
+    removed `[` counting from its innermost `[` on and its removed `]` from its
+    innermost `]` on: a value that started at the first removed `[` starts at the
+    innermost `[` in the text, and one that ended after the last removed `]` ends
+    after the innermost `]`."""
+
+    st: _Structure
+    inner: npt.NDArray[np.intp]  # text offsets of the innermost `[` of each run pair
+    close: npt.NDArray[np.intp]  # and of its innermost `]`
+    inner_at: npt.NDArray[np.intp]  # body offsets: the first removed `[` of each
+    close_at: npt.NDArray[np.intp]  # and its innermost `]`
+    removed: npt.NDArray[np.intp]  # levels removed by the pairs before each (one more entry)
+
+    def body(self, x: typing.Any) -> typing.Any:
+        """Body offsets of text offsets (an int or an array)."""
+        np = _np
+        r = self.removed
+        return x + r[np.searchsorted(self.inner, x)] + r[np.searchsorted(self.close, x)]
+
+    def text(self, y: typing.Any) -> typing.Any:
+        """Text offsets of body offsets that start or end values (an int or an array)."""
+        np = _np
+        r = self.removed
+        return y - r[np.searchsorted(self.inner_at, y)] - r[np.searchsorted(self.close_at, y)]
+
+
+def _low_zero_bytes(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.intp]:
+    """How many low-order bytes of each (nonzero) word are zero: the lowest set bit,
+    isolated, is a power of two, which float64 holds exactly."""
+    low = x & (~x + _np.uint64(1))
+    shifts: npt.NDArray[np.intp] = _np.log2(low.astype(_np.float64)).astype(_np.intp)
+    return shifts >> 3
+
+
+def _long_runs(buf: bytes, codes: npt.NDArray[np.uint8], byte: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """Starts and ends of the runs of `byte` in `buf` of `_MIN_RUN` bytes or more (and
+    of some shorter ones, 24 bytes or more). Such a run holds 3 aligned 8-byte words
+    of `byte` or more: the words are found by one comparison a word (0.1 ms for 1 MiB,
+    however many short runs there are), and each run of them is widened by the bytes
+    of `byte` in the words on either side, read off those words' values (a word's
+    bytes are in memory order from its low end: little-endian)."""
+    np = _np
+    pattern = np.uint64(int.from_bytes(bytes([byte]) * 8, "little"))
+    raw = np.frombuffer(buf + bytes(16 - len(buf) % 8), "<u8")  # (a partial last word, padded)
+    words = raw[: len(buf) // 8] == pattern
+    edges = np.flatnonzero(words[1:] != words[:-1]) + 1
+    if len(words) and words[0]:
+        edges = np.concatenate(([0], edges))
+    if len(edges) % 2:
+        edges = np.append(edges, len(words))
+    first, last = edges[0::2], edges[1::2]
+    keep = last - first >= 3
+    first, last = first[keep], last[keep]
+    ends = last * 8 + _low_zero_bytes(raw.take(last) ^ pattern)  # (the word after: never all `byte`)
+    # The word before, its high bytes first (byte-swapped); none before the first word.
+    before = np.where(first > 0, raw.take(np.maximum(first - 1, 0)) ^ pattern, np.uint64(0xFF))
+    grown = np.where(first > 0, _low_zero_bytes(before.byteswap()), 0)
+    return first * 8 - grown, ends
+
+
+def _collapse(buf: bytes) -> tuple[bytes, npt.NDArray[np.intp], npt.NDArray[np.intp], npt.NDArray[np.intp]] | None:
+    """`buf` with each run pair `[`^a X `]`^b (a, b >= `_MIN_RUN`, outside strings, X
+    with no bracket, brace, quote or backslash) cut to `[`^(a-k) X
+    `]`^(b-k), k = min(a, b) - 2 (the outermost `[` and `]` stay: no value starts or
+    ends in the removed bytes but the one the outermost holds, which starts at the
+    first removed `[` and ends after the last): the text, and per pair its innermost
+    `[` and `]` in `buf` and its k. None when the pairs would remove under an eighth of
+    `buf`. The text is JSON exactly when `buf` is: each of the k removed levels
+    held one value only, the next (the innermost `[` closes at the first `]`: X holds
+    no bracket, and is in no string), as in `_bracket_run`. Array work on the long
+    runs only, and one gather of the kept bytes; a pair left out only costs its levels."""
+    np = _numpy()
+    # (`bytes.find` of a run of 32: 0.1 ms for 1 MiB: bodies with no long run pay little.)
+    if len(buf) < 4 * _MIN_RUN or _LONG_RUN not in buf:
+        return None
+    codes = np.frombuffer(buf, np.uint8)
+    o_starts, e = _long_runs(buf, codes, 0x5B)
+
+    def enough(levels: typing.Any) -> bool:  # an eighth of buf or more to remove
+        return 16 * int(levels.sum()) >= len(buf)
+
+    # The cheap refusals first, each followed by the count of what is left (at most
+    # a - 2 levels a pair).
+    if not enough(e - o_starts - 2):
+        return None
+    # Outside strings: an even number of quotes before X, escaped ones blanked first
+    # (as `_structure` blanks them).
+    text = buf if b"\\" not in buf else buf.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    quotes = np.flatnonzero(np.frombuffer(text, np.uint8) == 0x22)
+    ok = np.searchsorted(quotes, e) % 2 == 0
+    if not enough((e - o_starts - 2)[ok]):
+        return None
+    o_starts, e = o_starts[ok], e[ok]
+    # X = buf[e:f], f the first `]` after the run of `[`: no bracket, brace, quote or
+    # backslash before it. The first `_X_MAX` bytes after each run of `[` are looked
+    # at together; a longer X (a scalar of many digits, spaces) by a pass of its own.
+    at = np.minimum(e[:, None] + np.arange(_X_MAX), len(buf) - 1)
+    kinds = np.frombuffer(_X_CLASS, np.uint8).take(codes.take(at))
+    width = np.argmax(kinds != 0, axis=1)
+    found = kinds[np.arange(len(e)), width]
+    ok = found != 2
+    if not enough((e - o_starts - 2)[ok]):
+        return None
+    o_starts, e, width, found = o_starts[ok], e[ok], width[ok], found[ok]
+    c_starts, c_ends = _long_runs(buf, codes, 0x5D)
+    if not len(c_starts):
+        return None
+    j = np.minimum(np.searchsorted(c_starts, e), len(c_starts) - 1)
+    f = c_starts[j]  # and that `]` starts a long run of `]`
+    ok = np.where(found == 1, e + width == f, (f >= e) & (f <= np.append(o_starts[1:], len(buf))))
+    longer = np.flatnonzero(ok & (found == 0))
+    if len(longer):  # any such byte from e to f (spans apart): a reduceat over the body
+        marks = np.frombuffer(buf.translate(_X_MARKS), np.bool_)
+        bounds = np.empty(2 * len(longer), np.intp)
+        bounds[0::2], bounds[1::2] = e[longer], f[longer]
+        ok[longer] = ~np.logical_or.reduceat(marks, bounds)[0::2]
+    k = np.minimum(e - o_starts, c_ends[j] - f) - 2  # (the outermost pair stays: see above)
+    ok &= k > 0
+    if not enough(k[ok]):
+        return None
+    e, f, k = e[ok], f[ok], k[ok]
+    # Kept: up to the removed `[` (k before the innermost), from the innermost `[`
+    # to the innermost `]`, then from after the removed `]` on.
+    froms = np.sort(np.concatenate(([0], e - 1, f + 1 + k)))  # (the pairs are apart, in order)
+    tos = np.sort(np.concatenate((e - 1 - k, f + 1, [len(buf)])))
+    # The kept bytes gathered by one index (a slice a piece: 180 ns each, 9 ms for
+    # 16,000 pairs): each piece's offsets, shifted to where it starts in buf.
+    sizes = tos - froms
+    shift = np.repeat(froms - (np.cumsum(sizes) - sizes), sizes)
+    text = codes.take(np.arange(len(shift)) + shift).tobytes()
+    return text, e - 1, f, k
+
+
+def _collapsed_scan(buf: bytes, found: tuple[bytes, typing.Any, typing.Any, typing.Any]) -> tuple[_Collapsed, int]:
+    """Check the collapsed text (`NotJson` for it is for `buf` too), and give its
+    structure with the removed levels added back, and the deepest nesting of `buf`."""
+    np = _np
+    text, inner_at, close_at, k = found
+    st = _structure(text)
+    _check(text, st, int(st.depth.max()) if len(st.depth) else 0)
+    removed = np.concatenate(([0], np.cumsum(k)))
+    before = 2 * removed[:-1] + k  # bytes removed before each innermost `[` and `]`
+    inner, close = inner_at - before, close_at - before
+    add = np.zeros(len(text) + 1, np.int32)  # k levels from the innermost `[` to its `]`
+    add[inner] += k.astype(np.int32)
+    add[close] -= k.astype(np.int32)
+    depth = st.depth + np.cumsum(add[:-1], dtype=np.int32)
+    view = _Collapsed(_Structure(st.cls, st.delta, depth), inner, close, inner_at - k, close_at, removed)
+    return view, int(depth.max())
+
+
 def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Scanned:
     """Check that `buf` is one JSON text (RFC 8259) and find its top value's children,
     at any depth, in time linear in `len(buf)` and without recursion.
@@ -284,7 +459,7 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
     escapes are checked as msgspec checks them for `Raw` (a lone surrogate passes).
     `max_children` caps the children listed (0: no cap); `total` counts them all.
     `depth` is always exact (`exact_depth` is kept for callers). Raises `NotJson`.
-    Cost: linear, 0.9 to 26 ms per MiB of `Codec.decode` measured on the deep shapes
+    Cost: linear, 0.9 to 25 ms per MiB of `Codec.decode` measured on the deep shapes
     (benchmarks/RESULTS.md, "Pathological request bodies"); the module's docstring says how.
     """
     start = len(buf) - len(buf.lstrip(_WS))
@@ -293,15 +468,24 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
         run = _bracket_run(buf, start, end)
         if run is not None:
             return run
-    st = _structure(buf)
-    deepest = int(st.depth.max()) if len(st.depth) else 0
-    _check(buf, st, deepest)
+    collapsed = _collapse(buf)
+    kept: _Structure | _Collapsed
+    if collapsed is None:
+        st = kept = _structure(buf)
+        deepest = int(st.depth.max()) if len(st.depth) else 0
+        _check(buf, st, deepest)
+    else:  # long run pairs: the collapsed text checked, the levels added back
+        kept, deepest = _collapsed_scan(buf, collapsed)
+        st = kept.st
     kind = buf[start]
     if kind != 0x5B and kind != 0x7B:
         return Scanned(kind, start, end, [], 0, 0)
-    seps = [start, *_np.flatnonzero((st.depth == 1) & (st.cls == 4)).tolist(), end - 1]
+    commas = _np.flatnonzero((st.depth == 1) & (st.cls == 4))
+    if type(kept) is _Collapsed:
+        commas = kept.body(commas)
+    seps = [start, *commas.tolist(), end - 1]
     if len(seps) == 2 and not buf[start + 1:end - 1].strip(_WS):
-        return Scanned(kind, start, end, [], 0, deepest, st)
+        return Scanned(kind, start, end, [], 0, deepest, kept)
     total = len(seps) - 1
     listed = total if not max_children else min(total, max_children)
     children: list[tuple[int, int, int]] = []
@@ -309,7 +493,7 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
         a, b = seps[i] + 1, seps[i + 1]
         piece = buf[a:b]
         children.append((a + len(piece) - len(piece.lstrip(_WS)), a + len(piece.rstrip(_WS)), 0))
-    return Scanned(kind, start, end, children, total, deepest, st)
+    return Scanned(kind, start, end, children, total, deepest, kept)
 
 
 def nesting(parent: Scanned, start: int, end: int) -> int:
@@ -320,7 +504,12 @@ def nesting(parent: Scanned, start: int, end: int) -> int:
     if type(parent.structure) is _Run:  # the `[` of the run that are in the span
         run = parent.structure
         return max(0, min(end, run.start + run.length) - max(start, run.start))
-    depth = parent.structure.depth
+    if type(parent.structure) is _Collapsed:
+        view = parent.structure
+        depth = view.st.depth
+        start, end = int(view.text(start)), int(view.text(end))
+    else:
+        depth = parent.structure.depth
     return int(depth[start:end].max()) - (int(depth[start - 1]) if start else 0)
 
 
@@ -336,12 +525,17 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     reused instead of scanning `obj` again). Array work per member, no Python loop
     over them (a Request object of 1 MiB can have 7,000 such members)."""
     np = _numpy()
-    if parent is None or type(parent.structure) is not _Structure:
-        cls, delta, depth = _structure(obj)
-    else:
-        whole = parent.structure
+    view = None if parent is None else parent.structure
+    if type(view) is _Structure:
         span = slice(offset, offset + len(obj))
-        cls, delta, depth = whole.cls[span], whole.delta[span], whole.depth[span]
+        cls, delta, depth = view.cls[span], view.delta[span], view.depth[span]
+    elif type(view) is _Collapsed:  # in the collapsed text's offsets, mapped back below
+        at = int(view.text(offset))  # (obj starts and ends a value: it maps)
+        span = slice(at, int(view.text(offset + len(obj))))
+        cls, delta, depth = view.st.cls[span], view.st.delta[span], view.st.depth[span]
+    else:
+        view = None
+        cls, delta, depth = _structure(obj)
     base = int(depth[0])  # containers open after obj's "{"
     colons = np.flatnonzero((cls == 8) & (depth == base))
     if not len(colons):
@@ -353,6 +547,9 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     tried = np.flatnonzero(nesting > 64)
     if not len(tried):
         return [], [], []
+    starts = colons + 1
+    if view is not None and type(view) is _Collapsed:  # back to obj's own offsets
+        starts, ends = view.body(starts + at) - offset, view.body(ends + at) - offset
     # msgspec takes one recursion step per array or object level, so whether it can
     # read a value depends on its nesting only: find the least nesting it refuses by
     # a binary search over the nestings present, one real value of each tried.
@@ -361,7 +558,7 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     while lo < hi:
         mid = (lo + hi) // 2
         i = int(tried[first[mid]])
-        start, end = int(colons[i]) + 1, int(ends[i])
+        start, end = int(starts[i]), int(ends[i])
         try:
             _RAW.decode(b"[" + obj[start:end] + b"]")
             lo = mid + 1
@@ -369,4 +566,109 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
             hi = mid
     if hi == len(levels):
         return [], [], []
-    return (colons[tried] + 1).tolist(), ends[tried].tolist(), (nesting[tried] >= levels[hi]).tolist()
+    return starts[tried].tolist(), ends[tried].tolist(), (nesting[tried] >= levels[hi]).tolist()
+
+
+
+class Members(typing.NamedTuple):
+    """The members of a batch's object elements, all elements at once (`batch_members`).
+
+    starts, ends: each member value's span in the body, in order (from the byte after
+        its ":" to its "," or its object's "}"); owners: the element (an index in
+        `Scanned.children`) each belongs to.
+    nesting: each value's levels of arrays and objects (a scalar is 0).
+    depth: per element, 1 + the nesting of its deepest member (0 when it has none).
+    """
+
+    starts: npt.NDArray[np.intp]
+    ends: npt.NDArray[np.intp]
+    owners: npt.NDArray[np.intp]
+    nesting: npt.NDArray[np.intp]
+    depth: list[int]
+
+
+def batch_members(parent: Scanned) -> Members | None:
+    """`deep_members`' spans and nestings for the members of every object element of
+    the batch `parent` scanned, by array work on its structure: a constant number of
+    passes over the body, none per element (`deep_members` costs about 140 us of numpy
+    calls an element). None when the scan kept no per-byte structure (a `[[[...]]]`
+    run, whose only child is an array)."""
+    np = _numpy()
+    view = parent.structure
+    if type(view) is _Structure:
+        st = view
+    elif type(view) is _Collapsed:  # in the collapsed text's offsets, mapped back below
+        st = view.st
+    else:
+        return None
+    # Members of an element are at depth 2, after its "{" (the top "[" opens depth 1).
+    # The bytes that shallow are few in a deep batch (every byte in a flat one).
+    shallow = np.flatnonzero(st.depth <= 2)
+    cls, depth = st.cls.take(shallow), st.depth.take(shallow)
+    colons = shallow[(cls == 8) & (depth == 2)]
+    ends = shallow[((cls == 4) & (depth == 2)) | ((cls == -1) & (depth == 1))]
+    ends = ends[np.searchsorted(ends, colons)]  # the "," or "}" after each ":"
+    firsts = np.array([a for a, _, _ in parent.children], np.intp)
+    if type(view) is _Collapsed:
+        firsts = view.text(firsts)
+    owners = np.searchsorted(firsts, colons, side="right") - 1
+    own = np.zeros(len(firsts), np.intp)
+    nests = owners
+    if len(colons):  # the deepest point of each value, from its ":" to its end (a name is flat)
+        bounds = np.empty(2 * len(colons), np.intp)
+        bounds[0::2], bounds[1::2] = colons, ends
+        nests = np.maximum.reduceat(st.depth, bounds)[0::2].astype(np.intp) - 2
+        groups = np.flatnonzero(np.diff(owners, prepend=-1))  # each element's first member
+        own[owners.take(groups)] = np.maximum.reduceat(nests, groups) + 1
+    starts = colons + 1
+    if type(view) is _Collapsed:
+        starts, ends = view.body(starts), view.body(ends)
+    return Members(starts, ends, owners, nests, own.tolist())
+
+
+def refused_members(buf: bytes, members: Members, chosen: list[int]) -> tuple[list[int], list[int], list[bool], list[int]]:
+    """`deep_members` for each element in `chosen` (indexes into `members.depth`, in
+    order) at once: the starts, ends, refusals and owners of the members over 64
+    levels deep of the chosen elements that have a refused member, in order (an
+    element with none refused has none listed, as `deep_members` gives it none)."""
+    np = _np
+    mask = np.zeros(len(members.depth), bool)
+    mask[chosen] = True
+    tried = np.flatnonzero(mask.take(members.owners) & (members.nesting > 64))
+    if not len(tried):
+        return [], [], [], []
+    nests = members.nesting.take(tried)
+    least = _least_refused(buf, members.starts.take(tried), members.ends.take(tried), nests)
+    refused = nests >= least
+    owners = members.owners.take(tried)
+    # Per element, whether any member was refused: then all its tried members are listed.
+    listed = np.zeros(len(members.depth), bool)
+    listed[owners[refused]] = True
+    keep = listed.take(owners)
+    return (
+        members.starts.take(tried[keep]).tolist(),
+        members.ends.take(tried[keep]).tolist(),
+        refused[keep].tolist(),
+        owners[keep].tolist(),
+    )
+
+
+def _least_refused(buf: bytes, starts: npt.NDArray[np.intp], ends: npt.NDArray[np.intp], nests: npt.NDArray[np.intp]) -> int:
+    """The least nesting msgspec refuses among `nests` (one more than the deepest when
+    it refuses none), by `deep_members`' binary search with one real value of each.
+    Called from `refused_members` one frame below the codec's `_deep_items`, so its
+    probes run as deep in Python's stack as `deep_members`' ran for `_deep_element`
+    (msgspec's levels and Python's frames share one count: one frame more would
+    refuse one level less)."""
+    np = _np
+    levels, first = np.unique(nests, return_index=True)
+    lo, hi = 0, len(levels)  # levels[hi:] refused; levels[:lo] read
+    while lo < hi:
+        mid = (lo + hi) // 2
+        i = int(first[mid])
+        try:
+            _RAW.decode(b"[" + buf[int(starts[i]):int(ends[i])] + b"]")
+            lo = mid + 1
+        except RecursionError:
+            hi = mid
+    return int(levels[hi]) if hi < len(levels) else int(levels[-1]) + 1

@@ -866,3 +866,244 @@ def test_bracket_runs_scan_as_numpy_does(opened, closed, middle, space):
         assert found[:6] == numpy[:6]
         for start, end, _ in found.children:
             assert nesting(found, start, end) == nesting(numpy, start, end) == reference_depth(text[start:end])
+
+
+def test_batch_nested_where_msgspec_stops_is_answered_not_raised():
+    """A batch nested just where msgspec stops: its `Raw` check in `_decode_slow` passed
+    and `_elements`, a frame deeper, raised RecursionError out of `Codec.decode`
+    (hostile testing: every nesting from 30 levels under to 5 over, from here)."""
+    codec = Codec()
+    limit = sys.getrecursionlimit()
+    for n in range(limit - 60, limit + 5):
+        for text in (
+            b'[{"method":' + b"[" * n + b"]" * n + b',"jsonrpc":"2.0","method":"m"}]',
+            b"[" + call(b"[" * n + b"]" * n) + b',{"a":1}]',
+        ):
+            check_body(codec.decode(text))
+
+
+# --- a batch's too-deep elements answered together, against one at a time ------------
+
+
+def _one_by_one(codec: Codec, body: bytes) -> Body:
+    """`Codec.decode` as it was: each element of a deep batch through `_element_item`
+    alone (the path `_decode_deep` keeps for a scan with no per-byte structure)."""
+    import broker.jsonrpc as module
+
+    saved = module.batch_members
+    module.batch_members = lambda _: None
+    try:
+        return codec.decode(body)
+    finally:
+        module.batch_members = saved
+
+
+def _together(codec: Codec, body: bytes) -> Body:
+    """`Codec.decode` called as deep in the stack as `_one_by_one` calls it (msgspec's
+    limit counts Python frames: one frame less would read one level more)."""
+    return codec.decode(body)
+
+
+def _same_answers(codec: Codec, text: bytes) -> None:
+    together, alone = _together(codec, text), _one_by_one(codec, text)
+    assert (together.batch, together.status) == (alone.batch, alone.status), text[:120]
+    assert [x if type(x) is bytes else msgspec.json.encode(x) for x in together.items] == [
+        x if type(x) is bytes else msgspec.json.encode(x) for x in alone.items
+    ], text[:120]
+
+
+def _nest(levels: int, opening: bytes = b"[", closing: bytes = b"]", inner: bytes = b"") -> bytes:
+    return opening * levels + inner + closing * levels
+
+
+DEEP_BATCH_HEAD = b'{"id":1,"jsonrpc":"2.0","method":"echo",'
+
+
+@pytest.mark.parametrize("text", [
+    # the hostile tester's: every element just past the parser's limit, in each member
+    b"[" + b",".join([DEEP_BATCH_HEAD + b'"params":' + _nest(1001) + b"}"] * 40) + b"]",
+    b"[" + b",".join([b'{"jsonrpc":"2.0","method":"echo","id":' + _nest(1001) + b"}"] * 40) + b"]",
+    b"[" + b",".join([DEEP_BATCH_HEAD + b'"x":' + _nest(1001) + b"}"] * 40) + b"]",
+    b"[" + b",".join([DEEP_BATCH_HEAD + b'"params":' + _nest(1001, b'{"a":', b"}", b"1") + b"}"] * 40) + b"]",
+    b"[" + b",".join([DEEP_BATCH_HEAD + b'"params":' + _nest(1001) + b"}", ADD_2] * 20) + b"]",
+    b"[" + b",".join([DEEP_BATCH_HEAD + b'"params":[' + b"0," * 400 + _nest(1001) + b"]}", call(b"[" + b"1," * 450 + b"1]")] * 20) + b"]",
+    # deep elements that are not objects, scalars, {} and invalid ones between
+    b"[" + b",".join([_nest(1500), b"5", b"{}", b'{"jsonrpc":"2.0","method":1,"id":"a"}', call(_nest(1200), b'"q"')]) + b"]",
+    # a member just under the limit that msgspec reads, and one just over 64 levels
+    b"[" + b",".join([call(_nest(900), b"3"), call(_nest(70), b"4"), call(_nest(2000), b"[1]"), ADD_2]) + b"]",
+    # two members too deep, duplicate and escaped names, the last id wins
+    b'[{"jsonrpc":"2.0","method":"m","id":1,"params":' + _nest(1100) + b',"\\u0069d":' + _nest(1100) + b"}," + ADD_2 + b"]",
+    b'[{"jsonrpc":"2.0","method":"m","id":' + _nest(1100) + b',"id":"z","params":' + _nest(66) + b"}, 1]",
+    # whitespace everywhere, a lone surrogate in a shallow element (a parse error)
+    b' [ { "jsonrpc" : "2.0" , "method" : "m" , "params" : ' + _nest(1100) + b' , "id" : 9 } , ' + ADD_2 + b" ] ",
+    b'[{"jsonrpc":"2.0","method":"m","id":"\\udc00"},' + call(_nest(2000)) + b"]",
+    b'[{"jsonrpc":"2.0","method":"\\ud800","params":' + _nest(2000) + b"}," + ADD_2 + b"]",
+])
+def test_deep_batch_elements_answered_together_as_alone(codec, text):
+    _same_answers(codec, text)
+
+
+def _refused_from_here() -> int:
+    """The least nesting msgspec refuses when called from here (the limit less the
+    frames in use, which pytest and hypothesis take many of)."""
+    lo, hi = 1, sys.getrecursionlimit() + 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            _raw_decoder.decode(_nest(mid))
+            lo = mid + 1
+        except RecursionError:
+            hi = mid
+    return lo
+
+
+def _deep_batch_elements(limit: int, refused: int) -> st.SearchStrategy[bytes]:
+    """Elements for a batch: Request objects with some members nested near where
+    msgspec stops (a few frames deeper or shallower than here) and near the limit,
+    others flat, non-objects between."""
+    near = [*range(refused - 16, refused + 8), *range(limit - 3, limit + 3)]
+    levels = st.sampled_from([1, 64, 65, 70, *near, limit + 50, 3000])
+    wrapper = st.sampled_from([(b"[", b"]", b""), (b'{"a":', b"}", b"1"), (b"[0,", b"]", b"0"), (b'{"k":[', b"]}", b"")])
+    value = st.builds(lambda n, w: _nest(n, *w), levels, wrapper) | st.sampled_from([b"1", b'"s"', b"null", b"[1]", b"true"])
+    name = st.sampled_from([b'"id"', b'"\\u0069d"', b'"params"', b'"x"', b'"method"', b'"jsonrpc"'])
+    member = st.builds(lambda k, v, sp: k + sp + b":" + sp + v, name, value, st.sampled_from([b"", b" "]))
+    head = st.sampled_from([b'"jsonrpc":"2.0","method":"m"', b'"jsonrpc":"2.0","method":5', b'"method":"m"'])
+    obj = st.builds(
+        lambda h, ms, first: b"{" + b",".join([h, *ms] if first else [*ms, h]) + b"}",
+        head, st.lists(member, max_size=4), st.booleans(),
+    )
+    return obj | value | st.just(b"{}")
+
+
+@settings(max_examples=300, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_deep_batches_answered_together_as_alone(data):
+    """Byte for byte, whatever the elements: the batch path (`batch_members`,
+    `refused_members`, one decode) gives each element the answer `_element_item`
+    gave it alone, at the frame depth where msgspec's limit falls."""
+    elements = data.draw(st.lists(_deep_batch_elements(sys.getrecursionlimit(), _refused_from_here()), min_size=1, max_size=6))
+    text = b"[" + b",".join(elements) + b"]"
+    assume(b"[" * 1000 in text or b'{"a":' * 300 in text or b"[0," * 300 in text or b'{"k":[' * 300 in text)
+    _same_answers(Codec(max_batch=5), text)
+
+
+def test_deep_batch_members_where_msgspec_stops_answered_as_alone(codec):
+    """Next to a member far too deep, one nested where msgspec stops, level by level:
+    whether it is refused depends on the frames in use when it is tried, which the
+    batch path must keep as `_deep_element` had them."""
+    refused = _refused_from_here()
+    for n in range(refused - 24, refused + 6):
+        near = _nest(n)
+        elements = [
+            b'{"jsonrpc":"2.0","method":"m","id":' + _nest(3000) + b',"params":' + near + b"}",
+            b'{"jsonrpc":"2.0","method":"m","params":' + _nest(3000) + b',"id":' + near + b"}",
+            b'{"jsonrpc":"2.0","method":"m","params":' + near + b',"id":7}',
+            ADD_2,
+        ]
+        _same_answers(codec, b"[" + b",".join(elements) + b"]")
+
+
+# --- long run pairs collapsed before the scan, against the scan of the whole body -----
+
+
+def _uncollapsed(call_: typing.Callable[[], typing.Any]) -> typing.Any:
+    """`call_()` with `scan_json`'s collapse of long run pairs turned off."""
+    import broker.jsonscan as module
+
+    saved = module._collapse
+    module._collapse = lambda _: None
+    try:
+        return call_()
+    finally:
+        module._collapse = saved
+
+
+RUN_INNER = [
+    b"", b"1", b"0,1", b" ", b"null", b"1,", b"-", b"]", b"[", b"{}", b'"x"', b"1 2", b"[]", b"\\",
+    b"1" * 40, b" " * 15 + b"1", b" " * 16 + b"1", b"1" * 20 + b",", b"0," * 30 + b"0", b"1" * 20 + b'"',
+]
+
+
+@st.composite
+def run_pair_bodies(draw: st.DrawFn) -> bytes:
+    """Bodies made mostly of long `[`...`]` run pairs, in each place a scan looks:
+    the whole body, batch elements, members (params, id, others), strings, with
+    runs of unequal lengths and faults among them."""
+    def pair() -> bytes:
+        a = draw(st.sampled_from([2, 31, 32, 33, 40, 500, 1000, 1001, 1002, 3000]))
+        b = draw(st.sampled_from([a, a, a, a - 1, a + 1, 33]))
+        return b"[" * a + draw(st.sampled_from(RUN_INNER)) + b"]" * b
+    values = [pair() for _ in range(draw(st.integers(1, 4)))]
+    place = draw(st.sampled_from(["element", "params", "id", "other", "string", "escapes", "wrapped", "mixed"]))
+    parts: list[bytes] = []
+    for v in values:
+        if place == "element":
+            parts.append(v)
+        elif place == "params":
+            parts.append(b'{"jsonrpc":"2.0","method":"m","params":' + v + b',"id":1}')
+        elif place == "id":
+            parts.append(b'{"jsonrpc":"2.0","method":"m","id":' + v + b',"params":[1]}')
+        elif place == "other":
+            parts.append(b'{"x":' + v + b',"jsonrpc":"2.0","method":"m","id":"a"}')
+        elif place == "string":
+            parts.append(b'{"jsonrpc":"2.0","method":"m","params":["' + v + b'"],"id":2}')
+        elif place == "escapes":  # escaped quotes and backslashes before and in strings
+            inner = draw(st.sampled_from([v, b"[" * 40 + b"]" * 40]))
+            parts.append(b'{"jsonrpc":"2.0","method":"\\"\\\\","params":["\\"' + inner + b'\\\\",' + v + b'],"id":"\\""}')
+        elif place == "wrapped":
+            parts.append(b"[0,[" + v + b"],{}]")
+        else:
+            parts.append(draw(st.sampled_from([v, ADD_2, b"1", call(v, b"[]"), call(b"[" + v + b"," + v + b"]")])))
+    if draw(st.booleans()):
+        return b"[" + b",".join(parts) + b"]" + draw(st.sampled_from([b"", b" ", b"]", b","]))
+    return parts[0] + draw(st.sampled_from([b"", b"\n", b"}"]))
+
+
+@settings(max_examples=400, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+@given(run_pair_bodies())
+def test_collapsed_run_pairs_scan_as_the_whole_body_does(text):
+    """Long run pairs are cut to a few levels before the numpy scan, and the levels
+    added back: the same verdict as msgspec's (allowed that deep), and the same
+    children, depth, children's nesting and answers as the scan of the whole body."""
+    def scan() -> object:
+        try:
+            return scan_json(text, 1001)
+        except NotJson:
+            return NotJson
+    found, whole = scan(), _uncollapsed(scan)
+    assert (found is NotJson) == (whole is NotJson) == (not msgspec_says_json_unlimited(text)), text[:120]
+    if isinstance(found, tuple) and isinstance(whole, tuple):
+        assert found[:6] == whole[:6]
+        for start, end, _ in found.children:
+            assert nesting(found, start, end) == nesting(whole, start, end) == reference_depth(text[start:end])
+    codec = Codec()
+    collapsed, plain = _together(codec, text), _uncollapsed(lambda: codec.decode(text))
+    assert (collapsed.batch, collapsed.status) == (plain.batch, plain.status)
+    assert [x if type(x) is bytes else msgspec.json.encode(x) for x in collapsed.items] == [
+        x if type(x) is bytes else msgspec.json.encode(x) for x in plain.items
+    ], text[:120]
+
+
+@settings(max_examples=500, deadline=None, print_blob=True)
+@given(st.lists(st.tuples(st.sampled_from([b"[", b"]", b"x", b" "]), st.sampled_from([1, 5, 23, 24, 25, 31, 32, 33, 40, 64, 100])), min_size=1, max_size=8))
+def test_long_runs_found_from_words(parts):
+    """`_long_runs` finds runs from aligned 8-byte words: every run of 32 bytes or more,
+    exactly, and no run under 24, whatever the alignment and the neighbours."""
+    import numpy as np
+
+    from broker import jsonscan
+
+    jsonscan._numpy()
+    text = b"".join(byte * n for byte, n in parts)
+    for byte in (0x5B, 0x5D):
+        runs, at = [], 0
+        while at < len(text):
+            if text[at] == byte:
+                end = len(text) - len(text[at:].lstrip(bytes([byte])))
+                runs.append((at, end))
+                at = end
+            else:
+                at += 1
+        starts, ends = jsonscan._long_runs(text, np.frombuffer(text, np.uint8), byte)
+        found = set(zip(starts.tolist(), ends.tolist(), strict=True))
+        assert {r for r in runs if r[1] - r[0] >= 32} <= found <= {r for r in runs if r[1] - r[0] >= 24}, text
