@@ -1052,6 +1052,9 @@ class WorkerProtocol(asyncio.Protocol):
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# The signals the worker handles itself (SIGTERM: its loop's handler; SIGINT: see `main`)
+# and what a fresh Python process does with them: a handler's forked child gets these back.
+FRESH_DISPOSITIONS = ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler))
 PARENT_POLL_SECONDS = 0.5  # the fallback watcher's period
 
 
@@ -1101,6 +1104,12 @@ def isolate_forks(channel_fd: int) -> None:
     end-of-file there and stops, and what it writes goes nowhere. A child forked by the
     loop's thread also gets `die_with_parent` (prctl's signal is tied to the thread that
     forked: a child forked by a thread that ends early would die with it).
+
+    The child also gets the signal handling of a fresh Python process back
+    (`FRESH_DISPOSITIONS`), without the loop's wakeup fd: that is a socketpair shared
+    with the worker, so a SIGTERM sent to the child (multiprocessing's terminate()) was
+    caught there by the loop's handler and its number written to the WORKER's loop,
+    which stopped.
     """
     worker = os.getpid()
     loop_thread = threading.get_ident()
@@ -1115,6 +1124,12 @@ def isolate_forks(channel_fd: int) -> None:
             os.dup2(null, channel_fd)
             os.close(null)
         except OSError:
+            pass
+        try:  # (the forking thread is the child's main thread: signal calls may be made)
+            signal.set_wakeup_fd(-1)
+            for signum, disposition in FRESH_DISPOSITIONS:
+                signal.signal(signum, disposition)
+        except (OSError, ValueError):
             pass
         if by_loop_thread[0]:
             die_with_parent(worker)

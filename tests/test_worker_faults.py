@@ -162,3 +162,33 @@ def test_a_child_a_handler_forks_neither_answers_calls_nor_outlives_its_worker(b
     assert sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="cancelled") == 0
     assert b.stop() == 0
     wait_for(lambda: not pid_alive(child), timeout=10)
+
+
+# -- a handler's children behave as fresh processes (hostile testing, round 2) ----------
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[Broker]:
+    b = start_broker("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "30")
+    yield b
+    assert b.stop() == 0, b.read_log()
+
+
+def test_a_forked_child_that_gets_sigterm_dies_of_it_and_the_worker_lives_on(forks: Broker) -> None:
+    """Hostile testing: the child inherited uvloop's SIGTERM handler and its wakeup
+    socket, shared with the worker: the child ignored SIGTERM, and the signal's number,
+    written into that socket, made the WORKER stop (the next call: -32003)."""
+    worker = forks.call("pid")["result"]
+    assert forks.call("fork_sigterm", timeout=20) == {"jsonrpc": "2.0", "result": -signal.SIGTERM, "id": 1}
+    for i in range(5):  # the worker would have stopped on its loop's next turn
+        assert forks.call("pid", id_=i)["result"] == worker
+    assert sample(scrape_metrics(forks), "rpc_broker_worker_restarts_total", reason="exited") == 0
+
+
+def test_a_fork_context_multiprocessing_pool_works_again_and_again(forks: Broker) -> None:
+    """Leaving `with Pool(...)` calls terminate(), which SIGTERMs the pool's children:
+    each used to stop the worker (or hang it in waitpid)."""
+    worker = forks.call("pid")["result"]
+    for i in range(4):
+        assert forks.call("fork_pool", [5], id_=i, timeout=20) == {"jsonrpc": "2.0", "result": [0, 1, 4, 9, 16], "id": i}
+        assert forks.call("pid")["result"] == worker
