@@ -1110,15 +1110,25 @@ def isolate_forks(channel_fd: int) -> None:
     with the worker, so a SIGTERM sent to the child (multiprocessing's terminate()) was
     caught there by the loop's handler and its number written to the WORKER's loop,
     which stopped.
+
+    Only a fork by the worker itself is touched. A child's own forks (double-fork
+    daemonisation, nested multiprocessing) run the hook too, with a copy of it: their
+    parent is not the worker, so die_with_parent(worker) killed them at birth; the
+    child already has /dev/null and fresh signal handling, which its forks inherit, and
+    what it set up since (a file on the channel's number, its own handlers) is its own.
+    The kernel clears PDEATHSIG in a fork's child: the grandchild is not tied to anyone.
     """
     worker = os.getpid()
     loop_thread = threading.get_ident()
-    by_loop_thread = [False]
+    by_worker = [False, False]  # forked by the worker's process, by its loop's thread
 
     def before() -> None:
-        by_loop_thread[0] = threading.get_ident() == loop_thread
+        by_worker[0] = os.getpid() == worker
+        by_worker[1] = by_worker[0] and threading.get_ident() == loop_thread
 
     def after_in_child() -> None:
+        if not by_worker[0]:
+            return
         try:
             null = os.open(os.devnull, os.O_RDWR)
             os.dup2(null, channel_fd)
@@ -1131,7 +1141,7 @@ def isolate_forks(channel_fd: int) -> None:
                 signal.signal(signum, disposition)
         except (OSError, ValueError):
             pass
-        if by_loop_thread[0]:
+        if by_worker[1]:
             die_with_parent(worker)
 
     os.register_at_fork(before=before, after_in_child=after_in_child)

@@ -192,3 +192,18 @@ def test_a_fork_context_multiprocessing_pool_works_again_and_again(forks: Broker
     for i in range(4):
         assert forks.call("fork_pool", [5], id_=i, timeout=20) == {"jsonrpc": "2.0", "result": [0, 1, 4, 9, 16], "id": i}
         assert forks.call("pid")["result"] == worker
+
+
+def test_a_double_forked_daemon_grandchild_runs(forks: Broker, tmp_path) -> None:
+    """Hostile testing: the fork hook ran again in the child's own fork and its
+    die_with_parent(worker) saw another parent: the grandchild SIGKILLed itself at birth."""
+    out = tmp_path / "grandchild.pid"
+    assert forks.call("double_fork", [str(out)], timeout=20)["result"] == 0
+    wait_for(out.exists, timeout=10)
+    grandchild = int(out.read_text())
+    wait_for(lambda: not pid_alive(grandchild), timeout=10)
+
+
+def test_a_fork_process_may_start_another(forks: Broker) -> None:
+    """Nested multiprocessing (a fork-context Process starting another) exits 0."""
+    assert forks.call("nested_process", timeout=30)["result"] == 0
