@@ -1163,6 +1163,10 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> None:
         proto.going_down()  # what is left)
 
 
+def _deaf(signum: int, frame: types.FrameType | None) -> None:
+    """The worker's SIGINT handler: nothing (see `main`)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Worker process entry point: `python -m broker.worker --socket PATH --slot N ...`.
 
@@ -1186,7 +1190,10 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format=f"%(asctime)s worker[{args.slot}] pid %(process)d %(levelname)s %(message)s",
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the broker decides when we stop
+    # The broker decides when we stop: SIGINT (a Ctrl-C to the terminal's process group)
+    # is caught and does nothing. Not SIG_IGN, which exec keeps: the subprocesses that
+    # handlers start would ignore SIGINT too; exec resets a caught signal to the default.
+    signal.signal(signal.SIGINT, _deaf)
     die_with_parent(args.parent_pid or os.getppid())
     try:
         registry = load_app(args.app)

@@ -207,3 +207,13 @@ def test_a_double_forked_daemon_grandchild_runs(forks: Broker, tmp_path) -> None
 def test_a_fork_process_may_start_another(forks: Broker) -> None:
     """Nested multiprocessing (a fork-context Process starting another) exits 0."""
     assert forks.call("nested_process", timeout=30)["result"] == 0
+
+
+def test_a_subprocess_a_handler_starts_dies_of_sigint(forks: Broker) -> None:
+    """The worker ignored SIGINT with SIG_IGN, which exec keeps: `sleep` ignored it too.
+    The worker now catches it with a no-op handler, which exec resets to the default."""
+    assert forks.call("sigint_subprocess", timeout=20)["result"] == -signal.SIGINT
+    worker = forks.call("pid")["result"]
+    os.kill(worker, signal.SIGINT)  # the worker itself stays deaf to it
+    for i in range(5):
+        assert forks.call("pid", id_=i)["result"] == worker
