@@ -414,8 +414,9 @@ class Pool:
             # os._exit() or a signal at import say nothing). Retrying would loop.
             if not self._boot_failure.done():
                 self._boot_failure.set_result(
-                    f"worker {worker.slot} {reason} before it was ready: it could not load app {self.app!r}"
-                    + (" (see its log above)" if status == WORKER_BOOT_ERROR else "")
+                    f"worker {worker.slot} {reason} before it was ready: "
+                    + (f"it could not boot app {self.app!r} (its log above says why)" if status == WORKER_BOOT_ERROR
+                       else f"it could not load app {self.app!r}")
                 )
             return
         up = time.monotonic() - worker.started_at
@@ -608,7 +609,7 @@ class Pool:
                 if w.exited is not None and w.exited.done():
                     status = w.exited.result()
                     return (f"new worker {w.slot} (pid {w.pid}) {describe_status(status)} before it was ready"
-                            + (": it could not load the app (see its log above)" if status == WORKER_BOOT_ERROR else ""))
+                            + (": it could not boot the app (its log above says why)" if status == WORKER_BOOT_ERROR else ""))
                 if w.state is WorkerState.DEAD:
                     return f"new worker {w.slot} (pid {w.pid}) closed its connection before it was ready"
             if all(w.state is WorkerState.READY for w in self.incoming):

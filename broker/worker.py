@@ -67,7 +67,7 @@ __all__ = ["BROKER_CODES", "WORKER_BOOT_ERROR", "InvalidJson", "Method", "Regist
 log = logging.getLogger("broker.worker")
 
 WORKER_BOOT_ERROR = 3
-"""Exit status of a worker that could not load its app: the broker stops rather
+"""Exit status of a worker that could not load or serve its app: the broker stops rather
 than restart it in a loop (as gunicorn's WORKER_BOOT_ERROR)."""
 
 
@@ -691,11 +691,14 @@ class WorkerProtocol(asyncio.Protocol):
         self._closing = False
         self._down = False  # see going_down
         self._transport: asyncio.Transport | None = None
+        self._hello = b""  # see hello
         self._loop = asyncio.get_running_loop()
         self.done: asyncio.Future[None] = self._loop.create_future()
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = typing.cast(asyncio.Transport, transport)
+    def hello(self) -> bytes:
+        """The HELLO payload: this process, its slot and its method table (built once)."""
+        if self._hello:
+            return self._hello
         hello = wire.Hello(
             pid=os.getpid(),
             slot=self._slot,
@@ -705,7 +708,12 @@ class WorkerProtocol(asyncio.Protocol):
             concurrency=self._concurrency,
             sync_methods=[m.name for m in self._methods if not m.is_async],
         )
-        self._transport.write(wire.encode_frame(wire.Kind.HELLO, 0, 0, msgspec.json.encode(hello)))
+        self._hello = msgspec.json.encode(hello)
+        return self._hello
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = typing.cast(asyncio.Transport, transport)
+        self._transport.write(wire.encode_frame(wire.Kind.HELLO, 0, 0, self.hello()))
 
     def going_down(self) -> None:
         """The worker is exiting (its loop was stopped, or the connection is gone): the
@@ -1147,13 +1155,19 @@ def isolate_forks(channel_fd: int) -> None:
     os.register_at_fork(before=before, after_in_child=after_in_child)
 
 
-async def _serve(args: argparse.Namespace, registry: Registry) -> None:
+async def _serve(args: argparse.Namespace, registry: Registry) -> int:
     loop = asyncio.get_running_loop()
     if hasattr(asyncio, "eager_task_factory"):  # 3.12+: async handlers that never
         loop.set_task_factory(asyncio.eager_task_factory)  # suspend finish inline
     proto = WorkerProtocol(
         registry, args.slot, args.concurrency, args.max_depth, args.max_frame_bytes, args.debug
     )
+    hello = proto.hello()
+    if len(hello) > args.max_frame_bytes:  # the broker would refuse the frame
+        log.error("app %r: its HELLO (its table of %d methods) is %d bytes, more than max_frame_bytes %d,"
+                  " the largest frame the broker accepts: not serving it (raise max_frame_bytes, or"
+                  " shorten the methods' docstrings)", args.app, len(registry), len(hello), args.max_frame_bytes)
+        return WORKER_BOOT_ERROR
     loop.add_signal_handler(signal.SIGTERM, proto.stop)
     transport, _ = await loop.create_unix_connection(lambda: proto, args.socket)
     isolate_forks(transport.get_extra_info("socket").fileno())
@@ -1161,6 +1175,7 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> None:
         await proto.done
     finally:  # done, or the loop is going down (a handler stopped it: the runner cancels
         proto.going_down()  # what is left)
+    return 0
 
 
 def _deaf(signum: int, frame: types.FrameType | None) -> None:
@@ -1172,7 +1187,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Started by the broker, not by hand. Exits 0 when the broker closes the
     connection or says BYE, `WORKER_BOOT_ERROR` when the app cannot be loaded (an
-    exception or sys.exit() at import), and dies (SIGKILL) with the broker.
+    exception or sys.exit() at import) or cannot be served (more than `wire.MAX_METHODS`
+    methods, or a HELLO larger than max_frame_bytes), and dies (SIGKILL) with the broker.
     """
     parser = argparse.ArgumentParser(prog="python -m broker.worker")
     parser.add_argument("--socket", required=True)
@@ -1203,13 +1219,15 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         log.error("cannot load app %r: %s", args.app, exc, exc_info=args.debug)
         return WORKER_BOOT_ERROR
+    if len(registry) > wire.MAX_METHODS:  # a batch could not name the ones past it
+        log.error("app %r has %d methods, more than the %d one worker can serve (a batch names"
+                  " a method by a 16-bit index): not serving it", args.app, len(registry), wire.MAX_METHODS)
+        return WORKER_BOOT_ERROR
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency
-        asyncio.run(_serve(args, registry))
-    else:
-        uvloop.run(_serve(args, registry))
-    return 0
+        return asyncio.run(_serve(args, registry))
+    return uvloop.run(_serve(args, registry))
 
 
 if __name__ == "__main__":
