@@ -324,6 +324,8 @@ class Pool:
             await self._spawn(worker)
         deadline = self.loop.time() + timeout
         while not all(w.state is WorkerState.READY for w in self.workers):
+            if self._stopping:  # `stop` was called meanwhile (SIGTERM): the start is given up
+                return
             if self._boot_failure.done():
                 raise WorkerBootError(self._boot_failure.result())
             self._changed.clear()
@@ -370,6 +372,8 @@ class Pool:
         process = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
         )
+        if self._stopping:  # `stop` came while this process was being created
+            _kill(process)
         worker.process = process
         worker.pid = process.pid
         worker.started_at = time.monotonic()
@@ -655,10 +659,12 @@ class Pool:
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask every worker to finish and exit (BYE); SIGKILL those still alive after
-        `timeout` s; remove the socket directory."""
+        `timeout` s, and those not ready yet at once; remove the socket directory. A
+        `start` under way returns (the broker was stopped while it started)."""
         self._stopping = True
+        self._changed.set()  # (a `start` under way gives up)
         everyone = [*self.workers, *self.incoming, *self.retiring]
-        for worker in self.incoming:  # a reload's, still importing: nothing to finish
+        for worker in everyone:  # still importing (the start's, a reload's, a restart's): nothing to finish
             if worker.state is WorkerState.STARTING and worker.process is not None:
                 _kill_if_alive(worker.process)
         for worker in everyone:

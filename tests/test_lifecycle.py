@@ -18,7 +18,7 @@ import threading
 import time
 
 import pytest
-from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
+from conftest import Broker, children, sample, scrape_metrics, start_broker, wait_for
 
 # -- helpers ------------------------------------------------------------------------------
 
@@ -672,3 +672,41 @@ def test_a_hello_past_max_frame_bytes_is_a_boot_failure_that_says_so():
     assert message.startswith("broker exited with 3:"), message
     assert re.search(r"HELLO \(its table of 300 methods\) is \d+ bytes, more than max_frame_bytes 65536", message), message
     assert "could not boot app 'tests.apps.many_methods:registry'" in message, message
+
+
+def test_sigterm_while_the_workers_import_stops_them_at_once_and_exits_0(tmp_path):
+    """Hostile testing: SIGTERM during the start waited for the start to end (up to
+    boot_timeout, 60 s by default), then exited 3. It now stops the importing workers at
+    once and exits 0, as any stop does."""
+    import subprocess
+    import sys
+
+    spec = tmp_path / "app.json"
+    spec.write_text(json.dumps({"version": 1, "methods": ["a"], "import_seconds": 30}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", "--workers", "2",
+         "--app", "tests.apps.versioned:registry", "--boot-timeout", "20"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "VERSIONED_APP_FILE": str(spec)},
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    b = Broker(proc, "127.0.0.1", 0, "/", [])
+    workers: set[int] = set()
+    try:
+        wait_for(lambda: len(children(proc.pid)) == 2, timeout=20)
+        workers = children(proc.pid)
+        time.sleep(1.0)  # the workers are in their 30 s import
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(15)
+        took = time.monotonic() - t0
+        log = b.read_log()
+        assert status == 0, log
+        assert took < 5, (took, log)
+        assert "start interrupted" in log, log
+        assert not [w for w in workers if pid_exists(w)], log
+    finally:
+        b.stop()
+        for w in workers:
+            if pid_exists(w):
+                os.kill(w, signal.SIGKILL)
