@@ -324,6 +324,8 @@ class Pool:
             await self._spawn(worker)
         deadline = self.loop.time() + timeout
         while not all(w.state is WorkerState.READY for w in self.workers):
+            if self._stopping:  # `stop` was called meanwhile (SIGTERM): the start is given up
+                return
             if self._boot_failure.done():
                 raise WorkerBootError(self._boot_failure.result())
             self._changed.clear()
@@ -370,6 +372,8 @@ class Pool:
         process = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
         )
+        if self._stopping:  # `stop` came while this process was being created
+            _kill(process)
         worker.process = process
         worker.pid = process.pid
         worker.started_at = time.monotonic()
@@ -414,8 +418,9 @@ class Pool:
             # os._exit() or a signal at import say nothing). Retrying would loop.
             if not self._boot_failure.done():
                 self._boot_failure.set_result(
-                    f"worker {worker.slot} {reason} before it was ready: it could not load app {self.app!r}"
-                    + (" (see its log above)" if status == WORKER_BOOT_ERROR else "")
+                    f"worker {worker.slot} {reason} before it was ready: "
+                    + (f"it could not boot app {self.app!r} (its log above says why)" if status == WORKER_BOOT_ERROR
+                       else f"it could not load app {self.app!r}")
                 )
             return
         up = time.monotonic() - worker.started_at
@@ -608,7 +613,7 @@ class Pool:
                 if w.exited is not None and w.exited.done():
                     status = w.exited.result()
                     return (f"new worker {w.slot} (pid {w.pid}) {describe_status(status)} before it was ready"
-                            + (": it could not load the app (see its log above)" if status == WORKER_BOOT_ERROR else ""))
+                            + (": it could not boot the app (its log above says why)" if status == WORKER_BOOT_ERROR else ""))
                 if w.state is WorkerState.DEAD:
                     return f"new worker {w.slot} (pid {w.pid}) closed its connection before it was ready"
             if all(w.state is WorkerState.READY for w in self.incoming):
@@ -654,10 +659,12 @@ class Pool:
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask every worker to finish and exit (BYE); SIGKILL those still alive after
-        `timeout` s; remove the socket directory."""
+        `timeout` s, and those not ready yet at once; remove the socket directory. A
+        `start` under way returns (the broker was stopped while it started)."""
         self._stopping = True
+        self._changed.set()  # (a `start` under way gives up)
         everyone = [*self.workers, *self.incoming, *self.retiring]
-        for worker in self.incoming:  # a reload's, still importing: nothing to finish
+        for worker in everyone:  # still importing (the start's, a reload's, a restart's): nothing to finish
             if worker.state is WorkerState.STARTING and worker.process is not None:
                 _kill_if_alive(worker.process)
         for worker in everyone:

@@ -5,7 +5,9 @@ broker from a `Config` without going through argv.
 
 Signals (handlers only set an event; the main coroutine acts on it):
     SIGTERM, SIGINT  stop accepting, answer what is in flight (up to grace_period),
-                     stop the workers, exit 0; a second one cuts the grace period short
+                     stop the workers, exit 0; a second one cuts the grace period short.
+                     During the start (the workers import the app), the start is given
+                     up: the workers are killed at once, exit 0
     SIGHUP           reload (`Pool.request_reload`): fresh workers import the app anew and,
                      once all are ready, replace the old ones and their method table in one
                      step; no call is lost; a failed reload leaves the old workers serving.
@@ -280,8 +282,22 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
                 cannot_listen(fe, where, port_, exc)
                 await give_up()
                 return 1
+        # A stop signal during the start (an import that takes long) stops at once, as it
+        # would later: the workers still importing have nothing to finish.
+        starting = asyncio.ensure_future(pool.start())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not starting.done():
+            log.warning("stop signal while the workers start: start interrupted; stopping them")
+            await give_up()
+            await asyncio.wait([starting], timeout=5.0)  # returns once `stop` is called
+            if starting.done() and not starting.cancelled():
+                starting.exception()  # (a worker that failed meanwhile: nothing to report)
+            log.info("stopped")
+            return 0
         try:
-            await pool.start()
+            starting.result()
         except WorkerBootError as exc:
             log.error("%s", exc)
             await give_up()

@@ -62,6 +62,7 @@ __all__ = [
     "CANCEL_ACK",
     "HEADER",
     "HEADER_SIZE",
+    "MAX_METHODS",
     "NOTIFY_FLAG",
     "REPLY_ENTRY",
     "FrameDecoder",
@@ -94,6 +95,9 @@ HEADER_SIZE = HEADER.size  # 17
 CALL_ENTRY = struct.Struct(">HBI")  # in a CHUNK: method index, flags, params length
 REPLY_ENTRY = struct.Struct(">IBI")  # in a CHUNK_PART/REPLY: call's place, kind, length
 NOTIFY_FLAG = 1
+# The most methods one worker may serve: CALL_ENTRY holds a method's index in 16 bits,
+# and index len(methods) is taken too (a queued call whose method a reload lost).
+MAX_METHODS = 0xFFFF
 # The error object a worker answers a call with when it cancelled it on CANCEL (or
 # dropped it unstarted): byte for byte, so the broker recognises it (late replies).
 CANCEL_ACK = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")

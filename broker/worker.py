@@ -67,7 +67,7 @@ __all__ = ["BROKER_CODES", "WORKER_BOOT_ERROR", "InvalidJson", "Method", "Regist
 log = logging.getLogger("broker.worker")
 
 WORKER_BOOT_ERROR = 3
-"""Exit status of a worker that could not load its app: the broker stops rather
+"""Exit status of a worker that could not load or serve its app: the broker stops rather
 than restart it in a loop (as gunicorn's WORKER_BOOT_ERROR)."""
 
 
@@ -691,11 +691,14 @@ class WorkerProtocol(asyncio.Protocol):
         self._closing = False
         self._down = False  # see going_down
         self._transport: asyncio.Transport | None = None
+        self._hello = b""  # see hello
         self._loop = asyncio.get_running_loop()
         self.done: asyncio.Future[None] = self._loop.create_future()
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = typing.cast(asyncio.Transport, transport)
+    def hello(self) -> bytes:
+        """The HELLO payload: this process, its slot and its method table (built once)."""
+        if self._hello:
+            return self._hello
         hello = wire.Hello(
             pid=os.getpid(),
             slot=self._slot,
@@ -705,7 +708,12 @@ class WorkerProtocol(asyncio.Protocol):
             concurrency=self._concurrency,
             sync_methods=[m.name for m in self._methods if not m.is_async],
         )
-        self._transport.write(wire.encode_frame(wire.Kind.HELLO, 0, 0, msgspec.json.encode(hello)))
+        self._hello = msgspec.json.encode(hello)
+        return self._hello
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = typing.cast(asyncio.Transport, transport)
+        self._transport.write(wire.encode_frame(wire.Kind.HELLO, 0, 0, self.hello()))
 
     def going_down(self) -> None:
         """The worker is exiting (its loop was stopped, or the connection is gone): the
@@ -1052,6 +1060,9 @@ class WorkerProtocol(asyncio.Protocol):
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# The signals the worker handles itself (SIGTERM: its loop's handler; SIGINT: see `main`)
+# and what a fresh Python process does with them: a handler's forked child gets these back.
+FRESH_DISPOSITIONS = ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler))
 PARENT_POLL_SECONDS = 0.5  # the fallback watcher's period
 
 
@@ -1101,34 +1112,62 @@ def isolate_forks(channel_fd: int) -> None:
     end-of-file there and stops, and what it writes goes nowhere. A child forked by the
     loop's thread also gets `die_with_parent` (prctl's signal is tied to the thread that
     forked: a child forked by a thread that ends early would die with it).
+
+    The child also gets the signal handling of a fresh Python process back
+    (`FRESH_DISPOSITIONS`), without the loop's wakeup fd: that is a socketpair shared
+    with the worker, so a SIGTERM sent to the child (multiprocessing's terminate()) was
+    caught there by the loop's handler and its number written to the WORKER's loop,
+    which stopped.
+
+    Only a fork by the worker itself is touched. A child's own forks (double-fork
+    daemonisation, nested multiprocessing) run the hook too, with a copy of it: their
+    parent is not the worker, so die_with_parent(worker) killed them at birth; the
+    child already has /dev/null and fresh signal handling, which its forks inherit, and
+    what it set up since (a file on the channel's number, its own handlers) is its own.
+    The kernel clears PDEATHSIG in a fork's child: the grandchild is not tied to anyone.
     """
     worker = os.getpid()
     loop_thread = threading.get_ident()
-    by_loop_thread = [False]
+    by_worker = [False, False]  # forked by the worker's process, by its loop's thread
 
     def before() -> None:
-        by_loop_thread[0] = threading.get_ident() == loop_thread
+        by_worker[0] = os.getpid() == worker
+        by_worker[1] = by_worker[0] and threading.get_ident() == loop_thread
 
     def after_in_child() -> None:
+        if not by_worker[0]:
+            return
         try:
             null = os.open(os.devnull, os.O_RDWR)
             os.dup2(null, channel_fd)
             os.close(null)
         except OSError:
             pass
-        if by_loop_thread[0]:
+        try:  # (the forking thread is the child's main thread: signal calls may be made)
+            signal.set_wakeup_fd(-1)
+            for signum, disposition in FRESH_DISPOSITIONS:
+                signal.signal(signum, disposition)
+        except (OSError, ValueError):
+            pass
+        if by_worker[1]:
             die_with_parent(worker)
 
     os.register_at_fork(before=before, after_in_child=after_in_child)
 
 
-async def _serve(args: argparse.Namespace, registry: Registry) -> None:
+async def _serve(args: argparse.Namespace, registry: Registry) -> int:
     loop = asyncio.get_running_loop()
     if hasattr(asyncio, "eager_task_factory"):  # 3.12+: async handlers that never
         loop.set_task_factory(asyncio.eager_task_factory)  # suspend finish inline
     proto = WorkerProtocol(
         registry, args.slot, args.concurrency, args.max_depth, args.max_frame_bytes, args.debug
     )
+    hello = proto.hello()
+    if len(hello) > args.max_frame_bytes:  # the broker would refuse the frame
+        log.error("app %r: its HELLO (its table of %d methods) is %d bytes, more than max_frame_bytes %d,"
+                  " the largest frame the broker accepts: not serving it (raise max_frame_bytes, or"
+                  " shorten the methods' docstrings)", args.app, len(registry), len(hello), args.max_frame_bytes)
+        return WORKER_BOOT_ERROR
     loop.add_signal_handler(signal.SIGTERM, proto.stop)
     transport, _ = await loop.create_unix_connection(lambda: proto, args.socket)
     isolate_forks(transport.get_extra_info("socket").fileno())
@@ -1136,6 +1175,11 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> None:
         await proto.done
     finally:  # done, or the loop is going down (a handler stopped it: the runner cancels
         proto.going_down()  # what is left)
+    return 0
+
+
+def _deaf(signum: int, frame: types.FrameType | None) -> None:
+    """The worker's SIGINT handler: nothing (see `main`)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1143,7 +1187,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Started by the broker, not by hand. Exits 0 when the broker closes the
     connection or says BYE, `WORKER_BOOT_ERROR` when the app cannot be loaded (an
-    exception or sys.exit() at import), and dies (SIGKILL) with the broker.
+    exception or sys.exit() at import) or cannot be served (more than `wire.MAX_METHODS`
+    methods, or a HELLO larger than max_frame_bytes), and dies (SIGKILL) with the broker.
     """
     parser = argparse.ArgumentParser(prog="python -m broker.worker")
     parser.add_argument("--socket", required=True)
@@ -1161,7 +1206,10 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format=f"%(asctime)s worker[{args.slot}] pid %(process)d %(levelname)s %(message)s",
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the broker decides when we stop
+    # The broker decides when we stop: SIGINT (a Ctrl-C to the terminal's process group)
+    # is caught and does nothing. Not SIG_IGN, which exec keeps: the subprocesses that
+    # handlers start would ignore SIGINT too; exec resets a caught signal to the default.
+    signal.signal(signal.SIGINT, _deaf)
     die_with_parent(args.parent_pid or os.getppid())
     try:
         registry = load_app(args.app)
@@ -1171,13 +1219,15 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         log.error("cannot load app %r: %s", args.app, exc, exc_info=args.debug)
         return WORKER_BOOT_ERROR
+    if len(registry) > wire.MAX_METHODS:  # a batch could not name the ones past it
+        log.error("app %r has %d methods, more than the %d one worker can serve (a batch names"
+                  " a method by a 16-bit index): not serving it", args.app, len(registry), wire.MAX_METHODS)
+        return WORKER_BOOT_ERROR
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency
-        asyncio.run(_serve(args, registry))
-    else:
-        uvloop.run(_serve(args, registry))
-    return 0
+        return asyncio.run(_serve(args, registry))
+    return uvloop.run(_serve(args, registry))
 
 
 if __name__ == "__main__":

@@ -159,6 +159,21 @@ def broker() -> Iterator[Broker]:
     assert status == 0, b.read_log()
 
 
+def children(pid: int) -> set[int]:
+    """Live child processes of `pid` (from /proc; zombies not counted)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.add(int(entry))
+    return out
+
+
 def wait_for(predicate: object, timeout: float = 10.0, interval: float = 0.02) -> None:
     """Poll `predicate()` until true or raise AssertionError after `timeout` s."""
     deadline = time.monotonic() + timeout

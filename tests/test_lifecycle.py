@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -17,7 +18,7 @@ import threading
 import time
 
 import pytest
-from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
+from conftest import Broker, children, sample, scrape_metrics, start_broker, wait_for
 
 # -- helpers ------------------------------------------------------------------------------
 
@@ -422,7 +423,7 @@ def test_bad_app_exits_with_status_3_and_says_why(app, words):
     message = str(info.value)
     assert message.startswith("broker exited with 3:"), message
     assert words in message
-    assert f"could not load app {app!r}" in message
+    assert f"could not boot app {app!r} (its log above says why)" in message
     assert time.monotonic() - t0 < 30
 
 
@@ -431,8 +432,8 @@ def test_bad_app_exits_with_status_3_and_says_why(app, words):
     [
         ("sys.exit:no config file found", "it called sys.exit('no config file found') at import"),
         ("sys.exit0", "it called sys.exit(0) at import"),
-        ("os._exit:0", "exited with 0 before it was ready"),
-        ("os._exit:7", "exited with 7 before it was ready"),
+        ("os._exit:0", "exited with 0 before it was ready: it could not load app"),
+        ("os._exit:7", "exited with 7 before it was ready: it could not load app"),
     ],
 )
 def test_an_app_that_exits_at_import_is_a_boot_failure(how, words):
@@ -443,7 +444,7 @@ def test_an_app_that_exits_at_import_is_a_boot_failure(how, words):
         start_broker("--workers", "2", "--app", "tests.apps.exits:registry", env={"EXITS_AT_IMPORT": how}, timeout=60)
     message = str(info.value)
     assert message.startswith("broker exited with 3:"), message
-    assert words in message and "could not load app 'tests.apps.exits:registry'" in message, message
+    assert words in message and "app 'tests.apps.exits:registry'" in message, message
     assert "restart" not in message.lower(), message
     assert time.monotonic() - t0 < 30
 
@@ -641,3 +642,71 @@ def test_an_app_that_hangs_at_import_is_a_boot_failure(tmp_path):
     assert "sent no HELLO" in message and "boot_timeout" in message, message
     assert "app 'tests.apps.versioned:registry'" in message, message
     assert time.monotonic() - t0 < 30
+
+
+def test_an_app_with_more_methods_than_a_batch_can_index_is_a_boot_failure():
+    """Hostile testing: 65,536 methods loaded and served single calls, but a batch's
+    CALL_ENTRY holds a method's index in 16 bits: a batch was a struct.error (HTTP 400,
+    not JSON-RPC). Index 65,535 is taken too (a method a reload lost). The worker now
+    refuses such an app at start, saying why, and the broker exits 3."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        start_broker("--workers", "1", "--app", "tests.apps.many_methods:registry", "--max-frame-bytes", "67108864",
+                     env={"MANY_METHODS": "65536", "MANY_METHODS_RAW": "1"}, timeout=60)
+    message = str(info.value)
+    assert message.startswith("broker exited with 3:"), message
+    assert "65536 methods, more than the 65535" in message, message
+    assert "could not boot app 'tests.apps.many_methods:registry'" in message, message
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_hello_past_max_frame_bytes_is_a_boot_failure_that_says_so():
+    """Hostile testing: the broker refused the HELLO frame and closed the connection; the
+    worker exited 0 and the broker said it 'could not load app', although it had. The
+    worker now measures its HELLO first and names its size, the methods and the setting."""
+    with pytest.raises(RuntimeError) as info:
+        start_broker("--workers", "1", "--app", "tests.apps.many_methods:registry",
+                     "--max-frame-bytes", "65536", "--max-body-bytes", "32768",
+                     env={"MANY_METHODS": "300", "MANY_METHODS_DOC": "400"}, timeout=60)
+    message = str(info.value)
+    assert message.startswith("broker exited with 3:"), message
+    assert re.search(r"HELLO \(its table of 300 methods\) is \d+ bytes, more than max_frame_bytes 65536", message), message
+    assert "could not boot app 'tests.apps.many_methods:registry'" in message, message
+
+
+def test_sigterm_while_the_workers_import_stops_them_at_once_and_exits_0(tmp_path):
+    """Hostile testing: SIGTERM during the start waited for the start to end (up to
+    boot_timeout, 60 s by default), then exited 3. It now stops the importing workers at
+    once and exits 0, as any stop does."""
+    import subprocess
+    import sys
+
+    spec = tmp_path / "app.json"
+    spec.write_text(json.dumps({"version": 1, "methods": ["a"], "import_seconds": 30}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", "--workers", "2",
+         "--app", "tests.apps.versioned:registry", "--boot-timeout", "20"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "VERSIONED_APP_FILE": str(spec)},
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    b = Broker(proc, "127.0.0.1", 0, "/", [])
+    workers: set[int] = set()
+    try:
+        wait_for(lambda: len(children(proc.pid)) == 2, timeout=20)
+        workers = children(proc.pid)
+        time.sleep(1.0)  # the workers are in their 30 s import
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(15)
+        took = time.monotonic() - t0
+        log = b.read_log()
+        assert status == 0, log
+        assert took < 5, (took, log)
+        assert "start interrupted" in log, log
+        assert not [w for w in workers if pid_exists(w)], log
+    finally:
+        b.stop()
+        for w in workers:
+            if pid_exists(w):
+                os.kill(w, signal.SIGKILL)

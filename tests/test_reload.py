@@ -10,7 +10,7 @@ import os
 import signal
 from pathlib import Path
 
-from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
+from conftest import Broker, children, sample, scrape_metrics, start_broker, wait_for
 
 APP = "tests.apps.versioned:registry"
 
@@ -35,21 +35,6 @@ def req(method: str, id_: object, params: object = None) -> dict[str, object]:
     if params is not None:
         r["params"] = params
     return r
-
-
-def children(pid: int) -> set[int]:
-    """Live child processes of `pid` (from /proc; zombies not counted)."""
-    out = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.add(int(entry))
-    return out
 
 
 def test_a_reload_deploys_code_that_adds_and_removes_methods(broker_factory, tmp_path: Path) -> None:

@@ -162,3 +162,58 @@ def test_a_child_a_handler_forks_neither_answers_calls_nor_outlives_its_worker(b
     assert sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="cancelled") == 0
     assert b.stop() == 0
     wait_for(lambda: not pid_alive(child), timeout=10)
+
+
+# -- a handler's children behave as fresh processes (hostile testing, round 2) ----------
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[Broker]:
+    b = start_broker("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "30")
+    yield b
+    assert b.stop() == 0, b.read_log()
+
+
+def test_a_forked_child_that_gets_sigterm_dies_of_it_and_the_worker_lives_on(forks: Broker) -> None:
+    """Hostile testing: the child inherited uvloop's SIGTERM handler and its wakeup
+    socket, shared with the worker: the child ignored SIGTERM, and the signal's number,
+    written into that socket, made the WORKER stop (the next call: -32003)."""
+    worker = forks.call("pid")["result"]
+    assert forks.call("fork_sigterm", timeout=20) == {"jsonrpc": "2.0", "result": -signal.SIGTERM, "id": 1}
+    for i in range(5):  # the worker would have stopped on its loop's next turn
+        assert forks.call("pid", id_=i)["result"] == worker
+    assert sample(scrape_metrics(forks), "rpc_broker_worker_restarts_total", reason="exited") == 0
+
+
+def test_a_fork_context_multiprocessing_pool_works_again_and_again(forks: Broker) -> None:
+    """Leaving `with Pool(...)` calls terminate(), which SIGTERMs the pool's children:
+    each used to stop the worker (or hang it in waitpid)."""
+    worker = forks.call("pid")["result"]
+    for i in range(4):
+        assert forks.call("fork_pool", [5], id_=i, timeout=20) == {"jsonrpc": "2.0", "result": [0, 1, 4, 9, 16], "id": i}
+        assert forks.call("pid")["result"] == worker
+
+
+def test_a_double_forked_daemon_grandchild_runs(forks: Broker, tmp_path) -> None:
+    """Hostile testing: the fork hook ran again in the child's own fork and its
+    die_with_parent(worker) saw another parent: the grandchild SIGKILLed itself at birth."""
+    out = tmp_path / "grandchild.pid"
+    assert forks.call("double_fork", [str(out)], timeout=20)["result"] == 0
+    wait_for(out.exists, timeout=10)
+    grandchild = int(out.read_text())
+    wait_for(lambda: not pid_alive(grandchild), timeout=10)
+
+
+def test_a_fork_process_may_start_another(forks: Broker) -> None:
+    """Nested multiprocessing (a fork-context Process starting another) exits 0."""
+    assert forks.call("nested_process", timeout=30)["result"] == 0
+
+
+def test_a_subprocess_a_handler_starts_dies_of_sigint(forks: Broker) -> None:
+    """The worker ignored SIGINT with SIG_IGN, which exec keeps: `sleep` ignored it too.
+    The worker now catches it with a no-op handler, which exec resets to the default."""
+    assert forks.call("sigint_subprocess", timeout=20)["result"] == -signal.SIGINT
+    worker = forks.call("pid")["result"]
+    os.kill(worker, signal.SIGINT)  # the worker itself stays deaf to it
+    for i in range(5):
+        assert forks.call("pid", id_=i)["result"] == worker

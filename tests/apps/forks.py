@@ -1,0 +1,101 @@
+"""A test app whose handlers fork, use multiprocessing and start subprocesses as real
+handlers do (hostile testing: a child forked by a handler inherited the worker's signal
+handling, nested forks were killed at birth, and subprocesses ignored SIGINT)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import time
+
+from broker.worker import Registry
+
+registry = Registry()
+
+
+@registry.method
+def pid() -> int:
+    return os.getpid()
+
+
+@registry.method
+def fork_sigterm() -> int:
+    """Fork a child that SIGTERMs itself; return how the child ended (its exit code as
+    subprocess reports it: -15 for killed by SIGTERM)."""
+    child = os.fork()
+    if child == 0:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)
+        finally:
+            os._exit(7)  # SIGTERM was ignored (or handled): the worker's disposition
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+@registry.method
+def fork_pool(n: int) -> list[int]:
+    """A fork-context multiprocessing Pool; leaving `with` calls pool.terminate()."""
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        return pool.map(_square, range(n))
+
+
+@registry.method
+def double_fork(path: str) -> int:
+    """Daemonise (fork, setsid, fork); the grandchild writes its pid to `path`."""
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                with open(path + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.rename(path + ".tmp", path)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _inner() -> None:
+    pass
+
+
+def _outer() -> None:
+    inner = multiprocessing.get_context("fork").Process(target=_inner)
+    inner.start()
+    inner.join(10)
+    os._exit(0 if inner.exitcode == 0 else 10 + (inner.exitcode or 0) % 100)
+
+
+@registry.method
+def nested_process() -> int | None:
+    """A fork-context Process that starts another: the outer's exit code (0 when the
+    inner one ran and exited 0)."""
+    outer = multiprocessing.get_context("fork").Process(target=_outer)
+    outer.start()
+    outer.join(20)
+    return outer.exitcode
+
+
+@registry.method
+def sigint_subprocess() -> int | None:
+    """Start `sleep 30`, send it SIGINT, return its return code (-2: killed by SIGINT)."""
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(5)
+        except subprocess.TimeoutExpired:
+            return None  # it ignored SIGINT
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
