@@ -48,7 +48,12 @@ gain.
 What a queued call keeps alive is bounded by `max_queue_bytes`: its raw id and params
 are zero-copy views into the request body, and one small view would keep the whole
 body (up to `max_body_bytes`) alive, so they are copied out when the call is queued,
-and the bytes counted are those copies.
+and the bytes counted are those copies. `max_queue` counts calls (a chunk its weight,
+a running count). A queued call whose deadline passes is answered and releases its
+payload at once; its empty shell stays in the deque (removing it from the middle is
+O(n)) until it reaches the head, or until shells are more than half the deque and
+`_compact` drops them all (amortised O(1) each): a live head with a long deadline
+once kept every expired call behind it, and its params, alive.
 
 A worker's reply (`on_reply`) finds its call by id in the pending table, splices the
 raw result or error object after the client's raw id, and fills the call's slot; the
@@ -477,8 +482,11 @@ class Dispatcher:
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
-        # Queued calls whose deadline passed stay in the deque until they reach its head
-        # (removing one from the middle is O(n)); they no longer hold a place or bytes.
+        self._queued_calls = 0  # calls the live queued entries stand for (a chunk: its weight)
+        # Queued calls whose deadline passed stay in the deque as empty shells (their
+        # params and ids are released at once) until they reach its head, or until they
+        # are more than half of it and `_compact` drops them all: removing one from the
+        # middle is O(n), a compaction that removes more than n/2 is O(1) per shell.
         self._expired_queued = 0
         self._timeout = timeout
         self._method_timeouts = dict(method_timeouts or {})
@@ -568,6 +576,8 @@ class Dispatcher:
         size = _CALL_ENTRY.size
         blocking = self._blocking  # the new table's (its `other` entry is 0)
         for call in self._queue:
+            if not call.tick:  # an expired shell (its payload released)
+                continue
             if call.methods is None:
                 call.index = index[call.index]
                 call.sync = 1 if blocking[call.index] else -1 if self._sync_us[call.index] >= 0 else 0
@@ -632,7 +642,7 @@ class Dispatcher:
     @property
     def queued_calls(self) -> int:
         """Calls waiting for a worker (a queued chunk counts its calls)."""
-        return sum(call.weight for call in self._queue if call.tick)
+        return self._queued_calls
 
     def count_refused_body(self, code: int = ErrorCode.INVALID_REQUEST) -> None:
         """A front-end answered a body it refused unread with `code` (metrics): -32600
@@ -784,15 +794,16 @@ class Dispatcher:
             self._finish(call, error_object(ErrorCode.SHUTTING_DOWN), ErrorCode.SHUTTING_DOWN, remaining=False)
         elif not self._ready and not self.worker_coming():
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
-        elif len(queue) - self._expired_queued >= self._max_queue or (
+        elif self._queued_calls + call.weight > self._max_queue or (
             self._queued_bytes + _held(call) > self._max_queue_bytes
-        ):
+        ):  # (max_queue counts calls: a chunk that does not fit is shed whole)
             self.shed_total += 1
             self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
         else:
             _hold(call)
             queue.append(call)
             self._queued_bytes += call.held
+            self._queued_calls += call.weight
 
     def _pick(self, sync: int) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
@@ -1105,6 +1116,7 @@ class Dispatcher:
         call = self._queue.popleft()
         if call.tick:
             self._queued_bytes -= call.held
+            self._queued_calls -= call.weight
         else:  # expired while queued: counted out already (_on_timeout)
             self._expired_queued -= 1
         return call
@@ -1129,18 +1141,37 @@ class Dispatcher:
 
     def _on_timeout(self, call: Call) -> None:
         self.timeouts_total += call.weight
-        if call.worker is None:  # still queued: it gives up its place and bytes now
+        queued = call.worker is None
+        if queued:  # still queued: it gives up its place and bytes now
             self._expired_queued += 1
             self._queued_bytes -= call.held
+            self._queued_calls -= call.weight
         self._finish(
             call,
             error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout}),
             ErrorCode.TIMED_OUT,
         )
+        if queued:
+            # ... and its payload: the shell left in the deque holds no params or ids (a
+            # live head with a long deadline would keep every expired call behind it).
+            call.params = b""
+            call.id = _NO_ID
+            call.ids = call.slots = call.methods = None
+            if self._expired_queued * 2 > len(self._queue):
+                self._compact()
+            return
         worker = call.worker
         if worker is not None and worker.channel is not None:
             worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
             self._loop.call_later(self._cancel_grace, self._check_hung, call)
+
+    def _compact(self) -> None:
+        """Drop the expired shells from the queue (more than half of it), in place."""
+        queue = self._queue
+        live = [call for call in queue if call.tick]
+        queue.clear()
+        queue.extend(live)
+        self._expired_queued = 0
 
     def _check_hung(self, call: Call) -> None:
         """Kill the worker if it still has not answered a call cancelled long ago: a
@@ -1222,7 +1253,7 @@ class Dispatcher:
         """Counters and gauges as a frozen record."""
         return DispatcherStats(
             in_flight=len(self._pending),
-            queued=len(self._queue) - self._expired_queued,
+            queued=self._queued_calls,
             calls_total=self.calls_total,
             timeouts_total=self.timeouts_total,
             late_results_total=self.late_results_total,

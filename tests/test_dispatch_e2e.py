@@ -6,6 +6,7 @@ handler, late replies are told apart, application error codes are counted bounde
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -159,3 +160,69 @@ def test_a_chunks_answers_leave_before_a_slow_sync_call_in_the_same_chunk(broker
     assert answers[:5] == [{"jsonrpc": "2.0", "id": i, "result": 3} for i in range(5)]  # type: ignore[index]
     assert answers[5]["error"]["code"] == -32001  # type: ignore[index]
     assert sample(scrape_metrics(b), "rpc_broker_timeouts_total", method="add") == 0
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_expired_queued_calls_behind_a_live_head_release_their_params(broker_factory):
+    """Hostile testing (t_qmem.py): calls with a short deadline expire while queued
+    behind a live head with a long one. They left queued_bytes at once, but each kept
+    its 200 KB of params (copied when queued) until it reached the head: RSS grew by
+    each round's params (1448 such calls of 900 KB: 36 MB -> 1.3 GB). Now an expired
+    call's payload goes at once, and its empty shell when shells are half the queue."""
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--timeout", "60",
+                       "--method-timeout", "echo=0.05", "--max-queue-bytes", str(4 * 1024 * 1024),
+                       "--grace-period", "1")
+    threading.Thread(target=post, args=(b, req("sleep", [30], "blocker")), daemon=True).start()
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+    threading.Thread(target=post, args=(b, req("add", [1, 2], "head")), daemon=True).start()
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 1, timeout=10)
+    big = json.dumps(req("echo", ["x" * 200_000], 1))
+
+    def flood(calls: int) -> list[int]:
+        conn = b.connection()
+        try:
+            codes = []
+            for _ in range(calls):
+                conn.request("POST", "/", big, {"content-type": "application/json"})
+                codes.append(json.loads(conn.getresponse().read())["error"]["code"])
+            return codes
+        finally:
+            conn.close()
+
+    def round_() -> int:
+        with ThreadPoolExecutor(4) as pool:
+            codes = [c for f in [pool.submit(flood, 40) for _ in range(4)] for c in f.result(timeout=120)]
+        assert codes == [-32001] * 160  # each timed out in the queue
+        return rss_kib(b.pid)
+
+    first = round_()
+    second = round_()  # 160 more expired calls of 200 KB: 32 MB if they were kept
+    assert second - first < 12 * 1024, f"RSS grew {second - first} KiB in a round"
+    s = scrape_metrics(b)
+    assert sample(s, "rpc_broker_calls_queued") == 1  # the live head only
+    assert 0 < sample(s, "rpc_broker_queued_bytes") < 100
+
+
+def test_max_queue_counts_calls_and_sheds_a_batch_that_does_not_fit_whole(broker_factory):
+    """Hostile testing (t_queue.py): max_queue counted a queued chunk as one call, so
+    three 50-call batches with --max-queue 2 queued 100 calls. It counts calls now: a
+    batch whose chunk does not fit is answered -32000 per call, whole, at once."""
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--max-queue", "60")
+    with ThreadPoolExecutor(3) as pool:
+        blocker = pool.submit(post, b, req("sleep", [1.5], "blocker"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        first = pool.submit(post, b, [req("sleep", [0.01], f"a{i}") for i in range(50)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 50, timeout=10)
+        second = post(b, [req("sleep", [0.01], f"b{i}") for i in range(50)])
+        s = scrape_metrics(b)
+        assert sample(s, "rpc_broker_calls_queued") == 50 <= sample(s, "rpc_broker_queue_capacity") == 60
+        assert [a["error"]["code"] for a in second] == [-32000] * 50  # type: ignore[index,union-attr]
+        assert [a["result"] for a in first.result(timeout=30)] == [0.01] * 50  # type: ignore[index]
+        assert blocker.result(timeout=30)["result"] == 1.5  # type: ignore[index]
