@@ -226,3 +226,21 @@ def test_max_queue_counts_calls_and_sheds_a_batch_that_does_not_fit_whole(broker
         assert [a["error"]["code"] for a in second] == [-32000] * 50  # type: ignore[index,union-attr]
         assert [a["result"] for a in first.result(timeout=30)] == [0.01] * 50  # type: ignore[index]
         assert blocker.result(timeout=30)["result"] == 1.5  # type: ignore[index]
+
+
+def test_a_reply_whose_handler_never_ran_does_not_make_a_slow_sync_method_fast(broker_factory):
+    """Hostile testing (t_poison2.py): one -32602 for `block("x")` (its params did not
+    bind: no handler ran) took a fraction of a millisecond, and from its initial
+    estimate the broker learnt that `block` is fast: the next batch of `add` was dealt
+    to the worker busy in a 2 s `block` too, and its calls timed out behind it."""
+    b = broker_factory("--workers", "2", "--app", "tests.apps.mixed:registry", "--method-timeout", "add=1",
+                       "--cancel-grace", "30")
+    assert [a["result"] for a in post(b, [req("add", [i, 1], i) for i in range(10)])] == [i + 1 for i in range(10)]  # type: ignore[index]
+    assert b.call("block", ["not a number"])["error"]["code"] == -32602
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(b.call, "block", [2])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        answers = post(b, [req("add", [i, 1], i) for i in range(8)])
+        assert [a.get("result") for a in answers] == [i + 1 for i in range(8)], answers  # type: ignore[union-attr]
+        assert slow.result(timeout=30)["result"] == 2
+    assert sample(scrape_metrics(b), "rpc_broker_worker_service_seconds_count", method="block") == 1
