@@ -77,7 +77,7 @@ worker replies, so the worker's outstanding count stays exact; that reply is the
 dropped and counted as late: as `cancelled` when it is the worker's acknowledgement
 of the CANCEL (`wire.CANCEL_ACK`), else as `result` (the handler finished after the
 deadline, e.g. a sync handler that could not be interrupted). Notifications travel
-the same way with no exchange.
+the same way with no exchange (their late replies are not counted: none was owed).
 """
 
 from __future__ import annotations
@@ -876,13 +876,13 @@ class Dispatcher:
                 if part.exchange is not None:
                     self._fill_chunk(part, part.exchange, payload)
                 elif not part.tick:  # its deadline passed: these answers come late
-                    self._count_late(kind, payload, 0)
+                    self._count_late(kind, payload, part)
             return
         call = self._pending.pop(call_id, None)
         if call is None or call.worker is not worker:  # not a call of this worker's
             if call is not None:
                 self._pending[call_id] = call
-            self._count_late(kind, payload, 1)
+            self._count_late(kind, payload, None)
             return
         worker.outstanding -= call.weight
         sync = call.sync
@@ -942,7 +942,7 @@ class Dispatcher:
         elif call.tick:  # a notification
             self._deadlines.remove(call)
         else:  # its deadline passed: the client has its answer already
-            self._count_late(kind, payload, call.weight)
+            self._count_late(kind, payload, call)
         if self._queue:  # capacity was freed: fill all of it from the queue, in order
             self._pump()
         elif not self.accepting and not self._pending:
@@ -998,27 +998,38 @@ class Dispatcher:
             if (est >= BLOCKING_US) != self._blocking[index]:
                 self._reclassify(index, est)
 
-    def _count_late(self, kind: int, payload: bytes, weight: int) -> None:
-        """Count a reply to a call answered already: per call, as the worker's
-        acknowledgement of a CANCEL (`wire.CANCEL_ACK`) or as a late result. `weight`:
-        the calls one ERROR frame stands for (a whole chunk's)."""
+    def _count_late(self, kind: int, payload: bytes, call: Call | None) -> None:
+        """Count a reply to a call answered already: per call (notifications, which
+        were owed no answer, are not counted), as the worker's acknowledgement of a
+        CANCEL (`wire.CANCEL_ACK`) or as a late result. `call`: whose reply it is, or
+        None for an id not pending on this worker (then each answer counts)."""
+        slots = call.slots if call is not None else None
         if kind == _CHUNK_REPLY or kind == _CHUNK_PART:
             unpack = _REPLY_ENTRY.unpack_from
             size = _REPLY_ENTRY.size
             ack = len(_CANCEL_ACK)
             pos, end = 0, len(payload)
             while pos + size <= end:
-                _i, entry_kind, length = unpack(payload, pos)
+                i, entry_kind, length = unpack(payload, pos)
                 pos += size
-                if entry_kind == _ERROR and length == ack and payload[pos : pos + length] == _CANCEL_ACK:
+                if slots is not None and i < len(slots) and slots[i] < 0:
+                    pass  # a notification's
+                elif entry_kind == _ERROR and length == ack and payload[pos : pos + length] == _CANCEL_ACK:
                     self.late_cancelled_total += 1
                 else:
                     self.late_results_total += 1
                 pos += length
-        elif kind == _ERROR and payload == _CANCEL_ACK:
-            self.late_cancelled_total += max(weight, 1)
         else:
-            self.late_results_total += max(weight, 1)
+            if call is None:
+                calls = 1
+            elif slots is not None:  # one ERROR frame for a whole chunk
+                calls = call.weight - slots.count(-1)
+            else:
+                calls = int(call.kind != _NOTIFY)
+            if kind == _ERROR and payload == _CANCEL_ACK:
+                self.late_cancelled_total += calls
+            else:
+                self.late_results_total += calls
 
     def _fill_chunk(self, call: Call, exchange: Exchange, payload: bytes) -> None:
         """Splice the answers of a CHUNK_PART or CHUNK_REPLY payload into their slots.

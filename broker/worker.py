@@ -762,9 +762,10 @@ class WorkerProtocol(asyncio.Protocol):
                     self._cancelled.add(task)
                     task.cancel()
             while chunk.next < chunk.count:  # calls not started: answered cancelled
-                _index, _flags, length = _CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
+                _index, flags, length = _CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
                 chunk.pos += _CALL_ENTRY.size + length
-                self._chunk_answer(chunk, chunk.next, _ERROR, _CANCELLED)
+                if not flags & wire.NOTIFY_FLAG:  # (a notification is owed no answer)
+                    self._chunk_answer(chunk, chunk.next, _ERROR, _CANCELLED)
                 chunk.next += 1
             try:
                 self._backlog.remove(chunk)

@@ -10,6 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 from conftest import Broker, sample, scrape_metrics, wait_for
 
 from broker.jsonrpc import ERRORS
@@ -226,6 +227,33 @@ def test_max_queue_counts_calls_and_sheds_a_batch_that_does_not_fit_whole(broker
         assert [a["error"]["code"] for a in second] == [-32000] * 50  # type: ignore[index,union-attr]
         assert [a["result"] for a in first.result(timeout=30)] == [0.01] * 50  # type: ignore[index]
         assert blocker.result(timeout=30)["result"] == 1.5  # type: ignore[index]
+
+
+def test_a_notification_in_a_cancelled_chunk_is_not_a_late_reply(broker_factory):
+    """Hostile testing (t_stop.py): a worker stopped (SIGSTOP) mid-batch past the
+    deadline answers its chunk late once continued. late_replies counted the batch's
+    notification too (and the worker answered it CANCEL_ACK): 21 for 20 calls."""
+    b = broker_factory("--workers", "1", "--method-timeout", "sleep=1", "--cancel-grace", "5")
+    [worker] = psutil.Process(b.pid).children()
+    batch = [req("sleep", [0.5], i) for i in range(20)] + [{"jsonrpc": "2.0", "method": "sleep", "params": [0.5]}]
+    before = scrape_metrics(b)
+
+    def late() -> float:
+        s = scrape_metrics(b)
+        return sum(sample(s, "rpc_broker_late_replies_total", kind=k) - sample(before, "rpc_broker_late_replies_total", kind=k)
+                   for k in ("cancelled", "result"))
+
+    with ThreadPoolExecutor(1) as pool:
+        answers = pool.submit(post, b, batch)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 21, timeout=10)
+        worker.suspend()
+        try:
+            assert [a["error"]["code"] for a in answers.result(timeout=10)] == [-32001] * 20  # type: ignore[index]
+        finally:
+            worker.resume()
+    wait_for(lambda: late() >= 20, timeout=10)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 0, timeout=10)
+    assert late() == 20
 
 
 def test_a_reply_whose_handler_never_ran_does_not_make_a_slow_sync_method_fast(broker_factory):
