@@ -72,6 +72,11 @@ Every call ends in exactly one of these ways, and only the first one answers:
     shed        the queue was full: "overloaded" (never queued)
     shutdown    the grace period ended with the call still queued or in flight
 
+The drain (`drain`) waits until nothing is queued or in flight and the front-ends
+hold back no request (`held_back`: requests received but not dispatched yet, on a
+connection that fell behind); those are dispatched in their turn with `submit_held`,
+served as calls in flight are until the grace period ends.
+
 A call that timed out stays in the pending table (without its exchange) until its
 worker replies, so the worker's outstanding count stays exact; that reply is then
 dropped and counted as late: as `cancelled` when it is the worker's acknowledgement
@@ -525,6 +530,10 @@ class Dispatcher:
         self.notifications_dropped: dict[int, int] = {}
         self.worker_died_total = 0
         self._idle = asyncio.Event()  # set once draining and nothing is owed
+        self._draining = False  # in the grace period (see `submit_held`)
+        # Set by the server: how many requests the front-ends hold back undispatched
+        # (their `_waiting`); the drain waits for them too.
+        self.held_back: Callable[[], int] = lambda: 0
         # Set by the pool: is a worker on its way to READY? (else "no worker available")
         self.worker_coming: Callable[[], bool] = lambda: True
 
@@ -945,8 +954,8 @@ class Dispatcher:
             self._count_late(kind, payload, call)
         if self._queue:  # capacity was freed: fill all of it from the queue, in order
             self._pump()
-        elif not self.accepting and not self._pending:
-            self._idle.set()
+        elif not self.accepting:
+            self._check_idle()
 
     def _answer_error(self, call: Call, exchange: Exchange, error: bytes, size: int) -> None:
         """Fill a single call's slot with the worker's error object `error` (`size`: the
@@ -1238,15 +1247,36 @@ class Dispatcher:
                 exchange.status = http_status(code)
 
     def _check_idle(self) -> None:
-        if not self.accepting and not self._queue and not self._pending:
+        if not self.accepting and not self._queued_calls and not self._pending and not self.held_back():
             self._idle.set()
+
+    def check_idle(self) -> None:
+        """A front-end's held-back requests changed while draining: is nothing owed now?"""
+        self._check_idle()
 
     # -- shutdown --------------------------------------------------------------------------
 
+    def submit_held(
+        self, body: Body, on_done: Callable[[Exchange], None], budget: ResponseBudget | None = None
+    ) -> Exchange | None:
+        """`submit` for a request a front-end held back undispatched (`_waiting`: its
+        client fell behind, or was owed max_response_bytes). It was received before it
+        could be dispatched, so the drain serves it as it serves calls in flight: until
+        the grace period ends, it is routed as before the drain (see `held_back`)."""
+        if self.accepting or not self._draining:
+            return self.submit(body, on_done, budget)
+        self.accepting = True
+        try:
+            return self.submit(body, on_done, budget)
+        finally:
+            self.accepting = False
+
     async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> None:
         """Stop taking calls; wait up to `grace` s (or until `hurry` is set) for the
-        owed answers, then answer whatever is left with "shutting down"."""
+        owed answers, requests the front-ends hold back (`held_back`, `submit_held`)
+        included, then answer whatever is left with "shutting down"."""
         self.accepting = False
+        self._draining = True
         self._check_idle()
         waits = [asyncio.ensure_future(self._idle.wait())]
         if hurry is not None:
@@ -1254,6 +1284,7 @@ class Dispatcher:
         await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
+        self._draining = False
         error = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
         while self._queue:
             call = self._dequeue()

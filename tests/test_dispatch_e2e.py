@@ -6,6 +6,8 @@ handler, late replies are told apart, application error codes are counted bounde
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -272,3 +274,75 @@ def test_a_reply_whose_handler_never_ran_does_not_make_a_slow_sync_method_fast(b
         assert [a.get("result") for a in answers] == [i + 1 for i in range(8)], answers  # type: ignore[union-attr]
         assert slow.result(timeout=30)["result"] == 2
     assert sample(scrape_metrics(b), "rpc_broker_worker_service_seconds_count", method="block") == 1
+
+
+def http_request(payload: object) -> bytes:
+    body = json.dumps(payload).encode()
+    return (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def test_sigterm_serves_requests_a_connection_holds_back_within_the_grace_period(broker_factory):
+    """Hostile testing (t_term_http.py): a client that fell behind (a large answer it
+    read late) has its next pipelined requests dispatched one at a time (`_waiting`).
+    The drain waited only for the calls dispatched, so after SIGTERM the request held
+    back got -32004 "grace period ended" 2 s into a 20 s grace period. Now every request
+    gets its real answer and the broker exits 0."""
+    b = broker_factory("--workers", "2", "--grace-period", "20", "--max-body-bytes", str(8 * 1024 * 1024))
+    with socket.create_connection((b.host, b.port), timeout=30) as s:
+        s.sendall(http_request(req("echo", ["x" * 8_000_000], "big")))
+        time.sleep(1.0)  # not reading: the answer fills the socket, then the write buffer
+        got = b""
+        while b"\r\n\r\n" not in got or len(got) < got.index(b"\r\n\r\n") + 8_000_000:
+            got += s.recv(1 << 20)
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(body) < length:
+            body += s.recv(1 << 20)
+        rest = body[length:]
+        s.sendall(http_request(req("sleep", [2], "slow")) + http_request(req("add", [1, 2], "add")))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        start = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+    answers = [json.loads(part.split(b"\r\n\r\n", 1)[1]) for part in rest.split(b"HTTP/1.1 ")[1:]]
+    assert answers == [{"jsonrpc": "2.0", "id": "slow", "result": 2},
+                       {"jsonrpc": "2.0", "id": "add", "result": 3}], rest[-600:]
+    assert b.proc.wait(30) == 0
+    assert time.monotonic() - start < 10
+
+
+def test_sigterm_serves_lines_an_ndjson_stream_holds_back_within_the_grace_period(broker_factory):
+    """The same over NDJSON (t_term_wait2.py): the lines a stream that fell behind holds
+    in `_waiting` are served during the drain, not answered -32004 (or dropped)."""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "2", "--grace-period", "20", "--stream-port", str(port),
+                       "--max-body-bytes", str(8 * 1024 * 1024))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(json.dumps(req("echo", ["x" * 8_000_000], "big")).encode() + b"\n")
+        time.sleep(1.0)  # not reading: the answer fills the socket, then the write buffer
+        got = b""
+        while b"\n" not in got:
+            got += s.recv(1 << 20)
+        rest = got.partition(b"\n")[2]
+        s.sendall(json.dumps(req("sleep", [2], "slow")).encode() + b"\n"
+                  + json.dumps(req("add", [1, 2], "add")).encode() + b"\n")
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        start = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        while rest.count(b"\n") < 2:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+    assert [json.loads(line) for line in rest.splitlines()] == [
+        {"jsonrpc": "2.0", "id": "slow", "result": 2}, {"jsonrpc": "2.0", "id": "add", "result": 3}], rest
+    assert b.proc.wait(30) == 0
+    assert time.monotonic() - start < 10
