@@ -40,6 +40,10 @@ moving 1/8 of the way to each new one (a 200 ms method is blocking after its fir
 call; a 20 µs one needs an outlier past 8 ms, a loaded machine's descheduling, to
 cross for a call or two; an estimate that jumped to each slower call flipped `add` to
 blocking on every such outlier). A method starts as blocking until its first reply.
+A reply whose handler never ran (params that did not bind, an unknown method: the
+worker says so with `wire.NOT_RUN` in its aux) teaches nothing: a -32602 in 30 µs
+from the initial estimate flipped a 3 s method to fast, and the next batch was dealt
+to the worker busy in it.
 Below the threshold the worker runs many of its calls in one slice of its loop, and
 the limit would only add round trips: routing every call of the sync `add` this way
 cut single-call throughput on 2 workers from about 32,000 to 13,000 calls/s, for no
@@ -48,7 +52,12 @@ gain.
 What a queued call keeps alive is bounded by `max_queue_bytes`: its raw id and params
 are zero-copy views into the request body, and one small view would keep the whole
 body (up to `max_body_bytes`) alive, so they are copied out when the call is queued,
-and the bytes counted are those copies.
+and the bytes counted are those copies. `max_queue` counts calls (a chunk its weight,
+a running count). A queued call whose deadline passes is answered and releases its
+payload at once; its empty shell stays in the deque (removing it from the middle is
+O(n)) until it reaches the head, or until shells are more than half the deque and
+`_compact` drops them all (amortised O(1) each): a live head with a long deadline
+once kept every expired call behind it, and its params, alive.
 
 A worker's reply (`on_reply`) finds its call by id in the pending table, splices the
 raw result or error object after the client's raw id, and fills the call's slot; the
@@ -63,12 +72,17 @@ Every call ends in exactly one of these ways, and only the first one answers:
     shed        the queue was full: "overloaded" (never queued)
     shutdown    the grace period ended with the call still queued or in flight
 
+The drain (`drain`) waits until nothing is queued or in flight and the front-ends
+hold back no request (`held_back`: requests received but not dispatched yet, on a
+connection that fell behind); those are dispatched in their turn with `submit_held`,
+served as calls in flight are until the grace period ends.
+
 A call that timed out stays in the pending table (without its exchange) until its
 worker replies, so the worker's outstanding count stays exact; that reply is then
 dropped and counted as late: as `cancelled` when it is the worker's acknowledgement
 of the CANCEL (`wire.CANCEL_ACK`), else as `result` (the handler finished after the
 deadline, e.g. a sync handler that could not be interrupted). Notifications travel
-the same way with no exchange.
+the same way with no exchange (their late replies are not counted: none was owed).
 """
 
 from __future__ import annotations
@@ -117,6 +131,7 @@ _CALL = int(wire.Kind.CALL)
 _NOTIFY = int(wire.Kind.NOTIFY)
 _ERROR = int(wire.Kind.ERROR)
 _CANCEL_ACK = wire.CANCEL_ACK
+_NOT_RUN = wire.NOT_RUN  # a reply's aux: the handler never ran (no service time)
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
@@ -477,8 +492,11 @@ class Dispatcher:
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
-        # Queued calls whose deadline passed stay in the deque until they reach its head
-        # (removing one from the middle is O(n)); they no longer hold a place or bytes.
+        self._queued_calls = 0  # calls the live queued entries stand for (a chunk: its weight)
+        # Queued calls whose deadline passed stay in the deque as empty shells (their
+        # params and ids are released at once) until they reach its head, or until they
+        # are more than half of it and `_compact` drops them all: removing one from the
+        # middle is O(n), a compaction that removes more than n/2 is O(1) per shell.
         self._expired_queued = 0
         self._timeout = timeout
         self._method_timeouts = dict(method_timeouts or {})
@@ -512,6 +530,10 @@ class Dispatcher:
         self.notifications_dropped: dict[int, int] = {}
         self.worker_died_total = 0
         self._idle = asyncio.Event()  # set once draining and nothing is owed
+        self._draining = False  # in the grace period (see `submit_held`)
+        # Set by the server: how many requests the front-ends hold back undispatched
+        # (their `_waiting`); the drain waits for them too.
+        self.held_back: Callable[[], int] = lambda: 0
         # Set by the pool: is a worker on its way to READY? (else "no worker available")
         self.worker_coming: Callable[[], bool] = lambda: True
 
@@ -568,6 +590,8 @@ class Dispatcher:
         size = _CALL_ENTRY.size
         blocking = self._blocking  # the new table's (its `other` entry is 0)
         for call in self._queue:
+            if not call.tick:  # an expired shell (its payload released)
+                continue
             if call.methods is None:
                 call.index = index[call.index]
                 call.sync = 1 if blocking[call.index] else -1 if self._sync_us[call.index] >= 0 else 0
@@ -632,7 +656,7 @@ class Dispatcher:
     @property
     def queued_calls(self) -> int:
         """Calls waiting for a worker (a queued chunk counts its calls)."""
-        return sum(call.weight for call in self._queue if call.tick)
+        return self._queued_calls
 
     def count_refused_body(self, code: int = ErrorCode.INVALID_REQUEST) -> None:
         """A front-end answered a body it refused unread with `code` (metrics): -32600
@@ -784,15 +808,16 @@ class Dispatcher:
             self._finish(call, error_object(ErrorCode.SHUTTING_DOWN), ErrorCode.SHUTTING_DOWN, remaining=False)
         elif not self._ready and not self.worker_coming():
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
-        elif len(queue) - self._expired_queued >= self._max_queue or (
+        elif self._queued_calls + call.weight > self._max_queue or (
             self._queued_bytes + _held(call) > self._max_queue_bytes
-        ):
+        ):  # (max_queue counts calls: a chunk that does not fit is shed whole)
             self.shed_total += 1
             self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
         else:
             _hold(call)
             queue.append(call)
             self._queued_bytes += call.held
+            self._queued_calls += call.weight
 
     def _pick(self, sync: int) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
@@ -860,13 +885,13 @@ class Dispatcher:
                 if part.exchange is not None:
                     self._fill_chunk(part, part.exchange, payload)
                 elif not part.tick:  # its deadline passed: these answers come late
-                    self._count_late(kind, payload, 0)
+                    self._count_late(kind, payload, part)
             return
         call = self._pending.pop(call_id, None)
         if call is None or call.worker is not worker:  # not a call of this worker's
             if call is not None:
                 self._pending[call_id] = call
-            self._count_late(kind, payload, 1)
+            self._count_late(kind, payload, None)
             return
         worker.outstanding -= call.weight
         sync = call.sync
@@ -876,7 +901,8 @@ class Dispatcher:
                 if not worker.sync_calls and worker.limit < worker.concurrency:
                     worker.limit = worker.concurrency
                     self._blocked -= 1
-            if call.methods is None and not call.stale:  # how long do its calls take? (BLOCKING_US)
+            # How long do its calls take? (BLOCKING_US; not from a reply whose handler never ran)
+            if call.methods is None and not call.stale and aux != _NOT_RUN:
                 index = call.index
                 est = self._sync_us[index]
                 est += (aux - est) >> 3
@@ -887,7 +913,9 @@ class Dispatcher:
         exchange = call.exchange
         metrics = self.metrics
         if metrics is not None:
-            if call.methods is not None:  # a chunk: each call at the chunk's time over its size
+            if aux == _NOT_RUN:  # no handler ran: no service time
+                pass
+            elif call.methods is not None:  # a chunk: each call at the chunk's time over its size
                 per_call = aux // call.weight
                 for index, n in _mix(call.methods).items():
                     metrics.service[index].observe_us(per_call, n)
@@ -899,7 +927,7 @@ class Dispatcher:
                 call.exchange = None
                 if kind == _CHUNK_REPLY:
                     self._fill_chunk(call, exchange, payload)
-                    if not call.stale:
+                    if not call.stale and aux != _NOT_RUN:
                         self._learn_chunk(call, aux)
                 else:  # one ERROR for the whole chunk
                     self._fail_chunk(call, exchange, payload, True)
@@ -923,11 +951,11 @@ class Dispatcher:
         elif call.tick:  # a notification
             self._deadlines.remove(call)
         else:  # its deadline passed: the client has its answer already
-            self._count_late(kind, payload, call.weight)
+            self._count_late(kind, payload, call)
         if self._queue:  # capacity was freed: fill all of it from the queue, in order
             self._pump()
-        elif not self.accepting and not self._pending:
-            self._idle.set()
+        elif not self.accepting:
+            self._check_idle()
 
     def _answer_error(self, call: Call, exchange: Exchange, error: bytes, size: int) -> None:
         """Fill a single call's slot with the worker's error object `error` (`size`: the
@@ -979,27 +1007,38 @@ class Dispatcher:
             if (est >= BLOCKING_US) != self._blocking[index]:
                 self._reclassify(index, est)
 
-    def _count_late(self, kind: int, payload: bytes, weight: int) -> None:
-        """Count a reply to a call answered already: per call, as the worker's
-        acknowledgement of a CANCEL (`wire.CANCEL_ACK`) or as a late result. `weight`:
-        the calls one ERROR frame stands for (a whole chunk's)."""
+    def _count_late(self, kind: int, payload: bytes, call: Call | None) -> None:
+        """Count a reply to a call answered already: per call (notifications, which
+        were owed no answer, are not counted), as the worker's acknowledgement of a
+        CANCEL (`wire.CANCEL_ACK`) or as a late result. `call`: whose reply it is, or
+        None for an id not pending on this worker (then each answer counts)."""
+        slots = call.slots if call is not None else None
         if kind == _CHUNK_REPLY or kind == _CHUNK_PART:
             unpack = _REPLY_ENTRY.unpack_from
             size = _REPLY_ENTRY.size
             ack = len(_CANCEL_ACK)
             pos, end = 0, len(payload)
             while pos + size <= end:
-                _i, entry_kind, length = unpack(payload, pos)
+                i, entry_kind, length = unpack(payload, pos)
                 pos += size
-                if entry_kind == _ERROR and length == ack and payload[pos : pos + length] == _CANCEL_ACK:
+                if slots is not None and i < len(slots) and slots[i] < 0:
+                    pass  # a notification's
+                elif entry_kind == _ERROR and length == ack and payload[pos : pos + length] == _CANCEL_ACK:
                     self.late_cancelled_total += 1
                 else:
                     self.late_results_total += 1
                 pos += length
-        elif kind == _ERROR and payload == _CANCEL_ACK:
-            self.late_cancelled_total += max(weight, 1)
         else:
-            self.late_results_total += max(weight, 1)
+            if call is None:
+                calls = 1
+            elif slots is not None:  # one ERROR frame for a whole chunk
+                calls = call.weight - slots.count(-1)
+            else:
+                calls = int(call.kind != _NOTIFY)
+            if kind == _ERROR and payload == _CANCEL_ACK:
+                self.late_cancelled_total += calls
+            else:
+                self.late_results_total += calls
 
     def _fill_chunk(self, call: Call, exchange: Exchange, payload: bytes) -> None:
         """Splice the answers of a CHUNK_PART or CHUNK_REPLY payload into their slots.
@@ -1105,6 +1144,7 @@ class Dispatcher:
         call = self._queue.popleft()
         if call.tick:
             self._queued_bytes -= call.held
+            self._queued_calls -= call.weight
         else:  # expired while queued: counted out already (_on_timeout)
             self._expired_queued -= 1
         return call
@@ -1129,18 +1169,37 @@ class Dispatcher:
 
     def _on_timeout(self, call: Call) -> None:
         self.timeouts_total += call.weight
-        if call.worker is None:  # still queued: it gives up its place and bytes now
+        queued = call.worker is None
+        if queued:  # still queued: it gives up its place and bytes now
             self._expired_queued += 1
             self._queued_bytes -= call.held
+            self._queued_calls -= call.weight
         self._finish(
             call,
             error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout}),
             ErrorCode.TIMED_OUT,
         )
+        if queued:
+            # ... and its payload: the shell left in the deque holds no params or ids (a
+            # live head with a long deadline would keep every expired call behind it).
+            call.params = b""
+            call.id = _NO_ID
+            call.ids = call.slots = call.methods = None
+            if self._expired_queued * 2 > len(self._queue):
+                self._compact()
+            return
         worker = call.worker
         if worker is not None and worker.channel is not None:
             worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
             self._loop.call_later(self._cancel_grace, self._check_hung, call)
+
+    def _compact(self) -> None:
+        """Drop the expired shells from the queue (more than half of it), in place."""
+        queue = self._queue
+        live = [call for call in queue if call.tick]
+        queue.clear()
+        queue.extend(live)
+        self._expired_queued = 0
 
     def _check_hung(self, call: Call) -> None:
         """Kill the worker if it still has not answered a call cancelled long ago: a
@@ -1188,15 +1247,36 @@ class Dispatcher:
                 exchange.status = http_status(code)
 
     def _check_idle(self) -> None:
-        if not self.accepting and not self._queue and not self._pending:
+        if not self.accepting and not self._queued_calls and not self._pending and not self.held_back():
             self._idle.set()
+
+    def check_idle(self) -> None:
+        """A front-end's held-back requests changed while draining: is nothing owed now?"""
+        self._check_idle()
 
     # -- shutdown --------------------------------------------------------------------------
 
+    def submit_held(
+        self, body: Body, on_done: Callable[[Exchange], None], budget: ResponseBudget | None = None
+    ) -> Exchange | None:
+        """`submit` for a request a front-end held back undispatched (`_waiting`: its
+        client fell behind, or was owed max_response_bytes). It was received before it
+        could be dispatched, so the drain serves it as it serves calls in flight: until
+        the grace period ends, it is routed as before the drain (see `held_back`)."""
+        if self.accepting or not self._draining:
+            return self.submit(body, on_done, budget)
+        self.accepting = True
+        try:
+            return self.submit(body, on_done, budget)
+        finally:
+            self.accepting = False
+
     async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> None:
         """Stop taking calls; wait up to `grace` s (or until `hurry` is set) for the
-        owed answers, then answer whatever is left with "shutting down"."""
+        owed answers, requests the front-ends hold back (`held_back`, `submit_held`)
+        included, then answer whatever is left with "shutting down"."""
         self.accepting = False
+        self._draining = True
         self._check_idle()
         waits = [asyncio.ensure_future(self._idle.wait())]
         if hurry is not None:
@@ -1204,6 +1284,7 @@ class Dispatcher:
         await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
+        self._draining = False
         error = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
         while self._queue:
             call = self._dequeue()
@@ -1222,7 +1303,7 @@ class Dispatcher:
         """Counters and gauges as a frozen record."""
         return DispatcherStats(
             in_flight=len(self._pending),
-            queued=len(self._queue) - self._expired_queued,
+            queued=self._queued_calls,
             calls_total=self.calls_total,
             timeouts_total=self.timeouts_total,
             late_results_total=self.late_results_total,

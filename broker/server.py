@@ -340,6 +340,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         if started is not None:
             started.set_result((host, port))
         await stop.wait()
+        dispatcher.held_back = lambda: sum(fe.held() for fe in frontends)
         log.info("stopping: no new connections; answering what is in flight (grace %s s)", config.grace_period)
         # A separate metrics listener stays open while the calls drain, so the drain
         # can be watched; it closes last.

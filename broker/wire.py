@@ -19,7 +19,10 @@ Kinds, who sends them, and what `aux` and the payload hold:
     NOTIFY  broker → worker  as CALL, for a notification; the worker still replies, so
                              the broker can account for the worker's capacity
     RESULT  worker → broker  aux: service time in µs; payload: raw JSON result
-    ERROR   worker → broker  aux: service time in µs; payload: raw JSON error object
+    ERROR   worker → broker  aux: service time in µs, or NOT_RUN (0xFFFFFFFF): the
+                             handler never ran (its params did not bind, or no such
+                             method), so the time says nothing of the method;
+                             payload: raw JSON error object
     CANCEL  broker → worker  aux 0; no payload: the call's (or chunk's) deadline passed
     BYE     broker → worker  aux 0; no payload: finish what is in flight, then exit
     CHUNK   broker → worker  several calls of one batch in one frame; aux: their count;
@@ -33,7 +36,8 @@ Kinds, who sends them, and what `aux` and the payload hold:
                              ERROR, length u32), then the raw JSON result or error
     CHUNK_REPLY worker → broker  the rest of a CHUNK's answers (as CHUNK_PART), sent
                              once all of its calls are done; it ends the chunk.
-                             aux: service time in µs. A worker may instead answer a
+                             aux: service time in µs (NOT_RUN: no handler of the
+                             chunk ran). A worker may instead answer a
                              whole CHUNK with one ERROR frame (e.g. cancelled before
                              it ran). Answers that together pass max_frame_bytes are
                              split over several CHUNK_PARTs; one part holds at most
@@ -64,6 +68,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAX_METHODS",
     "NOTIFY_FLAG",
+    "NOT_RUN",
     "REPLY_ENTRY",
     "FrameDecoder",
     "FrameError",
@@ -98,6 +103,10 @@ NOTIFY_FLAG = 1
 # The most methods one worker may serve: CALL_ENTRY holds a method's index in 16 bits,
 # and index len(methods) is taken too (a queued call whose method a reload lost).
 MAX_METHODS = 0xFFFF
+# A reply's aux meaning "the handler never ran" (params that did not bind, an unknown
+# method): not a service time, so neither side learns a method's speed from it. Real
+# service times are capped one below it.
+NOT_RUN = 0xFFFFFFFF
 # The error object a worker answers a call with when it cancelled it on CANCEL (or
 # dropped it unstarted): byte for byte, so the broker recognises it (late replies).
 CANCEL_ACK = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")

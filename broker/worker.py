@@ -593,6 +593,10 @@ _BYE = int(wire.Kind.BYE)
 _pack_header = wire.HEADER.pack
 _perf = time.perf_counter
 _CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a late result
+_NOT_RUN = wire.NOT_RUN  # a reply's aux when the handler never ran (wire.py)
+# `_execute`'s kind for an ERROR whose handler never ran (its params did not bind, or no
+# such method): the reply's aux says NOT_RUN, and no method's speed is learnt from it.
+_UNRUN = -1
 # The answer of last resort, when even a -32603 naming the failure cannot be encoded.
 _INTERNAL = error_object(ErrorCode.INTERNAL_ERROR, data={"type": "unknown"})
 SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
@@ -635,7 +639,7 @@ async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: 
 class _Chunk:
     """A CHUNK being run: where its next call starts, and answers not yet sent."""
 
-    __slots__ = ("chunk_id", "count", "next", "payload", "pos", "t0", "tasks", "unsent", "waiting")
+    __slots__ = ("chunk_id", "count", "next", "payload", "pos", "ran", "t0", "tasks", "unsent", "waiting")
 
     def __init__(self, chunk_id: int, count: int, payload: bytes) -> None:
         self.chunk_id = chunk_id
@@ -646,6 +650,7 @@ class _Chunk:
         self.unsent = bytearray()  # REPLY_ENTRY-framed answers for the next part
         self.tasks: list[asyncio.Task[tuple[bool, object]]] = []
         self.waiting = 0  # async calls still running
+        self.ran = False  # a handler of it ran (else its CHUNK_REPLY's aux is NOT_RUN)
         self.t0 = _perf()
 
 
@@ -765,9 +770,10 @@ class WorkerProtocol(asyncio.Protocol):
                     self._cancelled.add(task)
                     task.cancel()
             while chunk.next < chunk.count:  # calls not started: answered cancelled
-                _index, _flags, length = _CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
+                _index, flags, length = _CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
                 chunk.pos += _CALL_ENTRY.size + length
-                self._chunk_answer(chunk, chunk.next, _ERROR, _CANCELLED)
+                if not flags & wire.NOTIFY_FLAG:  # (a notification is owed no answer)
+                    self._chunk_answer(chunk, chunk.next, _ERROR, _CANCELLED)
                 chunk.next += 1
             try:
                 self._backlog.remove(chunk)
@@ -819,6 +825,9 @@ class WorkerProtocol(asyncio.Protocol):
         try:
             method = self._methods[index]
             args, kwargs = method.bind(params, self._max_depth)
+        except BaseException as exc:  # the handler never ran: -32602, -32601, -32600
+            return _UNRUN, self._error(exc, index)
+        try:
             if method.is_async:
                 return self._loop.create_task(_guarded(method.fn, args, kwargs))
             result = method.fn(*args, **kwargs)
@@ -863,7 +872,11 @@ class WorkerProtocol(asyncio.Protocol):
         t0 = _perf()
         done = self._execute(index, params)
         if type(done) is tuple:
-            self._slow[index] = self._reply(done[0], call_id, t0, done[1]) >= SLOW_SYNC_US
+            kind = done[0]
+            if kind == _UNRUN:  # it says nothing of how long the method takes
+                self._reply(_ERROR, call_id, t0, done[1], _NOT_RUN)
+                return
+            self._slow[index] = self._reply(kind, call_id, t0, done[1]) >= SLOW_SYNC_US
             return
         self._slow[index] = False  # an async handler (or a sync one's coroutine) blocks nothing
         task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
@@ -917,8 +930,12 @@ class WorkerProtocol(asyncio.Protocol):
             done = self._execute(index, payload[start : start + length])
             now = _perf()
             if type(done) is tuple:
-                slow[index] = now - t0 >= _SLOW_SYNC_S
                 kind, body = done
+                if kind == _UNRUN:  # (no handler ran: nothing learnt)
+                    kind = _ERROR
+                else:
+                    slow[index] = now - t0 >= _SLOW_SYNC_S
+                    chunk.ran = True
                 if len(unsent) + len(body) <= limit:  # fits this part (the common case)
                     unsent += pack(i, kind, len(body))
                     unsent += body
@@ -927,6 +944,7 @@ class WorkerProtocol(asyncio.Protocol):
             else:
                 task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
                 slow[index] = False
+                chunk.ran = True
                 chunk.tasks.append(task)
                 chunk.waiting += 1
                 task.add_done_callback(functools.partial(self._chunk_task_done, chunk, i, index))
@@ -973,16 +991,17 @@ class WorkerProtocol(asyncio.Protocol):
         to run, else a CHUNK_PART."""
         if chunk.next == chunk.count and not chunk.waiting:
             self._chunks.pop(chunk.chunk_id, None)
-            self._reply(_CHUNK_REPLY, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
+            self._reply(_CHUNK_REPLY, chunk.chunk_id, chunk.t0, bytes(chunk.unsent), -1 if chunk.ran else _NOT_RUN)
         elif chunk.unsent:
             self._reply(_CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
         else:
             return
         chunk.unsent.clear()
 
-    def _reply(self, kind: int, call_id: int, t0: float, body: bytes) -> int:
-        """Queue one reply frame; returns its service time (µs since `t0`)."""
-        service_us = min(int((_perf() - t0) * 1e6), 0xFFFFFFFF)
+    def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int:
+        """Queue one reply frame; returns its service time (µs since `t0`), its aux
+        unless `aux` gives one (NOT_RUN). Times are capped below NOT_RUN."""
+        service_us = min(int((_perf() - t0) * 1e6), _NOT_RUN - 1) if aux < 0 else aux
         if len(body) > self._max_result and kind < _CHUNK_REPLY:  # the broker would drop the
             kind, body = _ERROR, self._too_large(kind, len(body))  # connection (chunks: _chunk_answer)
         out = self._out

@@ -12,6 +12,7 @@ import typing
 
 import pytest
 import uvloop
+from msgspec import Raw
 
 from broker import wire
 from broker.dispatch import Call, DeadlineWheel, Dispatcher, Exchange, Route
@@ -604,5 +605,34 @@ def test_answers_owed_on_one_connection_share_max_response_bytes_and_are_given_b
         [frame] = w.channel.take()
         d.on_reply(w, wire.Kind.RESULT, frame[1], 0, result)
         assert json.loads(again.answers[0] or b"")["result"] == "x" * 398  # room again
+
+    run(main)
+
+
+def test_expired_queued_calls_release_their_payload_and_their_shells_are_compacted():
+    """Hostile testing (t_qmem.py): a call that expires in the queue behind a live head
+    with a long deadline drops its params and ids at once, and the expired shells are
+    dropped from the deque once they are more than half of it (amortised O(1) each)."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=60.0, method_timeouts={"eat": 0.02})
+        d.set_methods(["sleep", "eat"])
+        w = add_worker(d, 0, concurrency=1)
+        codec = Codec()
+        d.submit(body(codec, req("sleep", [60], "busy")), lambda e: None)
+        d.submit(body(codec, req("sleep", [1], "head")), lambda e: None)  # the live head
+        assert len(w.channel.take()) == 1
+        answers: list[bytes] = []
+        for _round in range(3):
+            calls = []
+            for i in range(50):
+                d.submit(body(codec, req("eat", ["x" * 1000], i)), lambda e: answers.append(e.body()))
+                calls.append(d._queue[-1])
+            await asyncio.sleep(0.1)
+            assert all(c.params == b"" and c.id == Raw() for c in calls)  # released at once
+            assert len(d._queue) <= 3  # the head and fewer shells than live calls
+        assert len(answers) == 150 and all(b'"code":-32001' in a for a in answers)
+        assert d.queued_calls == 1 == d.statistics().queued
+        assert d.queued_bytes == len(b"[1]") + len(b'"head"')
 
     run(main)

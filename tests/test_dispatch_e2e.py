@@ -6,9 +6,13 @@ handler, late replies are told apart, application error codes are counted bounde
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 from conftest import Broker, sample, scrape_metrics, wait_for
 
 from broker.jsonrpc import ERRORS
@@ -159,3 +163,186 @@ def test_a_chunks_answers_leave_before_a_slow_sync_call_in_the_same_chunk(broker
     assert answers[:5] == [{"jsonrpc": "2.0", "id": i, "result": 3} for i in range(5)]  # type: ignore[index]
     assert answers[5]["error"]["code"] == -32001  # type: ignore[index]
     assert sample(scrape_metrics(b), "rpc_broker_timeouts_total", method="add") == 0
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_expired_queued_calls_behind_a_live_head_release_their_params(broker_factory):
+    """Hostile testing (t_qmem.py): calls with a short deadline expire while queued
+    behind a live head with a long one. They left queued_bytes at once, but each kept
+    its 200 KB of params (copied when queued) until it reached the head: RSS grew by
+    each round's params (1448 such calls of 900 KB: 36 MB -> 1.3 GB). Now an expired
+    call's payload goes at once, and its empty shell when shells are half the queue."""
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--timeout", "60",
+                       "--method-timeout", "echo=0.05", "--max-queue-bytes", str(4 * 1024 * 1024),
+                       "--grace-period", "1")
+    threading.Thread(target=post, args=(b, req("sleep", [30], "blocker")), daemon=True).start()
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+    threading.Thread(target=post, args=(b, req("add", [1, 2], "head")), daemon=True).start()
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 1, timeout=10)
+    big = json.dumps(req("echo", ["x" * 200_000], 1))
+
+    def flood(calls: int) -> list[int]:
+        conn = b.connection()
+        try:
+            codes = []
+            for _ in range(calls):
+                conn.request("POST", "/", big, {"content-type": "application/json"})
+                codes.append(json.loads(conn.getresponse().read())["error"]["code"])
+            return codes
+        finally:
+            conn.close()
+
+    def round_() -> int:
+        with ThreadPoolExecutor(4) as pool:
+            codes = [c for f in [pool.submit(flood, 40) for _ in range(4)] for c in f.result(timeout=120)]
+        assert codes == [-32001] * 160  # each timed out in the queue
+        return rss_kib(b.pid)
+
+    first = round_()
+    second = round_()  # 160 more expired calls of 200 KB: 32 MB if they were kept
+    assert second - first < 12 * 1024, f"RSS grew {second - first} KiB in a round"
+    s = scrape_metrics(b)
+    assert sample(s, "rpc_broker_calls_queued") == 1  # the live head only
+    assert 0 < sample(s, "rpc_broker_queued_bytes") < 100
+
+
+def test_max_queue_counts_calls_and_sheds_a_batch_that_does_not_fit_whole(broker_factory):
+    """Hostile testing (t_queue.py): max_queue counted a queued chunk as one call, so
+    three 50-call batches with --max-queue 2 queued 100 calls. It counts calls now: a
+    batch whose chunk does not fit is answered -32000 per call, whole, at once."""
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--max-queue", "60")
+    with ThreadPoolExecutor(3) as pool:
+        blocker = pool.submit(post, b, req("sleep", [1.5], "blocker"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        first = pool.submit(post, b, [req("sleep", [0.01], f"a{i}") for i in range(50)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 50, timeout=10)
+        second = post(b, [req("sleep", [0.01], f"b{i}") for i in range(50)])
+        s = scrape_metrics(b)
+        assert sample(s, "rpc_broker_calls_queued") == 50 <= sample(s, "rpc_broker_queue_capacity") == 60
+        assert [a["error"]["code"] for a in second] == [-32000] * 50  # type: ignore[index,union-attr]
+        assert [a["result"] for a in first.result(timeout=30)] == [0.01] * 50  # type: ignore[index]
+        assert blocker.result(timeout=30)["result"] == 1.5  # type: ignore[index]
+
+
+def test_a_notification_in_a_cancelled_chunk_is_not_a_late_reply(broker_factory):
+    """Hostile testing (t_stop.py): a worker stopped (SIGSTOP) mid-batch past the
+    deadline answers its chunk late once continued. late_replies counted the batch's
+    notification too (and the worker answered it CANCEL_ACK): 21 for 20 calls."""
+    b = broker_factory("--workers", "1", "--method-timeout", "sleep=1", "--cancel-grace", "5")
+    [worker] = psutil.Process(b.pid).children()
+    batch = [req("sleep", [0.5], i) for i in range(20)] + [{"jsonrpc": "2.0", "method": "sleep", "params": [0.5]}]
+    before = scrape_metrics(b)
+
+    def late() -> float:
+        s = scrape_metrics(b)
+        return sum(sample(s, "rpc_broker_late_replies_total", kind=k) - sample(before, "rpc_broker_late_replies_total", kind=k)
+                   for k in ("cancelled", "result"))
+
+    with ThreadPoolExecutor(1) as pool:
+        answers = pool.submit(post, b, batch)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 21, timeout=10)
+        worker.suspend()
+        try:
+            assert [a["error"]["code"] for a in answers.result(timeout=10)] == [-32001] * 20  # type: ignore[index]
+        finally:
+            worker.resume()
+    wait_for(lambda: late() >= 20, timeout=10)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 0, timeout=10)
+    assert late() == 20
+
+
+def test_a_reply_whose_handler_never_ran_does_not_make_a_slow_sync_method_fast(broker_factory):
+    """Hostile testing (t_poison2.py): one -32602 for `block("x")` (its params did not
+    bind: no handler ran) took a fraction of a millisecond, and from its initial
+    estimate the broker learnt that `block` is fast: the next batch of `add` was dealt
+    to the worker busy in a 2 s `block` too, and its calls timed out behind it."""
+    b = broker_factory("--workers", "2", "--app", "tests.apps.mixed:registry", "--method-timeout", "add=1",
+                       "--cancel-grace", "30")
+    assert [a["result"] for a in post(b, [req("add", [i, 1], i) for i in range(10)])] == [i + 1 for i in range(10)]  # type: ignore[index]
+    assert b.call("block", ["not a number"])["error"]["code"] == -32602
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(b.call, "block", [2])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        answers = post(b, [req("add", [i, 1], i) for i in range(8)])
+        assert [a.get("result") for a in answers] == [i + 1 for i in range(8)], answers  # type: ignore[union-attr]
+        assert slow.result(timeout=30)["result"] == 2
+    assert sample(scrape_metrics(b), "rpc_broker_worker_service_seconds_count", method="block") == 1
+
+
+def http_request(payload: object) -> bytes:
+    body = json.dumps(payload).encode()
+    return (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def test_sigterm_serves_requests_a_connection_holds_back_within_the_grace_period(broker_factory):
+    """Hostile testing (t_term_http.py): a client that fell behind (a large answer it
+    read late) has its next pipelined requests dispatched one at a time (`_waiting`).
+    The drain waited only for the calls dispatched, so after SIGTERM the request held
+    back got -32004 "grace period ended" 2 s into a 20 s grace period. Now every request
+    gets its real answer and the broker exits 0."""
+    b = broker_factory("--workers", "2", "--grace-period", "20", "--max-body-bytes", str(8 * 1024 * 1024))
+    with socket.create_connection((b.host, b.port), timeout=30) as s:
+        s.sendall(http_request(req("echo", ["x" * 8_000_000], "big")))
+        time.sleep(1.0)  # not reading: the answer fills the socket, then the write buffer
+        got = b""
+        while b"\r\n\r\n" not in got or len(got) < got.index(b"\r\n\r\n") + 8_000_000:
+            got += s.recv(1 << 20)
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(body) < length:
+            body += s.recv(1 << 20)
+        rest = body[length:]
+        s.sendall(http_request(req("sleep", [2], "slow")) + http_request(req("add", [1, 2], "add")))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        start = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+    answers = [json.loads(part.split(b"\r\n\r\n", 1)[1]) for part in rest.split(b"HTTP/1.1 ")[1:]]
+    assert answers == [{"jsonrpc": "2.0", "id": "slow", "result": 2},
+                       {"jsonrpc": "2.0", "id": "add", "result": 3}], rest[-600:]
+    assert b.proc.wait(30) == 0
+    assert time.monotonic() - start < 10
+
+
+def test_sigterm_serves_lines_an_ndjson_stream_holds_back_within_the_grace_period(broker_factory):
+    """The same over NDJSON (t_term_wait2.py): the lines a stream that fell behind holds
+    in `_waiting` are served during the drain, not answered -32004 (or dropped)."""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "2", "--grace-period", "20", "--stream-port", str(port),
+                       "--max-body-bytes", str(8 * 1024 * 1024))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(json.dumps(req("echo", ["x" * 8_000_000], "big")).encode() + b"\n")
+        time.sleep(1.0)  # not reading: the answer fills the socket, then the write buffer
+        got = b""
+        while b"\n" not in got:
+            got += s.recv(1 << 20)
+        rest = got.partition(b"\n")[2]
+        s.sendall(json.dumps(req("sleep", [2], "slow")).encode() + b"\n"
+                  + json.dumps(req("add", [1, 2], "add")).encode() + b"\n")
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        start = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        while rest.count(b"\n") < 2:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+    assert [json.loads(line) for line in rest.splitlines()] == [
+        {"jsonrpc": "2.0", "id": "slow", "result": 2}, {"jsonrpc": "2.0", "id": "add", "result": 3}], rest
+    assert b.proc.wait(30) == 0
+    assert time.monotonic() - start < 10

@@ -241,6 +241,12 @@ class Listener:
         reset(conn)
         return True
 
+    def held(self) -> int:
+        """Requests its connections hold back undispatched (their `_waiting`): the
+        drain waits for them (`Dispatcher.held_back`). O(connections): read while
+        draining only."""
+        return sum(len(conn._waiting) for conn in self.connections)
+
     async def wait_closed(self, timeout: float) -> None:
         """Wait up to `timeout` s for connections to finish writing and close; abort
         those still open, and stop sweeping."""

@@ -602,7 +602,10 @@ class HttpProtocol(asyncio.Protocol):
         # max_body_bytes, a read's unparsed rest, requests never dispatched, the URL).
         self._parser = httptools.HttpRequestParser(_Gone())
         self._body = self._backlog = self._url = b""
-        self._waiting.clear()
+        if self._waiting:
+            self._waiting.clear()
+            if self._fe.draining:
+                self._fe.dispatcher.check_idle()
         if self._incoming:
             self._fe.incoming.hold(self._incoming, 0)
             self._incoming = 0
@@ -1143,7 +1146,8 @@ class HttpProtocol(asyncio.Protocol):
                 break  # one at a time: see _busy
             deferred = waiting.popleft()
             body, deferred.body = deferred.body, b""
-            exchange = fe.dispatcher.submit(fe.codec.decode(body), self._deferred_done, self._budget)
+            # (submit_held: while draining, a request held here is served as in flight)
+            exchange = fe.dispatcher.submit_held(fe.codec.decode(body), self._deferred_done, self._budget)
             if exchange is None:
                 extra = self._keep_header if deferred.keep_alive else _CLOSE
                 deferred.response = _STATUS_LINES[204] + fe.date + deferred.cors + extra + b"\r\n"
@@ -1153,6 +1157,8 @@ class HttpProtocol(asyncio.Protocol):
         if self._transport is not None:
             self._flush_ready()  # (an exchange complete at once is not called back)
             self._maybe_resume()
+        if fe.draining:
+            fe.dispatcher.check_idle()  # (the drain waits for what `_waiting` held)
 
     def _deferred_done(self, exchange: Exchange) -> None:
         if self._transport is not None:

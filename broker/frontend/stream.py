@@ -240,7 +240,10 @@ class StreamProtocol(asyncio.Protocol):
         self._fe.connections.discard(self)
         self._buffer.clear()  # (a partial line, up to max_body_bytes: not kept for a collector)
         self._backlog = b""
-        self._waiting.clear()
+        if self._waiting:
+            self._waiting.clear()
+            if self._fe.draining:
+                self._fe.dispatcher.check_idle()
         if self._incoming:
             self._fe.incoming.hold(self._incoming, 0)
             self._incoming = 0
@@ -396,10 +399,13 @@ class StreamProtocol(asyncio.Protocol):
             return
         self._submit(line)
 
-    def _submit(self, line: bytes) -> Exchange | None:
-        """Dispatch one line; return its exchange if answers are still owed for it."""
+    def _submit(self, line: bytes, held: bool = False) -> Exchange | None:
+        """Dispatch one line; return its exchange if answers are still owed for it.
+        `held`: it waited in `_waiting` (`Dispatcher.submit_held`: served while draining)."""
         fe = self._fe
-        exchange = fe.dispatcher.submit(fe.codec.decode(line), self._exchange_done, self._budget)
+        dispatcher = fe.dispatcher
+        submit = dispatcher.submit_held if held else dispatcher.submit
+        exchange = submit(fe.codec.decode(line), self._exchange_done, self._budget)
         if exchange is None:
             return None
         if exchange.remaining == 0:
@@ -424,9 +430,11 @@ class StreamProtocol(asyncio.Protocol):
             busy = self._busy
             if busy is not None and busy.remaining:
                 break  # one at a time: see _busy
-            self._busy = self._submit(waiting.popleft())
+            self._busy = self._submit(waiting.popleft(), True)
         self._maybe_resume()
         self._maybe_close()
+        if self._fe.draining:
+            self._fe.dispatcher.check_idle()  # (the drain waits for what `_waiting` held)
 
     def _exchange_done(self, exchange: Exchange) -> None:
         self.owed -= 1
