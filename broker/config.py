@@ -223,8 +223,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                   Doc("request bytes still arriving, over all connections "
                                       "together: HTTP bodies and NDJSON lines whose end has not "
                                       "come yet; one that would take them past this is refused "
-                                      "(HTTP 503, NDJSON a -32000 line) and its bytes dropped "
-                                      "(at least max_body_bytes)")
+                                      "(HTTP 503, NDJSON a -32000 line) and its bytes dropped",
+                                      rule="max_body_bytes or more")
                                   ] = 256 * MIB
     max_response_bytes: Annotated[Bytes, Meta(ge=64 * KIB, le=1 * GIB),
                                   Doc("answers one client connection may be owed and not have "

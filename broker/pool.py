@@ -402,9 +402,12 @@ class Pool:
         if worker in self.incoming:  # a new worker of a reload that failed: no restart
             log.warning("reload: new worker %d (pid %d) %s", worker.slot, worker.pid, reason)
             return
-        if self.workers[worker.slot] is not worker:  # replaced by a reload: no restart
-            self.retiring.discard(worker)
-            log.info("worker %d (pid %d) retired: %s", worker.slot, worker.pid, reason)
+        if self.workers[worker.slot] is not worker:  # replaced by a reload (or a failed reload's): no restart
+            if worker in self.retiring:
+                self.retiring.discard(worker)
+                log.info("worker %d (pid %d) retired: %s", worker.slot, worker.pid, reason)
+            else:  # (a new worker of a reload that failed, stopped with the others)
+                log.info("reload: new worker %d (pid %d) stopped, the reload failed: %s", worker.slot, worker.pid, reason)
             return
         if worker.kill_reason.startswith(CODE_CHANGED):  # its HELLO was refused (`hello`)
             self.restarts_by_reason["code_changed"] = self.restarts_by_reason.get("code_changed", 0) + 1

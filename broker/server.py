@@ -349,12 +349,18 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             if i not in last:
                 server.close()
                 fe.drain()
+        grace_ends = loop.time() + config.grace_period
         await dispatcher.drain(config.grace_period, hurry)
         for i in last:
             servers[i].close()
             frontends[i].drain()
         for fe in frontends:
-            await fe.wait_closed(timeout=0.2 if hurry.is_set() else 2.0)
+            # Clients still taking answers already made (a slow reader of large ones)
+            # get what is left of the grace period, and 2 s at least, before the abort.
+            if hurry.is_set():
+                await fe.wait_closed(timeout=0.2)
+            else:
+                await fe.wait_closed(timeout=2.0, taking=grace_ends - loop.time())
         await pool.stop(timeout=1.0 if hurry.is_set() else 10.0)
         _remove_socket(own_socket)
         log.info("stopped")

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
+import pytest
 from conftest import Broker, sample, scrape_metrics, wait_for
 
 from broker.jsonrpc import ERRORS
@@ -346,3 +347,51 @@ def test_sigterm_serves_lines_an_ndjson_stream_holds_back_within_the_grace_perio
         {"jsonrpc": "2.0", "id": "slow", "result": 2}, {"jsonrpc": "2.0", "id": "add", "result": 3}], rest
     assert b.proc.wait(30) == 0
     assert time.monotonic() - start < 10
+
+
+def _read_all(s: socket.socket) -> tuple[bytes, str]:
+    """Everything until the broker closes: (bytes, how it ended: "eof" or "reset")."""
+    got = bytearray()
+    while True:
+        try:
+            chunk = s.recv(1 << 20)
+        except ConnectionResetError:
+            return bytes(got), "reset"
+        if not chunk:
+            return bytes(got), "eof"
+        got += chunk
+
+
+@pytest.mark.parametrize("transport", ["http", "ndjson"])
+def test_sigterm_gives_a_slow_reader_the_grace_period_to_take_its_answers(broker_factory, transport):
+    """Hostile testing (round 3): a client that pipelined 30 calls of 1 MB answers and
+    read them slowly lost most of them at SIGTERM: once nothing was in flight the broker
+    gave connections 2 s to close, then reset them (whatever grace_period said), and the
+    lines or requests not yet parsed (a read's rest past the per-turn bound) were not
+    waited for. Every answer arrives now, whole, then an orderly close, and exit 0."""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "2", "--app", "tests.apps.hostile:registry", "--grace-period", "15",
+                       "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    calls = [req("async_blob", [1_000_000], i) for i in range(30)]
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    s.connect((b.host, b.port if transport == "http" else port))
+    with s:
+        if transport == "http":
+            s.sendall(b"".join(http_request(c) for c in calls))
+        else:
+            s.sendall(b"".join(json.dumps(c).encode() + b"\n" for c in calls))
+        time.sleep(1.0)  # not reading: the answers back up
+        b.proc.send_signal(signal.SIGTERM)
+        time.sleep(3.0)  # still not reading: past the 2 s the broker used to allow
+        s.settimeout(30)
+        got, ending = _read_all(s)
+    assert ending == "eof"
+    ids = sorted(json.loads(line)["id"] for line in (
+        [part.split(b"\r\n\r\n", 1)[1] for part in got.split(b"HTTP/1.1 ")[1:]] if transport == "http"
+        else got.splitlines()))
+    assert ids == list(range(30))
+    assert b.proc.wait(30) == 0

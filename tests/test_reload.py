@@ -103,6 +103,10 @@ def test_a_failed_reload_respawns_nothing_and_is_counted(broker_factory, tmp_pat
     assert "reload failed: new worker" in log and "this deploy is broken" in log, log
     assert restarts(b) == 0
     wait_for(lambda: children(b.pid) == old, timeout=10)  # the new workers are gone, no other came
+    log = b.read_log(0.5)
+    # A new user's check: the broken deploy's workers, stopped, were logged "retired".
+    assert "retired" not in log, log
+    assert "stopped, the reload failed" in log or "reload: new worker" in log, log
     assert {b.call("pid", id_=i)["result"] for i in range(6)} == old
     assert b.call("version")["result"] == 1
     # The deploy mended: a reload deploys it (a method added too).

@@ -242,16 +242,26 @@ class Listener:
         return True
 
     def held(self) -> int:
-        """Requests its connections hold back undispatched (their `_waiting`): the
-        drain waits for them (`Dispatcher.held_back`). O(connections): read while
-        draining only."""
-        return sum(len(conn._waiting) for conn in self.connections)
+        """Requests its connections hold back undispatched (their `_waiting`), plus one
+        for each connection with received bytes not parsed yet (a read's rest past the
+        per-turn bound, `_backlog`): the drain waits for them (`Dispatcher.held_back`).
+        O(connections): read while draining only."""
+        return sum(len(conn._waiting) + (1 if conn._backlog else 0) for conn in self.connections)
 
-    async def wait_closed(self, timeout: float) -> None:
+    async def wait_closed(self, timeout: float, taking: float | None = None) -> None:
         """Wait up to `timeout` s for connections to finish writing and close; abort
-        those still open, and stop sweeping."""
-        deadline = self.loop.time() + timeout
-        while self.connections and self.loop.time() < deadline:
+        those still open, and stop sweeping. With `taking` (s, more than `timeout`), wait
+        that long while some connection's client is still taking answers already written
+        (`unsent_bytes`: a slow reader), not for connections that owe nothing."""
+        now = self.loop.time()
+        deadline = now + timeout
+        longest = now + max(timeout, taking or 0.0)
+        while self.connections:
+            now = self.loop.time()
+            if now >= longest or (now >= deadline and not any(
+                conn.transport is not None and unsent_bytes(conn.transport) for conn in self.connections
+            )):  # fmt: skip
+                break
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
             conn.abort()

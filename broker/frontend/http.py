@@ -601,10 +601,11 @@ class HttpProtocol(asyncio.Protocol):
         # KiB, go with it), and what is big goes now (a partial body of up to
         # max_body_bytes, a read's unparsed rest, requests never dispatched, the URL).
         self._parser = httptools.HttpRequestParser(_Gone())
+        held = self._waiting or self._backlog
         self._body = self._backlog = self._url = b""
-        if self._waiting:
+        if held:
             self._waiting.clear()
-            if self._fe.draining:
+            if self._fe.draining:  # (the drain waits for what was held: `Listener.held`)
                 self._fe.dispatcher.check_idle()
         if self._incoming:
             self._fe.incoming.hold(self._incoming, 0)
@@ -719,6 +720,8 @@ class HttpProtocol(asyncio.Protocol):
             self._feed_turn(backlog)
         if not self._backlog:
             self._maybe_resume()
+            if self._fe.draining:  # (the drain waits for a backlog: `Listener.held`)
+                self._fe.dispatcher.check_idle()
 
     def eof_received(self) -> bool:
         """The client half-closed (`shutdown(SHUT_WR)`): keep the transport open to
@@ -1241,7 +1244,7 @@ class HttpProtocol(asyncio.Protocol):
         if not keep_alive:
             self._closing = True
             self._responses.clear()
-            if self._linger and not self._eof and not self._probe_only and transport.can_write_eof():
+            if (self._linger or fe.draining) and not self._eof and not self._probe_only and transport.can_write_eof():
                 # An answer before the request was read: closing now would reset the
                 # connection under a client still sending, and it would never see the
                 # answer. Half-close and keep discarding its bytes (nginx's lingering
@@ -1253,7 +1256,16 @@ class HttpProtocol(asyncio.Protocol):
             else:
                 transport.close()
         elif (fe.draining or self._eof) and not self._responses:
-            transport.close()
+            if fe.draining and not self._eof and transport.can_write_eof():
+                # Stopping: requests may still be on their way unread (pipelined, or in
+                # the kernel while reading was paused), and a close would reset the
+                # connection and cut the answers not yet taken. Half-close and discard
+                # what comes, as above; the client closes once it has read to the end.
+                self._closing = True
+                transport.write_eof()
+                self.lingering_since = self.last_active
+            else:
+                transport.close()
 
     def _queue(self, response: bytes, keep_alive: bool, path: str) -> None:
         """Write a finished response now, or after those owed before it."""

@@ -239,10 +239,11 @@ class StreamProtocol(asyncio.Protocol):
         self._transport = None
         self._fe.connections.discard(self)
         self._buffer.clear()  # (a partial line, up to max_body_bytes: not kept for a collector)
+        held = self._waiting or self._backlog
         self._backlog = b""
-        if self._waiting:
+        if held:
             self._waiting.clear()
-            if self._fe.draining:
+            if self._fe.draining:  # (the drain waits for what was held: `Listener.held`)
                 self._fe.dispatcher.check_idle()
         if self._incoming:
             self._fe.incoming.hold(self._incoming, 0)
@@ -321,10 +322,11 @@ class StreamProtocol(asyncio.Protocol):
         if transport is None or not backlog or self._write_paused:
             return
         self._backlog = b""
-        if self._fe.draining:
-            self._maybe_close()
-            return
+        # (also while draining: these lines came before the stop; each is answered, served
+        # or "shutting down", rather than dropped)
         self._lines(backlog)  # each line to dispatch, or after the others in `_waiting`
+        if not self._backlog and self._fe.draining:  # (the drain waits for a backlog: `Listener.held`)
+            self._fe.dispatcher.check_idle()
         if not self._backlog and self._transport is not None:
             if not self.read_paused:
                 self._transport.resume_reading()
