@@ -395,3 +395,32 @@ def test_sigterm_gives_a_slow_reader_the_grace_period_to_take_its_answers(broker
         else got.splitlines()))
     assert ids == list(range(30))
     assert b.proc.wait(30) == 0
+
+
+def test_sigterm_half_closes_a_connection_with_requests_unread_so_no_answer_is_cut(broker_factory):
+    """Hostile testing (round 3): requests sent 20 ms apart while the client read nothing
+    stayed in the kernel unread (reading paused on the full write buffer); at SIGTERM the
+    connection, owed nothing more, was closed with those bytes unread: a reset, which cut
+    the answer the client was still taking. It is half-closed now: every answer written
+    arrives whole, then EOF (the unread requests get none; an HTTP client retries them)."""
+    b = broker_factory("--workers", "2", "--app", "tests.apps.hostile:registry", "--grace-period", "5")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    s.connect((b.host, b.port))
+    with s:
+        for i in range(40):
+            s.sendall(http_request(req("async_blob", [2_000_000], i)))
+            time.sleep(0.02)
+        time.sleep(1.0)
+        b.proc.send_signal(signal.SIGTERM)
+        s.settimeout(30)
+        got, ending = _read_all(s)
+    assert ending == "eof"
+    parts = got.split(b"HTTP/1.1 ")[1:]
+    assert parts
+    for i, part in enumerate(parts):
+        head, _, body = part.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        assert len(body) == length, f"answer {i} cut: {len(body)} of {length} bytes"
+        assert json.loads(body)["id"] == i
+    assert b.proc.wait(30) == 0

@@ -347,7 +347,7 @@ class HttpFrontend(Listener):
         self.draining = True
         for conn in list(self.connections):
             if not conn.owed and conn.requests and not conn.request_started and not conn._backlog:
-                conn.close()
+                conn.stop_close()
 
 
 def _reserve_rank(conn: HttpProtocol) -> tuple[int, float]:
@@ -1256,16 +1256,29 @@ class HttpProtocol(asyncio.Protocol):
             else:
                 transport.close()
         elif (fe.draining or self._eof) and not self._responses:
-            if fe.draining and not self._eof and transport.can_write_eof():
-                # Stopping: requests may still be on their way unread (pipelined, or in
-                # the kernel while reading was paused), and a close would reset the
-                # connection and cut the answers not yet taken. Half-close and discard
-                # what comes, as above; the client closes once it has read to the end.
-                self._closing = True
-                transport.write_eof()
-                self.lingering_since = self.last_active
+            if fe.draining:
+                self.stop_close()
             else:
                 transport.close()
+
+    def stop_close(self) -> None:
+        """Close for the broker's stop. Requests may still be on their way unread
+        (pipelined, or in the kernel while reading was paused), and a close with bytes
+        unread resets the connection (RST), which drops the answers its client has not
+        taken yet. So half-close after what is written, and read on, discarding, as a
+        lingering close does: the client reads to the end, then closes."""
+        transport = self._transport
+        if transport is None:
+            return
+        if self._eof or not transport.can_write_eof():
+            transport.close()
+            return
+        self._closing = True
+        transport.write_eof()
+        self.lingering_since = self.last_active
+        if self.read_paused:
+            self.read_paused = False
+            transport.resume_reading()
 
     def _queue(self, response: bytes, keep_alive: bool, path: str) -> None:
         """Write a finished response now, or after those owed before it."""
