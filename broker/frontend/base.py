@@ -241,6 +241,21 @@ class Listener:
         reset(conn)
         return True
 
+    def lost(self, conn: typing.Any) -> None:
+        """A connection is gone: forget it, and drop what it held (its requests waiting
+        or not parsed yet, which the drain may be waiting for, and its bytes counted in
+        `incoming`). `conn` has `_waiting` (a deque), `_backlog` (bytes), `_incoming` (int)."""
+        self.connections.discard(conn)
+        held = conn._waiting or conn._backlog
+        conn._backlog = b""
+        if held:
+            conn._waiting.clear()
+            if self.draining:  # (the drain waits for what was held: `held`)
+                self.dispatcher.check_idle()
+        if conn._incoming:
+            self.incoming.hold(conn._incoming, 0)
+            conn._incoming = 0
+
     def held(self) -> int:
         """Requests its connections hold back undispatched (their `_waiting`), plus one
         for each connection with received bytes not parsed yet (a read's rest past the

@@ -601,16 +601,8 @@ class HttpProtocol(asyncio.Protocol):
         # KiB, go with it), and what is big goes now (a partial body of up to
         # max_body_bytes, a read's unparsed rest, requests never dispatched, the URL).
         self._parser = httptools.HttpRequestParser(_Gone())
-        held = self._waiting or self._backlog
-        self._body = self._backlog = self._url = b""
-        if held:
-            self._waiting.clear()
-            if self._fe.draining:  # (the drain waits for what was held: `Listener.held`)
-                self._fe.dispatcher.check_idle()
-        if self._incoming:
-            self._fe.incoming.hold(self._incoming, 0)
-            self._incoming = 0
-        self._fe.connections.discard(self)
+        self._body = self._url = b""
+        self._fe.lost(self)
         if self._probe_only:
             self._fe.probe_conns.discard(self)
 

@@ -237,17 +237,8 @@ class StreamProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        self._fe.connections.discard(self)
         self._buffer.clear()  # (a partial line, up to max_body_bytes: not kept for a collector)
-        held = self._waiting or self._backlog
-        self._backlog = b""
-        if held:
-            self._waiting.clear()
-            if self._fe.draining:  # (the drain waits for what was held: `Listener.held`)
-                self._fe.dispatcher.check_idle()
-        if self._incoming:
-            self._fe.incoming.hold(self._incoming, 0)
-            self._incoming = 0
+        self._fe.lost(self)
 
     def data_received(self, data: bytes) -> None:
         fe = self._fe
