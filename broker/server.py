@@ -354,13 +354,15 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         for i in last:
             servers[i].close()
             frontends[i].drain()
-        for fe in frontends:
-            # Clients still taking answers already made (a slow reader of large ones)
-            # get what is left of the grace period, and 2 s at least, before the abort.
-            if hurry.is_set():
-                await fe.wait_closed(timeout=0.2)
-            else:
-                await fe.wait_closed(timeout=2.0, taking=grace_ends - loop.time())
+        # Clients still taking answers already made (a slow reader of large ones) get
+        # what is left of the grace period, and 2 s at least, before their connections
+        # are ended; all listeners at once (one after another, each would add its 2 s),
+        # and a second stop signal ends the wait.
+        if hurry.is_set():
+            await asyncio.gather(*(fe.wait_closed(timeout=0.2) for fe in frontends))
+        else:
+            taking = grace_ends - loop.time()
+            await asyncio.gather(*(fe.wait_closed(timeout=2.0, taking=taking, hurry=hurry) for fe in frontends))
         await pool.stop(timeout=1.0 if hurry.is_set() else 10.0)
         _remove_socket(own_socket)
         log.info("stopped")

@@ -424,3 +424,27 @@ def test_sigterm_half_closes_a_connection_with_requests_unread_so_no_answer_is_c
         assert len(body) == length, f"answer {i} cut: {len(body)} of {length} bytes"
         assert json.loads(body)["id"] == i
     assert b.proc.wait(30) == 0
+
+
+def test_a_second_sigterm_ends_the_wait_for_a_slow_reader_and_the_cut_is_a_reset(broker_factory):
+    """Hostile testing (round 4): the wait for clients still taking answers ignored the
+    second SIGTERM (the broker stopped at the end of the 30 s grace period, not at once),
+    and a connection ended with answers unsent was closed in order: its client could not
+    tell the cut from the end. Now the second signal ends the wait, and the cut is a reset."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.hostile:registry", "--grace-period", "30")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((b.host, b.port))
+    with s:
+        s.sendall(http_request(req("async_blob", [5_000_000], 1)))
+        time.sleep(1.0)  # the answer is made, and mostly unsent
+        b.proc.send_signal(signal.SIGTERM)
+        time.sleep(2.0)
+        second = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        assert b.proc.wait(20) == 0
+        stopped = time.monotonic() - second
+        s.settimeout(10)
+        _got, ending = _read_all(s)
+    assert stopped < 10, stopped  # (the 30 s grace period would be 27 s more)
+    assert ending == "reset"

@@ -263,15 +263,20 @@ class Listener:
         O(connections): read while draining only."""
         return sum(len(conn._waiting) + (1 if conn._backlog else 0) for conn in self.connections)
 
-    async def wait_closed(self, timeout: float, taking: float | None = None) -> None:
-        """Wait up to `timeout` s for connections to finish writing and close; abort
-        those still open, and stop sweeping. With `taking` (s, more than `timeout`), wait
-        that long while some connection's client is still taking answers already written
-        (`unsent_bytes`: a slow reader), not for connections that owe nothing."""
+    async def wait_closed(self, timeout: float, taking: float | None = None,
+                          hurry: asyncio.Event | None = None) -> None:
+        """Wait up to `timeout` s for connections to finish writing and close; end those
+        still open, and stop sweeping. With `taking` (s, more than `timeout`), wait that
+        long while some connection's client is still taking answers already written
+        (`unsent_bytes`: a slow reader), not for connections that owe nothing; `hurry`
+        (a second stop signal) ends the wait at once. A connection ended with answers
+        unsent is reset (RST: its client can tell it was cut, not finished, which over
+        NDJSON, whose answers come in any order, it could not from an orderly close);
+        one with nothing unsent is closed at once."""
         now = self.loop.time()
         deadline = now + timeout
         longest = now + max(timeout, taking or 0.0)
-        while self.connections:
+        while self.connections and not (hurry is not None and hurry.is_set()):
             now = self.loop.time()
             if now >= longest or (now >= deadline and not any(
                 conn.transport is not None and unsent_bytes(conn.transport) for conn in self.connections
@@ -279,6 +284,10 @@ class Listener:
                 break
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
-            conn.abort()
+            transport = conn.transport
+            if transport is not None and unsent_bytes(transport):
+                reset(conn)
+            else:
+                conn.abort()
         if self._sweeper is not None:
             self._sweeper.cancel()
