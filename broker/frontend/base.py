@@ -29,7 +29,7 @@ EVICT_BATCH = 64  # idle connections found per scan at max_connections (closed o
 # libuv reads a connection with data up to 32 times in a row (256 KiB a read in uvloop): one
 # client sending 1 MiB bodies had 8 MiB parsed and decoded in one turn while everyone else
 # waited (hostile testing: /healthz p50 0.5 -> 50-120 ms). Past TURN_BYTES received, a
-# connection's reading pauses until the next loop iteration (`Connection._end_turn`).
+# connection's reading pauses until the next loop iteration (each protocol's `_end_turn`).
 TURN_BYTES = 256 * 1024
 _last_active = operator.attrgetter("last_active")
 _OUTQ = getattr(termios, "TIOCOUTQ", None)  # Linux's SIOCOUTQ: a socket's send queue, in bytes
