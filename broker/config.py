@@ -94,6 +94,13 @@ _HOST_NAME: Final = r"^(\*|[A-Za-z0-9_.~-]+|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f.]*:[0-
 _ORIGIN: Final = r"^(\*|null|[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+)$"
 
 
+# A Unix socket's path: 108 bytes of sun_path with the NUL (unix(7)). The broker's worker
+# socket is socket_dir + "/rpc-broker-XXXXXXXX/workers.sock" (`pool.Pool.start`): 33 more.
+SOCKET_PATH_BYTES = 107
+SOCKET_DIR_BYTES = SOCKET_PATH_BYTES - len("/rpc-broker-XXXXXXXX/workers.sock")
+_PATH_BYTES = {"stream_socket": SOCKET_PATH_BYTES, "socket_dir": SOCKET_DIR_BYTES}
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Validated broker settings; build one with `load` (or ``Config()`` for defaults).
 
@@ -124,9 +131,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                            Doc("also serve newline-delimited JSON-RPC over TCP on host:this "
                                "port; 0 means off")
                            ] = 0
-    stream_socket: Annotated[str, Meta(max_length=100),
+    stream_socket: Annotated[str, Meta(max_length=SOCKET_PATH_BYTES),
                              Doc("also serve newline-delimited JSON-RPC on a Unix socket at "
-                                 "this path (mode 0600); empty means off", metavar="PATH")
+                                 "this path (mode 0600); empty means off",
+                                 rule=f"at most {SOCKET_PATH_BYTES} bytes (a socket path's limit)", metavar="PATH")
                              ] = ""
     allowed_hosts: Annotated[
         tuple[Annotated[str, Meta(pattern=_HOST_NAME)], ...],
@@ -212,8 +220,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                Doc("open client connections at most, per listener; at it the "
                                    "least recently active idle one makes room, and with none "
                                    "idle a new one is refused (HTTP 503, NDJSON a -32000 line) "
-                                   "and closed (the broker also raises its open-files limit to "
-                                   "fit, when the system allows)")
+                                   "and closed (the broker raises its open-files limit to fit "
+                                   "every listener's, when the system allows; else each listener "
+                                   "gets its share, with a warning)")
                                ] = 10000
     max_frame_bytes: Annotated[Bytes, Meta(ge=64 * KIB, le=1 * GIB),
                                Doc("largest worker wire frame: a call's params or "
@@ -246,10 +255,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                             Doc("a worker that has not answered a timed-out call this "
                                 "long after the CANCEL is deemed hung and killed")
                             ] = 10 * SECONDS
-    socket_dir: Annotated[str, Meta(max_length=80),
-                          Doc("directory for the worker Unix sockets; empty means a "
-                              "private 0700 temporary directory (short, so socket "
-                              "paths stay under 108 bytes)", metavar="DIR")
+    socket_dir: Annotated[str, Meta(max_length=SOCKET_DIR_BYTES),
+                          Doc("directory for the worker Unix sockets (each broker makes a "
+                              "private 0700 one inside it); empty means one in the "
+                              "temporary directory",
+                              rule=f"at most {SOCKET_DIR_BYTES} bytes (a socket path's limit, less the "
+                                   f"{SOCKET_PATH_BYTES - SOCKET_DIR_BYTES} the broker adds)", metavar="DIR")
                           ] = ""
     debug: Annotated[bool,
                      Doc("put tracebacks in error 'data' (never on in production)")
@@ -480,6 +491,14 @@ def _unknown(source: str, what: str) -> ConfigError:
 
 def _check(s: Setting, value: object, source: str) -> None:
     """Validate one value against its `Config` field; raise `ConfigError` naming it."""
+    limit = _PATH_BYTES.get(s.name)
+    if limit is not None and isinstance(value, str) and len(os.fsencode(value)) > limit:
+        raise ConfigError(
+            f"{source}: {s.name} = {value!r}: expected at most {limit} bytes (it has {len(os.fsencode(value))}): "
+            f"a Unix socket's path holds at most {SOCKET_PATH_BYTES} bytes (sun_path, unix(7))"
+            + (f", and the broker adds {SOCKET_PATH_BYTES - SOCKET_DIR_BYTES} to socket_dir"
+               if s.name == "socket_dir" else "")
+        )
     if s.name == "allowed_hosts" and isinstance(value, (list, tuple)):
         for entry in value:
             problem = _host_problem(str(entry))

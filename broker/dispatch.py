@@ -531,6 +531,7 @@ class Dispatcher:
         self.worker_died_total = 0
         self._idle = asyncio.Event()  # set once draining and nothing is owed
         self._draining = False  # in the grace period (see `submit_held`)
+        self._serving = True  # until the drain ends: no call is sent to a worker after it
         # Set by the server: how many requests the front-ends hold back undispatched
         # (their `_waiting`); the drain waits for them too.
         self.held_back: Callable[[], int] = lambda: 0
@@ -799,7 +800,7 @@ class Dispatcher:
         if queue:  # FIFO: while a live call waits, a new one joins the tail
             while queue and not queue[0].tick:  # (calls that expired while queued)
                 self._dequeue()
-        worker = self._pick(call.sync) if not queue else None
+        worker = self._pick(call.sync) if not queue and self._serving else None
         if worker is not None:
             self._send(worker, call)
             if self.metrics is not None:
@@ -1285,6 +1286,10 @@ class Dispatcher:
         for w in waits:
             w.cancel()
         self._draining = False
+        # A request completed after this (a front-end's connection still open until
+        # `Listener.wait_closed` ends it) is answered "shutting down", never run: its
+        # answer could be cut off with its connection (hostile testing).
+        self._serving = False
         error = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
         while self._queue:
             call = self._dequeue()

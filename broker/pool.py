@@ -62,6 +62,7 @@ import time
 import typing
 
 from broker import wire
+from broker.config import ConfigError
 from broker.dispatch import Dispatcher
 from broker.worker import WORKER_BOOT_ERROR
 
@@ -189,7 +190,13 @@ class WorkerChannel(asyncio.Protocol):
         on_reply = self._dispatcher.on_reply
         for kind, call_id, aux, payload in frames:
             if worker is not None and (kind == _RESULT or kind == _ERROR or kind >= _CHUNK_REPLY):
-                on_reply(worker, kind, call_id, aux, payload)
+                # (a `try` costs nothing until it catches, CPython 3.11's zero-cost exceptions)
+                try:
+                    on_reply(worker, kind, call_id, aux, payload)
+                except Exception:  # a bug in answering one reply (hostile testing: a front-end's
+                    # write after its half-close) must not close this channel: the worker would
+                    # be lost with every other client's calls on it (-32002)
+                    log.exception("answering call %d of worker %s failed; the worker is kept", call_id, worker)
             elif kind == _HELLO and worker is None:
                 try:
                     worker = self.worker = self._pool.hello(self, wire.decode_hello(payload))
@@ -312,14 +319,18 @@ class Pool:
         the start is over.
         """
         timeout = self.boot_timeout
-        if self._socket_dir_given:
-            os.makedirs(self._socket_dir_given, mode=0o700, exist_ok=True)
-            self._dir = tempfile.mkdtemp(prefix="rpc-broker-", dir=self._socket_dir_given)
-        else:
-            self._dir = tempfile.mkdtemp(prefix="rpc-broker-")  # mode 0700
-        self._path = os.path.join(self._dir, "workers.sock")
-        self._server = await self.loop.create_unix_server(lambda: WorkerChannel(self), self._path)
-        os.chmod(self._path, 0o600)
+        try:
+            if self._socket_dir_given:
+                os.makedirs(self._socket_dir_given, mode=0o700, exist_ok=True)
+                self._dir = tempfile.mkdtemp(prefix="rpc-broker-", dir=self._socket_dir_given)
+            else:
+                self._dir = tempfile.mkdtemp(prefix="rpc-broker-")  # mode 0700
+            self._path = os.path.join(self._dir, "workers.sock")
+            self._server = await self.loop.create_unix_server(lambda: WorkerChannel(self), self._path)
+            os.chmod(self._path, 0o600)
+        except OSError as exc:  # (`stop` removes the directory made, if any)
+            where = f"socket_dir {self._socket_dir_given!r}" if self._socket_dir_given else tempfile.gettempdir()
+            raise ConfigError(f"cannot make the workers' Unix socket in {where}: {exc}") from None
         for worker in self.workers:
             await self._spawn(worker)
         deadline = self.loop.time() + timeout

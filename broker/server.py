@@ -12,7 +12,8 @@ Signals (handlers only set an event; the main coroutine acts on it):
                      once all are ready, replace the old ones and their method table in one
                      step; no call is lost; a failed reload leaves the old workers serving.
                      A SIGHUP during a reload (or while the broker starts) is not dropped:
-                     one more reload runs once that ends, so the latest code is deployed
+                     one more reload runs once that ends, so the latest code is deployed.
+                     Once a stop signal came, SIGHUP is ignored (logged).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import stat
 import sys
 import typing
 
-from broker.config import Config
+from broker.config import Config, ConfigError
 from broker.dispatch import Dispatcher
 from broker.frontend.base import Incoming
-from broker.frontend.http import HttpFrontend
-from broker.frontend.stream import StreamFrontend
+from broker.frontend.http import PROBE_RESERVE, HttpFrontend
+from broker.frontend.stream import REFUSED_LINGERING, StreamFrontend
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.pool import Pool, WorkerBootError
 from broker.worker import WORKER_BOOT_ERROR
@@ -45,8 +46,9 @@ def serve(config: Config) -> int:
     """Run the broker until SIGTERM/SIGINT; return the process exit status.
 
     0 after a clean shutdown, `WORKER_BOOT_ERROR` (3) when the workers cannot load
-    the app (an exception or exit at import, or no HELLO within boot_timeout), 1 when
-    the listening socket cannot be opened.
+    the app (an exception or exit at import, or no HELLO within boot_timeout), 2 when
+    the workers' socket cannot be made (socket_dir), 1 when the listening socket
+    cannot be opened.
     """
     logging.basicConfig(
         level=config.log_level.upper(),
@@ -103,6 +105,7 @@ def _remove_socket(made: tuple[str, int, int] | None) -> None:
             pass
 
 
+METRICS_CONNECTIONS = 64  # connections at once on a separate metrics listener (metrics_port)
 _LISTENER_NAMES = {
     "http": "JSON-RPC over HTTP, port", "metrics": "metrics, metrics_port",
     "tcp": "NDJSON over TCP, stream_port", "unix": "NDJSON over a Unix socket, stream_socket",
@@ -113,14 +116,18 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def fit_open_files(max_connections: int) -> int:
-    """Raise the soft RLIMIT_NOFILE towards the hard limit so `max_connections` client
-    sockets fit (plus 64 for the listener, worker sockets and logs), as nginx's
-    worker_rlimit_nofile does; return the connection limit that really fits."""
+def fit_open_files(max_connections: int, listeners: int, extra: int) -> int:
+    """Raise the soft RLIMIT_NOFILE towards the hard limit so that `listeners` listeners
+    of `max_connections` client sockets each fit, plus `extra` descriptors (the probes'
+    reserve, the metrics listener, refused connections still being answered, worker
+    sockets, logs), as nginx's worker_rlimit_nofile does; return the connection limit
+    per listener that really fits (at least 1). Every listener has its own
+    max_connections, so sizing for one let idle NDJSON connections use up the
+    descriptors HTTP needed: its probes were reset unanswered (hostile testing)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = max_connections + 64
+    want = max_connections * listeners + extra
     if soft != resource.RLIM_INFINITY and soft < want:
         new = want if hard == resource.RLIM_INFINITY else min(want, hard)
         try:
@@ -128,9 +135,10 @@ def fit_open_files(max_connections: int) -> int:
             soft = new
         except (ValueError, OSError):
             pass
-    fits = max_connections if soft == resource.RLIM_INFINITY else min(max_connections, soft - 64)
+    fits = max_connections if soft == resource.RLIM_INFINITY else min(max_connections, (soft - extra) // listeners)
     if fits < max_connections:
-        log.warning("open-files limit %d allows %d connections, not max_connections %d", soft, fits, max_connections)
+        log.warning("open-files limit %d allows %d connections per listener (%d listeners), not max_connections %d",
+                    soft, max(1, fits), listeners, max_connections)
     return max(1, fits)
 
 
@@ -194,6 +202,9 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
     pool.after_reload = after_reload
 
     def handle_hup() -> None:
+        if stop.is_set():  # (a `systemctl reload` racing a stop: new workers would only be stopped)
+            log.info("SIGHUP while stopping: ignored")
+            return
         log.info("SIGHUP: reloading the workers (the app is imported anew)")
         pool.request_reload()  # coalesced: one during a reload or the start runs after it
 
@@ -210,7 +221,15 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
                 return exposition(reg)
 
         separate = config.metrics and config.metrics_port != 0
-        max_connections = fit_open_files(config.max_connections)
+        streams = bool(config.stream_port) + bool(config.stream_socket)
+        max_connections = fit_open_files(
+            config.max_connections, 1 + streams,
+            # the probes' reserve; the metrics listener's connections and reserve; refused
+            # streams still being answered; per worker its socket and process handle, twice
+            # during a reload; listening sockets, logs, /proc reads of a scrape
+            PROBE_RESERVE + (METRICS_CONNECTIONS + PROBE_RESERVE) * separate + REFUSED_LINGERING * streams
+            + 4 * config.worker_count + 64,
+        )
         # Who may call (issue 9 item 11): the bind addresses are always names of this server.
         hosts = (*config.allowed_hosts, config.host, config.metrics_host)
         incoming = Incoming(config.max_incoming_bytes)  # (one for all the listeners)
@@ -232,7 +251,7 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = [(frontend, config.host, config.port)]
         if separate:
             metrics_frontend = HttpFrontend(
-                dispatcher, max_connections=64, metrics=scrape, serve_rpc=False,
+                dispatcher, max_connections=METRICS_CONNECTIONS, metrics=scrape, serve_rpc=False,
                 keepalive_timeout=config.keepalive_timeout, request_timeout=config.request_timeout,
                 send_timeout=config.send_timeout, transport="metrics", allowed_hosts=hosts, allowed_origins=config.allowed_origins,
                 incoming=incoming,
@@ -306,6 +325,10 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
             log.error("%s", exc)
             await give_up()
             return 1
+        except ConfigError as exc:  # the workers' socket cannot be made (socket_dir)
+            log.error("%s", exc)
+            await give_up()
+            return 2
         warn_unserved_timeouts(config.method_timeouts, pool.methods or [])
         servers: list[asyncio.Server] = []
         for (fe, where, port_), server in zip(listeners, bound):

@@ -2,6 +2,8 @@
 
 import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -510,6 +512,40 @@ def test_check_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert capsys.readouterr().err == (
         "rpc-broker: config error: environment variable RPC_BROKER_WORKERS: "
         "workers = 'many': expected an integer\n")
+
+
+@pytest.mark.parametrize(("setting", "value", "limit"), [
+    ("socket_dir", "/tmp/" + "d" * 70, 74),  # 75 bytes: the worker socket's path would be 108
+    ("stream_socket", "/tmp/" + "\u00e9" * 60, 107),  # 65 characters, 125 bytes
+])
+def test_socket_paths_are_measured_in_bytes_with_what_the_broker_adds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], setting: str, value: str, limit: int
+) -> None:
+    """Hostile testing (round 5): an 80-character socket_dir passed check-config, then
+    serve crashed with a traceback (AF_UNIX path too long: the broker adds 33 bytes) and
+    exit 1, leaving a directory behind; 60 `é` in stream_socket (counted in characters)
+    failed only after the workers had booted. Both are refused at load, in bytes."""
+    path = write(tmp_path, f"{setting} = {msgspec.json.encode(value).decode()}\n")
+    assert cli.main(["check-config", path]) == 2
+    err = capsys.readouterr().err
+    assert f"expected at most {limit} bytes (it has {len(value.encode())})" in err, err
+    ok = value[: 5 + (limit - 5) // len(value[5].encode())]  # as many as fit
+    assert len(ok.encode()) <= limit
+    assert cli.main(["check-config", write(tmp_path, f"{setting} = {msgspec.json.encode(ok).decode()}\n")]) == 0
+
+
+def test_a_socket_dir_that_cannot_be_made_exits_2_saying_so(tmp_path: Path) -> None:
+    """A socket_dir that cannot be created is a configuration error: exit 2 (which the
+    systemd unit does not restart), one line saying why, no traceback, nothing left."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "broker", "serve", "--port", "0", "--workers", "1",
+                           "--socket-dir", str(blocker / "sub")],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot make the workers' Unix socket in socket_dir" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def test_serve_config_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,6 +23,7 @@ import json
 import re
 import shutil
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -662,3 +663,43 @@ def test_a_rebound_page_can_call_when_its_name_is_allowed(tmp_path):
         assert marks(ledger) == ["rebind"]
     finally:
         assert b.stop() == 0, b.read_log()
+
+
+def client_hello(ticket: bytes) -> bytes:
+    """A TLS 1.2 ClientHello record (RFC 5246 7.4.1.2) with SNI and a SessionTicket
+    extension (RFC 5077) holding `ticket`: bytes a server chose in an earlier session."""
+
+    def ext(kind: int, data: bytes) -> bytes:
+        return struct.pack(">HH", kind, len(data)) + data
+
+    name = b"attacker.example"
+    exts = ext(0, struct.pack(">HBH", len(name) + 3, 0, len(name)) + name) + ext(0x0023, ticket)
+    body = (b"\x03\x03" + bytes(range(32)).replace(b"\n", b"x") + b"\x00" + struct.pack(">H", 4)
+            + b"\x13\x01\xc0\x2f" + b"\x01\x00" + struct.pack(">H", len(exts)) + exts)
+    handshake = b"\x01" + struct.pack(">I", len(body))[1:] + body
+    return b"\x16\x03\x01" + struct.pack(">H", len(handshake)) + handshake
+
+
+@pytest.mark.parametrize("first", ["tls", "not ascii"])
+def test_a_tls_client_hello_on_the_stream_port_closes_it_before_a_call_it_carries(broker_factory, tmp_path, first):
+    """Hostile testing (round 5): a browser sent to https://127.0.0.1:PORT/ after DNS
+    rebinding sends a TLS ClientHello whose session ticket its attacker's server chose
+    (the ALPACA attack). Its binary first line got -32700, the connection stayed open, and
+    the call in the ticket ran. A line starting with a control byte (TLS records start
+    with 0x16) or a non-ASCII one is another protocol: one -32700 line, then the close."""
+    ledger, port = tmp_path / "calls.txt", free_port()
+    b = broker_factory(*LEDGER_APP, "--stream-port", str(port), env={"LEDGER_FILE": str(ledger)})
+    carried = b"\n" + record("tls") + b"\n"
+    raw = client_hello(carried) if first == "tls" else "\u00e9t\u00e9".encode() + carried
+    received = b""
+    with socket.create_connection((b.host, port), timeout=15) as s:
+        s.sendall(raw)
+        try:
+            while chunk := s.recv(65536):  # (a timeout here: the connection stayed open)
+                received += chunk
+        except ConnectionResetError:
+            pass
+    error = json.loads(received)  # one line
+    assert error["id"] is None and error["error"]["code"] == -32700, received
+    assert "not JSON text" in error["error"]["data"]
+    assert_only_ndjson_ran(b, port, ledger)

@@ -448,3 +448,118 @@ def test_a_second_sigterm_ends_the_wait_for_a_slow_reader_and_the_cut_is_a_reset
         _got, ending = _read_all(s)
     assert stopped < 10, stopped  # (the 30 s grace period would be 27 s more)
     assert ending == "reset"
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked", "expect-100"])
+def test_sigterm_answers_a_request_still_arriving_even_if_its_call_outlasts_the_close(broker_factory, framing):
+    """Hostile testing (round 5): a request whose body was half sent at SIGTERM, with
+    nothing else in flight. The drain saw nothing owed and ended at once; the request,
+    completed 0.5 s later, ran on a worker (3 s), but its connection was closed 2 s
+    after the drain with no answer (a plain FIN; the call's side effects happened).
+    A request under way counts as held now: the drain waits for it and answers it."""
+    b = broker_factory("--workers", "1", "--grace-period", "10")
+    body = json.dumps(req("sleep", [3], "late")).encode()
+    head = (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
+    with socket.create_connection((b.host, b.port), timeout=30) as s:
+        if framing == "chunked":
+            s.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (10, body[:10]))
+            rest = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body) - 10, body[10:])
+        elif framing == "expect-100":
+            s.sendall(head + b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(body))
+            assert s.recv(100).startswith(b"HTTP/1.1 100 Continue")
+            rest = body
+        else:
+            s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+            rest = body[10:]
+        time.sleep(0.3)
+        b.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "stopping" in b.read_log(0.05), timeout=10)
+        time.sleep(0.5)
+        s.sendall(rest)
+        got, ending = _read_all(s)
+    assert ending == "eof"
+    head_, _, answer = got.partition(b"\r\n\r\n")
+    assert head_.startswith(b"HTTP/1.1 200 "), got[:200]
+    assert json.loads(answer) == {"jsonrpc": "2.0", "id": "late", "result": 3}
+    assert b.proc.wait(30) == 0
+
+
+def test_sigterm_serves_an_ndjson_backlog_before_half_closing(broker_factory):
+    """Hostile testing (round 5): at SIGTERM a stream owed nothing but had lines read and
+    not yet parsed (`_backlog`, the rest of a read past LINES_PER_TURN lines: a flood of
+    notifications with a call now and then). The drain half-closed it at once
+    (write_eof); the backlog's answers were then written after the half-close
+    (RuntimeError), and when such a write came from a worker's reply it closed that
+    worker's channel: a bystander's call on the worker got -32002. Now the backlog is
+    served before the half-close: every call line read gets its answer, in a prefix of
+    the ids (lines still in the kernel at the stop get none), and the bystander's call
+    is untouched."""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "1", "--grace-period", "10", "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    payload = b"".join(
+        json.dumps({"jsonrpc": "2.0", "method": "add", "params": [i, 1], **({"id": i // 50} if i % 50 == 49 else {})}
+                   ).encode() + b"\n"
+        for i in range(200_000)
+    )
+    got = bytearray()
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+
+    def reader() -> None:
+        while True:
+            try:
+                chunk = s.recv(1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    def writer() -> None:
+        try:
+            s.sendall(payload)
+        except OSError:
+            pass  # (the broker stops reading at the stop, and closes)
+
+    with s, ThreadPoolExecutor(3) as pool:
+        bystander = pool.submit(post, b, req("sleep", [2], "bystander"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") >= 1, timeout=10)
+        read = pool.submit(reader)
+        pool.submit(writer)
+        wait_for(lambda: len(got) > 200, timeout=20)  # the flood is being served
+        b.proc.send_signal(signal.SIGTERM)
+        read.result(timeout=40)
+        assert bystander.result(timeout=30) == {"jsonrpc": "2.0", "id": "bystander", "result": 2}
+    assert b.proc.wait(30) == 0
+    log = b.read_log()
+    assert "write_eof" not in log and "Traceback" not in log and "Fatal error" not in log, log[-2000:]
+    answers = [json.loads(line) for line in bytes(got).splitlines()]
+    ids = sorted(a["id"] for a in answers)
+    assert ids == list(range(len(ids))) and ids, ids[-5:]
+    assert all(a.get("result") == a["id"] * 50 + 50 for a in answers), [a for a in answers if "error" in a][:3]
+
+
+def test_a_request_completed_after_the_grace_period_is_answered_shutting_down_not_run(broker_factory):
+    """Once the grace period is over, a request still arriving (its connection not yet
+    closed by the stop) is answered -32004 at once: run, its answer could be cut off
+    with the connection (hostile testing, round 5: a call run after the drain ended)."""
+    b = broker_factory("--workers", "1", "--grace-period", "1")
+    body = json.dumps(req("sleep", [3], "after")).encode()
+    with socket.create_connection((b.host, b.port), timeout=30) as s:
+        s.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+        time.sleep(0.3)
+        b.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "stopping" in b.read_log(0.05), timeout=10)
+        time.sleep(1.4)  # the grace period (1 s) is over; the connection is still open (2 s)
+        start = time.monotonic()
+        s.sendall(body[10:])
+        got, _ending = _read_all(s)
+        took = time.monotonic() - start
+    head, _, answer = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 "), got[:200]
+    assert json.loads(answer)["error"]["code"] == -32004
+    assert took < 2.5, took  # not after the 3 s call
+    assert b.proc.wait(30) == 0

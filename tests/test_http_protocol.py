@@ -6,17 +6,22 @@ cannot pipeline, and handles `Expect: 100-continue` and chunked bodies its own w
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import select
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import conftest
 import pytest
-from conftest import Broker, start_broker, wait_for
+from conftest import ROOT, Broker, start_broker, wait_for
 
 RPC = "/rpc"
 MAX_BODY = 4096
@@ -689,11 +694,65 @@ def test_the_open_files_limit_is_raised_to_fit_max_connections():
     from broker.server import fit_open_files
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    assert fit_open_files(100) == 100
-    fits = fit_open_files(10**9)  # more than any limit allows
-    new_soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    assert new_soft >= soft and fits == new_soft - 64
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        assert fit_open_files(100, 1, 64) == 100
+        fits = fit_open_files(10**9, 1, 64)  # more than any limit allows
+        new_soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        assert new_soft >= soft and fits == new_soft - 64
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # Each listener has its own max_connections (hostile testing: sized for one, the
+    # NDJSON listeners' idle connections used up what HTTP's probes needed). (A hard
+    # limit lowered cannot be raised again: in a child process.)
+    fitted = subprocess.run([sys.executable, "-c",
+                             "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (1000, 1000));"
+                             "from broker.server import fit_open_files; print(fit_open_files(10_000, 3, 100))"],
+                            cwd=ROOT, capture_output=True, text=True, check=True)
+    assert fitted.stdout.split() == ["300"], fitted  # (1000 - 100) // 3
+
+
+def test_idle_streams_at_max_connections_leave_http_its_descriptors(tmp_path):
+    """Hostile testing (round 5): with the hard open-files limit at 400, 400 idle NDJSON
+    connections (max_connections each listener) used up the descriptors, and HTTP's
+    probes and calls were reset unanswered (EMFILE at accept). The limit is now fitted
+    to every listener: the streams past their share are refused, HTTP is served."""
+    from test_stream import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-c",
+            "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (400, 400));"
+            "from broker.cli import main; sys.exit(main())",
+            "serve", "--host", "127.0.0.1", "--port", "0", "--workers", "1", "--stream-port", str(port)]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            cwd=ROOT)
+    log: list[str] = []
+    streams: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"serving JSON-RPC on http://([\d.]+):(\d+)", "".join(log))):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
+            conftest._drain(proc, log, 0.1)
+        http_port = int(m.group(2))
+        wait_for(lambda: conftest._drain(proc, log, 0.05) or "tcp://" in "".join(log), timeout=10)
+        for _ in range(400):  # more than the whole limit: each either kept or refused
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            streams.append(s)
+        time.sleep(0.5)
+        for _ in range(5):
+            conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=10)
+            conn.request("GET", "/healthz")
+            assert conn.getresponse().status == 200
+            conn.close()
+        b = Broker(proc, "127.0.0.1", http_port, "/", log)
+        assert b.call("add", [1, 2])["result"] == 3
+    finally:
+        for s in streams:
+            s.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        conftest._drain(proc, log, 0.0)
+        proc.stderr.close()  # type: ignore[union-attr]
+    assert "allows" in "".join(log) and "per listener" in "".join(log)
 
 
 def test_http10_keep_alive_is_confirmed_in_the_answer(hb):

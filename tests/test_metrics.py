@@ -7,6 +7,7 @@ broker. The end-to-end check through a real Prometheus is in test_prometheus.py.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -368,10 +369,23 @@ def test_the_metrics_listener_is_its_own_transport_and_outlives_the_drain(broker
         with pytest.raises(OSError):
             socket.create_connection((b.host, b.port), timeout=2).close()
         assert value(scrape(b, port=port), "rpc_broker_calls_in_flight") == 1
+        # ... and its /readyz says the broker is stopping (hostile testing: it said 200 "ok"
+        # while the RPC port refused connections); /healthz still says it is alive.
+        probe = http.client.HTTPConnection(b.host, port, timeout=10)
+        probe.request("GET", "/readyz")
+        ready = probe.getresponse()
+        assert (ready.status, ready.read()) == (503, b'{"status":"stopping"}')
+        probe.request("GET", "/healthz")
+        assert probe.getresponse().status == 200
+        probe.close()
+        # A SIGHUP now (a reload racing the stop) is ignored: no new workers are started.
+        b.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "SIGHUP while stopping: ignored" in b.read_log(0.05), timeout=5)
         assert b"\"result\":1.5" in sock.recv(65536)
     finally:
         sock.close()
     assert b.stop() == 0
+    assert "reload" not in b.read_log()
 
 
 def test_notifications_that_never_reach_a_worker_are_counted_by_reason(broker_factory):

@@ -169,6 +169,7 @@ class Listener:
         self._sweeper: asyncio.TimerHandle | None = None
         self._evictable: list[Connection] = []  # idle connections found by the last scan, most idle last
         self._rescan_at = 0.0  # loop time before which a scan that found none is not repeated
+        self._recount_due = False  # `recount` is scheduled
 
     def refused(self) -> None:
         """Count a connection turned away at max_connections (logged now and then)."""
@@ -246,15 +247,26 @@ class Listener:
         or not parsed yet, which the drain may be waiting for, and its bytes counted in
         `incoming`). `conn` has `_waiting` (a deque), `_backlog` (bytes), `_incoming` (int)."""
         self.connections.discard(conn)
-        held = conn._waiting or conn._backlog
-        conn._backlog = b""
-        if held:
+        if conn._waiting or conn._backlog:
+            conn._backlog = b""
             conn._waiting.clear()
-            if self.draining:  # (the drain waits for what was held: `held`)
-                self.dispatcher.check_idle()
+            self.recount()  # (the drain waits for what was held: `held`)
         if conn._incoming:
             self.incoming.hold(conn._incoming, 0)
             conn._incoming = 0
+
+    def recount(self) -> None:
+        """While draining: what the drain waits for (`held`) may have changed; the
+        dispatcher counts it again (`Dispatcher.check_idle`) once, at this loop
+        iteration's end, however many connections changed in it (`held` is
+        O(connections): a count per connection lost would be quadratic)."""
+        if self.draining and not self._recount_due:
+            self._recount_due = True
+            self.loop.call_soon(self._recount)
+
+    def _recount(self) -> None:
+        self._recount_due = False
+        self.dispatcher.check_idle()
 
     def held(self) -> int:
         """Requests its connections hold back undispatched (their `_waiting`), plus one

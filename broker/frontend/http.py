@@ -105,7 +105,7 @@ from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.metrics import HTTP_PATHS
 
-__all__ = ["HttpFrontend", "HttpProtocol"]
+__all__ = ["PROBE_RESERVE", "HttpFrontend", "HttpProtocol"]
 
 
 PIPELINE_HIGH = 64  # requests owed on one connection before reading pauses
@@ -261,7 +261,9 @@ class HttpFrontend(Listener):
         self.request_timeout = request_timeout
         self.statuses = {path: {} for path in PATHS}
         self.metrics = metrics  # makes the /metrics body; None: 404 on /metrics
-        self.ready = ready or (lambda: dispatcher.ready_workers > 0)
+        # Ready: a worker is, and the broker is not stopping (a SIGTERM drain: the metrics
+        # listener, which stays open through it, must not send health checkers traffic).
+        self.ready = ready or (lambda: dispatcher.accepting and dispatcher.ready_workers > 0)
         # Host names (b"localhost", b"[::1]"), lower case; None: any ('*').
         self.hosts: frozenset[bytes] | None = frozenset(
             (f"[{h}]" if ":" in h and not h.startswith("[") else h).lower().encode() for h in allowed_hosts
@@ -348,6 +350,13 @@ class HttpFrontend(Listener):
         for conn in list(self.connections):
             if not conn.owed and conn.requests and not conn.request_started and not conn._backlog:
                 conn.stop_close()
+
+    def held(self) -> int:
+        """`Listener.held`, plus one for each connection with a request under way (its
+        head or body still coming, `request_started`): it was received in part before
+        the stop, and is answered first (hostile testing: its call ran, but the drain
+        had ended and its answer was dropped at the close)."""
+        return super().held() + sum(1 for conn in self.connections if conn.request_started)
 
 
 def _reserve_rank(conn: HttpProtocol) -> tuple[int, float]:
@@ -603,6 +612,7 @@ class HttpProtocol(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(_Gone())
         self._body = self._url = b""
         self._fe.lost(self)
+        self._fe.recount()  # (a request under way, if any, is gone: `HttpFrontend.held`)
         if self._probe_only:
             self._fe.probe_conns.discard(self)
 
@@ -712,8 +722,7 @@ class HttpProtocol(asyncio.Protocol):
             self._feed_turn(backlog)
         if not self._backlog:
             self._maybe_resume()
-            if self._fe.draining:  # (the drain waits for a backlog: `Listener.held`)
-                self._fe.dispatcher.check_idle()
+            self._fe.recount()  # (the drain waits for a backlog: `Listener.held`)
 
     def eof_received(self) -> bool:
         """The client half-closed (`shutdown(SHUT_WR)`): keep the transport open to
@@ -929,6 +938,7 @@ class HttpProtocol(asyncio.Protocol):
         if self._skip or self._closing:
             self.request_started = 0.0
             self._body = b""
+            self._fe.recount()  # (the drain waits for requests under way: `HttpFrontend.held`)
             return
         version = self._parser.get_http_version()
         if version != "1.1" and version != "1.0":  # (checked here, once per request: it costs)
@@ -942,7 +952,8 @@ class HttpProtocol(asyncio.Protocol):
             self._upgrade = (method, url)
             return
         self.request_started = 0.0
-        keep_alive = self._parser.should_keep_alive() and not self._fe.draining
+        draining = self._fe.draining
+        keep_alive = self._parser.should_keep_alive() and not draining
         if keep_alive and not self._keep_header and version == "1.0":
             self._keep_header = _KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
         self._route(method, url, keep_alive)
@@ -950,6 +961,8 @@ class HttpProtocol(asyncio.Protocol):
             self._body = b""  # (nor counted in `Incoming`) while the connection idles
         if not keep_alive:
             self._closing = True
+            if draining:  # it was under way at the stop (`HttpFrontend.held`); now routed
+                self._fe.recount()
 
     def _route(self, method: bytes, url: bytes, keep_alive: bool) -> None:
         fe = self._fe
@@ -983,7 +996,9 @@ class HttpProtocol(asyncio.Protocol):
         elif url == b"/healthz" or url == b"/readyz":
             if method == b"GET" or head:
                 ok = url == b"/healthz" or fe.ready()
-                body = b'{"status":"ok"}' if ok else b'{"status":"no worker ready"}'
+                body = b'{"status":"ok"}' if ok else (
+                    b'{"status":"no worker ready"}' if fe.dispatcher.accepting else b'{"status":"stopping"}'
+                )
                 response = _json_response(
                     200 if ok else 503, body, keep_alive, self._keep_header if keep_alive else b"", fe.json_head
                 )
@@ -1072,7 +1087,9 @@ class HttpProtocol(asyncio.Protocol):
                 fe.loop.call_soon(self._dispatch_waiting)
             return
         decoded = fe.codec.decode(body)
-        exchange = fe.dispatcher.submit(decoded, self._exchange_done, self._budget)
+        # (while draining, a request completed now was under way at the stop: `held`)
+        submit = fe.dispatcher.submit_held if fe.draining else fe.dispatcher.submit
+        exchange = submit(decoded, self._exchange_done, self._budget)
         if exchange is None:
             extra = self._keep_header if keep_alive else _CLOSE
             self._queue(_STATUS_LINES[204] + fe.date + cors + extra + b"\r\n", keep_alive, "rpc")
@@ -1152,8 +1169,7 @@ class HttpProtocol(asyncio.Protocol):
         if self._transport is not None:
             self._flush_ready()  # (an exchange complete at once is not called back)
             self._maybe_resume()
-        if fe.draining:
-            fe.dispatcher.check_idle()  # (the drain waits for what `_waiting` held)
+        fe.recount()  # (the drain waits for what `_waiting` held)
 
     def _deferred_done(self, exchange: Exchange) -> None:
         if self._transport is not None:

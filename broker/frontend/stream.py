@@ -42,6 +42,11 @@ Limits:
     a valid call (a cross-protocol request; Redis closes on them too). A line past
     `max_body_bytes` that starts like one (`METHOD target`: a URL megabytes long) is
     closed on as soon as it is found too long, before its newline comes
+    a line whose first byte is a control character (not white space) or not ASCII, which
+    no JSON text starts with, is answered with one -32700 error and the connection closes
+    at once, as on an HTTP request line: it is another protocol, and what follows could
+    hold a valid call (a browser's TLS ClientHello sent here by DNS rebinding carries
+    bytes its server chose, in a session ticket: the ALPACA attack, USENIX Security 2021)
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from broker.dispatch import Dispatcher, Exchange, ResponseBudget
 from broker.frontend.base import SWEEP_SECONDS, TURN_BYTES, Incoming, Listener
 from broker.jsonrpc import ErrorCode, error_object, response_error
 
-__all__ = ["StreamFrontend", "StreamProtocol"]
+__all__ = ["REFUSED_LINGERING", "StreamFrontend", "StreamProtocol"]
 
 
 PIPELINE_HIGH = 64  # bodies owed on one connection before reading pauses (as for HTTP)
@@ -64,10 +69,18 @@ LINES_PER_TURN = 16  # lines handled per callback; the rest of a read waits a lo
 _HTTP_REQUEST = response_error(
     b"null", error_object(ErrorCode.INVALID_REQUEST, data="an HTTP request: this port speaks newline-delimited JSON-RPC")
 ) + b"\n"
+_NOT_TEXT = response_error(b"null", error_object(
+    ErrorCode.PARSE_ERROR, data="not JSON text (TLS, or another protocol?): this port speaks newline-delimited JSON-RPC"
+)) + b"\n"  # fmt: skip
 _NL = b"\n"
 _BLANKS = re.compile(rb"[ \t\r\n]*")
 _TOO_MANY = response_error(b"null", error_object(ErrorCode.OVERLOADED, data="too many connections")) + _NL
 REFUSED_LINGER = SWEEP_SECONDS  # seconds a refused connection may keep sending before it is dropped
+# Refused connections lingering at once, per listener; past it one is closed at once (its
+# client may see a reset for the error line): a flood of connections at max_connections
+# would otherwise hold a descriptor each for REFUSED_LINGER, past what the open-files
+# limit was sized for (`server.fit_open_files`).
+REFUSED_LINGERING = 64
 # The start of an HTTP request line (RFC 9112 3: method SP request-target): no JSON text
 # starts with an upper-case letter, so a line past max_body_bytes that starts so is one.
 _HTTP_START = re.compile(rb"[A-Z]{3,10} [^ ]")
@@ -98,6 +111,7 @@ class StreamFrontend(Listener):
             keepalive_timeout=keepalive_timeout, max_connections=max_connections, send_timeout=send_timeout,
             incoming=incoming,
         )  # fmt: skip
+        self.lingering = 0  # refused connections still lingering (REFUSED_LINGERING)
         self.too_long = (
             response_error(
                 b"null",
@@ -221,11 +235,17 @@ class StreamProtocol(asyncio.Protocol):
         assert transport is not None
         self._refused = True
         self._send(_TOO_MANY)
-        if transport.can_write_eof():
+        if transport.can_write_eof() and fe.lingering < REFUSED_LINGERING:
             transport.write_eof()
-            fe.loop.call_later(REFUSED_LINGER, transport.abort)
+            fe.lingering += 1
+            fe.loop.call_later(REFUSED_LINGER, self._end_refused)
         else:
             transport.close()
+
+    def _end_refused(self) -> None:
+        self._fe.lingering -= 1
+        if self._transport is not None:
+            self._transport.abort()
 
     def eof_received(self) -> bool:
         """The client shut its sending side (`nc -N`, socat at the end of input): answer
@@ -268,13 +288,16 @@ class StreamProtocol(asyncio.Protocol):
         end = len(data)
         turn = LINES_PER_TURN
         while start < end:
-            if data[start] <= 32 and not self._buffer and not self._skipping:
+            first = data[start]
+            if (first <= 32 or first >= 127) and not self._buffer and not self._skipping:
                 # Empty lines, and white space before a line, in one C step: no line, and
                 # no turn (hostile testing: a read of b"\n" cost 1 µs a byte, a turn each).
                 skip = _BLANKS.match(data, start).end()  # type: ignore[union-attr]  # (matches "")
                 if skip > start:
                     start = skip
                     continue
+                self._foreign(_NOT_TEXT)  # a control byte, or not ASCII: no JSON text starts so
+                return
             nl = data.find(_NL, start)
             if nl < 0:
                 self._partial(data, start, end)
@@ -316,8 +339,8 @@ class StreamProtocol(asyncio.Protocol):
         # (also while draining: these lines came before the stop; each is answered, served
         # or "shutting down", rather than dropped)
         self._lines(backlog)  # each line to dispatch, or after the others in `_waiting`
-        if not self._backlog and self._fe.draining:  # (the drain waits for a backlog: `Listener.held`)
-            self._fe.dispatcher.check_idle()
+        if not self._backlog:  # (the drain waits for a backlog: `Listener.held`)
+            self._fe.recount()
         if not self._backlog and self._transport is not None:
             if not self.read_paused:
                 self._transport.resume_reading()
@@ -357,13 +380,16 @@ class StreamProtocol(asyncio.Protocol):
         starts as an HTTP request line (a URL longer than the limit), closed as `_line`
         closes on a short one: what follows it could be a valid call."""
         if _HTTP_START.match(line_start):
-            self._http_request()
+            self._foreign(_HTTP_REQUEST)
             return
         self._send(self._fe.too_long)
         self._fe.dispatcher.count_refused_body()
 
-    def _http_request(self) -> None:
-        self._send(_HTTP_REQUEST)  # a browser's, or a client on the wrong port
+    def _foreign(self, answer: bytes) -> None:
+        """A line of another protocol (an HTTP request line: a browser's, or a client on
+        the wrong port; a TLS record): `answer` it, and close once the lines before it
+        are answered."""
+        self._send(answer)
         # Read nothing after it (what follows could be a valid call: a body), but answer
         # the lines before it, then close (`_maybe_close`).
         self._refused = True
@@ -378,7 +404,7 @@ class StreamProtocol(asyncio.Protocol):
         if not line.strip():
             return
         if 65 <= line[0] <= 90 and _HTTP_LINE.match(line):
-            self._http_request()
+            self._foreign(_HTTP_REQUEST)
             return
         self.lines += 1
         if (
@@ -392,12 +418,13 @@ class StreamProtocol(asyncio.Protocol):
             return
         self._submit(line)
 
-    def _submit(self, line: bytes, held: bool = False) -> Exchange | None:
+    def _submit(self, line: bytes) -> Exchange | None:
         """Dispatch one line; return its exchange if answers are still owed for it.
-        `held`: it waited in `_waiting` (`Dispatcher.submit_held`: served while draining)."""
+        While draining, every line dispatched was received before the stop (it waited in
+        `_waiting` or `_backlog`): `Dispatcher.submit_held` serves it as a call in flight."""
         fe = self._fe
         dispatcher = fe.dispatcher
-        submit = dispatcher.submit_held if held else dispatcher.submit
+        submit = dispatcher.submit_held if fe.draining else dispatcher.submit
         exchange = submit(fe.codec.decode(line), self._exchange_done, self._budget)
         if exchange is None:
             return None
@@ -423,11 +450,10 @@ class StreamProtocol(asyncio.Protocol):
             busy = self._busy
             if busy is not None and busy.remaining:
                 break  # one at a time: see _busy
-            self._busy = self._submit(waiting.popleft(), True)
+            self._busy = self._submit(waiting.popleft())
         self._maybe_resume()
         self._maybe_close()
-        if self._fe.draining:
-            self._fe.dispatcher.check_idle()  # (the drain waits for what `_waiting` held)
+        self._fe.recount()  # (the drain waits for what `_waiting` held)
 
     def _exchange_done(self, exchange: Exchange) -> None:
         self.owed -= 1
@@ -507,7 +533,7 @@ class StreamProtocol(asyncio.Protocol):
         """Serve no more lines; close now if nothing is owed, else after the last answer."""
         if self._transport is None:
             return
-        if not self.owed and not self._waiting:
+        if not self.owed and not self._waiting and not self._backlog:  # (else `_maybe_close` lingers)
             self._linger()
 
     def _linger(self) -> None:
