@@ -8,6 +8,7 @@ ARGS ?=
 .PHONY: serve test lint clean bench bench-quick prometheus-bin chromium-bin
 
 $(STAMP): pyproject.toml
+	@echo "setting up $(VENV): installing rpc-broker and its packages (a minute or two the first time)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'

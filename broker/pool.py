@@ -66,7 +66,7 @@ from broker.config import ConfigError
 from broker.dispatch import Dispatcher
 from broker.worker import WORKER_BOOT_ERROR
 
-__all__ = ["TRANSITIONS", "Pool", "PoolStats", "Worker", "WorkerBootError", "WorkerChannel", "WorkerState"]
+__all__ = ["TRANSITIONS", "CodeChanged", "Pool", "PoolStats", "Worker", "WorkerBootError", "WorkerChannel", "WorkerState"]
 
 log = logging.getLogger("broker.pool")
 
@@ -153,6 +153,11 @@ _pack_header = wire.HEADER.pack
 FLUSH_AT_BYTES = 256 * 1024  # write at once past this much queued, else once per loop turn
 
 
+class CodeChanged(wire.FrameError):
+    """A restarted worker's HELLO names other methods than the pool serves: the app
+    changed on disk without a SIGHUP (`Pool.hello`); a reload to that code follows."""
+
+
 class WorkerChannel(asyncio.Protocol):
     """The broker's end of one worker's Unix socket.
 
@@ -200,6 +205,10 @@ class WorkerChannel(asyncio.Protocol):
             elif kind == _HELLO and worker is None:
                 try:
                     worker = self.worker = self._pool.hello(self, wire.decode_hello(payload))
+                except CodeChanged as exc:  # (expected, and healed by the reload: logged as WARNING)
+                    log.info("closing the connection of %s", exc)
+                    self.close()
+                    return
                 except wire.FrameError as exc:
                     log.error("rejected a worker connection: %s", exc)
                     self.close()
@@ -486,7 +495,7 @@ class Pool:
             else:
                 log.warning("%s: the app changed on disk without a SIGHUP; reloading every worker to it", problem)
                 self.request_reload()
-            raise wire.FrameError(f"{problem}: the app changed on disk")
+            raise CodeChanged(f"{problem}: the app changed on disk")
         worker.channel = channel
         worker.concurrency = max(1, hello.concurrency)
         worker.move(WorkerState.READY)

@@ -527,10 +527,17 @@ def _numpy_to_builtins(obj: object) -> object:
 
 
 def _orjson_default(obj: object) -> object:
+    """orjson's `default` and msgspec's `enc_hook`: Structs, sets, and what has a
+    `tolist()` (numpy arrays orjson does not take natively, as its docs advise: not
+    C-contiguous, 0-d, big-endian, other dtypes; every array in msgspec's fallback, taken
+    for a result orjson refuses, such as one with an integer past 64 bits; array.array)."""
     if isinstance(obj, msgspec.Struct):
         return msgspec.to_builtins(obj, enc_hook=_numpy_to_builtins)
     if isinstance(obj, (set, frozenset)):
         return list(obj)
+    tolist = getattr(obj, "tolist", None)
+    if callable(tolist):
+        return tolist()
     raise TypeError(f"cannot encode an object of type {type(obj).__name__}")
 
 

@@ -177,9 +177,12 @@ def test_the_partial_bodies_of_closed_connections_are_freed_at_once(broker_facto
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_connections", transport="http") <= 1, timeout=30)
         return rss_kib(b.pid)
 
-    first = one_round()
+    # The baseline is the larger of two rounds: on a loaded machine the first round's 40
+    # bodies may not all be held at once, and the next round's peak comes out 30 MB higher
+    # once (a new user's check: 37 -> 70 MB, then flat). The leak grew 40 MB every round.
+    warm = [one_round() for _ in range(2)]
     rounds = [one_round() for _ in range(3)]
-    assert max(rounds) - first < 30 * 1024, (first, rounds)
+    assert max(rounds) - max(warm) < 30 * 1024, (warm, rounds)
 
 
 def test_the_partial_heads_of_closed_connections_are_freed_at_once(broker_factory):

@@ -257,6 +257,9 @@ def test_new_code_on_disk_and_a_worker_crash_reload_every_worker_to_it(broker_fa
     assert metric(b, "rpc_broker_worker_restarts_total", reason="exited") == 0
     log = b.read_log(0.1)
     assert "the app changed on disk without a SIGHUP; reloading every worker to it" in log, log
+    # An expected event that heals itself: a WARNING, and no ERROR line to page anyone (a
+    # new user's check: "ERROR rejected a worker connection" was logged too).
+    assert " ERROR " not in log, log
 
 
 def test_a_method_a_reload_makes_async_is_not_routed_as_sync_by_an_old_reply(broker_factory, tmp_path: Path) -> None:

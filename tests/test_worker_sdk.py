@@ -410,6 +410,18 @@ def test_bind_any_params_binds_or_raises_invalid_params(fn, params, max_depth):
         (np.arange(3), [0, 1, 2]),
         (np.array([[1.5, 2.0]], dtype=np.float32), [[1.5, 2.0]]),
         (np.int64(7), 7),
+        # Arrays orjson does not take natively go by tolist(), as its docs advise (a new
+        # user's check: each was -32603 "ndarray is not JSON-serializable")
+        (np.arange(6).reshape(2, 3).T, [[0, 3], [1, 4], [2, 5]]),  # not C-contiguous
+        (np.arange(10)[::2], [0, 2, 4, 6, 8]),
+        (np.array(5), 5),  # 0-d
+        (np.arange(3, dtype=">i4"), [0, 1, 2]),  # big-endian
+        (np.array(["a", "b"]), ["a", "b"]),
+        (np.array([1, "x"], dtype=object), [1, "x"]),
+        # ... and with what only msgspec takes (an integer past 64 bits, a Raw)
+        ([np.arange(2), 2**70], [[0, 1], 2**70]),
+        ([msgspec.Raw(b"1"), np.arange(2)], [1, [0, 1]]),
+        ({"set": {1}, "arr": np.arange(3), "big": 2**70}, {"set": [1], "arr": [0, 1, 2], "big": 2**70}),
         (Box(1.0, 2.5), {"w": 1.0, "h": 2.5}),
         ({1, 2, 3}, [1, 2, 3]),
         (frozenset({"a"}), ["a"]),
@@ -462,7 +474,8 @@ def test_encode_result_raw_that_is_not_one_json_value_is_invalid_json(raw):
 
 
 @pytest.mark.parametrize(
-    "value", [object(), complex(1, 2), np.array([object()]), {"k": object()}, Holder(object()), [2**70, object()]]
+    "value", [object(), complex(1, 2), np.array([object()]), np.array([1 + 2j]), {"k": object()}, Holder(object()),
+              [2**70, object()]]
 )
 def test_encode_result_unserializable_is_type_error(value):
     with pytest.raises(TypeError, match=f"result of type {type(value).__name__} is not JSON-serializable"):

@@ -67,10 +67,10 @@ PIPELINE_HIGH = 64  # bodies owed on one connection before reading pauses (as fo
 PIPELINE_LOW = 16  # ... and resumes
 LINES_PER_TURN = 16  # lines handled per callback; the rest of a read waits a loop iteration
 _HTTP_REQUEST = response_error(
-    b"null", error_object(ErrorCode.INVALID_REQUEST, data="an HTTP request: this port speaks newline-delimited JSON-RPC")
+    b"null", error_object(ErrorCode.INVALID_REQUEST, data="an HTTP request: this socket speaks newline-delimited JSON-RPC")
 ) + b"\n"
 _NOT_TEXT = response_error(b"null", error_object(
-    ErrorCode.PARSE_ERROR, data="not JSON text (TLS, or another protocol?): this port speaks newline-delimited JSON-RPC"
+    ErrorCode.PARSE_ERROR, data="not JSON text (TLS, or another protocol?): this socket speaks newline-delimited JSON-RPC"
 )) + b"\n"  # fmt: skip
 _NL = b"\n"
 _BLANKS = re.compile(rb"[ \t\r\n]*")
