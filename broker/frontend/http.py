@@ -26,8 +26,9 @@ Answers:
     GET/HEAD /readyz       200 when at least one worker is ready, else 503
     GET/HEAD /metrics      Prometheus text format, when this listener serves metrics (a
                            HEAD makes no scrape and has no content-length, RFC 9110 9.3.2;
-                           one GET body is made per loop iteration for the whole listener,
-                           the connections owed one taking turns: `HttpFrontend.scrape_turns`)
+                           one GET body is made at a time for the whole listener, the next as
+                           long after as it took, the connections owed one taking turns:
+                           `HttpFrontend.scrape_turns`)
     OPTIONS rpc_path       204 with CORS headers: a preflight from an allowed Origin
     other method           405 with Allow
     other path             404
@@ -279,11 +280,14 @@ class HttpFrontend(Listener):
         self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
         self._refresh_date()
         self.probe_conns: set[HttpProtocol] = set()  # those taken past max_connections (PROBE_RESERVE)
-        # A /metrics body costs ms of the loop (17-30 ms with the demo tools). One is made per
-        # loop iteration for the whole listener (`scraped`): a connection whose next answer is
-        # a scrape made after that waits in `scrape_turns`, in order, and `_next_scrape` serves
-        # the first one next iteration. (One per iteration per connection let 8 connections
-        # pipelining scrapes cost 8 a turn: other clients' calls waited about 1 s.)
+        # A /metrics body costs ms of the loop (17-30 ms with the demo tools). One is made at a
+        # time for the whole listener (`scraped`), and the next no sooner than the next loop
+        # iteration and as long after as the last one took: scrapes take at most half of the
+        # loop's time, and the iterations between them serve everyone else. A connection whose
+        # next answer is a scrape made meanwhile waits in `scrape_turns`, in order, and
+        # `_next_scrape` serves the first one. (One per iteration per connection let 8
+        # connections pipelining scrapes cost 8 an iteration: other clients' calls waited about
+        # 1 s; one per iteration in all still cost a scrape per iteration of each call, 70-100 ms.)
         self.scraped = False
         self.scrape_turns: deque[HttpProtocol] = deque()
 
@@ -328,14 +332,14 @@ class HttpFrontend(Listener):
             conn.scrape_waiting = True
             self.scrape_turns.append(conn)
 
-    def scrape_made(self) -> None:
-        """A /metrics body was made: the next one waits for the loop's next iteration."""
-        if not self.scraped:
-            self.scraped = True
-            self.loop.call_soon(self._next_scrape)
+    def scrape_made(self, took: float) -> None:
+        """A /metrics body was made in `took` s: the next one waits for a later loop
+        iteration, `took` s from now."""
+        self.scraped = True
+        self.loop.call_later(took, self._next_scrape)
 
     def _next_scrape(self) -> None:
-        """A new loop iteration: the first connection still waiting makes its scrape (one
+        """The next scrape's time: the first connection still waiting makes its scrape (one
         no longer due, closed or not taking its answers, gives its turn to the next)."""
         self.scraped = False
         turns = self.scrape_turns
@@ -1192,11 +1196,13 @@ class HttpProtocol(asyncio.Protocol):
             self._flush_ready()
 
     def _scrape_response(self, scrape: _Scrape) -> bytes:
-        """Make a GET /metrics answer; the next one, on any connection, waits for the
-        loop's next iteration (`HttpFrontend.scrape_turns`)."""
-        metrics = typing.cast(typing.Callable[[], bytes], self._fe.metrics)
+        """Make a GET /metrics answer; the next one, on any connection, waits its time
+        (`HttpFrontend.scrape_turns`)."""
+        fe = self._fe
+        metrics = typing.cast(typing.Callable[[], bytes], fe.metrics)
+        started = fe.loop.time()  # (uvloop's updates its clock: the timer counts from the end)
         body = metrics()
-        self._fe.scrape_made()
+        fe.scrape_made(fe.loop.time() - started)
         return b"".join((
             _STATUS_LINES[200], self._fe.date, _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
             self._keep_header if scrape.keep_alive else _CLOSE, b"\r\n", body,
