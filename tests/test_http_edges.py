@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import threading
 import time
 
 import pytest
@@ -389,4 +390,80 @@ def test_a_full_broker_answers_its_probes_past_hostile_connections(broker_factor
                     pass
     finally:
         for s in hostile:
+            s.close()
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "looping"])
+def test_clients_scraping_on_the_probes_reserve_cannot_hold_the_probes_out(broker_factory, mode):
+    """A reserve connection owed its answer kept its place: 8 that pipelined GET /metrics
+    and never read were owed scrapes until send_timeout (60 s), and /healthz got 503
+    "too many connections" for as long as they liked (a liveness probe would have the pod
+    restarted). So did 8 that scrape in a loop, reading each answer: each one's scrape
+    waits for the others' turns, so each is owed one nearly all the time. A newcomer
+    now always takes a place: a pipelining one is reset, a looping one answered 503."""
+    from broker.frontend.http import PROBE_RESERVE
+
+    b = broker_factory("--workers", "1", "--max-connections", "4")
+    held = []  # the main pool: requests under way (heads trickling), never idle
+    for _ in range(4):
+        held.append(s := socket.create_connection(("127.0.0.1", b.port)))
+        s.sendall(b"POST / HTTP/1.1\r\nHost: local")
+    hogs: list[socket.socket] = []
+    stop = threading.Event()
+    loopers: list[threading.Thread] = []
+    scrapes = [0]
+
+    def loop_scrapes() -> None:  # scrape, read it, again; reconnect when put out
+        while not stop.is_set():
+            try:
+                with Conn(b, timeout=5) as c:
+                    hogs.append(c.sock)
+                    while not stop.is_set():
+                        c.send(get("/metrics"))
+                        if c.response()[0] != 200:
+                            break
+                        scrapes[0] += 1
+            except (OSError, EOFError):
+                pass
+
+    try:
+        if mode == "pipelined":
+            for _ in range(PROBE_RESERVE):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+                s.connect(("127.0.0.1", b.port))
+                s.sendall(get("/metrics") * 2000)
+                hogs.append(s)
+            for s in hogs:  # each is in the reserve, owed scrapes: its first has come
+                s.settimeout(10)
+                assert s.recv(1).startswith(b"H")
+        else:
+            loopers = [threading.Thread(target=loop_scrapes, daemon=True) for _ in range(PROBE_RESERVE)]
+            for t in loopers:
+                t.start()
+            wait_for(lambda: scrapes[0] >= 2 * PROBE_RESERVE, timeout=20)
+        served = []
+        for _ in range(8):
+            served.append(healthz_served(b))
+            time.sleep(0.1)
+        assert served == [True] * len(served), served
+        if mode == "pipelined":  # those displaced were reset, not left holding their answers
+            gone = 0
+            for s in hogs:
+                s.setblocking(False)
+                try:
+                    for _ in range(64):  # (what is still unread, of an answer cut short)
+                        if not s.recv(65536):
+                            gone += 1  # (an orderly end: counted too, though a reset is what comes)
+                            break
+                except ConnectionResetError:
+                    gone += 1
+                except BlockingIOError:
+                    pass  # still open: its client is owed scrapes
+            assert gone >= 1, gone
+    finally:
+        stop.set()
+        for t in loopers:
+            t.join(10)
+        for s in held + hogs:
             s.close()

@@ -83,12 +83,16 @@ connection is idle for `make_room`.
 
 The probes' reserve (PROBE_RESERVE connections past max_connections, for /healthz,
 /readyz and /metrics only) is never held against a probe: when it is full, a newcomer
-takes the place of a reserve connection owed nothing, whatever its age: first one
-trickling a request in (no probe does), then one served and idle (Prometheus between
-scrapes: it reconnects), last one silent since accepted (a probe may be on its way).
-A probe sends its head at once and is answered at once, so connections opened every
-few ms displace one another, not the probe. Only one owed its answer keeps its place;
-the one displaced gets a refused connection's 503 (or, served and idle, a close).
+always takes the place of one of its connections, whatever its age, the one that looks
+least like a probe (`_reserve_rank`): first one not taking its answers (writing paused,
+answers left in the transport's buffer, or more than one owed: pipelined), reset; then
+one trickling a request in (no probe does); then one served and idle (Prometheus
+between scrapes: it reconnects); then one owed its one answer (a scrape waiting its
+turn, which the attacker can make long: it gets 503); last one silent since accepted
+(a probe may be on its way). A probe sends its head at once and is answered at once
+(/healthz and /readyz never wait), so connections opened every few ms displace one
+another, not the probe. The one displaced gets a refused connection's 503 (or, served
+and idle, a close; not taking its answers, a reset).
 """
 
 from __future__ import annotations
@@ -385,11 +389,16 @@ class HttpFrontend(Listener):
 
 
 def _reserve_rank(conn: HttpProtocol) -> tuple[int, float]:
-    """The order in which the probes' reserve gives up its connections owed nothing
-    (see `HttpProtocol._take_reserve_slot`): trickling, then served, then silent."""
+    """The order in which the probes' reserve gives up its connections (see
+    `HttpProtocol._take_reserve_slot`): not taking its answers, trickling, served,
+    owed one answer, silent; the oldest first in each."""
+    if conn.hogging():
+        return 0, conn.send_stalled or conn.last_active
     if conn.request_started:
-        return 0, conn.request_started
-    return (1 if conn.requests else 2), conn.last_active
+        return 1, conn.request_started
+    if conn.owed:
+        return 3, conn.last_active
+    return (2 if conn.requests else 4), conn.last_active
 
 
 class _UpgradeBody:
@@ -540,6 +549,16 @@ class HttpProtocol(asyncio.Protocol):
         """Idle, and a request served already or no byte since `fresh` (`Listener.make_room`)."""
         return self.idle and (self.requests > 0 or self.last_active <= fresh)
 
+    def hogging(self) -> bool:
+        """Whether its client is not taking its answers as a probe does: writing paused
+        (or a close waiting for bytes unsent: `send_stalled`), answers left in the
+        transport's buffer, or more than one owed (pipelined). For the probes' reserve."""
+        transport = self._transport
+        return bool(
+            self.send_stalled or len(self._responses) > 1
+            or (transport is not None and transport.get_write_buffer_size())
+        )  # fmt: skip
+
     def taking_answer(self, now: float) -> bool:
         """For the sweep, on a connection owed nothing with no byte or answer for
         keepalive_timeout: whether its client is still taking its last answer (a slow
@@ -596,35 +615,44 @@ class HttpProtocol(asyncio.Protocol):
         fe.connections.add(self)
 
     def _take_reserve_slot(self) -> None:
-        """The probes' reserve is full: close the reserve connection owed nothing that
-        looks least like a probe, whatever its age, so that this newcomer gets in. A
-        probe sends its whole head at once and is answered at once, so it is owed its
-        answer, or served, within a millisecond of its first byte; a connection owed
-        its answer keeps its place. The one closed gets the 503 of a connection refused
-        at accept, or, if served and idle, a keep-alive close. In order (`_reserve_rank`): one with a request under
-        way (a head or body trickling in: no probe does that), oldest request first;
-        then one served and now idle (a Prometheus keep-alive connection between
-        scrapes: it reconnects), least recently active first; last one that has sent
-        nothing yet (a probe may be on its way), oldest first. An attacker who opens a
+        """The probes' reserve is full: close the reserve connection that looks least
+        like a probe, whatever its age, so that this newcomer gets in. No connection
+        keeps its place: a probe sends its whole head at once and is answered at once
+        (/healthz and /readyz never wait), so it is served within a millisecond of its
+        first byte. In order (`_reserve_rank`): one not taking its answers (writing
+        paused, answers in the transport's buffer, or pipelined: more than one owed),
+        reset (a close would wait for answers it does not read, out of the sweep's
+        reach), longest stalled first; then one with a request under way (a head or
+        body trickling in: no probe does that), oldest request first; then one served
+        and now idle (a Prometheus keep-alive connection between scrapes: it
+        reconnects), least recently active first, a keep-alive close; then one owed its
+        one answer, a scrape waiting its turn (8 clients scraping in a loop, each
+        waiting for the others' turns, are owed one nearly all the time: keeping those
+        let them hold the probes out), which gets 503; last one that has sent nothing
+        yet (a probe may be on its way), oldest first. A connection displaced gets the
+        503 of one refused at accept unless said otherwise. An attacker who opens a
         connection every few ms only ever displaces its own: a probe is displaced only
         if all the reserve's places are taken by connections accepted after it before
         its head is read."""
         fe = self._fe
-        victims = [c for c in fe.probe_conns if not c.owed]
-        if victims:
-            victim = min(victims, key=_reserve_rank)
-            fe.probe_conns.discard(victim)
-            fe.connections.discard(victim)
-            if victim.requests and not victim.request_started:
-                victim.close()  # served, and idle: a keep-alive close
-            else:
-                victim._refuse()  # what a connection refused at accept gets
+        if not fe.probe_conns:
+            return
+        victim = min(fe.probe_conns, key=_reserve_rank)
+        fe.probe_conns.discard(victim)
+        fe.connections.discard(victim)
+        if victim.hogging():
+            reset(victim)  # its unread answers are dropped with it (the sweep no longer sees it)
+        elif victim.requests and not victim.request_started and not victim.owed:
+            victim.close()  # served, and idle: a keep-alive close
+        else:
+            victim._refuse("metrics" if victim.owed else "other")  # (an owed scrape gets the 503)
 
-    def _refuse(self) -> None:
-        """Turned away at max_connections: 503 "too many connections", then close."""
+    def _refuse(self, path: str = "other") -> None:
+        """Turned away at max_connections: 503 "too many connections", then close;
+        `path` labels it in the statuses counter (a request it answers, else "other")."""
         self._fe.refused()
         self._closing = True
-        self._write(_json_response(503, _TOO_MANY_BODY, False, b"", self._fe.json_head), False, "other")
+        self._write(_json_response(503, _TOO_MANY_BODY, False, b"", self._fe.json_head), False, path)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -1210,7 +1238,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def scrape_turn(self) -> None:
         """This connection's turn to make the scrape it waits for (`HttpFrontend._next_scrape`)."""
-        if self._transport is not None and self._responses:
+        transport = self._transport
+        if transport is not None and self._responses and not transport.is_closing():
             self._flush_ready()
 
     def _flush_ready(self) -> None:
