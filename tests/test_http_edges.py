@@ -220,6 +220,49 @@ def test_an_unfinished_trailer_line_past_64_kib_gets_431(broker_factory):
         assert status == 431
 
 
+def test_one_chunk_line_past_64_kib_gets_431(broker_factory):
+    """A chunk-size line's extension (`5;a=xxxx...`) was counted as neither head nor body:
+    a client sent 1 GB of one chunk line within request_timeout, all parsed, and the
+    request was then served (node caps extensions at 16 KiB, CVE-2024-22019). What a
+    chunked body sends besides its data counts against the head's limit, plus a little a chunk."""
+    b = broker_factory("--workers", "1")
+    with Conn(b, timeout=10) as c:
+        c.send(chunked_head(b) + b"5;a=")
+        try:
+            for _ in range(64):  # up to 256 KiB, in reads of their own
+                c.send(b"x" * 4096)
+                if c.closed_within(0.01):
+                    break
+            c.send(b"\r\n[1]  \r\n0\r\n\r\n")  # the request ends: it was served
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, headers, body = c.response()
+        assert (status, headers["connection"]) == (431, "close"), body
+
+
+@pytest.mark.parametrize("extension", [b";x=1", b";x=" + b"a" * 200])
+def test_chunk_extensions_count_a_little_a_chunk(broker_factory, extension):
+    """The bound on a chunked body's framing grows with its chunks (CHUNK_FRAMING_BYTES
+    each, with MAX_HEADER_BYTES to start): a short extension on each of 1,000 chunks is
+    served; 200 bytes of extension on each goes past the bound long before the body ends."""
+    from broker.frontend.http import CHUNK_FRAMING_BYTES, MAX_HEADER_BYTES
+
+    b = broker_factory("--workers", "1")
+    body = call("add", [1, 2]).encode().ljust(64 * 1000)  # (JSON allows trailing whitespace)
+    chunks = b"".join(b"40%s\r\n%s\r\n" % (extension, body[i : i + 64]) for i in range(0, len(body), 64))
+    framing = len(chunks) - len(body)
+    with Conn(b, timeout=10) as c:
+        try:
+            c.send(chunked_head(b) + chunks + b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, _, answer = c.response()
+    if framing < MAX_HEADER_BYTES + 1000 * CHUNK_FRAMING_BYTES:
+        assert (status, answer) == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
+    else:
+        assert status == 431, answer
+
+
 def test_many_trailer_fields_get_431(broker_factory):
     b = broker_factory("--workers", "1")
     body = call("add", [1, 2]).encode()

@@ -36,7 +36,9 @@ Answers:
                            chunked body of more than SMALL_CHUNKS chunks plus one per
                            MIN_CHUNK_BYTES);
                            a version not 1.0/1.1: 505; a head past 64 KiB or 100 header
-                           fields, trailers counted in: 431 and close; a request not all
+                           fields, trailers counted in, or a chunked body's framing (size
+                           lines, extensions, trailer section) past 64 KiB plus
+                           CHUNK_FRAMING_BYTES a chunk: 431 and close; a request not all
                            in within request_timeout: 408 and close
 An absolute-form target (`http://host:port/path`) is served as its path, its authority
 taking the Host header's place (RFC 9112 3.2.2) and checked exactly as a Host value is. Trailer fields are counted, never
@@ -127,6 +129,16 @@ MAX_HEADERS = 100  # header fields in one request (h11 and nginx allow 100 too)
 # RPC body in thousands of tiny chunks.)
 SMALL_CHUNKS = 1024
 MIN_CHUNK_BYTES = 64
+# What a chunked body sends besides its data (size lines with their extensions, CRLFs, the
+# trailer section) may take MAX_HEADER_BYTES plus CHUNK_FRAMING_BYTES a chunk (a size line of
+# 16 hex digits and its CRLFs are 20 bytes): with the bound on chunks above, a body's bytes on
+# the wire stay under 128 KiB plus twice its size. Chunk extensions (`5;a=xxx`) were counted
+# as neither head nor body: one chunk line of 1 GB was parsed within request_timeout (node
+# caps them at 16 KiB, CVE-2024-22019). Past the bound: 431 and close, as for the trailer
+# section, whose unfinished line this bound has always counted: it is metadata around the
+# content, held to the head's limit (not 413: the content is within max_body_bytes; node
+# answers 413 to too many extensions, but 413 here means max_body_bytes).
+CHUNK_FRAMING_BYTES = 64
 PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
 RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
 LINGER_TIMEOUT = 5.0  # a half-closed connection after an error answer: closed after 5 s silent
@@ -439,6 +451,7 @@ class HttpProtocol(asyncio.Protocol):
         "_eof",
         "_expect",
         "_fe",
+        "_framing",
         "_head_bytes",
         "_head_done",
         "_header_bytes",
@@ -455,7 +468,6 @@ class HttpProtocol(asyncio.Protocol):
         "_responses",
         "_skip",
         "_stuck_since",
-        "_trailer_bytes",
         "_transfer_encoding",
         "_transport",
         "_turn_bytes",
@@ -482,7 +494,7 @@ class HttpProtocol(asyncio.Protocol):
         self._transfer_encoding = b""
         self._linger = False  # half-close after the answer: the client may still be sending
         self.lingering_since = 0.0  # loop time of the half-close (`_linger`); 0 when not lingering
-        self._trailer_bytes = -1  # raw bytes read in a chunked body's trailer section; -1: not in one
+        self._framing = -1  # raw bytes read since the head's end (the body and its framing); -1: not in a body
         self.scrape_waiting = False  # in the listener's `scrape_turns`
         self._keep_header = b""  # "connection: keep-alive" for an HTTP/1.0 client that asked
         self._probe_only = False  # taken past max_connections: probes and /metrics only
@@ -694,8 +706,8 @@ class HttpProtocol(asyncio.Protocol):
         """Feed `data` to the parser, which calls back per request."""
         if not self._head_done:
             self._head_bytes += len(data)
-        elif self._trailer_bytes >= 0:  # a chunked body's trailer section (or its next chunk)
-            self._trailer_bytes += len(data)
+        else:  # a body: with its framing, which `_framing_check` bounds
+            self._framing += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -708,10 +720,22 @@ class HttpProtocol(asyncio.Protocol):
             # count raw bytes until the head is complete (nginx: large_client_header_buffers).
             if not self._head_done and self._head_bytes > MAX_HEADER_BYTES and not self._closing:
                 self._answer_and_close(431, b"request line and headers too large")
-            elif self._trailer_bytes > MAX_HEADER_BYTES and not self._closing:  # the same for trailers
-                self._answer_and_close(431, b"trailer section too large")
+            elif self._framing > MAX_HEADER_BYTES and not self._closing:  # (-1 once a request is complete)
+                self._framing_check()
         if len(self._body) != self._incoming:  # a body left unfinished, grown, or taken
             self._hold(len(self._body))
+
+    def _framing_check(self) -> None:
+        """Answer 431 and close if the bytes read since the head's end that are not body
+        data (a chunked body's size lines, extensions, CRLFs and trailer section) pass
+        MAX_HEADER_BYTES plus CHUNK_FRAMING_BYTES a chunk. httptools keeps parsing an
+        unfinished chunk line or trailer line without calling back: raw bytes count.
+        (The feed that ends a head is counted as head: at most one feed's worth more.)"""
+        framing = self._framing - len(self._body)
+        limit = MAX_HEADER_BYTES + self._chunks * CHUNK_FRAMING_BYTES
+        if framing > limit:
+            self._answer_and_close(431, b"chunked body framing (size lines, extensions, trailer section) of %d bytes: "
+                                   b"more than %d plus %d a chunk" % (framing, MAX_HEADER_BYTES, CHUNK_FRAMING_BYTES))
 
     def _hold(self, held: int) -> None:
         """Count `held` bytes of the unfinished body in the broker's `Incoming`; past
@@ -794,6 +818,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._answer_and_close(400, b"upgrade not supported")
             return
         self._head_done = True  # the body is not head: no 431 for its bytes
+        self._framing = 0  # (counted from the next read: `rest` went to the new parser)
         framing = b""
         if self._transfer_encoding:
             framing = b"transfer-encoding: " + self._transfer_encoding + b"\r\n"
@@ -902,6 +927,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._head_done = True
+        self._framing = 0
         if self._closing:
             return
         if self._url[:1] != b"/":
@@ -957,9 +983,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_chunk_header(self) -> None:
         # A chunk's size line: its data comes next (on_body), or, after the last (0)
-        # chunk, the trailer section, whose raw bytes data_received counts from here.
-        if self._trailer_bytes < 0:
-            self._trailer_bytes = 0
+        # chunk, the trailer section. (Its bytes are counted by `_framing_check`.)
         chunks = self._chunks = self._chunks + 1
         if (chunks - SMALL_CHUNKS) * MIN_CHUNK_BYTES > len(self._body) and not self._closing:
             self._answer_and_close(400, b"chunked body in %d chunks for %d bytes: more than %d plus one per %d bytes" % (
@@ -967,8 +991,6 @@ class HttpProtocol(asyncio.Protocol):
             raise _StopParsing  # httptools stops this feed (HttpParserCallbackError): _parse
 
     def on_body(self, body: bytes) -> None:
-        if self._trailer_bytes >= 0:  # data of a chunk: not its trailers
-            self._trailer_bytes = -1
         if self._skip or self._closing:
             return
         buf = self._body
@@ -987,7 +1009,7 @@ class HttpProtocol(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._head_done = False
         self._head_bytes = 0
-        self._trailer_bytes = -1
+        self._framing = -1
         if self._skip or self._closing:
             self.request_started = 0.0
             self._body = b""
