@@ -8,10 +8,12 @@ daemon itself, or `HttpProtocol` in this process where what is counted is inside
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from conftest import Broker, wait_for
@@ -21,37 +23,63 @@ from test_http_protocol import Conn, call
 # -- item 1: /metrics scrapes, pipelined ----------------------------------------------------
 
 
-def test_pipelined_scrapes_build_no_head_body_and_one_get_body_per_loop_iteration():
-    """1,400 pipelined HEAD /metrics built the whole scrape each (to send 150 bytes) and
-    1,000 GETs were all built in one read: the loop stalled for seconds. A HEAD builds no
-    body; GET bodies are made one per loop iteration per connection, and another
-    connection's /healthz is answered while scrapes are still owed."""
+class Ticker:
+    """Counts the running loop's iterations: a callback that schedules itself again."""
+
+    def __init__(self) -> None:
+        self.tick = 0
+        self.running = True
+        self._loop = asyncio.get_running_loop()
+        self._loop.call_soon(self._step)
+
+    def _step(self) -> None:
+        self.tick += 1
+        if self.running:
+            self._loop.call_soon(self._step)
+
+
+@contextlib.asynccontextmanager
+async def metrics_listener(metrics: Callable[[], bytes]) -> AsyncIterator[int]:
+    """An `HttpFrontend` in this process (no workers) serving `metrics` as /metrics on
+    loopback; yields its port, and aborts its connections at the end."""
     from broker.dispatch import Dispatcher
     from broker.frontend.http import HttpFrontend
 
+    loop = asyncio.get_running_loop()
+    fe = HttpFrontend(Dispatcher(loop), metrics=metrics, allowed_hosts=["127.0.0.1"])
+    server = await loop.create_server(fe.protocol, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for conn in list(fe.connections):
+            conn.abort()
+        await server.wait_closed()
+
+
+async def read_answer(reader: asyncio.StreamReader) -> bytes:
+    """One answer with a content-length: its body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
+    return await asyncio.wait_for(reader.readexactly(length), 10)
+
+
+def test_pipelined_scrapes_build_no_head_body_and_one_get_body_per_loop_iteration():
+    """1,400 pipelined HEAD /metrics built the whole scrape each (to send 150 bytes) and
+    1,000 GETs were all built in one read: the loop stalled for seconds. A HEAD builds no
+    body; GET bodies are made one per loop iteration at most, and another connection's
+    /healthz is answered while scrapes are still owed."""
     heads, gets = 300, 40
+    ticks: list[int] = []  # the loop iteration of each scrape made
 
     async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-        tick = 0
-        ticks: list[int] = []  # the loop iteration of each scrape made
-
-        def ticker() -> None:
-            nonlocal tick
-            tick += 1
-            if running:
-                loop.call_soon(ticker)
+        ticker = Ticker()
 
         def metrics() -> bytes:
-            ticks.append(tick)
+            ticks.append(ticker.tick)
             return b"# a scrape\n" * 2000
 
-        running = True
-        loop.call_soon(ticker)
-        fe = HttpFrontend(Dispatcher(loop), metrics=metrics, allowed_hosts=["127.0.0.1"])
-        server = await loop.create_server(fe.protocol, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
+        async with metrics_listener(metrics) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             r2, w2 = await asyncio.open_connection("127.0.0.1", port)
             writer.write(get("/metrics", "HEAD") * heads)
@@ -68,20 +96,13 @@ def test_pipelined_scrapes_build_no_head_body_and_one_get_body_per_loop_iteratio
             assert len(ticks) < gets, len(ticks)
             w2.close()
             for _ in range(gets):
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-                length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
-                assert len(await asyncio.wait_for(reader.readexactly(length), 10)) == length
-            assert len(ticks) == gets
-            assert len(set(ticks)) == gets, "two scrapes made in one loop iteration"
+                assert len(await read_answer(reader)) == 2000 * 11
             writer.close()
-        finally:
-            running = False
-            server.close()
-            for conn in list(fe.connections):
-                conn.abort()
-            await server.wait_closed()
+        ticker.running = False
 
     asyncio.run(scenario())
+    assert len(ticks) == gets
+    assert len(set(ticks)) == gets, "two scrapes made in one loop iteration"
 
 
 def test_connections_pipelining_scrapes_take_turns_one_scrape_per_loop_iteration_in_all():
@@ -89,32 +110,18 @@ def test_connections_pipelining_scrapes_take_turns_one_scrape_per_loop_iteration
     pipelining GET /metrics cost 8 scrapes (17-30 ms each with the demo tools) every loop
     iteration, and another client's call, a few iterations long, waited about 1 s. One is
     made per iteration for the whole listener now, the connections taking turns in order."""
-    from broker.dispatch import Dispatcher
-    from broker.frontend.http import HttpFrontend
-
     conns, gets = 4, 10
+    ticks: list[int] = []  # the loop iteration of each scrape made
+    numbers: list[list[int]] = []  # the scrapes each connection got, in order
 
     async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-        tick = 0
-        ticks: list[int] = []  # the loop iteration of each scrape made
-
-        def ticker() -> None:
-            nonlocal tick
-            tick += 1
-            if running:
-                loop.call_soon(ticker)
+        ticker = Ticker()
 
         def metrics() -> bytes:
-            ticks.append(tick)
+            ticks.append(ticker.tick)
             return b"# scrape %d\n" % (len(ticks) - 1)  # (small: no connection's writing pauses)
 
-        running = True
-        loop.call_soon(ticker)
-        fe = HttpFrontend(Dispatcher(loop), metrics=metrics, allowed_hosts=["127.0.0.1"])
-        server = await loop.create_server(fe.protocol, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
+        async with metrics_listener(metrics) as port:
             pairs = [await asyncio.open_connection("127.0.0.1", port) for _ in range(conns)]
             for _, writer in pairs:
                 writer.write(get("/metrics") * gets)
@@ -123,38 +130,23 @@ def test_connections_pipelining_scrapes_take_turns_one_scrape_per_loop_iteration
             assert (await asyncio.wait_for(r2.readuntil(b"\r\n"), 10)).startswith(b"HTTP/1.1 200")
             assert len(ticks) < conns * gets, len(ticks)
             w2.close()
-            numbers = []  # the scrapes each connection got, in order
-            for reader, _ in pairs:
-                mine = []
-                for _ in range(gets):
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-                    length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
-                    mine.append(int((await asyncio.wait_for(reader.readexactly(length), 10)).split()[-1]))
-                numbers.append(mine)
-            assert len(ticks) == conns * gets
-            assert len(set(ticks)) == len(ticks), "two scrapes made in one loop iteration"
-            # In turns: between two scrapes of one connection, each other one got one at most.
-            gaps = [b - a for mine in numbers for a, b in itertools.pairwise(mine)]
-            assert max(gaps) <= conns, numbers
-            for _, writer in pairs:
+            for reader, writer in pairs:
+                numbers.append([int((await read_answer(reader)).split()[-1]) for _ in range(gets)])
                 writer.close()
-        finally:
-            running = False
-            server.close()
-            for conn in list(fe.connections):
-                conn.abort()
-            await server.wait_closed()
+        ticker.running = False
 
     asyncio.run(scenario())
+    assert len(ticks) == conns * gets
+    assert len(set(ticks)) == len(ticks), "two scrapes made in one loop iteration"
+    # In turns: between two scrapes of one connection, each other one got one at most.
+    gaps = [b - a for mine in numbers for a, b in itertools.pairwise(mine)]
+    assert max(gaps) <= conns, numbers
 
 
 def test_pipelined_scrapes_leave_the_loop_as_long_between_them_as_they_take():
     """One scrape per loop iteration still cost one scrape per iteration of everyone
     else's calls (70-100 ms a call with the demo tools' 20 ms scrapes). The next scrape
     waits as long as the last one took: scrapes take at most half of the loop's time."""
-    from broker.dispatch import Dispatcher
-    from broker.frontend.http import HttpFrontend
-
     conns, gets, busy = 3, 4, 0.005
     spans: list[tuple[float, float]] = []  # (start, end) of each scrape, monotonic
 
@@ -166,25 +158,14 @@ def test_pipelined_scrapes_leave_the_loop_as_long_between_them_as_they_take():
         return b"# a scrape\n"
 
     async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-        fe = HttpFrontend(Dispatcher(loop), metrics=metrics, allowed_hosts=["127.0.0.1"])
-        server = await loop.create_server(fe.protocol, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
+        async with metrics_listener(metrics) as port:
             pairs = [await asyncio.open_connection("127.0.0.1", port) for _ in range(conns)]
             for _, writer in pairs:
                 writer.write(get("/metrics") * gets)
             for reader, writer in pairs:
                 for _ in range(gets):
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-                    length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
-                    await asyncio.wait_for(reader.readexactly(length), 10)
+                    await read_answer(reader)
                 writer.close()
-        finally:
-            server.close()
-            for conn in list(fe.connections):
-                conn.abort()
-            await server.wait_closed()
 
     asyncio.run(scenario())
     assert len(spans) == conns * gets
