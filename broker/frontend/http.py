@@ -26,7 +26,9 @@ Answers:
     GET/HEAD /readyz       200 when at least one worker is ready, else 503
     GET/HEAD /metrics      Prometheus text format, when this listener serves metrics (a
                            HEAD makes no scrape and has no content-length, RFC 9110 9.3.2;
-                           pipelined GETs are made one per loop iteration)
+                           one GET body is made at a time for the whole listener, the next as
+                           long after as it took, the connections owed one taking turns:
+                           `HttpFrontend.scrape_turns`)
     OPTIONS rpc_path       204 with CORS headers: a preflight from an allowed Origin
     other method           405 with Allow
     other path             404
@@ -34,7 +36,9 @@ Answers:
                            chunked body of more than SMALL_CHUNKS chunks plus one per
                            MIN_CHUNK_BYTES);
                            a version not 1.0/1.1: 505; a head past 64 KiB or 100 header
-                           fields, trailers counted in: 431 and close; a request not all
+                           fields, trailers counted in, or a chunked body's framing (size
+                           lines, extensions, trailer section) past 64 KiB plus
+                           CHUNK_FRAMING_BYTES a chunk: 431 and close; a request not all
                            in within request_timeout: 408 and close
 An absolute-form target (`http://host:port/path`) is served as its path, its authority
 taking the Host header's place (RFC 9112 3.2.2) and checked exactly as a Host value is. Trailer fields are counted, never
@@ -81,12 +85,16 @@ connection is idle for `make_room`.
 
 The probes' reserve (PROBE_RESERVE connections past max_connections, for /healthz,
 /readyz and /metrics only) is never held against a probe: when it is full, a newcomer
-takes the place of a reserve connection owed nothing, whatever its age: first one
-trickling a request in (no probe does), then one served and idle (Prometheus between
-scrapes: it reconnects), last one silent since accepted (a probe may be on its way).
-A probe sends its head at once and is answered at once, so connections opened every
-few ms displace one another, not the probe. Only one owed its answer keeps its place;
-the one displaced gets a refused connection's 503 (or, served and idle, a close).
+always takes the place of one of its connections, whatever its age, the one that looks
+least like a probe (`_reserve_rank`): first one not taking its answers (writing paused,
+answers left in the transport's buffer, or more than one owed: pipelined), reset; then
+one trickling a request in (no probe does); then one served and idle (Prometheus
+between scrapes: it reconnects); then one owed its one answer (a scrape waiting its
+turn, which the attacker can make long: it gets 503); last one silent since accepted
+(a probe may be on its way). A probe sends its head at once and is answered at once
+(/healthz and /readyz never wait), so connections opened every few ms displace one
+another, not the probe. The one displaced gets a refused connection's 503 (or, served
+and idle, a close; not taking its answers, a reset).
 """
 
 from __future__ import annotations
@@ -121,6 +129,16 @@ MAX_HEADERS = 100  # header fields in one request (h11 and nginx allow 100 too)
 # RPC body in thousands of tiny chunks.)
 SMALL_CHUNKS = 1024
 MIN_CHUNK_BYTES = 64
+# What a chunked body sends besides its data (size lines with their extensions, CRLFs, the
+# trailer section) may take MAX_HEADER_BYTES plus CHUNK_FRAMING_BYTES a chunk (a size line of
+# 16 hex digits and its CRLFs are 20 bytes): with the bound on chunks above, a body's bytes on
+# the wire stay under 128 KiB plus twice its size. Chunk extensions (`5;a=xxx`) were counted
+# as neither head nor body: one chunk line of 1 GB was parsed within request_timeout (node
+# caps them at 16 KiB, CVE-2024-22019). Past the bound: 431 and close, as for the trailer
+# section, whose unfinished line this bound has always counted: it is metadata around the
+# content, held to the head's limit (not 413: the content is within max_body_bytes; node
+# answers 413 to too many extensions, but 413 here means max_body_bytes).
+CHUNK_FRAMING_BYTES = 64
 PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
 RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
 LINGER_TIMEOUT = 5.0  # a half-closed connection after an error answer: closed after 5 s silent
@@ -280,6 +298,16 @@ class HttpFrontend(Listener):
         self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
         self._refresh_date()
         self.probe_conns: set[HttpProtocol] = set()  # those taken past max_connections (PROBE_RESERVE)
+        # A /metrics body costs ms of the loop (17-30 ms with the demo tools). One is made at a
+        # time for the whole listener (`scraped`), and the next no sooner than the next loop
+        # iteration and as long after as the last one took: scrapes take at most half of the
+        # loop's time, and the iterations between them serve everyone else. A connection whose
+        # next answer is a scrape made meanwhile waits in `scrape_turns`, in order, and
+        # `_next_scrape` serves the first one. (One per iteration per connection let 8
+        # connections pipelining scrapes cost 8 an iteration: other clients' calls waited about
+        # 1 s; one per iteration in all still cost a scrape per iteration of each call, 70-100 ms.)
+        self.scraped = False
+        self.scrape_turns: deque[HttpProtocol] = deque()
 
     def host_allowed(self, host: bytes) -> bool:
         """Whether a Host header value (`name[:port]`, RFC 9110 7.2) names this server:
@@ -315,6 +343,28 @@ class HttpFrontend(Listener):
             self._refresh_date()
             self.start_sweeping()
         return HttpProtocol(self)
+
+    def wait_scrape(self, conn: HttpProtocol) -> None:
+        """`conn` is owed a scrape, and one was made in this loop iteration: it waits its turn."""
+        if not conn.scrape_waiting:
+            conn.scrape_waiting = True
+            self.scrape_turns.append(conn)
+
+    def scrape_made(self, took: float) -> None:
+        """A /metrics body was made in `took` s: the next one waits for a later loop
+        iteration, `took` s from now."""
+        self.scraped = True
+        self.loop.call_later(took, self._next_scrape)
+
+    def _next_scrape(self) -> None:
+        """The next scrape's time: the first connection still waiting makes its scrape (one
+        no longer due, closed or not taking its answers, gives its turn to the next)."""
+        self.scraped = False
+        turns = self.scrape_turns
+        while turns and not self.scraped:
+            conn = turns.popleft()
+            conn.scrape_waiting = False
+            conn.scrape_turn()
 
     def _refresh_date(self) -> None:
         self.date = date_header()
@@ -360,11 +410,16 @@ class HttpFrontend(Listener):
 
 
 def _reserve_rank(conn: HttpProtocol) -> tuple[int, float]:
-    """The order in which the probes' reserve gives up its connections owed nothing
-    (see `HttpProtocol._take_reserve_slot`): trickling, then served, then silent."""
+    """The order in which the probes' reserve gives up its connections (see
+    `HttpProtocol._take_reserve_slot`): not taking its answers, trickling, served,
+    owed one answer, silent; the oldest first in each."""
+    if conn.hogging():
+        return 0, conn.send_stalled or conn.last_active
     if conn.request_started:
-        return 0, conn.request_started
-    return (1 if conn.requests else 2), conn.last_active
+        return 1, conn.request_started
+    if conn.owed:
+        return 3, conn.last_active
+    return (2 if conn.requests else 4), conn.last_active
 
 
 class _UpgradeBody:
@@ -405,6 +460,7 @@ class HttpProtocol(asyncio.Protocol):
         "_eof",
         "_expect",
         "_fe",
+        "_framing",
         "_head_bytes",
         "_head_done",
         "_header_bytes",
@@ -419,10 +475,8 @@ class HttpProtocol(asyncio.Protocol):
         "_probe_only",
         "_read_at",
         "_responses",
-        "_scraped",
         "_skip",
         "_stuck_since",
-        "_trailer_bytes",
         "_transfer_encoding",
         "_transport",
         "_turn_bytes",
@@ -436,6 +490,7 @@ class HttpProtocol(asyncio.Protocol):
         "read_paused",
         "request_started",
         "requests",
+        "scrape_waiting",
         "send_stalled",
     )
 
@@ -448,8 +503,8 @@ class HttpProtocol(asyncio.Protocol):
         self._transfer_encoding = b""
         self._linger = False  # half-close after the answer: the client may still be sending
         self.lingering_since = 0.0  # loop time of the half-close (`_linger`); 0 when not lingering
-        self._trailer_bytes = -1  # raw bytes read in a chunked body's trailer section; -1: not in one
-        self._scraped = False  # a /metrics body was made in this loop iteration: the next waits
+        self._framing = -1  # raw bytes read since the head's end (the body and its framing); -1: not in a body
+        self.scrape_waiting = False  # in the listener's `scrape_turns`
         self._keep_header = b""  # "connection: keep-alive" for an HTTP/1.0 client that asked
         self._probe_only = False  # taken past max_connections: probes and /metrics only
         self._upgrade: tuple[bytes, bytes] | None = None  # (method, url) of an Upgrade request
@@ -515,6 +570,16 @@ class HttpProtocol(asyncio.Protocol):
         """Idle, and a request served already or no byte since `fresh` (`Listener.make_room`)."""
         return self.idle and (self.requests > 0 or self.last_active <= fresh)
 
+    def hogging(self) -> bool:
+        """Whether its client is not taking its answers as a probe does: writing paused
+        (or a close waiting for bytes unsent: `send_stalled`), answers left in the
+        transport's buffer, or more than one owed (pipelined). For the probes' reserve."""
+        transport = self._transport
+        return bool(
+            self.send_stalled or len(self._responses) > 1
+            or (transport is not None and transport.get_write_buffer_size())
+        )  # fmt: skip
+
     def taking_answer(self, now: float) -> bool:
         """For the sweep, on a connection owed nothing with no byte or answer for
         keepalive_timeout: whether its client is still taking its last answer (a slow
@@ -571,35 +636,44 @@ class HttpProtocol(asyncio.Protocol):
         fe.connections.add(self)
 
     def _take_reserve_slot(self) -> None:
-        """The probes' reserve is full: close the reserve connection owed nothing that
-        looks least like a probe, whatever its age, so that this newcomer gets in. A
-        probe sends its whole head at once and is answered at once, so it is owed its
-        answer, or served, within a millisecond of its first byte; a connection owed
-        its answer keeps its place. The one closed gets the 503 of a connection refused
-        at accept, or, if served and idle, a keep-alive close. In order (`_reserve_rank`): one with a request under
-        way (a head or body trickling in: no probe does that), oldest request first;
-        then one served and now idle (a Prometheus keep-alive connection between
-        scrapes: it reconnects), least recently active first; last one that has sent
-        nothing yet (a probe may be on its way), oldest first. An attacker who opens a
+        """The probes' reserve is full: close the reserve connection that looks least
+        like a probe, whatever its age, so that this newcomer gets in. No connection
+        keeps its place: a probe sends its whole head at once and is answered at once
+        (/healthz and /readyz never wait), so it is served within a millisecond of its
+        first byte. In order (`_reserve_rank`): one not taking its answers (writing
+        paused, answers in the transport's buffer, or pipelined: more than one owed),
+        reset (a close would wait for answers it does not read, out of the sweep's
+        reach), longest stalled first; then one with a request under way (a head or
+        body trickling in: no probe does that), oldest request first; then one served
+        and now idle (a Prometheus keep-alive connection between scrapes: it
+        reconnects), least recently active first, a keep-alive close; then one owed its
+        one answer, a scrape waiting its turn (8 clients scraping in a loop, each
+        waiting for the others' turns, are owed one nearly all the time: keeping those
+        let them hold the probes out), which gets 503; last one that has sent nothing
+        yet (a probe may be on its way), oldest first. A connection displaced gets the
+        503 of one refused at accept unless said otherwise. An attacker who opens a
         connection every few ms only ever displaces its own: a probe is displaced only
         if all the reserve's places are taken by connections accepted after it before
         its head is read."""
         fe = self._fe
-        victims = [c for c in fe.probe_conns if not c.owed]
-        if victims:
-            victim = min(victims, key=_reserve_rank)
-            fe.probe_conns.discard(victim)
-            fe.connections.discard(victim)
-            if victim.requests and not victim.request_started:
-                victim.close()  # served, and idle: a keep-alive close
-            else:
-                victim._refuse()  # what a connection refused at accept gets
+        if not fe.probe_conns:
+            return
+        victim = min(fe.probe_conns, key=_reserve_rank)
+        fe.probe_conns.discard(victim)
+        fe.connections.discard(victim)
+        if victim.hogging():
+            reset(victim)  # its unread answers are dropped with it (the sweep no longer sees it)
+        elif victim.requests and not victim.request_started and not victim.owed:
+            victim.close()  # served, and idle: a keep-alive close
+        else:
+            victim._refuse("metrics" if victim.owed else "other")  # (an owed scrape gets the 503)
 
-    def _refuse(self) -> None:
-        """Turned away at max_connections: 503 "too many connections", then close."""
+    def _refuse(self, path: str = "other") -> None:
+        """Turned away at max_connections: 503 "too many connections", then close;
+        `path` labels it in the statuses counter (a request it answers, else "other")."""
         self._fe.refused()
         self._closing = True
-        self._write(_json_response(503, _TOO_MANY_BODY, False, b"", self._fe.json_head), False, "other")
+        self._write(_json_response(503, _TOO_MANY_BODY, False, b"", self._fe.json_head), False, path)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -642,8 +716,8 @@ class HttpProtocol(asyncio.Protocol):
         """Feed `data` to the parser, which calls back per request."""
         if not self._head_done:
             self._head_bytes += len(data)
-        elif self._trailer_bytes >= 0:  # a chunked body's trailer section (or its next chunk)
-            self._trailer_bytes += len(data)
+        else:  # a body: with its framing, which `_framing_check` bounds
+            self._framing += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -656,10 +730,22 @@ class HttpProtocol(asyncio.Protocol):
             # count raw bytes until the head is complete (nginx: large_client_header_buffers).
             if not self._head_done and self._head_bytes > MAX_HEADER_BYTES and not self._closing:
                 self._answer_and_close(431, b"request line and headers too large")
-            elif self._trailer_bytes > MAX_HEADER_BYTES and not self._closing:  # the same for trailers
-                self._answer_and_close(431, b"trailer section too large")
+            elif self._framing > MAX_HEADER_BYTES and not self._closing:  # (-1 once a request is complete)
+                self._framing_check()
         if len(self._body) != self._incoming:  # a body left unfinished, grown, or taken
             self._hold(len(self._body))
+
+    def _framing_check(self) -> None:
+        """Answer 431 and close if the bytes read since the head's end that are not body
+        data (a chunked body's size lines, extensions, CRLFs and trailer section) pass
+        MAX_HEADER_BYTES plus CHUNK_FRAMING_BYTES a chunk. httptools keeps parsing an
+        unfinished chunk line or trailer line without calling back: raw bytes count.
+        (The feed that ends a head is counted as head: at most one feed's worth more.)"""
+        framing = self._framing - len(self._body)
+        limit = MAX_HEADER_BYTES + self._chunks * CHUNK_FRAMING_BYTES
+        if framing > limit:
+            self._answer_and_close(431, b"chunked body framing (size lines, extensions, trailer section) of %d bytes: "
+                                   b"more than %d plus %d a chunk" % (framing, MAX_HEADER_BYTES, CHUNK_FRAMING_BYTES))
 
     def _hold(self, held: int) -> None:
         """Count `held` bytes of the unfinished body in the broker's `Incoming`; past
@@ -741,6 +827,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._answer_and_close(400, b"upgrade not supported")
             return
         self._head_done = True  # the body is not head: no 431 for its bytes
+        self._framing = 0  # (counted from the next read: `rest` went to the new parser)
         framing = b""
         if self._transfer_encoding:
             framing = b"transfer-encoding: " + self._transfer_encoding + b"\r\n"
@@ -849,6 +936,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._head_done = True
+        self._framing = 0
         if self._closing:
             return
         if self._url[:1] != b"/":
@@ -904,9 +992,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_chunk_header(self) -> None:
         # A chunk's size line: its data comes next (on_body), or, after the last (0)
-        # chunk, the trailer section, whose raw bytes data_received counts from here.
-        if self._trailer_bytes < 0:
-            self._trailer_bytes = 0
+        # chunk, the trailer section. (Its bytes are counted by `_framing_check`.)
         chunks = self._chunks = self._chunks + 1
         if (chunks - SMALL_CHUNKS) * MIN_CHUNK_BYTES > len(self._body) and not self._closing:
             self._answer_and_close(400, b"chunked body in %d chunks for %d bytes: more than %d plus one per %d bytes" % (
@@ -914,8 +1000,6 @@ class HttpProtocol(asyncio.Protocol):
             raise _StopParsing  # httptools stops this feed (HttpParserCallbackError): _parse
 
     def on_body(self, body: bytes) -> None:
-        if self._trailer_bytes >= 0:  # data of a chunk: not its trailers
-            self._trailer_bytes = -1
         if self._skip or self._closing:
             return
         buf = self._body
@@ -934,7 +1018,7 @@ class HttpProtocol(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._head_done = False
         self._head_bytes = 0
-        self._trailer_bytes = -1
+        self._framing = -1
         if self._skip or self._closing:
             self.request_started = 0.0
             self._body = b""
@@ -1015,14 +1099,16 @@ class HttpProtocol(asyncio.Protocol):
                 self._queue(_STATUS_LINES[200] + fe.date + _METRICS_TYPE + extra + b"\r\n", keep_alive, path)
             elif method == b"GET":
                 scrape = _Scrape(keep_alive)
-                if not self._responses and not self._write_paused and not self._scraped:
+                if not self._responses and not self._write_paused and not fe.scraped:
                     self._write(self._scrape_response(scrape), keep_alive, path)
                 else:
                     # A scrape is large (tens of KiB, ms of CPU): one made for every request a
                     # client pipelines would pile up in memory and hold the loop. Made when due,
-                    # one per loop iteration, while reading waits.
+                    # one per loop iteration for the whole listener, while reading waits.
                     self._responses.append(scrape)
                     self._pause()
+                    if len(self._responses) == 1 and not self._write_paused:
+                        fe.wait_scrape(self)  # (due now: else _flush_ready comes to it)
             else:
                 self._queue_plain(405, b"use GET", keep_alive, path, b"allow: GET, HEAD\r\n", head)
         else:
@@ -1176,20 +1262,22 @@ class HttpProtocol(asyncio.Protocol):
             self._flush_ready()
 
     def _scrape_response(self, scrape: _Scrape) -> bytes:
-        """Make a GET /metrics answer; the next one waits for the loop's next iteration."""
-        metrics = typing.cast(typing.Callable[[], bytes], self._fe.metrics)
+        """Make a GET /metrics answer; the next one, on any connection, waits its time
+        (`HttpFrontend.scrape_turns`)."""
+        fe = self._fe
+        metrics = typing.cast(typing.Callable[[], bytes], fe.metrics)
+        started = fe.loop.time()  # (uvloop's updates its clock: the timer counts from the end)
         body = metrics()
-        if not self._scraped:
-            self._scraped = True
-            self._fe.loop.call_soon(self._next_scrape)
+        fe.scrape_made(fe.loop.time() - started)
         return b"".join((
             _STATUS_LINES[200], self._fe.date, _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
             self._keep_header if scrape.keep_alive else _CLOSE, b"\r\n", body,
         ))  # fmt: skip
 
-    def _next_scrape(self) -> None:
-        self._scraped = False
-        if self._transport is not None and self._responses:
+    def scrape_turn(self) -> None:
+        """This connection's turn to make the scrape it waits for (`HttpFrontend._next_scrape`)."""
+        transport = self._transport
+        if transport is not None and self._responses and not transport.is_closing():
             self._flush_ready()
 
     def _flush_ready(self) -> None:
@@ -1199,8 +1287,11 @@ class HttpProtocol(asyncio.Protocol):
             if type(head) is tuple:
                 data, keep_alive, path = head
             elif type(head) is _Scrape:
-                if self._write_paused or self._scraped:
-                    break  # resume_writing, or _next_scrape, comes back here
+                if self._write_paused:
+                    break  # resume_writing comes back here
+                if self._fe.scraped:
+                    self._fe.wait_scrape(self)  # its turn comes back here
+                    break
                 keep_alive = head.keep_alive
                 data = self._scrape_response(head)
                 path = "metrics"
