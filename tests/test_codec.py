@@ -310,12 +310,60 @@ def test_deep_params_single_call_keeps_its_id_even_after_params(codec, n):
         (b'{"params":' + deep(n) + b', "method":"m", "jsonrpc":"2.0", "id" : 7 }', 7),
         (b'{"jsonrpc":"2.0","method":"m","params":' + deep(n) + b',"\\u0069d":1.5}', 1.5),
         (b'{"jsonrpc":"2.0","method":"m","x":1,"y":"z","params":' + deep(n) + b',"k":null,"id":3}', 3),
-        (b'{"jsonrpc":"2.0","method":"m","params":' + deep(n) + b"}", None),  # notification: no id to echo
         (b'{"jsonrpc":"2.0","method":"m","params":' + deep(n) + b',"id":true}', None),  # not a valid id
+        (b'{"jsonrpc":"2.0","method":"m","params":' + deep(n) + b',"id":null}', None),  # a call, id null
     ]:
         b = codec.decode(text)
         assert (b.batch, b.status, len(b.items)) == (False, 400, 1), text[:80]
         too_deep(b.items[0], id_)
+
+
+NOTE_HEAD = b'{"jsonrpc":"2.0","method":"m",'
+
+
+@pytest.mark.parametrize("text", [
+    NOTE_HEAD + b'"params":' + deep(1100) + b"}",
+    NOTE_HEAD + b'"params":' + deep(100_000) + b"}",
+    NOTE_HEAD + b'"params":' + b'{"a":' * 3000 + b"1" + b"}" * 3000 + b"}",
+    NOTE_HEAD + b'"params":[1,' + deep(2000) + b',{"k":' + deep(1500) + b"}]}",
+    b'{"params":' + deep(2000) + b', "method" : "m" ,"jsonrpc":"2.0"}',  # params first
+    b'{"jsonrpc":"\\u0032.0","m\\u0065thod":"m","p\\u0061rams":' + deep(2000) + b"}",  # escaped, as msgspec reads them
+    NOTE_HEAD + b'"params":[1],"x":' + deep(2000) + b"}",  # another member too deep, no id member
+    NOTE_HEAD + b'"x":{"y":' + deep(2000) + b"}}",  # and no params
+])
+def test_too_deep_notification_is_dropped_not_answered(codec, text):
+    """Hostile testing (F6): a valid notification whose params (or another member)
+    nest past the parser's limit was answered -32600 with id null. It is a
+    notification all the same (spec section 4.1: never answered); the broker cannot
+    forward it, so it drops it: no item, counted in `dropped`. Alone, in a batch with
+    a call, and in a batch of only such notifications."""
+    alone = codec.decode(text)
+    assert (alone.batch, alone.status, alone.items, alone.dropped) == (False, 200, [], 1)
+    mixed = codec.decode(b"[" + text + b"," + ADD_2 + b"," + text + b"," + call(deep(1500), b'"d"') + b"]")
+    assert (mixed.batch, mixed.status, mixed.dropped, len(mixed.items)) == (True, 200, 2, 2)
+    assert bytes(req(mixed.items[0]).id) == b"2"
+    too_deep(mixed.items[1], "d")
+    only = codec.decode(b"[" + b",".join([text] * 3) + b"]")
+    assert (only.batch, only.status, only.items, only.dropped) == (True, 200, [], 3)
+
+
+@pytest.mark.parametrize(("text", "what"), [
+    (NOTE_HEAD + b'"id":' + deep(2000) + b"}", "the request nests"),  # an id member, too deep: invalid
+    (b'{"jsonrpc":"2.0","method":' + deep(2000) + b',"params":[]}', "the request nests"),  # no string
+    (b'{"method":"m","params":' + deep(2000) + b"}", "params nest"),  # no jsonrpc
+    (b'{"jsonrpc":"1.0","method":"m","params":' + deep(2000) + b"}", "params nest"),
+    (b'{"jsonrpc":"2.0","method":5,"params":' + deep(2000) + b"}", "params nest"),
+    (NOTE_HEAD + b'"params":5,"x":' + deep(2000) + b"}", "the request nests"),  # params invalid
+])
+def test_too_deep_invalid_request_without_id_is_still_answered(codec, text, what):
+    """What would be an invalid Request object at any depth is answered (id null), as
+    the shallow path answers it: only a valid notification goes unanswered."""
+    alone = codec.decode(text)
+    assert (alone.batch, alone.status, alone.dropped) == (False, 400, 0)
+    too_deep(alone.items[0], None, what)
+    batch = codec.decode(b"[" + text + b"," + ADD_2 + b"]")
+    assert (batch.batch, batch.dropped, len(batch.items)) == (True, 0, 2)
+    too_deep(batch.items[0], None, what)
 
 
 def test_deep_member_other_than_params(codec):
@@ -498,11 +546,11 @@ def test_jsontestsuite(codec):
 
 def check_body(b: Body) -> None:
     assert type(b) is Body
-    assert b.items
+    assert b.items or b.dropped
     assert b.status in (200, 400)
     if not b.batch:
-        assert len(b.items) == 1
-        assert b.status == (200 if type(b.items[0]) is Request else 400)
+        assert len(b.items) + b.dropped == 1
+        assert b.status == (200 if not b.items or type(b.items[0]) is Request else 400)
     else:
         assert b.status == 200
     for item in b.items:
@@ -739,13 +787,18 @@ MEMBER_VALUES = [b"1", b'"s"', b"null", b"true", b"[1]", b"[" * 70 + b"]" * 70, 
 def test_too_deep_request_is_answered_by_its_last_members(members):
     """A Request object with some member nested too deep: its answer reads the id and
     params as msgspec would (the last of duplicate names wins, escaped names count),
-    with null for an id that is itself too deep, and says whether params were."""
+    with null for an id that is itself too deep, and says whether params were; one
+    with no id member and valid params is a notification, and gets none."""
     deep_values = (DEEP, b'{"a":' + DEEP + b"}")
     # msgspec skips unknown members however deep: only id and params can be too deep
     assume(any(json.loads(k) in ("id", "params") and v in deep_values for k, v in members))
     body = b'{"jsonrpc":"2.0","method":"m",' + b",".join(k + b":" + v for k, v in members) + b"}"
     last = {json.loads(k): v for k, v in members}
-    e = err(Codec().decode(body).items[0])
+    decoded = Codec().decode(body)
+    if "id" not in last and last.get("params", b"[]")[:1] in (b"[", b"{"):  # a notification: none
+        assert (decoded.items, decoded.dropped) == ([], 1)
+        return
+    e = err(decoded.items[0])
     assert e["error"]["code"] == -32600  # type: ignore[index]
     id_ = last.get("id")
     assert e["id"] == (json.loads(id_) if id_ is not None and id_ not in deep_values and is_valid_id(json.loads(id_)) else None)
@@ -906,7 +959,7 @@ def _together(codec: Codec, body: bytes) -> Body:
 
 def _same_answers(codec: Codec, text: bytes) -> None:
     together, alone = _together(codec, text), _one_by_one(codec, text)
-    assert (together.batch, together.status) == (alone.batch, alone.status), text[:120]
+    assert (together.batch, together.status, together.dropped) == (alone.batch, alone.status, alone.dropped), text[:120]
     assert [x if type(x) is bytes else msgspec.json.encode(x) for x in together.items] == [
         x if type(x) is bytes else msgspec.json.encode(x) for x in alone.items
     ], text[:120]
