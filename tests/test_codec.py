@@ -708,6 +708,24 @@ def test_scan_json_agrees_with_msgspec(text):
 
 @settings(max_examples=300, deadline=None, print_blob=True)
 @given(
+    st.lists(st.sampled_from([b"1", b'"a"', b"[]", b'{"k":[0]}', b'"[,]"', b"[" * 70 + b"0" + b"]" * 70]), max_size=12),
+    st.sampled_from([(b"[", b"]", b""), (b"{", b"}", b'"k":')]),
+    st.integers(1, 14),
+)
+def test_scan_json_lists_the_children_asked_and_counts_them_all(values, container, cap):
+    """`max_children` caps the children listed (only those commas become Python ints:
+    a request of 170,000 members listed them all for the one asked); `total` still
+    counts them all, with the long run pairs collapsed or not (a 70-deep value)."""
+    opening, closing, name = container
+    text = opening + b",".join(name + v for v in values) + closing
+    whole, capped = scan_json(text), scan_json(text, cap)
+    assert (capped.total, capped.depth) == (whole.total, whole.depth) == (len(values), reference_depth(text))
+    assert capped.children == whole.children[:cap]
+    assert [text[a:b] for a, b, _ in whole.children] == [name + v for v in values]
+
+
+@settings(max_examples=300, deadline=None, print_blob=True)
+@given(
     st.lists(st.sampled_from(SCAN_FRAGMENTS), min_size=1, max_size=8).map(b"".join),
     st.lists(st.sampled_from(SCAN_WRAPPERS), min_size=1, max_size=4),
     st.integers(300, 1500),
