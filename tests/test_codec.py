@@ -794,6 +794,71 @@ def test_nesting_reads_each_child_of_a_deep_batch_off_the_scan(elements):
         assert nesting(found, start, end) == reference_depth(body[start:end])
 
 
+def reference_members(obj: bytes) -> list[tuple[int, int, int]]:
+    """The members of a JSON object, the plain way: each value's start (after its
+    ":"), end (its "," or the object's "}") and nesting, one byte at a time."""
+    out: list[tuple[int, int, int]] = []
+    depth = deepest = 0
+    start = -1
+    in_string = escaped = False
+    for at, byte in enumerate(obj):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+            continue
+        if byte == 0x22:
+            in_string = True
+        elif byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in b"]}":
+            depth -= 1
+            if depth == 0:
+                out.append((start, at, deepest - 1))
+        elif byte == 0x3A and depth == 1:
+            start, deepest = at + 1, 1
+        elif byte == 0x2C and depth == 1:
+            out.append((start, at, deepest - 1))
+    return out
+
+
+MEMBER_KEYS = [b'"id"', b'"p\\u0061rams"', b'"\\\\"', b'"[\\"{"', b'"x"']
+MEMBER_VALUES_70 = [b"1", b'"[[{"', b" [] ", b'{"a":[1]}', b"[" * 70 + b"]" * 70, b'{"a":' * 70 + b"1" + b"}" * 70,
+                    b"[" * 2000 + b"]" * 2000, b'[0,{"a":' + b"[" * 3000 + b'"]"' + b"]" * 3000 + b"}]"]
+
+
+@settings(max_examples=200, deadline=None, print_blob=True)
+@given(
+    st.lists(st.tuples(st.sampled_from(MEMBER_KEYS), st.sampled_from(MEMBER_VALUES_70)), min_size=1, max_size=6),
+    st.sampled_from([b"", b" ", b"\n "]),
+    st.booleans(),
+)
+def test_deep_members_are_the_members_nested_past_64(members, space, wrapped):
+    """`deep_members` (the bytes past 64 levels found first, then the members holding
+    them among the colons) against the plain walk: the spans of every member nested
+    over 64 levels, refused when past the parser's limit (70 levels are read, 2000
+    are not), when any is refused; from its own scan, or from its parent's scan (a
+    batch holding it, the long run pairs collapsed or not)."""
+    from broker.jsonscan import deep_members
+
+    obj = b"{" + b",".join(k + space + b":" + space + v for k, v in members) + space + b"}"
+    deep = [(a, b, n) for a, b, n in reference_members(obj) if n > 64]
+    want = ([a for a, _, _ in deep], [b for _, b, _ in deep], [n > 1000 for _, _, n in deep])
+    if not any(want[2]):
+        want = ([], [], [])
+    assert deep_members(obj) == want
+    if wrapped:
+        batch = b"[1," + obj + space + b"]"
+        top = scan_json(batch)
+        start = top.children[1][0]
+        assert batch[start:top.children[1][1]] == obj
+        assert deep_members(obj, top, start) == want
+
+
 # 10,000 levels: past the parser's limit also where hypothesis raises the recursion limit
 DEEP = b"[" * 10_000 + b"]" * 10_000
 MEMBER_NAMES = [b'"id"', b'"\\u0069d"', b'"params"', b'"p\\u0061rams"', b'"x"']
