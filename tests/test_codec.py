@@ -794,6 +794,53 @@ def test_nesting_reads_each_child_of_a_deep_batch_off_the_scan(elements):
         assert nesting(found, start, end) == reference_depth(body[start:end])
 
 
+_bracket_strings = st.text(st.sampled_from('[]{}"\\a:,'), max_size=8)
+_bracket_json = st.recursive(
+    st.integers(0, 9) | st.none() | _bracket_strings,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_bracket_strings, inner, max_size=3),
+    max_leaves=16,
+)
+
+
+@settings(max_examples=600, deadline=None, print_blob=True)
+@given(
+    _bracket_json,
+    st.integers(0, 40),
+    st.sampled_from([b"[", b'{"[":', b'["]", ', b'{"\\"{" : ']),
+    st.integers(0, 12),
+    st.integers(0, 400),
+)
+def test_nests_deeper_is_the_plain_depth_past_a_limit(value, wrap, wrapper, limit, pad):
+    """`nests_deeper` (counts, the skeleton of quotes and brackets, rounds of `[]`
+    removed, numpy past a budget or for many strings) against the depth counted one
+    byte at a time, whatever brackets, quotes and escapes the strings hold; `pad`
+    strings of brackets in front take it past 256 strings (numpy's way)."""
+    from broker.jsonscan import nests_deeper
+
+    closing = {b"[": b"]", b'{"[":': b"}", b'["]", ': b"]", b'{"\\"{" : ': b"}"}[wrapper]
+    inner = json.dumps(value).encode()
+    text = b'["[x]",' * (pad % 7 and pad) + wrapper * wrap + inner + closing * wrap + b"]" * (pad % 7 and pad)
+    depth = reference_depth(text)
+    for at in {limit, max(depth - 1, 0), depth, max(depth - 2, 0)}:
+        assert nests_deeper(text, at) == (depth > at), (text[:80], at)
+
+
+@pytest.mark.parametrize(("unit", "count"), [
+    (b"[" * 63 + b"1" + b"]" * 63, 200),  # 63 deep everywhere: past the rounds' budget
+    (b"[" * 64 + b"1" + b"]" * 64, 200),
+    (b"[" * 65 + b"1" + b"]" * 65, 1),
+    (b'["[","]]",' + b"[" * 62 + b'"{"' + b"]" * 62 + b"]", 100),  # strings of brackets and nesting
+    (b'["[","]]",' + b"[" * 63 + b'"{"' + b"]" * 63 + b"]", 100),
+])
+def test_nests_deeper_near_the_limit_by_every_way(unit, count):
+    from broker.jsonscan import nests_deeper
+
+    text = b"[" + b",".join([unit] * count) + b"]"
+    depth = reference_depth(text)
+    for limit in (depth - 1, depth, 64):
+        assert nests_deeper(text, limit) == (depth > limit)
+
+
 def reference_members(obj: bytes) -> list[tuple[int, int, int]]:
     """The members of a JSON object, the plain way: each value's start (after its
     ":"), end (its "," or the object's "}") and nesting, one byte at a time."""
