@@ -47,8 +47,8 @@ deep shapes of benchmarks/pathological.py at 1 MiB on a shared 2-core machine
 for the bodies steps 0 and 0b shrink, 14 to 25 for the others, the deep shapes with
 short runs of brackets (`[0,`, `{"a":`, spaced `[ [`), where numpy's passes and msgspec
 over the whole body add up (`Codec.decode` skips its own failed attempts for a body
-with a run of 1000 `[`). numpy is imported on the first call only (workers that never
-see a deep body do not load it).
+with a run of 1000 `[` outside strings). numpy is imported on the first call only (workers
+that never see a deep body, nor params of many nesting brackets, do not load it).
 """
 
 from __future__ import annotations
