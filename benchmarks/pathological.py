@@ -86,6 +86,8 @@ BATCH_SHAPES: dict[str, Callable[[int], bytes]] = {
         "batch, params of runs of 40 just past": lambda s: batch_of([DEEP_HEAD + b'"params":' + (b"[" * 40 + b"1,") * 26 + b"1" + b"]" * 1040 + b"}"], s),
         "batch, just past and normal": lambda s: batch_of([JUST_PAST_PARAMS, call(b"[" + b"1," * 1000 + b"1]")], s),
     "batch ~1000, every other just past": lambda s: batch_of([JUST_PAST_PARAMS, call(b"[1,2]")], s),
+    # notifications (no id) just past: dropped unanswered, as a notification is (F6)
+    "batch, notifications just past": lambda s: batch_of([b'{"jsonrpc":"2.0","method":"echo","params":' + nest(JUST_PAST) + b"}"], s),
 }
 
 SHAPES: dict[str, Callable[[int], bytes]] = {
@@ -109,6 +111,14 @@ SHAPES: dict[str, Callable[[int], bytes]] = {
     "members 70 deep, params too": lambda s: b'{"jsonrpc":"2.0","method":"m",' + b"".join(
         b'"a%d":' % i + b"[" * 70 + b"]" * 70 + b"," for i in range(repeat_to(b'"a0000":' + b"[]" * 70 + b",", s - 2300))
     ) + b'"params":' + b"[" * 1100 + b"]" * 1100 + b',"id":3}',
+    # hostile testing, F7: deep params before 170,000 flat members (c); an object nested
+    # by a two-level unit (`{"":[`); a valid flat call holding 1000 `[` in a string, which
+    # paid the deep scan first (a), next to the same call without them (the baseline)
+    "deep params, then 170k members": lambda s: b'{"jsonrpc":"2.0","method":"m","params":' + b"[" * 1100
+    + b"]" * 1100 + b"," + b'"a":1,' * repeat_to(b'"a":1,', s - 2300) + b'"id":1}',
+    'deep {"":[ alternating': lambda s: b'{"":[' * (s // 7) + b"1" + b"]}" * (s // 7),
+    "flat call (baseline)": lambda s: call(b"[" + b"1," * repeat_to(b"1,", s - 100) + b"1]"),
+    "flat call, 1000 [ in a string": lambda s: call(b'["' + b"[" * 1000 + b'",' + b"1," * repeat_to(b"1,", s - 1100) + b"1]"),
     **BATCH_SHAPES,
     "unclosed string": lambda s: b'["' + b"a" * s,
     "unclosed escapes": lambda s: b'["' + b'\\"' * (s // 2),
@@ -130,8 +140,10 @@ SHAPES: dict[str, Callable[[int], bytes]] = {
 
 
 def code_of(codec: Codec, body: bytes) -> str:
-    items = codec.decode(body).items
-    first = items[0]
+    decoded = codec.decode(body)
+    if not decoded.items:  # only notifications too deep to forward: no answer at all
+        return f"none ({decoded.dropped} dropped)"
+    first = decoded.items[0]
     if type(first) is Request:
         return "request"
     return str(first).split('"code":')[1].split(",")[0]

@@ -133,6 +133,7 @@ _ERROR = int(wire.Kind.ERROR)
 _CANCEL_ACK = wire.CANCEL_ACK
 _NOT_RUN = wire.NOT_RUN  # a reply's aux: the handler never ran (no service time)
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
+_INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's (too deep)
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _CODE_AT = len(b'{"code":')
@@ -525,8 +526,9 @@ class Dispatcher:
         self.late_results_total = 0
         self.shed_total = 0
         # Notifications that never reached a worker, by the error a call would have had
-        # (overloaded, timed out while queued, no worker, shutting down): they get no
-        # answer, so this count is their only trace.
+        # (overloaded, timed out while queued, no worker, shutting down, invalid request:
+        # nested past the parser's limit): they get no answer, so this count is their
+        # only trace.
         self.notifications_dropped: dict[int, int] = {}
         self.worker_died_total = 0
         self._idle = asyncio.Event()  # set once draining and nothing is owed
@@ -691,7 +693,7 @@ class Dispatcher:
         """
         if budget is None:
             budget = ResponseBudget()
-        if not body.batch:  # the common case first: one call to a registered method
+        if not body.batch and body.items:  # the common case first: one call to a registered method
             request = body.items[0]
             if type(request) is Request and request.id:
                 route = self._routes.get(request.method)
@@ -705,12 +707,14 @@ class Dispatcher:
                     self._start(call, self._loop.time())
                     return exchange
         exchange = Exchange(body.batch, body.status, on_done, budget=budget)
+        if body.dropped:  # too deep to forward (jsonrpc.Body.dropped): no answer, this count
+            self.notifications_dropped[_INVALID] = self.notifications_dropped.get(_INVALID, 0) + body.dropped
         entries = self._entries(body, exchange)
         now = self._loop.time()  # for deadlines (uvloop: milliseconds, cached per loop turn)
         arrival = _clock()  # for latencies
         self.calls_total += len(entries)
         if body.batch and self.metrics is not None:
-            self.metrics.batch_size.observe(len(body.items))
+            self.metrics.batch_size.observe(len(body.items) + body.dropped)
         if body.batch and len(entries) > 2 and self._ready and self.accepting:
             self._start_chunks(entries, exchange, now, arrival)
         else:

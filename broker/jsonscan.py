@@ -47,8 +47,8 @@ deep shapes of benchmarks/pathological.py at 1 MiB on a shared 2-core machine
 for the bodies steps 0 and 0b shrink, 14 to 25 for the others, the deep shapes with
 short runs of brackets (`[0,`, `{"a":`, spaced `[ [`), where numpy's passes and msgspec
 over the whole body add up (`Codec.decode` skips its own failed attempts for a body
-with a run of 1000 `[`). numpy is imported on the first call only (workers that never
-see a deep body do not load it).
+with a run of 1000 `[` outside strings). numpy is imported on the first call only (workers
+that never see a deep body, nor params of many nesting brackets, do not load it).
 """
 
 from __future__ import annotations
@@ -62,7 +62,10 @@ if typing.TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ["Members", "NotJson", "Scanned", "batch_members", "deep_members", "nesting", "refused_members", "scan_json"]
+__all__ = [
+    "Members", "NotJson", "Scanned", "batch_members", "deep_members", "nesting", "nests_deeper", "refused_members",
+    "scan_json",
+]
 
 _WS = b" \t\n\r"
 _RAW = msgspec.json.Decoder(msgspec.Raw)
@@ -481,19 +484,84 @@ def scan_json(buf: bytes, max_children: int = 0, exact_depth: bool = True) -> Sc
     if kind != 0x5B and kind != 0x7B:
         return Scanned(kind, start, end, [], 0, 0)
     commas = _np.flatnonzero((st.depth == 1) & (st.cls == 4))
+    if not len(commas) and not buf[start + 1:end - 1].strip(_WS):
+        return Scanned(kind, start, end, [], 0, deepest, kept)
+    total = len(commas) + 1
+    listed = total if not max_children else min(total, max_children)
+    # Only the commas before the last child listed become Python ints: 170,000 members
+    # of a 1 MiB request took 5 ms to list for the one child asked (measured).
+    commas = commas[:listed]
     if type(kept) is _Collapsed:
         commas = kept.body(commas)
     seps = [start, *commas.tolist(), end - 1]
-    if len(seps) == 2 and not buf[start + 1:end - 1].strip(_WS):
-        return Scanned(kind, start, end, [], 0, deepest, kept)
-    total = len(seps) - 1
-    listed = total if not max_children else min(total, max_children)
     children: list[tuple[int, int, int]] = []
     for i in range(listed):
         a, b = seps[i] + 1, seps[i + 1]
         piece = buf[a:b]
         children.append((a + len(piece) - len(piece.lstrip(_WS)), a + len(piece.rstrip(_WS)), 0))
     return Scanned(kind, start, end, children, total, deepest, kept)
+
+
+# `nests_deeper`'s skeleton of a text: its quotes and brackets (braces as brackets), and
+# each skeleton byte's step in depth (int8: `[` 1, `]` -1, a quote 0).
+_SKELETON = bytes(0x5B if b == 0x7B else 0x5D if b == 0x7D else b for b in range(256))
+_NOT_SKELETON = bytes(b for b in range(256) if b not in b'"[]{}')
+_STEP = bytes(1 if b == 0x5B else 0xFF if b == 0x5D else 0 for b in range(256))
+
+
+def nests_deeper(buf: bytes, limit: int) -> bool:
+    """Whether `buf`, one JSON text (checked already: the answer for other bytes is
+    unspecified), nests arrays and objects more than `limit` levels deep.
+
+    What the worker's max_depth check needs, without `scan_json`'s work (a check of the
+    whole text and its children: 5 to 30 ms per MiB, measured) for the many texts that
+    hold brackets but cannot nest that deep. In steps, each only when the one before
+    could not tell:
+    1. more than `limit` brackets at all (`bytes.count`: most params have fewer);
+    2. the skeleton: escapes blanked, every byte but quotes and brackets deleted
+       (braces become brackets), one `bytes.translate`; then every `""` removed, which
+       keeps the parity of the quotes before each bracket, so only strings holding
+       brackets are left, and those brackets cut out (`split`, or numpy when there
+       are many);
+    3. rounds of `replace(b"[]", b"")` on what is left, each removing one level (the
+       innermost pairs), stopping as soon as the pairs left are too few to nest past
+       the levels left; past a budget of work (4 times the skeleton: nesting near the
+       limit everywhere), numpy's cumulative sum over what is left.
+    A 1 MiB call whose params hold a string of 1000 `[` costs the two counts and the
+    translate, about 1 ms; 100 small objects about what msgspec takes to read them."""
+    if buf.count(b"[") + buf.count(b"{") <= limit:
+        return False
+    text = buf if b"\\" not in buf else buf.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    skeleton = text.translate(_SKELETON, _NOT_SKELETON)
+    if b'"' in skeleton:
+        skeleton = skeleton.replace(b'""', b"")  # (a run of quotes keeps one at most: one pass)
+        if b'"' in skeleton:  # strings holding brackets: cut them out
+            if skeleton.count(b'"') > _SPLIT_QUOTES:
+                return _deeper(skeleton, limit)
+            skeleton = b"".join(skeleton.split(b'"')[0::2])
+    budget = 4 * len(skeleton)
+    for level in range(limit):
+        if len(skeleton) <= 2 * (limit - level):  # each level left takes a [ and a ]
+            return False
+        budget -= len(skeleton)
+        if budget < 0:
+            return _deeper(skeleton, limit - level)
+        skeleton = skeleton.replace(b"[]", b"")
+    return len(skeleton) > 0
+
+
+_SPLIT_QUOTES = 256  # quotes: past this many, numpy cuts the strings out (a Python object a piece)
+
+
+def _deeper(skeleton: bytes, limit: int) -> bool:
+    """`nests_deeper` of a skeleton by numpy: the cumulative sum of its steps, a
+    bracket between a quote and the next (in a string) not counted."""
+    np = _numpy()
+    steps = np.frombuffer(skeleton.translate(_STEP), np.int8)
+    if b'"' in skeleton:  # from an opening quote to its closing one: 1 (steps there are 0 then)
+        inside = np.bitwise_xor.accumulate(np.frombuffer(skeleton, np.uint8) == 0x22)
+        steps = np.where(inside, np.int8(0), steps)
+    return int(np.cumsum(steps, dtype=np.int32).max()) > limit
 
 
 def nesting(parent: Scanned, start: int, end: int) -> int:
@@ -528,36 +596,45 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
     view = None if parent is None else parent.structure
     if type(view) is _Structure:
         span = slice(offset, offset + len(obj))
-        cls, delta, depth = view.cls[span], view.delta[span], view.depth[span]
+        cls, depth = view.cls[span], view.depth[span]
     elif type(view) is _Collapsed:  # in the collapsed text's offsets, mapped back below
         at = int(view.text(offset))  # (obj starts and ends a value: it maps)
         span = slice(at, int(view.text(offset + len(obj))))
-        cls, delta, depth = view.st.cls[span], view.st.delta[span], view.st.depth[span]
+        cls, depth = view.st.cls[span], view.st.depth[span]
     else:
         view = None
-        cls, delta, depth = _structure(obj)
+        cls, _, depth = _structure(obj)
     base = int(depth[0])  # containers open after obj's "{"
-    colons = np.flatnonzero((cls == 8) & (depth == base))
+    # The colons and commas at obj's level: a pass over the classes for each, then the
+    # depths of those bytes only (masks over the whole object, its depths compared
+    # with its level byte by byte, cost about twice as much for a 1 MiB request of
+    # 170,000 flat members next to its deep params, measured).
+    colons = np.flatnonzero(cls == 8)
+    colons = colons[depth.take(colons) == base]
     if not len(colons):
         return [], [], []
-    ends = np.flatnonzero(((cls == 4) & (depth == base)) | ((delta == -1) & (depth == base - 1)))
-    ends = ends[np.searchsorted(ends, colons)]  # the "," or "}" after each member's ":"
     # The deepest point from one ":" to the next: the member's value (a name is flat).
     nesting = np.maximum.reduceat(depth, colons) - base
     tried = np.flatnonzero(nesting > 64)
     if not len(tried):
         return [], [], []
-    starts = colons + 1
+    nesting, firsts = nesting.take(tried), colons.take(tried)
+    # Each one ends at the "," after it at obj's level, or at obj's own "}".
+    commas = np.flatnonzero(cls == 4)
+    commas = commas[depth.take(commas) == base]
+    closing = len(depth) - 1 - (len(obj) - len(obj.rstrip(_WS)))
+    stops = np.append(commas, closing)
+    starts, ends = firsts + 1, stops[np.searchsorted(stops, firsts)]
     if view is not None and type(view) is _Collapsed:  # back to obj's own offsets
         starts, ends = view.body(starts + at) - offset, view.body(ends + at) - offset
     # msgspec takes one recursion step per array or object level, so whether it can
     # read a value depends on its nesting only: find the least nesting it refuses by
     # a binary search over the nestings present, one real value of each tried.
-    levels, first = np.unique(nesting[tried], return_index=True)
+    levels, first = np.unique(nesting, return_index=True)
     lo, hi = 0, len(levels)  # levels[hi:] refused; levels[:lo] read
     while lo < hi:
         mid = (lo + hi) // 2
-        i = int(tried[first[mid]])
+        i = int(first[mid])
         start, end = int(starts[i]), int(ends[i])
         try:
             _RAW.decode(b"[" + obj[start:end] + b"]")
@@ -566,7 +643,7 @@ def deep_members(obj: bytes, parent: Scanned | None = None, offset: int = 0) -> 
             hi = mid
     if hi == len(levels):
         return [], [], []
-    return starts[tried].tolist(), ends[tried].tolist(), (nesting[tried] >= levels[hi]).tolist()
+    return starts.tolist(), ends.tolist(), (nesting >= levels[hi]).tolist()
 
 
 

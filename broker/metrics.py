@@ -102,8 +102,11 @@ HTTP_STATUSES = (
 HTTP_PATHS = ("rpc", "health", "ready", "metrics", "other")
 RESTART_REASONS = ("exited", "killed", "hung", "boot_timeout", "reload", "code_changed")  # see pool.restart_reason
 # Why a notification never reached a worker (Dispatcher.notifications_dropped's keys).
+# invalid_request: nested past the JSON parser's limit, so it cannot be forwarded
+# (jsonrpc.Body.dropped).
 DROP_REASONS = {code: _OUTCOMES[code] for code in (
-    ErrorCode.OVERLOADED, ErrorCode.TIMED_OUT, ErrorCode.NO_WORKER, ErrorCode.SHUTTING_DOWN)}
+    ErrorCode.OVERLOADED, ErrorCode.TIMED_OUT, ErrorCode.NO_WORKER, ErrorCode.SHUTTING_DOWN,
+    ErrorCode.INVALID_REQUEST)}
 _NO_RESTARTS = dict.fromkeys(RESTART_REASONS, 0)
 
 

@@ -60,7 +60,8 @@ import msgspec
 import orjson
 
 from broker import wire
-from broker.jsonrpc import ErrorCode, error_object, scan_json
+from broker.jsonrpc import ErrorCode, error_object
+from broker.jsonscan import nests_deeper
 
 __all__ = ["BROKER_CODES", "WORKER_BOOT_ERROR", "InvalidJson", "Method", "Registry", "RpcError", "main"]
 
@@ -239,8 +240,18 @@ class Method:
                 return (None,), {}
             params = b"[]"
         fast = self._fast
-        # (params shorter than max_depth cannot hold more brackets: no need to count them)
-        if fast is not None and (len(params) <= max_depth or params.count(b"[") + params.count(b"{") <= max_depth):
+        # Whether they nest past max_depth (exact for JSON; params that are not go on to
+        # the checks below, which say so first). Params shorter than max_depth cannot
+        # hold more brackets, nor can those with fewer (counted inline: the usual case,
+        # no call); `nests_deeper` looks further (brackets in strings do not count:
+        # they took every such call off the fast path and through a whole `scan_json`,
+        # hostile testing).
+        deep = (
+            len(params) > max_depth
+            and params.count(b"[") + params.count(b"{") > max_depth
+            and nests_deeper(params, max_depth)
+        )
+        if fast is not None and not deep:
             try:
                 first = params[0]
                 if first == 0x5B:  # "["
@@ -250,7 +261,7 @@ class Method:
             except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
                 pass
         if self.raw_params:
-            _check_raw(params, max_depth)
+            _check_raw(params, max_depth, deep)
             return (msgspec.Raw(params),), {}
         try:
             obj = _decode_json(params)
@@ -260,7 +271,8 @@ class Method:
             raise self._out_of_range(params, str(exc)) from None
         except msgspec.DecodeError as exc:
             raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
-        _check_depth(params, max_depth)
+        if deep:
+            raise NestingTooDeep(max_depth)
         if type(obj) is list:
             return self._bind_positional(obj), {}
         if type(obj) is not dict:  # section 4.2: params is an array or an object
@@ -408,17 +420,10 @@ class NestingTooDeep(Exception):
     """params nest arrays/objects deeper than the configured max_depth."""
 
 
-def _check_depth(params: bytes, max_depth: int) -> None:
-    """Raise `NestingTooDeep` when `params` (valid JSON) nest deeper than `max_depth`.
-    Params with no more brackets than max_depth cannot be deeper; others are measured
-    on their bytes, without recursion and without decoding a number."""
-    if params.count(b"[") + params.count(b"{") > max_depth and scan_json(params, 1).depth > max_depth:
-        raise NestingTooDeep(max_depth)
-
-
-def _check_raw(params: bytes, max_depth: int) -> None:
+def _check_raw(params: bytes, max_depth: int, deep: bool) -> None:
     """The checks raw params get before a `raw_params` handler sees them: JSON
-    (RFC 8259), UTF-8 (section 8.1) and max_depth. Any valid JSON passes: `1e400` and
+    (RFC 8259), UTF-8 (section 8.1) and max_depth (`deep`: `nests_deeper` said they
+    nest past it, which holds once they are JSON). Any valid JSON passes: `1e400` and
     a 5000-digit integer are JSON, though no float or int of msgspec holds them."""
     try:
         _decode_raw(params)
@@ -431,7 +436,8 @@ def _check_raw(params: bytes, max_depth: int) -> None:
             params.decode()
         except UnicodeDecodeError:
             raise InvalidParams(None, "params are not valid UTF-8") from None
-    _check_depth(params, max_depth)
+    if deep:
+        raise NestingTooDeep(max_depth)
 
 
 _decode_raw = msgspec.json.Decoder(msgspec.Raw).decode

@@ -310,12 +310,60 @@ def test_deep_params_single_call_keeps_its_id_even_after_params(codec, n):
         (b'{"params":' + deep(n) + b', "method":"m", "jsonrpc":"2.0", "id" : 7 }', 7),
         (b'{"jsonrpc":"2.0","method":"m","params":' + deep(n) + b',"\\u0069d":1.5}', 1.5),
         (b'{"jsonrpc":"2.0","method":"m","x":1,"y":"z","params":' + deep(n) + b',"k":null,"id":3}', 3),
-        (b'{"jsonrpc":"2.0","method":"m","params":' + deep(n) + b"}", None),  # notification: no id to echo
         (b'{"jsonrpc":"2.0","method":"m","params":' + deep(n) + b',"id":true}', None),  # not a valid id
+        (b'{"jsonrpc":"2.0","method":"m","params":' + deep(n) + b',"id":null}', None),  # a call, id null
     ]:
         b = codec.decode(text)
         assert (b.batch, b.status, len(b.items)) == (False, 400, 1), text[:80]
         too_deep(b.items[0], id_)
+
+
+NOTE_HEAD = b'{"jsonrpc":"2.0","method":"m",'
+
+
+@pytest.mark.parametrize("text", [
+    NOTE_HEAD + b'"params":' + deep(1100) + b"}",
+    NOTE_HEAD + b'"params":' + deep(100_000) + b"}",
+    NOTE_HEAD + b'"params":' + b'{"a":' * 3000 + b"1" + b"}" * 3000 + b"}",
+    NOTE_HEAD + b'"params":[1,' + deep(2000) + b',{"k":' + deep(1500) + b"}]}",
+    b'{"params":' + deep(2000) + b', "method" : "m" ,"jsonrpc":"2.0"}',  # params first
+    b'{"jsonrpc":"\\u0032.0","m\\u0065thod":"m","p\\u0061rams":' + deep(2000) + b"}",  # escaped, as msgspec reads them
+    NOTE_HEAD + b'"params":[1],"x":' + deep(2000) + b"}",  # another member too deep, no id member
+    NOTE_HEAD + b'"x":{"y":' + deep(2000) + b"}}",  # and no params
+])
+def test_too_deep_notification_is_dropped_not_answered(codec, text):
+    """Hostile testing (F6): a valid notification whose params (or another member)
+    nest past the parser's limit was answered -32600 with id null. It is a
+    notification all the same (spec section 4.1: never answered); the broker cannot
+    forward it, so it drops it: no item, counted in `dropped`. Alone, in a batch with
+    a call, and in a batch of only such notifications."""
+    alone = codec.decode(text)
+    assert (alone.batch, alone.status, alone.items, alone.dropped) == (False, 200, [], 1)
+    mixed = codec.decode(b"[" + text + b"," + ADD_2 + b"," + text + b"," + call(deep(1500), b'"d"') + b"]")
+    assert (mixed.batch, mixed.status, mixed.dropped, len(mixed.items)) == (True, 200, 2, 2)
+    assert bytes(req(mixed.items[0]).id) == b"2"
+    too_deep(mixed.items[1], "d")
+    only = codec.decode(b"[" + b",".join([text] * 3) + b"]")
+    assert (only.batch, only.status, only.items, only.dropped) == (True, 200, [], 3)
+
+
+@pytest.mark.parametrize(("text", "what"), [
+    (NOTE_HEAD + b'"id":' + deep(2000) + b"}", "the request nests"),  # an id member, too deep: invalid
+    (b'{"jsonrpc":"2.0","method":' + deep(2000) + b',"params":[]}', "the request nests"),  # no string
+    (b'{"method":"m","params":' + deep(2000) + b"}", "params nest"),  # no jsonrpc
+    (b'{"jsonrpc":"1.0","method":"m","params":' + deep(2000) + b"}", "params nest"),
+    (b'{"jsonrpc":"2.0","method":5,"params":' + deep(2000) + b"}", "params nest"),
+    (NOTE_HEAD + b'"params":5,"x":' + deep(2000) + b"}", "the request nests"),  # params invalid
+])
+def test_too_deep_invalid_request_without_id_is_still_answered(codec, text, what):
+    """What would be an invalid Request object at any depth is answered (id null), as
+    the shallow path answers it: only a valid notification goes unanswered."""
+    alone = codec.decode(text)
+    assert (alone.batch, alone.status, alone.dropped) == (False, 400, 0)
+    too_deep(alone.items[0], None, what)
+    batch = codec.decode(b"[" + text + b"," + ADD_2 + b"]")
+    assert (batch.batch, batch.dropped, len(batch.items)) == (True, 0, 2)
+    too_deep(batch.items[0], None, what)
 
 
 def test_deep_member_other_than_params(codec):
@@ -498,11 +546,11 @@ def test_jsontestsuite(codec):
 
 def check_body(b: Body) -> None:
     assert type(b) is Body
-    assert b.items
+    assert b.items or b.dropped
     assert b.status in (200, 400)
     if not b.batch:
-        assert len(b.items) == 1
-        assert b.status == (200 if type(b.items[0]) is Request else 400)
+        assert len(b.items) + b.dropped == 1
+        assert b.status == (200 if not b.items or type(b.items[0]) is Request else 400)
     else:
         assert b.status == 200
     for item in b.items:
@@ -660,6 +708,24 @@ def test_scan_json_agrees_with_msgspec(text):
 
 @settings(max_examples=300, deadline=None, print_blob=True)
 @given(
+    st.lists(st.sampled_from([b"1", b'"a"', b"[]", b'{"k":[0]}', b'"[,]"', b"[" * 70 + b"0" + b"]" * 70]), max_size=12),
+    st.sampled_from([(b"[", b"]", b""), (b"{", b"}", b'"k":')]),
+    st.integers(1, 14),
+)
+def test_scan_json_lists_the_children_asked_and_counts_them_all(values, container, cap):
+    """`max_children` caps the children listed (only those commas become Python ints:
+    a request of 170,000 members listed them all for the one asked); `total` still
+    counts them all, with the long run pairs collapsed or not (a 70-deep value)."""
+    opening, closing, name = container
+    text = opening + b",".join(name + v for v in values) + closing
+    whole, capped = scan_json(text), scan_json(text, cap)
+    assert (capped.total, capped.depth) == (whole.total, whole.depth) == (len(values), reference_depth(text))
+    assert capped.children == whole.children[:cap]
+    assert [text[a:b] for a, b, _ in whole.children] == [name + v for v in values]
+
+
+@settings(max_examples=300, deadline=None, print_blob=True)
+@given(
     st.lists(st.sampled_from(SCAN_FRAGMENTS), min_size=1, max_size=8).map(b"".join),
     st.lists(st.sampled_from(SCAN_WRAPPERS), min_size=1, max_size=4),
     st.integers(300, 1500),
@@ -728,6 +794,118 @@ def test_nesting_reads_each_child_of_a_deep_batch_off_the_scan(elements):
         assert nesting(found, start, end) == reference_depth(body[start:end])
 
 
+_bracket_strings = st.text(st.sampled_from('[]{}"\\a:,'), max_size=8)
+_bracket_json = st.recursive(
+    st.integers(0, 9) | st.none() | _bracket_strings,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_bracket_strings, inner, max_size=3),
+    max_leaves=16,
+)
+
+
+@settings(max_examples=600, deadline=None, print_blob=True)
+@given(
+    _bracket_json,
+    st.integers(0, 40),
+    st.sampled_from([b"[", b'{"[":', b'["]", ', b'{"\\"{" : ']),
+    st.integers(0, 12),
+    st.integers(0, 400),
+)
+def test_nests_deeper_is_the_plain_depth_past_a_limit(value, wrap, wrapper, limit, pad):
+    """`nests_deeper` (counts, the skeleton of quotes and brackets, rounds of `[]`
+    removed, numpy past a budget or for many strings) against the depth counted one
+    byte at a time, whatever brackets, quotes and escapes the strings hold; `pad`
+    strings of brackets in front take it past 256 strings (numpy's way)."""
+    from broker.jsonscan import nests_deeper
+
+    closing = {b"[": b"]", b'{"[":': b"}", b'["]", ': b"]", b'{"\\"{" : ': b"}"}[wrapper]
+    inner = json.dumps(value).encode()
+    text = b'["[x]",' * (pad % 7 and pad) + wrapper * wrap + inner + closing * wrap + b"]" * (pad % 7 and pad)
+    depth = reference_depth(text)
+    for at in {limit, max(depth - 1, 0), depth, max(depth - 2, 0)}:
+        assert nests_deeper(text, at) == (depth > at), (text[:80], at)
+
+
+@pytest.mark.parametrize(("unit", "count"), [
+    (b"[" * 63 + b"1" + b"]" * 63, 200),  # 63 deep everywhere: past the rounds' budget
+    (b"[" * 64 + b"1" + b"]" * 64, 200),
+    (b"[" * 65 + b"1" + b"]" * 65, 1),
+    (b'["[","]]",' + b"[" * 62 + b'"{"' + b"]" * 62 + b"]", 100),  # strings of brackets and nesting
+    (b'["[","]]",' + b"[" * 63 + b'"{"' + b"]" * 63 + b"]", 100),
+])
+def test_nests_deeper_near_the_limit_by_every_way(unit, count):
+    from broker.jsonscan import nests_deeper
+
+    text = b"[" + b",".join([unit] * count) + b"]"
+    depth = reference_depth(text)
+    for limit in (depth - 1, depth, 64):
+        assert nests_deeper(text, limit) == (depth > limit)
+
+
+def reference_members(obj: bytes) -> list[tuple[int, int, int]]:
+    """The members of a JSON object, the plain way: each value's start (after its
+    ":"), end (its "," or the object's "}") and nesting, one byte at a time."""
+    out: list[tuple[int, int, int]] = []
+    depth = deepest = 0
+    start = -1
+    in_string = escaped = False
+    for at, byte in enumerate(obj):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+            continue
+        if byte == 0x22:
+            in_string = True
+        elif byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in b"]}":
+            depth -= 1
+            if depth == 0:
+                out.append((start, at, deepest - 1))
+        elif byte == 0x3A and depth == 1:
+            start, deepest = at + 1, 1
+        elif byte == 0x2C and depth == 1:
+            out.append((start, at, deepest - 1))
+    return out
+
+
+MEMBER_KEYS = [b'"id"', b'"p\\u0061rams"', b'"\\\\"', b'"[\\"{"', b'"x"']
+MEMBER_VALUES_70 = [b"1", b'"[[{"', b" [] ", b'{"a":[1]}', b"[" * 70 + b"]" * 70, b'{"a":' * 70 + b"1" + b"}" * 70,
+                    b"[" * 2000 + b"]" * 2000, b'[0,{"a":' + b"[" * 3000 + b'"]"' + b"]" * 3000 + b"}]"]
+
+
+@settings(max_examples=200, deadline=None, print_blob=True)
+@given(
+    st.lists(st.tuples(st.sampled_from(MEMBER_KEYS), st.sampled_from(MEMBER_VALUES_70)), min_size=1, max_size=6),
+    st.sampled_from([b"", b" ", b"\n "]),
+    st.booleans(),
+)
+def test_deep_members_are_the_members_nested_past_64(members, space, wrapped):
+    """`deep_members` (the bytes past 64 levels found first, then the members holding
+    them among the colons) against the plain walk: the spans of every member nested
+    over 64 levels, refused when past the parser's limit (70 levels are read, 2000
+    are not), when any is refused; from its own scan, or from its parent's scan (a
+    batch holding it, the long run pairs collapsed or not)."""
+    from broker.jsonscan import deep_members
+
+    obj = b"{" + b",".join(k + space + b":" + space + v for k, v in members) + space + b"}"
+    deep = [(a, b, n) for a, b, n in reference_members(obj) if n > 64]
+    want = ([a for a, _, _ in deep], [b for _, b, _ in deep], [n > 1000 for _, _, n in deep])
+    if not any(want[2]):
+        want = ([], [], [])
+    assert deep_members(obj) == want
+    if wrapped:
+        batch = b"[1," + obj + space + b"]"
+        top = scan_json(batch)
+        start = top.children[1][0]
+        assert batch[start:top.children[1][1]] == obj
+        assert deep_members(obj, top, start) == want
+
+
 # 10,000 levels: past the parser's limit also where hypothesis raises the recursion limit
 DEEP = b"[" * 10_000 + b"]" * 10_000
 MEMBER_NAMES = [b'"id"', b'"\\u0069d"', b'"params"', b'"p\\u0061rams"', b'"x"']
@@ -739,13 +917,18 @@ MEMBER_VALUES = [b"1", b'"s"', b"null", b"true", b"[1]", b"[" * 70 + b"]" * 70, 
 def test_too_deep_request_is_answered_by_its_last_members(members):
     """A Request object with some member nested too deep: its answer reads the id and
     params as msgspec would (the last of duplicate names wins, escaped names count),
-    with null for an id that is itself too deep, and says whether params were."""
+    with null for an id that is itself too deep, and says whether params were; one
+    with no id member and valid params is a notification, and gets none."""
     deep_values = (DEEP, b'{"a":' + DEEP + b"}")
     # msgspec skips unknown members however deep: only id and params can be too deep
     assume(any(json.loads(k) in ("id", "params") and v in deep_values for k, v in members))
     body = b'{"jsonrpc":"2.0","method":"m",' + b",".join(k + b":" + v for k, v in members) + b"}"
     last = {json.loads(k): v for k, v in members}
-    e = err(Codec().decode(body).items[0])
+    decoded = Codec().decode(body)
+    if "id" not in last and last.get("params", b"[]")[:1] in (b"[", b"{"):  # a notification: none
+        assert (decoded.items, decoded.dropped) == ([], 1)
+        return
+    e = err(decoded.items[0])
     assert e["error"]["code"] == -32600  # type: ignore[index]
     id_ = last.get("id")
     assert e["id"] == (json.loads(id_) if id_ is not None and id_ not in deep_values and is_valid_id(json.loads(id_)) else None)
@@ -830,6 +1013,35 @@ def test_deep_hint_answers_as_msgspec_first_does(run, inner, place, tail):
     ], text[:120]
 
 
+RUN = b"[" * 1000
+
+
+@pytest.mark.parametrize(("text", "hinted"), [
+    (call(RUN + b"]" * 1000), True),
+    (call(b'["a",' + RUN + b"]" * 1001), True),
+    (call(b'["\\\\",' + RUN + b"]" * 1001), True),  # an escaped backslash ends no string
+    (call(b'["' + RUN + b'",' + b"1," * 500 + b"1]"), False),  # hostile testing: flat, paid the scan
+    (call(b'["\\"' + RUN + b'"]'), False),  # an escaped quote opens none
+    (call(b'["\\\\\\"' + RUN + b'"]'), False),
+    (call(b'["x","' + RUN + b'"]', b'"' + RUN + b'"'), False),
+    (call(b'["' + b"[" * 99 + b'",' + RUN + b"]" * 1001), False),  # (the first run of 99 only, as before)
+])
+def test_deep_hint_is_for_runs_outside_strings(codec, text, hinted):
+    """The hint sends a body with a run of 1000 `[` to the scan before msgspec tries:
+    only for a run outside strings, which nests. Brackets in a string do not: a flat
+    1 MiB call holding 1000 `[` in a string paid the whole scan first (19-21 ms
+    against 4-6, hostile testing). The answers are msgspec-first's either way."""
+    import broker.jsonrpc as module
+
+    assert module._deep_hinted(text) is hinted
+    assert module._deep_hinted(bytearray(text)) is hinted
+    hinted_body, usual = codec.decode(text), _without_hint(codec, text)
+    assert (hinted_body.batch, hinted_body.status) == (usual.batch, usual.status)
+    assert [x if type(x) is bytes else msgspec.json.encode(x) for x in hinted_body.items] == [
+        x if type(x) is bytes else msgspec.json.encode(x) for x in usual.items
+    ]
+
+
 def _scan_by_numpy(text: bytes) -> object:
     """`scan_json` with its bracket-run shortcut turned off: the numpy scan, or NotJson."""
     import broker.jsonscan as module
@@ -906,7 +1118,7 @@ def _together(codec: Codec, body: bytes) -> Body:
 
 def _same_answers(codec: Codec, text: bytes) -> None:
     together, alone = _together(codec, text), _one_by_one(codec, text)
-    assert (together.batch, together.status) == (alone.batch, alone.status), text[:120]
+    assert (together.batch, together.status, together.dropped) == (alone.batch, alone.status, alone.dropped), text[:120]
     assert [x if type(x) is bytes else msgspec.json.encode(x) for x in together.items] == [
         x if type(x) is bytes else msgspec.json.encode(x) for x in alone.items
     ], text[:120]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import TESTDATA
+from conftest import TESTDATA, sample, scrape_metrics
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -476,6 +476,35 @@ def test_params_past_the_parser_limit_keep_their_id_and_the_batch(broker, depth)
     status, _, answer = post(broker, b'{"jsonrpc":"2.0","method":"echo","params":' + nested(depth, b"") + b',"id":"x"}')
     assert status == 400
     parser_limit_error("x", "params nest", answer)
+    assert_healthy(broker)
+
+
+def dropped_invalid(broker) -> float:
+    """rpc_broker_notifications_dropped_total{reason="invalid_request"} now."""
+    return sample(scrape_metrics(broker), "rpc_broker_notifications_dropped_total", reason="invalid_request")
+
+
+@pytest.mark.parametrize("depth", [1100, 100_000])
+def test_notification_past_the_parser_limit_gets_nothing(broker, depth):
+    """Hostile testing (F6): a valid notification whose params nest past the parser's
+    limit was answered 400 with a -32600 (id null); one 100 deep got 204. Both are
+    notifications (section 4.1: no reply): the too-deep one cannot be forwarded, so it
+    is dropped, and counted as such. In a batch it gets no slot; a batch of only such
+    notifications gets no answer at all."""
+    before = dropped_invalid(broker)
+    deep_note = call_body("echo", nested(depth, b""), None)
+    assert post(broker, call_body("echo", nested(100, b""), None))[:2] == (204, b"")
+    assert post(broker, deep_note)[:2] == (204, b"")
+    other = b'{"jsonrpc":"2.0","method":"echo","params":[1],"x":' + nested(depth, b"") + b"}"  # no id member
+    assert post(broker, other)[:2] == (204, b"")
+    _, _, answer = post(broker, b"[" + deep_note + b"," + call_body("add", b"[1,2]", b"2") + b"," + other + b"]")
+    assert answer == [{"jsonrpc": "2.0", "id": 2, "result": 3}]
+    assert post(broker, b"[" + deep_note + b"," + other + b"," + deep_note + b"]")[:2] == (204, b"")
+    # an id member, even one too deep (an invalid id), makes it a call: answered
+    status, _, answer = post(broker, call_body("echo", b"[]", nested(depth, b"")))
+    assert status == 400
+    parser_limit_error(None, "the request nests", answer)
+    assert dropped_invalid(broker) - before == 1 + 1 + 2 + 3
     assert_healthy(broker)
 
 

@@ -393,7 +393,7 @@ def test_notifications_that_never_reach_a_worker_are_counted_by_reason(broker_fa
     # or whose deadline passes while it waits, would otherwise leave no trace.
     b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--max-queue", "1",
                        "--method-timeout", "notify_hello=0.3")
-    for reason in ("overloaded", "timed_out", "no_worker", "shutting_down"):
+    for reason in ("overloaded", "timed_out", "no_worker", "shutting_down", "invalid_request"):
         assert value(scrape(b), "rpc_broker_notifications_dropped_total", reason=reason) == 0
     sock = socket.create_connection((b.host, b.port), timeout=30)
     try:

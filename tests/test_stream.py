@@ -332,6 +332,27 @@ def test_bad_lines_are_answered_and_the_connection_keeps_working(sb, transport):
         s.closed_within(5)
 
 
+def test_notifications_past_the_parser_limit_get_no_answer_line(tmp_path):
+    """Hostile testing (F6): a valid notification whose params nest past the parser's
+    limit was answered with an id-null -32600 line, which a client cannot tell from the
+    answer to a call it could not read (the bundled bench pinned it on its oldest call
+    in flight). It is a notification: no line, alone or in a batch; counted as dropped."""
+    sbd = start_stream_broker(tmp_path, "--workers", "1")
+    try:
+        deep = b"[" * 1200 + b"]" * 1200
+        note = b'{"jsonrpc":"2.0","method":"update","params":' + deep + b"}"
+        other = b'{"jsonrpc":"2.0","method":"update","x":{"y":' + deep + b"}}"  # no id member, nor params
+        for transport in TRANSPORTS:
+            with sbd.connect(transport) as s:
+                s.send(note + b"\n" + other + b"\n" + b"[%s,%s]\n" % (note, other))
+                assert s.call(b"[%s,%s,%s]" % (note, line("add", [1, 2], 7), other)) == b"[" + result(7, 3) + b"]"
+                s.assert_nothing_more()  # (the sentinel's answer is the next line: none came between)
+        samples = scrape(sbd.broker)
+        assert metric(samples, "rpc_broker_notifications_dropped_total", reason="invalid_request") == 2 * 6
+    finally:
+        assert sbd.broker.stop() == 0
+
+
 # -- answers as soon as ready ---------------------------------------------------------------
 
 

@@ -353,6 +353,68 @@ def test_max_depth_counts_objects_and_ignores_brackets_in_strings():
     assert bind(any_param, b'["[[[[[[[[{{{{{{"]', 2) == (("[[[[[[[[{{{{{{",), {})
 
 
+def first(values: list[object]) -> object:
+    return values[0]
+
+
+def test_brackets_in_strings_keep_the_fast_path_and_skip_the_scan(monkeypatch):
+    """Hostile testing (F7 (b)): params with more than max_depth brackets, all of them
+    in strings, left the typed fast path for decode + convert and paid a whole
+    `scan_json` (3.8 times a flat call of 1 MiB, end to end). Brackets in strings do
+    not nest: such params cost what flat ones cost. (The general path and the scan
+    are swapped for ones that fail, to see that neither runs.)"""
+    import broker.jsonscan
+    import broker.worker
+
+    def never(*_: object) -> object:
+        raise AssertionError("not on this path")
+
+    monkeypatch.setattr(broker.worker, "_decode_json", never)
+    monkeypatch.setattr(broker.jsonscan, "_structure", never)
+    text = "[" * 1000 + "{\"\\\\" + "]" * 100
+    params = json.dumps([[text, 1, {"k": ["[", "{"]}]]).encode()
+    assert Method("first", first).bind(params, 64) == (([text, 1, {"k": ["[", "{"]}],), {})
+    echo = Method("echo", lambda params: params, raw_params=True)
+    assert bytes(echo.bind(params, 64)[0][0]) == params
+    many = b"[" + b",".join([b'["[[x]]",0]'] * 400) + b"]"  # 400 strings of brackets apart: numpy's way
+    assert bytes(echo.bind(many, 64)[0][0]) == many
+    with pytest.raises(NestingTooDeep):  # and real nesting is still found, next to strings
+        echo.bind(b'["' + b"[" * 70 + b'",' + nest(64) + b"]", 64)
+
+
+def json_depth(value: object) -> int:
+    if type(value) is list:
+        return 1 + max((json_depth(v) for v in value), default=0)
+    if type(value) is dict:
+        return 1 + max((json_depth(v) for v in value.values()), default=0)
+    return 0
+
+
+bracket_text = st.text(st.sampled_from('[]{}"\\ax'), max_size=6)
+bracket_values = st.recursive(
+    st.integers(0, 9) | bracket_text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(bracket_text, inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None, print_blob=True)
+@given(st.lists(bracket_values, max_size=4), st.integers(1, 8), st.sampled_from([first, any_param]))
+def test_max_depth_is_exact_with_brackets_in_strings_and_names(values, max_depth, fn):
+    """Refused exactly when the params nest deeper than max_depth, whatever brackets,
+    quotes and backslashes their strings and names hold, typed or raw."""
+    params = json.dumps([values] if fn is first else values).encode()
+    too_deep = json_depth(json.loads(params)) > max_depth
+    for method in (Method(fn.__name__, fn), Method("raw", lambda params: params, raw_params=True)):
+        try:
+            method.bind(params, max_depth)
+            assert not too_deep, params
+        except NestingTooDeep:
+            assert too_deep, params
+        except InvalidParams:  # any_param takes one value at most: not about depth
+            assert fn is any_param and not too_deep
+
+
 @pytest.mark.parametrize("max_depth", [64, 10000])  # 10000: the largest the config allows
 @pytest.mark.parametrize(
     "body",
