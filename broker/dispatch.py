@@ -33,6 +33,9 @@ sync calls all the same). So a blocking sync call at the head of the queue waits
 a worker that is not blocked, and the calls behind it wait with it (FIFO): never
 longer than until some worker's sync call returns. With `sync_prefetch` at
 `worker_concurrency` or more, none of this applies: every call is routed as before.
+(At one less, `1 + sync_prefetch` is `worker_concurrency` itself: the limit is not
+lower in number, but the worker is blocked all the same (`Worker.blocked`): the last
+choice, and no second blocking sync call.)
 
 A sync method counts as blocking while its calls take `BLOCKING_US` or more in the
 worker, as the worker measures them: a moving average of each reply's service time,
@@ -488,7 +491,8 @@ class Dispatcher:
         self.metrics = metrics  # None: count nothing per call (metrics off)
         self._cancel_grace = cancel_grace
         self._sync_limit = 1 + sync_prefetch  # a worker's limit while busy in a sync call
-        self._blocked = 0  # workers whose limit that is now
+        self._sync_routing = True  # that limit is at most worker_concurrency (see worker_ready)
+        self._blocked = 0  # workers busy in one now (`Worker.blocked`)
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
@@ -610,6 +614,9 @@ class Dispatcher:
         """A worker can take calls: add it to the rotation and give it queued work."""
         if worker not in self._ready:
             worker.limit = worker.concurrency  # (a worker is ready with nothing in flight)
+            # Routing around sync calls is on while a blocked worker's limit, 1 +
+            # sync_prefetch, is at most its concurrency (every worker has the same).
+            self._sync_routing = self._sync_limit <= worker.concurrency
             self._ready.append(worker)
         self._pump()
 
@@ -632,7 +639,8 @@ class Dispatcher:
             if call.exchange is not None:
                 self.worker_died_total += call.weight
             self._finish(call, error, ErrorCode.WORKER_DIED)
-        if worker.limit < worker.concurrency:
+        if worker.blocked:
+            worker.blocked = False
             self._blocked -= 1
         worker.outstanding = worker.sync_calls = 0
         worker.limit = worker.concurrency
@@ -775,7 +783,7 @@ class Dispatcher:
         workers = len(self._ready)
         for (timeout, sync), group in groups.items():
             chunks = min(workers, len(group))
-            if sync and self._sync_limit < self._ready[0].concurrency:  # slow sync calls: one by one
+            if sync and self._sync_routing:  # slow sync calls: one by one
                 chunks = len(group)
             for first in range(chunks):
                 # Dealt out like cards: neighbours in a batch are often alike (the
@@ -831,7 +839,7 @@ class Dispatcher:
         if n <= 1:
             if n:
                 w = ready[0]
-                if w.outstanding < w.limit and not (sync > 0 and w.limit < w.concurrency):
+                if w.outstanding < w.limit and not (sync > 0 and w.blocked):
                     return w
             return None
         i = self._rotation = (self._rotation + 1) % n
@@ -854,7 +862,7 @@ class Dispatcher:
             k = w.outstanding
             limit = w.limit
             if k < limit:
-                if limit < w.concurrency:  # blocked: the last choice, and none for a sync call
+                if w.blocked:  # the last choice, and none for a sync call
                     k = k + _BLOCKED if sync <= 0 else least
                 if k < least:
                     if k == 0:
@@ -870,7 +878,8 @@ class Dispatcher:
         worker.outstanding += call.weight
         if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
             worker.sync_calls += call.sync
-            if worker.limit > self._sync_limit:
+            if not worker.blocked and self._sync_routing:
+                worker.blocked = True
                 worker.limit = self._sync_limit
                 self._blocked += 1
         self._pending[call.call_id] = call
@@ -898,7 +907,8 @@ class Dispatcher:
         if sync:
             if sync > 0:
                 worker.sync_calls -= sync
-                if not worker.sync_calls and worker.limit < worker.concurrency:
+                if not worker.sync_calls and worker.blocked:
+                    worker.blocked = False
                     worker.limit = worker.concurrency
                     self._blocked -= 1
             # How long do its calls take? (BLOCKING_US; not from a reply whose handler never ran)

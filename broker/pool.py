@@ -102,6 +102,7 @@ class Worker:
     """One worker slot: its current process, channel, state and load."""
 
     __slots__ = (
+        "blocked",
         "channel",
         "concurrency",
         "exited",
@@ -128,6 +129,7 @@ class Worker:
         self.concurrency = 1
         self.limit = 1  # calls in flight it may have now (the dispatcher's: see dispatch.py)
         self.sync_calls = 0  # sync calls in flight (the dispatcher's)
+        self.blocked = False  # busy in a blocking sync call, its limit taken down (the dispatcher's)
         self.started_at = 0.0
         self.restarts = 0
         self.failures = 0

@@ -393,6 +393,47 @@ def test_with_the_prefetch_at_the_concurrency_sync_routing_is_off():
     run(main)
 
 
+@pytest.mark.parametrize(("concurrency", "prefetch"), [(2, 1), (3, 2), (5, 4)])
+def test_sync_routing_is_on_up_to_a_prefetch_of_one_less_than_the_concurrency(concurrency, prefetch):
+    """Hostile round B finding 5: `_send` took a worker's limit down only when it was
+    above 1 + sync_prefetch, so at sync_prefetch = worker_concurrency - 1 routing was
+    silently off (the docs and --help say it is off only from worker_concurrency): the
+    busy worker was not the last choice, and took a second slow sync call. Now it is
+    blocked as with any smaller prefetch: calls go to the idle worker first, and a
+    batch's slow sync calls go one by one."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(prefetch, concurrency=concurrency)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [0.2], "s")), lambda e: None)
+        busy, other = (a, b) if a.outstanding else (b, a)
+        assert busy.sync_calls == 1 and busy.limit == 1 + prefetch == concurrency
+        busy.channel.take()
+        for i in range(concurrency):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        assert busy.channel.take() == [] and len(other.channel.take()) == concurrency  # the idle one first
+        d.submit(body(codec, req("fast", ["p"], "p")), lambda e: None)
+        assert [first_params(f) for f in busy.channel.take()] == [["p"]]  # then the prefetch
+        d.submit(body(codec, req("slow", [1], "s2")), lambda e: None)
+        assert busy.channel.take() == [] and busy.sync_calls == 1  # never a second slow call
+
+    run(main)
+
+
+def test_a_batch_of_slow_sync_calls_goes_one_by_one_at_a_prefetch_of_one_less_than_the_concurrency():
+    """The same off-by-one in `_start_chunks`: at worker_concurrency 2, sync_prefetch 1 a
+    batch of slow sync calls was cut into chunks (one per worker) instead of going one by one."""
+
+    async def main() -> None:
+        d, workers = sync_dispatcher(1, concurrency=2)
+        d.submit(body(Codec(), [req("slow", [i], i) for i in range(6)]), lambda e: None)
+        sent = [f for w in workers for f in w.channel.take()]
+        assert sorted((f[0], first_params(f)) for f in sent) == [(wire.Kind.CALL, [0]), (wire.Kind.CALL, [1])]
+        assert [w.sync_calls for w in workers] == [1, 1] and d.queued_calls == 4
+
+    run(main)
+
+
 def test_sync_methods_measured_fast_do_not_take_the_limit_down():
     """A sync method counts as blocking until a reply shows its calls take under 1 ms;
     a lone 3 ms outlier does not make it blocking (a moving average), a 50 ms call does."""
