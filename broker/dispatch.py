@@ -18,7 +18,11 @@ head of the queue to the best worker, again and again until the queue is empty o
 worker is under its limit: every freed slot is filled at once, in arrival order. A
 chunk of a batch (several calls as one unit) needs what a single call needs, one
 worker under its limit, and then overshoots that limit by its size: so a chunk at the
-head is never passed over, and never waits for a worker to empty entirely.
+head is never passed over, and never waits for a worker to empty entirely. Its answers
+come back part by part as its calls end (CHUNK_PART), and each part gives back the
+capacity of the calls it answers, which queued calls take at once: a chunk holds only
+its calls still running (its `weight`, once sent, counts those), not its worker's
+whole capacity until its slowest call ends.
 
 A worker's limit is `worker_concurrency`, except while it has a blocking sync call in
 flight: a sync handler (`wire.Hello.sync_methods`) blocks the worker's whole process,
@@ -168,6 +172,18 @@ def _mix(methods: list[int]) -> dict[int, int]:
     return Counter(methods)
 
 
+def _count_entries(payload: bytes) -> int:
+    """How many answers (`wire.REPLY_ENTRY`s) a CHUNK_PART payload holds."""
+    unpack = _REPLY_ENTRY.unpack_from
+    size = _REPLY_ENTRY.size
+    end = len(payload)
+    pos = count = 0
+    while pos + size <= end:
+        pos += size + unpack(payload, pos)[2]
+        count += 1
+    return count
+
+
 def _answer_code(answer: bytes) -> int:
     """The error code inside a whole Response object the codec made (invalid elements)."""
     at = answer.find(b'"code":')
@@ -311,7 +327,7 @@ class Call(msgspec.Struct, eq=False):
     sync: int  # > 0: blocking sync calls it holds (a chunk: their count); -1: see Route.sync
     worker: Worker | None = None
     tick: int = 0  # its slot in the DeadlineWheel; 0 once expired or answered
-    weight: int = 1  # calls it stands for (a chunk stands for several)
+    weight: int = 1  # calls it stands for (a chunk: several; once sent, those not answered yet)
     slots: list[int] | None = None  # a chunk's answer slots (-1: notification)
     ids: list[Raw] | None = None  # a chunk's raw client ids
     methods: list[int] | None = None  # a chunk's method indexes
@@ -680,7 +696,7 @@ class Dispatcher:
     @property
     def in_flight_calls(self) -> int:
         """Calls sent to a worker and not answered by it yet (those of workers being
-        retired by a reload included; a chunk counts its calls)."""
+        retired by a reload included; a chunk counts its calls not answered yet)."""
         return sum(call.weight for call in self._pending.values())
 
     # -- the hot path ------------------------------------------------------------------
@@ -895,6 +911,14 @@ class Dispatcher:
                     self._fill_chunk(part, part.exchange, payload)
                 elif not part.tick:  # its deadline passed: these answers come late
                     self._count_late(kind, payload, part)
+                # The calls answered run no more: their capacity is the worker's again
+                # (a chunk of 2 slow calls and 200 instant ones held 202 slots until the
+                # slow ones ended), and queued calls start in it.
+                done = min(_count_entries(payload), part.weight)
+                part.weight -= done
+                worker.outstanding -= done
+                if self._queue:
+                    self._pump()
             return
         call = self._pending.pop(call_id, None)
         if call is None or call.worker is not worker:  # not a call of this worker's
@@ -926,7 +950,7 @@ class Dispatcher:
             if aux == _NOT_RUN:  # no handler ran: no service time
                 pass
             elif call.methods is not None:  # a chunk: each call at the chunk's time over its size
-                per_call = aux // call.weight
+                per_call = aux // len(call.methods)
                 for index, n in _mix(call.methods).items():
                     metrics.service[index].observe_us(per_call, n)
             elif kind != _RESULT or exchange is None:  # (results: in metrics.result below)
@@ -1042,7 +1066,7 @@ class Dispatcher:
             if call is None:
                 calls = 1
             elif slots is not None:  # one ERROR frame for a whole chunk
-                calls = call.weight - slots.count(-1)
+                calls = len(slots) - slots.count(-1)
             else:
                 calls = int(call.kind != _NOTIFY)
             if kind == _ERROR and payload == _CANCEL_ACK:
@@ -1108,7 +1132,7 @@ class Dispatcher:
         if results and metrics is not None:
             latency = _clock() - call.arrival
             methods: list[int] = call.methods  # type: ignore[assignment]
-            if results == call.weight:  # the common case: every call of the chunk, all results
+            if results == len(methods):  # the common case: every call of the chunk, all results
                 mix = _mix(methods)
             else:  # some answered before (CHUNK_PART), errors, notifications: walk it again
                 mix = Counter()

@@ -179,6 +179,75 @@ def test_a_chunk_at_the_head_of_the_queue_goes_first_and_is_not_starved():
     run(main)
 
 
+def part_of(frame: tuple[int, int, int, bytes], entries: typing.Iterable[int], body_: bytes = b"0") -> bytes:
+    """A CHUNK_PART (or CHUNK_REPLY) payload answering the calls `entries` of a CHUNK frame."""
+    return b"".join(wire.REPLY_ENTRY.pack(i, wire.Kind.RESULT, len(body_)) + body_ for i in entries)
+
+
+def test_a_chunk_gives_its_workers_capacity_back_as_its_answers_arrive():
+    """Hostile round B finding 1: a chunk held its weight of its worker's capacity until
+    its CHUNK_REPLY, i.e. until its slowest call ended, although its answers came back
+    part by part: one slow call in a chunk of 10 kept a worker of concurrency 4 full,
+    and no queued call could start. Each CHUNK_PART now gives back the places of the
+    calls it answers (the in-flight count with them), and queued calls start in them."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["sleep"])
+        w = add_worker(d, 0, concurrency=4)
+        codec = Codec()
+        done: list[Exchange] = []
+        d.submit(body(codec, [req("sleep", [i], i) for i in range(10)]), done.append)
+        [chunk] = w.channel.take()
+        for n in range(3):
+            d.submit(body(codec, req("sleep", [n], f"q{n}")), done.append)
+        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (10, 10, 3)
+        d.on_reply(w, wire.Kind.CHUNK_PART, chunk[1], 0, part_of(chunk, range(1, 9)))  # all but 0 and 9
+        started = w.channel.take()
+        assert [first_params(f) for f in started] == [[0], [1]]  # the 2 places left under the limit of 4
+        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (4, 4, 1) and done == []
+        d.on_reply(w, wire.Kind.CHUNK_PART, chunk[1], 0, part_of(chunk, [9]))
+        assert [first_params(f) for f in w.channel.take()] == [[2]]
+        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (4, 4, 0)
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 5_000, part_of(chunk, [0]))  # the slow one ends the chunk
+        assert (w.outstanding, d.in_flight_calls) == (3, 3) and len(done) == 1
+        assert [json.loads(a)["result"] for a in done[0].answers] == [0] * 10  # type: ignore[arg-type]
+        for frame in started:
+            d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
+        assert (w.outstanding, d.in_flight_calls) == (1, 1)
+
+    run(main)
+
+
+def test_a_chunks_late_or_unowed_answers_give_capacity_back_too():
+    """The parts of a chunk owed no answer (notifications only) or answered already (its
+    deadline passed) free their calls' places all the same; the CHUNK_REPLY frees the
+    rest, whatever the parts held."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=0.05)
+        d.set_methods(["sleep"])
+        w = add_worker(d, 0, concurrency=2)
+        codec = Codec()
+        d.submit(body(codec, [{"jsonrpc": "2.0", "method": "sleep", "params": [i]} for i in range(5)]), lambda e: None)
+        [notes] = w.channel.take()
+        done: list[Exchange] = []
+        d.submit(body(codec, [req("sleep", [i], i) for i in range(4)]), done.append)
+        assert (w.outstanding, d.queued_calls) == (5, 4)
+        d.on_reply(w, wire.Kind.CHUNK_PART, notes[1], 0, part_of(notes, range(4)))
+        [calls] = w.channel.take()  # one place free: the queued chunk goes
+        assert calls[0] == wire.Kind.CHUNK and (w.outstanding, d.in_flight_calls, d.queued_calls) == (5, 5, 0)
+        await wait_until(lambda: bool(done))  # its deadline passes: answered -32001
+        assert all(b"-32001" in typing.cast(bytes, a) for a in done[0].answers)
+        d.on_reply(w, wire.Kind.CHUNK_PART, calls[1], 0, part_of(calls, range(3)))  # late answers
+        assert (w.outstanding, d.in_flight_calls, d.late_results_total) == (2, 2, 3)
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, calls[1], 0, part_of(calls, [3]))
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, notes[1], 0, part_of(notes, [4]))
+        assert (w.outstanding, d.in_flight_calls) == (0, 0)
+
+    run(main)
+
+
 def test_queued_calls_keep_only_their_own_bytes_of_the_request_body():
     """Issue 9 item 13: a queued call's raw id and params were views pinning the whole
     body. Measured with tracemalloc: 300 queued calls, each from a body with a 256 KiB

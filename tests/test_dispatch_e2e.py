@@ -47,6 +47,24 @@ def test_a_chunk_reply_starts_every_queued_call_it_makes_room_for(broker_factory
     assert elapsed < 4.0, f"60 queued calls took {elapsed:.1f} s"
 
 
+def test_a_batch_chunk_holds_only_its_calls_still_running(broker_factory):
+    """Hostile round B finding 1: a batch of 2 slow calls and 20 instant ones on 2
+    workers of concurrency 10 went out as 2 chunks of 11; each held its worker at its
+    limit until its slow call ended, though its 10 instant answers were back at once:
+    calls_in_flight said 22 while 2 ran, and another client's call waited (it timed
+    out). Now each answer gives its place back as it arrives."""
+    b = broker_factory("--workers", "2", "--worker-concurrency", "10", "--method-timeout", "sleep=6")
+    with ThreadPoolExecutor(1) as pool:
+        batch = pool.submit(post, b, [req("sleep", [60], f"slow{i}") for i in range(2)]
+                            + [req("sleep", [0], i) for i in range(20)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 2, timeout=5)
+        assert post(b, req("sleep", [0], "other client")) == {"jsonrpc": "2.0", "id": "other client", "result": 0}
+        assert not batch.done()  # answered while the slow calls still run
+        answers = batch.result(timeout=60)
+    assert [a.get("result") for a in answers[2:]] == [0] * 20  # type: ignore[union-attr]
+    assert [a["error"]["code"] for a in answers[:2]] == [-32001, -32001]  # type: ignore[index]
+
+
 def test_calls_avoid_a_worker_blocked_in_a_hung_sync_call(broker_factory):
     """Issue 9 item 23: a worker spinning in a sync handler is sent nothing more
     (--sync-prefetch 0), so a batch sent meanwhile is answered by the other worker, and
