@@ -17,7 +17,8 @@ reply, a worker becoming ready, a lost worker's calls moving on), `_pump` hands 
 head of the queue to the best worker, again and again until the queue is empty or no
 worker is under its limit: every freed slot is filled at once, in arrival order. A
 chunk of a batch (several calls as one unit) needs what a single call needs, one
-worker under its limit, and then overshoots that limit by its size: so a chunk at the
+worker under its limit (a blocked worker, below, needs room for all of its calls),
+and then overshoots that limit by its size: so a chunk at the
 head is never passed over, and never waits for a worker to empty entirely. Its answers
 come back part by part as its calls end (CHUNK_PART), and each part gives back the
 capacity of the calls it answers, which queued calls take at once: a chunk holds only
@@ -30,7 +31,9 @@ so anything sent to it waits behind that call, and would be taken down with it i
 the call hung and the worker were killed. A worker busy in such a call gets no more
 than it can start: at most one blocking sync call in flight, and its limit is
 `1 + sync_prefetch` calls in flight (that call and a small prefetch of other calls,
-which start the moment it returns). Such a worker is the last choice: it gets a call
+which start the moment it returns; a chunk counts its calls there: it goes to such a
+worker only if all of them fit under that limit, else it waits for another worker).
+Such a worker is the last choice: it gets a call
 only when no unblocked worker can take it. A batch's blocking sync calls go out one
 by one (a chunk of 50 of them would be head-of-line by itself; a chunk counts its
 sync calls all the same). So a blocking sync call at the head of the queue waits for
@@ -823,7 +826,7 @@ class Dispatcher:
         if queue:  # FIFO: while a live call waits, a new one joins the tail
             while queue and not queue[0].tick:  # (calls that expired while queued)
                 self._dequeue()
-        worker = self._pick(call.sync) if not queue else None
+        worker = self._pick(call) if not queue else None
         if worker is not None:
             self._send(worker, call)
             if self.metrics is not None:
@@ -843,19 +846,23 @@ class Dispatcher:
             self._queued_bytes += call.held
             self._queued_calls += call.weight
 
-    def _pick(self, sync: int) -> Worker | None:
+    def _pick(self, call: Call) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
         the module docstring); ties go round-robin (the scan starts one further each
         time), so one-at-a-time calls spread over the workers instead of all landing
         on the first. A worker blocked in a slow sync call (its limit taken down) is
-        picked only when no other can take the call (there it would wait), and never
-        for a call holding blocking sync calls (`sync` > 0)."""
+        picked only when no other can take the call (there it would wait), never
+        for a call holding blocking sync calls (`sync` > 0), and only if the call's
+        whole weight fits under its limit: a chunk there would wait as a whole, and
+        die with the sync call if that hung."""
+        sync = call.sync
         ready = self._ready
         n = len(ready)
         if n <= 1:
             if n:
                 w = ready[0]
-                if w.outstanding < w.limit and not (sync > 0 and w.blocked):
+                k = w.outstanding
+                if k < w.limit and not (w.blocked and (sync > 0 or k + call.weight > w.limit)):
                     return w
             return None
         i = self._rotation = (self._rotation + 1) % n
@@ -873,13 +880,14 @@ class Dispatcher:
                 if i == n:
                     i = 0
             return best
+        weight = call.weight
         for _ in range(n):
             w = ready[i]
             k = w.outstanding
             limit = w.limit
             if k < limit:
-                if w.blocked:  # the last choice, and none for a sync call
-                    k = k + _BLOCKED if sync <= 0 else least
+                if w.blocked:  # the last choice; no sync call, and only what fits under its limit
+                    k = k + _BLOCKED if sync <= 0 and k + weight <= limit else least
                 if k < least:
                     if k == 0:
                         return w
@@ -1190,7 +1198,7 @@ class Dispatcher:
         while queue:
             call = queue[0]
             if call.tick:  # (else it timed out while queued: just drop it)
-                worker = self._pick(call.sync)
+                worker = self._pick(call)
                 if worker is None:
                     return
                 self._dequeue()

@@ -574,6 +574,62 @@ def test_a_blocked_worker_takes_no_second_sync_call_but_its_prefetch_of_others()
     run(main)
 
 
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_a_chunk_goes_to_a_blocked_worker_only_if_all_its_calls_fit_its_prefetch(prefetch):
+    """Hostile round B finding 3: `_pick` tested a blocked worker's load against its
+    lowered limit (1 + sync_prefetch) once per unit routed, and a chunk is one unit
+    standing for many calls: with the other worker full, a batch of 40 went to the
+    worker busy in a hung sync call as a chunk of 20, and all 20 died with it. A chunk
+    now goes to a blocked worker only if its weight fits under that limit."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(prefetch, concurrency=4)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [60], "hung")), lambda e: None)
+        busy, other = (a, b) if a.outstanding else (b, a)
+        busy.channel.take()
+        for i in range(4):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        assert len(other.channel.take()) == 4 and other.outstanding == other.limit == 4
+        d.submit(body(codec, [req("fast", [i], f"b{i}") for i in range(40)]), lambda e: None)  # 2 chunks of 20
+        assert busy.channel.take() == [] and d.queued_calls == 40
+        # Small chunks: one fits the prefetch of 2, not of 1.
+        d2, (a2, b2) = sync_dispatcher(prefetch, concurrency=4)
+        d2.submit(body(codec, req("slow", [60], "hung")), lambda e: None)
+        busy2, other2 = (a2, b2) if a2.outstanding else (b2, a2)
+        busy2.channel.take()
+        for i in range(4):
+            d2.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        other2.channel.take()
+        d2.submit(body(codec, [req("fast", [i], f"c{i}") for i in range(4)]), lambda e: None)  # 2 chunks of 2
+        sent = busy2.channel.take()
+        if prefetch == 1:
+            assert sent == [] and d2.queued_calls == 4
+        else:
+            assert [(f[0], f[2]) for f in sent] == [(wire.Kind.CHUNK, 2)] and busy2.outstanding == 3
+            assert d2.queued_calls == 2
+
+    run(main)
+
+
+def test_a_chunk_waits_for_a_lone_blocked_worker_to_return():
+    """One worker busy in a slow sync call: a chunk waits in the queue (it would not fit
+    the prefetch) and goes once the sync call returns."""
+
+    async def main() -> None:
+        d, (w,) = sync_dispatcher(1, workers=1, concurrency=10)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [60], "hung")), lambda e: None)
+        [slow] = w.channel.take()
+        d.submit(body(codec, [req("fast", [i], i) for i in range(5)]), lambda e: None)
+        assert w.channel.take() == [] and d.queued_calls == 5
+        d.on_reply(w, wire.Kind.RESULT, slow[1], 200_000, b"0")
+        [chunk] = w.channel.take()
+        assert (chunk[0], chunk[2], w.outstanding) == (wire.Kind.CHUNK, 5, 5)
+
+    run(main)
+
+
 def test_the_worker_hello_names_its_sync_methods():
     """The HELLO a real WorkerProtocol writes on connecting lists the demo's sync
     methods (every one but `sleep`); a HELLO without the field still decodes."""

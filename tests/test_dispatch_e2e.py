@@ -82,6 +82,27 @@ def test_calls_avoid_a_worker_blocked_in_a_hung_sync_call(broker_factory):
     assert post(b, req("pid", [], "after"))["result"] in pids  # type: ignore[index]  # (the other is restarting)
 
 
+def test_a_batch_chunk_is_not_sent_to_a_worker_blocked_in_a_hung_sync_call(broker_factory):
+    """Hostile round B finding 3: one worker hangs in a sync call, the other is full of
+    long async calls (worker_concurrency 3): a batch of 40 went to the hung worker as a
+    chunk of 20, past its limit of 1 + sync_prefetch, and all 20 died with it (-32002)
+    when it was killed. Now the chunks wait for room; at most sync_prefetch innocent
+    calls may die (here none: a chunk never fits the prefetch of 1)."""
+    b = broker_factory("--workers", "2", "--worker-concurrency", "3", "--sync-prefetch", "1",
+                       "--app", "tests.apps.mixed:registry", "--method-timeout", "block=2", "--cancel-grace", "0.5")
+    with ThreadPoolExecutor(4) as pool:
+        hung = pool.submit(post, b, req("block", [60], "hung"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        busy = [pool.submit(post, b, req("wait", [4], f"busy{i}")) for i in range(3)]
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 4, timeout=10)
+        answers = post(b, [req("wait", [0], i) for i in range(40)])
+        assert hung.result(timeout=30)["error"]["code"] == -32001  # type: ignore[index]
+        assert [f.result(timeout=30)["result"] for f in busy] == [4, 4, 4]  # type: ignore[index]
+    failed = [a for a in answers if "error" in a]  # type: ignore[union-attr, operator]
+    assert len(failed) <= 1, failed
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") == 1, timeout=20)
+
+
 def test_late_replies_are_counted_by_kind(broker_factory):
     """Issue 9 item 15: an async call cancelled at its deadline is acknowledged by the
     worker (kind="cancelled"); a sync call that runs past it answers late (kind="result")."""
