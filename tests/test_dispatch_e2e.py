@@ -103,6 +103,29 @@ def test_a_batch_chunk_is_not_sent_to_a_worker_blocked_in_a_hung_sync_call(broke
     wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") == 1, timeout=20)
 
 
+def test_a_hung_slow_sync_call_takes_no_async_call_in_flight_with_it(broker_factory):
+    """Hostile round B finding 4: with 10 long async calls in flight on each of 2
+    workers, a slow sync call went to one of them, froze its loop, and when it hung and
+    was killed all 10 died with it (-32002). It now waits for a worker with at most
+    sync_prefetch calls in flight; here its deadline passes first (it never runs, no
+    worker is killed), and calls sent after it are not held behind it: the worker not
+    held for it answers them while the long calls still run."""
+    b = broker_factory("--workers", "2", "--sync-prefetch", "1", "--app", "tests.apps.mixed:registry",
+                       "--method-timeout", "block=1.5", "--cancel-grace", "0.5")
+    with ThreadPoolExecutor(21) as pool:
+        long_calls = [pool.submit(post, b, req("wait", [6], f"long{i}")) for i in range(20)]
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 20, timeout=10)
+        hung = pool.submit(post, b, req("block", [60], "hung"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 1, timeout=10)
+        after = post(b, [req("wait", [0], i) for i in range(10)])
+        assert not any(f.done() for f in long_calls)  # answered while the long calls run
+        assert [a.get("result") for a in after] == [0] * 10  # type: ignore[union-attr]
+        assert hung.result(timeout=30)["error"]["code"] == -32001  # type: ignore[index]
+        assert [f.result(timeout=30).get("result") for f in long_calls] == [6] * 20  # type: ignore[union-attr]
+    assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") == 0
+    assert b.call("block", [0.1], "runs")["result"] == 0.1  # routed as before once a worker is free
+
+
 def test_late_replies_are_counted_by_kind(broker_factory):
     """Issue 9 item 15: an async call cancelled at its deadline is acknowledged by the
     worker (kind="cancelled"); a sync call that runs past it answers late (kind="result")."""
