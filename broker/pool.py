@@ -696,7 +696,7 @@ class Pool:
             if old.state is WorkerState.READY and old.channel is not None:
                 old.move(WorkerState.DRAINING)
                 old.channel.send(wire.Kind.BYE, 0, 0, b"")
-            elif alive:
+            elif alive and old.state is not WorkerState.DRAINING:  # (one that asked to leave drains on)
                 _kill(typing.cast(asyncio.subprocess.Process, old.process))  # never got ready: nothing to drain
 
     async def stop(self, timeout: float = 10.0) -> None:
