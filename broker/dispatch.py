@@ -894,6 +894,8 @@ class Dispatcher:
                 if w.outstanding < w.limit:
                     return w
             return None
+        # The usual case, kept apart from _pick_careful: its loop without the tests for
+        # a blocked or held worker, on every call.
         i = self._rotation = (self._rotation + 1) % n
         best: Worker | None = None
         least = 1 << 62
