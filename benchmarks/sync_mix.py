@@ -178,14 +178,15 @@ def write_results(header: str, table: list[str]) -> None:
         "Routing off is the broker as it was before (issue 9 item 23), with the FIFO queue of item 12: a fast "
         "call whose least-loaded pick ties the worker busy in `block` with the free one goes behind `block` "
         "and waits up to 0.2 s, the more often the more fast calls are in flight. Routing on makes the busy "
-        "worker the last choice, holding at most `sync_prefetch` other calls. What is left of the tail with "
-        "it on: async calls already in flight on the worker a `block` call is routed to cannot finish until "
-        "it returns (it goes to the least loaded worker, but at 1000/s of 5 ms calls none is idle). With as "
-        "many slow clients as workers, every worker is mostly blocked and routing cannot make room: with it "
-        "on, a slow call never waits behind another slow call, so each worker takes the next `block` as soon "
-        "as it is free (more slow calls/s) and fast calls get only the gaps (a worse median, about the same "
-        "p99); with it off, a `block` sometimes queues behind another on the same worker and leaves the "
-        "other worker free for fast calls for a while.",
+        "worker the last choice, holding at most `sync_prefetch` other calls, and a `block` call goes only "
+        "to a worker with at most `sync_prefetch` calls in flight (one is held for it, to empty, when none "
+        "has so few): so a `block` freezes at most one fast call, where it used to freeze every call in "
+        "flight on the least loaded worker (at 1000/s of 5 ms calls none is idle). With as many slow clients "
+        "as workers, every worker is mostly blocked and routing cannot make room: with it on, a slow call "
+        "never waits behind another slow call, so each worker takes the next `block` as soon as it is free "
+        "(more slow calls/s) and fast calls get the gaps and the other worker while one is held; with it "
+        "off, a `block` sometimes queues behind another on the same worker and leaves the other worker free "
+        "for fast calls for a while, and fast calls wait behind `block`.",
         "",
         *table,
         END,

@@ -11,9 +11,16 @@ the worker becomes READY: the dispatcher starts routing calls to it.
 
 Each slot's life follows `TRANSITIONS`:
 
-    STARTING --HELLO--> READY --BYE sent--> DRAINING --exit--> DEAD
-        |                 |                                      |
-        +------exit-------+-------exit or socket closed----------+--backoff--> STARTING
+    STARTING --HELLO--> READY --BYE--> DRAINING --exit--> DEAD
+        |                 |                              |
+        +------exit-------+---exit or socket closed------+--backoff--> STARTING
+
+BYE goes from the broker to the worker (the stop, a reload's retiring workers): no call
+comes after it, and the worker exits once it has answered every call sent before. A
+worker sent SIGTERM asks for it with a BYE of its own (`worker_leaving`): the pool takes
+it out of the rotation and answers BYE, so no call written to it is lost; once it has
+exited (0) it is respawned at once, with no backoff (it did not fail), and calls that
+find no other worker meanwhile wait in the queue for the new one.
 
 A slot whose process exits (or whose socket closes) is DEAD: the dispatcher answers
 its in-flight calls with "worker died" and its queued calls go to other workers. The
@@ -103,11 +110,13 @@ class Worker:
     """One worker slot: its current process, channel, state and load."""
 
     __slots__ = (
+        "blocked",
         "channel",
         "concurrency",
         "exited",
         "failures",
         "kill_reason",
+        "leaving",
         "limit",
         "outstanding",
         "pid",
@@ -129,11 +138,13 @@ class Worker:
         self.concurrency = 1
         self.limit = 1  # calls in flight it may have now (the dispatcher's: see dispatch.py)
         self.sync_calls = 0  # sync calls in flight (the dispatcher's)
+        self.blocked = False  # busy in a blocking sync call, its limit taken down (the dispatcher's)
         self.started_at = 0.0
         self.restarts = 0
         self.failures = 0
         self.exited: asyncio.Future[int] | None = None
         self.kill_reason = ""  # why the broker killed this process, if it did
+        self.leaving = False  # this process asked to leave (SIGTERM: `Pool.worker_leaving`)
 
     def move(self, state: WorkerState) -> None:
         """Change state; raises `RuntimeError` on a transition not in `TRANSITIONS`."""
@@ -146,6 +157,7 @@ class Worker:
 
 
 _HELLO = int(wire.Kind.HELLO)
+_BYE = int(wire.Kind.BYE)
 _RESULT = int(wire.Kind.RESULT)
 _ERROR = int(wire.Kind.ERROR)
 _CHUNK_REPLY = int(wire.Kind.CHUNK_REPLY)
@@ -213,6 +225,8 @@ class WorkerChannel(asyncio.Protocol):
                     log.error("rejected a worker connection: %s", exc)
                     self.close()
                     return
+            elif kind == _BYE and worker is not None:  # it asks to leave (SIGTERM)
+                self._pool.worker_leaving(worker)
             else:
                 log.error("worker %s sent an unexpected frame kind %d", worker, kind)
                 self.close()
@@ -312,7 +326,10 @@ class Pool:
         dispatcher.worker_coming = self._worker_coming
 
     def _worker_coming(self) -> bool:
-        return any(w.state is WorkerState.STARTING for w in self.workers)
+        """Is a worker on its way to READY? One starting, or one draining in its slot
+        (it asked to leave, `worker_leaving`: it is restarted once it exits; a reload's
+        retiring workers are not in `workers`), so calls wait for it in the queue."""
+        return any(w.state is WorkerState.STARTING or w.state is WorkerState.DRAINING for w in self.workers)
 
     @property
     def socket_path(self) -> str:
@@ -376,6 +393,7 @@ class Pool:
         worker.channel = None
         worker.outstanding = 0
         worker.kill_reason = ""
+        worker.leaving = False
         argv = [
             sys.executable, "-m", "broker.worker",
             "--socket", self._path,
@@ -411,6 +429,8 @@ class Pool:
         reason = describe_status(status)
         if worker.kill_reason:
             reason = f"{reason} ({worker.kill_reason})"
+        elif worker.leaving:
+            reason = f"{reason} (it asked to leave)"
         was_starting = worker.state is WorkerState.STARTING
         if worker.state is not WorkerState.DEAD:
             worker.move(WorkerState.DEAD)
@@ -434,7 +454,8 @@ class Pool:
             log.warning("worker %d (pid %d) %s; not restarted: the reload asked for replaces it",
                         worker.slot, worker.pid, reason)
             return
-        log.warning("worker %d (pid %d) %s", worker.slot, worker.pid, reason)
+        log.log(logging.INFO if worker.leaving and status == 0 else logging.WARNING,
+                "worker %d (pid %d) %s", worker.slot, worker.pid, reason)
         if was_starting and self._starting:
             # Exited before its HELLO while the pool starts: the app cannot boot, whatever
             # the status (an exception or sys.exit() at import is WORKER_BOOT_ERROR, but
@@ -447,8 +468,11 @@ class Pool:
                 )
             return
         up = time.monotonic() - worker.started_at
-        worker.failures = 0 if up >= STABLE_SECONDS else worker.failures + 1
-        delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
+        if worker.leaving and status == 0:  # it left as it asked to: no failure, no backoff
+            delay = 0.0
+        else:
+            worker.failures = 0 if up >= STABLE_SECONDS else worker.failures + 1
+            delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
         worker.restarts += 1
         self.restarts_total += 1
         why = restart_reason(status, worker.kill_reason)
@@ -523,6 +547,21 @@ class Pool:
         log.info("reload: new worker %d ready (pid %d, %d methods)", worker.slot, worker.pid, len(names))
         self._changed.set()
         return worker
+
+    def worker_leaving(self, worker: Worker) -> None:
+        """The worker said BYE: it asks to leave (it was sent SIGTERM). As at the
+        broker's stop, it leaves the rotation (DRAINING) and is told BYE, which comes
+        after every call sent to it; it answers all of those, exits, and is restarted
+        as any worker that exits. (One told BYE already, by a reload or the stop, is
+        leaving anyway.)"""
+        if worker.state is not WorkerState.READY or worker.channel is None:
+            return
+        log.info("worker %d (pid %d) asks to leave (SIGTERM): it finishes its calls and is restarted",
+                 worker.slot, worker.pid)
+        worker.leaving = True
+        worker.move(WorkerState.DRAINING)
+        self.dispatcher.worker_unready(worker)
+        worker.channel.send(wire.Kind.BYE, 0, 0, b"")
 
     def channel_lost(self, worker: Worker) -> None:
         """A worker's socket closed: stop routing to it; kill it if it lingers."""
@@ -677,7 +716,7 @@ class Pool:
             if old.state is WorkerState.READY and old.channel is not None:
                 old.move(WorkerState.DRAINING)
                 old.channel.send(wire.Kind.BYE, 0, 0, b"")
-            elif alive:
+            elif alive and old.state is not WorkerState.DRAINING:  # (one that asked to leave drains on)
                 _kill(typing.cast(asyncio.subprocess.Process, old.process))  # never got ready: nothing to drain
 
     async def stop(self, timeout: float = 10.0) -> None:

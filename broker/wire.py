@@ -24,7 +24,12 @@ Kinds, who sends them, and what `aux` and the payload hold:
                              method), so the time says nothing of the method;
                              payload: raw JSON error object
     CANCEL  broker → worker  aux 0; no payload: the call's (or chunk's) deadline passed
-    BYE     broker → worker  aux 0; no payload: finish what is in flight, then exit
+    BYE     both ways        aux 0; no payload. Broker → worker: no CALL, NOTIFY or
+                             CHUNK comes after it: answer every one that came before,
+                             then exit. Worker → broker: it asks to leave (it was sent
+                             SIGTERM) and serves on; the broker stops routing to it and
+                             answers BYE (if it has not sent one already), and the
+                             worker exits as above: no call written to it is lost.
     CHUNK   broker → worker  several calls of one batch in one frame; aux: their count;
                              payload: per call a `CALL_ENTRY` (method index u16,
                              flags u8 (1 = notification), params length u32), then

@@ -31,7 +31,9 @@ JSON is checked and made compact). An RpcError's code must be outside `BROKER_CO
 Sync handlers run inline on the worker's event loop, one at a time: a worker is a
 process, so CPU-bound tools scale with `--workers`. Async handlers run concurrently,
 up to the worker's concurrency limit. A worker process serves one connection to the
-broker and exits when it closes.
+broker and exits when it closes, or once it has answered every call sent before the
+broker's BYE. SIGTERM makes it ask for that BYE (`WorkerProtocol.stop`): it leaves
+without losing a call, and the broker starts another in its place.
 """
 
 from __future__ import annotations
@@ -603,6 +605,7 @@ _CHUNK_REPLY = int(wire.Kind.CHUNK_REPLY)
 _CALL_ENTRY = wire.CALL_ENTRY
 _REPLY_ENTRY = wire.REPLY_ENTRY
 _BYE = int(wire.Kind.BYE)
+_BYE_FRAME = wire.encode_frame(wire.Kind.BYE, 0)  # (SIGTERM: see WorkerProtocol.stop)
 _pack_header = wire.HEADER.pack
 _perf = time.perf_counter
 _CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a late result
@@ -706,7 +709,8 @@ class WorkerProtocol(asyncio.Protocol):
         self._chunks: dict[int, _Chunk] = {}  # chunks started and not yet fully answered
         self._dirty: set[_Chunk] = set()  # chunks with answers to send
         self._run_scheduled = False
-        self._closing = False
+        self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
+        self._leaving = False  # this worker said BYE (SIGTERM) and waits for the broker's
         self._down = False  # see going_down
         self._transport: asyncio.Transport | None = None
         self._hello = b""  # see hello
@@ -732,6 +736,8 @@ class WorkerProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
         self._transport.write(wire.encode_frame(wire.Kind.HELLO, 0, 0, self.hello()))
+        if self._leaving:  # SIGTERM came while connecting
+            self._transport.write(_BYE_FRAME)
 
     def going_down(self) -> None:
         """The worker is exiting (its loop was stopped, or the connection is gone): the
@@ -828,9 +834,20 @@ class WorkerProtocol(asyncio.Protocol):
         self._flush()
 
     def stop(self) -> None:
-        """Finish the calls in flight, then close (as on BYE)."""
-        self._closing = True
-        self._flush()
+        """Leave as the broker's stop makes a worker leave, losing no call (SIGTERM).
+
+        Closing at the first idle moment dropped the calls the broker had written and
+        this worker had not read yet (answered -32002 "worker died"), and the broker
+        went on sending more. So the worker says BYE instead and serves on: the broker
+        takes it out of its rotation and answers BYE, which comes after every call it
+        sent; the worker answers all of those, then closes (`_closing`, as on a BYE the
+        broker sends first), and the broker restarts it."""
+        if self._closing or self._leaving:  # told BYE already, or asked already
+            return
+        self._leaving = True
+        if self._transport is not None and not self._transport.is_closing():
+            self._write_out()  # (the answers ready so far go first)
+            self._transport.write(_BYE_FRAME)
 
     def _execute(self, index: int, params: bytes) -> tuple[int, bytes] | asyncio.Task[tuple[bool, object]]:
         """Run one call: (kind, body) for a sync handler or a failure, or the Task
@@ -1218,7 +1235,7 @@ def main(argv: list[str] | None = None) -> int:
     """Worker process entry point: `python -m broker.worker --socket PATH --slot N ...`.
 
     Started by the broker, not by hand. Exits 0 when the broker closes the
-    connection or says BYE, `WORKER_BOOT_ERROR` when the app cannot be loaded (an
+    connection or says BYE (SIGTERM asks it to: `WorkerProtocol.stop`), `WORKER_BOOT_ERROR` when the app cannot be loaded (an
     exception or sys.exit() at import) or cannot be served (more than `wire.MAX_METHODS`
     methods, or a HELLO larger than max_frame_bytes), and dies (SIGKILL) with the broker.
     """

@@ -179,6 +179,75 @@ def test_a_chunk_at_the_head_of_the_queue_goes_first_and_is_not_starved():
     run(main)
 
 
+def part_of(frame: tuple[int, int, int, bytes], entries: typing.Iterable[int], body_: bytes = b"0") -> bytes:
+    """A CHUNK_PART (or CHUNK_REPLY) payload answering the calls `entries` of a CHUNK frame."""
+    return b"".join(wire.REPLY_ENTRY.pack(i, wire.Kind.RESULT, len(body_)) + body_ for i in entries)
+
+
+def test_a_chunk_gives_its_workers_capacity_back_as_its_answers_arrive():
+    """Hostile round B finding 1: a chunk held its weight of its worker's capacity until
+    its CHUNK_REPLY, i.e. until its slowest call ended, although its answers came back
+    part by part: one slow call in a chunk of 10 kept a worker of concurrency 4 full,
+    and no queued call could start. Each CHUNK_PART now gives back the places of the
+    calls it answers (the in-flight count with them), and queued calls start in them."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["sleep"])
+        w = add_worker(d, 0, concurrency=4)
+        codec = Codec()
+        done: list[Exchange] = []
+        d.submit(body(codec, [req("sleep", [i], i) for i in range(10)]), done.append)
+        [chunk] = w.channel.take()
+        for n in range(3):
+            d.submit(body(codec, req("sleep", [n], f"q{n}")), done.append)
+        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (10, 10, 3)
+        d.on_reply(w, wire.Kind.CHUNK_PART, chunk[1], 0, part_of(chunk, range(1, 9)))  # all but 0 and 9
+        started = w.channel.take()
+        assert [first_params(f) for f in started] == [[0], [1]]  # the 2 places left under the limit of 4
+        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (4, 4, 1) and done == []
+        d.on_reply(w, wire.Kind.CHUNK_PART, chunk[1], 0, part_of(chunk, [9]))
+        assert [first_params(f) for f in w.channel.take()] == [[2]]
+        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (4, 4, 0)
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 5_000, part_of(chunk, [0]))  # the slow one ends the chunk
+        assert (w.outstanding, d.in_flight_calls) == (3, 3) and len(done) == 1
+        assert [json.loads(a)["result"] for a in done[0].answers] == [0] * 10  # type: ignore[arg-type]
+        for frame in started:
+            d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
+        assert (w.outstanding, d.in_flight_calls) == (1, 1)
+
+    run(main)
+
+
+def test_a_chunks_late_or_unowed_answers_give_capacity_back_too():
+    """The parts of a chunk owed no answer (notifications only) or answered already (its
+    deadline passed) free their calls' places all the same; the CHUNK_REPLY frees the
+    rest, whatever the parts held."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=0.05)
+        d.set_methods(["sleep"])
+        w = add_worker(d, 0, concurrency=2)
+        codec = Codec()
+        d.submit(body(codec, [{"jsonrpc": "2.0", "method": "sleep", "params": [i]} for i in range(5)]), lambda e: None)
+        [notes] = w.channel.take()
+        done: list[Exchange] = []
+        d.submit(body(codec, [req("sleep", [i], i) for i in range(4)]), done.append)
+        assert (w.outstanding, d.queued_calls) == (5, 4)
+        d.on_reply(w, wire.Kind.CHUNK_PART, notes[1], 0, part_of(notes, range(4)))
+        [calls] = w.channel.take()  # one place free: the queued chunk goes
+        assert calls[0] == wire.Kind.CHUNK and (w.outstanding, d.in_flight_calls, d.queued_calls) == (5, 5, 0)
+        await wait_until(lambda: bool(done))  # its deadline passes: answered -32001
+        assert all(b"-32001" in typing.cast(bytes, a) for a in done[0].answers)
+        d.on_reply(w, wire.Kind.CHUNK_PART, calls[1], 0, part_of(calls, range(3)))  # late answers
+        assert (w.outstanding, d.in_flight_calls, d.late_results_total) == (2, 2, 3)
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, calls[1], 0, part_of(calls, [3]))
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, notes[1], 0, part_of(notes, [4]))
+        assert (w.outstanding, d.in_flight_calls) == (0, 0)
+
+    run(main)
+
+
 def test_queued_calls_keep_only_their_own_bytes_of_the_request_body():
     """Issue 9 item 13: a queued call's raw id and params were views pinning the whole
     body. Measured with tracemalloc: 300 queued calls, each from a body with a 256 KiB
@@ -393,6 +462,47 @@ def test_with_the_prefetch_at_the_concurrency_sync_routing_is_off():
     run(main)
 
 
+@pytest.mark.parametrize(("concurrency", "prefetch"), [(2, 1), (3, 2), (5, 4)])
+def test_sync_routing_is_on_up_to_a_prefetch_of_one_less_than_the_concurrency(concurrency, prefetch):
+    """Hostile round B finding 5: `_send` took a worker's limit down only when it was
+    above 1 + sync_prefetch, so at sync_prefetch = worker_concurrency - 1 routing was
+    silently off (the docs and --help say it is off only from worker_concurrency): the
+    busy worker was not the last choice, and took a second slow sync call. Now it is
+    blocked as with any smaller prefetch: calls go to the idle worker first, and a
+    batch's slow sync calls go one by one."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(prefetch, concurrency=concurrency)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [0.2], "s")), lambda e: None)
+        busy, other = (a, b) if a.outstanding else (b, a)
+        assert busy.sync_calls == 1 and busy.limit == 1 + prefetch == concurrency
+        busy.channel.take()
+        for i in range(concurrency):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        assert busy.channel.take() == [] and len(other.channel.take()) == concurrency  # the idle one first
+        d.submit(body(codec, req("fast", ["p"], "p")), lambda e: None)
+        assert [first_params(f) for f in busy.channel.take()] == [["p"]]  # then the prefetch
+        d.submit(body(codec, req("slow", [1], "s2")), lambda e: None)
+        assert busy.channel.take() == [] and busy.sync_calls == 1  # never a second slow call
+
+    run(main)
+
+
+def test_a_batch_of_slow_sync_calls_goes_one_by_one_at_a_prefetch_of_one_less_than_the_concurrency():
+    """The same off-by-one in `_start_chunks`: at worker_concurrency 2, sync_prefetch 1 a
+    batch of slow sync calls was cut into chunks (one per worker) instead of going one by one."""
+
+    async def main() -> None:
+        d, workers = sync_dispatcher(1, concurrency=2)
+        d.submit(body(Codec(), [req("slow", [i], i) for i in range(6)]), lambda e: None)
+        sent = [f for w in workers for f in w.channel.take()]
+        assert sorted((f[0], first_params(f)) for f in sent) == [(wire.Kind.CALL, [0]), (wire.Kind.CALL, [1])]
+        assert [w.sync_calls for w in workers] == [1, 1] and d.queued_calls == 4
+
+    run(main)
+
+
 def test_sync_methods_measured_fast_do_not_take_the_limit_down():
     """A sync method counts as blocking until a reply shows its calls take under 1 ms;
     a lone 3 ms outlier does not make it blocking (a moving average), a 50 ms call does."""
@@ -423,7 +533,8 @@ def test_sync_methods_measured_fast_do_not_take_the_limit_down():
 def test_a_batch_of_blocking_sync_calls_goes_out_one_by_one():
     """A chunk of slow sync calls would be head-of-line by itself: a batch's slow sync
     calls go one by one, in request order, one to each worker not blocked; the rest
-    wait in the queue, and a call submitted after them waits behind them (FIFO)."""
+    wait apart, in order, and a call submitted after them is not held behind them: it
+    takes a blocked worker's prefetch (hostile round B finding 4)."""
 
     async def main() -> None:
         d, workers = sync_dispatcher(1)
@@ -435,19 +546,20 @@ def test_a_batch_of_blocking_sync_calls_goes_out_one_by_one():
         assert [(w.sync_calls, w.outstanding) for w in workers] == [(1, 1), (1, 1)]
         assert d.queued_calls == 8
         d.submit(body(codec, req("fast", [0], "f")), lambda e: None)
-        assert d.queued_calls == 9  # FIFO: behind the queued slow calls
-        [frame] = sent[0]
-        d.on_reply(workers[0], wire.Kind.RESULT, frame[1], 200_000, b"0")
-        assert [first_params(f) for f in workers[0].channel.take()] == [[2]]
-        assert workers[0].sync_calls == 1 and d.queued_calls == 8
+        assert d.queued_calls == 8  # not behind the slow calls: in a prefetch
+        assert [first_params(f) for w in workers for f in w.channel.take()] == [[0]]
+        for w, [frame] in zip(workers, sent):
+            d.on_reply(w, wire.Kind.RESULT, frame[1], 200_000, b"0")
+        assert sorted(first_params(f) for w in workers for f in w.channel.take()) == [[2], [3]]  # in order
+        assert [w.sync_calls for w in workers] == [1, 1] and d.queued_calls == 6
 
     run(main)
 
 
 def test_a_blocked_worker_takes_no_second_sync_call_but_its_prefetch_of_others():
-    """One worker, --sync-prefetch 2: a second slow call waits in the queue (at most
-    one blocking sync call per worker), and so does a fast call behind it; once the
-    first returns, the second starts and the fast call is prefetched behind it."""
+    """One worker, --sync-prefetch 2: a second slow call waits (at most one blocking
+    sync call per worker), a fast call behind it does not: it is prefetched at once;
+    once the first returns, the second starts (1 call in flight: within the prefetch)."""
 
     async def main() -> None:
         d, (w,) = sync_dispatcher(2, workers=1)
@@ -455,11 +567,212 @@ def test_a_blocked_worker_takes_no_second_sync_call_but_its_prefetch_of_others()
         for params in (["s1"], ["s2"]):
             d.submit(body(codec, req("slow", params, params[0])), lambda e: None)
         d.submit(body(codec, req("fast", ["f"], "f")), lambda e: None)
-        [first] = w.channel.take()
-        assert first_params(first) == ["s1"] and d.queued_calls == 2 and w.limit == 3
+        first, fast = w.channel.take()
+        assert (first_params(first), first_params(fast)) == (["s1"], ["f"]) and d.queued_calls == 1 and w.limit == 3
         d.on_reply(w, wire.Kind.RESULT, first[1], 200_000, b"0")
-        assert [first_params(f) for f in w.channel.take()] == [["s2"], ["f"]]
+        assert [first_params(f) for f in w.channel.take()] == [["s2"]]
         assert (w.sync_calls, w.outstanding, d.queued_calls) == (1, 2, 0)
+
+    run(main)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_a_chunk_goes_to_a_blocked_worker_only_if_all_its_calls_fit_its_prefetch(prefetch):
+    """Hostile round B finding 3: `_pick` tested a blocked worker's load against its
+    lowered limit (1 + sync_prefetch) once per unit routed, and a chunk is one unit
+    standing for many calls: with the other worker full, a batch of 40 went to the
+    worker busy in a hung sync call as a chunk of 20, and all 20 died with it. A chunk
+    now goes to a blocked worker only if its weight fits under that limit."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(prefetch, concurrency=4)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [60], "hung")), lambda e: None)
+        busy, other = (a, b) if a.outstanding else (b, a)
+        busy.channel.take()
+        for i in range(4):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        assert len(other.channel.take()) == 4 and other.outstanding == other.limit == 4
+        d.submit(body(codec, [req("fast", [i], f"b{i}") for i in range(40)]), lambda e: None)  # 2 chunks of 20
+        assert busy.channel.take() == [] and d.queued_calls == 40
+        # Small chunks: one fits the prefetch of 2, not of 1.
+        d2, (a2, b2) = sync_dispatcher(prefetch, concurrency=4)
+        d2.submit(body(codec, req("slow", [60], "hung")), lambda e: None)
+        busy2, other2 = (a2, b2) if a2.outstanding else (b2, a2)
+        busy2.channel.take()
+        for i in range(4):
+            d2.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        other2.channel.take()
+        d2.submit(body(codec, [req("fast", [i], f"c{i}") for i in range(4)]), lambda e: None)  # 2 chunks of 2
+        sent = busy2.channel.take()
+        if prefetch == 1:
+            assert sent == [] and d2.queued_calls == 4
+        else:
+            assert [(f[0], f[2]) for f in sent] == [(wire.Kind.CHUNK, 2)] and busy2.outstanding == 3
+            assert d2.queued_calls == 2
+
+    run(main)
+
+
+def test_a_chunk_waits_for_a_lone_blocked_worker_to_return():
+    """One worker busy in a slow sync call: a chunk waits in the queue (it would not fit
+    the prefetch) and goes once the sync call returns."""
+
+    async def main() -> None:
+        d, (w,) = sync_dispatcher(1, workers=1, concurrency=10)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [60], "hung")), lambda e: None)
+        [slow] = w.channel.take()
+        d.submit(body(codec, [req("fast", [i], i) for i in range(5)]), lambda e: None)
+        assert w.channel.take() == [] and d.queued_calls == 5
+        d.on_reply(w, wire.Kind.RESULT, slow[1], 200_000, b"0")
+        [chunk] = w.channel.take()
+        assert (chunk[0], chunk[2], w.outstanding) == (wire.Kind.CHUNK, 5, 5)
+
+    run(main)
+
+
+def test_a_slow_sync_call_goes_only_to_a_worker_with_at_most_the_prefetch_in_flight():
+    """Hostile round B finding 4: a slow sync call went to the least loaded worker
+    whatever it held; with 10 async calls in flight on each of 2 workers, it froze one
+    worker's loop, and when it hung and was killed its 10 async calls died with it
+    (-32002). It now goes only to a worker with at most sync_prefetch calls in flight;
+    meanwhile one worker is held for it (it takes no new call), the other takes the
+    calls that come after it, and once the held one is down to the prefetch the slow
+    call starts there: with it, no more than the prefetch."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(1, concurrency=20)
+        codec = Codec()
+        for i in range(20):
+            d.submit(body(codec, req("fast", [i], f"a{i}")), lambda e: None)
+        in_flight = {w.slot: w.channel.take() for w in (a, b)}
+        assert (a.outstanding, b.outstanding) == (10, 10)
+        d.submit(body(codec, req("slow", [60], "hang")), lambda e: None)
+        assert a.channel.frames == b.channel.frames == [] and d.queued_calls == 1
+        held, other = (a, b) if d._reserved is a else (b, a)
+        assert d._reserved is held
+        for i in range(5):  # the calls after it are not held behind it, and avoid the held worker
+            d.submit(body(codec, req("fast", [i], f"n{i}")), lambda e: None)
+        assert held.channel.frames == [] and len(other.channel.take()) == 5
+        frames = in_flight[held.slot]
+        for n, frame in enumerate(frames[:9]):
+            d.on_reply(held, wire.Kind.RESULT, frame[1], 0, b"0")
+            if n < 8:
+                assert held.channel.frames == []  # still more than the prefetch in flight
+        [slow] = held.channel.take()  # down to 1 in flight: the slow call goes
+        assert first_params(slow) == [60] and (held.outstanding, held.blocked, held.limit) == (2, True, 2)
+        assert d._reserved is None and d.queued_calls == 0
+
+    run(main)
+
+
+@pytest.mark.parametrize("load", [10, 16])
+def test_a_slow_sync_call_waiting_does_not_starve_nor_is_starved_under_sustained_load(load):
+    """Sustained load of async calls on 2 workers of concurrency 10, `load` calls in
+    flight (every answer is followed by a new call, the oldest call answers first). A
+    slow sync call behind them is not starved: the held worker takes no new call, so it
+    empties and then takes it. Nor does it hold them up: at a load the other worker can
+    take alone (10), no async call ever waits in the queue; at a load it cannot (16),
+    the queue moves with every answer of the other worker and does not grow."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(1, concurrency=10)
+        codec = Codec()
+        live: dict[int, Worker] = {}  # call id -> its worker, oldest first
+        slow_on: list[Worker] = []
+
+        def submit(id_: object, method: str = "fast") -> None:
+            d.submit(body(codec, req(method, [0], id_)), lambda e: None)
+            for w in (a, b):
+                for frame in w.channel.take():
+                    live[frame[1]] = w
+                    if frame[2] == 0:  # method index 0: `slow`
+                        slow_on.append(w)
+
+        for i in range(load):
+            submit(i)
+        submit("slow", "slow")
+        most_queued = 0
+        for n in range(load, load + 100):
+            if slow_on:
+                break
+            call_id, w = next(iter(live.items()))
+            del live[call_id]
+            d.on_reply(w, wire.Kind.RESULT, call_id, 0, b"0")
+            submit(n)
+            most_queued = max(most_queued, d.queued_calls - 1)  # async calls waiting (the slow one aside)
+        assert slow_on, "the slow sync call never started"
+        assert slow_on[0].outstanding <= 2  # it and at most the prefetch
+        if load == 10:
+            assert most_queued == 0
+        else:  # no more than what the other worker cannot hold beside the held one's calls
+            assert 0 < most_queued < load - 10
+
+    run(main)
+
+
+def test_with_one_worker_calls_behind_a_waiting_slow_sync_call_wait_for_it():
+    """With one worker there is nowhere else to go: the calls after a waiting slow sync
+    call queue until the worker is down to the prefetch and the slow call has started;
+    then they take the prefetch, and the rest once the slow call returns."""
+
+    async def main() -> None:
+        d, (w,) = sync_dispatcher(1, workers=1, concurrency=10)
+        codec = Codec()
+        for i in range(5):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        in_flight = w.channel.take()
+        d.submit(body(codec, req("slow", [1], "s")), lambda e: None)
+        for i in range(3):
+            d.submit(body(codec, req("fast", [i], f"after{i}")), lambda e: None)
+        assert w.channel.take() == [] and d.queued_calls == 4
+        for frame in in_flight[:4]:
+            d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
+        [slow] = w.channel.take()
+        assert first_params(slow) == [1] and (w.outstanding, d.queued_calls) == (2, 3)
+        d.on_reply(w, wire.Kind.RESULT, in_flight[4][1], 0, b"0")
+        assert [first_params(f) for f in w.channel.take()] == [[0]]  # the prefetch
+        d.on_reply(w, wire.Kind.RESULT, slow[1], 300_000, b"1")
+        assert [first_params(f) for f in w.channel.take()] == [[1], [2]] and d.queued_calls == 0
+
+    run(main)
+
+
+def test_a_worker_held_for_a_slow_sync_call_is_let_go_when_the_call_expires_or_the_worker_leaves():
+    """The hold ends with what it was for: the held worker leaving the rotation
+    (another is held the next time the queue moves), or the slow call's deadline
+    passing while it waits (the held worker takes calls again at once)."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=0, method_timeouts={"slow": 0.2})
+        d.set_methods(["slow", "fast"], sync_methods=["slow"])
+        workers = [add_worker(d, slot, 4) for slot in range(3)]
+        codec = Codec()
+        for i in range(12):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        in_flight = {w.slot: w.channel.take() for w in workers}
+        answers: list[Exchange] = []
+        d.submit(body(codec, req("slow", [1], "s")), answers.append)
+        first = d._reserved
+        assert first is not None
+        d.worker_unready(first)  # it leaves: no worker is held...
+        assert d._reserved is None
+        second = next(w for w in workers if w is not first)
+        frame = in_flight[second.slot][0]
+        d.on_reply(second, wire.Kind.RESULT, frame[1], 0, b"0")  # ... until the queue moves
+        held = d._reserved
+        assert held is not None and held is not first
+        free = next(w for w in workers if w is not first and w is not held)
+        d.on_reply(free, wire.Kind.RESULT, in_flight[free.slot][0][1], 0, b"0")
+        d.submit(body(codec, req("fast", ["x"], "x")), lambda e: None)
+        assert held.channel.frames == [] and len(free.channel.take()) == 1  # not to the held one
+        d.submit(body(codec, req("fast", ["y"], "y")), lambda e: None)
+        assert d.queued_calls == 2  # the slow call, and "y": every worker but the held one is full
+        await wait_until(lambda: bool(answers))  # the slow call's deadline passes while it waits
+        assert b"-32001" in typing.cast(bytes, answers[0].answers[0])
+        assert d._reserved is None and d.queued_calls == 0  # "y" went to the worker held no more
+        assert [first_params(f) for f in held.channel.take()] == [["y"]]
 
     run(main)
 

@@ -47,6 +47,24 @@ def test_a_chunk_reply_starts_every_queued_call_it_makes_room_for(broker_factory
     assert elapsed < 4.0, f"60 queued calls took {elapsed:.1f} s"
 
 
+def test_a_batch_chunk_holds_only_its_calls_still_running(broker_factory):
+    """Hostile round B finding 1: a batch of 2 slow calls and 20 instant ones on 2
+    workers of concurrency 10 went out as 2 chunks of 11; each held its worker at its
+    limit until its slow call ended, though its 10 instant answers were back at once:
+    calls_in_flight said 22 while 2 ran, and another client's call waited (it timed
+    out). Now each answer gives its place back as it arrives."""
+    b = broker_factory("--workers", "2", "--worker-concurrency", "10", "--method-timeout", "sleep=6")
+    with ThreadPoolExecutor(1) as pool:
+        batch = pool.submit(post, b, [req("sleep", [60], f"slow{i}") for i in range(2)]
+                            + [req("sleep", [0], i) for i in range(20)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 2, timeout=5)
+        assert post(b, req("sleep", [0], "other client")) == {"jsonrpc": "2.0", "id": "other client", "result": 0}
+        assert not batch.done()  # answered while the slow calls still run
+        answers = batch.result(timeout=60)
+    assert [a.get("result") for a in answers[2:]] == [0] * 20  # type: ignore[union-attr]
+    assert [a["error"]["code"] for a in answers[:2]] == [-32001, -32001]  # type: ignore[index]
+
+
 def test_calls_avoid_a_worker_blocked_in_a_hung_sync_call(broker_factory):
     """Issue 9 item 23: a worker spinning in a sync handler is sent nothing more
     (--sync-prefetch 0), so a batch sent meanwhile is answered by the other worker, and
@@ -62,6 +80,50 @@ def test_calls_avoid_a_worker_blocked_in_a_hung_sync_call(broker_factory):
     assert len(pids) == 1 and None not in pids, answers
     wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") == 1, timeout=20)
     assert post(b, req("pid", [], "after"))["result"] in pids  # type: ignore[index]  # (the other is restarting)
+
+
+def test_a_batch_chunk_is_not_sent_to_a_worker_blocked_in_a_hung_sync_call(broker_factory):
+    """Hostile round B finding 3: one worker hangs in a sync call, the other is full of
+    long async calls (worker_concurrency 3): a batch of 40 went to the hung worker as a
+    chunk of 20, past its limit of 1 + sync_prefetch, and all 20 died with it (-32002)
+    when it was killed. Now the chunks wait for room; at most sync_prefetch innocent
+    calls may die (here none: a chunk never fits the prefetch of 1)."""
+    b = broker_factory("--workers", "2", "--worker-concurrency", "3", "--sync-prefetch", "1",
+                       "--app", "tests.apps.mixed:registry", "--method-timeout", "block=2", "--cancel-grace", "0.5")
+    with ThreadPoolExecutor(4) as pool:
+        hung = pool.submit(post, b, req("block", [60], "hung"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        busy = [pool.submit(post, b, req("wait", [4], f"busy{i}")) for i in range(3)]
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 4, timeout=10)
+        answers = post(b, [req("wait", [0], i) for i in range(40)])
+        assert hung.result(timeout=30)["error"]["code"] == -32001  # type: ignore[index]
+        assert [f.result(timeout=30)["result"] for f in busy] == [4, 4, 4]  # type: ignore[index]
+    failed = [a for a in answers if "error" in a]  # type: ignore[union-attr, operator]
+    assert len(failed) <= 1, failed
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") == 1, timeout=20)
+
+
+def test_a_hung_slow_sync_call_takes_no_async_call_in_flight_with_it(broker_factory):
+    """Hostile round B finding 4: with 10 long async calls in flight on each of 2
+    workers, a slow sync call went to one of them, froze its loop, and when it hung and
+    was killed all 10 died with it (-32002). It now waits for a worker with at most
+    sync_prefetch calls in flight; here its deadline passes first (it never runs, no
+    worker is killed), and calls sent after it are not held behind it: the worker not
+    held for it answers them while the long calls still run."""
+    b = broker_factory("--workers", "2", "--sync-prefetch", "1", "--app", "tests.apps.mixed:registry",
+                       "--method-timeout", "block=1.5", "--cancel-grace", "0.5")
+    with ThreadPoolExecutor(21) as pool:
+        long_calls = [pool.submit(post, b, req("wait", [6], f"long{i}")) for i in range(20)]
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 20, timeout=10)
+        hung = pool.submit(post, b, req("block", [60], "hung"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 1, timeout=10)
+        after = post(b, [req("wait", [0], i) for i in range(10)])
+        assert not any(f.done() for f in long_calls)  # answered while the long calls run
+        assert [a.get("result") for a in after] == [0] * 10  # type: ignore[union-attr]
+        assert hung.result(timeout=30)["error"]["code"] == -32001  # type: ignore[index]
+        assert [f.result(timeout=30).get("result") for f in long_calls] == [6] * 20  # type: ignore[union-attr]
+    assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") == 0
+    assert b.call("block", [0.1], "runs")["result"] == 0.1  # routed as before once a worker is free
 
 
 def test_late_replies_are_counted_by_kind(broker_factory):

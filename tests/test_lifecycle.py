@@ -710,3 +710,65 @@ def test_sigterm_while_the_workers_import_stops_them_at_once_and_exits_0(tmp_pat
         for w in workers:
             if pid_exists(w):
                 os.kill(w, signal.SIGKILL)
+
+
+# -- SIGTERM sent to a worker ------------------------------------------------------------
+
+
+def test_sigterm_to_a_worker_takes_it_out_of_the_rotation_and_loses_no_call(broker_factory):
+    """Hostile round B finding 2: the broker was never told that a worker sent SIGTERM
+    was stopping: it went on routing calls to it, and the worker closed its socket at
+    its first idle moment, dropping the calls written to it and not read yet (-32002,
+    "exited with 0"). Now the worker says BYE: the broker takes it out of the rotation
+    at once (DRAINING) and answers BYE, and the worker serves every call sent before
+    that, then exits and is restarted. Calls sent meanwhile wait for the restarted
+    worker (here the only one), rather than be answered "no worker available"."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry")
+    [pid] = children(b.pid)
+    with concurrent.futures.ThreadPoolExecutor(11) as pool:
+        long_call = pool.submit(post_json, b, req("wait", [4], "long"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="draining") == 1, timeout=10)
+        behind = [pool.submit(post_json, b, req("add", [i, 1], i)) for i in range(10)]
+        assert long_call.result(timeout=30) == (200, {"jsonrpc": "2.0", "id": "long", "result": 4})
+        assert [f.result(timeout=30) for f in behind] == [
+            (200, {"jsonrpc": "2.0", "id": i, "result": i + 1}) for i in range(10)
+        ]
+    assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="exited") == 1
+    assert len(children(b.pid) - {pid}) == 1
+    assert "asks to leave" in b.read_log()
+
+
+def test_sigterm_to_a_worker_under_load_fails_no_call(broker_factory):
+    """The same under a steady load on 2 workers (hostile round B's repro, smaller): 4
+    clients send calls one after another; a worker gets SIGTERM, three times in turn;
+    every call is answered with its result, none -32002, and each is restarted."""
+    b = broker_factory("--workers", "2", "--app", "tests.apps.mixed:registry")
+    stop = threading.Event()
+    answers: list[tuple[int, object]] = []
+
+    def client(c: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            payload = req("add", [n, 1], f"{c}-{n}") if n % 2 else req("wait", [0.01], f"{c}-{n}")
+            answers.append((n + 1 if n % 2 else 0.01, post_json(b, payload)[1]))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for round_ in range(1, 4):  # three times: each is one chance for the old race
+            count = len(answers)
+            wait_for(lambda count=count: len(answers) >= count + 100, timeout=30)  # type: ignore[misc]
+            os.kill(min(children(b.pid)), signal.SIGTERM)
+            wait_for(lambda n=round_: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total",  # type: ignore[misc]
+                                             reason="exited") == n, timeout=20)
+            wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 2, timeout=20)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    wrong = [(want, got) for want, got in answers if got.get("result") != want]  # type: ignore[union-attr]
+    assert not wrong, wrong[:3]

@@ -285,3 +285,26 @@ def test_a_method_a_reload_makes_async_is_not_routed_as_sync_by_an_old_reply(bro
         assert metric(b, "rpc_broker_calls_queued") == 0
         for call in calls:
             assert call.result(timeout=30)["result"] == {"method": "m", "version": 2}
+
+
+def test_a_reload_lets_a_worker_that_asked_to_leave_finish_its_calls(broker_factory, tmp_path: Path) -> None:
+    """A worker sent SIGTERM drains (it asked to leave, hostile round B finding 2); a
+    reload meanwhile replaces its slot. The swap killed the old workers not READY as
+    "never got ready: nothing to drain", this one too, and its call in flight died
+    (-32002). It now drains on as a retiring worker: its call is answered by it."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["kept"])
+    b = broker_factory("--workers", "1", "--app", APP, "--timeout", "60", env={"VERSIONED_APP_FILE": str(spec)})
+    [old] = children(b.pid)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        nap = pool.submit(b.call, "nap", [3.0], "nap")
+        wait_for(lambda: metric(b, "rpc_broker_calls_in_flight") == 1, timeout=10)
+        os.kill(old, signal.SIGTERM)
+        wait_for(lambda: metric(b, "rpc_broker_workers", state="draining") == 1, timeout=10)
+        write(spec, version=2, methods=["kept"])
+        os.kill(b.pid, signal.SIGHUP)
+        wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 1, timeout=30)
+        assert nap.result(timeout=30)["result"] == 1  # (v1's nap answers its version)
+    assert b.call("version")["result"] == 2
+    wait_for(lambda: old not in children(b.pid), timeout=10)
+

@@ -963,12 +963,56 @@ def test_bye_with_nothing_in_flight_closes_at_once(run):
     run(test)
 
 
-def test_stop_is_like_bye(run):
+def test_stop_says_bye_and_serves_until_the_brokers_bye(run):
+    """SIGTERM (`stop`): the worker says BYE and serves on, calls that come after it
+    included, until the broker answers BYE; then it closes once they are answered."""
+
     async def test(proto: WorkerProtocol, b: Broker) -> None:
         b.send(b.call(1, "nap", b"[0.05]"))
         await asyncio.sleep(0.01)
         proto.stop()
+        proto.stop()  # (once is enough: one BYE)
+        assert (await b.read())[0][:2] == (Kind.BYE, 0)
         assert result((await b.read())[0]) == 0.05
+        b.send(b.call(2, "add_ints", b"[1, 2]"), b.call(3, "nap", b"[0.05]"))  # sent before the broker's BYE
+        assert sorted((f[1], result(f)) for f in await b.read(2)) == [(2, 3), (3, 0.05)]
+        await b.nothing_more()  # still open: the broker has not said BYE
+        b.send(b.call(4, "nap", b"[0.05]"), encode_frame(Kind.BYE, 0))
+        assert [(f[1], result(f)) for f in await b.read()] == [(4, 0.05)]
+        await b.read_eof()
+
+    run(test)
+
+
+def test_stop_loses_no_call_written_to_the_worker_and_not_read_yet(run):
+    """Hostile round B finding 2: `stop` closed the connection at once when nothing was
+    running, dropping the calls the broker had written and the worker had not read yet
+    (the broker answered them -32002 "worker died"). Here the calls are in the socket
+    when SIGTERM is handled: they are answered, after the worker's BYE."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(*(b.call(i, "add_ints", b"[%d, 1]" % i) for i in range(1, 6)))
+        await b.writer.drain()
+        proto.stop()  # in the same loop turn: the worker has not read them
+        frames = await b.read(6)
+        assert frames[0][:2] == (Kind.BYE, 0)
+        assert sorted((f[1], result(f)) for f in frames[1:]) == [(i, i + 1) for i in range(1, 6)]
+        b.send(encode_frame(Kind.BYE, 0))
+        await b.read_eof()
+
+    run(test)
+
+
+def test_stop_after_the_brokers_bye_says_nothing_more(run):
+    """A worker told BYE already (a reload retiring it, the broker's stop) is leaving:
+    SIGTERM then sends no BYE of its own, and it closes once its calls are answered."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(1, "nap", b"[0.1]"), encode_frame(Kind.BYE, 0))
+        await asyncio.sleep(0.02)
+        proto.stop()
+        [frame] = await b.read()
+        assert (frame[1], result(frame)) == (1, 0.1)
         await b.read_eof()
 
     run(test)
