@@ -2,6 +2,7 @@
 
 Usage: .venv/bin/python benchmarks/hotpath.py [--rounds 7] [--requests 64000]
                                               [--metrics on|off|both] [--profile]
+                                              [--case both|single|batch] [--batch-requests N]
 
 Drives the broker's real code from raw HTTP request bytes to raw HTTP response bytes:
 `HttpProtocol.data_received` (httptools, codec, dispatcher, `WorkerChannel.send`),
@@ -148,10 +149,17 @@ def main() -> int:
         help="count metrics (the default setting), not, or both in alternating rounds",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="cProfile one round of each instead")
+    parser.add_argument("--case", choices=("both", "single", "batch"), default="both", help="which bodies to send")
+    parser.add_argument("--batch-requests", type=int, default=0,
+                        help="batch requests per round (default: requests / 50, at least 64)")
     args = parser.parse_args()
     single = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 1}).encode()
     batch = json.dumps([{"jsonrpc": "2.0", "method": "add", "params": [1, i], "id": i} for i in range(100)]).encode()
-    cases = (("single add", single, 1, args.requests), ("batch of 100 add", batch, 100, max(args.requests // 50, 64)))
+    batches = args.batch_requests or max(args.requests // 50, 64)
+    cases = tuple(
+        case for case in (("single add", single, 1, args.requests), ("batch of 100 add", batch, 100, batches))
+        if args.case == "both" or case[0].startswith(args.case)
+    )
     modes = [True, False] if args.metrics == "both" else [args.metrics == "on"]
     if args.profile:
         for name, body, n, requests in cases:
