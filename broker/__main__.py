@@ -2,7 +2,7 @@
 
 import sys
 
-from broker.cli import main
+from broker.entry import main
 
 if __name__ == "__main__":
     sys.exit(main())

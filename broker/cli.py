@@ -85,12 +85,21 @@ def _load(path: str | None, flags: dict[str, object]) -> config.Config | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
     """Run the CLI on ``argv`` (default ``sys.argv[1:]``) and return the exit code.
 
     ``--help`` returns 0 and usage errors 2 (argparse's codes) instead of raising
     ``SystemExit``; a `config.ConfigError` is printed to stderr and returns 2.
+    `early`: the signals `broker.entry` caught before this ran (the `rpc-broker`
+    command); `serve` acts on them, the other commands get their default handling back.
     """
+    if early is not None:
+        from broker import entry
+
+        serving = (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]
+        if not serving:
+            entry.restore()
+            early = None
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["bench"]:
         from broker.loadgen.cli import main as bench_main
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from broker.server import serve  # written separately; imported only when serving
 
-    return serve(cfg)
+    return serve(cfg, early or ())
 
 
 if __name__ == "__main__":

@@ -493,6 +493,8 @@ def _unknown(source: str, what: str) -> ConfigError:
 def _check(s: Setting, value: object, source: str) -> None:
     """Validate one value against its `Config` field; raise `ConfigError` naming it."""
     limit = _PATH_BYTES.get(s.name)
+    if limit is not None and isinstance(value, str) and "\0" in value:  # (hostile testing: a traceback at start)
+        raise ConfigError(f"{source}: {s.name} = {value!r}: a path cannot hold a NUL byte")
     if limit is not None and isinstance(value, str) and len(os.fsencode(value)) > limit:
         raise ConfigError(
             f"{source}: {s.name} = {value!r}: expected at most {limit} bytes (it has {len(os.fsencode(value))}): "
@@ -557,16 +559,23 @@ def _parse_text(s: Setting, text: str, source: str) -> object:
             return _BOOLS[text.strip().lower()]
         except KeyError:
             raise bad("one of 1/0/true/false/yes/no") from None
+    # (Python's int() and float() also take "8_080" and other scripts' digits: not the
+    # numbers a TOML file or a flag would take, hostile testing)
+    plain = text.isascii() and "_" not in text
     if s.kind == "int":
         try:
-            return int(text)
+            if plain:
+                return int(text)
         except ValueError:
-            raise bad(f"an integer{unit}") from None
+            pass
+        raise bad(f"an integer{unit}")
     if s.kind == "float":
         try:
-            return float(text)
+            if plain:
+                return float(text)
         except ValueError:
-            raise bad(f"a number{unit}") from None
+            pass
+        raise bad(f"a number{unit}")
     if s.kind == "list":
         return [item.strip() for item in text.split(",") if item.strip()]
     if s.kind == "map":

@@ -42,9 +42,10 @@ __all__ = ["run", "serve", "warn_unserved_timeouts"]
 log = logging.getLogger("broker")
 
 
-def serve(config: Config) -> int:
+def serve(config: Config, early: typing.Sequence[int] = ()) -> int:
     """Run the broker until SIGTERM/SIGINT; return the process exit status.
 
+    `early`: signals received before the loop's handlers (`broker.entry`).
     0 after a clean shutdown, `WORKER_BOOT_ERROR` (3) when the workers cannot load
     the app (an exception or exit at import, or no HELLO within boot_timeout), 2 when
     the workers' socket cannot be made (socket_dir), 1 when the listening socket
@@ -57,7 +58,7 @@ def serve(config: Config) -> int:
     )
     import uvloop
 
-    return uvloop.run(run(config))
+    return uvloop.run(run(config, early=early))
 
 
 def _check_socket_path(path: str) -> None:
@@ -123,7 +124,8 @@ def fit_open_files(max_connections: int, listeners: int, extra: int) -> int:
     sockets, logs), as nginx's worker_rlimit_nofile does; return the connection limit
     per listener that really fits (at least 1). Every listener has its own
     max_connections, so sizing for one let idle NDJSON connections use up the
-    descriptors HTTP needed: its probes were reset unanswered (hostile testing)."""
+    descriptors HTTP needed: its probes were reset unanswered (hostile testing).
+    Raises `ConfigError` when not even one connection per listener fits."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -136,6 +138,12 @@ def fit_open_files(max_connections: int, listeners: int, extra: int) -> int:
         except (ValueError, OSError):
             pass
     fits = max_connections if soft == resource.RLIM_INFINITY else min(max_connections, (soft - extra) // listeners)
+    if fits < 1:  # (hostile testing: at 100, a worker's restart failed with EMFILE and its slot was lost)
+        raise ConfigError(
+            f"the open-files limit ({soft}, hard {hard}) is too small: the broker needs {extra + listeners} "
+            f"descriptors at least, {want} for max_connections {max_connections} on {listeners} listener(s) "
+            "(raise it: ulimit -n, systemd's LimitNOFILE)"
+        )
     if fits < max_connections:
         log.warning("open-files limit %d allows %d connections per listener (%d listeners), not max_connections %d",
                     soft, max(1, fits), listeners, max_connections)
@@ -157,8 +165,12 @@ def warn_unserved_timeouts(method_timeouts: typing.Mapping[str, float], methods:
     return unserved
 
 
-async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = None) -> int:
-    """The broker's main coroutine; sets `started` to the bound (host, port) once ready."""
+async def run(
+    config: Config, started: asyncio.Future[tuple[str, int]] | None = None, early: typing.Sequence[int] = ()
+) -> int:
+    """The broker's main coroutine; sets `started` to the bound (host, port) once ready.
+    `early`: stop and reload signals received before its handlers (`broker.entry`), acted
+    on as if they came now (a stop gives the start up; a reload runs once started)."""
     loop = asyncio.get_running_loop()
     dispatcher = Dispatcher(
         loop,
@@ -209,6 +221,8 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         pool.request_reload()  # coalesced: one during a reload or the start runs after it
 
     loop.add_signal_handler(signal.SIGHUP, handle_hup)
+    for signum in list(early):  # (received before these handlers: `broker.entry`)
+        (handle_hup if signum == signal.SIGHUP else handle_stop)()
 
     try:
         frontends: list[HttpFrontend | StreamFrontend] = []
@@ -222,14 +236,18 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
 
         separate = config.metrics and config.metrics_port != 0
         streams = bool(config.stream_port) + bool(config.stream_socket)
-        max_connections = fit_open_files(
-            config.max_connections, 1 + streams,
-            # the probes' reserve; the metrics listener's connections and reserve; refused
-            # streams still being answered; per worker its socket and process handle, twice
-            # during a reload; listening sockets, logs, /proc reads of a scrape
-            PROBE_RESERVE + (METRICS_CONNECTIONS + PROBE_RESERVE) * separate + REFUSED_LINGERING * streams
-            + 4 * config.worker_count + 64,
-        )
+        try:
+            max_connections = fit_open_files(
+                config.max_connections, 1 + streams,
+                # the probes' reserve; the metrics listener's connections and reserve; refused
+                # streams still being answered; per worker its socket and process handle, twice
+                # during a reload; listening sockets, logs, /proc reads of a scrape
+                PROBE_RESERVE + (METRICS_CONNECTIONS + PROBE_RESERVE) * separate + REFUSED_LINGERING * streams
+                + 4 * config.worker_count + 64,
+            )
+        except ConfigError as exc:
+            log.error("%s", exc)
+            return 2
         # Who may call (issue 9 item 11): the bind addresses are always names of this server.
         hosts = (*config.allowed_hosts, config.host, config.metrics_host)
         incoming = Incoming(config.max_incoming_bytes)  # (one for all the listeners)

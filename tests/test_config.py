@@ -307,6 +307,10 @@ def test_unreadable_file(tmp_path: Path) -> None:
         ("RPC_BROKER_MAX_BODY_BYTES", "1MiB",
          "max_body_bytes = '1MiB': expected an integer of bytes"),
         ("RPC_BROKER_TIMEOUT", "soon", "timeout = 'soon': expected a number of seconds"),
+        # Python's int() and float() take these; a TOML file or a flag would not (hostile testing)
+        ("RPC_BROKER_PORT", "8_080", "port = '8_080': expected an integer"),
+        ("RPC_BROKER_PORT", "\u0668\u0660", "port = '\u0668\u0660': expected an integer"),
+        ("RPC_BROKER_TIMEOUT", "1_0", "timeout = '1_0': expected a number of seconds"),
         ("RPC_BROKER_TIMEOUT", "-1", "timeout = -1.0: expected `float` >= 0.001 (allowed: 0.001..86400.0)"),
         ("RPC_BROKER_DEBUG", "maybe", "debug = 'maybe': expected one of 1/0/true/false/yes/no"),
         ("RPC_BROKER_LOG_LEVEL", "INFO",
@@ -532,6 +536,16 @@ def test_socket_paths_are_measured_in_bytes_with_what_the_broker_adds(
     ok = value[: 5 + (limit - 5) // len(value[5].encode())]  # as many as fit
     assert len(ok.encode()) <= limit
     assert cli.main(["check-config", write(tmp_path, f"{setting} = {msgspec.json.encode(ok).decode()}\n")]) == 0
+
+
+@pytest.mark.parametrize("setting", ["socket_dir", "stream_socket"])
+def test_a_socket_path_with_a_nul_byte_is_refused_at_load(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           setting: str) -> None:
+    """Hostile testing (round 6): "\\u0000" in TOML passed check-config, then serve died
+    with a traceback (ValueError: embedded null byte), exit 1, after binding an abstract
+    socket (stream_socket) and leaving the worker socket directory behind."""
+    assert cli.main(["check-config", write(tmp_path, f'{setting} = "/tmp/a\\u0000b"\n')]) == 2
+    assert "a path cannot hold a NUL byte" in capsys.readouterr().err
 
 
 def test_a_socket_dir_that_cannot_be_made_exits_2_saying_so(tmp_path: Path) -> None:

@@ -625,3 +625,82 @@ def test_a_request_completed_after_the_grace_period_is_answered_shutting_down_no
     assert json.loads(answer)["error"]["code"] == -32004
     assert took < 2.5, took  # not after the 3 s call
     assert b.proc.wait(30) == 0
+
+
+@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0"])
+def test_an_answer_written_during_the_drain_says_connection_close(broker_factory, version):
+    """Hostile testing (round 6): a call in flight at SIGTERM was answered during the drain
+    as keep-alive, then the connection was half-closed: http.client (as urllib3 and
+    requests pools) sent its next POST on it, which was discarded (RemoteDisconnected:
+    ran or not?). The last answer before the stop's close says `connection: close`."""
+    b = broker_factory("--workers", "1", "--grace-period", "10")
+    body = json.dumps(req("sleep", [1], "last")).encode()
+    keep = b"Connection: keep-alive\r\n" if version == "HTTP/1.0" else b""
+    with socket.create_connection((b.host, b.port), timeout=30) as s:
+        s.sendall(b"POST / %s\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n%s"
+                  b"Content-Length: %d\r\n\r\n%s" % (version.encode(), keep, len(body), body))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        b.proc.send_signal(signal.SIGTERM)
+        got, ending = _read_all(s)
+    head, _, answer = got.partition(b"\r\n\r\n")
+    assert ending == "eof"
+    assert json.loads(answer) == {"jsonrpc": "2.0", "id": "last", "result": 1}
+    headers = head.lower().split(b"\r\n")[1:]
+    assert b"connection: close" in headers and b"connection: keep-alive" not in headers, head
+    assert b.proc.wait(30) == 0
+
+
+@pytest.mark.parametrize("variant", ["closing", "metrics", "idle", "refused"])
+def test_the_drain_does_not_wait_for_requests_it_will_not_serve(broker_factory, variant):
+    """Hostile testing (round 6): the drain waited for any connection with a request under
+    way, so a broker with its work done held its stop for the whole grace period (10 s,
+    then 2 s more) for requests it would never serve: `closing`, a pipelined request
+    begun on a connection whose last answer the drain writes (then half-closed, its bytes
+    discarded); `metrics`, one begun after the stop on metrics_port (open through the
+    drain); `idle`, one begun after the stop on a connection accepted before it (given
+    2 s, as documented); `refused`, one under way at the stop answered early (413) while
+    its client goes on sending. Only requests under way at the stop and still to be
+    served are waited for now: the stop ends with the one real call (1 s) plus the 2 s
+    given to connections."""
+    from test_stream import free_port
+
+    mport = free_port()
+    b = broker_factory("--workers", "1", "--grace-period", "10", "--metrics-port", str(mport))
+    body = json.dumps(req("sleep", [1], 1)).encode()
+    request = (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    idle = socket.create_connection((b.host, b.port), timeout=30)
+    s = socket.create_connection((b.host, b.port), timeout=30)
+    slow = s
+    try:
+        if variant == "refused":
+            slow = socket.create_connection((b.host, b.port), timeout=30)
+            slow.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
+        else:
+            s.sendall(request)
+        time.sleep(0.3)
+        start = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "stopping" in b.read_log(0.05), timeout=10)
+        if variant == "refused":
+            data = b"Content-Length: 100000000\r\n\r\n"
+        elif variant == "closing":
+            data = request  # the next pipelined request, on the same connection
+        elif variant == "metrics":
+            slow = socket.create_connection((b.host, mport), timeout=30)
+            data = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        else:
+            slow, data = idle, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        slow.sendall(data[:3] if variant != "refused" else data)
+        while b.proc.poll() is None and time.monotonic() - start < 20:
+            try:  # a slow client: a byte (or, refused, a piece of its body) every 0.2 s
+                slow.send(b"x" * 100 if variant == "refused" else data[3:4])
+            except OSError:
+                break
+            time.sleep(0.2)
+        assert b.proc.wait(30) == 0
+        took = time.monotonic() - start
+    finally:
+        for sock in {idle, s, slow}:
+            sock.close()
+    assert took < 7, f"the stop took {took:.1f} s (grace_period 10 s)"

@@ -709,6 +709,17 @@ def test_the_open_files_limit_is_raised_to_fit_max_connections():
                              "from broker.server import fit_open_files; print(fit_open_files(10_000, 3, 100))"],
                             cwd=ROOT, capture_output=True, text=True, check=True)
     assert fitted.stdout.split() == ["300"], fitted  # (1000 - 100) // 3
+    # Hostile testing (round 6): at a limit of 100 the broker started (1 connection a
+    # listener, it said) with less than its own reserves need, and a worker's restart
+    # then failed with EMFILE, its slot lost for good. Too small to fit one connection a
+    # listener beside the reserves: refused at start, exit 2, saying what to raise.
+    small = subprocess.run([sys.executable, "-c",
+                            "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100));"
+                            "from broker.cli import main; sys.exit(main())",
+                            "serve", "--port", "0", "--workers", "2", "--stream-port", "1"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert small.returncode == 2, small.stderr
+    assert "the open-files limit (100, hard 100) is too small" in small.stderr and "Traceback" not in small.stderr
 
 
 def test_idle_streams_at_max_connections_leave_http_its_descriptors(tmp_path):

@@ -772,3 +772,54 @@ def test_sigterm_to_a_worker_under_load_fails_no_call(broker_factory):
             t.join(30)
     wrong = [(want, got) for want, got in answers if got.get("result") != want]  # type: ignore[union-attr]
     assert not wrong, wrong[:3]
+
+
+def _caught(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (SigCgt in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def _maps(pid: int, name: str) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return name in maps.read()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+def test_a_signal_while_the_command_still_imports_is_acted_on_not_fatal(sig):
+    """Hostile testing (round 6): a SIGHUP in the process's first few hundred milliseconds,
+    while the command line and the broker were still being imported (a `systemctl reload`
+    right after `start`: the unit is Type=exec), took its default action: the broker died
+    of it (status 129, which systemd counts as clean and does not restart). `broker.entry`
+    now catches SIGHUP, SIGTERM and SIGINT first of all, before the event loop exists
+    (uvloop not even loaded), and the broker acts on them once it can: a reload once
+    started, or a stop (exit 0)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", "--workers", "1"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    b = Broker(proc, "127.0.0.1", 0, "/", [])
+    try:
+        deadline = time.monotonic() + 30
+        while not _caught(proc.pid, sig):
+            assert proc.poll() is None and time.monotonic() < deadline, b.read_log()
+            time.sleep(0.001)
+        assert not _maps(proc.pid, "uvloop"), "caught only once the event loop's modules were loaded"
+        proc.send_signal(sig)
+        if sig == signal.SIGHUP:
+            wait_for(lambda: "serving JSON-RPC" in b.read_log(0.05), timeout=60)
+            wait_for(lambda: "reload: all 1 workers replaced" in b.read_log(0.05), timeout=60)
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, b.read_log()
+        if sig == signal.SIGTERM:
+            assert "serving JSON-RPC" not in b.read_log()
+    finally:
+        b.stop()

@@ -298,6 +298,7 @@ class HttpFrontend(Listener):
         self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
         self._refresh_date()
         self.probe_conns: set[HttpProtocol] = set()  # those taken past max_connections (PROBE_RESERVE)
+        self.under_way: set[HttpProtocol] = set()  # with a request under way at the stop (`held`)
         # A /metrics body costs ms of the loop (17-30 ms with the demo tools). One is made at a
         # time for the whole listener (`scraped`), and the next no sooner than the next loop
         # iteration and as long after as the last one took: scrapes take at most half of the
@@ -400,13 +401,21 @@ class HttpFrontend(Listener):
         for conn in list(self.connections):
             if not conn.owed and conn.requests and not conn.request_started and not conn._backlog:
                 conn.stop_close()
+            elif conn.request_started:
+                self.under_way.add(conn)
 
     def held(self) -> int:
-        """`Listener.held`, plus one for each connection with a request under way (its
-        head or body still coming, `request_started`): it was received in part before
-        the stop, and is answered first (hostile testing: its call ran, but the drain
-        had ended and its answer was dropped at the close)."""
-        return super().held() + sum(1 for conn in self.connections if conn.request_started)
+        """`Listener.held`, plus one for each connection whose request was under way at
+        the stop (its head or body still coming: `under_way`) and still is, to be
+        served: it was received in part before the stop, and is answered first
+        (hostile testing: its call ran, but the drain had ended and its answer was
+        dropped at the close). Not a request begun after the stop, nor one on a
+        connection that is closing (answered early, 413 or 431: its bytes are
+        discarded), which the drain would wait for in vain."""
+        under_way = self.under_way
+        if under_way:
+            under_way.difference_update([conn for conn in under_way if not conn.request_started or conn._closing])
+        return super().held() + len(under_way)
 
 
 def _reserve_rank(conn: HttpProtocol) -> tuple[int, float]:
@@ -686,6 +695,7 @@ class HttpProtocol(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(_Gone())
         self._body = self._url = b""
         self._fe.lost(self)
+        self._fe.under_way.discard(self)
         self._fe.recount()  # (a request under way, if any, is gone: `HttpFrontend.held`)
         if self._probe_only:
             self._fe.probe_conns.discard(self)
@@ -1333,8 +1343,13 @@ class HttpProtocol(asyncio.Protocol):
         transport = self._transport
         if transport is None:
             return
-        transport.write(data)
         fe = self._fe
+        if keep_alive and fe.draining and not self._responses and not self.request_started and not self._backlog:
+            # The last answer before the stop closes the connection: say so (RFC 9112 9.6),
+            # or a client pool would send its next request on it, to be discarded (hostile
+            # testing: http.client's next POST got RemoteDisconnected, ran or not)
+            data, keep_alive = self._closing_form(data), False
+        transport.write(data)
         fe.sent_bytes += len(data)
         counts = fe.statuses[path]  # by path, then status: no tuple per answer
         status = data[9:12]
@@ -1343,6 +1358,7 @@ class HttpProtocol(asyncio.Protocol):
         if not keep_alive:
             self._closing = True
             self._responses.clear()
+            fe.recount()  # (a request under way it was answered early is not waited for: `held`)
             if (self._linger or fe.draining) and not self._eof and not self._probe_only and transport.can_write_eof():
                 # An answer before the request was read: closing now would reset the
                 # connection under a client still sending, and it would never see the
@@ -1359,6 +1375,14 @@ class HttpProtocol(asyncio.Protocol):
                 self.stop_close()
             else:
                 transport.close()
+
+    def _closing_form(self, response: bytes) -> bytes:
+        """`response` (a keep-alive answer: status line, headers, body) saying
+        `connection: close` instead."""
+        head, _, body = response.partition(b"\r\n\r\n")
+        if self._keep_header:  # (HTTP/1.0: "connection: keep-alive")
+            head = head.replace(b"\r\n" + self._keep_header[:-2], b"")
+        return head + b"\r\n" + _CLOSE + b"\r\n" + body
 
     def stop_close(self) -> None:
         """Close for the broker's stop. Requests may still be on their way unread
