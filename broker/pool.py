@@ -326,10 +326,12 @@ class Pool:
         dispatcher.worker_coming = self._worker_coming
 
     def _worker_coming(self) -> bool:
-        """Is a worker on its way to READY? One starting, or one draining in its slot
-        (it asked to leave, `worker_leaving`: it is restarted once it exits; a reload's
-        retiring workers are not in `workers`), so calls wait for it in the queue."""
-        return any(w.state is WorkerState.STARTING or w.state is WorkerState.DRAINING for w in self.workers)
+        """Is a worker on its way to READY? One starting, or one that asked to leave
+        (`worker_leaving`): it is restarted at once when it exits 0, so calls wait for
+        it in the queue. That counts from its BYE to its restart, also once its socket
+        has closed (DEAD, `channel_lost`) and while its exit is being reaped. (A
+        reload's retiring workers are not in `workers`.)"""
+        return any(w.state is WorkerState.STARTING or w.leaving for w in self.workers)
 
     @property
     def socket_path(self) -> str:
@@ -471,6 +473,7 @@ class Pool:
         if worker.leaving and status == 0:  # it left as it asked to: no failure, no backoff
             delay = 0.0
         else:
+            worker.leaving = False  # it failed: no worker is coming during its backoff
             worker.failures = 0 if up >= STABLE_SECONDS else worker.failures + 1
             delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
         worker.restarts += 1

@@ -772,3 +772,61 @@ def test_sigterm_to_a_worker_under_load_fails_no_call(broker_factory):
             t.join(30)
     wrong = [(want, got) for want, got in answers if got.get("result") != want]  # type: ignore[union-attr]
     assert not wrong, wrong[:3]
+
+
+def restarts(b: Broker) -> float:
+    """Worker restarts so far, whatever the reason."""
+    return sum(v for (name, _), v in scrape_metrics(b).items() if name == "rpc_broker_worker_restarts_total")
+
+
+def test_sigterm_to_the_only_worker_under_a_pipelined_load_answers_no_call_no_worker(broker_factory, tmp_path_factory):
+    """Hostile round 6 finding 2 (r1_sigterm_single_worker_32003.py): with one worker and
+    calls pipelined on one stream connection, each SIGTERM to the worker made the broker
+    answer some calls -32003 "no worker available" (150 to 260 at about one call a ms):
+    once the leaving worker's socket closed it was DEAD, and nothing counted as coming
+    until its exit was reaped and it was respawned. Calls now wait in the queue for the
+    new worker throughout: every call of three leaves in a row gets its result."""
+    path = str(tmp_path_factory.mktemp("leave") / "s.sock")
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry", "--stream-socket", path,
+                       "--timeout", "20")
+    lines: list[bytes] = []
+    stop = threading.Event()
+    sent = 0
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+
+        def read() -> None:
+            buf = b""
+            while chunk := s.recv(65536):
+                buf += chunk
+                *done, buf = buf.split(b"\n")
+                lines.extend(done)
+
+        def write() -> None:
+            nonlocal sent
+            while not stop.is_set():
+                sent += 1
+                s.sendall(json.dumps(req("add", [sent, 1], sent)).encode() + b"\n")
+                time.sleep(0.001)
+
+        reader = threading.Thread(target=read, daemon=True)
+        writer = threading.Thread(target=write)
+        reader.start()
+        writer.start()
+        try:
+            for round_ in range(1, 4):
+                count = len(lines)
+                wait_for(lambda count=count: len(lines) >= count + 200, timeout=30)  # type: ignore[misc]
+                [pid] = children(b.pid)
+                os.kill(pid, signal.SIGTERM)
+                wait_for(lambda n=round_: restarts(b) == n, timeout=30)  # type: ignore[misc]
+                count = len(lines)
+                wait_for(lambda count=count: len(lines) >= count + 200, timeout=30)  # type: ignore[misc]  # (the new one serves)
+        finally:
+            stop.set()
+            writer.join(30)
+        wait_for(lambda: len(lines) >= sent, timeout=30)
+    answers = [json.loads(line) for line in lines]
+    wrong = [a for a in answers if a.get("result") != a["id"] + 1]
+    assert not wrong, (len(wrong), wrong[:3])
+    assert sorted(a["id"] for a in answers) == list(range(1, sent + 1))
