@@ -809,7 +809,7 @@ def test_sigterm_to_the_only_worker_under_a_pipelined_load_answers_no_call_no_wo
                 s.sendall(json.dumps(req("add", [sent, 1], sent)).encode() + b"\n")
                 time.sleep(0.001)
 
-        reader = threading.Thread(target=read, daemon=True)
+        reader = threading.Thread(target=read)
         writer = threading.Thread(target=write)
         reader.start()
         writer.start()
@@ -817,6 +817,7 @@ def test_sigterm_to_the_only_worker_under_a_pipelined_load_answers_no_call_no_wo
             for round_ in range(1, 4):
                 count = len(lines)
                 wait_for(lambda count=count: len(lines) >= count + 200, timeout=30)  # type: ignore[misc]
+                wait_for(lambda: len(children(b.pid)) == 1, timeout=30)  # (the one that left has exited)
                 [pid] = children(b.pid)
                 os.kill(pid, signal.SIGTERM)
                 wait_for(lambda n=round_: restarts(b) == n, timeout=30)  # type: ignore[misc]
@@ -826,6 +827,8 @@ def test_sigterm_to_the_only_worker_under_a_pipelined_load_answers_no_call_no_wo
             stop.set()
             writer.join(30)
         wait_for(lambda: len(lines) >= sent, timeout=30)
+        s.shutdown(socket.SHUT_RDWR)  # the reader sees the end (before the close, which could cut its recv)
+        reader.join(30)
     answers = [json.loads(line) for line in lines]
     wrong = [a for a in answers if a.get("result") != a["id"] + 1]
     assert not wrong, (len(wrong), wrong[:3])
