@@ -19,8 +19,9 @@ BYE goes from the broker to the worker (the stop, a reload's retiring workers): 
 comes after it, and the worker exits once it has answered every call sent before. A
 worker sent SIGTERM asks for it with a BYE of its own (`worker_leaving`): the pool takes
 it out of the rotation and answers BYE, so no call written to it is lost; once it has
-exited (0) it is respawned at once, with no backoff (it did not fail), and calls that
-find no other worker meanwhile wait in the queue for the new one.
+exited (0) it is respawned at once, with no backoff (it did not fail; restart reason
+"left", not "exited"), and calls that find no other worker meanwhile wait in the queue
+for the new one.
 
 A slot whose process exits (or whose socket closes) is DEAD: the dispatcher answers
 its in-flight calls with "worker died" and its queued calls go to other workers. The
@@ -478,7 +479,7 @@ class Pool:
             delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
         worker.restarts += 1
         self.restarts_total += 1
-        why = restart_reason(status, worker.kill_reason)
+        why = restart_reason(status, worker.kill_reason, worker.leaving)
         self.restarts_by_reason[why] = self.restarts_by_reason.get(why, 0) + 1
         if delay and not self.dispatcher.ready_workers and not self._worker_coming():
             self.dispatcher.no_worker_coming()
@@ -763,15 +764,18 @@ class Pool:
         )  # fmt: skip
 
 
-def restart_reason(status: int, kill_reason: str) -> str:
+def restart_reason(status: int, kill_reason: str, leaving: bool = False) -> str:
     """The bounded `reason` label of a restart: "hung" or "boot_timeout" when the broker
-    killed the worker for that, "killed" by another signal, else "exited". (A worker
-    refused because the code changed on disk is counted "code_changed" by the pool.)"""
+    killed the worker for that, "killed" by another signal, "left" when it asked to
+    leave (SIGTERM, `Pool.worker_leaving`) and exited 0, else "exited". (A worker refused
+    because the code changed on disk is counted "code_changed" by the pool.)"""
     if kill_reason.startswith("hung"):
         return "hung"
     if kill_reason.startswith("boot timeout"):
         return "boot_timeout"
-    return "killed" if status < 0 else "exited"
+    if status < 0:
+        return "killed"
+    return "left" if leaving and status == 0 else "exited"
 
 
 def describe_status(status: int) -> str:
