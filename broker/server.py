@@ -225,10 +225,11 @@ async def run(config: Config, started: asyncio.Future[tuple[str, int]] | None = 
         max_connections = fit_open_files(
             config.max_connections, 1 + streams,
             # the probes' reserve; the metrics listener's connections and reserve; refused
-            # streams still being answered; per worker its socket and process handle, twice
-            # during a reload; listening sockets, logs, /proc reads of a scrape
+            # streams still being answered; per worker its socket and process handle, up to
+            # three processes a slot (one that asked to leave drains beside its replacement
+            # while a reload's new one starts); listening sockets, logs, /proc reads of a scrape
             PROBE_RESERVE + (METRICS_CONNECTIONS + PROBE_RESERVE) * separate + REFUSED_LINGERING * streams
-            + 4 * config.worker_count + 64,
+            + 6 * config.worker_count + 64,
         )
         # Who may call (issue 9 item 11): the bind addresses are always names of this server.
         hosts = (*config.allowed_hosts, config.host, config.metrics_host)

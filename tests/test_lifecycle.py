@@ -838,3 +838,75 @@ def test_sigterm_to_the_only_worker_under_a_pipelined_load_answers_no_call_no_wo
     wrong = [a for a in answers if a.get("result") != a["id"] + 1]
     assert not wrong, (len(wrong), wrong[:3])
     assert sorted(a["id"] for a in answers) == list(range(1, sent + 1))
+
+
+def test_sigterm_to_a_worker_starts_its_replacement_at_once(broker_factory):
+    """Hostile round 6 finding 3 (r2_sigterm_worker_outage.py): a worker sent SIGTERM was
+    replaced only once it had exited, so its slot was out of service for as long as its
+    longest call ran (1 worker, an 8 s call in flight: every call sent meanwhile timed
+    out). Now its replacement starts at once, as a reload's does, and the old one drains
+    beside it: calls sent meanwhile are answered by the new worker while the old one's
+    long call still runs, and that call is answered too. A second SIGTERM to the one
+    leaving changes nothing (one leave, one replacement)."""
+    b = broker_factory("--workers", "1")
+    [old] = children(b.pid)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        long_call = pool.submit(post_json, b, req("sleep", [6], "long"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        os.kill(old, signal.SIGTERM)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="draining") == 1, timeout=10)
+        os.kill(old, signal.SIGTERM)
+        quick = [pool.submit(post_json, b, req("worker_info", id_=i)) for i in range(5)]
+        wait_for(lambda: all(f.done() for f in quick), timeout=30)
+        assert not long_call.done(), "answered only once the old worker's long call ended"
+        pids = {f.result()[1]["result"]["pid"] for f in quick}  # type: ignore[index]
+        assert len(pids) == 1 and old not in pids
+        samples = scrape_metrics(b)
+        assert sample(samples, "rpc_broker_workers", state="ready") == 1
+        assert sample(samples, "rpc_broker_workers", state="draining") == 1  # the old one, beside it
+        assert long_call.result(timeout=30) == (200, {"jsonrpc": "2.0", "id": "long", "result": 6})
+    wait_for(lambda: children(b.pid) == pids, timeout=10)  # the old one exited; not restarted
+    samples = scrape_metrics(b)
+    assert sample(samples, "rpc_broker_worker_restarts_total", reason="left") == 1
+    assert sample(samples, "rpc_broker_workers", state="draining") == 0
+    assert "left: exited with 0" in b.read_log(0.5)
+
+
+def test_the_broker_stops_cleanly_while_a_worker_that_left_drains(broker_factory):
+    """The broker's own stop while a worker that asked to leave still drains beside its
+    replacement: the call in flight on the old one is answered, every worker exits in
+    time (none is SIGKILLed), and the broker exits 0."""
+    b = broker_factory("--workers", "1")
+    [old] = children(b.pid)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long_call = pool.submit(post_json, b, req("sleep", [2], "long"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        os.kill(old, signal.SIGTERM)
+        wait_for(lambda: len(children(b.pid)) == 2, timeout=10)  # its replacement is starting
+        everyone = children(b.pid)
+        assert b.stop(timeout=30) == 0, b.read_log()
+        assert long_call.result(timeout=30) == (200, {"jsonrpc": "2.0", "id": "long", "result": 2})
+    log = b.read_log()
+    assert "did not exit" not in log, log
+    for pid in everyone:
+        wait_for(lambda pid=pid: not pid_exists(pid), timeout=10)  # type: ignore[misc]
+
+
+def test_a_replacement_that_fails_to_boot_is_retried_and_the_one_leaving_drains(broker_factory, tmp_path):
+    """A worker leaves on SIGTERM after a bad deploy reached the disk: its replacement
+    cannot import the app, so it is restarted with backoff as any worker that fails
+    (reason exited), while the old one exits as asked (reason left, not restarted).
+    Once the app is mended the slot serves again."""
+    flag = tmp_path / "broken"
+    b = broker_factory("--workers", "1", "--app", "tests.apps.breakable:registry", "--restart-backoff-max", "0.5",
+                       env={"BREAKABLE_APP_FLAG": str(flag)})
+    [old] = children(b.pid)
+    flag.touch()
+    os.kill(old, signal.SIGTERM)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="exited") >= 2, timeout=30)
+    wait_for(lambda: not pid_exists(old), timeout=10)
+    assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="left") == 1
+    flag.unlink()
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 1, timeout=30)
+    assert b.call("pid")["result"] != old
+    assert b.proc.poll() is None
