@@ -840,6 +840,18 @@ def test_sigterm_to_the_only_worker_under_a_pipelined_load_answers_no_call_no_wo
     assert sorted(a["id"] for a in answers) == list(range(1, sent + 1))
 
 
+def leave_with_a_call_in_flight(
+    b: Broker, pool: concurrent.futures.ThreadPoolExecutor, seconds: float
+) -> tuple[int, concurrent.futures.Future[tuple[int, object]]]:
+    """Send SIGTERM to the only worker of `b` while a sleep(`seconds`) call runs on it;
+    return its pid and that call."""
+    [old] = children(b.pid)
+    long_call = pool.submit(post_json, b, req("sleep", [seconds], "long"))
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+    os.kill(old, signal.SIGTERM)
+    return old, long_call
+
+
 def test_sigterm_to_a_worker_starts_its_replacement_at_once(broker_factory):
     """Hostile round 6 finding 3 (r2_sigterm_worker_outage.py): a worker sent SIGTERM was
     replaced only once it had exited, so its slot was out of service for as long as its
@@ -849,11 +861,8 @@ def test_sigterm_to_a_worker_starts_its_replacement_at_once(broker_factory):
     long call still runs, and that call is answered too. A second SIGTERM to the one
     leaving changes nothing (one leave, one replacement)."""
     b = broker_factory("--workers", "1")
-    [old] = children(b.pid)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        long_call = pool.submit(post_json, b, req("sleep", [6], "long"))
-        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
-        os.kill(old, signal.SIGTERM)
+        old, long_call = leave_with_a_call_in_flight(b, pool, 6)
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="draining") == 1, timeout=10)
         os.kill(old, signal.SIGTERM)
         quick = [pool.submit(post_json, b, req("worker_info", id_=i)) for i in range(5)]
@@ -877,11 +886,8 @@ def test_the_broker_stops_cleanly_while_a_worker_that_left_drains(broker_factory
     replacement: the call in flight on the old one is answered, every worker exits in
     time (none is SIGKILLed), and the broker exits 0."""
     b = broker_factory("--workers", "1")
-    [old] = children(b.pid)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        long_call = pool.submit(post_json, b, req("sleep", [2], "long"))
-        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
-        os.kill(old, signal.SIGTERM)
+        _old, long_call = leave_with_a_call_in_flight(b, pool, 2)
         wait_for(lambda: len(children(b.pid)) == 2, timeout=10)  # its replacement is starting
         everyone = children(b.pid)
         assert b.stop(timeout=30) == 0, b.read_log()
