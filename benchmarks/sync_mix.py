@@ -178,15 +178,19 @@ def write_results(header: str, table: list[str]) -> None:
         "Routing off is the broker as it was before (issue 9 item 23), with the FIFO queue of item 12: a fast "
         "call whose least-loaded pick ties the worker busy in `block` with the free one goes behind `block` "
         "and waits up to 0.2 s, the more often the more fast calls are in flight. Routing on makes the busy "
-        "worker the last choice, holding at most `sync_prefetch` other calls, and a `block` call goes only "
-        "to a worker with at most `sync_prefetch` calls in flight (one is held for it, to empty, when none "
-        "has so few): so a `block` freezes at most one fast call, where it used to freeze every call in "
-        "flight on the least loaded worker (at 1000/s of 5 ms calls none is idle). With as many slow clients "
-        "as workers, every worker is mostly blocked and routing cannot make room: with it on, a slow call "
-        "never waits behind another slow call, so each worker takes the next `block` as soon as it is free "
-        "(more slow calls/s) and fast calls get the gaps and the other worker while one is held; with it "
-        "off, a `block` sometimes queues behind another on the same worker and leaves the other worker free "
-        "for fast calls for a while, and fast calls wait behind `block`.",
+        "worker the last choice, holding at most `sync_prefetch` other calls, and a `block` call goes at "
+        "once to the least busy worker not blocked already (no worker is held for it: a hold let one short "
+        "sync call behind two long polls stall every async call): the fast calls in flight there when it "
+        "arrives wait behind it (at 1000/s of 5 ms calls a few on each worker), but of the calls sent after "
+        "it at most `sync_prefetch`. With as many slow clients as workers, every worker is mostly blocked "
+        "and routing cannot make room: with it on, a slow call never waits behind another slow call, so "
+        "each worker takes the next `block` as soon as it is free (more slow calls/s) and fast calls get "
+        "the gaps; with it off, a `block` sometimes queues behind another on the same worker and leaves the "
+        "other worker free for fast calls for a while, and fast calls wait behind `block`. (With a worker "
+        "held for each `block` until it was down to `sync_prefetch` calls, fast calls' p99 was 223 and "
+        "264 ms at 2 slow clients (2026-12-01 22:14 UTC): the fast calls in flight were let finish first. "
+        "The hold is gone all the same: it let one short sync call behind two long polls stall every "
+        "async call.)",
         "",
         *table,
         END,

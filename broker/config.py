@@ -184,8 +184,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                   ] = 100
     sync_prefetch: Annotated[int, Meta(ge=0),
                              Doc("calls a worker busy in a sync handler may hold besides it "
-                                 "(it cannot start them until that handler returns), and so "
-                                 "the most it may hold to be sent a slow sync call; a "
+                                 "(it cannot start them until that handler returns); a "
                                  "value of worker_concurrency or more turns this routing off")
                              ] = 1
     max_queue: Annotated[int, Meta(ge=0),

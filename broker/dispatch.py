@@ -11,9 +11,8 @@ ready worker with the fewest outstanding calls, if one is under its limit; other
 it waits in one bounded FIFO queue shared by all workers, and when that is full it is
 answered at once with the "overloaded" error (load shedding).
 
-The queue is first in, first out. A new call never overtakes it: while a live call
-waits there, new calls join its tail. One exception: a blocking sync call at its head
-that finds no worker it may block waits apart (below), and the calls behind it go on. Whenever a worker frees capacity (a
+The queue is strictly first in, first out. A new call never overtakes it: while a
+live call waits there, new calls join its tail. Whenever a worker frees capacity (a
 reply, a worker becoming ready, a lost worker's calls moving on), `_pump` hands the
 head of the queue to the best worker, again and again until the queue is empty or no
 worker is under its limit: every freed slot is filled at once, in arrival order. A
@@ -38,27 +37,23 @@ Such a worker is the last choice: it gets a call only when no unblocked worker c
 take it. A batch's blocking sync calls go out one by one (a chunk of 50 of them would
 be head-of-line by itself; a chunk counts its sync calls all the same).
 
-A blocking sync call itself goes only to a worker that is not blocked and has at most
-`sync_prefetch` calls in flight (an idle one first, `_fit_sync`): every call already
-there waits behind it, and dies with it if it hangs and the worker is killed (sent to
-the least loaded worker whatever it held, a hung call took ten async calls in flight
-with it). When no worker has so few, the call waits apart from the queue (`_sync_wait`,
-in order with the other blocking sync calls), and one worker is held for it
-(`_reserved`: the least loaded one not blocked). The held worker takes no new call,
-so it empties; once it is down to `sync_prefetch` calls it takes the sync call (or
-another worker that got there first does, and the hold ends). The calls behind a
-waiting sync call are not held with it: they go to the other workers, the blocked
-ones' prefetch included. So under a sustained load the sync call is not starved (its
-worker takes nothing new), and it does not starve the calls behind it (every other
-worker serves them; with a single worker they wait for it to empty too, there being
-nowhere else to go). What it costs: the held worker's free places while it empties,
-and the sync call's wait, as long as the calls in flight there take (long async calls
-on every worker may make it wait out its deadline: answered "timed out", never run).
+A blocking sync call itself goes at once, as any call does, to the least loaded worker
+under its limit that is not blocked already (an idle one if there is one). The calls
+already in flight there wait behind it, and die with it if it hangs and the worker is
+killed: it takes with it those calls (the fewest the broker could find) and at most
+`sync_prefetch` sent after it. It waits in the queue only when no such worker has
+room, every worker being blocked or at its limit, and then the calls behind it wait
+with it (FIFO), as they would for any call at the head: never longer than until a
+worker returns its sync call or frees a place. It never holds a worker nor waits
+while one could take it: a version that sent it only to a worker with at most
+`sync_prefetch` calls in flight, and held one for it meanwhile, let one short sync
+call behind two long polls stall every async call (the held worker took none, and
+the other was blocked).
 
 With `sync_prefetch` at `worker_concurrency` or more, none of this applies: every call
-is routed as before. (At one less, `1 + sync_prefetch` is `worker_concurrency` itself: the limit is not
-lower in number, but the worker is blocked all the same (`Worker.blocked`): the last
-choice, and no second blocking sync call.)
+is routed as before. (At one less, `1 + sync_prefetch` is `worker_concurrency` itself:
+the limit is not lower in number, but the worker is blocked all the same
+(`Worker.blocked`): the last choice, and no second blocking sync call.)
 
 A sync method counts as blocking while its calls take `BLOCKING_US` or more in the
 worker, as the worker measures them: a moving average of each reply's service time,
@@ -528,9 +523,7 @@ class Dispatcher:
         self._cancel_grace = cancel_grace
         self._sync_limit = 1 + sync_prefetch  # a worker's limit while busy in a sync call
         self._sync_routing = True  # that limit is at most worker_concurrency (see worker_ready)
-        # Workers `_pick` must look at closely: those busy in a blocking sync call
-        # (`Worker.blocked`), and the one held for the sync call waiting (`_reserved`).
-        self._careful = 0
+        self._blocked = 0  # workers busy in one now (`Worker.blocked`)
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
@@ -554,10 +547,6 @@ class Dispatcher:
         self._one_timeout = True  # every method has the same deadline (see set_methods)
         self._pending: dict[int, Call] = {}
         self._queue: deque[Call] = deque()
-        # Blocking sync calls waiting apart for a worker they may block, oldest first,
-        # and the worker held for the first of them (see the module docstring).
-        self._sync_wait: deque[Call] = deque()
-        self._reserved: Worker | None = None
         self._ready: list[Worker] = []
         self._rotation = 0
         self._deadlines = DeadlineWheel(loop, self._on_timeout)
@@ -637,7 +626,7 @@ class Dispatcher:
                 call.index = index[call.index]
         size = _CALL_ENTRY.size
         blocking = self._blocking  # the new table's (its `other` entry is 0)
-        for call in itertools.chain(self._sync_wait, self._queue):
+        for call in self._queue:
             if not call.tick:  # an expired shell (its payload released)
                 continue
             if call.methods is None:
@@ -670,8 +659,6 @@ class Dispatcher:
             self._ready.remove(worker)
         except ValueError:
             pass
-        if worker is self._reserved:  # the sync call waiting holds another one next time
-            self._release()
 
     def worker_lost(self, worker: Worker, reason: str) -> None:
         """The worker's process is gone: answer its in-flight calls "worker died"."""
@@ -687,7 +674,7 @@ class Dispatcher:
             self._finish(call, error, ErrorCode.WORKER_DIED)
         if worker.blocked:
             worker.blocked = False
-            self._careful -= 1
+            self._blocked -= 1
         worker.outstanding = worker.sync_calls = 0
         worker.limit = worker.concurrency
         self._check_idle()
@@ -696,13 +683,10 @@ class Dispatcher:
     def no_worker_coming(self) -> None:
         """Every worker is down and none is starting (restart backoff): answer the
         queued calls "no worker available" rather than let them wait for their deadline."""
-        for queue in (self._sync_wait, self._queue):
-            while queue:
-                call = self._dequeue(queue)
-                if call.tick:  # (else it timed out while queued: answered already)
-                    self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER)
-        if self._reserved is not None:
-            self._release()
+        while self._queue:
+            call = self._dequeue()
+            if call.tick:  # (else it timed out while queued: answered already)
+                self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER)
         self._check_idle()
 
     @property
@@ -857,7 +841,7 @@ class Dispatcher:
         queue = self._queue
         if queue:  # FIFO: while a live call waits, a new one joins the tail
             while queue and not queue[0].tick:  # (calls that expired while queued)
-                self._dequeue(queue)
+                self._dequeue()
         worker = self._pick(call) if not queue and self._serving else None
         if worker is not None:
             self._send(worker, call)
@@ -874,10 +858,7 @@ class Dispatcher:
             self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
         else:
             _hold(call)
-            if call.sync > 0 and self._sync_routing and not queue:  # a blocking sync call
-                self._wait_apart(call)  # with nothing queued before it: the calls after it may pass
-            else:
-                queue.append(call)
+            queue.append(call)
             self._queued_bytes += call.held
             self._queued_calls += call.weight
 
@@ -885,12 +866,11 @@ class Dispatcher:
         """The ready worker with the fewest outstanding calls under its limit (see
         the module docstring); ties go round-robin (the scan starts one further each
         time), so one-at-a-time calls spread over the workers instead of all landing
-        on the first. A blocking sync call goes where `_pick_sync` says; other calls
-        see the workers blocked in one, or held for one, in `_pick_careful`."""
-        if call.sync > 0 and self._sync_routing:
-            return self._pick_sync(call)
-        if self._careful:
-            return self._pick_careful(call)
+        on the first. While a worker is blocked in a slow sync call, `_pick_blocked`
+        decides. (A blocking sync call needs nothing more: with no worker blocked,
+        the least loaded is where it goes.)"""
+        if self._blocked:
+            return self._pick_blocked(call)
         ready = self._ready
         n = len(ready)
         if n <= 1:
@@ -899,8 +879,8 @@ class Dispatcher:
                 if w.outstanding < w.limit:
                     return w
             return None
-        # The usual case, kept apart from _pick_careful: its loop without the tests for
-        # a blocked or held worker, on every call.
+        # The usual case, kept apart from _pick_blocked: its loop without the test for
+        # a blocked worker, on every call.
         i = self._rotation = (self._rotation + 1) % n
         best: Worker | None = None
         least = 1 << 62
@@ -916,18 +896,17 @@ class Dispatcher:
                 i = 0
         return best
 
-    def _pick_careful(self, call: Call) -> Worker | None:
-        """`_pick` while a worker is blocked in a slow sync call or held for one. The
-        held worker (`_reserved`) takes nothing: it is emptying for the sync call
-        waiting. A blocked worker is picked only when no other can take the call
-        (there it would wait), never for a call holding blocking sync calls (with
-        routing off), and only if the call's whole weight fits under its limit: a
-        chunk there would wait as a whole, and die with the sync call if that hung."""
+    def _pick_blocked(self, call: Call) -> Worker | None:
+        """`_pick` while a worker is blocked in a slow sync call. A blocked worker is
+        picked only when no other can take the call (there it would wait), never for
+        a call holding blocking sync calls (one per worker: that call goes to the
+        least loaded of the others, or waits in the queue if none has room), and only
+        if the call's whole weight fits under its limit: a chunk there would wait as a
+        whole, and die with the sync call if that hung."""
         ready = self._ready
         n = len(ready)
         if not n:
             return None
-        reserved = self._reserved
         sync = call.sync
         weight = call.weight
         i = self._rotation = (self._rotation + 1) % n
@@ -937,7 +916,7 @@ class Dispatcher:
             w = ready[i]
             k = w.outstanding
             limit = w.limit
-            if k < limit and w is not reserved:
+            if k < limit:
                 if w.blocked:  # the last choice; no sync call, and only what fits under its limit
                     k = k + _BLOCKED if sync <= 0 and k + weight <= limit else least
                 if k < least:
@@ -949,71 +928,6 @@ class Dispatcher:
                 i = 0
         return best
 
-    def _pick_sync(self, call: Call) -> Worker | None:
-        """Where a new blocking sync call goes: nowhere while others wait apart (they
-        go first, in order), else as `_fit_sync` says."""
-        sync_wait = self._sync_wait
-        while sync_wait and not sync_wait[0].tick:  # (calls that expired while waiting)
-            self._dequeue(sync_wait)
-        if sync_wait:
-            return None
-        return self._fit_sync(call)
-
-    def _fit_sync(self, call: Call) -> Worker | None:
-        """A worker a blocking sync call may block: not blocked already, and with at
-        most `sync_prefetch` calls in flight (with the call, no more than its lowered
-        limit), the least loaded (an idle one first); an idle one takes even a chunk of
-        them past that limit (one a reload made sync). It is the held one (`_reserved`)
-        once that has emptied enough, or any other that has: the hold ends."""
-        ready = self._ready
-        n = len(ready)
-        if not n:
-            return None
-        limit = self._sync_limit
-        weight = call.weight
-        i = self._rotation = (self._rotation + 1) % n
-        best: Worker | None = None
-        least = limit
-        for _ in range(n):
-            w = ready[i]
-            k = w.outstanding
-            if k < least and not w.blocked and (k + weight <= limit or k == 0):
-                best, least = w, k
-                if k == 0:
-                    break
-            i += 1
-            if i == n:
-                i = 0
-        if best is not None and self._reserved is not None:
-            self._release()
-        return best
-
-    def _wait_apart(self, call: Call) -> None:
-        """Queue a blocking sync call that found no worker it may block in `_sync_wait`,
-        and hold a worker for the first one waiting there if none is held yet."""
-        self._sync_wait.append(call)
-        if self._reserved is None:
-            self._reserve()
-
-    def _reserve(self) -> None:
-        """Hold a worker for the blocking sync call first in `_sync_wait`: the least
-        loaded one not blocked. It gets no new call until it is down to `sync_prefetch`
-        calls in flight, then takes that one (`_fit_sync`); the other workers take the
-        calls behind it meanwhile. None is held while every worker is blocked: the
-        first to return takes the sync call."""
-        best: Worker | None = None
-        for w in self._ready:
-            if not w.blocked and (best is None or w.outstanding < best.outstanding):
-                best = w
-        if best is not None:
-            self._reserved = best
-            self._careful += 1
-
-    def _release(self) -> None:
-        """The held worker takes calls again (its sync call went, or it left)."""
-        self._reserved = None
-        self._careful -= 1
-
     def _send(self, worker: Worker, call: Call) -> None:
         call.worker = worker
         worker.outstanding += call.weight
@@ -1022,7 +936,7 @@ class Dispatcher:
             if not worker.blocked and self._sync_routing:
                 worker.blocked = True
                 worker.limit = self._sync_limit
-                self._careful += 1
+                self._blocked += 1
         self._pending[call.call_id] = call
         worker.channel.send(call.kind, call.call_id, call.index, call.params)  # type: ignore[union-attr]
 
@@ -1059,7 +973,7 @@ class Dispatcher:
                 if not worker.sync_calls and worker.blocked:
                     worker.blocked = False
                     worker.limit = worker.concurrency
-                    self._careful -= 1
+                    self._blocked -= 1
             # How long do its calls take? (BLOCKING_US; not from a reply whose handler never ran)
             if call.methods is None and not call.stale and aux != _NOT_RUN:
                 index = call.index
@@ -1299,9 +1213,9 @@ class Dispatcher:
         else:
             exchange.remaining -= count
 
-    def _dequeue(self, queue: deque[Call]) -> Call:
-        """The first call of `queue` (`_queue` or `_sync_wait`), counted out of it."""
-        call = queue.popleft()
+    def _dequeue(self) -> Call:
+        """The first call of the queue, counted out of it."""
+        call = self._queue.popleft()
         if call.tick:
             self._queued_bytes -= call.held
             self._queued_calls -= call.weight
@@ -1310,49 +1224,21 @@ class Dispatcher:
         return call
 
     def _pump(self) -> None:
-        """Start queued calls while a worker has room: first the blocking sync calls
-        waiting apart, oldest first, each on a worker it may block (`_fit_sync`; if
-        none can take the first, a worker is held for it); then the queue, oldest
-        first. A blocking sync call at the head of the queue that finds no worker goes
-        to wait apart, and the calls behind it go on; any other call that finds none
-        stops the pump (FIFO)."""
-        metrics = self.metrics
-        sync_wait = self._sync_wait
-        while sync_wait:
-            call = sync_wait[0]
-            if call.tick:  # (else it timed out while waiting: just drop it)
-                sync = call.sync > 0 and self._sync_routing  # (a reload may have made it async)
-                worker = self._fit_sync(call) if sync else self._pick(call)
-                if worker is None:
-                    if sync and self._reserved is None:
-                        self._reserve()
-                    break
-                self._dequeue(sync_wait)
-                self._send(worker, call)
-                if metrics is not None:
-                    metrics.queue_wait.observe_us(int((_clock() - call.arrival) * 1e6), call.weight)
-            else:
-                self._dequeue(sync_wait)
-        else:  # none waits apart: no worker is held
-            if self._reserved is not None:
-                self._release()
+        """Start queued calls, oldest first, while a worker is under its limit."""
         queue = self._queue
+        metrics = self.metrics
         while queue:
             call = queue[0]
             if call.tick:  # (else it timed out while queued: just drop it)
                 worker = self._pick(call)
                 if worker is None:
-                    if call.sync > 0 and self._sync_routing:
-                        queue.popleft()  # (still queued: it only waits apart now)
-                        self._wait_apart(call)
-                        continue
                     break
-                self._dequeue(queue)
+                self._dequeue()
                 self._send(worker, call)
                 if metrics is not None:
                     metrics.queue_wait.observe_us(int((_clock() - call.arrival) * 1e6), call.weight)
             else:
-                self._dequeue(queue)
+                self._dequeue()
         self._check_idle()
 
     def _on_timeout(self, call: Call) -> None:
@@ -1373,11 +1259,8 @@ class Dispatcher:
             call.params = b""
             call.id = _NO_ID
             call.ids = call.slots = call.methods = None
-            sync_wait = self._sync_wait
-            if self._expired_queued * 2 > len(self._queue) + len(sync_wait):
+            if self._expired_queued * 2 > len(self._queue):
                 self._compact()
-            if self._reserved is not None and not (sync_wait and sync_wait[0].tick):
-                self._pump()  # the sync call a worker was held for is gone: the next, or none
             return
         worker = call.worker
         if worker is not None and worker.channel is not None:
@@ -1385,11 +1268,11 @@ class Dispatcher:
             self._loop.call_later(self._cancel_grace, self._check_hung, call)
 
     def _compact(self) -> None:
-        """Drop the expired shells from the queues (more than half of them), in place."""
-        for queue in (self._queue, self._sync_wait):
-            live = [call for call in queue if call.tick]
-            queue.clear()
-            queue.extend(live)
+        """Drop the expired shells from the queue (more than half of it), in place."""
+        queue = self._queue
+        live = [call for call in queue if call.tick]
+        queue.clear()
+        queue.extend(live)
         self._expired_queued = 0
 
     def _check_hung(self, call: Call) -> None:
@@ -1481,13 +1364,10 @@ class Dispatcher:
         # answer could be cut off with its connection (hostile testing).
         self._serving = False
         error = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
-        for queue in (self._sync_wait, self._queue):
-            while queue:
-                call = self._dequeue(queue)
-                if call.tick:  # (else it timed out while queued: answered already)
-                    self._finish(call, error, ErrorCode.SHUTTING_DOWN)
-        if self._reserved is not None:
-            self._release()
+        while self._queue:
+            call = self._dequeue()
+            if call.tick:  # (else it timed out while queued: answered already)
+                self._finish(call, error, ErrorCode.SHUTTING_DOWN)
         for call in list(self._pending.values()):
             self._finish(call, error, ErrorCode.SHUTTING_DOWN)
             # Cancel it on the worker too: a worker told BYE waits for its calls in

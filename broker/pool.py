@@ -18,9 +18,15 @@ Each slot's life follows `TRANSITIONS`:
 BYE goes from the broker to the worker (the stop, a reload's retiring workers): no call
 comes after it, and the worker exits once it has answered every call sent before. A
 worker sent SIGTERM asks for it with a BYE of its own (`worker_leaving`): the pool takes
-it out of the rotation and answers BYE, so no call written to it is lost; once it has
-exited (0) it is respawned at once, with no backoff (it did not fail), and calls that
-find no other worker meanwhile wait in the queue for the new one.
+it out of the rotation and answers BYE, so no call written to it is lost, and starts a
+new worker in its slot at once, as a reload does (the new one first: the slot is out of
+service only while the new one imports the app, not for as long as the old one's
+longest call runs). The old one drains beside it in `retiring` and is not restarted
+when it exits. Calls that find no other worker meanwhile wait in the queue for the new
+one, never "no worker available". During a reload, whose new worker takes the slot at
+the swap, the one leaving drains in its slot instead, and is respawned at once (no
+backoff: it did not fail) if it exits before the swap. Either way the restart reason
+is "left", not "exited": a leave is not a crash.
 
 A slot whose process exits (or whose socket closes) is DEAD: the dispatcher answers
 its in-flight calls with "worker died" and its queued calls go to other workers. The
@@ -326,10 +332,13 @@ class Pool:
         dispatcher.worker_coming = self._worker_coming
 
     def _worker_coming(self) -> bool:
-        """Is a worker on its way to READY? One starting, or one draining in its slot
-        (it asked to leave, `worker_leaving`: it is restarted once it exits; a reload's
-        retiring workers are not in `workers`), so calls wait for it in the queue."""
-        return any(w.state is WorkerState.STARTING or w.state is WorkerState.DRAINING for w in self.workers)
+        """Is a worker on its way to READY? One starting (a leave's replacement is from
+        the leave on, `worker_leaving`), or one that asked to leave during a reload and
+        drains in its slot: it is restarted at once when it exits 0, so calls wait for
+        it in the queue. That counts from its BYE to its restart, also once its socket
+        has closed (DEAD, `channel_lost`) and while its exit is being reaped. (Retiring
+        workers, a reload's or those a leave replaced, are not in `workers`.)"""
+        return any(w.state is WorkerState.STARTING or w.leaving for w in self.workers)
 
     @property
     def socket_path(self) -> str:
@@ -387,13 +396,25 @@ class Pool:
             self.request_reload()
 
     async def _spawn(self, worker: Worker) -> None:
+        if self._prepare(worker):
+            await self._launch(worker)
+
+    def _prepare(self, worker: Worker) -> bool:
+        """Make `worker` STARTING, its per-process state reset: from now on calls wait for
+        it rather than be answered "no worker available". False once the pool stops."""
         if self._stopping:
-            return
+            return False
         worker.move(WorkerState.STARTING)
         worker.channel = None
         worker.outstanding = 0
         worker.kill_reason = ""
         worker.leaving = False
+        return True
+
+    async def _launch(self, worker: Worker) -> None:
+        """Start the process of a worker `_prepare` made STARTING."""
+        if self._stopping:  # (`stop` came in between: a leave's replacement, `worker_leaving`)
+            return
         argv = [
             sys.executable, "-m", "broker.worker",
             "--socket", self._path,
@@ -442,10 +463,11 @@ class Pool:
         if worker in self.incoming:  # a new worker of a reload that failed: no restart
             log.warning("reload: new worker %d (pid %d) %s", worker.slot, worker.pid, reason)
             return
-        if self.workers[worker.slot] is not worker:  # replaced by a reload (or a failed reload's): no restart
+        if self.workers[worker.slot] is not worker:  # replaced (a reload, a leave; a failed reload's): no restart
             if worker in self.retiring:
                 self.retiring.discard(worker)
-                log.info("worker %d (pid %d) retired: %s", worker.slot, worker.pid, reason)
+                log.log(logging.INFO if status == 0 or not worker.leaving else logging.WARNING,
+                        "worker %d (pid %d) %s: %s", worker.slot, worker.pid, "left" if worker.leaving else "retired", reason)
             else:  # (a new worker of a reload that failed, stopped with the others)
                 log.info("reload: new worker %d (pid %d) stopped, the reload failed: %s", worker.slot, worker.pid, reason)
             return
@@ -471,11 +493,12 @@ class Pool:
         if worker.leaving and status == 0:  # it left as it asked to: no failure, no backoff
             delay = 0.0
         else:
+            worker.leaving = False  # it failed: no worker is coming during its backoff
             worker.failures = 0 if up >= STABLE_SECONDS else worker.failures + 1
             delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
         worker.restarts += 1
         self.restarts_total += 1
-        why = restart_reason(status, worker.kill_reason)
+        why = restart_reason(status, worker.kill_reason, worker.leaving)
         self.restarts_by_reason[why] = self.restarts_by_reason.get(why, 0) + 1
         if delay and not self.dispatcher.ready_workers and not self._worker_coming():
             self.dispatcher.no_worker_coming()
@@ -551,17 +574,36 @@ class Pool:
     def worker_leaving(self, worker: Worker) -> None:
         """The worker said BYE: it asks to leave (it was sent SIGTERM). As at the
         broker's stop, it leaves the rotation (DRAINING) and is told BYE, which comes
-        after every call sent to it; it answers all of those, exits, and is restarted
-        as any worker that exits. (One told BYE already, by a reload or the stop, is
-        leaving anyway.)"""
+        after every call sent to it; it answers all of those and exits. A new worker
+        takes its slot at once, STARTING from now (`_prepare`: calls wait for it), and
+        the old one drains beside it in `retiring`, as a reload's old workers do: the
+        slot is not out of service while the old one's calls run.
+
+        During a reload the old one drains in its slot instead: a new worker now would
+        import the code being deployed before the swap (its HELLO refused if the methods
+        changed), and the reload's new worker takes the slot at the swap anyway; if the
+        old one exits first, `_watch` restarts it at once. A reload's new worker that
+        leaves before the swap fails the reload, as any new worker that does not stay
+        ready. (One told BYE already, by a reload or the stop, is leaving anyway.)"""
         if worker.state is not WorkerState.READY or worker.channel is None:
             return
-        log.info("worker %d (pid %d) asks to leave (SIGTERM): it finishes its calls and is restarted",
-                 worker.slot, worker.pid)
         worker.leaving = True
         worker.move(WorkerState.DRAINING)
         self.dispatcher.worker_unready(worker)
         worker.channel.send(wire.Kind.BYE, 0, 0, b"")
+        if self._reloading or self.workers[worker.slot] is not worker:
+            log.info("worker %d (pid %d) asks to leave (SIGTERM) during a reload: it finishes its calls%s",
+                     worker.slot, worker.pid, "" if self.workers[worker.slot] is worker else "; the reload fails")
+            return
+        log.info("worker %d (pid %d) asks to leave (SIGTERM): it finishes its calls beside a new worker",
+                 worker.slot, worker.pid)
+        self.retiring.add(worker)
+        new = self.workers[worker.slot] = Worker(worker.slot)
+        self.restarts_total += 1
+        self.restarts_by_reason["left"] = self.restarts_by_reason.get("left", 0) + 1
+        if self._prepare(new):
+            task = self.loop.create_task(self._launch(new))
+            task.add_done_callback(_log_task_error)
 
     def channel_lost(self, worker: Worker) -> None:
         """A worker's socket closed: stop routing to it; kill it if it lingers."""
@@ -760,15 +802,19 @@ class Pool:
         )  # fmt: skip
 
 
-def restart_reason(status: int, kill_reason: str) -> str:
+def restart_reason(status: int, kill_reason: str, leaving: bool = False) -> str:
     """The bounded `reason` label of a restart: "hung" or "boot_timeout" when the broker
-    killed the worker for that, "killed" by another signal, else "exited". (A worker
-    refused because the code changed on disk is counted "code_changed" by the pool.)"""
+    killed the worker for that, "killed" by another signal, "left" when it asked to
+    leave (SIGTERM) and exited 0, else "exited". (A worker refused because the code
+    changed on disk is counted "code_changed" by the pool, and a leave whose new worker
+    starts at once "left" by `Pool.worker_leaving`.)"""
     if kill_reason.startswith("hung"):
         return "hung"
     if kill_reason.startswith("boot timeout"):
         return "boot_timeout"
-    return "killed" if status < 0 else "exited"
+    if status < 0:
+        return "killed"
+    return "left" if leaving and status == 0 else "exited"
 
 
 def describe_status(status: int) -> str:

@@ -240,10 +240,11 @@ async def run(
             max_connections = fit_open_files(
                 config.max_connections, 1 + streams,
                 # the probes' reserve; the metrics listener's connections and reserve; refused
-                # streams still being answered; per worker its socket and process handle, twice
-                # during a reload; listening sockets, logs, /proc reads of a scrape
+                # streams still being answered; per worker its socket and process handle, up to
+                # three processes a slot (one that asked to leave drains beside its replacement
+                # while a reload's new one starts); listening sockets, logs, /proc reads of a scrape
                 PROBE_RESERVE + (METRICS_CONNECTIONS + PROBE_RESERVE) * separate + REFUSED_LINGERING * streams
-                + 4 * config.worker_count + 64,
+                + 6 * config.worker_count + 64,
             )
         except ConfigError as exc:
             log.error("%s", exc)

@@ -841,7 +841,7 @@ class WorkerProtocol(asyncio.Protocol):
         went on sending more. So the worker says BYE instead and serves on: the broker
         takes it out of its rotation and answers BYE, which comes after every call it
         sent; the worker answers all of those, then closes (`_closing`, as on a BYE the
-        broker sends first), and the broker restarts it."""
+        broker sends first); the broker has started another worker in its place meanwhile."""
         if self._closing or self._leaving:  # told BYE already, or asked already
             return
         self._leaving = True

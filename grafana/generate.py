@@ -365,7 +365,8 @@ def workers() -> list[Panel]:
         timeseries(
             "Worker restarts by reason",
             "Worker processes restarted per rate interval, by reason: exited, killed, hung, boot_timeout, "
-            "reload (a SIGHUP reload restarts every worker on purpose); and SIGHUP reloads by result: "
+            "reload (a SIGHUP reload restarts every worker on purpose), left (a worker sent SIGTERM left "
+            "without losing a call and was replaced), code_changed; and SIGHUP reloads by result: "
             "reload success, or reload failure (a new worker did not start: the old code serves on).",
             [(f"sum by (reason) (increase({sel('rpc_broker_worker_restarts_total')}[$__rate_interval]))",
               "{{reason}}"),

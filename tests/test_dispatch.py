@@ -533,8 +533,7 @@ def test_sync_methods_measured_fast_do_not_take_the_limit_down():
 def test_a_batch_of_blocking_sync_calls_goes_out_one_by_one():
     """A chunk of slow sync calls would be head-of-line by itself: a batch's slow sync
     calls go one by one, in request order, one to each worker not blocked; the rest
-    wait apart, in order, and a call submitted after them is not held behind them: it
-    takes a blocked worker's prefetch (hostile round B finding 4)."""
+    wait in the queue, and a call submitted after them waits behind them (FIFO)."""
 
     async def main() -> None:
         d, workers = sync_dispatcher(1)
@@ -546,20 +545,19 @@ def test_a_batch_of_blocking_sync_calls_goes_out_one_by_one():
         assert [(w.sync_calls, w.outstanding) for w in workers] == [(1, 1), (1, 1)]
         assert d.queued_calls == 8
         d.submit(body(codec, req("fast", [0], "f")), lambda e: None)
-        assert d.queued_calls == 8  # not behind the slow calls: in a prefetch
-        assert [first_params(f) for w in workers for f in w.channel.take()] == [[0]]
-        for w, [frame] in zip(workers, sent):
-            d.on_reply(w, wire.Kind.RESULT, frame[1], 200_000, b"0")
-        assert sorted(first_params(f) for w in workers for f in w.channel.take()) == [[2], [3]]  # in order
-        assert [w.sync_calls for w in workers] == [1, 1] and d.queued_calls == 6
+        assert d.queued_calls == 9  # FIFO: behind the queued slow calls
+        [frame] = sent[0]
+        d.on_reply(workers[0], wire.Kind.RESULT, frame[1], 200_000, b"0")
+        assert [first_params(f) for f in workers[0].channel.take()] == [[2]]
+        assert workers[0].sync_calls == 1 and d.queued_calls == 8
 
     run(main)
 
 
 def test_a_blocked_worker_takes_no_second_sync_call_but_its_prefetch_of_others():
-    """One worker, --sync-prefetch 2: a second slow call waits (at most one blocking
-    sync call per worker), a fast call behind it does not: it is prefetched at once;
-    once the first returns, the second starts (1 call in flight: within the prefetch)."""
+    """One worker, --sync-prefetch 2: a second slow call waits in the queue (at most
+    one blocking sync call per worker), and so does a fast call behind it; once the
+    first returns, the second starts and the fast call is prefetched behind it."""
 
     async def main() -> None:
         d, (w,) = sync_dispatcher(2, workers=1)
@@ -567,10 +565,10 @@ def test_a_blocked_worker_takes_no_second_sync_call_but_its_prefetch_of_others()
         for params in (["s1"], ["s2"]):
             d.submit(body(codec, req("slow", params, params[0])), lambda e: None)
         d.submit(body(codec, req("fast", ["f"], "f")), lambda e: None)
-        first, fast = w.channel.take()
-        assert (first_params(first), first_params(fast)) == (["s1"], ["f"]) and d.queued_calls == 1 and w.limit == 3
+        [first] = w.channel.take()
+        assert first_params(first) == ["s1"] and d.queued_calls == 2 and w.limit == 3
         d.on_reply(w, wire.Kind.RESULT, first[1], 200_000, b"0")
-        assert [first_params(f) for f in w.channel.take()] == [["s2"]]
+        assert [first_params(f) for f in w.channel.take()] == [["s2"], ["f"]]
         assert (w.sync_calls, w.outstanding, d.queued_calls) == (1, 2, 0)
 
     run(main)
@@ -632,147 +630,93 @@ def test_a_chunk_waits_for_a_lone_blocked_worker_to_return():
     run(main)
 
 
-def test_a_slow_sync_call_goes_only_to_a_worker_with_at_most_the_prefetch_in_flight():
-    """Hostile round B finding 4: a slow sync call went to the least loaded worker
-    whatever it held; with 10 async calls in flight on each of 2 workers, it froze one
-    worker's loop, and when it hung and was killed its 10 async calls died with it
-    (-32002). It now goes only to a worker with at most sync_prefetch calls in flight;
-    meanwhile one worker is held for it (it takes no new call), the other takes the
-    calls that come after it, and once the held one is down to the prefetch the slow
-    call starts there: with it, no more than the prefetch."""
+def test_a_slow_sync_call_goes_at_once_to_the_least_busy_worker_it_may_block():
+    """Hostile round 6 finding 1: a slow sync call went only to a worker with at most
+    sync_prefetch calls in flight, else waited with a worker held for it. It now goes
+    at once to the least busy worker that is not blocked: an idle one when there is
+    one, else the one with the fewest calls in flight, however many (so the calls a hang
+    there would take with it are the fewest the broker could find). It is never queued
+    while such a worker has room, and no worker is held: the calls after it go on."""
 
     async def main() -> None:
-        d, (a, b) = sync_dispatcher(1, concurrency=20)
-        codec = Codec()
-        for i in range(20):
-            d.submit(body(codec, req("fast", [i], f"a{i}")), lambda e: None)
-        in_flight = {w.slot: w.channel.take() for w in (a, b)}
-        assert (a.outstanding, b.outstanding) == (10, 10)
-        d.submit(body(codec, req("slow", [60], "hang")), lambda e: None)
-        assert a.channel.frames == b.channel.frames == [] and d.queued_calls == 1
-        held, other = (a, b) if d._reserved is a else (b, a)
-        assert d._reserved is held
-        for i in range(5):  # the calls after it are not held behind it, and avoid the held worker
-            d.submit(body(codec, req("fast", [i], f"n{i}")), lambda e: None)
-        assert held.channel.frames == [] and len(other.channel.take()) == 5
-        frames = in_flight[held.slot]
-        for n, frame in enumerate(frames[:9]):
-            d.on_reply(held, wire.Kind.RESULT, frame[1], 0, b"0")
-            if n < 8:
-                assert held.channel.frames == []  # still more than the prefetch in flight
-        [slow] = held.channel.take()  # down to 1 in flight: the slow call goes
-        assert first_params(slow) == [60] and (held.outstanding, held.blocked, held.limit) == (2, True, 2)
-        assert d._reserved is None and d.queued_calls == 0
-
-    run(main)
-
-
-@pytest.mark.parametrize("load", [10, 16])
-def test_a_slow_sync_call_waiting_does_not_starve_nor_is_starved_under_sustained_load(load):
-    """Sustained load of async calls on 2 workers of concurrency 10, `load` calls in
-    flight (every answer is followed by a new call, the oldest call answers first). A
-    slow sync call behind them is not starved: the held worker takes no new call, so it
-    empties and then takes it. Nor does it hold them up: at a load the other worker can
-    take alone (10), no async call ever waits in the queue; at a load it cannot (16),
-    the queue moves with every answer of the other worker and does not grow."""
-
-    async def main() -> None:
-        d, (a, b) = sync_dispatcher(1, concurrency=10)
-        codec = Codec()
-        live: dict[int, Worker] = {}  # call id -> its worker, oldest first
-        slow_on: list[Worker] = []
-
-        def submit(id_: object, method: str = "fast") -> None:
-            d.submit(body(codec, req(method, [0], id_)), lambda e: None)
-            for w in (a, b):
-                for frame in w.channel.take():
-                    live[frame[1]] = w
-                    if frame[2] == 0:  # method index 0: `slow`
-                        slow_on.append(w)
-
-        for i in range(load):
-            submit(i)
-        submit("slow", "slow")
-        most_queued = 0
-        for n in range(load, load + 100):
-            if slow_on:
-                break
-            call_id, w = next(iter(live.items()))
-            del live[call_id]
-            d.on_reply(w, wire.Kind.RESULT, call_id, 0, b"0")
-            submit(n)
-            most_queued = max(most_queued, d.queued_calls - 1)  # async calls waiting (the slow one aside)
-        assert slow_on, "the slow sync call never started"
-        assert slow_on[0].outstanding <= 2  # it and at most the prefetch
-        if load == 10:
-            assert most_queued == 0
-        else:  # no more than what the other worker cannot hold beside the held one's calls
-            assert 0 < most_queued < load - 10
-
-    run(main)
-
-
-def test_with_one_worker_calls_behind_a_waiting_slow_sync_call_wait_for_it():
-    """With one worker there is nowhere else to go: the calls after a waiting slow sync
-    call queue until the worker is down to the prefetch and the slow call has started;
-    then they take the prefetch, and the rest once the slow call returns."""
-
-    async def main() -> None:
-        d, (w,) = sync_dispatcher(1, workers=1, concurrency=10)
-        codec = Codec()
-        for i in range(5):
-            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
-        in_flight = w.channel.take()
-        d.submit(body(codec, req("slow", [1], "s")), lambda e: None)
-        for i in range(3):
-            d.submit(body(codec, req("fast", [i], f"after{i}")), lambda e: None)
-        assert w.channel.take() == [] and d.queued_calls == 4
-        for frame in in_flight[:4]:
-            d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
-        [slow] = w.channel.take()
-        assert first_params(slow) == [1] and (w.outstanding, d.queued_calls) == (2, 3)
-        d.on_reply(w, wire.Kind.RESULT, in_flight[4][1], 0, b"0")
-        assert [first_params(f) for f in w.channel.take()] == [[0]]  # the prefetch
-        d.on_reply(w, wire.Kind.RESULT, slow[1], 300_000, b"1")
-        assert [first_params(f) for f in w.channel.take()] == [[1], [2]] and d.queued_calls == 0
-
-    run(main)
-
-
-def test_a_worker_held_for_a_slow_sync_call_is_let_go_when_the_call_expires_or_the_worker_leaves():
-    """The hold ends with what it was for: the held worker leaving the rotation
-    (another is held the next time the queue moves), or the slow call's deadline
-    passing while it waits (the held worker takes calls again at once)."""
-
-    async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=0, method_timeouts={"slow": 0.2})
+        d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=1)
         d.set_methods(["slow", "fast"], sync_methods=["slow"])
-        workers = [add_worker(d, slot, 4) for slot in range(3)]
+        a, b = add_worker(d, 0, 20), add_worker(d, 1, 20)
         codec = Codec()
-        for i in range(12):
-            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
-        in_flight = {w.slot: w.channel.take() for w in workers}
+        for i in range(8):
+            d.submit(body(codec, req("fast", [i], f"a{i}")), lambda e: None)
+        c = add_worker(d, 2, 20)  # 4, 4 and 0 in flight: ...
+        d.submit(body(codec, req("slow", [1], "s1")), lambda e: None)  # ... it goes to the idle one
+        assert [first_params(f) for f in c.channel.take()] == [[1]] and c.blocked
+        for i in range(8, 12):  # 6 and 6 besides it
+            d.submit(body(codec, req("fast", [i], f"a{i}")), lambda e: None)
+        assert (a.outstanding, b.outstanding, c.outstanding) == (6, 6, 1)
+        a.channel.take()
+        d.on_reply(b, wire.Kind.RESULT, b.channel.take()[0][1], 0, b"0")  # 5 on b now: the fewest
+        d.submit(body(codec, req("slow", [2], "s2")), lambda e: None)  # none has <= 1: at once all the same
+        assert [first_params(f) for f in b.channel.take()] == [[2]] and a.channel.frames == []
+        assert (b.outstanding, b.blocked, b.limit, d.queued_calls) == (6, True, 2, 0)
+        for i in range(5):  # the calls after it are not held behind it: the worker not blocked takes them
+            d.submit(body(codec, req("fast", [i], f"n{i}")), lambda e: None)
+        assert len(a.channel.take()) == 5 and b.channel.frames == c.channel.frames == [] and d.queued_calls == 0
+
+    run(main)
+
+
+def test_with_max_queue_0_a_slow_sync_call_runs_beside_calls_in_flight():
+    """Hostile round 6 finding 4 (r3_maxqueue0_sync_overloaded.py): with max_queue 0, 6
+    async calls in flight on 2 workers of concurrency 100 and a slow sync call: the call
+    found no worker with at most sync_prefetch calls, waited apart, and that wait counted
+    against max_queue: answered -32000 "overloaded" with the workers nearly idle. It
+    now runs at once on one of them."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), max_queue=0, sync_prefetch=1)
+        d.set_methods(["report", "io"], sync_methods=["report"])
+        a, b = add_worker(d, 0, 100), add_worker(d, 1, 100)
+        codec = Codec()
+        for i in range(6):
+            d.submit(body(codec, req("io", [2], f"io{i}")), lambda e: None)
+        assert (a.outstanding, b.outstanding) == (3, 3)
+        a.channel.take(), b.channel.take()
         answers: list[Exchange] = []
-        d.submit(body(codec, req("slow", [1], "s")), answers.append)
-        first = d._reserved
-        assert first is not None
-        d.worker_unready(first)  # it leaves: no worker is held...
-        assert d._reserved is None
-        second = next(w for w in workers if w is not first)
-        frame = in_flight[second.slot][0]
-        d.on_reply(second, wire.Kind.RESULT, frame[1], 0, b"0")  # ... until the queue moves
-        held = d._reserved
-        assert held is not None and held is not first
-        free = next(w for w in workers if w is not first and w is not held)
-        d.on_reply(free, wire.Kind.RESULT, in_flight[free.slot][0][1], 0, b"0")
-        d.submit(body(codec, req("fast", ["x"], "x")), lambda e: None)
-        assert held.channel.frames == [] and len(free.channel.take()) == 1  # not to the held one
-        d.submit(body(codec, req("fast", ["y"], "y")), lambda e: None)
-        assert d.queued_calls == 2  # the slow call, and "y": every worker but the held one is full
-        await wait_until(lambda: bool(answers))  # the slow call's deadline passes while it waits
-        assert b"-32001" in typing.cast(bytes, answers[0].answers[0])
-        assert d._reserved is None and d.queued_calls == 0  # "y" went to the worker held no more
-        assert [first_params(f) for f in held.channel.take()] == [["y"]]
+        d.submit(body(codec, req("report", [0.01], "R")), answers.append)
+        [frame] = a.channel.take() + b.channel.take()
+        assert first_params(frame) == [0.01] and answers == [] and d.shed_total == 0
+        worker = a if a.blocked else b
+        d.on_reply(worker, wire.Kind.RESULT, frame[1], 10_000, b'"done"')
+        assert answers and answers[0].answers == [b'{"jsonrpc":"2.0","id":"R","result":"done"}']
+
+    run(main)
+
+
+def test_async_calls_are_not_held_behind_a_slow_sync_call_behind_long_polls():
+    """Hostile round 6 finding 1 (r4_held_worker_stalls_async.py), in memory: worker A
+    runs a slow sync call, worker B two long polls; one more slow sync call came, no
+    worker had at most sync_prefetch calls, so B was held for it: B took no new call
+    until its long polls ended, A only its prefetch, and every other async call timed
+    out. Now the slow call goes to B at once (B's loop is blocked only while it runs);
+    the async calls behind it take A's prefetch, wait in the queue while it runs, and
+    go to B the moment it returns."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(1)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [6], "R1")), lambda e: None)
+        blocked, free = (a, b) if a.blocked else (b, a)
+        for i in (1, 2):
+            d.submit(body(codec, req("fast", [6], f"P{i}")), lambda e: None)
+        assert (blocked.outstanding, free.outstanding) == (1, 2)
+        blocked.channel.take(), free.channel.take()
+        d.submit(body(codec, req("slow", [0.01], "R2")), lambda e: None)
+        [r2] = free.channel.take()
+        assert first_params(r2) == [0.01] and free.blocked and d.queued_calls == 0
+        for i in range(1, 21):
+            d.submit(body(codec, req("fast", [i], i)), lambda e: None)
+        assert len(blocked.channel.take()) == 1 and free.channel.frames == []  # A's prefetch; B is busy in R2
+        assert d.queued_calls == 19
+        d.on_reply(free, wire.Kind.RESULT, r2[1], 10_000, b'"report"')  # R2 returns
+        assert len(free.channel.take()) == 19 and d.queued_calls == 0
 
     run(main)
 

@@ -722,7 +722,9 @@ def test_sigterm_to_a_worker_takes_it_out_of_the_rotation_and_loses_no_call(brok
     "exited with 0"). Now the worker says BYE: the broker takes it out of the rotation
     at once (DRAINING) and answers BYE, and the worker serves every call sent before
     that, then exits and is restarted. Calls sent meanwhile wait for the restarted
-    worker (here the only one), rather than be answered "no worker available"."""
+    worker (here the only one), rather than be answered "no worker available". The
+    restart counts as reason "left", not "exited" (hostile round 6 finding 5: recycling
+    workers with SIGTERM fired RpcBrokerWorkersRestarting as crashes do)."""
     b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry")
     [pid] = children(b.pid)
     with concurrent.futures.ThreadPoolExecutor(11) as pool:
@@ -735,7 +737,9 @@ def test_sigterm_to_a_worker_takes_it_out_of_the_rotation_and_loses_no_call(brok
         assert [f.result(timeout=30) for f in behind] == [
             (200, {"jsonrpc": "2.0", "id": i, "result": i + 1}) for i in range(10)
         ]
-    assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="exited") == 1
+    samples = scrape_metrics(b)  # a leave, not a crash (hostile round 6 finding 5)
+    assert sample(samples, "rpc_broker_worker_restarts_total", reason="left") == 1
+    assert sample(samples, "rpc_broker_worker_restarts_total", reason="exited") == 0
     assert len(children(b.pid) - {pid}) == 1
     assert "asks to leave" in b.read_log()
 
@@ -743,7 +747,8 @@ def test_sigterm_to_a_worker_takes_it_out_of_the_rotation_and_loses_no_call(brok
 def test_sigterm_to_a_worker_under_load_fails_no_call(broker_factory):
     """The same under a steady load on 2 workers (hostile round B's repro, smaller): 4
     clients send calls one after another; a worker gets SIGTERM, three times in turn;
-    every call is answered with its result, none -32002, and each is restarted."""
+    every call is answered with its result, none -32002, and each is restarted (counted
+    as restart reason "left")."""
     b = broker_factory("--workers", "2", "--app", "tests.apps.mixed:registry")
     stop = threading.Event()
     answers: list[tuple[int, object]] = []
@@ -764,7 +769,7 @@ def test_sigterm_to_a_worker_under_load_fails_no_call(broker_factory):
             wait_for(lambda count=count: len(answers) >= count + 100, timeout=30)  # type: ignore[misc]
             os.kill(min(children(b.pid)), signal.SIGTERM)
             wait_for(lambda n=round_: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total",  # type: ignore[misc]
-                                             reason="exited") == n, timeout=20)
+                                             reason="left") == n, timeout=20)
             wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 2, timeout=20)
     finally:
         stop.set()
@@ -823,3 +828,142 @@ def test_a_signal_while_the_command_still_imports_is_acted_on_not_fatal(sig):
             assert "serving JSON-RPC" not in b.read_log()
     finally:
         b.stop()
+
+
+def restarts(b: Broker) -> float:
+    """Worker restarts so far, whatever the reason."""
+    return sum(v for (name, _), v in scrape_metrics(b).items() if name == "rpc_broker_worker_restarts_total")
+
+
+def test_sigterm_to_the_only_worker_under_a_pipelined_load_answers_no_call_no_worker(broker_factory, tmp_path_factory):
+    """Hostile round 6 finding 2 (r1_sigterm_single_worker_32003.py): with one worker and
+    calls pipelined on one stream connection, each SIGTERM to the worker made the broker
+    answer some calls -32003 "no worker available" (150 to 260 at about one call a ms):
+    once the leaving worker's socket closed it was DEAD, and nothing counted as coming
+    until its exit was reaped and it was respawned. Calls now wait in the queue for the
+    new worker throughout: every call of three leaves in a row gets its result."""
+    path = str(tmp_path_factory.mktemp("leave") / "s.sock")
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry", "--stream-socket", path,
+                       "--timeout", "20")
+    lines: list[bytes] = []
+    stop = threading.Event()
+    sent = 0
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+
+        def read() -> None:
+            buf = b""
+            while chunk := s.recv(65536):
+                buf += chunk
+                *done, buf = buf.split(b"\n")
+                lines.extend(done)
+
+        def write() -> None:
+            nonlocal sent
+            while not stop.is_set():
+                sent += 1
+                s.sendall(json.dumps(req("add", [sent, 1], sent)).encode() + b"\n")
+                time.sleep(0.001)
+
+        reader = threading.Thread(target=read)
+        writer = threading.Thread(target=write)
+        reader.start()
+        writer.start()
+        try:
+            for round_ in range(1, 4):
+                count = len(lines)
+                wait_for(lambda count=count: len(lines) >= count + 200, timeout=30)  # type: ignore[misc]
+                wait_for(lambda: len(children(b.pid)) == 1, timeout=30)  # (the one that left has exited)
+                [pid] = children(b.pid)
+                os.kill(pid, signal.SIGTERM)
+                wait_for(lambda n=round_: restarts(b) == n, timeout=30)  # type: ignore[misc]
+                count = len(lines)
+                wait_for(lambda count=count: len(lines) >= count + 200, timeout=30)  # type: ignore[misc]  # (the new one serves)
+        finally:
+            stop.set()
+            writer.join(30)
+        wait_for(lambda: len(lines) >= sent, timeout=30)
+        s.shutdown(socket.SHUT_RDWR)  # the reader sees the end (before the close, which could cut its recv)
+        reader.join(30)
+    answers = [json.loads(line) for line in lines]
+    wrong = [a for a in answers if a.get("result") != a["id"] + 1]
+    assert not wrong, (len(wrong), wrong[:3])
+    assert sorted(a["id"] for a in answers) == list(range(1, sent + 1))
+
+
+def leave_with_a_call_in_flight(
+    b: Broker, pool: concurrent.futures.ThreadPoolExecutor, seconds: float
+) -> tuple[int, concurrent.futures.Future[tuple[int, object]]]:
+    """Send SIGTERM to the only worker of `b` while a sleep(`seconds`) call runs on it;
+    return its pid and that call."""
+    [old] = children(b.pid)
+    long_call = pool.submit(post_json, b, req("sleep", [seconds], "long"))
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+    os.kill(old, signal.SIGTERM)
+    return old, long_call
+
+
+def test_sigterm_to_a_worker_starts_its_replacement_at_once(broker_factory):
+    """Hostile round 6 finding 3 (r2_sigterm_worker_outage.py): a worker sent SIGTERM was
+    replaced only once it had exited, so its slot was out of service for as long as its
+    longest call ran (1 worker, an 8 s call in flight: every call sent meanwhile timed
+    out). Now its replacement starts at once, as a reload's does, and the old one drains
+    beside it: calls sent meanwhile are answered by the new worker while the old one's
+    long call still runs, and that call is answered too. A second SIGTERM to the one
+    leaving changes nothing (one leave, one replacement)."""
+    b = broker_factory("--workers", "1")
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        old, long_call = leave_with_a_call_in_flight(b, pool, 6)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="draining") == 1, timeout=10)
+        os.kill(old, signal.SIGTERM)
+        quick = [pool.submit(post_json, b, req("worker_info", id_=i)) for i in range(5)]
+        wait_for(lambda: all(f.done() for f in quick), timeout=30)
+        assert not long_call.done(), "answered only once the old worker's long call ended"
+        pids = {f.result()[1]["result"]["pid"] for f in quick}  # type: ignore[index]
+        assert len(pids) == 1 and old not in pids
+        samples = scrape_metrics(b)
+        assert sample(samples, "rpc_broker_workers", state="ready") == 1
+        assert sample(samples, "rpc_broker_workers", state="draining") == 1  # the old one, beside it
+        assert long_call.result(timeout=30) == (200, {"jsonrpc": "2.0", "id": "long", "result": 6})
+    wait_for(lambda: children(b.pid) == pids, timeout=10)  # the old one exited; not restarted
+    samples = scrape_metrics(b)
+    assert sample(samples, "rpc_broker_worker_restarts_total", reason="left") == 1
+    assert sample(samples, "rpc_broker_workers", state="draining") == 0
+    assert "left: exited with 0" in b.read_log(0.5)
+
+
+def test_the_broker_stops_cleanly_while_a_worker_that_left_drains(broker_factory):
+    """The broker's own stop while a worker that asked to leave still drains beside its
+    replacement: the call in flight on the old one is answered, every worker exits in
+    time (none is SIGKILLed), and the broker exits 0."""
+    b = broker_factory("--workers", "1")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        _old, long_call = leave_with_a_call_in_flight(b, pool, 2)
+        wait_for(lambda: len(children(b.pid)) == 2, timeout=10)  # its replacement is starting
+        everyone = children(b.pid)
+        assert b.stop(timeout=30) == 0, b.read_log()
+        assert long_call.result(timeout=30) == (200, {"jsonrpc": "2.0", "id": "long", "result": 2})
+    log = b.read_log()
+    assert "did not exit" not in log, log
+    for pid in everyone:
+        wait_for(lambda pid=pid: not pid_exists(pid), timeout=10)  # type: ignore[misc]
+
+
+def test_a_replacement_that_fails_to_boot_is_retried_and_the_one_leaving_drains(broker_factory, tmp_path):
+    """A worker leaves on SIGTERM after a bad deploy reached the disk: its replacement
+    cannot import the app, so it is restarted with backoff as any worker that fails
+    (reason exited), while the old one exits as asked (reason left, not restarted).
+    Once the app is mended the slot serves again."""
+    flag = tmp_path / "broken"
+    b = broker_factory("--workers", "1", "--app", "tests.apps.breakable:registry", "--restart-backoff-max", "0.5",
+                       env={"BREAKABLE_APP_FLAG": str(flag)})
+    [old] = children(b.pid)
+    flag.touch()
+    os.kill(old, signal.SIGTERM)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="exited") >= 2, timeout=30)
+    wait_for(lambda: not pid_exists(old), timeout=10)
+    assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="left") == 1
+    flag.unlink()
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 1, timeout=30)
+    assert b.call("pid")["result"] != old
+    assert b.proc.poll() is None

@@ -308,3 +308,27 @@ def test_a_reload_lets_a_worker_that_asked_to_leave_finish_its_calls(broker_fact
     assert b.call("version")["result"] == 2
     wait_for(lambda: old not in children(b.pid), timeout=10)
 
+
+
+def test_a_worker_that_asks_to_leave_during_a_reload_drains_in_its_slot(broker_factory, tmp_path: Path) -> None:
+    """SIGTERM to an old worker while a reload's new workers import: no replacement is
+    started for it (it would import the code being deployed before the swap), it drains
+    in its slot, the reload's new worker takes the slot at the swap, and its call in
+    flight is answered by it. Only the reload's new worker is left."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["kept"])
+    b = broker_factory("--workers", "1", "--app", APP, "--timeout", "60", env={"VERSIONED_APP_FILE": str(spec)})
+    [old] = children(b.pid)
+    write(spec, version=2, methods=["kept"], import_seconds=3)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        nap = pool.submit(b.call, "nap", [6.0], "nap")
+        wait_for(lambda: metric(b, "rpc_broker_calls_in_flight") == 1, timeout=10)
+        os.kill(b.pid, signal.SIGHUP)
+        wait_for(lambda: len(children(b.pid)) == 2, timeout=10)  # the reload's new worker imports
+        os.kill(old, signal.SIGTERM)
+        wait_for(lambda: "during a reload" in b.read_log(), timeout=10)
+        assert len(children(b.pid)) == 2  # no replacement of its own
+        wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="success") == 1, timeout=30)
+        assert nap.result(timeout=30)["result"] == 1  # (v1's nap answers its version)
+    assert b.call("version")["result"] == 2
+    wait_for(lambda: old not in children(b.pid) and len(children(b.pid)) == 1, timeout=10)
