@@ -428,9 +428,13 @@ class Pool:
         ]  # fmt: skip
         if self.debug:
             argv.append("--debug")
-        process = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
-        )
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
+            )
+        except OSError as exc:  # (EMFILE, EAGAIN, ENOMEM: the system is short of something now)
+            self._launch_failed(worker, exc)
+            return
         if self._stopping:  # `stop` came while this process was being created
             _kill(process)
         worker.process = process
@@ -441,6 +445,32 @@ class Pool:
         task = self.loop.create_task(self._watch(worker, process, exited))
         task.add_done_callback(_log_task_error)
         self.loop.call_later(self.boot_timeout, self._boot_deadline, worker, process)
+
+    def _launch_failed(self, worker: Worker, exc: OSError) -> None:
+        """`worker`'s process could not be created. At the start that is a boot failure;
+        for a reload's new worker, the reload fails; any other worker is tried again after
+        its slot's backoff, STARTING meanwhile, so calls wait for it rather than be refused
+        (hostile testing: with the descriptors used up, a crashed worker's restart raised
+        EMFILE out of the supervising task and the slot stayed down for good)."""
+        problem = f"worker {worker.slot}: its process cannot be created: {exc}"
+        if self._starting:
+            if not self._boot_failure.done():
+                self._boot_failure.set_result(problem)
+            self._changed.set()
+            return
+        if worker in self.incoming:
+            self._incoming_error = self._incoming_error or problem
+            self._changed.set()
+            return
+        worker.failures += 1
+        delay = min(self.restart_backoff_max, 0.1 * 2 ** (worker.failures - 1))
+        log.error("%s; trying again in %.1f s", problem, delay)
+        self.loop.call_later(delay, self._relaunch, worker)
+
+    def _relaunch(self, worker: Worker) -> None:
+        if not self._stopping and self.workers[worker.slot] is worker and worker.state is WorkerState.STARTING:
+            task = self.loop.create_task(self._launch(worker))
+            task.add_done_callback(_log_task_error)
 
     async def _watch(self, worker: Worker, process: asyncio.subprocess.Process, exited: asyncio.Future[int]) -> None:
         status = await process.wait()

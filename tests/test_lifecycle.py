@@ -967,3 +967,50 @@ def test_a_replacement_that_fails_to_boot_is_retried_and_the_one_leaving_drains(
     wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 1, timeout=30)
     assert b.call("pid")["result"] != old
     assert b.proc.poll() is None
+
+
+def test_a_worker_whose_process_cannot_be_created_is_tried_again(tmp_path):
+    """Hostile testing (round 6): with the open-files limit used up, a crashed worker's
+    restart raised EMFILE out of the task supervising it ("worker supervision failed"),
+    and its slot stayed down for good while /readyz said 200. A process that cannot be
+    created is tried again with the slot's backoff. Here the interpreter the broker runs
+    (a virtual environment made of links) disappears, the worker is killed, and its
+    restart fails (FileNotFoundError, an OSError as EMFILE is) until the interpreter is
+    back; then the slot serves again."""
+    import subprocess
+    import sys
+
+    real = os.path.realpath(sys.executable)
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+    fake = tmp_path / "venv"
+    (fake / "bin").mkdir(parents=True)
+    with open(os.path.join(venv, "pyvenv.cfg")) as cfg:
+        (fake / "pyvenv.cfg").write_text(cfg.read())
+    os.symlink(os.path.join(venv, "lib"), fake / "lib")
+    python = fake / "bin" / "python"
+    os.symlink(real, python)
+    proc = subprocess.Popen(
+        [str(python), "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", "--workers", "1"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    log: list[str] = []
+    b = Broker(proc, "127.0.0.1", 0, "/", log)
+    try:
+        wait_for(lambda: "serving JSON-RPC on" in b.read_log(0.05), timeout=60)
+        m = re.search(r"serving JSON-RPC on http://127\.0\.0\.1:(\d+)/", b.read_log())
+        assert m, b.read_log()
+        b.port = int(m.group(1))
+        assert b.call("add", [1, 2])["result"] == 3
+        (worker,) = children(proc.pid)
+        python.unlink()
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: "its process cannot be created" in b.read_log(0.05), timeout=20)
+        os.symlink(real, python)
+        wait_for(lambda: len(children(proc.pid)) == 1 and children(proc.pid) != {worker}, timeout=30)
+        assert b.call("add", [2, 3])["result"] == 5
+        assert "worker supervision failed" not in b.read_log()
+    finally:
+        if not python.exists():
+            os.symlink(real, python)
+        assert b.stop() == 0, b.read_log()
