@@ -20,6 +20,8 @@ from conftest import Broker, wait_for
 from test_http_hardening import get, post, post_head
 from test_http_protocol import Conn, call
 
+from broker.frontend.http import HttpFrontend
+
 # -- item 1: /metrics scrapes, pipelined ----------------------------------------------------
 
 
@@ -39,9 +41,9 @@ class Ticker:
 
 
 @contextlib.asynccontextmanager
-async def metrics_listener(metrics: Callable[[], bytes]) -> AsyncIterator[int]:
+async def metrics_listener(metrics: Callable[[], bytes]) -> AsyncIterator[tuple[int, HttpFrontend]]:
     """An `HttpFrontend` in this process (no workers) serving `metrics` as /metrics on
-    loopback; yields its port, and aborts its connections at the end."""
+    loopback; yields its port and itself, and aborts its connections at the end."""
     from broker.dispatch import Dispatcher
     from broker.frontend.http import HttpFrontend
 
@@ -49,7 +51,7 @@ async def metrics_listener(metrics: Callable[[], bytes]) -> AsyncIterator[int]:
     fe = HttpFrontend(Dispatcher(loop), metrics=metrics, allowed_hosts=["127.0.0.1"])
     server = await loop.create_server(fe.protocol, "127.0.0.1", 0)
     try:
-        yield server.sockets[0].getsockname()[1]
+        yield server.sockets[0].getsockname()[1], fe
     finally:
         server.close()
         for conn in list(fe.connections):
@@ -79,7 +81,7 @@ def test_pipelined_scrapes_build_no_head_body_and_one_get_body_per_loop_iteratio
             ticks.append(ticker.tick)
             return b"# a scrape\n" * 2000
 
-        async with metrics_listener(metrics) as port:
+        async with metrics_listener(metrics) as (port, _):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             r2, w2 = await asyncio.open_connection("127.0.0.1", port)
             writer.write(get("/metrics", "HEAD") * heads)
@@ -105,48 +107,74 @@ def test_pipelined_scrapes_build_no_head_body_and_one_get_body_per_loop_iteratio
     assert len(set(ticks)) == gets, "two scrapes made in one loop iteration"
 
 
-def test_connections_pipelining_scrapes_take_turns_one_scrape_per_loop_iteration_in_all():
-    """Pipelined scrapes were made one per loop iteration *per connection*: 8 connections
-    pipelining GET /metrics cost 8 scrapes (17-30 ms each with the demo tools) every loop
-    iteration, and another client's call, a few iterations long, waited about 1 s. One is
-    made per iteration for the whole listener now, the connections taking turns in order."""
-    conns, gets = 4, 10
-    ticks: list[int] = []  # the loop iteration of each scrape made
-    numbers: list[list[int]] = []  # the scrapes each connection got, in order
+def test_one_scrape_build_answers_every_connection_and_a_newcomer_waits_one_build():
+    """Connections pipelining scrapes took turns, one build each: a new scrape waited for
+    as many builds as connections had scrapes owed (600 connections pipelining GET /metrics
+    and reading the answers made every Prometheus scrape time out at 10 s). One build now
+    answers every scrape parsed before it, one copy a connection: a newcomer's scrape gets
+    the first build made after its request was parsed, every answer is from a build made
+    after its request was parsed, and N such connections cost one build per build, not N."""
+    conns, gets = 40, 10
+    ticks: list[int] = []  # the loop iteration of each build
+    parsed: list[dict[int, int]] = []  # at each build: requests parsed on each connection, by client port
 
-    async def scenario() -> None:
+    async def scenario() -> tuple[list[list[int]], list[int], int, int]:
         ticker = Ticker()
+        listener: list[HttpFrontend] = []
 
         def metrics() -> bytes:
             ticks.append(ticker.tick)
-            return b"# scrape %d\n" % (len(ticks) - 1)  # (small: no connection's writing pauses)
+            parsed.append({
+                conn.transport.get_extra_info("peername")[1]: conn.requests
+                for conn in listener[0].connections if conn.transport is not None
+            })  # fmt: skip
+            return b"# build %d\n" % len(ticks)  # (small: no connection's writing pauses)
 
-        async with metrics_listener(metrics) as port:
+        async def answers(reader: asyncio.StreamReader, n: int) -> list[int]:
+            return [int((await read_answer(reader)).split()[-1]) for _ in range(n)]
+
+        async with metrics_listener(metrics) as (port, fe):
+            listener.append(fe)
             pairs = [await asyncio.open_connection("127.0.0.1", port) for _ in range(conns)]
             for _, writer in pairs:
                 writer.write(get("/metrics") * gets)
+            readers = [asyncio.ensure_future(answers(reader, gets)) for reader, _ in pairs]
+            while len(ticks) < 2:  # scrapes owed on every connection, 8 builds to go at least
+                await asyncio.sleep(0)
             r2, w2 = await asyncio.open_connection("127.0.0.1", port)
-            w2.write(get("/healthz"))  # answered while most scrapes are still owed
+            w2.write(get("/healthz"))  # answered between builds
             assert (await asyncio.wait_for(r2.readuntil(b"\r\n"), 10)).startswith(b"HTTP/1.1 200")
-            assert len(ticks) < conns * gets, len(ticks)
-            w2.close()
-            for reader, writer in pairs:
-                numbers.append([int((await read_answer(reader)).split()[-1]) for _ in range(gets)])
+            await asyncio.wait_for(r2.readuntil(b"}"), 10)  # (the rest of it)
+            newcomer = w2.get_extra_info("sockname")[1]
+            w2.write(get("/metrics"))
+            (build,) = await answers(r2, 1)
+            got = [await asyncio.wait_for(task, 30) for task in readers]
+            ports = [writer.get_extra_info("sockname")[1] for _, writer in pairs]
+            for _, writer in pairs:
                 writer.close()
+            w2.close()
         ticker.running = False
+        return got, ports, newcomer, build
 
-    asyncio.run(scenario())
-    assert len(ticks) == conns * gets
-    assert len(set(ticks)) == len(ticks), "two scrapes made in one loop iteration"
-    # In turns: between two scrapes of one connection, each other one got one at most.
-    gaps = [b - a for mine in numbers for a, b in itertools.pairwise(mine)]
-    assert max(gaps) <= conns, numbers
+    got, ports, newcomer, build = asyncio.run(scenario())
+    # The newcomer's scrape (its second request: after /healthz) was parsed before the
+    # build that answered it, and after the one before that.
+    assert parsed[build - 1][newcomer] == 2 and parsed[build - 2].get(newcomer, 0) < 2, (build, len(parsed))
+    # Every answer is from a build made after its request was parsed: the j-th answer on a
+    # connection, from a build that had seen j requests on it; one copy of a build each.
+    for port, builds in zip(ports, got, strict=True):
+        assert all(parsed[b - 1][port] >= j for j, b in enumerate(builds, 1)), (port, builds)
+        assert builds == sorted(set(builds)), builds
+    # One build per loop iteration at most, and a few more builds than one connection's
+    # scrapes, not one for each scrape of each connection (400).
+    assert len(set(ticks)) == len(ticks), "two builds in one loop iteration"
+    assert gets <= len(ticks) < 2 * gets, len(ticks)
 
 
 def test_pipelined_scrapes_leave_the_loop_as_long_between_them_as_they_take():
     """One scrape per loop iteration still cost one scrape per iteration of everyone
-    else's calls (70-100 ms a call with the demo tools' 20 ms scrapes). The next scrape
-    waits as long as the last one took: scrapes take at most half of the loop's time."""
+    else's calls (70-100 ms a call with the demo tools' 20 ms scrapes). The next build
+    waits as long as the last one took: builds take at most half of the loop's time."""
     conns, gets, busy = 3, 4, 0.005
     spans: list[tuple[float, float]] = []  # (start, end) of each scrape, monotonic
 
@@ -158,7 +186,7 @@ def test_pipelined_scrapes_leave_the_loop_as_long_between_them_as_they_take():
         return b"# a scrape\n"
 
     async def scenario() -> None:
-        async with metrics_listener(metrics) as port:
+        async with metrics_listener(metrics) as (port, _):
             pairs = [await asyncio.open_connection("127.0.0.1", port) for _ in range(conns)]
             for _, writer in pairs:
                 writer.write(get("/metrics") * gets)
@@ -168,7 +196,7 @@ def test_pipelined_scrapes_leave_the_loop_as_long_between_them_as_they_take():
                 writer.close()
 
     asyncio.run(scenario())
-    assert len(spans) == conns * gets
+    assert len(spans) >= gets  # (one copy of a build a connection: `gets` builds at least)
     # (a lower bound the loop keeps however loaded the machine; half of it: uvloop's
     # clock counts whole milliseconds)
     short = [(a, b, c) for (a, b), (c, _) in itertools.pairwise(spans) if c - b < (b - a) / 2]

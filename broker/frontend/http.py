@@ -26,9 +26,9 @@ Answers:
     GET/HEAD /readyz       200 when at least one worker is ready, else 503
     GET/HEAD /metrics      Prometheus text format, when this listener serves metrics (a
                            HEAD makes no scrape and has no content-length, RFC 9110 9.3.2;
-                           one GET body is made at a time for the whole listener, the next as
-                           long after as it took, the connections owed one taking turns:
-                           `HttpFrontend.scrape_turns`)
+                           one GET body built answers every GET parsed before it, one copy a
+                           connection; the next is built as long after as it took:
+                           `HttpFrontend.scrape_answer`)
     OPTIONS rpc_path       204 with CORS headers: a preflight from an allowed Origin
     other method           405 with Allow
     other path             404
@@ -219,12 +219,14 @@ class _StopParsing(Exception):
 
 
 class _Scrape:
-    """A GET /metrics owed on a connection (its answer is made when due)."""
+    """A GET /metrics owed on a connection: it takes build number `build` or a later one
+    (`HttpFrontend.scrape_answer`), once the answers before it are written."""
 
-    __slots__ = ("keep_alive",)
+    __slots__ = ("build", "keep_alive")
 
-    def __init__(self, keep_alive: bool) -> None:
+    def __init__(self, keep_alive: bool, build: int) -> None:
         self.keep_alive = keep_alive
+        self.build = build
 
 
 class _Deferred:
@@ -298,16 +300,21 @@ class HttpFrontend(Listener):
         self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
         self._refresh_date()
         self.probe_conns: set[HttpProtocol] = set()  # those taken past max_connections (PROBE_RESERVE)
-        # A /metrics body costs ms of the loop (17-30 ms with the demo tools). One is made at a
-        # time for the whole listener (`scraped`), and the next no sooner than the next loop
-        # iteration and as long after as the last one took: scrapes take at most half of the
-        # loop's time, and the iterations between them serve everyone else. A connection whose
-        # next answer is a scrape made meanwhile waits in `scrape_turns`, in order, and
-        # `_next_scrape` serves the first one. (One per iteration per connection let 8
-        # connections pipelining scrapes cost 8 an iteration: other clients' calls waited about
-        # 1 s; one per iteration in all still cost a scrape per iteration of each call, 70-100 ms.)
-        self.scraped = False
-        self.scrape_turns: deque[HttpProtocol] = deque()
+        # A /metrics body costs ms of the loop (17-30 ms with the demo tools) and is the same for
+        # every client, so one build answers every GET /metrics parsed before it was made (as
+        # fresh as a build made for that request alone), each connection taking one copy of a
+        # build at most. Builds are paced: at most one per loop iteration, the next no sooner
+        # than the last one took (with its handing out) after it, so builds take at most half of
+        # the loop's time and the iterations between them serve everyone else. A request that
+        # must wait (`scrape_paced`) has its connection in `_scrape_waiters`, all served by the
+        # next build (`_scrape_due`): a newcomer waits about one build, however many
+        # connections scrape. (Connections taking turns, one build each, made a scrape wait
+        # for as many builds as connections pipelined them: 600 made Prometheus time out.)
+        self.scrape_builds = 0  # builds made so far: a `_Scrape` takes build `_Scrape.build` or a later one
+        self.scrape_paced = False  # a build was made, and the next one's time has not come (`_scrape_due`)
+        self._scrape_body = b""  # the last build's body, until a pace ends with nobody waiting; b"": none
+        self._scrape_answers: dict[bytes, bytes] = {}  # its whole answers, by connection header line
+        self._scrape_waiters: list[HttpProtocol] = []  # connections whose next answer waits for a build
 
     def host_allowed(self, host: bytes) -> bool:
         """Whether a Host header value (`name[:port]`, RFC 9110 7.2) names this server:
@@ -344,27 +351,64 @@ class HttpFrontend(Listener):
             self.start_sweeping()
         return HttpProtocol(self)
 
+    def scrape_answer(self, build: int, connection: bytes) -> bytes | None:
+        """The answer to a GET /metrics parsed before build number `build`, with the
+        `connection` header line (b"" for HTTP/1.1 keep-alive), from the last build if it
+        is that recent, else from one made now if the pace allows; None if not
+        (`wait_scrape`). The answer's bytes are shared by all the connections it goes to."""
+        if build > self.scrape_builds or not self._scrape_body:
+            if self.scrape_paced:
+                return None
+            self._pace(self._build_scrape())
+        answer = self._scrape_answers.get(connection)
+        if answer is None:
+            body = self._scrape_body
+            answer = self._scrape_answers[connection] = b"".join((
+                _STATUS_LINES[200], self.date, _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
+                connection, b"\r\n", body,
+            ))  # fmt: skip
+        return answer
+
+    def _build_scrape(self) -> float:
+        """Make a /metrics body; the next build waits for `_scrape_due`. Return the loop
+        time the build started."""
+        metrics = typing.cast(typing.Callable[[], bytes], self.metrics)
+        started = self.loop.time()
+        self._scrape_body = metrics()
+        self._scrape_answers = {}
+        self.scrape_builds += 1
+        self.scrape_paced = True
+        return started
+
+    def _pace(self, started: float) -> None:
+        """The next build comes no sooner than the next loop iteration and as long after
+        now as the last one took since `started`. (uvloop's loop.time updates its clock:
+        the timer counts from now.)"""
+        self.loop.call_later(self.loop.time() - started, self._scrape_due)
+
     def wait_scrape(self, conn: HttpProtocol) -> None:
-        """`conn` is owed a scrape, and one was made in this loop iteration: it waits its turn."""
+        """`conn`'s next answer is a scrape that needs a build not made yet, and the pace
+        does not allow one now: the next build serves it (`HttpProtocol.scrape_built`)."""
         if not conn.scrape_waiting:
             conn.scrape_waiting = True
-            self.scrape_turns.append(conn)
+            self._scrape_waiters.append(conn)
 
-    def scrape_made(self, took: float) -> None:
-        """A /metrics body was made in `took` s: the next one waits for a later loop
-        iteration, `took` s from now."""
-        self.scraped = True
-        self.loop.call_later(took, self._next_scrape)
-
-    def _next_scrape(self) -> None:
-        """The next scrape's time: the first connection still waiting makes its scrape (one
-        no longer due, closed or not taking its answers, gives its turn to the next)."""
-        self.scraped = False
-        turns = self.scrape_turns
-        while turns and not self.scraped:
-            conn = turns.popleft()
+    def _scrape_due(self) -> None:
+        """The next build's time: made now if a connection waits for it, and handed out to
+        every one waiting (the time that takes counts in the pace); else the last build's
+        body is dropped (memory) and the next request makes one at once."""
+        self.scrape_paced = False
+        waiters = self._scrape_waiters
+        if not waiters:
+            self._scrape_body = b""
+            self._scrape_answers = {}
+            return
+        started = self._build_scrape()
+        self._scrape_waiters = []
+        for conn in waiters:
             conn.scrape_waiting = False
-            conn.scrape_turn()
+            conn.scrape_built()
+        self._pace(started)
 
     def _refresh_date(self) -> None:
         self.date = date_header()
@@ -475,6 +519,7 @@ class HttpProtocol(asyncio.Protocol):
         "_probe_only",
         "_read_at",
         "_responses",
+        "_scraped",
         "_skip",
         "_stuck_since",
         "_transfer_encoding",
@@ -504,7 +549,8 @@ class HttpProtocol(asyncio.Protocol):
         self._linger = False  # half-close after the answer: the client may still be sending
         self.lingering_since = 0.0  # loop time of the half-close (`_linger`); 0 when not lingering
         self._framing = -1  # raw bytes read since the head's end (the body and its framing); -1: not in a body
-        self.scrape_waiting = False  # in the listener's `scrape_turns`
+        self.scrape_waiting = False  # in the listener's `_scrape_waiters`
+        self._scraped = 0  # the number of the last build written here: a connection takes one copy of each
         self._keep_header = b""  # "connection: keep-alive" for an HTTP/1.0 client that asked
         self._probe_only = False  # taken past max_connections: probes and /metrics only
         self._upgrade: tuple[bytes, bytes] | None = None  # (method, url) of an Upgrade request
@@ -1098,13 +1144,16 @@ class HttpProtocol(asyncio.Protocol):
                 extra = self._keep_header if keep_alive else _CLOSE
                 self._queue(_STATUS_LINES[200] + fe.date + _METRICS_TYPE + extra + b"\r\n", keep_alive, path)
             elif method == b"GET":
-                scrape = _Scrape(keep_alive)
-                if not self._responses and not self._write_paused and not fe.scraped:
-                    self._write(self._scrape_response(scrape), keep_alive, path)
+                scrape = _Scrape(keep_alive, fe.scrape_builds + 1)  # (any build made from now on)
+                answer = None
+                if not self._responses and not self._write_paused:
+                    answer = fe.scrape_answer(scrape.build, self._keep_header if keep_alive else _CLOSE)
+                if answer is not None:
+                    self._scraped = fe.scrape_builds
+                    self._write(answer, keep_alive, path)
                 else:
-                    # A scrape is large (tens of KiB, ms of CPU): one made for every request a
-                    # client pipelines would pile up in memory and hold the loop. Made when due,
-                    # one per loop iteration for the whole listener, while reading waits.
+                    # A scrape is large (tens of KiB, ms of CPU): builds are paced for the whole
+                    # listener, and a connection takes one copy of each; reading waits meanwhile.
                     self._responses.append(scrape)
                     self._pause()
                     if len(self._responses) == 1 and not self._write_paused:
@@ -1261,21 +1310,8 @@ class HttpProtocol(asyncio.Protocol):
         if self._transport is not None:
             self._flush_ready()
 
-    def _scrape_response(self, scrape: _Scrape) -> bytes:
-        """Make a GET /metrics answer; the next one, on any connection, waits its time
-        (`HttpFrontend.scrape_turns`)."""
-        fe = self._fe
-        metrics = typing.cast(typing.Callable[[], bytes], fe.metrics)
-        started = fe.loop.time()  # (uvloop's updates its clock: the timer counts from the end)
-        body = metrics()
-        fe.scrape_made(fe.loop.time() - started)
-        return b"".join((
-            _STATUS_LINES[200], self._fe.date, _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
-            self._keep_header if scrape.keep_alive else _CLOSE, b"\r\n", body,
-        ))  # fmt: skip
-
-    def scrape_turn(self) -> None:
-        """This connection's turn to make the scrape it waits for (`HttpFrontend._next_scrape`)."""
+    def scrape_built(self) -> None:
+        """The build this connection's next answer waits for is made (`HttpFrontend._scrape_due`)."""
         transport = self._transport
         if transport is not None and self._responses and not transport.is_closing():
             self._flush_ready()
@@ -1289,11 +1325,14 @@ class HttpProtocol(asyncio.Protocol):
             elif type(head) is _Scrape:
                 if self._write_paused:
                     break  # resume_writing comes back here
-                if self._fe.scraped:
-                    self._fe.wait_scrape(self)  # its turn comes back here
-                    break
                 keep_alive = head.keep_alive
-                data = self._scrape_response(head)
+                fe = self._fe
+                answer = fe.scrape_answer(max(head.build, self._scraped + 1), self._keep_header if keep_alive else _CLOSE)
+                if answer is None:
+                    fe.wait_scrape(self)  # the next build comes back here
+                    break
+                self._scraped = fe.scrape_builds
+                data = answer
                 path = "metrics"
             else:
                 if type(head) is _Deferred:
