@@ -13,6 +13,7 @@ import itertools
 import socket
 import threading
 import time
+import typing
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -20,7 +21,7 @@ from conftest import Broker, wait_for
 from test_http_hardening import get, post, post_head
 from test_http_protocol import Conn, call
 
-from broker.frontend.http import HttpFrontend
+from broker.frontend.http import HttpFrontend, HttpProtocol
 
 # -- item 1: /metrics scrapes, pipelined ----------------------------------------------------
 
@@ -41,14 +42,15 @@ class Ticker:
 
 
 @contextlib.asynccontextmanager
-async def metrics_listener(metrics: Callable[[], bytes]) -> AsyncIterator[tuple[int, HttpFrontend]]:
+async def metrics_listener(
+    metrics: Callable[[], bytes], max_connections: int = 10000
+) -> AsyncIterator[tuple[int, HttpFrontend]]:
     """An `HttpFrontend` in this process (no workers) serving `metrics` as /metrics on
     loopback; yields its port and itself, and aborts its connections at the end."""
     from broker.dispatch import Dispatcher
-    from broker.frontend.http import HttpFrontend
 
     loop = asyncio.get_running_loop()
-    fe = HttpFrontend(Dispatcher(loop), metrics=metrics, allowed_hosts=["127.0.0.1"])
+    fe = HttpFrontend(Dispatcher(loop), metrics=metrics, allowed_hosts=["127.0.0.1"], max_connections=max_connections)
     server = await loop.create_server(fe.protocol, "127.0.0.1", 0)
     try:
         yield server.sockets[0].getsockname()[1], fe
@@ -519,3 +521,99 @@ def test_clients_scraping_on_the_probes_reserve_cannot_hold_the_probes_out(broke
             t.join(10)
         for s in held + hogs:
             s.close()
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait in the running loop until `predicate()` holds (checked every millisecond)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
+def served_side(fe: HttpFrontend, writer: asyncio.StreamWriter) -> HttpProtocol | None:
+    """The listener's connection for the client side `writer`, if it holds one."""
+    port = writer.get_extra_info("sockname")[1]
+    for conn in fe.connections:
+        if conn.transport is not None and conn.transport.get_extra_info("peername")[1] == port:
+            return typing.cast(HttpProtocol, conn)
+    return None
+
+
+@contextlib.asynccontextmanager
+async def full_listener() -> AsyncIterator[tuple[int, HttpFrontend]]:
+    """`metrics_listener` at max_connections 2, both taken by requests under way (heads
+    trickling in: never idle), so a connection opened now goes to the probes' reserve;
+    its next /metrics build is held (its pace never ends) until `fe._scrape_due()`."""
+    async with metrics_listener(lambda: b"# a scrape\n", max_connections=2) as (port, fe):
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for _, writer in held:
+            writer.write(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        await until(lambda: sum(1 for conn in fe.connections if conn.request_started) == 2)
+        fe._pace = lambda started: None  # type: ignore[method-assign]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(get("/metrics"))  # a build now: the next one waits
+        await read_answer(reader)
+        writer.close()
+        yield port, fe
+        for _, writer in held:
+            writer.close()
+
+
+async def status_of(reader: asyncio.StreamReader) -> int:
+    return int((await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)).split()[1])
+
+
+def test_a_scrape_waiting_for_its_build_in_the_probes_reserve_outlasts_silent_newcomers():
+    """At max_connections, a scrape waiting in the probes' reserve for its build was owed
+    its answer, which the reserve gave up before a connection silent since accepted: an
+    attacker opening a silent connection every 20 ms had every Prometheus scrape answered
+    503 (37 of 37). Owed an answer goes last now: the silent ones go, oldest first."""
+    from broker.frontend.http import PROBE_RESERVE
+
+    async def scenario() -> int:
+        async with full_listener() as (port, fe):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(get("/metrics"))  # Prometheus: it waits for the next build
+            await until(lambda: (conn := served_side(fe, writer)) is not None and conn.owed == 1)
+            silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2 * PROBE_RESERVE)]
+            await until(lambda: served_side(fe, silent[-1][1]) is not None)  # (accepted in order)
+            assert served_side(fe, silent[0][1]) is None  # (the reserve was full: the oldest gave its place)
+            fe._scrape_due()
+            status = await status_of(reader)
+            for _, w in [*silent, (reader, writer)]:
+                w.close()
+            return status
+
+    assert asyncio.run(scenario()) == 200
+
+
+def test_of_scrapes_waiting_in_the_probes_reserve_the_busiest_connection_gives_its_place_first():
+    """When every connection in the probes' reserve is owed a scrape, the newcomer takes
+    the place of the one that has made the most requests (a client scraping in a loop,
+    not Prometheus, which makes one a scrape interval); it was the oldest request's."""
+    from broker.frontend.http import PROBE_RESERVE
+
+    async def scenario() -> tuple[list[int], int]:
+        async with full_listener() as (port, fe):
+            scrapers = [await asyncio.open_connection("127.0.0.1", port) for _ in range(PROBE_RESERVE - 1)]
+            for _, writer in scrapers:
+                writer.write(get("/metrics"))  # one request each, waiting for the next build
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(10):  # a busy client: ten requests, then a scrape, the newest
+                writer.write(get("/healthz"))
+                assert await status_of(reader) == 200
+                await asyncio.wait_for(reader.readuntil(b"}"), 10)
+            writer.write(get("/metrics"))
+            await until(lambda: len(fe.probe_conns) == PROBE_RESERVE and all(c.owed == 1 for c in fe.probe_conns))
+            newcomer = await asyncio.open_connection("127.0.0.1", port)
+            await until(lambda: served_side(fe, newcomer[1]) is not None)
+            fe._scrape_due()
+            statuses = [await status_of(r) for r, _ in scrapers]
+            busy = await status_of(reader)
+            for _, w in [*scrapers, (reader, writer), newcomer]:
+                w.close()
+            return statuses, busy
+
+    statuses, busy = asyncio.run(scenario())
+    assert (statuses, busy) == ([200] * (PROBE_RESERVE - 1), 503)

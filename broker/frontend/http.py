@@ -89,12 +89,13 @@ always takes the place of one of its connections, whatever its age, the one that
 least like a probe (`_reserve_rank`): first one not taking its answers (writing paused,
 answers left in the transport's buffer, or more than one owed: pipelined), reset; then
 one trickling a request in (no probe does); then one served and idle (Prometheus
-between scrapes: it reconnects); then one owed its one answer (a scrape waiting its
-turn, which the attacker can make long: it gets 503); last one silent since accepted
-(a probe may be on its way). A probe sends its head at once and is answered at once
-(/healthz and /readyz never wait), so connections opened every few ms displace one
-another, not the probe. The one displaced gets a refused connection's 503 (or, served
-and idle, a close; not taking its answers, a reset).
+between scrapes: it reconnects); then one silent since accepted, oldest first (a probe
+may be on its way); last one owed its one answer (a scrape waiting for its build), the
+one that has made the most requests first (a client scraping in a loop), which gets
+503. A probe sends its head at once and is answered at once (/healthz and /readyz never
+wait), so connections opened every few ms displace one another, not the probe nor a
+scrape waiting for its build. The one displaced gets a refused connection's 503 (or,
+served and idle, a close; not taking its answers, a reset).
 """
 
 from __future__ import annotations
@@ -453,17 +454,18 @@ class HttpFrontend(Listener):
         return super().held() + sum(1 for conn in self.connections if conn.request_started)
 
 
-def _reserve_rank(conn: HttpProtocol) -> tuple[int, float]:
+def _reserve_rank(conn: HttpProtocol) -> tuple[int, int, float]:
     """The order in which the probes' reserve gives up its connections (see
     `HttpProtocol._take_reserve_slot`): not taking its answers, trickling, served,
-    owed one answer, silent; the oldest first in each."""
+    silent, owed one answer; the oldest first in each, except that of those owed an
+    answer, the one that has made the most requests goes first."""
     if conn.hogging():
-        return 0, conn.send_stalled or conn.last_active
+        return 0, 0, conn.send_stalled or conn.last_active
     if conn.request_started:
-        return 1, conn.request_started
+        return 1, 0, conn.request_started
     if conn.owed:
-        return 3, conn.last_active
-    return (2 if conn.requests else 4), conn.last_active
+        return 4, -conn.requests, conn.last_active
+    return (2 if conn.requests else 3), 0, conn.last_active
 
 
 class _UpgradeBody:
@@ -692,15 +694,19 @@ class HttpProtocol(asyncio.Protocol):
         reach), longest stalled first; then one with a request under way (a head or
         body trickling in: no probe does that), oldest request first; then one served
         and now idle (a Prometheus keep-alive connection between scrapes: it
-        reconnects), least recently active first, a keep-alive close; then one owed its
-        one answer, a scrape waiting its turn (8 clients scraping in a loop, each
-        waiting for the others' turns, are owed one nearly all the time: keeping those
-        let them hold the probes out), which gets 503; last one that has sent nothing
-        yet (a probe may be on its way), oldest first. A connection displaced gets the
-        503 of one refused at accept unless said otherwise. An attacker who opens a
-        connection every few ms only ever displaces its own: a probe is displaced only
-        if all the reserve's places are taken by connections accepted after it before
-        its head is read."""
+        reconnects), least recently active first, a keep-alive close; then one that has
+        sent nothing yet, oldest first (a probe may be on its way, but an attacker's
+        connections opened before it go first); last one owed its one answer (a scrape
+        waiting for its build: Prometheus's, which the attacker's silent connections
+        displaced when they came last, 503 to every scrape), the one that has made the
+        most requests first (a client scraping in a loop has made many, Prometheus one
+        a scrape interval; 8 such clients, owed one nearly all the time, must not hold
+        the probes out), which gets 503. A connection displaced gets the 503 of one
+        refused at accept unless said otherwise. An attacker who opens a connection
+        every few ms only ever displaces its own: a probe is displaced before its head
+        is read only if every other place holds one owed its answer or one accepted
+        after it, and a scrape waiting for its build only if every other place holds one
+        owed its answer that has made fewer requests (or as many, and asked later)."""
         fe = self._fe
         if not fe.probe_conns:
             return
