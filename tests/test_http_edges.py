@@ -251,6 +251,41 @@ def test_one_chunk_line_past_64_kib_gets_431(broker_factory):
         assert (status, headers["connection"]) == (431, "close"), body
 
 
+def test_a_chunk_line_past_64_kib_in_the_read_that_ends_the_request_gets_431(broker_factory):
+    """The bound was checked after a parser feed only, and by then a request that ended in
+    the feed had its count reset: a 100,000-byte chunk extension sent in one write with the
+    rest of the request was served 200, alone or after another request, and so was an
+    Upgrade request's body. A request is checked as it ends, counting the piece it ends in."""
+    b = broker_factory("--workers", "1")
+    body = call("add", [1, 2]).encode()
+    one = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    long = b"%x;a=%s\r\n%s\r\n0\r\n\r\n" % (len(body), b"x" * 100_000, body)
+    upgrade = post_head(b, "Connection: Upgrade\r\nUpgrade: h2c\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for before, head in [(b"", chunked_head(b)), (chunked_head(b) + one, chunked_head(b)), (b"", upgrade)]:
+        with Conn(b, timeout=10) as c:
+            try:
+                c.send(before + head + long)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            if before:
+                assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
+            status, headers, answer = c.response()
+            assert (status, headers.get("connection")) == (431, "close"), (before, head, answer)
+
+
+def test_chunked_calls_pipelined_in_one_write_are_each_held_to_their_own_bound(broker_factory):
+    """The bound is checked as a request ends, counting the piece of the read it ends in,
+    which may hold the requests after it: three chunked calls of 100 KB in one chunk
+    each (a few bytes of framing), pipelined in one write, are all served."""
+    b = broker_factory("--workers", "1")
+    body = call("add", [1, 2]).encode().ljust(100_000)  # (JSON allows trailing whitespace)
+    request = chunked_head(b) + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    with Conn(b, timeout=10) as c:
+        c.send(request * 3)
+        for _ in range(3):
+            assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
+
+
 @pytest.mark.parametrize("extension", [b";x=1", b";x=" + b"a" * 200])
 def test_chunk_extensions_count_a_little_a_chunk(broker_factory, extension):
     """The bound on a chunked body's framing grows with its chunks (CHUNK_FRAMING_BYTES

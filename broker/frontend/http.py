@@ -38,8 +38,9 @@ Answers:
                            a version not 1.0/1.1: 505; a head past 64 KiB or 100 header
                            fields, trailers counted in, or a chunked body's framing (size
                            lines, extensions, trailer section) past 64 KiB plus
-                           CHUNK_FRAMING_BYTES a chunk: 431 and close; a request not all
-                           in within request_timeout: 408 and close
+                           CHUNK_FRAMING_BYTES a chunk, in the read that ends the request
+                           too (`_parse_bounded`): 431 and close; a request not all in
+                           within request_timeout: 408 and close
 An absolute-form target (`http://host:port/path`) is served as its path, its authority
 taking the Host header's place (RFC 9112 3.2.2) and checked exactly as a Host value is. Trailer fields are counted, never
 merged into the header fields (RFC 9110 6.5.1). `100 Continue` goes only to an HTTP/1.1
@@ -770,6 +771,10 @@ class HttpProtocol(asyncio.Protocol):
             self._head_bytes += len(data)
         else:  # a body: with its framing, which `_framing_check` bounds
             self._framing += len(data)
+            if len(data) > FEED_BYTES and self._transfer_encoding and self._framing_room() < 0:
+                self._framing -= len(data)  # (counted piece by piece)
+                self._parse_bounded(data)
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -787,15 +792,41 @@ class HttpProtocol(asyncio.Protocol):
         if len(self._body) != self._incoming:  # a body left unfinished, grown, or taken
             self._hold(len(self._body))
 
+    def _parse_bounded(self, data: bytes | memoryview) -> None:
+        """Parse a read past FEED_BYTES that could take a chunked body's framing past its
+        bound, in pieces no longer than the framing may still take (FEED_BYTES at least:
+        pieces of a few bytes would cost a feed each for a large chunk's data), each
+        checked after it is fed. The request may end within a piece: `on_message_complete`
+        then checks its count, whole piece included, before it forgets it (checked only
+        after the feed, a 100,000-byte extension in the read that ended the request was
+        served). So a request within its bound is never refused, unless its framing comes
+        within FEED_BYTES of the bound and the requests pipelined after it in the same
+        piece are counted with it. What follows the request is parsed in pieces too
+        (FEED_BYTES outside a chunked body)."""
+        view = memoryview(data)
+        start, end = 0, len(view)
+        while start < end and not self._closing and self._transport is not None:
+            size = FEED_BYTES
+            if self._head_done and self._transfer_encoding:
+                size = max(self._framing_room(), FEED_BYTES)
+            self._parse(view[start : start + size])
+            start += size
+
+    def _framing_room(self) -> int:
+        """Bytes of framing (what is not body data) the chunked body under way may still
+        send: MAX_HEADER_BYTES plus CHUNK_FRAMING_BYTES a chunk, less what it has sent;
+        negative past the bound."""
+        return MAX_HEADER_BYTES + self._chunks * CHUNK_FRAMING_BYTES - (self._framing - len(self._body))
+
     def _framing_check(self) -> None:
         """Answer 431 and close if the bytes read since the head's end that are not body
         data (a chunked body's size lines, extensions, CRLFs and trailer section) pass
         MAX_HEADER_BYTES plus CHUNK_FRAMING_BYTES a chunk. httptools keeps parsing an
         unfinished chunk line or trailer line without calling back: raw bytes count.
-        (The feed that ends a head is counted as head: at most one feed's worth more.)"""
-        framing = self._framing - len(self._body)
-        limit = MAX_HEADER_BYTES + self._chunks * CHUNK_FRAMING_BYTES
-        if framing > limit:
+        (The feed that ends a head is counted as head, and a request whose head ends within
+        a feed is counted from the next: at most one read more.)"""
+        if self._framing_room() < 0:
+            framing = self._framing - len(self._body)
             self._answer_and_close(431, b"chunked body framing (size lines, extensions, trailer section) of %d bytes: "
                                    b"more than %d plus %d a chunk" % (framing, MAX_HEADER_BYTES, CHUNK_FRAMING_BYTES))
 
@@ -897,6 +928,8 @@ class HttpProtocol(asyncio.Protocol):
     def upgrade_body_complete(self) -> None:
         """The Upgrade request's body is all in: answer it once, then close."""
         pending, self._upgrade = self._upgrade, None
+        if self._framing > MAX_HEADER_BYTES and not self._closing:
+            self._framing_check()  # (as `on_message_complete` does)
         if pending is None or self._skip or self._closing:
             return
         self.request_started = 0.0
@@ -1068,6 +1101,8 @@ class HttpProtocol(asyncio.Protocol):
             buf += body
 
     def on_message_complete(self) -> None:
+        if self._framing > MAX_HEADER_BYTES and not self._closing:  # (0 unless the body came in reads of its own)
+            self._framing_check()  # with the piece it ends in (`_parse_bounded`): the feed's check would be too late
         self._head_done = False
         self._head_bytes = 0
         self._framing = -1
