@@ -13,12 +13,15 @@ import itertools
 import socket
 import threading
 import time
+import typing
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 from conftest import Broker, wait_for
 from test_http_hardening import get, post, post_head
 from test_http_protocol import Conn, call
+
+from broker.frontend.http import HttpFrontend, HttpProtocol
 
 # -- item 1: /metrics scrapes, pipelined ----------------------------------------------------
 
@@ -39,17 +42,18 @@ class Ticker:
 
 
 @contextlib.asynccontextmanager
-async def metrics_listener(metrics: Callable[[], bytes]) -> AsyncIterator[int]:
+async def metrics_listener(
+    metrics: Callable[[], bytes], max_connections: int = 10000
+) -> AsyncIterator[tuple[int, HttpFrontend]]:
     """An `HttpFrontend` in this process (no workers) serving `metrics` as /metrics on
-    loopback; yields its port, and aborts its connections at the end."""
+    loopback; yields its port and itself, and aborts its connections at the end."""
     from broker.dispatch import Dispatcher
-    from broker.frontend.http import HttpFrontend
 
     loop = asyncio.get_running_loop()
-    fe = HttpFrontend(Dispatcher(loop), metrics=metrics, allowed_hosts=["127.0.0.1"])
+    fe = HttpFrontend(Dispatcher(loop), metrics=metrics, allowed_hosts=["127.0.0.1"], max_connections=max_connections)
     server = await loop.create_server(fe.protocol, "127.0.0.1", 0)
     try:
-        yield server.sockets[0].getsockname()[1]
+        yield server.sockets[0].getsockname()[1], fe
     finally:
         server.close()
         for conn in list(fe.connections):
@@ -79,7 +83,7 @@ def test_pipelined_scrapes_build_no_head_body_and_one_get_body_per_loop_iteratio
             ticks.append(ticker.tick)
             return b"# a scrape\n" * 2000
 
-        async with metrics_listener(metrics) as port:
+        async with metrics_listener(metrics) as (port, _):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             r2, w2 = await asyncio.open_connection("127.0.0.1", port)
             writer.write(get("/metrics", "HEAD") * heads)
@@ -105,48 +109,74 @@ def test_pipelined_scrapes_build_no_head_body_and_one_get_body_per_loop_iteratio
     assert len(set(ticks)) == gets, "two scrapes made in one loop iteration"
 
 
-def test_connections_pipelining_scrapes_take_turns_one_scrape_per_loop_iteration_in_all():
-    """Pipelined scrapes were made one per loop iteration *per connection*: 8 connections
-    pipelining GET /metrics cost 8 scrapes (17-30 ms each with the demo tools) every loop
-    iteration, and another client's call, a few iterations long, waited about 1 s. One is
-    made per iteration for the whole listener now, the connections taking turns in order."""
-    conns, gets = 4, 10
-    ticks: list[int] = []  # the loop iteration of each scrape made
-    numbers: list[list[int]] = []  # the scrapes each connection got, in order
+def test_one_scrape_build_answers_every_connection_and_a_newcomer_waits_one_build():
+    """Connections pipelining scrapes took turns, one build each: a new scrape waited for
+    as many builds as connections had scrapes owed (600 connections pipelining GET /metrics
+    and reading the answers made every Prometheus scrape time out at 10 s). One build now
+    answers every scrape parsed before it, one copy a connection: a newcomer's scrape gets
+    the first build made after its request was parsed, every answer is from a build made
+    after its request was parsed, and N such connections cost one build per build, not N."""
+    conns, gets = 40, 10
+    ticks: list[int] = []  # the loop iteration of each build
+    parsed: list[dict[int, int]] = []  # at each build: requests parsed on each connection, by client port
 
-    async def scenario() -> None:
+    async def scenario() -> tuple[list[list[int]], list[int], int, int]:
         ticker = Ticker()
+        listener: list[HttpFrontend] = []
 
         def metrics() -> bytes:
             ticks.append(ticker.tick)
-            return b"# scrape %d\n" % (len(ticks) - 1)  # (small: no connection's writing pauses)
+            parsed.append({
+                conn.transport.get_extra_info("peername")[1]: conn.requests
+                for conn in listener[0].connections if conn.transport is not None
+            })  # fmt: skip
+            return b"# build %d\n" % len(ticks)  # (small: no connection's writing pauses)
 
-        async with metrics_listener(metrics) as port:
+        async def answers(reader: asyncio.StreamReader, n: int) -> list[int]:
+            return [int((await read_answer(reader)).split()[-1]) for _ in range(n)]
+
+        async with metrics_listener(metrics) as (port, fe):
+            listener.append(fe)
             pairs = [await asyncio.open_connection("127.0.0.1", port) for _ in range(conns)]
             for _, writer in pairs:
                 writer.write(get("/metrics") * gets)
+            readers = [asyncio.ensure_future(answers(reader, gets)) for reader, _ in pairs]
+            while len(ticks) < 2:  # scrapes owed on every connection, 8 builds to go at least
+                await asyncio.sleep(0)
             r2, w2 = await asyncio.open_connection("127.0.0.1", port)
-            w2.write(get("/healthz"))  # answered while most scrapes are still owed
+            w2.write(get("/healthz"))  # answered between builds
             assert (await asyncio.wait_for(r2.readuntil(b"\r\n"), 10)).startswith(b"HTTP/1.1 200")
-            assert len(ticks) < conns * gets, len(ticks)
-            w2.close()
-            for reader, writer in pairs:
-                numbers.append([int((await read_answer(reader)).split()[-1]) for _ in range(gets)])
+            await asyncio.wait_for(r2.readuntil(b"}"), 10)  # (the rest of it)
+            newcomer = w2.get_extra_info("sockname")[1]
+            w2.write(get("/metrics"))
+            (build,) = await answers(r2, 1)
+            got = [await asyncio.wait_for(task, 30) for task in readers]
+            ports = [writer.get_extra_info("sockname")[1] for _, writer in pairs]
+            for _, writer in pairs:
                 writer.close()
+            w2.close()
         ticker.running = False
+        return got, ports, newcomer, build
 
-    asyncio.run(scenario())
-    assert len(ticks) == conns * gets
-    assert len(set(ticks)) == len(ticks), "two scrapes made in one loop iteration"
-    # In turns: between two scrapes of one connection, each other one got one at most.
-    gaps = [b - a for mine in numbers for a, b in itertools.pairwise(mine)]
-    assert max(gaps) <= conns, numbers
+    got, ports, newcomer, build = asyncio.run(scenario())
+    # The newcomer's scrape (its second request: after /healthz) was parsed before the
+    # build that answered it, and after the one before that.
+    assert parsed[build - 1][newcomer] == 2 and parsed[build - 2].get(newcomer, 0) < 2, (build, len(parsed))
+    # Every answer is from a build made after its request was parsed: the j-th answer on a
+    # connection, from a build that had seen j requests on it; one copy of a build each.
+    for port, builds in zip(ports, got, strict=True):
+        assert all(parsed[b - 1][port] >= j for j, b in enumerate(builds, 1)), (port, builds)
+        assert builds == sorted(set(builds)), builds
+    # One build per loop iteration at most, and a few more builds than one connection's
+    # scrapes, not one for each scrape of each connection (400).
+    assert len(set(ticks)) == len(ticks), "two builds in one loop iteration"
+    assert gets <= len(ticks) < 2 * gets, len(ticks)
 
 
 def test_pipelined_scrapes_leave_the_loop_as_long_between_them_as_they_take():
     """One scrape per loop iteration still cost one scrape per iteration of everyone
-    else's calls (70-100 ms a call with the demo tools' 20 ms scrapes). The next scrape
-    waits as long as the last one took: scrapes take at most half of the loop's time."""
+    else's calls (70-100 ms a call with the demo tools' 20 ms scrapes). The next build
+    waits as long as the last one took: builds take at most half of the loop's time."""
     conns, gets, busy = 3, 4, 0.005
     spans: list[tuple[float, float]] = []  # (start, end) of each scrape, monotonic
 
@@ -158,7 +188,7 @@ def test_pipelined_scrapes_leave_the_loop_as_long_between_them_as_they_take():
         return b"# a scrape\n"
 
     async def scenario() -> None:
-        async with metrics_listener(metrics) as port:
+        async with metrics_listener(metrics) as (port, _):
             pairs = [await asyncio.open_connection("127.0.0.1", port) for _ in range(conns)]
             for _, writer in pairs:
                 writer.write(get("/metrics") * gets)
@@ -168,7 +198,7 @@ def test_pipelined_scrapes_leave_the_loop_as_long_between_them_as_they_take():
                 writer.close()
 
     asyncio.run(scenario())
-    assert len(spans) == conns * gets
+    assert len(spans) >= gets  # (one copy of a build a connection: `gets` builds at least)
     # (a lower bound the loop keeps however loaded the machine; half of it: uvloop's
     # clock counts whole milliseconds)
     short = [(a, b, c) for (a, b), (c, _) in itertools.pairwise(spans) if c - b < (b - a) / 2]
@@ -219,6 +249,41 @@ def test_one_chunk_line_past_64_kib_gets_431(broker_factory):
             pass
         status, headers, body = c.response()
         assert (status, headers["connection"]) == (431, "close"), body
+
+
+def test_a_chunk_line_past_64_kib_in_the_read_that_ends_the_request_gets_431(broker_factory):
+    """The bound was checked after a parser feed only, and by then a request that ended in
+    the feed had its count reset: a 100,000-byte chunk extension sent in one write with the
+    rest of the request was served 200, alone or after another request, and so was an
+    Upgrade request's body. A request is checked as it ends, counting the piece it ends in."""
+    b = broker_factory("--workers", "1")
+    body = call("add", [1, 2]).encode()
+    one = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    long = b"%x;a=%s\r\n%s\r\n0\r\n\r\n" % (len(body), b"x" * 100_000, body)
+    upgrade = post_head(b, "Connection: Upgrade\r\nUpgrade: h2c\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for before, head in [(b"", chunked_head(b)), (chunked_head(b) + one, chunked_head(b)), (b"", upgrade)]:
+        with Conn(b, timeout=10) as c:
+            try:
+                c.send(before + head + long)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            if before:
+                assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
+            status, headers, answer = c.response()
+            assert (status, headers.get("connection")) == (431, "close"), (before, head, answer)
+
+
+def test_chunked_calls_pipelined_in_one_write_are_each_held_to_their_own_bound(broker_factory):
+    """The bound is checked as a request ends, counting the piece of the read it ends in,
+    which may hold the requests after it: three chunked calls of 100 KB in one chunk
+    each (a few bytes of framing), pipelined in one write, are all served."""
+    b = broker_factory("--workers", "1")
+    body = call("add", [1, 2]).encode().ljust(100_000)  # (JSON allows trailing whitespace)
+    request = chunked_head(b) + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    with Conn(b, timeout=10) as c:
+        c.send(request * 3)
+        for _ in range(3):
+            assert c.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":1,"result":3}')
 
 
 @pytest.mark.parametrize("extension", [b";x=1", b";x=" + b"a" * 200])
@@ -491,3 +556,135 @@ def test_clients_scraping_on_the_probes_reserve_cannot_hold_the_probes_out(broke
             t.join(10)
         for s in held + hogs:
             s.close()
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait in the running loop until `predicate()` holds (checked every millisecond)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
+def served_side(fe: HttpFrontend, writer: asyncio.StreamWriter) -> HttpProtocol | None:
+    """The listener's connection for the client side `writer`, if it holds one."""
+    port = writer.get_extra_info("sockname")[1]
+    for conn in fe.connections:
+        if conn.transport is not None and conn.transport.get_extra_info("peername")[1] == port:
+            return typing.cast(HttpProtocol, conn)
+    return None
+
+
+@contextlib.asynccontextmanager
+async def full_listener() -> AsyncIterator[tuple[int, HttpFrontend]]:
+    """`metrics_listener` at max_connections 2, both taken by requests under way (heads
+    trickling in: never idle), so a connection opened now goes to the probes' reserve;
+    its next /metrics build is held (its pace never ends) until `fe._scrape_due()`."""
+    async with metrics_listener(lambda: b"# a scrape\n", max_connections=2) as (port, fe):
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for _, writer in held:
+            writer.write(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        await until(lambda: sum(1 for conn in fe.connections if conn.request_started) == 2)
+        fe._pace = lambda started: None  # type: ignore[method-assign]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(get("/metrics"))  # a build now: the next one waits
+        await read_answer(reader)
+        writer.close()
+        yield port, fe
+        for _, writer in held:
+            writer.close()
+
+
+async def status_of(reader: asyncio.StreamReader) -> int:
+    return int((await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)).split()[1])
+
+
+def test_a_scrape_waiting_for_its_build_in_the_probes_reserve_outlasts_silent_newcomers():
+    """At max_connections, a scrape waiting in the probes' reserve for its build was owed
+    its answer, which the reserve gave up before a connection silent since accepted: an
+    attacker opening a silent connection every 20 ms had every Prometheus scrape answered
+    503 (37 of 37). Owed an answer goes last now: the silent ones go, oldest first."""
+    from broker.frontend.http import PROBE_RESERVE
+
+    async def scenario() -> int:
+        async with full_listener() as (port, fe):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(get("/metrics"))  # Prometheus: it waits for the next build
+            await until(lambda: (conn := served_side(fe, writer)) is not None and conn.owed == 1)
+            silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2 * PROBE_RESERVE)]
+            await until(lambda: served_side(fe, silent[-1][1]) is not None)  # (accepted in order)
+            assert served_side(fe, silent[0][1]) is None  # (the reserve was full: the oldest gave its place)
+            fe._scrape_due()
+            status = await status_of(reader)
+            for _, w in [*silent, (reader, writer)]:
+                w.close()
+            return status
+
+    assert asyncio.run(scenario()) == 200
+
+
+def test_of_scrapes_waiting_in_the_probes_reserve_the_busiest_connection_gives_its_place_first():
+    """When every connection in the probes' reserve is owed a scrape, the newcomer takes
+    the place of the one that has made the most requests (a client scraping in a loop,
+    not Prometheus, which makes one a scrape interval); it was the oldest request's."""
+    from broker.frontend.http import PROBE_RESERVE
+
+    async def scenario() -> tuple[list[int], int]:
+        async with full_listener() as (port, fe):
+            scrapers = [await asyncio.open_connection("127.0.0.1", port) for _ in range(PROBE_RESERVE - 1)]
+            for _, writer in scrapers:
+                writer.write(get("/metrics"))  # one request each, waiting for the next build
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(10):  # a busy client: ten requests, then a scrape, the newest
+                writer.write(get("/healthz"))
+                assert await status_of(reader) == 200
+                await asyncio.wait_for(reader.readuntil(b"}"), 10)
+            writer.write(get("/metrics"))
+            await until(lambda: len(fe.probe_conns) == PROBE_RESERVE and all(c.owed == 1 for c in fe.probe_conns))
+            newcomer = await asyncio.open_connection("127.0.0.1", port)
+            await until(lambda: served_side(fe, newcomer[1]) is not None)
+            fe._scrape_due()
+            statuses = [await status_of(r) for r, _ in scrapers]
+            busy = await status_of(reader)
+            for _, w in [*scrapers, (reader, writer), newcomer]:
+                w.close()
+            return statuses, busy
+
+    statuses, busy = asyncio.run(scenario())
+    assert (statuses, busy) == ([200] * (PROBE_RESERVE - 1), 503)
+
+
+def test_of_scrapes_waiting_in_the_probes_reserve_a_long_kept_prometheus_connection_keeps_its_place():
+    """The rank among connections owed a scrape is requests per second of age (1 s at
+    least), not a plain count: a Prometheus that has kept its connection for an hour has
+    made hundreds of requests, far slower than the fresh connections an attacker churns
+    (one request each, owed); with a plain count, the newcomer took Prometheus's place."""
+    from broker.frontend.http import PROBE_RESERVE
+
+    async def scenario() -> tuple[list[int], int]:
+        async with full_listener() as (port, fe):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)  # Prometheus
+            writer.write(get("/healthz"))
+            assert await status_of(reader) == 200
+            await asyncio.wait_for(reader.readuntil(b"}"), 10)
+            await until(lambda: served_side(fe, writer) is not None)
+            prometheus = served_side(fe, writer)
+            prometheus.requests = 240  # an hour of scrapes every 15 s on this connection
+            prometheus.accepted_at -= 3600
+            writer.write(get("/metrics"))
+            fresh = [await asyncio.open_connection("127.0.0.1", port) for _ in range(PROBE_RESERVE - 1)]
+            for _, w in fresh:
+                w.write(get("/metrics"))  # one request each, waiting for the next build
+            await until(lambda: len(fe.probe_conns) == PROBE_RESERVE and all(c.owed == 1 for c in fe.probe_conns))
+            newcomer = await asyncio.open_connection("127.0.0.1", port)
+            await until(lambda: served_side(fe, newcomer[1]) is not None)
+            fe._scrape_due()
+            kept = await status_of(reader)
+            statuses = sorted([await status_of(r) for r, _ in fresh])
+            for _, w in [*fresh, (reader, writer), newcomer]:
+                w.close()
+            return statuses, kept
+
+    statuses, kept = asyncio.run(scenario())
+    assert kept == 200
+    assert statuses == [200] * (PROBE_RESERVE - 2) + [503]

@@ -26,9 +26,9 @@ Answers:
     GET/HEAD /readyz       200 when at least one worker is ready, else 503
     GET/HEAD /metrics      Prometheus text format, when this listener serves metrics (a
                            HEAD makes no scrape and has no content-length, RFC 9110 9.3.2;
-                           one GET body is made at a time for the whole listener, the next as
-                           long after as it took, the connections owed one taking turns:
-                           `HttpFrontend.scrape_turns`)
+                           one GET body built answers every GET parsed before it, one copy a
+                           connection; the next is built as long after as it took:
+                           `HttpFrontend.scrape_answer`)
     OPTIONS rpc_path       204 with CORS headers: a preflight from an allowed Origin
     other method           405 with Allow
     other path             404
@@ -38,8 +38,9 @@ Answers:
                            a version not 1.0/1.1: 505; a head past 64 KiB or 100 header
                            fields, trailers counted in, or a chunked body's framing (size
                            lines, extensions, trailer section) past 64 KiB plus
-                           CHUNK_FRAMING_BYTES a chunk: 431 and close; a request not all
-                           in within request_timeout: 408 and close
+                           CHUNK_FRAMING_BYTES a chunk, in the read that ends the request
+                           too (`_parse_bounded`): 431 and close; a request not all in
+                           within request_timeout: 408 and close
 An absolute-form target (`http://host:port/path`) is served as its path, its authority
 taking the Host header's place (RFC 9112 3.2.2) and checked exactly as a Host value is. Trailer fields are counted, never
 merged into the header fields (RFC 9110 6.5.1). `100 Continue` goes only to an HTTP/1.1
@@ -89,12 +90,14 @@ always takes the place of one of its connections, whatever its age, the one that
 least like a probe (`_reserve_rank`): first one not taking its answers (writing paused,
 answers left in the transport's buffer, or more than one owed: pipelined), reset; then
 one trickling a request in (no probe does); then one served and idle (Prometheus
-between scrapes: it reconnects); then one owed its one answer (a scrape waiting its
-turn, which the attacker can make long: it gets 503); last one silent since accepted
-(a probe may be on its way). A probe sends its head at once and is answered at once
-(/healthz and /readyz never wait), so connections opened every few ms displace one
-another, not the probe. The one displaced gets a refused connection's 503 (or, served
-and idle, a close; not taking its answers, a reset).
+between scrapes: it reconnects); then one silent since accepted, oldest first (a probe
+may be on its way); last one owed its one answer (a scrape waiting for its build), the
+one that has made requests fastest first (per second of its age, 1 s at least: a client
+scraping in a loop, or a fresh connection, before a Prometheus on its kept connection),
+which gets 503. A probe sends its head at once and is answered at once (/healthz and /readyz never
+wait), so connections opened every few ms displace one another, not the probe nor a
+scrape waiting for its build. The one displaced gets a refused connection's 503 (or,
+served and idle, a close; not taking its answers, a reset).
 """
 
 from __future__ import annotations
@@ -219,12 +222,14 @@ class _StopParsing(Exception):
 
 
 class _Scrape:
-    """A GET /metrics owed on a connection (its answer is made when due)."""
+    """A GET /metrics owed on a connection: it takes build number `build` or a later one
+    (`HttpFrontend.scrape_answer`), once the answers before it are written."""
 
-    __slots__ = ("keep_alive",)
+    __slots__ = ("build", "keep_alive")
 
-    def __init__(self, keep_alive: bool) -> None:
+    def __init__(self, keep_alive: bool, build: int) -> None:
         self.keep_alive = keep_alive
+        self.build = build
 
 
 class _Deferred:
@@ -299,16 +304,21 @@ class HttpFrontend(Listener):
         self._refresh_date()
         self.probe_conns: set[HttpProtocol] = set()  # those taken past max_connections (PROBE_RESERVE)
         self.under_way: set[HttpProtocol] = set()  # with a request under way at the stop (`held`)
-        # A /metrics body costs ms of the loop (17-30 ms with the demo tools). One is made at a
-        # time for the whole listener (`scraped`), and the next no sooner than the next loop
-        # iteration and as long after as the last one took: scrapes take at most half of the
-        # loop's time, and the iterations between them serve everyone else. A connection whose
-        # next answer is a scrape made meanwhile waits in `scrape_turns`, in order, and
-        # `_next_scrape` serves the first one. (One per iteration per connection let 8
-        # connections pipelining scrapes cost 8 an iteration: other clients' calls waited about
-        # 1 s; one per iteration in all still cost a scrape per iteration of each call, 70-100 ms.)
-        self.scraped = False
-        self.scrape_turns: deque[HttpProtocol] = deque()
+        # A /metrics body costs ms of the loop (17-30 ms with the demo tools) and is the same for
+        # every client, so one build answers every GET /metrics parsed before it was made (as
+        # fresh as a build made for that request alone), each connection taking one copy of a
+        # build at most. Builds are paced: at most one per loop iteration, the next no sooner
+        # than the last one took (with its handing out) after it, so builds take at most half of
+        # the loop's time and the iterations between them serve everyone else. A request that
+        # must wait (`scrape_paced`) has its connection in `_scrape_waiters`, all served by the
+        # next build (`_scrape_due`): a newcomer waits about one build, however many
+        # connections scrape. (Connections taking turns, one build each, made a scrape wait
+        # for as many builds as connections pipelined them: 600 made Prometheus time out.)
+        self.scrape_builds = 0  # builds made so far: a `_Scrape` takes build `_Scrape.build` or a later one
+        self.scrape_paced = False  # a build was made, and the next one's time has not come (`_scrape_due`)
+        self._scrape_body = b""  # the last build's body, until a pace ends with nobody waiting; b"": none
+        self._scrape_answers: dict[bytes, bytes] = {}  # its whole answers, by connection header line
+        self._scrape_waiters: list[HttpProtocol] = []  # connections whose next answer waits for a build
 
     def host_allowed(self, host: bytes) -> bool:
         """Whether a Host header value (`name[:port]`, RFC 9110 7.2) names this server:
@@ -345,27 +355,64 @@ class HttpFrontend(Listener):
             self.start_sweeping()
         return HttpProtocol(self)
 
+    def scrape_answer(self, build: int, connection: bytes) -> bytes | None:
+        """The answer to a GET /metrics parsed before build number `build`, with the
+        `connection` header line (b"" for HTTP/1.1 keep-alive), from the last build if it
+        is that recent, else from one made now if the pace allows; None if not
+        (`wait_scrape`). The answer's bytes are shared by all the connections it goes to."""
+        if build > self.scrape_builds or not self._scrape_body:
+            if self.scrape_paced:
+                return None
+            self._pace(self._build_scrape())
+        answer = self._scrape_answers.get(connection)
+        if answer is None:
+            body = self._scrape_body
+            answer = self._scrape_answers[connection] = b"".join((
+                _STATUS_LINES[200], self.date, _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
+                connection, b"\r\n", body,
+            ))  # fmt: skip
+        return answer
+
+    def _build_scrape(self) -> float:
+        """Make a /metrics body; the next build waits for `_scrape_due`. Return the loop
+        time the build started."""
+        metrics = typing.cast(typing.Callable[[], bytes], self.metrics)
+        started = self.loop.time()
+        self._scrape_body = metrics()
+        self._scrape_answers = {}
+        self.scrape_builds += 1
+        self.scrape_paced = True
+        return started
+
+    def _pace(self, started: float) -> None:
+        """The next build comes no sooner than the next loop iteration and as long after
+        now as the last one took since `started`. (uvloop's loop.time updates its clock:
+        the timer counts from now.)"""
+        self.loop.call_later(self.loop.time() - started, self._scrape_due)
+
     def wait_scrape(self, conn: HttpProtocol) -> None:
-        """`conn` is owed a scrape, and one was made in this loop iteration: it waits its turn."""
+        """`conn`'s next answer is a scrape that needs a build not made yet, and the pace
+        does not allow one now: the next build serves it (`HttpProtocol.scrape_built`)."""
         if not conn.scrape_waiting:
             conn.scrape_waiting = True
-            self.scrape_turns.append(conn)
+            self._scrape_waiters.append(conn)
 
-    def scrape_made(self, took: float) -> None:
-        """A /metrics body was made in `took` s: the next one waits for a later loop
-        iteration, `took` s from now."""
-        self.scraped = True
-        self.loop.call_later(took, self._next_scrape)
-
-    def _next_scrape(self) -> None:
-        """The next scrape's time: the first connection still waiting makes its scrape (one
-        no longer due, closed or not taking its answers, gives its turn to the next)."""
-        self.scraped = False
-        turns = self.scrape_turns
-        while turns and not self.scraped:
-            conn = turns.popleft()
+    def _scrape_due(self) -> None:
+        """The next build's time: made now if a connection waits for it, and handed out to
+        every one waiting (the time that takes counts in the pace); else the last build's
+        body is dropped (memory) and the next request makes one at once."""
+        self.scrape_paced = False
+        waiters = self._scrape_waiters
+        if not waiters:
+            self._scrape_body = b""
+            self._scrape_answers = {}
+            return
+        started = self._build_scrape()
+        self._scrape_waiters = []
+        for conn in waiters:
             conn.scrape_waiting = False
-            conn.scrape_turn()
+            conn.scrape_built()
+        self._pace(started)
 
     def _refresh_date(self) -> None:
         self.date = date_header()
@@ -418,17 +465,21 @@ class HttpFrontend(Listener):
         return super().held() + len(under_way)
 
 
-def _reserve_rank(conn: HttpProtocol) -> tuple[int, float]:
+def _reserve_rank(conn: HttpProtocol, now: float) -> tuple[int, float, float]:
     """The order in which the probes' reserve gives up its connections (see
     `HttpProtocol._take_reserve_slot`): not taking its answers, trickling, served,
-    owed one answer, silent; the oldest first in each."""
+    silent, owed one answer; the oldest first in each, except that of those owed an
+    answer, the one that has made requests fastest goes first: requests per second of
+    its age, counted as 1 s at least (a client scraping in a loop, or churning fresh
+    connections, before a Prometheus that keeps its connection and scrapes every 15 s;
+    a plain count put that long-lived Prometheus first)."""
     if conn.hogging():
-        return 0, conn.send_stalled or conn.last_active
+        return 0, 0.0, conn.send_stalled or conn.last_active
     if conn.request_started:
-        return 1, conn.request_started
+        return 1, 0.0, conn.request_started
     if conn.owed:
-        return 3, conn.last_active
-    return (2 if conn.requests else 4), conn.last_active
+        return 4, -conn.requests / max(now - conn.accepted_at, 1.0), conn.last_active
+    return (2 if conn.requests else 3), 0.0, conn.last_active
 
 
 class _UpgradeBody:
@@ -484,6 +535,7 @@ class HttpProtocol(asyncio.Protocol):
         "_probe_only",
         "_read_at",
         "_responses",
+        "_scraped",
         "_skip",
         "_stuck_since",
         "_transfer_encoding",
@@ -494,6 +546,7 @@ class HttpProtocol(asyncio.Protocol):
         "_url",
         "_waiting",
         "_write_paused",
+        "accepted_at",
         "last_active",
         "lingering_since",
         "read_paused",
@@ -513,7 +566,8 @@ class HttpProtocol(asyncio.Protocol):
         self._linger = False  # half-close after the answer: the client may still be sending
         self.lingering_since = 0.0  # loop time of the half-close (`_linger`); 0 when not lingering
         self._framing = -1  # raw bytes read since the head's end (the body and its framing); -1: not in a body
-        self.scrape_waiting = False  # in the listener's `scrape_turns`
+        self.scrape_waiting = False  # in the listener's `_scrape_waiters`
+        self._scraped = 0  # the number of the last build written here: a connection takes one copy of each
         self._keep_header = b""  # "connection: keep-alive" for an HTTP/1.0 client that asked
         self._probe_only = False  # taken past max_connections: probes and /metrics only
         self._upgrade: tuple[bytes, bytes] | None = None  # (method, url) of an Upgrade request
@@ -558,7 +612,7 @@ class HttpProtocol(asyncio.Protocol):
         self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
         self._unsent = 0  # bytes of answers not yet taken by the client, at the sweep's last look
         self._stuck_since = 0.0  # loop time the sweep found those bytes not moving (`taking_answer`)
-        self.last_active = self._read_at = frontend.loop.time()
+        self.last_active = self._read_at = self.accepted_at = frontend.loop.time()
 
     @property
     def owed(self) -> int:
@@ -655,19 +709,25 @@ class HttpProtocol(asyncio.Protocol):
         reach), longest stalled first; then one with a request under way (a head or
         body trickling in: no probe does that), oldest request first; then one served
         and now idle (a Prometheus keep-alive connection between scrapes: it
-        reconnects), least recently active first, a keep-alive close; then one owed its
-        one answer, a scrape waiting its turn (8 clients scraping in a loop, each
-        waiting for the others' turns, are owed one nearly all the time: keeping those
-        let them hold the probes out), which gets 503; last one that has sent nothing
-        yet (a probe may be on its way), oldest first. A connection displaced gets the
-        503 of one refused at accept unless said otherwise. An attacker who opens a
-        connection every few ms only ever displaces its own: a probe is displaced only
-        if all the reserve's places are taken by connections accepted after it before
-        its head is read."""
+        reconnects), least recently active first, a keep-alive close; then one that has
+        sent nothing yet, oldest first (a probe may be on its way, but an attacker's
+        connections opened before it go first); last one owed its one answer (a scrape
+        waiting for its build: Prometheus's, which the attacker's silent connections
+        displaced when they came last, 503 to every scrape), the one that has made
+        requests fastest first (per second of its age, 1 s at least: a client scraping in
+        a loop, or a fresh connection, before Prometheus on its kept connection, one a
+        scrape interval; 8 such clients, owed one nearly all the time, must not hold the
+        probes out), which gets 503. A connection displaced gets the 503 of one
+        refused at accept unless said otherwise. An attacker who opens a connection
+        every few ms only ever displaces its own: a probe is displaced before its head
+        is read only if every other place holds one owed its answer or one accepted
+        after it, and a scrape waiting for its build only if every other place holds one
+        owed its answer that has made requests more slowly."""
         fe = self._fe
         if not fe.probe_conns:
             return
-        victim = min(fe.probe_conns, key=_reserve_rank)
+        now = fe.loop.time()
+        victim = min(fe.probe_conns, key=lambda conn: _reserve_rank(conn, now))
         fe.probe_conns.discard(victim)
         fe.connections.discard(victim)
         if victim.hogging():
@@ -728,6 +788,10 @@ class HttpProtocol(asyncio.Protocol):
             self._head_bytes += len(data)
         else:  # a body: with its framing, which `_framing_check` bounds
             self._framing += len(data)
+            if len(data) > FEED_BYTES and self._transfer_encoding and self._framing_room() < 0:
+                self._framing -= len(data)  # (counted piece by piece)
+                self._parse_bounded(data)
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -745,15 +809,41 @@ class HttpProtocol(asyncio.Protocol):
         if len(self._body) != self._incoming:  # a body left unfinished, grown, or taken
             self._hold(len(self._body))
 
+    def _parse_bounded(self, data: bytes | memoryview) -> None:
+        """Parse a read past FEED_BYTES that could take a chunked body's framing past its
+        bound, in pieces no longer than the framing may still take (FEED_BYTES at least:
+        pieces of a few bytes would cost a feed each for a large chunk's data), each
+        checked after it is fed. The request may end within a piece: `on_message_complete`
+        then checks its count, whole piece included, before it forgets it (checked only
+        after the feed, a 100,000-byte extension in the read that ended the request was
+        served). So a request within its bound is never refused, unless its framing comes
+        within FEED_BYTES of the bound and the requests pipelined after it in the same
+        piece are counted with it. What follows the request is parsed in pieces too
+        (FEED_BYTES outside a chunked body)."""
+        view = memoryview(data)
+        start, end = 0, len(view)
+        while start < end and not self._closing and self._transport is not None:
+            size = FEED_BYTES
+            if self._head_done and self._transfer_encoding:
+                size = max(self._framing_room(), FEED_BYTES)
+            self._parse(view[start : start + size])
+            start += size
+
+    def _framing_room(self) -> int:
+        """Bytes of framing (what is not body data) the chunked body under way may still
+        send: MAX_HEADER_BYTES plus CHUNK_FRAMING_BYTES a chunk, less what it has sent;
+        negative past the bound."""
+        return MAX_HEADER_BYTES + self._chunks * CHUNK_FRAMING_BYTES - (self._framing - len(self._body))
+
     def _framing_check(self) -> None:
         """Answer 431 and close if the bytes read since the head's end that are not body
         data (a chunked body's size lines, extensions, CRLFs and trailer section) pass
         MAX_HEADER_BYTES plus CHUNK_FRAMING_BYTES a chunk. httptools keeps parsing an
         unfinished chunk line or trailer line without calling back: raw bytes count.
-        (The feed that ends a head is counted as head: at most one feed's worth more.)"""
-        framing = self._framing - len(self._body)
-        limit = MAX_HEADER_BYTES + self._chunks * CHUNK_FRAMING_BYTES
-        if framing > limit:
+        (The feed that ends a head is counted as head, and a request whose head ends within
+        a feed is counted from the next: at most one read more.)"""
+        if self._framing_room() < 0:
+            framing = self._framing - len(self._body)
             self._answer_and_close(431, b"chunked body framing (size lines, extensions, trailer section) of %d bytes: "
                                    b"more than %d plus %d a chunk" % (framing, MAX_HEADER_BYTES, CHUNK_FRAMING_BYTES))
 
@@ -855,6 +945,8 @@ class HttpProtocol(asyncio.Protocol):
     def upgrade_body_complete(self) -> None:
         """The Upgrade request's body is all in: answer it once, then close."""
         pending, self._upgrade = self._upgrade, None
+        if self._framing > MAX_HEADER_BYTES and not self._closing:
+            self._framing_check()  # (as `on_message_complete` does)
         if pending is None or self._skip or self._closing:
             return
         self.request_started = 0.0
@@ -1026,6 +1118,8 @@ class HttpProtocol(asyncio.Protocol):
             buf += body
 
     def on_message_complete(self) -> None:
+        if self._framing > MAX_HEADER_BYTES and not self._closing:  # (0 unless the body came in reads of its own)
+            self._framing_check()  # with the piece it ends in (`_parse_bounded`): the feed's check would be too late
         self._head_done = False
         self._head_bytes = 0
         self._framing = -1
@@ -1108,13 +1202,16 @@ class HttpProtocol(asyncio.Protocol):
                 extra = self._keep_header if keep_alive else _CLOSE
                 self._queue(_STATUS_LINES[200] + fe.date + _METRICS_TYPE + extra + b"\r\n", keep_alive, path)
             elif method == b"GET":
-                scrape = _Scrape(keep_alive)
-                if not self._responses and not self._write_paused and not fe.scraped:
-                    self._write(self._scrape_response(scrape), keep_alive, path)
+                scrape = _Scrape(keep_alive, fe.scrape_builds + 1)  # (any build made from now on)
+                answer = None
+                if not self._responses and not self._write_paused:
+                    answer = fe.scrape_answer(scrape.build, self._keep_header if keep_alive else _CLOSE)
+                if answer is not None:
+                    self._scraped = fe.scrape_builds
+                    self._write(answer, keep_alive, path)
                 else:
-                    # A scrape is large (tens of KiB, ms of CPU): one made for every request a
-                    # client pipelines would pile up in memory and hold the loop. Made when due,
-                    # one per loop iteration for the whole listener, while reading waits.
+                    # A scrape is large (tens of KiB, ms of CPU): builds are paced for the whole
+                    # listener, and a connection takes one copy of each; reading waits meanwhile.
                     self._responses.append(scrape)
                     self._pause()
                     if len(self._responses) == 1 and not self._write_paused:
@@ -1271,21 +1368,8 @@ class HttpProtocol(asyncio.Protocol):
         if self._transport is not None:
             self._flush_ready()
 
-    def _scrape_response(self, scrape: _Scrape) -> bytes:
-        """Make a GET /metrics answer; the next one, on any connection, waits its time
-        (`HttpFrontend.scrape_turns`)."""
-        fe = self._fe
-        metrics = typing.cast(typing.Callable[[], bytes], fe.metrics)
-        started = fe.loop.time()  # (uvloop's updates its clock: the timer counts from the end)
-        body = metrics()
-        fe.scrape_made(fe.loop.time() - started)
-        return b"".join((
-            _STATUS_LINES[200], self._fe.date, _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
-            self._keep_header if scrape.keep_alive else _CLOSE, b"\r\n", body,
-        ))  # fmt: skip
-
-    def scrape_turn(self) -> None:
-        """This connection's turn to make the scrape it waits for (`HttpFrontend._next_scrape`)."""
+    def scrape_built(self) -> None:
+        """The build this connection's next answer waits for is made (`HttpFrontend._scrape_due`)."""
         transport = self._transport
         if transport is not None and self._responses and not transport.is_closing():
             self._flush_ready()
@@ -1299,11 +1383,14 @@ class HttpProtocol(asyncio.Protocol):
             elif type(head) is _Scrape:
                 if self._write_paused:
                     break  # resume_writing comes back here
-                if self._fe.scraped:
-                    self._fe.wait_scrape(self)  # its turn comes back here
-                    break
                 keep_alive = head.keep_alive
-                data = self._scrape_response(head)
+                fe = self._fe
+                answer = fe.scrape_answer(max(head.build, self._scraped + 1), self._keep_header if keep_alive else _CLOSE)
+                if answer is None:
+                    fe.wait_scrape(self)  # the next build comes back here
+                    break
+                self._scraped = fe.scrape_builds
+                data = answer
                 path = "metrics"
             else:
                 if type(head) is _Deferred:
