@@ -157,7 +157,8 @@ def test_a_child_a_handler_forks_neither_answers_calls_nor_outlives_its_worker(b
         child = int(answer["result"].split()[1])
         assert [f.result(timeout=20)["result"] for f in naps] == [1.0] * 3
     for i in range(20):  # frames the child, if it still read the channel, could take
-        assert b.call("nap", [0.01], i)["result"] == 0.01
+        answer = b.call("nap", [0.01], i)
+        assert answer.get("result") == 0.01, (answer, b.read_log())
     assert sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="result") == 0
     assert sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="cancelled") == 0
     assert b.stop() == 0

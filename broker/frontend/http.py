@@ -62,7 +62,8 @@ Flow control (aiohttp and uvicorn do the same): reading pauses while the transpo
 write buffer is above its high-water mark, or while more than `PIPELINE_HIGH`
 requests wait for answers on one connection, and resumes below the low marks.
 Work per loop turn: a read past FEED_BYTES is parsed in pieces, REQUESTS_PER_TURN
-requests a turn, the rest kept in `_backlog` with reading paused (`_feed_turn`,
+requests a turn (or fewer, past TURN_REQUEST_BYTES of them: a request can be a batch of
+1000 calls), the rest kept in `_backlog` with reading paused (`_feed_turn`,
 `_next_turn`; NDJSON's LINES_PER_TURN): httptools parses all it is fed at once, and
 requests answered at once never fill the pipeline to pause reading.
 Memory for answers: the answers a connection is owed and its client has not read stay
@@ -122,6 +123,7 @@ __all__ = ["PROBE_RESERVE", "HttpFrontend", "HttpProtocol"]
 PIPELINE_HIGH = 64  # requests owed on one connection before reading pauses
 PIPELINE_LOW = 16  # ... and resumes
 REQUESTS_PER_TURN = 16  # requests routed from one read per loop turn; the rest waits (NDJSON's LINES_PER_TURN)
+TURN_REQUEST_BYTES = 64 * 1024  # ... or fewer: requests of this many bytes end a turn too (NDJSON's TURN_LINE_BYTES)
 FEED_BYTES = 4096  # a read past this is parsed in pieces, so that a turn can end between them
 MAX_HEADER_BYTES = 64 * 1024  # request line and header lines, like nginx's large buffers
 MAX_HEADERS = 100  # header fields in one request (h11 and nginx allow 100 too)
@@ -889,7 +891,8 @@ class HttpProtocol(asyncio.Protocol):
             start = stop
             if self._closing or self._transport is None:
                 return
-            if self.requests - routed >= REQUESTS_PER_TURN and start < end:
+            if (self.requests - routed >= REQUESTS_PER_TURN or (start >= TURN_REQUEST_BYTES and self.requests > routed)) \
+                    and start < end:
                 self._backlog = data[start:]
                 self._pause()
                 if not self._write_paused:  # else `resume_writing` schedules it
