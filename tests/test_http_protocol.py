@@ -766,6 +766,19 @@ def test_idle_streams_at_max_connections_leave_http_its_descriptors(tmp_path):
     assert "allows" in "".join(log) and "per listener" in "".join(log)
 
 
+def test_an_http10_request_with_transfer_encoding_is_answered_then_closed(hb):
+    """RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding is to be treated as if
+    its framing were faulty, and the connection closed after it (round 7 of hostile
+    testing: a keep-alive one was served and kept open)."""
+    body = b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}'
+    with Conn(hb) as c:
+        c.send(b"POST " + RPC.encode() + b" HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+               b"Connection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        status, headers, answer = c.response()
+        assert (status, headers["connection"], answer) == (200, "close", b'{"jsonrpc":"2.0","id":1,"result":3}')
+        assert c.closed_within(5)
+
+
 def test_http10_keep_alive_is_confirmed_in_the_answer(hb):
     """An HTTP/1.0 client keeps the connection only if the answer says keep-alive."""
     with Conn(hb) as c:

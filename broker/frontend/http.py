@@ -1145,8 +1145,11 @@ class HttpProtocol(asyncio.Protocol):
         self.request_started = 0.0
         draining = self._fe.draining
         keep_alive = self._parser.should_keep_alive() and not draining
-        if keep_alive and not self._keep_header and version == "1.0":
-            self._keep_header = _KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
+        if keep_alive and version == "1.0":
+            if self._transfer_encoding:  # its framing is to be treated as faulty: answered, then closed (RFC 9112 6.1)
+                keep_alive = False
+            elif not self._keep_header:
+                self._keep_header = _KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
         self._route(method, url, keep_alive)
         if self._body:  # a body no route took (a GET's, a 404's, a refused call's): not kept
             self._body = b""  # (nor counted in `Incoming`) while the connection idles
