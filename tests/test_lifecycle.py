@@ -1014,3 +1014,30 @@ def test_a_worker_whose_process_cannot_be_created_is_tried_again(tmp_path):
         if not python.exists():
             os.symlink(real, python)
         assert b.stop() == 0, b.read_log()
+
+
+def test_worker_restarts_short_of_descriptors_leak_none(broker_factory):
+    """Hostile testing (round 7): a restart failing with EMFILE part-way through uvloop's
+    process creation leaked 4 descriptors each time (/dev/null, the log, duplicated),
+    bringing the next EMFILE nearer. The pool no longer tries while fewer than
+    SPAWN_DESCRIPTORS are free; it tries again once they are, and nothing leaks."""
+    import resource
+
+    b = broker_factory("--workers", "2", "--restart-backoff-max", "0.5")
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{b.pid}/fd"))
+
+    wait_for(lambda: len(children(b.pid)) == 2, timeout=20)
+    time.sleep(0.5)
+    start = fds()
+    soft, hard = resource.prlimit(b.pid, resource.RLIMIT_NOFILE)
+    for i in range(3):
+        resource.prlimit(b.pid, resource.RLIMIT_NOFILE, (fds() + 3, hard))  # 3 descriptors to spare
+        os.kill(min(children(b.pid)), signal.SIGKILL)
+        wait_for(lambda i=i: b.read_log(0.05).count("cannot be created") > i, timeout=20)
+        resource.prlimit(b.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 2, timeout=30)
+    assert b.call("add", [1, 2])["result"] == 3
+    assert fds() <= start + 1, (start, fds())
+    assert "__dealloc__" not in b.read_log()
