@@ -259,6 +259,11 @@ def test_an_allowed_origin_gets_cors_headers(broker_factory, tmp_path):
     assert_refused(status, body, 415, "Content-Type")
     status, _, body = exchange(b, request(record("x"), origin="http://app.test:3001"))
     assert_refused(status, body, 403, "Origin not in allowed_origins")
+    # Two Origin headers, the last allowed: none is (hostile testing, round 7: the last one
+    # was checked)
+    status, _, body = exchange(b, request(record("x"), origin="http://evil.test",
+                                          extra="Origin: http://app.test:3000\r\n"))
+    assert_refused(status, body, 403, "Origin not in allowed_origins")
     assert marks(ledger) == ["cors", "note"]
 
 
@@ -678,6 +683,30 @@ def client_hello(ticket: bytes) -> bytes:
             + b"\x13\x01\xc0\x2f" + b"\x01\x00" + struct.pack(">H", len(exts)) + exts)
     handshake = b"\x01" + struct.pack(">I", len(body))[1:] + body
     return b"\x16\x03\x01" + struct.pack(">H", len(handshake)) + handshake
+
+
+@pytest.mark.parametrize("method", ["patch", "Patch", "M-SEARCH", "JSONRPCCALLS"])
+def test_an_http_request_of_any_method_on_the_stream_port_closes_it(broker_factory, tmp_path, method):
+    """Hostile testing (round 7): the request line was recognized only with 3 to 10
+    upper-case letters for its method, but browsers send every method other than the six
+    they normalize as written (`fetch(url, {method: "patch"})` after DNS rebinding needs no
+    preflight): each head line got -32700, and the call in the body ran."""
+    ledger, port = tmp_path / "calls.txt", free_port()
+    b = broker_factory(*LEDGER_APP, "--stream-port", str(port), env={"LEDGER_FILE": str(ledger)})
+    body = record("http") + b"\n"
+    raw = request(body, content_type="text/plain", origin="http://evil.example", method=method,
+                  extra=f"Content-Length: {len(body)}\r\n") + body
+    with socket.create_connection((b.host, port), timeout=15) as s:
+        s.sendall(raw)
+        received = b""
+        try:
+            while chunk := s.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+    error = json.loads(received)  # one line
+    assert error["id"] is None and "an HTTP request" in error["error"]["data"], received
+    assert_only_ndjson_ran(b, port, ledger)
 
 
 @pytest.mark.parametrize("first", ["tls", "not ascii"])

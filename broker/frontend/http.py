@@ -1030,8 +1030,8 @@ class HttpProtocol(asyncio.Protocol):
             self._content_type = value if self._content_type is None else b""  # two: not JSON, 415
         elif n == 6:
             name = name.lower()
-            if name == b"origin":
-                self._origin = value
+            if name == b"origin":  # (two: none allowed, 403; the last was checked, hostile testing)
+                self._origin = value if self._origin is None else b""
             elif name == b"expect" and value.lower() == b"100-continue":
                 self._expect = True
         elif n == 17 and name.lower() == b"transfer-encoding":

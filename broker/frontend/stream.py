@@ -86,11 +86,14 @@ REFUSED_LINGER = SWEEP_SECONDS  # seconds a refused connection may keep sending 
 # would otherwise hold a descriptor each for REFUSED_LINGER, past what the open-files
 # limit was sized for (`server.fit_open_files`).
 REFUSED_LINGERING = 64
-# The start of an HTTP request line (RFC 9112 3: method SP request-target): no JSON text
-# starts with an upper-case letter, so a line past max_body_bytes that starts so is one.
-_HTTP_START = re.compile(rb"[A-Z]{3,10} [^ ]")
+# The start of an HTTP request line (RFC 9112 3: method SP request-target; the method is
+# any token, RFC 9110 5.6.2, in any case: browsers send methods other than the six they
+# normalize as written, `patch` or `M-SEARCH`, hostile testing): no JSON text starts with
+# a token and a space, so a line past max_body_bytes that starts so is one.
+_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_HTTP_START = re.compile(_TOKEN + rb" [^ ]")
 # A whole HTTP request line, any version (HTTP/2.0 and HTTP/0.9-style odd ones included).
-_HTTP_LINE = re.compile(rb"[A-Z]{3,10} [^ ]+ HTTP/\d")
+_HTTP_LINE = re.compile(_TOKEN + rb" [^ ]+ [Hh][Tt][Tt][Pp]/\d")
 
 
 class StreamFrontend(Listener):
@@ -410,7 +413,8 @@ class StreamProtocol(asyncio.Protocol):
     def _line(self, line: bytes) -> None:
         if not line.strip():
             return
-        if 65 <= line[0] <= 90 and _HTTP_LINE.match(line):
+        first = line[0]
+        if first != 123 and first != 91 and _HTTP_LINE.match(line):  # (not "{" nor "[": 2 compares)
             self._foreign(_HTTP_REQUEST)
             return
         self.lines += 1
