@@ -724,3 +724,73 @@ def test_the_drain_does_not_wait_for_requests_it_will_not_serve(broker_factory, 
         for sock in {idle, s, slow}:
             sock.close()
     assert took < 7, f"the stop took {took:.1f} s (grace_period 10 s)"
+
+
+def _responses(got: bytes) -> list[tuple[bytes, bytes]]:
+    """(head, body) of each Content-Length framed HTTP response in `got`, in order."""
+    out = []
+    while got:
+        head, _, rest = got.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        out.append((head, rest[:length]))
+        got = rest[length:]
+    return out
+
+
+def test_the_drain_answers_every_pipelined_request_of_a_read_not_yet_parsed(broker_factory):
+    """Hostile testing (round 7): a client with a small receive buffer pipelines 120
+    requests in one write (80 batches answered at once with ~80 KB each, so writing
+    pauses with the rest of the read unparsed, then 40 calls) and reads only after
+    SIGTERM: 48 of 120 were answered, the last without `connection: close`, then EOF
+    (an answer written while draining closed the connection with the read's rest
+    unparsed, and every request completed while draining closed it after its answer).
+    Now all 120 are, the last one saying `connection: close`."""
+    b = broker_factory("--workers", "1", "--grace-period", "30")
+    invalid = b"[" + b",".join([b"1"] * 1000) + b"]"
+
+    def request(body: bytes) -> bytes:
+        return (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((b.host, b.port))
+    with s:
+        s.sendall(b"".join([request(invalid)] * 80 + [request(json.dumps(req("add", [i, 0], i)).encode())
+                                                       for i in range(40)]))
+        time.sleep(0.5)
+        b.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        s.settimeout(30)
+        got, ending = _read_all(s)
+    answers = _responses(got)
+    assert ending == "eof" and len(answers) == 120, len(answers)
+    assert [json.loads(body)["id"] for _, body in answers[80:]] == list(range(40))
+    assert b"connection: close" in answers[-1][0].lower()
+    assert all(b"connection: close" not in head.lower() for head, _ in answers[:-1])
+    assert b.proc.wait(30) == 0
+
+
+def test_the_drain_answers_a_request_still_arriving_behind_an_owed_answer(broker_factory):
+    """Hostile testing (round 7): request A (sleep 1) owed, request B's body still
+    arriving at the stop, on one keep-alive connection: A was answered keep-alive, the
+    connection half-closed, B dropped unanswered (and the drain no longer waited for it).
+    Now A is answered keep-alive, then B with `connection: close`."""
+    b = broker_factory("--workers", "1", "--grace-period", "30")
+    a = json.dumps(req("sleep", [1.0], "A")).encode()
+    bee = json.dumps(req("add", [1, 2], "B")).encode()
+    head = b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    with socket.create_connection((b.host, b.port), timeout=30) as s:
+        s.sendall(head % len(a) + a)
+        time.sleep(0.05)
+        s.sendall(head % len(bee) + bee[:-10])
+        time.sleep(0.3)
+        b.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.2)  # A is answered meanwhile; B still under way
+        s.sendall(bee[-10:])
+        got, ending = _read_all(s)
+    answers = _responses(got)
+    assert ending == "eof"
+    assert [json.loads(body)["id"] for _, body in answers] == ["A", "B"]
+    assert b"connection: close" not in answers[0][0].lower() and b"connection: close" in answers[1][0].lower()
+    assert b.proc.wait(30) == 0

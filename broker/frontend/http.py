@@ -534,6 +534,7 @@ class HttpProtocol(asyncio.Protocol):
         "_one_by_one",
         "_origin",
         "_parser",
+        "_parsing",
         "_probe_only",
         "_read_at",
         "_responses",
@@ -568,6 +569,7 @@ class HttpProtocol(asyncio.Protocol):
         self._linger = False  # half-close after the answer: the client may still be sending
         self.lingering_since = 0.0  # loop time of the half-close (`_linger`); 0 when not lingering
         self._framing = -1  # raw bytes read since the head's end (the body and its framing); -1: not in a body
+        self._parsing = False  # a read is being parsed (`data_received`, `_next_turn`)
         self.scrape_waiting = False  # in the listener's `_scrape_waiters`
         self._scraped = 0  # the number of the last build written here: a connection takes one copy of each
         self._keep_header = b""  # "connection: keep-alive" for an HTTP/1.0 client that asked
@@ -779,10 +781,16 @@ class HttpProtocol(asyncio.Protocol):
             if not self.read_paused:
                 self._pause()
                 fe.loop.call_soon(self._end_turn)
-        if len(data) > FEED_BYTES:
-            self._feed_turn(data)
-        else:
-            self._parse(data)
+        self._parsing = True
+        try:
+            if len(data) > FEED_BYTES:
+                self._feed_turn(data)
+            else:
+                self._parse(data)
+        finally:
+            self._parsing = False
+        if fe.draining and self._responses:
+            self._flush_ready()  # (answers held back while the read was parsed: `_write`)
 
     def _parse(self, data: bytes | memoryview) -> None:
         """Feed `data` to the parser, which calls back per request."""
@@ -908,7 +916,13 @@ class HttpProtocol(asyncio.Protocol):
             return
         self._backlog = b""
         if not self._closing:
-            self._feed_turn(backlog)
+            self._parsing = True
+            try:
+                self._feed_turn(backlog)
+            finally:
+                self._parsing = False
+            if self._fe.draining and self._responses:
+                self._flush_ready()  # (answers held back while the read was parsed: `_write`)
         if not self._backlog:
             self._maybe_resume()
             self._fe.recount()  # (the drain waits for a backlog: `Listener.held`)
@@ -1143,8 +1157,11 @@ class HttpProtocol(asyncio.Protocol):
             self._upgrade = (method, url)
             return
         self.request_started = 0.0
-        draining = self._fe.draining
-        keep_alive = self._parser.should_keep_alive() and not draining
+        # (While draining too: a connection busy at the stop serves every request it has,
+        # pipelined or still arriving, and closes at its first idle moment, its last answer
+        # saying so (`_write`); closing after the next answer dropped the rest of a read,
+        # hostile testing, round 7.)
+        keep_alive = self._parser.should_keep_alive()
         if keep_alive and version == "1.0":
             if self._transfer_encoding:  # its framing is to be treated as faulty: answered, then closed (RFC 9112 6.1)
                 keep_alive = False
@@ -1155,8 +1172,8 @@ class HttpProtocol(asyncio.Protocol):
             self._body = b""  # (nor counted in `Incoming`) while the connection idles
         if not keep_alive:
             self._closing = True
-            if draining:  # it was under way at the stop (`HttpFrontend.held`); now routed
-                self._fe.recount()
+        if self._fe.draining:  # it may have been under way at the stop (`HttpFrontend.held`); now routed
+            self._fe.recount()
 
     def _route(self, method: bytes, url: bytes, keep_alive: bool) -> None:
         fe = self._fe
@@ -1381,6 +1398,8 @@ class HttpProtocol(asyncio.Protocol):
             self._flush_ready()
 
     def _flush_ready(self) -> None:
+        if self._parsing and self._fe.draining:
+            return  # (at the end of the read's parse: `_write` holds back a last answer till then)
         responses = self._responses
         while responses:
             head = responses[0]
@@ -1438,6 +1457,9 @@ class HttpProtocol(asyncio.Protocol):
             return
         fe = self._fe
         if keep_alive and fe.draining and not self._responses and not self.request_started and not self._backlog:
+            if self._parsing:  # more requests may follow in this read: decided once it is parsed
+                self._responses.append((data, keep_alive, path))
+                return
             # The last answer before the stop closes the connection: say so (RFC 9112 9.6),
             # or a client pool would send its next request on it, to be discarded (hostile
             # testing: http.client's next POST got RemoteDisconnected, ran or not)
@@ -1463,11 +1485,8 @@ class HttpProtocol(asyncio.Protocol):
                 self.lingering_since = self.last_active
             else:
                 transport.close()
-        elif (fe.draining or self._eof) and not self._responses:
-            if fe.draining:
-                self.stop_close()
-            else:
-                transport.close()
+        elif self._eof and not self._responses and not self.request_started and not self._backlog:
+            transport.close()
 
     def _closing_form(self, response: bytes) -> bytes:
         """`response` (a keep-alive answer: status line, headers, body) saying
