@@ -493,6 +493,10 @@ class Pool:
 
     def _relaunch(self, worker: Worker) -> None:
         if not self._stopping and self.workers[worker.slot] is worker and worker.state is WorkerState.STARTING:
+            if self._reloading:  # not on the code being deployed: the slot waits for the reload
+                worker.move(WorkerState.DEAD)
+                self._awaiting_reload[worker] = ""
+                return
             task = self.loop.create_task(self._launch(worker))
             task.add_done_callback(_log_task_error)
 
