@@ -60,7 +60,14 @@ worker, as the worker measures them: a moving average of each reply's service ti
 moving 1/8 of the way to each new one (a 200 ms method is blocking after its first
 call; a 20 µs one needs an outlier past 8 ms, a loaded machine's descheduling, to
 cross for a call or two; an estimate that jumped to each slower call flipped `add` to
-blocking on every such outlier). A method starts as blocking until its first reply.
+blocking on every such outlier). A method starts as blocking until its first reply; a
+reload keeps the estimate of a method that stays sync (`set_methods`). A queued call is
+routed as what its method is known to be when it is sent, not when it was queued
+(`_reclassify` updates the queued calls of a method that crosses the threshold): the
+calls of a fresh fast method, queued one by one behind its first call, go out at once
+when its first answer comes. Until then they wait in the queue (a burst past
+`max_queue` in that moment is shed: the README says what a fresh broker's first burst
+costs).
 A reply whose handler never ran (params that did not bind, an unknown method: the
 worker says so with `wire.NOT_RUN` in its aux) teaches nothing: a -32602 in 30 µs
 from the initial estimate flipped a 3 s method to fast, and the next batch was dealt
@@ -588,21 +595,27 @@ class Dispatcher:
         old worker keeps the index it was sent with, and only the index its answer is
         counted under changes (`other` for a lost method).
 
-        Routing state belongs to the new code only: every method starts unmeasured
-        (a sync one as blocking, until its first reply), a queued call's `sync` is
-        recomputed from the new table (a chunk's: its count of blocking sync calls),
-        and a call in flight on an old worker is marked `stale`: its reply still
-        frees the worker's sync accounting it took, but teaches no estimate (the
-        old handler's time says nothing of the new one, which may even be async).
+        A sync method that was sync in the old table too keeps its service-time
+        estimate (a reload of the same code must not make `add` slow again: a burst
+        of batches right after a SIGHUP went out one call at a time and was shed,
+        hostile testing); any other method starts unmeasured (a sync one as
+        blocking, until its first reply; an async one made sync, or the reverse,
+        starts afresh). A queued call's `sync` is recomputed from the new table (a
+        chunk's: its count of blocking sync calls), and a call in flight on an old
+        worker is marked `stale`: its reply still frees the worker's sync accounting
+        it took, but teaches no estimate (the old handler's time says little of the
+        new one, which may even be async).
         """
         old = self._names
+        known = {name: self._sync_us[i] for i, name in enumerate(old) if self._sync_us[i] >= 0}
         sync = [int(name in sync_methods) for name in names]
         self._names = list(names)
         # One entry past the table too: `other`, the index a reload gives a lost method.
-        self._blocking = [*sync, 0]  # until its first reply says otherwise
-        self._sync_us = [*(BLOCKING_US if s else -1 for s in sync), -1]
+        self._sync_us = [*(known.get(name, BLOCKING_US) if s else -1 for name, s in zip(names, sync)), -1]
+        self._blocking = [int(us >= BLOCKING_US) for us in self._sync_us]  # until a reply says otherwise
         self._routes = {
-            name: Route(i, self._method_timeouts.get(name, self._timeout), sync[i])
+            name: Route(i, self._method_timeouts.get(name, self._timeout),
+                        1 if self._blocking[i] else -1 if sync[i] else 0)
             for i, name in enumerate(names)
         }
         # When every method has the same deadline (the usual case) a batch needs no
@@ -1058,13 +1071,28 @@ class Dispatcher:
         return response_error(id_, self._too_large)
 
     def _reclassify(self, index: int, est: int) -> None:
-        """A sync method's estimate crossed BLOCKING_US: route its calls accordingly."""
+        """A sync method's estimate crossed BLOCKING_US: route its calls accordingly,
+        those still queued too. A queued call goes out as what its method is known to
+        be when it is sent, not when it was queued: the calls of a fresh `add` queued
+        one by one behind its first call (unmeasured: blocking) went on one at a time
+        per worker after its first answer showed it fast, and a burst of batches was
+        shed -32000 with the workers far from worker_concurrency (hostile testing).
+        (A walk of the queue, only when a method crosses the threshold: rare.)"""
         if index >= len(self._names):  # `other`: a method a reload removed
             return
         blocking = int(est >= BLOCKING_US)
         self._blocking[index] = blocking
         name = self._names[index]
         self._routes[name] = self._routes[name]._replace(sync=1 if blocking else -1)
+        flags = self._blocking
+        for call in self._queue:
+            if not call.tick:  # an expired shell
+                continue
+            if call.methods is None:
+                if call.index == index:
+                    call.sync = 1 if blocking else -1
+            elif index in call.methods:
+                call.sync = sum(flags[m] for m in call.methods)
         log.debug("sync method %s takes about %d us: %s", name, est, "blocking" if blocking else "not blocking")
 
     def _learn_chunk(self, call: Call, aux: int) -> None:

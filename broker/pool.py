@@ -24,9 +24,15 @@ service only while the new one imports the app, not for as long as the old one's
 longest call runs). The old one drains beside it in `retiring` and is not restarted
 when it exits. Calls that find no other worker meanwhile wait in the queue for the new
 one, never "no worker available". During a reload, whose new worker takes the slot at
-the swap, the one leaving drains in its slot instead, and is respawned at once (no
-backoff: it did not fail) if it exits before the swap. Either way the restart reason
-is "left", not "exited": a leave is not a crash.
+the swap, the one leaving drains in its slot instead (see below for its exit). Either
+way the restart reason is "left", not "exited": a leave is not a crash.
+
+A worker sent SIGTERM before its HELLO (the interpreter's start, the app's import: its
+loop's handler is not installed yet) is killed by it, status -SIGTERM. The broker never
+sends SIGTERM (it kills with SIGKILL), so that is someone recycling it too: a leave,
+restarted at once (no backoff) and counted "left", calls waiting for it meanwhile; also
+while the pool starts (not a boot failure), and for a reload's new worker (another
+takes its place in the reload).
 
 A slot whose process exits (or whose socket closes) is DEAD: the dispatcher answers
 its in-flight calls with "worker died" and its queued calls go to other workers. The
@@ -49,6 +55,16 @@ the new ones are killed and nothing else changes: only `workers` are ever restar
 Reloads are asked for with `request_reload`, which coalesces: one asked for during a
 reload, or while the pool starts, runs once that ends (nginx's and gunicorn's SIGHUP),
 so the code on disk last is the code deployed.
+
+During a reload no slot is restarted: a restart would import the code being deployed
+and take calls beside the old code (hostile testing: old and new answered in turn, and
+a method the new code added made a false "changed on disk without a SIGHUP"). A slot
+whose worker exits then (it left, it crashed, or its restart's backoff ends then) waits
+for the reload (`_awaiting_reload`, calls wait for it or go to the other workers): its
+new worker takes the slot at the swap. If the reload fails, those slots are restarted
+then, on the code on disk, and the log says so (a WARNING: that code may not be the old
+workers'). A worker started before the reload whose HELLO comes during it with other
+methods is refused the same way (`SUPERSEDED`), not as code changed without a SIGHUP.
 
 A worker restarted after a crash imports what is on disk now. If its HELLO lists other
 methods than the running workers', the code changed on disk without a SIGHUP: it cannot
@@ -104,6 +120,7 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 STABLE_SECONDS = 30.0  # a worker up this long resets its slot's backoff
 BOOT_TIMEOUT_SECONDS = 60.0  # default of boot_timeout: a worker with no HELLO by then is killed
 CODE_CHANGED = "code changed on disk"  # kill_reason of a restarted worker whose HELLO was refused
+SUPERSEDED = "superseded by the reload"  # kill_reason of one refused so during a reload (`Pool.hello`)
 KILL_AFTER_SECONDS = 2.0  # a worker whose socket closed but lives on is killed after
 
 
@@ -330,6 +347,11 @@ class Pool:
         # one more was asked for while it ran (or while the pool started).
         self._reload_task: asyncio.Task[None] | None = None
         self._reload_wanted = False
+        # Slots whose worker exited during a reload (or whose restart came due then): not
+        # restarted on the code being deployed, they wait for the reload's new worker, and
+        # are restarted only if the reload fails. Value: the restart reason to count then
+        # ("" when it was counted already).
+        self._awaiting_reload: dict[Worker, str] = {}
         dispatcher.worker_coming = self._worker_coming
 
     def _worker_coming(self) -> bool:
@@ -337,9 +359,11 @@ class Pool:
         the leave on, `worker_leaving`), or one that asked to leave during a reload and
         drains in its slot: it is restarted at once when it exits 0, so calls wait for
         it in the queue. That counts from its BYE to its restart, also once its socket
-        has closed (DEAD, `channel_lost`) and while its exit is being reaped. (Retiring
-        workers, a reload's or those a leave replaced, are not in `workers`.)"""
-        return any(w.state is WorkerState.STARTING or w.leaving for w in self.workers)
+        has closed (DEAD, `channel_lost`) and while its exit is being reaped; or a slot
+        that waits for the reload under way (`_awaiting_reload`: its new worker takes
+        the slot at the swap, and if the reload fails the slot is restarted then).
+        (Retiring workers, a reload's or those a leave replaced, are not in `workers`.)"""
+        return bool(self._awaiting_reload) or any(w.state is WorkerState.STARTING or w.leaving for w in self.workers)
 
     @property
     def socket_path(self) -> str:
@@ -474,6 +498,10 @@ class Pool:
 
     def _relaunch(self, worker: Worker) -> None:
         if not self._stopping and self.workers[worker.slot] is worker and worker.state is WorkerState.STARTING:
+            if self._reloading:  # not on the code being deployed: the slot waits for the reload
+                worker.move(WorkerState.DEAD)
+                self._awaiting_reload[worker] = ""
+                return
             task = self.loop.create_task(self._launch(worker))
             task.add_done_callback(_log_task_error)
 
@@ -482,12 +510,21 @@ class Pool:
         exited.set_result(status)
         if worker.process is not process:
             return
+        was_starting = worker.state is WorkerState.STARTING
+        # SIGTERM before its HELLO: the worker's own handler was not installed yet (the
+        # interpreter's start, the app's import), so the signal killed it. The broker
+        # never sends SIGTERM (its kills are SIGKILL): someone recycled it, as they would
+        # a ready worker, which leaves losing no call. So it is a leave, not a failure
+        # (hostile testing: two recycles in a row killed every replacement while it
+        # imported, restart backoff, and calls were answered -32003 meanwhile).
+        if was_starting and status == -signal.SIGTERM and not worker.kill_reason:
+            worker.leaving = True
         reason = describe_status(status)
         if worker.kill_reason:
             reason = f"{reason} ({worker.kill_reason})"
         elif worker.leaving:
-            reason = f"{reason} (it asked to leave)"
-        was_starting = worker.state is WorkerState.STARTING
+            reason = f"{reason} (it asked to leave)" if not was_starting else f"{reason} before it was ready: it left"
+        left = worker.leaving and (status == 0 or status == -signal.SIGTERM)
         if worker.state is not WorkerState.DEAD:
             worker.move(WorkerState.DEAD)
         self.dispatcher.worker_lost(worker, reason)
@@ -495,14 +532,28 @@ class Pool:
         self._changed.set()
         if self._stopping:
             return
-        if worker in self.incoming:  # a new worker of a reload that failed: no restart
-            log.warning("reload: new worker %d (pid %d) %s", worker.slot, worker.pid, reason)
+        if worker in self.incoming:
+            if left and was_starting and self._reloading and not self._incoming_error:
+                # A reload's new worker sent SIGTERM while it imports: another takes its place
+                # in the reload (which still waits at most its timeout in all).
+                log.info("reload: new worker %d (pid %d) %s; starting another", worker.slot, worker.pid, reason)
+                self.restarts_total += 1
+                self.restarts_by_reason["left"] = self.restarts_by_reason.get("left", 0) + 1
+                new = self.incoming[worker.slot] = Worker(worker.slot)
+                if self._prepare(new):
+                    task = self.loop.create_task(self._launch(new))
+                    task.add_done_callback(_log_task_error)
+                self._changed.set()
+                return
+            log.warning("reload: new worker %d (pid %d) %s", worker.slot, worker.pid, reason)  # (a failed reload: no restart)
             return
         if self.workers[worker.slot] is not worker:  # replaced (a reload, a leave; a failed reload's): no restart
             if worker in self.retiring:
                 self.retiring.discard(worker)
                 log.log(logging.INFO if status == 0 or not worker.leaving else logging.WARNING,
                         "worker %d (pid %d) %s: %s", worker.slot, worker.pid, "left" if worker.leaving else "retired", reason)
+            elif worker.kill_reason.startswith(SUPERSEDED):
+                log.info("worker %d (pid %d) %s", worker.slot, worker.pid, reason)
             else:  # (a new worker of a reload that failed, stopped with the others)
                 log.info("reload: new worker %d (pid %d) stopped, the reload failed: %s", worker.slot, worker.pid, reason)
             return
@@ -511,12 +562,25 @@ class Pool:
             log.warning("worker %d (pid %d) %s; not restarted: the reload asked for replaces it",
                         worker.slot, worker.pid, reason)
             return
-        log.log(logging.INFO if worker.leaving and status == 0 else logging.WARNING,
-                "worker %d (pid %d) %s", worker.slot, worker.pid, reason)
-        if was_starting and self._starting:
+        why = restart_reason(status, worker.kill_reason, left)
+        if self._reloading or worker.kill_reason.startswith(SUPERSEDED):
+            # A restart now would import the code being deployed and join the old workers
+            # (hostile testing: old and new code answered in turn, and a new method made a
+            # false "changed on disk without a SIGHUP"). The reload's new worker takes the
+            # slot at the swap; calls wait for it (`_worker_coming`), or go to the others.
+            log.log(logging.INFO if left or worker.kill_reason.startswith(SUPERSEDED) else logging.WARNING,
+                    "worker %d (pid %d) %s; a reload is under way: its slot waits for the reload's new worker",
+                    worker.slot, worker.pid, reason)
+            self._awaiting_reload[worker] = "reload" if worker.kill_reason.startswith(SUPERSEDED) else why
+            if not self._reloading:  # (the reload ended before this exit was reaped)
+                self._restart_awaiting("the reload that superseded it failed")
+            return
+        log.log(logging.INFO if left else logging.WARNING, "worker %d (pid %d) %s", worker.slot, worker.pid, reason)
+        if was_starting and self._starting and not left:
             # Exited before its HELLO while the pool starts: the app cannot boot, whatever
             # the status (an exception or sys.exit() at import is WORKER_BOOT_ERROR, but
-            # os._exit() or a signal at import say nothing). Retrying would loop.
+            # os._exit() or a signal at import say nothing). Retrying would loop. (SIGTERM
+            # is a leave: someone recycled it, the start goes on with a new one.)
             if not self._boot_failure.done():
                 self._boot_failure.set_result(
                     f"worker {worker.slot} {reason} before it was ready: "
@@ -525,7 +589,7 @@ class Pool:
                 )
             return
         up = time.monotonic() - worker.started_at
-        if worker.leaving and status == 0:  # it left as it asked to: no failure, no backoff
+        if left:  # it left as it asked to (or was sent SIGTERM while starting): no failure, no backoff
             delay = 0.0
         else:
             worker.leaving = False  # it failed: no worker is coming during its backoff
@@ -533,13 +597,34 @@ class Pool:
             delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
         worker.restarts += 1
         self.restarts_total += 1
-        why = restart_reason(status, worker.kill_reason, worker.leaving)
         self.restarts_by_reason[why] = self.restarts_by_reason.get(why, 0) + 1
         if delay and not self.dispatcher.ready_workers and not self._worker_coming():
             self.dispatcher.no_worker_coming()
         await asyncio.sleep(delay)
-        if not self._stopping and worker.process is process and self.workers[worker.slot] is worker:
-            await self._spawn(worker)  # (unless a reload replaced it meanwhile)
+        if self._stopping or worker.process is not process or self.workers[worker.slot] is not worker:
+            return  # (a reload replaced it meanwhile)
+        if self._reloading:  # a reload began during the backoff: its new worker takes the slot
+            self._awaiting_reload[worker] = ""
+            return
+        await self._spawn(worker)
+
+    def _restart_awaiting(self, why: str) -> None:
+        """The reload failed (or the pool's last reload ended with it failed): restart the
+        slots that waited for it (`_awaiting_reload`). They import the code on disk now,
+        which the failed reload could not deploy: said in the log, as a WARNING."""
+        awaiting, self._awaiting_reload = self._awaiting_reload, {}
+        for worker, reason in awaiting.items():
+            if self._stopping or self.workers[worker.slot] is not worker or worker.state is not WorkerState.DEAD:
+                continue
+            log.warning("worker slot %d restarts now (%s): it imports the code on disk now, which the old"
+                        " workers may not run (a reload to it failed)", worker.slot, why)
+            if reason:
+                worker.restarts += 1
+                self.restarts_total += 1
+                self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
+            if self._prepare(worker):
+                task = self.loop.create_task(self._launch(worker))
+                task.add_done_callback(_log_task_error)
 
     def _boot_deadline(self, worker: Worker, process: asyncio.subprocess.Process) -> None:
         if worker.process is process and worker.state is WorkerState.STARTING:
@@ -565,6 +650,11 @@ class Pool:
             self.methods = names
             self.sync_methods = list(hello.sync_methods)
             self.dispatcher.set_methods(names, self.sync_methods)
+        elif names != self.methods and self._reloading:
+            # Started before the reload (a crash's or a leave's restart) and importing the
+            # code being deployed: the reload's new worker takes the slot at the swap.
+            worker.kill_reason = f"{SUPERSEDED}: it serves {names}, not {self.methods}"
+            raise CodeChanged(f"worker {hello.slot} (pid {hello.pid}), {worker.kill_reason}")
         elif names != self.methods:
             # A restarted worker imported code that changed on disk without a SIGHUP.
             # It cannot join (its method indexes mean other methods): deploy that code
@@ -617,7 +707,8 @@ class Pool:
         During a reload the old one drains in its slot instead: a new worker now would
         import the code being deployed before the swap (its HELLO refused if the methods
         changed), and the reload's new worker takes the slot at the swap anyway; if the
-        old one exits first, `_watch` restarts it at once. A reload's new worker that
+        old one exits first, its slot waits for the swap (`_watch`), and is restarted
+        only if the reload fails. A reload's new worker that
         leaves before the swap fails the reload, as any new worker that does not stay
         ready. (One told BYE already, by a reload or the stop, is leaving anyway.)"""
         if worker.state is not WorkerState.READY or worker.channel is None:
@@ -716,6 +807,7 @@ class Pool:
                 await self._spawn(worker)
             failure = await self._wait_incoming(timeout)
             if failure and self._stopping:
+                self._awaiting_reload.clear()
                 return False
             if failure:
                 for worker in self.incoming:
@@ -725,11 +817,13 @@ class Pool:
                         _kill_if_alive(worker.process)
                 self.reloads["failure"] += 1
                 log.error("reload failed: %s; keeping the old workers (the old code serves on)", failure)
+                self._restart_awaiting("its worker left or exited during the reload, which failed")
                 down = [w.slot for w in self.workers if w.kill_reason.startswith(CODE_CHANGED)]
                 if down:
                     log.error("worker slot %s stays down until a reload succeeds: the code on disk"
                               " serves other methods than the running workers", ", ".join(map(str, down)))
                 return False
+            self._awaiting_reload.clear()  # (their slots are the new workers')
             self._swap(self.incoming, typing.cast(list[str], self._incoming_methods), self._incoming_sync)
             self.reloads["success"] += 1
             if self.after_reload is not None:
@@ -779,8 +873,9 @@ class Pool:
                      sorted(before - set(names)) or "no method")
             self.methods = names
             self.sync_methods = sync_methods
-        # Always, even for the same table: routing state (sync methods' service-time
-        # estimates) is the new code's to learn, not carried over from the old one.
+        # Always, even for the same table: calls routed before are translated, and the
+        # routing state is the new code's (a method still sync keeps what was learnt of
+        # its service time; any other starts afresh: `Dispatcher.set_methods`).
         self.dispatcher.set_methods(names, sync_methods)
         self.workers = list(incoming)
         for new in incoming:
@@ -837,19 +932,19 @@ class Pool:
         )  # fmt: skip
 
 
-def restart_reason(status: int, kill_reason: str, leaving: bool = False) -> str:
+def restart_reason(status: int, kill_reason: str, left: bool = False) -> str:
     """The bounded `reason` label of a restart: "hung" or "boot_timeout" when the broker
-    killed the worker for that, "killed" by another signal, "left" when it asked to
-    leave (SIGTERM) and exited 0, else "exited". (A worker refused because the code
-    changed on disk is counted "code_changed" by the pool, and a leave whose new worker
-    starts at once "left" by `Pool.worker_leaving`.)"""
+    killed the worker for that, "left" when it left as asked (`left`: SIGTERM, after its
+    BYE, or before its HELLO, `Pool._watch`), "killed" by another signal, else "exited".
+    (A worker refused because the code changed on disk is counted "code_changed" by the
+    pool, and a leave whose new worker starts at once "left" by `Pool.worker_leaving`.)"""
     if kill_reason.startswith("hung"):
         return "hung"
     if kill_reason.startswith("boot timeout"):
         return "boot_timeout"
-    if status < 0:
-        return "killed"
-    return "left" if leaving and status == 0 else "exited"
+    if left:
+        return "left"
+    return "killed" if status < 0 else "exited"
 
 
 def describe_status(status: int) -> str:

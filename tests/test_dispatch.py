@@ -806,6 +806,71 @@ def test_a_reload_that_makes_an_async_method_sync_blocks_its_queued_calls():
     run(main)
 
 
+def test_queued_calls_of_a_sync_method_go_out_as_what_it_is_known_to_be_when_sent():
+    """Hostile testing (r2_reload_sheds_sync_batches.py): a batch's calls of an unmeasured
+    sync method (blocking until its first answer) go out one per worker and the rest
+    queue; they kept their blocking label after the first answer showed the method fast,
+    so they went on one at a time per worker. Now its first fast answer sends them all
+    at once, as the fast calls they are; a method found slow while queued waits as one."""
+
+    async def main() -> None:
+        d, workers = sync_dispatcher(1)
+        codec = Codec()
+        d.submit(body(codec, [req("quick", [i], i) for i in range(10)]), lambda e: None)
+        [first], [_second] = (w.channel.take() for w in workers)
+        assert d.queued_calls == 8
+        d.on_reply(workers[0], wire.Kind.RESULT, first[1], 20, b"0")  # 20 us: fast
+        assert d.queued_calls == 0
+        assert sum(len(w.channel.take()) for w in workers) == 8
+        assert workers[0].sync_calls == 0  # (the other is still in its first, blocking call)
+        # The other way: `quick`, known fast, turns out slow while calls of it are queued.
+        d2, (w,) = sync_dispatcher(1, workers=1, concurrency=3)
+        d2.submit(body(codec, req("quick", [], "a")), lambda e: None)
+        [a] = w.channel.take()
+        d2.on_reply(w, wire.Kind.RESULT, a[1], 20, b"0")  # fast
+        d2.submit(body(codec, req("quick", [], "b")), lambda e: None)
+        for i in range(2):
+            d2.submit(body(codec, req("fast", [i], i)), lambda e: None)  # (async) w at its limit, 3
+        for i in range(3):
+            d2.submit(body(codec, req("quick", [i], f"q{i}")), lambda e: None)
+        [b, *_] = w.channel.take()
+        assert d2.queued_calls == 3 and w.sync_calls == 0
+        d2.on_reply(w, wire.Kind.RESULT, b[1], 900_000, b"0")  # that one took 0.9 s: blocking now
+        assert len(w.channel.take()) == 1  # one queued `quick`, as the blocking call it now is
+        assert (w.sync_calls, w.limit, d2.queued_calls) == (1, 2, 2)
+
+    run(main)
+
+
+def test_a_reload_keeps_what_was_learnt_of_a_method_that_stays_sync():
+    """Hostile testing (r2_reload_sheds_sync_batches.py): every reload (and the SIGHUP
+    of the same code) made a fast sync method blocking again until its first answer, so
+    a burst of batches right after it went out one call at a time and was shed. A method
+    sync before and after keeps its estimate (a batch of it goes in chunks at once); one
+    made sync by the reload starts unmeasured (blocking)."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=1)
+        d.set_methods(["add", "m"], sync_methods=["add"])
+        old = add_worker(d, 0, 100)
+        codec = Codec()
+        d.submit(body(codec, req("add", [1, 2], 0)), lambda e: None)
+        [frame] = old.channel.take()
+        d.on_reply(old, wire.Kind.RESULT, frame[1], 20, b"3")  # fast
+        d.worker_unready(old)  # the swap (Pool._swap)
+        d.set_methods(["add", "m"], sync_methods=["add", "m"])
+        new = [add_worker(d, slot, 100) for slot in range(2)]
+        d.submit(body(codec, [req("add", [i, 1], i) for i in range(100)]), lambda e: None)
+        frames = [f for w in new for f in w.channel.take()]
+        assert sorted((f[0], f[2]) for f in frames) == [(wire.Kind.CHUNK, 50), (wire.Kind.CHUNK, 50)]
+        assert d.queued_calls == 0 and all(w.sync_calls == 0 for w in new)
+        d.submit(body(codec, [req("m", [], i) for i in range(4)]), lambda e: None)  # async made sync
+        assert [f[0] for w in new for f in w.channel.take()] == [wire.Kind.CALL, wire.Kind.CALL]
+        assert d.queued_calls == 2
+
+    run(main)
+
+
 @pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 1e300, 0.0, -1.0])
 def test_a_deadline_the_wheel_cannot_hold_is_refused_at_construction(seconds):
     """Attack B finding 4: timeout = inf passed the dispatcher and every call then

@@ -1041,3 +1041,35 @@ def test_worker_restarts_short_of_descriptors_leak_none(broker_factory):
     assert b.call("add", [1, 2])["result"] == 3
     assert fds() <= start + 1, (start, fds())
     assert "__dealloc__" not in b.read_log()
+
+
+def test_sigterm_to_a_worker_still_importing_is_a_leave_and_calls_wait_for_its_replacement(broker_factory, tmp_path):
+    """Hostile testing (r3_sigterm_importing_worker.py): a worker catches SIGTERM only once
+    its loop runs; before that (the interpreter's start, the app's import) the signal kills
+    it. Recycling the workers twice in a row, the second SIGTERM reaching the replacements
+    while they imported, killed them: restart reason `killed`, backoff, and with no worker
+    ready nor starting the calls waiting were answered -32003. Such an exit is now a leave:
+    the slot is restarted at once, counted `left`, and the call waiting is answered by the
+    next worker."""
+    spec = tmp_path / "app.json"
+    spec.write_text(json.dumps({"version": 1, "methods": ["a"]}))
+    b = broker_factory("--workers", "1", "--app", "tests.apps.versioned:registry", "--timeout", "60",
+                       env={"VERSIONED_APP_FILE": str(spec)})
+    [old] = children(b.pid)
+    spec.write_text(json.dumps({"version": 1, "methods": ["a"], "import_seconds": 60}))
+    os.kill(old, signal.SIGTERM)  # idle: it leaves at once; its replacement imports for 60 s
+    wait_for(lambda: len(children(b.pid) - {old}) == 1, timeout=10)
+    [importing] = children(b.pid) - {old}
+    wait_for(lambda: os.path.exists(f"{spec}.importing-{importing}"), timeout=30)
+    wait_for(lambda: old not in children(b.pid), timeout=10)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(post_json, b, req("version", id_="w"))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 1, timeout=10)
+        spec.write_text(json.dumps({"version": 1, "methods": ["a"]}))  # the next one imports at once
+        os.kill(importing, signal.SIGTERM)  # recycled again, while it imports
+        assert waiting.result(timeout=30) == (200, {"jsonrpc": "2.0", "id": "w", "result": 1})
+    samples = scrape_metrics(b)
+    assert sample(samples, "rpc_broker_worker_restarts_total", reason="left") == 2
+    assert sample(samples, "rpc_broker_worker_restarts_total", reason="killed") == 0
+    assert "killed by SIGTERM before it was ready: it left" in b.read_log(0.2)
+    assert b.call("pid")["result"] not in (old, importing)

@@ -332,3 +332,72 @@ def test_a_worker_that_asks_to_leave_during_a_reload_drains_in_its_slot(broker_f
         assert nap.result(timeout=30)["result"] == 1  # (v1's nap answers its version)
     assert b.call("version")["result"] == 2
     wait_for(lambda: old not in children(b.pid) and len(children(b.pid)) == 1, timeout=10)
+
+
+def leave_during_a_reload(b: Broker, spec: Path, **new: object) -> tuple[set[int], int]:
+    """Deploy `new` with a SIGHUP, and once the reload's new workers are importing send
+    SIGTERM to an old worker (idle: it leaves at once). Returns the old pids and the one
+    that left."""
+    old = children(b.pid)
+    write(spec, **new)
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: len(children(b.pid)) == 2 * len(old), timeout=10)  # the new ones import
+    gone = min(old)
+    os.kill(gone, signal.SIGTERM)
+    wait_for(lambda: gone not in children(b.pid), timeout=10)
+    return old, gone
+
+
+def test_a_worker_that_leaves_during_a_reload_waits_for_it_and_no_false_code_changed(
+    broker_factory, tmp_path: Path
+) -> None:
+    """Hostile testing (r5_leave_during_reload_false_code_changed.py): a worker sent
+    SIGTERM during a reload that adds a method left, was restarted at once on the new code,
+    and its HELLO was refused with a false "changed on disk without a SIGHUP" (restart
+    reason code_changed, a second reload). Its slot now waits for the reload: only the old
+    code answers until the swap, then only the new one, after one reload."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"])
+    b = broker_factory("--workers", "2", "--app", APP, env={"VERSIONED_APP_FILE": str(spec)})
+    leave_during_a_reload(b, spec, version=2, methods=["a", "b"], first_import_seconds=3)
+    seen = set()
+    while True:  # an answer given while the reload is still under way (the first new worker imports)
+        answer = b.call("version")["result"]
+        if metric(b, "rpc_broker_reloads_total", result="success"):
+            break
+        seen.add(answer)
+    assert seen == {1}
+    assert {b.call("version", id_=i)["result"] for i in range(6)} == {2}
+    assert b.call("b")["result"] == {"method": "b", "version": 2}
+    log = b.read_log(0.5)
+    assert "without a SIGHUP" not in log, log
+    assert "its slot waits for the reload's new worker" in log, log
+    assert metric(b, "rpc_broker_worker_restarts_total", reason="code_changed") == 0
+    assert metric(b, "rpc_broker_worker_restarts_total", reason="reload") == 2
+    assert restarts(b) == 2
+    assert metric(b, "rpc_broker_reloads_total", result="success") == 1
+    assert len(children(b.pid)) == 2
+
+
+def test_a_worker_that_leaves_during_a_reload_that_fails_is_restarted_then(broker_factory, tmp_path: Path) -> None:
+    """Hostile testing (r1_leave_during_reload_mixed_code.py): the restart of a worker that
+    left during a reload imported the new code and served beside the old-code workers
+    before the swap, and on after the reload failed while the log said "keeping the old
+    workers". Now nothing of the new code answers during the reload; when it fails, the
+    slot is restarted and the log says it runs the code on disk now."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"])
+    b = broker_factory("--workers", "2", "--app", APP, "--boot-timeout", "3", env={"VERSIONED_APP_FILE": str(spec)})
+    leave_during_a_reload(b, spec, version=2, methods=["a"], first_import_seconds=30)
+    seen = set()
+    while True:  # an answer given while the reload is still under way (at boot_timeout)
+        answer = b.call("version")["result"]
+        if metric(b, "rpc_broker_reloads_total", result="failure"):
+            break
+        seen.add(answer)
+    assert seen == {1}
+    wait_for(lambda: metric(b, "rpc_broker_workers", state="ready") == 2, timeout=30)
+    log = b.read_log(0.2)
+    assert "restarts now" in log and "it imports the code on disk now" in log, log
+    assert metric(b, "rpc_broker_worker_restarts_total", reason="left") == 1
+    assert restarts(b) == 1

@@ -1,7 +1,9 @@
 """A test app whose code "changes on disk" between reloads: its version and the methods
 it registers come from the JSON file named by $VERSIONED_APP_FILE, read at import:
 {"version": 1, "methods": ["a", "b"]}. "broken": true makes the import fail;
-"import_seconds": s makes it take that long; "sleepers": ["c"] registers sync
+"import_seconds": s makes it take that long (it writes the file $VERSIONED_APP_FILE.importing-<pid>
+first: the test knows it is in that import), "first_import_seconds": s only for the first process
+to import that version (a cold cache; the others are quick); "sleepers": ["c"] registers sync
 methods that sleep their one param's seconds (a sync call that blocks its worker),
 "nappers": ["c"] async methods that do the same with asyncio.sleep.
 
@@ -19,8 +21,16 @@ with open(os.environ["VERSIONED_APP_FILE"]) as f:
     SPEC = json.load(f)
 if SPEC.get("broken"):
     raise ImportError("this deploy is broken")
-time.sleep(SPEC.get("import_seconds", 0))  # a slow import
 VERSION = SPEC["version"]
+if SPEC.get("import_seconds"):  # a slow import
+    open(f"{os.environ['VERSIONED_APP_FILE']}.importing-{os.getpid()}", "w").close()
+    time.sleep(SPEC["import_seconds"])
+if SPEC.get("first_import_seconds"):
+    try:
+        os.close(os.open(f"{os.environ['VERSIONED_APP_FILE']}.first-{VERSION}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        time.sleep(SPEC["first_import_seconds"])
+    except FileExistsError:
+        pass
 
 registry = Registry()
 
