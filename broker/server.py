@@ -31,7 +31,7 @@ import typing
 from broker.config import Config, ConfigError
 from broker.dispatch import Dispatcher
 from broker.frontend.base import Incoming
-from broker.frontend.http import PROBE_RESERVE, HttpFrontend
+from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
 from broker.frontend.stream import REFUSED_LINGERING, StreamFrontend
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.pool import Pool, WorkerBootError
@@ -107,6 +107,7 @@ def _remove_socket(made: tuple[str, int, int] | None) -> None:
 
 
 METRICS_CONNECTIONS = 64  # connections at once on a separate metrics listener (metrics_port)
+RESERVE = PROBE_RESERVE + PROBE_OVERFLOW  # connections an HTTP listener takes past max_connections
 _LISTENER_NAMES = {
     "http": "JSON-RPC over HTTP, port", "metrics": "metrics, metrics_port",
     "tcp": "NDJSON over TCP, stream_port", "unix": "NDJSON over a Unix socket, stream_socket",
@@ -239,11 +240,12 @@ async def run(
         try:
             max_connections = fit_open_files(
                 config.max_connections, 1 + streams,
-                # the probes' reserve; the metrics listener's connections and reserve; refused
-                # streams still being answered; per worker its socket and process handle, up to
-                # three processes a slot (one that asked to leave drains beside its replacement
-                # while a reload's new one starts); listening sockets, logs, /proc reads of a scrape
-                PROBE_RESERVE + (METRICS_CONNECTIONS + PROBE_RESERVE) * separate + REFUSED_LINGERING * streams
+                # the probes' reserve (its places and its overflow); the metrics listener's
+                # connections and reserve; refused streams still being answered; per worker its
+                # socket and process handle, up to three processes a slot (one that asked to leave
+                # drains beside its replacement while a reload's new one starts); listening
+                # sockets, logs, /proc reads of a scrape
+                RESERVE + (METRICS_CONNECTIONS + RESERVE) * separate + REFUSED_LINGERING * streams
                 + 6 * config.worker_count + 64,
             )
         except ConfigError as exc:

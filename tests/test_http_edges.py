@@ -488,8 +488,8 @@ def test_clients_scraping_on_the_probes_reserve_cannot_hold_the_probes_out(broke
     and never read were owed scrapes until send_timeout (60 s), and /healthz got 503
     "too many connections" for as long as they liked (a liveness probe would have the pod
     restarted). So did 8 that scrape in a loop, reading each answer: each one's scrape
-    waits for the others' turns, so each is owed one nearly all the time. A newcomer
-    now always takes a place: a pipelining one is reset, a looping one answered 503."""
+    waits for the others' turns, so each is owed one nearly all the time. A probe now
+    needs no place (answered at once); a scrape takes one: a pipelining one is reset."""
     from broker.frontend.http import PROBE_RESERVE
 
     b = broker_factory("--workers", "1", "--max-connections", "4")
@@ -536,7 +536,10 @@ def test_clients_scraping_on_the_probes_reserve_cannot_hold_the_probes_out(broke
             served.append(healthz_served(b))
             time.sleep(0.1)
         assert served == [True] * len(served), served
-        if mode == "pipelined":  # those displaced were reset, not left holding their answers
+        if mode == "pipelined":  # a scrape takes a place: a pipelining one's, reset (its answers dropped)
+            with Conn(b, timeout=5) as prometheus:
+                prometheus.send(get("/metrics"))
+                assert prometheus.response()[0] == 200
             gone = 0
             for s in hogs:
                 s.setblocking(False)
@@ -624,9 +627,9 @@ def test_a_scrape_waiting_for_its_build_in_the_probes_reserve_outlasts_silent_ne
 
 
 def test_of_scrapes_waiting_in_the_probes_reserve_the_busiest_connection_gives_its_place_first():
-    """When every connection in the probes' reserve is owed a scrape, the newcomer takes
-    the place of the one that has made the most requests (a client scraping in a loop,
-    not Prometheus, which makes one a scrape interval); it was the oldest request's."""
+    """When every connection in the probes' reserve is owed a scrape, a newcomer's scrape
+    takes the place of the one that has made the most requests (a client scraping in a
+    loop, not Prometheus, which makes one a scrape interval); it was the oldest request's."""
     from broker.frontend.http import PROBE_RESERVE
 
     async def scenario() -> tuple[list[int], int]:
@@ -642,16 +645,17 @@ def test_of_scrapes_waiting_in_the_probes_reserve_the_busiest_connection_gives_i
             writer.write(get("/metrics"))
             await until(lambda: len(fe.probe_conns) == PROBE_RESERVE and all(c.owed == 1 for c in fe.probe_conns))
             newcomer = await asyncio.open_connection("127.0.0.1", port)
-            await until(lambda: served_side(fe, newcomer[1]) is not None)
+            newcomer[1].write(get("/metrics"))
+            await until(lambda: served_side(fe, newcomer[1]) in fe.probe_conns)
             fe._scrape_due()
-            statuses = [await status_of(r) for r, _ in scrapers]
+            statuses = [await status_of(r) for r, _ in [*scrapers, newcomer]]
             busy = await status_of(reader)
             for _, w in [*scrapers, (reader, writer), newcomer]:
                 w.close()
             return statuses, busy
 
     statuses, busy = asyncio.run(scenario())
-    assert (statuses, busy) == ([200] * (PROBE_RESERVE - 1), 503)
+    assert (statuses, busy) == ([200] * PROBE_RESERVE, 503)
 
 
 def test_of_scrapes_waiting_in_the_probes_reserve_a_long_kept_prometheus_connection_keeps_its_place():
@@ -677,14 +681,110 @@ def test_of_scrapes_waiting_in_the_probes_reserve_a_long_kept_prometheus_connect
                 w.write(get("/metrics"))  # one request each, waiting for the next build
             await until(lambda: len(fe.probe_conns) == PROBE_RESERVE and all(c.owed == 1 for c in fe.probe_conns))
             newcomer = await asyncio.open_connection("127.0.0.1", port)
-            await until(lambda: served_side(fe, newcomer[1]) is not None)
+            newcomer[1].write(get("/metrics"))
+            await until(lambda: served_side(fe, newcomer[1]) in fe.probe_conns)
             fe._scrape_due()
             kept = await status_of(reader)
-            statuses = sorted([await status_of(r) for r, _ in fresh])
+            statuses = sorted([await status_of(r) for r, _ in [*fresh, newcomer]])
             for _, w in [*fresh, (reader, writer), newcomer]:
                 w.close()
             return statuses, kept
 
     statuses, kept = asyncio.run(scenario())
     assert kept == 200
-    assert statuses == [200] * (PROBE_RESERVE - 2) + [503]
+    assert statuses == [200] * (PROBE_RESERVE - 1) + [503]
+
+
+def test_silent_newcomers_displace_no_scrape_owed_in_the_probes_reserve_and_probes_need_no_place():
+    """Hostile testing (round 8): a newcomer always took the place of a reserve connection,
+    so with all 8 places owed a scrape (7 clients scraping in a loop, and Prometheus) a
+    flood of silent connections had scrapes answered 503, Prometheus's 13-23 of 30.
+    A connection past max_connections now waits for its first request in a bounded
+    overflow (PROBE_OVERFLOW, its oldest closed for a newcomer); only a scrape takes a
+    place. A /healthz there is answered at once, with every place owed a scrape."""
+    from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE
+
+    async def scenario() -> tuple[list[int], int, int]:
+        async with full_listener() as (port, fe):
+            scrapers = [await asyncio.open_connection("127.0.0.1", port) for _ in range(PROBE_RESERVE)]
+            for _, writer in scrapers:
+                writer.write(get("/metrics"))  # each waiting for the next build
+            await until(lambda: len(fe.probe_conns) == PROBE_RESERVE and all(c.owed == 1 for c in fe.probe_conns))
+            silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2 * PROBE_OVERFLOW)]
+            await until(lambda: served_side(fe, silent[-1][1]) is not None)  # (accepted in order)
+            assert all(c.owed == 1 for c in fe.probe_conns)  # none displaced
+            assert served_side(fe, silent[PROBE_OVERFLOW - 1][1]) is None  # the oldest of the overflow went
+            assert len(fe.probe_overflow) == PROBE_OVERFLOW  # (bounded)
+            probe = await asyncio.open_connection("127.0.0.1", port)
+            probe[1].write(get("/healthz"))
+            healthz = await status_of(probe[0])
+            fe._scrape_due()
+            statuses = [await status_of(r) for r, _ in scrapers]
+            open_ = len(fe.connections)
+            for _, w in [*scrapers, *silent, probe]:
+                w.close()
+            return statuses, healthz, open_
+
+    statuses, healthz, open_ = asyncio.run(scenario())
+    assert (statuses, healthz) == ([200] * PROBE_RESERVE, 200)
+    assert open_ <= 2 + PROBE_RESERVE + PROBE_OVERFLOW
+
+
+def test_a_scrape_connection_in_the_probes_reserve_keeps_its_place_between_scrapes():
+    """Hostile testing (round 8): Prometheus's kept connection in the reserve, served and
+    idle between scrapes, was closed for any newcomer (by make_room too, as an idle
+    connection), so its every scrape came on a fresh connection and fought for a place.
+    Silent newcomers now take no place: it is still open for its next scrape."""
+    from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE
+
+    async def scenario() -> list[int]:
+        async with full_listener() as (port, fe):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            statuses = []
+            silent: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+            for _ in range(2):
+                writer.write(get("/metrics"))
+                await until(lambda: (conn := served_side(fe, writer)) is not None and conn.owed == 1)
+                fe._scrape_due()
+                statuses.append(await status_of(reader))
+                await read_answer_rest(reader)
+                for _ in range(PROBE_RESERVE + PROBE_OVERFLOW):
+                    silent.append(await asyncio.open_connection("127.0.0.1", port))
+                await until(lambda: served_side(fe, silent[-1][1]) is not None)  # (accepted in order)
+            for _, w in [*silent, (reader, writer)]:
+                w.close()
+            return statuses
+
+    assert asyncio.run(scenario()) == [200, 200]
+
+
+async def read_answer_rest(reader: asyncio.StreamReader) -> None:
+    """The rest of an answer whose status line `status_of` read."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
+    await asyncio.wait_for(reader.readexactly(length), 10)
+
+
+def test_the_probes_reserve_overflow_closes_connections_silent_for_a_sweep():
+    """The overflow's connections (past max_connections, no place taken) are closed once
+    idle for a sweep: silent since accepted, or served a probe."""
+    from broker.frontend.base import SWEEP_SECONDS
+    from broker.frontend.http import PROBE_OVERFLOW
+
+    async def scenario() -> list[bytes]:
+        async with full_listener() as (port, fe):
+            silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(PROBE_OVERFLOW - 1)]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(get("/healthz"))
+            assert await status_of(reader) == 200
+            await until(lambda: len(fe.probe_overflow) == PROBE_OVERFLOW)
+            for conn in fe.probe_overflow:
+                conn.last_active -= 2 * SWEEP_SECONDS
+            fe._sweep()
+            ends = [await asyncio.wait_for(r.read(), 10) for r, _ in silent]
+            await asyncio.wait_for(reader.read(), 10)  # (the rest of its answer, then the end)
+            for _, w in [*silent, (reader, writer)]:
+                w.close()
+            return ends
+
+    assert asyncio.run(scenario()) == [b""] * (PROBE_OVERFLOW - 1)

@@ -178,6 +178,10 @@ class Listener:
             log.warning("%s: max_connections %d reached: refusing connections (%d so far)",
                         self.transport, self.max_connections, self.refused_total)
 
+    def pool_size(self) -> int:
+        """Connections counted against `max_connections` (HTTP's probes' reserve is not)."""
+        return len(self.connections)
+
     def make_room(self) -> None:
         """At `max_connections`: close the least recently active idle connections
         (`Connection.evictable`) until a new one fits under the limit, or none is left
@@ -192,7 +196,7 @@ class Listener:
         """
         evictable = self._evictable
         connections = self.connections
-        while len(connections) >= self.max_connections:
+        while self.pool_size() >= self.max_connections:
             now = self.loop.time()
             fresh = now - SWEEP_SECONDS
             if evictable:

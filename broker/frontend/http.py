@@ -85,20 +85,25 @@ owed, then the connection closes. After an error answer the broker half-closes a
 discards (lingers) for at most LINGER_TIMEOUT silent, LINGER_TIME in all; a lingering
 connection is idle for `make_room`.
 
-The probes' reserve (PROBE_RESERVE connections past max_connections, for /healthz,
-/readyz and /metrics only) is never held against a probe: when it is full, a newcomer
-always takes the place of one of its connections, whatever its age, the one that looks
-least like a probe (`_reserve_rank`): first one not taking its answers (writing paused,
-answers left in the transport's buffer, or more than one owed: pipelined), reset; then
-one trickling a request in (no probe does); then one served and idle (Prometheus
-between scrapes: it reconnects); then one silent since accepted, oldest first (a probe
-may be on its way); last one owed its one answer (a scrape waiting for its build), the
-one that has made requests fastest first (per second of its age, 1 s at least: a client
-scraping in a loop, or a fresh connection, before a Prometheus on its kept connection),
-which gets 503. A probe sends its head at once and is answered at once (/healthz and /readyz never
-wait), so connections opened every few ms displace one another, not the probe nor a
-scrape waiting for its build. The one displaced gets a refused connection's 503 (or,
-served and idle, a close; not taking its answers, a reset).
+The probes' reserve takes connections past max_connections (not counted in it, nor closed
+by `make_room`), for /healthz, /readyz and /metrics only, and is never held against a
+probe. A newcomer there waits for its first request in the overflow (PROBE_OVERFLOW
+connections; when it is full, the one there that looks least like a probe gives its
+place, `_reserve_rank`: not taking its answers, then trickling a request in, then served
+and idle, then silent, oldest first in each; a sweep idle there closes it). A probe
+needs no more: /healthz and /readyz are answered at once. A GET /metrics, which may wait
+for its build, claims one of PROBE_RESERVE places (`_claim_place`), and keeps it between
+scrapes; when all are held, the one that looks least like a probe gives it, the claimant
+included: first one not taking its answers (writing paused, answers left in the
+transport's buffer, or more than one owed: pipelined), reset; then one trickling a
+request in (no probe does); then one served and idle (Prometheus between scrapes: it
+reconnects); last one owed its one answer (a scrape waiting for its build), the one that
+has made requests fastest first (per second of its age, 1 s at least: a client scraping
+in a loop, or a fresh connection, before a Prometheus on its kept connection), then the
+oldest, which gets 503 (the claimant, answered already, just stays in the overflow). So
+connections opened every few ms, silent, displace one another in the overflow, never a
+scrape waiting for its build nor a scraper's kept connection. The one displaced gets a
+refused connection's 503 (or, served and idle, a close; not taking its answers, a reset).
 """
 
 from __future__ import annotations
@@ -112,12 +117,12 @@ from http import HTTPStatus
 import httptools
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget
-from broker.frontend.base import TURN_BYTES, Incoming, Listener, reset, unsent_bytes
+from broker.frontend.base import SWEEP_SECONDS, TURN_BYTES, Incoming, Listener, reset, unsent_bytes
 from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.metrics import HTTP_PATHS
 
-__all__ = ["PROBE_RESERVE", "HttpFrontend", "HttpProtocol"]
+__all__ = ["PROBE_OVERFLOW", "PROBE_RESERVE", "HttpFrontend", "HttpProtocol"]
 
 
 PIPELINE_HIGH = 64  # requests owed on one connection before reading pauses
@@ -144,7 +149,8 @@ MIN_CHUNK_BYTES = 64
 # content, held to the head's limit (not 413: the content is within max_body_bytes; node
 # answers 413 to too many extensions, but 413 here means max_body_bytes).
 CHUNK_FRAMING_BYTES = 64
-PROBE_RESERVE = 8  # connections taken past max_connections, for probes and /metrics only
+PROBE_RESERVE = 8  # places past max_connections for connections owed a scrape (probes and /metrics only)
+PROBE_OVERFLOW = 8  # ... and connections past max_connections that need no place (see the module docstring)
 RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
 LINGER_TIMEOUT = 5.0  # a half-closed connection after an error answer: closed after 5 s silent
 LINGER_TIME = 30.0  # ... or 30 s in all (nginx's lingering_timeout and lingering_time)
@@ -304,7 +310,10 @@ class HttpFrontend(Listener):
         self.date = b""  # the date header line, refreshed by every sweep (once a second)
         self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
         self._refresh_date()
-        self.probe_conns: set[HttpProtocol] = set()  # those taken past max_connections (PROBE_RESERVE)
+        # Connections taken past max_connections (probes and /metrics only): those that hold
+        # one of the reserve's places (PROBE_RESERVE), and the others (PROBE_OVERFLOW), oldest first.
+        self.probe_conns: set[HttpProtocol] = set()
+        self.probe_overflow: dict[HttpProtocol, None] = {}
         self.under_way: set[HttpProtocol] = set()  # with a request under way at the stop (`held`)
         # A /metrics body costs ms of the loop (17-30 ms with the demo tools) and is the same for
         # every client, so one build answers every GET /metrics parsed before it was made (as
@@ -349,6 +358,34 @@ class HttpFrontend(Listener):
         if b"*" in self.origins or origin.lower() in self.origins:
             return b"access-control-allow-origin: " + origin + b"\r\nvary: origin\r\n"
         return None
+
+    def pool_size(self) -> int:
+        """Connections counted against max_connections: not those of the probes' reserve."""
+        return len(self.connections) - len(self.probe_conns) - len(self.probe_overflow)
+
+    def admit_probe(self, conn: HttpProtocol) -> None:
+        """Take `conn`, past max_connections, into the reserve's overflow; when it is full,
+        the one there that looks least like a probe gives its place (`_reserve_rank`)."""
+        overflow = self.probe_overflow
+        if len(overflow) >= PROBE_OVERFLOW:
+            now = self.loop.time()
+            self.give_up(min(overflow, key=lambda other: _reserve_rank(other, now)))
+        overflow[conn] = None
+
+    def give_up(self, conn: HttpProtocol) -> None:
+        """Close `conn`, of the probes' reserve, for another: reset if it is not taking its
+        answers (a close would wait for answers it does not read, out of the sweep's
+        reach), a keep-alive close if it was served and is idle, else the 503 of a
+        connection refused at accept (the answer to its scrape, if it is owed one)."""
+        self.probe_conns.discard(conn)
+        self.probe_overflow.pop(conn, None)
+        self.connections.discard(conn)
+        if conn.hogging():
+            reset(conn)  # its unread answers are dropped with it (the sweep no longer sees it)
+        elif conn.requests and not conn.request_started and not conn.owed:
+            conn.close()
+        else:
+            conn._refuse("metrics" if conn.owed else "other")
 
     def protocol(self) -> HttpProtocol:
         """Protocol factory for `loop.create_server`."""
@@ -440,6 +477,8 @@ class HttpFrontend(Listener):
                     conn.close()
             elif not conn.owed and now - conn.last_active > keepalive and not conn.taking_answer(now):
                 conn.close()
+        for conn in [conn for conn in self.probe_overflow if conn.idle and now - conn.last_active > SWEEP_SECONDS]:
+            conn.close()  # the overflow's: silent, or served and idle, for a sweep
 
     def drain(self) -> None:
         """Close idle keep-alive connections now; the others close after their next
@@ -468,13 +507,14 @@ class HttpFrontend(Listener):
 
 
 def _reserve_rank(conn: HttpProtocol, now: float) -> tuple[int, float, float]:
-    """The order in which the probes' reserve gives up its connections (see
-    `HttpProtocol._take_reserve_slot`): not taking its answers, trickling, served,
-    silent, owed one answer; the oldest first in each, except that of those owed an
-    answer, the one that has made requests fastest goes first: requests per second of
-    its age, counted as 1 s at least (a client scraping in a loop, or churning fresh
-    connections, before a Prometheus that keeps its connection and scrapes every 15 s;
-    a plain count put that long-lived Prometheus first)."""
+    """The order in which the probes' reserve gives up its connections, its places
+    (`HttpProtocol._claim_place`) or its overflow (`HttpFrontend.admit_probe`): not
+    taking its answers, trickling, served, silent (only in the overflow), owed one answer
+    (only in a place); the oldest first in each, except that of those owed an answer,
+    the one that has made requests fastest goes first: requests per second of its age,
+    counted as 1 s at least (a client scraping in a loop, or churning fresh connections,
+    before a Prometheus that keeps its connection and scrapes every 15 s; a plain count
+    put that long-lived Prometheus first)."""
     if conn.hogging():
         return 0, 0.0, conn.send_stalled or conn.last_active
     if conn.request_started:
@@ -634,8 +674,9 @@ class HttpProtocol(asyncio.Protocol):
         )  # fmt: skip
 
     def evictable(self, fresh: float) -> bool:
-        """Idle, and a request served already or no byte since `fresh` (`Listener.make_room`)."""
-        return self.idle and (self.requests > 0 or self.last_active <= fresh)
+        """Idle, and a request served already or no byte since `fresh` (`Listener.make_room`);
+        not in the probes' reserve, which makes room on its own (`HttpFrontend.admit_probe`)."""
+        return self.idle and (self.requests > 0 or self.last_active <= fresh) and not self._probe_only
 
     def hogging(self) -> bool:
         """Whether its client is not taking its answers as a probe does: writing paused
@@ -685,61 +726,47 @@ class HttpProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
         fe = self._fe
-        if len(fe.connections) >= fe.max_connections:  # nginx: worker_connections
+        if fe.pool_size() >= fe.max_connections:  # nginx: worker_connections
             fe.make_room()  # idle connections, if any, give their places
-        if len(fe.connections) >= fe.max_connections:
-            if len(fe.connections) >= fe.max_connections + PROBE_RESERVE:
-                self._take_reserve_slot()
-            if len(fe.connections) < fe.max_connections + PROBE_RESERVE:
-                # Past the limit, with no idle connection to close, a few more are taken
-                # for /healthz, /readyz and /metrics only: a full broker is alive, and
-                # must not look dead to its liveness probe or to Prometheus.
-                self._probe_only = True
-                fe.connections.add(self)
-                fe.probe_conns.add(self)
-                return
-            self._refuse()
-            return
         fe.connections.add(self)
+        if fe.pool_size() > fe.max_connections:
+            # Past the limit, with no idle connection to close, taken for /healthz, /readyz
+            # and /metrics only: a full broker is alive, and must not look dead to its
+            # liveness probe or to Prometheus. In the overflow until a scrape claims a place.
+            self._probe_only = True
+            fe.admit_probe(self)
 
-    def _take_reserve_slot(self) -> None:
-        """The probes' reserve is full: close the reserve connection that looks least
-        like a probe, whatever its age, so that this newcomer gets in. No connection
-        keeps its place: a probe sends its whole head at once and is answered at once
-        (/healthz and /readyz never wait), so it is served within a millisecond of its
-        first byte. In order (`_reserve_rank`): one not taking its answers (writing
-        paused, answers in the transport's buffer, or pipelined: more than one owed),
-        reset (a close would wait for answers it does not read, out of the sweep's
-        reach), longest stalled first; then one with a request under way (a head or
-        body trickling in: no probe does that), oldest request first; then one served
-        and now idle (a Prometheus keep-alive connection between scrapes: it
-        reconnects), least recently active first, a keep-alive close; then one that has
-        sent nothing yet, oldest first (a probe may be on its way, but an attacker's
-        connections opened before it go first); last one owed its one answer (a scrape
-        waiting for its build: Prometheus's, which the attacker's silent connections
-        displaced when they came last, 503 to every scrape), the one that has made
-        requests fastest first (per second of its age, 1 s at least: a client scraping in
-        a loop, or a fresh connection, before Prometheus on its kept connection, one a
-        scrape interval; 8 such clients, owed one nearly all the time, must not hold the
-        probes out), which gets 503. A connection displaced gets the 503 of one
-        refused at accept unless said otherwise. An attacker who opens a connection
-        every few ms only ever displaces its own: a probe is displaced before its head
-        is read only if every other place holds one owed its answer or one accepted
-        after it, and a scrape waiting for its build only if every other place holds one
-        owed its answer that has made requests more slowly."""
+    def _claim_place(self) -> None:
+        """A GET /metrics came on this connection of the overflow: take one of the reserve's
+        places, if one is free, else that of the connection that looks least like a probe
+        (`_reserve_rank`), this one included: one not taking its answers (writing paused,
+        answers in the transport's buffer, or pipelined: more than one owed), longest
+        stalled first; then one with a request under way (a head or body trickling in: no
+        probe does that), oldest request first; then one served and now idle (a Prometheus
+        keep-alive connection between scrapes: it reconnects), least recently active
+        first; last one owed its one answer (a scrape waiting for its build), the one that
+        has made requests fastest first (per second of its age, 1 s at least: a client
+        scraping in a loop, or a fresh connection, before Prometheus on its kept
+        connection, one a scrape interval; 8 such clients, owed one nearly all the time,
+        must not hold the others out), the oldest first of those as fast. The one displaced
+        goes (`HttpFrontend.give_up`); if that is this one, it stays in the overflow if it
+        was answered at once, else its scrape gets 503.
+
+        Only a scrape claims a place: it may wait for its build (`scrape_answer`), and must
+        not be displaced meanwhile by connections that have sent nothing (an attacker's,
+        opened every few ms, had Prometheus's scrape answered 503 when they could take its
+        place). A probe needs none: /healthz and /readyz are answered at once."""
         fe = self._fe
-        if not fe.probe_conns:
-            return
-        now = fe.loop.time()
-        victim = min(fe.probe_conns, key=lambda conn: _reserve_rank(conn, now))
-        fe.probe_conns.discard(victim)
-        fe.connections.discard(victim)
-        if victim.hogging():
-            reset(victim)  # its unread answers are dropped with it (the sweep no longer sees it)
-        elif victim.requests and not victim.request_started and not victim.owed:
-            victim.close()  # served, and idle: a keep-alive close
-        else:
-            victim._refuse("metrics" if victim.owed else "other")  # (an owed scrape gets the 503)
+        if len(fe.probe_conns) >= PROBE_RESERVE:
+            now = fe.loop.time()
+            victim = min((*fe.probe_conns, self), key=lambda conn: _reserve_rank(conn, now))
+            if victim is self:
+                if self.owed:
+                    fe.give_up(self)
+                return
+            fe.give_up(victim)
+        del fe.probe_overflow[self]
+        fe.probe_conns.add(self)
 
     def _refuse(self, path: str = "other") -> None:
         """Turned away at max_connections: 503 "too many connections", then close;
@@ -763,6 +790,7 @@ class HttpProtocol(asyncio.Protocol):
         self._fe.recount()  # (a request under way, if any, is gone: `HttpFrontend.held`)
         if self._probe_only:
             self._fe.probe_conns.discard(self)
+            self._fe.probe_overflow.pop(self, None)
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
@@ -1239,6 +1267,8 @@ class HttpProtocol(asyncio.Protocol):
                     self._pause()
                     if len(self._responses) == 1 and not self._write_paused:
                         fe.wait_scrape(self)  # (due now: else _flush_ready comes to it)
+                if self._probe_only and self in fe.probe_overflow:
+                    self._claim_place()
             else:
                 self._queue_plain(405, b"use GET", keep_alive, path, b"allow: GET, HEAD\r\n", head)
         else:
