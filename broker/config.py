@@ -235,6 +235,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                       "(HTTP 503, NDJSON a -32000 line) and its bytes dropped",
                                       rule="max_body_bytes or more")
                                   ] = 256 * MIB
+    max_outgoing_bytes: Annotated[Bytes, Meta(ge=64 * KIB),
+                                  Doc("answers owed and not yet taken by their clients, over "
+                                      "all connections together, in bytes; a result past it is "
+                                      "answered with -32603, and the connections not reading "
+                                      "theirs are reset, those owed the most first, until it is "
+                                      "under half",
+                                      rule="max_response_bytes or more")
+                                  ] = 256 * MIB
     max_response_bytes: Annotated[Bytes, Meta(ge=64 * KIB, le=1 * GIB),
                                   Doc("answers one client connection may be owed and not have "
                                       "read, in bytes (one response or batch array, or several "
@@ -702,6 +710,11 @@ def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
             f"max_incoming_bytes = {cfg.max_incoming_bytes} must be at least max_body_bytes"
             f" = {cfg.max_body_bytes}: a body of that size arriving in pieces would always be refused"
         ), ("max_incoming_bytes", "max_body_bytes")
+    if cfg.max_outgoing_bytes < cfg.max_response_bytes:
+        return (
+            f"max_outgoing_bytes = {cfg.max_outgoing_bytes} must be at least max_response_bytes"
+            f" = {cfg.max_response_bytes}: one connection's answers could not reach their own limit"
+        ), ("max_outgoing_bytes", "max_response_bytes")
     if cfg.rpc_path in ("/healthz", "/readyz", "/metrics"):
         return f"rpc_path = {cfg.rpc_path!r} would hide the broker's own {cfg.rpc_path}: choose another path", ("rpc_path",)
     if cfg.metrics_port and not cfg.metrics:

@@ -144,7 +144,7 @@ from broker.metrics import CallMetrics
 if typing.TYPE_CHECKING:
     from broker.pool import Worker
 
-__all__ = ["Call", "Dispatcher", "DispatcherStats", "Exchange", "ResponseBudget", "Route"]
+__all__ = ["Call", "Dispatcher", "DispatcherStats", "Exchange", "Outgoing", "ResponseBudget", "Route"]
 
 log = logging.getLogger("broker.dispatch")
 
@@ -240,22 +240,48 @@ def _hold(call: Call) -> None:
     call.held = _held(call)
 
 
+class Outgoing:
+    """Bytes of answers owed on all the connections of a broker together and not yet
+    taken by their clients (`held`: the sum of their `ResponseBudget`s' `held`). Each
+    connection holds at most max_response_bytes; this bounds them all, whatever
+    max_connections allows (hostile testing: 40 connections that never read their
+    answers held 300 MiB, and 10,000 could hold 320 GiB): an answer that would take
+    `held` past `limit` (max_outgoing_bytes) is answered -32603 instead, and the
+    listeners' sweeps reset the connections not taking theirs, most held first, until
+    it is under the limit again (`frontend.base.Listener.shed_outgoing`).
+
+    refused_total: answers refused past the limit.
+    """
+
+    __slots__ = ("held", "limit", "refused_total")
+
+    def __init__(self, limit: int = 1 << 62) -> None:
+        self.limit = limit
+        self.held = 0
+        self.refused_total = 0
+
+
+_GONE = Outgoing()  # what the budget of a lost connection counts in (never refuses)
+
+
 class ResponseBudget:
     """Bytes of answers owed on one connection and not yet written to it (`held`).
 
     Shared by the `Exchange`s of one connection: the dispatcher adds each answer it
     puts in a slot (`Exchange.size` too) and refuses one that would take `held` past
-    `max_response_bytes`; the front-end takes an exchange's `size` back off when it
-    writes (or drops) its answer. So the answers a connection is owed at once, whether
-    one response, one batch array or several pipelined bodies, hold at most
-    `max_response_bytes` (nginx's proxy_buffers play the same part for a proxy).
+    `max_response_bytes`, or `outgoing.held` past its limit; the front-end takes an
+    exchange's `size` back off when it writes (or drops) its answer. So the answers a
+    connection is owed at once, whether one response, one batch array or several
+    pipelined bodies, hold at most `max_response_bytes` (nginx's proxy_buffers play
+    the same part for a proxy). Every change to `held` is made to `outgoing.held` too.
     """
 
-    __slots__ = ("held", "parked")
+    __slots__ = ("held", "outgoing", "parked")
 
-    def __init__(self) -> None:
+    def __init__(self, outgoing: Outgoing) -> None:
         self.held = 0
         self.parked = 0  # (in `held`) answers written while the write buffer was past its high mark
+        self.outgoing = outgoing
 
     def written(self, exchange: Exchange, write_paused: bool) -> None:
         """The answer of `exchange` was written: its bytes leave `held` now, or when the
@@ -264,13 +290,22 @@ class ResponseBudget:
             self.parked += exchange.size
         else:
             self.held -= exchange.size
+            self.outgoing.held -= exchange.size
         exchange.size = 0
 
     def drained(self) -> None:
         """The write buffer went below its low-water mark (`resume_writing`): the client
         took the answers written while it was full."""
         self.held -= self.parked
+        self.outgoing.held -= self.parked
         self.parked = 0
+
+    def lost(self) -> None:
+        """Its connection is gone: what it held leaves `outgoing`, and the answers still
+        to come for it (calls in flight, answered then dropped) count in none."""
+        self.outgoing.held -= self.held
+        self.outgoing = _GONE
+        self.held = self.parked = 0
 
 
 class Exchange(msgspec.Struct, eq=False):
@@ -505,6 +540,10 @@ class Dispatcher:
         yet written (its `ResponseBudget`; an exchange with no budget has its own):
         a result or error object that would go past it is answered with -32603
         "response exceeds max_response_bytes N" instead (counted in `oversize_total`).
+    max_outgoing_bytes: bytes of answers all connections together may be owed and not
+        yet have taken (`outgoing`, an `Outgoing`, which every connection's budget
+        shares): past it, -32603 "responses owed on all connections exceed
+        max_outgoing_bytes N" instead (counted in `outgoing.refused_total`).
     """
 
     def __init__(
@@ -519,11 +558,16 @@ class Dispatcher:
         sync_prefetch: int = 1,
         metrics: CallMetrics | None = None,
         max_response_bytes: int = 32 * 1024 * 1024,
+        max_outgoing_bytes: int = 1 << 62,
     ) -> None:
         self._loop = loop
         self.max_response_bytes = max_response_bytes
         self._too_large = error_object(
             ErrorCode.INTERNAL_ERROR, data=f"response exceeds max_response_bytes {max_response_bytes}"
+        )
+        self.outgoing = Outgoing(max_outgoing_bytes)  # (one for all the connections: their budgets')
+        self._too_much = error_object(
+            ErrorCode.INTERNAL_ERROR, data=f"responses owed on all connections exceed max_outgoing_bytes {max_outgoing_bytes}"
         )
         self.oversize_total = 0  # answers refused past max_response_bytes
         self.metrics = metrics  # None: count nothing per call (metrics off)
@@ -743,7 +787,7 @@ class Dispatcher:
         is written. None: the exchange gets its own (`max_response_bytes` per body).
         """
         if budget is None:
-            budget = ResponseBudget()
+            budget = ResponseBudget(self.outgoing)
         if not body.batch and body.items:  # the common case first: one call to a registered method
             request = body.items[0]
             if type(request) is Request and request.id:
@@ -1022,8 +1066,12 @@ class Dispatcher:
                 # connection may not go past max_response_bytes (see ResponseBudget).
                 size = len(payload) + len(call.id) + _SPLICE_BYTES
                 budget = exchange.budget
-                if budget.held + size <= self.max_response_bytes and kind == _RESULT:
+                outgoing = budget.outgoing
+                if budget.held + size <= self.max_response_bytes and kind == _RESULT and (
+                    outgoing.held + size <= outgoing.limit
+                ):
                     budget.held += size
+                    outgoing.held += size
                     exchange.size += size
                     if metrics is not None:
                         metrics.result(call.index, _clock() - call.arrival, aux)
@@ -1046,24 +1094,34 @@ class Dispatcher:
     def _answer_error(self, call: Call, exchange: Exchange, error: bytes, size: int) -> None:
         """Fill a single call's slot with the worker's error object `error` (`size`: the
         answer's bytes), or with -32603 if the answer would take its connection's answers
-        owed past max_response_bytes (a result too: then `error` is that result)."""
+        owed past max_response_bytes, or all connections' past max_outgoing_bytes (a
+        result too: then `error` is that result)."""
         budget = exchange.budget
-        if budget.held + size <= self.max_response_bytes:
+        outgoing = budget.outgoing
+        if budget.held + size <= self.max_response_bytes and outgoing.held + size <= outgoing.limit:
             code = _error_code(error)
             answer = response_error(call.id, error)
         else:
             code = ErrorCode.INTERNAL_ERROR
-            answer = self._oversize(call.id)
+            answer = self._oversize(call.id, budget.held + size > self.max_response_bytes, outgoing)
         budget.held += len(answer)
+        outgoing.held += len(answer)
         exchange.size += len(answer)
         if self.metrics is not None:
             self.metrics.answered(call.index, code, _clock() - call.arrival)
         exchange.fill(call.slot, answer, http_status(code))
 
-    def _oversize(self, id_: Raw) -> bytes:
+    def _oversize(self, id_: Raw, connection: bool, outgoing: Outgoing) -> bytes:
         """The -32603 answer (small: the caller counts it in the budget all the same) for
         call `id_`, whose own answer would take its connection's answers owed past
-        max_response_bytes."""
+        max_response_bytes (`connection`), else all connections' past max_outgoing_bytes
+        (`outgoing`'s limit)."""
+        if not connection:
+            outgoing.refused_total += 1
+            if outgoing.refused_total == 1 or outgoing.refused_total % 1000 == 0:
+                log.warning("answers refused: responses owed on all connections exceed max_outgoing_bytes %d "
+                            "(%d so far)", outgoing.limit, outgoing.refused_total)
+            return response_error(id_, self._too_much)
         self.oversize_total += 1
         if self.oversize_total == 1 or self.oversize_total % 1000 == 0:
             log.warning("answers refused: response exceeds max_response_bytes %d (%d so far)",
@@ -1159,7 +1217,11 @@ class Dispatcher:
         join = b"".join
         end = len(payload)
         pos = filled = 0
-        room = start = self.max_response_bytes - exchange.budget.held  # what the connection may still be owed
+        budget = exchange.budget
+        outgoing = budget.outgoing
+        # What the connection may still be owed, and all of them (the smaller says which)
+        room = start = min(self.max_response_bytes - budget.held, outgoing.limit - outgoing.held)
+        connection = room == self.max_response_bytes - budget.held
         refused: set[int] | None = None  # entries answered -32603 past max_response_bytes
         while pos < end:
             i, entry_kind, length = unpack(payload, pos)
@@ -1176,7 +1238,7 @@ class Dispatcher:
                 room -= len(answer)
                 if room < 0:
                     room += len(answer)
-                    answer = self._oversize(ids[i])
+                    answer = self._oversize(ids[i], connection, outgoing)
                     room -= len(answer)  # (admitted past the limit: it is small)
                     entry_kind = _ERROR
                     if refused is None:
@@ -1194,7 +1256,8 @@ class Dispatcher:
                     )
                 filled += 1
             pos += length
-        exchange.budget.held += start - room  # (before on_done: see filled below)
+        budget.held += start - room  # (before on_done: see filled below)
+        outgoing.held += start - room
         exchange.size += start - room
         if results and metrics is not None:
             latency = _clock() - call.arrival
@@ -1222,17 +1285,20 @@ class Dispatcher:
         latency = _clock() - call.arrival
         methods = typing.cast(list[int], call.methods)
         budget = exchange.budget
+        outgoing = budget.outgoing
         limit = self.max_response_bytes
         for i, (slot, id_) in enumerate(zip(typing.cast(list[int], call.slots), typing.cast(list[Raw], call.ids))):
             if slot >= 0 and answers[slot] is None:
                 answer = response_error(id_, error)
-                if budget.held + len(answer) > limit:  # (a worker's error object can be large)
-                    answer = self._oversize(id_)
+                # (a worker's error object can be large)
+                if budget.held + len(answer) > limit or outgoing.held + len(answer) > outgoing.limit:
+                    answer = self._oversize(id_, budget.held + len(answer) > limit, outgoing)
                     if metrics is not None:
                         metrics.answered(methods[i], ErrorCode.INTERNAL_ERROR, latency)
                 elif metrics is not None:
                     metrics.answered(methods[i], code, latency)
                 budget.held += len(answer)
+                outgoing.held += len(answer)
                 exchange.size += len(answer)
                 answers[slot] = answer
                 count += 1
@@ -1339,6 +1405,7 @@ class Dispatcher:
             self.metrics.answered(call.index, code, _clock() - call.arrival)
         answer = response_error(call.id, error)  # (a broker error: small, counted all the same)
         exchange.budget.held += len(answer)
+        exchange.budget.outgoing.held += len(answer)
         exchange.size += len(answer)
         if remaining:
             exchange.fill(call.slot, answer, http_status(code))

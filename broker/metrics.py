@@ -403,17 +403,18 @@ class BrokerCollector(Collector):
 
     def _http(self) -> Iterator[Metric]:
         statuses = {(path, status): 0 for path in HTTP_PATHS for status in HTTP_STATUSES}
-        # per transport: [connections, refused, received bytes, sent bytes]
+        # per transport: [connections, refused, received bytes, sent bytes, shed]
         by_transport: dict[str, list[int]] = {}
         for fe in self.frontends:
             for path, counts in fe.statuses.items():
                 for status, count in counts.items():
                     statuses[path, status] = statuses.get((path, status), 0) + count
-            row = by_transport.setdefault(fe.transport, [0, 0, 0, 0])
+            row = by_transport.setdefault(fe.transport, [0, 0, 0, 0, 0])
             row[0] += len(fe.connections)
             row[1] += fe.refused_total
             row[2] += fe.received_bytes
             row[3] += fe.sent_bytes
+            row[4] += fe.shed_total
         yield _family_counter(
             "rpc_broker_http_responses", "HTTP responses, by path and status code.", ["path", "status"],
             (([path, status.decode()], n) for (path, status), n in sorted(statuses.items())),
@@ -423,6 +424,8 @@ class BrokerCollector(Collector):
             ("rpc_broker_connections_refused", "Connections closed at once: max_connections was reached.", True),
             ("rpc_broker_received_bytes", "Bytes read from clients.", True),
             ("rpc_broker_sent_bytes", "Bytes written to clients.", True),
+            ("rpc_broker_connections_shed", "Connections reset, not taking their answers, when the answers "
+             "owed on all connections passed max_outgoing_bytes.", True),
         )):  # fmt: skip
             make = _family_counter if counter else _family_gauge
             yield make(family, doc, ["transport"], (([t], row[i]) for t, row in sorted(by_transport.items())))
@@ -440,6 +443,19 @@ class BrokerCollector(Collector):
                 "rpc_broker_incoming_refused", "Requests refused while arriving: they would have taken the bytes "
                 "still arriving past max_incoming_bytes.", [], [([], incoming.refused_total)],
             )  # fmt: skip
+        outgoing = self.dispatcher.outgoing
+        yield _family_gauge(
+            "rpc_broker_outgoing_bytes", "Bytes of answers owed and not yet taken by their clients, all "
+            "connections together.", [], [([], outgoing.held)],
+        )  # fmt: skip
+        yield _family_gauge(
+            "rpc_broker_outgoing_capacity_bytes", "Bytes of answers owed the broker holds before refusing more "
+            "(max_outgoing_bytes).", [], [([], outgoing.limit)],
+        )  # fmt: skip
+        yield _family_counter(
+            "rpc_broker_outgoing_refused", "Answers refused (-32603): they would have taken the answers owed "
+            "on all connections past max_outgoing_bytes.", [], [([], outgoing.refused_total)],
+        )  # fmt: skip
 
     def _workers(self) -> Iterator[Metric]:
         pool = self.pool

@@ -183,6 +183,7 @@ async def run(
         sync_prefetch=config.sync_prefetch,
         metrics=CallMetrics() if config.metrics else None,
         max_response_bytes=config.max_response_bytes,
+        max_outgoing_bytes=config.max_outgoing_bytes,
     )
     pool = Pool(
         dispatcher,

@@ -899,7 +899,7 @@ def test_answers_owed_on_one_connection_share_max_response_bytes_and_are_given_b
         d.set_methods(["blob"])
         w = add_worker(d, 0, concurrency=100)
         codec = Codec()
-        budget = ResponseBudget()
+        budget = ResponseBudget(d.outgoing)
         done: list[Exchange] = []
         result = b'"' + b"x" * 398 + b'"'  # 400 bytes: two fit in 1000, with the splice
         first = d.submit(body(codec, req("blob", [], 1)), done.append, budget)

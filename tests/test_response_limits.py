@@ -221,3 +221,75 @@ def test_results_past_max_response_bytes_get_internal_error_with_their_own_ids(b
     status, raw = post({"jsonrpc": "2.0", "method": "async_blob", "params": [60_000], "id": 2})
     assert json.loads(raw)["result"] == "x" * 60_000
     conn.close()
+
+
+def test_connections_that_do_not_read_hold_at_most_max_outgoing_bytes_together() -> None:
+    """max_response_bytes bounds one connection; 40 connections that never read held
+    300 MiB (hostile testing), 10,000 could hold 320 GiB. All connections together now
+    hold at most max_outgoing_bytes: answers past it are -32603, and the sweep resets the
+    connections not reading theirs, most owed first, until under half the limit. Then a
+    client that reads is answered as usual; the others still open get every answer, each
+    call exactly once."""
+    # 30 x 300 kB: 9 MB a batch, past the kernel's send buffer (up to 4 MiB here: tcp_wmem),
+    # whose bytes the broker does not hold; 24 connections: 192 MiB held, unbounded.
+    limit, total, conns, blobs = LIMIT, 32 * 1024 * 1024, 24, 30
+    b = start_broker(
+        "--workers", "2", "--app", APP, "--timeout", "60",
+        "--max-response-bytes", str(limit), "--max-outgoing-bytes", str(total),
+    )  # fmt: skip
+    socks: list[socket.socket] = []
+    try:
+        assert b.call("async_blob", [10])["result"] == "x" * 10  # workers warm
+        before = rss_bytes(b.pid)
+        peak = before
+        for tag in range(conns):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", b.port))
+            body = json.dumps([
+                {"jsonrpc": "2.0", "method": "async_blob", "params": [BLOB], "id": f"{tag}-{i}"} for i in range(blobs)
+            ]).encode()  # fmt: skip
+            sock.sendall(http_request(body))
+            socks.append(sock)
+        held = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            peak = max(peak, rss_bytes(b.pid))
+            metrics = scrape_metrics(b)
+            held.append(sample(metrics, "rpc_broker_outgoing_bytes"))
+            if answered(b) >= 1 + conns * blobs and sample(metrics, "rpc_broker_connections_shed_total", transport="http"):
+                break
+            time.sleep(0.1)
+        metrics = scrape_metrics(b)
+        assert answered(b) == 1 + conns * blobs
+        assert sample(metrics, "rpc_broker_outgoing_refused_total") > 0
+        shed = sample(metrics, "rpc_broker_connections_shed_total", transport="http")
+        assert shed >= 1
+        assert max(held) <= total + 64 * 1024, held  # (each refusal's small answer is admitted past it)
+        # Unbounded, 24 x 8 MiB = 192 MiB of answers would be kept.
+        assert peak - before < 96 * 1024 * 1024, f"RSS grew by {(peak - before) / 2**20:.0f} MiB"
+        assert b.call("async_blob", [10])["result"] == "x" * 10  # a client that reads
+        # Those still open get their whole answer, each call once; the others were reset.
+        kept = cut = 0
+        for tag, sock in enumerate(socks):
+            buf = bytearray()
+            try:
+                status, raw = read_http_response(sock, buf)
+            except (ConnectionResetError, AssertionError):  # (AssertionError: closed, from recv_until)
+                cut += 1
+                continue
+            assert status == 200
+            answer = json.loads(raw)
+            assert sorted(a["id"] for a in answer) == sorted(f"{tag}-{i}" for i in range(blobs))
+            for a in answer:
+                assert a.get("result") == "x" * BLOB or a["error"]["code"] == -32603, a
+            kept += 1
+        metrics = scrape_metrics(b)  # (a sweep after the last refusals may have shed more)
+        assert cut == sample(metrics, "rpc_broker_connections_shed_total", transport="http") >= shed
+        assert kept == conns - cut
+        assert sample(metrics, "rpc_broker_outgoing_bytes") == 0
+    finally:
+        for sock in socks:
+            sock.close()
+        assert b.stop() == 0, b.read_log()

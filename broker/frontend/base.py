@@ -32,6 +32,10 @@ EVICT_BATCH = 64  # idle connections found per scan at max_connections (closed o
 # connection's reading pauses until the next loop iteration (each protocol's `_end_turn`).
 TURN_BYTES = 256 * 1024
 _last_active = operator.attrgetter("last_active")
+
+
+def _held_by(conn: typing.Any) -> int:
+    return int(conn._budget.held)
 _OUTQ = getattr(termios, "TIOCOUTQ", None)  # Linux's SIOCOUTQ: a socket's send queue, in bytes
 _INT = struct.Struct("i")
 
@@ -170,6 +174,8 @@ class Listener:
         self._evictable: list[Connection] = []  # idle connections found by the last scan, most idle last
         self._rescan_at = 0.0  # loop time before which a scan that found none is not repeated
         self._recount_due = False  # `recount` is scheduled
+        self._refused_seen = 0  # dispatcher.outgoing.refused_total at the last `shed_outgoing`
+        self.shed_total = 0  # connections reset by `shed_outgoing`
 
     def refused(self) -> None:
         """Count a connection turned away at max_connections (logged now and then)."""
@@ -221,7 +227,41 @@ class Listener:
 
     def _sweep_and_rearm(self) -> None:
         self._sweep()
+        self.shed_outgoing()
         self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep_and_rearm)
+
+    def shed_outgoing(self) -> None:
+        """If answers were refused past max_outgoing_bytes since this listener last looked
+        (`dispatch.Outgoing`): reset its connections whose clients are not taking their
+        answers (writing paused, or answers left in the transport's buffer), those owed
+        the most first, until the answers owed on all connections are under half the
+        limit or none is left. Their answers are dropped, as send_timeout would do
+        later, so that the clients who read theirs are not refused for its length (a
+        kernel's OOM killer also picks the largest first; half, as a low-water mark, so
+        that a broker at the limit does not shed again at each sweep)."""
+        outgoing = self.dispatcher.outgoing
+        if outgoing.refused_total == self._refused_seen:
+            return
+        self._refused_seen = outgoing.refused_total
+        held = outgoing.held
+        stalled = [
+            conn for conn in self.connections
+            if conn._budget.held and conn.transport is not None
+            and (conn.send_stalled or conn.transport.get_write_buffer_size())
+        ]  # fmt: skip
+        stalled.sort(key=_held_by, reverse=True)
+        shed = freed = 0
+        for conn in stalled:
+            if held <= outgoing.limit // 2:
+                break
+            held -= conn._budget.held
+            freed += conn._budget.held
+            shed += 1
+            reset(conn)  # (its budget leaves `outgoing` as the connection is lost, next iteration)
+        if shed:
+            self.shed_total += shed
+            log.warning("%s: max_outgoing_bytes %d reached: reset %d connections not taking their answers "
+                        "(%d bytes)", self.transport, outgoing.limit, shed, freed)
 
     def _sweep(self) -> None:
         """Close connections idle or stalled too long (the subclass says which)."""
@@ -248,9 +288,12 @@ class Listener:
 
     def lost(self, conn: typing.Any) -> None:
         """A connection is gone: forget it, and drop what it held (its requests waiting
-        or not parsed yet, which the drain may be waiting for, and its bytes counted in
-        `incoming`). `conn` has `_waiting` (a deque), `_backlog` (bytes), `_incoming` (int)."""
+        or not parsed yet, which the drain may be waiting for, its bytes counted in
+        `incoming`, and its answers owed counted in the dispatcher's `Outgoing`). `conn`
+        has `_waiting` (a deque), `_backlog` (bytes), `_incoming` (int), `_budget` (a
+        `ResponseBudget`)."""
         self.connections.discard(conn)
+        conn._budget.lost()
         if conn._waiting or conn._backlog:
             conn._backlog = b""
             conn._waiting.clear()

@@ -641,7 +641,7 @@ class HttpProtocol(asyncio.Protocol):
         # once the client reads what came before).
         self._responses: deque[Exchange | tuple[bytes, bool, str] | _Scrape | _Deferred] = deque()
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
-        self._budget = ResponseBudget()
+        self._budget = ResponseBudget(frontend.dispatcher.outgoing)
         self._waiting: deque[_Deferred] = deque()  # requests not dispatched yet, in order
         # The last one dispatched from `_waiting`: a connection that had to wait gets its
         # waiting requests dispatched one at a time, each once the one before is answered,
@@ -1396,6 +1396,7 @@ class HttpProtocol(asyncio.Protocol):
                         self._budget.parked += exchange.size
                     else:
                         self._budget.held -= exchange.size
+                        self._budget.outgoing.held -= exchange.size
                 else:
                     data, keep_alive = self._answer(exchange)
                     self._write(data, keep_alive, "rpc")

@@ -199,7 +199,7 @@ class StreamProtocol(asyncio.Protocol):
         self._refused = False  # turned away at max_connections, or sent an HTTP request line: its input is discarded
         self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
-        self._budget = ResponseBudget()
+        self._budget = ResponseBudget(frontend.dispatcher.outgoing)
         self._waiting: deque[bytes] = deque()  # lines not dispatched yet (see _gated), in order
         # The last line dispatched from `_waiting`: they go one at a time, each once the one
         # before is answered, so each has the whole budget (as for HTTP).
