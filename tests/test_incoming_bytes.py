@@ -7,6 +7,7 @@ listener: about 10 GiB) bounded it."""
 from __future__ import annotations
 
 import json
+import socket
 
 from conftest import sample, scrape_metrics, wait_for
 from test_http_protocol import Conn
@@ -112,3 +113,30 @@ def test_bodies_of_requests_answered_without_them_are_not_kept(broker_factory):
     finally:
         for c in idle:
             c.sock.close()
+
+
+def test_an_unfinished_body_or_line_is_freed_at_eof_while_answers_are_owed(tmp_path):
+    """Hostile testing (round 8): a client sent a slow call and most of a next body (or
+    line), then closed; the broker, owing the slow call's answer, kept the connection open
+    to write it, and the unfinished bytes stayed counted in max_incoming_bytes for the
+    slow call's length (past request_timeout), other clients' bodies refused 503
+    meanwhile. At EOF an unfinished body can no longer complete: freed at once (an NDJSON
+    line ends at EOF: answered -32700, cut short)."""
+    sb = start_stream_broker(tmp_path, "--workers", "1", "--max-body-bytes", str(BODY),
+                             "--max-incoming-bytes", str(LIMIT))
+    b = sb.broker
+    slow = b'{"jsonrpc":"2.0","method":"sleep","params":[3],"id":"slow"}'
+    try:
+        with Conn(b, timeout=30) as http, sb.connect("tcp") as stream:
+            http.send(head(b.path, len(slow)) + slow + head(b.path, BODY) + padded_call(BODY, 1)[:PART])
+            stream.send(slow + b"\n" + padded_call(BODY, 2)[:PART])
+            wait_for(lambda: incoming(b) == 2 * PART, timeout=10)
+            http.sock.shutdown(socket.SHUT_WR)
+            stream.sock.shutdown(socket.SHUT_WR)
+            wait_for(lambda: incoming(b) == 0, timeout=1.5)  # at once, not when the sleep ends (3 s)
+            assert json.loads(stream.readline(10))["error"]["code"] == -32700
+            status, _, answer = http.response()
+            assert (status, json.loads(answer)) == (200, {"jsonrpc": "2.0", "id": "slow", "result": 3})
+            assert json.loads(stream.readline(10)) == {"jsonrpc": "2.0", "id": "slow", "result": 3}
+    finally:
+        assert b.stop() == 0, b.read_log()

@@ -795,6 +795,24 @@ def test_half_closed_client_still_gets_its_answers(sb, transport):
         s.closed_within(5.0)  # and then the broker closes its side
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_last_line_without_its_newline_ends_at_eof(sb, transport):
+    """Hostile testing (round 8): `printf '%s' "$call" | nc -N` (no newline, then EOF)
+    got no answer at all, and its bytes stayed counted in max_incoming_bytes until the
+    connection closed. EOF ends the last line, as a file's last line ends; one cut
+    short is not JSON: -32700."""
+    with sb.connect(transport) as s:
+        s.send(line("sleep", [0.2], "slow") + b"\n" + line("add", [1, 2], "last"))
+        s.sock.shutdown(socket.SHUT_WR)
+        assert sorted(s.lines(2)) == sorted([result("slow", 0.2), result("last", 3)])
+        s.closed_within(5.0)
+    with sb.connect(transport) as s:
+        s.send(line("add", [1, 2], "cut")[:-5])
+        s.sock.shutdown(socket.SHUT_WR)
+        assert json.loads(s.readline(10))["error"]["code"] == -32700
+        s.closed_within(5.0)
+
+
 # -- found by a new user's check, fixed ------------------------------------------------------------
 
 

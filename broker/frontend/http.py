@@ -976,10 +976,22 @@ class HttpProtocol(asyncio.Protocol):
             self._fe.recount()  # (the drain waits for a backlog: `Listener.held`)
 
     def eof_received(self) -> bool:
-        """The client half-closed (`shutdown(SHUT_WR)`): keep the transport open to
-        write what it is owed, then close; close at once if nothing is owed (a request
-        still under way can no longer complete)."""
+        """The client half-closed (`shutdown(SHUT_WR)`), or closed: keep the transport
+        open to write what it is owed, then close; close at once if nothing is owed. A
+        request still under way can no longer complete: its bytes go now (its body's
+        count in max_incoming_bytes too), and neither the request clock nor the drain
+        waits for it (hostile testing: a client that sent a slow call and 80 KB of a
+        next body, then closed, held those bytes counted for the slow call's length,
+        and other clients' bodies were refused 503 meanwhile). (Reading is never paused
+        at EOF: a read's unparsed rest, `_backlog`, is parsed before reading resumes.)"""
         self._eof = True
+        if self.request_started:
+            self.request_started = 0.0
+            self._body = b""
+            if self._incoming:
+                self._fe.incoming.hold(self._incoming, 0)
+                self._incoming = 0
+            self._fe.recount()  # (`HttpFrontend.held` waits for a request under way no more)
         return bool(self._responses)
 
     def _serve_upgrade(self, rest: bytes) -> None:

@@ -257,7 +257,20 @@ class StreamProtocol(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         """The client shut its sending side (`nc -N`, socat at the end of input): answer
-        what is owed, then close. A last line without its newline is dropped."""
+        what is owed, then close. A last line without its newline ends there, as a
+        file's last line does (`printf '%s' "$call" | ...` was never answered, and its
+        bytes stayed counted in max_incoming_bytes until the connection closed). (Reading
+        is never paused at EOF: a read's unhandled rest, `_backlog`, is handled first.)"""
+        if self._buffer and not self._skipping and not self._refused and not self._fe.draining:
+            line = bytes(self._buffer)
+            self._buffer.clear()
+            self._fe.incoming.hold(self._incoming, 0)
+            self._incoming = 0
+            self.line_started = 0.0
+            if len(line) - line.endswith(b"\r") > self._fe.max_body_bytes:
+                self._too_long(line[:16])
+            else:
+                self._line(line)
         if self.owed or self._waiting or self._backlog:  # (none on a connection refused at accept)
             self._eof = True
             return True  # keep the transport open for writing
