@@ -715,6 +715,11 @@ def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
             f"max_outgoing_bytes = {cfg.max_outgoing_bytes} must be at least max_response_bytes"
             f" = {cfg.max_response_bytes}: one connection's answers could not reach their own limit"
         ), ("max_outgoing_bytes", "max_response_bytes")
+    if "null" in cfg.allowed_origins:
+        return (
+            "allowed_origins = 'null' would let every web page call: a sandboxed iframe or a data: page of any site"
+            " sends Origin: null; list the origins of your pages, or '*' if any page may call"
+        ), ("allowed_origins",)
     if cfg.rpc_path in ("/healthz", "/readyz", "/metrics"):
         return f"rpc_path = {cfg.rpc_path!r} would hide the broker's own {cfg.rpc_path}: choose another path", ("rpc_path",)
     if cfg.metrics_port and not cfg.metrics:

@@ -44,6 +44,7 @@ EXPECTED_DEFAULTS = {
     "max_connections": 10000,
     "max_frame_bytes": 16777216,
     "max_incoming_bytes": 268435456,
+    "max_outgoing_bytes": 268435456,
     "max_response_bytes": 33554432,
     "restart_backoff_max": 10.0,
     "boot_timeout": 60.0,
@@ -153,6 +154,7 @@ send_timeout = 7.5
 max_connections = 5
 max_frame_bytes = 65536
 max_incoming_bytes = 1
+max_outgoing_bytes = 65536
 max_response_bytes = 65536
 restart_backoff_max = 0.5
 boot_timeout = 3
@@ -173,7 +175,7 @@ slow = 120.5
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
         "worker_concurrency": 1, "sync_prefetch": 0, "max_queue": 0, "max_queue_bytes": 0, "grace_period": 0.0,
         "keepalive_timeout": 1.0, "request_timeout": 0.5, "send_timeout": 7.5, "max_connections": 5, "max_frame_bytes": 65536,
-        "max_incoming_bytes": 1, "max_response_bytes": 65536, "restart_backoff_max": 0.5,
+        "max_incoming_bytes": 1, "max_outgoing_bytes": 65536, "max_response_bytes": 65536, "restart_backoff_max": 0.5,
         "boot_timeout": 3.0, "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
     }
     assert cfg.worker_count == 1024
@@ -578,6 +580,14 @@ def test_body_limit_must_fit_in_a_worker_frame(tmp_path: Path) -> None:
     assert load(path, {}, {}).max_body_bytes == 64512
 
 
+def test_max_outgoing_bytes_must_hold_one_whole_connection_s_answers(tmp_path: Path) -> None:
+    path = write(tmp_path, "max_response_bytes = 1048576\nmax_outgoing_bytes = 1048575\n")
+    with pytest.raises(ConfigError, match="max_outgoing_bytes = 1048575 must be at least max_response_bytes = 1048576"):
+        load(path, {}, {})
+    path = write(tmp_path, "max_response_bytes = 1048576\nmax_outgoing_bytes = 1048576\n")
+    assert load(path, {}, {}).max_outgoing_bytes == 1048576
+
+
 def test_max_incoming_bytes_must_hold_one_whole_body(tmp_path: Path) -> None:
     path = write(tmp_path, "max_body_bytes = 1000\nmax_incoming_bytes = 999\n")
     with pytest.raises(ConfigError, match="max_incoming_bytes = 999 must be at least max_body_bytes = 1000"):
@@ -650,6 +660,14 @@ def test_allowed_hosts_entry_with_a_port_is_refused_saying_so(entry: str, bare: 
 def test_allowed_hosts_entry_with_a_colon_must_be_ipv6(entry: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(f"allowed_hosts entry {entry!r}: not an IPv6 address")):
         load(None, {}, {"allowed_hosts": [entry]})
+
+
+def test_allowed_origins_null_is_refused_with_what_it_would_allow() -> None:
+    """Hostile testing (round 8): `--allowed-origins null` was taken silently, and Origin:
+    null is what a sandboxed iframe or a data: page of any site sends: every page could call."""
+    with pytest.raises(ConfigError, match=re.escape("allowed_origins = 'null' would let every web page call")):
+        load(None, {}, {"allowed_origins": ["https://app.example", "null"]})
+    assert load(None, {}, {"allowed_origins": ["https://app.example"]}).allowed_origins == ("https://app.example",)
 
 
 def test_allowed_hosts_ipv6_literals_are_accepted() -> None:

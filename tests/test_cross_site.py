@@ -709,6 +709,29 @@ def test_an_http_request_of_any_method_on_the_stream_port_closes_it(broker_facto
     assert_only_ndjson_ran(b, port, ledger)
 
 
+@pytest.mark.parametrize("request_line", ["POST  / HTTP/1.1", "POST /\tHTTP/1.1", "POST\t/ HTTP/1.1", "POST /"])
+def test_an_oddly_spaced_http_request_line_on_the_stream_port_closes_it(broker_factory, tmp_path, request_line):
+    """Hostile testing (round 8): two spaces, a tab, or no version (HTTP/0.9's `GET /`)
+    were not taken for a request line, which lenient HTTP clients and proxies may send:
+    each head line got -32700, and the call in the body ran."""
+    ledger, port = tmp_path / "calls.txt", free_port()
+    b = broker_factory(*LEDGER_APP, "--stream-port", str(port), env={"LEDGER_FILE": str(ledger)})
+    body = record("http") + b"\n"
+    raw = request(body, content_type="text/plain", origin="http://evil.example") + body
+    raw = request_line.encode() + raw[raw.index(b"\r\n"):]
+    with socket.create_connection((b.host, port), timeout=15) as s:
+        s.sendall(raw)
+        received = b""
+        try:
+            while chunk := s.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+    error = json.loads(received)  # one line
+    assert error["id"] is None and "an HTTP request" in error["error"]["data"], received
+    assert_only_ndjson_ran(b, port, ledger)
+
+
 @pytest.mark.parametrize("first", ["tls", "not ascii"])
 def test_a_tls_client_hello_on_the_stream_port_closes_it_before_a_call_it_carries(broker_factory, tmp_path, first):
     """Hostile testing (round 5): a browser sent to https://127.0.0.1:PORT/ after DNS

@@ -856,7 +856,10 @@ class HttpProtocol(asyncio.Protocol):
             self._serve_upgrade(bytes(data[exc.args[0]:]) if exc.args else b"")
         except httptools.HttpParserError as exc:
             if not self._closing:
-                self._answer_and_close(400, f"bad HTTP request: {exc}".encode())
+                if str(exc) == "Invalid HTTP version":  # (llhttp knows 0.9, 1.x and 2.0 only: 1.2, 3.0)
+                    self._answer_and_close(505, b"HTTP version not supported: use HTTP/1.1")
+                else:
+                    self._answer_and_close(400, f"bad HTTP request: {exc}".encode())
         else:
             # httptools keeps growing an unfinished header line without calling back:
             # count raw bytes until the head is complete (nginx: large_client_header_buffers).

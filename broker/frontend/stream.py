@@ -89,11 +89,12 @@ REFUSED_LINGERING = 64
 # The start of an HTTP request line (RFC 9112 3: method SP request-target; the method is
 # any token, RFC 9110 5.6.2, in any case: browsers send methods other than the six they
 # normalize as written, `patch` or `M-SEARCH`, hostile testing): no JSON text starts with
-# a token and a space, so a line past max_body_bytes that starts so is one.
+# a token and white space, so a line that starts so, then a request target (RFC 9112 3.2:
+# origin-form `/...`, absolute-form `scheme://...`, authority-form `host:port`, `*`), is
+# one, however spaced (`POST  / HTTP/1.1`, a tab, `GET /` of HTTP/0.9: servers that parse
+# leniently take them, hostile testing round 8), whole or past max_body_bytes.
 _TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
-_HTTP_START = re.compile(_TOKEN + rb" [^ ]")
-# A whole HTTP request line, any version (HTTP/2.0 and HTTP/0.9-style odd ones included).
-_HTTP_LINE = re.compile(_TOKEN + rb" [^ ]+ [Hh][Tt][Tt][Pp]/\d")
+_HTTP_LINE = re.compile(_TOKEN + rb"[ \t]+(?:[/*]|[A-Za-z][A-Za-z0-9+.-]*://|[^ \t]*:[0-9])")
 
 
 class StreamFrontend(Listener):
@@ -402,7 +403,7 @@ class StreamProtocol(asyncio.Protocol):
         the whole line): one -32600 error line, and the rest of the line is skipped; if it
         starts as an HTTP request line (a URL longer than the limit), closed as `_line`
         closes on a short one: what follows it could be a valid call."""
-        if _HTTP_START.match(line_start):
+        if _HTTP_LINE.match(line_start):
             self._foreign(_HTTP_REQUEST)
             return
         self._send(self._fe.too_long)
