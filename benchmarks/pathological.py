@@ -86,6 +86,8 @@ BATCH_SHAPES: dict[str, Callable[[int], bytes]] = {
         "batch, params of runs of 40 just past": lambda s: batch_of([DEEP_HEAD + b'"params":' + (b"[" * 40 + b"1,") * 26 + b"1" + b"]" * 1040 + b"}"], s),
         "batch, just past and normal": lambda s: batch_of([JUST_PAST_PARAMS, call(b"[" + b"1," * 1000 + b"1]")], s),
     "batch ~1000, every other just past": lambda s: batch_of([JUST_PAST_PARAMS, call(b"[1,2]")], s),
+    # ids nested under the limit, each invalid (hostile testing, round 8: parsed three times)
+    "batch, ids 484 deep": lambda s: batch_of([b'{"jsonrpc":"2.0","method":"echo","id":' + nest(484) + b"}"], s),
     # notifications (no id) just past: dropped unanswered, as a notification is (F6)
     "batch, notifications just past": lambda s: batch_of([b'{"jsonrpc":"2.0","method":"echo","params":' + nest(JUST_PAST) + b"}"], s),
 }

@@ -325,9 +325,14 @@ class Codec:
             if len(decoded) > self.max_batch:
                 return self._batch_too_large(len(decoded))
             if _suspect(body):
-                for req in decoded:
-                    if not (_valid_id(req.id) and _valid_params(req.params)):
-                        return _unpinned(self._decode_slow(body))
+                # Each element is a Request already: one with an id or params of the wrong
+                # type is answered as `_element_item` would, with no second parse (hostile
+                # testing, round 8: 1000 ids nested 484 deep, 1 MiB, were parsed three
+                # times, 78 ms of the loop; 28 ms now).
+                decoded = [
+                    req if _valid_id(req.id) and _valid_params(req.params) else self._invalid(req.id)  # type: ignore[misc]
+                    for req in decoded
+                ]
             if size > UNPIN_ABOVE:
                 return _unpinned(Body(True, decoded))  # type: ignore[arg-type]
             return Body(True, decoded)  # type: ignore[arg-type]
