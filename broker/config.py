@@ -230,7 +230,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                ] = 16 * MIB
     max_incoming_bytes: Annotated[Bytes, Meta(ge=1),
                                   Doc("request bytes still arriving, over all connections "
-                                      "together: HTTP bodies and NDJSON lines whose end has not "
+                                      "together: HTTP heads and bodies and NDJSON lines whose end has not "
                                       "come yet; one that would take them past this is refused "
                                       "(HTTP 503, NDJSON a -32000 line) and its bytes dropped",
                                       rule="max_body_bytes or more")

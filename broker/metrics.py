@@ -432,7 +432,7 @@ class BrokerCollector(Collector):
         if self.frontends:
             incoming = self.frontends[0].incoming  # (one for all the listeners)
             yield _family_gauge(
-                "rpc_broker_incoming_bytes", "Bytes of requests still arriving (HTTP bodies and NDJSON lines "
+                "rpc_broker_incoming_bytes", "Bytes of requests still arriving (HTTP heads and bodies, NDJSON lines "
                 "not finished yet), all connections together.", [], [([], incoming.held)],
             )  # fmt: skip
             yield _family_gauge(

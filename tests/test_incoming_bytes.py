@@ -140,3 +140,47 @@ def test_an_unfinished_body_or_line_is_freed_at_eof_while_answers_are_owed(tmp_p
             assert json.loads(stream.readline(10)) == {"jsonrpc": "2.0", "id": "slow", "result": 3}
     finally:
         assert b.stop() == 0, b.read_log()
+
+
+def test_unfinished_heads_count_in_max_incoming_bytes(broker_factory):
+    """Hostile testing (round 8): only bodies and lines counted; 3000 connections each
+    holding 63 KiB of an unfinished head (a URL, or a header value) took the broker from
+    57 to 232 MB past a max_incoming_bytes of 16 MiB. A head under way counts now: its
+    bytes since it began, the whole read it began in (a head begun after a request that
+    ended in the same read included). Past the bound: 503, closed; finished heads and
+    closed connections give theirs back."""
+    b = broker_factory("--workers", "1", "--max-body-bytes", str(BODY), "--max-incoming-bytes", str(LIMIT))
+    part = 60_000  # of a head: 8 of them fit in LIMIT, the 9th does not
+    conns = []
+    try:
+        for i in range(8):
+            c = Conn(b, timeout=30)
+            conns.append(c)
+            if i % 2:  # a whole request, then most of the next head, in one send
+                c.send(get_healthz() + b"GET /" + b"a" * part)
+                assert c.response()[0] == 200
+            else:  # a URL, then a header value, in two sends
+                c.send(b"GET /" + b"a" * 1000)
+                wait_for(lambda n=i: incoming(b) >= n * part + 1000, timeout=10)
+                c.send(b" HTTP/1.1\r\nX-Pad: " + b"b" * (part - 1020))
+            wait_for(lambda n=i + 1: incoming(b) >= n * part - 100, timeout=10)
+        assert incoming(b) <= LIMIT
+        with Conn(b, timeout=30) as late:  # past the bound: refused
+            late.send(b"GET /" + b"c" * part)
+            status, _, answer = late.response()
+            assert status == 503, answer
+            assert json.loads(answer)["error"]["data"] == f"request bodies still arriving exceed max_incoming_bytes {LIMIT}"
+            assert late.closed_within(5)
+        conns[1].send(b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # a head finished: its bytes given back
+        assert conns[1].response()[0] == 404
+        for c in conns[:4]:
+            c.sock.close()  # closed: theirs too
+        wait_for(lambda: incoming(b) <= 4 * part + 2000, timeout=10)
+    finally:
+        for c in conns:
+            c.sock.close()
+    wait_for(lambda: incoming(b) == 0, timeout=10)
+
+
+def get_healthz() -> bytes:
+    return b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
