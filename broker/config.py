@@ -532,6 +532,8 @@ def _check(s: Setting, value: object, source: str) -> None:
                 problem = f"expected {s.rule}"
             elif s.rule:
                 problem += f" (allowed: {s.rule})"
+            if s.kind == "map" and isinstance(item, dict):  # TOML's dotted key: `cart.total = 2` is a table
+                problem += f"; a method name with a dot is quoted in TOML: \"{key}.{next(iter(item), '')}\" = ..."
             raise ConfigError(f"{source}: {label} = {item!r}: {problem}") from None
 
 

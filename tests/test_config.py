@@ -662,6 +662,14 @@ def test_allowed_hosts_entry_with_a_colon_must_be_ipv6(entry: str) -> None:
         load(None, {}, {"allowed_hosts": [entry]})
 
 
+def test_an_unquoted_dotted_method_name_says_to_quote_it(tmp_path: Path) -> None:
+    """A new user's check: `cart.total = 2` under [method_timeouts] is a TOML table; the
+    error said only "expected `float`, got `object`"."""
+    path = write(tmp_path, "[method_timeouts]\ncart.total = 2\n")
+    with pytest.raises(ConfigError, match=re.escape('a method name with a dot is quoted in TOML: "cart.total" = ...')):
+        load(path, {}, {})
+
+
 def test_allowed_origins_null_is_refused_with_what_it_would_allow() -> None:
     """Hostile testing (round 8): `--allowed-origins null` was taken silently, and Origin:
     null is what a sandboxed iframe or a data: page of any site sends: every page could call."""

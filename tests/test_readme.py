@@ -97,6 +97,9 @@ def test_check_config_sample_is_what_the_command_prints(
     monkeypatch.chdir(tmp_path)
     for name in [n for n in os.environ if n.startswith("RPC_BROKER_")]:
         monkeypatch.delenv(name)
+    cats = [(cmd, shown) for cmd, shown in runs if cmd.startswith("cat ")]
+    assert cats == [("cat bad.toml", "workers = -1\n")]  # (what the test writes, shown as the README says)
+    runs = [(cmd, shown) for cmd, shown in runs if not cmd.startswith("cat ")]
     assert [cmd.split("check-config")[1].split()[0] for cmd, _ in runs] == ["broker.toml", "broker.toml", "bad.toml"]
     for command, shown in runs:
         env, _, rest = command.partition(".venv/bin/rpc-broker ")
