@@ -645,11 +645,15 @@ async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: 
         value = fn(*args, **kwargs)
         if type(value) is _COROUTINE or inspect.isawaitable(value):  # (a wraps-decorated async
             value = await typing.cast(typing.Awaitable[object], value)  # function may not be)
-        return True, value
     except GeneratorExit:  # the coroutine is being closed: it must not go on
         raise
     except BaseException as exc:  # the point: one answer, the worker lives on
+        if _forked_from:  # (a child the handler forked, back here: `_child_exits`)
+            _child_exits(exc)
         return False, exc
+    if _forked_from:
+        _child_exits(None)
+    return True, value
 
 
 class _Chunk:
@@ -747,6 +751,8 @@ class WorkerProtocol(asyncio.Protocol):
         self._down = True
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if _forked_from:  # (a forked child's loop read EOF on /dev/null: `isolate_forks`)
+            _child_exits(None)
         self._down = True
         for task in self._tasks.values():
             task.cancel()
@@ -757,6 +763,8 @@ class WorkerProtocol(asyncio.Protocol):
             self.done.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        if _forked_from:  # (the loop calls back into a forked child: `_child_exits`)
+            _child_exits(None)
         try:
             frames = self._decoder.feed(data)
         except wire.FrameError as exc:
@@ -811,6 +819,8 @@ class WorkerProtocol(asyncio.Protocol):
         calls remain, go on in the next loop iteration, after the loop has read what
         arrived (CANCEL frames) and written the replies: a slow sync handler neither
         holds back the replies of the calls before it nor hides a CANCEL."""
+        if _forked_from:  # (not the calls still waiting a second time, in a forked child)
+            _child_exits(None)
         self._run_scheduled = False
         backlog = self._backlog
         deadline = _perf() + SLICE_SECONDS
@@ -842,6 +852,8 @@ class WorkerProtocol(asyncio.Protocol):
         takes it out of its rotation and answers BYE, which comes after every call it
         sent; the worker answers all of those, then closes (`_closing`, as on a BYE the
         broker sends first); the broker has started another worker in its place meanwhile."""
+        if _forked_from:
+            _child_exits(None)
         if self._closing or self._leaving:  # told BYE already, or asked already
             return
         self._leaving = True
@@ -859,8 +871,13 @@ class WorkerProtocol(asyncio.Protocol):
             return _UNRUN, self._error(exc, index)
         try:
             if method.is_async:
-                return self._loop.create_task(_guarded(method.fn, args, kwargs))
+                task = self._loop.create_task(_guarded(method.fn, args, kwargs))
+                if _forked_from:  # (3.12+, eager start: a child that awaited comes back here)
+                    _child_exits(None)
+                return task
             result = method.fn(*args, **kwargs)
+            if _forked_from:  # a child the handler forked returned: `_child_exits`
+                _child_exits(None)
             try:
                 return _RESULT, encode_result(result)
             except TypeError:  # (no JSON form: checked only now, off the fast path)
@@ -870,6 +887,8 @@ class WorkerProtocol(asyncio.Protocol):
             # not see through): run it as an async one's.
             return self._loop.create_task(_guarded(_identity, (result,), {}))
         except BaseException as exc:  # one ERROR reply, the worker lives on
+            if _forked_from:  # (a child that raised, sys.exit() included)
+                _child_exits(exc)
             return _ERROR, self._error(exc, index)
 
     def _outcome(self, task: asyncio.Task[tuple[bool, object]], index: int) -> tuple[int, bytes]:
@@ -914,6 +933,8 @@ class WorkerProtocol(asyncio.Protocol):
         task.add_done_callback(lambda t: self._task_done(call_id, index, t0, t))
 
     def _task_done(self, call_id: int, index: int, t0: float, task: asyncio.Task[tuple[bool, object]]) -> None:
+        if _forked_from:
+            _child_exits(None)
         self._tasks.pop(call_id, None)
         if self._down:
             return
@@ -986,6 +1007,8 @@ class WorkerProtocol(asyncio.Protocol):
         return True
 
     def _chunk_task_done(self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[tuple[bool, object]]) -> None:
+        if _forked_from:
+            _child_exits(None)
         if self._down:
             return
         kind, body = self._outcome(task, index)
@@ -1040,6 +1063,8 @@ class WorkerProtocol(asyncio.Protocol):
         return service_us
 
     def _flush(self) -> None:
+        if _forked_from:
+            _child_exits(None)
         self._flush_scheduled = False
         self._write_out()
         transport = self._transport
@@ -1149,6 +1174,55 @@ def die_with_parent(parent: int, *, prctl: bool = True) -> str:
     return how
 
 
+_forked_from = 0
+"""In a child forked by a handler (by the worker's process: `isolate_forks`), the worker's
+pid; 0 in the worker itself. A child's own forks keep it."""
+
+
+def _child_exits(exc: BaseException | None) -> typing.NoReturn:
+    """End a child a handler forked, now that it came back into the worker's code: its
+    handler returned (`exc` None) or raised `exc` (sys.exit() raises SystemExit), or the
+    loop called the worker back in it.
+
+    It exits with os._exit, as multiprocessing's children do, and as the child of any
+    process serving an event loop must: going on, it would run the worker's loop, whose
+    epoll instance it shares with the worker (fork copies the descriptor, not the set it
+    names; libuv's remedy, uv_loop_fork, uvloop does not call). The loop's teardown at the
+    child's exit took the worker's registrations out of it: hostile testing, round 8, a
+    child that called sys.exit(0) left its worker deaf to SIGTERM for good (no leave, no
+    replacement, nothing logged), and a subprocess's exit could go unseen.
+
+    The status is what the child asked for: sys.exit(code)'s code (1 for a message,
+    which is printed, as Python does), 0 for a return, 1 for another exception (logged,
+    with its traceback). Only the child's own output is flushed: the worker flushed
+    stdout and stderr before the fork (`isolate_forks`); no atexit handler or finalizer
+    runs, they are the worker's."""
+    code = 0
+    if isinstance(exc, SystemExit):
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            code = 1
+            try:
+                print(exc.code, file=sys.stderr)
+            except BaseException:
+                pass
+    elif exc is not None:
+        code = 1
+        try:
+            log.error("a child forked by a handler (the worker is pid %d) raised %s: it exits with 1",
+                      _forked_from, type(exc).__name__, exc_info=exc)
+        except BaseException:
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except BaseException:
+            pass
+    os._exit(code)
+
+
 def isolate_forks(channel_fd: int) -> None:
     """Keep the children a handler forks (os.fork(), multiprocessing's fork context) off
     the broker's channel, and make them die with this worker.
@@ -1157,10 +1231,15 @@ def isolate_forks(channel_fd: int) -> None:
     descriptor. Should it go back into the loop (a handler that returns in both
     processes), it would read the broker's frames and answer calls a second time (the
     broker counted them as late replies), and it would outlive the broker. In the child
-    (`os.register_at_fork`), `channel_fd` is replaced by /dev/null: its loop reads
-    end-of-file there and stops, and what it writes goes nowhere. A child forked by the
-    loop's thread also gets `die_with_parent` (prctl's signal is tied to the thread that
-    forked: a child forked by a thread that ends early would die with it).
+    (`os.register_at_fork`), `channel_fd` is replaced by /dev/null, so what it reads is
+    end-of-file and what it writes goes nowhere, and the child is marked (`_forked_from`):
+    where the worker's code gets control back in it (its handler returns or raises, the
+    loop calls the protocol back) it exits at once (`_child_exits`), before the loop it
+    shares the epoll instance of with the worker runs again or is torn down. The worker
+    flushes stdout and stderr before it forks, so the child's flush at its exit writes
+    only its own output. A child forked by the loop's thread also gets `die_with_parent`
+    (prctl's signal is tied to the thread that forked: a child forked by a thread that
+    ends early would die with it).
 
     The child also gets the signal handling of a fresh Python process back
     (`FRESH_DISPOSITIONS`), without the loop's wakeup fd: that is a socketpair shared
@@ -1182,10 +1261,19 @@ def isolate_forks(channel_fd: int) -> None:
     def before() -> None:
         by_worker[0] = os.getpid() == worker
         by_worker[1] = by_worker[0] and threading.get_ident() == loop_thread
+        if by_worker[0]:  # (multiprocessing's fork does the same: the child's buffers start empty)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    if stream is not None:
+                        stream.flush()
+                except (OSError, ValueError):
+                    pass
 
     def after_in_child() -> None:
+        global _forked_from
         if not by_worker[0]:
             return
+        _forked_from = worker
         try:
             null = os.open(os.devnull, os.O_RDWR)
             os.dup2(null, channel_fd)
@@ -1223,7 +1311,9 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> int:
     try:
         await proto.done
     finally:  # done, or the loop is going down (a handler stopped it: the runner cancels
-        proto.going_down()  # what is left)
+        if _forked_from:  # what is left) (a forked child must not tear the loop down: `_child_exits`)
+            _child_exits(None)
+        proto.going_down()
     return 0
 
 

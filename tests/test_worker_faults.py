@@ -165,6 +165,32 @@ def test_a_child_a_handler_forks_neither_answers_calls_nor_outlives_its_worker(b
     wait_for(lambda: not pid_alive(child), timeout=10)
 
 
+@pytest.mark.parametrize(("method", "code"), [("fork_exit", 3), ("afork_exit", 3), ("fork_exit", None)])
+def test_a_forked_child_that_comes_back_into_the_worker_exits_there_and_the_worker_still_leaves(
+        broker_factory, method: str, code: int | None) -> None:
+    """Hostile testing, round 8: a handler's child that called sys.exit() came back into the
+    worker, which catches SystemExit, and ran its loop until it read end-of-file on
+    /dev/null; the loop's teardown then took the worker's signal wakeup socket out of the
+    epoll instance both processes share, and the worker ignored SIGTERM for good (never
+    left nor was replaced, nothing logged). The child exits at once now, with the status
+    it asked for (0 when it returns; it was the worker's 0 whatever it asked), and
+    SIGTERM still makes the worker leave. Sync and async handlers."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
+    worker = b.call("pid")["result"]
+    child = b.call(method, [code])["result"]
+    assert isinstance(child, int) and child > 0, child
+    for i in range(3):  # frames on the channel: the child's loop read EOF on /dev/null then
+        assert b.call("pid", id_=i)["result"] == worker
+    wait_for(lambda: not pid_alive(child), timeout=10)
+    status = b.call("reap", [child])["result"]
+    os.kill(worker, signal.SIGTERM)
+    wait_for(lambda: b.call("pid")["result"] != worker, timeout=10)
+    wait_for(lambda: not pid_alive(worker), timeout=10)
+    assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="left") == 1
+    assert f"worker 0 (pid {worker}) left: exited with 0" in b.read_log(0.5)
+    assert status == (code or 0)
+
+
 # -- a handler's children behave as fresh processes (hostile testing, round 2) ----------
 
 

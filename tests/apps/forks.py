@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import sys
 import time
 
 from broker.worker import Registry
@@ -31,6 +32,42 @@ def fork_sigterm() -> int:
             time.sleep(2)
         finally:
             os._exit(7)  # SIGTERM was ignored (or handled): the worker's disposition
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _in_child(code: int | None) -> int:
+    """What a child does that does not os._exit: sys.exit(code), a common idiom (the worker
+    catches SystemExit), or with `code` None it returns into the worker."""
+    print(f"child {os.getpid()} leaves with {code}", file=sys.stderr)
+    if code is None:
+        return -1
+    sys.exit(code)
+
+
+@registry.method
+def fork_exit(code: int | None = 0) -> int:
+    """Fork a child that comes back into the worker (`_in_child`; hostile testing, round 8:
+    its loop's teardown broke the worker's); return the child's pid, not waited for
+    (`reap` does)."""
+    child = os.fork()
+    if child == 0:
+        return _in_child(code)
+    return child
+
+
+@registry.method
+async def afork_exit(code: int | None = 0) -> int:
+    """`fork_exit` from an async handler."""
+    child = os.fork()
+    if child == 0:
+        return _in_child(code)
+    return child
+
+
+@registry.method
+def reap(child: int) -> int:
+    """Wait for a child `fork_exit` started; its exit code as subprocess reports it."""
     _, status = os.waitpid(child, 0)
     return os.waitstatus_to_exitcode(status)
 
