@@ -577,8 +577,8 @@ def test_sigterm_serves_an_ndjson_backlog_before_half_closing(broker_factory):
     (RuntimeError), and when such a write came from a worker's reply it closed that
     worker's channel: a bystander's call on the worker got -32002. Now the backlog is
     served before the half-close: every call line read gets its answer, in a prefix of
-    the ids (lines still in the kernel at the stop get none), and the bystander's call
-    is untouched."""
+    the ids (since round 8, lines still in the kernel at the stop are read and served
+    too), and the bystander's call is untouched."""
     from test_stream import free_port
 
     port = free_port()
@@ -854,7 +854,73 @@ def test_the_drain_serves_every_pipelined_request_sent_before_the_stop_and_not_r
     assert time.monotonic() - start < 20
 
 
-@pytest.mark.parametrize("transport", ["http"])
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_the_drain_answers_every_ndjson_line_sent_before_the_stop_and_not_read_yet(broker_factory, tmp_path,
+                                                                                  transport):
+    """Hostile testing (round 8, f2): 5000 lines sent (sendall returned) before SIGTERM; the
+    broker had read a few hundred (its reading paused: the pipeline's bound, the per-turn
+    bound), and at the stop it discarded every read after, so the rest got no answer at
+    all, then EOF. Now the bytes the kernel holds at the stop, and what arrives behind
+    them while they are read, are served: every line gets exactly one answer (its result),
+    then EOF, and the broker exits 0."""
+    from test_stream import free_port
+
+    if transport == "tcp":
+        port = free_port()
+        b = broker_factory("--workers", "2", "--grace-period", "20", "--stream-port", str(port))
+        wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    else:
+        path = str(tmp_path / "b.sock")
+        b = broker_factory("--workers", "2", "--grace-period", "20", "--stream-socket", path)
+        wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+    n = 5000
+    payload = b"".join(json.dumps(req("add", [i, 1], i)).encode() + b"\n" for i in range(n))
+    with s, ThreadPoolExecutor(1) as pool:
+        reading = _read_in_background(s, pool)
+        s.sendall(payload)
+        start = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        got, ending = reading.result(timeout=40)
+    answers = [json.loads(line) for line in got.splitlines()]
+    assert ending == "eof", ending
+    ids = Counter(a["id"] for a in answers)
+    assert len(ids) == n and max(ids.values()) == 1, f"{len(ids)} ids of {n} answered, some more than once"
+    assert all(a.get("result") == a["id"] + 1 for a in answers), [a for a in answers if "error" in a][:3]
+    assert b.proc.wait(30) == 0
+    assert time.monotonic() - start < 20
+
+
+def test_the_drain_answers_an_ndjson_line_under_way_at_the_stop(broker_factory):
+    """A line whose first half came before SIGTERM and whose end comes after it is read to
+    its newline and served (as an HTTP request under way at the stop is), the drain
+    waiting for it; what follows its newline once nothing more is in the kernel is not
+    read (the connection half-closes). It was dropped unanswered: a read while draining
+    was discarded whole."""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "1", "--grace-period", "20", "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    line = json.dumps(req("add", [1, 2], "under way")).encode() + b"\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(line[:20])
+        time.sleep(0.3)
+        start = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "stopping" in b.read_log(0.05), timeout=10)
+        time.sleep(0.5)
+        s.sendall(line[20:])
+        got, ending = _read_all(s)
+    assert ending == "eof"
+    assert [json.loads(x) for x in got.splitlines()] == [{"jsonrpc": "2.0", "id": "under way", "result": 3}]
+    assert b.proc.wait(30) == 0
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("transport", ["http", "ndjson"])
 def test_a_client_that_never_stops_sending_holds_the_stop_no_longer_than_the_grace_period(broker_factory,
                                                                                         transport):
     """The drain reads on while more keeps arriving behind the bytes the kernel held at
