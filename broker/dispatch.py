@@ -102,8 +102,9 @@ Every call ends in exactly one of these ways, and only the first one answers:
 
 The drain (`drain`) waits until nothing is queued or in flight and the front-ends
 hold back no request (`held_back`: requests received but not dispatched yet, on a
-connection that fell behind); those are dispatched in their turn with `submit_held`,
-served as calls in flight are until the grace period ends.
+connection that fell behind, or not even read yet: in the kernel at the stop); those are
+dispatched in their turn with `submit_held`, served as calls in flight are until the
+grace period ends.
 
 A call that timed out stays in the pending table (without its exchange) until its
 worker replies, so the worker's outstanding count stays exact; that reply is then
@@ -620,7 +621,7 @@ class Dispatcher:
         self._draining = False  # in the grace period (see `submit_held`)
         self._serving = True  # until the drain ends: no call is sent to a worker after it
         # Set by the server: how many requests the front-ends hold back undispatched
-        # (their `_waiting`); the drain waits for them too.
+        # (`Listener.held`: their `_waiting`, and more); the drain waits for them too.
         self.held_back: Callable[[], int] = lambda: 0
         # Set by the pool: is a worker on its way to READY? (else "no worker available")
         self.worker_coming: Callable[[], bool] = lambda: True
@@ -750,6 +751,12 @@ class Dispatcher:
     def ready_workers(self) -> int:
         """How many workers are taking calls."""
         return len(self._ready)
+
+    @property
+    def in_grace(self) -> bool:
+        """Whether a stop's grace period runs (`drain`): requests received before the stop
+        are still served (`submit_held`)."""
+        return self._draining
 
     @property
     def queued_calls(self) -> int:

@@ -20,7 +20,10 @@ import typing
 from broker.dispatch import Dispatcher
 from broker.jsonrpc import Codec
 
-__all__ = ["EVICT_BATCH", "SWEEP_SECONDS", "TURN_BYTES", "Connection", "Incoming", "Listener", "reset", "unsent_bytes"]
+__all__ = [
+    "EVICT_BATCH", "SWEEP_SECONDS", "TURN_BYTES", "Connection", "Incoming", "Listener", "reset", "unread_bytes",
+    "unsent_bytes",
+]
 
 log = logging.getLogger("broker.frontend")
 
@@ -37,6 +40,7 @@ _last_active = operator.attrgetter("last_active")
 def _held_by(conn: typing.Any) -> int:
     return int(conn._budget.held)
 _OUTQ = getattr(termios, "TIOCOUTQ", None)  # Linux's SIOCOUTQ: a socket's send queue, in bytes
+_INQ = getattr(termios, "FIONREAD", None)  # Linux's SIOCINQ: a socket's receive queue, in bytes
 _INT = struct.Struct("i")
 
 
@@ -53,6 +57,20 @@ def unsent_bytes(transport: asyncio.WriteTransport) -> int:
         except OSError:
             pass
     return n
+
+
+def unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes its peer sent on `transport` that the kernel holds and the broker has not
+    read yet (SIOCINQ, tcp(7) and unix(7): a stream socket's receive queue; 0 where the
+    ioctl is not available or fails, as on a socket already closed). One system call:
+    for the stop, not per read."""
+    sock = transport.get_extra_info("socket")
+    if _INQ is None or sock is None:
+        return 0
+    try:
+        return int(_INT.unpack(fcntl.ioctl(sock.fileno(), _INQ, b"\0\0\0\0"))[0])
+    except OSError:
+        return 0
 
 
 _LINGER_0 = struct.pack("ii", 1, 0)
@@ -169,6 +187,11 @@ class Listener:
         # HTTP responses by path label, then status: {"rpc": {b"200": 5}}; empty for streams
         self.statuses: dict[str, dict[bytes, int]] = {}
         self.draining = False
+        # While draining: connections still reading what their clients sent before the stop
+        # (the subclass's `drain` finds bytes in their kernel receive queue, `unread_bytes`,
+        # and they read on until they find none and no request is under way): the drain
+        # waits for them (`held`).
+        self.unread: set[typing.Any] = set()
         self.loop = asyncio.get_running_loop()
         self._sweeper: asyncio.TimerHandle | None = None
         self._evictable: list[Connection] = []  # idle connections found by the last scan, most idle last
@@ -288,7 +311,7 @@ class Listener:
 
     def lost(self, conn: typing.Any) -> None:
         """A connection is gone: forget it, and drop what it held (its requests waiting
-        or not parsed yet, which the drain may be waiting for, its bytes counted in
+        or not parsed yet, or its input, which the drain may be waiting for, its bytes counted in
         `incoming`, and its answers owed counted in the dispatcher's `Outgoing`). `conn`
         has `_waiting` (a deque), `_backlog` (bytes), `_incoming` (int), `_budget` (a
         `ResponseBudget`)."""
@@ -298,6 +321,9 @@ class Listener:
             conn._backlog = b""
             conn._waiting.clear()
             self.recount()  # (the drain waits for what was held: `held`)
+        if self.unread and conn in self.unread:
+            self.unread.discard(conn)
+            self.recount()
         if conn._incoming:
             self.incoming.hold(conn._incoming, 0)
             conn._incoming = 0
@@ -318,9 +344,11 @@ class Listener:
     def held(self) -> int:
         """Requests its connections hold back undispatched (their `_waiting`), plus one
         for each connection with received bytes not parsed yet (a read's rest past the
-        per-turn bound, `_backlog`): the drain waits for them (`Dispatcher.held_back`).
-        O(connections): read while draining only."""
-        return sum(len(conn._waiting) + (1 if conn._backlog else 0) for conn in self.connections)
+        per-turn bound, `_backlog`), and one for each connection still reading what its
+        client sent before the stop (`unread`: bytes in the kernel, because the broker had
+        paused its reading, and what arrives behind them): the drain waits for them
+        (`Dispatcher.held_back`). O(connections): read while draining only."""
+        return sum(len(conn._waiting) + (1 if conn._backlog else 0) for conn in self.connections) + len(self.unread)
 
     async def wait_closed(self, timeout: float, taking: float | None = None,
                           hurry: asyncio.Event | None = None) -> None:

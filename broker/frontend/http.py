@@ -13,7 +13,10 @@ as everything before it has been written.
 A request is *under way* from its first byte (`on_message_begin`, `request_started`)
 until it is complete and routed; once routed it is *owed* (`owed`) until answered. A
 connection with neither is idle: only idle connections are ever closed to drain
-(SIGTERM) or to make room at `max_connections`.
+(SIGTERM) or to make room at `max_connections`. At the stop, bytes received and not read
+yet (in the kernel: `unread_bytes`) make a connection busy too; it reads them, and what
+arrives behind them meanwhile, until it finds none and no request under way
+(`HttpFrontend.drain`, `HttpProtocol._parsed_before_stop`).
 
 Answers:
     POST rpc_path          200 with the JSON-RPC response; 204 when nothing is owed
@@ -118,7 +121,15 @@ from http import HTTPStatus
 import httptools
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget
-from broker.frontend.base import SWEEP_SECONDS, TURN_BYTES, Incoming, Listener, reset, unsent_bytes
+from broker.frontend.base import (
+    SWEEP_SECONDS,
+    TURN_BYTES,
+    Incoming,
+    Listener,
+    reset,
+    unread_bytes,
+    unsent_bytes,
+)
 from broker.jsonrpc import ErrorCode, error_object, response_error
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.metrics import HTTP_PATHS
@@ -482,16 +493,27 @@ class HttpFrontend(Listener):
             conn.close()  # the overflow's: silent, or served and idle, for a sweep
 
     def drain(self) -> None:
-        """Close idle keep-alive connections now; the others close after their next
-        answer. A connection with a request under way (its head or body still coming)
-        is answered first. A connection that has not sent a request yet may still have
-        one on its way: it gets until `wait_closed` gives up."""
+        """Close idle keep-alive connections now; the others close at their first idle
+        moment, their last answer saying `connection: close`. A connection with a request
+        under way (its head or body still coming) is answered first. A connection with
+        bytes received before the stop and not read yet (in the kernel, `unread_bytes`:
+        pipelined while the broker had paused its reading, past the per-turn bound or
+        the pipeline's, or just not read yet) is not idle: it reads them and serves their
+        requests, then what arrived behind them meanwhile, and the drain waits until it
+        finds nothing more (`unread`, `HttpProtocol._parsed_before_stop`). A connection
+        that has not sent a request yet may still have one on its way: it gets until
+        `wait_closed` gives up."""
         self.draining = True
         for conn in list(self.connections):
-            if not conn.owed and conn.requests and not conn.request_started and not conn._backlog:
-                conn.stop_close()
-            elif conn.request_started:
+            transport = conn.transport
+            unread = 0 if transport is None or conn._closing else unread_bytes(transport)
+            if unread:
+                conn._unread = unread
+                self.unread.add(conn)
+            if conn.request_started:
                 self.under_way.add(conn)
+            elif not unread and not conn.owed and conn.requests and not conn._backlog:
+                conn.stop_close()
 
     def held(self) -> int:
         """`Listener.held`, plus one for each connection whose request was under way at
@@ -500,10 +522,14 @@ class HttpFrontend(Listener):
         (hostile testing: its call ran, but the drain had ended and its answer was
         dropped at the close). Not a request begun after the stop, nor one on a
         connection that is closing (answered early, 413 or 431: its bytes are
-        discarded), which the drain would wait for in vain."""
+        discarded), which the drain would wait for in vain; nor, in `unread`, a
+        connection closing."""
         under_way = self.under_way
         if under_way:
             under_way.difference_update([conn for conn in under_way if not conn.request_started or conn._closing])
+        unread = self.unread  # (a connection closing discards what it reads: nothing to wait for)
+        if unread:
+            unread.difference_update([conn for conn in unread if conn._closing])
         return super().held() + len(under_way)
 
 
@@ -586,6 +612,7 @@ class HttpProtocol(asyncio.Protocol):
         "_transfer_encoding",
         "_transport",
         "_turn_bytes",
+        "_unread",
         "_unsent",
         "_upgrade",
         "_url",
@@ -635,6 +662,10 @@ class HttpProtocol(asyncio.Protocol):
         self._incoming = 0  # bytes of an unfinished head or body counted in the listener's `Incoming`
         self._head_held = 0  # bytes that may hold an unfinished head (`_parse`)
         self._turn_bytes = 0  # bytes received since the last turn's pause (TURN_BYTES)
+        # While draining: bytes found in the kernel, received and not read yet, to be read and
+        # served (`HttpFrontend.drain`, `_parsed_before_stop`); -1 once read, some still in
+        # `_backlog` or a request under way; 0: the drain does not wait for its input.
+        self._unread = 0
         self._host: bytes | None = None  # the request's Host, Origin and Content-Type values
         self._origin: bytes | None = None
         self._content_type: bytes | None = None
@@ -839,8 +870,47 @@ class HttpProtocol(asyncio.Protocol):
                 self._parse(data)
         finally:
             self._parsing = False
-        if fe.draining and self._responses:
-            self._flush_ready()  # (answers held back while the read was parsed: `_write`)
+        if fe.draining:
+            if self._unread:
+                self._read_before_stop(len(data))
+            if self._responses:
+                self._flush_ready()  # (answers held back while the read was parsed: `_write`)
+
+    def _read_before_stop(self, n: int) -> None:
+        """While draining, `n` bytes were read (and parsed, up to a `_backlog`) on a
+        connection still reading what its client sent before the stop (`_unread`)."""
+        unread = self._unread
+        if unread > 0:
+            unread = self._unread = unread - n if unread > n else -1
+        if unread < 0 and not self._backlog:
+            self._parsed_before_stop()
+
+    def _parsed_before_stop(self) -> None:
+        """While draining, the bytes measured in the kernel (`_unread`) are read and parsed:
+        if a request is under way, read on (`_unread` -1) until it is complete; else
+        measure again (`unread_bytes`), and read on if more came meanwhile (pipelined
+        requests still arriving: the client's send queue empties into the receive queue
+        as it is read). At the first moment with neither, or once the grace period is over
+        (`Dispatcher.in_grace`), the drain no longer waits for its input; if nothing is
+        owed either, the connection is idle and closes now (`stop_close`: requests that
+        come later are discarded), else at its last answer, which says `connection:
+        close` (`_write`). A client that never stops sending is served until the grace
+        period ends."""
+        fe = self._fe
+        transport = self._transport
+        if transport is not None and not self._closing and fe.dispatcher.in_grace:
+            if self.request_started:
+                self._unread = -1
+                return
+            unread = unread_bytes(transport)
+            if unread:
+                self._unread = unread
+                return
+        self._unread = 0
+        fe.unread.discard(self)
+        fe.recount()
+        if transport is not None and not self._closing and not self._responses and self.requests:
+            self.stop_close()
 
     def _parse(self, data: bytes | memoryview) -> None:
         """Feed `data` to the parser, which calls back per request. Then count what an
@@ -985,8 +1055,11 @@ class HttpProtocol(asyncio.Protocol):
                 self._feed_turn(backlog)
             finally:
                 self._parsing = False
-            if self._fe.draining and self._responses:
-                self._flush_ready()  # (answers held back while the read was parsed: `_write`)
+            if self._fe.draining:
+                if self._unread < 0 and not self._backlog:
+                    self._parsed_before_stop()  # (the read that ended the bytes received before the stop)
+                if self._responses:
+                    self._flush_ready()  # (answers held back while the read was parsed: `_write`)
         if not self._backlog:
             self._maybe_resume()
             self._fe.recount()  # (the drain waits for a backlog: `Listener.held`)
@@ -1535,7 +1608,10 @@ class HttpProtocol(asyncio.Protocol):
         if transport is None:
             return
         fe = self._fe
-        if keep_alive and fe.draining and not self._responses and not self.request_started and not self._backlog:
+        if (
+            keep_alive and fe.draining and not self._responses and not self.request_started and not self._backlog
+            and not self._unread  # (bytes received before the stop still to be read: not the last answer)
+        ):  # fmt: skip
             if self._parsing:  # more requests may follow in this read: decided once it is parsed
                 self._responses.append((data, keep_alive, path))
                 return

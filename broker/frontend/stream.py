@@ -48,6 +48,14 @@ Limits:
     at once, as on an HTTP request line: it is another protocol, and what follows could
     hold a valid call (a browser's TLS ClientHello sent here by DNS rebinding carries
     bytes its server chose, in a session ticket: the ALPACA attack, USENIX Security 2021)
+
+At the stop (SIGTERM, `StreamFrontend.drain`) a connection serves the lines it has: those
+read and waiting (`_waiting`, `_backlog`), and those its kernel receive queue holds, not
+read yet because the broker had paused its reading (`unread_bytes`); then what arrived
+behind them meanwhile, until it finds nothing more received and no line under way (one
+under way is read to its newline). The drain waits for that (`Listener.unread`), within
+the grace period. Then the connection half-closes once it owes nothing, and discards what
+comes: a line sent later gets no answer and is never run.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ import typing
 from collections import deque
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget
-from broker.frontend.base import SWEEP_SECONDS, TURN_BYTES, Incoming, Listener
+from broker.frontend.base import SWEEP_SECONDS, TURN_BYTES, Incoming, Listener, unread_bytes
 from broker.jsonrpc import ErrorCode, error_object, response_error
 
 __all__ = ["REFUSED_LINGERING", "StreamFrontend", "StreamProtocol"]
@@ -150,7 +158,12 @@ class StreamFrontend(Listener):
                 conn.close()  # a line trickling in, never finished
 
     def drain(self) -> None:
-        """Stop reading new lines; connections close once they owe nothing."""
+        """Connections half-close once they owe nothing and have read what their clients
+        sent before the stop: the lines read already, those still in the kernel
+        (`unread_bytes`: the broker had paused its reading, or not read them yet), and
+        what arrives behind them meanwhile, a line under way read to its end; the drain
+        waits for them (`unread`, `StreamProtocol.drain`). Lines that come later are
+        discarded."""
         self.draining = True
         for conn in list(self.connections):
             conn.drain()
@@ -172,6 +185,7 @@ class StreamProtocol(asyncio.Protocol):
         "_skipping",
         "_transport",
         "_turn_bytes",
+        "_unread",
         "_waiting",
         "_write_paused",
         "last_active",
@@ -187,6 +201,10 @@ class StreamProtocol(asyncio.Protocol):
         self._buffer = bytearray()  # the incomplete last line
         self._incoming = 0  # its bytes, as counted in the listener's `Incoming`
         self._turn_bytes = 0  # bytes received since the last turn's pause (TURN_BYTES)
+        # While draining: bytes found in the kernel, received and not read yet, to be read and
+        # served (`drain`, `_read_all_before_stop`); -1 once read, a line still under way; 0:
+        # not reading for the drain (what comes is discarded).
+        self._unread = 0
         self._backlog = b""  # the rest of a read past LINES_PER_TURN lines: reading paused until it is done
         self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
         self._transport: asyncio.Transport | None = None
@@ -286,6 +304,8 @@ class StreamProtocol(asyncio.Protocol):
         fe = self._fe
         fe.received_bytes += len(data)
         if fe.draining or self._refused:
+            if self._unread and not self._refused:
+                self._read_before_stop(data)
             return
         now = fe.loop.time()
         turn = self._turn_bytes = self._turn_bytes + len(data)
@@ -298,6 +318,50 @@ class StreamProtocol(asyncio.Protocol):
         self._lines(data)
         if self.lines != lines:  # empty lines, or a line still coming, are not activity:
             self.last_active = now  # they keep no connection out of reach of `make_room`
+
+    def _read_before_stop(self, data: bytes) -> None:
+        """While draining, a read on a connection still reading what its client sent
+        before the stop (`drain`): its lines are served as any (every byte of it: a
+        line is never cut), and the bytes measured at the stop counted down."""
+        unread = self._unread
+        if unread > 0:
+            self._unread = unread - len(data) if unread > len(data) else -1
+        fe = self._fe
+        turn = self._turn_bytes = self._turn_bytes + len(data)
+        if turn > TURN_BYTES:  # (as in `data_received`)
+            self._turn_bytes = 0
+            if not self.read_paused:
+                self._pause()
+                fe.loop.call_soon(self._end_turn)
+        self._lines(data)
+        self._read_all_before_stop()
+
+    def _read_all_before_stop(self) -> None:
+        """While draining, once the bytes measured in the kernel (`_unread`) are read and
+        handled (none left in `_backlog`): if a line is under way, read on to its end; else
+        measure again (`unread_bytes`), and read on if more came meanwhile (a client's
+        pipelined lines still arriving: its send queue empties into the receive queue as
+        it is read). At the first moment with neither, the connection's first idle moment
+        on input, or once the grace period is over (`Dispatcher.in_grace`), the drain no
+        longer waits for its input: what comes next is discarded, and it half-closes once
+        it owes nothing (`_maybe_close`). A client that never stops sending is served
+        until the grace period ends."""
+        if self._unread > 0 or self._backlog:
+            return
+        fe = self._fe
+        transport = self._transport
+        if transport is not None and not self._refused and fe.dispatcher.in_grace:
+            if self.line_started and not self._skipping:
+                self._unread = -1  # a line under way: read on (its newline may be in the kernel already)
+                return
+            unread = unread_bytes(transport)
+            if unread:
+                self._unread = unread
+                return
+        self._unread = 0
+        fe.unread.discard(self)
+        fe.recount()
+        self._maybe_close()
 
     def _lines(self, data: bytes) -> None:
         """Handle up to LINES_PER_TURN lines of `data`; leave the rest in `_backlog`, with
@@ -365,6 +429,8 @@ class StreamProtocol(asyncio.Protocol):
         self._lines(backlog)  # each line to dispatch, or after the others in `_waiting`
         if not self._backlog:  # (the drain waits for a backlog: `Listener.held`)
             self._fe.recount()
+            if self._unread:
+                self._read_all_before_stop()
         if not self._backlog and self._transport is not None:
             if not self.read_paused:
                 self._transport.resume_reading()
@@ -446,7 +512,8 @@ class StreamProtocol(asyncio.Protocol):
     def _submit(self, line: bytes) -> Exchange | None:
         """Dispatch one line; return its exchange if answers are still owed for it.
         While draining, every line dispatched was received before the stop (it waited in
-        `_waiting` or `_backlog`): `Dispatcher.submit_held` serves it as a call in flight."""
+        `_waiting`, `_backlog` or the kernel), or behind those while they were read
+        (`_read_all_before_stop`): `Dispatcher.submit_held` serves it as a call in flight."""
         fe = self._fe
         dispatcher = fe.dispatcher
         submit = dispatcher.submit_held if fe.draining else dispatcher.submit
@@ -500,7 +567,7 @@ class StreamProtocol(asyncio.Protocol):
             return
         if self._eof:
             self.close()
-        elif self._fe.draining:
+        elif self._fe.draining and not self._unread:  # (else lines sent before the stop are still to come)
             self._linger()
 
     def _send(self, data: bytes) -> None:
@@ -555,9 +622,19 @@ class StreamProtocol(asyncio.Protocol):
     # -- closing -----------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Serve no more lines; close now if nothing is owed, else after the last answer."""
-        if self._transport is None:
+        """Half-close now if nothing is owed and nothing was sent before the stop that is
+        still to read, else once that is read (`_read_before_stop`) and the last answer
+        written: the bytes in the kernel (`unread_bytes`) and the line under way at the
+        stop, to its newline; the drain waits for them (`Listener.unread`)."""
+        transport = self._transport
+        if transport is None:
             return
+        if not self._refused and not self._eof:
+            unread = unread_bytes(transport)
+            if unread or (self.line_started and not self._skipping):
+                self._unread = unread or -1
+                self._fe.unread.add(self)
+                return  # (`_read_all_before_stop` half-closes it once it has read them, and owes nothing)
         if not self.owed and not self._waiting and not self._backlog:  # (else `_maybe_close` lingers)
             self._linger()
 
