@@ -921,6 +921,41 @@ def test_the_drain_answers_an_ndjson_line_under_way_at_the_stop(broker_factory):
 
 
 @pytest.mark.parametrize("transport", ["http", "ndjson"])
+def test_a_client_that_half_closes_under_way_at_the_stop_does_not_hold_the_drain(broker_factory, transport):
+    """A connection still read at the stop whose client half-closes with a line (or a
+    request) unfinished: at EOF nothing more comes. Its last line ends there and is
+    served; an unfinished HTTP request is dropped; the drain no longer waits for either
+    (it waited for the grace period, 20 s here, for input that could never come)."""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "1", "--grace-period", "20", "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    line = json.dumps(req("add", [1, 2], "last")).encode()
+    if transport == "http":
+        head = (f"POST {b.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(line)}\r\n\r\n").encode()
+        first, rest = head + line + head + line[:20], b""
+        address = (b.host, b.port)
+    else:
+        first, rest = line[:20], line[20:]
+        address = ("127.0.0.1", port)
+    with socket.create_connection(address, timeout=30) as s:
+        s.sendall(first)
+        time.sleep(0.3)
+        start = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "stopping" in b.read_log(0.05), timeout=10)
+        s.sendall(rest)  # (NDJSON: the rest of the line, with no newline)
+        s.shutdown(socket.SHUT_WR)
+        got, ending = _read_all(s)
+    assert ending == "eof"
+    assert b'"id":"last","result":3' in got
+    assert b.proc.wait(30) == 0
+    assert time.monotonic() - start < 10, time.monotonic() - start
+
+
+@pytest.mark.parametrize("transport", ["http", "ndjson"])
 def test_a_client_that_never_stops_sending_holds_the_stop_no_longer_than_the_grace_period(broker_factory,
                                                                                         transport):
     """The drain reads on while more keeps arriving behind the bytes the kernel held at

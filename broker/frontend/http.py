@@ -1081,6 +1081,10 @@ class HttpProtocol(asyncio.Protocol):
                 self._fe.incoming.hold(self._incoming, 0)
                 self._incoming = 0
             self._fe.recount()  # (`HttpFrontend.held` waits for a request under way no more)
+        if self._unread:  # draining, still reading what came before the stop: nothing more comes
+            self._unread = 0
+            self._fe.unread.discard(self)
+            self._fe.recount()
         return bool(self._responses)
 
     def _serve_upgrade(self, rest: bytes) -> None:

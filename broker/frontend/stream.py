@@ -280,7 +280,8 @@ class StreamProtocol(asyncio.Protocol):
         file's last line does (`printf '%s' "$call" | ...` was never answered, and its
         bytes stayed counted in max_incoming_bytes until the connection closed). (Reading
         is never paused at EOF: a read's unhandled rest, `_backlog`, is handled first.)"""
-        if self._buffer and not self._skipping and not self._refused and not self._fe.draining:
+        fe = self._fe
+        if self._buffer and not self._skipping and not self._refused and (not fe.draining or self._unread):
             line = bytes(self._buffer)
             self._buffer.clear()
             self._fe.incoming.hold(self._incoming, 0)
@@ -290,6 +291,10 @@ class StreamProtocol(asyncio.Protocol):
                 self._too_long(line[:16])
             else:
                 self._line(line)
+        if self._unread:  # draining, still reading what came before the stop: nothing more comes
+            self._unread = 0
+            fe.unread.discard(self)
+            fe.recount()
         if self.owed or self._waiting or self._backlog:  # (none on a connection refused at accept)
             self._eof = True
             return True  # keep the transport open for writing
