@@ -145,7 +145,7 @@ from broker.metrics import CallMetrics
 if typing.TYPE_CHECKING:
     from broker.pool import Worker
 
-__all__ = ["Call", "Dispatcher", "DispatcherStats", "Exchange", "Outgoing", "ResponseBudget", "Route"]
+__all__ = ["Call", "Dispatcher", "Exchange", "Outgoing", "ResponseBudget", "Route"]
 
 log = logging.getLogger("broker.dispatch")
 
@@ -443,19 +443,6 @@ class Call(msgspec.Struct, eq=False):
         )
 
 
-class DispatcherStats(typing.NamedTuple):
-    """A snapshot of the dispatcher's counters (see `Dispatcher.statistics`)."""
-
-    in_flight: int
-    queued: int
-    calls_total: int
-    timeouts_total: int
-    late_results_total: int
-    late_cancelled_total: int
-    shed_total: int
-    worker_died_total: int
-
-
 class DeadlineWheel:
     """Per-call deadlines, far cheaper than a loop timer per call.
 
@@ -604,19 +591,15 @@ class Dispatcher:
         self._deadlines = DeadlineWheel(loop, self._on_timeout)
         self._ids = itertools.count(1)
         self.accepting = True
-        self.calls_total = 0
-        self.timeouts_total = 0
         # Replies to calls answered already (deadline, shutdown): the worker's
         # acknowledgement of a CANCEL, or a result (or error) that came late.
         self.late_cancelled_total = 0
         self.late_results_total = 0
-        self.shed_total = 0
         # Notifications that never reached a worker, by the error a call would have had
         # (overloaded, timed out while queued, no worker, shutting down, invalid request:
         # nested past the parser's limit): they get no answer, so this count is their
         # only trace.
         self.notifications_dropped: dict[int, int] = {}
-        self.worker_died_total = 0
         self._idle = asyncio.Event()  # set once draining and nothing is owed
         self._draining = False  # in the grace period (see `submit_held`)
         self._serving = True  # until the drain ends: no call is sent to a worker after it
@@ -727,8 +710,6 @@ class Dispatcher:
         error = error_object(ErrorCode.WORKER_DIED, data={"pid": worker.pid, "status": reason})
         for call in lost:
             del self._pending[call.call_id]
-            if call.exchange is not None:
-                self.worker_died_total += call.weight
             self._finish(call, error, ErrorCode.WORKER_DIED)
         if worker.blocked:
             worker.blocked = False
@@ -801,7 +782,6 @@ class Dispatcher:
                 route = self._routes.get(request.method)
                 if route is not None:
                     exchange = Exchange(False, 200, on_done, [None], 1, None, budget)
-                    self.calls_total += 1
                     call = Call(  # Call.of, inline (a call less: about 0.1 µs)
                         next(self._ids), exchange, 0, request.id, _CALL, route.method_index,
                         request.params, route.timeout, _clock(), route.sync,
@@ -814,7 +794,6 @@ class Dispatcher:
         entries = self._entries(body, exchange)
         now = self._loop.time()  # for deadlines (uvloop: milliseconds, cached per loop turn)
         arrival = _clock()  # for latencies
-        self.calls_total += len(entries)
         if body.batch and self.metrics is not None:
             self.metrics.batch_size.observe(len(body.items) + body.dropped)
         if body.batch and len(entries) > 2 and self._ready and self.accepting:
@@ -918,7 +897,6 @@ class Dispatcher:
         elif self._queued_calls + call.weight > self._max_queue or (
             self._queued_bytes + _held(call) > self._max_queue_bytes
         ):  # (max_queue counts calls: a chunk that does not fit is shed whole)
-            self.shed_total += 1
             self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
         else:
             _hold(call)
@@ -1343,7 +1321,6 @@ class Dispatcher:
         self._check_idle()
 
     def _on_timeout(self, call: Call) -> None:
-        self.timeouts_total += call.weight
         queued = call.worker is None
         if queued:  # still queued: it gives up its place and bytes now
             self._expired_queued += 1
@@ -1478,16 +1455,3 @@ class Dispatcher:
             if worker is not None and worker.channel is not None:
                 worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
         self._idle.set()
-
-    def statistics(self) -> DispatcherStats:
-        """Counters and gauges as a frozen record."""
-        return DispatcherStats(
-            in_flight=len(self._pending),
-            queued=self._queued_calls,
-            calls_total=self.calls_total,
-            timeouts_total=self.timeouts_total,
-            late_results_total=self.late_results_total,
-            late_cancelled_total=self.late_cancelled_total,
-            shed_total=self.shed_total,
-            worker_died_total=self.worker_died_total,
-        )

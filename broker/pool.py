@@ -100,7 +100,7 @@ from broker.config import ConfigError
 from broker.dispatch import Dispatcher
 from broker.worker import WORKER_BOOT_ERROR
 
-__all__ = ["TRANSITIONS", "CodeChanged", "Pool", "PoolStats", "Worker", "WorkerBootError", "WorkerChannel", "WorkerState"]
+__all__ = ["TRANSITIONS", "CodeChanged", "Pool", "Worker", "WorkerBootError", "WorkerChannel", "WorkerState"]
 
 log = logging.getLogger("broker.pool")
 
@@ -168,7 +168,6 @@ class Worker:
         self.sync_calls = 0  # sync calls in flight (the dispatcher's)
         self.blocked = False  # busy in a blocking sync call, its limit taken down (the dispatcher's)
         self.started_at = 0.0
-        self.restarts = 0
         self.failures = 0
         self.exited: asyncio.Future[int] | None = None
         self.kill_reason = ""  # why the broker killed this process, if it did
@@ -284,16 +283,6 @@ class WorkerChannel(asyncio.Protocol):
             self._transport.close()
 
 
-class PoolStats(typing.NamedTuple):
-    """Snapshot of the pool: workers per state and restarts so far."""
-
-    starting: int
-    ready: int
-    draining: int
-    dead: int
-    restarts_total: int
-
-
 class Pool:
     """Supervises `size` worker processes serving `app` for one `Dispatcher`."""
 
@@ -335,7 +324,6 @@ class Pool:
         self._starting = True
         self._boot_failure: asyncio.Future[str] = self.loop.create_future()
         self._changed = asyncio.Event()
-        self.restarts_total = 0
         # Restarts by reason (the metric's label): exited, killed, hung, boot_timeout, reload
         self.restarts_by_reason: dict[str, int] = {}
         self.retiring: set[Worker] = set()  # replaced by a reload, not exited yet
@@ -540,7 +528,6 @@ class Pool:
                 # A reload's new worker sent SIGTERM while it imports: another takes its place
                 # in the reload (which still waits at most its timeout in all).
                 log.info("reload: new worker %d (pid %d) %s; starting another", worker.slot, worker.pid, reason)
-                self.restarts_total += 1
                 self.restarts_by_reason["left"] = self.restarts_by_reason.get("left", 0) + 1
                 new = self.incoming[worker.slot] = Worker(worker.slot)
                 if self._prepare(new):
@@ -619,8 +606,6 @@ class Pool:
     def _count_restart(self, worker: Worker, why: str) -> None:
         """Count one restart of `worker`'s slot, under the bounded reason `why` (the
         metric's label): once per process that exits or is replaced."""
-        worker.restarts += 1
-        self.restarts_total += 1
         self.restarts_by_reason[why] = self.restarts_by_reason.get(why, 0) + 1
 
     def _restart_awaiting(self, why: str) -> None:
@@ -737,7 +722,6 @@ class Pool:
                  worker.slot, worker.pid)
         self.retiring.add(worker)
         new = self.workers[worker.slot] = Worker(worker.slot)
-        self.restarts_total += 1
         self.restarts_by_reason["left"] = self.restarts_by_reason.get("left", 0) + 1
         if self._prepare(new):
             task = self.loop.create_task(self._launch(new))
@@ -943,16 +927,6 @@ class Pool:
         if self._server is not None:
             self._server.close()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def statistics(self) -> PoolStats:
-        """Workers per state, and restarts so far."""
-        count = {s: 0 for s in WorkerState}
-        for w in self.workers:
-            count[w.state] += 1
-        return PoolStats(
-            count[WorkerState.STARTING], count[WorkerState.READY], count[WorkerState.DRAINING],
-            count[WorkerState.DEAD], self.restarts_total,
-        )  # fmt: skip
 
 
 def restart_reason(status: int, kill_reason: str, left: bool = False) -> str:

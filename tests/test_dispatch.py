@@ -16,7 +16,8 @@ from msgspec import Raw
 
 from broker import wire
 from broker.dispatch import Call, DeadlineWheel, Dispatcher, Exchange, Route
-from broker.jsonrpc import Body, Codec, Request
+from broker.jsonrpc import Body, Codec, ErrorCode, Request
+from broker.metrics import CallMetrics
 from broker.pool import Worker, WorkerState
 
 LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
@@ -138,7 +139,7 @@ def test_freed_slots_are_all_filled_from_the_queue_in_fifo_order():
         assert chunk[0] == wire.Kind.CHUNK and w.outstanding == 10  # a chunk overshoots the limit
         for n in range(8):
             d.submit(body(codec, req("sleep", [n], n)), done.append)
-        assert w.channel.take() == [] and d.statistics().queued == 8
+        assert w.channel.take() == [] and d.queued_calls == 8
         d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 0, chunk_reply(chunk))
         started = w.channel.take()
         assert [first_params(f) for f in started] == [[0], [1], [2], [3]]  # all 4 slots, in order
@@ -148,7 +149,7 @@ def test_freed_slots_are_all_filled_from_the_queue_in_fifo_order():
         for frame in started:
             d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
         assert [first_params(f) for f in w.channel.take()] == [[4], [5], [6], [7]]
-        assert d.statistics().queued == 1
+        assert d.queued_calls == 1
 
     run(main)
 
@@ -332,7 +333,7 @@ def test_max_queue_bytes_counts_what_a_queued_call_holds():
             ex = d.submit(body(codec, req("echo", [n], big_id)), lambda e: None)
             if ex is not None and ex.remaining == 0:
                 answers.append(ex.body())
-        assert d.statistics().queued == 1 and d.queued_bytes == 605
+        assert d.queued_calls == 1 and d.queued_bytes == 605
         assert len(answers) == 1 and b"-32000" in answers[0]  # the second one is shed
 
     run(main)
@@ -352,7 +353,7 @@ def test_late_replies_are_told_apart_cancel_acknowledgements_from_late_results()
     of the CANCEL (wire.CANCEL_ACK), or a result that came late; counted per call."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop(), timeout=0.02)
+        d = Dispatcher(asyncio.get_running_loop(), timeout=0.02, metrics=CallMetrics())
         d.set_methods(["sleep"])
         w = add_worker(d, 0, concurrency=100)
         codec = Codec()
@@ -373,9 +374,9 @@ def test_late_replies_are_told_apart_cancel_acknowledgements_from_late_results()
                         for i in (1, 2))
         d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk3[1], 0, rest)
         d.on_reply(w, wire.Kind.ERROR, chunk4[1], 0, wire.CANCEL_ACK)  # a whole chunk, unstarted
-        stats = d.statistics()
-        assert (stats.late_cancelled_total, stats.late_results_total) == (1 + 2 + 4, 1 + 1)
-        assert stats.timeouts_total == 2 + 3 + 4 and w.outstanding == 0
+        assert (d.late_cancelled_total, d.late_results_total) == (1 + 2 + 4, 1 + 1)
+        assert d.metrics is not None and d.metrics.outcomes[0][ErrorCode.TIMED_OUT] == 2 + 3 + 4
+        assert w.outstanding == 0
 
     run(main)
 
@@ -682,7 +683,7 @@ def test_with_max_queue_0_a_slow_sync_call_runs_beside_calls_in_flight():
         answers: list[Exchange] = []
         d.submit(body(codec, req("report", [0.01], "R")), answers.append)
         [frame] = a.channel.take() + b.channel.take()
-        assert first_params(frame) == [0.01] and answers == [] and d.shed_total == 0
+        assert first_params(frame) == [0.01] and answers == []
         worker = a if a.blocked else b
         d.on_reply(worker, wire.Kind.RESULT, frame[1], 10_000, b'"done"')
         assert answers and answers[0].answers == [b'{"jsonrpc":"2.0","id":"R","result":"done"}']
@@ -954,7 +955,7 @@ def test_expired_queued_calls_release_their_payload_and_their_shells_are_compact
             assert all(c.params == b"" and c.id == Raw() for c in calls)  # released at once
             assert len(d._queue) <= 3  # the head and fewer shells than live calls
         assert len(answers) == 150 and all(b'"code":-32001' in a for a in answers)
-        assert d.queued_calls == 1 == d.statistics().queued
+        assert d.queued_calls == 1 == d.queued_calls
         assert d.queued_bytes == len(b"[1]") + len(b'"head"')
 
     run(main)
