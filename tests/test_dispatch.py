@@ -959,3 +959,90 @@ def test_expired_queued_calls_release_their_payload_and_their_shells_are_compact
         assert d.queued_bytes == len(b"[1]") + len(b'"head"')
 
     run(main)
+
+
+# -- failure paths that planted bugs survived (issue 10, item 10) ----------------------
+
+
+def test_every_call_of_a_chunk_on_a_worker_that_dies_is_answered_worker_died_at_once():
+    """A planted bug skipped a chunk's calls when its worker died: they waited for their
+    deadline (-32001) instead of -32002 at once, and the in-flight count kept them."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=30.0)
+        d.set_methods(["m"])
+        w = add_worker(d, 0, concurrency=100)
+        codec = Codec()
+        done: list[Exchange] = []
+        d.submit(body(codec, [req("m", [i], i) for i in range(10)]), done.append)
+        d.submit(body(codec, req("m", [], "single")), done.append)
+        assert sum(f[2] if f[0] == wire.Kind.CHUNK else 1 for f in w.channel.take()) == 11
+        assert d.in_flight_calls == 11
+        w.pid = 4242
+        d.worker_lost(w, "killed by SIGKILL")
+        assert len(done) == 2 and d.in_flight_calls == 0  # at once, not at the deadline
+        batch, single = (done if done[0].batch else done[::-1])
+        answers = json.loads(batch.body())
+        assert sorted(a["id"] for a in answers) == list(range(10))
+        assert all(a["error"]["code"] == -32002 and a["error"]["data"]["pid"] == 4242 for a in answers)
+        assert json.loads(single.body())["error"]["code"] == -32002
+
+    run(main)
+
+
+def test_queued_calls_are_answered_no_worker_when_none_is_coming():
+    """A planted bug left queued calls waiting for their deadline when every worker was
+    down and none was starting (the restart backoff): -32003 at once."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=30.0)
+        d.set_methods(["m"])
+        w = add_worker(d, 0, concurrency=1)
+        codec = Codec()
+        done: list[Exchange] = []
+        for i in range(3):
+            d.submit(body(codec, req("m", [], i)), done.append)
+        assert d.queued_calls == 2
+        d.worker_lost(w, "exited with 1")
+        assert [json.loads(e.body())["error"]["code"] for e in done] == [-32002]
+        d.no_worker_coming()
+        assert sorted(json.loads(e.body())["id"] for e in done[1:]) == [1, 2]
+        assert all(json.loads(e.body())["error"]["code"] == -32003 for e in done[1:])
+        assert d.queued_calls == 0 and d.in_flight_calls == 0
+
+    run(main)
+
+
+@pytest.mark.parametrize("loop_name", sorted(LOOPS))
+def test_deadlines_fire_within_two_ticks_with_a_bounded_number_of_timer_wakeups(loop_name):
+    """A planted off-by-one in the wheel's tick made its timer fire early and re-arm over
+    and over (92,000 wake-ups for 20 deadlines: a busy loop). Each deadline fires once,
+    no earlier than due and within two ticks (10 ms each) after, and the timer wakes
+    about once per distinct tick."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        fired: dict[int, float] = {}
+        wakeups = [0]
+
+        class Counted:  # the running loop, its timers counted
+            def time(self) -> float:
+                return loop.time()
+
+            def call_at(self, when: float, callback: typing.Callable[[], None]) -> asyncio.TimerHandle:
+                wakeups[0] += 1
+                return loop.call_at(when, callback)
+
+        wheel = DeadlineWheel(Counted(), lambda c: fired.setdefault(c.call_id, loop.time()))  # type: ignore[arg-type]
+        start = loop.time()
+        due = {i: start + 0.05 + 0.01 * (i % 10) for i in range(20)}  # 10 distinct ticks, 2 calls each
+        for i in range(20):
+            wheel.add(make_call(i, due[i] - start), start)
+        await asyncio.sleep(0.4)
+        assert sorted(fired) == list(range(20)) and len(wheel) == 0
+        for i, at in fired.items():
+            assert due[i] - 0.001 <= at <= due[i] + 0.02 + 0.05, (i, at - due[i])  # (+50 ms: a loaded machine)
+        assert wakeups[0] <= 2 * 10 + 2, wakeups[0]
+
+    with asyncio.Runner(loop_factory=LOOPS[loop_name]) as runner:
+        runner.run(main())
