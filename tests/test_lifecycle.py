@@ -969,6 +969,29 @@ def test_a_replacement_that_fails_to_boot_is_retried_and_the_one_leaving_drains(
     assert b.proc.poll() is None
 
 
+def test_readyz_says_503_and_calls_get_no_worker_during_the_restart_backoff(broker_factory, tmp_path):
+    """Issue 10, item 10: with its only worker down and its restarts failing (a bad
+    deploy on disk), the broker waits out the restart backoff: /readyz answers 503 "no
+    worker ready" meanwhile (a load balancer sends elsewhere), /healthz 200 (alive), and
+    a call gets -32003 at once; once the app is mended, the slot serves and /readyz is 200."""
+    flag = tmp_path / "broken"
+    b = broker_factory("--workers", "1", "--app", "tests.apps.breakable:registry", "--restart-backoff-max", "5",
+                       env={"BREAKABLE_APP_FLAG": str(flag)})
+    assert b.get("/readyz")[0] == 200
+    [worker] = children(b.pid)
+    flag.touch()
+    os.kill(worker, signal.SIGKILL)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="exited") >= 2, timeout=30)
+    assert b.get("/readyz") == (503, b'{"status":"no worker ready"}')
+    assert b.get("/healthz")[0] == 200
+    started = time.monotonic()
+    assert b.call("pid")["error"]["code"] == -32003
+    assert time.monotonic() - started < 2
+    flag.unlink()
+    wait_for(lambda: b.get("/readyz")[0] == 200, timeout=30)
+    assert b.call("pid")["result"] != worker
+
+
 def test_a_worker_whose_process_cannot_be_created_is_tried_again(tmp_path):
     """Hostile testing (round 6): with the open-files limit used up, a crashed worker's
     restart raised EMFILE out of the task supervising it ("worker supervision failed"),

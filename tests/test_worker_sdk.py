@@ -632,6 +632,19 @@ async def stubborn() -> str:
     return "slept"
 
 
+CANCELLED: list[str] = []  # tags of `watched` calls that saw CancelledError
+
+
+@registry.method
+async def watched(tag: str) -> str:
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        CANCELLED.append(tag)
+        raise
+    return "slept"
+
+
 @registry.method
 def big(n: int) -> str:
     return "x" * n
@@ -1029,11 +1042,22 @@ def test_bad_frame_closes_the_connection(run, caplog):
 
 
 def test_broker_closing_cancels_in_flight_calls(run):
+    """The handlers running when the broker's connection closes see CancelledError (a
+    planted bug that left them running passed this test when it only waited for the
+    worker to be done)."""
+
     async def test(proto: WorkerProtocol, b: Broker) -> None:
-        b.send(b.call(1, "nap", b"[30]"))
-        await asyncio.sleep(0.01)
+        tag = f"closing-{id(proto)}"
+        b.send(b.call(1, "watched", json.dumps([tag]).encode()))
+        await asyncio.sleep(0.05)
+        assert tag not in CANCELLED
         b.writer.close()
         await asyncio.wait_for(proto.done, 5)
+        for _ in range(100):
+            if tag in CANCELLED:
+                break
+            await asyncio.sleep(0.01)
+        assert tag in CANCELLED
 
     run(test)
 
