@@ -238,9 +238,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_outgoing_bytes: Annotated[Bytes, Meta(ge=64 * KIB),
                                   Doc("answers owed and not yet taken by their clients, over "
                                       "all connections together, in bytes; a result past it is "
-                                      "answered with -32603, and the connections not reading "
-                                      "theirs are reset, those owed the most first, until it is "
-                                      "under half",
+                                      "answered with -32603, and the connections owed the most "
+                                      "are reset at once until it is under half",
                                       rule="max_response_bytes or more")
                                   ] = 256 * MIB
     max_response_bytes: Annotated[Bytes, Meta(ge=64 * KIB, le=1 * GIB),

@@ -247,19 +247,21 @@ class Outgoing:
     connection holds at most max_response_bytes; this bounds them all, whatever
     max_connections allows (hostile testing: 40 connections that never read their
     answers held 300 MiB, and 10,000 could hold 320 GiB): an answer that would take
-    `held` past `limit` (max_outgoing_bytes) is answered -32603 instead, and the
-    listeners' sweeps reset the connections not taking theirs, most held first, until
-    it is under the limit again (`frontend.base.Listener.shed_outgoing`).
+    `held` past `limit` (max_outgoing_bytes) is answered -32603 instead, and soon after
+    (`on_full`, called once per refusals in a loop iteration) the connections owed the
+    most are reset until it is under half the limit (`frontend.base.shed_outgoing`).
 
     refused_total: answers refused past the limit.
     """
 
-    __slots__ = ("held", "limit", "refused_total")
+    __slots__ = ("held", "limit", "on_full", "refused_total", "shedding")
 
     def __init__(self, limit: int = 1 << 62) -> None:
         self.limit = limit
         self.held = 0
         self.refused_total = 0
+        self.on_full: Callable[[], None] | None = None  # what sheds (the server sets it)
+        self.shedding = False  # on_full is scheduled
 
 
 _GONE = Outgoing()  # what the budget of a lost connection counts in (never refuses)
@@ -300,6 +302,20 @@ class ResponseBudget:
         self.held -= self.parked
         self.outgoing.held -= self.parked
         self.parked = 0
+
+    def hold(self, size: int) -> None:
+        """Count `size` bytes of a finished answer the front-end made itself (a 404, a
+        421...) that waits behind the answers owed before it."""
+        self.held += size
+        self.outgoing.held += size
+
+    def release(self, size: int, write_paused: bool) -> None:
+        """Such an answer was written (as `written`)."""
+        if write_paused:
+            self.parked += size
+        else:
+            self.held -= size
+            self.outgoing.held -= size
 
     def lost(self) -> None:
         """Its connection is gone: what it held leaves `outgoing`, and the answers still
@@ -1107,6 +1123,9 @@ class Dispatcher:
         (`outgoing`'s limit)."""
         if not connection:
             outgoing.refused_total += 1
+            if not outgoing.shedding and outgoing.on_full is not None:
+                outgoing.shedding = True  # (soon: not while this answer is being filled in)
+                self._loop.call_soon(outgoing.on_full)
             if outgoing.refused_total == 1 or outgoing.refused_total % 1000 == 0:
                 log.warning("answers refused: responses owed on all connections exceed max_outgoing_bytes %d "
                             "(%d so far)", outgoing.limit, outgoing.refused_total)

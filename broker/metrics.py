@@ -424,7 +424,7 @@ class BrokerCollector(Collector):
             ("rpc_broker_connections_refused", "Connections closed at once: max_connections was reached.", True),
             ("rpc_broker_received_bytes", "Bytes read from clients.", True),
             ("rpc_broker_sent_bytes", "Bytes written to clients.", True),
-            ("rpc_broker_connections_shed", "Connections reset, not taking their answers, when the answers "
+            ("rpc_broker_connections_shed", "Connections reset, those owed the most answers, when the answers "
              "owed on all connections passed max_outgoing_bytes.", True),
         )):  # fmt: skip
             make = _family_counter if counter else _family_gauge

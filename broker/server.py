@@ -30,7 +30,7 @@ import typing
 
 from broker.config import Config, ConfigError
 from broker.dispatch import Dispatcher
-from broker.frontend.base import Incoming
+from broker.frontend.base import Incoming, shed_outgoing
 from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
 from broker.frontend.stream import REFUSED_LINGERING, StreamFrontend
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
@@ -367,6 +367,7 @@ async def run(
                 return 1
             servers.append(server)
             frontends.append(fe)
+        dispatcher.outgoing.on_full = lambda: shed_outgoing(dispatcher.outgoing, frontends)
         host, port = servers[0].sockets[0].getsockname()[:2]
         print(
             f"rpc-broker: serving JSON-RPC on {_url(host, port)}{config.rpc_path}"

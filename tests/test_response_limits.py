@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import typing
 
@@ -292,4 +293,72 @@ def test_connections_that_do_not_read_hold_at_most_max_outgoing_bytes_together()
     finally:
         for sock in socks:
             sock.close()
+        assert b.stop() == 0, b.read_log()
+
+
+def test_clients_that_read_cannot_hold_max_outgoing_bytes_with_answers_queued_behind_a_slow_call() -> None:
+    """Hostile testing (round 9): 4 connections each sent a slow call, then echo calls of
+    about 1 MB pipelined behind it, and read: their finished answers, kept in order
+    behind the slow call, filled max_outgoing_bytes, and only connections not reading
+    were reset, so every other client's call (a 10-byte echo too) was -32603 for as long
+    as the slow calls lasted. The connections owed the most are reset at once now,
+    whatever their clients do: another client is answered as usual right after."""
+    limit, total = 4 * 1024 * 1024, 8 * 1024 * 1024
+    b = start_broker("--workers", "2", "--timeout", "60", "--max-response-bytes", str(limit),
+                     "--max-outgoing-bytes", str(total))
+    socks: list[socket.socket] = []
+    blob = "x" * 900_000
+    try:
+        assert b.call("echo", ["warm"])["result"] == ["warm"]
+        for tag in range(4):
+            sock = socket.create_connection(("127.0.0.1", b.port), timeout=30)
+            socks.append(sock)
+            calls = [{"jsonrpc": "2.0", "method": "sleep", "params": [20], "id": f"{tag}-slow"}]
+            calls += [{"jsonrpc": "2.0", "method": "echo", "params": [blob], "id": f"{tag}-{i}"} for i in range(4)]
+            sock.sendall(b"".join(http_request(json.dumps(c).encode()) for c in calls))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_connections_shed_total", transport="http") >= 1,
+                 timeout=30)
+        metrics = scrape_metrics(b)
+        assert sample(metrics, "rpc_broker_outgoing_refused_total") >= 1
+        assert sample(metrics, "rpc_broker_outgoing_bytes") <= total
+        started = time.monotonic()
+        answers = [b.call("echo", ["victim"]) for _ in range(5)]  # (the slow calls still run: 20 s)
+        assert answers == [{"jsonrpc": "2.0", "id": 1, "result": ["victim"]}] * 5, answers
+        assert time.monotonic() - started < 10
+    finally:
+        for sock in socks:
+            sock.close()
+        assert b.stop() == 0, b.read_log()
+
+
+def test_answers_the_broker_makes_itself_count_while_queued_behind_a_slow_call() -> None:
+    """Hostile testing (round 9): requests the front-end answers itself (here 421, a Host
+    not allowed) pipelined behind a slow call were queued unbounded and counted nowhere
+    (1000 connections that never read: 500 MB), and a 421 echoed all of a 30 KB Host.
+    They count in the connection's budget and max_outgoing_bytes now, reading pauses
+    past 64 owed, and the Host shown is cut at 200 bytes."""
+    b = start_broker("--workers", "1")
+    try:
+        sock = socket.create_connection(("127.0.0.1", b.port), timeout=30)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        slow = json.dumps({"jsonrpc": "2.0", "method": "sleep", "params": [3], "id": "slow"}).encode()
+        bad = (b"POST / HTTP/1.1\r\nHost: " + b"\xff" * 30_000 + b"\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 2\r\n\r\n{}")
+        sender = threading.Thread(target=sock.sendall, args=(http_request(slow) + bad * 200,), daemon=True)
+        sender.start()  # (it blocks while reading is paused: until the slow call ends)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_outgoing_bytes") > 0, timeout=10)
+        time.sleep(0.5)
+        held = sample(scrape_metrics(b), "rpc_broker_outgoing_bytes")
+        assert 0 < held <= 65 * 1024, held  # 64 or 65 answers of well under 1 KiB, reading paused
+        assert sender.is_alive()  # (reading paused: the rest waits in the kernels)
+        buf = bytearray()
+        status, body = read_http_response(sock, buf)
+        assert (status, json.loads(body)["id"]) == (200, "slow")
+        for _ in range(200):
+            status, body = read_http_response(sock, buf)
+            assert status == 421 and len(body) < 600, body
+        sender.join(10)
+        assert sample(scrape_metrics(b), "rpc_broker_outgoing_bytes") == 0
+        sock.close()
+    finally:
         assert b.stop() == 0, b.read_log()

@@ -17,11 +17,11 @@ import struct
 import termios
 import typing
 
-from broker.dispatch import Dispatcher
+from broker.dispatch import Dispatcher, Outgoing
 from broker.jsonrpc import Codec
 
 __all__ = [
-    "EVICT_BATCH", "SWEEP_SECONDS", "TURN_BYTES", "Connection", "Incoming", "Listener", "reset", "unread_bytes",
+    "EVICT_BATCH", "SWEEP_SECONDS", "TURN_BYTES", "Connection", "Incoming", "Listener", "reset", "shed_outgoing", "unread_bytes",
     "unsent_bytes",
 ]
 
@@ -39,6 +39,41 @@ _last_active = operator.attrgetter("last_active")
 
 def _held_by(conn: typing.Any) -> int:
     return int(conn._budget.held)
+
+
+def shed_outgoing(outgoing: Outgoing, listeners: typing.Iterable[Listener]) -> None:
+    """Answers were refused past max_outgoing_bytes (`dispatch.Outgoing`; called soon
+    after the first refusal, by `Outgoing.on_full`): reset the connections owed the most
+    answers, over all `listeners`, until all are owed at most half the limit, whatever
+    their clients do (Envoy's overload manager resets the streams using the most memory
+    the same way). Their answers are dropped and their budgets leave `outgoing` at once.
+
+    Hostile testing, round 9: resetting only the connections not taking their answers
+    let clients that read hold the limit with answers pipelined behind a slow call of
+    theirs (finished, kept in order), and every other client's answer was -32603 for as
+    long as the slow calls lasted; this resets them. Half, as a low-water mark, so that a
+    broker at the limit does not shed again at once."""
+    outgoing.shedding = False
+    floor = outgoing.limit // 2
+    if outgoing.held <= floor:
+        return
+    owed = sorted(
+        (conn for listener in listeners for conn in listener.connections
+         if conn._budget.held and conn.transport is not None),
+        key=_held_by, reverse=True,
+    )  # fmt: skip
+    shed = freed = 0
+    for conn in owed:
+        if outgoing.held <= floor:
+            break
+        freed += conn._budget.held
+        shed += 1
+        conn._fe.shed_total += 1
+        reset(conn)
+        conn._budget.lost()
+    if shed:
+        log.warning("max_outgoing_bytes %d reached: reset %d connections owed the most answers (%d bytes)",
+                    outgoing.limit, shed, freed)
 _OUTQ = getattr(termios, "TIOCOUTQ", None)  # Linux's SIOCOUTQ: a socket's send queue, in bytes
 _INQ = getattr(termios, "FIONREAD", None)  # Linux's SIOCINQ: a socket's receive queue, in bytes
 _INT = struct.Struct("i")
@@ -197,7 +232,6 @@ class Listener:
         self._evictable: list[Connection] = []  # idle connections found by the last scan, most idle last
         self._rescan_at = 0.0  # loop time before which a scan that found none is not repeated
         self._recount_due = False  # `recount` is scheduled
-        self._refused_seen = 0  # dispatcher.outgoing.refused_total at the last `shed_outgoing`
         self.shed_total = 0  # connections reset by `shed_outgoing`
 
     def refused(self) -> None:
@@ -250,41 +284,7 @@ class Listener:
 
     def _sweep_and_rearm(self) -> None:
         self._sweep()
-        self.shed_outgoing()
         self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep_and_rearm)
-
-    def shed_outgoing(self) -> None:
-        """If answers were refused past max_outgoing_bytes since this listener last looked
-        (`dispatch.Outgoing`): reset its connections whose clients are not taking their
-        answers (writing paused, or answers left in the transport's buffer), those owed
-        the most first, until the answers owed on all connections are under half the
-        limit or none is left. Their answers are dropped, as send_timeout would do
-        later, so that the clients who read theirs are not refused for its length (a
-        kernel's OOM killer also picks the largest first; half, as a low-water mark, so
-        that a broker at the limit does not shed again at each sweep)."""
-        outgoing = self.dispatcher.outgoing
-        if outgoing.refused_total == self._refused_seen:
-            return
-        self._refused_seen = outgoing.refused_total
-        held = outgoing.held
-        stalled = [
-            conn for conn in self.connections
-            if conn._budget.held and conn.transport is not None
-            and (conn.send_stalled or conn.transport.get_write_buffer_size())
-        ]  # fmt: skip
-        stalled.sort(key=_held_by, reverse=True)
-        shed = freed = 0
-        for conn in stalled:
-            if held <= outgoing.limit // 2:
-                break
-            held -= conn._budget.held
-            freed += conn._budget.held
-            shed += 1
-            reset(conn)  # (its budget leaves `outgoing` as the connection is lost, next iteration)
-        if shed:
-            self.shed_total += shed
-            log.warning("%s: max_outgoing_bytes %d reached: reset %d connections not taking their answers "
-                        "(%d bytes)", self.transport, outgoing.limit, shed, freed)
 
     def _sweep(self) -> None:
         """Close connections idle or stalled too long (the subclass says which)."""
