@@ -136,3 +136,38 @@ def sigint_subprocess() -> int | None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class _ForkingResult:
+    """A result whose JSON form is made by a child process: its `tolist`, which the
+    worker's encoder calls after the handler returned, forks, and the child returns its
+    value into the encoder (hostile testing, round 9: the child went on into the loop and
+    ran the other calls waiting there a second time)."""
+
+    def tolist(self) -> list[str]:
+        child = os.fork()
+        if child == 0:
+            return ["computed in child"]
+        os.waitpid(child, 0)
+        return ["computed in parent"]
+
+
+@registry.method
+def fork_in_encode() -> object:
+    return _ForkingResult()
+
+
+@registry.method
+async def afork_in_encode() -> object:
+    return _ForkingResult()
+
+
+@registry.method
+async def arecord(path: str, tag: int) -> int:
+    """Append "tag pid" to `path` after one step of the loop: a call's side effect."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    with open(path, "a") as f:
+        f.write(f"{tag} {os.getpid()}\n")
+    return tag
