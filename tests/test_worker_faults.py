@@ -206,6 +206,7 @@ def test_a_child_forked_while_a_result_is_encoded_runs_no_other_call(broker_fact
     batch = [{"jsonrpc": "2.0", "method": method, "id": "fork"}]
     batch += [{"jsonrpc": "2.0", "method": "arecord", "params": [str(path), i], "id": i} for i in range(5)]
     status, _, raw = b.post(json.dumps(batch))
+    assert status == 200
     answers = {a["id"]: a for a in json.loads(raw)}
     assert answers["fork"]["result"] == ["computed in parent"]
     assert [answers[i]["result"] for i in range(5)] == list(range(5))
