@@ -355,7 +355,7 @@ class HttpFrontend(Listener):
             if value.startswith(b"["):  # an IPv6 literal keeps its brackets
                 name, _, port = value.partition(b"]")
                 name += b"]"
-                ok = not port or (port[:1] == b":" and port[1:].isdigit())
+                ok = not port or (port[:1] == b":" and (port[1:].isdigit() or len(port) == 1))  # (RFC 3986: port may be empty)
             else:
                 name, _, port = value.partition(b":")
                 ok = not port or port.isdigit()
