@@ -264,7 +264,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                             ] = 10 * SECONDS
     socket_dir: Annotated[str, Meta(max_length=SOCKET_DIR_BYTES),
                           Doc("directory for the worker Unix sockets (each broker makes a "
-                              "private 0700 one inside it); empty means one in the "
+                              "private 0700 one inside it; made if missing, as mkdir does: "
+                              "its parent must exist); empty means one in the "
                               "temporary directory",
                               rule=f"at most {SOCKET_DIR_BYTES} bytes (a socket path's limit, less the "
                                    f"{SOCKET_PATH_BYTES - SOCKET_DIR_BYTES} the broker adds)", metavar="DIR")

@@ -372,7 +372,12 @@ class Pool:
         timeout = self.boot_timeout
         try:
             if self._socket_dir_given:
-                os.makedirs(self._socket_dir_given, mode=0o700, exist_ok=True)
+                # Its last component only, as `mkdir` does (/run/rpc-broker): a mistyped path
+                # is an error, not a tree of directories made (hostile testing, round 9)
+                try:
+                    os.mkdir(self._socket_dir_given, mode=0o700)
+                except FileExistsError:
+                    pass
                 self._dir = tempfile.mkdtemp(prefix="rpc-broker-", dir=self._socket_dir_given)
             else:
                 self._dir = tempfile.mkdtemp(prefix="rpc-broker-")  # mode 0700

@@ -46,6 +46,7 @@ import functools
 import importlib
 import inspect
 import logging
+import operator
 import os
 import re
 import signal
@@ -87,7 +88,12 @@ class RpcError(Exception):
 
     def __init__(self, code: int, message: str, data: object = None) -> None:
         super().__init__(code, message, data)
-        self.code = int(code)
+        # As given, an integer-like one (numpy's int64: `__index__`) made an int: a code
+        # that is not an integer answers -32603 saying so (`int(code)` here made 1.5 into
+        # 1 and "5" into 5, hostile testing round 9).
+        if not isinstance(code, int) and hasattr(type(code), "__index__"):
+            code = operator.index(code)
+        self.code = code
         self.message = str(message)
         self.data = data
 

@@ -564,6 +564,19 @@ def test_a_socket_dir_that_cannot_be_made_exits_2_saying_so(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+def test_a_socket_dir_whose_parent_does_not_exist_is_an_error_and_nothing_is_made(tmp_path: Path) -> None:
+    """Hostile testing (round 9): --socket-dir /nonexistent/dir made both directories
+    (makedirs) and served; a typo is an error now (exit 2); the last component alone is
+    made, as `mkdir` does (a RuntimeDirectory's /run/rpc-broker)."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "broker", "serve", "--port", "0", "--workers", "1",
+                           "--socket-dir", str(tmp_path / "typo" / "dir")],
+                          capture_output=True, text=True, timeout=60, cwd=root)
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot make the workers' Unix socket in socket_dir" in proc.stderr and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_serve_config_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "--port", "65536"]) == 2
     assert capsys.readouterr().err == (

@@ -133,7 +133,9 @@ _NOT_HOST = "Host not in allowed_hosts"
         "multipart/form-data; boundary=x", "application/jsonx", "application/json-rpc", "json", "")),
     *(({"host": h}, 421, _NOT_HOST) for h in (
         "rebind.test", "rebind.test:8080", "localhost.rebind.test", "127.0.0.1.nip.io:80", "localhost:80:80",
-        "localhost:http", "[::1]x", "[::2]:80", "", "0.0.0.1")),
+        "localhost:http", "[::1]x", "[::2]:80", "", "0.0.0.1",
+        # (hostile testing, round 9: these were served)
+        "[::1", "localhost:99999999999999999999", "127.0.0.1:65536")),
     # Two Content-Type lines: which one a proxy or the browser's CORS check read is anyone's
     # guess (a "simple" text/plain request followed by a JSON one), so neither counts.
     ({"content_type": "text/plain", "extra": "Content-Type: application/json\r\n"}, 415, _NOT_JSON),

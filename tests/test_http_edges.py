@@ -397,7 +397,10 @@ def test_absolute_form_targets_are_served_by_their_authority(broker_factory):
     ("authority", "status"),
     [
         ("127.0.0.1:", 200),  # an empty port (RFC 3986 3.2.3 allows it): got 404 in the target
-        ("127.0.0.1:99999", 200),  # digits, any number of them: got 404 in the target
+        ("127.0.0.1:65535", 200),
+        ("[::1]:", 200),  # (round 9: 421 after an IPv6 literal)
+        ("127.0.0.1:99999", 421),  # past 65535 no port (round 9: served); got 404 in the target
+        ("[::1", 421),  # no closing bracket (round 9: served)
         ("LocalHost:1", 200),
         ("[::1]", 200),
         ("127.0.0.1:x", 421),  # got 404 in the target

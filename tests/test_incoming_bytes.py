@@ -184,3 +184,28 @@ def test_unfinished_heads_count_in_max_incoming_bytes(broker_factory):
 
 def get_healthz() -> bytes:
     return b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+def test_an_unfinished_body_answered_early_is_freed_at_its_answer_not_when_the_linger_ends(broker_factory):
+    """Hostile testing (round 9): 900 kB of a chunked body followed by a bad chunk-size
+    line got 400 at once, or of a Content-Length body left unfinished got 408 at
+    request_timeout; either way the bytes stayed held and counted in max_incoming_bytes
+    for the lingering close's 30 s while the client trickled a byte a second. They go
+    with the answer now."""
+    b = broker_factory("--workers", "1", "--request-timeout", "1")
+    head = b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    chunked = Conn(b, timeout=30)
+    sized = Conn(b, timeout=30)
+    try:
+        chunked.send(head + b"Transfer-Encoding: chunked\r\n\r\n2bf20\r\n" + b" " * 180_000)
+        sized.send(head + b"Content-Length: 1000000\r\n\r\n" + b" " * 180_000)
+        wait_for(lambda: incoming(b) == 2 * 180_000, timeout=10)
+        chunked.send(b"\r\nZZZ\r\n")  # a bad chunk-size line: 400
+        assert chunked.response()[0] == 400
+        assert sized.response()[0] == 408  # (request_timeout, 1 s)
+        for c in (chunked, sized):
+            c.send(b" ")  # (still sending: the linger goes on)
+        wait_for(lambda: incoming(b) == 0, timeout=3)  # at the answers, not 30 s later
+    finally:
+        chunked.sock.close()
+        sized.sock.close()

@@ -666,7 +666,9 @@ def test_nothing_listening_and_bad_targets(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"first problem: cannot connect to 127.0.0.1:{port}" in err, err
     for bad in ("tcp://127.0.0.1", "tcp://127.0.0.1:1/path", "unix://", "ftp://127.0.0.1:1/",
-                "unix:///" + "x" * 120):
+                "unix:///" + "x" * 120,
+                # malformed IPv6 (hostile testing, round 9: a traceback, exit 1)
+                "http://[::1/", "tcp://[::1:18342", "http://[zz]:80/"):
         assert cli.main(["bench", bad, "-q"]) == 2, bad
     assert cli.main(["bench", "http://127.0.0.1:1/", "--params", "3", "-q"]) == 2
     assert cli.main(["bench", "http://127.0.0.1:1/", "-c", "1", "-P", "2", "-q"]) == 2

@@ -137,6 +137,20 @@ def test_an_rpc_error_changed_after_it_was_made_is_read_when_answered(
         assert "not an integer" in reply["error"]["data"]["reason"], body
 
 
+@pytest.mark.parametrize("code", [1.5, "5", True, -32000.5, "abc"])
+def test_an_rpc_error_made_with_a_code_that_is_not_an_integer_answers_internal_error(
+    answers: tuple[Broker, str], code: object
+) -> None:
+    """Hostile testing (round 9): RpcError(1.5, ...) answered code 1, "5" code 5, True 1
+    (the constructor took int() of it), "abc" a ValueError; the README promises -32603
+    saying the code is not an integer."""
+    b, _ = answers
+    status, body = post(b, call("made_with_code", [code]))
+    error = json.loads(body)["error"]
+    assert (status, error["code"]) == (200, -32603), body
+    assert "not an integer" in error["data"]["reason"], body
+
+
 @pytest.mark.parametrize("code", [-32000, -32001, -32002, -32003, -32004, -32099])
 def test_a_tools_rpc_error_with_a_broker_code_is_not_taken_for_the_brokers(answers: tuple[Broker, str], code: int) -> None:
     b, _ = answers

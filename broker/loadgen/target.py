@@ -54,7 +54,10 @@ class Target(typing.NamedTuple):
     @classmethod
     def parse(cls, url: str) -> Target:
         """Parse a target URL; raises `RunError` for an unsupported or malformed one."""
-        parts = urllib.parse.urlsplit(url)
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError as exc:  # "Invalid IPv6 URL", "[zz] does not appear to be an IPv6 address"
+            raise RunError(f"malformed target {url!r}: {exc}") from None
         if parts.scheme == "unix":
             path = url[len("unix://"):] if url.startswith("unix://") else ""
             if not path:

@@ -55,6 +55,12 @@ def mutated_error(what: str) -> None:
 
 
 @registry.method
+def made_with_code(code: object) -> None:
+    """An RpcError made with `code`, whatever its type (a float, a str, a bool)."""
+    raise RpcError(code, "made so")  # type: ignore[arg-type]
+
+
+@registry.method
 def broker_code(code: int) -> None:
     """An RpcError with one of the broker's own codes."""
     raise RpcError(code, "the tool's own message", {"mine": True})
