@@ -567,18 +567,7 @@ def test_an_http_request_on_the_stream_port_closes_it(broker_factory, tmp_path, 
     line was taken for a bad JSON line, and the body after the head ran.)"""
     ledger, port = tmp_path / "calls.txt", free_port()
     b = broker_factory(*LEDGER_APP, "--stream-port", str(port), env={"LEDGER_FILE": str(ledger)})
-    with socket.create_connection((b.host, port), timeout=15) as s:
-        s.sendall(request(record("http") + b"\n", content_type="text/plain", version=version))
-        received = b""
-        try:
-            while chunk := s.recv(65536):
-                received += chunk
-        except ConnectionResetError:
-            pass
-    error = json.loads(received)  # one line
-    assert error["id"] is None and error["error"]["code"] == -32600, received
-    assert "an HTTP request" in error["error"]["data"]
-    assert_only_ndjson_ran(b, port, ledger)
+    assert_closed_as_http(b, port, ledger, request(record("http") + b"\n", content_type="text/plain", version=version))
 
 
 @pytest.mark.parametrize("finished", [True, False], ids=["whole request", "request line never ends"])
@@ -701,7 +690,8 @@ def assert_closed_as_http(b: Broker, port: int, ledger: Path, raw: bytes) -> Non
         except ConnectionResetError:
             pass
     error = json.loads(received)  # one line
-    assert error["id"] is None and "an HTTP request" in error["error"]["data"], received
+    assert error["id"] is None and error["error"]["code"] == -32600, received
+    assert "an HTTP request" in error["error"]["data"], received
     assert_only_ndjson_ran(b, port, ledger)
 
 
