@@ -493,7 +493,10 @@ _REGEX: Final = re.compile(r"^expected `str` matching regex '.*'$")  # msgspec's
 def _unknown(source: str, what: str) -> ConfigError:
     names = [s.name for s in SETTINGS]
     close = difflib.get_close_matches(what.lower().removeprefix(ENV_PREFIX.lower()), names, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    # (in the form it was written in: an environment variable's name for one, as the
+    # new user's check found RPC_BROKER_WORKER answered "did you mean 'workers'?")
+    suggestion = (ENV_PREFIX + close[0].upper()) if close and what.startswith(ENV_PREFIX) else close[0] if close else ""
+    hint = f" (did you mean {suggestion!r}?)" if close else ""
     return ConfigError(f"{source}: unknown setting {what!r}{hint}")
 
 

@@ -137,7 +137,11 @@ def start_broker(*flags: str, env: dict[str, str] | None = None, timeout: float 
 
 @pytest.fixture
 def broker_factory() -> Iterator[object]:
-    """Start brokers with given flags; all are stopped at the end of the test."""
+    """Start brokers with given flags; all are stopped at the end of the test. One still
+    running then must stop cleanly, status 0, within STOP_SECONDS of its SIGTERM: a
+    broker left holding its drain (a call or worker it waits on, leaked) fails the test
+    that left it, where a silent SIGKILL hid it (issue 10, item 11). A test that ends
+    or kills its broker itself checks what it expects of that."""
     started: list[Broker] = []
 
     def factory(*flags: str, env: dict[str, str] | None = None) -> Broker:
@@ -146,8 +150,17 @@ def broker_factory() -> Iterator[object]:
         return b
 
     yield factory
+    problems = []
     for b in started:
-        b.stop()
+        if b.proc.poll() is not None:
+            b.stop()  # (its log drained, its pipe closed)
+            continue
+        began = time.monotonic()
+        status = b.stop()
+        took = time.monotonic() - began
+        if status != 0 or took > STOP_SECONDS:
+            problems.append(f"broker pid {b.pid} stopped with status {status} in {took:.1f} s:\n{b.read_log()[-3000:]}")
+    assert not problems, "\n".join(problems)
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +170,9 @@ def broker() -> Iterator[Broker]:
     yield b
     status = b.stop()
     assert status == 0, b.read_log()
+
+
+STOP_SECONDS = 10.0  # a broker owing nothing stops in well under a second; the grace period is 30 s
 
 
 def children(pid: int) -> set[int]:

@@ -322,8 +322,8 @@ def test_unreadable_file(tmp_path: Path) -> None:
          "method_timeouts = '[1]': expected a JSON object like {\"method\": seconds}"),
         ("RPC_BROKER_METHOD_TIMEOUTS", '{"a": -1}',
          "method_timeouts['a'] = -1: expected `float` >= 0.001 (allowed: each value 0.001..86400.0)"),
-        ("RPC_BROKER_PROT", "1", "unknown setting 'RPC_BROKER_PROT' (did you mean 'port'?)"),
-        ("RPC_BROKER_port", "1", "unknown setting 'RPC_BROKER_port' (did you mean 'port'?)"),
+        ("RPC_BROKER_PROT", "1", "unknown setting 'RPC_BROKER_PROT' (did you mean 'RPC_BROKER_PORT'?)"),
+        ("RPC_BROKER_port", "1", "unknown setting 'RPC_BROKER_port' (did you mean 'RPC_BROKER_PORT'?)"),
     ],
 )
 def test_bad_env_values(var: str, text: str, expected: str) -> None:
