@@ -1047,7 +1047,7 @@ def test_broker_closing_cancels_in_flight_calls(run):
     worker to be done)."""
 
     async def test(proto: WorkerProtocol, b: Broker) -> None:
-        tag = f"closing-{id(proto)}"
+        tag = f"closing-{uuid.uuid4()}"  # (not id(proto): the next test's proto may reuse it)
         b.send(b.call(1, "watched", json.dumps([tag]).encode()))
         await asyncio.sleep(0.05)
         assert tag not in CANCELLED
