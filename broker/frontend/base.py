@@ -328,6 +328,27 @@ class Listener:
             self.incoming.hold(conn._incoming, 0)
             conn._incoming = 0
 
+    def read_on(self, conn: typing.Any, reading: bool, under_way: bool) -> bool:
+        """While draining, once `conn` has read and handled the bytes measured in its
+        kernel receive queue (`conn._unread`, see `drain`): whether it reads on, within
+        the grace period and while `reading` (not closing): a request or line `under_way`
+        (its end may be in the kernel already: `_unread` -1), or more bytes came meanwhile
+        (`unread_bytes`: the client's send queue empties into the receive queue as it is
+        read). If not, it leaves `unread`: the drain no longer waits for its input."""
+        transport = conn.transport
+        if transport is not None and reading and self.dispatcher.in_grace:
+            if under_way:
+                conn._unread = -1
+                return True
+            unread = unread_bytes(transport)
+            if unread:
+                conn._unread = unread
+                return True
+        conn._unread = 0
+        self.unread.discard(conn)
+        self.recount()
+        return False
+
     def recount(self) -> None:
         """While draining: what the drain waits for (`held`) may have changed; the
         dispatcher counts it again (`Dispatcher.check_idle`) once, at this loop

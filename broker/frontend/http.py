@@ -902,20 +902,9 @@ class HttpProtocol(asyncio.Protocol):
         come later are discarded), else at its last answer, which says `connection:
         close` (`_write`). A client that never stops sending is served until the grace
         period ends."""
-        fe = self._fe
-        transport = self._transport
-        if transport is not None and not self._closing and fe.dispatcher.in_grace:
-            if self.request_started:
-                self._unread = -1
-                return
-            unread = unread_bytes(transport)
-            if unread:
-                self._unread = unread
-                return
-        self._unread = 0
-        fe.unread.discard(self)
-        fe.recount()
-        if transport is not None and not self._closing and not self._responses and self.requests:
+        if self._fe.read_on(self, not self._closing, bool(self.request_started)):
+            return
+        if self._transport is not None and not self._closing and not self._responses and self.requests:
             self.stop_close()
 
     def _parse(self, data: bytes | memoryview) -> None:

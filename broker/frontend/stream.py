@@ -353,20 +353,8 @@ class StreamProtocol(asyncio.Protocol):
         until the grace period ends."""
         if self._unread > 0 or self._backlog:
             return
-        fe = self._fe
-        transport = self._transport
-        if transport is not None and not self._refused and fe.dispatcher.in_grace:
-            if self.line_started and not self._skipping:
-                self._unread = -1  # a line under way: read on (its newline may be in the kernel already)
-                return
-            unread = unread_bytes(transport)
-            if unread:
-                self._unread = unread
-                return
-        self._unread = 0
-        fe.unread.discard(self)
-        fe.recount()
-        self._maybe_close()
+        if not self._fe.read_on(self, not self._refused, bool(self.line_started and not self._skipping)):
+            self._maybe_close()
 
     def _lines(self, data: bytes) -> None:
         """Handle up to LINES_PER_TURN lines of `data`; leave the rest in `_backlog`, with
