@@ -114,6 +114,9 @@ class _Refused(Exception):
         self.data = data
 
 
+_SAFE_INTEGER = 2**53 - 1  # I-JSON's interoperable integers (RFC 7493 2.2): a JavaScript number's exact ones
+
+
 def _rpc_error_object(exc: RpcError) -> bytes:
     """The error object (section 5.1) of an `RpcError`, from its attributes as they are
     now (a handler may have changed them after `__init__`). `code` must be an integer
@@ -122,9 +125,16 @@ def _rpc_error_object(exc: RpcError) -> bytes:
     repr if it has no JSON form. Raises `_Refused`, or what encoding the message raises."""
     code = exc.code
     if type(code) is not int:
-        if not isinstance(code, int) or isinstance(code, bool):  # (an IntEnum is fine)
-            raise _Refused({"type": "RpcError", "reason": f"RpcError code is a {type(code).__name__}, not an integer"})
-        code = int(code)
+        # An IntEnum, numpy's int64 (`__index__`) are integers; a bool, a float, a str not.
+        try:
+            if isinstance(code, bool) or not (isinstance(code, int) or hasattr(type(code), "__index__")):
+                raise TypeError
+            code = operator.index(code)
+        except Exception:
+            raise _Refused({"type": "RpcError", "reason": f"RpcError code is a {type(code).__name__}, not an integer"}) from None
+    if not -_SAFE_INTEGER <= code <= _SAFE_INTEGER:
+        raise _Refused({"type": "RpcError", "reason": f"RpcError code {code} is past +-(2**53 - 1), the integers every "
+                        "JSON reader keeps exact (RFC 7493 2.2)"})
     if code in BROKER_CODES:
         raise _Refused({"type": "RpcError", "code": code,
                         "reason": f"RpcError code {code} is reserved for the broker's own errors (-32099..-32000)"})
@@ -651,7 +661,9 @@ async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: 
         value = fn(*args, **kwargs)
         if type(value) is _COROUTINE or inspect.isawaitable(value):  # (a wraps-decorated async
             value = await typing.cast(typing.Awaitable[object], value)  # function may not be)
-    except GeneratorExit:  # the coroutine is being closed: it must not go on
+    except GeneratorExit as exc:  # the coroutine is being closed: it must not go on
+        if _forked_from:  # (a child raising it: it would reach the loop, which runs other calls)
+            _child_exits(exc)
         raise
     except BaseException as exc:  # the point: one answer, the worker lives on
         if _forked_from:  # (a child the handler forked, back here: `_child_exits`)
@@ -875,6 +887,8 @@ class WorkerProtocol(asyncio.Protocol):
             args, kwargs = method.bind(params, self._max_depth)
         except BaseException as exc:  # the handler never ran: -32602, -32601, -32600
             return _UNRUN, self._error(exc, index)
+        if _forked_from:  # (forked while the params were decoded: a __post_init__; round 10)
+            _child_exits(None)
         try:
             if method.is_async:
                 task = self._loop.create_task(_guarded(method.fn, args, kwargs))

@@ -151,6 +151,29 @@ def test_an_rpc_error_made_with_a_code_that_is_not_an_integer_answers_internal_e
     assert "not an integer" in error["data"]["reason"], body
 
 
+@pytest.mark.parametrize("code", [10**30, 2**64 - 1, -(2**63) - 1, 2**53])
+def test_an_rpc_error_code_past_the_interoperable_integers_answers_internal_error(
+    answers: tuple[Broker, str], code: int
+) -> None:
+    """Hostile testing (round 10): RpcError(10**30) was sent as is; a Go or Rust client
+    reading codes as 64-bit integers fails on it, JavaScript rounds it. Past
+    +-(2**53 - 1) (I-JSON, RFC 7493 2.2): -32603 saying so."""
+    b, _ = answers
+    status, body = post(b, call("made_with_code", [code]))
+    error = json.loads(body)["error"]
+    assert (status, error["code"]) == (200, -32603), body
+    assert "RFC 7493" in error["data"]["reason"], body
+    assert json.loads(post(b, call("made_with_code", [2**53 - 1]))[1])["error"]["code"] == 2**53 - 1
+
+
+def test_an_rpc_error_code_set_after_it_was_made_is_read_as_the_constructor_reads_it(answers: tuple[Broker, str]) -> None:
+    """Round 10: numpy's int64 given to RpcError() was taken, set on it afterwards refused."""
+    b, _ = answers
+    assert json.loads(post(b, call("code_set_after", ["numpy"]))[1])["error"] == {"code": 5, "message": "set after"}
+    error = json.loads(post(b, call("code_set_after", ["huge"]))[1])["error"]
+    assert error["code"] == -32603 and "RFC 7493" in error["data"]["reason"]
+
+
 @pytest.mark.parametrize("code", [-32000, -32001, -32002, -32003, -32004, -32099])
 def test_a_tools_rpc_error_with_a_broker_code_is_not_taken_for_the_brokers(answers: tuple[Broker, str], code: int) -> None:
     b, _ = answers

@@ -268,3 +268,26 @@ def test_a_subprocess_a_handler_starts_dies_of_sigint(forks: Broker) -> None:
     os.kill(worker, signal.SIGINT)  # the worker itself stays deaf to it
     for i in range(5):
         assert forks.call("pid", id_=i)["result"] == worker
+
+
+def test_a_child_that_raises_generator_exit_or_forks_in_its_params_runs_no_other_call(broker_factory, tmp_path) -> None:
+    """Hostile testing (round 10): a child whose async handler raised GeneratorExit got
+    past the worker's check (it is let through to close a coroutine) into the loop,
+    which ran the next call's handler in it; a child forked while the params were
+    decoded (a Struct's __post_init__) ran the handler too: each call's side effect
+    happened twice. The child exits at those points now."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
+    worker = b.call("pid")["result"]
+    path = tmp_path / "side-effects.txt"
+    batch = [{"jsonrpc": "2.0", "method": "afork_genexit", "id": "fork"}]
+    batch += [{"jsonrpc": "2.0", "method": "arecord", "params": [str(path), i], "id": i} for i in range(3)]
+    batch += [{"jsonrpc": "2.0", "method": "charge", "params": [{"path": str(path), "x": 10 + i}], "id": 10 + i}
+              for i in range(3)]
+    status, _, raw = b.post(json.dumps(batch))
+    assert status == 200
+    answers = {a["id"]: a for a in json.loads(raw)}
+    assert isinstance(answers["fork"]["result"], int)
+    assert [answers[i]["result"] for i in (0, 1, 2, 10, 11, 12)] == [0, 1, 2, 10, 11, 12]
+    time.sleep(0.5)  # (a child running a call a second time would write now)
+    assert sorted(path.read_text().splitlines()) == sorted(f"{i} {worker}" for i in (0, 1, 2, 10, 11, 12))
+    assert b.call("pid")["result"] == worker

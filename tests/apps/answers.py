@@ -61,6 +61,17 @@ def made_with_code(code: object) -> None:
 
 
 @registry.method
+def code_set_after(kind: str) -> None:
+    """An RpcError whose code is set after it was made: numpy's int64 (an integer) or a
+    code past what a JSON reader keeps exact."""
+    import numpy as np
+
+    exc = RpcError(1001, "set after")
+    exc.code = np.int64(5) if kind == "numpy" else 10**30  # type: ignore[assignment]
+    raise exc
+
+
+@registry.method
 def broker_code(code: int) -> None:
     """An RpcError with one of the broker's own codes."""
     raise RpcError(code, "the tool's own message", {"mine": True})

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import msgspec
+
 from broker.worker import Registry
 
 registry = Registry()
@@ -171,3 +173,33 @@ async def arecord(path: str, tag: int) -> int:
     with open(path, "a") as f:
         f.write(f"{tag} {os.getpid()}\n")
     return tag
+
+
+@registry.method
+async def afork_genexit() -> int:
+    """An async handler whose child raises GeneratorExit (round 10: it went through to the
+    loop, which ran another call's handler in the child)."""
+    child = os.fork()
+    if child == 0:
+        raise GeneratorExit
+    return child
+
+
+class ForkingParams(msgspec.Struct):
+    """Params whose decoding forks (`__post_init__` runs while the worker binds them);
+    the child marks what it decoded (round 10: the child then ran the handler too)."""
+
+    path: str
+    x: int
+
+    def __post_init__(self) -> None:
+        if os.fork() == 0:
+            self.x = -1
+
+
+@registry.method
+def charge(p: ForkingParams) -> int:
+    """Append "x pid" to `p.path`: a side effect that must happen once per call."""
+    with open(p.path, "a") as f:
+        f.write(f"{p.x} {os.getpid()}\n")
+    return p.x
