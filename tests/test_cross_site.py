@@ -116,6 +116,8 @@ def test_json_content_types_are_served(ledger_broker, content_type):
     "localhost", "LocalHost:1", "127.0.0.1", "127.0.0.1:65535", "[::1]", "[::1]:8080",
     # an empty port (RFC 3986 3.2.3), after a name or an IPv6 literal alike (round 9: [::1]: was 421)
     "localhost:", "127.0.0.1:", "[::1]:",
+    # white space after the value is not part of it (RFC 9112 5; round 10: 421)
+    "127.0.0.1 ", "localhost\t",
 ])
 def test_loopback_hosts_with_any_port_are_served(ledger_broker, host):
     b, _ = ledger_broker

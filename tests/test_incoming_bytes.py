@@ -209,3 +209,21 @@ def test_an_unfinished_body_answered_early_is_freed_at_its_answer_not_when_the_l
     finally:
         chunked.sock.close()
         sized.sock.close()
+
+
+def test_an_early_answer_queued_behind_a_slow_call_frees_the_body_at_once(broker_factory):
+    """Hostile testing (round 10): a chunked body answered 400 (a bad chunk-size line)
+    while a slow call was owed before it: the 400 waited its turn, and the 180 kB of the
+    body stayed counted in max_incoming_bytes until it was written (the slow call's
+    length). They go when the answer is made."""
+    b = broker_factory("--workers", "1")
+    slow = b'{"jsonrpc":"2.0","method":"sleep","params":[5],"id":"slow"}'
+    with Conn(b, timeout=30) as c:
+        c.send(head(b.path, len(slow)) + slow + b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n2bf20\r\n" + b" " * 180_000)
+        wait_for(lambda: incoming(b) == 180_000, timeout=10)
+        c.send(b"\r\nZZZ\r\n")
+        wait_for(lambda: incoming(b) == 0, timeout=2)  # not after the slow call (5 s)
+        status, _, answer = c.response()
+        assert (status, json.loads(answer)["id"]) == (200, "slow")
+        assert c.response()[0] == 400

@@ -362,3 +362,41 @@ def test_answers_the_broker_makes_itself_count_while_queued_behind_a_slow_call()
         sock.close()
     finally:
         assert b.stop() == 0, b.read_log()
+
+
+def test_answers_made_at_once_count_in_the_budgets() -> None:
+    """Hostile testing (round 10): answers the dispatcher makes at once ("Method not
+    found", which echoes the id; invalid batch elements) were counted in no budget: 30
+    connections each owing a slow call, then pipelining calls of an unknown method with
+    900 kB ids and never reading, held 400 MB with rpc_broker_outgoing_bytes at 0. They
+    count now: the connection's next requests wait past max_response_bytes, and past
+    max_outgoing_bytes the connections owed the most are reset."""
+    limit, total = 1024 * 1024, 4 * 1024 * 1024
+    b = start_broker("--workers", "1", "--timeout", "60", "--max-response-bytes", str(limit),
+                     "--max-outgoing-bytes", str(total))
+    socks: list[socket.socket] = []
+    try:
+        slow = json.dumps({"jsonrpc": "2.0", "method": "sleep", "params": [20], "id": "slow"}).encode()
+        unknown = json.dumps({"jsonrpc": "2.0", "method": "nope", "id": "i" * 900_000}).encode()
+        for _ in range(8):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            sock.connect(("127.0.0.1", b.port))
+            sock.setblocking(False)
+            socks.append(sock)
+            data = memoryview(http_request(slow) + http_request(unknown) * 6)
+            deadline = time.monotonic() + 5
+            while data and time.monotonic() < deadline:  # (as much as the kernels take)
+                try:
+                    data = data[sock.send(data):]
+                except BlockingIOError:
+                    time.sleep(0.01)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_outgoing_bytes") > 0, timeout=10)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_connections_shed_total", transport="http") >= 1,
+                 timeout=10)
+        assert sample(scrape_metrics(b), "rpc_broker_outgoing_bytes") <= total + 2 * limit
+        assert b.call("echo", ["bystander"])["result"] == ["bystander"]
+    finally:
+        for sock in socks:
+            sock.close()
+        assert b.stop() == 0, b.read_log()

@@ -351,7 +351,7 @@ class HttpFrontend(Listener):
         if self.hosts is None:
             ok = True
         else:
-            value = host.lower()
+            value = host.strip(b" \t").lower()  # (RFC 9112 5: white space around a value is not part of it)
             if value.startswith(b"["):  # an IPv6 literal keeps its brackets
                 name, bracket, port = value.partition(b"]")
                 name += bracket  # ("[::1" without its "]" is no name: hostile testing, round 9)
@@ -1633,13 +1633,7 @@ class HttpProtocol(asyncio.Protocol):
         if not keep_alive:
             self._closing = True
             self._responses.clear()
-            # What an unfinished request held goes now, not when the lingering close ends
-            # (hostile testing, round 9: 900 kB of a body answered 400 or 408 stayed held
-            # and counted in max_incoming_bytes for the 30 s of its linger).
-            self._body = b""
-            if self._incoming:
-                fe.incoming.hold(self._incoming, 0)
-                self._incoming = 0
+            self._drop_unfinished()
             fe.recount()  # (a request under way it was answered early is not waited for: `held`)
             if (self._linger or fe.draining) and not self._eof and not self._probe_only and transport.can_write_eof():
                 # An answer before the request was read: closing now would reset the
@@ -1682,6 +1676,17 @@ class HttpProtocol(asyncio.Protocol):
             self.read_paused = False
             transport.resume_reading()
 
+    def _drop_unfinished(self) -> None:
+        """The connection closes after an answer: what an unfinished request holds (its
+        body, counted in max_incoming_bytes) goes now, not when the answer is written nor
+        when the lingering close ends (hostile testing, round 9: 900 kB of a body answered
+        400 or 408 stayed held for the 30 s of its linger; round 10: for as long as a slow
+        call it waited behind)."""
+        self._body = b""
+        if self._incoming:
+            self._fe.incoming.hold(self._incoming, 0)
+            self._incoming = 0
+
     def _queue(self, response: bytes, keep_alive: bool, path: str) -> None:
         """Write a finished response now, or after those owed before it: then it counts in
         the connection's `ResponseBudget` (and max_outgoing_bytes) until written, and
@@ -1693,6 +1698,8 @@ class HttpProtocol(asyncio.Protocol):
         else:
             self._responses.append((response, keep_alive, path))
             self._budget.hold(len(response))
+            if not keep_alive:  # (an early answer: 400, 413, 431...)
+                self._drop_unfinished()
             if len(self._responses) > PIPELINE_HIGH:
                 self._pause()
 
