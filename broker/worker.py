@@ -649,6 +649,47 @@ def _identity(value: object) -> object:
     return value
 
 
+@types.coroutine
+def _stepped(awaitable: typing.Awaitable[object]) -> typing.Generator[object, object, object]:
+    """Await `awaitable` (an async handler's coroutine) as `await` does, one step at a
+    time, making sure no step of it runs in a child forked by a handler (`isolate_forks`):
+    the check before a step stops a child that went back into the loop (forked by a
+    callback, a finalizer, or another call's step), which would run this call's next step
+    a second time; the one after it stops a child that was forked in the step and awaits,
+    before the loop runs in it (hostile testing, rounds 9 and 10, found the loop in such a
+    child running other calls' code, one call at a time). Then `_child_exits`.
+
+    A generator-based coroutine (`types.coroutine`) delegating by hand, with `yield
+    from`'s semantics (PEP 380): values sent and exceptions thrown in (CancelledError)
+    go to the awaitable's step, GeneratorExit closes it."""
+    it: typing.Generator[object, object, object] = (
+        awaitable if type(awaitable) is _COROUTINE else awaitable.__await__()  # type: ignore[assignment]
+    )
+    send = it.send
+    sent: object = None
+    thrown: BaseException | None = None
+    while True:
+        if _forked_from:
+            _child_exits(None)
+        try:
+            if thrown is None:
+                yielded = send(sent)
+            else:
+                exc, thrown = thrown, None
+                yielded = it.throw(exc)
+        except StopIteration as stop:
+            return stop.value
+        if _forked_from:
+            _child_exits(None)
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            it.close()
+            raise
+        except BaseException as exc:  # (CancelledError from Task.cancel, for the handler)
+            thrown, sent = exc, None
+
+
 async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[bool, object]:
     """Run an async handler to its end: (True, result) or (False, the exception raised).
 
@@ -660,7 +701,7 @@ async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: 
     try:
         value = fn(*args, **kwargs)
         if type(value) is _COROUTINE or inspect.isawaitable(value):  # (a wraps-decorated async
-            value = await typing.cast(typing.Awaitable[object], value)  # function may not be)
+            value = await _stepped(typing.cast(typing.Awaitable[object], value))  # function may not be)
     except GeneratorExit as exc:  # the coroutine is being closed: it must not go on
         if _forked_from:  # (a child raising it: it would reach the loop, which runs other calls)
             _child_exits(exc)
@@ -882,6 +923,8 @@ class WorkerProtocol(asyncio.Protocol):
     def _execute(self, index: int, params: bytes) -> tuple[int, bytes] | asyncio.Task[tuple[bool, object]]:
         """Run one call: (kind, body) for a sync handler or a failure, or the Task
         running an async handler (its outcome comes from `_outcome`). Never raises."""
+        if _forked_from:  # (a child forked anywhere, a finalizer included, runs no call: the
+            _child_exits(None)  # one way in to a handler, sync or async, with `_stepped`)
         try:
             method = self._methods[index]
             args, kwargs = method.bind(params, self._max_depth)

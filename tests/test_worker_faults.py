@@ -291,3 +291,28 @@ def test_a_child_that_raises_generator_exit_or_forks_in_its_params_runs_no_other
     time.sleep(0.5)  # (a child running a call a second time would write now)
     assert sorted(path.read_text().splitlines()) == sorted(f"{i} {worker}" for i in (0, 1, 2, 10, 11, 12))
     assert b.call("pid")["result"] == worker
+
+
+@pytest.mark.parametrize("method", ["afork_await", "fork_later"])
+def test_a_child_back_in_the_loop_runs_no_step_of_another_call(broker_factory, tmp_path, method) -> None:
+    """Hostile testing (rounds 9 and 10; documented until then): a child forked by an
+    async handler that awaits, or by a callback the loop runs, went back into the
+    worker's loop, which ran the next steps of the other calls in flight in it (each of
+    their side effects after that point happened twice). Every step of a call is checked
+    now (`worker._stepped`): such a child exits before it runs one."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
+    worker = b.call("pid")["result"]
+    path = tmp_path / "side-effects.txt"
+    batch = [{"jsonrpc": "2.0", "method": "atick", "params": [str(path), i], "id": i} for i in range(3)]
+    batch.insert(1, {"jsonrpc": "2.0", "method": method, "params": [str(path)], "id": "fork"})
+    status, _, raw = b.post(json.dumps(batch))
+    assert status == 200, raw
+    answers = {a["id"]: a for a in json.loads(raw)}
+    assert [answers[i]["result"] for i in range(3)] == [0, 1, 2], answers
+    time.sleep(0.5)  # (a child running steps a second time would write now)
+    lines = path.read_text().splitlines()
+    ticks = sorted(line for line in lines if not line.startswith(("after-await", "callback-child")))
+    assert ticks == sorted(f"{i} {step} {worker}" for i in range(3) for step in range(5)), lines
+    if method == "afork_await":  # its own child stops at the await too
+        assert [line for line in lines if line.startswith("after-await")] == [f"after-await parent {worker}"]
+    assert b.call("pid")["result"] == worker

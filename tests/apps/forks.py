@@ -203,3 +203,44 @@ def charge(p: ForkingParams) -> int:
     with open(p.path, "a") as f:
         f.write(f"{p.x} {os.getpid()}\n")
     return p.x
+
+
+@registry.method
+async def atick(path: str, tag: int, steps: int = 5) -> int:
+    """Append "tag step pid" to `path` in each of `steps` steps: side effects made by steps
+    of a call that another call's child could run a second time."""
+    import asyncio
+
+    for step in range(steps):
+        with open(path, "a") as f:
+            f.write(f"{tag} {step} {os.getpid()}\n")
+        await asyncio.sleep(0.02 if step else 0)
+    return tag
+
+
+@registry.method
+async def afork_await(path: str) -> int:
+    """An async handler whose child awaits before it returns (rounds 9 and 10, documented
+    then: the child ran the worker's loop, and other calls' steps in it), then notes
+    that it got past the await."""
+    import asyncio
+
+    child = os.fork()
+    await asyncio.sleep(0)
+    with open(path, "a") as f:
+        f.write(f"after-await {'child' if child == 0 else 'parent'} {os.getpid()}\n")
+    return child
+
+
+@registry.method
+def fork_later(path: str) -> str:
+    """A loop callback that forks, its child returning into the loop (round 9)."""
+    import asyncio
+
+    def callback() -> None:
+        if os.fork() == 0:
+            with open(path, "a") as f:
+                f.write(f"callback-child {os.getpid()}\n")
+
+    asyncio.get_running_loop().call_soon(callback)
+    return "scheduled"
