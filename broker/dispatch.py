@@ -263,6 +263,13 @@ class Outgoing:
         self.on_full: Callable[[], None] | None = None  # what sheds (the server sets it)
         self.shedding = False  # on_full is scheduled
 
+    def over(self) -> None:
+        """`held` is past `limit`: have `on_full` run soon (once until it has run), not
+        while the answer that took it there is being filled in."""
+        if not self.shedding and self.on_full is not None:
+            self.shedding = True
+            asyncio.get_running_loop().call_soon(self.on_full)
+
 
 _GONE = Outgoing()  # what the budget of a lost connection counts in (never refuses)
 
@@ -303,11 +310,26 @@ class ResponseBudget:
         self.outgoing.held -= self.parked
         self.parked = 0
 
+    def keep(self, exchange: Exchange, size: int) -> None:
+        """Count `size` bytes of answers put in `exchange`'s slots. Past max_outgoing_bytes
+        they are kept all the same (a refusal echoes its id too), and the shedding runs
+        (`Outgoing.over`). Every answer the dispatcher makes is counted here, but a
+        worker's result, whose bound is tested first on the hot path (inline there)."""
+        self.held += size
+        outgoing = self.outgoing
+        outgoing.held += size
+        exchange.size += size
+        if outgoing.held > outgoing.limit:
+            outgoing.over()
+
     def hold(self, size: int) -> None:
         """Count `size` bytes of a finished answer the front-end made itself (a 404, a
         421...) that waits behind the answers owed before it."""
         self.held += size
-        self.outgoing.held += size
+        outgoing = self.outgoing
+        outgoing.held += size
+        if outgoing.held > outgoing.limit:
+            outgoing.over()
 
     def release(self, size: int, write_paused: bool) -> None:
         """Such an answer was written (as `written`)."""
@@ -863,26 +885,11 @@ class Dispatcher:
                 entry((-1, request, route))
                 if metrics is not None:
                     metrics.notifications[route.method_index] += 1
-        if size:
-            self._count_made(exchange, size)
+        if size:  # (hostile testing, round 10: "Method not found" echoes its id, and 30
+            # connections each owing a slow call, then pipelining calls of an unknown
+            # method with 900 kB ids, held 400 MB counted nowhere)
+            exchange.budget.keep(exchange, size)
         return entries
-
-    def _count_made(self, exchange: Exchange, size: int) -> None:
-        """Count `size` bytes of answers made at once (unknown methods, invalid elements)
-        in the connection's budget and max_outgoing_bytes, as a worker's are (hostile
-        testing, round 10: "Method not found" echoes the id, and 30 connections each
-        owing a slow call, then pipelining calls of an unknown method with 900 kB ids,
-        held 400 MB counted nowhere). They are answered all the same (an answer echoes
-        its id, whatever its size); past max_outgoing_bytes the shedding runs
-        (`Outgoing.on_full`), and the connection's next requests wait (its budget)."""
-        budget = exchange.budget
-        outgoing = budget.outgoing
-        budget.held += size
-        outgoing.held += size
-        exchange.size += size
-        if outgoing.held > outgoing.limit and not outgoing.shedding and outgoing.on_full is not None:
-            outgoing.shedding = True
-            self._loop.call_soon(outgoing.on_full)
 
     def _start_chunks(
         self, entries: list[tuple[int, Request, Route]], exchange: Exchange, now: float, arrival: float
@@ -1132,9 +1139,7 @@ class Dispatcher:
         else:
             code = ErrorCode.INTERNAL_ERROR
             answer = self._oversize(call.id, budget.held + size > self.max_response_bytes, outgoing)
-        budget.held += len(answer)
-        outgoing.held += len(answer)
-        exchange.size += len(answer)
+        budget.keep(exchange, len(answer))
         if self.metrics is not None:
             self.metrics.answered(call.index, code, _clock() - call.arrival)
         exchange.fill(call.slot, answer, http_status(code))
@@ -1146,9 +1151,7 @@ class Dispatcher:
         (`outgoing`'s limit)."""
         if not connection:
             outgoing.refused_total += 1
-            if not outgoing.shedding and outgoing.on_full is not None:
-                outgoing.shedding = True  # (soon: not while this answer is being filled in)
-                self._loop.call_soon(outgoing.on_full)
+            outgoing.over()
             if outgoing.refused_total == 1 or outgoing.refused_total % 1000 == 0:
                 log.warning("answers refused: responses owed on all connections exceed max_outgoing_bytes %d "
                             "(%d so far)", outgoing.limit, outgoing.refused_total)
@@ -1287,9 +1290,7 @@ class Dispatcher:
                     )
                 filled += 1
             pos += length
-        budget.held += start - room  # (before on_done: see filled below)
-        outgoing.held += start - room
-        exchange.size += start - room
+        budget.keep(exchange, start - room)  # (before on_done: see filled below)
         if results and metrics is not None:
             latency = _clock() - call.arrival
             methods: list[int] = call.methods  # type: ignore[assignment]
@@ -1328,9 +1329,7 @@ class Dispatcher:
                         metrics.answered(methods[i], ErrorCode.INTERNAL_ERROR, latency)
                 elif metrics is not None:
                     metrics.answered(methods[i], code, latency)
-                budget.held += len(answer)
-                outgoing.held += len(answer)
-                exchange.size += len(answer)
+                budget.keep(exchange, len(answer))
                 answers[slot] = answer
                 count += 1
         if remaining:
@@ -1434,9 +1433,7 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.answered(call.index, code, _clock() - call.arrival)
         answer = response_error(call.id, error)  # (a broker error: small, counted all the same)
-        exchange.budget.held += len(answer)
-        exchange.budget.outgoing.held += len(answer)
-        exchange.size += len(answer)
+        exchange.budget.keep(exchange, len(answer))
         if remaining:
             exchange.fill(call.slot, answer, http_status(code))
         else:
