@@ -229,9 +229,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                    "result, and the worker's method list")
                                ] = 16 * MIB
     max_incoming_bytes: Annotated[Bytes, Meta(ge=1),
-                                  Doc("request bytes still arriving, over all connections "
+                                  Doc("request bytes still arriving or waiting, over all connections "
                                       "together: HTTP heads and bodies and NDJSON lines whose end has not "
-                                      "come yet; one that would take them past this is refused "
+                                      "come yet, and whole ones waiting to be dispatched (their client owed "
+                                      "max_response_bytes, or not reading); one that would take them past "
+                                      "this is refused "
                                       "(HTTP 503, NDJSON a -32000 line) and its bytes dropped",
                                       rule="max_body_bytes or more")
                                   ] = 256 * MIB

@@ -433,10 +433,10 @@ class BrokerCollector(Collector):
             incoming = self.frontends[0].incoming  # (one for all the listeners)
             yield _family_gauge(
                 "rpc_broker_incoming_bytes", "Bytes of requests still arriving (HTTP heads and bodies, NDJSON lines "
-                "not finished yet), all connections together.", [], [([], incoming.held)],
+                "not finished yet) or waiting to be dispatched, all connections together.", [], [([], incoming.held)],
             )  # fmt: skip
             yield _family_gauge(
-                "rpc_broker_incoming_capacity_bytes", "Bytes of requests still arriving the broker holds before "
+                "rpc_broker_incoming_capacity_bytes", "Bytes of requests still arriving or waiting the broker holds before "
                 "refusing more (max_incoming_bytes).", [], [([], incoming.limit)],
             )  # fmt: skip
             yield _family_counter(

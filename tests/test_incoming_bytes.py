@@ -57,14 +57,14 @@ def test_unfinished_bodies_and_lines_share_one_bound(tmp_path):
                 assert status == 503, answer
                 assert json.loads(answer) == {"jsonrpc": "2.0", "id": None, "error": {
                     "code": -32000, "message": "Server overloaded",
-                    "data": f"request bodies still arriving exceed max_incoming_bytes {LIMIT}"}}
+                    "data": f"request bodies arriving or waiting exceed max_incoming_bytes {LIMIT}"}}
                 assert headers.get("retry-after") == "1"
                 assert late.closed_within(5)
             with sb.connect("unix") as late_line:  # the same bound for NDJSON lines
                 late_line.send(padded_call(BODY, 4)[:PART])
                 assert json.loads(late_line.readline()) == {"jsonrpc": "2.0", "id": None, "error": {
                     "code": -32000, "message": "Server overloaded",
-                    "data": f"lines still arriving exceed max_incoming_bytes {LIMIT}"}}
+                    "data": f"lines arriving or waiting exceed max_incoming_bytes {LIMIT}"}}
                 late_line.send(padded_call(BODY, 4)[PART:] + b"\n")  # the rest of the dropped line: skipped
                 assert late_line.call(line("add", [5, 1], 5)) == result(5, 6)  # the connection goes on
             assert incoming(b) == 3 * PART
@@ -169,7 +169,7 @@ def test_unfinished_heads_count_in_max_incoming_bytes(broker_factory):
             late.send(b"GET /" + b"c" * part)
             status, _, answer = late.response()
             assert status == 503, answer
-            assert json.loads(answer)["error"]["data"] == f"request bodies still arriving exceed max_incoming_bytes {LIMIT}"
+            assert json.loads(answer)["error"]["data"] == f"request bodies arriving or waiting exceed max_incoming_bytes {LIMIT}"
             assert late.closed_within(5)
         conns[1].send(b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # a head finished: its bytes given back
         assert conns[1].response()[0] == 404
@@ -227,3 +227,59 @@ def test_an_early_answer_queued_behind_a_slow_call_frees_the_body_at_once(broker
         status, _, answer = c.response()
         assert (status, json.loads(answer)["id"]) == (200, "slow")
         assert c.response()[0] == 400
+
+
+def owing(id_bytes: int, seconds: float) -> bytes:
+    """A batch that leaves its connection owed more than 64 KiB at once (an unknown
+    method's answer echoes its long id) until a `sleep` of `seconds` returns."""
+    return json.dumps([
+        {"jsonrpc": "2.0", "method": "sleep", "params": [seconds], "id": 1},
+        {"jsonrpc": "2.0", "method": "nosuch", "id": "x" * id_bytes},
+    ]).encode()
+
+
+def test_whole_bodies_and_lines_waiting_to_be_dispatched_count_too(tmp_path):
+    """Hostile testing, round 11: a connection owed max_response_bytes keeps the requests
+    it sends next undispatched (reading pauses) and they were counted nowhere: 300
+    connections each owing a slow call and then sending a 1 MiB body held 322 MiB
+    (rpc_broker_incoming_bytes 0). They count now while they wait; one that would pass
+    max_incoming_bytes is refused (HTTP 503 in its place, after the answer owed before it;
+    NDJSON a -32000 line), and those that waited are served when their turn comes."""
+    sb = start_stream_broker(tmp_path, "--workers", "1", "--max-body-bytes", str(BODY),
+                             "--max-incoming-bytes", str(LIMIT), "--max-response-bytes", str(64 * 1024))
+    b = sb.broker
+    try:
+        owed = owing(70_000, 2.0)
+        conns = [Conn(b, timeout=30) for _ in range(2)]
+        for i, conn in enumerate(conns):
+            conn.send(head(b.path, len(owed)) + owed + head(b.path, PART) + padded_call(PART, i))
+        wait_for(lambda: incoming(b) == 2 * PART, timeout=10)
+        with sb.connect("tcp") as stream:
+            stream.send(owed + b"\n" + padded_call(PART, 2) + b"\n")
+            wait_for(lambda: incoming(b) == 3 * PART, timeout=10)
+            with Conn(b, timeout=30) as late, sb.connect("unix") as late_line:  # past the bound: refused
+                late_line.send(owed + b"\n" + padded_call(PART, 4) + b"\n")  # (NDJSON: at once)
+                assert json.loads(late_line.readline()) == {"jsonrpc": "2.0", "id": None, "error": {
+                    "code": -32000, "message": "Server overloaded",
+                    "data": f"lines arriving or waiting exceed max_incoming_bytes {LIMIT}"}}
+                late.send(head(b.path, len(owed)) + owed + head(b.path, PART) + padded_call(PART, 3))
+                wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_incoming_refused_total") == 2, timeout=10)
+                assert incoming(b) == 3 * PART
+                status, _, first = late.response()  # (HTTP: in its place, after the answer owed)
+                assert status == 200 and [a["id"] for a in json.loads(first)] == [1, "x" * 70_000]
+                status, headers, answer = late.response()
+                assert status == 503, answer
+                assert json.loads(answer)["error"] == {"code": -32000, "message": "Server overloaded",
+                    "data": f"request bodies arriving or waiting exceed max_incoming_bytes {LIMIT}"}
+                assert headers.get("retry-after") == "1"
+            assert sample(scrape_metrics(b), "rpc_broker_incoming_refused_total") == 2
+            # Those that waited are served in their turn, and what they held is free again.
+            for i, conn in enumerate(conns):
+                assert conn.response()[0] == 200
+                assert conn.response()[:3:2] == (200, f'{{"jsonrpc":"2.0","id":{i},"result":{i + 1}}}'.encode())
+                conn.sock.close()
+            got = [json.loads(stream.readline()) for _ in range(2)]
+            assert {"jsonrpc": "2.0", "id": 2, "result": 3} in got, got
+            wait_for(lambda: incoming(b) == 0, timeout=10)
+    finally:
+        assert b.stop() == 0, b.read_log()

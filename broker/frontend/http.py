@@ -113,6 +113,7 @@ refused connection's 503 (or, served and idle, a close; not taking its answers, 
 from __future__ import annotations
 
 import asyncio
+import time
 import typing
 from collections import deque
 from email.utils import formatdate
@@ -124,6 +125,7 @@ from broker.dispatch import Dispatcher, Exchange, ResponseBudget
 from broker.frontend.base import (
     SWEEP_SECONDS,
     TURN_BYTES,
+    TURN_SECONDS,
     Incoming,
     Listener,
     reset,
@@ -139,6 +141,7 @@ __all__ = ["PROBE_OVERFLOW", "PROBE_RESERVE", "HttpFrontend", "HttpProtocol"]
 
 PIPELINE_HIGH = 64  # requests owed on one connection before reading pauses
 PIPELINE_LOW = 16  # ... and resumes
+_perf = time.perf_counter
 REQUESTS_PER_TURN = 16  # requests routed from one read per loop turn; the rest waits (NDJSON's LINES_PER_TURN)
 TURN_REQUEST_BYTES = 64 * 1024  # ... or fewer: requests of this many bytes end a turn too (NDJSON's TURN_LINE_BYTES)
 FEED_BYTES = 4096  # a read past this is parsed in pieces, so that a turn can end between them
@@ -317,7 +320,7 @@ class HttpFrontend(Listener):
         self.good_hosts: set[bytes] = set()  # Host values seen allowed (bounded), for the fast path
         self.too_large_body = _error_body(ErrorCode.INVALID_REQUEST, f"body exceeds max_body_bytes {max_body_bytes}")
         self.incoming_full_body = _error_body(
-            ErrorCode.OVERLOADED, f"request bodies still arriving exceed max_incoming_bytes {self.incoming.limit}"
+            ErrorCode.OVERLOADED, f"request bodies arriving or waiting exceed max_incoming_bytes {self.incoming.limit}"
         )
         self.date = b""  # the date header line, refreshed by every sweep (once a second)
         self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
@@ -618,11 +621,13 @@ class HttpProtocol(asyncio.Protocol):
         "_transfer_encoding",
         "_transport",
         "_turn_bytes",
+        "_turn_seconds",
         "_unread",
         "_unsent",
         "_upgrade",
         "_url",
         "_waiting",
+        "_waiting_bytes",
         "_write_paused",
         "accepted_at",
         "last_active",
@@ -668,6 +673,7 @@ class HttpProtocol(asyncio.Protocol):
         self._incoming = 0  # bytes of an unfinished head or body counted in the listener's `Incoming`
         self._head_held = 0  # bytes that may hold an unfinished head (`_parse`)
         self._turn_bytes = 0  # bytes received since the last turn's pause (TURN_BYTES)
+        self._turn_seconds = 0.0  # time its reads took since then (TURN_SECONDS)
         # While draining: bytes found in the kernel, received and not read yet, to be read and
         # served (`HttpFrontend.drain`, `_parsed_before_stop`); -1 once read, some still in
         # `_backlog` or a request under way; 0: the drain does not wait for its input.
@@ -682,6 +688,7 @@ class HttpProtocol(asyncio.Protocol):
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
         self._budget = ResponseBudget(frontend.dispatcher.outgoing)
         self._waiting: deque[_Deferred] = deque()  # requests not dispatched yet, in order
+        self._waiting_bytes = 0  # their bodies' bytes, counted in the listener's `Incoming`
         # The last one dispatched from `_waiting`: a connection that had to wait gets its
         # waiting requests dispatched one at a time, each once the one before is answered,
         # so each has the whole budget (all at once, they would share it).
@@ -869,6 +876,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._pause()
                 fe.loop.call_soon(self._end_turn)
         self._parsing = True
+        began = _perf()
         try:
             if len(data) > FEED_BYTES:
                 self._feed_turn(data)
@@ -876,6 +884,12 @@ class HttpProtocol(asyncio.Protocol):
                 self._parse(data)
         finally:
             self._parsing = False
+        spent = self._turn_seconds = self._turn_seconds + _perf() - began
+        if spent > TURN_SECONDS:  # (see TURN_SECONDS)
+            self._turn_seconds = 0.0
+            if not self.read_paused and not self._closing:
+                self._pause()
+                fe.loop.call_soon(self._end_turn)
         if fe.draining:
             if self._unread:
                 self._read_before_stop(len(data))
@@ -1015,6 +1029,7 @@ class HttpProtocol(asyncio.Protocol):
         start, end = 0, len(data)
         size = FEED_BYTES
         routed = self.requests
+        deadline = _perf() + TURN_SECONDS
         while start < end:
             before = self.requests
             stop = start + size
@@ -1028,8 +1043,9 @@ class HttpProtocol(asyncio.Protocol):
             start = stop
             if self._closing or self._transport is None:
                 return
-            if (self.requests - routed >= REQUESTS_PER_TURN or (start >= TURN_REQUEST_BYTES and self.requests > routed)) \
-                    and start < end:
+            if start < end and self.requests > routed and (
+                self.requests - routed >= REQUESTS_PER_TURN or start >= TURN_REQUEST_BYTES or _perf() > deadline
+            ):
                 self._backlog = data[start:]
                 self._pause()
                 if not self._write_paused:  # else `resume_writing` schedules it
@@ -1448,6 +1464,16 @@ class HttpProtocol(asyncio.Protocol):
             self._write_paused or self._waiting or self._one_by_one
             or self._budget.held >= fe.max_response_bytes
         ):  # fmt: skip
+            # Its body is kept: counted in max_incoming_bytes until it is dispatched, else
+            # refused (hostile testing, round 11: 300 connections each owing a slow call
+            # and then sending a 1 MiB body held 322 MiB counted nowhere).
+            if not fe.incoming.hold(0, len(body)):
+                fe.incoming.refuse(0)
+                fe.dispatcher.count_refused_body(ErrorCode.OVERLOADED)
+                extra = (self._keep_header if keep_alive else b"") + cors
+                self._queue(_json_response(503, fe.incoming_full_body, keep_alive, extra, fe.json_head), keep_alive, "rpc")
+                return
+            self._waiting_bytes += len(body)
             deferred = _Deferred(body, keep_alive, cors)
             self._waiting.append(deferred)
             self._responses.append(deferred)
@@ -1528,6 +1554,8 @@ class HttpProtocol(asyncio.Protocol):
                 break  # one at a time: see _busy
             deferred = waiting.popleft()
             body, deferred.body = deferred.body, b""
+            fe.incoming.hold(len(body), 0)
+            self._waiting_bytes -= len(body)
             # (submit_held: while draining, a request held here is served as in flight)
             exchange = fe.dispatcher.submit_held(fe.codec.decode(body), self._deferred_done, self._budget)
             if exchange is None:

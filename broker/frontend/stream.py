@@ -62,16 +62,18 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import typing
 from collections import deque
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget
-from broker.frontend.base import SWEEP_SECONDS, TURN_BYTES, Incoming, Listener, unread_bytes
+from broker.frontend.base import SWEEP_SECONDS, TURN_BYTES, TURN_SECONDS, Incoming, Listener, unread_bytes
 from broker.jsonrpc import ErrorCode, error_object, response_error
 
 __all__ = ["REFUSED_LINGERING", "StreamFrontend", "StreamProtocol"]
 
 
+_perf = time.perf_counter
 PIPELINE_HIGH = 64  # bodies owed on one connection before reading pauses (as for HTTP)
 PIPELINE_LOW = 16  # ... and resumes
 LINES_PER_TURN = 16  # lines handled per callback; the rest of a read waits a loop iteration
@@ -138,7 +140,7 @@ class StreamFrontend(Listener):
         )
         self.incoming_full = (
             response_error(b"null", error_object(
-                ErrorCode.OVERLOADED, data=f"lines still arriving exceed max_incoming_bytes {self.incoming.limit}"))
+                ErrorCode.OVERLOADED, data=f"lines arriving or waiting exceed max_incoming_bytes {self.incoming.limit}"))
             + _NL
         )  # fmt: skip
 
@@ -185,8 +187,10 @@ class StreamProtocol(asyncio.Protocol):
         "_skipping",
         "_transport",
         "_turn_bytes",
+        "_turn_seconds",
         "_unread",
         "_waiting",
+        "_waiting_bytes",
         "_write_paused",
         "last_active",
         "line_started",
@@ -201,6 +205,7 @@ class StreamProtocol(asyncio.Protocol):
         self._buffer = bytearray()  # the incomplete last line
         self._incoming = 0  # its bytes, as counted in the listener's `Incoming`
         self._turn_bytes = 0  # bytes received since the last turn's pause (TURN_BYTES)
+        self._turn_seconds = 0.0  # time its reads took since then (TURN_SECONDS)
         # While draining: bytes found in the kernel, received and not read yet, to be read and
         # served (`drain`, `_read_all_before_stop`); -1 once read, a line still under way; 0:
         # not reading for the drain (what comes is discarded).
@@ -220,6 +225,7 @@ class StreamProtocol(asyncio.Protocol):
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
         self._budget = ResponseBudget(frontend.dispatcher.outgoing)
         self._waiting: deque[bytes] = deque()  # lines not dispatched yet (see _gated), in order
+        self._waiting_bytes = 0  # their bytes, counted in the listener's `Incoming`
         # The last line dispatched from `_waiting`: they go one at a time, each once the one
         # before is answered, so each has the whole budget (as for HTTP).
         self._busy: Exchange | None = None
@@ -320,7 +326,14 @@ class StreamProtocol(asyncio.Protocol):
                 self._pause()
                 fe.loop.call_soon(self._end_turn)
         lines = self.lines
+        began = _perf()
         self._lines(data)
+        spent = self._turn_seconds = self._turn_seconds + _perf() - began
+        if spent > TURN_SECONDS:  # (see TURN_SECONDS)
+            self._turn_seconds = 0.0
+            if not self.read_paused and not self._refused:
+                self._pause()
+                fe.loop.call_soon(self._end_turn)
         if self.lines != lines:  # empty lines, or a line still coming, are not activity:
             self.last_active = now  # they keep no connection out of reach of `make_room`
 
@@ -367,6 +380,7 @@ class StreamProtocol(asyncio.Protocol):
         end = len(data)
         turn = LINES_PER_TURN
         budget = TURN_LINE_BYTES
+        deadline = _perf() + TURN_SECONDS
         while start < end:
             first = data[start]
             if (first <= 32 or first >= 127) and not self._buffer and not self._skipping:
@@ -404,7 +418,7 @@ class StreamProtocol(asyncio.Protocol):
             if self._transport is None or self._refused:
                 return
             turn -= 1
-            if (not turn or budget <= 0) and start < end:
+            if start < end and (not turn or budget <= 0 or _perf() > deadline):
                 self._backlog = data[start:]
                 self._transport.pause_reading()
                 if not self._write_paused:
@@ -427,6 +441,8 @@ class StreamProtocol(asyncio.Protocol):
         if not self._backlog and self._transport is not None:
             if not self.read_paused:
                 self._transport.resume_reading()
+            else:  # (paused meanwhile: a turn's time, answers owed)
+                self._maybe_resume()
             self._maybe_close()  # (the client may have half-closed after the lines)
 
     def _partial(self, data: bytes, start: int, end: int) -> None:
@@ -495,7 +511,16 @@ class StreamProtocol(asyncio.Protocol):
             self._write_paused or self._waiting or self._one_by_one
             or self._budget.held >= self._fe.max_response_bytes
         ):  # fmt: skip
-            self._waiting.append(line)  # (_gated, inlined)
+            # (_gated, inlined) The line is kept: counted in max_incoming_bytes until it is
+            # dispatched, else refused (hostile testing, round 11, as for HTTP bodies)
+            fe = self._fe
+            if not fe.incoming.hold(0, len(line)):
+                fe.incoming.refuse(0)
+                fe.dispatcher.count_refused_body(ErrorCode.OVERLOADED)
+                self._send(fe.incoming_full)
+                return
+            self._waiting_bytes += len(line)
+            self._waiting.append(line)
             self._pause()
             if not self._gated():
                 self._fe.loop.call_soon(self._dispatch_waiting)
@@ -535,7 +560,10 @@ class StreamProtocol(asyncio.Protocol):
             busy = self._busy
             if busy is not None and busy.remaining:
                 break  # one at a time: see _busy
-            self._busy = self._submit(waiting.popleft())
+            line = waiting.popleft()
+            self._fe.incoming.hold(len(line), 0)
+            self._waiting_bytes -= len(line)
+            self._busy = self._submit(line)
         self._maybe_resume()
         self._maybe_close()
         self._fe.recount()  # (the drain waits for what `_waiting` held)
@@ -597,6 +625,7 @@ class StreamProtocol(asyncio.Protocol):
     def _maybe_resume(self) -> None:
         if (
             self.read_paused and not self._write_paused and not self._waiting and self.owed < PIPELINE_LOW
+            and not self._backlog  # (`_next_turn` resumes once it is done: lines stay in order)
             and self._transport is not None
         ):  # fmt: skip
             self.read_paused = False
