@@ -400,3 +400,30 @@ def test_answers_made_at_once_count_in_the_budgets() -> None:
         for sock in socks:
             sock.close()
         assert b.stop() == 0, b.read_log()
+
+
+def test_broker_errors_past_max_outgoing_bytes_start_the_shedding_too() -> None:
+    """Every answer the dispatcher makes counts through one method (`ResponseBudget.keep`),
+    which starts the shedding past max_outgoing_bytes wherever the answer is made: round
+    10's fix started it only for answers made at once, and broker errors (here timeouts,
+    which echo 900 kB ids too) took the total past the bound with nothing shed."""
+    limit, total = 1024 * 1024, 4 * 1024 * 1024
+    b = start_broker("--workers", "1", "--timeout", "1", "--max-response-bytes", str(limit),
+                     "--max-outgoing-bytes", str(total))
+    socks: list[socket.socket] = []
+    try:
+        for k in range(8):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            sock.connect(("127.0.0.1", b.port))
+            socks.append(sock)
+            calls = [{"jsonrpc": "2.0", "method": "sleep", "params": [20], "id": f"slow-{k}"}]
+            calls += [{"jsonrpc": "2.0", "method": "sleep", "params": [20], "id": f"{k}" * 900_000}] * 6
+            sock.sendall(b"".join(http_request(json.dumps(c).encode()) for c in calls))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_connections_shed_total", transport="http") >= 1,
+                 timeout=15)
+        assert b.call("echo", ["bystander"])["result"] == ["bystander"]
+    finally:
+        for sock in socks:
+            sock.close()
+        assert b.stop() == 0, b.read_log()
