@@ -860,13 +860,19 @@ class Dispatcher:
         entries: list[tuple[int, Request, Route]] = []
         entry = entries.append
         size = 0  # bytes of the answers made here
+        # Counted once per body, not per element (hostile testing, round 11: 1000 `{}` a
+        # 3 KB body cost 1.6 µs each here, 0.6 µs in the metrics): the invalid elements'
+        # answers by answer (most are the codec's few constants), the unknown methods.
+        invalid_answers: dict[bytes, int] | None = None
+        unknown_methods = unknown_notifications = 0
         for request in body.items:
             if type(request) is not Request:  # (a test mypy narrows by: no typing.cast, 50 ns, per element)
                 invalid = typing.cast(bytes, request)  # an invalid element's answer
                 answer(invalid)
                 size += len(invalid)
-                if metrics is not None:
-                    metrics.answered(metrics.other, _answer_code(invalid), 0.0)
+                if invalid_answers is None:
+                    invalid_answers = {}
+                invalid_answers[invalid] = invalid_answers.get(invalid, 0) + 1
                 continue
             route = routes.get(request.method)
             if route is None:
@@ -874,10 +880,9 @@ class Dispatcher:
                     unknown = response_error(request.id, _METHOD_NOT_FOUND)
                     answer(unknown)
                     size += len(unknown)
-                    if metrics is not None:
-                        metrics.answered(metrics.other, ErrorCode.METHOD_NOT_FOUND, 0.0)
-                elif metrics is not None:
-                    metrics.notifications[metrics.other] += 1
+                    unknown_methods += 1
+                else:
+                    unknown_notifications += 1
             elif request.id:
                 entry((len(answers), request, route))
                 answer(None)
@@ -885,6 +890,14 @@ class Dispatcher:
                 entry((-1, request, route))
                 if metrics is not None:
                     metrics.notifications[route.method_index] += 1
+        if metrics is not None and (invalid_answers or unknown_methods or unknown_notifications):
+            other = metrics.other
+            if invalid_answers:
+                for invalid, n in invalid_answers.items():
+                    metrics.answered(other, _answer_code(invalid), 0.0, n)
+            if unknown_methods:
+                metrics.answered(other, ErrorCode.METHOD_NOT_FOUND, 0.0, unknown_methods)
+            metrics.notifications[other] += unknown_notifications
         if size:  # (hostile testing, round 10: "Method not found" echoes its id, and 30
             # connections each owing a slow call, then pipelining calls of an unknown
             # method with 900 kB ids, held 400 MB counted nowhere)
