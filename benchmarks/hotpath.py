@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import uvloop
 
 from broker import wire
-from broker.frontend import http
 from broker.dispatch import Dispatcher
+from broker.frontend import http
 from broker.frontend.http import HttpFrontend, HttpProtocol
 from broker.metrics import CallMetrics
 from broker.pool import Worker, WorkerChannel, WorkerState
