@@ -649,47 +649,6 @@ def _identity(value: object) -> object:
     return value
 
 
-@types.coroutine
-def _stepped(awaitable: typing.Awaitable[object]) -> typing.Generator[object, object, object]:
-    """Await `awaitable` (an async handler's coroutine) as `await` does, one step at a
-    time, making sure no step of it runs in a child forked by a handler (`isolate_forks`):
-    the check before a step stops a child that went back into the loop (forked by a
-    callback, a finalizer, or another call's step), which would run this call's next step
-    a second time; the one after it stops a child that was forked in the step and awaits,
-    before the loop runs in it (hostile testing, rounds 9 and 10, found the loop in such a
-    child running other calls' code, one call at a time). Then `_child_exits`.
-
-    A generator-based coroutine (`types.coroutine`) delegating by hand, with `yield
-    from`'s semantics (PEP 380): values sent and exceptions thrown in (CancelledError)
-    go to the awaitable's step, GeneratorExit closes it."""
-    it: typing.Generator[object, object, object] = (
-        awaitable if type(awaitable) is _COROUTINE else awaitable.__await__()  # type: ignore[assignment]
-    )
-    send = it.send
-    sent: object = None
-    thrown: BaseException | None = None
-    while True:
-        if _forked_from:
-            _child_exits(None)
-        try:
-            if thrown is None:
-                yielded = send(sent)
-            else:
-                exc, thrown = thrown, None
-                yielded = it.throw(exc)
-        except StopIteration as stop:
-            return stop.value
-        if _forked_from:
-            _child_exits(None)
-        try:
-            sent = yield yielded
-        except GeneratorExit:
-            it.close()
-            raise
-        except BaseException as exc:  # (CancelledError from Task.cancel, for the handler)
-            thrown, sent = exc, None
-
-
 async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[bool, object]:
     """Run an async handler to its end: (True, result) or (False, the exception raised).
 
@@ -698,10 +657,12 @@ async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: 
     the worker with every other call in flight. A CancelledError is returned too; the
     caller tells the broker's CANCEL apart from one the handler raised itself.
     """
+    if _forked_from:  # (a child the loop went on in: not past its trap, `_trap_loop_return`)
+        _child_exits(None)
     try:
         value = fn(*args, **kwargs)
         if type(value) is _COROUTINE or inspect.isawaitable(value):  # (a wraps-decorated async
-            value = await _stepped(typing.cast(typing.Awaitable[object], value))  # function may not be)
+            value = await typing.cast(typing.Awaitable[object], value)  # function may not be)
     except GeneratorExit as exc:  # the coroutine is being closed: it must not go on
         if _forked_from:  # (a child raising it: it would reach the loop, which runs other calls)
             _child_exits(exc)
@@ -923,8 +884,8 @@ class WorkerProtocol(asyncio.Protocol):
     def _execute(self, index: int, params: bytes) -> tuple[int, bytes] | asyncio.Task[tuple[bool, object]]:
         """Run one call: (kind, body) for a sync handler or a failure, or the Task
         running an async handler (its outcome comes from `_outcome`). Never raises."""
-        if _forked_from:  # (a child forked anywhere, a finalizer included, runs no call: the
-            _child_exits(None)  # one way in to a handler, sync or async, with `_stepped`)
+        if _forked_from:  # (a child forked anywhere, a finalizer included, runs no call)
+            _child_exits(None)
         try:
             method = self._methods[index]
             args, kwargs = method.bind(params, self._max_depth)
@@ -1301,6 +1262,61 @@ def _child_exits(exc: BaseException | None) -> typing.NoReturn:
         os._exit(1)
 
 
+def _untraced(frame: types.FrameType, event: str, arg: object) -> None:
+    """sys.settrace's function in a trapped child: no frame but the trapped one is traced."""
+    return None
+
+
+def _trap_return(codes: typing.Collection[types.CodeType], *, caller: bool) -> bool:
+    """In a child a handler forked: exit it (`_child_exits`) when a frame of the stack now
+    returns or yields, that is when the child would go back into the worker's event loop
+    (`caller`: the innermost frame called by one running one of `codes`, what runs the
+    loop), or into a thread pool's worker loop (the innermost frame running one). False
+    if no such frame is on the stack (nothing is traced then).
+
+    The frame's own tracing (`f_trace`, with sys.settrace on in this thread only, as
+    bdb's set_trace does for the frames it stops in) costs the child a call per frame it
+    enters while it runs, nothing once it has exited, and the worker nothing."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_back is not None and frame.f_back.f_code in codes) if caller else frame.f_code in codes:
+            break
+        frame = frame.f_back
+    if frame is None:
+        return False
+    trapped = frame
+
+    def on_event(f: types.FrameType, event: str, arg: object) -> typing.Any:
+        if event == "return" and f is trapped:
+            _child_exits(None)
+        return on_event
+
+    trapped.f_trace = on_event
+    trapped.f_trace_lines = False
+    sys.settrace(_untraced)
+    return True
+
+
+def _in_multiprocessing_launch() -> bool:
+    """Whether this fork is multiprocessing's (fork context): its child runs the process
+    and calls os._exit, never coming back (`Popen._launch`)."""
+    popen = sys.modules.get("multiprocessing.popen_fork")
+    launch = getattr(getattr(popen, "Popen", None), "_launch", None)
+    code = getattr(launch, "__code__", None)
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+# What calls the loop's callbacks: uvloop's loop (C) is run by asyncio.Runner.run (uvloop.run
+# and asyncio.run both use a Runner), asyncio's by Handle._run. A frame called by one of these
+# is a callback's (a task's step's): the child would be back in the loop once it returns.
+_LOOP_CODES = frozenset({asyncio.runners.Runner.run.__code__, asyncio.events.Handle._run.__code__})
+
+
 def isolate_forks(channel_fd: int) -> None:
     """Keep the children a handler forks (os.fork(), multiprocessing's fork context) off
     the broker's channel, and make them die with this worker.
@@ -1366,6 +1382,13 @@ def isolate_forks(channel_fd: int) -> None:
             pass
         if by_worker[1]:
             die_with_parent(worker)
+            if not _in_multiprocessing_launch():
+                _trap_return(_LOOP_CODES, caller=True)
+        else:  # (the thread that forked may end before the worker: PDEATHSIG would follow it)
+            die_with_parent(worker, prctl=False)
+            work_item = sys.modules.get("concurrent.futures.thread")
+            if work_item is not None:  # (forked in `run_in_executor`, `to_thread`: a hang, else)
+                _trap_return((work_item._WorkItem.run.__code__,), caller=False)
 
     os.register_at_fork(before=before, after_in_child=after_in_child)
 

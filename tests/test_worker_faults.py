@@ -299,7 +299,7 @@ def test_a_child_back_in_the_loop_runs_no_step_of_another_call(broker_factory, t
     async handler that awaits, or by a callback the loop runs, went back into the
     worker's loop, which ran the next steps of the other calls in flight in it (each of
     their side effects after that point happened twice). Every step of a call is checked
-    now (`worker._stepped`): such a child exits before it runs one."""
+    now (`worker._trap_return`): such a child exits before it runs one."""
     b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
     worker = b.call("pid")["result"]
     path = tmp_path / "side-effects.txt"
@@ -316,3 +316,47 @@ def test_a_child_back_in_the_loop_runs_no_step_of_another_call(broker_factory, t
     if method == "afork_await":  # its own child stops at the await too
         assert [line for line in lines if line.startswith("after-await")] == [f"after-await parent {worker}"]
     assert b.call("pid")["result"] == worker
+
+
+@pytest.mark.parametrize("method", ["afork_in_subtask", "fork_later"])
+def test_a_child_back_in_the_loop_runs_no_step_of_the_tasks_calls_made(broker_factory, tmp_path, method) -> None:
+    """Hostile testing (round 12): the tasks a handler makes (asyncio.gather, a TaskGroup)
+    went on in a child back in the worker's loop (forked by a callback, or in a subtask
+    that awaits), each of their side effects twice. Such a child now exits as it goes back
+    into the loop (`worker._trap_return`), before the loop runs anything in it."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
+    worker = b.call("pid")["result"]
+    path = tmp_path / "side-effects.txt"
+    batch = [{"jsonrpc": "2.0", "method": "agather", "params": [str(path), i], "id": i} for i in range(3)]
+    batch.insert(1, {"jsonrpc": "2.0", "method": method, "params": [str(path)], "id": "fork"})
+    status, _, raw = b.post(json.dumps(batch))
+    assert status == 200, raw
+    answers = {a["id"]: a for a in json.loads(raw)}
+    assert [answers[i]["result"] for i in range(3)] == [0, 1, 2], answers
+    time.sleep(0.5)  # (a child running steps a second time would write now)
+    lines = path.read_text().splitlines()
+    parts = sorted(line for line in lines if not line.startswith(("subtask-after-await", "callback-child")))
+    assert parts == sorted(f"{i} {p} {step} {worker}" for i in range(3) for p in ("g0", "g1", "t0", "t1")
+                           for step in range(5)), lines
+    if method == "afork_in_subtask":
+        assert [line for line in lines if line.startswith("subtask-after-await")] == [
+            f"subtask-after-await parent {worker}"]
+
+
+def test_a_child_forked_in_a_thread_pool_exits_when_it_returns_there(broker_factory) -> None:
+    """Hostile testing (round 12): a fork in `run_in_executor` whose child returns went
+    back into the pool's worker loop and waited there forever (and, not forked by the
+    loop's thread, was tied to no one: it outlived the broker). It exits as its work item
+    returns now, and would die with its worker meanwhile."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
+    child = b.call("fork_in_executor")["result"]
+    assert isinstance(child, int) and child > 0
+    assert b.call("reap", [child], timeout=20) == {"jsonrpc": "2.0", "id": 1, "result": 0}
+
+
+@pytest.mark.parametrize(("method", "params", "result"), [("legacy_coroutine", [21], 42), ("iter_awaitable", None, None)])
+def test_any_awaitable_a_sync_handler_returns_is_awaited(broker_factory, method, params, result) -> None:
+    """A generator-based coroutine, an object whose __await__ gives a plain iterator: what
+    `await` accepts is awaited (round 12: a step-by-step driver, since removed, refused both)."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
+    assert b.call(method, params) == {"jsonrpc": "2.0", "id": 1, "result": result}

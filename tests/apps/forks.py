@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 
 import msgspec
 
@@ -244,3 +245,71 @@ def fork_later(path: str) -> str:
 
     asyncio.get_running_loop().call_soon(callback)
     return "scheduled"
+
+
+@registry.method
+async def agather(path: str, tag: int) -> int:
+    """Two subtasks of this call (asyncio.gather, a TaskGroup), each appending "tag part
+    step pid" to `path` in each of 5 steps: steps a child back in the loop could run a
+    second time (round 12: the tasks a handler makes were not checked)."""
+    import asyncio
+
+    async def part(name: str) -> None:
+        for step in range(5):
+            with open(path, "a") as f:
+                f.write(f"{tag} {name} {step} {os.getpid()}\n")
+            await asyncio.sleep(0.02 if step else 0)
+
+    await asyncio.gather(part("g0"), part("g1"))
+    async with asyncio.TaskGroup() as group:
+        group.create_task(part("t0"))
+        group.create_task(part("t1"))
+    return tag
+
+
+@registry.method
+async def afork_in_subtask(path: str) -> int:
+    """A subtask that forks; its child awaits before it ends itself (round 12)."""
+    import asyncio
+
+    async def sub() -> int:
+        child = os.fork()
+        await asyncio.sleep(0)
+        with open(path, "a") as f:
+            f.write(f"subtask-after-await {'child' if child == 0 else 'parent'} {os.getpid()}\n")
+        return child
+
+    return await asyncio.create_task(sub())
+
+
+@registry.method
+async def fork_in_executor() -> int:
+    """A fork in a thread pool's thread whose child returns (round 12: the child went back
+    into the pool's worker loop and waited there forever, outliving the worker)."""
+    import asyncio
+
+    return await asyncio.get_running_loop().run_in_executor(None, os.fork)
+
+
+@registry.method
+def legacy_coroutine(x: int) -> object:
+    """A sync handler returning a generator-based coroutine, awaited as an async one's
+    (round 12: a step-by-step driver of the awaitable refused it, -32603)."""
+    import types
+
+    @types.coroutine
+    def legacy() -> typing.Generator[None, None, int]:
+        yield  # (a bare yield: a loop iteration, as asyncio.sleep(0))
+        return x * 2
+
+    return legacy()
+
+
+class _IterAwaitable:
+    def __await__(self) -> typing.Iterator[None]:  # (any iterator will do, says the language reference)
+        return iter([None, None])
+
+
+@registry.method
+def iter_awaitable() -> object:
+    return _IterAwaitable()
