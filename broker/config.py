@@ -212,7 +212,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                ] = 30 * SECONDS
     send_timeout: Annotated[Seconds, Meta(ge=MS, le=DAY),
                             Doc("a connection whose client does not read its answers "
-                                "(writing paused: its send buffer full) for this long is "
+                                "(writing paused: its send buffer full, and no byte of them "
+                                "taken) for this long is "
                                 "closed, its unsent answers dropped (HTTP and NDJSON; "
                                 "nginx's send_timeout)")
                             ] = 60 * SECONDS

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,6 +171,35 @@ def test_a_slow_reader_within_send_timeout_keeps_its_connection_and_gets_every_a
         else:
             s.sendall(b'{"jsonrpc":"2.0","method":"echo","params":["x"],"id":7}\n')
             assert b'"result":["x"]' in s.recv(65536)
+
+
+@pytest.mark.parametrize("transport", ["http", "tcp"])
+def test_a_client_reading_steadily_is_served_however_long_its_answers_take(tb, transport):
+    """Hostile testing (round 11): a client that read all along, about 160 KB/s, 10
+    pipelined answers of 400 kB, was reset after send_timeout (2 s here), its answers
+    lost: its write buffer never went back under the low mark, so the clock that started
+    when writing paused never restarted. It restarts now whenever the client has taken
+    more bytes than at the sweep's last look: all 4 MB are read, in about 13 s."""
+    b, stream_port = tb
+    n, size = 10, 400_000
+    bodies = [json.dumps({"jsonrpc": "2.0", "method": "echo", "params": ["x" * size], "id": i}).encode()
+              for i in range(n)]
+    data = b"".join(http_request(body) for body in bodies) if transport == "http" else b"".join(
+        body + b"\n" for body in bodies)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    with s:
+        s.connect((b.host, b.port if transport == "http" else stream_port))
+        s.settimeout(10)
+        threading.Thread(target=s.sendall, args=(data,), daemon=True).start()
+        got = 0
+        deadline = time.monotonic() + 90
+        while got < n * size and time.monotonic() < deadline:
+            chunk = s.recv(32768)  # (a reset raises here: the failure this test is for)
+            assert chunk, f"closed after {got} bytes"
+            got += len(chunk)
+            time.sleep(0.1)
+        assert got >= n * size
 
 
 def unread_by_broker(broker_port: int, client_port: int) -> int:

@@ -301,19 +301,33 @@ class Listener:
 
     def send_timed_out(self, conn: typing.Any, now: float) -> bool:
         """For the sweep: abort `conn` (`reset`) if its client has not taken its answers
-        for `send_timeout` seconds, and return True. Stalled since `conn.send_stalled`: set by
+        for `send_timeout` seconds, and return True. `conn.sent`: bytes written to it;
+        `conn.taken`: those its client had taken at the last look. Stalled since
+        `conn.send_stalled` (or the last look that found more bytes taken): set by
         its `pause_writing` (the write buffer above its high-water mark), cleared by
         `resume_writing`; or, found here, since a close began with bytes still unsent
         (`close` waits for them forever). Aborting drops the unsent answers (the
         transport's buffer and the kernel's send queue) and frees them; calls still
         running complete and their answers are dropped."""
         since = conn.send_stalled
+        transport = conn.transport
         if not since:
-            transport = conn.transport
             if transport is None or not transport.is_closing() or not transport.get_write_buffer_size():
                 return False
             conn.send_stalled = now
+            conn.taken = conn.sent - unsent_bytes(transport)
             return False
+        if transport is not None:
+            # A client that took some of its answers since the last look is reading: the
+            # clock restarts (nginx's send_timeout is between two successive writes).
+            # Bytes taken, not bytes left: answers keep coming while it reads (hostile
+            # testing, round 11: a client reading 40 pipelined answers of 900 kB at 120
+            # KB/s was reset after send_timeout, its buffer never below the low mark).
+            taken = conn.sent - unsent_bytes(transport)
+            if taken > conn.taken:
+                conn.taken = taken
+                conn.send_stalled = now
+                return False
         if now - since <= self.send_timeout:
             return False
         reset(conn)

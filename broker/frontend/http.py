@@ -637,6 +637,8 @@ class HttpProtocol(asyncio.Protocol):
         "requests",
         "scrape_waiting",
         "send_stalled",
+        "sent",
+        "taken",
     )
 
     def __init__(self, frontend: HttpFrontend) -> None:
@@ -701,6 +703,8 @@ class HttpProtocol(asyncio.Protocol):
         self._write_paused = False
         self._closing = False
         self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
+        self.sent = 0  # bytes written to its transport
+        self.taken = 0  # ... that its client had taken at the last look (`Listener.send_timed_out`)
         self._unsent = 0  # bytes of answers not yet taken by the client, at the sweep's last look
         self._stuck_since = 0.0  # loop time the sweep found those bytes not moving (`taking_answer`)
         self.last_active = self._read_at = self.accepted_at = frontend.loop.time()
@@ -1237,6 +1241,7 @@ class HttpProtocol(asyncio.Protocol):
             # request about to be refused: the server may skip it (RFC 9110 10.1.1).
             assert self._transport is not None
             self._fe.sent_bytes += len(_CONTINUE)
+            self.sent += len(_CONTINUE)
             self._transport.write(_CONTINUE)
 
     def _absolute_form(self) -> None:
@@ -1654,6 +1659,7 @@ class HttpProtocol(asyncio.Protocol):
             data, keep_alive = self._closing_form(data), False
         transport.write(data)
         fe.sent_bytes += len(data)
+        self.sent += len(data)
         counts = fe.statuses[path]  # by path, then status: no tuple per answer
         status = data[9:12]
         counts[status] = counts.get(status, 0) + 1

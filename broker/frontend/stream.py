@@ -198,6 +198,8 @@ class StreamProtocol(asyncio.Protocol):
         "owed",
         "read_paused",
         "send_stalled",
+        "sent",
+        "taken",
     )
 
     def __init__(self, frontend: StreamFrontend) -> None:
@@ -222,6 +224,8 @@ class StreamProtocol(asyncio.Protocol):
         self.last_active = frontend.loop.time()  # last line received (not an empty one) or answer sent
         self._refused = False  # turned away at max_connections, or sent an HTTP request line: its input is discarded
         self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
+        self.sent = 0  # bytes written to its transport
+        self.taken = 0  # ... that its client had taken at the last look (`Listener.send_timed_out`)
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
         self._budget = ResponseBudget(frontend.dispatcher.outgoing)
         self._waiting: deque[bytes] = deque()  # lines not dispatched yet (see _gated), in order
@@ -596,6 +600,7 @@ class StreamProtocol(asyncio.Protocol):
         if transport is None or transport.is_closing():
             return
         self._fe.sent_bytes += len(data)
+        self.sent += len(data)
         transport.write(data)
 
     # -- flow control ------------------------------------------------------------------
