@@ -1169,6 +1169,7 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # The signals the worker handles itself (SIGTERM: its loop's handler; SIGINT: see `main`)
 # and what a fresh Python process does with them: a handler's forked child gets these back.
 FRESH_DISPOSITIONS = ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler))
+_FRESH_SIGNALS = frozenset(signum for signum, _ in FRESH_DISPOSITIONS)
 PARENT_POLL_SECONDS = 0.5  # the fallback watcher's period
 
 
@@ -1355,6 +1356,12 @@ def isolate_forks(channel_fd: int) -> None:
     def before() -> None:
         by_worker[0] = os.getpid() == worker
         by_worker[1] = by_worker[0] and threading.get_ident() == loop_thread
+        if by_worker[0]:
+            # Held until the child has its fresh signal handling (`after_in_child`): one
+            # that came before was caught there by the worker's handler, and lost (the
+            # new test, round 11: a Pool's terminate() SIGTERMs a child still starting,
+            # which lived on and its join() hung the worker).
+            signal.pthread_sigmask(signal.SIG_BLOCK, _FRESH_SIGNALS)
         if by_worker[0]:  # (multiprocessing's fork does the same: the child's buffers start empty)
             for stream in (sys.stdout, sys.stderr):
                 try:
@@ -1380,6 +1387,7 @@ def isolate_forks(channel_fd: int) -> None:
                 signal.signal(signum, disposition)
         except (OSError, ValueError):
             pass
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FRESH_SIGNALS)  # (one held now comes, as fresh)
         if by_worker[1]:
             die_with_parent(worker)
             if not _in_multiprocessing_launch():
@@ -1390,7 +1398,11 @@ def isolate_forks(channel_fd: int) -> None:
             if work_item is not None:  # (forked in `run_in_executor`, `to_thread`: a hang, else)
                 _trap_return((work_item._WorkItem.run.__code__,), caller=False)
 
-    os.register_at_fork(before=before, after_in_child=after_in_child)
+    def after_in_parent() -> None:
+        if by_worker[0]:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _FRESH_SIGNALS)
+
+    os.register_at_fork(before=before, after_in_parent=after_in_parent, after_in_child=after_in_child)
 
 
 async def _serve(args: argparse.Namespace, registry: Registry) -> int:

@@ -236,6 +236,14 @@ def test_a_forked_child_that_gets_sigterm_dies_of_it_and_the_worker_lives_on(for
     assert sample(scrape_metrics(forks), "rpc_broker_worker_restarts_total", reason="exited") == 0
 
 
+def test_a_sigterm_a_child_gets_as_it_starts_kills_it(forks: Broker) -> None:
+    """The new-user check (round 11): make test hung now and then in the Pool test below,
+    its terminate() SIGTERMing a child still in its fork hooks, with the worker's handler:
+    the signal was lost, the child lived, join() waited for good. The worker holds SIGTERM
+    and SIGINT over a fork now, and the child gets them once its handling is fresh."""
+    assert forks.call("fork_term_at_birth", timeout=20) == {"jsonrpc": "2.0", "result": -signal.SIGTERM, "id": 1}
+
+
 def test_a_fork_context_multiprocessing_pool_works_again_and_again(forks: Broker) -> None:
     """Leaving `with Pool(...)` calls terminate(), which SIGTERMs the pool's children:
     each used to stop the worker (or hang it in waitpid)."""

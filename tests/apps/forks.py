@@ -313,3 +313,33 @@ class _IterAwaitable:
 @registry.method
 def iter_awaitable() -> object:
     return _IterAwaitable()
+
+
+_TERM_IN_CHILD = [False]
+
+
+def _term_at_birth() -> None:  # (registered at import: it runs before the worker's own hook)
+    if _TERM_IN_CHILD[0]:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+os.register_at_fork(after_in_child=_term_at_birth)
+
+
+@registry.method
+def fork_term_at_birth() -> int:
+    """A child that gets SIGTERM as it starts, before the worker's fork hook gave it a fresh
+    process's signal handling (the new-user check, round 11: a Pool's terminate() reached a
+    child still starting; the worker's inherited handler took the signal, which was lost,
+    and the child lived on). Its exit status, as subprocess gives it: -15 when SIGTERM
+    killed it."""
+    _TERM_IN_CHILD[0] = True
+    try:
+        child = os.fork()
+    finally:
+        _TERM_IN_CHILD[0] = False
+    if child == 0:
+        time.sleep(0.5)  # (a signal pending would have come by now)
+        os._exit(7)
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status)
