@@ -193,3 +193,67 @@ def test_a_turn_ends_after_64_kib_of_requests_not_only_after_16(protocol_name, l
     40 KB, 2 are answered in the read's turn, the others in the next (1 when the machine
     stalls the first past TURN_SECONDS: a turn ends after its time too)."""
     assert _one_read_turn(protocol_name, loop_name) in (1, 2)
+
+
+@pytest.mark.parametrize("protocol_name", ["ndjson", "http"])
+def test_the_rest_of_a_read_left_for_a_later_turn_counts_in_max_incoming_bytes(protocol_name):
+    """Hostile testing (round 12): the part of a read left for a later turn (`_backlog`,
+    up to a 256 KiB read a connection) was counted nowhere, and kept while its client did
+    not read its answers (turns wait for the write buffer): 50 NDJSON clients held 9.5 MB
+    past a max_incoming_bytes of 64 KiB. It counts now; a read whose rest would pass the
+    bound is refused (-32000, HTTP 503) and its connection closed. Three connections each
+    read 20 requests of about 300 bytes at once: 16 are handled, 4 kept for the next
+    turn; with a bound of two and a half such rests, the third connection's is refused."""
+    import asyncio
+
+    from broker.dispatch import Dispatcher
+    from broker.frontend.base import Incoming
+    from broker.frontend.http import HttpFrontend, HttpProtocol
+    from broker.frontend.stream import StreamFrontend, StreamProtocol
+
+    body = b"[1" + b" " * 296 + b"]"  # 299 bytes: an invalid element, answered at once
+    if protocol_name == "ndjson":
+        request = body + b"\n"
+    else:  # (a read past 4096 bytes goes by turns: 20 of 400 bytes)
+        request = (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    rest = 4 * len(request)
+    limit = rest * 5 // 2  # two rests, not three
+
+    async def main() -> tuple[list[int], bytes]:
+        loop = asyncio.get_running_loop()
+        dispatcher = Dispatcher(loop)
+        incoming = Incoming(limit)
+        if protocol_name == "ndjson":
+            fe: StreamFrontend | HttpFrontend = StreamFrontend(dispatcher, transport="unix", incoming=incoming)
+        else:
+            fe = HttpFrontend(dispatcher, metrics=None, incoming=incoming)
+        pairs, protocols, held = [], [], []
+        for _ in range(3):
+            here, there = socket.socketpair()
+            protocol: StreamProtocol | HttpProtocol = fe.protocol() if protocol_name == "ndjson" else HttpProtocol(fe)
+            transport, _ = await loop.connect_accepted_socket(lambda p=protocol: p, here)
+            pairs.append((transport, there))
+            protocols.append(protocol)
+        for protocol in protocols:  # one read each, as the loop would deliver them, in one turn
+            protocol.data_received(request * 20)
+            held.append(incoming.held)
+        await asyncio.sleep(0.05)
+        there = pairs[2][1]
+        there.setblocking(False)
+        got = b""
+        try:
+            while chunk := there.recv(1 << 16):
+                got += chunk
+        except BlockingIOError:
+            pass
+        held.append(incoming.held)  # (the kept rests handled in their turns)
+        for transport, sock in pairs:
+            transport.abort()
+            sock.close()
+        return held, got
+
+    with asyncio.Runner(loop_factory=__import__("uvloop").new_event_loop) as runner:
+        held, got = runner.run(main())
+    assert held == [rest, 2 * rest, 2 * rest, 0], (held, rest)
+    assert f"exceed max_incoming_bytes {limit}".encode() in got, got[-300:]

@@ -588,6 +588,7 @@ class HttpProtocol(asyncio.Protocol):
 
     __slots__ = (
         "_backlog",
+        "_backlog_held",
         "_body",
         "_budget",
         "_busy",
@@ -667,6 +668,7 @@ class HttpProtocol(asyncio.Protocol):
         # list of pieces cost ~50 bytes of objects per piece: 2-byte chunks, 27x).
         self._body: bytes | bytearray = b""
         self._backlog = b""  # the rest of a read past REQUESTS_PER_TURN requests: reading paused until it is done
+        self._backlog_held = 0  # its bytes, counted in the listener's `Incoming` (`keep_backlog`)
         self._header_bytes = 0  # request line and header lines of the current head
         self._headers = 0  # header fields of the current head
         self._expect = False
@@ -1050,7 +1052,9 @@ class HttpProtocol(asyncio.Protocol):
             if start < end and self.requests > routed and (
                 self.requests - routed >= REQUESTS_PER_TURN or start >= TURN_REQUEST_BYTES or _perf() > deadline
             ):
-                self._backlog = data[start:]
+                if not self._fe.keep_backlog(self, data[start:]):
+                    self._refuse_body(503, self._fe.incoming_full_body, ErrorCode.OVERLOADED)
+                    return
                 self._pause()
                 if not self._write_paused:  # else `resume_writing` schedules it
                     self._fe.loop.call_soon(self._next_turn)
@@ -1070,6 +1074,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._feed_turn(backlog)
             finally:
                 self._parsing = False
+                self._fe.backlog_done(self)
             if self._fe.draining:
                 if self._unread < 0 and not self._backlog:
                     self._parsed_before_stop()  # (the read that ended the bytes received before the stop)

@@ -176,6 +176,7 @@ class StreamProtocol(asyncio.Protocol):
 
     __slots__ = (
         "_backlog",
+        "_backlog_held",
         "_budget",
         "_buffer",
         "_busy",
@@ -213,6 +214,7 @@ class StreamProtocol(asyncio.Protocol):
         # not reading for the drain (what comes is discarded).
         self._unread = 0
         self._backlog = b""  # the rest of a read past LINES_PER_TURN lines: reading paused until it is done
+        self._backlog_held = 0  # its bytes, counted in the listener's `Incoming` (`keep_backlog`)
         self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
         self._transport: asyncio.Transport | None = None
         self.read_paused = False
@@ -423,7 +425,10 @@ class StreamProtocol(asyncio.Protocol):
                 return
             turn -= 1
             if start < end and (not turn or budget <= 0 or _perf() > deadline):
-                self._backlog = data[start:]
+                if not fe.keep_backlog(self, data[start:]):
+                    fe.dispatcher.count_refused_body(ErrorCode.OVERLOADED)
+                    self._foreign(fe.incoming_full)  # (refused: answered, then closed)
+                    return
                 self._transport.pause_reading()
                 if not self._write_paused:
                     fe.loop.call_soon(self._next_turn)
@@ -438,6 +443,7 @@ class StreamProtocol(asyncio.Protocol):
         # (also while draining: these lines came before the stop; each is answered, served
         # or "shutting down", rather than dropped)
         self._lines(backlog)  # each line to dispatch, or after the others in `_waiting`
+        self._fe.backlog_done(self)
         if not self._backlog:  # (the drain waits for a backlog: `Listener.held`)
             self._fe.recount()
             if self._unread:
@@ -497,6 +503,7 @@ class StreamProtocol(asyncio.Protocol):
         # the lines before it, then close (`_maybe_close`).
         self._refused = True
         self._backlog = b""
+        self._fe.backlog_done(self)
         self._buffer.clear()
         self._fe.incoming.hold(self._incoming, 0)
         self._incoming = 0
