@@ -1477,6 +1477,8 @@ def test_plot_warns_about_runs_without_a_curve_and_writes_the_suffix_format(tmp_
     ([[50.0, 1.0], [150.0, 2.0]], "key 'percentiles[1][0]': Expected `float` <= 100.0"),
     ([[-1.0, 1.0]], "key 'percentiles[0][0]': Expected `float` >= 0.0"),
     ([[50.0, -2.0]], "key 'percentiles[0][1]': Expected `float` >= 0.0"),
+    # (hostile testing, round 11: 1.7e308 ms, finite, overflowed matplotlib's axis: a traceback)
+    ([[50.0, 1.0], [99.0, 1.7e308]], "key 'percentiles[1][1]': Expected `float` <= 1000000000000.0"),
 ])
 def test_plot_refuses_percentiles_outside_0_to_100(tmp_path, capsys, curve, key):
     bad = tmp_path / "bad.json"
@@ -1484,6 +1486,15 @@ def test_plot_refuses_percentiles_outside_0_to_100(tmp_path, capsys, curve, key)
     assert cli.main(["bench", "plot", str(bad), "-o", str(tmp_path / "out.png")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"rpc-broker bench plot: input file {bad}: ") and key in err, err
+
+
+def test_plot_draws_a_latency_at_the_schema_bound(tmp_path, capsys):
+    """1e12 ms, the largest latency the schema takes, is drawn (1.7e308 overflowed)."""
+    report = tmp_path / "far.json"
+    report.write_text(_edit(percentiles=[[50.0, 1.0], [99.0, 1e12]]))
+    out = tmp_path / "far.png"
+    assert cli.main(["bench", "plot", str(report), "-o", str(out)]) == 0, capsys.readouterr().err
+    assert out.stat().st_size > 0
 
 
 def test_progress_line_fits_80_columns():

@@ -44,7 +44,7 @@ fields are fixed by the schema below (names, types, units):
     latency_ms    {"p50", "p90", "p99", "p99.9", "max", "mean": float ms, or null
                   each when no latency was measured (no answer came back, or only
                   notifications were sent): never 0 standing for "nothing"}
-    percentiles   [[percentile (0..100), ms >= 0], ...] ascending: the plotted
+    percentiles   [[percentile (0..100), ms in 0..1e12], ...] ascending: the plotted
                   curve; [] when no latency was measured
 
     interrupted   true when a signal (or a dead load process) stopped the run early:
@@ -164,7 +164,9 @@ class Check(msgspec.Struct, forbid_unknown_fields=True):
     ok: bool
 
 
-Ms = typing.Annotated[float, msgspec.Meta(ge=0)]
+# (An upper bound too: a finite latency near the float limit, 1.7e308 ms, overflowed the plot's
+# axis arithmetic, a traceback; hostile testing, round 11. 1e12 ms is 31 years.)
+Ms = typing.Annotated[float, msgspec.Meta(ge=0, le=1e12)]
 Percentile = typing.Annotated[float, msgspec.Meta(ge=0, le=100)]
 
 
