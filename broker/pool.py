@@ -533,7 +533,7 @@ class Pool:
                 # A reload's new worker sent SIGTERM while it imports: another takes its place
                 # in the reload (which still waits at most its timeout in all).
                 log.info("reload: new worker %d (pid %d) %s; starting another", worker.slot, worker.pid, reason)
-                self.restarts_by_reason["left"] = self.restarts_by_reason.get("left", 0) + 1
+                self._count_restart("left")
                 new = self.incoming[worker.slot] = Worker(worker.slot)
                 if self._prepare(new):
                     task = self.loop.create_task(self._launch(new))
@@ -553,7 +553,7 @@ class Pool:
                 log.info("reload: new worker %d (pid %d) stopped, the reload failed: %s", worker.slot, worker.pid, reason)
             return
         if worker.kill_reason.startswith(CODE_CHANGED):  # its HELLO was refused (`hello`)
-            self.restarts_by_reason["code_changed"] = self.restarts_by_reason.get("code_changed", 0) + 1
+            self._count_restart("code_changed")
             log.warning("worker %d (pid %d) %s; not restarted: the reload asked for replaces it",
                         worker.slot, worker.pid, reason)
             return
@@ -570,9 +570,9 @@ class Pool:
                     "worker %d (pid %d) %s; a reload is under way: its slot waits for the reload's new worker",
                     worker.slot, worker.pid, reason)
             if worker.kill_reason.startswith(SUPERSEDED):  # replaced by the reload, counted as `_swap` counts those
-                self.restarts_by_reason["reload"] = self.restarts_by_reason.get("reload", 0) + 1
+                self._count_restart("reload")
             else:
-                self._count_restart(worker, why)
+                self._count_restart(why)
             self._awaiting_reload.add(worker)
             if not self._reloading:  # (the reload ended before this exit was reaped)
                 self._restart_awaiting("the reload that superseded it failed")
@@ -597,7 +597,7 @@ class Pool:
             worker.leaving = False  # it failed: no worker is coming during its backoff
             worker.failures = 0 if up >= STABLE_SECONDS else worker.failures + 1
             delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
-        self._count_restart(worker, why)
+        self._count_restart(why)
         if delay and not self.dispatcher.ready_workers and not self._worker_coming():
             self.dispatcher.no_worker_coming()
         await asyncio.sleep(delay)
@@ -608,8 +608,8 @@ class Pool:
             return
         await self._spawn(worker)
 
-    def _count_restart(self, worker: Worker, why: str) -> None:
-        """Count one restart of `worker`'s slot, under the bounded reason `why` (the
+    def _count_restart(self, why: str) -> None:
+        """Count one restart of a worker's slot, under the bounded reason `why` (the
         metric's label): once per process that exits or is replaced."""
         self.restarts_by_reason[why] = self.restarts_by_reason.get(why, 0) + 1
 
@@ -727,7 +727,7 @@ class Pool:
                  worker.slot, worker.pid)
         self.retiring.add(worker)
         new = self.workers[worker.slot] = Worker(worker.slot)
-        self.restarts_by_reason["left"] = self.restarts_by_reason.get("left", 0) + 1
+        self._count_restart("left")
         if self._prepare(new):
             task = self.loop.create_task(self._launch(new))
             task.add_done_callback(_log_task_error)
@@ -892,9 +892,9 @@ class Pool:
             # counts nothing). One that asked to leave during the reload was not replaced
             # when it asked (`worker_leaving`): its leave is counted now, as "left".
             if old.leaving:
-                self._count_restart(old, "left")
+                self._count_restart("left")
             else:
-                self.restarts_by_reason["reload"] = self.restarts_by_reason.get("reload", 0) + 1
+                self._count_restart("reload")
             alive = old.process is not None and old.process.returncode is None
             self.retiring.add(old)
             if old.state is WorkerState.READY and old.channel is not None:
