@@ -257,3 +257,66 @@ def test_the_rest_of_a_read_left_for_a_later_turn_counts_in_max_incoming_bytes(p
         held, got = runner.run(main())
     assert held == [rest, 2 * rest, 2 * rest, 0], (held, rest)
     assert f"exceed max_incoming_bytes {limit}".encode() in got, got[-300:]
+
+
+@pytest.mark.parametrize("protocol_name", ["ndjson", "http"])
+def test_requests_that_waited_are_dispatched_a_turn_at_a_time(protocol_name):
+    """Hostile testing (round 13): requests that waited undispatched (their client was not
+    reading) were all decoded in one callback once it read again, however long they took:
+    120 bodies nested just past the parser's limit, 125 ms of the loop. They go a turn's
+    worth at a time now (TURN_SECONDS): of 16 such requests, a few are answered in the
+    callback that resumes them, the others in later loop iterations, all of them."""
+    import asyncio
+
+    import uvloop
+
+    from broker.dispatch import Dispatcher
+    from broker.frontend.http import HttpFrontend, HttpProtocol
+    from broker.frontend.stream import StreamFrontend, StreamProtocol
+
+    deep = b"[" * 1100 + b"]" * 1100
+    body = b'{"jsonrpc":"2.0","method":"nosuch","params":' + deep + b',"id":1}'
+
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        dispatcher = Dispatcher(loop)
+        here, there = socket.socketpair()
+        protocol: StreamProtocol | HttpProtocol
+        if protocol_name == "ndjson":
+            protocol = StreamProtocol(StreamFrontend(dispatcher, transport="unix"))
+            read, answer = (body + b"\n") * 16, b"\n"
+        else:
+            protocol = HttpProtocol(HttpFrontend(dispatcher, metrics=None))
+            read = (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)) * 16
+            answer = b"HTTP/1.1 "
+        transport, _ = await loop.connect_accepted_socket(lambda: protocol, here)
+        protocol.pause_writing()  # (as the transport says when its client does not read)
+        protocol.data_received(read)  # one read: its requests wait
+        protocol.resume_writing()  # the client reads again: they are dispatched
+        there.setblocking(False)
+        got = b""
+
+        def take() -> None:
+            nonlocal got
+            try:
+                while chunk := there.recv(1 << 20):
+                    got += chunk
+            except BlockingIOError:
+                pass
+
+        take()
+        first = got.count(answer)
+        for _ in range(1000):
+            if got.count(answer) >= 16:
+                break
+            await asyncio.sleep(0.001)
+            take()
+        transport.abort()
+        there.close()
+        return first, got.count(answer)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        first, total = runner.run(main())
+    assert 1 <= first < 16, first
+    assert total == 16

@@ -121,7 +121,7 @@ from http import HTTPStatus
 
 import httptools
 
-from broker.dispatch import Dispatcher, Exchange, ResponseBudget
+from broker.dispatch import Dispatcher, Exchange, ResponseBudget, forget
 from broker.frontend.base import (
     SWEEP_SECONDS,
     TURN_BYTES,
@@ -849,6 +849,11 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        for owed in self._responses:  # (the answers they hold go now, not when their calls end)
+            if type(owed) is Exchange:
+                forget(owed)
+            elif type(owed) is _Deferred and owed.exchange is not None:
+                forget(owed.exchange)
         self._responses.clear()
         # The parser holds this protocol's bound methods, and it the parser: a cycle, freed
         # only by the garbage collector's rare full runs. The cycle is broken (a parser of
@@ -1555,13 +1560,21 @@ class HttpProtocol(asyncio.Protocol):
         return _json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head), keep_alive
 
     def _dispatch_waiting(self) -> None:
-        """Dispatch the requests that wait (`_waiting`), in order, while `_gated` allows."""
+        """Dispatch the requests that wait (`_waiting`), in order, while `_gated` allows,
+        a turn's worth at a time (REQUESTS_PER_TURN or TURN_SECONDS, as `_feed_turn`; the
+        rest in a later loop iteration: hostile testing, round 13, 120 bodies answered at
+        once were all decoded in one callback, 125 ms of the loop)."""
         fe = self._fe
         waiting = self._waiting
         busy = self._busy
+        turn, deadline = REQUESTS_PER_TURN, _perf() + TURN_SECONDS
         while waiting and not self._gated() and self._transport is not None:
             if busy is not None and busy.remaining:
                 break  # one at a time: see _busy
+            if turn == 0 or _perf() > deadline:
+                fe.loop.call_soon(self._dispatch_waiting)
+                break
+            turn -= 1
             deferred = waiting.popleft()
             body, deferred.body = deferred.body, b""
             fe.incoming.hold(len(body), 0)

@@ -66,7 +66,7 @@ import time
 import typing
 from collections import deque
 
-from broker.dispatch import Dispatcher, Exchange, ResponseBudget
+from broker.dispatch import Dispatcher, Exchange, ResponseBudget, forget
 from broker.frontend.base import SWEEP_SECONDS, TURN_BYTES, TURN_SECONDS, Incoming, Listener, unread_bytes
 from broker.jsonrpc import ErrorCode, error_object, response_error
 
@@ -184,6 +184,7 @@ class StreamProtocol(asyncio.Protocol):
         "_fe",
         "_incoming",
         "_one_by_one",
+        "_owed",
         "_refused",
         "_skipping",
         "_transport",
@@ -232,6 +233,7 @@ class StreamProtocol(asyncio.Protocol):
         self._budget = ResponseBudget(frontend.dispatcher.outgoing)
         self._waiting: deque[bytes] = deque()  # lines not dispatched yet (see _gated), in order
         self._waiting_bytes = 0  # their bytes, counted in the listener's `Incoming`
+        self._owed: set[Exchange] = set()  # exchanges owed answers (`owed` of them)
         # The last line dispatched from `_waiting`: they go one at a time, each once the one
         # before is answered, so each has the whole budget (as for HTTP).
         self._busy: Exchange | None = None
@@ -314,6 +316,9 @@ class StreamProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        for exchange in self._owed:  # (the answers they hold go now, not when their calls end)
+            forget(exchange)
+        self._owed.clear()
         self._buffer.clear()  # (a partial line, up to max_body_bytes: not kept for a collector)
         self._fe.lost(self)
 
@@ -554,6 +559,7 @@ class StreamProtocol(asyncio.Protocol):
             self._budget.written(exchange, self._write_paused)
             return None
         self.owed += 1
+        self._owed.add(exchange)
         if self.owed > PIPELINE_HIGH:
             self._pause()
         return exchange
@@ -565,12 +571,18 @@ class StreamProtocol(asyncio.Protocol):
         return self._write_paused or self._budget.held >= self._fe.max_response_bytes
 
     def _dispatch_waiting(self) -> None:
-        """Dispatch the lines that wait, in order, while `_gated` allows."""
+        """Dispatch the lines that wait, in order, while `_gated` allows, a turn's worth at a
+        time (LINES_PER_TURN or TURN_SECONDS, as `_lines`; as for HTTP)."""
         waiting = self._waiting
+        turn, deadline = LINES_PER_TURN, _perf() + TURN_SECONDS
         while waiting and not self._gated() and self._transport is not None:
             busy = self._busy
             if busy is not None and busy.remaining:
                 break  # one at a time: see _busy
+            if turn == 0 or _perf() > deadline:
+                self._fe.loop.call_soon(self._dispatch_waiting)
+                break
+            turn -= 1
             line = waiting.popleft()
             self._fe.incoming.hold(len(line), 0)
             self._waiting_bytes -= len(line)
@@ -581,6 +593,7 @@ class StreamProtocol(asyncio.Protocol):
 
     def _exchange_done(self, exchange: Exchange) -> None:
         self.owed -= 1
+        self._owed.discard(exchange)
         self.last_active = self._fe.loop.time()  # idle time counts from the last answer
         self._send(exchange.body() + _NL)
         self._budget.written(exchange, self._write_paused)
