@@ -649,8 +649,13 @@ def _identity(value: object) -> object:
     return value
 
 
-async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[bool, object]:
-    """Run an async handler to its end: (True, result) or (False, the exception raised).
+async def _guarded(
+    fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object],
+    finished: Callable[[bool, object], None] | None = None,
+) -> tuple[bool, object]:
+    """Run an async handler to its end: (True, result) or (False, the exception raised),
+    also given to `finished` in the handler's last step, so that the answer is made in it
+    (a done callback comes a loop turn later, which a slow sync call can take first).
 
     Never raises, not even BaseException: a Task re-raises SystemExit and
     KeyboardInterrupt out of the event loop (asyncio's Task.__step), which would stop
@@ -670,9 +675,13 @@ async def _guarded(fn: Callable[..., object], args: tuple[object, ...], kwargs: 
     except BaseException as exc:  # the point: one answer, the worker lives on
         if _forked_from:  # (a child the handler forked, back here: `_child_exits`)
             _child_exits(exc)
+        if finished is not None:
+            finished(False, exc)
         return False, exc
     if _forked_from:
         _child_exits(None)
+    if finished is not None:
+        finished(True, value)
     return True, value
 
 
@@ -726,6 +735,11 @@ class WorkerProtocol(asyncio.Protocol):
         self._out = bytearray()
         self._flush_scheduled = False
         self._tasks: dict[int, asyncio.Task[tuple[bool, object]]] = {}
+        # Where each running async call's answer goes: (call id, method, start) or (chunk,
+        # its entry, method), for its last step to answer it (`_finished`); and those
+        # answered so, which their done callbacks then leave alone.
+        self._task_of: dict[asyncio.Task[tuple[bool, object]], tuple[object, int, float | int]] = {}
+        self._answered: set[asyncio.Task[tuple[bool, object]]] = set()
         # Tasks the broker cancelled (CANCEL): only their CancelledError is "cancelled
         # by the broker" (-32001); one a handler raises by itself is -32603.
         self._cancelled: set[asyncio.Task[tuple[bool, object]]] = set()
@@ -733,6 +747,7 @@ class WorkerProtocol(asyncio.Protocol):
         self._chunks: dict[int, _Chunk] = {}  # chunks started and not yet fully answered
         self._dirty: set[_Chunk] = set()  # chunks with answers to send
         self._run_scheduled = False
+        self._yielded = (0, 0)  # (call id, loop turns) given to async calls before a slow one (`_run`)
         self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
         self._leaving = False  # this worker said BYE (SIGTERM) and waits for the broker's
         self._down = False  # see going_down
@@ -850,8 +865,10 @@ class WorkerProtocol(asyncio.Protocol):
                 if self._advance(item, deadline):
                     backlog.popleft()
             else:
-                backlog.popleft()
                 kind, call_id, aux, payload = typing.cast("tuple[int, int, int, bytes]", item)
+                if kind != _CHUNK and self._tasks and self._slow[min(aux, len(self._methods))] and self._yield(call_id):
+                    break
+                backlog.popleft()
                 if kind == _CHUNK:
                     chunk = self._chunks[call_id] = _Chunk(call_id, aux, payload)
                     backlog.appendleft(chunk)
@@ -862,6 +879,26 @@ class WorkerProtocol(asyncio.Protocol):
                 self._loop.call_soon(self._run)
                 break
         self._flush()
+
+    def _yield(self, call_id: int) -> bool:
+        """Before call `call_id`, of a method that blocks the loop, with async calls in
+        flight: whether the loop runs a turn first (`_run` goes on in the next one), so
+        that they go on before it. An async call whose wait ended, or that started and
+        has not run a step yet, needs a turn for its step, and one that finished a turn
+        more for its answer (a task's done callback comes a turn later); `_call` then
+        writes the answers ready before the slow call runs. At most two turns a call: a
+        steady flow of async calls cannot hold it back. (Hostile testing, round 13: an
+        async call's answer waited behind a slow sync call sent after it, long enough to
+        be answered -32001 "timed out" although its handler was done; the README says
+        each answer leaves as soon as its own handler returns.)"""
+        last, turns = self._yielded
+        turns = turns + 1 if last == call_id else 1
+        if turns > 2:
+            return False
+        self._yielded = (call_id, turns)
+        self._run_scheduled = True
+        self._loop.call_soon(self._run)
+        return True
 
     def stop(self) -> None:
         """Leave as the broker's stop makes a worker leave, losing no call (SIGTERM).
@@ -895,7 +932,7 @@ class WorkerProtocol(asyncio.Protocol):
             _child_exits(None)
         try:
             if method.is_async:
-                task = self._loop.create_task(_guarded(method.fn, args, kwargs))
+                task = self._loop.create_task(_guarded(method.fn, args, kwargs, self._finished))
                 if _forked_from:  # (3.12+, eager start: a child that awaited comes back here)
                     _child_exits(None)
                 return task
@@ -909,23 +946,25 @@ class WorkerProtocol(asyncio.Protocol):
                     raise
             # A sync handler that returned a coroutine (a decorator `_is_async` could
             # not see through): run it as an async one's.
-            return self._loop.create_task(_guarded(_identity, (result,), {}))
+            return self._loop.create_task(_guarded(_identity, (result,), {}, self._finished))
         except BaseException as exc:  # one ERROR reply, the worker lives on
             if _forked_from:  # (a child that raised, sys.exit() included)
                 _child_exits(exc)
             return _ERROR, self._error(exc, index)
 
-    def _outcome(self, task: asyncio.Task[tuple[bool, object]], index: int) -> tuple[int, bytes]:
-        """The answer of a finished async call, as `_execute` gives a sync one. Never
-        raises: an exception here would be lost in a done callback, and the call would
-        never be answered."""
+    def _outcome(
+        self, task: asyncio.Task[tuple[bool, object]], index: int, outcome: tuple[bool, object] | None = None
+    ) -> tuple[int, bytes]:
+        """The answer of a finished async call, as `_execute` gives a sync one: `outcome`,
+        or its task's result. Never raises: an exception here would be lost in a done
+        callback, and the call would never be answered."""
         by_broker = task in self._cancelled
         if by_broker:
             self._cancelled.discard(task)
         try:
             value: object
             try:
-                ok, value = task.result()
+                ok, value = task.result() if outcome is None else outcome
             except BaseException as exc:  # cancelled before it ever ran, or a GeneratorExit
                 ok, value = False, exc  # raised by the handler (_guarded lets that through)
             if ok:
@@ -956,15 +995,46 @@ class WorkerProtocol(asyncio.Protocol):
         self._slow[index] = False  # an async handler (or a sync one's coroutine) blocks nothing
         task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
         self._tasks[call_id] = task
+        if not task.done():  # (else finished at once, eagerly: answered by its done callback)
+            self._task_of[task] = (call_id, index, t0)
         task.add_done_callback(lambda t: self._task_done(call_id, index, t0, t))
 
+    def _finished(self, ok: bool, value: object) -> None:
+        """The last step of an async call's task (`_guarded`): make its answer now. Not a
+        cancellation's, which the done callback answers as before, once it knows whether
+        the worker is going down (the loop's teardown cancels every task: their calls are
+        the broker's to answer, -32002, not -32603 CancelledError)."""
+        if not ok and isinstance(value, asyncio.CancelledError):
+            return
+        task = asyncio.current_task(self._loop)
+        where = self._task_of.pop(task, None) if task is not None else None
+        if where is None:  # (its done callback answers it: started eagerly, and not yet known)
+            return
+        self._answered.add(task)  # type: ignore[arg-type]  # (its done callback: nothing to do)
+        if type(where[0]) is _Chunk:
+            chunk, i, index = typing.cast("tuple[_Chunk, int, int]", where)
+            self._chunk_task_answer(chunk, i, index, task, (ok, value))  # type: ignore[arg-type]
+        else:
+            call_id, index, t0 = typing.cast("tuple[int, int, float]", where)
+            self._task_answer(call_id, index, t0, task, (ok, value))  # type: ignore[arg-type]
+
     def _task_done(self, call_id: int, index: int, t0: float, task: asyncio.Task[tuple[bool, object]]) -> None:
+        if task in self._answered:  # (answered in its last step: `_finished`)
+            self._answered.discard(task)
+            return
+        self._task_of.pop(task, None)  # (cancelled before it ran, a GeneratorExit: never finished)
+        self._task_answer(call_id, index, t0, task, None)
+
+    def _task_answer(
+        self, call_id: int, index: int, t0: float, task: asyncio.Task[tuple[bool, object]],
+        outcome: tuple[bool, object] | None,
+    ) -> None:
         if _forked_from:
             _child_exits(None)
         self._tasks.pop(call_id, None)
         if self._down:
             return
-        kind, body = self._outcome(task, index)
+        kind, body = self._outcome(task, index, outcome)
         if _forked_from:  # (forked while the result or error was encoded: a `tolist`, a repr)
             _child_exits(None)
         self._reply(kind, call_id, t0, body)
@@ -1028,6 +1098,8 @@ class WorkerProtocol(asyncio.Protocol):
                 chunk.ran = True
                 chunk.tasks.append(task)
                 chunk.waiting += 1
+                if not task.done():  # (else finished at once, eagerly: answered by its done callback)
+                    self._task_of[task] = (chunk, i, index)
                 task.add_done_callback(functools.partial(self._chunk_task_done, chunk, i, index))
             t0 = now
             if chunk.next < chunk.count and now > deadline:
@@ -1037,11 +1109,21 @@ class WorkerProtocol(asyncio.Protocol):
         return True
 
     def _chunk_task_done(self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[tuple[bool, object]]) -> None:
+        if task in self._answered:  # (answered in its last step: `_finished`)
+            self._answered.discard(task)
+            return
+        self._task_of.pop(task, None)
+        self._chunk_task_answer(chunk, i, index, task, None)
+
+    def _chunk_task_answer(
+        self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[tuple[bool, object]],
+        outcome: tuple[bool, object] | None,
+    ) -> None:
         if _forked_from:
             _child_exits(None)
         if self._down:
             return
-        kind, body = self._outcome(task, index)
+        kind, body = self._outcome(task, index, outcome)
         if _forked_from:  # (forked while the result or error was encoded: a `tolist`, a repr)
             _child_exits(None)
         self._chunk_answer(chunk, i, kind, body)
@@ -1351,18 +1433,22 @@ def isolate_forks(channel_fd: int) -> None:
     """
     worker = os.getpid()
     loop_thread = threading.get_ident()
-    by_worker = [False, False]  # forked by the worker's process, by its loop's thread
+    # Whether the fork under way is the worker's own (not a child's), per thread: two
+    # threads may fork at once, and the hooks of one run between the other's (hostile
+    # testing, round 13: with a list shared by all threads, a loop-thread child was taken
+    # for a pool thread's, and ran the loop; a pool thread's for the loop's, and hung).
+    # The child is the forking thread, with its own `local` and its ident.
+    local = threading.local()
 
     def before() -> None:
-        by_worker[0] = os.getpid() == worker
-        by_worker[1] = by_worker[0] and threading.get_ident() == loop_thread
-        if by_worker[0]:
+        by_worker = local.by_worker = os.getpid() == worker
+        if by_worker:
             # Held until the child has its fresh signal handling (`after_in_child`): one
             # that came before was caught there by the worker's handler, and lost (the
             # new test, round 11: a Pool's terminate() SIGTERMs a child still starting,
             # which lived on and its join() hung the worker).
             signal.pthread_sigmask(signal.SIG_BLOCK, _FRESH_SIGNALS)
-        if by_worker[0]:  # (multiprocessing's fork does the same: the child's buffers start empty)
+        if by_worker:  # (multiprocessing's fork does the same: the child's buffers start empty)
             for stream in (sys.stdout, sys.stderr):
                 try:
                     if stream is not None:
@@ -1372,8 +1458,9 @@ def isolate_forks(channel_fd: int) -> None:
 
     def after_in_child() -> None:
         global _forked_from
-        if not by_worker[0]:
+        if not getattr(local, "by_worker", False):
             return
+        local.by_worker = False
         _forked_from = worker
         try:
             null = os.open(os.devnull, os.O_RDWR)
@@ -1388,18 +1475,25 @@ def isolate_forks(channel_fd: int) -> None:
         except (OSError, ValueError):
             pass
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _FRESH_SIGNALS)  # (one held now comes, as fresh)
-        if by_worker[1]:
+        if threading.get_ident() == loop_thread:
             die_with_parent(worker)
             if not _in_multiprocessing_launch():
                 _trap_return(_LOOP_CODES, caller=True)
         else:  # (the thread that forked may end before the worker: PDEATHSIG would follow it)
             die_with_parent(worker, prctl=False)
+            # It exits where it would go back into its thread's loop: a pool's (forked in
+            # `run_in_executor`, `to_thread`: it waited there for good), or the end of its
+            # thread (the parent-watch thread would keep it alive: round 13).
+            codes = [threading.Thread._bootstrap_inner.__code__]  # type: ignore[attr-defined]
             work_item = sys.modules.get("concurrent.futures.thread")
-            if work_item is not None:  # (forked in `run_in_executor`, `to_thread`: a hang, else)
-                _trap_return((work_item._WorkItem.run.__code__,), caller=False)
+            if work_item is not None:
+                codes.append(work_item._WorkItem.run.__code__)
+            if not _in_multiprocessing_launch():
+                _trap_return(codes, caller=False)
 
     def after_in_parent() -> None:
-        if by_worker[0]:
+        if getattr(local, "by_worker", False):
+            local.by_worker = False
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _FRESH_SIGNALS)
 
     os.register_at_fork(before=before, after_in_parent=after_in_parent, after_in_child=after_in_child)

@@ -221,6 +221,35 @@ def test_a_fast_reply_is_not_held_back_by_a_slow_sync_call_read_with_it(broker_f
         assert json.loads(rest) == {"jsonrpc": "2.0", "id": "slow", "result": 1.5}
 
 
+def test_an_async_answer_is_not_held_behind_slow_sync_calls_read_after_it(broker_factory):
+    """Hostile testing (round 13): an async call and two slow sync calls after it reach
+    one worker. The async call's first step waited for the first sync call (3.11 starts
+    a task in the next loop turn), and its answer, made by a done callback a turn after
+    its last step, waited for the second: 1 s for a 50 ms call, answered -32001 at its
+    1 s deadline although its handler was done. The worker now lets async calls go on
+    for a loop turn or two before a slow sync call, and makes their answers in their
+    last step: each trial's `wait` answers come before the second `block` ends."""
+    import socket
+
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry", "--sync-prefetch", "100",
+                       "--stream-port", str(port), "--method-timeout", "wait=1")
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    assert b.call("block", [0.01])["result"] == 0.01  # the worker learns: block is slow
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        reader = s.makefile("rb")
+        for trial in range(6):
+            lines = [b'{"jsonrpc":"2.0","method":"wait","params":[0.05],"id":"w%d"}\n' % i for i in range(3)]
+            lines += [b'{"jsonrpc":"2.0","method":"block","params":[0.4],"id":"b%d"}\n' % i for i in range(2)]
+            s.sendall(b"".join(lines))
+            order = [json.loads(reader.readline()) for _ in range(5)]
+            ids = [answer["id"] for answer in order]
+            assert all("result" in answer for answer in order), order
+            assert ids.index("b1") == 4, (trial, ids)  # (every wait answered before the last block)
+
+
 def test_fast_answers_leave_before_a_fresh_workers_first_slow_sync_call(broker_factory):
     """Hostile testing (issue 9): the broker learns that `add` is fast, but a fresh worker
     had never run `block`; it ran the batch's chunk of `add` calls, then `block` (sent on

@@ -368,3 +368,21 @@ def test_any_awaitable_a_sync_handler_returns_is_awaited(broker_factory, method,
     `await` accepts is awaited (round 12: a step-by-step driver, since removed, refused both)."""
     b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
     assert b.call(method, params) == {"jsonrpc": "2.0", "id": 1, "result": result}
+
+
+def test_a_child_forked_by_a_plain_thread_exits_when_the_thread_ends(forks: Broker) -> None:
+    """Hostile testing (round 13): such a child got a parent-watch thread, which kept it
+    alive once its own thread ended: a handler waiting for it hung. It exits there now."""
+    child = forks.call("fork_in_thread")["result"]
+    assert isinstance(child, int) and child > 0
+    assert forks.call("reap", [child], timeout=20) == {"jsonrpc": "2.0", "id": 1, "result": 0}
+
+
+def test_forks_from_two_threads_at_once_each_get_their_own_hooks(forks: Broker, tmp_path) -> None:
+    """Hostile testing (round 13): forks from the loop's thread and a pool thread at once,
+    with a library's fork hook slow enough for them to overlap: every child exits where it
+    was forked (status 0), and none runs the worker's loop (no marker written)."""
+    path = tmp_path / "markers.txt"
+    answer = forks.call("fork_race", [str(path), 30], timeout=60)
+    assert answer.get("result") == [0] * 60, answer
+    assert not path.exists() or path.read_text() == ""

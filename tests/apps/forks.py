@@ -343,3 +343,80 @@ def fork_term_at_birth() -> int:
         os._exit(7)
     _, status = os.waitpid(child, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+@registry.method
+def fork_in_thread() -> int:
+    """A plain thread forks, and its child returns from the thread's function (round 13:
+    the child's parent-watch thread kept it alive; a handler waiting for it hung)."""
+    import threading
+
+    child: list[int] = []
+    thread = threading.Thread(target=lambda: child.append(os.fork()))
+    thread.start()
+    thread.join()
+    if not child or child[0] == 0:  # (in the child: its thread ends here)
+        return 0
+    return child[0]
+
+
+_SLOW_HOOK = [False]
+
+
+def _slow_hook() -> None:  # (a library's fork hook that takes a while, as grpc's may)
+    if _SLOW_HOOK[0]:
+        time.sleep(0.002)
+
+
+os.register_at_fork(before=_slow_hook, after_in_parent=_slow_hook, after_in_child=_slow_hook)
+
+
+@registry.method
+async def fork_race(path: str, rounds: int) -> list[int]:
+    """Fork from the loop's thread (a callback) and a pool thread at once, `rounds` times,
+    every child returning where it was forked (round 13: the worker's hooks kept which
+    thread forked in one place for all threads, so a loop-thread child could be taken for
+    a pool thread's and run the loop, a pool thread's for the loop's and hang). A marker
+    callback is ready in the loop at each fork: a child that ran the loop would write its
+    pid to `path`. Returns the children's exit statuses."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    children: list[int] = []
+
+    def marker() -> None:
+        if os.getpid() != worker:
+            with open(path, "a") as f:
+                f.write(f"{os.getpid()}\n")
+
+    def fork_here() -> None:
+        loop.call_soon(marker)
+        child = os.fork()
+        if child:
+            children.append(child)
+
+    worker = os.getpid()
+    _SLOW_HOOK[0] = True
+    try:
+        for _ in range(rounds):
+            loop.call_soon(fork_here)
+            child = await loop.run_in_executor(None, os.fork)
+            if child == 0:
+                return []  # (the pool thread's child: it must exit as this returns there)
+            children.append(child)
+            await asyncio.sleep(0)
+    finally:
+        _SLOW_HOOK[0] = False
+    statuses = []
+    for child in children:
+        for _ in range(300):  # (3 s at most each: a child that does not exit is a failure)
+            pid, status = os.waitpid(child, os.WNOHANG)
+            if pid:
+                statuses.append(os.waitstatus_to_exitcode(status))
+                break
+            await asyncio.sleep(0.01)
+        else:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            statuses.append(-999)
+    return statuses
