@@ -866,7 +866,11 @@ class WorkerProtocol(asyncio.Protocol):
                     backlog.popleft()
             else:
                 kind, call_id, aux, payload = typing.cast("tuple[int, int, int, bytes]", item)
-                if kind != _CHUNK and self._tasks and self._slow[min(aux, len(self._methods))] and self._yield(call_id):
+                if (
+                    kind != _CHUNK and self._slow[min(aux, len(self._methods))]
+                    and (self._tasks or any(chunk.waiting for chunk in self._chunks.values()))
+                    and self._yield(call_id)
+                ):  # fmt: skip
                     break
                 backlog.popleft()
                 if kind == _CHUNK:
@@ -1350,7 +1354,7 @@ def _untraced(frame: types.FrameType, event: str, arg: object) -> None:
     return None
 
 
-def _trap_return(codes: typing.Collection[types.CodeType], *, caller: bool) -> bool:
+def _trap_return(codes: typing.Collection[types.CodeType], *, caller: bool, outermost: bool = False) -> bool:
     """In a child a handler forked: exit it (`_child_exits`) when a frame of the stack now
     returns or yields, that is when the child would go back into the worker's event loop
     (`caller`: the innermost frame called by one running one of `codes`, what runs the
@@ -1363,6 +1367,8 @@ def _trap_return(codes: typing.Collection[types.CodeType], *, caller: bool) -> b
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if (frame.f_back is not None and frame.f_back.f_code in codes) if caller else frame.f_code in codes:
+            break
+        if outermost and frame.f_back is None:  # (the thread's first frame: its end)
             break
         frame = frame.f_back
     if frame is None:
@@ -1378,6 +1384,18 @@ def _trap_return(codes: typing.Collection[types.CodeType], *, caller: bool) -> b
     trapped.f_trace_lines = False
     sys.settrace(_untraced)
     return True
+
+
+def _pool_loops() -> list[types.CodeType]:
+    """The loops of the thread pools imported: concurrent.futures' and multiprocessing's
+    ThreadPool's; a frame they call runs one work item."""
+    loops = []
+    for module, name in (("concurrent.futures.thread", "_worker"), ("multiprocessing.pool", "worker")):
+        function = getattr(sys.modules.get(module), name, None)
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            loops.append(code)
+    return loops
 
 
 def _in_multiprocessing_launch() -> bool:
@@ -1482,14 +1500,11 @@ def isolate_forks(channel_fd: int) -> None:
         else:  # (the thread that forked may end before the worker: PDEATHSIG would follow it)
             die_with_parent(worker, prctl=False)
             # It exits where it would go back into its thread's loop: a pool's (forked in
-            # `run_in_executor`, `to_thread`: it waited there for good), or the end of its
-            # thread (the parent-watch thread would keep it alive: round 13).
-            codes = [threading.Thread._bootstrap_inner.__code__]  # type: ignore[attr-defined]
-            work_item = sys.modules.get("concurrent.futures.thread")
-            if work_item is not None:
-                codes.append(work_item._WorkItem.run.__code__)
+            # `run_in_executor`, `to_thread`, a multiprocessing ThreadPool: it waited there
+            # for good), or the end of its thread, whatever started it (the parent-watch
+            # thread would keep it alive: rounds 13 and 14).
             if not _in_multiprocessing_launch():
-                _trap_return(codes, caller=False)
+                _trap_return(_pool_loops(), caller=True, outermost=True)
 
     def after_in_parent() -> None:
         if getattr(local, "by_worker", False):

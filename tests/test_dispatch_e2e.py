@@ -250,6 +250,19 @@ def test_an_async_answer_is_not_held_behind_slow_sync_calls_read_after_it(broker
             assert ids.index("b1") == 4, (trial, ids)  # (every wait answered before the last block)
 
 
+def test_a_batchs_async_answers_are_not_held_behind_a_slow_sync_call_beside_them(broker_factory):
+    """Hostile testing (round 14): the loop turns given to async calls before a slow sync
+    call counted single calls only: a batch's async calls (one chunk) and its slow sync
+    call (sent on its own, in the same write) ran in that order with no turn between, and
+    every async answer waited behind the sync call, answered -32001 at its 0.5 s deadline."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry", "--method-timeout", "wait=0.5")
+    assert b.call("block", [0.01])["result"] == 0.01  # the worker learns: block is slow
+    for trial in range(5):
+        answers = post(b, [req("wait", [0], 1), req("wait", [0], 2), req("block", [0.8], 3)])
+        assert answers == [{"jsonrpc": "2.0", "id": 1, "result": 0}, {"jsonrpc": "2.0", "id": 2, "result": 0},
+                           {"jsonrpc": "2.0", "id": 3, "result": 0.8}], (trial, answers)
+
+
 def test_fast_answers_leave_before_a_fresh_workers_first_slow_sync_call(broker_factory):
     """Hostile testing (issue 9): the broker learns that `add` is fast, but a fresh worker
     had never run `block`; it ran the batch's chunk of `add` calls, then `block` (sent on

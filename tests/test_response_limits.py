@@ -478,3 +478,4 @@ def test_answers_for_a_connection_gone_are_dropped_at_once(transport: str) -> No
         for sock in socks:
             sock.close()
         assert b.stop() == 0, b.read_log()
+

@@ -370,10 +370,13 @@ def test_any_awaitable_a_sync_handler_returns_is_awaited(broker_factory, method,
     assert b.call(method, params) == {"jsonrpc": "2.0", "id": 1, "result": result}
 
 
-def test_a_child_forked_by_a_plain_thread_exits_when_the_thread_ends(forks: Broker) -> None:
-    """Hostile testing (round 13): such a child got a parent-watch thread, which kept it
-    alive once its own thread ended: a handler waiting for it hung. It exits there now."""
-    child = forks.call("fork_in_thread")["result"]
+@pytest.mark.parametrize("method", ["fork_in_thread", "fork_in_raw_thread", "fork_in_thread_pool"])
+def test_a_child_forked_by_a_plain_thread_exits_when_the_thread_ends(forks: Broker, method: str) -> None:
+    """Hostile testing (rounds 13 and 14): such a child got a parent-watch thread, which
+    kept it alive once its own thread ended (a threading.Thread's, a `_thread` thread's),
+    or went back into its pool's loop (a multiprocessing ThreadPool): a handler waiting
+    for it hung. It exits there now."""
+    child = forks.call(method)["result"]
     assert isinstance(child, int) and child > 0
     assert forks.call("reap", [child], timeout=20) == {"jsonrpc": "2.0", "id": 1, "result": 0}
 

@@ -1650,7 +1650,11 @@ class HttpProtocol(asyncio.Protocol):
                 self._budget.release(len(data), self._write_paused)
             if self._transport is None:
                 return
-        if self._waiting and not self._gated():  # (not from inside the dispatcher's callback)
+        busy = self._busy
+        if self._waiting and not self._gated() and (busy is None or not busy.remaining):
+            # (not from inside the dispatcher's callback; and not while the one dispatched
+            # last runs: its answer comes back here. Hostile testing, round 14: scheduled
+            # each loop turn meanwhile, a core spun for as long as that call ran)
             self._fe.loop.call_soon(self._dispatch_waiting)
         elif not responses:
             self._one_by_one = False

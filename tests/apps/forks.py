@@ -420,3 +420,36 @@ async def fork_race(path: str, rounds: int) -> list[int]:
             os.waitpid(child, 0)
             statuses.append(-999)
     return statuses
+
+
+def _fork_returning(child: list[int]) -> None:
+    child.append(os.fork())
+
+
+@registry.method
+def fork_in_raw_thread() -> int:
+    """As `fork_in_thread`, from a `_thread` thread (round 14: not trapped, the child lived on)."""
+    import _thread
+
+    child: list[int] = []
+    done = threading_event()
+    _thread.start_new_thread(lambda: (_fork_returning(child), done.set()), ())
+    done.wait(10)
+    return child[0] if child and child[0] else 0
+
+
+@registry.method
+def fork_in_thread_pool() -> int:
+    """As `fork_in_thread`, from a multiprocessing ThreadPool's thread (round 14: the child
+    went back into the pool's loop and waited there)."""
+    from multiprocessing.pool import ThreadPool
+
+    with ThreadPool(1) as pool:
+        child = pool.apply(os.fork)
+    return child
+
+
+def threading_event():  # type: ignore[no-untyped-def]
+    import threading
+
+    return threading.Event()
