@@ -479,3 +479,48 @@ def test_answers_for_a_connection_gone_are_dropped_at_once(transport: str) -> No
             sock.close()
         assert b.stop() == 0, b.read_log()
 
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds process `pid` has used (/proc/<pid>/stat)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_request_waiting_behind_one_dispatched_from_the_wait_costs_no_cpu() -> None:
+    """Hostile testing (round 14): requests that waited go one at a time; while the one
+    dispatched ran, the next was scheduled again every loop turn (it found the one before
+    still running, and scheduled itself again): a core spun for as long as that call ran
+    (up to its timeout, and a client can repeat it). Here two `add` batches' answers (74
+    kB) pass max_response_bytes (64 KiB) behind a slow call, so the next two requests
+    wait; the first of them (a 4 s sleep) runs with the second behind it: 2 s of that now
+    cost the broker a small part of a second of CPU (it spent about all of the 2 before)."""
+    b = start_broker("--workers", "2", "--max-response-bytes", "65536")
+    batch = json.dumps([{"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": k} for k in range(1000)]).encode()
+
+    def call_(method: str, params: list[object], id_: int) -> bytes:
+        return http_request(json.dumps({"jsonrpc": "2.0", "method": method, "params": params, "id": id_}).encode())
+
+    def sleeps_answered() -> float:
+        return sum(value for (name, labels), value in scrape_metrics(b).items()
+                   if name == "rpc_broker_calls_total" and ("method", "sleep") in labels)
+
+    try:
+        with socket.create_connection(("127.0.0.1", b.port), timeout=30) as s:
+            s.sendall(call_("sleep", [1], 1) + http_request(batch) + http_request(batch))
+            time.sleep(0.3)
+            s.sendall(call_("sleep", [4], 3) + call_("add", [1, 2], 4))  # (they wait)
+            wait_for(lambda: sleeps_answered() == 1 and sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1,
+                     timeout=10)  # (the first sleep answered, the second running, `add` 4 behind it)
+            before = cpu_seconds(b.pid)
+            time.sleep(2.0)
+            spent = cpu_seconds(b.pid) - before
+            buf = bytearray()
+            statuses = [read_http_response(s, buf)[0] for _ in range(5)]
+        assert len(statuses) == 5
+        assert spent < 0.5, spent
+    finally:
+        assert b.stop() == 0, b.read_log()
