@@ -248,38 +248,47 @@ def test_whole_bodies_and_lines_waiting_to_be_dispatched_count_too(tmp_path):
     sb = start_stream_broker(tmp_path, "--workers", "1", "--max-body-bytes", str(BODY),
                              "--max-incoming-bytes", str(LIMIT), "--max-response-bytes", str(64 * 1024))
     b = sb.broker
+    conns: list[Conn] = []
     try:
-        owed = owing(70_000, 2.0)
-        conns = [Conn(b, timeout=30) for _ in range(2)]
-        for i, conn in enumerate(conns):
+        owed = owing(70_000, 4.0)
+        # The two that will be refused owe their answers first (their 70 kB batches arrive
+        # while there is room: arriving, past the bound, they would be refused as such).
+        late, late_line = Conn(b, timeout=30), sb.connect("unix")
+        conns.append(late)
+        late.send(head(b.path, len(owed)) + owed)
+        late_line.send(owed + b"\n")
+        conns += [Conn(b, timeout=30) for _ in range(2)]
+        for i, conn in enumerate(conns[1:]):
             conn.send(head(b.path, len(owed)) + owed + head(b.path, PART) + padded_call(PART, i))
         wait_for(lambda: incoming(b) == 2 * PART, timeout=10)
-        with sb.connect("tcp") as stream:
+        with sb.connect("tcp") as stream, late_line:
             stream.send(owed + b"\n" + padded_call(PART, 2) + b"\n")
             wait_for(lambda: incoming(b) == 3 * PART, timeout=10)
-            with Conn(b, timeout=30) as late, sb.connect("unix") as late_line:  # past the bound: refused
-                late_line.send(owed + b"\n" + padded_call(PART, 4) + b"\n")  # (NDJSON: at once)
-                assert json.loads(late_line.readline()) == {"jsonrpc": "2.0", "id": None, "error": {
-                    "code": -32000, "message": "Server overloaded",
-                    "data": f"lines arriving or waiting exceed max_incoming_bytes {LIMIT}"}}
-                late.send(head(b.path, len(owed)) + owed + head(b.path, PART) + padded_call(PART, 3))
-                wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_incoming_refused_total") == 2, timeout=10)
-                assert incoming(b) == 3 * PART
-                status, _, first = late.response()  # (HTTP: in its place, after the answer owed)
-                assert status == 200 and [a["id"] for a in json.loads(first)] == [1, "x" * 70_000]
-                status, headers, answer = late.response()
-                assert status == 503, answer
-                assert json.loads(answer)["error"] == {"code": -32000, "message": "Server overloaded",
-                    "data": f"request bodies arriving or waiting exceed max_incoming_bytes {LIMIT}"}
-                assert headers.get("retry-after") == "1"
+            late_line.send(padded_call(PART, 4) + b"\n")  # past the bound: refused (NDJSON: at once)
+            assert json.loads(late_line.readline()) == {"jsonrpc": "2.0", "id": None, "error": {
+                "code": -32000, "message": "Server overloaded",
+                "data": f"lines arriving or waiting exceed max_incoming_bytes {LIMIT}"}}
+            late.send(head(b.path, PART) + padded_call(PART, 3))
+            wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_incoming_refused_total") == 2, timeout=10)
+            assert incoming(b) == 3 * PART
+            status, _, first = late.response()  # (HTTP: in its place, after the answer owed)
+            assert status == 200 and [a["id"] for a in json.loads(first)] == [1, "x" * 70_000]
+            status, headers, answer = late.response()
+            assert status == 503, answer
+            assert json.loads(answer)["error"] == {"code": -32000, "message": "Server overloaded",
+                "data": f"request bodies arriving or waiting exceed max_incoming_bytes {LIMIT}"}
+            assert headers.get("retry-after") == "1"
             assert sample(scrape_metrics(b), "rpc_broker_incoming_refused_total") == 2
             # Those that waited are served in their turn, and what they held is free again.
-            for i, conn in enumerate(conns):
+            for i, conn in enumerate(conns[1:]):
                 assert conn.response()[0] == 200
                 assert conn.response()[:3:2] == (200, f'{{"jsonrpc":"2.0","id":{i},"result":{i + 1}}}'.encode())
-                conn.sock.close()
             got = [json.loads(stream.readline()) for _ in range(2)]
             assert {"jsonrpc": "2.0", "id": 2, "result": 3} in got, got
+            for conn in conns:
+                conn.sock.close()
             wait_for(lambda: incoming(b) == 0, timeout=10)
     finally:
+        for conn in conns:
+            conn.sock.close()
         assert b.stop() == 0, b.read_log()
