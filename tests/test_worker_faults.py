@@ -301,29 +301,36 @@ def test_a_child_that_raises_generator_exit_or_forks_in_its_params_runs_no_other
     assert b.call("pid")["result"] == worker
 
 
-@pytest.mark.parametrize("method", ["afork_await", "fork_later"])
-def test_a_child_back_in_the_loop_runs_no_step_of_another_call(broker_factory, tmp_path, method) -> None:
-    """Hostile testing (rounds 9 and 10; documented until then): a child forked by an
-    async handler that awaits, or by a callback the loop runs, went back into the
-    worker's loop, which ran the next steps of the other calls in flight in it (each of
-    their side effects after that point happened twice). Every step of a call is checked
-    now (`worker._trap_return`): such a child exits before it runs one."""
+def _innocents_beside_a_fork(broker_factory, tmp_path, innocent: str, method: str) -> tuple[int, list[str]]:
+    """Run 3 calls of `innocent` (side effects written to a file, a line per step) in one
+    batch with `method`, which forks; return the worker's pid and the file's lines, read
+    after a child running steps a second time would have written."""
     b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
     worker = b.call("pid")["result"]
     path = tmp_path / "side-effects.txt"
-    batch = [{"jsonrpc": "2.0", "method": "atick", "params": [str(path), i], "id": i} for i in range(3)]
+    batch = [{"jsonrpc": "2.0", "method": innocent, "params": [str(path), i], "id": i} for i in range(3)]
     batch.insert(1, {"jsonrpc": "2.0", "method": method, "params": [str(path)], "id": "fork"})
     status, _, raw = b.post(json.dumps(batch))
     assert status == 200, raw
     answers = {a["id"]: a for a in json.loads(raw)}
     assert [answers[i]["result"] for i in range(3)] == [0, 1, 2], answers
     time.sleep(0.5)  # (a child running steps a second time would write now)
-    lines = path.read_text().splitlines()
+    assert b.call("pid")["result"] == worker
+    return worker, path.read_text().splitlines()
+
+
+@pytest.mark.parametrize("method", ["afork_await", "fork_later"])
+def test_a_child_back_in_the_loop_runs_no_step_of_another_call(broker_factory, tmp_path, method) -> None:
+    """Hostile testing (rounds 9 and 10; documented until then): a child forked by an
+    async handler that awaits, or by a callback the loop runs, went back into the
+    worker's loop, which ran the next steps of the other calls in flight in it (each of
+    their side effects after that point happened twice). Such a child now exits before
+    it runs one (`worker._trap_return`)."""
+    worker, lines = _innocents_beside_a_fork(broker_factory, tmp_path, "atick", method)
     ticks = sorted(line for line in lines if not line.startswith(("after-await", "callback-child")))
     assert ticks == sorted(f"{i} {step} {worker}" for i in range(3) for step in range(5)), lines
     if method == "afork_await":  # its own child stops at the await too
         assert [line for line in lines if line.startswith("after-await")] == [f"after-await parent {worker}"]
-    assert b.call("pid")["result"] == worker
 
 
 @pytest.mark.parametrize("method", ["afork_in_subtask", "fork_later"])
@@ -332,17 +339,7 @@ def test_a_child_back_in_the_loop_runs_no_step_of_the_tasks_calls_made(broker_fa
     went on in a child back in the worker's loop (forked by a callback, or in a subtask
     that awaits), each of their side effects twice. Such a child now exits as it goes back
     into the loop (`worker._trap_return`), before the loop runs anything in it."""
-    b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
-    worker = b.call("pid")["result"]
-    path = tmp_path / "side-effects.txt"
-    batch = [{"jsonrpc": "2.0", "method": "agather", "params": [str(path), i], "id": i} for i in range(3)]
-    batch.insert(1, {"jsonrpc": "2.0", "method": method, "params": [str(path)], "id": "fork"})
-    status, _, raw = b.post(json.dumps(batch))
-    assert status == 200, raw
-    answers = {a["id"]: a for a in json.loads(raw)}
-    assert [answers[i]["result"] for i in range(3)] == [0, 1, 2], answers
-    time.sleep(0.5)  # (a child running steps a second time would write now)
-    lines = path.read_text().splitlines()
+    worker, lines = _innocents_beside_a_fork(broker_factory, tmp_path, "agather", method)
     parts = sorted(line for line in lines if not line.startswith(("subtask-after-await", "callback-child")))
     assert parts == sorted(f"{i} {p} {step} {worker}" for i in range(3) for p in ("g0", "g1", "t0", "t1")
                            for step in range(5)), lines
