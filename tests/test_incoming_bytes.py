@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import socket
+import time
+import typing
 
 from conftest import sample, scrape_metrics, wait_for
 from test_http_protocol import Conn
@@ -291,4 +293,45 @@ def test_whole_bodies_and_lines_waiting_to_be_dispatched_count_too(tmp_path):
     finally:
         for conn in conns:
             conn.sock.close()
+        assert b.stop() == 0, b.read_log()
+
+
+def test_a_read_left_for_a_later_turn_is_not_counted_twice_as_its_requests_wait(tmp_path):
+    """Hostile testing, round 15: a connection owed max_response_bytes sends 100 requests
+    of about 1 kB in one write (100-110 kB, under max_incoming_bytes). One turn takes 16 of
+    them (they wait, counted); the rest, kept for a later turn, stayed counted while its
+    requests were moved to wait, each counted again: 7 of 100 NDJSON lines were refused
+    -32000 (HTTP: 10 of 100 answered 503). Each byte counts once now: all 100 are served,
+    on each port in turn."""
+    limit = 110_000
+    sb = start_stream_broker(tmp_path, "--workers", "1", "--max-body-bytes", "100000",
+                             "--max-incoming-bytes", str(limit), "--max-response-bytes", "65536")
+    b = sb.broker
+    owed = owing(70_000, 2.0)
+    calls = [padded_call(1000, i) for i in range(100)]
+    served = [{"jsonrpc": "2.0", "id": i, "result": i + 1} for i in range(100)]
+
+    def owing_and_sending(send: typing.Callable[[bytes], None], framed: list[bytes]) -> None:
+        send(framed[0])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_outgoing_bytes") >= 70_000, timeout=10)
+        time.sleep(0.3)  # (settled: the requests then come in one read, as in the finding)
+        send(b"".join(framed[1:]))  # (one write, most of it for later turns)
+
+    try:
+        with sb.connect("tcp") as stream:
+            owing_and_sending(stream.send, [owed + b"\n"] + [call + b"\n" for call in calls])
+            got = [json.loads(line) for line in stream.lines(101, timeout=30)]
+            assert [a for a in got if isinstance(a, dict) and "error" in a] == []
+            assert [a["id"] for a in got[0]] == [1, "x" * 70_000]
+            assert got[1:] == served
+        wait_for(lambda: incoming(b) == 0, timeout=10)
+        with Conn(b, timeout=30) as conn:
+            owing_and_sending(conn.send, [head(b.path, len(c)) + c for c in [owed, *calls]])
+            assert conn.response()[0] == 200
+            answers = [conn.response()[::2] for _ in range(100)]
+            assert [a for a in answers if a[0] != 200] == []
+            assert [json.loads(a[1]) for a in answers] == served
+        assert sample(scrape_metrics(b), "rpc_broker_incoming_refused_total") == 0
+        wait_for(lambda: incoming(b) == 0, timeout=10)
+    finally:
         assert b.stop() == 0, b.read_log()

@@ -320,3 +320,71 @@ def test_requests_that_waited_are_dispatched_a_turn_at_a_time(protocol_name):
         first, total = runner.run(main())
     assert 1 <= first < 16, first
     assert total == 16
+
+
+@pytest.mark.parametrize("protocol_name", ["ndjson", "http"])
+def test_a_request_that_waited_is_not_kept_once_its_answer_is_written(protocol_name):
+    """Hostile testing (round 15): the last request that waited and was then dispatched
+    (`_busy`: one at a time) was kept, with its whole answer, after that answer was
+    written and read: 50 idle connections held 3 MB counted nowhere (up to
+    max_connections x max_response_bytes). Once written, nothing on the connection keeps
+    it: no Exchange is left alive. A real Dispatcher; its one worker's channel records
+    the call, which is answered (100 kB) through `Dispatcher.on_reply`, as a worker's."""
+    import asyncio
+    import gc
+
+    import uvloop
+    from test_dispatch import add_worker
+
+    from broker import wire
+    from broker.dispatch import Dispatcher, Exchange
+    from broker.frontend.http import HttpFrontend, HttpProtocol
+    from broker.frontend.stream import StreamFrontend, StreamProtocol
+
+    body = b'{"jsonrpc":"2.0","method":"sleep","params":[1],"id":7}'
+    result = b'"' + b"x" * 100_000 + b'"'
+
+    async def main() -> tuple[bytes, int]:
+        loop = asyncio.get_running_loop()
+        dispatcher = Dispatcher(loop)
+        dispatcher.set_methods(["sleep"])
+        worker = add_worker(dispatcher, 0, concurrency=4)
+        here, there = socket.socketpair()
+        protocol: StreamProtocol | HttpProtocol
+        if protocol_name == "ndjson":
+            protocol = StreamProtocol(StreamFrontend(dispatcher, transport="unix"))
+            read = body + b"\n"
+        else:
+            protocol = HttpProtocol(HttpFrontend(dispatcher, metrics=None))
+            read = (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        transport, _ = await loop.connect_accepted_socket(lambda: protocol, here)
+        try:
+            protocol.pause_writing()  # (as the transport says when its client does not read)
+            protocol.data_received(read)  # it waits
+            protocol.resume_writing()  # the client reads again: it is dispatched
+            await asyncio.sleep(0.01)
+            [frame] = worker.channel.take()  # type: ignore[attr-defined]
+            dispatcher.on_reply(worker, wire.Kind.RESULT, frame[1], 0, result)
+            there.setblocking(False)
+            got = b""
+            for _ in range(1000):  # (bounded: about 1 s)
+                try:
+                    while chunk := there.recv(1 << 20):
+                        got += chunk
+                except BlockingIOError:
+                    pass
+                if got.endswith(b"}\n") or got.endswith(result + b"}"):
+                    break
+                await asyncio.sleep(0.001)
+            gc.collect()
+            alive = sum(1 for o in gc.get_objects() if type(o) is Exchange)
+            return got, alive
+        finally:
+            transport.abort()
+            there.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        got, alive = runner.run(main())
+    assert got.endswith(b'"id":7,"result":' + result + b"}" + (b"\n" if protocol_name == "ndjson" else b""))
+    assert alive == 0

@@ -1073,13 +1073,15 @@ class HttpProtocol(asyncio.Protocol):
         if self._transport is None or not backlog or self._write_paused:
             return
         self._backlog = b""
+        # Out of the count at once: its requests are counted again as they wait (hostile
+        # testing, round 15: counted twice meanwhile, 10 of 100 pipelined POSTs got 503).
+        self._fe.backlog_done(self)
         if not self._closing:
             self._parsing = True
             try:
                 self._feed_turn(backlog)
             finally:
                 self._parsing = False
-                self._fe.backlog_done(self)
             if self._fe.draining:
                 if self._unread < 0 and not self._backlog:
                     self._parsed_before_stop()  # (the read that ended the bytes received before the stop)
@@ -1651,7 +1653,11 @@ class HttpProtocol(asyncio.Protocol):
             if self._transport is None:
                 return
         busy = self._busy
-        if self._waiting and not self._gated() and (busy is None or not busy.remaining):
+        if busy is not None and not busy.remaining:
+            # Done: not kept (hostile testing, round 15: kept with its answer after it
+            # was written, 50 idle connections held 3 MB counted nowhere).
+            self._busy = busy = None
+        if self._waiting and not self._gated() and busy is None:
             # (not from inside the dispatcher's callback; and not while the one dispatched
             # last runs: its answer comes back here. Hostile testing, round 14: scheduled
             # each loop turn meanwhile, a core spun for as long as that call ran)
