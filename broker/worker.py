@@ -1386,16 +1386,26 @@ def _trap_return(codes: typing.Collection[types.CodeType], *, caller: bool, oute
     return True
 
 
-def _pool_loops() -> list[types.CodeType]:
-    """The loops of the thread pools imported: concurrent.futures' and multiprocessing's
-    ThreadPool's; a frame they call runs one work item."""
-    loops = []
-    for module, name in (("concurrent.futures.thread", "_worker"), ("multiprocessing.pool", "worker")):
-        function = getattr(sys.modules.get(module), name, None)
-        code = getattr(function, "__code__", None)
-        if code is not None:
-            loops.append(code)
-    return loops
+def _pool_runners() -> list[types.CodeType]:
+    """What the thread pools imported call a work item's function from: concurrent.futures'
+    `_WorkItem.run` (run_in_executor, to_thread), multiprocessing.pool's `worker` (apply,
+    and a chunk of one item) and its `mapstar`/`starmapstar` (a chunk's items, one after
+    another); and their callbacks: a Future's done callbacks, a ThreadPool's result
+    callbacks (its result-handling thread). A frame one of these calls is a work item's
+    function or a callback."""
+    runners = []
+    for module, names in (("concurrent.futures.thread", ("_WorkItem.run",)),
+                          ("concurrent.futures._base", ("Future._invoke_callbacks",)),
+                          ("multiprocessing.pool", ("worker", "mapstar", "starmapstar",
+                                                    "ApplyResult._set", "MapResult._set"))):
+        for name in names:
+            function: typing.Any = sys.modules.get(module)
+            for part in name.split("."):
+                function = getattr(function, part, None)
+            code = getattr(function, "__code__", None)
+            if code is not None:
+                runners.append(code)
+    return runners
 
 
 def _in_multiprocessing_launch() -> bool:
@@ -1499,12 +1509,17 @@ def isolate_forks(channel_fd: int) -> None:
                 _trap_return(_LOOP_CODES, caller=True)
         else:  # (the thread that forked may end before the worker: PDEATHSIG would follow it)
             die_with_parent(worker, prctl=False)
-            # It exits where it would go back into its thread's loop: a pool's (forked in
-            # `run_in_executor`, `to_thread`, a multiprocessing ThreadPool: it waited there
-            # for good), or the end of its thread, whatever started it (the parent-watch
-            # thread would keep it alive: rounds 13 and 14).
+            # It exits as the work item it was forked in returns to its pool (forked in
+            # `run_in_executor`, `to_thread`, a multiprocessing ThreadPool: it went on into
+            # the pool's loop and waited there for good, rounds 12 and 14; where the pool's
+            # own code returned, it ran the rest of a map's chunk again, or set the item's
+            # Future and ran its callbacks, round 15), or as the callback or task step of
+            # the thread's own asyncio loop returns to it (it went on in that loop: round
+            # 15), else at the end of its thread, whatever started it (the parent-watch
+            # thread would keep it alive: round 13). (A thread's own loop of another kind,
+            # a queue's consumer, it goes on running: its thread's end is all it is known by.)
             if not _in_multiprocessing_launch():
-                _trap_return(_pool_loops(), caller=True, outermost=True)
+                _trap_return([*_pool_runners(), *_LOOP_CODES], caller=True, outermost=True)
 
     def after_in_parent() -> None:
         if getattr(local, "by_worker", False):

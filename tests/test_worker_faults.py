@@ -367,12 +367,14 @@ def test_any_awaitable_a_sync_handler_returns_is_awaited(broker_factory, method,
     assert b.call(method, params) == {"jsonrpc": "2.0", "id": 1, "result": result}
 
 
-@pytest.mark.parametrize("method", ["fork_in_thread", "fork_in_raw_thread", "fork_in_thread_pool"])
+@pytest.mark.parametrize("method", ["fork_in_thread", "fork_in_raw_thread", "fork_in_thread_pool",
+                                    "fork_in_thread_loop", "fork_in_pool_callback"])
 def test_a_child_forked_by_a_plain_thread_exits_when_the_thread_ends(forks: Broker, method: str) -> None:
-    """Hostile testing (rounds 13 and 14): such a child got a parent-watch thread, which
+    """Hostile testing (rounds 13, 14 and 15): such a child got a parent-watch thread, which
     kept it alive once its own thread ended (a threading.Thread's, a `_thread` thread's),
-    or went back into its pool's loop (a multiprocessing ThreadPool): a handler waiting
-    for it hung. It exits there now."""
+    or went back into its pool's loop (a multiprocessing ThreadPool), its thread's own
+    asyncio loop, or a pool's result-handling loop (from a callback): a handler waiting for
+    it hung. It exits there now: as its work item, coroutine step or callback returns."""
     child = forks.call(method)["result"]
     assert isinstance(child, int) and child > 0
     assert forks.call("reap", [child], timeout=20) == {"jsonrpc": "2.0", "id": 1, "result": 0}
@@ -386,3 +388,22 @@ def test_forks_from_two_threads_at_once_each_get_their_own_hooks(forks: Broker, 
     answer = forks.call("fork_race", [str(path), 30], timeout=60)
     assert answer.get("result") == [0] * 60, answer
     assert not path.exists() or path.read_text() == ""
+
+
+@pytest.mark.parametrize(("method", "lines"), [
+    ("fork_in_pool_chunk", ["item 0", "item 1", "item 2", "item 3"]),
+    ("fork_in_future", ["item 0", "callback"]),
+])
+def test_a_child_forked_in_a_pool_item_exits_as_the_item_returns(forks: Broker, tmp_path, method: str,
+                                                                 lines: list[str]) -> None:
+    """Hostile testing (round 15): a child forked by a pool thread's work item exited only
+    where the pool's own code returned: in a multiprocessing ThreadPool's chunk (map with
+    chunksize > 1) it ran the chunk's other items again, and in a concurrent.futures item it
+    set the Future's result, running its done callbacks. It exits as the item's function
+    returns: every line noted is the worker's, once."""
+    path = tmp_path / "noted.txt"
+    worker = forks.call("pid")["result"]
+    answer = forks.call(method, [str(path)], timeout=20)
+    assert answer.get("result") == ([0, 1, 2, 3] if method == "fork_in_pool_chunk" else 0), answer
+    time.sleep(0.5)  # (a child that went on would note its lines by now)
+    assert path.read_text().splitlines() == [f"{line} {worker}" for line in lines]

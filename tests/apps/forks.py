@@ -453,3 +453,79 @@ def threading_event():  # type: ignore[no-untyped-def]
     import threading
 
     return threading.Event()
+
+
+def _item_forking_at_zero(path: str, x: int) -> int:
+    """A work item that notes its run in `path` (`item X PID`); item 0 forks, and its
+    child returns from the item as the worker's does."""
+    with open(path, "a") as f:
+        f.write(f"item {x} {os.getpid()}\n")
+    if x == 0 and os.fork() == 0:
+        return -1
+    return x
+
+
+@registry.method
+def fork_in_pool_chunk(path: str) -> list[int]:
+    """A multiprocessing ThreadPool maps 4 items in one chunk; the first forks and its child
+    returns (round 15: the child, trapped only where the chunk returned, ran the chunk's
+    other 3 items a second time)."""
+    import functools
+    from multiprocessing.pool import ThreadPool
+
+    with ThreadPool(1) as pool:
+        return pool.map(functools.partial(_item_forking_at_zero, path), range(4), chunksize=4)
+
+
+@registry.method
+def fork_in_future(path: str) -> int:
+    """A concurrent.futures work item that forks, its Future with a done callback that notes
+    its run in `path` (`callback PID`) (round 15: the child set the Future's result, which ran
+    the callbacks in it)."""
+    import concurrent.futures
+
+    def noted(future: concurrent.futures.Future[int]) -> None:
+        with open(path, "a") as f:
+            f.write(f"callback {os.getpid()}\n")
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_item_forking_at_zero, path, 0)
+        future.add_done_callback(noted)
+        return future.result()
+
+
+@registry.method
+def fork_in_thread_loop() -> int:
+    """A thread runs its own asyncio loop for 30 s; a task of it forks, and the child
+    returns from the task (round 15: it went back into that thread's loop, and lived for
+    as long as the loop ran). The child's pid, once forked; the thread runs on."""
+    import asyncio
+    import threading
+
+    child: list[int] = []
+    forked = threading.Event()
+
+    async def forking() -> None:
+        _fork_returning(child)
+        forked.set()
+
+    async def main() -> None:
+        asyncio.get_running_loop().create_task(forking())
+        await asyncio.sleep(30)
+
+    threading.Thread(target=lambda: asyncio.run(main()), daemon=True).start()
+    forked.wait(10)
+    return child[0] if child and child[0] else 0
+
+
+@registry.method
+def fork_in_pool_callback() -> int:
+    """A multiprocessing ThreadPool's result callback forks, and its child returns (round
+    15: it went back into the pool's result-handling loop, and waited there for good)."""
+    from multiprocessing.pool import ThreadPool
+
+    child: list[int] = []
+    with ThreadPool(1) as pool:
+        pool.apply_async(int, (1,), callback=lambda _: _fork_returning(child)).wait(10)
+        time.sleep(0.1)  # (the callback runs after the result is set)
+    return child[0] if child and child[0] else 0
