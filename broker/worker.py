@@ -747,6 +747,7 @@ class WorkerProtocol(asyncio.Protocol):
         self._chunks: dict[int, _Chunk] = {}  # chunks started and not yet fully answered
         self._dirty: set[_Chunk] = set()  # chunks with answers to send
         self._run_scheduled = False
+        self._overran = False  # the last `_run` went past its slice: the next reads first (`_read_now`)
         self._yielded = (0, 0)  # (call id, loop turns) given to async calls before a slow one (`_run`)
         self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
         self._leaving = False  # this worker said BYE (SIGTERM) and waits for the broker's
@@ -800,13 +801,19 @@ class WorkerProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if _forked_from:  # (the loop calls back into a forked child: `_child_exits`)
             _child_exits(None)
+        if self._take(data) and not self._run_scheduled:
+            self._run()
+
+    def _take(self, data: bytes) -> bool:
+        """Decode `data` from the broker and act on its frames (calls join the backlog,
+        CANCELs cancel); False on a bad frame (the connection is closed)."""
         try:
             frames = self._decoder.feed(data)
         except wire.FrameError as exc:
             log.error("worker %d: bad frame from broker: %s", self._slot, exc)
             assert self._transport is not None
             self._transport.close()
-            return
+            return False
         backlog = self._backlog
         for kind, call_id, aux, payload in frames:
             if kind == _CALL or kind == _NOTIFY or kind == _CHUNK:
@@ -815,22 +822,65 @@ class WorkerProtocol(asyncio.Protocol):
                 self._cancel(call_id)
             elif kind == _BYE:
                 self._closing = True
-        if not self._run_scheduled:
-            self._run()
+        return True
+
+    def _read_now(self) -> bool:
+        """Read and act on what the broker sent while the loop was held (a slow sync call),
+        before the next waiting call runs. A callback scheduled with call_soon runs before
+        the loop's next read of the channel, on uvloop as on asyncio (hostile testing,
+        round 16: calls of a batch waiting behind a 1 s sync call were answered -32001 at
+        their deadline and CANCELs sent for them, and ran all the same). The channel is
+        non-blocking, and the loop hands each read to `data_received` as it comes, so
+        reading it here keeps the frames in order. False if the connection is bad."""
+        transport = self._transport
+        sock = None if transport is None else transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        while True:
+            try:
+                data = os.read(sock.fileno(), 1 << 18)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:  # (the loop's own read finds it too)
+                return True
+            if not data:  # (end of file: the loop's own read finds it too)
+                return True
+            if not self._take(data):
+                return False
 
     def _cancel(self, call_id: int) -> None:
+        """CANCEL: an async call is cancelled and acknowledged (`CANCEL_ACK`) at once, a
+        call not started yet dropped and acknowledged. At once, not when its task ends:
+        a handler that catches the cancel and cleans up (awaiting, the loop free) got its
+        worker killed as hung after cancel_grace, and the calls beside it answered -32002
+        (hostile testing, round 16); the broker kills only a worker that does not answer
+        (a sync handler stuck, a loop held). Its task runs on to its end; what it returns
+        then is dropped."""
         task = self._tasks.get(call_id)
         if task is not None:
             if not task.done():
-                self._cancelled.add(task)
                 task.cancel()
+                where = self._task_of.pop(task, None)
+                if where is None:  # (not started yet: its done callback answers it)
+                    self._cancelled.add(task)
+                    return
+                self._tasks.pop(call_id, None)
+                self._answered.add(task)  # (its done callback: nothing to do)
+                self._reply(_ERROR, call_id, typing.cast("tuple[int, int, float]", where)[2], _CANCELLED)
+                self._schedule_flush()
             return
         chunk = self._chunks.get(call_id)
         if chunk is not None:
             for task in chunk.tasks:
                 if not task.done():
-                    self._cancelled.add(task)
                     task.cancel()
+                    where = self._task_of.pop(task, None)
+                    if where is None:
+                        self._cancelled.add(task)
+                        continue
+                    self._answered.add(task)
+                    self._chunk_answer(chunk, typing.cast("tuple[_Chunk, int, int]", where)[1], _ERROR, _CANCELLED)
+                    chunk.waiting -= 1
             while chunk.next < chunk.count:  # calls not started: answered cancelled
                 _index, flags, length = _CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
                 chunk.pos += _CALL_ENTRY.size + length
@@ -851,12 +901,16 @@ class WorkerProtocol(asyncio.Protocol):
 
     def _run(self) -> None:
         """Run waiting calls for up to `SLICE_SECONDS`, then write their replies. If
-        calls remain, go on in the next loop iteration, after the loop has read what
-        arrived (CANCEL frames) and written the replies: a slow sync handler neither
+        calls remain, go on in the next loop iteration, after reading what arrived
+        (CANCEL frames: `_read_now`) and writing the replies: a slow sync handler neither
         holds back the replies of the calls before it nor hides a CANCEL."""
         if _forked_from:  # (not the calls still waiting a second time, in a forked child)
             _child_exits(None)
         self._run_scheduled = False
+        if self._overran:
+            self._overran = False
+            if not self._read_now():
+                return
         backlog = self._backlog
         deadline = _perf() + SLICE_SECONDS
         while backlog:
@@ -879,7 +933,7 @@ class WorkerProtocol(asyncio.Protocol):
                     continue
                 self._call(call_id, aux, payload)
             if backlog and _perf() > deadline:
-                self._run_scheduled = True
+                self._run_scheduled = self._overran = True
                 self._loop.call_soon(self._run)
                 break
         self._flush()
@@ -1354,19 +1408,30 @@ def _untraced(frame: types.FrameType, event: str, arg: object) -> None:
     return None
 
 
-def _trap_return(codes: typing.Collection[types.CodeType], *, caller: bool, outermost: bool = False) -> bool:
-    """In a child a handler forked: exit it (`_child_exits`) when a frame of the stack now
-    returns or yields, that is when the child would go back into the worker's event loop
-    (`caller`: the innermost frame called by one running one of `codes`, what runs the
-    loop), or into a thread pool's worker loop (the innermost frame running one). False
-    if no such frame is on the stack (nothing is traced then).
+def _trap_return(
+    codes: typing.Collection[types.CodeType], *, step: types.FrameType | None = None, outermost: bool = False
+) -> bool:
+    """In a child a handler forked: exit it (`_child_exits`) when the innermost frame of
+    the stack that hands control back to code that is not the fork's own returns or
+    yields. That is a frame called by one running one of `codes` (what runs the event
+    loop's callbacks, a thread pool's work items and callbacks: `_LOOP_CODES`,
+    `_pool_runners`), `step`, the frame of the coroutine of the asyncio task that forked
+    (`_task_frame`, taken before the fork: a loop run from C, uvloop's in a thread of
+    the handler's, calls it from no frame; the child has no running loop), or
+    one that interrupted other code (`_interrupting`: a finalizer, a signal handler),
+    whichever comes first; else (`outermost`) the thread's first frame, its end. False
+    if there is none (nothing is traced then).
 
     The frame's own tracing (`f_trace`, with sys.settrace on in this thread only, as
     bdb's set_trace does for the frames it stops in) costs the child a call per frame it
     enters while it runs, nothing once it has exited, and the worker nothing."""
+    interrupting = _interrupting()
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
-        if (frame.f_back is not None and frame.f_back.f_code in codes) if caller else frame.f_code in codes:
+        code = frame.f_code
+        if frame is step or code in interrupting or code.co_name == "__del__" or (
+            frame.f_back is not None and frame.f_back.f_code in codes
+        ):
             break
         if outermost and frame.f_back is None:  # (the thread's first frame: its end)
             break
@@ -1386,17 +1451,52 @@ def _trap_return(codes: typing.Collection[types.CodeType], *, caller: bool, oute
     return True
 
 
+def _task_frame() -> types.FrameType | None:
+    """The frame of the coroutine of the asyncio task running in this thread, if any: its
+    step ends as that frame yields or returns."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # (no loop running in this thread)
+        return None
+    coro = None if task is None else task.get_coro()
+    return getattr(coro, "cr_frame", None)
+
+
+def _interrupting() -> set[types.CodeType]:
+    """The code of what runs in the middle of other code, a call's perhaps: a finalizer
+    (`__del__`, `weakref.finalize`, a `gc.callbacks` entry) or a signal handler. A child
+    forked in one, going back, would run the rest of whatever it interrupted (hostile
+    testing, round 16: the rest of another call, which ran twice)."""
+    import gc
+    import weakref
+
+    handlers: list[object] = [weakref.finalize.__call__, *gc.callbacks]
+    for signum in signal.valid_signals():
+        try:
+            handlers.append(signal.getsignal(signum))
+        except (OSError, ValueError):
+            pass
+    codes = set()
+    for handler in handlers:
+        code = getattr(handler, "__code__", None) or getattr(getattr(handler, "__func__", None), "__code__", None)
+        if isinstance(code, types.CodeType):
+            codes.add(code)
+    return codes
+
+
 def _pool_runners() -> list[types.CodeType]:
     """What the thread pools imported call a work item's function from: concurrent.futures'
     `_WorkItem.run` (run_in_executor, to_thread), multiprocessing.pool's `worker` (apply,
     and a chunk of one item) and its `mapstar`/`starmapstar` (a chunk's items, one after
     another); and their callbacks: a Future's done callbacks, a ThreadPool's result
-    callbacks (its result-handling thread). A frame one of these calls is a work item's
-    function or a callback."""
+    callbacks (its result-handling thread); and what a pool's thread runs besides: its
+    `initializer` (concurrent.futures' `_worker`, multiprocessing's `worker`), the
+    iterable given to `imap` (`Pool._handle_tasks`). A frame one of these calls is a
+    work item's function, a callback, an initializer or the iterable's generator."""
     runners = []
-    for module, names in (("concurrent.futures.thread", ("_WorkItem.run",)),
+    for module, names in (("concurrent.futures.thread", ("_WorkItem.run", "_worker")),
                           ("concurrent.futures._base", ("Future._invoke_callbacks",)),
-                          ("multiprocessing.pool", ("worker", "mapstar", "starmapstar",
+                          ("multiprocessing.pool", ("worker", "mapstar", "starmapstar", "Pool._handle_tasks",
                                                     "ApplyResult._set", "MapResult._set"))):
         for name in names:
             function: typing.Any = sys.modules.get(module)
@@ -1408,18 +1508,28 @@ def _pool_runners() -> list[types.CodeType]:
     return runners
 
 
-def _in_multiprocessing_launch() -> bool:
-    """Whether this fork is multiprocessing's (fork context): its child runs the process
-    and calls os._exit, never coming back (`Popen._launch`)."""
-    popen = sys.modules.get("multiprocessing.popen_fork")
-    launch = getattr(getattr(popen, "Popen", None), "_launch", None)
-    code = getattr(launch, "__code__", None)
+def _in_launch(module: str, owner: str, name: str) -> bool:
+    """Whether this fork was made by `module`'s `owner.name` (a frame of it is on the stack)."""
+    function = getattr(getattr(sys.modules.get(module), owner, None), name, None)
+    code = getattr(function, "__code__", None)
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is code:
             return True
         frame = frame.f_back
     return False
+
+
+def _in_multiprocessing_launch() -> bool:
+    """Whether this fork is multiprocessing's (fork context): its child runs the process
+    and calls os._exit, never coming back (`Popen._launch`)."""
+    return _in_launch("multiprocessing.popen_fork", "Popen", "_launch")
+
+
+def _in_subprocess_launch() -> bool:
+    """Whether this fork is subprocess's, given a `preexec_fn` (it runs the fork hooks then;
+    `Popen._execute_child`): its child runs that function and execs, or exits."""
+    return _in_launch("subprocess", "Popen", "_execute_child")
 
 
 # What calls the loop's callbacks: uvloop's loop (C) is run by asyncio.Runner.run (uvloop.run
@@ -1470,6 +1580,7 @@ def isolate_forks(channel_fd: int) -> None:
 
     def before() -> None:
         by_worker = local.by_worker = os.getpid() == worker
+        local.step = _task_frame() if by_worker else None
         if by_worker:
             # Held until the child has its fresh signal handling (`after_in_child`): one
             # that came before was caught there by the worker's handler, and lost (the
@@ -1489,6 +1600,7 @@ def isolate_forks(channel_fd: int) -> None:
         if not getattr(local, "by_worker", False):
             return
         local.by_worker = False
+        step, local.step = local.step, None
         _forked_from = worker
         try:
             null = os.open(os.devnull, os.O_RDWR)
@@ -1503,10 +1615,14 @@ def isolate_forks(channel_fd: int) -> None:
         except (OSError, ValueError):
             pass
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _FRESH_SIGNALS)  # (one held now comes, as fresh)
+        if _in_subprocess_launch():
+            # The handler's to end, as without preexec_fn (README): prctl's signal would
+            # survive the exec, and the worker's end (a reload) killed it (round 16).
+            return
         if threading.get_ident() == loop_thread:
             die_with_parent(worker)
             if not _in_multiprocessing_launch():
-                _trap_return(_LOOP_CODES, caller=True)
+                _trap_return([*_LOOP_CODES, *_pool_runners()], step=step)
         else:  # (the thread that forked may end before the worker: PDEATHSIG would follow it)
             die_with_parent(worker, prctl=False)
             # It exits as the work item it was forked in returns to its pool (forked in
@@ -1519,9 +1635,10 @@ def isolate_forks(channel_fd: int) -> None:
             # thread would keep it alive: round 13). (A thread's own loop of another kind,
             # a queue's consumer, it goes on running: its thread's end is all it is known by.)
             if not _in_multiprocessing_launch():
-                _trap_return([*_pool_runners(), *_LOOP_CODES], caller=True, outermost=True)
+                _trap_return([*_pool_runners(), *_LOOP_CODES], step=step, outermost=True)
 
     def after_in_parent() -> None:
+        local.step = None
         if getattr(local, "by_worker", False):
             local.by_worker = False
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _FRESH_SIGNALS)

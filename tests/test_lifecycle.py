@@ -1096,3 +1096,24 @@ def test_sigterm_to_a_worker_still_importing_is_a_leave_and_calls_wait_for_its_r
     assert sample(samples, "rpc_broker_worker_restarts_total", reason="killed") == 0
     assert "killed by SIGTERM before it was ready: it left" in b.read_log(0.2)
     assert b.call("pid")["result"] not in (old, importing)
+
+
+def test_a_slow_clean_up_after_a_cancel_does_not_get_a_live_worker_killed_as_hung(broker_factory):
+    """Hostile testing (round 16): an async handler that, cancelled at its deadline, took
+    3 s to clean up (awaiting: its worker's loop free all along) got its worker SIGKILLed
+    as hung after cancel_grace, and the calls in flight beside it answered -32002. A
+    worker whose loop is free acknowledges the cancel at once now; only one that does not
+    (a sync handler stuck, a loop held) is killed."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--timeout", "0.5",
+                       "--cancel-grace", "1", "--method-timeout", "nap=10")
+    worker = b.call("pid")["result"]
+    batch = [{"jsonrpc": "2.0", "method": "linger", "params": [3], "id": 0}] + [
+        {"jsonrpc": "2.0", "method": "nap", "params": [2.5], "id": i} for i in (1, 2, 3)]
+    status, _, body = b.post(json.dumps(batch))
+    assert status == 200
+    assert json.loads(body) == [
+        {"jsonrpc": "2.0", "id": 0, "error": {"code": -32001, "message": "Call timed out", "data": {"timeout_seconds": 0.5}}},
+        *({"jsonrpc": "2.0", "id": i, "result": 2.5} for i in (1, 2, 3)),
+    ]
+    assert b.call("pid")["result"] == worker
+    assert "hung" not in b.read_log(0.05)

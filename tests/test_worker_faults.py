@@ -407,3 +407,71 @@ def test_a_child_forked_in_a_pool_item_exits_as_the_item_returns(forks: Broker, 
     assert answer.get("result") == ([0, 1, 2, 3] if method == "fork_in_pool_chunk" else 0), answer
     time.sleep(0.5)  # (a child that went on would note its lines by now)
     assert path.read_text().splitlines() == [f"{line} {worker}" for line in lines]
+
+
+def test_calls_answered_timed_out_while_they_wait_behind_a_sync_call_never_run(broker_factory, tmp_path) -> None:
+    """Hostile testing (round 16): the calls of a batch waiting on the worker behind a sync
+    call of 1 s were answered -32001 at the 0.5 s deadline, and CANCELs sent for them, but
+    they ran all the same once it returned: the worker went on to the next call before
+    its loop had read the CANCELs (a callback it scheduled ran before the loop's next
+    read). A client told "timed out" retries: the work ran twice. Now the worker reads
+    what came before it goes on after a slow call: none of them runs."""
+    ledger = tmp_path / "ledger.txt"
+    b = broker_factory("--workers", "1", "--app", "tests.apps.ledger:registry", "--timeout", "0.5",
+                       "--cancel-grace", "5", env={"LEDGER_FILE": str(ledger)})
+    warm = [{"jsonrpc": "2.0", "method": "hold", "params": [0], "id": 0},
+            {"jsonrpc": "2.0", "method": "record", "params": ["warm"], "id": 1}]
+    assert b.post(json.dumps(warm))[0] == 200
+    batch = [{"jsonrpc": "2.0", "method": "hold", "params": [1.0], "id": 0}] + [
+        {"jsonrpc": "2.0", "method": "record", "params": [f"after{i}"], "id": i + 1} for i in range(6)]
+    status, _, raw = b.post(json.dumps(batch))
+    assert status == 200
+    assert [(a["id"], a["error"]["code"]) for a in json.loads(raw)] == [(i, -32001) for i in range(7)]
+    time.sleep(1.5)  # (the sync call is over by now: a call that was to run has run)
+    assert ledger.read_text().splitlines() == ["warm"]
+    assert b.call("record", ["later"])["result"] == 2
+
+
+def test_a_process_subprocess_starts_with_a_preexec_fn_outlives_its_worker(broker_factory) -> None:
+    """Hostile testing (round 16): subprocess runs the fork hooks when given a preexec_fn,
+    and the worker's tied the process it started to the worker's life (prctl's signal
+    survives exec): a reload killed it, where one started without preexec_fn lived on.
+    Processes subprocess starts are the handler's to end (README): it outlives the reload."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
+    worker = b.call("pid")["result"]
+    daemon = b.call("spawn_with_preexec", [60])["result"]
+    try:
+        os.kill(b.pid, signal.SIGHUP)
+        wait_for(lambda: b.call("pid")["result"] != worker, timeout=30)
+        wait_for(lambda: not os.path.exists(f"/proc/{worker}"), timeout=10)
+        time.sleep(0.3)  # (a signal tied to the worker's end comes at once)
+        with open(f"/proc/{daemon}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        assert state != "Z", state
+    finally:
+        os.kill(daemon, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(("method", "lines"), [
+    ("fork_in_thread_uvloop", ["other"] * 3),
+    ("fork_in_initializer", ["item"]),
+    ("fork_in_imap_generator", ["item0", "item1", "item2", "item3"]),
+    ("fork_in_done_callback", ["callback"] * 2),
+    ("fork_in_finalizer", ["after"]),
+    ("fork_in_signal_handler", ["after"]),
+])
+def test_a_child_forked_anywhere_runs_none_of_the_code_around_the_fork(forks: Broker, tmp_path, method: str,
+                                                                       lines: list[str]) -> None:
+    """Hostile testing (round 16): a child forked in a task of a uvloop loop a thread runs,
+    in a pool's initializer, in the generator a ThreadPool's imap iterates, in a Future's
+    done callback, in a finalizer or in a signal handler, went on running the code around
+    it: other tasks, the pool's work item, the rest of the generator, the other callbacks,
+    the code the finalizer or handler interrupted (another call's, as may be). It exits
+    as what forked returns: every line noted is the worker's, once."""
+    path = tmp_path / "noted.txt"
+    worker = forks.call("pid")["result"]
+    answer = forks.call(method, [str(path)], timeout=20)
+    assert "result" in answer, answer
+    time.sleep(0.6)  # (a child that went on would note its lines by now)
+    assert sorted(path.read_text().splitlines()) == sorted(f"{line} {worker}" for line in lines)
+    assert forks.call("pid")["result"] == worker

@@ -529,3 +529,127 @@ def fork_in_pool_callback() -> int:
         pool.apply_async(int, (1,), callback=lambda _: _fork_returning(child)).wait(10)
         time.sleep(0.1)  # (the callback runs after the result is set)
     return child[0] if child and child[0] else 0
+
+
+@registry.method
+def spawn_with_preexec(seconds: int) -> int:
+    """A daemon started by subprocess with a `preexec_fn` (which runs the fork hooks): its
+    pid. It is the handler's (round 16: the worker's hook tied it to the worker's life,
+    and a reload killed it; without preexec_fn it lived on)."""
+    import subprocess
+
+    return subprocess.Popen(["sleep", str(seconds)], preexec_fn=os.setsid).pid
+
+
+def _note(path: str, what: str) -> None:
+    with open(path, "a") as f:
+        f.write(f"{what} {os.getpid()}\n")
+
+
+@registry.method
+def fork_in_thread_uvloop(path: str) -> int:
+    """A thread runs a uvloop loop (run_forever, from C: no Python frame runs its
+    callbacks); a task on it forks while three others wait, each to note `other` (round
+    16: the child ran the other tasks, and the loop it shares with the worker stalled)."""
+    import asyncio
+    import threading
+
+    import uvloop
+
+    loop = uvloop.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def other() -> None:
+        await asyncio.sleep(0.3)
+        _note(path, "other")
+
+    async def forking() -> None:
+        _fork_returning([])
+
+    try:
+        others = [asyncio.run_coroutine_threadsafe(other(), loop) for _ in range(3)]
+        asyncio.run_coroutine_threadsafe(forking(), loop).result(10)
+        for future in others:
+            future.result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    return 3
+
+
+@registry.method
+def fork_in_initializer(path: str) -> int:
+    """A ThreadPoolExecutor whose initializer forks, and the child returns (round 16: it
+    went on to run the pool's work item a second time)."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1, initializer=_fork_returning, initargs=([],)) as pool:
+        pool.submit(_note, path, "item").result(10)
+    return 1
+
+
+@registry.method
+def fork_in_imap_generator(path: str) -> list[int]:
+    """A ThreadPool's imap over a generator that forks as it is iterated (in the pool's
+    task-handling thread), noting each item (round 16: the child went on iterating)."""
+    from multiprocessing.pool import ThreadPool
+
+    def items() -> typing.Iterator[int]:
+        for i in range(4):
+            _note(path, f"item{i}")
+            if i == 1:
+                _fork_returning([])
+            yield i
+
+    with ThreadPool(2) as pool:
+        return list(pool.imap(abs, items()))
+
+
+@registry.method
+def fork_in_done_callback(path: str) -> int:
+    """A Future's first done callback forks, on the loop's thread; two more note `callback`
+    (round 16: the child ran them, other calls' callbacks perhaps, a second time)."""
+    import concurrent.futures
+
+    future: concurrent.futures.Future[int] = concurrent.futures.Future()
+    future.add_done_callback(lambda _: _fork_returning([]))
+    for _ in range(2):
+        future.add_done_callback(lambda _: _note(path, "callback"))
+    future.set_result(1)
+    return 2
+
+
+class _ForksWhenCollected:
+    def __init__(self) -> None:
+        self.me = self  # (a cycle: freed by the collector, in whatever code runs then)
+
+    def __del__(self) -> None:
+        _fork_returning([])
+
+
+@registry.method
+def fork_in_finalizer(path: str) -> int:
+    """A finalizer forks in the middle of other code (the collector runs it there), and
+    the child returns from it (round 16: it ran the rest of that code, another call's)."""
+    import gc
+
+    _ForksWhenCollected()
+    gc.collect()
+    _note(path, "after")
+    return 1
+
+
+@registry.method
+def fork_in_signal_handler(path: str) -> int:
+    """A signal handler forks in the middle of other code, and the child returns from it
+    (round 16: it ran the rest of the code the signal interrupted, another call's)."""
+    before = signal.signal(signal.SIGUSR1, lambda *_: _fork_returning([]))
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)  # (the handler runs in there)
+        _note(path, "after")
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    return 1

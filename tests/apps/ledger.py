@@ -15,3 +15,12 @@ def record(mark: str) -> int:
         f.write(mark + "\n")
         f.seek(0)
         return len(f.read().splitlines())
+
+
+@registry.method
+def hold(seconds: float) -> float:
+    """Block the worker (a sync call) for `seconds`."""
+    import time
+
+    time.sleep(seconds)
+    return seconds

@@ -19,3 +19,24 @@ def spin(seconds: float) -> None:
 @registry.method
 def pid() -> int:
     return os.getpid()
+
+
+@registry.method
+async def linger(seconds: float) -> str:
+    """Waits `seconds`; cancelled, it cleans up for `seconds` more (awaiting: the loop is
+    free all along), then returns."""
+    import asyncio
+
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        await asyncio.sleep(seconds)
+    return "done"
+
+
+@registry.method
+async def nap(seconds: float) -> float:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+    return seconds
