@@ -212,9 +212,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                ] = 30 * SECONDS
     send_timeout: Annotated[Seconds, Meta(ge=MS, le=DAY),
                             Doc("a connection whose client does not read its answers "
-                                "(writing paused: its send buffer full, and no byte of them "
-                                "taken) for this long is "
-                                "closed, its unsent answers dropped (HTTP and NDJSON; "
+                                "(answers written and not taken, in the send buffer or the "
+                                "kernel's send queue, and no byte of them taken: "
+                                "acknowledged by the client's kernel) for this long is "
+                                "reset, its unsent answers dropped (HTTP and NDJSON; "
                                 "nginx's send_timeout)")
                             ] = 60 * SECONDS
     max_connections: Annotated[int, Meta(ge=1),

@@ -357,22 +357,26 @@ class Listener:
         """Keep `rest`, the part of a read left for a later turn (`conn._backlog`), counted
         in `incoming` (`conn._backlog_held`: one read, up to 256 KiB a connection; hostile
         testing, round 12: 50 NDJSON clients not reading their answers, which pauses the
-        turns, held 9.5 MB that way past a max_incoming_bytes of 64 KiB). False, nothing
-        kept, past max_incoming_bytes: the caller handles `rest` at once, in the same turn
-        (each of its requests served, or refused in its place as it waits: one read's
-        worth of loop time, only while the bound is reached)."""
-        if self.incoming.hold(conn._backlog_held, len(rest)):
-            conn._backlog, conn._backlog_held = rest, len(rest)
-            return True
-        self.incoming.refuse(conn._backlog_held)
-        conn._backlog, conn._backlog_held = b"", 0
-        return False
+        turns, held 9.5 MB that way past a max_incoming_bytes of 64 KiB). Past
+        max_incoming_bytes it is kept all the same, counted (so requests arriving are
+        refused meanwhile), and False says so (`conn._backlog_forced`): its turn must come
+        in the next loop iteration whether or not the client reads (its requests then
+        wait, each counted, or are refused, each in its place). Refusing it (one error
+        and a close, round 16) left its requests unanswered; handling it at once (round
+        17) let a client that filled the bound end every connection's fair turns."""
+        before = conn._backlog_held
+        kept = self.incoming.hold(before, len(rest))
+        if not kept:
+            self.incoming.held += len(rest) - before
+        conn._backlog, conn._backlog_held, conn._backlog_forced = rest, len(rest), not kept
+        return kept
 
     def backlog_done(self, conn: typing.Any) -> None:
         """`conn`'s backlog was handled (or dropped): what it held leaves `incoming`."""
         if conn._backlog_held and not conn._backlog:
             self.incoming.hold(conn._backlog_held, 0)
             conn._backlog_held = 0
+            conn._backlog_forced = False
 
     def lost(self, conn: typing.Any) -> None:
         """A connection is gone: forget it, and drop what it held (its requests waiting

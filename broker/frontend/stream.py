@@ -178,6 +178,7 @@ class StreamProtocol(asyncio.Protocol):
 
     __slots__ = (
         "_backlog",
+        "_backlog_forced",
         "_backlog_held",
         "_budget",
         "_buffer",
@@ -218,6 +219,7 @@ class StreamProtocol(asyncio.Protocol):
         self._unread = 0
         self._backlog = b""  # the rest of a read past LINES_PER_TURN lines: reading paused until it is done
         self._backlog_held = 0  # its bytes, counted in the listener's `Incoming` (`keep_backlog`)
+        self._backlog_forced = False  # kept past max_incoming_bytes: its turn comes whatever the client does
         self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
         self._transport: asyncio.Transport | None = None
         self.read_paused = False
@@ -432,22 +434,17 @@ class StreamProtocol(asyncio.Protocol):
                 return
             turn -= 1
             if start < end and (not turn or budget <= 0 or _perf() > deadline):
-                if not fe.keep_backlog(self, data[start:]):
-                    # No room to keep it: its lines go on now, in this turn, each served or
-                    # refused in its place (hostile testing, round 16: the rest was refused
-                    # by one -32000 line and a close, its calls never answered).
-                    turn, budget, deadline = -1, 1 << 62, float("inf")
-                    continue
+                forced = not fe.keep_backlog(self, data[start:])
                 self._transport.pause_reading()
-                if not self._write_paused:
+                if forced or not self._write_paused:
                     fe.loop.call_soon(self._next_turn)
                 return  # else `resume_writing` schedules it
 
     def _next_turn(self) -> None:
         """Go on with the lines of a read left in `_backlog`; reading resumes when it is done."""
         transport, backlog = self._transport, self._backlog
-        if transport is None or not backlog or self._write_paused:
-            return
+        if transport is None or not backlog or (self._write_paused and not self._backlog_forced):
+            return  # (one past max_incoming_bytes goes on: its lines wait counted, or are refused)
         self._backlog = b""
         # Out of the count at once: its lines are counted again as they wait (hostile
         # testing, round 15: counted twice meanwhile, 7 of 100 lines refused -32000).
