@@ -667,6 +667,11 @@ class Dispatcher:
 
     # -- configuration from the pool -------------------------------------------------
 
+    def answered_within(self) -> float:
+        """Seconds within which a worker answers or acknowledges every call it was sent,
+        or is killed as hung: the longest deadline, plus cancel_grace."""
+        return max([self._timeout, *self._method_timeouts.values()]) + self._cancel_grace
+
     def set_methods(self, names: list[str], sync_methods: typing.Collection[str] = ()) -> None:
         """Install the method table announced by the workers' HELLO (in their order);
         `sync_methods` names those whose handlers are sync (`wire.Hello`).

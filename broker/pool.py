@@ -726,11 +726,30 @@ class Pool:
         log.info("worker %d (pid %d) asks to leave (SIGTERM): it finishes its calls beside a new worker",
                  worker.slot, worker.pid)
         self.retiring.add(worker)
+        self._retire_by(worker)
         new = self.workers[worker.slot] = Worker(worker.slot)
         self._count_restart("left")
         if self._prepare(new):
             task = self.loop.create_task(self._launch(new))
             task.add_done_callback(_log_task_error)
+
+    def _retire_by(self, worker: Worker) -> None:
+        """`worker` was told BYE and drains beside its replacement: it answers its calls
+        and exits within their deadlines and cancel_grace (`answered_within`), else it is
+        killed then, with a few seconds' margin (hostile testing, round 17: one stopped
+        with SIGSTOP, never answering the BYE, lingered for good, and the broker's stop
+        waited 10 s more for each)."""
+        limit = self.dispatcher.answered_within() + KILL_AFTER_SECONDS
+        self.loop.call_later(limit, self._retire_deadline, worker, worker.process, limit)
+
+    def _retire_deadline(self, worker: Worker, process: asyncio.subprocess.Process | None, limit: float) -> None:
+        if process is None or process.returncode is not None or worker not in self.retiring:
+            return
+        if not worker.kill_reason:
+            worker.kill_reason = f"retired: not gone {limit:g} s after BYE"
+        log.warning("worker %d (pid %d) was told to leave %g s ago and has not: killing it",
+                    worker.slot, worker.pid, limit)
+        _kill(process)
 
     def channel_lost(self, worker: Worker) -> None:
         """A worker's socket closed: stop routing to it; kill it if it lingers."""
@@ -900,8 +919,11 @@ class Pool:
             if old.state is WorkerState.READY and old.channel is not None:
                 old.move(WorkerState.DRAINING)
                 old.channel.send(wire.Kind.BYE, 0, 0, b"")
+                self._retire_by(old)
             elif alive and old.state is not WorkerState.DRAINING:  # (one that asked to leave drains on)
                 _kill(typing.cast(asyncio.subprocess.Process, old.process))  # never got ready: nothing to drain
+            elif alive:  # (it asked to leave during the reload: told BYE then)
+                self._retire_by(old)
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask every worker to finish and exit (BYE); SIGKILL those still alive after

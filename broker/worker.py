@@ -747,9 +747,13 @@ class WorkerProtocol(asyncio.Protocol):
         self._chunks: dict[int, _Chunk] = {}  # chunks started and not yet fully answered
         self._dirty: set[_Chunk] = set()  # chunks with answers to send
         self._run_scheduled = False
-        self._overran = False  # the last `_run` went past its slice: the next reads first (`_read_now`)
+        self._read_first = False  # `_run` was put off to a later loop turn: it reads first (`_read_now`)
         self._yielded = (0, 0)  # (call id, loop turns) given to async calls before a slow one (`_run`)
         self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
+        # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
+        # the worker closes after them, as after its calls (hostile testing, round 17: a
+        # reload's BYE closed it at once, and its teardown cut their clean-up short).
+        self._winding: set[asyncio.Task[tuple[bool, object]]] = set()
         self._leaving = False  # this worker said BYE (SIGTERM) and waits for the broker's
         self._down = False  # see going_down
         self._transport: asyncio.Transport | None = None
@@ -866,6 +870,7 @@ class WorkerProtocol(asyncio.Protocol):
                     return
                 self._tasks.pop(call_id, None)
                 self._answered.add(task)  # (its done callback: nothing to do)
+                self._winding.add(task)
                 self._reply(_ERROR, call_id, typing.cast("tuple[int, int, float]", where)[2], _CANCELLED)
                 self._schedule_flush()
             return
@@ -879,6 +884,7 @@ class WorkerProtocol(asyncio.Protocol):
                         self._cancelled.add(task)
                         continue
                     self._answered.add(task)
+                    self._winding.add(task)
                     self._chunk_answer(chunk, typing.cast("tuple[_Chunk, int, int]", where)[1], _ERROR, _CANCELLED)
                     chunk.waiting -= 1
             while chunk.next < chunk.count:  # calls not started: answered cancelled
@@ -907,8 +913,8 @@ class WorkerProtocol(asyncio.Protocol):
         if _forked_from:  # (not the calls still waiting a second time, in a forked child)
             _child_exits(None)
         self._run_scheduled = False
-        if self._overran:
-            self._overran = False
+        if self._read_first:
+            self._read_first = False
             if not self._read_now():
                 return
         backlog = self._backlog
@@ -933,7 +939,7 @@ class WorkerProtocol(asyncio.Protocol):
                     continue
                 self._call(call_id, aux, payload)
             if backlog and _perf() > deadline:
-                self._run_scheduled = self._overran = True
+                self._run_scheduled = self._read_first = True
                 self._loop.call_soon(self._run)
                 break
         self._flush()
@@ -954,7 +960,9 @@ class WorkerProtocol(asyncio.Protocol):
         if turns > 2:
             return False
         self._yielded = (call_id, turns)
-        self._run_scheduled = True
+        # (and reads first: a task step may hold the loop meanwhile, round 17, and a CANCEL
+        # for the slow call or those behind it come then)
+        self._run_scheduled = self._read_first = True
         self._loop.call_soon(self._run)
         return True
 
@@ -1077,8 +1085,9 @@ class WorkerProtocol(asyncio.Protocol):
             self._task_answer(call_id, index, t0, task, (ok, value))  # type: ignore[arg-type]
 
     def _task_done(self, call_id: int, index: int, t0: float, task: asyncio.Task[tuple[bool, object]]) -> None:
-        if task in self._answered:  # (answered in its last step: `_finished`)
+        if task in self._answered:  # (answered in its last step: `_finished`, or at its cancel)
             self._answered.discard(task)
+            self._wound(task)
             return
         self._task_of.pop(task, None)  # (cancelled before it ran, a GeneratorExit: never finished)
         self._task_answer(call_id, index, t0, task, None)
@@ -1167,8 +1176,9 @@ class WorkerProtocol(asyncio.Protocol):
         return True
 
     def _chunk_task_done(self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[tuple[bool, object]]) -> None:
-        if task in self._answered:  # (answered in its last step: `_finished`)
+        if task in self._answered:  # (answered in its last step: `_finished`, or at its cancel)
             self._answered.discard(task)
+            self._wound(task)
             return
         self._task_of.pop(task, None)
         self._chunk_task_answer(chunk, i, index, task, None)
@@ -1234,13 +1244,21 @@ class WorkerProtocol(asyncio.Protocol):
         out += body
         return service_us
 
+    def _wound(self, task: asyncio.Task[tuple[bool, object]]) -> None:
+        """A task whose cancel was acknowledged at once has ended: a worker told BYE may
+        close now (`_flush`)."""
+        if task in self._winding:
+            self._winding.discard(task)
+            if self._closing:
+                self._schedule_flush()
+
     def _flush(self) -> None:
         if _forked_from:
             _child_exits(None)
         self._flush_scheduled = False
         self._write_out()
         transport = self._transport
-        if self._closing and not (self._tasks or self._backlog or self._chunks) and transport is not None:
+        if self._closing and not (self._tasks or self._backlog or self._chunks or self._winding) and transport is not None:
             transport.close()
 
     def _write_out(self) -> None:
@@ -1451,22 +1469,42 @@ def _trap_return(
     return True
 
 
+_STEP_FLAGS = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
 def _task_frame() -> types.FrameType | None:
     """The frame of the coroutine of the asyncio task running in this thread, if any: its
-    step ends as that frame yields or returns."""
+    step ends as that frame yields or returns. A task whose coroutine has no frame of its
+    own (an async generator's `aclose()`, closing a generator the loop finalizes): the
+    outermost coroutine or async generator frame running (hostile testing, round 17: a
+    child forked in such a generator's `finally`, on a thread's own uvloop loop, ran
+    another task's step)."""
     try:
         task = asyncio.current_task()
     except RuntimeError:  # (no loop running in this thread)
         return None
-    coro = None if task is None else task.get_coro()
-    return getattr(coro, "cr_frame", None)
+    if task is None:
+        return None
+    frame = getattr(task.get_coro(), "cr_frame", None)
+    if frame is not None:
+        return typing.cast(types.FrameType, frame)
+    outer = None
+    here: types.FrameType | None = sys._getframe(1)
+    while here is not None:
+        if here.f_code.co_flags & _STEP_FLAGS:
+            outer = here
+        here = here.f_back
+    return outer
 
 
 def _interrupting() -> set[types.CodeType]:
     """The code of what runs in the middle of other code, a call's perhaps: a finalizer
-    (`__del__`, `weakref.finalize`, a `gc.callbacks` entry) or a signal handler. A child
-    forked in one, going back, would run the rest of whatever it interrupted (hostile
-    testing, round 16: the rest of another call, which ran twice)."""
+    (`weakref.finalize`, a `gc.callbacks` entry; `_trap_return` knows `__del__` by name)
+    or a signal handler (a function, a method, a partial, an object's `__call__`). A
+    child forked in one, going back, would run the rest of whatever it interrupted
+    (hostile testing, round 16: the rest of another call, which ran twice). Not known: a
+    `weakref.ref` callback, a finalizer not named `__del__`, a generator's `finally` run
+    as it is collected (README)."""
     import gc
     import weakref
 
@@ -1478,9 +1516,19 @@ def _interrupting() -> set[types.CodeType]:
             pass
     codes = set()
     for handler in handlers:
-        code = getattr(handler, "__code__", None) or getattr(getattr(handler, "__func__", None), "__code__", None)
-        if isinstance(code, types.CodeType):
-            codes.add(code)
+        for _ in range(4):  # (a partial of a bound method of ...: unwrapped a few levels)
+            code = getattr(handler, "__code__", None)
+            if isinstance(code, types.CodeType):
+                codes.add(code)
+                break
+            if isinstance(handler, functools.partial):
+                handler = handler.func
+            elif hasattr(handler, "__func__"):
+                handler = handler.__func__
+            elif callable(handler) and not isinstance(handler, type):
+                handler = type(handler).__call__
+            else:
+                break
     return codes
 
 

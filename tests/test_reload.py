@@ -454,3 +454,34 @@ def test_a_worker_that_leaves_during_a_reload_that_fails_is_restarted_then(broke
     assert "restarts now" in log and "it imports the code on disk now" in log, log
     assert metric(b, "rpc_broker_worker_restarts_total", reason="left") == 1
     assert restarts(b) == 1
+
+
+def test_a_reload_lets_a_cancelled_calls_clean_up_finish(broker_factory, tmp_path):
+    """Hostile testing (round 17): an async call cancelled at its deadline, cleaning up
+    (awaiting) when a reload came: the retiring worker closed at once, its cancel having
+    been acknowledged, and its teardown cut the clean-up short. It finishes now."""
+    ledger = tmp_path / "ledger.txt"
+    b = broker_factory("--workers", "1", "--app", "tests.apps.ledger:registry", "--method-timeout", "tidy=0.3",
+                       env={"LEDGER_FILE": str(ledger)})
+    old = b.call("pid")["result"]
+    assert b.call("tidy", [1.5])["error"]["code"] == -32001
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: b.call("pid")["result"] != old, timeout=30)
+    wait_for(lambda: ledger.exists() and ledger.read_text() == "tidied\n", timeout=10)
+
+
+def test_a_retired_worker_that_never_leaves_is_killed_in_time(broker_factory):
+    """Hostile testing (round 17): a worker stopped (SIGSTOP) when a reload retired it
+    never answered the BYE, and lingered for good (the broker's stop then waited 10 s
+    more for it). It is killed once its calls' deadlines and cancel_grace are past."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--timeout", "1", "--cancel-grace", "1")
+    old = b.call("pid")["result"]
+    os.kill(old, signal.SIGSTOP)
+    try:
+        os.kill(b.pid, signal.SIGHUP)  # (no call meanwhile: one sent to it would get it killed as hung)
+        wait_for(lambda: "reload: all 1 workers replaced" in b.read_log(0.05), timeout=30)
+        wait_for(lambda: not alive(old), timeout=15)  # (1 s + 1 s + 2 s after the BYE)
+        assert "has not: killing it" in b.read_log(0.1)
+    finally:
+        if alive(old):
+            os.kill(old, signal.SIGCONT)

@@ -432,6 +432,23 @@ def test_calls_answered_timed_out_while_they_wait_behind_a_sync_call_never_run(b
     assert b.call("record", ["later"])["result"] == 2
 
 
+def test_a_call_answered_timed_out_behind_an_async_step_that_holds_the_loop_never_runs(broker_factory, tmp_path):
+    """Hostile testing (round 17): a sync call waiting on the worker while an async call's
+    step held the loop for 1.5 s (a CPU-bound step after an await) was answered -32001 at
+    its 0.5 s deadline, and ran all the same: the worker, having let the async call go
+    first, went on to it without reading the CANCEL that had come meanwhile."""
+    ledger = tmp_path / "ledger.txt"
+    b = broker_factory("--workers", "1", "--app", "tests.apps.ledger:registry", "--method-timeout", "record=0.5",
+                       "--cancel-grace", "5", env={"LEDGER_FILE": str(ledger)})
+    batch = [{"jsonrpc": "2.0", "method": "hold_after_await", "params": [1.5], "id": 1},
+             {"jsonrpc": "2.0", "method": "record", "params": ["X"], "id": 2}]
+    status, _, raw = b.post(json.dumps(batch))
+    assert status == 200
+    assert [(a["id"], a.get("result", a.get("error", {}).get("code"))) for a in json.loads(raw)] == [(1, 1.5), (2, -32001)]
+    time.sleep(0.5)
+    assert not ledger.exists() or ledger.read_text() == ""
+
+
 def test_a_process_subprocess_starts_with_a_preexec_fn_outlives_its_worker(broker_factory) -> None:
     """Hostile testing (round 16): subprocess runs the fork hooks when given a preexec_fn,
     and the worker's tied the process it started to the worker's life (prctl's signal
@@ -459,6 +476,7 @@ def test_a_process_subprocess_starts_with_a_preexec_fn_outlives_its_worker(broke
     ("fork_in_done_callback", ["callback"] * 2),
     ("fork_in_finalizer", ["after"]),
     ("fork_in_signal_handler", ["after"]),
+    ("fork_in_agen_cleanup_in_thread_loop", ["other"] * 6),
 ])
 def test_a_child_forked_anywhere_runs_none_of_the_code_around_the_fork(forks: Broker, tmp_path, method: str,
                                                                        lines: list[str]) -> None:

@@ -645,7 +645,13 @@ def fork_in_finalizer(path: str) -> int:
 def fork_in_signal_handler(path: str) -> int:
     """A signal handler forks in the middle of other code, and the child returns from it
     (round 16: it ran the rest of the code the signal interrupted, another call's)."""
-    before = signal.signal(signal.SIGUSR1, lambda *_: _fork_returning([]))
+    import functools
+
+    class Handler:  # (an object's __call__, through a partial)
+        def __call__(self, child: list[int], signum: int, frame: object) -> None:
+            _fork_returning(child)
+
+    before = signal.signal(signal.SIGUSR1, functools.partial(Handler(), []))
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.05)  # (the handler runs in there)
@@ -653,3 +659,46 @@ def fork_in_signal_handler(path: str) -> int:
     finally:
         signal.signal(signal.SIGUSR1, before)
     return 1
+
+
+@registry.method
+def fork_in_agen_cleanup_in_thread_loop(path: str) -> int:
+    """A thread runs a uvloop loop (run_until_complete); an async generator dropped while
+    suspended is closed by the loop (its `aclose()` task, whose coroutine has no frame of
+    its own), and its `finally` forks; another task notes `other` at each step (round 17:
+    the child ran one of them)."""
+    import asyncio
+    import threading
+
+    import uvloop
+
+    async def agen() -> typing.AsyncIterator[int]:
+        try:
+            yield 1
+            await asyncio.sleep(10)
+        finally:
+            _fork_returning([])
+
+    async def other() -> None:
+        for _ in range(6):
+            await asyncio.sleep(0.05)
+            _note(path, "other")
+
+    async def main() -> None:
+        task = asyncio.ensure_future(other())
+        g = agen()
+        await g.__anext__()
+        del g
+        await task
+
+    def run() -> None:
+        loop = uvloop.new_event_loop()
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+    return 6

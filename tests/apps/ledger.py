@@ -24,3 +24,32 @@ def hold(seconds: float) -> float:
 
     time.sleep(seconds)
     return seconds
+
+
+@registry.method
+async def hold_after_await(seconds: float) -> float:
+    """An async handler that holds the worker's loop (a CPU-bound step) after one await."""
+    import asyncio
+    import time
+
+    await asyncio.sleep(0)
+    time.sleep(seconds)
+    return seconds
+
+
+@registry.method
+async def tidy(seconds: float) -> str:
+    """Waits `seconds`; cancelled, it cleans up for `seconds` (awaiting), then records `tidied`."""
+    import asyncio
+
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        await asyncio.sleep(seconds)
+        record("tidied")
+    return "done"
+
+
+@registry.method
+def pid() -> int:
+    return os.getpid()
