@@ -401,7 +401,7 @@ class HttpFrontend(Listener):
         self.probe_conns.discard(conn)
         self.probe_overflow.pop(conn, None)
         self.connections.discard(conn)
-        if conn.hogging():
+        if conn.hogging() or not self.all_taken(conn):
             reset(conn)  # its unread answers are dropped with it (the sweep no longer sees it)
         elif conn.requests and not conn.request_started and not conn.owed:
             conn.close()
@@ -503,7 +503,8 @@ class HttpFrontend(Listener):
             elif not conn.owed and now - conn.last_active > keepalive and not conn.taking_answer(now):
                 conn.close()
         for conn in [conn for conn in self.probe_overflow if conn.idle and now - conn.last_active > SWEEP_SECONDS]:
-            conn.close()  # the overflow's: silent, or served and idle, for a sweep
+            if self.all_taken(conn):
+                conn.close()  # the overflow's: silent, or served and idle, for a sweep
 
     def drain(self) -> None:
         """Close idle keep-alive connections now; the others close at their first idle
