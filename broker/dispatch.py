@@ -1465,6 +1465,17 @@ class Dispatcher:
             and worker.process is not None
             and not worker.kill_reason  # once per worker, however many calls it holds
         ):
+            if worker.sync_calls:
+                # It may be busy in a slow sync call still within its own (longer) deadline,
+                # the cancelled call waiting behind it (sent there by sync_prefetch): hung
+                # only once that deadline and cancel_grace are past too (hostile testing,
+                # round 18: a worker 5 s into a legitimate 10 s call was killed).
+                now = _clock()
+                later = max((c.arrival + c.timeout for c in self._pending.values()
+                             if c.worker is worker and c.tick), default=0.0)
+                if later > now:
+                    self._loop.call_later(later - now + self._cancel_grace, self._check_hung, call)
+                    return
             worker.kill_reason = f"hung: no answer {self._cancel_grace} s after a cancelled call"
             log.warning(
                 "worker %d (pid %d) has not answered call %d %s s after its deadline: killing it as hung",

@@ -719,6 +719,7 @@ class Pool:
         worker.move(WorkerState.DRAINING)
         self.dispatcher.worker_unready(worker)
         worker.channel.send(wire.Kind.BYE, 0, 0, b"")
+        self._retire_by(worker)  # (also during a reload: one that fails never swaps it out, round 18)
         if self._reloading or self.workers[worker.slot] is not worker:
             log.info("worker %d (pid %d) asks to leave (SIGTERM) during a reload: it finishes its calls%s",
                      worker.slot, worker.pid, "" if self.workers[worker.slot] is worker else "; the reload fails")
@@ -726,7 +727,6 @@ class Pool:
         log.info("worker %d (pid %d) asks to leave (SIGTERM): it finishes its calls beside a new worker",
                  worker.slot, worker.pid)
         self.retiring.add(worker)
-        self._retire_by(worker)
         new = self.workers[worker.slot] = Worker(worker.slot)
         self._count_restart("left")
         if self._prepare(new):
@@ -743,7 +743,7 @@ class Pool:
         self.loop.call_later(limit, self._retire_deadline, worker, worker.process, limit)
 
     def _retire_deadline(self, worker: Worker, process: asyncio.subprocess.Process | None, limit: float) -> None:
-        if process is None or process.returncode is not None or worker not in self.retiring:
+        if process is None or process.returncode is not None or worker.state is not WorkerState.DRAINING:
             return
         if not worker.kill_reason:
             worker.kill_reason = f"retired: not gone {limit:g} s after BYE"
@@ -922,8 +922,7 @@ class Pool:
                 self._retire_by(old)
             elif alive and old.state is not WorkerState.DRAINING:  # (one that asked to leave drains on)
                 _kill(typing.cast(asyncio.subprocess.Process, old.process))  # never got ready: nothing to drain
-            elif alive:  # (it asked to leave during the reload: told BYE then)
-                self._retire_by(old)
+
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask every worker to finish and exit (BYE); SIGKILL those still alive after

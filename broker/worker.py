@@ -1629,6 +1629,8 @@ def isolate_forks(channel_fd: int) -> None:
     def before() -> None:
         by_worker = local.by_worker = os.getpid() == worker
         local.step = _task_frame() if by_worker else None
+        # (a loop running in this thread, in the parent: the child has none)
+        local.in_loop = by_worker and asyncio.events._get_running_loop() is not None
         if by_worker:
             # Held until the child has its fresh signal handling (`after_in_child`): one
             # that came before was caught there by the worker's handler, and lost (the
@@ -1649,6 +1651,7 @@ def isolate_forks(channel_fd: int) -> None:
             return
         local.by_worker = False
         step, local.step = local.step, None
+        in_loop, local.in_loop = local.in_loop, False
         _forked_from = worker
         try:
             null = os.open(os.devnull, os.O_RDWR)
@@ -1683,10 +1686,17 @@ def isolate_forks(channel_fd: int) -> None:
             # thread would keep it alive: round 13). (A thread's own loop of another kind,
             # a queue's consumer, it goes on running: its thread's end is all it is known by.)
             if not _in_multiprocessing_launch():
-                _trap_return([*_pool_runners(), *_LOOP_CODES], step=step, outermost=True)
+                if in_loop and step is None:
+                    # A plain callback of the thread's own loop, which uvloop runs from C
+                    # (run_forever, run_until_complete: no frame of Python's calls it): it
+                    # exits as the function that forked returns, before it goes back into
+                    # that loop (hostile testing, round 18: it ran the loop's timers again).
+                    _trap_return((), step=sys._getframe(1), outermost=True)
+                else:
+                    _trap_return([*_pool_runners(), *_LOOP_CODES], step=step, outermost=True)
 
     def after_in_parent() -> None:
-        local.step = None
+        local.step, local.in_loop = None, False
         if getattr(local, "by_worker", False):
             local.by_worker = False
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _FRESH_SIGNALS)

@@ -1117,3 +1117,22 @@ def test_a_slow_clean_up_after_a_cancel_does_not_get_a_live_worker_killed_as_hun
     ]
     assert b.call("pid")["result"] == worker
     assert "hung" not in b.read_log(0.05)
+
+
+def test_a_worker_busy_in_a_long_sync_call_within_its_deadline_is_not_killed_as_hung(broker_factory):
+    """Hostile testing (round 18): a 4 s sync call (its deadline 60 s) blocked the worker;
+    a call with a 1.5 s deadline, sent there behind it (sync_prefetch), was answered
+    -32001 and cancelled, and cancel_grace later the worker, busy within the first call's
+    deadline, was killed as hung: the 4 s call got -32002. It is hung only once the
+    deadlines of the calls it holds, and cancel_grace, are past."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--timeout", "1.5",
+                       "--cancel-grace", "1", "--method-timeout", "spin=60")
+    worker = b.call("pid")["result"]
+    assert b.call("spin", [0.2])["result"] is None  # (learnt as a slow sync method)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(b.call, "spin", [4], 1, 30)
+        time.sleep(0.5)
+        assert b.call("pid", None, 2)["error"]["code"] == -32001
+        assert slow.result(30) == {"jsonrpc": "2.0", "id": 1, "result": None}
+    assert b.call("pid")["result"] == worker
+    assert "hung" not in b.read_log(0.05)

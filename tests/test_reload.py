@@ -8,6 +8,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 from conftest import Broker, children, sample, scrape_metrics, start_broker, wait_for
@@ -485,3 +486,27 @@ def test_a_retired_worker_that_never_leaves_is_killed_in_time(broker_factory):
     finally:
         if alive(old):
             os.kill(old, signal.SIGCONT)
+
+
+def test_a_worker_that_leaves_during_a_failed_reload_is_killed_in_time_and_replaced(broker_factory, tmp_path):
+    """Hostile testing (round 18): a worker that asked to leave (SIGTERM) during a reload
+    drains in its slot, and was given no time limit there: the reload then failed, and
+    with a task still cleaning up after its cancel (or stopped) it lingered, its slot
+    serving nothing. It is killed once its calls' deadlines and cancel_grace are past
+    (1 s + 1 s + 2 s after its BYE), and its slot restarted."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"])
+    b = broker_factory("--workers", "1", "--app", APP, "--timeout", "1", "--cancel-grace", "1",
+                       env={"VERSIONED_APP_FILE": str(spec)})
+    old = b.call("pid")["result"]
+    assert b.call("stubborn", [60])["error"]["code"] == -32001  # (its clean-up runs on, 60 s)
+    write(spec, version=2, methods=["a"], broken=True, broken_after=1.5)
+    os.kill(b.pid, signal.SIGHUP)
+    time.sleep(0.3)
+    os.kill(old, signal.SIGTERM)
+    wait_for(lambda: "asks to leave (SIGTERM) during a reload" in b.read_log(0.05), timeout=10)
+    wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="failure") == 1, timeout=30)
+    write(spec, version=1, methods=["a"])  # (the slot's restart imports what is on disk)
+    wait_for(lambda: not alive(old), timeout=15)
+    assert "has not: killing it" in b.read_log(0.1)
+    wait_for(lambda: b.call("pid", timeout=5).get("result") not in (None, old), timeout=30)

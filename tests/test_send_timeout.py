@@ -274,3 +274,28 @@ def test_answers_the_kernel_holds_for_a_non_reader_do_not_escape_send_timeout(tb
         for s in socks:
             s.close()
     assert b.call("echo", ["still serving"])["result"] == ["still serving"]
+
+
+def test_a_connection_whose_answers_the_kernel_still_holds_is_not_closed_to_make_room(broker_factory):
+    """Hostile testing (round 18): at max_connections, connections whose answers all sat
+    in the kernel's send queue (written, their client not reading) looked idle until the
+    next sweep, and were closed to make room: a close leaves those bytes in the kernel
+    (a few MB a connection), out of send_timeout's reach and counted nowhere. They are not
+    idle: the newcomer is refused (503) instead, and send_timeout resets them later."""
+    b = broker_factory("--workers", "1", "--max-connections", "4", "--send-timeout", "3",
+                       "--max-body-bytes", "2000000", "--keepalive-timeout", "300")
+    body = json.dumps({"jsonrpc": "2.0", "method": "echo", "params": ["x" * 1_000_000], "id": 1}).encode()
+    baseline = open_connections(b, "http")  # (the scrape's own)
+    socks = [non_reader((b.host, b.port), http_request(body), seconds=2.0) for _ in range(4)]
+    try:
+        wait_for(lambda: open_connections(b, "http") >= baseline + 4, timeout=10)
+        # Their answers written, in the kernel (out of the budget): the next sweep, within
+        # 1 s, would see them (before the fix too: this asks at once, before it comes).
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_outgoing_bytes") == 0, timeout=10, interval=0.005)
+        status, _, answer = b.post(json.dumps({"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 2}))
+        assert status == 503, answer
+        wait_for(lambda: open_connections(b, "http") <= baseline, timeout=SEND_TIMEOUT + 20)  # reset in time
+        assert b.call("add", [1, 2])["result"] == 3
+    finally:
+        for s in socks:
+            s.close()

@@ -477,6 +477,7 @@ def test_a_process_subprocess_starts_with_a_preexec_fn_outlives_its_worker(broke
     ("fork_in_finalizer", ["after"]),
     ("fork_in_signal_handler", ["after"]),
     ("fork_in_agen_cleanup_in_thread_loop", ["other"] * 6),
+    ("fork_in_thread_uvloop_callback", ["tick"] * 5),
 ])
 def test_a_child_forked_anywhere_runs_none_of_the_code_around_the_fork(forks: Broker, tmp_path, method: str,
                                                                        lines: list[str]) -> None:

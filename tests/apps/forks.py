@@ -702,3 +702,36 @@ def fork_in_agen_cleanup_in_thread_loop(path: str) -> int:
     thread.start()
     thread.join(10)
     return 6
+
+
+@registry.method
+def fork_in_thread_uvloop_callback(path: str) -> int:
+    """A thread runs a uvloop loop (run_forever) with a timer that notes `tick` five times,
+    0.1 s apart; a plain callback of that loop forks, and the child returns from it
+    (round 18: no task, no Python frame running the loop: the child ran the loop, and its
+    timers, again)."""
+    import threading
+
+    import uvloop
+
+    loop = uvloop.new_event_loop()
+    ticks = threading.Event()
+
+    def tick(n: int) -> None:
+        _note(path, "tick")
+        if n < 5:
+            loop.call_later(0.1, tick, n + 1)
+        else:
+            ticks.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    loop.call_soon_threadsafe(tick, 1)
+    loop.call_soon_threadsafe(_fork_returning, [])
+    try:
+        ticks.wait(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    return 5

@@ -1,6 +1,7 @@
 """A test app whose code "changes on disk" between reloads: its version and the methods
 it registers come from the JSON file named by $VERSIONED_APP_FILE, read at import:
-{"version": 1, "methods": ["a", "b"]}. "broken": true makes the import fail;
+{"version": 1, "methods": ["a", "b"]}. "broken": true makes the import fail ("broken_after": s
+seconds into it);
 "import_seconds": s makes it take that long (it writes the file $VERSIONED_APP_FILE.importing-<pid>
 first: the test knows it is in that import), "first_import_seconds": s only for the first process
 to import that version (a cold cache; the others are quick); "sleepers": ["c"] registers sync
@@ -20,6 +21,7 @@ from broker.worker import Registry
 with open(os.environ["VERSIONED_APP_FILE"]) as f:
     SPEC = json.load(f)
 if SPEC.get("broken"):
+    time.sleep(SPEC.get("broken_after", 0))
     raise ImportError("this deploy is broken")
 VERSION = SPEC["version"]
 if SPEC.get("import_seconds"):  # a slow import
@@ -78,6 +80,15 @@ def pid() -> int:
 @registry.method
 def version() -> int:
     return VERSION
+
+
+@registry.method
+async def stubborn(seconds: float) -> None:
+    """Waits `seconds`; cancelled, it goes on waiting them (a clean-up that takes long)."""
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        await asyncio.sleep(seconds)
 
 
 @registry.method
