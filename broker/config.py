@@ -235,7 +235,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                       "together: HTTP heads and bodies and NDJSON lines whose end has not "
                                       "come yet, and whole ones waiting to be dispatched (their client owed "
                                       "max_response_bytes, or not reading; the rest of a read left for a "
-                                      "later turn, handled at once instead when it would not fit); one "
+                                      "later turn, kept past it all the same when it would not fit: at most "
+                                      "one read, 256 KiB, a connection); one "
                                       "that would take them past this is refused "
                                       "(HTTP 503, NDJSON a -32000 line) and its bytes dropped",
                                       rule="max_body_bytes or more")
