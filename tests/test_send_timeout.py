@@ -299,3 +299,31 @@ def test_a_connection_whose_answers_the_kernel_still_holds_is_not_closed_to_make
     finally:
         for s in socks:
             s.close()
+
+
+@pytest.mark.parametrize("transport", ["http", "tcp"])
+def test_at_max_connections_a_non_reader_found_idle_does_not_spin_the_loop(broker_factory, transport):
+    """Hostile testing (round 19): at max_connections, a connection that looked idle but
+    whose answer the kernel still held (not all taken) was skipped for eviction, found
+    again by the next scan at once, and so on: the loop spun for good, every listener
+    froze and SIGTERM went unheard. The scan leaves it out now: the newcomer's /healthz
+    is answered from the probes' reserve, and the broker stops as asked."""
+    stream = free_port()
+    b = broker_factory("--workers", "1", "--max-connections", "1", "--send-timeout", "5",
+                       "--stream-port", str(stream))
+    body = json.dumps({"jsonrpc": "2.0", "method": "echo", "params": ["x" * 900_000], "id": 1}).encode()
+    payload = http_request(body) if transport == "http" else body + b"\n"
+    a = non_reader((b.host, b.port if transport == "http" else stream), payload, seconds=2.0)
+    try:
+        time.sleep(0.3)  # (its answer written into the kernel, before the next sweep looks)
+        with socket.create_connection((b.host, b.port if transport == "http" else stream), timeout=5) as s:
+            if transport == "http":
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                assert s.recv(4096).startswith(b"HTTP/1.1 200 "), "no /healthz answer: the loop is stuck"
+            else:  # (refused at once: a -32000 line, then closed)
+                assert b'"code":-32000' in s.recv(4096)
+        with socket.create_connection((b.host, b.port), timeout=5) as s:  # (and the HTTP port lives)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
+    finally:
+        a.close()

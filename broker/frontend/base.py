@@ -280,7 +280,9 @@ class Listener:
                 continue
             if now < self._rescan_at:
                 return
-            idle = [conn for conn in connections if conn.evictable(fresh)]
+            # (all taken here too: one found idle but not, popped, would be found again and
+            # again, and the loop spun for good; hostile testing, round 19)
+            idle = [conn for conn in connections if conn.evictable(fresh) and self.all_taken(conn)]
             if not idle:
                 self._rescan_at = now + SWEEP_SECONDS
                 return
