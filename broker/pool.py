@@ -628,6 +628,23 @@ class Pool:
                 task = self.loop.create_task(self._launch(worker))
                 task.add_done_callback(_log_task_error)
 
+    def _replace_leaving(self) -> None:
+        """The reload failed: a worker that asked to leave during it, draining in its slot
+        for the swap, drains beside a new worker now, as a leave outside a reload does
+        (hostile testing, round 19: its slot served nothing until its calls ended, a long
+        poll's 20 s)."""
+        for worker in list(self.workers):
+            if self._stopping or not worker.leaving or worker.state is not WorkerState.DRAINING:
+                continue
+            log.warning("worker slot %d restarts now (its worker asked to leave during the reload, which failed):"
+                        " it imports the code on disk now, which the old workers may not run", worker.slot)
+            self.retiring.add(worker)
+            new = self.workers[worker.slot] = Worker(worker.slot)
+            self._count_restart("left")
+            if self._prepare(new):
+                task = self.loop.create_task(self._launch(new))
+                task.add_done_callback(_log_task_error)
+
     def _boot_deadline(self, worker: Worker, process: asyncio.subprocess.Process) -> None:
         if worker.process is process and worker.state is WorkerState.STARTING:
             log.error("worker %d (pid %d) sent no HELLO in %s s (boot_timeout): killing it",
@@ -838,6 +855,7 @@ class Pool:
                 self.reloads["failure"] += 1
                 log.error("reload failed: %s; keeping the old workers (the old code serves on)", failure)
                 self._restart_awaiting("its worker left or exited during the reload, which failed")
+                self._replace_leaving()
                 down = [w.slot for w in self.workers if w.kill_reason.startswith(CODE_CHANGED)]
                 if down:
                     log.error("worker slot %s stays down until a reload succeeds: the code on disk"

@@ -1119,16 +1119,19 @@ def test_a_slow_clean_up_after_a_cancel_does_not_get_a_live_worker_killed_as_hun
     assert "hung" not in b.read_log(0.05)
 
 
-def test_a_worker_busy_in_a_long_sync_call_within_its_deadline_is_not_killed_as_hung(broker_factory):
+@pytest.mark.parametrize("learnt", ["slow", "fast"])
+def test_a_worker_busy_in_a_long_sync_call_within_its_deadline_is_not_killed_as_hung(broker_factory, learnt):
     """Hostile testing (round 18): a 4 s sync call (its deadline 60 s) blocked the worker;
     a call with a 1.5 s deadline, sent there behind it (sync_prefetch), was answered
     -32001 and cancelled, and cancel_grace later the worker, busy within the first call's
     deadline, was killed as hung: the 4 s call got -32002. It is hung only once the
-    deadlines of the calls it holds, and cancel_grace, are past."""
+    deadlines of the sync calls it holds, and cancel_grace, are past; also when the long
+    call's method was learnt fast, so that nothing routed around it (round 19)."""
     b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--timeout", "1.5",
                        "--cancel-grace", "1", "--method-timeout", "spin=60")
     worker = b.call("pid")["result"]
-    assert b.call("spin", [0.2])["result"] is None  # (learnt as a slow sync method)
+    for _ in range(1 if learnt == "slow" else 20):  # (learnt a slow sync method, or a fast one)
+        assert b.call("spin", [0.2 if learnt == "slow" else 0])["result"] is None
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         slow = pool.submit(b.call, "spin", [4], 1, 30)
         time.sleep(0.5)
@@ -1136,3 +1139,22 @@ def test_a_worker_busy_in_a_long_sync_call_within_its_deadline_is_not_killed_as_
         assert slow.result(30) == {"jsonrpc": "2.0", "id": 1, "result": None}
     assert b.call("pid")["result"] == worker
     assert "hung" not in b.read_log(0.05)
+
+
+def test_a_worker_stuck_in_a_sync_call_is_killed_in_time_whatever_async_calls_it_holds(broker_factory):
+    """Hostile testing (round 19): a worker stuck in a sync call (answered -32001 at 1 s)
+    beside an async call with a 30 s deadline was killed as hung only past that deadline
+    (the async call's deadline counted as if it could hold the loop): the slot served
+    nothing for 30 s. An async call holds no loop: killed at cancel_grace."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--timeout", "1",
+                       "--cancel-grace", "1", "--method-timeout", "nap=30")
+    assert b.call("spin", [0.2])["result"] is None  # (learnt as a slow sync method)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stuck = pool.submit(b.call, "spin", [3600], 1, 60)
+        time.sleep(0.3)
+        started = time.monotonic()
+        nap = pool.submit(b.call, "nap", [20], 2, 60)
+        assert stuck.result(60)["error"]["code"] == -32001
+        assert nap.result(60)["error"]["code"] == -32002, "the stuck worker was not killed at cancel_grace"
+        assert time.monotonic() - started < 15
+    wait_for(lambda: "result" in b.call("pid", timeout=5), timeout=30)  # (replaced, after its backoff)

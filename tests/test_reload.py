@@ -510,3 +510,29 @@ def test_a_worker_that_leaves_during_a_failed_reload_is_killed_in_time_and_repla
     wait_for(lambda: not alive(old), timeout=15)
     assert "has not: killing it" in b.read_log(0.1)
     wait_for(lambda: b.call("pid", timeout=5).get("result") not in (None, old), timeout=30)
+
+
+def test_after_a_failed_reload_a_slot_whose_worker_is_leaving_serves_again_at_once(broker_factory, tmp_path):
+    """Hostile testing (round 19): a worker that asked to leave during a reload drains in its
+    slot for the swap; the reload failed, and the slot served nothing until the leaving
+    worker's calls ended (a 20 s long poll). It drains beside a new worker now, as a leave
+    outside a reload does."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"])
+    b = broker_factory("--workers", "1", "--app", APP, "--method-timeout", "nap=40",
+                       env={"VERSIONED_APP_FILE": str(spec)})
+    old = b.call("pid")["result"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        nap = pool.submit(b.call, "nap", [20], 1, 60)  # (the leaving worker's long call)
+        time.sleep(0.3)
+        write(spec, version=2, methods=["a"], broken=True, broken_after=1.5)
+        os.kill(b.pid, signal.SIGHUP)
+        time.sleep(0.3)
+        os.kill(old, signal.SIGTERM)
+        wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="failure") == 1, timeout=30)
+        write(spec, version=1, methods=["a"])  # (the slot's new worker imports what is on disk)
+        failed = time.monotonic()
+        served = b.call("pid", timeout=30)
+        assert served.get("result") not in (None, old), served
+        assert time.monotonic() - failed < 10, "the slot waited for the leaving worker's call"
+        assert nap.result(60)["result"] == 1  # (the old worker finished its call, then left)
