@@ -638,12 +638,17 @@ class Pool:
                 continue
             log.warning("worker slot %d restarts now (its worker asked to leave during the reload, which failed):"
                         " it imports the code on disk now, which the old workers may not run", worker.slot)
-            self.retiring.add(worker)
-            new = self.workers[worker.slot] = Worker(worker.slot)
-            self._count_restart("left")
-            if self._prepare(new):
-                task = self.loop.create_task(self._launch(new))
-                task.add_done_callback(_log_task_error)
+            self._beside(worker)
+
+    def _beside(self, worker: Worker) -> None:
+        """`worker` leaves (it asked to): it drains in `retiring`, and a new worker takes its
+        slot at once (counted `left`)."""
+        self.retiring.add(worker)
+        new = self.workers[worker.slot] = Worker(worker.slot)
+        self._count_restart("left")
+        if self._prepare(new):
+            task = self.loop.create_task(self._launch(new))
+            task.add_done_callback(_log_task_error)
 
     def _boot_deadline(self, worker: Worker, process: asyncio.subprocess.Process) -> None:
         if worker.process is process and worker.state is WorkerState.STARTING:
@@ -743,12 +748,7 @@ class Pool:
             return
         log.info("worker %d (pid %d) asks to leave (SIGTERM): it finishes its calls beside a new worker",
                  worker.slot, worker.pid)
-        self.retiring.add(worker)
-        new = self.workers[worker.slot] = Worker(worker.slot)
-        self._count_restart("left")
-        if self._prepare(new):
-            task = self.loop.create_task(self._launch(new))
-            task.add_done_callback(_log_task_error)
+        self._beside(worker)
 
     def _retire_by(self, worker: Worker) -> None:
         """`worker` was told BYE and drains beside its replacement: it answers its calls
