@@ -1466,15 +1466,18 @@ class Dispatcher:
             and not worker.kill_reason  # once per worker, however many calls it holds
         ):
             if worker.outstanding > 1:
-                # It may be busy in another sync call still within its own (longer) deadline,
-                # the cancelled call waiting behind it (sent there by sync_prefetch, or
-                # the other learnt fast): hung only once that deadline and cancel_grace are
-                # past too (hostile testing, round 18: a worker 5 s into a legitimate 10 s
-                # call was killed). Not for an async call: it holds no loop (round 19: a
-                # long poll beside a stuck sync call kept the worker alive 40 s).
+                # It may be busy in a sync call that came before the cancelled one (which
+                # waits behind it: sent there by sync_prefetch, or the other learnt fast),
+                # still within its own longer deadline: hung only once that deadline and
+                # cancel_grace are past too (hostile testing, round 18: a worker 5 s into
+                # a legitimate 10 s call was killed). Not for an async call, which holds no
+                # loop (round 19: a long poll beside a stuck sync call kept the worker
+                # alive 40 s), nor for one that came after, which waits behind it.
                 now = _clock()
+                order = (call.arrival, call.call_id)
                 later = max((c.arrival + c.timeout for c in self._pending.values()
-                             if c.worker is worker and c.tick and c.sync and c is not call), default=0.0)
+                             if c.worker is worker and c.tick and c.sync and (c.arrival, c.call_id) < order),
+                            default=0.0)
                 if later > now:
                     self._loop.call_later(later - now + self._cancel_grace, self._check_hung, call)
                     return
