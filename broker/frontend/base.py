@@ -358,13 +358,8 @@ class Listener:
         megabytes (its send buffer grows to tcp_wmem's 4 MiB; hostile testing, round 16:
         40 NDJSON clients that asked for two 900 kB answers each and read nothing held
         72 MB there, never reset, counted nowhere). One system call, only for a
-        connection sent more than was seen taken (`conn.sent`, `conn.taken`)."""
-        transport = conn.transport
-        if conn.sent == conn.taken or transport is None:
-            return
-        unsent = unsent_bytes(transport)
-        conn.taken = conn.sent - unsent
-        if unsent:
+        connection sent more than was seen taken (`conn.sent`, `conn.taken`: `all_taken`)."""
+        if not self.all_taken(conn):
             conn.send_stalled = now
 
     def keep_backlog(self, conn: typing.Any, rest: bytes) -> bool:
