@@ -166,6 +166,7 @@ _INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's 
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _CODE_AT = len(b'{"code":')
+_TIMER_EARLY = 0.001  # how early a loop timer may fire, by loop.time() (s): uvloop's, 1 ms steps (`DeadlineWheel._fire`)
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
 BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
 _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
@@ -495,6 +496,19 @@ class Call(msgspec.Struct, eq=False):
         )
 
 
+def _timed_out(call: Call) -> bytes:
+    """The error object of a call whose deadline passed: -32001 with its timeout."""
+    return error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout})
+
+
+def _as_timed_out(error: bytes | memoryview, call: Call) -> bytes | memoryview:
+    """A worker's error object for a call not answered yet, `CANCEL_ACK` as -32001 with
+    the call's timeout: the worker found its deadline passed before it started it (the
+    deadline in its frame), and answered before the broker's timer fired (the same one,
+    1 ms early at most); the client gets what that timer would have given it."""
+    return _timed_out(call) if error == _CANCEL_ACK else error
+
+
 class DeadlineWheel:
     """Per-call deadlines, far cheaper than a loop timer per call.
 
@@ -506,14 +520,14 @@ class DeadlineWheel:
     earliest tick that has entries. A deadline fires at most `resolution` late.
     """
 
-    __slots__ = ("_armed", "_expire", "_loop", "_resolution", "_slots", "_ticks", "_timer")
+    __slots__ = ("_armed", "_expire", "_loop", "_slots", "_ticks", "_timer", "resolution")
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, expire: Callable[[Call], None], resolution: float = 0.01
     ) -> None:
         self._loop = loop
         self._expire = expire
-        self._resolution = resolution
+        self.resolution = resolution  # s: a tick ends at `tick * resolution`, loop time
         self._slots: dict[int, dict[Call, None]] = {}
         self._ticks: list[int] = []  # heap of the ticks in _slots
         self._timer: asyncio.TimerHandle | None = None
@@ -521,7 +535,7 @@ class DeadlineWheel:
 
     def add(self, call: Call, now: float) -> None:
         """Arm `call`'s deadline, `call.timeout` seconds after `now` (loop time)."""
-        tick = int((now + call.timeout) / self._resolution) + 1
+        tick = int((now + call.timeout) / self.resolution) + 1
         slot = self._slots.get(tick)
         if slot is None:
             slot = self._slots[tick] = {}
@@ -545,7 +559,7 @@ class DeadlineWheel:
         if self._timer is not None:
             self._timer.cancel()
         self._armed = tick
-        self._timer = self._loop.call_at(tick * self._resolution, self._fire)
+        self._timer = self._loop.call_at(tick * self.resolution, self._fire)
 
     def _fire(self) -> None:
         self._timer = None
@@ -553,7 +567,7 @@ class DeadlineWheel:
         # less: uvloop's timers have 1 ms steps, and fire up to one early by loop.time()
         # (measured: re-armed for the same tick until the clock caught up, 241 wake-ups
         # for 20 deadlines on 10 ticks; 10 now).
-        now = max(int(self._loop.time() / self._resolution), self._armed)
+        now = max(int(self._loop.time() / self.resolution), self._armed)
         self._armed = 0
         ticks = self._ticks
         while ticks and ticks[0] <= now:
@@ -645,6 +659,7 @@ class Dispatcher:
         self._ready: list[Worker] = []
         self._rotation = 0
         self._deadlines = DeadlineWheel(loop, self._on_timeout)
+        self._tick_seconds = self._deadlines.resolution
         self._ids = itertools.count(1)
         self.accepting = True
         # Replies to calls answered already (deadline, shutdown): the worker's
@@ -1062,7 +1077,13 @@ class Dispatcher:
                 worker.limit = self._sync_limit
                 self._blocked += 1
         self._pending[call.call_id] = call
-        worker.channel.send(call.kind, call.call_id, call.index, call.params)  # type: ignore[union-attr]
+        # With its deadline: its tick's end, when the wheel answers it -32001, less the 1 ms
+        # by which uvloop's timers fire early (loop.time(): CLOCK_MONOTONIC in ms, floored,
+        # so the worker's time.monotonic() reads no less). The worker starts no call past
+        # it, whatever frames its CANCEL waits behind (see `wire`).
+        worker.channel.send_call(  # type: ignore[union-attr]
+            call.kind, call.call_id, call.index, call.tick * self._tick_seconds - _TIMER_EARLY, call.params
+        )
         # Sent: its params are the worker's now. Not kept while it runs (nor the body they
         # are a view of): hostile testing, round 13, 40 batches of a long call and an echo
         # of 900 kB held their 36 MB of requests until the long calls ended.
@@ -1131,7 +1152,7 @@ class Dispatcher:
                     if not call.stale and aux != _NOT_RUN:
                         self._learn_chunk(call, aux)
                 else:  # one ERROR for the whole chunk
-                    self._fail_chunk(call, exchange, payload, True)
+                    self._fail_chunk(call, exchange, typing.cast(bytes, _as_timed_out(payload, call)), True)
             else:
                 # The answer's size, counted before it is made: the answers owed on its
                 # connection may not go past max_response_bytes (see ResponseBudget).
@@ -1180,6 +1201,9 @@ class Dispatcher:
         answer's bytes), or with -32603 if the answer would take its connection's answers
         owed past max_response_bytes, or all connections' past max_outgoing_bytes (a
         result too: then `error` is that result)."""
+        if error == _CANCEL_ACK:  # (see `_as_timed_out`)
+            error = _timed_out(call)
+            size += len(error) - len(_CANCEL_ACK)
         budget = exchange.budget
         outgoing = budget.outgoing
         if budget.held + size <= self.max_response_bytes and outgoing.held + size <= outgoing.limit:
@@ -1322,7 +1346,7 @@ class Dispatcher:
                 elif entry_kind == _RESULT:
                     answer = join((_RESP_HEAD, ids[i], _RESP_RESULT, result, b"}"))  # response_result, inline
                 else:
-                    answer = response_error(ids[i], result)
+                    answer = response_error(ids[i], _as_timed_out(result, call))
                 room -= len(answer)
                 if room < 0 and not gone:
                     room += len(answer)
@@ -1428,11 +1452,7 @@ class Dispatcher:
             self._expired_queued += 1
             self._queued_bytes -= call.held
             self._queued_calls -= call.weight
-        self._finish(
-            call,
-            error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout}),
-            ErrorCode.TIMED_OUT,
-        )
+        self._finish(call, _timed_out(call), ErrorCode.TIMED_OUT)
         if queued:
             # ... and its payload: the shell left in the deque holds no params or ids (a
             # live head with a long deadline would keep every expired call behind it).

@@ -189,6 +189,8 @@ _RESULT = int(wire.Kind.RESULT)
 _ERROR = int(wire.Kind.ERROR)
 _CHUNK_REPLY = int(wire.Kind.CHUNK_REPLY)
 _pack_header = wire.HEADER.pack
+_pack_call = wire.CALL_HEADER.pack
+_DEADLINE_SIZE = wire.DEADLINE.size
 FLUSH_AT_BYTES = 256 * 1024  # write at once past this much queued, else once per loop turn
 
 
@@ -260,10 +262,22 @@ class WorkerChannel(asyncio.Protocol):
                 return
 
     def send(self, kind: int, call_id: int, aux: int, payload: bytes | bytearray | memoryview) -> None:
-        """Queue one frame for the worker (written at the end of this loop iteration)."""
+        """Queue one frame for the worker (written at the end of this loop iteration):
+        CANCEL, BYE; a call's goes with its deadline (`send_call`)."""
+        self._out += _pack_header(len(payload), kind, call_id, aux)
+        self._out += payload
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._pool.loop.call_soon(self.flush)
+
+    def send_call(
+        self, kind: int, call_id: int, aux: int, deadline: float, params: bytes | bytearray | memoryview
+    ) -> None:
+        """Queue a CALL, NOTIFY or CHUNK frame: `params` (a CHUNK's entries) after the
+        call's `deadline` (CLOCK_MONOTONIC s: the worker starts no call past it; see `wire`)."""
         out = self._out
-        out += _pack_header(len(payload), kind, call_id, aux)
-        out += payload
+        out += _pack_call(_DEADLINE_SIZE + len(params), kind, call_id, aux, deadline)
+        out += params
         if len(out) >= FLUSH_AT_BYTES:
             self.flush()
         elif not self._flush_scheduled:

@@ -15,7 +15,8 @@ Kinds, who sends them, and what `aux` and the payload hold:
     HELLO   worker → broker  aux 0; payload: JSON `Hello` (pid, slot, methods, concurrency,
                              which methods are sync)
     CALL    broker → worker  aux: method index (its place in HELLO's list);
-                             payload: the request's raw JSON params (empty if absent)
+                             payload: the call's deadline (`DEADLINE`), then the
+                             request's raw JSON params (none if absent)
     NOTIFY  broker → worker  as CALL, for a notification; the worker still replies, so
                              the broker can account for the worker's capacity
     RESULT  worker → broker  aux: service time in µs; payload: raw JSON result
@@ -31,7 +32,8 @@ Kinds, who sends them, and what `aux` and the payload hold:
                              answers BYE (if it has not sent one already), and the
                              worker exits as above: no call written to it is lost.
     CHUNK   broker → worker  several calls of one batch in one frame; aux: their count;
-                             payload: per call a `CALL_ENTRY` (method index u16,
+                             payload: their deadline (`DEADLINE`), then per call a
+                             `CALL_ENTRY` (method index u16,
                              flags u8 (1 = notification), params length u32), then
                              the raw params
     CHUNK_PART worker → broker  answers to some calls of a CHUNK, sent when running
@@ -48,6 +50,16 @@ Kinds, who sends them, and what `aux` and the payload hold:
                              split over several CHUNK_PARTs; one part holds at most
                              max_frame_bytes of answers plus one REPLY_ENTRY header.
 
+A call's deadline (CALL, NOTIFY, CHUNK) is a big-endian f64: CLOCK_MONOTONIC seconds,
+the clock the broker's event loop and `time.monotonic` read on Linux, one for every
+process of the machine (clock_gettime(2)); inf for none. The worker starts no call whose
+deadline has passed: it answers it as it answers one cancelled before it started
+(`CANCEL_ACK`, aux NOT_RUN), and a chunk's calls not started by then likewise. The
+broker answers such a call -32001 at that deadline and sends CANCEL, but the CANCEL
+can wait behind other frames (hostile testing, round 19: a worker whose loop a slow
+call held ran calls answered -32001 long before, their CANCELs still in the broker's
+buffer behind a few hundred kB of frames); the deadline in the frame needs no CANCEL.
+
 A chunk travels and is accounted for as one unit (one call id, one deadline): it
 saves the per-call frame work on both sides for batches. The worker replies to every
 CALL, NOTIFY and CHUNK exactly once (a call it cancelled, or never ran, with an ERROR
@@ -59,6 +71,7 @@ Payloads are JSON or raw bytes only: nothing on this wire is ever unpickled.
 
 from __future__ import annotations
 
+import math
 import struct
 from enum import IntEnum
 
@@ -68,7 +81,9 @@ from broker.jsonrpc import ErrorCode, error_object
 
 __all__ = [
     "CALL_ENTRY",
+    "CALL_HEADER",
     "CANCEL_ACK",
+    "DEADLINE",
     "HEADER",
     "HEADER_SIZE",
     "MAX_METHODS",
@@ -81,6 +96,7 @@ __all__ = [
     "Kind",
     "MethodInfo",
     "decode_hello",
+    "encode_call",
     "encode_frame",
 ]
 
@@ -102,6 +118,10 @@ class Kind(IntEnum):
 
 HEADER = struct.Struct(">IBQI")
 HEADER_SIZE = HEADER.size  # 17
+# A call's deadline, the first bytes of a CALL, NOTIFY or CHUNK payload, and the header
+# with it, packed at once (the broker's hot path).
+DEADLINE = struct.Struct(">d")
+CALL_HEADER = struct.Struct(">IBQId")
 CALL_ENTRY = struct.Struct(">HBI")  # in a CHUNK: method index, flags, params length
 REPLY_ENTRY = struct.Struct(">IBI")  # in a CHUNK_PART/REPLY: call's place, kind, length
 NOTIFY_FLAG = 1
@@ -155,6 +175,15 @@ def encode_frame(kind: int, call_id: int, aux: int = 0, payload: bytes = b"") ->
     Hot paths append to a bytearray with `HEADER.pack` instead; this is for the rest.
     """
     return HEADER.pack(len(payload), kind, call_id, aux) + payload
+
+
+def encode_call(kind: int, call_id: int, aux: int, params: bytes = b"", deadline: float = math.inf) -> bytes:
+    """One whole CALL, NOTIFY or CHUNK frame: `params` (a CHUNK's entries) after the
+    call's `deadline` (CLOCK_MONOTONIC s, `time.monotonic()`; inf for none).
+
+    The broker's hot path packs `CALL_HEADER` into its buffer instead; this is for the rest.
+    """
+    return CALL_HEADER.pack(DEADLINE.size + len(params), kind, call_id, aux, deadline) + params
 
 
 class FrameDecoder:

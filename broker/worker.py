@@ -46,6 +46,7 @@ import functools
 import importlib
 import inspect
 import logging
+import math
 import operator
 import os
 import re
@@ -623,7 +624,10 @@ _REPLY_ENTRY = wire.REPLY_ENTRY
 _BYE = int(wire.Kind.BYE)
 _BYE_FRAME = wire.encode_frame(wire.Kind.BYE, 0)  # (SIGTERM: see WorkerProtocol.stop)
 _pack_header = wire.HEADER.pack
+_deadline_of = wire.DEADLINE.unpack_from  # a call's deadline, at the start of its frame's payload
+_DEADLINE_SIZE = wire.DEADLINE.size
 _perf = time.perf_counter
+_monotonic = time.monotonic  # the clock of the deadlines the broker sends (wire.py)
 _CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a late result
 _NOT_RUN = wire.NOT_RUN  # a reply's aux when the handler never ran (wire.py)
 # `_execute`'s kind for an ERROR whose handler never ran (its params did not bind, or no
@@ -651,11 +655,15 @@ def _identity(value: object) -> object:
 
 async def _guarded(
     fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object],
-    finished: Callable[[bool, object], None] | None = None,
+    finished: Callable[[bool, object], None] | None = None, deadline: float = math.inf,
 ) -> tuple[bool, object]:
     """Run an async handler to its end: (True, result) or (False, the exception raised),
     also given to `finished` in the handler's last step, so that the answer is made in it
     (a done callback comes a loop turn later, which a slow sync call can take first).
+    (False, `_PAST_DEADLINE`) if its first step comes past the call's `deadline`
+    (CLOCK_MONOTONIC s): the handler never runs, the call was answered -32001 (a sync
+    call started after it in the same loop turn held the loop meanwhile, and the CANCEL,
+    if it has come, is read only after this step).
 
     Never raises, not even BaseException: a Task re-raises SystemExit and
     KeyboardInterrupt out of the event loop (asyncio's Task.__step), which would stop
@@ -664,6 +672,8 @@ async def _guarded(
     """
     if _forked_from:  # (a child the loop went on in: not past its trap, `_trap_loop_return`)
         _child_exits(None)
+    if deadline <= _monotonic():
+        return False, _PAST_DEADLINE
     try:
         value = fn(*args, **kwargs)
         if type(value) is _COROUTINE or inspect.isawaitable(value):  # (a wraps-decorated async
@@ -685,16 +695,26 @@ async def _guarded(
     return True, value
 
 
+class _PastDeadline(Exception):
+    """An async call whose first step came past its deadline: it is answered `CANCEL_ACK`."""
+
+
+_PAST_DEADLINE = _PastDeadline()
+
+
 class _Chunk:
     """A CHUNK being run: where its next call starts, and answers not yet sent."""
 
-    __slots__ = ("chunk_id", "count", "next", "payload", "pos", "ran", "t0", "tasks", "unsent", "waiting")
+    __slots__ = (
+        "chunk_id", "count", "deadline", "next", "payload", "pos", "ran", "t0", "tasks", "unsent", "waiting"
+    )  # fmt: skip
 
     def __init__(self, chunk_id: int, count: int, payload: bytes) -> None:
         self.chunk_id = chunk_id
         self.count = count
         self.payload = payload
-        self.pos = 0  # byte offset of the next call's entry
+        self.deadline: float = _deadline_of(payload)[0]  # its calls', CLOCK_MONOTONIC s (wire.py)
+        self.pos = _DEADLINE_SIZE  # byte offset of the next call's entry
         self.next = 0  # index of the next call to start
         self.unsent = bytearray()  # REPLY_ENTRY-framed answers for the next part
         self.tasks: list[asyncio.Task[tuple[bool, object]]] = []
@@ -821,6 +841,11 @@ class WorkerProtocol(asyncio.Protocol):
         backlog = self._backlog
         for kind, call_id, aux, payload in frames:
             if kind == _CALL or kind == _NOTIFY or kind == _CHUNK:
+                if len(payload) < _DEADLINE_SIZE:
+                    log.error("worker %d: bad frame from broker: a call with no deadline", self._slot)
+                    assert self._transport is not None
+                    self._transport.close()
+                    return False
                 backlog.append((kind, call_id, aux, payload))
             elif kind == _CANCEL:
                 self._cancel(call_id)
@@ -887,12 +912,7 @@ class WorkerProtocol(asyncio.Protocol):
                     self._winding.add(task)
                     self._chunk_answer(chunk, typing.cast("tuple[_Chunk, int, int]", where)[1], _ERROR, _CANCELLED)
                     chunk.waiting -= 1
-            while chunk.next < chunk.count:  # calls not started: answered cancelled
-                _index, flags, length = _CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
-                chunk.pos += _CALL_ENTRY.size + length
-                if not flags & wire.NOTIFY_FLAG:  # (a notification is owed no answer)
-                    self._chunk_answer(chunk, chunk.next, _ERROR, _CANCELLED)
-                chunk.next += 1
+            self._drop_unstarted(chunk)
             try:
                 self._backlog.remove(chunk)
             except ValueError:
@@ -904,6 +924,16 @@ class WorkerProtocol(asyncio.Protocol):
                 del self._backlog[i]
                 self._reply(_ERROR, call_id, _perf(), _CANCELLED)  # a whole chunk, too
                 return
+
+    def _drop_unstarted(self, chunk: _Chunk) -> None:
+        """Answer the calls of `chunk` not started yet as cancelled (`CANCEL_ACK`; a
+        notification is owed no answer): cancelled, or their deadline passed."""
+        while chunk.next < chunk.count:
+            _index, flags, length = _CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
+            chunk.pos += _CALL_ENTRY.size + length
+            if not flags & wire.NOTIFY_FLAG:
+                self._chunk_answer(chunk, chunk.next, _ERROR, _CANCELLED)
+            chunk.next += 1
 
     def _run(self) -> None:
         """Run waiting calls for up to `SLICE_SECONDS`, then write their replies. If
@@ -926,6 +956,11 @@ class WorkerProtocol(asyncio.Protocol):
                     backlog.popleft()
             else:
                 kind, call_id, aux, payload = typing.cast("tuple[int, int, int, bytes]", item)
+                call_deadline = _deadline_of(payload)[0]
+                if call_deadline <= _monotonic():  # answered -32001 by the broker (wire.py)
+                    backlog.popleft()
+                    self._reply(_ERROR, call_id, 0.0, _CANCELLED, _NOT_RUN)  # (a whole chunk, too)
+                    continue
                 if (
                     kind != _CHUNK and self._slow[min(aux, len(self._methods))]
                     and (self._tasks or any(chunk.waiting for chunk in self._chunks.values()))
@@ -937,7 +972,7 @@ class WorkerProtocol(asyncio.Protocol):
                     chunk = self._chunks[call_id] = _Chunk(call_id, aux, payload)
                     backlog.appendleft(chunk)
                     continue
-                self._call(call_id, aux, payload)
+                self._call(call_id, aux, payload[_DEADLINE_SIZE:], call_deadline)
             if backlog and _perf() > deadline:
                 self._run_scheduled = self._read_first = True
                 self._loop.call_soon(self._run)
@@ -984,9 +1019,12 @@ class WorkerProtocol(asyncio.Protocol):
             self._write_out()  # (the answers ready so far go first)
             self._transport.write(_BYE_FRAME)
 
-    def _execute(self, index: int, params: bytes) -> tuple[int, bytes] | asyncio.Task[tuple[bool, object]]:
+    def _execute(
+        self, index: int, params: bytes, deadline: float
+    ) -> tuple[int, bytes] | asyncio.Task[tuple[bool, object]]:
         """Run one call: (kind, body) for a sync handler or a failure, or the Task
-        running an async handler (its outcome comes from `_outcome`). Never raises."""
+        running an async handler (its outcome comes from `_outcome`; it starts only if
+        its first step comes by `deadline`, CLOCK_MONOTONIC s: `_guarded`). Never raises."""
         if _forked_from:  # (a child forked anywhere, a finalizer included, runs no call)
             _child_exits(None)
         try:
@@ -998,7 +1036,7 @@ class WorkerProtocol(asyncio.Protocol):
             _child_exits(None)
         try:
             if method.is_async:
-                task = self._loop.create_task(_guarded(method.fn, args, kwargs, self._finished))
+                task = self._loop.create_task(_guarded(method.fn, args, kwargs, self._finished, deadline))
                 if _forked_from:  # (3.12+, eager start: a child that awaited comes back here)
                     _child_exits(None)
                 return task
@@ -1035,20 +1073,20 @@ class WorkerProtocol(asyncio.Protocol):
                 ok, value = False, exc  # raised by the handler (_guarded lets that through)
             if ok:
                 return _RESULT, encode_result(value)
-            if by_broker and isinstance(value, asyncio.CancelledError):
+            if (by_broker and isinstance(value, asyncio.CancelledError)) or value is _PAST_DEADLINE:
                 return _ERROR, _CANCELLED
             return _ERROR, self._error(typing.cast(BaseException, value), index)
         except BaseException as exc:  # the result has no JSON form (or a hook raised)
             return _ERROR, self._error(exc, index)
 
-    def _call(self, call_id: int, index: int, params: bytes) -> None:
+    def _call(self, call_id: int, index: int, params: bytes, deadline: float) -> None:
         index = min(index, len(self._methods))  # (past the table: answered -32601)
         if self._slow[index] and (self._out or self._dirty):
             # This method's last call blocked the loop: what is ready goes out now, not
             # after it (fast calls read with it would wait for the slow one otherwise).
             self._write_out()
         t0 = _perf()
-        done = self._execute(index, params)
+        done = self._execute(index, params, deadline)
         if _forked_from:  # (forked while the result or error was encoded: a hook, a repr)
             _child_exits(None)
         if type(done) is tuple:
@@ -1113,9 +1151,15 @@ class WorkerProtocol(asyncio.Protocol):
             self._loop.call_soon(self._flush)
 
     def _advance(self, chunk: _Chunk, deadline: float) -> bool:
-        """Start a chunk's calls until `deadline` (perf_counter s); True once all have
-        started. Its answers so far go out as a CHUNK_PART, or as the CHUNK_REPLY
-        when none is left running."""
+        """Start a chunk's calls until `deadline` (perf_counter s) or the chunk's own,
+        past which the rest are answered as cancelled, unstarted (the broker answered
+        them -32001); True once all have started or been so answered. Its answers so far
+        go out as a CHUNK_PART, or as the CHUNK_REPLY when none is left running."""
+        left = chunk.deadline - _monotonic()
+        if left <= 0:
+            self._drop_unstarted(chunk)
+            self._dirty.add(chunk)
+            return True
         unpack = _CALL_ENTRY.unpack_from
         size = _CALL_ENTRY.size
         pack = _REPLY_ENTRY.pack
@@ -1125,6 +1169,8 @@ class WorkerProtocol(asyncio.Protocol):
         slow = self._slow
         unknown = len(self._methods)  # (answered "method not found")
         t0 = _perf()
+        if t0 + left < deadline:  # (then `_run` calls again, and the rest are answered above)
+            deadline = t0 + left
         while chunk.next < chunk.count:
             i = chunk.next
             try:
@@ -1143,7 +1189,7 @@ class WorkerProtocol(asyncio.Protocol):
             start = chunk.pos + size
             chunk.pos = start + length
             chunk.next += 1
-            done = self._execute(index, payload[start : start + length])
+            done = self._execute(index, payload[start : start + length], chunk.deadline)
             if _forked_from:  # (as in `_call`)
                 _child_exits(None)
             now = _perf()

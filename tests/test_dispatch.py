@@ -80,9 +80,15 @@ class RecordingChannel:
 
     def __init__(self) -> None:
         self.frames: list[tuple[int, int, int, bytes]] = []
+        self.deadlines: dict[int, float] = {}
 
     def send(self, kind: int, call_id: int, aux: int, payload: object) -> None:
         self.frames.append((kind, call_id, aux, bytes(payload)))  # type: ignore[call-overload]
+
+    def send_call(self, kind: int, call_id: int, aux: int, deadline: float, params: object) -> None:
+        """A call's frame: recorded as `send`'s, its deadline (CLOCK_MONOTONIC s) in `deadlines`."""
+        self.deadlines[call_id] = deadline
+        self.send(kind, call_id, aux, params)
 
     def take(self) -> list[tuple[int, int, int, bytes]]:
         frames, self.frames = self.frames, []
@@ -377,6 +383,54 @@ def test_late_replies_are_told_apart_cancel_acknowledgements_from_late_results()
         assert (d.late_cancelled_total, d.late_results_total) == (1 + 2 + 4, 1 + 1)
         assert d.metrics is not None and d.metrics.outcomes[0][ErrorCode.TIMED_OUT] == 2 + 3 + 4
         assert w.outstanding == 0
+
+    run(main)
+
+
+def test_each_call_goes_with_its_deadline_and_one_refused_past_it_is_answered_timed_out():
+    """Hostile testing (round 19): a CANCEL can wait behind other frames while the worker's
+    loop is held, and the call it cancels ran although answered -32001. Each CALL and
+    CHUNK now carries its deadline: the end of its tick, when the wheel answers it, less
+    the 1 ms by which a uvloop timer fires early. A worker that finds it passed answers
+    CANCEL_ACK, unrun; if that comes before the timer, the client gets what the timer
+    gives (its timeout in `data`), the other calls of a chunk their own answers."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        d = Dispatcher(loop, timeout=5.0, metrics=CallMetrics())
+        d.set_methods(["m"])
+        w = add_worker(d, 0, concurrency=100)
+        codec = Codec()
+        done: list[Exchange] = []
+        before = loop.time()
+        d.submit(body(codec, req("m", [1], "single")), done.append)
+        d.submit(body(codec, [req("m", [i], i) for i in range(3)]), done.append)
+        d.submit(body(codec, [req("m", [i], 10 + i) for i in range(3)]), done.append)
+        after = loop.time()
+        single, chunk, whole = w.channel.take()
+        assert (single[0], chunk[0], whole[0]) == (wire.Kind.CALL, wire.Kind.CHUNK, wire.Kind.CHUNK)
+        for frame in (single, chunk, whole):
+            deadline = w.channel.deadlines[frame[1]]
+            assert before + 5.0 - 0.001 <= deadline <= after + 5.0 + 0.01
+            tick = (deadline + 0.001) / 0.01
+            assert abs(tick - round(tick)) < 1e-6, deadline  # a tick's end, 1 ms early
+        ack = wire.CANCEL_ACK
+        d.on_reply(w, wire.Kind.ERROR, single[1], wire.NOT_RUN, ack)
+        entries = wire.REPLY_ENTRY.pack(0, wire.Kind.RESULT, 1) + b"7" + b"".join(
+            wire.REPLY_ENTRY.pack(i, wire.Kind.ERROR, len(ack)) + ack for i in (1, 2))
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 100, entries)
+        d.on_reply(w, wire.Kind.ERROR, whole[1], wire.NOT_RUN, ack)  # a whole chunk, unstarted
+        timed_out = {"code": -32001, "message": "Call timed out", "data": {"timeout_seconds": 5.0}}
+        assert len(done) == 3 and w.outstanding == 0
+        assert json.loads(done[0].body()) == {"jsonrpc": "2.0", "id": "single", "error": timed_out}
+        assert sorted(json.loads(done[1].body()), key=lambda a: a["id"]) == [
+            {"jsonrpc": "2.0", "id": 0, "result": 7},
+            {"jsonrpc": "2.0", "id": 1, "error": timed_out},
+            {"jsonrpc": "2.0", "id": 2, "error": timed_out},
+        ]
+        assert [a["error"] for a in json.loads(done[2].body())] == [timed_out] * 3
+        assert d.metrics is not None and d.metrics.outcomes[0][ErrorCode.TIMED_OUT] == 1 + 2 + 3
+        assert (d.late_cancelled_total, d.late_results_total) == (0, 0)
 
     run(main)
 

@@ -6,8 +6,10 @@ and a trailing partial frame must be held back until the rest arrives.
 
 from __future__ import annotations
 
+import math
 import os
 import random
+import struct
 
 import msgspec
 import pytest
@@ -15,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker import wire
-from broker.wire import HEADER_SIZE, FrameDecoder, FrameError, Kind, decode_hello, encode_frame
+from broker.wire import HEADER_SIZE, FrameDecoder, FrameError, Kind, decode_hello, encode_call, encode_frame
 
 Frame = tuple[int, int, int, bytes]
 
@@ -217,3 +219,15 @@ def test_decode_hello_round_trip():
 def test_decode_hello_rejects_bad_payloads(payload):
     with pytest.raises(FrameError, match="bad HELLO"):
         decode_hello(payload)
+
+
+def test_a_call_frame_carries_its_deadline_before_its_params():
+    """CALL, NOTIFY and CHUNK payloads start with the call's deadline, a big-endian f64
+    of CLOCK_MONOTONIC seconds (inf: none), packed with the header by `CALL_HEADER`."""
+    frame = encode_call(Kind.CALL, 7, 3, b"[1, 2]", 12345.5)
+    assert frame == wire.HEADER.pack(14, Kind.CALL, 7, 3) + struct.pack(">d", 12345.5) + b"[1, 2]"
+    assert wire.CALL_HEADER.size == HEADER_SIZE + wire.DEADLINE.size
+    [(kind, call_id, aux, payload), _] = FrameDecoder().feed(frame + encode_call(Kind.NOTIFY, 8, 0))
+    deadline = wire.DEADLINE.unpack_from(payload)[0]
+    assert (kind, call_id, aux, deadline, payload[8:]) == (Kind.CALL, 7, 3, 12345.5, b"[1, 2]")
+    assert wire.DEADLINE.unpack(encode_call(Kind.NOTIFY, 8, 0)[HEADER_SIZE:]) == (math.inf,)

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -445,6 +446,60 @@ def test_a_call_answered_timed_out_behind_an_async_step_that_holds_the_loop_neve
     status, _, raw = b.post(json.dumps(batch))
     assert status == 200
     assert [(a["id"], a.get("result", a.get("error", {}).get("code"))) for a in json.loads(raw)] == [(1, 1.5), (2, -32001)]
+    time.sleep(0.5)
+    assert not ledger.exists() or ledger.read_text() == ""
+
+
+def test_calls_answered_timed_out_whose_cancels_wait_behind_large_frames_never_run(broker_factory, tmp_path):
+    """Hostile testing (round 19): calls sent to a worker whose loop a sync call held, with
+    params of 300 kB each, were answered -32001 at their 0.5 s deadline and ran all the
+    same once the loop was free: their CANCELs waited in the broker's buffer behind those
+    frames, past what the worker's socket holds, so the worker read each call before its
+    CANCEL. Each call's frame now carries its deadline: the worker starts none past it."""
+    ledger = tmp_path / "ledger.txt"
+    b = broker_factory("--workers", "1", "--app", "tests.apps.ledger:registry", "--method-timeout", "record=0.5",
+                       "--timeout", "10", "--sync-prefetch", "20", "--cancel-grace", "5",
+                       env={"LEDGER_FILE": str(ledger)})
+    assert b.call("record", ["warm"])["result"] == 1
+    answers: dict[str, dict] = {}
+
+    def ask(name: str, method: str, params: list) -> None:
+        answers[name] = b.call(method, params, timeout=20)
+
+    holder = threading.Thread(target=ask, args=("hold", "hold", [2.0]))
+    holder.start()
+    time.sleep(0.3)  # (the worker is in it: the calls below wait behind it, on the worker)
+    callers = [threading.Thread(target=ask, args=(f"r{i}", "record", [f"r{i} " + "y" * 300_000])) for i in range(6)]
+    for t in callers:
+        t.start()
+    for t in [holder, *callers]:
+        t.join(20)
+    assert answers["hold"].get("result") == 2.0, answers["hold"]
+    assert {name: a.get("error", {}).get("code") for name, a in answers.items() if name != "hold"} == {
+        f"r{i}": -32001 for i in range(6)
+    }
+    assert answers["r0"]["error"]["data"] == {"timeout_seconds": 0.5}
+    time.sleep(1.0)  # (a call that was to run after the hold has run by now)
+    assert [line[:3] for line in ledger.read_text().splitlines()] == ["war"]
+    assert b.call("record", ["later"])["result"] == 2
+
+
+def test_an_async_call_whose_first_step_comes_past_its_deadline_never_runs(broker_factory, tmp_path):
+    """An async call's task was made before its deadline, then a sync call known to be fast
+    (so nothing yields to the task first) held the loop for 1 s: the task's first step
+    came after the call was answered -32001, before the loop read its CANCEL, and the
+    handler ran. It starts only by its deadline now."""
+    ledger = tmp_path / "ledger.txt"
+    b = broker_factory("--workers", "1", "--app", "tests.apps.ledger:registry", "--method-timeout", "record_async=0.3",
+                       "--cancel-grace", "5", env={"LEDGER_FILE": str(ledger)})
+    for _ in range(3):  # (hold is learnt fast: it is sent beside other calls, and run without a yield)
+        assert b.call("hold", [0])["result"] == 0
+    batch = [{"jsonrpc": "2.0", "method": "record_async", "params": ["X"], "id": 1},
+             {"jsonrpc": "2.0", "method": "hold", "params": [1.0], "id": 2}]
+    status, _, raw = b.post(json.dumps(batch))
+    assert status == 200
+    assert sorted((a["id"], a.get("result", a.get("error", {}).get("code"))) for a in json.loads(raw)) == [
+        (1, -32001), (2, 1.0)]
     time.sleep(0.5)
     assert not ledger.exists() or ledger.read_text() == ""
 

@@ -11,6 +11,7 @@ import decimal
 import enum
 import inspect
 import json
+import math
 import os
 import socket
 import time
@@ -25,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker import demo, wire
-from broker.wire import CANCEL_ACK, HEADER, FrameDecoder, Kind, decode_hello, encode_frame
+from broker.wire import CANCEL_ACK, HEADER, FrameDecoder, Kind, decode_hello, encode_call, encode_frame
 from broker.worker import (
     InvalidJson,
     InvalidParams,
@@ -679,7 +680,7 @@ class Broker:
         self.hello = b""
 
     def call(self, call_id: int, method: str, params: bytes = b"", kind: int = Kind.CALL) -> bytes:
-        return encode_frame(kind, call_id, INDEX[method], params)
+        return encode_call(kind, call_id, INDEX[method], params)
 
     def send(self, *frames: bytes) -> None:
         self.writer.write(b"".join(frames))
@@ -779,10 +780,10 @@ def test_demo_registry_over_the_wire(run):
 
     async def test(proto: WorkerProtocol, b: Broker) -> None:
         b.send(
-            encode_frame(Kind.CALL, 1, index["subtract"], b"[42, 23]"),
-            encode_frame(Kind.CALL, 2, index["sum"], b"[1, 2, 4]"),
-            encode_frame(Kind.CALL, 3, index["echo"], b'{"k":  [1.50]}'),
-            encode_frame(Kind.CALL, 4, index["sleep"], b"[-1]"),
+            encode_call(Kind.CALL, 1, index["subtract"], b"[42, 23]"),
+            encode_call(Kind.CALL, 2, index["sum"], b"[1, 2, 4]"),
+            encode_call(Kind.CALL, 3, index["echo"], b'{"k":  [1.50]}'),
+            encode_call(Kind.CALL, 4, index["sleep"], b"[-1]"),
         )
         replies = {f[1]: f for f in await b.read(4)}
         assert replies[1][3] == b"19" and replies[2][3] == b"7"
@@ -880,7 +881,7 @@ def test_too_deep_params_and_unknown_method_index(run):
     async def test(proto: WorkerProtocol, b: Broker) -> None:
         b.send(
             b.call(1, "add_ints", nest(5)),
-            encode_frame(Kind.CALL, 2, len(INDEX), b"[]"),
+            encode_call(Kind.CALL, 2, len(INDEX), b"[]"),
         )
         f1, f2 = await b.read(2)
         assert error(f1) == {"code": -32600, "message": "Invalid Request", "data": "params nest deeper than max_depth 4"}
@@ -1174,12 +1175,12 @@ def test_system_exit_in_a_handler_is_an_error_not_a_dead_worker(run):
 # --- CHUNK frames (several calls of a batch in one frame) --------------------------------
 
 
-def chunk_frame(chunk_id: int, calls: list[tuple[str, bytes, bool]]) -> bytes:
-    """A CHUNK frame: (method, params, notification) per call."""
+def chunk_frame(chunk_id: int, calls: list[tuple[str, bytes, bool]], deadline: float = math.inf) -> bytes:
+    """A CHUNK frame: (method, params, notification) per call, and their `deadline`."""
     payload = b"".join(
         wire.CALL_ENTRY.pack(INDEX[m], wire.NOTIFY_FLAG if note else 0, len(p)) + p for m, p, note in calls
     )
-    return encode_frame(Kind.CHUNK, chunk_id, len(calls), payload)
+    return encode_call(Kind.CHUNK, chunk_id, len(calls), payload, deadline)
 
 
 def chunk_answers(frames: list[Frame]) -> dict[int, tuple[int, bytes]]:
@@ -1230,6 +1231,60 @@ def test_a_slow_chunk_sends_its_answers_in_parts(run):
         frames, answers = await read_chunk(b, 4)
         assert sorted(answers) == [0, 1, 2, 3]
         assert [f[0] for f in frames].count(Kind.CHUNK_PART) >= 1
+
+    run(test)
+
+
+def test_calls_whose_deadline_passed_are_answered_cancelled_and_never_run(run):
+    """Hostile testing (round 19): a CANCEL can come long after its call's frame (behind
+    other frames, in the broker's buffer, while this loop is held), and the call ran
+    although answered -32001. Each call's frame carries its deadline (wire.py): a call,
+    notification or chunk found past it is answered CANCEL_ACK, unrun (aux NOT_RUN), and
+    the calls sent with a deadline to come run as ever."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        past = time.monotonic() - 0.001
+        b.send(
+            encode_call(Kind.CALL, 1, INDEX["add_ints"], b"[1, 2]", past),
+            encode_call(Kind.NOTIFY, 2, INDEX["add_ints"], b"[1, 2]", past),
+            chunk_frame(3, [("add_ints", b"[1, 2]", False)] * 3, past),
+            encode_call(Kind.CALL, 4, INDEX["add_ints"], b"[2, 2]", time.monotonic() + 60),
+            b.call(5, "add_ints", b"[3, 3]"),  # (no deadline: inf)
+        )
+        frames = await b.read(5)
+        assert [(f[0], f[1], f[2], f[3]) for f in frames[:3]] == [
+            (Kind.ERROR, call_id, wire.NOT_RUN, CANCEL_ACK) for call_id in (1, 2, 3)
+        ]
+        assert (frames[3][1], result(frames[3]), frames[4][1], result(frames[4])) == (4, 4, 5, 6)
+        await b.nothing_more()
+
+    run(test)
+
+
+def test_a_chunks_calls_not_started_by_its_deadline_are_answered_cancelled(run):
+    """A chunk's calls share its deadline: those not started by then are answered
+    CANCEL_ACK (a notification nothing), the ones started before it as ever."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        calls = [("spin", b"[0.6]", False), ("add_ints", b"[1, 2]", False), ("add_ints", b"[1, 2]", True),
+                 ("add_ints", b"[2, 2]", False)]
+        b.send(chunk_frame(7, calls, time.monotonic() + 0.3))
+        frames, answers = await read_chunk(b, 7)
+        assert answers == {0: (Kind.RESULT, b"0.6"), 1: (Kind.ERROR, CANCEL_ACK), 3: (Kind.ERROR, CANCEL_ACK)}
+        assert frames[-1][2] != wire.NOT_RUN  # (a handler of it ran)
+        await b.nothing_more()
+
+    run(test)
+
+
+def test_an_async_call_whose_first_step_comes_past_its_deadline_is_answered_cancelled(run):
+    """An async call's task made before its deadline, whose first step a sync call after
+    it held past it: answered CANCEL_ACK, its handler never run (`_guarded`)."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(chunk_frame(8, [("nap", b"[0]", False), ("spin", b"[0.5]", False)], time.monotonic() + 0.2))
+        _, answers = await read_chunk(b, 8)
+        assert answers == {0: (Kind.ERROR, CANCEL_ACK), 1: (Kind.RESULT, b"0.5")}
 
     run(test)
 
@@ -1297,8 +1352,8 @@ def test_hello_lists_an_async_handler_behind_a_decorator_as_async(run):
         assert "wrapped_nap" not in sync and "nap" not in sync
         assert {"pid", "raw", "returns_coroutine"} <= sync
         index = {m.name: i for i, m in enumerate(answers.registry.methods())}
-        b.send(encode_frame(Kind.CALL, 1, index["wrapped_nap"], b"[0]"),
-               encode_frame(Kind.CALL, 2, index["returns_coroutine"], b"[0]"))
+        b.send(encode_call(Kind.CALL, 1, index["wrapped_nap"], b"[0]"),
+               encode_call(Kind.CALL, 2, index["returns_coroutine"], b"[0]"))
         assert sorted((f[0], f[1], f[3]) for f in await b.read(2)) == [(Kind.RESULT, 1, b"0.0"), (Kind.RESULT, 2, b"0.0")]
 
     run(test, registry=answers.registry)

@@ -18,6 +18,12 @@ def record(mark: str) -> int:
 
 
 @registry.method
+async def record_async(mark: str) -> int:
+    """`record`, as an async handler."""
+    return record(mark)
+
+
+@registry.method
 def hold(seconds: float) -> float:
     """Block the worker (a sync call) for `seconds`."""
     import time
