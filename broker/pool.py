@@ -674,6 +674,17 @@ class Pool:
     def hello(self, channel: WorkerChannel, hello: wire.Hello) -> Worker:
         """Bind a new connection to its worker slot; raises `wire.FrameError` if it
         does not match a worker we started (wrong slot or pid, other methods)."""
+        if hello.wire != wire.VERSION:
+            problem = (
+                f"worker {hello.slot} (pid {hello.pid}) speaks wire version {hello.wire}, this broker"
+                f" {wire.VERSION}: rpc-broker's own code changed on disk under the running broker (an"
+                " upgrade in place?); restart the broker to run it (a reload cannot cross it)"
+            )
+            if self._starting and not self._boot_failure.done():  # (the start fails saying so)
+                self._boot_failure.set_result(problem)
+            elif self.incoming and not self._incoming_error:  # (the reload fails saying so)
+                self._incoming_error = problem
+            raise wire.FrameError(problem)
         if not 0 <= hello.slot < self.size:
             raise wire.FrameError(f"HELLO from unknown slot {hello.slot}")
         names = [m.name for m in hello.methods]

@@ -13,7 +13,7 @@ is a frame with a fixed 17-byte header, all integers big-endian:
 Kinds, who sends them, and what `aux` and the payload hold:
 
     HELLO   worker → broker  aux 0; payload: JSON `Hello` (pid, slot, methods, concurrency,
-                             which methods are sync)
+                             which methods are sync, the wire version it speaks)
     CALL    broker → worker  aux: method index (its place in HELLO's list);
                              payload: the call's deadline (`DEADLINE`), then the
                              request's raw JSON params (none if absent)
@@ -90,6 +90,7 @@ __all__ = [
     "NOTIFY_FLAG",
     "NOT_RUN",
     "REPLY_ENTRY",
+    "VERSION",
     "FrameDecoder",
     "FrameError",
     "Hello",
@@ -136,6 +137,10 @@ NOT_RUN = 0xFFFFFFFF
 # dropped it unstarted): byte for byte, so the broker recognises it (late replies).
 CANCEL_ACK = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")
 _KINDS = frozenset(int(k) for k in Kind)
+# This format's version, in HELLO: 2 since calls carry their deadline; a HELLO without one
+# is version 1's. A worker started from code upgraded in place under a running broker (a
+# SIGHUP after `pip install -U`) speaks another, and is refused with a message saying so.
+VERSION = 2
 
 
 class MethodInfo(msgspec.Struct, frozen=True):
@@ -156,6 +161,7 @@ class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         runs on the worker's event loop and blocks the whole process until it returns,
         so the broker routes around a worker busy in one (`Dispatcher`). Optional: a
         HELLO without it (an older worker) says every method is async.
+    wire: the version of this format the worker speaks (`VERSION`; 1 if absent).
     """
 
     pid: int
@@ -163,6 +169,7 @@ class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     methods: list[MethodInfo]
     concurrency: int
     sync_methods: list[str] = []
+    wire: int = 1
 
 
 class FrameError(Exception):

@@ -793,6 +793,7 @@ class WorkerProtocol(asyncio.Protocol):
             ],
             concurrency=self._concurrency,
             sync_methods=[m.name for m in self._methods if not m.is_async],
+            wire=wire.VERSION,
         )
         self._hello = msgspec.json.encode(hello)
         return self._hello

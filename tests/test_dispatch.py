@@ -802,6 +802,7 @@ def test_the_worker_hello_names_its_sync_methods():
         assert "sleep" in names and sorted(hello.sync_methods) == sorted(n for n in names if n != "sleep")
         old = json.dumps({"pid": 1, "slot": 0, "methods": [{"name": "add"}], "concurrency": 1}).encode()
         assert wire.decode_hello(old).sync_methods == []
+        assert (hello.wire, wire.decode_hello(old).wire) == (wire.VERSION, 1)  # (no version: 1's)
 
     run(main)
 

@@ -120,6 +120,41 @@ def test_a_failed_reload_respawns_nothing_and_is_counted(broker_factory, tmp_pat
     assert restarts(b) == 2
 
 
+def test_a_reload_to_workers_of_another_wire_version_fails_saying_why(broker_factory, tmp_path: Path) -> None:
+    """rpc-broker upgraded in place under a running broker (`pip install -U`, then SIGHUP):
+    the reload's workers run the new code, whose frames the running broker reads otherwise
+    (calls carry their deadline since wire version 2). Their HELLO names their version:
+    the reload fails, saying so and what to do, and the old workers serve on."""
+    version = tmp_path / "wire.txt"
+    b = broker_factory("--workers", "1", "--app", "tests.apps.other_wire:registry",
+                       env={"OTHER_WIRE_FILE": str(version)})
+    assert b.call("add", [1, 2])["result"] == 3
+    old = children(b.pid)
+    version.write_text("3")
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="failure") == 1, timeout=30)
+    log = b.read_log(0.1)
+    assert "reload failed: worker 0 (pid" in log and "speaks wire version 3, this broker 2" in log, log
+    assert "restart the broker to run it" in log, log
+    assert b.call("add", [2, 2])["result"] == 4
+    wait_for(lambda: children(b.pid) == old, timeout=10)
+
+
+def test_workers_of_another_wire_version_are_a_boot_failure_that_says_so(tmp_path: Path) -> None:
+    version = tmp_path / "wire.txt"
+    version.write_text("1")
+    try:
+        start_broker("--workers", "1", "--app", "tests.apps.other_wire:registry",
+                     env={"OTHER_WIRE_FILE": str(version)}, timeout=60)
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("the broker started")
+    assert message.startswith("broker exited with 3:"), message
+    assert "worker 0 (pid" in message and "speaks wire version 1, this broker 2" in message, message
+    assert "could not load app" not in message, message
+
+
 def alive(pid: int) -> bool:
     """True while `pid` runs (a zombie waiting for its reaper counts as gone)."""
     try:
