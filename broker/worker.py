@@ -673,6 +673,8 @@ async def _guarded(
     if _forked_from:  # (a child the loop went on in: not past its trap, `_trap_loop_return`)
         _child_exits(None)
     if deadline <= _monotonic():
+        if fn is _identity and type(args[0]) is _COROUTINE:  # (a sync handler's: never awaited now)
+            typing.cast("typing.Coroutine[object, object, object]", args[0]).close()
         return False, _PAST_DEADLINE
     try:
         value = fn(*args, **kwargs)
@@ -1024,8 +1026,12 @@ class WorkerProtocol(asyncio.Protocol):
         self, index: int, params: bytes, deadline: float
     ) -> tuple[int, bytes] | asyncio.Task[tuple[bool, object]]:
         """Run one call: (kind, body) for a sync handler or a failure, or the Task
-        running an async handler (its outcome comes from `_outcome`; it starts only if
-        its first step comes by `deadline`, CLOCK_MONOTONIC s: `_guarded`). Never raises."""
+        running an async handler (its outcome comes from `_outcome`). Never raises.
+
+        No handler starts past `deadline` (CLOCK_MONOTONIC s, the call's: wire.py): a sync
+        one is checked once its params are bound (binding megabytes of them takes a large
+        part of a second: hostile testing, round 20), an async one at its task's first
+        step (`_guarded`), a sync one's coroutine too; (_UNRUN, CANCEL_ACK) then."""
         if _forked_from:  # (a child forked anywhere, a finalizer included, runs no call)
             _child_exits(None)
         try:
@@ -1035,6 +1041,8 @@ class WorkerProtocol(asyncio.Protocol):
             return _UNRUN, self._error(exc, index)
         if _forked_from:  # (forked while the params were decoded: a __post_init__; round 10)
             _child_exits(None)
+        if deadline <= _monotonic():  # (the broker answered it -32001 meanwhile)
+            return _UNRUN, _CANCELLED
         try:
             if method.is_async:
                 task = self._loop.create_task(_guarded(method.fn, args, kwargs, self._finished, deadline))
@@ -1051,7 +1059,7 @@ class WorkerProtocol(asyncio.Protocol):
                     raise
             # A sync handler that returned a coroutine (a decorator `_is_async` could
             # not see through): run it as an async one's.
-            return self._loop.create_task(_guarded(_identity, (result,), {}, self._finished))
+            return self._loop.create_task(_guarded(_identity, (result,), {}, self._finished, deadline))
         except BaseException as exc:  # one ERROR reply, the worker lives on
             if _forked_from:  # (a child that raised, sys.exit() included)
                 _child_exits(exc)

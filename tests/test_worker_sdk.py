@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 
 import msgspec
 import numpy as np
@@ -665,6 +665,31 @@ def exits() -> None:
     raise SystemExit(3)
 
 
+@dataclasses.dataclass
+class SlowToBind:
+    """A param whose binding takes `seconds` (its __post_init__), as megabytes of params do."""
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        time.sleep(self.seconds)
+
+
+@registry.method
+def bound_slowly(p: SlowToBind) -> str:
+    return "ran"
+
+
+NAPS_RETURNED: list[Coroutine[object, object, float]] = []
+
+
+@registry.method
+def returns_nap(seconds: float) -> object:
+    """A sync handler that returns a coroutine (a decorator without functools.wraps)."""
+    NAPS_RETURNED.append(coroutine := nap(seconds))
+    return coroutine
+
+
 INDEX = {m.name: i for i, m in enumerate(registry.methods())}
 Frame = tuple[int, int, int, bytes]
 
@@ -1285,6 +1310,30 @@ def test_an_async_call_whose_first_step_comes_past_its_deadline_is_answered_canc
         b.send(chunk_frame(8, [("nap", b"[0]", False), ("spin", b"[0.5]", False)], time.monotonic() + 0.2))
         _, answers = await read_chunk(b, 8)
         assert answers == {0: (Kind.ERROR, CANCEL_ACK), 1: (Kind.RESULT, b"0.5")}
+
+    run(test)
+
+
+def test_no_handler_starts_past_its_deadline_after_a_slow_bind_or_as_a_sync_handlers_coroutine(run):
+    """Hostile testing (round 20): the deadline was checked before the params were bound,
+    and binding 6 MB of them took 0.6 s: the handler started 0.4 s after its -32001. Nor
+    was the coroutine a sync handler returns held to it. Each is answered CANCEL_ACK now,
+    unrun (aux NOT_RUN for the bind), its coroutine closed unawaited."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        soon = time.monotonic() + 0.1
+        b.send(encode_call(Kind.CALL, 1, INDEX["bound_slowly"], b'[{"seconds": 0.3}]', soon),
+               encode_call(Kind.CALL, 2, INDEX["bound_slowly"], b'[{"seconds": 0}]', time.monotonic() + 60))
+        refused, ran = await b.read(2)
+        assert (refused, (ran[0], ran[1], ran[3])) == ((Kind.ERROR, 1, wire.NOT_RUN, CANCEL_ACK), (Kind.RESULT, 2, b'"ran"'))
+        b.send(chunk_frame(3, [("bound_slowly", b'[{"seconds": 0.3}]', False), ("add_ints", b"[1, 2]", False)],
+                           time.monotonic() + 0.1))
+        _, answers = await read_chunk(b, 3)
+        assert answers == {0: (Kind.ERROR, CANCEL_ACK), 1: (Kind.ERROR, CANCEL_ACK)}
+        b.send(chunk_frame(4, [("returns_nap", b"[0]", False), ("spin", b"[0.5]", False)], time.monotonic() + 0.2))
+        _, answers = await read_chunk(b, 4)
+        assert answers == {0: (Kind.ERROR, CANCEL_ACK), 1: (Kind.RESULT, b"0.5")}
+        assert inspect.getcoroutinestate(NAPS_RETURNED[-1]) == inspect.CORO_CLOSED  # (not "never awaited")
 
     run(test)
 
