@@ -114,6 +114,17 @@ _LISTENER_NAMES = {
 }  # fmt: skip
 
 
+def _banner(line: str) -> None:
+    """Print a start-up banner `line` to stderr. Its reader may be gone (`2>&1 | head -1`
+    took an earlier line): the broker serves on, as it does when its log lines find no
+    reader (logging drops them); the BrokenPipeError ended the start with exit 1 and left
+    the socket directory behind (hostile testing, round 20)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -369,20 +380,17 @@ async def run(
             frontends.append(fe)
         dispatcher.outgoing.on_full = lambda: shed_outgoing(dispatcher.outgoing, frontends)
         host, port = servers[0].sockets[0].getsockname()[:2]
-        print(
+        _banner(
             f"rpc-broker: serving JSON-RPC on {_url(host, port)}{config.rpc_path}"
-            f" with {pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app})",
-            file=sys.stderr,
-            flush=True,
+            f" with {pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app}, pid {os.getpid()})"
         )
         for fe, server in zip(frontends, servers):
             if isinstance(fe, StreamFrontend):
                 name = server.sockets[0].getsockname()
                 shown = f"unix://{name}" if fe.transport == "unix" else _url(*name[:2]).replace("http", "tcp", 1)
-                print(f"rpc-broker: serving NDJSON JSON-RPC on {shown}", file=sys.stderr, flush=True)
+                _banner(f"rpc-broker: serving NDJSON JSON-RPC on {shown}")
             elif fe.metrics is not None:
-                print(f"rpc-broker: metrics on {_url(*server.sockets[0].getsockname()[:2])}/metrics",
-                      file=sys.stderr, flush=True)
+                _banner(f"rpc-broker: metrics on {_url(*server.sockets[0].getsockname()[:2])}/metrics")
         if started is not None:
             started.set_result((host, port))
         await stop.wait()

@@ -1158,3 +1158,46 @@ def test_a_worker_stuck_in_a_sync_call_is_killed_in_time_whatever_async_calls_it
         assert nap.result(60)["error"]["code"] == -32002, "the stuck worker was not killed at cancel_grace"
         assert time.monotonic() - started < 15
     wait_for(lambda: "result" in b.call("pid", timeout=5), timeout=30)  # (replaced, after its backoff)
+
+
+def test_a_broker_whose_stderr_reader_is_gone_serves_and_stops_cleanly(tmp_path):
+    """Hostile testing (round 20): with its stderr a pipe whose reader was gone before the
+    start-up banner (`2>&1 | head -1` took an earlier line), printing the banner raised
+    BrokenPipeError: the start ended with exit 1, saying nothing, and left its socket
+    directory and stream socket behind. It serves on now, as it does when a log line finds
+    no reader, and stops as ever."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "s.sock"
+    sockets = tmp_path / "run"
+    sockets.mkdir()
+    reader, writer = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", "--workers", "1",
+         "--stream-socket", str(path), "--socket-dir", str(sockets)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=writer,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    os.close(writer)
+    os.close(reader)  # (before any line: each write to it fails, EPIPE)
+    try:
+        def answered() -> bool:
+            assert proc.poll() is None, f"the broker exited with {proc.returncode}"
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.settimeout(10)
+                    s.connect(str(path))
+                    s.sendall(b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}\n')
+                    return s.recv(4096) == b'{"jsonrpc":"2.0","id":1,"result":3}\n'
+            except OSError:
+                return False
+
+        wait_for(answered, timeout=60, interval=0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not path.exists() and list(sockets.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
