@@ -124,6 +124,7 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 STABLE_SECONDS = 30.0  # a worker up this long resets its slot's backoff
 BOOT_TIMEOUT_SECONDS = 60.0  # default of boot_timeout: a worker with no HELLO by then is killed
 CODE_CHANGED = "code changed on disk"  # kill_reason of a restarted worker whose HELLO was refused
+WIRE_MISMATCH = "another wire version"  # kill_reason of a restarted worker whose HELLO was (`Pool.wire_mismatch`)
 SUPERSEDED = "superseded by the reload"  # kill_reason of one refused so during a reload (`Pool.hello`)
 KILL_AFTER_SECONDS = 2.0  # a worker whose socket closed but lives on is killed after
 
@@ -246,6 +247,11 @@ class WorkerChannel(asyncio.Protocol):
             elif kind == _HELLO and worker is None:
                 try:
                     worker = self.worker = self._pool.hello(self, wire.decode_hello(payload))
+                except wire.WireMismatch as exc:
+                    log.error("rejected a worker connection: %s", exc)
+                    self._pool.wire_mismatch(exc)
+                    self.close()
+                    return
                 except CodeChanged as exc:  # (expected, and healed by the reload: logged as WARNING)
                     log.info("closing the connection of %s", exc)
                     self.close()
@@ -566,6 +572,12 @@ class Pool:
             else:  # (a new worker of a reload that failed, stopped with the others)
                 log.info("reload: new worker %d (pid %d) stopped, the reload failed: %s", worker.slot, worker.pid, reason)
             return
+        if worker.kill_reason.startswith(WIRE_MISMATCH):  # its HELLO was refused (`wire_mismatch`)
+            self._count_restart(restart_reason(status, "", left))
+            log.error("worker slot %d stays down, not restarted: %s", worker.slot, worker.kill_reason)
+            if not self.dispatcher.ready_workers and not self._worker_coming():
+                self.dispatcher.no_worker_coming()
+            return
         if worker.kill_reason.startswith(CODE_CHANGED):  # its HELLO was refused (`hello`)
             self._count_restart("code_changed")
             log.warning("worker %d (pid %d) %s; not restarted: the reload asked for replaces it",
@@ -674,17 +686,6 @@ class Pool:
     def hello(self, channel: WorkerChannel, hello: wire.Hello) -> Worker:
         """Bind a new connection to its worker slot; raises `wire.FrameError` if it
         does not match a worker we started (wrong slot or pid, other methods)."""
-        if hello.wire != wire.VERSION:
-            problem = (
-                f"worker {hello.slot} (pid {hello.pid}) speaks wire version {hello.wire}, this broker"
-                f" {wire.VERSION}: rpc-broker's own code changed on disk under the running broker (an"
-                " upgrade in place?); restart the broker to run it (a reload cannot cross it)"
-            )
-            if self._starting and not self._boot_failure.done():  # (the start fails saying so)
-                self._boot_failure.set_result(problem)
-            elif self.incoming and not self._incoming_error:  # (the reload fails saying so)
-                self._incoming_error = problem
-            raise wire.FrameError(problem)
         if not 0 <= hello.slot < self.size:
             raise wire.FrameError(f"HELLO from unknown slot {hello.slot}")
         names = [m.name for m in hello.methods]
@@ -724,6 +725,23 @@ class Pool:
         self.dispatcher.worker_ready(worker)
         self._changed.set()
         return worker
+
+    def wire_mismatch(self, exc: wire.WireMismatch) -> None:
+        """A HELLO of another wire version (`wire.WireMismatch`) was refused: the start
+        fails saying so, or the reload; a restarted worker's slot stays down, not
+        restarted in a loop (each restart imports the same code: hostile testing, round
+        21, 12 refusals in 12 s, the slot never back). Restarting the broker heals it."""
+        problem = str(exc)
+        if self._starting and not self._boot_failure.done():
+            self._boot_failure.set_result(problem)
+            return
+        new = self.incoming[exc.slot] if self.incoming and 0 <= exc.slot < len(self.incoming) else None
+        if new is not None and new.pid == exc.pid:
+            self._incoming_error = self._incoming_error or problem
+            return
+        worker = self.workers[exc.slot] if 0 <= exc.slot < self.size else None
+        if worker is not None and worker.pid == exc.pid:
+            worker.kill_reason = f"{WIRE_MISMATCH}: {problem}"
 
     def _hello_incoming(self, channel: WorkerChannel, worker: Worker, names: list[str], hello: wire.Hello) -> Worker:
         """HELLO from a new worker of a reload: READY, but it takes calls only at the

@@ -96,6 +96,7 @@ __all__ = [
     "Hello",
     "Kind",
     "MethodInfo",
+    "WireMismatch",
     "decode_hello",
     "encode_call",
     "encode_frame",
@@ -161,7 +162,8 @@ class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         runs on the worker's event loop and blocks the whole process until it returns,
         so the broker routes around a worker busy in one (`Dispatcher`). Optional: a
         HELLO without it (an older worker) says every method is async.
-    wire: the version of this format the worker speaks (`VERSION`; 1 if absent).
+    wire: the version of this format the worker speaks (`VERSION`; a HELLO without it is
+        version 1's, refused by `decode_hello` before this struct is decoded).
     """
 
     pid: int
@@ -169,11 +171,34 @@ class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     methods: list[MethodInfo]
     concurrency: int
     sync_methods: list[str] = []
-    wire: int = 1
+    wire: int = VERSION
 
 
 class FrameError(Exception):
     """The peer sent bytes that are not a valid frame; the connection must close."""
+
+
+class WireMismatch(FrameError):
+    """A HELLO of another version of this format (`VERSION`): the worker runs other
+    rpc-broker code than the broker (upgraded in place under it). pid, slot, version: the
+    worker's, as its HELLO gives them."""
+
+    def __init__(self, pid: int, slot: int, version: int) -> None:
+        self.pid, self.slot, self.version = pid, slot, version
+        super().__init__(
+            f"worker {slot} (pid {pid}) speaks wire version {version}, this broker {VERSION}: rpc-broker's"
+            " own code changed on disk under the running broker (an upgrade in place?); restart the"
+            " broker to run it (a reload cannot cross it)"
+        )
+
+
+class _Greeting(msgspec.Struct):
+    """What every version's HELLO holds, read first, whatever else it holds (unknown
+    fields allowed): a HELLO of another version is refused as that, not as malformed."""
+
+    pid: int = 0
+    slot: int = -1
+    wire: int = 1
 
 
 def encode_frame(kind: int, call_id: int, aux: int = 0, payload: bytes = b"") -> bytes:
@@ -255,11 +280,16 @@ class FrameDecoder:
 
 
 def decode_hello(payload: bytes) -> Hello:
-    """Decode a HELLO payload; raises `FrameError` if it is not a valid `Hello`."""
+    """Decode a HELLO payload; raises `WireMismatch` for one of another version (whatever
+    fields it has), else `FrameError` if it is not a valid `Hello`."""
     try:
+        greeting = _greeting_decoder.decode(payload)
+        if greeting.wire != VERSION:
+            raise WireMismatch(greeting.pid, greeting.slot, greeting.wire)
         return _hello_decoder.decode(payload)
     except msgspec.MsgspecError as exc:
         raise FrameError(f"bad HELLO: {exc}") from None
 
 
+_greeting_decoder = msgspec.json.Decoder(_Greeting)
 _hello_decoder = msgspec.json.Decoder(Hello)

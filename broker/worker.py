@@ -673,8 +673,12 @@ async def _guarded(
     if _forked_from:  # (a child the loop went on in: not past its trap, `_trap_loop_return`)
         _child_exits(None)
     if deadline <= _monotonic():
-        if fn is _identity and type(args[0]) is _COROUTINE:  # (a sync handler's: never awaited now)
-            typing.cast("typing.Coroutine[object, object, object]", args[0]).close()
+        if fn is _identity:  # what a sync handler returned: never awaited now
+            awaitable = args[0]
+            if type(awaitable) is _COROUTINE:
+                typing.cast("typing.Coroutine[object, object, object]", awaitable).close()
+            elif isinstance(awaitable, asyncio.Future):  # (a Task it made runs from then on, on its
+                awaitable.cancel()  # own: cancelled, as an async handler's, at its next await)
         return False, _PAST_DEADLINE
     try:
         value = fn(*args, **kwargs)

@@ -800,9 +800,11 @@ def test_the_worker_hello_names_its_sync_methods():
         assert kind == wire.Kind.HELLO and (hello.slot, hello.concurrency) == (3, 7)
         names = [m.name for m in hello.methods]
         assert "sleep" in names and sorted(hello.sync_methods) == sorted(n for n in names if n != "sleep")
-        old = json.dumps({"pid": 1, "slot": 0, "methods": [{"name": "add"}], "concurrency": 1}).encode()
-        assert wire.decode_hello(old).sync_methods == []
-        assert (hello.wire, wire.decode_hello(old).wire) == (wire.VERSION, 1)  # (no version: 1's)
+        assert hello.wire == wire.VERSION
+        plain = {"pid": 1, "slot": 0, "methods": [{"name": "add"}], "concurrency": 1}
+        assert wire.decode_hello(json.dumps({**plain, "wire": wire.VERSION}).encode()).sync_methods == []
+        with pytest.raises(wire.WireMismatch, match="speaks wire version 1,"):  # (no version: 1's)
+            wire.decode_hello(json.dumps(plain).encode())
 
     run(main)
 

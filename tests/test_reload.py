@@ -140,6 +140,26 @@ def test_a_reload_to_workers_of_another_wire_version_fails_saying_why(broker_fac
     wait_for(lambda: children(b.pid) == old, timeout=10)
 
 
+def test_a_restarted_worker_of_another_wire_version_leaves_its_slot_down(broker_factory, tmp_path: Path) -> None:
+    """Hostile testing (round 21): a worker restarted after a crash, importing rpc-broker
+    upgraded in place, was refused and restarted again, in a loop (12 refusals in 12 s).
+    Its slot stays down now, saying why; the other slots serve on."""
+    version = tmp_path / "wire.txt"
+    b = broker_factory("--workers", "2", "--app", "tests.apps.other_wire:registry",
+                       env={"OTHER_WIRE_FILE": str(version)})
+    workers = children(b.pid)
+    assert len(workers) == 2
+    version.write_text("3")
+    victim = min(workers)
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: "stays down, not restarted" in b.read_log(0.05), timeout=30)
+    time.sleep(1.0)  # (a restart would have come by now: the first backoff is 0.1 s)
+    log = b.read_log(0.1)
+    assert log.count("speaks wire version 3, this broker 2") == 2, log  # (refused, and why it stays down)
+    assert children(b.pid) == workers - {victim}
+    assert all(b.call("add", [i, 1], id_=i)["result"] == i + 1 for i in range(4))  # (the other slot)
+
+
 def test_workers_of_another_wire_version_are_a_boot_failure_that_says_so(tmp_path: Path) -> None:
     version = tmp_path / "wire.txt"
     version.write_text("1")

@@ -207,13 +207,13 @@ def test_decode_hello_round_trip():
         b"",
         b"not json",
         b"[]",
-        b'{"pid":1,"slot":0,"methods":[]}',  # concurrency missing
-        b'{"pid":"1","slot":0,"methods":[],"concurrency":1}',  # pid a string
-        b'{"pid":1,"slot":0,"methods":{},"concurrency":1}',  # methods not a list
-        b'{"pid":1,"slot":0,"methods":[{"doc":"x"}],"concurrency":1}',  # method without name
-        b'{"pid":1,"slot":0,"methods":[],"concurrency":1,"extra":true}',  # unknown field
-        b'{"pid":1,"slot":0,"methods":[],"concurrency":1.5}',
-        b'{"pid":1,"slot":0,"methods":[],"concurrency":1}x',
+        b'{"wire":2,"pid":1,"slot":0,"methods":[]}',  # concurrency missing
+        b'{"wire":2,"pid":"1","slot":0,"methods":[],"concurrency":1}',  # pid a string
+        b'{"wire":2,"pid":1,"slot":0,"methods":{},"concurrency":1}',  # methods not a list
+        b'{"wire":2,"pid":1,"slot":0,"methods":[{"doc":"x"}],"concurrency":1}',  # method without name
+        b'{"wire":2,"pid":1,"slot":0,"methods":[],"concurrency":1,"extra":true}',  # unknown field
+        b'{"wire":2,"pid":1,"slot":0,"methods":[],"concurrency":1.5}',
+        b'{"wire":2,"pid":1,"slot":0,"methods":[],"concurrency":1}x',
     ],
 )
 def test_decode_hello_rejects_bad_payloads(payload):
@@ -231,3 +231,22 @@ def test_a_call_frame_carries_its_deadline_before_its_params():
     deadline = wire.DEADLINE.unpack_from(payload)[0]
     assert (kind, call_id, aux, deadline, payload[8:]) == (Kind.CALL, 7, 3, 12345.5, b"[1, 2]")
     assert wire.DEADLINE.unpack(encode_call(Kind.NOTIFY, 8, 0)[HEADER_SIZE:]) == (math.inf,)
+
+
+def test_a_hello_of_another_wire_version_is_told_apart_whatever_fields_it_has():
+    """Hostile testing (round 21): a newer worker's HELLO with a field this broker does not
+    know was refused as a malformed HELLO ("unknown field"), and the broker said the app
+    could not load. Its version is read first, whatever else it holds."""
+    newer = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 3, "resumable": true}'
+    with pytest.raises(wire.WireMismatch, match=r"worker 1 \(pid 7\) speaks wire version 3, this broker 2") as info:
+        decode_hello(newer)
+    assert (info.value.pid, info.value.slot, info.value.version) == (7, 1, 3)
+    older = b'{"pid": 7, "slot": 1, "methods": [{"name": "a"}], "concurrency": 1}'  # (no version: 1's)
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 1"):
+        decode_hello(older)
+    same = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 2, "resumable": true}'
+    with pytest.raises(FrameError, match="bad HELLO") as bad:
+        decode_hello(same)
+    assert type(bad.value) is FrameError
+    ok = decode_hello(b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 2}')
+    assert (ok.pid, ok.slot, ok.wire) == (7, 1, 2)

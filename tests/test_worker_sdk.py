@@ -681,6 +681,14 @@ def bound_slowly(p: SlowToBind) -> str:
 
 
 NAPS_RETURNED: list[Coroutine[object, object, float]] = []
+TASKS_RETURNED: list[asyncio.Task[float]] = []
+
+
+@registry.method
+def returns_task(seconds: float) -> object:
+    """A sync handler that starts a task and returns it (round 21)."""
+    TASKS_RETURNED.append(task := asyncio.get_running_loop().create_task(nap(seconds)))
+    return task
 
 
 @registry.method
@@ -1334,6 +1342,13 @@ def test_no_handler_starts_past_its_deadline_after_a_slow_bind_or_as_a_sync_hand
         _, answers = await read_chunk(b, 4)
         assert answers == {0: (Kind.ERROR, CANCEL_ACK), 1: (Kind.RESULT, b"0.5")}
         assert inspect.getcoroutinestate(NAPS_RETURNED[-1]) == inspect.CORO_CLOSED  # (not "never awaited")
+        # A task the handler started, returned: its own from then on (its first step came
+        # with the spin's end, past the deadline), cancelled at its next await, not run on.
+        b.send(chunk_frame(5, [("returns_task", b"[0.3]", False), ("spin", b"[0.5]", False)], time.monotonic() + 0.2))
+        _, answers = await read_chunk(b, 5)
+        assert answers == {0: (Kind.ERROR, CANCEL_ACK), 1: (Kind.RESULT, b"0.5")}
+        await asyncio.sleep(0.05)
+        assert TASKS_RETURNED[-1].cancelled()
 
     run(test)
 
