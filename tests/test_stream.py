@@ -456,13 +456,33 @@ def test_line_of_exactly_max_body_bytes_is_served_one_more_is_refused(sb, transp
 # -- keepalive_timeout ---------------------------------------------------------------------
 
 
+UNFINISHED = {"jsonrpc": "2.0", "id": None, "error": {
+    "code": -32600, "message": "Invalid Request", "data": "line unfinished after keepalive_timeout 1 s"}}
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_partial_line_that_never_completes_closes_the_connection(kb, transport):
     with kb.connect(transport) as s:
         assert s.call(line("add", [1, 2], 1)) == result(1, 3)
+        started = time.monotonic()
         s.send(b'{"jsonrpc":"2.0","method":"add",')  # ... and nothing more
-        elapsed = s.closed_within(6.0)  # keepalive 1 s, swept every second
-        assert elapsed >= 0.9
+        assert json.loads(s.readline(6.0)) == UNFINISHED  # keepalive 1 s, swept every second
+        assert time.monotonic() - started >= 0.9
+        s.closed_within(2.0)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_line_left_unfinished_closes_the_connection_after_the_answers_owed(kb, transport):
+    """Hostile testing (round 21): a call's line, then a line never finished: at
+    keepalive_timeout the connection was closed at once, and the call, which ran, was
+    never answered. It is answered first now (as HTTP answers 408 after what it owes),
+    the unfinished line with -32600; what comes after it is discarded."""
+    with kb.connect(transport) as s:
+        s.send(line("sleep", [2.5], "owed") + b"\n" + b'{"jsonrpc":"2.0","method":"add",')
+        assert json.loads(s.readline(6.0)) == UNFINISHED
+        s.send(b'"params":[1,2],"id":"after"}\n' + line("add", [1, 2], "later") + b"\n")  # (discarded)
+        assert s.readline(6.0) == result("owed", 2.5)
+        s.closed_within(2.0)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

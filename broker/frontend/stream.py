@@ -138,6 +138,11 @@ class StreamFrontend(Listener):
             )
             + _NL
         )
+        self.line_unfinished = (
+            response_error(b"null", error_object(
+                ErrorCode.INVALID_REQUEST, data=f"line unfinished after keepalive_timeout {keepalive_timeout:g} s"))
+            + _NL
+        )  # fmt: skip
         self.incoming_full = (
             response_error(b"null", error_object(
                 ErrorCode.OVERLOADED, data=f"lines arriving or waiting exceed max_incoming_bytes {self.incoming.limit}"))
@@ -159,7 +164,7 @@ class StreamFrontend(Listener):
                 self.watch_unsent(conn, now)  # (answers the kernel holds: HTTP's `taking_answer`)
             # (not while the broker itself has stopped reading: the rest may be waiting)
             if conn.line_started and not conn.read_paused and now - conn.line_started > limit:
-                conn.close()  # a line trickling in, never finished
+                conn.line_timed_out()  # a line trickling in, never finished
 
     def drain(self) -> None:
         """Connections half-close once they owe nothing and have read what their clients
@@ -502,10 +507,19 @@ class StreamProtocol(asyncio.Protocol):
         self._send(self._fe.too_long)
         self._fe.dispatcher.count_refused_body()
 
+    def line_timed_out(self) -> None:
+        """A line left unfinished for keepalive_timeout (`StreamFrontend._sweep`): answered
+        with a -32600 line (id null), and the connection closed once the lines before it
+        are answered, as HTTP answers 408 after the answers owed; what the client sends
+        after it is discarded. (Closed at once, the answers owed to the lines before it
+        were dropped, their calls run: hostile testing, round 21.)"""
+        self._fe.dispatcher.count_refused_body()
+        self._foreign(self._fe.line_unfinished)
+
     def _foreign(self, answer: bytes) -> None:
         """A line of another protocol (an HTTP request line: a browser's, or a client on
-        the wrong port; a TLS record): `answer` it, and close once the lines before it
-        are answered."""
+        the wrong port; a TLS record), or one never finished: `answer` it, and close once
+        the lines before it are answered."""
         self._send(answer)
         # Read nothing after it (what follows could be a valid call: a body), but answer
         # the lines before it, then close (`_maybe_close`).
@@ -513,6 +527,7 @@ class StreamProtocol(asyncio.Protocol):
         self._backlog = b""
         self._fe.backlog_done(self)
         self._buffer.clear()
+        self.line_started = 0.0
         self._fe.incoming.hold(self._incoming, 0)
         self._incoming = 0
         self._eof = True  # (reading goes on, discarded: no reset at the close for bytes unread)
