@@ -460,7 +460,8 @@ def test_a_full_broker_answers_its_probes_past_hostile_connections(broker_factor
     """max_connections + 8 connections that each trickle a head (slowloris), or sent
     "X\\r\\n" and were half-closed after their 400 (lingering), took every slot and the
     probes' reserve for up to 30 s (or 75 s): /healthz got 503."""
-    from broker.frontend.http import LINGER_TIMEOUT, PROBE_RESERVE
+    from broker.frontend.base import LINGER_TIMEOUT
+    from broker.frontend.http import PROBE_RESERVE
 
     b = broker_factory("--workers", "1", "--max-connections", "4")
     hostile = [socket.create_connection(("127.0.0.1", b.port)) for _ in range(4 + PROBE_RESERVE)]

@@ -485,6 +485,32 @@ def test_a_line_left_unfinished_closes_the_connection_after_the_answers_owed(kb,
         s.closed_within(2.0)
 
 
+@pytest.mark.parametrize("refused", ["unfinished", "http"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_refused_line_loses_no_answer_owed_to_a_client_still_sending(kb, transport, refused):
+    """Hostile testing (round 22): after a refused line (one left unfinished, an HTTP
+    request line) the connection closed once the lines before it were answered, but
+    fully: the client, still sending (trickling its line, or its request's headers),
+    got a reset for its next bytes, which dropped the answers its kernel had not
+    delivered yet (24 kB of 800 kB). It half-closes now and discards what comes, as
+    HTTP's lingering close does: the client reads every answer, then the end."""
+    big = "x" * 400_000
+    with kb.connect(transport) as s:
+        s.send(line("echo", [big], "a") + b"\n" + line("echo", [big], "b") + b"\n")
+        if refused == "http":
+            s.send(b"POST / HTTP/1.1\r\n")
+        trickle = b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":"trickled"' if refused == "unfinished" else (
+            b"Host: 127.0.0.1\r\nX-Pad: " + b"y" * 60)
+        for byte in trickle[:15]:  # 3 s, past keepalive 1 s and a sweep, still sending (answers unread)
+            s.send(bytes([byte]))
+            time.sleep(0.2)
+        answers = [json.loads(a) for a in s.lines(3, timeout=20)]
+        s.closed_within(5.0)
+    assert sorted(a["result"][0] == big for a in answers if "result" in a) == [True, True]
+    [error] = [a for a in answers if "error" in a]
+    assert error["id"] is None and error["error"]["code"] == -32600, error
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_idle_connections_outlive_keepalive_timeout(kb, transport):
     with kb.connect(transport) as silent, kb.connect(transport) as used, kb.connect(transport) as owed:

@@ -21,13 +21,15 @@ from broker.dispatch import Dispatcher, Outgoing
 from broker.jsonrpc import Codec
 
 __all__ = [
-    "EVICT_BATCH", "SWEEP_SECONDS", "TURN_BYTES", "Connection", "Incoming", "Listener", "reset", "shed_outgoing", "unread_bytes",
+    "EVICT_BATCH", "LINGER_TIME", "LINGER_TIMEOUT", "SWEEP_SECONDS", "TURN_BYTES", "Connection", "Incoming", "Listener", "reset", "shed_outgoing", "unread_bytes",
     "unsent_bytes",
 ]
 
 log = logging.getLogger("broker.frontend")
 
 SWEEP_SECONDS = 1.0  # one sweep for all connections of a listener, not a timer each
+LINGER_TIMEOUT = 5.0  # a half-closed connection after an error answer: closed after 5 s silent
+LINGER_TIME = 30.0  # ... or 30 s in all (nginx's lingering_timeout and lingering_time)
 EVICT_BATCH = 64  # idle connections found per scan at max_connections (closed one at a time)
 # libuv reads a connection with data up to 32 times in a row (256 KiB a read in uvloop): one
 # client sending 1 MiB bodies had 8 MiB parsed and decoded in one turn while everyone else

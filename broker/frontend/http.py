@@ -123,6 +123,8 @@ import httptools
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget, forget
 from broker.frontend.base import (
+    LINGER_TIME,
+    LINGER_TIMEOUT,
     SWEEP_SECONDS,
     TURN_BYTES,
     TURN_SECONDS,
@@ -167,8 +169,6 @@ CHUNK_FRAMING_BYTES = 64
 PROBE_RESERVE = 8  # places past max_connections for connections owed a scrape (probes and /metrics only)
 PROBE_OVERFLOW = 8  # ... and connections past max_connections that need no place (see the module docstring)
 RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
-LINGER_TIMEOUT = 5.0  # a half-closed connection after an error answer: closed after 5 s silent
-LINGER_TIME = 30.0  # ... or 30 s in all (nginx's lingering_timeout and lingering_time)
 _PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
 _JSON_TYPE = b"application/json"
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # config.Config.allowed_hosts' default
