@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import collections
 import ctypes
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -542,45 +543,78 @@ def load_app(spec: str) -> Registry:
 _ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 
-def _numpy_to_builtins(obj: object) -> object:
-    """to_builtins hook: numpy arrays and scalars held by a Struct (orjson takes them
-    everywhere else, but to_builtins would refuse them)."""
+def _tolist(obj: object) -> object:
+    """msgspec's `enc_hook`, for a Struct `_plain` left whole: numpy values inside it."""
     tolist = getattr(obj, "tolist", None)
-    if tolist is None:
-        raise NotImplementedError
+    if not callable(tolist):
+        raise TypeError(f"cannot encode an object of type {type(obj).__name__}")
     return tolist()
 
 
-def _orjson_default(obj: object) -> object:
-    """orjson's `default` and msgspec's `enc_hook`: Structs, sets, and what has a
-    `tolist()` (numpy arrays orjson does not take natively, as its docs advise: not
-    C-contiguous, 0-d, big-endian, other dtypes; every array in msgspec's fallback, taken
-    for a result orjson refuses, such as one with an integer past 64 bits; array.array)."""
-    if isinstance(obj, msgspec.Struct):
-        return msgspec.to_builtins(obj, enc_hook=_numpy_to_builtins)
-    if isinstance(obj, (set, frozenset)):
-        return list(obj)
-    tolist = getattr(obj, "tolist", None)
+_msgspec_encode = msgspec.json.Encoder(enc_hook=_tolist).encode
+_PLAIN_DEPTH = 255  # how deep `_plain` goes: orjson's own limit (its recursion limit)
+_LEAVES = frozenset({str, int, float, bool, type(None)})
+
+
+def _plain(value: object, depth: int = 0) -> object:
+    """`value` made of plain JSON containers (new dicts and lists, of snapshots of the
+    handler's: sets and tuples as lists, Structs and dataclasses as objects, what has a
+    `tolist()` as what it returns: numpy arrays orjson does not take natively, as its
+    docs advise, array.array), other leaves kept for the encoders. Python code of the handler's objects (a `tolist()`) runs only here, never
+    while a C encoder walks the handler's containers: one that emptied the list it sat
+    in, or another thread of the tool changing a set meanwhile, had orjson read freed
+    memory, and the worker died of SIGSEGV with every call on it (hostile testing, round
+    23; the same script crashes orjson alone). Raises TypeError (too deep), or what a
+    `tolist()` or `to_builtins` raises."""
+    if type(value) in _LEAVES:
+        return value
+    if depth >= _PLAIN_DEPTH:
+        raise TypeError(f"result nests deeper than {_PLAIN_DEPTH} levels")
+    depth += 1
+    if isinstance(value, dict):
+        return {key: _plain(item, depth) for key, item in list(dict.items(value))}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(item, depth) for item in list(value)]
+    if isinstance(value, msgspec.Raw):
+        return value
+    if isinstance(value, msgspec.Struct):
+        try:  # (no hook: nothing runs while msgspec walks it)
+            return _plain(msgspec.to_builtins(value), depth)
+        except TypeError:  # a numpy value or a msgspec.Raw in it: left whole to msgspec's encoder, which
+            return value  # takes Structs as declared (renames, omitted defaults), numpy by its hook
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # (as orjson: its fields in order)
+        return {field.name: _plain(getattr(value, field.name), depth) for field in dataclasses.fields(value)}
+    tolist = getattr(value, "tolist", None)
     if callable(tolist):
-        return tolist()
-    raise TypeError(f"cannot encode an object of type {type(obj).__name__}")
-
-
-_msgspec_encode = msgspec.json.Encoder(enc_hook=_orjson_default).encode
+        return _plain(tolist(), depth)
+    return value
 
 
 def encode_result(result: object) -> bytes:
     """Compact JSON bytes of a handler's result (never a raw newline: they are framed
     as NDJSON lines too). Raises `TypeError` if it has no JSON form, `InvalidJson` (a
-    `TypeError`) if a `msgspec.Raw` in it is not valid JSON."""
+    `TypeError`) if a `msgspec.Raw` in it is not valid JSON.
+
+    orjson first, with no `default` hook: it runs no Python code (nor lets another
+    thread run) while it walks the result. What it refuses is made plain (`_plain`), then
+    encoded by orjson again, and if it still refuses (big integers, `msgspec.Raw`,
+    bytes), by msgspec."""
     try:
-        return orjson.dumps(result, default=_orjson_default, option=_ORJSON_OPTIONS)
+        return orjson.dumps(result, option=_ORJSON_OPTIONS)
+    except TypeError:
+        pass
+    try:
+        plain = _plain(result)
+    except Exception as exc:  # TypeError, RecursionError, a tolist()'s own error, a dict changed meanwhile
+        raise TypeError(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
+    try:
+        return orjson.dumps(plain, option=_ORJSON_OPTIONS)
     except TypeError:
         # msgspec takes what orjson refuses: big integers and msgspec.Raw.
         try:
-            encoded = _msgspec_encode(result)
+            encoded = _msgspec_encode(plain)
         except Exception as exc:  # TypeError, EncodeError, OverflowError, RecursionError,
-            # UnicodeEncodeError (a lone surrogate next to a big integer), a hook's own error
+            # UnicodeEncodeError (a lone surrogate next to a big integer)
             raise TypeError(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
         return _checked_json(encoded)
 

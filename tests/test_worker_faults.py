@@ -549,3 +549,19 @@ def test_a_child_forked_anywhere_runs_none_of_the_code_around_the_fork(forks: Br
     time.sleep(0.6)  # (a child that went on would note its lines by now)
     assert sorted(path.read_text().splitlines()) == sorted(f"{line} {worker}" for line in lines)
     assert forks.call("pid")["result"] == worker
+
+
+def test_a_result_changed_while_it_is_encoded_fails_only_its_own_call(broker_factory) -> None:
+    """Hostile testing (round 23): a result whose own `tolist()` empties the list it sits
+    in, or whose sets a thread of the tool refreshes meanwhile, had orjson read freed
+    memory (it ran the worker's Python hook in the middle of walking the list): SIGSEGV,
+    and every call on the worker answered -32002. No Python code runs now while an
+    encoder walks a handler's containers: each call gets its answer, the worker lives."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mutating:registry")
+    worker = b.call("pid")["result"]
+    answer = b.call("table")
+    assert answer.get("result") == [[1]] + [[i] * 3 for i in range(100)], answer  # (a snapshot: the list as returned)
+    for i in range(30):
+        answer = b.call("snapshot", id_=i)
+        assert "result" in answer or answer["error"]["code"] == -32603, answer  # (a torn read at worst)
+    assert b.call("pid")["result"] == worker
