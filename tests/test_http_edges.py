@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import re
 import socket
 import threading
 import time
@@ -846,3 +848,45 @@ def test_the_probes_reserve_overflow_closes_connections_silent_for_a_sweep():
             return ends
 
     assert asyncio.run(scenario()) == [b""] * (PROBE_OVERFLOW - 1)
+
+
+def test_a_lingering_close_behind_a_large_answer_reads_on_and_cuts_nothing(broker_factory):
+    """Hostile testing (round 23): a call with a 7 MB answer (more than the kernel's send
+    queue takes), then a request refused 413 (a lingering close) whose client goes on
+    uploading while it reads the answer at 400 KB/s. Reading had been paused while the
+    answer left, and the lingering close did not resume it: the client looked silent, and
+    5 s later the connection was closed with its bytes unread, a reset that cut the answer
+    (2.7 of 6 MB arrived). It reads on, discarding, and closes only once the answers are
+    taken: both arrive whole."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.ledger:registry")
+    body = json.dumps({"jsonrpc": "2.0", "method": "big", "params": [7_000_000], "id": 1}).encode()
+    s = socket.create_connection(("127.0.0.1", b.port))
+    try:
+        s.sendall(post(body, b.path) + b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 50000000\r\n\r\n")
+        stop = threading.Event()
+
+        def upload() -> None:  # the refused body, still coming (bounded: 20 s at most)
+            deadline = time.monotonic() + 20
+            with contextlib.suppress(OSError):
+                while not stop.is_set() and time.monotonic() < deadline:
+                    s.send(b" " * 65536)
+                    time.sleep(0.02)
+
+        uploader = threading.Thread(target=upload, daemon=True)
+        uploader.start()
+        got = bytearray()
+        s.settimeout(30)
+        try:
+            while chunk := s.recv(16384):
+                got += chunk
+                time.sleep(len(chunk) / 400_000)
+        finally:
+            stop.set()
+            uploader.join(5)
+    finally:
+        s.close()
+    assert got.count(b"HTTP/1.1 200 OK") == 1 and got.count(b"HTTP/1.1 413 ") == 1, bytes(got[:200])
+    head, _, rest = bytes(got).partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+    assert json.loads(rest[:length])["result"] == "x" * 7_000_000

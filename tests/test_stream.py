@@ -12,6 +12,7 @@ the lines under test and checks that the sentinel's answer is the next line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -913,3 +914,50 @@ def test_a_broker_removes_only_its_own_socket_file(tmp_path):
     finally:
         first.broker.stop()
         second.broker.stop()
+
+
+def test_a_refused_line_read_after_the_stop_does_not_hold_the_drain(tmp_path):
+    """Hostile testing (round 23): at SIGTERM a connection reads what its client sent
+    before the stop (bytes in the kernel) and the drain waits for that; among them an
+    HTTP request line, refused: nothing after it is read, but the drain went on waiting
+    for the rest, until the lingering close ended (30 s, the broker's stop with it). The
+    refused line ends what the drain waits for there."""
+    s_b = start_stream_broker(tmp_path, "--workers", "2", "--grace-period", "60")
+    s = socket.create_connection(("127.0.0.1", s_b.tcp_port))
+    try:
+        for _ in range(300):  # (the broker's receive buffer grows: blank lines are read fast)
+            s.sendall(b"\n" * 65536)
+        time.sleep(0.5)
+        s.sendall(b"".join(line("sleep", [1.5], i) + b"\n" for i in range(65)))  # reading pauses (64 owed)
+        time.sleep(0.3)
+        tail = b"".join(line("add", [1, 2], 100 + i) + b"\n" for i in range(4))
+        tail += b"POST / HTTP/1.1\r\n" + b" " * 1_000_000 + b"\n"  # (in the kernel at the stop)
+        def send_tail() -> None:
+            with contextlib.suppress(OSError):
+                s.sendall(tail)
+
+        threading.Thread(target=send_tail, daemon=True).start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        s_b.broker.proc.send_signal(signal.SIGTERM)
+        got = b""
+        s.settimeout(0.5)
+        while time.monotonic() - started < 40 and s_b.broker.proc.poll() is None:
+            try:
+                chunk = s.recv(65536)
+                got += chunk
+            except TimeoutError:
+                chunk = b"."
+            except OSError:
+                break
+            if not chunk:  # (the end: answered; it keeps its socket open, and sends now and then)
+                time.sleep(0.5)
+            if not chunk or chunk == b".":
+                with contextlib.suppress(OSError):
+                    s.send(b" ")
+        assert s_b.broker.proc.wait(40) == 0
+        assert time.monotonic() - started < 15  # (the calls take 1.5 s; it waited 30 s for the linger)
+        assert got.count(b'"result"') == 65 + 4 and b"an HTTP request" in got, got[-300:]
+    finally:
+        s.close()
+        s_b.broker.stop()

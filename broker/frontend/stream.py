@@ -172,7 +172,9 @@ class StreamFrontend(Listener):
             if not conn.send_stalled:
                 self.watch_unsent(conn, now)  # (answers the kernel holds: HTTP's `taking_answer`)
             if conn.lingering_since:  # half-closed after a refused line (HTTP's lingering close)
-                if now - conn.last_active > LINGER_TIMEOUT or now - conn.lingering_since > LINGER_TIME:
+                if (now - conn.last_active > LINGER_TIMEOUT or now - conn.lingering_since > LINGER_TIME) and (
+                    self.all_taken(conn)  # (else its answers are still leaving: send_timeout's to end)
+                ):
                     conn.close()
             # (not while the broker itself has stopped reading: the rest may be waiting)
             elif conn.line_started and not conn.read_paused and now - conn.line_started > limit:
@@ -549,6 +551,10 @@ class StreamProtocol(asyncio.Protocol):
         self.line_started = 0.0
         self._fe.incoming.hold(self._incoming, 0)
         self._incoming = 0
+        if self._unread:  # (draining: nothing after it is read, so the drain waits for nothing more
+            self._unread = 0  # here; it waited out the linger, 30 s: hostile testing, round 23)
+            self._fe.unread.discard(self)
+            self._fe.recount()
         self._maybe_close()  # (a lingering close once the lines before it are answered)
 
     def _line(self, line: bytes) -> None:
@@ -683,7 +689,7 @@ class StreamProtocol(asyncio.Protocol):
         self._maybe_resume()
 
     def _pause(self) -> None:
-        if not self.read_paused and self._transport is not None:
+        if not self.read_paused and self._transport is not None and not self.lingering_since:
             self.read_paused = True
             self._transport.pause_reading()
 

@@ -59,3 +59,9 @@ async def tidy(seconds: float) -> str:
 @registry.method
 def pid() -> int:
     return os.getpid()
+
+
+@registry.method
+def big(size: int) -> str:
+    """A string of `size` bytes: a large answer for a small call."""
+    return "x" * size
