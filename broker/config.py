@@ -608,10 +608,11 @@ def _parse_text(s: Setting, text: str, source: str) -> object:
 
 
 def _parse_pairs(s: Setting, pairs: Sequence[str], source: str) -> dict[str, object]:
-    """``["a=1", "b=2.5"]`` -> ``{"a": 1.0, "b": 2.5}``; a later pair wins."""
+    """``["a=1", "b=2.5"]`` -> ``{"a": 1.0, "b": 2.5}``; a later pair wins. Split at the
+    last ``=``: a method name may hold one (``filter=eq=0.5``), a number never does."""
     out: dict[str, object] = {}
     for pair in pairs:
-        name, sep, seconds = pair.partition("=")
+        name, sep, seconds = pair.rpartition("=")
         name = name.strip()
         try:
             if not sep or not name:

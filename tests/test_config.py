@@ -392,6 +392,13 @@ def test_method_timeouts_layers_merge_per_method(tmp_path: Path) -> None:
         "a": 11.0, "b": 20.0, "rpc.c": 3.0, "d": 4.5, "e": 0.5}
 
 
+def test_a_method_timeout_flag_names_a_method_holding_an_equals_sign() -> None:
+    """Hostile testing (round 23): `--method-timeout filter=eq=0.5` was refused (split at
+    the first `=`), though TOML and the environment take that name."""
+    cfg = load(None, {}, {"method_timeouts": ["filter=eq=0.5", "a=1"]})
+    assert cfg.method_timeouts == {"filter=eq": 0.5, "a": 1.0}
+
+
 def test_method_timeouts_flag_given_as_mapping() -> None:
     cfg = load(None, {}, {"method_timeouts": {"x": 2}})
     assert cfg.method_timeouts == {"x": 2.0}
