@@ -160,6 +160,7 @@ _CALL = int(wire.Kind.CALL)
 _NOTIFY = int(wire.Kind.NOTIFY)
 _ERROR = int(wire.Kind.ERROR)
 _CANCEL_ACK = wire.CANCEL_ACK
+_AWAITED = wire.AWAITED
 _NOT_RUN = wire.NOT_RUN  # a reply's aux: the handler never ran (no service time)
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's (too deep)
@@ -1115,6 +1116,9 @@ class Dispatcher:
             self._count_late(kind, payload, None)
             return
         worker.outstanding -= call.weight
+        awaited = aux != _NOT_RUN and aux >= _AWAITED  # (wire.AWAITED: it blocked the worker for ~0 µs)
+        if awaited:
+            aux -= _AWAITED
         sync = call.sync
         if sync:
             if sync > 0:
@@ -1127,7 +1131,7 @@ class Dispatcher:
             if call.methods is None and not call.stale and aux != _NOT_RUN:
                 index = call.index
                 est = self._sync_us[index]
-                est += (aux - est) >> 3
+                est += ((0 if awaited else aux) - est) >> 3
                 if kind != _ERROR or payload != _CANCEL_ACK:  # (a cancel took no time)
                     self._sync_us[index] = est
                     if (est >= BLOCKING_US) != self._blocking[index]:
@@ -1150,7 +1154,7 @@ class Dispatcher:
                 if kind == _CHUNK_REPLY:
                     self._fill_chunk(call, exchange, payload)
                     if not call.stale and aux != _NOT_RUN:
-                        self._learn_chunk(call, aux)
+                        self._learn_chunk(call, 0 if awaited else aux)
                 else:  # one ERROR for the whole chunk
                     self._fail_chunk(call, exchange, typing.cast(bytes, _as_timed_out(payload, call)), True)
             else:

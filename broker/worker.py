@@ -664,6 +664,7 @@ _perf = time.perf_counter
 _monotonic = time.monotonic  # the clock of the deadlines the broker sends (wire.py)
 _CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a late result
 _NOT_RUN = wire.NOT_RUN  # a reply's aux when the handler never ran (wire.py)
+_AWAITED = wire.AWAITED  # a flag in a reply's aux: a sync-declared method's call was awaited (wire.py)
 # `_execute`'s kind for an ERROR whose handler never ran (its params did not bind, or no
 # such method): the reply's aux says NOT_RUN, and no method's speed is learnt from it.
 _UNRUN = -1
@@ -746,7 +747,8 @@ class _Chunk:
     """A CHUNK being run: where its next call starts, and answers not yet sent."""
 
     __slots__ = (
-        "chunk_id", "count", "deadline", "next", "payload", "pos", "ran", "t0", "tasks", "unsent", "waiting"
+        "awaited", "chunk_id", "count", "deadline", "next", "payload", "pos", "ran", "t0", "tasks", "unsent",
+        "waiting"
     )  # fmt: skip
 
     def __init__(self, chunk_id: int, count: int, payload: bytes) -> None:
@@ -760,6 +762,7 @@ class _Chunk:
         self.tasks: list[asyncio.Task[tuple[bool, object]]] = []
         self.waiting = 0  # async calls still running
         self.ran = False  # a handler of it ran (else its CHUNK_REPLY's aux is NOT_RUN)
+        self.awaited = False  # a sync-declared method's call of it was awaited (wire.AWAITED)
         self.t0 = _perf()
 
 
@@ -1189,7 +1192,10 @@ class WorkerProtocol(asyncio.Protocol):
         kind, body = self._outcome(task, index, outcome)
         if _forked_from:  # (forked while the result or error was encoded: a `tolist`, a repr)
             _child_exits(None)
-        self._reply(kind, call_id, t0, body)
+        if self._methods[index].is_async:
+            self._reply(kind, call_id, t0, body)
+        else:  # a sync handler's awaitable: its time is not the worker's (wire.AWAITED)
+            self._reply(kind, call_id, t0, body, min(int((_perf() - t0) * 1e6), _AWAITED - 1) | _AWAITED)
         self._schedule_flush()
 
     def _schedule_flush(self) -> None:
@@ -1256,6 +1262,7 @@ class WorkerProtocol(asyncio.Protocol):
                 task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
                 slow[index] = False
                 chunk.ran = True
+                chunk.awaited |= not self._methods[index].is_async  # (wire.AWAITED)
                 chunk.tasks.append(task)
                 chunk.waiting += 1
                 if not task.done():  # (else finished at once, eagerly: answered by its done callback)
@@ -1319,7 +1326,10 @@ class WorkerProtocol(asyncio.Protocol):
         to run, else a CHUNK_PART."""
         if chunk.next == chunk.count and not chunk.waiting:
             self._chunks.pop(chunk.chunk_id, None)
-            self._reply(_CHUNK_REPLY, chunk.chunk_id, chunk.t0, bytes(chunk.unsent), -1 if chunk.ran else _NOT_RUN)
+            aux = -1 if chunk.ran else _NOT_RUN
+            if chunk.awaited:  # (wire.AWAITED)
+                aux = min(int((_perf() - chunk.t0) * 1e6), _AWAITED - 1) | _AWAITED
+            self._reply(_CHUNK_REPLY, chunk.chunk_id, chunk.t0, bytes(chunk.unsent), aux)
         elif chunk.unsent:
             self._reply(_CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
         else:
@@ -1329,7 +1339,7 @@ class WorkerProtocol(asyncio.Protocol):
     def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int:
         """Queue one reply frame; returns its service time (µs since `t0`), its aux
         unless `aux` gives one (NOT_RUN). Times are capped below NOT_RUN."""
-        service_us = min(int((_perf() - t0) * 1e6), _NOT_RUN - 1) if aux < 0 else aux
+        service_us = min(int((_perf() - t0) * 1e6), _AWAITED - 1) if aux < 0 else aux
         if len(body) > self._max_result and kind < _CHUNK_REPLY:  # the broker would drop the
             kind, body = _ERROR, self._too_large(kind, len(body))  # connection (chunks: _chunk_answer)
         out = self._out

@@ -585,6 +585,41 @@ def test_sync_methods_measured_fast_do_not_take_the_limit_down():
     run(main)
 
 
+def test_a_sync_methods_awaited_calls_teach_it_blocks_nothing():
+    """Hostile testing (round 23): a sync-declared handler returning a coroutine (a
+    decorator's wrapper made without functools.wraps) that awaits 1 s was learnt a
+    blocking sync method from its calls' time, and ran one call at a time per worker (40
+    calls on 2 workers: 20 s, not 1 s). Its replies say AWAITED: it blocked ~0 us; the
+    rest of aux is still its service time for the metrics."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=1, metrics=CallMetrics())
+        d.set_methods(["slow", "fast", "quick"], sync_methods=["slow", "quick"])
+        a = add_worker(d, 0, 100)
+        codec = Codec()
+        d.submit(body(codec, req("quick", [], 1)), lambda e: None)
+        assert a.limit == 2  # not measured yet: blocking
+        [first] = a.channel.take()
+        d.on_reply(a, wire.Kind.RESULT, first[1], wire.AWAITED | 1_000_000, b"1")  # awaited 1 s
+        for i in range(10):
+            d.submit(body(codec, req("quick", [], i)), lambda e: None)
+        assert a.sync_calls == 0 and a.limit == 100 and len(a.channel.frames) == 10
+        for frame in a.channel.take():
+            d.on_reply(a, wire.Kind.RESULT, frame[1], wire.AWAITED | 1_000_000, b"1")
+        assert d.metrics is not None
+        assert sum(d.metrics.service[2].counts) == 11 and d.metrics.service[2].sum_us == 11 * 1_000_000
+        # Not awaited, the same time is the worker's: blocking.
+        d.submit(body(codec, req("quick", [], "s")), lambda e: None)
+        [plain] = a.channel.take()
+        for _ in range(12):
+            d.on_reply(a, wire.Kind.RESULT, plain[1], 1_000_000, b"1")
+            d.submit(body(codec, req("quick", [], "s")), lambda e: None)
+            [plain] = a.channel.take()
+        assert a.sync_calls == 1 and a.limit == 2
+
+    run(main)
+
+
 def test_a_batch_of_blocking_sync_calls_goes_out_one_by_one():
     """A chunk of slow sync calls would be head-of-line by itself: a batch's slow sync
     calls go one by one, in request order, one to each worker not blocked; the rest

@@ -565,3 +565,18 @@ def test_a_result_changed_while_it_is_encoded_fails_only_its_own_call(broker_fac
         answer = b.call("snapshot", id_=i)
         assert "result" in answer or answer["error"]["code"] == -32603, answer  # (a torn read at worst)
     assert b.call("pid")["result"] == worker
+
+
+def test_a_sync_handler_returning_a_coroutine_keeps_its_calls_concurrent(broker_factory) -> None:
+    """Hostile testing (round 23): a sync handler returning a coroutine that waits (a
+    decorator's wrapper made without functools.wraps) was learnt a slow sync method from
+    its calls' time, waiting included, and its calls then ran one at a time per worker:
+    40 calls of 1 s took 20 s on 2 workers. The worker says such a call was awaited, and
+    the broker learns it blocks nothing: once it has answered one, the others all run."""
+    b = broker_factory("--workers", "2", "--app", "tests.apps.answers:registry", "--timeout", "30")
+    assert b.call("returns_coroutine", [0.1])["result"] == 0.1  # (learnt from its answer)
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        answers = [pool.submit(b.call, "returns_coroutine", [3.0], i) for i in range(20)]
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 20, timeout=2.5)
+        assert sample(scrape_metrics(b), "rpc_broker_calls_queued") == 0
+        assert [a.result(30)["result"] for a in answers] == [3.0] * 20

@@ -1353,6 +1353,25 @@ def test_no_handler_starts_past_its_deadline_after_a_slow_bind_or_as_a_sync_hand
     run(test)
 
 
+def test_a_sync_handlers_awaited_call_says_so_in_its_aux(run):
+    """A sync-declared method's call that returned an awaitable (run as a task) is
+    answered with wire.AWAITED in its aux, the rest its time: the broker learns it
+    blocked nothing (round 23: it was learnt a slow sync method). A chunk holding one too;
+    a plain sync call not."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(1, "returns_nap", b"[0.2]"), b.call(2, "add_ints", b"[1, 2]"))
+        frames = {f[1]: f for f in await b.read(2)}
+        assert frames[1][2] & wire.AWAITED and 150_000 <= frames[1][2] - wire.AWAITED < 5_000_000
+        assert result(frames[1]) == 0.2 and not frames[2][2] & wire.AWAITED
+        b.send(chunk_frame(3, [("returns_nap", b"[0.1]", False), ("add_ints", b"[1, 2]", False)]))
+        frames_, answers = await read_chunk(b, 3)
+        assert answers == {0: (Kind.RESULT, b"0.1"), 1: (Kind.RESULT, b"3")}
+        assert frames_[-1][2] & wire.AWAITED and frames_[-1][2] != wire.NOT_RUN
+
+    run(test)
+
+
 def test_cancelling_a_chunk_answers_each_call_once(run):
     async def test(proto: WorkerProtocol, b: Broker) -> None:
         b.send(chunk_frame(5, [("nap", b"[30]", False), ("add_ints", b"[1, 1]", False), ("nap", b"[30]", False)]))
