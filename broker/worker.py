@@ -560,12 +560,14 @@ def _plain(value: object, depth: int = 0) -> object:
     """`value` made of plain JSON containers (new dicts and lists, of snapshots of the
     handler's: sets and tuples as lists, Structs and dataclasses as objects, what has a
     `tolist()` as what it returns: numpy arrays orjson does not take natively, as its
-    docs advise, array.array), other leaves kept for the encoders. Python code of the handler's objects (a `tolist()`) runs only here, never
-    while a C encoder walks the handler's containers: one that emptied the list it sat
-    in, or another thread of the tool changing a set meanwhile, had orjson read freed
-    memory, and the worker died of SIGSEGV with every call on it (hostile testing, round
-    23; the same script crashes orjson alone). Raises TypeError (too deep), or what a
-    `tolist()` or `to_builtins` raises."""
+    docs advise, array.array), other leaves kept for the encoders.
+
+    Python code of the handler's objects (a `tolist()`) runs only here, never while a C
+    encoder walks the handler's containers: one that emptied the list it sat in, or
+    another thread of the tool changing a set meanwhile, had orjson read freed memory,
+    and the worker died of SIGSEGV with every call on it (hostile testing, round 23; the
+    same script crashes orjson alone, and msgspec with a hook). Raises TypeError (too
+    deep), or what a `tolist()` or `to_builtins` raises."""
     if type(value) in _LEAVES:
         return value
     if depth >= _PLAIN_DEPTH:
