@@ -890,3 +890,34 @@ def test_a_lingering_close_behind_a_large_answer_reads_on_and_cuts_nothing(broke
     head, _, rest = bytes(got).partition(b"\r\n\r\n")
     length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
     assert json.loads(rest[:length])["result"] == "x" * 7_000_000
+
+
+def test_a_refused_request_queued_behind_slow_answers_reads_on(broker_factory):
+    """Hostile testing (round 24): a large answer, a slow call, then a request refused 413
+    whose client uploads the refused body before it reads. The first answer filled the
+    write buffer, so reading paused, and resumed only once the 413 was written, behind
+    the slow call: the client, blocked mid-upload, read nothing, and send_timeout reset
+    the connection (the 8 MB answer cut at 128 kB, the others lost). Its input is
+    discarded from the refusal on: reading goes on, and every answer arrives."""
+    b = broker_factory("--workers", "2", "--app", "tests.apps.ledger:registry", "--send-timeout", "4",
+                       "--method-timeout", "hold=60")
+    first = json.dumps({"jsonrpc": "2.0", "method": "big", "params": [8_000_000], "id": 1}).encode()
+    slow = json.dumps({"jsonrpc": "2.0", "method": "hold", "params": [6.0], "id": 2}).encode()
+    size = 20_000_000
+    s = socket.create_connection(("127.0.0.1", b.port))
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        s.sendall(post(first, b.path) + post(slow, b.path) + b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % size)
+        time.sleep(1.0)
+        s.settimeout(40)
+        sent = 0
+        while sent < size:  # (all of it before reading: blocked if the broker does not read)
+            sent += s.send(b" " * min(65536, size - sent))
+        got = bytearray()
+        while chunk := s.recv(1 << 20):
+            got += chunk
+    finally:
+        s.close()
+    assert re.findall(rb"HTTP/1\.1 \d\d\d", bytes(got)) == [b"HTTP/1.1 200", b"HTTP/1.1 200", b"HTTP/1.1 413"]
+    assert b'"id":2,"result":6.0' in got and got.count(b"x" * 1000) >= 7000

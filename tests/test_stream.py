@@ -961,3 +961,27 @@ def test_a_refused_line_read_after_the_stop_does_not_hold_the_drain(tmp_path):
     finally:
         s.close()
         s_b.broker.stop()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_refused_line_behind_slow_answers_reads_on(tmp_path, transport):
+    """Hostile testing (round 24): a large answer, a slow call, then a refused line (an
+    HTTP request line) whose client goes on sending before it reads: reading stayed
+    paused while answers were owed, the client read nothing, and send_timeout cut the
+    first answer and lost the second. Its input is discarded from the refusal on: reading
+    goes on, and every answer arrives, then the end."""
+    s_b = start_stream_broker(tmp_path, "--workers", "2", "--app", "tests.apps.ledger:registry",
+                              "--send-timeout", "4", "--method-timeout", "hold=60")
+    try:
+        with s_b.connect(transport) as s:
+            s.send(line("big", [8_000_000], 1) + b"\n" + line("hold", [6.0], 2) + b"\n" + b"POST / HTTP/1.1\r\n")
+            time.sleep(1.0)
+            s.sock.settimeout(40)
+            for _ in range(300):  # 19 MB more, all of it before reading
+                s.sock.sendall(b"y" * 65536)
+            answers = [json.loads(a) for a in s.lines(3, timeout=40)]
+            s.closed_within(10.0)
+        assert sorted(str(a["id"]) for a in answers) == ["1", "2", "None"]
+        assert {a["id"]: a.get("result") for a in answers if a["id"]} == {1: "x" * 8_000_000, 2: 6.0}
+    finally:
+        s_b.broker.stop()

@@ -21,7 +21,18 @@ from broker.dispatch import Dispatcher, Outgoing
 from broker.jsonrpc import Codec
 
 __all__ = [
-    "EVICT_BATCH", "LINGER_TIME", "LINGER_TIMEOUT", "SWEEP_SECONDS", "TURN_BYTES", "Connection", "Incoming", "Listener", "reset", "shed_outgoing", "unread_bytes",
+    "EVICT_BATCH",
+    "LINGER_TIME",
+    "LINGER_TIMEOUT",
+    "SWEEP_SECONDS",
+    "TURN_BYTES",
+    "Connection",
+    "Incoming",
+    "Listener",
+    "discard_turn",
+    "reset",
+    "shed_outgoing",
+    "unread_bytes",
     "unsent_bytes",
 ]
 
@@ -118,6 +129,26 @@ def unread_bytes(transport: asyncio.BaseTransport) -> int:
 
 
 _LINGER_0 = struct.pack("ii", 1, 0)
+
+
+def discard_turn(transport: asyncio.Transport | None, turn: int, n: int, loop: asyncio.AbstractEventLoop) -> int:
+    """Count `n` more bytes read and discarded (a refused request's, a lingering close's)
+    on top of `turn`, this loop turn's; return the new count. Past TURN_BYTES reading
+    pauses for one loop turn, as for bytes served: 40 clients flooding discarded bytes
+    took /healthz's p99 to 1.36 s (hostile testing, round 24). Never longer: a client
+    blocked mid-send must be read to take the answers it is owed."""
+    turn += n
+    if turn <= TURN_BYTES:
+        return turn
+    if transport is not None and not transport.is_closing():
+        transport.pause_reading()
+        loop.call_soon(_resume_reading, transport)
+    return 0
+
+
+def _resume_reading(transport: asyncio.Transport) -> None:
+    if not transport.is_closing():
+        transport.resume_reading()
 
 
 def reset(conn: typing.Any) -> None:

@@ -75,6 +75,7 @@ from broker.frontend.base import (
     TURN_SECONDS,
     Incoming,
     Listener,
+    discard_turn,
     unread_bytes,
 )
 from broker.jsonrpc import ErrorCode, error_object, response_error
@@ -353,7 +354,9 @@ class StreamProtocol(asyncio.Protocol):
         if fe.draining or self._refused:
             if self._unread and not self._refused:
                 self._read_before_stop(data)
-            elif self.lingering_since:  # (discarded; silent for LINGER_TIMEOUT, the sweep closes it)
+                return
+            self._turn_bytes = discard_turn(self._transport, self._turn_bytes, len(data), fe.loop)  # (discarded)
+            if self.lingering_since:  # (silent for LINGER_TIMEOUT, the sweep closes it)
                 self.last_active = fe.loop.time()
             return
         now = fe.loop.time()
@@ -555,6 +558,9 @@ class StreamProtocol(asyncio.Protocol):
             self._unread = 0  # here; it waited out the linger, 30 s: hostile testing, round 23)
             self._fe.unread.discard(self)
             self._fe.recount()
+        if self.read_paused and self._transport is not None:  # (read on, discarding: a client blocked
+            self.read_paused = False  # mid-send takes no answer, and send_timeout cut them: round 24)
+            self._transport.resume_reading()
         self._maybe_close()  # (a lingering close once the lines before it are answered)
 
     def _line(self, line: bytes) -> None:
@@ -689,7 +695,7 @@ class StreamProtocol(asyncio.Protocol):
         self._maybe_resume()
 
     def _pause(self) -> None:
-        if not self.read_paused and self._transport is not None and not self.lingering_since:
+        if not self.read_paused and self._transport is not None and not self._refused:  # (input discarded: `_foreign`)
             self.read_paused = True
             self._transport.pause_reading()
 
