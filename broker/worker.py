@@ -43,6 +43,7 @@ import asyncio
 import collections
 import ctypes
 import dataclasses
+import datetime
 import functools
 import importlib
 import inspect
@@ -141,9 +142,9 @@ def _rpc_error_object(exc: RpcError) -> bytes:
         raise _Refused({"type": "RpcError", "code": code,
                         "reason": f"RpcError code {code} is reserved for the broker's own errors (-32099..-32000)"})
     message = exc.message if type(exc.message) is str else str(exc.message)
-    try:
-        encoded = error_object(code, message, exc.data)
-    except TypeError:  # data of a type with no JSON form: its repr
+    try:  # (a snapshot, made plain: no Python code runs while msgspec walks it, `_plain`)
+        encoded = error_object(code, message, _plain(exc.data))
+    except TypeError:  # data of a type with no JSON form: its repr (one that refers to itself: -32603)
         encoded = error_object(code, message, repr(exc.data))
     try:  # (a msgspec.Raw in data is copied verbatim)
         return _checked_json(encoded)
@@ -541,6 +542,11 @@ def load_app(spec: str) -> Registry:
 
 
 _ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+# The first try: dataclasses and datetimes left to `_plain`, as orjson would run their
+# Python code (a field's `__getattribute__`, a tzinfo's `utcoffset`) in the middle of
+# walking the handler's containers (hostile testing, round 24: one that emptied the list
+# being encoded crashed the worker, SIGSEGV).
+_FIRST_OPTIONS = _ORJSON_OPTIONS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 
 
 def _tolist(obj: object) -> object:
@@ -566,15 +572,15 @@ def _plain(value: object, depth: int = 0) -> object:
     encoder walks the handler's containers: one that emptied the list it sat in, or
     another thread of the tool changing a set meanwhile, had orjson read freed memory,
     and the worker died of SIGSEGV with every call on it (hostile testing, round 23; the
-    same script crashes orjson alone, and msgspec with a hook). Raises TypeError (too
-    deep), or what a `tolist()` or `to_builtins` raises."""
+    same script crashes orjson alone, and msgspec with a hook). Raises ValueError (too
+    deep), or what a `tolist()`, `to_builtins` or orjson (a key) raises."""
     if type(value) in _LEAVES:
         return value
     if depth >= _PLAIN_DEPTH:
-        raise TypeError(f"result nests deeper than {_PLAIN_DEPTH} levels")
+        raise ValueError(f"nests deeper than {_PLAIN_DEPTH} levels (or refers to itself)")
     depth += 1
     if isinstance(value, dict):
-        return {key: _plain(item, depth) for key, item in list(dict.items(value))}
+        return {_key(key): _plain(item, depth) for key, item in list(dict.items(value))}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_plain(item, depth) for item in list(value)]
     if isinstance(value, msgspec.Raw):
@@ -584,12 +590,25 @@ def _plain(value: object, depth: int = 0) -> object:
             return _plain(msgspec.to_builtins(value), depth)
         except TypeError:  # a numpy value or a msgspec.Raw in it: left whole to msgspec's encoder, which
             return value  # takes Structs as declared (renames, omitted defaults), numpy by its hook
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # (as orjson: its fields in order)
-        return {field.name: _plain(getattr(value, field.name), depth) for field in dataclasses.fields(value)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # (as orjson: its fields in order,
+        return {  # those named with a leading underscore left out)
+            field.name: _plain(getattr(value, field.name), depth)
+            for field in dataclasses.fields(value) if not field.name.startswith("_")
+        }
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it,
+        return orjson.dumps(value)[1:-1].decode()  # whatever encodes the rest: RFC 3339, "+00:00")
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
         return _plain(tolist(), depth)
     return value
+
+
+def _key(key: object) -> object:
+    """A dict key as orjson writes it with OPT_NON_STR_KEYS (None as "null", a datetime as
+    RFC 3339), whichever encoder then takes the result (msgspec refused a None key)."""
+    if type(key) is str:
+        return key
+    return next(iter(orjson.loads(orjson.dumps({key: None}, option=_ORJSON_OPTIONS))))
 
 
 def encode_result(result: object) -> bytes:
@@ -602,7 +621,7 @@ def encode_result(result: object) -> bytes:
     encoded by orjson again, and if it still refuses (big integers, `msgspec.Raw`,
     bytes), by msgspec."""
     try:
-        return orjson.dumps(result, option=_ORJSON_OPTIONS)
+        return orjson.dumps(result, option=_FIRST_OPTIONS)
     except TypeError:
         pass
     try:
@@ -764,7 +783,9 @@ class _Chunk:
         self.tasks: list[asyncio.Task[tuple[bool, object]]] = []
         self.waiting = 0  # async calls still running
         self.ran = False  # a handler of it ran (else its CHUNK_REPLY's aux is NOT_RUN)
-        self.awaited = False  # a sync-declared method's call of it was awaited (wire.AWAITED)
+        # A sync-declared method's call of it returned an awaitable: 1 at once, -1 after
+        # blocking (then not AWAITED), 0 none (wire.AWAITED).
+        self.awaited = 0
         self.t0 = _perf()
 
 
@@ -808,6 +829,8 @@ class WorkerProtocol(asyncio.Protocol):
         # Tasks the broker cancelled (CANCEL): only their CancelledError is "cancelled
         # by the broker" (-32001); one a handler raises by itself is -32603.
         self._cancelled: set[asyncio.Task[tuple[bool, object]]] = set()
+        # Tasks of sync-declared methods' awaitables, returned at once (wire.AWAITED).
+        self._awaited: set[asyncio.Task[tuple[bool, object]]] = set()
         self._backlog: collections.deque[tuple[int, int, int, bytes] | _Chunk] = collections.deque()
         self._chunks: dict[int, _Chunk] = {}  # chunks started and not yet fully answered
         self._dirty: set[_Chunk] = set()  # chunks with answers to send
@@ -940,6 +963,7 @@ class WorkerProtocol(asyncio.Protocol):
                     self._cancelled.add(task)
                     return
                 self._tasks.pop(call_id, None)
+                self._awaited.discard(task)
                 self._answered.add(task)  # (its done callback: nothing to do)
                 self._winding.add(task)
                 self._reply(_ERROR, call_id, typing.cast("tuple[int, int, float]", where)[2], _CANCELLED)
@@ -1148,8 +1172,14 @@ class WorkerProtocol(asyncio.Protocol):
                 return
             self._slow[index] = self._reply(kind, call_id, t0, done[1]) >= SLOW_SYNC_US
             return
-        self._slow[index] = False  # an async handler (or a sync one's coroutine) blocks nothing
         task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
+        if self._methods[index].is_async:
+            self._slow[index] = False  # an async handler blocks nothing
+        elif _perf() - t0 < _SLOW_SYNC_S:  # a sync one's awaitable, returned at once: its wait blocks nothing
+            self._slow[index] = False
+            self._awaited.add(task)  # (wire.AWAITED)
+        else:  # (it blocked before it returned: its time is the worker's, as a sync call's; round 24)
+            self._slow[index] = True
         self._tasks[call_id] = task
         if not task.done():  # (else finished at once, eagerly: answered by its done callback)
             self._task_of[task] = (call_id, index, t0)
@@ -1189,15 +1219,17 @@ class WorkerProtocol(asyncio.Protocol):
         if _forked_from:
             _child_exits(None)
         self._tasks.pop(call_id, None)
+        awaited = task in self._awaited
+        self._awaited.discard(task)
         if self._down:
             return
         kind, body = self._outcome(task, index, outcome)
         if _forked_from:  # (forked while the result or error was encoded: a `tolist`, a repr)
             _child_exits(None)
-        if self._methods[index].is_async:
-            self._reply(kind, call_id, t0, body)
-        else:  # a sync handler's awaitable: its time is not the worker's (wire.AWAITED)
+        if awaited:  # a sync handler's awaitable: its time is not the worker's (wire.AWAITED)
             self._reply(kind, call_id, t0, body, min(int((_perf() - t0) * 1e6), _AWAITED - 1) | _AWAITED)
+        else:
+            self._reply(kind, call_id, t0, body)
         self._schedule_flush()
 
     def _schedule_flush(self) -> None:
@@ -1264,7 +1296,11 @@ class WorkerProtocol(asyncio.Protocol):
                 task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
                 slow[index] = False
                 chunk.ran = True
-                chunk.awaited |= not self._methods[index].is_async  # (wire.AWAITED)
+                if not self._methods[index].is_async:  # a sync handler's awaitable (wire.AWAITED):
+                    if now - t0 >= _SLOW_SYNC_S:  # returned after blocking: the chunk's time is the worker's
+                        chunk.awaited = -1
+                    elif not chunk.awaited:
+                        chunk.awaited = 1
                 chunk.tasks.append(task)
                 chunk.waiting += 1
                 if not task.done():  # (else finished at once, eagerly: answered by its done callback)
@@ -1329,7 +1365,7 @@ class WorkerProtocol(asyncio.Protocol):
         if chunk.next == chunk.count and not chunk.waiting:
             self._chunks.pop(chunk.chunk_id, None)
             aux = -1 if chunk.ran else _NOT_RUN
-            if chunk.awaited:  # (wire.AWAITED)
+            if chunk.awaited > 0:  # (wire.AWAITED)
                 aux = min(int((_perf() - chunk.t0) * 1e6), _AWAITED - 1) | _AWAITED
             self._reply(_CHUNK_REPLY, chunk.chunk_id, chunk.t0, bytes(chunk.unsent), aux)
         elif chunk.unsent:

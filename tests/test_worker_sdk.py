@@ -524,6 +524,24 @@ def test_encode_result_struct_fields(value, expected):
     assert encode_result(value) == expected
 
 
+def test_a_value_encodes_the_same_whatever_its_neighbours():
+    """Hostile testing (round 24): a value's form depended on what else the result held,
+    which took it down another path: a dataclass's `_private` field was written next to a
+    set, a UTC datetime ended in "Z" next to an integer past 64 bits, and a `None` key
+    failed there. Each is written as orjson writes it, whatever path the result takes."""
+
+    @dataclasses.dataclass
+    class Private:
+        a: int
+        _b: int
+
+    utc = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
+    for value, alone in [(Private(1, 2), {"a": 1}), (utc, "2020-01-01T00:00:00+00:00"), ({None: 1}, {"null": 1})]:
+        assert json.loads(encode_result(value)) == alone
+        assert json.loads(encode_result([value, {1, 2}])) == [alone, [1, 2]]  # (a set: made plain first)
+        assert json.loads(encode_result([value, 2**70])) == [alone, 2**70]  # (then msgspec, for the integer)
+
+
 def test_encode_result_raw_keeps_numbers_and_strings_byte_for_byte_and_is_made_compact():
     assert encode_result(msgspec.Raw(b'{"x":  [1, 2.50],\n "s": " a\\n"}')) == b'{"x":[1,2.50],"s":" a\\n"}'
     assert encode_result([msgspec.Raw(b"1.0e3"), 2]) == b"[1.0e3,2]"
@@ -678,6 +696,13 @@ class SlowToBind:
 @registry.method
 def bound_slowly(p: SlowToBind) -> str:
     return "ran"
+
+
+@registry.method
+def blocks_then_naps(block: float, seconds: float) -> object:
+    """A sync handler that blocks, then returns a coroutine (round 24)."""
+    time.sleep(block)
+    return nap(seconds)
 
 
 NAPS_RETURNED: list[Coroutine[object, object, float]] = []
@@ -1368,6 +1393,14 @@ def test_a_sync_handlers_awaited_call_says_so_in_its_aux(run):
         frames_, answers = await read_chunk(b, 3)
         assert answers == {0: (Kind.RESULT, b"0.1"), 1: (Kind.RESULT, b"3")}
         assert frames_[-1][2] & wire.AWAITED and frames_[-1][2] != wire.NOT_RUN
+        # Round 24: one that blocked before it returned its awaitable held the worker as a
+        # sync call does: not AWAITED, its time the worker's (the broker routed calls to it).
+        b.send(b.call(4, "blocks_then_naps", b"[0.01, 0.05]"))
+        [blocked] = await b.read(1)
+        assert result(blocked) == 0.05 and not blocked[2] & wire.AWAITED and blocked[2] >= 50_000
+        b.send(chunk_frame(5, [("returns_nap", b"[0]", False), ("blocks_then_naps", b"[0.01, 0]", False)]))
+        frames_, _ = await read_chunk(b, 5)
+        assert not frames_[-1][2] & wire.AWAITED
 
     run(test)
 

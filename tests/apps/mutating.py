@@ -3,6 +3,8 @@
 `snapshot()` a list of sets that a background thread of the tool refreshes all the time.
 Each crashed the worker (SIGSEGV in orjson, reading freed memory)."""
 
+import dataclasses
+import datetime
 import os
 import threading
 
@@ -36,6 +38,48 @@ class Column:
 def table() -> list[object]:
     rows: list[object] = []
     rows.append(Column(rows))
+    rows.extend([[i] * 3 for i in range(100)])
+    return rows
+
+
+class Clearing(datetime.tzinfo):
+    """A time zone whose utcoffset() empties a list (the one its datetime sits in)."""
+
+    def __init__(self, rows: list[object]) -> None:
+        self.rows = rows
+
+    def utcoffset(self, dt: datetime.datetime | None) -> datetime.timedelta:
+        self.rows.clear()
+        return datetime.timedelta(0)
+
+
+@dataclasses.dataclass
+class Touchy:
+    """A dataclass whose field reads empty a list (the one it sits in)."""
+
+    _rows: list[object]  # (a leading underscore: not written, as orjson leaves it out)
+    a: int = 1
+
+    def __getattribute__(self, name: str) -> object:
+        if name == "a":
+            object.__getattribute__(self, "_rows").clear()
+        return object.__getattribute__(self, name)
+
+
+@registry.method
+def zoned() -> list[object]:
+    """Round 24: orjson ran a tzinfo's utcoffset() while walking the list."""
+    rows: list[object] = []
+    rows.append(datetime.datetime(2020, 1, 1, tzinfo=Clearing(rows)))
+    rows.extend([[i] * 3 for i in range(100)])
+    return rows
+
+
+@registry.method
+def touchy() -> list[object]:
+    """Round 24: orjson read a dataclass's fields through its __getattribute__."""
+    rows: list[object] = []
+    rows.append(Touchy(rows))
     rows.extend([[i] * 3 for i in range(100)])
     return rows
 
