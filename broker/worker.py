@@ -590,17 +590,28 @@ def _plain(value: object, depth: int = 0) -> object:
             return _plain(msgspec.to_builtins(value), depth)
         except TypeError:  # a numpy value or a msgspec.Raw in it: left whole to msgspec's encoder, which
             return value  # takes Structs as declared (renames, omitted defaults), numpy by its hook
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # (as orjson: its fields in order,
-        return {  # those named with a leading underscore left out)
-            field.name: _plain(getattr(value, field.name), depth)
-            for field in dataclasses.fields(value) if not field.name.startswith("_")
-        }
+    names = _DATACLASS_FIELDS.get(type(value))
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _dataclass_fields(type(value))
+    if names is not None:  # (as orjson: its fields in order, those named with a leading underscore left out)
+        return {name: _plain(getattr(value, name), depth) for name in names}
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it,
         return orjson.dumps(value)[1:-1].decode()  # whatever encodes the rest: RFC 3339, "+00:00")
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
         return _plain(tolist(), depth)
     return value
+
+
+_DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}  # per dataclass, the fields orjson writes
+
+
+def _dataclass_fields(cls: type) -> tuple[str, ...]:
+    """The names of the fields orjson writes of dataclass `cls` (cached, at most 1024 classes)."""
+    names = tuple(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_"))
+    if len(_DATACLASS_FIELDS) < 1024:
+        _DATACLASS_FIELDS[cls] = names
+    return names
 
 
 def _key(key: object) -> object:
