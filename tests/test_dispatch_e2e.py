@@ -454,12 +454,16 @@ def test_sigterm_serves_lines_an_ndjson_stream_holds_back_within_the_grace_perio
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(json.dumps(req("echo", ["x" * 8_000_000], "big")).encode() + b"\n")
         time.sleep(1.0)  # not reading: the answer fills the socket, then the write buffer
+        # Sent while it is behind (writing paused): held in `_waiting`, then served one by
+        # one. (Sent once the answer was read, they raced the connection's catching up: on
+        # a loaded machine both went at once, and `add` came first: new user, round 24.)
+        s.sendall(json.dumps(req("sleep", [2], "slow")).encode() + b"\n"
+                  + json.dumps(req("add", [1, 2], "add")).encode() + b"\n")
+        time.sleep(0.3)
         got = b""
         while b"\n" not in got:
             got += s.recv(1 << 20)
         rest = got.partition(b"\n")[2]
-        s.sendall(json.dumps(req("sleep", [2], "slow")).encode() + b"\n"
-                  + json.dumps(req("add", [1, 2], "add")).encode() + b"\n")
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
         start = time.monotonic()
         b.proc.send_signal(signal.SIGTERM)
