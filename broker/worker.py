@@ -546,7 +546,8 @@ _ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 # Python code (a field's `__getattribute__`, a tzinfo's `utcoffset`) in the middle of
 # walking the handler's containers (hostile testing, round 24: one that emptied the list
 # being encoded crashed the worker, SIGSEGV).
-_FIRST_OPTIONS = _ORJSON_OPTIONS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+# Non-string keys too (round 25: a datetime key's tzinfo ran as orjson walked the dict).
+_FIRST_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 
 
 def _tolist(obj: object) -> object:
@@ -622,6 +623,16 @@ def _key(key: object) -> object:
     return next(iter(orjson.loads(orjson.dumps({key: None}, option=_ORJSON_OPTIONS))))
 
 
+def _framed(encoded: bytes) -> bytes:
+    """`encoded` (orjson's), checked if it holds a raw newline, which only an
+    `orjson.Fragment` in the result puts there (orjson copies it verbatim): it would split
+    an NDJSON line, and a line after it could answer another call (hostile testing, round
+    25: a forged answer to id 2). Raises `InvalidJson` (a TypeError) if it is not JSON."""
+    if b"\n" in encoded:
+        return _checked_json(encoded)
+    return encoded
+
+
 def encode_result(result: object) -> bytes:
     """Compact JSON bytes of a handler's result (never a raw newline: they are framed
     as NDJSON lines too). Raises `TypeError` if it has no JSON form, `InvalidJson` (a
@@ -632,15 +643,17 @@ def encode_result(result: object) -> bytes:
     encoded by orjson again, and if it still refuses (big integers, `msgspec.Raw`,
     bytes), by msgspec."""
     try:
-        return orjson.dumps(result, option=_FIRST_OPTIONS)
+        encoded = orjson.dumps(result, option=_FIRST_OPTIONS)
     except TypeError:
         pass
+    else:
+        return _framed(encoded)
     try:
         plain = _plain(result)
     except Exception as exc:  # TypeError, RecursionError, a tolist()'s own error, a dict changed meanwhile
         raise TypeError(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
     try:
-        return orjson.dumps(plain, option=_ORJSON_OPTIONS)
+        encoded = orjson.dumps(plain, option=_ORJSON_OPTIONS)
     except TypeError:
         # msgspec takes what orjson refuses: big integers and msgspec.Raw.
         try:
@@ -649,6 +662,7 @@ def encode_result(result: object) -> bytes:
             # UnicodeEncodeError (a lone surrogate next to a big integer)
             raise TypeError(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
         return _checked_json(encoded)
+    return _framed(encoded)
 
 
 def _checked_json(encoded: bytes) -> bytes:
@@ -705,6 +719,7 @@ _INTERNAL = error_object(ErrorCode.INTERNAL_ERROR, data={"type": "unknown"})
 SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
 SLOW_SYNC_US = 1000  # a sync call this long (µs) blocks the replies behind it (dispatch.BLOCKING_US)
 _SLOW_SYNC_S = SLOW_SYNC_US / 1e6
+_AWAITED_WITHIN_S = 0.01  # a sync handler that returns its awaitable within this blocks nothing (wire.AWAITED)
 
 
 def _text(value: str) -> str:
@@ -840,8 +855,9 @@ class WorkerProtocol(asyncio.Protocol):
         # Tasks the broker cancelled (CANCEL): only their CancelledError is "cancelled
         # by the broker" (-32001); one a handler raises by itself is -32603.
         self._cancelled: set[asyncio.Task[tuple[bool, object]]] = set()
-        # Tasks of sync-declared methods' awaitables, returned at once (wire.AWAITED).
-        self._awaited: set[asyncio.Task[tuple[bool, object]]] = set()
+        # Tasks of sync-declared methods' awaitables: -1 returned at once (wire.AWAITED), else
+        # the µs the handler blocked before it returned it (its reply's aux: the worker's time).
+        self._awaited: dict[asyncio.Task[tuple[bool, object]], int] = {}
         self._backlog: collections.deque[tuple[int, int, int, bytes] | _Chunk] = collections.deque()
         self._chunks: dict[int, _Chunk] = {}  # chunks started and not yet fully answered
         self._dirty: set[_Chunk] = set()  # chunks with answers to send
@@ -974,7 +990,7 @@ class WorkerProtocol(asyncio.Protocol):
                     self._cancelled.add(task)
                     return
                 self._tasks.pop(call_id, None)
-                self._awaited.discard(task)
+                self._awaited.pop(task, None)
                 self._answered.add(task)  # (its done callback: nothing to do)
                 self._winding.add(task)
                 self._reply(_ERROR, call_id, typing.cast("tuple[int, int, float]", where)[2], _CANCELLED)
@@ -1186,11 +1202,11 @@ class WorkerProtocol(asyncio.Protocol):
         task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
         if self._methods[index].is_async:
             self._slow[index] = False  # an async handler blocks nothing
-        elif _perf() - t0 < _SLOW_SYNC_S:  # a sync one's awaitable, returned at once: its wait blocks nothing
-            self._slow[index] = False
-            self._awaited.add(task)  # (wire.AWAITED)
-        else:  # (it blocked before it returned: its time is the worker's, as a sync call's; round 24)
-            self._slow[index] = True
+        else:  # a sync one's awaitable: its wait blocks nothing, what came before it did (round 24)
+            blocked = _perf() - t0
+            self._slow[index] = blocked >= _SLOW_SYNC_S
+            # (within 10 ms, returned at once, allowing for a loaded machine's delays: wire.AWAITED)
+            self._awaited[task] = -1 if blocked < _AWAITED_WITHIN_S else min(int(blocked * 1e6), _AWAITED - 1)
         self._tasks[call_id] = task
         if not task.done():  # (else finished at once, eagerly: answered by its done callback)
             self._task_of[task] = (call_id, index, t0)
@@ -1230,15 +1246,16 @@ class WorkerProtocol(asyncio.Protocol):
         if _forked_from:
             _child_exits(None)
         self._tasks.pop(call_id, None)
-        awaited = task in self._awaited
-        self._awaited.discard(task)
+        awaited = self._awaited.pop(task, 0)
         if self._down:
             return
         kind, body = self._outcome(task, index, outcome)
         if _forked_from:  # (forked while the result or error was encoded: a `tolist`, a repr)
             _child_exits(None)
-        if awaited:  # a sync handler's awaitable: its time is not the worker's (wire.AWAITED)
+        if awaited < 0:  # a sync handler's awaitable: its time is not the worker's (wire.AWAITED)
             self._reply(kind, call_id, t0, body, min(int((_perf() - t0) * 1e6), _AWAITED - 1) | _AWAITED)
+        elif awaited:  # ... returned after blocking this long: the worker's time, as a sync call's
+            self._reply(kind, call_id, t0, body, awaited)
         else:
             self._reply(kind, call_id, t0, body)
         self._schedule_flush()
@@ -1297,6 +1314,8 @@ class WorkerProtocol(asyncio.Protocol):
                     kind = _ERROR
                 else:
                     slow[index] = now - t0 >= _SLOW_SYNC_S
+                    if slow[index]:  # (a call of it blocked: the chunk's time is the worker's, not AWAITED; round 25)
+                        chunk.awaited = -1
                     chunk.ran = True
                 if len(unsent) + len(body) <= limit:  # fits this part (the common case)
                     unsent += pack(i, kind, len(body))
@@ -1308,7 +1327,7 @@ class WorkerProtocol(asyncio.Protocol):
                 slow[index] = False
                 chunk.ran = True
                 if not self._methods[index].is_async:  # a sync handler's awaitable (wire.AWAITED):
-                    if now - t0 >= _SLOW_SYNC_S:  # returned after blocking: the chunk's time is the worker's
+                    if now - t0 >= _AWAITED_WITHIN_S:  # returned after blocking: the chunk's time is the worker's
                         chunk.awaited = -1
                     elif not chunk.awaited:
                         chunk.awaited = 1
@@ -1860,6 +1879,10 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> int:
     loop = asyncio.get_running_loop()
     if hasattr(asyncio, "eager_task_factory"):  # 3.12+: async handlers that never
         loop.set_task_factory(asyncio.eager_task_factory)  # suspend finish inline
+    try:  # orjson imports numpy at the first type it does not know (0.1 s): now, at boot, not
+        orjson.dumps(object(), option=_ORJSON_OPTIONS)  # in a call, whose time it would be
+    except TypeError:  # (a first awaited call took 72 ms, and was learnt blocking: round 25)
+        pass
     proto = WorkerProtocol(
         registry, args.slot, args.concurrency, args.max_depth, args.max_frame_bytes, args.debug
     )

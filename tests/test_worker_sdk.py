@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 
 import msgspec
 import numpy as np
+import orjson
 import pytest
 import uvloop
 from hypothesis import given, settings
@@ -522,6 +523,18 @@ class Holder(msgspec.Struct):
 )
 def test_encode_result_struct_fields(value, expected):
     assert encode_result(value) == expected
+
+
+def test_an_orjson_fragment_cannot_split_an_ndjson_line():
+    """Hostile testing (round 25): an `orjson.Fragment` in a result is copied verbatim;
+    one holding a newline split the NDJSON line, and the line after it answered another
+    call ("FORGED", id 2). A result with a raw newline is checked and made compact, or
+    refused (-32603) if it is not JSON."""
+    assert encode_result([orjson.Fragment(b'{"a":\n 1}'), 2]) == b'[{"a":1},2]'
+    with pytest.raises(TypeError, match="not valid JSON"):
+        encode_result(orjson.Fragment(b'1}\n{"jsonrpc":"2.0","id":2,"result":"FORGED"}'))
+    with pytest.raises(TypeError, match="not valid JSON"):
+        encode_result([{1, 2}, orjson.Fragment(b'1]\n[2')])  # (the copy's path too)
 
 
 def test_a_value_encodes_the_same_whatever_its_neighbours():
@@ -1394,12 +1407,16 @@ def test_a_sync_handlers_awaited_call_says_so_in_its_aux(run):
         assert answers == {0: (Kind.RESULT, b"0.1"), 1: (Kind.RESULT, b"3")}
         assert frames_[-1][2] & wire.AWAITED and frames_[-1][2] != wire.NOT_RUN
         # Round 24: one that blocked before it returned its awaitable held the worker as a
-        # sync call does: not AWAITED, its time the worker's (the broker routed calls to it).
-        b.send(b.call(4, "blocks_then_naps", b"[0.01, 0.05]"))
+        # sync call does: not AWAITED, its aux the time it blocked (the broker learns that).
+        b.send(b.call(4, "blocks_then_naps", b"[0.03, 0.2]"))
         [blocked] = await b.read(1)
-        assert result(blocked) == 0.05 and not blocked[2] & wire.AWAITED and blocked[2] >= 50_000
-        b.send(chunk_frame(5, [("returns_nap", b"[0]", False), ("blocks_then_naps", b"[0.01, 0]", False)]))
+        assert result(blocked) == 0.2 and not blocked[2] & wire.AWAITED and 30_000 <= blocked[2] < 200_000
+        b.send(chunk_frame(5, [("returns_nap", b"[0]", False), ("blocks_then_naps", b"[0.03, 0]", False)]))
         frames_, _ = await read_chunk(b, 5)
+        assert not frames_[-1][2] & wire.AWAITED
+        # Round 25: nor one whose other calls blocked (a plain sync call of 0.2 s beside it).
+        b.send(chunk_frame(6, [("returns_nap", b"[0]", False), ("spin", b"[0.2]", False)]))
+        frames_, _ = await read_chunk(b, 6)
         assert not frames_[-1][2] & wire.AWAITED
 
     run(test)

@@ -85,6 +85,17 @@ def touchy() -> list[object]:
 
 
 @registry.method
+def keyed() -> dict[object, object]:
+    """Round 25: a datetime key's tzinfo ran as orjson walked the dict (it emptied it)."""
+    rows: dict[object, object] = {}
+    rows[datetime.datetime(2020, 1, 1, tzinfo=Clearing([]))] = 1
+    rows.update({f"k{i}": [i] * 3 for i in range(100)})
+    key = next(iter(rows))
+    key.tzinfo.rows = rows  # type: ignore[union-attr]
+    return rows
+
+
+@registry.method
 def snapshot() -> list[set[int]]:
     return CACHE
 
