@@ -618,8 +618,11 @@ def _dataclass_fields(cls: type) -> tuple[str, ...]:
 def _key(key: object) -> object:
     """A dict key as orjson writes it with OPT_NON_STR_KEYS (None as "null", a datetime as
     RFC 3339), whichever encoder then takes the result (msgspec refused a None key)."""
-    if type(key) is str:
+    kind = type(key)
+    if kind is str:
         return key
+    if kind is int:  # (the usual one, at a tenth of the cost: 1 us each by orjson)
+        return str(key)
     return next(iter(orjson.loads(orjson.dumps({key: None}, option=_ORJSON_OPTIONS))))
 
 
