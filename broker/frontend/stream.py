@@ -331,10 +331,7 @@ class StreamProtocol(asyncio.Protocol):
                 self._too_long(line[:16])
             else:
                 self._line(line)
-        if self._unread:  # draining, still reading what came before the stop: nothing more comes
-            self._unread = 0
-            fe.unread.discard(self)
-            fe.recount()
+        self._unread_done()  # (draining, still reading what came before the stop: nothing more comes)
         if self.owed or self._waiting or self._backlog:  # (none on a connection refused at accept)
             self._eof = True
             return True  # keep the transport open for writing
@@ -554,14 +551,28 @@ class StreamProtocol(asyncio.Protocol):
         self.line_started = 0.0
         self._fe.incoming.hold(self._incoming, 0)
         self._incoming = 0
-        if self._unread:  # (draining: nothing after it is read, so the drain waits for nothing more
-            self._unread = 0  # here; it waited out the linger, 30 s: hostile testing, round 23)
+        # Draining, nothing after it is read: the drain waits for nothing more here (it waited
+        # out the linger, 30 s: hostile testing, round 23).
+        self._unread_done()
+        self._discarding()
+        self._maybe_close()  # (a lingering close once the lines before it are answered)
+
+    def _unread_done(self) -> None:
+        """Draining, this connection reads nothing more of what came before the stop
+        (`drain`): the drain no longer waits for it."""
+        if self._unread:
+            self._unread = 0
             self._fe.unread.discard(self)
             self._fe.recount()
-        if self.read_paused and self._transport is not None:  # (read on, discarding: a client blocked
-            self.read_paused = False  # mid-send takes no answer, and send_timeout cut them: round 24)
+
+    def _discarding(self) -> None:
+        """Its input is discarded from now on (`_refused`, `_linger`): read on, never paused
+        again, so that a client blocked mid-send can take the answers owed before it;
+        paused, it took none, and send_timeout cut them (hostile testing, round 24). As
+        HTTP's `HttpProtocol._discarding`."""
+        if self.read_paused and self._transport is not None:
+            self.read_paused = False
             self._transport.resume_reading()
-        self._maybe_close()  # (a lingering close once the lines before it are answered)
 
     def _line(self, line: bytes) -> None:
         if not line.strip():
@@ -753,9 +764,7 @@ class StreamProtocol(asyncio.Protocol):
         if not self.lingering_since:
             self.lingering_since = self.last_active = self._fe.loop.time()
         transport.write_eof()
-        if self.read_paused:
-            self.read_paused = False
-            transport.resume_reading()
+        self._discarding()
 
     def close(self) -> None:
         """Close the connection after what is already written."""
