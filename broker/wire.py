@@ -20,9 +20,9 @@ Kinds, who sends them, and what `aux` and the payload hold:
     NOTIFY  broker → worker  as CALL, for a notification; the worker still replies, so
                              the broker can account for the worker's capacity
     RESULT  worker → broker  aux: service time in µs (with `AWAITED` set for a method
-                             HELLO calls sync whose call returned an awaitable: that
-                             time is not how long it held the worker); payload: raw
-                             JSON result
+                             HELLO calls sync whose call returned an awaitable at
+                             once: that time is not how long it held the worker);
+                             payload: raw JSON result
     ERROR   worker → broker  aux: service time in µs, or NOT_RUN (0xFFFFFFFF): the
                              handler never ran (its params did not bind, or no such
                              method), so the time says nothing of the method;
@@ -136,13 +136,15 @@ NOTIFY_FLAG = 1
 MAX_METHODS = 0xFFFF
 # A reply's aux meaning "the handler never ran" (params that did not bind, an unknown
 # method): not a service time, so neither side learns a method's speed from it. Real
-# service times are capped one below it.
+# service times are capped one below AWAITED.
 NOT_RUN = 0xFFFFFFFF
 # A flag in a reply's aux (not NOT_RUN): the call, of a method HELLO lists as sync, returned
-# an awaitable the worker ran as a task (a decorator's wrapper made without functools.wraps):
-# its time, what it awaited included, says nothing of how long it blocks the worker, and the
-# broker learns no speed from it (hostile testing, round 23: such a method awaiting 1 s was
-# learnt a slow sync one, and its calls ran one at a time per worker). The time is the rest.
+# an awaitable within 10 ms, which the worker ran as a task (a decorator's wrapper made
+# without functools.wraps): its time, what it awaited included, is not how long it held the
+# worker, and the broker learns it blocked ~0 us (hostile testing, round 23: such a method
+# awaiting 1 s was learnt a slow sync one, and its calls ran one at a time per worker). The
+# rest of aux is that time. One that blocked longer before returning its awaitable is sent
+# unflagged, its aux the time it blocked (round 24).
 AWAITED = 0x80000000
 # The error object a worker answers a call with when it cancelled it on CANCEL (or
 # dropped it unstarted): byte for byte, so the broker recognises it (late replies).
