@@ -486,8 +486,10 @@ def test_a_line_left_unfinished_closes_the_connection_after_the_answers_owed(kb,
         s.closed_within(2.0)
 
 
+# TCP only: a reset is TCP's. On a Unix socket, whose buffers hold ~200 kB, the client's own
+# sends block behind its unread answers (the broker's reading paused): the test hung there.
 @pytest.mark.parametrize("refused", ["unfinished", "http"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", ["tcp"])
 def test_a_refused_line_loses_no_answer_owed_to_a_client_still_sending(kb, transport, refused):
     """Hostile testing (round 22): after a refused line (one left unfinished, an HTTP
     request line) the connection closed once the lines before it were answered, but
