@@ -124,8 +124,7 @@ def _rpc_error_object(exc: RpcError) -> bytes:
     """The error object (section 5.1) of an `RpcError`, from its attributes as they are
     now (a handler may have changed them after `__init__`). `code` must be an integer
     outside `BROKER_CODES` and `message` becomes a string, else `_Refused`; `data` is
-    encoded as a result is (orjson, then msgspec with its `msgspec.Raw` checked), its
-    repr if it has no JSON form. Raises `_Refused`, or what encoding the message raises."""
+    written as a result is (`encode_result`), its repr if it has no JSON form. Raises `_Refused`, or what encoding the message raises."""
     code = exc.code
     if type(code) is not int:
         # An IntEnum, numpy's int64 (`__index__`) are integers; a bool, a float, a str not.
@@ -142,14 +141,25 @@ def _rpc_error_object(exc: RpcError) -> bytes:
         raise _Refused({"type": "RpcError", "code": code,
                         "reason": f"RpcError code {code} is reserved for the broker's own errors (-32099..-32000)"})
     message = exc.message if type(exc.message) is str else str(exc.message)
-    try:  # (a snapshot, made plain: no Python code runs while msgspec walks it, `_plain`)
-        encoded = error_object(code, message, _plain(exc.data))
-    except TypeError:  # data of a type with no JSON form: its repr (one that refers to itself: -32603)
-        encoded = error_object(code, message, repr(exc.data))
-    try:  # (a msgspec.Raw in data is copied verbatim)
-        return _checked_json(encoded)
+    value = exc.data
+    if value is None:
+        return error_object(code, message)
+    try:  # (written as a result is: `encode_result`)
+        data = _encoded_data(value)
     except InvalidJson as invalid:
         raise _Refused({"type": "RpcError", "reason": f"RpcError data is {invalid}"}) from None
+    except TypeError:  # data of a type with no JSON form: its repr (one that refers to itself: -32603)
+        data = msgspec.json.encode(repr(value))
+    return error_object(code, message, msgspec.Raw(data))
+
+
+def _encoded_data(data: object) -> bytes:
+    """`encode_result`, raising what `_plain` raises (`_TooDeep`, a `tolist()`'s own
+    error) but for `TypeError`, the one a repr stands in for."""
+    try:
+        return _framed(orjson.dumps(data, option=_FIRST_OPTIONS))
+    except TypeError:
+        return _encoded_plain(data)
 
 
 class InvalidParams(Exception):
@@ -541,7 +551,7 @@ def load_app(spec: str) -> Registry:
     return obj
 
 
-_ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+_ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 # The first try: dataclasses and datetimes left to `_plain`, as orjson would run their
 # Python code (a field's `__getattribute__`, a tzinfo's `utcoffset`) in the middle of
 # walking the handler's containers (hostile testing, round 24: one that emptied the list
@@ -560,48 +570,89 @@ def _tolist(obj: object) -> object:
 
 _msgspec_encode = msgspec.json.Encoder(enc_hook=_tolist).encode
 _PLAIN_DEPTH = 255  # how deep `_plain` goes: orjson's own limit (its recursion limit)
-_LEAVES = frozenset({str, int, float, bool, type(None)})
+_LEAVES = frozenset({str, float, bool, type(None)})
+_ORJSON_INTS = range(-(2**63), 2**64)  # the integers orjson writes (msgspec those past them)
 
 
-def _plain(value: object, depth: int = 0) -> object:
+class _TooDeep(ValueError):
+    """A result nests deeper than `_PLAIN_DEPTH` levels, or refers to itself."""
+
+
+def _plain(value: object, depth: int = 0, seen: dict[int, tuple[object, object]] | None = None) -> object:
     """`value` made of plain JSON containers (new dicts and lists, of snapshots of the
     handler's: sets and tuples as lists, Structs and dataclasses as objects, what has a
-    `tolist()` as what it returns: numpy arrays orjson does not take natively, as its
-    docs advise, array.array), other leaves kept for the encoders.
+    `tolist()` and orjson refuses as what it returns: numpy arrays orjson does not take
+    natively, as its docs advise, array.array), for orjson to write with no Python code
+    of the handler's running. Every other leaf becomes an `orjson.Fragment` of its JSON
+    form: orjson's own where orjson takes it (numpy values, enums, UUIDs, subclasses of
+    str and int), else msgspec's, checked (integers past 64 bits, bytes as base64,
+    Decimal as a string, a `msgspec.Raw` made compact). So a value is written the same
+    whatever its neighbours (hostile testing, rounds 24 and 25: numpy's float32, a str
+    subclass, a float, written by msgspec next to an integer past 64 bits, differed).
+
+    A container met again (a result that shares parts, a DAG) is made plain once:
+    `seen` maps its id to it and its plain form.
 
     Python code of the handler's objects (a `tolist()`) runs only here, never while a C
     encoder walks the handler's containers: one that emptied the list it sat in, or
     another thread of the tool changing a set meanwhile, had orjson read freed memory,
     and the worker died of SIGSEGV with every call on it (hostile testing, round 23; the
-    same script crashes orjson alone, and msgspec with a hook). Raises ValueError (too
-    deep), or what a `tolist()`, `to_builtins` or orjson (a key) raises."""
-    if type(value) in _LEAVES:
+    same script crashes orjson alone, and msgspec with a hook). Raises `_TooDeep`,
+    `TypeError` (no JSON form), `InvalidJson` (a `msgspec.Raw` that is not JSON), or what
+    a `tolist()`, `to_builtins` or msgspec (a 5000-digit integer) raises."""
+    kind = type(value)
+    if kind in _LEAVES:
         return value
+    if kind is int:
+        return value if value in _ORJSON_INTS else orjson.Fragment(msgspec.json.encode(value))
     if depth >= _PLAIN_DEPTH:
-        raise ValueError(f"nests deeper than {_PLAIN_DEPTH} levels (or refers to itself)")
+        raise _TooDeep(f"nests deeper than {_PLAIN_DEPTH} levels (or refers to itself)")
+    if seen is None:
+        seen = {}
+    elif (met := seen.get(id(value))) is not None and met[0] is value:
+        return met[1]
     depth += 1
     if isinstance(value, dict):
-        return {_key(key): _plain(item, depth) for key, item in list(dict.items(value))}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [_plain(item, depth) for item in list(value)]
+        plain: object = {_key(key): _plain(item, depth, seen) for key, item in list(dict.items(value))}
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        plain = [_plain(item, depth, seen) for item in list(value)]
+    else:
+        return _plain_leaf(value, depth, seen)
+    seen[id(value)] = (value, plain)  # (`value` kept: its id is not reused meanwhile)
+    return plain
+
+
+def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]]) -> object:
+    """`_plain` of what is neither a container nor a plain leaf."""
+    if isinstance(value, orjson.Fragment):
+        return value  # (its newlines: `_framed`)
     if isinstance(value, msgspec.Raw):
-        return value
+        return orjson.Fragment(_checked_json(bytes(value)))
     if isinstance(value, msgspec.Struct):
         try:  # (no hook: nothing runs while msgspec walks it)
-            return _plain(msgspec.to_builtins(value), depth)
-        except TypeError:  # a numpy value or a msgspec.Raw in it: left whole to msgspec's encoder, which
-            return value  # takes Structs as declared (renames, omitted defaults), numpy by its hook
+            return _plain(msgspec.to_builtins(value), depth, seen)
+        except TypeError:  # a numpy value or a msgspec.Raw in it: written whole by msgspec, which
+            # takes Structs as declared (renames, omitted defaults), numpy by its hook
+            return orjson.Fragment(_checked_json(_msgspec_encode(value)))
     names = _DATACLASS_FIELDS.get(type(value))
     if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = _dataclass_fields(type(value))
     if names is not None:  # (as orjson: its fields in order, those named with a leading underscore left out)
-        return {name: _plain(getattr(value, name), depth) for name in names}
-    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it,
-        return orjson.dumps(value)[1:-1].decode()  # whatever encodes the rest: RFC 3339, "+00:00")
+        return {name: _plain(getattr(value, name), depth, seen) for name in names}
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it:
+        return orjson.Fragment(orjson.dumps(value))  # RFC 3339, "+00:00")
+    try:
+        return orjson.Fragment(orjson.dumps(value, option=_ORJSON_OPTIONS))
+    except TypeError:
+        pass
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
-        return _plain(tolist(), depth)
-    return value
+        return _plain(tolist(), depth, seen)
+    try:
+        encoded = msgspec.json.encode(value)
+    except TypeError:
+        raise TypeError(f"cannot encode an object of type {type(value).__name__}") from None
+    return orjson.Fragment(_checked_json(encoded))  # (an enum whose value is a msgspec.Raw)
 
 
 _DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}  # per dataclass, the fields orjson writes
@@ -615,15 +666,16 @@ def _dataclass_fields(cls: type) -> tuple[str, ...]:
     return names
 
 
-def _key(key: object) -> object:
+def _key(key: object) -> str:
     """A dict key as orjson writes it with OPT_NON_STR_KEYS (None as "null", a datetime as
-    RFC 3339), whichever encoder then takes the result (msgspec refused a None key)."""
-    kind = type(key)
-    if kind is str:
+    RFC 3339); keys that are then equal are one (the last value wins: RFC 8259 section 4,
+    names SHOULD be unique). Raises `TypeError` for a key orjson refuses."""
+    if type(key) is str:
         return key
-    if kind is int:  # (the usual one, at a tenth of the cost: 1 us each by orjson)
+    if type(key) is int:  # (the usual one, at a tenth of the cost: 1 us each by orjson)
         return str(key)
-    return next(iter(orjson.loads(orjson.dumps({key: None}, option=_ORJSON_OPTIONS))))
+    encoded = orjson.dumps({key: None}, option=orjson.OPT_NON_STR_KEYS)
+    return str(next(iter(orjson.loads(encoded))))
 
 
 def _framed(encoded: bytes) -> bytes:
@@ -641,31 +693,35 @@ def encode_result(result: object) -> bytes:
     as NDJSON lines too). Raises `TypeError` if it has no JSON form, `InvalidJson` (a
     `TypeError`) if a `msgspec.Raw` in it is not valid JSON.
 
-    orjson first, with no `default` hook: it runs no Python code (nor lets another
-    thread run) while it walks the result. What it refuses is made plain (`_plain`), then
-    encoded by orjson again, and if it still refuses (big integers, `msgspec.Raw`,
-    bytes), by msgspec."""
+    orjson writes every result. First as it is, with no `default` hook: it runs no
+    Python code (nor lets another thread run) while it walks the result. What it refuses
+    is made plain (`_plain`) and written by orjson again.
+
+    A result is written in full before its size is checked: one that repeats a part
+    (a list of one 1 MiB string 300 times) costs the worker its full written size for
+    a moment, whatever `max_frame_bytes` says (README, "Limits")."""
     try:
-        encoded = orjson.dumps(result, option=_FIRST_OPTIONS)
-    except TypeError:
-        pass
-    else:
-        return _framed(encoded)
-    try:
-        plain = _plain(result)
-    except Exception as exc:  # TypeError, RecursionError, a tolist()'s own error, a dict changed meanwhile
+        return _encoded_data(result)
+    except InvalidJson:
+        raise
+    except Exception as exc:  # TypeError, _TooDeep, a tolist()'s own error, a dict changed meanwhile
         raise TypeError(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
+
+
+def _encoded_plain(value: object) -> bytes:
+    """`value` made plain and written by orjson. Raises as `_plain` does, and
+    `_Unwritable` if orjson still refuses it (a string with a lone surrogate, which has
+    no UTF-8 form; parts shared past orjson's depth)."""
+    plain = _plain(value)
     try:
         encoded = orjson.dumps(plain, option=_ORJSON_OPTIONS)
-    except TypeError:
-        # msgspec takes what orjson refuses: big integers and msgspec.Raw.
-        try:
-            encoded = _msgspec_encode(plain)
-        except Exception as exc:  # TypeError, EncodeError, OverflowError, RecursionError,
-            # UnicodeEncodeError (a lone surrogate next to a big integer)
-            raise TypeError(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
-        return _checked_json(encoded)
+    except orjson.JSONEncodeError as exc:
+        raise _Unwritable(str(exc)) from None
     return _framed(encoded)
+
+
+class _Unwritable(ValueError):
+    """A value made plain that orjson refuses all the same (`_encoded_plain`)."""
 
 
 def _checked_json(encoded: bytes) -> bytes:

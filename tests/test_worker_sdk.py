@@ -555,6 +555,58 @@ def test_a_value_encodes_the_same_whatever_its_neighbours():
         assert json.loads(encode_result([value, 2**70])) == [alone, 2**70]  # (then msgspec, for the integer)
 
 
+class Name(str):
+    pass
+
+
+class Count(int):
+    pass
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.float32(0.1), np.array([0.1, 1e-7], dtype=np.float32), np.datetime64("2020-01-02T03:04"), Name("n"),
+     Count(3), 1e16, 0.1, -0.0, 1e-7, {1: "int", "1": "str"}, Color.RED, uuid.UUID(int=5), decimal.Decimal("1.10"),
+     b"\x00\xff", Holder(np.arange(2))],
+)
+@pytest.mark.parametrize("neighbour", [2**70, b"bytes", decimal.Decimal("2.5"), msgspec.Raw(b"[1, 2]"), {1, 2}])
+def test_a_value_is_written_byte_for_byte_the_same_whatever_its_neighbours(value, neighbour):
+    """Hostile testing (round 25): next to what only msgspec wrote (an integer past 64
+    bits, bytes, a Decimal), the whole result was written by msgspec, and a value's form
+    changed: numpy's float32 0.1 as 0.10000000149011612, 1e+16 as 1e16, a subclass of
+    str or int refused (-32603). orjson now writes every result, those leaves as
+    fragments, so a value reads the same alone and beside anything."""
+    alone = encode_result([value])
+    beside = encode_result([value, neighbour])
+    assert beside.startswith(alone[:-1] + b",")
+    assert json.loads(beside)[1] == json.loads(encode_result(neighbour))
+
+
+def test_a_result_that_repeats_a_part_is_made_plain_once():
+    """Hostile testing (round 25): a result that repeats one part (the same dict 2000
+    times, with a set in it, so not written by orjson at once) was expanded into a new
+    Python dict per occurrence before it was written (343 MiB for a 1 MiB limit). Each
+    part is made plain once: the worker's memory for it stays near the written size."""
+    import tracemalloc
+
+    part = {f"k{i}": i for i in range(500)} | {"set": {1}}
+    result = [part] * 2000
+    tracemalloc.start()
+    try:
+        encoded = encode_result(result)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert json.loads(encoded) == [{f"k{i}": i for i in range(500)} | {"set": [1]}] * 2000
+    assert peak < 3 * len(encoded), (peak, len(encoded))
+
+
+def test_equal_keys_are_one_key():
+    """`{1: "int", "1": "str"}`: both keys are written "1"; one name, the last value
+    (RFC 8259 section 4: names SHOULD be unique)."""
+    assert encode_result({1: "int", "1": "str"}) == b'{"1":"str"}'
+
+
 def test_encode_result_raw_keeps_numbers_and_strings_byte_for_byte_and_is_made_compact():
     assert encode_result(msgspec.Raw(b'{"x":  [1, 2.50],\n "s": " a\\n"}')) == b'{"x":[1,2.50],"s":" a\\n"}'
     assert encode_result([msgspec.Raw(b"1.0e3"), 2]) == b"[1.0e3,2]"
