@@ -19,6 +19,7 @@ Signals (handlers only set an event; the main coroutine acts on it):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import logging
 import os
@@ -59,6 +60,27 @@ def serve(config: Config, early: typing.Sequence[int] = ()) -> int:
     import uvloop
 
     return uvloop.run(run(config, early=early))
+
+
+def _ignore_signals(loop: asyncio.AbstractEventLoop, signals: tuple[int, ...]) -> None:
+    """Take `signals`' handlers off `loop` and ignore the signals from then on.
+
+    Ignored first: the loop's `remove_signal_handler` gives each its default handling
+    back (SIGINT's raises KeyboardInterrupt, which Python raises where `signal.signal` is
+    next called: a SIGINT pending then took this loop out, and the signals after it kept
+    their default action; hostile testing, round 25). What is left is the instant
+    between its setting the default and the next line ignoring it again."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+    for sig in signals:
+        with contextlib.suppress(KeyboardInterrupt):
+            loop.remove_signal_handler(sig)
+        while True:  # (a pending SIGINT is raised before the handler is changed: once)
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except KeyboardInterrupt:
+                continue
+            break
 
 
 def _check_socket_path(path: str) -> None:
@@ -422,5 +444,8 @@ async def run(
         log.info("stopped")
         return 0
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+        # The process is ending: another stop or reload signal now has nothing to act on,
+        # and must not kill it by signal instead of its exit code (hostile testing, round
+        # 25: a SIGTERM just after "stopped" ended it with -15, a failed stop to systemd's
+        # SuccessExitStatus=0 and to a supervisor comparing exit codes).
+        _ignore_signals(loop, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))

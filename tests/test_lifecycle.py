@@ -8,6 +8,7 @@ used where several calls must be in flight at once on separate connections.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -384,6 +385,22 @@ def test_sigterm_answers_in_flight_calls_then_exits_0(broker_factory):
     assert "stopped" in b.read_log()
     with pytest.raises(OSError):
         socket.create_connection((b.host, b.port), timeout=5).close()
+
+
+def test_stop_signals_after_stopped_do_not_change_the_exit_code(broker_factory):
+    """Hostile testing (round 25): a SIGTERM that came just after "stopped" killed the
+    daemon by signal (-15) instead of its exit 0: the loop's handlers were gone and the
+    default disposition was back. Signals sent until it has exited leave its code 0."""
+    b = broker_factory("--workers", "1")
+    b.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "stopped" in b.read_log(), timeout=30, interval=0.001)
+    deadline = time.monotonic() + 30
+    while b.proc.poll() is None and time.monotonic() < deadline:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            with contextlib.suppress(ProcessLookupError):
+                b.proc.send_signal(sig)
+        time.sleep(0.0005)
+    assert b.proc.wait(timeout=10) == 0, b.read_log()
 
 
 def test_sigterm_grace_period_ends_long_calls_with_shutting_down(broker_factory):
