@@ -309,6 +309,10 @@ def deltas(before: dict[Any, float], after: dict[Any, float]) -> dict[Any, float
 
 @dataclass
 class Traffic:
+    """The counters before and after `send_traffic`. A panel's rate over the traffic is
+    queried at `after.at`: queried later, its window ($__rate_interval, 1 m) can have
+    slid past the traffic on a loaded machine (the CPU panel read 0, once)."""
+
     before: Snapshot
     after: Snapshot
     scrapes_between: int  # scrapes after `before`'s up to `after`'s: each one is a 200 too
@@ -430,11 +434,11 @@ def finite(vector: Vector, label: str) -> dict[str, float]:
 
 
 def test_call_rate_by_method(traffic: Traffic, prometheus: Prometheus) -> None:
-    rates = by_label(prometheus.query(panel_query("Call rate by method")), "method")
+    rates = by_label(prometheus.query(panel_query("Call rate by method"), traffic.after.at), "method")
     # every registered method is exported from the start (its `ok` series, at 0)
     assert {"add", "sleep", "echo", "fib", "other"} <= set(rates), rates
     assert rates["add"] > 0, rates
-    notifications = by_label(prometheus.query(panel_query("Call rate by method", 1)), "method")
+    notifications = by_label(prometheus.query(panel_query("Call rate by method", 1), traffic.after.at), "method")
     assert notifications.get("notify_hello", 0) > 0, notifications
 
 
@@ -449,7 +453,7 @@ def test_call_rate_by_method(traffic: Traffic, prometheus: Prometheus) -> None:
 def test_every_call_series_the_traffic_moves_existed_before_it(traffic: Traffic, prometheus: Prometheus) -> None:
     assert set(EXPECTED_CALLS) <= set(traffic.before.calls), set(EXPECTED_CALLS) - set(traffic.before.calls)
     # so the timed-out `sleep` calls show on the call rate panel
-    rates = by_label(prometheus.query(panel_query("Call rate by method")), "method")
+    rates = by_label(prometheus.query(panel_query("Call rate by method"), traffic.after.at), "method")
     assert rates["sleep"] > 0 and rates["other"] > 0, rates
 
 
@@ -458,7 +462,7 @@ def test_every_status_series_the_traffic_moves_existed_before_it(traffic: Traffi
 
 
 def test_error_ratio_by_code(traffic: Traffic, prometheus: Prometheus) -> None:
-    ratios = by_label(prometheus.query(panel_query("Error ratio by code")), "code")
+    ratios = by_label(prometheus.query(panel_query("Error ratio by code"), traffic.after.at), "code")
     for code in EXPECTED_ERRORS:
         assert 0 < ratios.get(code, 0) < 1, (code, ratios)
     assert ratios.get("-32603") == 0, ratios  # exported from the start, none sent
@@ -467,7 +471,7 @@ def test_error_ratio_by_code(traffic: Traffic, prometheus: Prometheus) -> None:
 def test_latency_p99_by_method(traffic: Traffic, prometheus: Prometheus) -> None:
     p99 = panel_query("Latency by method (p50 / p90 / p99)", 2)
     assert p99.startswith("histogram_quantile(0.99,"), p99
-    latency = finite(prometheus.query(p99), "method")
+    latency = finite(prometheus.query(p99, traffic.after.at), "method")
     assert 0 < latency.get("add", 0) < 1, latency  # under the 1 s objective (sub-millisecond when idle)
     # every `sleep` call timed out at 0.3 s: the bucket (0.262144, 0.524288]
     assert 0.262144 < latency.get("sleep", 0) <= 0.524288, latency
@@ -509,7 +513,7 @@ def test_queue_saturated_sees_both_limits(traffic: Traffic, prometheus: Promethe
 
 
 def test_worker_cpu_and_memory_by_slot(traffic: Traffic, prometheus: Prometheus) -> None:
-    cpu = by_label(prometheus.query(panel_query("Worker CPU by slot")), "slot")
+    cpu = by_label(prometheus.query(panel_query("Worker CPU by slot"), traffic.after.at), "slot")
     assert set(cpu) == {"0", "1"} and all(v >= 0 for v in cpu.values()), cpu
     assert sum(cpu.values()) > 0, cpu  # the `fib` calls
     memory = by_label(prometheus.query(panel_query("Worker resident memory by slot")), "slot")
@@ -559,5 +563,5 @@ def test_broker_down_is_quiet_while_the_broker_is_up(traffic: Traffic, prometheu
 def test_high_error_ratio_sees_the_timeouts(traffic: Traffic, prometheus: Prometheus) -> None:
     # 4 timeouts (-32001, a server error) in 40 answered calls: over the 5 % threshold. The
     # rule waits 10 minutes before firing, but its expression already selects the broker.
-    result = prometheus.query(ALERT_RULES["RpcBrokerHighErrorRatio"])
+    result = prometheus.query(ALERT_RULES["RpcBrokerHighErrorRatio"], traffic.after.at)
     assert [s["metric"]["job"] for s in result] == [JOB], result
