@@ -89,3 +89,14 @@ def test_a_run_keeps_the_sections_other_scripts_wrote(tmp_path: Path) -> None:
     assert report.endswith(kept), report[-500:]
     assert "an old report" not in report and "stale" not in report
     assert probe_rows(report) == {"reference": "yes"}
+
+
+def test_encoding_benchmark_prints_every_shape() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "encoding.py"), "--rounds", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line[:34].strip(): line[34:].split() for line in done.stdout.splitlines()[1:]}
+    assert set(rows) == {"1000 plain dicts", "1000 dataclasses", "1000 UTC datetimes", "dict of 1000 int keys",
+                         "1000 floats and a 2**70", "one dict with a set, 1000 times", "small dict"}, done.stdout
+    assert all(float(cells[0]) > 0 for cells in rows.values()), done.stdout
+    assert rows["1000 floats and a 2**70"][1] == "-"  # (orjson refuses the integer: no native figure)
