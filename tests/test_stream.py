@@ -987,3 +987,45 @@ def test_a_refused_line_behind_slow_answers_reads_on(tmp_path, transport):
         assert {a["id"]: a.get("result") for a in answers if a["id"]} == {1: "x" * 8_000_000, 2: 6.0}
     finally:
         s_b.broker.stop()
+
+
+def test_a_client_that_reads_at_once_keeps_its_calls_concurrent_past_a_full_buffer(tmp_path):
+    """Hostile testing (round 26): answers larger than a Unix socket's buffer (about
+    208 KiB) fill the write buffer for a moment even when the client reads at once; any
+    answer written meanwhile made the connection go one call at a time for as long as it
+    kept sending (40 pipelined lines: 3.9 s on the Unix socket, 0.42 s on TCP). Only a
+    client whose unread answers reach a quarter of max_response_bytes fell behind. Here
+    10 sleeps of 0.5 s, between 300 kB answers, overlap on both transports (one after
+    another they take 5 s)."""
+    s = start_stream_broker(tmp_path, "--workers", "2")
+    try:
+        lines = b""
+        for i in range(10):
+            lines += line("echo", ["e" * 300_000], f"e{i}") + b"\n" + line("sleep", [0.5], f"s{i}") + b"\n"
+        for transport in TRANSPORTS:
+            where = s.where(transport)
+            if isinstance(where, int):
+                sock = socket.create_connection(("127.0.0.1", where))
+            else:
+                sock = socket.socket(socket.AF_UNIX)
+                sock.connect(where)
+            with sock:
+                sock.setblocking(False)
+                sent, buf, started = 0, bytearray(), time.monotonic()
+                while buf.count(b"\n") < 20 and time.monotonic() - started < 30:
+                    if sent < len(lines):
+                        with contextlib.suppress(BlockingIOError):
+                            sent += sock.send(lines[sent:sent + 65536])
+                    try:
+                        chunk = sock.recv(1 << 20)
+                    except BlockingIOError:
+                        time.sleep(0.0005)
+                        continue
+                    assert chunk, transport
+                    buf += chunk
+                took = time.monotonic() - started
+            ids = sorted(json.loads(answer)["id"] for answer in bytes(buf).splitlines())
+            assert ids == sorted([f"e{i}" for i in range(10)] + [f"s{i}" for i in range(10)]), transport
+            assert took < 4.0, (transport, took)
+    finally:
+        assert s.broker.stop() == 0, s.broker.read_log()

@@ -57,6 +57,21 @@ TURN_SECONDS = 0.002
 _last_active = operator.attrgetter("last_active")
 
 
+BEHIND_SHARE = 4  # a client whose unread answers reached 1/4 of max_response_bytes fell behind
+
+
+def fell_behind(parked: int, max_response_bytes: int) -> bool:
+    """Whether a client whose write buffer just drained fell behind: the answers written
+    while it was full (`parked` bytes) reached a quarter of its budget. Its next requests
+    then go one at a time (`_one_by_one` in both protocols), each with the whole budget,
+    until it takes an answer at once or is owed nothing. A client that reads at once can
+    fill the buffer for a moment too (an answer larger than a Unix socket's 208 KiB of
+    buffer): with any parked answer the rule held, its calls went one at a time for as
+    long as it kept sending (hostile testing, round 26: 40 pipelined lines, 3.9 s against
+    0.42 s over TCP)."""
+    return parked * BEHIND_SHARE >= max_response_bytes
+
+
 def _held_by(conn: typing.Any) -> int:
     return int(conn._budget.held)
 

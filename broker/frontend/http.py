@@ -132,6 +132,7 @@ from broker.frontend.base import (
     Incoming,
     Listener,
     discard_turn,
+    fell_behind,
     reset,
     unread_bytes,
     unsent_bytes,
@@ -1170,8 +1171,7 @@ class HttpProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self.send_stalled = 0.0
-        if self._budget.parked:
-            self._one_by_one = True
+        self._one_by_one = fell_behind(self._budget.parked, self._fe.max_response_bytes)
         self._budget.drained()
         if self._waiting:
             self._dispatch_waiting()
@@ -1673,7 +1673,7 @@ class HttpProtocol(asyncio.Protocol):
             # last runs: its answer comes back here. Hostile testing, round 14: scheduled
             # each loop turn meanwhile, a core spun for as long as that call ran)
             self._fe.loop.call_soon(self._dispatch_waiting)
-        elif not responses:
+        elif not responses or not self._write_paused:  # (owed nothing, or took the answers at once)
             self._one_by_one = False
         if self.read_paused and len(responses) < PIPELINE_LOW:
             self._maybe_resume()

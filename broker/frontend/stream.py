@@ -76,6 +76,7 @@ from broker.frontend.base import (
     Incoming,
     Listener,
     discard_turn,
+    fell_behind,
     unread_bytes,
 )
 from broker.jsonrpc import ErrorCode, error_object, response_error
@@ -662,7 +663,7 @@ class StreamProtocol(asyncio.Protocol):
             if not self._gated():  # (not from inside the dispatcher's callback)
                 self._fe.loop.call_soon(self._dispatch_waiting)
             return
-        if not self.owed:
+        if not self.owed or not self._write_paused:  # (owed nothing, or took this answer at once)
             self._one_by_one = False
         if self.read_paused and self.owed < PIPELINE_LOW:
             self._maybe_resume()
@@ -696,8 +697,7 @@ class StreamProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self.send_stalled = 0.0
-        if self._budget.parked:
-            self._one_by_one = True
+        self._one_by_one = fell_behind(self._budget.parked, self._fe.max_response_bytes)
         self._budget.drained()
         if self._waiting:
             self._dispatch_waiting()
