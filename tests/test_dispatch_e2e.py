@@ -1059,3 +1059,35 @@ def test_a_client_that_never_stops_sending_holds_the_stop_no_longer_than_the_gra
     ids = sorted(a["id"] for a in answers)
     assert ids == list(range(len(ids))) and ids, ids[-5:]
     assert all(a.get("result") == a["id"] + 1 or a["error"]["code"] == -32004 for a in answers)
+
+
+@pytest.mark.parametrize("shape", ["pipelined", "batch"])
+def test_answers_made_before_a_fast_method_blocks_once_leave_before_it_returns(broker_factory, shape):
+    """Hostile testing (round 26): `block` is learnt fast (its calls took no time), then
+    one call of it blocks for 3 s. The calls run just before it, in the same slice of the
+    worker's loop, had their answers made, but held until it returned: past their 1 s
+    deadline they were answered -32001 although they had run. Now a thread of the worker
+    sends them once the blocking call has run 5 ms. (The calls behind it still wait, and
+    are answered -32001: a method that is usually fast and blocks once is not foreseen.)"""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry", "--timeout", "1",
+                       "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        reader = s.makefile("rb")
+        for i in range(10):  # learnt fast, by the worker and by the broker
+            s.sendall(json.dumps(req("block", [0], f"warm{i}")).encode() + b"\n")
+            assert json.loads(reader.readline())["result"] == 0
+        quick = [req("block", [0], f"q{i}") for i in range(5)]
+        slow = req("block", [3], "slow")
+        if shape == "pipelined":
+            s.sendall(b"".join(json.dumps(r).encode() + b"\n" for r in [*quick, slow]))
+            answers = [json.loads(reader.readline()) for _ in range(6)]
+        else:
+            s.sendall(json.dumps([*quick, slow]).encode() + b"\n")
+            answers = json.loads(reader.readline())
+    by_id = {a["id"]: a for a in answers}
+    assert [by_id[f"q{i}"].get("result") for i in range(5)] == [0] * 5, answers
+    assert by_id["slow"]["error"]["code"] == -32001
