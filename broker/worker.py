@@ -642,17 +642,39 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it:
         return orjson.Fragment(orjson.dumps(value))  # RFC 3339, "+00:00")
     try:
-        return orjson.Fragment(orjson.dumps(value, option=_ORJSON_OPTIONS))
+        return orjson.Fragment(orjson.dumps(_native(value), option=_ORJSON_OPTIONS))
     except TypeError:
         pass
+    if isinstance(value, int):  # (a subclass past 64 bits; bool is a leaf)
+        return orjson.Fragment(msgspec.json.encode(int(value)))
+    if isinstance(value, float):  # (a subclass: orjson takes only float itself)
+        return orjson.Fragment(orjson.dumps(float(value)))
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
-        return _plain(tolist(), depth, seen)
+        listed = tolist()
+        if type(listed) is type(value):  # (numpy's longdouble: its own tolist)
+            raise TypeError(f"cannot encode an object of type {type(value).__name__}")
+        return _plain(listed, depth, seen)
     try:
         encoded = msgspec.json.encode(value)
     except TypeError:
         raise TypeError(f"cannot encode an object of type {type(value).__name__}") from None
     return orjson.Fragment(_checked_json(encoded))  # (an enum whose value is a msgspec.Raw)
+
+
+def _native(value: object) -> object:
+    """A numpy array as orjson takes it natively: C-contiguous, in native byte order, 0-d
+    ones as their scalar (orjson refuses the others, and their `tolist()` wrote float32
+    0.1 as 0.10000000149011612, datetime64[ns] as integers: a value's form depended on
+    its array's layout; hostile testing, round 26). Anything else as it is."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None or not isinstance(value, numpy.ndarray):
+        return value
+    if value.ndim == 0:
+        return value[()]
+    if not value.dtype.isnative:
+        value = value.astype(value.dtype.newbyteorder("="))
+    return numpy.ascontiguousarray(value)
 
 
 _DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}  # per dataclass, the fields orjson writes
@@ -674,7 +696,11 @@ def _key(key: object) -> str:
         return key
     if type(key) is int:  # (the usual one, at a tenth of the cost: 1 us each by orjson)
         return str(key)
-    encoded = orjson.dumps({key: None}, option=orjson.OPT_NON_STR_KEYS)
+    try:
+        encoded = orjson.dumps({key: None}, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # (numpy's scalars: written as orjson writes them as values)
+        written = orjson.dumps(_native(key), option=_ORJSON_OPTIONS)
+        return str(orjson.loads(written)) if written[:1] == b'"' else written.decode()
     return str(next(iter(orjson.loads(encoded))))
 
 

@@ -5,6 +5,7 @@ encoding, and the real `WorkerProtocol` on a real socketpair under uvloop and as
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import datetime
 import decimal
@@ -580,6 +581,48 @@ def test_a_value_is_written_byte_for_byte_the_same_whatever_its_neighbours(value
     beside = encode_result([value, neighbour])
     assert beside.startswith(alone[:-1] + b",")
     assert json.loads(beside)[1] == json.loads(encode_result(neighbour))
+
+
+_F32 = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], dtype=np.float32)
+_NS = np.array(["2024-01-01T00:00:00.5", "2024-01-02", "2024-01-03", "2024-01-04"], dtype="datetime64[ns]")
+_DAYS = np.array(["2024-01-01", "2024-01-02", "2024-01-03", "2024-01-04"], dtype="datetime64[D]")
+_F16 = np.array([0.1, 0.2, 0.3, 0.4], dtype=np.float16)
+
+
+@pytest.mark.parametrize(
+    ("variant", "same_as"),
+    [(_F32[::2], _F32[::2].copy()), (_F32[::-1], _F32[::-1].copy()), (_F32.astype(">f4"), _F32),
+     (_F32.reshape(2, 3).T, _F32.reshape(2, 3).T.copy()), (np.array(_F32[0]), _F32[0]),
+     (_NS[::2], _NS[::2].copy()), (_NS.astype(_NS.dtype.newbyteorder(">")), _NS), (np.array(_NS[0]), _NS[0]),
+     (_DAYS[::2], _DAYS[::2].copy()), (_F16[::2], _F16[::2].copy())],
+    ids=["f32-strided", "f32-reversed", "f32-big-endian", "f32-transposed", "f32-0d", "ns-strided",
+         "ns-big-endian", "ns-0d", "days-strided", "f16-strided"],
+)
+def test_a_numpy_array_is_written_the_same_whatever_its_layout(variant, same_as):
+    """Hostile testing (round 26): orjson refuses an array that is not C-contiguous or
+    not in native byte order (and a 0-d one), and its `tolist()` was written instead:
+    float32 0.1 as 0.10000000149011612, datetime64[ns] as integer nanoseconds, days in
+    another format. Such arrays are made contiguous and native first: the values of any
+    slice, transpose or big-endian array are written as orjson writes them."""
+    assert encode_result(variant) == encode_result(same_as)
+    assert encode_result([variant, {1}]) == b"[" + encode_result(same_as) + b",[1]]"
+
+
+class Money(float):
+    pass
+
+
+def test_subclasses_of_int_and_float_numpy_keys_and_longdouble():
+    """Hostile testing (round 26): an int subclass past 64 bits and any float subclass
+    were -32603 (a plain int past 64 bits and a plain float are written); dicts keyed by
+    numpy scalars (a Counter of an array) were -32603; numpy's longdouble was refused as
+    "nests deeper than 255 levels" (its `tolist()` returns itself)."""
+    assert encode_result(Count(2**70)) == b"1180591620717411303424"
+    assert encode_result([Count(2**70), Money(1.5)]) == b"[1180591620717411303424,1.5]"
+    assert encode_result({np.int64(3): 1, np.float32(0.1): 2}) == b'{"3":1,"0.1":2}'
+    assert encode_result(collections.Counter(np.array([1, 1, 2]))) == b'{"1":2,"2":1}'
+    with pytest.raises(TypeError, match="cannot encode an object of type longdouble"):
+        encode_result(np.longdouble(1.5))
 
 
 def test_a_result_that_repeats_a_part_is_made_plain_once():
