@@ -1029,3 +1029,18 @@ def test_a_client_that_reads_at_once_keeps_its_calls_concurrent_past_a_full_buff
             assert took < 4.0, (transport, took)
     finally:
         assert s.broker.stop() == 0, s.broker.read_log()
+
+
+@pytest.mark.parametrize(("opening", "code"), [(b"POST / HTTP/1.1\r\n", "-32600"), (b"\x16\x03\x01\x02\x00\x01", "-32700")])
+def test_a_line_of_another_protocol_is_counted_as_the_error_it_is_answered(sb, opening, code):
+    """Hostile testing (round 26): an HTTP request line (a browser's cross-site POST) and
+    bytes no JSON text starts with (a TLS ClientHello: the ALPACA attack) are answered
+    with an error line, -32600 and -32700, that no metric counted: the attempts an
+    operator most wants to see left no trace. Each is counted in rpc_broker_errors_total
+    by its code, as every error object sent."""
+    before = metric(scrape(sb.broker), "rpc_broker_errors_total", code=code)
+    with sb.connect("tcp") as s:
+        s.send(opening + b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}\n')
+        answer = json.loads(s.readline())
+    assert answer["error"]["code"] == int(code) and answer["id"] is None
+    wait_for(lambda: metric(scrape(sb.broker), "rpc_broker_errors_total", code=code) == before + 1)

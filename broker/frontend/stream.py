@@ -429,7 +429,7 @@ class StreamProtocol(asyncio.Protocol):
                 if skip > start:
                     start = skip
                     continue
-                self._foreign(_NOT_TEXT)  # a control byte, or not ASCII: no JSON text starts so
+                self._foreign(_NOT_TEXT, ErrorCode.PARSE_ERROR)  # a control byte, or not ASCII: no JSON text starts so
                 return
             nl = data.find(_NL, start)
             if nl < 0:
@@ -521,7 +521,7 @@ class StreamProtocol(asyncio.Protocol):
         starts as an HTTP request line (a URL longer than the limit), closed as `_line`
         closes on a short one: what follows it could be a valid call."""
         if _HTTP_LINE.match(line_start):
-            self._foreign(_HTTP_REQUEST)
+            self._foreign(_HTTP_REQUEST, ErrorCode.INVALID_REQUEST)
             return
         self._send(self._fe.too_long)
         self._fe.dispatcher.count_refused_body()
@@ -533,16 +533,18 @@ class StreamProtocol(asyncio.Protocol):
         after it is discarded. (Closed at once, the answers owed to the lines before it
         were dropped, their calls run: hostile testing, round 21.)"""
         if self._skipping:  # (refused already, as too long: no second answer)
-            self._foreign(b"")
+            self._foreign(b"", None)
         else:
-            self._fe.dispatcher.count_refused_body()
-            self._foreign(self._fe.line_unfinished)
+            self._foreign(self._fe.line_unfinished, ErrorCode.INVALID_REQUEST)
 
-    def _foreign(self, answer: bytes) -> None:
+    def _foreign(self, answer: bytes, code: int | None) -> None:
         """A line of another protocol (an HTTP request line: a browser's, or a client on
-        the wrong port; a TLS record), or one never finished: `answer` it, and close once
-        the lines before it are answered."""
+        the wrong port; a TLS record), or one never finished: `answer` it (an error object
+        with `code`, counted as every one sent: hostile testing, round 26, the first two
+        were counted nowhere), and close once the lines before it are answered."""
         self._send(answer)
+        if code is not None:
+            self._fe.dispatcher.count_refused_body(code)
         # Read nothing after it (what follows could be a valid call: a body), but answer
         # the lines before it, then close (`_maybe_close`).
         self._refused = True
@@ -580,7 +582,7 @@ class StreamProtocol(asyncio.Protocol):
             return
         first = line[0]
         if first != 123 and first != 91 and _HTTP_LINE.match(line):  # (not "{" nor "[": 2 compares)
-            self._foreign(_HTTP_REQUEST)
+            self._foreign(_HTTP_REQUEST, ErrorCode.INVALID_REQUEST)
             return
         self.lines += 1
         if (
