@@ -321,10 +321,12 @@ class HttpFrontend(Listener):
             self.hosts = None
         self.origins = frozenset(o.lower().encode() for o in allowed_origins)  # b"*": any
         self.good_hosts: set[bytes] = set()  # Host values seen allowed (bounded), for the fast path
-        self.too_large_body = _error_body(ErrorCode.INVALID_REQUEST, f"body exceeds max_body_bytes {max_body_bytes}")
-        self.incoming_full_body = _error_body(
-            ErrorCode.OVERLOADED, f"request bodies arriving or waiting exceed max_incoming_bytes {self.incoming.limit}"
-        )
+        too_large = f"body exceeds max_body_bytes {max_body_bytes}"
+        incoming_full = f"request bodies arriving or waiting exceed max_incoming_bytes {self.incoming.limit}"
+        self.too_large_body = _error_body(ErrorCode.INVALID_REQUEST, too_large)
+        self.incoming_full_body = _error_body(ErrorCode.OVERLOADED, incoming_full)
+        # (the same refusals of a body sent to another path: not JSON-RPC, `_refuse_body`)
+        self.refused_plain = {413: too_large.encode(), 503: incoming_full.encode()}
         self.date = b""  # the date header line, refreshed by every sweep (once a second)
         self.json_head = b""  # the date, content-type and `content-length: ` of a JSON answer
         self._refresh_date()
@@ -1817,14 +1819,20 @@ class HttpProtocol(asyncio.Protocol):
             self._transport.resume_reading()
 
     def _refuse_body(self, status: int = 413, body: bytes | None = None, code: int = ErrorCode.INVALID_REQUEST) -> None:
-        """`status` with the error response `body` (413: past max_body_bytes) before the
-        rest of the body is read, then close (lingering); counted as an answer `code`."""
+        """`status` with the error response `body` (413: past max_body_bytes; 503: past
+        max_incoming_bytes) before the rest of the body is read, then close (lingering);
+        counted as an answer `code`. To a path other than rpc_path, a plain error."""
         fe = self._fe
         self._linger = True
         self.request_started = 0.0
         path = self._path_of(self._url.partition(b"?")[0])
-        self._queue(_json_response(status, body or fe.too_large_body, False, b"", fe.json_head), False, path)
-        fe.dispatcher.count_refused_body(code)
+        if path == "rpc" or not self._head_done:  # (a head under way: its path not known yet)
+            self._queue(_json_response(status, body or fe.too_large_body, False, b"", fe.json_head), False, path)
+            fe.dispatcher.count_refused_body(code)
+        else:  # Not JSON-RPC: a plain error, counted by its path and status only (hostile
+            # testing, round 26: a body sent to /healthz got a -32600 error object, and
+            # anyone could move rpc_broker_calls_total and errors_total without JSON-RPC).
+            self._queue_plain(status, fe.refused_plain[status], False, path)
         self._closing = True
         self._discarding()
 
