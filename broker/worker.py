@@ -2115,6 +2115,16 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> int:
     return 0
 
 
+def _where(exc: BaseException) -> str:
+    """" at FILE:LINE" of the last frame of `exc`'s traceback outside Python's import
+    machinery (the app's line that raised), or "" (a new user's check, round 26: an
+    import that failed on a KeyError logged only "'MY_TOOL_TOKEN'")."""
+    ours = {__file__, importlib.__file__}
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<frozen") and f.filename not in ours]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
 def _deaf(signum: int, frame: types.FrameType | None) -> None:
     """The worker's SIGINT handler: nothing (see `main`)."""
 
@@ -2154,7 +2164,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot load app %r: it called sys.exit(%r) at import", args.app, exc.code)
         return WORKER_BOOT_ERROR
     except BaseException as exc:
-        log.error("cannot load app %r: %s", args.app, exc, exc_info=args.debug)
+        log.error("cannot load app %r: %s: %s%s%s", args.app, type(exc).__name__, exc, _where(exc),
+                  "" if args.debug else " (--debug prints the traceback)", exc_info=args.debug)
         return WORKER_BOOT_ERROR
     if len(registry) > wire.MAX_METHODS:  # a batch could not name the ones past it
         log.error("app %r has %d methods, more than the %d one worker can serve (a batch names"

@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from conftest import Broker, children, sample, scrape_metrics, start_broker, wait_for
+from conftest import ROOT, Broker, children, sample, scrape_metrics, start_broker, wait_for
 
 # -- helpers ------------------------------------------------------------------------------
 
@@ -429,8 +429,11 @@ def test_sigterm_grace_period_ends_long_calls_with_shutting_down(broker_factory)
 @pytest.mark.parametrize(
     ("app", "words"),
     [
-        ("nonexistent.module:registry", "No module named 'nonexistent'"),
-        ("broker.demo:nothing", "has no attribute 'nothing'"),
+        ("nonexistent.module:registry", "ModuleNotFoundError: No module named 'nonexistent' (--debug"),
+        ("broker.demo:nothing", "AttributeError: module 'broker.demo' has no attribute 'nothing' (--debug"),
+        # (a new user's check, round 26: it said only "'MY_TOOL_TOKEN'", no type nor line)
+        ("tests.apps.needs_env:registry", "KeyError: 'MY_TOOL_TOKEN' at "
+         f"{ROOT / 'tests' / 'apps' / 'needs_env.py'}:6 (--debug prints the traceback)"),
     ],
 )
 def test_bad_app_exits_with_status_3_and_says_why(app, words):
