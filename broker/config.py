@@ -146,7 +146,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         tuple[Annotated[str, Meta(pattern=_ORIGIN)], ...],
         Doc("browser origins allowed to call rpc_path (answered with CORS headers); a "
             "request with another Origin header gets 403; '*' allows any",
-            rule="origins like https://app.example or '*'", metavar="ORIGINS"),
+            rule="origins like https://app.example (no :443 or :80, as browsers send them) or '*'",
+            metavar="ORIGINS"),
     ] = ()
     metrics: Annotated[bool,
                        Doc("serve Prometheus metrics at GET /metrics")
@@ -732,6 +733,13 @@ def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
             "allowed_origins = 'null' would let every web page call: a sandboxed iframe or a data: page of any site"
             " sends Origin: null; list the origins of your pages, or '*' if any page may call"
         ), ("allowed_origins",)
+    for origin in cfg.allowed_origins:
+        scheme, _, rest = origin.partition("://")
+        if rest.endswith({"https": ":443", "http": ":80"}.get(scheme.lower(), "\0")):
+            return (
+                f"allowed_origins {origin!r} names its scheme's default port, which a browser leaves out of"
+                f" its Origin header (RFC 6454 6.2), so it would never match: write {origin.rpartition(':')[0]!r}"
+            ), ("allowed_origins",)
     if cfg.rpc_path in ("/healthz", "/readyz", "/metrics"):
         return f"rpc_path = {cfg.rpc_path!r} would hide the broker's own {cfg.rpc_path}: choose another path", ("rpc_path",)
     if cfg.metrics_port and not cfg.metrics:

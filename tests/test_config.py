@@ -371,8 +371,8 @@ def test_bad_flag_values() -> None:
 def test_any_env_text_loads_or_raises_config_error(setting: config.Setting, text: str) -> None:
     try:
         cfg = load(None, {setting.env: text}, {})
-    except ConfigError as exc:
-        assert f"environment variable {setting.env}: " in str(exc)
+    except ConfigError as exc:  # (its own error, or a clash that names where each value came from)
+        assert f"environment variable {setting.env}: " in str(exc) or f"from environment variable {setting.env}" in str(exc)
     else:
         assert isinstance(cfg, Config)
 
@@ -696,6 +696,17 @@ def test_allowed_origins_null_is_refused_with_what_it_would_allow() -> None:
     with pytest.raises(ConfigError, match=re.escape("allowed_origins = 'null' would let every web page call")):
         load(None, {}, {"allowed_origins": ["https://app.example", "null"]})
     assert load(None, {}, {"allowed_origins": ["https://app.example"]}).allowed_origins == ("https://app.example",)
+
+
+@pytest.mark.parametrize(("origin", "fix"), [("https://app.example:443", "https://app.example"),
+                                            ("HTTP://app.example:80", "HTTP://app.example")])
+def test_an_allowed_origin_with_its_default_port_is_refused_with_the_form_browsers_send(origin, fix) -> None:
+    """Hostile testing (round 26): `https://app.example:443` was accepted, but a browser
+    sends `https://app.example` (RFC 6454 6.2: no default port), which then got 403."""
+    with pytest.raises(ConfigError, match=re.escape(f"allowed_origins {origin!r} names its scheme's default port")
+                       + ".*" + re.escape(f"write {fix!r}")):
+        load(None, {}, {"allowed_origins": [origin]})
+    assert load(None, {}, {"allowed_origins": ["https://app.example:8443", "http://app.example:443"]})
 
 
 def test_allowed_hosts_ipv6_literals_are_accepted() -> None:
