@@ -650,7 +650,7 @@ def test_listener_settings_that_do_not_clash(tmp_path: Path) -> None:
         ({"RPC_BROKER_ALLOWED_HOSTS": "a b"},
          "allowed_hosts = ['a b']: expected host names or IP addresses, without a port; or '*'"),
         ({"RPC_BROKER_ALLOWED_ORIGINS": "x"},
-         "allowed_origins = ['x']: expected origins like https://app.example or '*'"),
+         "allowed_origins = ['x']: expected origins like https://app.example (no :443 or :80, as browsers send them) or '*'"),
     ],
 )
 def test_pattern_errors_give_the_rule_not_the_regex(env: dict[str, str], expected: str) -> None:
