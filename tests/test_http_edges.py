@@ -434,6 +434,8 @@ def test_an_absolute_form_authority_is_checked_exactly_like_a_host_header(broker
         # (hostile testing, round 8: versions the parser does not know were 400, not 505)
         (b"GET /healthz HTTP/1.2\r\nHost: 127.0.0.1\r\n\r\n", 505),
         (b"POST / HTTP/3.0\r\nHost: 127.0.0.1\r\n\r\n", 505),
+        # HTTP/2's connection preface, sent with prior knowledge (round 26: 400 "Pause on PRI/Upgrade")
+        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505),
         (b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\n\r\n", 400),
     ],
 )

@@ -972,6 +972,9 @@ class HttpProtocol(asyncio.Protocol):
             if not self._closing:
                 if str(exc) == "Invalid HTTP version":  # (llhttp knows 0.9, 1.x and 2.0 only: 1.2, 3.0)
                     self._answer_and_close(505, b"HTTP version not supported: use HTTP/1.1")
+                elif str(exc) == "Pause on PRI/Upgrade":  # HTTP/2's connection preface (RFC 9113 3.4):
+                    # prior knowledge of HTTP/2, which this server does not speak (round 26: 400)
+                    self._answer_and_close(505, b"HTTP/2.0 not supported: use HTTP/1.1")
                 else:
                     self._answer_and_close(400, f"bad HTTP request: {exc}".encode())
         else:
