@@ -802,6 +802,7 @@ _UNRUN = -1
 # The answer of last resort, when even a -32603 naming the failure cannot be encoded.
 _INTERNAL = error_object(ErrorCode.INTERNAL_ERROR, data={"type": "unknown"})
 SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
+STACK_MARGIN = 256  # frames the worker's recursion limit has past the front-end's (`main`)
 HELD_SECONDS = 0.005  # answers ready behind a handler running this long go out from a thread (`_send_held`)
 SLOW_SYNC_US = 1000  # a sync call this long (µs) blocks the replies behind it (dispatch.BLOCKING_US)
 _SLOW_SYNC_S = SLOW_SYNC_US / 1e6
@@ -2158,6 +2159,11 @@ def main(argv: list[str] | None = None) -> int:
     # handlers start would ignore SIGINT too; exec resets a caught signal to the default.
     signal.signal(signal.SIGINT, _deaf)
     die_with_parent(args.parent_pid or os.getppid())
+    # The front-end passes params nested up to its parser's limit (the recursion limit, at
+    # its shallow stack); here the loop's, dispatch's and encoding's frames sit below them,
+    # and msgspec, which counts Python's recursion limit, failed on params a few levels
+    # short of it (hostile testing, round 26: echo of params 983 deep, -32603 "not valid JSON").
+    sys.setrecursionlimit(sys.getrecursionlimit() + STACK_MARGIN)
     try:
         registry = load_app(args.app)
     except SystemExit as exc:  # the app called sys.exit() at import: a boot failure too

@@ -839,3 +839,22 @@ def test_property_bodies_get_the_answers_the_model_owes(broker, values):
 
     run()
     assert_healthy(broker)
+
+
+def test_params_as_deep_as_the_front_end_passes_come_back_from_echo(broker_factory):
+    """Hostile testing (round 26): with max_depth 2000, `echo` of params nested 983 deep
+    (which the front-end's parser passes) was -32603 "the result is not valid JSON": the
+    worker's own frames sat below msgspec's, which counts Python's recursion limit. The
+    worker's limit is the front-end's plus a margin: every depth is echoed, or refused by
+    the front-end (-32600, its parser's limit), never -32603."""
+    b = broker_factory("--workers", "1", "--max-depth", "2000")
+    echoed = []
+    for depth in range(960, 1010, 3):
+        _, _, raw = b.post(call_body("echo", nested(depth)), timeout=CLIENT_TIMEOUT)  # (too deep for json.loads)
+        if raw.startswith(b'{"jsonrpc":"2.0","id":1,"result":'):
+            assert raw == b'{"jsonrpc":"2.0","id":1,"result":' + nested(depth) + b"}", depth
+            echoed.append(depth)
+        else:
+            error = json.loads(raw)["error"]
+            assert error["code"] == -32600 and "parser's limit" in error["data"], (depth, raw)
+    assert echoed and max(echoed) >= 980, echoed
