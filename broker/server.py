@@ -179,8 +179,9 @@ def fit_open_files(max_connections: int, listeners: int, extra: int) -> int:
             "(raise it: ulimit -n, systemd's LimitNOFILE)"
         )
     if fits < max_connections:
-        log.warning("open-files limit %d allows %d connections per listener (%d listeners), not max_connections %d",
-                    soft, max(1, fits), listeners, max_connections)
+        log.warning("open-files limit %d allows %d connections per listener (%d listeners), not max_connections %d"
+                    " (raise the hard limit, systemd's LimitNOFILE or ulimit -Hn, or set max_connections to %d"
+                    " or less: this warning then goes)", soft, max(1, fits), listeners, max_connections, max(1, fits))
     return max(1, fits)
 
 

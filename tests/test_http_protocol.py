@@ -709,6 +709,8 @@ def test_the_open_files_limit_is_raised_to_fit_max_connections():
                              "from broker.server import fit_open_files; print(fit_open_files(10_000, 3, 100))"],
                             cwd=ROOT, capture_output=True, text=True, check=True)
     assert fitted.stdout.split() == ["300"], fitted  # (1000 - 100) // 3
+    # ... and the warning says how to make it go (a new user's check, round 26)
+    assert "(raise the hard limit, systemd's LimitNOFILE or ulimit -Hn, or set max_connections to 300" in fitted.stderr
     # Hostile testing (round 6): at a limit of 100 the broker started (1 connection a
     # listener, it said) with less than its own reserves need, and a worker's restart
     # then failed with EMFILE, its slot lost for good. Too small to fit one connection a
