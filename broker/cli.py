@@ -12,6 +12,7 @@ returns what `broker.server.serve` returns; ``bench`` returns what
 """
 
 import argparse
+import difflib
 import os
 import sys
 from importlib import metadata
@@ -69,12 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     check.add_argument("file", metavar="FILE", help="TOML config file to check")
+    # (a command's own parser reports what it does not know: `_unknown`)
+    parser.set_defaults(command_parsers={"serve": serve, "check-config": check})
     commands.add_parser(
         "bench", add_help=False, prefix_chars="\0",
         help="JSON-RPC load generator that checks every answer; "
         f"'{PROG} bench --help' for its flags",
     )
     return parser
+
+
+def _unknown(command: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """Exit 2 through `command`'s own parser (its usage, not the top-level one) naming
+    the `unknown` arguments, with the closest flag it knows (a new user's check, round 26:
+    `serve --wokers 4` printed the top-level usage and no hint). Raises SystemExit."""
+    flag = unknown[0].partition("=")[0]
+    known = [s for action in command._actions for s in action.option_strings]
+    close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
 def _load(path: str | None, flags: dict[str, object]) -> config.Config | None:
@@ -107,7 +121,9 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
         return bench_main(args[1:])
     parser = build_parser()
     try:
-        ns = parser.parse_args(argv)
+        ns, unknown = parser.parse_known_args(argv)
+        if unknown:
+            _unknown(ns.command_parsers[ns.command], unknown)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     if ns.command == "check-config":

@@ -483,6 +483,11 @@ def test_usage_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
     assert cli.main(["serve", "--no-such-flag"]) == 2
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    # A new user's check (round 26): a typo printed the top-level usage, with no hint.
+    assert cli.main(["serve", "--wokers", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: rpc-broker serve ") and err.endswith(
+        "rpc-broker serve: error: unrecognized arguments: --wokers 4 (did you mean --workers?)\n"), err
     # A new user's check: `--worker 1` was "ambiguous" (a prefix of --workers and
     # --worker-concurrency), and an unambiguous prefix was taken silently.
     assert cli.main(["serve", "--worker", "1"]) == 2
