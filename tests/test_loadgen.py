@@ -478,9 +478,11 @@ def _r(id_: str, result: str = "3") -> str:
     (200, '{"jsonrpc":"2.0","id":1.5e3,"result":3', ONE, (0, 0, 0, 1), {}),
     (200, '{"jsonrpc":"1.0","id":1.5e3,"result":3}', ONE, (0, 0, 0, 1), {}),
     (200, '{"jsonrpc":"2.0","id":1.5e3,"result":3,"error":{"code":1,"message":"x"}}', ONE, (0, 0, 0, 1), {}),
-    (200, f"[{_r('1.5e3')}]", ONE, (0, 1, 0, 1), {}),  # an array for a single call
+    # A malformed answer stands in for one call left without an answer: never counted
+    # missing too (round 26: an object for a batch counted each call both ways)
+    (200, f"[{_r('1.5e3')}]", ONE, (0, 0, 0, 1), {}),  # an array for a single call
     (204, "", ONE, (0, 1, 0, 0), {}),
-    (302, _r("1.5e3"), ONE, (0, 1, 0, 1), {}),
+    (302, _r("1.5e3"), ONE, (0, 0, 0, 1), {}),
     (200, f"[{_r('1')},{_r('2')},{_r('3')}]", THREE, (0, 0, 0, 0), {}),
     (200, f"[{_r('3')},{_r('1')},{_r('2')}]", THREE, (0, 0, 0, 0), {}),  # any order
     (200, f"[{_r('1')},{_r('2')}]", THREE, (0, 1, 0, 0), {}),
@@ -488,8 +490,9 @@ def _r(id_: str, result: str = "3") -> str:
     (200, f"[{_r('1')},{_r('2')},{_r('9')}]", THREE, (1, 0, 0, 0), {}),
     (200, f'[{_r("1")},{_r("2")},{{"id":3}}]', THREE, (0, 0, 0, 1), {}),
     (200, f'[{_r("1")},{_r("2")},7]', THREE, (0, 0, 0, 1), {}),
-    (200, "[]", THREE, (0, 3, 0, 1), {}),
-    (200, _r("1"), THREE, (0, 3, 0, 1), {}),  # an object for a batch
+    (200, "[]", THREE, (0, 2, 0, 1), {}),
+    (200, _r("1"), THREE, (0, 2, 0, 1), {}),  # an object for a batch
+    (502, "", THREE, (0, 2, 0, 1), {}),
     (200, "not json", THREE, (0, 2, 0, 1), {}),
     (200, f"[{_r('7')},{_r('7')}]", REPEATED, (0, 0, 0, 0), {}),
     (200, f"[{_r('7')}]", REPEATED, (0, 1, 0, 0), {}),
@@ -539,7 +542,7 @@ def test_a_batch_refused_whole_is_one_error_answer_and_no_calls():
     assert _refusal(t) == (0, 0, 0, {}, (0, 0, 0, 0))
     # not a refusal: an error with an id of its own for a batch; id null for a single call
     other = b'{"jsonrpc":"2.0","id":1,"error":{"code":-32600,"message":"x"}}'
-    assert _refusal(_check(400, other, THREE)) == (1, 0, 0, {}, (0, 3, 0, 1))
+    assert _refusal(_check(400, other, THREE)) == (1, 0, 0, {}, (0, 2, 0, 1))  # (the malformed one stands in for a call)
     assert _refusal(_check(400, REFUSED, ONE)) == (1, 1, 0, {-32600: 1}, (0, 0, 0, 0))
     # the count goes from the load processes to the parent, and adds up there
     t = _check(400, REFUSED, THREE)
@@ -1671,3 +1674,16 @@ def test_a_load_process_lost_is_in_the_json_and_the_table(serve, tmp_path):
     assert rep.processes == 2 and rep.processes_lost == 1 and rep.interrupted and rep.requests > 0
     assert "processes lost" in stdout and "1 of 2 load processes died" in stdout, stdout
     assert "the figures of 1 are missing" in stderr, stderr
+
+
+def test_a_run_where_every_call_errs_says_so(broker_factory, tmp_path):
+    """A new user's check (round 26): a mistyped --params had every call answered -32602,
+    and the run printed a throughput in green and exited 0. It still exits 0 (errors are
+    answers), but the table says every call erred and what to check."""
+    b = broker_factory("--workers", "1")
+    code, printed, rep = _bench_piped(tmp_path, "200", f"http://{b.host}:{b.port}{b.path}", "-m", "subtract",
+                                      "--params", "[5]")
+    assert code == 0 and rep.check.ok and rep.calls > 0 and rep.errors_by_code == {"-32602": rep.calls}
+    assert "every call was answered with an error: check --method and --params" in " ".join(printed.split())
+    code, printed, rep = _bench_piped(tmp_path, "200", f"http://{b.host}:{b.port}{b.path}")
+    assert code == 0 and not rep.errors_by_code and "every call was answered" not in printed
