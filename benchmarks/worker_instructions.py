@@ -1,0 +1,103 @@
+"""The worker's cost in CPU instructions per call, which a shared machine's noise does not move.
+
+Usage: .venv/bin/python benchmarks/worker_instructions.py [--against TREE] [--small 4000] [--large 24000]
+
+`benchmarks/hotpath_instructions.py` counts the front-end; this counts the other side: a
+`WorkerProtocol` on one end of a socketpair, in this process, running pipelined CALL frames
+of a trivial sync handler (`add`) sent 200 at a time, and a reader taking its RESULT frames.
+Run under valgrind's callgrind at two sizes; the difference of the two counts over the
+difference in calls is the instructions per call, start-up cancelled. Everything the worker
+does for a call is in it: decoding the frame, the deadline check, binding the params, the
+handler, encoding the result, the reply frame and its share of the writes (and the thread
+that sends answers held behind a blocking handler, `_send_held`, asleep between its checks).
+With `--against TREE` (another checkout, for example a `git worktree` at an older commit)
+the same driver runs that tree's `broker` package too, and the ratio is printed. Needs
+`valgrind` on the PATH; about a minute a run. Prints figures only: nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+_COLLECTED = re.compile(r"Collected : (\d+)")
+BATCH = 200  # CALL frames per write
+
+# Run in a child with the tree's `broker` first on sys.path: N calls of `add`, BATCH a write.
+_DRIVER = r"""
+import asyncio, socket, sys
+import uvloop
+from broker import wire
+from broker.worker import Registry, WorkerProtocol
+
+registry = Registry()
+
+
+@registry.method
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+async def main(calls: int, batch: int) -> None:
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    worker = WorkerProtocol(registry, slot=0, concurrency=10)
+    transport, _ = await loop.create_unix_connection(lambda: worker, sock=ours)
+    reader, writer = await asyncio.open_unix_connection(sock=theirs)
+    frames = wire.FrameDecoder(1 << 24)
+    while not frames.feed(await reader.read(65536)):  # the HELLO
+        pass
+    answered, call_id = 0, 1
+    for _ in range(calls // batch):
+        writer.write(b"".join(wire.encode_call(wire.Kind.CALL, call_id + i, 0, b"[1, 2]") for i in range(batch)))
+        call_id += batch
+        while answered < call_id - 1:
+            answered += len(frames.feed(await reader.read(1 << 20)))
+    transport.close()
+    writer.close()
+
+
+uvloop.run(main(int(sys.argv[1]), int(sys.argv[2])))
+"""
+
+
+def instructions(tree: Path, calls: int) -> int:
+    """Instructions callgrind counts for `calls` calls through `tree`'s worker."""
+    done = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", _DRIVER,
+         str(calls), str(BATCH)],
+        cwd=tree, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(tree)},
+    )
+    match = _COLLECTED.search(done.stderr)
+    if not match:
+        raise SystemExit(f"no callgrind total in:\n{done.stderr[-2000:]}")
+    return int(match.group(1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", type=Path, help="another rpc-broker checkout to compare with")
+    parser.add_argument("--small", type=int, default=4000, help="calls of the small run (a multiple of 200)")
+    parser.add_argument("--large", type=int, default=24000, help="calls of the large run (a multiple of 200)")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
+        return 2
+    trees = [HERE.parent] + ([args.against.resolve()] if args.against else [])
+    print(f"worker instructions per call, in-process (callgrind; sync `add`, {BATCH} pipelined frames a write)")
+    figures = [(instructions(t, args.large) - instructions(t, args.small)) / (args.large - args.small) for t in trees]
+    line = f"single  {figures[0]:10,.0f} this tree"
+    if len(figures) > 1:
+        line += f"   {figures[1]:10,.0f} {trees[1]}   ratio {figures[0] / figures[1]:.3f}"
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
