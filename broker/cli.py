@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     check.add_argument("file", metavar="FILE", help="TOML config file to check")
-    # (a command's own parser reports what it does not know: `_unknown`)
+    # (a command's own parser reports what it does not know: `unknown_arguments`)
     parser.set_defaults(command_parsers={"serve": serve, "check-config": check})
     commands.add_parser(
         "bench", add_help=False, prefix_chars="\0",
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _unknown(command: argparse.ArgumentParser, unknown: list[str]) -> None:
+def unknown_arguments(command: argparse.ArgumentParser, unknown: list[str]) -> None:
     """Exit 2 through `command`'s own parser (its usage, not the top-level one) naming
     the `unknown` arguments, with the closest flag it knows (a new user's check, round 26:
     `serve --wokers 4` printed the top-level usage and no hint). Raises SystemExit."""
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
     try:
         ns, unknown = parser.parse_known_args(argv)
         if unknown:
-            _unknown(ns.command_parsers[ns.command], unknown)
+            unknown_arguments(ns.command_parsers[ns.command], unknown)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     if ns.command == "check-config":

@@ -711,6 +711,30 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
     return cfg
 
 
+def _serialized_origin(origin: str) -> str:
+    """`origin` (`scheme://host[:port]`) lower-cased as a browser serializes it for its
+    Origin header (RFC 6454 6.2): no user info, the host in ASCII (IDNA), no port when it
+    is the scheme's default, and no leading zeros; "" if its port is not 1..65535. (Hostile
+    testing, rounds 26 and 27: `https://app.example:443`, `:0443`, `user@` and `bücher`
+    were accepted, and never matched any request.)"""
+    scheme, _, authority = origin.partition("://")
+    host_port = authority.rpartition("@")[2]
+    host, colon, port = host_port.rpartition(":") if not host_port.endswith("]") else (host_port, "", "")
+    if not colon:
+        host, port = host_port, ""
+    if port:
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            return ""
+        port = str(int(port))
+        if {"https": "443", "http": "80"}.get(scheme.lower()) == port:
+            port = ""
+    try:
+        host = host.encode("idna").decode() if not host.isascii() else host
+    except UnicodeError:
+        return ""
+    return f"{scheme}://{host}{':' + port if port else ''}".lower()
+
+
 def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
     """Settings that are each valid but clash: (the problem, the settings involved), or None."""
     if cfg.max_body_bytes > cfg.max_frame_bytes - 1 * KIB:
@@ -734,11 +758,15 @@ def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
             " sends Origin: null; list the origins of your pages, or '*' if any page may call"
         ), ("allowed_origins",)
     for origin in cfg.allowed_origins:
-        scheme, _, rest = origin.partition("://")
-        if rest.endswith({"https": ":443", "http": ":80"}.get(scheme.lower(), "\0")):
+        if origin in ("*", "null"):
+            continue
+        serialized = _serialized_origin(origin)
+        if serialized != origin.lower():
             return (
-                f"allowed_origins {origin!r} names its scheme's default port, which a browser leaves out of"
-                f" its Origin header (RFC 6454 6.2), so it would never match: write {origin.rpartition(':')[0]!r}"
+                f"allowed_origins {origin!r} is not an origin as a browser sends it in its Origin header"
+                f" (RFC 6454 6.2: no user info, no default port, the port without leading zeros, the host"
+                f" in ASCII), so it would never match: "
+                + (f"write {serialized!r}" if serialized else "its port is not 1..65535")
             ), ("allowed_origins",)
     if cfg.rpc_path in ("/healthz", "/readyz", "/metrics"):
         return f"rpc_path = {cfg.rpc_path!r} would hide the broker's own {cfg.rpc_path}: choose another path", ("rpc_path",)

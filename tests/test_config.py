@@ -703,15 +703,30 @@ def test_allowed_origins_null_is_refused_with_what_it_would_allow() -> None:
     assert load(None, {}, {"allowed_origins": ["https://app.example"]}).allowed_origins == ("https://app.example",)
 
 
-@pytest.mark.parametrize(("origin", "fix"), [("https://app.example:443", "https://app.example"),
-                                            ("HTTP://app.example:80", "HTTP://app.example")])
-def test_an_allowed_origin_with_its_default_port_is_refused_with_the_form_browsers_send(origin, fix) -> None:
-    """Hostile testing (round 26): `https://app.example:443` was accepted, but a browser
-    sends `https://app.example` (RFC 6454 6.2: no default port), which then got 403."""
-    with pytest.raises(ConfigError, match=re.escape(f"allowed_origins {origin!r} names its scheme's default port")
-                       + ".*" + re.escape(f"write {fix!r}")):
+@pytest.mark.parametrize(("origin", "fix"), [
+    ("https://app.example:443", "write 'https://app.example'"),
+    ("HTTP://app.example:80", "write 'http://app.example'"),
+    # (round 27: walked around the first fix)
+    ("https://app.example:0443", "write 'https://app.example'"),
+    ("http://app.example:08080", "write 'http://app.example:8080'"),
+    ("https://user@app.example", "write 'https://app.example'"),
+    ("https://bücher.example", "write 'https://xn--bcher-kva.example'"),
+    ("https://app.example:65536", "its port is not 1..65535"),
+    ("https://app.example:", "write 'https://app.example'"),
+])
+def test_an_allowed_origin_no_browser_sends_is_refused_with_the_form_browsers_send(origin, fix) -> None:
+    """Hostile testing (rounds 26 and 27): `https://app.example:443` was accepted, but a
+    browser sends `https://app.example` (RFC 6454 6.2: no default port), which then got
+    403; so did a port with leading zeros, user info, a host not in ASCII."""
+    with pytest.raises(ConfigError, match=re.escape(f"allowed_origins {origin!r} is not an origin as a browser sends")
+                       + ".*" + re.escape(fix)):
         load(None, {}, {"allowed_origins": [origin]})
-    assert load(None, {}, {"allowed_origins": ["https://app.example:8443", "http://app.example:443"]})
+
+
+def test_allowed_origins_as_browsers_send_them_are_accepted() -> None:
+    origins = ["https://app.example:8443", "http://app.example:443", "https://[::1]:8443", "HTTPS://App.Example",
+               "https://xn--bcher-kva.example", "*"]
+    assert load(None, {}, {"allowed_origins": origins}).allowed_origins == tuple(origins)
 
 
 def test_allowed_hosts_ipv6_literals_are_accepted() -> None:

@@ -675,6 +675,12 @@ def test_nothing_listening_and_bad_targets(tmp_path, capsys):
         assert cli.main(["bench", bad, "-q"]) == 2, bad
     assert cli.main(["bench", "http://127.0.0.1:1/", "--params", "3", "-q"]) == 2
     assert cli.main(["bench", "http://127.0.0.1:1/", "-c", "1", "-P", "2", "-q"]) == 2
+    # (hostile testing, round 27: a typo got no hint, and a prefix was taken, where `serve` refuses it)
+    capsys.readouterr()
+    assert cli.main(["bench", "http://127.0.0.1:1/", "--durration", "1"]) == 2
+    assert capsys.readouterr().err.endswith("unrecognized arguments: --durration 1 (did you mean --duration?)\n")
+    assert cli.main(["bench", "http://127.0.0.1:1/", "--dur", "1"]) == 2
+    assert "unrecognized arguments: --dur 1" in capsys.readouterr().err
 
 
 def test_real_broker_batches_and_odd_ids(broker, tmp_path):

@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Parser of ``rpc-broker bench URL [options]``."""
     p = argparse.ArgumentParser(
         prog=PROG,
+        allow_abbrev=False,  # (`--dur 5` is refused as unknown, not guessed, as by `serve`: round 27)
         description="JSON-RPC 2.0 load generator that checks every answer (status, shape, "
         "byte-exact ids, one answer per call).\n\n"
         "Targets:\n"
@@ -192,6 +193,7 @@ def build_plot_parser() -> argparse.ArgumentParser:
     """Parser of ``rpc-broker bench plot FILE... -o OUT``."""
     p = argparse.ArgumentParser(
         prog=f"{PROG} plot",
+        allow_abbrev=False,
         description="Latency percentile curves of several --json runs on one chart. A run with "
         "no latency curve (no answer measured) is left out, with a warning.",
         epilog="Exit codes: 0 chart written; 2 bad usage (an unreadable or invalid input, no input "
@@ -204,8 +206,13 @@ def build_plot_parser() -> argparse.ArgumentParser:
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    from broker.cli import unknown_arguments
+
     try:
-        return parser.parse_args(argv)
+        ns, unknown = parser.parse_known_args(argv)
+        if unknown:
+            unknown_arguments(parser, unknown)
+        return ns
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
 
