@@ -298,6 +298,27 @@ def test_expect_100_continue_with_oversize_body_gets_413_without_100(hb):
         assert c.buf == b""
 
 
+@pytest.mark.parametrize(("head", "status"), [
+    (f"POST {RPC} HTTP/1.1\r\nHost: localhost\r\nContent-Type: text/plain\r\n", 415),
+    ("POST /nope HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n", 404),
+    (f"POST {RPC} HTTP/1.1\r\nHost: evil.example\r\nContent-Type: application/json\r\n", 421),
+    (f"POST {RPC} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+     "Origin: https://evil.example\r\n", 403),
+])
+def test_expect_100_continue_for_a_request_to_be_refused_gets_its_final_status_at_once(hb, head, status):
+    """Hostile testing (round 27): a request expecting 100-continue that would be refused
+    got neither the 100 nor its refusal until its body came (RFC 9110 10.1.1: one or the
+    other); curl lost a second each time, and a client that waits got 408 after
+    request_timeout. Its refusal now comes at once, then the connection closes."""
+    with Conn(hb) as c:
+        c.send(f"{head}Content-Length: 100\r\nExpect: 100-continue\r\n\r\n".encode())
+        got, headers, _ = c.response()
+        assert (got, headers.get("connection")) == (status, "close")
+        c.send(b"x" * 100)  # the body, sent all the same: discarded
+        assert c.closed_within(5)
+        assert c.buf == b""
+
+
 # -- methods, paths, bad requests ---------------------------------------------------------
 
 
