@@ -524,3 +524,34 @@ def test_a_request_waiting_behind_one_dispatched_from_the_wait_costs_no_cpu() ->
         assert spent < 0.5, spent
     finally:
         assert b.stop() == 0, b.read_log()
+
+
+def test_an_http_client_that_fell_behind_gets_its_next_requests_one_at_a_time(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    """Hostile testing (round 27): a client that fell behind (a 6 MB answer it read late,
+    past a quarter of its 16 MiB budget) and drains its buffer while a slow call is still
+    owed: its next requests go one at a time, until it takes an answer at once or is owed
+    nothing (README, "Memory for answers"). Over HTTP the mode ended at once, at the
+    flush after the buffer drained (nothing written, and the buffer never full then): four
+    requests of 5 MB answers ran together, and the last ones were refused -32603. One at a
+    time, each has the whole budget: all four answered."""
+    b: Broker = broker_factory("--workers", "2", "--app", APP, "--max-response-bytes", str(16 * 1024 * 1024),
+                               "--timeout", "60")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        sock.settimeout(30)
+        sock.connect((b.host, b.port))
+
+        def call(id_: str, size: int, delay: float) -> bytes:
+            return http_request(json.dumps({"jsonrpc": "2.0", "method": "async_blob", "params": [size, delay],
+                                            "id": id_}).encode())
+
+        sock.sendall(call("A", 6_000_000, 0) + call("B", 10, 4.0))
+        time.sleep(0.5)  # not reading: A's answer fills the socket, then the write buffer
+        buf = bytearray()
+        assert read_http_response(sock, buf)[0] == 200  # A, all of it: the buffer drains, B still owed
+        for i in range(4):
+            sock.sendall(call(f"C{i}", 5_000_000, 1.0))
+            time.sleep(0.2)
+        answers = [json.loads(read_http_response(sock, buf)[1]) for _ in range(5)]
+    assert [a["id"] for a in answers] == ["B", "C0", "C1", "C2", "C3"]
+    assert [len(a.get("result", "")) for a in answers[1:]] == [5_000_000] * 4, [a.get("error") for a in answers]

@@ -1306,20 +1306,27 @@ class HttpProtocol(asyncio.Protocol):
         path = rest[end:]
         self._url = path if path[:1] == b"/" else b"/" + path
 
+    def _may_call(self) -> bool:
+        """Whether the request whose head came passes the checks of who may call: JSON,
+        an allowed Host, no Origin or an allowed one (`_refused`)."""
+        fe = self._fe
+        host, origin = self._host, self._origin
+        return (
+            _is_json(self._content_type)
+            and (fe.hosts is None if host is None else fe.host_allowed(host))
+            and (origin is None or fe.cors_headers(origin) is not None)
+        )
+
     def _will_serve_rpc(self) -> bool:
         """Whether the request whose head just came will be served as a JSON-RPC call,
         not refused (404, 405, 415, 421, 403, 503, 505): the test of `_route` and `_refused`,
         on HTTP/1.1 only (no 100 to an HTTP/1.0 client, RFC 9110 10.1.1)."""
-        fe = self._fe
-        host, origin = self._host, self._origin
         return (
             not self._probe_only
             and self._parser.get_http_version() == "1.1"
             and self._parser.get_method() == b"POST"
-            and self._url.partition(b"?")[0] == fe.rpc_path
-            and _is_json(self._content_type)
-            and (fe.hosts is None if host is None else fe.host_allowed(host))
-            and (origin is None or fe.cors_headers(origin) is not None)
+            and self._url.partition(b"?")[0] == self._fe.rpc_path
+            and self._may_call()
         )
 
     def on_chunk_header(self) -> None:
@@ -1640,6 +1647,7 @@ class HttpProtocol(asyncio.Protocol):
         if self._parsing and self._fe.draining:
             return  # (at the end of the read's parse: `_write` holds back a last answer till then)
         responses = self._responses
+        taken = False  # an RPC answer written with the buffer not full after it: the client keeps up
         while responses:
             head = responses[0]
             if type(head) is tuple:
@@ -1675,6 +1683,7 @@ class HttpProtocol(asyncio.Protocol):
                 responses.popleft()
                 self._write(data, keep_alive, "rpc")
                 self._budget.written(exchange, self._write_paused)
+                taken = not self._write_paused
                 if self._transport is None:
                     return
                 continue
@@ -1694,8 +1703,8 @@ class HttpProtocol(asyncio.Protocol):
             # last runs: its answer comes back here. Hostile testing, round 14: scheduled
             # each loop turn meanwhile, a core spun for as long as that call ran)
             self._fe.loop.call_soon(self._dispatch_waiting)
-        elif not responses or not self._write_paused:  # (owed nothing, or took the answers at once)
-            self._one_by_one = False
+        elif not responses or taken:  # (owed nothing, or took an answer at once: round 27, not merely
+            self._one_by_one = False  # "not paused now", which it always is after resume_writing)
         if self.read_paused and len(responses) < PIPELINE_LOW:
             self._maybe_resume()
 
@@ -1845,7 +1854,8 @@ class HttpProtocol(asyncio.Protocol):
         self._linger = True
         self.request_started = 0.0
         path = self._path_of(self._url.partition(b"?")[0])
-        if path == "rpc" or not self._head_done:  # (a head under way: its path not known yet)
+        if not self._head_done or (path == "rpc" and self._may_call()):  # (a head under way: its path
+            # not known yet; round 27: one a web page sent past max_body_bytes moved the JSON-RPC counters)
             self._queue(_json_response(status, body or fe.too_large_body, False, b"", fe.json_head), False, path)
             fe.dispatcher.count_refused_body(code)
         else:  # Not JSON-RPC: a plain error, counted by its path and status only (hostile

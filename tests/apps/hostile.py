@@ -81,8 +81,8 @@ async def async_generator_exit() -> None:
 
 
 @registry.method
-async def async_blob(size: int) -> str:
-    await asyncio.sleep(0)
+async def async_blob(size: int, delay: float = 0.0) -> str:
+    await asyncio.sleep(delay)
     return "x" * size
 
 
