@@ -615,7 +615,7 @@ def _plain(value: object, depth: int = 0, seen: dict[int, tuple[object, object]]
     if isinstance(value, dict):
         plain: object = {_key(key): _plain(item, depth, seen) for key, item in list(dict.items(value))}
     elif isinstance(value, (list, tuple, set, frozenset)):
-        plain = [_plain(item, depth, seen) for item in list(value)]
+        plain = [_plain(item, depth, seen) for item in _items(value)]
     else:
         return _plain_leaf(value, depth, seen)
     seen[id(value)] = (value, plain)  # (`value` kept: its id is not reused meanwhile)
@@ -642,7 +642,7 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it:
         return orjson.Fragment(orjson.dumps(value))  # RFC 3339, "+00:00")
     try:
-        return orjson.Fragment(orjson.dumps(_native(value), option=_ORJSON_OPTIONS))
+        return orjson.Fragment(orjson.dumps(_native(value), option=_FIRST_OPTIONS))
     except TypeError:
         pass
     if isinstance(value, int):  # (a subclass past 64 bits; bool is a leaf)
@@ -662,19 +662,38 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
     return orjson.Fragment(_checked_json(encoded))  # (an enum whose value is a msgspec.Raw)
 
 
+def _items(value: list[object] | tuple[object, ...] | set[object] | frozenset[object]) -> list[object]:
+    """A snapshot of a list, tuple or set (or a subclass's) items as stored, as orjson reads
+    a list: not through a subclass's `__iter__` (hostile testing, round 27: a list subclass
+    read differently beside an integer past 64 bits)."""
+    if isinstance(value, list):
+        return list.copy(value)
+    if isinstance(value, tuple):
+        return list(tuple.__iter__(value))
+    if isinstance(value, set):
+        return list(set.__iter__(value))
+    return list(frozenset.__iter__(value))
+
+
 def _native(value: object) -> object:
     """A numpy array as orjson takes it natively: C-contiguous, in native byte order, 0-d
     ones as their scalar (orjson refuses the others, and their `tolist()` wrote float32
     0.1 as 0.10000000149011612, datetime64[ns] as integers: a value's form depended on
-    its array's layout; hostile testing, round 26). Anything else as it is."""
+    its array's layout; hostile testing, round 26). Only numpy's own array type, and not
+    of Python objects (round 27: a 0-d one holding a list was given to orjson, whose walk
+    ran a tzinfo that emptied it: SIGSEGV; a masked array lost its mask). Anything else
+    as it is."""
     numpy = sys.modules.get("numpy")
-    if numpy is None or not isinstance(value, numpy.ndarray):
+    if numpy is None or type(value) is not numpy.ndarray:
         return value
-    if value.ndim == 0:
-        return value[()]
-    if not value.dtype.isnative:
-        value = value.astype(value.dtype.newbyteorder("="))
-    return numpy.ascontiguousarray(value)
+    array = typing.cast(typing.Any, value)
+    if array.dtype.hasobject:
+        return value
+    if array.ndim == 0:
+        return array[()]
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    return numpy.ascontiguousarray(array)
 
 
 _DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}  # per dataclass, the fields orjson writes
@@ -699,7 +718,10 @@ def _key(key: object) -> str:
     try:
         encoded = orjson.dumps({key: None}, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:  # (numpy's scalars: written as orjson writes them as values)
-        written = orjson.dumps(_native(key), option=_ORJSON_OPTIONS)
+        numpy = sys.modules.get("numpy")
+        if numpy is None or not isinstance(key, numpy.generic) or isinstance(key, numpy.object_):
+            raise  # (round 27: a hashable list subclass, walked here by orjson: SIGSEGV)
+        written = orjson.dumps(key, option=_FIRST_OPTIONS)
         return str(orjson.loads(written)) if written[:1] == b'"' else written.decode()
     return str(next(iter(orjson.loads(encoded))))
 

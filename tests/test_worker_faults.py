@@ -569,6 +569,12 @@ def test_a_result_changed_while_it_is_encoded_fails_only_its_own_call(broker_fac
     assert answer.get("result") == [{"a": 1}] + [[i] * 3 for i in range(100)], answer
     answer = b.call("keyed")  # (round 25: a key's tzinfo)
     assert answer.get("result") == {"2020-01-01T00:00:00+00:00": 1, **{f"k{i}": [i] * 3 for i in range(100)}}, answer
+    # Round 27: a 0-d numpy array of objects holding such a list (unwrapped, given to
+    # orjson), a hashable list subclass as a key (walked by orjson): SIGSEGV each time.
+    answer = b.call("boxed")
+    assert answer.get("result") == [["2020-01-01T00:00:00+00:00"] + [[i] * 3 for i in range(100)], 2**70], answer
+    answer = b.call("list_keyed")
+    assert answer["error"]["code"] == -32603 and answer["error"]["data"]["type"] == "TypeError", answer
     for i in range(30):
         answer = b.call("snapshot", id_=i)
         assert "result" in answer or answer["error"]["code"] == -32603, answer  # (a torn read at worst)

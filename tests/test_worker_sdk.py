@@ -608,6 +608,25 @@ def test_a_numpy_array_is_written_the_same_whatever_its_layout(variant, same_as)
     assert encode_result([variant, {1}]) == b"[" + encode_result(same_as) + b",[1]]"
 
 
+class Reordered(list):  # type: ignore[type-arg]
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(reversed(list.copy(self)))
+
+
+def test_a_masked_array_and_a_list_subclass_read_the_same_whatever_their_neighbours():
+    """Hostile testing (round 27): a masked array lost its mask (made contiguous as a plain
+    array: the masked-out -999 went out as data, where its `tolist()` writes null); a list
+    subclass with its own `__iter__` was written from its items alone, through `__iter__`
+    beside an integer past 64 bits. Both are written as alone, whatever is beside them."""
+    masked = np.ma.array([1.5, -999.0, 3.5], mask=[0, 1, 0])
+    assert encode_result(masked) == b"[1.5,null,3.5]"
+    assert encode_result([masked, 2**70]) == b"[[1.5,null,3.5],1180591620717411303424]"
+    items = Reordered([1, 2, 3])
+    assert encode_result(items) == b"[1,2,3]"
+    assert encode_result([items, 2**70]) == b"[[1,2,3],1180591620717411303424]"
+    assert encode_result([(1, 2, 3), {1}, frozenset({4})]) == b"[[1,2,3],[1],[4]]"
+
+
 class Money(float):
     pass
 

@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import os
 import threading
+import typing
 
 from broker.worker import Registry
 
@@ -93,6 +94,34 @@ def keyed() -> dict[object, object]:
     key = next(iter(rows))
     key.tzinfo.rows = rows  # type: ignore[union-attr]
     return rows
+
+
+def _zoned_rows(rows: list[object]) -> list[object]:
+    rows.append(datetime.datetime(2020, 1, 1, tzinfo=Clearing(rows)))
+    rows.extend([[i] * 3 for i in range(100)])
+    return rows
+
+
+@registry.method
+def boxed() -> object:
+    """Round 27: a 0-d numpy array of objects holding such a list was unwrapped and the
+    list given to orjson, which ran the tzinfo as it walked it."""
+    import numpy as np
+
+    box = np.empty((), dtype=object)
+    box[()] = _zoned_rows([])
+    return [box, 2**70]
+
+
+class HashableList(list):  # type: ignore[type-arg]
+    def __hash__(self) -> int:  # type: ignore[override]
+        return 1
+
+
+@registry.method
+def list_keyed() -> dict[object, object]:
+    """Round 27: a dict key that is a hashable list subclass, walked by orjson as a key."""
+    return {typing.cast(typing.Hashable, _zoned_rows(HashableList())): 1}
 
 
 @registry.method
