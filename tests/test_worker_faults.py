@@ -492,16 +492,28 @@ def test_an_async_call_whose_first_step_comes_past_its_deadline_never_runs(broke
     ledger = tmp_path / "ledger.txt"
     b = broker_factory("--workers", "1", "--app", "tests.apps.ledger:registry", "--method-timeout", "record_async=0.3",
                        "--cancel-grace", "5", env={"LEDGER_FILE": str(ledger)})
-    for _ in range(3):  # (hold is learnt fast: it is sent beside other calls, and run without a yield)
-        assert b.call("hold", [0])["result"] == 0
-    batch = [{"jsonrpc": "2.0", "method": "record_async", "params": ["X"], "id": 1},
-             {"jsonrpc": "2.0", "method": "hold", "params": [1.0], "id": 2}]
-    status, _, raw = b.post(json.dumps(batch))
-    assert status == 200
-    assert sorted((a["id"], a.get("result", a.get("error", {}).get("code"))) for a in json.loads(raw)) == [
-        (1, -32001), (2, 1.0)]
-    time.sleep(0.5)
-    assert not ledger.exists() or ledger.read_text() == ""
+    # On a loaded machine a warm-up `hold(0)` can take 1 ms: `hold` is then learnt slow, the
+    # async call gets its loop turn first, and runs in time (answered 1: right too). Tried
+    # until the case comes (the final full run met that once, with three testers on the machine).
+    held = 0
+    for attempt in range(5):
+        for _ in range(3):  # (hold is learnt fast: it is sent beside other calls, and run without a yield)
+            assert b.call("hold", [0])["result"] == 0
+        mark = f"X{attempt}"
+        batch = [{"jsonrpc": "2.0", "method": "record_async", "params": [mark], "id": 1},
+                 {"jsonrpc": "2.0", "method": "hold", "params": [1.0], "id": 2}]
+        status, _, raw = b.post(json.dumps(batch))
+        assert status == 200
+        answers = dict(sorted((a["id"], a.get("result", a.get("error", {}).get("code"))) for a in json.loads(raw)))
+        assert answers[2] == 1.0 and answers[1] in (-32001, attempt + 1 - held), answers
+        time.sleep(0.5)
+        ran = ledger.read_text().splitlines() if ledger.exists() else []
+        if answers[1] == -32001:
+            assert mark not in ran, ran  # never run: its first step came past its deadline
+            held += 1
+            break
+        assert mark in ran, ran
+    assert held, "the loop was never held past the async call's deadline in 5 tries"
 
 
 def test_a_process_subprocess_starts_with_a_preexec_fn_outlives_its_worker(broker_factory) -> None:
