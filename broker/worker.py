@@ -840,6 +840,13 @@ def _text(value: str) -> str:
 _COROUTINE = types.CoroutineType
 
 
+def _close_if_cancelled(coroutine: types.CoroutineType[object, object, object], task: asyncio.Task[object]) -> None:
+    """A task's done callback: close `coroutine` if the task was cancelled (before its
+    first step it never awaited it; closing one that ran is a no-op)."""
+    if task.cancelled():
+        coroutine.close()
+
+
 def _identity(value: object) -> object:
     return value
 
@@ -1315,7 +1322,11 @@ class WorkerProtocol(asyncio.Protocol):
                     raise
             # A sync handler that returned a coroutine (a decorator `_is_async` could
             # not see through): run it as an async one's.
-            return self._loop.create_task(_guarded(_identity, (result,), {}, self._finished, deadline))
+            task = self._loop.create_task(_guarded(_identity, (result,), {}, self._finished, deadline))
+            if type(result) is _COROUTINE:  # (cancelled before its first step, it is never awaited:
+                # closed then, without "coroutine ... was never awaited"; round 27)
+                task.add_done_callback(functools.partial(_close_if_cancelled, result))
+            return task
         except BaseException as exc:  # one ERROR reply, the worker lives on
             if _forked_from:  # (a child that raised, sys.exit() included)
                 _child_exits(exc)

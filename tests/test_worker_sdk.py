@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import decimal
 import enum
+import functools
 import inspect
 import json
 import math
@@ -1604,3 +1605,29 @@ def test_hello_lists_an_async_handler_behind_a_decorator_as_async(run):
         assert sorted((f[0], f[1], f[3]) for f in await b.read(2)) == [(Kind.RESULT, 1, b"0.0"), (Kind.RESULT, 2, b"0.0")]
 
     run(test, registry=answers.registry)
+
+
+def test_a_coroutine_a_sync_handler_returned_is_closed_if_its_task_is_cancelled_before_it_starts(recwarn):
+    """Hostile testing (round 27): a sync handler's coroutine whose task was cancelled
+    before its first step was never awaited nor closed: "coroutine ... was never awaited"
+    in the worker's log. The task's done callback closes it."""
+    import gc
+
+    from broker.worker import _close_if_cancelled, _guarded, _identity
+
+    async def handler_result() -> int:
+        return 1
+
+    async def main() -> None:
+        coroutine = handler_result()
+        task = asyncio.get_running_loop().create_task(_guarded(_identity, (coroutine,), {}))
+        task.add_done_callback(functools.partial(_close_if_cancelled, coroutine))
+        task.cancel()  # before its first step
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)  # (its done callbacks)
+        assert coroutine.cr_frame is None  # closed
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [w for w in recwarn if "never awaited" in str(w.message)], [str(w.message) for w in recwarn]
