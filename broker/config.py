@@ -538,7 +538,9 @@ def _check(s: Setting, value: object, source: str) -> None:
         except msgspec.ValidationError as exc:
             problem = _AT_PATH.sub("", str(exc))
             problem = problem[0].lower() + problem[1:]
-            if s.rule and _REGEX.search(problem):  # the rule in words, not the regex behind it
+            if key is not None and key == "":  # (the name, not the value: round 27 gave the values' range)
+                problem = "a method name is not empty"
+            elif s.rule and _REGEX.search(problem):  # the rule in words, not the regex behind it
                 problem = f"expected {s.rule}"
             elif s.rule:
                 problem += f" (allowed: {s.rule})"

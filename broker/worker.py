@@ -2149,6 +2149,16 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> int:
     return 0
 
 
+def _described(exc: BaseException) -> str:
+    """"Type: message", or the type alone when the message is empty, or says it cannot be
+    printed (round 27: a `__str__` that raised turned the log line into a logging error)."""
+    try:
+        message = str(exc)
+    except BaseException:
+        message = "(its message cannot be printed)"
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
 def _where(exc: BaseException) -> str:
     """" at FILE:LINE" of the last frame of `exc`'s traceback outside Python's import
     machinery (the app's line that raised), or "" (a new user's check, round 26: an
@@ -2203,7 +2213,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot load app %r: it called sys.exit(%r) at import", args.app, exc.code)
         return WORKER_BOOT_ERROR
     except BaseException as exc:
-        log.error("cannot load app %r: %s: %s%s%s", args.app, type(exc).__name__, exc, _where(exc),
+        log.error("cannot load app %r: %s%s%s", args.app, _described(exc), _where(exc),
                   "" if args.debug else " (--debug prints the traceback)", exc_info=args.debug)
         return WORKER_BOOT_ERROR
     if len(registry) > wire.MAX_METHODS:  # a batch could not name the ones past it

@@ -241,6 +241,8 @@ def test_unknown_section_fails(tmp_path: Path) -> None:
         ('[method_timeouts]\nfoo = "1"',
          ("method_timeouts['foo'] = '1': expected `float`, got `str` "
           "(allowed: each value 0.001..86400.0)")),
+        # (hostile testing, round 27: the empty name got the values' range)
+        ('[method_timeouts]\n"" = 2', "method_timeouts[''] = 2: a method name is not empty"),
     ],
 )
 def test_bad_toml_values(tmp_path: Path, toml: str, expected: str) -> None:

@@ -434,6 +434,8 @@ def test_sigterm_grace_period_ends_long_calls_with_shutting_down(broker_factory)
         # (a new user's check, round 26: it said only "'MY_TOOL_TOKEN'", no type nor line)
         ("tests.apps.needs_env:registry", "KeyError: 'MY_TOOL_TOKEN' at "
          f"{ROOT / 'tests' / 'apps' / 'needs_env.py'}:6 (--debug prints the traceback)"),
+        # (round 27: a __str__ that raised made the line a "--- Logging error ---" dump)
+        ("tests.apps.unprintable:registry", "Weird: (its message cannot be printed) at "),
     ],
 )
 def test_bad_app_exits_with_status_3_and_says_why(app, words):
