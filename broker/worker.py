@@ -44,6 +44,7 @@ import collections
 import ctypes
 import dataclasses
 import datetime
+import decimal
 import functools
 import importlib
 import inspect
@@ -60,6 +61,7 @@ import time
 import traceback
 import types
 import typing
+import uuid
 from collections.abc import Callable
 
 import msgspec
@@ -551,13 +553,16 @@ def load_app(spec: str) -> Registry:
     return obj
 
 
-_ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+_ORJSON_OPTIONS = 0  # (the plain form: its leaves are JSON types and fragments)
 # The first try: dataclasses and datetimes left to `_plain`, as orjson would run their
 # Python code (a field's `__getattribute__`, a tzinfo's `utcoffset`) in the middle of
 # walking the handler's containers (hostile testing, round 24: one that emptied the list
 # being encoded crashed the worker, SIGSEGV).
 # Non-string keys too (round 25: a datetime key's tzinfo ran as orjson walked the dict).
-_FIRST_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+# numpy values too: a datetime64 whose unit has a multiplier (`datetime64[15m]`) makes
+# orjson abort the process (round 28: SIGILL); `_native` screens them, leaf by leaf.
+_FIRST_OPTIONS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+_LEAF_OPTIONS = _FIRST_OPTIONS | orjson.OPT_SERIALIZE_NUMPY  # (one leaf, as `_native` gives it)
 
 
 def _tolist(obj: object) -> object:
@@ -629,8 +634,9 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
     if isinstance(value, msgspec.Raw):
         return orjson.Fragment(_checked_json(bytes(value)))
     if isinstance(value, msgspec.Struct):
-        try:  # (no hook: nothing runs while msgspec walks it)
-            return _plain(msgspec.to_builtins(value), depth, seen)
+        try:  # (no hook; datetimes and the like passed through, for `_plain`: a tzinfo's
+            # utcoffset ran while msgspec walked the Struct's lists, round 28: SIGSEGV)
+            return _plain(msgspec.to_builtins(value, builtin_types=_PASSED), depth, seen)
         except TypeError:  # a numpy value or a msgspec.Raw in it: written whole by msgspec, which
             # takes Structs as declared (renames, omitted defaults), numpy by its hook
             return orjson.Fragment(_checked_json(_msgspec_encode(value)))
@@ -642,7 +648,7 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it:
         return orjson.Fragment(orjson.dumps(value))  # RFC 3339, "+00:00")
     try:
-        return orjson.Fragment(orjson.dumps(_native(value), option=_FIRST_OPTIONS))
+        return orjson.Fragment(orjson.dumps(_native(value), option=_LEAF_OPTIONS))
     except TypeError:
         pass
     if isinstance(value, int):  # (a subclass past 64 bits; bool is a leaf)
@@ -675,6 +681,10 @@ def _items(value: list[object] | tuple[object, ...] | set[object] | frozenset[ob
     return list(frozenset.__iter__(value))
 
 
+_PASSED = (datetime.datetime, datetime.date, datetime.time, datetime.timedelta, uuid.UUID, decimal.Decimal, bytes,
+           bytearray, memoryview)  # what `msgspec.to_builtins` leaves as it is
+
+
 def _native(value: object) -> object:
     """A numpy array as orjson takes it natively: C-contiguous, in native byte order, 0-d
     ones as their scalar (orjson refuses the others, and their `tolist()` wrote float32
@@ -684,16 +694,30 @@ def _native(value: object) -> object:
     ran a tzinfo that emptied it: SIGSEGV; a masked array lost its mask). Anything else
     as it is."""
     numpy = sys.modules.get("numpy")
-    if numpy is None or type(value) is not numpy.ndarray:
+    if numpy is None:
+        return value
+    if isinstance(value, numpy.datetime64):
+        return _datetimes(numpy, value)
+    if type(value) is not numpy.ndarray:
         return value
     array = typing.cast(typing.Any, value)
     if array.dtype.hasobject:
         return value
-    if array.ndim == 0:
-        return array[()]
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
+    if array.dtype.kind == "M":
+        return _datetimes(numpy, array)
+    if array.ndim == 0:
+        return array[()]
     return numpy.ascontiguousarray(array)
+
+
+def _datetimes(numpy: typing.Any, value: typing.Any) -> object:
+    """numpy datetime64 values (an array in native byte order, or a scalar) as ISO 8601
+    text in their own unit, by numpy, NaT as None: orjson aborted the process on a unit
+    with a multiplier (`datetime64[15m]`: SIGILL), wrote values past its range as
+    1970-01-01, and refused ps, fs and as (hostile testing, round 28)."""
+    return numpy.where(numpy.isnat(value), None, numpy.datetime_as_string(value)).tolist()
 
 
 _DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}  # per dataclass, the fields orjson writes
@@ -721,7 +745,7 @@ def _key(key: object) -> str:
         numpy = sys.modules.get("numpy")
         if numpy is None or not isinstance(key, numpy.generic) or isinstance(key, numpy.object_):
             raise  # (round 27: a hashable list subclass, walked here by orjson: SIGSEGV)
-        written = orjson.dumps(key, option=_FIRST_OPTIONS)
+        written = orjson.dumps(_native(key), option=_LEAF_OPTIONS)
         return str(orjson.loads(written)) if written[:1] == b'"' else written.decode()
     return str(next(iter(orjson.loads(encoded))))
 
@@ -2125,7 +2149,7 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> int:
     if hasattr(asyncio, "eager_task_factory"):  # 3.12+: async handlers that never
         loop.set_task_factory(asyncio.eager_task_factory)  # suspend finish inline
     try:  # orjson imports numpy at the first type it does not know (0.1 s): now, at boot, not
-        orjson.dumps(object(), option=_ORJSON_OPTIONS)  # in a call, whose time it would be
+        orjson.dumps(object(), option=_LEAF_OPTIONS)  # in a call, whose time it would be
     except TypeError:  # (a first awaited call took 72 ms, and was learnt blocking: round 25)
         pass
     proto = WorkerProtocol(

@@ -1631,3 +1631,68 @@ def test_a_coroutine_a_sync_handler_returned_is_closed_if_its_task_is_cancelled_
     asyncio.run(main())
     gc.collect()
     assert not [w for w in recwarn if "never awaited" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+@pytest.mark.parametrize("value", [
+    np.array(["2030-01-01T00:15"], dtype="datetime64[15m]"), np.datetime64(4, "15m"), {np.datetime64(4, "10s"): 1},
+    np.array(np.datetime64(3, "2D")), np.array([2**60], dtype="M8[h]"), np.array([0], dtype="M8[ps]"),
+], ids=["array-15m", "scalar-15m", "key-10s", "0d-2D", "past-orjson-range", "ps"])
+def test_numpy_datetimes_of_any_unit_are_written_by_numpy_in_a_child_that_lives(value):
+    """Hostile testing (round 28): a datetime64 whose unit has a multiplier made orjson
+    abort the process (SIGILL: the worker and every call on it); values past orjson's
+    range were written as 1970-01-01; ps, fs and as were refused. numpy writes them now,
+    ISO 8601 in their own unit. (Run in a child: the old failure kills the process.)"""
+    import pickle
+    import subprocess
+    import sys
+
+    code = ("import pickle, sys; from broker.worker import encode_result; "
+            "v = pickle.loads(sys.stdin.buffer.read()); sys.stdout.buffer.write(encode_result([v, 2**70]))")
+    done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(value), capture_output=True, timeout=60)
+    assert done.returncode == 0, done
+    written = json.loads(done.stdout)
+    assert written[1] == 2**70
+    text = json.dumps(written[0])
+    assert "1970-01-01T00:00:00" not in text or "ps" in str(getattr(value, "dtype", "")), text
+    assert not any(isinstance(x, int) for x in (written[0] if isinstance(written[0], list) else [written[0]])), text
+
+
+_STRUCT_WITH_CLEARING_TZ = """
+import datetime, sys, msgspec
+from broker.worker import encode_result
+
+class Rows(msgspec.Struct):
+    items: list
+
+items = []
+
+class Clearing(datetime.tzinfo):
+    def utcoffset(self, dt):
+        items.clear()
+        return datetime.timedelta(0)
+
+    def dst(self, dt):
+        return None
+
+items.extend([datetime.datetime(2030, 1, 1, tzinfo=Clearing())] + [[str(i) * 40] for i in range(2000)])
+sys.stdout.buffer.write(encode_result(Rows(items)))
+"""
+
+
+def test_a_struct_s_datetimes_are_written_after_msgspec_has_walked_it():
+    """Hostile testing (round 28): `msgspec.to_builtins` ran a tzinfo's utcoffset while
+    it walked a Struct's list, which the tzinfo emptied: SIGSEGV. Datetimes are passed
+    through it now and written by `_plain`, from its snapshot (and a UTC one ends
+    "+00:00", as everywhere else, not "Z"). (Run in a child: the old failure kills it.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _STRUCT_WITH_CLEARING_TZ], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.returncode
+    assert json.loads(done.stdout) == {"items": ["2030-01-01T00:00:00+00:00"] + [[str(i) * 40] for i in range(2000)]}
+
+    class Rows(msgspec.Struct):
+        items: list[object]
+
+    assert encode_result(Rows([datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)])) == (
+        b'{"items":["2020-01-01T00:00:00+00:00"]}')
