@@ -688,3 +688,68 @@ def test_a_body_past_max_body_bytes_is_json_rpc_only_on_the_rpc_path(broker_fact
                                                                             code="-32600") == moved
     assert (sample(after, "rpc_broker_calls_total", method="other", outcome="invalid_request")
             - sample(before, "rpc_broker_calls_total", method="other", outcome="invalid_request")) == moved
+
+
+def _big_answer_then(b: Broker, then: bytes, after: bytes) -> tuple[bytes, str]:
+    """Pipeline a call with a 3.5 MB answer (not read for a moment), then `then`, then
+    `after` (bytes the client sends anyway); read everything: (bytes, "eof" or "reset")."""
+    body = call("echo", ["z" * 3_500_000]).encode()
+    s = socket.create_connection((b.host, b.port))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    try:
+        s.sendall(post_head(b, f"Content-Length: {len(body)}\r\n\r\n") + body)
+        time.sleep(0.5)  # not reading: the answer waits in the broker's write buffer
+        s.sendall(then)
+        time.sleep(0.1)
+        s.sendall(after)
+        time.sleep(0.3)
+        got, how = bytearray(), "eof"
+        s.settimeout(10)
+        try:
+            while chunk := s.recv(1 << 20):
+                got += chunk
+        except ConnectionResetError:
+            how = "reset"
+        return bytes(got), how
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(("then", "status"), [
+    (b"POST /nope HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 50\r\n"
+     b"Expect: 100-continue\r\n\r\n", b"404"),
+    (b"GET /nope HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", b"404"),
+], ids=["expect-refused", "upgrade"])
+def test_a_request_answered_then_closed_lingers_and_cuts_no_earlier_answer(broker_factory, then, status):
+    """Hostile testing (round 28): a refused request expecting 100-continue, and an
+    Upgrade request, were answered and the connection closed at once: the bytes the
+    client sent after (the body all the same, a websocket frame) reset it, cutting the
+    3.5 MB answer of an earlier call at 128 kB. They half-close now and discard what
+    comes: the earlier answer whole, then theirs, then the end."""
+    b = broker_factory("--workers", "1", "--max-body-bytes", str(8 * 1024 * 1024))
+    got, how = _big_answer_then(b, then, b"y" * 50)
+    assert how == "eof"
+    first, _, rest = got.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200 ") and len(rest) > 3_500_000, (first, len(rest))
+    assert rest[-400:].count(b"HTTP/1.1 " + status) == 1
+
+
+def test_a_refused_upgrade_expecting_100_continue_gets_its_status_at_once(broker_factory):
+    """Hostile testing (round 28): with Upgrade too, a refused request expecting
+    100-continue got neither the 100 nor its status (408 after request_timeout)."""
+    b = broker_factory("--workers", "1")
+    with Conn(b) as c:
+        c.send(b"POST /nope HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 10\r\n"
+               b"Connection: Upgrade\r\nUpgrade: websocket\r\nExpect: 100-continue\r\n\r\n")
+        status, headers, _ = c.response()
+        assert (status, headers.get("connection")) == (404, "close")
+
+
+def test_an_http_1_0_call_with_no_host_past_max_body_bytes_is_a_json_rpc_413(broker_factory):
+    """Hostile testing (round 28): HTTP/1.0 with no Host may call rpc_path, but past
+    max_body_bytes it got the plain 413 meant for requests that may not call."""
+    b = broker_factory("--workers", "1", "--max-body-bytes", "1000")
+    with Conn(b) as c:
+        c.send(b"POST / HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n" + b"x" * 5000)
+        status, _, body = c.response()
+    assert status == 413 and json.loads(body)["error"]["code"] == -32600

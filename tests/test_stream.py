@@ -1044,3 +1044,26 @@ def test_a_line_of_another_protocol_is_counted_as_the_error_it_is_answered(sb, o
         answer = json.loads(s.readline())
     assert answer["error"]["code"] == int(code) and answer["id"] is None
     wait_for(lambda: metric(scrape(sb.broker), "rpc_broker_errors_total", code=code) == before + 1)
+
+
+def test_a_client_that_caught_up_keeps_its_next_burst_concurrent(tmp_path):
+    """Hostile testing (round 28): a client fell behind once (a 3 MB answer left unread
+    for a second, past a quarter of its 4 MiB budget), then read it all: owed nothing,
+    it was put one at a time all the same when its buffer drained, and its next burst of
+    8 sleeps of 0.5 s took 4 s. Owed nothing, it is not behind: the burst overlaps."""
+    s = start_stream_broker(tmp_path, "--workers", "2", "--max-response-bytes", str(4 * 1024 * 1024),
+                            "--max-body-bytes", str(4 * 1024 * 1024))
+    try:
+        with s.connect("unix") as stream:
+            stream.send(line("echo", ["z" * 3_000_000], "big") + b"\n")
+            time.sleep(1.0)  # not reading: the answer fills the socket, then the write buffer
+            assert json.loads(stream.readline(timeout=30))["id"] == "big"
+            time.sleep(0.2)  # caught up: owed nothing
+            started = time.monotonic()
+            stream.send(b"".join(line("sleep", [0.5], i) + b"\n" for i in range(8)))
+            ids = sorted(json.loads(stream.readline(timeout=30))["id"] for _ in range(8))
+            took = time.monotonic() - started
+        assert ids == list(range(8))
+        assert took < 3.0, took  # (one at a time: 4 s)
+    finally:
+        assert s.broker.stop() == 0, s.broker.read_log()

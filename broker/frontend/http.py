@@ -1165,8 +1165,10 @@ class HttpProtocol(asyncio.Protocol):
             return
         self.request_started = 0.0
         method, url = pending
+        self._linger = True  # (as `_refuse_expected`: what the client sends after it is discarded)
         self._route(method, url, False)
         self._closing = True
+        self._discarding()
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -1176,7 +1178,11 @@ class HttpProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self.send_stalled = 0.0
-        self._one_by_one = fell_behind(self._budget.parked, self._fe.max_response_bytes)
+        # (only if it still has requests under way, read or not: round 28, set once it was owed
+        # nothing, it held the client's next burst one at a time)
+        self._one_by_one = fell_behind(self._budget.parked, self._fe.max_response_bytes) and bool(
+            self._responses or self._backlog or (self._transport is not None and unread_bytes(self._transport))
+        )
         self._budget.drained()
         if self._waiting:
             self._dispatch_waiting()
@@ -1274,7 +1280,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._fe.sent_bytes += len(_CONTINUE)
                 self.sent += len(_CONTINUE)
                 self._transport.write(_CONTINUE)
-            elif self._parser.get_http_version() == "1.1" and not self._parser.should_upgrade():
+            elif self._parser.get_http_version() == "1.1":  # (an Upgrade one too: round 28)
                 self._refuse_expected()
 
     def _refuse_expected(self) -> None:
@@ -1282,10 +1288,12 @@ class HttpProtocol(asyncio.Protocol):
         415, 421, 403, 503) before its body: routed with no body, then closed, lingering,
         its body discarded as it comes (as a 413's)."""
         self.request_started = 0.0
+        self._linger = True  # (before the answer is written: it half-closes, and the body the
+        # client may send all the same is discarded; closed at once, that body reset the
+        # connection and cut an answer still on its way: round 28)
         self._route(self._parser.get_method(), self._url.partition(b"?")[0], False)
         self._skip = True
         self._closing = True
-        self._linger = True
         self._discarding()
 
     def _absolute_form(self) -> None:
@@ -1313,7 +1321,9 @@ class HttpProtocol(asyncio.Protocol):
         host, origin = self._host, self._origin
         return (
             _is_json(self._content_type)
-            and (fe.hosts is None if host is None else fe.host_allowed(host))
+            and (  # (no Host: allowed on HTTP/1.0, as `_refused` has it; round 28)
+                fe.hosts is None or self._parser.get_http_version() != "1.1" if host is None else fe.host_allowed(host)
+            )
             and (origin is None or fe.cors_headers(origin) is not None)
         )
 
@@ -1854,8 +1864,9 @@ class HttpProtocol(asyncio.Protocol):
         self._linger = True
         self.request_started = 0.0
         path = self._path_of(self._url.partition(b"?")[0])
-        if not self._head_done or (path == "rpc" and self._may_call()):  # (a head under way: its path
-            # not known yet; round 27: one a web page sent past max_body_bytes moved the JSON-RPC counters)
+        if self._head_done and path == "rpc" and self._may_call():  # (round 27: one a web page sent past
+            # max_body_bytes moved the JSON-RPC counters; round 28: so did a head under way, whose path
+            # is not known yet, to /healthz as well)
             self._queue(_json_response(status, body or fe.too_large_body, False, b"", fe.json_head), False, path)
             fe.dispatcher.count_refused_body(code)
         else:  # Not JSON-RPC: a plain error, counted by its path and status only (hostile

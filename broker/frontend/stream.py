@@ -699,7 +699,12 @@ class StreamProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self.send_stalled = 0.0
-        self._one_by_one = fell_behind(self._budget.parked, self._fe.max_response_bytes)
+        # (only if it still has lines under way, read or not: round 28, set once it was owed
+        # nothing, it held the client's next burst one at a time)
+        self._one_by_one = fell_behind(self._budget.parked, self._fe.max_response_bytes) and bool(
+            self.owed or self._waiting or self._backlog
+            or (self._transport is not None and unread_bytes(self._transport))
+        )
         self._budget.drained()
         if self._waiting:
             self._dispatch_waiting()
