@@ -610,6 +610,8 @@ def _plain(value: object, depth: int = 0, seen: dict[int, tuple[object, object]]
         return value
     if kind is int:
         return value if value in _ORJSON_INTS else orjson.Fragment(msgspec.json.encode(value))
+    if kind in _SCALARS:  # (a numpy number, bool or string scalar: orjson's own form, at once)
+        return orjson.Fragment(orjson.dumps(value, option=_LEAF_OPTIONS))
     if depth >= _PLAIN_DEPTH:
         raise _TooDeep(f"nests deeper than {_PLAIN_DEPTH} levels (or refers to itself)")
     if seen is None:
@@ -648,9 +650,14 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it:
         return orjson.Fragment(orjson.dumps(value))  # RFC 3339, "+00:00")
     try:
-        return orjson.Fragment(orjson.dumps(_native(value), option=_LEAF_OPTIONS))
+        written = orjson.dumps(_native(value), option=_LEAF_OPTIONS)
     except TypeError:
         pass
+    else:
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and isinstance(value, (numpy.number, numpy.bool_, numpy.str_)) and len(_SCALARS) < 64:
+            _SCALARS.add(type(value))  # (written by orjson: `_plain` writes the next ones at once)
+        return orjson.Fragment(written)
     if isinstance(value, int):  # (a subclass past 64 bits; bool is a leaf)
         return orjson.Fragment(msgspec.json.encode(int(value)))
     if isinstance(value, float):  # (a subclass: orjson takes only float itself)
@@ -681,6 +688,10 @@ def _items(value: list[object] | tuple[object, ...] | set[object] | frozenset[ob
     return list(frozenset.__iter__(value))
 
 
+# numpy's scalar types met so far that orjson writes as they are (numbers, bools, strings;
+# not datetime64, nor objects): `_plain` gives them to orjson at once (a list of 1000
+# float64s took 6x as long through `_plain_leaf` as orjson's first try had, round 28's fix).
+_SCALARS: set[type] = set()
 _PASSED = (datetime.datetime, datetime.date, datetime.time, datetime.timedelta, uuid.UUID, decimal.Decimal, bytes,
            bytearray, memoryview)  # what `msgspec.to_builtins` leaves as it is
 
