@@ -45,6 +45,7 @@ import ctypes
 import dataclasses
 import datetime
 import decimal
+import enum
 import functools
 import importlib
 import inspect
@@ -630,7 +631,10 @@ def _plain(value: object, depth: int = 0, seen: dict[int, tuple[object, object]]
 
 
 def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]]) -> object:
-    """`_plain` of what is neither a container nor a plain leaf."""
+    """`_plain` of what is neither a container nor a plain leaf. Only single values go to a
+    C encoder whole: what holds others is taken apart here first (round 29: an Enum's
+    numpy value reached orjson whole and aborted it; a Struct's contents that `_plain`
+    refused sent the Struct to msgspec's hook; an attrs instance was walked by msgspec)."""
     if isinstance(value, orjson.Fragment):
         return value  # (its newlines: `_framed`)
     if isinstance(value, msgspec.Raw):
@@ -638,13 +642,22 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
     if isinstance(value, msgspec.Struct):
         try:  # (no hook; datetimes and the like passed through, for `_plain`: a tzinfo's
             # utcoffset ran while msgspec walked the Struct's lists, round 28: SIGSEGV)
-            return _plain(msgspec.to_builtins(value, builtin_types=_PASSED), depth, seen)
+            built = msgspec.to_builtins(value, builtin_types=_PASSED)
         except TypeError:  # a numpy value or a msgspec.Raw in it: written whole by msgspec, which
             # takes Structs as declared (renames, omitted defaults), numpy by its hook
             return orjson.Fragment(_checked_json(_msgspec_encode(value)))
+        return _plain(built, depth, seen)
+    if isinstance(value, enum.Enum):  # (as orjson writes it: its value)
+        return _plain(value.value, depth, seen)
+    if isinstance(value, str):  # subclasses, as orjson reads them: the string itself, whatever
+        return str.__str__(value)  # else they are (a dataclass too: round 29)
+    if isinstance(value, int):  # (past 64 bits too; bool is a leaf)
+        return _plain(int.__int__(value), depth, seen)
+    if isinstance(value, float):
+        return float.__float__(value)
     names = _DATACLASS_FIELDS.get(type(value))
-    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = _dataclass_fields(type(value))
+    if names is None:
+        names = _fields(value)
     if names is not None:  # (as orjson: its fields in order, those named with a leading underscore left out)
         return {name: _plain(getattr(value, name), depth, seen) for name in names}
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it:
@@ -655,24 +668,21 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
         pass
     else:
         numpy = sys.modules.get("numpy")
-        if numpy is not None and isinstance(value, (numpy.number, numpy.bool_, numpy.str_)) and len(_SCALARS) < 64:
+        if numpy is not None and isinstance(value, (numpy.number, numpy.bool_)) and len(_SCALARS) < 64:
             _SCALARS.add(type(value))  # (written by orjson: `_plain` writes the next ones at once)
         return orjson.Fragment(written)
-    if isinstance(value, int):  # (a subclass past 64 bits; bool is a leaf)
-        return orjson.Fragment(msgspec.json.encode(int(value)))
-    if isinstance(value, float):  # (a subclass: orjson takes only float itself)
-        return orjson.Fragment(orjson.dumps(float(value)))
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
         listed = tolist()
         if type(listed) is type(value):  # (numpy's longdouble: its own tolist)
             raise TypeError(f"cannot encode an object of type {type(value).__name__}")
         return _plain(listed, depth, seen)
-    try:
-        encoded = msgspec.json.encode(value)
-    except TypeError:
-        raise TypeError(f"cannot encode an object of type {type(value).__name__}") from None
-    return orjson.Fragment(_checked_json(encoded))  # (an enum whose value is a msgspec.Raw)
+    if not isinstance(value, _BY_MSGSPEC):
+        raise TypeError(f"cannot encode an object of type {type(value).__name__}")
+    return orjson.Fragment(msgspec.json.encode(value))  # (one value, holding none: its JSON as msgspec writes it)
+
+
+_BY_MSGSPEC = (decimal.Decimal, bytes, bytearray, memoryview, datetime.timedelta, uuid.UUID)  # (orjson refuses them)
 
 
 def _items(value: list[object] | tuple[object, ...] | set[object] | frozenset[object]) -> list[object]:
@@ -734,9 +744,18 @@ def _datetimes(numpy: typing.Any, value: typing.Any) -> object:
 _DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}  # per dataclass, the fields orjson writes
 
 
-def _dataclass_fields(cls: type) -> tuple[str, ...]:
-    """The names of the fields orjson writes of dataclass `cls` (cached, at most 1024 classes)."""
-    names = tuple(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_"))
+def _fields(value: object) -> tuple[str, ...] | None:
+    """The names of the fields written of `value`, a dataclass or attrs instance (those
+    named with a leading underscore left out, as orjson and msgspec do), or None if it is
+    neither (cached per class, at most 1024 classes)."""
+    cls = type(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = tuple(f.name for f in dataclasses.fields(typing.cast(typing.Any, cls)) if not f.name.startswith("_"))
+    else:
+        attr = sys.modules.get("attr")
+        if attr is None or not attr.has(cls):
+            return None
+        names = tuple(a.name for a in attr.fields(cls) if not a.name.startswith("_"))
     if len(_DATACLASS_FIELDS) < 1024:
         _DATACLASS_FIELDS[cls] = names
     return names

@@ -1696,3 +1696,84 @@ def test_a_struct_s_datetimes_are_written_after_msgspec_has_walked_it():
 
     assert encode_result(Rows([datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)])) == (
         b'{"items":["2020-01-01T00:00:00+00:00"]}')
+
+
+_ROUND_29 = """
+import dataclasses, datetime, enum, sys
+import msgspec, numpy as np
+from broker.worker import encode_result
+
+class Slot(enum.Enum):
+    QUARTER = np.datetime64(5, "15m")
+
+class S(msgspec.Struct):
+    x: object
+
+box = []
+
+class Clearing(datetime.tzinfo):
+    def utcoffset(self, dt):
+        box[0].clear()
+        return datetime.timedelta(0)
+
+    def dst(self, dt):
+        return None
+
+rows = [datetime.time(1, tzinfo=Clearing())] + [str(i) * 50 for i in range(1000)]
+box.append(rows)
+out = [encode_result([Slot.QUARTER, {"at": Slot.QUARTER}])]
+try:
+    encode_result(S(rows))
+except TypeError as exc:
+    out.append(str(exc).encode())
+sys.stdout.buffer.write(b"\\n".join(out))
+"""
+
+
+def test_what_holds_other_values_is_taken_apart_before_a_c_encoder_walks_it():
+    """Hostile testing (round 29): an Enum whose value was a datetime64[15m] reached
+    orjson whole (SIGILL); a Struct whose contents `_plain` refused (a tz-aware time) was
+    handed whole to msgspec's hook, which ran its tzinfo mid-walk (SIGSEGV). An Enum is
+    written as its value, taken apart; a Struct's refused contents answer -32603.
+    (Run in a child: the old failures kill the process.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _ROUND_29], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.returncode
+    written, refused = done.stdout.split(b"\n")
+    assert written == b'["1970-01-01T01:15",{"at":"1970-01-01T01:15"}]'
+    assert b"is not JSON-serializable" in refused and b"tzinfo" in refused
+
+
+def test_enums_attrs_and_str_subclassing_dataclasses_read_the_same_whatever_their_neighbours():
+    """Hostile testing (round 29): an Enum's UTC datetime ended "Z" and its dataclass
+    value showed `_hidden` fields (orjson's own enum path), an attrs instance was walked
+    by msgspec ("Z" again), a dataclass subclassing str was an object beside an integer
+    past 64 bits and a string alone. Each is written as its plain form, everywhere."""
+    import attrs
+
+    utc = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
+
+    @dataclasses.dataclass
+    class Hidden:
+        _hidden: int = 1
+        shown: int = 2
+
+    class Forms(enum.Enum):
+        UTC = utc
+        DATA = Hidden()
+
+    @attrs.define
+    class Point:
+        x: list[object]
+
+    @dataclasses.dataclass
+    class Named(str):
+        tag: int = 0
+
+    for value, alone in [(Forms.UTC, "2020-01-01T00:00:00+00:00"), (Forms.DATA, {"shown": 2}),
+                         (Point([utc]), {"x": ["2020-01-01T00:00:00+00:00"]}), (Named("hello"), "hello")]:
+        assert json.loads(encode_result(value)) == alone, value
+        assert json.loads(encode_result([value, 2**70])) == [alone, 2**70], value
+        assert json.loads(encode_result([value, b"x"])) == [alone, "eA=="], value
