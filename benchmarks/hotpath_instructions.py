@@ -44,10 +44,32 @@ def instructions(tree: Path, case: str, requests: int) -> int:
             )
         finally:
             copy.unlink()
-    match = _COLLECTED.search(done.stderr)
+    return callgrind_total(done.stderr)
+
+
+def callgrind_total(stderr: str) -> int:
+    """The instruction count callgrind printed on `stderr` ("Collected : N"); exits the
+    script saying so if there is none."""
+    match = _COLLECTED.search(stderr)
     if not match:
-        raise SystemExit(f"no callgrind total in:\n{done.stderr[-2000:]}")
+        raise SystemExit(f"no callgrind total in:\n{stderr[-2000:]}")
     return int(match.group(1))
+
+
+def valgrind_missing() -> bool:
+    """True, after saying so on stderr, when `valgrind` is not on the PATH."""
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
+        return True
+    return False
+
+
+def compared(label: str, figures: list[float], trees: list[Path]) -> str:
+    """One line of figures: this tree's, and with `--against` the other tree's and the ratio."""
+    line = f"{label:7s} {figures[0]:10,.0f} this tree"
+    if len(figures) > 1:
+        line += f"   {figures[1]:10,.0f} {trees[1]}   ratio {figures[0] / figures[1]:.3f}"
+    return line
 
 
 def per_call(tree: Path, case: str, small: int, large: int) -> float:
@@ -61,17 +83,12 @@ def main() -> int:
     parser.add_argument("--small", type=int, default=640, help="single-call bodies of the small run (batches: /10)")
     parser.add_argument("--large", type=int, default=1920, help="single-call bodies of the large run (batches: /10)")
     args = parser.parse_args()
-    if shutil.which("valgrind") is None:
-        print("valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
+    if valgrind_missing():
         return 2
     trees = [HERE.parent] + ([args.against.resolve()] if args.against else [])
     print("front-end instructions per call, in-process (callgrind; metrics on)")
     for case, small, large in (("single", args.small, args.large), ("batch", args.small // 10, args.large // 10)):
-        figures = [per_call(tree, case, small, large) for tree in trees]
-        line = f"{case:7s} {figures[0]:10,.0f} this tree"
-        if len(figures) > 1:
-            line += f"   {figures[1]:10,.0f} {trees[1]}   ratio {figures[0] / figures[1]:.3f}"
-        print(line)
+        print(compared(case, [per_call(tree, case, small, large) for tree in trees], trees))
     return 0
 
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from hotpath_instructions import callgrind_total, compared, valgrind_missing  # (this directory)
+
 HERE = Path(__file__).resolve().parent
-_COLLECTED = re.compile(r"Collected : (\d+)")
 BATCH = 200  # CALL frames per write
 
 # Run in a child with the tree's `broker` first on sys.path: N calls of `add`, BATCH a write.
@@ -74,10 +73,7 @@ def instructions(tree: Path, calls: int) -> int:
          str(calls), str(BATCH)],
         cwd=tree, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(tree)},
     )
-    match = _COLLECTED.search(done.stderr)
-    if not match:
-        raise SystemExit(f"no callgrind total in:\n{done.stderr[-2000:]}")
-    return int(match.group(1))
+    return callgrind_total(done.stderr)
 
 
 def main() -> int:
@@ -86,16 +82,12 @@ def main() -> int:
     parser.add_argument("--small", type=int, default=4000, help="calls of the small run (a multiple of 200)")
     parser.add_argument("--large", type=int, default=24000, help="calls of the large run (a multiple of 200)")
     args = parser.parse_args()
-    if shutil.which("valgrind") is None:
-        print("valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
+    if valgrind_missing():
         return 2
     trees = [HERE.parent] + ([args.against.resolve()] if args.against else [])
     print(f"worker instructions per call, in-process (callgrind; sync `add`, {BATCH} pipelined frames a write)")
     figures = [(instructions(t, args.large) - instructions(t, args.small)) / (args.large - args.small) for t in trees]
-    line = f"single  {figures[0]:10,.0f} this tree"
-    if len(figures) > 1:
-        line += f"   {figures[1]:10,.0f} {trees[1]}   ratio {figures[0] / figures[1]:.3f}"
-    print(line)
+    print(compared("single", figures, trees))
     return 0
 
 
