@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python benchmarks/encoding.py [--against TREE] [--rounds 200]
 
-Each shape is a result a tool might return (1000 plain dicts, dataclasses, UTC datetimes,
+Each shape is a result a tool might return (1000 plain dicts, dataclasses, msgspec Structs, UTC datetimes,
 a dict of int keys, floats beside one integer past 64 bits, a list repeating one dict).
 For each it prints the microseconds `encode_result` takes and, beside it, orjson's own
 encoding of the same value where orjson takes it natively (`OPT_SERIALIZE_NUMPY |
@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Run in a child with the tree's `broker` first on sys.path; prints {shape: [us, orjson us]}.
 _CHILD = r"""
 import dataclasses, datetime, json, sys, timeit
+import msgspec
 import orjson
 from broker.worker import encode_result
 
@@ -34,10 +35,16 @@ class Point:
     x: int
     y: int
 
+class Item(msgspec.Struct):
+    name: str
+    price: float
+    tags: list
+
 part = {f"k{i}": i for i in range(20)} | {"tags": {1, 2}}
 SHAPES = {
     "1000 plain dicts": [{"a": i, "b": "x"} for i in range(1000)],
     "1000 dataclasses": [Point(i, i) for i in range(1000)],
+    "1000 Structs": [Item("x", i / 7, ["a"]) for i in range(1000)],
     "1000 UTC datetimes": [datetime.datetime(2020, 1, 1, i % 24, tzinfo=datetime.UTC) for i in range(1000)],
     "dict of 1000 int keys": {i: i for i in range(1000)},
     "1000 floats and a 2**70": [2**70] + [i / 7 for i in range(1000)],

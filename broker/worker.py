@@ -566,15 +566,6 @@ _FIRST_OPTIONS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATET
 _LEAF_OPTIONS = _FIRST_OPTIONS | orjson.OPT_SERIALIZE_NUMPY  # (one leaf, as `_native` gives it)
 
 
-def _tolist(obj: object) -> object:
-    """msgspec's `enc_hook`, for a Struct `_plain` left whole: numpy values inside it."""
-    tolist = getattr(obj, "tolist", None)
-    if not callable(tolist):
-        raise TypeError(f"cannot encode an object of type {type(obj).__name__}")
-    return tolist()
-
-
-_msgspec_encode = msgspec.json.Encoder(enc_hook=_tolist).encode
 _PLAIN_DEPTH = 255  # how deep `_plain` goes: orjson's own limit (its recursion limit)
 _LEAVES = frozenset({str, float, bool, type(None)})
 _ORJSON_INTS = range(-(2**63), 2**64)  # the integers orjson writes (msgspec those past them)
@@ -605,7 +596,7 @@ def _plain(value: object, depth: int = 0, seen: dict[int, tuple[object, object]]
     and the worker died of SIGSEGV with every call on it (hostile testing, round 23; the
     same script crashes orjson alone, and msgspec with a hook). Raises `_TooDeep`,
     `TypeError` (no JSON form), `InvalidJson` (a `msgspec.Raw` that is not JSON), or what
-    a `tolist()`, `to_builtins` or msgspec (a 5000-digit integer) raises."""
+    a `tolist()` or msgspec (a 5000-digit integer) raises."""
     kind = type(value)
     if kind in _LEAVES:
         return value
@@ -640,13 +631,7 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
     if isinstance(value, msgspec.Raw):
         return orjson.Fragment(_checked_json(bytes(value)))
     if isinstance(value, msgspec.Struct):
-        try:  # (no hook; datetimes and the like passed through, for `_plain`: a tzinfo's
-            # utcoffset ran while msgspec walked the Struct's lists, round 28: SIGSEGV)
-            built = msgspec.to_builtins(value, builtin_types=_PASSED)
-        except TypeError:  # a numpy value or a msgspec.Raw in it: written whole by msgspec, which
-            # takes Structs as declared (renames, omitted defaults), numpy by its hook
-            return orjson.Fragment(_checked_json(_msgspec_encode(value)))
-        return _plain(built, depth, seen)
+        return _struct_plain(value, depth, seen)
     if isinstance(value, enum.Enum):  # (as orjson writes it: its value)
         return _plain(value.value, depth, seen)
     if isinstance(value, str):  # subclasses, as orjson reads them: the string itself, whatever
@@ -655,13 +640,13 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
         return _plain(int.__int__(value), depth, seen)
     if isinstance(value, float):
         return float.__float__(value)
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it:
+        return orjson.Fragment(orjson.dumps(value))  # RFC 3339, "+00:00")
     names = _DATACLASS_FIELDS.get(type(value))
     if names is None:
         names = _fields(value)
     if names is not None:  # (as orjson: its fields in order, those named with a leading underscore left out)
         return {name: _plain(getattr(value, name), depth, seen) for name in names}
-    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it:
-        return orjson.Fragment(orjson.dumps(value))  # RFC 3339, "+00:00")
     try:
         written = orjson.dumps(_native(value), option=_LEAF_OPTIONS)
     except TypeError:
@@ -702,8 +687,75 @@ def _items(value: list[object] | tuple[object, ...] | set[object] | frozenset[ob
 # not datetime64, nor objects): `_plain` gives them to orjson at once (a list of 1000
 # float64s took 6x as long through `_plain_leaf` as orjson's first try had, round 28's fix).
 _SCALARS: set[type] = set()
-_PASSED = (datetime.datetime, datetime.date, datetime.time, datetime.timedelta, uuid.UUID, decimal.Decimal, bytes,
-           bytearray, memoryview)  # what `msgspec.to_builtins` leaves as it is
+
+
+class _StructForm(typing.NamedTuple):
+    """How msgspec writes a Struct type: its fields' encode names (renamed), their
+    defaults (or `NODEFAULT`), their factories if list, dict, set or bytearray (whose
+    empty values count as the default; else None), whether defaults are left out, the
+    tag field's name and value (or None), and whether it is an array."""
+
+    names: tuple[str, ...]
+    defaults: tuple[object, ...]
+    empties: tuple[type | None, ...]
+    omit_defaults: bool
+    tag: tuple[str, object] | None
+    array_like: bool
+
+
+_STRUCT_FORMS: dict[type, _StructForm] = {}  # per Struct type met (at most 1024)
+_EMPTY_DEFAULTS = (list, dict, set, bytearray)  # the factories msgspec's omit_defaults knows
+
+
+def _struct_form(cls: type) -> _StructForm:
+    """The `_StructForm` of a `msgspec.Struct` type, from `msgspec.structs.fields` and its
+    `__struct_config__` (msgspec's docs, "Structs": rename, omit_defaults, tagged unions,
+    array_like)."""
+    form = _STRUCT_FORMS.get(cls)
+    if form is not None:
+        return form
+    config = typing.cast(typing.Any, cls).__struct_config__
+    fields = msgspec.structs.fields(cls)
+    empties = tuple(field.default_factory if field.default_factory in _EMPTY_DEFAULTS else None for field in fields)
+    form = _StructForm(tuple(field.encode_name for field in fields), tuple(field.default for field in fields), empties,
+                       config.omit_defaults,
+                       None if config.tag is None else (config.tag_field, config.tag), config.array_like)
+    if len(_STRUCT_FORMS) < 1024:
+        _STRUCT_FORMS[cls] = form
+    return form
+
+
+def _empty(value: object, factory: type | None) -> bool:
+    """Whether `value` is an empty value of `factory`'s exact type (list, dict, set or
+    bytearray), as msgspec's omit_defaults counts it the default."""
+    return type(value) is factory and not len(typing.cast(typing.Sized, value))
+
+
+def _struct_plain(value: msgspec.Struct, depth: int, seen: dict[int, tuple[object, object]]) -> object:
+    """A `msgspec.Struct` made plain as msgspec writes it: an object of its fields by
+    encode name, tag first, `UNSET` fields (and, with omit_defaults, fields holding their
+    default: the default itself, or an empty list, dict, set or bytearray where that type
+    is the factory) left out; or an array, with array_like. Its field values are read at
+    once (`msgspec.structs.astuple`) and made plain by `_plain`: msgspec walking the
+    Struct itself ran Python code of what it held (a dataclass field read, a `tolist()`)
+    in mid-walk, and one that emptied a list it sat in crashed the worker (SIGSEGV).
+    Raises `TypeError` for an `UNSET` field of an array_like Struct (msgspec refuses it
+    too), and as `_plain` does."""
+    form = _struct_form(type(value))
+    values = msgspec.structs.astuple(value)
+    unset = msgspec.UNSET
+    if form.array_like:
+        if any(item is unset for item in values):
+            raise TypeError(f"{type(value).__name__} is array_like and has an UNSET field")
+        items = [_plain(item, depth, seen) for item in values]
+        return items if form.tag is None else [form.tag[1], *items]
+    plain: dict[str, object] = {} if form.tag is None else {form.tag[0]: form.tag[1]}
+    omit = form.omit_defaults
+    for name, default, empty, item in zip(form.names, form.defaults, form.empties, values):
+        if item is unset or (omit and (item is default or _empty(item, empty))):
+            continue
+        plain[name] = _plain(item, depth, seen)
+    return plain
 
 
 def _native(value: object) -> object:

@@ -527,6 +527,94 @@ def test_encode_result_struct_fields(value, expected):
     assert encode_result(value) == expected
 
 
+class Inner(msgspec.Struct, tag="in", tag_field="kind", rename="kebab", frozen=True):
+    some_field: int = 3
+
+
+class Row(msgspec.Struct, array_like=True, tag=True):
+    p: int
+    q: Inner = Inner()
+
+
+class Config(msgspec.Struct, omit_defaults=True, tag=True, rename="camel", kw_only=True):
+    a_b: int = 1
+    c: list[int] = []
+    d: float = 1.0
+    e: object = msgspec.UNSET
+    f: dict[str, object] = {}
+    g: object = None
+    h: object = list
+    i: object = 100_000
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        Config(),
+        Config(a_b=2, c=[1], d=True, e=[Row(1), Row(2, Inner(4))], f={"x": Inner()}, g=datetime.date(2020, 1, 1),
+               h=[], i=int("100000")),
+        Config(g=decimal.Decimal("1.5"), h=b"xy", i=2**70, e=None),
+        Row(5),
+        [Inner(), Row(1), {"s": Config(c=[], f={})}],
+    ],
+)
+def test_structs_are_written_as_msgspec_writes_them(value):
+    """Structs are taken apart by the worker (`_struct_plain`), not walked by msgspec:
+    renamed fields, tags, omit_defaults (the default itself, or an empty value of a list,
+    dict, set or bytearray factory; an equal but other int is kept, as msgspec keeps it),
+    UNSET fields and array_like read exactly as msgspec writes them."""
+    assert encode_result(value) == msgspec.json.encode(value)
+
+
+def test_an_unset_field_of_an_array_like_struct_has_no_json_form():
+    class Pair(msgspec.Struct, array_like=True):
+        a: object = msgspec.UNSET
+
+    with pytest.raises(TypeError, match="array_like and has an UNSET field"):
+        encode_result(Pair())
+    with pytest.raises(TypeError):  # (msgspec refuses it too)
+        msgspec.json.encode(Pair())
+
+
+_STRUCT_WITH_CLEARING_DATACLASS = """
+import dataclasses, sys, msgspec
+from broker.worker import encode_result
+
+items = []
+
+@dataclasses.dataclass
+class Clearing:
+    a: int = 1
+
+    def __getattribute__(self, name):
+        if name == "a":
+            items.clear()
+        return object.__getattribute__(self, name)
+
+class Rows(msgspec.Struct):
+    items: list
+
+items.extend([[str(j) * 40 for j in range(3)] for _ in range(50)] + [Clearing()] + [[str(i) * 50] for i in range(200)])
+sys.stdout.buffer.write(encode_result(Rows(items)))
+"""
+
+
+def test_a_struct_is_taken_apart_before_any_code_of_what_it_holds_runs():
+    """Hostile testing (stop 24, before round 30): msgspec walked a Struct whose list held
+    a dataclass, reading its fields mid-walk; one whose `__getattribute__` emptied that
+    list had msgspec read freed memory (SIGSEGV, every call on the worker lost). The
+    Struct's fields are read at once and made plain from a snapshot now. (Run in a
+    child: the old failure kills the process.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _STRUCT_WITH_CLEARING_DATACLASS], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.returncode
+    written = json.loads(done.stdout)["items"]
+    assert written[:50] == [[str(j) * 40 for j in range(3)]] * 50
+    assert written[50] == {"a": 1} and written[51:] == [[str(i) * 50] for i in range(200)]
+
+
 def test_an_orjson_fragment_cannot_split_an_ndjson_line():
     """Hostile testing (round 25): an `orjson.Fragment` in a result is copied verbatim;
     one holding a newline split the NDJSON line, and the line after it answered another
