@@ -96,7 +96,7 @@ def test_encoding_benchmark_prints_every_shape() -> None:
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {line[:34].strip(): line[34:].split() for line in done.stdout.splitlines()[1:]}
-    assert set(rows) == {"1000 plain dicts", "1000 dataclasses", "1000 UTC datetimes", "dict of 1000 int keys",
+    assert set(rows) == {"1000 plain dicts", "1000 dataclasses", "1000 Structs", "1000 UTC datetimes", "dict of 1000 int keys",
                          "1000 floats and a 2**70", "one dict with a set, 1000 times", "small dict"}, done.stdout
     assert all(float(cells[0]) > 0 for cells in rows.values()), done.stdout
     assert rows["1000 floats and a 2**70"][1] == "-"  # (orjson refuses the integer: no native figure)
