@@ -62,25 +62,43 @@ def serve(config: Config, early: typing.Sequence[int] = ()) -> int:
     return uvloop.run(run(config, early=early))
 
 
-def _ignore_signals(loop: asyncio.AbstractEventLoop, signals: tuple[int, ...]) -> None:
-    """Take `signals`' handlers off `loop` and ignore the signals from then on.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-    Ignored first: the loop's `remove_signal_handler` gives each its default handling
-    back (SIGINT's raises KeyboardInterrupt, which Python raises where `signal.signal` is
-    next called: a SIGINT pending then took this loop out, and the signals after it kept
-    their default action; hostile testing, round 25). What is left is the instant
-    between its setting the default and the next line ignoring it again."""
-    for sig in signals:
-        signal.signal(sig, signal.SIG_IGN)
-    for sig in signals:
-        with contextlib.suppress(KeyboardInterrupt):
-            loop.remove_signal_handler(sig)
-        while True:  # (a pending SIGINT is raised before the handler is changed: once)
-            try:
-                signal.signal(sig, signal.SIG_IGN)
-            except KeyboardInterrupt:
-                continue
-            break
+
+async def _start_threads_masked(loop: asyncio.AbstractEventLoop) -> None:
+    """Start libuv's thread pool (uvloop's getaddrinfo runs there; its threads are all
+    made at its first use, and inherit the calling thread's signal mask) with the stop
+    and reload signals blocked: only the main thread takes them then, so that
+    `_ignore_signals` can hold them off the whole process (pthread_sigmask(3): a signal
+    sent to a process goes to any thread that does not block it)."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        with contextlib.suppress(OSError):
+            await loop.getaddrinfo("127.0.0.1", 0, flags=socket.AI_NUMERICHOST)  # (no name service: at once)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _ignore_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Take the stop and reload signals' handlers off `loop` and ignore the signals from
+    then on.
+
+    The loop's `remove_signal_handler` gives each its default action back for an instant
+    (terminate; SIGINT's raises KeyboardInterrupt, which Python raises where
+    `signal.signal` is next called: a SIGINT pending then took this loop out, and the
+    signals after it kept their default action; hostile testing, round 25; a SIGHUP in
+    that instant still ended it by signal, once in a full test run, stop 24). So they
+    are blocked meanwhile (the other threads block them from their start:
+    `_start_threads_masked`), and ignored before they are let through again: one sent
+    meanwhile is then discarded (POSIX: setting SIG_IGN discards a pending signal)."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        for sig in _STOP_SIGNALS:
+            with contextlib.suppress(KeyboardInterrupt):
+                loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked - set(_STOP_SIGNALS))
 
 
 def _check_socket_path(path: str) -> None:
@@ -207,6 +225,7 @@ async def run(
     `early`: stop and reload signals received before its handlers (`broker.entry`), acted
     on as if they came now (a stop gives the start up; a reload runs once started)."""
     loop = asyncio.get_running_loop()
+    await _start_threads_masked(loop)
     dispatcher = Dispatcher(
         loop,
         max_queue=config.max_queue,
@@ -449,4 +468,4 @@ async def run(
         # and must not kill it by signal instead of its exit code (hostile testing, round
         # 25: a SIGTERM just after "stopped" ended it with -15, a failed stop to systemd's
         # SuccessExitStatus=0 and to a supervisor comparing exit codes).
-        _ignore_signals(loop, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+        _ignore_signals(loop)

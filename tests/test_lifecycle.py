@@ -403,6 +403,25 @@ def test_stop_signals_after_stopped_do_not_change_the_exit_code(broker_factory):
     assert b.proc.wait(timeout=10) == 0, b.read_log()
 
 
+def test_only_the_main_thread_takes_stop_and_reload_signals(broker_factory):
+    """Stop 24: a SIGHUP just after "stopped" still ended the daemon by signal (-1, once
+    in a full test run): uvloop gives a signal its default action for an instant as its
+    handler is removed, and libuv's threads (made at the first bind) took signals while
+    the main thread blocked them. They block SIGTERM, SIGINT and SIGHUP from their start
+    now, so the exit can hold all three off at once."""
+    b = broker_factory("--workers", "1")
+    assert b.call("add", [1, 2])["result"] == 3
+    wanted = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGHUP - 1))
+    masks = {}
+    for task in os.listdir(f"/proc/{b.proc.pid}/task"):
+        with open(f"/proc/{b.proc.pid}/task/{task}/status") as status:
+            masks[int(task)] = next(int(line.split()[1], 16) for line in status if line.startswith("SigBlk:"))
+    others = {task: mask for task, mask in masks.items() if task != b.proc.pid}
+    assert others, masks  # (libuv's thread pool: the listener's address was resolved there)
+    assert all(mask & wanted == wanted for mask in others.values()), masks
+    assert masks[b.proc.pid] & wanted == 0, masks
+
+
 def test_sigterm_grace_period_ends_long_calls_with_shutting_down(broker_factory):
     b = broker_factory("--workers", "1", "--grace-period", "0.5")
     (pid,) = worker_pids(b, 1)
