@@ -611,10 +611,10 @@ def _plain(value: object, depth: int = 0, seen: dict[int, tuple[object, object]]
     elif (met := seen.get(id(value))) is not None and met[0] is value:
         return met[1]
     depth += 1
-    if isinstance(value, dict):
-        plain: object = {_key(key): _plain(item, depth, seen) for key, item in list(dict.items(value))}
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        plain = [_plain(item, depth, seen) for item in _items(value)]
+    if issubclass(kind, dict):
+        plain: object = {_key(key): _plain(item, depth, seen) for key, item in list(dict.items(typing.cast(dict[object, object], value)))}
+    elif issubclass(kind, (list, tuple, set, frozenset)):
+        plain = [_plain(item, depth, seen) for item in _items(typing.cast(list[object], value))]
     else:
         return _plain_leaf(value, depth, seen)
     seen[id(value)] = (value, plain)  # (`value` kept: its id is not reused meanwhile)
@@ -625,23 +625,27 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
     """`_plain` of what is neither a container nor a plain leaf. Only single values go to a
     C encoder whole: what holds others is taken apart here first (round 29: an Enum's
     numpy value reached orjson whole and aborted it; a Struct's contents that `_plain`
-    refused sent the Struct to msgspec's hook; an attrs instance was walked by msgspec)."""
-    if isinstance(value, orjson.Fragment):
+    refused sent the Struct to msgspec's hook; an attrs instance was walked by msgspec).
+    Sorted by their type, never by `isinstance`, which believes an instance's `__class__`
+    (round 30: a dataclass claiming to be a Fragment or a datetime reached orjson whole,
+    which walked it and ran a tzinfo that emptied its list: SIGSEGV)."""
+    kind = type(value)
+    if issubclass(kind, orjson.Fragment):
         return value  # (its newlines: `_framed`)
-    if isinstance(value, msgspec.Raw):
-        return orjson.Fragment(_checked_json(bytes(value)))
-    if isinstance(value, msgspec.Struct):
-        return _struct_plain(value, depth, seen)
-    if isinstance(value, enum.Enum):  # (as orjson writes it: its value)
-        return _plain(value.value, depth, seen)
-    if isinstance(value, str):  # subclasses, as orjson reads them: the string itself, whatever
-        return str.__str__(value)  # else they are (a dataclass too: round 29)
-    if isinstance(value, int):  # (past 64 bits too; bool is a leaf)
-        return _plain(int.__int__(value), depth, seen)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):  # (as orjson writes it:
-        return orjson.Fragment(orjson.dumps(value))  # RFC 3339, "+00:00")
+    if issubclass(kind, msgspec.Raw):
+        return orjson.Fragment(_checked_json(bytes(typing.cast(msgspec.Raw, value))))
+    if issubclass(kind, msgspec.Struct):
+        return _struct_plain(typing.cast(msgspec.Struct, value), depth, seen)
+    if issubclass(kind, enum.Enum):  # (as orjson writes it: its value)
+        return _plain(typing.cast(enum.Enum, value).value, depth, seen)
+    if issubclass(kind, str):  # subclasses, as orjson reads them: the string itself, whatever
+        return str.__str__(typing.cast(str, value))  # else they are (a dataclass too: round 29)
+    if issubclass(kind, int):  # (past 64 bits too; bool is a leaf)
+        return _plain(int.__int__(typing.cast(int, value)), depth, seen)
+    if issubclass(kind, float):
+        return float.__float__(typing.cast(float, value))
+    if issubclass(kind, _DATETIMES):  # (as orjson writes it: RFC 3339, "+00:00")
+        return orjson.Fragment(orjson.dumps(_exact_datetime(typing.cast(datetime.date, value))))
     names = _DATACLASS_FIELDS.get(type(value))
     if names is None:
         names = _fields(value)
@@ -653,8 +657,8 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
         pass
     else:
         numpy = sys.modules.get("numpy")
-        if numpy is not None and isinstance(value, (numpy.number, numpy.bool_)) and len(_SCALARS) < 64:
-            _SCALARS.add(type(value))  # (written by orjson: `_plain` writes the next ones at once)
+        if numpy is not None and issubclass(kind, (numpy.number, numpy.bool_)) and len(_SCALARS) < 64:
+            _SCALARS.add(kind)  # (written by orjson: `_plain` writes the next ones at once)
         return orjson.Fragment(written)
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
@@ -662,7 +666,7 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
         if type(listed) is type(value):  # (numpy's longdouble: its own tolist)
             raise TypeError(f"cannot encode an object of type {type(value).__name__}")
         return _plain(listed, depth, seen)
-    if not isinstance(value, _BY_MSGSPEC):
+    if not issubclass(kind, _BY_MSGSPEC):
         raise TypeError(f"cannot encode an object of type {type(value).__name__}")
     return orjson.Fragment(msgspec.json.encode(value))  # (one value, holding none: its JSON as msgspec writes it)
 
@@ -674,13 +678,49 @@ def _items(value: list[object] | tuple[object, ...] | set[object] | frozenset[ob
     """A snapshot of a list, tuple or set (or a subclass's) items as stored, as orjson reads
     a list: not through a subclass's `__iter__` (hostile testing, round 27: a list subclass
     read differently beside an integer past 64 bits)."""
-    if isinstance(value, list):
-        return list.copy(value)
-    if isinstance(value, tuple):
-        return list(tuple.__iter__(value))
-    if isinstance(value, set):
-        return list(set.__iter__(value))
-    return list(frozenset.__iter__(value))
+    kind = type(value)
+    if issubclass(kind, list):
+        return list.copy(typing.cast(list[object], value))
+    if issubclass(kind, tuple):
+        return list(tuple.__iter__(typing.cast(tuple[object, ...], value)))
+    if issubclass(kind, set):
+        return list(set.__iter__(typing.cast(set[object], value)))
+    return list(frozenset.__iter__(typing.cast(frozenset[object], value)))
+
+
+_DATETIMES = (datetime.datetime, datetime.date, datetime.time)
+_DATETIME_FIELDS = tuple(getattr(datetime.datetime, name) for name in (
+    "year", "month", "day", "hour", "minute", "second", "microsecond"))  # (the C fields' own readers)
+_TIME_FIELDS = tuple(getattr(datetime.time, name) for name in ("hour", "minute", "second", "microsecond"))
+_DATETIME_FOLD = datetime.datetime.fold
+_TIME_TZINFO = datetime.time.tzinfo
+_PLAIN_ZONES = (type(None), datetime.timezone)
+
+
+def _exact_datetime(value: datetime.date | datetime.time) -> datetime.date | datetime.time:
+    """A datetime, date or time (or a subclass's) as a value of the exact stdlib type with
+    the same fields, for orjson to write with no Python code of the value's own: an aware
+    datetime's offset is taken here (`datetime.utcoffset`, which Python checks: a
+    timedelta within a day) and given as a `datetime.timezone`. orjson called a tzinfo's
+    methods itself and trusted what they gave: one raising (a tzinfo subclass without
+    `utcoffset`), or a pytz-like `normalize` raising, crashed the worker (SIGSEGV); a
+    25-hour offset was written as +01:00, a str one as garbage (hostile testing, round
+    30). Raises what the tzinfo raises, `TypeError`/`ValueError` for an offset Python
+    refuses, and `TypeError` for a time with a tzinfo (as orjson: no JSON form)."""
+    kind = type(value)
+    if kind is datetime.datetime and type(typing.cast(datetime.datetime, value).tzinfo) in _PLAIN_ZONES:
+        return value  # (the usual one: naive, or UTC or another fixed offset, read by orjson in C)
+    if issubclass(kind, datetime.datetime):
+        offset = datetime.datetime.utcoffset(typing.cast(datetime.datetime, value))
+        zone = None if offset is None else datetime.timezone(offset)
+        year, month, day, hour, minute, second, micro = (field.__get__(value) for field in _DATETIME_FIELDS)
+        return datetime.datetime(year, month, day, hour, minute, second, micro, zone, fold=_DATETIME_FOLD.__get__(value))
+    if issubclass(kind, datetime.date):
+        day = typing.cast(datetime.date, value)
+        return day if kind is datetime.date else datetime.date.fromordinal(datetime.date.toordinal(day))
+    if _TIME_TZINFO.__get__(value) is not None:
+        raise TypeError("datetime.time must not have tzinfo set (it has no UTC offset of its own)")
+    return datetime.time(*(field.__get__(value) for field in _TIME_FIELDS), fold=datetime.time.fold.__get__(value))
 
 
 # numpy's scalar types met so far that orjson writes as they are (numbers, bools, strings;
@@ -691,7 +731,7 @@ _SCALARS: set[type] = set()
 
 class _StructForm(typing.NamedTuple):
     """How msgspec writes a Struct type: its fields' encode names (renamed), their
-    defaults (or `NODEFAULT`), their factories if list, dict, set or bytearray (whose
+    defaults (or `NODEFAULT`), their factories if list, dict or set (whose
     empty values count as the default; else None), whether defaults are left out, the
     tag field's name and value (or None), and whether it is an array."""
 
@@ -704,7 +744,7 @@ class _StructForm(typing.NamedTuple):
 
 
 _STRUCT_FORMS: dict[type, _StructForm] = {}  # per Struct type met (at most 1024)
-_EMPTY_DEFAULTS = (list, dict, set, bytearray)  # the factories msgspec's omit_defaults knows
+_EMPTY_DEFAULTS = (list, dict, set)  # the factories msgspec's omit_defaults knows (not bytearray: round 30)
 
 
 def _struct_form(cls: type) -> _StructForm:
@@ -726,16 +766,16 @@ def _struct_form(cls: type) -> _StructForm:
 
 
 def _empty(value: object, factory: type | None) -> bool:
-    """Whether `value` is an empty value of `factory`'s exact type (list, dict, set or
-    bytearray), as msgspec's omit_defaults counts it the default."""
+    """Whether `value` is an empty value of `factory`'s exact type (list, dict or set), as
+    msgspec's omit_defaults counts it the default."""
     return type(value) is factory and not len(typing.cast(typing.Sized, value))
 
 
 def _struct_plain(value: msgspec.Struct, depth: int, seen: dict[int, tuple[object, object]]) -> object:
     """A `msgspec.Struct` made plain as msgspec writes it: an object of its fields by
     encode name, tag first, `UNSET` fields (and, with omit_defaults, fields holding their
-    default: the default itself, or an empty list, dict, set or bytearray where that type
-    is the factory) left out; or an array, with array_like. Its field values are read at
+    default: the default itself, or an empty list, dict or set where that type is the
+    factory) left out; or an array, with array_like. Its field values are read at
     once (`msgspec.structs.astuple`) and made plain by `_plain`: msgspec walking the
     Struct itself ran Python code of what it held (a dataclass field read, a `tolist()`)
     in mid-walk, and one that emptied a list it sat in crashed the worker (SIGSEGV).
@@ -769,9 +809,12 @@ def _native(value: object) -> object:
     numpy = sys.modules.get("numpy")
     if numpy is None:
         return value
-    if isinstance(value, numpy.datetime64):
+    kind = type(value)
+    if issubclass(kind, numpy.datetime64):
         return _datetimes(numpy, value)
-    if type(value) is not numpy.ndarray:
+    if kind is not numpy.ndarray:
+        if issubclass(kind, numpy.ndarray) and typing.cast(typing.Any, value).dtype.kind == "M":
+            return _masked_datetimes(numpy, value)
         return value
     array = typing.cast(typing.Any, value)
     if array.dtype.hasobject:
@@ -783,6 +826,17 @@ def _native(value: object) -> object:
     if array.ndim == 0:
         return array[()]
     return numpy.ascontiguousarray(array)
+
+
+def _masked_datetimes(numpy: typing.Any, value: typing.Any) -> object:
+    """An ndarray subclass's (a masked array's) datetime64 values as `_datetimes` gives
+    them, its masked ones as None (as its `tolist()` gives them): its `tolist()` gave
+    numbers where numpy's own array gave text (hostile testing, round 30)."""
+    array = numpy.asarray(value)
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    masked = numpy.ma.getmaskarray(value)
+    return numpy.where(masked | numpy.isnat(array), None, numpy.datetime_as_string(array)).tolist()
 
 
 def _datetimes(numpy: typing.Any, value: typing.Any) -> object:
@@ -801,7 +855,7 @@ def _fields(value: object) -> tuple[str, ...] | None:
     named with a leading underscore left out, as orjson and msgspec do), or None if it is
     neither (cached per class, at most 1024 classes)."""
     cls = type(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    if dataclasses.is_dataclass(cls) and not issubclass(cls, type):
         names = tuple(f.name for f in dataclasses.fields(typing.cast(typing.Any, cls)) if not f.name.startswith("_"))
     else:
         attr = sys.modules.get("attr")
@@ -813,19 +867,29 @@ def _fields(value: object) -> tuple[str, ...] | None:
     return names
 
 
+_MSGSPEC_KEYS = frozenset({decimal.Decimal, bytes, datetime.timedelta})  # (round 30: as msgspec writes them in a Struct)
+
+
 def _key(key: object) -> str:
     """A dict key as orjson writes it with OPT_NON_STR_KEYS (None as "null", a datetime as
     RFC 3339); keys that are then equal are one (the last value wins: RFC 8259 section 4,
     names SHOULD be unique). Raises `TypeError` for a key orjson refuses."""
     if type(key) is str:
         return key
-    if type(key) is int:  # (the usual one, at a tenth of the cost: 1 us each by orjson)
+    kind = type(key)
+    if kind is int:  # (the usual one, at a tenth of the cost: 1 us each by orjson)
         return str(key)
+    if issubclass(kind, enum.Enum):  # (as orjson: its value's form; a datetime one made exact)
+        return _key(typing.cast(enum.Enum, key).value)
+    if issubclass(kind, _DATETIMES):  # (round 30: a tzinfo's methods run by orjson: SIGSEGV)
+        key = _exact_datetime(typing.cast(datetime.date, key))
+    elif kind in _MSGSPEC_KEYS:  # (as msgspec writes them: orjson refuses them)
+        return str(msgspec.json.decode(msgspec.json.encode(key)))
     try:
         encoded = orjson.dumps({key: None}, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:  # (numpy's scalars: written as orjson writes them as values)
         numpy = sys.modules.get("numpy")
-        if numpy is None or not isinstance(key, numpy.generic) or isinstance(key, numpy.object_):
+        if numpy is None or not issubclass(kind, numpy.generic) or issubclass(kind, numpy.object_):
             raise  # (round 27: a hashable list subclass, walked here by orjson: SIGSEGV)
         written = orjson.dumps(_native(key), option=_LEAF_OPTIONS)
         return str(orjson.loads(written)) if written[:1] == b'"' else written.decode()
