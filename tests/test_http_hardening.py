@@ -155,6 +155,41 @@ def test_many_small_header_fields_get_431(broker_factory):
                 assert b"too many header fields (limit 100)" in answer
 
 
+def test_the_head_limit_counts_the_whole_request_line(broker_factory):
+    """Hostile testing (round 30): only the request line's target counted, so a head of
+    65,553 bytes passed the 64 KiB limit. The request line and the header lines count
+    whole (with their CRLFs; the blank line that ends the head does not)."""
+    from broker.frontend.http import MAX_HEADER_BYTES
+
+    b = broker_factory("--workers", "1")
+    for size, expected in ((MAX_HEADER_BYTES, 200), (MAX_HEADER_BYTES + 1, 431)):
+        start = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Pad: "
+        head = start + b"a" * (size - len(start) - 2) + b"\r\n"
+        assert len(head) == size
+        with Conn(b) as c:
+            c.send(head + b"\r\n")
+            assert c.response()[0] == expected, size
+
+
+def test_a_head_request_refused_and_closed_gets_no_content(broker_factory):
+    """Hostile testing (round 30): a HEAD refused with the connection's close (413, 505,
+    two Host fields, an unsupported Transfer-Encoding) was answered with content, which
+    RFC 9110 9.3.2 forbids. The next request on the connection would have read it."""
+    b = broker_factory("--workers", "1", "--max-body-bytes", "1000")
+    for request, status in [
+        (b"HEAD / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 3000000\r\n\r\n", 413),
+        (b"HEAD / HTTP/2.0\r\nHost: localhost\r\n\r\n", 505),
+        (b"HEAD / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+        (b"HEAD / HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 400),
+    ]:
+        with Conn(b) as c:
+            c.send(request)
+            got, headers, _ = c.response(head_only=True)
+            assert (got, headers["connection"]) == (status, "close"), request
+            assert c.closed_within(5)
+            assert c.buf == b"", (request, c.buf)  # (nothing after the head: no content)
+
+
 def test_the_partial_bodies_of_closed_connections_are_freed_at_once(broker_factory):
     """Hostile testing: a closed connection's partial body stayed alive with it, in a
     reference cycle (the httptools parser holds the protocol's callbacks), until the

@@ -152,6 +152,7 @@ TURN_REQUEST_BYTES = 64 * 1024  # ... or fewer: requests of this many bytes end 
 FEED_BYTES = 4096  # a read past this is parsed in pieces, so that a turn can end between them
 MAX_HEADER_BYTES = 64 * 1024  # request line and header lines, like nginx's large buffers
 MAX_HEADERS = 100  # header fields in one request (h11 and nginx allow 100 too)
+_REQUEST_LINE_REST = len(b"  HTTP/1.1\r\n")  # a request line's bytes besides its method and target
 # Each chunk of a chunked body costs two Python callbacks (about 0.5 µs): 1-byte chunks made
 # a 1 MiB body cost 400 ms. A body may have SMALL_CHUNKS chunks, plus one per MIN_CHUNK_BYTES
 # of it; one with more is refused (400): what a body's chunks cost stays under that of the
@@ -1208,6 +1209,8 @@ class HttpProtocol(asyncio.Protocol):
         self._host = self._origin = self._content_type = None
 
     def on_url(self, url: bytes) -> None:
+        if not self._url:  # the request line's method, spaces, version and CRLF count too (round 30)
+            self._header_bytes += len(self._parser.get_method()) + _REQUEST_LINE_REST
         self._url += url
         self._header_bytes += len(url)
         if self._header_bytes > MAX_HEADER_BYTES:
@@ -1844,8 +1847,14 @@ class HttpProtocol(asyncio.Protocol):
         self._closing = True
         self._linger = True
         self.request_started = 0.0
-        self._queue_plain(status, message.replace(b'"', b"'"), False, "other")
+        self._queue_plain(status, message.replace(b'"', b"'"), False, "other", head=self._head_request())
         self._discarding()
+
+    def _head_request(self) -> bool:
+        """Whether the request under way is a HEAD, its request line read: its answer has
+        no content, even an error's (RFC 9110 9.3.2; hostile testing, round 30: a 413, 505
+        or 400 that closed the connection had one)."""
+        return bool(self._url) and self._parser.get_method() == b"HEAD"
 
     def _discarding(self) -> None:
         """Its input is discarded from now on (`_closing`): read on, never paused again, so
@@ -1872,7 +1881,7 @@ class HttpProtocol(asyncio.Protocol):
         else:  # Not JSON-RPC: a plain error, counted by its path and status only (hostile
             # testing, round 26: a body sent to /healthz got a -32600 error object, and
             # anyone could move rpc_broker_calls_total and errors_total without JSON-RPC).
-            self._queue_plain(status, fe.refused_plain[status], False, path)
+            self._queue_plain(status, fe.refused_plain[status], False, path, head=self._head_request())
         self._closing = True
         self._discarding()
 
