@@ -63,6 +63,10 @@ def serve(config: Config, early: typing.Sequence[int] = ()) -> int:
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SAME_STOP_S = 0.5
+"""A SIGTERM this soon after the first stop signal is the same stop, not a second one
+(which ends the grace period): `kill` of a process group under `make serve` delivers it
+twice, GNU make forwarding the SIGTERM it gets to its children (round 30, new user)."""
 
 
 async def _start_threads_masked(loop: asyncio.AbstractEventLoop) -> None:
@@ -254,14 +258,22 @@ async def run(
     stop = asyncio.Event()
     hurry = asyncio.Event()
 
-    def handle_stop() -> None:
+    first_stop: list[float] = []  # when the first stop signal came (loop time)
+
+    def handle_stop(signum: int = signal.SIGTERM) -> None:
+        now = loop.time()
         if stop.is_set():
+            if signum == signal.SIGTERM and now - first_stop[0] < SAME_STOP_S:
+                log.info("SIGTERM again within %g s of the first: the same stop", SAME_STOP_S)
+                return
             log.warning("second stop signal: answering what is left with 'shutting down' now")
             hurry.set()
+        else:
+            first_stop.append(now)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, handle_stop)
+        loop.add_signal_handler(sig, handle_stop, sig)
 
     def after_reload() -> None:
         warn_unserved_timeouts(config.method_timeouts, pool.methods or [])
@@ -277,7 +289,10 @@ async def run(
 
     loop.add_signal_handler(signal.SIGHUP, handle_hup)
     for signum in list(early):  # (received before these handlers: `broker.entry`)
-        (handle_hup if signum == signal.SIGHUP else handle_stop)()
+        if signum == signal.SIGHUP:
+            handle_hup()
+        else:
+            handle_stop(signum)
 
     try:
         frontends: list[HttpFrontend | StreamFrontend] = []

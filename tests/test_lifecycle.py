@@ -387,6 +387,36 @@ def test_sigterm_answers_in_flight_calls_then_exits_0(broker_factory):
         socket.create_connection((b.host, b.port), timeout=5).close()
 
 
+def test_a_sigterm_twice_at_once_is_one_stop(broker_factory):
+    """Hostile testing (round 30, new user): `kill -- -PGID` of `make serve` delivers SIGTERM
+    to the broker twice (GNU make forwards the one it gets), and the second ended the
+    grace period: calls in flight got -32004 instead of their results. A SIGTERM within
+    SAME_STOP_S of the first is the same stop; a SIGINT then still hurries it."""
+    from broker.server import SAME_STOP_S
+
+    b = broker_factory("--workers", "1", "--grace-period", "20")
+    sock = open_call(b, req("sleep", [1.5], "x"))
+    barrier(b)
+    b.proc.send_signal(signal.SIGTERM)
+    time.sleep(SAME_STOP_S / 10)
+    b.proc.send_signal(signal.SIGTERM)
+    ((raw, _),) = read_all([sock], timeout=20)
+    assert one_answer(raw) == (200, {"jsonrpc": "2.0", "id": "x", "result": 1.5})
+    assert b.proc.wait(timeout=20) == 0
+    assert "the same stop" in b.read_log() and "second stop signal" not in b.read_log()
+
+    b = broker_factory("--workers", "1", "--grace-period", "20")
+    sock = open_call(b, req("sleep", [5], "y"))
+    barrier(b)
+    b.proc.send_signal(signal.SIGTERM)
+    time.sleep(SAME_STOP_S / 10)
+    b.proc.send_signal(signal.SIGINT)
+    ((raw, _),) = read_all([sock], timeout=20)
+    status, answer = one_answer(raw)
+    assert answer["error"]["code"] == -32004, answer
+    assert b.proc.wait(timeout=20) == 0
+
+
 def test_stop_signals_after_stopped_do_not_change_the_exit_code(broker_factory):
     """Hostile testing (round 25): a SIGTERM that came just after "stopped" killed the
     daemon by signal (-15) instead of its exit 0: the loop's handlers were gone and the
