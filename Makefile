@@ -5,14 +5,22 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: serve test lint clean bench bench-quick prometheus-bin chromium-bin
+.PHONY: serve test lint clean bench bench-quick prometheus-bin chromium-bin venv-setup
 
+# One set-up at a time: `make serve` and `make test` started together on a fresh clone both
+# made .venv, and the second failed ("No module named pip"). The second waits for the lock
+# (flock, util-linux), then finds the stamp fresh and does nothing.
 $(STAMP): pyproject.toml
-	@echo "setting up $(VENV): installing rpc-broker and its packages (a minute or two the first time)"
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	@touch $(STAMP)
+	@if command -v flock >/dev/null; then flock $(VENV).lock $(MAKE) --no-print-directory venv-setup; \
+	else $(MAKE) --no-print-directory venv-setup; fi
+
+venv-setup:
+	@if [ $(STAMP) -nt pyproject.toml ]; then exit 0; fi; \
+	echo "setting up $(VENV): installing rpc-broker and its packages (a minute or two the first time)"; \
+	set -e; test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
+	$(BIN)/python -m pip install --quiet --upgrade pip; \
+	$(BIN)/python -m pip install --quiet -e '.[dev]'; \
+	touch $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/rpc-broker serve $(ARGS)
@@ -58,7 +66,7 @@ chromium-bin:
 	chromium --version >/dev/null
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV).lock .pytest_cache .ruff_cache .hypothesis
 
 # ---- bench: the broker side by side with its peers (benchmarks/run.py writes benchmarks/RESULTS.md)
 BENCH_STAMP := $(VENV)/.installed-bench

@@ -409,7 +409,9 @@ def _toml(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML
+        # JSON string escapes are valid TOML; DEL is a control character to TOML (it must be
+        # escaped in a basic string), not to JSON (round 30: check-config wrote it raw)
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, float):
         return repr(value)  # 30.0, inf, nan are TOML floats
     if isinstance(value, dict):
