@@ -412,7 +412,7 @@ def test_a_sigterm_twice_at_once_is_one_stop(broker_factory):
     time.sleep(SAME_STOP_S / 10)
     b.proc.send_signal(signal.SIGINT)
     ((raw, _),) = read_all([sock], timeout=20)
-    status, answer = one_answer(raw)
+    _status, answer = one_answer(raw)
     assert answer["error"]["code"] == -32004, answer
     assert b.proc.wait(timeout=20) == 0
 
