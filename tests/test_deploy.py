@@ -552,6 +552,13 @@ def test_kubernetes_pod_probes_security_and_config(k8s: dict[str, dict[str, Any]
     cfg = config.load(str(toml_file), pod_env(container), {})
     assert cfg.host == "0.0.0.0"
     assert cfg.workers >= 1, "0 would start one worker per CPU of the node, not of the CPU limit"
+    # The byte bounds fit the memory limit with room for the processes themselves (round 30:
+    # the defaults, 576 MiB together, were past the 512Mi limit: the pod would be killed
+    # before the broker shed anything).
+    limit = container["resources"]["limits"]["memory"]
+    assert limit.endswith("Mi"), limit
+    bounds = cfg.max_incoming_bytes + cfg.max_outgoing_bytes + cfg.max_queue_bytes
+    assert bounds <= int(limit[:-2]) * 2**20 // 2, (bounds, limit)
 
     # Probes on the port the broker listens on.
     probes = {kind: container[kind]["httpGet"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
