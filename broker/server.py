@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
+import errno
 import logging
 import os
 import signal
@@ -153,9 +154,9 @@ def _remove_socket(made: tuple[str, int, int] | None) -> None:
 METRICS_CONNECTIONS = 64  # connections at once on a separate metrics listener (metrics_port)
 RESERVE = PROBE_RESERVE + PROBE_OVERFLOW  # connections an HTTP listener takes past max_connections
 _LISTENER_NAMES = {
-    "http": "JSON-RPC over HTTP, port", "metrics": "metrics, metrics_port",
-    "tcp": "NDJSON over TCP, stream_port", "unix": "NDJSON over a Unix socket, stream_socket",
-}  # fmt: skip
+    "http": "JSON-RPC over HTTP: --port", "metrics": "metrics: --metrics-port",
+    "tcp": "NDJSON over TCP: --stream-port", "unix": "NDJSON over a Unix socket: --stream-socket",
+}  # fmt: skip (the setting that chooses where, by its flag: round 30, a new user)
 
 
 def _banner(line: str) -> None:
@@ -376,8 +377,13 @@ async def run(
             await pool.stop(timeout=2.0)
 
         def cannot_listen(fe: HttpFrontend | StreamFrontend, where: str, port_: int | None, exc: OSError) -> None:
-            log.error("cannot listen (%s) on %s: %s", _LISTENER_NAMES[fe.transport],
-                      where if port_ is None else f"{where}:{port_}", exc)
+            hint = ""
+            if exc.errno == errno.EADDRINUSE:
+                flag = _LISTENER_NAMES[fe.transport].rpartition(" ")[2]
+                hint = (f" (another process listens there: stop it, or choose another with {flag};"
+                        f" under make serve: make serve ARGS=\"{flag} ...\")")
+            log.error("cannot listen (%s) on %s: %s%s", _LISTENER_NAMES[fe.transport],
+                      where if port_ is None else f"{where}:{port_}", exc, hint)
 
         for fe, where, port_ in listeners:
             try:

@@ -2390,7 +2390,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot load app %r: it called sys.exit(%r) at import", args.app, exc.code)
         return WORKER_BOOT_ERROR
     except BaseException as exc:
-        log.error("cannot load app %r: %s%s%s", args.app, _described(exc), _where(exc),
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name and args.app.startswith(exc.name.partition(".")[0]):
+            hint = (f" (the module is looked up from the current directory, {os.getcwd()}, and"
+                    " PYTHONPATH: run from the directory that holds it, or set PYTHONPATH=DIR)")
+        log.error("cannot load app %r: %s%s%s%s", args.app, _described(exc), _where(exc), hint,
                   "" if args.debug else " (--debug prints the traceback)", exc_info=args.debug)
         return WORKER_BOOT_ERROR
     if len(registry) > wire.MAX_METHODS:  # a batch could not name the ones past it

@@ -478,7 +478,10 @@ def test_sigterm_grace_period_ends_long_calls_with_shutting_down(broker_factory)
 @pytest.mark.parametrize(
     ("app", "words"),
     [
-        ("nonexistent.module:registry", "ModuleNotFoundError: No module named 'nonexistent' (--debug"),
+        # (round 30, a new user: where the module is looked for, when the app's own is not found)
+        ("nonexistent.module:registry", f"ModuleNotFoundError: No module named 'nonexistent' (the module is looked"
+         f" up from the current directory, {ROOT}, and PYTHONPATH: run from the directory that holds it, or set"
+         " PYTHONPATH=DIR) (--debug"),
         ("broker.demo:nothing", "AttributeError: module 'broker.demo' has no attribute 'nothing' (--debug"),
         # (a new user's check, round 26: it said only "'MY_TOOL_TOKEN'", no type nor line)
         ("tests.apps.needs_env:registry", "KeyError: 'MY_TOOL_TOKEN' at "
@@ -645,7 +648,9 @@ def test_a_taken_port_fails_before_any_worker_starts(tmp_path) -> None:
         )
     log = done.stderr.decode()
     assert done.returncode == 1, log
-    assert f"cannot listen (JSON-RPC over HTTP, port) on 127.0.0.1:{port}" in log
+    assert f"cannot listen (JSON-RPC over HTTP: --port) on 127.0.0.1:{port}" in log
+    # (round 30, a new user: what to do next)
+    assert 'choose another with --port; under make serve: make serve ARGS="--port ..."' in log, log
     assert "worker 0 ready" not in log and "worker 1 ready" not in log, log  # none was started
 
 
