@@ -748,21 +748,31 @@ _EMPTY_DEFAULTS = (list, dict, set)  # the factories msgspec's omit_defaults kno
 
 
 def _struct_form(cls: type) -> _StructForm:
-    """The `_StructForm` of a `msgspec.Struct` type, from `msgspec.structs.fields` and its
-    `__struct_config__` (msgspec's docs, "Structs": rename, omit_defaults, tagged unions,
-    array_like)."""
+    """The `_StructForm` of a `msgspec.Struct` type, from the attributes msgspec gives it:
+    `__struct_encode_fields__`, `__struct_defaults__` (the last fields', a factory as a
+    `Factory` holding it) and `__struct_config__` (msgspec's docs, "Structs": rename,
+    omit_defaults, tagged unions, array_like). Not `msgspec.structs.fields`, which
+    evaluates the annotations (round 31's preparation: one naming an undefined type
+    raised NameError for a Struct that msgspec writes)."""
     form = _STRUCT_FORMS.get(cls)
     if form is not None:
         return form
-    config = typing.cast(typing.Any, cls).__struct_config__
-    fields = msgspec.structs.fields(cls)
-    empties = tuple(field.default_factory if field.default_factory in _EMPTY_DEFAULTS else None for field in fields)
-    form = _StructForm(tuple(field.encode_name for field in fields), tuple(field.default for field in fields), empties,
+    struct = typing.cast(typing.Any, cls)
+    config = struct.__struct_config__
+    names: tuple[str, ...] = struct.__struct_encode_fields__
+    given = struct.__struct_defaults__
+    defaults = (msgspec.NODEFAULT,) * (len(names) - len(given)) + tuple(given)
+    factories = [getattr(default, "factory", None) if type(default) is _FACTORY else None for default in defaults]
+    form = _StructForm(names, defaults, tuple(f if f in _EMPTY_DEFAULTS else None for f in factories),
                        config.omit_defaults,
                        None if config.tag is None else (config.tag_field, config.tag), config.array_like)
     if len(_STRUCT_FORMS) < 1024:
         _STRUCT_FORMS[cls] = form
     return form
+
+
+_FACTORY = type(next(d for d in msgspec.defstruct("_Probe", [("x", list, msgspec.field(default_factory=list))])
+                     .__struct_defaults__))  # (msgspec's Factory type, which it does not export)
 
 
 def _empty(value: object, factory: type | None) -> bool:

@@ -573,6 +573,20 @@ def test_structs_are_written_as_msgspec_writes_them(value):
     assert encode_result(value) == msgspec.json.encode(value)
 
 
+class Loose(msgspec.Struct, omit_defaults=True):
+    a: Undefined  # noqa: F821 (an annotation never evaluated: msgspec writes the Struct all the same)
+    b: list[int] = msgspec.field(default_factory=list)
+    c: list[int] = msgspec.field(default_factory=lambda: [])
+
+
+def test_a_struct_whose_annotations_do_not_resolve_is_written_as_msgspec_writes_it():
+    """`msgspec.structs.fields` evaluates the annotations (NameError here); the worker reads
+    the Struct's own attributes instead, as msgspec does when it writes one."""
+    for value in (Loose(1), Loose([1], [2], []), Loose({"x": 1}, c=[3])):
+        assert encode_result(value) == msgspec.json.encode(value)
+    assert encode_result(Loose(1)) == b'{"a":1,"c":[]}'
+
+
 def test_an_unset_field_of_an_array_like_struct_has_no_json_form():
     class Pair(msgspec.Struct, array_like=True):
         a: object = msgspec.UNSET
