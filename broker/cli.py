@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
         return 2
     from broker.server import serve  # written separately; imported only when serving
 
-    return serve(cfg, early or ())
+    return serve(cfg, () if early is None else early)  # (the live list: `broker.entry` appends to it until
+    # the loop's handlers take over; `early or ()` dropped a signal that came meanwhile, round 31)
 
 
 if __name__ == "__main__":

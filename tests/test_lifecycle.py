@@ -417,6 +417,39 @@ def test_a_sigterm_twice_at_once_is_one_stop(broker_factory):
     assert b.proc.wait(timeout=20) == 0
 
 
+_SIGNAL_BEFORE_THE_HANDLERS = """
+import os, signal, sys
+from broker import cli, entry
+import broker.server as server
+
+for sig in entry.CAUGHT:
+    signal.signal(sig, entry._record)
+first = server._start_threads_masked
+
+async def signalled_first(loop):  # (only to time it: the loop runs, run()'s handlers are not there yet)
+    os.kill(os.getpid(), signal.SIGTERM)
+    await first(loop)
+
+server._start_threads_masked = signalled_first
+sys.exit(cli.main(["serve", "--port", "0", "--workers", "1"], early=entry.pending))
+"""
+
+
+def test_a_stop_signal_just_before_the_loop_s_handlers_is_acted_on():
+    """Hostile testing (round 31): a SIGTERM that came after the command had started the
+    broker but before its loop's handlers were in place was recorded in a list that
+    `cli.main` had already replaced by an empty tuple (`early or ()`): the broker served
+    on, and `systemctl stop` would have ended in SIGKILL. It stops at once now, exit 0."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _SIGNAL_BEFORE_THE_HANDLERS], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "serving JSON-RPC" not in done.stderr, done.stderr[-3000:]
+    assert "stopped" in done.stderr, done.stderr[-3000:]
+
+
 def test_stop_signals_after_stopped_do_not_change_the_exit_code(broker_factory):
     """Hostile testing (round 25): a SIGTERM that came just after "stopped" killed the
     daemon by signal (-15) instead of its exit 0: the loop's handlers were gone and the
