@@ -611,6 +611,8 @@ def _plain(value: object, depth: int = 0, seen: dict[int, tuple[object, object]]
     elif (met := seen.get(id(value))) is not None and met[0] is value:
         return met[1]
     depth += 1
+    if isinstance(kind, enum.EnumType) and not issubclass(kind, _NATIVE_MIXINS):
+        return _plain_leaf(value, depth, seen)  # (a tuple or set Enum: its value, as orjson writes it)
     if issubclass(kind, dict):
         plain: object = {_key(key): _plain(item, depth, seen) for key, item in list(dict.items(typing.cast(dict[object, object], value)))}
     elif issubclass(kind, (list, tuple, set, frozenset)):
@@ -636,14 +638,14 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
         return orjson.Fragment(_checked_json(bytes(typing.cast(msgspec.Raw, value))))
     if issubclass(kind, msgspec.Struct):
         return _struct_plain(typing.cast(msgspec.Struct, value), depth, seen)
-    if issubclass(kind, enum.Enum):  # (as orjson writes it: its value)
-        return _plain(typing.cast(enum.Enum, value).value, depth, seen)
     if issubclass(kind, str):  # subclasses, as orjson reads them: the string itself, whatever
-        return str.__str__(typing.cast(str, value))  # else they are (a dataclass too: round 29)
+        return str.__str__(typing.cast(str, value))  # else they are (a dataclass, an Enum: rounds 29, 31)
     if issubclass(kind, int):  # (past 64 bits too; bool is a leaf)
         return _plain(int.__int__(typing.cast(int, value)), depth, seen)
     if issubclass(kind, float):
         return float.__float__(typing.cast(float, value))
+    if isinstance(kind, enum.EnumType):  # (as orjson writes it: its value; its metaclass makes it one
+        return _plain(typing.cast(enum.Enum, value).value, depth, seen)  # to orjson, round 31)
     if issubclass(kind, _DATETIMES):  # (as orjson writes it: RFC 3339, "+00:00")
         return orjson.Fragment(orjson.dumps(_exact_datetime(typing.cast(datetime.date, value))))
     names = _DATACLASS_FIELDS.get(type(value))
@@ -689,6 +691,7 @@ def _items(value: list[object] | tuple[object, ...] | set[object] | frozenset[ob
 
 
 _DATETIMES = (datetime.datetime, datetime.date, datetime.time)
+_NATIVE_MIXINS = (str, int, float, dict, list)  # an Enum of these is written by orjson as one of these
 _DATETIME_FIELDS = tuple(getattr(datetime.datetime, name) for name in (
     "year", "month", "day", "hour", "minute", "second", "microsecond"))  # (the C fields' own readers)
 _TIME_FIELDS = tuple(getattr(datetime.time, name) for name in ("hour", "minute", "second", "microsecond"))
@@ -889,8 +892,8 @@ def _key(key: object) -> str:
     kind = type(key)
     if kind is int:  # (the usual one, at a tenth of the cost: 1 us each by orjson)
         return str(key)
-    if issubclass(kind, enum.Enum):  # (as orjson: its value's form; a datetime one made exact)
-        return _key(typing.cast(enum.Enum, key).value)
+    if isinstance(kind, enum.EnumType) and not issubclass(kind, (str, int)):  # (as orjson: its value's
+        return _key(typing.cast(enum.Enum, key).value)  # form; a datetime one made exact)
     if issubclass(kind, _DATETIMES):  # (round 30: a tzinfo's methods run by orjson: SIGSEGV)
         key = _exact_datetime(typing.cast(datetime.date, key))
     elif kind in _MSGSPEC_KEYS:  # (as msgspec writes them: orjson refuses them)
@@ -911,7 +914,7 @@ def _framed(encoded: bytes) -> bytes:
     `orjson.Fragment` in the result puts there (orjson copies it verbatim): it would split
     an NDJSON line, and a line after it could answer another call (hostile testing, round
     25: a forged answer to id 2). Raises `InvalidJson` (a TypeError) if it is not JSON."""
-    if b"\n" in encoded:
+    if b"\n" in encoded or b"\r" in encoded:  # (round 31: a CR, which Python's text lines split at too)
         return _checked_json(encoded)
     return encoded
 
@@ -934,7 +937,7 @@ def encode_result(result: object) -> bytes:
     except TypeError:
         pass
     else:
-        return _framed(encoded) if b"\n" in encoded else encoded
+        return _checked_json(encoded) if b"\n" in encoded or b"\r" in encoded else encoded
     try:
         return _encoded_plain(result)
     except InvalidJson:

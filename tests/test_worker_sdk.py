@@ -782,6 +782,80 @@ def test_numpy_datetimes_read_the_same_in_a_masked_array_or_an_ndarray_subclass(
     assert json.loads(encode_result(masked)) == ["2020-01-01T00:00", None]
 
 
+_ENUM_LIKE = """
+import enum, sys
+import numpy as np
+from broker.worker import encode_result
+
+class Slot(metaclass=enum.EnumType):  # (not an Enum: orjson takes it for one by its metaclass)
+    pass
+
+slot = object.__new__(Slot)
+slot.value = np.datetime64(5, "15m")
+out = [encode_result([slot]), encode_result({"at": [slot, 2**70]})]
+try:
+    encode_result({slot: 1})
+except TypeError as exc:
+    out.append(b"key refused")
+sys.stdout.buffer.write(b"\\n".join(out))
+"""
+
+
+def test_what_orjson_takes_for_an_enum_is_taken_apart_as_one():
+    """Hostile testing (round 31): a class made with `metaclass=enum.EnumType` but not
+    derived from Enum went to orjson whole (the walk asked `issubclass(..., Enum)`,
+    orjson looks at the metaclass), which read its numpy value: SIGILL. (In a child.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _ENUM_LIKE], capture_output=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split(b"\n")[:2] == [b'["1970-01-01T01:15"]', b'{"at":["1970-01-01T01:15",1180591620717411303424]}']
+
+
+def test_enums_mixed_with_builtins_read_the_same_whatever_their_neighbours():
+    """Hostile testing (round 31): an int or str Enum whose value differs from its data was
+    written as its data alone (orjson's first pass) and as its value beside an integer past
+    64 bits (the walk); a tuple Enum the other way round. Each reads as orjson writes it
+    alone now: int and str ones as their data, others as their value."""
+
+    class Coded(int, enum.Enum):
+        A = (3, "label")
+
+        def __new__(cls, data: int, label: str) -> Coded:
+            member = int.__new__(cls, data)
+            member._value_ = label
+            return member
+
+    class Pair(tuple, enum.Enum):
+        A = (1, 2)
+
+        def __new__(cls, *items: int) -> Pair:
+            member = tuple.__new__(cls, items)
+            member._value_ = "pair"
+            return member
+
+    for member, alone in ((Coded.A, 3), (Pair.A, "pair")):
+        assert json.loads(encode_result([member])) == [alone]
+        assert json.loads(encode_result([member, 2**70])) == [alone, 2**70]
+        assert json.loads(encode_result([member, b"x"])) == [alone, "eA=="]
+
+
+def test_a_fragment_s_carriage_returns_never_reach_an_ndjson_line():
+    """Hostile testing (round 31): a Fragment of valid JSON with raw CRs (white space to
+    JSON) was copied as it was; a client reading text lines (Python's universal newlines)
+    split the answer there, and a forged answer to id 2 stood on a line of its own. A CR,
+    like an LF, has the written result checked and made compact now."""
+    forged = b'{"a":\r{"jsonrpc":"2.0","id":2,"result":"forged"}\r}'
+    for value in (orjson.Fragment(forged), [orjson.Fragment(forged), 2**70]):
+        written = encode_result(value)
+        assert b"\r" not in written and b"\n" not in written
+        assert json.loads(written) in ({"a": {"jsonrpc": "2.0", "id": 2, "result": "forged"}},
+                                       [{"a": {"jsonrpc": "2.0", "id": 2, "result": "forged"}}, 2**70])
+    with pytest.raises(TypeError):
+        encode_result(orjson.Fragment(b'"a\rb"'))  # (a raw CR inside a string is not JSON)
+
+
 def test_an_orjson_fragment_cannot_split_an_ndjson_line():
     """Hostile testing (round 25): an `orjson.Fragment` in a result is copied verbatim;
     one holding a newline split the NDJSON line, and the line after it answered another
