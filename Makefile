@@ -9,7 +9,8 @@ ARGS ?=
 
 # One set-up at a time: `make serve` and `make test` started together on a fresh clone both
 # made .venv, and the second failed ("No module named pip"). The second waits for the lock
-# (flock, util-linux), then finds the stamp fresh and does nothing.
+# (flock, util-linux), then finds the stamp fresh and does nothing. A .venv without pip (a
+# set-up interrupted while venv installed it) is made anew.
 $(STAMP): pyproject.toml
 	@if command -v flock >/dev/null; then flock $(VENV).lock $(MAKE) --no-print-directory venv-setup; \
 	else $(MAKE) --no-print-directory venv-setup; fi
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml
 venv-setup:
 	@if [ $(STAMP) -nt pyproject.toml ]; then exit 0; fi; \
 	echo "setting up $(VENV): installing rpc-broker and its packages (a minute or two the first time)"; \
-	set -e; test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
+	set -e; $(BIN)/python -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv --clear $(VENV); \
 	$(BIN)/python -m pip install --quiet --upgrade pip; \
 	$(BIN)/python -m pip install --quiet -e '.[dev]'; \
 	touch $(STAMP)

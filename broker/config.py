@@ -119,7 +119,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                        ] = 0
     app: Annotated[str, Meta(pattern=rf"^{_IDENT}:[A-Za-z_]\w*$"),
                    Doc("'module:attribute' of the broker.worker.Registry to serve",
-                       rule="module:attribute", metavar="MODULE:ATTR")
+                       rule="module:attribute (a module's dotted name, not a file path: its directory the current one or on PYTHONPATH)",
+                       metavar="MODULE:ATTR")
                    ] = "broker.demo:registry"
     rpc_path: Annotated[str, Meta(pattern=r"^/[^\s?#]*$"),
                         Doc("HTTP path that accepts JSON-RPC POSTs",
