@@ -914,9 +914,9 @@ def _framed(encoded: bytes) -> bytes:
     `orjson.Fragment` in the result puts there (orjson copies it verbatim): it would split
     an NDJSON line, and a line after it could answer another call (hostile testing, round
     25: a forged answer to id 2). Raises `InvalidJson` (a TypeError) if it is not JSON."""
-    if b"\n" in encoded or b"\r" in encoded:  # (round 31: a CR, which Python's text lines split at too)
-        return _checked_json(encoded)
-    return encoded
+    if encoded.find(b"\n") + encoded.find(b"\r") == -2:  # (neither; round 31: a CR, at which
+        return encoded  # Python's text lines split too)
+    return _checked_json(encoded)
 
 
 def encode_result(result: object) -> bytes:
@@ -937,7 +937,8 @@ def encode_result(result: object) -> bytes:
     except TypeError:
         pass
     else:
-        return _checked_json(encoded) if b"\n" in encoded or b"\r" in encoded else encoded
+        # (no LF or CR: both finds -1; `in` with b"\r" cost 140 ns a result here, `find` 20)
+        return encoded if encoded.find(b"\n") + encoded.find(b"\r") == -2 else _checked_json(encoded)
     try:
         return _encoded_plain(result)
     except InvalidJson:
