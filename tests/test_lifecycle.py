@@ -394,27 +394,26 @@ def test_a_sigterm_twice_at_once_is_one_stop(broker_factory):
     SAME_STOP_S of the first is the same stop; a SIGINT then still hurries it."""
     from broker.server import SAME_STOP_S
 
-    b = broker_factory("--workers", "1", "--grace-period", "20")
-    sock = open_call(b, req("sleep", [1.5], "x"))
-    barrier(b)
-    b.proc.send_signal(signal.SIGTERM)
-    time.sleep(SAME_STOP_S / 10)
-    b.proc.send_signal(signal.SIGTERM)
-    ((raw, _),) = read_all([sock], timeout=20)
-    assert one_answer(raw) == (200, {"jsonrpc": "2.0", "id": "x", "result": 1.5})
-    assert b.proc.wait(timeout=20) == 0
-    assert "the same stop" in b.read_log() and "second stop signal" not in b.read_log()
+    def stopped_twice(seconds: float, second: signal.Signals) -> tuple[dict[str, object], str]:
+        """The answer to a `sleep(seconds)` in flight when SIGTERM and then `second` come,
+        SAME_STOP_S / 10 apart; and the log of the broker, which must exit 0."""
+        b = broker_factory("--workers", "1", "--grace-period", "20")
+        sock = open_call(b, req("sleep", [seconds], "x"))
+        barrier(b)
+        b.proc.send_signal(signal.SIGTERM)
+        time.sleep(SAME_STOP_S / 10)
+        b.proc.send_signal(second)
+        ((raw, _),) = read_all([sock], timeout=20)
+        _status, answer = one_answer(raw)
+        assert b.proc.wait(timeout=20) == 0
+        return answer, b.read_log()
 
-    b = broker_factory("--workers", "1", "--grace-period", "20")
-    sock = open_call(b, req("sleep", [5], "y"))
-    barrier(b)
-    b.proc.send_signal(signal.SIGTERM)
-    time.sleep(SAME_STOP_S / 10)
-    b.proc.send_signal(signal.SIGINT)
-    ((raw, _),) = read_all([sock], timeout=20)
-    _status, answer = one_answer(raw)
+    answer, log = stopped_twice(1.5, signal.SIGTERM)
+    assert answer == {"jsonrpc": "2.0", "id": "x", "result": 1.5}
+    assert "the same stop" in log and "second stop signal" not in log
+    answer, log = stopped_twice(5, signal.SIGINT)
     assert answer["error"]["code"] == -32004, answer
-    assert b.proc.wait(timeout=20) == 0
+    assert "second stop signal" in log
 
 
 _SIGNAL_BEFORE_THE_HANDLERS = """
