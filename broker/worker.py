@@ -159,10 +159,12 @@ def _rpc_error_object(exc: RpcError) -> bytes:
 def _encoded_data(data: object) -> bytes:
     """`encode_result`, raising what `_plain` raises (`_TooDeep`, a `tolist()`'s own
     error) but for `TypeError`, the one a repr stands in for."""
-    try:
-        return _framed(orjson.dumps(data, option=_FIRST_OPTIONS))
-    except TypeError:
-        return _encoded_plain(data)
+    if _ORJSON_FIRST:
+        try:
+            return _framed(orjson.dumps(data, option=_FIRST_OPTIONS))
+        except TypeError:
+            pass
+    return _encoded_plain(data)
 
 
 class InvalidParams(Exception):
@@ -692,6 +694,80 @@ def _items(value: list[object] | tuple[object, ...] | set[object] | frozenset[ob
 
 _DATETIMES = (datetime.datetime, datetime.date, datetime.time)
 _NATIVE_MIXINS = (str, int, float, dict, list)  # an Enum of these is written by orjson as one of these
+
+
+# Whether orjson's first pass (`encode_result`) can be trusted with every Enum class made
+# in this process: False for good once one is not (`_check_enum`).
+_ORJSON_FIRST = True
+_UNTRUSTED_ENUMS: list[str] = []  # (the classes that turned it off: the log, the tests)
+
+
+def _watch_enums() -> None:
+    """Check the Enum classes made so far (Enum's subclasses), and wrap
+    `enum.EnumType.__new__` to check every one made after (`_check_enum`). Run when this
+    module is imported (by each copy: under `-m` as `__main__` too, whose wrapper sets its
+    own `_ORJSON_FIRST`)."""
+    made = enum.EnumType.__dict__["__new__"].__func__
+
+    def __new__(metacls: type, *args: object, **kwargs: object) -> type:
+        cls = made(metacls, *args, **kwargs)
+        _check_enum(cls)
+        return typing.cast(type, cls)
+
+    __new__.__wrapped__ = made  # type: ignore[attr-defined]
+    enum.EnumType.__new__ = staticmethod(__new__)  # type: ignore[method-assign,assignment]
+    pending: list[type] = [enum.Enum]
+    while pending:
+        cls = pending.pop()
+        _check_enum(cls)
+        pending.extend(type.__subclasses__(cls))
+
+
+def _check_enum(cls: type) -> None:
+    """Turn `_ORJSON_FIRST` off for good if orjson cannot be trusted with `cls`'s instances.
+
+    orjson writes an instance of a class whose metaclass is `enum.EnumType` (but for the
+    `_NATIVE_MIXINS`) as its `value`, read mid-walk: a `value` that raised, or a member
+    whose value was itself or another such member, made orjson read a NULL or recurse past
+    its stack, and the worker died of SIGSEGV with every call on it (hostile testing, round
+    31). Trusted: a class derived from `enum.Enum` (an instance of one made with
+    `metaclass=EnumType` alone can hold any `value`) whose `value` and attribute lookup are
+    Enum's own and whose members' values are not Enum members orjson reads the value of.
+    Once one is not, every result is made plain first (`_plain`, which reads a value as
+    Python code and bounds its depth): slower (README, "Results"). A member's value
+    changed after its class was made is not seen."""
+    global _ORJSON_FIRST
+    if not _ORJSON_FIRST or issubclass(cls, _NATIVE_MIXINS) or _enum_trusted(cls):
+        return
+    _ORJSON_FIRST = False
+    _UNTRUSTED_ENUMS.append(f"{cls.__module__}.{cls.__qualname__}")
+    log.warning("Enum class %s.%s: orjson cannot be trusted to read its members' values (one raises, "
+                "refers back to a member, or is looked up by code of the class's own): every result "
+                "of this worker is written the slower way, taken apart first (README, \"Results\")",
+                cls.__module__, cls.__qualname__)
+
+
+def _enum_trusted(cls: type) -> bool:
+    """`_check_enum`'s test."""
+    if not issubclass(cls, enum.Enum):
+        return False
+    for klass in cls.__mro__:  # (the class's own lookup, not its metaclass's; a C type's is C)
+        own = vars(klass)
+        if "__getattr__" in own or type(own.get("__getattribute__", _C_LOOKUP)) is not types.WrapperDescriptorType:
+            return False
+        if "value" in own and klass is not enum.Enum:  # (a property of its own, or a member named so)
+            return False
+    for member in vars(cls).get("_member_map_", {}).values():
+        value = vars(member).get("_value_", _NO_VALUE) if hasattr(member, "__dict__") else _NO_VALUE
+        kind = type(value)
+        if value is _NO_VALUE or (isinstance(kind, enum.EnumType) and not issubclass(kind, _NATIVE_MIXINS)):
+            return False
+    return True
+
+
+_NO_VALUE = object()
+_C_LOOKUP = object.__getattribute__
+_watch_enums()
 _DATETIME_FIELDS = tuple(getattr(datetime.datetime, name) for name in (
     "year", "month", "day", "hour", "minute", "second", "microsecond"))  # (the C fields' own readers)
 _TIME_FIELDS = tuple(getattr(datetime.time, name) for name in ("hour", "minute", "second", "microsecond"))
@@ -894,7 +970,11 @@ def _key(key: object) -> str:
         return str(key)
     if isinstance(kind, enum.EnumType) and not issubclass(kind, (str, int)):  # (as orjson: its value's
         return _key(typing.cast(enum.Enum, key).value)  # form; a datetime one made exact)
-    if issubclass(kind, _DATETIMES):  # (round 30: a tzinfo's methods run by orjson: SIGSEGV)
+    if issubclass(kind, int) and kind is not bool:  # (subclasses as their integer, past 64 bits too:
+        return str(int.__int__(typing.cast(int, key)))  # orjson refused those, and float ones, round 31)
+    if issubclass(kind, float):
+        key = float.__float__(typing.cast(float, key))
+    elif issubclass(kind, _DATETIMES):  # (round 30: a tzinfo's methods run by orjson: SIGSEGV)
         key = _exact_datetime(typing.cast(datetime.date, key))
     elif kind in _MSGSPEC_KEYS:  # (as msgspec writes them: orjson refuses them)
         return str(msgspec.json.decode(msgspec.json.encode(key)))
@@ -926,19 +1006,21 @@ def encode_result(result: object) -> bytes:
 
     orjson writes every result. First as it is, with no `default` hook and numpy,
     datetimes and dataclasses refused: it runs no Python code while it walks the result
-    (but an Enum member's `value`: README, "Results"). What it refuses is made plain
-    (`_plain`) and written by orjson again.
+    (but an Enum member's `value`: README, "Results"), unless an Enum class orjson cannot
+    be trusted with exists (`_check_enum`). What it refuses is made plain (`_plain`) and
+    written by orjson again.
 
     A result is written in full before its size is checked: one that repeats a part
     (a list of one 1 MiB string 300 times) costs the worker its full written size for
     a moment, whatever `max_frame_bytes` says (README, "Limits")."""
-    try:  # (`_encoded_data`'s first try, inline: one call less per result on the hot path)
-        encoded = orjson.dumps(result, option=_FIRST_OPTIONS)
-    except TypeError:
-        pass
-    else:
-        # (no LF or CR: both finds -1; `in` with b"\r" cost 140 ns a result here, `find` 20)
-        return encoded if encoded.find(b"\n") + encoded.find(b"\r") == -2 else _checked_json(encoded)
+    if _ORJSON_FIRST:  # (`_encoded_data`'s first try, inline: one call less per result on the hot path)
+        try:
+            encoded = orjson.dumps(result, option=_FIRST_OPTIONS)
+        except TypeError:
+            pass
+        else:
+            # (no LF or CR: both finds -1; `in` with b"\r" cost 140 ns a result here, `find` 20)
+            return encoded if encoded.find(b"\n") + encoded.find(b"\r") == -2 else _checked_json(encoded)
     try:
         return _encoded_plain(result)
     except InvalidJson:

@@ -103,6 +103,8 @@ def test_a_worker_busy_in_a_sync_handler_dies_with_a_sigkilled_broker(broker_fac
             wait_for(lambda: not pid_alive(worker), timeout=10)
             with pytest.raises(OSError):
                 busy.result(timeout=10)  # its connection went with the broker
+            # (reaped here: its sockets close before it can be, and the fixture's poll() raced that)
+            assert b.proc.wait(10) == -signal.SIGKILL
     finally:
         if pid_alive(worker):
             os.kill(worker, signal.SIGKILL)
@@ -606,3 +608,21 @@ def test_a_sync_handler_returning_a_coroutine_keeps_its_calls_concurrent(broker_
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 20, timeout=2.5)
         assert sample(scrape_metrics(b), "rpc_broker_calls_queued") == 0
         assert [a.result(30)["result"] for a in answers] == [3.0] * 20
+
+
+def test_enums_orjson_cannot_be_trusted_with_answer_32603_without_killing_the_worker(broker_factory) -> None:
+    """Hostile testing (round 31): orjson's first pass read an Enum member's `value` mid-walk;
+    one whose value was the member itself, or whose `value` raised, crashed the worker
+    (SIGSEGV) and every call on it. Such a class, made when the app is imported, turns the
+    first pass off in that worker (logged): the member's value is read by the walk, which
+    answers -32603, and the worker lives on; other Enums are still written as their value."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.untrusted_enum:registry")
+    pid = b.call("pid")["result"]
+    for method in ("itself", "raising"):
+        answer = b.call(method, id_=method)
+        assert answer["error"] == {"code": -32603, "message": "Internal error", "data": {"type": "TypeError"}}, answer
+        assert answer["id"] == method
+    assert b.call("plain")["result"] == {"member": 7, "list": [1, 2, 3]}
+    assert b.call("pid")["result"] == pid  # (the same worker: none died)
+    log = b.read_log(1.0)
+    assert "Enum class tests.apps.untrusted_enum.Itself: orjson cannot be trusted" in log, log[-3000:]

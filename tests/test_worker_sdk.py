@@ -813,6 +813,84 @@ def test_what_orjson_takes_for_an_enum_is_taken_apart_as_one():
     assert done.stdout.split(b"\n")[:2] == [b'["1970-01-01T01:15"]', b'{"at":["1970-01-01T01:15",1180591620717411303424]}']
 
 
+_ENUM_CASES = r"""
+import enum, json, sys
+import broker.worker as worker
+import numpy, msgspec, uvloop, http, signal, re, ssl, socket, inspect  # (their Enums: trusted)
+import broker.demo
+
+class Colour(enum.Enum):
+    RED = 1
+
+class Code(enum.IntEnum):  # (a mixin: orjson writes its data, never reads `value`)
+    A = 3
+    @property
+    def value(self):
+        raise RuntimeError("never read")
+
+class Flags(enum.Flag):
+    X = 1
+    Y = 2
+
+out = {"ordinary": [worker._ORJSON_FIRST, json.loads(worker.encode_result([Colour.RED, Code.A, Flags.X | Flags.Y]))]}
+case = sys.argv[1]
+if case == "slot":  # (an EnumType class not derived from Enum: any instance, any value)
+    class Slot(metaclass=enum.EnumType):
+        pass
+    member = object.__new__(Slot)
+    member.value = member
+elif case == "other":  # (a member whose value is a member of another: a cycle later)
+    class Other(enum.Enum):
+        B = Colour.RED
+    member = Other.B
+elif case == "getattr":  # (a lookup of its own: `value` could be anything at encoding time)
+    class Looked(enum.Enum):
+        A = 1
+        def __getattribute__(self, name):
+            return self if name == "value" else object.__getattribute__(self, name)
+    member = Looked.A
+elif case == "property":  # (`value` overridden: it raises)
+    class Base(enum.Enum):
+        A = 1
+        @property
+        def value(self):
+            raise RuntimeError("no value")
+    member = Base.A
+elif case == "functional":  # (made by the functional API, valued by another's member)
+    member = enum.Enum("Made", {"A": Colour.RED})["A"]
+out["after"] = [worker._ORJSON_FIRST, worker._UNTRUSTED_ENUMS]
+try:
+    out["encoded"] = worker.encode_result([member, Colour.RED])
+except TypeError as exc:
+    out["encoded"] = "TypeError"
+out["colour"] = json.loads(worker.encode_result({"c": Colour.RED, "n": [1, 2]}))
+print(json.dumps(out, default=bytes.decode))
+"""
+
+
+@pytest.mark.parametrize(("case", "untrusted"), [
+    ("slot", "__main__.Slot"), ("other", "__main__.Other"), ("getattr", "__main__.Looked"), ("property", "__main__.Base"),
+    ("functional", "__main__.Made"),
+])
+def test_an_enum_class_orjson_cannot_be_trusted_with_turns_its_first_pass_off(case: str, untrusted: str) -> None:
+    """Hostile testing (round 31): orjson reads an Enum member's `value` as it walks a result,
+    and one that raised or led back to the member crashed the worker (SIGSEGV). Every Enum
+    class is checked as it is made; one orjson cannot be trusted with turns orjson's first
+    pass off (the walk reads values and bounds their depth). Ordinary ones (stdlib's,
+    numpy's, the demo's, IntEnum and Flag) leave it on. (In a child: the old way crashed.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _ENUM_CASES, case], capture_output=True, timeout=60, text=True)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    out = json.loads(done.stdout)
+    assert out["ordinary"] == [True, [1, 3, 3]]
+    assert out["after"] == [False, [untrusted]]
+    assert out["encoded"] == ("[1,1]" if case in ("other", "functional") else "TypeError")
+    assert out["colour"] == {"c": 1, "n": [1, 2]}
+    assert f"Enum class {untrusted}: orjson cannot be trusted" in done.stderr
+
+
 def test_enums_mixed_with_builtins_read_the_same_whatever_their_neighbours():
     """Hostile testing (round 31): an int or str Enum whose value differs from its data was
     written as its data alone (orjson's first pass) and as its value beside an integer past
@@ -972,6 +1050,9 @@ def test_subclasses_of_int_and_float_numpy_keys_and_longdouble():
     assert encode_result(collections.Counter(np.array([1, 1, 2]))) == b'{"1":2,"2":1}'
     with pytest.raises(TypeError, match="cannot encode an object of type longdouble"):
         encode_result(np.longdouble(1.5))
+    # As keys too (round 31: an int subclass past 64 bits and any float subclass were -32603)
+    assert encode_result({Count(2**70): 1, Count(-(2**70)): 2, Money(1.5): 3, Money(float("inf")): 4}) == (
+        b'{"1180591620717411303424":1,"-1180591620717411303424":2,"1.5":3,"null":4}')
 
 
 def test_a_result_that_repeats_a_part_is_made_plain_once():
