@@ -11,8 +11,12 @@ ARGS ?=
 # made .venv, and the second failed ("No module named pip"). The second waits for the lock
 # (flock, util-linux), then finds the stamp fresh and does nothing. A .venv without pip (a
 # set-up interrupted while venv installed it) is made anew.
+# (A second one says it waits: round 31's new user saw it wait silently.)
 $(STAMP): pyproject.toml
-	@if command -v flock >/dev/null; then flock $(VENV).lock $(MAKE) --no-print-directory venv-setup; \
+	@if command -v flock >/dev/null; then \
+		flock -n -E 75 $(VENV).lock $(MAKE) --no-print-directory venv-setup; rc=$$?; \
+		if [ $$rc = 75 ]; then echo "waiting for another make to finish setting up $(VENV) (it holds $(VENV).lock)"; \
+			flock $(VENV).lock $(MAKE) --no-print-directory venv-setup; rc=$$?; fi; exit $$rc; \
 	else $(MAKE) --no-print-directory venv-setup; fi
 
 venv-setup:

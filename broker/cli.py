@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
 
         return bench_main(args[1:])
     parser = build_parser()
+    if not args:  # (a bare `rpc-broker`: the commands, as `git` lists them, not argparse's one line)
+        parser.print_help(sys.stderr)
+        return 2
     try:
         ns, unknown = parser.parse_known_args(argv)
         if unknown:

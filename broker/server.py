@@ -118,7 +118,7 @@ def _check_socket_path(path: str) -> None:
         except OSError:
             return  # nobody listens: stale
         else:
-            raise OSError(f"{path} is in use by another process")
+            raise OSError(errno.EADDRINUSE, f"{path} is in use by another process")  # (the hint: `cannot_listen`)
         finally:
             probe.close()
 
@@ -260,18 +260,30 @@ async def run(
     hurry = asyncio.Event()
 
     first_stop: list[float] = []  # when the first stop signal came (loop time)
+    same_stop: list[bool] = []  # a SIGTERM of the same stop came before "stopping:" was logged
+    stopping_logged: list[bool] = []
 
     def handle_stop(signum: int = signal.SIGTERM) -> None:
         now = loop.time()
         if stop.is_set():
             if signum == signal.SIGTERM and now - first_stop[0] < SAME_STOP_S:
-                log.info("SIGTERM again within %g s of the first: the same stop", SAME_STOP_S)
+                if stopping_logged:
+                    log.info("SIGTERM again within %g s of the first: the same stop", SAME_STOP_S)
+                else:  # (logged after "stopping:", which it followed: round 31 saw it before)
+                    same_stop.append(True)
                 return
             log.warning("second stop signal: answering what is left with 'shutting down' now")
             hurry.set()
         else:
             first_stop.append(now)
         stop.set()
+
+    def log_stopping(level: int, message: str, *args: object) -> None:
+        """Log that the stop begins, then a SIGTERM of the same stop that came before."""
+        log.log(level, message, *args)
+        stopping_logged.append(True)
+        if same_stop:
+            log.info("SIGTERM again within %g s of the first: the same stop", SAME_STOP_S)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, handle_stop, sig)
@@ -404,7 +416,7 @@ async def run(
         await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if not starting.done():
-            log.warning("stop signal while the workers start: start interrupted; stopping them")
+            log_stopping(logging.WARNING, "stop signal while the workers start: start interrupted; stopping them")
             await give_up()
             await asyncio.wait([starting], timeout=5.0)  # returns once `stop` is called
             if starting.done() and not starting.cancelled():
@@ -450,7 +462,8 @@ async def run(
         for fe, server in zip(frontends, servers):
             if isinstance(fe, StreamFrontend):
                 name = server.sockets[0].getsockname()
-                shown = f"unix://{name}" if fe.transport == "unix" else _url(*name[:2]).replace("http", "tcp", 1)
+                # (a relative --stream-socket shown absolute: round 31 showed `unix://relative`)
+                shown = f"unix://{os.path.abspath(name)}" if fe.transport == "unix" else _url(*name[:2]).replace("http", "tcp", 1)
                 _banner(f"rpc-broker: serving NDJSON JSON-RPC on {shown}")
             elif fe.metrics is not None:
                 _banner(f"rpc-broker: metrics on {_url(*server.sockets[0].getsockname()[:2])}/metrics")
@@ -458,7 +471,8 @@ async def run(
             started.set_result((host, port))
         await stop.wait()
         dispatcher.held_back = lambda: sum(fe.held() for fe in frontends)
-        log.info("stopping: no new connections; answering what is in flight (grace %s s)", config.grace_period)
+        log_stopping(logging.INFO, "stopping: no new connections; answering what is in flight (grace %s s)",
+                     config.grace_period)
         # A separate metrics listener stays open while the calls drain, so the drain
         # can be watched; it closes last.
         last = [i for i, fe in enumerate(frontends) if fe.transport == "metrics"]

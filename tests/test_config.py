@@ -468,6 +468,14 @@ def test_help_mentions_every_subcommand(capsys: pytest.CaptureFixture[str]) -> N
     assert "run the broker" in out and "validate a TOML config file" in out
 
 
+def test_a_bare_command_lists_the_commands() -> None:
+    """Hostile testing (round 31, a new user): a bare `rpc-broker` said only "the following
+    arguments are required: COMMAND". It prints the help, commands listed, on stderr, exit 2."""
+    done = subprocess.run([str(Path(sys.executable).parent / "rpc-broker")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "commands:" in done.stderr and "serve" in done.stderr and "check-config" in done.stderr, done.stderr
+
+
 def test_serve_help_mentions_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "--help"]) == 0
     out = capsys.readouterr().out

@@ -411,6 +411,7 @@ def test_a_sigterm_twice_at_once_is_one_stop(broker_factory):
     answer, log = stopped_twice(1.5, signal.SIGTERM)
     assert answer == {"jsonrpc": "2.0", "id": "x", "result": 1.5}
     assert "the same stop" in log and "second stop signal" not in log
+    assert log.index("stopping:") < log.index("the same stop")  # (round 31: it came first)
     answer, log = stopped_twice(5, signal.SIGINT)
     assert answer["error"]["code"] == -32004, answer
     assert "second stop signal" in log
@@ -447,6 +448,25 @@ def test_a_stop_signal_just_before_the_loop_s_handlers_is_acted_on():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "serving JSON-RPC" not in done.stderr, done.stderr[-3000:]
     assert "stopped" in done.stderr, done.stderr[-3000:]
+
+
+def test_a_sigterm_twice_before_the_stop_is_logged_is_logged_after_it():
+    """Hostile testing (round 31): two SIGTERMs at once (make forwarding the one a process
+    group kill also sent the broker) logged "the same stop" before the stop itself. Two
+    recorded before the loop's handlers were in place are acted on in a row, before the
+    stop is logged: the second is logged after it now, and the broker exits 0."""
+    import subprocess
+    import sys
+
+    twice = _SIGNAL_BEFORE_THE_HANDLERS.replace(
+        "os.kill(os.getpid(), signal.SIGTERM)", "os.kill(os.getpid(), signal.SIGTERM); entry.pending.append(signal.SIGTERM)")
+    assert twice != _SIGNAL_BEFORE_THE_HANDLERS
+    done = subprocess.run([sys.executable, "-c", twice], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stderr
+    assert "second stop signal" not in log, log[-3000:]
+    assert 0 <= log.index("stop signal while the workers start") < log.index("the same stop"), log[-3000:]
 
 
 def test_stop_signals_after_stopped_do_not_change_the_exit_code(broker_factory):

@@ -775,6 +775,8 @@ def test_second_broker_on_a_live_socket_fails_and_leaves_it_alone(tmp_path):
         status, log = run_to_exit("--workers", "1", "--stream-socket", path)
         assert status == 1, log
         assert f"{path} is in use" in log
+        # (round 31, a new user: no next step was given)
+        assert "another process listens there: stop it, or choose another with --stream-socket" in log
         assert "serving NDJSON" not in log
         assert "worker 0 ready" not in log  # checked before the workers start: it fails at once
         assert os.stat(path).st_ino == inode  # the first broker's socket, untouched
@@ -783,6 +785,23 @@ def test_second_broker_on_a_live_socket_fails_and_leaves_it_alone(tmp_path):
     finally:
         assert first.stop() == 0, first.read_log()
     assert not os.path.exists(path)
+
+
+def test_a_relative_socket_path_is_shown_absolute(tmp_path):
+    """Hostile testing (round 31, a new user): a relative --stream-socket was shown in the
+    banner as `unix://relative`, which reads as a host named so. It is shown absolute."""
+    path = socket_path(tmp_path)
+    relative = os.path.relpath(path, ROOT)  # (the broker runs in ROOT)
+    assert not relative.startswith("/")
+    b = start_broker("--workers", "1", "--stream-socket", relative)
+    try:
+        wait_for(lambda: "serving NDJSON" in b.read_log(0.05), timeout=10)
+        assert f"serving NDJSON JSON-RPC on unix://{os.path.realpath(path)}\n" in b.read_log() or (
+            f"serving NDJSON JSON-RPC on unix://{os.path.abspath(path)}\n" in b.read_log()), b.read_log()
+        with connect(path) as s:
+            assert s.call(line("add", [1, 2], 1)) == result(1, 3)
+    finally:
+        assert b.stop() == 0, b.read_log()
 
 
 def test_path_that_is_not_a_socket_is_refused_and_kept(tmp_path):
