@@ -107,20 +107,33 @@ def _ignore_signals(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _check_socket_path(path: str) -> None:
-    """Raise OSError if `path` exists and is not a socket, or a live process listens on
-    it; a leftover socket file (a broker that died) passes (`_unix_server` replaces it)."""
+    """Raise OSError if `path` is a symbolic link, exists and is not a socket, or a live
+    process listens on it; a leftover socket file (a broker that died) passes
+    (`_unix_server` replaces it).
+
+    The probe's connect does not block (hostile testing, round 32): a listener whose
+    queue is full (`listen(0)`, never accepting) held a blocking one, and with it the
+    loop's thread: the broker hung at start, logging nothing and deaf to SIGTERM. Now
+    connected, or EAGAIN (a full queue), is in use (EADDRINUSE); ECONNREFUSED (nobody
+    listens) is stale; any other error (EACCES: another user's socket) is raised as it
+    is, the file left alone. A symbolic link (round 32: a dangling one passed, then the
+    bind failed with EADDRINUSE, "another process listens there") is refused at once."""
+    if os.path.islink(path):
+        raise OSError(f"{path} is a symbolic link: not replaced; give the socket's own path")
     if os.path.exists(path):
         if not stat.S_ISSOCK(os.stat(path).st_mode):
             raise OSError(f"{path} exists and is not a socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            probe.connect(path)
-        except OSError:
-            return  # nobody listens: stale
-        else:
-            raise OSError(errno.EADDRINUSE, f"{path} is in use by another process")  # (the hint: `cannot_listen`)
+            probe.setblocking(False)
+            code = probe.connect_ex(path)
         finally:
             probe.close()
+        if code in (errno.ECONNREFUSED, errno.ENOENT):
+            return  # nobody listens: stale (or gone since)
+        if code in (0, errno.EAGAIN, errno.EWOULDBLOCK, errno.EINPROGRESS):
+            raise OSError(errno.EADDRINUSE, f"{path} is in use by another process")  # (the hint: `cannot_listen`)
+        raise OSError(code, f"{path}: cannot tell whether another process listens on it: {os.strerror(code)}")
 
 
 async def _unix_server(
@@ -260,30 +273,41 @@ async def run(
     hurry = asyncio.Event()
 
     first_stop: list[float] = []  # when the first stop signal came (loop time)
-    same_stop: list[bool] = []  # a SIGTERM of the same stop came before "stopping:" was logged
+    held: list[tuple[int, str, tuple[object, ...]]] = []  # (level, message, args): see `log_signal`
     stopping_logged: list[bool] = []
+
+    def log_signal(level: int, message: str, *args: object) -> None:
+        """Log a line of a signal handler; one that comes when the stop has begun but its
+        line ("stopping:", or "stop signal while the workers start") is not logged yet is
+        held, and logged right after it by `log_stopping` (round 31 saw a second SIGTERM
+        logged before the stop; hostile testing, round 32: a SIGINT or SIGHUP too)."""
+        if stop.is_set() and not stopping_logged:
+            held.append((level, message, args))
+        else:
+            log.log(level, message, *args)
+
+    def log_held() -> None:
+        while held:
+            level, message, args = held.pop(0)
+            log.log(level, message, *args)
 
     def handle_stop(signum: int = signal.SIGTERM) -> None:
         now = loop.time()
         if stop.is_set():
             if signum == signal.SIGTERM and now - first_stop[0] < SAME_STOP_S:
-                if stopping_logged:
-                    log.info("SIGTERM again within %g s of the first: the same stop", SAME_STOP_S)
-                else:  # (logged after "stopping:", which it followed: round 31 saw it before)
-                    same_stop.append(True)
+                log_signal(logging.INFO, "SIGTERM again within %g s of the first: the same stop", SAME_STOP_S)
                 return
-            log.warning("second stop signal: answering what is left with 'shutting down' now")
+            log_signal(logging.WARNING, "second stop signal: answering what is left with 'shutting down' now")
             hurry.set()
         else:
             first_stop.append(now)
         stop.set()
 
     def log_stopping(level: int, message: str, *args: object) -> None:
-        """Log that the stop begins, then a SIGTERM of the same stop that came before."""
+        """Log that the stop begins, then the lines of the signals that came before."""
         log.log(level, message, *args)
         stopping_logged.append(True)
-        if same_stop:
-            log.info("SIGTERM again within %g s of the first: the same stop", SAME_STOP_S)
+        log_held()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, handle_stop, sig)
@@ -295,7 +319,7 @@ async def run(
 
     def handle_hup() -> None:
         if stop.is_set():  # (a `systemctl reload` racing a stop: new workers would only be stopped)
-            log.info("SIGHUP while stopping: ignored")
+            log_signal(logging.INFO, "SIGHUP while stopping: ignored")
             return
         log.info("SIGHUP: reloading the workers (the app is imported anew)")
         pool.request_reload()  # coalesced: one during a reload or the start runs after it
@@ -499,6 +523,7 @@ async def run(
         log.info("stopped")
         return 0
     finally:
+        log_held()  # (a stop that ended without its line: the start failed meanwhile)
         # The process is ending: another stop or reload signal now has nothing to act on,
         # and must not kill it by signal instead of its exit code (hostile testing, round
         # 25: a SIGTERM just after "stopped" ended it with -15, a failed stop to systemd's

@@ -196,6 +196,8 @@ class Method:
         "_kwonly",
         "_named_type",
         "_pos_names",
+        "_pos_only",
+        "_pos_only_required",
         "_pos_type",
         "_required_kwonly",
         "_var_kw",
@@ -230,6 +232,12 @@ class Method:
             else:
                 self._var_kw = dict[str, hint]  # type: ignore[valid-type]
         self._pos_names = [n for n, _, _ in pos]
+        # Positional-only parameters (before `/`) bind by name too (an MCP host names every
+        # argument), but beside **kwargs a name of one is **kwargs's, as in Python (round 32:
+        # `{"a": 5}` filled `a` of `def f(a=0, /, **kw)`): the parameter then takes its default.
+        only = [p for p in sig.parameters.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+        self._pos_only = frozenset(p.name for p in only) if self._var_kw is not None else frozenset()
+        self._pos_only_required = [p.name for p in only if p.default is _EMPTY and p.name in self._pos_only]
         self._kwonly = [n for n, _, _ in kwonly]
         self._required_kwonly = [n for n, _, d in kwonly if d is _EMPTY]
 
@@ -336,9 +344,17 @@ class Method:
 
     def _bind_named(self, values: dict[str, object]) -> tuple[tuple[object, ...], dict[str, object]]:
         extra: dict[str, object] = {}
+        if self._pos_only:  # (beside **kwargs)
+            if self._pos_only_required:
+                raise InvalidParams(self._pos_only_required[0],
+                                    "positional-only parameter beside **kwargs: pass params as an array")
+            named = [k for k in values if k in self._pos_only]
+            if named:  # (**kwargs's, as in Python; the parameter keeps its default)
+                extra = {k: values[k] for k in named}
+                values = {k: v for k, v in values.items() if k not in self._pos_only}
         if self._var_kw is not None:
             known = set(self._pos_names) | set(self._kwonly)
-            extra = {k: values[k] for k in values if k not in known}
+            extra |= {k: values[k] for k in values if k not in known}
             try:
                 extra = msgspec.convert(extra, self._var_kw)
             except msgspec.ValidationError:
@@ -644,10 +660,10 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
         return str.__str__(typing.cast(str, value))  # else they are (a dataclass, an Enum: rounds 29, 31)
     if issubclass(kind, int):  # (past 64 bits too; bool is a leaf)
         return _plain(int.__int__(typing.cast(int, value)), depth, seen)
+    if isinstance(kind, enum.EnumType):  # (as orjson writes it: its value; its metaclass makes it one
+        return _plain(typing.cast(enum.Enum, value).value, depth, seen)  # to orjson, round 31; a float one too)
     if issubclass(kind, float):
         return float.__float__(typing.cast(float, value))
-    if isinstance(kind, enum.EnumType):  # (as orjson writes it: its value; its metaclass makes it one
-        return _plain(typing.cast(enum.Enum, value).value, depth, seen)  # to orjson, round 31)
     if issubclass(kind, _DATETIMES):  # (as orjson writes it: RFC 3339, "+00:00")
         return orjson.Fragment(orjson.dumps(_exact_datetime(typing.cast(datetime.date, value))))
     names = _DATACLASS_FIELDS.get(type(value))
@@ -664,18 +680,31 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
         if numpy is not None and issubclass(kind, (numpy.number, numpy.bool_)) and len(_SCALARS) < 64:
             _SCALARS.add(kind)  # (written by orjson: `_plain` writes the next ones at once)
         return orjson.Fragment(written)
+    if issubclass(kind, _BY_MSGSPEC):  # (before `tolist`: a memoryview's bytes as base64, as bytes are; round 32)
+        return orjson.Fragment(msgspec.json.encode(_msgspec_exact(value, kind)))  # (one value, holding none)
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
         listed = tolist()
         if type(listed) is type(value):  # (numpy's longdouble: its own tolist)
             raise TypeError(f"cannot encode an object of type {type(value).__name__}")
         return _plain(listed, depth, seen)
-    if not issubclass(kind, _BY_MSGSPEC):
-        raise TypeError(f"cannot encode an object of type {type(value).__name__}")
-    return orjson.Fragment(msgspec.json.encode(value))  # (one value, holding none: its JSON as msgspec writes it)
+    raise TypeError(f"cannot encode an object of type {type(value).__name__}")
 
 
 _BY_MSGSPEC = (decimal.Decimal, bytes, bytearray, memoryview, datetime.timedelta, uuid.UUID)  # (orjson refuses them)
+_TIMEDELTA_FIELDS = tuple(getattr(datetime.timedelta, name) for name in ("days", "seconds", "microseconds"))
+
+
+def _msgspec_exact(value: object, kind: type) -> object:
+    """A `_BY_MSGSPEC` value as one of the exact types msgspec writes (it refuses their
+    subclasses: numpy's `bytes_`, round 32), read by C: bytes-likes by their buffer."""
+    if kind in _BY_MSGSPEC or issubclass(kind, uuid.UUID):
+        return value
+    if issubclass(kind, decimal.Decimal):
+        return decimal.Decimal(typing.cast(decimal.Decimal, value))
+    if issubclass(kind, datetime.timedelta):
+        return datetime.timedelta(*(field.__get__(value) for field in _TIMEDELTA_FIELDS))
+    return bytes(memoryview(typing.cast(bytes, value)))
 
 
 def _items(value: list[object] | tuple[object, ...] | set[object] | frozenset[object]) -> list[object]:
@@ -693,7 +722,9 @@ def _items(value: list[object] | tuple[object, ...] | set[object] | frozenset[ob
 
 
 _DATETIMES = (datetime.datetime, datetime.date, datetime.time)
-_NATIVE_MIXINS = (str, int, float, dict, list)  # an Enum of these is written by orjson as one of these
+# An Enum of these is written by orjson as one of these (its data: a float one, as its
+# `value`, read mid-walk: round 32, SIGSEGV past `_check_enum`, and written apart as a float).
+_NATIVE_MIXINS = (str, int, dict, list)
 
 
 # Whether orjson's first pass (`encode_result`) can be trusted with every Enum class made
@@ -716,11 +747,33 @@ def _watch_enums() -> None:
 
     __new__.__wrapped__ = made  # type: ignore[attr-defined]
     enum.EnumType.__new__ = staticmethod(__new__)  # type: ignore[method-assign,assignment]
+    for name in ("__setattr__", "__delattr__"):  # (round 32: a `value` property set on the class later)
+        setattr(enum.EnumType, name, _rechecking(getattr(enum.EnumType, name)))
     pending: list[type] = [enum.Enum]
     while pending:
         cls = pending.pop()
         _check_enum(cls)
         pending.extend(type.__subclasses__(cls))
+
+
+def _rechecking(change: Callable[..., None]) -> Callable[..., None]:
+    """`enum.EnumType`'s `__setattr__` or `__delattr__`, `change`, followed by
+    `_check_enum` of the class changed and of every class derived from it when the name
+    is one `_enum_trusted` reads (only those: EnumType sets each member so as it makes a
+    class, and a check each time took 2 s for an Enum of 3000 members, 0.06 s alone)."""
+
+    def changed(cls: type, name: str, *args: object) -> None:
+        change(cls, name, *args)
+        if name not in _ENUM_LOOKUPS:
+            return
+        pending = [cls]
+        while pending:
+            klass = pending.pop()
+            _check_enum(klass)
+            pending.extend(type.__subclasses__(klass))
+
+    changed.__wrapped__ = change  # type: ignore[attr-defined]
+    return changed
 
 
 def _check_enum(cls: type) -> None:
@@ -765,6 +818,7 @@ def _enum_trusted(cls: type) -> bool:
     return True
 
 
+_ENUM_LOOKUPS = frozenset({"value", "__getattribute__", "__getattr__", "_member_map_"})
 _NO_VALUE = object()
 _C_LOOKUP = object.__getattribute__
 _watch_enums()
@@ -773,7 +827,12 @@ _DATETIME_FIELDS = tuple(getattr(datetime.datetime, name) for name in (
 _TIME_FIELDS = tuple(getattr(datetime.time, name) for name in ("hour", "minute", "second", "microsecond"))
 _DATETIME_FOLD = datetime.datetime.fold
 _TIME_TZINFO = datetime.time.tzinfo
-_PLAIN_ZONES = (type(None), datetime.timezone)
+_UTC = datetime.UTC
+
+
+def _whole_minutes(offset: datetime.timedelta) -> bool:
+    """Whether a UTC offset is a whole number of minutes, as RFC 3339 section 5.6 writes one."""
+    return not (offset.seconds % 60 or offset.microseconds)
 
 
 def _exact_datetime(value: datetime.date | datetime.time) -> datetime.date | datetime.time:
@@ -787,13 +846,19 @@ def _exact_datetime(value: datetime.date | datetime.time) -> datetime.date | dat
     30). Raises what the tzinfo raises, `TypeError`/`ValueError` for an offset Python
     refuses, and `TypeError` for a time with a tzinfo (as orjson: no JSON form)."""
     kind = type(value)
-    if kind is datetime.datetime and type(typing.cast(datetime.datetime, value).tzinfo) in _PLAIN_ZONES:
-        return value  # (the usual one: naive, or UTC or another fixed offset, read by orjson in C)
+    if kind is datetime.datetime:
+        zone = typing.cast(datetime.datetime, value).tzinfo
+        if zone is None or zone is _UTC or (type(zone) is datetime.timezone and _whole_minutes(zone.utcoffset(None))):
+            return value  # (the usual one: naive, or UTC or another fixed offset, read by orjson in C)
     if issubclass(kind, datetime.datetime):
         offset = datetime.datetime.utcoffset(typing.cast(datetime.datetime, value))
         zone = None if offset is None else datetime.timezone(offset)
         year, month, day, hour, minute, second, micro = (field.__get__(value) for field in _DATETIME_FIELDS)
-        return datetime.datetime(year, month, day, hour, minute, second, micro, zone, fold=_DATETIME_FOLD.__get__(value))
+        made = datetime.datetime(year, month, day, hour, minute, second, micro, zone, fold=_DATETIME_FOLD.__get__(value))
+        # RFC 3339 offsets are whole minutes: one with seconds (a local mean time, Amsterdam's
+        # +00:19:32 until 1937) was written rounded, the instant 28 s off, 23:59:59 as
+        # "+23:60", -00:00:01 as "-00:00" ("offset unknown"): written in UTC (round 32)
+        return made if offset is None or _whole_minutes(offset) else made.astimezone(_UTC)
     if issubclass(kind, datetime.date):
         day = typing.cast(datetime.date, value)
         return day if kind is datetime.date else datetime.date.fromordinal(datetime.date.toordinal(day))
@@ -956,7 +1021,7 @@ def _fields(value: object) -> tuple[str, ...] | None:
     return names
 
 
-_MSGSPEC_KEYS = frozenset({decimal.Decimal, bytes, datetime.timedelta})  # (round 30: as msgspec writes them in a Struct)
+_MSGSPEC_KEYS = (decimal.Decimal, bytes, datetime.timedelta)  # (round 30: as msgspec writes them in a Struct)
 
 
 def _key(key: object) -> str:
@@ -976,16 +1041,16 @@ def _key(key: object) -> str:
         key = float.__float__(typing.cast(float, key))
     elif issubclass(kind, _DATETIMES):  # (round 30: a tzinfo's methods run by orjson: SIGSEGV)
         key = _exact_datetime(typing.cast(datetime.date, key))
-    elif kind in _MSGSPEC_KEYS:  # (as msgspec writes them: orjson refuses them)
-        return str(msgspec.json.decode(msgspec.json.encode(key)))
+    elif issubclass(kind, _MSGSPEC_KEYS):  # (as msgspec writes them: orjson refuses them; subclasses too)
+        return str(msgspec.json.decode(msgspec.json.encode(_msgspec_exact(key, kind))))
     try:
         encoded = orjson.dumps({key: None}, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:  # (numpy's scalars: written as orjson writes them as values)
         numpy = sys.modules.get("numpy")
         if numpy is None or not issubclass(kind, numpy.generic) or issubclass(kind, numpy.object_):
             raise  # (round 27: a hashable list subclass, walked here by orjson: SIGSEGV)
-        written = orjson.dumps(_native(key), option=_LEAF_OPTIONS)
-        return str(orjson.loads(written)) if written[:1] == b'"' else written.decode()
+        written = _encoded_plain(key)  # (as the value is written: round 32, longlong, bytes_ and
+        return str(orjson.loads(written)) if written[:1] == b'"' else written.decode()  # timedelta64 were refused)
     return str(next(iter(orjson.loads(encoded))))
 
 
@@ -1026,7 +1091,7 @@ def encode_result(result: object) -> bytes:
     except InvalidJson:
         raise
     except Exception as exc:  # TypeError, _TooDeep, a tolist()'s own error, a dict changed meanwhile
-        raise TypeError(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
+        raise NoJsonForm(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
 
 
 def _encoded_plain(value: object) -> bytes:
@@ -1066,6 +1131,10 @@ def _checked_json(encoded: bytes) -> bytes:
 
 class InvalidJson(TypeError):
     """What msgspec encoded (a `msgspec.Raw` copied verbatim) is not one valid JSON value."""
+
+
+class NoJsonForm(TypeError):
+    """A handler's result has no JSON form (`encode_result`): the message says why."""
 
 
 _format_json = msgspec.json.format
@@ -1996,6 +2065,12 @@ class WorkerProtocol(asyncio.Protocol):
         if isinstance(exc, InvalidJson):
             log.error("worker %d: handler %s returned a result that is %s", self._slot, self._name(index), exc)
             return error_object(ErrorCode.INTERNAL_ERROR, data={"type": "TypeError", "reason": f"the result is {exc}"})
+        if isinstance(exc, NoJsonForm):  # (round 32: logged as "handler ... raised", which it had not)
+            log.error("worker %d: handler %s returned a result with no JSON form (%s)", self._slot, self._name(index), exc)
+            detail = {"type": "TypeError", "reason": "the result has no JSON form"}
+            if self._debug:
+                detail["message"] = _text(str(exc))
+            return error_object(ErrorCode.INTERNAL_ERROR, data=detail)
         if isinstance(exc, InvalidParams):
             return error_object(ErrorCode.INVALID_PARAMS, data={"param": exc.param, "reason": exc.reason})
         if isinstance(exc, NestingTooDeep):

@@ -279,6 +279,46 @@ def test_good_strings() -> None:
     assert (cfg.app, cfg.rpc_path) == ("a_b.c1:_reg", "/v1/rpc")
 
 
+RPC_PATH_RULE = (
+    "starts with '/', then only RFC 3986's path characters: ASCII letters and digits, "
+    "- . _ ~ ! $ & ' ( ) * + , ; = : @ / and % (a %XX escape, matched as typed); no whitespace, "
+    "'?' or '#' (a query or fragment is not part of the path it is matched against)"
+)
+
+
+@pytest.mark.parametrize("value", ["/\u00e9", '/a"b', "/a\\b", "/a<b>", "/a{b}", "/a|b", "/a^b", "/a`b",
+                                   "/a[b]", "/a\n", "/a\x00b", "/a\u00a0b"])
+def test_an_rpc_path_no_client_can_reach_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    value: str) -> None:
+    """Hostile testing (round 32): rpc_path took characters a URI's path cannot hold:
+    `/é` (clients send `/%C3%A9`, a 404; the raw bytes get 400), `"`, `\\`; and `$` let
+    a last newline through. Only RFC 3986's path characters pass now, the rule named."""
+    path = write(tmp_path, f"rpc_path = {msgspec.json.encode(value).decode()}\n")
+    assert cli.main(["check-config", path]) == 2
+    err = capsys.readouterr().err
+    assert err == f"rpc-broker: config error: config file {path}: rpc_path = {value!r}: expected {RPC_PATH_RULE}\n"
+    with pytest.raises(ConfigError) as raised:
+        load(None, {"RPC_BROKER_RPC_PATH": value}, {})
+    assert str(raised.value) == f"environment variable RPC_BROKER_RPC_PATH: rpc_path = {value!r}: expected {RPC_PATH_RULE}"
+
+
+@pytest.mark.parametrize("value", ["/", "/v1/rpc", "/a%20b", "/%C3%A9", "/~user/a-b_c.d", "/!$&'()*+,;=:@", "//x/"])
+def test_an_rpc_path_of_rfc3986_characters_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  value: str) -> None:
+    assert load(None, {"RPC_BROKER_RPC_PATH": value}, {}).rpc_path == value  # (matched as typed)
+    assert cli.main(["check-config", write(tmp_path, f"rpc_path = {msgspec.json.encode(value).decode()}\n")]) == 0
+    assert f"rpc_path = {msgspec.json.encode(value).decode()}\n" in capsys.readouterr().out
+
+
+def test_a_last_newline_does_not_pass_a_pattern() -> None:
+    """Round 32: a pattern ending in `$` let a last newline through (`$` matches before
+    one): an --app of `broker.demo:registry\n` passed the check and failed at import."""
+    with pytest.raises(ConfigError) as raised:
+        load(None, {"RPC_BROKER_APP": "broker.demo:registry\n"}, {})
+    assert "RPC_BROKER_APP: app = 'broker.demo:registry\\n': expected module:attribute" in str(raised.value)
+    assert load(None, {"RPC_BROKER_APP": "broker.demo:registry"}, {}).app == "broker.demo:registry"
+
+
 def test_invalid_toml(tmp_path: Path) -> None:
     path = write(tmp_path, "port = \n")
     with pytest.raises(ConfigError, match=rf"^config file {path}: invalid TOML: "):
@@ -662,7 +702,7 @@ def test_listener_settings_that_do_not_clash(tmp_path: Path) -> None:
     ("env", "expected"),
     [
         ({"RPC_BROKER_APP": "mytools"}, "app = 'mytools': expected module:attribute (a module's dotted name, not a file path: its directory the current one or on PYTHONPATH)"),
-        ({"RPC_BROKER_RPC_PATH": "rpc"}, "rpc_path = 'rpc': expected starts with '/', no whitespace, '?' or '#' (a query or fragment is not part of the path it is matched against)"),
+        ({"RPC_BROKER_RPC_PATH": "rpc"}, f"rpc_path = 'rpc': expected {RPC_PATH_RULE}"),
         ({"RPC_BROKER_ALLOWED_HOSTS": "a b"},
          "allowed_hosts = ['a b']: expected host names or IP addresses, without a port; or '*'"),
         ({"RPC_BROKER_ALLOWED_ORIGINS": "x"},

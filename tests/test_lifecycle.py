@@ -469,6 +469,46 @@ def test_a_sigterm_twice_before_the_stop_is_logged_is_logged_after_it():
     assert 0 <= log.index("stop signal while the workers start") < log.index("the same stop"), log[-3000:]
 
 
+@pytest.mark.parametrize(("second", "line"), [
+    ("SIGHUP", "SIGHUP while stopping: ignored"),
+    ("SIGINT", "second stop signal: answering what is left with 'shutting down' now"),
+])
+def test_a_second_signal_before_the_stop_is_logged_is_logged_after_it(second, line):
+    """Hostile testing (round 32): round 31 held back only a same-stop SIGTERM; a SIGHUP
+    ("ignored") or a SIGINT ("second stop signal") that came before the stop's own line
+    was still logged before it. Every line of a signal acted on then waits for it now."""
+    import subprocess
+    import sys
+
+    twice = _SIGNAL_BEFORE_THE_HANDLERS.replace(
+        "os.kill(os.getpid(), signal.SIGTERM)",
+        f"os.kill(os.getpid(), signal.SIGTERM); entry.pending.append(signal.{second})")
+    assert twice != _SIGNAL_BEFORE_THE_HANDLERS
+    done = subprocess.run([sys.executable, "-c", twice], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stderr
+    assert log.count(line) == 1, log[-3000:]
+    assert 0 <= log.index("stop signal while the workers start") < log.index(line) < log.index("stopped"), log[-3000:]
+    assert "reloading" not in log and "the same stop" not in log, log[-3000:]
+
+
+def test_a_worker_with_one_method_is_ready_with_1_method(broker_factory):
+    """Hostile testing (round 32): a worker serving one method was logged ready with
+    "1 methods", at the start and as a reload's new worker."""
+    from broker.pool import _methods
+
+    assert (_methods([]), _methods(["a", "b"])) == ("0 methods", "2 methods")
+    b = broker_factory("--workers", "1", "--app", "tests.apps.breakable:registry")
+    assert isinstance(b.call("pid")["result"], int)
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: "reload: new worker 0 ready" in b.read_log(0.05), timeout=30)
+    log = b.read_log()
+    assert re.search(r"worker 0 ready \(pid \d+, 1 method\)\n", log), log
+    assert re.search(r"reload: new worker 0 ready \(pid \d+, 1 method\)\n", log), log
+    assert "1 methods" not in log, log
+
+
 def test_stop_signals_after_stopped_do_not_change_the_exit_code(broker_factory):
     """Hostile testing (round 25): a SIGTERM that came just after "stopped" killed the
     daemon by signal (-15) instead of its exit 0: the loop's handlers were gone and the

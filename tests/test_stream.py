@@ -13,6 +13,7 @@ the lines under test and checks that the sentinel's answer is the next line.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import select
@@ -785,6 +786,68 @@ def test_second_broker_on_a_live_socket_fails_and_leaves_it_alone(tmp_path):
     finally:
         assert first.stop() == 0, first.read_log()
     assert not os.path.exists(path)
+
+
+def test_a_listener_with_a_full_queue_is_in_use_and_the_start_fails_at_once(tmp_path):
+    """Hostile testing (round 32): the probe of an existing socket connected blocking; on a
+    listener whose queue was full (`listen(0)`, never accepting, a connection waiting) it
+    blocked the loop's thread: the broker hung at start, logged nothing and ignored
+    SIGTERM. The probe does not block now: a full queue is a listener, exit 1 at once."""
+    path = socket_path(tmp_path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    queued: list[socket.socket] = []
+    try:
+        listener.bind(path)
+        listener.listen(0)
+        for _ in range(16):  # (Linux queues one connection past a backlog of 0)
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.setblocking(False)
+            queued.append(client)
+            code = client.connect_ex(path)
+            if code != 0:
+                assert code == errno.EAGAIN, os.strerror(code)  # full: a blocking connect waits
+                break
+        else:
+            pytest.fail("the listen queue never filled")
+        inode = os.stat(path).st_ino
+        t0 = time.monotonic()
+        status, log = run_to_exit("--workers", "1", "--stream-socket", path, timeout=30)
+        assert status == 1, log
+        assert time.monotonic() - t0 < 20, log
+        assert f"{path} is in use" in log, log
+        assert "another process listens there: stop it, or choose another with --stream-socket" in log
+        assert "worker 0 ready" not in log  # checked before the workers start
+        assert os.stat(path).st_ino == inode  # the listener's socket, untouched
+    finally:
+        for client in queued:
+            client.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("target", ["dangling", "stale socket", "file"])
+def test_a_symbolic_link_at_the_socket_path_is_refused_at_once(tmp_path, target):
+    """Hostile testing (round 32): a dangling symbolic link at --stream-socket passed the
+    check (`os.path.exists` follows it), the workers started, then the bind failed with
+    EADDRINUSE and "another process listens there: stop it", which nobody did. A link is
+    refused before the workers start, saying so, and left as it is (and what it names)."""
+    path = socket_path(tmp_path)
+    where = str(tmp_path / "elsewhere")
+    if target == "stale socket":
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(where)
+        stale.close()
+    elif target == "file":
+        Path(where).write_text("precious")
+    os.symlink(where, path)
+    status, log = run_to_exit("--workers", "1", "--stream-socket", path, timeout=30)
+    assert status == 1, log
+    assert f"{path} is a symbolic link: not replaced; give the socket's own path" in log, log
+    assert "another process listens there" not in log
+    assert "worker 0 ready" not in log  # checked before the workers start: it fails at once
+    assert os.readlink(path) == where
+    assert os.path.lexists(where) == (target != "dangling")
+    if target == "file":
+        assert Path(where).read_text() == "precious"
 
 
 def test_a_relative_socket_path_is_shown_absolute(tmp_path):

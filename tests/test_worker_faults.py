@@ -620,9 +620,11 @@ def test_enums_orjson_cannot_be_trusted_with_answer_32603_without_killing_the_wo
     pid = b.call("pid")["result"]
     for method in ("itself", "raising"):
         answer = b.call(method, id_=method)
-        assert answer["error"] == {"code": -32603, "message": "Internal error", "data": {"type": "TypeError"}}, answer
+        assert answer["error"] == {"code": -32603, "message": "Internal error", "data": {"type": "TypeError", "reason": "the result has no JSON form"}}, answer
         assert answer["id"] == method
     assert b.call("plain")["result"] == {"member": 7, "list": [1, 2, 3]}
     assert b.call("pid")["result"] == pid  # (the same worker: none died)
     log = b.read_log(1.0)
     assert "Enum class tests.apps.untrusted_enum.Itself: orjson cannot be trusted" in log, log[-3000:]
+    # (round 32, a new user: "handler ... raised" was logged, the handler had returned)
+    assert "handler itself returned a result with no JSON form (result of type list" in log, log[-3000:]

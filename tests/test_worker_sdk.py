@@ -224,6 +224,27 @@ def test_bind_keyword_only_after_a_default():
     assert invalid(kwonly, b'{"a": 1}') == ("c", "missing required parameter")
 
 
+def required_positional_only(a: int, /, **kw: object) -> None:
+    pass
+
+
+def optional_positional_only(a: int = 0, /, b: int = 1, **kw: object) -> None:
+    pass
+
+
+def test_positional_only_names_beside_var_keyword_are_its():
+    """Round 32 (a new user): `{"a": 5}` filled `a` of `def f(a=0, /, **kw)`, where Python
+    gives it to `kw` (that is what the `/` is for). Without **kwargs they bind by name
+    (`test_bind_positional_only_by_name`: an MCP host names every argument)."""
+    assert bind(required_positional_only, b"[1]") == ((1,), {})
+    assert invalid(required_positional_only, b'{"a": 1}') == (
+        "a", "positional-only parameter beside **kwargs: pass params as an array")
+    assert bind(optional_positional_only, b'{"a": 5}') == ((0, 1), {"a": 5})
+    assert bind(optional_positional_only, b'{"a": 5, "b": 2, "c": 3}') == ((0, 2), {"a": 5, "c": 3})
+    assert bind(optional_positional_only, b"[5, 6]") == ((5, 6), {})
+    assert bind(optional_positional_only, b"{}") == ((0, 1), {})
+
+
 def optional_kwonly(a: int, *, flag: bool = False) -> None:
     pass
 
@@ -718,7 +739,7 @@ def test_values_are_sorted_by_type_and_datetimes_made_exact_before_orjson_sees_t
     lines = done.stdout.splitlines()
     assert lines[0].startswith('[{"items":[[0],[1],') and lines[1].startswith('[{"items":[[0],[1],'), lines
     incomplete, normalizing, hours_25, text = lines[2:4], lines[4:6], lines[6:8], lines[8:10]
-    assert incomplete[0].startswith("refused: TypeError") and "utcoffset" in incomplete[0], incomplete
+    assert incomplete[0].startswith("refused: NoJsonForm") and "utcoffset" in incomplete[0], incomplete
     assert incomplete[1].startswith("refused: NotImplementedError"), incomplete  # (Python's own, building the key)
     assert normalizing == ['{"at":"2030-01-01T00:00:00+01:00"}', '{"2030-01-01T00:00:00+01:00":1}']
     assert all(line.startswith("refused:") and "strictly between" in line for line in hours_25), hours_25
@@ -751,6 +772,61 @@ def test_datetimes_of_every_kind_read_as_orjson_writes_plain_ones():
         assert json.loads(encode_result({value: 1})) == {text: 1}, value
     with pytest.raises(TypeError, match="tzinfo"):
         encode_result([datetime.time(1, tzinfo=datetime.UTC), 2**70])
+
+
+def test_offsets_with_seconds_are_written_in_utc():
+    """Hostile testing (round 32): RFC 3339 offsets are whole minutes, and one with seconds
+    was rounded: Amsterdam's local mean time (+00:19:32, until 1937) 28 s off, 23:59:59 as
+    "+23:60" (not RFC 3339), -1 s as "-00:00" ("offset unknown", RFC 3339 section 4.3).
+    Such a datetime is written in UTC, the same instant; whole-minute offsets are kept."""
+    amsterdam = zoneinfo.ZoneInfo("Europe/Amsterdam")
+
+    def zone(**offset: int) -> datetime.timezone:
+        return datetime.timezone(datetime.timedelta(**offset))
+
+    cases = [
+        (datetime.datetime(1900, 1, 1, 12, tzinfo=amsterdam), "1900-01-01T11:40:28+00:00"),
+        (datetime.datetime(1900, 1, 1, 12, tzinfo=zone(seconds=1172)), "1900-01-01T11:40:28+00:00"),
+        (datetime.datetime(2000, 1, 1, tzinfo=zone(hours=23, minutes=59, seconds=59)), "1999-12-31T00:00:01+00:00"),
+        (datetime.datetime(2000, 1, 1, tzinfo=zone(seconds=-1)), "2000-01-01T00:00:01+00:00"),
+        (datetime.datetime(2000, 1, 1, tzinfo=zone(microseconds=1)), "1999-12-31T23:59:59.999999+00:00"),
+        (datetime.datetime(2020, 7, 1, 12, tzinfo=amsterdam), "2020-07-01T12:00:00+02:00"),
+        (datetime.datetime(2020, 7, 1, 12, tzinfo=zone(hours=5, minutes=45)), "2020-07-01T12:00:00+05:45"),
+    ]
+    for value, text in cases:
+        assert datetime.datetime.fromisoformat(text) == value
+        assert json.loads(encode_result(value)) == text, value
+        assert json.loads(encode_result([value, 2**70])) == [text, 2**70], value
+        assert json.loads(encode_result({value: 1})) == {text: 1}, value
+
+
+def test_a_memoryview_is_written_as_bytes_are():
+    """Hostile testing (round 32): `memoryview(b"ab")` was written `[97,98]` (its `tolist()`),
+    `bytes` and `bytearray` as base64: all three are base64 now, as msgspec writes them."""
+    assert encode_result([memoryview(b"ab"), b"ab", bytearray(b"ab")]) == b'["YWI=","YWI=","YWI="]'
+    assert encode_result({"v": memoryview(b"ab"), "big": 2**70}) == b'{"v":"YWI=","big":1180591620717411303424}'
+
+
+def test_numpy_scalars_and_subclasses_of_what_msgspec_writes_read_alike_as_values_and_keys():
+    """Hostile testing (round 32): numpy's longlong, bytes_ and timedelta64 were written as
+    values and refused as keys (-32603); subclasses of bytes, Decimal and timedelta were
+    refused as both (msgspec takes the exact types only). Each reads as its value does."""
+
+    class Blob(bytes):
+        pass
+
+    class Price(decimal.Decimal):
+        pass
+
+    class Span(datetime.timedelta):
+        pass
+
+    cases = [(np.longlong(3), 3), (np.ulonglong(4), 4), (np.bytes_(b"ab"), "YWI="), (np.timedelta64(5, "s"), "PT5S"),
+             (Blob(b"ab"), "YWI="), (Price("1.5"), "1.5"), (Span(seconds=1), "PT1S")]
+    for value, text in cases:
+        assert json.loads(encode_result(value)) == text, value
+        assert json.loads(encode_result([value, 2**70])) == [text, 2**70], value
+        assert json.loads(encode_result({value: 1})) == {str(text): 1}, value
 
 
 def test_decimal_bytes_and_timedelta_keys_read_as_msgspec_writes_them():
@@ -858,6 +934,27 @@ elif case == "property":  # (`value` overridden: it raises)
     member = Base.A
 elif case == "functional":  # (made by the functional API, valued by another's member)
     member = enum.Enum("Made", {"A": Colour.RED})["A"]
+elif case == "float":  # (round 32: a float Enum's `value` is read by orjson too, SIGSEGV)
+    class Temp(float, enum.Enum):
+        LOW = 1.5
+        @enum.property
+        def value(self):
+            raise LookupError("no value today")
+    member = Temp.LOW
+elif case == "float_self":
+    class Gauge(float, enum.Enum):
+        FULL = 1.0
+        def __new__(cls, number):
+            obj = float.__new__(cls, number)
+            obj._value_ = obj
+            return obj
+    member = Gauge.FULL
+elif case == "later":  # (round 32: a `value` property set on a trusted class after it was made)
+    class Later(enum.Enum):
+        A = 1
+    assert worker._ORJSON_FIRST
+    Later.value = property(lambda self: self._missing_value)
+    member = Later.A
 out["after"] = [worker._ORJSON_FIRST, worker._UNTRUSTED_ENUMS]
 try:
     out["encoded"] = worker.encode_result([member, Colour.RED])
@@ -870,13 +967,15 @@ print(json.dumps(out, default=bytes.decode))
 
 @pytest.mark.parametrize(("case", "untrusted"), [
     ("slot", "__main__.Slot"), ("other", "__main__.Other"), ("getattr", "__main__.Looked"), ("property", "__main__.Base"),
-    ("functional", "__main__.Made"),
+    ("functional", "__main__.Made"), ("float", "__main__.Temp"), ("float_self", "__main__.Gauge"),
+    ("later", "__main__.Later"),
 ])
 def test_an_enum_class_orjson_cannot_be_trusted_with_turns_its_first_pass_off(case: str, untrusted: str) -> None:
     """Hostile testing (round 31): orjson reads an Enum member's `value` as it walks a result,
     and one that raised or led back to the member crashed the worker (SIGSEGV). Every Enum
-    class is checked as it is made; one orjson cannot be trusted with turns orjson's first
-    pass off (the walk reads values and bounds their depth). Ordinary ones (stdlib's,
+    class is checked as it is made, and again when an attribute is set on it (round 32: a
+    float Enum, and a `value` set later, got past); one orjson cannot be trusted with turns
+    orjson's first pass off (the walk reads values and bounds their depth). Ordinary ones (stdlib's,
     numpy's, the demo's, IntEnum and Flag) leave it on. (In a child: the old way crashed.)"""
     import subprocess
     import sys
@@ -913,7 +1012,15 @@ def test_enums_mixed_with_builtins_read_the_same_whatever_their_neighbours():
             member._value_ = "pair"
             return member
 
-    for member, alone in ((Coded.A, 3), (Pair.A, "pair")):
+    class Kelvin(float, enum.Enum):  # (round 32: written as its value alone, as 0.0 beside a big one)
+        ZERO = (0.0, "absolute zero")
+
+        def __new__(cls, number: float, label: str) -> Kelvin:
+            member = float.__new__(cls, number)
+            member._value_ = label
+            return member
+
+    for member, alone in ((Coded.A, 3), (Pair.A, "pair"), (Kelvin.ZERO, "absolute zero")):
         assert json.loads(encode_result([member])) == [alone]
         assert json.loads(encode_result([member, 2**70])) == [alone, 2**70]
         assert json.loads(encode_result([member, b"x"])) == [alone, "eA=="]
@@ -1490,9 +1597,10 @@ def test_unserializable_results_are_internal_errors(run):
     async def test(proto: WorkerProtocol, b: Broker) -> None:
         b.send(b.call(1, "unserializable"), b.call(2, "deep_result"))
         replies = dict((f[1], error(f)) for f in await b.read(2))
-        assert replies[1]["data"] == {"type": "TypeError"}
+        # (the reason given: round 32's new user saw none, and a log saying "handler ... raised")
+        assert replies[1]["data"] == {"type": "TypeError", "reason": "the result has no JSON form"}
         # Used to raise RecursionError inside the task's done callback: no reply at all.
-        assert replies[2] == {"code": -32603, "message": "Internal error", "data": {"type": "TypeError"}}
+        assert replies[2] == {"code": -32603, "message": "Internal error", "data": {"type": "TypeError", "reason": "the result has no JSON form"}}
 
     run(test)
 
