@@ -736,8 +736,8 @@ _UNTRUSTED_ENUMS: list[str] = []  # (the classes that turned it off: the log, th
 def _watch_enums() -> None:
     """Check the Enum classes made so far (Enum's subclasses), and wrap
     `enum.EnumType.__new__` to check every one made after (`_check_enum`). Run when this
-    module is imported (by each copy: under `-m` as `__main__` too, whose wrapper sets its
-    own `_ORJSON_FIRST`)."""
+    module is imported as `broker.worker` (not as `__main__` under `-m`: `main` runs the
+    real module's code, which reads its own `_ORJSON_FIRST`)."""
     made = enum.EnumType.__dict__["__new__"].__func__
 
     def __new__(metacls: type, *args: object, **kwargs: object) -> type:
@@ -787,11 +787,18 @@ def _check_enum(cls: type) -> None:
     `metaclass=EnumType` alone can hold any `value`) whose `value` and attribute lookup are
     Enum's own and whose members' values are not Enum members orjson reads the value of.
     Once one is not, every result is made plain first (`_plain`, which reads a value as
-    Python code and bounds its depth): slower (README, "Results"). A member's value
-    changed after its class was made is not seen."""
-    global _ORJSON_FIRST
-    if not _ORJSON_FIRST or issubclass(cls, _NATIVE_MIXINS) or _enum_trusted(cls):
+    Python code and bounds its depth): slower (README, "Results"). A class's own
+    `_missing_` is wrapped to check each member it makes (`_guard_missing`). A member's
+    value changed after its class was made is not seen."""
+    if not _ORJSON_FIRST or issubclass(cls, _NATIVE_MIXINS):
         return
+    if not _enum_trusted(cls) or _guard_missing(cls) is False:
+        _untrust(cls)
+
+
+def _untrust(cls: type) -> None:
+    """Turn `_ORJSON_FIRST` off for good, because of `cls`, logged."""
+    global _ORJSON_FIRST
     _ORJSON_FIRST = False
     _UNTRUSTED_ENUMS.append(f"{cls.__module__}.{cls.__qualname__}")
     log.warning("Enum class %s.%s: orjson cannot be trusted to read its members' values (one raises, "
@@ -810,18 +817,66 @@ def _enum_trusted(cls: type) -> bool:
             return False
         if "value" in own and klass is not enum.Enum:  # (a property of its own, or a member named so)
             return False
-    for member in vars(cls).get("_member_map_", {}).values():
-        value = vars(member).get("_value_", _NO_VALUE) if hasattr(member, "__dict__") else _NO_VALUE
-        kind = type(value)
-        if value is _NO_VALUE or (isinstance(kind, enum.EnumType) and not issubclass(kind, _NATIVE_MIXINS)):
-            return False
-    return True
+    return all(_member_trusted(member) for member in vars(cls).get("_member_map_", {}).values())
 
 
-_ENUM_LOOKUPS = frozenset({"value", "__getattribute__", "__getattr__", "_member_map_"})
+def _member_trusted(member: object) -> bool:
+    """Whether orjson can read `member`'s value: it has one, and not an Enum member whose
+    value orjson would read in turn."""
+    value = vars(member).get("_value_", _NO_VALUE) if hasattr(member, "__dict__") else _NO_VALUE
+    kind = type(value)
+    return value is not _NO_VALUE and not (isinstance(kind, enum.EnumType) and not issubclass(kind, _NATIVE_MIXINS))
+
+
+def _guard_missing(cls: type) -> bool | None:
+    """Wrap the `_missing_` of `cls`'s own (not the enum module's: Flag's makes members of
+    integer value) so that each member it makes that is not one of the class's own is
+    checked (`_member_trusted`), and one orjson cannot be trusted with turns
+    `_ORJSON_FIRST` off before it is returned: msgspec calls `_missing_` as it decodes
+    params, and a member made there without `_value_` crashed the worker with a client's
+    input alone, a chain of them valued by each other orjson's stack (hostile testing,
+    round 33). False if its `_missing_` is not a classmethod (not checked: untrusted)."""
+    for klass in cls.__mro__:
+        found = vars(klass).get("_missing_")
+        if found is not None:
+            break
+    else:
+        return None
+    if klass.__module__ == "enum":
+        return None
+    function = getattr(found, "__func__", None)
+    if type(found) is not classmethod or function is None:
+        return False
+    if getattr(function, "_checked_by", None) is _check_made:  # (wrapped already)
+        return None
+
+    def _missing_(owner: type, value: object) -> object:
+        member = function(owner, value)
+        _check_made(owner, member)
+        return member
+
+    _missing_._checked_by = _check_made  # type: ignore[attr-defined]
+    _missing_.__wrapped__ = function  # type: ignore[attr-defined]
+    type.__setattr__(klass, "_missing_", classmethod(_missing_))
+    return None
+
+
+def _check_made(cls: type, member: object) -> None:
+    """`_guard_missing`'s check of a member `cls._missing_` made."""
+    kind = type(member)
+    if not _ORJSON_FIRST or member is None or issubclass(kind, _NATIVE_MIXINS) or not isinstance(kind, enum.EnumType):
+        return
+    if vars(cls).get("_member_map_", {}).get(vars(member).get("_name_") if hasattr(member, "__dict__") else None) is member:
+        return  # (one of its own: checked with the class)
+    if not _member_trusted(member):
+        _untrust(kind)
+
+
+_ENUM_LOOKUPS = frozenset({"value", "__getattribute__", "__getattr__", "_member_map_", "_missing_"})
 _NO_VALUE = object()
 _C_LOOKUP = object.__getattribute__
-_watch_enums()
+if __name__ != "__main__":  # (under `-m`, the real module's watch is the one `main` reads)
+    _watch_enums()
 _DATETIME_FIELDS = tuple(getattr(datetime.datetime, name) for name in (
     "year", "month", "day", "hour", "minute", "second", "microsecond"))  # (the C fields' own readers)
 _TIME_FIELDS = tuple(getattr(datetime.time, name) for name in ("hour", "minute", "second", "microsecond"))
@@ -1021,7 +1076,7 @@ def _fields(value: object) -> tuple[str, ...] | None:
     return names
 
 
-_MSGSPEC_KEYS = (decimal.Decimal, bytes, datetime.timedelta)  # (round 30: as msgspec writes them in a Struct)
+_MSGSPEC_KEYS = _BY_MSGSPEC  # (round 30: as msgspec writes them in a Struct; round 33: UUID subclasses, memoryview)
 
 
 def _key(key: object) -> str:

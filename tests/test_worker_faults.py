@@ -628,3 +628,23 @@ def test_enums_orjson_cannot_be_trusted_with_answer_32603_without_killing_the_wo
     assert "Enum class tests.apps.untrusted_enum.Itself: orjson cannot be trusted" in log, log[-3000:]
     # (round 32, a new user: "handler ... raised" was logged, the handler had returned)
     assert "handler itself returned a result with no JSON form (result of type list" in log, log[-3000:]
+
+
+def test_a_member_made_by_missing_from_a_client_s_params_answers_32603_without_killing_the_worker(broker_factory) -> None:
+    """Hostile testing (round 33): an Enum trusted when made, whose `_missing_` makes a member
+    without `_value_` for an unknown value, was reached by a client's params alone (msgspec
+    calls `_missing_` as it decodes an Enum-typed param); orjson read the missing value:
+    SIGSEGV, and another client's call on the worker got -32002. The member `_missing_`
+    makes is checked: the first pass goes off, the call answers -32603, the other its result."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.missing_enum:registry")
+    pid = b.call("pid")["result"]
+    assert b.call("echo_status", ["ok"])["result"] == {"status": "ok"}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(b.call, "nap", [1.0], "other")
+        wait_for(lambda: in_flight(b) == 1, timeout=10)
+        answer = b.call("echo_status", ["paused"], id_="x")
+        assert answer["error"] == {"code": -32603, "message": "Internal error",
+                                   "data": {"type": "TypeError", "reason": "the result has no JSON form"}}, answer
+        assert other.result(timeout=30) == {"jsonrpc": "2.0", "id": "other", "result": 1.0}
+    assert b.call("pid")["result"] == pid
+    assert b.read_log(1.0).count("Enum class tests.apps.missing_enum.Status: orjson cannot be trusted") == 1

@@ -821,8 +821,12 @@ def test_numpy_scalars_and_subclasses_of_what_msgspec_writes_read_alike_as_value
     class Span(datetime.timedelta):
         pass
 
+    class UserId(uuid.UUID):  # (round 33: these two were refused as keys still)
+        pass
+
     cases = [(np.longlong(3), 3), (np.ulonglong(4), 4), (np.bytes_(b"ab"), "YWI="), (np.timedelta64(5, "s"), "PT5S"),
-             (Blob(b"ab"), "YWI="), (Price("1.5"), "1.5"), (Span(seconds=1), "PT1S")]
+             (Blob(b"ab"), "YWI="), (Price("1.5"), "1.5"), (Span(seconds=1), "PT1S"),
+             (UserId(int=5), "00000000-0000-0000-0000-000000000005"), (memoryview(b"ab"), "YWI=")]
     for value, text in cases:
         assert json.loads(encode_result(value)) == text, value
         assert json.loads(encode_result([value, 2**70])) == [text, 2**70], value
@@ -908,7 +912,13 @@ class Flags(enum.Flag):
     X = 1
     Y = 2
 
-out = {"ordinary": [worker._ORJSON_FIRST, json.loads(worker.encode_result([Colour.RED, Code.A, Flags.X | Flags.Y]))]}
+class Loose(enum.Enum):  # (a `_missing_` that finds one of its own: checked, trusted)
+    A = "a"
+    @classmethod
+    def _missing_(cls, value):
+        return cls.__members__.get(str(value).upper())
+
+out = {"ordinary": [worker._ORJSON_FIRST, json.loads(worker.encode_result([Colour.RED, Code.A, Flags.X | Flags.Y, Loose("A")]))]}
 case = sys.argv[1]
 if case == "slot":  # (an EnumType class not derived from Enum: any instance, any value)
     class Slot(metaclass=enum.EnumType):
@@ -949,6 +959,16 @@ elif case == "float_self":
             obj._value_ = obj
             return obj
     member = Gauge.FULL
+elif case == "missing":  # (round 33: a member `_missing_` makes, without `_value_`: SIGSEGV)
+    class Status(enum.Enum):
+        OK = "ok"
+        @classmethod
+        def _missing_(cls, value):
+            member = object.__new__(cls)
+            member._name_ = "UNKNOWN"
+            return member
+    assert worker._ORJSON_FIRST
+    member = Status("paused")
 elif case == "later":  # (round 32: a `value` property set on a trusted class after it was made)
     class Later(enum.Enum):
         A = 1
@@ -968,7 +988,7 @@ print(json.dumps(out, default=bytes.decode))
 @pytest.mark.parametrize(("case", "untrusted"), [
     ("slot", "__main__.Slot"), ("other", "__main__.Other"), ("getattr", "__main__.Looked"), ("property", "__main__.Base"),
     ("functional", "__main__.Made"), ("float", "__main__.Temp"), ("float_self", "__main__.Gauge"),
-    ("later", "__main__.Later"),
+    ("later", "__main__.Later"), ("missing", "__main__.Status"),
 ])
 def test_an_enum_class_orjson_cannot_be_trusted_with_turns_its_first_pass_off(case: str, untrusted: str) -> None:
     """Hostile testing (round 31): orjson reads an Enum member's `value` as it walks a result,
@@ -983,7 +1003,7 @@ def test_an_enum_class_orjson_cannot_be_trusted_with_turns_its_first_pass_off(ca
     done = subprocess.run([sys.executable, "-c", _ENUM_CASES, case], capture_output=True, timeout=60, text=True)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     out = json.loads(done.stdout)
-    assert out["ordinary"] == [True, [1, 3, 3]]
+    assert out["ordinary"] == [True, [1, 3, 3, "a"]]
     assert out["after"] == [False, [untrusted]]
     assert out["encoded"] == ("[1,1]" if case in ("other", "functional") else "TypeError")
     assert out["colour"] == {"c": 1, "n": [1, 2]}
