@@ -12,9 +12,12 @@ returns what `broker.server.serve` returns; ``bench`` returns what
 """
 
 import argparse
+import contextlib
 import difflib
 import os
+import signal
 import sys
+import typing
 from importlib import metadata
 
 from broker import config
@@ -99,6 +102,28 @@ def _load(path: str | None, flags: dict[str, object]) -> config.Config | None:
         return None
 
 
+class _Stopped(Exception):
+    """A stop signal (its number) came while the config was being read."""
+
+
+@contextlib.contextmanager
+def _stoppable() -> typing.Iterator[None]:
+    """While the config is read, SIGTERM and SIGINT stop at once (`_Stopped`): the read can
+    block (a named pipe as --config, /dev/stdin), and a stop held for a loop that never
+    came was ignored until SIGKILL (hostile testing, round 33). Their handlers are put
+    back after; SIGHUP stays as it was (held by `broker.entry`, a reload once serving)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
     """Run the CLI on ``argv`` (default ``sys.argv[1:]``) and return the exit code.
 
@@ -138,7 +163,12 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
         return 0
     # serve
     flags = {s.name: getattr(ns, s.name) for s in config.SETTINGS if hasattr(ns, s.name)}
-    cfg = _load(ns.config, flags)
+    try:
+        with _stoppable():
+            cfg = _load(ns.config, flags)
+    except _Stopped as stopped:
+        print(f"{PROG}: {signal.Signals(stopped.args[0]).name} while reading the config: stopped", file=sys.stderr)
+        return 0
     if cfg is None:
         return 2
     from broker.server import serve  # written separately; imported only when serving

@@ -527,6 +527,12 @@ def _check(s: Setting, value: object, source: str) -> None:
             + (f", and the broker adds {SOCKET_PATH_BYTES - SOCKET_DIR_BYTES} to socket_dir"
                if s.name == "socket_dir" else "")
         )
+    if s.name == "rpc_path" and isinstance(value, str) and {".", ".."} & set(value.split("/")):
+        raise ConfigError(f"{source}: rpc_path = {value!r}: a '.' or '..' segment, which clients remove "
+                          "before they send the path (RFC 3986 section 5.2.4): it could not be reached")
+    if s.name == "host" and isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+        raise ConfigError(f"{source}: host = {value!r}: give the address without brackets "
+                          f"({value[1:-1]!r}): brackets belong in URLs, not in the address to bind")
     if s.name == "allowed_hosts" and isinstance(value, (list, tuple)):
         for entry in value:
             problem = _host_problem(str(entry))

@@ -985,10 +985,10 @@ class Pool:
                 _kill(typing.cast(asyncio.subprocess.Process, old.process))  # never got ready: nothing to drain
 
 
-    async def stop(self, timeout: float = 10.0) -> None:
+    async def stop(self, timeout: float = 10.0, hurry: asyncio.Event | None = None) -> None:
         """Ask every worker to finish and exit (BYE); SIGKILL those still alive after
-        `timeout` s, and those not ready yet at once; remove the socket directory. A
-        `start` under way returns (the broker was stopped while it started)."""
+        `timeout` s (or once `hurry` is set), and those not ready yet at once; remove the
+        socket directory. A `start` under way returns (the broker was stopped while it started)."""
         self._stopping = True
         self._changed.set()  # (a `start` under way gives up)
         everyone = [*self.workers, *self.incoming, *self.retiring]
@@ -1002,7 +1002,15 @@ class Pool:
                 worker.channel.send(wire.Kind.BYE, 0, 0, b"")
         waits = [w.exited for w in everyone if w.exited is not None and not w.exited.done()]
         if waits:
-            _, alive = await asyncio.wait(waits, timeout=timeout)
+            if hurry is None:
+                _, alive = await asyncio.wait(waits, timeout=timeout)
+            else:  # (a second stop signal ends the wait: round 33, it waited the full timeout)
+                exits = asyncio.ensure_future(asyncio.wait(waits, timeout=timeout))
+                hurried = asyncio.ensure_future(hurry.wait())
+                await asyncio.wait([exits, hurried], return_when=asyncio.FIRST_COMPLETED)
+                exits.cancel()  # (not the exits it waits for: asyncio.wait leaves them be)
+                hurried.cancel()
+                alive = {w for w in waits if not w.done()}
             if alive:
                 for worker in everyone:
                     if worker.process is not None and worker.process.returncode is None:

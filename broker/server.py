@@ -120,6 +120,10 @@ def _check_socket_path(path: str) -> None:
     bind failed with EADDRINUSE, "another process listens there") is refused at once."""
     if os.path.islink(path):
         raise OSError(f"{path} is a symbolic link: not replaced; give the socket's own path")
+    directory = os.path.dirname(path) or "."
+    if path.endswith("/") or not os.path.isdir(directory):  # (round 33: found only at the bind, the app imported)
+        raise OSError(f"{path}: " + ("names a directory, not a socket file" if path.endswith("/") else
+                                     f"its directory {directory} does not exist or is not a directory"))
     if os.path.exists(path):
         if not stat.S_ISSOCK(os.stat(path).st_mode):
             raise OSError(f"{path} exists and is not a socket")
@@ -273,6 +277,7 @@ async def run(
     hurry = asyncio.Event()
 
     first_stop: list[float] = []  # when the first stop signal came (loop time)
+    phase: list[str] = []  # ["workers"] once the stop waits for the workers to exit (the drain is over)
     held: list[tuple[int, str, tuple[object, ...]]] = []  # (level, message, args): see `log_signal`
     stopping_logged: list[bool] = []
 
@@ -297,7 +302,9 @@ async def run(
             if signum == signal.SIGTERM and now - first_stop[0] < SAME_STOP_S:
                 log_signal(logging.INFO, "SIGTERM again within %g s of the first: the same stop", SAME_STOP_S)
                 return
-            log_signal(logging.WARNING, "second stop signal: answering what is left with 'shutting down' now")
+            log_signal(logging.WARNING, "second stop signal: " + (
+                "killing the workers that have not exited yet (SIGKILL)" if phase else
+                "answering what is left with 'shutting down' now"))
             hurry.set()
         else:
             first_stop.append(now)
@@ -410,7 +417,8 @@ async def run(
                 if server is not None:
                     server.close()
             _remove_socket(own_socket)
-            await pool.stop(timeout=2.0)
+            phase.append("workers")
+            await pool.stop(timeout=2.0, hurry=hurry)
 
         def cannot_listen(fe: HttpFrontend | StreamFrontend, where: str, port_: int | None, exc: OSError) -> None:
             hint = ""
@@ -518,7 +526,8 @@ async def run(
         else:
             taking = grace_ends - loop.time()
             await asyncio.gather(*(fe.wait_closed(timeout=2.0, taking=taking, hurry=hurry) for fe in frontends))
-        await pool.stop(timeout=1.0 if hurry.is_set() else 10.0)
+        phase.append("workers")
+        await pool.stop(timeout=1.0 if hurry.is_set() else 10.0, hurry=hurry)
         _remove_socket(own_socket)
         log.info("stopped")
         return 0

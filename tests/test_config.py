@@ -319,6 +319,19 @@ def test_a_last_newline_does_not_pass_a_pattern() -> None:
     assert load(None, {"RPC_BROKER_APP": "broker.demo:registry"}, {}).app == "broker.demo:registry"
 
 
+@pytest.mark.parametrize(("name", "value", "says"), [
+    ("RPC_PATH", "/api/../rpc", "a '.' or '..' segment"), ("RPC_PATH", "/./rpc", "a '.' or '..' segment"),
+    ("HOST", "[::1]", "give the address without brackets ('::1')"),
+])
+def test_values_that_pass_a_pattern_but_cannot_serve_are_refused(name: str, value: str, says: str) -> None:
+    """Hostile testing (round 33): rpc_path `/api/../rpc` passed, and clients normalise it to
+    `/rpc` before sending (404); host `[::1]` passed, and serve failed with "Name or service
+    not known" alone. Both are refused by the config check, saying why."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load(None, {f"RPC_BROKER_{name}": value}, {})
+    assert load(None, {"RPC_BROKER_RPC_PATH": "/api/..rpc/.x"}, {}).rpc_path == "/api/..rpc/.x"
+
+
 def test_invalid_toml(tmp_path: Path) -> None:
     path = write(tmp_path, "port = \n")
     with pytest.raises(ConfigError, match=rf"^config file {path}: invalid TOML: "):

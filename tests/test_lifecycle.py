@@ -509,6 +509,52 @@ def test_a_worker_with_one_method_is_ready_with_1_method(broker_factory):
     assert "1 methods" not in log, log
 
 
+def test_a_second_stop_signal_while_the_workers_exit_ends_the_wait(broker_factory):
+    """Hostile testing (round 33): once the grace period was over, a second SIGINT was
+    logged as "answering what is left with 'shutting down' now" and the broker still waited
+    the full 10 s for a worker busy in a sync handler. It kills it now, exit 0, and says so."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--grace-period", "1")
+    sock = open_call(b, req("spin", [60], "x"))
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+    b.proc.send_signal(signal.SIGTERM)
+    ((raw, _),) = read_all([sock], timeout=20)  # (-32004 at the grace period's end)
+    assert one_answer(raw)[1]["error"]["code"] == -32004
+    time.sleep(0.5)  # (the stop now waits for the worker, busy for 60 s more)
+    assert b.proc.poll() is None
+    began = time.monotonic()
+    b.proc.send_signal(signal.SIGINT)
+    assert b.proc.wait(timeout=20) == 0
+    took = time.monotonic() - began
+    assert took < 5.0, took  # (the wait was 10 s)
+    log = b.read_log()
+    assert "second stop signal: killing the workers that have not exited yet (SIGKILL)" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_the_config_is_read_stops_at_once(tmp_path, sig):
+    """Hostile testing (round 33): a --config that blocks its reader (a named pipe nobody
+    writes) held a SIGTERM or SIGINT for a loop that never came: only SIGKILL ended it.
+    A stop while the config is read ends the command at once, exit 0, saying so."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "broker", "serve", "--config", str(fifo), "--port", "0"],
+                            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)  # (importing, then blocked opening the pipe)
+        assert proc.poll() is None
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err
+    assert f"rpc-broker: {sig.name} while reading the config: stopped" in err, err
+
+
 def test_stop_signals_after_stopped_do_not_change_the_exit_code(broker_factory):
     """Hostile testing (round 25): a SIGTERM that came just after "stopped" killed the
     daemon by signal (-15) instead of its exit 0: the loop's handlers were gone and the

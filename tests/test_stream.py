@@ -867,6 +867,23 @@ def test_a_relative_socket_path_is_shown_absolute(tmp_path):
         assert b.stop() == 0, b.read_log()
 
 
+@pytest.mark.parametrize(("name", "says"), [
+    ("missing/broker.sock", "does not exist or is not a directory"),
+    ("file/broker.sock", "does not exist or is not a directory"),
+    ("dir/", "names a directory, not a socket file"),
+])
+def test_a_socket_path_that_cannot_be_bound_fails_before_the_workers_start(tmp_path, name, says):
+    """Hostile testing (round 33): a socket path in a missing directory, under a file, or
+    ending in `/` passed the start-up check and failed only at the bind, once every worker
+    had imported the app. It fails at once now, exit 1, saying why."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    status, log = run_to_exit("--workers", "1", "--stream-socket", str(tmp_path / name) + ("/" if name.endswith("/") else ""))
+    assert status == 1, log
+    assert says in log, log
+    assert "worker 0 ready" not in log
+
+
 def test_path_that_is_not_a_socket_is_refused_and_kept(tmp_path):
     path = socket_path(tmp_path)
     Path(path).write_text("precious")
