@@ -2,13 +2,14 @@
 `_value_` (hostile testing, round 33: msgspec calls `_missing_` as it decodes an Enum-typed
 param, and orjson then read the missing value: SIGSEGV, from a client's input alone)."""
 
-import asyncio
 import enum
-import os
 
 from broker.worker import Registry
+from tests.apps.hostile import nap, pid
 
 registry = Registry()
+registry.method(pid)  # (the worker's pid, and an innocent call in flight on it)
+registry.method(nap)
 
 
 class Status(enum.Enum):
@@ -20,17 +21,6 @@ class Status(enum.Enum):
         member = object.__new__(cls)
         member._name_ = f"UNKNOWN_{value}".upper()
         return member  # (its _value_ never set)
-
-
-@registry.method
-def pid() -> int:
-    return os.getpid()
-
-
-@registry.method
-async def nap(seconds: float) -> float:
-    await asyncio.sleep(seconds)
-    return seconds
 
 
 @registry.method
