@@ -340,6 +340,7 @@ class Pool:
         self._path = ""
         self._server: asyncio.AbstractServer | None = None
         self._stopping = False
+        self._winding_down = False  # (`wind_down`)
         self._reloading = False
         self._starting = True
         self._boot_failure: asyncio.Future[str] = self.loop.create_future()
@@ -829,7 +830,7 @@ class Pool:
         requests meanwhile make one more reload, which imports what is on disk then).
         Ignored once the pool is stopping.
         """
-        if self._stopping:
+        if self._stopping or self._winding_down:
             return
         if self._starting or self._reload_task is not None:
             if not self._reload_wanted:
@@ -839,6 +840,17 @@ class Pool:
             return
         self._reload_task = self.loop.create_task(self._reloads())
         self._reload_task.add_done_callback(_log_task_error)
+
+    def wind_down(self) -> None:
+        """The broker's stop has begun (its drain, before `stop`): a reload asked for and
+        not started yet (queued behind one under way, or the start) is dropped, and none is
+        asked for after: its new workers would import the app only to be stopped (hostile
+        testing, round 33: SIGHUP, SIGHUP, SIGTERM started a second set of workers 2 s into
+        the stop). A reload under way goes on."""
+        self._winding_down = True
+        if self._reload_wanted:
+            self._reload_wanted = False
+            log.info("reload: the one asked for will not run: the broker is stopping")
 
     async def _reloads(self) -> None:
         try:

@@ -308,6 +308,7 @@ async def run(
             hurry.set()
         else:
             first_stop.append(now)
+            pool.wind_down()  # (a reload queued now would start workers only to stop them)
         stop.set()
 
     def log_stopping(level: int, message: str, *args: object) -> None:

@@ -269,6 +269,24 @@ def test_a_sighup_during_a_reload_runs_one_more_reload_after_it(broker_factory, 
     assert metric(b, "rpc_broker_reloads_total", result="success") == 2  # not 3: they coalesce
 
 
+def test_a_reload_queued_when_the_stop_begins_does_not_run(broker_factory, tmp_path: Path) -> None:
+    """Hostile testing (round 33): SIGHUP, SIGHUP (queued behind the first reload), then
+    SIGTERM: the queued reload still ran in the stop, its new workers importing the app
+    only to be stopped. The stop drops it, saying so; the reload under way is stopped."""
+    spec = tmp_path / "app.json"
+    write(spec, version=1, methods=["a"])
+    b = broker_factory("--workers", "1", "--app", APP, env={"VERSIONED_APP_FILE": str(spec)})
+    write(spec, version=2, methods=["a"], import_seconds=3)
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: len(children(b.pid)) == 2, timeout=10)  # v2's worker is importing
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: "it runs once that ends" in b.read_log(0.05), timeout=10)
+    assert b.stop(timeout=30) == 0
+    log = b.read_log()
+    assert "reload: the one asked for will not run: the broker is stopping" in log, log[-3000:]
+    assert "reloading again" not in log, log[-3000:]
+
+
 def test_a_sighup_while_the_broker_starts_reloads_once_it_has_started(tmp_path: Path) -> None:
     """Attack B finding 5: a SIGHUP while the workers still import (the broker is not
     serving yet) used to be logged and ignored; it now reloads once the start is over,
