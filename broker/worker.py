@@ -178,7 +178,7 @@ class InvalidParams(Exception):
 
 _EMPTY = inspect.Parameter.empty
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-_VALIDATION_AT = re.compile(r"^(.*?) - at `\$(?:\[(\d+)\]|\.([^`.\[]+))([^`]*)`$")
+_STEP_END = re.compile(r"[.\[]")
 _FIELD_IN_MSG = re.compile(r"field `([^`]+)`")
 _decode_json = msgspec.json.decode
 _astuple = msgspec.structs.astuple
@@ -362,7 +362,7 @@ class Method:
         try:
             bound = msgspec.structs.astuple(msgspec.convert(values, self._named_type))
         except msgspec.ValidationError as exc:
-            raise self._invalid(str(exc), None) from None
+            raise self._invalid(str(exc), None, values) from None
         n = len(self._pos_names)
         kwargs = dict(zip(self._named_kwonly_order(), bound[n:]))
         kwargs.update(extra)
@@ -393,13 +393,13 @@ class Method:
         double's range, e.g. 1e400). msgspec's `message` locates it as `$[i]...` in an
         array (the i-th positional parameter, or `*args`), but only as `$[...]...` in an
         object: its key is then found by decoding each value alone. Cold path."""
-        m = _VALIDATION_AT.match(message)
-        if m is not None and m.group(2) is not None:  # $[i]
-            index = int(m.group(2))
+        at = _located(message)
+        if at is not None and at[1] is not None:  # $[i]
+            index = at[1]
             if index < len(self._pos_names):
                 return self._invalid(message, None)
             if self._var_pos is not None:
-                reason, inner = m.group(1), m.group(4)
+                reason, inner = at[0], at[3]
                 where = f" - at `params[{index}]{inner}`" if inner else f" (params[{index}])"
                 return InvalidParams(self._var_pos_name(), reason + where)
             return InvalidParams(None, message)  # past the positional parameters
@@ -423,12 +423,22 @@ class Method:
     def _named_kwonly_order(self) -> list[str]:
         return list(self._named_type.__struct_fields__[len(self._pos_names):])
 
-    def _invalid(self, message: str, given: int | None) -> InvalidParams:
-        """Map a msgspec validation message to the parameter it is about."""
-        m = _VALIDATION_AT.match(message)
-        if m:
-            reason, index, field, inner = m.groups()
-            name = self._pos_names[int(index)] if index is not None else field
+    def _invalid(self, message: str, given: int | None, values: dict[str, object] | None = None) -> InvalidParams:
+        """Map a msgspec validation message to the parameter it is about. `values`: the
+        params given by name, whose keys are checked here rather than read back from the
+        message, which quotes them (hostile testing, round 34: a key holding " - at
+        `$[7]" was taken for the place of the error, and answered -32603)."""
+        if values is not None and self._var_kw is None:
+            known = self._named_type.__struct_fields__
+            unknown = next((key for key in values if key not in known), None)
+            if unknown is not None:
+                return InvalidParams(unknown, "unexpected parameter")
+        at = _located(message)
+        if at is not None:
+            reason, index, field, inner = at
+            if index is not None and index >= len(self._pos_names):
+                return InvalidParams(None, message)
+            name = self._pos_names[index] if index is not None else typing.cast(str, field)
             if inner:  # inside the parameter: say where, e.g. `items[0].qty`
                 reason = f"{reason} - at `{name}{inner}`"
             return InvalidParams(name, reason)
@@ -443,6 +453,34 @@ class Method:
         if f and "unknown" in message:
             return InvalidParams(f.group(1), "unexpected parameter")
         return InvalidParams(None, message)
+
+
+def _located(message: str) -> tuple[str, int | None, str | None, str] | None:
+    """Split a msgspec validation message, "<reason> - at `$<path>`", into `(reason, index,
+    field, inner)`: the path's first step, an array index `[i]` or a field `.name`, and the
+    rest of it (e.g. `[0].qty`); None if it has no path (an error at the top). The path is
+    the message's end and quotes nothing of the client's (an object's key shows as
+    `[...]`), while the reason can (a key, an Enum value): so it is split at the last
+    " - at `$", in linear time (hostile testing, round 34: a regular expression took
+    quadratic time on a client's 300 KB key, 3 s at 32 KB, and its worker was killed as
+    hung, with the calls on it)."""
+    reason, found, path = message.rpartition(" - at `$")
+    if not found or not path.endswith("`") or "`" in path[:-1]:
+        return None
+    path = path[:-1]
+    if path.startswith("["):
+        end = path.find("]")
+        digits = path[1:end]
+        if end < 0 or not (digits.isascii() and digits.isdigit()):
+            return None
+        return reason, int(digits), None, path[end + 1:]
+    if not path.startswith("."):
+        return None
+    step = _STEP_END.search(path, 1)
+    end = len(path) if step is None else step.start()
+    if end == 1:
+        return None
+    return reason, None, path[1:end], path[end:]
 
 
 def _is_async(fn: Callable[..., object]) -> bool:
@@ -585,7 +623,7 @@ _LEAF_OPTIONS = _FIRST_OPTIONS | orjson.OPT_SERIALIZE_NUMPY  # (one leaf, as `_n
 
 
 _PLAIN_DEPTH = 255  # how deep `_plain` goes: orjson's own limit (its recursion limit)
-_LEAVES = frozenset({str, float, bool, type(None)})
+_NONE = type(None)
 _ORJSON_INTS = range(-(2**63), 2**64)  # the integers orjson writes (msgspec those past them)
 
 
@@ -615,12 +653,14 @@ def _plain(value: object, depth: int = 0, seen: dict[int, tuple[object, object]]
     same script crashes orjson alone, and msgspec with a hook). Raises `_TooDeep`,
     `TypeError` (no JSON form), `InvalidJson` (a `msgspec.Raw` that is not JSON), or what
     a `tolist()` or msgspec (a 5000-digit integer) raises."""
+    # (By identity, never `in` a set or a tuple, which compares by `__eq__`, a metaclass's
+    # to fake: hostile testing, round 34, a list subclass "equal" to str reached orjson whole.)
     kind = type(value)
-    if kind in _LEAVES:
+    if kind is str or kind is float or kind is bool or kind is _NONE:
         return value
     if kind is int:
         return value if value in _ORJSON_INTS else orjson.Fragment(msgspec.json.encode(value))
-    if kind in _SCALARS:  # (a numpy number, bool or string scalar: orjson's own form, at once)
+    if _SCALARS.get(kind) is kind:  # (a numpy number, bool or string scalar: orjson's own form, at once)
         return orjson.Fragment(orjson.dumps(value, option=_LEAF_OPTIONS))
     if depth >= _PLAIN_DEPTH:
         raise _TooDeep(f"nests deeper than {_PLAIN_DEPTH} levels (or refers to itself)")
@@ -666,9 +706,8 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
         return float.__float__(typing.cast(float, value))
     if issubclass(kind, _DATETIMES):  # (as orjson writes it: RFC 3339, "+00:00")
         return orjson.Fragment(orjson.dumps(_exact_datetime(typing.cast(datetime.date, value))))
-    names = _DATACLASS_FIELDS.get(type(value))
-    if names is None:
-        names = _fields(value)
+    met = _DATACLASS_FIELDS.get(kind)
+    names = met[1] if met is not None and met[0] is kind else _fields(value)
     if names is not None:  # (as orjson: its fields in order, those named with a leading underscore left out)
         return {name: _plain(getattr(value, name), depth, seen) for name in names}
     try:
@@ -678,7 +717,7 @@ def _plain_leaf(value: object, depth: int, seen: dict[int, tuple[object, object]
     else:
         numpy = sys.modules.get("numpy")
         if numpy is not None and issubclass(kind, (numpy.number, numpy.bool_)) and len(_SCALARS) < 64:
-            _SCALARS.add(kind)  # (written by orjson: `_plain` writes the next ones at once)
+            _SCALARS[kind] = kind  # (written by orjson: `_plain` writes the next ones at once)
         return orjson.Fragment(written)
     if issubclass(kind, _BY_MSGSPEC):  # (before `tolist`: a memoryview's bytes as base64, as bytes are; round 32)
         return orjson.Fragment(msgspec.json.encode(_msgspec_exact(value, kind)))  # (one value, holding none)
@@ -698,7 +737,7 @@ _TIMEDELTA_FIELDS = tuple(getattr(datetime.timedelta, name) for name in ("days",
 def _msgspec_exact(value: object, kind: type) -> object:
     """A `_BY_MSGSPEC` value as one of the exact types msgspec writes (it refuses their
     subclasses: numpy's `bytes_`, round 32), read by C: bytes-likes by their buffer."""
-    if kind in _BY_MSGSPEC or issubclass(kind, uuid.UUID):
+    if any(kind is exact for exact in _BY_MSGSPEC) or issubclass(kind, uuid.UUID):  # (by identity: `_plain`)
         return value
     if issubclass(kind, decimal.Decimal):
         return decimal.Decimal(typing.cast(decimal.Decimal, value))
@@ -815,15 +854,18 @@ def _enum_trusted(cls: type) -> bool:
         own = vars(klass)
         if "__getattr__" in own or type(own.get("__getattribute__", _C_LOOKUP)) is not types.WrapperDescriptorType:
             return False
-        if "value" in own and klass is not enum.Enum:  # (a property of its own, or a member named so)
-            return False
+        if ("value" in own and klass is not enum.Enum) or "_value_" in own:  # (a property of its own, a
+            return False  # member named so, or a descriptor read before the member's own: round 34)
     return all(_member_trusted(member) for member in vars(cls).get("_member_map_", {}).values())
 
 
 def _member_trusted(member: object) -> bool:
     """Whether orjson can read `member`'s value: it has one, and not an Enum member whose
     value orjson would read in turn."""
-    value = vars(member).get("_value_", _NO_VALUE) if hasattr(member, "__dict__") else _NO_VALUE
+    own = vars(member) if hasattr(member, "__dict__") else None
+    if type(own) is not dict or not all(type(name) is str for name in own):
+        return False  # (a dict subclass, or a key of a str subclass: its `__eq__` would run as `_value_` is looked up)
+    value = own.get("_value_", _NO_VALUE)
     kind = type(value)
     return value is not _NO_VALUE and not (isinstance(kind, enum.EnumType) and not issubclass(kind, _NATIVE_MIXINS))
 
@@ -872,7 +914,7 @@ def _check_made(cls: type, member: object) -> None:
         _untrust(kind)
 
 
-_ENUM_LOOKUPS = frozenset({"value", "__getattribute__", "__getattr__", "_member_map_", "_missing_"})
+_ENUM_LOOKUPS = frozenset({"value", "_value_", "__getattribute__", "__getattr__", "_member_map_", "_missing_", "__bases__"})
 _NO_VALUE = object()
 _C_LOOKUP = object.__getattribute__
 if __name__ != "__main__":  # (under `-m`, the real module's watch is the one `main` reads)
@@ -925,7 +967,7 @@ def _exact_datetime(value: datetime.date | datetime.time) -> datetime.date | dat
 # numpy's scalar types met so far that orjson writes as they are (numbers, bools, strings;
 # not datetime64, nor objects): `_plain` gives them to orjson at once (a list of 1000
 # float64s took 6x as long through `_plain_leaf` as orjson's first try had, round 28's fix).
-_SCALARS: set[type] = set()
+_SCALARS: dict[type, type] = {}  # (each its own value: read back by identity, `_plain`)
 
 
 class _StructForm(typing.NamedTuple):
@@ -942,7 +984,7 @@ class _StructForm(typing.NamedTuple):
     array_like: bool
 
 
-_STRUCT_FORMS: dict[type, _StructForm] = {}  # per Struct type met (at most 1024)
+_STRUCT_FORMS: dict[type, tuple[type, _StructForm]] = {}  # per Struct type met (at most 1024)
 _EMPTY_DEFAULTS = (list, dict, set)  # the factories msgspec's omit_defaults knows (not bytearray: round 30)
 
 
@@ -953,9 +995,9 @@ def _struct_form(cls: type) -> _StructForm:
     omit_defaults, tagged unions, array_like). Not `msgspec.structs.fields`, which
     evaluates the annotations (round 31's preparation: one naming an undefined type
     raised NameError for a Struct that msgspec writes)."""
-    form = _STRUCT_FORMS.get(cls)
-    if form is not None:
-        return form
+    met = _STRUCT_FORMS.get(cls)
+    if met is not None and met[0] is cls:  # (by identity: `_plain`)
+        return met[1]
     struct = typing.cast(typing.Any, cls)
     config = struct.__struct_config__
     names: tuple[str, ...] = struct.__struct_encode_fields__
@@ -966,7 +1008,7 @@ def _struct_form(cls: type) -> _StructForm:
                        config.omit_defaults,
                        None if config.tag is None else (config.tag_field, config.tag), config.array_like)
     if len(_STRUCT_FORMS) < 1024:
-        _STRUCT_FORMS[cls] = form
+        _STRUCT_FORMS[cls] = (cls, form)
     return form
 
 
@@ -1056,7 +1098,7 @@ def _datetimes(numpy: typing.Any, value: typing.Any) -> object:
     return numpy.where(numpy.isnat(value), None, numpy.datetime_as_string(value)).tolist()
 
 
-_DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}  # per dataclass, the fields orjson writes
+_DATACLASS_FIELDS: dict[type, tuple[type, tuple[str, ...]]] = {}  # per dataclass, it and the fields orjson writes
 
 
 def _fields(value: object) -> tuple[str, ...] | None:
@@ -1072,7 +1114,7 @@ def _fields(value: object) -> tuple[str, ...] | None:
             return None
         names = tuple(a.name for a in attr.fields(cls) if not a.name.startswith("_"))
     if len(_DATACLASS_FIELDS) < 1024:
-        _DATACLASS_FIELDS[cls] = names
+        _DATACLASS_FIELDS[cls] = (cls, names)
     return names
 
 

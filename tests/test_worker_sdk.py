@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import time
+import typing
 import uuid
 import zoneinfo
 from collections.abc import Awaitable, Callable, Coroutine
@@ -340,6 +341,36 @@ def add(a: int, b: int) -> int:
 )
 def test_bind_invalid_params(fn, params, param, reason):
     assert invalid(fn, params) == (param, reason)
+
+
+def test_a_key_or_value_that_looks_like_msgspec_s_location_does_not_choose_the_error():
+    """Hostile testing (round 34): msgspec's validation message quotes the client's key or
+    value before the location it appends (" - at `$[7]`"); a regular expression read the
+    first such text as the location: a key " - at `$[7]" answered -32603 (IndexError,
+    logged as the handler's), " - at `$.a" named the wrong parameter. The location is the
+    message's end, and unknown keys are found in the params themselves."""
+    def pick(mode: typing.Literal["on", "off"], n: int = 0) -> str:
+        return mode
+
+    assert invalid(add, b'{"a": 1, "b": 2, " - at `$[7]": 3}') == (" - at `$[7]", "unexpected parameter")
+    assert invalid(add, b'{"a": 1, "b": 2, " - at `$.a": 3}') == (" - at `$.a", "unexpected parameter")
+    assert invalid(pick, b'{"mode": "x - at `$.n`", "n": 1}') == ("mode", "Invalid enum value 'x - at `$.n`'")
+    assert invalid(pick, b'["x - at `$[1]`", 1]') == ("mode", "Invalid enum value 'x - at `$[1]`'")
+
+
+def test_a_long_key_or_value_is_refused_in_linear_time():
+    """Hostile testing (round 34): the regular expression that read msgspec's message took
+    quadratic time in the client's text it quotes (3 s for a 32 KB key; hours at 1 MiB),
+    and the call's worker was killed as hung with the calls on it. 2 MB of keys and values
+    are each refused as one pass over the message. (A count, not a timing: the old way
+    did not finish them within the test's time at all.)"""
+    def pick(mode: typing.Literal["on", "off"]) -> str:
+        return mode
+
+    key = " - at `$." + "a" * 1_000_000 + "` x"
+    assert invalid(add, b'{"a": 1, "b": 2, %s: 3}' % json.dumps(key).encode()) == (key, "unexpected parameter")
+    value = "x - at `$." + "a" * 1_000_000
+    assert invalid(pick, b'{"mode": %s}' % json.dumps(value).encode()) == ("mode", f"Invalid enum value '{value}'")
 
 
 @pytest.mark.parametrize("fn", [add, varkw, untyped])
@@ -969,6 +1000,38 @@ elif case == "missing":  # (round 33: a member `_missing_` makes, without `_valu
             return member
     assert worker._ORJSON_FIRST
     member = Status("paused")
+elif case in ("descriptor", "descriptor_later"):  # (round 34: `_value_` a data descriptor, read
+    class SelfValue:  # before the member's own by `Enum.value`: it answers the member itself)
+        def __get__(self, member, owner=None):
+            if member is None or "_value_" not in member.__dict__:
+                raise AttributeError("_value_")
+            return member
+        def __set__(self, member, value):
+            member.__dict__["_value_"] = value
+    if case == "descriptor":  # (of a mixin class of Python's)
+        class Valued:
+            _value_ = SelfValue()
+        class Mode(Valued, enum.Enum):
+            ON = 1
+    else:  # (set on a trusted Enum class after it was made)
+        class Mode(enum.Enum):
+            ON = 1
+        assert worker._ORJSON_FIRST
+        Mode._value_ = SelfValue()
+    member = Mode.ON
+elif case == "str_key":  # (round 34: a member's `__dict__` keyed by a str subclass: its `__eq__`
+    class Name(str):  # runs as `_value_` is looked up, mid-walk)
+        def __hash__(self):
+            return str.__hash__(self)
+        def __eq__(self, other):
+            return str.__eq__(self, other)
+    class Keyed(enum.Enum):
+        A = 1
+        def __new__(cls, number):
+            member = object.__new__(cls)
+            member.__dict__[Name("_value_")] = number
+            return member
+    member = Keyed.A
 elif case == "later":  # (round 32: a `value` property set on a trusted class after it was made)
     class Later(enum.Enum):
         A = 1
@@ -988,7 +1051,8 @@ print(json.dumps(out, default=bytes.decode))
 @pytest.mark.parametrize(("case", "untrusted"), [
     ("slot", "__main__.Slot"), ("other", "__main__.Other"), ("getattr", "__main__.Looked"), ("property", "__main__.Base"),
     ("functional", "__main__.Made"), ("float", "__main__.Temp"), ("float_self", "__main__.Gauge"),
-    ("later", "__main__.Later"), ("missing", "__main__.Status"),
+    ("later", "__main__.Later"), ("missing", "__main__.Status"), ("descriptor", "__main__.Mode"),
+    ("descriptor_later", "__main__.Mode"), ("str_key", "__main__.Keyed"),
 ])
 def test_an_enum_class_orjson_cannot_be_trusted_with_turns_its_first_pass_off(case: str, untrusted: str) -> None:
     """Hostile testing (round 31): orjson reads an Enum member's `value` as it walks a result,
@@ -1005,9 +1069,67 @@ def test_an_enum_class_orjson_cannot_be_trusted_with_turns_its_first_pass_off(ca
     out = json.loads(done.stdout)
     assert out["ordinary"] == [True, [1, 3, 3, "a"]]
     assert out["after"] == [False, [untrusted]]
-    assert out["encoded"] == ("[1,1]" if case in ("other", "functional") else "TypeError")
+    assert out["encoded"] == ("[1,1]" if case in ("other", "functional", "str_key") else "TypeError")
     assert out["colour"] == {"c": 1, "n": [1, 2]}
     assert f"Enum class {untrusted}: orjson cannot be trusted" in done.stderr
+
+
+_FAKED_TYPES = """
+import datetime, json, sys
+import numpy
+from broker import worker
+
+class LikeStr(type):  # its classes "equal" str (and hash alike)
+    __hash__ = lambda cls: hash(str)
+    __eq__ = lambda cls, other: True
+
+class LikeInt32(type):  # ... numpy.int32
+    __hash__ = lambda cls: hash(numpy.int32)
+    __eq__ = lambda cls, other: True
+
+class Clearing(datetime.tzinfo):  # empties the list being walked, once
+    def __init__(self, victim):
+        self.victim = victim
+    def utcoffset(self, dt):
+        victim, self.victim = self.victim, None
+        if victim is not None:
+            list.clear(victim)
+            for _ in range(1000):
+                [bytearray(64)]
+        return datetime.timedelta(hours=1)
+    def dst(self, dt):
+        return None
+
+class StrLooking(list, metaclass=LikeStr): pass
+class Int32Looking(list, metaclass=LikeInt32): pass
+
+case = sys.argv[1]
+if case == "str":
+    outer = StrLooking()
+    outer.extend([datetime.datetime(2020, 1, 1, tzinfo=Clearing(outer))] + ["x"] * 200)
+    result = outer
+else:  # (numpy.int32 met first: a scalar type `_plain` gives orjson at once)
+    result = [numpy.int32(2), Int32Looking([numpy.array(["2020-01-01"], dtype="datetime64[15m]")])]
+print(worker.encode_result(result).decode())
+"""
+
+
+@pytest.mark.parametrize(("case", "written"), [
+    ("str", ["2020-01-01T00:00:00+01:00"] + ["x"] * 200),
+    ("scalar", [2, [["2020-01-01T00:00"]]]),
+])
+def test_a_type_that_claims_to_equal_a_leaf_type_is_still_taken_apart(case: str, written: object) -> None:
+    """Hostile testing (round 34): `_plain` sorted values by `type(value) in` a set (and a
+    tuple), which compares types with `__eq__`: a list subclass whose metaclass said it
+    equalled str or numpy.int32 reached orjson whole, which ran a
+    tzinfo that emptied it (SIGSEGV), or met a `datetime64[15m]` (SIGILL). Types are
+    compared by identity now. (In a child: the old way crashed.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FAKED_TYPES, case], capture_output=True, timeout=60, text=True)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert json.loads(done.stdout) == written
 
 
 def test_enums_mixed_with_builtins_read_the_same_whatever_their_neighbours():
