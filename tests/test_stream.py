@@ -922,8 +922,10 @@ def test_sigterm_answers_calls_in_flight_then_closes_streams_and_exits_0(tmp_pat
 
 
 def test_paused_reading_does_not_count_as_a_trickling_line(kb):
-    n = 1100  # > PIPELINE_HIGH: reading pauses
-    calls = b"".join(line("sleep", [3], i) + b"\n" for i in range(n))
+    # > PIPELINE_HIGH: reading pauses, and the rest of the read waits too (round 34), 65 calls
+    # at a time: the last line, cut in two, completes some 8 s later (keepalive 1 s).
+    n = 1100
+    calls = b"".join(line("sleep", [0.5], i) + b"\n" for i in range(n))
     last = line("add", [1, 2], "last")
     with kb.connect("tcp") as s:
         s.send(calls + last[:20])

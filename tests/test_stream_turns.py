@@ -398,3 +398,52 @@ def test_a_request_that_waited_is_not_kept_once_its_answer_is_written(protocol_n
         got, alive = runner.run(main())
     assert got.endswith(b'"id":7,"result":' + result + b"}" + (b"\n" if protocol_name == "ndjson" else b""))
     assert alive == 0
+
+
+@pytest.mark.parametrize("protocol_name", ["ndjson", "http"])
+def test_the_rest_of_a_read_waits_while_more_than_64_requests_are_owed(tmp_path, protocol_name):
+    """Hostile testing (round 34): reading paused past PIPELINE_HIGH (64) requests owed on
+    a connection, but the rest of a read already taken went on to dispatch, a turn at a
+    time, whatever was owed: one connection's 70 slow calls and 3000 quick ones, pipelined,
+    filled a 500-call queue, and 1767 got -32000. The rest waits as unread bytes do now, so
+    every call of one connection gets its result, the queue never full."""
+    path = str(tmp_path / "b.sock")
+    b = start_broker("--workers", "1", "--worker-concurrency", "10", "--max-queue", "500", "--stream-socket", path)
+    try:
+        wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
+        if protocol_name == "ndjson":
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+
+            def request(body: bytes) -> bytes:
+                return body + b"\n"
+        else:
+            s = socket.create_connection(("127.0.0.1", b.port))
+
+            def request(body: bytes) -> bytes:
+                return (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        with s:
+            s.settimeout(30)
+            s.sendall(request(b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":-1}'))  # (add: known quick)
+            assert b'"result":3' in s.recv(65536)
+            slow = [request(b'{"jsonrpc":"2.0","method":"sleep","params":[0.5],"id":%d}' % i) for i in range(70)]
+            quick = [request(b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":%d}' % i) for i in range(70, 3070)]
+            s.setblocking(False)
+            payload = b"".join(slow + quick)
+            assert send_for(s, payload, seconds=30) == len(payload)
+            s.setblocking(True)
+            s.settimeout(30)
+            s.shutdown(socket.SHUT_WR)
+            received = b""
+            while chunk := s.recv(1 << 20):
+                received += chunk
+        if protocol_name == "ndjson":
+            answers = [json.loads(line) for line in received.split(b"\n") if line]
+        else:
+            assert received.count(b"HTTP/1.1 200 OK\r\n") == 3070, received.count(b"HTTP/1.1 ")
+            answers = [json.loads(body.split(b"HTTP/1.1 ")[0]) for body in received.split(b"\r\n\r\n")[1:]]
+        assert [a.get("error") for a in answers if "error" in a] == []
+        assert sorted(a["id"] for a in answers) == list(range(3070))
+    finally:
+        assert b.stop() == 0, b.read_log()

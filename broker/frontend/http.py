@@ -63,7 +63,8 @@ pod IP as Host. The headers are kept in `on_header`; `_route` refuses in one pla
 
 Flow control (aiohttp and uvicorn do the same): reading pauses while the transport's
 write buffer is above its high-water mark, or while more than `PIPELINE_HIGH`
-requests wait for answers on one connection, and resumes below the low marks.
+requests wait for answers on one connection, and resumes below the low marks; the
+requests of a read already taken (`_backlog`) wait as unread bytes do.
 Work per loop turn: a read past FEED_BYTES is parsed in pieces, REQUESTS_PER_TURN
 requests a turn (or fewer, past TURN_REQUEST_BYTES of them: a request can be a batch of
 1000 calls), the rest kept in `_backlog` with reading paused (`_feed_turn`,
@@ -527,15 +528,20 @@ class HttpFrontend(Listener):
         `wait_closed` gives up."""
         self.draining = True
         for conn in list(self.connections):
-            transport = conn.transport
-            unread = 0 if transport is None or conn._closing else unread_bytes(transport)
-            if unread:
-                conn._unread = unread
-                self.unread.add(conn)
-            if conn.request_started:
-                self.under_way.add(conn)
-            elif not unread and not conn.owed and conn.requests and not conn._backlog:
-                conn.stop_close()
+            self.drain_connection(conn)
+
+    def drain_connection(self, conn: HttpProtocol) -> None:
+        """`drain` of one connection: open at the stop, or queued before it and accepted
+        after (`server._accept_queued`)."""
+        transport = conn.transport
+        unread = 0 if transport is None or conn._closing else unread_bytes(transport)
+        if unread:
+            conn._unread = unread
+            self.unread.add(conn)
+        if conn.request_started:
+            self.under_way.add(conn)
+        elif not unread and not conn.owed and conn.requests and not conn._backlog:
+            conn.stop_close()
 
     def held(self) -> int:
         """`Listener.held`, plus one for each connection whose request was under way at
@@ -797,6 +803,8 @@ class HttpProtocol(asyncio.Protocol):
         if fe.pool_size() >= fe.max_connections:  # nginx: worker_connections
             fe.make_room()  # idle connections, if any, give their places
         fe.connections.add(self)
+        if fe.draining:
+            fe.drain_connection(self)
         if fe.pool_size() > fe.max_connections:
             # Past the limit, with no idle connection to close, taken for /healthz, /readyz
             # and /metrics only: a full broker is alive, and must not look dead to its
@@ -1076,6 +1084,7 @@ class HttpProtocol(asyncio.Protocol):
                 return
             if start < end and self.requests > routed and (
                 self.requests - routed >= REQUESTS_PER_TURN or start >= TURN_REQUEST_BYTES or _perf() > deadline
+                or len(self._responses) > PIPELINE_HIGH  # (round 34: else one read's 3000 filled the queue)
             ):
                 forced = not self._fe.keep_backlog(self, data[start:])
                 self._pause()
@@ -1088,7 +1097,9 @@ class HttpProtocol(asyncio.Protocol):
         """Go on with the requests of a read left in `_backlog`; reading resumes
         (`_maybe_resume`) once it is done."""
         backlog = self._backlog
-        if self._transport is None or not backlog or (self._write_paused and not self._backlog_forced):
+        if self._transport is None or not backlog or (
+            (self._write_paused or len(self._responses) > PIPELINE_HIGH) and not self._backlog_forced
+        ):  # (`resume_writing`, or `_flush_ready` below PIPELINE_LOW, comes back here)
             return  # (one past max_incoming_bytes goes on: its requests wait counted, or are refused)
         self._backlog = b""
         # Out of the count at once: its requests are counted again as they wait (hostile
@@ -1718,8 +1729,11 @@ class HttpProtocol(asyncio.Protocol):
             self._fe.loop.call_soon(self._dispatch_waiting)
         elif not responses or taken:  # (owed nothing, or took an answer at once: round 27, not merely
             self._one_by_one = False  # "not paused now", which it always is after resume_writing)
-        if self.read_paused and len(responses) < PIPELINE_LOW:
-            self._maybe_resume()
+        if len(responses) < PIPELINE_LOW:
+            if self._backlog and not self._write_paused:
+                self._fe.loop.call_soon(self._next_turn)  # (held by what was owed: `_feed_turn`)
+            elif self.read_paused:
+                self._maybe_resume()
 
     def _write(self, data: bytes, keep_alive: bool, path: str) -> None:
         """Write one response; `path` is its label in the statuses counter (`PATHS`)."""

@@ -23,7 +23,8 @@ Limits:
     of them (one line at least), a loop iteration apart (reading paused meanwhile), and
     none while the write buffer is full
     reading pauses while more than `PIPELINE_HIGH` bodies wait for answers on one
-    connection, or while its write buffer is full; a connection whose write buffer
+    connection, or while its write buffer is full, and so do the lines of a read
+    already taken (`_backlog`) until fewer than `PIPELINE_LOW` are owed; a connection whose write buffer
     stays full (its client does not read) for `send_timeout` seconds is aborted
     the answers a connection is owed and has not read stay under `max_response_bytes`
     (`dispatch.ResponseBudget`: results past it are answered -32603); while it is
@@ -288,10 +289,12 @@ class StreamProtocol(asyncio.Protocol):
         fe = self._fe
         if len(fe.connections) >= fe.max_connections and not fe.draining:
             fe.make_room()  # idle connections, if any, give their places
-        if len(fe.connections) >= fe.max_connections or fe.draining:
+        if len(fe.connections) >= fe.max_connections:
             self._refuse()
             return
         fe.connections.add(self)
+        if fe.draining:  # (queued before the stop: `server._accept_queued`; hostile testing, round
+            self.drain()  # 34: refused "too many connections", counted and logged as such)
 
     def _refuse(self) -> None:
         """Answer one "too many connections" error line and half-close; discard what the
@@ -457,7 +460,10 @@ class StreamProtocol(asyncio.Protocol):
             if self._transport is None or self._refused:
                 return
             turn -= 1
-            if start < end and (not turn or budget <= 0 or _perf() > deadline):
+            if start < end and (not turn or budget <= 0 or _perf() > deadline or self.owed > PIPELINE_HIGH):
+                # (past PIPELINE_HIGH owed, the rest waits as unread bytes do: `_next_turn`
+                # goes on below PIPELINE_LOW. Hostile testing, round 34: dispatched a turn
+                # at a time whatever was owed, one connection's 3000 lines filled the queue.)
                 forced = not fe.keep_backlog(self, data[start:])
                 self._transport.pause_reading()
                 if forced or not self._write_paused:
@@ -467,7 +473,9 @@ class StreamProtocol(asyncio.Protocol):
     def _next_turn(self) -> None:
         """Go on with the lines of a read left in `_backlog`; reading resumes when it is done."""
         transport, backlog = self._transport, self._backlog
-        if transport is None or not backlog or (self._write_paused and not self._backlog_forced):
+        if transport is None or not backlog or (
+            (self._write_paused or self.owed > PIPELINE_HIGH) and not self._backlog_forced
+        ):  # (`resume_writing`, or `_exchange_done` below PIPELINE_LOW, comes back here)
             return  # (one past max_incoming_bytes goes on: its lines wait counted, or are refused)
         self._backlog = b""
         # Out of the count at once: its lines are counted again as they wait (hostile
@@ -667,8 +675,11 @@ class StreamProtocol(asyncio.Protocol):
             return
         if not self.owed or not self._write_paused:  # (owed nothing, or took this answer at once)
             self._one_by_one = False
-        if self.read_paused and self.owed < PIPELINE_LOW:
-            self._maybe_resume()
+        if self.owed < PIPELINE_LOW:
+            if self._backlog and not self._write_paused:
+                self._fe.loop.call_soon(self._next_turn)  # (held by what was owed: `_lines`)
+            elif self.read_paused:
+                self._maybe_resume()
         self._maybe_close()
 
     def _maybe_close(self) -> None:
