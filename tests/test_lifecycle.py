@@ -387,6 +387,52 @@ def test_sigterm_answers_in_flight_calls_then_exits_0(broker_factory):
         socket.create_connection((b.host, b.port), timeout=5).close()
 
 
+@pytest.mark.parametrize("transport", ["http", "ndjson"])
+def test_connections_queued_before_a_sigterm_are_served_not_reset(broker_factory, tmp_path, transport):
+    """Hostile testing (round 34): the listener was closed at the stop with connections
+    still in its listen queue, which the kernel then reset, although they had connected
+    and written their calls before the signal (26 to 141 of 200); and an NDJSON one
+    accepted in the stop was refused "too many connections", logged and counted as a
+    max_connections refusal. The broker is stopped (SIGSTOP) while 60 clients connect and
+    write, so every one is queued at the SIGTERM: each gets its answer."""
+    path = str(tmp_path / "b.sock")
+    b = broker_factory("--workers", "1", "--stream-socket", path)
+    wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
+    os.kill(b.pid, signal.SIGSTOP)
+    socks = []
+    try:
+        for i in range(60):
+            body = b'{"jsonrpc":"2.0","method":"add","params":[%d,1],"id":%d}' % (i, i)
+            if transport == "ndjson":
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(20)
+                s.connect(path)
+                s.sendall(body + b"\n")
+            else:
+                s = socket.create_connection((b.host, b.port), timeout=20)
+                s.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            socks.append(s)
+        os.kill(b.pid, signal.SIGTERM)
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    answers = []
+    for s in socks:
+        with s:
+            received = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := s.recv(65536):
+                    received += chunk
+            answers.append(received)
+    assert b.proc.wait(timeout=30) == 0
+    reset = [i for i, received in enumerate(answers) if not received]
+    assert reset == [], f"{len(reset)} of 60 queued connections got no answer"
+    for i, received in enumerate(answers):
+        body = received if transport == "ndjson" else received.partition(b"\r\n\r\n")[2]
+        assert json.loads(body) == {"jsonrpc": "2.0", "id": i, "result": i + 1}, received
+    assert "reached: refusing connections" not in b.read_log()
+
+
 def test_a_sigterm_twice_at_once_is_one_stop(broker_factory):
     """Hostile testing (round 30, new user): `kill -- -PGID` of `make serve` delivers SIGTERM
     to the broker twice (GNU make forwards the one it gets), and the second ended the
