@@ -261,8 +261,14 @@ def test_an_allowed_origin_gets_cors_headers(broker_factory, tmp_path):
     assert status == 204 and headers["access-control-allow-origin"] == "https://other.test"
     wait_for(lambda: marks(ledger) == ["cors", "note"])
     # Still only application/json, and only the listed origins.
-    status, _, body = exchange(b, request(record("x"), origin="http://app.test:3000", content_type="text/plain"))
+    # Refused, it can read why (round 34: a 415 and a 413 had no CORS headers, as 400 has)
+    status, headers, body = exchange(b, request(record("x"), origin="http://app.test:3000", content_type="text/plain"))
     assert_refused(status, body, 415, "Content-Type")
+    assert (headers["access-control-allow-origin"], headers["vary"]) == ("http://app.test:3000", "origin")
+    too_large = request(b"", origin="http://app.test:3000").replace(b"Content-Length: 0", b"Content-Length: 99999999")
+    status, headers, body = exchange(b, too_large)
+    assert status == 413 and json.loads(body)["error"]["code"] == -32600, body
+    assert (headers["access-control-allow-origin"], headers["vary"]) == ("http://app.test:3000", "origin")
     status, _, body = exchange(b, request(record("x"), origin="http://app.test:3001"))
     assert_refused(status, body, 403, "Origin not in allowed_origins")
     # Two Origin headers, the last allowed: none is (hostile testing, round 7: the last one

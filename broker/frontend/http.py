@@ -1439,7 +1439,7 @@ class HttpProtocol(asyncio.Protocol):
                 elif method != b"POST":
                     self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, "rpc", b"allow: POST\r\n", head)
                 elif not _is_json(self._content_type):
-                    self._queue_invalid(415, "Content-Type must be application/json", keep_alive, "rpc")
+                    self._queue_invalid(415, "Content-Type must be application/json", keep_alive, "rpc", cors)
                 else:
                     self._rpc(keep_alive, cors)
             return
@@ -1849,11 +1849,12 @@ class HttpProtocol(asyncio.Protocol):
             response = response[: len(response) - len(body)]
         self._queue(response, keep_alive, path)
 
-    def _queue_invalid(self, status: int, data: str, keep_alive: bool, path: str) -> None:
+    def _queue_invalid(self, status: int, data: str, keep_alive: bool, path: str, cors: bytes = b"") -> None:
         """Queue an Invalid Request error object (id null) whose `data` says why, as `status`;
-        `path` is its label in the statuses counter (`PATHS`)."""
+        `path` is its label in the statuses counter (`PATHS`); `cors`: the CORS headers of an
+        allowed Origin (round 34: a 415 to one had none, and the page could not read why)."""
         body = _error_body(ErrorCode.INVALID_REQUEST, data)
-        extra = self._keep_header if keep_alive else b""
+        extra = (self._keep_header if keep_alive else b"") + cors
         self._queue(_json_response(status, body, keep_alive, extra, self._fe.json_head), keep_alive, path)
 
     def _answer_and_close(self, status: int, message: bytes) -> None:
@@ -1890,8 +1891,9 @@ class HttpProtocol(asyncio.Protocol):
         if self._head_done and path == "rpc" and self._may_call():  # (round 27: one a web page sent past
             # max_body_bytes moved the JSON-RPC counters; round 28: so did a head under way, whose path
             # is not known yet, to /healthz as well)
-            self._queue(_json_response(status, body or fe.too_large_body, False, b"", fe.json_head), False, path)
-            fe.dispatcher.count_refused_body(code)
+            cors = b"" if self._origin is None else fe.cors_headers(self._origin) or b""  # (round 34: a page
+            self._queue(_json_response(status, body or fe.too_large_body, False, cors, fe.json_head), False, path)
+            fe.dispatcher.count_refused_body(code)  # allowed to call could not read why, as for 415)
         else:  # Not JSON-RPC: a plain error, counted by its path and status only (hostile
             # testing, round 26: a body sent to /healthz got a -32600 error object, and
             # anyone could move rpc_broker_calls_total and errors_total without JSON-RPC).
