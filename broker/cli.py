@@ -158,9 +158,12 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
         cfg = _load(ns.file, {})
         if cfg is None:
             return 2
-        print("ok")
-        print(config.dump_toml(cfg), end="")
-        return 0
+        try:
+            print("ok")
+            print(config.dump_toml(cfg), end="", flush=True)
+        except BrokenPipeError:  # (`| head -1`: the reader has what it wanted; round 34, a traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and exit 1; Python's docs,
+        return 0  # "Note on SIGPIPE": no second error as stdout is flushed at exit)
     # serve
     flags = {s.name: getattr(ns, s.name) for s in config.SETTINGS if hasattr(ns, s.name)}
     try:

@@ -574,6 +574,21 @@ def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert tomllib.loads(rest)["port"] == 9000
 
 
+def test_check_config_into_a_closed_pipe_exits_0_without_a_traceback(tmp_path: Path) -> None:
+    """A new user's check (round 34): `rpc-broker check-config FILE | head -1` printed a
+    BrokenPipeError traceback and exited 1 for a valid file (when head had exited first).
+    Here the pipe's reading end is closed before the command writes at all."""
+    path = write(tmp_path, "port = 9000\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "broker", "check-config", path], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
 def test_check_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                              monkeypatch: pytest.MonkeyPatch) -> None:
     path = write(tmp_path, "max_depht = 3\n")
