@@ -667,8 +667,10 @@ def test_sigterm_grace_period_ends_long_calls_with_shutting_down(broker_factory)
          f" up from the current directory, {ROOT}, and PYTHONPATH: run from the directory that holds it, or set"
          " PYTHONPATH=DIR) (--debug"),
         ("broker.demo:nothing", "AttributeError: module 'broker.demo' has no attribute 'nothing' (--debug"),
-        # (round 31, a new user: a file name given for the module)
-        ("mytools.py:registry", "No module named 'mytools' (--app names a module, not a file: mytools:registry)"),
+        # (round 31, a new user: a file name given for the module; round 34: not the README's
+        # mytools.py, which a new user has made in the clone as it says)
+        ("no_such_tools.py:registry",
+         "No module named 'no_such_tools' (--app names a module, not a file: no_such_tools:registry)"),
         # (a new user's check, round 26: it said only "'MY_TOOL_TOKEN'", no type nor line)
         ("tests.apps.needs_env:registry", "KeyError: 'MY_TOOL_TOKEN' at "
          f"{ROOT / 'tests' / 'apps' / 'needs_env.py'}:6 (--debug prints the traceback)"),
