@@ -92,6 +92,9 @@ __all__ = [
 ]
 
 
+OTHER = "other"  # the metrics' `method` label of calls to no registered method (no app registers it)
+
+
 class ErrorCode(IntEnum):
     """Every error code the broker itself puts in an error object.
 

@@ -41,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from broker.jsonrpc import ERRORS, ErrorCode
+from broker.jsonrpc import ERRORS, OTHER, ErrorCode
 
 if typing.TYPE_CHECKING:
     from broker.dispatch import Dispatcher
@@ -70,7 +70,6 @@ __all__ = [
 _FIRST_K, _LAST_K = 7, 25
 SECONDS_BUCKETS: tuple[float, ...] = tuple(2**k / 1e6 for k in range(_FIRST_K, _LAST_K + 1))
 BATCH_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
-OTHER = "other"  # the `method` label of calls to no registered method
 # The classic text format (what generate_latest writes for these names); newer
 # prometheus-client says version=1.0.0, which Prometheus 2.x servers predate.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -221,11 +220,9 @@ class CallMetrics:
         """Size the tables for `names` (plus `OTHER` last). Counts so far stay with
         their method's name (a reload may reorder the table); `OTHER`'s stay
         `OTHER`'s; those of a method no longer served are dropped."""
-        # An app may register a method called "other": then the sentinel is "rpc.other",
-        # a name no app can register (JSON-RPC 2.0 section 4 reserves "rpc.").
         old = {name: i for i, name in enumerate(self.names[:-1])}
         keep = [old.get(name, -1) for name in names]
-        self.names = [*names, OTHER if OTHER not in names else "rpc.other"]
+        self.names = [*names, OTHER]  # (no app registers "other": `Registry`)
         self.outcomes = [self.outcomes[i] if i >= 0 else {} for i in keep] + [self.outcomes[-1]]
         self.latency = [self.latency[i] if i >= 0 else LatencyHistogram() for i in keep] + [self.latency[-1]]
         self.service = [self.service[i] if i >= 0 else LatencyHistogram() for i in keep] + [self.service[-1]]

@@ -452,8 +452,10 @@ async def run(
             hint = ""
             if exc.errno == errno.EADDRINUSE:
                 flag = _LISTENER_NAMES[fe.transport].rpartition(" ")[2]
-                hint = (f" (another process listens there: stop it, or choose another with {flag};"
-                        f" under make serve: make serve ARGS=\"{flag} ...\")")
+                who = "another process listens there"
+                if port_ is not None:  # (round 34: only a connection's local port, in the ephemeral range)
+                    who += f", or a connection has it as its local port (ss -tanp 'sport = :{port_}' shows which)"
+                hint = f" ({who}: stop it, or choose another with {flag}; under make serve: make serve ARGS=\"{flag} ...\")"
             log.error("cannot listen (%s) on %s: %s%s", _LISTENER_NAMES[fe.transport],
                       where if port_ is None else f"{where}:{port_}", exc, hint)
 

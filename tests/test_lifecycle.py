@@ -842,6 +842,27 @@ def test_a_taken_port_fails_before_any_worker_starts(tmp_path) -> None:
     assert "worker 0 ready" not in log and "worker 1 ready" not in log, log  # none was started
 
 
+def test_a_port_taken_by_a_connection_s_local_end_says_so() -> None:
+    """Hostile testing (round 34): a port in use only as the local port of a connection (the
+    ephemeral range) was refused "another process listens there", and nothing listened."""
+    import subprocess
+    import sys
+
+    with socket.socket() as server, socket.socket() as client:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client.bind(("127.0.0.1", 0))
+        client.connect(server.getsockname())
+        port = client.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60, cwd=ROOT,
+        )
+    log = done.stderr.decode()
+    assert done.returncode == 1, log
+    assert f"or a connection has it as its local port (ss -tanp 'sport = :{port}' shows which)" in log, log
+
+
 def test_no_connection_is_accepted_before_the_workers_are_ready(tmp_path) -> None:
     """Bound early, the listeners listen only once the workers are ready: a client that
     connects while the app is still importing is refused by the kernel (and retries),

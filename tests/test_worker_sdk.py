@@ -2437,3 +2437,19 @@ def test_enums_attrs_and_str_subclassing_dataclasses_read_the_same_whatever_thei
         assert json.loads(encode_result(value)) == alone, value
         assert json.loads(encode_result([value, 2**70])) == [alone, 2**70], value
         assert json.loads(encode_result([value, b"x"])) == [alone, "eA=="], value
+
+
+def test_other_is_not_a_method_name():
+    """Round 34: `other` is the metrics' label of calls to unknown methods (a tool so named
+    hid among them); refused as `rpc.` names are."""
+    reg = Registry()
+    with pytest.raises(ValueError, match="label of calls to unknown methods"):
+        reg.method(name="other")(add)
+
+    def other() -> int:
+        return 1
+
+    with pytest.raises(ValueError, match="label of calls to unknown methods"):
+        reg.method(other)  # (named by the function)
+    reg.method(name="others")(add)
+    assert [m.name for m in reg.methods()] == ["others"]

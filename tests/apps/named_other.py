@@ -1,4 +1,4 @@
-"""A test app with a method called `other`, the metrics' name for unknown methods."""
+"""A test app with a method called `other`, the metrics' label of unknown methods: refused."""
 
 from broker.worker import Registry
 
