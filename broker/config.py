@@ -123,8 +123,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                        metavar="MODULE:ATTR")
                    ] = "broker.demo:registry"
     # (RFC 3986's path characters, matched as typed: hostile testing, round 32, found `/é`
-    # and `/a"b` taken, which no client reaches; `\Z`, as `$` let a last newline through)
-    rpc_path: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*\Z"),
+    # and `/a"b` taken, which no client reaches; `\Z`, as `$` let a last newline through;
+    # round 34: a `%` not starting a %XX escape, `/%zz`)
+    rpc_path: Annotated[str, Meta(pattern=r"^/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*\Z"),
                         Doc("HTTP path that accepts JSON-RPC POSTs",
                             rule="starts with '/', then only RFC 3986's path characters: ASCII letters "
                                  "and digits, - . _ ~ ! $ & ' ( ) * + , ; = : @ / and % (a %XX escape, "
@@ -530,6 +531,9 @@ def _check(s: Setting, value: object, source: str) -> None:
     if s.name == "rpc_path" and isinstance(value, str) and {".", ".."} & set(value.split("/")):
         raise ConfigError(f"{source}: rpc_path = {value!r}: a '.' or '..' segment, which clients remove "
                           "before they send the path (RFC 3986 section 5.2.4): it could not be reached")
+    if s.name == "host" and isinstance(value, str) and value != "".join(value.split()):
+        raise ConfigError(f"{source}: host = {value!r}: white space in an address, which it cannot be bound "
+                          "to (round 34: check-config said ok, serve then failed)")
     if s.name == "host" and isinstance(value, str) and value.startswith("[") and value.endswith("]"):
         raise ConfigError(f"{source}: host = {value!r}: give the address without brackets "
                           f"({value[1:-1]!r}): brackets belong in URLs, not in the address to bind")

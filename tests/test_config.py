@@ -275,8 +275,16 @@ def test_bad_strings(tmp_path: Path, setting: str, value: str) -> None:
 
 
 def test_good_strings() -> None:
-    cfg = load(None, {"RPC_BROKER_APP": "a_b.c1:_reg", "RPC_BROKER_RPC_PATH": "/v1/rpc"}, {})
-    assert (cfg.app, cfg.rpc_path) == ("a_b.c1:_reg", "/v1/rpc")
+    cfg = load(None, {"RPC_BROKER_APP": "a_b.c1:_reg", "RPC_BROKER_RPC_PATH": "/v1/rpc%2Fx%c3%a9"}, {})
+    assert (cfg.app, cfg.rpc_path) == ("a_b.c1:_reg", "/v1/rpc%2Fx%c3%a9")
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1 ", " ::1", "local\thost", "127.0.0.1\n"])
+def test_a_host_with_white_space_is_refused(value: str) -> None:
+    """Hostile testing (round 34): host = "127.0.0.1 " passed check-config, and serve failed
+    ("Name or service not known")."""
+    with pytest.raises(ConfigError, match="white space in an address"):
+        load(None, {"RPC_BROKER_HOST": value}, {})
 
 
 RPC_PATH_RULE = (
@@ -287,7 +295,7 @@ RPC_PATH_RULE = (
 
 
 @pytest.mark.parametrize("value", ["/\u00e9", '/a"b', "/a\\b", "/a<b>", "/a{b}", "/a|b", "/a^b", "/a`b",
-                                   "/a[b]", "/a\n", "/a\x00b", "/a\u00a0b"])
+                                   "/a[b]", "/a\n", "/a\x00b", "/a\u00a0b", "/%zz", "/a%", "/a%4"])
 def test_an_rpc_path_no_client_can_reach_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                     value: str) -> None:
     """Hostile testing (round 32): rpc_path took characters a URI's path cannot hold:
