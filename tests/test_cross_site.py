@@ -109,6 +109,28 @@ def test_json_content_types_are_served(ledger_broker, content_type):
     assert marks(ledger)[-1] == content_type
 
 
+@pytest.mark.parametrize(("coding", "first"), [("gzip", False), ("br", True), ("gzip, identity", False)])
+def test_a_body_with_a_content_coding_gets_415_saying_so_and_runs_nothing(ledger_broker, coding, first):
+    """Hostile testing (round 34): Content-Encoding was ignored: a gzip body got 400 -32700,
+    and a plain body labelled gzip or br ran. The broker decodes no content coding: 415,
+    with Accept-Encoding saying what it takes (RFC 9110 15.5.16), whichever header came
+    first; `identity` is no coding."""
+    b, ledger = ledger_broker
+    before = marks(ledger)
+    body = record("coded")
+    if first:  # (before Content-Type)
+        raw = (f"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Encoding: {coding}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    else:
+        raw = request(body, extra=f"Content-Encoding: {coding}\r\n")
+    status, headers, answer = exchange(b, raw)
+    assert_refused(status, answer, 415, "Content-Encoding is not supported")
+    assert headers["accept-encoding"] == "identity"
+    status, _, answer = exchange(b, request(record("identity"), extra="Content-Encoding: Identity\r\n"))
+    assert status == 200, answer
+    assert marks(ledger) == [*before, "identity"]
+
+
 # -- Host --------------------------------------------------------------------------------
 
 

@@ -176,6 +176,7 @@ PROBE_OVERFLOW = 8  # ... and connections past max_connections that need no plac
 RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
 _PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
 _JSON_TYPE = b"application/json"
+_CODED = b"\0coded"  # `_content_type` of a body with a Content-Encoding other than identity: 415
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # config.Config.allowed_hosts' default
 _PREFLIGHT = (
     b"access-control-allow-methods: POST\r\naccess-control-allow-headers: content-type\r\n"
@@ -1257,7 +1258,10 @@ class HttpProtocol(asyncio.Protocol):
                 return
             self._host = value
         elif n == 12 and (name == b"Content-Type" or name.lower() == b"content-type"):
-            self._content_type = value if self._content_type is None else b""  # two: not JSON, 415
+            ct = self._content_type  # two: not JSON, 415 (a coded body's 415 says why: `_CODED`)
+            self._content_type = value if ct is None else ct if ct is _CODED else b""
+        elif n == 16 and name.lower() == b"content-encoding" and value.strip().lower() != b"identity":
+            self._content_type = _CODED  # (round 34: a gzip body got 400 -32700, a plain one labelled gzip ran)
         elif n == 6:
             name = name.lower()
             if name == b"origin":  # (two: none allowed, 403; the last was checked, hostile testing)
@@ -1438,6 +1442,9 @@ class HttpProtocol(asyncio.Protocol):
                     self._queue(_STATUS_LINES[204] + fe.date + cors + _PREFLIGHT + extra + b"\r\n", keep_alive, "rpc")
                 elif method != b"POST":
                     self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, "rpc", b"allow: POST\r\n", head)
+                elif self._content_type is _CODED:  # (RFC 9110 15.5.16: 415, Accept-Encoding saying what is)
+                    self._queue_invalid(415, "Content-Encoding is not supported: send the body as it is (identity)",
+                                        keep_alive, "rpc", cors + b"accept-encoding: identity\r\n")
                 elif not _is_json(self._content_type):
                     self._queue_invalid(415, "Content-Type must be application/json", keep_alive, "rpc", cors)
                 else:
