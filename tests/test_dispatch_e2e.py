@@ -705,6 +705,30 @@ def test_a_request_completed_after_the_grace_period_is_answered_shutting_down_no
     assert b.proc.wait(30) == 0
 
 
+def test_an_ndjson_line_completed_after_the_grace_period_is_answered_shutting_down(broker_factory, tmp_path):
+    """Hostile testing (round 34): as an HTTP request (above), an NDJSON line under way at
+    the stop and completed after the grace period gets -32004, not a closed connection
+    with no answer (it was read no further once the grace period ended)."""
+    path = str(tmp_path / "b.sock")
+    b = broker_factory("--workers", "1", "--grace-period", "1", "--stream-socket", path)
+    wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
+    line = json.dumps(req("sleep", [3], "after")).encode() + b"\n"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(line[:10])
+        time.sleep(0.3)
+        b.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "stopping" in b.read_log(0.05), timeout=10)
+        for i in range(10, 18):  # a byte at a time, past the grace period's end (1 s)
+            s.sendall(line[i:i + 1])
+            time.sleep(0.2)
+        s.sendall(line[18:])  # the connection is still open (2 s more)
+        got, _ending = _read_all(s)
+    assert json.loads(got) == {"jsonrpc": "2.0", "id": "after", "error": {"code": -32004, "message": "Shutting down"}}
+    assert b.proc.wait(30) == 0
+
+
 @pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0"])
 def test_an_answer_written_during_the_drain_says_connection_close(broker_factory, version):
     """Hostile testing (round 6): a call in flight at SIGTERM was answered during the drain

@@ -408,7 +408,13 @@ class StreamProtocol(asyncio.Protocol):
         until the grace period ends."""
         if self._unread > 0 or self._backlog:
             return
-        if not self._fe.read_on(self, not self._refused, bool(self.line_started and not self._skipping)):
+        under_way = bool(self.line_started and not self._skipping)
+        if not self._fe.read_on(self, not self._refused, under_way):
+            if under_way and not self._refused and self._transport is not None:
+                # Past the grace period: the line is read to its end and answered -32004, as an
+                # HTTP request is (round 34: closed with no answer); `wait_closed` bounds it.
+                self._unread = -1
+                return
             self._maybe_close()
 
     def _lines(self, data: bytes) -> None:
