@@ -85,8 +85,9 @@ class RpcError(Exception):
     """Raise from a handler to answer with your own JSON-RPC error object.
 
     code: an integer error code (section 5.1). -32768..-32000 are reserved by the
-        spec; -32099..-32000 are the broker's (`BROKER_CODES`, the README's table):
-        one of those is answered -32603, so pick codes outside that range.
+        spec; -32099..-32000 are the broker's (`BROKER_CODES`, the README's table), and
+        so are -32700 and -32600 (requests it cannot read): one of those is answered
+        -32603, so pick codes outside them.
         code, message and data are read when the error object is built.
     message: a short description.
     data: anything JSON-encodable, or None to omit it.
@@ -110,6 +111,12 @@ timed out, -32002 worker died, -32003 no worker, -32004 shutting down, and the r
 the range the spec leaves to the server (JSON-RPC 2.0 section 5.1). An `RpcError` with
 one of them is answered -32603: a client, an HTTP status (503/504/502) and the metrics
 could not tell it from the broker's own error."""
+
+
+_ENVELOPE_CODES = (-32700, -32600)
+"""Error codes of a request the broker cannot read (the body, the Request object): no
+handler sees one, and an `RpcError` with one is answered -32603 (as `BROKER_CODES`): an
+HTTP 400 and the metrics' `parse_error`/`invalid_request` would blame the client."""
 
 
 class _Refused(Exception):
@@ -143,6 +150,9 @@ def _rpc_error_object(exc: RpcError) -> bytes:
     if code in BROKER_CODES:
         raise _Refused({"type": "RpcError", "code": code,
                         "reason": f"RpcError code {code} is reserved for the broker's own errors (-32099..-32000)"})
+    if code in _ENVELOPE_CODES:  # (round 34: answered 400 and counted as a client's unreadable request)
+        raise _Refused({"type": "RpcError", "code": code, "reason": f"RpcError code {code} is reserved for requests "
+                        "the broker cannot read (-32700 parse error, -32600 invalid request)"})
     message = exc.message if type(exc.message) is str else str(exc.message)
     value = exc.data
     if value is None:
