@@ -447,3 +447,53 @@ def test_the_rest_of_a_read_waits_while_more_than_64_requests_are_owed(tmp_path,
         assert sorted(a["id"] for a in answers) == list(range(3070))
     finally:
         assert b.stop() == 0, b.read_log()
+
+
+def test_answers_arriving_together_schedule_one_turn_not_one_each():
+    """Round 34's review: the rest of a read waits while more than 64 requests are owed,
+    and each answer that lets it go on (owed below 16) scheduled a turn: answers arriving
+    together scheduled as many, all run in the loop's next iteration, past the one turn a
+    connection gets per iteration. Here a read of 100 requests answered at once leaves
+    its rest in the backlog after one turn, and five answers "arrive" before the loop
+    runs on: the next iteration still handles one turn of 16. (HTTP's `_flush_ready`;
+    NDJSON's `_exchange_done` schedules through the same `_schedule_turn`.)"""
+    import asyncio
+
+    import uvloop
+
+    from broker.dispatch import Dispatcher
+    from broker.frontend.http import HttpFrontend, HttpProtocol
+
+    body = b"[1]"  # one invalid element: answered at once, no worker
+
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        here, there = socket.socketpair()
+        protocol = HttpProtocol(HttpFrontend(Dispatcher(loop), metrics=None))
+        read = (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)) * 100
+        answer = b"HTTP/1.1 "
+        transport, _ = await loop.connect_accepted_socket(lambda: protocol, here)
+        there.setblocking(False)
+
+        def answers() -> int:
+            got = b""
+            with contextlib.suppress(BlockingIOError):
+                while chunk := there.recv(1 << 20):
+                    got += chunk
+            return got.count(answer)
+
+        protocol.data_received(read)  # one read, as the loop would deliver it
+        first = answers()
+        for _ in range(5):  # answers to earlier calls, each letting the backlog go on
+            protocol._flush_ready()
+        await asyncio.sleep(0)  # one loop iteration
+        second = answers()
+        transport.abort()
+        there.close()
+        return first, second
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        first, second = runner.run(main())
+    assert first == LINES_PER_TURN
+    assert second == LINES_PER_TURN, f"{second} answered in the next iteration"

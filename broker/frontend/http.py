@@ -643,6 +643,7 @@ class HttpProtocol(asyncio.Protocol):
         "_transfer_encoding",
         "_transport",
         "_turn_bytes",
+        "_turn_due",
         "_turn_seconds",
         "_unread",
         "_unsent",
@@ -691,6 +692,7 @@ class HttpProtocol(asyncio.Protocol):
         self._backlog = b""  # the rest of a read past REQUESTS_PER_TURN requests: reading paused until it is done
         self._backlog_held = 0  # its bytes, counted in the listener's `Incoming` (`keep_backlog`)
         self._backlog_forced = False  # kept past max_incoming_bytes: its turn comes whatever the client does
+        self._turn_due = False  # a `_next_turn` is scheduled (`_schedule_turn`: one at a time)
         self._header_bytes = 0  # request line and header lines of the current head
         self._headers = 0  # header fields of the current head
         self._expect = False
@@ -1090,13 +1092,22 @@ class HttpProtocol(asyncio.Protocol):
                 forced = not self._fe.keep_backlog(self, data[start:])
                 self._pause()
                 if forced or not self._write_paused:  # else `resume_writing` schedules it
-                    self._fe.loop.call_soon(self._next_turn)
+                    self._schedule_turn()
                 return
             size = FEED_BYTES if self.requests != before else size * 2
+
+    def _schedule_turn(self) -> None:
+        """Call `_next_turn` in the loop's next iteration, unless it is due already: the
+        answers that each let it go on (`_flush_ready`) must not each add a turn (one
+        connection's turns per iteration stay one)."""
+        if not self._turn_due:
+            self._turn_due = True
+            self._fe.loop.call_soon(self._next_turn)
 
     def _next_turn(self) -> None:
         """Go on with the requests of a read left in `_backlog`; reading resumes
         (`_maybe_resume`) once it is done."""
+        self._turn_due = False
         backlog = self._backlog
         if self._transport is None or not backlog or (
             (self._write_paused or len(self._responses) > PIPELINE_HIGH) and not self._backlog_forced
@@ -1202,7 +1213,7 @@ class HttpProtocol(asyncio.Protocol):
         if self._responses:
             self._flush_ready()
         if self._backlog:
-            self._fe.loop.call_soon(self._next_turn)
+            self._schedule_turn()
         self._maybe_resume()
 
     # -- httptools callbacks -------------------------------------------------------------
@@ -1738,7 +1749,7 @@ class HttpProtocol(asyncio.Protocol):
             self._one_by_one = False  # "not paused now", which it always is after resume_writing)
         if len(responses) < PIPELINE_LOW:
             if self._backlog and not self._write_paused:
-                self._fe.loop.call_soon(self._next_turn)  # (held by what was owed: `_feed_turn`)
+                self._schedule_turn()  # (held by what was owed: `_feed_turn`)
             elif self.read_paused:
                 self._maybe_resume()
 

@@ -214,6 +214,7 @@ class StreamProtocol(asyncio.Protocol):
         "_skipping",
         "_transport",
         "_turn_bytes",
+        "_turn_due",
         "_turn_seconds",
         "_unread",
         "_waiting",
@@ -243,6 +244,7 @@ class StreamProtocol(asyncio.Protocol):
         self._backlog = b""  # the rest of a read past LINES_PER_TURN lines: reading paused until it is done
         self._backlog_held = 0  # its bytes, counted in the listener's `Incoming` (`keep_backlog`)
         self._backlog_forced = False  # kept past max_incoming_bytes: its turn comes whatever the client does
+        self._turn_due = False  # a `_next_turn` is scheduled (`_schedule_turn`: one at a time)
         self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
         self._transport: asyncio.Transport | None = None
         self.read_paused = False
@@ -473,11 +475,19 @@ class StreamProtocol(asyncio.Protocol):
                 forced = not fe.keep_backlog(self, data[start:])
                 self._transport.pause_reading()
                 if forced or not self._write_paused:
-                    fe.loop.call_soon(self._next_turn)
+                    self._schedule_turn()
                 return  # else `resume_writing` schedules it
+
+    def _schedule_turn(self) -> None:
+        """Call `_next_turn` in the loop's next iteration, unless it is due already (as
+        `http.HttpProtocol._schedule_turn`)."""
+        if not self._turn_due:
+            self._turn_due = True
+            self._fe.loop.call_soon(self._next_turn)
 
     def _next_turn(self) -> None:
         """Go on with the lines of a read left in `_backlog`; reading resumes when it is done."""
+        self._turn_due = False
         transport, backlog = self._transport, self._backlog
         if transport is None or not backlog or (
             (self._write_paused or self.owed > PIPELINE_HIGH) and not self._backlog_forced
@@ -683,7 +693,7 @@ class StreamProtocol(asyncio.Protocol):
             self._one_by_one = False
         if self.owed < PIPELINE_LOW:
             if self._backlog and not self._write_paused:
-                self._fe.loop.call_soon(self._next_turn)  # (held by what was owed: `_lines`)
+                self._schedule_turn()  # (held by what was owed: `_lines`)
             elif self.read_paused:
                 self._maybe_resume()
         self._maybe_close()
@@ -726,7 +736,7 @@ class StreamProtocol(asyncio.Protocol):
         if self._waiting:
             self._dispatch_waiting()
         if self._backlog:
-            self._fe.loop.call_soon(self._next_turn)
+            self._schedule_turn()
         self._maybe_resume()
 
     def _pause(self) -> None:
