@@ -167,7 +167,9 @@ def test_application_error_codes_are_counted_whatever_their_number(broker_factor
     codes = [*range(-32768, -32568), *range(1, 301), 0]  # (-32700, -32600..-32603 among them)
     named = [code for code in codes if code in ERRORS]
     answers = post(b, [req("fail", [code], i) for i, code in enumerate(codes)])
-    assert sorted(a["error"]["code"] for a in answers) == sorted(codes)  # type: ignore[index]
+    # (-32700 and -32600, the codes of requests the broker cannot read, answer -32603: round 34)
+    sent = [-32603 if code in (-32700, -32600) else code for code in codes]
+    assert sorted(a["error"]["code"] for a in answers) == sorted(sent)  # type: ignore[index]
     after = scrape_metrics(b)
 
     def delta(name: str, **labels: str) -> float:
@@ -177,8 +179,9 @@ def test_application_error_codes_are_counted_whatever_their_number(broker_factor
     assert delta("rpc_broker_calls_total", method="fail", outcome="application_error") == len(codes) - 5
     assert delta("rpc_broker_errors_total", code="application") == len(codes) - 5
     for code in named:
-        assert delta("rpc_broker_calls_total", method="fail", outcome=outcome_name(code)) == 1
-        assert delta("rpc_broker_errors_total", code=str(code)) == 1
+        expected = sent.count(code)
+        assert delta("rpc_broker_calls_total", method="fail", outcome=outcome_name(code)) == expected
+        assert delta("rpc_broker_errors_total", code=str(code)) == expected
     assert delta("rpc_broker_calls_total", method="fail", outcome="ok") == 0  # (code 0 is an error too)
 
 
