@@ -226,7 +226,7 @@ class Method:
         self.raw_params = raw_params
         self.doc = inspect.getdoc(fn) or ""
         sig = inspect.signature(fn)
-        hints = typing.get_type_hints(fn)
+        hints = typing.get_type_hints(fn, include_extras=True)  # (round 35: Annotated[int, Meta(ge=0)] was stripped, unchecked)
         pos: list[tuple[str, object, object]] = []
         kwonly: list[tuple[str, object, object]] = []
         self._var_pos: object | None = None
@@ -341,13 +341,13 @@ class Method:
         n = len(self._pos_names)
         head = values[:n] if self._var_pos is not None else values
         try:
-            bound = msgspec.structs.astuple(msgspec.convert(head, self._pos_type))
+            bound = msgspec.structs.astuple(msgspec.convert(head, self._pos_type, str_keys=True))
         except msgspec.ValidationError as exc:
             raise self._invalid(str(exc), len(head)) from None
         if self._var_pos is None or len(values) <= n:
             return bound
         try:
-            rest = msgspec.convert(values[n:], self._var_pos)
+            rest = msgspec.convert(values[n:], self._var_pos, str_keys=True)
         except msgspec.ValidationError:
             raise self._invalid_extra(values[n:]) from None
         return bound + tuple(rest)
@@ -366,11 +366,11 @@ class Method:
             known = set(self._pos_names) | set(self._kwonly)
             extra |= {k: values[k] for k in values if k not in known}
             try:
-                extra = msgspec.convert(extra, self._var_kw)
+                extra = msgspec.convert(extra, self._var_kw, str_keys=True)
             except msgspec.ValidationError:
                 raise self._invalid_extra(extra) from None
         try:
-            bound = msgspec.structs.astuple(msgspec.convert(values, self._named_type))
+            bound = msgspec.structs.astuple(msgspec.convert(values, self._named_type, str_keys=True))
         except msgspec.ValidationError as exc:
             raise self._invalid(str(exc), None, values) from None
         n = len(self._pos_names)
@@ -386,16 +386,18 @@ class Method:
             name = self._var_pos_name()
             for i, value in enumerate(values, len(self._pos_names)):
                 try:
-                    msgspec.convert(value, hint)
+                    msgspec.convert(value, hint, str_keys=True)
                 except msgspec.ValidationError as exc:
-                    return InvalidParams(name, f"{exc} (params[{i}])")
+                    reason, found, path = str(exc).rpartition(" - at `$")  # (round 35: msgspec's `$` shown)
+                    return InvalidParams(name, f"{reason} - at `params[{i}]{path}" if found else f"{exc} (params[{i}])")
         else:
             hint = typing.get_args(self._var_kw)[1]
             for key, value in typing.cast(dict[str, object], values).items():
                 try:
-                    msgspec.convert(value, hint)
+                    msgspec.convert(value, hint, str_keys=True)
                 except msgspec.ValidationError as exc:
-                    return InvalidParams(key, str(exc))
+                    reason, found, path = str(exc).rpartition(" - at `$")
+                    return InvalidParams(key, f"{reason} - at `{key}{path}" if found else str(exc))
         return InvalidParams(None, "params do not fit the signature")
 
     def _out_of_range(self, params: bytes, message: str) -> InvalidParams:
@@ -796,7 +798,7 @@ def _watch_enums() -> None:
 
     def __new__(metacls: type, *args: object, **kwargs: object) -> type:
         cls = made(metacls, *args, **kwargs)
-        _check_enum(cls)
+        _check_enum_closed(cls)
         return typing.cast(type, cls)
 
     __new__.__wrapped__ = made  # type: ignore[attr-defined]
@@ -806,7 +808,7 @@ def _watch_enums() -> None:
     pending: list[type] = [enum.Enum]
     while pending:
         cls = pending.pop()
-        _check_enum(cls)
+        _check_enum_closed(cls)
         pending.extend(type.__subclasses__(cls))
 
 
@@ -823,7 +825,7 @@ def _rechecking(change: Callable[..., None]) -> Callable[..., None]:
         pending = [cls]
         while pending:
             klass = pending.pop()
-            _check_enum(klass)
+            _check_enum_closed(klass)
             pending.extend(type.__subclasses__(klass))
 
     changed.__wrapped__ = change  # type: ignore[attr-defined]
@@ -850,15 +852,30 @@ def _check_enum(cls: type) -> None:
         _untrust(cls)
 
 
+def _check_enum_closed(cls: type) -> None:
+    """`_check_enum`, failing closed: a check that raises (the class's own code, run as
+    it is read) leaves the class untrusted, and the class is made all the same (hostile
+    testing, round 35: a check that raised failed the class statement, and a member its
+    `__init__` had kept belonged to a class never checked; a recheck that raised after
+    the attribute was set left trust on)."""
+    try:
+        _check_enum(cls)
+    except Exception:
+        _untrust(cls)
+
+
 def _untrust(cls: type) -> None:
     """Turn `_ORJSON_FIRST` off for good, because of `cls`, logged."""
     global _ORJSON_FIRST
     _ORJSON_FIRST = False
-    _UNTRUSTED_ENUMS.append(f"{cls.__module__}.{cls.__qualname__}")
-    log.warning("Enum class %s.%s: orjson cannot be trusted to read its members' values (one raises, "
+    try:
+        name = f"{type.__getattribute__(cls, '__module__')}.{type.__getattribute__(cls, '__qualname__')}"
+    except Exception:  # (a class of odd names: its check failed on it)
+        name = "(an Enum class whose name cannot be read)"
+    _UNTRUSTED_ENUMS.append(name)
+    log.warning("Enum class %s: orjson cannot be trusted to read its members' values (one raises, "
                 "refers back to a member, or is looked up by code of the class's own): every result "
-                "of this worker is written the slower way, taken apart first (README, \"Results\")",
-                cls.__module__, cls.__qualname__)
+                "of this worker is written the slower way, taken apart first (README, \"Results\")", name)
 
 
 def _enum_trusted(cls: type) -> bool:
@@ -871,6 +888,10 @@ def _enum_trusted(cls: type) -> bool:
             return False
         if ("value" in own and klass is not enum.Enum) or "_value_" in own:  # (a property of its own, a
             return False  # member named so, or a descriptor read before the member's own: round 34)
+        if type(own.get("__dict__")) not in _PLAIN_DICT:  # (round 35: a `__dict__` property showed
+            return False  # `vars(member)` a dict the member's lookups do not use)
+    if vars(enum.Enum).get("value") is not _ENUM_VALUE or getattr(_ENUM_VALUE, "fget", None) is not _ENUM_VALUE_GET:
+        return False  # (round 35: Enum's own `value` replaced, a recheck skipped it)
     return all(_member_trusted(member) for member in vars(cls).get("_member_map_", {}).values())
 
 
@@ -931,6 +952,9 @@ def _check_made(cls: type, member: object) -> None:
 
 _ENUM_LOOKUPS = frozenset({"value", "_value_", "__getattribute__", "__getattr__", "_member_map_", "_missing_", "__bases__"})
 _NO_VALUE = object()
+_PLAIN_DICT = (type(None), types.GetSetDescriptorType)  # a class's own `__dict__` entry: none, or the one type makes
+_ENUM_VALUE = vars(enum.Enum)["value"]  # Enum's own `value` (an `enum.property`), and what it calls
+_ENUM_VALUE_GET = _ENUM_VALUE.fget
 _C_LOOKUP = object.__getattribute__
 if __name__ != "__main__":  # (under `-m`, the real module's watch is the one `main` reads)
     _watch_enums()

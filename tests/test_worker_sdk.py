@@ -1032,6 +1032,31 @@ elif case == "str_key":  # (round 34: a member's `__dict__` keyed by a str subcl
             member.__dict__[Name("_value_")] = number
             return member
     member = Keyed.A
+elif case == "dict_property":  # (round 35: `vars(member)` showed a `_value_` lookups do not use)
+    class Shown(enum.Enum):
+        __dict__ = property(lambda self: {"_value_": 1, "_name_": "A"})
+        A = 1
+        def __init__(self, *args):
+            del self._value_
+    member = Shown.A
+elif case == "enum_value":  # (round 35: Enum's own `value` replaced: its recheck skipped Enum)
+    class Plainly(enum.Enum):
+        A = 1
+    assert worker._ORJSON_FIRST
+    enum.Enum.value = property(lambda self: 1 / 0 if type(self) is Plainly else self._value_)
+    member = Plainly.A
+elif case == "raising_check":  # (round 35: a check that raised failed the class statement, and a
+    saved = []  # member kept by its `__init__` was of a class never checked)
+    try:
+        class Kept(enum.Enum):
+            __dict__ = property(lambda self: 1 / 0)
+            A = 1
+            def __init__(self, *args):
+                saved.append(self)
+                del self._value_
+    except ZeroDivisionError:
+        pass
+    member = saved[0]
 elif case == "later":  # (round 32: a `value` property set on a trusted class after it was made)
     class Later(enum.Enum):
         A = 1
@@ -1052,7 +1077,8 @@ print(json.dumps(out, default=bytes.decode))
     ("slot", "__main__.Slot"), ("other", "__main__.Other"), ("getattr", "__main__.Looked"), ("property", "__main__.Base"),
     ("functional", "__main__.Made"), ("float", "__main__.Temp"), ("float_self", "__main__.Gauge"),
     ("later", "__main__.Later"), ("missing", "__main__.Status"), ("descriptor", "__main__.Mode"),
-    ("descriptor_later", "__main__.Mode"), ("str_key", "__main__.Keyed"),
+    ("descriptor_later", "__main__.Mode"), ("str_key", "__main__.Keyed"), ("dict_property", "__main__.Shown"),
+    ("enum_value", "enum.Enum"), ("raising_check", "__main__.Kept"),
 ])
 def test_an_enum_class_orjson_cannot_be_trusted_with_turns_its_first_pass_off(case: str, untrusted: str) -> None:
     """Hostile testing (round 31): orjson reads an Enum member's `value` as it walks a result,
@@ -2453,3 +2479,52 @@ def test_other_is_not_a_method_name():
         reg.method(other)  # (named by the function)
     reg.method(name="others")(add)
     assert [m.name for m in reg.methods()] == ["others"]
+
+
+def test_annotated_constraints_on_parameters_are_enforced():
+    """Hostile testing (round 35): the hints were read without `include_extras`, which
+    strips `Annotated`: `Annotated[int, Meta(ge=0, le=35)]` took 99 and -5, and a
+    `max_length` or `pattern` was never checked."""
+    def pick(n: typing.Annotated[int, msgspec.Meta(ge=0, le=35)],
+             tag: typing.Annotated[str, msgspec.Meta(max_length=3, pattern="^[a-z]+$")] = "a",
+             *more: typing.Annotated[int, msgspec.Meta(ge=0)]) -> int:
+        return n
+
+    assert bind(pick, b'[3, "ab", 1]') == ((3, "ab", 1), {})
+    assert invalid(pick, b"[99]") == ("n", "Expected `int` <= 35")
+    assert invalid(pick, b'{"n": -5}') == ("n", "Expected `int` >= 0")
+    assert invalid(pick, b'[1, "abcd"]') == ("tag", "Expected `str` of length <= 3")
+    assert invalid(pick, b'[1, "A"]')[0] == "tag"
+    assert invalid(pick, b'[1, "a", 2, -1]') == ("more", "Expected `int` >= 0 (params[3])")
+
+
+def test_a_dict_with_int_keys_binds_whatever_the_signature():
+    """Hostile testing (round 35): `{"1": 2}` for a `dict[int, int]` parameter bound on the
+    fast path, and was refused (-32602, no parameter named) beside *args, or keyword-only
+    parameters given by name: JSON keys are strings, converted as msgspec decodes them."""
+    def with_args(d: dict[int, int], *rest: int) -> int:
+        return 0
+
+    def with_kwonly(d: dict[int, int], *, k: int = 0) -> int:
+        return 0
+
+    assert bind(with_args, b'[{"1": 2}, 3]') == (({1: 2}, 3), {})
+    assert bind(with_kwonly, b'{"d": {"1": 2}, "k": 1}') == (({1: 2},), {"k": 1})
+    assert invalid(with_kwonly, b'{"d": {"1": "x"}}') == ("d", "Expected `int`, got `str` - at `d[...]`")
+
+
+class _Sku(msgspec.Struct):
+    sku: str
+
+
+def test_a_value_of_args_or_kwargs_that_does_not_fit_says_where_in_it():
+    """Hostile testing (round 35): msgspec's own `$.sku` was shown for a value taken by
+    *args or **kwargs."""
+    def take(*items: _Sku) -> int:
+        return 0
+
+    def named(**items: _Sku) -> int:
+        return 0
+
+    assert invalid(take, b'[{"sku": "a"}, {"sku": 1}]') == ("items", "Expected `str`, got `int` - at `params[1].sku`")
+    assert invalid(named, b'{"x": {"sku": 1}}') == ("x", "Expected `str`, got `int` - at `x.sku`")
