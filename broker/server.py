@@ -164,13 +164,16 @@ def _accept_queued(
     a listening socket resets the connections still queued on it, which had connected and
     may have sent their requests before the stop (hostile testing, round 34: 26 to 141 of
     200 clients that connected and wrote before SIGTERM were reset). Those that connect
-    after it are refused by the kernel. Returns the tasks that make their transports
-    (`loop.connect_accepted_socket`); bounded by the listen backlog."""
+    after it are refused by the kernel. Only as many as `fe` has room for within
+    max_connections are accepted (round 35: past it, each took a file descriptor, until
+    none was left, only to be closed unread); the rest are reset as before. Returns the
+    tasks that make their transports (`loop.connect_accepted_socket`)."""
     tasks: list[asyncio.Task[object]] = []
+    room = fe.max_connections - (fe.pool_size() if isinstance(fe, HttpFrontend) else len(fe.connections))
     for sock in listening:
         with sock:
             sock.setblocking(False)
-            while True:
+            while len(tasks) < room:
                 try:
                     conn, _ = sock.accept()
                 except (BlockingIOError, InterruptedError):

@@ -279,12 +279,13 @@ def test_good_strings() -> None:
     assert (cfg.app, cfg.rpc_path) == ("a_b.c1:_reg", "/v1/rpc%2Fx%c3%a9")
 
 
+@pytest.mark.parametrize("setting", ["HOST", "METRICS_HOST"])
 @pytest.mark.parametrize("value", ["127.0.0.1 ", " ::1", "local\thost", "127.0.0.1\n"])
-def test_a_host_with_white_space_is_refused(value: str) -> None:
+def test_a_host_with_white_space_is_refused(value: str, setting: str) -> None:
     """Hostile testing (round 34): host = "127.0.0.1 " passed check-config, and serve failed
-    ("Name or service not known")."""
+    ("Name or service not known"); round 35: metrics_host too."""
     with pytest.raises(ConfigError, match="white space in an address"):
-        load(None, {"RPC_BROKER_HOST": value}, {})
+        load(None, {f"RPC_BROKER_{setting}": value}, {})
 
 
 RPC_PATH_RULE = (

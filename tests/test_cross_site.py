@@ -126,9 +126,11 @@ def test_a_body_with_a_content_coding_gets_415_saying_so_and_runs_nothing(ledger
     status, headers, answer = exchange(b, raw)
     assert_refused(status, answer, 415, "Content-Encoding is not supported")
     assert headers["accept-encoding"] == "identity"
-    status, _, answer = exchange(b, request(record("identity"), extra="Content-Encoding: Identity\r\n"))
-    assert status == 200, answer
-    assert marks(ledger) == [*before, "identity"]
+    # No coding: identity, an empty value, empty list elements (RFC 9110 5.6.1.2; round 35: 415)
+    for i, value in enumerate(["Identity", "", ",identity,", " , "]):
+        status, _, answer = exchange(b, request(record(f"identity{i}"), extra=f"Content-Encoding: {value}\r\n"))
+        assert status == 200, (value, answer)
+    assert marks(ledger) == [*before, "identity0", "identity1", "identity2", "identity3"]
 
 
 # -- Host --------------------------------------------------------------------------------

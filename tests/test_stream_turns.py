@@ -497,3 +497,35 @@ def test_answers_arriving_together_schedule_one_turn_not_one_each():
         first, second = runner.run(main())
     assert first == LINES_PER_TURN
     assert second == LINES_PER_TURN, f"{second} answered in the next iteration"
+
+
+@pytest.mark.parametrize("protocol_name", ["ndjson", "http"])
+def test_a_backlog_kept_past_max_incoming_bytes_still_waits_for_answers_owed(tmp_path, protocol_name):
+    """Hostile testing (round 35): the rest of a read kept past max_incoming_bytes (its turn
+    comes whatever the client does, `_backlog_forced`) was dispatched whatever was owed:
+    one connection had 235 to 396 calls queued. Its requests past 64 owed wait like those
+    of a client behind in reading, or are refused -32000 while max_incoming_bytes is full."""
+    path = str(tmp_path / "b.sock")
+    b = start_broker("--workers", "1", "--worker-concurrency", "1", "--max-queue", "500", "--stream-socket", path,
+                     "--max-body-bytes", "65536", "--max-incoming-bytes", "65536")
+    try:
+        wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
+        bodies = [b'{"jsonrpc":"2.0","method":"sleep","params":[0.01],"id":%d%s}' % (i, b" " * 100) for i in range(3000)]
+        if protocol_name == "ndjson":
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            payload = b"".join(body + b"\n" for body in bodies)
+        else:
+            s = socket.create_connection(("127.0.0.1", b.port))
+            payload = b"".join(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (len(body), body) for body in bodies)
+        with s:
+            s.setblocking(False)
+            send_for(s, payload, seconds=1)
+            peak = 0.0
+            for _ in range(15):  # (answers are left unread: the peak is what the connection holds)
+                peak = max(peak, sample(scrape_metrics(b), "rpc_broker_calls_queued"))
+                time.sleep(0.1)
+        assert peak <= 65, f"{peak} calls of one connection queued"
+    finally:
+        assert b.stop() == 0, b.read_log()
