@@ -884,8 +884,9 @@ def _enum_trusted(cls: type) -> bool:
         return False
     for klass in cls.__mro__:  # (the class's own lookup, not its metaclass's; a C type's is C)
         own = vars(klass)
-        if "__getattr__" in own or type(own.get("__getattribute__", _C_LOOKUP)) is not types.WrapperDescriptorType:
-            return False
+        if "__getattr__" in own or ("__getattribute__" in own and not any(klass is t for t in _GENERIC_LOOKUP)):
+            return False  # (round 36: a C type's own lookup need not be the generic one: GenericAlias
+            # forwards every name to its origin, threading.local reads a per-thread dict)
         if ("value" in own and klass is not enum.Enum) or "_value_" in own:  # (a property of its own, a
             return False  # member named so, or a descriptor read before the member's own: round 34)
         if type(own.get("__dict__")) not in _PLAIN_DICT:  # (round 35: a `__dict__` property showed
@@ -952,10 +953,13 @@ def _check_made(cls: type, member: object) -> None:
 
 _ENUM_LOOKUPS = frozenset({"value", "_value_", "__getattribute__", "__getattr__", "_member_map_", "_missing_", "__bases__"})
 _NO_VALUE = object()
+# C types whose own `__getattribute__` is the generic lookup (PyObject_GenericGetAttr), as a
+# member's class may mix them in; any other class with a lookup of its own is not trusted.
+_GENERIC_LOOKUP = (object, int, str, float, complex, bytes, bytearray, tuple, list, dict, set, frozenset,
+                   decimal.Decimal, datetime.date, datetime.datetime, datetime.time, datetime.timedelta)
 _PLAIN_DICT = (type(None), types.GetSetDescriptorType)  # a class's own `__dict__` entry: none, or the one type makes
 _ENUM_VALUE = vars(enum.Enum)["value"]  # Enum's own `value` (an `enum.property`), and what it calls
 _ENUM_VALUE_GET = _ENUM_VALUE.fget
-_C_LOOKUP = object.__getattribute__
 if __name__ != "__main__":  # (under `-m`, the real module's watch is the one `main` reads)
     _watch_enums()
 _DATETIME_FIELDS = tuple(getattr(datetime.datetime, name) for name in (

@@ -1057,6 +1057,17 @@ elif case == "raising_check":  # (round 35: a check that raised failed the class
     except ZeroDivisionError:
         pass
     member = saved[0]
+elif case == "generic_alias":  # (round 36: a C type whose own lookup forwards every name elsewhere)
+    import types
+    class Meter:
+        def __init__(self, *args):
+            self._value_ = 0
+        @property
+        def value(self):
+            raise LookupError("no reading")
+    class Reading(types.GenericAlias, enum.Enum):
+        TEMP = (Meter(), (int,))
+    member = Reading.TEMP
 elif case == "later":  # (round 32: a `value` property set on a trusted class after it was made)
     class Later(enum.Enum):
         A = 1
@@ -1078,7 +1089,7 @@ print(json.dumps(out, default=bytes.decode))
     ("functional", "__main__.Made"), ("float", "__main__.Temp"), ("float_self", "__main__.Gauge"),
     ("later", "__main__.Later"), ("missing", "__main__.Status"), ("descriptor", "__main__.Mode"),
     ("descriptor_later", "__main__.Mode"), ("str_key", "__main__.Keyed"), ("dict_property", "__main__.Shown"),
-    ("enum_value", "enum.Enum"), ("raising_check", "__main__.Kept"),
+    ("enum_value", "enum.Enum"), ("raising_check", "__main__.Kept"), ("generic_alias", "__main__.Reading"),
 ])
 def test_an_enum_class_orjson_cannot_be_trusted_with_turns_its_first_pass_off(case: str, untrusted: str) -> None:
     """Hostile testing (round 31): orjson reads an Enum member's `value` as it walks a result,
