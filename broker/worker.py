@@ -268,6 +268,12 @@ class Method:
         # into the struct (0.19 us for `add`, against 1.6 us for decode + convert).
         # Any failure falls back to the general path, which says what is wrong.
         self._fast: tuple[msgspec.json.Decoder[msgspec.Struct], msgspec.json.Decoder[msgspec.Struct] | None] | None = None
+        # Every type a call may convert to is built now: an unsupported hint (a union of two
+        # untagged Structs) fails the registration, as on the fast path (round 36: beside
+        # *args it registered, then every call answered -32603).
+        for kind in (self._pos_type, self._named_type, self._var_pos, self._var_kw):
+            if kind is not None and not raw_params:
+                msgspec.json.Decoder(kind)
         if not (raw_params or self._var_pos or self._var_kw or self._required_kwonly):
             self._fast = (
                 msgspec.json.Decoder(self._pos_type),
@@ -511,10 +517,11 @@ def _is_async(fn: Callable[..., object]) -> bool:
 
 def _struct_default(value: object) -> object:
     """A parameter's default as a Struct field default. msgspec refuses a non-empty
-    list/dict/set/bytearray, so give it through a factory that returns that same
-    object: the handler sees its default exactly as a Python call would."""
-    if type(value) in (list, dict, set, bytearray) and value:
-        return msgspec.field(default_factory=lambda: value)
+    list/dict/set/bytearray, and copies an empty one per instance, so give it through a
+    factory that returns that same object: the handler sees its default exactly as a
+    Python call would (one object, shared by the calls)."""
+    if type(value) in (list, dict, set, bytearray):  # (empty too: msgspec copies those per call,
+        return msgspec.field(default_factory=lambda: value)  # round 36: a `_cache: dict = {}` memo never filled)
     return value
 
 

@@ -2539,3 +2539,46 @@ def test_a_value_of_args_or_kwargs_that_does_not_fit_says_where_in_it():
 
     assert invalid(take, b'[{"sku": "a"}, {"sku": 1}]') == ("items", "Expected `str`, got `int` - at `params[1].sku`")
     assert invalid(named, b'{"x": {"sku": 1}}') == ("x", "Expected `str`, got `int` - at `x.sku`")
+
+
+class _Left(msgspec.Struct):
+    a: int
+
+
+class _Right(msgspec.Struct):
+    b: int
+
+
+def test_an_unsupported_hint_fails_the_registration_whatever_the_signature():
+    """Hostile testing (round 36): a hint msgspec cannot convert to (a union of two untagged
+    Structs) failed the registration on the fast path, but beside *args (or **kwargs, or a
+    required keyword-only parameter) it registered, and every call answered -32603."""
+    def plain(x: _Left | _Right) -> int:
+        return 0
+
+    def with_args(x: _Left | _Right, *more: int) -> int:
+        return 0
+
+    def with_kwargs(x: int, **more: _Left | _Right) -> int:
+        return 0
+
+    for fn in (plain, with_args, with_kwargs):
+        with pytest.raises(TypeError, match="must be tagged"):
+            Method(fn.__name__, fn)
+
+
+def test_an_empty_mutable_default_is_shared_by_the_calls_as_in_python():
+    """Hostile testing (round 36): msgspec copies an empty list/dict/set default per
+    instance, so a `_cache: dict = {}` memo was a fresh dict each call (1, 1, 1), where
+    Python shares the one default (1, 2, 3); a non-empty one was shared."""
+    def seen(x: int, _cache: dict = {}, _order: list = []) -> int:  # noqa: B006 (the point)
+        _cache[x] = True
+        _order.append(x)
+        return len(_cache) + len(_order)
+
+    method = Method("seen", seen)
+    results = []
+    for i in range(3):
+        args, kwargs = method.bind(b"[%d]" % i, 64)
+        results.append(seen(*args, **kwargs))
+    assert results == [2, 4, 6]
