@@ -394,16 +394,14 @@ class Method:
                 try:
                     msgspec.convert(value, hint, str_keys=True)
                 except msgspec.ValidationError as exc:
-                    reason, found, path = str(exc).rpartition(" - at `$")  # (round 35: msgspec's `$` shown)
-                    return InvalidParams(name, f"{reason} - at `params[{i}]{path}" if found else f"{exc} (params[{i}])")
+                    return InvalidParams(name, _inside(str(exc), f"params[{i}]", f"{exc} (params[{i}])"))
         else:
             hint = typing.get_args(self._var_kw)[1]
             for key, value in typing.cast(dict[str, object], values).items():
                 try:
                     msgspec.convert(value, hint, str_keys=True)
                 except msgspec.ValidationError as exc:
-                    reason, found, path = str(exc).rpartition(" - at `$")
-                    return InvalidParams(key, f"{reason} - at `{key}{path}" if found else str(exc))
+                    return InvalidParams(key, _inside(str(exc), key, str(exc)))
         return InvalidParams(None, "params do not fit the signature")
 
     def _out_of_range(self, params: bytes, message: str) -> InvalidParams:
@@ -482,7 +480,11 @@ def _located(message: str) -> tuple[str, int | None, str | None, str] | None:
     " - at `$", in linear time (hostile testing, round 34: a regular expression took
     quadratic time on a client's 300 KB key, 3 s at 32 KB, and its worker was killed as
     hung, with the calls on it)."""
-    reason, found, path = message.rpartition(" - at `$")
+    head, found, path = message.rpartition("` in `$")  # (a key's: "<reason> - at `key` in `$<path>`")
+    if found and head.endswith(" - at `key"):
+        reason = head[: -len(" - at `key")] + " (a key)"  # (round 36: read as no location, param null)
+    else:
+        reason, found, path = message.rpartition(" - at `$")
     if not found or not path.endswith("`") or "`" in path[:-1]:
         return None
     path = path[:-1]
@@ -499,6 +501,18 @@ def _located(message: str) -> tuple[str, int | None, str | None, str] | None:
     if end == 1:
         return None
     return reason, None, path[1:end], path[end:]
+
+
+def _inside(message: str, where: str, bare: str) -> str:
+    """msgspec's `message` about one value (of `*args` or `**kwargs`), its location made
+    relative to `where` (`params[1]`, or the key): "<reason> - at `$.sku`" becomes "<reason>
+    - at `params[1].sku`", a key's "<reason> - at `key` in `$`" "<reason> (a key) - at
+    `params[1]`" (rounds 35, 36: msgspec's `$` was shown); `bare` if it says no place."""
+    for marker, tail in ((" - at `key` in `$", " (a key)"), (" - at `$", "")):
+        reason, found, path = message.rpartition(marker)
+        if found and path.endswith("`"):
+            return f"{reason}{tail} - at `{where}{path[:-1]}`"
+    return bare
 
 
 def _is_async(fn: Callable[..., object]) -> bool:

@@ -2582,3 +2582,21 @@ def test_an_empty_mutable_default_is_shared_by_the_calls_as_in_python():
         args, kwargs = method.bind(b"[%d]" % i, 64)
         results.append(seen(*args, **kwargs))
     assert results == [2, 4, 6]
+
+
+def test_a_bad_key_in_a_dict_parameter_names_the_parameter():
+    """Hostile testing (round 36): msgspec words a key's error "<reason> - at `key` in
+    `$[0]`", which was not read as a location: `param` null and msgspec's `$` shown."""
+    def counts(m: dict[int, int]) -> int:
+        return 0
+
+    def spread(*ms: dict[int, int]) -> int:
+        return 0
+
+    def named(**ms: dict[int, int]) -> int:
+        return 0
+
+    assert invalid(counts, b'[{"x": 1}]') == ("m", "Expected `int`, got `str` (a key)")
+    assert invalid(counts, b'{"m": {"x": 1}}') == ("m", "Expected `int`, got `str` (a key)")
+    assert invalid(spread, b'[{"1": 1}, {"x": 1}]') == ("ms", "Expected `int`, got `str` (a key) - at `params[1]`")
+    assert invalid(named, b'{"a": {"x": 1}}') == ("a", "Expected `int`, got `str` (a key) - at `a`")
