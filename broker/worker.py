@@ -202,6 +202,7 @@ class Method:
     """
 
     __slots__ = (
+        "_decode",
         "_fast",
         "_kwonly",
         "_named_type",
@@ -271,9 +272,15 @@ class Method:
         # Every type a call may convert to is built now: an unsupported hint (a union of two
         # untagged Structs) fails the registration, as on the fast path (round 36: beside
         # *args it registered, then every call answered -32603).
-        for kind in (self._pos_type, self._named_type, self._var_pos, self._var_kw):
-            if kind is not None and not raw_params:
-                msgspec.json.Decoder(kind)
+        kinds = [kind for kind in (self._pos_type, self._named_type, self._var_pos, self._var_kw) if kind is not None]
+        for kind in kinds if not raw_params else ():
+            msgspec.json.Decoder(kind)
+        # The general path decodes params to Python values, then converts them: a JSON
+        # number became a float on the way, and a Decimal parameter lost its digits
+        # (round 36: 1.00000000000000000001 by name was 1.0, by position exact). Where a
+        # hint holds a Decimal, numbers are decoded as Decimals (converted to float where
+        # a float is hinted).
+        self._decode = _DECIMAL_JSON if not raw_params and _holds_decimal(kinds) else _decode_json
         if not (raw_params or self._var_pos or self._var_kw or self._required_kwonly):
             self._fast = (
                 msgspec.json.Decoder(self._pos_type),
@@ -324,7 +331,7 @@ class Method:
             _check_raw(params, max_depth, deep)
             return (msgspec.Raw(params),), {}
         try:
-            obj = _decode_json(params)
+            obj = self._decode(params)
         except RecursionError:  # deeper than the parser takes, whatever max_depth says
             raise NestingTooDeep(max_depth) from None
         except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
@@ -469,6 +476,28 @@ class Method:
         if f and "unknown" in message:
             return InvalidParams(f.group(1), "unexpected parameter")
         return InvalidParams(None, message)
+
+
+_DECIMAL_JSON = msgspec.json.Decoder(float_hook=decimal.Decimal).decode
+
+
+def _holds_decimal(kinds: list[typing.Any]) -> bool:
+    """Whether any of the types `kinds` holds a `decimal.Decimal`, however deep (msgspec's
+    own reading of them, `msgspec.inspect`: Structs, dataclasses, unions, containers)."""
+    pending: list[object] = list(msgspec.inspect.multi_type_info(kinds))
+    seen: set[int] = set()
+    while pending:
+        node = pending.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, msgspec.inspect.DecimalType):
+            return True
+        if isinstance(node, (list, tuple)):
+            pending.extend(node)
+        elif isinstance(node, (msgspec.inspect.Type, msgspec.inspect.Field)):
+            pending.extend(getattr(node, name) for name in node.__struct_fields__)
+    return False
 
 
 def _located(message: str) -> tuple[str, int | None, str | None, str] | None:

@@ -529,3 +529,33 @@ def test_a_backlog_kept_past_max_incoming_bytes_still_waits_for_answers_owed(tmp
         assert peak <= 65, f"{peak} calls of one connection queued"
     finally:
         assert b.stop() == 0, b.read_log()
+
+
+def test_a_backlog_behind_a_last_waiting_line_owed_no_answer_goes_on(tmp_path):
+    """Hostile testing (round 36): with the rest of a read kept past max_incoming_bytes, the
+    lines past 64 owed wait in `_waiting`; when the last of them was owed no answer (a
+    notification) and went out after the last answer owed, nothing scheduled the read's
+    rest: its last call was never answered, and the connection stayed, its bytes counted
+    in max_incoming_bytes for good."""
+    path = str(tmp_path / "b.sock")
+    b = start_broker("--workers", "2", "--stream-socket", path, "--max-body-bytes", "1024",
+                     "--max-incoming-bytes", "1024")
+    try:
+        wait_for(lambda: "unix://" in b.read_log(0.05), timeout=10)
+        lines = [json.dumps({"jsonrpc": "2.0", "method": "sleep", "params": [1], "id": i}) for i in range(65)]
+        filler = '{"jsonrpc":"2.0","method":"sleep","params":[2],"id":"C"' + " " * (1024 - 150 - 58) + "}"
+        note = '{"jsonrpc":"2.0","method":"notify_hello","params":[7]' + " " * 40 + "}"
+        last = '{"jsonrpc":"2.0","method":"add","params":[1,2],"id":"Z"' + " " * 40 + "}"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(15)
+            s.connect(path)
+            s.sendall(("\n".join([*lines, filler, note, last]) + "\n").encode())
+            received = b""
+            while received.count(b"\n") < 67:
+                chunk = s.recv(65536)
+                assert chunk, received[-200:]
+                received += chunk
+        ids = {json.loads(line)["id"] for line in received.split(b"\n") if line}
+        assert ids == {*range(65), "C", "Z"}
+    finally:
+        assert b.stop() == 0, b.read_log()

@@ -2600,3 +2600,32 @@ def test_a_bad_key_in_a_dict_parameter_names_the_parameter():
     assert invalid(counts, b'{"m": {"x": 1}}') == ("m", "Expected `int`, got `str` (a key)")
     assert invalid(spread, b'[{"1": 1}, {"x": 1}]') == ("ms", "Expected `int`, got `str` (a key) - at `params[1]`")
     assert invalid(named, b'{"a": {"x": 1}}') == ("a", "Expected `int`, got `str` (a key) - at `a`")
+
+
+class _Priced(msgspec.Struct):
+    amount: decimal.Decimal
+    weight: float
+
+
+def test_a_decimal_parameter_keeps_its_digits_whichever_path_binds_it():
+    """Hostile testing (round 36): the general path (by name beside a keyword-only
+    parameter, or with *args) decoded numbers to floats before converting them:
+    1.00000000000000000001 became 1.0, 0.10 became 0.1, 1e400 was refused, where the fast
+    path (by position) kept the text exactly."""
+    def price(amount: decimal.Decimal, *, currency: str = "EUR") -> str:
+        return f"{amount} {currency}"
+
+    def total(*amounts: decimal.Decimal) -> str:
+        return str(sum(amounts))
+
+    def nested(item: _Priced, *, k: int = 0) -> int:
+        return 0
+
+    exact = decimal.Decimal("1.00000000000000000001")
+    assert bind(price, b"[1.00000000000000000001]") == ((exact,), {})
+    assert bind(price, b'{"amount": 1.00000000000000000001}') == ((exact,), {"currency": "EUR"})
+    assert str(bind(price, b'{"amount": 0.10}')[0][0]) == "0.10"
+    assert bind(price, b'{"amount": 1e400}')[0][0] == decimal.Decimal("1e400")
+    assert bind(total, b"[0.10, 1.00000000000000000001]") == ((decimal.Decimal("0.10"), exact), {})
+    args, _ = bind(nested, b'{"item": {"amount": 0.10, "weight": 0.5}}')
+    assert args == (_Priced(decimal.Decimal("0.10"), 0.5),) and type(args[0].weight) is float

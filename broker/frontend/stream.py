@@ -674,6 +674,10 @@ class StreamProtocol(asyncio.Protocol):
             self._fe.incoming.hold(len(line), 0)
             self._waiting_bytes -= len(line)
             self._busy = self._submit(line)
+        if self._backlog and not self._waiting and not self._write_paused and self.owed < PIPELINE_LOW:
+            # (round 36: a last line that is owed no answer, dispatched after the last answer
+            # owed, left the rest of the read held by nothing: the connection stalled for good)
+            self._schedule_turn()
         self._maybe_resume()
         self._maybe_close()
         self._fe.recount()  # (the drain waits for what `_waiting` held)
