@@ -532,8 +532,8 @@ def _check(s: Setting, value: object, source: str) -> None:
         raise ConfigError(f"{source}: rpc_path = {value!r}: a '.' or '..' segment, which clients remove "
                           "before they send the path (RFC 3986 section 5.2.4): it could not be reached")
     if s.name in ("host", "metrics_host") and isinstance(value, str) and value != "".join(value.split()):
-        raise ConfigError(f"{source}: {s.name} = {value!r}: white space in an address, which it cannot be "
-                          "bound to (rounds 34, 35: check-config said ok, serve then failed)")
+        raise ConfigError(f"{source}: {s.name} = {value!r}: white space in an address, which nothing can be "
+                          "bound to")  # (rounds 34, 35: check-config said ok, serve then failed)
     if s.name == "host" and isinstance(value, str) and value.startswith("[") and value.endswith("]"):
         raise ConfigError(f"{source}: host = {value!r}: give the address without brackets "
                           f"({value[1:-1]!r}): brackets belong in URLs, not in the address to bind")
