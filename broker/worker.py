@@ -227,7 +227,15 @@ class Method:
         self.raw_params = raw_params
         self.doc = inspect.getdoc(fn) or ""
         sig = inspect.signature(fn)
-        hints = typing.get_type_hints(fn, include_extras=True)  # (round 35: Annotated[int, Meta(ge=0)] was stripped, unchecked)
+        try:  # (round 35: without include_extras, Annotated[int, Meta(ge=0)] was stripped, unchecked)
+            hints = typing.get_type_hints(fn, include_extras=True)
+        except NameError as exc:  # (round 36: "NameError ... at <string>:1" named no method)
+            raise NameError(f"method {name!r}: a type hint names what is not defined when the app is loaded"
+                            f" ({exc}): define it before the method is registered") from None
+        for p in sig.parameters.values():
+            if p.name.startswith("__"):  # (round 36: "Failed to get offset", or every call -32602)
+                raise TypeError(f"method {name!r}: parameter {p.name!r} starts with '__', which params cannot "
+                                "bind (Python mangles such names; msgspec reserves some): rename it")
         pos: list[tuple[str, object, object]] = []
         kwonly: list[tuple[str, object, object]] = []
         self._var_pos: object | None = None

@@ -2629,3 +2629,25 @@ def test_a_decimal_parameter_keeps_its_digits_whichever_path_binds_it():
     assert bind(total, b"[0.10, 1.00000000000000000001]") == ((decimal.Decimal("0.10"), exact), {})
     args, _ = bind(nested, b'{"item": {"amount": 0.10, "weight": 0.5}}')
     assert args == (_Priced(decimal.Decimal("0.10"), 0.5),) and type(args[0].weight) is float
+
+
+def test_a_parameter_named_with_two_underscores_or_an_undefined_hint_is_refused_saying_so():
+    """Hostile testing (round 36): `__x` failed registration with "Failed to get offset for
+    '__x'", `__dict__` with msgspec's words, `__post_init__` registered and every call
+    answered -32602 "'member_descriptor' object is not callable"; a hint naming what is
+    not defined said "NameError ... at <string>:1", no method named."""
+    def mangled(__x: int = 0) -> int:
+        return 0
+
+    def post(__post_init__: int = 0) -> int:
+        return 0
+
+    for fn in (mangled, post):
+        with pytest.raises(TypeError, match=f"method '{fn.__name__}': parameter '__"):
+            Method(fn.__name__, fn)
+
+    def later(item: _NotYetDefined) -> int:  # noqa: F821 (the point)
+        return 0
+
+    with pytest.raises(NameError, match="method 'later': a type hint names what is not defined"):
+        Method("later", later)
