@@ -517,14 +517,10 @@ def _located(message: str) -> tuple[str, int | None, str | None, str] | None:
     " - at `$", in linear time (hostile testing, round 34: a regular expression took
     quadratic time on a client's 300 KB key, 3 s at 32 KB, and its worker was killed as
     hung, with the calls on it)."""
-    head, found, path = message.rpartition("` in `$")  # (a key's: "<reason> - at `key` in `$<path>`")
-    if found and head.endswith(" - at `key"):
-        reason = head[: -len(" - at `key")] + " (a key)"  # (round 36: read as no location, param null)
-    else:
-        reason, found, path = message.rpartition(" - at `$")
-    if not found or not path.endswith("`") or "`" in path[:-1]:
+    split = _split_path(message)
+    if split is None:
         return None
-    path = path[:-1]
+    reason, path = split
     if path.startswith("["):
         end = path.find("]")
         digits = path[1:end]
@@ -545,11 +541,21 @@ def _inside(message: str, where: str, bare: str) -> str:
     relative to `where` (`params[1]`, or the key): "<reason> - at `$.sku`" becomes "<reason>
     - at `params[1].sku`", a key's "<reason> - at `key` in `$`" "<reason> (a key) - at
     `params[1]`" (rounds 35, 36: msgspec's `$` was shown); `bare` if it says no place."""
+    split = _split_path(message)
+    return bare if split is None else f"{split[0]} - at `{where}{split[1]}`"
+
+
+def _split_path(message: str) -> tuple[str, str] | None:
+    """msgspec's validation `message` split into its reason and the path it ends with
+    (without `$` and the backquotes), or None if it ends with none. A key's error, "<reason>
+    - at `key` in `$<path>`", gives "<reason> (a key)" (round 36: read as no path). The
+    path holds nothing of the client's, the reason may (a key, a value), so the split is at
+    the last marker whose path is well formed, in linear time (round 34)."""
     for marker, tail in ((" - at `key` in `$", " (a key)"), (" - at `$", "")):
         reason, found, path = message.rpartition(marker)
-        if found and path.endswith("`"):
-            return f"{reason}{tail} - at `{where}{path[:-1]}`"
-    return bare
+        if found and path.endswith("`") and "`" not in path[:-1]:
+            return reason + tail, path[:-1]
+    return None
 
 
 def _is_async(fn: Callable[..., object]) -> bool:

@@ -2651,3 +2651,19 @@ def test_a_parameter_named_with_two_underscores_or_an_undefined_hint_is_refused_
 
     with pytest.raises(NameError, match="method 'later': a type hint names what is not defined"):
         Method("later", later)
+
+
+def test_a_value_quoting_a_key_error_s_wording_does_not_choose_the_error():
+    """Review of round 36's fix: a key error's marker (" - at `key` in `$") quoted in a
+    client's value before the real location must not be taken for it."""
+    def pick(mode: typing.Literal["on", "off"], n: int = 0) -> str:
+        return mode
+
+    value = "x - at `key` in `$[0]"
+    assert invalid(pick, b'{"mode": %s}' % json.dumps(value).encode()) == ("mode", f"Invalid enum value '{value}'")
+
+    def spread(*modes: typing.Literal["on"]) -> int:
+        return 0
+
+    assert invalid(spread, b'["on", %s]' % json.dumps(value).encode()) == (
+        "modes", f"Invalid enum value '{value}' (params[1])")
