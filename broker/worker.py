@@ -68,7 +68,7 @@ from collections.abc import Callable
 import msgspec
 import orjson
 
-from broker import wire
+from broker import collisions, wire
 from broker.jsonrpc import OTHER, ErrorCode, error_object
 from broker.jsonscan import nests_deeper
 
@@ -204,6 +204,8 @@ class Method:
     __slots__ = (
         "_decode",
         "_fast",
+        "_flags",
+        "_guards",
         "_kwonly",
         "_named_type",
         "_pos_names",
@@ -288,8 +290,21 @@ class Method:
         # (round 36: 1.00000000000000000001 by name was 1.0, by position exact). Where a
         # hint holds a Decimal, numbers are decoded as Decimals (converted to float where
         # a float is hinted).
-        self._decode = _DECIMAL_JSON if not raw_params and _holds_decimal(kinds) else _decode_json
-        if not (raw_params or self._var_pos or self._var_kw or self._required_kwonly):
+        held = [] if raw_params else _held(kinds)
+        self._decode = (_DECIMAL_JSON if any(isinstance(node, msgspec.inspect.DecimalType) for node in held)
+                        else _decode_json)
+        self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
+                             and issubclass(node.cls, enum.Flag)}) or None
+        # Sets and non-str dict keys are checked for hash flooding before they are built
+        # (broker/collisions.py), and the members an enum.Flag makes are bounded
+        # (_drop_flag_members): their params take the general path.
+        guards = (None,) * 4 if raw_params else (
+            collisions.guard(self._pos_type), collisions.guard(self._named_type),
+            None if self._var_pos is None else collisions.guard(self._var_pos),
+            None if self._var_kw is None else collisions.guard(self._var_kw))
+        self._guards = guards if any(guards) else None
+        if not (raw_params or self._var_pos or self._var_kw or self._required_kwonly or self._guards
+                or self._flags):
             self._fast = (
                 msgspec.json.Decoder(self._pos_type),
                 None if kwonly else msgspec.json.Decoder(self._named_type),
@@ -338,6 +353,8 @@ class Method:
         if self.raw_params:
             _check_raw(params, max_depth, deep)
             return (msgspec.Raw(params),), {}
+        if self._flags is not None:
+            _drop_flag_members(self._flags)
         try:
             obj = self._decode(params)
         except RecursionError:  # deeper than the parser takes, whatever max_depth says
@@ -348,11 +365,41 @@ class Method:
             raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
         if deep:
             raise NestingTooDeep(max_depth)
+        if self._guards is not None:
+            self._check_floods(obj, self._guards)
         if type(obj) is list:
             return self._bind_positional(obj), {}
         if type(obj) is not dict:  # section 4.2: params is an array or an object
             raise InvalidParams(None, "params must be an array or an object")
         return self._bind_named(obj)
+
+    def _check_floods(self, obj: object, guards: tuple[collisions.Check | None, ...]) -> None:
+        """Refuse params putting more than `collisions.SHARED_HASH_MAX` distinct values of
+        one hash in a set or an object's keys (hash flooding: building them would take
+        time quadratic in their count), naming the parameter and where in it."""
+        pos, named, var_pos, var_kw = guards
+        n = len(self._pos_names)
+        if type(obj) is list:
+            try:
+                if pos is not None:
+                    pos(obj)
+            except collisions.Flooded as exc:
+                raise _flooded(self._pos_names[typing.cast(int, exc.where[0])], exc.where[1:]) from None
+            try:
+                if var_pos is not None and len(obj) > n:
+                    var_pos(obj[n:])
+            except collisions.Flooded as exc:
+                index = n + typing.cast(int, exc.where[0])
+                raise _flooded(self._var_pos_name(), [index, *exc.where[1:]], "params") from None
+        elif type(obj) is dict:
+            known = self._named_type.__struct_fields__
+            try:
+                if named is not None:
+                    named(obj)
+                if var_kw is not None:
+                    var_kw({k: v for k, v in obj.items() if k not in known})
+            except collisions.Flooded as exc:
+                raise _flooded(str(exc.where[0]), exc.where[1:]) from None
 
     def _bind_positional(self, values: list[object]) -> tuple[object, ...]:
         if self._required_kwonly:
@@ -486,26 +533,68 @@ class Method:
         return InvalidParams(None, message)
 
 
+def _flooded(name: str, path: list[str | int], root: str | None = None) -> InvalidParams:
+    """`Method._check_floods`'s refusal: the parameter, and where in it (`path`)."""
+    inner = "".join(f"[{step}]" if type(step) is int else f".{step}" for step in path)
+    at = f" - at `{root or name}{inner}`" if inner else ""
+    return InvalidParams(name, f"more than {collisions.SHARED_HASH_MAX} distinct values of one hash in one set or"
+                         f" in one object's keys{at}: refused (hash flooding)")
+
+
 _DECIMAL_JSON = msgspec.json.Decoder(float_hook=decimal.Decimal).decode
 
 
-def _holds_decimal(kinds: list[typing.Any]) -> bool:
-    """Whether any of the types `kinds` holds a `decimal.Decimal`, however deep (msgspec's
-    own reading of them, `msgspec.inspect`: Structs, dataclasses, unions, containers)."""
+def _held(kinds: list[typing.Any]) -> list[object]:
+    """Every type node the types `kinds` hold, however deep (msgspec's own reading of
+    them, `msgspec.inspect`: Structs, dataclasses, unions, containers)."""
     pending: list[object] = list(msgspec.inspect.multi_type_info(kinds))
-    seen: set[int] = set()
+    seen: dict[int, object] = {}
     while pending:
         node = pending.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
-        if isinstance(node, msgspec.inspect.DecimalType):
-            return True
+        seen[id(node)] = node
         if isinstance(node, (list, tuple)):
             pending.extend(node)
         elif isinstance(node, (msgspec.inspect.Type, msgspec.inspect.Field)):
             pending.extend(getattr(node, name) for name in node.__struct_fields__)
-    return False
+    return [node for node in seen.values() if isinstance(node, msgspec.inspect.Type)]
+
+
+FLAG_PSEUDO_MEMBERS_MAX = 4096
+"""How many members an `enum.Flag` class that params bind to may make and cache (one
+per value that is not one of its own: `IntFlag` takes any integer) before those that
+nothing else holds are dropped."""
+_FLAG_KEPT: dict[type, int] = {}  # a Flag class: how many members its map held after the last drop
+
+
+def _drop_flag_members(classes: tuple[type, ...]) -> None:
+    """Drop from each class's `_value2member_map_` the members that `enum.Flag`'s
+    `_missing_` made and cached there for good (CPython's enum module) and that nothing
+    else holds, once it has grown by `FLAG_PSEUDO_MEMBERS_MAX` since the last drop:
+    binding `IntFlag` params from a client's distinct integers grew a worker by 36 MiB
+    per 780 KiB request, never given back (hostile testing, round 36). Called before
+    params are bound, so a worker keeps at most the last call's members besides that
+    bound. A member still held (by a module, or a call under way) stays, the same object;
+    one made again after its drop is a new object, indistinguishable (no one held the old)."""
+    for cls in classes:
+        members = vars(cls).get("_value2member_map_")
+        if type(members) is not dict or len(members) <= _FLAG_KEPT.get(cls, 0) + FLAG_PSEUDO_MEMBERS_MAX:
+            continue
+        for value in _held_only_by(members):
+            del members[value]
+        _FLAG_KEPT[cls] = len(members)
+
+
+def _held_only_by(mapping: dict[object, object]) -> list[object]:
+    """The keys of `mapping` whose values nothing else references: CPython reference
+    counts, read the same way as that of a value a dict alone holds."""
+    alone = _reference_counts({None: object()})[0][1]
+    return [key for key, count in _reference_counts(mapping) if count <= alone]
+
+
+def _reference_counts(mapping: dict[object, object]) -> list[tuple[object, int]]:
+    return [(key, sys.getrefcount(value)) for key, value in mapping.items()]
 
 
 def _located(message: str) -> tuple[str, int | None, str | None, str] | None:

@@ -1,0 +1,61 @@
+"""A test app whose params are built into sets, dict keys and enum.Flag members: what
+hash flooding and IntFlag's member cache reached (issue 9, hostile testing round 36)."""
+
+import enum
+import os
+import uuid
+
+import msgspec
+
+from broker.worker import Registry
+
+registry = Registry()
+
+
+class Perm(enum.IntFlag):
+    R = 4
+    W = 2
+    X = 1
+
+
+class Tagged(msgspec.Struct):
+    tags: set[int] = set()
+    children: list["Tagged"] = []
+
+
+@registry.method
+def pid() -> int:
+    return os.getpid()
+
+
+@registry.method
+def distinct(ids: set[uuid.UUID]) -> int:
+    """How many distinct UUIDs."""
+    return len(ids)
+
+
+@registry.method
+def pairs(points: frozenset[tuple[int, int]], *, scale: int = 1) -> int:
+    return len(points) * scale
+
+
+@registry.method
+def weights(table: dict[int, float]) -> float:
+    return sum(table.values())
+
+
+@registry.method
+def tree(root: Tagged) -> int:
+    return len(root.tags) + sum(tree(child) for child in root.children)
+
+
+@registry.method
+def perms(*flags: Perm) -> int:
+    """How many flags, each any integer (IntFlag keeps the bits it does not name)."""
+    return len(flags)
+
+
+@registry.method
+def flag_members() -> int:
+    """How many members the Perm class holds in its value map (its own and made)."""
+    return len(Perm._value2member_map_)

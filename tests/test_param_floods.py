@@ -1,0 +1,221 @@
+"""Params a client makes costly to bind: values of one hash in a set or an object's keys
+(hash flooding, broker/collisions.py) and the members enum.Flag makes for good (issue 9,
+hostile testing round 36: 12,000 UUIDs of one hash held a worker 7.4 s; IntFlag params
+grew a worker by 36 MiB per request, never given back)."""
+
+from __future__ import annotations
+
+import dataclasses
+import decimal
+import enum
+import typing
+import uuid
+
+import msgspec
+import pytest
+from conftest import Broker, start_broker
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import collisions
+from broker.worker import FLAG_PSEUDO_MEMBERS_MAX, InvalidParams, Method
+
+MODULUS = 2**61 - 1  # CPython hashes an int as its value modulo this (sys.hash_info.modulus)
+MAX = collisions.SHARED_HASH_MAX
+
+
+def one_hash(count: int, base: int = 5) -> list[int]:
+    """`count` distinct integers of one hash."""
+    return [base + k * MODULUS for k in range(count)]
+
+
+def uuids(values: list[int]) -> list[str]:
+    return [str(uuid.UUID(int=v)) for v in values]
+
+
+@pytest.fixture(scope="module")
+def flooding() -> typing.Iterator[Broker]:
+    b = start_broker("--workers", "1", "--app", "tests.apps.flooding:registry")
+    yield b
+    assert b.stop() == 0, b.read_log()
+
+
+def refused(answer: dict[str, object], param: str) -> str:
+    error = typing.cast(dict[str, typing.Any], answer.get("error"))
+    assert error is not None, answer
+    assert error["code"] == -32602, answer
+    assert error["data"]["param"] == param, answer
+    reason = typing.cast(str, error["data"]["reason"])
+    assert "hash flooding" in reason, answer
+    return reason
+
+
+def test_uuids_of_one_hash_are_refused_over_http(flooding: Broker) -> None:
+    # Before: bound (quadratic time; 12,000 took 7 s) and answered 3000.
+    reason = refused(flooding.call("distinct", [uuids(one_hash(3000))]), "ids")
+    assert f"more than {MAX} distinct values of one hash" in reason
+    by_name = flooding.call("distinct", {"ids": uuids(one_hash(3000, 7))})
+    refused(by_name, "ids")
+    assert flooding.call("pid")["result"] == flooding.call("pid")["result"]  # (the same worker, still serving)
+
+
+def test_sets_that_are_not_floods_bind(flooding: Broker) -> None:
+    assert flooding.call("distinct", [[str(uuid.uuid4()) for _ in range(3000)]])["result"] == 3000
+    assert flooding.call("distinct", [uuids([5] * 3000)])["result"] == 1  # (duplicates: one value)
+    assert flooding.call("distinct", [uuids(one_hash(MAX)) * 3])["result"] == MAX  # (the bound itself)
+    refused(flooding.call("distinct", [uuids(one_hash(MAX + 1))]), "ids")
+
+
+def test_tuples_and_int_keys_of_one_hash_are_refused(flooding: Broker) -> None:
+    # hash((a, b)) is not randomized: pairs (v, 0) with v of one hash share one.
+    refused(flooding.call("pairs", {"points": [[v, 0] for v in one_hash(2000)], "scale": 2}), "points")
+    assert flooding.call("pairs", {"points": [[i, i] for i in range(2000)], "scale": 2})["result"] == 4000
+    reason = refused(flooding.call("weights", [{str(v): 1.5 for v in one_hash(2000)}]), "table")
+    assert "one object's keys" in reason
+    assert flooding.call("weights", [{str(i): 0.5 for i in range(2000)}])["result"] == 1000.0
+    # A wrong value still gets msgspec's own reason, not the flood's.
+    error = typing.cast(dict[str, typing.Any], flooding.call("weights", [{"x": 1.5}])["error"])
+    assert error["code"] == -32602 and error["data"]["param"] == "table" and "flood" not in error["data"]["reason"]
+
+
+def test_a_flood_deep_in_a_recursive_struct_is_located(flooding: Broker) -> None:
+    root = {"tags": [1, 2], "children": [{"children": [{"tags": one_hash(100)}]}]}
+    reason = refused(flooding.call("tree", [root]), "root")
+    assert "root.children[0].children[0].tags" in reason
+    root["children"][0]["children"][0]["tags"] = list(range(100))  # type: ignore[index]
+    assert flooding.call("tree", [root])["result"] == 102
+
+
+def test_intflag_members_a_client_makes_are_bounded(flooding: Broker) -> None:
+    """Each distinct integer an IntFlag param takes makes a member the enum module caches
+    for good; past FLAG_PSEUDO_MEMBERS_MAX those nothing holds are dropped. Before: every
+    value sent stayed (18,003 members after three calls)."""
+    before = flooding.call("flag_members")["result"]
+    per_call = 6000
+    for round_ in range(3):
+        flags = [(1 << 20) + 8 * (round_ * per_call + i) for i in range(per_call)]
+        assert flooding.call("perms", flags)["result"] == per_call
+    assert flooding.call("perms", [6, 1])["result"] == 2
+    after = flooding.call("flag_members")["result"]
+    assert isinstance(before, int) and isinstance(after, int)
+    assert after <= before + FLAG_PSEUDO_MEMBERS_MAX + 2, (before, after)
+
+
+class Perm(enum.IntFlag):
+    R = 4
+    W = 2
+
+
+class Colour(enum.Flag):
+    RED = 1
+    GREEN = 2
+    BLUE = 4
+
+
+READ_WRITE = Perm.R | Perm.W
+GREEN_BLUE = Colour.GREEN | Colour.BLUE
+
+
+def perms_handler(*flags: Perm) -> int:
+    return len(flags)
+
+
+def colours_handler(colours: list[Colour]) -> int:
+    return len(colours)
+
+
+def test_flag_members_still_held_are_kept_the_same_object() -> None:
+    method = Method("perms", perms_handler)
+    held = Perm(1 << 40)
+    for round_ in range(3):
+        values = b",".join(b"%d" % ((1 << 20) + 8 * (round_ * 5000 + i)) for i in range(5000))
+        args, _ = method.bind(b"[" + values + b"]", 64)
+        assert len(args) == 5000
+        del args
+    method.bind(b"[6]", 64)
+    assert len(Perm._value2member_map_) <= FLAG_PSEUDO_MEMBERS_MAX + 10
+    assert Perm(6) is READ_WRITE and Perm(1 << 40) is held
+    # A plain Flag compares by identity: a composite a module holds stays the one.
+    colours = Method("colours", colours_handler)
+    args, _ = colours.bind(b"[[6, 3, 1]]", 64)
+    assert args[0][0] is GREEN_BLUE and args[0][2] is Colour.RED
+
+
+# The guard itself, on decoded JSON values (sans-IO).
+
+class Point(typing.NamedTuple):
+    x: int
+    y: int
+
+
+class Shape(typing.TypedDict):
+    corners: set[Point]
+
+
+@dataclasses.dataclass
+class Holder:
+    keys: dict[decimal.Decimal, str]
+
+
+class Node(msgspec.Struct, array_like=True):
+    label: str
+    below: list[Node] = []
+    marks: frozenset[frozenset[int]] = frozenset()
+
+
+def flooded(kind: object, value: object) -> list[str | int] | None:
+    check = collisions.guard(kind)
+    assert check is not None
+    try:
+        check(value)
+    except collisions.Flooded as exc:
+        return exc.where
+    return None
+
+
+def test_types_without_sets_or_non_str_keys_need_no_check() -> None:
+    for kind in (int, list[int], dict[str, set[str]], tuple[str, ...], set[str], frozenset[bytes],
+                 dict[str, list[dict[str, int]]], typing.Any, set[typing.Literal[1, 2]]):
+        assert collisions.guard(kind) is None, kind
+
+
+def test_the_guard_finds_floods_in_every_container_msgspec_builds() -> None:
+    assert flooded(Shape, {"corners": [[v, 1] for v in one_hash(20)]}) == ["corners"]
+    assert flooded(Holder, {"keys": {str(v): "x" for v in one_hash(20)}}) == ["keys"]
+    assert flooded(Holder, {"keys": {str(i): "x" for i in range(20)}}) is None
+    deep = ["a", [["b", [], [one_hash(3), one_hash(20)]]]]
+    assert flooded(Node, deep) == [1, 0, 2, 1]
+    assert flooded(list[set[int]] | None, [[1], one_hash(20)]) == [1]
+    assert flooded(typing.Annotated[set[int], msgspec.Meta(max_length=5)], one_hash(20)) == []
+    assert flooded(dict[str, set[uuid.UUID]], {"k": uuids(one_hash(20))}) == ["k"]
+
+
+def test_the_guard_passes_over_values_that_do_not_fit() -> None:
+    """Shapes the binding refuses with msgspec's own reason: the check says nothing."""
+    assert flooded(set[int], {"a": 1}) is None
+    assert flooded(set[int], ["x", *one_hash(MAX), "y"]) is None
+    assert flooded(set[int], ["x", *one_hash(MAX + 1)]) == []  # (the values that convert still count)
+    assert flooded(Node, {"label": 3}) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12)), max_size=60))
+def test_refused_exactly_when_more_than_the_bound_share_a_hash(picks: list[tuple[int, int]]) -> None:
+    """Values are (hash group g, member k): g + k * MODULUS. Refused iff some group holds
+    more than SHARED_HASH_MAX distinct members."""
+    values = [g + k * MODULUS for g, k in picks]
+    distinct: dict[int, set[int]] = {}
+    for g, k in picks:
+        distinct.setdefault(g, set()).add(k)
+    expected = any(len(members) > MAX for members in distinct.values())
+    assert (flooded(set[int], values) is not None) == expected
+    method = Method("m", set_handler)
+    if expected:
+        with pytest.raises(InvalidParams, match="hash flooding"):
+            method.bind(msgspec.json.encode([values]), 64)
+    else:
+        assert method.bind(msgspec.json.encode([values]), 64) == ((set(values),), {})
+
+
+def set_handler(values: set[int]) -> int:
+    return len(values)
