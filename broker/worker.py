@@ -213,6 +213,7 @@ class Method:
         "_pos_only_required",
         "_pos_type",
         "_required_kwonly",
+        "_typed",
         "_var_kw",
         "_var_pos",
         "doc",
@@ -295,6 +296,18 @@ class Method:
                         else _decode_json)
         self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
                              and issubclass(node.cls, enum.Flag)}) or None
+        # msgspec.convert cannot make a msgspec.Raw from decoded values (round 36: `x:
+        # msgspec.Raw` bound by position only, on the fast path): on the general path, a
+        # parameter whose hint holds one is decoded from its own JSON text, with its type.
+        self._typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]] | None = None
+        if any(isinstance(node, msgspec.inspect.RawType) for node in held):
+            hinted = [(n, h) for n, h, _ in pos + kwonly]
+            if self._var_pos is not None:
+                hinted.append(("*", typing.get_args(self._var_pos)[0]))
+            if self._var_kw is not None:
+                hinted.append(("**", typing.get_args(self._var_kw)[1]))
+            self._typed = {n: (msgspec.json.Decoder(h), collisions.guard(h)) for n, h in hinted
+                           if any(isinstance(node, msgspec.inspect.RawType) for node in _held([h]))}
         # Sets and non-str dict keys are checked for hash flooding before they are built
         # (broker/collisions.py), and the members an enum.Flag makes are bounded
         # (_drop_flag_members): their params take the general path.
@@ -356,7 +369,7 @@ class Method:
         if self._flags is not None:
             _drop_flag_members(self._flags)
         try:
-            obj = self._decode(params)
+            obj = self._decode(params) if self._typed is None else self._decode_typed(params, self._typed)
         except RecursionError:  # deeper than the parser takes, whatever max_depth says
             raise NestingTooDeep(max_depth) from None
         except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
@@ -372,6 +385,43 @@ class Method:
         if type(obj) is not dict:  # section 4.2: params is an array or an object
             raise InvalidParams(None, "params must be an array or an object")
         return self._bind_named(obj)
+
+    def _decode_typed(self, params: bytes,
+                      typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]]) -> object:
+        """Decode params whose parameters' hints hold a `msgspec.Raw`: each value such a
+        parameter takes is decoded from its own text with its own type, the others as
+        `bind` decodes them. Raises `InvalidParams` for a value that does not fit."""
+        try:
+            top = _RAW_TOP(params)
+        except msgspec.ValidationError:
+            raise InvalidParams(None, "params must be an array or an object") from None
+        n = len(self._pos_names)
+        if type(top) is list:
+            var_pos = self._var_pos_name() if "*" in typed else ""
+            return [self._decode_value(raw, typed.get(self._pos_names[i] if i < n else "*"),
+                                       self._pos_names[i] if i < n else var_pos, "" if i < n else f"params[{i}]")
+                    for i, raw in enumerate(top)]
+        known = self._named_type.__struct_fields__
+        return {key: self._decode_value(raw, typed.get(key if key in known else "**"), key, "")
+                for key, raw in typing.cast(dict[str, msgspec.Raw], top).items()}
+
+    def _decode_value(self, raw: msgspec.Raw,
+                      typed: tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None] | None,
+                      name: str, where: str) -> object:
+        try:
+            if typed is None:
+                return self._decode(raw)
+            decoder, check = typed
+            if check is not None:  # (the sets it holds, before they are built)
+                try:
+                    check(self._decode(raw))
+                except collisions.Flooded as exc:
+                    raise _flooded(name, exc.where, where or None) from None
+            return decoder.decode(raw)
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            raise InvalidParams(name or None, _inside(message, where or name, f"{message} ({where})" if where
+                                                      else message)) from None
 
     def _check_floods(self, obj: object, guards: tuple[collisions.Check | None, ...]) -> None:
         """Refuse params putting more than `collisions.SHARED_HASH_MAX` distinct values of
@@ -542,6 +592,7 @@ def _flooded(name: str, path: list[str | int], root: str | None = None) -> Inval
 
 
 _DECIMAL_JSON = msgspec.json.Decoder(float_hook=decimal.Decimal).decode
+_RAW_TOP = msgspec.json.Decoder(list[msgspec.Raw] | dict[str, msgspec.Raw]).decode
 
 
 def _held(kinds: list[typing.Any]) -> list[object]:
