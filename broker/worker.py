@@ -324,13 +324,17 @@ class Method:
             )
 
     def params_schema(self) -> dict[str, object]:
-        """JSON Schema of the named params (used by HELLO, and later by MCP)."""
+        """JSON Schema of the named params (used by HELLO, and later by MCP): `{}` for a
+        hint msgspec cannot describe, or whose description has no JSON form (round 36:
+        `Meta(examples=[numpy.int64(10)])` stopped the worker's boot with a bare traceback)."""
         if self.raw_params:
             return {}
         try:
-            return msgspec.json.schema(self._named_type)
-        except (TypeError, ValueError):  # a hint msgspec cannot describe
+            schema = msgspec.json.schema(self._named_type)
+            msgspec.json.encode(schema)
+        except (TypeError, ValueError):  # (UnicodeEncodeError included: a lone surrogate)
             return {}
+        return schema
 
     def bind(self, params: bytes, max_depth: int) -> tuple[tuple[object, ...], dict[str, object]]:
         """Raw JSON params (b"" when absent) → `(args, kwargs)` for the handler.
@@ -373,7 +377,9 @@ class Method:
         except RecursionError:  # deeper than the parser takes, whatever max_depth says
             raise NestingTooDeep(max_depth) from None
         except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
-            raise self._out_of_range(params, str(exc)) from None
+            obj = _values_decoded(params, self._decode)  # (unless a later duplicate key replaced it)
+            if obj is None:
+                raise self._out_of_range(params, str(exc)) from None
         except msgspec.DecodeError as exc:
             raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
         if deep:
@@ -581,6 +587,17 @@ class Method:
         if f and "unknown" in message:
             return InvalidParams(f.group(1), "unexpected parameter")
         return InvalidParams(None, message)
+
+
+def _values_decoded(params: bytes, decode: Callable[[bytes], object]) -> dict[str, object] | None:
+    """An object's values decoded each alone, the last of duplicate keys kept (as a whole
+    decode keeps it), or None if one does not decode: params `{"a": 1e400, "a": 2}` bind
+    `a` to 2, as `{"a": "x", "a": 2}` do (round 36: refused, no parameter named). Cold path."""
+    try:
+        values = msgspec.json.decode(params, type=dict[str, msgspec.Raw])
+        return {key: decode(value) for key, value in values.items()}
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
 
 
 def _flooded(name: str, path: list[str | int], root: str | None = None) -> InvalidParams:

@@ -2676,6 +2676,44 @@ def test_a_raw_parameter_binds_whichever_path_binds_it():
     assert name == "x" and "at `x[1]`" in reason and "hash flooding" in reason
 
 
+def test_a_schema_with_no_json_form_is_left_out_of_hello():
+    """Hostile testing (round 36): `Meta(examples=[numpy.int64(10)])` (or a lone surrogate in
+    a description) made a schema msgspec builds but cannot encode: the worker's HELLO
+    raised and its boot stopped with a bare traceback."""
+    def take(n: typing.Annotated[int, msgspec.Meta(ge=0, examples=[np.int64(10)])] = 1) -> int:
+        return n
+
+    def told(n: typing.Annotated[int, msgspec.Meta(description="caf\udce9")] = 1) -> int:
+        return n
+
+    for fn in (take, told):
+        method = Method(fn.__name__, fn)
+        assert method.params_schema() == {}
+        assert bind(fn, b"[3]") == ((3,), {})
+    registry = Registry()
+    registry.method(take)
+
+    async def made() -> bytes:  # (a WorkerProtocol belongs to a running loop)
+        return WorkerProtocol(registry, 0, 1).hello()
+
+    assert decode_hello(asyncio.run(made())).methods[0].params_schema == {}
+
+
+def test_a_duplicate_key_replaces_an_out_of_range_number_as_it_replaces_any_value():
+    """Hostile testing (round 36): `{"a": "x", "a": 2}` bound a=2 (the last duplicate wins),
+    but `{"a": 1e400, "a": 2}` was refused with no parameter named and msgspec's `$[...]`."""
+    def f(a: int, b: int = 0) -> int:
+        return a + b
+
+    def g(a: float, *, b: int = 0) -> float:
+        return a
+
+    assert bind(f, b'{"a": "x", "a": 2}') == ((2, 0), {})
+    assert bind(f, b'{"a": 1e400, "a": 2}') == ((2, 0), {})
+    assert bind(g, b'{"a": 1e400, "b": 1, "a": 2.5}') == ((2.5,), {"b": 1})
+    assert invalid(f, b'{"a": 2, "a": 1e400}') == ("a", "Number out of range")
+
+
 def test_a_parameter_named_with_two_underscores_or_an_undefined_hint_is_refused_saying_so():
     """Hostile testing (round 36): `__x` failed registration with "Failed to get offset for
     '__x'", `__dict__` with msgspec's words, `__post_init__` registered and every call
