@@ -718,6 +718,8 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
         previous = merged.get(s.name)
         if isinstance(previous, dict) and isinstance(value, dict):
             value = {**previous, **value}  # method_timeouts: merged per method name
+        if type(value) is float and value == 0:  # (-0.0 is 0: echoed as "-0.0", hostile testing)
+            value = 0.0
         merged[s.name] = value
     try:
         cfg = msgspec.convert(merged, Config)

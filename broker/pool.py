@@ -921,7 +921,7 @@ class Pool:
             self.reloads["success"] += 1
             if self.after_reload is not None:
                 self.after_reload()
-            log.info("reload: all %d workers replaced", self.size)
+            log.info("reload: %s replaced", "the worker" if self.size == 1 else f"all {self.size} workers")
             return True
         finally:
             self.incoming = []

@@ -585,6 +585,19 @@ def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert tomllib.loads(rest)["port"] == 9000
 
 
+def test_a_negative_zero_is_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile testing (round 34): `grace_period = -0.0` was echoed as `-0.0`."""
+    path = write(tmp_path, "grace_period = -0.0\n")
+    assert cli.main(["check-config", path]) == 0
+    out = capsys.readouterr().out
+    assert "grace_period = 0.0\n" in out and "-0" not in out
+    monkeypatch.setenv("RPC_BROKER_GRACE_PERIOD", "-0")
+    assert cli.main(["check-config", write(tmp_path, "")]) == 0
+    out = capsys.readouterr().out
+    assert "grace_period = 0.0\n" in out and "-0" not in out
+
+
 def test_check_config_into_a_closed_pipe_exits_0_without_a_traceback(tmp_path: Path) -> None:
     """A new user's check (round 34): `rpc-broker check-config FILE | head -1` printed a
     BrokenPipeError traceback and exited 1 for a valid file (when head had exited first).
