@@ -300,6 +300,11 @@ class Method:
         # msgspec.Raw` bound by position only, on the fast path): on the general path, a
         # parameter whose hint holds one is decoded from its own JSON text, with its type.
         self._typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]] | None = None
+        if any(isinstance(node, msgspec.inspect.UnionType) and any(isinstance(t, msgspec.inspect.RawType)
+                                                                   for t in node.types) for node in held):
+            raise TypeError(f"method {name!r}: a msgspec.Raw in a union (msgspec decodes only the union's other "
+                            "types: round 37, `Raw | None` took null alone): hint it msgspec.Raw, and read null "
+                            "from its text")
         if any(isinstance(node, msgspec.inspect.RawType) for node in held):
             hinted = [(n, h) for n, h, _ in pos + kwonly]
             if self._var_pos is not None:
@@ -407,8 +412,8 @@ class Method:
             return [self._decode_value(raw, typed.get(self._pos_names[i] if i < n else "*"),
                                        self._pos_names[i] if i < n else var_pos, "" if i < n else f"params[{i}]")
                     for i, raw in enumerate(top)]
-        known = self._named_type.__struct_fields__
-        return {key: self._decode_value(raw, typed.get(key if key in known else "**"), key, "")
+        known, kw_only = self._named_type.__struct_fields__, self._pos_only  # (as in _check_floods)
+        return {key: self._decode_value(raw, typed.get(key if key in known and key not in kw_only else "**"), key, "")
                 for key, raw in typing.cast(dict[str, msgspec.Raw], top).items()}
 
     def _decode_value(self, raw: msgspec.Raw,
@@ -448,12 +453,14 @@ class Method:
                 index = n + typing.cast(int, exc.where[0])
                 raise _flooded(self._var_pos_name(), [index, *exc.where[1:]], "params") from None
         elif type(obj) is dict:
-            known = self._named_type.__struct_fields__
+            # (as `_bind_named` takes them: beside **kwargs, a positional-only parameter's name
+            # is **kwargs's; round 37, it was checked as the parameter's, built unchecked)
+            known, kw_only = self._named_type.__struct_fields__, self._pos_only
             try:
                 if named is not None:
-                    named(obj)
+                    named({k: v for k, v in obj.items() if k not in kw_only} if kw_only else obj)
                 if var_kw is not None:
-                    var_kw({k: v for k, v in obj.items() if k not in known})
+                    var_kw({k: v for k, v in obj.items() if k not in known or k in kw_only})
             except collisions.Flooded as exc:
                 raise _flooded(str(exc.where[0]), exc.where[1:]) from None
 
@@ -657,12 +664,17 @@ def _drop_flag_members(classes: tuple[type, ...]) -> None:
 def _held_only_by(mapping: dict[object, object]) -> list[object]:
     """The keys of `mapping` whose values nothing else references: CPython reference
     counts, read the same way as that of a value a dict alone holds."""
-    alone = _reference_counts({None: object()})[0][1]
-    return [key for key, count in _reference_counts(mapping) if count <= alone]
+    alone = _reference_counts({None: object()})[0][2]
+    times: dict[int, int] = {}  # a value's id: how many keys it is the value of
+    for value in mapping.values():
+        times[id(value)] = times.get(id(value), 0) + 1
+    # (a member can be cached under two keys, a negative value and its positive twin: round
+    # 37, such members were never dropped, a worker grew by 10 MiB a call)
+    return [key for key, ident, count in _reference_counts(mapping) if count <= alone + times[ident] - 1]
 
 
-def _reference_counts(mapping: dict[object, object]) -> list[tuple[object, int]]:
-    return [(key, sys.getrefcount(value)) for key, value in mapping.items()]
+def _reference_counts(mapping: dict[object, object]) -> list[tuple[object, int, int]]:
+    return [(key, id(value), sys.getrefcount(value)) for key, value in mapping.items()]
 
 
 def _located(message: str) -> tuple[str, int | None, str | None, str] | None:

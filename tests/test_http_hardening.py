@@ -240,9 +240,12 @@ def test_the_partial_heads_of_closed_connections_are_freed_at_once(broker_factor
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_connections", transport="http") <= 1, timeout=30)
         return rss_kib(b.pid)
 
-    first = one_round(0)
-    rounds = [one_round(i) for i in range(1, 4)]
-    assert max(rounds) - first < 8 * 1024, (first, rounds)  # (18 MB of heads a round)
+    # A leak grows the broker 18 MB every round: 54 MB over the last three. A loaded machine
+    # once showed one jump of 15 MB in the fourth round, then flat (a full suite beside
+    # hostile testing): the baseline is the larger of two rounds, the bound 30 MB.
+    warm = [one_round(i) for i in range(2)]
+    rounds = [one_round(i) for i in range(2, 5)]
+    assert max(rounds) - max(warm) < 30 * 1024, (warm, rounds)
 
 
 # -- item 6: a full broker answers its probes -----------------------------------------------

@@ -2676,6 +2676,26 @@ def test_a_raw_parameter_binds_whichever_path_binds_it():
     assert name == "x" and "at `x[1]`" in reason and "hash flooding" in reason
 
 
+def test_a_raw_parameter_beside_kwargs_and_a_raw_in_a_union():
+    """Hostile testing (round 37): on the Raw path a positional-only parameter's name beside
+    **kwargs was decoded with the parameter's hint, then given to **kwargs (refused, or a
+    Raw where an int was hinted); `Raw | None` registered and took null alone (msgspec
+    decodes only a union's other types): it fails the registration now."""
+    def rawkw(a: msgspec.Raw = None, /, **kw: int) -> None:  # type: ignore[assignment]
+        return None
+
+    def kwraw(a: int = 0, /, **kw: msgspec.Raw) -> None:
+        return None
+
+    def optional(x: msgspec.Raw | None = None) -> None:
+        return None
+
+    assert _text(bind(rawkw, b'{"a": 5}')) == [[None], {"a": 5}]
+    assert _text(bind(kwraw, b'{"a": [1, 2]}')) == [[0], {"a": "[1, 2]"}]
+    with pytest.raises(TypeError, match=r"method 'optional': a msgspec\.Raw in a union"):
+        Method("optional", optional)
+
+
 def test_a_schema_with_no_json_form_is_left_out_of_hello():
     """Hostile testing (round 36): `Meta(examples=[numpy.int64(10)])` (or a lone surrogate in
     a description) made a schema msgspec builds but cannot encode: the worker's HELLO
