@@ -657,24 +657,27 @@ def _drop_flag_members(classes: tuple[type, ...]) -> None:
         if type(members) is not dict or len(members) <= _FLAG_KEPT.get(cls, 0) + FLAG_PSEUDO_MEMBERS_MAX:
             continue
         for value in _held_only_by(members):
-            del members[value]
+            members.pop(value, None)  # (a tool's thread may have dropped it meanwhile)
         _FLAG_KEPT[cls] = len(members)
 
 
 def _held_only_by(mapping: dict[object, object]) -> list[object]:
     """The keys of `mapping` whose values nothing else references: CPython reference
     counts, read the same way as that of a value a dict alone holds."""
-    alone = _reference_counts({None: object()})[0][2]
+    probe = {None: object()}  # (held by a dict, and by a list of its items, alone)
+    alone = _reference_counts(list(probe.items()))[0][2]
+    items = list(mapping.items())  # (one step: a tool's thread may add to it meanwhile)
     times: dict[int, int] = {}  # a value's id: how many keys it is the value of
-    for value in mapping.values():
+    for _, value in items:
         times[id(value)] = times.get(id(value), 0) + 1
-    # (a member can be cached under two keys, a negative value and its positive twin: round
-    # 37, such members were never dropped, a worker grew by 10 MiB a call)
-    return [key for key, ident, count in _reference_counts(mapping) if count <= alone + times[ident] - 1]
+    # A value under k keys is held by the map and by `items` k times each: 2 (k - 1) more
+    # than one under one key (round 37: a member cached under two keys, a negative value
+    # and its positive twin, was never dropped, and a worker grew by 10 MiB a call).
+    return [key for key, ident, count in _reference_counts(items) if count <= alone + 2 * (times[ident] - 1)]
 
 
-def _reference_counts(mapping: dict[object, object]) -> list[tuple[object, int, int]]:
-    return [(key, id(value), sys.getrefcount(value)) for key, value in mapping.items()]
+def _reference_counts(items: list[tuple[object, object]]) -> list[tuple[object, int, int]]:
+    return [(key, id(value), sys.getrefcount(value)) for key, value in items]
 
 
 def _located(message: str) -> tuple[str, int | None, str | None, str] | None:
