@@ -166,6 +166,8 @@ _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's (too deep)
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
+_SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
+_GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
 _CODE_AT = len(b'{"code":')
 _TIMER_EARLY = 0.001  # how early a loop timer may fire, by loop.time() (s): uvloop's, 1 ms steps (`DeadlineWheel._fire`)
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
@@ -989,7 +991,10 @@ class Dispatcher:
             if self.metrics is not None:
                 self.metrics.sent_at_once += call.weight
         elif not self.accepting:
-            self._finish(call, error_object(ErrorCode.SHUTTING_DOWN), ErrorCode.SHUTTING_DOWN, remaining=False)
+            # (after the grace period, with the data its calls in flight got: round 37, a
+            # request completed after it had none, as if it had arrived in the drain)
+            self._finish(call, _SHUTTING_DOWN if self._serving else _GRACE_ENDED, ErrorCode.SHUTTING_DOWN,
+                         remaining=False)
         elif not self._ready and not self.worker_coming():
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
         elif self._queued_calls + call.weight > self._max_queue or (
@@ -1583,7 +1588,7 @@ class Dispatcher:
         # `Listener.wait_closed` ends it) is answered "shutting down", never run: its
         # answer could be cut off with its connection (hostile testing).
         self._serving = False
-        error = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
+        error = _GRACE_ENDED
         while self._queue:
             call = self._dequeue()
             if call.tick:  # (else it timed out while queued: answered already)

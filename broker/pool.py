@@ -776,9 +776,9 @@ class Pool:
         import the code being deployed before the swap (its HELLO refused if the methods
         changed), and the reload's new worker takes the slot at the swap anyway; if the
         old one exits first, its slot waits for the swap (`_watch`), and is restarted
-        only if the reload fails. A reload's new worker that
-        leaves before the swap fails the reload, as any new worker that does not stay
-        ready. (One told BYE already, by a reload or the stop, is leaving anyway.)"""
+        only if the reload fails. A reload's new worker that asks to leave before the
+        swap is replaced in the reload, which still waits at most its timeout in all.
+        (One told BYE already, by a reload or the stop, is leaving anyway.)"""
         if worker.state is not WorkerState.READY or worker.channel is None:
             return
         worker.leaving = True
@@ -786,6 +786,21 @@ class Pool:
         self.dispatcher.worker_unready(worker)
         worker.channel.send(wire.Kind.BYE, 0, 0, b"")
         self._retire_by(worker)  # (also during a reload: one that fails never swaps it out, round 18)
+        if worker in self.incoming and self._reloading and not self._incoming_error and not self._stopping:
+            # A reload's new worker recycled before the swap (its SIGTERM handler installed,
+            # it said HELLO and BYE): another takes its place in the reload, as for one the
+            # signal killed while it imported (round 37: the reload failed, the old code
+            # served on, and the operator had to send SIGHUP again).
+            log.info("reload: new worker %d (pid %d) asks to leave (SIGTERM) before the swap; starting another",
+                     worker.slot, worker.pid)
+            self._count_restart("left")
+            self.retiring.add(worker)  # (its exit is a leave's: `_watch`)
+            new = self.incoming[worker.slot] = Worker(worker.slot)
+            if self._prepare(new):
+                task = self.loop.create_task(self._launch(new))
+                task.add_done_callback(_log_task_error)
+            self._changed.set()
+            return
         if self._reloading or self.workers[worker.slot] is not worker:
             log.info("worker %d (pid %d) asks to leave (SIGTERM) during a reload: it finishes its calls%s",
                      worker.slot, worker.pid, "" if self.workers[worker.slot] is worker else "; the reload fails")

@@ -636,6 +636,27 @@ def test_only_the_main_thread_takes_stop_and_reload_signals(broker_factory):
     assert masks[b.proc.pid] & wanted == 0, masks
 
 
+def test_a_request_completed_after_the_grace_period_says_so_as_calls_in_flight_do(broker_factory):
+    """Hostile testing (round 37): a request under way at the stop and completed after the
+    grace period was answered -32004 with no `data`, where a call in flight at its end
+    said "grace period ended" (the README's -32004 row gives that data)."""
+    b = broker_factory("--workers", "1", "--grace-period", "1")
+    long = open_call(b, req("sleep", [10], "long"))
+    whole = http_request(b, req("add", [1, 2], "late"))
+    late = socket.create_connection((b.host, b.port), timeout=30)
+    late.sendall(whole[:30])
+    barrier(b)
+    b.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.8)  # (past the grace period: the broker still takes answers to connections for 2 s)
+    late.sendall(whole[30:])
+    (raw_long, _), (raw_late, _) = read_all([long, late], timeout=20)
+    for raw, id_ in ((raw_long, "long"), (raw_late, "late")):
+        status, body = one_answer(raw)
+        assert (status, body["id"]) == (503, id_), body
+        assert body["error"] == {"code": -32004, "message": "Shutting down", "data": "grace period ended"}, body
+    assert b.proc.wait(timeout=20) == 0
+
+
 def test_sigterm_grace_period_ends_long_calls_with_shutting_down(broker_factory):
     b = broker_factory("--workers", "1", "--grace-period", "0.5")
     (pid,) = worker_pids(b, 1)

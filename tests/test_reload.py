@@ -361,6 +361,28 @@ def test_a_method_a_reload_makes_async_is_not_routed_as_sync_by_an_old_reply(bro
             assert call.result(timeout=30)["result"] == {"method": "m", "version": 2}
 
 
+def test_a_reload_s_new_worker_recycled_before_the_swap_is_replaced_in_the_reload(broker_factory, tmp_path: Path) -> None:
+    """Hostile testing (round 37): a SIGTERM reaching a reload's new worker once it handles
+    SIGTERM, before the broker had it ready (HELLO, then BYE), failed the whole reload:
+    "new worker 0 ... closed its connection before it was ready", the old code serving on.
+    Another takes its place in the reload, as for one the signal kills while it imports."""
+    spec = tmp_path / "app.json"
+    spec.write_text(json.dumps({"version": 1, "methods": ["a"]}))
+    b = broker_factory("--workers", "2", "--app", "tests.apps.versioned:registry",
+                       env={"VERSIONED_APP_FILE": str(spec)})
+    spec.write_text(json.dumps({"version": 2, "methods": ["a", "b"], "recycled_once": True}))
+    b.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "reload: all 2 workers replaced" in b.read_log(0.05) or "reload failed" in b.read_log(), timeout=60)
+    log = b.read_log()
+    assert "reload failed" not in log, log
+    assert os.path.exists(f"{spec}.recycled-2")
+    assert "asks to leave (SIGTERM) before the swap; starting another" in log, log
+    assert b.call("b")["result"] == {"method": "b", "version": 2}
+    samples = scrape_metrics(b)
+    assert sample(samples, "rpc_broker_reloads_total", result="success") == 1
+    assert sample(samples, "rpc_broker_worker_restarts_total", reason="left") == 1
+
+
 def test_a_reload_lets_a_worker_that_asked_to_leave_finish_its_calls(broker_factory, tmp_path: Path) -> None:
     """A worker sent SIGTERM drains (it asked to leave, hostile round B finding 2); a
     reload meanwhile replaces its slot. The swap killed the old workers not READY as

@@ -6,7 +6,9 @@ seconds into it);
 first: the test knows it is in that import), "first_import_seconds": s only for the first process
 to import that version (a cold cache; the others are quick); "sleepers": ["c"] registers sync
 methods that sleep their one param's seconds (a sync call that blocks its worker),
-"nappers": ["c"] async methods that do the same with asyncio.sleep.
+"nappers": ["c"] async methods that do the same with asyncio.sleep; "recycled_once": true makes
+the first worker of that version send itself SIGTERM as soon as it handles SIGTERM (its HELLO
+and a BYE then go out together: recycled before the broker has it ready).
 
 Every listed method answers {"method": its name, "version": the version}; `pid`,
 `version` and `nap` (an async sleep, answered with the version) are always there."""
@@ -14,6 +16,8 @@ Every listed method answers {"method": its name, "version": the version}; `pid`,
 import asyncio
 import json
 import os
+import signal
+import threading
 import time
 
 from broker.worker import Registry
@@ -33,6 +37,19 @@ if SPEC.get("first_import_seconds"):
         time.sleep(SPEC["first_import_seconds"])
     except FileExistsError:
         pass
+
+if SPEC.get("recycled_once"):  # one worker of this version SIGTERMs itself once it handles SIGTERM
+    def _recycle() -> None:
+        while signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # (until its loop's handler is in)
+            time.sleep(0.001)
+        try:
+            os.close(os.open(f"{os.environ['VERSIONED_APP_FILE']}.recycled-{VERSION}",
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=_recycle, daemon=True).start()
 
 registry = Registry()
 
