@@ -554,12 +554,7 @@ class Pool:
                 # A reload's new worker sent SIGTERM while it imports: another takes its place
                 # in the reload (which still waits at most its timeout in all).
                 log.info("reload: new worker %d (pid %d) %s; starting another", worker.slot, worker.pid, reason)
-                self._count_restart("left")
-                new = self.incoming[worker.slot] = Worker(worker.slot)
-                if self._prepare(new):
-                    task = self.loop.create_task(self._launch(new))
-                    task.add_done_callback(_log_task_error)
-                self._changed.set()
+                self._replace_incoming(worker)
                 return
             log.warning("reload: new worker %d (pid %d) %s", worker.slot, worker.pid, reason)  # (a failed reload: no restart)
             return
@@ -793,13 +788,8 @@ class Pool:
             # served on, and the operator had to send SIGHUP again).
             log.info("reload: new worker %d (pid %d) asks to leave (SIGTERM) before the swap; starting another",
                      worker.slot, worker.pid)
-            self._count_restart("left")
             self.retiring.add(worker)  # (its exit is a leave's: `_watch`)
-            new = self.incoming[worker.slot] = Worker(worker.slot)
-            if self._prepare(new):
-                task = self.loop.create_task(self._launch(new))
-                task.add_done_callback(_log_task_error)
-            self._changed.set()
+            self._replace_incoming(worker)
             return
         if self._reloading or self.workers[worker.slot] is not worker:
             log.info("worker %d (pid %d) asks to leave (SIGTERM) during a reload: it finishes its calls%s",
@@ -808,6 +798,16 @@ class Pool:
         log.info("worker %d (pid %d) asks to leave (SIGTERM): it finishes its calls beside a new worker",
                  worker.slot, worker.pid)
         self._beside(worker)
+
+    def _replace_incoming(self, worker: Worker) -> None:
+        """A reload's new worker left before the swap: another takes its place in the
+        reload (which still waits at most its timeout in all), counted `left`."""
+        self._count_restart("left")
+        new = self.incoming[worker.slot] = Worker(worker.slot)
+        if self._prepare(new):
+            task = self.loop.create_task(self._launch(new))
+            task.add_done_callback(_log_task_error)
+        self._changed.set()
 
     def _retire_by(self, worker: Worker) -> None:
         """`worker` was told BYE and drains beside its replacement: it answers its calls
