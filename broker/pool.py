@@ -253,7 +253,7 @@ class WorkerChannel(asyncio.Protocol):
                     self.close()
                     return
                 except CodeChanged as exc:  # (expected, and healed by the reload: logged as WARNING)
-                    log.info("closing the connection of %s", exc)
+                    log.info("closing the connection of a worker whose code changed on disk: %s", exc)
                     self.close()
                     return
                 except wire.FrameError as exc:

@@ -117,6 +117,29 @@ def test_check_config_sample_is_what_the_command_prints(
         assert code == (2 if "bad.toml" in rest else 0)
 
 
+def test_the_python_client_example_prints_what_it_shows(readme: str) -> None:
+    """A new user's check (round 37): the README had no Python client, and urllib's default
+    form content type is refused. The Examples' Python block, run as written against a real
+    broker (its URL's port changed), prints the answers its comments show."""
+    import subprocess
+    import sys
+
+    from conftest import start_broker
+
+    match = re.search(r"^```python\n(.*?)^```", _section(readme, "Examples"), re.M | re.S)
+    assert match, "the Examples need a Python client"
+    code = match.group(1)
+    shown = [line.split("  # ", 1)[1] for line in code.splitlines() if line.startswith("print(")]
+    assert len(shown) >= 2
+    b = start_broker("--workers", "1")
+    try:
+        code = code.replace("http://localhost:8080/", f"http://127.0.0.1:{b.port}{b.path}")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert done.stdout.splitlines() == shown, done.stderr
+    finally:
+        assert b.stop() == 0, b.read_log()
+
+
 def test_curl_si_samples_show_the_headers_the_broker_sends(readme: str, tmp_path: Path) -> None:
     """Each `curl -si` sample of the Examples, sent to a real broker started as they say
     (`--workers 2 --method-timeout sleep=2`), gets the status line and header names the
