@@ -1056,6 +1056,7 @@ def test_final_table_fits_80_columns_in_a_pipe(serve, broker_factory, tmp_path, 
         lines = stdout.splitlines()
         assert "\x1b" not in stdout  # no colour codes into a pipe
         assert max(len(line) for line in lines) <= 80, stdout
+        assert all(line == line.rstrip() for line in lines), stdout  # (round 37: padded to 80 with spaces)
         for label in TABLE_LABELS:
             assert any(line.startswith(f"{label} ") for line in lines), (label, stdout)
         flat = " ".join(stdout.split())  # values that wrapped inside their column read on

@@ -194,4 +194,10 @@ def print_table(report: Report, console: Console, first_problem: str = "") -> No
         t.add_row("latency ms", "n/a (notifications only: no answer to time)")
     else:
         t.add_row("latency ms", "n/a (no answer was measured)")
-    console.print(t)
+    if console.is_terminal:
+        console.print(t)
+        return
+    with console.capture() as captured:  # (a pipe or a file: no line padded with spaces to the width)
+        console.print(t)
+    console.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+    console.file.flush()
