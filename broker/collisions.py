@@ -18,15 +18,20 @@ array bound for a set, and each object's keys bound for non-str keys, to their v
 and puts them in a set of its own, refusing (`Flooded`) the first value that would make
 more than `SHARED_HASH_MAX` distinct values of one hash. No lookup then meets more than
 that many entries of its hash, so the check and the conversion after it cost time
-linear in the params, times how deep sets nest in the elements of sets (each set's
-elements are converted whole, sets inside them included; at most `max_depth`: 0.23 s
-for 800 KB of params nested 30 deep, where msgspec alone takes 5 ms, round 37). A
-Struct's walk runs once per value, however many union branches hold the Struct. Values of one hash by chance are rare (`hash(-1) == hash(-2)`,
+linear in the params. Values of one hash by chance are rare (`hash(-1) == hash(-2)`,
 `hash(1) == hash(2**61)`); more than 8 distinct ones are not chance.
 
+For that bound to hold, `unsupported(kind)` refuses at registration what the check
+cannot read in linear time: a set's elements or a dict's keys holding a set or dict of
+their own that could be flooded (each set's elements are converted whole: nested 30
+deep, 800 KB of params took 0.23 s where msgspec alone takes 5 ms, round 37), or a
+`msgspec.Raw` (which a conversion cannot make: the check saw no element, round 38).
+
 Values are converted twice (here, then by the binding itself), so a `__post_init__` of
-a frozen dataclass or Struct held in a set runs twice. Where a type is a union, each
-branch that could take the value is checked (over-checking only costs time).
+a frozen dataclass or Struct held in a set runs twice. A union's value is checked as
+msgspec reads it: by the branch of its JSON kind, a tagged Struct's by its tag; a
+Struct's walk runs once per value (round 37: a recursive union of tagged Structs was
+walked 2**depth times).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from collections.abc import Callable
 
 import msgspec
 
-__all__ = ["SHARED_HASH_MAX", "Flooded", "guard"]
+__all__ = ["SHARED_HASH_MAX", "Flooded", "guard", "reachable", "unsupported"]
 
 SHARED_HASH_MAX = 8
 """How many distinct values of one hash one set (or one object's keys) may hold."""
@@ -104,8 +109,16 @@ class _Compiler:
         if isinstance(node, (_info.StructType, _info.DataclassType, _info.TypedDictType, _info.NamedTupleType)):
             return self._fields(node)
         if isinstance(node, _info.UnionType):
-            branches = [check for check in map(self.plan, node.types) if check is not None]
-            return None if not branches else branches[0] if len(branches) == 1 else _every(branches)
+            objects: list[tuple[tuple[str, object] | None, _Walk]] = []
+            arrays: list[tuple[tuple[str, object] | None, _Walk]] = []
+            for branch in node.types:
+                walk = self.plan(branch)
+                inner = _unwrapped(branch)
+                if walk is not None:
+                    tag = ((inner.tag_field, inner.tag)
+                           if isinstance(inner, _info.StructType) and inner.tag_field is not None else None)
+                    (arrays if _from_array(inner) else objects).append((tag, walk))
+            return _union(objects, arrays) if objects or arrays else None
         return None
 
     def _dict(self, node: _info.DictType | _info.FrozenDictType) -> _Walk | None:
@@ -144,8 +157,7 @@ def _randomized(node: _info.Type) -> bool:
     by name, and few), literals, booleans and None (few). Not an `enum.Flag`'s, nor an
     Enum's with a `_missing_` of its own: the members they make can share a name, or have
     none (round 37: a KEEP Flag's members of unknown bits all hash as `hash(None)`)."""
-    while isinstance(node, _info.Metadata):
-        node = node.type
+    node = _unwrapped(node)
     if isinstance(node, _info.EnumType):
         missing = getattr(node.cls, "_missing_", None)
         return not issubclass(node.cls, enum.Flag) and getattr(missing, "__func__", None) is _ENUM_MISSING
@@ -202,11 +214,86 @@ def _by_name(fields: list[tuple[str, _Walk]]) -> _Walk:
     return check
 
 
-def _every(branches: list[_Walk]) -> _Walk:
+def _union(objects: list[tuple[tuple[str, object] | None, _Walk]],
+           arrays: list[tuple[tuple[str, object] | None, _Walk]]) -> _Walk:
+    """A union's walk: the branches msgspec could read the value with (those of its JSON
+    kind; of tagged Structs, the one its tag names), each walked."""
     def check(value: object, done: set[tuple[int, int]]) -> None:
-        for branch in branches:
-            branch(value, done)
+        kind = type(value)
+        branches = objects if kind is dict else arrays if kind is list else None
+        if not branches:
+            return
+        if len(branches) > 1 and all(tag is not None for tag, _ in branches):
+            for tag, walk in branches:
+                field, name = typing.cast(tuple[str, object], tag)
+                given = typing.cast(dict[str, object], value).get(field) if kind is dict else (
+                    typing.cast(list[object], value)[0] if value else None)
+                if type(given) is type(name) and given == name:
+                    walk(value, done)
+            return
+        for _, walk in branches:
+            walk(value, done)
     return check
+
+
+def _unwrapped(node: _info.Type) -> _info.Type:
+    while isinstance(node, _info.Metadata):
+        node = node.type
+    return node
+
+
+def _from_array(node: _info.Type) -> bool:
+    """Whether msgspec reads the type `node` from a JSON array (else from an object)."""
+    return isinstance(node, (_info.ListType, _info.VarTupleType, _info.TupleType, _info.SetType,
+                             _info.FrozenSetType, _info.NamedTupleType)) or (
+        isinstance(node, _info.StructType) and node.array_like)
+
+
+def unsupported(kind: object) -> str | None:
+    """Why the params type `kind` cannot be checked in linear time (see the module's
+    docstring), or None: a set's elements or a dict's non-str keys that hold a set or
+    dict `guard` would check, or a `msgspec.Raw`."""
+    for node in reachable(_info.type_info(kind)):
+        if isinstance(node, (_info.SetType, _info.FrozenSetType)):
+            inner, what = node.item_type, "a set's elements"
+        elif isinstance(node, (_info.DictType, _info.FrozenDictType)) and not _randomized(node.key_type):
+            inner, what = node.key_type, "a dict's keys"
+        else:
+            continue
+        for held in reachable(inner):
+            if isinstance(held, _info.RawType):
+                return f"{what} hold a msgspec.Raw"
+            if isinstance(held, (_info.SetType, _info.FrozenSetType)) and not (
+                    _randomized(held.item_type) and not any(map(_hashed, reachable(held.item_type)))):
+                return f"{what} hold a set of their own"
+            if _hashed(held) and not isinstance(held, (_info.SetType, _info.FrozenSetType)):
+                return f"{what} hold a dict with keys other than strings"
+    return None
+
+
+def _hashed(node: _info.Type) -> bool:
+    """Whether msgspec builds `node` by hashing what the client sends."""
+    if isinstance(node, (_info.SetType, _info.FrozenSetType)):
+        return not _randomized(node.item_type)
+    return isinstance(node, (_info.DictType, _info.FrozenDictType)) and not _randomized(node.key_type)
+
+
+def reachable(node: _info.Type) -> list[_info.Type]:
+    """Every type node `node` holds, itself included, however deep (once each)."""
+    pending: list[object] = [node]
+    seen: dict[int, _info.Type] = {}
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        if isinstance(item, (list, tuple)):
+            pending.extend(item)
+            continue
+        if isinstance(item, _info.Type):
+            seen[id(item)] = item
+        if isinstance(item, (_info.Type, _info.Field)):
+            pending.extend(getattr(item, name) for name in item.__struct_fields__)
+    return list(seen.values())
 
 
 def _at(check: _Walk, value: object, where: str | int, done: set[tuple[int, int]]) -> None:
@@ -227,7 +314,7 @@ def _set_check(item_type: object, item: _Walk | None) -> _Walk:
             for i, element in enumerate(value):
                 _at(item, element, i, done)
         if len(value) > SHARED_HASH_MAX:  # (fewer cannot pass the bound)
-            _spread(_converted(value, many, item_type, True))
+            _spread(_converted(value, many, True))
     return check
 
 
@@ -242,24 +329,36 @@ def _keys_check(key_type: object, value: _Walk | None) -> _Walk:
                 _at(value, element, key, done)
         # (keys as a dict's: strict=False reads "7" as 7, a superset of str_keys's reading)
         if len(given) > SHARED_HASH_MAX:
-            _spread(_converted(list(given), many, key_type, False))
+            _spread(_converted(list(given), many, False))
     return check
 
 
-def _converted(values: list[object], many: object, item_type: object, strict: bool) -> list[object]:
-    """`values` converted to `item_type`, those that do not convert left out (the binding
-    after the check refuses them)."""
+def _converted(values: list[object], many: object, strict: bool) -> list[object]:
+    """`values` converted to the item type of `many` (a `list[...]`), up to the first that
+    does not convert: the binding after the check stops there too (msgspec converts a
+    set's elements in order, and raises at the first it cannot), so those past it are
+    never put in a set. (Round 38: converting each of the rest alone cost 0.5 s per MiB
+    of params that were refused all the same.)"""
     try:
         return typing.cast(list[object], _convert(values, many, str_keys=True, strict=strict))
+    except msgspec.ValidationError as exc:
+        end = _first_failing(str(exc))
+    if end is None or end > len(values):
+        return []
+    try:
+        return typing.cast(list[object], _convert(values[:end], many, str_keys=True, strict=strict))
     except msgspec.ValidationError:
-        pass
-    out = []
-    for value in values:
-        try:
-            out.append(_convert(value, item_type, str_keys=True, strict=strict))
-        except msgspec.ValidationError:
-            pass
-    return out
+        return []
+
+
+def _first_failing(message: str) -> int | None:
+    """The index `i` a list conversion's message ends with ("... - at `$[i]...`"), read
+    from its last marker (the reason before it may quote the client's text)."""
+    at = message.rfind(" - at `$[")
+    if at < 0:
+        return None
+    digits = message[at + 9:message.find("]", at + 9)]
+    return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
 def _spread(values: list[object]) -> None:

@@ -202,9 +202,9 @@ class Method:
     """
 
     __slots__ = (
-        "_decode",
         "_fast",
         "_flags",
+        "_guard_decode",
         "_guards",
         "_kwonly",
         "_named_type",
@@ -286,43 +286,49 @@ class Method:
         kinds = [kind for kind in (self._pos_type, self._named_type, self._var_pos, self._var_kw) if kind is not None]
         for kind in kinds if not raw_params else ():
             msgspec.json.Decoder(kind)
-        # The general path decodes params to Python values, then converts them: a JSON
-        # number became a float on the way, and a Decimal parameter lost its digits
-        # (round 36: 1.00000000000000000001 by name was 1.0, by position exact). Where a
-        # hint holds a Decimal, numbers are decoded as Decimals (converted to float where
-        # a float is hinted).
         held = [] if raw_params else _held(kinds)
-        self._decode = (_DECIMAL_JSON if any(isinstance(node, msgspec.inspect.DecimalType) for node in held)
-                        else _decode_json)
         self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
                              and issubclass(node.cls, enum.Flag)}) or None
-        # msgspec.convert cannot make a msgspec.Raw from decoded values (round 36: `x:
-        # msgspec.Raw` bound by position only, on the fast path): on the general path, a
-        # parameter whose hint holds one is decoded from its own JSON text, with its type.
-        self._typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]] | None = None
         if any(isinstance(node, msgspec.inspect.UnionType) and any(isinstance(t, msgspec.inspect.RawType)
                                                                    for t in node.types) for node in held):
             raise TypeError(f"method {name!r}: a msgspec.Raw in a union (msgspec decodes only the union's other "
                             "types: round 37, `Raw | None` took null alone): hint it msgspec.Raw, and read null "
                             "from its text")
-        if any(isinstance(node, msgspec.inspect.RawType) for node in held):
+        if any(isinstance(node, (msgspec.inspect.DataclassType, msgspec.inspect.TypedDictType))
+               and any(isinstance(inner, msgspec.inspect.RawType) for inner in collisions.reachable(node))
+               for node in held):
+            raise TypeError(f"method {name!r}: a msgspec.Raw in a dataclass or TypedDict, which msgspec cannot "
+                            "always decode (round 38: every value was refused): hold it in a msgspec.Struct")
+        for kind in kinds if not raw_params else ():
+            why = collisions.unsupported(kind)
+            if why is not None:
+                raise TypeError(f"method {name!r}: {why}, which hash flooding could not be checked for in time"
+                                " linear in the params (broker/collisions.py): hint them otherwise")
+        # The general path decodes params to Python values, then converts them: a JSON
+        # number became a float on the way, and a Decimal lost its digits (round 36), and
+        # msgspec.convert cannot make a msgspec.Raw (round 36). Where a hint holds either,
+        # each value params give is decoded from its own JSON text with its parameter's
+        # type, as the fast path decodes it (round 38: numbers decoded as Decimals made a
+        # float parameter inf for 1e400, and a Decimal of 4301 digits bound by position
+        # only). The check for hash flooding reads its values first, with Decimals exact.
+        decimals = any(isinstance(node, msgspec.inspect.DecimalType) for node in held)
+        self._guard_decode = _DECIMAL_JSON if decimals else _decode_json
+        self._typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]] | None = None
+        if decimals or any(isinstance(node, msgspec.inspect.RawType) for node in held):
             hinted = [(n, h) for n, h, _ in pos + kwonly]
             if self._var_pos is not None:
                 hinted.append(("*", typing.get_args(self._var_pos)[0]))
             if self._var_kw is not None:
                 hinted.append(("**", typing.get_args(self._var_kw)[1]))
-            self._typed = {n: (msgspec.json.Decoder(h), collisions.guard(h)) for n, h in hinted
-                           if any(isinstance(node, msgspec.inspect.RawType) for node in _held([h]))}
+            self._typed = {n: (msgspec.json.Decoder(h), collisions.guard(h)) for n, h in hinted}
         # Sets and non-str dict keys are checked for hash flooding before they are built
-        # (broker/collisions.py), and the members an enum.Flag makes are bounded
-        # (_drop_flag_members): their params take the general path.
+        # (broker/collisions.py): their params take the general path.
         guards = (None,) * 4 if raw_params else (
             collisions.guard(self._pos_type), collisions.guard(self._named_type),
             None if self._var_pos is None else collisions.guard(self._var_pos),
             None if self._var_kw is None else collisions.guard(self._var_kw))
         self._guards = guards if any(guards) else None
-        if not (raw_params or self._var_pos or self._var_kw or self._required_kwonly or self._guards
-                or self._flags):
+        if not (raw_params or self._var_pos or self._var_kw or self._required_kwonly or self._guards):
             self._fast = (
                 msgspec.json.Decoder(self._pos_type),
                 None if kwonly else msgspec.json.Decoder(self._named_type),
@@ -375,21 +381,19 @@ class Method:
         if self.raw_params:
             _check_raw(params, max_depth, deep)
             return (msgspec.Raw(params),), {}
-        if self._flags is not None:
-            _drop_flag_members(self._flags)
         try:
-            obj = self._decode(params) if self._typed is None else self._decode_typed(params, self._typed)
+            obj = _decode_json(params) if self._typed is None else self._decode_typed(params, self._typed)
         except RecursionError:  # deeper than the parser takes, whatever max_depth says
             raise NestingTooDeep(max_depth) from None
         except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
-            obj = _values_decoded(params, self._decode)  # (unless a later duplicate key replaced it)
+            obj = _values_decoded(params, _decode_json)  # (unless a later duplicate key replaced it)
             if obj is None:
                 raise self._out_of_range(params, str(exc)) from None
         except msgspec.DecodeError as exc:
             raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
         if deep:
             raise NestingTooDeep(max_depth)
-        if self._guards is not None:
+        if self._guards is not None and self._typed is None:  # (typed: each value was checked)
             self._check_floods(obj, self._guards)
         if type(obj) is list:
             return self._bind_positional(obj), {}
@@ -421,13 +425,15 @@ class Method:
                       name: str, where: str) -> object:
         try:
             if typed is None:
-                return self._decode(raw)
+                return _decode_json(raw)
             decoder, check = typed
             if check is not None:  # (the sets it holds, before they are built)
                 try:
-                    check(self._decode(raw))
+                    check(self._guard_decode(raw))
                 except collisions.Flooded as exc:
                     raise _flooded(name, exc.where, where or None) from None
+                except ArithmeticError:  # (a Decimal's exponent past decimal's limits: round 38)
+                    raise msgspec.ValidationError("Number out of range") from None
             return decoder.decode(raw)
         except msgspec.ValidationError as exc:
             message = str(exc)
@@ -648,9 +654,9 @@ def _drop_flag_members(classes: tuple[type, ...]) -> None:
     `_missing_` made and cached there for good (CPython's enum module) and that nothing
     else holds, once it has grown by `FLAG_PSEUDO_MEMBERS_MAX` since the last drop:
     binding `IntFlag` params from a client's distinct integers grew a worker by 36 MiB
-    per 780 KiB request, never given back (hostile testing, round 36). Called before
-    params are bound, so a worker keeps at most the last call's members besides that
-    bound. A member still held (by a module, or a call under way) stays, the same object;
+    per 780 KiB request, never given back (hostile testing, round 36). The worker calls
+    it after each call that binds such params, for every such class (round 38: dropped
+    only when the class's own method was called next, each class kept a call's members). A member still held (by a module, or a call under way) stays, the same object;
     one made again after its drop is a new object, indistinguishable (no one held the old)."""
     for cls in classes:
         members = vars(cls).get("_value2member_map_")
@@ -1673,6 +1679,7 @@ class WorkerProtocol(asyncio.Protocol):
         "_dirty",
         "_down",
         "_fd",
+        "_flag_classes",
         "_flush_scheduled",
         "_grab",
         "_grab_lock",
@@ -1706,6 +1713,9 @@ class WorkerProtocol(asyncio.Protocol):
         debug: bool = False,
     ) -> None:
         self._methods = registry.methods()
+        # The enum.Flag classes params bind to: the members their calls make are dropped
+        # after each such call, once nothing holds them (`_drop_flag_members`).
+        self._flag_classes = tuple({cls: None for m in self._methods for cls in m._flags or ()})
         # Per method index: did its last sync call take SLOW_SYNC_US or more? A sync method
         # not run yet counts as slow, as the broker counts it (dispatch.BLOCKING_US): what is
         # ready goes out before its first call, which may block. (One past the table: an
@@ -2017,6 +2027,8 @@ class WorkerProtocol(asyncio.Protocol):
             _child_exits(None)
         try:
             method = self._methods[index]
+            if method._flags is not None:  # (once this call's members are no longer held)
+                self._loop.call_soon(_drop_flag_members, self._flag_classes)
             args, kwargs = method.bind(params, self._max_depth)
         except BaseException as exc:  # the handler never ran: -32602, -32601, -32600
             return _UNRUN, self._error(exc, index)
@@ -2029,6 +2041,8 @@ class WorkerProtocol(asyncio.Protocol):
                 task = self._loop.create_task(_guarded(method.fn, args, kwargs, self._finished, deadline))
                 if _forked_from:  # (3.12+, eager start: a child that awaited comes back here)
                     _child_exits(None)
+                if method._flags is not None:
+                    task.add_done_callback(self._flag_call_done)
                 return task
             result = method.fn(*args, **kwargs)
             if _forked_from:  # a child the handler forked returned: `_child_exits`
@@ -2049,6 +2063,10 @@ class WorkerProtocol(asyncio.Protocol):
             if _forked_from:  # (a child that raised, sys.exit() included)
                 _child_exits(exc)
             return _ERROR, self._error(exc, index)
+
+    def _flag_call_done(self, task: asyncio.Task[tuple[bool, object]]) -> None:
+        """An async call binding enum.Flag members ended: drop them, once nothing holds them."""
+        self._loop.call_soon(_drop_flag_members, self._flag_classes)
 
     def _outcome(
         self, task: asyncio.Task[tuple[bool, object]], index: int, outcome: tuple[bool, object] | None = None

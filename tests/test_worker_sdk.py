@@ -2676,6 +2676,51 @@ def test_a_raw_parameter_binds_whichever_path_binds_it():
     assert name == "x" and "at `x[1]`" in reason and "hash flooding" in reason
 
 
+class _Event(typing.TypedDict):
+    body: msgspec.Raw
+
+
+@dataclasses.dataclass
+class _Note:
+    payload: msgspec.Raw = dataclasses.field(default_factory=lambda: msgspec.Raw(b"null"))
+
+
+def test_a_method_with_a_decimal_binds_each_value_as_the_fast_path_does():
+    """Hostile testing (round 38): in a method with a Decimal hint, numbers were decoded as
+    Decimals everywhere on the general path: 1e400 for a float parameter bound as inf,
+    1e9999999999999999999999 raised decimal.InvalidOperation (-32603, "handler raised"
+    logged), a 4301-digit Decimal bound by position and not by name, and a float given to
+    an int parameter was refused as "got `decimal`"."""
+    def scale(amount: decimal.Decimal, factor: float = 1.0, *, count: int = 1, note: typing.Any = None) -> None:
+        return None
+
+    assert invalid(scale, b'{"amount": 1, "factor": 1e400}') == ("factor", "Number out of range")
+    assert invalid(scale, b"[1, 1e400]")[0] == "factor"
+    assert invalid(scale, b'{"amount": 1e9999999999999999999999}') == ("amount", "Invalid decimal string")
+    assert invalid(scale, b'{"amount": 1, "count": 1.5}') == ("count", "Expected `int`, got `float`")
+    digits = b"7" * 4301
+    by_position = bind(scale, b"[" + digits + b"]")
+    assert by_position[0][0] == decimal.Decimal(digits.decode())
+    assert bind(scale, b'{"amount": ' + digits + b"}")[0][0] == by_position[0][0]
+    args, kwargs = bind(scale, b'{"amount": 0.10, "factor": 2, "note": 1.5}')
+    assert str(args[0]) == "0.10" and type(args[1]) is float and type(kwargs["note"]) is float
+
+
+def test_a_raw_in_a_dataclass_or_typeddict_fails_the_registration():
+    """Hostile testing (round 38): msgspec cannot decode a Raw in a total TypedDict, or in
+    a dataclass field with a default factory: they registered, then every call giving a
+    value was refused -32602."""
+    def log_event(event: _Event) -> None:
+        return None
+
+    def keep(note: _Note) -> None:
+        return None
+
+    for fn in (log_event, keep):
+        with pytest.raises(TypeError, match=f"method '{fn.__name__}': a msgspec.Raw in a dataclass or TypedDict"):
+            Method(fn.__name__, fn)
+
+
 def test_a_raw_parameter_beside_kwargs_and_a_raw_in_a_union():
     """Hostile testing (round 37): on the Raw path a positional-only parameter's name beside
     **kwargs was decoded with the parameter's hint, then given to **kwargs (refused, or a

@@ -18,6 +18,11 @@ class Perm(enum.IntFlag):
     X = 1
 
 
+class Mode(enum.IntFlag):
+    A = 1
+    B = 2
+
+
 class Tagged(msgspec.Struct):
     tags: set[int] = set()
     children: list["Tagged"] = []
@@ -56,6 +61,11 @@ def perms(*flags: Perm) -> int:
 
 
 @registry.method
-def flag_members() -> int:
-    """How many members the Perm class holds in its value map (its own and made)."""
-    return len(Perm._value2member_map_)
+def modes(*flags: Mode) -> int:
+    return len(flags)
+
+
+@registry.method
+def flag_members() -> dict[str, int]:
+    """How many members each Flag class holds in its value map (its own and made)."""
+    return {"Perm": len(Perm._value2member_map_), "Mode": len(Mode._value2member_map_)}
