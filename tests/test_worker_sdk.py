@@ -2663,7 +2663,8 @@ def test_a_raw_parameter_binds_whichever_path_binds_it():
     assert _text(bind(rawp, b'{"flag": true, "x": [1, "two"]}')) == [['[1, "two"]'], {"flag": True}]
     assert _text(bind(many, b'[1, {"b": [2]}, "s"]')) == [["1", '{"b": [2]}', '"s"'], {}]
     assert _text(bind(rest, b'{"a": 1, "q": [1, {"z": 2}]}')) == [[1], {"q": ["1", '{"z": 2}']}]
-    assert _text(bind(pair, b'{"x": [{"k": 1}, [1, 2, 2]]}')) == [[['{"k": 1}', {1, 2}], 0], {"z": 1}]
+    # (beside a set, checked for hash flooding first: the value as written again, compact)
+    assert _text(bind(pair, b'{"x": [{"k": 1}, [1, 2, 2]]}')) == [[['{"k":1}', {1, 2}], 0], {"z": 1}]
     # What does not fit is named as elsewhere.
     assert invalid(rawp, b'{"x": 1, "flag": "no"}') == ("flag", "Expected `bool`, got `str`")
     assert invalid(rawp, b"{}") == ("x", "missing required parameter")
