@@ -51,7 +51,7 @@ SHARED_HASH_MAX = 8
 """How many distinct values of one hash one set (or one object's keys) may hold."""
 
 Check = Callable[[object], None]
-_Walk = Callable[[object, set[tuple[int, int]]], None]  # (a value; the (walk, value) pairs done)
+_Walk = Callable[[object, "_Run"], None]  # (a value; the run it is part of)
 
 _info = msgspec.inspect
 _convert = msgspec.convert
@@ -78,8 +78,45 @@ def guard(kind: object) -> Check | None:
         return None
 
     def check(value: object) -> None:
-        walk(value, set())
+        walk(value, _Run())
     return check
+
+
+class _Run(set[tuple[int, int]]):
+    """One check's state: the (Struct walk, value) pairs walked (the set itself), and per
+    `enum.Flag` class, its values met so far (`flag`)."""
+
+    __slots__ = ("flags",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flags: dict[type, tuple[dict[int, int], set[int]]] = {}
+
+    def flag(self, cls: type, value: int) -> None:
+        """A value bound for the Flag class `cls`: the enum module caches a member it makes
+        for a value not yet in `cls._value2member_map_`, a dict keyed by the value (whose
+        hash is its own: round 39, 8000 values of one hash in a list of IntFlags took 0.34 s,
+        quadratic). Raise `Flooded` past `SHARED_HASH_MAX` distinct values of one hash
+        there, the map's own keys counted."""
+        members = vars(cls).get("_value2member_map_")
+        if type(members) is not dict:
+            return
+        state = self.flags.get(cls)
+        if state is None:
+            counts: dict[int, int] = {}
+            for key in list(members):
+                code = hash(key)
+                counts[code] = counts.get(code, 0) + 1
+            state = self.flags[cls] = (counts, set())
+        counts, seen = state
+        if value in seen or value in members:  # (each meets at most SHARED_HASH_MAX of its hash)
+            return
+        code = hash(value)
+        count = counts.get(code, 0) + 1
+        if count > SHARED_HASH_MAX:
+            raise Flooded(count)
+        counts[code] = count
+        seen.add(value)
 
 
 class _Compiler:
@@ -108,6 +145,8 @@ class _Compiler:
             return _by_place(items) if any(items) else None
         if isinstance(node, (_info.StructType, _info.DataclassType, _info.TypedDictType, _info.NamedTupleType)):
             return self._fields(node)
+        if isinstance(node, _info.EnumType) and issubclass(node.cls, enum.Flag):
+            return _flag_walk(node.cls)
         if isinstance(node, _info.UnionType):
             objects: list[tuple[tuple[str, object] | None, _Walk]] = []
             arrays: list[tuple[tuple[str, object] | None, _Walk]] = []
@@ -171,7 +210,7 @@ def _through(cell: list[_Walk | None]) -> _Walk:
     """A Struct's (dataclass's, ...) walk, run once per value it is given: in a union,
     each branch that holds the same type meets the same values (round 37: a recursive
     union of two tagged Structs was checked 2**depth times, 688 bytes held a worker)."""
-    def check(value: object, done: set[tuple[int, int]]) -> None:
+    def check(value: object, done: _Run) -> None:
         inner = cell[0]
         key = (id(cell), id(value))
         if inner is not None and key not in done:
@@ -180,8 +219,15 @@ def _through(cell: list[_Walk | None]) -> _Walk:
     return check
 
 
+def _flag_walk(cls: type) -> _Walk:
+    def check(value: object, done: _Run) -> None:
+        if type(value) is int:  # (a Flag's value in JSON; any other the binding refuses)
+            done.flag(cls, value)
+    return check
+
+
 def _each_item(item: _Walk) -> _Walk:
-    def check(value: object, done: set[tuple[int, int]]) -> None:
+    def check(value: object, done: _Run) -> None:
         if type(value) is list:
             for i, element in enumerate(value):
                 _at(item, element, i, done)
@@ -189,7 +235,7 @@ def _each_item(item: _Walk) -> _Walk:
 
 
 def _each_value(item: _Walk) -> _Walk:
-    def check(value: object, done: set[tuple[int, int]]) -> None:
+    def check(value: object, done: _Run) -> None:
         if type(value) is dict:
             for key, element in value.items():
                 _at(item, element, key, done)
@@ -197,7 +243,7 @@ def _each_value(item: _Walk) -> _Walk:
 
 
 def _by_place(items: list[_Walk | None]) -> _Walk:
-    def check(value: object, done: set[tuple[int, int]]) -> None:
+    def check(value: object, done: _Run) -> None:
         if type(value) is list:
             for i, (item, element) in enumerate(zip(items, value)):
                 if item is not None:
@@ -206,7 +252,7 @@ def _by_place(items: list[_Walk | None]) -> _Walk:
 
 
 def _by_name(fields: list[tuple[str, _Walk]]) -> _Walk:
-    def check(value: object, done: set[tuple[int, int]]) -> None:
+    def check(value: object, done: _Run) -> None:
         if type(value) is dict:
             for name, item in fields:
                 if name in value:
@@ -218,7 +264,7 @@ def _union(objects: list[tuple[tuple[str, object] | None, _Walk]],
            arrays: list[tuple[tuple[str, object] | None, _Walk]]) -> _Walk:
     """A union's walk: the branches msgspec could read the value with (those of its JSON
     kind; of tagged Structs, the one its tag names), each walked."""
-    def check(value: object, done: set[tuple[int, int]]) -> None:
+    def check(value: object, done: _Run) -> None:
         kind = type(value)
         branches = objects if kind is dict else arrays if kind is list else None
         if not branches:
@@ -258,6 +304,9 @@ def unsupported(kind: object) -> str | None:
             inner, what = node.item_type, "a set's elements"
         elif isinstance(node, (_info.DictType, _info.FrozenDictType)) and not _randomized(node.key_type):
             inner, what = node.key_type, "a dict's keys"
+            key = _unwrapped(inner)
+            if isinstance(key, _info.EnumType) and issubclass(key.cls, enum.Flag):
+                return "a dict's keys are enum.Flag members"
         else:
             continue
         for held in reachable(inner):
@@ -296,7 +345,7 @@ def reachable(node: _info.Type) -> list[_info.Type]:
     return list(seen.values())
 
 
-def _at(check: _Walk, value: object, where: str | int, done: set[tuple[int, int]]) -> None:
+def _at(check: _Walk, value: object, where: str | int, done: _Run) -> None:
     try:
         check(value, done)
     except Flooded as exc:
@@ -307,7 +356,7 @@ def _at(check: _Walk, value: object, where: str | int, done: set[tuple[int, int]
 def _set_check(item_type: object, item: _Walk | None) -> _Walk:
     many = list[item_type]  # type: ignore[valid-type]
 
-    def check(value: object, done: set[tuple[int, int]]) -> None:
+    def check(value: object, done: _Run) -> None:
         if type(value) is not list:
             return
         if item is not None:
@@ -321,7 +370,7 @@ def _set_check(item_type: object, item: _Walk | None) -> _Walk:
 def _keys_check(key_type: object, value: _Walk | None) -> _Walk:
     many = list[key_type]  # type: ignore[valid-type]
 
-    def check(given: object, done: set[tuple[int, int]]) -> None:
+    def check(given: object, done: _Run) -> None:
         if type(given) is not dict:
             return
         if value is not None:

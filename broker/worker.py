@@ -622,8 +622,8 @@ def _flooded(name: str, path: list[str | int], root: str | None = None) -> Inval
     """`Method._check_floods`'s refusal: the parameter, and where in it (`path`)."""
     inner = "".join(f"[{step}]" if type(step) is int else f".{step}" for step in path)
     at = f" - at `{root or name}{inner}`" if inner else ""
-    return InvalidParams(name, f"more than {collisions.SHARED_HASH_MAX} distinct values of one hash in one set or"
-                         f" in one object's keys{at}: refused (hash flooding)")
+    return InvalidParams(name, f"more than {collisions.SHARED_HASH_MAX} distinct values of one hash in one set, in"
+                         f" one object's keys or in one enum.Flag's values{at}: refused (hash flooding)")
 
 
 _DECIMAL_JSON = msgspec.json.Decoder(float_hook=decimal.Decimal).decode

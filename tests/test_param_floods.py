@@ -446,3 +446,34 @@ def test_a_duplicate_key_does_not_build_a_flood_the_check_did_not_read(monkeypat
     args, _ = Method("place", place).bind(params, 64)
     assert args == (Batch({uuid.UUID(int=7)}), decimal.Decimal("1.5"))
     assert compared[0] < 100, compared[0]  # (before: about 2,000,000)
+
+
+class Shade(enum.IntFlag):
+    DARK = 1
+
+
+def shades(values: list[Shade], *more: Shade) -> int:
+    return len(values) + len(more)
+
+
+def shaded(table: dict[Shade, int]) -> int:
+    return len(table)
+
+
+def test_flag_values_of_one_hash_are_refused_wherever_they_are_bound() -> None:
+    """The enum module caches the member it makes for an IntFlag value in a dict keyed by
+    the value, whose hash is its own: a list of 8000 IntFlags of one hash took 0.34 s
+    (quadratic), not a set among them. The values already in that dict count too."""
+    method = Method("shades", shades)
+    with pytest.raises(InvalidParams, match="hash flooding") as info:
+        method.bind(msgspec.json.encode([one_hash(MAX + 1)]), 64)
+    assert info.value.param == "values"
+    with pytest.raises(InvalidParams, match="hash flooding") as info:
+        method.bind(msgspec.json.encode([[], *one_hash(MAX + 1)]), 64)
+    assert info.value.param == "more"
+    held = [Shade(v) for v in one_hash(MAX, 9)]  # (members a module holds, of one hash)
+    with pytest.raises(InvalidParams, match="hash flooding"):
+        method.bind(msgspec.json.encode([[9 + MODULUS * 100]]), 64)
+    assert method.bind(msgspec.json.encode([held[:3], *one_hash(MAX, 11)]), 64)[0][0] == held[:3]
+    with pytest.raises(TypeError, match=r"method 'shaded': a dict's keys are enum\.Flag members"):
+        Method("shaded", shaded)
