@@ -728,7 +728,8 @@ def test_an_ndjson_line_completed_after_the_grace_period_is_answered_shutting_do
             time.sleep(0.2)
         s.sendall(line[18:])  # the connection is still open (2 s more)
         got, _ending = _read_all(s)
-    assert json.loads(got) == {"jsonrpc": "2.0", "id": "after", "error": {"code": -32004, "message": "Shutting down"}}
+    assert json.loads(got) == {"jsonrpc": "2.0", "id": "after", "error": {  # (round 37: with its data, as in flight)
+        "code": -32004, "message": "Shutting down", "data": "grace period ended"}}
     assert b.proc.wait(30) == 0
 
 
