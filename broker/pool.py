@@ -483,6 +483,12 @@ class Pool:
             return
         if self._stopping:  # `stop` came while this process was being created
             _kill(process)
+        elif self.workers[worker.slot] is not worker and not any(w is worker for w in self.incoming):
+            # Started for a reload that failed while this process was being created (a leave's
+            # replacement, round 39: it lived on, imported the code that was not deployed, and
+            # its HELLO was refused as a stranger's): not wanted any more.
+            worker.kill_reason = "started for a reload that failed meanwhile"
+            _kill(process)
         worker.process = process
         worker.pid = process.pid
         worker.started_at = time.monotonic()

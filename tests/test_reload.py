@@ -383,6 +383,32 @@ def test_a_reload_s_new_worker_recycled_before_the_swap_is_replaced_in_the_reloa
     assert sample(samples, "rpc_broker_worker_restarts_total", reason="left") == 1
 
 
+def test_a_leave_s_replacement_started_as_its_reload_fails_is_not_left_running(broker_factory, tmp_path: Path) -> None:
+    """Hostile testing (round 39): a reload's two new workers killed at once while they
+    import, one by SIGTERM (a leave: another is started in its place), the other by SIGKILL
+    (the reload fails): the replacement's process, created after the failure, lived on in
+    no slot, imported the code that was not deployed, and its HELLO was refused as a
+    stranger's ("HELLO from pid X for slot 0, expected pid Y"). Three rounds: the race
+    was lost 4 times in 5."""
+    spec = tmp_path / "app.json"
+    spec.write_text(json.dumps({"version": 1, "methods": ["a"]}))
+    b = broker_factory("--workers", "2", "--app", "tests.apps.versioned:registry",
+                       env={"VERSIONED_APP_FILE": str(spec)})
+    old = children(b.pid)
+    spec.write_text(json.dumps({"version": 2, "methods": ["a"], "import_seconds": 20}))
+    for round_ in range(1, 4):
+        b.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: sum(os.path.exists(f"{spec}.importing-{pid}") for pid in children(b.pid) - old) == 2,
+                 timeout=30)
+        first, second = sorted(children(b.pid) - old)
+        os.kill(first, signal.SIGTERM)
+        os.kill(second, signal.SIGKILL)
+        wait_for(lambda round_=round_: b.read_log(0.05).count("keeping the old workers") == round_, timeout=30)
+        wait_for(lambda: not children(b.pid) - old, timeout=5)  # (before: importing for 20 s in no slot)
+    assert "rejected a worker connection" not in b.read_log()
+    assert b.call("a")["result"] == {"method": "a", "version": 1}
+
+
 def test_a_reload_lets_a_worker_that_asked_to_leave_finish_its_calls(broker_factory, tmp_path: Path) -> None:
     """A worker sent SIGTERM drains (it asked to leave, hostile round B finding 2); a
     reload meanwhile replaces its slot. The swap killed the old workers not READY as
