@@ -941,7 +941,11 @@ def _plain(value: object, depth: int = 0, seen: dict[int, tuple[object, object]]
     elif issubclass(kind, (list, tuple, set, frozenset)):
         plain = [_plain(item, depth, seen) for item in _items(typing.cast(list[object], value))]
     else:
-        return _plain_leaf(value, depth, seen)
+        plain = _plain_leaf(value, depth, seen)
+        if type(plain) is not dict and type(plain) is not list:
+            return plain
+        # (a Struct, a dataclass, what `tolist()` gave: made plain once too, round 39: one
+        # Struct shared through a result was taken apart each time, 3.4 s for 12 MiB)
     seen[id(value)] = (value, plain)  # (`value` kept: its id is not reused meanwhile)
     return plain
 
@@ -1002,6 +1006,8 @@ _TIMEDELTA_FIELDS = tuple(getattr(datetime.timedelta, name) for name in ("days",
 def _msgspec_exact(value: object, kind: type) -> object:
     """A `_BY_MSGSPEC` value as one of the exact types msgspec writes (it refuses their
     subclasses: numpy's `bytes_`, round 32), read by C: bytes-likes by their buffer."""
+    if kind is memoryview:  # (its bytes in order, as a copy: msgspec refused a strided one, round 39)
+        return memoryview.tobytes(typing.cast(memoryview, value))
     if any(kind is exact for exact in _BY_MSGSPEC) or issubclass(kind, uuid.UUID):  # (by identity: `_plain`)
         return value
     if issubclass(kind, decimal.Decimal):
