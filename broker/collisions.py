@@ -60,12 +60,27 @@ _convert = msgspec.convert
 class Flooded(ValueError):
     """More than `SHARED_HASH_MAX` distinct values of one hash in one set or one
     object's keys. `where`: the path to it from the checked value, innermost last
-    (keys and indexes), filled in as the check unwinds."""
+    (keys and indexes), filled in as the check unwinds; `reason`: what to tell."""
 
     def __init__(self, count: int) -> None:
         super().__init__(count)
         self.count = count
         self.where: list[str | int] = []
+        self.reason = (f"more than {SHARED_HASH_MAX} distinct values of one hash in one set or in one object's"
+                       " keys{at}: refused (hash flooding)")
+
+
+class UnknownBits(Flooded):
+    """A value for an `enum.Flag` that is not made of its members' bits (negative, or
+    with others). The enum module makes and caches a member for each such value in a
+    dict keyed by the value, whose hash is its own, and stores a negative one under a
+    twin too (hostile testing, round 40: values of one hash flooded that dict, whatever
+    was counted): a Flag param takes its members' combinations only, as `Flag`'s own
+    default boundary (STRICT) does."""
+
+    def __init__(self, cls: type, value: int) -> None:
+        super().__init__(0)
+        self.reason = f"{value} is not made of the bits of {cls.__name__}'s members{{at}}"
 
 
 def guard(kind: object) -> Check | None:
@@ -83,40 +98,9 @@ def guard(kind: object) -> Check | None:
 
 
 class _Run(set[tuple[int, int]]):
-    """One check's state: the (Struct walk, value) pairs walked (the set itself), and per
-    `enum.Flag` class, its values met so far (`flag`)."""
+    """One check's state: the (Struct walk, value) pairs walked."""
 
-    __slots__ = ("flags",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flags: dict[type, tuple[dict[int, int], set[int]]] = {}
-
-    def flag(self, cls: type, value: int) -> None:
-        """A value bound for the Flag class `cls`: the enum module caches a member it makes
-        for a value not yet in `cls._value2member_map_`, a dict keyed by the value (whose
-        hash is its own: round 39, 8000 values of one hash in a list of IntFlags took 0.34 s,
-        quadratic). Raise `Flooded` past `SHARED_HASH_MAX` distinct values of one hash
-        there, the map's own keys counted."""
-        members = vars(cls).get("_value2member_map_")
-        if type(members) is not dict:
-            return
-        state = self.flags.get(cls)
-        if state is None:
-            counts: dict[int, int] = {}
-            for key in list(members):
-                code = hash(key)
-                counts[code] = counts.get(code, 0) + 1
-            state = self.flags[cls] = (counts, set())
-        counts, seen = state
-        if value in seen or value in members:  # (each meets at most SHARED_HASH_MAX of its hash)
-            return
-        code = hash(value)
-        count = counts.get(code, 0) + 1
-        if count > SHARED_HASH_MAX:
-            raise Flooded(count)
-        counts[code] = count
-        seen.add(value)
+    __slots__ = ()
 
 
 class _Compiler:
@@ -150,14 +134,16 @@ class _Compiler:
         if isinstance(node, _info.UnionType):
             objects: list[tuple[tuple[str, object] | None, _Walk]] = []
             arrays: list[tuple[tuple[str, object] | None, _Walk]] = []
+            scalars: list[tuple[tuple[str, object] | None, _Walk]] = []
             for branch in node.types:
                 walk = self.plan(branch)
                 inner = _unwrapped(branch)
                 if walk is not None:
                     tag = ((inner.tag_field, inner.tag)
                            if isinstance(inner, _info.StructType) and inner.tag_field is not None else None)
-                    (arrays if _from_array(inner) else objects).append((tag, walk))
-            return _union(objects, arrays) if objects or arrays else None
+                    # (round 40: a Flag in a union, `Perm | None`, was never checked: a scalar)
+                    (arrays if _from_array(inner) else objects if _from_object(inner) else scalars).append((tag, walk))
+            return _union(objects, arrays, scalars) if objects or arrays or scalars else None
         return None
 
     def _dict(self, node: _info.DictType | _info.FrozenDictType) -> _Walk | None:
@@ -220,9 +206,14 @@ def _through(cell: list[_Walk | None]) -> _Walk:
 
 
 def _flag_walk(cls: type) -> _Walk:
+    mask = 0
+    for member in vars(cls).get("_member_map_", {}).values():
+        if type(member._value_) is int:
+            mask |= member._value_
+
     def check(value: object, done: _Run) -> None:
-        if type(value) is int:  # (a Flag's value in JSON; any other the binding refuses)
-            done.flag(cls, value)
+        if type(value) is int and (value < 0 or value & ~mask):  # (any other the binding refuses)
+            raise UnknownBits(cls, value)
     return check
 
 
@@ -261,12 +252,13 @@ def _by_name(fields: list[tuple[str, _Walk]]) -> _Walk:
 
 
 def _union(objects: list[tuple[tuple[str, object] | None, _Walk]],
-           arrays: list[tuple[tuple[str, object] | None, _Walk]]) -> _Walk:
+           arrays: list[tuple[tuple[str, object] | None, _Walk]],
+           scalars: list[tuple[tuple[str, object] | None, _Walk]]) -> _Walk:
     """A union's walk: the branches msgspec could read the value with (those of its JSON
     kind; of tagged Structs, the one its tag names), each walked."""
     def check(value: object, done: _Run) -> None:
         kind = type(value)
-        branches = objects if kind is dict else arrays if kind is list else None
+        branches = objects if kind is dict else arrays if kind is list else scalars
         if not branches:
             return
         if len(branches) > 1 and all(tag is not None for tag, _ in branches):
@@ -295,6 +287,12 @@ def _from_array(node: _info.Type) -> bool:
         isinstance(node, _info.StructType) and node.array_like)
 
 
+def _from_object(node: _info.Type) -> bool:
+    """Whether msgspec reads the type `node` from a JSON object."""
+    return isinstance(node, (_info.DictType, _info.FrozenDictType, _info.DataclassType, _info.TypedDictType)) or (
+        isinstance(node, _info.StructType) and not node.array_like)
+
+
 def unsupported(kind: object) -> str | None:
     """Why the params type `kind` cannot be checked in linear time (see the module's
     docstring), or None: a set's elements or a dict's non-str keys that hold a set or
@@ -304,8 +302,7 @@ def unsupported(kind: object) -> str | None:
             inner, what = node.item_type, "a set's elements"
         elif isinstance(node, (_info.DictType, _info.FrozenDictType)) and not _randomized(node.key_type):
             inner, what = node.key_type, "a dict's keys"
-            key = _unwrapped(inner)
-            if isinstance(key, _info.EnumType) and issubclass(key.cls, enum.Flag):
+            if any(isinstance(held, _info.EnumType) and issubclass(held.cls, enum.Flag) for held in reachable(inner)):
                 return "a dict's keys are enum.Flag members"
         else:
             continue

@@ -432,7 +432,7 @@ class Method:
                     read = self._guard_decode(raw)
                     check(read)
                 except collisions.Flooded as exc:
-                    raise _flooded(name, exc.where, where or None) from None
+                    raise _flooded(exc, name, exc.where, where or None) from None
                 except ArithmeticError:  # (a Decimal's exponent past decimal's limits: round 38)
                     raise msgspec.ValidationError("Number out of range") from None
                 # Decoded from what the check read, written again: an object's duplicate
@@ -456,13 +456,13 @@ class Method:
                 if pos is not None:
                     pos(obj)
             except collisions.Flooded as exc:
-                raise _flooded(self._pos_names[typing.cast(int, exc.where[0])], exc.where[1:]) from None
+                raise _flooded(exc, self._pos_names[typing.cast(int, exc.where[0])], exc.where[1:]) from None
             try:
                 if var_pos is not None and len(obj) > n:
                     var_pos(obj[n:])
             except collisions.Flooded as exc:
                 index = n + typing.cast(int, exc.where[0])
-                raise _flooded(self._var_pos_name(), [index, *exc.where[1:]], "params") from None
+                raise _flooded(exc, self._var_pos_name(), [index, *exc.where[1:]], "params") from None
         elif type(obj) is dict:
             # (as `_bind_named` takes them: beside **kwargs, a positional-only parameter's name
             # is **kwargs's; round 37, it was checked as the parameter's, built unchecked)
@@ -473,7 +473,7 @@ class Method:
                 if var_kw is not None:
                     var_kw({k: v for k, v in obj.items() if k not in known or k in kw_only})
             except collisions.Flooded as exc:
-                raise _flooded(str(exc.where[0]), exc.where[1:]) from None
+                raise _flooded(exc, str(exc.where[0]), exc.where[1:]) from None
 
     def _bind_positional(self, values: list[object]) -> tuple[object, ...]:
         if self._required_kwonly:
@@ -618,12 +618,10 @@ def _values_decoded(params: bytes, decode: Callable[[bytes], object]) -> dict[st
         return None
 
 
-def _flooded(name: str, path: list[str | int], root: str | None = None) -> InvalidParams:
+def _flooded(exc: collisions.Flooded, name: str, path: list[str | int], root: str | None = None) -> InvalidParams:
     """`Method._check_floods`'s refusal: the parameter, and where in it (`path`)."""
     inner = "".join(f"[{step}]" if type(step) is int else f".{step}" for step in path)
-    at = f" - at `{root or name}{inner}`" if inner else ""
-    return InvalidParams(name, f"more than {collisions.SHARED_HASH_MAX} distinct values of one hash in one set, in"
-                         f" one object's keys or in one enum.Flag's values{at}: refused (hash flooding)")
+    return InvalidParams(name, exc.reason.format(at=f" - at `{root or name}{inner}`" if inner else ""))
 
 
 _DECIMAL_JSON = msgspec.json.Decoder(float_hook=decimal.Decimal).decode

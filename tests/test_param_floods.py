@@ -87,28 +87,31 @@ def test_a_flood_deep_in_a_recursive_struct_is_located(flooding: Broker) -> None
 
 
 def test_intflag_members_a_client_makes_are_bounded(flooding: Broker) -> None:
-    """Each distinct integer an IntFlag param takes makes a member the enum module caches
+    """Each distinct value an IntFlag param takes makes a member the enum module caches
     for good; past FLAG_PSEUDO_MEMBERS_MAX those nothing holds are dropped. Before: every
     value sent stayed (18,003 members after three calls)."""
     before = typing.cast(dict[str, int], flooding.call("flag_members")["result"])
     per_call = 6000
     for round_ in range(3):
-        flags = [(1 << 20) + 8 * (round_ * per_call + i) for i in range(per_call)]
+        flags = [(round_ * per_call + i) * 7 % (1 << 24) for i in range(1, per_call + 1)]
         assert flooding.call("perms", flags)["result"] == per_call
     after = typing.cast(dict[str, int], flooding.call("flag_members")["result"])
     assert after["Perm"] <= before["Perm"] + FLAG_PSEUDO_MEMBERS_MAX, (before, after)
     # Round 38: each class's members were dropped only when its own method was called
     # next: two classes in two methods kept a call's members each (55 MB per MiB).
-    assert flooding.call("modes", [(1 << 20) + 8 * i for i in range(per_call)])["result"] == per_call
-    assert flooding.call("perms", [(1 << 20) + 8 * i for i in range(per_call)])["result"] == per_call
+    assert flooding.call("modes", [i * 5 for i in range(1, per_call + 1)])["result"] == per_call
+    assert flooding.call("perms", [i * 3 for i in range(1, per_call + 1)])["result"] == per_call
     last = typing.cast(dict[str, int], flooding.call("flag_members")["result"])
     assert last["Mode"] <= before["Mode"] + FLAG_PSEUDO_MEMBERS_MAX, (before, last)
     assert last["Perm"] <= before["Perm"] + FLAG_PSEUDO_MEMBERS_MAX, (before, last)
+    # Round 40: values not made of the members' bits are refused (negative ones too).
+    error = typing.cast(dict[str, typing.Any], flooding.call("perms", [1, 1 << 24])["error"])
+    assert error["code"] == -32602 and error["data"] == {
+        "param": "flags", "reason": "16777216 is not made of the bits of Perm's members - at `params[1]`"}
+    assert flooding.call("perms", [-1])["error"]["data"]["reason"].startswith("-1 is not made of")  # type: ignore[index]
 
 
-class Perm(enum.IntFlag):
-    R = 4
-    W = 2
+Wide = enum.IntFlag("Wide", {f"W{i}": 1 << i for i in range(24)})
 
 
 class Colour(enum.Flag):
@@ -117,11 +120,11 @@ class Colour(enum.Flag):
     BLUE = 4
 
 
-READ_WRITE = Perm.R | Perm.W
+HELD = Wide.W3 | Wide.W7
 GREEN_BLUE = Colour.GREEN | Colour.BLUE
 
 
-def perms_handler(*flags: Perm) -> int:
+def wide_handler(*flags: Wide) -> int:  # type: ignore[valid-type]
     return len(flags)
 
 
@@ -130,16 +133,16 @@ def colours_handler(colours: list[Colour]) -> int:
 
 
 def test_flag_members_still_held_are_kept_the_same_object() -> None:
-    method = Method("perms", perms_handler)
-    held = Perm(1 << 40)
+    method = Method("wide", wide_handler)
+    held = Wide(1 << 20 | 1)
     for round_ in range(3):
-        values = b",".join(b"%d" % ((1 << 20) + 8 * (round_ * 5000 + i)) for i in range(5000))
+        values = b",".join(b"%d" % (round_ * 5000 + i) for i in range(1, 5001))
         args, _ = method.bind(b"[" + values + b"]", 64)
         assert len(args) == 5000
         del args
-        _drop_flag_members((Perm,))  # (as the worker does after each such call)
-    assert len(Perm._value2member_map_) <= FLAG_PSEUDO_MEMBERS_MAX + 10
-    assert Perm(6) is READ_WRITE and Perm(1 << 40) is held
+        _drop_flag_members((Wide,))  # (as the worker does after each such call)
+    assert len(Wide._value2member_map_) <= FLAG_PSEUDO_MEMBERS_MAX + 64
+    assert Wide(1 << 3 | 1 << 7) is HELD and Wide(1 << 20 | 1) is held
     # A plain Flag compares by identity: a composite a module holds stays the one.
     colours = Method("colours", colours_handler)
     args, _ = colours.bind(b"[[6, 3, 1]]", 64)
@@ -248,13 +251,6 @@ class Keep(enum.Flag, boundary=enum.KEEP):
     ONE = 1
 
 
-Bits = enum.IntFlag("Bits", {f"B{i}": 1 << i for i in range(24)})  # (a member for every bit)
-
-
-def bits_handler(flags: list[Bits]) -> int:  # type: ignore[valid-type]
-    return len(flags)
-
-
 def test_a_tagged_array_like_struct_is_checked_past_its_tag() -> None:
     """Its array opens with the tag: every field was checked one place early, the set never."""
     assert flooded(TaggedRow, ["TaggedRow", one_hash(20)]) == [1]
@@ -275,15 +271,24 @@ def test_a_recursive_union_of_tagged_structs_is_walked_once_per_value() -> None:
     assert flooded(Leaf | Fork, tree(one_hash(20))) == ["below", 0] * 40 + ["marks"]
 
 
-def test_members_a_flag_makes_are_checked_as_any_value() -> None:
-    """A KEEP Flag's members of unknown bits have no name, and all hash as None: a set of
-    them was taken for a set of a few named members (quadratic: 275 KB held a worker 27 s)."""
+def test_a_flag_takes_its_members_bits_only() -> None:
+    """A KEEP Flag's members of unknown bits have no name and all hash as None (round 37:
+    a set of them was built quadratically); the enum module caches each in a dict keyed
+    by the value (round 39: IntFlag values of one hash in a list, quadratic), a negative
+    one under a twin too, and the values a union holds were not checked (round 40):
+    values not made of a Flag's members' bits are refused, wherever they are bound."""
     unknown = [2 << k for k in range(20)]
     assert len({hash(Keep(v)) for v in unknown}) == 1
-    assert flooded(set[Keep], unknown) == []
-    assert flooded(dict[Keep, int], {str(v): 1 for v in unknown}) == []
-    assert flooded(set[Keep], [1, 3, 5, 7]) is None
-    assert collisions.guard(set[Perm]) is not None and collisions.guard(set[Colour]) is not None
+    for kind, value, where in ((set[Keep], unknown, [0]), (list[Wide], [1, -1], [1]),  # type: ignore[valid-type]
+                               (list[Wide | None], [None, 1 << 24], [1]),  # type: ignore[valid-type]
+                               (dict[str, Wide | None], {"k": 5 + MODULUS}, ["k"])):  # type: ignore[valid-type]
+        with pytest.raises(collisions.UnknownBits) as info:
+            check = collisions.guard(kind)
+            assert check is not None
+            check(value)
+        assert info.value.where == where, kind
+    assert flooded(set[Keep], [1, 1, 0]) is None
+    assert flooded(list[Wide | None], [None, (1 << 24) - 1, 0]) is None  # type: ignore[valid-type]
 
 
 def posonly_set(a: int = 0, /, **kw: frozenset[uuid.UUID]) -> int:
@@ -303,17 +308,6 @@ def test_a_positional_only_name_beside_kwargs_is_checked_as_kwargs_takes_it() ->
     assert info.value.param == "a"
     args, kwargs = Method("g", posonly_any).bind(msgspec.json.encode({"a": uuids(one_hash(20))}), 64)
     assert args == (frozenset(),) and kwargs == {"a": uuids(one_hash(20))}
-
-
-def test_intflag_members_of_negative_values_are_dropped_too() -> None:
-    """CPython caches the member of a negative value under two keys (it and its positive
-    twin): counted as held elsewhere, such members were never dropped (+10 MiB a call)."""
-    method = Method("bits", bits_handler)
-    for round_ in range(4):
-        values = [-(1 + round_ * 3000 + k) for k in range(3000)]
-        method.bind(msgspec.json.encode([values]), 64)
-        _drop_flag_members((Bits,))
-    assert len(Bits._value2member_map_) <= FLAG_PSEUDO_MEMBERS_MAX + 64
 
 
 # Round 38.
@@ -450,30 +444,27 @@ def test_a_duplicate_key_does_not_build_a_flood_the_check_did_not_read(monkeypat
 
 class Shade(enum.IntFlag):
     DARK = 1
+    LIGHT = 2
 
 
-def shades(values: list[Shade], *more: Shade) -> int:
+def shades(values: list[Shade | None], *more: Shade, price: decimal.Decimal = decimal.Decimal(0)) -> int:
     return len(values) + len(more)
 
 
-def shaded(table: dict[Shade, int]) -> int:
+def shaded(table: dict[Shade | None, int]) -> int:
     return len(table)
 
 
-def test_flag_values_of_one_hash_are_refused_wherever_they_are_bound() -> None:
-    """The enum module caches the member it makes for an IntFlag value in a dict keyed by
-    the value, whose hash is its own: a list of 8000 IntFlags of one hash took 0.34 s
-    (quadratic), not a set among them. The values already in that dict count too."""
+def test_flag_values_are_checked_on_every_path() -> None:
+    """Round 40: in a method decoded value by value (a Decimal in its hints), each *args
+    value was checked apart, hashing the Flag's whole member map each time (40 KB held a
+    worker 11.8 s); a Flag in a union was not checked at all. A Flag among dict keys, in a
+    union too, fails the registration."""
     method = Method("shades", shades)
-    with pytest.raises(InvalidParams, match="hash flooding") as info:
-        method.bind(msgspec.json.encode([one_hash(MAX + 1)]), 64)
-    assert info.value.param == "values"
-    with pytest.raises(InvalidParams, match="hash flooding") as info:
-        method.bind(msgspec.json.encode([[], *one_hash(MAX + 1)]), 64)
-    assert info.value.param == "more"
-    held = [Shade(v) for v in one_hash(MAX, 9)]  # (members a module holds, of one hash)
-    with pytest.raises(InvalidParams, match="hash flooding"):
-        method.bind(msgspec.json.encode([[9 + MODULUS * 100]]), 64)
-    assert method.bind(msgspec.json.encode([held[:3], *one_hash(MAX, 11)]), 64)[0][0] == held[:3]
+    for params, param in ((b"[[null, 5]]", "values"), (b"[[], 1, 2, 4]", "more"), (b'{"values": [8]}', "values")):
+        with pytest.raises(InvalidParams, match="is not made of the bits of Shade's members") as info:
+            method.bind(params, 64)
+        assert info.value.param == param
+    assert method.bind(b"[[null, 3], 1, 2]", 64) == (([None, Shade.DARK | Shade.LIGHT], Shade.DARK, Shade.LIGHT), {})
     with pytest.raises(TypeError, match=r"method 'shaded': a dict's keys are enum\.Flag members"):
         Method("shaded", shaded)
