@@ -132,18 +132,20 @@ class _Compiler:
         if isinstance(node, _info.EnumType) and issubclass(node.cls, enum.Flag):
             return _flag_walk(node.cls)
         if isinstance(node, _info.UnionType):
-            objects: list[tuple[tuple[str, object] | None, _Walk]] = []
-            arrays: list[tuple[tuple[str, object] | None, _Walk]] = []
-            scalars: list[tuple[tuple[str, object] | None, _Walk]] = []
+            objects: list[tuple[tuple[str, object] | None, _Walk | None]] = []
+            arrays: list[tuple[tuple[str, object] | None, _Walk | None]] = []
+            scalars: list[tuple[tuple[str, object] | None, _Walk | None]] = []
+            walked = False
             for branch in node.types:
                 walk = self.plan(branch)
+                walked = walked or walk is not None
                 inner = _unwrapped(branch)
-                if walk is not None:
-                    tag = ((inner.tag_field, inner.tag)
-                           if isinstance(inner, _info.StructType) and inner.tag_field is not None else None)
-                    # (round 40: a Flag in a union, `Perm | None`, was never checked: a scalar)
-                    (arrays if _from_array(inner) else objects if _from_object(inner) else scalars).append((tag, walk))
-            return _union(objects, arrays, scalars) if objects or arrays or scalars else None
+                tag = ((inner.tag_field, inner.tag)
+                       if isinstance(inner, _info.StructType) and inner.tag_field is not None else None)
+                # (round 40: a Flag in a union, `Perm | None`, was never checked: a scalar; round 41:
+                # every branch is kept, walked or not, so that a tag picks its own)
+                (arrays if _from_array(inner) else objects if _from_object(inner) else scalars).append((tag, walk))
+            return _union(objects, arrays, scalars) if walked else None
         return None
 
     def _dict(self, node: _info.DictType | _info.FrozenDictType) -> _Walk | None:
@@ -207,12 +209,15 @@ def _through(cell: list[_Walk | None]) -> _Walk:
 
 def _flag_walk(cls: type) -> _Walk:
     mask = 0
+    own: set[int] = set()  # (the members' own values: a negative one too, `ALL = ~0`)
     for member in vars(cls).get("_member_map_", {}).values():
         if type(member._value_) is int:
-            mask |= member._value_
+            own.add(member._value_)
+            if member._value_ >= 0:  # (round 41: `~0` made the mask -1, and let every value in)
+                mask |= member._value_
 
     def check(value: object, done: _Run) -> None:
-        if type(value) is int and (value < 0 or value & ~mask):  # (any other the binding refuses)
+        if type(value) is int and (value < 0 or value & ~mask) and value not in own:  # (any other the binding refuses)
             raise UnknownBits(cls, value)
     return check
 
@@ -251,9 +256,9 @@ def _by_name(fields: list[tuple[str, _Walk]]) -> _Walk:
     return check
 
 
-def _union(objects: list[tuple[tuple[str, object] | None, _Walk]],
-           arrays: list[tuple[tuple[str, object] | None, _Walk]],
-           scalars: list[tuple[tuple[str, object] | None, _Walk]]) -> _Walk:
+def _union(objects: list[tuple[tuple[str, object] | None, _Walk | None]],
+           arrays: list[tuple[tuple[str, object] | None, _Walk | None]],
+           scalars: list[tuple[tuple[str, object] | None, _Walk | None]]) -> _Walk:
     """A union's walk: the branches msgspec could read the value with (those of its JSON
     kind; of tagged Structs, the one its tag names), each walked."""
     def check(value: object, done: _Run) -> None:
@@ -266,11 +271,12 @@ def _union(objects: list[tuple[tuple[str, object] | None, _Walk]],
                 field, name = typing.cast(tuple[str, object], tag)
                 given = typing.cast(dict[str, object], value).get(field) if kind is dict else (
                     typing.cast(list[object], value)[0] if value else None)
-                if type(given) is type(name) and given == name:
+                if walk is not None and type(given) is type(name) and given == name:
                     walk(value, done)
             return
         for _, walk in branches:
-            walk(value, done)
+            if walk is not None:
+                walk(value, done)
     return check
 
 

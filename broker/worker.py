@@ -430,7 +430,7 @@ class Method:
             if check is not None:  # (the sets it holds, before they are built)
                 try:
                     read = self._guard_decode(raw)
-                    check(read)
+                    check(_integral(read) if self._guard_decode is _DECIMAL_JSON else read)
                 except collisions.Flooded as exc:
                     raise _flooded(exc, name, exc.where, where or None) from None
                 except ArithmeticError:  # (a Decimal's exponent past decimal's limits: round 38)
@@ -607,6 +607,24 @@ class Method:
         return InvalidParams(None, message)
 
 
+def _integral(value: object) -> object:
+    """`value` (decoded with numbers as Decimals) with its whole numbers written with an
+    exponent or a fraction (`1e0`, `8.0`) as ints, which the decoder of an `int` (or an
+    IntFlag) takes them for: the check of a value decoded from its own text reads what
+    the decoder builds (round 41: `[1e0, ...]` failed the check's conversion to an int,
+    nothing was checked, and the decoder built the whole flood; `8e0` passed a Flag's bits)."""
+    kind = type(value)
+    if kind is list:
+        return [_integral(item) for item in typing.cast(list[object], value)]
+    if kind is dict:
+        return {key: _integral(item) for key, item in typing.cast(dict[str, object], value).items()}
+    if kind is decimal.Decimal:
+        number = typing.cast(decimal.Decimal, value)
+        if number.is_finite() and number.adjusted() < 20 and number == number.to_integral_value():
+            return int(number)
+    return value
+
+
 def _values_decoded(params: bytes, decode: Callable[[bytes], object]) -> dict[str, object] | None:
     """An object's values decoded each alone, the last of duplicate keys kept (as a whole
     decode keeps it), or None if one does not decode: params `{"a": 1e400, "a": 2}` bind
@@ -653,7 +671,7 @@ nothing else holds are dropped."""
 _FLAG_KEPT: dict[type, int] = {}  # a Flag class: how many members its map held after the last drop
 
 
-def _drop_flag_members(classes: tuple[type, ...]) -> None:
+def _drop_flag_members(classes: tuple[type, ...], afresh: bool = False) -> None:
     """Drop from each class's `_value2member_map_` the members that `enum.Flag`'s
     `_missing_` made and cached there for good (CPython's enum module) and that nothing
     else holds, once it has grown by `FLAG_PSEUDO_MEMBERS_MAX` since the last drop:
@@ -664,7 +682,7 @@ def _drop_flag_members(classes: tuple[type, ...]) -> None:
     one made again after its drop is a new object, indistinguishable (no one held the old)."""
     for cls in classes:
         members = vars(cls).get("_value2member_map_")
-        if type(members) is not dict or len(members) <= _FLAG_KEPT.get(cls, 0) + FLAG_PSEUDO_MEMBERS_MAX:
+        if type(members) is not dict or len(members) <= (0 if afresh else _FLAG_KEPT.get(cls, 0)) + FLAG_PSEUDO_MEMBERS_MAX:
             continue
         for value in _held_only_by(members):
             members.pop(value, None)  # (a tool's thread may have dropped it meanwhile)
@@ -2075,8 +2093,10 @@ class WorkerProtocol(asyncio.Protocol):
             return _ERROR, self._error(exc, index)
 
     def _flag_call_done(self, task: asyncio.Task[tuple[bool, object]]) -> None:
-        """An async call binding enum.Flag members ended: drop them, once nothing holds them."""
-        self._loop.call_soon(_drop_flag_members, self._flag_classes)
+        """An async call binding enum.Flag members ended: drop them, once nothing holds them
+        (past the bound counted from none kept: the drop made as the call began counted its
+        members as kept, and the members of a call ended stayed for good, round 41)."""
+        self._loop.call_soon(_drop_flag_members, self._flag_classes, True)
 
     def _outcome(
         self, task: asyncio.Task[tuple[bool, object]], index: int, outcome: tuple[bool, object] | None = None
