@@ -430,7 +430,7 @@ class Method:
             if check is not None:  # (the sets it holds, before they are built)
                 try:
                     read = self._guard_decode(raw)
-                    check(_integral(read) if self._guard_decode is _DECIMAL_JSON else read)
+                    check(read)
                 except collisions.Flooded as exc:
                     raise _flooded(exc, name, exc.where, where or None) from None
                 except ArithmeticError:  # (a Decimal's exponent past decimal's limits: round 38)
@@ -438,7 +438,7 @@ class Method:
                 # Decoded from what the check read, written again: an object's duplicate
                 # keys are gone, as they were for the check (round 39: the decoder built the
                 # set of every duplicate, the check saw the last; 1 MiB held a worker 12.8 s).
-                raw = msgspec.Raw(_REWRITE(read))
+                raw = msgspec.Raw(_REWRITE(_float_form(read) if self._guard_decode is _DECIMAL_JSON else read))
             return decoder.decode(raw)
         except msgspec.ValidationError as exc:
             message = str(exc)
@@ -607,21 +607,20 @@ class Method:
         return InvalidParams(None, message)
 
 
-def _integral(value: object) -> object:
-    """`value` (decoded with numbers as Decimals) with its whole numbers written with an
-    exponent or a fraction (`1e0`, `8.0`) as ints, which the decoder of an `int` (or an
-    IntFlag) takes them for: the check of a value decoded from its own text reads what
-    the decoder builds (round 41: `[1e0, ...]` failed the check's conversion to an int,
-    nothing was checked, and the decoder built the whole flood; `8e0` passed a Flag's bits)."""
+def _float_form(value: object) -> object:
+    """`value` (decoded with the numbers written with a fraction or an exponent as
+    Decimals, `_DECIMAL_JSON`) with each such Decimal as the JSON text of a number in
+    that form again (`format(d, "e")`: exact), so that the value written again decodes as
+    the text sent would: a Decimal written as `str(d)` made `1e0` an integer `1`, which an
+    `int` takes and the check had not read as one (hostile testing, round 42: a set's first
+    element of 21 digits written `...e0` turned the check off, 1 MiB held a worker 25.6 s)."""
     kind = type(value)
     if kind is list:
-        return [_integral(item) for item in typing.cast(list[object], value)]
+        return [_float_form(item) for item in typing.cast(list[object], value)]
     if kind is dict:
-        return {key: _integral(item) for key, item in typing.cast(dict[str, object], value).items()}
+        return {key: _float_form(item) for key, item in typing.cast(dict[str, object], value).items()}
     if kind is decimal.Decimal:
-        number = typing.cast(decimal.Decimal, value)
-        if number.is_finite() and number.adjusted() < 20 and number == number.to_integral_value():
-            return int(number)
+        return msgspec.Raw(format(typing.cast(decimal.Decimal, value), "e").encode())
     return value
 
 
@@ -644,7 +643,7 @@ def _flooded(exc: collisions.Flooded, name: str, path: list[str | int], root: st
 
 _DECIMAL_JSON = msgspec.json.Decoder(float_hook=decimal.Decimal).decode
 _RAW_TOP = msgspec.json.Decoder(list[msgspec.Raw] | dict[str, msgspec.Raw]).decode
-_REWRITE = msgspec.json.Encoder(decimal_format="number").encode  # (Decimals as the numbers they were)
+_REWRITE = msgspec.json.encode  # (of `_float_form`'s values: numbers in the form they were sent)
 
 
 def _held(kinds: list[typing.Any]) -> list[object]:
@@ -2083,6 +2082,8 @@ class WorkerProtocol(asyncio.Protocol):
             # A sync handler that returned a coroutine (a decorator `_is_async` could
             # not see through): run it as an async one's.
             task = self._loop.create_task(_guarded(_identity, (result,), {}, self._finished, deadline))
+            if method._flags is not None:  # (round 42: its Flag members stayed after it ended)
+                task.add_done_callback(self._flag_call_done)
             if type(result) is _COROUTINE:  # (cancelled before its first step, it is never awaited:
                 # closed then, without "coroutine ... was never awaited"; round 27)
                 task.add_done_callback(functools.partial(_close_if_cancelled, result))
