@@ -312,6 +312,10 @@ class Method:
         # float parameter inf for 1e400, and a Decimal of 4301 digits bound by position
         # only). The check for hash flooding reads its values first, with Decimals exact.
         decimals = any(isinstance(node, msgspec.inspect.DecimalType) for node in held)
+        if decimals and any(collisions.untyped_hashed(kind) for kind in kinds):
+            raise TypeError(f"method {name!r}: beside a Decimal, a set's elements or a dict's keys hold an untyped"
+                            " value (Any, a bare set or tuple), whose numbers the check for hash flooding could not"
+                            " read as they are built: hint their type")
         self._guard_decode = _DECIMAL_JSON if decimals else _decode_json
         self._typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]] | None = None
         if decimals or any(isinstance(node, msgspec.inspect.RawType) for node in held):
