@@ -32,6 +32,19 @@ a frozen dataclass or Struct held in a set runs twice. A union's value is checke
 msgspec reads it: by the branch of its JSON kind, a tagged Struct's by its tag; a
 Struct's walk runs once per value (round 37: a recursive union of tagged Structs was
 walked 2**depth times).
+
+An `enum.Flag` param's values are checked wherever they are bound: the enum module makes
+a member for each combination of bits it has not made yet and caches it in a dict keyed
+by the value (an `IntFlag` takes any integer). Only combinations of the members' own
+non-negative bits, or a member's own value, are taken (`UnknownBits` otherwise): below
+`2**bits`, such values hash to themselves, distinct (rounds 39 to 41: values of one hash,
+negative ones cached under a twin, and Flags in unions flooded that dict).
+
+Where the binding decodes each value from its own text (`Method` in broker/worker.py: a
+Decimal or a Raw among the hints), the check reads numbers with a fraction or an exponent
+as Decimals, and the binding decodes the value written again from what the check read,
+numbers in the form they were sent (rounds 39, 42, 43: duplicate keys, `1e0` made `1`,
+and floats read as Decimals in untyped set elements, which `untyped_hashed` refuses).
 """
 
 from __future__ import annotations
