@@ -389,13 +389,13 @@ def _at(check: _Walk, value: object, where: str | int, done: _Run) -> None:
 
 def _set_check(item_type: object, item: _Walk | None) -> _Walk:
     many = list[item_type]  # type: ignore[valid-type]
+    items = None if item is None else _each_item(item)
 
     def check(value: object, done: _Run) -> None:
         if type(value) is not list:
             return
-        if item is not None:
-            for i, element in enumerate(value):
-                _at(item, element, i, done)
+        if items is not None:  # (the sets inside its elements, and Flag values, first)
+            items(value, done)
         if len(value) > SHARED_HASH_MAX:  # (fewer cannot pass the bound)
             _spread(_converted(value, many, True))
     return check
@@ -403,13 +403,13 @@ def _set_check(item_type: object, item: _Walk | None) -> _Walk:
 
 def _keys_check(key_type: object, value: _Walk | None) -> _Walk:
     many = list[key_type]  # type: ignore[valid-type]
+    values = None if value is None else _each_value(value)
 
     def check(given: object, done: _Run) -> None:
         if type(given) is not dict:
             return
-        if value is not None:
-            for key, element in given.items():
-                _at(value, element, key, done)
+        if values is not None:
+            values(given, done)
         # (keys as a dict's: strict=False reads "7" as 7, a superset of str_keys's reading)
         if len(given) > SHARED_HASH_MAX:
             _spread(_converted(list(given), many, False))
