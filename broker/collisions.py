@@ -361,8 +361,9 @@ def _hashed(node: _info.Type) -> bool:
     return isinstance(node, (_info.DictType, _info.FrozenDictType)) and not _randomized(node.key_type)
 
 
-def reachable(node: _info.Type) -> list[_info.Type]:
-    """Every type node `node` holds, itself included, however deep (once each)."""
+def reachable(node: object) -> list[_info.Type]:
+    """Every type node `node` (a `msgspec.inspect.Type`, or a tuple of them as
+    `multi_type_info` gives) holds, itself included, however deep (once each)."""
     pending: list[object] = [node]
     seen: dict[int, _info.Type] = {}
     while pending:

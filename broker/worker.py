@@ -286,7 +286,7 @@ class Method:
         kinds = [kind for kind in (self._pos_type, self._named_type, self._var_pos, self._var_kw) if kind is not None]
         for kind in kinds if not raw_params else ():
             msgspec.json.Decoder(kind)
-        held = [] if raw_params else _held(kinds)
+        held = [] if raw_params else collisions.reachable(msgspec.inspect.multi_type_info(kinds))
         self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
                              and issubclass(node.cls, enum.Flag)}) or None
         if any(isinstance(node, msgspec.inspect.UnionType) and any(isinstance(t, msgspec.inspect.RawType)
@@ -648,23 +648,6 @@ def _flooded(exc: collisions.Flooded, name: str, path: list[str | int], root: st
 _DECIMAL_JSON = msgspec.json.Decoder(float_hook=decimal.Decimal).decode
 _RAW_TOP = msgspec.json.Decoder(list[msgspec.Raw] | dict[str, msgspec.Raw]).decode
 _REWRITE = msgspec.json.encode  # (of `_float_form`'s values: numbers in the form they were sent)
-
-
-def _held(kinds: list[typing.Any]) -> list[object]:
-    """Every type node the types `kinds` hold, however deep (msgspec's own reading of
-    them, `msgspec.inspect`: Structs, dataclasses, unions, containers)."""
-    pending: list[object] = list(msgspec.inspect.multi_type_info(kinds))
-    seen: dict[int, object] = {}
-    while pending:
-        node = pending.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        if isinstance(node, (list, tuple)):
-            pending.extend(node)
-        elif isinstance(node, (msgspec.inspect.Type, msgspec.inspect.Field)):
-            pending.extend(getattr(node, name) for name in node.__struct_fields__)
-    return [node for node in seen.values() if isinstance(node, msgspec.inspect.Type)]
 
 
 FLAG_PSEUDO_MEMBERS_MAX = 4096
