@@ -1,6 +1,7 @@
 """A test app whose params are built into sets, dict keys and enum.Flag members: what
 hash flooding and IntFlag's member cache reached (issue 9, hostile testing round 36)."""
 
+import asyncio
 import enum
 import os
 import uuid
@@ -53,6 +54,16 @@ def tree(root: Tagged) -> int:
 def perms(*flags: Perm) -> int:  # type: ignore[valid-type]
     """How many flags (each a combination of Perm's 24 bits)."""
     return len(flags)
+
+
+@registry.method
+def perms_later(*flags: Perm):  # type: ignore[no-untyped-def,valid-type]
+    """A sync handler returning a coroutine (as one a decorator hides): run as an async one."""
+    async def count() -> int:
+        await asyncio.sleep(0.01)
+        return len(flags)
+
+    return count()
 
 
 @registry.method
