@@ -442,7 +442,10 @@ class Method:
                 # Decoded from what the check read, written again: an object's duplicate
                 # keys are gone, as they were for the check (round 39: the decoder built the
                 # set of every duplicate, the check saw the last; 1 MiB held a worker 12.8 s).
-                raw = msgspec.Raw(_REWRITE(_float_form(read) if self._guard_decode is _DECIMAL_JSON else read))
+                try:
+                    raw = msgspec.Raw(_REWRITE(_float_form(read) if self._guard_decode is _DECIMAL_JSON else read))
+                finally:
+                    _UNDERFLOWED.clear()
             return decoder.decode(raw)
         except msgspec.ValidationError as exc:
             message = str(exc)
@@ -625,7 +628,30 @@ def _float_form(value: object) -> object:
         return {key: _float_form(item) for key, item in typing.cast(dict[str, object], value).items()}
     if kind is decimal.Decimal:
         return msgspec.Raw(format(typing.cast(decimal.Decimal, value), "e").encode())
+    if kind is float and _UNDERFLOWED:
+        held = _UNDERFLOWED.get(id(value))
+        if held is not None and held[0] is value:
+            return msgspec.Raw(held[1].encode())
     return value
+
+
+_UNDERFLOWED: dict[int, tuple[float, str]] = {}  # a zero `_decimal_or_zero` made: (it, the text it was read from)
+
+
+def _decimal_or_zero(text: str) -> decimal.Decimal | float:
+    """A JSON number written with a fraction or an exponent, as a Decimal, or as the float
+    zero msgspec reads it as where its exponent is past decimal's limits (`1e-99999999999999999999`),
+    kept in `_UNDERFLOWED` to be written again as sent (round 43: refused "Number out of
+    range" beside a Decimal, bound as 0.0 elsewhere). One past them the other way, which
+    msgspec refuses too, raises `decimal.InvalidOperation`."""
+    try:
+        return decimal.Decimal(text)
+    except decimal.InvalidOperation:
+        value = float(text)
+        if value:  # (inf: "Number out of range", as msgspec says)
+            raise
+        _UNDERFLOWED[id(value)] = (value, text)
+        return value
 
 
 def _values_decoded(params: bytes, decode: Callable[[bytes], object]) -> dict[str, object] | None:
@@ -645,7 +671,7 @@ def _flooded(exc: collisions.Flooded, name: str, path: list[str | int], root: st
     return InvalidParams(name, exc.reason.format(at=f" - at `{root or name}{inner}`" if inner else ""))
 
 
-_DECIMAL_JSON = msgspec.json.Decoder(float_hook=decimal.Decimal).decode
+_DECIMAL_JSON = msgspec.json.Decoder(float_hook=_decimal_or_zero).decode
 _RAW_TOP = msgspec.json.Decoder(list[msgspec.Raw] | dict[str, msgspec.Raw]).decode
 _REWRITE = msgspec.json.encode  # (of `_float_form`'s values: numbers in the form they were sent)
 

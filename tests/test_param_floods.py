@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import decimal
 import enum
+import math
 import typing
 import uuid
 
@@ -585,3 +586,30 @@ def test_untyped_set_elements_beside_a_decimal_fail_the_registration() -> None:
             Method(handler.__name__, handler)
     assert Method("priced_typed", priced_typed).bind(b"[[[0.5, 1.5]], 0.10]", 64) == (
         ({(0.5, 1.5)}, decimal.Decimal("0.10")), {})
+
+
+def priced_pair(x: tuple[float, set[int]], fee: decimal.Decimal = decimal.Decimal(0)) -> object:
+    return x
+
+
+def plain_pair(x: tuple[float, set[int]], fee: float = 0.0) -> object:
+    return x
+
+
+def test_a_number_past_decimals_exponent_limits_binds_as_without_a_decimal() -> None:
+    """Round 43: beside a Decimal, a value checked for hash flooding is read with its
+    numbers as Decimals, and a number whose exponent is past decimal's limits
+    (`1e-99999999999999999999`, which msgspec reads as 0.0) was refused "Number out of
+    range", where a method without a Decimal bound it as 0.0. Now both bind it; one that
+    overflows is refused on both."""
+    for text, value in ((b"1e-99999999999999999999", 0.0), (b"-1e-99999999999999999999", -0.0),
+                        (b"0e99999999999999999999", 0.0)):
+        params = b"[[" + text + b", [1, 2]]]"
+        for handler in (priced_pair, plain_pair):
+            (bound, _fee), _ = Method(handler.__name__, handler).bind(params, 64)
+            assert bound == (value, {1, 2}) and math.copysign(1, bound[0]) == math.copysign(1, value), handler
+    for handler in (priced_pair, plain_pair):
+        with pytest.raises(InvalidParams, match="Number out of range"):
+            Method(handler.__name__, handler).bind(b"[[1e99999999999999999999, [1]]]", 64)
+        with pytest.raises(InvalidParams, match="Expected `int`, got `float`"):
+            Method(handler.__name__, handler).bind(b"[[0.5, [1, 1e-99999999999999999999]]]", 64)
