@@ -113,11 +113,13 @@ def _drain(proc: subprocess.Popen[bytes], log: list[str], timeout: float) -> Non
         log.append(chunk.decode(errors="replace"))
 
 
-def start_broker(*flags: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> Broker:
-    """Start a broker on 127.0.0.1, an OS-chosen port; raise if it is not serving in time."""
+def start_broker(*flags: str, env: dict[str, str] | None = None, timeout: float = 60.0,
+                 cwd: Path = ROOT) -> Broker:
+    """Start a broker on 127.0.0.1, an OS-chosen port; raise if it is not serving in time.
+    `cwd`: the checkout whose `broker` package runs (a benchmark's other tree)."""
     argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, cwd=ROOT, env={**os.environ, **(env or {})})
+                            stderr=subprocess.PIPE, cwd=cwd, env={**os.environ, **(env or {})})
     log: list[str] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -559,3 +559,98 @@ def test_a_backlog_behind_a_last_waiting_line_owed_no_answer_goes_on(tmp_path):
         assert ids == {*range(65), "C", "Z"}
     finally:
         assert b.stop() == 0, b.read_log()
+
+
+@pytest.mark.parametrize("protocol_name", ["ndjson", "http"])
+def test_connections_whose_turns_are_slow_go_on_one_per_loop_iteration(protocol_name, monkeypatch):
+    """Hostile testing (round 44): one request's work cannot be cut (a 1 MiB body nested
+    200,000 deep takes 18 ms to decode), so 16 connections pipelining them each took a
+    turn of that per loop iteration: 0.3 s iterations, /healthz p90 1.0 s and another
+    client's call 1.6 s. A connection whose turn took longer than SLOW_TURN_SECONDS now
+    waits in the slow lane, which lets one go on per iteration. Here every turn counts as
+    slow (SLOW_TURN_SECONDS 0: the mechanism, not this machine's speed): 4 connections
+    each fed one read of 16 requests nested just past the parser's limit (about 1 ms
+    each: a turn ends after 2 ms) are all answered, and after the reads' own turns no
+    loop iteration decodes requests of more than one connection (before: all 4 each)."""
+    import asyncio
+
+    import uvloop
+
+    from broker.dispatch import Dispatcher
+    from broker.frontend import base
+    from broker.frontend.http import HttpFrontend, HttpProtocol
+    from broker.frontend.stream import StreamFrontend, StreamProtocol
+
+    monkeypatch.setattr(base, "SLOW_TURN_SECONDS", 0.0, raising=False)  # (False: it ran, and failed, before there was one)
+    deep = b"[" * 1100 + b"]" * 1100
+    body = b'{"jsonrpc":"2.0","method":"nosuch","params":' + deep + b',"id":1}'
+    count, connections = 16, 4
+
+    async def main() -> tuple[list[tuple[int, int]], int]:
+        loop = asyncio.get_running_loop()
+        dispatcher = Dispatcher(loop)
+        tick = [0]
+        decoded: list[tuple[int, int]] = []  # (loop iteration, connection)
+
+        def ticker() -> None:  # (one call per loop iteration)
+            tick[0] += 1
+            loop.call_soon(ticker)
+
+        pairs = []
+        for k in range(connections):
+            here, there = socket.socketpair()
+            protocol: StreamProtocol | HttpProtocol
+            if protocol_name == "ndjson":
+                fe: StreamFrontend | HttpFrontend = StreamFrontend(dispatcher, transport="unix")
+                protocol = StreamProtocol(typing.cast(StreamFrontend, fe))
+                read, answer = (body + b"\n") * count, b"\n"
+            else:
+                fe = HttpFrontend(dispatcher, metrics=None)
+                protocol = HttpProtocol(fe)
+                read = (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)) * count
+                answer = b"HTTP/1.1 "
+            fe.codec = _Recording(fe.codec, k, tick, decoded)  # type: ignore[assignment]
+            transport, _ = await loop.connect_accepted_socket(lambda protocol=protocol: protocol, here)
+            there.setblocking(False)
+            pairs.append((protocol, transport, there, read))
+        loop.call_soon(ticker)
+        for protocol, _, _, read in pairs:
+            protocol.data_received(read)  # one read each, as the loop would deliver it
+        got = [b""] * connections
+        for _ in range(2000):
+            await asyncio.sleep(0.001)
+            for k, (_, _, there, _) in enumerate(pairs):
+                try:
+                    while chunk := there.recv(1 << 16):
+                        got[k] += chunk
+                except BlockingIOError:
+                    pass
+            if all(g.count(answer) >= count for g in got):
+                break
+        for _, transport, there, _ in pairs:
+            transport.abort()
+            there.close()
+        return decoded, min(g.count(answer) for g in got)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        decoded, answered = runner.run(main())
+    assert answered == count
+    assert len(decoded) == count * connections
+    later: dict[int, set[int]] = {}
+    for when, k in decoded:
+        if when > 0:  # (0: the reads' own turns, before the loop ran on)
+            later.setdefault(when, set()).add(k)
+    assert later, decoded  # (each read's turn ended early: the rest came in later turns)
+    assert max(len(ks) for ks in later.values()) == 1, sorted(later.items())
+
+
+class _Recording:
+    """A codec that notes which connection (`k`) decoded a request at which loop iteration."""
+
+    def __init__(self, codec: typing.Any, k: int, tick: list[int], decoded: list[tuple[int, int]]) -> None:
+        self._codec, self._k, self._tick, self._decoded = codec, k, tick, decoded
+
+    def decode(self, data: bytes) -> typing.Any:
+        self._decoded.append((self._tick[0], self._k))
+        return self._codec.decode(data)

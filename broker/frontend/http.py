@@ -931,11 +931,11 @@ class HttpProtocol(asyncio.Protocol):
         finally:
             self._parsing = False
         spent = self._turn_seconds = self._turn_seconds + _perf() - began
-        if spent > TURN_SECONDS:  # (see TURN_SECONDS)
+        if spent > TURN_SECONDS:  # (see TURN_SECONDS; past SLOW_TURN_SECONDS, its next turn is the slow lane's)
             self._turn_seconds = 0.0
             if not self.read_paused and not self._closing:
                 self._pause()
-                fe.loop.call_soon(self._end_turn)
+                fe.next_turn(self._end_turn, spent)
         if fe.draining:
             if self._unread:
                 self._read_before_stop(len(data))
@@ -1099,17 +1099,18 @@ class HttpProtocol(asyncio.Protocol):
                 forced = not self._fe.keep_backlog(self, data[start:])
                 self._pause()
                 if forced or not self._write_paused:  # else `resume_writing` schedules it
-                    self._schedule_turn()
+                    self._schedule_turn(_perf() - deadline + TURN_SECONDS)
                 return
             size = FEED_BYTES if self.requests != before else size * 2
 
-    def _schedule_turn(self) -> None:
-        """Call `_next_turn` in the loop's next iteration, unless it is due already: the
-        answers that each let it go on (`_flush_ready`) must not each add a turn (one
-        connection's turns per iteration stay one)."""
+    def _schedule_turn(self, spent: float = 0.0) -> None:
+        """Call `_next_turn` in the loop's next iteration (or the slow lane's: the turn
+        took `spent` s, `Listener.next_turn`), unless it is due already: the answers that
+        each let it go on (`_flush_ready`) must not each add a turn (one connection's turns
+        per iteration stay one)."""
         if not self._turn_due:
             self._turn_due = True
-            self._fe.loop.call_soon(self._next_turn)
+            self._fe.next_turn(self._next_turn, spent)
 
     def _next_turn(self) -> None:
         """Go on with the requests of a read left in `_backlog`; reading resumes
@@ -1663,7 +1664,7 @@ class HttpProtocol(asyncio.Protocol):
             if busy is not None and busy.remaining:
                 break  # one at a time: see _busy
             if turn == 0 or _perf() > deadline:
-                fe.loop.call_soon(self._dispatch_waiting)
+                fe.next_turn(self._dispatch_waiting, _perf() - deadline + TURN_SECONDS)
                 break
             turn -= 1
             deferred = waiting.popleft()

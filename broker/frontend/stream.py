@@ -373,11 +373,11 @@ class StreamProtocol(asyncio.Protocol):
         began = _perf()
         self._lines(data)
         spent = self._turn_seconds = self._turn_seconds + _perf() - began
-        if spent > TURN_SECONDS:  # (see TURN_SECONDS)
+        if spent > TURN_SECONDS:  # (see TURN_SECONDS; past SLOW_TURN_SECONDS, its next turn is the slow lane's)
             self._turn_seconds = 0.0
             if not self.read_paused and not self._refused:
                 self._pause()
-                fe.loop.call_soon(self._end_turn)
+                fe.next_turn(self._end_turn, spent)
         if self.lines != lines:  # empty lines, or a line still coming, are not activity:
             self.last_active = now  # they keep no connection out of reach of `make_room`
 
@@ -475,15 +475,15 @@ class StreamProtocol(asyncio.Protocol):
                 forced = not fe.keep_backlog(self, data[start:])
                 self._transport.pause_reading()
                 if forced or not self._write_paused:
-                    self._schedule_turn()
+                    self._schedule_turn(_perf() - deadline + TURN_SECONDS)
                 return  # else `resume_writing` schedules it
 
-    def _schedule_turn(self) -> None:
-        """Call `_next_turn` in the loop's next iteration, unless it is due already (as
-        `http.HttpProtocol._schedule_turn`)."""
+    def _schedule_turn(self, spent: float = 0.0) -> None:
+        """Call `_next_turn` in the loop's next iteration (or the slow lane's), unless it
+        is due already (as `http.HttpProtocol._schedule_turn`)."""
         if not self._turn_due:
             self._turn_due = True
-            self._fe.loop.call_soon(self._next_turn)
+            self._fe.next_turn(self._next_turn, spent)
 
     def _next_turn(self) -> None:
         """Go on with the lines of a read left in `_backlog`; reading resumes when it is done."""
@@ -667,7 +667,7 @@ class StreamProtocol(asyncio.Protocol):
             if busy is not None and busy.remaining:
                 break  # one at a time: see _busy
             if turn == 0 or _perf() > deadline:
-                self._fe.loop.call_soon(self._dispatch_waiting)
+                self._fe.next_turn(self._dispatch_waiting, _perf() - deadline + TURN_SECONDS)
                 break
             turn -= 1
             line = waiting.popleft()

@@ -1,0 +1,156 @@
+"""How long probes and other clients wait while many connections send requests whose work
+cannot be cut (hostile testing, round 44).
+
+Usage: .venv/bin/python benchmarks/slow_turns.py [--connections 16] [--duration 8] [--rounds 2]
+                                               [--before DIR]
+
+A connection's turn ends after TURN_SECONDS (2 ms) of its reads' work, but one request's
+decode cannot be cut: a 1 MiB body nested 200,000 deep (`[{},[{},...]]` params, valid
+JSON, answered -32600 with its id) takes about 18 ms. With 16 connections pipelining
+them, each took such a turn in every loop iteration. A connection whose turn took longer
+than SLOW_TURN_SECONDS now waits in the slow lane (`frontend.base.SlowLane`), which lets
+one go on per iteration.
+
+Starts a real broker (`--workers 2`) per round. An attacker process opens `--connections`
+keep-alive connections, each writing those bodies two at a time as fast as the broker
+takes them and reading every answer; beside it the victim does, one after another, a
+`GET /healthz` on a new connection and an `add` call on a new connection, 50 ms apart.
+Prints the victim's p50, p90 and max of each, and the attacker's bodies answered per
+second. `--before DIR`: a checkout of another commit (its `broker` package) measured in
+alternating rounds with this one, so that the machine's noise hits both alike. Prints
+figures only: nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from conftest import ROOT, start_broker  # noqa: E402  (the same launcher the tests use)
+
+SIZE = 1024 * 1024 - 300
+UNITS = SIZE // 5
+DEEP = b'{"jsonrpc":"2.0","method":"nope","params":' + b"[{}," * UNITS + b"{}" + b"]" * UNITS + b',"id":1}'
+ADD = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 1}).encode()
+
+
+def post(body: bytes) -> bytes:
+    return (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+
+
+def attack(port: int, connections: int, seconds: float, answered: multiprocessing.Value) -> None:  # type: ignore[valid-type]
+    """`connections` threads each pipelining DEEP two at a time for `seconds`."""
+    request = post(DEEP) * 2
+    stop = time.monotonic() + seconds
+
+    def one() -> None:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.settimeout(30)
+
+        def read() -> None:
+            try:
+                while time.monotonic() < stop + 5 and (chunk := sock.recv(1 << 20)):
+                    with answered.get_lock():
+                        answered.value += chunk.count(b"HTTP/1.1 ")
+            except OSError:
+                pass
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            while time.monotonic() < stop:
+                sock.sendall(request)
+        except OSError:
+            pass
+        sock.shutdown(socket.SHUT_WR)
+        reader.join(10)
+        sock.close()
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(connections)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 20)
+
+
+def round_trip(port: int, request: bytes) -> float:
+    began = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request)
+        got = b""
+        while b"\r\n\r\n" not in got or not got.endswith((b"}", b"\n")):
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            got += chunk
+            if b"Content-Length: " in got:
+                head, _, body = got.partition(b"\r\n\r\n")
+                length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                if len(body) >= length:
+                    break
+    return time.perf_counter() - began
+
+
+def measure(tree: Path, connections: int, seconds: float) -> dict[str, float]:
+    broker = start_broker("--workers", "2", cwd=tree)
+    try:
+        answered = multiprocessing.Value("q", 0)
+        attacker = multiprocessing.Process(target=attack, args=(broker.port, connections, seconds, answered))
+        attacker.start()
+        time.sleep(0.5)
+        probes: list[float] = []
+        calls: list[float] = []
+        end = time.monotonic() + seconds - 0.8
+        while time.monotonic() < end:
+            probes.append(round_trip(broker.port, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"))
+            calls.append(round_trip(broker.port, post(ADD)[:-len(ADD)].replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n") + ADD))
+            time.sleep(0.05)
+        attacker.join(seconds + 30)
+        if attacker.is_alive():
+            attacker.kill()
+    finally:
+        broker.stop()
+
+    def q(values: list[float], p: float) -> float:
+        return sorted(values)[min(len(values) - 1, int(len(values) * p))] * 1000
+
+    return {"healthz p50": q(probes, 0.5), "healthz p90": q(probes, 0.9), "healthz max": max(probes) * 1000,
+            "add p50": q(calls, 0.5), "add p90": q(calls, 0.9), "add max": max(calls) * 1000,
+            "bodies/s": answered.value / seconds, "n": len(probes)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--before", type=Path, help="another checkout, measured in alternating rounds")
+    args = parser.parse_args()
+    trees = ([("before", args.before.resolve())] if args.before else []) + [("this tree", ROOT)]
+    results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
+    for _ in range(args.rounds):
+        for name, tree in trees:
+            results[name].append(measure(tree, args.connections, args.duration))
+    print(f"{args.connections} connections pipelining 1 MiB bodies nested {UNITS} deep, {args.duration:g} s a round,"
+          f" {args.rounds} rounds; ms (median of the rounds)")
+    keys = list(next(iter(results.values()))[0])
+    print("| tree | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for name, rows in results.items():
+        cells = [statistics.median(row[k] for row in rows) for k in keys]
+        print(f"| {name} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
