@@ -243,10 +243,24 @@ def _identity(codings: bytes) -> bool:
 
 def _is_json(content_type: bytes | None) -> bool:
     """True if a Content-Type value names application/json: the media type compared
-    case-insensitively, parameters (`; charset=utf-8`) allowed (RFC 9110 8.3.1)."""
+    case-insensitively, parameters (`; charset=utf-8`) allowed (RFC 9110 8.3.1), but a
+    charset other than UTF-8, the only one JSON has (RFC 8259 8.1; round 44: `charset=latin1`
+    was taken, and its body read as UTF-8)."""
     if content_type == _JSON_TYPE:
         return True
-    return content_type is not None and content_type.partition(b";")[0].strip(b" \t").lower() == _JSON_TYPE
+    if content_type is None:
+        return False
+    media, _, parameters = content_type.partition(b";")
+    if media.strip(b" \t").lower() != _JSON_TYPE:
+        return False
+    for parameter in parameters.split(b";"):
+        name, _, value = parameter.partition(b"=")
+        if name.strip(b" \t").lower() == b"charset" and value.strip(b" \t").strip(b'"').lower() not in _UTF8:
+            return False
+    return True
+
+
+_UTF8 = (b"utf-8", b"utf8")
 
 
 class _Gone:
@@ -1465,7 +1479,8 @@ class HttpProtocol(asyncio.Protocol):
                     self._queue_invalid(415, "Content-Encoding is not supported: send the body as it is (identity)",
                                         keep_alive, "rpc", cors + b"accept-encoding: identity\r\n")
                 elif not _is_json(self._content_type):
-                    self._queue_invalid(415, "Content-Type must be application/json", keep_alive, "rpc", cors)
+                    self._queue_invalid(415, "Content-Type must be application/json (its charset, if given, utf-8)",
+                                        keep_alive, "rpc", cors)
                 else:
                     self._rpc(keep_alive, cors)
             return
