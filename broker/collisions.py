@@ -38,7 +38,9 @@ a member for each combination of bits it has not made yet and caches it in a dic
 by the value (an `IntFlag` takes any integer). Only combinations of the members' own
 non-negative bits, or a member's own value, are taken (`UnknownBits` otherwise): below
 `2**bits`, such values hash to themselves, distinct (rounds 39 to 41: values of one hash,
-negative ones cached under a twin, and Flags in unions flooded that dict).
+negative ones cached under a twin, and Flags in unions flooded that dict). One call's params
+may make at most `MADE_MEMBERS_MAX` members of one class (`new_call` starts the count; round
+44: 110,000 valid values, each making one, held a worker 0.8 to 1.9 s a call).
 
 Where the binding decodes each value from its own text (`Method` in broker/worker.py: a
 Decimal or a Raw among the hints), the check reads numbers with a fraction or an exponent
@@ -49,19 +51,41 @@ and floats read as Decimals in untyped set elements, which `untyped_hashed` refu
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import decimal
 import enum
+import sys
 import typing
 import uuid
 from collections.abc import Callable
 
 import msgspec
 
-__all__ = ["SHARED_HASH_MAX", "Flooded", "UnknownBits", "guard", "reachable", "unsupported", "untyped_hashed"]
+__all__ = [
+    "MADE_MEMBERS_MAX",
+    "SHARED_HASH_MAX",
+    "WALK_FRAMES",
+    "Flooded",
+    "TooManyMembers",
+    "UnknownBits",
+    "deeper",
+    "guard",
+    "new_call",
+    "reachable",
+    "unsupported",
+    "untyped_hashed",
+]
 
 SHARED_HASH_MAX = 8
 """How many distinct values of one hash one set (or one object's keys) may hold."""
+
+WALK_FRAMES = 8 * 1024
+"""Frames a check may use past the recursion limit: its walk takes up to about 4 Python
+frames per level of JSON, which the front-end passes up to about 1000 deep (hostile testing,
+round 44: params of a recursive Struct holding a set, 500 levels deep, raised RecursionError,
+answered -32603 with a logged traceback, where a list as deep bound). Python calls made from
+Python use no C stack (3.11+), and msgspec's own recursion stays as deep as the value."""
 
 Check = Callable[[object], None]
 _Walk = Callable[[object, "_Run"], None]  # (a value; the run it is part of)
@@ -81,6 +105,22 @@ class Flooded(ValueError):
         self.where: list[str | int] = []
         self.reason = (f"more than {SHARED_HASH_MAX} distinct values of one hash in one set or in one object's"
                        " keys{at}: refused (hash flooding)")
+
+
+MADE_MEMBERS_MAX = 4096
+"""How many members one call's params may make for one `enum.Flag` class (values made of
+its bits that it has no member for yet)."""
+
+
+class TooManyMembers(Flooded):
+    """More than `MADE_MEMBERS_MAX` values in one call's params that an `enum.Flag` class
+    has no member for: making each costs about 10 us and 0.5 KB (hostile testing, round 44:
+    110,000 valid values of a 24-bit IntFlag, 0.95 MiB, held a worker 0.8 to 1.9 s a call)."""
+
+    def __init__(self, cls: type) -> None:
+        super().__init__(0)
+        self.reason = (f"more than {MADE_MEMBERS_MAX} distinct values of {cls.__name__} that it has no member for"
+                       " yet (each makes one){at}: refused")
 
 
 class UnknownBits(Flooded):
@@ -106,8 +146,21 @@ def guard(kind: object) -> Check | None:
         return None
 
     def check(value: object) -> None:
-        walk(value, _Run())
+        with deeper():
+            walk(value, _Run())
     return check
+
+
+@contextlib.contextmanager
+def deeper() -> typing.Iterator[None]:
+    """The recursion limit raised by WALK_FRAMES meanwhile: for a check, and for Python
+    code that walks what it read as deep (the worker's `_float_form`)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit + WALK_FRAMES)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 class _Run(set[tuple[int, int]]):
@@ -229,10 +282,27 @@ def _flag_walk(cls: type) -> _Walk:
             if member._value_ >= 0:  # (round 41: `~0` made the mask -1, and let every value in)
                 mask |= member._value_
 
+    made = vars(cls).get("_value2member_map_", {})  # (the enum module's, for good: members made are added to it)
+
     def check(value: object, done: _Run) -> None:
-        if type(value) is int and (value < 0 or value & ~mask) and value not in own:  # (any other the binding refuses)
-            raise UnknownBits(cls, value)
+        if type(value) is int:  # (any other the binding refuses)
+            if (value < 0 or value & ~mask) and value not in own:
+                raise UnknownBits(cls, value)
+            if value not in made:  # a member the binding makes
+                new = _MADE.setdefault(cls, set())
+                new.add(value)
+                if len(new) > MADE_MEMBERS_MAX:
+                    raise TooManyMembers(cls)
     return check
+
+
+_MADE: dict[type, set[int]] = {}  # a Flag class: the values the call's params make members for (`new_call`)
+
+
+def new_call() -> None:
+    """Start counting the members a call's params make (`MADE_MEMBERS_MAX`) afresh: the
+    worker calls it before it checks the params of a method whose hints hold a Flag."""
+    _MADE.clear()
 
 
 def _each_item(item: _Walk) -> _Walk:

@@ -325,6 +325,14 @@ class Method:
             if self._var_kw is not None:
                 hinted.append(("**", typing.get_args(self._var_kw)[1]))
             self._typed = {n: (msgspec.json.Decoder(h), collisions.guard(h)) for n, h in hinted}
+            for n, h in hinted:
+                if self._typed[n][1] is not None and any(isinstance(node, msgspec.inspect.RawType)
+                                                         for node in collisions.reachable(msgspec.inspect.type_info(h))):
+                    # (round 44: its value is decoded from what the check read, written again:
+                    # the Raw's text lost a float's digits, or was refused, 1e400)
+                    raise TypeError(f"method {name!r}: parameter {n!r} holds a msgspec.Raw beside a set or a dict with"
+                                    " keys other than strings, whose check for hash flooding would rewrite the Raw's"
+                                    " text: give the Raw a parameter of its own")
         # Sets and non-str dict keys are checked for hash flooding before they are built
         # (broker/collisions.py): their params take the general path.
         guards = (None,) * 4 if raw_params else (
@@ -385,6 +393,8 @@ class Method:
         if self.raw_params:
             _check_raw(params, max_depth, deep)
             return (msgspec.Raw(params),), {}
+        if self._flags is not None:  # (its checks count the Flag members the params make: never on the fast path)
+            collisions.new_call()
         try:
             obj = _decode_json(params) if self._typed is None else self._decode_typed(params, self._typed)
         except RecursionError:  # deeper than the parser takes, whatever max_depth says
@@ -398,7 +408,10 @@ class Method:
         if deep:
             raise NestingTooDeep(max_depth)
         if self._guards is not None and self._typed is None:  # (typed: each value was checked)
-            self._check_floods(obj, self._guards)
+            try:
+                self._check_floods(obj, self._guards)
+            except RecursionError:  # (past collisions.WALK_FRAMES: deeper than the front-end passes)
+                raise NestingTooDeep(max_depth) from None
         if type(obj) is list:
             return self._bind_positional(obj), {}
         if type(obj) is not dict:  # section 4.2: params is an array or an object
@@ -443,7 +456,8 @@ class Method:
                 # keys are gone, as they were for the check (round 39: the decoder built the
                 # set of every duplicate, the check saw the last; 1 MiB held a worker 12.8 s).
                 try:
-                    raw = msgspec.Raw(_REWRITE(_float_form(read) if self._guard_decode is _DECIMAL_JSON else read))
+                    with collisions.deeper():  # (as deep as the check: `_float_form` recurses)
+                        raw = msgspec.Raw(_REWRITE(_float_form(read) if self._guard_decode is _DECIMAL_JSON else read))
                 finally:
                     _UNDERFLOWED.clear()
             return decoder.decode(raw)

@@ -2655,7 +2655,7 @@ def test_a_raw_parameter_binds_whichever_path_binds_it():
     def rest(a: int, **more: list[msgspec.Raw]) -> None:
         return None
 
-    def pair(x: tuple[msgspec.Raw, set[int]], y: int = 0, *, z: int = 1) -> None:
+    def pair(x: msgspec.Raw, tags: set[int], y: int = 0, *, z: int = 1) -> None:
         return None
 
     assert _text(bind(rawp, b'[{"a": 1}]')) == [['{"a": 1}'], {}]
@@ -2663,18 +2663,19 @@ def test_a_raw_parameter_binds_whichever_path_binds_it():
     assert _text(bind(rawp, b'{"flag": true, "x": [1, "two"]}')) == [['[1, "two"]'], {"flag": True}]
     assert _text(bind(many, b'[1, {"b": [2]}, "s"]')) == [["1", '{"b": [2]}', '"s"'], {}]
     assert _text(bind(rest, b'{"a": 1, "q": [1, {"z": 2}]}')) == [[1], {"q": ["1", '{"z": 2}']}]
-    # (beside a set, checked for hash flooding first: the value as written again, compact)
-    assert _text(bind(pair, b'{"x": [{"k": 1}, [1, 2, 2]]}')) == [[['{"k":1}', {1, 2}], 0], {"z": 1}]
+    # (beside a set, which is checked for hash flooding first: its text as sent all the
+    # same; in one parameter with a set, round 44, it fails the registration)
+    assert _text(bind(pair, b'{"x": {"k": 1}, "tags": [1, 2, 2]}')) == [['{"k": 1}', {1, 2}, 0], {"z": 1}]
     # What does not fit is named as elsewhere.
     assert invalid(rawp, b'{"x": 1, "flag": "no"}') == ("flag", "Expected `bool`, got `str`")
     assert invalid(rawp, b"{}") == ("x", "missing required parameter")
     assert invalid(rawp, b'{"x": 1, "y": 2}') == ("y", "unexpected parameter")
     assert invalid(rest, b'{"a": 1, "q": 5}') == ("q", "Expected `array`, got `int`")
-    assert invalid(pair, b'{"x": [1, ["a"]]}') == ("x", "Expected `int`, got `str` - at `x[1][0]`")
-    assert invalid(pair, b'{"x": [1, [1]], "y": 1e400}') == ("y", "Number out of range")
+    assert invalid(pair, b'{"x": 1, "tags": ["a"]}') == ("tags", "Expected `int`, got `str` - at `tags[0]`")
+    assert invalid(pair, b'{"x": 1, "tags": [1], "y": 1e400}') == ("y", "Number out of range")
     flood = b",".join(b"%d" % (5 + k * (2**61 - 1)) for k in range(20))
-    name, reason = invalid(pair, b'{"x": [1, [%s]]}' % flood)
-    assert name == "x" and "at `x[1]`" in reason and "hash flooding" in reason
+    name, reason = invalid(pair, b'{"x": 1, "tags": [%s]}' % flood)
+    assert name == "tags" and "hash flooding" in reason
 
 
 class _Event(typing.TypedDict):

@@ -2,6 +2,7 @@
 hash flooding and IntFlag's member cache reached (issue 9, hostile testing round 36)."""
 
 import asyncio
+import decimal
 import enum
 import os
 import uuid
@@ -48,6 +49,25 @@ def weights(table: dict[int, float]) -> float:
 @registry.method
 def tree(root: Tagged) -> int:
     return len(root.tags) + sum(tree(child) for child in root.children)
+
+
+def _depth(root: Tagged) -> int:
+    depth, node = 1, root
+    while node.children:
+        depth, node = depth + 1, node.children[0]
+    return depth
+
+
+@registry.method
+def tree_depth(root: Tagged) -> int:
+    """How deep the first children go (without recursion: the params may be deeper than it takes)."""
+    return _depth(root)
+
+
+@registry.method
+def priced_tree_depth(root: Tagged, fee: decimal.Decimal = decimal.Decimal(0)) -> int:
+    """`tree_depth` beside a Decimal: each value bound from its own text."""
+    return _depth(root)
 
 
 @registry.method
