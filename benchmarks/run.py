@@ -609,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     load_avg = os.getloadavg()
     print(f"rpc-broker benchmark: {len(servers)} servers, {args.repetitions} repetition(s) of "
           f"{args.duration:g} s, fib n={fib_n}, load generator: "
-          f"{'rpc-broker bench + wrk' if loadgen else 'wrk only (rpc-broker bench missing)'}", flush=True)
+          f"{('rpc-broker bench + wrk' if has_wrk else 'rpc-broker bench (wrk not installed)') if loadgen else 'wrk only (rpc-broker bench missing)'}",
+          flush=True)
     for name, mods in skipped.items():
         print(f"  skipping {name}: not installed ({', '.join(mods)}; pip install -e '.[bench]')", flush=True)
 
@@ -782,13 +783,13 @@ def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, l
         f"n={fib_n}, the n whose recursive computation takes closest to 2 ms in this interpreter.", "",
     ]
     if has_loadgen:
+        cross_check = ("; wrk (1 thread, `benchmarks/wrk_post.lua`, which checks nothing but the HTTP status: "
+                       "**unchecked**) drives " + ("S1 and S2" if args.quick else "S1 at 64 connections and S2")
+                       + " again as a neutral cross-check" if has_wrk
+                       else " (wrk is not installed: no unchecked cross-check was run)")
         lines.append("Load: the bundled `rpc-broker bench` (every answer checked: id, result, no error) drives every "
-                     "scenario; wrk (1 thread, `benchmarks/wrk_post.lua`, which checks nothing but the HTTP status: "
-                     "**unchecked**) drives " + ("S1 and S2" if args.quick else "S1 at 64 connections and S2")
-                     + " again as a neutral cross-check. S5's rate is half the reference's S1 capacity (the better "
-                       "of its 16- and 64-connection medians) from the first repetition.")
-        if not has_wrk:
-            lines.append("wrk is not installed: no unchecked cross-check was run.")
+                     "scenario" + cross_check + ". S5's rate is half the reference's S1 capacity (the better "
+                     "of its 16- and 64-connection medians) from the first repetition.")
     else:
         lines.append("Load: **`rpc-broker bench` was not available**, so wrk alone (1 thread, "
                      "`benchmarks/wrk_post.lua`, which checks nothing but the HTTP status: **unchecked**) drives "
