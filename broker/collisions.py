@@ -40,7 +40,7 @@ non-negative bits, or a member's own value, are taken (`UnknownBits` otherwise):
 `2**bits`, such values hash to themselves, distinct (rounds 39 to 41: values of one hash,
 negative ones cached under a twin, and Flags in unions flooded that dict).
 
-Where the binding decodes each value from its own text (`Method` in broker/worker.py: a
+Where the binding decodes each value from its own text (`Method` in broker/worker/params.py: a
 Decimal or a Raw among the hints), the check reads numbers with a fraction or an exponent
 as Decimals, and the binding decodes the value written again from what the check read,
 numbers in the form they were sent (rounds 39, 42, 43: duplicate keys, `1e0` made `1`,
