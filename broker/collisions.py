@@ -42,7 +42,7 @@ negative ones cached under a twin, and Flags in unions flooded that dict). One c
 may make at most `MADE_MEMBERS_MAX` members of one class (`new_call` starts the count; round
 44: 110,000 valid values, each making one, held a worker 0.8 to 1.9 s a call).
 
-Where the binding decodes each value from its own text (`Method` in broker/worker.py: a
+Where the binding decodes each value from its own text (`Method` in broker/worker/params.py: a
 Decimal or a Raw among the hints), the check reads numbers with a fraction or an exponent
 as Decimals, and the binding decodes the value written again from what the check read,
 numbers in the form they were sent (rounds 39, 42, 43: duplicate keys, `1e0` made `1`,

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from broker import collisions
 from broker.collisions import MADE_MEMBERS_MAX
-from broker.worker import FLAG_PSEUDO_MEMBERS_MAX, InvalidParams, Method, _drop_flag_members
+from broker.worker import FLAG_PSEUDO_MEMBERS_MAX, InvalidParams, Method
+from broker.worker.params import _drop_flag_members
 
 MODULUS = 2**61 - 1  # CPython hashes an int as its value modulo this (sys.hash_info.modulus)
 MAX = collisions.SHARED_HASH_MAX

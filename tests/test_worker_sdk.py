@@ -421,12 +421,12 @@ def test_brackets_in_strings_keep_the_fast_path_and_skip_the_scan(monkeypatch):
     not nest: such params cost what flat ones cost. (The general path and the scan
     are swapped for ones that fail, to see that neither runs.)"""
     import broker.jsonscan
-    import broker.worker
+    import broker.worker.params
 
     def never(*_: object) -> object:
         raise AssertionError("not on this path")
 
-    monkeypatch.setattr(broker.worker, "_decode_json", never)
+    monkeypatch.setattr(broker.worker.params, "_decode_json", never)
     monkeypatch.setattr(broker.jsonscan, "_structure", never)
     text = "[" * 1000 + "{\"\\\\" + "]" * 100
     params = json.dumps([[text, 1, {"k": ["[", "{"]}]]).encode()
@@ -926,7 +926,7 @@ def test_what_orjson_takes_for_an_enum_is_taken_apart_as_one():
 
 _ENUM_CASES = r"""
 import enum, json, sys
-import broker.worker as worker
+import broker.worker.results as worker
 import numpy, msgspec, uvloop, http, signal, re, ssl, socket, inspect  # (their Enums: trusted)
 import broker.demo
 
@@ -2310,7 +2310,7 @@ def test_a_coroutine_a_sync_handler_returned_is_closed_if_its_task_is_cancelled_
     in the worker's log. The task's done callback closes it."""
     import gc
 
-    from broker.worker import _close_if_cancelled, _guarded, _identity
+    from broker.worker.runtime import _close_if_cancelled, _guarded, _identity
 
     async def handler_result() -> int:
         return 1
@@ -2827,7 +2827,7 @@ class _Pair(msgspec.Struct):
 def test_a_struct_shared_through_a_result_is_taken_apart_once(monkeypatch):
     """Hostile testing (round 39): a Struct met again in a result (a DAG) was made plain
     each time it appeared, where a list was once: 3.4 s for a 12 MiB result."""
-    import broker.worker as worker_module
+    import broker.worker.results as worker_module
 
     taken = [0]
     real = worker_module._struct_plain

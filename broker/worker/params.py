@@ -1,0 +1,689 @@
+"""Params binding: the raw JSON params of a call bound to a handler's parameters.
+
+`Method` holds one handler and what its signature needs: a msgspec type per parameter
+(a Struct for named params, a tuple type for positional ones), built once at
+registration. `Method.bind(params, max_depth)` decodes and validates in one msgspec pass
+on the fast path (typed params, no nesting past max_depth), and only when that pass
+fails takes the slow paths that say which parameter is wrong and where in it
+(`InvalidParams`, from msgspec's messages: `_located`, `_split_path`), check numbers
+that no float holds exactly (`_float_form`, `_decimal_or_zero`), and refuse values built
+to flood a set or a dict with colliding hashes (broker/collisions.py). Params nested past
+max_depth raise `NestingTooDeep`; a `raw_params` handler gets the checked JSON itself
+(`_check_raw`). The enum.Flag members that binding makes and caches for good are dropped
+once nothing holds them (`_drop_flag_members`, `FLAG_PSEUDO_MEMBERS_MAX`).
+
+Nothing here does I/O: the worker's run loop (broker/worker/runtime.py) calls `bind`.
+"""
+
+from __future__ import annotations
+
+import decimal
+import enum
+import inspect
+import re
+import sys
+import typing
+from collections.abc import Callable
+
+import msgspec
+
+from broker import collisions
+from broker.jsonscan import nests_deeper
+
+
+class InvalidParams(Exception):
+    """params did not fit the signature: which parameter (or None) and why."""
+
+    def __init__(self, param: str | None, reason: str) -> None:
+        super().__init__(param, reason)
+        self.param = param
+        self.reason = reason
+
+
+_EMPTY = inspect.Parameter.empty
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_STEP_END = re.compile(r"[.\[]")
+_FIELD_IN_MSG = re.compile(r"field `([^`]+)`")
+_decode_json = msgspec.json.decode
+_astuple = msgspec.structs.astuple
+
+
+class Method:
+    """One registered handler and how to bind JSON params to it.
+
+    Built by `Registry.method`; `bind(params)` turns the raw JSON params of a call
+    into `(args, kwargs)` or raises `InvalidParams`.
+    """
+
+    __slots__ = (
+        "_fast",
+        "_flags",
+        "_guard_decode",
+        "_guards",
+        "_kwonly",
+        "_named_type",
+        "_pos_names",
+        "_pos_only",
+        "_pos_only_required",
+        "_pos_type",
+        "_required_kwonly",
+        "_typed",
+        "_var_kw",
+        "_var_pos",
+        "doc",
+        "fn",
+        "is_async",
+        "name",
+        "raw_params",
+    )
+
+    def __init__(self, name: str, fn: Callable[..., object], raw_params: bool = False) -> None:
+        self.name = name
+        self.fn = fn
+        self.is_async = _is_async(fn)
+        self.raw_params = raw_params
+        self.doc = inspect.getdoc(fn) or ""
+        sig = inspect.signature(fn)
+        try:  # (round 35: without include_extras, Annotated[int, Meta(ge=0)] was stripped, unchecked)
+            hints = typing.get_type_hints(fn, include_extras=True)
+        except NameError as exc:  # (round 36: "NameError ... at <string>:1" named no method)
+            raise NameError(f"method {name!r}: a type hint names what is not defined when the app is loaded"
+                            f" ({exc}): define it before the method is registered") from None
+        for p in sig.parameters.values():
+            if p.name.startswith("__"):  # (round 36: "Failed to get offset", or every call -32602)
+                raise TypeError(f"method {name!r}: parameter {p.name!r} starts with '__', which params cannot "
+                                "bind (Python mangles such names; msgspec reserves some): rename it")
+        pos: list[tuple[str, object, object]] = []
+        kwonly: list[tuple[str, object, object]] = []
+        self._var_pos: object | None = None
+        self._var_kw: object | None = None
+        for p in sig.parameters.values():
+            hint = hints.get(p.name, typing.Any)
+            if p.kind in _POSITIONAL:
+                pos.append((p.name, hint, p.default))
+            elif p.kind is inspect.Parameter.KEYWORD_ONLY:
+                kwonly.append((p.name, hint, p.default))
+            elif p.kind is inspect.Parameter.VAR_POSITIONAL:
+                self._var_pos = list[hint]  # type: ignore[valid-type]
+            else:
+                self._var_kw = dict[str, hint]  # type: ignore[valid-type]
+        self._pos_names = [n for n, _, _ in pos]
+        # Positional-only parameters (before `/`) bind by name too (an MCP host names every
+        # argument), but beside **kwargs a name of one is **kwargs's, as in Python (round 32:
+        # `{"a": 5}` filled `a` of `def f(a=0, /, **kw)`): the parameter then takes its default.
+        only = [p for p in sig.parameters.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+        self._pos_only = frozenset(p.name for p in only) if self._var_kw is not None else frozenset()
+        self._pos_only_required = [p.name for p in only if p.default is _EMPTY and p.name in self._pos_only]
+        self._kwonly = [n for n, _, _ in kwonly]
+        self._required_kwonly = [n for n, _, d in kwonly if d is _EMPTY]
+
+        def fields(params: list[tuple[str, object, object]]) -> list[tuple[str, object] | tuple[str, object, object]]:
+            return [(n, h) if d is _EMPTY else (n, h, _struct_default(d)) for n, h, d in params]
+
+        # Defaults may not precede required fields in a Struct; Python enforces the
+        # same order on positional parameters. The named struct is kw_only: a required
+        # keyword-only param may follow a positional one with a default (f(a, b=1, *, c)).
+        self._pos_type = msgspec.defstruct(
+            f"{name}_positional", fields(pos), array_like=True, forbid_unknown_fields=True
+        )
+        named = pos + kwonly
+        self._named_type = msgspec.defstruct(
+            f"{name}_named", fields(named), kw_only=True, forbid_unknown_fields=self._var_kw is None
+        )
+        # The common case, fixed parameters only: msgspec decodes the params straight
+        # into the struct (0.19 us for `add`, against 1.6 us for decode + convert).
+        # Any failure falls back to the general path, which says what is wrong.
+        self._fast: tuple[msgspec.json.Decoder[msgspec.Struct], msgspec.json.Decoder[msgspec.Struct] | None] | None = None
+        # Every type a call may convert to is built now: an unsupported hint (a union of two
+        # untagged Structs) fails the registration, as on the fast path (round 36: beside
+        # *args it registered, then every call answered -32603).
+        kinds = [kind for kind in (self._pos_type, self._named_type, self._var_pos, self._var_kw) if kind is not None]
+        for kind in kinds if not raw_params else ():
+            msgspec.json.Decoder(kind)
+        held = [] if raw_params else collisions.reachable(msgspec.inspect.multi_type_info(kinds))
+        self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
+                             and issubclass(node.cls, enum.Flag)}) or None
+        if any(isinstance(node, msgspec.inspect.UnionType) and any(isinstance(t, msgspec.inspect.RawType)
+                                                                   for t in node.types) for node in held):
+            raise TypeError(f"method {name!r}: a msgspec.Raw in a union (msgspec decodes only the union's other "
+                            "types: round 37, `Raw | None` took null alone): hint it msgspec.Raw, and read null "
+                            "from its text")
+        if any(isinstance(node, (msgspec.inspect.DataclassType, msgspec.inspect.TypedDictType))
+               and any(isinstance(inner, msgspec.inspect.RawType) for inner in collisions.reachable(node))
+               for node in held):
+            raise TypeError(f"method {name!r}: a msgspec.Raw in a dataclass or TypedDict, which msgspec cannot "
+                            "always decode (round 38: every value was refused): hold it in a msgspec.Struct")
+        for kind in kinds if not raw_params else ():
+            why = collisions.unsupported(kind)
+            if why is not None:
+                raise TypeError(f"method {name!r}: {why}, which hash flooding could not be checked for in time"
+                                " linear in the params (broker/collisions.py): hint them otherwise")
+        # The general path decodes params to Python values, then converts them: a JSON
+        # number became a float on the way, and a Decimal lost its digits (round 36), and
+        # msgspec.convert cannot make a msgspec.Raw (round 36). Where a hint holds either,
+        # each value params give is decoded from its own JSON text with its parameter's
+        # type, as the fast path decodes it (round 38: numbers decoded as Decimals made a
+        # float parameter inf for 1e400, and a Decimal of 4301 digits bound by position
+        # only). The check for hash flooding reads its values first, with Decimals exact.
+        decimals = any(isinstance(node, msgspec.inspect.DecimalType) for node in held)
+        if decimals and any(collisions.untyped_hashed(kind) for kind in kinds):
+            raise TypeError(f"method {name!r}: beside a Decimal, a set's elements or a dict's keys hold an untyped"
+                            " value (Any, a bare set or tuple), whose numbers the check for hash flooding could not"
+                            " read as they are built: hint their type")
+        self._guard_decode = _DECIMAL_JSON if decimals else _decode_json
+        self._typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]] | None = None
+        if decimals or any(isinstance(node, msgspec.inspect.RawType) for node in held):
+            hinted = [(n, h) for n, h, _ in pos + kwonly]
+            if self._var_pos is not None:
+                hinted.append(("*", typing.get_args(self._var_pos)[0]))
+            if self._var_kw is not None:
+                hinted.append(("**", typing.get_args(self._var_kw)[1]))
+            self._typed = {n: (msgspec.json.Decoder(h), collisions.guard(h)) for n, h in hinted}
+            for n, h in hinted:
+                if self._typed[n][1] is not None and any(isinstance(node, msgspec.inspect.RawType)
+                                                         for node in collisions.reachable(msgspec.inspect.type_info(h))):
+                    # (round 44: its value is decoded from what the check read, written again:
+                    # the Raw's text lost a float's digits, or was refused, 1e400)
+                    raise TypeError(f"method {name!r}: parameter {n!r} holds a msgspec.Raw beside a set or a dict with"
+                                    " keys other than strings, whose check for hash flooding would rewrite the Raw's"
+                                    " text: give the Raw a parameter of its own")
+        # Sets and non-str dict keys are checked for hash flooding before they are built
+        # (broker/collisions.py): their params take the general path.
+        guards = (None,) * 4 if raw_params else (
+            collisions.guard(self._pos_type), collisions.guard(self._named_type),
+            None if self._var_pos is None else collisions.guard(self._var_pos),
+            None if self._var_kw is None else collisions.guard(self._var_kw))
+        self._guards = guards if any(guards) else None
+        if not (raw_params or self._var_pos or self._var_kw or self._required_kwonly or self._guards):
+            self._fast = (
+                msgspec.json.Decoder(self._pos_type),
+                None if kwonly else msgspec.json.Decoder(self._named_type),
+            )
+
+    def params_schema(self) -> dict[str, object]:
+        """JSON Schema of the named params (used by HELLO, and later by MCP): `{}` for a
+        hint msgspec cannot describe, or whose description has no JSON form (round 36:
+        `Meta(examples=[numpy.int64(10)])` stopped the worker's boot with a bare traceback)."""
+        if self.raw_params:
+            return {}
+        try:
+            schema = msgspec.json.schema(self._named_type)
+            msgspec.json.encode(schema)
+        except (TypeError, ValueError):  # (UnicodeEncodeError included: a lone surrogate)
+            return {}
+        return schema
+
+    def bind(self, params: bytes, max_depth: int) -> tuple[tuple[object, ...], dict[str, object]]:
+        """Raw JSON params (b"" when absent) → `(args, kwargs)` for the handler.
+
+        Raises `InvalidParams` when they do not fit the signature, and
+        `NestingTooDeep` past `max_depth` levels of arrays and objects.
+        """
+        if not params:
+            if self.raw_params:
+                return (None,), {}
+            params = b"[]"
+        fast = self._fast
+        # Whether they nest past max_depth (exact for JSON; params that are not go on to
+        # the checks below, which say so first). Params shorter than max_depth cannot
+        # hold more brackets, nor can those with fewer (counted inline: the usual case,
+        # no call); `nests_deeper` looks further (brackets in strings do not count:
+        # they took every such call off the fast path and through a whole `scan_json`,
+        # hostile testing).
+        deep = (
+            len(params) > max_depth
+            and params.count(b"[") + params.count(b"{") > max_depth
+            and nests_deeper(params, max_depth)
+        )
+        if fast is not None and not deep:
+            try:
+                first = params[0]
+                if first == 0x5B:  # "["
+                    return _astuple(fast[0].decode(params)), {}
+                if first == 0x7B and fast[1] is not None:  # "{"
+                    return _astuple(fast[1].decode(params)), {}
+            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+                pass
+        if self.raw_params:
+            _check_raw(params, max_depth, deep)
+            return (msgspec.Raw(params),), {}
+        if self._flags is not None:  # (its checks count the Flag members the params make: never on the fast path)
+            collisions.new_call()
+        try:
+            obj = _decode_json(params) if self._typed is None else self._decode_typed(params, self._typed)
+        except RecursionError:  # deeper than the parser takes, whatever max_depth says
+            raise NestingTooDeep(max_depth) from None
+        except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
+            obj = _values_decoded(params, _decode_json)  # (unless a later duplicate key replaced it)
+            if obj is None:
+                raise self._out_of_range(params, str(exc)) from None
+        except msgspec.DecodeError as exc:
+            raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
+        if deep:
+            raise NestingTooDeep(max_depth)
+        if self._guards is not None and self._typed is None:  # (typed: each value was checked)
+            try:
+                self._check_floods(obj, self._guards)
+            except RecursionError:  # (past collisions.WALK_FRAMES: deeper than the front-end passes)
+                raise NestingTooDeep(max_depth) from None
+        if type(obj) is list:
+            return self._bind_positional(obj), {}
+        if type(obj) is not dict:  # section 4.2: params is an array or an object
+            raise InvalidParams(None, "params must be an array or an object")
+        return self._bind_named(obj)
+
+    def _decode_typed(self, params: bytes,
+                      typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]]) -> object:
+        """Decode params whose parameters' hints hold a `msgspec.Raw`: each value such a
+        parameter takes is decoded from its own text with its own type, the others as
+        `bind` decodes them. Raises `InvalidParams` for a value that does not fit."""
+        try:
+            top = _RAW_TOP(params)
+        except msgspec.ValidationError:
+            raise InvalidParams(None, "params must be an array or an object") from None
+        n = len(self._pos_names)
+        if type(top) is list:
+            var_pos = self._var_pos_name() if "*" in typed else ""
+            return [self._decode_value(raw, typed.get(self._pos_names[i] if i < n else "*"),
+                                       self._pos_names[i] if i < n else var_pos, "" if i < n else f"params[{i}]")
+                    for i, raw in enumerate(top)]
+        known, kw_only = self._named_type.__struct_fields__, self._pos_only  # (as in _check_floods)
+        return {key: self._decode_value(raw, typed.get(key if key in known and key not in kw_only else "**"), key, "")
+                for key, raw in typing.cast(dict[str, msgspec.Raw], top).items()}
+
+    def _decode_value(self, raw: msgspec.Raw,
+                      typed: tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None] | None,
+                      name: str, where: str) -> object:
+        try:
+            if typed is None:
+                return _decode_json(raw)
+            decoder, check = typed
+            if check is not None:  # (the sets it holds, before they are built)
+                try:
+                    read = self._guard_decode(raw)
+                    check(read)
+                except collisions.Flooded as exc:
+                    raise _flooded(exc, name, exc.where, where or None) from None
+                except ArithmeticError:  # (a Decimal's exponent past decimal's limits: round 38)
+                    raise msgspec.ValidationError("Number out of range") from None
+                # Decoded from what the check read, written again: an object's duplicate
+                # keys are gone, as they were for the check (round 39: the decoder built the
+                # set of every duplicate, the check saw the last; 1 MiB held a worker 12.8 s).
+                try:
+                    with collisions.deeper():  # (as deep as the check: `_float_form` recurses)
+                        raw = msgspec.Raw(_REWRITE(_float_form(read) if self._guard_decode is _DECIMAL_JSON else read))
+                finally:
+                    _UNDERFLOWED.clear()
+            return decoder.decode(raw)
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            raise InvalidParams(name or None, _inside(message, where or name, f"{message} ({where})" if where
+                                                      else message)) from None
+
+    def _check_floods(self, obj: object, guards: tuple[collisions.Check | None, ...]) -> None:
+        """Refuse params putting more than `collisions.SHARED_HASH_MAX` distinct values of
+        one hash in a set or an object's keys (hash flooding: building them would take
+        time quadratic in their count), naming the parameter and where in it."""
+        pos, named, var_pos, var_kw = guards
+        n = len(self._pos_names)
+        if type(obj) is list:
+            try:
+                if pos is not None:
+                    pos(obj)
+            except collisions.Flooded as exc:
+                raise _flooded(exc, self._pos_names[typing.cast(int, exc.where[0])], exc.where[1:]) from None
+            try:
+                if var_pos is not None and len(obj) > n:
+                    var_pos(obj[n:])
+            except collisions.Flooded as exc:
+                index = n + typing.cast(int, exc.where[0])
+                raise _flooded(exc, self._var_pos_name(), [index, *exc.where[1:]], "params") from None
+        elif type(obj) is dict:
+            # (as `_bind_named` takes them: beside **kwargs, a positional-only parameter's name
+            # is **kwargs's; round 37, it was checked as the parameter's, built unchecked)
+            known, kw_only = self._named_type.__struct_fields__, self._pos_only
+            try:
+                if named is not None:
+                    named({k: v for k, v in obj.items() if k not in kw_only} if kw_only else obj)
+                if var_kw is not None:
+                    var_kw({k: v for k, v in obj.items() if k not in known or k in kw_only})
+            except collisions.Flooded as exc:
+                raise _flooded(exc, str(exc.where[0]), exc.where[1:]) from None
+
+    def _bind_positional(self, values: list[object]) -> tuple[object, ...]:
+        if self._required_kwonly:
+            raise InvalidParams(
+                self._required_kwonly[0], "keyword-only parameter: pass params by name"
+            )
+        n = len(self._pos_names)
+        head = values[:n] if self._var_pos is not None else values
+        try:
+            bound = msgspec.structs.astuple(msgspec.convert(head, self._pos_type, str_keys=True))
+        except msgspec.ValidationError as exc:
+            raise self._invalid(str(exc), len(head)) from None
+        if self._var_pos is None or len(values) <= n:
+            return bound
+        try:
+            rest = msgspec.convert(values[n:], self._var_pos, str_keys=True)
+        except msgspec.ValidationError:
+            raise self._invalid_extra(values[n:]) from None
+        return bound + tuple(rest)
+
+    def _bind_named(self, values: dict[str, object]) -> tuple[tuple[object, ...], dict[str, object]]:
+        extra: dict[str, object] = {}
+        if self._pos_only:  # (beside **kwargs)
+            if self._pos_only_required:
+                raise InvalidParams(self._pos_only_required[0],
+                                    "positional-only parameter beside **kwargs: pass params as an array")
+            named = [k for k in values if k in self._pos_only]
+            if named:  # (**kwargs's, as in Python; the parameter keeps its default)
+                extra = {k: values[k] for k in named}
+                values = {k: v for k, v in values.items() if k not in self._pos_only}
+        if self._var_kw is not None:
+            known = set(self._pos_names) | set(self._kwonly)
+            extra |= {k: values[k] for k in values if k not in known}
+            try:
+                extra = msgspec.convert(extra, self._var_kw, str_keys=True)
+            except msgspec.ValidationError:
+                raise self._invalid_extra(extra) from None
+        try:
+            bound = msgspec.structs.astuple(msgspec.convert(values, self._named_type, str_keys=True))
+        except msgspec.ValidationError as exc:
+            raise self._invalid(str(exc), None, values) from None
+        n = len(self._pos_names)
+        kwargs = dict(zip(self._named_kwonly_order(), bound[n:]))
+        kwargs.update(extra)
+        return bound[:n], kwargs
+
+    def _invalid_extra(self, values: list[object] | dict[str, object]) -> InvalidParams:
+        """Name the value taken by `*args` (its name and place in params) or by
+        `**kwargs` (the key) that does not fit the hint; cold path, so it re-checks."""
+        if type(values) is list:
+            hint = typing.get_args(self._var_pos)[0]
+            name = self._var_pos_name()
+            for i, value in enumerate(values, len(self._pos_names)):
+                try:
+                    msgspec.convert(value, hint, str_keys=True)
+                except msgspec.ValidationError as exc:
+                    return InvalidParams(name, _inside(str(exc), f"params[{i}]", f"{exc} (params[{i}])"))
+        else:
+            hint = typing.get_args(self._var_kw)[1]
+            for key, value in typing.cast(dict[str, object], values).items():
+                try:
+                    msgspec.convert(value, hint, str_keys=True)
+                except msgspec.ValidationError as exc:
+                    return InvalidParams(key, _inside(str(exc), key, str(exc)))
+        return InvalidParams(None, "params do not fit the signature")
+
+    def _out_of_range(self, params: bytes, message: str) -> InvalidParams:
+        """Name the parameter holding a value msgspec cannot hold (a number past a
+        double's range, e.g. 1e400). msgspec's `message` locates it as `$[i]...` in an
+        array (the i-th positional parameter, or `*args`), but only as `$[...]...` in an
+        object: its key is then found by decoding each value alone. Cold path."""
+        at = _located(message)
+        if at is not None and at[1] is not None:  # $[i]
+            index = at[1]
+            if index < len(self._pos_names):
+                return self._invalid(message, None)
+            if self._var_pos is not None:
+                reason, inner = at[0], at[3]
+                where = f" - at `params[{index}]{inner}`" if inner else f" (params[{index}])"
+                return InvalidParams(self._var_pos_name(), reason + where)
+            return InvalidParams(None, message)  # past the positional parameters
+        try:
+            values = msgspec.json.decode(params, type=dict[str, msgspec.Raw])
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return InvalidParams(None, message)
+        for key, value in values.items():
+            try:
+                _decode_json(value)
+            except msgspec.ValidationError as exc:
+                reason, _, inner = str(exc).partition(" - at `$")  # (inner ends with its `)
+                return InvalidParams(key, f"{reason} - at `{key}{inner}" if inner else reason)
+        return InvalidParams(None, message)
+
+    def _var_pos_name(self) -> str:
+        """The name of the `*args` parameter (cold path: read from the signature)."""
+        return next(p.name for p in inspect.signature(self.fn).parameters.values()
+                    if p.kind is inspect.Parameter.VAR_POSITIONAL)
+
+    def _named_kwonly_order(self) -> list[str]:
+        return list(self._named_type.__struct_fields__[len(self._pos_names):])
+
+    def _invalid(self, message: str, given: int | None, values: dict[str, object] | None = None) -> InvalidParams:
+        """Map a msgspec validation message to the parameter it is about. `values`: the
+        params given by name, whose keys are checked here rather than read back from the
+        message, which quotes them (hostile testing, round 34: a key holding " - at
+        `$[7]" was taken for the place of the error, and answered -32603)."""
+        if values is not None and self._var_kw is None:
+            known = self._named_type.__struct_fields__
+            unknown = next((key for key in values if key not in known), None)
+            if unknown is not None:
+                return InvalidParams(unknown, "unexpected parameter")
+        at = _located(message)
+        if at is not None:
+            reason, index, field, inner = at
+            if index is not None and index >= len(self._pos_names):
+                return InvalidParams(None, message)
+            name = self._pos_names[index] if index is not None else typing.cast(str, field)
+            if inner:  # inside the parameter: say where, e.g. `items[0].qty`
+                reason = f"{reason} - at `{name}{inner}`"
+            return InvalidParams(name, reason)
+        if given is not None and "array" in message:
+            n = len(self._pos_names)
+            if given < n:
+                return InvalidParams(self._pos_names[given], "missing required parameter")
+            return InvalidParams(None, f"too many positional params: takes at most {n}, got {given}")
+        f = _FIELD_IN_MSG.search(message)
+        if f and "missing" in message:
+            return InvalidParams(f.group(1), "missing required parameter")
+        if f and "unknown" in message:
+            return InvalidParams(f.group(1), "unexpected parameter")
+        return InvalidParams(None, message)
+
+
+def _float_form(value: object) -> object:
+    """`value` (decoded with the numbers written with a fraction or an exponent as
+    Decimals, `_DECIMAL_JSON`) with each such Decimal as the JSON text of a number in
+    that form again (`format(d, "e")`: exact), so that the value written again decodes as
+    the text sent would: a Decimal written as `str(d)` made `1e0` an integer `1`, which an
+    `int` takes and the check had not read as one (hostile testing, round 42: a set's first
+    element of 21 digits written `...e0` turned the check off, 1 MiB held a worker 25.6 s)."""
+    kind = type(value)
+    if kind is list:
+        return [_float_form(item) for item in typing.cast(list[object], value)]
+    if kind is dict:
+        return {key: _float_form(item) for key, item in typing.cast(dict[str, object], value).items()}
+    if kind is decimal.Decimal:
+        return msgspec.Raw(format(typing.cast(decimal.Decimal, value), "e").encode())
+    if kind is float and _UNDERFLOWED:
+        held = _UNDERFLOWED.get(id(value))
+        if held is not None and held[0] is value:
+            return msgspec.Raw(held[1].encode())
+    return value
+
+
+_UNDERFLOWED: dict[int, tuple[float, str]] = {}  # a zero `_decimal_or_zero` made: (it, the text it was read from)
+
+
+def _decimal_or_zero(text: str) -> decimal.Decimal | float:
+    """A JSON number written with a fraction or an exponent, as a Decimal, or as the float
+    zero msgspec reads it as where its exponent is past decimal's limits (`1e-99999999999999999999`),
+    kept in `_UNDERFLOWED` to be written again as sent (round 43: refused "Number out of
+    range" beside a Decimal, bound as 0.0 elsewhere). One past them the other way, which
+    msgspec refuses too, raises `decimal.InvalidOperation`."""
+    try:
+        return decimal.Decimal(text)
+    except decimal.InvalidOperation:
+        value = float(text)
+        if value:  # (inf: "Number out of range", as msgspec says)
+            raise
+        _UNDERFLOWED[id(value)] = (value, text)
+        return value
+
+
+def _values_decoded(params: bytes, decode: Callable[[bytes], object]) -> dict[str, object] | None:
+    """An object's values decoded each alone, the last of duplicate keys kept (as a whole
+    decode keeps it), or None if one does not decode: params `{"a": 1e400, "a": 2}` bind
+    `a` to 2, as `{"a": "x", "a": 2}` do (round 36: refused, no parameter named). Cold path."""
+    try:
+        values = msgspec.json.decode(params, type=dict[str, msgspec.Raw])
+        return {key: decode(value) for key, value in values.items()}
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+
+
+def _flooded(exc: collisions.Flooded, name: str, path: list[str | int], root: str | None = None) -> InvalidParams:
+    """`Method._check_floods`'s refusal: the parameter, and where in it (`path`)."""
+    inner = "".join(f"[{step}]" if type(step) is int else f".{step}" for step in path)
+    return InvalidParams(name, exc.reason.format(at=f" - at `{root or name}{inner}`" if inner else ""))
+
+
+_DECIMAL_JSON = msgspec.json.Decoder(float_hook=_decimal_or_zero).decode
+_RAW_TOP = msgspec.json.Decoder(list[msgspec.Raw] | dict[str, msgspec.Raw]).decode
+_REWRITE = msgspec.json.encode  # (of `_float_form`'s values: numbers in the form they were sent)
+
+
+FLAG_PSEUDO_MEMBERS_MAX = 4096
+"""How many members an `enum.Flag` class that params bind to may make and cache (one
+per value that is not one of its own: `IntFlag` takes any integer) before those that
+nothing else holds are dropped."""
+_FLAG_KEPT: dict[type, int] = {}  # a Flag class: how many members its map held after the last drop
+
+
+def _drop_flag_members(classes: tuple[type, ...], afresh: bool = False) -> None:
+    """Drop from each class's `_value2member_map_` the members that `enum.Flag`'s
+    `_missing_` made and cached there for good (CPython's enum module) and that nothing
+    else holds, once it has grown by `FLAG_PSEUDO_MEMBERS_MAX` since the last drop:
+    binding `IntFlag` params from a client's distinct integers grew a worker by 36 MiB
+    per 780 KiB request, never given back (hostile testing, round 36). The worker calls
+    it after each call that binds such params, for every such class (round 38: dropped
+    only when the class's own method was called next, each class kept a call's members). A member still held (by a module, or a call under way) stays, the same object;
+    one made again after its drop is a new object, indistinguishable (no one held the old)."""
+    for cls in classes:
+        members = vars(cls).get("_value2member_map_")
+        if type(members) is not dict or len(members) <= (0 if afresh else _FLAG_KEPT.get(cls, 0)) + FLAG_PSEUDO_MEMBERS_MAX:
+            continue
+        for value in _held_only_by(members):
+            members.pop(value, None)  # (a tool's thread may have dropped it meanwhile)
+        _FLAG_KEPT[cls] = len(members)
+
+
+def _held_only_by(mapping: dict[object, object]) -> list[object]:
+    """The keys of `mapping` whose values nothing else references: CPython reference
+    counts, read the same way as that of a value a dict alone holds."""
+    probe = {None: object()}  # (held by a dict, and by a list of its items, alone)
+    alone = _reference_counts(list(probe.items()))[0][2]
+    items = list(mapping.items())  # (one step: a tool's thread may add to it meanwhile)
+    times: dict[int, int] = {}  # a value's id: how many keys it is the value of
+    for _, value in items:
+        times[id(value)] = times.get(id(value), 0) + 1
+    # A value under k keys is held by the map and by `items` k times each: 2 (k - 1) more
+    # than one under one key (round 37: a member cached under two keys, a negative value
+    # and its positive twin, was never dropped, and a worker grew by 10 MiB a call).
+    return [key for key, ident, count in _reference_counts(items) if count <= alone + 2 * (times[ident] - 1)]
+
+
+def _reference_counts(items: list[tuple[object, object]]) -> list[tuple[object, int, int]]:
+    return [(key, id(value), sys.getrefcount(value)) for key, value in items]
+
+
+def _located(message: str) -> tuple[str, int | None, str | None, str] | None:
+    """Split a msgspec validation message, "<reason> - at `$<path>`", into `(reason, index,
+    field, inner)`: the path's first step, an array index `[i]` or a field `.name`, and the
+    rest of it (e.g. `[0].qty`); None if it has no path (an error at the top). The path is
+    the message's end and quotes nothing of the client's (an object's key shows as
+    `[...]`), while the reason can (a key, an Enum value): so it is split at the last
+    " - at `$", in linear time (hostile testing, round 34: a regular expression took
+    quadratic time on a client's 300 KB key, 3 s at 32 KB, and its worker was killed as
+    hung, with the calls on it)."""
+    split = _split_path(message)
+    if split is None:
+        return None
+    reason, path = split
+    if path.startswith("["):
+        end = path.find("]")
+        digits = path[1:end]
+        if end < 0 or not (digits.isascii() and digits.isdigit()):
+            return None
+        return reason, int(digits), None, path[end + 1:]
+    if not path.startswith("."):
+        return None
+    step = _STEP_END.search(path, 1)
+    end = len(path) if step is None else step.start()
+    if end == 1:
+        return None
+    return reason, None, path[1:end], path[end:]
+
+
+def _inside(message: str, where: str, bare: str) -> str:
+    """msgspec's `message` about one value (of `*args` or `**kwargs`), its location made
+    relative to `where` (`params[1]`, or the key): "<reason> - at `$.sku`" becomes "<reason>
+    - at `params[1].sku`", a key's "<reason> - at `key` in `$`" "<reason> (a key) - at
+    `params[1]`" (rounds 35, 36: msgspec's `$` was shown); `bare` if it says no place."""
+    split = _split_path(message)
+    return bare if split is None else f"{split[0]} - at `{where}{split[1]}`"
+
+
+def _split_path(message: str) -> tuple[str, str] | None:
+    """msgspec's validation `message` split into its reason and the path it ends with
+    (without `$` and the backquotes), or None if it ends with none. A key's error, "<reason>
+    - at `key` in `$<path>`", gives "<reason> (a key)" (round 36: read as no path). The
+    path holds nothing of the client's, the reason may (a key, a value), so the split is at
+    the last marker whose path is well formed, in linear time (round 34)."""
+    for marker, tail in ((" - at `key` in `$", " (a key)"), (" - at `$", "")):
+        reason, found, path = message.rpartition(marker)
+        if found and path.endswith("`") and "`" not in path[:-1]:
+            return reason + tail, path[:-1]
+    return None
+
+
+def _is_async(fn: Callable[..., object]) -> bool:
+    """Is `fn` an async handler: a coroutine function, one marked so
+    (`inspect.markcoroutinefunction`, 3.12+), or a sync wrapper of one made with
+    `functools.wraps` (which returns the coroutine: run as a task, not inline)? A sync
+    handler that returns an awaitable anyway is still run as a task (`_execute`)."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    try:
+        inner = inspect.unwrap(fn)
+    except ValueError:  # a __wrapped__ cycle
+        return False
+    return inner is not fn and inspect.iscoroutinefunction(inner)
+
+
+def _struct_default(value: object) -> object:
+    """A parameter's default as a Struct field default. msgspec refuses a non-empty
+    list/dict/set/bytearray, and copies an empty one per instance, so give it through a
+    factory that returns that same object: the handler sees its default exactly as a
+    Python call would (one object, shared by the calls)."""
+    if type(value) in (list, dict, set, bytearray):  # (empty too: msgspec copies those per call,
+        return msgspec.field(default_factory=lambda: value)  # round 36: a `_cache: dict = {}` memo never filled)
+    return value
+
+
+class NestingTooDeep(Exception):
+    """params nest arrays/objects deeper than the configured max_depth."""
+
+
+def _check_raw(params: bytes, max_depth: int, deep: bool) -> None:
+    """The checks raw params get before a `raw_params` handler sees them: JSON
+    (RFC 8259), UTF-8 (section 8.1) and max_depth (`deep`: `nests_deeper` said they
+    nest past it, which holds once they are JSON). Any valid JSON passes: `1e400` and
+    a 5000-digit integer are JSON, though no float or int of msgspec holds them."""
+    try:
+        _decode_raw(params)
+    except RecursionError:
+        raise NestingTooDeep(max_depth) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
+    if not params.isascii():
+        try:
+            params.decode()
+        except UnicodeDecodeError:
+            raise InvalidParams(None, "params are not valid UTF-8") from None
+    if deep:
+        raise NestingTooDeep(max_depth)
+
+
+_decode_raw = msgspec.json.Decoder(msgspec.Raw).decode

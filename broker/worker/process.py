@@ -1,0 +1,158 @@
+"""The worker process: `python -m broker.worker --socket PATH --slot N --app MODULE:ATTR ...`.
+
+`main` parses the arguments the broker gives (broker/pool.py), makes the process die
+with the broker and deaf to SIGINT, loads the app (`load_app`), and runs `_serve` on
+uvloop: one `WorkerProtocol` connected to the broker's socket, until the broker closes
+it or says BYE. It exits 0 then, or `WORKER_BOOT_ERROR` when the app cannot be loaded
+or served, which the broker reads as "stop, do not restart it in a loop".
+
+This module is not `__main__`: broker/worker/__main__.py calls its `main`, so the
+package's classes (`Registry`) are the same objects whether `-m` or an import got them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import sys
+import traceback
+import types
+
+import orjson
+
+from broker import wire
+from broker.worker import runtime
+from broker.worker.forks import die_with_parent, isolate_forks
+from broker.worker.results import _LEAF_OPTIONS
+from broker.worker.runtime import WorkerProtocol, _child_exits
+from broker.worker.sdk import Registry, load_app
+
+# This package's directory (the files worker.py once was): a traceback's frames in its files are
+# the broker's, not the app's (`_where`).
+_PACKAGE = os.path.dirname(__file__)
+
+log = logging.getLogger("broker.worker")  # (one logger for the package: its records say `broker.worker`)
+
+
+WORKER_BOOT_ERROR = 3
+"""Exit status of a worker that could not load or serve its app: the broker stops rather
+than restart it in a loop (as gunicorn's WORKER_BOOT_ERROR)."""
+STACK_MARGIN = 256  # frames the worker's recursion limit has past the front-end's (`main`)
+
+
+async def _serve(args: argparse.Namespace, registry: Registry) -> int:
+    loop = asyncio.get_running_loop()
+    if hasattr(asyncio, "eager_task_factory"):  # 3.12+: async handlers that never
+        loop.set_task_factory(asyncio.eager_task_factory)  # suspend finish inline
+    try:  # orjson imports numpy at the first type it does not know (0.1 s): now, at boot, not
+        orjson.dumps(object(), option=_LEAF_OPTIONS)  # in a call, whose time it would be
+    except TypeError:  # (a first awaited call took 72 ms, and was learnt blocking: round 25)
+        pass
+    proto = WorkerProtocol(
+        registry, args.slot, args.concurrency, args.max_depth, args.max_frame_bytes, args.debug
+    )
+    hello = proto.hello()
+    if len(hello) > args.max_frame_bytes:  # the broker would refuse the frame
+        log.error("app %r: its HELLO (its table of %d methods) is %d bytes, more than max_frame_bytes %d,"
+                  " the largest frame the broker accepts: not serving it (raise max_frame_bytes, or"
+                  " shorten the methods' docstrings)", args.app, len(registry), len(hello), args.max_frame_bytes)
+        return WORKER_BOOT_ERROR
+    loop.add_signal_handler(signal.SIGTERM, proto.stop)
+    transport, _ = await loop.create_unix_connection(lambda: proto, args.socket)
+    isolate_forks(transport.get_extra_info("socket").fileno())
+    try:
+        await proto.done
+    finally:  # done, or the loop is going down (a handler stopped it: the runner cancels
+        if runtime._forked_from:  # what is left) (a forked child must not tear the loop down: `_child_exits`)
+            _child_exits(None)
+        proto.going_down()
+    return 0
+
+
+def _described(exc: BaseException) -> str:
+    """"Type: message", or the type alone when the message is empty, or says it cannot be
+    printed (round 27: a `__str__` that raised turned the log line into a logging error)."""
+    try:
+        message = str(exc)
+    except BaseException:
+        message = "(its message cannot be printed)"
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def _where(exc: BaseException) -> str:
+    """" at FILE:LINE" of the last frame of `exc`'s traceback outside Python's import
+    machinery (the app's line that raised), or "" (a new user's check, round 26: an
+    import that failed on a KeyError logged only "'MY_TOOL_TOKEN'")."""
+    ours = {importlib.__file__}
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<frozen") and f.filename not in ours and os.path.dirname(f.filename) != _PACKAGE]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def _deaf(signum: int, frame: types.FrameType | None) -> None:
+    """The worker's SIGINT handler: nothing (see `main`)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker process entry point: `python -m broker.worker --socket PATH --slot N ...`.
+
+    Started by the broker, not by hand. Exits 0 when the broker closes the
+    connection or says BYE (SIGTERM asks it to: `WorkerProtocol.stop`), `WORKER_BOOT_ERROR` when the app cannot be loaded (an
+    exception or sys.exit() at import) or cannot be served (more than `wire.MAX_METHODS`
+    methods, or a HELLO larger than max_frame_bytes), and dies (SIGKILL) with the broker.
+    """
+    parser = argparse.ArgumentParser(prog="python -m broker.worker")
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--slot", type=int, required=True)
+    parser.add_argument("--app", required=True)
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--max-depth", type=int, default=64)
+    parser.add_argument("--max-frame-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--parent-pid", type=int, default=0,
+                        help="the broker's pid: this process dies with it (default: the parent now)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s worker[{args.slot}] pid %(process)d %(levelname)s %(message)s",
+    )
+    # The broker decides when we stop: SIGINT (a Ctrl-C to the terminal's process group)
+    # is caught and does nothing. Not SIG_IGN, which exec keeps: the subprocesses that
+    # handlers start would ignore SIGINT too; exec resets a caught signal to the default.
+    signal.signal(signal.SIGINT, _deaf)
+    die_with_parent(args.parent_pid or os.getppid())
+    # The front-end passes params nested up to its parser's limit (the recursion limit, at
+    # its shallow stack); here the loop's, dispatch's and encoding's frames sit below them,
+    # and msgspec, which counts Python's recursion limit, failed on params a few levels
+    # short of it (hostile testing, round 26: echo of params 983 deep, -32603 "not valid JSON").
+    sys.setrecursionlimit(sys.getrecursionlimit() + STACK_MARGIN)
+    try:
+        registry = load_app(args.app)
+    except SystemExit as exc:  # the app called sys.exit() at import: a boot failure too
+        log.error("cannot load app %r: it called sys.exit(%r) at import", args.app, exc.code)
+        return WORKER_BOOT_ERROR
+    except BaseException as exc:
+        hint = ""
+        module = args.app.partition(":")[0]
+        if isinstance(exc, ModuleNotFoundError) and module.endswith(".py"):  # (round 31, a new user)
+            hint = f" (--app names a module, not a file: {module[:-3]}:{args.app.partition(':')[2]})"
+        elif isinstance(exc, ModuleNotFoundError) and exc.name and module.startswith(exc.name.partition(".")[0]):
+            hint = (f" (the module is looked up from the current directory, {os.getcwd()}, and"
+                    " PYTHONPATH: run from the directory that holds it, or set PYTHONPATH=DIR)")
+        log.error("cannot load app %r: %s%s%s%s", args.app, _described(exc), _where(exc), hint,
+                  "" if args.debug else " (--debug prints the traceback)", exc_info=args.debug)
+        return WORKER_BOOT_ERROR
+    if len(registry) > wire.MAX_METHODS:  # a batch could not name the ones past it
+        log.error("app %r has %d methods, more than the %d one worker can serve (a batch names"
+                  " a method by a 16-bit index): not serving it", args.app, len(registry), wire.MAX_METHODS)
+        return WORKER_BOOT_ERROR
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(_serve(args, registry))
+    return uvloop.run(_serve(args, registry))

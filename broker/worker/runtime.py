@@ -1,0 +1,931 @@
+"""The worker process's run loop: `WorkerProtocol`, the worker's end of its Unix socket.
+
+Frames from the broker (broker/wire.py) are decoded in `data_received` and join a
+backlog; `_run` runs the waiting calls for up to `SLICE_SECONDS` per loop turn, then
+writes their replies in one write. A call is bound (`Method.bind`), run (`_execute`: a
+sync handler inline, an async one as a task, `_guarded`) and answered with one RESULT or
+ERROR frame; a CHUNK (several calls of one batch, `_Chunk`) is answered with CHUNK_PART
+frames and one CHUNK_REPLY. A CANCEL cancels a call and is acknowledged at once; past its
+deadline a call is not started. A sync method that blocked the loop once is "slow": the
+answers ready before its next call go out first. Answers ready behind a handler that
+runs long are sent from another thread (broker/worker/held.py); the error object a
+failed call is answered with is built in broker/worker/errors.py.
+
+A child that a handler forks has a copy of all this. `_forked_from` (set in the child by
+the fork hooks of broker/worker/forks.py) is read wherever the worker's code gets
+control back, and `_child_exits` ends the child there. It is read on the hot path, so it
+is this module's own global: other modules rebind and read it as `runtime._forked_from`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import inspect
+import logging
+import math
+import os
+import struct
+import sys
+import threading
+import time
+import types
+import typing
+from collections.abc import Callable
+
+import msgspec
+
+from broker import wire
+from broker.worker.errors import ErrorAnswers, _text
+from broker.worker.held import HeldAnswers
+from broker.worker.params import _drop_flag_members
+from broker.worker.results import encode_result
+from broker.worker.sdk import Registry
+
+log = logging.getLogger("broker.worker")  # (one logger for the package: its records say `broker.worker`)
+
+
+_RESULT = int(wire.Kind.RESULT)
+_ERROR = int(wire.Kind.ERROR)
+_CALL = int(wire.Kind.CALL)
+_NOTIFY = int(wire.Kind.NOTIFY)
+_CANCEL = int(wire.Kind.CANCEL)
+_CHUNK = int(wire.Kind.CHUNK)
+_CHUNK_PART = int(wire.Kind.CHUNK_PART)
+_CHUNK_REPLY = int(wire.Kind.CHUNK_REPLY)
+_CALL_ENTRY = wire.CALL_ENTRY
+_REPLY_ENTRY = wire.REPLY_ENTRY
+_BYE = int(wire.Kind.BYE)
+_BYE_FRAME = wire.encode_frame(wire.Kind.BYE, 0)  # (SIGTERM: see WorkerProtocol.stop)
+_pack_header = wire.HEADER.pack
+_deadline_of = wire.DEADLINE.unpack_from  # a call's deadline, at the start of its frame's payload
+_DEADLINE_SIZE = wire.DEADLINE.size
+_perf = time.perf_counter
+_monotonic = time.monotonic  # the clock of the deadlines the broker sends (wire.py)
+_CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a late result
+_NOT_RUN = wire.NOT_RUN  # a reply's aux when the handler never ran (wire.py)
+_AWAITED = wire.AWAITED  # a flag in a reply's aux: a sync-declared method's call was awaited (wire.py)
+# `_execute`'s kind for an ERROR whose handler never ran (its params did not bind, or no
+# such method): the reply's aux says NOT_RUN, and no method's speed is learnt from it.
+_UNRUN = -1
+SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
+SLOW_SYNC_US = 1000  # a sync call this long (µs) blocks the replies behind it (dispatch.BLOCKING_US)
+_SLOW_SYNC_S = SLOW_SYNC_US / 1e6
+_AWAITED_WITHIN_S = 0.01  # a sync handler that returns its awaitable within this blocks nothing (wire.AWAITED)
+
+
+_forked_from = 0
+"""In a child forked by a handler (by the worker's process: `isolate_forks`), the worker's
+pid; 0 in the worker itself. A child's own forks keep it."""
+
+
+def _child_exits(exc: BaseException | None) -> typing.NoReturn:
+    """End a child a handler forked, now that it came back into the worker's code: its
+    handler returned (`exc` None) or raised `exc` (sys.exit() raises SystemExit), or the
+    loop called the worker back in it.
+
+    It exits with os._exit, as multiprocessing's children do, and as the child of any
+    process serving an event loop must: going on, it would run the worker's loop, whose
+    epoll instance it shares with the worker (fork copies the descriptor, not the set it
+    names; libuv's remedy, uv_loop_fork, uvloop does not call). The loop's teardown at the
+    child's exit took the worker's registrations out of it: hostile testing, round 8, a
+    child that called sys.exit(0) left its worker deaf to SIGTERM for good (no leave, no
+    replacement, nothing logged), and a subprocess's exit could go unseen.
+
+    The status is what the child asked for: sys.exit(code)'s code (1 for a message,
+    which is printed, as Python does), 0 for a return, 1 for another exception (logged,
+    with its traceback). Only the child's own output is flushed: the worker flushed
+    stdout and stderr before the fork (`isolate_forks`); no atexit handler or finalizer
+    runs, they are the worker's."""
+    code = 0
+    if isinstance(exc, SystemExit):
+        try:
+            if exc.code is None:
+                code = 0
+            elif isinstance(exc.code, int):
+                # (past a C int, os._exit raised OverflowError and the child went back into
+                # the loop, hostile testing round 9: Python's own exit gives 255 then)
+                code = int(exc.code) if -(2**31) <= exc.code < 2**31 else 255
+            else:
+                code = 1
+                print(exc.code, file=sys.stderr)
+        except BaseException:  # (an int subclass whose comparisons raise, a str that cannot print)
+            code = code or 1
+    elif exc is not None:
+        code = 1
+        try:
+            log.error("a child forked by a handler (the worker is pid %d) raised %s: it exits with 1",
+                      _forked_from, type(exc).__name__, exc_info=exc)
+        except BaseException:
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except BaseException:
+            pass
+    try:
+        os._exit(code)
+    finally:  # (never returns: os._exit cannot fail with an int in range, but not even then)
+        os._exit(1)
+
+
+_COROUTINE = types.CoroutineType
+
+
+def _close_if_cancelled(coroutine: types.CoroutineType[object, object, object], task: asyncio.Task[object]) -> None:
+    """A task's done callback: close `coroutine` if the task was cancelled (before its
+    first step it never awaited it; closing one that ran is a no-op)."""
+    if task.cancelled():
+        coroutine.close()
+
+
+def _identity(value: object) -> object:
+    return value
+
+
+async def _guarded(
+    fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object],
+    finished: Callable[[bool, object], None] | None = None, deadline: float = math.inf,
+) -> tuple[bool, object]:
+    """Run an async handler to its end: (True, result) or (False, the exception raised),
+    also given to `finished` in the handler's last step, so that the answer is made in it
+    (a done callback comes a loop turn later, which a slow sync call can take first).
+    (False, `_PAST_DEADLINE`) if its first step comes past the call's `deadline`
+    (CLOCK_MONOTONIC s): the handler never runs, the call was answered -32001 (a sync
+    call started after it in the same loop turn held the loop meanwhile, and the CANCEL,
+    if it has come, is read only after this step).
+
+    Never raises, not even BaseException: a Task re-raises SystemExit and
+    KeyboardInterrupt out of the event loop (asyncio's Task.__step), which would stop
+    the worker with every other call in flight. A CancelledError is returned too; the
+    caller tells the broker's CANCEL apart from one the handler raised itself.
+    """
+    if _forked_from:  # (a child the loop went on in: not past its trap, `_trap_loop_return`)
+        _child_exits(None)
+    if deadline <= _monotonic():
+        if fn is _identity:  # what a sync handler returned: never awaited now
+            awaitable = args[0]
+            if type(awaitable) is _COROUTINE:
+                typing.cast("typing.Coroutine[object, object, object]", awaitable).close()
+            elif isinstance(awaitable, asyncio.Future):  # (a Task it made runs from then on, on its
+                awaitable.cancel()  # own: cancelled, as an async handler's, at its next await)
+        return False, _PAST_DEADLINE
+    try:
+        value = fn(*args, **kwargs)
+        if type(value) is _COROUTINE or inspect.isawaitable(value):  # (a wraps-decorated async
+            value = await typing.cast(typing.Awaitable[object], value)  # function may not be)
+    except GeneratorExit as exc:  # the coroutine is being closed: it must not go on
+        if _forked_from:  # (a child raising it: it would reach the loop, which runs other calls)
+            _child_exits(exc)
+        raise
+    except BaseException as exc:  # the point: one answer, the worker lives on
+        if _forked_from:  # (a child the handler forked, back here: `_child_exits`)
+            _child_exits(exc)
+        if finished is not None:
+            finished(False, exc)
+        return False, exc
+    if _forked_from:
+        _child_exits(None)
+    if finished is not None:
+        finished(True, value)
+    return True, value
+
+
+class _PastDeadline(Exception):
+    """An async call whose first step came past its deadline: it is answered `CANCEL_ACK`."""
+
+
+_PAST_DEADLINE = _PastDeadline()
+
+
+class _Chunk:
+    """A CHUNK being run: where its next call starts, and answers not yet sent."""
+
+    __slots__ = (
+        "awaited", "chunk_id", "count", "deadline", "next", "payload", "pos", "ran", "t0", "tasks", "unsent",
+        "waiting"
+    )  # fmt: skip
+
+    def __init__(self, chunk_id: int, count: int, payload: bytes) -> None:
+        self.chunk_id = chunk_id
+        self.count = count
+        self.payload = payload
+        self.deadline: float = _deadline_of(payload)[0]  # its calls', CLOCK_MONOTONIC s (wire.py)
+        self.pos = _DEADLINE_SIZE  # byte offset of the next call's entry
+        self.next = 0  # index of the next call to start
+        self.unsent = bytearray()  # REPLY_ENTRY-framed answers for the next part
+        self.tasks: list[asyncio.Task[tuple[bool, object]]] = []
+        self.waiting = 0  # async calls still running
+        self.ran = False  # a handler of it ran (else its CHUNK_REPLY's aux is NOT_RUN)
+        # A sync-declared method's call of it returned an awaitable: 1 at once, -1 after
+        # blocking (then not AWAITED), 0 none (wire.AWAITED).
+        self.awaited = 0
+        self.t0 = _perf()
+
+
+class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
+    """The worker's end of its Unix socket to the broker.
+
+    Runs each CALL/NOTIFY frame's handler and answers with exactly one RESULT or
+    ERROR frame. Replies produced while handling one read go out in one write; replies
+    of async handlers that finish later are coalesced per loop iteration.
+    """
+
+    # (Slots: past 30 attributes an instance's dict no longer shares its keys, and every
+    # attribute read on the hot path got slower: 2.6 % more instructions per call.)
+    __slots__ = (
+        "_advancing",
+        "_answered",
+        "_awaited",
+        "_backlog",
+        "_cancelled",
+        "_chunks",
+        "_closing",
+        "_concurrency",
+        "_debug",
+        "_decoder",
+        "_dirty",
+        "_down",
+        "_fd",
+        "_flag_classes",
+        "_flush_scheduled",
+        "_grab",
+        "_grab_lock",
+        "_hello",
+        "_leaving",
+        "_loop",
+        "_max_depth",
+        "_max_result",
+        "_methods",
+        "_out",
+        "_read_first",
+        "_run_scheduled",
+        "_running",
+        "_slot",
+        "_slow",
+        "_task_of",
+        "_tasks",
+        "_transport",
+        "_winding",
+        "_yielded",
+        "done",
+    )
+
+    def __init__(
+        self,
+        registry: Registry,
+        slot: int,
+        concurrency: int,
+        max_depth: int = 64,
+        max_frame_bytes: int = 16 * 1024 * 1024,
+        debug: bool = False,
+    ) -> None:
+        self._methods = registry.methods()
+        # The enum.Flag classes params bind to: the members their calls make are dropped
+        # after each such call, once nothing holds them (`_drop_flag_members`).
+        self._flag_classes = tuple({cls: None for m in self._methods for cls in m._flags or ()})
+        # Per method index: did its last sync call take SLOW_SYNC_US or more? A sync method
+        # not run yet counts as slow, as the broker counts it (dispatch.BLOCKING_US): what is
+        # ready goes out before its first call, which may block. (One past the table: an
+        # index the broker sends for a method this code does not have.)
+        self._slow = [not m.is_async for m in self._methods] + [False]
+        self._slot = slot
+        self._concurrency = concurrency
+        self._max_depth = max_depth
+        self._debug = debug
+        self._decoder = wire.FrameDecoder(max_frame_bytes)
+        self._max_result = max_frame_bytes  # largest result or error object sent
+        self._out = bytearray()
+        self._flush_scheduled = False
+        self._tasks: dict[int, asyncio.Task[tuple[bool, object]]] = {}
+        # Where each running async call's answer goes: (call id, method, start) or (chunk,
+        # its entry, method), for its last step to answer it (`_finished`); and those
+        # answered so, which their done callbacks then leave alone.
+        self._task_of: dict[asyncio.Task[tuple[bool, object]], tuple[object, int, float | int]] = {}
+        self._answered: set[asyncio.Task[tuple[bool, object]]] = set()
+        # Tasks the broker cancelled (CANCEL): only their CancelledError is "cancelled
+        # by the broker" (-32001); one a handler raises by itself is -32603.
+        self._cancelled: set[asyncio.Task[tuple[bool, object]]] = set()
+        # Tasks of sync-declared methods' awaitables: -1 returned at once (wire.AWAITED), else
+        # the µs the handler blocked before it returned it (its reply's aux: the worker's time).
+        self._awaited: dict[asyncio.Task[tuple[bool, object]], int] = {}
+        self._backlog: collections.deque[tuple[int, int, int, bytes] | _Chunk] = collections.deque()
+        self._chunks: dict[int, _Chunk] = {}  # chunks started and not yet fully answered
+        self._dirty: set[_Chunk] = set()  # chunks with answers to send
+        self._run_scheduled = False
+        self._read_first = False  # `_run` was put off to a later loop turn: it reads first (`_read_now`)
+        self._yielded = (0, 0)  # (call id, loop turns) given to async calls before a slow one (`_run`)
+        self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
+        # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
+        # the worker closes after them, as after its calls (hostile testing, round 17: a
+        # reload's BYE closed it at once, and its teardown cut their clean-up short).
+        self._winding: set[asyncio.Task[tuple[bool, object]]] = set()
+        self._leaving = False  # this worker said BYE (SIGTERM) and waits for the broker's
+        self._down = False  # see going_down
+        self._transport: asyncio.Transport | None = None
+        self._fd = -1  # the channel's socket, for `_send_held`
+        # While a handler runs (`_execute`): when it started (perf_counter s), else 0.0. The
+        # answers made before it in the same slice are sent by `_send_held`'s thread once
+        # it has run HELD_SECONDS; `_grab` is set while that thread sends (`_sent_held`).
+        self._running = 0.0
+        self._grab = False
+        self._grab_lock = threading.Lock()
+        self._advancing: _Chunk | None = None  # the chunk `_advance` runs calls of
+        self._hello = b""  # see hello
+        self._loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[None] = self._loop.create_future()
+
+    def hello(self) -> bytes:
+        """The HELLO payload: this process, its slot and its method table (built once)."""
+        if self._hello:
+            return self._hello
+        hello = wire.Hello(
+            pid=os.getpid(),
+            slot=self._slot,
+            methods=[
+                wire.MethodInfo(m.name, m.params_schema(), _text(m.doc)) for m in self._methods
+            ],
+            concurrency=self._concurrency,
+            sync_methods=[m.name for m in self._methods if not m.is_async],
+            wire=wire.VERSION,
+        )
+        self._hello = msgspec.json.encode(hello)
+        return self._hello
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = typing.cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self._fd = sock.fileno()
+            threading.Thread(target=self._send_held, name="held-answers", daemon=True).start()
+        self._transport.write(wire.encode_frame(wire.Kind.HELLO, 0, 0, self.hello()))
+        if self._leaving:  # SIGTERM came while connecting
+            self._transport.write(_BYE_FRAME)
+
+    def going_down(self) -> None:
+        """The worker is exiting (its loop was stopped, or the connection is gone): the
+        calls still running are cancelled and get no answer from here. The broker
+        answers them -32002 with this process's pid and exit status once it is gone; a
+        -32603 CancelledError would say the handler raised it itself."""
+        self._down = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if _forked_from:  # (a forked child's loop read EOF on /dev/null: `isolate_forks`)
+            _child_exits(None)
+        self._down = True
+        for task in self._tasks.values():
+            task.cancel()
+        for chunk in self._chunks.values():
+            for task in chunk.tasks:
+                task.cancel()
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if _forked_from:  # (the loop calls back into a forked child: `_child_exits`)
+            _child_exits(None)
+        if self._take(data) and not self._run_scheduled:
+            self._run()
+
+    def _take(self, data: bytes) -> bool:
+        """Decode `data` from the broker and act on its frames (calls join the backlog,
+        CANCELs cancel); False on a bad frame (the connection is closed)."""
+        try:
+            frames = self._decoder.feed(data)
+        except wire.FrameError as exc:
+            log.error("worker %d: bad frame from broker: %s", self._slot, exc)
+            assert self._transport is not None
+            self._transport.close()
+            return False
+        backlog = self._backlog
+        for kind, call_id, aux, payload in frames:
+            if kind == _CALL or kind == _NOTIFY or kind == _CHUNK:
+                if len(payload) < _DEADLINE_SIZE:
+                    log.error("worker %d: bad frame from broker: a call with no deadline", self._slot)
+                    assert self._transport is not None
+                    self._transport.close()
+                    return False
+                backlog.append((kind, call_id, aux, payload))
+            elif kind == _CANCEL:
+                self._cancel(call_id)
+            elif kind == _BYE:
+                self._closing = True
+        return True
+
+    def _read_now(self) -> bool:
+        """Read and act on what the broker sent while the loop was held (a slow sync call),
+        before the next waiting call runs. A callback scheduled with call_soon runs before
+        the loop's next read of the channel, on uvloop as on asyncio (hostile testing,
+        round 16: calls of a batch waiting behind a 1 s sync call were answered -32001 at
+        their deadline and CANCELs sent for them, and ran all the same). The channel is
+        non-blocking, and the loop hands each read to `data_received` as it comes, so
+        reading it here keeps the frames in order. False if the connection is bad."""
+        transport = self._transport
+        sock = None if transport is None else transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        while True:
+            try:
+                data = os.read(sock.fileno(), 1 << 18)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:  # (the loop's own read finds it too)
+                return True
+            if not data:  # (end of file: the loop's own read finds it too)
+                return True
+            if not self._take(data):
+                return False
+
+    def _cancel(self, call_id: int) -> None:
+        """CANCEL: an async call is cancelled and acknowledged (`CANCEL_ACK`) at once, a
+        call not started yet dropped and acknowledged. At once, not when its task ends:
+        a handler that catches the cancel and cleans up (awaiting, the loop free) got its
+        worker killed as hung after cancel_grace, and the calls beside it answered -32002
+        (hostile testing, round 16); the broker kills only a worker that does not answer
+        (a sync handler stuck, a loop held). Its task runs on to its end; what it returns
+        then is dropped."""
+        task = self._tasks.get(call_id)
+        if task is not None:
+            if not task.done():
+                task.cancel()
+                where = self._task_of.pop(task, None)
+                if where is None:  # (not started yet: its done callback answers it)
+                    self._cancelled.add(task)
+                    return
+                self._tasks.pop(call_id, None)
+                self._awaited.pop(task, None)
+                self._answered.add(task)  # (its done callback: nothing to do)
+                self._winding.add(task)
+                self._reply(_ERROR, call_id, typing.cast("tuple[int, int, float]", where)[2], _CANCELLED)
+                self._schedule_flush()
+            return
+        chunk = self._chunks.get(call_id)
+        if chunk is not None:
+            for task in chunk.tasks:
+                if not task.done():
+                    task.cancel()
+                    where = self._task_of.pop(task, None)
+                    if where is None:
+                        self._cancelled.add(task)
+                        continue
+                    self._answered.add(task)
+                    self._winding.add(task)
+                    self._chunk_answer(chunk, typing.cast("tuple[_Chunk, int, int]", where)[1], _ERROR, _CANCELLED)
+                    chunk.waiting -= 1
+            self._drop_unstarted(chunk)
+            try:
+                self._backlog.remove(chunk)
+            except ValueError:
+                pass
+            self._dirty.add(chunk)
+            return
+        for i, queued in enumerate(self._backlog):  # rare: a call still waiting here
+            if type(queued) is tuple and queued[1] == call_id:
+                del self._backlog[i]
+                self._reply(_ERROR, call_id, _perf(), _CANCELLED)  # a whole chunk, too
+                return
+
+    def _drop_unstarted(self, chunk: _Chunk) -> None:
+        """Answer the calls of `chunk` not started yet as cancelled (`CANCEL_ACK`; a
+        notification is owed no answer): cancelled, or their deadline passed."""
+        while chunk.next < chunk.count:
+            _index, flags, length = _CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
+            chunk.pos += _CALL_ENTRY.size + length
+            if not flags & wire.NOTIFY_FLAG:
+                self._chunk_answer(chunk, chunk.next, _ERROR, _CANCELLED)
+            chunk.next += 1
+
+    def _run(self) -> None:
+        """Run waiting calls for up to `SLICE_SECONDS`, then write their replies. If
+        calls remain, go on in the next loop iteration, after reading what arrived
+        (CANCEL frames: `_read_now`) and writing the replies: a slow sync handler neither
+        holds back the replies of the calls before it nor hides a CANCEL."""
+        if _forked_from:  # (not the calls still waiting a second time, in a forked child)
+            _child_exits(None)
+        self._run_scheduled = False
+        if self._read_first:
+            self._read_first = False
+            if not self._read_now():
+                return
+        backlog = self._backlog
+        deadline = _perf() + SLICE_SECONDS
+        while backlog:
+            item = backlog[0]
+            if type(item) is _Chunk:
+                finished = self._advance(item, deadline)
+                self._advancing = None
+                if finished:
+                    backlog.popleft()
+            else:
+                kind, call_id, aux, payload = typing.cast("tuple[int, int, int, bytes]", item)
+                call_deadline = _deadline_of(payload)[0]
+                if call_deadline <= _monotonic():  # answered -32001 by the broker (wire.py)
+                    backlog.popleft()
+                    self._reply(_ERROR, call_id, 0.0, _CANCELLED, _NOT_RUN)  # (a whole chunk, too)
+                    continue
+                if (
+                    kind != _CHUNK and self._slow[min(aux, len(self._methods))]
+                    and (self._tasks or any(chunk.waiting for chunk in self._chunks.values()))
+                    and self._yield(call_id)
+                ):  # fmt: skip
+                    break
+                backlog.popleft()
+                if kind == _CHUNK:
+                    chunk = self._chunks[call_id] = _Chunk(call_id, aux, payload)
+                    backlog.appendleft(chunk)
+                    continue
+                self._call(call_id, aux, payload[_DEADLINE_SIZE:], call_deadline)
+            if backlog and _perf() > deadline:
+                self._run_scheduled = self._read_first = True
+                self._loop.call_soon(self._run)
+                break
+        self._flush()
+
+    def _yield(self, call_id: int) -> bool:
+        """Before call `call_id`, of a method that blocks the loop, with async calls in
+        flight: whether the loop runs a turn first (`_run` goes on in the next one), so
+        that they go on before it. An async call whose wait ended, or that started and
+        has not run a step yet, needs a turn for its step, and one that finished a turn
+        more for its answer (a task's done callback comes a turn later); `_call` then
+        writes the answers ready before the slow call runs. At most two turns a call: a
+        steady flow of async calls cannot hold it back. (Hostile testing, round 13: an
+        async call's answer waited behind a slow sync call sent after it, long enough to
+        be answered -32001 "timed out" although its handler was done; the README says
+        each answer leaves as soon as its own handler returns.)"""
+        last, turns = self._yielded
+        turns = turns + 1 if last == call_id else 1
+        if turns > 2:
+            return False
+        self._yielded = (call_id, turns)
+        # (and reads first: a task step may hold the loop meanwhile, round 17, and a CANCEL
+        # for the slow call or those behind it come then)
+        self._run_scheduled = self._read_first = True
+        self._loop.call_soon(self._run)
+        return True
+
+    def stop(self) -> None:
+        """Leave as the broker's stop makes a worker leave, losing no call (SIGTERM).
+
+        Closing at the first idle moment dropped the calls the broker had written and
+        this worker had not read yet (answered -32002 "worker died"), and the broker
+        went on sending more. So the worker says BYE instead and serves on: the broker
+        takes it out of its rotation and answers BYE, which comes after every call it
+        sent; the worker answers all of those, then closes (`_closing`, as on a BYE the
+        broker sends first); the broker has started another worker in its place meanwhile."""
+        if _forked_from:
+            _child_exits(None)
+        if self._closing or self._leaving:  # told BYE already, or asked already
+            return
+        self._leaving = True
+        if self._transport is not None and not self._transport.is_closing():
+            self._write_out()  # (the answers ready so far go first)
+            self._transport.write(_BYE_FRAME)
+
+    def _execute(
+        self, index: int, params: bytes, deadline: float
+    ) -> tuple[int, bytes] | asyncio.Task[tuple[bool, object]]:
+        """Run one call: (kind, body) for a sync handler or a failure, or the Task
+        running an async handler (its outcome comes from `_outcome`). Never raises.
+
+        No handler starts past `deadline` (CLOCK_MONOTONIC s, the call's: wire.py): a sync
+        one is checked once its params are bound (binding megabytes of them takes a large
+        part of a second: hostile testing, round 20), an async one at its task's first
+        step (`_guarded`), a sync one's coroutine too; (_UNRUN, CANCEL_ACK) then."""
+        if _forked_from:  # (a child forked anywhere, a finalizer included, runs no call)
+            _child_exits(None)
+        try:
+            method = self._methods[index]
+            if method._flags is not None:  # (once this call's members are no longer held)
+                self._loop.call_soon(_drop_flag_members, self._flag_classes)
+            args, kwargs = method.bind(params, self._max_depth)
+        except BaseException as exc:  # the handler never ran: -32602, -32601, -32600
+            return _UNRUN, self._error(exc, index)
+        if _forked_from:  # (forked while the params were decoded: a __post_init__; round 10)
+            _child_exits(None)
+        if deadline <= _monotonic():  # (the broker answered it -32001 meanwhile)
+            return _UNRUN, _CANCELLED
+        try:
+            if method.is_async:
+                task = self._loop.create_task(_guarded(method.fn, args, kwargs, self._finished, deadline))
+                if _forked_from:  # (3.12+, eager start: a child that awaited comes back here)
+                    _child_exits(None)
+                if method._flags is not None:
+                    task.add_done_callback(self._flag_call_done)
+                return task
+            result = method.fn(*args, **kwargs)
+            if _forked_from:  # a child the handler forked returned: `_child_exits`
+                _child_exits(None)
+            try:
+                return _RESULT, encode_result(result)
+            except TypeError:  # (no JSON form: checked only now, off the fast path)
+                if not inspect.isawaitable(result):
+                    raise
+            # A sync handler that returned a coroutine (a decorator `_is_async` could
+            # not see through): run it as an async one's.
+            task = self._loop.create_task(_guarded(_identity, (result,), {}, self._finished, deadline))
+            if method._flags is not None:  # (round 42: its Flag members stayed after it ended)
+                task.add_done_callback(self._flag_call_done)
+            if type(result) is _COROUTINE:  # (cancelled before its first step, it is never awaited:
+                # closed then, without "coroutine ... was never awaited"; round 27)
+                task.add_done_callback(functools.partial(_close_if_cancelled, result))
+            return task
+        except BaseException as exc:  # one ERROR reply, the worker lives on
+            if _forked_from:  # (a child that raised, sys.exit() included)
+                _child_exits(exc)
+            return _ERROR, self._error(exc, index)
+
+    def _flag_call_done(self, task: asyncio.Task[tuple[bool, object]]) -> None:
+        """An async call binding enum.Flag members ended: drop them, once nothing holds them
+        (past the bound counted from none kept: the drop made as the call began counted its
+        members as kept, and the members of a call ended stayed for good, round 41)."""
+        self._loop.call_soon(_drop_flag_members, self._flag_classes, True)
+
+    def _outcome(
+        self, task: asyncio.Task[tuple[bool, object]], index: int, outcome: tuple[bool, object] | None = None
+    ) -> tuple[int, bytes]:
+        """The answer of a finished async call, as `_execute` gives a sync one: `outcome`,
+        or its task's result. Never raises: an exception here would be lost in a done
+        callback, and the call would never be answered."""
+        by_broker = task in self._cancelled
+        if by_broker:
+            self._cancelled.discard(task)
+        try:
+            value: object
+            try:
+                ok, value = task.result() if outcome is None else outcome
+            except BaseException as exc:  # cancelled before it ever ran, or a GeneratorExit
+                ok, value = False, exc  # raised by the handler (_guarded lets that through)
+            if ok:
+                return _RESULT, encode_result(value)
+            if (by_broker and isinstance(value, asyncio.CancelledError)) or value is _PAST_DEADLINE:
+                return _ERROR, _CANCELLED
+            return _ERROR, self._error(typing.cast(BaseException, value), index)
+        except BaseException as exc:  # the result has no JSON form (or a hook raised)
+            return _ERROR, self._error(exc, index)
+
+    def _call(self, call_id: int, index: int, params: bytes, deadline: float) -> None:
+        index = min(index, len(self._methods))  # (past the table: answered -32601)
+        if self._slow[index] and (self._out or self._dirty):
+            # This method's last call blocked the loop: what is ready goes out now, not
+            # after it (fast calls read with it would wait for the slow one otherwise).
+            self._write_out()
+        t0 = self._running = _perf()
+        try:
+            done = self._execute(index, params, deadline)
+        finally:
+            self._running = 0.0
+        if _forked_from:  # (forked while the result or error was encoded: a hook, a repr)
+            _child_exits(None)
+        if self._grab:  # (`_send_held`'s thread is writing what was ready: it goes first)
+            self._sent_held()
+        if type(done) is tuple:
+            kind = done[0]
+            if kind == _UNRUN:  # it says nothing of how long the method takes
+                self._reply(_ERROR, call_id, t0, done[1], _NOT_RUN)
+                return
+            self._slow[index] = self._reply(kind, call_id, t0, done[1]) >= SLOW_SYNC_US
+            return
+        task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
+        if self._methods[index].is_async:
+            self._slow[index] = False  # an async handler blocks nothing
+        else:  # a sync one's awaitable: its wait blocks nothing, what came before it did (round 24)
+            blocked = _perf() - t0
+            self._slow[index] = blocked >= _SLOW_SYNC_S
+            # (within 10 ms, returned at once, allowing for a loaded machine's delays: wire.AWAITED)
+            self._awaited[task] = -1 if blocked < _AWAITED_WITHIN_S else min(int(blocked * 1e6), _AWAITED - 1)
+        self._tasks[call_id] = task
+        if not task.done():  # (else finished at once, eagerly: answered by its done callback)
+            self._task_of[task] = (call_id, index, t0)
+        task.add_done_callback(lambda t: self._task_done(call_id, index, t0, t))
+
+    def _finished(self, ok: bool, value: object) -> None:
+        """The last step of an async call's task (`_guarded`): make its answer now. Not a
+        cancellation's, which the done callback answers as before, once it knows whether
+        the worker is going down (the loop's teardown cancels every task: their calls are
+        the broker's to answer, -32002, not -32603 CancelledError)."""
+        if not ok and isinstance(value, asyncio.CancelledError):
+            return
+        task = asyncio.current_task(self._loop)
+        where = self._task_of.pop(task, None) if task is not None else None
+        if where is None:  # (its done callback answers it: started eagerly, and not yet known)
+            return
+        self._answered.add(task)  # type: ignore[arg-type]  # (its done callback: nothing to do)
+        if type(where[0]) is _Chunk:
+            chunk, i, index = typing.cast("tuple[_Chunk, int, int]", where)
+            self._chunk_task_answer(chunk, i, index, task, (ok, value))  # type: ignore[arg-type]
+        else:
+            call_id, index, t0 = typing.cast("tuple[int, int, float]", where)
+            self._task_answer(call_id, index, t0, task, (ok, value))  # type: ignore[arg-type]
+
+    def _task_done(self, call_id: int, index: int, t0: float, task: asyncio.Task[tuple[bool, object]]) -> None:
+        if task in self._answered:  # (answered in its last step: `_finished`, or at its cancel)
+            self._answered.discard(task)
+            self._wound(task)
+            return
+        self._task_of.pop(task, None)  # (cancelled before it ran, a GeneratorExit: never finished)
+        self._task_answer(call_id, index, t0, task, None)
+
+    def _task_answer(
+        self, call_id: int, index: int, t0: float, task: asyncio.Task[tuple[bool, object]],
+        outcome: tuple[bool, object] | None,
+    ) -> None:
+        if _forked_from:
+            _child_exits(None)
+        self._tasks.pop(call_id, None)
+        awaited = self._awaited.pop(task, 0)
+        if self._down:
+            return
+        kind, body = self._outcome(task, index, outcome)
+        if _forked_from:  # (forked while the result or error was encoded: a `tolist`, a repr)
+            _child_exits(None)
+        if awaited < 0:  # a sync handler's awaitable: its time is not the worker's (wire.AWAITED)
+            self._reply(kind, call_id, t0, body, min(int((_perf() - t0) * 1e6), _AWAITED - 1) | _AWAITED)
+        elif awaited:  # ... returned after blocking this long: the worker's time, as a sync call's
+            self._reply(kind, call_id, t0, body, awaited)
+        else:
+            self._reply(kind, call_id, t0, body)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _advance(self, chunk: _Chunk, deadline: float) -> bool:
+        """Start a chunk's calls until `deadline` (perf_counter s) or the chunk's own,
+        past which the rest are answered as cancelled, unstarted (the broker answered
+        them -32001); True once all have started or been so answered. Its answers so far
+        go out as a CHUNK_PART, or as the CHUNK_REPLY when none is left running."""
+        left = chunk.deadline - _monotonic()
+        if left <= 0:
+            self._drop_unstarted(chunk)
+            self._dirty.add(chunk)
+            return True
+        unpack = _CALL_ENTRY.unpack_from
+        size = _CALL_ENTRY.size
+        pack = _REPLY_ENTRY.pack
+        payload = chunk.payload
+        unsent = chunk.unsent
+        limit = self._max_result
+        slow = self._slow
+        unknown = len(self._methods)  # (answered "method not found")
+        t0 = _perf()
+        if t0 + left < deadline:  # (then `_run` calls again, and the rest are answered above)
+            deadline = t0 + left
+        while chunk.next < chunk.count:
+            i = chunk.next
+            try:
+                index, _flags, length = unpack(payload, chunk.pos)
+            except struct.error:
+                index, length = unknown, 0
+            if index > unknown:
+                index = unknown
+            if slow[index] and (unsent or self._out or self._dirty):
+                # As in `_call`: the answers ready so far go out (a CHUNK_PART: call i is
+                # not started yet) before a call that may block the loop, so they are not
+                # held past their deadline behind it.
+                self._dirty.add(chunk)
+                self._write_out()
+                t0 = _perf()
+            start = chunk.pos + size
+            chunk.pos = start + length
+            chunk.next += 1
+            self._advancing = chunk
+            self._running = t0
+            try:
+                done = self._execute(index, payload[start : start + length], chunk.deadline)
+            finally:
+                self._running = 0.0
+            if _forked_from:  # (as in `_call`)
+                _child_exits(None)
+            if self._grab:
+                self._sent_held()
+            now = _perf()
+            if type(done) is tuple:
+                kind, body = done
+                if kind == _UNRUN:  # (no handler ran: nothing learnt)
+                    kind = _ERROR
+                else:
+                    slow[index] = now - t0 >= _SLOW_SYNC_S
+                    if slow[index]:  # (a call of it blocked: the chunk's time is the worker's, not AWAITED; round 25)
+                        chunk.awaited = -1
+                    chunk.ran = True
+                if len(unsent) + len(body) <= limit:  # fits this part (the common case)
+                    unsent += pack(i, kind, len(body))
+                    unsent += body
+                else:
+                    self._chunk_answer(chunk, i, kind, body)
+            else:
+                task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
+                slow[index] = False
+                chunk.ran = True
+                if not self._methods[index].is_async:  # a sync handler's awaitable (wire.AWAITED):
+                    if now - t0 >= _AWAITED_WITHIN_S:  # returned after blocking: the chunk's time is the worker's
+                        chunk.awaited = -1
+                    elif not chunk.awaited:
+                        chunk.awaited = 1
+                chunk.tasks.append(task)
+                chunk.waiting += 1
+                if not task.done():  # (else finished at once, eagerly: answered by its done callback)
+                    self._task_of[task] = (chunk, i, index)
+                task.add_done_callback(functools.partial(self._chunk_task_done, chunk, i, index))
+            t0 = now
+            if chunk.next < chunk.count and now > deadline:
+                self._dirty.add(chunk)
+                return False
+        self._dirty.add(chunk)
+        return True
+
+    def _chunk_task_done(self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[tuple[bool, object]]) -> None:
+        if task in self._answered:  # (answered in its last step: `_finished`, or at its cancel)
+            self._answered.discard(task)
+            self._wound(task)
+            return
+        self._task_of.pop(task, None)
+        self._chunk_task_answer(chunk, i, index, task, None)
+
+    def _chunk_task_answer(
+        self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[tuple[bool, object]],
+        outcome: tuple[bool, object] | None,
+    ) -> None:
+        if _forked_from:
+            _child_exits(None)
+        if self._down:
+            return
+        kind, body = self._outcome(task, index, outcome)
+        if _forked_from:  # (forked while the result or error was encoded: a `tolist`, a repr)
+            _child_exits(None)
+        self._chunk_answer(chunk, i, kind, body)
+        chunk.waiting -= 1
+        self._dirty.add(chunk)
+        self._schedule_flush()
+
+    def _chunk_answer(self, chunk: _Chunk, i: int, kind: int, body: bytes) -> None:
+        """Add the answer of a chunk's call `i` to its unsent answers. A chunk's answers
+        may together pass max_frame_bytes: those before this one go out first as a
+        CHUNK_PART, so each frame holds at most max_frame_bytes of answers (plus one
+        entry header). Only an answer that alone is larger fails (-32603)."""
+        if len(body) > self._max_result:
+            kind, body = _ERROR, self._too_large(kind, len(body))
+        unsent = chunk.unsent
+        if unsent and len(unsent) + len(body) > self._max_result:
+            self._reply(_CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(unsent))
+            unsent.clear()
+        unsent += _REPLY_ENTRY.pack(i, kind, len(body))
+        unsent += body
+
+    def _emit(self, chunk: _Chunk) -> None:
+        """Send a chunk's unsent answers: the CHUNK_REPLY once nothing in it is left
+        to run, else a CHUNK_PART."""
+        if chunk.next == chunk.count and not chunk.waiting:
+            self._chunks.pop(chunk.chunk_id, None)
+            aux = -1 if chunk.ran else _NOT_RUN
+            if chunk.awaited > 0:  # (wire.AWAITED)
+                aux = min(int((_perf() - chunk.t0) * 1e6), _AWAITED - 1) | _AWAITED
+            self._reply(_CHUNK_REPLY, chunk.chunk_id, chunk.t0, bytes(chunk.unsent), aux)
+        elif chunk.unsent:
+            self._reply(_CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
+        else:
+            return
+        chunk.unsent.clear()
+
+    def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int:
+        """Queue one reply frame; returns its service time (µs since `t0`), its aux
+        unless `aux` gives one (NOT_RUN). Times are capped below NOT_RUN."""
+        service_us = min(int((_perf() - t0) * 1e6), _AWAITED - 1) if aux < 0 else aux
+        if len(body) > self._max_result and kind < _CHUNK_REPLY:  # the broker would drop the
+            kind, body = _ERROR, self._too_large(kind, len(body))  # connection (chunks: _chunk_answer)
+        out = self._out
+        out += _pack_header(len(body), kind, call_id, service_us)
+        out += body
+        return service_us
+
+    def _wound(self, task: asyncio.Task[tuple[bool, object]]) -> None:
+        """A task whose cancel was acknowledged at once has ended: a worker told BYE may
+        close now (`_flush`)."""
+        if task in self._winding:
+            self._winding.discard(task)
+            if self._closing:
+                self._schedule_flush()
+
+    def _flush(self) -> None:
+        if _forked_from:
+            _child_exits(None)
+        self._flush_scheduled = False
+        self._write_out()
+        transport = self._transport
+        if self._closing and not (self._tasks or self._backlog or self._chunks or self._winding) and transport is not None:
+            transport.close()
+
+    def _write_out(self) -> None:
+        """Write every reply ready now (chunks' answers included) in one write."""
+        if self._dirty:
+            for chunk in self._dirty:
+                self._emit(chunk)
+            self._dirty.clear()
+        transport = self._transport
+        if self._out and transport is not None and not transport.is_closing():
+            transport.write(bytes(self._out))
+            self._out.clear()
