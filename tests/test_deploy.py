@@ -42,7 +42,7 @@ K8S = DEPLOY / "kubernetes"
 # and the newest kubernetes-validate knows.
 K8S_VERSIONS = ("1.31.0", "1.37.0")
 # On SIGTERM the broker waits grace_period for in-flight calls, then up to 10 s for its
-# workers to exit before SIGKILL (README, "Signals"): every stop timeout must exceed both.
+# workers to exit before SIGKILL (docs/operations.md, "Signals"): every stop timeout must exceed both.
 WORKER_EXIT_SECONDS = 10.0
 METRICS_PATH = "/metrics"
 JOB = "rpc-broker"  # the job name RpcBrokerDown selects (up{job="rpc-broker"})

@@ -128,7 +128,7 @@ def test_async_calls_are_not_held_behind_a_short_sync_call_behind_long_polls(bro
 
 
 def test_a_hung_slow_sync_call_takes_only_the_fewest_calls_in_flight_with_it(broker_factory):
-    """README's promise: a slow sync call goes at once to the least busy worker it may
+    """docs/operations.md's promise: a slow sync call goes at once to the least busy worker it may
     block, and if it hangs and that worker is killed it takes with it the calls the
     worker had in flight when it was sent, the fewest the broker could find (here 1 of
     3: the other worker's 2 are answered), plus at most sync_prefetch sent after it."""

@@ -662,7 +662,7 @@ NUMBERS = [p for p in _suite("y") + _suite("i") if "number" in p.name]
     ids=lambda v: v[:24].decode(errors="replace"),
 )
 def test_echo_passes_every_valid_json_number(broker, value):
-    """Issue 9 item 22: raw params pass through as the README promises, numbers no float
+    """Issue 9 item 22: raw params pass through as docs/tools.md promises, numbers no float
     or int holds included (the JSONTestSuite y_/i_ number files among them)."""
     status, _, raw = broker.post(echo_body(value), timeout=CLIENT_TIMEOUT)  # 5000 digits: past json.loads
     assert (status, raw) == (200, b'{"jsonrpc":"2.0","id":1,"result":[' + compact(value) + b"]}")

@@ -530,7 +530,7 @@ def test_an_http_client_that_fell_behind_gets_its_next_requests_one_at_a_time(br
     """Hostile testing (round 27): a client that fell behind (a 6 MB answer it read late,
     past a quarter of its 16 MiB budget) and drains its buffer while a slow call is still
     owed: its next requests go one at a time, until it takes an answer at once or is owed
-    nothing (README, "Memory for answers"). Over HTTP the mode ended at once, at the
+    nothing (docs/operations.md, "Memory for answers"). Over HTTP the mode ended at once, at the
     flush after the buffer drained (nothing written, and the buffer never full then): four
     requests of 5 MB answers ran together, and the last ones were refused -32603. One at a
     time, each has the whole budget: all four answered."""

@@ -142,7 +142,7 @@ def test_an_rpc_error_made_with_a_code_that_is_not_an_integer_answers_internal_e
     answers: tuple[Broker, str], code: object
 ) -> None:
     """Hostile testing (round 9): RpcError(1.5, ...) answered code 1, "5" code 5, True 1
-    (the constructor took int() of it), "abc" a ValueError; the README promises -32603
+    (the constructor took int() of it), "abc" a ValueError; docs/tools.md promises -32603
     saying the code is not an integer."""
     b, _ = answers
     status, body = post(b, call("made_with_code", [code]))

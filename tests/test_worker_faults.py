@@ -522,7 +522,7 @@ def test_a_process_subprocess_starts_with_a_preexec_fn_outlives_its_worker(broke
     """Hostile testing (round 16): subprocess runs the fork hooks when given a preexec_fn,
     and the worker's tied the process it started to the worker's life (prctl's signal
     survives exec): a reload killed it, where one started without preexec_fn lived on.
-    Processes subprocess starts are the handler's to end (README): it outlives the reload."""
+    Processes subprocess starts are the handler's to end (docs/operations.md): it outlives the reload."""
     b = broker_factory("--workers", "1", "--app", "tests.apps.forks:registry", "--timeout", "10")
     worker = b.call("pid")["result"]
     daemon = b.call("spawn_with_preexec", [60])["result"]
