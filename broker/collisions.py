@@ -27,6 +27,12 @@ their own that could be flooded (each set's elements are converted whole: nested
 deep, 800 KB of params took 0.23 s where msgspec alone takes 5 ms, round 37), or a
 `msgspec.Raw` (which a conversion cannot make: the check saw no element, round 38).
 
+The walk keeps its own stack of values still to check (`_Run`), not Python's: params
+nest as deep as the front-end passes (about 1000 levels), and a recursive walk took about 3
+frames a level (hostile testing, round 44: 500 levels of a recursive Struct holding a set
+raised RecursionError; round 45: raising the recursion limit meanwhile raised it for every
+thread, and a tool's thread with a small stack ran off its end, SIGSEGV).
+
 Values are converted twice (here, then by the binding itself), so a `__post_init__` of
 a frozen dataclass or Struct held in a set runs twice. A union's value is checked as
 msgspec reads it: by the branch of its JSON kind, a tagged Struct's by its tag; a
@@ -51,11 +57,9 @@ and floats read as Decimals in untyped set elements, which `untyped_hashed` refu
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import decimal
 import enum
-import sys
 import typing
 import uuid
 from collections.abc import Callable
@@ -65,11 +69,9 @@ import msgspec
 __all__ = [
     "MADE_MEMBERS_MAX",
     "SHARED_HASH_MAX",
-    "WALK_FRAMES",
     "Flooded",
     "TooManyMembers",
     "UnknownBits",
-    "deeper",
     "guard",
     "new_call",
     "reachable",
@@ -80,15 +82,9 @@ __all__ = [
 SHARED_HASH_MAX = 8
 """How many distinct values of one hash one set (or one object's keys) may hold."""
 
-WALK_FRAMES = 8 * 1024
-"""Frames a check may use past the recursion limit: its walk takes up to about 4 Python
-frames per level of JSON, which the front-end passes up to about 1000 deep (hostile testing,
-round 44: params of a recursive Struct holding a set, 500 levels deep, raised RecursionError,
-answered -32603 with a logged traceback, where a list as deep bound). Python calls made from
-Python use no C stack (3.11+), and msgspec's own recursion stays as deep as the value."""
-
 Check = Callable[[object], None]
-_Walk = Callable[[object, "_Run"], None]  # (a value; the run it is part of)
+_At = tuple[typing.Any, str | int] | None  # where a value is: None (the top), or (where its container is, its step)
+_Walk = Callable[[object, _At, "_Run"], None]  # (a value; where it is; the run it is part of)
 
 _info = msgspec.inspect
 _convert = msgspec.convert
@@ -146,27 +142,40 @@ def guard(kind: object) -> Check | None:
         return None
 
     def check(value: object) -> None:
-        with deeper():
-            walk(value, _Run())
+        run = _Run()
+        run.append((walk, value, None))
+        pop = run.pop
+        while run:
+            step, item, at = pop()
+            try:
+                step(item, at, run)
+            except Flooded as exc:
+                exc.where[:0] = _path(at)
+                raise
     return check
 
 
-@contextlib.contextmanager
-def deeper() -> typing.Iterator[None]:
-    """The recursion limit raised by WALK_FRAMES meanwhile: for a check, and for Python
-    code that walks what it read as deep (the worker's `_float_form`)."""
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(limit + WALK_FRAMES)
-    try:
-        yield
-    finally:
-        sys.setrecursionlimit(limit)
+class _Run(list[tuple[_Walk, object, _At]]):
+    """One check's state: the walks still to run, each with its value and where it is (a
+    stack: the last pushed runs first; a walk pushes those of the values inside its own,
+    in reverse, so that they run in order and before what it pushed first), and the
+    (Struct walk, value) pairs walked (`done`)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done: set[tuple[int, int]] = set()
 
 
-class _Run(set[tuple[int, int]]):
-    """One check's state: the (Struct walk, value) pairs walked."""
-
-    __slots__ = ()
+def _path(at: _At) -> list[str | int]:
+    """The steps (keys and indexes) from the checked value to the one `at` names."""
+    steps: list[str | int] = []
+    while at is not None:
+        at, step = at
+        steps.append(step)
+    steps.reverse()
+    return steps
 
 
 class _Compiler:
@@ -264,12 +273,12 @@ def _through(cell: list[_Walk | None]) -> _Walk:
     """A Struct's (dataclass's, ...) walk, run once per value it is given: in a union,
     each branch that holds the same type meets the same values (round 37: a recursive
     union of two tagged Structs was checked 2**depth times, 688 bytes held a worker)."""
-    def check(value: object, done: _Run) -> None:
+    def check(value: object, at: _At, run: _Run) -> None:
         inner = cell[0]
         key = (id(cell), id(value))
-        if inner is not None and key not in done:
-            done.add(key)
-            inner(value, done)
+        if inner is not None and key not in run.done:
+            run.done.add(key)
+            inner(value, at, run)  # (the same value: it pushes those inside it)
     return check
 
 
@@ -284,7 +293,7 @@ def _flag_walk(cls: type) -> _Walk:
 
     made = vars(cls).get("_value2member_map_", {})  # (the enum module's, for good: members made are added to it)
 
-    def check(value: object, done: _Run) -> None:
+    def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is int:  # (any other the binding refuses)
             if (value < 0 or value & ~mask) and value not in own:
                 raise UnknownBits(cls, value)
@@ -306,36 +315,31 @@ def new_call() -> None:
 
 
 def _each_item(item: _Walk) -> _Walk:
-    def check(value: object, done: _Run) -> None:
+    def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is list:
-            for i, element in enumerate(value):
-                _at(item, element, i, done)
+            run.extend([(item, value[i], (at, i)) for i in range(len(value) - 1, -1, -1)])
     return check
 
 
 def _each_value(item: _Walk) -> _Walk:
-    def check(value: object, done: _Run) -> None:
+    def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is dict:
-            for key, element in value.items():
-                _at(item, element, key, done)
+            run.extend([(item, element, (at, key)) for key, element in reversed(value.items())])
     return check
 
 
 def _by_place(items: list[_Walk | None]) -> _Walk:
-    def check(value: object, done: _Run) -> None:
+    def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is list:
-            for i, (item, element) in enumerate(zip(items, value)):
-                if item is not None:
-                    _at(item, element, i, done)
+            run.extend([(item, element, (at, i)) for i, (item, element) in reversed(list(enumerate(zip(items, value))))
+                        if item is not None])
     return check
 
 
 def _by_name(fields: list[tuple[str, _Walk]]) -> _Walk:
-    def check(value: object, done: _Run) -> None:
+    def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is dict:
-            for name, item in fields:
-                if name in value:
-                    _at(item, value[name], name, done)
+            run.extend([(item, value[name], (at, name)) for name, item in reversed(fields) if name in value])
     return check
 
 
@@ -344,7 +348,7 @@ def _union(objects: list[tuple[tuple[str, object] | None, _Walk | None]],
            scalars: list[tuple[tuple[str, object] | None, _Walk | None]]) -> _Walk:
     """A union's walk: the branches msgspec could read the value with (those of its JSON
     kind; of tagged Structs, the one its tag names), each walked."""
-    def check(value: object, done: _Run) -> None:
+    def check(value: object, at: _At, run: _Run) -> None:
         kind = type(value)
         branches = objects if kind is dict else arrays if kind is list else scalars
         if not branches:
@@ -355,11 +359,11 @@ def _union(objects: list[tuple[tuple[str, object] | None, _Walk | None]],
                 given = typing.cast(dict[str, object], value).get(field) if kind is dict else (
                     typing.cast(list[object], value)[0] if value else None)
                 if walk is not None and type(given) is type(name) and given == name:
-                    walk(value, done)
+                    walk(value, at, run)  # (the same value: each pushes those inside it)
             return
         for _, walk in branches:
             if walk is not None:
-                walk(value, done)
+                walk(value, at, run)
     return check
 
 
@@ -450,25 +454,20 @@ def reachable(node: object) -> list[_info.Type]:
     return list(seen.values())
 
 
-def _at(check: _Walk, value: object, where: str | int, done: _Run) -> None:
-    try:
-        check(value, done)
-    except Flooded as exc:
-        exc.where.insert(0, where)
-        raise
-
-
 def _set_check(item_type: object, item: _Walk | None) -> _Walk:
     many = list[item_type]  # type: ignore[valid-type]
     items = None if item is None else _each_item(item)
 
-    def check(value: object, done: _Run) -> None:
+    def spread(value: object, at: _At, run: _Run) -> None:
+        _spread(_converted(typing.cast(list[object], value), many, True))
+
+    def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is not list:
             return
-        if items is not None:  # (the sets inside its elements, and Flag values, first)
-            items(value, done)
         if len(value) > SHARED_HASH_MAX:  # (fewer cannot pass the bound)
-            _spread(_converted(value, many, True))
+            run.append((spread, value, at))
+        if items is not None:  # (the sets inside its elements, and Flag values, first: pushed after)
+            items(value, at, run)
     return check
 
 
@@ -476,14 +475,17 @@ def _keys_check(key_type: object, value: _Walk | None) -> _Walk:
     many = list[key_type]  # type: ignore[valid-type]
     values = None if value is None else _each_value(value)
 
-    def check(given: object, done: _Run) -> None:
+    def spread(given: object, at: _At, run: _Run) -> None:
+        # (keys as a dict's: strict=False reads "7" as 7, a superset of str_keys's reading)
+        _spread(_converted(list(typing.cast(dict[str, object], given)), many, False))
+
+    def check(given: object, at: _At, run: _Run) -> None:
         if type(given) is not dict:
             return
-        if values is not None:
-            values(given, done)
-        # (keys as a dict's: strict=False reads "7" as 7, a superset of str_keys's reading)
         if len(given) > SHARED_HASH_MAX:
-            _spread(_converted(list(given), many, False))
+            run.append((spread, given, at))
+        if values is not None:  # (first: pushed after)
+            values(given, at, run)
     return check
 
 

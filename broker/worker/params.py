@@ -249,6 +249,8 @@ class Method:
             return (msgspec.Raw(params),), {}
         if self._flags is not None:  # (its checks count the Flag members the params make: never on the fast path)
             collisions.new_call()
+        if deep and self._typed is not None:  # (round 45: decoded, checked and built value by value first,
+            raise NestingTooDeep(max_depth)  # each __post_init__ run: 1 MiB took 1.3-1.6 s to be refused)
         try:
             obj = _decode_json(params) if self._typed is None else self._decode_typed(params, self._typed)
         except RecursionError:  # deeper than the parser takes, whatever max_depth says
@@ -264,7 +266,7 @@ class Method:
         if self._guards is not None and self._typed is None:  # (typed: each value was checked)
             try:
                 self._check_floods(obj, self._guards)
-            except RecursionError:  # (past collisions.WALK_FRAMES: deeper than the front-end passes)
+            except RecursionError:  # (msgspec converting a set's elements deeper than the parser takes)
                 raise NestingTooDeep(max_depth) from None
         if type(obj) is list:
             return self._bind_positional(obj), {}
@@ -310,8 +312,7 @@ class Method:
                 # keys are gone, as they were for the check (round 39: the decoder built the
                 # set of every duplicate, the check saw the last; 1 MiB held a worker 12.8 s).
                 try:
-                    with collisions.deeper():  # (as deep as the check: `_float_form` recurses)
-                        raw = msgspec.Raw(_REWRITE(_float_form(read) if self._guard_decode is _DECIMAL_JSON else read))
+                    raw = msgspec.Raw(_REWRITE(_float_form(read) if self._guard_decode is _DECIMAL_JSON else read))
                 finally:
                     _UNDERFLOWED.clear()
             return decoder.decode(raw)
@@ -488,12 +489,32 @@ def _float_form(value: object) -> object:
     that form again (`format(d, "e")`: exact), so that the value written again decodes as
     the text sent would: a Decimal written as `str(d)` made `1e0` an integer `1`, which an
     `int` takes and the check had not read as one (hostile testing, round 42: a set's first
-    element of 21 digits written `...e0` turned the check off, 1 MiB held a worker 25.6 s)."""
+    element of 21 digits written `...e0` turned the check off, 1 MiB held a worker 25.6 s).
+    Its lists and dicts (its own: just decoded) are changed in place, with a stack of its
+    own, not Python's (round 44: 2 frames a level, RecursionError at 600 levels)."""
     kind = type(value)
-    if kind is list:
-        return [_float_form(item) for item in typing.cast(list[object], value)]
-    if kind is dict:
-        return {key: _float_form(item) for key, item in typing.cast(dict[str, object], value).items()}
+    if kind is not list and kind is not dict:
+        return _number_form(value)
+    pending = [value]
+    while pending:
+        container = pending.pop()
+        if type(container) is list:
+            items: typing.Iterable[tuple[typing.Any, object]] = enumerate(typing.cast(list[object], container))
+        else:
+            items = list(typing.cast(dict[str, object], container).items())
+        for place, item in items:
+            kind = type(item)
+            if kind is list or kind is dict:
+                pending.append(item)
+            elif kind is decimal.Decimal or kind is float:
+                typing.cast(typing.Any, container)[place] = _number_form(item)
+    return value
+
+
+def _number_form(value: object) -> object:
+    """A Decimal `_float_form` meets as its JSON text in its form, a zero `_decimal_or_zero`
+    made as the text it was read from; any other value as it is."""
+    kind = type(value)
     if kind is decimal.Decimal:
         return msgspec.Raw(format(typing.cast(decimal.Decimal, value), "e").encode())
     if kind is float and _UNDERFLOWED:
