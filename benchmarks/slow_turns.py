@@ -2,7 +2,7 @@
 cannot be cut (hostile testing, round 44).
 
 Usage: .venv/bin/python benchmarks/slow_turns.py [--connections 16] [--duration 8] [--rounds 2]
-                                               [--before DIR]
+                                               [--shape deep|batch|deep300k] [--churn] [--before DIR]
 
 A connection's turn ends after TURN_SECONDS (2 ms) of its reads' work, but one request's
 decode cannot be cut: a 1 MiB body nested 200,000 deep (`[{},[{},...]]` params, valid
@@ -10,6 +10,13 @@ JSON, answered -32600 with its id) takes about 18 ms. With 16 connections pipeli
 them, each took such a turn in every loop iteration. A connection whose turn took longer
 than SLOW_TURN_SECONDS now waits in the slow lane (`frontend.base.SlowLane`), which lets
 one go on per iteration.
+
+Shapes (`--shape`): `deep` the 1 MiB body above, `deep300k` one of 300 KB (about 5 ms), `batch`
+a batch of 1000 `{}` (3 KB, 1000 -32600 answers, about 2.5 ms). Turns that end for their time
+(TURN_SECONDS) wait in the lane too, and once a loop iteration's reads took ADMIT_SECONDS, a
+read that may hold more than SMALL_READ_BYTES of a request waits there: `--churn` opens a new
+connection for each request (the lane delayed only a connection's next turn: hostile testing,
+round 45).
 
 Starts a real broker (`--workers 2`) per round. An attacker process opens `--connections`
 keep-alive connections, each writing those bodies two at a time as fast as the broker
@@ -40,7 +47,14 @@ from conftest import ROOT, start_broker  # noqa: E402  (the same launcher the te
 
 SIZE = 1024 * 1024 - 300
 UNITS = SIZE // 5
-DEEP = b'{"jsonrpc":"2.0","method":"nope","params":' + b"[{}," * UNITS + b"{}" + b"]" * UNITS + b',"id":1}'
+
+
+def deep(size: int) -> bytes:
+    units = size // 5
+    return b'{"jsonrpc":"2.0","method":"nope","params":' + b"[{}," * units + b"{}" + b"]" * units + b',"id":1}'
+
+
+SHAPES = {"deep": deep(SIZE), "deep300k": deep(300_000), "batch": b"[" + b",".join([b"{}"] * 1000) + b"]"}
 ADD = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 1}).encode()
 
 
@@ -49,10 +63,21 @@ def post(body: bytes) -> bytes:
             b"Content-Length: %d\r\n\r\n" % len(body)) + body
 
 
-def attack(port: int, connections: int, seconds: float, answered: multiprocessing.Value) -> None:  # type: ignore[valid-type]
-    """`connections` threads each pipelining DEEP two at a time for `seconds`."""
-    request = post(DEEP) * 2
+def attack(port: int, connections: int, seconds: float, answered: multiprocessing.Value,  # type: ignore[valid-type]
+           body: bytes, churn: bool) -> None:
+    """`connections` threads each pipelining `body` two at a time for `seconds`, or (`churn`)
+    sending it on a new connection each time and reading its answer."""
+    request = post(body) * 2
     stop = time.monotonic() + seconds
+
+    def renew() -> None:
+        while time.monotonic() < stop:
+            try:
+                round_trip(port, post(body).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1))
+            except OSError:
+                continue
+            with answered.get_lock():
+                answered.value += 1
 
     def one() -> None:
         sock = socket.create_connection(("127.0.0.1", port))
@@ -77,7 +102,7 @@ def attack(port: int, connections: int, seconds: float, answered: multiprocessin
         reader.join(10)
         sock.close()
 
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(connections)]
+    threads = [threading.Thread(target=renew if churn else one, daemon=True) for _ in range(connections)]
     for t in threads:
         t.start()
     for t in threads:
@@ -102,11 +127,11 @@ def round_trip(port: int, request: bytes) -> float:
     return time.perf_counter() - began
 
 
-def measure(tree: Path, connections: int, seconds: float) -> dict[str, float]:
+def measure(tree: Path, connections: int, seconds: float, body: bytes, churn: bool) -> dict[str, float]:
     broker = start_broker("--workers", "2", cwd=tree)
     try:
         answered = multiprocessing.Value("q", 0)
-        attacker = multiprocessing.Process(target=attack, args=(broker.port, connections, seconds, answered))
+        attacker = multiprocessing.Process(target=attack, args=(broker.port, connections, seconds, answered, body, churn))
         attacker.start()
         time.sleep(0.5)
         probes: list[float] = []
@@ -135,15 +160,18 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="deep")
+    parser.add_argument("--churn", action="store_true", help="a new connection for each request")
     parser.add_argument("--before", type=Path, help="another checkout, measured in alternating rounds")
     args = parser.parse_args()
     trees = ([("before", args.before.resolve())] if args.before else []) + [("this tree", ROOT)]
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
     for _ in range(args.rounds):
         for name, tree in trees:
-            results[name].append(measure(tree, args.connections, args.duration))
-    print(f"{args.connections} connections pipelining 1 MiB bodies nested {UNITS} deep, {args.duration:g} s a round,"
-          f" {args.rounds} rounds; ms (median of the rounds)")
+            results[name].append(measure(tree, args.connections, args.duration, SHAPES[args.shape], args.churn))
+    how = "each opening a new connection for each" if args.churn else "pipelining"
+    print(f"{args.connections} clients {how} `{args.shape}` requests ({len(SHAPES[args.shape])} bytes),"
+          f" {args.duration:g} s a round, {args.rounds} rounds; ms (median of the rounds)")
     keys = list(next(iter(results.values()))[0])
     print("| tree | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")

@@ -15,6 +15,7 @@ import operator
 import socket
 import struct
 import termios
+import time
 import typing
 import weakref
 from collections import deque
@@ -24,10 +25,13 @@ from broker.dispatch import Dispatcher, Outgoing
 from broker.jsonrpc import Codec
 
 __all__ = [
+    "ADMIT_SECONDS",
+    "CHARGED_SECONDS",
     "EVICT_BATCH",
     "LINGER_TIME",
     "LINGER_TIMEOUT",
     "SLOW_TURN_SECONDS",
+    "SMALL_READ_BYTES",
     "SWEEP_SECONDS",
     "TURN_BYTES",
     "Connection",
@@ -61,11 +65,23 @@ TURN_BYTES = 256 * 1024
 TURN_SECONDS = 0.002
 # One request's work cannot be cut: a 1 MiB body nested 200,000 deep takes 18 ms to decode,
 # and 16 connections pipelining them made each loop iteration 0.3 s long (hostile testing,
-# round 44: /healthz p90 1.0 s, another client's call 1.6 s). A connection whose turn took
-# longer than SLOW_TURN_SECONDS waits for the next in the `SlowLane`, which lets one such
-# connection go on per loop iteration: each iteration then does at most about one slow
-# request's work besides the others' turns.
-SLOW_TURN_SECONDS = 4 * TURN_SECONDS
+# round 44: /healthz p90 1.0 s, another client's call 1.6 s). And turns that end at
+# TURN_SECONDS add up: 200 connections sending 1000-call batches (2-3 ms each) made
+# iterations of seconds (round 45, with a lane for turns past 8 ms only: /healthz 1.7-1.9 s).
+# So a connection whose turn ended for its time (past SLOW_TURN_SECONDS) waits for its next
+# in the `SlowLane`, which lets one such connection go on per loop iteration: an iteration
+# then does about one busy connection's turn besides the turns of those that are not busy.
+SLOW_TURN_SECONDS = TURN_SECONDS
+# A connection's first turn, or one after an idle while, has no slow turn before it: 32
+# clients each opening a new connection for each 1 MiB body nested 200,000 deep (18 ms)
+# made iterations of half a second (round 45: /healthz p90 1.0 s). Once a loop iteration's
+# reads took ADMIT_SECONDS, a read that may hold more than SMALL_READ_BYTES of a request
+# (what it brings and the body or line it ends) waits in the lane too; smaller ones, a
+# probe's or a small call's, cost too little to wait (decoding costs at most about 25 ms a
+# MiB: benchmarks/pathological.py), so they go on.
+ADMIT_SECONDS = 2 * TURN_SECONDS
+SMALL_READ_BYTES = 16 * 1024
+CHARGED_SECONDS = 0.0002  # a read's time below this is not counted in its iteration's (the hot path's reads)
 _last_active = operator.attrgetter("last_active")
 
 
@@ -239,12 +255,25 @@ class SlowLane:
     per loop iteration, in the order they came (round robin, as the turns of the others
     are). One per event loop (`slow_lane`), shared by all its listeners."""
 
-    __slots__ = ("_due", "_loop", "_waiting")
+    __slots__ = ("_due", "_loop", "_reset_due", "_waiting", "spent")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._waiting: deque[Callable[[], None]] = deque()
         self._due = False  # `_next` is scheduled
+        self.spent = 0.0  # s: what this loop iteration's reads and turns took (`charge`), past CHARGED_SECONDS each
+        self._reset_due = False
+
+    def charge(self, seconds: float) -> None:
+        """Count `seconds` of a read's or a turn's work in this loop iteration's."""
+        self.spent += seconds
+        if not self._reset_due:
+            self._reset_due = True
+            self._loop.call_soon(self._reset)  # (the next iteration's)
+
+    def _reset(self) -> None:
+        self.spent = 0.0
+        self._reset_due = False
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -263,7 +292,11 @@ class SlowLane:
             self._loop.call_soon(self._next)
         else:
             self._due = False
+        began = time.perf_counter()
         callback()
+        took = time.perf_counter() - began
+        if took > CHARGED_SECONDS:
+            self.charge(took)
 
 
 _LANES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SlowLane] = weakref.WeakKeyDictionary()

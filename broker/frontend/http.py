@@ -115,6 +115,7 @@ refused connection's 503 (or, served and idle, a close; not taking its answers, 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import typing
 from collections import deque
@@ -125,8 +126,11 @@ import httptools
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget, forget
 from broker.frontend.base import (
+    ADMIT_SECONDS,
+    CHARGED_SECONDS,
     LINGER_TIME,
     LINGER_TIMEOUT,
+    SMALL_READ_BYTES,
     SWEEP_SECONDS,
     TURN_BYTES,
     TURN_SECONDS,
@@ -929,12 +933,20 @@ class HttpProtocol(asyncio.Protocol):
         # line, which httptools skips, RFC 9112 2.2) keep no connection alive, nor out of
         # reach of `make_room`; a request's first byte does (`on_message_begin`).
         self._read_at = fe.loop.time()
+        if (len(data) + len(self._body) > SMALL_READ_BYTES and fe.slow_lane.spent > ADMIT_SECONDS  # (the hot path: one test)
+                and not self.read_paused and not fe.draining):
+            forced = not fe.keep_backlog(self, data)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
+            self._pause()
+            if forced or not self._write_paused:  # else `resume_writing` schedules it
+                self._schedule_turn(math.inf)
+            return
         turn = self._turn_bytes = self._turn_bytes + len(data)
+        ours = False  # this read ends the turn: its next is scheduled below, once its time is known
         if turn > TURN_BYTES:  # enough for this loop turn: the others' turn now
             self._turn_bytes = 0
             if not self.read_paused:
                 self._pause()
-                fe.loop.call_soon(self._end_turn)
+                ours = True
         self._parsing = True
         began = _perf()
         try:
@@ -944,12 +956,19 @@ class HttpProtocol(asyncio.Protocol):
                 self._parse(data)
         finally:
             self._parsing = False
-        spent = self._turn_seconds = self._turn_seconds + _perf() - began
-        if spent > TURN_SECONDS:  # (see TURN_SECONDS; past SLOW_TURN_SECONDS, its next turn is the slow lane's)
+        took = _perf() - began
+        if took > CHARGED_SECONDS:
+            fe.slow_lane.charge(took)
+        spent = self._turn_seconds = self._turn_seconds + took
+        if spent > TURN_SECONDS:  # (see TURN_SECONDS)
             self._turn_seconds = 0.0
             if not self.read_paused and not self._closing:
                 self._pause()
-                fe.next_turn(self._end_turn, spent)
+                ours = True
+        else:
+            spent = 0.0
+        if ours:  # (a slow turn's next is the slow lane's, TURN_BYTES's too: round 45, it was not)
+            fe.next_turn(self._end_turn, spent)
         if fe.draining:
             if self._unread:
                 self._read_before_stop(len(data))

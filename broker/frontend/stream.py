@@ -62,6 +62,7 @@ comes: a line sent later gets no answer and is never run.
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 import typing
@@ -69,8 +70,11 @@ from collections import deque
 
 from broker.dispatch import Dispatcher, Exchange, ResponseBudget, forget
 from broker.frontend.base import (
+    ADMIT_SECONDS,
+    CHARGED_SECONDS,
     LINGER_TIME,
     LINGER_TIMEOUT,
+    SMALL_READ_BYTES,
     SWEEP_SECONDS,
     TURN_BYTES,
     TURN_SECONDS,
@@ -363,21 +367,37 @@ class StreamProtocol(asyncio.Protocol):
                 self.last_active = fe.loop.time()
             return
         now = fe.loop.time()
+        transport = self._transport
+        if (len(data) + len(self._buffer) > SMALL_READ_BYTES and fe.slow_lane.spent > ADMIT_SECONDS  # (the hot path: one test)
+                and not self.read_paused and transport is not None):
+            forced = not fe.keep_backlog(self, data)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
+            transport.pause_reading()
+            if forced or not self._write_paused:  # else `resume_writing` schedules it
+                self._schedule_turn(math.inf)
+            return
         turn = self._turn_bytes = self._turn_bytes + len(data)
+        ours = False  # this read ends the turn: its next is scheduled below, once its time is known
         if turn > TURN_BYTES:  # enough for this loop turn: the others' turn now (as for HTTP)
             self._turn_bytes = 0
             if not self.read_paused:
                 self._pause()
-                fe.loop.call_soon(self._end_turn)
+                ours = True
         lines = self.lines
         began = _perf()
         self._lines(data)
-        spent = self._turn_seconds = self._turn_seconds + _perf() - began
-        if spent > TURN_SECONDS:  # (see TURN_SECONDS; past SLOW_TURN_SECONDS, its next turn is the slow lane's)
+        took = _perf() - began
+        if took > CHARGED_SECONDS:
+            fe.slow_lane.charge(took)
+        spent = self._turn_seconds = self._turn_seconds + took
+        if spent > TURN_SECONDS:  # (see TURN_SECONDS)
             self._turn_seconds = 0.0
             if not self.read_paused and not self._refused:
                 self._pause()
-                fe.next_turn(self._end_turn, spent)
+                ours = True
+        else:
+            spent = 0.0
+        if ours:  # (a slow turn's next is the slow lane's, TURN_BYTES's too: round 45, it was not)
+            fe.next_turn(self._end_turn, spent)
         if self.lines != lines:  # empty lines, or a line still coming, are not activity:
             self.last_active = now  # they keep no connection out of reach of `make_room`
 
