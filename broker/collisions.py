@@ -27,11 +27,14 @@ their own that could be flooded (each set's elements are converted whole: nested
 deep, 800 KB of params took 0.23 s where msgspec alone takes 5 ms, round 37), or a
 `msgspec.Raw` (which a conversion cannot make: the check saw no element, round 38).
 
-The walk keeps its own stack of values still to check (`_Run`), not Python's: params
-nest as deep as the front-end passes (about 1000 levels), and a recursive walk took about 3
-frames a level (hostile testing, round 44: 500 levels of a recursive Struct holding a set
-raised RecursionError; round 45: raising the recursion limit meanwhile raised it for every
-thread, and a tool's thread with a small stack ran off its end, SIGSEGV).
+The walk recurses into the values inside a value up to `_DEEP` containers down, and
+leaves those deeper for later on a stack of its own (`_Run`), from which each is walked
+afresh: params nest as deep as the front-end passes (about 1000 levels), and a recursive
+walk takes about 3 Python frames a level (hostile testing, round 44: 500 levels of a
+recursive Struct holding a set raised RecursionError; round 45: raising the recursion
+limit meanwhile raised it for every thread, and a tool's thread with a small stack ran
+off its end, SIGSEGV; round 46: a stack of every value still to walk was 5 to 7 times
+slower than recursion, and held 56 MiB per MiB of wide params).
 
 Values are converted twice (here, then by the binding itself), so a `__post_init__` of
 a frozen dataclass or Struct held in a set runs twice. A union's value is checked as
@@ -69,8 +72,10 @@ import msgspec
 __all__ = [
     "MADE_MEMBERS_MAX",
     "SHARED_HASH_MAX",
+    "UNNAMED_VALUES_MAX",
     "Flooded",
     "TooManyMembers",
+    "TooManyUnnamed",
     "UnknownBits",
     "guard",
     "new_call",
@@ -119,6 +124,23 @@ class TooManyMembers(Flooded):
                        " yet (each makes one){at}: refused")
 
 
+UNNAMED_VALUES_MAX = 16384
+"""How many values in one call's params may be none of an `enum.Flag` class's named
+members: msgspec calls the class's `_missing_` for each, made before or not (about 3.5 us)."""
+
+
+class TooManyUnnamed(Flooded):
+    """More than `UNNAMED_VALUES_MAX` values of an `enum.Flag` class in one call's params
+    that are none of its named members, repeated or not (hostile testing, round 46: one
+    value repeated 116,000 times, 1 MiB, held a worker 1.8 to 2.5 s; `MADE_MEMBERS_MAX`
+    counted only the members made)."""
+
+    def __init__(self, cls: type) -> None:
+        super().__init__(0)
+        self.reason = (f"more than {UNNAMED_VALUES_MAX} values of {cls.__name__} that are none of its named members"
+                       " (each costs a call of its _missing_){at}: refused")
+
+
 class UnknownBits(Flooded):
     """A value for an `enum.Flag` that is not made of its members' bits (negative, or
     with others). The enum module makes and caches a member for each such value in a
@@ -143,29 +165,39 @@ def guard(kind: object) -> Check | None:
 
     def check(value: object) -> None:
         run = _Run()
-        run.append((walk, value, None))
+        run.append((walk, value, None, 0))
         pop = run.pop
         while run:
-            step, item, at = pop()
-            try:
-                step(item, at, run)
-            except Flooded as exc:
-                exc.where[:0] = _path(at)
-                raise
+            step, item, at, run.shared = pop()
+            run.depth = 0
+            step(item, at, run)
     return check
 
 
-class _Run(list[tuple[_Walk, object, _At]]):
-    """One check's state: the walks still to run, each with its value and where it is (a
-    stack: the last pushed runs first; a walk pushes those of the values inside its own,
-    in reverse, so that they run in order and before what it pushed first), and the
-    (Struct walk, value) pairs walked (`done`)."""
+_DEEP = 64
+"""How many containers down a walk recurses (about 3 Python frames each) before it leaves
+the values inside for later (`_Run`)."""
 
-    __slots__ = ("done",)
+
+class _Run(list[tuple[_Walk, object, _At, int]]):
+    """One check's state: the containers left for later, each with its walk, where it is
+    and `shared` then (a stack), how many containers down the walk now is (`depth`), how
+    many unions walking more than one branch it is inside (`shared`), and the (Struct walk,
+    value) pairs walked inside such unions (`done`)."""
+
+    __slots__ = ("depth", "done", "shared")
 
     def __init__(self) -> None:
         super().__init__()
+        self.depth = 0
+        self.shared = 0
         self.done: set[tuple[int, int]] = set()
+
+
+def _located(exc: Flooded, at: _At) -> Flooded:
+    """`exc` with the steps to where it was raised (`at`) before those it has."""
+    exc.where[:0] = _path(at)
+    return exc
 
 
 def _path(at: _At) -> list[str | int]:
@@ -275,10 +307,14 @@ def _through(cell: list[_Walk | None]) -> _Walk:
     union of two tagged Structs was checked 2**depth times, 688 bytes held a worker)."""
     def check(value: object, at: _At, run: _Run) -> None:
         inner = cell[0]
-        key = (id(cell), id(value))
-        if inner is not None and key not in run.done:
+        if inner is None:
+            return
+        if run.shared:  # (a value more than one branch of a union walks: once per Struct type)
+            key = (id(cell), id(value))
+            if key in run.done:
+                return
             run.done.add(key)
-            inner(value, at, run)  # (the same value: it pushes those inside it)
+        inner(value, at, run)
     return check
 
 
@@ -294,52 +330,83 @@ def _flag_walk(cls: type) -> _Walk:
     made = vars(cls).get("_value2member_map_", {})  # (the enum module's, for good: members made are added to it)
 
     def check(value: object, at: _At, run: _Run) -> None:
-        if type(value) is int:  # (any other the binding refuses)
-            if (value < 0 or value & ~mask) and value not in own:
-                raise UnknownBits(cls, value)
+        if type(value) is int and value not in own:  # (any other the binding refuses)
+            if value < 0 or value & ~mask:
+                raise _located(UnknownBits(cls, value), at)
+            unnamed = _UNNAMED[cls] = _UNNAMED.get(cls, 0) + 1
+            if unnamed > UNNAMED_VALUES_MAX:
+                raise _located(TooManyUnnamed(cls), at)
             if value not in made:  # a member the binding makes
                 new = _MADE.setdefault(cls, set())
                 new.add(value)
                 if len(new) > MADE_MEMBERS_MAX:
-                    raise TooManyMembers(cls)
+                    raise _located(TooManyMembers(cls), at)
     return check
 
 
 _MADE: dict[type, set[int]] = {}  # a Flag class: the values the call's params make members for (`new_call`)
+_UNNAMED: dict[type, int] = {}  # a Flag class: how many of the call's values are none of its named members
 
 
 def new_call() -> None:
-    """Start counting the members a call's params make (`MADE_MEMBERS_MAX`) afresh: the
-    worker calls it before it checks the params of a method whose hints hold a Flag."""
+    """Start counting the members a call's params make (`MADE_MEMBERS_MAX`), and their
+    values that are no named member (`UNNAMED_VALUES_MAX`), afresh: the worker calls it
+    before it checks the params of a method whose hints hold a Flag."""
     _MADE.clear()
+    _UNNAMED.clear()
 
 
 def _each_item(item: _Walk) -> _Walk:
     def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is list:
-            run.extend([(item, value[i], (at, i)) for i in range(len(value) - 1, -1, -1)])
+            if run.depth >= _DEEP:
+                run.append((check, value, at, run.shared))  # (walked afresh, later)
+                return
+            run.depth += 1
+            for i, element in enumerate(value):
+                item(element, (at, i), run)
+            run.depth -= 1
     return check
 
 
 def _each_value(item: _Walk) -> _Walk:
     def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is dict:
-            run.extend([(item, element, (at, key)) for key, element in reversed(value.items())])
+            if run.depth >= _DEEP:
+                run.append((check, value, at, run.shared))
+                return
+            run.depth += 1
+            for key, element in value.items():
+                item(element, (at, key), run)
+            run.depth -= 1
     return check
 
 
 def _by_place(items: list[_Walk | None]) -> _Walk:
     def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is list:
-            run.extend([(item, element, (at, i)) for i, (item, element) in reversed(list(enumerate(zip(items, value))))
-                        if item is not None])
+            if run.depth >= _DEEP:
+                run.append((check, value, at, run.shared))
+                return
+            run.depth += 1
+            for i, (item, element) in enumerate(zip(items, value)):
+                if item is not None:
+                    item(element, (at, i), run)
+            run.depth -= 1
     return check
 
 
 def _by_name(fields: list[tuple[str, _Walk]]) -> _Walk:
     def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is dict:
-            run.extend([(item, value[name], (at, name)) for name, item in reversed(fields) if name in value])
+            if run.depth >= _DEEP:
+                run.append((check, value, at, run.shared))
+                return
+            run.depth += 1
+            for name, item in fields:
+                if name in value:
+                    item(value[name], (at, name), run)
+            run.depth -= 1
     return check
 
 
@@ -361,9 +428,11 @@ def _union(objects: list[tuple[tuple[str, object] | None, _Walk | None]],
                 if walk is not None and type(given) is type(name) and given == name:
                     walk(value, at, run)  # (the same value: each pushes those inside it)
             return
+        run.shared += 1  # (each branch meets the same values: `_through`)
         for _, walk in branches:
             if walk is not None:
                 walk(value, at, run)
+        run.shared -= 1
     return check
 
 
@@ -458,16 +527,16 @@ def _set_check(item_type: object, item: _Walk | None) -> _Walk:
     many = list[item_type]  # type: ignore[valid-type]
     items = None if item is None else _each_item(item)
 
-    def spread(value: object, at: _At, run: _Run) -> None:
-        _spread(_converted(typing.cast(list[object], value), many, True))
-
     def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is not list:
             return
-        if len(value) > SHARED_HASH_MAX:  # (fewer cannot pass the bound)
-            run.append((spread, value, at))
-        if items is not None:  # (the sets inside its elements, and Flag values, first: pushed after)
+        if items is not None:  # (the sets inside its elements, and Flag values, first)
             items(value, at, run)
+        if len(value) > SHARED_HASH_MAX:  # (fewer cannot pass the bound)
+            try:
+                _spread(_converted(value, many, True))
+            except Flooded as exc:
+                raise _located(exc, at) from None
     return check
 
 
@@ -475,17 +544,17 @@ def _keys_check(key_type: object, value: _Walk | None) -> _Walk:
     many = list[key_type]  # type: ignore[valid-type]
     values = None if value is None else _each_value(value)
 
-    def spread(given: object, at: _At, run: _Run) -> None:
-        # (keys as a dict's: strict=False reads "7" as 7, a superset of str_keys's reading)
-        _spread(_converted(list(typing.cast(dict[str, object], given)), many, False))
-
     def check(given: object, at: _At, run: _Run) -> None:
         if type(given) is not dict:
             return
-        if len(given) > SHARED_HASH_MAX:
-            run.append((spread, given, at))
-        if values is not None:  # (first: pushed after)
+        if values is not None:
             values(given, at, run)
+        # (keys as a dict's: strict=False reads "7" as 7, a superset of str_keys's reading)
+        if len(given) > SHARED_HASH_MAX:
+            try:
+                _spread(_converted(list(given), many, False))
+            except Flooded as exc:
+                raise _located(exc, at) from None
     return check
 
 
