@@ -3,6 +3,7 @@ cannot be cut (hostile testing, round 44).
 
 Usage: .venv/bin/python benchmarks/slow_turns.py [--connections 16] [--duration 8] [--rounds 2]
                                                [--shape deep|batch|deep300k] [--churn] [--before DIR]
+                                               [--port P]
 
 A connection's turn ends after TURN_SECONDS (2 ms) of its reads' work, but one request's
 decode cannot be cut: a 1 MiB body nested 200,000 deep (`[{},[{},...]]` params, valid
@@ -127,8 +128,8 @@ def round_trip(port: int, request: bytes) -> float:
     return time.perf_counter() - began
 
 
-def measure(tree: Path, connections: int, seconds: float, body: bytes, churn: bool) -> dict[str, float]:
-    broker = start_broker("--workers", "2", cwd=tree)
+def measure(tree: Path, connections: int, seconds: float, body: bytes, churn: bool, port: int) -> dict[str, float]:
+    broker = start_broker("--workers", "2", "--port", str(port), cwd=tree)  # (the last --port is the one)
     try:
         answered = multiprocessing.Value("q", 0)
         attacker = multiprocessing.Process(target=attack, args=(broker.port, connections, seconds, answered, body, churn))
@@ -162,13 +163,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="deep")
     parser.add_argument("--churn", action="store_true", help="a new connection for each request")
+    parser.add_argument("--port", type=int, default=0, help="the brokers' port (default: one the OS picks)")
     parser.add_argument("--before", type=Path, help="another checkout, measured in alternating rounds")
     args = parser.parse_args()
     trees = ([("before", args.before.resolve())] if args.before else []) + [("this tree", ROOT)]
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
     for _ in range(args.rounds):
         for name, tree in trees:
-            results[name].append(measure(tree, args.connections, args.duration, SHAPES[args.shape], args.churn))
+            results[name].append(measure(tree, args.connections, args.duration, SHAPES[args.shape], args.churn, args.port))
     how = "each opening a new connection for each" if args.churn else "pipelining"
     print(f"{args.connections} clients {how} `{args.shape}` requests ({len(SHAPES[args.shape])} bytes),"
           f" {args.duration:g} s a round, {args.rounds} rounds; ms (median of the rounds)")

@@ -784,3 +784,43 @@ def test_once_an_iteration_is_busy_large_reads_wait_in_the_lane_and_small_ones_g
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         assert runner.run(main()) == [(1, 0, 1), (0, 1, 1)]
+
+
+def test_a_read_that_waits_in_the_lane_does_not_restart_the_request_clock():
+    """Hostile testing (round 46): a read that waited in the slow lane (the loop busy, the
+    request past SMALL_READ_BYTES) ended its turn in `_maybe_resume`, which restarts the
+    request's clock: a body trickled a byte at a time while other clients kept the loop
+    busy got its 408 after 11 to 19 s, or none in 30 s, for a request_timeout of 3 s. A
+    turn's wait is the broker's own scheduling: the clock goes on."""
+    import asyncio
+
+    import uvloop
+
+    from broker.dispatch import Dispatcher
+    from broker.frontend import base
+    from broker.frontend.http import HttpFrontend, HttpProtocol
+
+    async def main() -> tuple[float, float, int]:
+        loop = asyncio.get_running_loop()
+        here, there = socket.socketpair()
+        fe = HttpFrontend(Dispatcher(loop), metrics=None)
+        protocol = HttpProtocol(fe)
+        transport, _ = await loop.connect_accepted_socket(lambda: protocol, here)
+        protocol.data_received(b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: 1000000\r\n\r\n" + b"[" + b" " * (base.SMALL_READ_BYTES + 100))
+        started = protocol.request_started = loop.time() - 10  # (as if it began 10 s ago)
+        fe.slow_lane.charge(1.0)  # (this iteration's reads took a second)
+        protocol.data_received(b" ")  # (one more byte: past SMALL_READ_BYTES with the body, laned)
+        laned = len(fe.slow_lane)
+        for _ in range(100):
+            await asyncio.sleep(0.001)
+            if not len(fe.slow_lane) and not protocol._backlog:
+                break
+        transport.abort()
+        there.close()
+        return started, protocol.request_started, laned
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        started, after, laned = runner.run(main())
+    assert laned == 1
+    assert after == started

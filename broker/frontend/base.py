@@ -515,7 +515,8 @@ class Listener:
         turns, held 9.5 MB that way past a max_incoming_bytes of 64 KiB). Past
         max_incoming_bytes it is kept all the same, counted (so requests arriving are
         refused meanwhile), and False says so (`conn._backlog_forced`): its turn must come
-        in the next loop iteration whether or not the client reads (its requests then
+        (the next loop iteration's, or the slow lane's: `Listener.next_turn`; round 46)
+        whether or not the client reads (its requests then
         wait, each counted, or are refused, each in its place). Refusing it (one error
         and a close, round 16) left its requests unanswered; handling it at once (round
         17) let a client that filled the bound end every connection's fair turns."""

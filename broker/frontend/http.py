@@ -1170,7 +1170,13 @@ class HttpProtocol(asyncio.Protocol):
                 if self._responses:
                     self._flush_ready()  # (answers held back while the read was parsed: `_write`)
         if not self._backlog:
+            started = self.request_started
             self._maybe_resume()
+            # A turn's wait (the loop's next iteration, the slow lane) is the broker's own
+            # scheduling: the request's clock goes on (round 46: `_maybe_resume` restarted it,
+            # and a body trickled a byte at a time while the loop was busy, each byte's read
+            # laned, got 408 after 11 to 19 s, or none, for a request_timeout of 3 s).
+            self.request_started = started
             self._fe.recount()  # (the drain waits for a backlog: `Listener.held`)
 
     def eof_received(self) -> bool:
