@@ -1,7 +1,7 @@
 """Command line of rpc-broker.
 
     rpc-broker serve [--config FILE] [--<setting> VALUE ...]
-    rpc-broker check-config FILE
+    rpc-broker check-config [FILE]
     rpc-broker bench URL [options] | rpc-broker bench plot FILE... -o PNG
     rpc-broker --version
 
@@ -67,12 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         "check-config",
         help="validate a TOML config file (plus RPC_BROKER_* environment) and print "
         "the effective settings; exit 0 if valid, 2 if not",
-        description="Validate FILE together with the RPC_BROKER_* environment; print\n"
+        description="Validate FILE (if given) together with the RPC_BROKER_* environment; print\n"
         "'ok' and the effective settings as TOML, or the error.",
         epilog=_PRECEDENCE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    check.add_argument("file", metavar="FILE", help="TOML config file to check")
+    check.add_argument("file", metavar="FILE", nargs="?",
+                       help="TOML config file to check (none: the environment alone, as a container sets it)")
     # (a command's own parser reports what it does not know: `unknown_arguments`)
     parser.set_defaults(command_parsers={"serve": serve, "check-config": check})
     commands.add_parser(

@@ -900,3 +900,16 @@ def test_one_millisecond_and_a_grace_period_of_zero_are_accepted() -> None:
         load(None, {"RPC_BROKER_TIMEOUT": "0.0005"}, {})
     with pytest.raises(ConfigError, match=r"^flag --request-timeout: request_timeout = 0.0001: must be at least 0.001"):
         load(None, {}, {"request_timeout": "0.0001"})
+
+
+def test_check_config_without_a_file_checks_the_environment_alone(capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new user (round 46): an operator configured by the environment alone (a container)
+    had to write an empty file to check it: check-config required FILE."""
+    monkeypatch.setenv("RPC_BROKER_WORKERS", "3")
+    assert cli.main(["check-config"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ok\n") and "\nworkers = 3  # 3 processes\n" in out
+    monkeypatch.setenv("RPC_BROKER_WORKERS", "none")
+    assert cli.main(["check-config"]) == 2
+    assert "RPC_BROKER_WORKERS" in capsys.readouterr().err
