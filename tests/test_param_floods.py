@@ -875,3 +875,34 @@ def peak_memory(check: collisions.Check, value: object) -> int:
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+class Colour3(enum.Enum):
+    RED = 1
+    GREEN = 2
+
+
+def priced_paint(shade: Colour, price: decimal.Decimal, *more: Colour3, note: str = "", **tags: Colour3) -> object:
+    return shade, price, more, note, tags
+
+
+def test_plain_enum_and_flag_members_bind_beside_a_decimal() -> None:
+    """Round 48: beside a Decimal each value is built by its own decoder, then the binding
+    converted them all again, and msgspec takes no plain Enum's or Flag's member for its
+    own type: `paint(shade: Shade, price: Decimal)` answered "Expected `int`, got `Shade`"
+    to every call (and a Flag's _missing_ ran twice a value). Built values are now placed,
+    not converted again; what does not fit is refused as before."""
+    method = Method("priced_paint", priced_paint)
+    assert method.bind(b'[3, "1.50", 1, 2]', 64) == (
+        (Colour.RED | Colour.GREEN, decimal.Decimal("1.50"), Colour3.RED, Colour3.GREEN), {})
+    assert method.bind(b'{"shade": 1, "price": 2.5, "note": "n", "x": 2}', 64) == (
+        (Colour.RED, decimal.Decimal("2.5")), {"note": "n", "x": Colour3.GREEN})
+    for params, param, reason in (
+        (b'[8, "1"]', "shade", "8 is not made of the bits of Colour's members"),
+        (b'[1, "1", 5]', "more", "Invalid enum value 5"),
+        (b'{"shade": 1}', "price", "missing required parameter"),
+        (b'{"shade": 1, "price": 1, "x": 3}', "x", "Invalid enum value 3"),
+    ):
+        with pytest.raises(InvalidParams) as info:
+            method.bind(params, 64)
+        assert info.value.param == param and reason in info.value.reason, (params, info.value.args)

@@ -63,6 +63,7 @@ class Method:
         "_flags",
         "_guard_decode",
         "_guards",
+        "_into",
         "_kwonly",
         "_named_type",
         "_pos_names",
@@ -190,6 +191,22 @@ class Method:
                     raise TypeError(f"method {name!r}: parameter {n!r} holds a msgspec.Raw beside a set or a dict with"
                                     " keys other than strings, whose check for hash flooding would rewrite the Raw's"
                                     " text: give the Raw a parameter of its own")
+        # What params are bound into once decoded: on the typed path each value is built and
+        # checked by its own decoder already, so the binding only places them (round 48:
+        # converted again, a plain Enum's or Flag's member was refused, "Expected `int`, got
+        # `Shade`", on every call, and a Flag's _missing_ ran twice a value).
+        self._into = (self._pos_type, self._named_type, self._var_pos, self._var_kw)
+        if self._typed is not None:
+            untyped: list[tuple[str, object, object]] = [(n, typing.Any, d) for n, _, d in pos]
+            untyped_kw: list[tuple[str, object, object]] = [(n, typing.Any, d) for n, _, d in kwonly]
+            self._into = (
+                msgspec.defstruct(f"{name}_positional_built", fields(untyped), array_like=True,
+                                  forbid_unknown_fields=True),
+                msgspec.defstruct(f"{name}_named_built", fields(untyped + untyped_kw),
+                                  kw_only=True, forbid_unknown_fields=self._var_kw is None),
+                None if self._var_pos is None else list[typing.Any],
+                None if self._var_kw is None else dict[str, typing.Any],
+            )
         # Sets and non-str dict keys are checked for hash flooding before they are built
         # (broker/collisions.py): their params take the general path.
         guards = (None,) * 4 if raw_params else (
@@ -372,15 +389,16 @@ class Method:
                 self._required_kwonly[0], "keyword-only parameter: pass params by name"
             )
         n = len(self._pos_names)
-        head = values[:n] if self._var_pos is not None else values
+        pos_type, _, var_pos, _ = self._into
+        head = values[:n] if var_pos is not None else values
         try:
-            bound = msgspec.structs.astuple(msgspec.convert(head, self._pos_type, str_keys=True))
+            bound = msgspec.structs.astuple(msgspec.convert(head, pos_type, str_keys=True))
         except msgspec.ValidationError as exc:
             raise self._invalid(str(exc), len(head)) from None
-        if self._var_pos is None or len(values) <= n:
+        if var_pos is None or len(values) <= n:
             return bound
         try:
-            rest = msgspec.convert(values[n:], self._var_pos, str_keys=True)
+            rest = msgspec.convert(values[n:], var_pos, str_keys=True)
         except msgspec.ValidationError:
             raise self._invalid_extra(values[n:]) from None
         return bound + tuple(rest)
@@ -395,15 +413,16 @@ class Method:
             if named:  # (**kwargs's, as in Python; the parameter keeps its default)
                 extra = {k: values[k] for k in named}
                 values = {k: v for k, v in values.items() if k not in self._pos_only}
-        if self._var_kw is not None:
+        _, named_type, _, var_kw = self._into
+        if var_kw is not None:
             known = set(self._pos_names) | set(self._kwonly)
             extra |= {k: values[k] for k in values if k not in known}
             try:
-                extra = msgspec.convert(extra, self._var_kw, str_keys=True)
+                extra = msgspec.convert(extra, var_kw, str_keys=True)
             except msgspec.ValidationError:
                 raise self._invalid_extra(extra) from None
         try:
-            bound = msgspec.structs.astuple(msgspec.convert(values, self._named_type, str_keys=True))
+            bound = msgspec.structs.astuple(msgspec.convert(values, named_type, str_keys=True))
         except msgspec.ValidationError as exc:
             raise self._invalid(str(exc), None, values) from None
         n = len(self._pos_names)
