@@ -168,7 +168,7 @@ def guard(kind: object) -> Check | None:
         run.append((walk, value, None, 0))
         pop = run.pop
         while run:
-            step, item, at, run.shared = pop()
+            step, item, at, run.overlap = pop()
             run.depth = 0
             step(item, at, run)
     return check
@@ -181,16 +181,16 @@ the values inside for later (`_Run`)."""
 
 class _Run(list[tuple[_Walk, object, _At, int]]):
     """One check's state: the containers left for later, each with its walk, where it is
-    and `shared` then (a stack), how many containers down the walk now is (`depth`), how
-    many unions walking more than one branch it is inside (`shared`), and the (Struct walk,
+    and `overlap` then (a stack), how many containers down the walk now is (`depth`), how
+    many unions walking more than one branch it is inside (`overlap`), and the (Struct walk,
     value) pairs walked inside such unions (`done`)."""
 
-    __slots__ = ("depth", "done", "shared")
+    __slots__ = ("depth", "done", "overlap")
 
     def __init__(self) -> None:
         super().__init__()
         self.depth = 0
-        self.shared = 0
+        self.overlap = 0
         self.done: set[tuple[int, int]] = set()
 
 
@@ -309,7 +309,7 @@ def _through(cell: list[_Walk | None]) -> _Walk:
         inner = cell[0]
         if inner is None:
             return
-        if run.shared:  # (a value more than one branch of a union walks: once per Struct type)
+        if run.overlap:  # (a value more than one branch of a union walks: once per Struct type)
             key = (id(cell), id(value))
             if key in run.done:
                 return
@@ -360,7 +360,7 @@ def _each_item(item: _Walk) -> _Walk:
     def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is list:
             if run.depth >= _DEEP:
-                run.append((check, value, at, run.shared))  # (walked afresh, later)
+                run.append((check, value, at, run.overlap))  # (walked afresh, later)
                 return
             run.depth += 1
             for i, element in enumerate(value):
@@ -373,7 +373,7 @@ def _each_value(item: _Walk) -> _Walk:
     def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is dict:
             if run.depth >= _DEEP:
-                run.append((check, value, at, run.shared))
+                run.append((check, value, at, run.overlap))
                 return
             run.depth += 1
             for key, element in value.items():
@@ -386,7 +386,7 @@ def _by_place(items: list[_Walk | None]) -> _Walk:
     def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is list:
             if run.depth >= _DEEP:
-                run.append((check, value, at, run.shared))
+                run.append((check, value, at, run.overlap))
                 return
             run.depth += 1
             for i, (item, element) in enumerate(zip(items, value)):
@@ -400,7 +400,7 @@ def _by_name(fields: list[tuple[str, _Walk]]) -> _Walk:
     def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is dict:
             if run.depth >= _DEEP:
-                run.append((check, value, at, run.shared))
+                run.append((check, value, at, run.overlap))
                 return
             run.depth += 1
             for name, item in fields:
@@ -428,24 +428,24 @@ def _union(objects: list[tuple[tuple[str, object] | None, _Walk | None]],
                 if walk is not None and type(given) is type(name) and given == name:
                     walk(value, at, run)  # (the same value: each pushes those inside it)
             return
-        walks = shared_walks[id(branches)]
+        walks = overlap_walks[id(branches)]
         if walks is None:  # (one walk at most: `S | None`, each value walked once, no memo)
             for _, walk in branches:
                 if walk is not None:
                     walk(value, at, run)
             return
-        run.shared += 1  # (each branch meets the same values: `_through`)
+        run.overlap += 1  # (each branch meets the same values: `_through`)
         for walk in walks:
             walk(value, at, run)
-        run.shared -= 1
+        run.overlap -= 1
 
     # The branches of one JSON kind that walk its values, where more than one does (round 47:
     # the memo in every untagged union, `S | None` included, cost 2.3 times the walk and 60 MiB
     # per MiB of params).
-    shared_walks: dict[int, list[_Walk] | None] = {}
+    overlap_walks: dict[int, list[_Walk] | None] = {}
     for kind in (objects, arrays, scalars):
         walks = [walk for _, walk in kind if walk is not None]
-        shared_walks[id(kind)] = walks if len(walks) > 1 else None
+        overlap_walks[id(kind)] = walks if len(walks) > 1 else None
     return check
 
 

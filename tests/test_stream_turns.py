@@ -163,16 +163,8 @@ def _one_read_turn(protocol_name: str, loop_name: str, body: bytes = b"[1" + b" 
         except BlockingIOError:
             pass
         first = got.count(answer)
-        if everything:
-            for _ in range(1000):  # (each turn a loop iteration apart)
-                await asyncio.sleep(0.001)
-                try:
-                    while chunk := there.recv(1 << 16):
-                        got += chunk
-                except BlockingIOError:
-                    pass
-                if got.count(answer) >= count:
-                    break
+        if everything:  # (each turn a loop iteration apart)
+            got = await _answers(there, answer, count, got)
         transport.abort()
         there.close()
         return (first, got.count(answer)) if everything else first
@@ -617,17 +609,7 @@ def test_connections_whose_turns_are_slow_go_on_one_per_loop_iteration(protocol_
         loop.call_soon(ticker)
         for protocol, _, _, read in pairs:
             protocol.data_received(read)  # one read each, as the loop would deliver it
-        got = [b""] * connections
-        for _ in range(2000):
-            await asyncio.sleep(0.001)
-            for k, (_, _, there, _) in enumerate(pairs):
-                try:
-                    while chunk := there.recv(1 << 16):
-                        got[k] += chunk
-                except BlockingIOError:
-                    pass
-            if all(g.count(answer) >= count for g in got):
-                break
+        got = [await _answers(there, answer, count) for _, _, there, _ in pairs]
         for _, transport, there, _ in pairs:
             transport.abort()
             there.close()
@@ -698,16 +680,7 @@ def test_a_slow_read_past_turn_bytes_waits_in_the_slow_lane(protocol_name, monke
         there.setblocking(False)
         protocol.data_received(read)  # one read, as the loop would deliver it
         laned = len(fe.slow_lane)
-        got = b""
-        for _ in range(1000):
-            await asyncio.sleep(0.001)
-            try:
-                while chunk := there.recv(1 << 16):
-                    got += chunk
-            except BlockingIOError:
-                pass
-            if answer in got:
-                break
+        got = await _answers(there, answer)
         transport.abort()
         there.close()
         return laned, got.count(answer)
@@ -768,15 +741,7 @@ def test_once_an_iteration_is_busy_large_reads_wait_in_the_lane_and_small_ones_g
             except BlockingIOError:
                 pass
             at_once = got.count(answer)
-            for _ in range(1000):
-                await asyncio.sleep(0.001)
-                try:
-                    while chunk := there.recv(1 << 20):
-                        got += chunk
-                except BlockingIOError:
-                    pass
-                if answer in got:
-                    break
+            got = await _answers(there, answer, got=got)
             seen.append((laned, at_once, got.count(answer)))
             transport.abort()
             there.close()
@@ -824,3 +789,20 @@ def test_a_read_that_waits_in_the_lane_does_not_restart_the_request_clock():
         started, after, laned = runner.run(main())
     assert laned == 1
     assert after == started
+
+
+async def _answers(there: socket.socket, answer: bytes, count: int = 1, got: bytes = b"") -> bytes:
+    """What the non-blocking socket `there` received, read as the loop runs on (1 ms a
+    turn, at most 1000 turns) until it holds `count` answers (`answer`: their marker)."""
+    import asyncio
+
+    for _ in range(1000):
+        await asyncio.sleep(0.001)
+        try:
+            while chunk := there.recv(1 << 20):
+                got += chunk
+        except BlockingIOError:
+            pass
+        if got.count(answer) >= count:
+            break
+    return got
