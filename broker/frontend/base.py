@@ -250,10 +250,12 @@ class Incoming:
 
 
 class SlowLane:
-    """The connections whose last turn took longer than SLOW_TURN_SECONDS, each waiting
-    for its next (a callback: resume reading, or go on with a read's backlog), let go one
-    per loop iteration, in the order they came (round robin, as the turns of the others
-    are). One per event loop (`slow_lane`), shared by all its listeners."""
+    """The connections whose last turn ended for its time (SLOW_TURN_SECONDS), or whose
+    read came once the loop iteration's reads had taken ADMIT_SECONDS, each waiting for its
+    next turn (a callback: resume reading, or go on with a read's backlog), let go one per
+    loop iteration, in the order they came. It also counts what the iteration's reads and
+    turns took (`spent`, seconds; `charge`), zeroed at the next iteration. One per event
+    loop (`slow_lane`), shared by all its listeners."""
 
     __slots__ = ("_due", "_loop", "_reset_due", "_waiting", "spent")
 
