@@ -137,22 +137,13 @@ def _one_read_turn(protocol_name: str, loop_name: str, body: bytes = b"[1" + b" 
     import uvloop
 
     from broker.dispatch import Dispatcher
-    from broker.frontend.http import HttpFrontend, HttpProtocol
-    from broker.frontend.stream import StreamFrontend, StreamProtocol
 
     async def main() -> typing.Any:
         loop = asyncio.get_running_loop()
         dispatcher = Dispatcher(loop)
         here, there = socket.socketpair()
-        protocol: StreamProtocol | HttpProtocol
-        if protocol_name == "ndjson":
-            protocol = StreamProtocol(StreamFrontend(dispatcher, transport="unix"))
-            read, answer = (body + b"\n") * count, b"\n"
-        else:
-            protocol = HttpProtocol(HttpFrontend(dispatcher, metrics=None))
-            read = (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)) * count
-            answer = b"HTTP/1.1 "
+        _, protocol = _protocol(protocol_name, dispatcher)
+        read, answer = _requests(protocol_name, body, count)
         transport, _ = await loop.connect_accepted_socket(lambda: protocol, here)
         protocol.data_received(read)  # one read, as the loop would deliver it
         there.setblocking(False)
@@ -570,8 +561,6 @@ def test_connections_whose_turns_are_slow_go_on_one_per_loop_iteration(protocol_
 
     from broker.dispatch import Dispatcher
     from broker.frontend import base
-    from broker.frontend.http import HttpFrontend, HttpProtocol
-    from broker.frontend.stream import StreamFrontend, StreamProtocol
 
     monkeypatch.setattr(base, "SLOW_TURN_SECONDS", 0.0, raising=False)  # (False: it ran, and failed, before there was one)
     deep = b"[" * 1100 + b"]" * 1100
@@ -591,17 +580,8 @@ def test_connections_whose_turns_are_slow_go_on_one_per_loop_iteration(protocol_
         pairs = []
         for k in range(connections):
             here, there = socket.socketpair()
-            protocol: StreamProtocol | HttpProtocol
-            if protocol_name == "ndjson":
-                fe: StreamFrontend | HttpFrontend = StreamFrontend(dispatcher, transport="unix")
-                protocol = StreamProtocol(typing.cast(StreamFrontend, fe))
-                read, answer = (body + b"\n") * count, b"\n"
-            else:
-                fe = HttpFrontend(dispatcher, metrics=None)
-                protocol = HttpProtocol(fe)
-                read = (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)) * count
-                answer = b"HTTP/1.1 "
+            fe, protocol = _protocol(protocol_name, dispatcher)
+            read, answer = _requests(protocol_name, body, count)
             fe.codec = _Recording(fe.codec, k, tick, decoded)  # type: ignore[assignment]
             transport, _ = await loop.connect_accepted_socket(lambda protocol=protocol: protocol, here)
             there.setblocking(False)
@@ -652,8 +632,6 @@ def test_a_slow_read_past_turn_bytes_waits_in_the_slow_lane(protocol_name, monke
 
     from broker.dispatch import Dispatcher
     from broker.frontend import base, http, stream
-    from broker.frontend.http import HttpFrontend, HttpProtocol
-    from broker.frontend.stream import StreamFrontend, StreamProtocol
 
     monkeypatch.setattr(base, "SLOW_TURN_SECONDS", 0.0)
     monkeypatch.setattr(http, "TURN_SECONDS", 0.0)
@@ -665,17 +643,8 @@ def test_a_slow_read_past_turn_bytes_waits_in_the_slow_lane(protocol_name, monke
         loop = asyncio.get_running_loop()
         dispatcher = Dispatcher(loop)
         here, there = socket.socketpair()
-        protocol: StreamProtocol | HttpProtocol
-        if protocol_name == "ndjson":
-            fe: StreamFrontend | HttpFrontend = StreamFrontend(dispatcher, transport="unix")
-            protocol = StreamProtocol(typing.cast(StreamFrontend, fe))
-            read, answer = body + b"\n", b"\n"
-        else:
-            fe = HttpFrontend(dispatcher, metrics=None)
-            protocol = HttpProtocol(fe)
-            read = (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            answer = b"HTTP/1.1 "
+        fe, protocol = _protocol(protocol_name, dispatcher)
+        read, answer = _requests(protocol_name, body)
         transport, _ = await loop.connect_accepted_socket(lambda: protocol, here)
         there.setblocking(False)
         protocol.data_received(read)  # one read, as the loop would deliver it
@@ -704,17 +673,9 @@ def test_once_an_iteration_is_busy_large_reads_wait_in_the_lane_and_small_ones_g
 
     from broker.dispatch import Dispatcher
     from broker.frontend import base
-    from broker.frontend.http import HttpFrontend, HttpProtocol
-    from broker.frontend.stream import StreamFrontend, StreamProtocol
 
-    def request(body: bytes) -> tuple[bytes, bytes]:
-        if protocol_name == "ndjson":
-            return body + b"\n", b"\n"
-        return (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)), b"HTTP/1.1 "
-
-    large, answer = request(b'{"jsonrpc":"2.0","method":"nosuch","params":["' + b"a" * 40_000 + b'"],"id":1}')
-    small, _ = request(b'{"jsonrpc":"2.0","method":"nosuch","id":2}')
+    large, answer = _requests(protocol_name, b'{"jsonrpc":"2.0","method":"nosuch","params":["' + b"a" * 40_000 + b'"],"id":1}')
+    small, _ = _requests(protocol_name, b'{"jsonrpc":"2.0","method":"nosuch","id":2}')
     assert len(large) > base.SMALL_READ_BYTES >= len(small)
 
     async def main() -> list[tuple[int, int, int]]:
@@ -723,13 +684,7 @@ def test_once_an_iteration_is_busy_large_reads_wait_in_the_lane_and_small_ones_g
         seen = []
         for read in (large, small):
             here, there = socket.socketpair()
-            protocol: StreamProtocol | HttpProtocol
-            if protocol_name == "ndjson":
-                fe: StreamFrontend | HttpFrontend = StreamFrontend(dispatcher, transport="unix")
-                protocol = StreamProtocol(typing.cast(StreamFrontend, fe))
-            else:
-                fe = HttpFrontend(dispatcher, metrics=None)
-                protocol = HttpProtocol(fe)
+            fe, protocol = _protocol(protocol_name, dispatcher)
             transport, _ = await loop.connect_accepted_socket(lambda protocol=protocol: protocol, here)
             there.setblocking(False)
             fe.slow_lane.charge(1.0)  # (this iteration's reads took a second)
@@ -806,3 +761,24 @@ async def _answers(there: socket.socket, answer: bytes, count: int = 1, got: byt
         if got.count(answer) >= count:
             break
     return got
+
+
+def _protocol(protocol_name: str, dispatcher: typing.Any) -> tuple[typing.Any, typing.Any]:
+    """A real front-end of `protocol_name` ("ndjson" or "http") and a protocol of it."""
+    from broker.frontend.http import HttpFrontend, HttpProtocol
+    from broker.frontend.stream import StreamFrontend, StreamProtocol
+
+    if protocol_name == "ndjson":
+        stream_fe = StreamFrontend(dispatcher, transport="unix")
+        return stream_fe, StreamProtocol(stream_fe)
+    http_fe = HttpFrontend(dispatcher, metrics=None)
+    return http_fe, HttpProtocol(http_fe)
+
+
+def _requests(protocol_name: str, body: bytes, count: int = 1) -> tuple[bytes, bytes]:
+    """`count` requests of `body` as one read for `protocol_name`, and the bytes each of
+    their answers starts with."""
+    if protocol_name == "ndjson":
+        return (body + b"\n") * count, b"\n"
+    return (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)) * count, b"HTTP/1.1 "
