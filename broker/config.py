@@ -42,6 +42,9 @@ from typing import Annotated, Final, Literal, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
+from broker import wire
+from broker.errors import LocalError
+
 ENV_PREFIX: Final = "RPC_BROKER_"
 
 
@@ -236,7 +239,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_frame_bytes: Annotated[Bytes, Meta(ge=64 * KIB, le=1 * GIB),
                                Doc("largest worker wire frame: a call's params or "
                                    "result, and the worker's method list")
-                               ] = 16 * MIB
+                               ] = wire.MAX_FRAME_BYTES
     max_incoming_bytes: Annotated[Bytes, Meta(ge=1),
                                   Doc("request bytes still arriving or waiting, over all connections "
                                       "together: HTTP heads and bodies and NDJSON lines whose end has not "
@@ -303,8 +306,10 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-class ConfigError(Exception):
+class ConfigError(LocalError):
     """A setting could not be loaded; the message names source, setting and problem."""
+
+    hint = "rpc-broker check-config [FILE] checks settings; rpc-broker serve --help lists them all"
 
 
 Kind = Literal["bool", "int", "float", "str", "choice", "map", "list"]

@@ -141,6 +141,21 @@ from broker.jsonrpc import (
 )
 from broker.jsonrpc import _RESULT as _RESP_RESULT
 from broker.metrics import CallMetrics
+from broker.wire import (
+    AWAITED,
+    CALL,
+    CALL_ENTRY,
+    CANCEL_ACK,
+    CHUNK,
+    CHUNK_PART,
+    CHUNK_REPLY,
+    ERROR,
+    NOT_RUN,
+    NOTIFY,
+    NOTIFY_FLAG,
+    REPLY_ENTRY,
+    RESULT,
+)
 
 if typing.TYPE_CHECKING:
     from broker.pool import Worker
@@ -149,26 +164,12 @@ __all__ = ["Call", "Dispatcher", "Exchange", "Outgoing", "ResponseBudget", "Rout
 
 log = logging.getLogger("broker.dispatch")
 
-_RESULT = int(wire.Kind.RESULT)
-_CHUNK = int(wire.Kind.CHUNK)
-_CHUNK_REPLY = int(wire.Kind.CHUNK_REPLY)
-_CHUNK_PART = int(wire.Kind.CHUNK_PART)
-_CALL_ENTRY = wire.CALL_ENTRY
-_REPLY_ENTRY = wire.REPLY_ENTRY
-_NOTIFY_FLAG = wire.NOTIFY_FLAG
-_CALL = int(wire.Kind.CALL)
-_NOTIFY = int(wire.Kind.NOTIFY)
-_ERROR = int(wire.Kind.ERROR)
-_CANCEL_ACK = wire.CANCEL_ACK
-_AWAITED = wire.AWAITED
-_NOT_RUN = wire.NOT_RUN  # a reply's aux: the handler never ran (no service time)
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's (too deep)
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
 _GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
-_CODE_AT = len(b'{"code":')
 _TIMER_EARLY = 0.001  # how early a loop timer may fire, by loop.time() (s): uvloop's, 1 ms steps (`DeadlineWheel._fire`)
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
 BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
@@ -180,15 +181,21 @@ _TOO_LARGE_MARK = memoryview(b"")  # (_fill_chunk: an entry answered past max_re
 _VIEW_FROM = 4096  # (_fill_chunk: results from this many bytes are viewed, not copied, to be spliced)
 
 
-def _error_code(error: bytes) -> int:
-    """The code of a worker's error object (it encodes `code` first); -32603 if it
-    cannot be read. `jsonrpc.http_status` of it is the HTTP status of a single response
-    (e.g. 400 for -32600 past max_depth; 200 for codes not in `jsonrpc.ERRORS`)."""
-    end = error.find(b",", _CODE_AT)
+def _error_code(error: bytes, default: int = ErrorCode.INTERNAL_ERROR) -> int:
+    """The code of an error object (a worker's, which encodes `code` first) or of the
+    error in a whole Response object (the codec's answer to an invalid element);
+    `default` if there is none to read. `jsonrpc.http_status` of it is the HTTP status of
+    a single response (e.g. 400 for -32600 past max_depth; 200 for codes not in
+    `jsonrpc.ERRORS`). (`"code":` cannot occur inside a JSON string: its quotes would be
+    escaped; and an error's `data` comes after its `code`.)"""
+    at = error.find(b'"code":')
+    if at < 0:
+        return default
+    end = error.find(b",", at)
     try:
-        return int(error[_CODE_AT:end])
+        return int(error[at + 7 : end])
     except ValueError:
-        return ErrorCode.INTERNAL_ERROR
+        return default
 
 
 def _mix(methods: list[int]) -> dict[int, int]:
@@ -201,27 +208,14 @@ def _mix(methods: list[int]) -> dict[int, int]:
 
 def _count_entries(payload: bytes) -> int:
     """How many answers (`wire.REPLY_ENTRY`s) a CHUNK_PART payload holds."""
-    unpack = _REPLY_ENTRY.unpack_from
-    size = _REPLY_ENTRY.size
+    unpack = REPLY_ENTRY.unpack_from
+    size = REPLY_ENTRY.size
     end = len(payload)
     pos = count = 0
     while pos + size <= end:
         pos += size + unpack(payload, pos)[2]
         count += 1
     return count
-
-
-def _answer_code(answer: bytes) -> int:
-    """The error code inside a whole Response object the codec made (invalid elements)."""
-    at = answer.find(b'"code":')
-    if at < 0:
-        return ErrorCode.INVALID_REQUEST
-    end = answer.find(b",", at)
-    try:
-        return int(answer[at + 7 : end])
-    except ValueError:
-        return ErrorCode.INVALID_REQUEST
-
 
 
 def _held(call: Call) -> int:
@@ -452,7 +446,7 @@ class Call(msgspec.Struct, eq=False):
     def of(cls, call_id: int, exchange: Exchange | None, slot: int, request: Request, route: Route, arrival: float) -> Call:
         """One request (a call, or a notification when `exchange` is None)."""
         return cls(
-            call_id, exchange, slot, request.id, _CALL if exchange is not None else _NOTIFY,
+            call_id, exchange, slot, request.id, CALL if exchange is not None else NOTIFY,
             route.method_index, request.params, route.timeout, arrival, route.sync,
         )  # fmt: skip
 
@@ -473,10 +467,10 @@ class Call(msgspec.Struct, eq=False):
         ids = []
         methods = []
         payload = bytearray()
-        pack = _CALL_ENTRY.pack
+        pack = CALL_ENTRY.pack
         for slot, request, route in entries:
             params = request.params
-            payload += pack(route.method_index, 0 if slot >= 0 else _NOTIFY_FLAG, len(params))
+            payload += pack(route.method_index, 0 if slot >= 0 else NOTIFY_FLAG, len(params))
             payload += params
             slots.append(slot)
             ids.append(request.id)
@@ -486,7 +480,7 @@ class Call(msgspec.Struct, eq=False):
             exchange if slots.count(-1) < len(slots) else None,
             -1,
             _NO_ID,
-            _CHUNK,
+            CHUNK,
             len(entries),
             bytes(payload),
             timeout,
@@ -509,7 +503,7 @@ def _as_timed_out(error: bytes | memoryview, call: Call) -> bytes | memoryview:
     the call's timeout: the worker found its deadline passed before it started it (the
     deadline in its frame), and answered before the broker's timer fired (the same one,
     1 ms early at most); the client gets what that timer would have given it."""
-    return _timed_out(call) if error == _CANCEL_ACK else error
+    return _timed_out(call) if error == CANCEL_ACK else error
 
 
 class DeadlineWheel:
@@ -744,7 +738,7 @@ class Dispatcher:
                 call.methods = [index[m] for m in call.methods]
             else:
                 call.index = index[call.index]
-        size = _CALL_ENTRY.size
+        size = CALL_ENTRY.size
         blocking = self._blocking  # the new table's (its `other` entry is 0)
         for call in self._queue:
             if not call.tick:  # an expired shell (its payload released)
@@ -758,8 +752,8 @@ class Dispatcher:
             payload = bytearray(call.params)
             pos = 0
             for m in call.methods:
-                _old, flags, length = _CALL_ENTRY.unpack_from(payload, pos)
-                _CALL_ENTRY.pack_into(payload, pos, m, flags, length)
+                _old, flags, length = CALL_ENTRY.unpack_from(payload, pos)
+                CALL_ENTRY.pack_into(payload, pos, m, flags, length)
                 pos += size + length
             call.params = bytes(payload)
 
@@ -862,7 +856,7 @@ class Dispatcher:
                 if route is not None:
                     exchange = Exchange(False, 200, on_done, [None], 1, None, budget)
                     call = Call(  # Call.of, inline (a call less: about 0.1 µs)
-                        next(self._ids), exchange, 0, request.id, _CALL, route.method_index,
+                        next(self._ids), exchange, 0, request.id, CALL, route.method_index,
                         request.params, route.timeout, _clock(), route.sync,
                     )  # fmt: skip
                     self._start(call, self._loop.time())
@@ -931,7 +925,7 @@ class Dispatcher:
             other = metrics.other
             if invalid_answers:
                 for invalid, n in invalid_answers.items():
-                    metrics.answered(other, _answer_code(invalid), 0.0, n)
+                    metrics.answered(other, _error_code(invalid, ErrorCode.INVALID_REQUEST), 0.0, n)
             if unknown_methods:
                 metrics.answered(other, ErrorCode.METHOD_NOT_FOUND, 0.0, unknown_methods)
             metrics.notifications[other] += unknown_notifications
@@ -1098,7 +1092,7 @@ class Dispatcher:
     def on_reply(self, worker: Worker, kind: int, call_id: int, aux: int, payload: bytes) -> None:
         """A worker answered `call_id` with a RESULT or ERROR payload (raw JSON), or
         with (part of) a chunk's answers; `aux` is its service time in microseconds."""
-        if kind == _CHUNK_PART:  # some of a chunk's answers; the chunk stays pending
+        if kind == CHUNK_PART:  # some of a chunk's answers; the chunk stays pending
             part = self._pending.get(call_id)
             if part is not None and part.worker is worker:
                 if part.exchange is not None:
@@ -1121,9 +1115,9 @@ class Dispatcher:
             self._count_late(kind, payload, None)
             return
         worker.outstanding -= call.weight
-        awaited = aux != _NOT_RUN and aux >= _AWAITED  # (wire.AWAITED: it blocked the worker for ~0 µs)
+        awaited = aux != NOT_RUN and aux >= AWAITED  # (wire.AWAITED: it blocked the worker for ~0 µs)
         if awaited:
-            aux -= _AWAITED
+            aux -= AWAITED
         sync = call.sync
         if sync:
             if sync > 0:
@@ -1133,32 +1127,32 @@ class Dispatcher:
                     worker.limit = worker.concurrency
                     self._blocked -= 1
             # How long do its calls take? (BLOCKING_US; not from a reply whose handler never ran)
-            if call.methods is None and not call.stale and aux != _NOT_RUN:
+            if call.methods is None and not call.stale and aux != NOT_RUN:
                 index = call.index
                 est = self._sync_us[index]
                 est += ((0 if awaited else aux) - est) >> 3
-                if kind != _ERROR or payload != _CANCEL_ACK:  # (a cancel took no time)
+                if kind != ERROR or payload != CANCEL_ACK:  # (a cancel took no time)
                     self._sync_us[index] = est
                     if (est >= BLOCKING_US) != self._blocking[index]:
                         self._reclassify(index, est)
         exchange = call.exchange
         metrics = self.metrics
         if metrics is not None:
-            if aux == _NOT_RUN:  # no handler ran: no service time
+            if aux == NOT_RUN:  # no handler ran: no service time
                 pass
             elif call.methods is not None:  # a chunk: each call at the chunk's time over its size
                 per_call = aux // len(call.methods)
                 for index, n in _mix(call.methods).items():
                     metrics.service[index].observe_us(per_call, n)
-            elif kind != _RESULT or exchange is None:  # (results: in metrics.result below)
+            elif kind != RESULT or exchange is None:  # (results: in metrics.result below)
                 metrics.service[call.index].observe_us(aux)
         if exchange is not None:
             self._deadlines.remove(call)
             if call.slots is not None:
                 call.exchange = None
-                if kind == _CHUNK_REPLY:
+                if kind == CHUNK_REPLY:
                     self._fill_chunk(call, exchange, payload)
-                    if not call.stale and aux != _NOT_RUN:
+                    if not call.stale and aux != NOT_RUN:
                         self._learn_chunk(call, 0 if awaited else aux)
                 else:  # one ERROR for the whole chunk
                     self._fail_chunk(call, exchange, typing.cast(bytes, _as_timed_out(payload, call)), True)
@@ -1168,7 +1162,7 @@ class Dispatcher:
                 size = len(payload) + len(call.id) + _SPLICE_BYTES
                 budget = exchange.budget
                 outgoing = budget.outgoing
-                if budget.held + size <= self.max_response_bytes and kind == _RESULT and (
+                if budget.held + size <= self.max_response_bytes and kind == RESULT and (
                     outgoing.held + size <= outgoing.limit
                 ):
                     budget.held += size
@@ -1199,7 +1193,7 @@ class Dispatcher:
         in the metrics as what the worker answered."""
         metrics = self.metrics
         if metrics is not None:
-            if kind == _RESULT:
+            if kind == RESULT:
                 metrics.result(call.index, _clock() - call.arrival, aux)
             else:
                 metrics.answered(call.index, _error_code(payload), _clock() - call.arrival)
@@ -1210,9 +1204,9 @@ class Dispatcher:
         answer's bytes), or with -32603 if the answer would take its connection's answers
         owed past max_response_bytes, or all connections' past max_outgoing_bytes (a
         result too: then `error` is that result)."""
-        if error == _CANCEL_ACK:  # (see `_as_timed_out`)
+        if error == CANCEL_ACK:  # (see `_as_timed_out`)
             error = _timed_out(call)
-            size += len(error) - len(_CANCEL_ACK)
+            size += len(error) - len(CANCEL_ACK)
         budget = exchange.budget
         outgoing = budget.outgoing
         if budget.held + size <= self.max_response_bytes and outgoing.held + size <= outgoing.limit:
@@ -1290,17 +1284,17 @@ class Dispatcher:
         CANCEL (`wire.CANCEL_ACK`) or as a late result. `call`: whose reply it is, or
         None for an id not pending on this worker (then each answer counts)."""
         slots = call.slots if call is not None else None
-        if kind == _CHUNK_REPLY or kind == _CHUNK_PART:
-            unpack = _REPLY_ENTRY.unpack_from
-            size = _REPLY_ENTRY.size
-            ack = len(_CANCEL_ACK)
+        if kind == CHUNK_REPLY or kind == CHUNK_PART:
+            unpack = REPLY_ENTRY.unpack_from
+            size = REPLY_ENTRY.size
+            ack = len(CANCEL_ACK)
             pos, end = 0, len(payload)
             while pos + size <= end:
                 i, entry_kind, length = unpack(payload, pos)
                 pos += size
                 if slots is not None and i < len(slots) and slots[i] < 0:
                     pass  # a notification's
-                elif entry_kind == _ERROR and length == ack and payload[pos : pos + length] == _CANCEL_ACK:
+                elif entry_kind == ERROR and length == ack and payload[pos : pos + length] == CANCEL_ACK:
                     self.late_cancelled_total += 1
                 else:
                     self.late_results_total += 1
@@ -1311,8 +1305,8 @@ class Dispatcher:
             elif slots is not None:  # one ERROR frame for a whole chunk
                 calls = len(slots) - slots.count(-1)
             else:
-                calls = int(call.kind != _NOTIFY)
-            if kind == _ERROR and payload == _CANCEL_ACK:
+                calls = int(call.kind != NOTIFY)
+            if kind == ERROR and payload == CANCEL_ACK:
                 self.late_cancelled_total += calls
             else:
                 self.late_results_total += calls
@@ -1331,8 +1325,8 @@ class Dispatcher:
         answers = exchange.answers
         gone = exchange.budget.outgoing is _GONE  # (its connection is: `forget`)
         view = memoryview(payload)
-        unpack = _REPLY_ENTRY.unpack_from
-        size = _REPLY_ENTRY.size
+        unpack = REPLY_ENTRY.unpack_from
+        size = REPLY_ENTRY.size
         join = b"".join
         end = len(payload)
         pos = filled = 0
@@ -1352,7 +1346,7 @@ class Dispatcher:
                 result = payload[pos : pos + length] if length < _VIEW_FROM else view[pos : pos + length]
                 if gone:
                     answer = b""
-                elif entry_kind == _RESULT:
+                elif entry_kind == RESULT:
                     answer = join((_RESP_HEAD, ids[i], _RESP_RESULT, result, b"}"))  # response_result, inline
                 else:
                     answer = response_error(ids[i], _as_timed_out(result, call))
@@ -1361,13 +1355,13 @@ class Dispatcher:
                     room += len(answer)
                     answer = self._oversize(ids[i], connection, outgoing)
                     room -= len(answer)  # (admitted past the limit: it is small)
-                    entry_kind = _ERROR
+                    entry_kind = ERROR
                     if refused is None:
                         refused = set()
                     refused.add(i)
                     result = _TOO_LARGE_MARK
                 answers[slot] = answer
-                if entry_kind == _RESULT:
+                if entry_kind == RESULT:
                     results += 1
                 elif metrics is not None:
                     metrics.answered(
@@ -1388,7 +1382,7 @@ class Dispatcher:
                 pos = 0
                 while pos < end:
                     i, entry_kind, length = unpack(payload, pos)
-                    if entry_kind == _RESULT and slots[i] >= 0 and (refused is None or i not in refused):
+                    if entry_kind == RESULT and slots[i] >= 0 and (refused is None or i not in refused):
                         mix[methods[i]] += 1
                     pos += size + length
             for index, n in mix.items():
@@ -1522,7 +1516,7 @@ class Dispatcher:
         if call.tick:
             self._deadlines.remove(call)
         if call.worker is None:  # never sent: its notifications are dropped unrun
-            dropped = call.slots.count(-1) if call.slots is not None else int(call.kind == _NOTIFY)
+            dropped = call.slots.count(-1) if call.slots is not None else int(call.kind == NOTIFY)
             if dropped:
                 self.notifications_dropped[code] = self.notifications_dropped.get(code, 0) + dropped
         exchange = call.exchange

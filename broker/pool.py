@@ -98,6 +98,8 @@ import typing
 from broker import wire
 from broker.config import ConfigError
 from broker.dispatch import Dispatcher
+from broker.errors import LocalError
+from broker.wire import BYE, CHUNK_REPLY, ERROR, HELLO, RESULT
 from broker.worker import WORKER_BOOT_ERROR
 
 __all__ = ["TRANSITIONS", "CodeChanged", "Pool", "Worker", "WorkerBootError", "WorkerChannel", "WorkerState"]
@@ -129,10 +131,12 @@ SUPERSEDED = "superseded by the reload"  # kill_reason of one refused so during 
 KILL_AFTER_SECONDS = 2.0  # a worker whose socket closed but lives on is killed after
 
 
-class WorkerBootError(Exception):
+class WorkerBootError(LocalError):
     """A worker exited before its HELLO while the pool was starting: it could not load
     the app (exit status `WORKER_BOOT_ERROR`, or any other), or it sent no HELLO within
     the boot timeout (an import that hangs, or a process stopped at import)."""
+
+    hint = "fix the app or its environment, then start the broker again: a bad deploy is not retried"
 
 
 class Worker:
@@ -184,11 +188,6 @@ class Worker:
         return f"<Worker slot={self.slot} pid={self.pid} {self.state.name} outstanding={self.outstanding}>"
 
 
-_HELLO = int(wire.Kind.HELLO)
-_BYE = int(wire.Kind.BYE)
-_RESULT = int(wire.Kind.RESULT)
-_ERROR = int(wire.Kind.ERROR)
-_CHUNK_REPLY = int(wire.Kind.CHUNK_REPLY)
 _pack_header = wire.HEADER.pack
 _pack_call = wire.CALL_HEADER.pack
 _DEADLINE_SIZE = wire.DEADLINE.size
@@ -198,6 +197,8 @@ FLUSH_AT_BYTES = 256 * 1024  # write at once past this much queued, else once pe
 class CodeChanged(wire.FrameError):
     """A restarted worker's HELLO names other methods than the pool serves: the app
     changed on disk without a SIGHUP (`Pool.hello`); a reload to that code follows."""
+
+    hint = "a reload to the code on disk follows by itself; send SIGHUP after changing the app"
 
 
 class WorkerChannel(asyncio.Protocol):
@@ -230,13 +231,13 @@ class WorkerChannel(asyncio.Protocol):
         try:
             frames = self._decoder.feed(data)
         except wire.FrameError as exc:
-            log.error("worker %s sent a bad frame: %s", self.worker, exc)
+            log.error("worker %s sent a bad frame: %s (%s)", self.worker, exc, exc.hint)
             self.close()
             return
         worker = self.worker
         on_reply = self._dispatcher.on_reply
         for kind, call_id, aux, payload in frames:
-            if worker is not None and (kind == _RESULT or kind == _ERROR or kind >= _CHUNK_REPLY):
+            if worker is not None and (kind == RESULT or kind == ERROR or kind >= CHUNK_REPLY):
                 # (a `try` costs nothing until it catches, CPython 3.11's zero-cost exceptions)
                 try:
                     on_reply(worker, kind, call_id, aux, payload)
@@ -244,7 +245,7 @@ class WorkerChannel(asyncio.Protocol):
                     # write after its half-close) must not close this channel: the worker would
                     # be lost with every other client's calls on it (-32002)
                     log.exception("answering call %d of worker %s failed; the worker is kept", call_id, worker)
-            elif kind == _HELLO and worker is None:
+            elif kind == HELLO and worker is None:
                 try:
                     worker = self.worker = self._pool.hello(self, wire.decode_hello(payload))
                 except wire.WireMismatch as exc:
@@ -260,7 +261,7 @@ class WorkerChannel(asyncio.Protocol):
                     log.error("rejected a worker connection: %s", exc)
                     self.close()
                     return
-            elif kind == _BYE and worker is not None:  # it asks to leave (SIGTERM)
+            elif kind == BYE and worker is not None:  # it asks to leave (SIGTERM)
                 self._pool.worker_leaving(worker)
             else:
                 log.error("worker %s sent an unexpected frame kind %d", worker, kind)
@@ -314,7 +315,7 @@ class Pool:
         app: str,
         concurrency: int = 100,
         max_depth: int = 64,
-        max_frame_bytes: int = 16 * 1024 * 1024,
+        max_frame_bytes: int = wire.MAX_FRAME_BYTES,
         restart_backoff_max: float = 10.0,
         boot_timeout: float = BOOT_TIMEOUT_SECONDS,
         socket_dir: str = "",

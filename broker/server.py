@@ -491,7 +491,7 @@ async def run(
         try:
             starting.result()
         except WorkerBootError as exc:
-            log.error("%s", exc)
+            log.error("%s (%s)", exc, exc.hint)
             await give_up()
             return WORKER_BOOT_ERROR
         except TimeoutError as exc:

@@ -80,20 +80,32 @@ from enum import IntEnum
 
 import msgspec
 
+from broker.errors import RemoteError
 from broker.jsonrpc import ErrorCode, error_object
 
 __all__ = [
     "AWAITED",
+    "BYE",
+    "CALL",
     "CALL_ENTRY",
     "CALL_HEADER",
+    "CANCEL",
     "CANCEL_ACK",
+    "CHUNK",
+    "CHUNK_PART",
+    "CHUNK_REPLY",
     "DEADLINE",
+    "ERROR",
     "HEADER",
     "HEADER_SIZE",
+    "HELLO",
+    "MAX_FRAME_BYTES",
     "MAX_METHODS",
+    "NOTIFY",
     "NOTIFY_FLAG",
     "NOT_RUN",
     "REPLY_ENTRY",
+    "RESULT",
     "VERSION",
     "FrameDecoder",
     "FrameError",
@@ -120,6 +132,12 @@ class Kind(IntEnum):
     CHUNK = 8
     CHUNK_REPLY = 9
     CHUNK_PART = 10
+
+
+# The kinds as plain ints, declared here once for every module that reads or writes
+# frames: the hot paths compare a frame's kind per frame, and an IntEnum member compares
+# slower than an int (IntEnum.__eq__ is looked up on the subclass).
+HELLO, CALL, NOTIFY, RESULT, ERROR, CANCEL, BYE, CHUNK, CHUNK_REPLY, CHUNK_PART = map(int, Kind)
 
 
 HEADER = struct.Struct(">IBQI")
@@ -154,6 +172,8 @@ _KINDS = frozenset(int(k) for k in Kind)
 # is version 1's. A worker started from code upgraded in place under a running broker (a
 # SIGHUP after `pip install -U`) speaks another, and is refused with a message saying so.
 VERSION = 2
+# The default of max_frame_bytes (config.py's too): the largest frame either side takes.
+MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 
 class MethodInfo(msgspec.Struct, frozen=True):
@@ -186,14 +206,18 @@ class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     wire: int = VERSION
 
 
-class FrameError(Exception):
+class FrameError(RemoteError):
     """The peer sent bytes that are not a valid frame; the connection must close."""
+
+    hint = "the worker is killed and replaced; its calls in flight are answered -32002"
 
 
 class WireMismatch(FrameError):
     """A HELLO of another version of this format (`VERSION`): the worker runs other
     rpc-broker code than the broker (upgraded in place under it). pid, slot, version: the
     worker's, as its HELLO gives them."""
+
+    hint = "restart the broker (not a reload) to run the code on disk"
 
     def __init__(self, pid: int, slot: int, version: int) -> None:
         self.pid, self.slot, self.version = pid, slot, version
@@ -240,7 +264,7 @@ class FrameDecoder:
 
     __slots__ = ("_buf", "max_frame_bytes")
 
-    def __init__(self, max_frame_bytes: int = 16 * 1024 * 1024) -> None:
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buf = bytearray()
         self.max_frame_bytes = max_frame_bytes
 

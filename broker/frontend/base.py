@@ -30,6 +30,8 @@ __all__ = [
     "EVICT_BATCH",
     "LINGER_TIME",
     "LINGER_TIMEOUT",
+    "PIPELINE_HIGH",
+    "PIPELINE_LOW",
     "SLOW_TURN_SECONDS",
     "SMALL_READ_BYTES",
     "SWEEP_SECONDS",
@@ -85,6 +87,11 @@ CHARGED_SECONDS = 0.0002  # a read's time below this is not counted in its itera
 _last_active = operator.attrgetter("last_active")
 
 
+# Flow control by answers owed, for both protocols: reading pauses while more than
+# PIPELINE_HIGH requests (HTTP) or bodies (NDJSON lines) wait for answers on one
+# connection, and resumes below PIPELINE_LOW.
+PIPELINE_HIGH = 64
+PIPELINE_LOW = 16
 BEHIND_SHARE = 4  # a client whose unread answers reached 1/4 of max_response_bytes fell behind
 
 

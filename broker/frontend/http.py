@@ -130,6 +130,8 @@ from broker.frontend.base import (
     CHARGED_SECONDS,
     LINGER_TIME,
     LINGER_TIMEOUT,
+    PIPELINE_HIGH,
+    PIPELINE_LOW,
     SMALL_READ_BYTES,
     SWEEP_SECONDS,
     TURN_BYTES,
@@ -149,8 +151,6 @@ from broker.metrics import HTTP_PATHS
 __all__ = ["PROBE_OVERFLOW", "PROBE_RESERVE", "HttpFrontend", "HttpProtocol"]
 
 
-PIPELINE_HIGH = 64  # requests owed on one connection before reading pauses
-PIPELINE_LOW = 16  # ... and resumes
 _perf = time.perf_counter
 REQUESTS_PER_TURN = 16  # requests routed from one read per loop turn; the rest waits (NDJSON's LINES_PER_TURN)
 TURN_REQUEST_BYTES = 64 * 1024  # ... or fewer: requests of this many bytes end a turn too (NDJSON's TURN_LINE_BYTES)

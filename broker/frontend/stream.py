@@ -74,6 +74,8 @@ from broker.frontend.base import (
     CHARGED_SECONDS,
     LINGER_TIME,
     LINGER_TIMEOUT,
+    PIPELINE_HIGH,
+    PIPELINE_LOW,
     SMALL_READ_BYTES,
     SWEEP_SECONDS,
     TURN_BYTES,
@@ -90,8 +92,6 @@ __all__ = ["REFUSED_LINGERING", "StreamFrontend", "StreamProtocol"]
 
 
 _perf = time.perf_counter
-PIPELINE_HIGH = 64  # bodies owed on one connection before reading pauses (as for HTTP)
-PIPELINE_LOW = 16  # ... and resumes
 LINES_PER_TURN = 16  # lines handled per callback; the rest of a read waits a loop iteration
 # ... or fewer: lines of this many bytes in all end a turn too (one line at least). A line
 # can be a batch of 1000 calls (about 60 KB): 16 of them, 16,000 calls decoded and routed

@@ -15,13 +15,11 @@ import logging
 import traceback
 import typing
 
-from broker import wire
 from broker.jsonrpc import ErrorCode, error_object
+from broker.wire import ERROR
 from broker.worker.params import InvalidParams, Method, NestingTooDeep
 from broker.worker.results import InvalidJson, NoJsonForm
 from broker.worker.sdk import RpcError, _Refused, _rpc_error_object
-
-_ERROR = int(wire.Kind.ERROR)
 
 log = logging.getLogger("broker.worker")  # (one logger for the package: its records say `broker.worker`)
 
@@ -109,7 +107,7 @@ class ErrorAnswers:
     def _too_large(self, kind: int, size: int) -> bytes:
         """-32603 for an answer of `size` bytes past max_frame_bytes: a result's, or
         (`kind` ERROR) an error object's, as an RpcError with a big `data`."""
-        what = "error object" if kind == _ERROR else "result"
+        what = "error object" if kind == ERROR else "result"
         return error_object(
             ErrorCode.INTERNAL_ERROR, data=f"{what} of {size} bytes exceeds max_frame_bytes {self._max_result}"
         )

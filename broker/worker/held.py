@@ -16,12 +16,11 @@ import threading
 import time
 import typing
 
-from broker import wire
+from broker.wire import CHUNK_PART
 
 if typing.TYPE_CHECKING:
     from broker.worker.runtime import _Chunk
 
-_CHUNK_PART = int(wire.Kind.CHUNK_PART)
 _perf = time.perf_counter
 
 
@@ -94,7 +93,7 @@ class HeldAnswers:
             chunks.add(self._advancing)
         for chunk in chunks:
             if chunk.unsent:
-                self._reply(_CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
+                self._reply(CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
                 chunk.unsent.clear()
         out = self._out
         if out:

@@ -29,11 +29,14 @@ from collections.abc import Callable
 import msgspec
 
 from broker import collisions
+from broker.errors import RemoteError
 from broker.jsonscan import nests_deeper
 
 
-class InvalidParams(Exception):
+class InvalidParams(RemoteError):
     """params did not fit the signature: which parameter (or None) and why."""
+
+    hint = "answered -32602, its data {param, reason}"
 
     def __init__(self, param: str | None, reason: str) -> None:
         super().__init__(param, reason)
@@ -719,8 +722,10 @@ def _struct_default(value: object) -> object:
     return value
 
 
-class NestingTooDeep(Exception):
+class NestingTooDeep(RemoteError):
     """params nest arrays/objects deeper than the configured max_depth."""
+
+    hint = "answered -32600 (max_depth)"
 
 
 def _check_raw(params: bytes, max_depth: int, deep: bool) -> None:

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--app", required=True)
     parser.add_argument("--concurrency", type=int, default=100)
     parser.add_argument("--max-depth", type=int, default=64)
-    parser.add_argument("--max-frame-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--max-frame-bytes", type=int, default=wire.MAX_FRAME_BYTES)
     parser.add_argument("--debug", action="store_true")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--parent-pid", type=int, default=0,

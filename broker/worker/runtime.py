@@ -37,6 +37,21 @@ from collections.abc import Callable
 import msgspec
 
 from broker import wire
+from broker.wire import (
+    AWAITED,
+    BYE,
+    CALL,
+    CALL_ENTRY,
+    CANCEL,
+    CHUNK,
+    CHUNK_PART,
+    CHUNK_REPLY,
+    ERROR,
+    NOT_RUN,
+    NOTIFY,
+    REPLY_ENTRY,
+    RESULT,
+)
 from broker.worker.errors import ErrorAnswers, _text
 from broker.worker.held import HeldAnswers
 from broker.worker.params import _drop_flag_members
@@ -46,17 +61,6 @@ from broker.worker.sdk import Registry
 log = logging.getLogger("broker.worker")  # (one logger for the package: its records say `broker.worker`)
 
 
-_RESULT = int(wire.Kind.RESULT)
-_ERROR = int(wire.Kind.ERROR)
-_CALL = int(wire.Kind.CALL)
-_NOTIFY = int(wire.Kind.NOTIFY)
-_CANCEL = int(wire.Kind.CANCEL)
-_CHUNK = int(wire.Kind.CHUNK)
-_CHUNK_PART = int(wire.Kind.CHUNK_PART)
-_CHUNK_REPLY = int(wire.Kind.CHUNK_REPLY)
-_CALL_ENTRY = wire.CALL_ENTRY
-_REPLY_ENTRY = wire.REPLY_ENTRY
-_BYE = int(wire.Kind.BYE)
 _BYE_FRAME = wire.encode_frame(wire.Kind.BYE, 0)  # (SIGTERM: see WorkerProtocol.stop)
 _pack_header = wire.HEADER.pack
 _deadline_of = wire.DEADLINE.unpack_from  # a call's deadline, at the start of its frame's payload
@@ -64,8 +68,6 @@ _DEADLINE_SIZE = wire.DEADLINE.size
 _perf = time.perf_counter
 _monotonic = time.monotonic  # the clock of the deadlines the broker sends (wire.py)
 _CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a late result
-_NOT_RUN = wire.NOT_RUN  # a reply's aux when the handler never ran (wire.py)
-_AWAITED = wire.AWAITED  # a flag in a reply's aux: a sync-declared method's call was awaited (wire.py)
 # `_execute`'s kind for an ERROR whose handler never ran (its params did not bind, or no
 # such method): the reply's aux says NOT_RUN, and no method's speed is learnt from it.
 _UNRUN = -1
@@ -279,7 +281,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         slot: int,
         concurrency: int,
         max_depth: int = 64,
-        max_frame_bytes: int = 16 * 1024 * 1024,
+        max_frame_bytes: int = wire.MAX_FRAME_BYTES,
         debug: bool = False,
     ) -> None:
         self._methods = registry.methods()
@@ -401,16 +403,16 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
             return False
         backlog = self._backlog
         for kind, call_id, aux, payload in frames:
-            if kind == _CALL or kind == _NOTIFY or kind == _CHUNK:
+            if kind == CALL or kind == NOTIFY or kind == CHUNK:
                 if len(payload) < _DEADLINE_SIZE:
                     log.error("worker %d: bad frame from broker: a call with no deadline", self._slot)
                     assert self._transport is not None
                     self._transport.close()
                     return False
                 backlog.append((kind, call_id, aux, payload))
-            elif kind == _CANCEL:
+            elif kind == CANCEL:
                 self._cancel(call_id)
-            elif kind == _BYE:
+            elif kind == BYE:
                 self._closing = True
         return True
 
@@ -458,7 +460,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                 self._awaited.pop(task, None)
                 self._answered.add(task)  # (its done callback: nothing to do)
                 self._winding.add(task)
-                self._reply(_ERROR, call_id, typing.cast("tuple[int, int, float]", where)[2], _CANCELLED)
+                self._reply(ERROR, call_id, typing.cast("tuple[int, int, float]", where)[2], _CANCELLED)
                 self._schedule_flush()
             return
         chunk = self._chunks.get(call_id)
@@ -472,7 +474,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                         continue
                     self._answered.add(task)
                     self._winding.add(task)
-                    self._chunk_answer(chunk, typing.cast("tuple[_Chunk, int, int]", where)[1], _ERROR, _CANCELLED)
+                    self._chunk_answer(chunk, typing.cast("tuple[_Chunk, int, int]", where)[1], ERROR, _CANCELLED)
                     chunk.waiting -= 1
             self._drop_unstarted(chunk)
             try:
@@ -484,17 +486,17 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         for i, queued in enumerate(self._backlog):  # rare: a call still waiting here
             if type(queued) is tuple and queued[1] == call_id:
                 del self._backlog[i]
-                self._reply(_ERROR, call_id, _perf(), _CANCELLED)  # a whole chunk, too
+                self._reply(ERROR, call_id, _perf(), _CANCELLED)  # a whole chunk, too
                 return
 
     def _drop_unstarted(self, chunk: _Chunk) -> None:
         """Answer the calls of `chunk` not started yet as cancelled (`CANCEL_ACK`; a
         notification is owed no answer): cancelled, or their deadline passed."""
         while chunk.next < chunk.count:
-            _index, flags, length = _CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
-            chunk.pos += _CALL_ENTRY.size + length
+            _index, flags, length = CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
+            chunk.pos += CALL_ENTRY.size + length
             if not flags & wire.NOTIFY_FLAG:
-                self._chunk_answer(chunk, chunk.next, _ERROR, _CANCELLED)
+                self._chunk_answer(chunk, chunk.next, ERROR, _CANCELLED)
             chunk.next += 1
 
     def _run(self) -> None:
@@ -523,16 +525,16 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                 call_deadline = _deadline_of(payload)[0]
                 if call_deadline <= _monotonic():  # answered -32001 by the broker (wire.py)
                     backlog.popleft()
-                    self._reply(_ERROR, call_id, 0.0, _CANCELLED, _NOT_RUN)  # (a whole chunk, too)
+                    self._reply(ERROR, call_id, 0.0, _CANCELLED, NOT_RUN)  # (a whole chunk, too)
                     continue
                 if (
-                    kind != _CHUNK and self._slow[min(aux, len(self._methods))]
+                    kind != CHUNK and self._slow[min(aux, len(self._methods))]
                     and (self._tasks or any(chunk.waiting for chunk in self._chunks.values()))
                     and self._yield(call_id)
                 ):  # fmt: skip
                     break
                 backlog.popleft()
-                if kind == _CHUNK:
+                if kind == CHUNK:
                     chunk = self._chunks[call_id] = _Chunk(call_id, aux, payload)
                     backlog.appendleft(chunk)
                     continue
@@ -618,7 +620,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
             if _forked_from:  # a child the handler forked returned: `_child_exits`
                 _child_exits(None)
             try:
-                return _RESULT, encode_result(result)
+                return RESULT, encode_result(result)
             except TypeError:  # (no JSON form: checked only now, off the fast path)
                 if not inspect.isawaitable(result):
                     raise
@@ -634,7 +636,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         except BaseException as exc:  # one ERROR reply, the worker lives on
             if _forked_from:  # (a child that raised, sys.exit() included)
                 _child_exits(exc)
-            return _ERROR, self._error(exc, index)
+            return ERROR, self._error(exc, index)
 
     def _flag_call_done(self, task: asyncio.Task[tuple[bool, object]]) -> None:
         """An async call binding enum.Flag members ended: drop them, once nothing holds them
@@ -658,12 +660,12 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
             except BaseException as exc:  # cancelled before it ever ran, or a GeneratorExit
                 ok, value = False, exc  # raised by the handler (_guarded lets that through)
             if ok:
-                return _RESULT, encode_result(value)
+                return RESULT, encode_result(value)
             if (by_broker and isinstance(value, asyncio.CancelledError)) or value is _PAST_DEADLINE:
-                return _ERROR, _CANCELLED
-            return _ERROR, self._error(typing.cast(BaseException, value), index)
+                return ERROR, _CANCELLED
+            return ERROR, self._error(typing.cast(BaseException, value), index)
         except BaseException as exc:  # the result has no JSON form (or a hook raised)
-            return _ERROR, self._error(exc, index)
+            return ERROR, self._error(exc, index)
 
     def _call(self, call_id: int, index: int, params: bytes, deadline: float) -> None:
         index = min(index, len(self._methods))  # (past the table: answered -32601)
@@ -683,7 +685,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         if type(done) is tuple:
             kind = done[0]
             if kind == _UNRUN:  # it says nothing of how long the method takes
-                self._reply(_ERROR, call_id, t0, done[1], _NOT_RUN)
+                self._reply(ERROR, call_id, t0, done[1], NOT_RUN)
                 return
             self._slow[index] = self._reply(kind, call_id, t0, done[1]) >= SLOW_SYNC_US
             return
@@ -694,7 +696,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
             blocked = _perf() - t0
             self._slow[index] = blocked >= _SLOW_SYNC_S
             # (within 10 ms, returned at once, allowing for a loaded machine's delays: wire.AWAITED)
-            self._awaited[task] = -1 if blocked < _AWAITED_WITHIN_S else min(int(blocked * 1e6), _AWAITED - 1)
+            self._awaited[task] = -1 if blocked < _AWAITED_WITHIN_S else min(int(blocked * 1e6), AWAITED - 1)
         self._tasks[call_id] = task
         if not task.done():  # (else finished at once, eagerly: answered by its done callback)
             self._task_of[task] = (call_id, index, t0)
@@ -741,7 +743,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         if _forked_from:  # (forked while the result or error was encoded: a `tolist`, a repr)
             _child_exits(None)
         if awaited < 0:  # a sync handler's awaitable: its time is not the worker's (wire.AWAITED)
-            self._reply(kind, call_id, t0, body, min(int((_perf() - t0) * 1e6), _AWAITED - 1) | _AWAITED)
+            self._reply(kind, call_id, t0, body, min(int((_perf() - t0) * 1e6), AWAITED - 1) | AWAITED)
         elif awaited:  # ... returned after blocking this long: the worker's time, as a sync call's
             self._reply(kind, call_id, t0, body, awaited)
         else:
@@ -763,9 +765,9 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
             self._drop_unstarted(chunk)
             self._dirty.add(chunk)
             return True
-        unpack = _CALL_ENTRY.unpack_from
-        size = _CALL_ENTRY.size
-        pack = _REPLY_ENTRY.pack
+        unpack = CALL_ENTRY.unpack_from
+        size = CALL_ENTRY.size
+        pack = REPLY_ENTRY.pack
         payload = chunk.payload
         unsent = chunk.unsent
         limit = self._max_result
@@ -806,7 +808,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
             if type(done) is tuple:
                 kind, body = done
                 if kind == _UNRUN:  # (no handler ran: nothing learnt)
-                    kind = _ERROR
+                    kind = ERROR
                 else:
                     slow[index] = now - t0 >= _SLOW_SYNC_S
                     if slow[index]:  # (a call of it blocked: the chunk's time is the worker's, not AWAITED; round 25)
@@ -868,12 +870,12 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         CHUNK_PART, so each frame holds at most max_frame_bytes of answers (plus one
         entry header). Only an answer that alone is larger fails (-32603)."""
         if len(body) > self._max_result:
-            kind, body = _ERROR, self._too_large(kind, len(body))
+            kind, body = ERROR, self._too_large(kind, len(body))
         unsent = chunk.unsent
         if unsent and len(unsent) + len(body) > self._max_result:
-            self._reply(_CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(unsent))
+            self._reply(CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(unsent))
             unsent.clear()
-        unsent += _REPLY_ENTRY.pack(i, kind, len(body))
+        unsent += REPLY_ENTRY.pack(i, kind, len(body))
         unsent += body
 
     def _emit(self, chunk: _Chunk) -> None:
@@ -881,12 +883,12 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         to run, else a CHUNK_PART."""
         if chunk.next == chunk.count and not chunk.waiting:
             self._chunks.pop(chunk.chunk_id, None)
-            aux = -1 if chunk.ran else _NOT_RUN
+            aux = -1 if chunk.ran else NOT_RUN
             if chunk.awaited > 0:  # (wire.AWAITED)
-                aux = min(int((_perf() - chunk.t0) * 1e6), _AWAITED - 1) | _AWAITED
-            self._reply(_CHUNK_REPLY, chunk.chunk_id, chunk.t0, bytes(chunk.unsent), aux)
+                aux = min(int((_perf() - chunk.t0) * 1e6), AWAITED - 1) | AWAITED
+            self._reply(CHUNK_REPLY, chunk.chunk_id, chunk.t0, bytes(chunk.unsent), aux)
         elif chunk.unsent:
-            self._reply(_CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
+            self._reply(CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
         else:
             return
         chunk.unsent.clear()
@@ -894,9 +896,9 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
     def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int:
         """Queue one reply frame; returns its service time (µs since `t0`), its aux
         unless `aux` gives one (NOT_RUN). Times are capped below NOT_RUN."""
-        service_us = min(int((_perf() - t0) * 1e6), _AWAITED - 1) if aux < 0 else aux
-        if len(body) > self._max_result and kind < _CHUNK_REPLY:  # the broker would drop the
-            kind, body = _ERROR, self._too_large(kind, len(body))  # connection (chunks: _chunk_answer)
+        service_us = min(int((_perf() - t0) * 1e6), AWAITED - 1) if aux < 0 else aux
+        if len(body) > self._max_result and kind < CHUNK_REPLY:  # the broker would drop the
+            kind, body = ERROR, self._too_large(kind, len(body))  # connection (chunks: _chunk_answer)
         out = self._out
         out += _pack_header(len(body), kind, call_id, service_us)
         out += body
