@@ -906,3 +906,91 @@ def test_plain_enum_and_flag_members_bind_beside_a_decimal() -> None:
         with pytest.raises(InvalidParams) as info:
             method.bind(params, 64)
         assert info.value.param == param and reason in info.value.reason, (params, info.value.args)
+
+
+def _calls(fn: typing.Callable[[], object], wanted: set[object]) -> tuple[object, dict[object, int]]:
+    """Run `fn`; count the calls it makes of the functions in `wanted` (Python functions
+    by code object, C functions by identity), with the interpreter's own profiler hook."""
+    counts: dict[object, int] = dict.fromkeys(wanted, 0)
+    codes = {getattr(f, "__code__", None): f for f in wanted}
+
+    def profile(frame: typing.Any, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code in codes:
+            counts[codes[frame.f_code]] += 1
+        elif event == "c_call" and arg in counts:
+            counts[arg] += 1
+
+    sys.setprofile(profile)
+    try:
+        try:
+            result: object = fn()
+        except InvalidParams as exc:
+            result = exc
+    finally:
+        sys.setprofile(None)
+    return result, counts
+
+
+def test_args_values_beside_a_decimal_are_decoded_as_one_list() -> None:
+    """Hostile testing, round 49 (HIGH): beside a Decimal (or a Raw), each value *args took
+    was checked, written again and decoded on its own, in Python: 1 MiB of `[]` for
+    `*a: set[int]` held a worker 0.7-1.9 s, and two such calls stalled every client of two
+    workers for a second. *args' values are now one list (**kwargs' one object): one check
+    and one decode, whatever their count; places in refusals are as before."""
+    from broker.worker.params import Method as M
+
+    def dargs(d: decimal.Decimal, *a: set[int]) -> None: ...
+    def dkw(d: decimal.Decimal, **kw: set[int]) -> None: ...
+
+    n = 5000
+    method = Method("dargs", dargs)
+    params = json.dumps([1.5, *([k] for k in range(n))]).encode()
+    bound, counts = _calls(lambda: method.bind(params, 64), {M._decode_value})
+    assert bound == ((decimal.Decimal("1.5"), *({k} for k in range(n))), {})
+    assert counts[M._decode_value] == 2  # d, then every *args value at once
+    kwmethod = Method("dkw", dkw)
+    kwparams = json.dumps({"d": "2", **{f"k{k}": [k] for k in range(n)}}).encode()
+    bound, counts = _calls(lambda: kwmethod.bind(kwparams, 64), {M._decode_value})
+    assert bound == ((decimal.Decimal("2"),), {f"k{k}": {k} for k in range(n)})
+    assert counts[M._decode_value] == 2
+    # Refusals name the same parameter and place as one value at a time did.
+    bad = json.dumps([1.5, [1], [2], "x"]).encode()
+    assert _calls(lambda: method.bind(bad, 64), set())[0].__dict__ == {
+        "param": "a", "reason": "Expected `array`, got `str` (params[3])"}
+    bad = json.dumps([1.5, [1], [2, "y"]]).encode()
+    assert _calls(lambda: method.bind(bad, 64), set())[0].__dict__ == {
+        "param": "a", "reason": "Expected `int`, got `str` - at `params[2][1]`"}
+    flood = json.dumps([1.5, [1], one_hash(MAX + 1)]).encode()
+    error = _calls(lambda: method.bind(flood, 64), set())[0]
+    assert isinstance(error, InvalidParams) and error.param == "a"
+    assert "- at `params[2]`: refused (hash flooding)" in error.reason
+    kwbad = json.dumps({"d": "2", **{f"k{k}": [k] for k in range(n)}, "last": [1, "z"]}).encode()
+    assert _calls(lambda: kwmethod.bind(kwbad, 64), set())[0].__dict__ == {
+        "param": "last", "reason": "Expected `int`, got `str` - at `last[1]`"}
+    kwflood = json.dumps({"d": "2", "a": [1], "b": one_hash(MAX + 1)}).encode()
+    error = _calls(lambda: kwmethod.bind(kwflood, 64), set())[0]
+    assert isinstance(error, InvalidParams) and error.param == "b" and "hash flooding" in error.reason
+
+
+def test_a_refused_last_args_or_kwargs_value_costs_what_binding_costs() -> None:
+    """Hostile testing, round 49 (MEDIUM): an *args value that did not fit was looked for by
+    converting one value after another up to it, in Python (1 MiB with the bad value last:
+    0.3-1 s for a -32602). Its place is read from msgspec's refusal of them all; a
+    **kwargs key, which msgspec's refusal does not name, is found by halving: about
+    2 log2(n) conversions, not n."""
+
+    def rest(*a: int) -> None: ...
+    def named(**kw: int) -> None: ...
+
+    n = 4096
+    args_method = Method("rest", rest)
+    error, counts = _calls(lambda: args_method.bind(json.dumps([*range(n), "x"]).encode(), 64), {msgspec.convert})
+    assert isinstance(error, InvalidParams)
+    assert (error.param, error.reason) == ("a", f"Expected `int`, got `str` (params[{n}])")
+    assert counts[msgspec.convert] <= 3
+    kw_method = Method("named", named)
+    params = json.dumps({**{f"k{k}": k for k in range(n)}, "bad": "x"}).encode()
+    error, counts = _calls(lambda: kw_method.bind(params, 64), {msgspec.convert})
+    assert isinstance(error, InvalidParams)
+    assert (error.param, error.reason) == ("bad", "Expected `int`, got `str`")
+    assert counts[msgspec.convert] <= 2 * math.ceil(math.log2(n + 1)) + 4
