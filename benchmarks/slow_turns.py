@@ -3,7 +3,7 @@ cannot be cut (hostile testing, round 44).
 
 Usage: .venv/bin/python benchmarks/slow_turns.py [--connections 16] [--duration 8] [--rounds 2]
                                                [--shape deep|batch|deep300k] [--churn] [--before DIR]
-                                               [--port P]
+                                               [--port P] [--victim-bytes 200000]
 
 A connection's turn ends after TURN_SECONDS (2 ms) of its reads' work, but one request's
 decode cannot be cut: a 1 MiB body nested 200,000 deep (`[{},[{},...]]` params, valid
@@ -22,7 +22,10 @@ round 45).
 Starts a real broker (`--workers 2`) per round. An attacker process opens `--connections`
 keep-alive connections, each writing those bodies two at a time as fast as the broker
 takes them and reading every answer; beside it the victim does, one after another, a
-`GET /healthz` on a new connection and an `add` call on a new connection, 50 ms apart.
+`GET /healthz` on a new connection, an `add` call on a new connection and an `echo` call of
+`--victim-bytes` (200 KB: a call past SMALL_READ_BYTES waits in the lane too, where it came
+after every busy connection until the lane's order became fair: hostile testing, round 49)
+on a new connection, 50 ms apart.
 Prints the victim's p50, p90 and max of each, and the attacker's bodies answered per
 second. `--before DIR`: a checkout of another commit (its `broker` package) measured in
 alternating rounds with this one, so that the machine's noise hits both alike. Prints
@@ -128,7 +131,8 @@ def round_trip(port: int, request: bytes) -> float:
     return time.perf_counter() - began
 
 
-def measure(tree: Path, connections: int, seconds: float, body: bytes, churn: bool, port: int) -> dict[str, float]:
+def measure(tree: Path, connections: int, seconds: float, body: bytes, churn: bool, port: int,
+            victim_bytes: int) -> dict[str, float]:
     broker = start_broker("--workers", "2", "--port", str(port), cwd=tree)  # (the last --port is the one)
     try:
         answered = multiprocessing.Value("q", 0)
@@ -137,10 +141,13 @@ def measure(tree: Path, connections: int, seconds: float, body: bytes, churn: bo
         time.sleep(0.5)
         probes: list[float] = []
         calls: list[float] = []
+        echoes: list[float] = []
+        echo = json.dumps({"jsonrpc": "2.0", "method": "echo", "params": ["z" * victim_bytes], "id": 1}).encode()
         end = time.monotonic() + seconds - 0.8
         while time.monotonic() < end:
             probes.append(round_trip(broker.port, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"))
             calls.append(round_trip(broker.port, post(ADD)[:-len(ADD)].replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n") + ADD))
+            echoes.append(round_trip(broker.port, post(echo)[:-len(echo)].replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n") + echo))
             time.sleep(0.05)
         attacker.join(seconds + 30)
         if attacker.is_alive():
@@ -153,6 +160,7 @@ def measure(tree: Path, connections: int, seconds: float, body: bytes, churn: bo
 
     return {"healthz p50": q(probes, 0.5), "healthz p90": q(probes, 0.9), "healthz max": max(probes) * 1000,
             "add p50": q(calls, 0.5), "add p90": q(calls, 0.9), "add max": max(calls) * 1000,
+            "echo p50": q(echoes, 0.5), "echo p90": q(echoes, 0.9), "echo max": max(echoes) * 1000,
             "bodies/s": answered.value / seconds, "n": len(probes)}
 
 
@@ -165,12 +173,14 @@ def main() -> None:
     parser.add_argument("--churn", action="store_true", help="a new connection for each request")
     parser.add_argument("--port", type=int, default=0, help="the brokers' port (default: one the OS picks)")
     parser.add_argument("--before", type=Path, help="another checkout, measured in alternating rounds")
+    parser.add_argument("--victim-bytes", type=int, default=200_000, help="the size of the victim's echo call")
     args = parser.parse_args()
     trees = ([("before", args.before.resolve())] if args.before else []) + [("this tree", ROOT)]
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
     for _ in range(args.rounds):
         for name, tree in trees:
-            results[name].append(measure(tree, args.connections, args.duration, SHAPES[args.shape], args.churn, args.port))
+            results[name].append(measure(tree, args.connections, args.duration, SHAPES[args.shape], args.churn,
+                                         args.port, args.victim_bytes))
     how = "each opening a new connection for each" if args.churn else "pipelining"
     print(f"{args.connections} clients {how} `{args.shape}` requests ({len(SHAPES[args.shape])} bytes),"
           f" {args.duration:g} s a round, {args.rounds} rounds; ms (median of the rounds)")

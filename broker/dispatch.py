@@ -117,7 +117,6 @@ the same way with no exchange (their late replies are not counted: none was owed
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import time
@@ -129,6 +128,8 @@ import msgspec
 from msgspec import Raw
 
 from broker import wire
+from broker.answers import GONE, Exchange, Outgoing, ResponseBudget
+from broker.deadlines import DeadlineWheel
 from broker.jsonrpc import (
     _RESP_HEAD,  # with _RESP_RESULT: response_result's pieces, for splicing inline
     Body,
@@ -239,173 +240,6 @@ def _hold(call: Call) -> None:
     call.held = _held(call)
 
 
-class Outgoing:
-    """Bytes of answers owed on all the connections of a broker together and not yet
-    taken by their clients (`held`: the sum of their `ResponseBudget`s' `held`). Each
-    connection holds at most max_response_bytes; this bounds them all, whatever
-    max_connections allows (hostile testing: 40 connections that never read their
-    answers held 300 MiB, and 10,000 could hold 320 GiB): an answer that would take
-    `held` past `limit` (max_outgoing_bytes) is answered -32603 instead, and soon after
-    (`on_full`, called once per refusals in a loop iteration) the connections owed the
-    most are reset until it is under half the limit (`frontend.base.shed_outgoing`).
-
-    refused_total: answers refused past the limit.
-    """
-
-    __slots__ = ("held", "limit", "on_full", "refused_total", "shedding")
-
-    def __init__(self, limit: int = 1 << 62) -> None:
-        self.limit = limit
-        self.held = 0
-        self.refused_total = 0
-        self.on_full: Callable[[], None] | None = None  # what sheds (the server sets it)
-        self.shedding = False  # on_full is scheduled
-
-    def over(self) -> None:
-        """`held` is past `limit`: have `on_full` run soon (once until it has run), not
-        while the answer that took it there is being filled in."""
-        if not self.shedding and self.on_full is not None:
-            self.shedding = True
-            asyncio.get_running_loop().call_soon(self.on_full)
-
-
-# What the budget of a lost connection counts in. No answer fits in it (limit -1): the
-# dispatcher keeps nothing for such a connection (`Dispatcher._gone`), whose calls still run.
-_GONE = Outgoing(-1)
-
-
-def forget(exchange: Exchange) -> None:
-    """`exchange`'s connection is gone: drop the answers it holds now, which would be kept
-    until its last call ends (hostile testing, round 13: 180 clients that sent `[a 12 s
-    call, an echo of 900 kB]` and reset held 160 MB for 12 s, counted nowhere). The calls
-    still running fill their slots with nothing (`_GONE`)."""
-    answers = exchange.answers
-    for i, answer in enumerate(answers):
-        if answer:
-            answers[i] = b""
-    exchange.size = 0
-
-
-class ResponseBudget:
-    """Bytes of answers owed on one connection and not yet written to it (`held`).
-
-    Shared by the `Exchange`s of one connection: the dispatcher adds each answer it
-    puts in a slot (`Exchange.size` too) and refuses one that would take `held` past
-    `max_response_bytes`, or `outgoing.held` past its limit; the front-end takes an
-    exchange's `size` back off when it writes (or drops) its answer. So the answers a
-    connection is owed at once, whether one response, one batch array or several
-    pipelined bodies, hold at most `max_response_bytes` (nginx's proxy_buffers play
-    the same part for a proxy). Every change to `held` is made to `outgoing.held` too.
-    """
-
-    __slots__ = ("held", "outgoing", "parked")
-
-    def __init__(self, outgoing: Outgoing) -> None:
-        self.held = 0
-        self.parked = 0  # (in `held`) answers written while the write buffer was past its high mark
-        self.outgoing = outgoing
-
-    def written(self, exchange: Exchange, write_paused: bool) -> None:
-        """The answer of `exchange` was written: its bytes leave `held` now, or when the
-        transport's buffer drains (`drained`) if it was past its high-water mark."""
-        if write_paused:
-            self.parked += exchange.size
-        else:
-            self.held -= exchange.size
-            self.outgoing.held -= exchange.size
-        exchange.size = 0
-
-    def drained(self) -> None:
-        """The write buffer went below its low-water mark (`resume_writing`): the client
-        took the answers written while it was full."""
-        self.held -= self.parked
-        self.outgoing.held -= self.parked
-        self.parked = 0
-
-    def keep(self, exchange: Exchange, size: int) -> None:
-        """Count `size` bytes of answers put in `exchange`'s slots. Past max_outgoing_bytes
-        they are kept all the same (a refusal echoes its id too), and the shedding runs
-        (`Outgoing.over`). Every answer the dispatcher makes is counted here, but a
-        worker's result, whose bound is tested first on the hot path (inline there)."""
-        self.held += size
-        outgoing = self.outgoing
-        outgoing.held += size
-        exchange.size += size
-        if outgoing.held > outgoing.limit:
-            outgoing.over()
-
-    def hold(self, size: int) -> None:
-        """Count `size` bytes of a finished answer the front-end made itself (a 404, a
-        421...) that waits behind the answers owed before it."""
-        self.held += size
-        outgoing = self.outgoing
-        outgoing.held += size
-        if outgoing.held > outgoing.limit:
-            outgoing.over()
-
-    def release(self, size: int, write_paused: bool) -> None:
-        """Such an answer was written (as `written`)."""
-        if write_paused:
-            self.parked += size
-        else:
-            self.held -= size
-            self.outgoing.held -= size
-
-    def lost(self) -> None:
-        """Its connection is gone: what it held leaves `outgoing`, and the answers still
-        to come for it (calls in flight, answered then dropped) count in none."""
-        self.outgoing.held -= self.held
-        self.outgoing = _GONE
-        self.held = self.parked = 0
-
-
-class Exchange(msgspec.Struct, eq=False):
-    """The answers owed for one request body: a single response or a batch array.
-
-    batch: True when the body was a batch (the answer is an array).
-    status: HTTP status of the whole answer (a non-batch error may change it).
-    on_done: called once, with this exchange, when the last slot is filled.
-    answers: one entry per answered element, in request order; None until filled.
-    remaining: slots still waiting for a worker.
-    context: the front-end's own per-request state.
-    budget: the connection's `ResponseBudget` (its own when the caller gave none).
-    size: bytes of the answers the dispatcher filled (counted in `budget.held`).
-
-    A Struct (as `Call`): one is made per request, and a Struct's C `__init__` costs
-    a fraction of a Python one's.
-    """
-
-    batch: bool
-    status: int
-    on_done: Callable[[Exchange], None]
-    answers: list[bytes | None] = []
-    remaining: int = 0
-    context: object = None
-    budget: ResponseBudget = None  # type: ignore[assignment]  # (submit always gives one)
-    size: int = 0
-
-    def fill(self, slot: int, answer: bytes, status: int = 200) -> None:
-        """Put one response in its slot; call back if it was the last one."""
-        self.answers[slot] = answer
-        if status != 200 and not self.batch:
-            self.status = status
-        self.remaining -= 1
-        if self.remaining == 0:
-            self.on_done(self)
-
-    def filled(self, count: int) -> None:
-        """`count` slots were filled directly (a chunk's answers); call back if last."""
-        self.remaining -= count
-        if self.remaining == 0 and count:
-            self.on_done(self)
-
-    def body(self) -> bytes:
-        """The response body: one Response object, or an array of them."""
-        if self.batch:
-            return b"[" + b",".join(typing.cast(list[bytes], self.answers)) + b"]"
-        return typing.cast(bytes, self.answers[0])
-
-
 class Route(typing.NamedTuple):
     """Where a method's calls go: its index in the workers' method list, deadline (s),
     and `sync`: 1 for a sync handler that blocks its worker (see BLOCKING_US), -1 for
@@ -504,76 +338,6 @@ def _as_timed_out(error: bytes | memoryview, call: Call) -> bytes | memoryview:
     deadline in its frame), and answered before the broker's timer fired (the same one,
     1 ms early at most); the client gets what that timer would have given it."""
     return _timed_out(call) if error == CANCEL_ACK else error
-
-
-class DeadlineWheel:
-    """Per-call deadlines, far cheaper than a loop timer per call.
-
-    A loop timer costs about 4 µs to arm and cancel under uvloop (3.3 + 0.9 µs,
-    measured with 100,000 `call_later`/`cancel` pairs), more than the rest of a
-    trivial call's dispatch. Here deadlines are rounded up to ticks of `resolution`
-    seconds (a hashed timing wheel, Varghese & Lauck, SOSP 1987): a call is one entry
-    in its tick's dict (add and remove are O(1)), and one loop timer is armed for the
-    earliest tick that has entries. A deadline fires at most `resolution` late.
-    """
-
-    __slots__ = ("_armed", "_expire", "_loop", "_slots", "_ticks", "_timer", "resolution")
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, expire: Callable[[Call], None], resolution: float = 0.01
-    ) -> None:
-        self._loop = loop
-        self._expire = expire
-        self.resolution = resolution  # s: a tick ends at `tick * resolution`, loop time
-        self._slots: dict[int, dict[Call, None]] = {}
-        self._ticks: list[int] = []  # heap of the ticks in _slots
-        self._timer: asyncio.TimerHandle | None = None
-        self._armed = 0  # the tick the timer is set for, 0 when none
-
-    def add(self, call: Call, now: float) -> None:
-        """Arm `call`'s deadline, `call.timeout` seconds after `now` (loop time)."""
-        tick = int((now + call.timeout) / self.resolution) + 1
-        slot = self._slots.get(tick)
-        if slot is None:
-            slot = self._slots[tick] = {}
-            heapq.heappush(self._ticks, tick)
-            if not self._armed or tick < self._armed:
-                self._arm(tick)
-        slot[call] = None
-        call.tick = tick
-
-    def remove(self, call: Call) -> None:
-        """Disarm `call`'s deadline (it was answered)."""
-        slot = self._slots.get(call.tick)
-        if slot is not None:
-            slot.pop(call, None)
-        call.tick = 0
-
-    def __len__(self) -> int:
-        return sum(len(slot) for slot in self._slots.values())
-
-    def _arm(self, tick: int) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._armed = tick
-        self._timer = self._loop.call_at(tick * self.resolution, self._fire)
-
-    def _fire(self) -> None:
-        self._timer = None
-        # The tick the timer was set for is due, even if the loop's clock reads a little
-        # less: uvloop's timers have 1 ms steps, and fire up to one early by loop.time()
-        # (measured: re-armed for the same tick until the clock caught up, 241 wake-ups
-        # for 20 deadlines on 10 ticks; 10 now).
-        now = max(int(self._loop.time() / self.resolution), self._armed)
-        self._armed = 0
-        ticks = self._ticks
-        while ticks and ticks[0] <= now:
-            slot = self._slots.pop(heapq.heappop(ticks))
-            for call in slot:
-                call.tick = 0
-                self._expire(call)
-        if ticks:
-            self._arm(ticks[0])
 
 
 class Dispatcher:
@@ -1175,7 +939,7 @@ class Dispatcher:
                     exchange.remaining -= 1
                     if not exchange.remaining:
                         exchange.on_done(exchange)
-                elif outgoing is _GONE:
+                elif outgoing is GONE:
                     self._gone(call, exchange, kind, payload, aux)
                 else:
                     self._answer_error(call, exchange, payload, size)
@@ -1225,7 +989,7 @@ class Dispatcher:
         call `id_`, whose own answer would take its connection's answers owed past
         max_response_bytes (`connection`), else all connections' past max_outgoing_bytes
         (`outgoing`'s limit). Nothing for a connection gone (`forget`)."""
-        if outgoing is _GONE:
+        if outgoing is GONE:
             return b""
         if not connection:
             outgoing.refused_total += 1
@@ -1323,7 +1087,7 @@ class Dispatcher:
         metrics = self.metrics
         results = 0  # results filled (for metrics)
         answers = exchange.answers
-        gone = exchange.budget.outgoing is _GONE  # (its connection is: `forget`)
+        gone = exchange.budget.outgoing is GONE  # (its connection is: `forget`)
         view = memoryview(payload)
         unpack = REPLY_ENTRY.unpack_from
         size = REPLY_ENTRY.size
@@ -1402,9 +1166,9 @@ class Dispatcher:
         limit = self.max_response_bytes
         for i, (slot, id_) in enumerate(zip(typing.cast(list[int], call.slots), typing.cast(list[Raw], call.ids))):
             if slot >= 0 and answers[slot] is None:
-                answer = response_error(id_, error) if outgoing is not _GONE else b""
+                answer = response_error(id_, error) if outgoing is not GONE else b""
                 # (a worker's error object can be large)
-                if outgoing is _GONE:
+                if outgoing is GONE:
                     if metrics is not None:
                         metrics.answered(methods[i], code, latency)
                 elif budget.held + len(answer) > limit or outgoing.held + len(answer) > outgoing.limit:
@@ -1529,7 +1293,7 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.answered(call.index, code, _clock() - call.arrival)
         # (a broker error: small, counted all the same; nothing for a connection gone)
-        answer = response_error(call.id, error) if exchange.budget.outgoing is not _GONE else b""
+        answer = response_error(call.id, error) if exchange.budget.outgoing is not GONE else b""
         exchange.budget.keep(exchange, len(answer))
         if remaining:
             exchange.fill(call.slot, answer, http_status(code))

@@ -2849,3 +2849,24 @@ def test_a_strided_memoryview_is_written_as_its_bytes():
     """Hostile testing (round 39): `memoryview(b"abcdef")[::2]` answered -32603 (msgspec
     writes only a contiguous one); its bytes in order are written, base64, as bytes are."""
     assert encode_result(memoryview(b"abcdef")[::2]) == encode_result(b"ace") == b'"YWNl"'
+
+
+@pytest.mark.parametrize("hint", [
+    collections.Counter[int], collections.OrderedDict[int, int], collections.defaultdict[int, int],
+    collections.deque[int], "Plain", "Plain | None", "list[Plain]",
+])
+def test_a_hint_msgspec_cannot_decode_fails_the_registration(hint):
+    """Hostile testing, round 49 (LOW): hints msgspec takes for custom types (it decodes
+    them only with a dec_hook, which the worker has not) registered fine, and then every
+    call giving them was refused -32602 ("Expected `Counter`, got `dict`"): the author
+    learnt it in production. It fails the registration, naming the method and the type."""
+
+    class Plain:
+        pass
+
+    def take(value):  # its hint set below (a local class in a string hint would not resolve)
+        return value
+
+    take.__annotations__ = {"value": eval(hint, {"Plain": Plain}) if isinstance(hint, str) else hint}
+    with pytest.raises(TypeError, match=r"method 'take': a type hint holds \S+, which msgspec cannot decode"):
+        Method("take", take)

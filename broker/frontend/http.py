@@ -71,7 +71,7 @@ requests a turn (or fewer, past TURN_REQUEST_BYTES of them: a request can be a b
 `_next_turn`; NDJSON's LINES_PER_TURN): httptools parses all it is fed at once, and
 requests answered at once never fill the pipeline to pause reading.
 Memory for answers: the answers a connection is owed and its client has not read stay
-under `max_response_bytes` (`dispatch.ResponseBudget`; results past it are answered
+under `max_response_bytes` (`answers.ResponseBudget`; results past it are answered
 -32603). While it is reached, or the client is not reading, requests already read wait
 undispatched (`_Deferred` in `_waiting`, holding their place in `_responses`), and go
 one at a time once the client reads (`_busy`, `_one_by_one`).
@@ -124,7 +124,8 @@ from http import HTTPStatus
 
 import httptools
 
-from broker.dispatch import Dispatcher, Exchange, ResponseBudget, forget
+from broker.answers import Exchange, ResponseBudget, forget
+from broker.dispatch import Dispatcher
 from broker.frontend.base import (
     ADMIT_SECONDS,
     CHARGED_SECONDS,
@@ -678,6 +679,7 @@ class HttpProtocol(asyncio.Protocol):
         "_waiting_bytes",
         "_write_paused",
         "accepted_at",
+        "lane_finish",
         "last_active",
         "lingering_since",
         "read_paused",
@@ -691,6 +693,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def __init__(self, frontend: HttpFrontend) -> None:
         self._fe = frontend
+        self.lane_finish = 0.0  # its turns' last finish in the slow lane (`SlowLane.add`)
         self._parser = httptools.HttpRequestParser(self)
         self._head_bytes = 0  # raw bytes received while a request's head is incomplete
         self._head_done = False
@@ -935,10 +938,11 @@ class HttpProtocol(asyncio.Protocol):
         self._read_at = fe.loop.time()
         if (len(data) + len(self._body) > SMALL_READ_BYTES and fe.slow_lane.spent > ADMIT_SECONDS  # (the hot path: one test)
                 and not self.read_paused and not fe.draining):
+            held = len(data) + len(self._body)  # (what its turn may decode: the lane charges it)
             forced = not fe.keep_backlog(self, data)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
             self._pause()
             if forced or not self._write_paused:  # else `resume_writing` schedules it
-                self._schedule_turn(math.inf)
+                self._schedule_turn(math.inf, held)
             return
         turn = self._turn_bytes = self._turn_bytes + len(data)
         ours = False  # this read ends the turn: its next is scheduled below, once its time is known
@@ -968,7 +972,7 @@ class HttpProtocol(asyncio.Protocol):
         else:
             spent = 0.0
         if ours:  # (a slow turn's next is the slow lane's, TURN_BYTES's too: round 45, it was not)
-            fe.next_turn(self._end_turn, spent)
+            fe.next_turn(self, self._end_turn, spent)
         if fe.draining:
             if self._unread:
                 self._read_before_stop(len(data))
@@ -1136,14 +1140,14 @@ class HttpProtocol(asyncio.Protocol):
                 return
             size = FEED_BYTES if self.requests != before else size * 2
 
-    def _schedule_turn(self, spent: float = 0.0) -> None:
+    def _schedule_turn(self, spent: float = 0.0, held: int = 0) -> None:
         """Call `_next_turn` in the loop's next iteration (or the slow lane's: the turn
         took `spent` s, `Listener.next_turn`), unless it is due already: the answers that
         each let it go on (`_flush_ready`) must not each add a turn (one connection's turns
         per iteration stay one)."""
         if not self._turn_due:
             self._turn_due = True
-            self._fe.next_turn(self._next_turn, spent)
+            self._fe.next_turn(self, self._next_turn, spent, held)
 
     def _next_turn(self) -> None:
         """Go on with the requests of a read left in `_backlog`; reading resumes
@@ -1704,7 +1708,7 @@ class HttpProtocol(asyncio.Protocol):
             if busy is not None and busy.remaining:
                 break  # one at a time: see _busy
             if turn == 0 or _perf() > deadline:
-                fe.next_turn(self._dispatch_waiting, _perf() - deadline + TURN_SECONDS)
+                fe.next_turn(self, self._dispatch_waiting, _perf() - deadline + TURN_SECONDS)
                 break
             turn -= 1
             deferred = waiting.popleft()

@@ -27,7 +27,7 @@ Limits:
     already taken (`_backlog`) until fewer than `PIPELINE_LOW` are owed; a connection whose write buffer
     stays full (its client does not read) for `send_timeout` seconds is aborted
     the answers a connection is owed and has not read stay under `max_response_bytes`
-    (`dispatch.ResponseBudget`: results past it are answered -32603); while it is
+    (`answers.ResponseBudget`: results past it are answered -32603); while it is
     reached, or the client is not reading, the lines read wait undispatched in
     `_waiting`, and go one at a time once it reads (`_busy`, `_one_by_one`); a line
     left in `_backlog` goes, in its turn, to dispatch or to the end of `_waiting`
@@ -68,7 +68,8 @@ import time
 import typing
 from collections import deque
 
-from broker.dispatch import Dispatcher, Exchange, ResponseBudget, forget
+from broker.answers import Exchange, ResponseBudget, forget
+from broker.dispatch import Dispatcher
 from broker.frontend.base import (
     ADMIT_SECONDS,
     CHARGED_SECONDS,
@@ -224,6 +225,7 @@ class StreamProtocol(asyncio.Protocol):
         "_waiting",
         "_waiting_bytes",
         "_write_paused",
+        "lane_finish",
         "last_active",
         "line_started",
         "lines",
@@ -237,6 +239,7 @@ class StreamProtocol(asyncio.Protocol):
 
     def __init__(self, frontend: StreamFrontend) -> None:
         self._fe = frontend
+        self.lane_finish = 0.0  # its turns' last finish in the slow lane (`SlowLane.add`)
         self._buffer = bytearray()  # the incomplete last line
         self._incoming = 0  # its bytes, as counted in the listener's `Incoming`
         self._turn_bytes = 0  # bytes received since the last turn's pause (TURN_BYTES)
@@ -370,10 +373,11 @@ class StreamProtocol(asyncio.Protocol):
         transport = self._transport
         if (len(data) + len(self._buffer) > SMALL_READ_BYTES and fe.slow_lane.spent > ADMIT_SECONDS  # (the hot path: one test)
                 and not self.read_paused and transport is not None):
+            held = len(data) + len(self._buffer)  # (what its turn may decode: the lane charges it)
             forced = not fe.keep_backlog(self, data)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
             transport.pause_reading()
             if forced or not self._write_paused:  # else `resume_writing` schedules it
-                self._schedule_turn(math.inf)
+                self._schedule_turn(math.inf, held)
             return
         turn = self._turn_bytes = self._turn_bytes + len(data)
         ours = False  # this read ends the turn: its next is scheduled below, once its time is known
@@ -397,7 +401,7 @@ class StreamProtocol(asyncio.Protocol):
         else:
             spent = 0.0
         if ours:  # (a slow turn's next is the slow lane's, TURN_BYTES's too: round 45, it was not)
-            fe.next_turn(self._end_turn, spent)
+            fe.next_turn(self, self._end_turn, spent)
         if self.lines != lines:  # empty lines, or a line still coming, are not activity:
             self.last_active = now  # they keep no connection out of reach of `make_room`
 
@@ -498,12 +502,12 @@ class StreamProtocol(asyncio.Protocol):
                     self._schedule_turn(_perf() - deadline + TURN_SECONDS)
                 return  # else `resume_writing` schedules it
 
-    def _schedule_turn(self, spent: float = 0.0) -> None:
+    def _schedule_turn(self, spent: float = 0.0, held: int = 0) -> None:
         """Call `_next_turn` in the loop's next iteration (or the slow lane's), unless it
         is due already (as `http.HttpProtocol._schedule_turn`)."""
         if not self._turn_due:
             self._turn_due = True
-            self._fe.next_turn(self._next_turn, spent)
+            self._fe.next_turn(self, self._next_turn, spent, held)
 
     def _next_turn(self) -> None:
         """Go on with the lines of a read left in `_backlog`; reading resumes when it is done."""
@@ -687,7 +691,7 @@ class StreamProtocol(asyncio.Protocol):
             if busy is not None and busy.remaining:
                 break  # one at a time: see _busy
             if turn == 0 or _perf() > deadline:
-                self._fe.next_turn(self._dispatch_waiting, _perf() - deadline + TURN_SECONDS)
+                self._fe.next_turn(self, self._dispatch_waiting, _perf() - deadline + TURN_SECONDS)
                 break
             turn -= 1
             line = waiting.popleft()

@@ -150,6 +150,12 @@ class Method:
         held = [] if raw_params else collisions.reachable(msgspec.inspect.multi_type_info(kinds))
         self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
                              and issubclass(node.cls, enum.Flag)}) or None
+        custom = next((node.cls for node in held if isinstance(node, msgspec.inspect.CustomType)
+                       and node.cls is not object), None)  # (`object` decodes as Any does)
+        if custom is not None:  # (round 49: registered, then every call passing it answered -32602)
+            raise TypeError(f"method {name!r}: a type hint holds {custom.__module__}.{custom.__qualname__}, which msgspec"
+                            " cannot decode from JSON (no dec_hook): every call giving it would be refused -32602;"
+                            " hint it dict, list, a msgspec.Struct or a dataclass instead")
         if any(isinstance(node, msgspec.inspect.UnionType) and any(isinstance(t, msgspec.inspect.RawType)
                                                                    for t in node.types) for node in held):
             raise TypeError(f"method {name!r}: a msgspec.Raw in a union (msgspec decodes only the union's other "
