@@ -1,0 +1,284 @@
+"""The dispatcher in memory, under any interleaving (issue 10 item 2): a hypothesis state
+machine submits bodies (single calls, notifications, batches, unknown methods), answers
+the frames the workers were sent (results, errors, a chunk's answers part by part, a
+whole chunk's error, a cancelled call's acknowledgement or late result), loses workers and
+brings new ones, fires deadlines, tells the dispatcher no worker is coming, and drains.
+
+After every step: each body's answer is made at most once, in request order, each slot's
+id the request's; the calls the workers hold add up to the dispatcher's count in flight,
+no count is negative, and a call waits in the queue only while no worker can take it. At the end every worker answers what it holds and the queue is
+answered: then every body is answered exactly once and nothing is owed or queued.
+
+Real `Dispatcher`, real `pool.Worker` records; a worker's socket is a channel that records
+the frames sent to it (as in test_dispatch.py), and replies go back through
+`Dispatcher.on_reply` as `pool.WorkerChannel` sends them. Time is injected: the loop's
+clock stands still (a real timer never fires; calls made in one example share ticks
+alike in every run), and the `expire` rule fires the earliest tick of the deadline wheel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import typing
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_dispatch import RecordingChannel
+
+from broker import wire
+from broker.answers import Exchange
+from broker.dispatch import Dispatcher
+from broker.jsonrpc import Codec
+from broker.pool import Worker, WorkerState
+
+METHODS = ["fast", "slow", "sync"]  # deadlines of 1000, 2000 and 3000 s (never reached by a real timer)
+CONCURRENCY = 2
+SENT_KINDS = (wire.CALL, wire.NOTIFY, wire.CHUNK)
+
+# One element of a body: (method, notification?); "nope" is unknown (answered -32601 at once).
+element = st.tuples(st.sampled_from([*METHODS, "nope"]), st.booleans())
+
+
+class DispatcherMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()  # never run but by `drain`
+        self.loop.time = lambda: 100.0  # type: ignore[method-assign]  # time is injected: `expire` moves it
+        self.dispatcher = Dispatcher(
+            self.loop, max_queue=6, timeout=1000.0, method_timeouts={"slow": 2000.0, "sync": 3000.0},
+            cancel_grace=10_000.0,
+        )
+        self.dispatcher.set_methods(METHODS, sync_methods=["sync"])
+        self.codec = Codec()
+        self.workers: list[Worker] = []
+        self.next_id = 0
+        self.ids: dict[int, list[object]] = {}  # id(exchange) -> the client ids of its slots, in order
+        self.exchanges: dict[int, Exchange] = {}
+        self.done: dict[int, int] = {}  # id(exchange) -> times its answer was made
+        # Frames a worker holds and owes a reply to: call id -> (worker, kind, entries not answered)
+        self.held: dict[int, tuple[Worker, int, list[int]]] = {}
+        self.drained = False
+        for slot in range(2):
+            self._new_worker(slot)
+
+    def teardown(self) -> None:
+        try:
+            self.settle()
+        finally:
+            self.loop.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _new_worker(self, slot: int) -> None:
+        w = Worker(slot)
+        w.pid = 1000 + len(self.workers)
+        w.channel = RecordingChannel()  # type: ignore[assignment]
+        w.concurrency = CONCURRENCY
+        w.state = WorkerState.READY
+        self.workers.append(w)
+        self.dispatcher.worker_ready(w)
+        self._collect()
+
+    def _live(self) -> list[Worker]:
+        return [w for w in self.workers if w.state is WorkerState.READY]
+
+    def _collect(self) -> None:
+        """Take the frames the dispatcher sent since the last step into `held`."""
+        for w in self.workers:
+            for kind, call_id, aux, _payload in typing.cast(RecordingChannel, w.channel).take():
+                if kind in SENT_KINDS:
+                    assert w.state is WorkerState.READY, "a call was sent to a lost worker"
+                    assert call_id not in self.held
+                    self.held[call_id] = (w, kind, list(range(aux)) if kind == wire.CHUNK else [0])
+
+    def _on_done(self, exchange: Exchange) -> None:
+        self.done[id(exchange)] = self.done.get(id(exchange), 0) + 1
+
+    def _reply(self, call_id: int, kind: int, payload: bytes, aux: int = 0) -> None:
+        worker = self.held[call_id][0]
+        self.dispatcher.on_reply(worker, kind, call_id, aux, payload)
+        self._collect()
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @rule(elements=st.lists(element, min_size=3, max_size=8), batch=st.sampled_from([True, True, False]))
+    def submit(self, elements: list[tuple[str, bool]], batch: bool) -> None:
+        if not batch:  # (a batch of 3 or more is sent as chunks, while a worker is ready)
+            elements = elements[:1]
+        requests = []
+        owed = []
+        for method, notification in elements:
+            request: dict[str, object] = {"jsonrpc": "2.0", "method": method, "params": [1]}
+            if not notification:
+                self.next_id += 1
+                request["id"] = self.next_id
+                owed.append(self.next_id)
+            requests.append(request)
+        body = self.codec.decode(json.dumps(requests if batch else requests[0]).encode())
+        exchange = self.dispatcher.submit(body, self._on_done)
+        self._collect()
+        if exchange is None:
+            assert not owed
+            return
+        assert len(exchange.answers) == len(owed)
+        self.ids[id(exchange)] = owed
+        self.exchanges[id(exchange)] = exchange
+        if exchange.remaining == 0:  # answered at once: on_done is not called (see `submit`)
+            self.done[id(exchange)] = self.done.get(id(exchange), 0) + 1
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), how=st.sampled_from(["result", "error", "chunk-error", "cancelled"]))
+    def reply(self, data: st.DataObject, how: str) -> None:
+        """A worker ends a call, a notification or a chunk: a result; an error; for a chunk,
+        one error for all its calls ("chunk-error"); or the acknowledgement of a CANCEL
+        (whether the deadline passed or not: the worker found it passed before it started)."""
+        call_id = data.draw(st.sampled_from(sorted(self.held)))
+        _worker, kind, entries = self.held[call_id]
+        error = b'{"code":-32000,"message":"boom"}'
+        if how == "cancelled":
+            self._reply(call_id, wire.ERROR, wire.CANCEL_ACK, wire.NOT_RUN)
+        elif kind != wire.CHUNK or how == "chunk-error":
+            if how == "result":
+                self._reply(call_id, wire.RESULT, b'"ok"', 5)
+            else:
+                self._reply(call_id, wire.ERROR, error, 5)
+        else:  # the rest of its answers, ending it
+            body = error if how == "error" else b'"ok"'
+            entry_kind = wire.ERROR if how == "error" else wire.RESULT
+            payload = b"".join(wire.REPLY_ENTRY.pack(i, entry_kind, len(body)) + body for i in entries)
+            self._reply(call_id, wire.CHUNK_REPLY, payload, 5)
+        del self.held[call_id]
+
+    def _chunks(self) -> list[int]:
+        return sorted(c for c, (_, kind, entries) in self.held.items() if kind == wire.CHUNK and len(entries) > 1)
+
+    @precondition(lambda self: self._chunks())
+    @rule(data=st.data())
+    def answer_part(self, data: st.DataObject) -> None:
+        """Some of a chunk's answers come (CHUNK_PART): their places are the worker's again."""
+        call_id = data.draw(st.sampled_from(self._chunks()))
+        worker, kind, entries = self.held[call_id]
+        part = data.draw(st.lists(st.sampled_from(entries), min_size=1, max_size=len(entries) - 1, unique=True))
+        payload = b"".join(wire.REPLY_ENTRY.pack(i, wire.RESULT, 4) + b'"ok"' for i in part)
+        self.held[call_id] = (worker, kind, [i for i in entries if i not in part])
+        self._reply(call_id, wire.CHUNK_PART, payload)
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def lose_worker(self, data: st.DataObject) -> None:
+        worker = data.draw(st.sampled_from(self._live()))
+        worker.state = WorkerState.DEAD
+        self.dispatcher.worker_lost(worker, "killed")
+        for call_id in [c for c, (w, _, _) in self.held.items() if w is worker]:
+            del self.held[call_id]
+        self._collect()
+
+    @precondition(lambda self: len(self._live()) < 2)
+    @rule()
+    def new_worker(self) -> None:
+        self._new_worker(len(self.workers))
+
+    @precondition(lambda self: not self._live())
+    @rule()
+    def no_worker_coming(self) -> None:
+        self.dispatcher.no_worker_coming()
+        self._collect()
+
+    @precondition(lambda self: len(self.dispatcher._deadlines))
+    @rule()
+    def expire(self) -> None:
+        """The earliest deadline passes: its tick fires (the wheel's timer, run now)."""
+        wheel = self.dispatcher._deadlines
+        if wheel._timer is not None:
+            wheel._timer.cancel()
+        wheel._fire()
+        self._collect()
+
+    @precondition(lambda self: not self.drained)
+    @rule()
+    def drain(self) -> None:
+        """The stop: the grace period (here 0 s) ends with whatever is still owed."""
+        self.drained = True
+        self.loop.run_until_complete(self.dispatcher.drain(0.0))
+        self._collect()
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def answers_in_order_at_most_once(self) -> None:
+        for key, exchange in self.exchanges.items():
+            times = self.done.get(key, 0)
+            assert times <= 1, "an answer was made twice"
+            if times:
+                assert exchange.remaining == 0
+                for answer, client_id in zip(exchange.answers, self.ids[key]):
+                    assert answer is not None
+                    response = json.loads(answer)
+                    assert response["id"] == client_id, (response, client_id)
+                    assert ("result" in response) != ("error" in response)
+            else:
+                assert exchange.remaining > 0
+
+    @invariant()
+    def counts_add_up(self) -> None:
+        d = self.dispatcher
+        assert all(w.outstanding >= 0 for w in self.workers)
+        assert sum(w.outstanding for w in self._live()) == d.in_flight_calls
+        for w in self._live():  # what it counts a worker holds is what the worker holds
+            assert w.outstanding == sum(len(entries) for held, _, entries in self.held.values() if held is w)
+        assert all(w.outstanding == 0 for w in self.workers if w.state is not WorkerState.READY)
+        assert d.queued_calls >= 0 and d.queued_bytes >= 0
+        assert d.queued_calls <= 6 + 6  # max_queue, overshot by at most one chunk
+
+    @invariant()
+    def the_queue_waits_only_while_no_worker_can_take_its_head(self) -> None:
+        """Every freed place is filled from the queue at once (dispatch.py: a chunk needs one
+        place, a blocked worker takes no blocking sync call and only what fits under its
+        limit)."""
+        head = next((call for call in self.dispatcher._queue if call.tick), None)
+        if head is None:
+            return
+        for w in self._live():
+            room = w.outstanding < w.limit
+            if w.blocked:
+                room = room and head.sync <= 0 and w.outstanding + head.weight <= w.limit
+            assert not room, (w, w.outstanding, w.limit, w.blocked, head.sync, head.weight)
+
+    # -- the end ---------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Every worker answers what it holds, new work included, then nothing is owed."""
+        for _ in range(100):
+            if not self.held:
+                if not self._live():
+                    self.dispatcher.no_worker_coming()
+                    self._collect()
+                if not self.held:
+                    break
+            for call_id in sorted(self.held):
+                _worker, kind, entries = self.held.pop(call_id)
+                if kind == wire.CHUNK:
+                    payload = b"".join(wire.REPLY_ENTRY.pack(i, wire.RESULT, 4) + b'"ok"' for i in entries)
+                    self.held[call_id] = (_worker, kind, entries)
+                    self._reply(call_id, wire.CHUNK_REPLY, payload, 5)
+                    self.held.pop(call_id, None)
+                else:
+                    self.held[call_id] = (_worker, kind, entries)
+                    self._reply(call_id, wire.RESULT, b'"ok"', 5)
+                    self.held.pop(call_id, None)
+        d = self.dispatcher
+        assert not self.held
+        assert d.in_flight_calls == 0 and d.queued_calls == 0 and d.queued_bytes == 0
+        assert all(w.outstanding == 0 for w in self.workers)
+        for key in self.exchanges:
+            assert self.done.get(key, 0) == 1, "a body was never answered"
+        self.answers_in_order_at_most_once()
+
+
+DispatcherMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_dispatcher_states = DispatcherMachine.TestCase
