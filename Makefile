@@ -11,7 +11,9 @@ ARGS ?=
 # made .venv, and the second failed ("No module named pip"). The second waits for the lock
 # (flock, util-linux), then finds the stamp fresh and does nothing. A .venv without pip (a
 # set-up interrupted while venv installed it) is made anew.
-# (A second one says it waits: round 31's new user saw it wait silently.)
+# (A second one says it waits: round 31's new user saw it wait silently.) A .venv of a Python
+# older than 3.11 is made anew too, with $(PYTHON) if that is 3.11 or newer (round 49's new user:
+# after a set-up with a too old python3 failed, every later one reused its .venv and failed).
 $(STAMP): pyproject.toml
 	@if command -v flock >/dev/null; then \
 		flock -n -E 75 $(VENV).lock $(MAKE) --no-print-directory venv-setup; rc=$$?; \
@@ -22,7 +24,12 @@ $(STAMP): pyproject.toml
 venv-setup:
 	@if [ $(STAMP) -nt pyproject.toml ]; then exit 0; fi; \
 	echo "setting up $(VENV): installing rpc-broker and its packages (a minute or two the first time)"; \
-	set -e; $(BIN)/python -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv --clear $(VENV); \
+	set -e; \
+	if ! $(BIN)/python -c 'import sys, pip; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then \
+		if ! $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+			echo "$(PYTHON) is not Python 3.11 or newer, which rpc-broker needs: name one, e.g. make serve PYTHON=python3.12" >&2; \
+			exit 1; fi; \
+		$(PYTHON) -m venv --clear $(VENV); fi; \
 	$(BIN)/python -m pip install --quiet --upgrade pip; \
 	$(BIN)/python -m pip install --quiet -e '.[dev]'; \
 	touch $(STAMP)

@@ -1035,6 +1035,7 @@ class Pool:
                 self.dispatcher.worker_unready(worker)
                 worker.channel.send(wire.Kind.BYE, 0, 0, b"")
         waits = [w.exited for w in everyone if w.exited is not None and not w.exited.done()]
+        began = self.loop.time()
         if waits:
             if hurry is None:
                 _, alive = await asyncio.wait(waits, timeout=timeout)
@@ -1048,7 +1049,8 @@ class Pool:
             if alive:
                 for worker in everyone:
                     if worker.process is not None and worker.process.returncode is None:
-                        log.warning("worker %d (pid %d) did not exit in %s s: SIGKILL", worker.slot, worker.pid, timeout)
+                        log.warning("worker %d (pid %d) did not exit in %.1f s: SIGKILL", worker.slot, worker.pid,
+                                    self.loop.time() - began)
                         _kill(worker.process)
                 await asyncio.wait(alive, timeout=5.0)
         if self._reload_task is not None:  # it sees _stopping and gives up

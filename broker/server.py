@@ -304,7 +304,8 @@ async def run(
         log_level=config.log_level,
     )
     stop = asyncio.Event()
-    hurry = asyncio.Event()
+    hurry = asyncio.Event()  # a second stop signal in the drain: the grace period ends now
+    kill_now = asyncio.Event()  # a stop signal while the workers are asked to exit: SIGKILL them now
 
     first_stop: list[float] = []  # when the first stop signal came (loop time)
     phase: list[str] = []  # ["workers"] once the stop waits for the workers to exit (the drain is over)
@@ -332,9 +333,13 @@ async def run(
             if signum == signal.SIGTERM and now - first_stop[0] < SAME_STOP_S:
                 log_signal(logging.INFO, "SIGTERM again within %g s of the first: the same stop", SAME_STOP_S)
                 return
+            # (in the drain, the workers then have 1 s to exit, not 10; a signal in that second
+            # kills them: new users, round 49, read "did not exit in 1.0 s" 55 ms after it)
             log_signal(logging.WARNING, "second stop signal: " + (
                 "killing the workers that have not exited yet (SIGKILL)" if phase else
-                "answering what is left with 'shutting down' now"))
+                "answering what is left with 'shutting down' now; the workers then have 1 s to exit"))
+            if phase:
+                kill_now.set()
             hurry.set()
         else:
             first_stop.append(now)
@@ -449,7 +454,7 @@ async def run(
                     server.close()
             _remove_socket(own_socket)
             phase.append("workers")
-            await pool.stop(timeout=2.0, hurry=hurry)
+            await pool.stop(timeout=2.0, hurry=kill_now)
 
         def cannot_listen(fe: HttpFrontend | StreamFrontend, where: str, port_: int | None, exc: OSError) -> None:
             hint = ""
@@ -564,7 +569,7 @@ async def run(
             taking = grace_ends - loop.time()
             await asyncio.gather(*(fe.wait_closed(timeout=2.0, taking=taking, hurry=hurry) for fe in frontends))
         phase.append("workers")
-        await pool.stop(timeout=1.0 if hurry.is_set() else 10.0, hurry=hurry)
+        await pool.stop(timeout=1.0 if hurry.is_set() else 10.0, hurry=kill_now)
         _remove_socket(own_socket)
         log.info("stopped")
         return 0

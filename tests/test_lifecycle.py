@@ -576,6 +576,28 @@ def test_a_second_stop_signal_while_the_workers_exit_ends_the_wait(broker_factor
     assert "second stop signal: killing the workers that have not exited yet (SIGKILL)" in log, log[-3000:]
 
 
+def test_a_second_stop_signal_in_the_drain_gives_the_workers_a_second(broker_factory):
+    """New user, round 49: a second SIGTERM during the grace period killed every worker
+    55 ms later, the idle one too, each logged "did not exit in 1.0 s". The grace period
+    ends; the workers are asked to exit, and only those still running 1 s later are
+    killed, the log saying how long they had."""
+    b = broker_factory("--workers", "2", "--app", "tests.apps.stuck:registry", "--grace-period", "30")
+    sock = open_call(b, req("spin", [60], "x"))
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+    b.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "stopping" in b.read_log(0.05), timeout=10)
+    time.sleep(0.6)  # (past the 0.5 s in which a SIGTERM is the same stop)
+    b.proc.send_signal(signal.SIGTERM)
+    ((raw, _),) = read_all([sock], timeout=20)
+    assert one_answer(raw)[1]["error"]["code"] == -32004
+    assert b.proc.wait(timeout=20) == 0
+    log = b.read_log()
+    assert "the workers then have 1 s to exit" in log, log[-3000:]
+    killed = re.findall(r"worker (\d) \(pid \d+\) did not exit in ([\d.]+) s: SIGKILL", log)
+    assert len(killed) == 1, log[-3000:]  # the busy one; the idle one exited when asked
+    assert 0.9 <= float(killed[0][1]) <= 5.0, log[-3000:]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_while_the_config_is_read_stops_at_once(tmp_path, sig):
     """Hostile testing (round 33): a --config that blocks its reader (a named pipe nobody
