@@ -129,6 +129,9 @@ from msgspec import Raw
 
 from broker import wire
 from broker.answers import GONE, Exchange, Outgoing, ResponseBudget
+from broker.chunk import answers as chunk_answers
+from broker.chunk import count_answers, with_methods
+from broker.chunk import encode as encode_chunk
 from broker.deadlines import DeadlineWheel
 from broker.jsonrpc import (
     _RESP_HEAD,  # with _RESP_RESULT: response_result's pieces, for splicing inline
@@ -145,7 +148,6 @@ from broker.metrics import CallMetrics
 from broker.wire import (
     AWAITED,
     CALL,
-    CALL_ENTRY,
     CANCEL_ACK,
     CHUNK,
     CHUNK_PART,
@@ -153,7 +155,6 @@ from broker.wire import (
     ERROR,
     NOT_RUN,
     NOTIFY,
-    NOTIFY_FLAG,
     REPLY_ENTRY,
     RESULT,
 )
@@ -205,18 +206,6 @@ def _mix(methods: list[int]) -> dict[int, int]:
     if methods.count(first) == len(methods):
         return {first: len(methods)}
     return Counter(methods)
-
-
-def _count_entries(payload: bytes) -> int:
-    """How many answers (`wire.REPLY_ENTRY`s) a CHUNK_PART payload holds."""
-    unpack = REPLY_ENTRY.unpack_from
-    size = REPLY_ENTRY.size
-    end = len(payload)
-    pos = count = 0
-    while pos + size <= end:
-        pos += size + unpack(payload, pos)[2]
-        count += 1
-    return count
 
 
 def _held(call: Call) -> int:
@@ -297,18 +286,10 @@ class Call(msgspec.Struct, eq=False):
         """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
         one deadline (they share `timeout`), one reply. `sync`: they are all blocking
         sync calls (`Route.sync`; a chunk never mixes them with others)."""
-        slots = []
-        ids = []
-        methods = []
-        payload = bytearray()
-        pack = CALL_ENTRY.pack
-        for slot, request, route in entries:
-            params = request.params
-            payload += pack(route.method_index, 0 if slot >= 0 else NOTIFY_FLAG, len(params))
-            payload += params
-            slots.append(slot)
-            ids.append(request.id)
-            methods.append(route.method_index)
+        slots = [slot for slot, _, _ in entries]
+        ids = [request.id for _, request, _ in entries]
+        methods = [route.method_index for _, _, route in entries]
+        payload = encode_chunk((route.method_index, slot < 0, request.params) for slot, request, route in entries)
         return cls(
             call_id,
             exchange if slots.count(-1) < len(slots) else None,
@@ -316,7 +297,7 @@ class Call(msgspec.Struct, eq=False):
             _NO_ID,
             CHUNK,
             len(entries),
-            bytes(payload),
+            payload,
             timeout,
             arrival,
             len(entries) if sync else 0,
@@ -502,7 +483,6 @@ class Dispatcher:
                 call.methods = [index[m] for m in call.methods]
             else:
                 call.index = index[call.index]
-        size = CALL_ENTRY.size
         blocking = self._blocking  # the new table's (its `other` entry is 0)
         for call in self._queue:
             if not call.tick:  # an expired shell (its payload released)
@@ -513,13 +493,7 @@ class Dispatcher:
                 continue
             call.methods = [index[m] for m in call.methods]
             call.sync = sum(blocking[m] for m in call.methods)
-            payload = bytearray(call.params)
-            pos = 0
-            for m in call.methods:
-                _old, flags, length = CALL_ENTRY.unpack_from(payload, pos)
-                CALL_ENTRY.pack_into(payload, pos, m, flags, length)
-                pos += size + length
-            call.params = bytes(payload)
+            call.params = with_methods(call.params, call.methods)
 
     def worker_ready(self, worker: Worker) -> None:
         """A worker can take calls: add it to the rotation and give it queued work."""
@@ -866,7 +840,7 @@ class Dispatcher:
                 # The calls answered run no more: their capacity is the worker's again
                 # (a chunk of 2 slow calls and 200 instant ones held 202 slots until the
                 # slow ones ended), and queued calls start in it.
-                done = min(_count_entries(payload), part.weight)
+                done = min(count_answers(payload), part.weight)
                 part.weight -= done
                 worker.outstanding -= done
                 if self._queued_calls:
@@ -1049,20 +1023,13 @@ class Dispatcher:
         None for an id not pending on this worker (then each answer counts)."""
         slots = call.slots if call is not None else None
         if kind == CHUNK_REPLY or kind == CHUNK_PART:
-            unpack = REPLY_ENTRY.unpack_from
-            size = REPLY_ENTRY.size
-            ack = len(CANCEL_ACK)
-            pos, end = 0, len(payload)
-            while pos + size <= end:
-                i, entry_kind, length = unpack(payload, pos)
-                pos += size
+            for i, entry_kind, start, end in chunk_answers(payload):
                 if slots is not None and i < len(slots) and slots[i] < 0:
                     pass  # a notification's
-                elif entry_kind == ERROR and length == ack and payload[pos : pos + length] == CANCEL_ACK:
+                elif entry_kind == ERROR and payload[start:end] == CANCEL_ACK:
                     self.late_cancelled_total += 1
                 else:
                     self.late_results_total += 1
-                pos += length
         else:
             if call is None:
                 calls = 1

@@ -250,3 +250,29 @@ def test_a_hello_of_another_wire_version_is_told_apart_whatever_fields_it_has():
     assert type(bad.value) is FrameError
     ok = decode_hello(b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 2}')
     assert (ok.pid, ok.slot, ok.wire) == (7, 1, 2)
+
+
+@given(st.lists(st.tuples(st.integers(0, wire.MAX_METHODS), st.booleans(), st.binary(max_size=40)), max_size=20),
+       st.data())
+def test_a_chunk_and_its_answers_round_trip(calls, data):
+    """broker/chunk.py: what the broker writes of a chunk the worker reads back, call by
+    call; a reload's new method indexes replace the old in place; the answers a worker adds
+    are read back in order, and counted."""
+    from broker import chunk
+
+    payload = chunk.encode(calls)
+    pos, read = 0, []
+    for _ in calls:
+        method, notification, start, end = chunk.read_call(payload, pos)
+        read.append((method, notification, payload[start:end]))
+        pos = end
+    assert read == calls and pos == len(payload)
+    methods = data.draw(st.lists(st.integers(0, wire.MAX_METHODS), min_size=len(calls), max_size=len(calls)))
+    assert chunk.with_methods(payload, methods) == chunk.encode(
+        [(m, n, p) for m, (_, n, p) in zip(methods, calls)])
+    unsent = bytearray()
+    bodies = [(i, wire.RESULT if i % 2 else wire.ERROR, p) for i, (_, _, p) in enumerate(calls)]
+    for place, kind, body in bodies:
+        chunk.add_answer(unsent, place, kind, body)
+    assert [(place, kind, bytes(unsent[s:e])) for place, kind, s, e in chunk.answers(bytes(unsent))] == bodies
+    assert chunk.count_answers(bytes(unsent)) == len(bodies)

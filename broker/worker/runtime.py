@@ -37,6 +37,7 @@ from collections.abc import Callable
 import msgspec
 
 from broker import wire
+from broker.chunk import add_answer, read_call
 from broker.wire import (
     AWAITED,
     BYE,
@@ -493,9 +494,8 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         """Answer the calls of `chunk` not started yet as cancelled (`CANCEL_ACK`; a
         notification is owed no answer): cancelled, or their deadline passed."""
         while chunk.next < chunk.count:
-            _index, flags, length = CALL_ENTRY.unpack_from(chunk.payload, chunk.pos)
-            chunk.pos += CALL_ENTRY.size + length
-            if not flags & wire.NOTIFY_FLAG:
+            _index, notification, _start, chunk.pos = read_call(chunk.payload, chunk.pos)
+            if not notification:
                 self._chunk_answer(chunk, chunk.next, ERROR, _CANCELLED)
             chunk.next += 1
 
@@ -875,8 +875,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         if unsent and len(unsent) + len(body) > self._max_result:
             self._reply(CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(unsent))
             unsent.clear()
-        unsent += REPLY_ENTRY.pack(i, kind, len(body))
-        unsent += body
+        add_answer(unsent, i, kind, body)
 
     def _emit(self, chunk: _Chunk) -> None:
         """Send a chunk's unsent answers: the CHUNK_REPLY once nothing in it is left
