@@ -20,6 +20,7 @@ import termios
 import time
 import typing
 import weakref
+from collections import deque
 from collections.abc import Callable
 
 from broker.answers import Outgoing
@@ -87,6 +88,9 @@ SMALL_READ_BYTES = 16 * 1024
 # What a read held back so is charged in the lane (`SlowLane.add`), before its turn shows
 # what it costs: the most decoding its bytes (and the body or line they end) may cost.
 BYTE_SECONDS = 0.025 / (1024 * 1024)
+# An entry of the lane that later ones went before more than this many times the entries
+# before it when it came goes next (`SlowLane`).
+OVERTAKEN = 4
 CHARGED_SECONDS = 0.0002  # a read's time below this is not counted in its iteration's (the hot path's reads)
 _last_active = operator.attrgetter("last_active")
 
@@ -272,21 +276,32 @@ class SlowLane:
     Fair Queuing", SIGCOMM 1996): each entry starts where the connection's previous one
     finished, or at `virtual` (the start of the entry let go last) if that is later, and
     finishes its cost later (`add`: the seconds the connection's last turn took, or for a
-    read held back, what its bytes may cost, BYTE_SECONDS each); the entry starting first
-    goes first, the cheaper of equal starts first, then in the order they came. So a
-    connection that has cost little waits behind few, wherever it came (round 49: in the
-    order they came, a 200 KB call on a new connection waited behind each of 64 connections
-    pipelining 1 MiB bodies nested 200,000 deep, 18 ms each: 1.2-2.1 s), and busy ones share
-    the lane by cost, not by turns. Each connection keeps its last finish in its
-    `lane_finish` (0.0 when new)."""
+    read held back, what the bytes it may decode may cost, BYTE_SECONDS each); the entry
+    starting first goes first, the cheaper of equal starts first, then in the order they
+    came. So a connection that has cost little waits behind few (round 49: in the order
+    they came, a 200 KB call on a new connection waited behind each of 64 connections
+    pipelining 1 MiB bodies nested 200,000 deep, 18 ms each: 1.2-2.1 s), and busy ones
+    share the lane by cost, not by turns. But new connections start at `virtual` itself,
+    and a stream of them holds it still: the busy ones would wait for ever (round 50: 3.4
+    s). So the oldest entry goes next once later ones went before it OVERTAKEN times as
+    often as there were entries before it when it came (in their order it would have
+    waited for those alone). Each connection keeps its last finish in its `lane_finish`
+    (0.0 when new)."""
 
-    __slots__ = ("_due", "_loop", "_order", "_reset_due", "_waiting", "spent", "virtual")
+    __slots__ = ("_arrived", "_count", "_due", "_let_go", "_loop", "_order", "_reset_due", "_waiting", "spent",
+                 "virtual")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._waiting: list[tuple[float, float, int, Callable[[], None]]] = []  # a heap: (start, cost, order, callback)
+        # Each entry: [start, cost, order, callback, entries let go before it came, entries
+        # waiting then], in a heap by start and in `_arrived` in arrival order; one let go from
+        # either is marked (its callback None), and dropped from the other when met.
+        self._waiting: list[list[typing.Any]] = []
+        self._arrived: deque[list[typing.Any]] = deque()
+        self._count = 0  # entries waiting
+        self._let_go = 0  # entries let go so far
         self._order = itertools.count()
-        self.virtual = 0.0  # s of charged cost: the start of the entry let go last
+        self.virtual = 0.0  # s of charged cost: the finish of the entry let go last, and what turns took past theirs
         self._due = False  # `_next` is scheduled
         self.spent = 0.0  # s: what this loop iteration's reads and turns took (`charge`), past CHARGED_SECONDS each
         self._reset_due = False
@@ -303,7 +318,7 @@ class SlowLane:
         self._reset_due = False
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return self._count
 
     def add(self, callback: Callable[[], None], conn: typing.Any, cost: float) -> None:
         """Call `callback`, a turn of `conn` (a protocol with a `lane_finish`), in a later loop
@@ -312,15 +327,33 @@ class SlowLane:
         if start < self.virtual:
             start = self.virtual
         conn.lane_finish = start + cost
-        heapq.heappush(self._waiting, (start, cost, next(self._order), callback))
+        entry = [start, cost, next(self._order), callback, self._let_go, self._count]
+        heapq.heappush(self._waiting, entry)
+        self._arrived.append(entry)
+        self._count += 1
         if not self._due:
             self._due = True
             self._loop.call_soon(self._next)
 
     def _next(self) -> None:
-        waiting = self._waiting
-        self.virtual, _, _, callback = heapq.heappop(waiting)
-        if waiting:
+        arrived = self._arrived
+        entry = arrived[0]  # (the oldest waiting: those before it are gone, each let go after it came)
+        if self._let_go - entry[4] - entry[5] >= OVERTAKEN * (entry[5] + 1):  # overtaken enough: it goes now
+            arrived.popleft()
+        else:
+            waiting = self._waiting
+            entry = heapq.heappop(waiting)
+            while entry[3] is None:  # (let go from `_arrived` already)
+                entry = heapq.heappop(waiting)
+        start, _, _, callback, _, _ = entry
+        entry[3] = None
+        self._count -= 1
+        self._let_go += 1
+        while arrived and arrived[0][3] is None:
+            arrived.popleft()
+        if start > self.virtual:
+            self.virtual = start
+        if arrived:
             self._loop.call_soon(self._next)
         else:
             self._due = False

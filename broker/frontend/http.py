@@ -938,7 +938,11 @@ class HttpProtocol(asyncio.Protocol):
         self._read_at = fe.loop.time()
         if (len(data) + len(self._body) > SMALL_READ_BYTES and fe.slow_lane.spent > ADMIT_SECONDS  # (the hot path: one test)
                 and not self.read_paused and not fe.draining):
-            held = len(data) + len(self._body)  # (what its turn may decode: the lane charges it)
+            # What its turn may decode, which the lane charges: the body it ends (its length
+            # known), else this read (round 50: every read of a body charged for all of it)
+            held = len(data)
+            if self._content_length < 0 or len(self._body) + len(data) >= self._content_length:
+                held += len(self._body)
             forced = not fe.keep_backlog(self, data)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
             self._pause()
             if forced or not self._write_paused:  # else `resume_writing` schedules it

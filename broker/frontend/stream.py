@@ -373,7 +373,9 @@ class StreamProtocol(asyncio.Protocol):
         transport = self._transport
         if (len(data) + len(self._buffer) > SMALL_READ_BYTES and fe.slow_lane.spent > ADMIT_SECONDS  # (the hot path: one test)
                 and not self.read_paused and transport is not None):
-            held = len(data) + len(self._buffer)  # (what its turn may decode: the lane charges it)
+            # What its turn may decode, which the lane charges: the line it ends, else this
+            # read (round 50: every read of a line charged for all of it)
+            held = len(data) + (len(self._buffer) if b"\n" in data else 0)
             forced = not fe.keep_backlog(self, data)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
             transport.pause_reading()
             if forced or not self._write_paused:  # else `resume_writing` schedules it
