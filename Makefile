@@ -26,8 +26,10 @@ venv-setup:
 	echo "setting up $(VENV): installing rpc-broker and its packages (a minute or two the first time)"; \
 	set -e; \
 	if ! $(BIN)/python -c 'import sys, pip; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then \
-		if ! $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
-			echo "$(PYTHON) is not Python 3.11 or newer, which rpc-broker needs: name one, e.g. make serve PYTHON=python3.12" >&2; \
+		rc=0; found=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2]); sys.exit(sys.version_info < (3, 11))' 2>/dev/null) || rc=$$?; \
+		if [ $$rc != 0 ]; then \
+			if [ -n "$$found" ]; then why="is Python $$found"; else why="does not run here"; fi; \
+			echo "PYTHON=$(PYTHON) $$why; rpc-broker needs Python 3.11 or newer: name one that runs, e.g. make serve PYTHON=python3.12 (or make test PYTHON=...)" >&2; \
 			exit 1; fi; \
 		$(PYTHON) -m venv --clear $(VENV); fi; \
 	$(BIN)/python -m pip install --quiet --upgrade pip; \

@@ -335,9 +335,10 @@ async def run(
                 return
             # (in the drain, the workers then have 1 s to exit, not 10; a signal in that second
             # kills them: new users, round 49, read "did not exit in 1.0 s" 55 ms after it)
-            log_signal(logging.WARNING, "second stop signal: " + (
-                "killing the workers that have not exited yet (SIGKILL)" if phase else
-                "answering what is left with 'shutting down' now; the workers then have 1 s to exit"))
+            log_signal(logging.WARNING, (
+                "another stop signal: killing the workers that have not exited yet (SIGKILL)" if phase else
+                "second stop signal: answering what is left with 'shutting down' now; the workers then have"
+                " 1 s to exit"))  # ("another": it may be the third, hostile testing round 50)
             if phase:
                 kill_now.set()
             hurry.set()

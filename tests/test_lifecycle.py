@@ -573,7 +573,7 @@ def test_a_second_stop_signal_while_the_workers_exit_ends_the_wait(broker_factor
     took = time.monotonic() - began
     assert took < 5.0, took  # (the wait was 10 s)
     log = b.read_log()
-    assert "second stop signal: killing the workers that have not exited yet (SIGKILL)" in log, log[-3000:]
+    assert "another stop signal: killing the workers that have not exited yet (SIGKILL)" in log, log[-3000:]
 
 
 def test_a_second_stop_signal_in_the_drain_gives_the_workers_a_second(broker_factory):

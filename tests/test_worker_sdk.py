@@ -14,7 +14,9 @@ import functools
 import inspect
 import json
 import math
+import numbers
 import os
+import re
 import socket
 import time
 import typing
@@ -2855,18 +2857,40 @@ def test_a_strided_memoryview_is_written_as_its_bytes():
     collections.Counter[int], collections.OrderedDict[int, int], collections.defaultdict[int, int],
     collections.deque[int], "Plain", "Plain | None", "list[Plain]",
 ])
-def test_a_hint_msgspec_cannot_decode_fails_the_registration(hint):
+def test_a_hint_msgspec_cannot_decode_is_said_at_the_registration(hint, caplog):
     """Hostile testing, round 49 (LOW): hints msgspec takes for custom types (it decodes
-    them only with a dec_hook, which the worker has not) registered fine, and then every
-    call giving them was refused -32602 ("Expected `Counter`, got `dict`"): the author
-    learnt it in production. It fails the registration, naming the method and the type."""
+    them only with a dec_hook, which the worker has not) registered silently, and then
+    every call giving them was refused -32602 ("Expected `Counter`, got `dict`"): the
+    author learnt it in production. The registration says so, naming the method and the
+    type; it is not refused (round 50: a parameter no call gives, `p: Plain | None = None`,
+    served as before)."""
 
     class Plain:
         pass
 
-    def take(value):  # its hint set below (a local class in a string hint would not resolve)
+    def take(value=None):  # its hint set below (a local class in a string hint would not resolve)
         return value
 
     take.__annotations__ = {"value": eval(hint, {"Plain": Plain}) if isinstance(hint, str) else hint}
-    with pytest.raises(TypeError, match=r"method 'take': a type hint holds \S+, which msgspec cannot decode"):
-        Method("take", take)
+    with caplog.at_level("WARNING", logger="broker.worker"):
+        method = Method("take", take)
+    assert re.search(r"method 'take': a type hint holds \S+, which msgspec cannot decode", caplog.text), caplog.text
+    assert method.bind(b"[]", 64) == ((None,), {})  # (a call not giving it is served)
+
+
+@pytest.mark.parametrize(("hint", "given", "bound"), [
+    (numbers.Number, 1, 1), (numbers.Real, 1.5, 1.5), (numbers.Integral, 3, 3),
+    (collections.abc.Hashable, "a", "a"), (collections.abc.Sized, "ab", "ab"),
+])
+def test_an_abstract_hint_registers_silently_and_binds(hint, given, bound, caplog):
+    """Round 50 (MEDIUM): abstract classes (the numeric tower, collections.abc's one-method
+    ABCs), which a conversion takes by isinstance, were refused at the registration."""
+
+    def take(value):
+        return value
+
+    take.__annotations__ = {"value": hint}
+    with caplog.at_level("WARNING", logger="broker.worker"):
+        method = Method("take", take)
+    assert "cannot decode" not in caplog.text
+    assert method.bind(json.dumps([given]).encode(), 64) == ((bound,), {})

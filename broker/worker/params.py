@@ -17,10 +17,12 @@ Nothing here does I/O: the worker's run loop (broker/worker/runtime.py) calls `b
 
 from __future__ import annotations
 
+import abc
 import decimal
 import enum
 import gc
 import inspect
+import logging
 import re
 import sys
 import typing
@@ -44,6 +46,7 @@ class InvalidParams(RemoteError):
         self.reason = reason
 
 
+log = logging.getLogger("broker.worker")  # (one logger for the package)
 QUIET_BYTES = 64 * 1024
 """Params longer than this are bound with the cyclic garbage collector off (`Method.bind`)."""
 _EMPTY = inspect.Parameter.empty
@@ -150,12 +153,17 @@ class Method:
         held = [] if raw_params else collisions.reachable(msgspec.inspect.multi_type_info(kinds))
         self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
                              and issubclass(node.cls, enum.Flag)}) or None
+        # A concrete class msgspec cannot decode (round 49: registered, then every call giving it
+        # answered -32602) is said at the registration; not refused (round 50: one in a
+        # parameter no call gives, `p: Plain | None = None`, served as before), nor an abstract
+        # one (`numbers.Real`, `Hashable`), which a conversion takes by isinstance.
         custom = next((node.cls for node in held if isinstance(node, msgspec.inspect.CustomType)
-                       and node.cls is not object), None)  # (`object` decodes as Any does)
-        if custom is not None:  # (round 49: registered, then every call passing it answered -32602)
-            raise TypeError(f"method {name!r}: a type hint holds {custom.__module__}.{custom.__qualname__}, which msgspec"
-                            " cannot decode from JSON (no dec_hook): every call giving it would be refused -32602;"
-                            " hint it dict, list, a msgspec.Struct or a dataclass instead")
+                       and node.cls is not object and not isinstance(node.cls, abc.ABCMeta)
+                       and not getattr(node.cls, "_is_protocol", False)), None)
+        if custom is not None:
+            log.warning("method %r: a type hint holds %s.%s, which msgspec cannot decode from JSON (no dec_hook):"
+                        " a call giving it is refused -32602; hint it dict, list, a msgspec.Struct or a dataclass",
+                        name, custom.__module__, custom.__qualname__)
         if any(isinstance(node, msgspec.inspect.UnionType) and any(isinstance(t, msgspec.inspect.RawType)
                                                                    for t in node.types) for node in held):
             raise TypeError(f"method {name!r}: a msgspec.Raw in a union (msgspec decodes only the union's other "
@@ -331,11 +339,18 @@ class Method:
             values = [self._decode_value(raw, typed.get(name), name, "") for name, raw in zip(self._pos_names, top)]
             if len(top) > n:
                 star = typed.get("*")
-                if star is None:  # (no *args: `_bind_positional` refuses them)
-                    values.extend(map(_decode_json, top[n:]))
+                if star is None:  # (no *args: `_bind_positional` refuses them, too many)
+                    values.extend([None] * (len(top) - n))
                 else:  # one list, one check, one decode (`_tail_message` places an error)
-                    tail = msgspec.Raw(b"[" + b",".join(top[n:]) + b"]")
-                    values.extend(typing.cast(list[object], self._decode_value(tail, star, self._var_pos_name(), "", n)))
+                    rest = top[n:]
+                    try:
+                        values.extend(typing.cast(list[object], self._decode_value(_array_of(rest), star,
+                                                                                  self._var_pos_name(), "", n)))
+                    except InvalidParams as exc:
+                        if exc.reason != _OUT_OF_RANGE:  # (placed, or not about a number)
+                            raise
+                        at = n + _first_refused(rest, lambda part: _past_decimal(_array_of(part)))  # (round 50)
+                        raise InvalidParams(exc.param, f"{_OUT_OF_RANGE} (params[{at}])") from None
             return values
         known, kw_only = self._named_type.__struct_fields__, self._pos_only  # (as in _check_floods)
         named: dict[str, object] = {}
@@ -349,20 +364,27 @@ class Method:
         if stars is None:
             named.update((key, _decode_json(raw)) for key, raw in extra)
         elif extra:
+            decoder, check = stars
+            try:  # (a flood is refused naming its key)
+                text = self._checked(_object_of(extra), check, "", "")
+            except msgspec.ValidationError:  # (a Decimal past decimal's limits: which key's)
+                key = extra[_first_refused(extra, lambda part: _past_decimal(_object_of(part)))][0]
+                raise InvalidParams(key, _OUT_OF_RANGE) from None
             try:
-                named.update(typing.cast(dict[str, object], self._decode_value(_object_of(extra), stars, "", "")))
-            except InvalidParams as exc:
-                if exc.param:  # (flooded: the check named the key)
-                    raise
-                decoder = stars[0]  # msgspec names no key ("$[...]"): halve to the first refused (cold path)
-                key, raw = extra[_first_refused(extra, lambda part: _refuses(decoder.decode, _object_of(part)) is not None)]
+                named.update(decoder.decode(text))
+            except msgspec.ValidationError as exc:
+                # msgspec names no key ("$[...]"): halve to the first refused (cold path), over
+                # the values the check read, written again (round 50: over the text sent, the
+                # duplicate keys in a value, which the check reads as one, built a set of 40,000
+                # ints of one hash: 13 s)
+                values = msgspec.json.decode(text, type=dict[str, msgspec.Raw])
+                items = list(values.items())
+                key, raw = items[_first_refused(items, lambda part: _refuses(decoder.decode, _object_of(part)) is not None)]
                 try:  # (its reason, where inside the value: as the value's own type says it)
                     msgspec.json.decode(raw, type=typing.get_args(self._var_kw)[1])
                 except msgspec.ValidationError as error:
                     raise InvalidParams(key, _inside(str(error), key, str(error))) from None
-                except ArithmeticError:
-                    raise InvalidParams(key, "Number out of range") from None
-                raise
+                raise InvalidParams(None, str(exc)) from None
         return named
 
     def _decode_value(self, raw: msgspec.Raw,
@@ -376,33 +398,42 @@ class Method:
             if typed is None:
                 return _decode_json(raw)
             decoder, check = typed
-            if check is not None:  # (the sets it holds, before they are built)
-                try:
-                    read = self._guard_decode(raw)
-                    check(read)
-                except collisions.Flooded as exc:
-                    if tail is not None:
-                        index = tail + typing.cast(int, exc.where[0])
-                        raise _flooded(exc, name, [index, *exc.where[1:]], "params") from None
-                    if not name:  # (**kwargs' values: the key is the first step)
-                        raise _flooded(exc, str(exc.where[0]), exc.where[1:]) from None
-                    raise _flooded(exc, name, exc.where, where or None) from None
-                except ArithmeticError:  # (a Decimal's exponent past decimal's limits: round 38)
-                    raise msgspec.ValidationError("Number out of range") from None
-                # Decoded from what the check read, written again: an object's duplicate
-                # keys are gone, as they were for the check (round 39: the decoder built the
-                # set of every duplicate, the check saw the last; 1 MiB held a worker 12.8 s).
-                try:
-                    raw = msgspec.Raw(_REWRITE(_float_form(read) if self._guard_decode is _DECIMAL_JSON else read))
-                finally:
-                    _UNDERFLOWED.clear()
-            return decoder.decode(raw)
+            return decoder.decode(self._checked(raw, check, name, where, tail))
         except msgspec.ValidationError as exc:
             message = str(exc)
             if tail is not None:
                 raise InvalidParams(name, _tail_message(message, tail) or message) from None
             raise InvalidParams(name or None, _inside(message, where or name, f"{message} ({where})" if where
                                                       else message)) from None
+
+    def _checked(self, raw: msgspec.Raw, check: collisions.Check | None, name: str, where: str,
+                 tail: int | None = None) -> msgspec.Raw:
+        """`raw` checked by `check` for hash flooding (and the members a Flag would make), and
+        written again from what the check read: what is decoded then is what was checked (an
+        object's duplicate keys are gone, as they were for the check: round 39, the decoder
+        built the set of every duplicate, the check saw the last; 1 MiB held a worker 12.8 s).
+        `raw` itself when there is nothing to check. `name`, `where`, `tail`: as
+        `_decode_value` takes them ("" `name`: **kwargs' values, the key the first step).
+        Raises `InvalidParams` (flooded), `msgspec.ValidationError` (a Decimal past decimal's
+        limits, round 38: "Number out of range", with no place)."""
+        if check is None:
+            return raw
+        try:
+            read = self._guard_decode(raw)
+            check(read)
+        except collisions.Flooded as exc:
+            if tail is not None:
+                index = tail + typing.cast(int, exc.where[0])
+                raise _flooded(exc, name, [index, *exc.where[1:]], "params") from None
+            if not name:
+                raise _flooded(exc, str(exc.where[0]), exc.where[1:]) from None
+            raise _flooded(exc, name, exc.where, where or None) from None
+        except ArithmeticError:
+            raise msgspec.ValidationError(_OUT_OF_RANGE) from None
+        try:
+            return msgspec.Raw(_REWRITE(_float_form(read) if self._guard_decode is _DECIMAL_JSON else read))
+        finally:
+            _UNDERFLOWED.clear()
 
     def _check_floods(self, obj: object, guards: tuple[collisions.Check | None, ...]) -> None:
         """Refuse params putting more than `collisions.SHARED_HASH_MAX` distinct values of
@@ -764,6 +795,28 @@ def _tail_message(message: str, first: int) -> str | None:
     if not inner and not reason.endswith(" (a key)"):
         return f"{reason} (params[{index}])"
     return f"{reason} - at `params[{index}]{inner}`"
+
+
+_OUT_OF_RANGE = "Number out of range"
+
+
+def _array_of(values: list[msgspec.Raw]) -> msgspec.Raw:
+    """The JSON array of raw `values`."""
+    return msgspec.Raw(b"[" + b",".join(values) + b"]")
+
+
+def _past_decimal(raw: msgspec.Raw) -> bool:
+    """Whether `raw` holds a number past decimal's exponent limits (read as `bind` reads
+    numbers beside a Decimal; plain values only: no set or Flag is built)."""
+    try:
+        _DECIMAL_JSON(raw)
+    except ArithmeticError:
+        return True
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass
+    finally:
+        _UNDERFLOWED.clear()
+    return False
 
 
 def _object_of(items: list[tuple[str, msgspec.Raw]]) -> msgspec.Raw:
