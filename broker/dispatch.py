@@ -130,8 +130,7 @@ from msgspec import Raw
 from broker import wire
 from broker.answers import GONE, Exchange, Outgoing, ResponseBudget
 from broker.chunk import answers as chunk_answers
-from broker.chunk import count_answers, with_methods
-from broker.chunk import encode as encode_chunk
+from broker.chunk import count_answers, encode_requests, with_methods
 from broker.deadlines import DeadlineWheel
 from broker.jsonrpc import (
     _RESP_HEAD,  # with _RESP_RESULT: response_result's pieces, for splicing inline
@@ -286,10 +285,7 @@ class Call(msgspec.Struct, eq=False):
         """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
         one deadline (they share `timeout`), one reply. `sync`: they are all blocking
         sync calls (`Route.sync`; a chunk never mixes them with others)."""
-        slots = [slot for slot, _, _ in entries]
-        ids = [request.id for _, request, _ in entries]
-        methods = [route.method_index for _, _, route in entries]
-        payload = encode_chunk((route.method_index, slot < 0, request.params) for slot, request, route in entries)
+        payload, slots, ids, methods = encode_requests(entries)
         return cls(
             call_id,
             exchange if slots.count(-1) < len(slots) else None,
