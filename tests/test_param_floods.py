@@ -1069,3 +1069,23 @@ def test_a_number_past_decimal_s_limits_in_args_is_placed() -> None:
     error = _calls(lambda: Method("a_none", a_none).bind(b"[1, 2, 1e400]", 64), set())[0]
     assert isinstance(error, InvalidParams)
     assert error.param is None and error.reason.startswith("too many positional params"), error.reason
+
+
+_RAW_ZERO = msgspec.Raw(b"0")
+
+
+def test_a_number_the_check_cannot_read_in_kwargs_is_placed() -> None:
+    """Round 51 (MEDIUM): beside a Raw or a Decimal, a number the check's own decode refuses
+    (1e400 beside a Raw, an integer of 5000 digits) in a **kwargs value was blamed on the
+    last key, "Number out of range": it is found by halving, with msgspec's reason and place."""
+    def raw_sets(r: msgspec.Raw = _RAW_ZERO, **k: set[int]) -> None: ...
+    def dec_sets(d: decimal.Decimal = decimal.Decimal(0), **k: set[int]) -> None: ...
+
+    error = _calls(lambda: Method("raw_sets", raw_sets).bind(b'{"a":[1],"b":[1e400],"c":[2],"d":[3]}', 64), set())[0]
+    assert isinstance(error, InvalidParams)
+    assert (error.param, error.reason) == ("b", "Number out of range - at `b[0]`")
+    big = "9" * 5000
+    error = _calls(lambda: Method("dec_sets", dec_sets).bind(('{"a":[1],"b":[' + big + '],"c":[2]}').encode(), 64),
+                   set())[0]
+    assert isinstance(error, InvalidParams)
+    assert (error.param, error.reason) == ("b", "Integer value out of range - at `b[0]`")

@@ -2881,6 +2881,7 @@ def test_a_hint_msgspec_cannot_decode_is_said_at_the_registration(hint, caplog):
 @pytest.mark.parametrize(("hint", "given", "bound"), [
     (numbers.Number, 1, 1), (numbers.Real, 1.5, 1.5), (numbers.Integral, 3, 3),
     (collections.abc.Hashable, "a", "a"), (collections.abc.Sized, "ab", "ab"),
+    (typing.SupportsInt, 3, 3),
 ])
 def test_an_abstract_hint_registers_silently_and_binds(hint, given, bound, caplog):
     """Round 50 (MEDIUM): abstract classes (the numeric tower, collections.abc's one-method
@@ -2894,3 +2895,19 @@ def test_an_abstract_hint_registers_silently_and_binds(hint, given, bound, caplo
         method = Method("take", take)
     assert "cannot decode" not in caplog.text
     assert method.bind(json.dumps([given]).encode(), 64) == ((bound,), {})
+
+
+def test_a_protocol_not_checkable_at_runtime_is_said_at_the_registration(caplog):
+    """Round 51 (LOW): a Protocol that is not @runtime_checkable registered silently, and
+    every call giving it raised TypeError out of the binding."""
+
+    class Shaped(typing.Protocol):
+        def area(self) -> float: ...
+
+    def take(value=None):  # its hint set below (a local class in a string hint would not resolve)
+        return value
+
+    take.__annotations__ = {"value": Shaped | None}
+    with caplog.at_level("WARNING", logger="broker.worker"):
+        Method("take", take)
+    assert "cannot decode" in caplog.text and "Shaped" in caplog.text, caplog.text

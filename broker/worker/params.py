@@ -158,8 +158,7 @@ class Method:
         # parameter no call gives, `p: Plain | None = None`, served as before), nor an abstract
         # one (`numbers.Real`, `Hashable`), which a conversion takes by isinstance.
         custom = next((node.cls for node in held if isinstance(node, msgspec.inspect.CustomType)
-                       and node.cls is not object and not isinstance(node.cls, abc.ABCMeta)
-                       and not getattr(node.cls, "_is_protocol", False)), None)
+                       and node.cls is not object and not _by_isinstance(node.cls)), None)
         if custom is not None:
             log.warning("method %r: a type hint holds %s.%s, which msgspec cannot decode from JSON (no dec_hook):"
                         " a call giving it is refused -32602; hint it dict, list, a msgspec.Struct or a dataclass",
@@ -367,9 +366,14 @@ class Method:
             decoder, check = stars
             try:  # (a flood is refused naming its key)
                 text = self._checked(_object_of(extra), check, "", "")
-            except msgspec.ValidationError:  # (a Decimal past decimal's limits: which key's)
-                key = extra[_first_refused(extra, lambda part: _past_decimal(_object_of(part)))][0]
-                raise InvalidParams(key, _OUT_OF_RANGE) from None
+            except msgspec.ValidationError as exc:  # a number the check cannot read: which key's (halving)
+                if str(exc) == _OUT_OF_RANGE:  # (a Decimal past decimal's limits)
+                    key = extra[_first_refused(extra, lambda part: _past_decimal(_object_of(part)))][0]
+                    raise InvalidParams(key, _OUT_OF_RANGE) from None
+                read = self._guard_decode  # (plain values: no set or Flag is built; round 51)
+                key, raw = extra[_first_refused(extra, lambda part: _refuses(read, _object_of(part)) is not None)]
+                message = _refuses(read, raw) or str(exc)
+                raise InvalidParams(key, _inside(message, key, message)) from None
             try:
                 named.update(decoder.decode(text))
             except msgspec.ValidationError as exc:
@@ -817,6 +821,15 @@ def _past_decimal(raw: msgspec.Raw) -> bool:
     finally:
         _UNDERFLOWED.clear()
     return False
+
+
+def _by_isinstance(cls: type) -> bool:
+    """Whether a conversion takes a value for `cls` by isinstance: an abstract class (the
+    numeric tower, collections.abc's), or a Protocol checkable at runtime (round 51: one that
+    is not raised TypeError out of every call's binding)."""
+    if getattr(cls, "_is_protocol", False):
+        return bool(getattr(cls, "_is_runtime_protocol", False))
+    return isinstance(cls, abc.ABCMeta)
 
 
 def _object_of(items: list[tuple[str, msgspec.Raw]]) -> msgspec.Raw:
