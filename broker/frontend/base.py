@@ -20,7 +20,6 @@ import termios
 import time
 import typing
 import weakref
-from collections import deque
 from collections.abc import Callable
 
 from broker.answers import Outgoing
@@ -81,16 +80,19 @@ SLOW_TURN_SECONDS = TURN_SECONDS
 # made iterations of half a second (round 45: /healthz p90 1.0 s). Once a loop iteration's
 # reads took ADMIT_SECONDS, a read that may hold more than SMALL_READ_BYTES of a request
 # (what it brings and the body or line it ends) waits in the lane too; smaller ones, a
-# probe's or a small call's, cost too little to wait (decoding costs at most about 25 ms a
-# MiB: benchmarks/pathological.py), so they go on.
+# probe's or a small call's, cost too little to wait (16 KiB of the worst shapes decode in
+# about 3 ms: benchmarks/pathological.py, 45 to 180 ms a MiB at that size), so they go on.
 ADMIT_SECONDS = 2 * TURN_SECONDS
 SMALL_READ_BYTES = 16 * 1024
 # What a read held back so is charged in the lane (`SlowLane.add`), before its turn shows
-# what it costs: the most decoding its bytes (and the body or line they end) may cost.
+# what it costs: what decoding its bytes (and the body or line they end) may cost, at the
+# rate of large bodies of the worst shapes (benchmarks/pathological.py: about 25 ms a MiB;
+# small ones cost more a MiB, up to 180 ms, round 51, but a read held back is past 16 KiB).
 BYTE_SECONDS = 0.025 / (1024 * 1024)
-# An entry of the lane that later ones went before more than this many times the entries
-# before it when it came goes next (`SlowLane`).
-OVERTAKEN = 4
+# An entry of the lane that later ones went before this many times as often as there were
+# entries before it when it came goes next: it waits at most (OVERTAKEN + 1) times as many
+# let-gos as in the order they came (`SlowLane`).
+OVERTAKEN = 2
 CHARGED_SECONDS = 0.0002  # a read's time below this is not counted in its iteration's (the hot path's reads)
 _last_active = operator.attrgetter("last_active")
 
@@ -283,25 +285,29 @@ class SlowLane:
     pipelining 1 MiB bodies nested 200,000 deep, 18 ms each: 1.2-2.1 s), and busy ones
     share the lane by cost, not by turns. But new connections start at `virtual` itself,
     and a stream of them holds it still: the busy ones would wait for ever (round 50: 3.4
-    s). So the oldest entry goes next once later ones went before it OVERTAKEN times as
-    often as there were entries before it when it came (in their order it would have
-    waited for those alone). Each connection keeps its last finish in its `lane_finish`
-    (0.0 when new)."""
+    s). So an entry goes next once later ones went before it OVERTAKEN times as often as
+    there were entries before it when it came (in their order it would have waited for those
+    alone): it waits at most OVERTAKEN + 1 times as many let-gos as in arrival order (round
+    51: the bound checked on the oldest entry alone, at 5 times, held busy connections
+    1.2-1.6 s where arrival order held them 0.7 s). Each connection keeps its last finish in
+    its `lane_finish` (0.0 when new)."""
 
-    __slots__ = ("_arrived", "_count", "_due", "_let_go", "_loop", "_order", "_reset_due", "_waiting", "spent",
+    __slots__ = ("_count", "_dead", "_due", "_dues", "_let_go", "_loop", "_order", "_reset_due", "_waiting", "spent",
                  "virtual")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        # Each entry: [start, cost, order, callback, entries let go before it came, entries
-        # waiting then], in a heap by start and in `_arrived` in arrival order; one let go from
-        # either is marked (its callback None), and dropped from the other when met.
+        # Each entry: [start, cost, order, callback, let go by (a count of entries let go)], in
+        # `_waiting`, a heap by (start, cost, order), and in `_dues`, a heap by (let go by,
+        # order); one let go from either is marked (its callback None), and dropped from the
+        # other when met, or when such marked ones are more than half of it (`_compact`).
         self._waiting: list[list[typing.Any]] = []
-        self._arrived: deque[list[typing.Any]] = deque()
+        self._dues: list[tuple[int, int, list[typing.Any]]] = []
         self._count = 0  # entries waiting
+        self._dead = 0  # marked entries still in one heap or the other
         self._let_go = 0  # entries let go so far
         self._order = itertools.count()
-        self.virtual = 0.0  # s of charged cost: the finish of the entry let go last, and what turns took past theirs
+        self.virtual = 0.0  # s of charged cost: the start of the entry let go last
         self._due = False  # `_next` is scheduled
         self.spent = 0.0  # s: what this loop iteration's reads and turns took (`charge`), past CHARGED_SECONDS each
         self._reset_due = False
@@ -322,38 +328,45 @@ class SlowLane:
 
     def add(self, callback: Callable[[], None], conn: typing.Any, cost: float) -> None:
         """Call `callback`, a turn of `conn` (a protocol with a `lane_finish`), in a later loop
-        iteration, charged `cost` seconds: after the entries starting before it."""
+        iteration, charged `cost` seconds: after the entries starting before it, and at the
+        latest (OVERTAKEN + 1) times as many let-gos from now as there are entries before it."""
         start = conn.lane_finish
         if start < self.virtual:
             start = self.virtual
         conn.lane_finish = start + cost
-        entry = [start, cost, next(self._order), callback, self._let_go, self._count]
+        order = next(self._order)
+        due = self._let_go + (OVERTAKEN + 1) * (self._count + 1) - 1
+        entry = [start, cost, order, callback, due]
         heapq.heappush(self._waiting, entry)
-        self._arrived.append(entry)
+        heapq.heappush(self._dues, (due, order, entry))
         self._count += 1
         if not self._due:
             self._due = True
             self._loop.call_soon(self._next)
 
     def _next(self) -> None:
-        arrived = self._arrived
-        entry = arrived[0]  # (the oldest waiting: those before it are gone, each let go after it came)
-        if self._let_go - entry[4] - entry[5] >= OVERTAKEN * (entry[5] + 1):  # overtaken enough: it goes now
-            arrived.popleft()
+        dues = self._dues
+        while dues[0][2][3] is None:  # (let go by its start already)
+            heapq.heappop(dues)
+            self._dead -= 1
+        if dues[0][0] <= self._let_go:  # overtaken enough: it goes now
+            entry = heapq.heappop(dues)[2]
         else:
             waiting = self._waiting
             entry = heapq.heappop(waiting)
-            while entry[3] is None:  # (let go from `_arrived` already)
+            while entry[3] is None:  # (let go by its due already)
                 entry = heapq.heappop(waiting)
-        start, _, _, callback, _, _ = entry
+                self._dead -= 1
+        start, _, _, callback, _ = entry
         entry[3] = None
+        self._dead += 1  # (it is still in the other heap)
         self._count -= 1
         self._let_go += 1
-        while arrived and arrived[0][3] is None:
-            arrived.popleft()
         if start > self.virtual:
             self.virtual = start
-        if arrived:
+        if self._dead > self._count + 64:
+            self._compact()
+        if self._count:
             self._loop.call_soon(self._next)
         else:
             self._due = False
@@ -362,6 +375,14 @@ class SlowLane:
         took = time.perf_counter() - began
         if took > CHARGED_SECONDS:
             self.charge(took)
+
+    def _compact(self) -> None:
+        """Drop the marked entries from both heaps (more than those waiting, and 64)."""
+        self._waiting = [entry for entry in self._waiting if entry[3] is not None]
+        heapq.heapify(self._waiting)
+        self._dues = [item for item in self._dues if item[2][3] is not None]
+        heapq.heapify(self._dues)
+        self._dead = 0
 
 
 _LANES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SlowLane] = weakref.WeakKeyDictionary()
