@@ -348,7 +348,7 @@ class Method:
                     except InvalidParams as exc:
                         if exc.reason != _OUT_OF_RANGE:  # (placed, or not about a number)
                             raise
-                        at = n + _first_refused(rest, lambda part: _past_decimal(_array_of(part)))  # (round 50)
+                        at = n + _first_past_decimal(rest)  # (round 50)
                         raise InvalidParams(exc.param, f"{_OUT_OF_RANGE} (params[{at}])") from None
             return values
         known, kw_only = self._named_type.__struct_fields__, self._pos_only  # (as in _check_floods)
@@ -366,29 +366,25 @@ class Method:
             decoder, check = stars
             try:  # (a flood is refused naming its key)
                 text = self._checked(_object_of(extra), check, "", "")
-            except msgspec.ValidationError as exc:  # a number the check cannot read: which key's (halving)
+            except msgspec.ValidationError as exc:  # a number the check cannot read: which key's
                 if str(exc) == _OUT_OF_RANGE:  # (a Decimal past decimal's limits)
-                    key = extra[_first_refused(extra, lambda part: _past_decimal(_object_of(part)))][0]
-                    raise InvalidParams(key, _OUT_OF_RANGE) from None
-                read = self._guard_decode  # (plain values: no set or Flag is built; round 51)
-                key, raw = extra[_first_refused(extra, lambda part: _refuses(read, _object_of(part)) is not None)]
-                message = _refuses(read, raw) or str(exc)
-                raise InvalidParams(key, _inside(message, key, message)) from None
+                    raise InvalidParams(extra[_first_past_decimal([raw for _, raw in extra])][0], _OUT_OF_RANGE) from None
+                # (its values as one array, read as the check reads them, plain values: no set
+                # or Flag is built; msgspec places the refused one, `$[i]`: round 51)
+                raise _keyed(extra, _refuses(self._guard_decode, _array_of([raw for _, raw in extra])), str(exc)) from None
             try:
                 named.update(decoder.decode(text))
             except msgspec.ValidationError as exc:
-                # msgspec names no key ("$[...]"): halve to the first refused (cold path), over
-                # the values the check read, written again (round 50: over the text sent, the
-                # duplicate keys in a value, which the check reads as one, built a set of 40,000
-                # ints of one hash: 13 s)
-                values = msgspec.json.decode(text, type=dict[str, msgspec.Raw])
-                items = list(values.items())
-                key, raw = items[_first_refused(items, lambda part: _refuses(decoder.decode, _object_of(part)) is not None)]
-                try:  # (its reason, where inside the value: as the value's own type says it)
-                    msgspec.json.decode(raw, type=typing.get_args(self._var_kw)[1])
-                except msgspec.ValidationError as error:
-                    raise InvalidParams(key, _inside(str(error), key, str(error))) from None
-                raise InvalidParams(None, str(exc)) from None
+                # msgspec names no key ("$[...]"): the values the check read, written again, are
+                # decoded once more as one array, where it places the refused one, `$[i]` (round
+                # 50: over the text sent, duplicate keys in a value, which the check reads as one,
+                # built a set of 40,000 ints of one hash, 13 s; round 52: halved, the refused
+                # value was decoded again in each half that held it, 18 times, 5-7 s)
+                items = list(msgspec.json.decode(text, type=dict[str, msgspec.Raw]).items())
+                hint = typing.get_args(self._var_kw)[1]
+                decode = msgspec.json.Decoder(list[hint]).decode  # type: ignore[valid-type]
+                refusal = _refuses(decode, _array_of([raw for _, raw in items]))
+                raise _keyed(items, refusal, str(exc)) from None
         return named
 
     def _decode_value(self, raw: msgspec.Raw,
@@ -519,23 +515,16 @@ class Method:
     def _invalid_extra(self, values: list[object] | dict[str, object], message: str) -> InvalidParams:
         """Name the value taken by `*args` (its name and place in params) or by
         `**kwargs` (the key) that does not fit the hint, from `message`, msgspec's refusal
-        of them all. An *args value's place is in it; a key is not ("$[...]"), and is found
-        by halving the values, each half converted again (2x the values' conversion, in C:
-        round 49, one value at a time up to the one refused, 1 MiB held a worker 0.3-1 s)."""
+        of them all. An *args value's place is in it; a key is not ("$[...]"): the values
+        are converted once more as a list, where msgspec places it (round 49: one value at a
+        time up to the one refused, 1 MiB held a worker 0.3-1 s; round 52: halved, the
+        refused value was converted again in each half that held it)."""
         if type(values) is list:
             return InvalidParams(self._var_pos_name(), _tail_message(message, len(self._pos_names)) or message)
         items = list(typing.cast(dict[str, object], values).items())
-        var_kw = self._var_kw
-
-        def convert(part: list[tuple[str, object]]) -> object:
-            return msgspec.convert(dict(part), var_kw, str_keys=True)
-
-        key, value = items[_first_refused(items, lambda part: _refuses(convert, part) is not None)]
-        try:  # (its reason, where inside the value: as the value's own type says it)
-            msgspec.convert(value, typing.get_args(var_kw)[1], str_keys=True)
-        except msgspec.ValidationError as exc:
-            return InvalidParams(key, _inside(str(exc), key, str(exc)))
-        return InvalidParams(None, message)
+        hint = list[typing.get_args(self._var_kw)[1]]  # type: ignore[misc,valid-type]  # (its values as a list: `$[i]`)
+        return _keyed(items, _refuses(lambda value: msgspec.convert(value, hint, str_keys=True),
+                                      [value for _, value in items]), message)
 
     def _out_of_range(self, params: bytes, message: str) -> InvalidParams:
         """Name the parameter holding a value msgspec cannot hold (a number past a
@@ -645,6 +634,7 @@ def _number_form(value: object) -> object:
     return value
 
 
+_REFUSED_NUMBER = [""]  # the number `_decimal_or_zero` refused last (its text)
 _UNDERFLOWED: dict[int, tuple[float, str]] = {}  # a zero `_decimal_or_zero` made: (it, the text it was read from)
 
 
@@ -659,6 +649,7 @@ def _decimal_or_zero(text: str) -> decimal.Decimal | float:
     except decimal.InvalidOperation:
         value = float(text)
         if value:  # (inf: "Number out of range", as msgspec says)
+            _REFUSED_NUMBER[0] = text  # (which one: `_first_past_decimal`)
             raise
         _UNDERFLOWED[id(value)] = (value, text)
         return value
@@ -851,19 +842,35 @@ def _refuses(decode: Callable[[typing.Any], object], value: object) -> str | Non
     return None
 
 
-def _first_refused(items: list[typing.Any], refused: Callable[[list[typing.Any]], bool]) -> int:
-    """The index of the first of `items` that `refused` refuses (it refuses them all
-    together, and refuses a slice if and only if it holds a value it refuses alone). Found
-    by halving: `refused` sees at most 2 * len(items) values in all."""
-    lo, hi = 0, len(items)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if refused(items[lo:mid]):
-            hi = mid
-        else:
-            lo = mid
-    return lo
+def _keyed(items: list[tuple[str, typing.Any]], refusal: str | None, message: str) -> InvalidParams:
+    """The refusal of **kwargs' values: `refusal`, msgspec's of them as one array ("<reason>
+    - at `$[i]<inner>`"), said of the key of the i-th of `items` as a refusal of that value
+    alone is ("<reason>", or "<reason> - at `key<inner>`"); `message` (the refusal of them
+    as an object) with no key if it places none."""
+    split = None if refusal is None else _split_path(refusal)
+    if split is not None and split[1].startswith("["):
+        reason, path = split
+        end = path.find("]")
+        digits = path[1:end]
+        if end > 0 and digits.isascii() and digits.isdigit() and int(digits) < len(items):
+            key, inner = items[int(digits)][0], path[end + 1 :]
+            if not inner and not reason.endswith(" (a key)"):
+                return InvalidParams(key, reason)
+            return InvalidParams(key, f"{reason} - at `{key}{inner}`")
+    return InvalidParams(None, message)
 
+
+def _first_past_decimal(values: list[msgspec.Raw]) -> int:
+    """The index of the first of `values` holding a number past decimal's exponent limits,
+    which a decode refuses with no place: the number the refusal met (`_REFUSED_NUMBER`,
+    what `_decimal_or_zero` saw last) is looked for in each value's text, each found
+    checked alone (round 52: halving decoded the values before it again in each half,
+    175,000 numbers 18 times: 0.6-0.8 s). Past the last if none is found."""
+    text = _REFUSED_NUMBER[0].encode()
+    for i, raw in enumerate(values):
+        if text and text in bytes(raw) and _past_decimal(raw):
+            return i
+    return max(len(values) - 1, 0)
 
 def _is_async(fn: Callable[..., object]) -> bool:
     """Is `fn` an async handler: a coroutine function, one marked so
