@@ -941,7 +941,9 @@ class HttpProtocol(asyncio.Protocol):
             # What its turn may decode, which the lane charges: the body it ends (its length
             # known), else this read (round 50: every read of a body charged for all of it)
             held = len(data)
-            if self._content_length < 0 or len(self._body) + len(data) >= self._content_length:
+            if (len(self._body) + len(data) >= self._content_length >= 0  # (it ends the body: its decode)
+                    or (self._transfer_encoding and b"\r\n0" in data)  # (chunked: its last chunk, perhaps)
+                    or not self._head_done):  # (a head's read: what follows it is unknown)
                 held += len(self._body)
             forced = not fe.keep_backlog(self, data)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
             self._pause()
