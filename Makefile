@@ -26,11 +26,14 @@ venv-setup:
 	echo "setting up $(VENV): installing rpc-broker and its packages (a minute or two the first time)"; \
 	set -e; \
 	if ! $(BIN)/python -c 'import sys, pip; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then \
-		rc=0; found=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2]); sys.exit(sys.version_info < (3, 11))' 2>/dev/null) || rc=$$?; \
+		rc=0; found=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2]); sys.exit(sys.version_info < (3, 11))' 2>$(VENV).why) || rc=$$?; \
 		if [ $$rc != 0 ]; then \
-			if [ -n "$$found" ]; then why="is Python $$found"; else why="does not run here"; fi; \
-			echo "PYTHON=$(PYTHON) $$why; rpc-broker needs Python 3.11 or newer: name one that runs, e.g. make serve PYTHON=python3.12 (or make test PYTHON=...)" >&2; \
+			if [ -n "$$found" ]; then why="is Python $$found"; else why="did not run: $$(head -c 300 $(VENV).why)"; fi; \
+			rm -f $(VENV).why; \
+			echo "PYTHON=$(PYTHON) $$why" >&2; \
+			echo "rpc-broker needs Python 3.11 or newer: name one that runs, by name or full path, e.g. make serve PYTHON=/usr/bin/python3.12 (make test alike)" >&2; \
 			exit 1; fi; \
+		rm -f $(VENV).why; \
 		$(PYTHON) -m venv --clear $(VENV); fi; \
 	$(BIN)/python -m pip install --quiet --upgrade pip; \
 	$(BIN)/python -m pip install --quiet -e '.[dev]'; \
