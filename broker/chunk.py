@@ -4,7 +4,7 @@ and their answers (the frames' layout: wire.py's docstring, CHUNK, CHUNK_PART, C
 A CHUNK payload is, per call, a `CALL_ENTRY` (method index u16, flags u8, params length
 u32) then the raw params; a CHUNK_PART or CHUNK_REPLY payload is, per answer, a
 `REPLY_ENTRY` (the call's place in the chunk u32, kind u8: RESULT or ERROR, length u32)
-then the raw result or error object. The broker writes chunks (`encode`, `with_methods`)
+then the raw result or error object. The broker writes chunks (`encode_requests`, `with_methods`)
 and reads their answers (`answers`, `count_answers`); a worker reads chunks (`read_call`)
 and writes answers (`add_answer`).
 
@@ -16,29 +16,18 @@ entry: a call costs about 60 ns, per call of every batch.
 from __future__ import annotations
 
 import typing
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from broker.wire import CALL_ENTRY, NOTIFY_FLAG, REPLY_ENTRY
 
-__all__ = ["add_answer", "answers", "count_answers", "encode", "encode_requests", "read_call", "with_methods"]
-
-
-def encode(calls: Iterable[tuple[int, bool, typing.Any]]) -> bytes:
-    """A CHUNK payload of `calls`: (method index, notification?, raw params: bytes or a
-    `msgspec.Raw`) each, in order."""
-    payload = bytearray()
-    pack = CALL_ENTRY.pack
-    for method, notification, params in calls:
-        payload += pack(method, NOTIFY_FLAG if notification else 0, len(params))
-        payload += params
-    return bytes(payload)
+__all__ = ["add_answer", "answers", "count_answers", "encode_requests", "read_call", "with_methods"]
 
 
 def encode_requests(entries: list[tuple[int, typing.Any, typing.Any]]) -> tuple[bytes, list[int], list[typing.Any], list[int]]:
-    """`encode` of the dispatcher's entries, (slot, `jsonrpc.Request`, `dispatch.Route`) each
-    (slot < 0: a notification), with their slots, raw ids and method indexes in order: one
-    pass (the dispatcher's hot path: three more passes cost 4.6 % of a batched call's
-    instructions, benchmarks/hotpath_instructions.py)."""
+    """A CHUNK payload of the dispatcher's entries, (slot, `jsonrpc.Request`,
+    `dispatch.Route`) each (slot < 0: a notification), with their slots, raw ids and method
+    indexes in order: one pass (the dispatcher's hot path: three more passes cost 4.6 % of a
+    batched call's instructions, benchmarks/hotpath_instructions.py)."""
     slots = []
     ids = []
     methods = []

@@ -258,18 +258,27 @@ def test_a_chunk_and_its_answers_round_trip(calls, data):
     """broker/chunk.py: what the broker writes of a chunk the worker reads back, call by
     call; a reload's new method indexes replace the old in place; the answers a worker adds
     are read back in order, and counted."""
-    from broker import chunk
+    from msgspec import Raw
 
-    payload = chunk.encode(calls)
+    from broker import chunk
+    from broker.dispatch import Route
+    from broker.jsonrpc import Request
+
+    def entries(methods):
+        return [(-1 if note else i, Request("2.0", "m", Raw(params), Raw(b"%d" % i)), Route(m, 1.0))
+                for i, (m, (_, note, params)) in enumerate(zip(methods, calls))]
+
+    payload, slots, ids, methods = chunk.encode_requests(entries([m for m, _, _ in calls]))
+    assert methods == [m for m, _, _ in calls] and [bytes(i) for i in ids] == [b"%d" % i for i in range(len(calls))]
+    assert slots == [-1 if note else i for i, (_, note, _) in enumerate(calls)]
     pos, read = 0, []
     for _ in calls:
         method, notification, start, end = chunk.read_call(payload, pos)
         read.append((method, notification, payload[start:end]))
         pos = end
     assert read == calls and pos == len(payload)
-    methods = data.draw(st.lists(st.integers(0, wire.MAX_METHODS), min_size=len(calls), max_size=len(calls)))
-    assert chunk.with_methods(payload, methods) == chunk.encode(
-        [(m, n, p) for m, (_, n, p) in zip(methods, calls)])
+    new = data.draw(st.lists(st.integers(0, wire.MAX_METHODS), min_size=len(calls), max_size=len(calls)))
+    assert chunk.with_methods(payload, new) == chunk.encode_requests(entries(new))[0]
     unsent = bytearray()
     bodies = [(i, wire.RESULT if i % 2 else wire.ERROR, p) for i, (_, _, p) in enumerate(calls)]
     for place, kind, body in bodies:

@@ -778,15 +778,12 @@ def _tail_message(message: str, first: int) -> str | None:
     k-th of which is params[first + k], said as a refusal of that value alone is:
     "<reason> (params[i])", or "<reason> - at `params[i]<inner>`" if inside it (or a key of
     it). None if `message` places no value."""
-    split = _split_path(message)
-    if split is None or not split[1].startswith("["):
+    at = _located(message)
+    k = None if at is None else at[1]
+    if at is None or k is None:
         return None
-    reason, path = split
-    end = path.find("]")
-    digits = path[1:end]
-    if end < 0 or not (digits.isascii() and digits.isdigit()):
-        return None
-    index, inner = first + int(digits), path[end + 1 :]
+    reason, _, _, inner = at
+    index = first + k
     if not inner and not reason.endswith(" (a key)"):
         return f"{reason} (params[{index}])"
     return f"{reason} - at `params[{index}]{inner}`"
@@ -838,7 +835,7 @@ def _refuses(decode: Callable[[typing.Any], object], value: object) -> str | Non
     except msgspec.ValidationError as exc:
         return str(exc)
     except ArithmeticError:  # (a Decimal's exponent past decimal's limits)
-        return "Number out of range"
+        return _OUT_OF_RANGE
     return None
 
 
@@ -847,17 +844,15 @@ def _keyed(items: list[tuple[str, typing.Any]], refusal: str | None, message: st
     - at `$[i]<inner>`"), said of the key of the i-th of `items` as a refusal of that value
     alone is ("<reason>", or "<reason> - at `key<inner>`"); `message` (the refusal of them
     as an object) with no key if it places none."""
-    split = None if refusal is None else _split_path(refusal)
-    if split is not None and split[1].startswith("["):
-        reason, path = split
-        end = path.find("]")
-        digits = path[1:end]
-        if end > 0 and digits.isascii() and digits.isdigit() and int(digits) < len(items):
-            key, inner = items[int(digits)][0], path[end + 1 :]
-            if not inner and not reason.endswith(" (a key)"):
-                return InvalidParams(key, reason)
-            return InvalidParams(key, f"{reason} - at `{key}{inner}`")
-    return InvalidParams(None, message)
+    at = None if refusal is None else _located(refusal)
+    index = None if at is None else at[1]
+    if at is None or index is None or index >= len(items):
+        return InvalidParams(None, message)
+    reason, _, _, inner = at
+    key = items[index][0]
+    if not inner and not reason.endswith(" (a key)"):
+        return InvalidParams(key, reason)
+    return InvalidParams(key, f"{reason} - at `{key}{inner}`")
 
 
 def _first_past_decimal(values: list[msgspec.Raw]) -> int:
@@ -865,12 +860,13 @@ def _first_past_decimal(values: list[msgspec.Raw]) -> int:
     which a decode refuses with no place: the number the refusal met (`_REFUSED_NUMBER`,
     what `_decimal_or_zero` saw last) is looked for in each value's text, each found
     checked alone (round 52: halving decoded the values before it again in each half,
-    175,000 numbers 18 times: 0.6-0.8 s). Past the last if none is found."""
+    175,000 numbers 18 times: 0.6-0.8 s). The last if none is found."""
     text = _REFUSED_NUMBER[0].encode()
     for i, raw in enumerate(values):
         if text and text in bytes(raw) and _past_decimal(raw):
             return i
     return max(len(values) - 1, 0)
+
 
 def _is_async(fn: Callable[..., object]) -> bool:
     """Is `fn` an async handler: a coroutine function, one marked so
