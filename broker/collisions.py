@@ -72,7 +72,7 @@ import msgspec
 __all__ = [
     "MADE_MEMBERS_MAX",
     "SHARED_HASH_MAX",
-    "UNNAMED_VALUES_MAX",
+    "UNNAMED_COST_MAX",
     "Flooded",
     "TooManyMembers",
     "TooManyUnnamed",
@@ -124,21 +124,23 @@ class TooManyMembers(Flooded):
                        " yet (each makes one){at}: refused")
 
 
-UNNAMED_VALUES_MAX = 16384
-"""How many values in one call's params may be none of an `enum.Flag` class's named
-members: msgspec calls the class's `_missing_` for each, made before or not (about 3.5 us)."""
+UNNAMED_COST_MAX = 16384
+"""How much the values in one call's params that are none of an `enum.Flag` class's named
+members may cost, in calls of the class's `_missing_` on a value of under 8 bits (about
+3 us): msgspec calls it for each such value, made before or not, and it goes through the
+value's bits (a 60-bit value about 24 us), so a value costs 1 + its set bits // 8."""
 
 
 class TooManyUnnamed(Flooded):
-    """More than `UNNAMED_VALUES_MAX` values of an `enum.Flag` class in one call's params
-    that are none of its named members, repeated or not (hostile testing, round 46: one
-    value repeated 116,000 times, 1 MiB, held a worker 1.8 to 2.5 s; `MADE_MEMBERS_MAX`
-    counted only the members made)."""
+    """Values of an `enum.Flag` class in one call's params that are none of its named
+    members, repeated or not, costing more than `UNNAMED_COST_MAX` (hostile testing, round
+    46: one value repeated 116,000 times, 1 MiB, held a worker 1.8 to 2.5 s; round 52:
+    16,384 values of 46 to 60 bits each, counted as one apiece, 0.3 to 0.4 s)."""
 
     def __init__(self, cls: type) -> None:
         super().__init__(0)
-        self.reason = (f"more than {UNNAMED_VALUES_MAX} values of {cls.__name__} that are none of its named members"
-                       " (each costs a call of its _missing_){at}: refused")
+        self.reason = (f"values of {cls.__name__} that are none of its named members cost more than {UNNAMED_COST_MAX}"
+                       " calls of its _missing_ (one a value, one more per 8 bits set){at}: refused")
 
 
 class UnknownBits(Flooded):
@@ -333,8 +335,8 @@ def _flag_walk(cls: type) -> _Walk:
         if type(value) is int and value not in own:  # (any other the binding refuses)
             if value < 0 or value & ~mask:
                 raise _located(UnknownBits(cls, value), at)
-            unnamed = _UNNAMED[cls] = _UNNAMED.get(cls, 0) + 1
-            if unnamed > UNNAMED_VALUES_MAX:
+            unnamed = _UNNAMED[cls] = _UNNAMED.get(cls, 0) + 1 + value.bit_count() // 8
+            if unnamed > UNNAMED_COST_MAX:
                 raise _located(TooManyUnnamed(cls), at)
             if value not in made:  # a member the binding makes
                 new = _MADE.setdefault(cls, set())
@@ -345,12 +347,12 @@ def _flag_walk(cls: type) -> _Walk:
 
 
 _MADE: dict[type, set[int]] = {}  # a Flag class: the values the call's params make members for (`new_call`)
-_UNNAMED: dict[type, int] = {}  # a Flag class: how many of the call's values are none of its named members
+_UNNAMED: dict[type, int] = {}  # a Flag class: the cost of the call's values that are none of its named members
 
 
 def new_call() -> None:
     """Start counting the members a call's params make (`MADE_MEMBERS_MAX`), and their
-    values that are no named member (`UNNAMED_VALUES_MAX`), afresh: the worker calls it
+    values that are no named member (`UNNAMED_COST_MAX`), afresh: the worker calls it
     before it checks the params of a method whose hints hold a Flag."""
     _MADE.clear()
     _UNNAMED.clear()

@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import decimal
 import enum
+import fractions
 import functools
 import inspect
 import json
@@ -2855,7 +2856,7 @@ def test_a_strided_memoryview_is_written_as_its_bytes():
 
 @pytest.mark.parametrize("hint", [
     collections.Counter[int], collections.OrderedDict[int, int], collections.defaultdict[int, int],
-    collections.deque[int], "Plain", "Plain | None", "list[Plain]",
+    collections.deque[int], "Plain", "Plain | None", "list[Plain]", fractions.Fraction,
 ])
 def test_a_hint_msgspec_cannot_decode_is_said_at_the_registration(hint, caplog):
     """Hostile testing, round 49 (LOW): hints msgspec takes for custom types (it decodes
@@ -2874,7 +2875,7 @@ def test_a_hint_msgspec_cannot_decode_is_said_at_the_registration(hint, caplog):
     take.__annotations__ = {"value": eval(hint, {"Plain": Plain}) if isinstance(hint, str) else hint}
     with caplog.at_level("WARNING", logger="broker.worker"):
         method = Method("take", take)
-    assert re.search(r"method 'take': a type hint holds \S+, which msgspec cannot decode", caplog.text), caplog.text
+    assert re.search(r"method 'take': a type hint holds \S+, which msgspec cannot decode.* refused -32602", caplog.text)
     assert method.bind(b"[]", 64) == ((None,), {})  # (a call not giving it is served)
 
 
@@ -2899,7 +2900,8 @@ def test_an_abstract_hint_registers_silently_and_binds(hint, given, bound, caplo
 
 def test_a_protocol_not_checkable_at_runtime_is_said_at_the_registration(caplog):
     """Round 51 (LOW): a Protocol that is not @runtime_checkable registered silently, and
-    every call giving it raised TypeError out of the binding."""
+    every call giving it raised TypeError out of the binding (round 52, LOW: the log said
+    such a call was refused -32602; it is an internal error, -32603)."""
 
     class Shaped(typing.Protocol):
         def area(self) -> float: ...
@@ -2909,5 +2911,8 @@ def test_a_protocol_not_checkable_at_runtime_is_said_at_the_registration(caplog)
 
     take.__annotations__ = {"value": Shaped | None}
     with caplog.at_level("WARNING", logger="broker.worker"):
-        Method("take", take)
+        method = Method("take", take)
     assert "cannot decode" in caplog.text and "Shaped" in caplog.text, caplog.text
+    assert "-32603" in caplog.text and "-32602" not in caplog.text, caplog.text
+    with pytest.raises(TypeError, match="runtime_checkable"):
+        method.bind(b"[1]", 64)

@@ -17,7 +17,6 @@ Nothing here does I/O: the worker's run loop (broker/worker/runtime.py) calls `b
 
 from __future__ import annotations
 
-import abc
 import decimal
 import enum
 import gc
@@ -153,16 +152,17 @@ class Method:
         held = [] if raw_params else collisions.reachable(msgspec.inspect.multi_type_info(kinds))
         self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
                              and issubclass(node.cls, enum.Flag)}) or None
-        # A concrete class msgspec cannot decode (round 49: registered, then every call giving it
-        # answered -32602) is said at the registration; not refused (round 50: one in a
+        # A class no JSON value is an instance of (round 49: registered, then every call giving
+        # it answered -32602) is said at the registration; not refused (round 50: one in a
         # parameter no call gives, `p: Plain | None = None`, served as before), nor an abstract
         # one (`numbers.Real`, `Hashable`), which a conversion takes by isinstance.
         custom = next((node.cls for node in held if isinstance(node, msgspec.inspect.CustomType)
-                       and node.cls is not object and not _by_isinstance(node.cls)), None)
+                       and _json_is_of(node.cls) is not True), None)
         if custom is not None:
             log.warning("method %r: a type hint holds %s.%s, which msgspec cannot decode from JSON (no dec_hook):"
-                        " a call giving it is refused -32602; hint it dict, list, a msgspec.Struct or a dataclass",
-                        name, custom.__module__, custom.__qualname__)
+                        " a call giving it is %s; hint it dict, list, a msgspec.Struct or a dataclass",
+                        name, custom.__module__, custom.__qualname__, "refused -32602" if _json_is_of(custom) is False
+                        else "an internal error, -32603 (isinstance takes no Protocol not @runtime_checkable)")
         if any(isinstance(node, msgspec.inspect.UnionType) and any(isinstance(t, msgspec.inspect.RawType)
                                                                    for t in node.types) for node in held):
             raise TypeError(f"method {name!r}: a msgspec.Raw in a union (msgspec decodes only the union's other "
@@ -811,13 +811,19 @@ def _past_decimal(raw: msgspec.Raw) -> bool:
     return False
 
 
-def _by_isinstance(cls: type) -> bool:
-    """Whether a conversion takes a value for `cls` by isinstance: an abstract class (the
-    numeric tower, collections.abc's), or a Protocol checkable at runtime (round 51: one that
-    is not raised TypeError out of every call's binding)."""
-    if getattr(cls, "_is_protocol", False):
-        return bool(getattr(cls, "_is_runtime_protocol", False))
-    return isinstance(cls, abc.ABCMeta)
+def _json_is_of(cls: type) -> bool | None:
+    """Whether a value decoded from JSON can be an instance of `cls`, which a conversion to a
+    class msgspec has no decoder for checks by isinstance: True for `numbers.Real`,
+    `Hashable`, a runtime-checkable Protocol; False for `Fraction`, `Counter`, a plain
+    class; None if isinstance refuses `cls` (round 51: a Protocol not checkable at runtime
+    raised TypeError out of every call's binding)."""
+    try:
+        return any(isinstance(value, cls) for value in _JSON_VALUES)
+    except TypeError:
+        return None
+
+
+_JSON_VALUES: tuple[object, ...] = (0, 0.5, "", True, None, [], {})  # (one of each type msgspec decodes JSON to, untyped)
 
 
 def _object_of(items: list[tuple[str, msgspec.Raw]]) -> msgspec.Raw:
