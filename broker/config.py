@@ -292,6 +292,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     log_level: Annotated[LogLevel,
                          Doc("logging threshold")
                          ] = "info"
+    event_loop: Annotated[Literal["uvloop", "asyncio"],
+                          Doc("the broker process's event loop (its front-ends and dispatcher; the workers"
+                              " run uvloop): uvloop, or the standard library's asyncio, slower (as uvicorn's"
+                              " --loop; the tests run the front-ends on both)")
+                          ] = "uvloop"
 
     @property
     def worker_count(self) -> int:

@@ -58,9 +58,46 @@ def serve(config: Config, early: typing.Sequence[int] = ()) -> int:
         format="%(asctime)s broker pid %(process)d %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    if config.event_loop == "asyncio":
+        return asyncio.run(run(config, early=early))
     import uvloop
 
     return uvloop.run(run(config, early=early))
+
+
+class LoopErrors:
+    """The event loop's exception handler (`loop.set_exception_handler`): what the loop
+    could not hand to the broker's code (an exception in a callback, a task's exception
+    never retrieved, an accept failing for want of descriptors) is logged as an ERROR
+    line that starts "event loop:", with its traceback; the same message again within
+    `REPEAT_SECONDS` is counted, not logged, and the count said with its next line
+    (asyncio's accept goes on after EMFILE, calling the handler up to its backlog of
+    2048 times in a row: CPython's selector_events `_accept_connection`). The tests
+    fail a broker whose log holds such a line."""
+
+    REPEAT_SECONDS = 1.0
+    MESSAGES_KEPT = 256  # distinct messages remembered (past that, forgotten all at once)
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, int]] = {}  # message: (loop time logged, repeats not logged since)
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, typing.Any]) -> None:
+        message = str(context.get("message") or "unhandled exception")
+        now = loop.time()
+        logged, repeats = self._last.get(message, (-self.REPEAT_SECONDS, 0))
+        if now - logged < self.REPEAT_SECONDS:
+            self._last[message] = (logged, repeats + 1)
+            return
+        if len(self._last) >= self.MESSAGES_KEPT:
+            self._last.clear()
+        self._last[message] = (now, 0)
+        exception = context.get("exception")
+        more = f" ({repeats} more like it not logged)" if repeats else ""
+        details = "".join(f"; {key}: {value!r}"[:300] for key, value in sorted(context.items())
+                          if key not in ("message", "exception"))
+        log.error("event loop: %s%s%s", message, more, details,
+                  exc_info=(type(exception), exception, exception.__traceback__)
+                  if isinstance(exception, BaseException) else None)
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -277,6 +314,7 @@ async def run(
     `early`: stop and reload signals received before its handlers (`broker.entry`), acted
     on as if they came now (a stop gives the start up; a reload runs once started)."""
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(LoopErrors())
     await _start_threads_masked(loop)
     dispatcher = Dispatcher(
         loop,

@@ -82,7 +82,9 @@ class Broker:
         return "".join(self.log)
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, wait; SIGKILL if it does not exit in `timeout` s. Returns the status."""
+        """SIGTERM, wait; SIGKILL if it does not exit in `timeout` s. Returns the status.
+        Raises AssertionError if the event loop's exception handler was called in its life
+        (`broker.server.LoopErrors`: its "event loop:" lines; issue 10, item 8)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -93,6 +95,9 @@ class Broker:
         _drain(self.proc, self.log, 0.0)
         if self.proc.stderr is not None and not self.proc.stderr.closed:
             self.proc.stderr.close()
+        loop_errors = [line for line in "".join(self.log).splitlines() if " ERROR event loop: " in line]
+        assert not loop_errors, f"broker pid {self.pid}: its event loop's exception handler was called:\n" + \
+            "\n".join(loop_errors[:5])
         return self.proc.returncode
 
 
@@ -154,13 +159,15 @@ def broker_factory() -> Iterator[object]:
     yield factory
     problems = []
     for b in started:
-        if b.proc.poll() is not None:
-            b.stop()  # (its log drained, its pipe closed)
-            continue
         began = time.monotonic()
-        status = b.stop()
+        ended = b.proc.poll() is not None
+        try:
+            status = b.stop()  # (an ended one's log drained, its pipe closed)
+        except AssertionError as exc:  # (the loop's exception handler was called: every broker is stopped first)
+            problems.append(str(exc))
+            continue
         took = time.monotonic() - began
-        if status != 0 or took > STOP_SECONDS:
+        if not ended and (status != 0 or took > STOP_SECONDS):
             problems.append(f"broker pid {b.pid} stopped with status {status} in {took:.1f} s:\n{b.read_log()[-3000:]}")
     assert not problems, "\n".join(problems)
 

@@ -52,6 +52,7 @@ EXPECTED_DEFAULTS = {
     "socket_dir": "",
     "debug": False,
     "log_level": "info",
+    "event_loop": "uvloop",
 }
 
 
@@ -162,6 +163,7 @@ cancel_grace = 2.5
 socket_dir = "/run/rpc"
 debug = true
 log_level = "debug"
+event_loop = "asyncio"
 
 [method_timeouts]
 "eth.call" = 2
@@ -177,6 +179,7 @@ slow = 120.5
         "keepalive_timeout": 1.0, "request_timeout": 0.5, "send_timeout": 7.5, "max_connections": 5, "max_frame_bytes": 65536,
         "max_incoming_bytes": 1, "max_outgoing_bytes": 65536, "max_response_bytes": 65536, "restart_backoff_max": 0.5,
         "boot_timeout": 3.0, "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
+        "event_loop": "asyncio",
     }
     assert cfg.worker_count == 1024
 

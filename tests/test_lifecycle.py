@@ -1531,3 +1531,40 @@ def test_a_broker_whose_stderr_reader_is_gone_serves_and_stops_cleanly(tmp_path)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("loop_name", ["uvloop", "asyncio"])
+def test_the_loops_exception_handler_logs_a_line_then_counts_repeats(loop_name, caplog):
+    """Issue 10, item 8: what the event loop could not hand to the broker's code is logged
+    as an "event loop:" ERROR line with its traceback (the tests fail a broker whose log
+    holds one); the same message again within REPEAT_SECONDS is counted, not logged, and
+    the count said with its next line (asyncio's accept, out of descriptors, calls the
+    handler up to 2048 times in a row)."""
+    import asyncio
+
+    import uvloop
+
+    from broker.server import LoopErrors
+
+    class Quick(LoopErrors):
+        REPEAT_SECONDS = 0.2
+
+    def broken() -> None:
+        raise ValueError("planted")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(Quick())
+        for _ in range(5):
+            loop.call_soon(broken)
+        await asyncio.sleep(0.3)
+        loop.call_soon(broken)
+        await asyncio.sleep(0.01)
+
+    with caplog.at_level("ERROR", logger="broker"):
+        (asyncio.run if loop_name == "asyncio" else uvloop.run)(main())
+    lines = [r for r in caplog.records if r.getMessage().startswith("event loop: ")]
+    assert len(lines) == 2, [r.getMessage() for r in lines]
+    assert "more like it" not in lines[0].getMessage() and "(4 more like it not logged)" in lines[1].getMessage()
+    assert lines[0].exc_info is not None and str(lines[0].exc_info[1]) == "planted"
+    assert "handle: " in lines[0].getMessage()
