@@ -1129,3 +1129,25 @@ def test_a_refused_kwargs_value_is_decoded_again_once_not_once_a_half() -> None:
     error, counts = _calls(lambda: Method("priced", priced).bind(params, 64), {module._decimal_or_zero})
     assert isinstance(error, InvalidParams) and (error.param, error.reason) == ("a", "Number out of range")
     assert counts[module._decimal_or_zero] <= 3 * 20001, counts  # (was 17 x 20001)
+
+
+def decimal_set(x: set[decimal.Decimal]) -> int:
+    return len(x)
+
+
+def test_numbers_read_beside_a_decimal_are_let_go_when_the_check_refuses_them() -> None:
+    """Round 53 (HIGH): beside a Decimal, each number that underflows to 0 was kept (to be
+    written again as sent) in a module dict that only a read the check passed emptied: a
+    set[Decimal] of 45,000 such numbers then one past decimal's limits, or a hash flood,
+    answered -32602 and kept 45,000 entries a MiB for good (40 calls took two workers from
+    45 to 271 MiB). It is emptied however the check ends."""
+    from broker.worker import params
+
+    method = Method("decimal_set", decimal_set)
+    tiny = ",".join(["1e-99999999999999999999"] * 5000)  # (past decimal's limits: kept to be written again as sent)
+    flood = ",".join(str(5 + k * (2**61 - 1)) for k in range(12))  # (12 ints of one hash)
+    for bad, reason in ((tiny + ",1e99999999999999999999", "Number out of range"), (tiny + "," + flood, "hash")):
+        with pytest.raises(InvalidParams, match=reason):
+            method.bind(f"[[{bad}]]".encode(), 64)
+        assert params._UNDERFLOWED == {}
+    assert method.bind(b"[[1e-400,2]]", 64)[0] == ({decimal.Decimal("1e-400"), decimal.Decimal(2)},)
