@@ -172,9 +172,36 @@ def broker_factory() -> Iterator[object]:
     assert not problems, "\n".join(problems)
 
 
+BOTH_LOOPS = frozenset({
+    "test_http_protocol", "test_stream", "test_http_hardening", "test_http_edges", "test_cross_site",
+    "test_jsonrpc_http", "test_incoming_bytes",
+})
+"""The front-end suites, run once with the broker on uvloop and once on asyncio (its
+`event_loop` setting), as uvloop's own tests run on both (issue 10, item 8). Each marks
+`pytest.mark.usefixtures("event_loop_name")`, and its module-scoped brokers take that
+fixture, so that they are started anew for each loop."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run the tests of a `BOTH_LOOPS` module with each event loop (module-scoped)."""
+    if "event_loop_name" in metafunc.fixturenames and metafunc.module.__name__ in BOTH_LOOPS:
+        metafunc.parametrize("event_loop_name", ["uvloop", "asyncio"], scope="module", indirect=True)
+
+
 @pytest.fixture(scope="module")
-def broker() -> Iterator[Broker]:
-    """One broker with 2 workers shared by a test module (tests must not break it)."""
+def event_loop_name(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The event loop the brokers the module's tests start run on (RPC_BROKER_EVENT_LOOP,
+    which they inherit): "uvloop" unless `pytest_generate_tests` says otherwise."""
+    name = getattr(request, "param", "uvloop")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RPC_BROKER_EVENT_LOOP", name)
+        yield name
+
+
+@pytest.fixture(scope="module")
+def broker(event_loop_name: str) -> Iterator[Broker]:
+    """One broker with 2 workers shared by a test module (tests must not break it); on
+    the module's `event_loop_name`."""
     b = start_broker("--workers", "2")
     yield b
     status = b.stop()

@@ -36,6 +36,8 @@ from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
 
 from broker import config
 
+pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops: conftest.BOTH_LOOPS)
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 LEDGER_APP = ("--workers", "1", "--app", "tests.apps.ledger:registry")
 
@@ -85,7 +87,7 @@ def assert_refused(status: int, body: bytes, expected: int, why: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ledger_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Broker, Path]]:
+def ledger_broker(event_loop_name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Broker, Path]]:
     """A broker with default settings serving the ledger app, and its ledger file."""
     ledger = tmp_path_factory.mktemp("ledger") / "calls.txt"
     b = start_broker(*LEDGER_APP, env={"LEDGER_FILE": str(ledger)})

@@ -25,6 +25,8 @@ from test_http_protocol import Conn, call
 
 from broker.frontend.http import HttpFrontend, HttpProtocol
 
+pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops: conftest.BOTH_LOOPS)
+
 # -- item 1: /metrics scrapes, pipelined ----------------------------------------------------
 
 

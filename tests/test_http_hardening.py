@@ -22,6 +22,8 @@ from conftest import Broker, sample, scrape_metrics, wait_for
 from test_http_protocol import Conn, call
 from test_http_protocol import post as _post
 
+pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops: conftest.BOTH_LOOPS)
+
 # Every request names the broker's bind address as its Host and POSTs JSON as
 # application/json: what any Host or Content-Type check lets through.
 

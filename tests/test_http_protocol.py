@@ -23,12 +23,14 @@ import conftest
 import pytest
 from conftest import ROOT, Broker, start_broker, wait_for
 
+pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops: conftest.BOTH_LOOPS)
+
 RPC = "/rpc"
 MAX_BODY = 4096
 
 
 @pytest.fixture(scope="module")
-def hb() -> Iterator[Broker]:
+def hb(event_loop_name: str) -> Iterator[Broker]:
     """A broker with 2 workers, the RPC endpoint on /rpc and a 4 KiB body limit."""
     b = start_broker("--workers", "2", "--rpc-path", RPC, "--max-body-bytes", str(MAX_BODY))
     yield b

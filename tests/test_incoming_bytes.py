@@ -11,9 +11,12 @@ import socket
 import time
 import typing
 
+import pytest
 from conftest import sample, scrape_metrics, wait_for
 from test_http_protocol import Conn
 from test_stream import line, result, start_stream_broker
+
+pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops: conftest.BOTH_LOOPS)
 
 BODY = 200_000  # --max-body-bytes
 LIMIT = 500_000  # --max-incoming-bytes: two and a half bodies

@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Broker, Samples, sample, scrape_metrics, start_broker, wait_for
 
+pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops: conftest.BOTH_LOOPS)
+
 MAX_BODY = 2000  # --max-body-bytes of the shared broker
 PARSE_ERROR = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error"}}'
 INVALID_NULL = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Invalid Request"}}'
@@ -212,7 +214,7 @@ def start_stream_broker(directory: Path, *flags: str) -> StreamBroker:
 
 
 @pytest.fixture(scope="module")
-def sb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StreamBroker]:
+def sb(event_loop_name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StreamBroker]:
     """The shared broker: 2 workers, NDJSON on TCP and on a Unix socket, 2000-byte lines."""
     s = start_stream_broker(
         tmp_path_factory.mktemp("stream"), "--workers", "2", "--max-body-bytes", str(MAX_BODY)
@@ -223,7 +225,7 @@ def sb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StreamBroker]:
 
 
 @pytest.fixture(scope="module")
-def kb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StreamBroker]:
+def kb(event_loop_name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StreamBroker]:
     """A broker with `--keepalive-timeout 1` (room for 2000 concurrent sleeps)."""
     s = start_stream_broker(
         tmp_path_factory.mktemp("keepalive"), "--workers", "2", "--keepalive-timeout", "1",
