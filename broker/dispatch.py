@@ -117,6 +117,7 @@ the same way with no exchange (their late replies are not counted: none was owed
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import time
@@ -161,7 +162,7 @@ from broker.wire import (
 if typing.TYPE_CHECKING:
     from broker.pool import Worker
 
-__all__ = ["Call", "Dispatcher", "Exchange", "Outgoing", "ResponseBudget", "Route"]
+__all__ = ["TRANSITIONS", "Call", "CallState", "Dispatcher", "Exchange", "Outgoing", "ResponseBudget", "Route"]
 
 log = logging.getLogger("broker.dispatch")
 
@@ -302,6 +303,40 @@ class Call(msgspec.Struct, eq=False):
             ids=ids,
             methods=methods,
         )
+
+
+class CallState(enum.Enum):
+    """Where a `Call` is on its way, as `Dispatcher.state_of` reads it from where the
+    dispatcher holds it (the queue, the pending table) and its deadline (`Call.tick`,
+    0 once the call is answered or expired): the hot path keeps no field for it.
+    `TRANSITIONS` says which state may follow which (h11's `_state.py` has the same
+    idea for HTTP/1.1); the dispatcher's state machine test holds every call to it."""
+
+    QUEUED = "queued"  # waiting in the queue for a worker under its limit; its deadline runs
+    IN_FLIGHT = "in flight"  # sent to a worker (in the pending table); its answer, if owed, not made yet
+    ANSWERED_IN_QUEUE = "answered in queue"  # its deadline passed while queued: answered -32001,
+    # its empty shell still in the deque (`_compact`)
+    ANSWERED_AWAITING_WORKER = "answered awaiting worker"  # its deadline passed in flight: answered
+    # -32001 and CANCEL sent; still pending, so its worker's count stays exact, until the
+    # worker's late reply (or CANCEL_ACK) comes, or the worker is lost
+    ENDED = "ended"  # in neither the queue nor the pending table: answered (or shed, or a
+    # notification done) and forgotten
+
+
+TRANSITIONS: dict[CallState, frozenset[CallState]] = {
+    CallState.QUEUED: frozenset({CallState.IN_FLIGHT, CallState.ANSWERED_IN_QUEUE, CallState.ENDED}),
+    CallState.IN_FLIGHT: frozenset({CallState.ANSWERED_AWAITING_WORKER, CallState.ENDED}),
+    CallState.ANSWERED_IN_QUEUE: frozenset({CallState.ENDED}),
+    CallState.ANSWERED_AWAITING_WORKER: frozenset({CallState.ENDED}),
+    CallState.ENDED: frozenset(),
+}
+"""The states that may directly follow each (`CallState`): QUEUED goes IN_FLIGHT when a
+worker takes it (`_pump`), ANSWERED_IN_QUEUE at its deadline, or ENDED (no worker coming,
+the grace period over); IN_FLIGHT goes ENDED at its reply or its worker's loss, or
+ANSWERED_AWAITING_WORKER at its deadline; the answered states end when the queue drops the
+shell, or the worker replies or is lost. A call starts QUEUED, IN_FLIGHT, or ENDED at once
+(shed "overloaded", no worker coming, shutting down; a notification's reply). Nothing goes
+back: an answered call is never sent, a call in flight never queued again."""
 
 
 def _timed_out(call: Call) -> bytes:
@@ -567,6 +602,15 @@ class Dispatcher:
         """Calls sent to a worker and not answered by it yet (those of workers being
         retired by a reload included; a chunk counts its calls not answered yet)."""
         return sum(call.weight for call in self._pending.values())
+
+    def state_of(self, call: Call) -> CallState:
+        """Where `call` is (`CallState`), read from the pending table, the queue and its
+        deadline. O(queue length): for tests and debugging, not the hot path."""
+        if self._pending.get(call.call_id) is call:
+            return CallState.IN_FLIGHT if call.tick else CallState.ANSWERED_AWAITING_WORKER
+        if call.worker is None and any(queued is call for queued in self._queue):
+            return CallState.QUEUED if call.tick else CallState.ANSWERED_IN_QUEUE
+        return CallState.ENDED
 
     # -- the hot path ------------------------------------------------------------------
 

@@ -29,13 +29,28 @@ from test_dispatch import RecordingChannel
 
 from broker import wire
 from broker.answers import Exchange
-from broker.dispatch import Dispatcher
+from broker.dispatch import TRANSITIONS, Call, CallState, Dispatcher
 from broker.jsonrpc import Codec
 from broker.pool import Worker, WorkerState
 
 METHODS = ["fast", "slow", "sync"]  # deadlines of 1000, 2000 and 3000 s (never reached by a real timer)
 CONCURRENCY = 2
 SENT_KINDS = (wire.CALL, wire.NOTIFY, wire.CHUNK)
+
+
+def _reachable(state: CallState) -> frozenset[CallState]:
+    """The states `dispatch.TRANSITIONS` leads to from `state`, in one step or more."""
+    seen: set[CallState] = set()
+    todo = [state]
+    while todo:
+        for then in TRANSITIONS[todo.pop()]:
+            if then not in seen:
+                seen.add(then)
+                todo.append(then)
+    return frozenset(seen)
+
+
+REACHABLE = {state: _reachable(state) for state in CallState}
 
 # One element of a body: (method, notification?); "nope" is unknown (answered -32601 at once).
 element = st.tuples(st.sampled_from([*METHODS, "nope"]), st.booleans())
@@ -60,6 +75,8 @@ class DispatcherMachine(RuleBasedStateMachine):
         # Frames a worker holds and owes a reply to: call id -> (worker, kind, entries not answered)
         self.held: dict[int, tuple[Worker, int, list[int]]] = {}
         self.drained = False
+        self.states: dict[int, tuple[Call, CallState]] = {}  # call id -> (the call, its state at the last look)
+        self.ended: set[int] = set()  # ids of the calls seen ENDED
         for slot in range(2):
             self._new_worker(slot)
 
@@ -245,6 +262,27 @@ class DispatcherMachine(RuleBasedStateMachine):
             if w.blocked:
                 room = room and head.sync <= 0 and w.outstanding + head.weight <= w.limit
             assert not room, (w, w.outstanding, w.limit, w.blocked, head.sync, head.weight)
+
+    @invariant()
+    def every_call_moves_as_the_transitions_say(self) -> None:
+        """Each call the dispatcher holds (queued or pending) moves from the state it was in
+        at the last step to one `dispatch.TRANSITIONS` leads to (through a few at most: one
+        step may answer a call and drop its shell); one that ended never comes back."""
+        d = self.dispatcher
+        held = {call.call_id: call for call in (*d._pending.values(), *d._queue)}
+        for call_id, call in held.items():
+            assert call_id not in self.ended, f"call {call_id} is held again after it ended"
+            if call_id not in self.states:
+                self.states[call_id] = (call, d.state_of(call))
+        for call_id, (call, was) in list(self.states.items()):
+            assert held.get(call_id, call) is call, f"call {call_id} is another object now"
+            now = d.state_of(call)
+            assert now is was or now in REACHABLE[was], (call_id, was, now)
+            if now is CallState.ENDED:
+                del self.states[call_id]
+                self.ended.add(call_id)
+            else:
+                self.states[call_id] = (call, now)
 
     # -- the end ---------------------------------------------------------------------------
 
