@@ -1235,6 +1235,8 @@ class Dispatcher:
             call.ids = call.slots = call.methods = None
             if self._expired_queued * 2 > len(self._queue):
                 self._compact()
+            if self._blocked:  # what waited behind it may fit a blocked worker it did not (found
+                self._pump()  # by the state machine test, stop 30: it waited for the sync call)
             return
         worker = call.worker
         if worker is not None and worker.channel is not None:

@@ -720,6 +720,31 @@ def test_a_chunk_waits_for_a_lone_blocked_worker_to_return():
     run(main)
 
 
+def test_a_call_behind_a_queued_chunk_that_expires_goes_at_once_to_the_blocked_worker_it_fits():
+    """Found by the dispatcher's state machine (stop 30): a chunk waited at the head of the
+    queue, too large for the prefetch of the one worker, blocked in a slow sync call; when
+    its deadline passed, the single call behind it, which fits that prefetch, still waited
+    (no pump ran) until the sync call returned, although the worker could take it."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=1, method_timeouts={"brief": 0.05})
+        d.set_methods(["slow", "brief", "fast"], sync_methods=["slow"])
+        w = add_worker(d, 0, 10)
+        codec = Codec()
+        answers: list[Exchange] = []
+        d.submit(body(codec, req("slow", [60], "hung")), lambda e: None)
+        assert len(w.channel.take()) == 1 and w.blocked and w.limit == 2
+        d.submit(body(codec, [req("brief", [i], i) for i in range(5)]), answers.append)
+        d.submit(body(codec, req("fast", [7], "after")), answers.append)
+        assert w.channel.take() == [] and d.queued_calls == 6
+        await wait_until(lambda: len(answers) == 1)  # the chunk: -32001
+        await wait_until(lambda: d.queued_calls == 0)
+        [sent] = w.channel.take()
+        assert (sent[0], first_params(sent), w.outstanding) == (wire.Kind.CALL, [7], 2)
+
+    run(main)
+
+
 def test_a_slow_sync_call_goes_at_once_to_the_least_busy_worker_it_may_block():
     """Hostile round 6 finding 1: a slow sync call went only to a worker with at most
     sync_prefetch calls in flight, else waited with a worker held for it. It now goes
