@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: serve test lint clean bench bench-quick prometheus-bin chromium-bin venv-setup
+.PHONY: serve test lint clean bench bench-quick prometheus-bin chromium-bin venv-setup python-note
 
 # One set-up at a time: `make serve` and `make test` started together on a fresh clone both
 # made .venv, and the second failed ("No module named pip"). The second waits for the lock
@@ -39,10 +39,20 @@ venv-setup:
 	$(BIN)/python -m pip install --quiet -e '.[dev]'; \
 	touch $(STAMP)
 
-serve: $(STAMP)
+# A PYTHON given once .venv exists is not used (round 53's new user: `make serve PYTHON=python3.12`
+# after a 3.11 set-up kept 3.11, silently): said, with the way to use it.
+python-note: $(STAMP)
+	@case "$(origin PYTHON)" in "command line"|environment) \
+		want=$$($(PYTHON) -c 'import sys; print(sys.version.split()[0])' 2>/dev/null) || exit 0; \
+		have=$$($(BIN)/python -c 'import sys; print(sys.version.split()[0])'); \
+		if [ -n "$$want" ] && [ "$$want" != "$$have" ]; then \
+			echo "note: PYTHON=$(PYTHON) (Python $$want) is not used: $(VENV) has Python $$have; make clean, then make again, to set it up with PYTHON" >&2; fi;; \
+	esac
+
+serve: $(STAMP) python-note
 	$(BIN)/rpc-broker serve $(ARGS)
 
-test: $(STAMP) prometheus-bin chromium-bin
+test: $(STAMP) python-note prometheus-bin chromium-bin
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(STAMP)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shlex
 import shutil
@@ -721,3 +722,25 @@ def test_job_name_claims_are_true() -> None:
     for path in (README, K8S / "servicemonitor.yaml", DEPLOY / "prometheus.yml"):
         text = path.read_text(encoding="utf-8")
         assert not re.search(r"dashboards? (and alerts )?selects?", text), path
+
+
+def test_a_python_given_once_the_venv_exists_is_said_to_be_unused(tmp_path: Path) -> None:
+    """Round 53, a new user (LOW): `make serve PYTHON=python3.12` after a 3.11 set-up kept
+    3.11, silently. A PYTHON given (flag or environment) of another version than .venv's is
+    said not to be used, with the way to use it; the same version, or none given, says
+    nothing. (`-o .venv/.installed`: the set-up is never run here.)"""
+    other = tmp_path / "python"
+    other.write_text("#!/bin/sh\necho 3.99.0\n")
+    other.chmod(0o755)
+    have = sys.version.split()[0]
+
+    def note(*flags: str, env: dict[str, str] | None = None) -> str:
+        done = subprocess.run(["make", "-s", "-C", str(ROOT), "-o", ".venv/.installed", "python-note", *flags],
+                              capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    said = f"note: PYTHON={other} (Python 3.99.0) is not used: .venv has Python {have}; make clean, then make again"
+    assert said in note(f"PYTHON={other}")
+    assert said in note(env={**os.environ, "PYTHON": str(other)})
+    assert note(f"PYTHON={sys.executable}") == note() == ""

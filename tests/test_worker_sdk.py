@@ -2916,3 +2916,13 @@ def test_a_protocol_not_checkable_at_runtime_is_said_at_the_registration(caplog)
     assert "-32603" in caplog.text and "-32602" not in caplog.text, caplog.text
     with pytest.raises(TypeError, match="runtime_checkable"):
         method.bind(b"[1]", 64)
+
+
+def test_an_app_attribute_that_is_no_registry_is_named_with_its_article():
+    """Round 53, a new user (LOW): `--app mod:count`, an int, said "is a int"."""
+    from broker.worker.sdk import load_app
+
+    with pytest.raises(TypeError, match=r"^json:__version__ is a str, not a broker.worker.Registry$"):
+        load_app("json:__version__")
+    with pytest.raises(TypeError, match=r"^errno:EIO is an int, not a broker.worker.Registry$"):
+        load_app("errno:EIO")

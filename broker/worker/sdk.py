@@ -85,7 +85,7 @@ def _rpc_error_object(exc: RpcError) -> bytes:
                 raise TypeError
             code = operator.index(code)
         except Exception:
-            raise _Refused({"type": "RpcError", "reason": f"RpcError code is a {type(code).__name__}, not an integer"}) from None
+            raise _Refused({"type": "RpcError", "reason": f"RpcError code is {_a(type(code).__name__)}, not an integer"}) from None
     if not -_SAFE_INTEGER <= code <= _SAFE_INTEGER:
         raise _Refused({"type": "RpcError", "reason": f"RpcError code {code} is past +-(2**53 - 1), the integers every "
                         "JSON reader keeps exact (RFC 7493 2.2)"})
@@ -184,7 +184,12 @@ def load_app(spec: str) -> Registry:
     except AttributeError:
         raise AttributeError(f"module {module_name!r} has no attribute {attr!r}") from None
     if not isinstance(obj, Registry):
-        raise TypeError(f"{spec} is a {type(obj).__name__}, not a broker.worker.Registry")
+        raise TypeError(f"{spec} is {_a(type(obj).__name__)}, not a broker.worker.Registry")
     if not len(obj):
         raise ValueError(f"{spec} has no methods registered")
     return obj
+
+
+def _a(noun: str) -> str:
+    """`noun` with its indefinite article: "an int", "a str"."""
+    return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
