@@ -8,14 +8,19 @@ answers owed for that body, one slot per answered element, in request order) and
 `Call` per valid request. Each call gets a fresh broker call id (a monotonic integer:
 client ids collide across connections and may repeat inside a batch) and goes to the
 ready worker with the fewest outstanding calls, if one is under its limit; otherwise
-it waits in one bounded FIFO queue shared by all workers, and when that is full it is
+it waits in one bounded queue shared by all workers, and when that is full it is
 answered at once with the "overloaded" error (load shedding).
 
-The queue is strictly first in, first out. A new call never overtakes it: while a
-live call waits there, new calls join its tail. Whenever a worker frees capacity (a
-reply, a worker becoming ready, a lost worker's calls moving on), `_pump` hands the
-head of the queue to the best worker, again and again until the queue is empty or no
-worker is under its limit: every freed slot is filled at once, in arrival order. A
+The queue (`broker.fairqueue.FairQueue`) is fair among connections: each connection's
+calls keep their order, and the next call out is that of the connection served least
+(start-time fair queueing, by calls: a chunk costs its calls), so one client's flood
+holds another's call behind about one call of each connection waiting, not behind the
+whole flood (hostile testing, round 53: 1.8 s in arrival order). A new call never
+overtakes the queue: while a live call waits there, new calls queue too (each behind
+its own connection's). Whenever a worker frees capacity (a reply, a worker becoming
+ready, a lost worker's calls moving on), `_pump` hands the head of the queue to the
+best worker, again and again until the queue is empty or no worker is under its
+limit: every freed slot is filled at once. A
 chunk of a batch (several calls as one unit) needs what a single call needs, one
 worker under its limit (a blocked worker, below, needs room for all of its calls),
 and then overshoots that limit by its size: so a chunk at the
@@ -43,7 +48,7 @@ already in flight there wait behind it, and die with it if it hangs and the work
 killed: it takes with it those calls (the fewest the broker could find) and at most
 `sync_prefetch` sent after it. It waits in the queue only when no such worker has
 room, every worker being blocked or at its limit, and then the calls behind it wait
-with it (FIFO), as they would for any call at the head: never longer than until a
+with it, as they would for any call at the head: never longer than until a
 worker returns its sync call or frees a place. It never holds a worker nor waits
 while one could take it: a version that sent it only to a worker with at most
 `sync_prefetch` calls in flight, and held one for it meanwhile, let one short sync
@@ -122,7 +127,7 @@ import itertools
 import logging
 import time
 import typing
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 
 import msgspec
@@ -133,6 +138,7 @@ from broker.answers import GONE, Exchange, Outgoing, ResponseBudget
 from broker.chunk import answers as chunk_answers
 from broker.chunk import count_answers, encode_requests, with_methods
 from broker.deadlines import DeadlineWheel
+from broker.fairqueue import FairQueue
 from broker.jsonrpc import (
     _RESP_HEAD,  # with _RESP_RESULT: response_result's pieces, for splicing inline
     Body,
@@ -339,6 +345,16 @@ shell, or the worker replies or is lost. A call starts QUEUED, IN_FLIGHT, or END
 back: an answered call is never sent, a call in flight never queued again."""
 
 
+def _queue_cost(call: Call) -> int:
+    """What taking `call` out of the queue costs its connection (`FairQueue`): the calls it
+    stands for; nothing for an expired one's shell."""
+    return call.weight if call.tick else 0
+
+
+def _live(call: Call) -> bool:
+    return call.tick != 0
+
+
 def _timed_out(call: Call) -> bytes:
     """The error object of a call whose deadline passed: -32001 with its timeout."""
     return error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout})
@@ -428,7 +444,7 @@ class Dispatcher:
         self._blocking: list[int] = []
         self._one_timeout = True  # every method has the same deadline (see set_methods)
         self._pending: dict[int, Call] = {}
-        self._queue: deque[Call] = deque()
+        self._queue: FairQueue[Call] = FairQueue(_queue_cost)
         self._ready: list[Worker] = []
         self._rotation = 0
         self._deadlines = DeadlineWheel(loop, self._on_timeout)
@@ -753,11 +769,8 @@ class Dispatcher:
 
     def _start(self, call: Call, now: float) -> None:
         self._deadlines.add(call, now)
-        queue = self._queue
-        if queue:  # FIFO: while a live call waits, a new one joins the tail
-            while queue and not queue[0].tick:  # (calls that expired while queued)
-                self._dequeue()
-        worker = self._pick(call) if not queue and self._serving else None
+        # While a live call waits, a new one queues too (behind its connection's: FairQueue)
+        worker = self._pick(call) if not self._queued_calls and self._serving else None
         if worker is not None:
             self._send(worker, call)
             if self.metrics is not None:
@@ -775,9 +788,12 @@ class Dispatcher:
             self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
         else:
             _hold(call)
-            queue.append(call)
+            exchange = call.exchange
+            self._queue.append(call, exchange.budget if exchange is not None else None)  # (notifications: one flow)
             self._queued_bytes += call.held
             self._queued_calls += call.weight
+            if self._blocked:  # it may be the head now (its connection served least), and fit a
+                self._pump()  # blocked worker the head before it did not
 
     def _pick(self, call: Call) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
@@ -1207,7 +1223,7 @@ class Dispatcher:
         queue = self._queue
         metrics = self.metrics
         while queue:
-            call = queue[0]
+            call = queue.head()
             if call.tick:  # (else it timed out while queued: just drop it)
                 worker = self._pick(call)
                 if worker is None:
@@ -1245,10 +1261,7 @@ class Dispatcher:
 
     def _compact(self) -> None:
         """Drop the expired shells from the queue (more than half of it), in place."""
-        queue = self._queue
-        live = [call for call in queue if call.tick]
-        queue.clear()
-        queue.extend(live)
+        self._queue.drop(_live)
         self._expired_queued = 0
 
     def _check_hung(self, call: Call) -> None:

@@ -1119,3 +1119,36 @@ def test_answers_made_before_a_fast_method_blocks_once_leave_before_it_returns(b
     by_id = {a["id"]: a for a in answers}
     assert [by_id[f"q{i}"].get("result") for i in range(5)] == [0] * 5, answers
     assert by_id["slow"]["error"]["code"] == -32001
+
+
+def test_another_clients_call_goes_before_the_calls_one_connection_queued(broker_factory):
+    """Round 53 (MEDIUM): the queue was first in, first out for all clients: one
+    connection's pipelined calls, queued, held another client's call behind all of them
+    (16 connections: 1.8 s). The queue is fair among connections: with one place (a
+    worker of concurrency 1) busy in the flood's calls one after another, the other
+    client's call goes at the next free place, so it is answered before the flood's third
+    answer, not after all twelve."""
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1")
+    host = b.host.strip("[]")
+    one = json.dumps(req("sleep", [0.15], 1)).encode()
+    request = (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(one), one))
+    with socket.create_connection((host, b.port), timeout=30) as flood:
+        flood.sendall(request * 12)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") >= 8, timeout=10)
+        assert post(b, req("add", [1, 2], "v"))["result"] == 3  # type: ignore[index]
+        flood.setblocking(False)
+        got = b""
+        try:
+            while True:
+                chunk = flood.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        except BlockingIOError:
+            pass
+        answered_before = got.count(b'"result":0.15')
+        assert answered_before <= 2, answered_before
+        flood.settimeout(30)
+        while got.count(b'"result":0.15') < 12:  # the flood's own answers all come, in order
+            got += flood.recv(65536)

@@ -1,0 +1,115 @@
+"""The dispatcher's queue: calls waiting for a worker, served fairly among connections.
+
+A call waits in this queue while no worker can take it (`broker.dispatch`). There is one
+queue for all workers, and it is fair among the connections whose calls wait in it: each
+connection's calls keep their order, and the next call out is the head of the connection
+that has been served least, by start-time fair queueing (Goyal, Vin and Cheng, "Start-time
+Fair Queueing", SIGCOMM 1996), as in the front-end's slow lane (`frontend.base.SlowLane`).
+A call costs its weight (a batch chunk: its calls; an expired call's empty shell nothing).
+
+Each connection with calls here (a *flow*) is in a heap by the start tag of its head:
+`max(V, its last finish)` when that call became its head, where V, the queue's virtual
+time, is the start tag of the last call taken out. Taking a call out sets V to its start
+tag and its flow's finish to start + cost; the flow's next call starts there. So a
+connection that has had few calls taken goes before one that has had many, and among
+calls queued while V stood still, the order is arrival order (ties go to the older):
+one client that filled the queue delays another's call by about one call of each
+connection waiting, not by everything it queued (hostile testing, round 53: 16
+connections pipelining calls that each cost a worker 18 ms held another client's call
+1.8 s in arrival order). A connection whose calls all went out is forgotten: one that
+comes back starts at V.
+
+Sans-IO, no clock: the dispatcher says what a call costs (`cost`) and whose it is (the
+`key` of `append`: its connection's `answers.ResponseBudget`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import typing
+from collections import deque
+from collections.abc import Callable, Iterator
+
+__all__ = ["FairQueue"]
+
+T = typing.TypeVar("T")
+
+
+class _Flow(typing.Generic[T]):
+    """One connection's calls in the queue, in arrival order, and its head's start tag."""
+
+    __slots__ = ("calls", "start")
+
+    def __init__(self) -> None:
+        self.calls: deque[T] = deque()
+        self.start = 0.0  # the start tag of its head (while it has calls)
+
+
+class FairQueue(typing.Generic[T]):
+    """Calls waiting for a worker: `append(call, key)` (`key`: whose it is, hashable),
+    `head()` (the next out), `popleft()`, `len()`, iteration (every call, flow by flow
+    in start-tag order), `drop(keep)`. `cost(call)`: what taking `call` out costs its flow (>= 0).
+    `head` and `popleft` raise IndexError when the queue is empty."""
+
+    __slots__ = ("_cost", "_flows", "_heap", "_len", "_order", "_virtual")
+
+    def __init__(self, cost: Callable[[T], float]) -> None:
+        self._cost = cost
+        self._flows: dict[typing.Hashable, _Flow[T]] = {}
+        self._heap: list[tuple[float, int, typing.Hashable]] = []  # (start tag, order, key): one per flow
+        self._order = itertools.count()
+        self._virtual = 0.0
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[T]:
+        """Every call: the flows by their heads' start tags (ties: the older first), each
+        flow's calls in order; so the first call is `head()`, and the first that costs
+        something is the first such one `popleft` would take out. O(n + flows log flows)."""
+        for _start, _order, key in sorted(self._heap):
+            yield from self._flows[key].calls
+
+    def append(self, call: T, key: typing.Hashable) -> None:
+        """Queue `call` at the tail of `key`'s calls."""
+        flow = self._flows.get(key)
+        if flow is None:
+            flow = self._flows[key] = _Flow()
+            flow.start = self._virtual
+            heapq.heappush(self._heap, (flow.start, next(self._order), key))
+        flow.calls.append(call)
+        self._len += 1
+
+    def head(self) -> T:
+        """The call `popleft` would take out."""
+        return self._flows[self._heap[0][2]].calls[0]
+
+    def popleft(self) -> T:
+        """Take the next call out: the head of the flow with the smallest start tag."""
+        start, _order, key = heapq.heappop(self._heap)
+        flow = self._flows[key]
+        call = flow.calls.popleft()
+        self._len -= 1
+        self._virtual = start
+        if flow.calls:
+            flow.start = start + self._cost(call)
+            heapq.heappush(self._heap, (flow.start, next(self._order), key))
+        else:
+            del self._flows[key]
+        return call
+
+    def drop(self, keep: Callable[[T], bool]) -> None:
+        """Keep only the calls for which `keep` is true (in order); a flow left with none
+        is forgotten, the others keep their start tags. O(n)."""
+        self._heap = []
+        for key, flow in list(self._flows.items()):
+            kept = [call for call in flow.calls if keep(call)]
+            self._len -= len(flow.calls) - len(kept)
+            if kept:
+                flow.calls = deque(kept)
+                self._heap.append((flow.start, next(self._order), key))
+            else:
+                del self._flows[key]
+        heapq.heapify(self._heap)

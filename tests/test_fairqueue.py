@@ -1,0 +1,89 @@
+"""The dispatcher's fair queue (broker/fairqueue.py), sans-IO: each connection's calls in
+order, connections served in turn by cost (start-time fair queueing), arrival order among
+calls queued while nothing was taken out."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from broker.fairqueue import FairQueue
+
+
+def test_calls_queued_together_come_out_in_arrival_order_then_in_turn() -> None:
+    q: FairQueue[tuple[str, int]] = FairQueue(lambda call: 1)
+    for i in range(3):
+        q.append(("a", i), "a")
+    q.append(("b", 0), "b")
+    q.append(("c", 0), "c")
+    out = [q.popleft() for _ in range(len(q))]
+    # a's first (it came first), then b and c (served nothing yet), then a's others
+    assert out == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("a", 2)]
+
+
+def test_a_connection_that_comes_later_goes_before_the_backlog_of_another() -> None:
+    """Round 53: one connection's queued flood no longer holds another's call behind all
+    of it: the newcomer starts at the queue's virtual time, and goes next."""
+    q: FairQueue[tuple[str, int]] = FairQueue(lambda call: 1)
+    for i in range(100):
+        q.append(("flood", i), "flood")
+    assert [q.popleft() for _ in range(10)] == [("flood", i) for i in range(10)]
+    q.append(("victim", 0), "victim")
+    assert q.head() == ("victim", 0) and q.popleft() == ("victim", 0)
+    assert q.popleft() == ("flood", 10)
+
+
+def test_costly_calls_take_their_connections_turns() -> None:
+    """A chunk of 10 calls costs its connection 10 turns of a connection of single calls."""
+    q: FairQueue[tuple[str, int]] = FairQueue(lambda call: 10 if call[0] == "batch" else 1)
+    for i in range(3):
+        q.append(("batch", i), "batch")
+    for i in range(30):
+        q.append(("single", i), "single")
+    out = [q.popleft()[0] for _ in range(len(q))]
+    assert out[:2] == ["batch", "single"]
+    assert out.index("batch", 1) >= 10  # its second chunk after 10 singles
+    assert len(q) == 0
+
+
+def test_drop_keeps_the_order_and_the_turns() -> None:
+    q: FairQueue[tuple[str, int]] = FairQueue(lambda call: 1)
+    for i in range(4):
+        q.append(("a", i), "a")
+        q.append(("b", i), "b")
+    q.drop(lambda call: call[1] % 2 == 1)
+    assert len(q) == 4 and sorted(q) == [("a", 1), ("a", 3), ("b", 1), ("b", 3)]
+    assert [q.popleft() for _ in range(4)] == [("a", 1), ("b", 1), ("a", 3), ("b", 3)]
+    q.drop(lambda call: True)
+    assert len(q) == 0 and list(q) == []
+
+
+@given(st.lists(st.one_of(st.tuples(st.sampled_from("abcd"), st.integers(0, 5)), st.none()), max_size=80))
+def test_each_connections_calls_come_out_in_order_and_none_is_lost(steps: list[tuple[str, int] | None]) -> None:
+    """Any interleaving of appends (connection, cost) and takes: a connection's calls come
+    out in the order they went in, each once; iteration holds exactly what is queued, the
+    head first."""
+    q: FairQueue[tuple[str, int, int]] = FairQueue(lambda call: call[1])
+    queued: dict[str, list[tuple[str, int, int]]] = {}
+    taken: list[tuple[str, int, int]] = []
+    n = 0
+    for step in steps:
+        if step is None:
+            if len(q):
+                call = q.popleft()
+                assert queued[call[0]].pop(0) == call  # its connection's oldest
+                taken.append(call)
+        else:
+            key, cost = step
+            call = (key, cost, n)
+            n += 1
+            q.append(call, key)
+            queued.setdefault(key, []).append(call)
+        held = [c for calls in queued.values() for c in calls]
+        assert len(q) == len(held) and sorted(q) == sorted(held)
+        if held:
+            assert next(iter(q)) == q.head()
+    while len(q):
+        call = q.popleft()
+        assert queued[call[0]].pop(0) == call
+    assert all(not calls for calls in queued.values())
