@@ -13,7 +13,10 @@ than SLOW_TURN_SECONDS now waits in the slow lane (`frontend.base.SlowLane`), wh
 one go on per iteration.
 
 Shapes (`--shape`): `deep` the 1 MiB body above, `deep300k` one of 300 KB (about 5 ms), `batch`
-a batch of 1000 `{}` (3 KB, 1000 -32600 answers, about 2.5 ms). Turns that end for their time
+a batch of 1000 `{}` (3 KB, 1000 -32600 answers, about 2.5 ms); two that reach the workers, where
+the dispatcher's queue orders them (fair among connections since round 53): `addbatch` a
+batch of 1000 `add` calls, `bigint` an `add` of a 1 MB integer (refused -32602 in about 18 ms
+of a worker). Turns that end for their time
 (TURN_SECONDS) wait in the lane too, and once a loop iteration's reads took ADMIT_SECONDS, a
 read that may hold more than SMALL_READ_BYTES of a request waits there: `--churn` opens a new
 connection for each request (the lane delayed only a connection's next turn: hostile testing,
@@ -58,7 +61,11 @@ def deep(size: int) -> bytes:
     return b'{"jsonrpc":"2.0","method":"nope","params":' + b"[{}," * units + b"{}" + b"]" * units + b',"id":1}'
 
 
-SHAPES = {"deep": deep(SIZE), "deep300k": deep(300_000), "batch": b"[" + b",".join([b"{}"] * 1000) + b"]"}
+SHAPES = {
+    "deep": deep(SIZE), "deep300k": deep(300_000), "batch": b"[" + b",".join([b"{}"] * 1000) + b"]",
+    "addbatch": b"[" + b",".join(b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":%d}' % i for i in range(1000)) + b"]",
+    "bigint": b'{"jsonrpc":"2.0","method":"add","params":[1' + b"0" * 1_000_000 + b',2],"id":1}',
+}
 ADD = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 1}).encode()
 
 
