@@ -294,8 +294,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                          ] = "info"
     event_loop: Annotated[Literal["uvloop", "asyncio"],
                           Doc("the broker process's event loop (its front-ends and dispatcher; the workers"
-                              " run uvloop): uvloop, or the standard library's asyncio, slower (as uvicorn's"
-                              " --loop; the tests run the front-ends on both)")
+                              " run uvloop): uvloop, or the standard library's asyncio (as uvicorn's --loop;"
+                              " the tests run the front-ends on both)")
                           ] = "uvloop"
 
     @property
