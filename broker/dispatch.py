@@ -12,10 +12,10 @@ it waits in one bounded queue shared by all workers, and when that is full it is
 answered at once with the "overloaded" error (load shedding).
 
 The queue (`broker.fairqueue.FairQueue`) is fair among connections: each connection's
-calls keep their order, and the next call out is that of the connection served least
-(start-time fair queueing, by calls: a chunk costs its calls), so one client's flood
-holds another's call behind about one call of each connection waiting, not behind the
-whole flood (hostile testing, round 53: 1.8 s in arrival order). A new call never
+calls keep their order, and the connections waiting take turns (self-clocked fair
+queueing, by calls: a chunk costs its calls), so one client's flood holds another's call
+behind about one call of each connection waiting, not behind the whole flood (hostile
+testing, round 53: 1.8 s in arrival order). A new call never
 overtakes the queue: while a live call waits there, new calls queue too (each behind
 its own connection's). Whenever a worker frees capacity (a reply, a worker becoming
 ready, a lost worker's calls moving on), `_pump` hands the head of the queue to the

@@ -1126,8 +1126,8 @@ def test_another_clients_call_goes_before_the_calls_one_connection_queued(broker
     connection's pipelined calls, queued, held another client's call behind all of them
     (16 connections: 1.8 s). The queue is fair among connections: with one place (a
     worker of concurrency 1) busy in the flood's calls one after another, the other
-    client's call goes at the next free place, so it is answered before the flood's third
-    answer, not after all twelve."""
+    client's call goes in turn with the flood's next, so it is answered before the flood's
+    fourth answer, not after all twelve."""
     b = broker_factory("--workers", "1", "--worker-concurrency", "1")
     host = b.host.strip("[]")
     one = json.dumps(req("sleep", [0.15], 1)).encode()
@@ -1148,7 +1148,7 @@ def test_another_clients_call_goes_before_the_calls_one_connection_queued(broker
         except BlockingIOError:
             pass
         answered_before = got.count(b'"result":0.15')
-        assert answered_before <= 2, answered_before
+        assert answered_before <= 3, answered_before
         flood.settimeout(30)
         while got.count(b'"result":0.15') < 12:  # the flood's own answers all come, in order
             got += flood.recv(65536)
