@@ -191,9 +191,11 @@ def test_a_connections_call_goes_next_however_many_another_connection_queued():
     run(main)
 
 
-def test_a_chunk_at_the_head_of_the_queue_goes_first_and_is_not_starved():
-    """A queued chunk needs one free slot, as a call does (then overshoots the limit):
-    calls queued behind it never pass it, and they start once it has gone."""
+def test_a_queued_chunk_goes_in_its_turn_and_is_not_starved():
+    """A queued chunk needs one free slot, as a call does (then overshoots the limit). Its
+    connection's calls queued behind it never pass it; another connection's single call
+    queued after it goes first (the chunk costs its 5 calls: `broker.fairqueue`), and the
+    chunk at the next free slot."""
 
     async def main() -> None:
         d = Dispatcher(asyncio.get_running_loop())
@@ -207,12 +209,12 @@ def test_a_chunk_at_the_head_of_the_queue_goes_first_and_is_not_starved():
         d.submit(body(codec, req("sleep", ["c"], 3)), lambda e: None)
         assert w.channel.take() == []
         d.on_reply(w, wire.Kind.RESULT, a[1], 0, b"0")
-        [chunk] = w.channel.take()  # the chunk, not the call behind it
-        assert chunk[0] == wire.Kind.CHUNK and first_params(chunk) == ["chunk"]
+        [c] = w.channel.take()  # another connection's single call: its turn comes first
+        assert first_params(c) == ["c"]
         d.on_reply(w, wire.Kind.RESULT, b[1], 0, b"0")
-        assert w.channel.take() == [] and w.outstanding == 5  # still over the limit
-        d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 0, chunk_reply(chunk))
-        assert [first_params(f) for f in w.channel.take()] == [["c"]]
+        [chunk] = w.channel.take()
+        assert chunk[0] == wire.Kind.CHUNK and first_params(chunk) == ["chunk"]
+        assert w.outstanding == 6 and d.queued_calls == 0  # (over the limit by its size)
 
     run(main)
 
@@ -768,8 +770,9 @@ def test_a_call_behind_a_queued_chunk_that_expires_goes_at_once_to_the_blocked_w
         answers: list[Exchange] = []
         d.submit(body(codec, req("slow", [60], "hung")), lambda e: None)
         assert len(w.channel.take()) == 1 and w.blocked and w.limit == 2
-        d.submit(body(codec, [req("brief", [i], i) for i in range(5)]), answers.append)
-        d.submit(body(codec, req("fast", [7], "after")), answers.append)
+        connection = ResponseBudget(d.outgoing)  # (both on one connection: the call behind the chunk)
+        d.submit(body(codec, [req("brief", [i], i) for i in range(5)]), answers.append, connection)
+        d.submit(body(codec, req("fast", [7], "after")), answers.append, connection)
         assert w.channel.take() == [] and d.queued_calls == 6
         await wait_until(lambda: len(answers) == 1)  # the chunk: -32001
         await wait_until(lambda: d.queued_calls == 0)

@@ -676,9 +676,12 @@ def test_sigterm_serves_an_ndjson_backlog_before_half_closing(broker_factory):
     assert ids == list(range(len(ids))) and ids, ids[-5:]
     # Each its result; on a loaded machine the flood (12 MB, all of it sent before or while
     # the drain reads) may outlast the grace period: the lines read after it are answered
-    # -32004, never run, and only after every result (the new user's check, round 9).
-    late = [a["id"] for a in answers if "error" in a]
-    assert all(a["error"] == {"code": -32004, "message": "Shutting down", "data": "grace period ended"}
+    # -32004, never run, and only after every result (the new user's check, round 9); and
+    # its notifications may fill max_queue: calls read then are shed -32000 (stop 30, a
+    # machine at load 4 and more).
+    shed = {"code": -32000, "message": "Server overloaded", "data": "queue full"}
+    late = [a["id"] for a in answers if "error" in a and a["error"] != shed]
+    assert all(a["error"] in (shed, {"code": -32004, "message": "Shutting down", "data": "grace period ended"})
                for a in answers if "error" in a), [a for a in answers if "error" in a][:3]
     assert all(a["result"] == a["id"] * 50 + 50 for a in answers if "error" not in a)
     assert not late or min(late) > max(a["id"] for a in answers if "error" not in a)

@@ -58,7 +58,7 @@ def received_http_bytes(b: Broker) -> float:
 # -- item 3: chunked bodies stay within max_body_bytes in memory --------------------------
 
 
-def test_a_body_in_small_chunks_costs_about_its_size_in_memory(broker_factory):
+def test_a_body_in_small_chunks_costs_about_its_size_in_memory(broker_factory, event_loop_name):
     """1,000,000 bytes as 2-byte chunks held ~27 MB (one object per chunk); the body
     is one buffer now, so the broker grows by about the body's size. (Since hostile
     testing, 2-byte chunks are refused, 400 at about the 1041st chunk, for what they cost
@@ -90,7 +90,9 @@ def test_a_body_in_small_chunks_costs_about_its_size_in_memory(broker_factory):
         assert status == 200 and json.loads(answer)["result"] == ["x" * filler]
     # The body is 977 KiB; a list of 500,000 chunks made it ~27 MB (16,600 here: ~3 MB).
     # Measured: 880 KiB; one bytes object per chunk would be ~2 MB of them, plus the body.
-    assert grown < 1600, f"broker RSS grew by {grown} KiB while holding a 1 MB chunked body"
+    # (asyncio's transports hold more of their own: 1768 KiB measured once.)
+    limit = 1600 if event_loop_name == "uvloop" else 2400
+    assert grown < limit, f"broker RSS grew by {grown} KiB while holding a 1 MB chunked body"
 
 
 # -- item 4: request_timeout ---------------------------------------------------------------
