@@ -1219,7 +1219,7 @@ class Dispatcher:
         return call
 
     def _pump(self) -> None:
-        """Start queued calls, oldest first, while a worker is under its limit."""
+        """Start queued calls, in the queue's order (`FairQueue`), while a worker is under its limit."""
         queue = self._queue
         metrics = self.metrics
         while queue:
@@ -1242,14 +1242,18 @@ class Dispatcher:
             self._expired_queued += 1
             self._queued_bytes -= call.held
             self._queued_calls -= call.weight
+            exchange = call.exchange
+            key = exchange.budget if exchange is not None else None  # (its connection: `_finish` forgets it)
         self._finish(call, _timed_out(call), ErrorCode.TIMED_OUT)
         if queued:
-            # ... and its payload: the shell left in the deque holds no params or ids (a
+            # ... and its payload: the shell left in the queue holds no params or ids (a
             # live head with a long deadline would keep every expired call behind it).
             call.params = b""
             call.id = _NO_ID
             call.ids = call.slots = call.methods = None
-            if self._expired_queued * 2 > len(self._queue):
+            if self._queue.expire_head(call, key):  # its connection's head: out at once (FairQueue)
+                self._expired_queued -= 1
+            elif self._expired_queued * 2 > len(self._queue):
                 self._compact()
             if self._blocked:  # what waited behind it may fit a blocked worker it did not (found
                 self._pump()  # by the state machine test, stop 30: it waited for the sync call)

@@ -24,7 +24,10 @@ order); by start tags with V the finish tag served, a batch chunk of 500 calls, 
 out at its start tag, moved V 500 ahead, and a connection coming back waited behind 500
 calls of every backlogged connection (round 55: 0.7 s at p50 where arrival order took
 0.2 s). By finish tags, a chunk goes once the others have had as much (Golestani's
-self-clocked fair queueing orders so).
+self-clocked fair queueing orders so). A call whose deadline passes while it waits at its
+connection's head leaves at once (`expire_head`), and the connection's next call starts
+at V: left in place, an expired chunk held its connection's next call behind its full
+cost, then, gone at no cost, let it go first with its whole backlog (round 56).
 
 Sans-IO, no clock: the dispatcher says what a call costs (`cost`) and whose it is (the
 `key` of `append`: its connection's `answers.ResponseBudget`).
@@ -44,27 +47,32 @@ T = typing.TypeVar("T")
 
 
 class _Flow(typing.Generic[T]):
-    """One connection's calls in the queue, in arrival order, and its head's start tag."""
+    """One connection's calls in the queue, in arrival order, its head's start tag, and
+    the order number of its one live heap entry (others of its are stale)."""
 
-    __slots__ = ("calls", "start")
+    __slots__ = ("calls", "entry", "start")
 
     def __init__(self) -> None:
         self.calls: deque[T] = deque()
         self.start = 0.0  # the start tag of its head (while it has calls)
+        self.entry = -1
 
 
 class FairQueue(typing.Generic[T]):
     """Calls waiting for a worker: `append(call, key)` (`key`: whose it is, hashable),
-    `head()` (the next out), `popleft()`, `len()`, iteration (every call, flow by flow
-    in start-tag order), `drop(keep)`. `cost(call)`: what taking `call` out costs its flow (>= 0).
-    `head` and `popleft` raise IndexError when the queue is empty."""
+    `head()` (the next out), `popleft()`, `expire_head(call, key)`, `len()`, iteration
+    (every call, flow by flow in finish-tag order), `drop(keep)`. `cost(call)`: what
+    taking `call` out costs its flow (>= 0). `head` and `popleft` raise IndexError when
+    the queue is empty."""
 
     __slots__ = ("_cost", "_flows", "_heap", "_len", "_order", "_virtual")
 
     def __init__(self, cost: Callable[[T], float]) -> None:
         self._cost = cost
         self._flows: dict[typing.Hashable, _Flow[T]] = {}
-        self._heap: list[tuple[float, int, typing.Hashable]] = []  # (start tag, order, key): one per flow
+        # (finish tag of its head, order, key): a flow's live entry has its `entry` order;
+        # others are stale (`expire_head`) and skipped where met
+        self._heap: list[tuple[float, int, typing.Hashable]] = []
         self._order = itertools.count()
         self._virtual = 0.0
         self._len = 0
@@ -75,8 +83,25 @@ class FairQueue(typing.Generic[T]):
     def __iter__(self) -> Iterator[T]:
         """Every call: the flows by their heads' finish tags (ties: the older first), each
         flow's calls in order; so the first call is `head()`. O(n + flows log flows)."""
-        for _start, _order, key in sorted(self._heap):
-            yield from self._flows[key].calls
+        for _finish, order, key in sorted(self._heap):
+            flow = self._flows.get(key)
+            if flow is not None and flow.entry == order:
+                yield from flow.calls
+
+    def _enter(self, key: typing.Hashable, flow: _Flow[T]) -> None:
+        """Put `flow` in the heap by its head's finish tag (its older entry goes stale)."""
+        flow.entry = order = next(self._order)
+        heapq.heappush(self._heap, (flow.start + self._cost(flow.calls[0]), order, key))
+
+    def _top(self) -> tuple[typing.Hashable, _Flow[T]]:
+        """The flow whose head goes next, its stale heap entries dropped on the way."""
+        heap = self._heap
+        while True:
+            _finish, order, key = heap[0]
+            flow = self._flows.get(key)
+            if flow is not None and flow.entry == order:
+                return key, flow
+            heapq.heappop(heap)
 
     def append(self, call: T, key: typing.Hashable) -> None:
         """Queue `call` at the tail of `key`'s calls."""
@@ -84,19 +109,21 @@ class FairQueue(typing.Generic[T]):
         if flow is None:
             flow = self._flows[key] = _Flow()
             flow.start = self._virtual
-            heapq.heappush(self._heap, (flow.start + self._cost(call), next(self._order), key))
-        flow.calls.append(call)
+            flow.calls.append(call)
+            self._enter(key, flow)
+        else:
+            flow.calls.append(call)
         self._len += 1
 
     def head(self) -> T:
         """The call `popleft` would take out."""
-        return self._flows[self._heap[0][2]].calls[0]
+        return self._top()[1].calls[0]
 
     def popleft(self) -> T:
         """Take the next call out: the head with the smallest finish tag (ties: the flow
-    that took its place in the heap first)."""
-        _finish, _order, key = heapq.heappop(self._heap)
-        flow = self._flows[key]
+        that took its place in the heap first)."""
+        key, flow = self._top()
+        heapq.heappop(self._heap)
         call = flow.calls.popleft()
         self._len -= 1
         finish = flow.start + self._cost(call)  # (its cost now: an expired call's shell costs nothing)
@@ -104,21 +131,54 @@ class FairQueue(typing.Generic[T]):
             self._virtual = finish
         if flow.calls:
             flow.start = finish
-            heapq.heappush(self._heap, (finish + self._cost(flow.calls[0]), next(self._order), key))
+            self._enter(key, flow)
         else:
             del self._flows[key]
+            if not self._len:
+                self._heap.clear()  # (stale entries only)
         return call
+
+    def expire_head(self, call: T, key: typing.Hashable) -> bool:
+        """`call`, of `key`'s calls, will not run (its deadline passed while it waited): if
+        it is its connection's head, take it out now, and return True; its connection's next
+        call starts at V at the earliest. (Hostile testing, round 56: a chunk of 1000 calls
+        expiring at its connection's head kept its place by its full cost, and the next call
+        waited 5-10 s behind every other connection's 1000 more; once out, at no cost, its
+        connection was 1000 calls ahead and went first with up to 200 in a row.) Else False:
+        it stays, a shell, and costs nothing when it comes out."""
+        flow = self._flows.get(key)
+        if flow is None or flow.calls[0] is not call:
+            return False
+        flow.calls.popleft()
+        self._len -= 1
+        if flow.calls:
+            if flow.start < self._virtual:
+                flow.start = self._virtual
+            self._enter(key, flow)
+        else:
+            del self._flows[key]
+        if len(self._heap) > 2 * len(self._flows) + 64:  # (stale entries bounded)
+            self._rebuild()
+        return True
+
+    def _rebuild(self) -> None:
+        self._heap = []
+        for key, flow in self._flows.items():
+            flow.entry = order = next(self._order)
+            self._heap.append((flow.start + self._cost(flow.calls[0]), order, key))
+        heapq.heapify(self._heap)
 
     def drop(self, keep: Callable[[T], bool]) -> None:
         """Keep only the calls for which `keep` is true (in order); a flow left with none
-        is forgotten, the others keep their start tags. O(n)."""
-        self._heap = []
+        is forgotten; one whose head was dropped starts at V at the earliest, as after
+        `expire_head` (no credit for calls that never ran). O(n)."""
         for key, flow in list(self._flows.items()):
             kept = [call for call in flow.calls if keep(call)]
             self._len -= len(flow.calls) - len(kept)
-            if kept:
-                flow.calls = deque(kept)
-                self._heap.append((flow.start + self._cost(kept[0]), next(self._order), key))
-            else:
+            if not kept:
                 del self._flows[key]
-        heapq.heapify(self._heap)
+                continue
+            if kept[0] is not flow.calls[0] and flow.start < self._virtual:
+                flow.start = self._virtual
+            flow.calls = deque(kept)
+        self._rebuild()

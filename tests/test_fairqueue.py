@@ -4,6 +4,8 @@ calls queued while nothing was taken out."""
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -137,3 +139,38 @@ def test_each_connections_calls_come_out_in_order_and_none_is_lost(steps: list[t
         call = q.popleft()
         assert queued[call[0]].pop(0) == call
     assert all(not calls for calls in queued.values())
+
+
+def test_a_head_that_expires_leaves_at_once_and_gives_its_connection_no_credit() -> None:
+    """Round 56 (HIGH): a chunk of 1000 calls expiring at its connection's head kept its
+    place by its full cost: the connection's next call waited behind about 1000 calls of
+    every other connection (5-10 s on a broker); and once the shell was out, at no cost,
+    the connection was that far ahead, and its calls went first, up to 200 in a row.
+    `expire_head` takes it out at once, and the connection's next call starts at V."""
+    q: FairQueue[list[object]] = FairQueue(lambda call: typing.cast(int, call[1]) if call[2] else 0)
+    chunk: list[object] = ["A", 500, True]
+    q.append(chunk, "A")
+    for _ in range(200):
+        q.append(["A", 1, True], "A")
+    for k in range(8):
+        for _ in range(3):
+            q.append([f"B{k}", 1, True], f"B{k}")
+    out: list[str] = []
+    for _ in range(40):  # the B connections go; A's chunk waits its turn
+        call = q.popleft()
+        out.append(typing.cast(str, call[0]))
+        q.append(call, call[0])  # (every B backlog kept as deep)
+    assert "A" not in out
+    chunk[2] = False  # its deadline passed while it waited
+    assert q.expire_head(chunk, "A") and chunk not in list(q)
+    assert not q.expire_head(["A", 1, True], "A")  # (not its head: stays, a shell)
+    out = []
+    for _ in range(90):
+        call = q.popleft()
+        out.append(typing.cast(str, call[0]))
+        if call[0] != "A":
+            q.append(call, call[0])
+    assert out.index("A") <= 9  # no stall: about one call of each B first
+    runs = "".join("A" if who == "A" else "." for who in out).split(".")
+    assert max(len(run) for run in runs) <= 2  # no credit: one A a round, not a burst
+    assert 8 <= out.count("A") <= 12
