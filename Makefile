@@ -43,9 +43,11 @@ venv-setup:
 # after a 3.11 set-up kept 3.11, silently): said, with the way to use it.
 python-note: $(STAMP)
 	@case "$(origin PYTHON)" in "command line"|environment) \
-		want=$$($(PYTHON) -c 'import sys; print(sys.version.split()[0])' 2>/dev/null) || exit 0; \
 		have=$$($(BIN)/python -c 'import sys; print(sys.version.split()[0])'); \
-		if [ -n "$$want" ] && [ "$$want" != "$$have" ]; then \
+		if ! want=$$($(PYTHON) -c 'import sys; print(sys.version.split()[0]); sys.exit(sys.version_info < (3, 11))' 2>/dev/null); then \
+			if [ -n "$$want" ]; then why="is Python $$want, older than 3.11"; else why="did not run"; fi; \
+			echo "note: PYTHON=$(PYTHON) $$why: not used; $(VENV) has Python $$have" >&2; \
+		elif [ "$$want" != "$$have" ]; then \
 			echo "note: PYTHON=$(PYTHON) (Python $$want) is not used: $(VENV) has Python $$have; make clean, then make again, to set it up with PYTHON" >&2; fi;; \
 	esac
 

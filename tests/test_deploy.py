@@ -744,3 +744,10 @@ def test_a_python_given_once_the_venv_exists_is_said_to_be_unused(tmp_path: Path
     assert said in note(f"PYTHON={other}")
     assert said in note(env={**os.environ, "PYTHON": str(other)})
     assert note(f"PYTHON={sys.executable}") == note() == ""
+    # (round 55's new user: one that does not run, or too old, was silent, or told to make clean)
+    old = tmp_path / "python3.10"
+    old.write_text("#!/bin/sh\necho 3.10.4\nexit 1\n")
+    old.chmod(0o755)
+    assert f"note: PYTHON={old} is Python 3.10.4, older than 3.11: not used; .venv has Python {have}" in note(f"PYTHON={old}")
+    missing = tmp_path / "python9"
+    assert f"note: PYTHON={missing} did not run: not used; .venv has Python {have}" in note(f"PYTHON={missing}")
