@@ -87,8 +87,8 @@ are zero-copy views into the request body, and one small view would keep the who
 body (up to `max_body_bytes`) alive, so they are copied out when the call is queued,
 and the bytes counted are those copies. `max_queue` counts calls (a chunk its weight,
 a running count). A queued call whose deadline passes is answered and releases its
-payload at once; its empty shell stays in the deque (removing it from the middle is
-O(n)) until it reaches the head, or until shells are more than half the deque and
+payload at once; its empty shell stays in the queue (removing it from the middle is
+O(n)) until it reaches the head, or until shells are more than half the queue and
 `_compact` drops them all (amortised O(1) each): a live head with a long deadline
 once kept every expired call behind it, and its params, alive.
 
@@ -426,10 +426,11 @@ class Dispatcher:
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
         self._queued_calls = 0  # calls the live queued entries stand for (a chunk: its weight)
-        # Queued calls whose deadline passed stay in the deque as empty shells (their
+        # Queued calls whose deadline passed stay in the queue as empty shells (their
         # params and ids are released at once) until they reach its head, or until they
         # are more than half of it and `_compact` drops them all: removing one from the
-        # middle is O(n), a compaction that removes more than n/2 is O(1) per shell.
+        # middle is O(n), a compaction that removes more than n/2 is O(1) per shell. (One
+        # that is its connection's next leaves at once: `FairQueue.expire_head`.)
         self._expired_queued = 0
         self._timeout = timeout
         self._method_timeouts = dict(method_timeouts or {})

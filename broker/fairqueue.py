@@ -4,8 +4,8 @@ A call waits in this queue while no worker can take it (`broker.dispatch`). Ther
 queue for all workers, and it is fair among the connections whose calls wait in it: each
 connection's calls keep their order, and the connections take turns, by self-clocked fair
 queueing (S. J. Golestani, "A Self-Clocked Fair Queueing Scheme for Broadband
-Applications", INFOCOM 1994): by finish tags, with V the finish tag served. A call costs its weight (a batch chunk: its calls; an
-expired call's empty shell nothing).
+Applications", INFOCOM 1994): by finish tags, with V the finish tag served. A call costs
+its weight (a batch chunk: its calls; an expired call's empty shell nothing).
 
 Each connection with calls here (a *flow*) is in a heap by the finish tag of its head,
 its start tag plus its cost, where the start tag is `max(V, its last finish)` when that
