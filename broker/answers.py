@@ -74,12 +74,17 @@ class ResponseBudget:
     connection is owed at once, whether one response, one batch array or several
     pipelined bodies, hold at most `max_response_bytes` (nginx's proxy_buffers play
     the same part for a proxy). Every change to `held` is made to `outgoing.held` too.
+
+    Being one per connection, it is also what the dispatcher keys the connection's calls
+    by: its flow in the queue (`fairqueue.FairQueue`), and `in_flight`, the calls of the
+    connection that hold a worker's place now (`dispatch.Dispatcher`'s connection share).
     """
 
-    __slots__ = ("held", "outgoing", "parked")
+    __slots__ = ("held", "in_flight", "outgoing", "parked")
 
     def __init__(self, outgoing: Outgoing) -> None:
         self.held = 0
+        self.in_flight = 0  # the connection's calls sent to workers and not answered by them
         self.parked = 0  # (in `held`) answers written while the write buffer was past its high mark
         self.outgoing = outgoing
 

@@ -197,6 +197,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                  "(it cannot start them until that handler returns); a "
                                  "value of worker_concurrency or more turns this routing off")
                              ] = 1
+    connection_share: Annotated[float, Meta(gt=0, le=1),
+                                Doc("the fraction of the workers' places (workers x "
+                                    "worker_concurrency) one connection's calls may hold at "
+                                    "once; its others wait in the queue, in its turn, and the "
+                                    "rest are kept for the other connections; 1 lets one "
+                                    "connection take them all",
+                                    rule="0 < x <= 1")
+                                ] = 0.5
     max_queue: Annotated[int, Meta(ge=0),
                          Doc("calls waiting for a free worker before the broker "
                              "answers 'overloaded'")

@@ -20,7 +20,8 @@ overtakes the queue: while a live call waits there, new calls queue too (each be
 its own connection's). Whenever a worker frees capacity (a reply, a worker becoming
 ready, a lost worker's calls moving on), `_pump` hands the head of the queue to the
 best worker, again and again until the queue is empty or no worker is under its
-limit: every freed slot is filled at once. A
+limit (passing over the calls of connections that hold their share, below): every
+freed slot is filled at once. A
 chunk of a batch (several calls as one unit) needs what a single call needs, one
 worker under its limit (a blocked worker, below, needs room for all of its calls),
 and then overshoots that limit by its size: so a chunk at the
@@ -29,6 +30,21 @@ come back part by part as its calls end (CHUNK_PART), and each part gives back t
 capacity of the calls it answers, which queued calls take at once: a chunk holds only
 its calls still running (its `weight`, once sent, counts those), not its worker's
 whole capacity until its slowest call ends.
+
+One connection's calls hold at most its share of the workers' places at once: the ready
+workers' `worker_concurrency` added up, times `connection_share` (0.5 by default; the
+connection's `answers.ResponseBudget` counts its calls in flight). Its next call waits in
+the queue, and its calls there are held out of turn (`FairQueue.hold`) while the other
+connections' go, until one of its calls ends and its next fits again (`_give_back`).
+The rest of the places are kept for the others: without it, one batch of 250 long calls
+took every place of 2 workers, and every other client waited until they ended (hostile
+testing, round 53). A connection with nothing in flight may always start its next call,
+whatever it weighs. A batch that does not fit in its connection's share left goes in
+chunks of at most the share over the workers, which take their turns with the
+connection's other calls (so a batch of 250 `sleep(3)` on 2 workers of 100 takes three
+rounds, 9 s); one that fits goes in one chunk a worker, as below. The share is not
+work-conserving: a client alone gets no more than its share, which is what keeps places
+free for the client that comes next (a call in flight cannot be taken back).
 
 A worker's limit is `worker_concurrency`, except while it has a blocking sync call in
 flight: a sync handler (`wire.Hello.sync_methods`) blocks the worker's whole process,
@@ -262,6 +278,7 @@ class Call(msgspec.Struct, eq=False):
     timeout: float  # seconds
     arrival: float  # when the call arrived (time.perf_counter)
     sync: int  # > 0: blocking sync calls it holds (a chunk: their count); -1: see Route.sync
+    owner: ResponseBudget  # its connection's: its flow in the queue, and whose places it holds in flight
     worker: Worker | None = None
     tick: int = 0  # its slot in the DeadlineWheel; 0 once expired or answered
     weight: int = 1  # calls it stands for (a chunk: several; once sent, those not answered yet)
@@ -272,11 +289,15 @@ class Call(msgspec.Struct, eq=False):
     stale: bool = False  # in flight when a reload replaced the method table: its reply teaches nothing
 
     @classmethod
-    def of(cls, call_id: int, exchange: Exchange | None, slot: int, request: Request, route: Route, arrival: float) -> Call:
-        """One request (a call, or a notification when `exchange` is None)."""
+    def of(
+        cls, call_id: int, exchange: Exchange | None, slot: int, request: Request, route: Route, arrival: float,
+        owner: ResponseBudget,
+    ) -> Call:
+        """One request (a call, or a notification when `exchange` is None) of the connection
+        whose budget is `owner`."""
         return cls(
             call_id, exchange, slot, request.id, CALL if exchange is not None else NOTIFY,
-            route.method_index, request.params, route.timeout, arrival, route.sync,
+            route.method_index, request.params, route.timeout, arrival, route.sync, owner,
         )  # fmt: skip
 
     @classmethod
@@ -291,7 +312,8 @@ class Call(msgspec.Struct, eq=False):
     ) -> Call:
         """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
         one deadline (they share `timeout`), one reply. `sync`: they are all blocking
-        sync calls (`Route.sync`; a chunk never mixes them with others)."""
+        sync calls (`Route.sync`; a chunk never mixes them with others). Its connection's
+        budget is `exchange.budget`."""
         payload, slots, ids, methods = encode_requests(entries)
         return cls(
             call_id,
@@ -304,6 +326,7 @@ class Call(msgspec.Struct, eq=False):
             timeout,
             arrival,
             len(entries) if sync else 0,
+            exchange.budget,
             weight=len(entries),
             slots=slots,
             ids=ids,
@@ -391,6 +414,11 @@ class Dispatcher:
         yet have taken (`outgoing`, an `Outgoing`, which every connection's budget
         shares): past it, -32603 "responses owed on all connections exceed
         max_outgoing_bytes N" instead (counted in `outgoing.refused_total`).
+    connection_share: the fraction (0 < x <= 1) of the workers' places (the ready
+        workers' `worker_concurrency` added up) that one connection's calls may hold at
+        once; its others wait in the queue, in its turn (`_pump`), so that the rest are
+        there for the other connections (hostile testing, round 53: one batch of 250
+        long calls held every place of 2 workers, and every other client waited 3 s).
     """
 
     def __init__(
@@ -406,8 +434,14 @@ class Dispatcher:
         metrics: CallMetrics | None = None,
         max_response_bytes: int = 32 * 1024 * 1024,
         max_outgoing_bytes: int = 1 << 62,
+        connection_share: float = 0.5,
     ) -> None:
+        if not 0 < connection_share <= 1:
+            raise ValueError(f"connection_share = {connection_share!r}: it must be > 0 and <= 1")
         self._loop = loop
+        self._connection_share = connection_share
+        self._share = 1  # places one connection's calls may hold: see `_set_share`
+        self._chunk_max = 1  # calls in a chunk of a batch past its connection's share
         self.max_response_bytes = max_response_bytes
         self._too_large = error_object(
             ErrorCode.INTERNAL_ERROR, data=f"response exceeds max_response_bytes {max_response_bytes}"
@@ -551,6 +585,8 @@ class Dispatcher:
             # sync_prefetch, is at most its concurrency (every worker has the same).
             self._sync_routing = self._sync_limit <= worker.concurrency
             self._ready.append(worker)
+            self._set_share()
+            self._queue.release_all()  # (a larger share: those still past it are held again)
         self._pump()
 
     def worker_unready(self, worker: Worker) -> None:
@@ -559,6 +595,19 @@ class Dispatcher:
             self._ready.remove(worker)
         except ValueError:
             pass
+        else:
+            self._set_share()
+
+    def _set_share(self) -> None:
+        """One connection's share of the ready workers' places (`connection_share`; at
+        least 1), and the size of a chunk of a batch that does not fit in its share: the
+        share over the workers (a batch of 1000 `add` calls on one connection, 2 workers,
+        went at 0.85 of the rate of chunks as large as the batch over the workers, where
+        half that size went at 0.75: benchmarks/RESULTS.md)."""
+        ready = self._ready
+        places = sum(w.concurrency for w in ready)
+        self._share = max(1, int(places * self._connection_share))
+        self._chunk_max = max(1, self._share // len(ready)) if ready else 1
 
     def worker_lost(self, worker: Worker, reason: str) -> None:
         """The worker's process is gone: answer its in-flight calls "worker died"."""
@@ -569,18 +618,21 @@ class Dispatcher:
         error = error_object(ErrorCode.WORKER_DIED, data={"pid": worker.pid, "status": reason})
         for call in lost:
             del self._pending[call.call_id]
+            call.owner.in_flight -= call.weight
             self._finish(call, error, ErrorCode.WORKER_DIED)
         if worker.blocked:
             worker.blocked = False
             self._blocked -= 1
         worker.outstanding = worker.sync_calls = 0
         worker.limit = worker.concurrency
+        self._queue.release_all()  # (their connections' places are free; those still past their share are held again)
         self._check_idle()
         self._pump()
 
     def no_worker_coming(self) -> None:
         """Every worker is down and none is starting (restart backoff): answer the
         queued calls "no worker available" rather than let them wait for their deadline."""
+        self._queue.release_all()
         while self._queue:
             call = self._dequeue()
             if call.tick:  # (else it timed out while queued: answered already)
@@ -652,7 +704,7 @@ class Dispatcher:
                     exchange = Exchange(False, 200, on_done, [None], 1, None, budget)
                     call = Call(  # Call.of, inline (a call less: about 0.1 µs)
                         next(self._ids), exchange, 0, request.id, CALL, route.method_index,
-                        request.params, route.timeout, _clock(), route.sync,
+                        request.params, route.timeout, _clock(), route.sync, budget,
                     )  # fmt: skip
                     self._start(call, self._loop.time())
                     return exchange
@@ -670,9 +722,9 @@ class Dispatcher:
             for slot, request, route in entries:
                 if slot >= 0:
                     exchange.remaining += 1
-                    self._start(Call.of(next(self._ids), exchange, slot, request, route, arrival), now)
+                    self._start(Call.of(next(self._ids), exchange, slot, request, route, arrival, budget), now)
                 else:
-                    self._start(Call.of(next(self._ids), None, -1, request, route, arrival), now)
+                    self._start(Call.of(next(self._ids), None, -1, request, route, arrival, budget), now)
         return exchange if exchange.answers else None
 
     def _entries(self, body: Body, exchange: Exchange) -> list[tuple[int, Request, Route]]:
@@ -748,17 +800,23 @@ class Dispatcher:
                     group = groups[key] = []
                 group.append(entry)
         workers = len(self._ready)
+        room = self._share - exchange.budget.in_flight  # (its connection's share left)
         for (timeout, sync), group in groups.items():
-            chunks = min(workers, len(group))
+            n = len(group)
+            chunks = min(workers, n)
             if sync and self._sync_routing:  # slow sync calls: one by one
-                chunks = len(group)
+                chunks = n
+            elif n > room:  # past its share: chunks the size the share takes in turn
+                chunks = max(chunks, -(-n // self._chunk_max))
+            room -= n
             for first in range(chunks):
                 # Dealt out like cards: neighbours in a batch are often alike (the
                 # same slow method), so interleaving spreads them over the workers.
                 part = group[first::chunks]
                 if len(part) == 1:
                     slot, request, route = part[0]
-                    call = Call.of(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival)
+                    call = Call.of(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival,
+                                   exchange.budget)
                     exchange.remaining += slot >= 0
                 else:
                     # A chunk goes to a worker below its limit like a call does, so it
@@ -770,8 +828,15 @@ class Dispatcher:
 
     def _start(self, call: Call, now: float) -> None:
         self._deadlines.add(call, now)
-        # While a live call waits, a new one queues too (behind its connection's: FairQueue)
-        worker = self._pick(call) if not self._queued_calls and self._serving else None
+        # While a live call waits, a new one queues too (behind its connection's: FairQueue);
+        # so does one past its connection's share of the workers' places
+        owner = call.owner
+        worker = (
+            self._pick(call)
+            if not self._queued_calls and self._serving and (owner.in_flight + call.weight <= self._share
+                                                             or not owner.in_flight)
+            else None
+        )
         if worker is not None:
             self._send(worker, call)
             if self.metrics is not None:
@@ -789,12 +854,13 @@ class Dispatcher:
             self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
         else:
             _hold(call)
-            exchange = call.exchange
-            self._queue.append(call, exchange.budget if exchange is not None else None)  # (notifications: one flow)
+            self._queue.append(call, owner)
             self._queued_bytes += call.held
             self._queued_calls += call.weight
-            if self._blocked:  # it may be the head now (its connection served least), and fit a
-                self._pump()  # blocked worker the head before it did not
+            # It may be the head now (its connection served least), and a worker may take
+            # it: one blocked, that the head before did not fit; or any, if every call
+            # before it waits for its connection's share (held out of turn)
+            self._pump()
 
     def _pick(self, call: Call) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
@@ -865,6 +931,7 @@ class Dispatcher:
     def _send(self, worker: Worker, call: Call) -> None:
         call.worker = worker
         worker.outstanding += call.weight
+        call.owner.in_flight += call.weight
         if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
             worker.sync_calls += call.sync
             if not worker.blocked and self._sync_routing:
@@ -900,7 +967,9 @@ class Dispatcher:
                 done = min(count_answers(payload), part.weight)
                 part.weight -= done
                 worker.outstanding -= done
+                part.owner.in_flight -= done
                 if self._queued_calls:
+                    self._give_back(part.owner)
                     self._pump()
             return
         call = self._pending.pop(call_id, None)
@@ -910,6 +979,7 @@ class Dispatcher:
             self._count_late(kind, payload, None)
             return
         worker.outstanding -= call.weight
+        call.owner.in_flight -= call.weight
         awaited = aux != NOT_RUN and aux >= AWAITED  # (wire.AWAITED: it blocked the worker for ~0 µs)
         if awaited:
             aux -= AWAITED
@@ -979,6 +1049,7 @@ class Dispatcher:
         else:  # its deadline passed: the client has its answer already
             self._count_late(kind, payload, call)
         if self._queued_calls:  # capacity was freed: fill all of it from the queue, in order
+            self._give_back(call.owner)
             self._pump()
         elif not self.accepting:
             self._check_idle()
@@ -1219,13 +1290,32 @@ class Dispatcher:
             self._expired_queued -= 1
         return call
 
+    def _give_back(self, owner: ResponseBudget) -> None:
+        """`owner`'s connection gave back places: if its calls wait held out of turn for
+        its share, and its next fits now, put them back in turn."""
+        queue = self._queue
+        if queue.is_held(owner):
+            head = queue.first(owner)
+            if owner.in_flight + head.weight <= self._share or not owner.in_flight:
+                queue.release(owner)
+
     def _pump(self) -> None:
-        """Start queued calls, in the queue's order (`FairQueue`), while a worker is under its limit."""
+        """Start queued calls, in the queue's order (`FairQueue`), while a worker is under
+        its limit. A call whose connection would go past its share of the workers' places
+        (`connection_share`) is not started: its connection's calls are held out of turn
+        (`FairQueue.hold`) until it gives places back (`_give_back`)."""
         queue = self._queue
         metrics = self.metrics
-        while queue:
+        share = self._share
+        while True:
             call = queue.head()
+            if call is None:
+                break
             if call.tick:  # (else it timed out while queued: just drop it)
+                owner = call.owner
+                if owner.in_flight + call.weight > share and owner.in_flight:
+                    queue.hold(owner)
+                    continue
                 worker = self._pick(call)
                 if worker is None:
                     break
@@ -1374,6 +1464,7 @@ class Dispatcher:
         # answer could be cut off with its connection (hostile testing).
         self._serving = False
         error = _GRACE_ENDED
+        self._queue.release_all()
         while self._queue:
             call = self._dequeue()
             if call.tick:  # (else it timed out while queued: answered already)

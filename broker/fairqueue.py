@@ -29,6 +29,12 @@ connection's head leaves at once (`expire_head`), and the connection's next call
 at V: left in place, an expired chunk held its connection's next call behind its full
 cost, then, gone at no cost, let it go first with its whole backlog (round 56).
 
+A flow may be *held* out of turn (`hold`): its connection holds its share of the workers'
+places already (`dispatch.Dispatcher`'s `connection_share`), and its calls wait, in order,
+while the other flows take turns; `release` puts it back in turn at V at the earliest,
+like a connection coming back (no credit for the turns it sat out). `head` and `popleft`
+see only the flows in turn; `len`, iteration, `expire_head` and `drop` see every call.
+
 Sans-IO, no clock: the dispatcher says what a call costs (`cost`) and whose it is (the
 `key` of `append`: its connection's `answers.ResponseBudget`).
 """
@@ -60,12 +66,12 @@ class _Flow(typing.Generic[T]):
 
 class FairQueue(typing.Generic[T]):
     """Calls waiting for a worker: `append(call, key)` (`key`: whose it is, hashable),
-    `head()` (the next out), `popleft()`, `expire_head(call, key)`, `len()`, iteration
-    (every call, flow by flow in finish-tag order), `drop(keep)`. `cost(call)`: what
-    taking `call` out costs its flow (>= 0). `head` and `popleft` raise IndexError when
-    the queue is empty."""
+    `head()` (the next out, or None), `popleft()`, `expire_head(call, key)`, `hold(key)`,
+    `release(key)`, `len()`, iteration (every call, flow by flow in finish-tag order, the
+    held flows last), `drop(keep)`. `cost(call)`: what taking `call` out costs its flow
+    (>= 0). `popleft` raises IndexError when no flow is in turn (`head()` is None)."""
 
-    __slots__ = ("_cost", "_flows", "_heap", "_len", "_order", "_virtual")
+    __slots__ = ("_cost", "_flows", "_heap", "_held", "_len", "_order", "_virtual")
 
     def __init__(self, cost: Callable[[T], float]) -> None:
         self._cost = cost
@@ -76,35 +82,41 @@ class FairQueue(typing.Generic[T]):
         self._order = itertools.count()
         self._virtual = 0.0
         self._len = 0
+        self._held: dict[typing.Hashable, None] = {}  # flows out of turn (`hold`), in the order held
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self) -> Iterator[T]:
-        """Every call: the flows by their heads' finish tags (ties: the older first), each
-        flow's calls in order; so the first call is `head()`. O(n + flows log flows)."""
+        """Every call: the flows in turn by their heads' finish tags (ties: the older
+        first), then the held ones, each flow's calls in order; so the first call is
+        `head()` when a flow is in turn. O(n + flows log flows)."""
         for _finish, order, key in sorted(self._heap):
             flow = self._flows.get(key)
             if flow is not None and flow.entry == order:
                 yield from flow.calls
+        for key in self._held:
+            yield from self._flows[key].calls
 
     def _enter(self, key: typing.Hashable, flow: _Flow[T]) -> None:
         """Put `flow` in the heap by its head's finish tag (its older entry goes stale)."""
         flow.entry = order = next(self._order)
         heapq.heappush(self._heap, (flow.start + self._cost(flow.calls[0]), order, key))
 
-    def _top(self) -> tuple[typing.Hashable, _Flow[T]]:
-        """The flow whose head goes next, its stale heap entries dropped on the way."""
+    def _top(self) -> tuple[typing.Hashable, _Flow[T]] | None:
+        """The flow whose head goes next (None: no flow in turn), its stale heap entries
+        dropped on the way."""
         heap = self._heap
-        while True:
+        while heap:
             _finish, order, key = heap[0]
             flow = self._flows.get(key)
             if flow is not None and flow.entry == order:
                 return key, flow
             heapq.heappop(heap)
+        return None
 
     def append(self, call: T, key: typing.Hashable) -> None:
-        """Queue `call` at the tail of `key`'s calls."""
+        """Queue `call` at the tail of `key`'s calls (held or in turn, as its flow is)."""
         flow = self._flows.get(key)
         if flow is None:
             flow = self._flows[key] = _Flow()
@@ -115,14 +127,18 @@ class FairQueue(typing.Generic[T]):
             flow.calls.append(call)
         self._len += 1
 
-    def head(self) -> T:
-        """The call `popleft` would take out."""
-        return self._top()[1].calls[0]
+    def head(self) -> T | None:
+        """The call `popleft` would take out; None when no flow is in turn."""
+        top = self._top()
+        return None if top is None else top[1].calls[0]
 
     def popleft(self) -> T:
         """Take the next call out: the head with the smallest finish tag (ties: the flow
-        that took its place in the heap first)."""
-        key, flow = self._top()
+        that took its place in the heap first) among the flows in turn."""
+        top = self._top()
+        if top is None:
+            raise IndexError("no flow is in turn")
+        key, flow = top
         heapq.heappop(self._heap)
         call = flow.calls.popleft()
         self._len -= 1
@@ -154,16 +170,51 @@ class FairQueue(typing.Generic[T]):
         if flow.calls:
             if flow.start < self._virtual:
                 flow.start = self._virtual
-            self._enter(key, flow)
+            if key not in self._held:
+                self._enter(key, flow)
         else:
             del self._flows[key]
+            self._held.pop(key, None)
         if len(self._heap) > 2 * len(self._flows) + 64:  # (stale entries bounded)
             self._rebuild()
         return True
 
+    def hold(self, key: typing.Hashable) -> None:
+        """Take `key`'s flow (it has calls here) out of turn: its calls stay, in order, and
+        `head` and `popleft` pass them by until `release(key)`."""
+        if key not in self._held:
+            self._held[key] = None
+            self._flows[key].entry = -1  # (its heap entry goes stale)
+
+    def first(self, key: typing.Hashable) -> T:
+        """The first of `key`'s calls here (KeyError: it has none)."""
+        return self._flows[key].calls[0]
+
+    def is_held(self, key: typing.Hashable) -> bool:
+        """Whether `key`'s flow is out of turn (`hold`)."""
+        return key in self._held
+
+    def release(self, key: typing.Hashable) -> None:
+        """Put `key`'s held flow back in turn, its head's start tag at V at the earliest:
+        it gets no credit for the turns it sat out (as a connection coming back)."""
+        if self._held.pop(key, 0) is None:
+            flow = self._flows[key]
+            if flow.start < self._virtual:
+                flow.start = self._virtual
+            self._enter(key, flow)
+            if len(self._heap) > 2 * len(self._flows) + 64:  # (stale entries bounded)
+                self._rebuild()
+
+    def release_all(self) -> None:
+        """`release` every held flow, in the order they were held."""
+        for key in list(self._held):
+            self.release(key)
+
     def _rebuild(self) -> None:
         self._heap = []
         for key, flow in self._flows.items():
+            if key in self._held:
+                continue
             flow.entry = order = next(self._order)
             self._heap.append((flow.start + self._cost(flow.calls[0]), order, key))
         heapq.heapify(self._heap)
@@ -177,6 +228,7 @@ class FairQueue(typing.Generic[T]):
             self._len -= len(flow.calls) - len(kept)
             if not kept:
                 del self._flows[key]
+                self._held.pop(key, None)
                 continue
             if kept[0] is not flow.calls[0] and flow.start < self._virtual:
                 flow.start = self._virtual

@@ -327,6 +327,7 @@ async def run(
         metrics=CallMetrics() if config.metrics else None,
         max_response_bytes=config.max_response_bytes,
         max_outgoing_bytes=config.max_outgoing_bytes,
+        connection_share=config.connection_share,
     )
     pool = Pool(
         dispatcher,

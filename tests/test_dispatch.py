@@ -15,6 +15,7 @@ import uvloop
 from msgspec import Raw
 
 from broker import wire
+from broker.answers import Outgoing
 from broker.dispatch import Call, DeadlineWheel, Dispatcher, Exchange, ResponseBudget, Route
 from broker.jsonrpc import Body, Codec, ErrorCode, Request
 from broker.metrics import CallMetrics
@@ -24,7 +25,7 @@ LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 
 
 def make_call(call_id: int, timeout: float) -> Call:
-    return Call.of(call_id, None, -1, Request("2.0", "m"), Route(0, timeout), 0.0)
+    return Call.of(call_id, None, -1, Request("2.0", "m"), Route(0, timeout), 0.0, ResponseBudget(Outgoing(1 << 62)))
 
 
 @pytest.mark.parametrize("loop_name", sorted(LOOPS))
@@ -135,15 +136,15 @@ def test_freed_slots_are_all_filled_from_the_queue_in_fifo_order():
     queue at once, oldest call first, and a new call joins the tail of the queue."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop())
+        d = Dispatcher(asyncio.get_running_loop(), connection_share=1.0)  # (one connection may take every place)
         d.set_methods(["sleep"])
         w = add_worker(d, 0, concurrency=4)
         codec = Codec()
         done: list[Exchange] = []
-        d.submit(body(codec, [req("sleep", [1.0], i) for i in range(10)]), done.append)
+        d.submit(body(codec, [req("sleep", [1.0], i) for i in range(4)]), done.append)
         [chunk] = w.channel.take()
-        assert chunk[0] == wire.Kind.CHUNK and w.outstanding == 10  # a chunk overshoots the limit
-        for n in range(8):
+        assert chunk[0] == wire.Kind.CHUNK and w.outstanding == 4
+        for n in range(8):  # (each its own connection)
             d.submit(body(codec, req("sleep", [n], n)), done.append)
         assert w.channel.take() == [] and d.queued_calls == 8
         d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 0, chunk_reply(chunk))
@@ -168,7 +169,7 @@ def test_a_connections_call_goes_next_however_many_another_connection_queued():
     their order; a connection's batch chunk costs it its calls."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop())
+        d = Dispatcher(asyncio.get_running_loop(), connection_share=1.0)  # (one connection may take every place)
         d.set_methods(["work"])
         w = add_worker(d, 0, concurrency=1)
         codec = Codec()
@@ -183,8 +184,10 @@ def test_a_connections_call_goes_next_however_many_another_connection_queued():
             [frame] = w.channel.take()
             order.append(first_params(frame)[0])
             d.on_reply(w, wire.Kind.RESULT, frame[1], 10, b"0" if frame[0] == wire.Kind.CALL else chunk_reply(frame))
-        assert order[:4] == [0, 1, "v", 2]  # (0 went at once; 1 was queued first, then the victim's)
-        assert order.index("w") <= 6  # the victim's second: after one more of the flood's
+        # 0 went at once and holds the flood's share (the one place, as connection_share
+        # 0.5 of 1 is at least 1): the flood's calls wait out of turn, the victim's goes;
+        # then they take turns
+        assert order[:5] == [0, "v", 1, "w", 2]
         flood_order = [x for x in order if x not in ("v", "w")]
         assert flood_order == sorted(flood_order)  # the flood's own calls, the chunk's included, in order
 
@@ -198,13 +201,13 @@ def test_a_queued_chunk_goes_in_its_turn_and_is_not_starved():
     chunk at the next free slot."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop())
+        d = Dispatcher(asyncio.get_running_loop(), connection_share=1.0)  # (one connection may take every place)
         d.set_methods(["sleep"])
-        w = add_worker(d, 0, concurrency=2)
+        w = add_worker(d, 0, concurrency=5)
         codec = Codec()
-        d.submit(body(codec, req("sleep", ["a"], 1)), lambda e: None)
-        d.submit(body(codec, req("sleep", ["b"], 2)), lambda e: None)
-        a, b = w.channel.take()
+        for name in "abxyz":  # 5 connections fill the worker
+            d.submit(body(codec, req("sleep", [name], name)), lambda e: None)
+        a, b, *_ = w.channel.take()
         d.submit(body(codec, [req("sleep", ["chunk"], i) for i in range(5)]), lambda e: None)
         d.submit(body(codec, req("sleep", ["c"], 3)), lambda e: None)
         assert w.channel.take() == []
@@ -214,7 +217,7 @@ def test_a_queued_chunk_goes_in_its_turn_and_is_not_starved():
         d.on_reply(w, wire.Kind.RESULT, b[1], 0, b"0")
         [chunk] = w.channel.take()
         assert chunk[0] == wire.Kind.CHUNK and first_params(chunk) == ["chunk"]
-        assert w.outstanding == 6 and d.queued_calls == 0  # (over the limit by its size)
+        assert w.outstanding == 9 and d.queued_calls == 0  # (over the limit by its size)
 
     run(main)
 
@@ -232,25 +235,25 @@ def test_a_chunk_gives_its_workers_capacity_back_as_its_answers_arrive():
     calls it answers (the in-flight count with them), and queued calls start in them."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop())
+        d = Dispatcher(asyncio.get_running_loop(), connection_share=1.0)  # (one connection may take every place)
         d.set_methods(["sleep"])
-        w = add_worker(d, 0, concurrency=4)
+        w = add_worker(d, 0, concurrency=10)
         codec = Codec()
         done: list[Exchange] = []
         d.submit(body(codec, [req("sleep", [i], i) for i in range(10)]), done.append)
         [chunk] = w.channel.take()
-        for n in range(3):
+        for n in range(9):
             d.submit(body(codec, req("sleep", [n], f"q{n}")), done.append)
-        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (10, 10, 3)
+        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (10, 10, 9)
         d.on_reply(w, wire.Kind.CHUNK_PART, chunk[1], 0, part_of(chunk, range(1, 9)))  # all but 0 and 9
         started = w.channel.take()
-        assert [first_params(f) for f in started] == [[0], [1]]  # the 2 places left under the limit of 4
-        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (4, 4, 1) and done == []
+        assert [first_params(f) for f in started] == [[n] for n in range(8)]  # the 8 places given back
+        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (10, 10, 1) and done == []
         d.on_reply(w, wire.Kind.CHUNK_PART, chunk[1], 0, part_of(chunk, [9]))
-        assert [first_params(f) for f in w.channel.take()] == [[2]]
-        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (4, 4, 0)
+        assert [first_params(f) for f in w.channel.take()] == [[8]]
+        assert (w.outstanding, d.in_flight_calls, d.queued_calls) == (10, 10, 0)
         d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 5_000, part_of(chunk, [0]))  # the slow one ends the chunk
-        assert (w.outstanding, d.in_flight_calls) == (3, 3) and len(done) == 1
+        assert (w.outstanding, d.in_flight_calls) == (9, 9) and len(done) == 1
         assert [json.loads(a)["result"] for a in done[0].answers] == [0] * 10  # type: ignore[arg-type]
         for frame in started:
             d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
@@ -265,9 +268,9 @@ def test_a_chunks_late_or_unowed_answers_give_capacity_back_too():
     rest, whatever the parts held."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop(), timeout=0.05)
+        d = Dispatcher(asyncio.get_running_loop(), timeout=0.05, connection_share=1.0)
         d.set_methods(["sleep"])
-        w = add_worker(d, 0, concurrency=2)
+        w = add_worker(d, 0, concurrency=5)
         codec = Codec()
         d.submit(body(codec, [{"jsonrpc": "2.0", "method": "sleep", "params": [i]} for i in range(5)]), lambda e: None)
         [notes] = w.channel.take()
@@ -275,7 +278,7 @@ def test_a_chunks_late_or_unowed_answers_give_capacity_back_too():
         d.submit(body(codec, [req("sleep", [i], i) for i in range(4)]), done.append)
         assert (w.outstanding, d.queued_calls) == (5, 4)
         d.on_reply(w, wire.Kind.CHUNK_PART, notes[1], 0, part_of(notes, range(4)))
-        [calls] = w.channel.take()  # one place free: the queued chunk goes
+        [calls] = w.channel.take()  # places free: the queued chunk goes
         assert calls[0] == wire.Kind.CHUNK and (w.outstanding, d.in_flight_calls, d.queued_calls) == (5, 5, 0)
         await wait_until(lambda: bool(done))  # its deadline passes: answered -32001
         assert all(b"-32001" in typing.cast(bytes, a) for a in done[0].answers)
@@ -495,8 +498,10 @@ def test_error_codes_outside_the_broker_table_share_one_metrics_entry():
     run(main)
 
 
-def sync_dispatcher(prefetch: int, workers: int = 2, concurrency: int = 100) -> tuple[Dispatcher, list[Worker]]:
-    d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=prefetch)
+def sync_dispatcher(
+    prefetch: int, workers: int = 2, concurrency: int = 100, share: float = 0.5
+) -> tuple[Dispatcher, list[Worker]]:
+    d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=prefetch, connection_share=share)
     d.set_methods(["slow", "fast", "quick"], sync_methods=["slow", "quick"])  # fast: async
     return d, [add_worker(d, slot, concurrency) for slot in range(workers)]
 
@@ -709,18 +714,19 @@ def test_a_chunk_goes_to_a_blocked_worker_only_if_all_its_calls_fit_its_prefetch
     now goes to a blocked worker only if its weight fits under that limit."""
 
     async def main() -> None:
-        d, (a, b) = sync_dispatcher(prefetch, concurrency=4)
+        # (one connection may take every place: else a batch past its share goes in chunks of 1)
+        d, (a, b) = sync_dispatcher(prefetch, concurrency=40, share=1.0)
         codec = Codec()
         d.submit(body(codec, req("slow", [60], "hung")), lambda e: None)
         busy, other = (a, b) if a.outstanding else (b, a)
         busy.channel.take()
-        for i in range(4):
+        for i in range(40):
             d.submit(body(codec, req("fast", [i], i)), lambda e: None)
-        assert len(other.channel.take()) == 4 and other.outstanding == other.limit == 4
+        assert len(other.channel.take()) == 40 and other.outstanding == other.limit == 40
         d.submit(body(codec, [req("fast", [i], f"b{i}") for i in range(40)]), lambda e: None)  # 2 chunks of 20
         assert busy.channel.take() == [] and d.queued_calls == 40
         # Small chunks: one fits the prefetch of 2, not of 1.
-        d2, (a2, b2) = sync_dispatcher(prefetch, concurrency=4)
+        d2, (a2, b2) = sync_dispatcher(prefetch, concurrency=4, share=1.0)
         d2.submit(body(codec, req("slow", [60], "hung")), lambda e: None)
         busy2, other2 = (a2, b2) if a2.outstanding else (b2, a2)
         busy2.channel.take()

@@ -6,6 +6,7 @@ handler, late replies are told apart, application error codes are counted bounde
 from __future__ import annotations
 
 import json
+import select
 import signal
 import socket
 import threading
@@ -31,19 +32,20 @@ def post(b: Broker, payload: object, timeout: float = 60.0) -> object:
 
 
 def test_a_chunk_reply_starts_every_queued_call_it_makes_room_for(broker_factory):
-    """Issue 9 item 12: 60 sleep(0.1) calls queued behind a batch of 100 sleep(0.5) on
-    one worker of concurrency 10. Started 10 at a time once the batch is answered they
-    take about 1.1 s in all; started one per reply (the old queue) they took over 6 s."""
-    b = broker_factory("--workers", "1", "--worker-concurrency", "10")
+    """Issue 9 item 12: 60 sleep(0.1) calls queued behind a batch of 10 sleep(0.5) (one
+    chunk, the one connection let take every place) on one worker of concurrency 10.
+    Started 10 at a time once the batch is answered they take about 1.1 s in all; started
+    one per reply (the old queue) they took over 6 s."""
+    b = broker_factory("--workers", "1", "--worker-concurrency", "10", "--connection-share", "1")
     with ThreadPoolExecutor(61) as pool:
-        batch = pool.submit(post, b, [req("sleep", [0.5], i) for i in range(100)])
-        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 100, timeout=10)
+        batch = pool.submit(post, b, [req("sleep", [0.5], i) for i in range(10)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 10, timeout=10)
         start = time.monotonic()
         singles = [pool.submit(post, b, req("sleep", [0.1], i)) for i in range(60)]
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 60 or batch.done(), timeout=10)
         answers = [f.result(timeout=60) for f in singles]
         elapsed = time.monotonic() - start
-    assert [a["result"] for a in batch.result()] == [0.5] * 100  # type: ignore[index]
+    assert [a["result"] for a in batch.result()] == [0.5] * 10  # type: ignore[index]
     assert [a["result"] for a in answers] == [0.1] * 60  # type: ignore[index]
     assert elapsed < 4.0, f"60 queued calls took {elapsed:.1f} s"
 
@@ -346,10 +348,10 @@ def test_max_queue_counts_calls_and_sheds_a_batch_that_does_not_fit_whole(broker
     """Hostile testing (t_queue.py): max_queue counted a queued chunk as one call, so
     three 50-call batches with --max-queue 2 queued 100 calls. It counts calls now: a
     batch whose chunk does not fit is answered -32000 per call, whole, at once."""
-    b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--max-queue", "60")
-    with ThreadPoolExecutor(3) as pool:
-        blocker = pool.submit(post, b, req("sleep", [1.5], "blocker"))
-        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+    b = broker_factory("--workers", "1", "--max-queue", "60", "--connection-share", "1")
+    with ThreadPoolExecutor(3) as pool:  # (a chunk each: one connection may take every place)
+        blockers = pool.submit(post, b, [req("sleep", [1.5], f"blocker{i}") for i in range(100)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 100, timeout=10)
         first = pool.submit(post, b, [req("sleep", [0.01], f"a{i}") for i in range(50)])
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 50, timeout=10)
         second = post(b, [req("sleep", [0.01], f"b{i}") for i in range(50)])
@@ -357,7 +359,7 @@ def test_max_queue_counts_calls_and_sheds_a_batch_that_does_not_fit_whole(broker
         assert sample(s, "rpc_broker_calls_queued") == 50 <= sample(s, "rpc_broker_queue_capacity") == 60
         assert [a["error"]["code"] for a in second] == [-32000] * 50  # type: ignore[index,union-attr]
         assert [a["result"] for a in first.result(timeout=30)] == [0.01] * 50  # type: ignore[index]
-        assert blocker.result(timeout=30)["result"] == 1.5  # type: ignore[index]
+        assert [a["result"] for a in blockers.result(timeout=30)] == [1.5] * 100  # type: ignore[index]
 
 
 def test_a_notification_in_a_cancelled_chunk_is_not_a_late_reply(broker_factory):
@@ -1155,3 +1157,50 @@ def test_another_clients_call_goes_before_the_calls_one_connection_queued(broker
         flood.settimeout(30)
         while got.count(b'"result":0.15') < 12:  # the flood's own answers all come, in order
             got += flood.recv(65536)
+
+
+def test_one_batch_of_long_calls_leaves_the_other_clients_their_places(broker_factory):
+    """Round 53 (HIGH): one request, a batch of more long async calls than the workers have
+    places (250 sleep calls, 2 workers of 100), took every place (each chunk overshot its
+    worker's limit by its size) and held every other client's call until they ended (2.7 s).
+    A connection's calls hold at most connection_share (0.5) of the places: 100 run, 150
+    wait in the queue in its turn, and another client's call is answered while they wait."""
+    b = broker_factory("--workers", "2", "--worker-concurrency", "100", "--method-timeout", "sleep=20")
+    with ThreadPoolExecutor(1) as pool:
+        batch = pool.submit(post, b, [req("sleep", [1.5], i) for i in range(250)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 150, timeout=10)
+        metrics = scrape_metrics(b)
+        assert sample(metrics, "rpc_broker_calls_in_flight") == 100
+        assert post(b, req("add", [1, 2], "other"))["result"] == 3  # type: ignore[index]
+        assert not batch.done(), "the other client's call waited for the batch"
+        answers = batch.result(timeout=60)
+    assert [a["result"] for a in answers] == [1.5] * 250  # type: ignore[index]
+
+
+def test_one_connections_pipelined_calls_leave_the_other_clients_their_places(broker_factory):
+    """The same for calls one connection pipelines on an NDJSON stream, notifications
+    among them: its calls in flight stay at its share (50 of 1 worker's 100 places), and
+    another client's call goes at once."""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "1", "--worker-concurrency", "100", "--stream-port", str(port),
+                       "--method-timeout", "sleep=20")
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    lines = []
+    for i in range(90):  # (60 calls: fewer than the 64 bodies a stream may be owed before it pauses)
+        call = {"jsonrpc": "2.0", "method": "sleep", "params": [1.5]}
+        if i % 3:
+            call["id"] = i
+        lines.append(json.dumps(call).encode() + b"\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"".join(lines))
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 40, timeout=10)
+        assert sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 50
+        assert post(b, req("add", [1, 2], "other"))["result"] == 3  # type: ignore[index]
+        # (no answer of the connection's yet: no sleep had ended when the other call was answered)
+        assert select.select([s], [], [], 0)[0] == [], "the other client's call waited for a sleep to end"
+        reader = s.makefile("rb")
+        got = [json.loads(reader.readline()) for _ in range(60)]
+    assert sorted(a["id"] for a in got) == [i for i in range(90) if i % 3]
+    assert all(a["result"] == 1.5 for a in got)

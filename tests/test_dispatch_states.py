@@ -6,8 +6,14 @@ brings new ones, fires deadlines, tells the dispatcher no worker is coming, and 
 
 After every step: each body's answer is made at most once, in request order, each slot's
 id the request's; the calls the workers hold add up to the dispatcher's count in flight,
-no count is negative, and a call waits in the queue only while no worker can take it. At the end every worker answers what it holds and the queue is
-answered: then every body is answered exactly once and nothing is owed or queued.
+and each connection's calls in flight to its count (`ResponseBudget.in_flight`); no count
+is negative; a connection that was sent a call holds no more than its share of the places
+(`connection_share`); a call waits in the queue only while no worker can take it or its
+connection holds its share; a connection's calls held out of turn for their share have
+calls in flight to bring them back. Bodies come on three connections, or each on its own,
+and the machine runs at connection_share 0.5 and 1. At the end every worker answers what
+it holds and the queue is answered: then every body is answered exactly once and nothing
+is owed or queued.
 
 Real `Dispatcher`, real `pool.Worker` records; a worker's socket is a channel that records
 the frames sent to it (as in test_dispatch.py), and replies go back through
@@ -28,7 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from test_dispatch import RecordingChannel
 
 from broker import wire
-from broker.answers import Exchange
+from broker.answers import Exchange, ResponseBudget
 from broker.dispatch import TRANSITIONS, Call, CallState, Dispatcher
 from broker.jsonrpc import Codec
 from broker.pool import Worker, WorkerState
@@ -57,14 +63,17 @@ element = st.tuples(st.sampled_from([*METHODS, "nope"]), st.booleans())
 
 
 class DispatcherMachine(RuleBasedStateMachine):
+    SHARE = 0.5  # connection_share: with 2 workers of 2 places, 2 places a connection
+
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()  # never run but by `drain`
         self.loop.time = lambda: 100.0  # type: ignore[method-assign]  # time is injected: `expire` moves it
         self.dispatcher = Dispatcher(
             self.loop, max_queue=6, timeout=1000.0, method_timeouts={"slow": 2000.0, "sync": 3000.0},
-            cancel_grace=10_000.0,
+            cancel_grace=10_000.0, connection_share=self.SHARE,
         )
+        self.connections = [ResponseBudget(self.dispatcher.outgoing) for _ in range(3)]
         self.dispatcher.set_methods(METHODS, sync_methods=["sync"])
         self.codec = Codec()
         self.workers: list[Worker] = []
@@ -102,13 +111,23 @@ class DispatcherMachine(RuleBasedStateMachine):
         return [w for w in self.workers if w.state is WorkerState.READY]
 
     def _collect(self) -> None:
-        """Take the frames the dispatcher sent since the last step into `held`."""
+        """Take the frames the dispatcher sent since the last step into `held`. A connection
+        sent a call holds at most its share of the places then, or that one call alone (a
+        connection with nothing in flight may always start its next, whatever it weighs)."""
+        d = self.dispatcher
+        sent_to: dict[int, ResponseBudget] = {}
         for w in self.workers:
             for kind, call_id, aux, _payload in typing.cast(RecordingChannel, w.channel).take():
                 if kind in SENT_KINDS:
                     assert w.state is WorkerState.READY, "a call was sent to a lost worker"
                     assert call_id not in self.held
                     self.held[call_id] = (w, kind, list(range(aux)) if kind == wire.CHUNK else [0])
+                    call = d._pending.get(call_id)
+                    if call is not None:
+                        sent_to[id(call.owner)] = call.owner
+        for owner in sent_to.values():
+            mine = [c for c in d._pending.values() if c.owner is owner and c.weight]
+            assert owner.in_flight <= d._share or len(mine) == 1, (owner.in_flight, d._share, len(mine))
 
     def _on_done(self, exchange: Exchange) -> None:
         self.done[id(exchange)] = self.done.get(id(exchange), 0) + 1
@@ -120,8 +139,13 @@ class DispatcherMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------
 
-    @rule(elements=st.lists(element, min_size=3, max_size=8), batch=st.sampled_from([True, True, False]))
-    def submit(self, elements: list[tuple[str, bool]], batch: bool) -> None:
+    @rule(
+        elements=st.lists(element, min_size=3, max_size=8),
+        batch=st.sampled_from([True, True, False]),
+        connection=st.sampled_from([None, 0, 1, 2]),
+    )
+    def submit(self, elements: list[tuple[str, bool]], batch: bool, connection: int | None) -> None:
+        """A body, on one of three connections, or on its own (None)."""
         if not batch:  # (a batch of 3 or more is sent as chunks, while a worker is ready)
             elements = elements[:1]
         requests = []
@@ -134,7 +158,8 @@ class DispatcherMachine(RuleBasedStateMachine):
                 owed.append(self.next_id)
             requests.append(request)
         body = self.codec.decode(json.dumps(requests if batch else requests[0]).encode())
-        exchange = self.dispatcher.submit(body, self._on_done)
+        budget = None if connection is None else self.connections[connection]
+        exchange = self.dispatcher.submit(body, self._on_done, budget)
         self._collect()
         if exchange is None:
             assert not owed
@@ -248,13 +273,37 @@ class DispatcherMachine(RuleBasedStateMachine):
         assert all(w.outstanding == 0 for w in self.workers if w.state is not WorkerState.READY)
         assert d.queued_calls >= 0 and d.queued_bytes >= 0
         assert d.queued_calls <= 6 + 6  # max_queue, overshot by at most one chunk
+        owners: dict[int, tuple[ResponseBudget, int]] = {}
+        for call in d._pending.values():
+            count = owners.get(id(call.owner), (call.owner, 0))[1]
+            owners[id(call.owner)] = (call.owner, count + call.weight)
+        for owner in self.connections:
+            assert owner.in_flight == owners.get(id(owner), (owner, 0))[1]
+        for owner, count in owners.values():
+            assert owner.in_flight == count >= 0
+
+    def _over_share(self, call: Call) -> bool:
+        owner = call.owner
+        return bool(owner.in_flight) and owner.in_flight + call.weight > self.dispatcher._share
 
     @invariant()
     def the_queue_waits_only_while_no_worker_can_take_its_head(self) -> None:
         """Every freed place is filled from the queue at once (dispatch.py: a chunk needs one
         place, a blocked worker takes no blocking sync call and only what fits under its
-        limit)."""
-        head = next((call for call in self.dispatcher._queue if call.tick), None)
+        limit), but for the calls of a connection that holds its share: held out of turn,
+        they wait for a call of theirs in flight to end."""
+        queue = self.dispatcher._queue
+        head = None
+        passed: set[int] = set()
+        for call in queue:  # (the flows in turn first, each flow's calls in order)
+            owner = call.owner
+            if not call.tick or id(owner) in passed:
+                continue
+            passed.add(id(owner))
+            if queue.is_held(owner):
+                assert owner.in_flight, "a connection's calls are held out of turn with nothing in flight"
+            elif not self._over_share(call) and head is None:
+                head = call
         if head is None:
             return
         for w in self._live():
@@ -315,8 +364,14 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.answers_in_order_at_most_once()
 
 
-DispatcherMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+class WholeShareMachine(DispatcherMachine):
+    SHARE = 1.0  # one connection may take every place
+
+
+for machine in (DispatcherMachine, WholeShareMachine):
+    machine.TestCase.settings = settings(
+        max_examples=150, stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
 test_dispatcher_states = DispatcherMachine.TestCase
+test_dispatcher_states_with_a_whole_share = WholeShareMachine.TestCase

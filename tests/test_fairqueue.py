@@ -1,6 +1,7 @@
 """The dispatcher's fair queue (broker/fairqueue.py), sans-IO: each connection's calls in
-order, connections served in turn by cost (start-time fair queueing), arrival order among
-calls queued while nothing was taken out."""
+order, connections served in turn by cost (self-clocked fair queueing), arrival order among
+calls queued while nothing was taken out, connections held out of turn while they hold
+their share of the workers' places."""
 
 from __future__ import annotations
 
@@ -110,35 +111,95 @@ def test_drop_keeps_the_order_and_the_turns() -> None:
     assert len(q) == 0 and list(q) == []
 
 
-@given(st.lists(st.one_of(st.tuples(st.sampled_from("abcd"), st.integers(0, 5)), st.none()), max_size=80))
-def test_each_connections_calls_come_out_in_order_and_none_is_lost(steps: list[tuple[str, int] | None]) -> None:
-    """Any interleaving of appends (connection, cost) and takes: a connection's calls come
-    out in the order they went in, each once; iteration holds exactly what is queued, the
-    head first."""
+_step = st.one_of(
+    st.tuples(st.sampled_from("abcd"), st.integers(0, 5)),  # append (connection, cost)
+    st.none(),  # popleft
+    st.tuples(st.sampled_from(["hold", "release", "expire"]), st.sampled_from("abcd")),
+    st.just("release_all"),
+    st.just("drop"),
+)
+
+
+@given(st.lists(_step, max_size=80))
+def test_each_connections_calls_come_out_in_order_and_none_is_lost(steps: list[object]) -> None:
+    """Any interleaving of appends (connection, cost), takes, holds and releases of a
+    connection's calls, expiries of a connection's head and drops: a connection's calls
+    come out in the order they went in, each once, never while it is held; iteration
+    holds exactly what is queued, the flows in turn first, the head first of all."""
     q: FairQueue[tuple[str, int, int]] = FairQueue(lambda call: call[1])
     queued: dict[str, list[tuple[str, int, int]]] = {}
-    taken: list[tuple[str, int, int]] = []
+    held: set[str] = set()
     n = 0
     for step in steps:
         if step is None:
-            if len(q):
+            if q.head() is None:
+                assert all(not queued.get(key) for key in "abcd" if key not in held)
+                with pytest.raises(IndexError):
+                    q.popleft()
+            else:
+                head = q.head()
                 call = q.popleft()
+                assert call == head and call[0] not in held
                 assert queued[call[0]].pop(0) == call  # its connection's oldest
-                taken.append(call)
+        elif step == "release_all":
+            q.release_all()
+            held.clear()
+        elif step == "drop":
+            q.drop(lambda call: call[2] % 3 != 0)
+            for key, calls in queued.items():
+                queued[key] = [c for c in calls if c[2] % 3 != 0]
+        elif isinstance(step[0], str) and step[0] in ("hold", "release", "expire"):
+            what, key = typing.cast(tuple[str, str], step)
+            if what == "hold":
+                if queued.get(key):
+                    q.hold(key)
+                    held.add(key)
+            elif what == "release":
+                q.release(key)
+                held.discard(key)
+            elif queued.get(key):
+                assert q.first(key) == queued[key][0]
+                assert q.expire_head(queued[key].pop(0), key)
         else:
-            key, cost = step
+            key, cost = typing.cast(tuple[str, int], step)
             call = (key, cost, n)
             n += 1
             q.append(call, key)
             queued.setdefault(key, []).append(call)
-        held = [c for calls in queued.values() for c in calls]
-        assert len(q) == len(held) and sorted(q) == sorted(held)
-        if held:
-            assert next(iter(q)) == q.head()
+        held = {key for key in held if queued.get(key)}  # (a flow emptied is forgotten, held or not)
+        assert all(q.is_held(key) == (key in held) for key in "abcd")
+        everything = [c for calls in queued.values() for c in calls]
+        assert len(q) == len(everything) and sorted(q) == sorted(everything)
+        in_turn = [c for c in q if c[0] not in held]
+        assert list(q) == in_turn + [c for c in q if c[0] in held]
+        assert q.head() == (in_turn[0] if in_turn else None)
+    q.release_all()
     while len(q):
         call = q.popleft()
         assert queued[call[0]].pop(0) == call
     assert all(not calls for calls in queued.values())
+
+
+def test_a_held_connection_sits_out_and_comes_back_with_no_credit() -> None:
+    """A connection holding its share of the workers' places (`dispatch`'s
+    connection_share) is held out of turn: the others' calls go, its own wait in order;
+    released, it starts at V, one call a round beside the others, not a burst for the
+    turns it sat out."""
+    q: FairQueue[tuple[str, int]] = FairQueue(lambda call: 1)
+    for i in range(50):
+        q.append(("A", i), "A")
+    for k in range(3):
+        for i in range(20):
+            q.append((f"B{k}", i), f"B{k}")
+    q.hold("A")
+    out = [q.popleft()[0] for _ in range(30)]
+    assert "A" not in out and len(q) == 80
+    q.release("A")
+    out = [q.popleft() for _ in range(40)]
+    a_calls = [call for call in out if call[0] == "A"]
+    assert a_calls == [("A", i) for i in range(len(a_calls))]  # in order
+    assert 9 <= len(a_calls) <= 11  # one a round of 4 connections: no credit for sitting out
+    assert out.index(a_calls[0]) <= 3
 
 
 def test_a_head_that_expires_leaves_at_once_and_gives_its_connection_no_credit() -> None:
