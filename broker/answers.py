@@ -77,14 +77,16 @@ class ResponseBudget:
 
     Being one per connection, it is also what the dispatcher keys the connection's calls
     by: its flow in the queue (`fairqueue.FairQueue`), and `in_flight`, the calls of the
-    connection that hold a worker's place now (`dispatch.Dispatcher`'s connection share).
+    connection that hold a worker's place now (`dispatch.Dispatcher`'s connection share),
+    and `queued`, its calls waiting in the queue (the fattest flow sheds first).
     """
 
-    __slots__ = ("held", "in_flight", "outgoing", "parked")
+    __slots__ = ("held", "in_flight", "outgoing", "parked", "queued")
 
     def __init__(self, outgoing: Outgoing) -> None:
         self.held = 0
         self.in_flight = 0  # the connection's calls sent to workers and not answered by them
+        self.queued = 0  # the connection's calls waiting in the dispatcher's queue (live ones)
         self.parked = 0  # (in `held`) answers written while the write buffer was past its high mark
         self.outgoing = outgoing
 

@@ -154,7 +154,7 @@ from broker.answers import GONE, Exchange, Outgoing, ResponseBudget
 from broker.chunk import answers as chunk_answers
 from broker.chunk import count_answers, encode_requests, with_methods
 from broker.deadlines import DeadlineWheel
-from broker.fairqueue import FairQueue
+from broker.fairqueue import FairQueue, Largest
 from broker.jsonrpc import (
     _RESP_HEAD,  # with _RESP_RESULT: response_result's pieces, for splicing inline
     Body,
@@ -374,6 +374,10 @@ def _queue_cost(call: Call) -> int:
     return call.weight if call.tick else 0
 
 
+def _queued_of(owner: ResponseBudget) -> int:
+    return owner.queued
+
+
 def _live(call: Call) -> bool:
     return call.tick != 0
 
@@ -460,6 +464,7 @@ class Dispatcher:
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
         self._queued_calls = 0  # calls the live queued entries stand for (a chunk: its weight)
+        self._largest: Largest[ResponseBudget] = Largest(_queued_of)  # the connection with the most calls queued
         # Queued calls whose deadline passed stay in the queue as empty shells (their
         # params and ids are released at once) until they reach its head, or until they
         # are more than half of it and `_compact` drops them all: removing one from the
@@ -848,19 +853,52 @@ class Dispatcher:
                          remaining=False)
         elif not self._ready and not self.worker_coming():
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
-        elif self._queued_calls + call.weight > self._max_queue or (
+        elif (self._queued_calls + call.weight > self._max_queue or (
             self._queued_bytes + _held(call) > self._max_queue_bytes
-        ):  # (max_queue counts calls: a chunk that does not fit is shed whole)
+        )) and not self._make_room(call):  # (max_queue counts calls: a chunk that does not fit is shed whole)
             self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
         else:
             _hold(call)
             self._queue.append(call, owner)
             self._queued_bytes += call.held
             self._queued_calls += call.weight
+            owner.queued += call.weight
+            self._largest.grew(owner)
+            self._largest.trim(len(self._queue))
             # It may be the head now (its connection served least), and a worker may take
             # it: one blocked, that the head before did not fit; or any, if every call
             # before it waits for its connection's share (held out of turn)
             self._pump()
+
+    def _make_room(self, call: Call) -> bool:
+        """The queue is full (`max_queue`, `max_queue_bytes`) for `call`: shed the newest
+        queued calls of the connection with the most calls waiting (`_largest`), -32000,
+        while it has more waiting than `call`'s connection would, until `call` fits; return
+        whether it does. So a connection that
+        floods the queue loses its own newest calls to another's, rather than every other
+        connection's new calls being shed (the longest queue drops its tail, as FQ-CoDel's
+        drop from the fattest flow does: RFC 8290 section 4.1.2)."""
+        owner = call.owner
+        weight = call.weight
+        size = _held(call)
+        queue = self._queue
+        largest = self._largest
+        largest.trim(len(queue))
+        while True:
+            fattest = largest.top()
+            if fattest is None or fattest is owner or fattest.queued <= owner.queued + weight:
+                break
+            if self._queued_calls + weight <= self._max_queue and self._queued_bytes + size <= self._max_queue_bytes:
+                return True
+            shed = queue.pop_last(fattest)
+            if shed.tick:
+                self._queued_bytes -= shed.held
+                self._queued_calls -= shed.weight
+                fattest.queued -= shed.weight
+                self._finish(shed, _OVERLOADED, ErrorCode.OVERLOADED)
+            else:  # an expired call's shell: counted out already
+                self._expired_queued -= 1
+        return self._queued_calls + weight <= self._max_queue and self._queued_bytes + size <= self._max_queue_bytes
 
     def _pick(self, call: Call) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
@@ -1286,6 +1324,7 @@ class Dispatcher:
         if call.tick:
             self._queued_bytes -= call.held
             self._queued_calls -= call.weight
+            call.owner.queued -= call.weight
         else:  # expired while queued: counted out already (_on_timeout)
             self._expired_queued -= 1
         return call
@@ -1333,8 +1372,7 @@ class Dispatcher:
             self._expired_queued += 1
             self._queued_bytes -= call.held
             self._queued_calls -= call.weight
-            exchange = call.exchange
-            key = exchange.budget if exchange is not None else None  # (its connection: `_finish` forgets it)
+            call.owner.queued -= call.weight
         self._finish(call, _timed_out(call), ErrorCode.TIMED_OUT)
         if queued:
             # ... and its payload: the shell left in the queue holds no params or ids (a
@@ -1342,7 +1380,7 @@ class Dispatcher:
             call.params = b""
             call.id = _NO_ID
             call.ids = call.slots = call.methods = None
-            if self._queue.expire_head(call, key):  # its connection's head: out at once (FairQueue)
+            if self._queue.expire_head(call, call.owner):  # its connection's head: out at once (FairQueue)
                 self._expired_queued -= 1
             elif self._expired_queued * 2 > len(self._queue):
                 self._compact()

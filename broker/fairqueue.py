@@ -47,7 +47,7 @@ import typing
 from collections import deque
 from collections.abc import Callable, Iterator
 
-__all__ = ["FairQueue"]
+__all__ = ["FairQueue", "Largest"]
 
 T = typing.TypeVar("T")
 
@@ -67,7 +67,7 @@ class _Flow(typing.Generic[T]):
 class FairQueue(typing.Generic[T]):
     """Calls waiting for a worker: `append(call, key)` (`key`: whose it is, hashable),
     `head()` (the next out, or None), `popleft()`, `expire_head(call, key)`, `hold(key)`,
-    `release(key)`, `len()`, iteration (every call, flow by flow in finish-tag order, the
+    `release(key)`, `pop_last(key)`, `first(key)`, `len()`, iteration (every call, flow by flow in finish-tag order, the
     held flows last), `drop(keep)`. `cost(call)`: what taking `call` out costs its flow
     (>= 0). `popleft` raises IndexError when no flow is in turn (`head()` is None)."""
 
@@ -186,6 +186,17 @@ class FairQueue(typing.Generic[T]):
             self._held[key] = None
             self._flows[key].entry = -1  # (its heap entry goes stale)
 
+    def pop_last(self, key: typing.Hashable) -> T:
+        """Take out the last of `key`'s calls (KeyError: it has none); its flow, left with
+        none, is forgotten. The turns stay as they were: a flow's head keeps its tag."""
+        flow = self._flows[key]
+        call = flow.calls.pop()
+        self._len -= 1
+        if not flow.calls:
+            del self._flows[key]
+            self._held.pop(key, None)
+        return call
+
     def first(self, key: typing.Hashable) -> T:
         """The first of `key`'s calls here (KeyError: it has none)."""
         return self._flows[key].calls[0]
@@ -234,3 +245,48 @@ class FairQueue(typing.Generic[T]):
                 flow.start = self._virtual
             flow.calls = deque(kept)
         self._rebuild()
+
+
+K = typing.TypeVar("K")
+
+
+class Largest(typing.Generic[K]):
+    """Which key is the largest by `size(key)` (an int >= 0), where a size grows only
+    through `grew(key)`, said each time, and may shrink at any time unsaid: a lazy max-heap
+    of (size when it grew, key). Every entry is at least its key's size now, so the first
+    entry still exact is the largest (stale ones are put back at their size on the way).
+    O(log n) a growth; `top` amortised O(log n). The dispatcher sheds from the connection
+    with the most calls queued with it (`dispatch.Dispatcher._make_room`)."""
+
+    __slots__ = ("_heap", "_order", "_size")
+
+    def __init__(self, size: Callable[[K], int]) -> None:
+        self._size = size
+        self._heap: list[tuple[int, int, K]] = []
+        self._order = itertools.count()
+
+    def grew(self, key: K) -> None:
+        """`key`'s size went up."""
+        heapq.heappush(self._heap, (-self._size(key), next(self._order), key))
+
+    def top(self) -> K | None:
+        """The key of the largest size (> 0), or None."""
+        heap = self._heap
+        size = self._size
+        while heap:
+            was, _order, key = heap[0]
+            now = size(key)
+            if now == -was:
+                return key if now > 0 else None
+            heapq.heappop(heap)
+            if now > 0:  # (stale: back at its size now)
+                heapq.heappush(heap, (-now, next(self._order), key))
+        return None
+
+    def trim(self, live: int) -> None:
+        """Drop the stale entries if there are more than about `live` (the keys with a
+        size > 0 at most): one entry a key, at its size now."""
+        if len(self._heap) > 2 * live + 64:
+            keys = {id(key): key for _was, _order, key in self._heap}
+            self._heap = [(-n, next(self._order), key) for key in keys.values() if (n := self._size(key)) > 0]
+            heapq.heapify(self._heap)

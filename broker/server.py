@@ -567,7 +567,8 @@ async def run(
         host, port = servers[0].sockets[0].getsockname()[:2]
         _banner(
             f"rpc-broker: serving JSON-RPC on {_url(host, port)}{config.rpc_path}"
-            f" with {pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app}, pid {os.getpid()})"
+            f" with {pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app}, event loop"
+            f" {config.event_loop}, pid {os.getpid()})"
         )
         for fe, server in zip(frontends, servers):
             if isinstance(fe, StreamFrontend):

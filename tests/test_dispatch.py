@@ -1206,3 +1206,51 @@ def test_deadlines_fire_within_two_ticks_with_a_bounded_number_of_timer_wakeups(
 
     with asyncio.Runner(loop_factory=LOOPS[loop_name]) as runner:
         runner.run(main())
+
+
+def test_a_full_queue_sheds_the_newest_calls_of_the_connection_with_the_most_waiting():
+    """One connection could fill max_queue alone (an NDJSON stream may be owed 64 batches of
+    1000 calls; past its share they wait in the queue), and then every other client's call
+    was shed -32000. A full queue now sheds the newest calls of the connection with the
+    most calls waiting, while it has more than the newcomer's would: the flood loses its
+    own newest calls, the newcomer is queued. A connection that has the most waiting
+    itself, or as many as the others, has its new call shed."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), max_queue=10)
+        d.set_methods(["work"])
+        w = add_worker(d, 0, concurrency=1)
+        codec = Codec()
+        flood, other, third = (ResponseBudget(d.outgoing) for _ in range(3))
+        exchanges: dict[object, Exchange] = {}
+
+        def send(budget: ResponseBudget, id_: object) -> None:
+            exchange = d.submit(body(codec, req("work", [id_], id_)), lambda e: None, budget)
+            assert exchange is not None
+            exchanges[id_] = exchange
+
+        def shed() -> list[object]:
+            return [id_ for id_, e in exchanges.items() if not e.remaining and b"-32000" in e.answers[0]]  # type: ignore[operator]
+
+        for i in range(11):  # 1 in flight, 10 queued: full
+            send(flood, i)
+        assert (d.queued_calls, flood.queued, flood.in_flight, shed()) == (10, 10, 1, [])
+        send(other, "v")
+        assert (d.queued_calls, flood.queued, other.queued, shed()) == (10, 9, 1, [10])
+        assert json.loads(exchanges[10].answers[0]) == {  # type: ignore[arg-type]
+            "jsonrpc": "2.0", "id": 10, "error": {"code": -32000, "message": "Server overloaded", "data": "queue full"}}
+        send(flood, "f")  # the most waiting: its own new call is shed
+        assert (d.queued_calls, flood.queued, shed()) == (10, 9, [10, "f"])
+        for i in range(8):  # 8 more connections of one call each take the flood's newest
+            send(ResponseBudget(d.outgoing), f"x{i}")
+        assert (d.queued_calls, flood.queued, shed()) == (10, 1, [2, 3, 4, 5, 6, 7, 8, 9, 10, "f"])
+        send(third, "t")  # every connection has 1 waiting: the newcomer is shed
+        assert d.queued_calls == 10 and shed()[-1] == "t"
+        sent = []
+        for _ in range(11):  # what is queued runs, the victim's call among the first
+            [frame] = w.channel.take()
+            sent.append(first_params(frame)[0])
+            d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
+        assert sent[0] == 0 and sent.index("v") <= 2 and set(sent) == {0, 1, "v", *(f"x{i}" for i in range(8))}
+
+    run(main)

@@ -281,6 +281,13 @@ class DispatcherMachine(RuleBasedStateMachine):
             assert owner.in_flight == owners.get(id(owner), (owner, 0))[1]
         for owner, count in owners.values():
             assert owner.in_flight == count >= 0
+        waiting: dict[int, int] = {}
+        for call in d._queue:
+            if call.tick:
+                waiting[id(call.owner)] = waiting.get(id(call.owner), 0) + call.weight
+        for owner in self.connections:
+            assert owner.queued == waiting.get(id(owner), 0)
+        assert len(d._largest._heap) <= 2 * len(d._queue) + 64 + 1
 
     def _over_share(self, call: Call) -> bool:
         owner = call.owner

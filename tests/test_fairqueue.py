@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.fairqueue import FairQueue
+from broker.fairqueue import FairQueue, Largest
 
 
 def test_calls_queued_together_come_out_in_arrival_order_then_in_turn() -> None:
@@ -235,3 +235,24 @@ def test_a_head_that_expires_leaves_at_once_and_gives_its_connection_no_credit()
     runs = "".join("A" if who == "A" else "." for who in out).split(".")
     assert max(len(run) for run in runs) <= 2  # no credit: one A a round, not a burst
     assert 8 <= out.count("A") <= 12
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(-3, 3)), max_size=120))
+def test_largest_is_the_key_of_the_largest_size_however_sizes_went(steps: list[tuple[str, int]]) -> None:
+    """`Largest`: sizes grow (said) and shrink (unsaid) in any order; `top` is a key of the
+    largest size, None when every size is 0, and its heap stays bounded by `trim`."""
+    sizes = dict.fromkeys("abcdef", 0)
+    largest: Largest[str] = Largest(sizes.__getitem__)
+    for key, change in steps:
+        if change > 0:
+            sizes[key] += change
+            largest.grew(key)
+        else:
+            sizes[key] = max(0, sizes[key] + change)
+        largest.trim(sum(1 for n in sizes.values() if n))
+        top = largest.top()
+        if max(sizes.values()) == 0:
+            assert top is None
+        else:
+            assert top is not None and sizes[top] == max(sizes.values())
+        assert len(largest._heap) <= 2 * 6 + 64 + 1

@@ -23,9 +23,10 @@ def test_serve_layers_file_env_and_flags(broker_factory, tmp_path):
     """The real daemon takes its settings from file < environment < flags."""
     cfg = tmp_path / "broker.toml"
     cfg.write_text('rpc_path = "/rpc"\nworkers = 1\nmax_batch = 50\n\n[method_timeouts]\nsleep = 0.3\n')
-    b = broker_factory("--config", str(cfg), "--workers", "2", env={"RPC_BROKER_MAX_BATCH": "2"})
+    b = broker_factory("--config", str(cfg), "--workers", "2", env={"RPC_BROKER_MAX_BATCH": "2",
+                                                                      "RPC_BROKER_EVENT_LOOP": "asyncio"})
     assert b.path == "/rpc"
-    assert "with 2 workers" in b.read_log()
+    assert "with 2 workers (app broker.demo:registry, event loop asyncio, pid" in b.read_log()  # (round 53, LOW)
     ok = b"".join([b'[{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1},',
                    b'{"jsonrpc":"2.0","method":"add","params":[3,4],"id":2}]'])
     status, _, body = b.post(ok)
