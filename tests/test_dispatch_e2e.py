@@ -1204,3 +1204,25 @@ def test_one_connections_pipelined_calls_leave_the_other_clients_their_places(br
         got = [json.loads(reader.readline()) for _ in range(60)]
     assert sorted(a["id"] for a in got) == [i for i in range(90) if i % 3]
     assert all(a["result"] == 1.5 for a in got)
+
+
+def test_a_client_that_fills_the_queue_loses_its_own_newest_calls_not_anothers(broker_factory):
+    """One NDJSON stream pipelining batches past its share filled max_queue alone, and every
+    other client's call was answered -32000 (503). A full queue sheds the newest calls of
+    the connection with the most waiting: the other client's call waits its turn and runs."""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "1", "--worker-concurrency", "100", "--stream-port", str(port),
+                       "--max-queue", "200", "--method-timeout", "sleep=30")
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    batches = [json.dumps([req("sleep", [1], f"{k}-{i}") for i in range(100)]).encode() + b"\n" for k in range(6)]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"".join(batches))  # 600 calls: 50 run (its share), 200 wait, the rest are shed
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 200, timeout=10)
+        status, _, answer = b.post(json.dumps(req("add", [1, 2], "other")), timeout=30)
+        assert (status, json.loads(answer)) == (200, {"jsonrpc": "2.0", "id": "other", "result": 3})
+        reader = s.makefile("rb")
+        got = [json.loads(reader.readline()) for _ in range(6)]
+    codes = Counter(a.get("error", {}).get("code") for batch in got for a in batch)
+    assert codes[-32000] >= 351 and codes[None] + codes[-32000] == 600, codes  # (one of its own made room)
