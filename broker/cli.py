@@ -89,9 +89,10 @@ def unknown_arguments(command: argparse.ArgumentParser, unknown: list[str]) -> N
     the `unknown` arguments, with the closest flag it knows (a new user's check, round 26:
     `serve --wokers 4` printed the top-level usage and no hint). Raises SystemExit."""
     flag = unknown[0].partition("=")[0]
-    known = [s for action in command._actions for s in action.option_strings]
-    close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
-    hint = f" (did you mean {close[0]}?)" if close else ""
+    known = [s for action in command._actions for s in action.option_strings if s.startswith("--")]
+    # (compared without their "--", which made `--bogus` look like `--host`: round 53, LOW)
+    close = difflib.get_close_matches(flag[2:], [s[2:] for s in known], n=1) if flag.startswith("--") else []
+    hint = f" (did you mean --{close[0]}?)" if close else ""
     command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 

@@ -568,6 +568,9 @@ def test_usage_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err
     assert err.startswith("usage: rpc-broker serve ") and err.endswith(
         "rpc-broker serve: error: unrecognized arguments: --wokers 4 (did you mean --workers?)\n"), err
+    # Round 53 (LOW): `--bogus` was "did you mean --host?", alike only in their "--"
+    assert cli.main(["serve", "--bogus"]) == 2
+    assert capsys.readouterr().err.endswith("rpc-broker serve: error: unrecognized arguments: --bogus\n")
     # A new user's check: `--worker 1` was "ambiguous" (a prefix of --workers and
     # --worker-concurrency), and an unambiguous prefix was taken silently.
     assert cli.main(["serve", "--worker", "1"]) == 2
