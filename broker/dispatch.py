@@ -44,7 +44,12 @@ chunks of at most the share over the workers, which take their turns with the
 connection's other calls (so a batch of 250 `sleep(3)` on 2 workers of 100 takes three
 rounds, 9 s); one that fits goes in one chunk a worker, as below. The share is not
 work-conserving: a client alone gets no more than its share, which is what keeps places
-free for the client that comes next (a call in flight cannot be taken back).
+free for the client that comes next (a call in flight cannot be taken back). Every
+connection's notifications together hold at most a share too (`_notes`; a notification
+counts in both): they run on when their connection is gone. A connection lost before its
+answers (`abandon`) has its calls owed an answer dropped from the queue and cancelled in
+flight, so its places come back. A full queue sheds the newest calls of the connection with
+the most waiting (`_make_room`), not the newcomer.
 
 A worker's limit is `worker_concurrency`, except while it has a blocking sync call in
 flight: a sync handler (`wire.Hello.sync_methods`) blocks the worker's whole process,
@@ -287,17 +292,19 @@ class Call(msgspec.Struct, eq=False):
     methods: list[int] | None = None  # a chunk's method indexes
     held: int = 0  # bytes it holds while queued (counted in max_queue_bytes)
     stale: bool = False  # in flight when a reload replaced the method table: its reply teaches nothing
+    pool: ResponseBudget | None = None  # a notification's: every connection's notifications' places (`Dispatcher`)
 
     @classmethod
     def of(
         cls, call_id: int, exchange: Exchange | None, slot: int, request: Request, route: Route, arrival: float,
-        owner: ResponseBudget,
+        owner: ResponseBudget, pool: ResponseBudget | None = None,
     ) -> Call:
-        """One request (a call, or a notification when `exchange` is None) of the connection
-        whose budget is `owner`."""
+        """One request (a call, or a notification when `exchange` is None, of `pool`) of the
+        connection whose budget is `owner`."""
         return cls(
             call_id, exchange, slot, request.id, CALL if exchange is not None else NOTIFY,
             route.method_index, request.params, route.timeout, arrival, route.sync, owner,
+            pool=pool if exchange is None else None,
         )  # fmt: skip
 
     @classmethod
@@ -309,11 +316,12 @@ class Call(msgspec.Struct, eq=False):
         timeout: float,
         arrival: float,
         sync: bool = False,
+        pool: ResponseBudget | None = None,
     ) -> Call:
         """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
         one deadline (they share `timeout`), one reply. `sync`: they are all blocking
         sync calls (`Route.sync`; a chunk never mixes them with others). Its connection's
-        budget is `exchange.budget`."""
+        budget is `exchange.budget`; `pool`: the notifications', for a chunk of notifications."""
         payload, slots, ids, methods = encode_requests(entries)
         return cls(
             call_id,
@@ -331,6 +339,7 @@ class Call(msgspec.Struct, eq=False):
             slots=slots,
             ids=ids,
             methods=methods,
+            pool=pool if slots[0] < 0 else None,
         )
 
 
@@ -372,6 +381,12 @@ def _queue_cost(call: Call) -> int:
     """What taking `call` out of the queue costs its connection (`FairQueue`): the calls it
     stands for; nothing for an expired one's shell."""
     return call.weight if call.tick else 0
+
+
+def _owed(call: Call) -> bool:
+    """Whether `call` is owed an answer still (a call or a chunk of calls, not answered;
+    notifications and answered calls have no exchange)."""
+    return call.exchange is not None
 
 
 def _queued_of(owner: ResponseBudget) -> int:
@@ -451,6 +466,12 @@ class Dispatcher:
             ErrorCode.INTERNAL_ERROR, data=f"response exceeds max_response_bytes {max_response_bytes}"
         )
         self.outgoing = Outgoing(max_outgoing_bytes)  # (one for all the connections: their budgets')
+        # Every connection's notifications together hold at most a share too (as well as
+        # their connection's): nobody waits for them, and they run on once their connection
+        # is gone (`abandon`), so a client sending them on one connection after another took
+        # every place (hostile testing, round 57). Its `in_flight` counts them.
+        self._notes = ResponseBudget(self.outgoing)
+        self._held_for_notes: dict[ResponseBudget, None] = {}  # connections held because it is full
         self._too_much = error_object(
             ErrorCode.INTERNAL_ERROR, data=f"responses owed on all connections exceed max_outgoing_bytes {max_outgoing_bytes}"
         )
@@ -495,6 +516,9 @@ class Dispatcher:
         # acknowledgement of a CANCEL, or a result (or error) that came late.
         self.late_cancelled_total = 0
         self.late_results_total = 0
+        # Calls owed an answer whose connection was gone first (`abandon`): dropped from the
+        # queue, never run, or cancelled in flight
+        self.abandoned_total = {"queued": 0, "in_flight": 0}
         # Notifications that never reached a worker, by the error a call would have had
         # (overloaded, timed out while queued, no worker, shutting down, invalid request:
         # nested past the parser's limit): they get no answer, so this count is their
@@ -591,7 +615,7 @@ class Dispatcher:
             self._sync_routing = self._sync_limit <= worker.concurrency
             self._ready.append(worker)
             self._set_share()
-            self._queue.release_all()  # (a larger share: those still past it are held again)
+            self._release_all()  # (a larger share: those still past it are held again)
         self._pump()
 
     def worker_unready(self, worker: Worker) -> None:
@@ -624,20 +648,22 @@ class Dispatcher:
         for call in lost:
             del self._pending[call.call_id]
             call.owner.in_flight -= call.weight
+            if call.pool is not None:
+                call.pool.in_flight -= call.weight
             self._finish(call, error, ErrorCode.WORKER_DIED)
         if worker.blocked:
             worker.blocked = False
             self._blocked -= 1
         worker.outstanding = worker.sync_calls = 0
         worker.limit = worker.concurrency
-        self._queue.release_all()  # (their connections' places are free; those still past their share are held again)
+        self._release_all()  # (their connections' places are free; those still past their share are held again)
         self._check_idle()
         self._pump()
 
     def no_worker_coming(self) -> None:
         """Every worker is down and none is starting (restart backoff): answer the
         queued calls "no worker available" rather than let them wait for their deadline."""
-        self._queue.release_all()
+        self._release_all()
         while self._queue:
             call = self._dequeue()
             if call.tick:  # (else it timed out while queued: answered already)
@@ -659,6 +685,13 @@ class Dispatcher:
     def queued_calls(self) -> int:
         """Calls waiting for a worker (a queued chunk counts its calls)."""
         return self._queued_calls
+
+    @property
+    def held_calls(self) -> int:
+        """Of the queued calls, those of connections held out of turn: waiting for their
+        connection's share of the places (or the notifications'), not for a free worker.
+        O(connections held)."""
+        return sum(typing.cast(ResponseBudget, key).queued for key in self._queue.held_keys())
 
     def count_refused_body(self, code: int = ErrorCode.INVALID_REQUEST) -> None:
         """A front-end answered a body it refused unread with `code` (metrics): -32600
@@ -729,7 +762,7 @@ class Dispatcher:
                     exchange.remaining += 1
                     self._start(Call.of(next(self._ids), exchange, slot, request, route, arrival, budget), now)
                 else:
-                    self._start(Call.of(next(self._ids), None, -1, request, route, arrival, budget), now)
+                    self._start(Call.of(next(self._ids), None, -1, request, route, arrival, budget, self._notes), now)
         return exchange if exchange.answers else None
 
     def _entries(self, body: Body, exchange: Exchange) -> list[tuple[int, Request, Route]]:
@@ -792,42 +825,49 @@ class Dispatcher:
     ) -> None:
         """A batch's calls go out in a few chunks (about one per ready worker) instead
         of one frame each. Calls with different deadlines never share a chunk, nor
-        do blocking sync calls and others; blocking sync calls go one by one (see
-        the module docstring)."""
-        groups: dict[tuple[float, int], list[tuple[int, Request, Route]]] = {}
-        if self._one_timeout and 1 not in self._blocking:
-            groups[entries[0][2].timeout, 0] = entries
+        do blocking sync calls and others, nor calls and notifications (a chunk of calls
+        is cancelled whole when its connection is gone, `abandon`, and notifications run
+        whatever); blocking sync calls go one by one (see the module docstring)."""
+        groups: dict[tuple[float, int, bool], list[tuple[int, Request, Route]]] = {}
+        calls = exchange.answers.count(None)  # (the calls' empty slots: the others are notifications)
+        if self._one_timeout and 1 not in self._blocking and (calls == len(entries) or not calls):
+            # (calls only, or notifications only: a chunk never mixes them, see `abandon`)
+            groups[entries[0][2].timeout, 0, not calls] = entries
         else:
             for entry in entries:
-                key = entry[2].timeout, int(entry[2].sync > 0)
+                key = entry[2].timeout, int(entry[2].sync > 0), entry[0] < 0
                 group = groups.get(key)
                 if group is None:
                     group = groups[key] = []
                 group.append(entry)
         workers = len(self._ready)
         room = self._share - exchange.budget.in_flight  # (its connection's share left)
-        for (timeout, sync), group in groups.items():
+        for (timeout, sync, _notes), group in groups.items():
             n = len(group)
             chunks = min(workers, n)
+            size = 0  # > 0: chunks of `size` calls in order, not dealt out
             if sync and self._sync_routing:  # slow sync calls: one by one
                 chunks = n
-            elif n > room:  # past its share: chunks the size the share takes in turn
-                chunks = max(chunks, -(-n // self._chunk_max))
+            elif n > room:  # past its share: chunks of the size the share takes in turn, in
+                # request order (dealt out, the calls that waited, and timed out, were spread
+                # over the whole batch: round 57's new user)
+                size = self._chunk_max
+                chunks = -(-n // size)
             room -= n
             for first in range(chunks):
                 # Dealt out like cards: neighbours in a batch are often alike (the
                 # same slow method), so interleaving spreads them over the workers.
-                part = group[first::chunks]
+                part = group[first * size : first * size + size] if size else group[first::chunks]
                 if len(part) == 1:
                     slot, request, route = part[0]
                     call = Call.of(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival,
-                                   exchange.budget)
+                                   exchange.budget, self._notes)
                     exchange.remaining += slot >= 0
                 else:
                     # A chunk goes to a worker below its limit like a call does, so it
                     # may overshoot the limit by its size; it queues and is shed as one
                     # unit.
-                    call = Call.chunk(next(self._ids), exchange, part, timeout, arrival, bool(sync))
+                    call = Call.chunk(next(self._ids), exchange, part, timeout, arrival, bool(sync), self._notes)
                     exchange.remaining += call.weight - call.slots.count(-1)  # type: ignore[union-attr]  # (no cast: 130 ns)
                 self._start(call, now)
 
@@ -840,6 +880,7 @@ class Dispatcher:
             self._pick(call)
             if not self._queued_calls and self._serving and (owner.in_flight + call.weight <= self._share
                                                              or not owner.in_flight)
+            and (call.pool is None or self._notes.in_flight + call.weight <= self._share or not self._notes.in_flight)
             else None
         )
         if worker is not None:
@@ -899,6 +940,42 @@ class Dispatcher:
             else:  # an expired call's shell: counted out already
                 self._expired_queued -= 1
         return self._queued_calls + weight <= self._max_queue and self._queued_bytes + size <= self._max_queue_bytes
+
+    def abandon(self, owner: ResponseBudget) -> None:
+        """`owner`'s connection is gone (closed or reset before its answers, not half-closed):
+        its calls owed an answer are dropped from the queue, never run, and those in flight
+        are cancelled on their worker (CANCEL, as at a deadline; a sync handler already
+        running runs on, and is killed as hung only past its deadline and cancel_grace), as
+        nginx aborts a proxied request whose client went (`proxy_ignore_client_abort off`).
+        Their places come back: a closed connection's calls held them until they ended, and
+        the next connection got a share of its own, so one client taking a connection at a
+        time took every place (hostile testing, round 57: 2 sequential connections, another
+        client's call waited 11.7 s). Notifications run on: nobody waits for them. Counted
+        in `abandoned_total`. O(its calls queued + the calls in flight)."""
+        if owner.queued:
+            for call in self._queue.remove(owner, _owed):
+                if not call.tick:  # (an expired one's shell: answered and counted out already)
+                    self._expired_queued -= 1
+                    continue
+                self._queued_bytes -= call.held
+                self._queued_calls -= call.weight
+                owner.queued -= call.weight
+                self._deadlines.remove(call)
+                call.exchange = None
+                self.abandoned_total["queued"] += call.weight
+            self._pump()  # (the head may be another now, which a blocked worker takes; and `_check_idle`)
+        if owner.in_flight:
+            now = _clock()
+            for call in [c for c in self._pending.values() if c.owner is owner and c.exchange is not None]:
+                if call.tick:
+                    self._deadlines.remove(call)
+                call.exchange = None
+                self.abandoned_total["in_flight"] += call.weight
+                worker = call.worker
+                if worker is not None and worker.channel is not None:
+                    worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
+                    wait = max(0.0, call.arrival + call.timeout - now) + self._cancel_grace
+                    self._loop.call_later(wait, self._check_hung, call)
 
     def _pick(self, call: Call) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
@@ -970,6 +1047,8 @@ class Dispatcher:
         call.worker = worker
         worker.outstanding += call.weight
         call.owner.in_flight += call.weight
+        if call.pool is not None:
+            call.pool.in_flight += call.weight
         if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
             worker.sync_calls += call.sync
             if not worker.blocked and self._sync_routing:
@@ -1006,8 +1085,10 @@ class Dispatcher:
                 part.weight -= done
                 worker.outstanding -= done
                 part.owner.in_flight -= done
+                if part.pool is not None:
+                    part.pool.in_flight -= done
                 if self._queued_calls:
-                    self._give_back(part.owner)
+                    self._give_back(part)
                     self._pump()
             return
         call = self._pending.pop(call_id, None)
@@ -1018,6 +1099,8 @@ class Dispatcher:
             return
         worker.outstanding -= call.weight
         call.owner.in_flight -= call.weight
+        if call.pool is not None:
+            call.pool.in_flight -= call.weight
         awaited = aux != NOT_RUN and aux >= AWAITED  # (wire.AWAITED: it blocked the worker for ~0 µs)
         if awaited:
             aux -= AWAITED
@@ -1087,7 +1170,7 @@ class Dispatcher:
         else:  # its deadline passed: the client has its answer already
             self._count_late(kind, payload, call)
         if self._queued_calls:  # capacity was freed: fill all of it from the queue, in order
-            self._give_back(call.owner)
+            self._give_back(call)
             self._pump()
         elif not self.accepting:
             self._check_idle()
@@ -1329,14 +1412,28 @@ class Dispatcher:
             self._expired_queued -= 1
         return call
 
-    def _give_back(self, owner: ResponseBudget) -> None:
-        """`owner`'s connection gave back places: if its calls wait held out of turn for
-        its share, and its next fits now, put them back in turn."""
+    def _give_back(self, call: Call) -> None:
+        """`call`'s connection (and, for a notification, the notifications' pool) gave back
+        places: if its calls wait held out of turn for its share, and its next fits now, put
+        them back in turn; if the pool did, every connection held for the pool goes back in
+        turn (`_pump` holds again those whose next still does not fit)."""
         queue = self._queue
+        owner = call.owner
         if queue.is_held(owner):
             head = queue.first(owner)
             if owner.in_flight + head.weight <= self._share or not owner.in_flight:
                 queue.release(owner)
+                self._held_for_notes.pop(owner, None)
+        if call.pool is not None and self._held_for_notes:
+            for held in self._held_for_notes:
+                queue.release(held)
+            self._held_for_notes.clear()
+
+    def _release_all(self) -> None:
+        """Every connection held out of turn goes back in turn (the share grew, places came
+        back, or the queue is emptied)."""
+        self._queue.release_all()
+        self._held_for_notes.clear()
 
     def _pump(self) -> None:
         """Start queued calls, in the queue's order (`FairQueue`), while a worker is under
@@ -1354,6 +1451,11 @@ class Dispatcher:
                 owner = call.owner
                 if owner.in_flight + call.weight > share and owner.in_flight:
                     queue.hold(owner)
+                    continue
+                pool = call.pool
+                if pool is not None and pool.in_flight + call.weight > share and pool.in_flight:
+                    queue.hold(owner)
+                    self._held_for_notes[owner] = None
                     continue
                 worker = self._pick(call)
                 if worker is None:
@@ -1502,7 +1604,7 @@ class Dispatcher:
         # answer could be cut off with its connection (hostile testing).
         self._serving = False
         error = _GRACE_ENDED
-        self._queue.release_all()
+        self._release_all()
         while self._queue:
             call = self._dequeue()
             if call.tick:  # (else it timed out while queued: answered already)

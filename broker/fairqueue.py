@@ -67,7 +67,7 @@ class _Flow(typing.Generic[T]):
 class FairQueue(typing.Generic[T]):
     """Calls waiting for a worker: `append(call, key)` (`key`: whose it is, hashable),
     `head()` (the next out, or None), `popleft()`, `expire_head(call, key)`, `hold(key)`,
-    `release(key)`, `pop_last(key)`, `first(key)`, `len()`, iteration (every call, flow by flow in finish-tag order, the
+    `release(key)`, `pop_last(key)`, `remove(key, which)`, `first(key)`, `len()`, iteration (every call, flow by flow in finish-tag order, the
     held flows last), `drop(keep)`. `cost(call)`: what taking `call` out costs its flow
     (>= 0). `popleft` raises IndexError when no flow is in turn (`head()` is None)."""
 
@@ -186,6 +186,30 @@ class FairQueue(typing.Generic[T]):
             self._held[key] = None
             self._flows[key].entry = -1  # (its heap entry goes stale)
 
+    def remove(self, key: typing.Hashable, which: Callable[[T], bool]) -> list[T]:
+        """Take out `key`'s calls for which `which` is true, in order, and return them; its
+        others stay in order (a flow left with none is forgotten; one whose head went starts
+        at V at the earliest, as after `expire_head`). O(its calls)."""
+        flow = self._flows.get(key)
+        if flow is None:
+            return []
+        gone = [call for call in flow.calls if which(call)]
+        if not gone:
+            return gone
+        kept = [call for call in flow.calls if not which(call)]
+        self._len -= len(gone)
+        if not kept:
+            del self._flows[key]
+            self._held.pop(key, None)
+            return gone
+        head = flow.calls[0]
+        flow.calls = deque(kept)
+        if kept[0] is not head and key not in self._held:
+            if flow.start < self._virtual:
+                flow.start = self._virtual
+            self._enter(key, flow)
+        return gone
+
     def pop_last(self, key: typing.Hashable) -> T:
         """Take out the last of `key`'s calls (KeyError: it has none); its flow, left with
         none, is forgotten. The turns stay as they were: a flow's head keeps its tag."""
@@ -200,6 +224,10 @@ class FairQueue(typing.Generic[T]):
     def first(self, key: typing.Hashable) -> T:
         """The first of `key`'s calls here (KeyError: it has none)."""
         return self._flows[key].calls[0]
+
+    def held_keys(self) -> list[typing.Hashable]:
+        """The keys of the flows held out of turn."""
+        return list(self._held)
 
     def is_held(self, key: typing.Hashable) -> bool:
         """Whether `key`'s flow is out of turn (`hold`)."""

@@ -315,6 +315,10 @@ class BrokerCollector(Collector):
         )
         yield _family_gauge("rpc_broker_calls_queued", "Calls waiting for a worker.", [], [([], d.queued_calls)])
         yield _family_gauge(
+            "rpc_broker_calls_held", "Of the calls waiting, those held for their connection's share of the "
+            "places (connection_share), not for a free worker.", [], [([], d.held_calls)],
+        )  # fmt: skip
+        yield _family_gauge(
             "rpc_broker_queue_capacity", "Calls the queue holds before answering overloaded (max_queue).", [],
             [([], self.max_queue)],
         )  # fmt: skip
@@ -328,8 +332,13 @@ class BrokerCollector(Collector):
         )  # fmt: skip
         yield _family_counter(
             "rpc_broker_late_replies", "Worker replies dropped: the call had been answered already (deadline, "
-            "shutdown). kind: cancelled (the worker acknowledged the cancel) or result (the call finished late).",
+            "shutdown) or its client had gone. kind: cancelled (the worker acknowledged the cancel) or result (the call finished late).",
             ["kind"], [(["cancelled"], d.late_cancelled_total), (["result"], d.late_results_total)],
+        )  # fmt: skip
+        yield _family_counter(
+            "rpc_broker_calls_abandoned", "Calls owed an answer whose client's connection closed first: dropped "
+            "from the queue, never run (where=queued), or cancelled on their worker (where=in_flight).",
+            ["where"], [([where], n) for where, n in d.abandoned_total.items()],
         )  # fmt: skip
         yield _family_counter(
             "rpc_broker_notifications_dropped", "Notifications that never reached a worker, by reason (they get "

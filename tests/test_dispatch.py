@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import tracemalloc
 import typing
@@ -1252,5 +1253,120 @@ def test_a_full_queue_sheds_the_newest_calls_of_the_connection_with_the_most_wai
             sent.append(first_params(frame)[0])
             d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
         assert sent[0] == 0 and sent.index("v") <= 2 and set(sent) == {0, 1, "v", *(f"x{i}" for i in range(8))}
+
+    run(main)
+
+
+def test_a_gone_connections_calls_are_dropped_or_cancelled_and_its_notifications_run():
+    """Round 57 (HIGH): a closed connection's calls kept their places until they ended, and
+    the next connection got a share of its own: one client, one connection at a time, took
+    every place. `abandon`: its calls owed an answer are dropped from the queue (never run)
+    or cancelled in flight (CANCEL, their places back when the worker acknowledges); its
+    notifications run on."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), cancel_grace=1000.0)
+        d.set_methods(["sleep"])
+        w = add_worker(d, 0, concurrency=8)  # a connection's share: 4
+        codec = Codec()
+        gone = ResponseBudget(d.outgoing)
+        d.submit(body(codec, [req("sleep", [i], i) for i in range(6)]), lambda e: None, gone)  # 4 run, 2 wait
+        d.submit(body(codec, {"jsonrpc": "2.0", "method": "sleep", "params": ["n"]}), lambda e: None, gone)
+        sent = w.channel.take()
+        assert (gone.in_flight, gone.queued) == (4, 3)
+        gone.lost()
+        d.abandon(gone)
+        assert (gone.queued, d.queued_calls) == (1, 1)  # the notification stays
+        assert d.abandoned_total == {"queued": 2, "in_flight": 4}
+        cancels = [f for f in w.channel.take() if f[0] == wire.Kind.CANCEL]
+        assert sorted(f[1] for f in cancels) == sorted(f[1] for f in sent)
+        for frame in sent:  # the worker acknowledges: the places come back, the notification goes
+            d.on_reply(w, wire.Kind.CHUNK_REPLY if frame[0] == wire.Kind.CHUNK else wire.Kind.ERROR, frame[1],
+                       wire.NOT_RUN, chunk_reply(frame, wire.Kind.ERROR, wire.CANCEL_ACK)
+                       if frame[0] == wire.Kind.CHUNK else wire.CANCEL_ACK)
+        [note] = w.channel.take()
+        assert note[0] == wire.Kind.NOTIFY and first_params(note) == ["n"]
+        assert (gone.in_flight, w.outstanding, d.late_cancelled_total) == (1, 1, 4)
+
+    run(main)
+
+
+def test_every_connections_notifications_together_hold_at_most_a_share():
+    """Round 57 (HIGH): notifications run on when their connection is gone (nobody waits
+    for them), so a client sending 100 on one connection, then 100 on another, took every
+    place. All connections' notifications together hold at most a share too; the calls of
+    other connections take the rest."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["sleep"])
+        w = add_worker(d, 0, concurrency=8)  # a share: 4
+        codec = Codec()
+        notes = [{"jsonrpc": "2.0", "method": "sleep", "params": [i]} for i in range(4)]
+        first, second, other = (ResponseBudget(d.outgoing) for _ in range(3))
+        d.submit(body(codec, notes), lambda e: None, first)
+        first.lost()
+        d.abandon(first)  # (they run on)
+        d.submit(body(codec, notes), lambda e: None, second)
+        assert (w.outstanding, second.queued) == (4, 4)  # the notifications' share is taken
+        d.submit(body(codec, req("sleep", ["c"], "c")), lambda e: None, other)
+        frames = w.channel.take()
+        assert first_params(frames[-1]) == ["c"] and w.outstanding == 5  # a call goes
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, frames[0][1], 0, chunk_reply(frames[0]))
+        [more] = w.channel.take()  # the first's ended: the second's go
+        assert more[0] == wire.Kind.CHUNK and more[2] == 4 and second.queued == 0
+
+    run(main)
+
+
+def test_a_batch_past_its_share_goes_in_order_in_chunks_the_share_takes():
+    """Round 57's new user: a batch past its connection's share was dealt out like cards,
+    so the calls that ran first, and those that timed out, were spread over the batch; and
+    with connection_share 1, chunks of 84 of a 250-call batch filled 167 of 200 places. It
+    goes in chunks of the share over the workers, in request order."""
+
+    async def main() -> None:
+        for share, first_two in ((0.5, [list(range(0, 5)), list(range(5, 10))]),
+                                 (1.0, [list(range(0, 10)), list(range(10, 20))])):
+            d = Dispatcher(asyncio.get_running_loop(), connection_share=share)
+            d.set_methods(["sleep"])
+            a, b = add_worker(d, 0, concurrency=10), add_worker(d, 1, concurrency=10)
+            codec = Codec()
+            d.submit(body(codec, [req("sleep", [i], i) for i in range(25)]), lambda e: None)
+            frames = a.channel.take() + b.channel.take()
+            chunks = sorted(sorted(json.loads(p)[0] for p in re.findall(rb"\[\d+\]", f[3])) for f in frames)
+            assert chunks == first_two, (share, chunks)
+            assert a.outstanding + b.outstanding == int(20 * share) and d.queued_calls == 25 - int(20 * share)
+
+    run(main)
+
+
+def test_an_expired_notification_chunk_at_its_connections_head_leaves_at_once():
+    """Round 57 (MEDIUM): queued under its connection since 777169f, an expired chunk of
+    notifications was looked for under no connection, stayed at its connection's head at
+    its full cost, and the connection's next calls waited behind that cost, then went in a
+    row. It leaves at once (`FairQueue.expire_head`), as an expired chunk of calls does."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=1000.0, method_timeouts={"note": 0.05},
+                       connection_share=1.0)
+        d.set_methods(["note", "work"])
+        w = add_worker(d, 0, concurrency=1)
+        codec = Codec()
+        x, y = ResponseBudget(d.outgoing), ResponseBudget(d.outgoing)
+        d.submit(body(codec, req("work", ["busy"], "busy")), lambda e: None, y)
+        [busy] = w.channel.take()
+        d.submit(body(codec, [{"jsonrpc": "2.0", "method": "note", "params": [i]} for i in range(6)]), lambda e: None, x)
+        for i in range(3):
+            d.submit(body(codec, req("work", [f"x{i}"], f"x{i}")), lambda e: None, x)
+            d.submit(body(codec, req("work", [f"y{i}"], f"y{i}")), lambda e: None, y)
+        await wait_until(lambda: d._expired_queued == 0 and len(d._queue) == 6)  # out at its deadline
+        order = []
+        d.on_reply(w, wire.Kind.RESULT, busy[1], 0, b"0")
+        for _ in range(6):
+            [frame] = w.channel.take()
+            order.append(first_params(frame)[0])
+            d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
+        assert order[:2] in (["x0", "y0"], ["y0", "x0"]) and order.index("x1") <= 3, order
 
     run(main)

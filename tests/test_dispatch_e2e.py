@@ -9,6 +9,7 @@ import json
 import select
 import signal
 import socket
+import struct
 import threading
 import time
 from collections import Counter
@@ -1171,6 +1172,7 @@ def test_one_batch_of_long_calls_leaves_the_other_clients_their_places(broker_fa
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 150, timeout=10)
         metrics = scrape_metrics(b)
         assert sample(metrics, "rpc_broker_calls_in_flight") == 100
+        assert sample(metrics, "rpc_broker_calls_held") == 150  # (waiting for the connection's share, not a worker)
         assert post(b, req("add", [1, 2], "other"))["result"] == 3  # type: ignore[index]
         assert not batch.done(), "the other client's call waited for the batch"
         answers = batch.result(timeout=60)
@@ -1226,3 +1228,40 @@ def test_a_client_that_fills_the_queue_loses_its_own_newest_calls_not_anothers(b
         got = [json.loads(reader.readline()) for _ in range(6)]
     codes = Counter(a.get("error", {}).get("code") for batch in got for a in batch)
     assert codes[-32000] >= 351 and codes[None] + codes[-32000] == 600, codes  # (one of its own made room)
+
+
+@pytest.mark.parametrize("kind", ["calls", "notifications"])
+def test_one_connection_at_a_time_does_not_take_every_place(broker_factory, kind):
+    """Round 57 (HIGH): a closed connection's calls kept their places, and the next
+    connection got a share of its own: 2 connections one after the other, each a batch of
+    100 `sleep` and closed, took all 200 places of 2 workers, and another client's `add`
+    waited 11.7 s. Now a lost connection's calls are cancelled (their places come back at
+    once), and every connection's notifications together hold at most a share (they run on).
+    (A connection closed with a FIN is half-closed as far as the broker can tell, and its
+    calls are answered: per-client limits are issue 12's.)"""
+    b = broker_factory("--workers", "2", "--worker-concurrency", "100", "--method-timeout", "sleep=60",
+                       "--grace-period", "1")
+    host = b.host.strip("[]")
+    for round_ in range(2):
+        batch = [{"jsonrpc": "2.0", "method": "sleep", "params": [20]} for _ in range(100)]
+        if kind == "calls":
+            for i, call in enumerate(batch):
+                call["id"] = f"{round_}-{i}"
+        payload = json.dumps(batch).encode()
+        with socket.create_connection((host, b.port), timeout=30) as s:
+            s.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            if kind == "notifications":
+                assert s.recv(65536).startswith(b"HTTP/1.1 204 ")
+            else:  # then reset (a FIN alone is a half-close, still answered: issue 9 item 9)
+                wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") >= 100, timeout=10)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    if kind == "calls":  # cancelled: every place back (their sleeps had 20 s to go)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 0, timeout=10)
+        metrics = scrape_metrics(b)
+        assert sample(metrics, "rpc_broker_calls_abandoned_total", where="in_flight") == 200
+    else:  # the first 100 run, the second wait: every connection's notifications hold a share
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") == 100, timeout=10)
+        assert sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 100
+    status, _, answer = b.post(json.dumps(req("add", [1, 2], "other")), timeout=5)
+    assert (status, json.loads(answer)) == (200, {"jsonrpc": "2.0", "id": "other", "result": 3})

@@ -74,6 +74,8 @@ class DispatcherMachine(RuleBasedStateMachine):
             cancel_grace=10_000.0, connection_share=self.SHARE,
         )
         self.connections = [ResponseBudget(self.dispatcher.outgoing) for _ in range(3)]
+        self.gone: set[int] = set()  # id(exchange) of the bodies whose connection was lost (`abandon`)
+        self.of_connection: dict[int, list[int]] = {0: [], 1: [], 2: []}  # connection -> id(exchange)s
         self.dispatcher.set_methods(METHODS, sync_methods=["sync"])
         self.codec = Codec()
         self.workers: list[Worker] = []
@@ -128,6 +130,9 @@ class DispatcherMachine(RuleBasedStateMachine):
         for owner in sent_to.values():
             mine = [c for c in d._pending.values() if c.owner is owner and c.weight]
             assert owner.in_flight <= d._share or len(mine) == 1, (owner.in_flight, d._share, len(mine))
+            if any(c.pool is not None for c in mine):  # the notifications' pool: a share too
+                notes = [c for c in d._pending.values() if c.pool is not None and c.weight]
+                assert d._notes.in_flight <= d._share or len(notes) == 1, (d._notes.in_flight, d._share)
 
     def _on_done(self, exchange: Exchange) -> None:
         self.done[id(exchange)] = self.done.get(id(exchange), 0) + 1
@@ -167,6 +172,8 @@ class DispatcherMachine(RuleBasedStateMachine):
         assert len(exchange.answers) == len(owed)
         self.ids[id(exchange)] = owed
         self.exchanges[id(exchange)] = exchange
+        if connection is not None:
+            self.of_connection[connection].append(id(exchange))
         if exchange.remaining == 0:  # answered at once: on_done is not called (see `submit`)
             self.done[id(exchange)] = self.done.get(id(exchange), 0) + 1
 
@@ -206,6 +213,20 @@ class DispatcherMachine(RuleBasedStateMachine):
         payload = b"".join(wire.REPLY_ENTRY.pack(i, wire.RESULT, 4) + b'"ok"' for i in part)
         self.held[call_id] = (worker, kind, [i for i in entries if i not in part])
         self._reply(call_id, wire.CHUNK_PART, payload)
+
+    @rule(connection=st.sampled_from([0, 1, 2]))
+    def lose_connection(self, connection: int) -> None:
+        """A client closes its connection: its calls owed an answer are dropped from the
+        queue or cancelled in flight (`Dispatcher.abandon`); a new connection takes its place."""
+        budget = self.connections[connection]
+        budget.lost()
+        self.dispatcher.abandon(budget)
+        assert budget.queued == 0 or all(c.exchange is None for c in self.dispatcher._queue if c.owner is budget)
+        assert all(c.exchange is None for c in self.dispatcher._pending.values() if c.owner is budget)
+        self.gone.update(self.of_connection[connection])
+        self.of_connection[connection] = []
+        self.connections[connection] = ResponseBudget(self.dispatcher.outgoing)
+        self._collect()
 
     @precondition(lambda self: self._live())
     @rule(data=st.data())
@@ -260,7 +281,7 @@ class DispatcherMachine(RuleBasedStateMachine):
                     response = json.loads(answer)
                     assert response["id"] == client_id, (response, client_id)
                     assert ("result" in response) != ("error" in response)
-            else:
+            elif key not in self.gone:
                 assert exchange.remaining > 0
 
     @invariant()
@@ -281,6 +302,8 @@ class DispatcherMachine(RuleBasedStateMachine):
             assert owner.in_flight == owners.get(id(owner), (owner, 0))[1]
         for owner, count in owners.values():
             assert owner.in_flight == count >= 0
+        # every connection's notifications, in flight together
+        assert d._notes.in_flight == sum(c.weight for c in d._pending.values() if c.pool is not None) >= 0
         waiting: dict[int, int] = {}
         for call in d._queue:
             if call.tick:
@@ -290,8 +313,10 @@ class DispatcherMachine(RuleBasedStateMachine):
         assert len(d._largest._heap) <= 2 * len(d._queue) + 64 + 1
 
     def _over_share(self, call: Call) -> bool:
-        owner = call.owner
-        return bool(owner.in_flight) and owner.in_flight + call.weight > self.dispatcher._share
+        owner, share, notes = call.owner, self.dispatcher._share, self.dispatcher._notes
+        if call.pool is not None and notes.in_flight and notes.in_flight + call.weight > share:
+            return True
+        return bool(owner.in_flight) and owner.in_flight + call.weight > share
 
     @invariant()
     def the_queue_waits_only_while_no_worker_can_take_its_head(self) -> None:
@@ -307,8 +332,10 @@ class DispatcherMachine(RuleBasedStateMachine):
             if not call.tick or id(owner) in passed:
                 continue
             passed.add(id(owner))
-            if queue.is_held(owner):
-                assert owner.in_flight, "a connection's calls are held out of turn with nothing in flight"
+            if queue.is_held(owner):  # (for its share, or for the notifications')
+                notes = self.dispatcher._notes
+                assert owner.in_flight or (owner in self.dispatcher._held_for_notes and notes.in_flight), (
+                    "a connection's calls are held out of turn with nothing in flight to bring them back")
             elif not self._over_share(call) and head is None:
                 head = call
         if head is None:
@@ -367,7 +394,8 @@ class DispatcherMachine(RuleBasedStateMachine):
         assert d.in_flight_calls == 0 and d.queued_calls == 0 and d.queued_bytes == 0
         assert all(w.outstanding == 0 for w in self.workers)
         for key in self.exchanges:
-            assert self.done.get(key, 0) == 1, "a body was never answered"
+            if key not in self.gone:  # (a lost connection's: answered before, or never)
+                assert self.done.get(key, 0) == 1, "a body was never answered"
         self.answers_in_order_at_most_once()
 
 

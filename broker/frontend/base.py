@@ -604,7 +604,8 @@ class Listener:
             conn._backlog_forced = False
 
     def lost(self, conn: typing.Any) -> None:
-        """A connection is gone: forget it, and drop what it held (its requests waiting
+        """A connection is gone: forget it, have the dispatcher drop or cancel its calls
+        owed an answer (`Dispatcher.abandon`), and drop what it held (its requests waiting
         or not parsed yet, or its input, which the drain may be waiting for, its bytes counted in
         `incoming`, and its answers owed counted in the dispatcher's `Outgoing`). `conn`
         has `_waiting` (a deque) and `_waiting_bytes` (int, the bytes it holds counted in
@@ -612,6 +613,7 @@ class Listener:
         `ResponseBudget`)."""
         self.connections.discard(conn)
         conn._budget.lost()
+        self.dispatcher.abandon(conn._budget)  # (its calls owed an answer: dropped, or cancelled)
         if conn._waiting or conn._backlog:
             conn._backlog = b""
             self.backlog_done(conn)
