@@ -225,6 +225,10 @@ class FairQueue(typing.Generic[T]):
         """The first of `key`'s calls here (KeyError: it has none)."""
         return self._flows[key].calls[0]
 
+    def in_turn(self) -> int:
+        """How many flows have calls here and are in turn (not held)."""
+        return len(self._flows) - len(self._held)
+
     def held_keys(self) -> list[typing.Hashable]:
         """The keys of the flows held out of turn."""
         return list(self._held)

@@ -1370,3 +1370,28 @@ def test_an_expired_notification_chunk_at_its_connections_head_leaves_at_once():
         assert order[:2] in (["x0", "y0"], ["y0", "x0"]) and order.index("x1") <= 3, order
 
     run(main)
+
+
+def test_calls_held_for_their_connections_share_send_no_other_call_through_the_queue():
+    """Round 57 (LOW): while one connection's calls waited held for its share, every other
+    client's call took the queue's path (copied, queued, pumped): 0.7 of the rate. Held
+    calls hold nobody else's back: another connection's call goes at once."""
+
+    async def main() -> None:
+        metrics = CallMetrics()
+        d = Dispatcher(asyncio.get_running_loop(), metrics=metrics)
+        d.set_methods(["sleep"])
+        w = add_worker(d, 0, concurrency=8)  # a share: 4
+        codec = Codec()
+        flood, other = ResponseBudget(d.outgoing), ResponseBudget(d.outgoing)
+        for i in range(6):
+            d.submit(body(codec, req("sleep", [i], i)), lambda e: None, flood)
+        assert (flood.in_flight, d.queued_calls, d.held_calls) == (4, 2, 2)
+        at_once = metrics.sent_at_once
+        d.submit(body(codec, req("sleep", ["o"], "o")), lambda e: None, other)
+        assert metrics.sent_at_once == at_once + 1 and other.in_flight == 1
+        d.submit(body(codec, req("sleep", [6], 6)), lambda e: None, flood)  # its own: behind its others
+        assert metrics.sent_at_once == at_once + 1 and d.held_calls == 3
+        assert len(w.channel.take()) == 5
+
+    run(main)

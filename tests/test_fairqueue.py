@@ -168,6 +168,8 @@ def test_each_connections_calls_come_out_in_order_and_none_is_lost(steps: list[o
             queued.setdefault(key, []).append(call)
         held = {key for key in held if queued.get(key)}  # (a flow emptied is forgotten, held or not)
         assert all(q.is_held(key) == (key in held) for key in "abcd")
+        assert q.in_turn() == sum(1 for key, calls in queued.items() if calls and key not in held)
+        assert sorted(typing.cast(list[str], q.held_keys())) == sorted(held)
         everything = [c for calls in queued.values() for c in calls]
         assert len(q) == len(everything) and sorted(q) == sorted(everything)
         in_turn = [c for c in q if c[0] not in held]
