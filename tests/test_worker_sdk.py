@@ -2706,7 +2706,22 @@ def test_a_method_with_a_decimal_binds_each_value_as_the_fast_path_does():
 
     assert invalid(scale, b'{"amount": 1, "factor": 1e400}') == ("factor", "Number out of range")
     assert invalid(scale, b"[1, 1e400]")[0] == "factor"
-    assert invalid(scale, b'{"amount": 1e9999999999999999999999}') == ("amount", "Invalid decimal string")
+    # (round 53, LOW: a JSON number past decimal's limits was "Invalid decimal string", as if
+    # the client had sent a string; a string that is no number still is)
+    assert invalid(scale, b'{"amount": 1e9999999999999999999999}') == ("amount", "Number out of range")
+    assert invalid(scale, b"[1e-99999999999999999999]") == ("amount", "Number out of range")
+    assert invalid(scale, b'["1e9999999999999999999999x"]') == ("amount", "Invalid decimal string")
+
+    def total(*amounts: decimal.Decimal) -> None:
+        return None
+
+    def tagged(prices: set[decimal.Decimal]) -> None:
+        return None
+
+    assert invalid(total, b'[1, 2, 1e-99999999999999999999]') == ("amounts", "Number out of range (params[2])")
+    assert invalid(total, b'[1, "x"]') == ("amounts", "Invalid decimal string (params[1])")
+    assert invalid(tagged, b"[[1, 1e-99999999999999999999]]") == ("prices", "Number out of range - at `prices[1]`")
+    assert invalid(tagged, b'[[1, "x"]]') == ("prices", "Invalid decimal string - at `prices[1]`")
     assert invalid(scale, b'{"amount": 1, "count": 1.5}') == ("count", "Expected `int`, got `float`")
     digits = b"7" * 4301
     by_position = bind(scale, b"[" + digits + b"]")
