@@ -200,8 +200,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     connection_share: Annotated[float, Meta(gt=0, le=1),
                                 Doc("the fraction of the workers' places (workers x "
                                     "worker_concurrency) one connection's calls may hold at "
-                                    "once (at least 1 call), and all connections' "
-                                    "notifications together; the others wait in the queue, in "
+                                    "once (at least 1 call); the others wait in the queue, in "
                                     "turn, and the rest are kept for other connections (at "
                                     "0.5, two busy connections hold every place); 1 lets one "
                                     "connection take them all",

@@ -44,11 +44,12 @@ chunks of at most the share over the workers, which take their turns with the
 connection's other calls (so a batch of 250 `sleep(3)` on 2 workers of 100 takes three
 rounds, 9 s); one that fits goes in one chunk a worker, as below. The share is not
 work-conserving: a client alone gets no more than its share, which is what keeps places
-free for the client that comes next (a call in flight cannot be taken back). Every
-connection's notifications together hold at most a share too (`_notes`; a notification
-counts in both): they run on when their connection is gone. A connection lost before its
-answers (`abandon`) has its calls owed an answer dropped from the queue and cancelled in
-flight, so its places come back. A full queue sheds the newest calls of the connection with
+free for the client that comes next (a call in flight cannot be taken back). A connection
+lost before its answers (`abandon`: reset, or a write that fails) has its calls owed an
+answer dropped from the queue and cancelled in flight, so its places come back; its
+notifications run on. (A share of all connections' notifications together, tried in stop
+31, let one client's notification flood hold another client's calls behind that client's
+own notification: hostile testing, round 58. It is not there.) A full queue sheds the newest calls of the connection with
 the most waiting (`_make_room`), not the newcomer.
 
 A worker's limit is `worker_concurrency`, except while it has a blocking sync call in
@@ -292,19 +293,17 @@ class Call(msgspec.Struct, eq=False):
     methods: list[int] | None = None  # a chunk's method indexes
     held: int = 0  # bytes it holds while queued (counted in max_queue_bytes)
     stale: bool = False  # in flight when a reload replaced the method table: its reply teaches nothing
-    pool: ResponseBudget | None = None  # a notification's: every connection's notifications' places (`Dispatcher`)
 
     @classmethod
     def of(
         cls, call_id: int, exchange: Exchange | None, slot: int, request: Request, route: Route, arrival: float,
-        owner: ResponseBudget, pool: ResponseBudget | None = None,
+        owner: ResponseBudget,
     ) -> Call:
-        """One request (a call, or a notification when `exchange` is None, of `pool`) of the
-        connection whose budget is `owner`."""
+        """One request (a call, or a notification when `exchange` is None) of the connection
+        whose budget is `owner`."""
         return cls(
             call_id, exchange, slot, request.id, CALL if exchange is not None else NOTIFY,
             route.method_index, request.params, route.timeout, arrival, route.sync, owner,
-            pool=pool if exchange is None else None,
         )  # fmt: skip
 
     @classmethod
@@ -316,12 +315,11 @@ class Call(msgspec.Struct, eq=False):
         timeout: float,
         arrival: float,
         sync: bool = False,
-        pool: ResponseBudget | None = None,
     ) -> Call:
         """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
         one deadline (they share `timeout`), one reply. `sync`: they are all blocking
         sync calls (`Route.sync`; a chunk never mixes them with others). Its connection's
-        budget is `exchange.budget`; `pool`: the notifications', for a chunk of notifications."""
+        budget is `exchange.budget`."""
         payload, slots, ids, methods = encode_requests(entries)
         return cls(
             call_id,
@@ -339,7 +337,6 @@ class Call(msgspec.Struct, eq=False):
             slots=slots,
             ids=ids,
             methods=methods,
-            pool=pool if slots[0] < 0 else None,
         )
 
 
@@ -466,12 +463,6 @@ class Dispatcher:
             ErrorCode.INTERNAL_ERROR, data=f"response exceeds max_response_bytes {max_response_bytes}"
         )
         self.outgoing = Outgoing(max_outgoing_bytes)  # (one for all the connections: their budgets')
-        # Every connection's notifications together hold at most a share too (as well as
-        # their connection's): nobody waits for them, and they run on once their connection
-        # is gone (`abandon`), so a client sending them on one connection after another took
-        # every place (hostile testing, round 57). Its `in_flight` counts them.
-        self._notes = ResponseBudget(self.outgoing)
-        self._held_for_notes: dict[ResponseBudget, None] = {}  # connections held because it is full
         self._too_much = error_object(
             ErrorCode.INTERNAL_ERROR, data=f"responses owed on all connections exceed max_outgoing_bytes {max_outgoing_bytes}"
         )
@@ -648,8 +639,6 @@ class Dispatcher:
         for call in lost:
             del self._pending[call.call_id]
             call.owner.in_flight -= call.weight
-            if call.pool is not None:
-                call.pool.in_flight -= call.weight
             self._finish(call, error, ErrorCode.WORKER_DIED)
         if worker.blocked:
             worker.blocked = False
@@ -689,7 +678,7 @@ class Dispatcher:
     @property
     def held_calls(self) -> int:
         """Of the queued calls, those of connections held out of turn: waiting for their
-        connection's share of the places (or the notifications'), not for a free worker.
+        connection's share of the places, not for a free worker.
         O(connections held)."""
         return sum(typing.cast(ResponseBudget, key).queued for key in self._queue.held_keys())
 
@@ -762,7 +751,7 @@ class Dispatcher:
                     exchange.remaining += 1
                     self._start(Call.of(next(self._ids), exchange, slot, request, route, arrival, budget), now)
                 else:
-                    self._start(Call.of(next(self._ids), None, -1, request, route, arrival, budget, self._notes), now)
+                    self._start(Call.of(next(self._ids), None, -1, request, route, arrival, budget), now)
         return exchange if exchange.answers else None
 
     def _entries(self, body: Body, exchange: Exchange) -> list[tuple[int, Request, Route]]:
@@ -861,13 +850,13 @@ class Dispatcher:
                 if len(part) == 1:
                     slot, request, route = part[0]
                     call = Call.of(next(self._ids), exchange if slot >= 0 else None, slot, request, route, arrival,
-                                   exchange.budget, self._notes)
+                                   exchange.budget)
                     exchange.remaining += slot >= 0
                 else:
                     # A chunk goes to a worker below its limit like a call does, so it
                     # may overshoot the limit by its size; it queues and is shed as one
                     # unit.
-                    call = Call.chunk(next(self._ids), exchange, part, timeout, arrival, bool(sync), self._notes)
+                    call = Call.chunk(next(self._ids), exchange, part, timeout, arrival, bool(sync))
                     exchange.remaining += call.weight - call.slots.count(-1)  # type: ignore[union-attr]  # (no cast: 130 ns)
                 self._start(call, now)
 
@@ -883,7 +872,6 @@ class Dispatcher:
             if (not self._queued_calls or (not self._queue.in_turn() and not self._queue.is_held(owner)))
             and self._serving and (owner.in_flight + call.weight <= self._share
                                                              or not owner.in_flight)
-            and (call.pool is None or self._notes.in_flight + call.weight <= self._share or not self._notes.in_flight)
             else None
         )
         if worker is not None:
@@ -916,33 +904,51 @@ class Dispatcher:
 
     def _make_room(self, call: Call) -> bool:
         """The queue is full (`max_queue`, `max_queue_bytes`) for `call`: shed the newest
-        queued calls of the connection with the most calls waiting (`_largest`), -32000,
-        while it has more waiting than `call`'s connection would, until `call` fits; return
-        whether it does. So a connection that
-        floods the queue loses its own newest calls to another's, rather than every other
+        queued calls of the connection with the most calls waiting (`_largest`), -32000, to
+        make room for it, and return True; or shed nothing and return False. So a connection
+        that floods the queue loses its own newest calls to another's, rather than every other
         connection's new calls being shed (the longest queue drops its tail, as FQ-CoDel's
-        drop from the fattest flow does: RFC 8290 section 4.1.2)."""
+        drop from the fattest flow does: RFC 8290 section 4.1.2). Only if that connection
+        keeps at least as many waiting as `call`'s will have, and the calls shed make room for
+        `call` (its calls and bytes) and are no more calls than it brings (hostile testing,
+        round 58: shedding until the newcomer fitted, a call too large ever to fit shed 200 of
+        another client's calls for nothing, and one call shed a chunk of 50)."""
         owner = call.owner
         weight = call.weight
         size = _held(call)
+        if weight > self._max_queue or size > self._max_queue_bytes:
+            return False
         queue = self._queue
         largest = self._largest
         largest.trim(len(queue))
-        while True:
-            fattest = largest.top()
-            if fattest is None or fattest is owner or fattest.queued <= owner.queued + weight:
+        fattest = largest.top()
+        if fattest is None or fattest is owner or fattest.queued <= owner.queued + weight:
+            return False
+        calls = self._queued_calls + weight - self._max_queue  # to free
+        held = self._queued_bytes + size - self._max_queue_bytes
+        shed = taken = 0
+        for queued in queue.newest(fattest):  # (a dry run first: all or nothing)
+            if calls <= 0 and held <= 0:
                 break
-            if self._queued_calls + weight <= self._max_queue and self._queued_bytes + size <= self._max_queue_bytes:
-                return True
-            shed = queue.pop_last(fattest)
-            if shed.tick:
-                self._queued_bytes -= shed.held
-                self._queued_calls -= shed.weight
-                fattest.queued -= shed.weight
-                self._finish(shed, _OVERLOADED, ErrorCode.OVERLOADED)
+            taken += 1
+            if queued.tick:  # (an expired call's shell frees nothing: taken out with the rest)
+                shed += queued.weight
+                calls -= queued.weight
+                held -= queued.held
+                if shed > weight:
+                    return False
+        if calls > 0 or held > 0 or fattest.queued - shed < owner.queued + weight:
+            return False
+        for _ in range(taken):
+            out = queue.pop_last(fattest)
+            if out.tick:
+                self._queued_bytes -= out.held
+                self._queued_calls -= out.weight
+                fattest.queued -= out.weight
+                self._finish(out, _OVERLOADED, ErrorCode.OVERLOADED)
             else:  # an expired call's shell: counted out already
                 self._expired_queued -= 1
-        return self._queued_calls + weight <= self._max_queue and self._queued_bytes + size <= self._max_queue_bytes
+        return True
 
     def abandon(self, owner: ResponseBudget) -> None:
         """`owner`'s connection is gone (closed or reset before its answers, not half-closed):
@@ -1050,8 +1056,6 @@ class Dispatcher:
         call.worker = worker
         worker.outstanding += call.weight
         call.owner.in_flight += call.weight
-        if call.pool is not None:
-            call.pool.in_flight += call.weight
         if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
             worker.sync_calls += call.sync
             if not worker.blocked and self._sync_routing:
@@ -1088,10 +1092,8 @@ class Dispatcher:
                 part.weight -= done
                 worker.outstanding -= done
                 part.owner.in_flight -= done
-                if part.pool is not None:
-                    part.pool.in_flight -= done
                 if self._queued_calls:
-                    self._give_back(part)
+                    self._give_back(part.owner)
                     self._pump()
             return
         call = self._pending.pop(call_id, None)
@@ -1102,8 +1104,6 @@ class Dispatcher:
             return
         worker.outstanding -= call.weight
         call.owner.in_flight -= call.weight
-        if call.pool is not None:
-            call.pool.in_flight -= call.weight
         awaited = aux != NOT_RUN and aux >= AWAITED  # (wire.AWAITED: it blocked the worker for ~0 µs)
         if awaited:
             aux -= AWAITED
@@ -1173,7 +1173,7 @@ class Dispatcher:
         else:  # its deadline passed: the client has its answer already
             self._count_late(kind, payload, call)
         if self._queued_calls:  # capacity was freed: fill all of it from the queue, in order
-            self._give_back(call)
+            self._give_back(call.owner)
             self._pump()
         elif not self.accepting:
             self._check_idle()
@@ -1415,28 +1415,19 @@ class Dispatcher:
             self._expired_queued -= 1
         return call
 
-    def _give_back(self, call: Call) -> None:
-        """`call`'s connection (and, for a notification, the notifications' pool) gave back
-        places: if its calls wait held out of turn for its share, and its next fits now, put
-        them back in turn; if the pool did, every connection held for the pool goes back in
-        turn (`_pump` holds again those whose next still does not fit)."""
+    def _give_back(self, owner: ResponseBudget) -> None:
+        """`owner`'s connection gave back places: if its calls wait held out of turn for
+        its share, and its next fits now, put them back in turn."""
         queue = self._queue
-        owner = call.owner
         if queue.is_held(owner):
             head = queue.first(owner)
             if owner.in_flight + head.weight <= self._share or not owner.in_flight:
                 queue.release(owner)
-                self._held_for_notes.pop(owner, None)
-        if call.pool is not None and self._held_for_notes:
-            for held in self._held_for_notes:
-                queue.release(held)
-            self._held_for_notes.clear()
 
     def _release_all(self) -> None:
         """Every connection held out of turn goes back in turn (the share grew, places came
-        back, or the queue is emptied)."""
+        back, or the queue is emptied); `_pump` holds again those still past their share."""
         self._queue.release_all()
-        self._held_for_notes.clear()
 
     def _pump(self) -> None:
         """Start queued calls, in the queue's order (`FairQueue`), while a worker is under
@@ -1455,11 +1446,6 @@ class Dispatcher:
                 if owner.in_flight + call.weight > share and owner.in_flight:
                     queue.hold(owner)
                     continue
-                pool = call.pool
-                if pool is not None and pool.in_flight + call.weight > share and pool.in_flight:
-                    queue.hold(owner)
-                    self._held_for_notes[owner] = None
-                    continue
                 worker = self._pick(call)
                 if worker is None:
                     break
@@ -1469,6 +1455,8 @@ class Dispatcher:
                     metrics.queue_wait.observe_us(int((_clock() - call.arrival) * 1e6), call.weight)
             else:
                 self._dequeue()
+        if not queue:
+            self._largest.clear()  # (every connection has 0 waiting: round 58, stale entries kept their budgets)
         self._check_idle()
 
     def _on_timeout(self, call: Call) -> None:

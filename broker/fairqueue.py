@@ -210,6 +210,11 @@ class FairQueue(typing.Generic[T]):
             self._enter(key, flow)
         return gone
 
+    def newest(self, key: typing.Hashable) -> Iterator[T]:
+        """`key`'s calls here, the newest first (none if it has none)."""
+        flow = self._flows.get(key)
+        return reversed(flow.calls) if flow is not None else iter(())
+
     def pop_last(self, key: typing.Hashable) -> T:
         """Take out the last of `key`'s calls (KeyError: it has none); its flow, left with
         none, is forgotten. The turns stay as they were: a flow's head keeps its tag."""
@@ -314,6 +319,10 @@ class Largest(typing.Generic[K]):
             if now > 0:  # (stale: back at its size now)
                 heapq.heappush(heap, (-now, next(self._order), key))
         return None
+
+    def clear(self) -> None:
+        """Forget every key (every size is 0)."""
+        self._heap.clear()
 
     def trim(self, live: int) -> None:
         """Drop the stale entries if there are more than about `live` (the keys with a

@@ -1291,34 +1291,6 @@ def test_a_gone_connections_calls_are_dropped_or_cancelled_and_its_notifications
     run(main)
 
 
-def test_every_connections_notifications_together_hold_at_most_a_share():
-    """Round 57 (HIGH): notifications run on when their connection is gone (nobody waits
-    for them), so a client sending 100 on one connection, then 100 on another, took every
-    place. All connections' notifications together hold at most a share too; the calls of
-    other connections take the rest."""
-
-    async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop())
-        d.set_methods(["sleep"])
-        w = add_worker(d, 0, concurrency=8)  # a share: 4
-        codec = Codec()
-        notes = [{"jsonrpc": "2.0", "method": "sleep", "params": [i]} for i in range(4)]
-        first, second, other = (ResponseBudget(d.outgoing) for _ in range(3))
-        d.submit(body(codec, notes), lambda e: None, first)
-        first.lost()
-        d.abandon(first)  # (they run on)
-        d.submit(body(codec, notes), lambda e: None, second)
-        assert (w.outstanding, second.queued) == (4, 4)  # the notifications' share is taken
-        d.submit(body(codec, req("sleep", ["c"], "c")), lambda e: None, other)
-        frames = w.channel.take()
-        assert first_params(frames[-1]) == ["c"] and w.outstanding == 5  # a call goes
-        d.on_reply(w, wire.Kind.CHUNK_REPLY, frames[0][1], 0, chunk_reply(frames[0]))
-        [more] = w.channel.take()  # the first's ended: the second's go
-        assert more[0] == wire.Kind.CHUNK and more[2] == 4 and second.queued == 0
-
-    run(main)
-
-
 def test_a_batch_past_its_share_goes_in_order_in_chunks_the_share_takes():
     """Round 57's new user: a batch past its connection's share was dealt out like cards,
     so the calls that ran first, and those that timed out, were spread over the batch; and
@@ -1393,5 +1365,53 @@ def test_calls_held_for_their_connections_share_send_no_other_call_through_the_q
         d.submit(body(codec, req("sleep", [6], 6)), lambda e: None, flood)  # its own: behind its others
         assert metrics.sent_at_once == at_once + 1 and d.held_calls == 3
         assert len(w.channel.take()) == 5
+
+    run(main)
+
+
+def test_a_full_queue_sheds_no_more_than_it_admits_and_nothing_for_a_call_that_cannot_fit():
+    """Round 58: shedding went on until the newcomer fitted: a call larger than
+    max_queue_bytes, which never fits, shed another client's 200 queued calls for nothing,
+    and one call shed a queued chunk of 50. The calls shed now make room for the newcomer
+    (its calls and bytes) and are no more calls than it brings, or none is shed."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), max_queue=60, max_queue_bytes=4000, connection_share=1.0)
+        d.set_methods(["work"])
+        w = add_worker(d, 0, concurrency=100)
+        codec = Codec()
+        victim, other, big = (ResponseBudget(d.outgoing) for _ in range(3))
+        d.submit(body(codec, [req("work", [i], f"busy{i}") for i in range(100)]), lambda e: None, other)  # full
+        for i in range(10):  # the victim's 10 small calls wait
+            d.submit(body(codec, req("work", [i], i)), lambda e: None, victim)
+        d.submit(body(codec, [req("work", [i], f"c{i}") for i in range(50)]), lambda e: None, victim)  # one chunk
+        assert (d.queued_calls, victim.queued) == (60, 60)
+        exchange = d.submit(body(codec, req("work", ["x" * 5000], "huge")), lambda e: None, big)  # never fits
+        assert exchange is not None and b"-32000" in exchange.answers[0]  # type: ignore[operator]
+        assert (d.queued_calls, victim.queued) == (60, 60)  # nothing shed for it
+        exchange = d.submit(body(codec, req("work", ["o"], "o")), lambda e: None, ResponseBudget(d.outgoing))
+        assert exchange is not None and b"-32000" in exchange.answers[0]  # type: ignore[operator]  # (the newest: 50)
+        assert (d.queued_calls, victim.queued) == (60, 60)
+        assert len(w.channel.take()) == 1
+
+    run(main)
+
+
+def test_the_largest_flow_heap_is_emptied_with_the_queue():
+    """Round 58 (LOW): after the queue emptied, the heap of queued counts kept stale entries,
+    each a closed connection's budget alive."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["work"])
+        w = add_worker(d, 0, concurrency=1)
+        codec = Codec()
+        for k in range(5):
+            d.submit(body(codec, req("work", [k], k)), lambda e: None, ResponseBudget(d.outgoing))
+        assert len(d._largest._heap) == 4
+        for _ in range(5):
+            [frame] = w.channel.take()
+            d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
+        assert d.queued_calls == 0 and d._largest._heap == []
 
     run(main)

@@ -130,9 +130,6 @@ class DispatcherMachine(RuleBasedStateMachine):
         for owner in sent_to.values():
             mine = [c for c in d._pending.values() if c.owner is owner and c.weight]
             assert owner.in_flight <= d._share or len(mine) == 1, (owner.in_flight, d._share, len(mine))
-            if any(c.pool is not None for c in mine):  # the notifications' pool: a share too
-                notes = [c for c in d._pending.values() if c.pool is not None and c.weight]
-                assert d._notes.in_flight <= d._share or len(notes) == 1, (d._notes.in_flight, d._share)
 
     def _on_done(self, exchange: Exchange) -> None:
         self.done[id(exchange)] = self.done.get(id(exchange), 0) + 1
@@ -302,8 +299,6 @@ class DispatcherMachine(RuleBasedStateMachine):
             assert owner.in_flight == owners.get(id(owner), (owner, 0))[1]
         for owner, count in owners.values():
             assert owner.in_flight == count >= 0
-        # every connection's notifications, in flight together
-        assert d._notes.in_flight == sum(c.weight for c in d._pending.values() if c.pool is not None) >= 0
         waiting: dict[int, int] = {}
         for call in d._queue:
             if call.tick:
@@ -313,10 +308,8 @@ class DispatcherMachine(RuleBasedStateMachine):
         assert len(d._largest._heap) <= 2 * len(d._queue) + 64 + 1
 
     def _over_share(self, call: Call) -> bool:
-        owner, share, notes = call.owner, self.dispatcher._share, self.dispatcher._notes
-        if call.pool is not None and notes.in_flight and notes.in_flight + call.weight > share:
-            return True
-        return bool(owner.in_flight) and owner.in_flight + call.weight > share
+        owner = call.owner
+        return bool(owner.in_flight) and owner.in_flight + call.weight > self.dispatcher._share
 
     @invariant()
     def the_queue_waits_only_while_no_worker_can_take_its_head(self) -> None:
@@ -332,10 +325,8 @@ class DispatcherMachine(RuleBasedStateMachine):
             if not call.tick or id(owner) in passed:
                 continue
             passed.add(id(owner))
-            if queue.is_held(owner):  # (for its share, or for the notifications')
-                notes = self.dispatcher._notes
-                assert owner.in_flight or (owner in self.dispatcher._held_for_notes and notes.in_flight), (
-                    "a connection's calls are held out of turn with nothing in flight to bring them back")
+            if queue.is_held(owner):
+                assert owner.in_flight, "a connection's calls are held out of turn with nothing in flight"
             elif not self._over_share(call) and head is None:
                 head = call
         if head is None:
