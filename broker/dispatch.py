@@ -908,11 +908,14 @@ class Dispatcher:
         make room for it, and return True; or shed nothing and return False. So a connection
         that floods the queue loses its own newest calls to another's, rather than every other
         connection's new calls being shed (the longest queue drops its tail, as FQ-CoDel's
-        drop from the fattest flow does: RFC 8290 section 4.1.2). Only if that connection
-        keeps at least as many waiting as `call`'s will have, and the calls shed make room for
-        `call` (its calls and bytes) and are no more calls than it brings (hostile testing,
-        round 58: shedding until the newcomer fitted, a call too large ever to fit shed 200 of
-        another client's calls for nothing, and one call shed a chunk of 50)."""
+        drop from the fattest flow does: RFC 8290 section 4.1.2). Only if the calls shed make
+        room for `call` (its calls and bytes: hostile testing, round 58, shedding until the
+        newcomer fitted, a call too large ever to fit shed 200 of another client's calls for
+        nothing) and that connection keeps at least as many waiting as `call`'s will have. A
+        queued chunk is shed whole, so one call may shed up to a chunk (share/workers calls):
+        its room then takes the calls that come after it (round 59: shedding no more calls
+        than came, a flood queued in chunks was never shed, and every other client's call
+        was refused)."""
         owner = call.owner
         weight = call.weight
         size = _held(call)
@@ -935,8 +938,6 @@ class Dispatcher:
                 shed += queued.weight
                 calls -= queued.weight
                 held -= queued.held
-                if shed > weight:
-                    return False
         if calls > 0 or held > 0 or fattest.queued - shed < owner.queued + weight:
             return False
         for _ in range(taken):

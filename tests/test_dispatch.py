@@ -1369,11 +1369,12 @@ def test_calls_held_for_their_connections_share_send_no_other_call_through_the_q
     run(main)
 
 
-def test_a_full_queue_sheds_no_more_than_it_admits_and_nothing_for_a_call_that_cannot_fit():
+def test_a_full_queue_sheds_a_chunk_for_a_call_and_nothing_for_a_call_that_cannot_fit():
     """Round 58: shedding went on until the newcomer fitted: a call larger than
-    max_queue_bytes, which never fits, shed another client's 200 queued calls for nothing,
-    and one call shed a queued chunk of 50. The calls shed now make room for the newcomer
-    (its calls and bytes) and are no more calls than it brings, or none is shed."""
+    max_queue_bytes, which never fits, shed another client's 200 queued calls for nothing.
+    The calls shed now make room for the newcomer (its calls and bytes), or none is shed. A
+    queued chunk is shed whole: shedding no more calls than came (round 59), a flood queued
+    in chunks was never shed and every other client's call was refused."""
 
     async def main() -> None:
         d = Dispatcher(asyncio.get_running_loop(), max_queue=60, max_queue_bytes=4000, connection_share=1.0)
@@ -1390,8 +1391,11 @@ def test_a_full_queue_sheds_no_more_than_it_admits_and_nothing_for_a_call_that_c
         assert exchange is not None and b"-32000" in exchange.answers[0]  # type: ignore[operator]
         assert (d.queued_calls, victim.queued) == (60, 60)  # nothing shed for it
         exchange = d.submit(body(codec, req("work", ["o"], "o")), lambda e: None, ResponseBudget(d.outgoing))
-        assert exchange is not None and b"-32000" in exchange.answers[0]  # type: ignore[operator]  # (the newest: 50)
-        assert (d.queued_calls, victim.queued) == (60, 60)
+        assert exchange is not None and exchange.answers[0] is None  # queued: the victim's newest, a chunk, shed
+        assert (d.queued_calls, victim.queued) == (11, 10)
+        for i in range(49):  # the room it made takes the next ones without shedding more
+            d.submit(body(codec, req("work", [i], f"n{i}")), lambda e: None, ResponseBudget(d.outgoing))
+        assert (d.queued_calls, victim.queued) == (60, 10)
         assert len(w.channel.take()) == 1
 
     run(main)
