@@ -1414,6 +1414,8 @@ class Dispatcher:
             call.owner.queued -= call.weight
         else:  # expired while queued: counted out already (_on_timeout)
             self._expired_queued -= 1
+        if not self._queue:
+            self._largest.clear()  # (every connection has 0 waiting: round 58, stale entries kept their budgets)
         return call
 
     def _give_back(self, owner: ResponseBudget) -> None:
@@ -1457,7 +1459,7 @@ class Dispatcher:
             else:
                 self._dequeue()
         if not queue:
-            self._largest.clear()  # (every connection has 0 waiting: round 58, stale entries kept their budgets)
+            self._largest.clear()
         self._check_idle()
 
     def _on_timeout(self, call: Call) -> None:
@@ -1476,6 +1478,8 @@ class Dispatcher:
             call.ids = call.slots = call.methods = None
             if self._queue.expire_head(call, call.owner):  # its connection's head: out at once (FairQueue)
                 self._expired_queued -= 1
+                if not self._queue:
+                    self._largest.clear()
             elif self._expired_queued * 2 > len(self._queue):
                 self._compact()
             if self._blocked:  # what waited behind it may fit a blocked worker it did not (found
@@ -1490,6 +1494,8 @@ class Dispatcher:
         """Drop the expired shells from the queue (more than half of it), in place."""
         self._queue.drop(_live)
         self._expired_queued = 0
+        if not self._queue:
+            self._largest.clear()
 
     def _check_hung(self, call: Call) -> None:
         """Kill the worker if it still has not answered a call cancelled long ago: a
