@@ -621,9 +621,9 @@ class Dispatcher:
     def _set_share(self) -> None:
         """One connection's share of the ready workers' places (`connection_share`; at
         least 1), and the size of a chunk of a batch that does not fit in its share: the
-        share over the workers (a batch of 1000 `add` calls on one connection, 2 workers,
-        went at 0.85 of the rate of chunks as large as the batch over the workers, where
-        half that size went at 0.75: benchmarks/RESULTS.md)."""
+        share over the workers (batches of 1000 `add` calls on one connection, 2 workers,
+        went at 0.73 to 0.85 of the rate of chunks as large as the batch over the workers,
+        and chunks of half this size no faster: benchmarks/RESULTS.md)."""
         ready = self._ready
         places = sum(w.concurrency for w in ready)
         self._share = max(1, int(places * self._connection_share))
