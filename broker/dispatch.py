@@ -394,9 +394,16 @@ def _live(call: Call) -> bool:
     return call.tick != 0
 
 
-def _timed_out(call: Call) -> bytes:
-    """The error object of a call whose deadline passed: -32001 with its timeout."""
-    return error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout})
+def _timed_out(call: Call, started: bool = True) -> bytes:
+    """The error object of a call whose deadline passed: -32001 with its timeout, and
+    `"started": false` if it is known never to have reached its handler (it waited in the
+    queue, for a worker or its connection's share, or its worker found the deadline passed
+    before it started it): the client may retry it knowing that it did not run (the new
+    user of round 60 could not tell a call that never started from a tool that ran too
+    long). Else it may have run, or be running still: it was told to cancel."""
+    if started:
+        return error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout})
+    return error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout, "started": False})
 
 
 def _as_timed_out(error: bytes | memoryview, call: Call) -> bytes | memoryview:
@@ -404,7 +411,7 @@ def _as_timed_out(error: bytes | memoryview, call: Call) -> bytes | memoryview:
     the call's timeout: the worker found its deadline passed before it started it (the
     deadline in its frame), and answered before the broker's timer fired (the same one,
     1 ms early at most); the client gets what that timer would have given it."""
-    return _timed_out(call) if error == CANCEL_ACK else error
+    return _timed_out(call, False) if error == CANCEL_ACK else error
 
 
 class Dispatcher:
@@ -1196,7 +1203,7 @@ class Dispatcher:
         owed past max_response_bytes, or all connections' past max_outgoing_bytes (a
         result too: then `error` is that result)."""
         if error == CANCEL_ACK:  # (see `_as_timed_out`)
-            error = _timed_out(call)
+            error = _timed_out(call, False)
             size += len(error) - len(CANCEL_ACK)
         budget = exchange.budget
         outgoing = budget.outgoing
@@ -1469,7 +1476,7 @@ class Dispatcher:
             self._queued_bytes -= call.held
             self._queued_calls -= call.weight
             call.owner.queued -= call.weight
-        self._finish(call, _timed_out(call), ErrorCode.TIMED_OUT)
+        self._finish(call, _timed_out(call, not queued), ErrorCode.TIMED_OUT)
         if queued:
             # ... and its payload: the shell left in the queue holds no params or ids (a
             # live head with a long deadline would keep every expired call behind it).

@@ -578,6 +578,9 @@ async def run(
                 _banner(f"rpc-broker: serving NDJSON JSON-RPC on {shown}")
             elif fe.metrics is not None:
                 _banner(f"rpc-broker: metrics on {_url(*server.sockets[0].getsockname()[:2])}/metrics")
+        if config.debug:  # (round 60's new user: nothing said so at the start)
+            log.warning("debug is on: error answers carry the handler's traceback to every client"
+                        " (never on in production)")
         if started is not None:
             started.set_result((host, port))
         await stop.wait()

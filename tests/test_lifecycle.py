@@ -293,6 +293,32 @@ def test_deadline_answers_timed_out_and_broker_keeps_serving(broker_factory):
     assert body[1]["result"] == 3
 
 
+def test_a_call_that_timed_out_in_the_queue_says_it_never_started(broker_factory):
+    """-32001's data says `"started": false` for a call that waited in the queue to its
+    deadline (its handler never ran: the client may retry it), and nothing of the kind
+    for one that was running (round 60's new user: a batch's calls held for the share
+    timed out looking like a tool that ran too long)."""
+    b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--timeout", "0.5")
+    worker_pids(b, 1)
+    status, body = post_json(b, [req("sleep", [5], "ran"), req("sleep", [0.01], "waited")])
+    assert status == 200
+    assert body[0]["error"] == {"code": -32001, "message": "Call timed out", "data": {"timeout_seconds": 0.5}}
+    assert body[1]["error"] == {
+        "code": -32001, "message": "Call timed out", "data": {"timeout_seconds": 0.5, "started": False},
+    }
+    assert b.call("add", [1, 2])["result"] == 3
+
+
+def test_debug_warns_at_the_start(broker_factory):
+    """--debug sends tracebacks to clients: the start says so (round 60's new user)."""
+    b = broker_factory("--workers", "1", "--debug")
+    assert b.call("add", [1, 2])["result"] == 3
+    assert "WARNING debug is on: error answers carry the handler's traceback" in b.read_log(1.0)
+    quiet = broker_factory("--workers", "1")
+    assert quiet.call("add", [1, 2])["result"] == 3
+    assert "debug is on" not in quiet.read_log(0.5)
+
+
 def test_method_timeout_overrides_the_default_for_that_method_only(broker_factory):
     b = broker_factory("--workers", "2", "--timeout", "0.5", "--method-timeout", "sleep=0.3")
     worker_pids(b, 2)
