@@ -9,12 +9,15 @@ connection that is gone counts in `GONE`, in which no answer fits.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import typing
 from collections.abc import Callable
 
 import msgspec
 
 __all__ = ["GONE", "Exchange", "Outgoing", "ResponseBudget", "forget"]
+
+_flows = itertools.count(1)  # ResponseBudget.flow
 
 
 class Outgoing:
@@ -81,9 +84,12 @@ class ResponseBudget:
     and `queued`, its calls waiting in the queue (the fattest flow sheds first).
     """
 
-    __slots__ = ("held", "in_flight", "outgoing", "parked", "queued")
+    __slots__ = ("flow", "held", "in_flight", "outgoing", "parked", "queued")
 
     def __init__(self, outgoing: Outgoing) -> None:
+        # The connection's number in its calls' frames (wire.py: the worker takes turns
+        # among the flows waiting in it); u32, so a number comes again after 2**32 connections.
+        self.flow = next(_flows) & 0xFFFFFFFF
         self.held = 0
         self.in_flight = 0  # the connection's calls sent to workers and not answered by them
         self.queued = 0  # the connection's calls waiting in the dispatcher's queue (live ones)

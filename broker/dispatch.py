@@ -95,6 +95,10 @@ calls of a fresh fast method, queued one by one behind its first call, go out at
 when its first answer comes. Until then they wait in the queue (a burst past
 `max_queue` in that moment is shed: the README says what a fresh broker's first burst
 costs).
+A method learnt fast can still be slow for some params (fib(1), then fib(32)): its calls
+then reach a worker many at a time, and the worker takes turns among the connections whose
+calls wait in it (each frame's flow, `ResponseBudget.flow`; see `wire`), so another client's
+call there waits for one slow call, not for all of them (hostile testing, round 60).
 A reply whose handler never ran (params that did not bind, an unknown method: the
 worker says so with `wire.NOT_RUN` in its aux) teaches nothing: a -32602 in 30 µs
 from the initial estimate flipped a 3 s method to fast, and the next batch was dealt
@@ -1076,7 +1080,8 @@ class Dispatcher:
         # so the worker's time.monotonic() reads no less). The worker starts no call past
         # it, whatever frames its CANCEL waits behind (see `wire`).
         worker.channel.send_call(  # type: ignore[union-attr]
-            call.kind, call.call_id, call.index, call.tick * self._tick_seconds - _TIMER_EARLY, call.params
+            call.kind, call.call_id, call.index, call.tick * self._tick_seconds - _TIMER_EARLY, call.owner.flow,
+            call.params,
         )
         # Sent: its params are the worker's now. Not kept while it runs (nor the body they
         # are a view of): hostile testing, round 13, 40 batches of a long call and an echo

@@ -47,8 +47,10 @@ deep shapes of benchmarks/pathological.py at 1 MiB on a shared 2-core machine
 for the bodies steps 0 and 0b shrink, 14 to 25 for the others, the deep shapes with
 short runs of brackets (`[0,`, `{"a":`, spaced `[ [`), where numpy's passes and msgspec
 over the whole body add up (`Codec.decode` skips its own failed attempts for a body
-with a run of 1000 `[` outside strings). numpy is imported on the first call only (workers
-that never see a deep body, nor params of many nesting brackets, do not load it).
+with a run of 1000 `[` outside strings). The broker imports numpy as it starts (`load`):
+imported on the first deep body, it held the event loop 130 ms once (hostile testing, round
+60); a worker imports it on its first call here only (most never see params of many nesting
+brackets).
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ if typing.TYPE_CHECKING:
     import numpy.typing as npt
 
 __all__ = [
-    "Members", "NotJson", "Scanned", "batch_members", "deep_members", "nesting", "nests_deeper", "refused_members",
-    "scan_json",
+    "Members", "NotJson", "Scanned", "batch_members", "deep_members", "load", "nesting", "nests_deeper",
+    "refused_members", "scan_json",
 ]
 
 _WS = b" \t\n\r"
@@ -110,6 +112,11 @@ _BLOCK = 1 << 16  # bytes a block in `_check`: its int32 arrays stay in the CPU'
 _np: typing.Any = None
 _CLASS: typing.Any = None
 _QUOTE = 16  # the class of `"` before strings are blanked
+
+
+def load() -> None:
+    """Import numpy now (about 0.1 s), rather than inside the first call that needs it."""
+    _numpy()
 
 
 def _numpy() -> typing.Any:

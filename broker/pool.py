@@ -278,12 +278,13 @@ class WorkerChannel(asyncio.Protocol):
             self._pool.loop.call_soon(self.flush)
 
     def send_call(
-        self, kind: int, call_id: int, aux: int, deadline: float, params: bytes | bytearray | memoryview
+        self, kind: int, call_id: int, aux: int, deadline: float, flow: int, params: bytes | bytearray | memoryview
     ) -> None:
         """Queue a CALL, NOTIFY or CHUNK frame: `params` (a CHUNK's entries) after the
-        call's `deadline` (CLOCK_MONOTONIC s: the worker starts no call past it; see `wire`)."""
+        call's `deadline` (CLOCK_MONOTONIC s: the worker starts no call past it) and `flow`
+        (its connection's number, u32: the worker takes turns among flows); see `wire`."""
         out = self._out
-        out += _pack_call(_DEADLINE_SIZE + len(params), kind, call_id, aux, deadline)
+        out += _pack_call(_DEADLINE_SIZE + len(params), kind, call_id, aux, deadline, flow)
         out += params
         if len(out) >= FLUSH_AT_BYTES:
             self.flush()

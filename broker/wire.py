@@ -15,7 +15,7 @@ Kinds, who sends them, and what `aux` and the payload hold:
     HELLO   worker → broker  aux 0; payload: JSON `Hello` (pid, slot, methods, concurrency,
                              which methods are sync, the wire version it speaks)
     CALL    broker → worker  aux: method index (its place in HELLO's list);
-                             payload: the call's deadline (`DEADLINE`), then the
+                             payload: the call's deadline and flow (`DEADLINE`), then the
                              request's raw JSON params (none if absent)
     NOTIFY  broker → worker  as CALL, for a notification; the worker still replies, so
                              the broker can account for the worker's capacity
@@ -35,7 +35,7 @@ Kinds, who sends them, and what `aux` and the payload hold:
                              answers BYE (if it has not sent one already), and the
                              worker exits as above: no call written to it is lost.
     CHUNK   broker → worker  several calls of one batch in one frame; aux: their count;
-                             payload: their deadline (`DEADLINE`), then per call a
+                             payload: their deadline and flow (`DEADLINE`), then per call a
                              `CALL_ENTRY` (method index u16,
                              flags u8 (1 = notification), params length u32), then
                              the raw params
@@ -62,6 +62,14 @@ broker answers such a call -32001 at that deadline and sends CANCEL, but the CAN
 can wait behind other frames (hostile testing, round 19: a worker whose loop a slow
 call held ran calls answered -32001 long before, their CANCELs still in the broker's
 buffer behind a few hundred kB of frames); the deadline in the frame needs no CANCEL.
+After the deadline comes the call's flow, a big-endian u32: the client connection it came
+on (any number the broker picks, one per connection). A worker runs the calls waiting in
+it in the order they came, except that when one took the whole of a slice of the worker's
+loop, the next slice goes to the flow served longest ago (`WorkerProtocol._next_turn`):
+a client whose calls turn out slow holds another's call back for one of them, not for
+all of its own that reached the worker first (hostile testing, round 60: a sync method
+learnt fast from a cheap call, then a batch of its slow calls, 50 a worker, held every
+other client's call 10 s).
 
 A chunk travels and is accounted for as one unit (one call id, one deadline): it
 saves the per-call frame work on both sides for batches. The worker replies to every
@@ -144,8 +152,8 @@ HEADER = struct.Struct(">IBQI")
 HEADER_SIZE = HEADER.size  # 17
 # A call's deadline, the first bytes of a CALL, NOTIFY or CHUNK payload, and the header
 # with it, packed at once (the broker's hot path).
-DEADLINE = struct.Struct(">d")
-CALL_HEADER = struct.Struct(">IBQId")
+DEADLINE = struct.Struct(">dI")  # the call's deadline and its flow (a connection's number)
+CALL_HEADER = struct.Struct(">IBQIdI")
 CALL_ENTRY = struct.Struct(">HBI")  # in a CHUNK: method index, flags, params length
 REPLY_ENTRY = struct.Struct(">IBI")  # in a CHUNK_PART/REPLY: call's place, kind, length
 NOTIFY_FLAG = 1
@@ -168,10 +176,10 @@ AWAITED = 0x80000000
 # dropped it unstarted): byte for byte, so the broker recognises it (late replies).
 CANCEL_ACK = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")
 _KINDS = frozenset(int(k) for k in Kind)
-# This format's version, in HELLO: 2 since calls carry their deadline; a HELLO without one
-# is version 1's. A worker started from code upgraded in place under a running broker (a
+# This format's version, in HELLO: 2 since calls carry their deadline, 3 since they carry
+# their flow too; a HELLO without one is version 1's. A worker started from code upgraded in place under a running broker (a
 # SIGHUP after `pip install -U`) speaks another, and is refused with a message saying so.
-VERSION = 2
+VERSION = 3
 # The default of max_frame_bytes (config.py's too): the largest frame either side takes.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
@@ -245,13 +253,16 @@ def encode_frame(kind: int, call_id: int, aux: int = 0, payload: bytes = b"") ->
     return HEADER.pack(len(payload), kind, call_id, aux) + payload
 
 
-def encode_call(kind: int, call_id: int, aux: int, params: bytes = b"", deadline: float = math.inf) -> bytes:
+def encode_call(
+    kind: int, call_id: int, aux: int, params: bytes = b"", deadline: float = math.inf, flow: int = 0
+) -> bytes:
     """One whole CALL, NOTIFY or CHUNK frame: `params` (a CHUNK's entries) after the
-    call's `deadline` (CLOCK_MONOTONIC s, `time.monotonic()`; inf for none).
+    call's `deadline` (CLOCK_MONOTONIC s, `time.monotonic()`; inf for none) and `flow`
+    (0 <= flow < 2**32: its connection's number).
 
     The broker's hot path packs `CALL_HEADER` into its buffer instead; this is for the rest.
     """
-    return CALL_HEADER.pack(DEADLINE.size + len(params), kind, call_id, aux, deadline) + params
+    return CALL_HEADER.pack(DEADLINE.size + len(params), kind, call_id, aux, deadline, flow) + params
 
 
 class FrameDecoder:

@@ -83,13 +83,16 @@ class RecordingChannel:
     def __init__(self) -> None:
         self.frames: list[tuple[int, int, int, bytes]] = []
         self.deadlines: dict[int, float] = {}
+        self.flows: dict[int, int] = {}
 
     def send(self, kind: int, call_id: int, aux: int, payload: object) -> None:
         self.frames.append((kind, call_id, aux, bytes(payload)))  # type: ignore[call-overload]
 
-    def send_call(self, kind: int, call_id: int, aux: int, deadline: float, params: object) -> None:
-        """A call's frame: recorded as `send`'s, its deadline (CLOCK_MONOTONIC s) in `deadlines`."""
+    def send_call(self, kind: int, call_id: int, aux: int, deadline: float, flow: int, params: object) -> None:
+        """A call's frame: recorded as `send`'s, its deadline (CLOCK_MONOTONIC s) in `deadlines`
+        and its flow (its connection's number) in `flows`."""
         self.deadlines[call_id] = deadline
+        self.flows[call_id] = flow
         self.send(kind, call_id, aux, params)
 
     def take(self) -> list[tuple[int, int, int, bytes]]:
@@ -191,6 +194,30 @@ def test_a_connections_call_goes_next_however_many_another_connection_queued():
         assert order[:5] == [0, "v", 1, "w", 2]
         flood_order = [x for x in order if x not in ("v", "w")]
         assert flood_order == sorted(flood_order)  # the flood's own calls, the chunk's included, in order
+
+    run(main)
+
+
+def test_each_frame_names_its_connection_as_its_flow():
+    """A call's frame carries its connection's flow (wire.py), by which the worker takes
+    turns among clients once a call takes a whole slice (hostile testing, round 60): one
+    number for every call and chunk of a connection, another for each other connection."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["m"])
+        w = add_worker(d, 0, concurrency=100)
+        codec = Codec()
+        one, other = ResponseBudget(d.outgoing), ResponseBudget(d.outgoing)
+        d.submit(body(codec, req("m", [1], 1)), lambda e: None, one)
+        d.submit(body(codec, [req("m", [i], i) for i in range(5)]), lambda e: None, one)
+        d.submit(body(codec, {"jsonrpc": "2.0", "method": "m"}), lambda e: None, one)  # (a notification)
+        d.submit(body(codec, req("m", [2], 2)), lambda e: None, other)
+        frames = w.channel.take()
+        assert [f[0] for f in frames] == [wire.Kind.CALL, wire.Kind.CHUNK, wire.Kind.NOTIFY, wire.Kind.CALL]
+        flows = [w.channel.flows[f[1]] for f in frames]
+        assert flows[:3] == [one.flow] * 3 and flows[3] == other.flow != one.flow
+        assert 0 <= one.flow < 1 << 32
 
     run(main)
 

@@ -69,6 +69,28 @@ def test_a_batch_chunk_holds_only_its_calls_still_running(broker_factory):
     assert [a["error"]["code"] for a in answers[:2]] == [-32001, -32001]  # type: ignore[index]
 
 
+def test_a_sync_method_learnt_fast_then_slow_holds_another_client_back_for_one_call(broker_factory):
+    """Hostile testing (round 60, HIGH): `fib` learnt fast from fib(1), then one client's
+    batch of 40 fib(30) (about 75 ms each here) went out as calls that do not block, 20 a
+    worker, and every other client's call waited behind all of them (10 s with fib(32)).
+    A worker now takes turns among its clients once a call takes a whole slice: the other
+    client's `add` waits for about one fib(30), and is answered long before the batch."""
+    b = broker_factory("--workers", "2")
+    assert b.call("fib", [1])["result"] == 1
+    with ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        batch = pool.submit(post, b, [req("fib", [30], i) for i in range(40)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") > 0, timeout=10)
+        t0 = time.monotonic()
+        assert b.call("add", [1, 2])["result"] == 3
+        other = time.monotonic() - t0
+        assert not batch.done()  # answered while the batch runs
+        answers = batch.result(timeout=60)
+        whole = time.monotonic() - start
+    assert [a["result"] for a in answers] == [832040] * 40  # type: ignore[index]
+    assert other < whole / 4, f"the other client's add took {other:.2f} s, the batch {whole:.2f} s"
+
+
 def test_calls_avoid_a_worker_blocked_in_a_hung_sync_call(broker_factory):
     """Issue 9 item 23: a worker spinning in a sync handler is sent nothing more
     (--sync-prefetch 0), so a batch sent meanwhile is answered by the other worker, and

@@ -319,6 +319,17 @@ def test_debug_warns_at_the_start(broker_factory):
     assert "debug is on" not in quiet.read_log(0.5)
 
 
+def test_the_broker_has_numpy_loaded_before_the_first_deep_body(broker_factory):
+    """Hostile testing (round 60): the first body that took the deep path imported numpy in
+    the event loop's turn, and every client waited 130 ms once. The broker loads it as it
+    starts: it is mapped in the broker process before any body came."""
+    b = broker_factory("--workers", "1")
+    with open(f"/proc/{b.pid}/maps") as maps:
+        assert "numpy" in maps.read()
+    status, _ = post_json(b, req("add", [1, 2], 1))
+    assert status == 200
+
+
 def test_method_timeout_overrides_the_default_for_that_method_only(broker_factory):
     b = broker_factory("--workers", "2", "--timeout", "0.5", "--method-timeout", "sleep=0.3")
     worker_pids(b, 2)

@@ -207,13 +207,13 @@ def test_decode_hello_round_trip():
         b"",
         b"not json",
         b"[]",
-        b'{"wire":2,"pid":1,"slot":0,"methods":[]}',  # concurrency missing
-        b'{"wire":2,"pid":"1","slot":0,"methods":[],"concurrency":1}',  # pid a string
-        b'{"wire":2,"pid":1,"slot":0,"methods":{},"concurrency":1}',  # methods not a list
-        b'{"wire":2,"pid":1,"slot":0,"methods":[{"doc":"x"}],"concurrency":1}',  # method without name
-        b'{"wire":2,"pid":1,"slot":0,"methods":[],"concurrency":1,"extra":true}',  # unknown field
-        b'{"wire":2,"pid":1,"slot":0,"methods":[],"concurrency":1.5}',
-        b'{"wire":2,"pid":1,"slot":0,"methods":[],"concurrency":1}x',
+        b'{"wire":3,"pid":1,"slot":0,"methods":[]}',  # concurrency missing
+        b'{"wire":3,"pid":"1","slot":0,"methods":[],"concurrency":1}',  # pid a string
+        b'{"wire":3,"pid":1,"slot":0,"methods":{},"concurrency":1}',  # methods not a list
+        b'{"wire":3,"pid":1,"slot":0,"methods":[{"doc":"x"}],"concurrency":1}',  # method without name
+        b'{"wire":3,"pid":1,"slot":0,"methods":[],"concurrency":1,"extra":true}',  # unknown field
+        b'{"wire":3,"pid":1,"slot":0,"methods":[],"concurrency":1.5}',
+        b'{"wire":3,"pid":1,"slot":0,"methods":[],"concurrency":1}x',
     ],
 )
 def test_decode_hello_rejects_bad_payloads(payload):
@@ -221,35 +221,39 @@ def test_decode_hello_rejects_bad_payloads(payload):
         decode_hello(payload)
 
 
-def test_a_call_frame_carries_its_deadline_before_its_params():
+def test_a_call_frame_carries_its_deadline_and_flow_before_its_params():
     """CALL, NOTIFY and CHUNK payloads start with the call's deadline, a big-endian f64
-    of CLOCK_MONOTONIC seconds (inf: none), packed with the header by `CALL_HEADER`."""
-    frame = encode_call(Kind.CALL, 7, 3, b"[1, 2]", 12345.5)
-    assert frame == wire.HEADER.pack(14, Kind.CALL, 7, 3) + struct.pack(">d", 12345.5) + b"[1, 2]"
+    of CLOCK_MONOTONIC seconds (inf: none), and its flow (its connection's number, u32),
+    packed with the header by `CALL_HEADER`."""
+    frame = encode_call(Kind.CALL, 7, 3, b"[1, 2]", 12345.5, 0xFFFFFFFF)
+    assert frame == wire.HEADER.pack(18, Kind.CALL, 7, 3) + struct.pack(">dI", 12345.5, 0xFFFFFFFF) + b"[1, 2]"
     assert wire.CALL_HEADER.size == HEADER_SIZE + wire.DEADLINE.size
     [(kind, call_id, aux, payload), _] = FrameDecoder().feed(frame + encode_call(Kind.NOTIFY, 8, 0))
-    deadline = wire.DEADLINE.unpack_from(payload)[0]
-    assert (kind, call_id, aux, deadline, payload[8:]) == (Kind.CALL, 7, 3, 12345.5, b"[1, 2]")
-    assert wire.DEADLINE.unpack(encode_call(Kind.NOTIFY, 8, 0)[HEADER_SIZE:]) == (math.inf,)
+    deadline, flow = wire.DEADLINE.unpack_from(payload)
+    assert (kind, call_id, aux, deadline, flow, payload[12:]) == (Kind.CALL, 7, 3, 12345.5, 0xFFFFFFFF, b"[1, 2]")
+    assert wire.DEADLINE.unpack(encode_call(Kind.NOTIFY, 8, 0)[HEADER_SIZE:]) == (math.inf, 0)
 
 
 def test_a_hello_of_another_wire_version_is_told_apart_whatever_fields_it_has():
     """Hostile testing (round 21): a newer worker's HELLO with a field this broker does not
     know was refused as a malformed HELLO ("unknown field"), and the broker said the app
     could not load. Its version is read first, whatever else it holds."""
-    newer = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 3, "resumable": true}'
-    with pytest.raises(wire.WireMismatch, match=r"worker 1 \(pid 7\) speaks wire version 3, this broker 2") as info:
+    newer = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 4, "resumable": true}'
+    with pytest.raises(wire.WireMismatch, match=r"worker 1 \(pid 7\) speaks wire version 4, this broker 3") as info:
         decode_hello(newer)
-    assert (info.value.pid, info.value.slot, info.value.version) == (7, 1, 3)
+    assert (info.value.pid, info.value.slot, info.value.version) == (7, 1, 4)
+    before_flows = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 2}'  # (calls without a flow)
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 2, this broker 3"):
+        decode_hello(before_flows)
     older = b'{"pid": 7, "slot": 1, "methods": [{"name": "a"}], "concurrency": 1}'  # (no version: 1's)
     with pytest.raises(wire.WireMismatch, match="speaks wire version 1"):
         decode_hello(older)
-    same = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 2, "resumable": true}'
+    same = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 3, "resumable": true}'
     with pytest.raises(FrameError, match="bad HELLO") as bad:
         decode_hello(same)
     assert type(bad.value) is FrameError
-    ok = decode_hello(b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 2}')
-    assert (ok.pid, ok.slot, ok.wire) == (7, 1, 2)
+    ok = decode_hello(b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 3}')
+    assert (ok.pid, ok.slot, ok.wire) == (7, 1, 3)
 
 
 @given(st.lists(st.tuples(st.integers(0, wire.MAX_METHODS), st.booleans(), st.binary(max_size=40)), max_size=20),

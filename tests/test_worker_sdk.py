@@ -2061,12 +2061,13 @@ def test_system_exit_in_a_handler_is_an_error_not_a_dead_worker(run):
 # --- CHUNK frames (several calls of a batch in one frame) --------------------------------
 
 
-def chunk_frame(chunk_id: int, calls: list[tuple[str, bytes, bool]], deadline: float = math.inf) -> bytes:
-    """A CHUNK frame: (method, params, notification) per call, and their `deadline`."""
+def chunk_frame(chunk_id: int, calls: list[tuple[str, bytes, bool]], deadline: float = math.inf, flow: int = 0) -> bytes:
+    """A CHUNK frame: (method, params, notification) per call, their `deadline`, and the
+    `flow` (client connection) they came on."""
     payload = b"".join(
         wire.CALL_ENTRY.pack(INDEX[m], wire.NOTIFY_FLAG if note else 0, len(p)) + p for m, p, note in calls
     )
-    return encode_call(Kind.CHUNK, chunk_id, len(calls), payload, deadline)
+    return encode_call(Kind.CHUNK, chunk_id, len(calls), payload, deadline, flow)
 
 
 def chunk_answers(frames: list[Frame]) -> dict[int, tuple[int, bytes]]:
@@ -2091,6 +2092,52 @@ async def read_chunk(b: Broker, chunk_id: int) -> tuple[list[Frame], dict[int, t
         assert f[1] == chunk_id
         frames.append(f)
     return frames, chunk_answers(frames)
+
+
+def _answered_order(frames: list[Frame]) -> list[tuple[int, int]]:
+    """(call id, place in its chunk; -1 for a single call) of each answer, in the order sent."""
+    order: list[tuple[int, int]] = []
+    for kind, call_id, _, payload in frames:
+        if kind in (Kind.CHUNK_PART, Kind.CHUNK_REPLY):
+            order += [(call_id, i) for i in chunk_answers([(kind, call_id, 0, payload)])]
+        else:
+            order.append((call_id, -1))
+    return order
+
+
+def test_a_flows_slow_calls_hold_another_flows_call_back_for_one_slice(run):
+    """Hostile testing (round 60): a sync method learnt fast from a cheap call, then one
+    client's batch of its slow calls reached each worker as a chunk of 50, and every other
+    client's call there waited for all of them (10 s). Once a call takes a whole slice, the
+    next slice goes to the flow (client connection) served longest ago: another flow's call
+    waits for one slow call, two flows' for one of each; a flow's own calls keep their order."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        spins = [("spin", b"[0.05]", False)] * 6
+        b.send(chunk_frame(1, spins, flow=7), encode_call(Kind.CALL, 2, INDEX["add_ints"], b"[1, 2]", flow=8))
+        frames: list[Frame] = []
+        while not any(f[0] == Kind.CHUNK_REPLY for f in frames) or not any(f[1] == 2 for f in frames):
+            frames += await b.read(timeout=10)
+        order = _answered_order(frames)
+        assert order.index((2, -1)) == 1, order  # after one spin of flow 7, not six
+        # Two flows of slow calls, then a third flow's call: it waits for one of each.
+        b.send(chunk_frame(3, spins, flow=7), chunk_frame(4, spins, flow=9),
+               encode_call(Kind.CALL, 5, INDEX["add_ints"], b"[2, 2]", flow=8))
+        frames = []
+        while sum(1 for f in frames if f[0] == Kind.CHUNK_REPLY) < 2:
+            frames += await b.read(timeout=10)
+        order = _answered_order(frames)
+        assert order.index((5, -1)) <= 2, order
+        assert [i for c, i in order if c == 3] == list(range(6)) and [i for c, i in order if c == 4] == list(range(6))
+        # One flow's call after its own slow calls waits for them: its order is kept.
+        b.send(chunk_frame(6, spins[:3], flow=7), encode_call(Kind.CALL, 7, INDEX["add_ints"], b"[3, 3]", flow=7))
+        frames = []
+        while not any(f[1] == 7 for f in frames):
+            frames += await b.read(timeout=10)
+        assert _answered_order(frames)[-1] == (7, -1) and len(_answered_order(frames)) == 4
+        await b.nothing_more()
+
+    run(test)
 
 
 def test_a_chunk_gets_every_answer_once_sync_async_errors_and_notifications(run):
