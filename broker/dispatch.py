@@ -181,6 +181,7 @@ from broker.wire import (
     AWAITED,
     CALL,
     CANCEL_ACK,
+    CANCEL_ACK_RAN,
     CHUNK,
     CHUNK_PART,
     CHUNK_REPLY,
@@ -410,12 +411,18 @@ def _timed_out(call: Call, started: bool = True) -> bytes:
     return error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout, "started": False})
 
 
+_ACKS = (CANCEL_ACK, CANCEL_ACK_RAN)  # a worker's acknowledgements of a cancel (or of a deadline)
+
+
 def _as_timed_out(error: bytes | memoryview, call: Call) -> bytes | memoryview:
     """A worker's error object for a call not answered yet, `CANCEL_ACK` as -32001 with
     the call's timeout: the worker found its deadline passed before it started it (the
     deadline in its frame), and answered before the broker's timer fired (the same one,
-    1 ms early at most); the client gets what that timer would have given it."""
-    return _timed_out(call, False) if error == CANCEL_ACK else error
+    1 ms early at most); the client gets what that timer would have given it, and
+    `"started": false`. `CANCEL_ACK_RAN` likewise, but its handler ran: not that."""
+    if error == CANCEL_ACK:
+        return _timed_out(call, False)
+    return _timed_out(call) if error == CANCEL_ACK_RAN else error
 
 
 class Dispatcher:
@@ -1207,9 +1214,10 @@ class Dispatcher:
         answer's bytes), or with -32603 if the answer would take its connection's answers
         owed past max_response_bytes, or all connections' past max_outgoing_bytes (a
         result too: then `error` is that result)."""
-        if error == CANCEL_ACK:  # (see `_as_timed_out`)
-            error = _timed_out(call, False)
-            size += len(error) - len(CANCEL_ACK)
+        if error == CANCEL_ACK or error == CANCEL_ACK_RAN:  # (see `_as_timed_out`)
+            size -= len(error)
+            error = _timed_out(call, error == CANCEL_ACK_RAN)
+            size += len(error)
         budget = exchange.budget
         outgoing = budget.outgoing
         if budget.held + size <= self.max_response_bytes and outgoing.held + size <= outgoing.limit:
@@ -1291,7 +1299,7 @@ class Dispatcher:
             for i, entry_kind, start, end in chunk_answers(payload):
                 if slots is not None and i < len(slots) and slots[i] < 0:
                     pass  # a notification's
-                elif entry_kind == ERROR and payload[start:end] == CANCEL_ACK:
+                elif entry_kind == ERROR and payload[start:end] in _ACKS:
                     self.late_cancelled_total += 1
                 else:
                     self.late_results_total += 1
@@ -1302,7 +1310,7 @@ class Dispatcher:
                 calls = len(slots) - slots.count(-1)
             else:
                 calls = int(call.kind != NOTIFY)
-            if kind == ERROR and payload == CANCEL_ACK:
+            if kind == ERROR and payload in _ACKS:
                 self.late_cancelled_total += calls
             else:
                 self.late_results_total += calls

@@ -496,6 +496,23 @@ def test_each_call_goes_with_its_deadline_and_one_refused_past_it_is_answered_ti
         assert [a["error"] for a in json.loads(done[2].body())] == [timed_out] * 3
         assert d.metrics is not None and d.metrics.outcomes[0][ErrorCode.TIMED_OUT] == 1 + 2 + 3
         assert (d.late_cancelled_total, d.late_results_total) == (0, 0)
+        # A call whose handler ran before its deadline stopped the rest (a sync handler's
+        # awaitable): CANCEL_ACK_RAN, -32001 without "started" (round 60: never false then).
+        d.submit(body(codec, req("m", [1], "ran")), done.append)
+        d.submit(body(codec, [req("m", [i], 20 + i) for i in range(3)]), done.append)
+        single, chunk = w.channel.take()
+        ran = wire.CANCEL_ACK_RAN
+        d.on_reply(w, wire.Kind.ERROR, single[1], 1000, ran)
+        entries = wire.REPLY_ENTRY.pack(0, wire.Kind.ERROR, len(ran)) + ran + b"".join(
+            wire.REPLY_ENTRY.pack(i, wire.Kind.ERROR, len(ack)) + ack for i in (1, 2))
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 100, entries)
+        plain = {"code": -32001, "message": "Call timed out", "data": {"timeout_seconds": 5.0}}
+        assert json.loads(done[3].body()) == {"jsonrpc": "2.0", "id": "ran", "error": plain}
+        assert sorted(json.loads(done[4].body()), key=lambda a: a["id"]) == [
+            {"jsonrpc": "2.0", "id": 20, "error": plain},
+            {"jsonrpc": "2.0", "id": 21, "error": timed_out},
+            {"jsonrpc": "2.0", "id": 22, "error": timed_out},
+        ]
 
     run(main)
 

@@ -91,6 +91,40 @@ def test_a_sync_method_learnt_fast_then_slow_holds_another_client_back_for_one_c
     assert other < whole / 4, f"the other client's add took {other:.2f} s, the batch {whole:.2f} s"
 
 
+def test_a_sync_method_learnt_fast_then_slow_holds_pipelined_calls_back_for_one_call(broker_factory):
+    """Hostile testing (round 61, HIGH): beside the batch of the test above, a client
+    sending 64 `add` lines at once on an NDJSON stream got its last answer after 5.2 s:
+    a worker's turn moved only its first call ahead. Its calls on a worker now all go ahead
+    of the slow client's: the last of the 64 is answered long before the batch ends."""
+    import socket
+
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "2", "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    assert b.call("fib", [1])["result"] == 1
+    lines = b"".join(b'{"jsonrpc":"2.0","method":"add","params":[%d,1],"id":%d}\n' % (k, k) for k in range(64))
+    with ThreadPoolExecutor(1) as pool, socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        start = time.monotonic()
+        batch = pool.submit(post, b, [req("fib", [30], i) for i in range(40)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") > 0, timeout=10)
+        t0 = time.monotonic()
+        s.sendall(lines)
+        got = b""
+        while got.count(b"\n") < 64:
+            chunk = s.recv(65536)
+            assert chunk, got
+            got += chunk
+        other = time.monotonic() - t0
+        assert not batch.done()  # all answered while the batch runs
+        answers = batch.result(timeout=60)
+        whole = time.monotonic() - start
+    assert sorted(json.loads(line)["result"] for line in got.splitlines()) == list(range(1, 65))
+    assert [a["result"] for a in answers] == [832040] * 40  # type: ignore[index]
+    assert other < whole / 4, f"the other client's 64 adds took {other:.2f} s, the batch {whole:.2f} s"
+
+
 def test_calls_avoid_a_worker_blocked_in_a_hung_sync_call(broker_factory):
     """Issue 9 item 23: a worker spinning in a sync handler is sent nothing more
     (--sync-prefetch 0), so a batch sent meanwhile is answered by the other worker, and

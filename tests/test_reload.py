@@ -13,6 +13,8 @@ from pathlib import Path
 
 from conftest import Broker, children, sample, scrape_metrics, start_broker, wait_for
 
+from broker.wire import VERSION
+
 APP = "tests.apps.versioned:registry"
 
 
@@ -123,18 +125,19 @@ def test_a_failed_reload_respawns_nothing_and_is_counted(broker_factory, tmp_pat
 def test_a_reload_to_workers_of_another_wire_version_fails_saying_why(broker_factory, tmp_path: Path) -> None:
     """rpc-broker upgraded in place under a running broker (`pip install -U`, then SIGHUP):
     the reload's workers run the new code, whose frames the running broker reads otherwise
-    (calls carry their deadline since wire version 2). Their HELLO names their version:
+    (calls carry their deadline since wire version 2, their flow since 3). Their HELLO names
+    their version:
     the reload fails, saying so and what to do, and the old workers serve on."""
     version = tmp_path / "wire.txt"
     b = broker_factory("--workers", "1", "--app", "tests.apps.other_wire:registry",
                        env={"OTHER_WIRE_FILE": str(version)})
     assert b.call("add", [1, 2])["result"] == 3
     old = children(b.pid)
-    version.write_text("3")
+    version.write_text(str(VERSION + 1))
     os.kill(b.pid, signal.SIGHUP)
     wait_for(lambda: metric(b, "rpc_broker_reloads_total", result="failure") == 1, timeout=30)
     log = b.read_log(0.1)
-    assert "reload failed: worker 0 (pid" in log and "speaks wire version 3, this broker 2" in log, log
+    assert "reload failed: worker 0 (pid" in log and f"speaks wire version {VERSION + 1}, this broker {VERSION}" in log, log
     assert "restart the broker to run it" in log, log
     assert b.call("add", [2, 2])["result"] == 4
     wait_for(lambda: children(b.pid) == old, timeout=10)
@@ -149,13 +152,13 @@ def test_a_restarted_worker_of_another_wire_version_leaves_its_slot_down(broker_
                        env={"OTHER_WIRE_FILE": str(version)})
     workers = children(b.pid)
     assert len(workers) == 2
-    version.write_text("3")
+    version.write_text(str(VERSION + 1))
     victim = min(workers)
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: "stays down, not restarted" in b.read_log(0.05), timeout=30)
     time.sleep(1.0)  # (a restart would have come by now: the first backoff is 0.1 s)
     log = b.read_log(0.1)
-    assert log.count("speaks wire version 3, this broker 2") == 2, log  # (refused, and why it stays down)
+    assert log.count(f"speaks wire version {VERSION + 1}, this broker {VERSION}") == 2, log  # (refused, and why it stays down)
     assert children(b.pid) == workers - {victim}
     assert all(b.call("add", [i, 1], id_=i)["result"] == i + 1 for i in range(4))  # (the other slot)
 
@@ -171,7 +174,7 @@ def test_workers_of_another_wire_version_are_a_boot_failure_that_says_so(tmp_pat
     else:
         raise AssertionError("the broker started")
     assert message.startswith("broker exited with 3:"), message
-    assert "worker 0 (pid" in message and "speaks wire version 1, this broker 2" in message, message
+    assert "worker 0 (pid" in message and f"speaks wire version 1, this broker {VERSION}" in message, message
     assert "could not load app" not in message, message
 
 

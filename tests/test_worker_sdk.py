@@ -2129,6 +2129,15 @@ def test_a_flows_slow_calls_hold_another_flows_call_back_for_one_slice(run):
         order = _answered_order(frames)
         assert order.index((5, -1)) <= 2, order
         assert [i for c, i in order if c == 3] == list(range(6)) and [i for c, i in order if c == 4] == list(range(6))
+        # A flow's pipelined calls all go in its turn, not one of them (round 61: a client's
+        # 64 pipelined calls waited 5.2 s, one slow call of the other flow each).
+        b.send(chunk_frame(8, spins, flow=7),
+               *(encode_call(Kind.CALL, 100 + k, INDEX["add_ints"], b"[1, 1]", flow=8) for k in range(5)))
+        frames = []
+        while not any(f[0] == Kind.CHUNK_REPLY for f in frames) or sum(1 for f in frames if f[1] >= 100) < 5:
+            frames += await b.read(timeout=10)
+        order = _answered_order(frames)
+        assert max(order.index((100 + k, -1)) for k in range(5)) == 5, order  # after one spin
         # One flow's call after its own slow calls waits for them: its order is kept.
         b.send(chunk_frame(6, spins[:3], flow=7), encode_call(Kind.CALL, 7, INDEX["add_ints"], b"[3, 3]", flow=7))
         frames = []
@@ -2226,7 +2235,8 @@ def test_no_handler_starts_past_its_deadline_after_a_slow_bind_or_as_a_sync_hand
     """Hostile testing (round 20): the deadline was checked before the params were bound,
     and binding 6 MB of them took 0.6 s: the handler started 0.4 s after its -32001. Nor
     was the coroutine a sync handler returns held to it. Each is answered CANCEL_ACK now,
-    unrun (aux NOT_RUN for the bind), its coroutine closed unawaited. (A chunk's calls
+    unrun (aux NOT_RUN for the bind), its coroutine closed unawaited; the coroutine's call
+    CANCEL_ACK_RAN, for its handler ran (round 60: never "started": false). (A chunk's calls
     run in one slice of the worker's loop here, however loaded the machine: its 2 ms
     slice ended between them once, and the coroutine's first step came before the spin.)"""
     from broker.worker import runtime
@@ -2245,13 +2255,13 @@ def test_no_handler_starts_past_its_deadline_after_a_slow_bind_or_as_a_sync_hand
         assert answers == {0: (Kind.ERROR, CANCEL_ACK), 1: (Kind.ERROR, CANCEL_ACK)}
         b.send(chunk_frame(4, [("returns_nap", b"[0]", False), ("spin", b"[0.5]", False)], time.monotonic() + 0.2))
         _, answers = await read_chunk(b, 4)
-        assert answers == {0: (Kind.ERROR, CANCEL_ACK), 1: (Kind.RESULT, b"0.5")}
+        assert answers == {0: (Kind.ERROR, wire.CANCEL_ACK_RAN), 1: (Kind.RESULT, b"0.5")}
         assert inspect.getcoroutinestate(NAPS_RETURNED[-1]) == inspect.CORO_CLOSED  # (not "never awaited")
         # A task the handler started, returned: its own from then on (its first step came
         # with the spin's end, past the deadline), cancelled at its next await, not run on.
         b.send(chunk_frame(5, [("returns_task", b"[0.3]", False), ("spin", b"[0.5]", False)], time.monotonic() + 0.2))
         _, answers = await read_chunk(b, 5)
-        assert answers == {0: (Kind.ERROR, CANCEL_ACK), 1: (Kind.RESULT, b"0.5")}
+        assert answers == {0: (Kind.ERROR, wire.CANCEL_ACK_RAN), 1: (Kind.RESULT, b"0.5")}
         await asyncio.sleep(0.05)
         assert TASKS_RETURNED[-1].cancelled()
 
@@ -2355,6 +2365,26 @@ def test_hello_lists_an_async_handler_behind_a_decorator_as_async(run):
         b.send(encode_call(Kind.CALL, 1, index["wrapped_nap"], b"[0]"),
                encode_call(Kind.CALL, 2, index["returns_coroutine"], b"[0]"))
         assert sorted((f[0], f[1], f[3]) for f in await b.read(2)) == [(Kind.RESULT, 1, b"0.0"), (Kind.RESULT, 2, b"0.0")]
+
+    run(test, registry=answers.registry)
+
+
+def test_a_sync_handler_that_ran_is_never_answered_as_unrun_whatever_its_awaitable(run):
+    """Hostile testing (round 60): a sync handler that returned an awaitable past its call's
+    deadline had run (its side effect made), but its awaitable's first step found the deadline
+    passed and the call was answered CANCEL_ACK, which the broker gives the client as
+    "started": false: a retry would do it twice. Its awaitable is still not run past the
+    deadline (round 20), but the call is answered CANCEL_ACK_RAN: the handler ran."""
+    from tests.apps import answers
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        index = {m.name: i for i, m in enumerate(answers.registry.methods())}
+        answers.RAN.clear()
+        b.send(encode_call(Kind.CALL, 1, index["blocks_then_returns_coroutine"], b"[0.1]", time.monotonic() + 0.05))
+        [frame] = await b.read()
+        assert answers.RAN == [0.1]
+        assert (frame[0], frame[1], frame[3]) == (Kind.ERROR, 1, wire.CANCEL_ACK_RAN)
+        assert frame[2] != wire.NOT_RUN
 
     run(test, registry=answers.registry)
 

@@ -168,12 +168,13 @@ async def _guarded(
     if _forked_from:  # (a child the loop went on in: not past its trap, `_trap_loop_return`)
         _child_exits(None)
     if deadline <= _monotonic():
-        if fn is _identity:  # what a sync handler returned: never awaited now
+        if fn is _identity:  # what a sync handler returned: never awaited now, but the handler ran
             awaitable = args[0]
             if type(awaitable) is _COROUTINE:
                 typing.cast("typing.Coroutine[object, object, object]", awaitable).close()
             elif isinstance(awaitable, asyncio.Future):  # (a Task it made runs from then on, on its
                 awaitable.cancel()  # own: cancelled, as an async handler's, at its next await)
+            return False, _PAST_DEADLINE_RAN
         return False, _PAST_DEADLINE
     try:
         value = fn(*args, **kwargs)
@@ -201,6 +202,11 @@ class _PastDeadline(Exception):
 
 
 _PAST_DEADLINE = _PastDeadline()
+# ... and the awaitable a sync handler returned, whose first step came past the deadline: the
+# handler ran (its side effects made) before it returned it, so it is answered
+# `CANCEL_ACK_RAN`, never as unrun (hostile testing, round 60: answered CANCEL_ACK, the client
+# was told "started": false, and a retry would have done it twice).
+_PAST_DEADLINE_RAN = _PastDeadline()
 
 
 class _Chunk:
@@ -276,14 +282,12 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         "_read_first",
         "_run_scheduled",
         "_running",
-        "_served",
         "_slot",
         "_slow",
         "_spent",
         "_task_of",
         "_tasks",
         "_transport",
-        "_turn",
         "_winding",
         "_yielded",
         "done",
@@ -333,11 +337,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         self._run_scheduled = False
         self._read_first = False  # `_run` was put off to a later loop turn: it reads first (`_read_now`)
         self._yielded = (0, 0)  # (call id, loop turns) given to async calls before a slow one (`_run`)
-        # Turns among flows (`_next_turn`): the flow whose call(s) took the whole of the last
-        # slice (-1: none did), and the turn in which each flow last did (0: never).
-        self._spent = -1
-        self._served: dict[int, int] = {}
-        self._turn = 0  # slices so spent
+        self._spent = -1  # the flow whose call (or chunk) took the whole last slice (-1: none): `_next_turn`
         self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
         # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
         # the worker closes after them, as after its calls (hostile testing, round 17: a
@@ -571,38 +571,30 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
 
     def _next_turn(self) -> None:
         """The last slice went whole to one call or chunk of one flow (`_spent`: a client
-        connection, wire.py), and calls wait: the next slice starts with the first call of the flow whose
-        calls last had a slice longest ago (one that never had one first; on a tie, the first
-        call waiting). A flow's calls keep their order. So a client whose calls turn out slow
-        (a sync method learnt fast from a cheap call, then a batch of its slow calls: 50 a
-        worker) holds another client's call back for one of its slices, one slow call, and
-        not for all of its own that reached this worker first (hostile testing, round 60:
-        every other client's call waited 10 s behind a batch of 100 fib(32), 20 s on 4
-        workers). Between calls that each take less than a slice, as fast calls do, the
-        worker's order is the order they came. O(calls waiting), once a slice at most, and
-        only after a call (or a chunk) that took a whole slice: scanning after every slice
-        of fast single calls cost 41 % more instructions per call (callgrind, where a slice
-        holds a few calls)."""
-        served = self._served
-        turn = self._turn = self._turn + 1
-        served[self._spent] = turn
+        connection, wire.py), and calls wait: that flow's calls go behind every other flow's
+        waiting now, each flow's calls in their order (a stable partition). So the flows
+        take turns: a client whose calls turn out slow (a sync method learnt fast from a
+        cheap call, then a batch of its slow calls: 50 a worker) holds another client's calls
+        back for one of its slow calls, all of that client's waiting calls, pipelined ones
+        too, and with several such clients one slow call of each (round robin), not for all
+        of its own that reached this worker first (hostile testing, round 60: every other
+        client's call waited 10 s behind a batch of 100 fib(32); round 61: moving only the
+        next flow's first call to the front left a client's 64 pipelined calls 5.2 s behind).
+        Between calls that each take less than a slice, as fast calls do, the worker's order
+        is the order they came. O(calls waiting), and only after a call (or a chunk) that
+        took a whole slice: scanning after every slice of fast single calls cost 41 % more
+        instructions per call (callgrind, where a slice holds a few calls)."""
+        spent = self._spent
         self._spent = -1
         backlog = self._backlog
-        best = 0
-        best_at = turn + 1
-        for i, item in enumerate(backlog):
-            at = served.get(_flow_of(item), 0)
-            if at < best_at:
-                best, best_at = i, at
-                if not at:
-                    break
-        if best:
-            first = backlog[best]
-            del backlog[best]
-            backlog.appendleft(first)
-        if len(served) > 2 * len(backlog) + 64:  # (flows gone: only those waiting keep their turn)
-            waiting = {_flow_of(item) for item in backlog}
-            self._served = {flow: at for flow, at in served.items() if flow in waiting}
+        flows = [_flow_of(item) for item in backlog]
+        if flows.count(spent) in (0, len(flows)):  # (one flow waiting, or only others)
+            return
+        later = [item for item, flow in zip(backlog, flows) if flow == spent]
+        now = [item for item, flow in zip(backlog, flows) if flow != spent]
+        backlog.clear()
+        backlog.extend(now)
+        backlog.extend(later)
 
     def _yield(self, call_id: int) -> bool:
         """Before call `call_id`, of a method that blocks the loop, with async calls in
@@ -653,7 +645,9 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         No handler starts past `deadline` (CLOCK_MONOTONIC s, the call's: wire.py): a sync
         one is checked once its params are bound (binding megabytes of them takes a large
         part of a second: hostile testing, round 20), an async one at its task's first
-        step (`_guarded`), a sync one's coroutine too; (_UNRUN, CANCEL_ACK) then."""
+        step (`_guarded`); (_UNRUN, CANCEL_ACK) then. The awaitable a sync one returns is
+        held to it too, but that handler has run: its call is answered CANCEL_ACK_RAN
+        (wire.py), which the broker never gives as "started": false."""
         if _forked_from:  # (a child forked anywhere, a finalizer included, runs no call)
             _child_exits(None)
         try:
@@ -684,7 +678,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                 if not inspect.isawaitable(result):
                     raise
             # A sync handler that returned a coroutine (a decorator `_is_async` could
-            # not see through): run it as an async one's.
+            # not see through): run it as an async one's (not past the deadline: round 20).
             task = self._loop.create_task(_guarded(_identity, (result,), {}, self._finished, deadline))
             if method._flags is not None:  # (round 42: its Flag members stayed after it ended)
                 task.add_done_callback(self._flag_call_done)
@@ -722,6 +716,8 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                 return RESULT, encode_result(value)
             if (by_broker and isinstance(value, asyncio.CancelledError)) or value is _PAST_DEADLINE:
                 return ERROR, _CANCELLED
+            if value is _PAST_DEADLINE_RAN:
+                return ERROR, wire.CANCEL_ACK_RAN
             return ERROR, self._error(typing.cast(BaseException, value), index)
         except BaseException as exc:  # the result has no JSON form (or a hook raised)
             return ERROR, self._error(exc, index)

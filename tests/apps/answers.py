@@ -120,6 +120,20 @@ def returns_coroutine(seconds: float) -> object:
     return _nap(seconds)
 
 
+RAN: list[float] = []  # the calls of `blocks_then_returns_coroutine` that ran (in-process tests)
+
+
+@registry.method
+def blocks_then_returns_coroutine(seconds: float) -> object:
+    """A sync handler that does something (blocks `seconds`, and records that it ran), then
+    returns an awaitable."""
+    import time
+
+    time.sleep(seconds)
+    RAN.append(seconds)
+    return _nap(0)
+
+
 @registry.method
 def raw_bytes(hex_: str) -> object:
     """msgspec.Raw of the bytes spelled in hex (e.g. invalid UTF-8)."""
