@@ -11,7 +11,8 @@ machine's noise hits both alike:
   the sync `fib` fast, then posts one batch of 100 `fib(--fib)` (50 a worker, sent as calls
   that do not block); another client sends `add` calls one after another on its own
   connection meanwhile. Prints that client's `add` latency (p50, max) while the batch runs,
-  and how long the batch took.
+  and how long the batch took. Then the same batch beside a client that writes 64 `add`
+  lines at once on an NDJSON stream (pipelined): the time to its last answer.
 - costs: one connection posting batches of 100 `add` one after another, and 8 connections
   each posting single `add` calls one after another (threads); calls per second, and this
   tree's rate over the other's (a ratio of medians).
@@ -24,10 +25,12 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import socket
 import statistics
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -36,6 +39,7 @@ sys.path.insert(0, str(HERE))
 
 from conftest import ROOT, start_broker  # noqa: E402  (the same launcher the tests use)
 from connection_share import HEADERS, batch, rate  # noqa: E402
+from test_stream import free_port  # noqa: E402
 
 ADD = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 1}).encode()
 
@@ -80,6 +84,33 @@ def beside_a_steered_batch(port: int, n: int) -> dict[str, float]:
             "n": len(latencies), "batch s": took[0]}
 
 
+def pipelined_beside_a_steered_batch(port: int, stream_port: int, n: int) -> dict[str, float]:
+    """Seconds to the last of 64 pipelined NDJSON `add` answers while one batch of 100 fib(n) runs."""
+    post(port, json.dumps({"jsonrpc": "2.0", "method": "fib", "params": [1], "id": 0}).encode())
+    took: list[float] = []
+    thread = threading.Thread(target=lambda: took.append(_timed(lambda: post(port, batch(100, "fib", [n])))))
+    thread.start()
+    time.sleep(0.05)
+    lines = b"".join(b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":%d}\n' % k for k in range(64))
+    with socket.create_connection(("127.0.0.1", stream_port), timeout=120) as conn:
+        start = time.perf_counter()
+        conn.sendall(lines)
+        got = b""
+        while got.count(b"\n") < 64:
+            data = conn.recv(65536)
+            assert data, got
+            got += data
+        last = time.perf_counter() - start
+    thread.join()
+    return {"last s": last, "batch s": took[0]}
+
+
+def _timed(work: typing.Callable[[], object]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
 def singles(port: int, connections: int, seconds: float) -> float:
     """Calls a second of `connections` connections each posting single `add` calls in turn."""
     counts = [0] * connections
@@ -109,12 +140,17 @@ def main() -> None:
     parser.add_argument("--fib", type=int, default=32, help="n of the batch's fib(n) calls (0..35)")
     args = parser.parse_args()
     trees = [("this tree", ROOT)] + ([("before", args.before.resolve())] if args.before else [])
-    brokers = {name: start_broker("--workers", "2", "--timeout", "120", cwd=tree) for name, tree in trees}
+    streams = {name: free_port() for name, _ in trees}
+    brokers = {name: start_broker("--workers", "2", "--timeout", "120", "--stream-port", str(streams[name]), cwd=tree)
+               for name, tree in trees}
     rates: dict[str, dict[str, list[float]]] = {name: {"batch": [], "singles": []} for name, _ in trees}
     beside: dict[str, dict[str, float]] = {}
+    pipelined: dict[str, dict[str, float]] = {}
     try:
         for name, _ in trees:
             beside[name] = beside_a_steered_batch(brokers[name].port, args.fib)
+        for name, _ in trees:
+            pipelined[name] = pipelined_beside_a_steered_batch(brokers[name].port, streams[name], args.fib)
         for _ in range(args.rounds):
             for name, _ in trees:
                 rates[name]["batch"].append(rate(brokers[name].port, 100, 80))
@@ -127,6 +163,11 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, row in beside.items():
         print(f"| {name} | {row['add p50 ms']:.1f} | {row['add max ms']:.0f} | {row['n']:.0f} | {row['batch s']:.2f} |")
+    print("\nBeside the same batch, another client's 64 pipelined NDJSON `add` lines:")
+    print("| tree | its last answer s | the batch took s |")
+    print("|---|---|---|")
+    for name, row in pipelined.items():
+        print(f"| {name} | {row['last s']:.2f} | {row['batch s']:.2f} |")
     print(f"\n`add` calls/s (median of {args.rounds} rounds):")
     print("| tree | one connection, batches of 100 | 8 connections, single calls |")
     print("|---|---|---|")

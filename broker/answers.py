@@ -81,10 +81,11 @@ class ResponseBudget:
     Being one per connection, it is also what the dispatcher keys the connection's calls
     by: its flow in the queue (`fairqueue.FairQueue`), and `in_flight`, the calls of the
     connection that hold a worker's place now (`dispatch.Dispatcher`'s connection share),
+    `blocking`, those of them that are blocking sync calls (each holds its worker whole),
     and `queued`, its calls waiting in the queue (the fattest flow sheds first).
     """
 
-    __slots__ = ("flow", "held", "in_flight", "outgoing", "parked", "queued")
+    __slots__ = ("blocking", "flow", "held", "in_flight", "outgoing", "parked", "queued")
 
     def __init__(self, outgoing: Outgoing) -> None:
         # The connection's number in its calls' frames (wire.py: the worker takes turns
@@ -92,6 +93,7 @@ class ResponseBudget:
         self.flow = next(_flows) & 0xFFFFFFFF
         self.held = 0
         self.in_flight = 0  # the connection's calls sent to workers and not answered by them
+        self.blocking = 0  # ... of which blocking sync calls (each holds a whole worker)
         self.queued = 0  # the connection's calls waiting in the dispatcher's queue (live ones)
         self.parked = 0  # (in `held`) answers written while the write buffer was past its high mark
         self.outgoing = outgoing

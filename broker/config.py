@@ -202,7 +202,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                     "worker_concurrency) one connection's calls may hold at "
                                     "once (at least 1 call); the others wait in the queue, in "
                                     "turn, and the rest are kept for other connections (at "
-                                    "0.5, two busy connections hold every place); 1 lets one "
+                                    "0.5, two busy connections hold every place); and the "
+                                    "fraction of the workers its blocking sync calls may hold "
+                                    "(each holds its worker whole; at least 1); 1 lets one "
                                     "connection take them all",
                                     rule="0 < x <= 1")
                                 ] = 0.5

@@ -64,6 +64,12 @@ Such a worker is the last choice: it gets a call only when no unblocked worker c
 take it. A batch's blocking sync calls go out one by one (a chunk of 50 of them would
 be head-of-line by itself; a chunk counts its sync calls all the same).
 
+One connection's blocking sync calls hold at most `connection_share` of the ready workers
+(at least one; `ResponseBudget.blocking` counts them): each holds its worker whole, so without
+it one connection's 2 slow sync calls held both workers of 2 and every other client waited
+(round 60's new user; round 62: 64 pipelined calls, 7.7 s). Its next one waits held out of
+turn, as a call past its share of places does.
+
 A blocking sync call itself goes at once, as any call does, to the least loaded worker
 under its limit that is not blocked already (an idle one if there is one). The calls
 already in flight there wait behind it, and die with it if it hangs and the worker is
@@ -475,6 +481,7 @@ class Dispatcher:
         self._loop = loop
         self._connection_share = connection_share
         self._share = 1  # places one connection's calls may hold: see `_set_share`
+        self._sync_share = 1  # ... and blocking sync calls
         self._chunk_max = 1  # calls in a chunk of a batch past its connection's share
         self.max_response_bytes = max_response_bytes
         self._too_large = error_object(
@@ -646,6 +653,11 @@ class Dispatcher:
         places = sum(w.concurrency for w in ready)
         self._share = max(1, int(places * self._connection_share))
         self._chunk_max = max(1, self._share // len(ready)) if ready else 1
+        # ... and of the workers, for blocking sync calls, each of which holds its worker whole
+        # (with sync routing on): one connection's 2 slow sync calls held both workers of 2, and
+        # every other client waited (round 60's new user, 1.8 s; round 62, 64 pipelined calls
+        # 7.7 s behind a batch of 100 known-slow calls, a call of theirs for each slow one).
+        self._sync_share = max(1, int(len(ready) * self._connection_share)) if self._sync_routing else 1 << 62
 
     def worker_lost(self, worker: Worker, reason: str) -> None:
         """The worker's process is gone: answer its in-flight calls "worker died"."""
@@ -657,6 +669,8 @@ class Dispatcher:
         for call in lost:
             del self._pending[call.call_id]
             call.owner.in_flight -= call.weight
+            if call.sync > 0:
+                call.owner.blocking -= call.sync
             self._finish(call, error, ErrorCode.WORKER_DIED)
         if worker.blocked:
             worker.blocked = False
@@ -888,8 +902,8 @@ class Dispatcher:
         worker = (
             self._pick(call)
             if (not self._queued_calls or (not self._queue.in_turn() and not self._queue.is_held(owner)))
-            and self._serving and (owner.in_flight + call.weight <= self._share
-                                                             or not owner.in_flight)
+            and self._serving and (owner.in_flight + call.weight <= self._share or not owner.in_flight)
+            and (call.sync <= 0 or owner.blocking + call.sync <= self._sync_share or not owner.blocking)
             else None
         )
         if worker is not None:
@@ -1077,6 +1091,7 @@ class Dispatcher:
         call.owner.in_flight += call.weight
         if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
             worker.sync_calls += call.sync
+            call.owner.blocking += call.sync
             if not worker.blocked and self._sync_routing:
                 worker.blocked = True
                 worker.limit = self._sync_limit
@@ -1131,6 +1146,7 @@ class Dispatcher:
         if sync:
             if sync > 0:
                 worker.sync_calls -= sync
+                call.owner.blocking -= sync
                 if not worker.sync_calls and worker.blocked:
                     worker.blocked = False
                     worker.limit = worker.concurrency
@@ -1444,7 +1460,9 @@ class Dispatcher:
         queue = self._queue
         if queue.is_held(owner):
             head = queue.first(owner)
-            if owner.in_flight + head.weight <= self._share or not owner.in_flight:
+            if (owner.in_flight + head.weight <= self._share or not owner.in_flight) and (
+                head.sync <= 0 or owner.blocking + head.sync <= self._sync_share or not owner.blocking
+            ):
                 queue.release(owner)
 
     def _release_all(self) -> None:
@@ -1466,7 +1484,9 @@ class Dispatcher:
                 break
             if call.tick:  # (else it timed out while queued: just drop it)
                 owner = call.owner
-                if owner.in_flight + call.weight > share and owner.in_flight:
+                if (owner.in_flight + call.weight > share and owner.in_flight) or (
+                    call.sync > 0 and owner.blocking + call.sync > self._sync_share and owner.blocking
+                ):
                     queue.hold(owner)
                     continue
                 worker = self._pick(call)

@@ -633,7 +633,7 @@ def test_a_batch_of_slow_sync_calls_goes_one_by_one_at_a_prefetch_of_one_less_th
     batch of slow sync calls was cut into chunks (one per worker) instead of going one by one."""
 
     async def main() -> None:
-        d, workers = sync_dispatcher(1, concurrency=2)
+        d, workers = sync_dispatcher(1, concurrency=2, share=1.0)
         d.submit(body(Codec(), [req("slow", [i], i) for i in range(6)]), lambda e: None)
         sent = [f for w in workers for f in w.channel.take()]
         assert sorted((f[0], first_params(f)) for f in sent) == [(wire.Kind.CALL, [0]), (wire.Kind.CALL, [1])]
@@ -707,12 +707,13 @@ def test_a_sync_methods_awaited_calls_teach_it_blocks_nothing():
 def test_a_batch_of_blocking_sync_calls_goes_out_one_by_one():
     """A chunk of slow sync calls would be head-of-line by itself: a batch's slow sync
     calls go one by one, in request order, one to each worker not blocked; the rest
-    wait in the queue. A call another connection submits after them waits behind one of
-    them, not all (the queue is fair among connections: `broker.fairqueue`): it goes as
-    the prefetch of the worker that takes the next slow call."""
+    wait in the queue, held for their connection's share of the workers (at 1, all of them:
+    every worker is blocked). A call another connection submits after them waits behind
+    none of them: it goes at once as a blocked worker's prefetch (before the blocking share,
+    stop 32, it waited in the queue behind the next slow call)."""
 
     async def main() -> None:
-        d, workers = sync_dispatcher(1)
+        d, workers = sync_dispatcher(1, share=1.0)
         codec = Codec()
         d.submit(body(codec, [req("slow", [i], i) for i in range(10)]), lambda e: None)
         sent = [w.channel.take() for w in workers]
@@ -721,12 +722,44 @@ def test_a_batch_of_blocking_sync_calls_goes_out_one_by_one():
         assert [(w.sync_calls, w.outstanding) for w in workers] == [(1, 1), (1, 1)]
         assert d.queued_calls == 8
         d.submit(body(codec, req("fast", [0], "f")), lambda e: None)
-        assert d.queued_calls == 9  # queued: no worker has room
+        assert d.queued_calls == 8 and d.held_calls == 8  # "f" went, as a prefetch
+        assert sorted(w.outstanding for w in workers) == [1, 2]
         [frame] = sent[0]
         d.on_reply(workers[0], wire.Kind.RESULT, frame[1], 200_000, b"0")
-        assert [first_params(f) for f in workers[0].channel.take()][:1] == [[2]]  # (and "f" to either)
+        assert [first_params(f) for f in workers[0].channel.take()][-1:] == [[2]]
         assert workers[0].sync_calls == 1 and d.queued_calls == 7
-        assert sorted(w.outstanding for w in workers) == [1, 2]  # ("f" went)
+
+    run(main)
+
+
+def test_one_connections_blocking_sync_calls_hold_at_most_its_share_of_the_workers():
+    """A blocking sync call holds its worker whole: one connection's hold at most
+    connection_share of the workers (at least one), so another client's calls, slow or
+    fast, find a worker free (round 60's new user: 2 slow sync calls of one client held
+    both workers; round 62: another client's 64 pipelined calls waited 7.7 s, one slow
+    call each). Its next goes when one of them returns."""
+
+    async def main() -> None:
+        d, workers = sync_dispatcher(1)  # (2 workers, share 0.5: one blocking call a connection)
+        codec = Codec()
+        greedy, other = ResponseBudget(d.outgoing), ResponseBudget(d.outgoing)
+        d.submit(body(codec, [req("slow", [i], i) for i in range(6)]), lambda e: None, greedy)
+        sent = [f for w in workers for f in w.channel.take()]
+        assert [first_params(f) for f in sent] == [[0]] and greedy.blocking == 1
+        assert d.queued_calls == 5 and d.held_calls == 5
+        free = next(w for w in workers if not w.sync_calls)
+        d.submit(body(codec, req("slow", ["o"], "o")), lambda e: None, other)
+        d.submit(body(codec, req("fast", ["f"], "f")), lambda e: None, other)
+        busy = next(w for w in workers if w is not free)
+        assert [first_params(f) for f in free.channel.take()][:1] == [["o"]]
+        assert ["f"] in [first_params(f) for w in workers for f in w.channel.take()]  # (a prefetch: either)
+        d.on_reply(busy, wire.Kind.RESULT, sent[0][1], 200_000, b"0")
+        assert [first_params(f) for f in busy.channel.take()] == [[1]] and greedy.blocking == 1
+        assert d.queued_calls == 4
+        # At share 1 one connection may block every worker.
+        d, workers = sync_dispatcher(1, share=1.0)
+        d.submit(body(codec, [req("slow", [i], i) for i in range(6)]), lambda e: None)
+        assert sorted(first_params(f) for w in workers for f in w.channel.take()) == [[0], [1]]
 
     run(main)
 
@@ -1021,7 +1054,7 @@ def test_queued_calls_of_a_sync_method_go_out_as_what_it_is_known_to_be_when_sen
     at once, as the fast calls they are; a method found slow while queued waits as one."""
 
     async def main() -> None:
-        d, workers = sync_dispatcher(1)
+        d, workers = sync_dispatcher(1, share=1.0)
         codec = Codec()
         d.submit(body(codec, [req("quick", [i], i) for i in range(10)]), lambda e: None)
         [first], [_second] = (w.channel.take() for w in workers)
@@ -1057,7 +1090,7 @@ def test_a_reload_keeps_what_was_learnt_of_a_method_that_stays_sync():
     made sync by the reload starts unmeasured (blocking)."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=1)
+        d = Dispatcher(asyncio.get_running_loop(), sync_prefetch=1, connection_share=1.0)
         d.set_methods(["add", "m"], sync_methods=["add"])
         old = add_worker(d, 0, 100)
         codec = Codec()

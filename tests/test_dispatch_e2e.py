@@ -125,6 +125,43 @@ def test_a_sync_method_learnt_fast_then_slow_holds_pipelined_calls_back_for_one_
     assert other < whole / 4, f"the other client's 64 adds took {other:.2f} s, the batch {whole:.2f} s"
 
 
+def test_one_clients_slow_sync_calls_leave_another_client_a_worker(broker_factory):
+    """A blocking sync call holds its worker whole: one connection's hold at most its share of
+    the workers (connection_share 0.5: one of 2). Round 60's new user: a batch of 1 s sync
+    calls held both workers, and another client's quick call waited 1.8 s; round 62: another
+    client's 64 pipelined calls waited 7.7 s. Now they go to the other worker at once, while
+    the batch takes its calls one at a time (the cost: a lone client's slow sync calls use
+    half the workers; `--connection-share 1` gives it them all)."""
+    import socket
+
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "2", "--app", "tests.apps.mixed:registry", "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    assert b.call("block", [0.01])["result"] == 0.01  # (learnt blocking)
+    lines = b"".join(b'{"jsonrpc":"2.0","method":"add","params":[%d,1],"id":%d}\n' % (k, k) for k in range(64))
+    with ThreadPoolExecutor(1) as pool, socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        start = time.monotonic()
+        batch = pool.submit(post, b, [req("block", [0.3], i) for i in range(6)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") > 0, timeout=10)
+        t0 = time.monotonic()
+        s.sendall(lines)
+        got = b""
+        while got.count(b"\n") < 64:
+            chunk = s.recv(65536)
+            assert chunk, got
+            got += chunk
+        other = time.monotonic() - t0
+        assert not batch.done()
+        answers = batch.result(timeout=60)
+        whole = time.monotonic() - start
+    assert sorted(json.loads(line)["result"] for line in got.splitlines()) == list(range(1, 65))
+    assert [a["result"] for a in answers] == [0.3] * 6  # type: ignore[index]
+    assert other < 0.25, f"the other client's 64 adds took {other:.2f} s"
+    assert whole >= 6 * 0.3, f"the batch's 6 calls took {whole:.2f} s: not one at a time"
+
+
 def test_calls_avoid_a_worker_blocked_in_a_hung_sync_call(broker_factory):
     """Issue 9 item 23: a worker spinning in a sync handler is sent nothing more
     (--sync-prefetch 0), so a batch sent meanwhile is answered by the other worker, and

@@ -299,6 +299,14 @@ class DispatcherMachine(RuleBasedStateMachine):
             assert owner.in_flight == owners.get(id(owner), (owner, 0))[1]
         for owner, count in owners.values():
             assert owner.in_flight == count >= 0
+        blocking: dict[int, int] = {}
+        for call in d._pending.values():
+            if call.sync > 0:
+                blocking[id(call.owner)] = blocking.get(id(call.owner), 0) + call.sync
+        for owner in self.connections:  # (and at most its share of the workers, but for one call)
+            assert owner.blocking == blocking.get(id(owner), 0)
+            assert owner.blocking <= d._sync_share or all(
+                c.sync == owner.blocking for c in d._pending.values() if c.owner is owner and c.sync > 0)
         waiting: dict[int, int] = {}
         for call in d._queue:
             if call.tick:
@@ -309,7 +317,10 @@ class DispatcherMachine(RuleBasedStateMachine):
 
     def _over_share(self, call: Call) -> bool:
         owner = call.owner
-        return bool(owner.in_flight) and owner.in_flight + call.weight > self.dispatcher._share
+        d = self.dispatcher
+        return (bool(owner.in_flight) and owner.in_flight + call.weight > d._share) or (
+            call.sync > 0 and bool(owner.blocking) and owner.blocking + call.sync > d._sync_share
+        )
 
     @invariant()
     def the_queue_waits_only_while_no_worker_can_take_its_head(self) -> None:
