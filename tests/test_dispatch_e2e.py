@@ -91,23 +91,16 @@ def test_a_sync_method_learnt_fast_then_slow_holds_another_client_back_for_one_c
     assert other < whole / 4, f"the other client's add took {other:.2f} s, the batch {whole:.2f} s"
 
 
-def test_a_sync_method_learnt_fast_then_slow_holds_pipelined_calls_back_for_one_call(broker_factory):
-    """Hostile testing (round 61, HIGH): beside the batch of the test above, a client
-    sending 64 `add` lines at once on an NDJSON stream got its last answer after 5.2 s:
-    a worker's turn moved only its first call ahead. Its calls on a worker now all go ahead
-    of the slow client's: the last of the 64 is answered long before the batch ends."""
+def pipelined_beside(b: Broker, port: int, batch: list[dict[str, object]]) -> tuple[float, float, object]:
+    """Post `batch` on one connection; once it runs, write 64 `add` lines at once on an
+    NDJSON stream (`port`) and read their answers, which must come before the batch's.
+    Returns (seconds to the 64th answer, seconds the batch took, the batch's answers)."""
     import socket
 
-    from test_stream import free_port
-
-    port = free_port()
-    b = broker_factory("--workers", "2", "--stream-port", str(port))
-    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
-    assert b.call("fib", [1])["result"] == 1
     lines = b"".join(b'{"jsonrpc":"2.0","method":"add","params":[%d,1],"id":%d}\n' % (k, k) for k in range(64))
     with ThreadPoolExecutor(1) as pool, socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         start = time.monotonic()
-        batch = pool.submit(post, b, [req("fib", [30], i) for i in range(40)])
+        posted = pool.submit(post, b, batch)
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") > 0, timeout=10)
         t0 = time.monotonic()
         s.sendall(lines)
@@ -117,10 +110,25 @@ def test_a_sync_method_learnt_fast_then_slow_holds_pipelined_calls_back_for_one_
             assert chunk, got
             got += chunk
         other = time.monotonic() - t0
-        assert not batch.done()  # all answered while the batch runs
-        answers = batch.result(timeout=60)
+        assert not posted.done()  # all answered while the batch runs
+        answers = posted.result(timeout=60)
         whole = time.monotonic() - start
     assert sorted(json.loads(line)["result"] for line in got.splitlines()) == list(range(1, 65))
+    return other, whole, answers
+
+
+def test_a_sync_method_learnt_fast_then_slow_holds_pipelined_calls_back_for_one_call(broker_factory):
+    """Hostile testing (round 61, HIGH): beside the batch of the test above, a client
+    sending 64 `add` lines at once on an NDJSON stream got its last answer after 5.2 s:
+    a worker's turn moved only its first call ahead. Its calls on a worker now all go ahead
+    of the slow client's: the last of the 64 is answered long before the batch ends."""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "2", "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    assert b.call("fib", [1])["result"] == 1
+    other, whole, answers = pipelined_beside(b, port, [req("fib", [30], i) for i in range(40)])
     assert [a["result"] for a in answers] == [832040] * 40  # type: ignore[index]
     assert other < whole / 4, f"the other client's 64 adds took {other:.2f} s, the batch {whole:.2f} s"
 
@@ -132,31 +140,13 @@ def test_one_clients_slow_sync_calls_leave_another_client_a_worker(broker_factor
     client's 64 pipelined calls waited 7.7 s. Now they go to the other worker at once, while
     the batch takes its calls one at a time (the cost: a lone client's slow sync calls use
     half the workers; `--connection-share 1` gives it them all)."""
-    import socket
-
     from test_stream import free_port
 
     port = free_port()
     b = broker_factory("--workers", "2", "--app", "tests.apps.mixed:registry", "--stream-port", str(port))
     wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
     assert b.call("block", [0.01])["result"] == 0.01  # (learnt blocking)
-    lines = b"".join(b'{"jsonrpc":"2.0","method":"add","params":[%d,1],"id":%d}\n' % (k, k) for k in range(64))
-    with ThreadPoolExecutor(1) as pool, socket.create_connection(("127.0.0.1", port), timeout=60) as s:
-        start = time.monotonic()
-        batch = pool.submit(post, b, [req("block", [0.3], i) for i in range(6)])
-        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") > 0, timeout=10)
-        t0 = time.monotonic()
-        s.sendall(lines)
-        got = b""
-        while got.count(b"\n") < 64:
-            chunk = s.recv(65536)
-            assert chunk, got
-            got += chunk
-        other = time.monotonic() - t0
-        assert not batch.done()
-        answers = batch.result(timeout=60)
-        whole = time.monotonic() - start
-    assert sorted(json.loads(line)["result"] for line in got.splitlines()) == list(range(1, 65))
+    other, whole, answers = pipelined_beside(b, port, [req("block", [0.3], i) for i in range(6)])
     assert [a["result"] for a in answers] == [0.3] * 6  # type: ignore[index]
     assert other < 0.25, f"the other client's 64 adds took {other:.2f} s"
     assert whole >= 6 * 0.3, f"the batch's 6 calls took {whole:.2f} s: not one at a time"
