@@ -581,9 +581,10 @@ def test_every_answer_has_a_date_and_503s_a_retry_after(broker_factory):
         status, headers, _ = c.response()
         assert status == 431 and _date(headers)
     with Conn(b) as busy:  # the one worker slot taken, no queue: the next call is overloaded
-        busy.send(post(call("sleep", [1], "busy"), path=b.path))
+        busy.send(post(call("sleep", [3], "busy"), path=b.path))
         # (until the broker has the sleep in flight: an add sent meanwhile took the slot, and
-        # the sleep, coming after it on a loaded machine, was the one refused 503)
+        # the sleep, coming after it on a loaded machine, was the one refused 503; a sleep of
+        # 1 s ended once before a scrape on a loaded machine saw it in flight)
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
         status, headers, answer = b.post(call("add", [1, 2]))
         assert status == 503 and json.loads(answer)["error"]["code"] == -32000
