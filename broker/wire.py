@@ -65,9 +65,9 @@ buffer behind a few hundred kB of frames); the deadline in the frame needs no CA
 After the deadline comes the call's flow, a big-endian u32: the client connection it came
 on (any number the broker picks, one per connection). A worker runs the calls waiting in
 it in the order they came, except that when one took the whole of a slice of the worker's
-loop, its flow's calls go behind every other flow's (`WorkerProtocol._next_turn`): a
-client whose calls turn out slow holds another's calls back for one of them, not for all
-of its own that reached the worker first (hostile testing, round 60: a sync method learnt
+loop, they go in the order of the time their flows' calls have taken there, least first
+(`WorkerProtocol._next_turn`): a client whose calls turn out slow holds another's calls
+back for about one of them, not for all of its own that reached the worker first (hostile testing, round 60: a sync method learnt
 fast from a cheap call, then a batch of its slow calls, 50 a worker, held every other
 client's call 10 s).
 
@@ -176,9 +176,10 @@ AWAITED = 0x80000000
 # The error object a worker answers a call with when it cancelled it on CANCEL (or
 # dropped it unstarted): byte for byte, so the broker recognises it (late replies).
 CANCEL_ACK = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")
-# ... and the one for a call whose handler ran but whose work did not all: a sync handler's
-# awaitable that its deadline stopped before its first step. A CANCEL_ACK says the handler
-# never ran (the broker tells the client `"started": false`); this one does not.
+# ... and the one for a call of which some code of the app's may have run: a sync handler's
+# awaitable that its deadline stopped before its first step, or a call whose deadline passed
+# while its params were bound (a __post_init__ runs then). A CANCEL_ACK says nothing of the
+# app's ran (the broker tells the client `"started": false`); this one does not.
 CANCEL_ACK_RAN = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker after its handler ran")
 _KINDS = frozenset(int(k) for k in Kind)
 # This format's version, in HELLO: 2 since calls carry their deadline, 3 since they carry

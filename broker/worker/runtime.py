@@ -73,6 +73,7 @@ _CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a lat
 # such method): the reply's aux says NOT_RUN, and no method's speed is learnt from it.
 _UNRUN = -1
 SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
+_CHARGED_S = 0.0005  # a call (or a chunk's calls in one go) this long is charged to its flow: `_next_turn`
 SLOW_SYNC_US = 1000  # a sync call this long (µs) blocks the replies behind it (dispatch.BLOCKING_US)
 _SLOW_SYNC_S = SLOW_SYNC_US / 1e6
 _AWAITED_WITHIN_S = 0.01  # a sync handler that returns its awaitable within this blocks nothing (wire.AWAITED)
@@ -288,6 +289,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         "_task_of",
         "_tasks",
         "_transport",
+        "_used",
         "_winding",
         "_yielded",
         "done",
@@ -338,6 +340,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         self._read_first = False  # `_run` was put off to a later loop turn: it reads first (`_read_now`)
         self._yielded = (0, 0)  # (call id, loop turns) given to async calls before a slow one (`_run`)
         self._spent = -1  # the flow whose call (or chunk) took the whole last slice (-1: none): `_next_turn`
+        self._used: dict[int, float] = {}  # each flow's time in calls of _CHARGED_S or more (s): `_next_turn`
         self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
         # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
         # the worker closes after them, as after its calls (hostile testing, round 17: a
@@ -561,9 +564,14 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                     backlog.appendleft(chunk)
                     continue
                 self._call(call_id, aux, payload[_DEADLINE_SIZE:], call_deadline)
-            if backlog and (now := _perf()) > deadline:
-                if now - started >= SLICE_SECONDS:  # one call (or a chunk's) took the slice: its flow's turn is over
-                    self._spent = _flow_of(item)
+            if backlog and ((now := _perf()) > deadline or now - started >= _CHARGED_S):
+                if now - started >= _CHARGED_S:  # (a call, or a chunk's calls, that took a while: charged)
+                    flow = _flow_of(item)
+                    self._used[flow] = self._used.get(flow, 0.0) + (now - started)
+                    if now - started >= SLICE_SECONDS:  # ... the whole slice: its flow's turn is over
+                        self._spent = flow
+                if now <= deadline:
+                    continue
                 self._run_scheduled = self._read_first = True
                 self._loop.call_soon(self._run)
                 break
@@ -571,30 +579,33 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
 
     def _next_turn(self) -> None:
         """The last slice went whole to one call or chunk of one flow (`_spent`: a client
-        connection, wire.py), and calls wait: that flow's calls go behind every other flow's
-        waiting now, each flow's calls in their order (a stable partition). So the flows
-        take turns: a client whose calls turn out slow (a sync method learnt fast from a
-        cheap call, then a batch of its slow calls: 50 a worker) holds another client's calls
-        back for one of its slow calls, all of that client's waiting calls, pipelined ones
-        too, and with several such clients one slow call of each (round robin), not for all
-        of its own that reached this worker first (hostile testing, round 60: every other
-        client's call waited 10 s behind a batch of 100 fib(32); round 61: moving only the
-        next flow's first call to the front left a client's 64 pipelined calls 5.2 s behind).
-        Between calls that each take less than a slice, as fast calls do, the worker's order
-        is the order they came. O(calls waiting), and only after a call (or a chunk) that
-        took a whole slice: scanning after every slice of fast single calls cost 41 % more
-        instructions per call (callgrind, where a slice holds a few calls)."""
-        spent = self._spent
+        connection, wire.py), and calls wait: they are put in the order of the time their
+        flows have taken in this worker (`_used`: calls of `_CHARGED_S` or more, each flow's
+        calls in their order; a stable sort), least first. So a client whose calls turn out
+        slow (a sync method learnt fast from a cheap call, then a batch of its slow calls: 50
+        a worker) holds another client's calls back for about one of its slow calls, however
+        many of its calls reached this worker first, and whatever the other client sends:
+        single calls, pipelined ones, a batch chunk of many fast calls, calls of a few ms.
+        (Hostile testing, round 60: every other client's call waited 10 s behind a batch of
+        100 fib(32). Round 61: moving only the next flow's first call ahead left a client's 64
+        pipelined calls 5.2 s behind. Round 62: turns by call rather than by time held a batch
+        of 1000 `add` 1.9 s, and 32 calls of 3 ms 3.2 s; and putting only the last slow flow
+        behind the others left a client's call behind one slow call of every other slow
+        connection.) Between calls that each take less than a slice, as fast calls do, the
+        worker's order is the order they came. O(n log n) in the calls waiting, and only
+        after a call (or a chunk) that took a whole slice: scanning after every slice of fast
+        single calls cost 41 % more instructions per call (callgrind)."""
         self._spent = -1
         backlog = self._backlog
+        used = self._used
         flows = [_flow_of(item) for item in backlog]
-        if flows.count(spent) in (0, len(flows)):  # (one flow waiting, or only others)
-            return
-        later = [item for item, flow in zip(backlog, flows) if flow == spent]
-        now = [item for item, flow in zip(backlog, flows) if flow != spent]
-        backlog.clear()
-        backlog.extend(now)
-        backlog.extend(later)
+        if len(set(flows)) > 1:
+            items = list(backlog)
+            backlog.clear()
+            backlog.extend(items[i] for i in sorted(range(len(items)), key=lambda i: used.get(flows[i], 0.0)))
+        if len(used) > 2 * len(flows) + 64:  # (flows gone: only those waiting keep their time)
+            waiting = set(flows)
+            self._used = {flow: t for flow, t in used.items() if flow in waiting}
 
     def _yield(self, call_id: int) -> bool:
         """Before call `call_id`, of a method that blocks the loop, with async calls in
@@ -645,9 +656,11 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         No handler starts past `deadline` (CLOCK_MONOTONIC s, the call's: wire.py): a sync
         one is checked once its params are bound (binding megabytes of them takes a large
         part of a second: hostile testing, round 20), an async one at its task's first
-        step (`_guarded`); (_UNRUN, CANCEL_ACK) then. The awaitable a sync one returns is
-        held to it too, but that handler has run: its call is answered CANCEL_ACK_RAN
-        (wire.py), which the broker never gives as "started": false."""
+        step (`_guarded`); (_UNRUN, CANCEL_ACK_RAN) then for the bind (it may have run the
+        app's code: a __post_init__), CANCEL_ACK for the async one's first step. The
+        awaitable a sync one returns is held to it too, but that handler has run: its call
+        is answered CANCEL_ACK_RAN (wire.py), which the broker never gives as "started":
+        false."""
         if _forked_from:  # (a child forked anywhere, a finalizer included, runs no call)
             _child_exits(None)
         try:
@@ -659,8 +672,10 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
             return _UNRUN, self._error(exc, index)
         if _forked_from:  # (forked while the params were decoded: a __post_init__; round 10)
             _child_exits(None)
-        if deadline <= _monotonic():  # (the broker answered it -32001 meanwhile)
-            return _UNRUN, _CANCELLED
+        if deadline <= _monotonic():  # (the broker answered it -32001 meanwhile, while it was bound:
+            # binding may have run code of the app's, a __post_init__, so not CANCEL_ACK, which
+            # says nothing of it ran; hostile testing, round 62)
+            return _UNRUN, wire.CANCEL_ACK_RAN
         try:
             if method.is_async:
                 task = self._loop.create_task(_guarded(method.fn, args, kwargs, self._finished, deadline))
