@@ -205,7 +205,7 @@ class _PastDeadline(Exception):
 _PAST_DEADLINE = _PastDeadline()
 # ... and the awaitable a sync handler returned, whose first step came past the deadline: the
 # handler ran (its side effects made) before it returned it, so it is answered
-# `CANCEL_ACK_RAN`, never as unrun (hostile testing, round 60: answered CANCEL_ACK, the client
+# `CANCEL_ACK_RAN`, never as unrun (hostile testing, round 61: answered CANCEL_ACK, the client
 # was told "started": false, and a retry would have done it twice).
 _PAST_DEADLINE_RAN = _PastDeadline()
 
@@ -339,7 +339,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         self._run_scheduled = False
         self._read_first = False  # `_run` was put off to a later loop turn: it reads first (`_read_now`)
         self._yielded = (0, 0)  # (call id, loop turns) given to async calls before a slow one (`_run`)
-        self._spent = -1  # the flow whose call (or chunk) took the whole last slice (-1: none): `_next_turn`
+        self._spent = -1  # the flow whose call (or chunk) took the whole last slice (-1: none): `_next_turn` due
         self._used: dict[int, float] = {}  # each flow's time in calls of _CHARGED_S or more (s): `_next_turn`
         self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
         # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
