@@ -12,7 +12,9 @@ machine's noise hits both alike:
   that do not block); another client sends `add` calls one after another on its own
   connection meanwhile. Prints that client's `add` latency (p50, max) while the batch runs,
   and how long the batch took. Then the same batch beside a client that writes 64 `add`
-  lines at once on an NDJSON stream (pipelined): the time to its last answer.
+  lines at once on an NDJSON stream (pipelined): the time to its last answer. Then beside a
+  client posting one batch of 1000 `add` (round 63: past its connection's share, 100 calls a
+  round trip): how long it took, and alone.
 - costs: one connection posting batches of 100 `add` one after another, and 8 connections
   each posting single `add` calls one after another (threads); calls per second, and this
   tree's rate over the other's (a ratio of medians).
@@ -52,9 +54,16 @@ def post(port: int, body: bytes, timeout: float = 120) -> bytes:
     return answer
 
 
+def learn_fib_fast(port: int) -> None:
+    """Call `fib(1)` until the broker counts `fib` fast again (a moving average: after a batch
+    of slow ones, one cheap call is not enough)."""
+    for _ in range(60):
+        post(port, json.dumps({"jsonrpc": "2.0", "method": "fib", "params": [1], "id": 0}).encode())
+
+
 def beside_a_steered_batch(port: int, n: int) -> dict[str, float]:
     """Another client's `add` latencies (ms) while one batch of 100 fib(n) runs, `fib` learnt fast."""
-    post(port, json.dumps({"jsonrpc": "2.0", "method": "fib", "params": [1], "id": 0}).encode())
+    learn_fib_fast(port)
     done = threading.Event()
     took: list[float] = []
 
@@ -86,7 +95,7 @@ def beside_a_steered_batch(port: int, n: int) -> dict[str, float]:
 
 def pipelined_beside_a_steered_batch(port: int, stream_port: int, n: int) -> dict[str, float]:
     """Seconds to the last of 64 pipelined NDJSON `add` answers while one batch of 100 fib(n) runs."""
-    post(port, json.dumps({"jsonrpc": "2.0", "method": "fib", "params": [1], "id": 0}).encode())
+    learn_fib_fast(port)
     took: list[float] = []
     thread = threading.Thread(target=lambda: took.append(_timed(lambda: post(port, batch(100, "fib", [n])))))
     thread.start()
@@ -103,6 +112,20 @@ def pipelined_beside_a_steered_batch(port: int, stream_port: int, n: int) -> dic
         last = time.perf_counter() - start
     thread.join()
     return {"last s": last, "batch s": took[0]}
+
+
+def batch_beside_a_steered_batch(port: int, n: int) -> dict[str, float]:
+    """Seconds another client's batch of 1000 `add` takes while one batch of 100 fib(n) runs
+    (hostile testing, round 63: past its share, it went 100 calls a round trip, each behind a
+    slow call), and alone after it."""
+    learn_fib_fast(port)
+    took: list[float] = []
+    thread = threading.Thread(target=lambda: took.append(_timed(lambda: post(port, batch(100, "fib", [n])))))
+    thread.start()
+    time.sleep(0.05)
+    beside = _timed(lambda: post(port, batch(1000, "add", [1, 2])))
+    thread.join()
+    return {"beside s": beside, "alone s": _timed(lambda: post(port, batch(1000, "add", [1, 2]))), "batch s": took[0]}
 
 
 def _timed(work: typing.Callable[[], object]) -> float:
@@ -146,11 +169,14 @@ def main() -> None:
     rates: dict[str, dict[str, list[float]]] = {name: {"batch": [], "singles": []} for name, _ in trees}
     beside: dict[str, dict[str, float]] = {}
     pipelined: dict[str, dict[str, float]] = {}
+    batches: dict[str, dict[str, float]] = {}
     try:
         for name, _ in trees:
             beside[name] = beside_a_steered_batch(brokers[name].port, args.fib)
         for name, _ in trees:
             pipelined[name] = pipelined_beside_a_steered_batch(brokers[name].port, streams[name], args.fib)
+        for name, _ in trees:
+            batches[name] = batch_beside_a_steered_batch(brokers[name].port, args.fib)
         for _ in range(args.rounds):
             for name, _ in trees:
                 rates[name]["batch"].append(rate(brokers[name].port, 100, 80))
@@ -168,6 +194,11 @@ def main() -> None:
     print("|---|---|---|")
     for name, row in pipelined.items():
         print(f"| {name} | {row['last s']:.2f} | {row['batch s']:.2f} |")
+    print("\nBeside the same batch, another client's batch of 1000 `add` (past its share: 100 at a time):")
+    print("| tree | it took s | alone s | the fib batch took s |")
+    print("|---|---|---|---|")
+    for name, row in batches.items():
+        print(f"| {name} | {row['beside s']:.3f} | {row['alone s']:.3f} | {row['batch s']:.2f} |")
     print(f"\n`add` calls/s (median of {args.rounds} rounds):")
     print("| tree | one connection, batches of 100 | 8 connections, single calls |")
     print("|---|---|---|")

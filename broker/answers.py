@@ -89,8 +89,9 @@ class ResponseBudget:
 
     def __init__(self, outgoing: Outgoing) -> None:
         # The connection's number in its calls' frames (wire.py: the worker takes turns
-        # among the flows waiting in it); u32, so a number comes again after 2**32 connections.
-        self.flow = next(_flows) & 0xFFFFFFFF
+        # among the flows waiting in it); 31 bits (the 32nd is wire.RETURNABLE), so a number
+        # comes again after 2**31 connections.
+        self.flow = next(_flows) & 0x7FFFFFFF
         self.held = 0
         self.in_flight = 0  # the connection's calls sent to workers and not answered by them
         self.blocking = 0  # ... of which blocking sync calls (each holds a whole worker)

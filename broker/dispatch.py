@@ -196,6 +196,8 @@ from broker.wire import (
     NOTIFY,
     REPLY_ENTRY,
     RESULT,
+    RETURN,
+    RETURNABLE,
 )
 
 if typing.TYPE_CHECKING:
@@ -359,7 +361,8 @@ class CallState(enum.Enum):
     idea for HTTP/1.1); the dispatcher's state machine test holds every call to it."""
 
     QUEUED = "queued"  # waiting in the queue for a worker under its limit; its deadline runs
-    IN_FLIGHT = "in flight"  # sent to a worker (in the pending table); its answer, if owed, not made yet
+    IN_FLIGHT = "in flight"  # sent to a worker (in the pending table); its answer, if owed, not made yet;
+    # queued again if the worker gives it back unstarted (wire.RETURN)
     ANSWERED_IN_QUEUE = "answered in queue"  # its deadline passed while queued: answered -32001,
     # its empty shell still in the deque (`_compact`)
     ANSWERED_AWAITING_WORKER = "answered awaiting worker"  # its deadline passed in flight: answered
@@ -371,7 +374,7 @@ class CallState(enum.Enum):
 
 TRANSITIONS: dict[CallState, frozenset[CallState]] = {
     CallState.QUEUED: frozenset({CallState.IN_FLIGHT, CallState.ANSWERED_IN_QUEUE, CallState.ENDED}),
-    CallState.IN_FLIGHT: frozenset({CallState.ANSWERED_AWAITING_WORKER, CallState.ENDED}),
+    CallState.IN_FLIGHT: frozenset({CallState.QUEUED, CallState.ANSWERED_AWAITING_WORKER, CallState.ENDED}),
     CallState.ANSWERED_IN_QUEUE: frozenset({CallState.ENDED}),
     CallState.ANSWERED_AWAITING_WORKER: frozenset({CallState.ENDED}),
     CallState.ENDED: frozenset(),
@@ -379,10 +382,12 @@ TRANSITIONS: dict[CallState, frozenset[CallState]] = {
 """The states that may directly follow each (`CallState`): QUEUED goes IN_FLIGHT when a
 worker takes it (`_pump`), ANSWERED_IN_QUEUE at its deadline, or ENDED (no worker coming,
 the grace period over); IN_FLIGHT goes ENDED at its reply or its worker's loss, or
-ANSWERED_AWAITING_WORKER at its deadline; the answered states end when the queue drops the
-shell, or the worker replies or is lost. A call starts QUEUED, IN_FLIGHT, or ENDED at once
-(shed "overloaded", no worker coming, shutting down; a notification's reply). Nothing goes
-back: an answered call is never sent, a call in flight never queued again."""
+ANSWERED_AWAITING_WORKER at its deadline, or QUEUED again when its worker gives it back
+unstarted (wire.RETURN: its method turned out slow there); the answered states end when the
+queue drops the shell, or the worker replies or is lost. A call starts QUEUED, IN_FLIGHT, or
+ENDED at once (shed "overloaded", no worker coming, shutting down; a notification's reply);
+the calls a worker gives back from the middle of a chunk start QUEUED, a chunk of their own.
+An answered call is never sent again, nor queued."""
 
 
 def _queue_cost(call: Call) -> int:
@@ -496,6 +501,7 @@ class Dispatcher:
         self._cancel_grace = cancel_grace
         self._sync_limit = 1 + sync_prefetch  # a worker's limit while busy in a sync call
         self._sync_routing = True  # that limit is at most worker_concurrency (see worker_ready)
+        self._returnable = RETURNABLE  # ... and so calls may be given back (wire.RETURNABLE), else 0
         self._blocked = 0  # workers busy in one now (`Worker.blocked`)
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
@@ -532,6 +538,8 @@ class Dispatcher:
         # acknowledgement of a CANCEL, or a result (or error) that came late.
         self.late_cancelled_total = 0
         self.late_results_total = 0
+        # Calls (a chunk's: each) workers gave back unstarted, their method slow (wire.RETURN)
+        self.returned_total = 0
         # Calls owed an answer whose connection was gone first (`abandon`): dropped from the
         # queue, never run, or cancelled in flight
         self.abandoned_total = {"queued": 0, "in_flight": 0}
@@ -629,6 +637,7 @@ class Dispatcher:
             # Routing around sync calls is on while a blocked worker's limit, 1 +
             # sync_prefetch, is at most its concurrency (every worker has the same).
             self._sync_routing = self._sync_limit <= worker.concurrency
+            self._returnable = RETURNABLE if self._sync_routing else 0
             self._ready.append(worker)
             self._set_share()
             self._release_all()  # (a larger share: those still past it are held again)
@@ -1089,6 +1098,10 @@ class Dispatcher:
         call.worker = worker
         worker.outstanding += call.weight
         call.owner.in_flight += call.weight
+        # A call not known to block, to a worker not busy in one, may come back unstarted if
+        # its method turns out slow there (`_returned`). Not one sent to a blocked worker: it
+        # waits behind a known slow call, and given back after each it would never run.
+        flow = call.owner.flow | self._returnable if call.sync <= 0 and not worker.blocked else call.owner.flow
         if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
             worker.sync_calls += call.sync
             call.owner.blocking += call.sync
@@ -1102,8 +1115,7 @@ class Dispatcher:
         # so the worker's time.monotonic() reads no less). The worker starts no call past
         # it, whatever frames its CANCEL waits behind (see `wire`).
         worker.channel.send_call(  # type: ignore[union-attr]
-            call.kind, call.call_id, call.index, call.tick * self._tick_seconds - _TIMER_EARLY, call.owner.flow,
-            call.params,
+            call.kind, call.call_id, call.index, call.tick * self._tick_seconds - _TIMER_EARLY, flow, call.params,
         )
         # Sent: its params are the worker's now. Not kept while it runs (nor the body they
         # are a view of): hostile testing, round 13, 40 batches of a long call and an echo
@@ -1113,7 +1125,11 @@ class Dispatcher:
     def on_reply(self, worker: Worker, kind: int, call_id: int, aux: int, payload: bytes) -> None:
         """A worker answered `call_id` with a RESULT or ERROR payload (raw JSON), or
         with (part of) a chunk's answers; `aux` is its service time in microseconds."""
-        if kind == CHUNK_PART:  # some of a chunk's answers; the chunk stays pending
+        if kind >= CHUNK_PART:
+            if kind == RETURN:
+                self._returned(worker, call_id, aux, payload)
+                return
+            # CHUNK_PART: some of a chunk's answers; the chunk stays pending
             part = self._pending.get(call_id)
             if part is not None and part.worker is worker:
                 if part.exchange is not None:
@@ -1213,6 +1229,85 @@ class Dispatcher:
             self._pump()
         elif not self.accepting:
             self._check_idle()
+
+    def _returned(self, worker: Worker, call_id: int, place: int, payload: bytes) -> None:
+        """`worker` gave back unstarted (wire.RETURN) a call it was sent RETURNABLE, its
+        method slow there (`WorkerProtocol._give_back`): the whole call (`place` 0) or a
+        chunk's calls from `place` on, whose frame `payload` is (their params; a chunk's
+        entries). Its places are the worker's and its connection's again, and it waits at the
+        head of its connection's calls as a blocking sync call (`_requeue`); a chunk's calls
+        given back are a chunk of their own, with the chunk's deadline, and the chunk owes
+        only the answers of the calls before them. One answered already (its deadline
+        passed, its connection gone, the drain over) is dropped, counted as a late cancel."""
+        call = self._pending.get(call_id)
+        if call is None or call.worker is not worker:  # (not a call of this worker's)
+            log.warning("worker %s gave back call %d, which it does not hold", worker, call_id)
+            return
+        slots = call.slots
+        owner = call.owner
+        if place:
+            if slots is None or not 0 < place < len(slots):
+                log.warning("worker %s gave back call %d from place %d, which it has not", worker, call_id, place)
+                return
+            back = len(slots) - place
+            if back > call.weight:  # (some of them answered: not a worker of this broker's)
+                log.warning("worker %s gave back answered calls of chunk %d", worker, call_id)
+                return
+            methods = typing.cast(list[int], call.methods)
+            ids = typing.cast(list[Raw], call.ids)
+            owed = slots[place:]
+            tail = Call(
+                next(self._ids), call.exchange if owed.count(-1) < back else None, -1, _NO_ID, CHUNK, back,
+                with_methods(payload, methods[place:]) if call.stale else payload, call.timeout, call.arrival,
+                back, owner, weight=back, slots=owed, ids=ids[place:], methods=methods[place:],
+            )  # fmt: skip
+            del slots[place:], ids[place:], methods[place:]
+            call.weight -= back
+            worker.outstanding -= back
+            owner.in_flight -= back
+            self.returned_total += back
+            if call.tick:
+                self._deadlines.add_like(tail, call.tick)
+                self._requeue(tail)
+            else:  # (answered with the chunk)
+                self.late_cancelled_total += back - owed.count(-1)
+        else:
+            del self._pending[call_id]
+            worker.outstanding -= call.weight
+            owner.in_flight -= call.weight
+            self.returned_total += call.weight
+            if call.sync > 0:  # (not sent RETURNABLE: a worker of another broker's)
+                worker.sync_calls -= call.sync
+                owner.blocking -= call.sync
+                if not worker.sync_calls and worker.blocked:
+                    worker.blocked = False
+                    worker.limit = worker.concurrency
+                    self._blocked -= 1
+            call.worker = None
+            if call.tick:
+                call.params = with_methods(payload, call.methods) if call.stale and call.methods is not None else payload
+                call.stale = False
+                self._requeue(call)
+            else:
+                self.late_cancelled_total += (
+                    call.weight - call.slots.count(-1) if call.slots is not None else int(call.kind != NOTIFY)
+                )
+        self._give_back(owner)
+        self._pump()
+
+    def _requeue(self, call: Call) -> None:
+        """Queue `call`, given back by its worker (`_returned`), at the head of its
+        connection's calls, as blocking sync calls (its method turned out slow: a chunk, all
+        of its calls), whatever the queue's bounds: it was admitted once. The replies that
+        teach the dispatcher how slow the method is come with it, or soon after."""
+        call.sync = len(call.methods) if call.methods is not None else 1
+        _hold(call)
+        owner = call.owner
+        self._queue.appendleft(call, owner)
+        self._queued_bytes += call.held
+        self._queued_calls += call.weight
+        owner.queued += call.weight
+        self._largest.grew(owner)
 
     def _gone(self, call: Call, exchange: Exchange, kind: int, payload: bytes, aux: int) -> None:
         """Fill a single call's slot with nothing: its connection is gone (`forget`). Counted

@@ -65,7 +65,7 @@ class _Flow(typing.Generic[T]):
 
 
 class FairQueue(typing.Generic[T]):
-    """Calls waiting for a worker: `append(call, key)` (`key`: whose it is, hashable),
+    """Calls waiting for a worker: `append(call, key)` (`key`: whose it is, hashable), `appendleft`,
     `head()` (the next out, or None), `popleft()`, `expire_head(call, key)`, `hold(key)`,
     `release(key)`, `pop_last(key)`, `remove(key, which)`, `first(key)`, `len()`, iteration (every call, flow by flow in finish-tag order, the
     held flows last), `drop(keep)`. `cost(call)`: what taking `call` out costs its flow
@@ -126,6 +126,21 @@ class FairQueue(typing.Generic[T]):
         else:
             flow.calls.append(call)
         self._len += 1
+
+    def appendleft(self, call: T, key: typing.Hashable) -> None:
+        """Queue `call` at the head of `key`'s calls: taken out, it did not go (a worker gave
+        it back unstarted, `dispatch.Dispatcher._requeue`). Its flow is not given back the
+        turn it took: `call` costs it again."""
+        flow = self._flows.get(key)
+        if flow is None:
+            self.append(call, key)
+            return
+        flow.calls.appendleft(call)
+        self._len += 1
+        if key not in self._held:
+            self._enter(key, flow)  # (by its new head's finish tag; the entry before goes stale)
+            if len(self._heap) > 2 * len(self._flows) + 64:  # (stale entries bounded)
+                self._rebuild()
 
     def head(self) -> T | None:
         """The call `popleft` would take out; None when no flow is in turn."""

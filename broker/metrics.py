@@ -336,6 +336,10 @@ class BrokerCollector(Collector):
             ["kind"], [(["cancelled"], d.late_cancelled_total), (["result"], d.late_results_total)],
         )  # fmt: skip
         yield _family_counter(
+            "rpc_broker_calls_returned", "Calls a worker gave back unstarted, their method (sync, measured fast) "
+            "found slow there, and routed again as blocking calls.", [], [([], d.returned_total)],
+        )  # fmt: skip
+        yield _family_counter(
             "rpc_broker_calls_abandoned", "Calls owed an answer whose client's connection closed first: dropped "
             "from the queue, never run (where=queued), or cancelled on their worker (where=in_flight).",
             ["where"], [([where], n) for where, n in d.abandoned_total.items()],

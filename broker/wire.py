@@ -52,6 +52,15 @@ Kinds, who sends them, and what `aux` and the payload hold:
                              it ran). Answers that together pass max_frame_bytes are
                              split over several CHUNK_PARTs; one part holds at most
                              max_frame_bytes of answers plus one REPLY_ENTRY header.
+    RETURN  worker → broker  calls sent `RETURNABLE` that the worker gives back unstarted,
+                             because their method turned out slow (see below). For a
+                             CALL or NOTIFY: aux 0, payload its raw params (as sent, after
+                             `DEADLINE`); it is owed no other reply. For a CHUNK: aux is the
+                             place of its first call given back, and the calls from there
+                             on are (payload: their `CALL_ENTRY`s and params, as sent); at
+                             aux 0 the whole chunk is, and it is owed no other reply, else
+                             the calls before aux are answered as usual, their CHUNK_REPLY
+                             after this frame.
 
 A call's deadline (CALL, NOTIFY, CHUNK) is a big-endian f64: CLOCK_MONOTONIC seconds,
 the clock the broker's event loop and `time.monotonic` read on Linux, one for every
@@ -63,7 +72,15 @@ can wait behind other frames (hostile testing, round 19: a worker whose loop a s
 call held ran calls answered -32001 long before, their CANCELs still in the broker's
 buffer behind a few hundred kB of frames); the deadline in the frame needs no CANCEL.
 After the deadline comes the call's flow, a big-endian u32: the client connection it came
-on (any number the broker picks, one per connection). A worker runs the calls waiting in
+on (any number below 2**31 the broker picks, one per connection), with `RETURNABLE` (bit 31)
+set when the broker sent it as a call of a method not known to block (a sync method measured
+fast, or async) to a worker not busy in a blocking one: a worker whose sync call of such a
+method took a millisecond or more gives back, unstarted, those of its calls waiting to run
+that are of a method now slow there, and the broker routes them again as blocking (hostile
+testing, round 63: a sync method learnt fast, then a batch of its slow calls sent 50 a
+worker, and another client's batch of 1000 fast calls waited one slow call per round trip
+of its share, 1.9 s; without them on the worker, the share keeps that client to half the
+workers). A worker runs the calls waiting in
 it in the order they came, except that when one took the whole of a slice of the worker's
 loop, they go in the order of the time their flows' calls have taken there, least first
 (`WorkerProtocol._next_turn`): a client whose calls turn out slow holds another's calls
@@ -105,6 +122,7 @@ __all__ = [
     "CHUNK_REPLY",
     "DEADLINE",
     "ERROR",
+    "FLOW_MASK",
     "HEADER",
     "HEADER_SIZE",
     "HELLO",
@@ -115,6 +133,8 @@ __all__ = [
     "NOT_RUN",
     "REPLY_ENTRY",
     "RESULT",
+    "RETURN",
+    "RETURNABLE",
     "VERSION",
     "FrameDecoder",
     "FrameError",
@@ -141,19 +161,22 @@ class Kind(IntEnum):
     CHUNK = 8
     CHUNK_REPLY = 9
     CHUNK_PART = 10
+    RETURN = 11
 
 
 # The kinds as plain ints, declared here once for every module that reads or writes
 # frames: the hot paths compare a frame's kind per frame, and an IntEnum member compares
 # slower than an int (IntEnum.__eq__ is looked up on the subclass).
-HELLO, CALL, NOTIFY, RESULT, ERROR, CANCEL, BYE, CHUNK, CHUNK_REPLY, CHUNK_PART = map(int, Kind)
+HELLO, CALL, NOTIFY, RESULT, ERROR, CANCEL, BYE, CHUNK, CHUNK_REPLY, CHUNK_PART, RETURN = map(int, Kind)
 
 
 HEADER = struct.Struct(">IBQI")
 HEADER_SIZE = HEADER.size  # 17
 # A call's deadline, the first bytes of a CALL, NOTIFY or CHUNK payload, and the header
 # with it, packed at once (the broker's hot path).
-DEADLINE = struct.Struct(">dI")  # the call's deadline and its flow (a connection's number)
+DEADLINE = struct.Struct(">dI")  # the call's deadline and its flow (a connection's number, and RETURNABLE)
+RETURNABLE = 0x80000000  # in a call's flow: it may be given back unstarted (RETURN)
+FLOW_MASK = RETURNABLE - 1  # ... and the connection's number
 CALL_HEADER = struct.Struct(">IBQIdI")
 CALL_ENTRY = struct.Struct(">HBI")  # in a CHUNK: method index, flags, params length
 REPLY_ENTRY = struct.Struct(">IBI")  # in a CHUNK_PART/REPLY: call's place, kind, length
@@ -183,9 +206,9 @@ CANCEL_ACK = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")
 CANCEL_ACK_RAN = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker after its handler ran")
 _KINDS = frozenset(int(k) for k in Kind)
 # This format's version, in HELLO: 2 since calls carry their deadline, 3 since they carry
-# their flow too; a HELLO without one is version 1's. A worker started from code upgraded in place under a running broker (a
+# their flow too, 4 since a worker may give calls back (RETURN); a HELLO without one is version 1's. A worker started from code upgraded in place under a running broker (a
 # SIGHUP after `pip install -U`) speaks another, and is refused with a message saying so.
-VERSION = 3
+VERSION = 4
 # The default of max_frame_bytes (config.py's too): the largest frame either side takes.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
@@ -264,7 +287,7 @@ def encode_call(
 ) -> bytes:
     """One whole CALL, NOTIFY or CHUNK frame: `params` (a CHUNK's entries) after the
     call's `deadline` (CLOCK_MONOTONIC s, `time.monotonic()`; inf for none) and `flow`
-    (0 <= flow < 2**32: its connection's number).
+    (0 <= flow < 2**32: its connection's number, below 2**31, and maybe `RETURNABLE`).
 
     The broker's hot path packs `CALL_HEADER` into its buffer instead; this is for the rest.
     """

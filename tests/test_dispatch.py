@@ -215,9 +215,9 @@ def test_each_frame_names_its_connection_as_its_flow():
         d.submit(body(codec, req("m", [2], 2)), lambda e: None, other)
         frames = w.channel.take()
         assert [f[0] for f in frames] == [wire.Kind.CALL, wire.Kind.CHUNK, wire.Kind.NOTIFY, wire.Kind.CALL]
-        flows = [w.channel.flows[f[1]] for f in frames]
+        flows = [w.channel.flows[f[1]] & wire.FLOW_MASK for f in frames]
         assert flows[:3] == [one.flow] * 3 and flows[3] == other.flow != one.flow
-        assert 0 <= one.flow < 1 << 32
+        assert 0 <= one.flow <= wire.FLOW_MASK and 0 <= other.flow <= wire.FLOW_MASK
 
     run(main)
 
@@ -760,6 +760,107 @@ def test_one_connections_blocking_sync_calls_hold_at_most_its_share_of_the_worke
         d, workers = sync_dispatcher(1, share=1.0)
         d.submit(body(codec, [req("slow", [i], i) for i in range(6)]), lambda e: None)
         assert sorted(first_params(f) for w in workers for f in w.channel.take()) == [[0], [1]]
+
+    run(main)
+
+
+def _entries_from(payload: bytes, place: int) -> bytes:
+    """A CHUNK payload's CALL_ENTRYs (and params) from its call at `place` on."""
+    pos = 0
+    for _ in range(place):
+        _index, _flags, length = wire.CALL_ENTRY.unpack_from(payload, pos)
+        pos += wire.CALL_ENTRY.size + length
+    return payload[pos:]
+
+
+def _chunk_reply(places: list[int], body: bytes = b'"ok"') -> bytes:
+    return b"".join(wire.REPLY_ENTRY.pack(i, wire.RESULT, len(body)) + body for i in places)
+
+
+def test_calls_given_back_by_their_worker_wait_again_at_their_connections_head_as_blocking():
+    """Hostile testing (round 63): a sync method learnt fast, then a batch of its slow calls
+    went 50 a worker and held both. A call goes RETURNABLE (wire.py) when it is not known to
+    block and its worker is not blocked; a worker that finds its method slow gives back those
+    not started (RETURN): a chunk's calls from a place on become a chunk of their own, with
+    the chunk's deadline, a whole call or chunk goes back as it was, and both wait at the head
+    of their connection's calls as blocking sync calls (one connection's at most its share of
+    the workers), sent without the flag. Every call is answered once, in its own slot."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(1)  # (2 workers of 100, share 0.5: one blocking call a connection)
+        codec = Codec()
+        d.submit(body(codec, req("quick", [0], 0)), lambda e: None)  # learnt fast from one cheap call
+        [(_, first, _, _)] = a.channel.take() + b.channel.take()
+        assert not (a.channel.flows.get(first, 0) | b.channel.flows.get(first, 0)) & wire.RETURNABLE  # (blocking yet)
+        d.on_reply(a if first in a.channel.flows else b, wire.Kind.RESULT, first, 5, b"0")
+        done: list[Exchange] = []
+        greedy = ResponseBudget(d.outgoing)
+        d.submit(body(codec, [req("quick", [i], i) for i in range(6)]), done.append, greedy)
+        [chunk_a] = a.channel.take()
+        [chunk_b] = b.channel.take()
+        assert chunk_a[0] == chunk_b[0] == wire.Kind.CHUNK and chunk_a[2] == chunk_b[2] == 3
+        assert a.channel.flows[chunk_a[1]] == b.channel.flows[chunk_b[1]] == greedy.flow | wire.RETURNABLE
+        deadline = a.channel.deadlines[chunk_a[1]]
+        # Worker a ran its chunk's first call (slow) and gives back the other two.
+        d.on_reply(a, wire.Kind.RETURN, chunk_a[1], 1, _entries_from(chunk_a[3], 1))
+        [tail] = a.channel.take()  # (at once: the least loaded worker not blocked; a is, now)
+        assert (d.returned_total, greedy.in_flight) == (2, 6)
+        assert tail[0] == wire.Kind.CHUNK and tail[1] != chunk_a[1] and tail[2] == 2
+        assert tail[3] == _entries_from(chunk_a[3], 1) and a.channel.deadlines[tail[1]] == deadline
+        assert a.channel.flows[tail[1]] == greedy.flow  # (not RETURNABLE: it blocks)
+        assert a.blocked and greedy.blocking == 2 and a.outstanding == 3
+        # Worker b gives back its whole chunk: it waits, its connection's share taken.
+        d.on_reply(b, wire.Kind.RETURN, chunk_b[1], 0, chunk_b[3])
+        assert b.outstanding == 0 and not b.channel.take() and d.queued_calls == 3 and d.held_calls == 3
+        other: list[Exchange] = []
+        d.submit(body(codec, req("quick", ["o"], "o")), other.append)  # another client: worker b
+        [(_, o, _, _)] = b.channel.take()
+        assert b.channel.flows[o] & wire.RETURNABLE
+        d.on_reply(b, wire.Kind.RESULT, o, 5, b'"o"')
+        assert other and json.loads(other[0].answers[0])["result"] == "o"
+        # The given-back calls are answered in their own slots; the first chunk owes only its first.
+        d.on_reply(a, wire.Kind.CHUNK_REPLY, tail[1], 400_000, _chunk_reply([0, 1], b'"tail"'))
+        [again] = a.channel.take() + b.channel.take()
+        assert again[1] == chunk_b[1] and again[3] == chunk_b[3] and not done  # (the same chunk, sent again)
+        d.on_reply(a, wire.Kind.CHUNK_REPLY, chunk_a[1], 200_000, _chunk_reply([0], b'"first"'))
+        worker = a if again[1] in a.channel.flows else b
+        d.on_reply(worker, wire.Kind.CHUNK_REPLY, again[1], 600_000, _chunk_reply([0, 1, 2], b'"again"'))
+        [exchange] = done
+        answers = [json.loads(x) for x in exchange.answers]
+        assert [x["id"] for x in answers] == list(range(6))
+        assert [x["result"] for x in answers] == ["first", "again", "tail", "again", "tail", "again"]
+        assert (a.outstanding, b.outstanding, greedy.in_flight, greedy.blocking, d.queued_calls) == (0, 0, 0, 0, 0)
+
+    run(main)
+
+
+def test_a_call_given_back_after_its_deadline_is_not_answered_again():
+    """A call answered -32001 at its deadline while its worker gave it back: it is dropped
+    (counted as a late cancel), never queued or answered again; so is a chunk's part given
+    back after its chunk timed out."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=0.05)
+        d.set_methods(["quick"], sync_methods=["quick"])
+        w = add_worker(d, 0, concurrency=100)
+        codec = Codec()
+        d.submit(body(codec, req("quick", [0], 0)), lambda e: None)
+        [(_, first, _, _)] = w.channel.take()
+        d.on_reply(w, wire.Kind.RESULT, first, 5, b"0")
+        done: list[Exchange] = []
+        d.submit(body(codec, req("quick", [1], 1)), done.append)
+        d.submit(body(codec, [req("quick", [i], i) for i in range(3)]), done.append)
+        single, chunk = w.channel.take()
+        assert w.channel.flows[single[1]] & w.channel.flows[chunk[1]] & wire.RETURNABLE
+        await asyncio.sleep(0.1)
+        assert len(done) == 2 and all(b"-32001" in x for e in done for x in e.answers)  # type: ignore[operator]
+        w.channel.take()  # (the CANCELs)
+        d.on_reply(w, wire.Kind.RETURN, single[1], 0, single[3])
+        d.on_reply(w, wire.Kind.RETURN, chunk[1], 1, _entries_from(chunk[3], 1))
+        assert d.late_cancelled_total == 3 and d.returned_total == 3
+        assert not w.channel.take() and d.queued_calls == 0 and w.outstanding == 1  # (the chunk's first)
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 5, _chunk_reply([0]))
+        assert w.outstanding == 0 and not d._pending and len(done) == 2
 
     run(main)
 

@@ -133,6 +133,31 @@ def test_a_sync_method_learnt_fast_then_slow_holds_pipelined_calls_back_for_one_
     assert other < whole / 4, f"the other client's 64 adds took {other:.2f} s, the batch {whole:.2f} s"
 
 
+def test_a_batch_past_its_share_beside_a_steered_batch_waits_about_one_slow_call(broker_factory):
+    """Hostile testing (round 63, HIGH): `fib` learnt fast from fib(1), then one client's batch
+    of fib(30) went out 20 a worker; another client's batch of 1000 `add`, past its share (100
+    at a time), waited one fib per round trip (1.9 s with fib(32); 0.007 s alone). A worker now
+    gives back the fib calls it has not started once one of them blocks it (wire.RETURN), and
+    the broker routes them as blocking calls, the fib client's on one worker of 2 at a time:
+    the batch of `add` goes on the other. Counted in rpc_broker_calls_returned_total."""
+    b = broker_factory("--workers", "2")
+    assert b.call("fib", [1])["result"] == 1
+    with ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        fibs = pool.submit(post, b, [req("fib", [30], i) for i in range(40)])
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") > 0, timeout=10)
+        t0 = time.monotonic()
+        adds = post(b, [req("add", [k, 1], k) for k in range(1000)])
+        other = time.monotonic() - t0
+        assert not fibs.done()  # answered while the fib batch runs
+        answers = fibs.result(timeout=120)
+        whole = time.monotonic() - start
+    assert [a["result"] for a in adds] == list(range(1, 1001))  # type: ignore[index]
+    assert [a["result"] for a in answers] == [832040] * 40  # type: ignore[index]
+    assert sample(scrape_metrics(b), "rpc_broker_calls_returned_total") > 0
+    assert other < whole / 8, f"the other client's batch of 1000 adds took {other:.2f} s, the fib batch {whole:.2f} s"
+
+
 def test_one_clients_slow_sync_calls_leave_another_client_a_worker(broker_factory):
     """A blocking sync call holds its worker whole: one connection's hold at most its share of
     the workers (connection_share 0.5: one of 2). Round 60's new user: a batch of 1 s sync

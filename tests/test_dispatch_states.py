@@ -31,7 +31,7 @@ import typing
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from test_dispatch import RecordingChannel
+from test_dispatch import RecordingChannel, _entries_from
 
 from broker import wire
 from broker.answers import Exchange, ResponseBudget
@@ -85,6 +85,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.done: dict[int, int] = {}  # id(exchange) -> times its answer was made
         # Frames a worker holds and owes a reply to: call id -> (worker, kind, entries not answered)
         self.held: dict[int, tuple[Worker, int, list[int]]] = {}
+        self.sent: dict[int, tuple[bytes, int, int]] = {}  # call id -> (params, flow, calls) as last sent
         self.drained = False
         self.states: dict[int, tuple[Call, CallState]] = {}  # call id -> (the call, its state at the last look)
         self.ended: set[int] = set()  # ids of the calls seen ENDED
@@ -124,6 +125,8 @@ class DispatcherMachine(RuleBasedStateMachine):
                     assert w.state is WorkerState.READY, "a call was sent to a lost worker"
                     assert call_id not in self.held
                     self.held[call_id] = (w, kind, list(range(aux)) if kind == wire.CHUNK else [0])
+                    flow = typing.cast(RecordingChannel, w.channel).flows[call_id]
+                    self.sent[call_id] = (_payload, flow, aux if kind == wire.CHUNK else 1)
                     call = d._pending.get(call_id)
                     if call is not None:
                         sent_to[id(call.owner)] = call.owner
@@ -174,6 +177,15 @@ class DispatcherMachine(RuleBasedStateMachine):
         if exchange.remaining == 0:  # answered at once: on_done is not called (see `submit`)
             self.done[id(exchange)] = self.done.get(id(exchange), 0) + 1
 
+    @rule(
+        method=st.sampled_from(METHODS), n=st.integers(3, 8), notification=st.booleans(),
+        connection=st.sampled_from([None, 0, 1, 2]),
+    )
+    def submit_alike(self, method: str, n: int, notification: bool, connection: int | None) -> None:
+        """A batch of calls (or notifications) of one method: sent as chunks, while they fit
+        (mixed ones, above, rarely make one)."""
+        self.submit([(method, notification)] * n, True, connection)
+
     @precondition(lambda self: self.held)
     @rule(data=st.data(), how=st.sampled_from(["result", "error", "chunk-error", "cancelled"]))
     def reply(self, data: st.DataObject, how: str) -> None:
@@ -210,6 +222,29 @@ class DispatcherMachine(RuleBasedStateMachine):
         payload = b"".join(wire.REPLY_ENTRY.pack(i, wire.RESULT, 4) + b'"ok"' for i in part)
         self.held[call_id] = (worker, kind, [i for i in entries if i not in part])
         self._reply(call_id, wire.CHUNK_PART, payload)
+
+    def _returnable(self) -> list[int]:
+        """The calls held that were sent RETURNABLE and have calls not answered at the end."""
+        return sorted(c for c, (_, _, entries) in self.held.items()
+                      if self.sent[c][1] & wire.RETURNABLE and self.sent[c][2] - 1 in entries)
+
+    @precondition(lambda self: self._returnable())
+    @rule(data=st.data())
+    def give_back(self, data: st.DataObject) -> None:
+        """A worker gives back calls it was sent RETURNABLE, unstarted (wire.RETURN): a call
+        or a chunk whole (none of it answered), or a chunk's calls from a place on (none of
+        them answered; those before may be running still)."""
+        call_id = data.draw(st.sampled_from(self._returnable()))
+        worker, kind, entries = self.held[call_id]
+        params, _flow, count = self.sent[call_id]
+        first = max(set(range(count)) - set(entries), default=-1) + 1  # (the first of the unanswered tail)
+        place = data.draw(st.integers(first, count - 1)) if kind == wire.CHUNK else 0
+        if place == 0:
+            del self.held[call_id]
+        else:
+            self.held[call_id] = (worker, kind, [i for i in entries if i < place])
+        self.dispatcher.on_reply(worker, wire.RETURN, call_id, place, _entries_from(params, place) if place else params)
+        self._collect()
 
     @rule(connection=st.sampled_from([0, 1, 2]))
     def lose_connection(self, connection: int) -> None:
@@ -307,6 +342,12 @@ class DispatcherMachine(RuleBasedStateMachine):
             assert owner.blocking == blocking.get(id(owner), 0)
             assert owner.blocking <= d._sync_share or all(
                 c.sync == owner.blocking for c in d._pending.values() if c.owner is owner and c.sync > 0)
+        owned: set[tuple[int, int]] = set()  # each answer slot owed is one call's (a chunk given back in part: its tail's)
+        for call in (*d._pending.values(), *d._queue):
+            if call.exchange is not None:
+                for slot in call.slots if call.slots is not None else [call.slot]:
+                    assert slot < 0 or (id(call.exchange), slot) not in owned, "two calls owe one answer"
+                    owned.add((id(call.exchange), slot))
         waiting: dict[int, int] = {}
         for call in d._queue:
             if call.tick:

@@ -117,13 +117,15 @@ _step = st.one_of(
     st.tuples(st.sampled_from(["hold", "release", "expire"]), st.sampled_from("abcd")),
     st.just("release_all"),
     st.just("drop"),
+    st.just("give_back"),  # popleft, then appendleft: a worker gave the call back unstarted
 )
 
 
 @given(st.lists(_step, max_size=80))
 def test_each_connections_calls_come_out_in_order_and_none_is_lost(steps: list[object]) -> None:
     """Any interleaving of appends (connection, cost), takes, holds and releases of a
-    connection's calls, expiries of a connection's head and drops: a connection's calls
+    connection's calls, expiries of a connection's head, drops, and calls taken and put
+    back at their connection's head (`appendleft`): a connection's calls
     come out in the order they went in, each once, never while it is held; iteration
     holds exactly what is queued, the flows in turn first, the head first of all."""
     q: FairQueue[tuple[str, int, int]] = FairQueue(lambda call: call[1])
@@ -144,6 +146,12 @@ def test_each_connections_calls_come_out_in_order_and_none_is_lost(steps: list[o
         elif step == "release_all":
             q.release_all()
             held.clear()
+        elif step == "give_back":
+            call = q.head()
+            if call is not None:
+                assert q.popleft() is call
+                q.appendleft(call, call[0])
+                assert q.first(call[0]) is call  # (back at its connection's head)
         elif step == "drop":
             q.drop(lambda call: call[2] % 3 != 0)
             for key, calls in queued.items():

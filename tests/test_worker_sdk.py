@@ -2105,6 +2105,58 @@ def _answered_order(frames: list[Frame]) -> list[tuple[int, int]]:
     return order
 
 
+def test_a_returnable_call_found_slow_gives_back_the_waiting_calls_of_its_method(run):
+    """Hostile testing (round 63): a sync method learnt fast, then one client's batch of its
+    slow calls, 50 a worker, held both workers, and another client's batch of 1000 `add`
+    waited one slow call per round trip of its share (1.9 s). A call sent RETURNABLE (wire.py)
+    whose sync handler blocks the loop 1 ms or more makes the worker give back (RETURN), unstarted,
+    every call waiting that was sent RETURNABLE and is of a method now slow there: a chunk's
+    calls from the next on (before its CHUNK_REPLY), a whole chunk not started, single calls.
+    Not a call sent without the flag, nor a call of a fast method; a slow call not sent
+    RETURNABLE gives nothing back."""
+    r = wire.RETURNABLE
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(encode_call(Kind.CALL, 1, INDEX["spin"], b"[0]", flow=5 | r))  # learnt fast here
+        [(kind, _, _, _)] = await b.read()
+        assert kind == Kind.RESULT
+        spins = [("spin", b"[0.02]", False)] * 5
+        waiting = [("spin", b"[0.02]", False), ("add_ints", b"[1, 2]", False)]
+        b.send(
+            chunk_frame(2, spins, flow=7 | r),
+            encode_call(Kind.CALL, 3, INDEX["spin"], b"[0.02]", flow=8 | r),
+            encode_call(Kind.CALL, 4, INDEX["add_ints"], b"[1, 2]", flow=8 | r),
+            encode_call(Kind.CALL, 5, INDEX["spin"], b"[0.001]", flow=9),  # (not RETURNABLE: it runs)
+            chunk_frame(6, waiting, flow=9 | r),
+            chunk_frame(7, [("add_ints", b"[1, 2]", False)] * 3, flow=9 | r),  # (no slow method: it runs)
+        )
+        frames: list[Frame] = []
+        while {3, 6} - {f[1] for f in frames} or not {2, 4, 5, 7} <= {f[1] for f in frames if f[0] != Kind.RETURN}:
+            frames += await b.read(timeout=10)
+        returned = {f[1]: f for f in frames if f[0] == Kind.RETURN}
+        assert sorted(returned) == [2, 3, 6], frames
+        entries = chunk_frame(0, spins)[wire.HEADER_SIZE + wire.DEADLINE.size:]
+        one = len(entries) // 5
+        assert returned[2][2:] == (1, entries[one:])  # calls 1 to 4 of chunk 2, as sent
+        assert returned[3][2:] == (0, b"[0.02]")
+        assert returned[6][2:] == (0, chunk_frame(0, waiting)[wire.HEADER_SIZE + wire.DEADLINE.size:])
+        kinds = [(f[0], f[1]) for f in frames]
+        assert kinds.index((Kind.RETURN, 2)) < kinds.index((Kind.CHUNK_REPLY, 2))
+        assert list(chunk_answers([f for f in frames if f[1] == 2 and f[0] != Kind.RETURN])) == [0]  # (the one that ran)
+        ran = {f[1]: f[0] for f in frames if f[0] != Kind.RETURN}
+        assert ran[4] == ran[5] == Kind.RESULT and ran[7] == Kind.CHUNK_REPLY
+        # A slow call sent without the flag gives nothing back; a RETURNABLE one after it does.
+        b.send(
+            encode_call(Kind.CALL, 10, INDEX["spin"], b"[0.002]", flow=9),
+            encode_call(Kind.CALL, 11, INDEX["spin"], b"[0.002]", flow=8 | r),
+            encode_call(Kind.CALL, 12, INDEX["spin"], b"[0.002]", flow=8 | r),
+        )
+        frames = await b.read(3, timeout=10)
+        assert [(f[0], f[1]) for f in frames] == [(Kind.RESULT, 10), (Kind.RESULT, 11), (Kind.RETURN, 12)]
+
+    run(test)
+
+
 def test_a_flows_slow_calls_hold_another_flows_call_back_for_one_slice(run):
     """Hostile testing (round 60): a sync method learnt fast from a cheap call, then one
     client's batch of its slow calls reached each worker as a chunk of 50, and every other

@@ -48,10 +48,13 @@ from broker.wire import (
     CHUNK_PART,
     CHUNK_REPLY,
     ERROR,
+    FLOW_MASK,
     NOT_RUN,
     NOTIFY,
     REPLY_ENTRY,
     RESULT,
+    RETURN,
+    RETURNABLE,
 )
 from broker.worker.errors import ErrorAnswers, _text
 from broker.worker.held import HeldAnswers
@@ -65,6 +68,7 @@ log = logging.getLogger("broker.worker")  # (one logger for the package: its rec
 _BYE_FRAME = wire.encode_frame(wire.Kind.BYE, 0)  # (SIGTERM: see WorkerProtocol.stop)
 _pack_header = wire.HEADER.pack
 _deadline_of = wire.DEADLINE.unpack_from  # a call's (deadline, flow), at the start of its frame's payload
+# (flow: its connection's number, FLOW_MASK, and RETURNABLE: `WorkerProtocol._give_back`)
 _DEADLINE_SIZE = wire.DEADLINE.size
 _perf = time.perf_counter
 _monotonic = time.monotonic  # the clock of the deadlines the broker sends (wire.py)
@@ -241,9 +245,22 @@ class _Chunk:
 def _flow_of(item: tuple[int, int, int, bytes] | _Chunk) -> int:
     """The flow (wire.py: a client connection's number) of a call or chunk waiting to run."""
     if type(item) is _Chunk:
-        return item.flow
+        return item.flow & FLOW_MASK
     flow: int = _deadline_of(typing.cast("tuple[int, int, int, bytes]", item)[3])[1]
-    return flow
+    return flow & FLOW_MASK
+
+
+def _calls_of(payload: bytes, pos: int, method: int) -> bool:
+    """Whether a CHUNK payload's calls from byte `pos` on include one of method index `method`."""
+    unpack = CALL_ENTRY.unpack_from
+    size = CALL_ENTRY.size
+    end = len(payload)
+    while pos + size <= end:
+        index, _flags, length = unpack(payload, pos)
+        if index == method:
+            return True
+        pos += size + length
+    return False
 
 
 class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
@@ -287,6 +304,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         "_slot",
         "_slow",
         "_spent",
+        "_surprise",
         "_task_of",
         "_tasks",
         "_transport",
@@ -340,7 +358,8 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         self._run_scheduled = False
         self._read_first = False  # `_run` was put off to a later loop turn: it reads first (`_read_now`)
         self._yielded = (0, 0)  # (call id, loop turns) given to async calls before a slow one (`_run`)
-        self._spent = -1  # the flow whose call (or chunk) took the whole last slice (-1: none): `_next_turn` due
+        self._spent = False  # a call (or chunk) took the whole last slice: `_next_turn` due
+        self._surprise = -1  # a call sent RETURNABLE turned out slow: `_give_back` due, of this method
         self._used: dict[int, float] = {}  # each flow's time in calls of _CHARGED_S or more (s): `_next_turn`
         self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
         # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
@@ -534,7 +553,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
             if not self._read_now():
                 return
         backlog = self._backlog
-        if self._spent >= 0:
+        if self._spent:
             self._next_turn()
         now = _perf()
         deadline = now + SLICE_SECONDS
@@ -546,9 +565,12 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                 self._advancing = None
                 if finished:
                     backlog.popleft()
+                if self._surprise >= 0:
+                    self._give_back(self._surprise)
+                    self._surprise = -1
             else:
                 kind, call_id, aux, payload = typing.cast("tuple[int, int, int, bytes]", item)
-                call_deadline = _deadline_of(payload)[0]
+                call_deadline, flow = _deadline_of(payload)
                 if call_deadline <= _monotonic():  # answered -32001 by the broker (wire.py)
                     backlog.popleft()
                     self._reply(ERROR, call_id, 0.0, _CANCELLED, NOT_RUN)  # (a whole chunk, too)
@@ -564,13 +586,14 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                     chunk = self._chunks[call_id] = _Chunk(call_id, aux, payload)
                     backlog.appendleft(chunk)
                     continue
-                self._call(call_id, aux, payload[_DEADLINE_SIZE:], call_deadline)
+                if self._call(call_id, aux, payload[_DEADLINE_SIZE:], call_deadline) and flow & RETURNABLE and backlog:
+                    self._give_back(aux)
             if backlog and ((now := _perf()) > deadline or now - started >= _CHARGED_S):
                 if now - started >= _CHARGED_S:  # (a call, or a chunk's calls, that took a while: charged)
                     flow = _flow_of(item)
                     self._used[flow] = self._used.get(flow, 0.0) + (now - started)
                     if now - started >= SLICE_SECONDS:  # ... the whole slice: its flow's turn is over
-                        self._spent = flow
+                        self._spent = True
                 if now <= deadline:
                     continue
                 self._run_scheduled = self._read_first = True
@@ -579,8 +602,8 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         self._flush()
 
     def _next_turn(self) -> None:
-        """The last slice went whole to one call or chunk of one flow (`_spent`: a client
-        connection, wire.py), and calls wait: they are put in the order of the time their
+        """The last slice went whole to one call or chunk of one flow (a client connection,
+        wire.py), and calls wait: they are put in the order of the time their
         flows have taken in this worker (`_used`: calls of `_CHARGED_S` or more, at most
         `_HISTORY_S` past the least charged flow waiting; each flow's calls in their order: a
         stable sort), least first. So a client whose calls turn out
@@ -597,7 +620,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         worker's order is the order they came. O(n log n) in the calls waiting, and only
         after a call (or a chunk) that took a whole slice: scanning after every slice of fast
         single calls cost 41 % more instructions per call (callgrind)."""
-        self._spent = -1
+        self._spent = False
         backlog = self._backlog
         used = self._used
         flows = [_flow_of(item) for item in backlog]
@@ -616,6 +639,44 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
             backlog.extend(items[i] for i in sorted(range(len(items)), key=lambda i: used.get(flows[i], 0.0)))
         if len(used) > 2 * len(flows) + 64:  # (flows gone: only those waiting keep their time)
             self._used = {flow: t for flow, t in used.items() if flow in waiting}
+
+    def _give_back(self, method: int) -> None:
+        """A call the broker sent `RETURNABLE` (wire.py: of a method not known to block, to
+        a worker not busy in a blocking one) was a sync handler's, of method index `method`,
+        that blocked the loop SLOW_SYNC_US or more: give back (RETURN) every call waiting here
+        that was sent RETURNABLE, has not started, and is of that method; of a chunk started,
+        its calls from the next on, if one of those is. (Not every method slow here: a sync
+        method counts as slow until its first call on this worker, and the broker, which
+        learnt it fast on another, would route its calls one at a time.) The broker routes them
+        again as blocking calls: one connection's at most its share of the workers, the
+        others' calls on the rest. Kept here, a batch of them sent 50 a worker held every
+        worker, and another client's batch past its share waited one of them per round trip
+        (hostile testing, round 63: a sync method learnt fast from a cheap call, then a batch
+        of its slow calls; another client's batch of 1000 `add` took 1.9 s, 0.007 s alone).
+        O(the calls waiting, and the entries of the chunks among them)."""
+        kept: collections.deque[tuple[int, int, int, bytes] | _Chunk] = collections.deque()
+        for item in self._backlog:
+            if type(item) is _Chunk:
+                if not item.flow & RETURNABLE or item.next >= item.count or not _calls_of(item.payload, item.pos, method):
+                    kept.append(item)
+                elif item.next == 0 and not item.waiting and not item.unsent:  # (nothing of it ran: all of it)
+                    self._chunks.pop(item.chunk_id, None)
+                    self._dirty.discard(item)
+                    self._reply(RETURN, item.chunk_id, 0.0, item.payload[_DEADLINE_SIZE:], 0)
+                else:  # its calls from the next on; its CHUNK_REPLY, for those before, comes after
+                    self._reply(RETURN, item.chunk_id, 0.0, item.payload[item.pos :], item.next)
+                    item.count = item.next
+                    self._dirty.add(item)
+                continue
+            kind, call_id, aux, payload = typing.cast("tuple[int, int, int, bytes]", item)
+            if _deadline_of(payload)[1] & RETURNABLE and (
+                _calls_of(payload, _DEADLINE_SIZE, method) if kind == CHUNK else aux == method
+            ):
+                self._reply(RETURN, call_id, 0.0, payload[_DEADLINE_SIZE:], 0)
+            else:
+                kept.append(item)
+        self._backlog.clear()  # (in place: `_run` holds it)
+        self._backlog.extend(kept)
 
     def _yield(self, call_id: int) -> bool:
         """Before call `call_id`, of a method that blocks the loop, with async calls in
@@ -747,7 +808,9 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         except BaseException as exc:  # the result has no JSON form (or a hook raised)
             return ERROR, self._error(exc, index)
 
-    def _call(self, call_id: int, index: int, params: bytes, deadline: float) -> None:
+    def _call(self, call_id: int, index: int, params: bytes, deadline: float) -> bool:
+        """Run (or start) call `call_id` of method `index`; True if it was a sync handler's
+        that blocked the loop SLOW_SYNC_US or more (`_give_back`)."""
         index = min(index, len(self._methods))  # (past the table: answered -32601)
         if self._slow[index] and (self._out or self._dirty):
             # This method's last call blocked the loop: what is ready goes out now, not
@@ -766,9 +829,9 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
             kind = done[0]
             if kind == _UNRUN:  # it says nothing of how long the method takes
                 self._reply(ERROR, call_id, t0, done[1], NOT_RUN)
-                return
-            self._slow[index] = self._reply(kind, call_id, t0, done[1]) >= SLOW_SYNC_US
-            return
+                return False
+            slow = self._slow[index] = self._reply(kind, call_id, t0, done[1]) >= SLOW_SYNC_US
+            return slow
         task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
         if self._methods[index].is_async:
             self._slow[index] = False  # an async handler blocks nothing
@@ -781,6 +844,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         if not task.done():  # (else finished at once, eagerly: answered by its done callback)
             self._task_of[task] = (call_id, index, t0)
         task.add_done_callback(lambda t: self._task_done(call_id, index, t0, t))
+        return self._slow[index]
 
     def _finished(self, ok: bool, value: object) -> None:
         """The last step of an async call's task (`_guarded`): make its answer now. Not a
@@ -893,6 +957,8 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                     slow[index] = now - t0 >= _SLOW_SYNC_S
                     if slow[index]:  # (a call of it blocked: the chunk's time is the worker's, not AWAITED; round 25)
                         chunk.awaited = -1
+                        if chunk.flow & RETURNABLE:  # (and it was sent as not blocking: `_give_back`)
+                            self._surprise = index
                     chunk.ran = True
                 if len(unsent) + len(body) <= limit:  # fits this part (the common case)
                     unsent += pack(i, kind, len(body))
@@ -914,7 +980,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                     self._task_of[task] = (chunk, i, index)
                 task.add_done_callback(functools.partial(self._chunk_task_done, chunk, i, index))
             t0 = now
-            if chunk.next < chunk.count and now > deadline:
+            if chunk.next < chunk.count and (now > deadline or self._surprise >= 0):
                 self._dirty.add(chunk)
                 return False
         self._dirty.add(chunk)
