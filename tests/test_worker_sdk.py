@@ -2224,6 +2224,31 @@ def test_a_flows_slow_calls_hold_another_flows_call_back_for_one_slice(run):
     run(test)
 
 
+def test_a_flow_with_a_little_history_is_not_put_behind_a_heavy_flows_chunk_by_passing_calls(run):
+    """Hostile testing (round 64): every flow waiting was capped at 50 ms past the least
+    charged one, so whenever a call of a flow never charged waited (any connection sending
+    cheap calls now and then), the heavy flow and a client with 50 ms of history were level,
+    and the heavy chunk, first in the backlog, kept going: the client's call waited for all
+    of it (4.1 s). Flows waiting keep their starts; one that comes back starts near the last
+    call charged: the client's call waits for about one slow call."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(chunk_frame(30, [("spin", b"[0.03]", False)] * 3, flow=20))  # (60 ms charged to flow 20)
+        await read_chunk(b, 30)
+        b.send(chunk_frame(31, [("spin", b"[0.05]", False)] * 6, flow=21),
+               encode_call(Kind.CALL, 32, INDEX["add_ints"], b"[3, 4]", flow=20))
+        frames: list[Frame] = []
+        for k in range(40):  # a cheap call of a new connection every 10 ms
+            await asyncio.sleep(0.01)
+            b.send(encode_call(Kind.CALL, 100 + k, INDEX["add_ints"], b"[1, 1]", flow=100 + k))
+        while not any(f[0] == Kind.CHUNK_REPLY for f in frames) or sum(1 for f in frames if f[1] >= 32) < 41:
+            frames += await b.read(timeout=10)
+        order = [(c, i) for c, i in _answered_order(frames) if c in (31, 32)]
+        assert order.index((32, -1)) <= 2, order  # after one or two of the six spins, not all
+
+    run(test)
+
+
 def test_a_chunk_gets_every_answer_once_sync_async_errors_and_notifications(run):
     async def test(proto: WorkerProtocol, b: Broker) -> None:
         b.send(chunk_frame(9, [("add_ints", b"[1, 2]", False), ("nap", b"[0.05]", False),
@@ -2296,12 +2321,15 @@ def test_a_chunks_calls_not_started_by_its_deadline_are_answered_cancelled(run):
 
 def test_an_async_call_whose_first_step_comes_past_its_deadline_is_answered_cancelled(run):
     """An async call's task made before its deadline, whose first step a sync call after
-    it held past it: answered CANCEL_ACK, its handler never run (`_guarded`)."""
+    it held past it: its handler never runs (`_guarded`), and it is answered CANCEL_ACK_RAN,
+    not CANCEL_ACK: its params were bound, which may run the app's code (hostile testing,
+    round 64: 12 of 12 such calls told `"started": false` had run their param's
+    __post_init__)."""
 
     async def test(proto: WorkerProtocol, b: Broker) -> None:
         b.send(chunk_frame(8, [("nap", b"[0]", False), ("spin", b"[0.5]", False)], time.monotonic() + 0.2))
         _, answers = await read_chunk(b, 8)
-        assert answers == {0: (Kind.ERROR, CANCEL_ACK), 1: (Kind.RESULT, b"0.5")}
+        assert answers == {0: (Kind.ERROR, wire.CANCEL_ACK_RAN), 1: (Kind.RESULT, b"0.5")}
 
     run(test)
 

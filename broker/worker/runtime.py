@@ -78,7 +78,7 @@ _CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a lat
 _UNRUN = -1
 SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
 _CHARGED_S = 0.0005  # a call (or a chunk's calls in one go) this long is charged to its flow: `_next_turn`
-_HISTORY_S = 0.05  # ... and a flow's charge counts at most this far past the least charged flow's
+_HISTORY_S = 0.01  # ... and a flow that arrives starts at most this far after the last call charged (`_arrival`)
 SLOW_SYNC_US = 1000  # a sync call this long (µs) blocks the replies behind it (dispatch.BLOCKING_US)
 _SLOW_SYNC_S = SLOW_SYNC_US / 1e6
 _AWAITED_WITHIN_S = 0.01  # a sync handler that returns its awaitable within this blocks nothing (wire.AWAITED)
@@ -161,10 +161,13 @@ async def _guarded(
     """Run an async handler to its end: (True, result) or (False, the exception raised),
     also given to `finished` in the handler's last step, so that the answer is made in it
     (a done callback comes a loop turn later, which a slow sync call can take first).
-    (False, `_PAST_DEADLINE`) if its first step comes past the call's `deadline`
+    (False, `_PAST_DEADLINE_RAN`) if its first step comes past the call's `deadline`
     (CLOCK_MONOTONIC s): the handler never runs, the call was answered -32001 (a sync
     call started after it in the same loop turn held the loop meanwhile, and the CANCEL,
-    if it has come, is read only after this step).
+    if it has come, is read only after this step). Its params were bound, which may have
+    run the app's code (a __post_init__), so it is answered CANCEL_ACK_RAN, never as a call
+    that did not start (hostile testing, round 64: 12 of 12 such calls told `"started":
+    false` had run their param's __post_init__).
 
     Never raises, not even BaseException: a Task re-raises SystemExit and
     KeyboardInterrupt out of the event loop (asyncio's Task.__step), which would stop
@@ -180,8 +183,7 @@ async def _guarded(
                 typing.cast("typing.Coroutine[object, object, object]", awaitable).close()
             elif isinstance(awaitable, asyncio.Future):  # (a Task it made runs from then on, on its
                 awaitable.cancel()  # own: cancelled, as an async handler's, at its next await)
-            return False, _PAST_DEADLINE_RAN
-        return False, _PAST_DEADLINE
+        return False, _PAST_DEADLINE_RAN
     try:
         value = fn(*args, **kwargs)
         if type(value) is _COROUTINE or inspect.isawaitable(value):  # (a wraps-decorated async
@@ -204,14 +206,13 @@ async def _guarded(
 
 
 class _PastDeadline(Exception):
-    """An async call whose first step came past its deadline: it is answered `CANCEL_ACK`."""
+    """An async call (or the awaitable a sync handler returned) whose first step came past
+    its deadline: it is answered `CANCEL_ACK_RAN`. Its params were bound, or the sync handler
+    ran (its side effects made) before it returned the awaitable (hostile testing, round 61:
+    answered CANCEL_ACK, the client was told "started": false, and a retry would have done it
+    twice; round 64, the same after an async method's param __post_init__)."""
 
 
-_PAST_DEADLINE = _PastDeadline()
-# ... and the awaitable a sync handler returned, whose first step came past the deadline: the
-# handler ran (its side effects made) before it returned it, so it is answered
-# `CANCEL_ACK_RAN`, never as unrun (hostile testing, round 61: answered CANCEL_ACK, the client
-# was told "started": false, and a retry would have done it twice).
 _PAST_DEADLINE_RAN = _PastDeadline()
 
 
@@ -274,6 +275,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
     # (Slots: past 30 attributes an instance's dict no longer shares its keys, and every
     # attribute read on the hot path got slower: 2.6 % more instructions per call.)
     __slots__ = (
+        "_active",
         "_advancing",
         "_answered",
         "_awaited",
@@ -309,6 +311,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         "_tasks",
         "_transport",
         "_used",
+        "_virtual",
         "_winding",
         "_yielded",
         "done",
@@ -360,7 +363,9 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         self._yielded = (0, 0)  # (call id, loop turns) given to async calls before a slow one (`_run`)
         self._spent = False  # a call (or chunk) took the whole last slice: `_next_turn` due
         self._surprise = -1  # a call sent RETURNABLE turned out slow: `_give_back` due, of this method
-        self._used: dict[int, float] = {}  # each flow's time in calls of _CHARGED_S or more (s): `_next_turn`
+        self._used: dict[int, float] = {}  # each flow's start (s): `_next_turn`, `_charge`
+        self._virtual = 0.0  # the start of the last call (or chunk) charged (s): `_arrival`
+        self._active: set[int] = set()  # the flows waiting at the last turn, or charged since
         self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
         # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
         # the worker closes after them, as after its calls (hostile testing, round 17: a
@@ -590,8 +595,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                     self._give_back(aux)
             if backlog and ((now := _perf()) > deadline or now - started >= _CHARGED_S):
                 if now - started >= _CHARGED_S:  # (a call, or a chunk's calls, that took a while: charged)
-                    flow = _flow_of(item)
-                    self._used[flow] = self._used.get(flow, 0.0) + (now - started)
+                    self._charge(_flow_of(item), now - started)
                     if now - started >= SLICE_SECONDS:  # ... the whole slice: its flow's turn is over
                         self._spent = True
                 if now <= deadline:
@@ -599,14 +603,41 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                 self._run_scheduled = self._read_first = True
                 self._loop.call_soon(self._run)
                 break
+        if not backlog and self._active:  # (idle: every flow that comes next arrives afresh)
+            self._active = set()
         self._flush()
+
+    def _arrival(self, start: float | None) -> float:
+        """The start (`_used`) of a flow whose calls arrive here with none of its calls waiting
+        or run since the last turn: its own, but no earlier than the last one charged
+        (`_virtual`: no credit for the time it was away) and no later than `_HISTORY_S` after
+        it; a flow not known here (`start` None) starts `_HISTORY_S` after it, so one that has
+        been here before never goes behind a new connection's calls for its own history."""
+        virtual = self._virtual
+        if start is None:
+            return virtual + _HISTORY_S
+        return virtual if start < virtual else min(start, virtual + _HISTORY_S)
+
+    def _charge(self, flow: int, seconds: float) -> None:
+        """A call or chunk of `flow` took `seconds` (`_CHARGED_S` or more) while others
+        waited: its flow's next start is its start plus that (`_next_turn`)."""
+        used = self._used
+        start = used.get(flow)
+        if start is None or flow not in self._active:
+            start = self._arrival(start)
+            self._active.add(flow)
+        if start > self._virtual:
+            self._virtual = start
+        used[flow] = start + seconds
 
     def _next_turn(self) -> None:
         """The last slice went whole to one call or chunk of one flow (a client connection,
-        wire.py), and calls wait: they are put in the order of the time their
-        flows have taken in this worker (`_used`: calls of `_CHARGED_S` or more, at most
-        `_HISTORY_S` past the least charged flow waiting; each flow's calls in their order: a
-        stable sort), least first. So a client whose calls turn out
+        wire.py), and calls wait: they are put in the order of their flows' starts, least first
+        (each flow's calls in their order: a stable sort). That is start-time fair queueing
+        (Goyal, Vin and Cheng, "Start-time Fair Queueing", SIGCOMM 1996) by the time calls take
+        here: a flow's start (`_used`) grows by the time its calls of `_CHARGED_S` or more take
+        (`_charge`), and a flow that arrives, or comes back, starts near the start of the last
+        call charged (`_virtual`, `_arrival`); the flows waiting keep theirs. So a client whose calls turn out
         slow (a sync method learnt fast from a cheap call, then a batch of its slow calls: 50
         a worker) holds another client's calls back for about one of its slow calls, however
         many of its calls reached this worker first, and whatever the other client sends:
@@ -616,7 +647,11 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         pipelined calls 5.2 s behind. Round 62: turns by call rather than by time held a batch
         of 1000 `add` 1.9 s, and 32 calls of 3 ms 3.2 s; and putting only the last slow flow
         behind the others left a client's call behind one slow call of every other slow
-        connection.) Between calls that each take less than a slice, as fast calls do, the
+        connection. Round 63: a flow's time here was never forgotten, and a client that had done
+        3 s of work waited 2.7 s behind a new connection's slow calls. Round 64: capping every
+        flow waiting at 50 ms past the least one levelled a heavy flow with the others whenever a
+        flow never charged waited, and a client with 50 ms of history waited 4 s behind the
+        heavy one's whole chunk.) Between calls that each take less than a slice, as fast calls do, the
         worker's order is the order they came. O(n log n) in the calls waiting, and only
         after a call (or a chunk) that took a whole slice: scanning after every slice of fast
         single calls cost 41 % more instructions per call (callgrind)."""
@@ -625,18 +660,15 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         used = self._used
         flows = [_flow_of(item) for item in backlog]
         waiting = set(flows)
+        active = self._active
+        for flow in waiting:
+            if flow not in active or flow not in used:  # (arrived since the last turn, not charged yet)
+                used[flow] = self._arrival(used.get(flow))
+        self._active = waiting  # (those gone since are away: they arrive afresh)
         if len(waiting) > 1:
-            # No flow keeps more than _HISTORY_S of time over the least charged flow waiting:
-            # else a client that had done work here once waited behind every newer connection's
-            # slow calls until they had taken as long (hostile testing, round 63: 2.7 s after
-            # 3 s of earlier work). A new flow starts at 0, so it goes first once; then by time.
-            least = min(used.get(flow, 0.0) for flow in waiting) + _HISTORY_S
-            for flow in waiting:
-                if used.get(flow, 0.0) > least:
-                    used[flow] = least
             items = list(backlog)
             backlog.clear()
-            backlog.extend(items[i] for i in sorted(range(len(items)), key=lambda i: used.get(flows[i], 0.0)))
+            backlog.extend(items[i] for i in sorted(range(len(items)), key=lambda i: used[flows[i]]))
         if len(used) > 2 * len(flows) + 64:  # (flows gone: only those waiting keep their time)
             self._used = {flow: t for flow, t in used.items() if flow in waiting}
 
@@ -728,10 +760,10 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         one is checked once its params are bound (binding megabytes of them takes a large
         part of a second: hostile testing, round 20), an async one at its task's first
         step (`_guarded`); (_UNRUN, CANCEL_ACK_RAN) then for the bind (it may have run the
-        app's code: a __post_init__), CANCEL_ACK for the async one's first step. The
-        awaitable a sync one returns is held to it too, but that handler has run: its call
-        is answered CANCEL_ACK_RAN (wire.py), which the broker never gives as "started":
-        false."""
+        app's code: a __post_init__), and CANCEL_ACK_RAN for the async one's first step, for
+        the same reason. The awaitable a sync one returns is held to it too, but that handler
+        has run: its call is answered CANCEL_ACK_RAN (wire.py), which the broker never gives
+        as "started": false."""
         if _forked_from:  # (a child forked anywhere, a finalizer included, runs no call)
             _child_exits(None)
         try:
@@ -800,7 +832,7 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                 ok, value = False, exc  # raised by the handler (_guarded lets that through)
             if ok:
                 return RESULT, encode_result(value)
-            if (by_broker and isinstance(value, asyncio.CancelledError)) or value is _PAST_DEADLINE:
+            if by_broker and isinstance(value, asyncio.CancelledError):
                 return ERROR, _CANCELLED
             if value is _PAST_DEADLINE_RAN:
                 return ERROR, wire.CANCEL_ACK_RAN
