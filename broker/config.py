@@ -122,7 +122,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                        ] = 0
     app: Annotated[str, Meta(pattern=rf"^{_IDENT}:[A-Za-z_]\w*\Z"),
                    Doc("'module:attribute' of the broker.worker.Registry to serve",
-                       rule="module:attribute (a module's dotted name, not a file path: its directory the current one or on PYTHONPATH)",
+                       rule="module:attribute, as in mytools:registry (a module's dotted name, not a file path: its directory the current one or on PYTHONPATH; then the Registry's name in it)",
                        metavar="MODULE:ATTR")
                    ] = "broker.demo:registry"
     # (RFC 3986's path characters, matched as typed: hostile testing, round 32, found `/é`

@@ -764,7 +764,7 @@ def test_listener_settings_that_do_not_clash(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({"RPC_BROKER_APP": "mytools"}, "app = 'mytools': expected module:attribute (a module's dotted name, not a file path: its directory the current one or on PYTHONPATH)"),
+        ({"RPC_BROKER_APP": "mytools"}, "app = 'mytools': expected module:attribute, as in mytools:registry (a module's dotted name, not a file path: its directory the current one or on PYTHONPATH; then the Registry's name in it)"),
         ({"RPC_BROKER_RPC_PATH": "rpc"}, f"rpc_path = 'rpc': expected {RPC_PATH_RULE}"),
         ({"RPC_BROKER_ALLOWED_HOSTS": "a b"},
          "allowed_hosts = ['a b']: expected host names or IP addresses, without a port; or '*'"),
