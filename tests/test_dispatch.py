@@ -781,10 +781,11 @@ def test_calls_given_back_by_their_worker_wait_again_at_their_connections_head_a
     """Hostile testing (round 63): a sync method learnt fast, then a batch of its slow calls
     went 50 a worker and held both. A call goes RETURNABLE (wire.py) when it is not known to
     block and its worker is not blocked; a worker that finds its method slow gives back those
-    not started (RETURN): a chunk's calls from a place on become a chunk of their own, with
-    the chunk's deadline, a whole call or chunk goes back as it was, and both wait at the head
-    of their connection's calls as blocking sync calls (one connection's at most its share of
-    the workers), sent without the flag. Every call is answered once, in its own slot."""
+    not started (RETURN), and they wait at the head of their connection's calls as blocking
+    sync calls, one by one (round 65: queued again as one blocking chunk, they held a worker
+    for all of them), each with its chunk's deadline, sent without the flag: one connection's
+    on at most its share of the workers. A chunk given back in part owes only the answers of
+    the calls before. Every call is answered once, in its own slot."""
 
     async def main() -> None:
         d, (a, b) = sync_dispatcher(1)  # (2 workers of 100, share 0.5: one blocking call a connection)
@@ -801,34 +802,38 @@ def test_calls_given_back_by_their_worker_wait_again_at_their_connections_head_a
         assert chunk_a[0] == chunk_b[0] == wire.Kind.CHUNK and chunk_a[2] == chunk_b[2] == 3
         assert a.channel.flows[chunk_a[1]] == b.channel.flows[chunk_b[1]] == greedy.flow | wire.RETURNABLE
         deadline = a.channel.deadlines[chunk_a[1]]
-        # Worker a ran its chunk's first call (slow) and gives back the other two.
+        # Worker a ran its chunk's first call (slow: quick(0)) and gives back the other two.
         d.on_reply(a, wire.Kind.RETURN, chunk_a[1], 1, _entries_from(chunk_a[3], 1))
-        [tail] = a.channel.take()  # (at once: the least loaded worker not blocked; a is, now)
-        assert (d.returned_total, greedy.in_flight) == (2, 6)
-        assert tail[0] == wire.Kind.CHUNK and tail[1] != chunk_a[1] and tail[2] == 2
-        assert tail[3] == _entries_from(chunk_a[3], 1) and a.channel.deadlines[tail[1]] == deadline
-        assert a.channel.flows[tail[1]] == greedy.flow  # (not RETURNABLE: it blocks)
-        assert a.blocked and greedy.blocking == 2 and a.outstanding == 3
-        # Worker b gives back its whole chunk: it waits, its connection's share taken.
+        [single] = a.channel.take()  # (at once, one: the least loaded worker not blocked; a is, now)
+        assert single[0] == wire.Kind.CALL and json.loads(single[3]) == [2]
+        assert a.channel.deadlines[single[1]] == deadline and a.channel.flows[single[1]] == greedy.flow
+        assert a.blocked and greedy.blocking == 1 and a.outstanding == 2 and d.returned_total == 2
+        assert d.queued_calls == 1 and d.held_calls == 1  # (quick(4): its connection holds its share)
+        # Worker b gives back its whole chunk: its three wait too, the next of its connection's.
         d.on_reply(b, wire.Kind.RETURN, chunk_b[1], 0, chunk_b[3])
-        assert b.outstanding == 0 and not b.channel.take() and d.queued_calls == 3 and d.held_calls == 3
+        assert b.outstanding == 0 and not b.channel.take() and d.queued_calls == 4 and d.returned_total == 5
+        assert chunk_b[1] not in d._pending
         other: list[Exchange] = []
-        d.submit(body(codec, req("quick", ["o"], "o")), other.append)  # another client: worker b
+        d.submit(body(codec, req("quick", ["o"], "o")), other.append)  # another client: worker b, at once
         [(_, o, _, _)] = b.channel.take()
         assert b.channel.flows[o] & wire.RETURNABLE
         d.on_reply(b, wire.Kind.RESULT, o, 5, b'"o"')
         assert other and json.loads(other[0].answers[0])["result"] == "o"
-        # The given-back calls are answered in their own slots; the first chunk owes only its first.
-        d.on_reply(a, wire.Kind.CHUNK_REPLY, tail[1], 400_000, _chunk_reply([0, 1], b'"tail"'))
-        [again] = a.channel.take() + b.channel.take()
-        assert again[1] == chunk_b[1] and again[3] == chunk_b[3] and not done  # (the same chunk, sent again)
+        # One at a time, each answered in its own slot; the first chunk owes only its first.
         d.on_reply(a, wire.Kind.CHUNK_REPLY, chunk_a[1], 200_000, _chunk_reply([0], b'"first"'))
-        worker = a if again[1] in a.channel.flows else b
-        d.on_reply(worker, wire.Kind.CHUNK_REPLY, again[1], 600_000, _chunk_reply([0, 1, 2], b'"again"'))
+        sent = [single]
+        while not done:
+            frame = sent[-1]
+            worker = a if frame[1] in a.channel.flows else b
+            d.on_reply(worker, wire.Kind.RESULT, frame[1], 200_000, b'"%d"' % json.loads(frame[3])[0])
+            assert greedy.blocking <= 1
+            sent += a.channel.take() + b.channel.take()
+            assert len(sent) <= 5
+        assert sorted(json.loads(f[3])[0] for f in sent) == [1, 2, 3, 4, 5]
         [exchange] = done
         answers = [json.loads(x) for x in exchange.answers]
         assert [x["id"] for x in answers] == list(range(6))
-        assert [x["result"] for x in answers] == ["first", "again", "tail", "again", "tail", "again"]
+        assert [x["result"] for x in answers] == ["first", "1", "2", "3", "4", "5"]
         assert (a.outstanding, b.outstanding, greedy.in_flight, greedy.blocking, d.queued_calls) == (0, 0, 0, 0, 0)
 
     run(main)
@@ -867,8 +872,10 @@ def test_a_call_given_back_after_its_deadline_is_not_answered_again():
 
 def test_a_blocked_worker_takes_no_second_sync_call_but_its_prefetch_of_others():
     """One worker, --sync-prefetch 2: a second slow call waits in the queue (at most
-    one blocking sync call per worker), and so does a fast call behind it; once the
-    first returns, the second starts and the fast call is prefetched behind it."""
+    one blocking sync call per worker); a fast call of another connection after it is not
+    held behind it (it costs the queue's turns less, `Dispatcher._queue_cost`: it is the
+    queue's head) and goes to the blocked worker as its prefetch. Once the first slow call
+    returns, the second starts."""
 
     async def main() -> None:
         d, (w,) = sync_dispatcher(2, workers=1)
@@ -876,10 +883,11 @@ def test_a_blocked_worker_takes_no_second_sync_call_but_its_prefetch_of_others()
         for params in (["s1"], ["s2"]):
             d.submit(body(codec, req("slow", params, params[0])), lambda e: None)
         d.submit(body(codec, req("fast", ["f"], "f")), lambda e: None)
-        [first] = w.channel.take()
-        assert first_params(first) == ["s1"] and d.queued_calls == 2 and w.limit == 3
+        first, fast = w.channel.take()
+        assert first_params(first) == ["s1"] and first_params(fast) == ["f"]
+        assert d.queued_calls == 1 and w.limit == 3
         d.on_reply(w, wire.Kind.RESULT, first[1], 200_000, b"0")
-        assert [first_params(f) for f in w.channel.take()] == [["s2"], ["f"]]
+        assert [first_params(f) for f in w.channel.take()] == [["s2"]]
         assert (w.sync_calls, w.outstanding, d.queued_calls) == (1, 2, 0)
 
     run(main)
