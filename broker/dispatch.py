@@ -216,7 +216,6 @@ _GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
 _TIMER_EARLY = 0.001  # how early a loop timer may fire, by loop.time() (s): uvloop's, 1 ms steps (`DeadlineWheel._fire`)
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
 BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
-_FAST_MS = 0.05  # what a call not known to block costs in the queue's turns (ms: `Dispatcher._queue_cost`)
 _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
 _clock = time.perf_counter
 _NO_ID = Raw()
@@ -391,6 +390,12 @@ the calls a worker gives back from the middle of a chunk start QUEUED, a chunk o
 An answered call is never sent again, nor queued."""
 
 
+def _queue_cost(call: Call) -> int:
+    """What taking `call` out of the queue costs its connection (`FairQueue`): the calls it
+    stands for; nothing for an expired one's shell."""
+    return call.weight if call.tick else 0
+
+
 def _owed(call: Call) -> bool:
     """Whether `call` is owed an answer still (a call or a chunk of calls, not answered;
     notifications and answered calls have no exchange)."""
@@ -522,7 +527,7 @@ class Dispatcher:
         self._blocking: list[int] = []
         self._one_timeout = True  # every method has the same deadline (see set_methods)
         self._pending: dict[int, Call] = {}
-        self._queue: FairQueue[Call] = FairQueue(self._queue_cost)
+        self._queue: FairQueue[Call] = FairQueue(_queue_cost)
         self._ready: list[Worker] = []
         self._rotation = 0
         self._deadlines = DeadlineWheel(loop, self._on_timeout)
@@ -1022,24 +1027,6 @@ class Dispatcher:
                     worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
                     wait = max(0.0, call.arrival + call.timeout - now) + self._cancel_grace
                     self._loop.call_later(wait, self._check_hung, call)
-
-    def _queue_cost(self, call: Call) -> float:
-        """What taking `call` out of the queue costs its connection (`FairQueue`), in
-        milliseconds of a worker's time: a blocking sync call the time its method is known to
-        take (1 ms at least), any other call `_FAST_MS`; nothing for an expired one's shell.
-        So a batch chunk of fast calls goes before the next of another connection's slow
-        calls, not after one of them per call in it (hostile testing, round 65: a batch of
-        100 `add`, in chunks of 50, waited 3.7 s behind 2 connections' 20 known-slow calls
-        each), and among calls alike the turns go by call, as before."""
-        if not call.tick:
-            return 0
-        if call.sync <= 0:
-            return call.weight * _FAST_MS
-        us = self._sync_us
-        if call.methods is None:
-            return max(1.0, us[call.index] / 1000)
-        blocking = self._blocking
-        return sum(max(1.0, us[m] / 1000) if blocking[m] else _FAST_MS for m in call.methods)
 
     def _pick(self, call: Call) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see

@@ -480,7 +480,9 @@ def test_calls_answered_timed_out_whose_cancels_wait_behind_large_frames_never_r
     assert {name: a.get("error", {}).get("code") for name, a in answers.items() if name != "hold"} == {
         f"r{i}": -32001 for i in range(6)
     }
-    assert answers["r0"]["error"]["data"] == {"timeout_seconds": 0.5}
+    # (`"started": false` too when it waited in the broker's queue: on a loaded machine the
+    # warm-up `record` can take 1 ms, and `record` is then learnt blocking; seen in a full run)
+    assert answers["r0"]["error"]["data"] in ({"timeout_seconds": 0.5}, {"timeout_seconds": 0.5, "started": False})
     time.sleep(1.0)  # (a call that was to run after the hold has run by now)
     assert [line[:3] for line in ledger.read_text().splitlines()] == ["war"]
     assert b.call("record", ["later"])["result"] == 2
