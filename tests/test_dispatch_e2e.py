@@ -158,34 +158,41 @@ def test_a_batch_past_its_share_beside_a_steered_batch_waits_about_one_slow_call
     assert other < whole / 8, f"the other client's batch of 1000 adds took {other:.2f} s, the fib batch {whole:.2f} s"
 
 
-def _beside_a_fib_batch(b: Broker, victim: dict[str, object]) -> tuple[float, float]:
-    """`fib` learnt fast, then one connection posts a batch of 20 fib(30), while another
-    client posts `victim` again and again (each answer checked). Returns (the longest the
-    victim waited, how long the fib batch took), seconds."""
+def _beside_fib_batches(b: Broker, batches: int, victim: list[dict[str, object]] | dict[str, object]) -> tuple[float, float]:
+    """`fib` learnt fast, then `batches` connections each post a batch of 20 fib(30) at once,
+    while another client posts `victim` again and again (each answer checked). Returns (the
+    longest the victim waited, how long the fib batches took), seconds."""
     for _ in range(10):
         assert b.call("fib", [1])["result"] == 1
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(batches) as pool:
         start = time.monotonic()
-        fibs = pool.submit(post, b, [req("fib", [30], i) for i in range(20)])
+        fibs = [pool.submit(post, b, [req("fib", [30], i) for i in range(20)]) for _ in range(batches)]
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") > 0, timeout=10)
         longest = 0.0
-        while not fibs.done():
+        while not all(f.done() for f in fibs):
             t0 = time.monotonic()
             answer = post(b, victim)
             longest = max(longest, time.monotonic() - t0)
-            assert "error" not in answer, answer
-        assert [a["result"] for a in fibs.result()] == [832040] * 20  # type: ignore[index]
+            assert "error" not in json.dumps(answer), answer
+        for f in fibs:
+            assert [a["result"] for a in f.result()] == [832040] * 20  # type: ignore[index]
         return longest, time.monotonic() - start
 
 
-def test_calls_given_back_wait_one_by_one(broker_factory):
+def test_calls_given_back_wait_one_by_one_and_a_batch_of_fast_calls_goes_before_them(broker_factory):
     """Hostile testing (round 65, HIGH): the calls a worker gave back went again as one
     blocking chunk, which held its worker for all of them: beside one client's batch of 20
     steered-slow `fib`, another client's `add` waited 3.6 s on 1 worker. Given back, they go
-    one by one, and the other client waits about one slow call."""
+    one by one, and the other client waits about one slow call. And (round 65, MEDIUM) in the
+    broker's queue a chunk of fast calls cost a turn per call, a known-slow call one too, so
+    another client's batch of 100 `add` waited for every known-slow call of 2 connections
+    (3.5 s on 2 workers); a call known to block costs its method's time now."""
     b = broker_factory("--workers", "1")
-    longest, whole = _beside_a_fib_batch(b, req("add", [1, 2], "v"))
+    longest, whole = _beside_fib_batches(b, 1, req("add", [1, 2], "v"))
     assert longest < whole / 4, f"another client's add waited {longest:.2f} s, the fib batch took {whole:.2f} s"
+    b = broker_factory("--workers", "2")
+    longest, whole = _beside_fib_batches(b, 2, [req("add", [k, 1], k) for k in range(100)])
+    assert longest < whole / 4, f"another client's batch waited {longest:.2f} s, the fib batches took {whole:.2f} s"
 
 
 def test_one_clients_slow_sync_calls_leave_another_client_a_worker(broker_factory):
@@ -205,6 +212,44 @@ def test_one_clients_slow_sync_calls_leave_another_client_a_worker(broker_factor
     assert [a["result"] for a in answers] == [0.3] * 6  # type: ignore[index]
     assert other < 0.25, f"the other client's 64 adds took {other:.2f} s"
     assert whole >= 6 * 0.3, f"the batch's 6 calls took {whole:.2f} s: not one at a time"
+
+
+def test_a_connections_short_blocking_calls_take_their_turns_by_time_beside_long_ones(broker_factory):
+    """Hostile testing (round 66, HIGH): on 1 worker, beside a client sending `block(0.2)`
+    one call at a time, another client pipelined 32 calls of 3 ms: blocking calls go one at a
+    time, and the queue's turns went by call, one of them to each 0.2 s call: 4 s for 96 ms of
+    calls. A call known to block costs the queue's turns its method's time: the 32 go about
+    60 to one of the 0.2 s calls."""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry", "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    assert b.call("block", [0.2])["result"] == 0.2 and b.call("brief", [0.003])["result"] == 0.003  # (learnt)
+    stop = threading.Event()
+    slow: list[float] = []
+
+    def one_at_a_time() -> None:
+        while not stop.is_set() and len(slow) < 50:
+            assert b.call("block", [0.2])["result"] == 0.2
+            slow.append(time.monotonic())
+
+    lines = b"".join(b'{"jsonrpc":"2.0","method":"brief","params":[0.003],"id":%d}\n' % k for k in range(32))
+    with ThreadPoolExecutor(1) as pool, socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        attacker = pool.submit(one_at_a_time)
+        wait_for(lambda: len(slow) >= 2, timeout=10)
+        t0 = time.monotonic()
+        s.sendall(lines)
+        got = b""
+        while got.count(b"\n") < 32:
+            chunk = s.recv(65536)
+            assert chunk, got
+            got += chunk
+        took = time.monotonic() - t0
+        stop.set()
+        attacker.result(timeout=30)
+    assert sorted(json.loads(line)["id"] for line in got.splitlines()) == list(range(32))
+    assert took < 8 * 0.2, f"32 calls of 3 ms took {took:.2f} s beside one client's 0.2 s calls"
 
 
 def test_calls_avoid_a_worker_blocked_in_a_hung_sync_call(broker_factory):

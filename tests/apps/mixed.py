@@ -17,6 +17,13 @@ def block(seconds: float) -> float:
 
 
 @registry.method
+def brief(seconds: float) -> float:
+    """Like `block`: a second blocking method, whose calls are learnt shorter."""
+    time.sleep(seconds)
+    return seconds
+
+
+@registry.method
 def add(a: int, b: int) -> int:
     """A fast sync call."""
     return a + b
