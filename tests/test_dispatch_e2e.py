@@ -91,6 +91,18 @@ def test_a_sync_method_learnt_fast_then_slow_holds_another_client_back_for_one_c
     assert other < whole / 4, f"the other client's add took {other:.2f} s, the batch {whole:.2f} s"
 
 
+def ask_lines(s: socket.socket, lines: bytes) -> bytes:
+    """Write NDJSON `lines` on stream socket `s` at once and read until as many answer lines
+    have come (each call there owes one); returns them."""
+    s.sendall(lines)
+    got = b""
+    while got.count(b"\n") < lines.count(b"\n"):
+        chunk = s.recv(65536)
+        assert chunk, got
+        got += chunk
+    return got
+
+
 def pipelined_beside(b: Broker, port: int, batch: list[dict[str, object]]) -> tuple[float, float, object]:
     """Post `batch` on one connection; once it runs, write 64 `add` lines at once on an
     NDJSON stream (`port`) and read their answers, which must come before the batch's.
@@ -103,12 +115,7 @@ def pipelined_beside(b: Broker, port: int, batch: list[dict[str, object]]) -> tu
         posted = pool.submit(post, b, batch)
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") > 0, timeout=10)
         t0 = time.monotonic()
-        s.sendall(lines)
-        got = b""
-        while got.count(b"\n") < 64:
-            chunk = s.recv(65536)
-            assert chunk, got
-            got += chunk
+        got = ask_lines(s, lines)
         other = time.monotonic() - t0
         assert not posted.done()  # all answered while the batch runs
         answers = posted.result(timeout=60)
@@ -239,12 +246,7 @@ def test_a_connections_short_blocking_calls_take_their_turns_by_time_beside_long
         attacker = pool.submit(one_at_a_time)
         wait_for(lambda: len(slow) >= 2, timeout=10)
         t0 = time.monotonic()
-        s.sendall(lines)
-        got = b""
-        while got.count(b"\n") < 32:
-            chunk = s.recv(65536)
-            assert chunk, got
-            got += chunk
+        got = ask_lines(s, lines)
         took = time.monotonic() - t0
         stop.set()
         attacker.result(timeout=30)
