@@ -326,6 +326,14 @@ def test_bad_lines_are_answered_and_the_connection_keeps_working(sb, transport):
         # invalid UTF-8 inside a string: not JSON text (RFC 8259 section 8.1)
         assert s.call(b'{"jsonrpc":"2.0","method":"echo","params":["\xff\xfe"],"id":5}') == PARSE_ERROR
         assert s.call(line("add", [2, 3], 6)) == result(6, 5)
+        # a byte order mark before a JSON text (RFC 8259 section 8.1: never sent), in one
+        # write or split: a bad line, as over HTTP, not another protocol (hostile testing,
+        # rounds 64 and 66: the connection closed)
+        assert s.call(b"\xef\xbb\xbf" + line("add", [2, 3], 7)) == PARSE_ERROR
+        s.send(b"\xef")
+        time.sleep(0.05)
+        assert s.call(b"\xbb\xbf" + line("add", [2, 3], 8)) == PARSE_ERROR
+        assert s.call(line("add", [3, 3], 9)) == result(9, 6)
         s.assert_nothing_more()
         # A line starting with a byte no JSON text starts with (a control byte, or not
         # ASCII, as `\xc3\x28` is) is another protocol: -32700 saying so, then the close

@@ -45,7 +45,9 @@ Limits:
     `max_body_bytes` that starts like one (`METHOD target`: a URL megabytes long) is
     closed on as soon as it is found too long, before its newline comes
     a line whose first byte is a control character (not white space) or not ASCII, which
-    no JSON text starts with, is answered with one -32700 error and the connection closes
+    no JSON text starts with (but a UTF-8 byte order mark's, which RFC 8259 section 8.1
+    forbids a sender: that line is answered -32700, as over HTTP, and the connection goes
+    on), is answered with one -32700 error and the connection closes
     at once, as on an HTTP request line: it is another protocol, and what follows could
     hold a valid call (a browser's TLS ClientHello sent here by DNS rebinding carries
     bytes its server chose, in a session ticket: the ALPACA attack, USENIX Security 2021)
@@ -105,6 +107,7 @@ _NOT_TEXT = response_error(b"null", error_object(
     ErrorCode.PARSE_ERROR, data="not JSON text (TLS, or another protocol?): this socket speaks newline-delimited JSON-RPC"
 )) + b"\n"  # fmt: skip
 _NL = b"\n"
+_BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark: RFC 8259 section 8.1, none before JSON text sent
 _BLANKS = re.compile(rb"[ \t\r\n]*")
 _TOO_MANY = response_error(b"null", error_object(ErrorCode.OVERLOADED, data="too many connections")) + _NL
 REFUSED_LINGER = SWEEP_SECONDS  # seconds a refused connection may keep sending before it is dropped
@@ -466,8 +469,9 @@ class StreamProtocol(asyncio.Protocol):
                 if skip > start:
                     start = skip
                     continue
-                self._foreign(_NOT_TEXT, ErrorCode.PARSE_ERROR)  # a control byte, or not ASCII: no JSON text starts so
-                return
+                if not _BOM.startswith(data[start:start + 3]):  # (a BOM, or the start of one: a bad line, as on HTTP)
+                    self._foreign(_NOT_TEXT, ErrorCode.PARSE_ERROR)  # a control byte, or not ASCII: no JSON text starts so
+                    return
             nl = data.find(_NL, start)
             if nl < 0:
                 self._partial(data, start, end)
