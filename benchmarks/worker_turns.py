@@ -41,6 +41,7 @@ sys.path.insert(0, str(HERE))
 
 from conftest import ROOT, start_broker  # noqa: E402  (the same launcher the tests use)
 from connection_share import HEADERS, batch, rate  # noqa: E402
+from test_dispatch_e2e import ask_lines  # noqa: E402
 from test_stream import free_port  # noqa: E402
 
 ADD = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 1}).encode()
@@ -103,12 +104,7 @@ def pipelined_beside_a_steered_batch(port: int, stream_port: int, n: int) -> dic
     lines = b"".join(b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":%d}\n' % k for k in range(64))
     with socket.create_connection(("127.0.0.1", stream_port), timeout=120) as conn:
         start = time.perf_counter()
-        conn.sendall(lines)
-        got = b""
-        while got.count(b"\n") < 64:
-            data = conn.recv(65536)
-            assert data, got
-            got += data
+        ask_lines(conn, lines)
         last = time.perf_counter() - start
     thread.join()
     return {"last s": last, "batch s": took[0]}
