@@ -118,6 +118,23 @@ def _drain(proc: subprocess.Popen[bytes], log: list[str], timeout: float) -> Non
         log.append(chunk.decode(errors="replace"))
 
 
+_SUITE_TMP: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every process the suite starts gets a temporary directory of the suite's own (TMPDIR),
+    removed at the end: a broker the tests kill leaves its worker socket's directory
+    (`rpc-broker-*`) behind, and after `make test` none may stay in /tmp (new user, round
+    67). This process's own (pytest's tmp_path) stays where it was: read first, then cached."""
+    import shutil
+    import tempfile
+
+    tempfile.gettempdir()
+    _SUITE_TMP.append(tempfile.mkdtemp(prefix="rb-suite-"))
+    os.environ["TMPDIR"] = _SUITE_TMP[0]
+    config.add_cleanup(lambda: shutil.rmtree(_SUITE_TMP[0], ignore_errors=True))
+
+
 def start_broker(*flags: str, env: dict[str, str] | None = None, timeout: float = 60.0,
                  cwd: Path = ROOT) -> Broker:
     """Start a broker on 127.0.0.1, an OS-chosen port; raise if it is not serving in time.
