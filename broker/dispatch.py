@@ -519,6 +519,9 @@ class Dispatcher:
         # async one; and whether it counts as blocking now (its Route.sync).
         self._sync_us: list[int] = []
         self._blocking: list[int] = []
+        # Per method index: how long (µs) a call of it holds its place, sync or async (the
+        # worker's time for it, a wait included: `_queue_cost`), 0 until a reply says.
+        self._held_us: list[int] = []
         self._one_timeout = True  # every method has the same deadline (see set_methods)
         self._pending: dict[int, Call] = {}
         self._queue: FairQueue[Call] = FairQueue(self._queue_cost)
@@ -583,11 +586,13 @@ class Dispatcher:
         """
         old = self._names
         known = {name: self._sync_us[i] for i, name in enumerate(old) if self._sync_us[i] >= 0}
+        held = dict(zip(old, self._held_us))
         sync = [int(name in sync_methods) for name in names]
         self._names = list(names)
         # One entry past the table too: `other`, the index a reload gives a lost method.
         self._sync_us = [*(known.get(name, BLOCKING_US) if s else -1 for name, s in zip(names, sync)), -1]
         self._blocking = [int(us >= BLOCKING_US) for us in self._sync_us]  # until a reply says otherwise
+        self._held_us = [*(held.get(name, max(0, us)) for name, us in zip(names, self._sync_us)), 0]
         self._routes = {
             name: Route(i, self._method_timeouts.get(name, self._timeout),
                         1 if self._blocking[i] else -1 if sync[i] else 0)
@@ -1023,25 +1028,22 @@ class Dispatcher:
                     self._loop.call_later(wait, self._check_hung, call)
 
     def _queue_cost(self, call: Call) -> float:
-        """What taking `call` out of the queue costs its connection (`FairQueue`), in calls:
-        a call 1, a batch chunk its calls, nothing for an expired one's shell; but a call of
-        a sync method known to block costs the time its method's calls take, 1 per
-        millisecond (`BLOCKING_US`), so a connection's slow calls get their turns by time:
-        another connection's calls of 3 ms go about 60 to one of its 0.2 s calls (hostile
-        testing, round 66: one to one, 32 calls of 3 ms took 4 s), and a batch of 100 fast
-        calls goes before the next of its known-slow calls (round 65: 3.5 s, behind each).
-        A call not known to block costs 1 whatever it takes (an async call's time is not
-        known: costed by time, one connection's 12 queued `sleep(0.15)` went before another
-        client's single call)."""
+        """What taking `call` out of the queue costs its connection (`FairQueue`): the time
+        its method's calls hold their place, 1 a millisecond and at least 1 (`_held_us`),
+        sync or async; a batch chunk its calls' sum; nothing for an expired one's shell.
+        Turns go by the time a place is held, one unit for all: another connection's calls
+        of 3 ms go about 60 to one of a 0.2 s call's, sync or async (hostile testing, round
+        66: by call, 32 calls of 3 ms took 4 s, one to each 0.2 s call; round 68: with only
+        known-blocking sync calls costed by time, long polls at 1 a call went 20 to one 20 ms
+        call, on an idle worker), and a batch of 100 fast calls goes before the next of
+        another connection's known-slow calls (round 65: 3.5 s, behind each). A method not
+        answered yet costs 1 a call (its first calls: turns by call)."""
         if not call.tick:
             return 0
-        if call.sync <= 0:
-            return call.weight
-        us = self._sync_us
+        held = self._held_us
         if call.methods is None:
-            return max(1.0, us[call.index] / BLOCKING_US)
-        blocking = self._blocking
-        return sum(max(1.0, us[m] / BLOCKING_US) if blocking[m] else 1 for m in call.methods)
+            return max(1.0, held[call.index] / 1000)
+        return sum(max(1.0, held[m] / 1000) for m in call.methods)
 
     def _pick(self, call: Call) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
@@ -1173,6 +1175,9 @@ class Dispatcher:
         awaited = aux != NOT_RUN and aux >= AWAITED  # (wire.AWAITED: it blocked the worker for ~0 µs)
         if awaited:
             aux -= AWAITED
+        if call.methods is None and aux != NOT_RUN and not call.stale and (kind != ERROR or payload != CANCEL_ACK):
+            held = self._held_us
+            held[call.index] += (aux - held[call.index]) >> 3  # (the time it held its place: a wait's too)
         sync = call.sync
         if sync:
             if sync > 0:
@@ -1652,6 +1657,9 @@ class Dispatcher:
                 self._pump()  # by the state machine test, stop 30: it waited for the sync call)
             return
         worker = call.worker
+        if call.methods is None and not call.stale:  # (it held its place this long at least: `_held_us`)
+            held = self._held_us
+            held[call.index] += (int(call.timeout * 1e6) - held[call.index]) >> 3
         if worker is not None and worker.channel is not None:
             worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
             self._loop.call_later(self._cancel_grace, self._check_hung, call)

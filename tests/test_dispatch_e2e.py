@@ -254,6 +254,42 @@ def test_a_connections_short_blocking_calls_take_their_turns_by_time_beside_long
     assert took < 8 * 0.2, f"32 calls of 3 ms took {took:.2f} s beside one client's 0.2 s calls"
 
 
+def test_short_blocking_calls_are_not_held_behind_long_polls_that_cost_a_turn_a_call(broker_factory):
+    """Hostile testing (round 68, HIGH): with only calls known to block costed by time in the
+    queue's turns (round 66's fix), an async call that waits cost 1 a call, and on 1 worker
+    whose 100 places 6 connections kept full of `wait(0.2)` calls, another client's 8
+    pipelined calls of 20 ms went one to every 20 freed places: 1.7 s, 0.16 s alone. Every
+    call costs the time its method's calls hold their place now, a wait's too."""
+    from test_stream import free_port
+
+    port = free_port()
+    b = broker_factory("--workers", "1", "--app", "tests.apps.mixed:registry", "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    assert b.call("brief", [0.02])["result"] == 0.02 and b.call("wait", [0.2])["result"] == 0.2  # (learnt)
+    victim = b"".join(b'{"jsonrpc":"2.0","method":"brief","params":[0.02],"id":%d}\n' % k for k in range(8))
+    polls = b"".join(b'{"jsonrpc":"2.0","method":"wait","params":[0.2],"id":%d}\n' % k for k in range(300))
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        t0 = time.monotonic()
+        ask_lines(s, victim)
+        alone = time.monotonic() - t0
+    attackers = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(6)]
+    try:
+        for a in attackers:
+            a.sendall(polls)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_queued") > 100, timeout=10)
+        time.sleep(0.3)  # (places freed and taken again in turns for a while)
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+            t0 = time.monotonic()
+            got = ask_lines(s, victim)
+            beside = time.monotonic() - t0
+        assert sample(scrape_metrics(b), "rpc_broker_calls_queued") > 0  # (the polls still queued all along)
+    finally:
+        for a in attackers:
+            a.close()
+    assert sorted(json.loads(line)["result"] for line in got.splitlines()) == [0.02] * 8
+    assert beside < 3 * alone + 0.1, f"8 calls of 20 ms took {beside:.2f} s beside the long polls, {alone:.2f} s alone"
+
+
 def test_calls_avoid_a_worker_blocked_in_a_hung_sync_call(broker_factory):
     """Issue 9 item 23: a worker spinning in a sync handler is sent nothing more
     (--sync-prefetch 0), so a batch sent meanwhile is answered by the other worker, and
