@@ -293,7 +293,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                           Doc("directory for the worker Unix sockets (each broker makes a "
                               "private 0700 one inside it; made if missing, as mkdir does: "
                               "its parent must exist); empty means one in the "
-                              "temporary directory",
+                              "temporary directory. The start-up log names it; the stop "
+                              "removes it, a SIGKILL leaves it behind",
                               rule=f"at most {SOCKET_DIR_BYTES} bytes (a socket path's limit, less the "
                                    f"{SOCKET_PATH_BYTES - SOCKET_DIR_BYTES} the broker adds)", metavar="DIR")
                           ] = ""

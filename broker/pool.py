@@ -407,6 +407,7 @@ class Pool:
             self._path = os.path.join(self._dir, "workers.sock")
             self._server = await self.loop.create_unix_server(lambda: WorkerChannel(self), self._path)
             os.chmod(self._path, 0o600)
+            log.info("workers' socket %s (its directory removed at the stop; left behind after a SIGKILL)", self._path)
         except OSError as exc:  # (`stop` removes the directory made, if any)
             where = f"socket_dir {self._socket_dir_given!r}" if self._socket_dir_given else tempfile.gettempdir()
             raise ConfigError(f"cannot make the workers' Unix socket in {where}: {exc}") from None

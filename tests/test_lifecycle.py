@@ -1605,3 +1605,16 @@ def test_the_loops_exception_handler_logs_a_line_then_counts_repeats(loop_name, 
     assert "more like it" not in lines[0].getMessage() and "(4 more like it not logged)" in lines[1].getMessage()
     assert lines[0].exc_info is not None and str(lines[0].exc_info[1]) == "planted"
     assert "handle: " in lines[0].getMessage()
+
+
+def test_the_log_names_the_workers_socket_whose_directory_the_stop_removes():
+    """New user (round 69, LOW): after a SIGKILL a broker leaves its workers' socket directory
+    behind (`rpc-broker-*`), and nothing said which one was whose. The start-up log names it."""
+    b = start_broker("--workers", "1")
+    try:
+        wait_for(lambda: "workers' socket" in b.read_log(0.05), timeout=10)
+        path = re.search(r"workers' socket (\S+/workers\.sock)", b.read_log()).group(1)  # type: ignore[union-attr]
+        assert os.path.exists(path)
+    finally:
+        assert b.stop() == 0
+    assert not os.path.exists(os.path.dirname(path))
