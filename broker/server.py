@@ -580,6 +580,11 @@ async def run(
                 _banner(f"rpc-broker: serving NDJSON JSON-RPC on {shown}")
             elif fe.metrics is not None:
                 _banner(f"rpc-broker: metrics on {_url(*server.sockets[0].getsockname()[:2])}/metrics")
+        longest = max([config.timeout, *config.method_timeouts.values()])
+        if config.grace_period < longest:  # (round 69's new user: nothing linked the two)
+            log.warning("a call's deadline (up to %s s) is longer than grace_period %s s: at a stop or a restart,"
+                        " calls still running when the grace period ends are answered -32004 (raise"
+                        " grace_period, and the service manager's stop timeout with it)", longest, config.grace_period)
         if config.debug:  # (round 60's new user: nothing said so at the start)
             log.warning("debug is on: error answers carry the handler's traceback to every client"
                         " (never on in production)")

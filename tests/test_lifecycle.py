@@ -1618,3 +1618,14 @@ def test_the_log_names_the_workers_socket_whose_directory_the_stop_removes():
     finally:
         assert b.stop() == 0
     assert not os.path.exists(os.path.dirname(path))
+
+
+def test_a_deadline_past_the_grace_period_warns_at_the_start(broker_factory):
+    """New user (round 69, MEDIUM): a method's deadline longer than grace_period has its calls
+    cut -32004 at every stop or restart, and nothing linked the two. The start says so."""
+    b = broker_factory("--workers", "1", "--grace-period", "5", "--method-timeout", "sleep=60")
+    assert b.call("add", [1, 2])["result"] == 3
+    assert "WARNING a call's deadline (up to 60.0 s) is longer than grace_period 5.0 s" in b.read_log(1.0)
+    quiet = broker_factory("--workers", "1")  # (the defaults: 30 s and 30 s)
+    assert quiet.call("add", [1, 2])["result"] == 3
+    assert "grace_period" not in quiet.read_log(0.5)
