@@ -1029,21 +1029,37 @@ class Dispatcher:
 
     def _queue_cost(self, call: Call) -> float:
         """What taking `call` out of the queue costs its connection (`FairQueue`): the time
-        its method's calls hold their place, 1 a millisecond and at least 1 (`_held_us`),
-        sync or async; a batch chunk its calls' sum; nothing for an expired one's shell.
-        Turns go by the time a place is held, one unit for all: another connection's calls
-        of 3 ms go about 60 to one of a 0.2 s call's, sync or async (hostile testing, round
-        66: by call, 32 calls of 3 ms took 4 s, one to each 0.2 s call; round 68: with only
-        known-blocking sync calls costed by time, long polls at 1 a call went 20 to one 20 ms
-        call, on an idle worker), and a batch of 100 fast calls goes before the next of
-        another connection's known-slow calls (round 65: 3.5 s, behind each). A method not
-        answered yet costs 1 a call (its first calls: turns by call)."""
+        it is expected to hold its place on a worker, 1 a millisecond and at least 1, sync or
+        async: a single call, its connection's single calls' time (`ResponseBudget.call_us`),
+        or until one is answered its method's (`_held_us`); a batch chunk, the sum of its
+        calls' methods' times; nothing for an expired one's shell. Turns go by the time a
+        place is held, one unit for all: another connection's calls of 3 ms go about 60 to
+        one of a 0.2 s call's, sync or async (hostile testing, round 66: by call, 32 calls of
+        3 ms took 4 s, one to each 0.2 s call; round 68: with only known-blocking sync calls
+        costed by time, long polls at 1 a call went 20 to one 20 ms call, on an idle worker),
+        and a batch of 100 fast calls goes before the next of another connection's known-slow
+        calls (round 65: 3.5 s, behind each). A connection's own time, not its method's: one
+        client's calls of a method cost that client's time, not another's calls of it (round
+        68: 32 calls of 3 ms went one to one beside another client's 0.2 s calls of the same
+        method, and 4 slow calls by anyone made a method's later fast calls wait 5 s). A
+        method not answered yet costs 1 a call."""
         if not call.tick:
             return 0
-        held = self._held_us
         if call.methods is None:
-            return max(1.0, held[call.index] / 1000)
+            us = call.owner.call_us
+            return max(1.0, (us if us >= 0 else self._held_us[call.index]) / 1000)
+        held = self._held_us
         return sum(max(1.0, held[m] / 1000) for m in call.methods)
+
+    def _learn_held(self, call: Call, us: int) -> None:
+        """Single `call` held its place `us` µs (its reply's time, or its deadline): learnt
+        for its method (`_held_us`) and its connection (`ResponseBudget.call_us`), moving
+        averages (1/8), a connection's first answer taken whole."""
+        held = self._held_us
+        held[call.index] += (us - held[call.index]) >> 3
+        owner = call.owner
+        mine = owner.call_us
+        owner.call_us = us if mine < 0 else mine + ((us - mine) >> 3)
 
     def _pick(self, call: Call) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
@@ -1176,8 +1192,7 @@ class Dispatcher:
         if awaited:
             aux -= AWAITED
         if call.methods is None and aux != NOT_RUN and not call.stale and (kind != ERROR or payload != CANCEL_ACK):
-            held = self._held_us
-            held[call.index] += (aux - held[call.index]) >> 3  # (the time it held its place: a wait's too)
+            self._learn_held(call, aux)  # (the time it held its place: a wait's too)
         sync = call.sync
         if sync:
             if sync > 0:
@@ -1657,9 +1672,8 @@ class Dispatcher:
                 self._pump()  # by the state machine test, stop 30: it waited for the sync call)
             return
         worker = call.worker
-        if call.methods is None and not call.stale:  # (it held its place this long at least: `_held_us`)
-            held = self._held_us
-            held[call.index] += (int(call.timeout * 1e6) - held[call.index]) >> 3
+        if call.methods is None and not call.stale:  # (it held its place this long at least)
+            self._learn_held(call, int(call.timeout * 1e6))
         if worker is not None and worker.channel is not None:
             worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
             self._loop.call_later(self._cancel_grace, self._check_hung, call)

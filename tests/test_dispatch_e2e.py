@@ -221,12 +221,14 @@ def test_one_clients_slow_sync_calls_leave_another_client_a_worker(broker_factor
     assert whole >= 6 * 0.3, f"the batch's 6 calls took {whole:.2f} s: not one at a time"
 
 
-def test_a_connections_short_blocking_calls_take_their_turns_by_time_beside_long_ones(broker_factory):
+@pytest.mark.parametrize("method", ["brief", "block"])
+def test_a_connections_short_blocking_calls_take_their_turns_by_time_beside_long_ones(broker_factory, method):
     """Hostile testing (round 66, HIGH): on 1 worker, beside a client sending `block(0.2)`
     one call at a time, another client pipelined 32 calls of 3 ms: blocking calls go one at a
     time, and the queue's turns went by call, one of them to each 0.2 s call: 4 s for 96 ms of
-    calls. A call known to block costs the queue's turns its method's time: the 32 go about
-    60 to one of the 0.2 s calls."""
+    calls. A call costs the queue's turns the time its connection's calls take: the 32 go
+    about 60 to one of the 0.2 s calls, of another method or of the same (round 68, HIGH:
+    costed by its method's time, they went one to one with the other client's)."""
     from test_stream import free_port
 
     port = free_port()
@@ -241,7 +243,7 @@ def test_a_connections_short_blocking_calls_take_their_turns_by_time_beside_long
             assert b.call("block", [0.2])["result"] == 0.2
             slow.append(time.monotonic())
 
-    lines = b"".join(b'{"jsonrpc":"2.0","method":"brief","params":[0.003],"id":%d}\n' % k for k in range(32))
+    lines = b"".join(b'{"jsonrpc":"2.0","method":"%s","params":[0.003],"id":%d}\n' % (method.encode(), k) for k in range(32))
     with ThreadPoolExecutor(1) as pool, socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         attacker = pool.submit(one_at_a_time)
         wait_for(lambda: len(slow) >= 2, timeout=10)
