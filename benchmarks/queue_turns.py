@@ -56,6 +56,18 @@ async def poll(seconds: float) -> float:
 '''
 
 
+def shorts(stream_port: int, seconds: float, n: int) -> float:
+    """Seconds to the last answer of `n` `short(seconds)` lines written at once on a new
+    NDJSON connection (each answer checked)."""
+    lines = b"".join(b'{"jsonrpc":"2.0","method":"short","params":[%r],"id":%d}\n' % (seconds, k) for k in range(n))
+    with socket.create_connection(("127.0.0.1", stream_port), timeout=120) as conn:
+        start = time.perf_counter()
+        got = ask_lines(conn, lines)
+        took = time.perf_counter() - start
+    assert got.count(b'"result"') == n, got
+    return took
+
+
 def one_round(b: Broker, stream_port: int, slow: float, short: float) -> float:
     """Seconds to the last of 32 pipelined `short` answers beside one client's `slow` calls."""
     assert b.call("slow", [slow])["result"] == slow and b.call("short", [short])["result"] == short  # (learnt)
@@ -73,12 +85,7 @@ def one_round(b: Broker, stream_port: int, slow: float, short: float) -> float:
         deadline = time.monotonic() + 10
         while len(done) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        lines = b"".join(b'{"jsonrpc":"2.0","method":"short","params":[%r],"id":%d}\n' % (short, k) for k in range(32))
-        with socket.create_connection(("127.0.0.1", stream_port), timeout=120) as conn:
-            start = time.perf_counter()
-            got = ask_lines(conn, lines)
-            took = time.perf_counter() - start
-        assert got.count(b'"result"') == 32, got
+        took = shorts(stream_port, short, 32)
     finally:
         stop.set()
         thread.join(60)
@@ -92,17 +99,12 @@ def beside_polls(b: Broker, stream_port: int, short: float) -> float:
     seconds = short * 6
     assert b.call("poll", [0.2])["result"] == 0.2 and b.call("short", [seconds])["result"] == seconds  # (learnt)
     polls = b"".join(b'{"jsonrpc":"2.0","method":"poll","params":[0.2],"id":%d}\n' % k for k in range(300))
-    lines = b"".join(b'{"jsonrpc":"2.0","method":"short","params":[%r],"id":%d}\n' % (seconds, k) for k in range(8))
     attackers = [socket.create_connection(("127.0.0.1", stream_port), timeout=60) for _ in range(6)]
     try:
         for a in attackers:
             a.sendall(polls)
         time.sleep(0.5)
-        with socket.create_connection(("127.0.0.1", stream_port), timeout=120) as conn:
-            start = time.perf_counter()
-            got = ask_lines(conn, lines)
-            took = time.perf_counter() - start
-        assert got.count(b'"result"') == 8, got
+        took = shorts(stream_port, seconds, 8)
     finally:
         for a in attackers:
             a.close()
