@@ -1053,13 +1053,15 @@ class Dispatcher:
 
     def _learn_held(self, call: Call, us: int) -> None:
         """Single `call` held its place `us` µs (its reply's time, or its deadline): learnt
-        for its method (`_held_us`) and its connection (`ResponseBudget.call_us`), moving
-        averages (1/8), a connection's first answer taken whole."""
-        held = self._held_us
-        held[call.index] += (us - held[call.index]) >> 3
+        for its connection (`ResponseBudget.call_us`), a moving average (1/8), its first
+        answer taken whole; and, from a connection's first answer or a deadline, for its
+        method (`_held_us`, 1/8), the prior of connections with none yet (from first answers
+        only: one client's many calls do not set what another's first ones cost)."""
         owner = call.owner
         mine = owner.call_us
         owner.call_us = us if mine < 0 else mine + ((us - mine) >> 3)
+        held = self._held_us
+        held[call.index] += (us - held[call.index]) >> 3
 
     def _pick(self, call: Call) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
@@ -1192,7 +1194,12 @@ class Dispatcher:
         if awaited:
             aux -= AWAITED
         if call.methods is None and aux != NOT_RUN and not call.stale and (kind != ERROR or payload != CANCEL_ACK):
-            self._learn_held(call, aux)  # (the time it held its place: a wait's too)
+            owner = call.owner  # the time it held its place, a wait's too: `_learn_held`, inline (hot path)
+            mine = owner.call_us
+            if mine >= 0:
+                owner.call_us = mine + ((aux - mine) >> 3)
+            else:
+                self._learn_held(call, aux)
         sync = call.sync
         if sync:
             if sync > 0:
