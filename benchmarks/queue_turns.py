@@ -10,7 +10,9 @@ writes 32 `short(--short)` lines at once on an NDJSON stream. Prints how long th
 `poll(0.2)` calls, how long 8 pipelined `short(6 x --short)` take, on this tree and, with `--before DIR` (another checkout, for example
 a `git worktree` at an older commit), on that one, alternating rounds, so that the machine's
 noise hits both alike. Hostile testing, round 66: with one turn a call, the 32 went one to
-each slow call (4 s for 96 ms of calls); a call known to block now costs its method's time.
+each slow call (4 s for 96 ms of calls); round 68: with calls known to block costed by time and
+the rest 1, the 8 went one to every 20 polls. For measuring a way of costing the queue's turns
+against another (benchmarks/RESULTS.md: three were tried, and turns by call kept).
 
 Prints figures only: nothing here is a test.
 """

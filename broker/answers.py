@@ -82,12 +82,10 @@ class ResponseBudget:
     by: its flow in the queue (`fairqueue.FairQueue`), and `in_flight`, the calls of the
     connection that hold a worker's place now (`dispatch.Dispatcher`'s connection share),
     `blocking`, those of them that are blocking sync calls (each holds its worker whole),
-    and `queued`, its calls waiting in the queue (the fattest flow sheds first), and
-    `call_us`, how long its single calls hold a worker's place, what the queue's turns cost
-    them (`dispatch.Dispatcher._queue_cost`).
+    and `queued`, its calls waiting in the queue (the fattest flow sheds first).
     """
 
-    __slots__ = ("blocking", "call_us", "flow", "held", "in_flight", "outgoing", "parked", "queued")
+    __slots__ = ("blocking", "flow", "held", "in_flight", "outgoing", "parked", "queued")
 
     def __init__(self, outgoing: Outgoing) -> None:
         # The connection's number in its calls' frames (wire.py: the worker takes turns
@@ -99,7 +97,6 @@ class ResponseBudget:
         self.blocking = 0  # ... of which blocking sync calls (each holds a whole worker)
         self.queued = 0  # the connection's calls waiting in the dispatcher's queue (live ones)
         self.parked = 0  # (in `held`) answers written while the write buffer was past its high mark
-        self.call_us = -1  # µs its single calls hold their place, a moving average; -1 until one is answered
         self.outgoing = outgoing
 
     def written(self, exchange: Exchange, write_paused: bool) -> None:

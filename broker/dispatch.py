@@ -390,6 +390,12 @@ the calls a worker gives back from the middle of a chunk start QUEUED, a chunk o
 An answered call is never sent again, nor queued."""
 
 
+def _queue_cost(call: Call) -> int:
+    """What taking `call` out of the queue costs its connection (`FairQueue`): the calls it
+    stands for; nothing for an expired one's shell."""
+    return call.weight if call.tick else 0
+
+
 def _owed(call: Call) -> bool:
     """Whether `call` is owed an answer still (a call or a chunk of calls, not answered;
     notifications and answered calls have no exchange)."""
@@ -519,12 +525,9 @@ class Dispatcher:
         # async one; and whether it counts as blocking now (its Route.sync).
         self._sync_us: list[int] = []
         self._blocking: list[int] = []
-        # Per method index: how long (µs) a call of it holds its place, sync or async (the
-        # worker's time for it, a wait included: `_queue_cost`), 0 until a reply says.
-        self._held_us: list[int] = []
         self._one_timeout = True  # every method has the same deadline (see set_methods)
         self._pending: dict[int, Call] = {}
-        self._queue: FairQueue[Call] = FairQueue(self._queue_cost)
+        self._queue: FairQueue[Call] = FairQueue(_queue_cost)
         self._ready: list[Worker] = []
         self._rotation = 0
         self._deadlines = DeadlineWheel(loop, self._on_timeout)
@@ -586,13 +589,11 @@ class Dispatcher:
         """
         old = self._names
         known = {name: self._sync_us[i] for i, name in enumerate(old) if self._sync_us[i] >= 0}
-        held = dict(zip(old, self._held_us))
         sync = [int(name in sync_methods) for name in names]
         self._names = list(names)
         # One entry past the table too: `other`, the index a reload gives a lost method.
         self._sync_us = [*(known.get(name, BLOCKING_US) if s else -1 for name, s in zip(names, sync)), -1]
         self._blocking = [int(us >= BLOCKING_US) for us in self._sync_us]  # until a reply says otherwise
-        self._held_us = [*(held.get(name, max(0, us)) for name, us in zip(names, self._sync_us)), 0]
         self._routes = {
             name: Route(i, self._method_timeouts.get(name, self._timeout),
                         1 if self._blocking[i] else -1 if sync[i] else 0)
@@ -1027,42 +1028,6 @@ class Dispatcher:
                     wait = max(0.0, call.arrival + call.timeout - now) + self._cancel_grace
                     self._loop.call_later(wait, self._check_hung, call)
 
-    def _queue_cost(self, call: Call) -> float:
-        """What taking `call` out of the queue costs its connection (`FairQueue`): the time
-        it is expected to hold its place on a worker, 1 a millisecond and at least 1, sync or
-        async: a single call, its connection's single calls' time (`ResponseBudget.call_us`),
-        or until one is answered its method's (`_held_us`); a batch chunk, the sum of its
-        calls' methods' times; nothing for an expired one's shell. Turns go by the time a
-        place is held, one unit for all: another connection's calls of 3 ms go about 60 to
-        one of a 0.2 s call's, sync or async (hostile testing, round 66: by call, 32 calls of
-        3 ms took 4 s, one to each 0.2 s call; round 68: with only known-blocking sync calls
-        costed by time, long polls at 1 a call went 20 to one 20 ms call, on an idle worker),
-        and a batch of 100 fast calls goes before the next of another connection's known-slow
-        calls (round 65: 3.5 s, behind each). A connection's own time, not its method's: one
-        client's calls of a method cost that client's time, not another's calls of it (round
-        68: 32 calls of 3 ms went one to one beside another client's 0.2 s calls of the same
-        method, and 4 slow calls by anyone made a method's later fast calls wait 5 s). A
-        method not answered yet costs 1 a call."""
-        if not call.tick:
-            return 0
-        if call.methods is None:
-            us = call.owner.call_us
-            return max(1.0, (us if us >= 0 else self._held_us[call.index]) / 1000)
-        held = self._held_us
-        return sum(max(1.0, held[m] / 1000) for m in call.methods)
-
-    def _learn_held(self, call: Call, us: int) -> None:
-        """Single `call` held its place `us` µs (its reply's time, or its deadline): learnt
-        for its connection (`ResponseBudget.call_us`), a moving average (1/8), its first
-        answer taken whole; and, from a connection's first answer or a deadline, for its
-        method (`_held_us`, 1/8), the prior of connections with none yet (from first answers
-        only: one client's many calls do not set what another's first ones cost)."""
-        owner = call.owner
-        mine = owner.call_us
-        owner.call_us = us if mine < 0 else mine + ((us - mine) >> 3)
-        held = self._held_us
-        held[call.index] += (us - held[call.index]) >> 3
-
     def _pick(self, call: Call) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see
         the module docstring); ties go round-robin (the scan starts one further each
@@ -1193,13 +1158,6 @@ class Dispatcher:
         awaited = aux != NOT_RUN and aux >= AWAITED  # (wire.AWAITED: it blocked the worker for ~0 µs)
         if awaited:
             aux -= AWAITED
-        if call.methods is None and aux != NOT_RUN and not call.stale and (kind != ERROR or payload != CANCEL_ACK):
-            owner = call.owner  # the time it held its place, a wait's too: `_learn_held`, inline (hot path)
-            mine = owner.call_us
-            if mine >= 0:
-                owner.call_us = mine + ((aux - mine) >> 3)
-            else:
-                self._learn_held(call, aux)
         sync = call.sync
         if sync:
             if sync > 0:
@@ -1679,8 +1637,6 @@ class Dispatcher:
                 self._pump()  # by the state machine test, stop 30: it waited for the sync call)
             return
         worker = call.worker
-        if call.methods is None and not call.stale:  # (it held its place this long at least)
-            self._learn_held(call, int(call.timeout * 1e6))
         if worker is not None and worker.channel is not None:
             worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
             self._loop.call_later(self._cancel_grace, self._check_hung, call)

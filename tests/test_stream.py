@@ -342,6 +342,15 @@ def test_bad_lines_are_answered_and_the_connection_keeps_working(sb, transport):
         assert (answer["id"], answer["error"]["code"]) == (None, -32700)
         assert "not JSON text" in answer["error"]["data"]
         s.closed_within(5)
+    # ... and so is a line begun as a BOM might be, then not one (hostile testing, round 70:
+    # `\xef` alone, then `\x16\x03\x01`, was answered and the connection kept)
+    with sb.connect(transport) as s:
+        s.send(b"\xef")
+        time.sleep(0.05)
+        answer = json.loads(s.call(b"\x16\x03\x01"))
+        assert (answer["id"], answer["error"]["code"]) == (None, -32700)
+        assert "not JSON text" in answer["error"]["data"]
+        s.closed_within(5)
 
 
 def test_notifications_past_the_parser_limit_get_no_answer_line(tmp_path):

@@ -484,6 +484,9 @@ class StreamProtocol(asyncio.Protocol):
                 self._buffer.clear()
                 self._fe.incoming.hold(self._incoming, 0)
                 self._incoming = 0
+                if line[0] >= 127 and not line.startswith(_BOM):  # (begun as a BOM might: round 70)
+                    self._foreign(_NOT_TEXT, ErrorCode.PARSE_ERROR)
+                    return
                 if len(line) - line.endswith(b"\r") > fe.max_body_bytes:
                     self._too_long(line)
                 else:
