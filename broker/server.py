@@ -549,7 +549,7 @@ async def run(
             log.error("%s", exc)
             await give_up()
             return 2
-        warn_unserved_timeouts(config.method_timeouts, pool.methods or [])
+        unserved = warn_unserved_timeouts(config.method_timeouts, pool.methods or [])
         servers: list[asyncio.Server] = []
         for (fe, where, port_), server in zip(listeners, bound):
             try:
@@ -580,7 +580,7 @@ async def run(
                 _banner(f"rpc-broker: serving NDJSON JSON-RPC on {shown}")
             elif fe.metrics is not None:
                 _banner(f"rpc-broker: metrics on {_url(*server.sockets[0].getsockname()[:2])}/metrics")
-        longest = max([config.timeout, *config.method_timeouts.values()])
+        longest = max([config.timeout, *(t for name, t in config.method_timeouts.items() if name not in unserved)])
         if config.grace_period < longest:  # (round 69's new user: nothing linked the two)
             log.warning("a call's deadline (up to %s s) is longer than grace_period %s s: at a stop or a restart,"
                         " calls still running when the grace period ends are answered -32004 (raise"

@@ -1629,3 +1629,8 @@ def test_a_deadline_past_the_grace_period_warns_at_the_start(broker_factory):
     quiet = broker_factory("--workers", "1")  # (the defaults: 30 s and 30 s)
     assert quiet.call("add", [1, 2])["result"] == 3
     assert "grace_period" not in quiet.read_log(0.5)
+    # A method the workers do not serve has no calls to cut: its own warning only (round 72)
+    unserved = broker_factory("--workers", "1", "--grace-period", "5", "--timeout", "5", "--method-timeout", "slow=60")
+    assert unserved.call("add", [1, 2])["result"] == 3
+    log = unserved.read_log(0.5)
+    assert "method_timeouts names 'slow', which the workers do not serve" in log and "grace_period" not in log
