@@ -118,9 +118,6 @@ def _drain(proc: subprocess.Popen[bytes], log: list[str], timeout: float) -> Non
         log.append(chunk.decode(errors="replace"))
 
 
-_SUITE_TMP: list[str] = []
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """Every process the suite starts gets a temporary directory of the suite's own (TMPDIR),
     removed at the end: a broker the tests kill leaves its worker socket's directory
@@ -130,9 +127,8 @@ def pytest_configure(config: pytest.Config) -> None:
     import tempfile
 
     tempfile.gettempdir()
-    _SUITE_TMP.append(tempfile.mkdtemp(prefix="rb-suite-"))
-    os.environ["TMPDIR"] = _SUITE_TMP[0]
-    config.add_cleanup(lambda: shutil.rmtree(_SUITE_TMP[0], ignore_errors=True))
+    suite = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="rb-suite-")
+    config.add_cleanup(lambda: shutil.rmtree(suite, ignore_errors=True))
 
 
 def start_broker(*flags: str, env: dict[str, str] | None = None, timeout: float = 60.0,

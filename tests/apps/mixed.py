@@ -18,7 +18,7 @@ def block(seconds: float) -> float:
 
 @registry.method
 def brief(seconds: float) -> float:
-    """Like `block`: a second blocking method, whose calls are learnt shorter."""
+    """Like `block`: a second blocking method, for the short side of a test that needs two."""
     time.sleep(seconds)
     return seconds
 
