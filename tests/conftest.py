@@ -283,6 +283,22 @@ def scrape_metrics(b: Broker, port: int | None = None) -> Samples:
     return out
 
 
+# glibc's malloc maps each block of 64 KiB or more on its own, freed back to the system at
+# once, where its default raises that threshold after the first such free and takes later
+# blocks from the heap, whose holes make RSS wander by tens of MB: given to the brokers of
+# tests that compare RSS between rounds, so that only memory still held shows (CI, stop 33:
+# a round's 40 freed 1 MiB bodies read as 60 -> 68 -> 93 MB).
+FREED_AT_ONCE = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def rss_kib(pid: int) -> int:
+    """The resident set size of process `pid`, in KiB (VmRSS in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
 def sample(samples: Samples, name: str, **labels: str) -> float:
     """One sample's value (0 when absent)."""
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import psutil
 import pytest
-from conftest import Broker, sample, scrape_metrics, wait_for
+from conftest import FREED_AT_ONCE, Broker, rss_kib, sample, scrape_metrics, wait_for
 
 from broker.jsonrpc import ERRORS
 from broker.metrics import outcome_name
@@ -501,14 +501,6 @@ def test_a_chunks_answers_leave_before_a_slow_sync_call_in_the_same_chunk(broker
     assert sample(scrape_metrics(b), "rpc_broker_timeouts_total", method="add") == 0
 
 
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
 def test_expired_queued_calls_behind_a_live_head_release_their_params(broker_factory):
     """Hostile testing (t_qmem.py): calls with a short deadline expire while queued
     behind a live head with a long one. They left queued_bytes at once, but each kept
@@ -517,7 +509,7 @@ def test_expired_queued_calls_behind_a_live_head_release_their_params(broker_fac
     call's payload goes at once, and its empty shell when shells are half the queue."""
     b = broker_factory("--workers", "1", "--worker-concurrency", "1", "--timeout", "60",
                        "--method-timeout", "echo=0.05", "--max-queue-bytes", str(4 * 1024 * 1024),
-                       "--grace-period", "1")
+                       "--grace-period", "1", env=FREED_AT_ONCE)
     threading.Thread(target=post, args=(b, req("sleep", [30], "blocker")), daemon=True).start()
     wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
     threading.Thread(target=post, args=(b, req("add", [1, 2], "head")), daemon=True).start()

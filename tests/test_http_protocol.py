@@ -17,11 +17,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import conftest
 import pytest
-from conftest import ROOT, Broker, start_broker, wait_for
+from conftest import ROOT, Broker, rss_kib, start_broker, wait_for
 
 pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops: conftest.BOTH_LOOPS)
 
@@ -497,17 +496,10 @@ def test_a_client_that_never_takes_its_answer_is_reset_after_send_timeout(broker
         assert len(got) < 50_000
 
 
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
 def test_an_endless_header_line_gets_431_not_unbounded_memory(hb):
     """httptools grows an unfinished header line without calling back; the broker
     counts raw head bytes and answers 431 past 64 KiB."""
-    before = _rss_kib(hb.pid)
+    before = rss_kib(hb.pid)
     with Conn(hb) as c:
         c.send(b"POST /rpc HTTP/1.1\r\nHost: localhost\r\nX-Big: ")
         try:
@@ -517,7 +509,7 @@ def test_an_endless_header_line_gets_431_not_unbounded_memory(hb):
             pass
         status, _, body = c.response()
         assert status == 431 and b"too large" in body
-    assert _rss_kib(hb.pid) - before < 20 * 1024  # no balloon
+    assert rss_kib(hb.pid) - before < 20 * 1024  # no balloon
 
 
 def test_every_head_answer_has_no_body(hb):
@@ -681,13 +673,7 @@ def test_a_client_pipelining_scrapes_without_reading_does_not_grow_memory(broker
     # JSON-RPC on other connections goes on.
     b = broker_factory("--workers", "1")
 
-    def rss_kib() -> int:
-        for line in Path(f"/proc/{b.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS")
-
-    before = rss_kib()
+    before = rss_kib(b.pid)
     greedy = socket.socket()
     greedy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     greedy.connect((b.host, b.port))
@@ -703,7 +689,7 @@ def test_a_client_pipelining_scrapes_without_reading_does_not_grow_memory(broker
                 time.sleep(0.01)  # the broker stopped reading: as it should
         for i in range(20):
             assert b.call("add", [i, 1])["result"] == i + 1
-        grown = rss_kib() - before
+        grown = rss_kib(b.pid) - before
         # Without the deferral every parsed request made a ~50 KiB answer: 1,000+ of
         # them, 50+ MiB. Now a few answers sit in the socket buffers.
         assert grown < 20 * 1024, f"broker RSS grew by {grown} KiB"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
+from conftest import FREED_AT_ONCE, Broker, rss_kib, sample, scrape_metrics, start_broker, wait_for
 from test_stream import free_port
 
 SEND_TIMEOUT = 2.0
@@ -34,13 +34,6 @@ def http_request(body: bytes) -> bytes:
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
 
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
 def open_connections(b: Broker, transport: str) -> float:
     return sample(scrape_metrics(b), "rpc_broker_connections", transport=transport)
 
@@ -51,7 +44,7 @@ def tb() -> Iterator[tuple[Broker, int]]:
     only send_timeout can close a connection within the tests' deadlines."""
     port = free_port()
     b = start_broker("--workers", "1", "--stream-port", str(port), "--send-timeout", str(SEND_TIMEOUT),
-                     "--keepalive-timeout", "300", "--request-timeout", "300")
+                     "--keepalive-timeout", "300", "--request-timeout", "300", env=FREED_AT_ONCE)
     wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
     yield b, port
     assert b.stop() == 0, b.read_log()
