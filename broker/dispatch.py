@@ -157,6 +157,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import math
 import time
 import typing
 from collections import Counter
@@ -215,6 +216,7 @@ _SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
 _GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
 _TIMER_EARLY = 0.001  # how early a loop timer may fire, by loop.time() (s): uvloop's, 1 ms steps (`DeadlineWheel._fire`)
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
+RESTART_WAIT_SECONDS = 1.0  # calls wait for a worker back within this (a crash's first restart backoffs: 0.1 to 0.8 s)
 BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
 _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
 _clock = time.perf_counter
@@ -555,7 +557,7 @@ class Dispatcher:
         # (`Listener.held`: their `_waiting`, and more); the drain waits for them too.
         self.held_back: Callable[[], int] = lambda: 0
         # Set by the pool: is a worker on its way to READY? (else "no worker available")
-        self.worker_coming: Callable[[], bool] = lambda: True
+        self.worker_back_in: Callable[[], float] = lambda: 0.0  # `Pool._worker_back_in`
 
     # -- configuration from the pool -------------------------------------------------
 
@@ -690,14 +692,31 @@ class Dispatcher:
         self._check_idle()
         self._pump()
 
-    def no_worker_coming(self) -> None:
-        """Every worker is down and none is starting (restart backoff): answer the
-        queued calls "no worker available" rather than let them wait for their deadline."""
-        self._release_all()
-        while self._queue:
-            call = self._dequeue()
-            if call.tick:  # (else it timed out while queued: answered already)
-                self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER)
+    def no_worker_before(self, back_in: float) -> None:
+        """Every worker is down and none is starting: the first is back in `back_in`
+        seconds (a restart backoff; `math.inf`: none is coming). Queued calls wait for a
+        worker back within RESTART_WAIT_SECONDS and before their deadline (a worker that
+        crashed once: hostile testing, round 73, every other client's queued call was
+        answered -32003 for a 0.1 s backoff); the others are answered "no worker
+        available" at once rather than wait for their deadline (a crash loop's longer
+        backoffs: clients may go elsewhere)."""
+        if back_in <= 0.0:
+            return
+        now = _clock()
+        if back_in > RESTART_WAIT_SECONDS:
+            back_in = math.inf
+        late = [call for call in self._queue if call.tick and call.arrival + call.timeout - now < back_in]
+        if not late:
+            return
+        gone = set(late)  # (calls hash by identity)
+        self._queue.drop(lambda call: call not in gone)
+        if not self._queue:
+            self._largest.clear()
+        for call in late:
+            self._queued_bytes -= call.held
+            self._queued_calls -= call.weight
+            call.owner.queued -= call.weight
+            self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER)
         self._check_idle()
 
     @property
@@ -924,7 +943,9 @@ class Dispatcher:
             # request completed after it had none, as if it had arrived in the drain)
             self._finish(call, _SHUTTING_DOWN if self._serving else _GRACE_ENDED, ErrorCode.SHUTTING_DOWN,
                          remaining=False)
-        elif not self._ready and not self.worker_coming():
+        elif not self._ready and (back := self.worker_back_in()) and (
+            back > RESTART_WAIT_SECONDS or back > call.timeout - (_clock() - call.arrival)
+        ):  # (every worker down, none back soon and before its deadline: `no_worker_before`)
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
         elif (self._queued_calls + call.weight > self._max_queue or (
             self._queued_bytes + _held(call) > self._max_queue_bytes

@@ -87,6 +87,7 @@ import asyncio
 import enum
 import errno
 import logging
+import math
 import os
 import shutil
 import signal
@@ -154,6 +155,7 @@ class Worker:
         "outstanding",
         "pid",
         "process",
+        "restart_at",
         "restarts",
         "slot",
         "started_at",
@@ -173,6 +175,7 @@ class Worker:
         self.sync_calls = 0  # sync calls in flight (the dispatcher's)
         self.blocked = False  # busy in a blocking sync call, its limit taken down (the dispatcher's)
         self.started_at = 0.0
+        self.restart_at = 0.0  # time.monotonic() at which its restart backoff ends (0: not in one)
         self.failures = 0
         self.exited: asyncio.Future[int] | None = None
         self.kill_reason = ""  # why the broker killed this process, if it did
@@ -366,7 +369,7 @@ class Pool:
         # restarted on the code being deployed, they wait for the reload's new worker, and
         # are restarted only if the reload fails. (Each exit was counted when reaped.)
         self._awaiting_reload: set[Worker] = set()
-        dispatcher.worker_coming = self._worker_coming
+        dispatcher.worker_back_in = self._worker_back_in
 
     def _worker_coming(self) -> bool:
         """Is a worker on its way to READY? One starting (a leave's replacement is from
@@ -378,6 +381,17 @@ class Pool:
         the slot at the swap, and if the reload fails the slot is restarted then).
         (Retiring workers, a reload's or those a leave replaced, are not in `workers`.)"""
         return bool(self._awaiting_reload) or any(w.state is WorkerState.STARTING or w.leaving for w in self.workers)
+
+    def _worker_back_in(self) -> float:
+        """Seconds until a worker is on its way to READY: 0 if one is (`_worker_coming`),
+        else until the first restart backoff ends (it starts then, and takes the calls that
+        waited for it: hostile testing, round 73, a worker killed within 30 s of its start
+        had every other client's queued call answered -32003 for a 0.1 s backoff);
+        `math.inf` if no restart is coming (a slot that stays down)."""
+        if self._worker_coming():
+            return 0.0
+        backs = [w.restart_at for w in self.workers if w.restart_at]
+        return max(0.0, min(backs) - time.monotonic()) if backs else math.inf
 
     @property
     def socket_path(self) -> str:
@@ -580,8 +594,8 @@ class Pool:
         if worker.kill_reason.startswith(WIRE_MISMATCH):  # its HELLO was refused (`wire_mismatch`)
             self._count_restart(restart_reason(status, "", left))
             log.error("worker slot %d stays down, not restarted: %s", worker.slot, worker.kill_reason)
-            if not self.dispatcher.ready_workers and not self._worker_coming():
-                self.dispatcher.no_worker_coming()
+            if not self.dispatcher.ready_workers:
+                self.dispatcher.no_worker_before(self._worker_back_in())
             return
         if worker.kill_reason.startswith(CODE_CHANGED):  # its HELLO was refused (`hello`)
             self._count_restart("code_changed")
@@ -629,9 +643,14 @@ class Pool:
             worker.failures = 0 if up >= STABLE_SECONDS else worker.failures + 1
             delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
         self._count_restart(why)
-        if delay and not self.dispatcher.ready_workers and not self._worker_coming():
-            self.dispatcher.no_worker_coming()
-        await asyncio.sleep(delay)
+        if delay:
+            worker.restart_at = time.monotonic() + delay
+            if not self.dispatcher.ready_workers:
+                self.dispatcher.no_worker_before(self._worker_back_in())
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            worker.restart_at = 0.0
         if self._stopping or worker.process is not process or self.workers[worker.slot] is not worker:
             return  # (a reload replaced it meanwhile)
         if self._reloading:  # a reload began during the backoff: its new worker takes the slot

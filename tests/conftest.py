@@ -11,9 +11,11 @@ import http.client
 import importlib.util
 import json
 import os
+import random
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -129,6 +131,27 @@ def pytest_configure(config: pytest.Config) -> None:
     tempfile.gettempdir()
     suite = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="rb-suite-")
     config.add_cleanup(lambda: shutil.rmtree(suite, ignore_errors=True))
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now, for a listener the broker cannot be told
+    to choose itself (`stream_port` 0 is off). Taken below the kernel's ephemeral range
+    (net.ipv4.ip_local_port_range): a port there, as `bind(0)` gives, can become another
+    connection's source port before the broker binds it, and did on a busy machine
+    ("Address already in use", new user, round 73)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port below the ephemeral range")
 
 
 def start_broker(*flags: str, env: dict[str, str] | None = None, timeout: float = 60.0,

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
+from conftest import Broker, free_port, sample, scrape_metrics, start_broker, wait_for
 
 from broker import config
 
@@ -579,12 +579,6 @@ def test_a_page_from_an_allowed_origin_can_call_but_not_without_json(broker_fact
     assert json.loads(str(cors["body"])) == {"jsonrpc": "2.0", "id": 1, "result": 1}
     assert http_responses(b, "415") - unsupported == 4
     assert marks(ledger) == ["cors"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def assert_only_ndjson_ran(b: Broker, port: int, ledger: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import socket
 import tracemalloc
@@ -1335,9 +1336,11 @@ def test_every_call_of_a_chunk_on_a_worker_that_dies_is_answered_worker_died_at_
     run(main)
 
 
-def test_queued_calls_are_answered_no_worker_when_none_is_coming():
+@pytest.mark.parametrize("back_in", [math.inf, 2.0])
+def test_queued_calls_are_answered_no_worker_when_none_is_coming(back_in: float):
     """A planted bug left queued calls waiting for their deadline when every worker was
-    down and none was starting (the restart backoff): -32003 at once."""
+    down and none was starting: -32003 at once, when no worker is coming, or none before
+    RESTART_WAIT_SECONDS (a crash loop's longer backoffs)."""
 
     async def main() -> None:
         d = Dispatcher(asyncio.get_running_loop(), timeout=30.0)
@@ -1350,10 +1353,50 @@ def test_queued_calls_are_answered_no_worker_when_none_is_coming():
         assert d.queued_calls == 2
         d.worker_lost(w, "exited with 1")
         assert [json.loads(e.body())["error"]["code"] for e in done] == [-32002]
-        d.no_worker_coming()
+        d.no_worker_before(back_in)
         assert sorted(json.loads(e.body())["id"] for e in done[1:]) == [1, 2]
         assert all(json.loads(e.body())["error"]["code"] == -32003 for e in done[1:])
         assert d.queued_calls == 0 and d.in_flight_calls == 0
+
+    run(main)
+
+
+def test_queued_calls_wait_for_a_restart_due_before_their_deadline():
+    """Hostile testing, round 73: a worker killed within 30 s of its start restarts after
+    a 0.1 s backoff, and every other client's queued call was answered -32003 at once
+    (none had run). Now only the calls whose deadline passes before the restart are; the
+    others, and new calls, wait for it and run when it is back, in their order."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=30.0, method_timeouts={"quick": 0.5})
+        d.set_methods(["m", "quick"])
+        w = add_worker(d, 0, concurrency=1)
+        codec = Codec()
+        done: list[Exchange] = []
+        d.submit(body(codec, req("m", [], "running")), done.append)
+        for i in range(3):
+            d.submit(body(codec, req("m", [], i)), done.append)
+        d.submit(body(codec, req("quick", [], "short")), done.append)
+        assert d.queued_calls == 4
+        d.worker_lost(w, "killed by SIGKILL")
+        back_in = 1.0
+        d.worker_back_in = lambda: back_in
+        d.no_worker_before(back_in)  # the pool: the slot restarts in 1 s
+        codes = {json.loads(e.body())["id"]: json.loads(e.body())["error"]["code"] for e in done}
+        assert codes == {"running": -32002, "short": -32003}  # (its deadline, 0.5 s, is before)
+        at_once = d.submit(body(codec, req("quick", [], "new short")), done.append)
+        assert at_once is not None and at_once.remaining == 0 and json.loads(at_once.body()) == {"jsonrpc": "2.0", "id": "new short", "error": {
+            "code": -32003, "message": "No worker available", "data": "every worker is down and waiting to restart"}}
+        waits = d.submit(body(codec, req("m", [], "new")), done.append)
+        assert waits is not None and waits.remaining == 1  # (queued for the restarted worker)
+        assert d.queued_calls == 4 and len(done) == 2
+        d.worker_back_in = lambda: 0.0  # it is starting, then ready
+        w2 = add_worker(d, 0, concurrency=10)
+        channel = typing.cast(RecordingChannel, w2.channel)
+        sent = [call_id for kind, call_id, _aux, _payload in channel.take() if kind == wire.CALL]
+        assert len(sent) == 4 and sent == sorted(sent) and d.queued_calls == 0  # (ids in arrival order)
+        d.no_worker_before(math.inf)  # (nothing queued: nothing to answer)
+        assert len(done) == 2
 
     run(main)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import typing
 
 from hypothesis import HealthCheck, settings
@@ -276,9 +277,10 @@ class DispatcherMachine(RuleBasedStateMachine):
         self._new_worker(len(self.workers))
 
     @precondition(lambda self: not self._live())
-    @rule()
-    def no_worker_coming(self) -> None:
-        self.dispatcher.no_worker_coming()
+    @rule(back_in=st.sampled_from([0.0, 0.01, 5.0, math.inf]))
+    def no_worker_before(self, back_in: float) -> None:
+        """Every worker is down; the first is back in `back_in` s (inf: none is coming)."""
+        self.dispatcher.no_worker_before(back_in)
         self._collect()
 
     @precondition(lambda self: len(self.dispatcher._deadlines))
@@ -417,7 +419,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         for _ in range(100):
             if not self.held:
                 if not self._live():
-                    self.dispatcher.no_worker_coming()
+                    self.dispatcher.no_worker_before(math.inf)
                     self._collect()
                 if not self.held:
                     break

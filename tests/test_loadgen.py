@@ -30,7 +30,7 @@ from pathlib import Path
 import httptools
 import msgspec
 import pytest
-from conftest import ROOT, wait_for
+from conftest import ROOT, free_port, wait_for
 
 from broker import cli
 from broker.jsonrpc import Codec, Request, response_result
@@ -805,12 +805,6 @@ def test_an_unwritable_json_path_is_refused_before_the_run(tmp_path, capsys):
 
 # -- NDJSON stream targets (tcp://, unix://) ------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
     """A directory with a short path, for Unix sockets (108-byte limit)."""
@@ -822,7 +816,7 @@ def short_dir() -> Iterator[Path]:
 @pytest.fixture
 def stream_broker(broker_factory, short_dir) -> tuple[str, str]:
     """A real broker (2 workers) with both NDJSON listeners: (tcp URL, unix URL)."""
-    port = _free_port()
+    port = free_port()
     sock = short_dir / "b.sock"
     b = broker_factory("--workers", "2", "--stream-port", str(port), "--stream-socket", str(sock))
     assert "serving NDJSON JSON-RPC on unix://" in b.read_log(5.0) or sock.exists()
@@ -969,7 +963,7 @@ def test_a_batch_over_the_brokers_max_batch_is_one_refused_request(broker_factor
     -32600, one refused batch, and no calls (none ran). It is an answer, not a wrong one:
     exit 0, as for single calls answered with errors. Over HTTP and NDJSON, with one and
     two load processes; and a batch that fits still counts all its calls."""
-    port = _free_port()
+    port = free_port()
     b = broker_factory("--workers", "1", "--max-batch", "4", "--stream-port", str(port))
     wait_for(lambda: "serving NDJSON JSON-RPC on tcp://" in b.read_log())
     http = f"http://{b.host}:{b.port}{b.path}"
@@ -1161,7 +1155,7 @@ def test_reconnects_after_an_orderly_close_at_once_and_back_off_after_failures(t
     assert reconnects > 0 and sum(r.backoffs for r in results) == 0
     assert tally.requests >= reconnects  # one answer per connection, each one reopened
     assert s.connections >= reconnects
-    port = _free_port()
+    port = free_port()
     spec = msgspec.structs.replace(spec, target=f"http://127.0.0.1:{port}/", duration=0.5)
     results = runner.run(spec)
     assert sum(r.reconnects for r in results) == sum(r.backoffs for r in results) > 0
@@ -1184,7 +1178,7 @@ def test_wrong_ids_count_as_answered_requests_on_every_transport(thread_server, 
 def test_http_against_a_non_http_port_names_the_problem(broker_factory, capsys):
     """`bench http://` pointed at the broker's NDJSON port: the answer is not HTTP, and
     the first problem says so and shows what came back."""
-    port = _free_port()
+    port = free_port()
     b = broker_factory("--workers", "1", "--stream-port", str(port))
     wait_for(lambda: "serving NDJSON JSON-RPC on tcp://" in b.read_log())
     code = cli.main(["bench", f"http://127.0.0.1:{port}/", "-q", "--duration", "0.5", "--warmup", "0",

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import Broker, Samples, sample, scrape_metrics, start_broker, wait_for
+from conftest import Broker, Samples, free_port, sample, scrape_metrics, start_broker, wait_for
 
 from broker.metrics import BATCH_BUCKETS, SECONDS_BUCKETS, Histogram, LatencyHistogram, outcome_name
 
@@ -275,9 +275,7 @@ def test_metrics_off_answers_404(broker_factory):
 
 
 def test_separate_metrics_listener(broker_factory):
-    with socket.socket() as s:  # a free port for the metrics listener
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a free port for the metrics listener
     b = broker_factory("--workers", "1", "--metrics-port", str(port))
     assert f"metrics on http://127.0.0.1:{port}/metrics" in b.read_log(1.0)
     assert b.get("/metrics")[0] == 404  # not on the RPC listener
@@ -372,9 +370,7 @@ def test_bodies_past_max_body_bytes_are_counted(broker_factory):
 
 
 def test_the_metrics_listener_is_its_own_transport_and_outlives_the_drain(broker_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     b = broker_factory("--workers", "1", "--metrics-port", str(port), "--grace-period", "5")
     samples = scrape(b, port=port)
     scrape(b, port=port)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -35,7 +34,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import Broker, load_generator, start_broker
+from conftest import Broker, free_port, load_generator, start_broker
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
@@ -50,12 +49,6 @@ Vector = list[dict[str, Any]]
 
 
 # ---- Prometheus ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def derived_config(broker: Broker) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import time
 import typing
 
 import pytest
-from conftest import Broker, sample, scrape_metrics, start_broker, wait_for
+from conftest import Broker, free_port, sample, scrape_metrics, start_broker, wait_for
 
 APP = "tests.apps.hostile:registry"
 LIMIT = 8 * 1024 * 1024  # --max-response-bytes
@@ -123,9 +123,7 @@ def test_a_client_that_does_not_read_big_answers_holds_about_max_response_bytes(
     flags = ["--workers", "2", "--app", APP, "--max-response-bytes", str(LIMIT), "--timeout", "60"]
     port = 0
     if transport == "ndjson":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         flags += ["--stream-port", str(port)]
     b = start_broker(*flags)
     sock = socket.socket()
@@ -445,7 +443,6 @@ def test_answers_for_a_connection_gone_are_dropped_at_once(transport: str) -> No
     Measured as the allocator sees it: a second round of such clients, while the first
     round's sleeps still run, reuses the memory the first one freed (RSS itself need not
     fall); before, it took as much again."""
-    from test_stream import free_port
 
     port = free_port()
     b = start_broker("--workers", "2", "--timeout", "60", "--stream-port", str(port))

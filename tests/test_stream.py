@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Broker, Samples, sample, scrape_metrics, start_broker, wait_for
+from conftest import ROOT, Broker, Samples, free_port, sample, scrape_metrics, start_broker, wait_for
 
 pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops: conftest.BOTH_LOOPS)
 
@@ -44,13 +44,6 @@ TOO_LONG = (
 TRANSPORTS = ("tcp", "unix")
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (bind port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def socket_path(directory: Path, name: str = "broker.sock") -> str:

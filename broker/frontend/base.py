@@ -53,6 +53,7 @@ log = logging.getLogger("broker.frontend")
 SWEEP_SECONDS = 1.0  # one sweep for all connections of a listener, not a timer each
 LINGER_TIMEOUT = 5.0  # a half-closed connection after an error answer: closed after 5 s silent
 LINGER_TIME = 30.0  # ... or 30 s in all (nginx's lingering_timeout and lingering_time)
+STOP_LINGER_QUIET = 0.5  # at a stop, connections half-closed and silent this long (s) are done
 EVICT_BATCH = 64  # idle connections found per scan at max_connections (closed one at a time)
 # libuv reads a connection with data up to 32 times in a row (256 KiB a read in uvloop): one
 # client sending 1 MiB bodies had 8 MiB parsed and decoded in one turn while everyone else
@@ -680,15 +681,22 @@ class Listener:
         (a second stop signal) ends the wait at once. A connection ended with answers
         unsent is reset (RST: its client can tell it was cut, not finished, which over
         NDJSON, whose answers come in any order, it could not from an orderly close);
-        one with nothing unsent is closed at once."""
+        one with nothing unsent is closed at once. The wait ends sooner once every
+        connection left has nothing unsent and has been half-closed (lingering) and silent
+        for STOP_LINGER_QUIET: its client has all its answers and the end of them, and
+        sends nothing more (hostile testing, round 73: one idle keep-alive connection whose
+        client kept it open made every stop 2 s long)."""
         now = self.loop.time()
         deadline = now + timeout
+        quiet = now + STOP_LINGER_QUIET
         longest = now + max(timeout, taking or 0.0)
         while self.connections and not (hurry is not None and hurry.is_set()):
             now = self.loop.time()
-            if now >= longest or (now >= deadline and not any(
+            if now >= longest or (not any(
                 conn.transport is not None and unsent_bytes(conn.transport) for conn in self.connections
-            )):  # fmt: skip
+            ) and (now >= deadline or (now >= quiet and all(
+                conn.lingering_since and now - conn.last_active >= STOP_LINGER_QUIET for conn in self.connections
+            )))):  # fmt: skip
                 break
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
