@@ -216,7 +216,7 @@ _SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
 _GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
 _TIMER_EARLY = 0.001  # how early a loop timer may fire, by loop.time() (s): uvloop's, 1 ms steps (`DeadlineWheel._fire`)
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
-RESTART_WAIT_SECONDS = 1.0  # calls wait for a worker back within this (a crash's first restart backoffs: 0.1 to 0.8 s)
+RESTART_WAIT_SECONDS = 1.0  # calls wait for a worker back within this of the outage's start (a crash's restart backoff)
 BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
 _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
 _clock = time.perf_counter
@@ -558,6 +558,7 @@ class Dispatcher:
         self.held_back: Callable[[], int] = lambda: 0
         # Set by the pool: is a worker on its way to READY? (else "no worker available")
         self.worker_back_in: Callable[[], float] = lambda: 0.0  # `Pool._worker_back_in`
+        self._down_since = 0.0  # when the last ready worker went (_clock); read while none is ready
 
     # -- configuration from the pool -------------------------------------------------
 
@@ -653,6 +654,8 @@ class Dispatcher:
             pass
         else:
             self._set_share()
+            if not self._ready:
+                self._down_since = _clock()
 
     def _set_share(self) -> None:
         """One connection's share of the ready workers' places (`connection_share`; at
@@ -694,16 +697,17 @@ class Dispatcher:
 
     def no_worker_before(self, back_in: float) -> None:
         """Every worker is down and none is starting: the first is back in `back_in`
-        seconds (a restart backoff; `math.inf`: none is coming). Queued calls wait for a
-        worker back within RESTART_WAIT_SECONDS and before their deadline (a worker that
-        crashed once: hostile testing, round 73, every other client's queued call was
-        answered -32003 for a 0.1 s backoff); the others are answered "no worker
-        available" at once rather than wait for their deadline (a crash loop's longer
-        backoffs: clients may go elsewhere)."""
+        seconds (a restart backoff; `math.inf`: none is coming). Queued calls wait for it
+        if its backoff ends within RESTART_WAIT_SECONDS of the outage's start and before
+        their deadline (a worker that crashed once: hostile testing, round 73, every other
+        client's queued call was answered -32003 for a 0.1 s backoff); the others are
+        answered "no worker available" at once rather than wait for their deadline. The
+        bound is the outage's, not each backoff's: in a crash loop, backoffs and failed
+        starts one after another made calls wait 8 s and more (round 74)."""
         if back_in <= 0.0:
             return
         now = _clock()
-        if back_in > RESTART_WAIT_SECONDS:
+        if back_in > RESTART_WAIT_SECONDS - (now - self._down_since):
             back_in = math.inf
         late = [call for call in self._queue if call.tick and call.arrival + call.timeout - now < back_in]
         if not late:
@@ -943,8 +947,8 @@ class Dispatcher:
             # request completed after it had none, as if it had arrived in the drain)
             self._finish(call, _SHUTTING_DOWN if self._serving else _GRACE_ENDED, ErrorCode.SHUTTING_DOWN,
                          remaining=False)
-        elif not self._ready and (back := self.worker_back_in()) and (
-            back > RESTART_WAIT_SECONDS or back > call.timeout - (_clock() - call.arrival)
+        elif not self._ready and (back := self.worker_back_in()) and back > min(
+            RESTART_WAIT_SECONDS - (_clock() - self._down_since), call.timeout - (_clock() - call.arrival)
         ):  # (every worker down, none back soon and before its deadline: `no_worker_before`)
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
         elif (self._queued_calls + call.weight > self._max_queue or (

@@ -636,17 +636,19 @@ class Pool:
                 )
             return
         up = time.monotonic() - worker.started_at
-        if left:  # it left as it asked to (or was sent SIGTERM while starting): no failure, no backoff
+        if left or why == "hung":  # it left as it asked to (or was sent SIGTERM while starting): no failure, no backoff
+            # (hung: the broker killed it, a call's deadline and cancel_grace after the call
+            # began, which no crash loop repeats fast: round 74, hung kills under 30 s apart
+            # raised the backoff, and other clients' calls were answered -32003 for seconds)
             delay = 0.0
         else:
             worker.leaving = False  # it failed: no worker is coming during its backoff
             worker.failures = 0 if up >= STABLE_SECONDS else worker.failures + 1
             delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
         self._count_restart(why)
-        if delay:
-            worker.restart_at = time.monotonic() + delay
-            if not self.dispatcher.ready_workers:
-                self.dispatcher.no_worker_before(self._worker_back_in())
+        worker.restart_at = time.monotonic() + delay  # (0 delay too: round 74, calls in the gap got -32003)
+        if delay and not self.dispatcher.ready_workers:
+            self.dispatcher.no_worker_before(self._worker_back_in())
         try:
             await asyncio.sleep(delay)
         finally:

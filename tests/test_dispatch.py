@@ -1368,7 +1368,7 @@ def test_queued_calls_wait_for_a_restart_due_before_their_deadline():
     others, and new calls, wait for it and run when it is back, in their order."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop(), timeout=30.0, method_timeouts={"quick": 0.5})
+        d = Dispatcher(asyncio.get_running_loop(), timeout=30.0, method_timeouts={"quick": 0.3})
         d.set_methods(["m", "quick"])
         w = add_worker(d, 0, concurrency=1)
         codec = Codec()
@@ -1379,11 +1379,11 @@ def test_queued_calls_wait_for_a_restart_due_before_their_deadline():
         d.submit(body(codec, req("quick", [], "short")), done.append)
         assert d.queued_calls == 4
         d.worker_lost(w, "killed by SIGKILL")
-        back_in = 1.0
+        back_in = 0.5
         d.worker_back_in = lambda: back_in
-        d.no_worker_before(back_in)  # the pool: the slot restarts in 1 s
+        d.no_worker_before(back_in)  # the pool: the slot restarts in 0.5 s
         codes = {json.loads(e.body())["id"]: json.loads(e.body())["error"]["code"] for e in done}
-        assert codes == {"running": -32002, "short": -32003}  # (its deadline, 0.5 s, is before)
+        assert codes == {"running": -32002, "short": -32003}  # (its deadline, 0.3 s, is before)
         at_once = d.submit(body(codec, req("quick", [], "new short")), done.append)
         assert at_once is not None and at_once.remaining == 0 and json.loads(at_once.body()) == {"jsonrpc": "2.0", "id": "new short", "error": {
             "code": -32003, "message": "No worker available", "data": "every worker is down and waiting to restart"}}
@@ -1397,6 +1397,36 @@ def test_queued_calls_wait_for_a_restart_due_before_their_deadline():
         assert len(sent) == 4 and sent == sorted(sent) and d.queued_calls == 0  # (ids in arrival order)
         d.no_worker_before(math.inf)  # (nothing queued: nothing to answer)
         assert len(done) == 2
+
+    run(main)
+
+
+def test_calls_wait_for_restarts_only_within_a_second_of_the_outage():
+    """Hostile testing, round 74: each backoff judged alone, a crash loop's backoffs and
+    failed starts one after another held calls 8 s and more. The bound is the outage's:
+    a restart due past RESTART_WAIT_SECONDS from the last worker's loss is not waited
+    for, however short its own backoff."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=30.0)
+        d.set_methods(["m"])
+        w = add_worker(d, 0, concurrency=1)
+        codec = Codec()
+        done: list[Exchange] = []
+        for i in range(3):
+            d.submit(body(codec, req("m", [], i)), done.append)
+        d.worker_lost(w, "exited with 1")
+        d.worker_back_in = lambda: 0.1
+        d.no_worker_before(0.1)  # the first backoff: waited for
+        assert len(done) == 1 and d.queued_calls == 2
+        d._down_since -= 0.95  # the outage began 0.95 s ago: a restart in 0.1 s is past the bound
+        d.no_worker_before(0.1)
+        assert [json.loads(e.body())["error"]["code"] for e in done] == [-32002, -32003, -32003]
+        answered = d.submit(body(codec, req("m", [], "new")), done.append)
+        assert answered is not None and json.loads(answered.body())["error"]["code"] == -32003
+        d.worker_back_in = lambda: 0.0  # a worker starting: calls wait for it
+        waits = d.submit(body(codec, req("m", [], "after")), done.append)
+        assert waits is not None and waits.remaining == 1 and d.queued_calls == 1
 
     run(main)
 

@@ -1390,6 +1390,38 @@ def test_queued_calls_wait_for_a_worker_that_restarts_after_a_short_backoff(brok
     assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="killed") == 1
 
 
+def test_hung_kills_do_not_raise_the_backoff_and_fail_other_clients_calls(broker_factory):
+    """Hostile testing, round 74: the broker's own kills of a worker hung in a sync call
+    (after the call's deadline and cancel_grace) counted as crashes, and kills under 30 s
+    apart doubled the backoff: from the fifth, other clients' calls got -32003 for
+    seconds. A hung kill restarts the worker at once: another client's calls wait for it
+    and are served, never -32003."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--method-timeout", "spin=0.2",
+                       "--cancel-grace", "0.2", "--sync-prefetch", "0")
+    codes: list[object] = []
+    stop = threading.Event()
+
+    def victim() -> None:
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            reply = b.call("pid", timeout=30)
+            codes.append(reply["result"] and "ok" if "result" in reply else reply["error"]["code"])  # type: ignore[index]
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=victim)
+    thread.start()
+    try:
+        for _ in range(6):  # six hung kills, each well under 30 s after the worker's start
+            assert b.call("spin", [30], timeout=30)["error"]["code"] == -32001  # type: ignore[index]
+            wait_for(lambda n=_: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") > n,
+                     timeout=20)
+    finally:
+        stop.set()
+        thread.join(60)
+    assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") == 6
+    assert -32003 not in codes and codes.count("ok") >= 6, codes
+
+
 def test_readyz_says_503_and_calls_get_no_worker_during_the_restart_backoff(broker_factory, tmp_path):
     """Issue 10, item 10: with its only worker down and its restarts failing (a bad
     deploy on disk), the broker waits out the restart backoff: /readyz answers 503 "no
