@@ -1336,6 +1336,22 @@ def test_every_call_of_a_chunk_on_a_worker_that_dies_is_answered_worker_died_at_
     run(main)
 
 
+def _two_queued_behind_a_lost_worker() -> tuple[Dispatcher, list[Exchange], Codec]:
+    """A dispatcher whose only worker (one place) took call 0 and died, calls 1 and 2
+    queued: the dispatcher, the exchanges answered so far (call 0's -32002), the codec."""
+    d = Dispatcher(asyncio.get_running_loop(), timeout=30.0)
+    d.set_methods(["m"])
+    w = add_worker(d, 0, concurrency=1)
+    codec = Codec()
+    done: list[Exchange] = []
+    for i in range(3):
+        d.submit(body(codec, req("m", [], i)), done.append)
+    assert d.queued_calls == 2
+    d.worker_lost(w, "exited with 1")
+    assert [json.loads(e.body())["error"]["code"] for e in done] == [-32002]
+    return d, done, codec
+
+
 @pytest.mark.parametrize("back_in", [math.inf, 2.0])
 def test_queued_calls_are_answered_no_worker_when_none_is_coming(back_in: float):
     """A planted bug left queued calls waiting for their deadline when every worker was
@@ -1343,16 +1359,7 @@ def test_queued_calls_are_answered_no_worker_when_none_is_coming(back_in: float)
     RESTART_WAIT_SECONDS (a crash loop's longer backoffs)."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop(), timeout=30.0)
-        d.set_methods(["m"])
-        w = add_worker(d, 0, concurrency=1)
-        codec = Codec()
-        done: list[Exchange] = []
-        for i in range(3):
-            d.submit(body(codec, req("m", [], i)), done.append)
-        assert d.queued_calls == 2
-        d.worker_lost(w, "exited with 1")
-        assert [json.loads(e.body())["error"]["code"] for e in done] == [-32002]
+        d, done, _codec = _two_queued_behind_a_lost_worker()
         d.no_worker_before(back_in)
         assert sorted(json.loads(e.body())["id"] for e in done[1:]) == [1, 2]
         assert all(json.loads(e.body())["error"]["code"] == -32003 for e in done[1:])
@@ -1408,14 +1415,7 @@ def test_calls_wait_for_restarts_only_within_a_second_of_the_outage():
     for, however short its own backoff."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop(), timeout=30.0)
-        d.set_methods(["m"])
-        w = add_worker(d, 0, concurrency=1)
-        codec = Codec()
-        done: list[Exchange] = []
-        for i in range(3):
-            d.submit(body(codec, req("m", [], i)), done.append)
-        d.worker_lost(w, "exited with 1")
+        d, done, codec = _two_queued_behind_a_lost_worker()
         d.worker_back_in = lambda: 0.1
         d.no_worker_before(0.1)  # the first backoff: waited for
         assert len(done) == 1 and d.queued_calls == 2
