@@ -227,7 +227,11 @@ class WorkerChannel(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        if self.worker is not None:
+        # Only while it is its worker's channel: a restart with no backoff (a hung kill, a
+        # worker up 30 s) can reap the old process and start the slot's next before this
+        # socket's end is read, which then made the new one DEAD, refused its HELLO ("from
+        # pid N, expected pid N") and killed it (hostile testing, round 75).
+        if self.worker is not None and self.worker.channel is self:
             self._pool.channel_lost(self.worker)
 
     def data_received(self, data: bytes) -> None:

@@ -21,7 +21,7 @@ from broker.answers import Outgoing
 from broker.dispatch import Call, DeadlineWheel, Dispatcher, Exchange, ResponseBudget, Route
 from broker.jsonrpc import Body, Codec, ErrorCode, Request
 from broker.metrics import CallMetrics
-from broker.pool import Worker, WorkerState
+from broker.pool import Pool, Worker, WorkerChannel, WorkerState
 
 LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 
@@ -1674,5 +1674,40 @@ def test_the_largest_flow_heap_is_emptied_with_the_queue():
             [frame] = w.channel.take()
             d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
         assert d.queued_calls == 0 and d._largest._heap == []
+
+    run(main)
+
+
+def test_the_end_of_an_old_process_socket_leaves_the_slot_s_next_process_alone():
+    """Hostile testing, round 75: after a restart with no backoff, the slot's new process
+    was STARTING when the old process's socket end was read: the pool made the new one
+    DEAD and its HELLO was refused ("HELLO from pid N for slot 1, expected pid N"). The
+    end of a socket that is no longer the slot's channel changes nothing; its own still
+    takes the worker out."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["m"])
+        pool = Pool(d, size=1, app="broker.demo:registry")
+        worker = pool.workers[0]
+        old = WorkerChannel(pool)
+        old.worker = worker
+        worker.channel = old
+        worker.state = WorkerState.READY
+        d.worker_ready(worker)
+        worker.move(WorkerState.DEAD)  # its exit reaped first (`Pool._watch`) ...
+        d.worker_lost(worker, "killed as hung")
+        worker.channel = None
+        assert pool._prepare(worker)  # ... and the next process started at once: STARTING
+        assert worker.state is WorkerState.STARTING
+        old.connection_lost(None)
+        assert worker.state is WorkerState.STARTING
+        current = WorkerChannel(pool)
+        current.worker = worker
+        worker.channel = current
+        worker.move(WorkerState.READY)
+        d.worker_ready(worker)
+        current.connection_lost(None)
+        assert worker.state is WorkerState.DEAD and d.ready_workers == 0
 
     run(main)
