@@ -37,7 +37,11 @@ takes its place in the reload).
 A slot whose process exits (or whose socket closes) is DEAD: the dispatcher answers
 its in-flight calls with "worker died" and its queued calls go to other workers. The
 slot is respawned after an exponential backoff (0.1 s doubling up to
-`restart_backoff_max`, reset once a worker has stayed up for 30 s). A worker that
+`restart_backoff_max`, reset once a worker has stayed up for 30 s), or at once, its
+backoff not raised, when it exited with calls in flight: a call crashed it, and a
+client's crashing calls must not grow a backoff every other client's calls wait out
+(`_failures_after`). From its socket's end to its exit being reaped, its restart is
+taken to come after the backoff that exit would get (`channel_lost`). A worker that
 exits before its HELLO while the pool is starting stops the whole start, whatever its
 status (`WORKER_BOOT_ERROR` for an exception or sys.exit() at import, but os._exit()
 says nothing): a bad `--app` is a bad deploy, not something to retry forever (gunicorn's
@@ -515,9 +519,9 @@ class Pool:
         worker.started_at = time.monotonic()
         exited: asyncio.Future[int] = self.loop.create_future()
         worker.exited = exited
-        task = self.loop.create_task(self._watch(worker, process, exited))
+        boot_timer = self.loop.call_later(self.boot_timeout, self._boot_deadline, worker, process)
+        task = self.loop.create_task(self._watch(worker, process, exited, boot_timer))
         task.add_done_callback(_log_task_error)
-        self.loop.call_later(self.boot_timeout, self._boot_deadline, worker, process)
 
     def _launch_failed(self, worker: Worker, exc: OSError) -> None:
         """`worker`'s process could not be created. At the start that is a boot failure;
@@ -536,7 +540,7 @@ class Pool:
             self._changed.set()
             return
         worker.failures += 1
-        delay = min(self.restart_backoff_max, 0.1 * 2 ** (worker.failures - 1))
+        delay = self._backoff(worker.failures)
         log.error("%s; trying again in %.1f s", problem, delay)
         self.loop.call_later(delay, self._relaunch, worker)
 
@@ -549,11 +553,17 @@ class Pool:
             task = self.loop.create_task(self._launch(worker))
             task.add_done_callback(_log_task_error)
 
-    async def _watch(self, worker: Worker, process: asyncio.subprocess.Process, exited: asyncio.Future[int]) -> None:
+    async def _watch(
+        self, worker: Worker, process: asyncio.subprocess.Process, exited: asyncio.Future[int],
+        boot_timer: asyncio.TimerHandle,
+    ) -> None:
         status = await process.wait()
         exited.set_result(status)
+        boot_timer.cancel()  # (else it held the process and its worker for boot_timeout: round 75, a restart loop)
         if worker.process is not process:
             return
+        worker.restart_at = 0.0  # (`channel_lost`'s guess, until this exit was reaped)
+        charged = worker.outstanding > 0  # (read before `worker_lost` answers its calls)
         was_starting = worker.state is WorkerState.STARTING
         # SIGTERM before its HELLO: the worker's own handler was not installed yet (the
         # interpreter's start, the app's import), so the signal killed it. The broker
@@ -639,7 +649,6 @@ class Pool:
                        else f"it could not load app {self.app!r}")
                 )
             return
-        up = time.monotonic() - worker.started_at
         if left or why == "hung":  # it left as it asked to (or was sent SIGTERM while starting): no failure, no backoff
             # (hung: the broker killed it, a call's deadline and cancel_grace after the call
             # began, which no crash loop repeats fast: round 74, hung kills under 30 s apart
@@ -647,8 +656,8 @@ class Pool:
             delay = 0.0
         else:
             worker.leaving = False  # it failed: no worker is coming during its backoff
-            worker.failures = 0 if up >= STABLE_SECONDS else worker.failures + 1
-            delay = min(self.restart_backoff_max, 0.1 * 2 ** max(worker.failures - 1, 0)) if worker.failures else 0.0
+            worker.failures = self._failures_after(worker, charged)
+            delay = self._backoff(worker.failures) if not charged else 0.0
         self._count_restart(why)
         worker.restart_at = time.monotonic() + delay  # (0 delay too: round 74, calls in the gap got -32003)
         if delay and not self.dispatcher.ready_workers:
@@ -663,6 +672,22 @@ class Pool:
             self._awaiting_reload.add(worker)
             return
         await self._spawn(worker)
+
+    def _failures_after(self, worker: Worker, charged: bool) -> int:
+        """The failures `worker`'s slot counts once its process exited unasked: 0 if it was
+        up STABLE_SECONDS; unchanged if the exit is `charged` to calls it had in flight
+        (a call that crashed it: each such exit costs its own restart, at once, and the
+        slot's backoff is not raised: hostile testing, round 75, one client whose calls
+        made the worker exit doubled the backoff as an import crash loop does, and every
+        other client's calls were answered -32003 nearly all the time); else one more."""
+        if time.monotonic() - worker.started_at >= STABLE_SECONDS:
+            return 0
+        return worker.failures if charged else worker.failures + 1
+
+    def _backoff(self, failures: int) -> float:
+        """Seconds before a slot with `failures` failures in a row is restarted: 0 for
+        none, else 0.1 s doubling per failure, at most `restart_backoff_max`."""
+        return min(self.restart_backoff_max, 0.1 * 2 ** (failures - 1)) if failures > 0 else 0.0
 
     def _count_restart(self, why: str) -> None:
         """Count one restart of a worker's slot, under the bounded reason `why` (the
@@ -862,13 +887,22 @@ class Pool:
         _kill(process)
 
     def channel_lost(self, worker: Worker) -> None:
-        """A worker's socket closed: stop routing to it; kill it if it lingers."""
+        """A worker's socket closed: stop routing to it; kill it if it lingers. Until its
+        exit is reaped (`_watch`), its restart is taken to come after the backoff that
+        exit would get, so calls wait for it rather than be answered -32003 at once
+        (hostile testing, round 75: bursts of up to 2500 calls in that gap)."""
         self.dispatcher.worker_unready(worker)
         if worker.state is not WorkerState.DEAD:
             worker.move(WorkerState.DEAD)
         process = worker.process
         if process is not None and process.returncode is None:
             self.loop.call_later(KILL_AFTER_SECONDS, _kill_if_alive, process)
+            if not self._stopping and not worker.leaving and self.workers[worker.slot] is worker:
+                charged = worker.outstanding > 0
+                delay = self._backoff(self._failures_after(worker, charged)) if not charged else 0.0
+                worker.restart_at = time.monotonic() + delay
+                if not self.dispatcher.ready_workers:
+                    self.dispatcher.no_worker_before(self._worker_back_in())
 
     def request_reload(self) -> None:
         """Ask for a reload (SIGHUP; a restarted worker found new code on disk).

@@ -7,6 +7,7 @@ used where several calls must be in flight at once on separate connections.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
@@ -1420,6 +1421,77 @@ def test_hung_kills_do_not_raise_the_backoff_and_fail_other_clients_calls(broker
         thread.join(60)
     assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") == 6
     assert -32003 not in codes and codes.count("ok") >= 6, codes
+
+
+def test_calls_that_crash_their_worker_do_not_raise_the_backoff_and_fail_other_clients_calls(broker_factory):
+    """Hostile testing, round 75: a client whose calls made the worker exit (os._exit, a
+    segfault) raised the restart backoff as an import crash loop does: 0.1 s doubling, and
+    from the fifth crash every other client's call was answered -32003 (524 of 541 in
+    30 s). An exit with calls in flight is charged to them: the worker restarts at once,
+    and the other client's calls, one after each crash, wait for it and are served."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.crashy:registry", "--restart-backoff-max", "5")
+    pids = []
+    for _ in range(8):  # past the fifth: 1.6 s of backoff, more than a call waits for a restart
+        assert b.call("crash", timeout=20)["error"]["code"] == -32002  # type: ignore[index]
+        reply = b.call("pid", timeout=20)
+        assert "result" in reply, (pids, reply)
+        pids.append(reply["result"])
+    assert len(set(pids)) == 8
+    assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="exited") == 8
+
+
+def test_calls_between_a_worker_s_socket_end_and_its_exit_wait_for_its_restart(broker_factory):
+    """Hostile testing, round 75: between a worker's socket closing and its exit being
+    reaped, the pool knew of no restart coming, so every call then was answered -32003 at
+    once (bursts of up to 2500). Its restart is taken to come from the socket's end now:
+    calls sent in the gap (here 0.5 s) wait for the new worker and are served."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.crashy:registry")
+    first = b.call("pid")["result"]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        hanging = pool.submit(b.call, "hang_up", [0.5], "hang_up")
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 0, timeout=10)
+        assert children(b.pid) == {first}  # (the gap: its socket ended, its process lives on)
+        gap = [pool.submit(b.call, "pid", None, i, 20) for i in range(5)]
+        assert hanging.result(timeout=20)["error"]["code"] == -32002  # type: ignore[index]
+        replies = [f.result(timeout=20) for f in gap]
+    assert all("result" in r and r["result"] != first for r in replies), replies
+
+
+def test_an_exited_worker_s_process_is_freed_not_held_by_its_boot_deadline():
+    """Hostile testing, round 75 (LOW): each start's boot_timeout timer was never cancelled,
+    so it held the process object and its pipes' state for boot_timeout (60 s), about
+    3.3 KB a restart in a restart loop. The exit cancels it: a killed worker's process
+    object is freed once its socket's KILL_AFTER_SECONDS (2 s) have passed."""
+    import gc
+    import weakref
+
+    import uvloop
+
+    from broker.dispatch import Dispatcher
+    from broker.pool import KILL_AFTER_SECONDS, Pool, WorkerState
+
+    async def main() -> None:
+        pool = Pool(Dispatcher(asyncio.get_running_loop()), size=1, app="broker.demo:registry")
+        await pool.start()
+        gone = []
+        try:
+            for _ in range(3):
+                worker = pool.workers[0]
+                gone.append(weakref.ref(worker.process))
+                os.kill(worker.pid, signal.SIGKILL)
+                for _ in range(1000):  # (bounded: 20 s)
+                    if worker.state is WorkerState.READY and worker.process is not gone[-1]():
+                        break
+                    await asyncio.sleep(0.02)
+                assert worker.state is WorkerState.READY
+            await asyncio.sleep(KILL_AFTER_SECONDS + 0.1)  # (a killed process is held as long as that: bounded)
+        finally:
+            await pool.stop()
+        gc.collect()
+        assert [ref() for ref in gone] == [None, None, None]
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
 
 
 def test_readyz_says_503_and_calls_get_no_worker_during_the_restart_backoff(broker_factory, tmp_path):

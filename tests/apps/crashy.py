@@ -16,3 +16,25 @@ def crash() -> None:
 @registry.method
 def pid() -> int:
     return os.getpid()
+
+
+@registry.method
+def hang_up(seconds: float) -> None:
+    """Shuts down the worker's sockets (the broker reads their end), lives `seconds` more,
+    then exits with status 1: the gap between a socket's end and its process's exit."""
+    import socket
+    import time
+
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # not a socket
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    time.sleep(seconds)
+    os._exit(1)
