@@ -66,7 +66,9 @@ lint: $(STAMP)
 # prometheus daemon (init.d or systemd); a temporary policy-rc.d that answers 101 ("action
 # forbidden", honoured by invoke-rc.d and deb-systemd-invoke) stops it from doing so, unless
 # the machine already has one (Docker images ship it). apt-get update runs only when apt
-# has no candidate for the package or its lists are stale.
+# has no candidate for the package or its lists are stale. The package also enables its
+# service at boot, listening on every interface (:9090): disabled again once installed, as
+# the tests start their own prometheus on loopback (new user, round 76).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus
 
@@ -81,6 +83,8 @@ prometheus-bin:
 	trap 'if [ -n "$$guard" ]; then $(SUDO) rm -f /usr/sbin/policy-rc.d; fi' EXIT; \
 	if ! apt-cache policy prometheus 2>/dev/null | grep -q 'Candidate: [0-9]'; then $(SUDO) apt-get update; fi; \
 	$(APT_INSTALL) || { $(SUDO) apt-get update && $(APT_INSTALL); }; \
+	{ $(SUDO) systemctl disable prometheus || $(SUDO) update-rc.d prometheus disable; } >/dev/null 2>&1 || \
+		echo "note: the prometheus service may start at boot: disable it with: systemctl disable prometheus"; \
 	promtool --version >/dev/null
 
 # ---- chromium-bin: tests/test_cross_site.py drives a real headless browser (Debian package
@@ -92,7 +96,7 @@ chromium-bin:
 	set -e; echo "installing the Debian package chromium (a headless browser) for the tests"; \
 	if ! apt-cache policy chromium 2>/dev/null | grep -q 'Candidate: [0-9]'; then $(SUDO) apt-get update; fi; \
 	$(APT_CHROMIUM) || { $(SUDO) apt-get update && $(APT_CHROMIUM); }; \
-	chromium --version >/dev/null
+	chromium --version >/dev/null 2>&1 || { echo "chromium was installed but does not run: chromium --version failed" >&2; exit 1; }
 
 clean:
 	rm -rf $(VENV) $(VENV).lock .pytest_cache .ruff_cache .hypothesis

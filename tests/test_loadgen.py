@@ -988,7 +988,7 @@ def test_a_batch_over_the_brokers_max_batch_is_one_refused_request(broker_factor
     assert (rep.refused_batches, rep.calls, rep.errors_by_code) == (rep.requests, 0, {"-32600": rep.requests})
 
 
-TABLE_LABELS = ("load", "requests/s", "calls/s", "JSON-RPC errors", "check failures", "transport errors",
+TABLE_LABELS = ("load", "workload", "requests/s", "calls/s", "JSON-RPC errors", "check failures", "transport errors",
                 "latency ms")
 
 
@@ -1393,6 +1393,8 @@ def test_quiet_keeps_the_table_and_the_json_records_the_workload(serve, tmp_path
     assert code == 0
     out = capsys.readouterr().out
     assert "calls/s" in out and "latency ms" in out  # -q with --json: the table is still printed
+    assert re.search(r"\nworkload +--mix", out)  # (new user, round 76)
+    assert "add x3, update (notification)" in " ".join(out.split())
     assert (rep.depth, rep.pipeline, rep.ids, rep.seed, rep.timeout_s, rep.batch) == (2, 2, "large", 7, 5.0, 3)
     assert rep.workload is not None and rep.workload.mix == str(mix)
     assert [(c.method, c.params, c.weight, c.notification) for c in rep.workload.calls] == [
@@ -1400,6 +1402,7 @@ def test_quiet_keeps_the_table_and_the_json_records_the_workload(serve, tmp_path
     code, rep = bench(tmp_path, s.url, "--method", "echo", "--params", '{"x":[1]}', "--rate", "100")
     assert code == 0 and rep.workload is not None and rep.workload.mix is None
     assert [(c.method, c.params) for c in rep.workload.calls] == [("echo", {"x": [1]})]
+    assert re.search(r'\nworkload +echo\(\{"x":\[1\]\}\)\n', capsys.readouterr().out)
     assert (rep.rate, rep.pipeline, rep.mode, rep.connections, rep.processes) == (100.0, 1, "open", 4, 1)
     assert rep.target == s.url and rep.warmup_s == 0.2 and rep.duration_s == 1.0
 

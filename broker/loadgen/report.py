@@ -126,6 +126,22 @@ def _stream(report: Report) -> bool:
 LABEL_WIDTH = 16  # len("transport errors"), the longest label: never wrapped
 
 
+def workload_line(workload: RunWorkload) -> str:
+    """What a run sent, in a line for the table: `--mix FILE: add x3, update
+    (notification)` (a weight other than 1 after an x), or the one call of
+    --method/--params, its params cut at 40 characters."""
+    def name(call: WorkloadCall) -> str:
+        text = f"{call.method} (notification)" if call.notification else call.method
+        return text if call.weight == 1 else f"{text} x{call.weight:g}"
+
+    if workload.mix is not None:
+        return f"--mix {workload.mix}: " + ", ".join(name(c) for c in workload.calls)
+    [call] = workload.calls
+    params = "" if call.params is None else msgspec.json.encode(call.params).decode()
+    params = params if len(params) <= 40 else params[:39] + "…"
+    return f"{call.method}({params})" + (" as notifications" if call.notification else "")
+
+
 def print_table(report: Report, console: Console, first_problem: str = "") -> None:
     """Print the final summary of a run (with the first problem's words, if any).
 
@@ -144,6 +160,8 @@ def print_table(report: Report, console: Console, first_problem: str = "") -> No
     processes = f"{report.processes:,} {'process' if report.processes == 1 else 'processes'}"
     t.add_row("load", f"{load}, batch {report.batch}\n{processes}, "
               f"{report.duration_s:g} s measured after {report.warmup_s:g} s warm-up")
+    if report.workload is not None:  # (a new user, round 76: the table did not say what ran)
+        t.add_row("workload", Text(workload_line(report.workload)))  # (Text: no markup in it)
     if report.processes_lost:
         t.add_row("processes lost", Text(
             f"{report.processes_lost:,} of {report.processes:,} load processes died: the figures\n"
