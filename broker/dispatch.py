@@ -1122,6 +1122,7 @@ class Dispatcher:
     def _send(self, worker: Worker, call: Call) -> None:
         call.worker = worker
         worker.outstanding += call.weight
+        worker.took_calls = True  # (its exit is no boot crash loop: `Pool._failures_after`)
         call.owner.in_flight += call.weight
         # A call not known to block, to a worker not busy in one, may come back unstarted if
         # its method turns out slow there (`_returned`). Not one sent to a blocked worker: it

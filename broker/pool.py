@@ -38,7 +38,7 @@ A slot whose process exits (or whose socket closes) is DEAD: the dispatcher answ
 its in-flight calls with "worker died" and its queued calls go to other workers. The
 slot is respawned after an exponential backoff (0.1 s doubling up to
 `restart_backoff_max`, reset once a worker has stayed up for 30 s), or at once, its
-backoff not raised, when it exited with calls in flight: a call crashed it, and a
+backoff reset, when its process was sent a call: a call may have crashed it, and a
 client's crashing calls must not grow a backoff every other client's calls wait out
 (`_failures_after`). From its socket's end to its exit being reaped, its restart is
 taken to come after the backoff that exit would get (`channel_lost`). A worker that
@@ -160,11 +160,11 @@ class Worker:
         "pid",
         "process",
         "restart_at",
-        "restarts",
         "slot",
         "started_at",
         "state",
         "sync_calls",
+        "took_calls",
     )
 
     def __init__(self, slot: int) -> None:
@@ -181,6 +181,7 @@ class Worker:
         self.started_at = 0.0
         self.restart_at = 0.0  # time.monotonic() at which its restart backoff ends (0: not in one)
         self.failures = 0
+        self.took_calls = False  # this process was sent a call (the dispatcher's `_send`)
         self.exited: asyncio.Future[int] | None = None
         self.kill_reason = ""  # why the broker killed this process, if it did
         self.leaving = False  # this process asked to leave (SIGTERM: `Pool.worker_leaving`)
@@ -517,6 +518,7 @@ class Pool:
         worker.process = process
         worker.pid = process.pid
         worker.started_at = time.monotonic()
+        worker.took_calls = False
         exited: asyncio.Future[int] = self.loop.create_future()
         worker.exited = exited
         boot_timer = self.loop.call_later(self.boot_timeout, self._boot_deadline, worker, process)
@@ -563,7 +565,6 @@ class Pool:
         if worker.process is not process:
             return
         worker.restart_at = 0.0  # (`channel_lost`'s guess, until this exit was reaped)
-        charged = worker.outstanding > 0  # (read before `worker_lost` answers its calls)
         was_starting = worker.state is WorkerState.STARTING
         # SIGTERM before its HELLO: the worker's own handler was not installed yet (the
         # interpreter's start, the app's import), so the signal killed it. The broker
@@ -656,8 +657,8 @@ class Pool:
             delay = 0.0
         else:
             worker.leaving = False  # it failed: no worker is coming during its backoff
-            worker.failures = self._failures_after(worker, charged)
-            delay = self._backoff(worker.failures) if not charged else 0.0
+            worker.failures = self._failures_after(worker)
+            delay = self._backoff(worker.failures)
         self._count_restart(why)
         worker.restart_at = time.monotonic() + delay  # (0 delay too: round 74, calls in the gap got -32003)
         if delay and not self.dispatcher.ready_workers:
@@ -673,16 +674,18 @@ class Pool:
             return
         await self._spawn(worker)
 
-    def _failures_after(self, worker: Worker, charged: bool) -> int:
-        """The failures `worker`'s slot counts once its process exited unasked: 0 if it was
-        up STABLE_SECONDS; unchanged if the exit is `charged` to calls it had in flight
-        (a call that crashed it: each such exit costs its own restart, at once, and the
-        slot's backoff is not raised: hostile testing, round 75, one client whose calls
-        made the worker exit doubled the backoff as an import crash loop does, and every
-        other client's calls were answered -32003 nearly all the time); else one more."""
-        if time.monotonic() - worker.started_at >= STABLE_SECONDS:
+    def _failures_after(self, worker: Worker) -> int:
+        """The failures in a row `worker`'s slot counts once its process exited unasked:
+        none if it was up STABLE_SECONDS or took a call (the app boots and serves: a call
+        may have crashed it, at once or later, and each such exit costs its own restart,
+        at once; hostile testing, rounds 75 and 76: one client whose calls made the worker
+        exit, during the call or just after its answer, doubled the backoff as an import
+        crash loop does, and every other client's calls were answered -32003 nearly all
+        the time); else one more (a process that dies having served nothing: an import
+        that fails, an app's own thread that exits at once)."""
+        if worker.took_calls or time.monotonic() - worker.started_at >= STABLE_SECONDS:
             return 0
-        return worker.failures if charged else worker.failures + 1
+        return worker.failures + 1
 
     def _backoff(self, failures: int) -> float:
         """Seconds before a slot with `failures` failures in a row is restarted: 0 for
@@ -896,13 +899,19 @@ class Pool:
             worker.move(WorkerState.DEAD)
         process = worker.process
         if process is not None and process.returncode is None:
-            self.loop.call_later(KILL_AFTER_SECONDS, _kill_if_alive, process)
+            self.loop.call_later(KILL_AFTER_SECONDS, self._kill_lingering, worker, process)
             if not self._stopping and not worker.leaving and self.workers[worker.slot] is worker:
-                charged = worker.outstanding > 0
-                delay = self._backoff(self._failures_after(worker, charged)) if not charged else 0.0
-                worker.restart_at = time.monotonic() + delay
+                worker.restart_at = time.monotonic() + self._backoff(self._failures_after(worker))
                 if not self.dispatcher.ready_workers:
                     self.dispatcher.no_worker_before(self._worker_back_in())
+
+    def _kill_lingering(self, worker: Worker, process: asyncio.subprocess.Process) -> None:
+        """Kill `process` if it still lives KILL_AFTER_SECONDS after its socket closed,
+        saying why (round 76: its exit read as an outside SIGKILL)."""
+        if process.returncode is None:
+            if worker.process is process and not worker.kill_reason:
+                worker.kill_reason = f"its socket closed {KILL_AFTER_SECONDS:g} s before"
+            _kill(process)
 
     def request_reload(self) -> None:
         """Ask for a reload (SIGHUP; a restarted worker found new code on disk).

@@ -50,27 +50,6 @@ def test_hung_worker_is_killed_and_replaced(broker_factory):
     wait_for(lambda: b.call("pid").get("result") not in (None, first), timeout=20)
 
 
-def test_no_worker_available_while_every_worker_waits_to_restart(broker_factory):
-    """A worker that keeps dying with no call in flight (not a call's crash: the app's
-    own, or a kill) backs off, 0.1 s doubling; once its backoff passes the second a call
-    waits for a restart, calls get -32003 at once (503)."""
-    b = broker_factory("--workers", "1", "--app", "tests.apps.crashy:registry", "--restart-backoff-max", "5")
-    seen_no_worker = False
-    for kills in range(8):  # bounded: each kill doubles the backoff (0.1 s, 0.2 s, ... 1.6 s)
-        reply = b.call("pid", timeout=20)
-        if "error" in reply:
-            assert reply["error"]["code"] == -32003, reply
-            seen_no_worker = True
-            break
-        os.kill(reply["result"], signal.SIGKILL)
-        wait_for(lambda n=kills: b.read_log().count("killed by SIGKILL") > n, timeout=20)
-    assert seen_no_worker
-    status, _, body = b.post(b'{"jsonrpc":"2.0","method":"pid","id":1}')
-    if status == 503:  # still in the backoff window
-        assert json.loads(body)["error"]["code"] == -32003
-    wait_for(lambda: "result" in b.call("pid"), timeout=20)
-
-
 def test_one_at_a_time_calls_spread_over_idle_workers(broker):
     """Ties in least-outstanding routing go round-robin, not always to worker 0."""
     pids = [broker.call("worker_info")["result"]["pid"] for _ in range(4)]

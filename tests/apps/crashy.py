@@ -14,6 +14,16 @@ def crash() -> None:
 
 
 @registry.method
+def crash_after(seconds: float) -> str:
+    """Answers, then a thread of its exits the worker with status 1 `seconds` later."""
+    import threading
+    import time
+
+    threading.Thread(target=lambda: (time.sleep(seconds), os._exit(1)), daemon=True).start()
+    return "answered"
+
+
+@registry.method
 def pid() -> int:
     return os.getpid()
 
