@@ -308,6 +308,35 @@ def test_silent_connections_at_the_limit_make_room_after_a_second(broker_factory
             c.sock.close()
 
 
+def test_requests_left_unfinished_at_the_limit_make_room_oldest_first(broker_factory):
+    """Hostile testing, round 76: a connection with a request under way was never closed
+    to make room, so one client holding every place with requests it never finished
+    (slowloris: "POST / HTTP/1.1\\r\\n" and nothing more) had every other client's call
+    answered 503 "too many connections" until request_timeout, 30 s, and again as it
+    reconnected. At the limit, a request under way for over a second gives its place, the
+    oldest first, answered 408 saying why; the newcomer is served."""
+    b = broker_factory("--workers", "1", "--max-connections", "2")
+    held = []
+    try:
+        for head in (b"POST / HTTP/1.1\r\n", b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 40\r\n\r\n{"):
+            held.append(c := Conn(b))
+            c.send(head)
+            time.sleep(0.01)  # (apart in the loop's clock: the first is the oldest)
+        time.sleep(1.3)  # past SWEEP_SECONDS: both a second under way
+        with Conn(b) as c:
+            c.send(post(call("add", [1, 2]), path=b.path))
+            status, _, body = c.response()
+            assert (status, json.loads(body)) == (200, {"jsonrpc": "2.0", "id": 1, "result": 3})
+        status, headers, body = held[0].response()
+        assert (status, headers["connection"]) == (408, "close"), (status, headers)
+        assert json.loads(body)["error"].startswith("request still arriving after "), body
+        assert held[0].closed_within(5)
+        assert not held[1].closed_within(0.5)  # the younger one kept its place
+    finally:
+        for c in held:
+            c.sock.close()
+
+
 def test_connections_sending_only_empty_lines_make_room_and_time_out(broker_factory):
     """Hostile testing: httptools skips empty lines before a request line (RFC 9112 2.2),
     but every byte counted as activity, so connections sending CRLF every 0.1 s were never

@@ -646,6 +646,33 @@ def test_connections_sending_only_empty_lines_make_room(tmp_path, transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_lines_left_unfinished_at_the_limit_make_room_oldest_first(tmp_path, transport):
+    """Hostile testing, round 76: a connection with a line under way was never closed to
+    make room, so one client holding every place with a line it never finished shut every
+    other client out ("too many connections") for keepalive_timeout, 75 s. At the limit,
+    a line under way for over a second gives its place, the oldest first, answered -32600
+    saying why; the newcomer is served."""
+    sb = start_stream_broker(tmp_path, "--workers", "1", "--max-connections", "2")
+    try:
+        with sb.connect(transport) as a, sb.connect(transport) as b:
+            a.send(b'{"jsonrpc":"2.0","method":"add",')
+            time.sleep(0.01)  # (apart in the loop's clock: a is the oldest)
+            b.send(b'{"jsonrpc":')
+            time.sleep(1.3)  # past SWEEP_SECONDS: both lines a second under way
+            with sb.connect(transport) as c:
+                assert c.call(line("add", [3, 3], "c")) == result("c", 6)
+            evicted = json.loads(a.readline(5))
+            assert evicted["id"] is None and evicted["error"]["code"] == -32600, evicted
+            assert evicted["error"]["data"].startswith("line still arriving after "), evicted
+            assert evicted["error"]["data"].endswith(" s while the broker is at max_connections"), evicted
+            assert a.closed_within(5) < 5
+            b.send(b'"2.0","method":"add","params":[1,1],"id":"b"}\n')  # the younger one kept its place
+            assert b.readline(5) == result("b", 2)
+    finally:
+        assert sb.broker.stop() == 0, sb.broker.read_log()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_large_lines_on_one_connection_are_all_answered(tmp_path, transport):
     """Reading pauses for a loop turn after TURN_BYTES (as for HTTP): nothing is lost."""
     sb2 = start_stream_broker(tmp_path, "--workers", "1")

@@ -281,15 +281,33 @@ class StreamProtocol(asyncio.Protocol):
         # at a time, until it is owed nothing (as for HTTP).
         self._one_by_one = False
 
-    def evictable(self, fresh: float) -> bool:
-        """Nothing owed or waiting, no line under way, open, writing not stalled, and a line
-        served or no byte since loop time `fresh` (`Listener.make_room`)."""
+    def evict_rank(self, fresh: float) -> tuple[int, float] | None:
+        """Its place in `Listener.make_room`'s order, None if it is not to be closed for a
+        new connection: nothing owed or waiting, open, writing not stalled, and either
+        idle, a line served or no byte since loop time `fresh`, (0, last active), or a
+        line under way since before `fresh`, its reading not paused by the broker, (1,
+        when it began)."""
         transport = self._transport
-        return (
-            not self.owed and not self._waiting and not self._backlog and not self.line_started
-            and not self._eof and transport is not None and not transport.is_closing()
-            and not self.send_stalled and (self.lines > 0 or self.last_active <= fresh)
-        )  # fmt: skip
+        if (
+            self.owed or self._waiting or self._backlog or self._eof or transport is None
+            or transport.is_closing() or self.send_stalled
+        ):  # fmt: skip
+            return None
+        started = self.line_started
+        if not started:
+            return (0, self.last_active) if self.lines > 0 or self.last_active <= fresh else None
+        return (1, started) if started <= fresh and not self.read_paused else None
+
+    def evict(self, now: float) -> None:
+        """Closed to make room for a new connection (`Listener.make_room`): at once if idle,
+        else its line under way is answered first, -32600 (id null) saying why (loop time
+        `now`), as a line left unfinished is (`line_timed_out`)."""
+        if self.line_started and not self._skipping:
+            self._send(response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
+                f"line still arriving after {now - self.line_started:.3g} s while the broker is at max_connections"
+            ))) + _NL)
+            self._fe.dispatcher.count_refused_body(ErrorCode.INVALID_REQUEST)
+        self.close()
 
     @property
     def transport(self) -> asyncio.Transport | None:
