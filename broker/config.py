@@ -241,9 +241,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                             ] = 60 * SECONDS
     max_connections: Annotated[int, Meta(ge=1),
                                Doc("open client connections at most, per listener; at it the "
-                                   "least recently active idle one makes room, else the one whose "
-                                   "request has been arriving longest (over 1 s: HTTP 408, NDJSON "
-                                   "a -32600 line), and with neither a new one is refused (HTTP "
+                                   "least recently active idle one makes room, else one with a "
+                                   "request under way, the longest open (HTTP 408, NDJSON a -32600 "
+                                   "line), and with neither a new one is refused (HTTP "
                                    "503, NDJSON a -32000 line) "
                                    "and closed (the broker raises its open-files limit to fit "
                                    "every listener's, when the system allows; else each listener "

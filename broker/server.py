@@ -33,9 +33,9 @@ import typing
 from broker import jsonscan
 from broker.config import Config, ConfigError
 from broker.dispatch import Dispatcher
-from broker.frontend.base import Incoming, shed_outgoing
+from broker.frontend.base import OUT_LINGERING, Incoming, shed_outgoing
 from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
-from broker.frontend.stream import REFUSED_LINGERING, StreamFrontend
+from broker.frontend.stream import StreamFrontend
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.pool import Pool, WorkerBootError
 from broker.worker import WORKER_BOOT_ERROR
@@ -432,11 +432,12 @@ async def run(
             max_connections = fit_open_files(
                 config.max_connections, 1 + streams,
                 # the probes' reserve (its places and its overflow); the metrics listener's
-                # connections and reserve; refused streams still being answered; per worker its
+                # connections and reserve; connections refused or evicted still being answered, each
+                # listener's; per worker its
                 # socket and process handle, up to three processes a slot (one that asked to leave
                 # drains beside its replacement while a reload's new one starts); listening
                 # sockets, logs, /proc reads of a scrape
-                RESERVE + (METRICS_CONNECTIONS + RESERVE) * separate + REFUSED_LINGERING * streams
+                RESERVE + (METRICS_CONNECTIONS + RESERVE) * separate + OUT_LINGERING * (1 + streams)
                 + 6 * config.worker_count + 64,
             )
         except ConfigError as exc:

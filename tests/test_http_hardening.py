@@ -308,30 +308,66 @@ def test_silent_connections_at_the_limit_make_room_after_a_second(broker_factory
             c.sock.close()
 
 
-def test_requests_left_unfinished_at_the_limit_make_room_oldest_first(broker_factory):
+def test_requests_left_unfinished_at_the_limit_make_room_longest_open_first(broker_factory):
     """Hostile testing, round 76: a connection with a request under way was never closed
     to make room, so one client holding every place with requests it never finished
     (slowloris: "POST / HTTP/1.1\\r\\n" and nothing more) had every other client's call
     answered 503 "too many connections" until request_timeout, 30 s, and again as it
-    reconnected. At the limit, a request under way for over a second gives its place, the
-    oldest first, answered 408 saying why; the newcomer is served."""
+    reconnected. At the limit, a connection with a request under way gives its place, the
+    longest open first, answered 408 saying why; the newcomer is served. Its client,
+    still sending its body, reads the 408 (round 77: it was closed at once, and an
+    uploader got EPIPE)."""
     b = broker_factory("--workers", "1", "--max-connections", "2")
     held = []
     try:
-        for head in (b"POST / HTTP/1.1\r\n", b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 40\r\n\r\n{"):
+        for head in (post_head(b, "Content-Length: 100000\r\n\r\n") + b"[" * 1000, b"POST / HTTP/1.1\r\n"):
             held.append(c := Conn(b))
             c.send(head)
-            time.sleep(0.01)  # (apart in the loop's clock: the first is the oldest)
-        time.sleep(1.3)  # past SWEEP_SECONDS: both a second under way
+            time.sleep(0.05)  # (apart in the loop's clock: the first is the longest open)
         with Conn(b) as c:
             c.send(post(call("add", [1, 2]), path=b.path))
             status, _, body = c.response()
             assert (status, json.loads(body)) == (200, {"jsonrpc": "2.0", "id": 1, "result": 3})
+        for _ in range(20):  # the uploader goes on sending: discarded, no reset
+            held[0].send(b"[" * 1000)
         status, headers, body = held[0].response()
         assert (status, headers["connection"]) == (408, "close"), (status, headers)
         assert json.loads(body)["error"].startswith("request still arriving after "), body
         assert held[0].closed_within(5)
         assert not held[1].closed_within(0.5)  # the younger one kept its place
+        assert sample(scrape_metrics(b), "rpc_broker_connections_evicted_total", transport="http",
+                      state="trickling") == 1
+    finally:
+        for c in held:
+            c.sock.close()
+
+
+def test_requests_restarted_before_a_second_do_not_hold_every_place(broker_factory):
+    """Hostile testing, round 77: a request's own age ranked it, so a client whose
+    connections each finished a request and began the next every 0.8 s (pipelined
+    GET /healthz) was never a second under way, never evictable, and every newcomer got
+    503. The longest open connection with a request under way gives its place."""
+    b = broker_factory("--workers", "1", "--max-connections", "2")
+    held = [Conn(b)]
+    time.sleep(0.01)  # (apart in the loop's clock, 1 ms steps: the first is the longest open)
+    held.append(Conn(b))
+    try:
+        for c in held:
+            c.send(get("/healthz") + b"GET /healthz HTTP/1.1\r\n")  # one answered, the next begun
+        served = 0
+        for _ in range(4):  # bounded: a newcomer a round, the holders restarting their requests
+            for c in held:
+                assert c.response()[0] == 200
+            with Conn(b) as newcomer:
+                newcomer.send(post(call("add", [2, 2]), path=b.path))
+                served += newcomer.response()[0] == 200
+            assert held[0].response()[0] == 408 and held[0].closed_within(5)
+            held[0].sock.close()
+            time.sleep(0.2)  # (the newcomer's close seen: its place free for the next holder)
+            held = [held[1], Conn(b)]
+            held[0].send(b"Host: 127.0.0.1\r\n\r\n" + b"GET /healthz HTTP/1.1\r\n")
+            held[1].send(get("/healthz") + b"GET /healthz HTTP/1.1\r\n")
+        assert served == 4
     finally:
         for c in held:
             c.sock.close()

@@ -553,19 +553,17 @@ def test_max_connections_closes_extra_stream_connections_and_counts_them(tmp_pat
             with sb.connect(transport) as a, sb.connect(transport) as b:
                 assert a.call(line("add", [1, 1], "a")) == result("a", 2)
                 assert b.call(line("add", [2, 2], "b")) == result("b", 4)
-                # Neither is idle (a line under way on each): no room can be made.
-                half = [line("add", [5, n], f"h{n}") for n in range(2)]
-                a.send(half[0][:9])
-                b.send(half[1][:9])
+                # Neither can give its place (a call in flight on each, owed its answer).
+                a.send(line("sleep", [0.5], "h0") + b"\n")
+                b.send(line("sleep", [0.5], "h1") + b"\n")
+                time.sleep(0.1)
                 with sb.connect(transport) as third:
                     assert json.loads(third.readline()) == {
                         "jsonrpc": "2.0", "id": None,
                         "error": {"code": -32000, "message": "Server overloaded", "data": "too many connections"},
                     }
                     assert third.closed_within(5.0) < 5.0
-                a.send(half[0][9:] + b"\n")
-                b.send(half[1][9:] + b"\n")
-                assert (a.readline(), b.readline()) == (result("h0", 5), result("h1", 6))
+                assert (a.readline(), b.readline()) == (result("h0", 0.5), result("h1", 0.5))
                 after = scrape(sb.broker, mport)
                 refused = "rpc_broker_connections_refused_total"
                 assert {t: delta(before, after, refused, t) for t in ("http", *TRANSPORTS)} == {
@@ -646,19 +644,20 @@ def test_connections_sending_only_empty_lines_make_room(tmp_path, transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_lines_left_unfinished_at_the_limit_make_room_oldest_first(tmp_path, transport):
+def test_lines_left_unfinished_at_the_limit_make_room_longest_open_first(tmp_path, transport):
     """Hostile testing, round 76: a connection with a line under way was never closed to
     make room, so one client holding every place with a line it never finished shut every
     other client out ("too many connections") for keepalive_timeout, 75 s. At the limit,
-    a line under way for over a second gives its place, the oldest first, answered -32600
-    saying why; the newcomer is served."""
+    a connection with a line under way gives its place, the longest open first, answered
+    -32600 saying why; the newcomer is served."""
     sb = start_stream_broker(tmp_path, "--workers", "1", "--max-connections", "2")
     try:
-        with sb.connect(transport) as a, sb.connect(transport) as b:
+        with sb.connect(transport) as a:
+            time.sleep(0.01)  # (apart in the loop's clock, 1 ms steps: a is the longest open)
+            b = sb.connect(transport)
             a.send(b'{"jsonrpc":"2.0","method":"add",')
-            time.sleep(0.01)  # (apart in the loop's clock: a is the oldest)
             b.send(b'{"jsonrpc":')
-            time.sleep(1.3)  # past SWEEP_SECONDS: both lines a second under way
+            time.sleep(0.1)
             with sb.connect(transport) as c:
                 assert c.call(line("add", [3, 3], "c")) == result("c", 6)
             evicted = json.loads(a.readline(5))
@@ -668,6 +667,7 @@ def test_lines_left_unfinished_at_the_limit_make_room_oldest_first(tmp_path, tra
             assert a.closed_within(5) < 5
             b.send(b'"2.0","method":"add","params":[1,1],"id":"b"}\n')  # the younger one kept its place
             assert b.readline(5) == result("b", 2)
+            b.sock.close()
     finally:
         assert sb.broker.stop() == 0, sb.broker.read_log()
 
@@ -718,14 +718,16 @@ def test_lines_before_an_http_request_line_are_answered_before_the_close(sb, tra
 
 
 def test_a_refused_stream_client_that_already_wrote_reads_the_error_not_a_reset(tmp_path):
-    """At max_connections with no idle connection, a client whose line is already sent
-    (as `socat` or `nc` send it) reads one -32000 "too many connections" line and an
-    orderly close: its unread line must not turn the close into a reset."""
+    """At max_connections with no connection that can give its place (one owed an
+    answer), a client whose line is already sent (as `socat` or `nc` send it) reads one
+    -32000 "too many connections" line and an orderly close: its unread line must not
+    turn the close into a reset."""
     sb = start_stream_broker(tmp_path, "--workers", "1", "--max-connections", "1")
     try:
         for transport in TRANSPORTS:
             with sb.connect(transport) as busy:
-                busy.send(b'{"jsonrpc":')  # a line under way: not idle
+                busy.send(line("sleep", [2], 1) + b"\n")  # a call in flight: owed, not evictable
+                time.sleep(0.1)
                 for n in range(3):
                     sock = socket.create_connection(("127.0.0.1", sb.tcp_port)) if transport == "tcp" else None
                     if sock is None:
@@ -737,8 +739,7 @@ def test_a_refused_stream_client_that_already_wrote_reads_the_error_not_a_reset(
                         assert answer["error"]["code"] == -32000 and answer["error"]["data"] == "too many connections"
                         with pytest.raises(Closed, match="closed by the broker"):
                             late.readline()
-                busy.send(b'"2.0","method":"add","params":[1,2],"id":1}\n')
-                assert busy.readline() == result(1, 3)
+                assert busy.readline() == result(1, 2.0)
     finally:
         assert sb.broker.stop() == 0, sb.broker.read_log()
 

@@ -55,6 +55,17 @@ LINGER_TIMEOUT = 5.0  # a half-closed connection after an error answer: closed a
 LINGER_TIME = 30.0  # ... or 30 s in all (nginx's lingering_timeout and lingering_time)
 STOP_LINGER_QUIET = 0.5  # at a stop, connections half-closed and silent this long (s) are done
 EVICT_BATCH = 64  # idle connections found per scan at max_connections (closed one at a time)
+# After a scan at max_connections that found no connection to close, none for this long: a
+# flood at the limit costs one O(n) scan per RESCAN_SECONDS, not one per connection; short,
+# as each newcomer meanwhile is refused (hostile testing, round 77: a second let a client
+# whose connections were owed an answer at the one scan keep everyone out for that second).
+RESCAN_SECONDS = 0.1
+OUT_LINGER = SWEEP_SECONDS  # seconds a connection closed early (refused, evicted) may keep sending, discarded
+# Such connections lingering at once, per listener; past it one is closed at once (its client
+# may see a reset for its answer): a flood of connections at max_connections would otherwise
+# hold a descriptor each for OUT_LINGER, past what the open-files limit was sized for
+# (`server.fit_open_files`).
+OUT_LINGERING = 64
 # libuv reads a connection with data up to 32 times in a row (256 KiB a read in uvloop): one
 # client sending 1 MiB bodies had 8 MiB parsed and decoded in one turn while everyone else
 # waited (hostile testing: /healthz p50 0.5 -> 50-120 ms). Past TURN_BYTES received, a
@@ -450,6 +461,8 @@ class Listener:
         self._rescan_at = 0.0  # loop time before which a scan that found none is not repeated
         self._recount_due = False  # `recount` is scheduled
         self.shed_total = 0  # connections reset by `shed_outgoing`
+        self.evicted_total = {"idle": 0, "trickling": 0}  # connections closed by `make_room`, by their state
+        self.lingering = 0  # connections closed early still lingering (`linger_out`)
 
     def refused(self) -> None:
         """Count a connection turned away at max_connections (logged now and then)."""
@@ -466,18 +479,21 @@ class Listener:
         """At `max_connections`: close connections that wait on their client until a new
         one fits under the limit, or none is left: first the least recently active idle
         ones (nginx reuses keep-alive connections the same way when worker_connections
-        run out), then those whose request (a line, on a stream) has been arriving
-        longest, owed nothing else, each told why (`evict`): one client holding every
-        place with requests it never finishes (slowloris) no longer shuts the others out
-        until request_timeout (hostile testing, round 76: 237 of 246 of another client's
-        calls refused). Their `evict_rank(fresh)` orders them; None is not evictable. A
-        connection just accepted, whose first request may be on its way, or whose request
-        began after `fresh` (`SWEEP_SECONDS` ago), is neither: a burst of new connections
-        does not close its own members before they can send.
+        run out), then those with a request (a line, on a stream) under way and owed
+        nothing else, the longest open first, each told why (`evict`, `linger_out`): one
+        client holding every place with requests it never finishes (slowloris) no longer
+        shuts the others out until request_timeout (hostile testing, round 76: 237 of 246
+        of another client's calls refused), nor one that starts a request as it finishes
+        the last (round 77: a request's age was the rank, and one restarted every 0.8 s
+        was never a second old). Their `evict_rank(fresh)` orders them; None is not
+        evictable. A connection just accepted that has sent nothing, whose first request
+        may be on its way, is not idle until `fresh` (`SWEEP_SECONDS` ago): a burst of
+        new connections does not close its own members before they can send. Counted in
+        `evicted_total` by the state they were in.
 
         One scan of all connections finds up to `EVICT_BATCH` candidates, used one by
         one (each checked to be still evictable); a scan that finds none is not repeated
-        for `SWEEP_SECONDS`, so a flood of connections at the limit costs no O(n) each.
+        for `RESCAN_SECONDS`, so a flood of connections at the limit costs no O(n) each.
         """
         evictable = self._evictable
         connections = self.connections
@@ -486,8 +502,9 @@ class Listener:
             fresh = now - SWEEP_SECONDS
             if evictable:
                 conn = evictable.pop()
-                if conn in connections and conn.evict_rank(fresh) is not None and self.all_taken(conn):
+                if conn in connections and (rank := conn.evict_rank(fresh)) is not None and self.all_taken(conn):
                     connections.discard(conn)
+                    self.evicted_total["trickling" if rank[0] else "idle"] += 1
                     conn.evict(now)
                 continue
             if now < self._rescan_at:
@@ -497,10 +514,30 @@ class Listener:
             ranked = [(rank, conn) for conn in connections
                       if (rank := conn.evict_rank(fresh)) is not None and self.all_taken(conn)]
             if not ranked:
-                self._rescan_at = now + SWEEP_SECONDS
+                self._rescan_at = now + RESCAN_SECONDS
                 return
             evictable[:] = [conn for _, conn in heapq.nsmallest(EVICT_BATCH, ranked, key=_rank)]
             evictable.reverse()
+
+    def linger_out(self, conn: typing.Any) -> None:
+        """Close `conn`, whose last answer is written, taken out of `connections` (refused
+        or evicted at max_connections): half-close, so its client reads the answer
+        rather than a reset, and discard what it still sends (`conn` does) for
+        `OUT_LINGER` seconds, then abort; past `OUT_LINGERING` at once, closed at once
+        (hostile testing, round 77: closed at once, an evicted client mid-upload got
+        EPIPE and never read its 408)."""
+        transport = conn.transport
+        if transport.can_write_eof() and self.lingering < OUT_LINGERING:
+            transport.write_eof()
+            self.lingering += 1
+            self.loop.call_later(OUT_LINGER, self._lingered, conn)
+        else:
+            transport.close()
+
+    def _lingered(self, conn: typing.Any) -> None:
+        self.lingering -= 1
+        if conn.transport is not None:
+            conn.transport.abort()
 
     def start_sweeping(self) -> None:
         """Start the periodic `_sweep` (once; called by the protocol factory)."""

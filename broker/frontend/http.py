@@ -781,31 +781,38 @@ class HttpProtocol(asyncio.Protocol):
     def evict_rank(self, fresh: float) -> tuple[int, float] | None:
         """Its place in `Listener.make_room`'s order, None if it is not to be closed for a
         new connection: idle, and a request served already or no byte since loop time
-        `fresh`, (0, last active); a request under way since before `fresh`, owed nothing
-        else, its reading not paused by the broker, (1, when it began). Never one in the
-        probes' reserve, which makes room on its own (`HttpFrontend.admit_probe`)."""
+        `fresh`, (0, last active); a request under way, owed nothing else, its reading not
+        paused by the broker, (1, when it was accepted: the longest open first). Never one
+        in the probes' reserve, which makes room on its own (`HttpFrontend.admit_probe`)."""
         if self._probe_only:
             return None
         if self.idle:
             return (0, self.last_active) if self.requests > 0 or self.last_active <= fresh else None
-        started = self.request_started
         if (
-            started and started <= fresh and not self._responses and not self._backlog and not self._closing
+            self.request_started and not self._responses and not self._backlog and not self._closing
             and not self.read_paused and not self.send_stalled and self._transport is not None
         ):  # fmt: skip
-            return 1, started
+            return 1, self.accepted_at
         return None
 
     def evict(self, now: float) -> None:
         """Closed to make room for a new connection (`Listener.make_room`): at once if idle,
-        else its request under way is answered 408 first, saying why (loop time `now`)."""
-        if not self.request_started:
+        else its request under way is answered 408 first, saying why (loop time `now`),
+        and the connection lingers out (`Listener.linger_out`), discarding what comes."""
+        transport = self._transport
+        if not self.request_started or transport is None:
             self.close()
             return
         waited = now - self.request_started
         self.request_started = 0.0
-        self._queue_plain(408, b"request still arriving after %.3g s while the broker is at max_connections"
-                          % waited, False, "other", head=self._head_request())
+        self._closing = True
+        self._drop_unfinished()
+        body = b'{"error":"request still arriving after %.3g s while the broker is at max_connections"}' % waited
+        response = _json_response(408, body, False, b"", self._fe.json_head)
+        self._write(response[: len(response) - len(body)] if self._head_request() else response, True, "other")
+        if not transport.is_closing():
+            self._discarding()
+            self._fe.linger_out(self)
 
     def hogging(self) -> bool:
         """Whether its client is not taking its answers as a probe does: writing paused

@@ -80,7 +80,6 @@ from broker.frontend.base import (
     PIPELINE_HIGH,
     PIPELINE_LOW,
     SMALL_READ_BYTES,
-    SWEEP_SECONDS,
     TURN_BYTES,
     TURN_SECONDS,
     Incoming,
@@ -91,7 +90,7 @@ from broker.frontend.base import (
 )
 from broker.jsonrpc import ErrorCode, error_object, response_error
 
-__all__ = ["REFUSED_LINGERING", "StreamFrontend", "StreamProtocol"]
+__all__ = ["StreamFrontend", "StreamProtocol"]
 
 
 _perf = time.perf_counter
@@ -110,12 +109,6 @@ _NL = b"\n"
 _BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark: RFC 8259 section 8.1, none before JSON text sent
 _BLANKS = re.compile(rb"[ \t\r\n]*")
 _TOO_MANY = response_error(b"null", error_object(ErrorCode.OVERLOADED, data="too many connections")) + _NL
-REFUSED_LINGER = SWEEP_SECONDS  # seconds a refused connection may keep sending before it is dropped
-# Refused connections lingering at once, per listener; past it one is closed at once (its
-# client may see a reset for the error line): a flood of connections at max_connections
-# would otherwise hold a descriptor each for REFUSED_LINGER, past what the open-files
-# limit was sized for (`server.fit_open_files`).
-REFUSED_LINGERING = 64
 # The start of an HTTP request line (RFC 9112 3: method SP request-target; the method is
 # any token, RFC 9110 5.6.2, in any case: browsers send methods other than the six they
 # normalize as written, `patch` or `M-SEARCH`, hostile testing): no JSON text starts with
@@ -150,7 +143,6 @@ class StreamFrontend(Listener):
             keepalive_timeout=keepalive_timeout, max_connections=max_connections, send_timeout=send_timeout,
             incoming=incoming,
         )  # fmt: skip
-        self.lingering = 0  # refused connections still lingering (REFUSED_LINGERING)
         self.too_long = (
             response_error(
                 b"null",
@@ -228,6 +220,7 @@ class StreamProtocol(asyncio.Protocol):
         "_waiting",
         "_waiting_bytes",
         "_write_paused",
+        "accepted_at",
         "lane_finish",
         "last_active",
         "line_started",
@@ -263,7 +256,7 @@ class StreamProtocol(asyncio.Protocol):
         self.line_started = 0.0  # loop time an incomplete line's first byte came; 0 if none
         self.owed = 0  # bodies dispatched and not yet answered
         self.lines = 0  # lines served (answered, owed or waiting)
-        self.last_active = frontend.loop.time()  # last line received (not an empty one) or answer sent
+        self.last_active = self.accepted_at = frontend.loop.time()  # last line received (not an empty one) or answer sent
         self.lingering_since = 0.0  # loop time of the half-close after a refused line (`_linger`); 0 if none
         self._refused = False  # turned away at max_connections, or sent an HTTP request line: its input is discarded
         self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
@@ -285,29 +278,33 @@ class StreamProtocol(asyncio.Protocol):
         """Its place in `Listener.make_room`'s order, None if it is not to be closed for a
         new connection: nothing owed or waiting, open, writing not stalled, and either
         idle, a line served or no byte since loop time `fresh`, (0, last active), or a
-        line under way since before `fresh`, its reading not paused by the broker, (1,
-        when it began)."""
+        line under way, its reading not paused by the broker, (1, when it was accepted:
+        the longest open first)."""
         transport = self._transport
         if (
             self.owed or self._waiting or self._backlog or self._eof or transport is None
             or transport.is_closing() or self.send_stalled
         ):  # fmt: skip
             return None
-        started = self.line_started
-        if not started:
+        if not self.line_started:
             return (0, self.last_active) if self.lines > 0 or self.last_active <= fresh else None
-        return (1, started) if started <= fresh and not self.read_paused else None
+        return None if self.read_paused else (1, self.accepted_at)
 
     def evict(self, now: float) -> None:
         """Closed to make room for a new connection (`Listener.make_room`): at once if idle,
         else its line under way is answered first, -32600 (id null) saying why (loop time
-        `now`), as a line left unfinished is (`line_timed_out`)."""
-        if self.line_started and not self._skipping:
+        `now`), as a line left unfinished is (`line_timed_out`), and the connection lingers
+        out (`Listener.linger_out`), discarding what comes."""
+        if not self.line_started or self._transport is None:
+            self.close()
+            return
+        if not self._skipping:
             self._send(response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
                 f"line still arriving after {now - self.line_started:.3g} s while the broker is at max_connections"
             ))) + _NL)
             self._fe.dispatcher.count_refused_body(ErrorCode.INVALID_REQUEST)
-        self.close()
+        self._refused = True  # (its input is discarded from now on)
+        self._fe.linger_out(self)
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -329,24 +326,12 @@ class StreamProtocol(asyncio.Protocol):
     def _refuse(self) -> None:
         """Answer one "too many connections" error line and half-close; discard what the
         client sends (closing with its bytes unread would reset the connection and
-        destroy the line) until it closes, or abort after `REFUSED_LINGER` seconds."""
-        fe = self._fe
-        fe.refused()
-        transport = self._transport
-        assert transport is not None
+        destroy the line) until it closes, or abort after `OUT_LINGER` seconds
+        (`Listener.linger_out`)."""
+        self._fe.refused()
         self._refused = True
         self._send(_TOO_MANY)
-        if transport.can_write_eof() and fe.lingering < REFUSED_LINGERING:
-            transport.write_eof()
-            fe.lingering += 1
-            fe.loop.call_later(REFUSED_LINGER, self._end_refused)
-        else:
-            transport.close()
-
-    def _end_refused(self) -> None:
-        self._fe.lingering -= 1
-        if self._transport is not None:
-            self._transport.abort()
+        self._fe.linger_out(self)
 
     def eof_received(self) -> bool:
         """The client shut its sending side (`nc -N`, socat at the end of input): answer
