@@ -558,6 +558,8 @@ class Dispatcher:
         self.held_back: Callable[[], int] = lambda: 0
         # Set by the pool: is a worker on its way to READY? (else "no worker available")
         self.worker_back_in: Callable[[], float] = lambda: 0.0  # `Pool._worker_back_in`
+        # ... and is one restarting now, due back as soon as it has started? (`_pick_blocked`)
+        self.worker_restarting: Callable[[], bool] = lambda: False  # `Pool._worker_restarting`
         self._down_since = 0.0  # when the last ready worker went (_clock); read while none is ready
 
     # -- configuration from the pool -------------------------------------------------
@@ -1093,7 +1095,11 @@ class Dispatcher:
         a call holding blocking sync calls (one per worker: that call goes to the
         least loaded of the others, or waits in the queue if none has room), and only
         if the call's whole weight fits under its limit: a chunk there would wait as a
-        whole, and die with the sync call if that hung."""
+        whole, and die with the sync call if that hung. Nor while a worker is on its way
+        back (`worker_restarting`): the call waits in the queue for it rather
+        than behind a sync call that may be what crashed the other (hostile testing,
+        round 77: another client's calls, sent behind one whose every call crashed its
+        worker, died with it, -32002, never run)."""
         ready = self._ready
         n = len(ready)
         if not n:
@@ -1117,6 +1123,8 @@ class Dispatcher:
             i += 1
             if i == n:
                 i = 0
+        if best is not None and best.blocked and self.worker_restarting():
+            return None
         return best
 
     def _send(self, worker: Worker, call: Call) -> None:

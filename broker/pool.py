@@ -102,7 +102,7 @@ import typing
 
 from broker import wire
 from broker.config import ConfigError
-from broker.dispatch import Dispatcher
+from broker.dispatch import RESTART_WAIT_SECONDS, Dispatcher
 from broker.errors import LocalError
 from broker.wire import BYE, CHUNK_REPLY, ERROR, HELLO, RESULT
 from broker.worker import WORKER_BOOT_ERROR
@@ -129,6 +129,11 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 }
 
 STABLE_SECONDS = 30.0  # a worker up this long resets its slot's backoff
+# A slot restarted with no backoff (its process took calls, or was killed as hung) is restarted
+# no sooner than this after its last start: one client whose every call crashes its worker
+# otherwise had every slot restarting back to back, each start a process and an import, over
+# a core of CPU for a call at a time (hostile testing, round 77: 63 restarts in 10 s).
+RESTART_EVERY_SECONDS = 1.0
 BOOT_TIMEOUT_SECONDS = 60.0  # default of boot_timeout: a worker with no HELLO by then is killed
 CODE_CHANGED = "code changed on disk"  # kill_reason of a restarted worker whose HELLO was refused
 WIRE_MISMATCH = "another wire version"  # kill_reason of a restarted worker whose HELLO was (`Pool.wire_mismatch`)
@@ -379,6 +384,7 @@ class Pool:
         # are restarted only if the reload fails. (Each exit was counted when reaped.)
         self._awaiting_reload: set[Worker] = set()
         dispatcher.worker_back_in = self._worker_back_in
+        dispatcher.worker_restarting = self._worker_restarting
 
     def _worker_coming(self) -> bool:
         """Is a worker on its way to READY? One starting (a leave's replacement is from
@@ -401,6 +407,11 @@ class Pool:
             return 0.0
         backs = [w.restart_at for w in self.workers if w.restart_at]
         return max(0.0, min(backs) - time.monotonic()) if backs else math.inf
+
+    def _worker_restarting(self) -> bool:
+        """Is a worker on its way back to READY: starting, or to start within
+        RESTART_WAIT_SECONDS (`_worker_back_in`)? O(slots)."""
+        return self._worker_back_in() <= RESTART_WAIT_SECONDS
 
     @property
     def socket_path(self) -> str:
@@ -654,11 +665,11 @@ class Pool:
             # (hung: the broker killed it, a call's deadline and cancel_grace after the call
             # began, which no crash loop repeats fast: round 74, hung kills under 30 s apart
             # raised the backoff, and other clients' calls were answered -32003 for seconds)
-            delay = 0.0
+            delay = 0.0 if left else self._at_once(worker)
         else:
             worker.leaving = False  # it failed: no worker is coming during its backoff
             worker.failures = self._failures_after(worker)
-            delay = self._backoff(worker.failures)
+            delay = self._backoff(worker.failures) if worker.failures else self._at_once(worker)
         self._count_restart(why)
         worker.restart_at = time.monotonic() + delay  # (0 delay too: round 74, calls in the gap got -32003)
         if delay and not self.dispatcher.ready_workers:
@@ -686,6 +697,11 @@ class Pool:
         if worker.took_calls or time.monotonic() - worker.started_at >= STABLE_SECONDS:
             return 0
         return worker.failures + 1
+
+    def _at_once(self, worker: Worker) -> float:
+        """Seconds before a restart with no backoff: none once `worker`'s process has been
+        up RESTART_EVERY_SECONDS, else the rest of that time."""
+        return max(0.0, RESTART_EVERY_SECONDS - (time.monotonic() - worker.started_at))
 
     def _backoff(self, failures: int) -> float:
         """Seconds before a slot with `failures` failures in a row is restarted: 0 for
@@ -901,7 +917,8 @@ class Pool:
         if process is not None and process.returncode is None:
             self.loop.call_later(KILL_AFTER_SECONDS, self._kill_lingering, worker, process)
             if not self._stopping and not worker.leaving and self.workers[worker.slot] is worker:
-                worker.restart_at = time.monotonic() + self._backoff(self._failures_after(worker))
+                failures = self._failures_after(worker)
+                worker.restart_at = time.monotonic() + (self._backoff(failures) if failures else self._at_once(worker))
                 if not self.dispatcher.ready_workers:
                     self.dispatcher.no_worker_before(self._worker_back_in())
 

@@ -13,6 +13,7 @@ import itertools
 import json
 import re
 import socket
+import struct
 import threading
 import time
 import typing
@@ -510,10 +511,11 @@ def test_clients_scraping_on_the_probes_reserve_cannot_hold_the_probes_out(broke
     from broker.frontend.http import PROBE_RESERVE
 
     b = broker_factory("--workers", "1", "--max-connections", "4")
-    held = []  # the main pool: requests under way (heads trickling), never idle
+    held = []  # the main pool: calls in flight, owed their answers (no place to give)
     for _ in range(4):
         held.append(s := socket.create_connection(("127.0.0.1", b.port)))
-        s.sendall(b"POST / HTTP/1.1\r\nHost: local")
+        s.sendall(post(call("sleep", [60]), path=b.path))
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 4, timeout=10)
     hogs: list[socket.socket] = []
     stop = threading.Event()
     loopers: list[threading.Thread] = []
@@ -611,6 +613,8 @@ def test_clients_scraping_on_the_probes_reserve_cannot_hold_the_probes_out(broke
         stop.set()
         for t in loopers:
             t.join(10)
+        for s in held:  # reset, not closed: a half-closed client is still answered, after its 60 s
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         for s in held + hogs:
             s.close()
 
@@ -634,14 +638,15 @@ def served_side(fe: HttpFrontend, writer: asyncio.StreamWriter) -> HttpProtocol 
 
 @contextlib.asynccontextmanager
 async def full_listener() -> AsyncIterator[tuple[int, HttpFrontend]]:
-    """`metrics_listener` at max_connections 2, both taken by requests under way (heads
-    trickling in: never idle), so a connection opened now goes to the probes' reserve;
+    """`metrics_listener` at max_connections 2, both taken by calls owed their answers
+    (queued: it has no worker), so a connection opened now goes to the probes' reserve;
     its next /metrics build is held (its pace never ends) until `fe._scrape_due()`."""
     async with metrics_listener(lambda: b"# a scrape\n", max_connections=2) as (port, fe):
+        fe.dispatcher.set_methods(["add"])  # (known, so queued: with no worker it waits for good)
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         for _, writer in held:
-            writer.write(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        await until(lambda: sum(1 for conn in fe.connections if conn.request_started) == 2)
+            writer.write(post(call("add", [1, 2]), path="/"))
+        await until(lambda: sum(conn.owed for conn in fe.connections) == 2)
         fe._pace = lambda started: None  # type: ignore[method-assign]
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(get("/metrics"))  # a build now: the next one waits

@@ -649,20 +649,17 @@ def test_every_answer_has_a_date_and_503s_a_retry_after(broker_factory):
         assert status == 503 and json.loads(answer)["error"]["code"] == -32000
         assert headers["retry-after"] == "1" and _date(headers)
         assert busy.response()[0] == 200
-    # Past max_connections (3), every connection busy: the reserve serves probes only
-    holders: list[Conn] = []
-    try:
-        for _ in range(3):  # each accepted, then busy (a request under way)
-            holders.append(h := Conn(b))
-            h.send(get("/healthz") + b"GET /healthz HTTP/1.1\r\n")
-            assert h.response()[0] == 200
-        with Conn(b) as over:
-            over.send(post(call("add", [1, 2]), path=b.path))
+    # Past max_connections, no connection able to give its place (owed an answer): the
+    # reserve serves probes only
+    b1 = broker_factory("--workers", "1", "--max-connections", "1")
+    with Conn(b1) as holder:
+        holder.send(post(call("sleep", [2], "held"), path=b1.path))
+        wait_for(lambda: sample(scrape_metrics(b1), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        with Conn(b1) as over:
+            over.send(post(call("add", [1, 2]), path=b1.path))
             status, headers, _ = over.response()
             assert (status, headers["retry-after"]) == (503, "1") and _date(headers)
-    finally:
-        for h in holders:
-            h.sock.close()
+        assert holder.response()[0] == 200
 
 
 def test_the_date_is_refreshed(broker_factory):

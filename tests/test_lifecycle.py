@@ -1416,6 +1416,9 @@ def test_hung_kills_do_not_raise_the_backoff_and_fail_other_clients_calls(broker
             assert b.call("spin", [30], timeout=30)["error"]["code"] == -32001  # type: ignore[index]
             wait_for(lambda n=_: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") > n,
                      timeout=20)
+            # (back before the next spin: a restart within a second of the last start waits the rest
+            # of it, RESTART_EVERY_SECONDS, and a spin's 0.2 s deadline ends first: -32003 at once)
+            wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 1, timeout=20)
     finally:
         stop.set()
         thread.join(60)
@@ -1438,6 +1441,42 @@ def test_calls_that_crash_their_worker_do_not_raise_the_backoff_and_fail_other_c
         pids.append(reply["result"])
     assert len(set(pids)) == 8
     assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="exited") == 8
+
+
+def test_a_client_whose_calls_crash_the_worker_gets_at_most_a_restart_a_second_per_slot(broker_factory):
+    """Hostile testing, round 77: a worker that took calls restarted at once, so one
+    client sending calls that crash it, one at a time, had the slot restarting back to
+    back, a process and an import each (63 restarts in 10 s on 2 slots, over a core of
+    CPU). A slot restarts no sooner than RESTART_EVERY_SECONDS after its last start."""
+    from broker.pool import RESTART_EVERY_SECONDS
+
+    b = broker_factory("--workers", "1", "--app", "tests.apps.crashy:registry")
+    deadline = time.monotonic() + 3.0
+    crashes = 0
+    while time.monotonic() < deadline:  # bounded: 3 s of crashing calls, one at a time
+        assert b.call("crash", timeout=20)["error"]["code"] == -32002  # type: ignore[index]
+        crashes += 1
+    restarts = sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="exited")
+    assert restarts == crashes and crashes <= 3.0 / RESTART_EVERY_SECONDS + 2, crashes  # (at once the first time)
+
+
+def test_calls_wait_for_a_restarting_worker_rather_than_go_behind_a_slow_sync_call(broker_factory):
+    """Hostile testing, round 77: with one worker restarting and the other busy in a sync
+    call, another client's call was sent behind that call (the last choice), and died
+    with it when it crashed its worker: -32002, never run. It waits for the worker
+    restarting and is served there."""
+    b = broker_factory("--workers", "2", "--app", "tests.apps.crashy:registry")
+    b.call("pid")
+    b.call("pid")  # (pid measured fast: it may go behind a busy worker)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(b.call, "slow_crash", [1.5], "slow", 20)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        other = b.call("pid")["result"]  # the worker not busy
+        os.kill(other, signal.SIGKILL)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 1, timeout=10)
+        reply = b.call("pid", timeout=20)
+        assert "result" in reply and reply["result"] != other, reply
+        assert busy.result(timeout=20)["error"]["code"] == -32002  # type: ignore[index]
 
 
 def test_calls_that_crash_their_worker_after_their_answer_do_not_raise_the_backoff(broker_factory):
@@ -1483,7 +1522,8 @@ def test_a_worker_killed_for_outliving_its_socket_says_so(broker_factory):
     reply = b.call("hang_up", [30], timeout=20)
     assert reply["error"] == {"code": -32002, "message": "Worker died", "data": {
         "pid": pid, "status": "killed by SIGKILL (its socket closed 2 s before)"}}, reply
-    assert f"worker 0 (pid {pid}) killed by SIGKILL (its socket closed 2 s before)" in b.read_log()
+    wait_for(lambda: f"worker 0 (pid {pid}) killed by SIGKILL (its socket closed 2 s before)" in b.read_log(0.1),
+             timeout=10)
 
 
 def test_an_exited_worker_s_process_is_freed_not_held_by_its_boot_deadline():

@@ -24,6 +24,15 @@ def crash_after(seconds: float) -> str:
 
 
 @registry.method
+def slow_crash(seconds: float) -> None:
+    """Runs `seconds` (a sync call: its worker is busy in it), then exits the worker."""
+    import time
+
+    time.sleep(seconds)
+    os._exit(1)
+
+
+@registry.method
 def pid() -> int:
     return os.getpid()
 
