@@ -342,6 +342,31 @@ def test_requests_left_unfinished_at_the_limit_make_room_longest_open_first(brok
             c.sock.close()
 
 
+def test_connections_lingering_after_an_error_answer_make_room(broker_factory):
+    """Hostile testing, round 78: a connection answered 413 (or 400) lingers half-closed,
+    discarding what its client still sends, up to LINGER_TIME (30 s), and a byte a second
+    kept it from counting as idle: two of them held every place at max_connections 2, and
+    every newcomer got 503. A lingering connection gives its place first."""
+    b = broker_factory("--workers", "1", "--max-connections", "2", "--max-body-bytes", "1000")
+    held = []
+    try:
+        for _ in range(2):
+            held.append(c := Conn(b))
+            c.send(post_head(b, "Content-Length: 5000\r\n\r\n") + b"[" * 100)
+            assert c.response()[0] == 413
+        for _ in range(3):  # a byte each, more than a sweep apart: never silent for long
+            for c in held:
+                c.send(b"[")
+            time.sleep(0.4)
+        with Conn(b) as newcomer:
+            newcomer.send(post(call("add", [1, 2]), path=b.path))
+            assert newcomer.response()[0] == 200
+        assert sample(scrape_metrics(b), "rpc_broker_connections_evicted_total", transport="http", state="idle") == 1
+    finally:
+        for c in held:
+            c.sock.close()
+
+
 def test_requests_restarted_before_a_second_do_not_hold_every_place(broker_factory):
     """Hostile testing, round 77: a request's own age ranked it, so a client whose
     connections each finished a request and began the next every 0.8 s (pipelined

@@ -780,12 +780,15 @@ class HttpProtocol(asyncio.Protocol):
 
     def evict_rank(self, fresh: float) -> tuple[int, float] | None:
         """Its place in `Listener.make_room`'s order, None if it is not to be closed for a
-        new connection: idle, and a request served already or no byte since loop time
-        `fresh`, (0, last active); a request under way, owed nothing else, its reading not
+        new connection: lingering after an error answer, (0, since then); idle, and a
+        request served already or no byte since loop time `fresh`, (0, last active); a
+        request under way, owed nothing else, its reading not
         paused by the broker, (1, when it was accepted: the longest open first). Never one
         in the probes' reserve, which makes room on its own (`HttpFrontend.admit_probe`)."""
         if self._probe_only:
             return None
+        if self.lingering_since:  # answered and closing: what it still sends is discarded (round 78:
+            return 0, self.lingering_since  # 8 such, sending a byte a second, held every place 30 s)
         if self.idle:
             return (0, self.last_active) if self.requests > 0 or self.last_active <= fresh else None
         if (

@@ -286,6 +286,8 @@ class StreamProtocol(asyncio.Protocol):
             or transport.is_closing() or self.send_stalled
         ):  # fmt: skip
             return None
+        if self.lingering_since:  # answered and closing, what it sends discarded (round 78)
+            return 0, self.lingering_since
         if not self.line_started:
             return (0, self.last_active) if self.lines > 0 or self.last_active <= fresh else None
         return None if self.read_paused else (1, self.accepted_at)
