@@ -281,6 +281,9 @@ def test_a_connection_whose_answers_the_kernel_still_holds_is_not_closed_to_make
     baseline = open_connections(b, "http")  # (the scrape's own)
     socks = [non_reader((b.host, b.port), http_request(body), seconds=2.0) for _ in range(4)]
     try:
+        # (their bodies in first: a connection whose request is still arriving gives its place
+        # at max_connections, to the scrape below too)
+        time.sleep(0.5)
         wait_for(lambda: open_connections(b, "http") >= baseline + 4, timeout=10)
         # Their answers written, in the kernel (out of the budget): the next sweep, within
         # 1 s, would see them (before the fix too: this asks at once, before it comes).
