@@ -669,7 +669,7 @@ class Pool:
         else:
             worker.leaving = False  # it failed: no worker is coming during its backoff
             worker.failures = self._failures_after(worker)
-            delay = self._backoff(worker.failures) if worker.failures else self._at_once(worker)
+            delay = self._restart_delay(worker, worker.failures)
         self._count_restart(why)
         worker.restart_at = time.monotonic() + delay  # (0 delay too: round 74, calls in the gap got -32003)
         if delay and not self.dispatcher.ready_workers:
@@ -697,6 +697,11 @@ class Pool:
         if worker.took_calls or time.monotonic() - worker.started_at >= STABLE_SECONDS:
             return 0
         return worker.failures + 1
+
+    def _restart_delay(self, worker: Worker, failures: int) -> float:
+        """Seconds before `worker`'s slot restarts after an exit that leaves it `failures`
+        failures in a row: the backoff, or with none, `_at_once`."""
+        return self._backoff(failures) if failures else self._at_once(worker)
 
     def _at_once(self, worker: Worker) -> float:
         """Seconds before a restart with no backoff: none once `worker`'s process has been
@@ -917,8 +922,7 @@ class Pool:
         if process is not None and process.returncode is None:
             self.loop.call_later(KILL_AFTER_SECONDS, self._kill_lingering, worker, process)
             if not self._stopping and not worker.leaving and self.workers[worker.slot] is worker:
-                failures = self._failures_after(worker)
-                worker.restart_at = time.monotonic() + (self._backoff(failures) if failures else self._at_once(worker))
+                worker.restart_at = time.monotonic() + self._restart_delay(worker, self._failures_after(worker))
                 if not self.dispatcher.ready_workers:
                     self.dispatcher.no_worker_before(self._worker_back_in())
 
