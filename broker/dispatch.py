@@ -114,6 +114,18 @@ the limit would only add round trips: routing every call of the sync `add` this 
 cut single-call throughput on 2 workers from about 32,000 to 13,000 calls/s, for no
 gain.
 
+A worker that dies takes every call it held, and which of them killed it cannot be told: the
+methods of those calls run alone from then on (`broker.isolation`: a suspect until one of its
+calls answers, a method whose call died alone on its worker for ISOLATE_SECONDS). A call of an
+isolated method goes only to a worker holding nothing (`_pick_alone`), which then takes nothing
+else until it answers (its limit 0, blocked), on at most one connection's share of the workers
+at once (a worker dead under one counts until its slot is back); with no worker idle, the least
+loaded is reserved (limit 0) and runs it once empty. While it waits, its connection's calls are
+held out of turn (`_pump`), and the others go on: released whenever a worker empties
+(`_reserved_idle`), a blocked one is freed, or a held call expires. Without it, other clients'
+calls sent beside a call that crashed its worker died with it, -32002, never run (hostile
+testing, round 78: a third to a half of them).
+
 What a queued call keeps alive is bounded by `max_queue_bytes`: its raw id and params
 are zero-copy views into the request body, and one small view would keep the whole
 body (up to `max_body_bytes`) alive, so they are copied out when the call is queued,
@@ -172,6 +184,7 @@ from broker.chunk import answers as chunk_answers
 from broker.chunk import count_answers, encode_requests, read_call, with_methods
 from broker.deadlines import DeadlineWheel
 from broker.fairqueue import FairQueue, Largest
+from broker.isolation import ISOLATE_SECONDS, Isolation
 from broker.jsonrpc import (
     _RESP_HEAD,  # with _RESP_RESULT: response_result's pieces, for splicing inline
     Body,
@@ -505,6 +518,12 @@ class Dispatcher:
         self._sync_routing = True  # that limit is at most worker_concurrency (see worker_ready)
         self._returnable = RETURNABLE  # ... and so calls may be given back (wire.RETURNABLE), else 0
         self._blocked = 0  # workers busy in one now (`Worker.blocked`)
+        # Methods whose calls run alone, a worker dying under them (`broker.isolation`), and
+        # the workers spent on them: reserved for one (draining), running one, or dead under
+        # one and not back yet (`_pick_alone`)
+        self._isolation = Isolation()
+        self._alone: dict[Worker, bool] = {}  # (True: dead under one, until its slot is back: `worker_ready`)
+        self._alone_held = False  # a connection's calls wait out of turn for a worker to run alone
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
@@ -593,6 +612,8 @@ class Dispatcher:
         new one, which may even be async).
         """
         old = self._names
+        self._isolation.clear()  # (new code; and the calls in flight on old workers are `stale`: no blame)
+        self._alone = {w: dead for w, dead in self._alone.items() if not dead}  # (their slots have new workers)
         known = {name: self._sync_us[i] for i, name in enumerate(old) if self._sync_us[i] >= 0}
         sync = [int(name in sync_methods) for name in names]
         self._names = list(names)
@@ -639,6 +660,7 @@ class Dispatcher:
         """A worker can take calls: add it to the rotation and give it queued work."""
         if worker not in self._ready:
             worker.limit = worker.concurrency  # (a worker is ready with nothing in flight)
+            self._alone.pop(worker, None)  # (back from a death under a call run alone)
             # Routing around sync calls is on while a blocked worker's limit, 1 +
             # sync_prefetch, is at most its concurrency (every worker has the same).
             self._sync_routing = self._sync_limit <= worker.concurrency
@@ -679,8 +701,14 @@ class Dispatcher:
         """The worker's process is gone: answer its in-flight calls "worker died"."""
         self.worker_unready(worker)
         lost = [c for c in self._pending.values() if c.worker is worker]
+        if worker in self._alone:  # dead under a call run alone: spent on them until back; else no more reserved
+            if lost and worker.blocked:
+                self._alone[worker] = True
+            else:
+                del self._alone[worker]
         if not lost:
             return
+        self._blame(worker, lost)
         error = error_object(ErrorCode.WORKER_DIED, data={"pid": worker.pid, "status": reason})
         for call in lost:
             del self._pending[call.call_id]
@@ -696,6 +724,25 @@ class Dispatcher:
         self._release_all()  # (their connections' places are free; those still past their share are held again)
         self._check_idle()
         self._pump()
+
+    def _blame(self, worker: Worker, lost: list[Call]) -> None:
+        """`worker` died holding `lost`: their methods' calls run alone from now on
+        (`broker.isolation`; not those of calls sent before a reload, `stale`)."""
+        methods: set[int] = set()
+        for call in lost:
+            if not call.stale:
+                methods.update(call.methods if call.methods is not None else (call.index,))
+        methods.discard(len(self._names))  # (`other`)
+        sole = len(lost) == 1 and lost[0].slots is None
+        for index, what in self._isolation.blame(sorted(methods), sole, _clock()):
+            if what == "convicted":
+                log.warning(
+                    "worker %d (pid %d) died holding one call only, of %s: its calls run alone, one a worker, "
+                    "for %g s", worker.slot, worker.pid, self._names[index], ISOLATE_SECONDS,
+                )
+            else:
+                log.info("worker %d (pid %d) died holding calls of %s among others: they run alone until one "
+                         "answers", worker.slot, worker.pid, self._names[index])
 
     def no_worker_before(self, back_in: float) -> None:
         """Every worker is down and none is starting: the first is back in `back_in`
@@ -882,15 +929,20 @@ class Dispatcher:
         of one frame each. Calls with different deadlines never share a chunk, nor
         do blocking sync calls and others, nor calls and notifications (a chunk of calls
         is cancelled whole when its connection is gone, `abandon`, and notifications run
-        whatever); blocking sync calls go one by one (see the module docstring)."""
+        whatever); blocking sync calls go one by one (see the module docstring), and so
+        do the calls of an isolated method, each to run alone (`_pick_alone`)."""
         groups: dict[tuple[float, int, bool], list[tuple[int, Request, Route]]] = {}
         calls = exchange.answers.count(None)  # (the calls' empty slots: the others are notifications)
-        if self._one_timeout and 1 not in self._blocking and (calls == len(entries) or not calls):
+        isolation = self._isolation
+        if not isolation.alone and self._one_timeout and 1 not in self._blocking and (calls == len(entries) or not calls):
             # (calls only, or notifications only: a chunk never mixes them, see `abandon`)
             groups[entries[0][2].timeout, 0, not calls] = entries
         else:
+            now_ = _clock()
             for entry in entries:
-                key = entry[2].timeout, int(entry[2].sync > 0), entry[0] < 0
+                route = entry[2]
+                alone = isolation.alone and isolation.isolated(route.method_index, now_)
+                key = route.timeout, 2 if alone else int(route.sync > 0), entry[0] < 0
                 group = groups.get(key)
                 if group is None:
                     group = groups[key] = []
@@ -901,7 +953,7 @@ class Dispatcher:
             n = len(group)
             chunks = min(workers, n)
             size = 0  # > 0: chunks of `size` calls in order, not dealt out
-            if sync and self._sync_routing:  # slow sync calls: one by one
+            if sync == 2 or (sync and self._sync_routing):  # slow sync calls, isolated methods: one by one
                 chunks = n
             elif n > room:  # past its share: chunks of the size the share takes in turn, in
                 # request order (dealt out, the calls that waited, and timed out, were spread
@@ -959,6 +1011,8 @@ class Dispatcher:
             self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
         else:
             _hold(call)
+            if not owner.in_flight and self._queue.is_held(owner):  # (held for its share, and all its calls
+                self._queue.release(owner)  # ended or expired since: none would bring it back; `_pump` decides)
             self._queue.append(call, owner)
             self._queued_bytes += call.held
             self._queued_calls += call.weight
@@ -1041,6 +1095,8 @@ class Dispatcher:
                 self._deadlines.remove(call)
                 call.exchange = None
                 self.abandoned_total["queued"] += call.weight
+            if self._queue.is_held(owner):  # (its notifications left: held for a call that went, maybe)
+                self._queue.release(owner)
             self._pump()  # (the head may be another now, which a blocked worker takes; and `_check_idle`)
         if owner.in_flight:
             now = _clock()
@@ -1062,7 +1118,7 @@ class Dispatcher:
         on the first. While a worker is blocked in a slow sync call, `_pick_blocked`
         decides. (A blocking sync call needs nothing more: with no worker blocked,
         the least loaded is where it goes.)"""
-        if self._blocked:
+        if self._blocked or self._isolation.alone:
             return self._pick_blocked(call)
         ready = self._ready
         n = len(ready)
@@ -1099,7 +1155,10 @@ class Dispatcher:
         back (`worker_restarting`): the call waits in the queue for it rather
         than behind a sync call that may be what crashed the other (hostile testing,
         round 77: another client's calls, sent behind one whose every call crashed its
-        worker, died with it, -32002, never run)."""
+        worker, died with it, -32002, never run). A call of an isolated method goes
+        alone (`_pick_alone`)."""
+        if self._isolation.alone and call.slots is None and self._isolation.isolated(call.index, _clock()):
+            return self._pick_alone(call)
         ready = self._ready
         n = len(ready)
         if not n:
@@ -1126,6 +1185,53 @@ class Dispatcher:
         if best is not None and best.blocked and self.worker_restarting():
             return None
         return best
+
+    def _pick_alone(self, call: Call) -> Worker | None:
+        """`_pick` for a call of an isolated method (`broker.isolation`): a ready worker
+        holding nothing, not blocked, which then takes nothing else until it answers (its
+        limit 0, blocked, the call counted as a blocking sync call). At most one connection's
+        share of the workers (`connection_share`, at least one) are spent on such calls at
+        once: running one, dead under one and not back yet (its slot restarting), or
+        reserved for the next one (when no worker is idle, the least loaded takes nothing
+        more until it is, one reservation at a time: under load a worker is never idle, and
+        the call would wait for its deadline). None: it waits (`_pump` holds its connection's
+        calls out of turn meanwhile, so the others go on)."""
+        owner = call.owner
+        if owner.blocking and owner.blocking >= self._sync_share:  # (each holds a worker whole, as a blocking sync call)
+            return None
+        alone = self._alone
+        cap = max(1, int((len(self._ready) + sum(alone.values())) * self._connection_share))
+        chosen: Worker | None = None
+        least: Worker | None = None
+        draining = False
+        for w in self._ready:
+            if w in alone:
+                if not w.blocked:  # reserved for a call run alone
+                    if not w.outstanding:
+                        chosen = w
+                        break
+                    draining = True
+                continue
+            if w.blocked:
+                continue
+            if not w.outstanding:
+                chosen = chosen or w
+            elif least is None or w.outstanding < least.outstanding:
+                least = w
+        if chosen is None or chosen not in alone:
+            if len(alone) >= cap:
+                return None
+            if chosen is None:
+                if least is not None and not draining:  # reserved: it takes nothing more
+                    least.limit = 0
+                    alone[least] = False
+                return None
+            alone[chosen] = False
+        chosen.blocked = True
+        chosen.limit = 0
+        self._blocked += 1
+        call.sync = 1  # (so its answer unblocks the worker, as a blocking sync call's does)
+        return chosen
 
     def _send(self, worker: Worker, call: Call) -> None:
         call.worker = worker
@@ -1201,12 +1307,16 @@ class Dispatcher:
                     worker.blocked = False
                     worker.limit = worker.concurrency
                     self._blocked -= 1
+                    if self._alone and worker in self._alone:  # it ran a call alone
+                        self._ran_alone(worker, call, kind, payload, aux)
+                    if self._alone_held:  # (it may be reserved for one now)
+                        self._release_all()
             # How long do its calls take? (BLOCKING_US; not from a reply whose handler never ran)
             if call.methods is None and not call.stale and aux != NOT_RUN:
                 index = call.index
-                est = self._sync_us[index]
-                est += ((0 if awaited else aux) - est) >> 3
-                if kind != ERROR or payload != CANCEL_ACK:  # (a cancel took no time)
+                est = self._sync_us[index]  # (-1: an async method's, a call run alone: `_pick_alone`)
+                if (kind != ERROR or payload != CANCEL_ACK) and est >= 0:  # (a cancel took no time)
+                    est += ((0 if awaited else aux) - est) >> 3
                     self._sync_us[index] = est
                     if (est >= BLOCKING_US) != self._blocking[index]:
                         self._reclassify(index, est)
@@ -1258,10 +1368,33 @@ class Dispatcher:
             self._deadlines.remove(call)
         else:  # its deadline passed: the client has its answer already
             self._count_late(kind, payload, call)
-        if self._queued_calls:  # capacity was freed: fill all of it from the queue, in order
+        if (self._alone or self._alone_held) and not worker.outstanding:  # (isolation: `_reserved_idle`)
+            self._reserved_idle(worker)
+        elif self._queued_calls:  # capacity was freed: fill all of it from the queue, in order
             self._give_back(call.owner)
             self._pump()
         elif not self.accepting:
+            self._check_idle()
+
+    def _ran_alone(self, worker: Worker, call: Call, kind: int, payload: bytes, aux: int) -> None:
+        """`worker` answered the call it ran alone (`_pick_alone`): it is no longer spent on
+        them, and a suspect method whose handler ran is free again (`Isolation.answered`)."""
+        del self._alone[worker]
+        if aux != NOT_RUN and (kind != ERROR or payload != CANCEL_ACK) and self._isolation.answered(call.index):
+            log.info("%s answered on a worker of its own: its calls no longer run alone", self._names[call.index])
+
+    def _reserved_idle(self, worker: Worker) -> None:
+        """`worker` holds nothing now, while calls run alone (`_pick_alone`): the calls
+        waiting for a worker of their own go on (one may take it); if it was reserved for
+        one and none takes it, it takes any call again."""
+        self._release_all()
+        self._pump()
+        if self._alone.get(worker) is False and not worker.blocked and not worker.outstanding:
+            del self._alone[worker]
+            if worker in self._ready:
+                worker.limit = worker.concurrency
+                self._pump()
+        else:
             self._check_idle()
 
     def _returned(self, worker: Worker, call_id: int, place: int, payload: bytes) -> None:
@@ -1306,6 +1439,7 @@ class Dispatcher:
                     worker.blocked = False
                     worker.limit = worker.concurrency
                     self._blocked -= 1
+                    self._alone.pop(worker, None)  # (a call run alone is never RETURNABLE: a worker of another broker's)
             if slots is not None:  # (its calls are the singles' now, with its deadline)
                 if call.tick:
                     self._deadlines.remove(call)
@@ -1320,7 +1454,10 @@ class Dispatcher:
         if again:
             self._requeue(again)
         self._give_back(owner)
-        self._pump()
+        if (self._alone or self._alone_held) and not worker.outstanding:
+            self._reserved_idle(worker)
+        else:
+            self._pump()
 
     def _singles(self, chunk: Call, place: int, payload: bytes) -> list[Call]:
         """One call (or notification) per call of `chunk` from `place` on, from the CALL_ENTRYs
@@ -1612,8 +1749,10 @@ class Dispatcher:
 
     def _release_all(self) -> None:
         """Every connection held out of turn goes back in turn (the share grew, places came
-        back, or the queue is emptied); `_pump` holds again those still past their share."""
+        back, or the queue is emptied, or a worker can run a call alone); `_pump` holds
+        again those still past their share, or waiting for a worker to run a call alone."""
         self._queue.release_all()
+        self._alone_held = False
 
     def _pump(self) -> None:
         """Start queued calls, in the queue's order (`FairQueue`), while a worker is under
@@ -1636,6 +1775,13 @@ class Dispatcher:
                     continue
                 worker = self._pick(call)
                 if worker is None:
+                    if self._isolation.alone and call.slots is None and call.index in self._isolation.alone and (
+                        self._ready
+                    ):
+                        # (it waits for a worker of its own, `_pick_alone`: the others go on)
+                        queue.hold(owner)
+                        self._alone_held = True
+                        continue
                     break
                 self._dequeue()
                 self._send(worker, call)
@@ -1667,7 +1813,10 @@ class Dispatcher:
                     self._largest.clear()
             elif self._expired_queued * 2 > len(self._queue):
                 self._compact()
-            if self._blocked:  # what waited behind it may fit a blocked worker it did not (found
+            if self._alone_held:  # (it may have held its connection's calls out of turn: `_pick_alone`)
+                self._release_all()
+                self._pump()
+            elif self._blocked:  # what waited behind it may fit a blocked worker it did not (found
                 self._pump()  # by the state machine test, stop 30: it waited for the sync call)
             return
         worker = call.worker

@@ -104,10 +104,14 @@ class DispatcherMachine(RuleBasedStateMachine):
     def _new_worker(self, slot: int) -> None:
         w = Worker(slot)
         w.pid = 1000 + len(self.workers)
+        self._start(w)
+
+    def _start(self, w: Worker) -> None:
         w.channel = RecordingChannel()  # type: ignore[assignment]
         w.concurrency = CONCURRENCY
         w.state = WorkerState.READY
-        self.workers.append(w)
+        if w not in self.workers:
+            self.workers.append(w)
         self.dispatcher.worker_ready(w)
         self._collect()
 
@@ -272,9 +276,16 @@ class DispatcherMachine(RuleBasedStateMachine):
         self._collect()
 
     @precondition(lambda self: len(self._live()) < 2)
-    @rule()
-    def new_worker(self) -> None:
-        self._new_worker(len(self.workers))
+    @rule(restart=st.booleans())
+    def new_worker(self, restart: bool) -> None:
+        """A new worker, or a dead one's slot restarted (the pool's `Worker` is the slot's)."""
+        dead = [w for w in self.workers if w.state is WorkerState.DEAD]
+        if restart and dead:
+            w = dead[0]
+            w.pid += 100
+            self._start(w)
+        else:
+            self._new_worker(len(self.workers))
 
     @precondition(lambda self: not self._live())
     @rule(back_in=st.sampled_from([0.0, 0.01, 5.0, math.inf]))
@@ -365,6 +376,23 @@ class DispatcherMachine(RuleBasedStateMachine):
             call.sync > 0 and bool(owner.blocking) and owner.blocking + call.sync > d._sync_share
         )
 
+    def _isolated(self, call: Call) -> bool:
+        return call.slots is None and call.index in self.dispatcher._isolation.alone
+
+    def _alone_could_go(self, call: Call) -> bool:
+        """Could a call of an isolated method go to a worker of its own now? (A ready worker
+        holding nothing, reserved for one, or not blocked while fewer than the cap are spent
+        on them; its connection under its share of blocking calls.)"""
+        d = self.dispatcher
+        owner = call.owner
+        if owner.blocking and owner.blocking >= d._sync_share:
+            return False
+        live = self._live()
+        if any(w in d._alone and not w.blocked and not w.outstanding for w in live):
+            return True
+        cap = max(1, int((len(live) + sum(d._alone.values())) * d._connection_share))
+        return len(d._alone) < cap and any(not w.blocked and not w.outstanding and w not in d._alone for w in live)
+
     @invariant()
     def the_queue_waits_only_while_no_worker_can_take_its_head(self) -> None:
         """Every freed place is filled from the queue at once (dispatch.py: a chunk needs one
@@ -380,7 +408,10 @@ class DispatcherMachine(RuleBasedStateMachine):
                 continue
             passed.add(id(owner))
             if queue.is_held(owner):
-                assert owner.in_flight, "a connection's calls are held out of turn with nothing in flight"
+                if self._isolated(call):  # waits for a worker of its own (`Dispatcher._pick_alone`)
+                    assert not self._alone_could_go(call), "a call of an isolated method waits with a worker for it"
+                else:
+                    assert owner.in_flight, "a connection's calls are held out of turn with nothing in flight"
             elif not self._over_share(call) and head is None:
                 head = call
         if head is None:
@@ -415,7 +446,11 @@ class DispatcherMachine(RuleBasedStateMachine):
     # -- the end ---------------------------------------------------------------------------
 
     def settle(self) -> None:
-        """Every worker answers what it holds, new work included, then nothing is owed."""
+        """Every worker answers what it holds, new work included, then nothing is owed. (The
+        slots of workers that died running a call alone restart, as the pool's do.)"""
+        for w in self.workers:
+            if w.state is WorkerState.DEAD and self.dispatcher._alone.get(w):
+                self._start(w)
         for _ in range(100):
             if not self.held:
                 if not self._live():
@@ -455,3 +490,42 @@ for machine in (DispatcherMachine, WholeShareMachine):
     )
 test_dispatcher_states = DispatcherMachine.TestCase
 test_dispatcher_states_with_a_whole_share = WholeShareMachine.TestCase
+
+
+class _Drawn:
+    """A `st.data()` stand-in for replaying a rule by hand: every draw is `value`."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def draw(self, _strategy: object) -> object:
+        return self.value
+
+
+def _replay(machine: DispatcherMachine, steps: list[tuple[str, dict[str, object]]]) -> None:
+    """Run `steps` (rule name, arguments) on `machine`, the invariants after each, then its teardown."""
+    for name, arguments in steps:
+        getattr(machine, name)(**arguments)
+        machine.answers_in_order_at_most_once()
+        machine.counts_add_up()
+        machine.every_call_moves_as_the_transitions_say()
+        machine.the_queue_waits_only_while_no_worker_can_take_its_head()
+    machine.teardown()
+
+
+def test_a_connection_held_for_its_share_whose_queued_calls_expired_is_served_again():
+    """Found by this machine (stop 36): a connection's calls held out of turn for its share,
+    whose queued calls all expired (only their shells left) while its calls in flight ended,
+    stayed held with nothing in flight to release it; its next calls queued behind and were
+    never sent, though every worker had room (until their deadline)."""
+    _replay(DispatcherMachine(), [
+        ("submit", {"batch": True, "connection": 0,
+                    "elements": [("fast", False), ("fast", False), ("slow", False), ("fast", True)]}),
+        ("expire", {}),
+        ("submit_alike", {"connection": None, "method": "slow", "n": 3, "notification": False}),
+        ("expire", {}),
+        ("reply", {"data": _Drawn(1), "how": "result"}),
+        ("reply", {"data": _Drawn(2), "how": "result"}),
+        ("submit_alike", {"connection": None, "method": "fast", "n": 3, "notification": False}),
+        ("submit_alike", {"connection": 0, "method": "fast", "n": 3, "notification": False}),
+    ])

@@ -14,6 +14,12 @@ def crash() -> None:
 
 
 @registry.method
+async def crash_async() -> None:
+    """`crash` as an async handler: never routed as blocking its worker, whatever it does."""
+    os._exit(1)
+
+
+@registry.method
 def crash_after(seconds: float) -> str:
     """Answers, then a thread of its exits the worker with status 1 `seconds` later."""
     import threading
