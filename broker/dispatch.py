@@ -580,6 +580,7 @@ class Dispatcher:
         # ... and is one restarting now, due back as soon as it has started? (`_pick_blocked`)
         self.worker_restarting: Callable[[], bool] = lambda: False  # `Pool._worker_restarting`
         self._down_since = 0.0  # when the last ready worker went (_clock); read while none is ready
+        self._start_failed = False  # a start failed since (`start_failed`): "no worker available" at once
 
     # -- configuration from the pool -------------------------------------------------
 
@@ -659,6 +660,7 @@ class Dispatcher:
     def worker_ready(self, worker: Worker) -> None:
         """A worker can take calls: add it to the rotation and give it queued work."""
         if worker not in self._ready:
+            self._start_failed = False
             worker.limit = worker.concurrency  # (a worker is ready with nothing in flight)
             self._alone.pop(worker, None)  # (back from a death under a call run alone)
             # Routing around sync calls is on while a blocked worker's limit, 1 +
@@ -743,6 +745,18 @@ class Dispatcher:
             else:
                 log.info("worker %d (pid %d) died holding calls of %s among others: they run alone until one "
                          "answers", worker.slot, worker.pid, self._names[index])
+
+    def start_failed(self) -> None:
+        """A worker's start failed (it exited before its HELLO) while no worker is ready:
+        calls waiting for a worker are answered "no worker available" now, and new calls at
+        once, until one is ready. A crash loop costs a call one backoff and one failed start
+        at most, however the slots' starts overlap (hostile testing, round 77: with two slots
+        failing in turn, one always starting, calls waited 3.67 s, and until their deadline
+        when the starts interleave)."""
+        if self._ready:
+            return
+        self._start_failed = True
+        self.no_worker_before(math.inf)
 
     def no_worker_before(self, back_in: float) -> None:
         """Every worker is down and none is starting: the first is back in `back_in`
@@ -1001,9 +1015,9 @@ class Dispatcher:
             # request completed after it had none, as if it had arrived in the drain)
             self._finish(call, _SHUTTING_DOWN if self._serving else _GRACE_ENDED, ErrorCode.SHUTTING_DOWN,
                          remaining=False)
-        elif not self._ready and (back := self.worker_back_in()) and back > min(
+        elif not self._ready and (self._start_failed or ((back := self.worker_back_in()) and back > min(
             RESTART_WAIT_SECONDS - (_clock() - self._down_since), call.timeout - (_clock() - call.arrival)
-        ):  # (every worker down, none back soon and before its deadline: `no_worker_before`)
+        ))):  # (every worker down, none back soon and before its deadline, or a start failed: `no_worker_before`)
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
         elif (self._queued_calls + call.weight > self._max_queue or (
             self._queued_bytes + _held(call) > self._max_queue_bytes

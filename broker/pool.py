@@ -672,7 +672,9 @@ class Pool:
             delay = self._restart_delay(worker, worker.failures)
         self._count_restart(why)
         worker.restart_at = time.monotonic() + delay  # (0 delay too: round 74, calls in the gap got -32003)
-        if delay and not self.dispatcher.ready_workers:
+        if was_starting and not left and why != "hung":  # (a failed start: calls wait for one at most)
+            self.dispatcher.start_failed()
+        elif delay and not self.dispatcher.ready_workers:
             self.dispatcher.no_worker_before(self._worker_back_in())
         try:
             await asyncio.sleep(delay)

@@ -1586,6 +1586,30 @@ def test_readyz_says_503_and_calls_get_no_worker_during_the_restart_backoff(brok
     assert b.call("pid")["result"] != worker
 
 
+def test_calls_wait_for_one_failed_start_at_most_however_the_slots_starts_overlap(broker_factory, tmp_path):
+    """Hostile testing, round 77 (MEDIUM): with every slot's restart failing (a bad deploy
+    on disk whose import takes a second to fail), each slot's start counted as "a worker
+    coming", so with two slots failing in turn calls waited through one failed start after
+    another (3.67 s there; here, starts interleaved, until their deadline: -32001). The
+    first failed start with no worker ready answers them "no worker available", as the docs
+    promise (one backoff and one failed start at most)."""
+    flag = tmp_path / "broken"
+    b = broker_factory("--workers", "2", "--app", "tests.apps.breakable:registry", "--restart-backoff-max", "0.1",
+                       "--timeout", "8", env={"BREAKABLE_APP_FLAG": str(flag), "BREAKABLE_APP_SLOW": "1"})
+    first, second = children(b.pid)
+    flag.touch()
+    os.kill(first, signal.SIGKILL)
+    time.sleep(0.55)  # (half a cycle of 0.1 s backoff and a 1 s failing import: one slot always starting)
+    os.kill(second, signal.SIGKILL)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="exited") >= 4, timeout=30)
+    for _ in range(3):
+        reply = b.call("pid", timeout=30)
+        assert reply["error"]["code"] == -32003, reply  # type: ignore[index]
+    flag.unlink()
+    wait_for(lambda: b.get("/readyz")[0] == 200, timeout=30)
+    assert "result" in b.call("pid")
+
+
 def test_a_worker_whose_process_cannot_be_created_is_tried_again(tmp_path):
     """Hostile testing (round 6): with the open-files limit used up, a crashed worker's
     restart raised EMFILE out of the task supervising it ("worker supervision failed"),
