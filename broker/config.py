@@ -242,8 +242,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_connections: Annotated[int, Meta(ge=1),
                                Doc("open client connections at most, per listener; at it the "
                                    "least recently active idle one makes room, else one with a "
-                                   "request under way, the longest open (HTTP 408, NDJSON a -32600 "
-                                   "line), and with neither a new one is refused (HTTP "
+                                   "request under way, the one whose request comes slowest "
+                                   "(bytes a second; HTTP 408, NDJSON a -32600 line), and with neither a new one is refused (HTTP "
                                    "503, NDJSON a -32000 line) "
                                    "and closed (the broker raises its open-files limit to fit "
                                    "every listener's, when the system allows; else each listener "

@@ -308,22 +308,25 @@ def test_silent_connections_at_the_limit_make_room_after_a_second(broker_factory
             c.sock.close()
 
 
-def test_requests_left_unfinished_at_the_limit_make_room_longest_open_first(broker_factory):
+def test_requests_left_unfinished_at_the_limit_make_room_slowest_first(broker_factory):
     """Hostile testing, round 76: a connection with a request under way was never closed
     to make room, so one client holding every place with requests it never finished
     (slowloris: "POST / HTTP/1.1\\r\\n" and nothing more) had every other client's call
     answered 503 "too many connections" until request_timeout, 30 s, and again as it
     reconnected. At the limit, a connection with a request under way gives its place, the
-    longest open first, answered 408 saying why; the newcomer is served. Its client,
-    still sending its body, reads the 408 (round 77: it was closed at once, and an
-    uploader got EPIPE)."""
+    one whose request comes slowest first (round 78: the longest open went first, an
+    honest pooled connection sending its request in two pieces), answered 408 saying why;
+    the newcomer is served. Its client, still sending its body, reads the 408 (round 77:
+    it was closed at once, and an uploader got EPIPE)."""
     b = broker_factory("--workers", "1", "--max-connections", "2")
-    held = []
+    older = Conn(b)
+    time.sleep(0.01)  # (apart in the loop's clock: `older` is the longest open)
+    held = [Conn(b), older]
     try:
-        for head in (post_head(b, "Content-Length: 100000\r\n\r\n") + b"[" * 1000, b"POST / HTTP/1.1\r\n"):
-            held.append(c := Conn(b))
-            c.send(head)
-            time.sleep(0.05)  # (apart in the loop's clock: the first is the longest open)
+        held[0].send(post_head(b, "Content-Length: 100000\r\n\r\n") + b"[" * 1000)
+        time.sleep(0.5)  # about 2 kB/s so far
+        older.send(b"POST / HTTP/1.1\r\nX-Pad: " + b"a" * 20_000 + b"\r\n")  # far faster: it keeps its place
+        time.sleep(0.02)
         with Conn(b) as c:
             c.send(post(call("add", [1, 2]), path=b.path))
             status, _, body = c.response()
@@ -334,7 +337,7 @@ def test_requests_left_unfinished_at_the_limit_make_room_longest_open_first(brok
         assert (status, headers["connection"]) == (408, "close"), (status, headers)
         assert json.loads(body)["error"].startswith("request still arriving after "), body
         assert held[0].closed_within(5)
-        assert not held[1].closed_within(0.5)  # the younger one kept its place
+        assert not older.closed_within(0.5)  # the longest open, faster, kept its place
         assert sample(scrape_metrics(b), "rpc_broker_connections_evicted_total", transport="http",
                       state="trickling") == 1
     finally:

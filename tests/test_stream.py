@@ -644,20 +644,22 @@ def test_connections_sending_only_empty_lines_make_room(tmp_path, transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_lines_left_unfinished_at_the_limit_make_room_longest_open_first(tmp_path, transport):
+def test_lines_left_unfinished_at_the_limit_make_room_slowest_first(tmp_path, transport):
     """Hostile testing, round 76: a connection with a line under way was never closed to
     make room, so one client holding every place with a line it never finished shut every
     other client out ("too many connections") for keepalive_timeout, 75 s. At the limit,
-    a connection with a line under way gives its place, the longest open first, answered
-    -32600 saying why; the newcomer is served."""
+    a connection with a line under way gives its place, the one whose line comes slowest
+    first (round 78: the longest open went first, an honest long-lived connection whose
+    line came in two writes), answered -32600 saying why; the newcomer is served."""
     sb = start_stream_broker(tmp_path, "--workers", "1", "--max-connections", "2")
     try:
-        with sb.connect(transport) as a:
-            time.sleep(0.01)  # (apart in the loop's clock, 1 ms steps: a is the longest open)
-            b = sb.connect(transport)
-            a.send(b'{"jsonrpc":"2.0","method":"add",')
-            b.send(b'{"jsonrpc":')
-            time.sleep(0.1)
+        with sb.connect(transport) as b:
+            time.sleep(0.01)  # (apart in the loop's clock, 1 ms steps: b is the longest open)
+            a = sb.connect(transport)
+            a.send(b'{"jsonrpc":')
+            time.sleep(0.3)  # a: about 40 bytes a second
+            b.send(b'{"jsonrpc":"2.0","method":"add",')  # b: its line's first piece, just now
+            time.sleep(0.02)
             with sb.connect(transport) as c:
                 assert c.call(line("add", [3, 3], "c")) == result("c", 6)
             evicted = json.loads(a.readline(5))
@@ -665,9 +667,9 @@ def test_lines_left_unfinished_at_the_limit_make_room_longest_open_first(tmp_pat
             assert evicted["error"]["data"].startswith("line still arriving after "), evicted
             assert evicted["error"]["data"].endswith(" s while the broker is at max_connections"), evicted
             assert a.closed_within(5) < 5
-            b.send(b'"2.0","method":"add","params":[1,1],"id":"b"}\n')  # the younger one kept its place
+            b.send(b'"params":[1,1],"id":"b"}\n')  # the longest open, faster, kept its place
             assert b.readline(5) == result("b", 2)
-            b.sock.close()
+            a.sock.close()
     finally:
         assert sb.broker.stop() == 0, sb.broker.read_log()
 

@@ -107,6 +107,18 @@ BYTE_SECONDS = 0.025 / (1024 * 1024)
 OVERTAKEN = 2
 CHARGED_SECONDS = 0.0002  # a read's time below this is not counted in its iteration's (the hot path's reads)
 _rank = operator.itemgetter(0)
+TRICKLE_FLOOR_SECONDS = 0.01  # a request (line) younger than this counts as this old in `trickle_rate`
+
+
+def trickle_rate(received: int, elapsed: float) -> float:
+    """The bytes per second (>= 0) a request (a line) under way has come at: `received`
+    bytes in `elapsed` seconds since its first byte, at least TRICKLE_FLOOR_SECONDS. The
+    slowest go first when `Listener.make_room` closes connections with a request under way:
+    ranked by how long they had been open, an honest long-lived connection (a proxy's
+    pooled one) whose request came in two pieces was the first to go, for the attacker's
+    fresh ones trickling requests far slower (hostile testing, round 78: 19 of its 67
+    requests answered 408). To outrank it, a request must now come as fast as it does."""
+    return received / max(elapsed, TRICKLE_FLOOR_SECONDS)
 
 
 # Flow control by answers owed, for both protocols: reading pauses while more than
@@ -480,12 +492,12 @@ class Listener:
         one fits under the limit, or none is left: first the least recently active idle
         ones (nginx reuses keep-alive connections the same way when worker_connections
         run out), then those with a request (a line, on a stream) under way and owed
-        nothing else, the longest open first, each told why (`evict`, `linger_out`): one
-        client holding every place with requests it never finishes (slowloris) no longer
-        shuts the others out until request_timeout (hostile testing, round 76: 237 of 246
-        of another client's calls refused), nor one that starts a request as it finishes
-        the last (round 77: a request's age was the rank, and one restarted every 0.8 s
-        was never a second old). Their `evict_rank(fresh)` orders them; None is not
+        nothing else, the slowest coming first (`trickle_rate`), each told why (`evict`,
+        `linger_out`): one client holding every place with requests it never finishes
+        (slowloris) no longer shuts the others out until request_timeout (hostile testing,
+        round 76: 237 of 246 of another client's calls refused), nor one that starts a
+        request as it finishes the last (round 77: a request's age was the rank, and one
+        restarted every 0.8 s was never a second old). Their `evict_rank(fresh, now)` orders them; None is not
         evictable. A connection just accepted that has sent nothing, whose first request
         may be on its way, is not idle until `fresh` (`SWEEP_SECONDS` ago): a burst of
         new connections does not close its own members before they can send. Counted in
@@ -502,7 +514,7 @@ class Listener:
             fresh = now - SWEEP_SECONDS
             if evictable:
                 conn = evictable.pop()
-                if conn in connections and (rank := conn.evict_rank(fresh)) is not None and self.all_taken(conn):
+                if conn in connections and (rank := conn.evict_rank(fresh, now)) is not None and self.all_taken(conn):
                     connections.discard(conn)
                     self.evicted_total["trickling" if rank[0] else "idle"] += 1
                     conn.evict(now)
@@ -512,7 +524,7 @@ class Listener:
             # (all taken here too: one found idle but not, popped, would be found again and
             # again, and the loop spun for good; hostile testing, round 19)
             ranked = [(rank, conn) for conn in connections
-                      if (rank := conn.evict_rank(fresh)) is not None and self.all_taken(conn)]
+                      if (rank := conn.evict_rank(fresh, now)) is not None and self.all_taken(conn)]
             if not ranked:
                 self._rescan_at = now + RESCAN_SECONDS
                 return

@@ -142,6 +142,7 @@ from broker.frontend.base import (
     discard_turn,
     fell_behind,
     reset,
+    trickle_rate,
     unread_bytes,
     unsent_bytes,
 )
@@ -778,13 +779,14 @@ class HttpProtocol(asyncio.Protocol):
             and (not self._closing or self.lingering_since > 0) and not self.send_stalled
         )  # fmt: skip
 
-    def evict_rank(self, fresh: float) -> tuple[int, float] | None:
+    def evict_rank(self, fresh: float, now: float) -> tuple[float, ...] | None:
         """Its place in `Listener.make_room`'s order, None if it is not to be closed for a
         new connection: lingering after an error answer, (0, since then); idle, and a
         request served already or no byte since loop time `fresh`, (0, last active); a
-        request under way, owed nothing else, its reading not
-        paused by the broker, (1, when it was accepted: the longest open first). Never one
-        in the probes' reserve, which makes room on its own (`HttpFrontend.admit_probe`)."""
+        request under way, owed nothing else, its reading not paused by the broker, (1, the
+        bytes per second it has come at since it began, at loop time `now`: the slowest
+        first, `trickle_rate`; alike, the longest open first). Never one in the probes' reserve, which makes room on its own
+        (`HttpFrontend.admit_probe`)."""
         if self._probe_only:
             return None
         if self.lingering_since:  # answered and closing: what it still sends is discarded (round 78:
@@ -795,7 +797,7 @@ class HttpProtocol(asyncio.Protocol):
             self.request_started and not self._responses and not self._backlog and not self._closing
             and not self.read_paused and not self.send_stalled and self._transport is not None
         ):  # fmt: skip
-            return 1, self.accepted_at
+            return 1, trickle_rate(self._incoming, now - self.request_started), self.accepted_at
         return None
 
     def evict(self, now: float) -> None:

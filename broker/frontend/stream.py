@@ -86,6 +86,7 @@ from broker.frontend.base import (
     Listener,
     discard_turn,
     fell_behind,
+    trickle_rate,
     unread_bytes,
 )
 from broker.jsonrpc import ErrorCode, error_object, response_error
@@ -274,12 +275,13 @@ class StreamProtocol(asyncio.Protocol):
         # at a time, until it is owed nothing (as for HTTP).
         self._one_by_one = False
 
-    def evict_rank(self, fresh: float) -> tuple[int, float] | None:
+    def evict_rank(self, fresh: float, now: float) -> tuple[float, ...] | None:
         """Its place in `Listener.make_room`'s order, None if it is not to be closed for a
         new connection: nothing owed or waiting, open, writing not stalled, and either
         idle, a line served or no byte since loop time `fresh`, (0, last active), or a
-        line under way, its reading not paused by the broker, (1, when it was accepted:
-        the longest open first)."""
+        line under way, its reading not paused by the broker, (1, the bytes per second it
+        has come at since it began, at loop time `now`: the slowest first, `trickle_rate`;
+        alike, the longest open first)."""
         transport = self._transport
         if (
             self.owed or self._waiting or self._backlog or self._eof or transport is None
@@ -290,7 +292,7 @@ class StreamProtocol(asyncio.Protocol):
             return 0, self.lingering_since
         if not self.line_started:
             return (0, self.last_active) if self.lines > 0 or self.last_active <= fresh else None
-        return None if self.read_paused else (1, self.accepted_at)
+        return None if self.read_paused else (1, trickle_rate(self._incoming, now - self.line_started), self.accepted_at)
 
     def evict(self, now: float) -> None:
         """Closed to make room for a new connection (`Listener.make_room`): at once if idle,
