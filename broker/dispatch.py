@@ -115,8 +115,8 @@ cut single-call throughput on 2 workers from about 32,000 to 13,000 calls/s, for
 gain.
 
 A worker that dies takes every call it held, and which of them killed it cannot be told: the
-methods of those calls run alone from then on (`broker.isolation`: a suspect until one of its
-calls answers, a method whose call died alone on its worker for ISOLATE_SECONDS). A call of an
+methods of those calls run alone from then on (`broker.isolation`: a strike each, and its calls
+alone until 1, 2, 4... of them, as it has 1, 2, 3... strikes, have answered). A call of an
 isolated method goes only to a worker holding nothing (`_pick_alone`), which then takes nothing
 else until it answers (its limit 0, blocked), on at most one connection's share of the workers
 at once (a worker dead under one counts until its slot is back); with no worker idle, the least
@@ -184,7 +184,7 @@ from broker.chunk import answers as chunk_answers
 from broker.chunk import count_answers, encode_requests, read_call, with_methods
 from broker.deadlines import DeadlineWheel
 from broker.fairqueue import FairQueue, Largest
-from broker.isolation import ISOLATE_SECONDS, Isolation
+from broker.isolation import Isolation
 from broker.jsonrpc import (
     _RESP_HEAD,  # with _RESP_RESULT: response_result's pieces, for splicing inline
     Body,
@@ -729,22 +729,25 @@ class Dispatcher:
 
     def _blame(self, worker: Worker, lost: list[Call]) -> None:
         """`worker` died holding `lost`: their methods' calls run alone from now on
-        (`broker.isolation`; not those of calls sent before a reload, `stale`)."""
+        (`broker.isolation`; not those of calls sent before a reload, `stale`). Killed as
+        hung, only the methods of its calls past their deadline: those behind them waited
+        (round 79's new user: a slow method beside the hung one took the strike, and the
+        only worker for calls run alone)."""
+        if worker.kill_reason.startswith("hung") and any(not call.tick for call in lost):
+            lost = [call for call in lost if not call.tick]
         methods: set[int] = set()
         for call in lost:
             if not call.stale:
                 methods.update(call.methods if call.methods is not None else (call.index,))
         methods.discard(len(self._names))  # (`other`)
-        sole = len(lost) == 1 and lost[0].slots is None
-        for index, what in self._isolation.blame(sorted(methods), sole, _clock()):
-            if what == "convicted":
-                log.warning(
-                    "worker %d (pid %d) died holding one call only, of %s: its calls run alone, one a worker, "
-                    "for %g s", worker.slot, worker.pid, self._names[index], ISOLATE_SECONDS,
-                )
-            else:
-                log.info("worker %d (pid %d) died holding calls of %s among others: they run alone until one "
-                         "answers", worker.slot, worker.pid, self._names[index])
+        if not methods:
+            return
+        owed = self._isolation.blame(sorted(methods), _clock())
+        log.warning(
+            "worker %d (pid %d) died holding %d call%s: their methods' calls now run alone, one per worker, "
+            "until so many of them answer: %s", worker.slot, worker.pid, len(lost), "" if len(lost) == 1 else "s",
+            ", ".join(f"{self._names[index]} {n}" for index, n in owed.items()),
+        )
 
     def start_failed(self) -> None:
         """A worker's start failed (it exited before its HELLO) while no worker is ready:
@@ -785,6 +788,13 @@ class Dispatcher:
             call.owner.queued -= call.weight
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER)
         self._check_idle()
+
+    @property
+    def isolated(self) -> dict[str, int]:
+        """The methods whose calls run alone now (`broker.isolation`), each with how many of
+        its calls must still answer, run so, before they stop."""
+        names = self._names
+        return {names[i]: n for i, n in self._isolation.alone.items() if i < len(names)}
 
     @property
     def ready_workers(self) -> int:
@@ -952,10 +962,9 @@ class Dispatcher:
             # (calls only, or notifications only: a chunk never mixes them, see `abandon`)
             groups[entries[0][2].timeout, 0, not calls] = entries
         else:
-            now_ = _clock()
             for entry in entries:
                 route = entry[2]
-                alone = isolation.alone and isolation.isolated(route.method_index, now_)
+                alone = route.method_index in isolation.alone
                 key = route.timeout, 2 if alone else int(route.sync > 0), entry[0] < 0
                 group = groups.get(key)
                 if group is None:
@@ -1171,7 +1180,7 @@ class Dispatcher:
         round 77: another client's calls, sent behind one whose every call crashed its
         worker, died with it, -32002, never run). A call of an isolated method goes
         alone (`_pick_alone`)."""
-        if self._isolation.alone and call.slots is None and self._isolation.isolated(call.index, _clock()):
+        if self._isolation.alone and call.slots is None and call.index in self._isolation.alone:
             return self._pick_alone(call)
         ready = self._ready
         n = len(ready)
@@ -1395,7 +1404,8 @@ class Dispatcher:
         them, and a suspect method whose handler ran is free again (`Isolation.answered`)."""
         del self._alone[worker]
         if aux != NOT_RUN and (kind != ERROR or payload != CANCEL_ACK) and self._isolation.answered(call.index):
-            log.info("%s answered on a worker of its own: its calls no longer run alone", self._names[call.index])
+            log.info("%s ran on a worker of its own as many times as asked: its calls no longer run alone",
+                     self._names[call.index])
 
     def _reserved_idle(self, worker: Worker) -> None:
         """`worker` holds nothing now, while calls run alone (`_pick_alone`): the calls

@@ -10,80 +10,72 @@ suspicion *alone*: each to a worker holding nothing else, which takes nothing el
 it answers, and no more such workers at once than one connection's share of them
 (`Dispatcher._pick_alone`). A call running alone that kills its worker takes only itself.
 
-The methods of every call a dead worker held come under suspicion (none can be told
-apart from the others). A method is
-
-    suspect     its calls run alone until one of them answers (it ran and its worker
-                lived): the innocent bystanders of a crash, free again after one call;
-    convicted   a call of it was the only call its worker held when the worker died:
-                its calls run alone for ISOLATE_SECONDS after its last such death,
-                whatever answers meanwhile (a handler that crashes for some params only
-                is caught the same way).
+Every method with a call in a worker when it died (for a worker killed as hung: with a
+call past its deadline there) takes a *strike*, and its calls run alone until 2**(strikes
+- 1) of them have answered (run, their worker living on): 1 after a first strike, 2 after
+a second, 4, 8... A bystander, whose calls answer, is free again after a few; a method that
+crashes on every call never is; one that crashes for some params only, between good calls
+(round 79's new user: each crash beside other calls, cleared by the next good call, 68
+bystanders dead in 15 s), must send twice as many good calls for each crash that is not
+alone, so the calls dying beside it are a few, not one a crash. Strikes are forgotten
+STRIKE_DECAY_SECONDS after a method's last one; a reload (new code) forgets everything.
 
 This is a circuit breaker in the sense of Nygard's *Release It!* (2007), ch. 5, with the
-broker's only trustworthy signal of a failure, a worker's death, and "half open" meaning
-"one call at a time, alone". A reload (new code) forgets it all.
+broker's only trustworthy signal of a failure, a worker's death, "half open" meaning "one
+call at a time, alone", and the exponential backoff of the strikes in place of a timer.
 
 Sans-IO: times are passed in (`time.perf_counter` seconds, the dispatcher's clock).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
-__all__ = ["ISOLATE_SECONDS", "Isolation"]
+__all__ = ["STRIKE_DECAY_SECONDS", "Isolation"]
 
-ISOLATE_SECONDS = 30.0  # a convicted method's calls run alone this long after its last death
+STRIKE_DECAY_SECONDS = 60.0  # a method's strikes are forgotten this long after its last one
+_MAX_SHIFT = 30  # (2**30 answers owed: never free, in practice)
 
 
 class Isolation:
     """The methods (by index in the workers' method table) whose calls run alone.
 
-    `alone` maps a method index to when its isolation ends (`math.inf`: a suspect, until
-    a call of it answers). It is empty in the usual case, and the dispatcher tests it
+    `alone` maps a method index to how many of its calls must still answer, run alone,
+    before it is free (>= 1). It is empty in the usual case, and the dispatcher tests it
     before anything else (one truth test a call)."""
 
-    __slots__ = ("_next_expiry", "alone")
+    __slots__ = ("_strikes", "alone")
 
     def __init__(self) -> None:
-        self.alone: dict[int, float] = {}
-        self._next_expiry = math.inf  # the earliest end of a conviction (perf_counter s)
+        self.alone: dict[int, int] = {}
+        self._strikes: dict[int, tuple[int, float]] = {}  # index -> (strikes, when the last came)
 
-    def blame(self, methods: Iterable[int], sole: bool, now: float) -> list[tuple[int, str]]:
-        """A worker died holding calls of `methods`; `sole`: it held one call only.
-        Returns what changed, [(method index, "convicted" | "suspect")], for the log."""
-        changed: list[tuple[int, str]] = []
+    def blame(self, methods: Iterable[int], now: float) -> dict[int, int]:
+        """A worker died holding calls of `methods`: a strike each. Returns, for each, the
+        answers now owed before its calls stop running alone (for the log)."""
+        owed: dict[int, int] = {}
         for index in methods:
-            if sole:
-                until = now + ISOLATE_SECONDS
-                self.alone[index] = until
-                self._next_expiry = min(self._next_expiry, until)
-                changed.append((index, "convicted"))
-            elif index not in self.alone:
-                self.alone[index] = math.inf
-                changed.append((index, "suspect"))
-        return changed
-
-    def isolated(self, index: int, now: float) -> bool:
-        """Do calls of method `index` run alone now? (A conviction past its end is dropped.)"""
-        if now >= self._next_expiry:
-            self._expire(now)
-        return index in self.alone
-
-    def _expire(self, now: float) -> None:
-        self.alone = {index: until for index, until in self.alone.items() if until > now}
-        self._next_expiry = min((u for u in self.alone.values() if u != math.inf), default=math.inf)
+            strikes, last = self._strikes.get(index, (0, now))
+            if now - last >= STRIKE_DECAY_SECONDS:
+                strikes = 0
+            strikes += 1
+            self._strikes[index] = (strikes, now)
+            owed[index] = self.alone[index] = 1 << min(strikes - 1, _MAX_SHIFT)
+        return owed
 
     def answered(self, index: int) -> bool:
-        """A call of method `index`, run alone, answered (its handler ran, its worker lives):
-        a suspect is free again (True); a convicted method stays isolated."""
-        if self.alone.get(index) == math.inf:
-            del self.alone[index]
-            return True
-        return False
+        """A call of method `index`, run alone, answered (its handler ran, its worker lives
+        on): one fewer owed. True if that frees the method."""
+        owed = self.alone.get(index)
+        if owed is None:
+            return False
+        if owed > 1:
+            self.alone[index] = owed - 1
+            return False
+        del self.alone[index]
+        return True
 
     def clear(self) -> None:
         """Forget everything (a reload: new code, and a new method table)."""
         self.alone.clear()
-        self._next_expiry = math.inf
+        self._strikes.clear()

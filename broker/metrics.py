@@ -316,8 +316,14 @@ class BrokerCollector(Collector):
         yield _family_gauge("rpc_broker_calls_queued", "Calls waiting for a worker.", [], [([], d.queued_calls)])
         yield _family_gauge(
             "rpc_broker_calls_held", "Of the calls waiting, those held for their connection's share of the "
-            "places (connection_share), not for a free worker.", [], [([], d.held_calls)],
+            "places (connection_share), or for a worker of their own (a method run alone), not for a free "
+            "worker.", [], [([], d.held_calls)],
         )  # fmt: skip
+        yield _family_gauge(
+            "rpc_broker_method_isolated", "Methods whose calls run alone, one per worker, since a worker died "
+            "holding calls of theirs: how many of their calls must still answer so (absent: none).", ["method"],
+            [([name], n) for name, n in d.isolated.items()],
+        )
         yield _family_gauge(
             "rpc_broker_queue_capacity", "Calls the queue holds before answering overloaded (max_queue).", [],
             [([], self.max_queue)],

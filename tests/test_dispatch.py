@@ -1713,12 +1713,13 @@ def test_the_end_of_an_old_process_socket_leaves_the_slot_s_next_process_alone()
     run(main)
 
 
-def test_a_convicted_method_runs_alone_on_a_reserved_worker_while_the_others_serve():
-    """Isolation (broker/isolation.py; hostile testing, round 78): a method whose call was
-    the only one its worker held when it died runs alone: with no worker idle, the least
-    loaded is reserved (takes nothing more), runs the call once empty, and takes nothing else
-    until it answers; the other clients' calls go to the other worker all along, and a call
-    of the method after it waits (one connection's share of the workers: one of two)."""
+def test_a_method_with_strikes_runs_alone_on_a_reserved_worker_while_the_others_serve():
+    """Isolation (broker/isolation.py; hostile testing, round 78): a method whose calls were
+    in a worker that died twice runs alone until 2 of its calls answer: with no worker idle,
+    the least loaded is reserved (takes nothing more), runs the call once empty, and takes
+    nothing else until it answers; the other clients' calls go to the other worker all
+    along, and a call of the method after it waits (one connection's share of the workers:
+    one of two)."""
 
     async def main() -> None:
         d = Dispatcher(asyncio.get_running_loop())
@@ -1726,41 +1727,46 @@ def test_a_convicted_method_runs_alone_on_a_reserved_worker_while_the_others_ser
         w0, w1 = add_worker(d, 0, concurrency=10), add_worker(d, 1, concurrency=10)
         codec = Codec()
         done: list[Exchange] = []
-        d.submit(body(codec, req("boom", [], "first")), done.append)
-        [(_, first, _, _)] = (w0.channel.take() or w1.channel.take())  # type: ignore[union-attr]
-        dead = w0 if first in w0.channel.deadlines else w1  # type: ignore[union-attr]
-        d.worker_lost(dead, "exited with 1")
-        assert json.loads(done[0].body())["error"]["code"] == -32002
-        dead.channel = RecordingChannel()  # type: ignore[assignment]
-        d.worker_ready(dead)  # (its slot restarted)
+        for strike in range(2):  # two deaths under it: 2 answers owed
+            d.submit(body(codec, req("boom", [], strike)), done.append)
+            [(_, first, _, _)] = (w0.channel.take() or w1.channel.take())  # type: ignore[union-attr]
+            dead = w0 if first in w0.channel.deadlines else w1  # type: ignore[union-attr]
+            d.worker_lost(dead, "exited with 1")
+            dead.channel = RecordingChannel()  # type: ignore[assignment]
+            d.worker_ready(dead)  # (its slot restarted)
+        assert [json.loads(e.body())["error"]["code"] for e in done] == [-32002, -32002]
+        assert d.isolated == {"boom": 2}
         innocent, bad = ResponseBudget(d.outgoing), ResponseBudget(d.outgoing)
         for i in range(4):  # both workers busy
             d.submit(body(codec, req("m", [], f"m{i}")), done.append, innocent)
         busy = {w: [f[1] for f in w.channel.take()] for w in (w0, w1)}  # type: ignore[union-attr]
         assert all(busy.values())
-        d.submit(body(codec, req("boom", [], "b1")), done.append, bad)
-        d.submit(body(codec, req("boom", [], "b2")), done.append, bad)
-        assert d.queued_calls == 2  # (no worker idle: one is reserved)
+        for i in range(3):
+            d.submit(body(codec, req("boom", [], f"b{i}")), done.append, bad)
+        assert d.queued_calls == 3  # (no worker idle: one is reserved)
         [reserved] = [w for w in (w0, w1) if w.limit == 0]
         other = w1 if reserved is w0 else w0
         for i in range(3):  # meanwhile every innocent call goes to the other worker
             d.submit(body(codec, req("m", [], f"n{i}")), done.append, ResponseBudget(d.outgoing))
         assert len(other.channel.take()) == 3 and not reserved.channel.take()  # type: ignore[union-attr]
-        for call_id in busy[reserved]:  # the reserved worker empties: b1 runs there, alone
+        for call_id in busy[reserved]:  # the reserved worker empties: b0 runs there, alone
             d.on_reply(reserved, wire.Kind.RESULT, call_id, 10, b"0")
-        [(kind, b1, _, _)] = reserved.channel.take()  # type: ignore[union-attr]
-        assert kind == wire.CALL and reserved.outstanding == 1 and d.queued_calls == 1  # (b2 waits: the cap)
+        [(kind, b0, _, _)] = reserved.channel.take()  # type: ignore[union-attr]
+        assert kind == wire.CALL and reserved.outstanding == 1 and d.queued_calls == 2  # (b1 waits: the cap)
         d.submit(body(codec, req("m", [], "late")), done.append, ResponseBudget(d.outgoing))
         assert not reserved.channel.take() and len(other.channel.take()) == 1  # type: ignore[union-attr]
-        d.on_reply(reserved, wire.Kind.RESULT, b1, 10, b'"ok"')  # it answered: convicted still, b2 goes
-        [(kind, _b2, _, _)] = reserved.channel.take()  # type: ignore[union-attr]
-        assert kind == wire.CALL and reserved.outstanding == 1 and d.queued_calls == 0
+        d.on_reply(reserved, wire.Kind.RESULT, b0, 10, b'"ok"')  # one answered: one more owed, b1 alone
+        assert d.isolated == {"boom": 1}
+        [(kind, b1, _, _)] = reserved.channel.take()  # type: ignore[union-attr]
+        assert kind == wire.CALL and reserved.outstanding == 1 and d.queued_calls == 1
+        d.on_reply(reserved, wire.Kind.RESULT, b1, 10, b'"ok"')  # two: free, b2 goes as any call
+        assert d.isolated == {} and d.queued_calls == 0 and reserved.limit == 10
 
     run(main)
 
 
 def test_bystanders_of_a_death_run_alone_until_one_of_their_calls_answers():
-    """Calls of several methods die together: each becomes a suspect, its calls alone, until
+    """Calls of several methods die together: each takes a strike, its calls alone until
     one of them answers (it ran and its worker lived); then they go as any call does."""
 
     async def main() -> None:
@@ -1773,15 +1779,16 @@ def test_bystanders_of_a_death_run_alone_until_one_of_their_calls_answers():
         d.submit(body(codec, req("m", [], "m")), done.append)
         assert len(w.channel.take()) == 2  # type: ignore[union-attr]
         d.worker_lost(w, "exited with 1")
+        assert d.isolated == {"m": 1, "boom": 1}
         w.channel = RecordingChannel()  # type: ignore[assignment]
         d.worker_ready(w)
         for i in range(3):
             d.submit(body(codec, req("m", [], i)), done.append, ResponseBudget(d.outgoing))
         [(_, first, _, _)] = w.channel.take()  # type: ignore[union-attr]  # one alone; the others wait
         assert d.queued_calls == 2
-        d.on_reply(w, wire.Kind.RESULT, first, 10, b"0")  # m answered: no longer a suspect
+        d.on_reply(w, wire.Kind.RESULT, first, 10, b"0")  # m answered: no longer alone
         assert len(w.channel.take()) == 2 and d.queued_calls == 0  # type: ignore[union-attr]
-        d.submit(body(codec, req("boom", [], "b2")), done.append)  # still a suspect: alone, behind them
-        assert d.queued_calls == 1
+        d.submit(body(codec, req("boom", [], "b2")), done.append)  # still alone: behind them
+        assert d.queued_calls == 1 and d.isolated == {"boom": 1}
 
     run(main)

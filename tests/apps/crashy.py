@@ -20,6 +20,15 @@ async def crash_async() -> None:
 
 
 @registry.method
+async def crash_if(crash: bool) -> str:
+    """Exits the worker when `crash` is true, else answers: a tool that crashes for some params
+    (async: never routed as blocking its worker)."""
+    if crash:
+        os._exit(1)
+    return "fine"
+
+
+@registry.method
 def crash_after(seconds: float) -> str:
     """Answers, then a thread of its exits the worker with status 1 `seconds` later."""
     import threading
