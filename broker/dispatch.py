@@ -733,6 +733,7 @@ class Dispatcher:
         hung, only the methods of its calls past their deadline: those behind them waited
         (round 79's new user: a slow method beside the hung one took the strike, and the
         only worker for calls run alone)."""
+        held = len(lost)
         if worker.kill_reason.startswith("hung") and any(not call.tick for call in lost):
             lost = [call for call in lost if not call.tick]
         methods: set[int] = set()
@@ -745,7 +746,7 @@ class Dispatcher:
         owed = self._isolation.blame(sorted(methods), _clock())
         log.warning(
             "worker %d (pid %d) died holding %d call%s: their methods' calls now run alone, one per worker, "
-            "until so many of them answer: %s", worker.slot, worker.pid, len(lost), "" if len(lost) == 1 else "s",
+            "until so many of them answer: %s", worker.slot, worker.pid, held, "" if held == 1 else "s",
             ", ".join(f"{self._names[index]} {n}" for index, n in owed.items()),
         )
 

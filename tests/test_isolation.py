@@ -105,3 +105,27 @@ def test_a_method_that_crashes_for_some_params_between_good_calls_soon_takes_no_
     assert deaths >= 3, attacker  # (the attack ran)
     assert set(innocent) <= {"ok", -32002}, innocent
     assert len(dead_pids) <= 2, (dead_pids, deaths, innocent.count(-32002))  # (innocent calls died in 2 deaths at most)
+
+
+def test_a_worker_killed_as_hung_blames_only_the_methods_of_its_calls_past_their_deadline(broker_factory):
+    """Round 79's new user (MEDIUM): killed as hung, a worker's death blamed every method it
+    held, the calls waiting behind the hung one too: a slow bystander then took the only
+    worker for calls run alone, and its clients waited. Only the calls past their deadline
+    (the hung one) are blamed; the others, which waited, are not."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--method-timeout", "spin=0.5",
+                       "--cancel-grace", "0.5", "--sync-prefetch", "2")
+    naps = []
+    threads = [threading.Thread(target=lambda: naps.append(b.call("nap", [5], timeout=30))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 2, timeout=10)
+    assert b.call("spin", [30], timeout=30)["error"]["code"] == -32001  # type: ignore[index]
+    for t in threads:
+        t.join(30)
+    assert [reply["error"]["code"] for reply in naps] == [-32002, -32002], naps  # (died with it)
+    log = b.read_log(timeout=1.0)
+    assert "died holding 3 calls: their methods' calls now run alone, one per worker, until so many of them " \
+           "answer: spin 1\n" in log, log[-2000:]
+    metrics = scrape_metrics(b)
+    assert sample(metrics, "rpc_broker_method_isolated", method="spin") == 1
+    assert sample(metrics, "rpc_broker_method_isolated", method="nap") == 0
