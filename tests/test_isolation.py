@@ -82,15 +82,19 @@ def test_a_method_that_crashes_for_some_params_between_good_calls_soon_takes_no_
     attacker: list[object] = []
     dead_pids: set[int] = set()
 
+    done = threading.Event()
+
     def attack() -> None:
-        deadline = time.monotonic() + 4.0
-        while time.monotonic() < deadline:  # bounded: 4 s
-            for crash in (True, False):
-                attacker.append(b.call("crash_if", [crash], timeout=30))
+        deadline = time.monotonic() + 20.0
+        try:
+            while time.monotonic() < deadline and sum(1 for r in attacker if "error" in r) < 5:  # bounded: 20 s
+                for crash in (True, False):
+                    attacker.append(b.call("crash_if", [crash], timeout=30))
+        finally:
+            done.set()
 
     def innocent_loop() -> None:
-        deadline = time.monotonic() + 4.0
-        while time.monotonic() < deadline:
+        while not done.is_set():
             reply = b.call("pid", timeout=30)
             innocent.append("ok" if "result" in reply else reply["error"]["code"])  # type: ignore[index]
             if "error" in reply:
@@ -102,7 +106,7 @@ def test_a_method_that_crashes_for_some_params_between_good_calls_soon_takes_no_
     for t in threads:
         t.join(60)
     deaths = sum(1 for reply in attacker if "error" in reply)
-    assert deaths >= 3, attacker  # (the attack ran)
+    assert deaths >= 5, attacker  # (the attack ran)
     assert set(innocent) <= {"ok", -32002}, innocent
     assert len(dead_pids) <= 2, (dead_pids, deaths, innocent.count(-32002))  # (innocent calls died in 2 deaths at most)
 
