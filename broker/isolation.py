@@ -13,7 +13,10 @@ it answers, and no more such workers at once than one connection's share of them
 Every method with a call in a worker when it died (for a worker killed as hung: with a
 call past its deadline there) takes a *strike*, and its calls run alone until 2**(strikes
 - 1) of them have answered (run, their worker living on): 1 after a first strike, 2 after
-a second, 4, 8... A bystander, whose calls answer, is free again after a few; a method that
+a second, 4, 8, and 16 at most (a crash that comes after its call answered, from a thread of
+the handler's, is blamed on whatever the worker holds then, which cannot be helped: round 79;
+the cap bounds what that costs an innocent method). A bystander, whose calls answer, is free
+again after a few; a method that
 crashes on every call never is; one that crashes for some params only, between good calls
 (round 79's new user: each crash beside other calls, cleared by the next good call, 68
 bystanders dead in 15 s), must send twice as many good calls for each crash that is not
@@ -34,7 +37,7 @@ from collections.abc import Iterable
 __all__ = ["STRIKE_DECAY_SECONDS", "Isolation"]
 
 STRIKE_DECAY_SECONDS = 60.0  # a method's strikes are forgotten this long after its last one
-_MAX_SHIFT = 30  # (2**30 answers owed: never free, in practice)
+MAX_OWED_SHIFT = 4  # at most 2**4 = 16 answers owed: a method framed by a crash it did not cause pays little
 
 
 class Isolation:
@@ -60,7 +63,7 @@ class Isolation:
                 strikes = 0
             strikes += 1
             self._strikes[index] = (strikes, now)
-            owed[index] = self.alone[index] = 1 << min(strikes - 1, _MAX_SHIFT)
+            owed[index] = self.alone[index] = 1 << min(strikes - 1, MAX_OWED_SHIFT)
         return owed
 
     def answered(self, index: int) -> bool:

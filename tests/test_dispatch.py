@@ -1792,3 +1792,51 @@ def test_bystanders_of_a_death_run_alone_until_one_of_their_calls_answers():
         assert d.queued_calls == 1 and d.isolated == {"boom": 1}
 
     run(main)
+
+
+def test_a_call_run_alone_takes_a_worker_that_empties_before_the_reserved_one():
+    """Hostile testing, round 79 (HIGH): a call of an isolated method waited for the worker
+    reserved for it (draining a 6 s call) while the other worker sat idle, its connection's
+    next call behind it, both until their deadline. The first worker to empty takes it, and
+    the reservation ends (round 79, MEDIUM: one no call waits for any more, its call timed
+    out, ends too, and the worker takes calls again)."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), method_timeouts={"boom": 0.05})
+        d.set_methods(["m", "boom"])
+        w0, w1 = add_worker(d, 0, concurrency=10), add_worker(d, 1, concurrency=10)
+        codec = Codec()
+        done: list[Exchange] = []
+        for strike in range(2):  # two deaths under it: 2 answers owed
+            d.submit(body(codec, req("boom", [], f"s{strike}")), done.append)
+            [(_, first, _, _)] = (w0.channel.take() or w1.channel.take())  # type: ignore[union-attr]
+            dead = w0 if first in w0.channel.deadlines else w1  # type: ignore[union-attr]
+            d.worker_lost(dead, "exited with 1")
+            dead.channel = RecordingChannel()  # type: ignore[assignment]
+            d.worker_ready(dead)
+        d.submit(body(codec, req("m", [], "long")), done.append)
+        d.submit(body(codec, req("m", [], "short")), done.append)
+        [(_, long_id, _, _)] = w0.channel.take()  # type: ignore[union-attr]
+        [(_, short_id, _, _)] = w1.channel.take()  # type: ignore[union-attr]
+        d.submit(body(codec, req("boom", [], 1)), done.append)  # no worker idle: one is reserved
+        [reserved] = [w for w in (w0, w1) if w.limit == 0]
+        other, other_id = (w1, short_id) if reserved is w0 else (w0, long_id)
+        d.on_reply(other, wire.Kind.RESULT, other_id, 10, b"0")  # the other empties first: it takes boom
+        [(kind, boom, _, _)] = other.channel.take()  # type: ignore[union-attr]
+        assert kind == wire.CALL and reserved.limit == 10 and d.queued_calls == 0
+        d.submit(body(codec, req("m", [], "next")), done.append)
+        assert len(reserved.channel.take()) == 1  # type: ignore[union-attr]  # (it takes calls again)
+        d.on_reply(other, wire.Kind.RESULT, boom, 10, b"0")  # (one more answer owed)
+        d.submit(body(codec, req("m", [], "busy")), done.append)  # (to `other`: both busy again)
+        assert len(other.channel.take()) == 1  # type: ignore[union-attr]
+        # A call waiting for a worker of its own that times out ends the reservation made for it.
+        d.submit(body(codec, req("boom", [], 2)), done.append)
+        assert [w for w in (w0, w1) if w.limit == 0 and not w.blocked] == [other]  # (the least loaded)
+        reserved = other
+        await asyncio.sleep(0.2)  # its deadline, 0.05 s, passes while it waits
+        assert json.loads(done[-1].body())["error"]["code"] == -32001
+        assert reserved.limit == 10  # (no call waits for it: it takes calls again)
+        d.submit(body(codec, req("m", [], "after")), done.append)
+        assert len(reserved.channel.take()) == 1  # type: ignore[union-attr]
+
+    run(main)
