@@ -934,3 +934,21 @@ def test_a_refused_request_queued_behind_slow_answers_reads_on(broker_factory):
         s.close()
     assert re.findall(rb"HTTP/1\.1 \d\d\d", bytes(got)) == [b"HTTP/1.1 200", b"HTTP/1.1 200", b"HTTP/1.1 413"]
     assert b'"id":2,"result":6.0' in got and got.count(b"x" * 1000) >= 7000
+
+
+def test_a_post_with_no_length_gets_411_saying_so(broker_factory):
+    """Hostile testing, round 77 (LOW): a POST with neither Content-Length nor
+    Transfer-Encoding (`curl -X POST` with no data) got a bare -32700: it has no body (RFC
+    9112 6.3), and 411 Length Required says what is missing (RFC 9110 15.5.12). An empty
+    body declared so (Content-Length: 0) is still a parse error."""
+    b = broker_factory("--workers", "1")
+    with Conn(b) as c:
+        c.send(post_head(b, "\r\n"))
+        status, _, body = c.response()
+        assert status == 411, (status, body)
+        error = json.loads(body)["error"]
+        assert error["code"] == -32600 and "Content-Length" in error["data"], error
+        c.send(post(call("add", [1, 2]), path=b.path))  # (the connection serves on)
+        assert c.response()[0] == 200
+    status, _, body = b.post(b"")  # (http.client: Content-Length: 0)
+    assert status == 400 and json.loads(body)["error"]["code"] == -32700, (status, body)

@@ -200,7 +200,7 @@ def _status_line(code: int) -> bytes:
 
 _STATUS_LINES = {
     code: _status_line(code)
-    for code in (200, 204, 400, 403, 404, 405, 408, 413, 415, 421, 431, 500, 502, 503, 504, 505)
+    for code in (200, 204, 400, 403, 404, 405, 408, 411, 413, 415, 421, 431, 500, 502, 503, 504, 505)
 }
 _JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
@@ -1647,6 +1647,12 @@ class HttpProtocol(asyncio.Protocol):
 
     def _rpc(self, keep_alive: bool, cors: bytes = b"") -> None:
         body = self._body
+        if not body and self._content_length < 0 and not self._transfer_encoding:
+            # No framing, so no body (RFC 9112 6.3): 411 says what is missing (RFC 9110 15.5.12;
+            # hostile testing, round 77: `curl -X POST` with no data got a bare -32700).
+            self._queue_invalid(411, "no body: send the request with Content-Length (or Transfer-Encoding: "
+                                "chunked)", keep_alive, "rpc", cors)
+            return
         self._body = b""
         fe = self._fe
         # (_gated, inlined. With nothing owed, the write buffer below its high mark and the
