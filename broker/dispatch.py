@@ -1214,8 +1214,9 @@ class Dispatcher:
         """`_pick` for a call of an isolated method (`broker.isolation`): a ready worker
         holding nothing, not blocked, which then takes nothing else until it answers (its
         limit 0, blocked, the call counted as a blocking sync call). At most one connection's
-        share of the workers (`connection_share`, at least one) are spent on such calls at
-        once: running one, dead under one and not back yet (its slot restarting), or
+        share of the workers (`connection_share`, at least one) are spent on the calls of
+        methods with more than one strike at once (those of a first strike, bystanders
+        mostly, are not held behind a crash loop's: round 79, 3 calls a second): running one, dead under one and not back yet (its slot restarting), or
         reserved for the next one (when no worker is idle, the least loaded takes nothing
         more until it is, one reservation at a time: under load a worker is never idle, and
         the call would wait for its deadline; an idle worker found meanwhile takes the call
@@ -1249,8 +1250,8 @@ class Dispatcher:
             if chosen is not None and draining is not None:  # an idle one instead of the one draining
                 del alone[draining]
                 draining.limit = draining.concurrency
-            elif len(alone) >= cap:
-                return None
+            elif len(alone) >= cap and self._isolation.strikes(call.index) > 1:
+                return None  # (a first strike may take any idle worker: a bystander, mostly)
             if chosen is None:
                 if least is not None and draining is None:  # reserved: it takes nothing more
                     least.limit = 0

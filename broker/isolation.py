@@ -66,6 +66,10 @@ class Isolation:
             owed[index] = self.alone[index] = 1 << min(strikes - 1, MAX_OWED_SHIFT)
         return owed
 
+    def strikes(self, index: int) -> int:
+        """Method `index`'s strikes (0 if none, or forgotten: see `blame`, which decays them)."""
+        return self._strikes.get(index, (0, 0.0))[0]
+
     def answered(self, index: int) -> bool:
         """A call of method `index`, run alone, answered (its handler ran, its worker lives
         on): one fewer owed. True if that frees the method."""

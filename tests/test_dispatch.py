@@ -1840,3 +1840,37 @@ def test_a_call_run_alone_takes_a_worker_that_empties_before_the_reserved_one():
         assert len(reserved.channel.take()) == 1  # type: ignore[union-attr]
 
     run(main)
+
+
+def test_a_bystander_s_call_run_alone_is_not_held_behind_a_crash_loop_s():
+    """Hostile testing, round 79 (MEDIUM): on 2 workers one worker at a time runs calls
+    alone, and a crash loop's (its worker dead until its slot is back) held every other
+    isolated method's calls: a bystander's got 3 calls a second. The cap holds back the
+    calls of methods with more than one strike only."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["m", "boom"])
+        w0 = add_worker(d, 0, concurrency=10)
+        codec = Codec()
+        done: list[Exchange] = []
+        d.submit(body(codec, req("boom", [], 0)), done.append)  # a first death: boom and m beside it
+        d.submit(body(codec, req("m", [], 0)), done.append)
+        assert len(w0.channel.take()) == 2  # type: ignore[union-attr]
+        d.worker_lost(w0, "exited with 1")
+        w0.channel = RecordingChannel()  # type: ignore[assignment]
+        d.worker_ready(w0)
+        w1 = add_worker(d, 1, concurrency=10)
+        d.submit(body(codec, req("boom", [], 1)), done.append)  # boom alone, and it dies: a second strike
+        [crashing] = [w for w in (w0, w1) if w.outstanding]
+        crashing.channel.take()  # type: ignore[union-attr]
+        d.worker_lost(crashing, "exited with 1")  # (its slot restarting: it counts against the cap)
+        assert d.isolated == {"m": 1, "boom": 2}
+        other = w1 if crashing is w0 else w0
+        d.submit(body(codec, req("boom", [], 2)), done.append)
+        assert not other.channel.take() and d.queued_calls == 1  # type: ignore[union-attr]  # (the cap: boom waits)
+        d.submit(body(codec, req("m", [], 1)), done.append)  # m, one strike: alone on the idle worker at once
+        [(kind, _m, _, _)] = other.channel.take()  # type: ignore[union-attr]
+        assert kind == wire.CALL and other.limit == 0 and d.queued_calls == 1
+
+    run(main)
