@@ -1121,6 +1121,8 @@ class Dispatcher:
                 self.abandoned_total["queued"] += call.weight
             if self._queue.is_held(owner):  # (its notifications left: held for a call that went, maybe)
                 self._queue.release(owner)
+            if self._alone_held:  # (its call may have been the one waiting for a worker of its own: round 80,
+                self._release_all()  # the reservation made for it outlived it; `_pump` decides again)
             self._pump()  # (the head may be another now, which a blocked worker takes; and `_check_idle`)
         if owner.in_flight:
             now = _clock()
@@ -1181,8 +1183,12 @@ class Dispatcher:
         round 77: another client's calls, sent behind one whose every call crashed its
         worker, died with it, -32002, never run). A call of an isolated method goes
         alone (`_pick_alone`)."""
-        if self._isolation.alone and call.slots is None and call.index in self._isolation.alone:
-            return self._pick_alone(call)
+        isolation = self._isolation
+        if isolation.alone and call.slots is None and call.index in isolation.alone:
+            if _clock() >= isolation.next_end:
+                self._isolation_ends()
+            if call.index in isolation.alone:
+                return self._pick_alone(call)
         ready = self._ready
         n = len(ready)
         if not n:
@@ -1263,6 +1269,15 @@ class Dispatcher:
         self._blocked += 1
         call.sync = 1  # (so its answer unblocks the worker, as a blocking sync call's does)
         return chosen
+
+    def _isolation_ends(self) -> None:
+        """Methods whose calls ran alone long enough since their last strike (`Isolation.expire`)
+        run as any: the calls held waiting for a worker of their own go back in turn."""
+        for index in self._isolation.expire(_clock()):
+            if index < len(self._names):
+                log.info("%s ran alone long enough since its last strike: its calls no longer run alone",
+                         self._names[index])
+        self._release_all()
 
     def _unreserve(self) -> bool:
         """End the reservations (`_pick_alone`) no call waits for any more (it timed out,
@@ -1807,6 +1822,8 @@ class Dispatcher:
         queue = self._queue
         metrics = self.metrics
         share = self._share
+        if self._isolation.alone and _clock() >= self._isolation.next_end:
+            self._isolation_ends()
         while True:
             call = queue.head()
             if call is None:

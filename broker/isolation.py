@@ -13,10 +13,12 @@ it answers, and no more such workers at once than one connection's share of them
 Every method with a call in a worker when it died (for a worker killed as hung: with a
 call past its deadline there) takes a *strike*, and its calls run alone until 2**(strikes
 - 1) of them have answered (run, their worker living on): 1 after a first strike, 2 after
-a second, 4, 8, and 16 at most (a crash that comes after its call answered, from a thread of
-the handler's, is blamed on whatever the worker holds then, which cannot be helped: round 79;
-the cap bounds what that costs an innocent method). A bystander, whose calls answer, is free
-again after a few; a method that
+a second, 4, 8..., or until ALONE_SECONDS times that has passed since its last strike (4 s,
+8 s, 16 s at most: longer than a worker's restart), whichever comes first. A crash that comes after its call answered (a thread of the
+handler's) is blamed on whatever the worker holds then, which cannot be helped (round 79):
+the time bound is what keeps that from costing an innocent method long, a slow one above all
+(round 80: a framed `sleep(9)` owed 8 answers, one a worker at a time, and its clients timed
+out for 35 s). A bystander, whose calls answer, is free again after a few; a method that
 crashes on every call never is; one that crashes for some params only, between good calls
 (round 79's new user: each crash beside other calls, cleared by the next good call, 68
 bystanders dead in 15 s), must send twice as many good calls for each crash that is not
@@ -32,12 +34,15 @@ Sans-IO: times are passed in (`time.perf_counter` seconds, the dispatcher's cloc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 __all__ = ["STRIKE_DECAY_SECONDS", "Isolation"]
 
 STRIKE_DECAY_SECONDS = 60.0  # a method's strikes are forgotten this long after its last one
-MAX_OWED_SHIFT = 4  # at most 2**4 = 16 answers owed: a method framed by a crash it did not cause pays little
+MAX_OWED_SHIFT = 20  # (2**20 answers owed: the time bound frees it first)
+ALONE_SECONDS = 4.0  # ... or this long times its answers owed, after its last strike,
+MAX_ALONE_SECONDS = 16.0  # this long at most
 
 
 class Isolation:
@@ -45,13 +50,16 @@ class Isolation:
 
     `alone` maps a method index to how many of its calls must still answer, run alone,
     before it is free (>= 1). It is empty in the usual case, and the dispatcher tests it
-    before anything else (one truth test a call)."""
+    before anything else (one truth test a call). `next_end`: the earliest time bound of
+    those (`expire`)."""
 
-    __slots__ = ("_strikes", "alone")
+    __slots__ = ("_ends", "_strikes", "alone", "next_end")
 
     def __init__(self) -> None:
         self.alone: dict[int, int] = {}
         self._strikes: dict[int, tuple[int, float]] = {}  # index -> (strikes, when the last came)
+        self._ends: dict[int, float] = {}  # index -> when its calls stop running alone, whatever is owed
+        self.next_end = math.inf
 
     def blame(self, methods: Iterable[int], now: float) -> dict[int, int]:
         """A worker died holding calls of `methods`: a strike each. Returns, for each, the
@@ -64,7 +72,18 @@ class Isolation:
             strikes += 1
             self._strikes[index] = (strikes, now)
             owed[index] = self.alone[index] = 1 << min(strikes - 1, MAX_OWED_SHIFT)
+            end = self._ends[index] = now + min(ALONE_SECONDS * (1 << min(strikes - 1, 8)), MAX_ALONE_SECONDS)
+            self.next_end = min(self.next_end, end)
         return owed
+
+    def expire(self, now: float) -> list[int]:
+        """Free the methods whose time bound has passed at `now`; returns them."""
+        ended = [index for index, end in self._ends.items() if end <= now]
+        for index in ended:
+            del self._ends[index]
+            self.alone.pop(index, None)
+        self.next_end = min(self._ends.values(), default=math.inf)
+        return ended
 
     def strikes(self, index: int) -> int:
         """Method `index`'s strikes (0 if none, or forgotten: see `blame`, which decays them)."""
@@ -80,9 +99,12 @@ class Isolation:
             self.alone[index] = owed - 1
             return False
         del self.alone[index]
+        self._ends.pop(index, None)
         return True
 
     def clear(self) -> None:
         """Forget everything (a reload: new code, and a new method table)."""
         self.alone.clear()
         self._strikes.clear()
+        self._ends.clear()
+        self.next_end = math.inf

@@ -110,6 +110,22 @@ def add_worker(d: Dispatcher, slot: int, concurrency: int) -> Worker:
     return w
 
 
+def isolation_setup(workers: int) -> tuple[Dispatcher, list[Worker], Codec, list[Exchange]]:
+    """For the isolation tests, in a running loop: a dispatcher serving "m" and "boom" on
+    `workers` ready workers of 10 places, a codec, and the list the answers go to."""
+    d = Dispatcher(asyncio.get_running_loop())
+    d.set_methods(["m", "boom"])
+    return d, [add_worker(d, slot, concurrency=10) for slot in range(workers)], Codec(), []
+
+
+def restarted(d: Dispatcher, w: Worker) -> None:
+    """`w`'s process died ("exited with 1": its calls answered -32002) and its slot restarted, the
+    same `Worker` with a new channel, as the pool's slots do."""
+    d.worker_lost(w, "exited with 1")
+    w.channel = RecordingChannel()  # type: ignore[assignment]
+    d.worker_ready(w)
+
+
 def body(codec: Codec, payload: object) -> Body:
     return codec.decode(json.dumps(payload).encode())
 
@@ -1722,18 +1738,12 @@ def test_a_method_with_strikes_runs_alone_on_a_reserved_worker_while_the_others_
     one of two)."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop())
-        d.set_methods(["m", "boom"])
-        w0, w1 = add_worker(d, 0, concurrency=10), add_worker(d, 1, concurrency=10)
-        codec = Codec()
-        done: list[Exchange] = []
+        d, (w0, w1), codec, done = isolation_setup(2)
         for strike in range(2):  # two deaths under it: 2 answers owed
             d.submit(body(codec, req("boom", [], strike)), done.append)
             [(_, first, _, _)] = (w0.channel.take() or w1.channel.take())  # type: ignore[union-attr]
             dead = w0 if first in w0.channel.deadlines else w1  # type: ignore[union-attr]
-            d.worker_lost(dead, "exited with 1")
-            dead.channel = RecordingChannel()  # type: ignore[assignment]
-            d.worker_ready(dead)  # (its slot restarted)
+            restarted(d, dead)  # (its slot restarted)
         assert [json.loads(e.body())["error"]["code"] for e in done] == [-32002, -32002]
         assert d.isolated == {"boom": 2}
         innocent, bad = ResponseBudget(d.outgoing), ResponseBudget(d.outgoing)
@@ -1770,11 +1780,7 @@ def test_bystanders_of_a_death_run_alone_until_one_of_their_calls_answers():
     one of them answers (it ran and its worker lived); then they go as any call does."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop())
-        d.set_methods(["m", "boom"])
-        w = add_worker(d, 0, concurrency=10)
-        codec = Codec()
-        done: list[Exchange] = []
+        d, (w,), codec, done = isolation_setup(1)
         d.submit(body(codec, req("boom", [], "b")), done.append)
         d.submit(body(codec, req("m", [], "m")), done.append)
         assert len(w.channel.take()) == 2  # type: ignore[union-attr]
@@ -1811,9 +1817,7 @@ def test_a_call_run_alone_takes_a_worker_that_empties_before_the_reserved_one():
             d.submit(body(codec, req("boom", [], f"s{strike}")), done.append)
             [(_, first, _, _)] = (w0.channel.take() or w1.channel.take())  # type: ignore[union-attr]
             dead = w0 if first in w0.channel.deadlines else w1  # type: ignore[union-attr]
-            d.worker_lost(dead, "exited with 1")
-            dead.channel = RecordingChannel()  # type: ignore[assignment]
-            d.worker_ready(dead)
+            restarted(d, dead)
         d.submit(body(codec, req("m", [], "long")), done.append)
         d.submit(body(codec, req("m", [], "short")), done.append)
         [(_, long_id, _, _)] = w0.channel.take()  # type: ignore[union-attr]
@@ -1849,17 +1853,11 @@ def test_a_bystander_s_call_run_alone_is_not_held_behind_a_crash_loop_s():
     calls of methods with more than one strike only."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop())
-        d.set_methods(["m", "boom"])
-        w0 = add_worker(d, 0, concurrency=10)
-        codec = Codec()
-        done: list[Exchange] = []
+        d, (w0,), codec, done = isolation_setup(1)
         d.submit(body(codec, req("boom", [], 0)), done.append)  # a first death: boom and m beside it
         d.submit(body(codec, req("m", [], 0)), done.append)
         assert len(w0.channel.take()) == 2  # type: ignore[union-attr]
-        d.worker_lost(w0, "exited with 1")
-        w0.channel = RecordingChannel()  # type: ignore[assignment]
-        d.worker_ready(w0)
+        restarted(d, w0)
         w1 = add_worker(d, 1, concurrency=10)
         d.submit(body(codec, req("boom", [], 1)), done.append)  # boom alone, and it dies: a second strike
         [crashing] = [w for w in (w0, w1) if w.outstanding]
@@ -1872,5 +1870,60 @@ def test_a_bystander_s_call_run_alone_is_not_held_behind_a_crash_loop_s():
         d.submit(body(codec, req("m", [], 1)), done.append)  # m, one strike: alone on the idle worker at once
         [(kind, _m, _, _)] = other.channel.take()  # type: ignore[union-attr]
         assert kind == wire.CALL and other.limit == 0 and d.queued_calls == 1
+
+    run(main)
+
+
+def test_a_method_runs_alone_no_longer_than_its_time_bound_whatever_is_owed(monkeypatch):
+    """Hostile testing, round 80 (HIGH): a slow innocent method framed by crashes that came
+    after their calls answered owed 8 answers, one call a worker at a time, and its clients
+    timed out for 35 s. A method runs alone until its answers owed are paid or its time
+    bound since its last strike (ALONE_SECONDS times them, MAX_ALONE_SECONDS at most) has
+    passed, whichever comes first."""
+    from broker import isolation
+
+    monkeypatch.setattr(isolation, "ALONE_SECONDS", 0.05)
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["m", "slow"])
+        w = add_worker(d, 0, concurrency=10)
+        codec = Codec()
+        done: list[Exchange] = []
+        for strike in range(2):  # two deaths under it: 2 answers owed, 0.1 s bound here
+            d.submit(body(codec, req("slow", [], f"s{strike}")), done.append)
+            w.channel.take()  # type: ignore[union-attr]
+            restarted(d, w)
+        assert d.isolated == {"slow": 2}
+        for i in range(3):
+            d.submit(body(codec, req("slow", [], i)), done.append, ResponseBudget(d.outgoing))
+        [(_, first, _, _)] = w.channel.take()  # type: ignore[union-attr]  # one alone, two wait
+        assert d.queued_calls == 2
+        await asyncio.sleep(0.15)  # the bound passes with 2 answers still owed
+        d.on_reply(w, wire.Kind.RESULT, first, 10, b"0")
+        assert d.isolated == {} and d.queued_calls == 0 and len(w.channel.take()) == 2  # type: ignore[union-attr]
+
+    run(main)
+
+
+def test_a_reservation_ends_when_the_connection_of_the_call_it_was_made_for_goes():
+    """Hostile testing, round 80 (MEDIUM): a worker reserved for a call run alone stayed out
+    of use until it drained when that call's connection closed: the flag of calls waiting
+    for a worker of their own stayed up, and nothing ended the reservation."""
+
+    async def main() -> None:
+        d, (w0,), codec, done = isolation_setup(1)
+        d.submit(body(codec, req("boom", [], "s")), done.append)
+        w0.channel.take()  # type: ignore[union-attr]
+        restarted(d, w0)
+        d.submit(body(codec, req("m", [], "busy")), done.append)  # (no worker idle)
+        assert len(w0.channel.take()) == 1  # type: ignore[union-attr]
+        gone = ResponseBudget(d.outgoing)
+        d.submit(body(codec, req("boom", [], "b")), done.append, gone)
+        assert w0.limit == 0 and d.queued_calls == 1  # reserved for it
+        d.abandon(gone)
+        assert w0.limit == 10 and d.queued_calls == 0
+        d.submit(body(codec, req("m", [], "next")), done.append)
+        assert len(w0.channel.take()) == 1  # type: ignore[union-attr]
 
     run(main)

@@ -345,6 +345,30 @@ def test_requests_left_unfinished_at_the_limit_make_room_slowest_first(broker_fa
             c.sock.close()
 
 
+def test_a_request_begun_just_now_keeps_its_place_before_an_older_faster_one(broker_factory):
+    """Hostile testing, round 80: ranked by bytes a second alone, an attacker's fresh
+    connections (4 KB sent at once) outranked honest small calls caught between their head
+    and their body, 24 answered 408. A request begun under 0.1 s ago goes after all others."""
+    b = broker_factory("--workers", "1", "--max-connections", "2")
+    attacker, honest = Conn(b), Conn(b)
+    try:
+        attacker.send(b"POST / HTTP/1.1\r\nX-Pad: " + b"a" * 4000)
+        time.sleep(0.15)  # about 27 kB/s, and older than 0.1 s
+        body = call("add", [1, 2])
+        honest.send(post_head(b, f"Content-Length: {len(body)}\r\n\r\n"))  # its head: about 15 kB/s
+        time.sleep(0.01)
+        with Conn(b) as newcomer:
+            newcomer.send(post(call("add", [2, 2]), path=b.path))
+            assert newcomer.response()[0] == 200
+        assert attacker.response()[0] == 408
+        honest.send(body.encode())
+        status, _, answer = honest.response()
+        assert (status, json.loads(answer)["result"]) == (200, 3)
+    finally:
+        attacker.sock.close()
+        honest.sock.close()
+
+
 def test_connections_lingering_after_an_error_answer_make_room(broker_factory):
     """Hostile testing, round 78: a connection answered 413 (or 400) lingers half-closed,
     discarding what its client still sends, up to LINGER_TIME (30 s), and a byte a second

@@ -107,18 +107,22 @@ BYTE_SECONDS = 0.025 / (1024 * 1024)
 OVERTAKEN = 2
 CHARGED_SECONDS = 0.0002  # a read's time below this is not counted in its iteration's (the hot path's reads)
 _rank = operator.itemgetter(0)
-TRICKLE_FLOOR_SECONDS = 0.01  # a request (line) younger than this counts as this old in `trickle_rate`
+TRICKLE_FLOOR_SECONDS = 0.01  # a request (line) younger than this counts as this old in `trickle_rank`
+TRICKLE_GRACE_SECONDS = 0.1  # a request (line) under way for less than this goes after all the others
 
 
-def trickle_rate(received: int, elapsed: float) -> float:
-    """The bytes per second (>= 0) a request (a line) under way has come at: `received`
-    bytes in `elapsed` seconds since its first byte, at least TRICKLE_FLOOR_SECONDS. The
-    slowest go first when `Listener.make_room` closes connections with a request under way:
-    ranked by how long they had been open, an honest long-lived connection (a proxy's
-    pooled one) whose request came in two pieces was the first to go, for the attacker's
-    fresh ones trickling requests far slower (hostile testing, round 78: 19 of its 67
-    requests answered 408). To outrank it, a request must now come as fast as it does."""
-    return received / max(elapsed, TRICKLE_FLOOR_SECONDS)
+def trickle_rank(received: int, elapsed: float) -> tuple[int, float]:
+    """Where a request (a line) under way goes in `Listener.make_room`'s order when it must
+    close connections with one: those begun under TRICKLE_GRACE_SECONDS ago last (an honest
+    request is whole within it; round 80: an attacker's fresh connections, 4 KB sent at once,
+    outranked honest small calls caught between their head and body, 24 answered 408), then
+    the slowest first: `received` bytes in `elapsed` seconds since its first byte (at least
+    TRICKLE_FLOOR_SECONDS). Ranked by how long they had been open, an honest long-lived
+    connection (a proxy's pooled one) whose request came in two pieces was the first to go,
+    for the attacker's fresh ones trickling requests far slower (hostile testing, round 78:
+    19 of its 67 requests answered 408). To outrank it, a request must come as fast as it
+    does, and be restarted no sooner than TRICKLE_GRACE_SECONDS after the last."""
+    return int(elapsed < TRICKLE_GRACE_SECONDS), received / max(elapsed, TRICKLE_FLOOR_SECONDS)
 
 
 # Flow control by answers owed, for both protocols: reading pauses while more than
@@ -492,7 +496,7 @@ class Listener:
         one fits under the limit, or none is left: first the least recently active idle
         ones (nginx reuses keep-alive connections the same way when worker_connections
         run out), then those with a request (a line, on a stream) under way and owed
-        nothing else, the slowest coming first (`trickle_rate`), each told why (`evict`,
+        nothing else, the slowest coming first (`trickle_rank`), each told why (`evict`,
         `linger_out`): one client holding every place with requests it never finishes
         (slowloris) no longer shuts the others out until request_timeout (hostile testing,
         round 76: 237 of 246 of another client's calls refused), nor one that starts a

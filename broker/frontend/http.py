@@ -142,7 +142,7 @@ from broker.frontend.base import (
     discard_turn,
     fell_behind,
     reset,
-    trickle_rate,
+    trickle_rank,
     unread_bytes,
     unsent_bytes,
 )
@@ -785,7 +785,7 @@ class HttpProtocol(asyncio.Protocol):
         request served already or no byte since loop time `fresh`, (0, last active); a
         request under way, owed nothing else, its reading not paused by the broker, (1, the
         bytes per second it has come at since it began, at loop time `now`: the slowest
-        first, `trickle_rate`; alike, the longest open first). Never one in the probes' reserve, which makes room on its own
+        first, `trickle_rank`, those begun under 0.1 s ago last; alike, the longest open first). Never one in the probes' reserve, which makes room on its own
         (`HttpFrontend.admit_probe`)."""
         if self._probe_only:
             return None
@@ -797,7 +797,7 @@ class HttpProtocol(asyncio.Protocol):
             self.request_started and not self._responses and not self._backlog and not self._closing
             and not self.read_paused and not self.send_stalled and self._transport is not None
         ):  # fmt: skip
-            return 1, trickle_rate(self._incoming, now - self.request_started), self.accepted_at
+            return 1, *trickle_rank(self._incoming, now - self.request_started), self.accepted_at
         return None
 
     def evict(self, now: float) -> None:

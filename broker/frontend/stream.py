@@ -86,7 +86,7 @@ from broker.frontend.base import (
     Listener,
     discard_turn,
     fell_behind,
-    trickle_rate,
+    trickle_rank,
     unread_bytes,
 )
 from broker.jsonrpc import ErrorCode, error_object, response_error
@@ -280,7 +280,8 @@ class StreamProtocol(asyncio.Protocol):
         new connection: nothing owed or waiting, open, writing not stalled, and either
         idle, a line served or no byte since loop time `fresh`, (0, last active), or a
         line under way, its reading not paused by the broker, (1, the bytes per second it
-        has come at since it began, at loop time `now`: the slowest first, `trickle_rate`;
+        has come at since it began, at loop time `now`: the slowest first, `trickle_rank`, those
+        begun under 0.1 s ago last;
         alike, the longest open first)."""
         transport = self._transport
         if (
@@ -292,7 +293,7 @@ class StreamProtocol(asyncio.Protocol):
             return 0, self.lingering_since
         if not self.line_started:
             return (0, self.last_active) if self.lines > 0 or self.last_active <= fresh else None
-        return None if self.read_paused else (1, trickle_rate(self._incoming, now - self.line_started), self.accepted_at)
+        return None if self.read_paused else (1, *trickle_rank(self._incoming, now - self.line_started), self.accepted_at)
 
     def evict(self, now: float) -> None:
         """Closed to make room for a new connection (`Listener.make_room`): at once if idle,
