@@ -524,6 +524,7 @@ class Dispatcher:
         self._isolation = Isolation()
         self._alone: dict[Worker, bool] = {}  # (True: dead under one, until its slot is back: `worker_ready`)
         self._alone_held = False  # a connection's calls wait out of turn for a worker to run alone
+        self._isolation_handle: asyncio.TimerHandle | None = None  # (`_isolation_timer`)
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
@@ -743,12 +744,16 @@ class Dispatcher:
         methods.discard(len(self._names))  # (`other`)
         if not methods:
             return
-        owed = self._isolation.blame(sorted(methods), _clock())
+        isolation = self._isolation
+        now = _clock()
+        owed = isolation.blame(sorted(methods), now)
         log.warning(
             "worker %d (pid %d) died holding %d call%s: their methods' calls now run alone, one per worker, "
-            "until so many of them answer: %s", worker.slot, worker.pid, held, "" if held == 1 else "s",
-            ", ".join(f"{self._names[index]} {n}" for index, n in owed.items()),
+            "until so many of them answer or so long passes: %s", worker.slot, worker.pid, held,
+            "" if held == 1 else "s",
+            ", ".join(f"{self._names[index]} {n} or {isolation.ends_in(index, now):g} s" for index, n in owed.items()),
         )
+        self._isolation_timer()
 
     def start_failed(self) -> None:
         """A worker's start failed (it exited before its HELLO) while no worker is ready:
@@ -1270,12 +1275,31 @@ class Dispatcher:
         call.sync = 1  # (so its answer unblocks the worker, as a blocking sync call's does)
         return chosen
 
+    def _isolation_timer(self) -> None:
+        """Have `_isolation_due` run at the earliest time bound of the methods run alone (a call
+        waiting for a worker of its own is freed then, and the metric and log say so then, not at
+        the method's next call: round 80's new user, a call waited to its deadline)."""
+        end = self._isolation.next_end
+        timer = self._isolation_handle
+        if end == math.inf or (timer is not None and timer.when() <= self._loop.time() + end - _clock()):
+            return
+        if timer is not None:
+            timer.cancel()
+        self._isolation_handle = self._loop.call_later(max(0.0, end - _clock()) + _TIMER_EARLY, self._isolation_due)
+
+    def _isolation_due(self) -> None:
+        self._isolation_handle = None
+        if self._isolation.alone:
+            self._isolation_ends()
+            self._pump()
+        self._isolation_timer()
+
     def _isolation_ends(self) -> None:
         """Methods whose calls ran alone long enough since their last strike (`Isolation.expire`)
         run as any: the calls held waiting for a worker of their own go back in turn."""
         for index in self._isolation.expire(_clock()):
             if index < len(self._names):
-                log.info("%s ran alone long enough since its last strike: its calls no longer run alone",
+                log.info("%s: its calls run as any again (its time alone since its last strike is over)",
                          self._names[index])
         self._release_all()
 
@@ -1440,7 +1464,7 @@ class Dispatcher:
         them, and a suspect method whose handler ran is free again (`Isolation.answered`)."""
         del self._alone[worker]
         if aux != NOT_RUN and (kind != ERROR or payload != CANCEL_ACK) and self._isolation.answered(call.index):
-            log.info("%s ran on a worker of its own as many times as asked: its calls no longer run alone",
+            log.info("%s: its calls run as any again (as many of them as asked answered, run alone)",
                      self._names[call.index])
 
     def _reserved_idle(self, worker: Worker) -> None:
@@ -1924,8 +1948,10 @@ class Dispatcher:
                     return
             worker.kill_reason = f"hung: no answer {self._cancel_grace} s after a cancelled call"
             log.warning(
-                "worker %d (pid %d) has not answered call %d %s s after its deadline: killing it as hung",
-                worker.slot, worker.pid, call.call_id, self._cancel_grace,
+                "worker %d (pid %d) has not answered call %d (%s) %s s after its deadline: killing it as hung",
+                worker.slot, worker.pid, call.call_id,
+                self._names[call.index] if call.slots is None and call.index < len(self._names) else "a batch chunk",
+                self._cancel_grace,
             )
             worker.process.kill()
 

@@ -76,6 +76,10 @@ class Isolation:
             self.next_end = min(self.next_end, end)
         return owed
 
+    def ends_in(self, index: int, now: float) -> float:
+        """Seconds (rounded to 0.1) until method `index` stops running alone, whatever is owed."""
+        return round(max(0.0, self._ends.get(index, now) - now), 1)
+
     def expire(self, now: float) -> list[int]:
         """Free the methods whose time bound has passed at `now`; returns them."""
         ended = [index for index, end in self._ends.items() if end <= now]

@@ -1927,3 +1927,28 @@ def test_a_reservation_ends_when_the_connection_of_the_call_it_was_made_for_goes
         assert len(w0.channel.take()) == 1  # type: ignore[union-attr]
 
     run(main)
+
+
+def test_a_call_waiting_for_a_worker_of_its_own_goes_when_its_method_s_time_bound_ends(monkeypatch):
+    """Round 80's new user (HIGH): the time bound of a method run alone was checked only at
+    its next call, so a call already waiting for a worker of its own (reserved, draining a
+    long call) waited to its deadline. A timer frees it when the bound ends."""
+    from broker import isolation
+
+    monkeypatch.setattr(isolation, "ALONE_SECONDS", 0.05)
+
+    async def main() -> None:
+        d, (w,), codec, done = isolation_setup(1)
+        for strike in range(2):  # 2 answers owed, or 0.1 s here
+            d.submit(body(codec, req("boom", [], f"s{strike}")), done.append)
+            w.channel.take()  # type: ignore[union-attr]
+            restarted(d, w)
+        d.submit(body(codec, req("m", [], "long")), done.append)  # (no worker idle, and none answers)
+        assert len(w.channel.take()) == 1  # type: ignore[union-attr]
+        d.submit(body(codec, req("boom", [], "b")), done.append)
+        assert w.limit == 0 and d.queued_calls == 1  # (reserved: it waits)
+        await asyncio.sleep(0.3)
+        assert d.isolated == {} and d.queued_calls == 0 and w.limit == 10
+        assert len(w.channel.take()) == 1  # type: ignore[union-attr]
+
+    run(main)

@@ -369,6 +369,36 @@ def test_a_request_begun_just_now_keeps_its_place_before_an_older_faster_one(bro
         honest.sock.close()
 
 
+def test_a_request_whose_head_came_at_once_outranks_tricklers_while_its_body_comes(broker_factory):
+    """Round 80's new user (HIGH): once a request's head was whole, only its body's bytes
+    counted in its rate, so an honest request between its head (sent at once) and its body
+    ranked as 0 bytes a second, below slowloris connections at 10, and was the one evicted.
+    Its head's bytes count."""
+    b = broker_factory("--workers", "1", "--max-connections", "3")
+    tricklers = [Conn(b), Conn(b)]
+    honest = Conn(b)
+    try:
+        for i, piece in enumerate(b"POST / HTTP/1.1\r\n"):  # 10 bytes a second each
+            for c in tricklers:
+                c.send(bytes([piece]))
+            if i == 2:
+                payload = call("add", [1, 2]).encode()
+                honest.send(post_head(b, f"Content-Length: {len(payload)}\r\n\r\n"))  # its head at once
+            if i == 5:
+                break
+            time.sleep(0.1)
+        with Conn(b) as newcomer:  # (the honest request is 0.3 s old: past the 0.1 s grace)
+            newcomer.send(post(call("add", [2, 2]), path=b.path))
+            assert newcomer.response()[0] == 200
+        honest.send(payload)
+        status, _, answer = honest.response()
+        assert (status, json.loads(answer)["result"]) == (200, 3)
+        assert sum(1 for c in tricklers if c.closed_within(3)) == 1
+    finally:
+        for c in (*tricklers, honest):
+            c.sock.close()
+
+
 def test_connections_lingering_after_an_error_answer_make_room(broker_factory):
     """Hostile testing, round 78: a connection answered 413 (or 400) lingers half-closed,
     discarding what its client still sends, up to LINGER_TIME (30 s), and a byte a second

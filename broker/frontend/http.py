@@ -797,7 +797,10 @@ class HttpProtocol(asyncio.Protocol):
             self.request_started and not self._responses and not self._backlog and not self._closing
             and not self.read_paused and not self.send_stalled and self._transport is not None
         ):  # fmt: skip
-            return 1, *trickle_rank(self._incoming, now - self.request_started), self.accepted_at
+            # (its head's bytes too once it is whole: `_incoming` is its body's then; round 80's new user,
+            # a head sent at once then ranked as 0 bytes a second, below any slowloris)
+            received = self._head_bytes + self._incoming if self._head_done else self._incoming
+            return 1, *trickle_rank(received, now - self.request_started), self.accepted_at
         return None
 
     def evict(self, now: float) -> None:
