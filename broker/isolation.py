@@ -22,7 +22,10 @@ out for 35 s). A bystander, whose calls answer, is free again after a few; a met
 crashes on every call never is; one that crashes for some params only, between good calls
 (round 79's new user: each crash beside other calls, cleared by the next good call, 68
 bystanders dead in 15 s), must send twice as many good calls for each crash that is not
-alone, so the calls dying beside it are a few, not one a crash. Strikes are forgotten
+alone, or wait out its time bound: it takes calls beside it once every 16 s at most, not at
+every crash (round 81: one pacing its crashes so still kills the calls beside each). Nor
+can a crash from a thread after its call answered be told apart: kept up every few seconds,
+it keeps whatever method it catches running alone (round 81). Strikes are forgotten
 STRIKE_DECAY_SECONDS after a method's last one; a reload (new code) forgets everything.
 
 This is a circuit breaker in the sense of Nygard's *Release It!* (2007), ch. 5, with the
