@@ -1366,6 +1366,8 @@ class Dispatcher:
                 part.weight -= done
                 worker.outstanding -= done
                 part.owner.in_flight -= done
+                if not part.weight:  # every call of it answered: it owes nothing more, whatever its final
+                    part.exchange = None  # reply says (`abandon` passes over a connection with none in flight)
                 if self._queued_calls:
                     self._give_back(part.owner)
                     self._pump()

@@ -1952,3 +1952,30 @@ def test_a_call_waiting_for_a_worker_of_its_own_goes_when_its_method_s_time_boun
         assert len(w.channel.take()) == 1  # type: ignore[union-attr]
 
     run(main)
+
+
+def test_a_chunk_answered_whole_in_parts_owes_nothing_when_its_connection_goes():
+    """Found by a long run of the state machine (stop 36): a chunk whose calls were all
+    answered in parts (CHUNK_PART), its final reply not yet in, kept its exchange; its
+    connection then lost with nothing else in flight, `abandon` passed over it (none in
+    flight) and left it owing, as far as the dispatcher could tell."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["m"])
+        w = add_worker(d, 0, concurrency=10)
+        codec = Codec()
+        budget = ResponseBudget(d.outgoing)
+        done: list[Exchange] = []
+        d.submit(body(codec, [req("m", [i], i) for i in range(3)]), done.append, budget)
+        [frame] = w.channel.take()  # type: ignore[union-attr]
+        assert frame[0] == wire.Kind.CHUNK
+        d.on_reply(w, wire.Kind.CHUNK_PART, frame[1], 0, chunk_reply(frame))  # every call answered, in a part
+        assert len(done) == 1 and budget.in_flight == 0
+        budget.lost()
+        d.abandon(budget)
+        assert all(c.exchange is None for c in d._pending.values() if c.owner is budget)
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 10, b"")  # its final reply: nothing more
+        assert d.in_flight_calls == 0 and not d._pending
+
+    run(main)
