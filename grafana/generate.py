@@ -375,6 +375,13 @@ def workers() -> list[Panel]:
             bars=True,
         ),
         timeseries(
+            "Methods run alone",
+            "Methods whose calls run alone, one per worker, since a worker died holding calls of theirs "
+            "(docs/operations.md, worker crashes): how many of their calls must still answer so. A method "
+            "here for long is one whose calls keep crashing (or hanging) their worker: the log names it.",
+            [(f"sum by (method) ({sel('rpc_broker_method_isolated')})", "{{method}}")],
+        ),
+        timeseries(
             "Worker CPU by slot",
             "CPU (user + system) of the worker process in each slot; 100 % is one core. The counter restarts "
             "with the process, which rate() handles.",
