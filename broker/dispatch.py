@@ -1463,7 +1463,8 @@ class Dispatcher:
 
     def _ran_alone(self, worker: Worker, call: Call, kind: int, payload: bytes, aux: int) -> None:
         """`worker` answered the call it ran alone (`_pick_alone`): it is no longer spent on
-        them, and a suspect method whose handler ran is free again (`Isolation.answered`)."""
+        them, and if the handler ran, its method owes one answer fewer (`Isolation.answered`):
+        the last one frees it."""
         del self._alone[worker]
         if aux != NOT_RUN and (kind != ERROR or payload != CANCEL_ACK) and self._isolation.answered(call.index):
             log.info("%s: its calls run as any again (as many of them as asked answered, run alone)",
