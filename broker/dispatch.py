@@ -1516,6 +1516,8 @@ class Dispatcher:
                 self.late_cancelled_total += sum(1 for slot in slots[place:] if slot >= 0)
             if place:  # (the chunk owes the answers of its calls before `place` still)
                 del slots[place:], typing.cast(list[Raw], call.ids)[place:], typing.cast(list[int], call.methods)[place:]
+                if not call.weight:  # (unless all of them came already, in parts: as in `on_reply`)
+                    call.exchange = None
         if slots is None or not place:  # nothing of it is left on the worker
             del self._pending[call_id]
             call.worker = None

@@ -494,13 +494,14 @@ test_dispatcher_states_with_a_whole_share = WholeShareMachine.TestCase
 
 
 class _Drawn:
-    """A `st.data()` stand-in for replaying a rule by hand: every draw is `value`."""
+    """A `st.data()` stand-in for replaying a rule by hand: its draws are `values` in turn,
+    the last again and again."""
 
-    def __init__(self, value: object) -> None:
-        self.value = value
+    def __init__(self, *values: object) -> None:
+        self.values = list(values)
 
     def draw(self, _strategy: object) -> object:
-        return self.value
+        return self.values.pop(0) if len(self.values) > 1 else self.values[0]
 
 
 def _replay(machine: DispatcherMachine, steps: list[tuple[str, dict[str, object]]]) -> None:
@@ -529,4 +530,22 @@ def test_a_connection_held_for_its_share_whose_queued_calls_expired_is_served_ag
         ("reply", {"data": _Drawn(2), "how": "result"}),
         ("submit_alike", {"connection": None, "method": "fast", "n": 3, "notification": False}),
         ("submit_alike", {"connection": 0, "method": "fast", "n": 3, "notification": False}),
+    ])
+
+
+def test_a_chunk_answered_in_part_and_given_back_for_the_rest_owes_its_lost_connection_nothing():
+    """Found by this machine in a long run (stop 36): a chunk whose first call answered
+    (CHUNK_PART) and whose other calls its worker gave back (wire.RETURN from place 1) owed
+    nothing more, but kept its exchange while it waited for its final reply; its connection
+    went with nothing in flight, so `abandon` passed over it, and the chunk still held the
+    gone connection's answers."""
+    machine = WholeShareMachine()
+    machine.submit([("fast", False)] * 3, batch=True, connection=0)  # (a call and a chunk of 2)
+    (chunk,) = machine._chunks()
+    assert sorted(machine.held) == [1, 2]  # (the call given back is sent again as 3)
+    _replay(machine, [
+        ("answer_part", {"data": _Drawn(chunk, [0])}),
+        ("give_back", {"data": _Drawn(chunk, 1)}),
+        *[("reply", {"data": _Drawn(call_id), "how": "result"}) for call_id in (1, 2, 3) if call_id != chunk],
+        ("lose_connection", {"connection": 0}),
     ])
