@@ -1709,12 +1709,13 @@ def test_rpc_error_keeps_code_message_and_data(run):
     run(test)
 
 
-def test_rpc_error_with_unencodable_data_sends_its_repr(run):
+def test_rpc_error_with_data_of_no_json_form_answers_internal_error_naming_its_type(run):
+    """Hostile testing, round 82: its repr() was sent, heap address included."""
     async def test(proto: WorkerProtocol, b: Broker) -> None:
         b.send(b.call(3, "fail_rpc_bad_data"))
         e = error((await b.read())[0])
-        assert (e["code"], e["message"]) == (-1, "odd data")
-        assert str(e["data"]).startswith("<object object at")
+        assert e == {"code": -32603, "message": "Internal error", "data": {
+            "type": "RpcError", "reason": "RpcError data is an object, which has no JSON form"}}
 
     run(test)
 

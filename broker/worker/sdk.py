@@ -76,7 +76,9 @@ def _rpc_error_object(exc: RpcError) -> bytes:
     """The error object (section 5.1) of an `RpcError`, from its attributes as they are
     now (a handler may have changed them after `__init__`). `code` must be an integer
     outside `BROKER_CODES` and `message` becomes a string, else `_Refused`; `data` is
-    written as a result is (`encode_result`), its repr if it has no JSON form. Raises `_Refused`, or what encoding the message raises."""
+    written as a result is (`encode_result`): one with no JSON form is refused too, as a result
+    is (its repr() was sent, which can carry heap addresses). Raises `_Refused`, or what encoding
+    the message raises."""
     code = exc.code
     if type(code) is not int:
         # An IntEnum, numpy's int64 (`__index__`) are integers; a bool, a float, a str not.
@@ -103,8 +105,8 @@ def _rpc_error_object(exc: RpcError) -> bytes:
         data = _encoded_data(value)
     except InvalidJson as invalid:
         raise _Refused({"type": "RpcError", "reason": f"RpcError data is {invalid}"}) from None
-    except TypeError:  # data of a type with no JSON form: its repr (one that refers to itself: -32603)
-        data = msgspec.json.encode(repr(value))
+    except TypeError:  # (no JSON form: refused as a result is; its repr was sent, heap addresses and all, round 82)
+        raise _Refused({"type": "RpcError", "reason": f"RpcError data is {_a(type(value).__name__)}, which has no JSON form"}) from None
     return error_object(code, message, msgspec.Raw(data))
 
 
