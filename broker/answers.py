@@ -85,7 +85,7 @@ class ResponseBudget:
     and `queued`, its calls waiting in the queue (the fattest flow sheds first).
     """
 
-    __slots__ = ("blocking", "flow", "held", "in_flight", "outgoing", "parked", "queued")
+    __slots__ = ("blocking", "flow", "held", "in_flight", "outgoing", "parked", "peer", "queued")
 
     def __init__(self, outgoing: Outgoing) -> None:
         # The connection's number in its calls' frames (wire.py: the worker takes turns
@@ -98,6 +98,9 @@ class ResponseBudget:
         self.queued = 0  # the connection's calls waiting in the dispatcher's queue (live ones)
         self.parked = 0  # (in `held`) answers written while the write buffer was past its high mark
         self.outgoing = outgoing
+        # The client's address, for logs: its transport's "peername" (a (host, port) tuple,
+        # IPv6 with two more; "" or None on a Unix socket), set by the front-end.
+        self.peer: object = None
 
     def written(self, exchange: Exchange, write_paused: bool) -> None:
         """The answer of `exchange` was written: its bytes leave `held` now, or when the

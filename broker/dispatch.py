@@ -223,6 +223,7 @@ log = logging.getLogger("broker.dispatch")
 
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's (too deep)
+_DIED = int(ErrorCode.WORKER_DIED)  # ... and those lost with their worker
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
@@ -237,6 +238,25 @@ _NO_ID = Raw()
 _SPLICE_BYTES = len(response_result(b"", b""))  # an answer's bytes besides its id and result (or error)
 _TOO_LARGE_MARK = memoryview(b"")  # (_fill_chunk: an entry answered past max_response_bytes)
 _VIEW_FROM = 4096  # (_fill_chunk: results from this many bytes are viewed, not copied, to be spliced)
+
+
+def _clients(calls: list[Call]) -> str:
+    """Who sent `calls`, for a log line: their connections' addresses, most calls first,
+    each with its count past one ("127.0.0.1:40312 x3, [::1]:5102"), at most 3 and how many
+    more (round 80's new user: the log of a worker's death named no client)."""
+    counts = Counter(_address(call.owner.peer) for call in calls)
+    named = [name if n == 1 else f"{name} x{n}" for name, n in counts.most_common(3)]
+    if len(counts) > 3:
+        named.append(f"{len(counts) - 3} more")
+    return ", ".join(named)
+
+
+def _address(peer: object) -> str:
+    """A transport's "peername" as a log names it: host:port, [v6 host]:port, or "unix socket"."""
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host = str(peer[0])
+        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
+    return "unix socket" if peer is not None else "?"
 
 
 def _error_code(error: bytes, default: int = ErrorCode.INTERNAL_ERROR) -> int:
@@ -712,6 +732,11 @@ class Dispatcher:
         if not lost:
             return
         self._blame(worker, lost)
+        # Its notifications not yet run or ended are lost: counted, as they get no answer
+        # (round 80's new user: nothing said so). A chunk's answered in parts are marked -2.
+        notifications = sum(c.slots.count(-1) if c.slots is not None else c.kind == NOTIFY for c in lost)
+        if notifications:
+            self.notifications_dropped[_DIED] = self.notifications_dropped.get(_DIED, 0) + notifications
         error = error_object(ErrorCode.WORKER_DIED, data={"pid": worker.pid, "status": reason})
         for call in lost:
             del self._pending[call.call_id]
@@ -734,7 +759,7 @@ class Dispatcher:
         hung, only the methods of its calls past their deadline: those behind them waited
         (round 79's new user: a slow method beside the hung one took the strike, and the
         only worker for calls run alone)."""
-        held = len(lost)
+        held, clients = len(lost), _clients(lost)
         if worker.kill_reason.startswith("hung") and any(not call.tick for call in lost):
             lost = [call for call in lost if not call.tick]
         methods: set[int] = set()
@@ -748,9 +773,9 @@ class Dispatcher:
         now = _clock()
         owed = isolation.blame(sorted(methods), now)
         log.warning(
-            "worker %d (pid %d) died holding %d call%s: their methods' calls now run alone, one per worker, "
+            "worker %d (pid %d) died holding %d call%s (of %s): their methods' calls now run alone, one per worker, "
             "until so many of them answer or so long passes: %s", worker.slot, worker.pid, held,
-            "" if held == 1 else "s",
+            "" if held == 1 else "s", clients,
             ", ".join(f"{self._names[index]} {n} or {isolation.ends_in(index, now):g} s" for index, n in owed.items()),
         )
         self._isolation_timer()
@@ -1364,6 +1389,11 @@ class Dispatcher:
                 # slow ones ended), and queued calls start in it.
                 done = min(count_answers(payload), part.weight)
                 part.weight -= done
+                slots = part.slots
+                if slots is not None and -1 in slots:  # its notifications answered are marked done (-2):
+                    for i, _kind, _start, _end in chunk_answers(payload):  # were its worker to die, they are
+                        if i < len(slots) and slots[i] == -1:  # not counted lost (`worker_lost`)
+                            slots[i] = -2
                 worker.outstanding -= done
                 part.owner.in_flight -= done
                 if not part.weight:  # every call of it answered: it owes nothing more, whatever its final
@@ -1694,7 +1724,7 @@ class Dispatcher:
             if call is None:
                 calls = 1
             elif slots is not None:  # one ERROR frame for a whole chunk
-                calls = len(slots) - slots.count(-1)
+                calls = sum(1 for slot in slots if slot >= 0)
             else:
                 calls = int(call.kind != NOTIFY)
             if kind == ERROR and payload in _ACKS:

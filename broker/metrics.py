@@ -102,10 +102,10 @@ HTTP_PATHS = ("rpc", "health", "ready", "metrics", "other")
 RESTART_REASONS = ("exited", "killed", "hung", "boot_timeout", "reload", "left", "code_changed")  # see pool.restart_reason
 # Why a notification never reached a worker (Dispatcher.notifications_dropped's keys).
 # invalid_request: nested past the JSON parser's limit, so it cannot be forwarded
-# (jsonrpc.Body.dropped).
+# (jsonrpc.Body.dropped); worker_died: it reached one, which died before it ended.
 DROP_REASONS = {code: _OUTCOMES[code] for code in (
     ErrorCode.OVERLOADED, ErrorCode.TIMED_OUT, ErrorCode.NO_WORKER, ErrorCode.SHUTTING_DOWN,
-    ErrorCode.INVALID_REQUEST)}
+    ErrorCode.INVALID_REQUEST, ErrorCode.WORKER_DIED)}
 _NO_RESTARTS = dict.fromkeys(RESTART_REASONS, 0)
 
 
@@ -351,8 +351,8 @@ class BrokerCollector(Collector):
             ["where"], [([where], n) for where, n in d.abandoned_total.items()],
         )  # fmt: skip
         yield _family_counter(
-            "rpc_broker_notifications_dropped", "Notifications that never reached a worker, by reason (they get "
-            "no answer, so this is their only trace).", ["reason"],
+            "rpc_broker_notifications_dropped", "Notifications that never reached a worker, or whose worker died "
+            "before they ended (reason worker_died), by reason (they get no answer, so this is their only trace).", ["reason"],
             [([reason], d.notifications_dropped.get(code, 0)) for code, reason in DROP_REASONS.items()],
         )  # fmt: skip
         yield _family_counter(

@@ -37,7 +37,7 @@ from test_dispatch import RecordingChannel, _entries_from
 from broker import wire
 from broker.answers import Exchange, ResponseBudget
 from broker.dispatch import TRANSITIONS, Call, CallState, Dispatcher
-from broker.jsonrpc import Codec
+from broker.jsonrpc import Codec, ErrorCode
 from broker.pool import Worker, WorkerState
 
 METHODS = ["fast", "slow", "sync"]  # deadlines of 1000, 2000 and 3000 s (never reached by a real timer)
@@ -87,6 +87,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         # Frames a worker holds and owes a reply to: call id -> (worker, kind, entries not answered)
         self.held: dict[int, tuple[Worker, int, list[int]]] = {}
         self.sent: dict[int, tuple[bytes, int, int]] = {}  # call id -> (params, flow, calls) as last sent
+        self.notifications: dict[int, set[int]] = {}  # call id -> its entries that are notifications, as last sent
         self.drained = False
         self.states: dict[int, tuple[Call, CallState]] = {}  # call id -> (the call, its state at the last look)
         self.ended: set[int] = set()  # ids of the calls seen ENDED
@@ -135,6 +136,9 @@ class DispatcherMachine(RuleBasedStateMachine):
                     call = d._pending.get(call_id)
                     if call is not None:
                         sent_to[id(call.owner)] = call.owner
+                        self.notifications[call_id] = (
+                            {i for i, slot in enumerate(call.slots) if slot < 0} if call.slots is not None
+                            else {0} if call.kind == wire.NOTIFY else set())
         for owner in sent_to.values():
             mine = [c for c in d._pending.values() if c.owner is owner and c.weight]
             assert owner.in_flight <= d._share or len(mine) == 1, (owner.in_flight, d._share, len(mine))
@@ -270,7 +274,11 @@ class DispatcherMachine(RuleBasedStateMachine):
     def lose_worker(self, data: st.DataObject) -> None:
         worker = data.draw(st.sampled_from(self._live()))
         worker.state = WorkerState.DEAD
+        # Its notifications not answered yet are lost, and counted so (a chunk's answered in parts not)
+        lost = sum(len(self.notifications[c] & set(entries)) for c, (w, _, entries) in self.held.items() if w is worker)
+        died = self.dispatcher.notifications_dropped.get(ErrorCode.WORKER_DIED, 0)
         self.dispatcher.worker_lost(worker, "killed")
+        assert self.dispatcher.notifications_dropped.get(ErrorCode.WORKER_DIED, 0) - died == lost
         for call_id in [c for c, (w, _, _) in self.held.items() if w is worker]:
             del self.held[call_id]
         self._collect()
@@ -549,3 +557,19 @@ def test_a_chunk_answered_in_part_and_given_back_for_the_rest_owes_its_lost_conn
         *[("reply", {"data": _Drawn(call_id), "how": "result"}) for call_id in (1, 2, 3) if call_id != chunk],
         ("lose_connection", {"connection": 0}),
     ])
+
+
+def test_a_worker_s_death_counts_lost_only_the_notifications_it_had_not_answered():
+    """Round 80's new user: the notifications a dead worker held are counted lost
+    (rpc_broker_notifications_dropped_total{reason="worker_died"}); those of a chunk it
+    answered already, in parts (CHUNK_PART), ran, and are not."""
+    machine = WholeShareMachine()
+    machine.submit([("fast", True)] * 4, batch=True, connection=0)  # (two chunks of 2, one per worker)
+    (first, second) = machine._chunks()
+    worker = machine.held[first][0]
+    _replay(machine, [
+        ("answer_part", {"data": _Drawn(first, [1])}),
+        ("lose_worker", {"data": _Drawn(worker)}),  # (it counts 1: the first chunk's entry 0)
+        ("reply", {"data": _Drawn(second), "how": "result"}),
+    ])
+    assert machine.dispatcher.notifications_dropped == {ErrorCode.WORKER_DIED: 1}

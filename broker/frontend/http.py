@@ -869,6 +869,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
+        self._budget.peer = transport.get_extra_info("peername")  # (for the logs: `Dispatcher._blame`)
         fe = self._fe
         if fe.pool_size() >= fe.max_connections:  # nginx: worker_connections
             fe.make_room()  # idle connections, if any, give their places

@@ -318,6 +318,7 @@ class StreamProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
+        self._budget.peer = transport.get_extra_info("peername")  # (for the logs: `Dispatcher._blame`)
         fe = self._fe
         if len(fe.connections) >= fe.max_connections and not fe.draining:
             fe.make_room()  # idle connections, if any, give their places

@@ -186,8 +186,9 @@ async def _guarded(
         return False, _PAST_DEADLINE_RAN
     try:
         value = fn(*args, **kwargs)
-        if type(value) is _COROUTINE or inspect.isawaitable(value):  # (a wraps-decorated async
-            value = await typing.cast(typing.Awaitable[object], value)  # function may not be)
+        # (An awaitable from a function that is not a coroutine function: a wraps-decorated one.)
+        if type(value) is _COROUTINE or inspect.isawaitable(value):
+            value = await typing.cast(typing.Awaitable[object], value)
     except GeneratorExit as exc:  # the coroutine is being closed: it must not go on
         if _forked_from:  # (a child raising it: it would reach the loop, which runs other calls)
             _child_exits(exc)
