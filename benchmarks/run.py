@@ -111,10 +111,20 @@ def missing_modules(server: Server) -> list[str]:
     return [m for m in server.requires if importlib.util.find_spec(m) is None]
 
 
+PORTS: range | None = None  # --ports: the servers' ports come from there (default: any free one)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on 127.0.0.1 now: the first in `PORTS` (raises SystemExit if none is), or
+    one the system picks."""
+    for port in PORTS if PORTS is not None else (0,):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise SystemExit(f"no free port in --ports {PORTS.start}-{PORTS.stop - 1}")  # type: ignore[union-attr]
 
 
 class Running:
@@ -560,6 +570,15 @@ def targets(results: dict[str, dict[str, dict[str, list[Measure]]]], tool: str, 
 # Main
 
 
+def _port_range(text: str) -> range:
+    """"38100-38199" as range(38100, 38200); argparse reports a ValueError as a usage error."""
+    low, _, high = text.partition("-")
+    ports = range(int(low), int(high or low) + 1)
+    if not ports or ports.start < 1 or ports.stop > 65536:
+        raise ValueError(text)
+    return ports
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -574,9 +593,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", help="comma-separated scenario keys (S1-16,S1-64,S2,S3,S4,S5,S5b; S5 and S5b need S1)")
     parser.add_argument("--probe-only", action="store_true", help="start and probe the servers; measure nothing")
     parser.add_argument("--no-loadgen", action="store_true", help="drive wrk only, as when rpc-broker bench is missing")
+    parser.add_argument("--ports", metavar="LOW-HIGH", type=_port_range,
+                        help="take the servers' ports from this range (default: any free ports)")
     parser.add_argument("--loadgen", metavar="CMD",
                         help="the load generator's command before `bench` (default: this venv's rpc-broker)")
     args = parser.parse_args(argv)
+    global PORTS
+    PORTS = args.ports
     if args.quick:
         args.repetitions, args.duration, args.warmup = 1, 1.0, 0.3
     if args.output is None:

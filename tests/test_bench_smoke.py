@@ -121,3 +121,20 @@ def test_the_s3_verdict_shows_its_ratio_rounded_down() -> None:
     results["S3"]["loadgen"]["broker-2w"] = measured(1800.0)
     [s3] = [line for line in bench.targets(results, "loadgen") if line.startswith("- S3")]
     assert "**met** (1.80x broker-1w)." in s3, s3
+
+
+def test_the_servers_take_their_ports_from_the_range_given(tmp_path: Path) -> None:
+    """Round 83's new user: `make bench` picked its ports with no way to choose them. With
+    `--ports` they come from the range: one port, held by another socket, leaves none."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run([sys.executable, str(RUNNER), "--probe-only", "--servers", "reference",
+                               "--output", str(tmp_path / "R.md"), "--ports", f"{port}-{port}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode != 0 and f"no free port in --ports {port}-{port}" in done.stderr, done.stderr[-2000:]
+    report, _ = run(tmp_path, "--probe-only", "--servers", "reference", "--ports", f"{port}-{port}")
+    assert probe_rows(report) == {"reference": "yes"}
