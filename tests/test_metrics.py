@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -442,3 +443,24 @@ def test_notifications_that_never_reach_a_worker_are_counted_by_reason(broker_fa
     assert value(samples, "rpc_broker_notifications_dropped_total", reason="overloaded") == 2
     # The second queued one ([2]) also waited past 0.3 s behind the 1.5 s call.
     assert value(samples, "rpc_broker_notifications_dropped_total", reason="timed_out") == 2
+
+
+def test_notifications_their_worker_never_started_before_their_deadline_are_counted_timed_out(broker_factory):
+    """Hostile testing, round 83 (MEDIUM): a notification sent to a worker busy in a sync call,
+    its deadline passing before the worker was free, never ran and was counted nowhere (only
+    those that never reached a worker were). The worker says so (`wire.CANCEL_ACK`): counted
+    as dropped, timed_out; a notification, and a batch of 3 sent as one chunk."""
+    b = broker_factory("--workers", "1", "--sync-prefetch", "8", "--method-timeout", "notify_hello=0.2")
+    b.call("notify_hello", [0])  # (learnt fast: a blocked worker's prefetch)
+    dropped = value(scrape(b), "rpc_broker_notifications_dropped_total", reason="timed_out")
+    fib = threading.Thread(target=lambda: b.call("fib", [35], timeout=30))
+    fib.start()
+    try:
+        wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        assert b.post(json.dumps(req("notify_hello", [1])))[0] == 204
+        assert b.post(json.dumps([req("notify_hello", [i]) for i in range(3)]))[0] == 204
+        assert value(scrape(b), "rpc_broker_calls_in_flight") == 5  # (sent: all in the worker, behind fib)
+    finally:
+        fib.join(30)
+    wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 0, timeout=10)
+    assert value(scrape(b), "rpc_broker_notifications_dropped_total", reason="timed_out") - dropped == 4
