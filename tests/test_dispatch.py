@@ -1050,6 +1050,27 @@ def test_with_max_queue_0_a_slow_sync_call_runs_beside_calls_in_flight():
     run(main)
 
 
+def test_with_max_queue_0_a_connection_s_calls_past_its_share_go_to_idle_workers():
+    """Hostile testing, round 83 (MEDIUM): with max_queue 0, a connection's calls past its
+    share could not wait their turn, and were refused -32000 "queue full" by an idle broker
+    (of 4 pipelined calls to 2 idle workers of concurrency 1, 3). Nothing can wait: they go
+    to the workers with room; only a call no worker has room for is refused."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), max_queue=0)
+        d.set_methods(["fast"])
+        a, b = add_worker(d, 0, 1), add_worker(d, 1, 1)
+        codec = Codec()
+        budget = ResponseBudget(d.outgoing)
+        answers: list[Exchange] = []
+        exchanges = [d.submit(body(codec, req("fast", [i], i)), answers.append, budget) for i in range(3)]
+        assert len(a.channel.take()) + len(b.channel.take()) == 2  # (the share is 1 place of 2)
+        assert [e.answers for e in exchanges[:2]] == [[None], [None]]  # (sent, not refused)
+        assert json.loads(exchanges[2].answers[0])["error"]["code"] == -32000  # (no worker has room)
+
+    run(main)
+
+
 def test_async_calls_are_not_held_behind_a_slow_sync_call_behind_long_polls():
     """Hostile round 6 finding 1 (r4_held_worker_stalls_async.py), in memory: worker A
     runs a slow sync call, worker B two long polls; one more slow sync call came, no
