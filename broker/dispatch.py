@@ -1226,7 +1226,10 @@ class Dispatcher:
             if _clock() >= isolation.next_end:
                 self._isolation_ends()
             if call.index in isolation.alone:
-                return self._pick_alone(call)
+                alone = self._pick_alone(call)
+                if alone is not None or call.index in isolation.waits:
+                    return alone
+                # (a first strike beside other methods': as any, with no worker free for it alone)
         ready = self._ready
         n = len(ready)
         if not n:
@@ -1258,20 +1261,22 @@ class Dispatcher:
         """`_pick` for a call of an isolated method (`broker.isolation`): a ready worker
         holding nothing, not blocked, which then takes nothing else until it answers (its
         limit 0, blocked, the call counted as a blocking sync call). At most one connection's
-        share of the workers (`connection_share`, at least one) are spent on the calls of
-        methods with more than one strike at once (those of a first strike, bystanders
-        mostly, are not held behind a crash loop's: round 79, 3 calls a second): running one, dead under one and not back yet (its slot restarting), or
-        reserved for the next one (when no worker is idle, the least loaded takes nothing
-        more until it is, one reservation at a time: under load a worker is never idle, and
-        the call would wait for its deadline; an idle worker found meanwhile takes the call
-        and the reservation ends: round 79, a call waited 5.8 s for the reserved worker's long
-        call with the other worker idle). None: it waits (`_pump` holds its connection's
-        calls out of turn meanwhile, so the others go on; a reservation no call waits for
-        ends there, `_unreserve`)."""
+        share of the workers (`connection_share`, at least one) are spent on such calls at
+        once, whatever their strikes (round 84: a first strike's took every worker, and every
+        other call waited 5 s): running one, dead under one and not back yet (its slot
+        restarting), or reserved for the next one. A reservation is made for a method caught
+        alone (`Isolation.waits`) only: when no worker is idle, the least loaded takes nothing
+        more until it is, one reservation at a time (under load a worker is never idle, and
+        the call would wait for its deadline); an idle worker found meanwhile takes the call
+        and the reservation ends (round 79: a call waited 5.8 s for the reserved worker's long
+        call with the other worker idle). None: a call of a method caught alone waits (`_pump`
+        holds its connection's calls out of turn meanwhile, so the others go on; a reservation
+        no call waits for ends there, `_unreserve`); any other goes as any (`_pick_blocked`)."""
         owner = call.owner
         if owner.blocking and owner.blocking >= self._sync_share:  # (each holds a worker whole, as a blocking sync call)
             return None
         alone = self._alone
+        waits = call.index in self._isolation.waits
         cap = max(1, int((len(self._ready) + sum(alone.values())) * self._connection_share))
         chosen: Worker | None = None
         least: Worker | None = None
@@ -1294,10 +1299,10 @@ class Dispatcher:
             if chosen is not None and draining is not None:  # an idle one instead of the one draining
                 del alone[draining]
                 draining.limit = draining.concurrency
-            elif len(alone) >= cap and self._isolation.strikes(call.index) > 1:
-                return None  # (a first strike may take any idle worker: a bystander, mostly)
+            elif len(alone) >= cap:
+                return None
             if chosen is None:
-                if least is not None and draining is None:  # reserved: it takes nothing more
+                if waits and least is not None and draining is None:  # reserved: it takes nothing more
                     least.limit = 0
                     alone[least] = False
                 return None
@@ -1930,7 +1935,7 @@ class Dispatcher:
                     continue
                 worker = self._pick(call)
                 if worker is None:
-                    if self._isolation.alone and call.slots is None and call.index in self._isolation.alone and (
+                    if self._isolation.alone and call.slots is None and call.index in self._isolation.waits and (
                         self._ready
                     ):
                         # (it waits for a worker of its own, `_pick_alone`: the others go on)

@@ -9,6 +9,12 @@ every call crashed its worker). So the dispatcher routes the calls of a method u
 suspicion *alone*: each to a worker holding nothing else, which takes nothing else until
 it answers, and no more such workers at once than one connection's share of them
 (`Dispatcher._pick_alone`). A call running alone that kills its worker takes only itself.
+A method caught alone (the only one with calls in a worker that died) `waits` for such a
+worker; one whose deaths were all shared with other methods' calls (a bystander, mostly)
+runs alone only where a worker is free for it, and as any call otherwise: waiting, a
+bystander's calls, long ones above all, held every worker and every other call (round 84).
+A crasher that is never alone in a worker (no worker ever free: long polls on all) is never
+caught, and each of its crashes takes the calls beside it.
 
 Every method with a call in a worker when it died (for a worker killed as hung: with a
 call past its deadline there) takes a *strike*, and its calls run alone until 2**(strikes
@@ -56,10 +62,18 @@ class Isolation:
     before anything else (one truth test a call). `next_end`: the earliest time bound of
     those (`expire`)."""
 
-    __slots__ = ("_ends", "_strikes", "alone", "next_end")
+    __slots__ = ("_ends", "_strikes", "alone", "next_end", "waits")
 
     def __init__(self) -> None:
         self.alone: dict[int, int] = {}
+        # Those of them whose calls wait for a worker of their own: caught alone, a death with
+        # no other method's calls there. The others (each death shared with other methods'
+        # calls: bystanders, mostly) run alone only where a worker is free for it, else as any
+        # (hostile testing, round 84: one kill -9 beside long polls had the restarted worker run
+        # one alone and the other reserved for the next, and every other call waited 5 s; a
+        # long poll caught in every death of a crasher's, as struck as the crasher, took the
+        # one worker for calls alone, one 6 s call at a time, and the crasher's waited for it).
+        self.waits: set[int] = set()
         self._strikes: dict[int, tuple[int, float]] = {}  # index -> (strikes, when the last came)
         self._ends: dict[int, float] = {}  # index -> when its calls stop running alone, whatever is owed
         self.next_end = math.inf
@@ -68,12 +82,15 @@ class Isolation:
         """A worker died holding calls of `methods`: a strike each. Returns, for each, the
         answers now owed before its calls stop running alone (for the log)."""
         owed: dict[int, int] = {}
+        methods = list(methods)
         for index in methods:
             strikes, last = self._strikes.get(index, (0, now))
             if now - last >= STRIKE_DECAY_SECONDS:
                 strikes = 0
             strikes += 1
             self._strikes[index] = (strikes, now)
+            if len(methods) == 1:  # (caught alone: nothing else was there to blame)
+                self.waits.add(index)
             owed[index] = self.alone[index] = 1 << min(strikes - 1, MAX_OWED_SHIFT)
             end = self._ends[index] = now + min(ALONE_SECONDS * (1 << min(strikes - 1, 8)), MAX_ALONE_SECONDS)
             self.next_end = min(self.next_end, end)
@@ -89,6 +106,7 @@ class Isolation:
         for index in ended:
             del self._ends[index]
             self.alone.pop(index, None)
+            self.waits.discard(index)
         self.next_end = min(self._ends.values(), default=math.inf)
         return ended
 
@@ -107,11 +125,13 @@ class Isolation:
             return False
         del self.alone[index]
         self._ends.pop(index, None)
+        self.waits.discard(index)
         return True
 
     def clear(self) -> None:
         """Forget everything (a reload: new code, and a new method table)."""
         self.alone.clear()
+        self.waits.clear()
         self._strikes.clear()
         self._ends.clear()
         self.next_end = math.inf

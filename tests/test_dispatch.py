@@ -1815,8 +1815,10 @@ def test_bystanders_of_a_death_run_alone_until_one_of_their_calls_answers():
         assert d.queued_calls == 2
         d.on_reply(w, wire.Kind.RESULT, first, 10, b"0")  # m answered: no longer alone
         assert len(w.channel.take()) == 2 and d.queued_calls == 0  # type: ignore[union-attr]
-        d.submit(body(codec, req("boom", [], "b2")), done.append)  # still alone: behind them
-        assert d.queued_calls == 1 and d.isolated == {"boom": 1}
+        # boom's first strike was shared with m's: with no worker free for it alone, it goes as any
+        # (round 84: waiting for one, a bystander's calls held every worker), and is still owed
+        d.submit(body(codec, req("boom", [], "b2")), done.append)
+        assert len(w.channel.take()) == 1 and d.queued_calls == 0 and d.isolated == {"boom": 1}  # type: ignore[union-attr]
 
     run(main)
 
@@ -1870,8 +1872,10 @@ def test_a_call_run_alone_takes_a_worker_that_empties_before_the_reserved_one():
 def test_a_bystander_s_call_run_alone_is_not_held_behind_a_crash_loop_s():
     """Hostile testing, round 79 (MEDIUM): on 2 workers one worker at a time runs calls
     alone, and a crash loop's (its worker dead until its slot is back) held every other
-    isolated method's calls: a bystander's got 3 calls a second. The cap holds back the
-    calls of methods with more than one strike only."""
+    isolated method's calls: a bystander's got 3 calls a second. The cap holds back every
+    isolated method's calls from running alone (round 84: a first strike's took the other
+    worker, and every other call waited), but a first strike shared with other methods' calls
+    (a bystander's, mostly) does not wait: with no worker free for it alone, it goes as any."""
 
     async def main() -> None:
         d, (w0,), codec, done = isolation_setup(1)
@@ -1888,9 +1892,41 @@ def test_a_bystander_s_call_run_alone_is_not_held_behind_a_crash_loop_s():
         other = w1 if crashing is w0 else w0
         d.submit(body(codec, req("boom", [], 2)), done.append)
         assert not other.channel.take() and d.queued_calls == 1  # type: ignore[union-attr]  # (the cap: boom waits)
-        d.submit(body(codec, req("m", [], 1)), done.append)  # m, one strike: alone on the idle worker at once
+        d.submit(body(codec, req("m", [], 1)), done.append)  # m, one strike: on the idle worker at once, as any
         [(kind, _m, _, _)] = other.channel.take()  # type: ignore[union-attr]
-        assert kind == wire.CALL and other.limit == 0 and d.queued_calls == 1
+        assert kind == wire.CALL and other.limit == 10 and d.queued_calls == 1
+
+    run(main)
+
+
+def test_a_kill_beside_long_calls_never_takes_every_worker_from_the_others():
+    """Hostile testing, round 84 (HIGH): a worker killed (kill -9, as the OOM killer does)
+    holding long polls and fast calls: both methods' first strike had no cap; the restarted
+    worker ran one long poll alone, the other worker was reserved for the next, and every
+    client's fast calls waited 5 s. A first strike shared with other methods' calls takes a
+    worker alone only where one is free, within the cap (one connection's share), and never
+    reserves one: the other calls go as any."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop())
+        d.set_methods(["asleep", "add"])
+        w0, w1 = add_worker(d, 0, concurrency=10), add_worker(d, 1, concurrency=10)
+        codec = Codec()
+        done: list[Exchange] = []
+        for i in range(6):
+            d.submit(body(codec, req("asleep", [6], f"p{i}")), done.append, ResponseBudget(d.outgoing))
+        d.submit(body(codec, req("add", [1, 2], "a0")), done.append, ResponseBudget(d.outgoing))
+        w0.channel.take(), w1.channel.take()  # type: ignore[union-attr]
+        dead = w0 if any(c.worker is w0 and c.index == 1 for c in d._pending.values()) else w1
+        other = w1 if dead is w0 else w0
+        restarted(d, dead)
+        assert d.isolated == {"asleep": 1, "add": 1}
+        d.submit(body(codec, req("asleep", [6], "q0")), done.append, ResponseBudget(d.outgoing))
+        assert len(dead.channel.take()) == 1 and dead.limit == 0  # type: ignore[union-attr]  # (alone on the idle one)
+        for i in range(3):  # no worker free for them alone, and no reservation: as any, at once
+            d.submit(body(codec, req("asleep", [6], f"q{i + 1}")), done.append, ResponseBudget(d.outgoing))
+            d.submit(body(codec, req("add", [1, 2], f"a{i + 1}")), done.append, ResponseBudget(d.outgoing))
+        assert len(other.channel.take()) == 6 and other.limit == 10 and d.queued_calls == 0  # type: ignore[union-attr]
 
     run(main)
 

@@ -391,12 +391,14 @@ class DispatcherMachine(RuleBasedStateMachine):
         )
 
     def _isolated(self, call: Call) -> bool:
-        return call.slots is None and call.index in self.dispatcher._isolation.alone
+        """A call of an isolated method that waits for a worker of its own (a first strike
+        shared with other methods' calls goes as any when none is free: `Isolation.waits`)."""
+        return call.slots is None and call.index in self.dispatcher._isolation.waits
 
     def _alone_could_go(self, call: Call) -> bool:
         """Could a call of an isolated method go to a worker of its own now? (A ready worker
         holding nothing, reserved for one, or not blocked while fewer than the cap are spent
-        on them or its method has one strike; its connection under its share of blocking calls.)"""
+        on them; its connection under its share of blocking calls.)"""
         d = self.dispatcher
         owner = call.owner
         if owner.blocking and owner.blocking >= d._sync_share:
@@ -405,7 +407,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         if any(w in d._alone and not w.blocked and not w.outstanding for w in live):
             return True
         cap = max(1, int((len(live) + sum(d._alone.values())) * d._connection_share))
-        return (len(d._alone) < cap or d._isolation.strikes(call.index) <= 1) and any(
+        return len(d._alone) < cap and any(
             not w.blocked and not w.outstanding and w not in d._alone for w in live)
 
     @invariant()
