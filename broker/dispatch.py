@@ -539,6 +539,7 @@ class Dispatcher:
         self._sync_routing = True  # that limit is at most worker_concurrency (see worker_ready)
         self._returnable = RETURNABLE  # ... and so calls may be given back (wire.RETURNABLE), else 0
         self._blocked = 0  # workers busy in one now (`Worker.blocked`)
+        self._overdue = 0  # workers with calls past their deadline not answered yet (`Worker.overdue`)
         # Methods whose calls run alone, a worker dying under them (`broker.isolation`), and
         # the workers spent on them: reserved for one (draining), running one, or dead under
         # one and not back yet (`_pick_alone`)
@@ -725,6 +726,9 @@ class Dispatcher:
         """The worker's process is gone: answer its in-flight calls "worker died"."""
         self.worker_unready(worker)
         lost = [c for c in self._pending.values() if c.worker is worker]
+        if worker.overdue:
+            worker.overdue.clear()
+            self._overdue -= 1
         if worker in self._alone:  # dead under a call run alone: spent on them until back; else no more reserved
             if lost and worker.blocked:
                 self._alone[worker] = True
@@ -1182,7 +1186,7 @@ class Dispatcher:
         on the first. While a worker is blocked in a slow sync call, `_pick_blocked`
         decides. (A blocking sync call needs nothing more: with no worker blocked,
         the least loaded is where it goes.)"""
-        if self._blocked or self._isolation.alone:
+        if self._blocked or self._isolation.alone or self._overdue:
             return self._pick_blocked(call)
         ready = self._ready
         n = len(ready)
@@ -1246,6 +1250,8 @@ class Dispatcher:
             if k < limit:
                 if w.blocked:  # the last choice; no sync call, and only what fits under its limit
                     k = k + _BLOCKED if sync <= 0 and k + weight <= limit else least
+                elif w.overdue:  # the last choice too: stuck, maybe (stopped, its loop held; `_overdue`)
+                    k = k + _BLOCKED
                 if k < least:
                     if k == 0:
                         return w
@@ -1500,6 +1506,8 @@ class Dispatcher:
                 self._unrun(call, kind, payload)
         else:  # its deadline passed: the client has its answer already
             self._count_late(kind, payload, call)
+            if worker.overdue:
+                self._not_overdue(worker, call_id)
         if (self._alone or self._alone_held) and not worker.outstanding:  # (isolation: `_reserved_idle`)
             self._reserved_idle(worker)
         elif self._queued_calls:  # capacity was freed: fill all of it from the queue, in order
@@ -1568,6 +1576,8 @@ class Dispatcher:
         if slots is None or not place:  # nothing of it is left on the worker
             del self._pending[call_id]
             call.worker = None
+            if worker.overdue:
+                self._not_overdue(worker, call_id)
             if call.sync > 0:  # (not sent RETURNABLE: a worker of another broker's)
                 worker.sync_calls -= call.sync
                 owner.blocking -= call.sync
@@ -1722,6 +1732,15 @@ class Dispatcher:
             self._sync_us[index] = est
             if (est >= BLOCKING_US) != self._blocking[index]:
                 self._reclassify(index, est)
+
+    def _not_overdue(self, worker: Worker, call_id: int) -> None:
+        """`worker` answered (or gave back) call `call_id`, past its deadline: with none left
+        overdue, it is chosen as any again."""
+        overdue = worker.overdue
+        if call_id in overdue:
+            overdue.discard(call_id)
+            if not overdue:
+                self._overdue -= 1
 
     def _count_late(self, kind: int, payload: bytes, call: Call | None) -> None:
         """Count a reply to a call answered already: per call (notifications, which
@@ -1986,6 +2005,13 @@ class Dispatcher:
         if worker is not None and worker.channel is not None:
             worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
             self._loop.call_later(self._cancel_grace, self._check_hung, call)
+            # Until it answers, its worker is the last choice for new calls: a live one answers
+            # a CANCEL at once, one that does not is stopped, or held in a sync call (hostile
+            # testing, round 84: a SIGSTOPped worker was sent calls for its cancel_grace, each
+            # answered -32001 after its deadline while the other worker had room).
+            if not worker.overdue:
+                self._overdue += 1
+            worker.overdue.add(call.call_id)
 
     def _compact(self) -> None:
         """Drop the expired shells from the queue (more than half of it), in place."""

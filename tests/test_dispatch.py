@@ -1931,6 +1931,43 @@ def test_a_kill_beside_long_calls_never_takes_every_worker_from_the_others():
     run(main)
 
 
+def test_a_worker_that_has_not_answered_a_call_past_its_deadline_is_the_last_choice():
+    """Hostile testing, round 84 (MEDIUM): a worker stopped (SIGSTOP) or held in a call past
+    its deadline, its CANCEL unanswered, was still sent new calls as the least loaded, each
+    answered -32001 at its own deadline while the other worker had room. Until it answers,
+    it takes new calls only when no other worker has room; then it is chosen as any again."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), method_timeouts={"brief": 0.05})
+        d.set_methods(["brief", "m"])
+        w0, w1 = add_worker(d, 0, concurrency=3), add_worker(d, 1, concurrency=3)
+        codec = Codec()
+        done: list[Exchange] = []
+        d.submit(body(codec, req("brief", [], "b")), done.append, ResponseBudget(d.outgoing))
+        stuck = w0 if w0.outstanding else w1
+        other = w1 if stuck is w0 else w0
+        [(_, brief, _, _)] = stuck.channel.take()  # type: ignore[union-attr]
+        await asyncio.sleep(0.15)  # brief's deadline passes: -32001, and CANCEL sent
+        assert json.loads(done[0].body())["error"]["code"] == -32001
+        assert [f[0] for f in stuck.channel.take()] == [wire.Kind.CANCEL]  # type: ignore[union-attr]
+        for i in range(3):  # all to the other, however loaded (it holds 0, 1, 2 and the stuck one 1)
+            d.submit(body(codec, req("m", [], f"n{i}")), done.append, ResponseBudget(d.outgoing))
+        assert len(other.channel.take()) == 3 and not stuck.channel.take()  # type: ignore[union-attr]
+        d.submit(body(codec, req("m", [], "n3")), done.append, ResponseBudget(d.outgoing))  # the other is full
+        assert len(stuck.channel.take()) == 1  # type: ignore[union-attr]
+        d.on_reply(stuck, wire.Kind.ERROR, brief, wire.NOT_RUN, wire.CANCEL_ACK)  # it answers: as any again
+        d.on_reply(other, wire.Kind.RESULT, other_id(d, other), 10, b"0")
+        d.submit(body(codec, req("m", [], "n4")), done.append, ResponseBudget(d.outgoing))
+        assert len(stuck.channel.take()) == 1  # type: ignore[union-attr]  # (1 against 2: the least loaded)
+
+    run(main)
+
+
+def other_id(d: Dispatcher, worker: Worker) -> int:
+    """The id of one of the calls `worker` holds."""
+    return next(call_id for call_id, call in d._pending.items() if call.worker is worker)
+
+
 def test_a_method_runs_alone_no_longer_than_its_time_bound_whatever_is_owed(monkeypatch):
     """Hostile testing, round 80 (HIGH): a slow innocent method framed by crashes that came
     after their calls answered owed 8 answers, one call a worker at a time, and its clients

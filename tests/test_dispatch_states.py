@@ -351,6 +351,10 @@ class DispatcherMachine(RuleBasedStateMachine):
         for w in self._live():  # what it counts a worker holds is what the worker holds
             assert w.outstanding == sum(len(entries) for held, _, entries in self.held.values() if held is w)
         assert all(w.outstanding == 0 for w in self.workers if w.state is not WorkerState.READY)
+        # A worker's overdue calls (past their deadline, not answered) are calls it holds, expired
+        assert d._overdue == sum(1 for w in self.workers if w.overdue)
+        for w in self.workers:
+            assert all(c in self.held and self.held[c][0] is w and not d._pending[c].tick for c in w.overdue), w.overdue
         assert d.queued_calls >= 0 and d.queued_bytes >= 0
         assert d.queued_calls <= 6 + 6  # max_queue, overshot by at most one chunk
         owners: dict[int, tuple[ResponseBudget, int]] = {}
