@@ -253,6 +253,8 @@ class WorkerChannel(asyncio.Protocol):
             frames = self._decoder.feed(data)
         except wire.FrameError as exc:
             log.error("worker %s sent a bad frame: %s (%s)", self.worker, exc, exc.hint)
+            if self.worker is not None and not self.worker.kill_reason:  # (its calls' `status` says why it went:
+                self.worker.kill_reason = "it sent a bad frame"  # round 83, a bare "exited with 0")
             self.close()
             return
         worker = self.worker

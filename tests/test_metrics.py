@@ -259,6 +259,17 @@ def test_worker_restarts_by_reason(broker_factory):
     wait_for(lambda: value(scrape(b), "rpc_broker_worker_restarts_total", reason="reload") == 1)
 
 
+def test_a_worker_that_sends_a_bad_frame_is_replaced_and_its_calls_say_why(broker_factory):
+    """Hostile testing, round 83 (LOW): the broker closed the socket of a worker that sent
+    bytes that are no frame, and its calls were answered "exited with 0", as if it had left."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.crashy:registry")
+    reply = b.call("bad_frame", timeout=30)
+    assert reply["error"]["code"] == -32002, reply  # type: ignore[index]
+    assert reply["error"]["data"]["status"].endswith(" (it sent a bad frame)"), reply  # type: ignore[index]
+    wait_for(lambda: value(scrape(b), "rpc_broker_workers", state="ready") == 1, timeout=20)
+    assert "result" in b.call("pid")
+
+
 def test_hung_worker_restart_and_late_reply(broker_factory):
     b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry",
                        "--timeout", "0.2", "--cancel-grace", "0.5")

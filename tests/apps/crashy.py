@@ -72,3 +72,24 @@ def hang_up(seconds: float) -> None:
             sock.close()
     time.sleep(seconds)
     os._exit(1)
+
+
+@registry.method
+async def bad_frame() -> None:
+    """Writes bytes that are no frame to its sockets (the broker's among them), then waits to
+    be told to go: the broker closes its socket, and the worker exits."""
+    import asyncio
+    import socket
+
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # not a socket
+            continue
+        try:
+            sock.send(b"hello garbage\n\x00\x00\x00")
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    await asyncio.sleep(30)
