@@ -161,7 +161,10 @@ _NOT_HOST = "Host not in allowed_hosts"
         None, "text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
         "multipart/form-data; boundary=x", "application/jsonx", "application/json-rpc", "json", "",
         # JSON has one charset, UTF-8 (RFC 8259 8.1; round 44: latin1 was taken, its body read as UTF-8)
-        "application/json; charset=latin1", "application/json;charset=ISO-8859-1", 'application/json; charset="utf-16"')),
+        "application/json; charset=latin1", "application/json;charset=ISO-8859-1", 'application/json; charset="utf-16"',
+        # a quoted value not closed, or a quote in a token (round 83: these were taken)
+        'application/json; charset="utf-8', 'application/json; charset=utf-8"', 'application/json; charset="',
+        'application/json; version="2')),
     *(({"host": h}, 421, _NOT_HOST) for h in (
         "rebind.test", "rebind.test:8080", "localhost.rebind.test", "127.0.0.1.nip.io:80", "localhost:80:80",
         "localhost:http", "[::1]x", "[::2]:80", "", "0.0.0.1",

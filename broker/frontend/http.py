@@ -251,7 +251,8 @@ def _is_json(content_type: bytes | None) -> bool:
     """True if a Content-Type value names application/json: the media type compared
     case-insensitively, parameters (`; charset=utf-8`) allowed (RFC 9110 8.3.1), but a
     charset other than UTF-8, the only one JSON has (RFC 8259 8.1; round 44: `charset=latin1`
-    was taken, and its body read as UTF-8)."""
+    was taken, and its body read as UTF-8), nor a value quoted but not closed (a parameter's
+    value is a token or a quoted-string, RFC 9110 5.6.6; round 83: `charset="utf-8` was taken)."""
     if content_type == _JSON_TYPE:
         return True
     if content_type is None:
@@ -261,7 +262,12 @@ def _is_json(content_type: bytes | None) -> bool:
         return False
     for parameter in parameters.split(b";"):
         name, _, value = parameter.partition(b"=")
-        if name.strip(b" \t").lower() == b"charset" and value.strip(b" \t").strip(b'"').lower() not in _UTF8:
+        value = value.strip(b" \t")
+        if value[:1] == b'"':
+            if len(value) < 2 or value[-1:] != b'"':
+                return False
+            value = value[1:-1]
+        if name.strip(b" \t").lower() == b"charset" and value.lower() not in _UTF8:
             return False
     return True
 
