@@ -1270,12 +1270,14 @@ class Dispatcher:
         share of the workers (`connection_share`, at least one) are spent on such calls at
         once, whatever their strikes (round 84: a first strike's took every worker, and every
         other call waited 5 s): running one, dead under one and not back yet (its slot
-        restarting), or reserved for the next one. A reservation is made for a method caught
-        alone (`Isolation.waits`) only: when no worker is idle, the least loaded takes nothing
+        restarting), or reserved for the next one; and never the last worker open to other
+        calls (`_open_besides`: nu85, a fast call of another client's was left only a worker
+        busy in a hung call, and died there). A reservation is made for a method that waits
+        (`Isolation.waits`: caught alone, or struck twice) only: when no worker is idle, the least loaded takes nothing
         more until it is, one reservation at a time (under load a worker is never idle, and
         the call would wait for its deadline); an idle worker found meanwhile takes the call
         and the reservation ends (round 79: a call waited 5.8 s for the reserved worker's long
-        call with the other worker idle). None: a call of a method caught alone waits (`_pump`
+        call with the other worker idle). None: a call of a method that waits waits (`_pump`
         holds its connection's calls out of turn meanwhile, so the others go on; a reservation
         no call waits for ends there, `_unreserve`); any other goes as any (`_pick_blocked`)."""
         owner = call.owner
@@ -1301,14 +1303,22 @@ class Dispatcher:
                 chosen = chosen or w
             elif least is None or w.outstanding < least.outstanding:
                 least = w
-        if chosen is None or chosen not in alone:
+        if chosen is not None and chosen not in alone and draining is None and not self._open_besides(chosen):
+            chosen = None  # (one left open to the others' calls, or the one draining for it released:
+            # nu85, alone on the one worker not stuck in a hung call, it left a fast call of another
+            # client's only the hung one, where it died)
+        if not waits:  # a suspect not caught: an idle worker within the cap, or as any
+            if chosen is None or chosen in alone or len(alone) >= cap:
+                return None
+            alone[chosen] = False
+        elif chosen is None or chosen not in alone:
             if chosen is not None and draining is not None:  # an idle one instead of the one draining
                 del alone[draining]
                 draining.limit = draining.concurrency
             elif len(alone) >= cap:
                 return None
             if chosen is None:
-                if waits and least is not None and draining is None:  # reserved: it takes nothing more
+                if least is not None and draining is None and self._open_besides(least):  # reserved: it takes nothing more
                     least.limit = 0
                     alone[least] = False
                 return None
@@ -1318,6 +1328,15 @@ class Dispatcher:
         self._blocked += 1
         call.sync = 1  # (so its answer unblocks the worker, as a blocking sync call's does)
         return chosen
+
+    def _open_besides(self, worker: Worker) -> bool:
+        """Is a ready worker other than `worker` open to any call (not running calls alone or
+        reserved for one, not blocked in a sync call, none of its calls overdue)? Or is `worker`
+        the only one (then it is spent on a call alone all the same)."""
+        alone = self._alone
+        ready = self._ready
+        return len(ready) == 1 or any(
+            w is not worker and w not in alone and not w.blocked and not w.overdue for w in ready)
 
     def _isolation_timer(self) -> None:
         """Have `_isolation_due` run at the earliest time bound of the methods run alone (a call

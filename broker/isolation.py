@@ -9,12 +9,11 @@ every call crashed its worker). So the dispatcher routes the calls of a method u
 suspicion *alone*: each to a worker holding nothing else, which takes nothing else until
 it answers, and no more such workers at once than one connection's share of them
 (`Dispatcher._pick_alone`). A call running alone that kills its worker takes only itself.
-A method caught alone (the only one with calls in a worker that died) `waits` for such a
-worker; one whose deaths were all shared with other methods' calls (a bystander, mostly)
-runs alone only where a worker is free for it, and as any call otherwise: waiting, a
-bystander's calls, long ones above all, held every worker and every other call (round 84).
-A crasher that is never alone in a worker (no worker ever free: long polls on all) is never
-caught, and each of its crashes takes the calls beside it.
+A method caught (the only one with calls in a worker that died) or struck twice `waits` for
+such a worker; one with a single strike from a death shared with other methods' calls (a
+bystander, mostly) runs alone only where a worker is free for it, and as any call otherwise:
+waiting, a bystander's calls, long ones above all, held every worker and every other call
+(round 84).
 
 Every method with a call in a worker when it died (for a worker killed as hung: with a
 call past its deadline there) takes a *strike*, and its calls run alone until 2**(strikes
@@ -66,13 +65,12 @@ class Isolation:
 
     def __init__(self) -> None:
         self.alone: dict[int, int] = {}
-        # Those of them whose calls wait for a worker of their own: caught alone, a death with
-        # no other method's calls there. The others (each death shared with other methods'
-        # calls: bystanders, mostly) run alone only where a worker is free for it, else as any
-        # (hostile testing, round 84: one kill -9 beside long polls had the restarted worker run
-        # one alone and the other reserved for the next, and every other call waited 5 s; a
-        # long poll caught in every death of a crasher's, as struck as the crasher, took the
-        # one worker for calls alone, one 6 s call at a time, and the crasher's waited for it).
+        # Those of them whose calls wait for a worker of their own: caught alone (a death with
+        # no other method's calls there), or struck twice. The others (one strike, from a death
+        # shared with other methods' calls: bystanders, mostly) run alone only where a worker is
+        # free for it, else as any (hostile testing, round 84: one kill -9 beside long polls had
+        # the restarted worker run one alone and the other reserved for the next, and every
+        # other call waited 5 s).
         self.waits: set[int] = set()
         self._strikes: dict[int, tuple[int, float]] = {}  # index -> (strikes, when the last came)
         self._ends: dict[int, float] = {}  # index -> when its calls stop running alone, whatever is owed
@@ -89,7 +87,7 @@ class Isolation:
                 strikes = 0
             strikes += 1
             self._strikes[index] = (strikes, now)
-            if len(methods) == 1:  # (caught alone: nothing else was there to blame)
+            if strikes > 1 or len(methods) == 1:  # (twice in a minute, or alone there: nothing else to blame)
                 self.waits.add(index)
             owed[index] = self.alone[index] = 1 << min(strikes - 1, MAX_OWED_SHIFT)
             end = self._ends[index] = now + min(ALONE_SECONDS * (1 << min(strikes - 1, 8)), MAX_ALONE_SECONDS)

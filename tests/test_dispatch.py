@@ -1968,6 +1968,32 @@ def other_id(d: Dispatcher, worker: Worker) -> int:
     return next(call_id for call_id, call in d._pending.items() if call.worker is worker)
 
 
+def test_a_suspect_not_caught_does_not_run_alone_on_the_one_worker_open_to_the_others():
+    """Round 85's new user (MEDIUM): a method struck in deaths it shared with others (not
+    caught) ran a call alone on the one worker not busy in a blocking sync call; another
+    client's fast call then went behind that sync call, which hung, and died with it. Such a
+    suspect runs alone only while another worker is left open to the others' calls."""
+
+    async def main() -> None:
+        d, (w0,) = sync_dispatcher(1, workers=1, concurrency=10)
+        codec = Codec()
+        d.submit(body(codec, req("fast", [], "f0")), lambda e: None)
+        d.submit(body(codec, req("quick", [], "q0")), lambda e: None)
+        assert len(w0.channel.take()) == 2  # type: ignore[union-attr]
+        restarted(d, w0)  # a death of two suspects: neither caught
+        assert d.isolated == {"fast": 1, "quick": 1} and not d._isolation.waits
+        w1 = add_worker(d, 1, concurrency=10)
+        d.submit(body(codec, req("slow", [30], "s")), lambda e: None)
+        blocked, other = (w0, w1) if w0.blocked else (w1, w0)
+        assert blocked.channel.take() and not other.channel.take()  # type: ignore[union-attr]
+        d.submit(body(codec, req("fast", [], "f1")), lambda e: None, ResponseBudget(d.outgoing))
+        assert len(other.channel.take()) == 1 and not other.blocked and other.limit == 10  # type: ignore[union-attr]
+        d.submit(body(codec, req("fast", [], "f2")), lambda e: None, ResponseBudget(d.outgoing))
+        assert len(other.channel.take()) == 1 and not blocked.channel.take()  # type: ignore[union-attr]
+
+    run(main)
+
+
 def test_a_method_runs_alone_no_longer_than_its_time_bound_whatever_is_owed(monkeypatch):
     """Hostile testing, round 80 (HIGH): a slow innocent method framed by crashes that came
     after their calls answered owed 8 answers, one call a worker at a time, and its clients

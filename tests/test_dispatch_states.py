@@ -402,7 +402,8 @@ class DispatcherMachine(RuleBasedStateMachine):
     def _alone_could_go(self, call: Call) -> bool:
         """Could a call of an isolated method go to a worker of its own now? (A ready worker
         holding nothing, reserved for one, or not blocked while fewer than the cap are spent
-        on them; its connection under its share of blocking calls.)"""
+        on them and another is left open to other calls; its connection under its share of
+        blocking calls.)"""
         d = self.dispatcher
         owner = call.owner
         if owner.blocking and owner.blocking >= d._sync_share:
@@ -411,8 +412,13 @@ class DispatcherMachine(RuleBasedStateMachine):
         if any(w in d._alone and not w.blocked and not w.outstanding for w in live):
             return True
         cap = max(1, int((len(live) + sum(d._alone.values())) * d._connection_share))
+        def open_besides(w: Worker) -> bool:  # (one worker left open to the others' calls, or a reservation to release)
+            return len(live) == 1 or any(
+                (o not in d._alone and not o.blocked and not o.overdue) or (o in d._alone and not o.blocked)
+                for o in live if o is not w)
+
         return len(d._alone) < cap and any(
-            not w.blocked and not w.outstanding and w not in d._alone for w in live)
+            not w.blocked and not w.outstanding and w not in d._alone and open_besides(w) for w in live)
 
     @invariant()
     def the_queue_waits_only_while_no_worker_can_take_its_head(self) -> None:

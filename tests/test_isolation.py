@@ -169,3 +169,4 @@ def test_a_worker_s_death_is_logged_with_its_calls_clients_and_its_notifications
     log = b.read_log(timeout=1.0)
     assert "died holding 3 calls (of unix socket x3): their methods' calls now run alone" in log, log[-2000:]
     assert sample(scrape_metrics(b), "rpc_broker_notifications_dropped_total", reason="worker_died") == 1
+
