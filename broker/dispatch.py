@@ -2056,9 +2056,13 @@ class Dispatcher:
                 # cancel_grace are past too (hostile testing, round 18: a worker 5 s into
                 # a legitimate 10 s call was killed). Not for an async call, which holds no
                 # loop (round 19: a long poll beside a stuck sync call kept the worker
-                # alive 40 s), nor for one that came after, which waits behind it.
+                # alive 40 s), nor, for a sync call cancelled, for one that came after it,
+                # which waits behind it.
+                # An async call (or chunk of them) started before a sync call came waits for that one
+                # too, its loop held (hostile testing, round 86: a 15 s sync call, well within its
+                # deadline, was killed as hung beside an async call whose 2 s deadline passed).
                 now = _clock()
-                order = (call.arrival, call.call_id)
+                order = (call.arrival, call.call_id) if call.sync else (math.inf, 0)
                 later = max((c.arrival + c.timeout for c in self._pending.values()
                              if c.worker is worker and c.tick and c.sync and (c.arrival, c.call_id) < order),
                             default=0.0)

@@ -1759,6 +1759,26 @@ def test_a_worker_busy_in_a_long_sync_call_within_its_deadline_is_not_killed_as_
     assert "hung" not in b.read_log(0.05)
 
 
+def test_an_async_call_s_deadline_does_not_kill_a_long_sync_call_that_came_after_it(broker_factory):
+    """Hostile testing, round 86 (HIGH): an async call waiting (started first), then a long
+    sync call within its deadline, holding the worker's loop: the async call's deadline
+    passed, its cancel could not be read, and cancel_grace later the worker was killed as
+    hung, the healthy sync call answered -32002 (a timeout lost another call). An async call
+    waits for any sync call holding the loop, whichever came first."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--cancel-grace", "0.5",
+                       "--method-timeout", "nap=0.5", "--method-timeout", "spin=60")
+    worker = b.call("pid")["result"]
+    assert b.call("spin", [0.2])["result"] is None  # (learnt as a slow sync method)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        nap = pool.submit(b.call, "nap", [20], 1, 60)
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 1, timeout=10)
+        spin = pool.submit(b.call, "spin", [3], 2, 60)  # (its loop held 3 s: the nap's cancel waits)
+        assert nap.result(60)["error"]["code"] == -32001
+        assert spin.result(60) == {"jsonrpc": "2.0", "id": 2, "result": None}
+    assert b.call("pid")["result"] == worker
+    assert "hung" not in b.read_log(0.05)
+
+
 def test_a_worker_stuck_in_a_sync_call_is_killed_in_time_whatever_async_calls_it_holds(broker_factory):
     """Hostile testing (round 19): a worker stuck in a sync call (answered -32001 at 1 s)
     beside an async call with a 30 s deadline was killed as hung only past that deadline
