@@ -736,12 +736,12 @@ class Dispatcher:
                 del self._alone[worker]
         if not lost:
             return
-        self._blame(worker, lost)
         # Its notifications not yet run or ended are lost: counted, as they get no answer
         # (round 80's new user: nothing said so). A chunk's answered in parts are marked -2.
         notifications = sum(c.slots.count(-1) if c.slots is not None else c.kind == NOTIFY for c in lost)
         if notifications:
             self.notifications_dropped[_DIED] = self.notifications_dropped.get(_DIED, 0) + notifications
+        self._blame(worker, lost, notifications)
         error = error_object(ErrorCode.WORKER_DIED, data={"pid": worker.pid, "status": reason})
         for call in lost:
             del self._pending[call.call_id]
@@ -758,13 +758,16 @@ class Dispatcher:
         self._check_idle()
         self._pump()
 
-    def _blame(self, worker: Worker, lost: list[Call]) -> None:
+    def _blame(self, worker: Worker, lost: list[Call], notifications: int) -> None:
         """`worker` died holding `lost`: their methods' calls run alone from now on
         (`broker.isolation`; not those of calls sent before a reload, `stale`). Killed as
         hung, only the methods of its calls past their deadline: those behind them waited
         (round 79's new user: a slow method beside the hung one took the strike, and the
-        only worker for calls run alone)."""
-        held, clients = len(lost), _clients(lost)
+        only worker for calls run alone). `notifications`: how many of `lost` are, for the log."""
+        calls = sum(call.weight for call in lost) - notifications  # (a chunk's not answered yet)
+        held = " and ".join(f"{n} {word}{'' if n == 1 else 's'}" for n, word in ((calls, "call"), (notifications, "notification"))
+                            if n)
+        clients = _clients(lost)
         if worker.kill_reason.startswith("hung") and any(not call.tick for call in lost):
             lost = [call for call in lost if not call.tick]
         methods: set[int] = set()
@@ -778,9 +781,8 @@ class Dispatcher:
         now = _clock()
         owed = isolation.blame(sorted(methods), now)
         log.warning(
-            "worker %d (pid %d) died holding %d call%s (of %s): their methods' calls now run alone, one per worker, "
-            "until so many of them answer or so long passes: %s", worker.slot, worker.pid, held,
-            "" if held == 1 else "s", clients,
+            "worker %d (pid %d) died holding %s (of %s): their methods' calls now run alone, one per worker, "
+            "until so many of them answer or so long passes: %s", worker.slot, worker.pid, held, clients,
             ", ".join(f"{self._names[index]} {n} or {isolation.ends_in(index, now):g} s" for index, n in owed.items()),
         )
         self._isolation_timer()

@@ -282,8 +282,9 @@ def traffic() -> list[Panel]:
             "cancel (async handlers), `result` when the call ran to its end anyway (sync handlers cannot be "
             "interrupted: they held their worker past the deadline). Fewer late replies than timeouts mean "
             "calls that expired in the queue, or workers killed as hung or dead before answering (see "
-            "restarts). Notifications that never reached a worker, by reason: they get no answer, so this "
-            "is their only trace.",
+            "restarts). Notifications dropped, by reason (never reached a worker; `timed_out` also those "
+            "their worker never started before their deadline; `worker_died` those lost with their "
+            "worker): they get no answer, so this is their only trace.",
             [(f"sum by (method) ({rate('rpc_broker_timeouts_total')})", "timeout {{method}}"),
              (f"sum by (kind) ({rate('rpc_broker_late_replies_total')})", "late reply: {{kind}}"),
              (f"sum by (reason) ({rate('rpc_broker_notifications_dropped_total')})",
