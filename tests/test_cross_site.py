@@ -102,6 +102,8 @@ def ledger_broker(event_loop_name: str, tmp_path_factory: pytest.TempPathFactory
     "application/json", "Application/JSON", "application/json; charset=utf-8",
     "application/json;charset=UTF-8", "application/json ; charset=utf-8", 'application/json; charset="utf-8"',
     "application/json; charset=utf8", "application/json; version=2",
+    # quoted pairs, and a ";" in a quoted value (round 86: 415)
+    'application/json; charset="utf\\-8"', 'application/json; x="a;charset=latin1"', "application/json;",
 ])
 def test_json_content_types_are_served(ledger_broker, content_type):
     b, ledger = ledger_broker
@@ -164,7 +166,7 @@ _NOT_HOST = "Host not in allowed_hosts"
         "application/json; charset=latin1", "application/json;charset=ISO-8859-1", 'application/json; charset="utf-16"',
         # a quoted value not closed, or a quote in a token (round 83: these were taken)
         'application/json; charset="utf-8', 'application/json; charset=utf-8"', 'application/json; charset="',
-        'application/json; version="2')),
+        'application/json; version="2', "application/json; charset", "application/json; =x")),
     *(({"host": h}, 421, _NOT_HOST) for h in (
         "rebind.test", "rebind.test:8080", "localhost.rebind.test", "127.0.0.1.nip.io:80", "localhost:80:80",
         "localhost:http", "[::1]x", "[::2]:80", "", "0.0.0.1",
@@ -288,10 +290,13 @@ def test_an_allowed_origin_gets_cors_headers(broker_factory, tmp_path):
     status, headers, body = exchange(b, request(record("cors"), origin="HTTP://APP.test:3000"))
     assert status == 200 and json.loads(body)["result"] == 1
     assert headers["access-control-allow-origin"] == "HTTP://APP.test:3000"
+    # Whitespace after it is no part of it (RFC 9110 5.5; round 86: 403)
+    status, headers, body = exchange(b, request(record("ws"), origin="http://app.test:3000 \t"))
+    assert status == 200 and headers["access-control-allow-origin"] == "http://app.test:3000", body
     notification = json.dumps({"jsonrpc": "2.0", "method": "record", "params": ["note"]}).encode()
     status, headers, _ = exchange(b, request(notification, origin="https://other.test"))
     assert status == 204 and headers["access-control-allow-origin"] == "https://other.test"
-    wait_for(lambda: marks(ledger) == ["cors", "note"])
+    wait_for(lambda: marks(ledger) == ["cors", "ws", "note"])
     # Still only application/json, and only the listed origins.
     # Refused, it can read why (round 34: a 415 and a 413 had no CORS headers, as 400 has)
     status, headers, body = exchange(b, request(record("x"), origin="http://app.test:3000", content_type="text/plain"))
@@ -308,7 +313,7 @@ def test_an_allowed_origin_gets_cors_headers(broker_factory, tmp_path):
     status, _, body = exchange(b, request(record("x"), origin="http://evil.test",
                                           extra="Origin: http://app.test:3000\r\n"))
     assert_refused(status, body, 403, "Origin not in allowed_origins")
-    assert marks(ledger) == ["cors", "note"]
+    assert marks(ledger) == ["cors", "ws", "note"]
 
 
 # -- settings ----------------------------------------------------------------------------

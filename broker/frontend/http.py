@@ -116,6 +116,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 import typing
 from collections import deque
@@ -251,27 +252,35 @@ def _is_json(content_type: bytes | None) -> bool:
     """True if a Content-Type value names application/json: the media type compared
     case-insensitively, parameters (`; charset=utf-8`) allowed (RFC 9110 8.3.1), but a
     charset other than UTF-8, the only one JSON has (RFC 8259 8.1; round 44: `charset=latin1`
-    was taken, and its body read as UTF-8), nor a value quoted but not closed (a parameter's
-    value is a token or a quoted-string, RFC 9110 5.6.6; round 83: `charset="utf-8` was taken)."""
+    was taken, and its body read as UTF-8), nor parameters that are not tokens or quoted
+    strings (RFC 9110 5.6.6: round 83, `charset="utf-8` was taken; round 86, a quoted `;` or
+    a quoted pair was read wrong)."""
     if content_type == _JSON_TYPE:
         return True
     if content_type is None:
         return False
-    media, _, parameters = content_type.partition(b";")
+    media = content_type.partition(b";")[0]
     if media.strip(b" \t").lower() != _JSON_TYPE:
         return False
-    for parameter in parameters.split(b";"):
-        name, _, value = parameter.partition(b"=")
-        value = value.strip(b" \t")
-        if value[:1] == b'"':
-            if len(value) < 2 or value[-1:] != b'"':
-                return False
-            value = value[1:-1]
-        if name.strip(b" \t").lower() == b"charset" and value.lower() not in _UTF8:
+    pos, end = len(media), len(content_type)
+    while pos < end:
+        found = _PARAMETER.match(content_type, pos)
+        if found is None:
             return False
+        pos = found.end()
+        name, value = found.group(1, 2)
+        if name is not None and name.lower() == b"charset":
+            if value[:1] == b'"':
+                value = _QUOTED_PAIR.sub(rb"\1", value[1:-1])
+            if value.lower() not in _UTF8:
+                return False
     return True
 
 
+# One parameter of a media type, its ";" first, or an empty one (RFC 9110 8.3.1, 5.6.2, 5.6.4)
+_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_PARAMETER = re.compile(rb'[ \t]*;[ \t]*(?:(' + _TOKEN + rb')=(' + _TOKEN + rb'|"(?:[^"\\]|\\.)*"))?[ \t]*')
+_QUOTED_PAIR = re.compile(rb"\\(.)", re.DOTALL)
 _UTF8 = (b"utf-8", b"utf8")
 
 
@@ -1379,7 +1388,8 @@ class HttpProtocol(asyncio.Protocol):
         elif n == 6:
             name = name.lower()
             if name == b"origin":  # (two: none allowed, 403; the last was checked, hostile testing)
-                self._origin = value if self._origin is None else b""
+                # (its trailing whitespace is no part of it, RFC 9110 5.5: round 86, refused, as Host is not)
+                self._origin = value.rstrip(b" \t") if self._origin is None else b""
             elif name == b"expect" and value.lower() == b"100-continue":
                 self._expect = True
         elif n == 17 and name.lower() == b"transfer-encoding":
