@@ -686,6 +686,8 @@ class Dispatcher:
             self._start_failed = False
             worker.limit = worker.concurrency  # (a worker is ready with nothing in flight)
             self._alone.pop(worker, None)  # (back from a death under a call run alone)
+            for other in [w for w, dead in self._alone.items() if dead and w.slot == worker.slot]:
+                del self._alone[other]  # (its slot's, dead under one, replaced by this one: a reload's)
             # Routing around sync calls is on while a blocked worker's limit, 1 +
             # sync_prefetch, is at most its concurrency (every worker has the same).
             self._sync_routing = self._sync_limit <= worker.concurrency
@@ -724,14 +726,15 @@ class Dispatcher:
 
     def worker_lost(self, worker: Worker, reason: str) -> None:
         """The worker's process is gone: answer its in-flight calls "worker died"."""
+        serving = worker in self._ready  # (not one retired by a reload, or leaving: its slot is another's)
         self.worker_unready(worker)
         lost = [c for c in self._pending.values() if c.worker is worker]
         if worker.overdue:
             worker.overdue.clear()
             self._overdue -= 1
         if worker in self._alone:  # dead under a call run alone: spent on them until back; else no more reserved
-            if lost and worker.blocked:
-                self._alone[worker] = True
+            if lost and worker.blocked and serving:  # (round 85: a retired one never came back, and its
+                self._alone[worker] = True  # place counted against the cap until the next reload: none ran alone)
             else:
                 del self._alone[worker]
         if not lost:
@@ -1069,11 +1072,14 @@ class Dispatcher:
         elif (self._queued_calls + call.weight > self._max_queue or (
             self._queued_bytes + _held(call) > self._max_queue_bytes
         )) and not self._make_room(call):  # (max_queue counts calls: a chunk that does not fit is shed whole)
-            if not self._queued_calls and self._serving and (worker := self._pick(call)) is not None:
+            if not self._queued_calls and self._serving and (worker := self._pick(call)) is not None and (
+                not worker.outstanding
+            ):
                 # Nothing waits, and it never could (max_queue 0, or it weighs more): it goes past
-                # its connection's share rather than be refused "overloaded" by an idle broker
-                # (hostile testing, round 83: with max_queue 0, one client's pipelined calls to
-                # idle workers were, all but one).
+                # its connection's share to an idle worker rather than be refused "overloaded" by
+                # an idle broker (hostile testing, round 83: with max_queue 0, one client's
+                # pipelined calls to idle workers were, all but one); to a busy one, no (round 85:
+                # batches of 1000 took every place, and other clients' calls were refused).
                 self._send(worker, call)
             else:
                 self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)

@@ -1071,6 +1071,27 @@ def test_with_max_queue_0_a_connection_s_calls_past_its_share_go_to_idle_workers
     run(main)
 
 
+def test_with_max_queue_0_a_connection_past_its_share_takes_no_busy_worker_s_places():
+    """Hostile testing, round 85 (MEDIUM): with max_queue 0, one connection's batches took
+    every place of every worker, its calls past its share sent wherever there was room, and
+    every other client's calls were refused -32000. Past its share, a call that cannot wait
+    goes to an idle worker only."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), max_queue=0)
+        d.set_methods(["m"])
+        a, b = add_worker(d, 0, 10), add_worker(d, 1, 10)
+        codec = Codec()
+        flood = ResponseBudget(d.outgoing)
+        exchanges = [d.submit(body(codec, req("m", [i], i)), lambda e: None, flood) for i in range(20)]
+        assert len(a.channel.take()) + len(b.channel.take()) == 10  # type: ignore[union-attr]  # (its share)
+        assert all(json.loads(e.answers[0])["error"]["code"] == -32000 for e in exchanges[10:])
+        other = d.submit(body(codec, req("m", [0], "x")), lambda e: None, ResponseBudget(d.outgoing))
+        assert len(a.channel.take()) + len(b.channel.take()) == 1 and other.answers == [None]  # type: ignore[union-attr]
+
+    run(main)
+
+
 def test_async_calls_are_not_held_behind_a_slow_sync_call_behind_long_polls():
     """Hostile round 6 finding 1 (r4_held_worker_stalls_async.py), in memory: worker A
     runs a slow sync call, worker B two long polls; one more slow sync call came, no
@@ -1990,6 +2011,33 @@ def test_a_suspect_not_caught_does_not_run_alone_on_the_one_worker_open_to_the_o
         assert len(other.channel.take()) == 1 and not other.blocked and other.limit == 10  # type: ignore[union-attr]
         d.submit(body(codec, req("fast", [], "f2")), lambda e: None, ResponseBudget(d.outgoing))
         assert len(other.channel.take()) == 1 and not blocked.channel.take()  # type: ignore[union-attr]
+
+    run(main)
+
+
+def test_a_retired_worker_that_dies_under_a_call_run_alone_leaves_no_place_spent():
+    """Hostile testing, round 85 (HIGH): a worker retired by a reload (or leaving) died
+    running a call alone; its slot had a new worker, so it never came back, and its place
+    counted against the cap of workers running calls alone until the next reload: no call
+    ran alone again, and a crasher's calls went beside others'. Only a serving worker's
+    death holds a place until its slot is back."""
+
+    async def main() -> None:
+        d, (w0, w1), codec, done = isolation_setup(2)
+        for strike in range(2):  # two deaths under it: it waits for a worker of its own
+            d.submit(body(codec, req("boom", [], f"s{strike}")), done.append)
+            [(_, first, _, _)] = (w0.channel.take() or w1.channel.take())  # type: ignore[union-attr]
+            restarted(d, w0 if first in w0.channel.deadlines else w1)  # type: ignore[union-attr]
+        d.submit(body(codec, req("boom", [], "alone")), done.append)
+        running = w0 if w0.channel.take() else w1  # type: ignore[union-attr]
+        (w1 if running is w0 else w0).channel.take()  # type: ignore[union-attr]
+        d.worker_unready(running)  # a reload retires it, and its slot's new worker is ready
+        new = add_worker(d, running.slot, concurrency=10)
+        d.worker_lost(running, "killed by SIGKILL")  # it dies under the call it ran alone
+        assert running not in d._alone
+        d.submit(body(codec, req("boom", [], "next")), done.append)  # runs alone: a place is free
+        assert len(new.channel.take()) + len((w1 if running is w0 else w0).channel.take()) == 1  # type: ignore[union-attr]
+        assert d.queued_calls == 0
 
     run(main)
 
