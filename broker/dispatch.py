@@ -1339,12 +1339,13 @@ class Dispatcher:
 
     def _open_besides(self, worker: Worker) -> bool:
         """Is a ready worker other than `worker` open to any call (not running calls alone or
-        reserved for one, not blocked in a sync call, none of its calls overdue)? Or is `worker`
-        the only one (then it is spent on a call alone all the same)."""
+        reserved for one, not blocked in a sync call)? Or is `worker` the only one (then it is
+        spent on a call alone all the same)? (One with calls overdue counts: it is left only
+        while it answers, and a reservation made meanwhile would be given up for `worker` at
+        the next call, `_pick_alone`.)"""
         alone = self._alone
         ready = self._ready
-        return len(ready) == 1 or any(
-            w is not worker and w not in alone and not w.blocked and not w.overdue for w in ready)
+        return len(ready) == 1 or any(w is not worker and w not in alone and not w.blocked for w in ready)
 
     def _isolation_timer(self) -> None:
         """Have `_isolation_due` run at the earliest time bound of the methods run alone (a call

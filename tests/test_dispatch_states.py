@@ -414,7 +414,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         cap = max(1, int((len(live) + sum(d._alone.values())) * d._connection_share))
         def open_besides(w: Worker) -> bool:  # (one worker left open to the others' calls, or a reservation to release)
             return len(live) == 1 or any(
-                (o not in d._alone and not o.blocked and not o.overdue) or (o in d._alone and not o.blocked)
+                (o not in d._alone and not o.blocked) or (o in d._alone and not o.blocked)
                 for o in live if o is not w)
 
         return len(d._alone) < cap and any(
@@ -591,3 +591,22 @@ def test_a_worker_s_death_counts_lost_only_the_notifications_it_had_not_answered
         ("reply", {"data": _Drawn(second), "how": "result"}),
     ])
     assert machine.dispatcher.notifications_dropped == {ErrorCode.WORKER_DIED: 1}
+
+
+def test_a_call_run_alone_does_not_wait_beside_an_idle_worker_while_another_is_reserved_for_it():
+    """Found by this machine in a long run (stop 37): an isolated call found an idle worker, the
+    other one (with a call overdue) not counted open to other calls, so it reserved that other
+    one and waited beside the idle one; at its next try it would take the idle one. A worker
+    with calls overdue counts as open (`Dispatcher._open_besides`)."""
+    machine = WholeShareMachine()
+    _replay(machine, [
+        ("submit_alike", {"connection": None, "method": "fast", "n": 3, "notification": False}),
+        ("expire", {}),
+        ("submit_alike", {"connection": None, "method": "sync", "n": 6, "notification": False}),
+        ("reply", {"data": _Drawn(3), "how": "result"}),
+        ("answer_part", {"data": _Drawn(1, [0])}),
+        ("give_back", {"data": _Drawn(2)}),
+        ("lose_worker", {"data": _Drawn(machine.workers[0])}),
+        ("new_worker", {"restart": False}),
+        ("reply", {"data": _Drawn(7), "how": "cancelled"}),
+    ])
