@@ -782,7 +782,10 @@ class Dispatcher:
             return
         isolation = self._isolation
         now = _clock()
-        owed = isolation.blame(sorted(methods), now)
+        # (Caught: the one call there. Several calls of one method, a kill -9 of a worker serving
+        # only `add` say, are no better evidence against it than against other methods': round 87,
+        # `add` caught so waited 4 s for a worker of its own while the cap was spent elsewhere.)
+        owed = isolation.blame(sorted(methods), now, caught=len(lost) == 1 and lost[0].weight == 1)
         log.warning(
             "worker %d (pid %d) died holding %s (of %s): their methods' calls now run alone, one per worker, "
             "until so many of them answer or so long passes: %s", worker.slot, worker.pid, held, clients,

@@ -9,7 +9,7 @@ every call crashed its worker). So the dispatcher routes the calls of a method u
 suspicion *alone*: each to a worker holding nothing else, which takes nothing else until
 it answers, and no more such workers at once than one connection's share of them
 (`Dispatcher._pick_alone`). A call running alone that kills its worker takes only itself.
-A method caught (the only one with calls in a worker that died) or struck twice `waits` for
+A method caught (its call the only one in a worker that died) or struck twice `waits` for
 such a worker; one with a single strike from a death shared with other methods' calls (a
 bystander, mostly) runs alone only where a worker is free for it, and as any call otherwise:
 waiting, a bystander's calls, long ones above all, held every worker and every other call
@@ -66,7 +66,7 @@ class Isolation:
     def __init__(self) -> None:
         self.alone: dict[int, int] = {}
         # Those of them whose calls wait for a worker of their own: caught alone (a death with
-        # no other method's calls there), or struck twice. The others (one strike, from a death
+        # no other call there), or struck twice. The others (one strike, from a death
         # shared with other methods' calls: bystanders, mostly) run alone only where a worker is
         # free for it, else as any (hostile testing, round 84: one kill -9 beside long polls had
         # the restarted worker run one alone and the other reserved for the next, and every
@@ -76,18 +76,18 @@ class Isolation:
         self._ends: dict[int, float] = {}  # index -> when its calls stop running alone, whatever is owed
         self.next_end = math.inf
 
-    def blame(self, methods: Iterable[int], now: float) -> dict[int, int]:
-        """A worker died holding calls of `methods`: a strike each. Returns, for each, the
-        answers now owed before its calls stop running alone (for the log)."""
+    def blame(self, methods: Iterable[int], now: float, caught: bool = False) -> dict[int, int]:
+        """A worker died holding calls of `methods`: a strike each; `caught`: it held one call
+        only (nothing else there to blame). Returns, for each, the answers now owed before its
+        calls stop running alone (for the log)."""
         owed: dict[int, int] = {}
-        methods = list(methods)
         for index in methods:
             strikes, last = self._strikes.get(index, (0, now))
             if now - last >= STRIKE_DECAY_SECONDS:
                 strikes = 0
             strikes += 1
             self._strikes[index] = (strikes, now)
-            if strikes > 1 or len(methods) == 1:  # (twice in a minute, or alone there: nothing else to blame)
+            if strikes > 1 or caught:  # (twice in a minute, or alone there: nothing else to blame)
                 self.waits.add(index)
             owed[index] = self.alone[index] = 1 << min(strikes - 1, MAX_OWED_SHIFT)
             end = self._ends[index] = now + min(ALONE_SECONDS * (1 << min(strikes - 1, 8)), MAX_ALONE_SECONDS)

@@ -2042,6 +2042,34 @@ def test_a_retired_worker_that_dies_under_a_call_run_alone_leaves_no_place_spent
     run(main)
 
 
+def test_a_worker_killed_holding_several_calls_of_one_method_does_not_make_it_wait():
+    """Hostile testing, round 87 (MEDIUM): a worker holding only `add` calls was killed (kill
+    -9): `add`, the one method there, was caught and waited for a worker of its own, the cap
+    spent on another method's long call run alone, and every `add` waited 4 s with workers
+    idle. Caught is a death with one call in it; several calls of one method are no better
+    evidence against it than against another's: it runs alone where a worker is free, else as
+    any."""
+
+    async def main() -> None:
+        d, workers, codec, done = isolation_setup(3)  # (cap: one of the three)
+        for strike in range(2):  # m waits: two deaths, each with its one call
+            d.submit(body(codec, req("m", [], f"s{strike}")), done.append)
+            [dead] = [w for w in workers if w.channel.take()]  # type: ignore[union-attr]
+            restarted(d, dead)
+        d.submit(body(codec, req("m", [], "long")), done.append)  # alone: the cap is spent
+        [alone] = [w for w in workers if w.channel.take()]  # type: ignore[union-attr]
+        for i in range(4):
+            d.submit(body(codec, req("boom", [], f"b{i}")), done.append)
+        held = {w: len(w.channel.take()) for w in workers if w is not alone}  # type: ignore[union-attr]
+        assert sorted(held.values()) == [2, 2]
+        restarted(d, next(iter(held)))  # killed holding 2 calls of boom only
+        assert d.isolated == {"m": 2, "boom": 1} and "boom" not in {d._names[i] for i in d._isolation.waits}
+        d.submit(body(codec, req("boom", [], "after")), done.append)
+        assert d.queued_calls == 0 and sum(len(w.channel.take()) for w in workers) == 1  # type: ignore[union-attr]
+
+    run(main)
+
+
 def test_a_method_runs_alone_no_longer_than_its_time_bound_whatever_is_owed(monkeypatch):
     """Hostile testing, round 80 (HIGH): a slow innocent method framed by crashes that came
     after their calls answered owed 8 answers, one call a worker at a time, and its clients
