@@ -1261,8 +1261,9 @@ class Dispatcher:
             if k < limit:
                 if w.blocked:  # the last choice; no sync call, and only what fits under its limit
                     k = k + _BLOCKED if sync <= 0 and k + weight <= limit else least
-                elif w.overdue:  # the last choice too: stuck, maybe (stopped, its loop held; `_overdue`)
-                    k = k + _BLOCKED
+                elif w.overdue:  # stuck, maybe (stopped, its loop held: `_overdue`): none while another
+                    # ready worker is not, whatever waits (round 87: sent calls while the other was blocked)
+                    k = least if any(not x.overdue for x in ready) else k + _BLOCKED
                 if k < least:
                     if k == 0:
                         return w

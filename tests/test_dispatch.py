@@ -1955,8 +1955,9 @@ def test_a_kill_beside_long_calls_never_takes_every_worker_from_the_others():
 def test_a_worker_that_has_not_answered_a_call_past_its_deadline_is_the_last_choice():
     """Hostile testing, round 84 (MEDIUM): a worker stopped (SIGSTOP) or held in a call past
     its deadline, its CANCEL unanswered, was still sent new calls as the least loaded, each
-    answered -32001 at its own deadline while the other worker had room. Until it answers,
-    it takes new calls only when no other worker has room; then it is chosen as any again."""
+    answered -32001 at its own deadline while the other worker had room (round 87: or was
+    blocked in a sync call). Until it answers, it takes no new call while another worker is
+    ready (they wait for room there); then it is chosen as any again."""
 
     async def main() -> None:
         d = Dispatcher(asyncio.get_running_loop(), method_timeouts={"brief": 0.05})
@@ -1974,9 +1975,10 @@ def test_a_worker_that_has_not_answered_a_call_past_its_deadline_is_the_last_cho
         for i in range(3):  # all to the other, however loaded (it holds 0, 1, 2 and the stuck one 1)
             d.submit(body(codec, req("m", [], f"n{i}")), done.append, ResponseBudget(d.outgoing))
         assert len(other.channel.take()) == 3 and not stuck.channel.take()  # type: ignore[union-attr]
-        d.submit(body(codec, req("m", [], "n3")), done.append, ResponseBudget(d.outgoing))  # the other is full
-        assert len(stuck.channel.take()) == 1  # type: ignore[union-attr]
+        d.submit(body(codec, req("m", [], "n3")), done.append, ResponseBudget(d.outgoing))  # the other is full:
+        assert not stuck.channel.take() and d.queued_calls == 1  # type: ignore[union-attr]  # (it waits; round 87)
         d.on_reply(stuck, wire.Kind.ERROR, brief, wire.NOT_RUN, wire.CANCEL_ACK)  # it answers: as any again
+        assert len(stuck.channel.take()) == 1 and d.queued_calls == 0  # type: ignore[union-attr]  # (n3)
         d.on_reply(other, wire.Kind.RESULT, other_id(d, other), 10, b"0")
         d.submit(body(codec, req("m", [], "n4")), done.append, ResponseBudget(d.outgoing))
         assert len(stuck.channel.take()) == 1  # type: ignore[union-attr]  # (1 against 2: the least loaded)

@@ -443,10 +443,13 @@ class DispatcherMachine(RuleBasedStateMachine):
                 head = call
         if head is None:
             return
-        for w in self._live():
+        live = self._live()
+        for w in live:
             room = w.outstanding < w.limit
             if w.blocked:
                 room = room and head.sync <= 0 and w.outstanding + head.weight <= w.limit
+            elif w.overdue:  # (no room while another ready worker has no call overdue)
+                room = room and all(o.overdue for o in live)
             assert not room, (w, w.outstanding, w.limit, w.blocked, head.sync, head.weight)
 
     @invariant()
