@@ -721,6 +721,9 @@ def test_every_answer_has_a_date_and_503s_a_retry_after(broker_factory):
         c.send(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X: a\r\n" * 200 + b"\r\n")
         status, headers, _ = c.response()
         assert status == 431 and _date(headers)
+    # (nothing in flight first: the notification above held the one slot on a loaded machine, and
+    # the sleep was the call refused 503)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 0, timeout=10)
     with Conn(b) as busy:  # the one worker slot taken, no queue: the next call is overloaded
         busy.send(post(call("sleep", [3], "busy"), path=b.path))
         # (until the broker has the sleep in flight: an add sent meanwhile took the slot, and
