@@ -2043,6 +2043,10 @@ class Dispatcher:
             # answered -32001 after its deadline while the other worker had room).
             if not worker.overdue:
                 self._overdue += 1
+                if self._queued_calls and all(w.overdue for w in self._ready if w is not worker):
+                    worker.overdue.add(call.call_id)
+                    self._pump()  # (every ready worker overdue now: they take what waits, as the last choice)
+                    return
             worker.overdue.add(call.call_id)
 
     def _compact(self) -> None:

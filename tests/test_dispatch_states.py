@@ -613,3 +613,21 @@ def test_a_call_run_alone_does_not_wait_beside_an_idle_worker_while_another_is_r
         ("new_worker", {"restart": False}),
         ("reply", {"data": _Drawn(7), "how": "cancelled"}),
     ])
+
+
+def test_calls_queued_go_to_overdue_workers_once_every_worker_is_overdue():
+    """Found by this machine in a long run (stop 37): a worker with calls overdue takes no new
+    call while another is ready; when the other's calls went overdue too, nothing started the
+    queue again, and its calls waited with places free (till a worker answered)."""
+    _replay(DispatcherMachine(), [
+        ("submit", {"batch": True, "connection": None, "elements": [("fast", False)] * 3}),
+        ("submit", {"batch": True, "connection": None, "elements": [("fast", False)] * 3}),
+        ("expire", {}),
+        ("reply", {"data": _Drawn(1), "how": "result"}),
+        ("reply", {"data": _Drawn(2), "how": "result"}),
+        ("lose_connection", {"connection": 0}),
+        ("reply", {"data": _Drawn(4), "how": "result"}),
+        ("submit_alike", {"connection": None, "method": "fast", "n": 3, "notification": False}),
+        ("submit_alike", {"connection": None, "method": "slow", "n": 3, "notification": False}),
+        ("expire", {}),
+    ])
