@@ -211,7 +211,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_queue: Annotated[int, Meta(ge=0),
                          Doc("calls waiting for a free worker before the broker "
                              "answers 'overloaded'; at 0 none waits, and a connection's "
-                             "calls past its connection_share go to an idle worker, if any")
+                             "calls past its connection_share go to an idle worker, if any "
+                             "(not blocking sync calls)")
                          ] = 10000
     max_queue_bytes: Annotated[Bytes, Meta(ge=0),
                                Doc("total bytes the waiting calls hold (raw params and "

@@ -1075,14 +1075,16 @@ class Dispatcher:
         elif (self._queued_calls + call.weight > self._max_queue or (
             self._queued_bytes + _held(call) > self._max_queue_bytes
         )) and not self._make_room(call):  # (max_queue counts calls: a chunk that does not fit is shed whole)
-            if not self._queued_calls and self._serving and (worker := self._pick(call)) is not None and (
-                not worker.outstanding
-            ):
+            if not self._queued_calls and self._serving and call.sync <= 0 and (
+                worker := self._pick(call)
+            ) is not None and not worker.outstanding:
                 # Nothing waits, and it never could (max_queue 0, or it weighs more): it goes past
                 # its connection's share to an idle worker rather than be refused "overloaded" by
                 # an idle broker (hostile testing, round 83: with max_queue 0, one client's
                 # pipelined calls to idle workers were, all but one); to a busy one, no (round 85:
-                # batches of 1000 took every place, and other clients' calls were refused).
+                # batches of 1000 took every place, and other clients' calls were refused); nor a
+                # blocking sync call, which holds its worker whole (round 88: one connection's 2
+                # pipelined slow calls held both workers, and every other sync call was refused).
                 self._send(worker, call)
             else:
                 self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)

@@ -1092,6 +1092,27 @@ def test_with_max_queue_0_a_connection_past_its_share_takes_no_busy_worker_s_pla
     run(main)
 
 
+def test_with_max_queue_0_a_connection_s_blocking_sync_calls_past_its_share_are_refused():
+    """Hostile testing, round 88 (MEDIUM): with max_queue 0, a connection's blocking sync calls
+    past its share went to idle workers, each holding its worker whole: one connection's two
+    pipelined slow calls held both workers, and every other client's sync call was refused.
+    A blocking sync call keeps to its connection's share of the workers (it is refused past it)."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), max_queue=0)
+        d.set_methods(["slow"], sync_methods=["slow"])  # (unmeasured: blocking)
+        a, b = add_worker(d, 0, 10), add_worker(d, 1, 10)
+        codec = Codec()
+        flood = ResponseBudget(d.outgoing)
+        first, second = (d.submit(body(codec, req("slow", [1], i)), lambda e: None, flood) for i in range(2))
+        assert len(a.channel.take()) + len(b.channel.take()) == 1  # type: ignore[union-attr]
+        assert first.answers == [None] and json.loads(second.answers[0])["error"]["code"] == -32000
+        other = d.submit(body(codec, req("slow", [0], "x")), lambda e: None, ResponseBudget(d.outgoing))
+        assert len(a.channel.take()) + len(b.channel.take()) == 1 and other.answers == [None]  # type: ignore[union-attr]
+
+    run(main)
+
+
 def test_async_calls_are_not_held_behind_a_slow_sync_call_behind_long_polls():
     """Hostile round 6 finding 1 (r4_held_worker_stalls_async.py), in memory: worker A
     runs a slow sync call, worker B two long polls; one more slow sync call came, no
