@@ -2043,13 +2043,12 @@ class Dispatcher:
             # a CANCEL at once, one that does not is stopped, or held in a sync call (hostile
             # testing, round 84: a SIGSTOPped worker was sent calls for its cancel_grace, each
             # answered -32001 after its deadline while the other worker had room).
-            if not worker.overdue:
-                self._overdue += 1
-                if self._queued_calls and all(w.overdue for w in self._ready if w is not worker):
-                    worker.overdue.add(call.call_id)
-                    self._pump()  # (every ready worker overdue now: they take what waits, as the last choice)
-                    return
+            first = not worker.overdue
             worker.overdue.add(call.call_id)
+            if first:
+                self._overdue += 1
+                if self._queued_calls and all(w.overdue for w in self._ready):
+                    self._pump()  # (every ready worker overdue now: they take what waits, as the last choice)
 
     def _compact(self) -> None:
         """Drop the expired shells from the queue (more than half of it), in place."""

@@ -184,8 +184,8 @@ class Worker:
         self.limit = 1  # calls in flight it may have now (the dispatcher's: see dispatch.py)
         self.sync_calls = 0  # sync calls in flight (the dispatcher's)
         self.blocked = False  # busy in a blocking sync call, its limit taken down (the dispatcher's)
-        # Ids of its calls past their deadline, cancelled and not answered yet: while any, it is
-        # the last choice for new calls, as a blocked worker is (the dispatcher's)
+        # Ids of its calls past their deadline, cancelled and not answered yet: while any, it
+        # takes no new call while another worker is ready (the dispatcher's)
         self.overdue: set[int] = set()
         self.started_at = 0.0
         self.restart_at = 0.0  # time.monotonic() at which its restart backoff ends (0: not in one)
