@@ -61,7 +61,11 @@ than it can start: at most one blocking sync call in flight, and its limit is
 which start the moment it returns; a chunk counts its calls there: it goes to such a
 worker only if all of them fit under that limit, else it waits for another worker).
 Such a worker is the last choice: it gets a call only when no unblocked worker can
-take it. A batch's blocking sync calls go out one by one (a chunk of 50 of them would
+take it, and of several such, the one whose blocking calls should end first (their
+methods' estimates, below, from when they were sent; one past its estimate is expected
+to run as long again as it has: a call of `add`, briefly learnt blocking on a loaded
+machine, blocked one worker of 2 and the next `add` went behind a 4 s call on the
+other half the time, hostile testing, round 88). A batch's blocking sync calls go out one by one (a chunk of 50 of them would
 be head-of-line by itself; a chunk counts its sync calls all the same).
 
 One connection's blocking sync calls hold at most `connection_share` of the ready workers
@@ -234,6 +238,7 @@ MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the con
 RESTART_WAIT_SECONDS = 1.0  # calls wait for a worker back within this of the outage's start (a crash's restart backoff)
 BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
 _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
+_LEFT_MS = 1 << 24  # a blocked worker's expected wait when picking, ms, at most (4.6 h; past it, equal)
 _clock = time.perf_counter
 _NO_ID = Raw()
 _SPLICE_BYTES = len(response_result(b"", b""))  # an answer's bytes besides its id and result (or error)
@@ -1253,6 +1258,7 @@ class Dispatcher:
             return None
         sync = call.sync
         weight = call.weight
+        now = _clock()
         i = self._rotation = (self._rotation + 1) % n
         best: Worker | None = None
         least = 1 << 62
@@ -1262,10 +1268,19 @@ class Dispatcher:
             limit = w.limit
             if k < limit:
                 if w.blocked:  # the last choice; no sync call, and only what fits under its limit
-                    k = k + _BLOCKED if sync <= 0 and k + weight <= limit else least
+                    if sync <= 0 and k + weight <= limit:
+                        # the one whose blocking calls should end first (one past its estimate:
+                        # as long again as it has run), not behind a 4 s call beside a 1 ms one
+                        # (hostile testing, round 88: `add`, briefly learnt blocking, on one)
+                        left = w.sync_until - now
+                        if left < 0:
+                            left = now - w.sync_since
+                        k += _BLOCKED + (min(int(left * 1000), _LEFT_MS) << 10)
+                    else:
+                        k = least
                 elif w.overdue:  # stuck, maybe (stopped, its loop held: `_overdue`): none while another
                     # ready worker is not, whatever waits (round 87: sent calls while the other was blocked)
-                    k = least if any(not x.overdue for x in ready) else k + _BLOCKED
+                    k = least if any(not x.overdue for x in ready) else k + _BLOCKED + (_LEFT_MS << 10)
                 if k < least:
                     if k == 0:
                         return w
@@ -1404,6 +1419,14 @@ class Dispatcher:
         # waits behind a known slow call, and given back after each it would never run.
         flow = call.owner.flow | self._returnable if call.sync <= 0 and not worker.blocked else call.owner.flow
         if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
+            # (and when is it expected to end? the calls run one after another: `_pick_blocked`)
+            est = self._sync_us[call.index] if call.methods is None else sum(
+                self._sync_us[m] for m in call.methods if self._blocking[m]
+            )
+            now = _clock()
+            if not worker.sync_calls:
+                worker.sync_since = worker.sync_until = now
+            worker.sync_until = max(worker.sync_until, now) + max(est, 0) * 1e-6
             worker.sync_calls += call.sync
             call.owner.blocking += call.sync
             if not worker.blocked and self._sync_routing:

@@ -170,6 +170,8 @@ class Worker:
         "started_at",
         "state",
         "sync_calls",
+        "sync_since",
+        "sync_until",
         "took_calls",
     )
 
@@ -184,6 +186,9 @@ class Worker:
         self.limit = 1  # calls in flight it may have now (the dispatcher's: see dispatch.py)
         self.sync_calls = 0  # sync calls in flight (the dispatcher's)
         self.blocked = False  # busy in a blocking sync call, its limit taken down (the dispatcher's)
+        # When its blocking sync calls in flight began, and are expected to end (time.perf_counter()
+        # s, from their methods' estimates; the dispatcher's: `_pick_blocked` picks by it)
+        self.sync_since = self.sync_until = 0.0
         # Ids of its calls past their deadline, cancelled and not answered yet: while any, it
         # takes no new call while another worker is ready (the dispatcher's)
         self.overdue: set[int] = set()

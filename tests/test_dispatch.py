@@ -907,6 +907,36 @@ def test_a_blocked_worker_takes_no_second_sync_call_but_its_prefetch_of_others()
     run(main)
 
 
+def test_with_every_worker_blocked_a_call_goes_behind_the_blocking_call_expected_to_end_first():
+    """Hostile testing, round 88 (LOW): `add`, learnt blocking for a moment on a loaded
+    machine, blocked one worker of 2 while the other ran a 4 s sync call; the next `add`
+    went behind the 4 s call half the time (round robin among blocked workers) and
+    waited 3-4 s. Now it goes where the blocking calls are expected to end first; the
+    other takes only what that one has no room for (its prefetch)."""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(2, concurrency=10)
+        codec = Codec()
+        d.submit(body(codec, req("slow", [4], "learn")), lambda e: None)
+        [(_, learn, _, _)] = a.channel.take() + b.channel.take()
+        d.on_reply(a if a.outstanding else b, wire.Kind.RESULT, learn, 4_000_000, b"0")  # slow: 500 ms, learnt
+        for round_ in range(6):  # which worker takes which blocking call is the round robin's
+            d.submit(body(codec, req("slow", [4], f"s{round_}")), lambda e: None)
+            long_ = a if a.blocked else b
+            d.submit(body(codec, req("quick", [], f"q{round_}")), lambda e: None)  # (1 ms until learnt)
+            short = b if long_ is a else a
+            assert short.blocked and long_.channel.take() and short.channel.take()
+            for i in range(3):
+                d.submit(body(codec, req("fast", [i], f"f{round_}.{i}")), lambda e: None)
+            assert (len(short.channel.take()), len(long_.channel.take())) == (2, 1)  # (short's prefetch is 2)
+            for w in (a, b):
+                for call_id, call in [(c, call) for c, call in d._pending.items() if call.worker is w]:
+                    d.on_reply(w, wire.Kind.RESULT, call_id, 4_000_000 if call.index == 0 else 1000, b"0")
+                w.channel.take()
+
+    run(main)
+
+
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_a_chunk_goes_to_a_blocked_worker_only_if_all_its_calls_fit_its_prefetch(prefetch):
     """Hostile round B finding 3: `_pick` tested a blocked worker's load against its
