@@ -1,6 +1,8 @@
 """A test app whose `crash` handler kills its own worker process."""
 
 import os
+import socket
+import typing
 
 from broker.worker import Registry
 
@@ -52,24 +54,29 @@ def pid() -> int:
     return os.getpid()
 
 
-@registry.method
-def hang_up(seconds: float) -> None:
-    """Shuts down the worker's sockets (the broker reads their end), lives `seconds` more,
-    then exits with status 1: the gap between a socket's end and its process's exit."""
-    import socket
-    import time
-
+def _each_socket(act: typing.Callable[[socket.socket], object]) -> None:
+    """Calls `act` on a duplicate of each of the process's open sockets (the broker's among
+    them); an OSError from `act` is ignored."""
     for name in os.listdir("/proc/self/fd"):
         try:
             sock = socket.socket(fileno=os.dup(int(name)))
         except OSError:  # not a socket
             continue
         try:
-            sock.shutdown(socket.SHUT_RDWR)
+            act(sock)
         except OSError:
             pass
         finally:
             sock.close()
+
+
+@registry.method
+def hang_up(seconds: float) -> None:
+    """Shuts down the worker's sockets (the broker reads their end), lives `seconds` more,
+    then exits with status 1: the gap between a socket's end and its process's exit."""
+    import time
+
+    _each_socket(lambda sock: sock.shutdown(socket.SHUT_RDWR))
     time.sleep(seconds)
     os._exit(1)
 
@@ -79,17 +86,6 @@ async def bad_frame() -> None:
     """Writes bytes that are no frame to its sockets (the broker's among them), then waits to
     be told to go: the broker closes its socket, and the worker exits."""
     import asyncio
-    import socket
 
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            sock = socket.socket(fileno=os.dup(int(name)))
-        except OSError:  # not a socket
-            continue
-        try:
-            sock.send(b"hello garbage\n\x00\x00\x00")
-        except OSError:
-            pass
-        finally:
-            sock.close()
+    _each_socket(lambda sock: sock.send(b"hello garbage\n\x00\x00\x00"))
     await asyncio.sleep(30)
