@@ -3,10 +3,12 @@
 Usage: .venv/bin/python benchmarks/sync_mix.py [--duration 5] [--rounds 2] [--rates 200,1000]
                                                [--slow-clients 1,2] [--write]
 
-Starts two real brokers side by side, each `--workers 2` serving tests/apps/mixed.py
+Starts three real brokers side by side, each `--workers 2` serving tests/apps/mixed.py
 (default `worker_concurrency` 100): one with `--sync-prefetch 100` (routing off: a
 worker busy in a sync call is picked like any other, the broker before issue 9 item
-23) and one with the default `--sync-prefetch 1` (routing on). On each, in alternating
+23), one with `--sync-prefetch 1` (routing on, a call sent behind a slow one; the
+default until hostile testing, round 90) and one with the default 0 (routing on, calls
+wait in the broker's queue for the first worker free). On each, in alternating
 rounds so the machine's noise hits both alike: `--slow-clients` clients call the sync
 `block(0.2)` back to back (each blocks a worker's whole process for 0.2 s), while fast
 calls go out open loop at each of `--rates` per second, alternating the sync `add` and
@@ -36,7 +38,11 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from conftest import Broker, start_broker  # noqa: E402  (the same launcher the tests use)
 
-MODES = {"off (--sync-prefetch 100)": ["--sync-prefetch", "100"], "on (--sync-prefetch 1)": []}
+MODES = {
+    "off (--sync-prefetch 100)": ["--sync-prefetch", "100"],
+    "on (--sync-prefetch 1)": ["--sync-prefetch", "1"],
+    "on (--sync-prefetch 0, the default)": [],
+}
 SLOW_SECONDS = 0.2
 FAST_WAIT = 0.005
 BEGIN, END = "<!-- sync_mix:begin -->", "<!-- sync_mix:end -->"
@@ -182,7 +188,9 @@ def write_results(header: str, table: list[str]) -> None:
         "once to the least busy worker not blocked already (no worker is held for it: a hold let one short "
         "sync call behind two long polls stall every async call): the fast calls in flight there when it "
         "arrives wait behind it (at 1000/s of 5 ms calls a few on each worker), but of the calls sent after "
-        "it at most `sync_prefetch`. With as many slow clients as workers, every worker is mostly blocked "
+        "it at most `sync_prefetch` (0 by default since hostile testing, round 90: with 1, a fast call sent "
+        "behind a sync call of unknown length, one of a method fast for other params, waited all of it "
+        "while the other worker freed in 1.5 ms). With as many slow clients as workers, every worker is mostly blocked "
         "and routing cannot make room: with it on, a slow call never waits behind another slow call, so "
         "each worker takes the next `block` as soon as it is free (more slow calls/s) and fast calls get "
         "the gaps; with it off, a `block` sometimes queues behind another on the same worker and leaves the "

@@ -194,9 +194,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                   ] = 100
     sync_prefetch: Annotated[int, Meta(ge=0),
                              Doc("calls a worker busy in a sync handler may hold besides it "
-                                 "(it cannot start them until that handler returns); a "
+                                 "(it cannot start them until that handler returns; at 0 they "
+                                 "wait in the broker's queue and go to the first worker free, "
+                                 "rather than wait out a call of unknown length); a "
                                  "value of worker_concurrency or more turns this routing off")
-                             ] = 1
+                             ] = 0
     connection_share: Annotated[float, Meta(gt=0, le=1),
                                 Doc("the fraction of the workers' places (workers x "
                                     "worker_concurrency) one connection's calls may hold at "

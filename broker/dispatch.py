@@ -516,7 +516,7 @@ class Dispatcher:
         timeout: float = 30.0,
         method_timeouts: typing.Mapping[str, float] | None = None,
         cancel_grace: float = 10.0,
-        sync_prefetch: int = 1,
+        sync_prefetch: int = 0,
         metrics: CallMetrics | None = None,
         max_response_bytes: int = 32 * 1024 * 1024,
         max_outgoing_bytes: int = 1 << 62,
@@ -729,9 +729,13 @@ class Dispatcher:
         # 7.7 s behind a batch of 100 known-slow calls, a call of theirs for each slow one).
         self._sync_share = max(1, int(len(ready) * self._connection_share)) if self._sync_routing else 1 << 62
 
-    def worker_lost(self, worker: Worker, reason: str) -> None:
-        """The worker's process is gone: answer its in-flight calls "worker died"."""
-        serving = worker in self._ready  # (not one retired by a reload, or leaving: its slot is another's)
+    def worker_lost(self, worker: Worker, reason: str, serving: bool = True) -> None:
+        """The worker's process is gone: answer its in-flight calls "worker died".
+        `serving`: its slot's process still (its slot restarts), not one retired by a reload
+        or leaving, whose slot is another's. (Not "in the rotation" now: a crashed worker's
+        socket ends before its exit is reaped, `Pool.channel_lost`, so one that died under a
+        call run alone never held its place, and a caught crasher's next call took the other
+        worker while it restarted: both died in turn, hostile testing, round 90.)"""
         self.worker_unready(worker)
         lost = [c for c in self._pending.values() if c.worker is worker]
         if worker.overdue:
@@ -750,6 +754,8 @@ class Dispatcher:
         if notifications:
             self.notifications_dropped[_DIED] = self.notifications_dropped.get(_DIED, 0) + notifications
         self._blame(worker, lost, notifications)
+        if serving and len(lost) == 1 and lost[0].weight == 1 and lost[0].index in self._isolation.waits:
+            self._alone[worker] = True  # (caught: it ran alone all the same; its place held until back)
         error = error_object(ErrorCode.WORKER_DIED, data={"pid": worker.pid, "status": reason})
         for call in lost:
             del self._pending[call.call_id]
@@ -849,6 +855,14 @@ class Dispatcher:
     def ready_workers(self) -> int:
         """How many workers are taking calls."""
         return len(self._ready)
+
+    @property
+    def answering_workers(self) -> int:
+        """How many workers are taking calls and answering: not holding a call past its
+        deadline unanswered (`Worker.overdue`: stopped or stuck, maybe). /readyz says 503 at 0
+        (hostile testing, round 89: with every worker SIGSTOPped it said ready, and each call
+        timed out until the workers were killed as hung, `cancel_grace` later)."""
+        return len(self._ready) if not self._overdue else sum(1 for w in self._ready if not w.overdue)
 
     @property
     def in_grace(self) -> bool:
@@ -1262,34 +1276,48 @@ class Dispatcher:
         i = self._rotation = (self._rotation + 1) % n
         best: Worker | None = None
         least = 1 << 62
+        sooner = _LEFT_MS  # how soon a blocked worker with no room for the call is expected free, ms
         for _ in range(n):
             w = ready[i]
             k = w.outstanding
             limit = w.limit
-            if k < limit:
-                if w.blocked:  # the last choice; no sync call, and only what fits under its limit
-                    if sync <= 0 and k + weight <= limit:
-                        # the one whose blocking calls should end first (one past its estimate:
-                        # as long again as it has run), not behind a 4 s call beside a 1 ms one
-                        # (hostile testing, round 88: `add`, briefly learnt blocking, on one)
-                        left = w.sync_until - now
-                        if left < 0:
-                            left = now - w.sync_since
-                        k += _BLOCKED + (min(int(left * 1000), _LEFT_MS) << 10)
-                    else:
-                        k = least
-                elif w.overdue:  # stuck, maybe (stopped, its loop held: `_overdue`): none while another
-                    # ready worker is not, whatever waits (round 87: sent calls while the other was blocked)
-                    k = least if any(not x.overdue for x in ready) else k + _BLOCKED + (_LEFT_MS << 10)
-                if k < least:
-                    if k == 0:
-                        return w
-                    best, least = w, k
+            if w.blocked and sync <= 0 and limit:  # (0: running a call alone)
+                # The last choice: the one whose blocking calls should end first (one past its
+                # estimate: as long again as it has run), and only what fits under its limit
+                # (hostile testing, round 88: `add`, briefly learnt blocking on a loaded machine,
+                # blocked one worker of 2, and the next `add` went behind a 4 s call on the other)
+                left = w.sync_until - now
+                if left < 0:
+                    left = now - w.sync_since
+                ms = min(int(left * 1000), _LEFT_MS)
+                if k + weight <= limit:
+                    k += _BLOCKED + (ms << 10)
+                else:
+                    sooner = min(sooner, ms)
+                    k = least
+            elif k >= limit or w.blocked:  # (full; or blocked, and a blocking sync call: one per worker)
+                k = least
+            elif w.overdue:  # stuck, maybe (stopped, its loop held: `_overdue`): none while another
+                # ready worker is not, whatever waits (round 87: sent calls while the other was blocked)
+                k = least if any(not x.overdue for x in ready) else k + _BLOCKED + (_LEFT_MS << 10)
+            if k < least:
+                if k == 0:
+                    return w
+                best, least = w, k
             i += 1
             if i == n:
                 i = 0
-        if best is not None and best.blocked and self.worker_restarting():
-            return None
+        if best is not None and best.blocked:
+            if self.worker_restarting():
+                return None
+            if sooner < (least - _BLOCKED) >> 10 and (self._queue.head() is call or (
+                self._queued_calls + call.weight <= self._max_queue
+                and self._queued_bytes + _held(call) <= self._max_queue_bytes
+            )):
+                # A worker with no room for it is expected free sooner: it waits in the queue
+                # for it rather than take a place behind a longer call (round 90: every `spin(4)`
+                # took an `add` behind it, the other worker blocked 1.5 ms at a time but full)
+                return None
         return best
 
     def _pick_alone(self, call: Call) -> Worker | None:
@@ -1360,13 +1388,17 @@ class Dispatcher:
 
     def _open_besides(self, worker: Worker) -> bool:
         """Is a ready worker other than `worker` open to any call (not running calls alone or
-        reserved for one, not blocked in a sync call)? Or is `worker` the only one (then it is
-        spent on a call alone all the same)? (One with calls overdue counts: it is left only
-        while it answers, and a reservation made meanwhile would be given up for `worker` at
-        the next call, `_pick_alone`.)"""
+        reserved for one, not blocked in a sync call)? Or is `worker` the only one, no other on
+        its way back (then it is spent on a call alone all the same; not while another slot
+        restarts: a caught crasher's next call took the one left while the slot it crashed
+        restarted, and both died in turn, hostile testing, round 90)? (One with calls overdue
+        counts: it is left only while it answers, and a reservation made meanwhile would be
+        given up for `worker` at the next call, `_pick_alone`.)"""
         alone = self._alone
         ready = self._ready
-        return len(ready) == 1 or any(w is not worker and w not in alone and not w.blocked for w in ready)
+        if len(ready) == 1:
+            return not self.worker_restarting()
+        return any(w is not worker and w not in alone and not w.blocked for w in ready)
 
     def _isolation_timer(self) -> None:
         """Have `_isolation_due` run at the earliest time bound of the methods run alone (a call

@@ -604,7 +604,7 @@ class Pool:
         left = worker.leaving and (status == 0 or status == -signal.SIGTERM)
         if worker.state is not WorkerState.DEAD:
             worker.move(WorkerState.DEAD)
-        self.dispatcher.worker_lost(worker, reason)
+        self.dispatcher.worker_lost(worker, reason, serving=self.workers[worker.slot] is worker and not worker.leaving)
         worker.channel = None
         self._changed.set()
         if self._stopping:

@@ -34,7 +34,7 @@ EXPECTED_DEFAULTS = {
     "timeout": 30.0,
     "method_timeouts": {},
     "worker_concurrency": 100,
-    "sync_prefetch": 1,
+    "sync_prefetch": 0,
     "connection_share": 0.5,
     "max_queue": 10000,
     "max_queue_bytes": 67108864,

@@ -911,8 +911,9 @@ def test_with_every_worker_blocked_a_call_goes_behind_the_blocking_call_expected
     """Hostile testing, round 88 (LOW): `add`, learnt blocking for a moment on a loaded
     machine, blocked one worker of 2 while the other ran a 4 s sync call; the next `add`
     went behind the 4 s call half the time (round robin among blocked workers) and
-    waited 3-4 s. Now it goes where the blocking calls are expected to end first; the
-    other takes only what that one has no room for (its prefetch)."""
+    waited 3-4 s. Now it goes where the blocking calls are expected to end first; and
+    when that one has no room for it (its prefetch taken), it waits in the queue for it
+    rather than go behind the longer call (round 90: the same, every time)."""
 
     async def main() -> None:
         d, (a, b) = sync_dispatcher(2, concurrency=10)
@@ -928,7 +929,10 @@ def test_with_every_worker_blocked_a_call_goes_behind_the_blocking_call_expected
             assert short.blocked and long_.channel.take() and short.channel.take()
             for i in range(3):
                 d.submit(body(codec, req("fast", [i], f"f{round_}.{i}")), lambda e: None)
-            assert (len(short.channel.take()), len(long_.channel.take())) == (2, 1)  # (short's prefetch is 2)
+            assert (len(short.channel.take()), len(long_.channel.take())) == (2, 0)  # (short's prefetch is 2)
+            assert d.queued_calls == 1  # the third waits for it (round 90), not behind the long one
+            d.on_reply(short, wire.Kind.RESULT, next(c for c, call in d._pending.items() if call.index == 2), 1000, b"0")
+            assert len(short.channel.take()) == 1 and d.queued_calls == 0  # quick answered: it goes there
             for w in (a, b):
                 for call_id, call in [(c, call) for c, call in d._pending.items() if call.worker is w]:
                     d.on_reply(w, wire.Kind.RESULT, call_id, 4_000_000 if call.index == 0 else 1000, b"0")
@@ -2086,11 +2090,79 @@ def test_a_retired_worker_that_dies_under_a_call_run_alone_leaves_no_place_spent
         (w1 if running is w0 else w0).channel.take()  # type: ignore[union-attr]
         d.worker_unready(running)  # a reload retires it, and its slot's new worker is ready
         new = add_worker(d, running.slot, concurrency=10)
-        d.worker_lost(running, "killed by SIGKILL")  # it dies under the call it ran alone
+        d.worker_lost(running, "killed by SIGKILL", serving=False)  # it dies under the call it ran alone
         assert running not in d._alone
         d.submit(body(codec, req("boom", [], "next")), done.append)  # runs alone: a place is free
         assert len(new.channel.take()) + len((w1 if running is w0 else w0).channel.take()) == 1  # type: ignore[union-attr]
         assert d.queued_calls == 0
+
+    run(main)
+
+
+@pytest.mark.parametrize("workers", [2, 3])  # (of 4, a share of 2 run alone at once)
+def test_a_worker_whose_socket_ends_before_it_dies_under_a_call_run_alone_holds_its_place(workers):
+    """Hostile testing, round 90 (HIGH): a crashed worker's socket ends before its exit is
+    reaped (the pool takes it out of the rotation first, `Pool.channel_lost`), so its death
+    under a caught crasher's call run alone held no place against the cap; and with 2 workers
+    the one left was spent on a call alone as "the only one". The crasher's next call took
+    another worker at once while the first restarted, and the workers died in turn, over and
+    over (honest throughput down 99 %, a ~1 s stall every second, with 2, 3 and 4 workers). A
+    serving slot's death under a call alone, or a caught one, holds its place until its slot
+    is back: the crasher waits for it, and the other workers serve the others."""
+
+    async def main() -> None:
+        d, ws, codec, done = isolation_setup(workers)
+        d.worker_restarting = lambda: crashing.state is WorkerState.DEAD  # (the pool's: its slot restarts)
+        d.submit(body(codec, req("boom", ["b"], "caught")), done.append)  # alone in its worker: caught
+        [crashing] = [w for w in ws if w.channel.take()]  # type: ignore[union-attr]
+        for n in range(3):
+            crashing.state = WorkerState.DEAD
+            d.worker_unready(crashing)  # its socket ends (the pool's channel_lost), then its exit
+            d.worker_lost(crashing, "exited with 1")
+            d.submit(body(codec, req("boom", ["b"], f"next{n}")), done.append)
+            d.submit(body(codec, req("m", ["m"], f"m{n}")), done.append)
+            frames = [(w, f) for w in ws for f in w.channel.take()]  # type: ignore[union-attr]
+            assert [first_params(f) for _, f in frames] == [["m"]] and d.queued_calls == 1  # m, not boom
+            assert all(w.limit == 10 for w in ws if w is not crashing)
+            crashing.channel = RecordingChannel()  # type: ignore[assignment]  # its slot is back
+            crashing.state = WorkerState.READY
+            d.worker_ready(crashing)
+            [(crashing, frame)] = [(w, f) for w in ws for f in w.channel.take()]  # type: ignore[union-attr]
+            assert first_params(frame) == ["b"] and d.queued_calls == 0 and crashing.limit == 0  # (alone)
+            d.on_reply(frames[0][0], wire.Kind.RESULT, frames[0][1][1], 10, b"0")  # (m answers)
+        codes = [json.loads(e.body()).get("error", {}).get("code") for e in done]
+        assert sorted(codes, key=str) == [-32002] * 3 + [None] * 3  # (only boom's calls died)
+
+    run(main)
+
+
+def test_a_call_run_alone_does_not_take_the_one_worker_left_while_another_slot_restarts():
+    """Hostile testing, round 90: the one ready worker counted as "the only one", so spent on a
+    call alone, while another slot restarted; the others' calls then waited for the restart.
+    It is spent so only when no other is on its way back."""
+
+    async def main() -> None:
+        d, (w0, w1), codec, done = isolation_setup(2)
+        d.worker_restarting = lambda: w1.state is WorkerState.DEAD  # (the pool's)
+        d.submit(body(codec, req("boom", ["b"], "caught")), done.append)
+        crashing = w0 if w0.channel.take() else w1  # type: ignore[union-attr]
+        restarted(d, crashing)  # caught: boom waits for a worker of its own
+        for i in range(4):
+            d.submit(body(codec, req("m", ["m"], f"m{i}")), done.append)
+        assert [len(w.channel.take()) for w in (w0, w1)] == [2, 2]  # type: ignore[union-attr]
+        w1.state = WorkerState.DEAD  # killed holding 2 calls of m (not caught: m does not wait), its
+        d.worker_unready(w1)  # slot restarting
+        d.worker_lost(w1, "killed by SIGKILL")
+        assert d._isolation.waits == {1}  # (boom's)
+        for _ in range(2):
+            d.on_reply(w0, wire.Kind.RESULT, other_id(d, w0), 10, b"0")  # w0 idle, the only one ready
+        d.submit(body(codec, req("boom", ["b"], "next")), done.append)
+        d.submit(body(codec, req("m", ["m"], "m2")), done.append, ResponseBudget(d.outgoing))
+        assert [first_params(f) for f in w0.channel.take()] == [["m"]] and d.queued_calls == 1  # type: ignore[union-attr]
+        w1.state = WorkerState.READY
+        w1.channel = RecordingChannel()  # type: ignore[assignment]
+        d.worker_ready(w1)  # back: boom runs alone there
+        assert [first_params(f) for f in w1.channel.take()] == [["b"]] and w1.limit == 0  # type: ignore[union-attr]
 
     run(main)
 

@@ -1586,6 +1586,30 @@ def test_readyz_says_503_and_calls_get_no_worker_during_the_restart_backoff(brok
     assert b.call("pid")["result"] != worker
 
 
+def test_readyz_says_503_while_every_worker_holds_a_call_past_its_deadline(broker_factory):
+    """Hostile testing, round 89: with every worker stopped (SIGSTOP), /readyz said ready
+    while each call timed out, until the workers were killed as hung (`cancel_grace`, 30 s
+    by default, after a deadline): a load balancer kept sending traffic there. While every
+    ready worker holds a call past its deadline unanswered, it says 503 "no worker
+    answering"; once one answers, ready again."""
+    b = broker_factory("--workers", "2", "--timeout", "0.5", "--cancel-grace", "60")
+    assert b.get("/readyz") == (200, b'{"status":"ok"}')
+    workers = children(b.pid)
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # a call each, past its deadline: -32001
+            codes = list(pool.map(lambda i: b.call("echo", [i], timeout=10)["error"]["code"], range(2)))
+        assert codes == [-32001, -32001]
+        assert b.get("/readyz") == (503, b'{"status":"no worker answering"}')
+        assert b.get("/healthz")[0] == 200
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: b.get("/readyz")[0] == 200, timeout=10)  # (their cancels answered)
+    assert b.call("echo", ["after"])["result"] == ["after"]
+
+
 def test_calls_wait_for_one_failed_start_at_most_however_the_slots_starts_overlap(broker_factory, tmp_path):
     """Hostile testing, round 77 (MEDIUM): with every slot's restart failing (a bad deploy
     on disk whose import takes a second to fail), each slot's start counted as "a worker
@@ -1785,7 +1809,8 @@ def test_a_worker_stuck_in_a_sync_call_is_killed_in_time_whatever_async_calls_it
     (the async call's deadline counted as if it could hold the loop): the slot served
     nothing for 30 s. An async call holds no loop: killed at cancel_grace."""
     b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--timeout", "1",
-                       "--cancel-grace", "1", "--method-timeout", "nap=30")
+                       "--cancel-grace", "1", "--method-timeout", "nap=30",
+                       "--sync-prefetch", "1")  # (so nap is sent behind spin: by default it waits in the queue)
     assert b.call("spin", [0.2])["result"] is None  # (learnt as a slow sync method)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         stuck = pool.submit(b.call, "spin", [3600], 1, 60)

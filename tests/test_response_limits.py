@@ -465,6 +465,7 @@ def test_answers_for_a_connection_gone_are_dropped_at_once(transport: str) -> No
         socks.clear()
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_connections", transport=transport) <= (transport == "http"),
                  timeout=10)  # (a scrape is a connection on the HTTP port)
+        assert sample(scrape_metrics(b), "rpc_broker_outgoing_bytes") < 100_000  # (36 MB of echoes dropped)
         return held
 
     try:
@@ -474,7 +475,8 @@ def test_answers_for_a_connection_gone_are_dropped_at_once(transport: str) -> No
         first = round_("e")
         second = round_("f")  # (the first round's sleeps run on: 8 s)
         assert first - before > 30_000_000, (before, first)  # (the test does hold what it means to)
-        assert second - first < 20_000_000, (before, first, second)  # (before: 40-70 MB more)
+        # (before: 40-70 MB more; a loaded machine's allocator: up to 21 MB, 98dcbb4's full run)
+        assert second - first < 30_000_000, (before, first, second)
         # (the calls of a connection reset are cancelled: round 57, they kept their places)
         wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_abandoned_total", where="in_flight") == 80
                  and sample(scrape_metrics(b), "rpc_broker_calls_in_flight") == 0, timeout=30)

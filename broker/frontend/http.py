@@ -26,7 +26,7 @@ Answers:
                            503 when an unfinished body would take the bytes still
                            arriving on all connections past `max_incoming_bytes`
     GET/HEAD /healthz      200 while the process runs
-    GET/HEAD /readyz       200 when at least one worker is ready, else 503
+    GET/HEAD /readyz       200 when at least one worker is ready and answering, else 503
     GET/HEAD /metrics      Prometheus text format, when this listener serves metrics (a
                            HEAD makes no scrape and has no content-length, RFC 9110 9.3.2;
                            one GET body built answers every GET parsed before it, one copy a
@@ -357,7 +357,7 @@ class HttpFrontend(Listener):
         self.metrics = metrics  # makes the /metrics body; None: 404 on /metrics
         # Ready: a worker is, and the broker is not stopping (a SIGTERM drain: the metrics
         # listener, which stays open through it, must not send health checkers traffic).
-        self.ready = ready or (lambda: dispatcher.accepting and dispatcher.ready_workers > 0)
+        self.ready = ready or (lambda: dispatcher.accepting and dispatcher.answering_workers > 0)
         # Host names (b"localhost", b"[::1]"), lower case; None: any ('*').
         self.hosts: frozenset[bytes] | None = frozenset(
             (f"[{h}]" if ":" in h and not h.startswith("[") else h).lower().encode() for h in allowed_hosts
@@ -1584,7 +1584,8 @@ class HttpProtocol(asyncio.Protocol):
             if method == b"GET" or head:
                 ok = url == b"/healthz" or fe.ready()
                 body = b'{"status":"ok"}' if ok else (
-                    b'{"status":"no worker ready"}' if fe.dispatcher.accepting else b'{"status":"stopping"}'
+                    b'{"status":"stopping"}' if not fe.dispatcher.accepting else b'{"status":"no worker ready"}'
+                    if not fe.dispatcher.ready_workers else b'{"status":"no worker answering"}'
                 )
                 response = _json_response(
                     200 if ok else 503, body, keep_alive, self._keep_header if keep_alive else b"", fe.json_head
