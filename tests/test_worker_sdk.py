@@ -3129,3 +3129,25 @@ def test_an_app_attribute_that_is_no_registry_is_named_with_its_article():
         load_app("json:__version__")
     with pytest.raises(TypeError, match=r"^errno:EIO is an int, not a broker.worker.Registry$"):
         load_app("errno:EIO")
+
+
+def _scaled(factor: int, value: int) -> int:
+    return factor * value
+
+
+class _Scaler:
+    def __call__(self, value: int) -> int:
+        return 2 * value
+
+
+@pytest.mark.parametrize("fn", [functools.partial(_scaled, 3), _Scaler()], ids=["partial", "callable object"])
+def test_a_partial_or_a_callable_object_registers_with_the_hints_of_what_it_calls(fn):
+    """Hostile testing, round 92 (LOW): registering a functools.partial or an object with
+    __call__ failed at boot with typing's "is not a module, class, method, or function".
+    Its params bind by the hints of the function it calls (strictly, as any method's)."""
+    registry = Registry()
+    registry.method(name="scaled")(fn)
+    method = Method("scaled", fn)
+    assert method.bind(b"[4]", 64) == ((4,), {})
+    with pytest.raises(InvalidParams):
+        method.bind(b'["4"]', 64)

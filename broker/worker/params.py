@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import decimal
 import enum
+import functools
 import gc
 import inspect
 import logging
@@ -93,8 +94,15 @@ class Method:
         self.raw_params = raw_params
         self.doc = inspect.getdoc(fn) or ""
         sig = inspect.signature(fn)
+        # (a functools.partial, or an object with __call__: the hints of what it calls; typing's
+        # own "is not a module, class, method, or function" named neither, hostile testing, round 92)
+        hinted: object = fn
+        if isinstance(fn, functools.partial):
+            hinted = fn.func
+        elif not (inspect.isroutine(fn) or isinstance(fn, type)):
+            hinted = type(fn).__call__
         try:  # (round 35: without include_extras, Annotated[int, Meta(ge=0)] was stripped, unchecked)
-            hints = typing.get_type_hints(fn, include_extras=True)
+            hints = typing.get_type_hints(hinted, include_extras=True)
         except NameError as exc:  # (round 36: "NameError ... at <string>:1" named no method)
             raise NameError(f"method {name!r}: a type hint names what is not defined when the app is loaded"
                             f" ({exc}): define it before the method is registered") from None
