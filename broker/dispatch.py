@@ -62,10 +62,14 @@ which start the moment it returns; a chunk counts its calls there: it goes to su
 worker only if all of them fit under that limit, else it waits for another worker).
 Such a worker is the last choice: it gets a call only when no unblocked worker can
 take it, and of several such, the one whose blocking calls should end first (their
-methods' estimates, below, from when they were sent; one past its estimate is expected
-to run as long again as it has: a call of `add`, briefly learnt blocking on a loaded
-machine, blocked one worker of 2 and the next `add` went behind a 4 s call on the
-other half the time, hostile testing, round 88). A batch's blocking sync calls go out one by one (a chunk of 50 of them would
+methods' estimates, below, from when they were sent, and never less than they have run:
+one is expected to run as long again as it has; a call of `add`, briefly learnt blocking
+on a loaded machine, blocked one worker of 2 and the next `add` went behind a 4 s call on
+the other half the time, hostile testing, round 88). The estimate is a method's, not a
+call's: of a method fast for some params and slow for others, a call may still go behind
+a long call while that call has run less than the method's estimate (which is why
+`sync_prefetch` is 0 by default: the call waits in the queue for the first worker free,
+hostile testing, rounds 90 and 91). A batch's blocking sync calls go out one by one (a chunk of 50 of them would
 be head-of-line by itself; a chunk counts its sync calls all the same).
 
 One connection's blocking sync calls hold at most `connection_share` of the ready workers
@@ -1300,13 +1304,13 @@ class Dispatcher:
             if heavy and w.heavy and w.heavy + heavy > self._heavy_cap:  # (no room for its params: round 92)
                 k = least
             elif w.blocked and sync <= 0 and limit:  # (0: running a call alone)
-                # The last choice: the one whose blocking calls should end first (one past its
-                # estimate: as long again as it has run), and only what fits under its limit
+                # The last choice: the one whose blocking calls should end first (by their estimate,
+                # or as long again as they have run if longer), and only what fits under its limit
                 # (hostile testing, round 88: `add`, briefly learnt blocking on a loaded machine,
                 # blocked one worker of 2, and the next `add` went behind a 4 s call on the other)
                 left = w.sync_until - now
-                if left < 0:
-                    left = now - w.sync_since
+                if left < now - w.sync_since:  # (never less than it has run: round 91, a 4 s call of a
+                    left = now - w.sync_since  # method estimated at 0.5 s read ~0 ms left at 0.5 s in)
                 ms = min(int(left * 1000), _LEFT_MS)
                 if k + weight <= limit:
                     k += _BLOCKED + (ms << 10)

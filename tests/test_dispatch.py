@@ -941,6 +941,35 @@ def test_with_every_worker_blocked_a_call_goes_behind_the_blocking_call_expected
     run(main)
 
 
+def test_a_blocking_call_is_expected_to_run_at_least_as_long_again_as_it_has():
+    """Hostile testing, round 91 (with --sync-prefetch 1): a 4 s call of a method estimated
+    at 0.5 s read ~0 ms left near 0.5 s into it, and the next fast call went behind it. A
+    blocking call is expected to run at least as long again as it has, whatever its
+    method's estimate says: 400 ms into a call estimated at 500 ms, a call of 300 ms just
+    sent on the other worker ends first. (Of one method fast for some params and slow for
+    others, two calls look alike until one has run longer than the other's estimate: the
+    reason sync_prefetch is 0 by default.)"""
+
+    async def main() -> None:
+        d, (a, b) = sync_dispatcher(1, concurrency=10)
+        codec = Codec()
+        for method, us in (("slow", 4_000_000), ("quick", 2_400_000)):  # learnt: ~500 and ~300 ms
+            d.submit(body(codec, req(method, [], "learn")), lambda e: None)
+            [(_, learn, _, _)] = a.channel.take() + b.channel.take()
+            d.on_reply(a if a.outstanding else b, wire.Kind.RESULT, learn, us, b"0")
+        d.submit(body(codec, req("slow", [4], "long")), lambda e: None, ResponseBudget(d.outgoing))
+        long_ = a if a.blocked else b
+        short = b if long_ is a else a
+        long_.sync_since -= 0.4  # it has run 400 ms: its estimate says ~100 ms left
+        long_.sync_until -= 0.4
+        d.submit(body(codec, req("quick", [], "q")), lambda e: None, ResponseBudget(d.outgoing))  # ~300 ms left
+        assert short.blocked and long_.channel.take() and short.channel.take()
+        d.submit(body(codec, req("fast", [], "f")), lambda e: None)
+        assert (len(short.channel.take()), len(long_.channel.take())) == (1, 0)
+
+    run(main)
+
+
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_a_chunk_goes_to_a_blocked_worker_only_if_all_its_calls_fit_its_prefetch(prefetch):
     """Hostile round B finding 3: `_pick` tested a blocked worker's load against its
