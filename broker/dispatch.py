@@ -144,6 +144,16 @@ O(n)) until it reaches the head, or until shells are more than half the queue an
 `_compact` drops them all (amortised O(1) each): a live head with a long deadline
 once kept every expired call behind it, and its params, alive.
 
+What the calls in flight cost a worker is bounded for large params too: a worker binds each
+call's params on its loop before the handler runs (1 MiB of small objects: 35 to 55 ms, and
+~24 MB while the call runs), and its turns among connections (`wire`) bound what one
+connection's calls cost another's, not many connections' together (hostile testing, round 92:
+12 connections' 16 calls of 1 MiB each held another client's calls 1.8 to 4.2 s, and each
+worker at 850 MB). Params of `_HEAVY_BYTES` or more count in their worker's `heavy`, at most
+`max_worker_params_bytes` (one such call always goes); a call with no worker to take its
+params waits in the queue, its connection's calls held out of turn (`_pump`), and others go
+on; each such call that leaves its worker releases them.
+
 A worker's reply (`on_reply`) finds its call by id in the pending table, splices the
 raw result or error object after the client's raw id, and fills the call's slot; the
 exchange calls back when its last slot is filled. Answers from different workers
@@ -1466,9 +1476,10 @@ class Dispatcher:
     def _send(self, worker: Worker, call: Call) -> None:
         call.worker = worker
         worker.outstanding += call.weight
-        if len(call.params) >= self._heavy_bytes:  # (large params: a worker holds max_worker_params_bytes at most)
-            call.heavy = len(call.params)
-            worker.heavy += call.heavy
+        size = len(call.params)
+        if size >= self._heavy_bytes:  # (large params: a worker holds max_worker_params_bytes at most)
+            call.heavy = size
+            worker.heavy += size
         worker.took_calls = True  # (its exit is no boot crash loop: `Pool._failures_after`)
         call.owner.in_flight += call.weight
         # A call not known to block, to a worker not busy in one, may come back unstarted if
@@ -2087,9 +2098,9 @@ class Dispatcher:
                         queue.hold(owner)
                         self._alone_held = True
                         continue
-                    if len(call.params) >= self._heavy_bytes and call.index not in self._isolation.alone and (
-                        self._pick_blocked(call, heavy_cap=False) is not None
-                    ):
+                    if len(call.params) >= self._heavy_bytes and (
+                        call.slots is not None or call.index not in self._isolation.alone  # (a chunk's index: its size)
+                    ) and self._pick_blocked(call, heavy_cap=False) is not None:
                         # (it waits for a worker with room for its params, only that: the others go on)
                         queue.hold(owner)
                         self._heavy_held = True
