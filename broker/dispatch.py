@@ -501,8 +501,9 @@ class Dispatcher:
     max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
     max_queue_bytes: the same bound on the bytes the waiting calls hold (their raw
         params and ids, copied out of the request body when queued).
-    max_worker_params_bytes: bytes of large params (`_HEAVY_BYTES`, 64 KiB, or more each) one
-        worker may hold in the calls in flight; past it such a call waits for room (one
+    max_worker_params_bytes: bytes of large params (`_HEAVY_BYTES`, 64 KiB, or more in a call,
+        or in a chunk's calls together) one worker may hold in the calls in flight; past it
+        such a call waits for room (one
         always goes); 0: no bound. (Hostile testing, round 92: a worker binds params on its
         loop, 35 to 55 ms and ~24 MB a MiB of small objects, and 12 connections' 16 calls of
         1 MiB each held another client's calls 1.8 to 4.2 s and each worker at 850 MB.)
