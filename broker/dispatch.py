@@ -144,16 +144,6 @@ O(n)) until it reaches the head, or until shells are more than half the queue an
 `_compact` drops them all (amortised O(1) each): a live head with a long deadline
 once kept every expired call behind it, and its params, alive.
 
-What the calls in flight cost a worker is bounded for large params too: a worker binds each
-call's params on its loop before the handler runs (1 MiB of small objects: 35 to 55 ms, and
-~24 MB while the call runs), and its turns among connections (`wire`) bound what one
-connection's calls cost another's, not many connections' together (hostile testing, round 92:
-12 connections' 16 calls of 1 MiB each held another client's calls 1.8 to 4.2 s, and each
-worker at 850 MB). Params of `_HEAVY_BYTES` or more count in their worker's `heavy`, at most
-`max_worker_params_bytes` (one such call always goes); a call with no worker to take its
-params waits in the queue, its connection's calls held out of turn (`_pump`), and others go
-on; each such call that leaves its worker releases them.
-
 A worker's reply (`on_reply`) finds its call by id in the pending table, splices the
 raw result or error object after the client's raw id, and fills the call's slot; the
 exchange calls back when its last slot is filled. Answers from different workers
@@ -252,9 +242,6 @@ MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the con
 RESTART_WAIT_SECONDS = 1.0  # calls wait for a worker back within this of the outage's start (a crash's restart backoff)
 BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
 _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
-# Large params: a worker binds a call's params on its loop, ~50 ms and ~24 MB a MiB of small
-# objects; of those this large or more, it holds at most max_worker_params_bytes in flight
-_HEAVY_BYTES = 64 * 1024
 _LEFT_MS = 1 << 24  # a blocked worker's expected wait when picking, ms, at most (4.6 h; past it, equal)
 _clock = time.perf_counter
 _NO_ID = Raw()
@@ -363,7 +350,6 @@ class Call(msgspec.Struct, eq=False):
     ids: list[Raw] | None = None  # a chunk's raw client ids
     methods: list[int] | None = None  # a chunk's method indexes
     held: int = 0  # bytes it holds while queued (counted in max_queue_bytes)
-    heavy: int = 0  # its params' bytes counted in its worker's `heavy` (large params only, `_send`)
     stale: bool = False  # in flight when a reload replaced the method table: its reply teaches nothing
 
     @classmethod
@@ -501,12 +487,6 @@ class Dispatcher:
     max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
     max_queue_bytes: the same bound on the bytes the waiting calls hold (their raw
         params and ids, copied out of the request body when queued).
-    max_worker_params_bytes: bytes of large params (`_HEAVY_BYTES`, 64 KiB, or more in a call,
-        or in a chunk's calls together) one worker may hold in the calls in flight; past it
-        such a call waits for room (one
-        always goes); 0: no bound. (Hostile testing, round 92: a worker binds params on its
-        loop, 35 to 55 ms and ~24 MB a MiB of small objects, and 12 connections' 16 calls of
-        1 MiB each held another client's calls 1.8 to 4.2 s and each worker at 850 MB.)
     timeout: default deadline in seconds; `method_timeouts` overrides it per method.
         Each must be > 0 and <= `MAX_TIMEOUT` (one day), else `ValueError`: the
         deadline wheel turns deadlines into integer ticks, which inf or nan cannot be.
@@ -537,7 +517,6 @@ class Dispatcher:
         *,
         max_queue: int = 10000,
         max_queue_bytes: int = 64 * 1024 * 1024,
-        max_worker_params_bytes: int = 4 * 1024 * 1024,
         timeout: float = 30.0,
         method_timeouts: typing.Mapping[str, float] | None = None,
         cancel_grace: float = 10.0,
@@ -576,12 +555,9 @@ class Dispatcher:
         self._isolation = Isolation()
         self._alone: dict[Worker, bool] = {}  # (True: dead under one, until its slot is back: `worker_ready`)
         self._alone_held = False  # a connection's calls wait out of turn for a worker to run alone
-        self._heavy_held = False  # ... or for a worker with room for their large params (max_worker_params_bytes)
         self._isolation_handle: asyncio.TimerHandle | None = None  # (`_isolation_timer`)
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
-        self._heavy_cap = max_worker_params_bytes or 1 << 62
-        self._heavy_bytes = _HEAVY_BYTES if max_worker_params_bytes else 1 << 62  # (params this large count)
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
         self._queued_calls = 0  # calls the live queued entries stand for (a chunk: its weight)
         self._largest: Largest[ResponseBudget] = Largest(_queued_of)  # the connection with the most calls queued
@@ -788,14 +764,13 @@ class Dispatcher:
         for call in lost:
             del self._pending[call.call_id]
             call.owner.in_flight -= call.weight
-            call.heavy = 0
             if call.sync > 0:
                 call.owner.blocking -= call.sync
             self._finish(call, error, ErrorCode.WORKER_DIED)
         if worker.blocked:
             worker.blocked = False
             self._blocked -= 1
-        worker.outstanding = worker.sync_calls = worker.heavy = 0
+        worker.outstanding = worker.sync_calls = 0
         worker.limit = worker.concurrency
         self._release_all()  # (their connections' places are free; those still past their share are held again)
         self._check_idle()
@@ -1247,7 +1222,7 @@ class Dispatcher:
         on the first. While a worker is blocked in a slow sync call, `_pick_blocked`
         decides. (A blocking sync call needs nothing more: with no worker blocked,
         the least loaded is where it goes.)"""
-        if self._blocked or self._isolation.alone or self._overdue or len(call.params) >= self._heavy_bytes:
+        if self._blocked or self._isolation.alone or self._overdue:
             return self._pick_blocked(call)
         ready = self._ready
         n = len(ready)
@@ -1274,7 +1249,7 @@ class Dispatcher:
                 i = 0
         return best
 
-    def _pick_blocked(self, call: Call, heavy_cap: bool = True) -> Worker | None:
+    def _pick_blocked(self, call: Call) -> Worker | None:
         """`_pick` while a worker is blocked in a slow sync call. A blocked worker is
         picked only when no other can take the call (there it would wait), never for
         a call holding blocking sync calls (one per worker: that call goes to the
@@ -1306,15 +1281,11 @@ class Dispatcher:
         best: Worker | None = None
         least = 1 << 62
         sooner = _LEFT_MS  # how soon a blocked worker with no room for the call is expected free, ms
-        size = len(call.params)
-        heavy = size if size >= self._heavy_bytes and heavy_cap else 0
         for _ in range(n):
             w = ready[i]
             k = w.outstanding
             limit = w.limit
-            if heavy and w.heavy and w.heavy + heavy > self._heavy_cap:  # (no room for its params: round 92)
-                k = least
-            elif w.blocked and sync <= 0 and limit:  # (0: running a call alone)
+            if w.blocked and sync <= 0 and limit:  # (0: running a call alone)
                 # The last choice: the one whose blocking calls should end first (by their estimate,
                 # or as long again as they have run if longer), and only what fits under its limit
                 # (hostile testing, round 88: `add`, briefly learnt blocking on a loaded machine,
@@ -1477,10 +1448,6 @@ class Dispatcher:
     def _send(self, worker: Worker, call: Call) -> None:
         call.worker = worker
         worker.outstanding += call.weight
-        size = len(call.params)
-        if size >= self._heavy_bytes:  # (large params: a worker holds max_worker_params_bytes at most)
-            call.heavy = size
-            worker.heavy += size
         worker.took_calls = True  # (its exit is no boot crash loop: `Pool._failures_after`)
         call.owner.in_flight += call.weight
         # A call not known to block, to a worker not busy in one, may come back unstarted if
@@ -1557,8 +1524,6 @@ class Dispatcher:
             return
         worker.outstanding -= call.weight
         call.owner.in_flight -= call.weight
-        if call.heavy:
-            self._unheavy(worker, call)
         awaited = aux != NOT_RUN and aux >= AWAITED  # (wire.AWAITED: it blocked the worker for ~0 µs)
         if awaited:
             aux -= AWAITED
@@ -1704,8 +1669,6 @@ class Dispatcher:
         if slots is None or not place:  # nothing of it is left on the worker
             del self._pending[call_id]
             call.worker = None
-            if call.heavy:
-                self._unheavy(worker, call)
             if worker.overdue:
                 self._not_overdue(worker, call_id)
             if call.sync > 0:  # (not sent RETURNABLE: a worker of another broker's)
@@ -2059,15 +2022,7 @@ class Dispatcher:
         back, or the queue is emptied, or a worker can run a call alone); `_pump` holds
         again those still past their share, or waiting for a worker to run a call alone."""
         self._queue.release_all()
-        self._alone_held = self._heavy_held = False
-
-    def _unheavy(self, worker: Worker, call: Call) -> None:
-        """`call`'s large params are no longer on `worker` (answered, given back): room for
-        those that wait for it (`_heavy_held`: `_pump` holds them again if there is none)."""
-        worker.heavy -= call.heavy
-        call.heavy = 0
-        if self._heavy_held:
-            self._release_all()
+        self._alone_held = False
 
     def _pump(self) -> None:
         """Start queued calls, in the queue's order (`FairQueue`), while a worker is under
@@ -2098,13 +2053,6 @@ class Dispatcher:
                         # (it waits for a worker of its own, `_pick_alone`: the others go on)
                         queue.hold(owner)
                         self._alone_held = True
-                        continue
-                    if len(call.params) >= self._heavy_bytes and (
-                        call.slots is not None or call.index not in self._isolation.alone  # (a chunk's index: its size)
-                    ) and self._pick_blocked(call, heavy_cap=False) is not None:
-                        # (it waits for a worker with room for its params, only that: the others go on)
-                        queue.hold(owner)
-                        self._heavy_held = True
                         continue
                     break
                 self._dequeue()

@@ -2196,39 +2196,6 @@ def test_a_call_run_alone_does_not_take_the_one_worker_left_while_another_slot_r
     run(main)
 
 
-def test_a_chunk_waiting_for_room_for_its_large_params_holds_up_no_other_connection():
-    """Round 92's bound on large params in flight: a call with no worker to take its params
-    waits with its connection's calls held out of turn, so that other connections' calls go
-    on. A chunk's too, whatever its size (a chunk's `index` is its size, once taken for a
-    method index: with the method of that index run alone, a chunk of as many calls waited
-    at the head, and every other connection's call behind it)."""
-
-    async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop(), max_worker_params_bytes=200)
-        d._heavy_bytes = 50  # (large params at this test's scale)
-        d.set_methods(["a", "b", "c", "boom"])
-        w = add_worker(d, 0, concurrency=10)
-        codec = Codec()
-        d.submit(body(codec, req("boom", [], "caught")), lambda e: None)  # boom (index 3) caught: run alone
-        restarted(d, w)
-        assert d.isolated == {"boom": 1}
-        d.submit(body(codec, req("a", ["x" * 150], "big")), lambda e: None, ResponseBudget(d.outgoing))
-        assert len(w.channel.take()) == 1 and w.heavy > 150  # type: ignore[union-attr]
-        chunk = [req("a", ["y" * 30], i) for i in range(3)]  # (a chunk of 3: over 100 bytes, no room)
-        d.submit(body(codec, chunk), lambda e: None, ResponseBudget(d.outgoing))
-        assert not w.channel.take() and d.queued_calls == 3 and d.held_calls == 3  # type: ignore[union-attr]
-        d.submit(body(codec, req("b", [], "small")), lambda e: None, ResponseBudget(d.outgoing))
-        assert [first_params(f) for f in w.channel.take()] == [[]]  # type: ignore[union-attr]  # (it goes)
-        small = next(c for c, call in d._pending.items() if not call.heavy)
-        d.on_reply(w, wire.Kind.RESULT, small, 10, b"0")  # (it answers: no room yet, the chunk waits)
-        assert not w.channel.take() and d.queued_calls == 3  # type: ignore[union-attr]
-        big = next(c for c, call in d._pending.items() if call.heavy)
-        d.on_reply(w, wire.Kind.RESULT, big, 10, b"0")  # the big one answers: room, and the chunk goes
-        assert [f[0] for f in w.channel.take()] == [wire.CHUNK] and d.queued_calls == 0  # type: ignore[union-attr]
-
-    run(main)
-
-
 def test_a_worker_killed_holding_several_calls_of_one_method_does_not_make_it_wait():
     """Hostile testing, round 87 (MEDIUM): a worker holding only `add` calls was killed (kill
     -9): `add`, the one method there, was caught and waited for a worker of its own, the cap

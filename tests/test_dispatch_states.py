@@ -72,9 +72,8 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.loop.time = lambda: 100.0  # type: ignore[method-assign]  # time is injected: `expire` moves it
         self.dispatcher = Dispatcher(
             self.loop, max_queue=6, timeout=1000.0, method_timeouts={"slow": 2000.0, "sync": 3000.0},
-            cancel_grace=10_000.0, connection_share=self.SHARE, max_worker_params_bytes=40,
+            cancel_grace=10_000.0, connection_share=self.SHARE,
         )
-        self.dispatcher._heavy_bytes = 20  # large params at this model's scale: a chunk of 2 calls or more, or `wide`
         self.connections = [ResponseBudget(self.dispatcher.outgoing) for _ in range(3)]
         self.gone: set[int] = set()  # id(exchange) of the bodies whose connection was lost (`abandon`)
         self.of_connection: dict[int, list[int]] = {0: [], 1: [], 2: []}  # connection -> id(exchange)s
@@ -158,17 +157,15 @@ class DispatcherMachine(RuleBasedStateMachine):
         elements=st.lists(element, min_size=3, max_size=8),
         batch=st.sampled_from([True, True, False]),
         connection=st.sampled_from([None, 0, 1, 2]),
-        wide=st.sampled_from([False, False, True]),
     )
-    def submit(self, elements: list[tuple[str, bool]], batch: bool, connection: int | None, wide: bool = False) -> None:
-        """A body, on one of three connections, or on its own (None); `wide`: each call's params
-        large at this model's scale (`_HEAVY_BYTES`)."""
+    def submit(self, elements: list[tuple[str, bool]], batch: bool, connection: int | None) -> None:
+        """A body, on one of three connections, or on its own (None)."""
         if not batch:  # (a batch of 3 or more is sent as chunks, while a worker is ready)
             elements = elements[:1]
         requests = []
         owed = []
         for method, notification in elements:
-            request: dict[str, object] = {"jsonrpc": "2.0", "method": method, "params": [1] * (10 if wide else 1)}
+            request: dict[str, object] = {"jsonrpc": "2.0", "method": method, "params": [1]}
             if not notification:
                 self.next_id += 1
                 request["id"] = self.next_id
@@ -361,9 +358,6 @@ class DispatcherMachine(RuleBasedStateMachine):
         for w in self.workers:
             assert all(c in self.held and self.held[c][0] is w and not d._pending[c].tick for c in w.overdue), w.overdue
         assert d.queued_calls >= 0 and d.queued_bytes >= 0
-        for w in self.workers:  # large params in flight: counted once each, and at most the cap but for one call
-            heavy = [c.heavy for c in d._pending.values() if c.worker is w and c.heavy]
-            assert w.heavy == sum(heavy) and (w.heavy <= self.dispatcher._heavy_cap or len(heavy) == 1), (w.heavy, heavy)
         assert d.queued_calls <= 6 + 6  # max_queue, overshot by at most one chunk
         owners: dict[int, tuple[ResponseBudget, int]] = {}
         for call in d._pending.values():
@@ -445,11 +439,8 @@ class DispatcherMachine(RuleBasedStateMachine):
             if queue.is_held(owner):
                 if self._isolated(call) and not self._over_share(call):  # waits for a worker of its own (`_pick_alone`)
                     assert not self._alone_could_go(call), "a call of an isolated method waits with a worker for it"
-                elif not owner.in_flight:  # (held only while no worker has room for its large params)
-                    size = len(call.params)
-                    assert size >= self.dispatcher._heavy_bytes and any(
-                        w.heavy and w.heavy + size > self.dispatcher._heavy_cap for w in self._live()
-                    ), "a connection's calls are held out of turn with nothing in flight"
+                else:
+                    assert owner.in_flight, "a connection's calls are held out of turn with nothing in flight"
             elif not self._over_share(call) and head is None:
                 head = call
         if head is None:
@@ -460,12 +451,9 @@ class DispatcherMachine(RuleBasedStateMachine):
         waits_for_full = head.sync <= 0 and any(
             w.blocked and w.limit and w.outstanding + head.weight > w.limit for w in live
         )
-        size = len(head.params)
         for w in live:
             room = w.outstanding < w.limit
-            if size >= self.dispatcher._heavy_bytes and w.heavy and w.heavy + size > self.dispatcher._heavy_cap:
-                room = False  # (no room for its large params)
-            elif w.blocked:
+            if w.blocked:
                 room = room and head.sync <= 0 and w.outstanding + head.weight <= w.limit and not waits_for_full
             elif w.overdue:  # (no room while another ready worker has no call overdue)
                 room = room and all(o.overdue for o in live)
