@@ -1113,6 +1113,14 @@ def test_with_max_queue_0_a_slow_sync_call_runs_beside_calls_in_flight():
     run(main)
 
 
+def unqueued(method: str, concurrency: int, sync: bool = False) -> tuple[Dispatcher, Worker, Worker]:
+    """In a running loop: a dispatcher with max_queue 0 serving `method` (sync: a sync method,
+    unmeasured, so blocking) on two ready workers of `concurrency` places."""
+    d = Dispatcher(asyncio.get_running_loop(), max_queue=0)
+    d.set_methods([method], sync_methods=[method] if sync else ())
+    return d, add_worker(d, 0, concurrency), add_worker(d, 1, concurrency)
+
+
 def test_with_max_queue_0_a_connection_s_calls_past_its_share_go_to_idle_workers():
     """Hostile testing, round 83 (MEDIUM): with max_queue 0, a connection's calls past its
     share could not wait their turn, and were refused -32000 "queue full" by an idle broker
@@ -1120,9 +1128,7 @@ def test_with_max_queue_0_a_connection_s_calls_past_its_share_go_to_idle_workers
     to the workers with room; only a call no worker has room for is refused."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop(), max_queue=0)
-        d.set_methods(["fast"])
-        a, b = add_worker(d, 0, 1), add_worker(d, 1, 1)
+        d, a, b = unqueued("fast", 1)
         codec = Codec()
         budget = ResponseBudget(d.outgoing)
         answers: list[Exchange] = []
@@ -1141,9 +1147,7 @@ def test_with_max_queue_0_a_connection_past_its_share_takes_no_busy_worker_s_pla
     goes to an idle worker only."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop(), max_queue=0)
-        d.set_methods(["m"])
-        a, b = add_worker(d, 0, 10), add_worker(d, 1, 10)
+        d, a, b = unqueued("m", 10)
         codec = Codec()
         flood = ResponseBudget(d.outgoing)
         exchanges = [d.submit(body(codec, req("m", [i], i)), lambda e: None, flood) for i in range(20)]
@@ -1162,9 +1166,7 @@ def test_with_max_queue_0_a_connection_s_blocking_sync_calls_past_its_share_are_
     A blocking sync call keeps to its connection's share of the workers (it is refused past it)."""
 
     async def main() -> None:
-        d = Dispatcher(asyncio.get_running_loop(), max_queue=0)
-        d.set_methods(["slow"], sync_methods=["slow"])  # (unmeasured: blocking)
-        a, b = add_worker(d, 0, 10), add_worker(d, 1, 10)
+        d, a, b = unqueued("slow", 10, sync=True)  # (unmeasured: blocking)
         codec = Codec()
         flood = ResponseBudget(d.outgoing)
         first, second = (d.submit(body(codec, req("slow", [1], i)), lambda e: None, flood) for i in range(2))
