@@ -85,7 +85,7 @@ class ResponseBudget:
     and `queued`, its calls waiting in the queue (the fattest flow sheds first).
     """
 
-    __slots__ = ("blocking", "flow", "held", "in_flight", "outgoing", "parked", "peer", "queued")
+    __slots__ = ("blocking", "flow", "heavy", "held", "in_flight", "outgoing", "parked", "peer", "queued")
 
     def __init__(self, outgoing: Outgoing) -> None:
         # The connection's number in its calls' frames (wire.py: the worker takes turns
@@ -96,6 +96,7 @@ class ResponseBudget:
         self.in_flight = 0  # the connection's calls sent to workers and not answered by them
         self.blocking = 0  # ... of which blocking sync calls (each holds a whole worker)
         self.queued = 0  # the connection's calls waiting in the dispatcher's queue (live ones)
+        self.heavy = 0  # bytes of large params of its calls in flight (`dispatch.Dispatcher._large`)
         self.parked = 0  # (in `held`) answers written while the write buffer was past its high mark
         self.outgoing = outgoing
         # The client's address, for logs: its transport's "peername" (a (host, port) tuple,

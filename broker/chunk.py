@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 from broker.wire import CALL_ENTRY, NOTIFY_FLAG, REPLY_ENTRY
 
-__all__ = ["add_answer", "answers", "count_answers", "encode_requests", "read_call", "with_methods"]
+__all__ = ["add_answer", "answers", "count_answers", "encode_requests", "large_params", "read_call", "with_methods"]
 
 
 def encode_requests(entries: list[tuple[int, typing.Any, typing.Any]]) -> tuple[bytes, list[int], list[typing.Any], list[int]]:
@@ -54,6 +54,24 @@ def with_methods(payload: bytes, methods: list[int]) -> bytes:
         CALL_ENTRY.pack_into(out, pos, method, flags, length)
         pos += size + length
     return bytes(out)
+
+
+def large_params(payload: bytes, least: int) -> int:
+    """The bytes of the params of the calls of CHUNK `payload` that have `least` bytes of
+    params or more each, together (0 if none has): what of it counts against a worker's
+    bound on large params in flight (`dispatch.Dispatcher`, max_worker_params_bytes). O(its
+    calls)."""
+    unpack = CALL_ENTRY.unpack_from
+    size = CALL_ENTRY.size
+    end = len(payload)
+    pos = 0
+    total = 0
+    while pos < end:
+        _method, _flags, length = unpack(payload, pos)
+        if length >= least:
+            total += length
+        pos += size + length
+    return total
 
 
 def read_call(payload: bytes, pos: int) -> tuple[int, bool, int, int]:

@@ -220,6 +220,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                Doc("total bytes the waiting calls hold (raw params and "
                                    "ids) before the broker answers 'overloaded'")
                                ] = 64 * MIB
+    max_worker_params_bytes: Annotated[Bytes, Meta(ge=0),
+                                       Doc("bytes of large params (16 KiB or more in a call; in a batch, "
+                                           "such calls' together) one worker holds in its calls in flight "
+                                           "(binding them takes its loop ~50 ms and ~24 MB a MiB of small "
+                                           "objects), and one connection half of all the workers'; past it "
+                                           "such a call waits in the queue for room (one always goes); "
+                                           "0: no bound")
+                                       ] = 4 * MIB
     grace_period: Annotated[Seconds, Meta(ge=0, le=DAY),
                             Doc("on SIGTERM, how long in-flight calls may take; 0 answers "
                                 "them 'shutting down' at once",

@@ -144,6 +144,26 @@ O(n)) until it reaches the head, or until shells are more than half the queue an
 `_compact` drops them all (amortised O(1) each): a live head with a long deadline
 once kept every expired call behind it, and its params, alive.
 
+What the calls in flight cost a worker is bounded for large params too: a worker binds each
+call's params on its loop before the handler runs (1 MiB of small objects: 35 to 55 ms, and
+~24 MB while the call runs), and its turns among connections (`wire`) bound what one
+connection's calls cost another's, not many connections' together; nor can it take turns
+among calls still in the channel behind a large call's frame (hostile testing, round 92: 12
+connections' 16 calls of 1 MiB each held another client's calls 1.8 to 4.2 s, and each
+worker at 850 MB). Params of `_HEAVY_BYTES` or more (a chunk's calls' that are, together:
+`_large`) count in their worker's `heavy`, at most `max_worker_params_bytes` (one such call
+always goes, to a worker with none), and in their connection's, at most half the ready
+workers' room (one always goes). A call with no room for its params waits in the queue, its
+connection's calls held out of turn (`_pump`, `_roomless`), and others go on. Those waiting for
+a worker's room wait in the order they came (`_room_waiters`, first in, first out, as a FIFO
+semaphore's waiters do: a new large call goes behind them, and a large one is not passed over
+for ever by smaller ones); each `_pump` first puts back in turn those the room and places free
+now can take (`_release_for_room`), whatever freed them (an answer, a worker unblocked or back,
+a call expired: hostile testing, round 93, a connection let go only by a large call's answer
+waited to its calls' deadlines beside an idle worker), and only those: putting every waiting
+connection back in turn at each `_pump` would cost each answer a step per connection waiting.
+Those past their connection's share (`_share_waiters`) go back when one of its large calls ends.
+
 A worker's reply (`on_reply`) finds its call by id in the pending table, splices the
 raw result or error object after the client's raw id, and fills the call's slot; the
 exchange calls back when its last slot is filled. Answers from different workers
@@ -180,7 +200,7 @@ import logging
 import math
 import time
 import typing
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import msgspec
@@ -189,7 +209,7 @@ from msgspec import Raw
 from broker import wire
 from broker.answers import GONE, Exchange, Outgoing, ResponseBudget
 from broker.chunk import answers as chunk_answers
-from broker.chunk import count_answers, encode_requests, read_call, with_methods
+from broker.chunk import count_answers, encode_requests, large_params, read_call, with_methods
 from broker.deadlines import DeadlineWheel
 from broker.fairqueue import FairQueue, Largest
 from broker.isolation import Isolation
@@ -242,6 +262,12 @@ MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the con
 RESTART_WAIT_SECONDS = 1.0  # calls wait for a worker back within this of the outage's start (a crash's restart backoff)
 BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
 _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
+# Large params: a worker binds a call's params on its loop, ~50 ms and ~24 MB a MiB of small
+# objects; of those this large or more, it holds at most max_worker_params_bytes in flight. (Those
+# under it, at most worker_concurrency: 100 x 16 KiB bind in ~80 ms; round 93: 100 x 63 KiB
+# uncounted doubled the stall the bound leaves. 4 MiB over 16 KiB: 256 calls, past the default
+# concurrency, so calls just over it are never held for room.)
+_HEAVY_BYTES = 16 * 1024
 _LEFT_MS = 1 << 24  # a blocked worker's expected wait when picking, ms, at most (4.6 h; past it, equal)
 _clock = time.perf_counter
 _NO_ID = Raw()
@@ -350,6 +376,7 @@ class Call(msgspec.Struct, eq=False):
     ids: list[Raw] | None = None  # a chunk's raw client ids
     methods: list[int] | None = None  # a chunk's method indexes
     held: int = 0  # bytes it holds while queued (counted in max_queue_bytes)
+    heavy: int = 0  # its params' bytes counted in its worker's `heavy` (large params only, `_send`)
     stale: bool = False  # in flight when a reload replaced the method table: its reply teaches nothing
 
     @classmethod
@@ -487,6 +514,13 @@ class Dispatcher:
     max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
     max_queue_bytes: the same bound on the bytes the waiting calls hold (their raw
         params and ids, copied out of the request body when queued).
+    max_worker_params_bytes: bytes of large params (`_HEAVY_BYTES`, 16 KiB, or more in a call;
+        a chunk's calls' that are, together) one worker may hold in the calls in flight; past
+        it such a call waits for room (one always goes, to a worker with none); one connection
+        may hold half the ready workers' room (one always goes); 0: no bound. (Hostile
+        testing, round 92: a worker binds params on its loop, 35 to 55 ms and ~24 MB a MiB of
+        small objects, and 12 connections' 16 calls of 1 MiB each held another client's calls
+        1.8 to 4.2 s and each worker at 850 MB.)
     timeout: default deadline in seconds; `method_timeouts` overrides it per method.
         Each must be > 0 and <= `MAX_TIMEOUT` (one day), else `ValueError`: the
         deadline wheel turns deadlines into integer ticks, which inf or nan cannot be.
@@ -517,6 +551,7 @@ class Dispatcher:
         *,
         max_queue: int = 10000,
         max_queue_bytes: int = 64 * 1024 * 1024,
+        max_worker_params_bytes: int = 4 * 1024 * 1024,
         timeout: float = 30.0,
         method_timeouts: typing.Mapping[str, float] | None = None,
         cancel_grace: float = 10.0,
@@ -555,9 +590,21 @@ class Dispatcher:
         self._isolation = Isolation()
         self._alone: dict[Worker, bool] = {}  # (True: dead under one, until its slot is back: `worker_ready`)
         self._alone_held = False  # a connection's calls wait out of turn for a worker to run alone
+        # ... or for room for their large params (max_worker_params_bytes): connection -> the bytes
+        # its first call waits for, oldest first (`_release_for_room`)
+        self._room_waiters: OrderedDict[ResponseBudget, int] = OrderedDict()
+        self._share_waiters: dict[ResponseBudget, None] = {}  # ... for one of their own to end (their share)
+        self._releasing: set[ResponseBudget] = set()  # those `_release_for_room` let go, in this `_pump`
+        # `_pick_blocked` found no room for a call's large params (1), or its connection holds its
+        # share of the room (2), and nothing else kept it; and how large they are (`_large`)
+        self._roomless = 0
+        self._roomless_size = 0
         self._isolation_handle: asyncio.TimerHandle | None = None  # (`_isolation_timer`)
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
+        self._heavy_cap = max_worker_params_bytes or 1 << 62
+        self._heavy_bytes = _HEAVY_BYTES if max_worker_params_bytes else 1 << 62  # (params this large count)
+        self._heavy_share = 0  # one connection's large params in flight, at most (`_set_share`)
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
         self._queued_calls = 0  # calls the live queued entries stand for (a chunk: its weight)
         self._largest: Largest[ResponseBudget] = Largest(_queued_of)  # the connection with the most calls queued
@@ -732,6 +779,9 @@ class Dispatcher:
         # every other client waited (round 60's new user, 1.8 s; round 62, 64 pipelined calls
         # 7.7 s behind a batch of 100 known-slow calls, a call of theirs for each slow one).
         self._sync_share = max(1, int(len(ready) * self._connection_share)) if self._sync_routing else 1 << 62
+        # ... and of their room for large params: one connection's 8 long calls of 1 MB took all of
+        # two workers', and every other client's large call waited for them (round 93)
+        self._heavy_share = self._heavy_cap * len(ready) // 2
 
     def worker_lost(self, worker: Worker, reason: str, serving: bool = True) -> None:
         """The worker's process is gone: answer its in-flight calls "worker died".
@@ -764,13 +814,15 @@ class Dispatcher:
         for call in lost:
             del self._pending[call.call_id]
             call.owner.in_flight -= call.weight
+            call.owner.heavy -= call.heavy
+            call.heavy = 0
             if call.sync > 0:
                 call.owner.blocking -= call.sync
             self._finish(call, error, ErrorCode.WORKER_DIED)
         if worker.blocked:
             worker.blocked = False
             self._blocked -= 1
-        worker.outstanding = worker.sync_calls = 0
+        worker.outstanding = worker.sync_calls = worker.heavy = 0
         worker.limit = worker.concurrency
         self._release_all()  # (their connections' places are free; those still past their share are held again)
         self._check_idle()
@@ -1222,7 +1274,7 @@ class Dispatcher:
         on the first. While a worker is blocked in a slow sync call, `_pick_blocked`
         decides. (A blocking sync call needs nothing more: with no worker blocked,
         the least loaded is where it goes.)"""
-        if self._blocked or self._isolation.alone or self._overdue:
+        if self._blocked or self._isolation.alone or self._overdue or len(call.params) >= self._heavy_bytes:
             return self._pick_blocked(call)
         ready = self._ready
         n = len(ready)
@@ -1260,7 +1312,20 @@ class Dispatcher:
         than behind a sync call that may be what crashed the other (hostile testing,
         round 77: another client's calls, sent behind one whose every call crashed its
         worker, died with it, -32002, never run). A call of an isolated method goes
-        alone (`_pick_alone`)."""
+        alone (`_pick_alone`). A call with large params (`_large`) goes only where there is
+        room for them (max_worker_params_bytes), and only within its connection's share of
+        the room; None, with `_roomless` set, if nothing else kept it (`_pump` holds it)."""
+        heavy = 0
+        if len(call.params) >= self._heavy_bytes:
+            self._roomless = 0
+            heavy = self._roomless_size = self._large(call)
+            owner = call.owner
+            if heavy and owner.heavy and owner.heavy + heavy > self._heavy_share:
+                self._roomless = 2
+                return None
+            if heavy and self._room_waiters and owner not in self._releasing:  # (behind those waiting)
+                self._roomless = 1
+                return None
         isolation = self._isolation
         if isolation.alone and call.slots is None and call.index in isolation.alone:
             if _clock() >= isolation.next_end:
@@ -1305,9 +1370,12 @@ class Dispatcher:
                 # ready worker is not, whatever waits (round 87: sent calls while the other was blocked)
                 k = least if any(not x.overdue for x in ready) else k + _BLOCKED + (_LEFT_MS << 10)
             if k < least:
-                if k == 0:
+                if heavy and w.heavy and w.heavy + heavy > self._heavy_cap:  # (no room for its params: round 92)
+                    self._roomless = 1
+                elif k == 0:
                     return w
-                best, least = w, k
+                else:
+                    best, least = w, k
             i += 1
             if i == n:
                 i = 0
@@ -1448,6 +1516,10 @@ class Dispatcher:
     def _send(self, worker: Worker, call: Call) -> None:
         call.worker = worker
         worker.outstanding += call.weight
+        if len(call.params) >= self._heavy_bytes:  # (large params: a worker holds max_worker_params_bytes at most)
+            heavy = call.heavy = self._large(call)
+            worker.heavy += heavy
+            call.owner.heavy += heavy
         worker.took_calls = True  # (its exit is no boot crash loop: `Pool._failures_after`)
         call.owner.in_flight += call.weight
         # A call not known to block, to a worker not busy in one, may come back unstarted if
@@ -1524,6 +1596,8 @@ class Dispatcher:
             return
         worker.outstanding -= call.weight
         call.owner.in_flight -= call.weight
+        if call.heavy:
+            self._unheavy(worker, call)
         awaited = aux != NOT_RUN and aux >= AWAITED  # (wire.AWAITED: it blocked the worker for ~0 µs)
         if awaited:
             aux -= AWAITED
@@ -1666,9 +1740,19 @@ class Dispatcher:
                 del slots[place:], typing.cast(list[Raw], call.ids)[place:], typing.cast(list[int], call.methods)[place:]
                 if not call.weight:  # (unless all of them came already, in parts: as in `on_reply`)
                     call.exchange = None
+                if call.heavy:  # (the large params of those given back are not on the worker any more)
+                    heavy = min(call.heavy, large_params(payload, self._heavy_bytes))
+                    call.heavy -= heavy
+                    worker.heavy -= heavy
+                    owner.heavy -= heavy
+                    if owner in self._share_waiters:
+                        del self._share_waiters[owner]
+                        self._queue.release(owner)
         if slots is None or not place:  # nothing of it is left on the worker
             del self._pending[call_id]
             call.worker = None
+            if call.heavy:
+                self._unheavy(worker, call)
             if worker.overdue:
                 self._not_overdue(worker, call_id)
             if call.sync > 0:  # (not sent RETURNABLE: a worker of another broker's)
@@ -1734,6 +1818,8 @@ class Dispatcher:
         self._queued_calls += len(calls)
         owner.queued += len(calls)
         self._largest.grew(owner)
+        if owner in self._room_waiters or owner in self._share_waiters:  # (its first call is another now:
+            queue.release(owner)  # the `_pump` that comes next decides again; it keeps its place)
 
     def _gone(self, call: Call, exchange: Exchange, kind: int, payload: bytes, aux: int) -> None:
         """Fill a single call's slot with nothing: its connection is gone (`forget`). Counted
@@ -2023,6 +2109,68 @@ class Dispatcher:
         again those still past their share, or waiting for a worker to run a call alone."""
         self._queue.release_all()
         self._alone_held = False
+        self._room_waiters.clear()
+        self._share_waiters.clear()
+
+    def _large(self, call: Call) -> int:
+        """The bytes of `call`'s large params (`_HEAVY_BYTES` or more; a chunk's: those of its
+        calls that are, together, `chunk.large_params`: a batch's calls bind one at a time, in
+        slices, and a batch of 100 calls of 2 KB waited 24 to 29 s for room, round 93); 0 if
+        none, or with no bound (max_worker_params_bytes 0)."""
+        size = len(call.params)
+        if size < self._heavy_bytes:
+            return 0
+        return size if call.kind != CHUNK else large_params(call.params, self._heavy_bytes)
+
+    def _unheavy(self, worker: Worker, call: Call) -> None:
+        """`call`'s large params are no longer on `worker` (answered, given back): room for
+        those that wait for it (`_release_for_room`, at the `_pump` that comes next), and its
+        connection's calls held for its share of the room go back in turn."""
+        worker.heavy -= call.heavy
+        owner = call.owner
+        owner.heavy -= call.heavy
+        call.heavy = 0
+        if owner in self._share_waiters:
+            del self._share_waiters[owner]
+            self._queue.release(owner)
+
+    def _release_for_room(self) -> None:
+        """Put back in turn the connections waiting for room for their large params
+        (`_room_waiters`), the oldest first, while the workers that take calls now (ready, a
+        place free, neither blocked nor overdue) have room for the first call of each (first
+        fit, as if each went; a worker with none holds one, whatever its size); the first that
+        does not fit, and those after it, wait on. One past its connection's share of the room
+        waits for one of its own calls instead (`_share_waiters`). O(workers x those let go)."""
+        waiters = self._room_waiters
+        queue = self._queue
+        cap = self._heavy_cap
+        free = [
+            [w.heavy, w.limit - w.outstanding] for w in self._ready
+            if w.outstanding < w.limit and not w.blocked and not w.overdue
+        ]
+        gone: list[ResponseBudget] = []
+        go: list[ResponseBudget] = []
+        for owner, size in waiters.items():
+            if not owner.queued:  # (its calls are gone: answered at their deadline, or its connection)
+                gone.append(owner)
+            elif owner.heavy and owner.heavy + size > self._heavy_share:
+                gone.append(owner)
+                if queue.is_held(owner):
+                    self._share_waiters[owner] = None
+            else:  # (held; or put back in turn meanwhile, `_give_back`, `_start`: it keeps its place)
+                for slot in free:
+                    if slot[1] and (not slot[0] or slot[0] + size <= cap):
+                        slot[0] += size
+                        slot[1] -= 1
+                        go.append(owner)
+                        break
+                else:
+                    break
+        for owner in gone:
+            del waiters[owner]
+        for owner in go:  # (each keeps its place until a call of its goes: `_pump`)
+            self._releasing.add(owner)
+            queue.release(owner)  # (if held)
 
     def _pump(self) -> None:
         """Start queued calls, in the queue's order (`FairQueue`), while a worker is under
@@ -2034,6 +2182,8 @@ class Dispatcher:
         share = self._share
         if self._isolation.alone and _clock() >= self._isolation.next_end:
             self._isolation_ends()
+        if self._room_waiters:  # (those that room came for go back in turn first, oldest first)
+            self._release_for_room()
         while True:
             call = queue.head()
             if call is None:
@@ -2047,6 +2197,16 @@ class Dispatcher:
                     continue
                 worker = self._pick(call)
                 if worker is None:
+                    if len(call.params) >= self._heavy_bytes and self._roomless:
+                        # (it waits for room for its params, and whatever else: the others go on; round
+                        # 93, a call of a method run alone stopped the queue here, every client 4 s)
+                        queue.hold(owner)
+                        if self._roomless == 2:
+                            self._share_waiters[owner] = None
+                        else:  # (one let go that sent nothing keeps its place; a new one goes last)
+                            self._room_waiters[owner] = self._roomless_size
+                            self._releasing.discard(owner)
+                        continue
                     if self._isolation.alone and call.slots is None and call.index in self._isolation.waits and (
                         self._ready
                     ):
@@ -2057,10 +2217,17 @@ class Dispatcher:
                     break
                 self._dequeue()
                 self._send(worker, call)
+                if self._releasing and owner in self._releasing:  # (it waited for room, and went: its next
+                    self._releasing.discard(owner)  # large call waits behind those waiting, if any)
+                    self._room_waiters.pop(owner, None)
                 if metrics is not None:
                     metrics.queue_wait.observe_us(int((_clock() - call.arrival) * 1e6), call.weight)
             else:
                 self._dequeue()
+        if self._releasing:  # (let go for room, and held again for something else, or with nothing left)
+            for owner in self._releasing:
+                self._room_waiters.pop(owner, None)
+            self._releasing.clear()
         if not queue:
             self._largest.clear()
         if self._alone and not self._alone_held and self._unreserve() and queue.head() is not None:
@@ -2091,8 +2258,14 @@ class Dispatcher:
             if self._alone_held:  # (it may have held its connection's calls out of turn: `_pick_alone`)
                 self._release_all()
                 self._pump()
-            elif self._blocked:  # what waited behind it may fit a blocked worker it did not (found
-                self._pump()  # by the state machine test, stop 30: it waited for the sync call)
+            elif self._blocked or self._room_waiters or self._share_waiters:  # what waited behind it may fit
+                # a blocked worker it did not (found by the state machine test, stop 30: it waited for the
+                # sync call); or it waited for room for its params, and its connection's calls behind it go
+                # back in turn (round 93: they waited to their deadlines)
+                owner = call.owner
+                if owner in self._room_waiters or owner in self._share_waiters:  # (it keeps its place)
+                    self._queue.release(owner)
+                self._pump()
             return
         worker = call.worker
         if worker is not None and worker.channel is not None:

@@ -316,8 +316,9 @@ class BrokerCollector(Collector):
         yield _family_gauge("rpc_broker_calls_queued", "Calls waiting for a worker.", [], [([], d.queued_calls)])
         yield _family_gauge(
             "rpc_broker_calls_held", "Of the calls waiting, those held for their connection's share of the "
-            "places (connection_share), or for a worker of their own (a method run alone), not for a free "
-            "worker.", [], [([], d.held_calls)],
+            "places (connection_share), for a worker of their own (a method run alone), or for a worker "
+            "with room for their large params (max_worker_params_bytes), not for a free place.", [],
+            [([], d.held_calls)],
         )  # fmt: skip
         yield _family_gauge(
             "rpc_broker_method_isolated", "Methods whose calls run alone, one per worker, since a worker died "

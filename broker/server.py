@@ -322,6 +322,7 @@ async def run(
         loop,
         max_queue=config.max_queue,
         max_queue_bytes=config.max_queue_bytes,
+        max_worker_params_bytes=config.max_worker_params_bytes,
         timeout=config.timeout,
         method_timeouts=config.method_timeouts,
         cancel_grace=config.cancel_grace,

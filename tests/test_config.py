@@ -38,6 +38,7 @@ EXPECTED_DEFAULTS = {
     "connection_share": 0.5,
     "max_queue": 10000,
     "max_queue_bytes": 67108864,
+    "max_worker_params_bytes": 4194304,
     "grace_period": 30.0,
     "keepalive_timeout": 75.0,
     "request_timeout": 30.0,
@@ -150,6 +151,7 @@ sync_prefetch = 0
 connection_share = 1
 max_queue = 0
 max_queue_bytes = 0
+max_worker_params_bytes = 0
 grace_period = 0
 keepalive_timeout = 1
 request_timeout = 0.5
@@ -177,7 +179,7 @@ slow = 120.5
         "rpc_path": "/rpc", "stream_port": 9001, "stream_socket": "/run/rpc/broker.sock",
         "allowed_hosts": ("rpc.example", "::1"), "allowed_origins": ("https://app.example:8443",), "metrics": False, "metrics_host": "::1", "metrics_port": 0, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
-        "worker_concurrency": 1, "sync_prefetch": 0, "connection_share": 1.0, "max_queue": 0, "max_queue_bytes": 0, "grace_period": 0.0,
+        "worker_concurrency": 1, "sync_prefetch": 0, "connection_share": 1.0, "max_queue": 0, "max_queue_bytes": 0, "max_worker_params_bytes": 0, "grace_period": 0.0,
         "keepalive_timeout": 1.0, "request_timeout": 0.5, "send_timeout": 7.5, "max_connections": 5, "max_frame_bytes": 65536,
         "max_incoming_bytes": 1, "max_outgoing_bytes": 65536, "max_response_bytes": 65536, "restart_backoff_max": 0.5,
         "boot_timeout": 3.0, "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",

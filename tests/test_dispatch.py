@@ -19,6 +19,7 @@ from msgspec import Raw
 from broker import wire
 from broker.answers import Outgoing
 from broker.dispatch import Call, DeadlineWheel, Dispatcher, Exchange, ResponseBudget, Route
+from broker.fairqueue import FairQueue
 from broker.jsonrpc import Body, Codec, ErrorCode, Request
 from broker.metrics import CallMetrics
 from broker.pool import Pool, Worker, WorkerChannel, WorkerState
@@ -2194,6 +2195,190 @@ def test_a_call_run_alone_does_not_take_the_one_worker_left_while_another_slot_r
         w1.channel = RecordingChannel()  # type: ignore[assignment]
         d.worker_ready(w1)  # back: boom runs alone there
         assert [first_params(f) for f in w1.channel.take()] == [["b"]] and w1.limit == 0  # type: ignore[union-attr]
+
+    run(main)
+
+
+def test_a_chunk_waiting_for_room_for_its_large_params_holds_up_no_other_connection():
+    """Round 92's bound on large params in flight: a call with no worker to take its params
+    waits with its connection's calls held out of turn, so that other connections' calls go
+    on. A chunk's too, whatever its size (a chunk's `index` is its size, once taken for a
+    method index: with the method of that index run alone, a chunk of as many calls waited
+    at the head, and every other connection's call behind it)."""
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), max_worker_params_bytes=200)
+        d._heavy_bytes = 50  # (large params at this test's scale)
+        d.set_methods(["a", "b", "c", "boom"])
+        w = add_worker(d, 0, concurrency=10)
+        codec = Codec()
+        d.submit(body(codec, req("boom", [], "caught")), lambda e: None)  # boom (index 3) caught: run alone
+        restarted(d, w)
+        assert d.isolated == {"boom": 1}
+        d.submit(body(codec, req("a", ["x" * 150], "big")), lambda e: None, ResponseBudget(d.outgoing))
+        assert len(w.channel.take()) == 1 and w.heavy > 150  # type: ignore[union-attr]
+        chunk = [req("a", ["y" * 60], i) for i in range(3)]  # (a chunk of 3 large calls: ~200 bytes, no room)
+        d.submit(body(codec, chunk), lambda e: None, ResponseBudget(d.outgoing))
+        assert not w.channel.take() and d.queued_calls == 3 and d.held_calls == 3  # type: ignore[union-attr]
+        # A chunk of calls each under the size that counts is no large params, however many (round
+        # 93: a batch of 100 calls of 2 KB waited 24 to 29 s for room): it goes
+        d.submit(body(codec, [req("a", ["z" * 30], i) for i in range(3)]), lambda e: None, ResponseBudget(d.outgoing))
+        sent = w.channel.take()  # type: ignore[union-attr]
+        assert [f[0] for f in sent] == [wire.CHUNK] and d.queued_calls == 3, sent
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, sent[0][1], 10, chunk_reply(sent[0]))
+        d.submit(body(codec, req("b", [], "small")), lambda e: None, ResponseBudget(d.outgoing))
+        assert [first_params(f) for f in w.channel.take()] == [[]]  # type: ignore[union-attr]  # (it goes)
+        small = next(c for c, call in d._pending.items() if not call.heavy)
+        d.on_reply(w, wire.Kind.RESULT, small, 10, b"0")  # (it answers: no room yet, the chunk waits)
+        assert not w.channel.take() and d.queued_calls == 3  # type: ignore[union-attr]
+        big = next(c for c, call in d._pending.items() if call.heavy)
+        d.on_reply(w, wire.Kind.RESULT, big, 10, b"0")  # the big one answers: room, and the chunk goes
+        assert [f[0] for f in w.channel.take()] == [wire.CHUNK] and d.queued_calls == 0  # type: ignore[union-attr]
+
+    run(main)
+
+
+def large_params_dispatcher(workers: int, **kwargs: typing.Any) -> tuple[Dispatcher, list[Worker], Codec]:
+    """For the tests of the bound on large params in flight, in a running loop: a dispatcher
+    whose workers each hold at most 200 bytes of params of 50 bytes or more (this scale's
+    large params), serving "a", "b", "boom" and the sync method "slow"."""
+    d = Dispatcher(asyncio.get_running_loop(), max_worker_params_bytes=200, **kwargs)
+    d._heavy_bytes = 50
+    d.set_methods(["a", "b", "boom", "slow"], sync_methods=["slow"])
+    return d, [add_worker(d, slot, concurrency=10) for slot in range(workers)], Codec()
+
+
+def test_a_large_call_of_a_method_struck_once_waits_for_room_without_holding_up_the_queue():
+    """Hostile testing, round 93 (HIGH): a large call of a method struck once beside other
+    calls (run alone when a worker is free, else as any) found no room for its params at the
+    head of the queue, and the queue stopped there: every client's calls waited up to 4 s, to
+    the end of the method's time alone. It waits held out of turn, as any large call does."""
+
+    async def main() -> None:
+        d, [w], codec = large_params_dispatcher(1)
+        d.submit(body(codec, req("boom", [], "b1")), lambda e: None)
+        d.submit(body(codec, req("b", [], "b2")), lambda e: None)
+        restarted(d, w)  # (died holding both: each method struck once, not caught)
+        w.channel.take()  # type: ignore[union-attr]
+        assert d.isolated == {"boom": 1, "b": 1} and "boom" not in [d._names[i] for i in d._isolation.waits]
+        d.submit(body(codec, req("a", ["x" * 150], "big")), lambda e: None)
+        assert len(w.channel.take()) == 1  # type: ignore[union-attr]
+        d.submit(body(codec, req("boom", ["x" * 150], "heavy")), lambda e: None)  # (no room: it waits)
+        assert not w.channel.take() and d.held_calls == 1  # type: ignore[union-attr]
+        d.submit(body(codec, req("a", [], "small")), lambda e: None)
+        assert [first_params(f) for f in w.channel.take()] == [[]]  # type: ignore[union-attr]  # (it goes)
+        for call_id in list(d._pending):
+            d.on_reply(w, wire.Kind.RESULT, call_id, 10, b"0")
+        assert [first_params(f) for f in w.channel.take()] == [["x" * 150]] and not d.queued_calls  # type: ignore[union-attr]
+
+    run(main)
+
+
+def test_a_connection_held_for_room_goes_when_a_blocked_worker_with_room_is_free():
+    """Hostile testing, round 93 (HIGH): a connection held for room for its large params was
+    let go only when a large call's answer gave room back; with the other worker blocked in
+    a sync call and then free, its large call waited to its deadline beside the idle worker,
+    and its small call behind it after that (never run). Any freed place lets it go now."""
+
+    async def main() -> None:
+        d, [w0, w1], codec = large_params_dispatcher(2)
+        d.submit(body(codec, req("slow", [4], "spin")), lambda e: None)
+        [spin] = w0.channel.take() + w1.channel.take()  # type: ignore[union-attr]
+        blocked, other = (w0, w1) if w0.blocked else (w1, w0)
+        d.submit(body(codec, req("a", ["x" * 150], "fill")), lambda e: None)
+        assert len(other.channel.take()) == 1  # type: ignore[union-attr]
+        x = ResponseBudget(d.outgoing)
+        d.submit(body(codec, req("a", ["y" * 100], "large")), lambda e: None, x)
+        d.submit(body(codec, req("b", [], "small")), lambda e: None, x)
+        assert not blocked.channel.take() and not other.channel.take() and d.held_calls == 2  # type: ignore[union-attr]
+        d.on_reply(blocked, wire.Kind.RESULT, spin[1], 4_000_000, b"4")  # the sync call ends
+        assert [first_params(f) for f in blocked.channel.take()][:1] == [["y" * 100]]  # type: ignore[union-attr]
+        assert not d.queued_calls  # (and the small call behind it, to either)
+
+    run(main)
+
+
+def test_a_connection_held_for_room_goes_on_when_its_large_call_expires():
+    """Hostile testing, round 93 (HIGH): when a large call held for room passed its deadline,
+    its connection stayed held, and its next call (small) waited to its own deadline too."""
+
+    async def main() -> None:
+        d, [w], codec = large_params_dispatcher(1, method_timeouts={"b": 0.05})
+        d.submit(body(codec, req("a", ["x" * 150], "fill")), lambda e: None)
+        assert len(w.channel.take()) == 1  # type: ignore[union-attr]
+        x = ResponseBudget(d.outgoing)
+        answers: list[Exchange] = []
+        d.submit(body(codec, req("b", ["y" * 100], "large")), answers.append, x)
+        d.submit(body(codec, req("a", [], "small")), lambda e: None, x)
+        assert not w.channel.take() and d.held_calls == 2  # type: ignore[union-attr]
+        await wait_until(lambda: len(answers) == 1)  # -32001
+        assert [first_params(f) for f in w.channel.take()] == [[]] and not d.queued_calls  # type: ignore[union-attr]
+
+    run(main)
+
+
+def test_one_connection_holds_at_most_half_the_workers_room_for_large_params():
+    """Hostile testing, round 93 (MEDIUM): one connection's 8 long calls of 1 MB took all the
+    room of both workers, and every other client's large call waited 24 to 29 s for them. A
+    connection holds at most half the ready workers' room (one call always goes)."""
+
+    async def main() -> None:
+        d, [w0, w1], codec = large_params_dispatcher(2)
+        a = ResponseBudget(d.outgoing)
+        for i in range(3):  # (96 bytes each: 2 fit in its share of 200, half of 2 x 200)
+            d.submit(body(codec, req("a", ["x" * 90], i)), lambda e: None, a)
+        assert len(w0.channel.take() + w1.channel.take()) == 2 and d.held_calls == 1  # type: ignore[union-attr]
+        d.submit(body(codec, req("a", ["z" * 90], "other")), lambda e: None)  # another connection's: room
+        [other] = w0.channel.take() + w1.channel.take()  # type: ignore[union-attr]
+        assert first_params(other) == ["z" * 90]
+        first = next(c for c, call in d._pending.items() if call.owner is a)
+        d.on_reply(d._pending[first].worker, wire.Kind.RESULT, first, 10, b"0")  # type: ignore[arg-type]
+        assert [first_params(f) for f in w0.channel.take() + w1.channel.take()] == [["x" * 90]]  # type: ignore[union-attr]
+
+    run(main)
+
+
+def test_calls_waiting_for_room_for_large_params_go_first_come_first_served():
+    """Calls that wait for room for their large params go in the order they came: a new
+    large call goes behind them, however small, and room freed goes to the oldest first (a
+    large call is not passed over for ever by smaller ones that fit before it does)."""
+
+    async def main() -> None:
+        d, [w], codec = large_params_dispatcher(1)
+        d.submit(body(codec, req("a", ["x" * 120], "fill")), lambda e: None)  # (126 of 200 bytes)
+        d.submit(body(codec, req("a", ["p" * 100], "older")), lambda e: None)  # (no room: it waits)
+        d.submit(body(codec, req("a", ["q" * 60], "newer")), lambda e: None)  # (it would fit: it waits behind)
+        assert len(w.channel.take()) == 1 and d.held_calls == 2  # type: ignore[union-attr]
+        fill = next(iter(d._pending))
+        d.on_reply(w, wire.Kind.RESULT, fill, 10, b"0")
+        assert [first_params(f) for f in w.channel.take()] == [["p" * 100], ["q" * 60]]  # type: ignore[union-attr]
+
+    run(main)
+
+
+def test_an_answer_puts_back_in_turn_no_connection_waiting_for_room_it_does_not_free(monkeypatch):
+    """Each connection waiting for room for its large params put back in turn at every
+    `_pump`, and held again, cost every answer a step per connection waiting (hundreds of
+    them: milliseconds an answer, every client's): an answer that frees no room for the
+    first of them lets none go; one that does lets go only what the room takes."""
+
+    async def main() -> None:
+        d, [w0, w1], codec = large_params_dispatcher(2)
+        d.submit(body(codec, req("a", ["x" * 180], "fill0")), lambda e: None)
+        d.submit(body(codec, req("a", ["x" * 180], "fill1")), lambda e: None)
+        for i in range(50):
+            d.submit(body(codec, req("a", ["w" * 60], i)), lambda e: None)
+        d.submit(body(codec, req("b", [], "small")), lambda e: None)
+        assert len(w0.channel.take() + w1.channel.take()) == 3 and d.held_calls == 50  # type: ignore[union-attr]
+        released: list[object] = []
+        release = FairQueue.release
+        monkeypatch.setattr(FairQueue, "release", lambda self, key: (released.append(key), release(self, key)))
+        small = next(c for c, call in d._pending.items() if not call.heavy)
+        d.on_reply(d._pending[small].worker, wire.Kind.RESULT, small, 10, b"0")  # type: ignore[arg-type]
+        assert released == [] and d.held_calls == 50
+        fill = next(c for c, call in d._pending.items() if call.heavy)
+        d.on_reply(d._pending[fill].worker, wire.Kind.RESULT, fill, 10, b"0")  # type: ignore[arg-type]
+        assert len(released) == 3 and d.held_calls == 47  # (3 of 66 bytes fit in 200)
 
     run(main)
 

@@ -72,8 +72,9 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.loop.time = lambda: 100.0  # type: ignore[method-assign]  # time is injected: `expire` moves it
         self.dispatcher = Dispatcher(
             self.loop, max_queue=6, timeout=1000.0, method_timeouts={"slow": 2000.0, "sync": 3000.0},
-            cancel_grace=10_000.0, connection_share=self.SHARE,
+            cancel_grace=10_000.0, connection_share=self.SHARE, max_worker_params_bytes=40,
         )
+        self.dispatcher._heavy_bytes = 20  # large params at this model's scale: a `wide` call's ("[1,1,...]", 21 bytes)
         self.connections = [ResponseBudget(self.dispatcher.outgoing) for _ in range(3)]
         self.gone: set[int] = set()  # id(exchange) of the bodies whose connection was lost (`abandon`)
         self.of_connection: dict[int, list[int]] = {0: [], 1: [], 2: []}  # connection -> id(exchange)s
@@ -142,6 +143,8 @@ class DispatcherMachine(RuleBasedStateMachine):
         for owner in sent_to.values():
             mine = [c for c in d._pending.values() if c.owner is owner and c.weight]
             assert owner.in_flight <= d._share or len(mine) == 1, (owner.in_flight, d._share, len(mine))
+            heavy = [c for c in mine if c.heavy]  # (and of the room for large params: half the workers')
+            assert owner.heavy <= d._heavy_share or len(heavy) == 1, (owner.heavy, d._heavy_share, len(heavy))
 
     def _on_done(self, exchange: Exchange) -> None:
         self.done[id(exchange)] = self.done.get(id(exchange), 0) + 1
@@ -157,15 +160,17 @@ class DispatcherMachine(RuleBasedStateMachine):
         elements=st.lists(element, min_size=3, max_size=8),
         batch=st.sampled_from([True, True, False]),
         connection=st.sampled_from([None, 0, 1, 2]),
+        wide=st.sampled_from([False, False, True]),
     )
-    def submit(self, elements: list[tuple[str, bool]], batch: bool, connection: int | None) -> None:
-        """A body, on one of three connections, or on its own (None)."""
+    def submit(self, elements: list[tuple[str, bool]], batch: bool, connection: int | None, wide: bool = False) -> None:
+        """A body, on one of three connections, or on its own (None); `wide`: each call's params
+        large at this model's scale (`_HEAVY_BYTES`)."""
         if not batch:  # (a batch of 3 or more is sent as chunks, while a worker is ready)
             elements = elements[:1]
         requests = []
         owed = []
         for method, notification in elements:
-            request: dict[str, object] = {"jsonrpc": "2.0", "method": method, "params": [1]}
+            request: dict[str, object] = {"jsonrpc": "2.0", "method": method, "params": [1] * (10 if wide else 1)}
             if not notification:
                 self.next_id += 1
                 request["id"] = self.next_id
@@ -358,6 +363,11 @@ class DispatcherMachine(RuleBasedStateMachine):
         for w in self.workers:
             assert all(c in self.held and self.held[c][0] is w and not d._pending[c].tick for c in w.overdue), w.overdue
         assert d.queued_calls >= 0 and d.queued_bytes >= 0
+        for w in self.workers:  # large params in flight: counted once each, and at most the cap but for one call
+            heavy = [c.heavy for c in d._pending.values() if c.worker is w and c.heavy]
+            assert w.heavy == sum(heavy) and (w.heavy <= self.dispatcher._heavy_cap or len(heavy) == 1), (w.heavy, heavy)
+        for owner in self.connections:  # ... and in their connections'
+            assert owner.heavy == sum(c.heavy for c in d._pending.values() if c.owner is owner)
         assert d.queued_calls <= 6 + 6  # max_queue, overshot by at most one chunk
         owners: dict[int, tuple[ResponseBudget, int]] = {}
         for call in d._pending.values():
@@ -394,7 +404,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         d = self.dispatcher
         return (bool(owner.in_flight) and owner.in_flight + call.weight > d._share) or (
             call.sync > 0 and bool(owner.blocking) and owner.blocking + call.sync > d._sync_share
-        )
+        ) or (bool(owner.heavy) and owner.heavy + d._large(call) > d._heavy_share and d._large(call) > 0)
 
     def _isolated(self, call: Call) -> bool:
         """A call of an isolated method that waits for a worker of its own (a first strike
@@ -439,8 +449,11 @@ class DispatcherMachine(RuleBasedStateMachine):
             if queue.is_held(owner):
                 if self._isolated(call) and not self._over_share(call):  # waits for a worker of its own (`_pick_alone`)
                     assert not self._alone_could_go(call), "a call of an isolated method waits with a worker for it"
-                else:
-                    assert owner.in_flight, "a connection's calls are held out of turn with nothing in flight"
+                elif not owner.in_flight:  # (held only while it waits for room for its large params, or
+                    # for a large call of its own to end: a chunk's, its answers in, its reply not yet)
+                    d = self.dispatcher
+                    assert d._large(call) and (owner in d._room_waiters or (owner in d._share_waiters and owner.heavy)), (
+                        "a connection's calls are held out of turn with nothing in flight")
             elif not self._over_share(call) and head is None:
                 head = call
         if head is None:
@@ -451,13 +464,38 @@ class DispatcherMachine(RuleBasedStateMachine):
         waits_for_full = head.sync <= 0 and any(
             w.blocked and w.limit and w.outstanding + head.weight > w.limit for w in live
         )
+        size = self.dispatcher._large(head)
         for w in live:
             room = w.outstanding < w.limit
-            if w.blocked:
+            if size and w.heavy and w.heavy + size > self.dispatcher._heavy_cap:
+                room = False  # (no room for its large params)
+            elif w.blocked:
                 room = room and head.sync <= 0 and w.outstanding + head.weight <= w.limit and not waits_for_full
             elif w.overdue:  # (no room while another ready worker has no call overdue)
                 room = room and all(o.overdue for o in live)
             assert not room, (w, w.outstanding, w.limit, w.blocked, head.sync, head.weight)
+
+    @invariant()
+    def calls_wait_for_room_for_their_large_params_first_come_first_served(self) -> None:
+        """The connections waiting for room for their large params (`_room_waiters`, oldest
+        first) wait while the first of them (with calls queued, under its share of the room)
+        fits no worker that takes calls now (ready, a place free, neither blocked nor overdue;
+        one with no large params takes one whatever its size); and each waits for its first
+        call's size, held out of turn, or in turn behind the first."""
+        d = self.dispatcher
+        queue = d._queue
+        for owner, size in d._room_waiters.items():
+            if not owner.queued or (owner.heavy and owner.heavy + size > d._heavy_share):
+                continue  # (its entry is dropped at the next `_pump`)
+            if not queue.is_held(owner):  # (in turn, its first call another since, `_requeue`: it keeps its place)
+                continue
+            assert size == d._large(queue.first(owner)), (size, d._large(queue.first(owner)))
+            for w in self._live():
+                if w.outstanding < w.limit and not w.blocked and not w.overdue:
+                    assert w.heavy and w.heavy + size > d._heavy_cap, ("room for the first waiting", w, w.heavy, size)
+            break
+        for owner in d._share_waiters:  # (and those past their share: a call of theirs holds some)
+            assert owner.heavy or not owner.queued
 
     @invariant()
     def every_call_moves_as_the_transitions_say(self) -> None:

@@ -34,3 +34,10 @@ async def wait(seconds: float) -> float:
     """A fast async call that waits on I/O for `seconds` without blocking its worker."""
     await asyncio.sleep(seconds)
     return seconds
+
+
+@registry.method
+async def hold(data: list[object], seconds: float) -> int:
+    """Takes `data` (large params, at will) and holds them `seconds` without blocking its worker."""
+    await asyncio.sleep(seconds)
+    return len(data)
