@@ -74,12 +74,14 @@ def test_clients_that_never_read_are_closed_within_send_timeout_and_their_memory
     round's connections are aborted within send_timeout, and the memory their unsent
     answers held is freed for reuse: the second round leaves the broker no bigger than
     the first did (RSS itself need not fall: the allocator may keep freed heap pages).
+    Each reset is counted (`rpc_broker_connections_send_timed_out_total`) and logged.
     Since max_response_bytes, a non-reader's requests wait undispatched once its write
     buffer is full, so what a round holds is bounded (test_response_limits measures it)."""
     b, stream_port = tb
     port = b.port if transport == "http" else stream_port
     payload = http_request(BATCH) * 120 if transport == "http" else (BATCH + b"\n") * 120
     baseline = open_connections(b, transport)
+    reset_before = sample(scrape_metrics(b), "rpc_broker_connections_send_timed_out_total", transport=transport)
 
     def one_round() -> int:
         socks = [non_reader((b.host, port), payload, seconds=0.5) for _ in range(CONNECTIONS)]
@@ -102,6 +104,10 @@ def test_clients_that_never_read_are_closed_within_send_timeout_and_their_memory
     after_first = one_round()
     after_second = one_round()
     assert after_second - after_first < HELD_KIB / 2, (after_first, after_second)
+    # Each reset counted (new user, round 93: they were neither logged nor counted), and logged
+    reset = sample(scrape_metrics(b), "rpc_broker_connections_send_timed_out_total", transport=transport)
+    assert reset - reset_before == 2 * CONNECTIONS
+    assert f"{transport}: reset a connection whose client took none of its answers for send_timeout 2 s" in b.read_log(0.05)
     assert b.call("echo", ["still serving"])["result"] == ["still serving"]
 
 

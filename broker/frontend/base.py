@@ -478,6 +478,7 @@ class Listener:
         self._recount_due = False  # `recount` is scheduled
         self.shed_total = 0  # connections reset by `shed_outgoing`
         self.evicted_total = {"idle": 0, "trickling": 0}  # connections closed by `make_room`, by their state
+        self.send_timed_out_total = 0  # connections reset by `send_timed_out`
         self.lingering = 0  # connections closed early still lingering (`linger_out`)
 
     def refused(self) -> None:
@@ -603,6 +604,11 @@ class Listener:
         if now - since <= self.send_timeout:
             return False
         reset(conn)
+        self.send_timed_out_total += 1
+        if self.send_timed_out_total == 1 or self.send_timed_out_total % 1000 == 0:  # (as nginx's "client
+            # timed out while sending to client", at info: the client's doing, not the broker's)
+            log.info("%s: reset a connection whose client took none of its answers for send_timeout %g s (%d so far)",
+                     self.transport, self.send_timeout, self.send_timed_out_total)
         return True
 
     def all_taken(self, conn: typing.Any) -> bool:
