@@ -25,7 +25,7 @@ __all__ = ["add_answer", "answers", "count_answers", "encode_requests", "large_p
 
 def encode_requests(entries: list[tuple[int, typing.Any, typing.Any]]) -> tuple[bytes, list[int], list[typing.Any], list[int]]:
     """A CHUNK payload of the dispatcher's entries, (slot, `jsonrpc.Request`,
-    `dispatch.Route`) each (slot < 0: a notification), with their slots, raw ids and method
+    `calls.Route`) each (slot < 0: a notification), with their slots, raw ids and method
     indexes in order: one pass (the dispatcher's hot path: three more passes cost 4.6 % of a
     batched call's instructions, benchmarks/hotpath_instructions.py)."""
     slots = []

@@ -8,7 +8,7 @@ import typing
 from collections.abc import Callable
 
 if typing.TYPE_CHECKING:
-    from broker.dispatch import Call
+    from broker.calls import Call
 
 __all__ = ["DeadlineWheel"]
 

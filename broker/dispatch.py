@@ -194,7 +194,6 @@ the same way with no exchange (their late replies are not counted: none was owed
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import math
@@ -203,13 +202,27 @@ import typing
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
-import msgspec
 from msgspec import Raw
 
 from broker import wire
 from broker.answers import GONE, Exchange, Outgoing, ResponseBudget
+from broker.calls import (
+    ACKS,
+    NO_ID,
+    TRANSITIONS,
+    Call,
+    CallState,
+    Route,
+    as_timed_out,
+    held_bytes,
+    hold,
+    live,
+    owed,
+    queue_cost,
+    timed_out,
+)
 from broker.chunk import answers as chunk_answers
-from broker.chunk import count_answers, encode_requests, large_params, read_call, with_methods
+from broker.chunk import count_answers, large_params, read_call, with_methods
 from broker.deadlines import DeadlineWheel
 from broker.fairqueue import FairQueue, Largest
 from broker.isolation import Isolation
@@ -270,7 +283,6 @@ _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any re
 _HEAVY_BYTES = 16 * 1024
 _LEFT_MS = 1 << 24  # a blocked worker's expected wait when picking, ms, at most (4.6 h; past it, equal)
 _clock = time.perf_counter
-_NO_ID = Raw()
 _SPLICE_BYTES = len(response_result(b"", b""))  # an answer's bytes besides its id and result (or error)
 _TOO_LARGE_MARK = memoryview(b"")  # (_fill_chunk: an entry answered past max_response_bytes)
 _VIEW_FROM = 4096  # (_fill_chunk: results from this many bytes are viewed, not copied, to be spliced)
@@ -320,192 +332,8 @@ def _mix(methods: list[int]) -> dict[int, int]:
     return Counter(methods)
 
 
-def _held(call: Call) -> int:
-    """Bytes `call` would hold while queued: its raw params and client id(s)."""
-    if call.ids is None:
-        return len(call.params) + len(call.id)
-    return len(call.params) + sum(map(len, call.ids))
-
-
-def _hold(call: Call) -> None:
-    """Copy what a call about to be queued keeps of its request body (raw id and
-    params: `msgspec.Raw` views into the whole body, which they would keep alive) and
-    record the bytes it holds in `call.held`. (A chunk's params are its own already.)"""
-    if call.ids is None:
-        call.id = call.id.copy()
-        params = call.params
-        if type(params) is Raw:
-            call.params = params.copy()
-    else:
-        call.ids = [id_.copy() for id_ in call.ids]
-    call.held = _held(call)
-
-
-class Route(typing.NamedTuple):
-    """Where a method's calls go: its index in the workers' method list, deadline (s),
-    and `sync`: 1 for a sync handler that blocks its worker (see BLOCKING_US), -1 for
-    a sync handler measured fast (its calls' times are watched), 0 for an async one."""
-
-    method_index: int
-    timeout: float
-    sync: int = 0
-
-
-class Call(msgspec.Struct, eq=False):
-    """One call (or notification, or chunk of a batch) on its way through the broker.
-
-    Made with `Call.of` (one request) or `Call.chunk` (several calls of one batch).
-    eq=False: calls compare and hash by identity (they are keys of the deadline wheel).
-    """
-
-    call_id: int  # the broker's own id on the wire
-    exchange: Exchange | None  # None for a notification, or once answered
-    slot: int  # its answer's place in the exchange (-1: none)
-    id: Raw  # the client's raw id
-    kind: int  # wire.Kind of its frame: CALL, NOTIFY or CHUNK
-    index: int  # method index (a chunk: its number of entries)
-    params: Raw | bytes  # raw params (a chunk: its CALL_ENTRY payload)
-    timeout: float  # seconds
-    arrival: float  # when the call arrived (time.perf_counter)
-    sync: int  # > 0: blocking sync calls it holds (a chunk: their count); -1: see Route.sync
-    owner: ResponseBudget  # its connection's: its flow in the queue, and whose places it holds in flight
-    worker: Worker | None = None
-    tick: int = 0  # its slot in the DeadlineWheel; 0 once expired or answered
-    weight: int = 1  # calls it stands for (a chunk: several; once sent, those not answered yet)
-    slots: list[int] | None = None  # a chunk's answer slots (-1: notification)
-    ids: list[Raw] | None = None  # a chunk's raw client ids
-    methods: list[int] | None = None  # a chunk's method indexes
-    held: int = 0  # bytes it holds while queued (counted in max_queue_bytes)
-    heavy: int = 0  # its params' bytes counted in its worker's `heavy` (large params only, `_send`)
-    stale: bool = False  # in flight when a reload replaced the method table: its reply teaches nothing
-
-    @classmethod
-    def of(
-        cls, call_id: int, exchange: Exchange | None, slot: int, request: Request, route: Route, arrival: float,
-        owner: ResponseBudget,
-    ) -> Call:
-        """One request (a call, or a notification when `exchange` is None) of the connection
-        whose budget is `owner`."""
-        return cls(
-            call_id, exchange, slot, request.id, CALL if exchange is not None else NOTIFY,
-            route.method_index, request.params, route.timeout, arrival, route.sync, owner,
-        )  # fmt: skip
-
-    @classmethod
-    def chunk(
-        cls,
-        call_id: int,
-        exchange: Exchange,
-        entries: list[tuple[int, Request, Route]],
-        timeout: float,
-        arrival: float,
-        sync: bool = False,
-    ) -> Call:
-        """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
-        one deadline (they share `timeout`), one reply. `sync`: they are all blocking
-        sync calls (`Route.sync`; a chunk never mixes them with others). Its connection's
-        budget is `exchange.budget`."""
-        payload, slots, ids, methods = encode_requests(entries)
-        return cls(
-            call_id,
-            exchange if slots.count(-1) < len(slots) else None,
-            -1,
-            _NO_ID,
-            CHUNK,
-            len(entries),
-            payload,
-            timeout,
-            arrival,
-            len(entries) if sync else 0,
-            exchange.budget,
-            weight=len(entries),
-            slots=slots,
-            ids=ids,
-            methods=methods,
-        )
-
-
-class CallState(enum.Enum):
-    """Where a `Call` is on its way, as `Dispatcher.state_of` reads it from where the
-    dispatcher holds it (the queue, the pending table) and its deadline (`Call.tick`,
-    0 once the call is answered or expired): the hot path keeps no field for it.
-    `TRANSITIONS` says which state may follow which (h11's `_state.py` has the same
-    idea for HTTP/1.1); the dispatcher's state machine test holds every call to it."""
-
-    QUEUED = "queued"  # waiting in the queue for a worker under its limit; its deadline runs
-    IN_FLIGHT = "in flight"  # sent to a worker (in the pending table); its answer, if owed, not made yet;
-    # queued again if the worker gives it back unstarted (wire.RETURN)
-    ANSWERED_IN_QUEUE = "answered in queue"  # its deadline passed while queued: answered -32001,
-    # its empty shell still in the deque (`_compact`)
-    ANSWERED_AWAITING_WORKER = "answered awaiting worker"  # its deadline passed in flight: answered
-    # -32001 and CANCEL sent; still pending, so its worker's count stays exact, until the
-    # worker's late reply (or CANCEL_ACK) comes, or the worker is lost
-    ENDED = "ended"  # in neither the queue nor the pending table: answered (or shed, or a
-    # notification done) and forgotten
-
-
-TRANSITIONS: dict[CallState, frozenset[CallState]] = {
-    CallState.QUEUED: frozenset({CallState.IN_FLIGHT, CallState.ANSWERED_IN_QUEUE, CallState.ENDED}),
-    CallState.IN_FLIGHT: frozenset({CallState.QUEUED, CallState.ANSWERED_AWAITING_WORKER, CallState.ENDED}),
-    CallState.ANSWERED_IN_QUEUE: frozenset({CallState.ENDED}),
-    CallState.ANSWERED_AWAITING_WORKER: frozenset({CallState.ENDED}),
-    CallState.ENDED: frozenset(),
-}
-"""The states that may directly follow each (`CallState`): QUEUED goes IN_FLIGHT when a
-worker takes it (`_pump`), ANSWERED_IN_QUEUE at its deadline, or ENDED (no worker coming,
-the grace period over); IN_FLIGHT goes ENDED at its reply or its worker's loss, or
-ANSWERED_AWAITING_WORKER at its deadline, or QUEUED again when its worker gives it back
-unstarted (wire.RETURN: its method turned out slow there); the answered states end when the
-queue drops the shell, or the worker replies or is lost. A call starts QUEUED, IN_FLIGHT, or
-ENDED at once (shed "overloaded", no worker coming, shutting down; a notification's reply);
-the calls a worker gives back from the middle of a chunk start QUEUED, a chunk of their own.
-An answered call is never sent again, nor queued."""
-
-
-def _queue_cost(call: Call) -> int:
-    """What taking `call` out of the queue costs its connection (`FairQueue`): the calls it
-    stands for; nothing for an expired one's shell."""
-    return call.weight if call.tick else 0
-
-
-def _owed(call: Call) -> bool:
-    """Whether `call` is owed an answer still (a call or a chunk of calls, not answered;
-    notifications and answered calls have no exchange)."""
-    return call.exchange is not None
-
-
 def _queued_of(owner: ResponseBudget) -> int:
     return owner.queued
-
-
-def _live(call: Call) -> bool:
-    return call.tick != 0
-
-
-def _timed_out(call: Call, started: bool = True) -> bytes:
-    """The error object of a call whose deadline passed: -32001 with its timeout, and
-    `"started": false` if it is known never to have reached its handler (it waited in the
-    queue, for a worker or its connection's share, or its worker found the deadline passed
-    before it started it): the client may retry it knowing that it did not run (the new
-    user of round 60 could not tell a call that never started from a tool that ran too
-    long). Else it may have run, or be running still: it was told to cancel."""
-    if started:
-        return error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout})
-    return error_object(ErrorCode.TIMED_OUT, data={"timeout_seconds": call.timeout, "started": False})
-
-
-_ACKS = (CANCEL_ACK, CANCEL_ACK_RAN)  # a worker's acknowledgements of a cancel (or of a deadline)
-
-
-def _as_timed_out(error: bytes | memoryview, call: Call) -> bytes | memoryview:
-    """A worker's error object for a call not answered yet, `CANCEL_ACK` as -32001 with
-    the call's timeout: the worker found its deadline passed before it started it (the
-    deadline in its frame), and answered before the broker's timer fired (the same one,
-    1 ms early at most); the client gets what that timer would have given it, and
-    `"started": false`. `CANCEL_ACK_RAN` likewise, but its handler ran: not that."""
-    if error == CANCEL_ACK:
-        return _timed_out(call, False)
-    return _timed_out(call) if error == CANCEL_ACK_RAN else error
 
 
 class Dispatcher:
@@ -627,7 +455,7 @@ class Dispatcher:
         self._blocking: list[int] = []
         self._one_timeout = True  # every method has the same deadline (see set_methods)
         self._pending: dict[int, Call] = {}
-        self._queue: FairQueue[Call] = FairQueue(_queue_cost)
+        self._queue: FairQueue[Call] = FairQueue(queue_cost)
         self._ready: list[Worker] = []
         self._rotation = 0
         self._deadlines = DeadlineWheel(loop, self._on_timeout)
@@ -1148,7 +976,7 @@ class Dispatcher:
         ))):  # (every worker down, none back soon and before its deadline, or a start failed: `no_worker_before`)
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)
         elif (self._queued_calls + call.weight > self._max_queue or (
-            self._queued_bytes + _held(call) > self._max_queue_bytes
+            self._queued_bytes + held_bytes(call) > self._max_queue_bytes
         )) and not self._make_room(call):  # (max_queue counts calls: a chunk that does not fit is shed whole)
             if not self._queued_calls and self._serving and call.sync <= 0 and (
                 worker := self._pick(call)
@@ -1164,7 +992,7 @@ class Dispatcher:
             else:
                 self._finish(call, _OVERLOADED, ErrorCode.OVERLOADED, remaining=False)
         else:
-            _hold(call)
+            hold(call)
             if not owner.in_flight and self._queue.is_held(owner):  # (held for its share, and all its calls
                 self._queue.release(owner)  # ended or expired since: none would bring it back; `_pump` decides)
             self._queue.append(call, owner)
@@ -1194,7 +1022,7 @@ class Dispatcher:
         was refused)."""
         owner = call.owner
         weight = call.weight
-        size = _held(call)
+        size = held_bytes(call)
         if weight > self._max_queue or size > self._max_queue_bytes:
             return False
         queue = self._queue
@@ -1239,7 +1067,7 @@ class Dispatcher:
         client's call waited 11.7 s). Notifications run on: nobody waits for them. Counted
         in `abandoned_total`. O(its calls queued + the calls in flight)."""
         if owner.queued:
-            for call in self._queue.remove(owner, _owed):
+            for call in self._queue.remove(owner, owed):
                 if not call.tick:  # (an expired one's shell: answered and counted out already)
                     self._expired_queued -= 1
                     continue
@@ -1384,7 +1212,7 @@ class Dispatcher:
                 return None
             if sooner < (least - _BLOCKED) >> 10 and (self._queue.head() is call or (
                 self._queued_calls + call.weight <= self._max_queue
-                and self._queued_bytes + _held(call) <= self._max_queue_bytes
+                and self._queued_bytes + held_bytes(call) <= self._max_queue_bytes
             )):
                 # A worker with no room for it is expected free sooner: it waits in the queue
                 # for it rather than take a place behind a longer call (round 90: every `spin(4)`
@@ -1643,7 +1471,7 @@ class Dispatcher:
                     if not call.stale and aux != NOT_RUN:
                         self._learn_chunk(call, 0 if awaited else aux)
                 else:  # one ERROR for the whole chunk
-                    self._fail_chunk(call, exchange, typing.cast(bytes, _as_timed_out(payload, call)), True)
+                    self._fail_chunk(call, exchange, typing.cast(bytes, as_timed_out(payload, call)), True)
             else:
                 # The answer's size, counted before it is made: the answers owed on its
                 # connection may not go past max_response_bytes (see ResponseBudget).
@@ -1812,7 +1640,7 @@ class Dispatcher:
         queue = self._queue
         for call in reversed(calls):
             call.sync = 1
-            _hold(call)
+            hold(call)
             queue.appendleft(call, owner)
             self._queued_bytes += call.held
         self._queued_calls += len(calls)
@@ -1837,9 +1665,9 @@ class Dispatcher:
         answer's bytes), or with -32603 if the answer would take its connection's answers
         owed past max_response_bytes, or all connections' past max_outgoing_bytes (a
         result too: then `error` is that result)."""
-        if error == CANCEL_ACK or error == CANCEL_ACK_RAN:  # (see `_as_timed_out`)
+        if error == CANCEL_ACK or error == CANCEL_ACK_RAN:  # (see `as_timed_out`)
             size -= len(error)
-            error = _timed_out(call, error == CANCEL_ACK_RAN)
+            error = timed_out(call, error == CANCEL_ACK_RAN)
             size += len(error)
         budget = exchange.budget
         outgoing = budget.outgoing
@@ -1933,7 +1761,7 @@ class Dispatcher:
             for i, entry_kind, start, end in chunk_answers(payload):
                 if slots is not None and i < len(slots) and slots[i] < 0:
                     pass  # a notification's
-                elif entry_kind == ERROR and payload[start:end] in _ACKS:
+                elif entry_kind == ERROR and payload[start:end] in ACKS:
                     self.late_cancelled_total += 1
                 else:
                     self.late_results_total += 1
@@ -1944,7 +1772,7 @@ class Dispatcher:
                 calls = sum(1 for slot in slots if slot >= 0)
             else:
                 calls = int(call.kind != NOTIFY)
-            if kind == ERROR and payload in _ACKS:
+            if kind == ERROR and payload in ACKS:
                 self.late_cancelled_total += calls
             else:
                 self.late_results_total += calls
@@ -2007,7 +1835,7 @@ class Dispatcher:
                 elif entry_kind == RESULT:
                     answer = join((_RESP_HEAD, ids[i], _RESP_RESULT, result, b"}"))  # response_result, inline
                 else:
-                    answer = response_error(ids[i], _as_timed_out(result, call))
+                    answer = response_error(ids[i], as_timed_out(result, call))
                 room -= len(answer)
                 if room < 0 and not gone:
                     room += len(answer)
@@ -2242,12 +2070,12 @@ class Dispatcher:
             self._queued_bytes -= call.held
             self._queued_calls -= call.weight
             call.owner.queued -= call.weight
-        self._finish(call, _timed_out(call, not queued), ErrorCode.TIMED_OUT)
+        self._finish(call, timed_out(call, not queued), ErrorCode.TIMED_OUT)
         if queued:
             # ... and its payload: the shell left in the queue holds no params or ids (a
             # live head with a long deadline would keep every expired call behind it).
             call.params = b""
-            call.id = _NO_ID
+            call.id = NO_ID
             call.ids = call.slots = call.methods = None
             if self._queue.expire_head(call, call.owner):  # its connection's head: out at once (FairQueue)
                 self._expired_queued -= 1
@@ -2284,7 +2112,7 @@ class Dispatcher:
 
     def _compact(self) -> None:
         """Drop the expired shells from the queue (more than half of it), in place."""
-        self._queue.drop(_live)
+        self._queue.drop(live)
         self._expired_queued = 0
         if not self._queue:
             self._largest.clear()

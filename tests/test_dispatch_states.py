@@ -46,7 +46,7 @@ SENT_KINDS = (wire.CALL, wire.NOTIFY, wire.CHUNK)
 
 
 def _reachable(state: CallState) -> frozenset[CallState]:
-    """The states `dispatch.TRANSITIONS` leads to from `state`, in one step or more."""
+    """The states `calls.TRANSITIONS` leads to from `state`, in one step or more."""
     seen: set[CallState] = set()
     todo = [state]
     while todo:
@@ -500,7 +500,7 @@ class DispatcherMachine(RuleBasedStateMachine):
     @invariant()
     def every_call_moves_as_the_transitions_say(self) -> None:
         """Each call the dispatcher holds (queued or pending) moves from the state it was in
-        at the last step to one `dispatch.TRANSITIONS` leads to (through a few at most: one
+        at the last step to one `calls.TRANSITIONS` leads to (through a few at most: one
         step may answer a call and drop its shell); one that ended never comes back."""
         d = self.dispatcher
         held = {call.call_id: call for call in (*d._pending.values(), *d._queue)}
