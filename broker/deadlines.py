@@ -10,7 +10,9 @@ from collections.abc import Callable
 if typing.TYPE_CHECKING:
     from broker.calls import Call
 
-__all__ = ["DeadlineWheel"]
+__all__ = ["TIMER_EARLY", "DeadlineWheel"]
+
+TIMER_EARLY = 0.001  # how early a loop timer may fire, by loop.time() (s): uvloop's, 1 ms steps (`DeadlineWheel._fire`)
 
 
 class DeadlineWheel:

@@ -52,87 +52,10 @@ notifications run on. (A share of all connections' notifications together, tried
 own notification: hostile testing, round 58. It is not there.) A full queue sheds the newest calls of the connection with
 the most waiting (`_make_room`), not the newcomer.
 
-A worker's limit is `worker_concurrency`, except while it has a blocking sync call in
-flight: a sync handler (`wire.Hello.sync_methods`) blocks the worker's whole process,
-so anything sent to it waits behind that call, and would be taken down with it if
-the call hung and the worker were killed. A worker busy in such a call gets no more
-than it can start: at most one blocking sync call in flight, and its limit is
-`1 + sync_prefetch` calls in flight (that call and a small prefetch of other calls,
-which start the moment it returns; a chunk counts its calls there: it goes to such a
-worker only if all of them fit under that limit, else it waits for another worker).
-Such a worker is the last choice: it gets a call only when no unblocked worker can
-take it, and of several such, the one whose blocking calls should end first (their
-methods' estimates, below, from when they were sent, and never less than they have run:
-one is expected to run as long again as it has; a call of `add`, briefly learnt blocking
-on a loaded machine, blocked one worker of 2 and the next `add` went behind a 4 s call on
-the other half the time, hostile testing, round 88). The estimate is a method's, not a
-call's: of a method fast for some params and slow for others, a call may still go behind
-a long call while that call has run less than the method's estimate (which is why
-`sync_prefetch` is 0 by default: the call waits in the queue for the first worker free,
-hostile testing, rounds 90 and 91). A batch's blocking sync calls go out one by one (a chunk of 50 of them would
-be head-of-line by itself; a chunk counts its sync calls all the same).
-
-One connection's blocking sync calls hold at most `connection_share` of the ready workers
-(at least one; `ResponseBudget.blocking` counts them): each holds its worker whole, so without
-it one connection's 2 slow sync calls held both workers of 2 and every other client waited
-(round 60's new user; round 62: 64 pipelined calls, 7.7 s). Its next one waits held out of
-turn, as a call past its share of places does.
-
-A blocking sync call itself goes at once, as any call does, to the least loaded worker
-under its limit that is not blocked already (an idle one if there is one). The calls
-already in flight there wait behind it, and die with it if it hangs and the worker is
-killed: it takes with it those calls (the fewest the broker could find) and at most
-`sync_prefetch` sent after it. It waits in the queue only when no such worker has
-room, every worker being blocked or at its limit, and then the calls behind it wait
-with it, as they would for any call at the head: never longer than until a
-worker returns its sync call or frees a place. It never holds a worker nor waits
-while one could take it: a version that sent it only to a worker with at most
-`sync_prefetch` calls in flight, and held one for it meanwhile, let one short sync
-call behind two long polls stall every async call (the held worker took none, and
-the other was blocked).
-
-With `sync_prefetch` at `worker_concurrency` or more, none of this applies: every call
-is routed as before. (At one less, `1 + sync_prefetch` is `worker_concurrency` itself:
-the limit is not lower in number, but the worker is blocked all the same
-(`Worker.blocked`): the last choice, and no second blocking sync call.)
-
-A sync method counts as blocking while its calls take `BLOCKING_US` or more in the
-worker, as the worker measures them: a moving average of each reply's service time,
-moving 1/8 of the way to each new one (a 200 ms method is blocking after its first
-call; a 20 µs one needs an outlier past 8 ms, a loaded machine's descheduling, to
-cross for a call or two; an estimate that jumped to each slower call flipped `add` to
-blocking on every such outlier). A method starts as blocking until its first reply; a
-reload keeps the estimate of a method that stays sync (`set_methods`). A queued call is
-routed as what its method is known to be when it is sent, not when it was queued
-(`_reclassify` updates the queued calls of a method that crosses the threshold): the
-calls of a fresh fast method, queued one by one behind its first call, go out at once
-when its first answer comes. Until then they wait in the queue (a burst past
-`max_queue` in that moment is shed: the README says what a fresh broker's first burst
-costs).
-A method learnt fast can still be slow for some params (fib(1), then fib(32)): its calls
-then reach a worker many at a time, and the worker takes turns among the connections whose
-calls wait in it (each frame's flow, `ResponseBudget.flow`; see `wire`), so another client's
-call there waits for one slow call, not for all of them (hostile testing, round 60).
-A reply whose handler never ran (params that did not bind, an unknown method: the
-worker says so with `wire.NOT_RUN` in its aux) teaches nothing: a -32602 in 30 µs
-from the initial estimate flipped a 3 s method to fast, and the next batch was dealt
-to the worker busy in it.
-Below the threshold the worker runs many of its calls in one slice of its loop, and
-the limit would only add round trips: routing every call of the sync `add` this way
-cut single-call throughput on 2 workers from about 32,000 to 13,000 calls/s, for no
-gain.
-
-A worker that dies takes every call it held, and which of them killed it cannot be told: the
-methods of those calls run alone from then on (`broker.isolation`: a strike each, and its calls
-alone until 1, 2, 4... of them, as it has 1, 2, 3... strikes, have answered). A call of an
-isolated method goes only to a worker holding nothing (`_pick_alone`), which then takes nothing
-else until it answers (its limit 0, blocked), on at most one connection's share of the workers
-at once (a worker dead under one counts until its slot is back); with no worker idle, the least
-loaded is reserved (limit 0) and runs it once empty. While it waits, its connection's calls are
-held out of turn (`_pump`), and the others go on: released whenever a worker empties
-(`_reserved_idle`), a blocked one is freed, or a held call expires. Without it, other clients'
-calls sent beside a call that crashed its worker died with it, -32002, never run (hostile
-testing, round 78: a third to a half of them).
+Which worker a call goes to, and when none should take it yet, is broker/routing.py's
+(`Routing`, whose methods the dispatcher inherits): a worker busy in a blocking sync call
+takes little more; a method whose calls were in a worker that died runs its calls alone for a
+while; and a worker holds a bounded amount of large params in its calls in flight.
 
 What a queued call keeps alive is bounded by `max_queue_bytes`: its raw id and params
 are zero-copy views into the request body, and one small view would keep the whole
@@ -143,26 +66,6 @@ payload at once; its empty shell stays in the queue (removing it from the middle
 O(n)) until it reaches the head, or until shells are more than half the queue and
 `_compact` drops them all (amortised O(1) each): a live head with a long deadline
 once kept every expired call behind it, and its params, alive.
-
-What the calls in flight cost a worker is bounded for large params too: a worker binds each
-call's params on its loop before the handler runs (1 MiB of small objects: 35 to 55 ms, and
-~24 MB while the call runs), and its turns among connections (`wire`) bound what one
-connection's calls cost another's, not many connections' together; nor can it take turns
-among calls still in the channel behind a large call's frame (hostile testing, round 92: 12
-connections' 16 calls of 1 MiB each held another client's calls 1.8 to 4.2 s, and each
-worker at 850 MB). Params of `_HEAVY_BYTES` or more (a chunk's calls' that are, together:
-`_large`) count in their worker's `heavy`, at most `max_worker_params_bytes` (one such call
-always goes, to a worker with none), and in their connection's, at most half the ready
-workers' room (one always goes). A call with no room for its params waits in the queue, its
-connection's calls held out of turn (`_pump`, `_roomless`), and others go on. Those waiting for
-a worker's room wait in the order they came (`_room_waiters`, first in, first out, as a FIFO
-semaphore's waiters do: a new large call goes behind them, and a large one is not passed over
-for ever by smaller ones); each `_pump` first puts back in turn those the room and places free
-now can take (`_release_for_room`), whatever freed them (an answer, a worker unblocked or back,
-a call expired: hostile testing, round 93, a connection let go only by a large call's answer
-waited to its calls' deadlines beside an idle worker), and only those: putting every waiting
-connection back in turn at each `_pump` would cost each answer a step per connection waiting.
-Those past their connection's share (`_share_waiters`) go back when one of its large calls ends.
 
 A worker's reply (`on_reply`) finds its call by id in the pending table, splices the
 raw result or error object after the client's raw id, and fills the call's slot; the
@@ -223,7 +126,7 @@ from broker.calls import (
 )
 from broker.chunk import answers as chunk_answers
 from broker.chunk import count_answers, large_params, read_call, with_methods
-from broker.deadlines import DeadlineWheel
+from broker.deadlines import TIMER_EARLY, DeadlineWheel
 from broker.fairqueue import FairQueue, Largest
 from broker.isolation import Isolation
 from broker.jsonrpc import (
@@ -238,12 +141,12 @@ from broker.jsonrpc import (
 )
 from broker.jsonrpc import _RESULT as _RESP_RESULT
 from broker.metrics import CallMetrics
+from broker.routing import HEAVY_BYTES, Routing
 from broker.wire import (
     AWAITED,
     CALL,
     CANCEL_ACK,
     CANCEL_ACK_RAN,
-    CHUNK,
     CHUNK_PART,
     CHUNK_REPLY,
     ERROR,
@@ -270,18 +173,9 @@ _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
 _GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
-_TIMER_EARLY = 0.001  # how early a loop timer may fire, by loop.time() (s): uvloop's, 1 ms steps (`DeadlineWheel._fire`)
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
 RESTART_WAIT_SECONDS = 1.0  # calls wait for a worker back within this of the outage's start (a crash's restart backoff)
 BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
-_BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
-# Large params: a worker binds a call's params on its loop, ~50 ms and ~24 MB a MiB of small
-# objects; of those this large or more, it holds at most max_worker_params_bytes in flight. (Those
-# under it, at most worker_concurrency: 100 x 16 KiB bind in ~80 ms; round 93: 100 x 63 KiB
-# uncounted doubled the stall the bound leaves. 4 MiB over 16 KiB: 256 calls, past the default
-# concurrency, so calls just over it are never held for room.)
-_HEAVY_BYTES = 16 * 1024
-_LEFT_MS = 1 << 24  # a blocked worker's expected wait when picking, ms, at most (4.6 h; past it, equal)
 _clock = time.perf_counter
 _SPLICE_BYTES = len(response_result(b"", b""))  # an answer's bytes besides its id and result (or error)
 _TOO_LARGE_MARK = memoryview(b"")  # (_fill_chunk: an entry answered past max_response_bytes)
@@ -336,13 +230,13 @@ def _queued_of(owner: ResponseBudget) -> int:
     return owner.queued
 
 
-class Dispatcher:
+class Dispatcher(Routing):
     """Routes calls to workers and answers them; one per broker process.
 
     max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
     max_queue_bytes: the same bound on the bytes the waiting calls hold (their raw
         params and ids, copied out of the request body when queued).
-    max_worker_params_bytes: bytes of large params (`_HEAVY_BYTES`, 16 KiB, or more in a call;
+    max_worker_params_bytes: bytes of large params (`routing.HEAVY_BYTES`, 16 KiB, or more in a call;
         a chunk's calls' that are, together) one worker may hold in the calls in flight; past
         it such a call waits for room (one always goes, to a worker with none); one connection
         may hold half the ready workers' room (one always goes); 0: no bound. (Hostile
@@ -431,7 +325,7 @@ class Dispatcher:
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
         self._heavy_cap = max_worker_params_bytes or 1 << 62
-        self._heavy_bytes = _HEAVY_BYTES if max_worker_params_bytes else 1 << 62  # (params this large count)
+        self._heavy_bytes = HEAVY_BYTES if max_worker_params_bytes else 1 << 62  # (params this large count)
         self._heavy_share = 0  # one connection's large params in flight, at most (`_set_share`)
         self._queued_bytes = 0  # bytes held by the queued calls (Call.held)
         self._queued_calls = 0  # calls the live queued entries stand for (a chunk: its weight)
@@ -1095,252 +989,6 @@ class Dispatcher:
                     wait = max(0.0, call.arrival + call.timeout - now) + self._cancel_grace
                     self._loop.call_later(wait, self._check_hung, call)
 
-    def _pick(self, call: Call) -> Worker | None:
-        """The ready worker with the fewest outstanding calls under its limit (see
-        the module docstring); ties go round-robin (the scan starts one further each
-        time), so one-at-a-time calls spread over the workers instead of all landing
-        on the first. While a worker is blocked in a slow sync call, `_pick_blocked`
-        decides. (A blocking sync call needs nothing more: with no worker blocked,
-        the least loaded is where it goes.)"""
-        if self._blocked or self._isolation.alone or self._overdue or len(call.params) >= self._heavy_bytes:
-            return self._pick_blocked(call)
-        ready = self._ready
-        n = len(ready)
-        if n <= 1:
-            if n:
-                w = ready[0]
-                if w.outstanding < w.limit:
-                    return w
-            return None
-        # The usual case, kept apart from _pick_blocked: its loop without the test for
-        # a blocked worker, on every call.
-        i = self._rotation = (self._rotation + 1) % n
-        best: Worker | None = None
-        least = 1 << 62
-        for _ in range(n):
-            w = ready[i]
-            k = w.outstanding
-            if k < least and k < w.limit:
-                if k == 0:
-                    return w
-                best, least = w, k
-            i += 1
-            if i == n:
-                i = 0
-        return best
-
-    def _pick_blocked(self, call: Call) -> Worker | None:
-        """`_pick` while a worker is blocked in a slow sync call. A blocked worker is
-        picked only when no other can take the call (there it would wait), never for
-        a call holding blocking sync calls (one per worker: that call goes to the
-        least loaded of the others, or waits in the queue if none has room), and only
-        if the call's whole weight fits under its limit: a chunk there would wait as a
-        whole, and die with the sync call if that hung. Nor while a worker is on its way
-        back (`worker_restarting`): the call waits in the queue for it rather
-        than behind a sync call that may be what crashed the other (hostile testing,
-        round 77: another client's calls, sent behind one whose every call crashed its
-        worker, died with it, -32002, never run). A call of an isolated method goes
-        alone (`_pick_alone`). A call with large params (`_large`) goes only where there is
-        room for them (max_worker_params_bytes), and only within its connection's share of
-        the room; None, with `_roomless` set, if nothing else kept it (`_pump` holds it)."""
-        heavy = 0
-        if len(call.params) >= self._heavy_bytes:
-            self._roomless = 0
-            heavy = self._roomless_size = self._large(call)
-            owner = call.owner
-            if heavy and owner.heavy and owner.heavy + heavy > self._heavy_share:
-                self._roomless = 2
-                return None
-            if heavy and self._room_waiters and owner not in self._releasing:  # (behind those waiting)
-                self._roomless = 1
-                return None
-        isolation = self._isolation
-        if isolation.alone and call.slots is None and call.index in isolation.alone:
-            if _clock() >= isolation.next_end:
-                self._isolation_ends()
-            if call.index in isolation.alone:
-                alone = self._pick_alone(call)
-                if alone is not None or call.index in isolation.waits:
-                    return alone
-                # (a first strike beside other methods': as any, with no worker free for it alone)
-        ready = self._ready
-        n = len(ready)
-        if not n:
-            return None
-        sync = call.sync
-        weight = call.weight
-        now = _clock()
-        i = self._rotation = (self._rotation + 1) % n
-        best: Worker | None = None
-        least = 1 << 62
-        sooner = _LEFT_MS  # how soon a blocked worker with no room for the call is expected free, ms
-        for _ in range(n):
-            w = ready[i]
-            k = w.outstanding
-            limit = w.limit
-            if w.blocked and sync <= 0 and limit:  # (0: running a call alone)
-                # The last choice: the one whose blocking calls should end first (by their estimate,
-                # or as long again as they have run if longer), and only what fits under its limit
-                # (hostile testing, round 88: `add`, briefly learnt blocking on a loaded machine,
-                # blocked one worker of 2, and the next `add` went behind a 4 s call on the other)
-                left = w.sync_until - now
-                if left < now - w.sync_since:  # (never less than it has run: round 91, a 4 s call of a
-                    left = now - w.sync_since  # method estimated at 0.5 s read ~0 ms left at 0.5 s in)
-                ms = min(int(left * 1000), _LEFT_MS)
-                if k + weight <= limit:
-                    k += _BLOCKED + (ms << 10)
-                else:
-                    sooner = min(sooner, ms)
-                    k = least
-            elif k >= limit or w.blocked:  # (full; or blocked, and a blocking sync call: one per worker)
-                k = least
-            elif w.overdue:  # stuck, maybe (stopped, its loop held: `_overdue`): none while another
-                # ready worker is not, whatever waits (round 87: sent calls while the other was blocked)
-                k = least if any(not x.overdue for x in ready) else k + _BLOCKED + (_LEFT_MS << 10)
-            if k < least:
-                if heavy and w.heavy and w.heavy + heavy > self._heavy_cap:  # (no room for its params: round 92)
-                    self._roomless = 1
-                elif k == 0:
-                    return w
-                else:
-                    best, least = w, k
-            i += 1
-            if i == n:
-                i = 0
-        if best is not None and best.blocked:
-            if self.worker_restarting():
-                return None
-            if sooner < (least - _BLOCKED) >> 10 and (self._queue.head() is call or (
-                self._queued_calls + call.weight <= self._max_queue
-                and self._queued_bytes + held_bytes(call) <= self._max_queue_bytes
-            )):
-                # A worker with no room for it is expected free sooner: it waits in the queue
-                # for it rather than take a place behind a longer call (round 90: every `spin(4)`
-                # took an `add` behind it, the other worker blocked 1.5 ms at a time but full)
-                return None
-        return best
-
-    def _pick_alone(self, call: Call) -> Worker | None:
-        """`_pick` for a call of an isolated method (`broker.isolation`): a ready worker
-        holding nothing, not blocked, which then takes nothing else until it answers (its
-        limit 0, blocked, the call counted as a blocking sync call). At most one connection's
-        share of the workers (`connection_share`, at least one) are spent on such calls at
-        once, whatever their strikes (round 84: a first strike's took every worker, and every
-        other call waited 5 s): running one, dead under one and not back yet (its slot
-        restarting), or reserved for the next one; and never the last worker open to other
-        calls (`_open_besides`: nu85, a fast call of another client's was left only a worker
-        busy in a hung call, and died there). A reservation is made for a method that waits
-        (`Isolation.waits`: caught alone, or struck twice) only: when no worker is idle, the least loaded takes nothing
-        more until it is, one reservation at a time (under load a worker is never idle, and
-        the call would wait for its deadline); an idle worker found meanwhile takes the call
-        and the reservation ends (round 79: a call waited 5.8 s for the reserved worker's long
-        call with the other worker idle). None: a call of a method that waits waits (`_pump`
-        holds its connection's calls out of turn meanwhile, so the others go on; a reservation
-        no call waits for ends there, `_unreserve`); any other goes as any (`_pick_blocked`)."""
-        owner = call.owner
-        if owner.blocking and owner.blocking >= self._sync_share:  # (each holds a worker whole, as a blocking sync call)
-            return None
-        alone = self._alone
-        waits = call.index in self._isolation.waits
-        cap = max(1, int((len(self._ready) + sum(alone.values())) * self._connection_share))
-        chosen: Worker | None = None
-        least: Worker | None = None
-        draining: Worker | None = None
-        for w in self._ready:
-            if w in alone:
-                if not w.blocked:  # reserved for a call run alone
-                    if not w.outstanding:
-                        chosen = w
-                        break
-                    draining = w
-                continue
-            if w.blocked:
-                continue
-            if not w.outstanding:
-                chosen = chosen or w
-            elif least is None or w.outstanding < least.outstanding:
-                least = w
-        if chosen is not None and chosen not in alone and draining is None and not self._open_besides(chosen):
-            chosen = None  # (one left open to the others' calls, or the one draining for it released:
-            # nu85, alone on the one worker not stuck in a hung call, it left a fast call of another
-            # client's only the hung one, where it died)
-        if not waits:  # a suspect not caught: an idle worker within the cap, or as any
-            if chosen is None or chosen in alone or len(alone) >= cap:
-                return None
-            alone[chosen] = False
-        elif chosen is None or chosen not in alone:
-            if chosen is not None and draining is not None:  # an idle one instead of the one draining
-                del alone[draining]
-                draining.limit = draining.concurrency
-            elif len(alone) >= cap:
-                return None
-            if chosen is None:
-                if least is not None and draining is None and self._open_besides(least):  # reserved: it takes nothing more
-                    least.limit = 0
-                    alone[least] = False
-                return None
-            alone[chosen] = False
-        chosen.blocked = True
-        chosen.limit = 0
-        self._blocked += 1
-        call.sync = 1  # (so its answer unblocks the worker, as a blocking sync call's does)
-        return chosen
-
-    def _open_besides(self, worker: Worker) -> bool:
-        """Is a ready worker other than `worker` open to any call (not running calls alone or
-        reserved for one, not blocked in a sync call)? Or is `worker` the only one, no other on
-        its way back (then it is spent on a call alone all the same; not while another slot
-        restarts: a caught crasher's next call took the one left while the slot it crashed
-        restarted, and both died in turn, hostile testing, round 90)? (One with calls overdue
-        counts: it is left only while it answers, and a reservation made meanwhile would be
-        given up for `worker` at the next call, `_pick_alone`.)"""
-        alone = self._alone
-        ready = self._ready
-        if len(ready) == 1:
-            return not self.worker_restarting()
-        return any(w is not worker and w not in alone and not w.blocked for w in ready)
-
-    def _isolation_timer(self) -> None:
-        """Have `_isolation_due` run at the earliest time bound of the methods run alone (a call
-        waiting for a worker of its own is freed then, and the metric and log say so then, not at
-        the method's next call: round 80's new user, a call waited to its deadline)."""
-        end = self._isolation.next_end
-        timer = self._isolation_handle
-        if end == math.inf or (timer is not None and timer.when() <= self._loop.time() + end - _clock()):
-            return
-        if timer is not None:
-            timer.cancel()
-        self._isolation_handle = self._loop.call_later(max(0.0, end - _clock()) + _TIMER_EARLY, self._isolation_due)
-
-    def _isolation_due(self) -> None:
-        self._isolation_handle = None
-        if self._isolation.alone:
-            self._isolation_ends()
-            self._pump()
-        self._isolation_timer()
-
-    def _isolation_ends(self) -> None:
-        """Methods whose calls ran alone long enough since their last strike (`Isolation.expire`)
-        run as any: the calls held waiting for a worker of their own go back in turn."""
-        for index in self._isolation.expire(_clock()):
-            if index < len(self._names):
-                log.info("%s: its calls run as any again (its time alone since its last strike is over)",
-                         self._names[index])
-        self._release_all()
-
-    def _unreserve(self) -> bool:
-        """End the reservations (`_pick_alone`) no call waits for any more (it timed out,
-        its connection went): those workers take any call again (round 79: one stayed out
-        of use until its long call ended). True if one ended."""
-        ended = False
-        for w, dead in list(self._alone.items()):
-            if not dead and not w.blocked:
-                del self._alone[w]
-                ended = True
-                if w in self._ready:
-                    w.limit = w.concurrency
-        return ended
-
     def _send(self, worker: Worker, call: Call) -> None:
         call.worker = worker
         worker.outstanding += call.weight
@@ -1375,7 +1023,7 @@ class Dispatcher:
         # so the worker's time.monotonic() reads no less). The worker starts no call past
         # it, whatever frames its CANCEL waits behind (see `wire`).
         worker.channel.send_call(  # type: ignore[union-attr]
-            call.kind, call.call_id, call.index, call.tick * self._tick_seconds - _TIMER_EARLY, flow, call.params,
+            call.kind, call.call_id, call.index, call.tick * self._tick_seconds - TIMER_EARLY, flow, call.params,
         )
         # Sent: its params are the worker's now. Not kept while it runs (nor the body they
         # are a view of): hostile testing, round 13, 40 batches of a long call and an echo
@@ -1939,66 +1587,6 @@ class Dispatcher:
         self._alone_held = False
         self._room_waiters.clear()
         self._share_waiters.clear()
-
-    def _large(self, call: Call) -> int:
-        """The bytes of `call`'s large params (`_HEAVY_BYTES` or more; a chunk's: those of its
-        calls that are, together, `chunk.large_params`: a batch's calls bind one at a time, in
-        slices, and a batch of 100 calls of 2 KB waited 24 to 29 s for room, round 93); 0 if
-        none, or with no bound (max_worker_params_bytes 0)."""
-        size = len(call.params)
-        if size < self._heavy_bytes:
-            return 0
-        return size if call.kind != CHUNK else large_params(call.params, self._heavy_bytes)
-
-    def _unheavy(self, worker: Worker, call: Call) -> None:
-        """`call`'s large params are no longer on `worker` (answered, given back): room for
-        those that wait for it (`_release_for_room`, at the `_pump` that comes next), and its
-        connection's calls held for its share of the room go back in turn."""
-        worker.heavy -= call.heavy
-        owner = call.owner
-        owner.heavy -= call.heavy
-        call.heavy = 0
-        if owner in self._share_waiters:
-            del self._share_waiters[owner]
-            self._queue.release(owner)
-
-    def _release_for_room(self) -> None:
-        """Put back in turn the connections waiting for room for their large params
-        (`_room_waiters`), the oldest first, while the workers that take calls now (ready, a
-        place free, neither blocked nor overdue) have room for the first call of each (first
-        fit, as if each went; a worker with none holds one, whatever its size); the first that
-        does not fit, and those after it, wait on. One past its connection's share of the room
-        waits for one of its own calls instead (`_share_waiters`). O(workers x those let go)."""
-        waiters = self._room_waiters
-        queue = self._queue
-        cap = self._heavy_cap
-        free = [
-            [w.heavy, w.limit - w.outstanding] for w in self._ready
-            if w.outstanding < w.limit and not w.blocked and not w.overdue
-        ]
-        gone: list[ResponseBudget] = []
-        go: list[ResponseBudget] = []
-        for owner, size in waiters.items():
-            if not owner.queued:  # (its calls are gone: answered at their deadline, or its connection)
-                gone.append(owner)
-            elif owner.heavy and owner.heavy + size > self._heavy_share:
-                gone.append(owner)
-                if queue.is_held(owner):
-                    self._share_waiters[owner] = None
-            else:  # (held; or put back in turn meanwhile, `_give_back`, `_start`: it keeps its place)
-                for slot in free:
-                    if slot[1] and (not slot[0] or slot[0] + size <= cap):
-                        slot[0] += size
-                        slot[1] -= 1
-                        go.append(owner)
-                        break
-                else:
-                    break
-        for owner in gone:
-            del waiters[owner]
-        for owner in go:  # (each keeps its place until a call of its goes: `_pump`)
-            self._releasing.add(owner)
-            queue.release(owner)  # (if held)
 
     def _pump(self) -> None:
         """Start queued calls, in the queue's order (`FairQueue`), while a worker is under

@@ -190,7 +190,7 @@ class Worker:
         # When its blocking sync calls in flight began, and are expected to end (time.perf_counter()
         # s, from their methods' estimates; the dispatcher's: `_pick_blocked` picks by it)
         self.sync_since = self.sync_until = 0.0
-        self.heavy = 0  # bytes of large params (dispatch._HEAVY_BYTES or more each) of its calls in flight (the dispatcher's)
+        self.heavy = 0  # bytes of large params (routing.HEAVY_BYTES or more each) of its calls in flight (the dispatcher's)
         # Ids of its calls past their deadline, cancelled and not answered yet: while any, it
         # takes no new call while another worker is ready (the dispatcher's)
         self.overdue: set[int] = set()
