@@ -67,10 +67,8 @@ O(n)) until it reaches the head, or until shells are more than half the queue an
 `_compact` drops them all (amortised O(1) each): a live head with a long deadline
 once kept every expired call behind it, and its params, alive.
 
-A worker's reply (`on_reply`) finds its call by id in the pending table, splices the
-raw result or error object after the client's raw id, and fills the call's slot; the
-exchange calls back when its last slot is filled. Answers from different workers
-arrive in any order; the slots keep request order.
+A worker's reply comes back to its call in broker/replies.py (`Replies`, whose methods the
+dispatcher inherits): reassembly, chunks' parts, calls given back, late replies.
 
 Every call ends in exactly one of these ways, and only the first one answers:
 
@@ -85,13 +83,6 @@ hold back no request (`held_back`: requests received but not dispatched yet, on 
 connection that fell behind, or not even read yet: in the kernel at the stop); those are
 dispatched in their turn with `submit_held`, served as calls in flight are until the
 grace period ends.
-
-A call that timed out stays in the pending table (without its exchange) until its
-worker replies, so the worker's outstanding count stays exact; that reply is then
-dropped and counted as late: as `cancelled` when it is the worker's acknowledgement
-of the CANCEL (`wire.CANCEL_ACK`), else as `result` (the handler finished after the
-deadline, e.g. a sync handler that could not be interrupted). Notifications travel
-the same way with no exchange (their late replies are not counted: none was owed).
 """
 
 from __future__ import annotations
@@ -105,18 +96,14 @@ import typing
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
-from msgspec import Raw
-
 from broker import wire
 from broker.answers import GONE, Exchange, Outgoing, ResponseBudget
 from broker.calls import (
-    ACKS,
     NO_ID,
     TRANSITIONS,
     Call,
     CallState,
     Route,
-    as_timed_out,
     held_bytes,
     hold,
     live,
@@ -124,37 +111,24 @@ from broker.calls import (
     queue_cost,
     timed_out,
 )
-from broker.chunk import answers as chunk_answers
-from broker.chunk import count_answers, large_params, read_call, with_methods
+from broker.chunk import with_methods
 from broker.deadlines import TIMER_EARLY, DeadlineWheel
 from broker.fairqueue import FairQueue, Largest
 from broker.isolation import Isolation
 from broker.jsonrpc import (
-    _RESP_HEAD,  # with _RESP_RESULT: response_result's pieces, for splicing inline
     Body,
     ErrorCode,
     Request,
     error_object,
     http_status,
     response_error,
-    response_result,
 )
-from broker.jsonrpc import _RESULT as _RESP_RESULT
 from broker.metrics import CallMetrics
-from broker.routing import HEAVY_BYTES, Routing
+from broker.replies import Replies, error_code
+from broker.routing import BLOCKING_US, HEAVY_BYTES, Routing
 from broker.wire import (
-    AWAITED,
     CALL,
-    CANCEL_ACK,
-    CANCEL_ACK_RAN,
-    CHUNK_PART,
-    CHUNK_REPLY,
-    ERROR,
-    NOT_RUN,
     NOTIFY,
-    REPLY_ENTRY,
-    RESULT,
-    RETURN,
     RETURNABLE,
 )
 
@@ -168,18 +142,13 @@ log = logging.getLogger("broker.dispatch")
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's (too deep)
 _DIED = int(ErrorCode.WORKER_DIED)  # ... and those lost with their worker
-_EXPIRED = int(ErrorCode.TIMED_OUT)  # ... and those their worker never started, their deadline passed
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
 _GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
 RESTART_WAIT_SECONDS = 1.0  # calls wait for a worker back within this of the outage's start (a crash's restart backoff)
-BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
 _clock = time.perf_counter
-_SPLICE_BYTES = len(response_result(b"", b""))  # an answer's bytes besides its id and result (or error)
-_TOO_LARGE_MARK = memoryview(b"")  # (_fill_chunk: an entry answered past max_response_bytes)
-_VIEW_FROM = 4096  # (_fill_chunk: results from this many bytes are viewed, not copied, to be spliced)
 
 
 def _clients(calls: list[Call]) -> str:
@@ -201,36 +170,12 @@ def _address(peer: object) -> str:
     return "unix socket" if peer is not None else "?"
 
 
-def _error_code(error: bytes, default: int = ErrorCode.INTERNAL_ERROR) -> int:
-    """The code of an error object (a worker's, which encodes `code` first) or of the
-    error in a whole Response object (the codec's answer to an invalid element);
-    `default` if there is none to read. `jsonrpc.http_status` of it is the HTTP status of
-    a single response (e.g. 400 for -32600 past max_depth; 200 for codes not in
-    `jsonrpc.ERRORS`). (`"code":` cannot occur inside a JSON string: its quotes would be
-    escaped; and an error's `data` comes after its `code`.)"""
-    at = error.find(b'"code":')
-    if at < 0:
-        return default
-    end = error.find(b",", at)
-    try:
-        return int(error[at + 7 : end])
-    except ValueError:
-        return default
-
-
-def _mix(methods: list[int]) -> dict[int, int]:
-    """{method index: calls} of a chunk; most chunks hold one method (counted in C)."""
-    first = methods[0]
-    if methods.count(first) == len(methods):
-        return {first: len(methods)}
-    return Counter(methods)
-
 
 def _queued_of(owner: ResponseBudget) -> int:
     return owner.queued
 
 
-class Dispatcher(Routing):
+class Dispatcher(Routing, Replies):
     """Routes calls to workers and answers them; one per broker process.
 
     max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
@@ -777,7 +722,7 @@ class Dispatcher(Routing):
             other = metrics.other
             if invalid_answers:
                 for invalid, n in invalid_answers.items():
-                    metrics.answered(other, _error_code(invalid, ErrorCode.INVALID_REQUEST), 0.0, n)
+                    metrics.answered(other, error_code(invalid, ErrorCode.INVALID_REQUEST), 0.0, n)
             if unknown_methods:
                 metrics.answered(other, ErrorCode.METHOD_NOT_FOUND, 0.0, unknown_methods)
             metrics.notifications[other] += unknown_notifications
@@ -1029,531 +974,6 @@ class Dispatcher(Routing):
         # are a view of): hostile testing, round 13, 40 batches of a long call and an echo
         # of 900 kB held their 36 MB of requests until the long calls ended.
         call.params = b""
-
-    def on_reply(self, worker: Worker, kind: int, call_id: int, aux: int, payload: bytes) -> None:
-        """A worker answered `call_id` with a RESULT or ERROR payload (raw JSON), or
-        with (part of) a chunk's answers; `aux` is its service time in microseconds."""
-        if kind >= CHUNK_PART:
-            if kind == RETURN:
-                self._returned(worker, call_id, aux, payload)
-                return
-            # CHUNK_PART: some of a chunk's answers; the chunk stays pending
-            part = self._pending.get(call_id)
-            if part is not None and part.worker is worker:
-                if part.exchange is not None:
-                    self._fill_chunk(part, part.exchange, payload)
-                elif not part.tick:  # its deadline passed: these answers come late
-                    self._count_late(kind, payload, part)
-                else:  # (notifications only, or its calls answered: its notifications may be unrun)
-                    self._unrun(part, kind, payload)
-                # The calls answered run no more: their capacity is the worker's again
-                # (a chunk of 2 slow calls and 200 instant ones held 202 slots until the
-                # slow ones ended), and queued calls start in it.
-                done = min(count_answers(payload), part.weight)
-                part.weight -= done
-                slots = part.slots
-                if slots is not None and -1 in slots:  # its notifications answered are marked done (-2):
-                    for i, _kind, _start, _end in chunk_answers(payload):  # were its worker to die, they are
-                        if i < len(slots) and slots[i] == -1:  # not counted lost (`worker_lost`)
-                            slots[i] = -2
-                worker.outstanding -= done
-                part.owner.in_flight -= done
-                if not part.weight:  # every call of it answered: it owes nothing more, whatever its final
-                    part.exchange = None  # reply says (`abandon` passes over a connection with none in flight)
-                if self._queued_calls:
-                    self._give_back(part.owner)
-                    self._pump()
-            return
-        call = self._pending.pop(call_id, None)
-        if call is None or call.worker is not worker:  # not a call of this worker's
-            if call is not None:
-                self._pending[call_id] = call
-            self._count_late(kind, payload, None)
-            return
-        worker.outstanding -= call.weight
-        call.owner.in_flight -= call.weight
-        if call.heavy:
-            self._unheavy(worker, call)
-        awaited = aux != NOT_RUN and aux >= AWAITED  # (wire.AWAITED: it blocked the worker for ~0 µs)
-        if awaited:
-            aux -= AWAITED
-        sync = call.sync
-        if sync:
-            if sync > 0:
-                worker.sync_calls -= sync
-                call.owner.blocking -= sync
-                if not worker.sync_calls and worker.blocked:
-                    worker.blocked = False
-                    worker.limit = worker.concurrency
-                    self._blocked -= 1
-                    if self._alone and worker in self._alone:  # it ran a call alone
-                        self._ran_alone(worker, call, kind, payload, aux)
-                    if self._alone_held:  # (it may be reserved for one now)
-                        self._release_all()
-            # How long do its calls take? (BLOCKING_US; not from a reply whose handler never ran)
-            if call.methods is None and not call.stale and aux != NOT_RUN:
-                index = call.index
-                est = self._sync_us[index]  # (-1: an async method's, a call run alone: `_pick_alone`)
-                if (kind != ERROR or payload != CANCEL_ACK) and est >= 0:  # (a cancel took no time)
-                    est += ((0 if awaited else aux) - est) >> 3
-                    self._sync_us[index] = est
-                    if (est >= BLOCKING_US) != self._blocking[index]:
-                        self._reclassify(index, est)
-        exchange = call.exchange
-        metrics = self.metrics
-        if metrics is not None:
-            if aux == NOT_RUN:  # no handler ran: no service time
-                pass
-            elif call.methods is not None:  # a chunk: each call at the chunk's time over its size
-                per_call = aux // len(call.methods)
-                for index, n in _mix(call.methods).items():
-                    metrics.service[index].observe_us(per_call, n)
-            elif kind != RESULT or exchange is None:  # (results: in metrics.result below)
-                metrics.service[call.index].observe_us(aux)
-        if exchange is not None:
-            self._deadlines.remove(call)
-            if call.slots is not None:
-                call.exchange = None
-                if kind == CHUNK_REPLY:
-                    self._fill_chunk(call, exchange, payload)
-                    if not call.stale and aux != NOT_RUN:
-                        self._learn_chunk(call, 0 if awaited else aux)
-                else:  # one ERROR for the whole chunk
-                    self._fail_chunk(call, exchange, typing.cast(bytes, as_timed_out(payload, call)), True)
-            else:
-                # The answer's size, counted before it is made: the answers owed on its
-                # connection may not go past max_response_bytes (see ResponseBudget).
-                size = len(payload) + len(call.id) + _SPLICE_BYTES
-                budget = exchange.budget
-                outgoing = budget.outgoing
-                if budget.held + size <= self.max_response_bytes and kind == RESULT and (
-                    outgoing.held + size <= outgoing.limit
-                ):
-                    budget.held += size
-                    outgoing.held += size
-                    exchange.size += size
-                    if metrics is not None:
-                        metrics.result(call.index, _clock() - call.arrival, aux)
-                    # exchange.fill(call.slot, response_result(...)), inline: two calls less (0.1 µs)
-                    exchange.answers[call.slot] = b"".join((_RESP_HEAD, call.id, _RESP_RESULT, payload, b"}"))
-                    exchange.remaining -= 1
-                    if not exchange.remaining:
-                        exchange.on_done(exchange)
-                elif outgoing is GONE:
-                    self._gone(call, exchange, kind, payload, aux)
-                else:
-                    self._answer_error(call, exchange, payload, size)
-        elif call.tick:  # a notification (or a chunk of them, or one whose calls all answered in parts)
-            self._deadlines.remove(call)
-            if kind != RESULT:
-                self._unrun(call, kind, payload)
-        else:  # its deadline passed: the client has its answer already
-            self._count_late(kind, payload, call)
-            if worker.overdue:
-                self._not_overdue(worker, call_id)
-        if (self._alone or self._alone_held) and not worker.outstanding:  # (isolation: `_reserved_idle`)
-            self._reserved_idle(worker)
-        elif self._queued_calls:  # capacity was freed: fill all of it from the queue, in order
-            self._give_back(call.owner)
-            self._pump()
-        elif not self.accepting:
-            self._check_idle()
-
-    def _ran_alone(self, worker: Worker, call: Call, kind: int, payload: bytes, aux: int) -> None:
-        """`worker` answered the call it ran alone (`_pick_alone`): it is no longer spent on
-        them, and if the handler ran, its method owes one answer fewer (`Isolation.answered`):
-        the last one frees it."""
-        del self._alone[worker]
-        if aux != NOT_RUN and (kind != ERROR or payload != CANCEL_ACK) and self._isolation.answered(call.index):
-            log.info("%s: its calls run as any again (as many of them as asked answered, run alone)",
-                     self._names[call.index])
-
-    def _reserved_idle(self, worker: Worker) -> None:
-        """`worker` holds nothing now, while calls run alone (`_pick_alone`): the calls
-        waiting for a worker of their own go on (one may take it); if it was reserved for
-        one and none takes it, it takes any call again."""
-        self._release_all()
-        self._pump()
-        if self._alone.get(worker) is False and not worker.blocked and not worker.outstanding:
-            del self._alone[worker]
-            if worker in self._ready:
-                worker.limit = worker.concurrency
-                self._pump()
-        else:
-            self._check_idle()
-
-    def _returned(self, worker: Worker, call_id: int, place: int, payload: bytes) -> None:
-        """`worker` gave back unstarted (wire.RETURN) a call it was sent RETURNABLE, its
-        method slow there (`WorkerProtocol._give_back`): the whole call (`place` 0) or a
-        chunk's calls from `place` on, whose frame `payload` is (their params; a chunk's
-        entries). Their places are the worker's and their connection's again, and they wait
-        at the head of its calls as blocking sync calls (`_requeue`), a chunk's one by one
-        (`_singles`: as one blocking chunk they held a worker for all of them, and another
-        client's call waited 3.6 s, hostile testing, round 65); a chunk given back in part
-        owes only the answers of the calls before `place`. Calls answered already (their
-        deadline passed, their connection gone, the drain over) are dropped, counted as late
-        cancels."""
-        call = self._pending.get(call_id)
-        slots = call.slots if call is not None else None
-        if call is None or call.worker is not worker or (
-            place != 0 if slots is None else not (0 <= place < len(slots) and len(slots) - place <= call.weight)
-        ):  # (not a call of this worker's, or places it has not)
-            log.warning("worker %s gave back call %d from place %d, which it does not hold", worker, call_id, place)
-            return
-        owner = call.owner
-        back = 1 if slots is None else len(slots) - place
-        self.returned_total += back
-        worker.outstanding -= back
-        owner.in_flight -= back
-        call.weight -= back
-        again: list[Call] = []
-        if slots is not None:
-            if call.tick:
-                again = self._singles(call, place, payload)
-            else:
-                self.late_cancelled_total += sum(1 for slot in slots[place:] if slot >= 0)
-            if place:  # (the chunk owes the answers of its calls before `place` still)
-                del slots[place:], typing.cast(list[Raw], call.ids)[place:], typing.cast(list[int], call.methods)[place:]
-                if not call.weight:  # (unless all of them came already, in parts: as in `on_reply`)
-                    call.exchange = None
-                if call.heavy:  # (the large params of those given back are not on the worker any more)
-                    heavy = min(call.heavy, large_params(payload, self._heavy_bytes))
-                    call.heavy -= heavy
-                    worker.heavy -= heavy
-                    owner.heavy -= heavy
-                    if owner in self._share_waiters:
-                        del self._share_waiters[owner]
-                        self._queue.release(owner)
-        if slots is None or not place:  # nothing of it is left on the worker
-            del self._pending[call_id]
-            call.worker = None
-            if call.heavy:
-                self._unheavy(worker, call)
-            if worker.overdue:
-                self._not_overdue(worker, call_id)
-            if call.sync > 0:  # (not sent RETURNABLE: a worker of another broker's)
-                worker.sync_calls -= call.sync
-                owner.blocking -= call.sync
-                if not worker.sync_calls and worker.blocked:
-                    worker.blocked = False
-                    worker.limit = worker.concurrency
-                    self._blocked -= 1
-                    self._alone.pop(worker, None)  # (a call run alone is never RETURNABLE: a worker of another broker's)
-            if slots is not None:  # (its calls are the singles' now, with its deadline)
-                if call.tick:
-                    self._deadlines.remove(call)
-                call.exchange = None
-            elif call.tick:  # the call itself waits again
-                call.weight = 1
-                call.params = payload
-                call.stale = False
-                again = [call]
-            else:
-                self.late_cancelled_total += int(call.kind != NOTIFY)
-        if again:
-            self._requeue(again)
-        self._give_back(owner)
-        if (self._alone or self._alone_held) and not worker.outstanding:
-            self._reserved_idle(worker)
-        else:
-            self._pump()
-
-    def _singles(self, chunk: Call, place: int, payload: bytes) -> list[Call]:
-        """One call (or notification) per call of `chunk` from `place` on, from the CALL_ENTRYs
-        of `payload` (their params), with the chunk's ids, answer slots, method indexes (the
-        method table's now, after a reload too) and deadline."""
-        exchange = chunk.exchange
-        slots = typing.cast(list[int], chunk.slots)
-        ids = typing.cast(list[Raw], chunk.ids)
-        methods = typing.cast(list[int], chunk.methods)
-        singles = []
-        pos = 0
-        for i in range(place, len(slots)):
-            _method, _notification, start, pos = read_call(payload, pos)
-            slot = slots[i]
-            single = Call(
-                next(self._ids), exchange if slot >= 0 else None, slot, ids[i], CALL if slot >= 0 else NOTIFY,
-                methods[i], payload[start:pos], chunk.timeout, chunk.arrival, 1, chunk.owner,
-            )  # fmt: skip
-            self._deadlines.add_like(single, chunk.tick)
-            singles.append(single)
-        return singles
-
-    def _requeue(self, calls: list[Call]) -> None:
-        """Queue `calls` (of one connection, in order), given back by their worker
-        (`_returned`), at the head of their connection's calls, as blocking sync calls (their
-        method turned out slow), whatever the queue's bounds: they were admitted once. The
-        replies that teach the dispatcher how slow the method is come with them, or soon after."""
-        owner = calls[0].owner
-        queue = self._queue
-        for call in reversed(calls):
-            call.sync = 1
-            hold(call)
-            queue.appendleft(call, owner)
-            self._queued_bytes += call.held
-        self._queued_calls += len(calls)
-        owner.queued += len(calls)
-        self._largest.grew(owner)
-        if owner in self._room_waiters or owner in self._share_waiters:  # (its first call is another now:
-            queue.release(owner)  # the `_pump` that comes next decides again; it keeps its place)
-
-    def _gone(self, call: Call, exchange: Exchange, kind: int, payload: bytes, aux: int) -> None:
-        """Fill a single call's slot with nothing: its connection is gone (`forget`). Counted
-        in the metrics as what the worker answered."""
-        metrics = self.metrics
-        if metrics is not None:
-            if kind == RESULT:
-                metrics.result(call.index, _clock() - call.arrival, aux)
-            else:
-                metrics.answered(call.index, _error_code(payload), _clock() - call.arrival)
-        exchange.fill(call.slot, b"")
-
-    def _answer_error(self, call: Call, exchange: Exchange, error: bytes, size: int) -> None:
-        """Fill a single call's slot with the worker's error object `error` (`size`: the
-        answer's bytes), or with -32603 if the answer would take its connection's answers
-        owed past max_response_bytes, or all connections' past max_outgoing_bytes (a
-        result too: then `error` is that result)."""
-        if error == CANCEL_ACK or error == CANCEL_ACK_RAN:  # (see `as_timed_out`)
-            size -= len(error)
-            error = timed_out(call, error == CANCEL_ACK_RAN)
-            size += len(error)
-        budget = exchange.budget
-        outgoing = budget.outgoing
-        if budget.held + size <= self.max_response_bytes and outgoing.held + size <= outgoing.limit:
-            code = _error_code(error)
-            answer = response_error(call.id, error)
-        else:
-            code = ErrorCode.INTERNAL_ERROR
-            answer = self._oversize(call.id, budget.held + size > self.max_response_bytes, outgoing)
-        budget.keep(exchange, len(answer))
-        if self.metrics is not None:
-            self.metrics.answered(call.index, code, _clock() - call.arrival)
-        exchange.fill(call.slot, answer, http_status(code))
-
-    def _oversize(self, id_: Raw, connection: bool, outgoing: Outgoing) -> bytes:
-        """The -32603 answer (small: the caller counts it in the budget all the same) for
-        call `id_`, whose own answer would take its connection's answers owed past
-        max_response_bytes (`connection`), else all connections' past max_outgoing_bytes
-        (`outgoing`'s limit). Nothing for a connection gone (`forget`)."""
-        if outgoing is GONE:
-            return b""
-        if not connection:
-            outgoing.refused_total += 1
-            outgoing.over()
-            if outgoing.refused_total == 1 or outgoing.refused_total % 1000 == 0:
-                log.warning("answers refused: responses owed on all connections exceed max_outgoing_bytes %d "
-                            "(%d so far)", outgoing.limit, outgoing.refused_total)
-            return response_error(id_, self._too_much)
-        self.oversize_total += 1
-        if self.oversize_total == 1 or self.oversize_total % 1000 == 0:
-            log.warning("answers refused: response exceeds max_response_bytes %d (%d so far)",
-                        self.max_response_bytes, self.oversize_total)
-        return response_error(id_, self._too_large)
-
-    def _reclassify(self, index: int, est: int) -> None:
-        """A sync method's estimate crossed BLOCKING_US: route its calls accordingly,
-        those still queued too. A queued call goes out as what its method is known to
-        be when it is sent, not when it was queued: the calls of a fresh `add` queued
-        one by one behind its first call (unmeasured: blocking) went on one at a time
-        per worker after its first answer showed it fast, and a burst of batches was
-        shed -32000 with the workers far from worker_concurrency (hostile testing).
-        (A walk of the queue, only when a method crosses the threshold: rare.)"""
-        if index >= len(self._names):  # `other`: a method a reload removed
-            return
-        blocking = int(est >= BLOCKING_US)
-        self._blocking[index] = blocking
-        name = self._names[index]
-        self._routes[name] = self._routes[name]._replace(sync=1 if blocking else -1)
-        flags = self._blocking
-        for call in self._queue:
-            if not call.tick:  # an expired shell
-                continue
-            if call.methods is None:
-                if call.index == index:
-                    call.sync = 1 if blocking else -1
-            elif index in call.methods:
-                call.sync = sum(flags[m] for m in call.methods)
-        log.debug("sync method %s takes about %d us: %s", name, est, "blocking" if blocking else "not blocking")
-
-    def _learn_chunk(self, call: Call, aux: int) -> None:
-        """Learn a sync method's service time from a chunk of its calls alone (a
-        chunk's `aux` is its total: of several methods, it says nothing of each)."""
-        methods: list[int] = call.methods  # type: ignore[assignment]  # (no cast: 130 ns per chunk)
-        index = methods[0]
-        est = self._sync_us[index]
-        if est >= 0 and methods.count(index) == len(methods):
-            per_call = aux // len(methods)
-            est += (per_call - est) >> 3
-            self._sync_us[index] = est
-            if (est >= BLOCKING_US) != self._blocking[index]:
-                self._reclassify(index, est)
-
-    def _not_overdue(self, worker: Worker, call_id: int) -> None:
-        """`worker` answered (or gave back) call `call_id`, past its deadline: with none left
-        overdue, it is chosen as any again."""
-        overdue = worker.overdue
-        if call_id in overdue:
-            overdue.discard(call_id)
-            if not overdue:
-                self._overdue -= 1
-
-    def _count_late(self, kind: int, payload: bytes, call: Call | None) -> None:
-        """Count a reply to a call answered already: per call (notifications, which
-        were owed no answer, are not counted), as the worker's acknowledgement of a
-        CANCEL (`wire.CANCEL_ACK`) or as a late result. `call`: whose reply it is, or
-        None for an id not pending on this worker (then each answer counts)."""
-        slots = call.slots if call is not None else None
-        if call is not None:
-            self._unrun(call, kind, payload)
-        if kind == CHUNK_REPLY or kind == CHUNK_PART:
-            for i, entry_kind, start, end in chunk_answers(payload):
-                if slots is not None and i < len(slots) and slots[i] < 0:
-                    pass  # a notification's
-                elif entry_kind == ERROR and payload[start:end] in ACKS:
-                    self.late_cancelled_total += 1
-                else:
-                    self.late_results_total += 1
-        else:
-            if call is None:
-                calls = 1
-            elif slots is not None:  # one ERROR frame for a whole chunk
-                calls = sum(1 for slot in slots if slot >= 0)
-            else:
-                calls = int(call.kind != NOTIFY)
-            if kind == ERROR and payload in ACKS:
-                self.late_cancelled_total += calls
-            else:
-                self.late_results_total += calls
-
-    def _unrun(self, call: Call, kind: int, payload: bytes) -> None:
-        """Count the notifications of `call` that its reply (`kind`, `payload`) says never
-        started, their deadline passed first (`wire.CANCEL_ACK`): they get no answer, so
-        `notifications_dropped` is their only trace (hostile testing, round 83: counted
-        nowhere). A chunk's (of notifications only: a chunk never mixes them with calls,
-        `_start_chunks`) are those of its entries answered so, or all of them, when one
-        ERROR answers it whole; not those answered already (-2: `on_reply`)."""
-        slots = call.slots
-        if slots is None:
-            unrun = int(call.kind == NOTIFY and kind == ERROR and payload == CANCEL_ACK)
-        elif kind == ERROR:
-            unrun = slots.count(-1) if payload == CANCEL_ACK else 0
-        elif CANCEL_ACK not in payload:  # (the usual case, found at C speed)
-            return
-        else:
-            unrun = sum(1 for i, entry_kind, start, end in chunk_answers(payload)
-                        if entry_kind == ERROR and i < len(slots) and slots[i] == -1 and payload[start:end] == CANCEL_ACK)
-        if unrun:
-            self.notifications_dropped[_EXPIRED] = self.notifications_dropped.get(_EXPIRED, 0) + unrun
-
-    def _fill_chunk(self, call: Call, exchange: Exchange, payload: bytes) -> None:
-        """Splice the answers of a CHUNK_PART or CHUNK_REPLY payload into their slots.
-
-        Each answer is tested against what its connection may still be owed. (One test
-        per payload instead, when all of it fits, was measured: the bound needs the
-        chunk's ids' bytes, and summing them costs what the tests per answer save.)"""
-        # (Annotations, not typing.cast: a cast of list[int] costs 130 ns, per chunk.)
-        slots: list[int] = call.slots  # type: ignore[assignment]
-        ids: list[Raw] = call.ids  # type: ignore[assignment]
-        metrics = self.metrics
-        results = 0  # results filled (for metrics)
-        answers = exchange.answers
-        gone = exchange.budget.outgoing is GONE  # (its connection is: `forget`)
-        view = memoryview(payload)
-        unpack = REPLY_ENTRY.unpack_from
-        size = REPLY_ENTRY.size
-        join = b"".join
-        end = len(payload)
-        pos = filled = 0
-        budget = exchange.budget
-        outgoing = budget.outgoing
-        # What the connection may still be owed, and all of them (the smaller says which)
-        room = start = min(self.max_response_bytes - budget.held, outgoing.limit - outgoing.held)
-        connection = room == self.max_response_bytes - budget.held
-        refused: set[int] | None = None  # entries answered -32603 past max_response_bytes
-        while pos < end:
-            i, entry_kind, length = unpack(payload, pos)
-            pos += size
-            slot = slots[i]
-            if slot >= 0 and answers[slot] is None:
-                # A small result is sliced out (a copy), a large one viewed: a memoryview
-                # costs 40 ns more than a slice of a few bytes, per answer.
-                result = payload[pos : pos + length] if length < _VIEW_FROM else view[pos : pos + length]
-                if gone:
-                    answer = b""
-                elif entry_kind == RESULT:
-                    answer = join((_RESP_HEAD, ids[i], _RESP_RESULT, result, b"}"))  # response_result, inline
-                else:
-                    answer = response_error(ids[i], as_timed_out(result, call))
-                room -= len(answer)
-                if room < 0 and not gone:
-                    room += len(answer)
-                    answer = self._oversize(ids[i], connection, outgoing)
-                    room -= len(answer)  # (admitted past the limit: it is small)
-                    entry_kind = ERROR
-                    if refused is None:
-                        refused = set()
-                    refused.add(i)
-                    result = _TOO_LARGE_MARK
-                answers[slot] = answer
-                if entry_kind == RESULT:
-                    results += 1
-                elif metrics is not None:
-                    metrics.answered(
-                        typing.cast(list[int], call.methods)[i],
-                        ErrorCode.INTERNAL_ERROR if result is _TOO_LARGE_MARK else _error_code(bytes(result)),
-                        _clock() - call.arrival,
-                    )
-                filled += 1
-            pos += length
-        budget.keep(exchange, start - room)  # (before on_done: see filled below)
-        if results and metrics is not None:
-            latency = _clock() - call.arrival
-            methods: list[int] = call.methods  # type: ignore[assignment]
-            if results == len(methods):  # the common case: every call of the chunk, all results
-                mix = _mix(methods)
-            else:  # some answered before (CHUNK_PART), errors, notifications: walk it again
-                mix = Counter()
-                pos = 0
-                while pos < end:
-                    i, entry_kind, length = unpack(payload, pos)
-                    if entry_kind == RESULT and slots[i] >= 0 and (refused is None or i not in refused):
-                        mix[methods[i]] += 1
-                    pos += size + length
-            for index, n in mix.items():
-                metrics.ok(index, latency, n)
-        exchange.filled(filled)
-
-    def _fail_chunk(self, call: Call, exchange: Exchange, error: bytes, remaining: bool) -> None:
-        """Answer every still-unanswered call of a chunk with `error` (an error object)."""
-        answers = exchange.answers
-        count = 0
-        metrics = self.metrics
-        code = _error_code(error)
-        latency = _clock() - call.arrival
-        methods = typing.cast(list[int], call.methods)
-        budget = exchange.budget
-        outgoing = budget.outgoing
-        limit = self.max_response_bytes
-        for i, (slot, id_) in enumerate(zip(typing.cast(list[int], call.slots), typing.cast(list[Raw], call.ids))):
-            if slot >= 0 and answers[slot] is None:
-                answer = response_error(id_, error) if outgoing is not GONE else b""
-                # (a worker's error object can be large)
-                if outgoing is GONE:
-                    if metrics is not None:
-                        metrics.answered(methods[i], code, latency)
-                elif budget.held + len(answer) > limit or outgoing.held + len(answer) > outgoing.limit:
-                    answer = self._oversize(id_, budget.held + len(answer) > limit, outgoing)
-                    if metrics is not None:
-                        metrics.answered(methods[i], ErrorCode.INTERNAL_ERROR, latency)
-                elif metrics is not None:
-                    metrics.answered(methods[i], code, latency)
-                budget.keep(exchange, len(answer))
-                answers[slot] = answer
-                count += 1
-        if remaining:
-            exchange.filled(count)
-        else:
-            exchange.remaining -= count
 
     def _dequeue(self) -> Call:
         """The first call of the queue, counted out of it."""

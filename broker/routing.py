@@ -50,7 +50,7 @@ is routed as before. (At one less, `1 + sync_prefetch` is `worker_concurrency` i
 the limit is not lower in number, but the worker is blocked all the same
 (`Worker.blocked`): the last choice, and no second blocking sync call.)
 
-A sync method counts as blocking while its calls take `dispatch.BLOCKING_US` or more in the
+A sync method counts as blocking while its calls take `BLOCKING_US` or more in the
 worker, as the worker measures them: a moving average of each reply's service time,
 moving 1/8 of the way to each new one (a 200 ms method is blocking after its first
 call; a 20 µs one needs an outlier past 8 ms, a loaded machine's descheduling, to
@@ -130,10 +130,11 @@ if typing.TYPE_CHECKING:
     from broker.fairqueue import FairQueue
     from broker.pool import Worker
 
-__all__ = ["HEAVY_BYTES", "Routing"]
+__all__ = ["BLOCKING_US", "HEAVY_BYTES", "Routing"]
 
 log = logging.getLogger("broker.dispatch")  # (the dispatcher's logger: these are its lines)
 
+BLOCKING_US = 1000  # a sync method whose calls take this long (µs) blocks its worker
 _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any real count)
 # Large params: a worker binds a call's params on its loop, ~50 ms and ~24 MB a MiB of small
 # objects; of those this large or more, it holds at most max_worker_params_bytes in flight. (Those
