@@ -70,6 +70,9 @@ once kept every expired call behind it, and its params, alive.
 A worker's reply comes back to its call in broker/replies.py (`Replies`, whose methods the
 dispatcher inherits): reassembly, chunks' parts, calls given back, late replies.
 
+The workers come and go, and die, in broker/membership.py (`Membership`, whose methods the
+dispatcher inherits), which also installs a reload's method table.
+
 Every call ends in exactly one of these ways, and only the first one answers:
 
     reply       the worker answered (RESULT or ERROR)
@@ -90,10 +93,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 import typing
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 
 from broker import wire
@@ -111,7 +113,6 @@ from broker.calls import (
     queue_cost,
     timed_out,
 )
-from broker.chunk import with_methods
 from broker.deadlines import TIMER_EARLY, DeadlineWheel
 from broker.fairqueue import FairQueue, Largest
 from broker.isolation import Isolation
@@ -123,9 +124,10 @@ from broker.jsonrpc import (
     http_status,
     response_error,
 )
+from broker.membership import _NO_WORKER, RESTART_WAIT_SECONDS, Membership
 from broker.metrics import CallMetrics
 from broker.replies import Replies, error_code
-from broker.routing import BLOCKING_US, HEAVY_BYTES, Routing
+from broker.routing import HEAVY_BYTES, Routing
 from broker.wire import (
     CALL,
     NOTIFY,
@@ -141,41 +143,18 @@ log = logging.getLogger("broker.dispatch")
 
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's (too deep)
-_DIED = int(ErrorCode.WORKER_DIED)  # ... and those lost with their worker
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
-_NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 _SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
 _GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
-RESTART_WAIT_SECONDS = 1.0  # calls wait for a worker back within this of the outage's start (a crash's restart backoff)
 _clock = time.perf_counter
-
-
-def _clients(calls: list[Call]) -> str:
-    """Who sent `calls`, for a log line: their connections' addresses, most calls first,
-    each with its count past one ("127.0.0.1:40312 x3, [::1]:5102"), at most 3 and how many
-    more (round 80's new user: the log of a worker's death named no client)."""
-    counts = Counter(_address(call.owner.peer) for call in calls)
-    named = [name if n == 1 else f"{name} x{n}" for name, n in counts.most_common(3)]
-    if len(counts) > 3:
-        named.append(f"{len(counts) - 3} more")
-    return ", ".join(named)
-
-
-def _address(peer: object) -> str:
-    """A transport's "peername" as a log names it: host:port, [v6 host]:port, or "unix socket"."""
-    if isinstance(peer, tuple) and len(peer) >= 2:
-        host = str(peer[0])
-        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
-    return "unix socket" if peer is not None else "?"
-
 
 
 def _queued_of(owner: ResponseBudget) -> int:
     return owner.queued
 
 
-class Dispatcher(Routing, Replies):
+class Dispatcher(Membership, Routing, Replies):
     """Routes calls to workers and answers them; one per broker process.
 
     max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
@@ -334,238 +313,6 @@ class Dispatcher(Routing, Replies):
         """Seconds within which a worker answers or acknowledges every call it was sent,
         or is killed as hung: the longest deadline, plus cancel_grace."""
         return max([self._timeout, *self._method_timeouts.values()]) + self._cancel_grace
-
-    def set_methods(self, names: list[str], sync_methods: typing.Collection[str] = ()) -> None:
-        """Install the method table announced by the workers' HELLO (in their order);
-        `sync_methods` names those whose handlers are sync (`wire.Hello`).
-
-        Called again by a reload whose new workers serve another table, after the old
-        workers left the rotation and before the new ones join (`Pool._swap`). Calls
-        routed before carry the old table's indexes, so they are translated: a queued
-        call gets its method's new index, or len(names) if the new code lost it (the
-        worker answers that -32601, as for any unknown index); a call in flight on an
-        old worker keeps the index it was sent with, and only the index its answer is
-        counted under changes (`other` for a lost method).
-
-        A sync method that was sync in the old table too keeps its service-time
-        estimate (a reload of the same code must not make `add` slow again: a burst
-        of batches right after a SIGHUP went out one call at a time and was shed,
-        hostile testing); any other method starts unmeasured (a sync one as
-        blocking, until its first reply; an async one made sync, or the reverse,
-        starts afresh). A queued call's `sync` is recomputed from the new table (a
-        chunk's: its count of blocking sync calls), and a call in flight on an old
-        worker is marked `stale`: its reply still frees the worker's sync accounting
-        it took, but teaches no estimate (the old handler's time says little of the
-        new one, which may even be async).
-        """
-        old = self._names
-        self._isolation.clear()  # (new code; and the calls in flight on old workers are `stale`: no blame)
-        self._alone = {w: dead for w, dead in self._alone.items() if not dead}  # (their slots have new workers)
-        known = {name: self._sync_us[i] for i, name in enumerate(old) if self._sync_us[i] >= 0}
-        sync = [int(name in sync_methods) for name in names]
-        self._names = list(names)
-        # One entry past the table too: `other`, the index a reload gives a lost method.
-        self._sync_us = [*(known.get(name, BLOCKING_US) if s else -1 for name, s in zip(names, sync)), -1]
-        self._blocking = [int(us >= BLOCKING_US) for us in self._sync_us]  # until a reply says otherwise
-        self._routes = {
-            name: Route(i, self._method_timeouts.get(name, self._timeout),
-                        1 if self._blocking[i] else -1 if sync[i] else 0)
-            for i, name in enumerate(names)
-        }
-        # When every method has the same deadline (the usual case) a batch needs no
-        # grouping by deadline before it is cut into chunks.
-        self._one_timeout = len({route.timeout for route in self._routes.values()}) <= 1
-        if old:
-            new = {name: i for i, name in enumerate(names)}
-            self._translate([new.get(name, len(names)) for name in old] + [len(names)])
-        if self.metrics is not None:
-            self.metrics.set_methods(names)
-
-    def _translate(self, index: list[int]) -> None:
-        """Old method index → new (`index`, one entry per old method plus `other`) for
-        every call routed but not answered; a queued call's `sync` is recomputed from
-        the new table, and a queued chunk's frame is rewritten too."""
-        for call in self._pending.values():  # sent already: only their metrics index
-            call.stale = True
-            if call.methods is not None:
-                call.methods = [index[m] for m in call.methods]
-            else:
-                call.index = index[call.index]
-        blocking = self._blocking  # the new table's (its `other` entry is 0)
-        for call in self._queue:
-            if not call.tick:  # an expired shell (its payload released)
-                continue
-            if call.methods is None:
-                call.index = index[call.index]
-                call.sync = 1 if blocking[call.index] else -1 if self._sync_us[call.index] >= 0 else 0
-                continue
-            call.methods = [index[m] for m in call.methods]
-            call.sync = sum(blocking[m] for m in call.methods)
-            call.params = with_methods(call.params, call.methods)
-
-    def worker_ready(self, worker: Worker) -> None:
-        """A worker can take calls: add it to the rotation and give it queued work."""
-        if worker not in self._ready:
-            self._start_failed = False
-            worker.limit = worker.concurrency  # (a worker is ready with nothing in flight)
-            self._alone.pop(worker, None)  # (back from a death under a call run alone)
-            for other in [w for w, dead in self._alone.items() if dead and w.slot == worker.slot]:
-                del self._alone[other]  # (its slot's, dead under one, replaced by this one: a reload's)
-            # Routing around sync calls is on while a blocked worker's limit, 1 +
-            # sync_prefetch, is at most its concurrency (every worker has the same).
-            self._sync_routing = self._sync_limit <= worker.concurrency
-            self._returnable = RETURNABLE if self._sync_routing else 0
-            self._ready.append(worker)
-            self._set_share()
-            self._release_all()  # (a larger share: those still past it are held again)
-        self._pump()
-
-    def worker_unready(self, worker: Worker) -> None:
-        """Take a worker out of the rotation (draining, dying); its calls stay pending."""
-        try:
-            self._ready.remove(worker)
-        except ValueError:
-            pass
-        else:
-            self._set_share()
-            if not self._ready:
-                self._down_since = _clock()
-
-    def _set_share(self) -> None:
-        """One connection's share of the ready workers' places (`connection_share`; at
-        least 1), and the size of a chunk of a batch that does not fit in its share: the
-        share over the workers (batches of 1000 `add` calls on one connection, 2 workers,
-        went at 0.73 to 0.85 of the rate of chunks as large as the batch over the workers,
-        and chunks of half this size no faster: benchmarks/RESULTS.md)."""
-        ready = self._ready
-        places = sum(w.concurrency for w in ready)
-        self._share = max(1, int(places * self._connection_share))
-        self._chunk_max = max(1, self._share // len(ready)) if ready else 1
-        # ... and of the workers, for blocking sync calls, each of which holds its worker whole
-        # (with sync routing on): one connection's 2 slow sync calls held both workers of 2, and
-        # every other client waited (round 60's new user, 1.8 s; round 62, 64 pipelined calls
-        # 7.7 s behind a batch of 100 known-slow calls, a call of theirs for each slow one).
-        self._sync_share = max(1, int(len(ready) * self._connection_share)) if self._sync_routing else 1 << 62
-        # ... and of their room for large params: one connection's 8 long calls of 1 MB took all of
-        # two workers', and every other client's large call waited for them (round 93)
-        self._heavy_share = self._heavy_cap * len(ready) // 2
-
-    def worker_lost(self, worker: Worker, reason: str, serving: bool = True) -> None:
-        """The worker's process is gone: answer its in-flight calls "worker died".
-        `serving`: its slot's process still (its slot restarts), not one retired by a reload
-        or leaving, whose slot is another's. (Not "in the rotation" now: a crashed worker's
-        socket ends before its exit is reaped, `Pool.channel_lost`, so one that died under a
-        call run alone never held its place, and a caught crasher's next call took the other
-        worker while it restarted: both died in turn, hostile testing, round 90.)"""
-        self.worker_unready(worker)
-        lost = [c for c in self._pending.values() if c.worker is worker]
-        if worker.overdue:
-            worker.overdue.clear()
-            self._overdue -= 1
-        if worker in self._alone:  # dead under a call run alone: spent on them until back; else no more reserved
-            if lost and worker.blocked and serving:  # (round 85: a retired one never came back, and its
-                self._alone[worker] = True  # place counted against the cap until the next reload: none ran alone)
-            else:
-                del self._alone[worker]
-        if not lost:
-            return
-        # Its notifications not yet run or ended are lost: counted, as they get no answer
-        # (round 80's new user: nothing said so). A chunk's answered in parts are marked -2.
-        notifications = sum(c.slots.count(-1) if c.slots is not None else c.kind == NOTIFY for c in lost)
-        if notifications:
-            self.notifications_dropped[_DIED] = self.notifications_dropped.get(_DIED, 0) + notifications
-        self._blame(worker, lost, notifications)
-        if serving and len(lost) == 1 and lost[0].weight == 1 and lost[0].index in self._isolation.waits:
-            self._alone[worker] = True  # (caught: it ran alone all the same; its place held until back)
-        error = error_object(ErrorCode.WORKER_DIED, data={"pid": worker.pid, "status": reason})
-        for call in lost:
-            del self._pending[call.call_id]
-            call.owner.in_flight -= call.weight
-            call.owner.heavy -= call.heavy
-            call.heavy = 0
-            if call.sync > 0:
-                call.owner.blocking -= call.sync
-            self._finish(call, error, ErrorCode.WORKER_DIED)
-        if worker.blocked:
-            worker.blocked = False
-            self._blocked -= 1
-        worker.outstanding = worker.sync_calls = worker.heavy = 0
-        worker.limit = worker.concurrency
-        self._release_all()  # (their connections' places are free; those still past their share are held again)
-        self._check_idle()
-        self._pump()
-
-    def _blame(self, worker: Worker, lost: list[Call], notifications: int) -> None:
-        """`worker` died holding `lost`: their methods' calls run alone from now on
-        (`broker.isolation`; not those of calls sent before a reload, `stale`). Killed as
-        hung, only the methods of its calls past their deadline: those behind them waited
-        (round 79's new user: a slow method beside the hung one took the strike, and the
-        only worker for calls run alone). `notifications`: how many of `lost` are, for the log."""
-        calls = sum(call.weight for call in lost) - notifications  # (a chunk's not answered yet)
-        held = " and ".join(f"{n} {word}{'' if n == 1 else 's'}" for n, word in ((calls, "call"), (notifications, "notification"))
-                            if n)
-        clients = _clients(lost)
-        if worker.kill_reason.startswith("hung") and any(not call.tick for call in lost):
-            lost = [call for call in lost if not call.tick]
-        methods: set[int] = set()
-        for call in lost:
-            if not call.stale:
-                methods.update(call.methods if call.methods is not None else (call.index,))
-        methods.discard(len(self._names))  # (`other`)
-        if not methods:
-            return
-        isolation = self._isolation
-        now = _clock()
-        # (Caught: the one call there. Several calls of one method, a kill -9 of a worker serving
-        # only `add` say, are no better evidence against it than against other methods': round 87,
-        # `add` caught so waited 4 s for a worker of its own while the cap was spent elsewhere.)
-        owed = isolation.blame(sorted(methods), now, caught=len(lost) == 1 and lost[0].weight == 1)
-        log.warning(
-            "worker %d (pid %d) died holding %s (of %s): their methods' calls now run alone, one per worker, "
-            "until so many of them answer or so long passes: %s", worker.slot, worker.pid, held, clients,
-            ", ".join(f"{self._names[index]} {n} or {isolation.ends_in(index, now):g} s" for index, n in owed.items()),
-        )
-        self._isolation_timer()
-
-    def start_failed(self) -> None:
-        """A worker's start failed (it exited before its HELLO) while no worker is ready:
-        calls waiting for a worker are answered "no worker available" now, and new calls at
-        once, until one is ready. A crash loop costs a call one backoff and one failed start
-        at most, however the slots' starts overlap (hostile testing, round 77: with two slots
-        failing in turn, one always starting, calls waited 3.67 s, and until their deadline
-        when the starts interleave)."""
-        if self._ready:
-            return
-        self._start_failed = True
-        self.no_worker_before(math.inf)
-
-    def no_worker_before(self, back_in: float) -> None:
-        """Every worker is down and none is starting: the first is back in `back_in`
-        seconds (a restart backoff; `math.inf`: none is coming). Queued calls wait for it
-        if its backoff ends within RESTART_WAIT_SECONDS of the outage's start and before
-        their deadline (a worker that crashed once: hostile testing, round 73, every other
-        client's queued call was answered -32003 for a 0.1 s backoff); the others are
-        answered "no worker available" at once rather than wait for their deadline. The
-        bound is the outage's, not each backoff's: in a crash loop, backoffs and failed
-        starts one after another made calls wait 8 s and more (round 74)."""
-        if back_in <= 0.0:
-            return
-        now = _clock()
-        if back_in > RESTART_WAIT_SECONDS - (now - self._down_since):
-            back_in = math.inf
-        late = [call for call in self._queue if call.tick and call.arrival + call.timeout - now < back_in]
-        if not late:
-            return
-        gone = set(late)  # (calls hash by identity)
-        self._queue.drop(lambda call: call not in gone)
-        if not self._queue:
-            self._largest.clear()
-        for call in late:
-            self._queued_bytes -= call.held
-            self._queued_calls -= call.weight
-            call.owner.queued -= call.weight
-            self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER)
-        self._check_idle()
 
     @property
     def isolated(self) -> dict[str, int]:
@@ -1124,45 +871,6 @@ class Dispatcher(Routing, Replies):
         self._expired_queued = 0
         if not self._queue:
             self._largest.clear()
-
-    def _check_hung(self, call: Call) -> None:
-        """Kill the worker if it still has not answered a call cancelled long ago: a
-        sync handler stuck in a loop never reads CANCEL (gunicorn's worker timeout)."""
-        worker = call.worker
-        if (
-            self._pending.get(call.call_id) is call
-            and worker is not None
-            and worker.process is not None
-            and not worker.kill_reason  # once per worker, however many calls it holds
-        ):
-            if worker.outstanding > 1:
-                # It may be busy in a sync call that came before the cancelled one (which
-                # waits behind it: sent there by sync_prefetch, or the other learnt fast),
-                # still within its own longer deadline: hung only once that deadline and
-                # cancel_grace are past too (hostile testing, round 18: a worker 5 s into
-                # a legitimate 10 s call was killed). Not for an async call, which holds no
-                # loop (round 19: a long poll beside a stuck sync call kept the worker
-                # alive 40 s), nor, for a sync call cancelled, for one that came after it,
-                # which waits behind it.
-                # An async call (or chunk of them) started before a sync call came waits for that one
-                # too, its loop held (hostile testing, round 86: a 15 s sync call, well within its
-                # deadline, was killed as hung beside an async call whose 2 s deadline passed).
-                now = _clock()
-                order = (call.arrival, call.call_id) if call.sync else (math.inf, 0)
-                later = max((c.arrival + c.timeout for c in self._pending.values()
-                             if c.worker is worker and c.tick and c.sync and (c.arrival, c.call_id) < order),
-                            default=0.0)
-                if later > now:
-                    self._loop.call_later(later - now + self._cancel_grace, self._check_hung, call)
-                    return
-            worker.kill_reason = f"hung: no answer {self._cancel_grace} s after a cancelled call"
-            log.warning(
-                "worker %d (pid %d) has not answered call %d (%s) %s s after its deadline: killing it as hung",
-                worker.slot, worker.pid, call.call_id,
-                self._names[call.index] if call.slots is None and call.index < len(self._names) else "a batch chunk",
-                self._cancel_grace,
-            )
-            worker.process.kill()
 
     def _finish(self, call: Call, error: bytes, code: int, remaining: bool = True) -> None:
         """Answer `call` with a broker error (once); `remaining=False` when not yet counted."""

@@ -102,8 +102,9 @@ import typing
 
 from broker import wire
 from broker.config import ConfigError
-from broker.dispatch import RESTART_WAIT_SECONDS, Dispatcher
+from broker.dispatch import Dispatcher
 from broker.errors import LocalError
+from broker.membership import RESTART_WAIT_SECONDS
 from broker.wire import BYE, CHUNK_REPLY, ERROR, HELLO, RESULT
 from broker.worker import WORKER_BOOT_ERROR
 
