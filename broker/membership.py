@@ -12,7 +12,6 @@ that holds a call past its deadline and cancel_grace is killed as hung (`_check_
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -21,15 +20,12 @@ from collections import Counter
 
 from broker.calls import Call, Route
 from broker.chunk import with_methods
+from broker.dispatcher_state import DispatcherState
 from broker.jsonrpc import ErrorCode, error_object
 from broker.routing import BLOCKING_US
 from broker.wire import NOTIFY, RETURNABLE
 
 if typing.TYPE_CHECKING:
-    from broker.answers import ResponseBudget
-    from broker.fairqueue import FairQueue, Largest
-    from broker.isolation import Isolation
-    from broker.metrics import CallMetrics
     from broker.pool import Worker
 
 __all__ = ["RESTART_WAIT_SECONDS", "Membership"]
@@ -61,52 +57,13 @@ def _address(peer: object) -> str:
     return "unix socket" if peer is not None else "?"
 
 
-class Membership:
+class Membership(DispatcherState):
     """`dispatch.Dispatcher`'s side of the workers: ready, unready, lost, a reload's method
     table (see the module docstring).
 
-    (A mixin with no state of its own: the attributes below are the dispatcher's.)
+    (A mixin with no state of its own: what it reads of the dispatcher's is declared in
+    `dispatcher_state.DispatcherState`.)
     """
-
-    if typing.TYPE_CHECKING:
-        _alone: dict[Worker, bool]
-        _blocked: int
-        _blocking: list[int]
-        _cancel_grace: float
-        _chunk_max: int
-        _connection_share: float
-        _down_since: float
-        _heavy_cap: int
-        _heavy_share: int
-        _isolation: Isolation
-        _largest: Largest[ResponseBudget]
-        _loop: asyncio.AbstractEventLoop
-        _method_timeouts: dict[str, float]
-        _names: list[str]
-        _one_timeout: bool
-        _overdue: int
-        _pending: dict[int, Call]
-        _queue: FairQueue[Call]
-        _queued_bytes: int
-        _queued_calls: int
-        _ready: list[Worker]
-        _returnable: int
-        _routes: dict[str, Route]
-        _share: int
-        _start_failed: bool
-        _sync_limit: int
-        _sync_routing: bool
-        _sync_share: int
-        _sync_us: list[int]
-        _timeout: float
-        metrics: CallMetrics | None
-        notifications_dropped: dict[int, int]
-
-        def _check_idle(self) -> None: ...
-        def _finish(self, call: Call, error: bytes, code: int, remaining: bool = True) -> None: ...
-        def _isolation_timer(self) -> None: ...
-        def _pump(self) -> None: ...
-        def _release_all(self) -> None: ...
 
     def set_methods(self, names: list[str], sync_methods: typing.Collection[str] = ()) -> None:
         """Install the method table announced by the workers' HELLO (in their order);

@@ -31,6 +31,7 @@ from broker.answers import GONE, Exchange, Outgoing
 from broker.calls import ACKS, Call, as_timed_out, hold, timed_out
 from broker.chunk import answers as chunk_answers
 from broker.chunk import count_answers, large_params, read_call
+from broker.dispatcher_state import DispatcherState
 from broker.jsonrpc import (
     _RESP_HEAD,  # with _RESP_RESULT: response_result's pieces, for splicing inline
     ErrorCode,
@@ -56,22 +57,13 @@ from broker.wire import (
 )
 
 if typing.TYPE_CHECKING:
-    import itertools
-    from collections import OrderedDict
-
-    from broker.answers import ResponseBudget
-    from broker.calls import Route
-    from broker.deadlines import DeadlineWheel
-    from broker.fairqueue import FairQueue, Largest
-    from broker.isolation import Isolation
-    from broker.metrics import CallMetrics
     from broker.pool import Worker
 
 __all__ = ["Replies", "error_code"]
 
 log = logging.getLogger("broker.dispatch")  # (the dispatcher's logger: these are its lines)
 
-_EXPIRED = int(ErrorCode.TIMED_OUT)  # ... and those their worker never started, their deadline passed
+_EXPIRED = int(ErrorCode.TIMED_OUT)  # notifications_dropped: those their worker never started, their deadline passed
 _SPLICE_BYTES = len(response_result(b"", b""))  # an answer's bytes besides its id and result (or error)
 _TOO_LARGE_MARK = memoryview(b"")  # (_fill_chunk: an entry answered past max_response_bytes)
 _VIEW_FROM = 4096  # (_fill_chunk: results from this many bytes are viewed, not copied, to be spliced)
@@ -103,51 +95,13 @@ def _mix(methods: list[int]) -> dict[int, int]:
     return Counter(methods)
 
 
-class Replies:
+class Replies(DispatcherState):
     """`dispatch.Dispatcher`'s side of the answers: `on_reply` and what it needs (see the
     module docstring).
 
-    (A mixin with no state of its own: the attributes below are the dispatcher's.)
+    (A mixin with no state of its own: what it reads of the dispatcher's is declared in
+    `dispatcher_state.DispatcherState`.)
     """
-
-    if typing.TYPE_CHECKING:
-        _alone: dict[Worker, bool]
-        _alone_held: bool
-        _blocked: int
-        _blocking: list[int]
-        _deadlines: DeadlineWheel
-        _heavy_bytes: int
-        _ids: itertools.count[int]
-        _isolation: Isolation
-        _largest: Largest[ResponseBudget]
-        _names: list[str]
-        _overdue: int
-        _pending: dict[int, Call]
-        _queue: FairQueue[Call]
-        _queued_bytes: int
-        _queued_calls: int
-        _ready: list[Worker]
-        _room_waiters: OrderedDict[ResponseBudget, int]
-        _routes: dict[str, Route]
-        _share_waiters: dict[ResponseBudget, None]
-        _sync_us: list[int]
-        _too_large: bytes
-        _too_much: bytes
-        accepting: bool
-        late_cancelled_total: int
-        late_results_total: int
-        max_response_bytes: int
-        metrics: CallMetrics | None
-        notifications_dropped: dict[int, int]
-        oversize_total: int
-        returned_total: int
-
-        def _check_idle(self) -> None: ...
-        def _give_back(self, owner: ResponseBudget) -> None: ...
-        def _pump(self) -> None: ...
-        def _release_all(self) -> None: ...
-        def _unheavy(self, worker: Worker, call: Call) -> None: ...
-        def _pick_alone(self, call: Call) -> Worker | None: ...
 
     def on_reply(self, worker: Worker, kind: int, call_id: int, aux: int, payload: bytes) -> None:
         """A worker answered `call_id` with a RESULT or ERROR payload (raw JSON), or

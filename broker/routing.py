@@ -111,23 +111,20 @@ Those past their connection's share (`_share_waiters`) go back when one of its l
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
 import typing
-from collections import OrderedDict
 
 from broker.calls import held_bytes
 from broker.chunk import large_params
 from broker.deadlines import TIMER_EARLY
-from broker.isolation import Isolation
+from broker.dispatcher_state import DispatcherState
 from broker.wire import CHUNK
 
 if typing.TYPE_CHECKING:
     from broker.answers import ResponseBudget
     from broker.calls import Call
-    from broker.fairqueue import FairQueue
     from broker.pool import Worker
 
 __all__ = ["BLOCKING_US", "HEAVY_BYTES", "Routing"]
@@ -146,41 +143,12 @@ _LEFT_MS = 1 << 24  # a blocked worker's expected wait when picking, ms, at most
 _clock = time.perf_counter
 
 
-class Routing:
+class Routing(DispatcherState):
     """`dispatch.Dispatcher`'s routing: `_pick` and what it needs (see the module docstring).
 
-    (A mixin with no state of its own: the attributes below are the dispatcher's.)
+    (A mixin with no state of its own: what it reads of the dispatcher's is declared in
+    `dispatcher_state.DispatcherState`.)
     """
-
-    if typing.TYPE_CHECKING:
-        _alone: dict[Worker, bool]
-        _blocked: int
-        _connection_share: float
-        _heavy_bytes: int
-        _heavy_cap: int
-        _heavy_share: int
-        _isolation: Isolation
-        _isolation_handle: asyncio.TimerHandle | None
-        _loop: asyncio.AbstractEventLoop
-        _max_queue: int
-        _max_queue_bytes: int
-        _names: list[str]
-        _overdue: int
-        _queue: FairQueue[Call]
-        _queued_bytes: int
-        _queued_calls: int
-        _ready: list[Worker]
-        _releasing: set[ResponseBudget]
-        _room_waiters: OrderedDict[ResponseBudget, int]
-        _roomless: int
-        _roomless_size: int
-        _rotation: int
-        _share_waiters: dict[ResponseBudget, None]
-        _sync_share: int
-
-        def _pump(self) -> None: ...
-        def _release_all(self) -> None: ...
-        def worker_restarting(self) -> bool: ...
 
     def _pick(self, call: Call) -> Worker | None:
         """The ready worker with the fewest outstanding calls under its limit (see

@@ -1,0 +1,94 @@
+"""The dispatcher's state as the modules of its methods see it (`DispatcherState`), for the type checker.
+
+`dispatch.Dispatcher` holds the state (its `__init__` makes every attribute below) and
+inherits the methods of broker/membership.py, broker/routing.py and broker/replies.py
+(mixins with no state of their own). They subclass `DispatcherState`, which declares what
+they read of one another's, once; at run time it is an empty class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import typing
+from collections import OrderedDict
+
+if typing.TYPE_CHECKING:
+    from broker.answers import ResponseBudget
+    from broker.calls import Call, Route
+    from broker.deadlines import DeadlineWheel
+    from broker.fairqueue import FairQueue, Largest
+    from broker.isolation import Isolation
+    from broker.metrics import CallMetrics
+    from broker.pool import Worker
+
+__all__ = ["DispatcherState"]
+
+
+class DispatcherState:
+    """What `dispatch.Dispatcher`'s mixins read of its state and of one another's methods."""
+
+    if typing.TYPE_CHECKING:
+        _alone: dict[Worker, bool]
+        _alone_held: bool
+        _blocked: int
+        _blocking: list[int]
+        _cancel_grace: float
+        _chunk_max: int
+        _connection_share: float
+        _deadlines: DeadlineWheel
+        _down_since: float
+        _heavy_bytes: int
+        _heavy_cap: int
+        _heavy_share: int
+        _ids: itertools.count[int]
+        _isolation: Isolation
+        _isolation_handle: asyncio.TimerHandle | None
+        _largest: Largest[ResponseBudget]
+        _loop: asyncio.AbstractEventLoop
+        _max_queue: int
+        _max_queue_bytes: int
+        _method_timeouts: dict[str, float]
+        _names: list[str]
+        _one_timeout: bool
+        _overdue: int
+        _pending: dict[int, Call]
+        _queue: FairQueue[Call]
+        _queued_bytes: int
+        _queued_calls: int
+        _ready: list[Worker]
+        _releasing: set[ResponseBudget]
+        _returnable: int
+        _room_waiters: OrderedDict[ResponseBudget, int]
+        _roomless: int
+        _roomless_size: int
+        _rotation: int
+        _routes: dict[str, Route]
+        _share: int
+        _share_waiters: dict[ResponseBudget, None]
+        _start_failed: bool
+        _sync_limit: int
+        _sync_routing: bool
+        _sync_share: int
+        _sync_us: list[int]
+        _timeout: float
+        _too_large: bytes
+        _too_much: bytes
+        accepting: bool
+        late_cancelled_total: int
+        late_results_total: int
+        max_response_bytes: int
+        metrics: CallMetrics | None
+        notifications_dropped: dict[int, int]
+        oversize_total: int
+        returned_total: int
+
+        def _check_idle(self) -> None: ...
+        def _finish(self, call: Call, error: bytes, code: int, remaining: bool = True) -> None: ...
+        def _give_back(self, owner: ResponseBudget) -> None: ...
+        def _isolation_timer(self) -> None: ...
+        def _pick_alone(self, call: Call) -> Worker | None: ...
+        def _pump(self) -> None: ...
+        def _release_all(self) -> None: ...
+        def _unheavy(self, worker: Worker, call: Call) -> None: ...
+        def worker_restarting(self) -> bool: ...
