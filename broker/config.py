@@ -224,7 +224,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                        Doc("bytes of large params (16 KiB or more in a call; in a batch, "
                                            "such calls' together) one worker holds in its calls in flight "
                                            "(binding them takes its loop ~50 ms and ~24 MB a MiB of small "
-                                           "objects), and one connection half of all the workers'; past it "
+                                           "objects), and one connection connection_share of all the workers'; past it "
                                            "such a call waits in the queue for room (one always goes); "
                                            "0: no bound")
                                        ] = 4 * MIB

@@ -163,7 +163,7 @@ class Dispatcher(Membership, Routing, Replies):
     max_worker_params_bytes: bytes of large params (`routing.HEAVY_BYTES`, 16 KiB, or more in a call;
         a chunk's calls' that are, together) one worker may hold in the calls in flight; past
         it such a call waits for room (one always goes, to a worker with none); one connection
-        may hold half the ready workers' room (one always goes); 0: no bound. (Hostile
+        may hold `connection_share` of the ready workers' room (one always goes); 0: no bound. (Hostile
         testing, round 92: a worker binds params on its loop, 35 to 55 ms and ~24 MB a MiB of
         small objects, and 12 connections' 16 calls of 1 MiB each held another client's calls
         1.8 to 4.2 s and each worker at 850 MB.)
@@ -236,15 +236,16 @@ class Dispatcher(Membership, Routing, Replies):
         self._isolation = Isolation()
         self._alone: dict[Worker, bool] = {}  # (True: dead under one, until its slot is back: `worker_ready`)
         self._alone_held = False  # a connection's calls wait out of turn for a worker to run alone
-        # ... or for room for their large params (max_worker_params_bytes): connection -> the bytes
-        # its first call waits for, oldest first (`_release_for_room`)
-        self._room_waiters: OrderedDict[ResponseBudget, int] = OrderedDict()
+        # ... or for room for their large params (max_worker_params_bytes), oldest first (`_release_for_room`)
+        self._room_waiters: OrderedDict[ResponseBudget, None] = OrderedDict()
         self._share_waiters: dict[ResponseBudget, None] = {}  # ... for one of their own to end (their share)
         self._releasing: set[ResponseBudget] = set()  # those `_release_for_room` let go, in this `_pump`
+        # The worker kept for the oldest of them that fits nowhere, and its connection (`_release_for_room`)
+        self._reserved: Worker | None = None
+        self._reserved_for: ResponseBudget | None = None
         # `_pick_blocked` found no room for a call's large params (1), or its connection holds its
         # share of the room (2), and nothing else kept it; and how large they are (`_large`)
         self._roomless = 0
-        self._roomless_size = 0
         self._isolation_handle: asyncio.TimerHandle | None = None  # (`_isolation_timer`)
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
@@ -754,6 +755,7 @@ class Dispatcher(Membership, Routing, Replies):
         self._alone_held = False
         self._room_waiters.clear()
         self._share_waiters.clear()
+        self._reserved = self._reserved_for = None
 
     def _pump(self) -> None:
         """Start queued calls, in the queue's order (`FairQueue`), while a worker is under
@@ -767,6 +769,8 @@ class Dispatcher(Membership, Routing, Replies):
             self._isolation_ends()
         if self._room_waiters:  # (those that room came for go back in turn first, oldest first)
             self._release_for_room()
+        elif self._reserved is not None:  # (none waits: no worker is kept for one)
+            self._reserved = self._reserved_for = None
         while True:
             call = queue.head()
             if call is None:
@@ -787,8 +791,10 @@ class Dispatcher(Membership, Routing, Replies):
                         if self._roomless == 2:
                             self._share_waiters[owner] = None
                         else:  # (one let go that sent nothing keeps its place; a new one goes last)
-                            self._room_waiters[owner] = self._roomless_size
+                            self._room_waiters[owner] = None
                             self._releasing.discard(owner)
+                            if self._reserved is None:  # (the oldest that fits nowhere: see `_release_for_room`)
+                                self._reserve(owner)
                         continue
                     if self._isolation.alone and call.slots is None and call.index in self._isolation.waits and (
                         self._ready
@@ -803,14 +809,19 @@ class Dispatcher(Membership, Routing, Replies):
                 if self._releasing and owner in self._releasing:  # (it waited for room, and went: its next
                     self._releasing.discard(owner)  # large call waits behind those waiting, if any)
                     self._room_waiters.pop(owner, None)
+                    if owner is self._reserved_for:
+                        self._reserved = self._reserved_for = None
                 if metrics is not None:
                     metrics.queue_wait.observe_us(int((_clock() - call.arrival) * 1e6), call.weight)
             else:
                 self._dequeue()
-        if self._releasing:  # (let go for room, and held again for something else, or with nothing left)
-            for owner in self._releasing:
-                self._room_waiters.pop(owner, None)
+        if self._releasing:  # (let go for room, and held again for something else, or with nothing left;
+            for owner in self._releasing:  # one still in turn, not reached, keeps its place)
+                if not owner.queued or queue.is_held(owner):
+                    self._room_waiters.pop(owner, None)
             self._releasing.clear()
+            if self._reserved_for is not None and self._reserved_for not in self._room_waiters:
+                self._reserved = self._reserved_for = None
         if not queue:
             self._largest.clear()
         if self._alone and not self._alone_held and self._unreserve() and queue.head() is not None:

@@ -58,10 +58,11 @@ class DispatcherState:
         _queued_calls: int
         _ready: list[Worker]
         _releasing: set[ResponseBudget]
+        _reserved: Worker | None
+        _reserved_for: ResponseBudget | None
         _returnable: int
-        _room_waiters: OrderedDict[ResponseBudget, int]
+        _room_waiters: OrderedDict[ResponseBudget, None]
         _roomless: int
-        _roomless_size: int
         _rotation: int
         _routes: dict[str, Route]
         _share: int

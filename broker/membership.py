@@ -178,7 +178,7 @@ class Membership(DispatcherState):
         self._sync_share = max(1, int(len(ready) * self._connection_share)) if self._sync_routing else 1 << 62
         # ... and of their room for large params: one connection's 8 long calls of 1 MB took all of
         # two workers', and every other client's large call waited for them (round 93)
-        self._heavy_share = self._heavy_cap * len(ready) // 2
+        self._heavy_share = int(self._heavy_cap * len(ready) * self._connection_share)
 
     def worker_lost(self, worker: Worker, reason: str, serving: bool = True) -> None:
         """The worker's process is gone: answer its in-flight calls "worker died".

@@ -96,17 +96,22 @@ among calls still in the channel behind a large call's frame (hostile testing, r
 connections' 16 calls of 1 MiB each held another client's calls 1.8 to 4.2 s, and each
 worker at 850 MB). Params of `HEAVY_BYTES` or more (a chunk's calls' that are, together:
 `_large`) count in their worker's `heavy`, at most `max_worker_params_bytes` (one such call
-always goes, to a worker with none), and in their connection's, at most half the ready
-workers' room (one always goes). A call with no room for its params waits in the queue, its
-connection's calls held out of turn (`_pump`, `_roomless`), and others go on. Those waiting for
-a worker's room wait in the order they came (`_room_waiters`, first in, first out, as a FIFO
-semaphore's waiters do: a new large call goes behind them, and a large one is not passed over
-for ever by smaller ones); each `_pump` first puts back in turn those the room and places free
-now can take (`_release_for_room`), whatever freed them (an answer, a worker unblocked or back,
-a call expired: hostile testing, round 93, a connection let go only by a large call's answer
-waited to its calls' deadlines beside an idle worker), and only those: putting every waiting
-connection back in turn at each `_pump` would cost each answer a step per connection waiting.
-Those past their connection's share (`_share_waiters`) go back when one of its large calls ends.
+always goes, to a worker with none), and in their connection's, at most `connection_share` of
+the ready workers' room (one always goes). A call with no room for its params waits in the
+queue, its connection's calls held out of turn (`_pump`, `_roomless`), and others go on. The
+connections waiting for a worker's room are kept in the order they came (`_room_waiters`);
+each `_pump` first puts back in turn those that the room and places free now can take, the
+oldest first (`_release_for_room`), whatever freed them (an answer, a worker unblocked or
+back, a call expired: hostile testing, round 93, a connection let go only by a large call's
+answer waited to its calls' deadlines beside an idle worker), and only those: putting every
+waiting connection back in turn at each `_pump` would cost each answer a step per connection
+waiting. A large call fits a worker with no room left for it only once that worker has none
+in flight, so the oldest that fits nowhere has the worker with the fewest kept for it
+(`_reserve`): no other large call goes there until it has gone, and it is not passed over for
+ever by smaller ones; the others, older or newer, go where they fit (round 94: with strict
+first-in, first-out, behind one such call every other client's large call waited up to 19 s
+with 4 MB of room free on each worker). Those past their connection's share
+(`_share_waiters`) go back when one of its large calls ends.
 """
 
 from __future__ import annotations
@@ -139,8 +144,13 @@ _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any re
 # uncounted doubled the stall the bound leaves. 4 MiB over 16 KiB: 256 calls, past the default
 # concurrency, so calls just over it are never held for room.)
 HEAVY_BYTES = 16 * 1024
+_PASSED = 16  # waiters for room that fit nowhere looked at in one `_release_for_room`
 _LEFT_MS = 1 << 24  # a blocked worker's expected wait when picking, ms, at most (4.6 h; past it, equal)
 _clock = time.perf_counter
+
+
+def _heavy_of(worker: Worker) -> int:
+    return worker.heavy
 
 
 class Routing(DispatcherState):
@@ -201,13 +211,10 @@ class Routing(DispatcherState):
         heavy = 0
         if len(call.params) >= self._heavy_bytes:
             self._roomless = 0
-            heavy = self._roomless_size = self._large(call)
+            heavy = self._large(call)
             owner = call.owner
             if heavy and owner.heavy and owner.heavy + heavy > self._heavy_share:
                 self._roomless = 2
-                return None
-            if heavy and self._room_waiters and owner not in self._releasing:  # (behind those waiting)
-                self._roomless = 1
                 return None
         isolation = self._isolation
         if isolation.alone and call.slots is None and call.index in isolation.alone:
@@ -253,7 +260,9 @@ class Routing(DispatcherState):
                 # ready worker is not, whatever waits (round 87: sent calls while the other was blocked)
                 k = least if any(not x.overdue for x in ready) else k + _BLOCKED + (_LEFT_MS << 10)
             if k < least:
-                if heavy and w.heavy and w.heavy + heavy > self._heavy_cap:  # (no room for its params: round 92)
+                if heavy and ((w.heavy and w.heavy + heavy > self._heavy_cap) or (
+                    w is self._reserved and owner is not self._reserved_for
+                )):  # (no room for its params, round 92; or kept for the oldest waiting, round 94)
                     self._roomless = 1
                 elif k == 0:
                     return w
@@ -418,40 +427,76 @@ class Routing(DispatcherState):
             del self._share_waiters[owner]
             self._queue.release(owner)
 
+    def _reserve(self, owner: ResponseBudget, promised: typing.Collection[Worker] = ()) -> Worker | None:
+        """Keep the ready worker with the fewest large params in flight (not one of `promised`)
+        for `owner`'s first call, which fits no worker's room (`_release_for_room`): no other
+        large call goes there until it has gone. None if there is none."""
+        self._reserved = min((w for w in self._ready if w not in promised), key=_heavy_of, default=None)
+        self._reserved_for = owner if self._reserved is not None else None
+        return self._reserved
+
     def _release_for_room(self) -> None:
         """Put back in turn the connections waiting for room for their large params
-        (`_room_waiters`), the oldest first, while the workers that take calls now (ready, a
-        place free, neither blocked nor overdue) have room for the first call of each (first
-        fit, as if each went; a worker with none holds one, whatever its size); the first that
-        does not fit, and those after it, wait on. One past its connection's share of the room
-        waits for one of its own calls instead (`_share_waiters`). O(workers x those let go)."""
+        (`_room_waiters`), the oldest first, whose first calls the workers that take calls now
+        (ready, a place free, neither blocked nor overdue) have room for (first fit, as if each
+        went; a worker with none holds one, whatever its size). The oldest that fits nowhere
+        has the worker with the fewest large params in flight kept for it (`_reserved`: no
+        other large call goes there until it has gone), and those after it that fit elsewhere
+        go on (hostile testing, round 94: behind one call too large for any worker's room
+        left, every other client's large call waited, first in, first out, up to 19 s with
+        4 MB of room free on each worker). At most `_PASSED` that fit nowhere are looked at
+        each time. One past its connection's share of the room waits for one of its own
+        calls instead (`_share_waiters`). O(workers x (those let go + `_PASSED`))."""
         waiters = self._room_waiters
         queue = self._queue
         cap = self._heavy_cap
-        free = [
-            [w.heavy, w.limit - w.outstanding] for w in self._ready
+        reserved = self._reserved
+        if reserved is not None and (reserved not in self._ready or self._reserved_for not in waiters):
+            reserved = self._reserved = self._reserved_for = None
+        free = [  # (a worker, and [its large params, its places free], as if those let go went)
+            (w, [w.heavy, w.limit - w.outstanding]) for w in self._ready
             if w.outstanding < w.limit and not w.blocked and not w.overdue
         ]
+        places = sum(room[1] for _w, room in free)
         gone: list[ResponseBudget] = []
         go: list[ResponseBudget] = []
-        for owner, size in waiters.items():
-            if not owner.queued:  # (its calls are gone: answered at their deadline, or its connection)
-                gone.append(owner)
-            elif owner.heavy and owner.heavy + size > self._heavy_share:
+        promised: set[Worker] = set()  # (workers with room for one let go before)
+        passed = 0
+        for owner in waiters:
+            # (its first call's size, now: calls given back may have gone before it, `_requeue`)
+            size = self._large(queue.first(owner)) if owner.queued else 0
+            if not size:  # (its calls are gone, answered at their deadline or its connection's; or its
+                gone.append(owner)  # first is not large now: whatever holds it, `_pump` decides again)
+                queue.release(owner)
+                continue
+            if owner.heavy and owner.heavy + size > self._heavy_share:
                 gone.append(owner)
                 if queue.is_held(owner):
                     self._share_waiters[owner] = None
-            else:  # (held; or put back in turn meanwhile, `_give_back`, `_start`: it keeps its place)
-                for slot in free:
-                    if slot[1] and (not slot[0] or slot[0] + size <= cap):
-                        slot[0] += size
-                        slot[1] -= 1
-                        go.append(owner)
-                        break
-                else:
+                continue
+            if not places:
+                break
+            # (held; or put back in turn meanwhile, `_give_back`, `_start`: it keeps its place)
+            for w, room in free:
+                if room[1] and (not room[0] or room[0] + size <= cap) and (w is not reserved or owner is self._reserved_for):
+                    room[0] += size
+                    room[1] -= 1
+                    places -= 1
+                    go.append(owner)
+                    promised.add(w)
+                    if owner is self._reserved_for:  # (it goes: the worker kept for it is kept no more)
+                        reserved = None
+                    break
+            else:
+                if reserved is None:  # (of those not promised to one before it: none, the next time)
+                    reserved = self._reserve(owner, promised)
+                passed += 1
+                if passed >= _PASSED:
                     break
         for owner in gone:
             del waiters[owner]
+        if self._reserved_for is not None and self._reserved_for not in waiters:
+            self._reserved = self._reserved_for = None
         for owner in go:  # (each keeps its place until a call of its goes: `_pump`)
             self._releasing.add(owner)
             queue.release(owner)  # (if held)

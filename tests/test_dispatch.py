@@ -2356,6 +2356,48 @@ def test_calls_waiting_for_room_for_large_params_go_first_come_first_served():
     run(main)
 
 
+def test_a_call_too_large_for_any_workers_room_left_holds_back_no_other_waiting_that_fits():
+    """Hostile testing, round 94 (HIGH): behind one call too large for the room left on any
+    worker (it needs one with none), every other client's large call waited, first in, first
+    out, up to 19 s with 4 MB of room free on each worker. The oldest that fits nowhere has a
+    worker kept for it (the one with the fewest large params: no other large call goes there),
+    and those behind it that fit elsewhere go."""
+
+    async def main() -> None:
+        d, [w0, w1], codec = large_params_dispatcher(2)
+        d.submit(body(codec, req("a", ["x" * 54], "fill0")), lambda e: None)  # (58 bytes on each worker)
+        d.submit(body(codec, req("a", ["x" * 54], "fill1")), lambda e: None)
+        assert (w0.heavy, w1.heavy) == (58, 58) and len(w0.channel.take() + w1.channel.take()) == 2  # type: ignore[union-attr]
+        d.submit(body(codec, req("a", ["b" * 144], "big")), lambda e: None)  # (148 bytes: 58 + 148 > 200)
+        d.submit(body(codec, req("a", ["s" * 54], "small")), lambda e: None)  # (58 bytes: it fits either)
+        kept = d._reserved
+        other = w1 if kept is w0 else w0
+        assert kept is not None and d.held_calls == 1 and not kept.channel.take()  # type: ignore[union-attr]
+        assert [first_params(f) for f in other.channel.take()] == [["s" * 54]]  # type: ignore[union-attr]
+        d.submit(body(codec, req("a", ["t" * 54], "more")), lambda e: None)  # (room on the kept one: not for it)
+        assert [first_params(f) for f in other.channel.take()] == [["t" * 54]]  # type: ignore[union-attr]
+        fill = next(c for c, call in d._pending.items() if call.worker is kept)
+        d.on_reply(kept, wire.Kind.RESULT, fill, 10, b"0")  # the kept worker empties: the big call goes there
+        assert [first_params(f) for f in kept.channel.take()] == [["b" * 144]] and d._reserved is None  # type: ignore[union-attr]
+
+    run(main)
+
+
+def test_one_connections_share_of_the_room_for_large_params_follows_connection_share():
+    """Hostile testing, round 94 (LOW): a connection's share of the room for large params was
+    half the workers' whatever `connection_share` said; at 1 (a single trusted client) it may
+    take all of it, as it may every place."""
+
+    async def main() -> None:
+        d, [w0, w1], codec = large_params_dispatcher(2, connection_share=1.0)
+        a = ResponseBudget(d.outgoing)
+        for i in range(4):  # (96 bytes each: 4 fit in 2 x 200)
+            d.submit(body(codec, req("a", ["x" * 90], i)), lambda e: None, a)
+        assert len(w0.channel.take() + w1.channel.take()) == 4 and not d.queued_calls  # type: ignore[union-attr]
+
+    run(main)
+
+
 def test_an_answer_puts_back_in_turn_no_connection_waiting_for_room_it_does_not_free(monkeypatch):
     """Each connection waiting for room for its large params put back in turn at every
     `_pump`, and held again, cost every answer a step per connection waiting (hundreds of

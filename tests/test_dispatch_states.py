@@ -476,24 +476,26 @@ class DispatcherMachine(RuleBasedStateMachine):
             assert not room, (w, w.outstanding, w.limit, w.blocked, head.sync, head.weight)
 
     @invariant()
-    def calls_wait_for_room_for_their_large_params_first_come_first_served(self) -> None:
-        """The connections waiting for room for their large params (`_room_waiters`, oldest
-        first) wait while the first of them (with calls queued, under its share of the room)
-        fits no worker that takes calls now (ready, a place free, neither blocked nor overdue;
-        one with no large params takes one whatever its size); and each waits for its first
-        call's size, held out of turn, or in turn behind the first."""
+    def calls_wait_for_room_for_their_large_params_only_while_none_has_room(self) -> None:
+        """The connections waiting for room for their large params (`_room_waiters`) wait, held
+        out of turn, only while no worker that takes calls now (ready, a place free, neither
+        blocked nor overdue) has room for their first call (one with none takes one, whatever
+        its size), the worker kept for the oldest of them that fits nowhere (`_reserved`) counting
+        for that one only. (Those past their share wait for a large call of their own to end.)"""
         d = self.dispatcher
         queue = d._queue
-        for owner, size in d._room_waiters.items():
-            if not owner.queued or (owner.heavy and owner.heavy + size > d._heavy_share):
+        assert d._reserved is None or d._reserved_for in d._room_waiters or not d._room_waiters or (
+            d._reserved not in d._ready), "a worker kept for a connection that waits for room no more"
+        for owner in d._room_waiters:
+            size = d._large(queue.first(owner)) if owner.queued else 0
+            if not size or (owner.heavy and owner.heavy + size > d._heavy_share):
                 continue  # (its entry is dropped at the next `_pump`)
             if not queue.is_held(owner):  # (in turn, its first call another since, `_requeue`: it keeps its place)
                 continue
-            assert size == d._large(queue.first(owner)), (size, d._large(queue.first(owner)))
             for w in self._live():
                 if w.outstanding < w.limit and not w.blocked and not w.overdue:
-                    assert w.heavy and w.heavy + size > d._heavy_cap, ("room for the first waiting", w, w.heavy, size)
-            break
+                    assert (w.heavy and w.heavy + size > d._heavy_cap) or (
+                        w is d._reserved and owner is not d._reserved_for), ("room for one waiting", w, w.heavy, size)
         for owner in d._share_waiters:  # (and those past their share: a call of theirs holds some)
             assert owner.heavy or not owner.queued
 
