@@ -116,12 +116,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 import typing
 from collections import deque
-from email.utils import formatdate
-from http import HTTPStatus
 
 import httptools
 
@@ -147,8 +144,24 @@ from broker.frontend.base import (
     unread_bytes,
     unsent_bytes,
 )
-from broker.jsonrpc import ErrorCode, error_object, response_error
-from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from broker.frontend.httpmsg import (
+    CLOSE,
+    CONTINUE,
+    JSON_HEADERS,
+    JSON_TYPE,
+    KEEP_ALIVE,
+    METRICS_HEADERS,
+    METRICS_TYPE,
+    PREFLIGHT,
+    STATUS_LINES,
+    TOO_MANY_BODY,
+    date_header,
+    error_body,
+    is_identity,
+    is_json,
+    json_response,
+)
+from broker.jsonrpc import ErrorCode
 from broker.metrics import HTTP_PATHS
 
 __all__ = ["PROBE_OVERFLOW", "PROBE_RESERVE", "HttpFrontend", "HttpProtocol"]
@@ -180,108 +193,11 @@ MIN_CHUNK_BYTES = 64
 CHUNK_FRAMING_BYTES = 64
 PROBE_RESERVE = 8  # places past max_connections for connections owed a scrape (probes and /metrics only)
 PROBE_OVERFLOW = 8  # ... and connections past max_connections that need no place (see the module docstring)
-RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
 _PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
-_JSON_TYPE = b"application/json"
 _CODED = b"\0coded"  # `_content_type` of a body with a Content-Encoding other than identity: 415
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # config.Config.allowed_hosts' default
-_PREFLIGHT = (
-    b"access-control-allow-methods: POST\r\naccess-control-allow-headers: content-type\r\n"
-    b"access-control-max-age: 600\r\n"
-)
 PATHS = HTTP_PATHS  # the `path` label of rpc_broker_http_responses_total (bounded)
 _PATH_OF_URL = {b"/healthz": "health", b"/readyz": "ready", b"/metrics": "metrics"}
-
-
-def _status_line(code: int) -> bytes:
-    """The status line; a 503's carries `retry-after` with it (RFC 9110 10.2.3)."""
-    line = f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n".encode()
-    return (line + b"retry-after: %d\r\n" % RETRY_AFTER_SECONDS) if code == 503 else line
-
-
-_STATUS_LINES = {
-    code: _status_line(code)
-    for code in (200, 204, 400, 403, 404, 405, 408, 411, 413, 415, 421, 431, 500, 502, 503, 504, 505)
-}
-_JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
-_CLOSE = b"connection: close\r\n"
-_KEEP_ALIVE = b"connection: keep-alive\r\n"
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_METRICS_TYPE = b"content-type: " + METRICS_CONTENT_TYPE.encode() + b"\r\n"
-_METRICS_HEADERS = _METRICS_TYPE + b"content-length: "
-
-
-def date_header() -> bytes:
-    """The `date` header line for now: ``b"date: Tue, 01 Dec 2026 05:52:03 GMT\\r\\n"``
-    (IMF-fixdate, RFC 9110 section 5.6.7)."""
-    return b"date: " + formatdate(usegmt=True).encode() + b"\r\n"
-
-
-def _json_response(status: int, body: bytes, keep_alive: bool, extra: bytes, json_head: bytes) -> bytes:
-    """A JSON answer; `json_head` is `HttpFrontend.json_head` (date and content-type)."""
-    return b"".join(
-        (
-            _STATUS_LINES.get(status) or _status_line(status),
-            json_head,
-            str(len(body)).encode(),
-            b"\r\n",
-            extra,
-            b"" if keep_alive else _CLOSE,
-            b"\r\n",
-            body,
-        )
-    )
-
-
-def _error_body(code: int, data: object = None) -> bytes:
-    return response_error(b"null", error_object(code, data=data))
-
-
-# (a JSON-RPC error object, as NDJSON's line: a client may read it as the answer to its call)
-_TOO_MANY_BODY = _error_body(ErrorCode.OVERLOADED, "too many connections")
-
-
-def _identity(codings: bytes) -> bool:
-    """Whether a Content-Encoding value names no content coding: its list elements each
-    `identity` or empty (RFC 9110 5.6.1.2: empty elements are ignored; round 35: an empty
-    value and ",identity," got 415)."""
-    return all(coding.strip().lower() in (b"", b"identity") for coding in codings.split(b","))
-
-
-def _is_json(content_type: bytes | None) -> bool:
-    """True if a Content-Type value names application/json: the media type compared
-    case-insensitively, parameters (`; charset=utf-8`) allowed (RFC 9110 8.3.1), but a
-    charset other than UTF-8, the only one JSON has (RFC 8259 8.1; round 44: `charset=latin1`
-    was taken, and its body read as UTF-8), nor parameters that are not tokens or quoted
-    strings (RFC 9110 5.6.6: round 83, `charset="utf-8` was taken; round 86, a quoted `;` or
-    a quoted pair was read wrong)."""
-    if content_type == _JSON_TYPE:
-        return True
-    if content_type is None:
-        return False
-    media = content_type.partition(b";")[0]
-    if media.strip(b" \t").lower() != _JSON_TYPE:
-        return False
-    pos, end = len(media), len(content_type)
-    while pos < end:
-        found = _PARAMETER.match(content_type, pos)
-        if found is None:
-            return False
-        pos = found.end()
-        name, value = found.group(1, 2)
-        if name is not None and name.lower() == b"charset":
-            if value[:1] == b'"':
-                value = _QUOTED_PAIR.sub(rb"\1", value[1:-1])
-            if value.lower() not in _UTF8:
-                return False
-    return True
-
-
-# One parameter of a media type, its ";" first, or an empty one (RFC 9110 8.3.1, 5.6.2, 5.6.4)
-_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
-_PARAMETER = re.compile(rb'[ \t]*;[ \t]*(?:(' + _TOKEN + rb')=(' + _TOKEN + rb'|"(?:[^"\\]|\\.)*"))?[ \t]*')
-_QUOTED_PAIR = re.compile(rb"\\(.)", re.DOTALL)
-_UTF8 = (b"utf-8", b"utf8")
 
 
 class _Gone:
@@ -368,8 +284,8 @@ class HttpFrontend(Listener):
         self.good_hosts: set[bytes] = set()  # Host values seen allowed (bounded), for the fast path
         too_large = f"body exceeds max_body_bytes {max_body_bytes}"
         incoming_full = f"request bodies arriving or waiting exceed max_incoming_bytes {self.incoming.limit}"
-        self.too_large_body = _error_body(ErrorCode.INVALID_REQUEST, too_large)
-        self.incoming_full_body = _error_body(ErrorCode.OVERLOADED, incoming_full)
+        self.too_large_body = error_body(ErrorCode.INVALID_REQUEST, too_large)
+        self.incoming_full_body = error_body(ErrorCode.OVERLOADED, incoming_full)
         # (the same refusals of a body sent to another path: not JSON-RPC, `_refuse_body`)
         self.refused_plain = {413: too_large.encode(), 503: incoming_full.encode()}
         self.date = b""  # the date header line, refreshed by every sweep (once a second)
@@ -478,7 +394,7 @@ class HttpFrontend(Listener):
         if answer is None:
             body = self._scrape_body
             answer = self._scrape_answers[connection] = b"".join((
-                _STATUS_LINES[200], self.date, _METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
+                STATUS_LINES[200], self.date, METRICS_HEADERS, str(len(body)).encode(), b"\r\n",
                 connection, b"\r\n", body,
             ))  # fmt: skip
         return answer
@@ -526,7 +442,7 @@ class HttpFrontend(Listener):
 
     def _refresh_date(self) -> None:
         self.date = date_header()
-        self.json_head = self.date + _JSON_HEADERS
+        self.json_head = self.date + JSON_HEADERS
 
     def _sweep(self) -> None:
         self._refresh_date()
@@ -831,7 +747,7 @@ class HttpProtocol(asyncio.Protocol):
         self._closing = True
         self._drop_unfinished()
         body = b'{"error":"request still arriving after %.3g s while the broker is at max_connections"}' % waited
-        response = _json_response(408, body, False, b"", self._fe.json_head)
+        response = json_response(408, body, False, b"", self._fe.json_head)
         self._write(response[: len(response) - len(body)] if self._head_request() else response, True, "other")
         if not transport.is_closing():
             self._discarding()
@@ -942,7 +858,7 @@ class HttpProtocol(asyncio.Protocol):
         responses = self._responses
         if len(responses) != 1 or type(responses[0]) is not _Scrape:
             return False
-        answer = self._fe.scrape_answer(self._fe.scrape_builds, _CLOSE)
+        answer = self._fe.scrape_answer(self._fe.scrape_builds, CLOSE)
         if answer is None:
             return False
         responses.clear()
@@ -954,7 +870,7 @@ class HttpProtocol(asyncio.Protocol):
         `path` labels it in the statuses counter (a request it answers, else "other")."""
         self._fe.refused()
         self._closing = True
-        self._write(_json_response(503, _TOO_MANY_BODY, False, b"", self._fe.json_head), False, path)
+        self._write(json_response(503, TOO_MANY_BODY, False, b"", self._fe.json_head), False, path)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -1383,7 +1299,7 @@ class HttpProtocol(asyncio.Protocol):
         elif n == 12 and (name == b"Content-Type" or name.lower() == b"content-type"):
             ct = self._content_type  # two: not JSON, 415 (a coded body's 415 says why: `_CODED`)
             self._content_type = value if ct is None else ct if ct is _CODED else b""
-        elif n == 16 and name.lower() == b"content-encoding" and not _identity(value):
+        elif n == 16 and name.lower() == b"content-encoding" and not is_identity(value):
             self._content_type = _CODED  # (round 34: a gzip body got 400 -32700, a plain one labelled gzip ran)
         elif n == 6:
             name = name.lower()
@@ -1419,9 +1335,9 @@ class HttpProtocol(asyncio.Protocol):
             # and a client that waits for the 100 got 408 after request_timeout).
             if self._will_serve_rpc():
                 assert self._transport is not None
-                self._fe.sent_bytes += len(_CONTINUE)
-                self.sent += len(_CONTINUE)
-                self._transport.write(_CONTINUE)
+                self._fe.sent_bytes += len(CONTINUE)
+                self.sent += len(CONTINUE)
+                self._transport.write(CONTINUE)
             elif self._parser.get_http_version() == "1.1":  # (an Upgrade one too: round 28)
                 self._refuse_expected()
 
@@ -1462,7 +1378,7 @@ class HttpProtocol(asyncio.Protocol):
         fe = self._fe
         host, origin = self._host, self._origin
         return (
-            _is_json(self._content_type)
+            is_json(self._content_type)
             and (  # (no Host: allowed on HTTP/1.0, as `_refused` has it; round 28)
                 fe.hosts is None or self._parser.get_http_version() != "1.1" if host is None else fe.host_allowed(host)
             )
@@ -1538,7 +1454,7 @@ class HttpProtocol(asyncio.Protocol):
             if self._transfer_encoding:  # its framing is to be treated as faulty: answered, then closed (RFC 9112 6.1)
                 keep_alive = False
             elif not self._keep_header:
-                self._keep_header = _KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
+                self._keep_header = KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
         self._route(method, url, keep_alive)
         if self._body:  # a body no route took (a GET's, a 404's, a refused call's): not kept
             self._body = b""  # (nor counted in `Incoming`) while the connection idles
@@ -1555,21 +1471,21 @@ class HttpProtocol(asyncio.Protocol):
             host = self._host
             if (
                 method == b"POST" and self._origin is None
-                and (self._content_type == _JSON_TYPE or _is_json(self._content_type))
+                and (self._content_type == JSON_TYPE or is_json(self._content_type))
                 and (host in fe.good_hosts or (host is not None and fe.host_allowed(host)))
             ):  # fmt: skip
                 self._rpc(keep_alive)  # the common case: one test, no call
             elif not self._refused(True, keep_alive, head):
                 cors = b"" if self._origin is None else typing.cast(bytes, fe.cors_headers(self._origin))
                 if method == b"OPTIONS" and cors:  # a CORS preflight (Fetch standard 3.2.2)
-                    extra = self._keep_header if keep_alive else _CLOSE
-                    self._queue(_STATUS_LINES[204] + fe.date + cors + _PREFLIGHT + extra + b"\r\n", keep_alive, "rpc")
+                    extra = self._keep_header if keep_alive else CLOSE
+                    self._queue(STATUS_LINES[204] + fe.date + cors + PREFLIGHT + extra + b"\r\n", keep_alive, "rpc")
                 elif method != b"POST":
                     self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, "rpc", b"allow: POST\r\n", head)
                 elif self._content_type is _CODED:  # (RFC 9110 15.5.16: 415, Accept-Encoding saying what is)
                     self._queue_invalid(415, "Content-Encoding is not supported: send the body as it is (identity)",
                                         keep_alive, "rpc", cors + b"accept-encoding: identity\r\n")
-                elif not _is_json(self._content_type):
+                elif not is_json(self._content_type):
                     self._queue_invalid(415, "Content-Type must be application/json (its charset, if given, utf-8)",
                                         keep_alive, "rpc", cors)
                 else:
@@ -1579,7 +1495,7 @@ class HttpProtocol(asyncio.Protocol):
         if self._probe_only and url not in _PROBE_PATHS:
             fe.refused()
             self._closing = True
-            self._queue(_json_response(503, _TOO_MANY_BODY, False, b"", fe.json_head), False, path)
+            self._queue(json_response(503, TOO_MANY_BODY, False, b"", fe.json_head), False, path)
         elif url == b"/healthz" or url == b"/readyz":
             if method == b"GET" or head:
                 ok = url == b"/healthz" or fe.ready()
@@ -1587,7 +1503,7 @@ class HttpProtocol(asyncio.Protocol):
                     b'{"status":"stopping"}' if not fe.dispatcher.accepting else b'{"status":"no worker ready"}'
                     if not fe.dispatcher.ready_workers else b'{"status":"no worker answering"}'
                 )
-                response = _json_response(
+                response = json_response(
                     200 if ok else 503, body, keep_alive, self._keep_header if keep_alive else b"", fe.json_head
                 )
                 if head:
@@ -1599,13 +1515,13 @@ class HttpProtocol(asyncio.Protocol):
             if self._refused(False, keep_alive, head):
                 pass
             elif head:  # the headers of the GET answer, with no body: none is made (RFC 9110 9.3.2)
-                extra = self._keep_header if keep_alive else _CLOSE
-                self._queue(_STATUS_LINES[200] + fe.date + _METRICS_TYPE + extra + b"\r\n", keep_alive, path)
+                extra = self._keep_header if keep_alive else CLOSE
+                self._queue(STATUS_LINES[200] + fe.date + METRICS_TYPE + extra + b"\r\n", keep_alive, path)
             elif method == b"GET":
                 scrape = _Scrape(keep_alive, fe.scrape_builds + 1)  # (any build made from now on)
                 answer = None
                 if not self._responses and not self._write_paused:
-                    answer = fe.scrape_answer(scrape.build, self._keep_header if keep_alive else _CLOSE)
+                    answer = fe.scrape_answer(scrape.build, self._keep_header if keep_alive else CLOSE)
                 if answer is not None:
                     self._scraped = fe.scrape_builds
                     self._write(answer, keep_alive, path)
@@ -1691,7 +1607,7 @@ class HttpProtocol(asyncio.Protocol):
                 fe.incoming.refuse(0)
                 fe.dispatcher.count_refused_body(ErrorCode.OVERLOADED)
                 extra = (self._keep_header if keep_alive else b"") + cors
-                self._queue(_json_response(503, fe.incoming_full_body, keep_alive, extra, fe.json_head), keep_alive, "rpc")
+                self._queue(json_response(503, fe.incoming_full_body, keep_alive, extra, fe.json_head), keep_alive, "rpc")
                 return
             self._waiting_bytes += len(body)
             deferred = _Deferred(body, keep_alive, cors)
@@ -1706,8 +1622,8 @@ class HttpProtocol(asyncio.Protocol):
         submit = fe.dispatcher.submit_held if fe.draining else fe.dispatcher.submit
         exchange = submit(decoded, self._exchange_done, self._budget)
         if exchange is None:
-            extra = self._keep_header if keep_alive else _CLOSE
-            self._queue(_STATUS_LINES[204] + fe.date + cors + extra + b"\r\n", keep_alive, "rpc")
+            extra = self._keep_header if keep_alive else CLOSE
+            self._queue(STATUS_LINES[204] + fe.date + cors + extra + b"\r\n", keep_alive, "rpc")
             return
         # Read back by _answer: keep_alive, or (keep_alive, CORS headers) for a cross-origin call
         exchange.context = (keep_alive, cors) if cors else keep_alive
@@ -1718,7 +1634,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._budget.written(exchange, self._write_paused)
             else:
                 extra = self._keep_header if keep_alive else b""
-                self._write(_json_response(exchange.status, exchange.body(), keep_alive, extra, fe.json_head), keep_alive, "rpc")
+                self._write(json_response(exchange.status, exchange.body(), keep_alive, extra, fe.json_head), keep_alive, "rpc")
                 self._budget.written(exchange, self._write_paused)
             return
         self._responses.append(exchange)
@@ -1738,7 +1654,7 @@ class HttpProtocol(asyncio.Protocol):
                 if type(keep_alive) is bool:  # no CORS headers: _answer inlined, for speed
                     extra = self._keep_header if keep_alive else b""
                     self._write(
-                        _json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head),
+                        json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head),
                         keep_alive, "rpc",
                     )  # fmt: skip
                     if self._write_paused:  # (ResponseBudget.written, inlined)
@@ -1762,7 +1678,7 @@ class HttpProtocol(asyncio.Protocol):
             keep_alive, extra = bool(context), b""
         if keep_alive:
             extra += self._keep_header
-        return _json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head), keep_alive
+        return json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head), keep_alive
 
     def _dispatch_waiting(self) -> None:
         """Dispatch the requests that wait (`_waiting`), in order, while `_gated` allows,
@@ -1787,8 +1703,8 @@ class HttpProtocol(asyncio.Protocol):
             # (submit_held: while draining, a request held here is served as in flight)
             exchange = fe.dispatcher.submit_held(fe.codec.decode(body), self._deferred_done, self._budget)
             if exchange is None:
-                extra = self._keep_header if deferred.keep_alive else _CLOSE
-                deferred.response = _STATUS_LINES[204] + fe.date + deferred.cors + extra + b"\r\n"
+                extra = self._keep_header if deferred.keep_alive else CLOSE
+                deferred.response = STATUS_LINES[204] + fe.date + deferred.cors + extra + b"\r\n"
             else:
                 exchange.context = (deferred.keep_alive, deferred.cors) if deferred.cors else deferred.keep_alive
                 deferred.exchange = busy = self._busy = exchange
@@ -1821,7 +1737,7 @@ class HttpProtocol(asyncio.Protocol):
                     break  # resume_writing comes back here
                 keep_alive = head.keep_alive
                 fe = self._fe
-                answer = fe.scrape_answer(max(head.build, self._scraped + 1), self._keep_header if keep_alive else _CLOSE)
+                answer = fe.scrape_answer(max(head.build, self._scraped + 1), self._keep_header if keep_alive else CLOSE)
                 if answer is None:
                     fe.wait_scrape(self)  # the next build comes back here
                     break
@@ -1930,7 +1846,7 @@ class HttpProtocol(asyncio.Protocol):
         head, _, body = response.partition(b"\r\n\r\n")
         if self._keep_header:  # (HTTP/1.0: "connection: keep-alive")
             head = head.replace(b"\r\n" + self._keep_header[:-2], b"")
-        return head + b"\r\n" + _CLOSE + b"\r\n" + body
+        return head + b"\r\n" + CLOSE + b"\r\n" + body
 
     def stop_close(self) -> None:
         """Close for the broker's stop. Requests may still be on their way unread
@@ -1984,7 +1900,7 @@ class HttpProtocol(asyncio.Protocol):
         body = b'{"error":"' + message + b'"}'
         if keep_alive:
             extra += self._keep_header
-        response = _json_response(status, body, keep_alive, extra, self._fe.json_head)
+        response = json_response(status, body, keep_alive, extra, self._fe.json_head)
         if head:  # a HEAD answer has the headers of the GET answer and no body (RFC 9110 9.3.2)
             response = response[: len(response) - len(body)]
         self._queue(response, keep_alive, path)
@@ -1993,9 +1909,9 @@ class HttpProtocol(asyncio.Protocol):
         """Queue an Invalid Request error object (id null) whose `data` says why, as `status`;
         `path` is its label in the statuses counter (`PATHS`); `cors`: the CORS headers of an
         allowed Origin (round 34: a 415 to one had none, and the page could not read why)."""
-        body = _error_body(ErrorCode.INVALID_REQUEST, data)
+        body = error_body(ErrorCode.INVALID_REQUEST, data)
         extra = (self._keep_header if keep_alive else b"") + cors
-        self._queue(_json_response(status, body, keep_alive, extra, self._fe.json_head), keep_alive, path)
+        self._queue(json_response(status, body, keep_alive, extra, self._fe.json_head), keep_alive, path)
 
     def _answer_and_close(self, status: int, message: bytes) -> None:
         """Answer an unreadable request and close (lingering: it may still be sending)."""
@@ -2032,7 +1948,7 @@ class HttpProtocol(asyncio.Protocol):
             # max_body_bytes moved the JSON-RPC counters; round 28: so did a head under way, whose path
             # is not known yet, to /healthz as well)
             cors = b"" if self._origin is None else fe.cors_headers(self._origin) or b""  # (round 34: a page
-            self._queue(_json_response(status, body or fe.too_large_body, False, cors, fe.json_head), False, path)
+            self._queue(json_response(status, body or fe.too_large_body, False, cors, fe.json_head), False, path)
             fe.dispatcher.count_refused_body(code)  # allowed to call could not read why, as for 415)
         else:  # Not JSON-RPC: a plain error, counted by its path and status only (hostile
             # testing, round 26: a body sent to /healthz got a -32600 error object, and
