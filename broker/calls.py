@@ -21,7 +21,7 @@ from broker.jsonrpc import ErrorCode, Request, error_object
 from broker.wire import CALL, CANCEL_ACK, CANCEL_ACK_RAN, CHUNK, NOTIFY
 
 if typing.TYPE_CHECKING:
-    from broker.pool import Worker
+    from broker.channel import Worker
 
 __all__ = [
     "ACKS", "NO_ID", "TRANSITIONS", "Call", "CallState", "Route", "as_timed_out", "held_bytes", "hold", "live",

@@ -135,7 +135,7 @@ from broker.wire import (
 )
 
 if typing.TYPE_CHECKING:
-    from broker.pool import Worker
+    from broker.channel import Worker
 
 __all__ = ["TRANSITIONS", "Call", "CallState", "Dispatcher", "Exchange", "Outgoing", "ResponseBudget", "Route"]
 

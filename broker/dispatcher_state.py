@@ -16,11 +16,11 @@ from collections import OrderedDict
 if typing.TYPE_CHECKING:
     from broker.answers import ResponseBudget
     from broker.calls import Call, Route
+    from broker.channel import Worker
     from broker.deadlines import DeadlineWheel
     from broker.fairqueue import FairQueue, Largest
     from broker.isolation import Isolation
     from broker.metrics import CallMetrics
-    from broker.pool import Worker
 
 __all__ = ["DispatcherState"]
 

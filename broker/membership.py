@@ -26,7 +26,7 @@ from broker.routing import BLOCKING_US
 from broker.wire import NOTIFY, RETURNABLE
 
 if typing.TYPE_CHECKING:
-    from broker.pool import Worker
+    from broker.channel import Worker
 
 __all__ = ["RESTART_WAIT_SECONDS", "Membership"]
 

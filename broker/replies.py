@@ -57,7 +57,7 @@ from broker.wire import (
 )
 
 if typing.TYPE_CHECKING:
-    from broker.pool import Worker
+    from broker.channel import Worker
 
 __all__ = ["Replies", "error_code"]
 

@@ -130,7 +130,7 @@ from broker.wire import CHUNK
 if typing.TYPE_CHECKING:
     from broker.answers import ResponseBudget
     from broker.calls import Call
-    from broker.pool import Worker
+    from broker.channel import Worker
 
 __all__ = ["BLOCKING_US", "HEAVY_BYTES", "Routing"]
 

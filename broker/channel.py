@@ -1,0 +1,225 @@
+"""The broker's end of one worker, besides supervising it: the slot's record (`Worker`, its
+`WorkerState` and `TRANSITIONS`) and its Unix socket's protocol (`WorkerChannel`: frames out
+as calls are sent, replies in to `Dispatcher.on_reply`). broker/pool.py starts, watches and
+replaces the processes; its module docstring says how a slot lives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import typing
+
+from broker import wire
+from broker.wire import BYE, CHUNK_REPLY, ERROR, HELLO, RESULT
+
+if typing.TYPE_CHECKING:
+    from broker.pool import Pool
+
+__all__ = ["TRANSITIONS", "CodeChanged", "Worker", "WorkerChannel", "WorkerState"]
+
+log = logging.getLogger("broker.pool")  # (the pool's logger: these are its lines)
+
+
+class WorkerState(enum.Enum):
+    """The life of one worker slot (see `TRANSITIONS`)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.STARTING: frozenset({WorkerState.READY, WorkerState.DEAD}),
+    WorkerState.READY: frozenset({WorkerState.DRAINING, WorkerState.DEAD}),
+    WorkerState.DRAINING: frozenset({WorkerState.DEAD}),
+    WorkerState.DEAD: frozenset({WorkerState.STARTING}),
+}
+
+
+class Worker:
+    """One worker slot: its current process, channel, state and load."""
+
+    __slots__ = (
+        "blocked",
+        "channel",
+        "concurrency",
+        "exited",
+        "failures",
+        "heavy",
+        "kill_reason",
+        "leaving",
+        "limit",
+        "outstanding",
+        "overdue",
+        "pid",
+        "process",
+        "restart_at",
+        "slot",
+        "started_at",
+        "state",
+        "sync_calls",
+        "sync_since",
+        "sync_until",
+        "took_calls",
+    )
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.state = WorkerState.DEAD
+        self.pid = 0
+        self.process: asyncio.subprocess.Process | None = None
+        self.channel: WorkerChannel | None = None
+        self.outstanding = 0
+        self.concurrency = 1
+        self.limit = 1  # calls in flight it may have now (the dispatcher's: see dispatch.py)
+        self.sync_calls = 0  # sync calls in flight (the dispatcher's)
+        self.blocked = False  # busy in a blocking sync call, its limit taken down (the dispatcher's)
+        # When its blocking sync calls in flight began, and are expected to end (time.perf_counter()
+        # s, from their methods' estimates; the dispatcher's: `_pick_blocked` picks by it)
+        self.sync_since = self.sync_until = 0.0
+        self.heavy = 0  # bytes of large params (routing.HEAVY_BYTES or more each) of its calls in flight (the dispatcher's)
+        # Ids of its calls past their deadline, cancelled and not answered yet: while any, it
+        # takes no new call while another worker is ready (the dispatcher's)
+        self.overdue: set[int] = set()
+        self.started_at = 0.0
+        self.restart_at = 0.0  # time.monotonic() at which its restart backoff ends (0: not in one)
+        self.failures = 0
+        self.took_calls = False  # this process was sent a call (the dispatcher's `_send`)
+        self.exited: asyncio.Future[int] | None = None
+        self.kill_reason = ""  # why the broker killed this process, if it did
+        self.leaving = False  # this process asked to leave (SIGTERM: `Pool.worker_leaving`)
+
+    def move(self, state: WorkerState) -> None:
+        """Change state; raises `RuntimeError` on a transition not in `TRANSITIONS`."""
+        if state not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"worker {self.slot}: {self.state.name} -> {state.name} is not a transition")
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<Worker slot={self.slot} pid={self.pid} {self.state.name} outstanding={self.outstanding}>"
+
+
+_pack_header = wire.HEADER.pack
+_pack_call = wire.CALL_HEADER.pack
+_DEADLINE_SIZE = wire.DEADLINE.size
+FLUSH_AT_BYTES = 256 * 1024  # write at once past this much queued, else once per loop turn
+
+
+class CodeChanged(wire.FrameError):
+    """A restarted worker's HELLO names other methods than the pool serves: the app
+    changed on disk without a SIGHUP (`Pool.hello`); a reload to that code follows."""
+
+    hint = "a reload to the code on disk follows by itself; send SIGHUP after changing the app"
+
+
+class WorkerChannel(asyncio.Protocol):
+    """The broker's end of one worker's Unix socket.
+
+    `send` queues a frame; everything queued in one loop iteration goes out in one
+    write. Replies go straight to `Dispatcher.on_reply`.
+    """
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self._dispatcher = pool.dispatcher
+        # A chunk's reply frame holds up to max_frame_bytes of answers plus one entry
+        # header (worker.WorkerProtocol._chunk_answer): a result of exactly the limit fits.
+        self._decoder = wire.FrameDecoder(pool.max_frame_bytes + wire.REPLY_ENTRY.size)
+        self._out = bytearray()
+        self._flush_scheduled = False
+        self._transport: asyncio.Transport | None = None
+        self.worker: Worker | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = typing.cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        # Only while it is its worker's channel: a restart with no backoff (a hung kill, a
+        # worker up 30 s) can reap the old process and start the slot's next before this
+        # socket's end is read, which then made the new one DEAD, refused its HELLO ("from
+        # pid N, expected pid N") and killed it (hostile testing, round 75).
+        if self.worker is not None and self.worker.channel is self:
+            self._pool.channel_lost(self.worker)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except wire.FrameError as exc:
+            log.error("worker %s sent a bad frame: %s (%s)", self.worker, exc, exc.hint)
+            if self.worker is not None and not self.worker.kill_reason:  # (its calls' `status` says why it went:
+                self.worker.kill_reason = "it sent a bad frame"  # round 83, a bare "exited with 0")
+            self.close()
+            return
+        worker = self.worker
+        on_reply = self._dispatcher.on_reply
+        for kind, call_id, aux, payload in frames:
+            if worker is not None and (kind == RESULT or kind == ERROR or kind >= CHUNK_REPLY):
+                # (a `try` costs nothing until it catches, CPython 3.11's zero-cost exceptions)
+                try:
+                    on_reply(worker, kind, call_id, aux, payload)
+                except Exception:  # a bug in answering one reply (hostile testing: a front-end's
+                    # write after its half-close) must not close this channel: the worker would
+                    # be lost with every other client's calls on it (-32002)
+                    log.exception("answering call %d of worker %s failed; the worker is kept", call_id, worker)
+            elif kind == HELLO and worker is None:
+                try:
+                    worker = self.worker = self._pool.hello(self, wire.decode_hello(payload))
+                except wire.WireMismatch as exc:
+                    log.error("rejected a worker connection: %s", exc)
+                    self._pool.wire_mismatch(exc)
+                    self.close()
+                    return
+                except CodeChanged as exc:  # (expected, and healed by the reload: logged as WARNING)
+                    log.info("closing the connection of a worker whose code changed on disk: %s", exc)
+                    self.close()
+                    return
+                except wire.FrameError as exc:
+                    log.error("rejected a worker connection: %s", exc)
+                    self.close()
+                    return
+            elif kind == BYE and worker is not None:  # it asks to leave (SIGTERM)
+                self._pool.worker_leaving(worker)
+            else:
+                log.error("worker %s sent an unexpected frame kind %d", worker, kind)
+                self.close()
+                return
+
+    def send(self, kind: int, call_id: int, aux: int, payload: bytes | bytearray | memoryview) -> None:
+        """Queue one frame for the worker (written at the end of this loop iteration):
+        CANCEL, BYE; a call's goes with its deadline (`send_call`)."""
+        self._out += _pack_header(len(payload), kind, call_id, aux)
+        self._out += payload
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._pool.loop.call_soon(self.flush)
+
+    def send_call(
+        self, kind: int, call_id: int, aux: int, deadline: float, flow: int, params: bytes | bytearray | memoryview
+    ) -> None:
+        """Queue a CALL, NOTIFY or CHUNK frame: `params` (a CHUNK's entries) after the
+        call's `deadline` (CLOCK_MONOTONIC s: the worker starts no call past it) and `flow`
+        (its connection's number, u32: the worker takes turns among flows); see `wire`."""
+        out = self._out
+        out += _pack_call(_DEADLINE_SIZE + len(params), kind, call_id, aux, deadline, flow)
+        out += params
+        if len(out) >= FLUSH_AT_BYTES:
+            self.flush()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._pool.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write everything queued now."""
+        self._flush_scheduled = False
+        if self._out and self._transport is not None:
+            self._transport.write(bytes(self._out))
+        self._out.clear()
+
+    def close(self) -> None:
+        """Close the socket (the worker exits when it sees that)."""
+        if self._transport is not None:
+            self._transport.close()
