@@ -238,6 +238,9 @@ class Dispatcher(Membership, Routing, Replies):
         self._alone_held = False  # a connection's calls wait out of turn for a worker to run alone
         # ... or for room for their large params (max_worker_params_bytes), oldest first (`_release_for_room`)
         self._room_waiters: OrderedDict[ResponseBudget, None] = OrderedDict()
+        # ... and by their first calls' sizes, smallest first: (bytes, order, connection), some stale
+        self._room_heap: list[tuple[int, int, ResponseBudget]] = []
+        self._room_order = itertools.count()
         self._share_waiters: dict[ResponseBudget, None] = {}  # ... for one of their own to end (their share)
         self._releasing: set[ResponseBudget] = set()  # those `_release_for_room` let go, in this `_pump`
         # The worker kept for the oldest of them that fits nowhere, and its connection (`_release_for_room`)
@@ -754,6 +757,7 @@ class Dispatcher(Membership, Routing, Replies):
         self._queue.release_all()
         self._alone_held = False
         self._room_waiters.clear()
+        self._room_heap.clear()
         self._share_waiters.clear()
         self._reserved = self._reserved_for = None
 
@@ -791,6 +795,7 @@ class Dispatcher(Membership, Routing, Replies):
                         if self._roomless == 2:
                             self._share_waiters[owner] = None
                         else:  # (one let go that sent nothing keeps its place; a new one goes last)
+                            self._push_waiter(owner)  # (by size: `_release_for_room`; a stale entry is passed over)
                             self._room_waiters[owner] = None
                             self._releasing.discard(owner)
                             if self._reserved is None:  # (the oldest that fits nowhere: see `_release_for_room`)

@@ -116,6 +116,7 @@ with 4 MB of room free on each worker). Those past their connection's share
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import time
@@ -144,7 +145,6 @@ _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any re
 # uncounted doubled the stall the bound leaves. 4 MiB over 16 KiB: 256 calls, past the default
 # concurrency, so calls just over it are never held for room.)
 HEAVY_BYTES = 16 * 1024
-_PASSED = 16  # waiters for room that fit nowhere looked at in one `_release_for_room`
 _LEFT_MS = 1 << 24  # a blocked worker's expected wait when picking, ms, at most (4.6 h; past it, equal)
 _clock = time.perf_counter
 
@@ -437,19 +437,21 @@ class Routing(DispatcherState):
 
     def _release_for_room(self) -> None:
         """Put back in turn the connections waiting for room for their large params
-        (`_room_waiters`), the oldest first, whose first calls the workers that take calls now
-        (ready, a place free, neither blocked nor overdue) have room for (first fit, as if each
-        went; a worker with none holds one, whatever its size). The oldest that fits nowhere
-        has the worker with the fewest large params in flight kept for it (`_reserved`: no
-        other large call goes there until it has gone), and those after it that fit elsewhere
-        go on (hostile testing, round 94: behind one call too large for any worker's room
-        left, every other client's large call waited, first in, first out, up to 19 s with
-        4 MB of room free on each worker). At most `_PASSED` that fit nowhere are looked at
-        each time. One past its connection's share of the room waits for one of its own
-        calls instead (`_share_waiters`). O(workers x (those let go + `_PASSED`))."""
+        (`_room_waiters`) whose first calls the workers that take calls now (ready, a place
+        free, neither blocked nor overdue) have room for (as if each went, first fit; a worker
+        with none takes one, whatever its size): the oldest first if it fits, then the smallest
+        first (`_room_heap`, so that those that fit are found without looking at those that do
+        not: hostile testing, round 95, a call behind 16 that fit nowhere was never looked at,
+        18 to 29 s with room for it free). The oldest that fits nowhere has the worker with the
+        fewest large params in flight kept for it (`_reserve`): no other large call goes there
+        until it has gone, so that smaller ones do not pass it over for ever (round 94: with
+        strict first in, first out, behind one such call every other client's large call waited
+        up to 19 s with 4 MB of room free on each worker). One past its connection's share of
+        the room waits for one of its own calls instead (`_share_waiters`). O(workers x (those
+        let go + 1) + log(waiting)) amortised."""
         waiters = self._room_waiters
         queue = self._queue
-        cap = self._heavy_cap
+        heap = self._room_heap
         reserved = self._reserved
         if reserved is not None and (reserved not in self._ready or self._reserved_for not in waiters):
             reserved = self._reserved = self._reserved_for = None
@@ -458,45 +460,85 @@ class Routing(DispatcherState):
             if w.outstanding < w.limit and not w.blocked and not w.overdue
         ]
         places = sum(room[1] for _w, room in free)
-        gone: list[ResponseBudget] = []
         go: list[ResponseBudget] = []
-        promised: set[Worker] = set()  # (workers with room for one let go before)
-        passed = 0
-        for owner in waiters:
-            # (its first call's size, now: calls given back may have gone before it, `_requeue`)
-            size = self._large(queue.first(owner)) if owner.queued else 0
-            if not size:  # (its calls are gone, answered at their deadline or its connection's; or its
-                gone.append(owner)  # first is not large now: whatever holds it, `_pump` decides again)
-                queue.release(owner)
+        first = None  # the oldest waiting: it goes first if it fits
+        while waiters:
+            first = next(iter(waiters))
+            size = self._waiting_size(first)
+            if size and first.heavy and first.heavy + size > self._heavy_share:
+                size = 0  # (past its share: it waits for a call of its own to end)
+                if queue.is_held(first):
+                    self._share_waiters[first] = None
+            elif size:
+                break
+            else:  # (gone, or its first call is not large now: whatever holds it, `_pump` decides)
+                queue.release(first)
+            del waiters[first]
+            first = None
+        if first is not None and places and self._fits(free, first, size, reserved):
+            go.append(first)
+            places -= 1
+            if first is self._reserved_for:  # (it goes: the worker kept for it is kept no more)
+                reserved = None
+        kept = self._reserved_for  # (and the one a worker is kept for, wherever it waits)
+        if reserved is not None and kept is not None and places and (size := self._waiting_size(kept)) and not (
+            kept.heavy and kept.heavy + size > self._heavy_share
+        ) and self._fits(free, kept, size, reserved):
+            go.append(kept)
+            places -= 1
+            reserved = None
+        while heap and places:  # (then the smallest first)
+            size, _order, owner = heap[0]
+            if owner not in waiters or owner in go or self._waiting_size(owner) != size:
+                heapq.heappop(heap)  # (stale: gone, let go, or waiting for another size now)
+                if owner in waiters and owner not in go:
+                    self._push_waiter(owner)
                 continue
             if owner.heavy and owner.heavy + size > self._heavy_share:
-                gone.append(owner)
+                heapq.heappop(heap)  # (past its share: it waits for a call of its own to end)
+                del waiters[owner]
                 if queue.is_held(owner):
                     self._share_waiters[owner] = None
                 continue
-            if not places:
-                break
-            # (held; or put back in turn meanwhile, `_give_back`, `_start`: it keeps its place)
-            for w, room in free:
-                if room[1] and (not room[0] or room[0] + size <= cap) and (w is not reserved or owner is self._reserved_for):
-                    room[0] += size
-                    room[1] -= 1
-                    places -= 1
-                    go.append(owner)
-                    promised.add(w)
-                    if owner is self._reserved_for:  # (it goes: the worker kept for it is kept no more)
-                        reserved = None
-                    break
-            else:
-                if reserved is None:  # (of those not promised to one before it: none, the next time)
-                    reserved = self._reserve(owner, promised)
-                passed += 1
-                if passed >= _PASSED:
-                    break
-        for owner in gone:
-            del waiters[owner]
-        if self._reserved_for is not None and self._reserved_for not in waiters:
-            self._reserved = self._reserved_for = None
+            if not self._fits(free, owner, size, reserved):
+                break  # (the smallest fits nowhere: nor does any other)
+            heapq.heappop(heap)
+            go.append(owner)
+            places -= 1
+            if owner is self._reserved_for:
+                reserved = None
         for owner in go:  # (each keeps its place until a call of its goes: `_pump`)
             self._releasing.add(owner)
             queue.release(owner)  # (if held)
+        if self._reserved_for is not None and self._reserved_for not in waiters:
+            self._reserved = self._reserved_for = None
+        if reserved is None and self._reserved is None:  # (the oldest not let go fits nowhere: one is kept for it)
+            oldest = next((o for o in waiters if o not in self._releasing), None)
+            if oldest is not None:
+                self._reserve(oldest, {w for w, room in free if room[0] != w.heavy})
+        if len(heap) > 2 * len(waiters) + 64:  # (stale entries bounded)
+            heap.clear()
+            for owner in waiters:
+                self._push_waiter(owner)
+
+    def _fits(self, free: list[tuple[Worker, list[int]]], owner: ResponseBudget, size: int, reserved: Worker | None) -> bool:
+        """Whether a worker of `free` (`_release_for_room`) has a place and room for `size`
+        bytes of `owner`'s large params (the one kept for another's, no); if so, they are
+        counted there, first fit."""
+        cap = self._heavy_cap
+        for w, room in free:
+            if room[1] and (not room[0] or room[0] + size <= cap) and (w is not reserved or owner is self._reserved_for):
+                room[0] += size
+                room[1] -= 1
+                return True
+        return False
+
+    def _waiting_size(self, owner: ResponseBudget) -> int:
+        """The bytes of large params of `owner`'s first queued call (0: none queued, or not large)."""
+        return self._large(self._queue.first(owner)) if owner.queued else 0
+
+    def _push_waiter(self, owner: ResponseBudget) -> None:
+        """(Re)enter `owner`, waiting for room, in `_room_heap` by its first call's size."""
+        size = self._waiting_size(owner)
+        if size:
+            heapq.heappush(self._room_heap, (size, next(self._room_order), owner))

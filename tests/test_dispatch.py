@@ -2383,6 +2383,30 @@ def test_a_call_too_large_for_any_workers_room_left_holds_back_no_other_waiting_
     run(main)
 
 
+def test_a_call_behind_many_that_fit_nowhere_goes_when_room_for_it_frees():
+    """Hostile testing, round 95 (MEDIUM): the waiters for room were looked at oldest first,
+    at most 16 that fit nowhere each time, so a call behind 16 of them was never looked at,
+    and waited 18 to 29 s with room for it free. Those that fit are found by size now."""
+
+    async def main() -> None:
+        d, [w0, w1], codec = large_params_dispatcher(2)
+        d.submit(body(codec, req("a", ["x" * 166], "f0")), lambda e: None)  # (170 bytes on one worker,
+        d.submit(body(codec, req("a", ["x" * 126], "f1a")), lambda e: None)  # 130 + 50 on the other)
+        d.submit(body(codec, req("a", ["x" * 46], "f1b")), lambda e: None)
+        assert sorted((w0.heavy, w1.heavy)) == [170, 180] and not d.queued_calls
+        w0.channel.take(), w1.channel.take()  # type: ignore[union-attr]
+        for i in range(20):  # (100 bytes each: they fit nowhere)
+            d.submit(body(codec, req("a", ["w" * 96], i)), lambda e: None)
+        d.submit(body(codec, req("a", ["h" * 46], "honest")), lambda e: None)  # (50 bytes: nowhere yet)
+        assert d.held_calls == 21
+        fuller = w0 if w0.heavy == 180 else w1
+        small = next(c for c, call in d._pending.items() if call.heavy == 50)
+        d.on_reply(fuller, wire.Kind.RESULT, small, 10, b"0")  # (50 bytes of room on it: the honest call's)
+        assert [first_params(f) for f in fuller.channel.take()] == [["h" * 46]] and d.held_calls == 20  # type: ignore[union-attr]
+
+    run(main)
+
+
 def test_one_connections_share_of_the_room_for_large_params_follows_connection_share():
     """Hostile testing, round 94 (LOW): a connection's share of the room for large params was
     half the workers' whatever `connection_share` said; at 1 (a single trusted client) it may
