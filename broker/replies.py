@@ -446,7 +446,8 @@ class Replies(DispatcherState):
                     call.sync = 1 if blocking else -1
             elif index in call.methods:
                 call.sync = sum(flags[m] for m in call.methods)
-        log.debug("sync method %s takes about %d us: %s", name, est, "blocking" if blocking else "not blocking")
+        log.debug("sync method %s: its estimated time crossed %d us (now %d us): %s", name, BLOCKING_US, est,
+                  "blocking" if blocking else "not blocking")
 
     def _learn_chunk(self, call: Call, aux: int) -> None:
         """Learn a sync method's service time from a chunk of its calls alone (a
