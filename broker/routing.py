@@ -430,8 +430,16 @@ class Routing(DispatcherState):
     def _reserve(self, owner: ResponseBudget, promised: typing.Collection[Worker] = ()) -> Worker | None:
         """Keep the ready worker with the fewest large params in flight (not one of `promised`)
         for `owner`'s first call, which fits no worker's room (`_release_for_room`): no other
-        large call goes there until it has gone. None if there is none."""
-        self._reserved = min((w for w in self._ready if w not in promised), key=_heavy_of, default=None)
+        large call goes there until it has gone. Of those that take calls now: not one blocked
+        in a sync call, overdue, or spent on a call run alone (hostile testing, round 96: one
+        blocked had none, was kept, and the oldest waited 17.7 s for its sync call while newer
+        calls took the room freed elsewhere; `_release_for_room` moves it off one that blocks
+        later). None if there is none."""
+        alone = self._alone
+        self._reserved = min(
+            (w for w in self._ready if w not in promised and not w.blocked and not w.overdue and w not in alone),
+            key=_heavy_of, default=None,
+        )
         self._reserved_for = owner if self._reserved is not None else None
         return self._reserved
 
@@ -453,7 +461,10 @@ class Routing(DispatcherState):
         queue = self._queue
         heap = self._room_heap
         reserved = self._reserved
-        if reserved is not None and (reserved not in self._ready or self._reserved_for not in waiters):
+        if reserved is not None and (
+            reserved not in self._ready or self._reserved_for not in waiters
+            or reserved.blocked or reserved.overdue or reserved in self._alone
+        ):  # (kept for one gone, or it takes no call now: another is kept, below)
             reserved = self._reserved = self._reserved_for = None
         free = [  # (a worker, and [its large params, its places free], as if those let go went)
             (w, [w.heavy, w.limit - w.outstanding]) for w in self._ready

@@ -2383,6 +2383,30 @@ def test_a_call_too_large_for_any_workers_room_left_holds_back_no_other_waiting_
     run(main)
 
 
+def test_the_worker_kept_for_a_call_too_large_for_any_room_left_is_one_that_takes_calls():
+    """Hostile testing, round 96 (HIGH): the worker kept for the oldest call waiting for room
+    was the one with the fewest large params, which one blocked in a long sync call is: the
+    call waited for that sync call (17.7 s, or to its deadline) while newer, smaller calls took
+    the room freed on the other worker. A worker blocked, overdue or running a call alone is
+    not kept, and one that blocks after is kept no more."""
+
+    async def main() -> None:
+        d, [w0, w1], codec = large_params_dispatcher(2)
+        d.submit(body(codec, req("slow", [20], "spin")), lambda e: None)
+        blocked, other = (w0, w1) if w0.blocked else (w1, w0)
+        d.submit(body(codec, req("a", ["x" * 116], "fill")), lambda e: None)  # (120 bytes on the other)
+        blocked.channel.take(), other.channel.take()  # type: ignore[union-attr]
+        d.submit(body(codec, req("a", ["b" * 100], "big")), lambda e: None)  # (104: 120 + 104 > 200)
+        assert d.held_calls == 1 and d._reserved is other
+        d.submit(body(codec, req("a", ["s" * 54], "newer")), lambda e: None)  # (58: it would fit; kept)
+        assert d.held_calls == 2 and not other.channel.take()  # type: ignore[union-attr]
+        fill = next(c for c, call in d._pending.items() if call.worker is other)
+        d.on_reply(other, wire.Kind.RESULT, fill, 10, b"0")
+        assert [first_params(f) for f in other.channel.take()][:1] == [["b" * 100]]  # type: ignore[union-attr]
+
+    run(main)
+
+
 def test_a_call_behind_many_that_fit_nowhere_goes_when_room_for_it_frees():
     """Hostile testing, round 95 (MEDIUM): the waiters for room were looked at oldest first,
     at most 16 that fit nowhere each time, so a call behind 16 of them was never looked at,
