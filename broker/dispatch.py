@@ -798,8 +798,8 @@ class Dispatcher(Membership, Routing, Replies):
                             self._push_waiter(owner)  # (by size: `_release_for_room`; a stale entry is passed over)
                             self._room_waiters[owner] = None
                             self._releasing.discard(owner)
-                            if self._reserved is None:  # (the oldest that fits nowhere: see `_release_for_room`)
-                                self._reserve(owner)
+                            if self._reserved is None and owner is next(iter(self._room_waiters)):
+                                self._reserve(owner)  # (the oldest, fitting nowhere: see `_release_for_room`)
                         continue
                     if self._isolation.alone and call.slots is None and call.index in self._isolation.waits and (
                         self._ready
@@ -814,6 +814,10 @@ class Dispatcher(Membership, Routing, Replies):
                 if self._releasing and owner in self._releasing:  # (it waited for room, and went: its next
                     self._releasing.discard(owner)  # large call waits behind those waiting, if any)
                     self._room_waiters.pop(owner, None)
+                    if owner is self._reserved_for:
+                        self._reserved = self._reserved_for = None
+                elif call.heavy and self._room_waiters and owner in self._room_waiters:  # (it went another way, put
+                    del self._room_waiters[owner]  # back in turn by its own answer: it waits no more; round 97)
                     if owner is self._reserved_for:
                         self._reserved = self._reserved_for = None
                 if metrics is not None:

@@ -461,10 +461,12 @@ class Routing(DispatcherState):
         queue = self._queue
         heap = self._room_heap
         reserved = self._reserved
+        kept = self._reserved_for
         if reserved is not None and (
-            reserved not in self._ready or self._reserved_for not in waiters
-            or reserved.blocked or reserved.overdue or reserved in self._alone
-        ):  # (kept for one gone, or it takes no call now: another is kept, below)
+            kept is None or reserved not in self._ready or kept not in waiters
+            or not self._waiting_size(kept) or reserved.blocked or reserved.overdue or reserved in self._alone
+        ):  # (kept for one that waits no more, or it takes no call now: another is kept, below; round 97:
+            # kept for a connection whose large call had gone, a worker sat idle while 53 waited)
             reserved = self._reserved = self._reserved_for = None
         free = [  # (a worker, and [its large params, its places free], as if those let go went)
             (w, [w.heavy, w.limit - w.outstanding]) for w in self._ready
@@ -524,7 +526,8 @@ class Routing(DispatcherState):
         if self._reserved_for is not None and self._reserved_for not in waiters:
             self._reserved = self._reserved_for = None
         if reserved is None and self._reserved is None:  # (the oldest not let go fits nowhere: one is kept for it)
-            oldest = next((o for o in waiters if o not in self._releasing), None)
+            oldest = next(
+                (o for o in waiters if o not in self._releasing and queue.is_held(o) and self._waiting_size(o)), None)
             if oldest is not None:
                 self._reserve(oldest, {w for w, room in free if room[0] != w.heavy})
         if len(heap) > 2 * len(waiters) + 64:  # (stale entries bounded)

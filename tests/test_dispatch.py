@@ -2407,6 +2407,31 @@ def test_the_worker_kept_for_a_call_too_large_for_any_room_left_is_one_that_take
     run(main)
 
 
+def test_a_worker_kept_for_a_call_that_waits_no_more_is_kept_no_more():
+    """Hostile testing, round 97 (HIGH): under a backlog of large calls, the worker kept for
+    a connection stayed kept after its large call had gone another way (or expired), while
+    the connection sat in the middle of those waiting: that worker sat idle, no call at all,
+    for 16 s while 53 connections waited and timed out. A worker is kept only for a
+    connection whose first call is a large one still waiting."""
+
+    async def main() -> None:
+        d, [w0, w1], codec = large_params_dispatcher(2, method_timeouts={"b": 0.05})
+        d.submit(body(codec, req("a", ["x" * 96], "fill0")), lambda e: None)  # (100 bytes on one worker,
+        d.submit(body(codec, req("a", ["x" * 146], "fill1")), lambda e: None)  # 150 on the other)
+        light = w0 if w0.heavy == 100 else w1
+        w0.channel.take(), w1.channel.take()  # type: ignore[union-attr]
+        answers: list[Exchange] = []
+        d.submit(body(codec, req("b", ["o" * 106], "kept for")), answers.append)  # (110: fits nowhere)
+        assert d._reserved is light
+        d.submit(body(codec, req("a", ["c" * 76], "other")), lambda e: None)  # (80: fits the kept one only)
+        assert d.held_calls == 2 and not light.channel.take()  # type: ignore[union-attr]
+        d._room_waiters.move_to_end(d._reserved_for)  # type: ignore[arg-type]  # (behind the other, as round 97 saw it)
+        await wait_until(lambda: len(answers) == 1)  # the first expires, -32001: the other goes
+        assert [first_params(f) for f in light.channel.take()] == [["c" * 76]] and d._reserved is None  # type: ignore[union-attr]
+
+    run(main)
+
+
 def test_a_call_behind_many_that_fit_nowhere_goes_when_room_for_it_frees():
     """Hostile testing, round 95 (MEDIUM): the waiters for room were looked at oldest first,
     at most 16 that fit nowhere each time, so a call behind 16 of them was never looked at,
