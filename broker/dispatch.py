@@ -249,6 +249,7 @@ class Dispatcher(Membership, Routing, Replies):
         # `_pick_blocked` found no room for a call's large params (1), or its connection holds its
         # share of the room (2), and nothing else kept it; and how large they are (`_large`)
         self._roomless = 0
+        self._joined = False  # (a large call joined those waiting for room in this `_pump`)
         self._isolation_handle: asyncio.TimerHandle | None = None  # (`_isolation_timer`)
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
@@ -761,11 +762,13 @@ class Dispatcher(Membership, Routing, Replies):
         self._share_waiters.clear()
         self._reserved = self._reserved_for = None
 
-    def _pump(self) -> None:
+    def _pump(self, again: bool = False) -> None:
         """Start queued calls, in the queue's order (`FairQueue`), while a worker is under
         its limit. A call whose connection would go past its share of the workers' places
         (`connection_share`) is not started: its connection's calls are held out of turn
-        (`FairQueue.hold`) until it gives places back (`_give_back`)."""
+        (`FairQueue.hold`) until it gives places back (`_give_back`). A large call that joined
+        those waiting for room (`Routing._pick_blocked`) goes, if the room takes it in their
+        order, in a second round (`again`: once)."""
         queue = self._queue
         metrics = self.metrics
         share = self._share
@@ -795,6 +798,8 @@ class Dispatcher(Membership, Routing, Replies):
                         if self._roomless == 2:
                             self._share_waiters[owner] = None
                         else:  # (one let go that sent nothing keeps its place; a new one goes last)
+                            if self._roomless == 3:  # (it joined those waiting: the room may take it now)
+                                self._joined = True
                             self._push_waiter(owner)  # (by size: `_release_for_room`; a stale entry is passed over)
                             self._room_waiters[owner] = None
                             self._releasing.discard(owner)
@@ -833,6 +838,11 @@ class Dispatcher(Membership, Routing, Replies):
                 self._reserved = self._reserved_for = None
         if not queue:
             self._largest.clear()
+        if self._joined:  # (large calls joined those waiting for room: those the room takes go now, once)
+            self._joined = False
+            if not again and self._room_waiters:
+                self._pump(True)
+                return
         if self._alone and not self._alone_held and self._unreserve() and queue.head() is not None:
             self._pump()  # (no call waits for a worker of its own: what the reservation freed is used)
             return

@@ -65,6 +65,7 @@ class DispatcherState:
         _room_order: itertools.count[int]
         _room_waiters: OrderedDict[ResponseBudget, None]
         _roomless: int
+        _joined: bool
         _rotation: int
         _routes: dict[str, Route]
         _share: int

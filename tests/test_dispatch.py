@@ -2432,6 +2432,33 @@ def test_a_worker_kept_for_a_call_that_waits_no_more_is_kept_no_more():
     run(main)
 
 
+def test_a_connection_put_back_in_turn_by_its_own_answer_goes_behind_those_waiting_for_room():
+    """Hostile testing, round 97 (MEDIUM): under a backlog of large calls, a connection with
+    calls in flight, put back in turn by its own answer (its share of places or of the room
+    given back), sent its next large call into the room that answer freed, ahead of those
+    waiting for room: a new connection's single call waited 17 to 21 s, 3 x the median, while
+    pipelining connections passed it. A large call that comes while others wait for room
+    joins them, and goes in their order (the oldest first if it fits, then the smallest)."""
+
+    async def main() -> None:
+        d, [w0, w1], codec = large_params_dispatcher(2)
+        p, q, o = (ResponseBudget(d.outgoing) for _ in range(3))
+        for owner, tag in ((p, "p1"), (p, "p2"), (q, "q1"), (q, "q2")):  # (100 bytes each: both workers full)
+            d.submit(body(codec, req("a", ["x" * 96], tag)), lambda e: None, owner)
+        assert (w0.heavy, w1.heavy) == (200, 200)
+        w0.channel.take(), w1.channel.take()  # type: ignore[union-attr]
+        d.submit(body(codec, req("a", ["p" * 96], "p3")), lambda e: None, p)  # (past p's share: it waits for p's own)
+        d.submit(body(codec, req("a", ["o" * 96], "o1")), lambda e: None, o)  # (no room: it waits)
+        assert d.held_calls == 2 and o in d._room_waiters
+        p1 = next(c for c, call in d._pending.items() if call.owner is p)
+        worker = d._pending[p1].worker
+        d.on_reply(worker, wire.Kind.RESULT, p1, 10, b"0")  # (room for one: o's, the oldest waiting for room)
+        assert [first_params(f) for f in worker.channel.take()] == [["o" * 96]]  # type: ignore[union-attr]
+        assert d.held_calls == 1 and p in d._room_waiters
+
+    run(main)
+
+
 def test_a_call_behind_many_that_fit_nowhere_goes_when_room_for_it_frees():
     """Hostile testing, round 95 (MEDIUM): the waiters for room were looked at oldest first,
     at most 16 that fit nowhere each time, so a call behind 16 of them was never looked at,
