@@ -10,6 +10,7 @@ import asyncio
 import enum
 import logging
 import typing
+from collections import OrderedDict
 
 from broker import wire
 from broker.wire import BYE, CHUNK_REPLY, ERROR, HELLO, RESULT
@@ -49,6 +50,7 @@ class Worker:
         "exited",
         "failures",
         "heavy",
+        "heavy_calls",
         "kill_reason",
         "leaving",
         "limit",
@@ -81,6 +83,9 @@ class Worker:
         # s, from their methods' estimates; the dispatcher's: `_pick_blocked` picks by it)
         self.sync_since = self.sync_until = 0.0
         self.heavy = 0  # bytes of large params (routing.HEAVY_BYTES or more each) of its calls in flight (the dispatcher's)
+        # Those calls, the oldest first, with when each was sent (time.perf_counter() s; the dispatcher's:
+        # how soon it may be free of large params, `Routing._drains_in`)
+        self.heavy_calls: OrderedDict[object, float] = OrderedDict()
         # Ids of its calls past their deadline, cancelled and not answered yet: while any, it
         # takes no new call while another worker is ready (the dispatcher's)
         self.overdue: set[int] = set()

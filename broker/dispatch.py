@@ -693,6 +693,8 @@ class Dispatcher(Membership, Routing, Replies):
             heavy = call.heavy = self._large(call)
             worker.heavy += heavy
             call.owner.heavy += heavy
+            if heavy:
+                worker.heavy_calls[call] = _clock()
         worker.took_calls = True  # (its exit is no boot crash loop: `Pool._failures_after`)
         call.owner.in_flight += call.weight
         # A call not known to block, to a worker not busy in one, may come back unstarted if

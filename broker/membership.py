@@ -220,6 +220,7 @@ class Membership(DispatcherState):
             worker.blocked = False
             self._blocked -= 1
         worker.outstanding = worker.sync_calls = worker.heavy = 0
+        worker.heavy_calls.clear()
         worker.limit = worker.concurrency
         self._release_all()  # (their connections' places are free; those still past their share are held again)
         self._check_idle()

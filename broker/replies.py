@@ -294,6 +294,8 @@ class Replies(DispatcherState):
                     call.heavy -= heavy
                     worker.heavy -= heavy
                     owner.heavy -= heavy
+                    if not call.heavy:
+                        worker.heavy_calls.pop(call, None)
                     if owner in self._share_waiters:
                         del self._share_waiters[owner]
                         self._queue.release(owner)

@@ -110,8 +110,8 @@ in turn by its own answer) joins them, and goes in their order, in a second roun
 `_pump` if the room takes it (round 97: connections with calls in flight, put back in turn by
 their answers, took the room freed, and a new connection's single call waited 17 to 21 s, three
 times the median). A large call fits a worker with no room left for it only once that worker has none
-in flight, so the oldest that fits nowhere has the worker with the fewest kept for it
-(`_reserve`): no other large call goes there until it has gone, and it is not passed over for
+in flight, so the oldest that fits nowhere has the worker expected free of them soonest kept for it
+(`_reserve`, `_keep_sooner`): no other large call goes there until it has gone, and it is not passed over for
 ever by smaller ones; the others, older or newer, go where they fit (round 94: with strict
 first-in, first-out, behind one such call every other client's large call waited up to 19 s
 with 4 MB of room free on each worker). Those past their connection's share
@@ -151,10 +151,17 @@ _BLOCKED = 1 << 40  # added to a blocked worker's load when picking (past any re
 HEAVY_BYTES = 16 * 1024
 _LEFT_MS = 1 << 24  # a blocked worker's expected wait when picking, ms, at most (4.6 h; past it, equal)
 _clock = time.perf_counter
+# The worker kept for the oldest call waiting for room moves to another expected free of large
+# params sooner (`Routing._drains_in`) by more than this, and more than twice as soon
+RESERVE_MOVE_SECONDS = 1.0
 
 
-def _heavy_of(worker: Worker) -> int:
-    return worker.heavy
+def _drains_in(worker: Worker, now: float) -> float:
+    """Seconds until `worker` is expected to hold no large params: as long again as the oldest
+    of its calls that hold some has run (the rule of `_pick_blocked` for sync calls; round 91);
+    0 if it holds none."""
+    calls = worker.heavy_calls
+    return now - next(iter(calls.values())) if calls else 0.0
 
 
 class Routing(DispatcherState):
@@ -430,6 +437,7 @@ class Routing(DispatcherState):
         those that wait for it (`_release_for_room`, at the `_pump` that comes next), and its
         connection's calls held for its share of the room go back in turn."""
         worker.heavy -= call.heavy
+        worker.heavy_calls.pop(call, None)
         owner = call.owner
         owner.heavy -= call.heavy
         call.heavy = 0
@@ -438,20 +446,41 @@ class Routing(DispatcherState):
             self._queue.release(owner)
 
     def _reserve(self, owner: ResponseBudget, promised: typing.Collection[Worker] = ()) -> Worker | None:
-        """Keep the ready worker with the fewest large params in flight (not one of `promised`)
-        for `owner`'s first call, which fits no worker's room (`_release_for_room`): no other
-        large call goes there until it has gone. Of those that take calls now: not one blocked
-        in a sync call, overdue, or spent on a call run alone (hostile testing, round 96: one
-        blocked had none, was kept, and the oldest waited 17.7 s for its sync call while newer
-        calls took the room freed elsewhere; `_release_for_room` moves it off one that blocks
-        later). None if there is none."""
-        alone = self._alone
+        """Keep the ready worker expected to be free of large params soonest (`_drains_in`; of
+        those as soon, the one with the fewest; not one of `promised`) for `owner`'s first call,
+        which fits no worker's room (`_release_for_room`): no other large call goes there until
+        it has gone. Of those that take calls now: not one blocked in a sync call, overdue, or
+        spent on a call run alone (hostile testing, round 96: one blocked had none, was kept,
+        and the oldest waited 17.7 s for its sync call while newer calls took the room freed
+        elsewhere; `_release_for_room` moves it off one that blocks later, or to one expected
+        free much sooner: round 98, kept for the fewest, a worker running one long call with
+        600 KB held the oldest 30 s, to its deadline, while the other served a stream of
+        others' calls and never emptied). None if there is none."""
+        now = _clock()
         self._reserved = min(
-            (w for w in self._ready if w not in promised and not w.blocked and not w.overdue and w not in alone),
-            key=_heavy_of, default=None,
+            self._keepable(promised), key=lambda w: (_drains_in(w, now), w.heavy), default=None,
         )
         self._reserved_for = owner if self._reserved is not None else None
         return self._reserved
+
+    def _keepable(self, promised: typing.Collection[Worker] = ()) -> typing.Iterator[Worker]:
+        """The ready workers that may be kept for a call waiting for room (`_reserve`): that take
+        calls now, and are not of `promised`."""
+        alone = self._alone
+        return (w for w in self._ready if w not in promised and not w.blocked and not w.overdue and w not in alone)
+
+    def _keep_sooner(self, reserved: Worker) -> Worker:
+        """The worker to keep instead of `reserved` (itself, or another that takes calls now
+        expected free of large params sooner by more than RESERVE_MOVE_SECONDS and more than
+        twice as soon: `_drains_in`, by how long their large calls have run; round 98)."""
+        now = _clock()
+        wait = _drains_in(reserved, now)
+        if wait <= RESERVE_MOVE_SECONDS:
+            return reserved
+        sooner = min(self._keepable((reserved,)), key=lambda w: (_drains_in(w, now), w.heavy), default=None)
+        if sooner is not None and 2 * _drains_in(sooner, now) + RESERVE_MOVE_SECONDS < wait:
+            return sooner
+        return reserved
 
     def _release_for_room(self) -> None:
         """Put back in turn the connections waiting for room for their large params
@@ -460,8 +489,8 @@ class Routing(DispatcherState):
         with none takes one, whatever its size): the oldest first if it fits, then the smallest
         first (`_room_heap`, so that those that fit are found without looking at those that do
         not: hostile testing, round 95, a call behind 16 that fit nowhere was never looked at,
-        18 to 29 s with room for it free). The oldest that fits nowhere has the worker with the
-        fewest large params in flight kept for it (`_reserve`): no other large call goes there
+        18 to 29 s with room for it free). The oldest that fits nowhere has the worker expected
+        free of large params soonest kept for it (`_reserve`, `_keep_sooner`): no other large call goes there
         until it has gone, so that smaller ones do not pass it over for ever (round 94: with
         strict first in, first out, behind one such call every other client's large call waited
         up to 19 s with 4 MB of room free on each worker). One past its connection's share of
@@ -478,6 +507,8 @@ class Routing(DispatcherState):
         ):  # (kept for one that waits no more, or it takes no call now: another is kept, below; round 97:
             # kept for a connection whose large call had gone, a worker sat idle while 53 waited)
             reserved = self._reserved = self._reserved_for = None
+        elif reserved is not None:  # (kept for one whose long large call holds it: one free sooner; round 98)
+            reserved = self._reserved = self._keep_sooner(reserved)
         free = [  # (a worker, and [its large params, its places free], as if those let go went)
             (w, [w.heavy, w.limit - w.outstanding]) for w in self._ready
             if w.outstanding < w.limit and not w.blocked and not w.overdue

@@ -2416,8 +2416,8 @@ def test_a_worker_kept_for_a_call_that_waits_no_more_is_kept_no_more():
 
     async def main() -> None:
         d, [w0, w1], codec = large_params_dispatcher(2, method_timeouts={"b": 0.05})
-        d.submit(body(codec, req("a", ["x" * 96], "fill0")), lambda e: None)  # (100 bytes on one worker,
-        d.submit(body(codec, req("a", ["x" * 146], "fill1")), lambda e: None)  # 150 on the other)
+        d.submit(body(codec, req("a", ["x" * 146], "fill1")), lambda e: None)  # (150 bytes on one worker,
+        d.submit(body(codec, req("a", ["x" * 96], "fill0")), lambda e: None)  # 100 on the other, sent after)
         light = w0 if w0.heavy == 100 else w1
         w0.channel.take(), w1.channel.take()  # type: ignore[union-attr]
         answers: list[Exchange] = []
@@ -2459,6 +2459,53 @@ def test_a_connection_put_back_in_turn_by_its_own_answer_goes_behind_those_waiti
     run(main)
 
 
+def test_the_worker_kept_for_a_call_too_large_for_any_room_left_is_one_expected_free_soonest(monkeypatch):
+    """Hostile testing, round 98 (HIGH): the worker kept for the oldest call that fits no
+    worker's room was the one with the fewest large params, though they were a long call's:
+    the call waited 30 s, to its deadline, while the other worker served a stream of other
+    clients' large calls and never emptied. The one kept is the one expected free of large
+    params soonest (by how long their calls have run), and the keeping moves to another
+    expected free much sooner."""
+    from broker import routing
+
+    monkeypatch.setattr(routing, "RESERVE_MOVE_SECONDS", 0.05)
+
+    async def main() -> None:
+        d, [w0, w1], codec = large_params_dispatcher(2)
+        where = {}
+
+        def send(tag: str, size: int) -> None:
+            d.submit(body(codec, req("a", [tag[0] * (size - 4)], tag)), lambda e: None)
+            for w in (w0, w1):
+                frames = w.channel.take()  # type: ignore[union-attr]
+                if frames:
+                    where[tag] = w
+
+        send("s1", 70)  # (to one worker, "stream")
+        send("long", 100)  # (to the other: it runs long)
+        stream, long_ = where["s1"], where["long"]
+        assert stream is not long_
+        send("s2", 110)  # (180 on the stream's worker; 210 would not fit the other)
+        assert where["s2"] is stream
+        send("big", 150)  # (fits neither: it waits, and the worker whose large call is younger is kept)
+        assert d.held_calls == 1 and d._reserved is long_
+        await asyncio.sleep(0.2)
+        s1, _long, s2 = sorted(d._pending)  # (call ids, in the order sent)
+        d.on_reply(stream, wire.Kind.RESULT, s1, 10, b"0")  # (110 left there: still no room for 150)
+        send("s3", 80)  # (190 on the stream's worker: the other is kept)
+        assert where["s3"] is stream
+        d.on_reply(stream, wire.Kind.RESULT, s2, 10, b"0")  # (80 left, the youngest: the keeping moves there)
+        assert d._reserved is stream and d.held_calls == 1
+        send("s4", 80)  # (to the long call's worker now: 180)
+        assert where["s4"] is long_
+        s3 = next(c for c, pending in d._pending.items() if pending.worker is stream)
+        d.on_reply(stream, wire.Kind.RESULT, s3, 10, b"0")  # (the stream's worker empties: the big call goes)
+        assert [first_params(f) for f in stream.channel.take()] == [["b" * 146]]  # type: ignore[union-attr]
+        assert d._reserved is None and not d.held_calls
+
+    run(main)
+
+
 def test_a_call_behind_many_that_fit_nowhere_goes_when_room_for_it_frees():
     """Hostile testing, round 95 (MEDIUM): the waiters for room were looked at oldest first,
     at most 16 that fit nowhere each time, so a call behind 16 of them was never looked at,
@@ -2466,8 +2513,8 @@ def test_a_call_behind_many_that_fit_nowhere_goes_when_room_for_it_frees():
 
     async def main() -> None:
         d, [w0, w1], codec = large_params_dispatcher(2)
-        d.submit(body(codec, req("a", ["x" * 166], "f0")), lambda e: None)  # (170 bytes on one worker,
-        d.submit(body(codec, req("a", ["x" * 126], "f1a")), lambda e: None)  # 130 + 50 on the other)
+        d.submit(body(codec, req("a", ["x" * 126], "f1a")), lambda e: None)  # (130 + 50 bytes on one worker,
+        d.submit(body(codec, req("a", ["x" * 166], "f0")), lambda e: None)  # 170 on the other)
         d.submit(body(codec, req("a", ["x" * 46], "f1b")), lambda e: None)
         assert sorted((w0.heavy, w1.heavy)) == [170, 180] and not d.queued_calls
         w0.channel.take(), w1.channel.take()  # type: ignore[union-attr]
