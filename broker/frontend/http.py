@@ -18,48 +18,14 @@ yet (in the kernel: `unread_bytes`) make a connection busy too; it reads them, a
 arrives behind them meanwhile, until it finds none and no request under way
 (`HttpFrontend.drain`, `HttpProtocol._parsed_before_stop`).
 
-Answers:
-    POST rpc_path          200 with the JSON-RPC response; 204 when nothing is owed
-                           (only notifications); the status in `jsonrpc.ERRORS` for a
-                           single error response; 413 past `max_body_bytes` (checked
-                           on Content-Length before the body arrives, and on chunks);
-                           503 when an unfinished body would take the bytes still
-                           arriving on all connections past `max_incoming_bytes`
-    GET/HEAD /healthz      200 while the process runs
-    GET/HEAD /readyz       200 when at least one worker is ready and answering, else 503
-    GET/HEAD /metrics      Prometheus text format, when this listener serves metrics (a
-                           HEAD makes no scrape and has no content-length, RFC 9110 9.3.2;
-                           one GET body built answers every GET parsed before it, one copy a
-                           connection; the next is built as long after as it took:
-                           `HttpFrontend.scrape_answer`)
-    OPTIONS rpc_path       204 with CORS headers: a preflight from an allowed Origin
-    other method           405 with Allow
-    other path             404
-    bad HTTP               400 and close (two Host fields, a Transfer-Encoding list, a
-                           chunked body of more than SMALL_CHUNKS chunks plus one per
-                           MIN_CHUNK_BYTES);
-                           a version not 1.0/1.1: 505; a head past 64 KiB or 100 header
-                           fields, trailers counted in, or a chunked body's framing (size
-                           lines, extensions, trailer section) past 64 KiB plus
-                           CHUNK_FRAMING_BYTES a chunk, in the read that ends the request
-                           too (`_parse_bounded`): 431 and close; a request not all in
-                           within request_timeout: 408 and close
-An absolute-form target (`http://host:port/path`) is served as its path, its authority
-taking the Host header's place (RFC 9112 3.2.2) and checked exactly as a Host value is. Trailer fields are counted, never
-merged into the header fields (RFC 9110 6.5.1). `100 Continue` goes only to an HTTP/1.1
-call about to be served with nothing owed before it (RFC 9110 10.1.1).
-Every answer has a `date` header (RFC 9110 6.6.1; formatted once a second by the
-sweep), and every 503 a `retry-after` (RFC 9110 10.2.3).
-
-Who may call (issue 9 item 11): a web page must not be able to run a tool, cross-site
-or through DNS rebinding. On rpc_path and /metrics a request whose Host name (any port)
-is not in `allowed_hosts` gets 421, one with an `Origin` not in `allowed_origins` 403,
-and a POST to rpc_path whose Content-Type is not application/json 415 (browsers send
-only text/plain and form types cross-site without a CORS preflight). A request with no
-Origin (curl, SDKs) is not affected, nor is an HTTP/1.0 one with no Host (no browser
-sends one); an HTTP/1.1 one with no Host gets 400 (RFC 9112 3.2). /healthz and /readyz
-are not checked: they tell nothing and change nothing, and kubelet's probes send the
-pod IP as Host. The headers are kept in `on_header`; `_route` refuses in one place.
+The connection's state and its life are `HttpProtocol`'s, here: its reading (what the
+parser is fed, and when: turns, flow control, the bounds on an unfinished head and a
+chunked body's framing), its admission past max_connections, its closing. It inherits the
+rest from two mixins with no state of their own (their attributes declared once, for the
+type checker, in broker/frontend/httpstate.py: `HttpState`): the parser's callbacks and
+the routing of a request, with what each path answers and who may call, in
+broker/frontend/httprequest.py (`Requests`); the answers, written in order, and the
+lingering close, in broker/frontend/httpanswer.py (`Answers`).
 
 Flow control (aiohttp and uvicorn do the same): reading pauses while the transport's
 write buffer is above its high-water mark, or while more than `PIPELINE_HIGH`
@@ -83,12 +49,6 @@ client_header_timeout and client_body_timeout, for the whole request), and abort
 connections whose client has left its answers unread (writing paused) for longer
 than `send_timeout` (nginx's send_timeout): the request clock stands still while
 the broker paused reading, so this is what bounds a client that sends and never reads.
-
-A client that half-closes after sending (`shutdown(SHUT_WR)`, `nc -N`) gets what it is
-owed, then the connection closes. After an error answer the broker half-closes and
-discards (lingers, reading on) for at most LINGER_TIMEOUT silent, LINGER_TIME in all, once
-its answers are taken; a lingering
-connection is idle for `make_room`.
 
 The probes' reserve takes connections past max_connections (not counted in it, nor closed
 by `make_room`), for /healthz, /readyz and /metrics only, and is never held against a
@@ -138,76 +98,39 @@ from broker.frontend.base import (
     unread_bytes,
     unsent_bytes,
 )
+from broker.frontend.httpanswer import Answers
 from broker.frontend.httplistener import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend, _reserve_rank, _Scrape
-from broker.frontend.httpmsg import (
-    CLOSE,
-    CONTINUE,
-    JSON_TYPE,
-    KEEP_ALIVE,
-    METRICS_TYPE,
-    PREFLIGHT,
-    STATUS_LINES,
-    TOO_MANY_BODY,
-    error_body,
-    is_identity,
-    is_json,
-    json_response,
+from broker.frontend.httpmsg import CLOSE, STATUS_LINES, json_response
+from broker.frontend.httprequest import (
+    CHUNK_FRAMING_BYTES,
+    MAX_HEADER_BYTES,
+    MIN_CHUNK_BYTES,
+    SMALL_CHUNKS,
+    Requests,
+    _Deferred,
 )
 from broker.jsonrpc import ErrorCode
 
-__all__ = ["PROBE_OVERFLOW", "PROBE_RESERVE", "HttpFrontend", "HttpProtocol"]
+__all__ = [
+    "CHUNK_FRAMING_BYTES",
+    "MAX_HEADER_BYTES",
+    "MIN_CHUNK_BYTES",
+    "PROBE_OVERFLOW",
+    "PROBE_RESERVE",
+    "SMALL_CHUNKS",
+    "HttpFrontend",
+    "HttpProtocol",
+]
 
 
 _perf = time.perf_counter
 REQUESTS_PER_TURN = 16  # requests routed from one read per loop turn; the rest waits (NDJSON's LINES_PER_TURN)
 TURN_REQUEST_BYTES = 64 * 1024  # ... or fewer: requests of this many bytes end a turn too (NDJSON's TURN_LINE_BYTES)
 FEED_BYTES = 4096  # a read past this is parsed in pieces, so that a turn can end between them
-MAX_HEADER_BYTES = 64 * 1024  # request line and header lines, like nginx's large buffers
-MAX_HEADERS = 100  # header fields in one request (h11 and nginx allow 100 too)
-_REQUEST_LINE_REST = len(b"  HTTP/1.1\r\n")  # a request line's bytes besides its method and target
-# Each chunk of a chunked body costs two Python callbacks (about 0.5 µs): 1-byte chunks made
-# a 1 MiB body cost 400 ms. A body may have SMALL_CHUNKS chunks, plus one per MIN_CHUNK_BYTES
-# of it; one with more is refused (400): what a body's chunks cost stays under that of the
-# same bytes sent as small requests. (h11 and nginx set no such bound; no client sends an
-# RPC body in thousands of tiny chunks.)
-SMALL_CHUNKS = 1024
-MIN_CHUNK_BYTES = 64
-# What a chunked body sends besides its data (size lines with their extensions, CRLFs, the
-# trailer section) may take MAX_HEADER_BYTES plus CHUNK_FRAMING_BYTES a chunk (a size line of
-# 16 hex digits and its CRLFs are 20 bytes): with the bound on chunks above, a body's bytes on
-# the wire stay under 128 KiB plus twice its size. Chunk extensions (`5;a=xxx`) were counted
-# as neither head nor body: one chunk line of 1 GB was parsed within request_timeout (node
-# caps them at 16 KiB, CVE-2024-22019). Past the bound: 431 and close, as for the trailer
-# section, whose unfinished line this bound has always counted: it is metadata around the
-# content, held to the head's limit (not 413: the content is within max_body_bytes; node
-# answers 413 to too many extensions, but 413 here means max_body_bytes).
-CHUNK_FRAMING_BYTES = 64
-_PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
-_CODED = b"\0coded"  # `_content_type` of a body with a Content-Encoding other than identity: 415
-_PATH_OF_URL = {b"/healthz": "health", b"/readyz": "ready", b"/metrics": "metrics"}
 
 
 class _Gone:
     """The callbacks of a lost connection's parser: none."""
-
-
-class _StopParsing(Exception):
-    """Raised from a parser callback to end the feed: the request is answered already."""
-
-
-class _Deferred:
-    """A JSON-RPC request whose body waits to be dispatched: its connection was owed
-    max_response_bytes of answers, or its client was not reading (see `_gated`).
-    `exchange` once dispatched; `response` if it then owed nothing (204)."""
-
-    __slots__ = ("body", "cors", "exchange", "keep_alive", "response")
-
-    def __init__(self, body: bytes | bytearray, keep_alive: bool, cors: bytes) -> None:
-        self.body = body
-        self.keep_alive = keep_alive
-        self.cors = cors
-        self.exchange: Exchange | None = None
-        self.response = b""
 
 
 class _UpgradeBody:
@@ -233,7 +156,7 @@ class _UpgradeBody:
         self.conn.upgrade_body_complete()
 
 
-class HttpProtocol(asyncio.Protocol):
+class HttpProtocol(Requests, Answers, asyncio.Protocol):
     """One HTTP/1.1 client connection (keep-alive, pipelining, chunked bodies)."""
 
     __slots__ = (
@@ -517,32 +440,6 @@ class HttpProtocol(asyncio.Protocol):
             fe.give_up(victim)
         del fe.probe_overflow[self]
         fe.probe_conns.add(self)
-
-    def answer_displaced(self) -> bool:
-        """Given up by the probes' reserve while owed its one scrape, waiting for its build:
-        answer it from the last build, if one is kept, with `connection: close`, and close.
-        That build was made before the scrape came, at most one build's pace earlier (ms),
-        so its figures are that much older; a 503 would have Prometheus record the target
-        down (`up` 0), which clients scraping in a loop could force (hostile testing, round
-        8: 8 of them churning the places had 20 of 30 scrapes answered 503). (A scrape
-        waits only while builds are paced, and a pace starts with a build, which is kept
-        till it ends.) Return False if it is owed something else: refuse it then."""
-        responses = self._responses
-        if len(responses) != 1 or type(responses[0]) is not _Scrape:
-            return False
-        answer = self._fe.scrape_answer(self._fe.scrape_builds, CLOSE)
-        if answer is None:
-            return False
-        responses.clear()
-        self._write(answer, False, "metrics")
-        return True
-
-    def _refuse(self, path: str = "other") -> None:
-        """Turned away at max_connections: 503 "too many connections", then close;
-        `path` labels it in the statuses counter (a request it answers, else "other")."""
-        self._fe.refused()
-        self._closing = True
-        self._write(json_response(503, TOO_MANY_BODY, False, b"", self._fe.json_head), False, path)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -832,6 +729,39 @@ class HttpProtocol(asyncio.Protocol):
             self.request_started = started
             self._fe.recount()  # (the drain waits for a backlog: `Listener.held`)
 
+    def _dispatch_waiting(self) -> None:
+        """Dispatch the requests that wait (`_waiting`), in order, while `_gated` allows,
+        a turn's worth at a time (REQUESTS_PER_TURN or TURN_SECONDS, as `_feed_turn`; the
+        rest in a later loop iteration: hostile testing, round 13, 120 bodies answered at
+        once were all decoded in one callback, 125 ms of the loop)."""
+        fe = self._fe
+        waiting = self._waiting
+        busy = self._busy
+        turn, deadline = REQUESTS_PER_TURN, _perf() + TURN_SECONDS
+        while waiting and not self._gated() and self._transport is not None:
+            if busy is not None and busy.remaining:
+                break  # one at a time: see _busy
+            if turn == 0 or _perf() > deadline:
+                fe.next_turn(self, self._dispatch_waiting, _perf() - deadline + TURN_SECONDS)
+                break
+            turn -= 1
+            deferred = waiting.popleft()
+            body, deferred.body = deferred.body, b""
+            fe.incoming.hold(len(body), 0)
+            self._waiting_bytes -= len(body)
+            # (submit_held: while draining, a request held here is served as in flight)
+            exchange = fe.dispatcher.submit_held(fe.codec.decode(body), self._deferred_done, self._budget)
+            if exchange is None:
+                extra = self._keep_header if deferred.keep_alive else CLOSE
+                deferred.response = STATUS_LINES[204] + fe.date + deferred.cors + extra + b"\r\n"
+            else:
+                exchange.context = (deferred.keep_alive, deferred.cors) if deferred.cors else deferred.keep_alive
+                deferred.exchange = busy = self._busy = exchange
+        if self._transport is not None:
+            self._flush_ready()  # (an exchange complete at once is not called back)
+            self._maybe_resume()
+        fe.recount()  # (the drain waits for what `_waiting` held)
+
     def eof_received(self) -> bool:
         """The client half-closed (`shutdown(SHUT_WR)`), or closed: keep the transport
         open to write what it is owed, then close; close at once if nothing is owed. A
@@ -915,727 +845,6 @@ class HttpProtocol(asyncio.Protocol):
         if self._backlog:
             self._schedule_turn()
         self._maybe_resume()
-
-    # -- httptools callbacks -------------------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        self.request_started = self.last_active = self._read_at  # (data_received is running)
-        self._content_length = -1
-        self._transfer_encoding = b""
-        self._url = b""
-        self._body = b""
-        self._header_bytes = 0
-        self._headers = 0
-        self._expect = False
-        self._skip = False
-        self._chunks = 0
-        self._host = self._origin = self._content_type = None
-
-    def on_url(self, url: bytes) -> None:
-        if not self._url:  # the request line's method, spaces, version and CRLF count too (round 30)
-            self._header_bytes += len(self._parser.get_method()) + _REQUEST_LINE_REST
-        self._url += url
-        self._header_bytes += len(url)
-        if self._header_bytes > MAX_HEADER_BYTES:
-            self._answer_and_close(431, b"request line and headers too large")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # The whole line counts: name, value, ": " and CRLF (20,000 fields of "X: a" are
-        # 120 KB of head, not 40 KB); and so does the number of fields. Trailer fields
-        # (after a chunked body) count on with the head's.
-        self._header_bytes += len(name) + len(value) + 4
-        self._headers += 1
-        if self._header_bytes > MAX_HEADER_BYTES:
-            self._answer_and_close(431, b"request line and headers too large")
-            return
-        if self._headers > MAX_HEADERS:
-            self._answer_and_close(431, b"too many header fields (limit %d)" % MAX_HEADERS)
-            return
-        if self._head_done:
-            return  # a trailer field: never merged into the header section (RFC 9110 6.5.1)
-        n = len(name)
-        if n == 14 and name.lower() == b"content-length":
-            try:
-                size = int(value)
-            except ValueError:
-                return  # httptools rejects it
-            self._content_length = size
-            if size > self._fe.max_body_bytes:
-                self._skip = True
-        # (The usual spelling is tried first: bytes.lower() costs more than the compare.)
-        elif n == 4 and (name == b"Host" or name.lower() == b"host"):
-            if self._host is not None:
-                self._answer_and_close(400, b"more than one Host header (RFC 9112 3.2)")
-                return
-            self._host = value
-        elif n == 12 and (name == b"Content-Type" or name.lower() == b"content-type"):
-            ct = self._content_type  # two: not JSON, 415 (a coded body's 415 says why: `_CODED`)
-            self._content_type = value if ct is None else ct if ct is _CODED else b""
-        elif n == 16 and name.lower() == b"content-encoding" and not is_identity(value):
-            self._content_type = _CODED  # (round 34: a gzip body got 400 -32700, a plain one labelled gzip ran)
-        elif n == 6:
-            name = name.lower()
-            if name == b"origin":  # (two: none allowed, 403; the last was checked, hostile testing)
-                # (its trailing whitespace is no part of it, RFC 9110 5.5: round 86, refused, as Host is not)
-                self._origin = value.rstrip(b" \t") if self._origin is None else b""
-            elif name == b"expect" and value.lower() == b"100-continue":
-                self._expect = True
-        elif n == 17 and name.lower() == b"transfer-encoding":
-            # all of them, as one list (RFC 9110 5.3): checked in on_headers_complete
-            te = self._transfer_encoding
-            self._transfer_encoding = value if not te else te + b", " + value
-
-    def on_headers_complete(self) -> None:
-        self._head_done = True
-        self._framing = 0
-        if self._closing:
-            return
-        if self._url[:1] != b"/":
-            self._absolute_form()
-        if self._skip:
-            self._refuse_body()
-            return
-        if self._transfer_encoding and b"," in self._transfer_encoding:
-            # httptools takes "identity, chunked" as chunked; chunked is the only coding
-            # served, once (RFC 9112 6.1): any list is refused, as nginx does.
-            self._answer_and_close(400, b"unsupported Transfer-Encoding: use chunked alone")
-            return
-        if self._expect and not self._responses:
-            # 100 only when nothing is owed before it, and never to HTTP/1.0; a request
-            # about to be refused gets its final status now instead (RFC 9110 10.1.1: one
-            # or the other; hostile testing, round 27: neither came until the body had,
-            # and a client that waits for the 100 got 408 after request_timeout).
-            if self._will_serve_rpc():
-                assert self._transport is not None
-                self._fe.sent_bytes += len(CONTINUE)
-                self.sent += len(CONTINUE)
-                self._transport.write(CONTINUE)
-            elif self._parser.get_http_version() == "1.1":  # (an Upgrade one too: round 28)
-                self._refuse_expected()
-
-    def _refuse_expected(self) -> None:
-        """Answer a request that expects 100-continue and will not be served (404, 405,
-        415, 421, 403, 503) before its body: routed with no body, then closed, lingering,
-        its body discarded as it comes (as a 413's)."""
-        self.request_started = 0.0
-        self._linger = True  # (before the answer is written: it half-closes, and the body the
-        # client may send all the same is discarded; closed at once, that body reset the
-        # connection and cut an answer still on its way: round 28)
-        self._route(self._parser.get_method(), self._url.partition(b"?")[0], False)
-        self._skip = True
-        self._closing = True
-        self._discarding()
-
-    def _absolute_form(self) -> None:
-        """An absolute-form target (`POST http://host:port/path HTTP/1.1`, RFC 9112 3.2.2):
-        its path is the URL, its authority replaces the Host header (which the server
-        must then ignore) and is checked exactly as a Host value is (`host_allowed`): an
-        empty or odd port, userinfo, an empty authority get the same answer in either
-        place. Other forms (`*`, authority-form, other schemes) are left as they are: 404."""
-        scheme, sep, rest = self._url.partition(b"://")
-        if not sep or scheme.lower() not in (b"http", b"https"):
-            return
-        end = len(rest)
-        for delimiter in b"/?":  # the authority ends at the path or the query (RFC 3986 3.2)
-            i = rest.find(delimiter, 0, end)
-            if i >= 0:
-                end = i
-        self._host = rest[:end]
-        path = rest[end:]
-        self._url = path if path[:1] == b"/" else b"/" + path
-
-    def _may_call(self) -> bool:
-        """Whether the request whose head came passes the checks of who may call: JSON,
-        an allowed Host, no Origin or an allowed one (`_refused`)."""
-        fe = self._fe
-        host, origin = self._host, self._origin
-        return (
-            is_json(self._content_type)
-            and (  # (no Host: allowed on HTTP/1.0, as `_refused` has it; round 28)
-                fe.hosts is None or self._parser.get_http_version() != "1.1" if host is None else fe.host_allowed(host)
-            )
-            and (origin is None or fe.cors_headers(origin) is not None)
-        )
-
-    def _will_serve_rpc(self) -> bool:
-        """Whether the request whose head just came will be served as a JSON-RPC call,
-        not refused (404, 405, 415, 421, 403, 503, 505): the test of `_route` and `_refused`,
-        on HTTP/1.1 only (no 100 to an HTTP/1.0 client, RFC 9110 10.1.1)."""
-        return (
-            not self._probe_only
-            and self._parser.get_http_version() == "1.1"
-            and self._parser.get_method() == b"POST"
-            and self._url.partition(b"?")[0] == self._fe.rpc_path
-            and self._may_call()
-        )
-
-    def on_chunk_header(self) -> None:
-        # A chunk's size line: its data comes next (on_body), or, after the last (0)
-        # chunk, the trailer section. (Its bytes are counted by `_framing_check`.)
-        chunks = self._chunks = self._chunks + 1
-        if (chunks - SMALL_CHUNKS) * MIN_CHUNK_BYTES > len(self._body) and not self._closing:
-            self._answer_and_close(400, b"chunked body in %d chunks for %d bytes: more than %d plus one per %d bytes" % (
-                chunks, len(self._body), SMALL_CHUNKS, MIN_CHUNK_BYTES))
-            raise _StopParsing  # httptools stops this feed (HttpParserCallbackError): _parse
-
-    def on_body(self, body: bytes) -> None:
-        if self._skip or self._closing:
-            return
-        buf = self._body
-        if len(buf) + len(body) > self._fe.max_body_bytes:
-            self._skip = True
-            self._body = b""
-            self._refuse_body()
-            return
-        if not buf:
-            self._body = body
-        else:
-            if type(buf) is bytes:
-                buf = self._body = bytearray(buf)
-            buf += body
-
-    def on_message_complete(self) -> None:
-        if self._framing > MAX_HEADER_BYTES and not self._closing:  # (0 unless the body came in reads of its own)
-            self._framing_check()  # with the piece it ends in (`_parse_bounded`): the feed's check would be too late
-        self._head_done = False
-        self._head_bytes = 0
-        self._framing = -1
-        if self._skip or self._closing:
-            self.request_started = 0.0
-            self._body = b""
-            self._fe.recount()  # (the drain waits for requests under way: `HttpFrontend.held`)
-            return
-        version = self._parser.get_http_version()
-        if version != "1.1" and version != "1.0":  # (checked here, once per request: it costs)
-            self._answer_and_close(505, b"HTTP/%s not supported: use HTTP/1.1" % version.encode())
-            return
-        method = self._parser.get_method()
-        url = self._url
-        if b"?" in url:
-            url = url.partition(b"?")[0]
-        if self._parser.should_upgrade():  # answered once its body is in: see _serve_upgrade
-            self._upgrade = (method, url)
-            return
-        self.request_started = 0.0
-        # (While draining too: a connection busy at the stop serves every request it has,
-        # pipelined or still arriving, and closes at its first idle moment, its last answer
-        # saying so (`_write`); closing after the next answer dropped the rest of a read,
-        # hostile testing, round 7.)
-        keep_alive = self._parser.should_keep_alive()
-        if keep_alive and version == "1.0":
-            if self._transfer_encoding:  # its framing is to be treated as faulty: answered, then closed (RFC 9112 6.1)
-                keep_alive = False
-            elif not self._keep_header:
-                self._keep_header = KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
-        self._route(method, url, keep_alive)
-        if self._body:  # a body no route took (a GET's, a 404's, a refused call's): not kept
-            self._body = b""  # (nor counted in `Incoming`) while the connection idles
-        if not keep_alive:
-            self._closing = True
-        if self._fe.draining:  # it may have been under way at the stop (`HttpFrontend.held`); now routed
-            self._fe.recount()
-
-    def _route(self, method: bytes, url: bytes, keep_alive: bool) -> None:
-        fe = self._fe
-        self.requests += 1
-        head = method == b"HEAD"
-        if url == fe.rpc_path and not self._probe_only:
-            host = self._host
-            if (
-                method == b"POST" and self._origin is None
-                and (self._content_type == JSON_TYPE or is_json(self._content_type))
-                and (host in fe.good_hosts or (host is not None and fe.host_allowed(host)))
-            ):  # fmt: skip
-                self._rpc(keep_alive)  # the common case: one test, no call
-            elif not self._refused(True, keep_alive, head):
-                cors = b"" if self._origin is None else typing.cast(bytes, fe.cors_headers(self._origin))
-                if method == b"OPTIONS" and cors:  # a CORS preflight (Fetch standard 3.2.2)
-                    extra = self._keep_header if keep_alive else CLOSE
-                    self._queue(STATUS_LINES[204] + fe.date + cors + PREFLIGHT + extra + b"\r\n", keep_alive, "rpc")
-                elif method != b"POST":
-                    self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, "rpc", b"allow: POST\r\n", head)
-                elif self._content_type is _CODED:  # (RFC 9110 15.5.16: 415, Accept-Encoding saying what is)
-                    self._queue_invalid(415, "Content-Encoding is not supported: send the body as it is (identity)",
-                                        keep_alive, "rpc", cors + b"accept-encoding: identity\r\n")
-                elif not is_json(self._content_type):
-                    self._queue_invalid(415, "Content-Type must be application/json (its charset, if given, utf-8)",
-                                        keep_alive, "rpc", cors)
-                else:
-                    self._rpc(keep_alive, cors)
-            return
-        path = self._path_of(url)
-        if self._probe_only and url not in _PROBE_PATHS:
-            fe.refused()
-            self._closing = True
-            self._queue(json_response(503, TOO_MANY_BODY, False, b"", fe.json_head), False, path)
-        elif url == b"/healthz" or url == b"/readyz":
-            if method == b"GET" or head:
-                ok = url == b"/healthz" or fe.ready()
-                body = b'{"status":"ok"}' if ok else (
-                    b'{"status":"stopping"}' if not fe.dispatcher.accepting else b'{"status":"no worker ready"}'
-                    if not fe.dispatcher.ready_workers else b'{"status":"no worker answering"}'
-                )
-                response = json_response(
-                    200 if ok else 503, body, keep_alive, self._keep_header if keep_alive else b"", fe.json_head
-                )
-                if head:
-                    response = response[: len(response) - len(body)]
-                self._queue(response, keep_alive, path)
-            else:
-                self._queue_plain(405, b"use GET", keep_alive, path, b"allow: GET, HEAD\r\n", head)
-        elif url == b"/metrics" and fe.metrics is not None:
-            if self._refused(False, keep_alive, head):
-                pass
-            elif head:  # the headers of the GET answer, with no body: none is made (RFC 9110 9.3.2)
-                extra = self._keep_header if keep_alive else CLOSE
-                self._queue(STATUS_LINES[200] + fe.date + METRICS_TYPE + extra + b"\r\n", keep_alive, path)
-            elif method == b"GET":
-                scrape = _Scrape(keep_alive, fe.scrape_builds + 1)  # (any build made from now on)
-                answer = None
-                if not self._responses and not self._write_paused:
-                    answer = fe.scrape_answer(scrape.build, self._keep_header if keep_alive else CLOSE)
-                if answer is not None:
-                    self._scraped = fe.scrape_builds
-                    self._write(answer, keep_alive, path)
-                else:
-                    # A scrape is large (tens of KiB, ms of CPU): builds are paced for the whole
-                    # listener, and a connection takes one copy of each; reading waits meanwhile.
-                    self._responses.append(scrape)
-                    self._pause()
-                    if len(self._responses) == 1 and not self._write_paused:
-                        fe.wait_scrape(self)  # (due now: else _flush_ready comes to it)
-                if self._probe_only and self in fe.probe_overflow:
-                    self._claim_place()
-            else:
-                self._queue_plain(405, b"use GET", keep_alive, path, b"allow: GET, HEAD\r\n", head)
-        else:
-            self._queue_plain(404, b"not found", keep_alive, path, b"", head)
-
-    def _path_of(self, url: bytes) -> str:
-        """The `path` label of an answer to `url` (query string removed): one of `PATHS`."""
-        return "rpc" if url == self._fe.rpc_path else _PATH_OF_URL.get(url, "other")
-
-    def _refused(self, rpc: bool, keep_alive: bool, head: bool) -> bool:
-        """Answer a request for rpc_path (`rpc`) or /metrics that comes from where it may
-        not: 400 with no Host on HTTP/1.1, 421 for a Host not allowed, 403 for an Origin
-        not allowed (see the module docstring). Return True if it was answered."""
-        fe = self._fe
-        host, origin = self._host, self._origin
-        if host is None:
-            if fe.hosts is None or self._parser.get_http_version() != "1.1":
-                status, reason, value = 0, "", b""
-            else:
-                status, reason, value = 400, "Host header required (RFC 9112 3.2)", b""
-        elif not fe.host_allowed(host):
-            status, reason, value = 421, "Host not in allowed_hosts", host
-        else:
-            status, reason, value = 0, "", b""
-        if not status and origin is not None and fe.cors_headers(origin) is None:
-            status, reason, value = 403, "Origin not in allowed_origins", origin
-        if not status:
-            return False
-        if rpc and not head:
-            # (what was sent, cut at 200 bytes: each byte past 0x7f is 2 in UTF-8, and a
-            # 30 KB Host would make an answer twice its request)
-            shown = value[:200].decode("latin-1") + ("..." if len(value) > 200 else "")
-            data = f"{reason}: {shown}" if value else reason
-            self._queue_invalid(status, data, keep_alive, "rpc")
-        else:
-            self._queue_plain(status, reason.encode(), keep_alive, "rpc" if rpc else "metrics", b"", head)
-        return True
-
-    # -- answering ---------------------------------------------------------------------
-
-    def _gated(self) -> bool:
-        """Whether a request's body must wait before it is dispatched: the client is not
-        taking its answers (the write buffer is above its high-water mark), or the
-        answers it is owed and has not taken reach max_response_bytes. Then what it is
-        owed is bounded by that, whatever it pipelines (aiohttp and uvicorn stop reading
-        requests while a client does not read; nginx's proxy_buffers bound a response)."""
-        return self._write_paused or self._budget.held >= self._fe.max_response_bytes
-
-    def _rpc(self, keep_alive: bool, cors: bytes = b"") -> None:
-        body = self._body
-        if not body and self._content_length < 0 and not self._transfer_encoding:
-            # No framing, so no body (RFC 9112 6.3): 411 says what is missing (RFC 9110 15.5.12;
-            # hostile testing, round 77: `curl -X POST` with no data got a bare -32700).
-            self._queue_invalid(411, "no body: send the request with Content-Length (or Transfer-Encoding: "
-                                "chunked)", keep_alive, "rpc", cors)
-            return
-        self._body = b""
-        fe = self._fe
-        # (_gated, inlined. With nothing owed, the write buffer below its high mark and the
-        # client not behind, it is open: `held` counts what is owed, or parked while the
-        # buffer is full.)
-        if (self._responses or self._write_paused or self._one_by_one) and (
-            self._write_paused or self._waiting or self._one_by_one
-            or self._budget.held >= fe.max_response_bytes
-            or len(self._responses) > PIPELINE_HIGH  # (round 35: a backlog kept past max_incoming_bytes,
-        ):  # fmt: skip  # whose turn comes whatever is owed, dispatched 235 to 396 calls of one connection)
-            # Its body is kept: counted in max_incoming_bytes until it is dispatched, else
-            # refused (hostile testing, round 11: 300 connections each owing a slow call
-            # and then sending a 1 MiB body held 322 MiB counted nowhere).
-            if not fe.incoming.hold(0, len(body)):
-                fe.incoming.refuse(0)
-                fe.dispatcher.count_refused_body(ErrorCode.OVERLOADED)
-                extra = (self._keep_header if keep_alive else b"") + cors
-                self._queue(json_response(503, fe.incoming_full_body, keep_alive, extra, fe.json_head), keep_alive, "rpc")
-                return
-            self._waiting_bytes += len(body)
-            deferred = _Deferred(body, keep_alive, cors)
-            self._waiting.append(deferred)
-            self._responses.append(deferred)
-            self._pause()
-            if not self._gated():
-                fe.loop.call_soon(self._dispatch_waiting)
-            return
-        decoded = fe.codec.decode(body)
-        # (while draining, a request completed now was under way at the stop: `held`)
-        submit = fe.dispatcher.submit_held if fe.draining else fe.dispatcher.submit
-        exchange = submit(decoded, self._exchange_done, self._budget)
-        if exchange is None:
-            extra = self._keep_header if keep_alive else CLOSE
-            self._queue(STATUS_LINES[204] + fe.date + cors + extra + b"\r\n", keep_alive, "rpc")
-            return
-        # Read back by _answer: keep_alive, or (keep_alive, CORS headers) for a cross-origin call
-        exchange.context = (keep_alive, cors) if cors else keep_alive
-        if exchange.remaining == 0 and not self._responses:
-            if cors:
-                data, keep_alive = self._answer(exchange)
-                self._write(data, keep_alive, "rpc")
-                self._budget.written(exchange, self._write_paused)
-            else:
-                extra = self._keep_header if keep_alive else b""
-                self._write(json_response(exchange.status, exchange.body(), keep_alive, extra, fe.json_head), keep_alive, "rpc")
-                self._budget.written(exchange, self._write_paused)
-            return
-        self._responses.append(exchange)
-        if len(self._responses) > PIPELINE_HIGH:
-            self._pause()
-        elif exchange.remaining == 0:
-            self._flush_ready()
-
-    def _exchange_done(self, exchange: Exchange) -> None:
-        if self._transport is None:
-            return
-        responses = self._responses
-        if responses and responses[0] is exchange:
-            if len(responses) == 1 and not self.read_paused:  # the common case: nothing else owed
-                responses.popleft()
-                keep_alive = exchange.context
-                if type(keep_alive) is bool:  # no CORS headers: _answer inlined, for speed
-                    extra = self._keep_header if keep_alive else b""
-                    self._write(
-                        json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head),
-                        keep_alive, "rpc",
-                    )  # fmt: skip
-                    if self._write_paused:  # (ResponseBudget.written, inlined)
-                        self._budget.parked += exchange.size
-                    else:
-                        self._budget.held -= exchange.size
-                        self._budget.outgoing.held -= exchange.size
-                else:
-                    data, keep_alive = self._answer(exchange)
-                    self._write(data, keep_alive, "rpc")
-            else:
-                self._flush_ready()
-
-    def _answer(self, exchange: Exchange) -> tuple[bytes, bool]:
-        """The HTTP response to a finished exchange, and whether the connection stays
-        open. The caller writes it, then calls `ResponseBudget.written`."""
-        context = exchange.context
-        if type(context) is tuple:  # an allowed cross-origin call: (keep_alive, CORS headers)
-            keep_alive, extra = context
-        else:
-            keep_alive, extra = bool(context), b""
-        if keep_alive:
-            extra += self._keep_header
-        return json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head), keep_alive
-
-    def _dispatch_waiting(self) -> None:
-        """Dispatch the requests that wait (`_waiting`), in order, while `_gated` allows,
-        a turn's worth at a time (REQUESTS_PER_TURN or TURN_SECONDS, as `_feed_turn`; the
-        rest in a later loop iteration: hostile testing, round 13, 120 bodies answered at
-        once were all decoded in one callback, 125 ms of the loop)."""
-        fe = self._fe
-        waiting = self._waiting
-        busy = self._busy
-        turn, deadline = REQUESTS_PER_TURN, _perf() + TURN_SECONDS
-        while waiting and not self._gated() and self._transport is not None:
-            if busy is not None and busy.remaining:
-                break  # one at a time: see _busy
-            if turn == 0 or _perf() > deadline:
-                fe.next_turn(self, self._dispatch_waiting, _perf() - deadline + TURN_SECONDS)
-                break
-            turn -= 1
-            deferred = waiting.popleft()
-            body, deferred.body = deferred.body, b""
-            fe.incoming.hold(len(body), 0)
-            self._waiting_bytes -= len(body)
-            # (submit_held: while draining, a request held here is served as in flight)
-            exchange = fe.dispatcher.submit_held(fe.codec.decode(body), self._deferred_done, self._budget)
-            if exchange is None:
-                extra = self._keep_header if deferred.keep_alive else CLOSE
-                deferred.response = STATUS_LINES[204] + fe.date + deferred.cors + extra + b"\r\n"
-            else:
-                exchange.context = (deferred.keep_alive, deferred.cors) if deferred.cors else deferred.keep_alive
-                deferred.exchange = busy = self._busy = exchange
-        if self._transport is not None:
-            self._flush_ready()  # (an exchange complete at once is not called back)
-            self._maybe_resume()
-        fe.recount()  # (the drain waits for what `_waiting` held)
-
-    def _deferred_done(self, exchange: Exchange) -> None:
-        if self._transport is not None:
-            self._flush_ready()
-
-    def scrape_built(self) -> None:
-        """The build this connection's next answer waits for is made (`HttpFrontend._scrape_due`)."""
-        transport = self._transport
-        if transport is not None and self._responses and not transport.is_closing():
-            self._flush_ready()
-
-    def _flush_ready(self) -> None:
-        if self._parsing and self._fe.draining:
-            return  # (at the end of the read's parse: `_write` holds back a last answer till then)
-        responses = self._responses
-        taken = False  # an RPC answer written with the buffer not full after it: the client keeps up
-        while responses:
-            head = responses[0]
-            if type(head) is tuple:
-                data, keep_alive, path = head
-            elif type(head) is _Scrape:
-                if self._write_paused:
-                    break  # resume_writing comes back here
-                keep_alive = head.keep_alive
-                fe = self._fe
-                answer = fe.scrape_answer(max(head.build, self._scraped + 1), self._keep_header if keep_alive else CLOSE)
-                if answer is None:
-                    fe.wait_scrape(self)  # the next build comes back here
-                    break
-                self._scraped = fe.scrape_builds
-                data = answer
-                path = "metrics"
-            else:
-                if type(head) is _Deferred:
-                    if head.response:  # dispatched: only notifications
-                        responses.popleft()
-                        self._write(head.response, head.keep_alive, "rpc")
-                        if self._transport is None:
-                            return
-                        continue
-                    if head.exchange is None:  # not dispatched yet
-                        break
-                    exchange = head.exchange
-                else:
-                    exchange = typing.cast(Exchange, head)
-                if exchange.remaining:
-                    break
-                data, keep_alive = self._answer(exchange)
-                responses.popleft()
-                self._write(data, keep_alive, "rpc")
-                self._budget.written(exchange, self._write_paused)
-                taken = not self._write_paused
-                if self._transport is None:
-                    return
-                continue
-            responses.popleft()
-            self._write(data, keep_alive, path)
-            if type(head) is tuple:  # (not a scrape's answer: shared by the connections, not held)
-                self._budget.release(len(data), self._write_paused)
-            if self._transport is None:
-                return
-        busy = self._busy
-        if busy is not None and not busy.remaining:
-            # Done: not kept (hostile testing, round 15: kept with its answer after it
-            # was written, 50 idle connections held 3 MB counted nowhere).
-            self._busy = busy = None
-        if self._waiting and not self._gated() and busy is None:
-            # (not from inside the dispatcher's callback; and not while the one dispatched
-            # last runs: its answer comes back here. Hostile testing, round 14: scheduled
-            # each loop turn meanwhile, a core spun for as long as that call ran)
-            self._fe.loop.call_soon(self._dispatch_waiting)
-        elif not responses or taken:  # (owed nothing, or took an answer at once: round 27, not merely
-            self._one_by_one = False  # "not paused now", which it always is after resume_writing)
-        if len(responses) < PIPELINE_LOW:
-            if self._backlog and not self._write_paused:
-                self._schedule_turn()  # (held by what was owed: `_feed_turn`)
-            elif self.read_paused:
-                self._maybe_resume()
-
-    def _write(self, data: bytes, keep_alive: bool, path: str) -> None:
-        """Write one response; `path` is its label in the statuses counter (`PATHS`)."""
-        transport = self._transport
-        if transport is None:
-            return
-        fe = self._fe
-        if (
-            keep_alive and fe.draining and not self._responses and not self.request_started and not self._backlog
-            and not self._unread  # (bytes received before the stop still to be read: not the last answer)
-        ):  # fmt: skip
-            if self._parsing:  # more requests may follow in this read: decided once it is parsed
-                self._responses.append((data, keep_alive, path))
-                self._budget.hold(len(data))
-                return
-            # The last answer before the stop closes the connection: say so (RFC 9112 9.6),
-            # or a client pool would send its next request on it, to be discarded (hostile
-            # testing: http.client's next POST got RemoteDisconnected, ran or not)
-            data, keep_alive = self._closing_form(data), False
-        transport.write(data)
-        fe.sent_bytes += len(data)
-        self.sent += len(data)
-        counts = fe.statuses[path]  # by path, then status: no tuple per answer
-        status = data[9:12]
-        counts[status] = counts.get(status, 0) + 1
-        self.last_active = fe.loop.time()  # idle time counts from the last answer
-        if not keep_alive:
-            self._closing = True
-            self._responses.clear()
-            self._drop_unfinished()
-            fe.recount()  # (a request under way it was answered early is not waited for: `held`)
-            if (self._linger or fe.draining) and not self._eof and not self._probe_only and transport.can_write_eof():
-                # An answer before the request was read: closing now would reset the
-                # connection under a client still sending, and it would never see the
-                # answer. Half-close and keep discarding its bytes (nginx's lingering
-                # close); the client closes, or the sweep does after LINGER_TIMEOUT
-                # silent or LINGER_TIME in all; make_room may close it sooner. (The
-                # probes' reserve is not held that long: closed at once.)
-                transport.write_eof()
-                self.lingering_since = self.last_active
-                # Read on, discarding, even while the answers before it still leave (reading
-                # was paused for them): a client still sending was left unread, looked
-                # silent, and was closed with its bytes unread, a reset that cut the answer
-                # it was taking at 400 KB/s (hostile testing, round 23).
-                self._discarding()
-            else:
-                transport.close()
-        elif self._eof and not self._responses and not self.request_started and not self._backlog:
-            transport.close()
-
-    def _closing_form(self, response: bytes) -> bytes:
-        """`response` (a keep-alive answer: status line, headers, body) saying
-        `connection: close` instead."""
-        head, _, body = response.partition(b"\r\n\r\n")
-        if self._keep_header:  # (HTTP/1.0: "connection: keep-alive")
-            head = head.replace(b"\r\n" + self._keep_header[:-2], b"")
-        return head + b"\r\n" + CLOSE + b"\r\n" + body
-
-    def stop_close(self) -> None:
-        """Close for the broker's stop. Requests may still be on their way unread
-        (pipelined, or in the kernel while reading was paused), and a close with bytes
-        unread resets the connection (RST), which drops the answers its client has not
-        taken yet. So half-close after what is written, and read on, discarding, as a
-        lingering close does: the client reads to the end, then closes."""
-        transport = self._transport
-        if transport is None:
-            return
-        if self._eof or not transport.can_write_eof():
-            transport.close()
-            return
-        self._closing = True
-        transport.write_eof()
-        self.lingering_since = self.last_active
-        if self.read_paused:
-            self.read_paused = False
-            transport.resume_reading()
-
-    def _drop_unfinished(self) -> None:
-        """The connection closes after an answer: what an unfinished request holds (its
-        body, counted in max_incoming_bytes) goes now, not when the answer is written nor
-        when the lingering close ends (hostile testing, round 9: 900 kB of a body answered
-        400 or 408 stayed held for the 30 s of its linger; round 10: for as long as a slow
-        call it waited behind)."""
-        self._body = b""
-        if self._incoming:
-            self._fe.incoming.hold(self._incoming, 0)
-            self._incoming = 0
-
-    def _queue(self, response: bytes, keep_alive: bool, path: str) -> None:
-        """Write a finished response now, or after those owed before it: then it counts in
-        the connection's `ResponseBudget` (and max_outgoing_bytes) until written, and
-        reading pauses past PIPELINE_HIGH owed, as for calls (hostile testing, round 9:
-        1000 connections each owing a slow call, then pipelining requests answered 421
-        behind it and never reading, held 500 MB counted nowhere)."""
-        if not self._responses:
-            self._write(response, keep_alive, path)
-        else:
-            self._responses.append((response, keep_alive, path))
-            self._budget.hold(len(response))
-            if not keep_alive:  # (an early answer: 400, 413, 431...)
-                self._drop_unfinished()
-            if len(self._responses) > PIPELINE_HIGH:
-                self._pause()
-
-    def _queue_plain(
-        self, status: int, message: bytes, keep_alive: bool, path: str, extra: bytes = b"", head: bool = False
-    ) -> None:
-        body = b'{"error":"' + message + b'"}'
-        if keep_alive:
-            extra += self._keep_header
-        response = json_response(status, body, keep_alive, extra, self._fe.json_head)
-        if head:  # a HEAD answer has the headers of the GET answer and no body (RFC 9110 9.3.2)
-            response = response[: len(response) - len(body)]
-        self._queue(response, keep_alive, path)
-
-    def _queue_invalid(self, status: int, data: str, keep_alive: bool, path: str, cors: bytes = b"") -> None:
-        """Queue an Invalid Request error object (id null) whose `data` says why, as `status`;
-        `path` is its label in the statuses counter (`PATHS`); `cors`: the CORS headers of an
-        allowed Origin (round 34: a 415 to one had none, and the page could not read why)."""
-        body = error_body(ErrorCode.INVALID_REQUEST, data)
-        extra = (self._keep_header if keep_alive else b"") + cors
-        self._queue(json_response(status, body, keep_alive, extra, self._fe.json_head), keep_alive, path)
-
-    def _answer_and_close(self, status: int, message: bytes) -> None:
-        """Answer an unreadable request and close (lingering: it may still be sending)."""
-        self._closing = True
-        self._linger = True
-        self.request_started = 0.0
-        self._queue_plain(status, message.replace(b'"', b"'"), False, "other", head=self._head_request())
-        self._discarding()
-
-    def _head_request(self) -> bool:
-        """Whether the request under way is a HEAD, its request line read: its answer has
-        no content, even an error's (RFC 9110 9.3.2; hostile testing, round 30: a 413, 505
-        or 400 that closed the connection had one)."""
-        return bool(self._url) and self._parser.get_method() == b"HEAD"
-
-    def _discarding(self) -> None:
-        """Its input is discarded from now on (`_closing`): read on, never paused again, so
-        that a client blocked mid-send (a refused body it goes on uploading) can take the
-        answers owed before it; paused, it took none, and send_timeout reset it, cutting
-        them (hostile testing, round 24: an answer of 8 MB cut at 128 kB)."""
-        if self.read_paused and self._transport is not None:
-            self.read_paused = False
-            self._transport.resume_reading()
-
-    def _refuse_body(self, status: int = 413, body: bytes | None = None, code: int = ErrorCode.INVALID_REQUEST) -> None:
-        """`status` with the error response `body` (413: past max_body_bytes; 503: past
-        max_incoming_bytes) before the rest of the body is read, then close (lingering);
-        counted as an answer `code`. To a path other than rpc_path, a plain error."""
-        fe = self._fe
-        self._linger = True
-        self.request_started = 0.0
-        path = self._path_of(self._url.partition(b"?")[0])
-        if self._head_done and path == "rpc" and self._may_call():  # (round 27: one a web page sent past
-            # max_body_bytes moved the JSON-RPC counters; round 28: so did a head under way, whose path
-            # is not known yet, to /healthz as well)
-            cors = b"" if self._origin is None else fe.cors_headers(self._origin) or b""  # (round 34: a page
-            self._queue(json_response(status, body or fe.too_large_body, False, cors, fe.json_head), False, path)
-            fe.dispatcher.count_refused_body(code)  # allowed to call could not read why, as for 415)
-        else:  # Not JSON-RPC: a plain error, counted by its path and status only (hostile
-            # testing, round 26: a body sent to /healthz got a -32600 error object, and
-            # anyone could move rpc_broker_calls_total and errors_total without JSON-RPC).
-            self._queue_plain(status, fe.refused_plain[status], False, path, head=self._head_request())
-        self._closing = True
-        self._discarding()
-
-    def request_timed_out(self) -> None:
-        """Called by the sweep: the request under way took longer than request_timeout
-        to arrive; answer 408 and close (RFC 9110 15.5.9)."""
-        if self._closing:  # a request pipelined after `Connection: close`: never answered
-            self.request_started = 0.0
-            return
-        self._answer_and_close(408, b"request not received within request_timeout %g s" % self._fe.request_timeout)
 
     # -- flow control ------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """HTTP/1.1 front-end: the listener (`HttpFrontend`), the state all its connections share.
 
-Its connections are `broker.frontend.http.HttpProtocol`s, whose module docstring says how
-a request is read, answered and closed; this one holds what they share: the limits, the
+Its connections are `broker.frontend.http.HttpProtocol`s, whose module docstrings (http.py,
+httprequest.py, httpanswer.py) say how a request is read, answered and closed; this one holds what they share: the limits, the
 allowed hosts and origins, the connections themselves and the sweep that times them out
 (once a second: keep-alive, request_timeout, send_timeout, the lingering close), the drain
 at the stop, the probes' reserve past max_connections (`PROBE_RESERVE`, `PROBE_OVERFLOW`),
@@ -28,6 +28,7 @@ from broker.metrics import HTTP_PATHS
 if typing.TYPE_CHECKING:
     from broker.dispatch import Dispatcher
     from broker.frontend.http import HttpProtocol
+    from broker.frontend.httpstate import HttpState
 
 __all__ = ["PATHS", "PROBE_OVERFLOW", "PROBE_RESERVE", "HttpFrontend"]
 
@@ -124,7 +125,7 @@ class HttpFrontend(Listener):
         self.scrape_paced = False  # a build was made, and the next one's time has not come (`_scrape_due`)
         self._scrape_body = b""  # the last build's body, until a pace ends with nobody waiting; b"": none
         self._scrape_answers: dict[bytes, bytes] = {}  # its whole answers, by connection header line
-        self._scrape_waiters: list[HttpProtocol] = []  # connections whose next answer waits for a build
+        self._scrape_waiters: list[HttpState] = []  # connections whose next answer waits for a build
         from broker.frontend.http import HttpProtocol  # (here: that module imports this one)
 
         self._protocol = HttpProtocol
@@ -233,7 +234,7 @@ class HttpFrontend(Listener):
         the timer counts from now.)"""
         self.loop.call_later(self.loop.time() - started, self._scrape_due)
 
-    def wait_scrape(self, conn: HttpProtocol) -> None:
+    def wait_scrape(self, conn: HttpState) -> None:
         """`conn`'s next answer is a scrape that needs a build not made yet, and the pace
         does not allow one now: the next build serves it (`HttpProtocol.scrape_built`)."""
         if not conn.scrape_waiting:

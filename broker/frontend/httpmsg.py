@@ -1,5 +1,5 @@
 """HTTP/1.1 messages, sans-IO: status lines, JSON responses, the Date header, and the checks of
-a request's Content-Type and Content-Encoding (broker/frontend/http.py writes and reads them)."""
+a request's Content-Type and Content-Encoding (broker/frontend/http*.py write and read them)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ JSON_TYPE = b"application/json"
 PREFLIGHT = (
     b"access-control-allow-methods: POST\r\naccess-control-allow-headers: content-type\r\n"
     b"access-control-max-age: 600\r\n"
-)  # (a CORS preflight's answer to an allowed origin: broker/frontend/http.py)
+)  # (a CORS preflight's answer to an allowed origin: broker/frontend/httprequest.py)
 
 
 def status_line(code: int) -> bytes:

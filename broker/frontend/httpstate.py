@@ -1,0 +1,110 @@
+"""An HTTP connection's state as the modules of its methods see it (`HttpState`), for the type checker.
+
+`http.HttpProtocol` holds the state (its `__slots__`, made by its `__init__`) and inherits
+the methods of broker/frontend/httprequest.py (`Requests`: the parser's callbacks and the
+routing of a request) and broker/frontend/httpanswer.py (`Answers`: the answers, in order,
+and the close), mixins with no state of their own. They subclass `HttpState`, which declares
+what they read of the connection and of one another's methods, once; at run time it is an
+empty class, with empty `__slots__` (so that the connection keeps no `__dict__`).
+"""
+
+from __future__ import annotations
+
+import typing
+
+if typing.TYPE_CHECKING:
+    import asyncio
+    from collections import deque
+
+    import httptools
+
+    from broker.answers import Exchange, ResponseBudget
+    from broker.frontend.httplistener import HttpFrontend, _Scrape
+    from broker.frontend.httprequest import _Deferred
+    from broker.jsonrpc import ErrorCode
+
+__all__ = ["HttpState"]
+
+
+class HttpState:
+    """What `http.HttpProtocol`'s mixins read of its state and of one another's methods."""
+
+    if typing.TYPE_CHECKING:
+        _backlog: bytes
+        _body: bytes | bytearray
+        _budget: ResponseBudget
+        _busy: Exchange | None
+        _chunks: int
+        _closing: bool
+        _content_length: int
+        _content_type: bytes | None
+        _eof: bool
+        _expect: bool
+        _fe: HttpFrontend
+        _framing: int
+        _head_bytes: int
+        _head_done: bool
+        _header_bytes: int
+        _headers: int
+        _host: bytes | None
+        _incoming: int
+        _keep_header: bytes
+        _linger: bool
+        _one_by_one: bool
+        _origin: bytes | None
+        _parser: httptools.HttpRequestParser
+        _parsing: bool
+        _probe_only: bool
+        _read_at: float
+        _responses: deque[Exchange | tuple[bytes, bool, str] | _Scrape | _Deferred]
+        _scraped: int
+        _skip: bool
+        _transfer_encoding: bytes
+        _transport: asyncio.Transport | None
+        _unread: int
+        _upgrade: tuple[bytes, bytes] | None
+        _url: bytes
+        _waiting: deque[_Deferred]
+        _waiting_bytes: int
+        _write_paused: bool
+        last_active: float
+        lingering_since: float
+        read_paused: bool
+        request_started: float
+        requests: int
+        scrape_waiting: bool
+        sent: int
+
+        # http.HttpProtocol's
+        def _claim_place(self) -> None: ...
+        def _dispatch_waiting(self) -> None: ...
+        def _framing_check(self) -> None: ...
+        def _maybe_resume(self) -> None: ...
+        def _pause(self) -> None: ...
+        def _schedule_turn(self, spent: float = 0.0, held: int = 0) -> None: ...
+
+        # httprequest.Requests'
+        def _gated(self) -> bool: ...
+        def _may_call(self) -> bool: ...
+        def _path_of(self, url: bytes) -> str: ...
+
+        # httpanswer.Answers'
+        def _answer(self, exchange: Exchange) -> tuple[bytes, bool]: ...
+        def _answer_and_close(self, status: int, message: bytes) -> None: ...
+        def _discarding(self) -> None: ...
+        def _exchange_done(self, exchange: Exchange) -> None: ...
+        def _flush_ready(self) -> None: ...
+        def _queue(self, response: bytes, keep_alive: bool, path: str) -> None: ...
+        def _queue_invalid(self, status: int, data: str, keep_alive: bool, path: str, cors: bytes = b"") -> None: ...
+        def _queue_plain(
+            self, status: int, message: bytes, keep_alive: bool, path: str, extra: bytes = b"", head: bool = False
+        ) -> None: ...
+        def _refuse_body(
+            self, status: int = 413, body: bytes | None = None, code: int = ErrorCode.INVALID_REQUEST
+        ) -> None: ...
+        def _write(self, data: bytes, keep_alive: bool, path: str) -> None: ...
+        def scrape_built(self) -> None: ...  # (and the listener's: `HttpFrontend.wait_scrape`)
+    else:
+        # (At run time only: to mypy, a class whose bases all declare `__slots__` may assign
+        # no attribute but theirs, and the mixins' attributes are `HttpProtocol`'s slots.)
+        __slots__ = ()
