@@ -41,6 +41,8 @@ The package, one concern a module (each opens with how it works):
     params.py   params binding: Method, InvalidParams, NestingTooDeep, Flag member drops
     results.py  encode_result: a result's JSON, orjson first, the Enum watch
     runtime.py  WorkerProtocol, the run loop: frames, calls, chunks, deadlines, replies
+    chunks.py   a batch's chunks: their calls run in the loop's slices, their answers sent
+    turns.py    the turns among connections' flows: the order the waiting calls run in
     held.py     the thread that sends answers held behind a blocking handler
     errors.py   the error object a failed call is answered with
     forks.py    die_with_parent, and the children a handler forks (isolate_forks)

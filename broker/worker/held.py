@@ -19,7 +19,7 @@ import typing
 from broker.wire import CHUNK_PART
 
 if typing.TYPE_CHECKING:
-    from broker.worker.runtime import _Chunk
+    from broker.worker.chunks import _Chunk
 
 _perf = time.perf_counter
 

@@ -5,11 +5,13 @@ backlog; `_run` runs the waiting calls for up to `SLICE_SECONDS` per loop turn, 
 writes their replies in one write. A call is bound (`Method.bind`), run (`_execute`: a
 sync handler inline, an async one as a task, `_guarded`) and answered with one RESULT or
 ERROR frame; a CHUNK (several calls of one batch, `_Chunk`) is answered with CHUNK_PART
-frames and one CHUNK_REPLY. A CANCEL cancels a call and is acknowledged at once; past its
-deadline a call is not started. A sync method that blocked the loop once is "slow": the
-answers ready before its next call go out first. Answers ready behind a handler that
-runs long are sent from another thread (broker/worker/held.py); the error object a
-failed call is answered with is built in broker/worker/errors.py.
+frames and one CHUNK_REPLY (broker/worker/chunks.py). A CANCEL cancels a call and is
+acknowledged at once; past its deadline a call is not started. A sync method that blocked
+the loop once is "slow": the answers ready before its next call go out first. Answers ready
+behind a handler that runs long are sent from another thread (broker/worker/held.py); the
+error object a failed call is answered with is built in broker/worker/errors.py; which
+connection's calls run first, when one's calls take the loop's slices, is decided in
+broker/worker/turns.py.
 
 A child that a handler forks has a copy of all this. `_forked_from` (set in the child by
 the fork hooks of broker/worker/forks.py) is read wherever the worker's code gets
@@ -26,7 +28,6 @@ import inspect
 import logging
 import math
 import os
-import struct
 import sys
 import threading
 import time
@@ -37,51 +38,45 @@ from collections.abc import Callable
 import msgspec
 
 from broker import wire
-from broker.chunk import add_answer, read_call
 from broker.wire import (
     AWAITED,
     BYE,
     CALL,
-    CALL_ENTRY,
     CANCEL,
     CHUNK,
-    CHUNK_PART,
     CHUNK_REPLY,
     ERROR,
-    FLOW_MASK,
     NOT_RUN,
     NOTIFY,
-    REPLY_ENTRY,
     RESULT,
-    RETURN,
     RETURNABLE,
+)
+from broker.worker.chunks import (  # (what the run loop shares with the chunks' runs)
+    _AWAITED_WITHIN_S,
+    _CANCELLED,
+    _DEADLINE_SIZE,
+    _SLOW_SYNC_S,
+    _UNRUN,
+    SLOW_SYNC_US,
+    ChunkRuns,
+    _Chunk,
+    _deadline_of,
 )
 from broker.worker.errors import ErrorAnswers, _text
 from broker.worker.held import HeldAnswers
 from broker.worker.params import _drop_flag_members
 from broker.worker.results import encode_result
 from broker.worker.sdk import Registry
+from broker.worker.turns import _CHARGED_S, FlowTurns, _flow_of
 
 log = logging.getLogger("broker.worker")  # (one logger for the package: its records say `broker.worker`)
 
 
 _BYE_FRAME = wire.encode_frame(wire.Kind.BYE, 0)  # (SIGTERM: see WorkerProtocol.stop)
 _pack_header = wire.HEADER.pack
-_deadline_of = wire.DEADLINE.unpack_from  # a call's (deadline, flow), at the start of its frame's payload
-# (flow: its connection's number, FLOW_MASK, and RETURNABLE: `WorkerProtocol._give_back`)
-_DEADLINE_SIZE = wire.DEADLINE.size
 _perf = time.perf_counter
 _monotonic = time.monotonic  # the clock of the deadlines the broker sends (wire.py)
-_CANCELLED = wire.CANCEL_ACK  # the broker tells this acknowledgement from a late result
-# `_execute`'s kind for an ERROR whose handler never ran (its params did not bind, or no
-# such method): the reply's aux says NOT_RUN, and no method's speed is learnt from it.
-_UNRUN = -1
 SLICE_SECONDS = 0.002  # run waiting calls this long before letting the loop do I/O
-_CHARGED_S = 0.0005  # a call (or a chunk's calls in one go) this long is charged to its flow: `_next_turn`
-_HISTORY_S = 0.01  # ... and a flow that arrives starts at most this far after the last call charged (`_arrival`)
-SLOW_SYNC_US = 1000  # a sync call this long (µs) blocks the replies behind it (dispatch.BLOCKING_US)
-_SLOW_SYNC_S = SLOW_SYNC_US / 1e6
-_AWAITED_WITHIN_S = 0.01  # a sync handler that returns its awaitable within this blocks nothing (wire.AWAITED)
 
 
 _forked_from = 0
@@ -217,55 +212,7 @@ class _PastDeadline(Exception):
 _PAST_DEADLINE_RAN = _PastDeadline()
 
 
-class _Chunk:
-    """A CHUNK being run: where its next call starts, and answers not yet sent."""
-
-    __slots__ = (
-        "awaited", "chunk_id", "count", "deadline", "flow", "next", "payload", "pos", "ran", "t0", "tasks",
-        "unsent", "waiting"
-    )  # fmt: skip
-
-    def __init__(self, chunk_id: int, count: int, payload: bytes) -> None:
-        self.chunk_id = chunk_id
-        self.count = count
-        self.payload = payload
-        self.deadline: float  # its calls', CLOCK_MONOTONIC s (wire.py)
-        self.flow: int  # its connection's number (wire.py)
-        self.deadline, self.flow = _deadline_of(payload)
-        self.pos = _DEADLINE_SIZE  # byte offset of the next call's entry
-        self.next = 0  # index of the next call to start
-        self.unsent = bytearray()  # REPLY_ENTRY-framed answers for the next part
-        self.tasks: list[asyncio.Task[tuple[bool, object]]] = []
-        self.waiting = 0  # async calls still running
-        self.ran = False  # a handler of it ran (else its CHUNK_REPLY's aux is NOT_RUN)
-        # A sync-declared method's call of it returned an awaitable: 1 at once, -1 after
-        # blocking (then not AWAITED), 0 none (wire.AWAITED).
-        self.awaited = 0
-        self.t0 = _perf()
-
-
-def _flow_of(item: tuple[int, int, int, bytes] | _Chunk) -> int:
-    """The flow (wire.py: a client connection's number) of a call or chunk waiting to run."""
-    if type(item) is _Chunk:
-        return item.flow & FLOW_MASK
-    flow: int = _deadline_of(typing.cast("tuple[int, int, int, bytes]", item)[3])[1]
-    return flow & FLOW_MASK
-
-
-def _calls_of(payload: bytes, pos: int, method: int) -> bool:
-    """Whether a CHUNK payload's calls from byte `pos` on include one of method index `method`."""
-    unpack = CALL_ENTRY.unpack_from
-    size = CALL_ENTRY.size
-    end = len(payload)
-    while pos + size <= end:
-        index, _flags, length = unpack(payload, pos)
-        if index == method:
-            return True
-        pos += size + length
-    return False
-
-
-class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
+class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Protocol):
     """The worker's end of its Unix socket to the broker.
 
     Runs each CALL/NOTIFY frame's handler and answers with exactly one RESULT or
@@ -537,15 +484,6 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
                 self._reply(ERROR, call_id, _perf(), _CANCELLED)  # a whole chunk, too
                 return
 
-    def _drop_unstarted(self, chunk: _Chunk) -> None:
-        """Answer the calls of `chunk` not started yet as cancelled (`CANCEL_ACK`; a
-        notification is owed no answer): cancelled, or their deadline passed."""
-        while chunk.next < chunk.count:
-            _index, notification, _start, chunk.pos = read_call(chunk.payload, chunk.pos)
-            if not notification:
-                self._chunk_answer(chunk, chunk.next, ERROR, _CANCELLED)
-            chunk.next += 1
-
     def _run(self) -> None:
         """Run waiting calls for up to `SLICE_SECONDS`, then write their replies. If
         calls remain, go on in the next loop iteration, after reading what arrived
@@ -607,131 +545,6 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         if not backlog and self._active:  # (idle: every flow that comes next arrives afresh)
             self._active = set()
         self._flush()
-
-    def _arrival(self, start: float | None) -> float:
-        """The start (`_used`) of a flow whose calls arrive here with none of its calls waiting
-        or run since the last turn: its own, but no earlier than the last one charged
-        (`_virtual`: no credit for the time it was away) and no later than `_HISTORY_S` after
-        it; a flow not known here (`start` None) starts `_HISTORY_S` after it, so one that has
-        been here before never goes behind a new connection's calls for its own history."""
-        virtual = self._virtual
-        if start is None:
-            return virtual + _HISTORY_S
-        return virtual if start < virtual else min(start, virtual + _HISTORY_S)
-
-    def _charge(self, flow: int, seconds: float) -> None:
-        """A call or chunk of `flow` took `seconds` (`_CHARGED_S` or more) while others
-        waited: its flow's next start is its start plus that (`_next_turn`)."""
-        used = self._used
-        start = used.get(flow)
-        if start is None or flow not in self._active:
-            start = self._arrival(start)
-            self._active.add(flow)
-        if start > self._virtual:
-            self._virtual = start
-        used[flow] = start + seconds
-
-    def _next_turn(self) -> None:
-        """The last slice went whole to one call or chunk of one flow (a client connection,
-        wire.py), and calls wait: they are put in the order of their flows' starts, least first
-        (each flow's calls in their order: a stable sort). That is start-time fair queueing
-        (Goyal, Vin and Cheng, "Start-time Fair Queueing", SIGCOMM 1996) by the time calls take
-        here: a flow's start (`_used`) grows by the time its calls of `_CHARGED_S` or more take
-        (`_charge`), and a flow that arrives, or comes back, starts near the start of the last
-        call charged (`_virtual`, `_arrival`); the flows waiting keep theirs. So a client whose calls turn out
-        slow (a sync method learnt fast from a cheap call, then a batch of its slow calls: 50
-        a worker) holds another client's calls back for about one of its slow calls, however
-        many of its calls reached this worker first, and whatever the other client sends:
-        single calls, pipelined ones, a batch chunk of many fast calls, calls of a few ms.
-        (Hostile testing, round 60: every other client's call waited 10 s behind a batch of
-        100 fib(32). Round 61: moving only the next flow's first call ahead left a client's 64
-        pipelined calls 5.2 s behind. Round 62: turns by call rather than by time held a batch
-        of 1000 `add` 1.9 s, and 32 calls of 3 ms 3.2 s; and putting only the last slow flow
-        behind the others left a client's call behind one slow call of every other slow
-        connection. Round 63: a flow's time here was never forgotten, and a client that had done
-        3 s of work waited 2.7 s behind a new connection's slow calls. Round 64: capping every
-        flow waiting at 50 ms past the least one levelled a heavy flow with the others whenever a
-        flow never charged waited, and a client with 50 ms of history waited 4 s behind the
-        heavy one's whole chunk.) Between calls that each take less than a slice, as fast calls do, the
-        worker's order is the order they came. O(n log n) in the calls waiting, and only
-        after a call (or a chunk) that took a whole slice: scanning after every slice of fast
-        single calls cost 41 % more instructions per call (callgrind)."""
-        self._spent = False
-        backlog = self._backlog
-        used = self._used
-        flows = [_flow_of(item) for item in backlog]
-        waiting = set(flows)
-        active = self._active
-        for flow in waiting:
-            if flow not in active or flow not in used:  # (arrived since the last turn, not charged yet)
-                used[flow] = self._arrival(used.get(flow))
-        self._active = waiting  # (those gone since are away: they arrive afresh)
-        if len(waiting) > 1:
-            items = list(backlog)
-            backlog.clear()
-            backlog.extend(items[i] for i in sorted(range(len(items)), key=lambda i: used[flows[i]]))
-        if len(used) > 2 * len(flows) + 64:  # (flows gone: only those waiting keep their time)
-            self._used = {flow: t for flow, t in used.items() if flow in waiting}
-
-    def _give_back(self, method: int) -> None:
-        """A call the broker sent `RETURNABLE` (wire.py: of a method not known to block, to
-        a worker not busy in a blocking one) was a sync handler's, of method index `method`,
-        that blocked the loop SLOW_SYNC_US or more: give back (RETURN) every call waiting here
-        that was sent RETURNABLE, has not started, and is of that method; of a chunk started,
-        its calls from the next on, if one of those is. (Not every method slow here: a sync
-        method counts as slow until its first call on this worker, and the broker, which
-        learnt it fast on another, would route its calls one at a time.) The broker routes them
-        again as blocking calls: one connection's at most its share of the workers, the
-        others' calls on the rest. Kept here, a batch of them sent 50 a worker held every
-        worker, and another client's batch past its share waited one of them per round trip
-        (hostile testing, round 63: a sync method learnt fast from a cheap call, then a batch
-        of its slow calls; another client's batch of 1000 `add` took 1.9 s, 0.007 s alone).
-        O(the calls waiting, and the entries of the chunks among them)."""
-        kept: collections.deque[tuple[int, int, int, bytes] | _Chunk] = collections.deque()
-        for item in self._backlog:
-            if type(item) is _Chunk:
-                if not item.flow & RETURNABLE or item.next >= item.count or not _calls_of(item.payload, item.pos, method):
-                    kept.append(item)
-                elif item.next == 0 and not item.waiting and not item.unsent:  # (nothing of it ran: all of it)
-                    self._chunks.pop(item.chunk_id, None)
-                    self._dirty.discard(item)
-                    self._reply(RETURN, item.chunk_id, 0.0, item.payload[_DEADLINE_SIZE:], 0)
-                else:  # its calls from the next on; its CHUNK_REPLY, for those before, comes after
-                    self._reply(RETURN, item.chunk_id, 0.0, item.payload[item.pos :], item.next)
-                    item.count = item.next
-                    self._dirty.add(item)
-                continue
-            kind, call_id, aux, payload = typing.cast("tuple[int, int, int, bytes]", item)
-            if _deadline_of(payload)[1] & RETURNABLE and (
-                _calls_of(payload, _DEADLINE_SIZE, method) if kind == CHUNK else aux == method
-            ):
-                self._reply(RETURN, call_id, 0.0, payload[_DEADLINE_SIZE:], 0)
-            else:
-                kept.append(item)
-        self._backlog.clear()  # (in place: `_run` holds it)
-        self._backlog.extend(kept)
-
-    def _yield(self, call_id: int) -> bool:
-        """Before call `call_id`, of a method that blocks the loop, with async calls in
-        flight: whether the loop runs a turn first (`_run` goes on in the next one), so
-        that they go on before it. An async call whose wait ended, or that started and
-        has not run a step yet, needs a turn for its step, and one that finished a turn
-        more for its answer (a task's done callback comes a turn later); `_call` then
-        writes the answers ready before the slow call runs. At most two turns a call: a
-        steady flow of async calls cannot hold it back. (Hostile testing, round 13: an
-        async call's answer waited behind a slow sync call sent after it, long enough to
-        be answered -32001 "timed out" although its handler was done; the README says
-        each answer leaves as soon as its own handler returns.)"""
-        last, turns = self._yielded
-        turns = turns + 1 if last == call_id else 1
-        if turns > 2:
-            return False
-        self._yielded = (call_id, turns)
-        # (and reads first: a task step may hold the loop meanwhile, round 17, and a CANCEL
-        # for the slow call or those behind it come then)
-        self._run_scheduled = self._read_first = True
-        self._loop.call_soon(self._run)
-        return True
 
     def stop(self) -> None:
         """Leave as the broker's stop makes a worker leave, losing no call (SIGTERM).
@@ -931,145 +744,6 @@ class WorkerProtocol(HeldAnswers, ErrorAnswers, asyncio.Protocol):
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
-
-    def _advance(self, chunk: _Chunk, deadline: float) -> bool:
-        """Start a chunk's calls until `deadline` (perf_counter s) or the chunk's own,
-        past which the rest are answered as cancelled, unstarted (the broker answered
-        them -32001); True once all have started or been so answered. Its answers so far
-        go out as a CHUNK_PART, or as the CHUNK_REPLY when none is left running."""
-        left = chunk.deadline - _monotonic()
-        if left <= 0:
-            self._drop_unstarted(chunk)
-            self._dirty.add(chunk)
-            return True
-        unpack = CALL_ENTRY.unpack_from
-        size = CALL_ENTRY.size
-        pack = REPLY_ENTRY.pack
-        payload = chunk.payload
-        unsent = chunk.unsent
-        limit = self._max_result
-        slow = self._slow
-        unknown = len(self._methods)  # (answered "method not found")
-        t0 = _perf()
-        if t0 + left < deadline:  # (then `_run` calls again, and the rest are answered above)
-            deadline = t0 + left
-        while chunk.next < chunk.count:
-            i = chunk.next
-            try:
-                index, _flags, length = unpack(payload, chunk.pos)
-            except struct.error:
-                index, length = unknown, 0
-            if index > unknown:
-                index = unknown
-            if slow[index] and (unsent or self._out or self._dirty):
-                # As in `_call`: the answers ready so far go out (a CHUNK_PART: call i is
-                # not started yet) before a call that may block the loop, so they are not
-                # held past their deadline behind it.
-                self._dirty.add(chunk)
-                self._write_out()
-                t0 = _perf()
-            start = chunk.pos + size
-            chunk.pos = start + length
-            chunk.next += 1
-            self._advancing = chunk
-            self._running = t0
-            try:
-                done = self._execute(index, payload[start : start + length], chunk.deadline)
-            finally:
-                self._running = 0.0
-            if _forked_from:  # (as in `_call`)
-                _child_exits(None)
-            if self._grab:
-                self._sent_held()
-            now = _perf()
-            if type(done) is tuple:
-                kind, body = done
-                if kind == _UNRUN:  # (no handler ran: nothing learnt)
-                    kind = ERROR
-                else:
-                    slow[index] = now - t0 >= _SLOW_SYNC_S
-                    if slow[index]:  # (a call of it blocked: the chunk's time is the worker's, not AWAITED; round 25)
-                        chunk.awaited = -1
-                        if chunk.flow & RETURNABLE:  # (and it was sent as not blocking: `_give_back`)
-                            self._surprise = index
-                    chunk.ran = True
-                if len(unsent) + len(body) <= limit:  # fits this part (the common case)
-                    unsent += pack(i, kind, len(body))
-                    unsent += body
-                else:
-                    self._chunk_answer(chunk, i, kind, body)
-            else:
-                task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
-                slow[index] = False
-                chunk.ran = True
-                if not self._methods[index].is_async:  # a sync handler's awaitable (wire.AWAITED):
-                    if now - t0 >= _AWAITED_WITHIN_S:  # returned after blocking: the chunk's time is the worker's
-                        chunk.awaited = -1
-                    elif not chunk.awaited:
-                        chunk.awaited = 1
-                chunk.tasks.append(task)
-                chunk.waiting += 1
-                if not task.done():  # (else finished at once, eagerly: answered by its done callback)
-                    self._task_of[task] = (chunk, i, index)
-                task.add_done_callback(functools.partial(self._chunk_task_done, chunk, i, index))
-            t0 = now
-            if chunk.next < chunk.count and (now > deadline or self._surprise >= 0):
-                self._dirty.add(chunk)
-                return False
-        self._dirty.add(chunk)
-        return True
-
-    def _chunk_task_done(self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[tuple[bool, object]]) -> None:
-        if task in self._answered:  # (answered in its last step: `_finished`, or at its cancel)
-            self._answered.discard(task)
-            self._wound(task)
-            return
-        self._task_of.pop(task, None)
-        self._chunk_task_answer(chunk, i, index, task, None)
-
-    def _chunk_task_answer(
-        self, chunk: _Chunk, i: int, index: int, task: asyncio.Task[tuple[bool, object]],
-        outcome: tuple[bool, object] | None,
-    ) -> None:
-        if _forked_from:
-            _child_exits(None)
-        if self._down:
-            return
-        kind, body = self._outcome(task, index, outcome)
-        if _forked_from:  # (forked while the result or error was encoded: a `tolist`, a repr)
-            _child_exits(None)
-        self._chunk_answer(chunk, i, kind, body)
-        chunk.waiting -= 1
-        self._dirty.add(chunk)
-        self._schedule_flush()
-
-    def _chunk_answer(self, chunk: _Chunk, i: int, kind: int, body: bytes) -> None:
-        """Add the answer of a chunk's call `i` to its unsent answers. A chunk's answers
-        may together pass max_frame_bytes: those before this one go out first as a
-        CHUNK_PART, so each frame holds at most max_frame_bytes of answers (plus one
-        entry header). Only an answer that alone is larger fails (-32603)."""
-        if len(body) > self._max_result:
-            kind, body = ERROR, self._too_large(kind, len(body))
-        unsent = chunk.unsent
-        if unsent and len(unsent) + len(body) > self._max_result:
-            self._reply(CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(unsent))
-            unsent.clear()
-        add_answer(unsent, i, kind, body)
-
-    def _emit(self, chunk: _Chunk) -> None:
-        """Send a chunk's unsent answers: the CHUNK_REPLY once nothing in it is left
-        to run, else a CHUNK_PART."""
-        if chunk.next == chunk.count and not chunk.waiting:
-            self._chunks.pop(chunk.chunk_id, None)
-            aux = -1 if chunk.ran else NOT_RUN
-            if chunk.awaited > 0:  # (wire.AWAITED)
-                aux = min(int((_perf() - chunk.t0) * 1e6), AWAITED - 1) | AWAITED
-            self._reply(CHUNK_REPLY, chunk.chunk_id, chunk.t0, bytes(chunk.unsent), aux)
-        elif chunk.unsent:
-            self._reply(CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
-        else:
-            return
-        chunk.unsent.clear()
 
     def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int:
         """Queue one reply frame; returns its service time (µs since `t0`), its aux
