@@ -39,6 +39,7 @@ The package, one concern a module (each opens with how it works):
 
     sdk.py      the tool author's API: Registry, RpcError (and its error object), load_app
     params.py   params binding: Method, InvalidParams, NestingTooDeep, Flag member drops
+    param_errors.py  params binding's slow paths: InvalidParams reasons, numbers no float holds
     results.py  encode_result: a result's JSON, orjson first, the Enum watch
     runtime.py  WorkerProtocol, the run loop: frames, calls, chunks, deadlines, replies
     chunks.py   a batch's chunks: their calls run in the loop's slices, their answers sent
