@@ -8,7 +8,7 @@ then the raw result or error object. The broker writes chunks (`encode_requests`
 and reads their answers (`answers`, `count_answers`); a worker reads chunks (`read_call`)
 and writes answers (`add_answer`).
 
-The hot loops of both sides (`dispatch.Dispatcher._fill_chunk`, `worker.runtime`'s
+The hot loops of both sides (`dispatch.Dispatcher._fill_chunk`, `worker.chunks`'s
 `_advance`) read the entries inline, with these structs, rather than call here once an
 entry: a call costs about 60 ns, per call of every batch.
 """
