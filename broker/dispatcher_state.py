@@ -60,6 +60,8 @@ class DispatcherState:
         _releasing: set[ResponseBudget]
         _reserved: Worker | None
         _reserved_for: ResponseBudget | None
+        _left_kept: set[Worker]
+        _left_for: ResponseBudget | None
         _returnable: int
         _room_heap: list[tuple[int, int, ResponseBudget]]
         _room_order: itertools.count[int]

@@ -278,7 +278,8 @@ class Routing(DispatcherState):
                 k = least if any(not x.overdue for x in ready) else k + _BLOCKED + (_LEFT_MS << 10)
             if k < least:
                 if heavy and ((w.heavy and w.heavy + heavy > self._heavy_cap) or (
-                    w is self._reserved and owner is not self._reserved_for
+                    (w is self._reserved or (w in self._left_kept and self._left_for is self._reserved_for))
+                    and owner is not self._reserved_for
                 )):  # (no room for its params, round 92; or kept for the oldest waiting, round 94)
                     self._roomless = 1
                 elif k == 0:
@@ -472,15 +473,32 @@ class Routing(DispatcherState):
     def _keep_sooner(self, reserved: Worker) -> Worker:
         """The worker to keep instead of `reserved` (itself, or another that takes calls now
         expected free of large params sooner by more than RESERVE_MOVE_SECONDS and more than
-        twice as soon: `_drains_in`, by how long their large calls have run; round 98)."""
+        twice as soon: `_drains_in`, by how long their large calls have run; round 98). The one
+        it moves off stays kept (`_left_kept`) while the same call waits: hostile testing, round
+        99, opened again it took a fresh long call each time, and the keeping moved back and
+        forth between two workers that never emptied while the call waited to its deadline. So
+        each move closes one worker more, and the call goes when the first of them empties."""
         now = _clock()
         wait = _drains_in(reserved, now)
         if wait <= RESERVE_MOVE_SECONDS:
             return reserved
         sooner = min(self._keepable((reserved,)), key=lambda w: (_drains_in(w, now), w.heavy), default=None)
         if sooner is not None and 2 * _drains_in(sooner, now) + RESERVE_MOVE_SECONDS < wait:
+            if self._left_for is not self._reserved_for:
+                self._left_kept.clear()
+                self._left_for = self._reserved_for
+            self._left_kept.add(reserved)
             return sooner
         return reserved
+
+    def _closed(self, reserved: Worker | None) -> typing.Collection[Worker]:
+        """The workers kept for `_reserved_for` (`reserved`, if still kept, and those the keeping
+        moved off while it waited: `_left_kept`): no other connection's large call goes there."""
+        if reserved is None:
+            return ()
+        if self._left_kept and self._left_for is self._reserved_for:
+            return {reserved, *self._left_kept}
+        return (reserved,)
 
     def _release_for_room(self) -> None:
         """Put back in turn the connections waiting for room for their large params
@@ -529,7 +547,7 @@ class Routing(DispatcherState):
                 queue.release(first)
             del waiters[first]
             first = None
-        if first is not None and places and self._fits(free, first, size, reserved):
+        if first is not None and places and self._fits(free, first, size, self._closed(reserved)):
             go.append(first)
             places -= 1
             if first is self._reserved_for:  # (it goes: the worker kept for it is kept no more)
@@ -537,10 +555,11 @@ class Routing(DispatcherState):
         kept = self._reserved_for  # (and the one a worker is kept for, wherever it waits)
         if reserved is not None and kept is not None and places and (size := self._waiting_size(kept)) and not (
             kept.heavy and kept.heavy + size > self._heavy_share
-        ) and self._fits(free, kept, size, reserved):
+        ) and self._fits(free, kept, size, self._closed(reserved)):
             go.append(kept)
             places -= 1
             reserved = None
+        closed = self._closed(reserved)
         while heap and places:  # (then the smallest first)
             size, _order, owner = heap[0]
             if owner not in waiters or owner in go or self._waiting_size(owner) != size:
@@ -554,13 +573,14 @@ class Routing(DispatcherState):
                 if queue.is_held(owner):
                     self._share_waiters[owner] = None
                 continue
-            if not self._fits(free, owner, size, reserved):
+            if not self._fits(free, owner, size, closed):
                 break  # (the smallest fits nowhere: nor does any other)
             heapq.heappop(heap)
             go.append(owner)
             places -= 1
             if owner is self._reserved_for:
                 reserved = None
+                closed = ()
         for owner in go:  # (each keeps its place until a call of its goes: `_pump`)
             self._releasing.add(owner)
             queue.release(owner)  # (if held)
@@ -576,13 +596,15 @@ class Routing(DispatcherState):
             for owner in waiters:
                 self._push_waiter(owner)
 
-    def _fits(self, free: list[tuple[Worker, list[int]]], owner: ResponseBudget, size: int, reserved: Worker | None) -> bool:
+    def _fits(
+        self, free: list[tuple[Worker, list[int]]], owner: ResponseBudget, size: int, closed: typing.Collection[Worker]
+    ) -> bool:
         """Whether a worker of `free` (`_release_for_room`) has a place and room for `size`
-        bytes of `owner`'s large params (the one kept for another's, no); if so, they are
-        counted there, first fit."""
+        bytes of `owner`'s large params (one of `closed`, kept for another's, no); if so, they
+        are counted there, first fit."""
         cap = self._heavy_cap
         for w, room in free:
-            if room[1] and (not room[0] or room[0] + size <= cap) and (w is not reserved or owner is self._reserved_for):
+            if room[1] and (not room[0] or room[0] + size <= cap) and (w not in closed or owner is self._reserved_for):
                 room[0] += size
                 room[1] -= 1
                 return True

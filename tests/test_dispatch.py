@@ -2465,7 +2465,9 @@ def test_the_worker_kept_for_a_call_too_large_for_any_room_left_is_one_expected_
     the call waited 30 s, to its deadline, while the other worker served a stream of other
     clients' large calls and never emptied. The one kept is the one expected free of large
     params soonest (by how long their calls have run), and the keeping moves to another
-    expected free much sooner."""
+    expected free much sooner; the one it moved off stays kept for that call (round 99,
+    HIGH: opened again, it took a fresh long call each time, the keeping moved back and forth
+    between two workers that never emptied, and the call waited to its deadline)."""
     from broker import routing
 
     monkeypatch.setattr(routing, "RESERVE_MOVE_SECONDS", 0.05)
@@ -2496,11 +2498,12 @@ def test_the_worker_kept_for_a_call_too_large_for_any_room_left_is_one_expected_
         assert where["s3"] is stream
         d.on_reply(stream, wire.Kind.RESULT, s2, 10, b"0")  # (80 left, the youngest: the keeping moves there)
         assert d._reserved is stream and d.held_calls == 1
-        send("s4", 80)  # (to the long call's worker now: 180)
-        assert where["s4"] is long_
+        send("s4", 80)  # (the one it moved off stays kept: round 99, opened again it took a fresh long
+        assert "s4" not in where and d.held_calls == 2  # call each time, and the keeping flapped)
         s3 = next(c for c, pending in d._pending.items() if pending.worker is stream)
         d.on_reply(stream, wire.Kind.RESULT, s3, 10, b"0")  # (the stream's worker empties: the big call goes)
         assert [first_params(f) for f in stream.channel.take()] == [["b" * 146]]  # type: ignore[union-attr]
+        assert [first_params(f) for f in long_.channel.take()] == [["s" * 76]]  # type: ignore[union-attr]  # (then s4)
         assert d._reserved is None and not d.held_calls
 
     run(main)

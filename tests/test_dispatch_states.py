@@ -480,8 +480,8 @@ class DispatcherMachine(RuleBasedStateMachine):
         """The connections waiting for room for their large params (`_room_waiters`) wait, held
         out of turn, only while no worker that takes calls now (ready, a place free, neither
         blocked nor overdue) has room for their first call (one with none takes one, whatever
-        its size), the worker kept for the oldest of them that fits nowhere (`_reserved`) counting
-        for that one only. (Those past their share wait for a large call of their own to end.)"""
+        its size), the workers kept for the oldest of them that fits nowhere (`_reserved`, and those
+        the keeping moved off while it waited: `_closed`) counting for that one only. (Those past their share wait for a large call of their own to end.)"""
         d = self.dispatcher
         queue = d._queue
         kept = d._reserved_for  # (hostile testing, round 97: kept for one whose large call had gone, a
@@ -498,7 +498,7 @@ class DispatcherMachine(RuleBasedStateMachine):
             for w in self._live():
                 if w.outstanding < w.limit and not w.blocked and not w.overdue:
                     assert (w.heavy and w.heavy + size > d._heavy_cap) or (
-                        w is d._reserved and owner is not d._reserved_for), ("room for one waiting", w, w.heavy, size)
+                        w in d._closed(d._reserved) and owner is not d._reserved_for), ("room for one waiting", w, w.heavy, size)
         for owner in d._share_waiters:  # (and those past their share: a call of theirs holds some)
             assert owner.heavy or not owner.queued
 
