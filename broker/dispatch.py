@@ -93,6 +93,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 import typing
 from collections import OrderedDict
@@ -144,6 +145,7 @@ log = logging.getLogger("broker.dispatch")
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's (too deep)
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
+SHED_LOG_SECONDS = 60.0  # calls shed or refused for a full queue: a WARNING at the first, then at most this often
 _SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
 _GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
@@ -256,6 +258,8 @@ class Dispatcher(Membership, Routing, Replies):
         self._isolation_handle: asyncio.TimerHandle | None = None  # (`_isolation_timer`)
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
+        self._shed_unlogged = 0  # calls shed or refused -32000 since the last WARNING saying so (`_count_shed`)
+        self._shed_logged_at = -math.inf  # when that was (time.perf_counter() s)
         self._heavy_cap = max_worker_params_bytes or 1 << 62
         self._heavy_bytes = HEAVY_BYTES if max_worker_params_bytes else 1 << 62  # (params this large count)
         self._heavy_share = 0  # one connection's large params in flight, at most (`_set_share`)
@@ -909,6 +913,8 @@ class Dispatcher(Membership, Routing, Replies):
 
     def _finish(self, call: Call, error: bytes, code: int, remaining: bool = True) -> None:
         """Answer `call` with a broker error (once); `remaining=False` when not yet counted."""
+        if code == ErrorCode.OVERLOADED:
+            self._count_shed(call.weight)
         if call.tick:
             self._deadlines.remove(call)
         if call.worker is None:  # never sent: its notifications are dropped unrun
@@ -934,6 +940,21 @@ class Dispatcher(Membership, Routing, Replies):
             exchange.answers[call.slot] = answer
             if not exchange.batch:
                 exchange.status = http_status(code)
+
+    def _count_shed(self, calls: int) -> None:
+        """`calls` were shed or refused for a full queue: say so in the log, at the first and then
+        at most every SHED_LOG_SECONDS, with how many since the last line (new user, round 99:
+        an operator tailing the log saw a healthy broker while clients got 503s; as nginx logs
+        "limiting requests", its rate-limited refusals)."""
+        self._shed_unlogged += calls
+        now = _clock()
+        if now - self._shed_logged_at >= SHED_LOG_SECONDS:
+            since = "" if self._shed_logged_at == -math.inf else f" in the last {now - self._shed_logged_at:.0f} s"
+            log.warning("queue full: %d call(s) shed or refused -32000 (Server overloaded)%s; max_queue %d calls, "
+                        "max_queue_bytes %d (the next such line in %g s at the soonest)", self._shed_unlogged, since,
+                        self._max_queue, self._max_queue_bytes, SHED_LOG_SECONDS)
+            self._shed_unlogged = 0
+            self._shed_logged_at = now
 
     def _check_idle(self) -> None:
         if not self.accepting and not self._queued_calls and not self._pending and not self.held_back():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
 import socket
@@ -1609,6 +1610,36 @@ def test_deadlines_fire_within_two_ticks_with_a_bounded_number_of_timer_wakeups(
 
     with asyncio.Runner(loop_factory=LOOPS[loop_name]) as runner:
         runner.run(main())
+
+
+def test_calls_shed_for_a_full_queue_are_logged_at_the_first_then_at_most_every_shed_log_seconds(caplog, monkeypatch):
+    """New user, round 99 (LOW): calls shed or refused -32000 for a full queue left nothing in
+    the log, so an operator tailing it saw a healthy broker while clients got 503s. A WARNING
+    says so at the first, then at most every SHED_LOG_SECONDS with how many since."""
+    from broker import dispatch
+
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), max_queue=2)
+        d.set_methods(["work"])
+        add_worker(d, 0, concurrency=1)
+        codec = Codec()
+
+        def send(id_: int) -> None:
+            d.submit(body(codec, req("work", [id_], id_)), lambda e: None)
+
+        for i in range(3):  # (1 in flight, 2 queued: full)
+            send(i)
+        with caplog.at_level(logging.WARNING, logger="broker.dispatch"):
+            for i in range(3, 6):  # (3 shed: the first is logged, the next two not yet)
+                send(i)
+            monkeypatch.setattr(dispatch, "SHED_LOG_SECONDS", 0.0)
+            send(6)  # (the interval is over: it and the two before it)
+        lines = [r.getMessage() for r in caplog.records if "queue full" in r.getMessage()]
+        assert len(lines) == 2, lines
+        assert lines[0].startswith("queue full: 1 call(s) shed or refused -32000") and "max_queue 2 calls" in lines[0]
+        assert lines[1].startswith("queue full: 3 call(s) shed or refused -32000 (Server overloaded) in the last ")
+
+    run(main)
 
 
 def test_a_full_queue_sheds_the_newest_calls_of_the_connection_with_the_most_waiting():

@@ -1982,9 +1982,10 @@ def test_scalars_inside_the_deepest_allowed_level_are_accepted(params, depth):
         m.bind(params, depth - 1)
 
 
-def test_result_past_max_frame_bytes_is_an_error_not_a_dropped_connection(run):
+def test_result_past_max_frame_bytes_is_an_error_not_a_dropped_connection(run, caplog):
     """The broker would close a worker sending an oversize frame, failing every call
-    on it; the worker answers that one call with -32603 instead."""
+    on it; the worker answers that one call with -32603 instead, and logs why (new user,
+    round 99: nothing in the log said so)."""
 
     async def test(proto: WorkerProtocol, b: Broker) -> None:
         b.send(b.call(1, "big", b"[65000]"), b.call(2, "big", b"[70000]"), b.call(3, "add_ints", b"[1, 2]"))
@@ -1995,6 +1996,7 @@ def test_result_past_max_frame_bytes_is_an_error_not_a_dropped_connection(run):
         assert result(f3) == 3
 
     run(test, max_frame_bytes=65536)
+    assert "a handler's result of 70002 bytes exceeds max_frame_bytes 65536: answered -32603" in caplog.text
 
 
 def test_async_handler_failure_is_logged_with_its_method_name(run, caplog):

@@ -106,8 +106,9 @@ class ErrorAnswers:
 
     def _too_large(self, kind: int, size: int) -> bytes:
         """-32603 for an answer of `size` bytes past max_frame_bytes: a result's, or
-        (`kind` ERROR) an error object's, as an RpcError with a big `data`."""
+        (`kind` ERROR) an error object's, as an RpcError with a big `data`; logged, as a
+        result with no JSON form is (new user, round 99: nothing in the log said why)."""
         what = "error object" if kind == ERROR else "result"
-        return error_object(
-            ErrorCode.INTERNAL_ERROR, data=f"{what} of {size} bytes exceeds max_frame_bytes {self._max_result}"
-        )
+        reason = f"{what} of {size} bytes exceeds max_frame_bytes {self._max_result}"
+        log.error("worker %d: a handler's %s: answered -32603", self._slot, reason)
+        return error_object(ErrorCode.INTERNAL_ERROR, data=reason)
