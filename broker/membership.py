@@ -253,8 +253,9 @@ class Membership(DispatcherState):
         owed = isolation.blame(sorted(methods), now, caught=len(lost) == 1 and lost[0].weight == 1)
         log.warning(
             "worker %d (pid %d) died holding %s (of %s): their methods' calls now run alone, one per worker, "
-            "until so many of them answer or so long passes: %s", worker.slot, worker.pid, held, clients,
-            ", ".join(f"{self._names[index]} {n} or {isolation.ends_in(index, now):g} s" for index, n in owed.items()),
+            "until so many of them have answered or so long has passed: %s", worker.slot, worker.pid, held, clients,
+            ", ".join(f"{self._names[index]}: after {n} answer{'' if n == 1 else 's'} or {isolation.ends_in(index, now):g} s"
+                      for index, n in owed.items()),
         )
         self._isolation_timer()
 

@@ -33,7 +33,7 @@ def test_other_clients_calls_never_die_beside_a_method_that_crashes_its_worker(b
     # never routed as blocking its worker: before, every call sent beside it died.)
     assert b.call("crash_async", timeout=20)["error"]["code"] == -32002  # type: ignore[index]
     assert re.search(r"died holding 1 call \(of 127\.0\.0\.1:\d+\): their methods' calls now run alone, one per "
-                     "worker, until so many of them answer or so long passes: crash_async 1 or 4 s", b.read_log(timeout=1.0))
+                     "worker, until so many of them have answered or so long has passed: crash_async: after 1 answer or 4 s", b.read_log(timeout=1.0))
     wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 2, timeout=20)
     crashes: list[object] = []
     innocent: list[object] = []
@@ -63,15 +63,15 @@ def test_bystanders_of_a_crash_run_alone_until_one_of_their_calls_answers(broker
     assert bystander["error"]["code"] == -32002 and with_it[0]["error"]["code"] == -32002, (bystander, with_it)
     log = b.read_log(timeout=1.0)
     assert re.search(r"died holding 2 calls \(of 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+\): their methods' calls now "
-                     "run alone, one per worker, until so many of them answer or so long passes: slow_crash 1 or 4 s, "
-                     "pid 1 or 4 s", log), log[-2000:]
+                     "run alone, one per worker, until so many of them have answered or so long has passed: "
+                     "slow_crash: after 1 answer or 4 s, pid: after 1 answer or 4 s", log), log[-2000:]
     assert sample(scrape_metrics(b), "rpc_broker_method_isolated", method="pid") == 1
     assert "result" in b.call("pid", timeout=20)
     assert "pid: its calls run as any again (as many of them as asked answered, run alone)" in b.read_log(timeout=1.0)
     assert sample(scrape_metrics(b), "rpc_broker_method_isolated", method="pid") == 0  # (absent)
     assert b.call("slow_crash", [0.0], timeout=20)["error"]["code"] == -32002  # type: ignore[index]
     assert re.search(r"died holding 1 call \(of 127\.0\.0\.1:\d+\): their methods' calls now run alone, one per "
-                     "worker, until so many of them answer or so long passes: slow_crash 2 or 8 s", b.read_log(timeout=1.0))
+                     "worker, until so many of them have answered or so long has passed: slow_crash: after 2 answers or 8 s", b.read_log(timeout=1.0))
     assert sample(scrape_metrics(b), "rpc_broker_method_isolated", method="slow_crash") == 2
 
 
@@ -133,7 +133,7 @@ def test_a_worker_killed_as_hung_blames_only_the_methods_of_its_calls_past_their
     assert [reply["error"]["code"] for reply in naps] == [-32002, -32002], naps  # (died with it)
     log = b.read_log(timeout=1.0)
     assert re.search(r"died holding 3 calls \(of (127\.0\.0\.1:\d+, ){2}127\.0\.0\.1:\d+\): their methods' calls "
-                     "now run alone, one per worker, until so many of them answer or so long passes: spin 1 or 4 s\n",
+                     "now run alone, one per worker, until so many of them have answered or so long has passed: spin: after 1 answer or 4 s\n",
                      log), log[-2000:]
     metrics = scrape_metrics(b)
     assert sample(metrics, "rpc_broker_method_isolated", method="spin") == 1
