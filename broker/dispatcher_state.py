@@ -61,7 +61,7 @@ class DispatcherState:
         _reserved: Worker | None
         _reserved_for: ResponseBudget | None
         _left_kept: set[Worker]
-        _left_for: ResponseBudget | None
+        _left_for: Call | None
         _returnable: int
         _room_heap: list[tuple[int, int, ResponseBudget]]
         _room_order: itertools.count[int]

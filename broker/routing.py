@@ -278,7 +278,7 @@ class Routing(DispatcherState):
                 k = least if any(not x.overdue for x in ready) else k + _BLOCKED + (_LEFT_MS << 10)
             if k < least:
                 if heavy and ((w.heavy and w.heavy + heavy > self._heavy_cap) or (
-                    (w is self._reserved or (w in self._left_kept and self._left_for is self._reserved_for))
+                    (w is self._reserved or (w in self._left_kept and w in self._moved_off()))
                     and owner is not self._reserved_for
                 )):  # (no room for its params, round 92; or kept for the oldest waiting, round 94)
                     self._roomless = 1
@@ -473,30 +473,44 @@ class Routing(DispatcherState):
     def _keep_sooner(self, reserved: Worker) -> Worker:
         """The worker to keep instead of `reserved` (itself, or another that takes calls now
         expected free of large params sooner by more than RESERVE_MOVE_SECONDS and more than
-        twice as soon: `_drains_in`, by how long their large calls have run; round 98). The one
-        it moves off stays kept (`_left_kept`) while the same call waits: hostile testing, round
-        99, opened again it took a fresh long call each time, and the keeping moved back and
-        forth between two workers that never emptied while the call waited to its deadline. So
-        each move closes one worker more, and the call goes when the first of them empties."""
+        twice as soon: `_drains_in`, by how long their large calls have run; round 98), once
+        for one waiting call. The one it moves off stays kept (`_left_kept`) while that call
+        waits: hostile testing, round 99, opened again it took a fresh long call each time, and
+        the keeping moved back and forth between two workers that never emptied while the call
+        waited to its deadline; so the call goes when the first of the two empties, and no more
+        than two workers are kept for it (round 100: moving on, one call closed 3 or 4 workers
+        of 4 to others' large calls, 16 to 21 s)."""
         now = _clock()
         wait = _drains_in(reserved, now)
-        if wait <= RESERVE_MOVE_SECONDS:
+        if wait <= RESERVE_MOVE_SECONDS or self._moved_off():
             return reserved
         sooner = min(self._keepable((reserved,)), key=lambda w: (_drains_in(w, now), w.heavy), default=None)
         if sooner is not None and 2 * _drains_in(sooner, now) + RESERVE_MOVE_SECONDS < wait:
-            if self._left_for is not self._reserved_for:
-                self._left_kept.clear()
-                self._left_for = self._reserved_for
+            self._left_for = self._queue.first(self._reserved_for)
             self._left_kept.add(reserved)
             return sooner
         return reserved
 
+    def _moved_off(self) -> set[Worker]:
+        """The worker the keeping moved off for the call that waits now (`_left_kept`), or none:
+        the set is for that one call, `_left_for`, and emptied once another waits (round 100:
+        kept after it had gone, it closed a worker to others' large calls whenever the same
+        connection's next call waited, 9 to 29 s)."""
+        left = self._left_kept
+        if left:
+            kept = self._reserved_for
+            if kept is None or not kept.queued or self._queue.first(kept) is not self._left_for:
+                left.clear()
+                self._left_for = None
+        return left
+
     def _closed(self, reserved: Worker | None) -> typing.Collection[Worker]:
-        """The workers kept for `_reserved_for` (`reserved`, if still kept, and those the keeping
-        moved off while it waited: `_left_kept`): no other connection's large call goes there."""
+        """The workers kept for `_reserved_for` (`reserved`, if still kept, and the one the
+        keeping moved off while its call waits: `_moved_off`): no other connection's large call
+        goes there."""
         if reserved is None:
             return ()
-        if self._left_kept and self._left_for is self._reserved_for:
+        if self._left_kept and self._moved_off():
             return {reserved, *self._left_kept}
         return (reserved,)
 

@@ -2540,6 +2540,50 @@ def test_the_worker_kept_for_a_call_too_large_for_any_room_left_is_one_expected_
     run(main)
 
 
+def test_a_worker_the_keeping_moved_off_is_kept_for_that_call_only(monkeypatch):
+    """Hostile testing, round 100 (MEDIUM): the worker the keeping moved off stayed kept for
+    the connection, not its call: when that connection's next large call waited, no move made
+    for it, the worker was closed to other clients' large calls again (9 to 29 s, with room
+    for them free there)."""
+    from broker import routing
+
+    monkeypatch.setattr(routing, "RESERVE_MOVE_SECONDS", 0.05)
+
+    async def main() -> None:
+        d, [w0, w1], codec = large_params_dispatcher(2, connection_share=1.0)  # (the victim may hold all the room)
+        victim = ResponseBudget(d.outgoing)
+        where = {}
+
+        def send(tag: str, size: int, owner: ResponseBudget | None = None) -> None:
+            d.submit(body(codec, req("a", [tag[0] * (size - 4)], tag)), lambda e: None, owner)
+            for w in (w0, w1):
+                if w.channel.take():  # type: ignore[union-attr]
+                    where[tag] = w
+
+        send("s1", 70)
+        send("long", 100)
+        stream, long_ = where["s1"], where["long"]
+        send("s2", 110)
+        send("big", 150, victim)  # (kept: the long call's worker, its large call younger)
+        assert d._reserved is long_
+        await asyncio.sleep(0.2)
+        s1, _long, s2 = sorted(d._pending)
+        d.on_reply(stream, wire.Kind.RESULT, s1, 10, b"0")
+        send("s3", 80)
+        d.on_reply(stream, wire.Kind.RESULT, s2, 10, b"0")  # (the keeping moves to the stream's worker)
+        assert d._reserved is stream and long_ in d._closed(stream)
+        s3 = next(c for c, pending in d._pending.items() if pending.worker is stream)
+        d.on_reply(stream, wire.Kind.RESULT, s3, 10, b"0")  # (the big call goes there)
+        assert [first_params(f) for f in stream.channel.take()] == [["b" * 146]]  # type: ignore[union-attr]
+        assert d._reserved is None
+        send("big2", 150, victim)  # (the same connection's next: fits neither; a worker kept for it, no move)
+        assert d.held_calls == 1 and d._reserved is not None
+        send("s5", 80)  # (room on the long call's worker: it goes there)
+        assert where.get("s5") is long_, where
+
+    run(main)
+
+
 def test_a_call_behind_many_that_fit_nowhere_goes_when_room_for_it_frees():
     """Hostile testing, round 95 (MEDIUM): the waiters for room were looked at oldest first,
     at most 16 that fit nowhere each time, so a call behind 16 of them was never looked at,
