@@ -182,6 +182,23 @@ def test_typed_params_with_numbers_too_large_are_invalid_params_not_invalid_json
     assert invalid(any_param, b'{"x": [1, 1e400]}') == ("x", "Number out of range - at `x[1]`")
 
 
+def boxes(a: Box, b: Box, items: list[Box] = []) -> None:  # noqa: B006
+    pass
+
+
+def test_numbers_too_large_inside_a_struct_or_dataclass_are_placed_at_its_field():
+    """New user, round 99, L1: the untyped decoding places such a number at `a[...]` (an
+    object's key unnamed), where a type error in the same place is said at `a.h`."""
+    assert invalid(boxes, b'{"a": {"w": 0, "h": 1e400}, "b": {"w": 0, "h": 0}}') == (
+        "a", "Number out of range - at `a.h`")
+    assert invalid(boxes, b'[{"w": 0, "h": 0}, {"w": 1e400, "h": 0}]') == ("b", "Number out of range - at `b.w`")
+    assert invalid(boxes, b'{"a": {"w": 0, "h": 0}, "b": {"w": 0, "h": 0}, "items": [{"w": 1, "h": 0}, {"w": 0, "h": -1e400}]}') == (
+        "items", "Number out of range - at `items[1].h`")
+    assert invalid(boxes, b'{"a": {"w": 0, "h": "x"}, "b": {"w": 0, "h": 0}}') == ("a", "Expected `float`, got `str` - at `a.h`")
+    # another parameter's error first: the number is still named, by the untyped decoding
+    assert invalid(boxes, b'{"a": 1, "b": {"w": 0, "h": 1e400}}')[0] == "b"
+
+
 # --- Method.bind ---------------------------------------------------------------------------
 
 

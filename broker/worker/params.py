@@ -555,7 +555,13 @@ class Method:
         """Name the parameter holding a value msgspec cannot hold (a number past a
         double's range, e.g. 1e400). msgspec's `message` locates it as `$[i]...` in an
         array (the i-th positional parameter, or `*args`), but only as `$[...]...` in an
-        object: its key is then found by decoding each value alone. Cold path."""
+        object: its key is then found by decoding each value alone. Where the parameters'
+        types place it better (a Struct's or a dataclass's field: `$.a.y`, where the
+        untyped decoding says `$[...][...]`), their message is taken instead (new user,
+        round 99, L1). Cold path."""
+        typed = self._placed_out_of_range(params)
+        if typed is not None:
+            return self._invalid(typed, None)
         at = _located(message)
         if at is not None and at[1] is not None:  # $[i]
             index = at[1]
@@ -577,6 +583,22 @@ class Method:
                 reason, _, inner = str(exc).partition(" - at `$")  # (inner ends with its `)
                 return InvalidParams(key, f"{reason} - at `{key}{inner}" if inner else reason)
         return InvalidParams(None, message)
+
+    def _placed_out_of_range(self, params: bytes) -> str | None:
+        """msgspec's "Number out of range" message for `params` decoded with the parameters'
+        own types (a Struct of them: `$.name...` or `$[i]...`), or None if that decoding
+        says something else first, or may not be tried: types that hold sets or dicts with
+        keys other than strings are checked for hash flooding before anything is built
+        (`collisions`), so they are not decoded here."""
+        if self._guards is not None or self.raw_params or params[:1] not in (b"[", b"{"):
+            return None
+        kind = self._pos_type if params[:1] == b"[" else self._named_type
+        try:
+            msgspec.json.decode(params, type=kind)
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+            message = str(exc)
+            return message if message.startswith(_OUT_OF_RANGE + " - at `$") else None
+        return None
 
     def _var_pos_name(self) -> str:
         """The name of the `*args` parameter (cold path: read from the signature)."""
