@@ -92,6 +92,7 @@ from broker.reloads import (  # (and what both modules use: the kill reasons, th
     _log_task_error,
     _methods,
     describe_status,
+    method_change,
 )
 from broker.worker import WORKER_BOOT_ERROR
 
@@ -553,19 +554,23 @@ class Pool(Reloads):
         elif names != self.methods and self._reloading:
             # Started before the reload (a crash's or a leave's restart) and importing the
             # code being deployed: the reload's new worker takes the slot at the swap.
-            worker.kill_reason = f"{SUPERSEDED}: it serves {names}, not {self.methods}"
+            worker.kill_reason = f"{SUPERSEDED}: its code {method_change(names, self.methods)}"
             raise CodeChanged(f"worker {hello.slot} (pid {hello.pid}), {worker.kill_reason}")
         elif names != self.methods:
             # A restarted worker imported code that changed on disk without a SIGHUP.
             # It cannot join (its method indexes mean other methods): deploy that code
             # to every worker instead, as a SIGHUP would (see the module docstring).
-            problem = f"worker {hello.slot} (pid {hello.pid}) serves {names}, not {self.methods}"
-            worker.kill_reason = f"{CODE_CHANGED}: {problem}"
+            # (the change is said once, in the WARNING; the other lines name the worker)
+            problem = f"worker {hello.slot} (pid {hello.pid})"
+            worker.kill_reason = CODE_CHANGED
+            change = method_change(names, self.methods)
             if self._starting:  # the first workers disagree: a deploy half-written at start
                 if not self._boot_failure.done():
-                    self._boot_failure.set_result(f"{problem}: the app changed on disk while the broker started")
+                    self._boot_failure.set_result(
+                        f"{problem}'s code {change}: the app changed on disk while the broker started")
             else:
-                log.warning("%s: the app changed on disk without a SIGHUP; reloading every worker to it", problem)
+                log.warning("%s: its code %s: the app changed on disk without a SIGHUP; reloading every worker to it",
+                            problem, change)
                 self.request_reload()
             raise CodeChanged(f"{problem}: the app changed on disk")
         worker.channel = channel

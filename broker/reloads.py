@@ -44,7 +44,7 @@ from broker.channel import Worker, WorkerChannel, WorkerState
 from broker.pool_state import PoolState
 from broker.worker import WORKER_BOOT_ERROR
 
-__all__ = ["CODE_CHANGED", "SUPERSEDED", "WIRE_MISMATCH", "Reloads", "describe_status"]
+__all__ = ["CODE_CHANGED", "SUPERSEDED", "WIRE_MISMATCH", "Reloads", "describe_status", "method_change"]
 
 log = logging.getLogger("broker.pool")  # (the pool's logger: these are its lines)
 
@@ -201,9 +201,7 @@ class Reloads(PoolState):
         for old in old_workers:  # first out of the rotation: nothing more goes to them
             self.dispatcher.worker_unready(old)
         if names != self.methods or sync_methods != self.sync_methods:
-            before = set(self.methods or ())
-            log.info("reload: the new code adds %s and removes %s", sorted(set(names) - before) or "no method",
-                     sorted(before - set(names)) or "no method")
+            log.info("reload: the new code %s", method_change(names, self.methods or []))
             self.methods = names
             self.sync_methods = sync_methods
         # Always, even for the same table: calls routed before are translated, and the
@@ -302,6 +300,23 @@ def describe_status(status: int) -> str:
         except ValueError:
             return f"killed by signal {-status}"
     return f"exited with {status}"
+
+
+def method_change(new: list[str], old: list[str], most: int = 20) -> str:
+    """What `new` method list changes from `old`: "adds ['b'] and removes no method", each
+    list sorted and cut at `most` names ("... and 380 more"): a line of the log per
+    change, not both lists (new user, round 99, L3: three lines printed both whole lists,
+    kilobytes each for an app of hundreds of methods)."""
+    before, after = set(old), set(new)
+
+    def listed(names: set[str]) -> str:
+        if not names:
+            return "no method"
+        shown = sorted(names)[:most]
+        return f"{shown}" + (f" and {len(names) - most} more" if len(names) > most else "")
+
+    change = f"adds {listed(after - before)} and removes {listed(before - after)}"
+    return change if before != after else f"{change} (the same methods in another order)"
 
 
 def _methods(names: list[str]) -> str:

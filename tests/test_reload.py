@@ -13,6 +13,7 @@ from pathlib import Path
 
 from conftest import Broker, children, sample, scrape_metrics, start_broker, wait_for
 
+from broker.reloads import method_change
 from broker.wire import VERSION
 
 APP = "tests.apps.versioned:registry"
@@ -334,6 +335,9 @@ def test_new_code_on_disk_and_a_worker_crash_reload_every_worker_to_it(broker_fa
     assert metric(b, "rpc_broker_worker_restarts_total", reason="exited") == 0
     log = b.read_log(0.1)
     assert "the app changed on disk without a SIGHUP; reloading every worker to it" in log, log
+    # The change is said once, not both method lists on three lines (new user, round 99, L3)
+    assert log.count("its code adds ['b'] and removes no method: the app changed on disk without a SIGHUP") == 1, log
+    assert "['a', 'b']" not in log and "not ['a']" not in log, log
     # An expected event that heals itself: a WARNING, and no ERROR line to page anyone (a
     # new user's check: "ERROR rejected a worker connection" was logged too).
     assert " ERROR " not in log, log
@@ -673,3 +677,15 @@ def test_after_a_failed_reload_a_slot_whose_worker_is_leaving_serves_again_at_on
         assert served.get("result") not in (None, old), served
         assert time.monotonic() - failed < 10, "the slot waited for the leaving worker's call"
         assert nap.result(60)["result"] == 1  # (the old worker finished its call, then left)
+
+
+def test_a_method_list_change_is_said_as_what_it_adds_and_removes_cut_at_twenty_names() -> None:
+    """New user, round 99, L3: what the log says of a worker's other method list."""
+    assert method_change(["a", "b"], ["a"]) == "adds ['b'] and removes no method"
+    assert method_change(["a"], ["c", "a"]) == "adds no method and removes ['c']"
+    assert method_change(["b", "a"], ["a", "b"]) == (
+        "adds no method and removes no method (the same methods in another order)")
+    many = [f"m{i:03}" for i in range(400)]
+    said = method_change(many, ["x"])
+    assert said == f"adds {many[:20]} and 380 more and removes ['x']"
+    assert len(said) < 300
