@@ -250,7 +250,7 @@ class Dispatcher(Membership, Routing, Replies):
         self._reserved_for: ResponseBudget | None = None
         # ... and the one the keeping moved off while `_left_for` (that connection's call) waited:
         # it stays kept for that call (`Routing._moved_off`)
-        self._left_kept: set[Worker] = set()
+        self._left_kept: Worker | None = None
         self._left_for: Call | None = None
         # `_pick_blocked` found no room for a call's large params (1), or its connection holds its
         # share of the room (2), and nothing else kept it; and how large they are (`_large`)

@@ -60,7 +60,7 @@ class DispatcherState:
         _releasing: set[ResponseBudget]
         _reserved: Worker | None
         _reserved_for: ResponseBudget | None
-        _left_kept: set[Worker]
+        _left_kept: Worker | None
         _left_for: Call | None
         _returnable: int
         _room_heap: list[tuple[int, int, ResponseBudget]]

@@ -120,6 +120,7 @@ with 4 MB of room free on each worker). Those past their connection's share
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import math
@@ -162,6 +163,12 @@ def _drains_in(worker: Worker, now: float) -> float:
     0 if it holds none."""
     calls = worker.heavy_calls
     return now - next(iter(calls.values())) if calls else 0.0
+
+
+def _keep_order(worker: Worker, now: float) -> tuple[float, int]:
+    """Which worker to keep for a call waiting for room (the least): the one expected free
+    of large params soonest (`_drains_in`), then the one with the fewest."""
+    return _drains_in(worker, now), worker.heavy
 
 
 class Routing(DispatcherState):
@@ -278,7 +285,7 @@ class Routing(DispatcherState):
                 k = least if any(not x.overdue for x in ready) else k + _BLOCKED + (_LEFT_MS << 10)
             if k < least:
                 if heavy and ((w.heavy and w.heavy + heavy > self._heavy_cap) or (
-                    (w is self._reserved or (w in self._left_kept and w in self._moved_off()))
+                    (w is self._reserved or (w is self._left_kept and w is self._moved_off()))
                     and owner is not self._reserved_for
                 )):  # (no room for its params, round 92; or kept for the oldest waiting, round 94)
                     self._roomless = 1
@@ -458,9 +465,7 @@ class Routing(DispatcherState):
         600 KB held the oldest 30 s, to its deadline, while the other served a stream of
         others' calls and never emptied). None if there is none."""
         now = _clock()
-        self._reserved = min(
-            self._keepable(promised), key=lambda w: (_drains_in(w, now), w.heavy), default=None,
-        )
+        self._reserved = min(self._keepable(promised), key=functools.partial(_keep_order, now=now), default=None)
         self._reserved_for = owner if self._reserved is not None else None
         return self._reserved
 
@@ -484,23 +489,23 @@ class Routing(DispatcherState):
         wait = _drains_in(reserved, now)
         if wait <= RESERVE_MOVE_SECONDS or self._moved_off():
             return reserved
-        sooner = min(self._keepable((reserved,)), key=lambda w: (_drains_in(w, now), w.heavy), default=None)
+        sooner = min(self._keepable((reserved,)), key=functools.partial(_keep_order, now=now), default=None)
         if sooner is not None and 2 * _drains_in(sooner, now) + RESERVE_MOVE_SECONDS < wait:
             self._left_for = self._queue.first(self._reserved_for)
-            self._left_kept.add(reserved)
+            self._left_kept = reserved
             return sooner
         return reserved
 
-    def _moved_off(self) -> set[Worker]:
-        """The worker the keeping moved off for the call that waits now (`_left_kept`), or none:
-        the set is for that one call, `_left_for`, and emptied once another waits (round 100:
+    def _moved_off(self) -> Worker | None:
+        """The worker the keeping moved off for the call that waits now (`_left_kept`), or None:
+        it is kept for that one call, `_left_for`, and let go once another waits (round 100:
         kept after it had gone, it closed a worker to others' large calls whenever the same
         connection's next call waited, 9 to 29 s)."""
         left = self._left_kept
-        if left:
+        if left is not None:
             kept = self._reserved_for
             if kept is None or not kept.queued or self._queue.first(kept) is not self._left_for:
-                left.clear()
+                left = self._left_kept = None
                 self._left_for = None
         return left
 
@@ -510,9 +515,8 @@ class Routing(DispatcherState):
         goes there."""
         if reserved is None:
             return ()
-        if self._left_kept and self._moved_off():
-            return {reserved, *self._left_kept}
-        return (reserved,)
+        left = self._moved_off()
+        return (reserved,) if left is None else (reserved, left)
 
     def _release_for_room(self) -> None:
         """Put back in turn the connections waiting for room for their large params
