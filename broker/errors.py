@@ -7,7 +7,7 @@ and its `error_status_hint` (h11/_util.py):
         LocalError      this side's input is wrong: the operator's settings, the tool code
                         a worker was told to load. Fixed by the operator; the broker
                         refuses to start (or to reload) and says why.
-            ConfigError         (config.py)
+            ConfigError         (config/settings.py)
             WorkerBootError     (pool.py)
         RemoteError     a peer sent what the protocol does not allow: a worker's frames, a
                         client's params. Answered or dropped; the broker goes on.

@@ -209,7 +209,7 @@ _KINDS = frozenset(int(k) for k in Kind)
 # their flow too, 4 since a worker may give calls back (RETURN); a HELLO without one is version 1's. A worker started from code upgraded in place under a running broker (a
 # SIGHUP after `pip install -U`) speaks another, and is refused with a message saying so.
 VERSION = 4
-# The default of max_frame_bytes (config.py's too): the largest frame either side takes.
+# The default of max_frame_bytes (config/settings.py's too): the largest frame either side takes.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 
