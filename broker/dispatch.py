@@ -130,7 +130,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
     cancel_grace: seconds a worker has to answer a timed-out call before it is
         killed as hung.
     sync_prefetch: calls (>= 0) a worker busy in a sync call may hold besides that
-        call; see the module docstring.
+        call; see `routing`'s module docstring.
     metrics: where to count answers, latencies and batch sizes (`metrics.CallMetrics`),
         or None.
     max_response_bytes: bytes of answers one connection may be owed at once and not
@@ -454,7 +454,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         of one frame each. Calls with different deadlines never share a chunk, nor
         do blocking sync calls and others, nor calls and notifications (a chunk of calls
         is cancelled whole when its connection is gone, `abandon`, and notifications run
-        whatever); blocking sync calls go one by one (see the module docstring), and so
+        whatever); blocking sync calls go one by one (see `routing`'s module docstring), and so
         do the calls of an isolated method, each to run alone (`_pick_alone`)."""
         groups: dict[tuple[float, int, bool], list[tuple[int, Request, Route]]] = {}
         calls = exchange.answers.count(None)  # (the calls' empty slots: the others are notifications)
