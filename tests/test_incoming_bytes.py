@@ -14,7 +14,7 @@ import typing
 import pytest
 from conftest import sample, scrape_metrics, wait_for
 from test_http_protocol import Conn
-from test_stream import line, result, start_stream_broker
+from test_stream import Stream, line, result, start_stream_broker
 
 pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops: conftest.BOTH_LOOPS)
 
@@ -40,24 +40,32 @@ def incoming(b: object) -> float:
 
 def test_unfinished_bodies_and_lines_share_one_bound(tmp_path):
     """Three connections hold 150,000 bytes each of their bodies (two HTTP, one NDJSON):
-    450,000 of the 500,000 allowed. A fourth that sends as much is refused, HTTP 503 with a
-    -32000 error and a close, NDJSON a -32000 line (its line dropped, the connection kept);
-    those already holding finish and are answered, and the bytes they held are free again."""
+    450,000 of the 500,000 allowed. A fourth whose body has come slower than theirs (begun
+    before them), when it grows as much, is refused, HTTP 503 with a -32000 error and a
+    close, NDJSON a -32000 line (its line dropped, the connection kept); those already
+    holding finish and are answered, and the bytes they held are free again."""
     sb = start_stream_broker(tmp_path, "--workers", "1", "--max-body-bytes", str(BODY),
                              "--max-incoming-bytes", str(LIMIT))
     b = sb.broker
     try:
         assert sample(scrape_metrics(b), "rpc_broker_incoming_capacity_bytes") == LIMIT
         bodies = [padded_call(BODY, i) for i in range(3)]
+        # (begun 3 s before the others: slower than each of them whenever it grows)
+        late = Conn(b, timeout=30)
+        late.send(head(b.path, BODY) + padded_call(BODY, 3)[:1000])
+        late_line = sb.connect("unix")
+        late_line.send(padded_call(BODY, 4)[:1000])
+        wait_for(lambda: incoming(b) == 2000, timeout=10)
+        time.sleep(3)
         first, second = Conn(b, timeout=30), Conn(b, timeout=30)
         first.send(head(b.path, BODY) + bodies[0][:PART])
         second.send(head(b.path, BODY) + bodies[1][:PART])
-        wait_for(lambda: incoming(b) == 2 * PART, timeout=10)
+        wait_for(lambda: incoming(b) == 2 * PART + 2000, timeout=10)
         with sb.connect("tcp") as stream:
             stream.send(padded_call(BODY, 2)[:PART])
-            wait_for(lambda: incoming(b) == 3 * PART, timeout=10)
-            with Conn(b, timeout=30) as late:  # past the bound: refused, its bytes dropped
-                late.send(head(b.path, BODY) + padded_call(BODY, 3)[:PART])
+            wait_for(lambda: incoming(b) == 3 * PART + 2000, timeout=10)
+            with late:  # past the bound, nothing slower: refused, its bytes dropped
+                late.send(padded_call(BODY, 3)[1000:PART])
                 status, headers, answer = late.response()
                 assert status == 503, answer
                 assert json.loads(answer) == {"jsonrpc": "2.0", "id": None, "error": {
@@ -65,8 +73,8 @@ def test_unfinished_bodies_and_lines_share_one_bound(tmp_path):
                     "data": f"request bodies arriving or waiting exceed max_incoming_bytes {LIMIT}"}}
                 assert headers.get("retry-after") == "1"
                 assert late.closed_within(5)
-            with sb.connect("unix") as late_line:  # the same bound for NDJSON lines
-                late_line.send(padded_call(BODY, 4)[:PART])
+            with late_line:  # the same bound for NDJSON lines
+                late_line.send(padded_call(BODY, 4)[1000:PART])
                 assert json.loads(late_line.readline()) == {"jsonrpc": "2.0", "id": None, "error": {
                     "code": -32000, "message": "Server overloaded",
                     "data": f"lines arriving or waiting exceed max_incoming_bytes {LIMIT}"}}
@@ -74,6 +82,7 @@ def test_unfinished_bodies_and_lines_share_one_bound(tmp_path):
                 assert late_line.call(line("add", [5, 1], 5)) == result(5, 6)  # the connection goes on
             assert incoming(b) == 3 * PART
             assert sample(scrape_metrics(b), "rpc_broker_incoming_refused_total") == 2
+            assert evicted_for_incoming(b) == 0
             # Those that held their place finish, and are answered.
             first.send(bodies[0][PART:])
             assert first.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":0,"result":1}')
@@ -157,7 +166,11 @@ def test_unfinished_heads_count_in_max_incoming_bytes(broker_factory):
     b = broker_factory("--workers", "1", "--max-body-bytes", str(BODY), "--max-incoming-bytes", str(LIMIT))
     part = 60_000  # of a head: 8 of them fit in LIMIT, the 9th does not
     conns = []
+    late = Conn(b, timeout=30)  # (begun 3 s before the others: slower than each whenever it grows)
     try:
+        late.send(b"GET /" + b"c" * 100)
+        wait_for(lambda: incoming(b) == 105, timeout=10)
+        time.sleep(3)
         for i in range(8):
             c = Conn(b, timeout=30)
             conns.append(c)
@@ -170,8 +183,8 @@ def test_unfinished_heads_count_in_max_incoming_bytes(broker_factory):
                 c.send(b" HTTP/1.1\r\nX-Pad: " + b"b" * (part - 1020))
             wait_for(lambda n=i + 1: incoming(b) >= n * part - 100, timeout=10)
         assert incoming(b) <= LIMIT
-        with Conn(b, timeout=30) as late:  # past the bound: refused
-            late.send(b"GET /" + b"c" * part)
+        with late:  # past the bound, nothing slower: refused
+            late.send(b"c" * part)
             status, _, answer = late.response()
             assert status == 503, answer
             # (a head under way: not known to be JSON-RPC, a plain error; round 28: a JSON-RPC
@@ -186,7 +199,75 @@ def test_unfinished_heads_count_in_max_incoming_bytes(broker_factory):
     finally:
         for c in conns:
             c.sock.close()
+        late.sock.close()
     wait_for(lambda: incoming(b) == 0, timeout=10)
+
+
+def evicted_for_incoming(b: object) -> float:
+    metrics = scrape_metrics(b)  # type: ignore[arg-type]
+    return sum(sample(metrics, "rpc_broker_connections_evicted_total", transport=t, state="incoming")
+               for t in ("http", "tcp", "unix"))
+
+
+def test_requests_still_arriving_slower_give_way_to_a_faster_one_at_max_incoming_bytes(tmp_path):
+    """Hostile testing, round 102 (MEDIUM): connections holding requests left unfinished,
+    and silent, kept max_incoming_bytes full, and every other client's request that came in
+    more than one read was refused (89 of 90 for 75 s after one burst). At the bound, the
+    requests under way that came slower than the one needing room give way now, the slowest
+    first, each answered why (408, or a -32600 line) and closed: here the oldest holder of
+    three for an HTTP body, the next for an NDJSON line; the third, faster, finishes."""
+    sb = start_stream_broker(tmp_path, "--workers", "1", "--max-body-bytes", str(BODY),
+                             "--max-incoming-bytes", str(LIMIT))
+    b = sb.broker
+    opened: list[Conn] = []
+    lines: list[Stream] = []
+    try:
+        oldest = Conn(b, timeout=30)  # (held 2 s, 1 s and 0 s before the first newcomer: the slowest first)
+        oldest.send(head(b.path, BODY) + padded_call(BODY, 0)[:PART])
+        wait_for(lambda: incoming(b) == PART, timeout=10)
+        time.sleep(1)
+        older = sb.connect("tcp")
+        lines.append(older)
+        older.send(padded_call(BODY, 1)[:PART])
+        wait_for(lambda: incoming(b) == 2 * PART, timeout=10)
+        time.sleep(1)
+        newest = Conn(b, timeout=30)
+        opened += [oldest, newest]
+        newest.send(head(b.path, BODY) + padded_call(BODY, 2)[:PART])
+        wait_for(lambda: incoming(b) == 3 * PART, timeout=10)
+        honest = Conn(b, timeout=30)  # needs room: the oldest gives way
+        opened.append(honest)
+        honest.send(head(b.path, BODY) + padded_call(BODY, 3)[:PART])
+        status, _, answer = oldest.response()
+        assert status == 408, answer
+        assert answer.startswith(b'{"error":"request still arriving after '), answer
+        assert answer.endswith(b" s, slower than another, while the broker holds max_incoming_bytes "
+                               b'%d of requests arriving"}' % LIMIT), answer
+        assert oldest.closed_within(5)
+        wait_for(lambda: incoming(b) == 3 * PART, timeout=10)
+        honest_line = sb.connect("unix")  # the same for a line: the older gives way
+        lines.append(honest_line)
+        honest_line.send(padded_call(BODY, 4)[:PART])
+        refusal = json.loads(older.readline())
+        assert refusal["id"] is None and refusal["error"]["code"] == -32600, refusal
+        assert refusal["error"]["data"].startswith("line still arriving after "), refusal
+        assert refusal["error"]["data"].endswith(
+            f" s, slower than another, while the broker holds max_incoming_bytes {LIMIT} of requests arriving")
+        older.closed_within(5)
+        assert evicted_for_incoming(b) == 2
+        assert sample(scrape_metrics(b), "rpc_broker_incoming_refused_total") == 0
+        # Those that were not slower finish, and are answered.
+        honest.send(padded_call(BODY, 3)[PART:])
+        assert honest.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":3,"result":4}')
+        honest_line.send(padded_call(BODY, 4)[PART:] + b"\n")
+        assert honest_line.readline() == result(4, 5)
+        newest.send(padded_call(BODY, 2)[PART:])
+        assert newest.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":2,"result":3}')
+        wait_for(lambda: incoming(b) == 0, timeout=10)
+    finally:
+        for c in (*opened, *lines):
+            c.sock.close()
+        assert b.stop() == 0, b.read_log()
 
 
 def get_healthz() -> bytes:

@@ -259,7 +259,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                       "later turn, kept past it all the same when it would not fit: at most "
                                       "one read, 256 KiB, a connection); one "
                                       "that would take them past this is refused "
-                                      "(HTTP 503, NDJSON a -32000 line) and its bytes dropped",
+                                      "(HTTP 503, NDJSON a -32000 line) and its bytes dropped, unless "
+                                      "requests still arriving that came slower than it give it room "
+                                      "(each answered 408, or a -32600 line, and closed)",
                                       rule="max_body_bytes or more")
                                   ] = 256 * MIB
     max_outgoing_bytes: Annotated[Bytes, Meta(ge=64 * KIB),

@@ -634,9 +634,10 @@ class HttpProtocol(Requests, Answers, asyncio.Protocol):
 
     def _hold(self, held: int) -> None:
         """Count `held` bytes of the unfinished head or body in the broker's `Incoming`; past
-        max_incoming_bytes, drop it and answer 503 (then close, lingering)."""
+        max_incoming_bytes (slower requests under way gone first: `Incoming.make_room`),
+        drop it and answer 503 (then close, lingering)."""
         incoming = self._fe.incoming
-        if incoming.hold(self._incoming, held):
+        if incoming.hold(self._incoming, held) or incoming.make_room(self, self._incoming, held):
             self._incoming = held
             return
         incoming.refuse(self._incoming)

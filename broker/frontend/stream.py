@@ -571,7 +571,7 @@ class StreamProtocol(asyncio.Protocol):
         self._buffer += data[start:end]
         held = len(self._buffer)
         incoming = fe.incoming
-        if incoming.hold(self._incoming, held):
+        if incoming.hold(self._incoming, held) or incoming.make_room(self, self._incoming, held):
             self._incoming = held
             return
         incoming.refuse(self._incoming)  # past max_incoming_bytes: this line is dropped
@@ -591,6 +591,24 @@ class StreamProtocol(asyncio.Protocol):
             return
         self._send(self._fe.too_long)
         self._fe.dispatcher.count_refused_body()
+
+    def holding_rank(self, now: float, held: int = -1) -> tuple[int, float] | None:
+        """Where its line under way goes in `Incoming.make_room`'s order (`trickle_rank` of
+        its bytes since its first, at loop time `now`; `held`: its bytes counted, if not
+        `_incoming`), or None if it holds none there, or is refused or skipping."""
+        incoming = self._incoming if held < 0 else held
+        if not incoming or self._refused or self._skipping or not self.line_started:
+            return None
+        return trickle_rank(incoming, now - self.line_started)
+
+    def evict_incoming(self, now: float) -> None:
+        """Its line under way gives way to a faster one at max_incoming_bytes
+        (`Incoming.make_room`): answered -32600 (id null) saying why, after the lines before
+        it, and the connection closed, as a line left unfinished is (`line_timed_out`)."""
+        self._foreign(response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
+            f"line still arriving after {now - self.line_started:.3g} s, slower than another, while the broker "
+            f"holds max_incoming_bytes {self._fe.incoming.limit} of requests arriving"))) + _NL,
+            ErrorCode.INVALID_REQUEST)
 
     def line_timed_out(self) -> None:
         """A line left unfinished for keepalive_timeout (`StreamFrontend._sweep`): answered
