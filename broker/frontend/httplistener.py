@@ -1,7 +1,7 @@
 """HTTP/1.1 front-end: the listener (`HttpFrontend`), the state all its connections share.
 
 Its connections are `broker.frontend.http.HttpProtocol`s, whose module docstrings (http.py,
-httprequest.py, httpanswer.py) say how a request is read, answered and closed; this one holds what they share: the limits, the
+httprequest.py, httpanswer.py, httpevict.py) say how a request is read, answered and closed; this one holds what they share: the limits, the
 allowed hosts and origins, the connections themselves and the sweep that times them out
 (once a second: keep-alive, request_timeout, send_timeout, the lingering close), the drain
 at the stop, the probes' reserve past max_connections (`PROBE_RESERVE`, `PROBE_OVERFLOW`),
@@ -33,7 +33,7 @@ if typing.TYPE_CHECKING:
 __all__ = ["PATHS", "PROBE_OVERFLOW", "PROBE_RESERVE", "HttpFrontend"]
 
 PROBE_RESERVE = 8  # places past max_connections for connections owed a scrape (probes and /metrics only)
-PROBE_OVERFLOW = 8  # ... and connections past max_connections that need no place (see `broker.frontend.http`)
+PROBE_OVERFLOW = 8  # ... and connections past max_connections that need no place (see httpevict.py)
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # config.Config.allowed_hosts' default
 PATHS = HTTP_PATHS  # the `path` label of rpc_broker_http_responses_total (bounded)
 

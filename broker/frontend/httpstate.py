@@ -2,8 +2,9 @@
 
 `http.HttpProtocol` holds the state (its `__slots__`, made by its `__init__`) and inherits
 the methods of broker/frontend/httprequest.py (`Requests`: the parser's callbacks and the
-routing of a request) and broker/frontend/httpanswer.py (`Answers`: the answers, in order,
-and the close), mixins with no state of their own. They subclass `HttpState`, which declares
+routing of a request), broker/frontend/httpanswer.py (`Answers`: the answers, in order,
+and the close) and broker/frontend/httpevict.py (`Eviction`: whether and how it gives its
+place), mixins with no state of their own. They subclass `HttpState`, which declares
 what they read of the connection and of one another's methods, once; at run time it is an
 empty class, with empty `__slots__` (so that the connection keeps no `__dict__`).
 """
@@ -60,23 +61,29 @@ class HttpState:
         _scraped: int
         _skip: bool
         _transfer_encoding: bytes
+        _stuck_since: float
         _transport: asyncio.Transport | None
         _unread: int
+        _unsent: int
         _upgrade: tuple[bytes, bytes] | None
         _url: bytes
         _waiting: deque[_Deferred]
         _waiting_bytes: int
         _write_paused: bool
+        accepted_at: float
         last_active: float
         lingering_since: float
         read_paused: bool
         request_started: float
         requests: int
         scrape_waiting: bool
+        send_stalled: float
         sent: int
 
         # http.HttpProtocol's
-        def _claim_place(self) -> None: ...
+        @property
+        def owed(self) -> int: ...
+        def close(self) -> None: ...
         def _dispatch_waiting(self) -> None: ...
         def _framing_check(self) -> None: ...
         def _maybe_resume(self) -> None: ...
@@ -92,8 +99,10 @@ class HttpState:
         def _answer(self, exchange: Exchange) -> tuple[bytes, bool]: ...
         def _answer_and_close(self, status: int, message: bytes) -> None: ...
         def _discarding(self) -> None: ...
+        def _drop_unfinished(self) -> None: ...
         def _exchange_done(self, exchange: Exchange) -> None: ...
         def _flush_ready(self) -> None: ...
+        def _head_request(self) -> bool: ...
         def _queue(self, response: bytes, keep_alive: bool, path: str) -> None: ...
         def _queue_invalid(self, status: int, data: str, keep_alive: bool, path: str, cors: bytes = b"") -> None: ...
         def _queue_plain(
@@ -104,6 +113,9 @@ class HttpState:
         ) -> None: ...
         def _write(self, data: bytes, keep_alive: bool, path: str) -> None: ...
         def scrape_built(self) -> None: ...  # (and the listener's: `HttpFrontend.wait_scrape`)
+
+        # httpevict.Eviction's
+        def _claim_place(self) -> None: ...
     else:
         # (At run time only: to mypy, a class whose bases all declare `__slots__` may assign
         # no attribute but theirs, and the mixins' attributes are `HttpProtocol`'s slots.)
