@@ -34,7 +34,7 @@ from __future__ import annotations
 import typing
 
 from broker.answers import Exchange
-from broker.frontend.base import PIPELINE_HIGH, PIPELINE_LOW, trickle_rank
+from broker.frontend.base import PIPELINE_HIGH, PIPELINE_LOW
 from broker.frontend.httplistener import _Scrape
 from broker.frontend.httpmsg import CLOSE, TOO_MANY_BODY, error_body, json_response
 from broker.frontend.httprequest import _Deferred
@@ -356,25 +356,6 @@ class Answers(HttpState):
             self._queue_plain(status, fe.refused_plain[status], False, path, head=self._head_request())
         self._closing = True
         self._discarding()
-
-    def holding_rank(self, now: float, held: int = -1) -> tuple[int, float] | None:
-        """Where its request under way goes in `Incoming.make_room`'s order (`trickle_rank`
-        of the bytes received since its first, at loop time `now`; `held`: its unfinished
-        bytes counted, if not `_incoming`), or None if it holds none there, or is closing."""
-        incoming = self._incoming if held < 0 else held
-        if not incoming or self._closing or not self.request_started:
-            return None
-        received = self._head_bytes + incoming if self._head_done else incoming
-        return trickle_rank(received, now - self.request_started)
-
-    def evict_incoming(self, now: float) -> None:
-        """Its request under way gives way to a faster one at max_incoming_bytes
-        (`Incoming.make_room`): answered 408 saying why, after the answers owed before it,
-        and closed, as at request_timeout; its bytes go at once."""
-        waited = now - self.request_started
-        self._drop_unfinished()
-        self._answer_and_close(408, b"request still arriving after %.3g s, slower than another, while the broker "
-                                    b"holds max_incoming_bytes %d of requests arriving" % (waited, self._fe.incoming.limit))
 
     def request_timed_out(self) -> None:
         """Called by the sweep: the request under way took longer than request_timeout
