@@ -126,6 +126,10 @@ def _host_problem(entry: str) -> str:
     return "not an IPv6 address (an entry with ':' must be one, like ::1 or [::1])"
 
 
+# A number setting's kind: how its text is read, and what the error says it expected
+_NUMBERS: dict[str, tuple[typing.Callable[[str], object], str]] = {"int": (int, "an integer"), "float": (float, "a number")}
+
+
 def _parse_text(s: Setting, text: str, source: str) -> object:
     """Parse an env/flag string into the setting's Python shape; range checks come later."""
     def bad(expected: str) -> ConfigError:
@@ -140,20 +144,15 @@ def _parse_text(s: Setting, text: str, source: str) -> object:
     # (Python's int() and float() also take "8_080" and other scripts' digits: not the
     # numbers a TOML file or a flag would take, hostile testing)
     plain = text.isascii() and "_" not in text
-    if s.kind == "int":
+    number = _NUMBERS.get(s.kind)
+    if number is not None:
+        convert, expected = number
         try:
             if plain:
-                return int(text)
+                return convert(text)
         except ValueError:
             pass
-        raise bad(f"an integer{unit}")
-    if s.kind == "float":
-        try:
-            if plain:
-                return float(text)
-        except ValueError:
-            pass
-        raise bad(f"a number{unit}")
+        raise bad(f"{expected}{unit}")
     if s.kind == "list":
         return [item.strip() for item in text.split(",") if item.strip()]
     if s.kind == "map":
