@@ -199,6 +199,30 @@ def test_numbers_too_large_inside_a_struct_or_dataclass_are_placed_at_its_field(
     assert invalid(boxes, b'{"a": 1, "b": {"w": 0, "h": 1e400}}')[0] == "b"
 
 
+POST_INIT_RUNS: list[float] = []
+
+
+@dataclasses.dataclass
+class Seen:
+    x: float
+
+    def __post_init__(self) -> None:
+        POST_INIT_RUNS.append(self.x)
+
+
+def seen(a: Seen, b: Seen) -> None:
+    pass
+
+
+def test_placing_a_number_too_large_runs_no_post_init_a_second_time():
+    """Hostile testing, round 103, L1: the params were decoded once more with their types to
+    place the number, and an app's `__post_init__` ran twice for the objects before it."""
+    POST_INIT_RUNS.clear()
+    assert invalid(seen, b'{"a": {"x": 1}, "b": {"x": 1e400}}') == ("b", "Number out of range - at `b.x`")
+    assert invalid(seen, b'[{"x": 2}, {"x": -1e400}]') == ("b", "Number out of range - at `b.x`")
+    assert POST_INIT_RUNS == [1.0, 2.0]
+
+
 # --- Method.bind ---------------------------------------------------------------------------
 
 

@@ -308,6 +308,7 @@ class Method:
             and params.count(b"[") + params.count(b"{") > max_depth
             and nests_deeper(params, max_depth)
         )
+        placed = None  # the fast path's refusal of a number out of range, if it said where
         if fast is not None and not deep:
             try:
                 first = params[0]
@@ -315,7 +316,9 @@ class Method:
                     return _astuple(fast[0].decode(params)), {}
                 if first == 0x7B and fast[1] is not None:  # "{"
                     return _astuple(fast[1].decode(params)), {}
-            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            except msgspec.ValidationError as exc:
+                placed = str(exc)
+            except (msgspec.DecodeError, RecursionError):
                 pass
         if self.raw_params:
             _check_raw(params, max_depth, deep)
@@ -331,7 +334,7 @@ class Method:
         except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
             obj = _values_decoded(params, _decode_json)  # (unless a later duplicate key replaced it)
             if obj is None:
-                raise self._out_of_range(params, str(exc)) from None
+                raise self._out_of_range(params, str(exc), placed) from None
         except msgspec.DecodeError as exc:
             raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
         if deep:
@@ -551,15 +554,20 @@ class Method:
         return _keyed(items, _refuses(lambda value: msgspec.convert(value, hint, str_keys=True),
                                       [value for _, value in items]), message)
 
-    def _out_of_range(self, params: bytes, message: str) -> InvalidParams:
+    def _out_of_range(self, params: bytes, message: str, placed: str | None = None) -> InvalidParams:
         """Name the parameter holding a value msgspec cannot hold (a number past a
         double's range, e.g. 1e400). msgspec's `message` locates it as `$[i]...` in an
         array (the i-th positional parameter, or `*args`), but only as `$[...]...` in an
         object: its key is then found by decoding each value alone. Where the parameters'
         types place it better (a Struct's or a dataclass's field: `$.a.y`, where the
         untyped decoding says `$[...][...]`), their message is taken instead (new user,
-        round 99, L1). Cold path."""
-        typed = self._placed_out_of_range(params)
+        round 99, L1): `placed`, the fast path's refusal, if it has one; else they are decoded
+        once with them here, when there is no fast path (with one, that refusal said
+        something else first, and decoding again ran an app's `__post_init__` a second time:
+        hostile testing, round 103, L1). Cold path."""
+        if placed is not None and placed.startswith(_OUT_OF_RANGE + " - at `$"):
+            return self._invalid(placed, None)
+        typed = None if self._fast is not None else self._placed_out_of_range(params)
         if typed is not None:
             return self._invalid(typed, None)
         at = _located(message)
