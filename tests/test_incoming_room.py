@@ -101,3 +101,24 @@ def test_a_wave_of_refusals_takes_each_holder_s_rank_a_bounded_number_of_times()
     assert listener.evicted_total["incoming"] == 0 and not any(h.evicted for h in tiny)
     # Quadratic, it was n * n / 2 = 8,000,000 ranks: now the scans' (n + 1 each), and two a call.
     assert Holder.ranks_taken <= 5 * (n + 1) + 2 * n, Holder.ranks_taken
+
+
+def test_a_newcomer_s_own_bytes_free_no_room_for_it_and_its_refusal_refuses_no_other():
+    """Hostile testing, round 104 (MEDIUM): ranked at the last scan, a newcomer counted its
+    own bytes among those slower than it, the walk that skipped it came up short, and every
+    other newcomer was refused until the next scan: the attacker's slowest holder, grown
+    by one byte more than the room left at each scan, had honest 300 KB calls refused (up
+    to 34 of 71) while slower holders would have made room."""
+    incoming, listener, _ = setup(1000)
+    trigger = Holder(incoming, listener, 300, 1.0)  # (the slowest)
+    bulk = [Holder(incoming, listener, 200, rate) for rate in (5.0, 6.0, 7.0)]
+    assert incoming.held == 900
+    slowpoke = Holder(incoming, listener, 0, 0.5)
+    assert not slowpoke.grow(200)  # (none slower than it: refused; the trigger ranked at this scan)
+    trigger.rate = 2.0  # (a little faster with its new bytes; still the slowest)
+    assert not trigger.grow(150)  # (only itself was slower: refused, none closed)
+    assert listener.evicted_total["incoming"] == 0
+    honest = Holder(incoming, listener, 0, 100.0)
+    assert honest.grow(300)  # within the same scan: the trigger gives way, not the bulk
+    assert trigger.evicted and not any(h.evicted for h in bulk)
+    assert incoming.held == 900 and listener.evicted_total["incoming"] == 1

@@ -46,7 +46,7 @@ class Incoming:
     listeners: the listeners whose connections count here (each adds itself).
     """
 
-    __slots__ = ("_keys", "_ranked", "_ranked_at", "_spent", "_suffix", "held", "limit", "listeners", "refused_total")
+    __slots__ = ("_at", "_keys", "_ranked", "_ranked_at", "_suffix", "held", "limit", "listeners", "refused_total")
 
     def __init__(self, limit: int = 1 << 62) -> None:
         self.limit = limit
@@ -60,11 +60,14 @@ class Incoming:
         # newcomer, and what they hold together, are found in O(log n) (hostile testing,
         # round 103: walked one by one at each refusal, 4000 connections holding a byte
         # each, slower than a wave of newcomers but never enough, held the loop 5 s).
+        # Walked, a connection leaves the list until the next scan (each walked once a scan:
+        # round 104, a walk that came up short refused every newcomer until the next scan,
+        # and an attacker made one come up short at each). `_at`: where each was ranked.
         self._ranked: list[typing.Any] = []
         self._keys: list[tuple[int, float]] = []
         self._suffix: list[int] = [0]
+        self._at: dict[typing.Any, int] = {}
         self._ranked_at = -math.inf
-        self._spent = False  # the scan overstated what those slower hold: no walk until the next
 
     def hold(self, before: int, after: int) -> bool:
         """A connection's count goes from `before` to `after` bytes. False, with nothing
@@ -82,35 +85,37 @@ class Incoming:
         TRICKLE_GRACE_SECONDS ago last), the slowest first, until it fits; each is answered
         why, as at request_timeout, and its connection closed (`evict_incoming`), counted in
         its listener's `evicted_total["incoming"]`. As `hold`, False if it does not fit:
-        those slower would not free enough, and none is closed. Cold path (only at the
-        limit), and bounded there: a scan (O(n log n)) at most every RESCAN_SECONDS; between
-        scans, O(log n) a refusal, and each connection walked at most once."""
+        those slower would not free enough (as ranked at the last scan), and none is
+        closed; some may be, if they had finished or come faster since. Cold path (only at
+        the limit), and bounded there: a scan (O(n log n)) at most every RESCAN_SECONDS;
+        between scans, O(log n) a refusal, and each connection walked at most once."""
         now = conn._fe.loop.time()
         own = conn.holding_rank(now, after)
         if own is None:
             return self.hold(before, after)
         if now - self._ranked_at >= RESCAN_SECONDS:
             self._rescan(now)
-        elif self._spent:
-            return False
         need = self.held + after - before - self.limit
-        ranked, end = self._ranked, len(self._ranked)
+        ranked, suffix, end = self._ranked, self._suffix, len(self._ranked)
         first = bisect.bisect_right(self._keys, (-own[0], -own[1]))  # (`_ranked[first:]` were slower)
-        if first >= end or self._suffix[first] - self._suffix[end] < need:
+        if first >= end:
+            return False
+        slower = suffix[first] - suffix[end]
+        at = self._at.get(conn)
+        if at is not None and first <= at < end:  # (its own bytes free no room for it: round 104)
+            slower -= suffix[at] - suffix[at + 1]
+        if slower < need:
             return False  # (not enough: none is closed for nothing)
         victims = []
         i = end
-        while i > first and need > 0:  # (the slowest first; each walked once a scan)
+        while i > first and need > 0:  # (the slowest first)
             i -= 1
             other = ranked[i]
             rank = None if other is conn else other.holding_rank(now)
             if rank is not None and rank < own:  # (else gone, done, or faster since the scan)
                 victims.append(other)
                 need -= other._incoming
-        if need > 0:
-            self._spent = True
-            return False
-        del ranked[i:]
+        del ranked[i:]  # (walked: closed now, or not to be closed for a newcomer this fast)
         for other in victims:
             other.evict_incoming(now)
             other._fe.evicted_total["incoming"] += 1
@@ -119,13 +124,13 @@ class Incoming:
     def _rescan(self, now: float) -> None:
         """Rank the connections holding bytes of a request under way (loop time `now`)."""
         self._ranked_at = now
-        self._spent = False
         found = sorted(
             ((rank, other._incoming, other) for fe in self.listeners for other in fe.connections
              if (rank := other.holding_rank(now)) is not None),
             key=_rank, reverse=True,
         )
         self._ranked = [other for _, _, other in found]
+        self._at = {other: i for i, (_, _, other) in enumerate(found)}
         self._keys = [(-rank[0], -rank[1]) for rank, _, _ in found]
         suffix = self._suffix = [0] * (len(found) + 1)
         for i in range(len(found) - 1, -1, -1):
