@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 import typing
 from collections import OrderedDict
@@ -100,7 +99,7 @@ log = logging.getLogger("broker.dispatch")
 
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's (too deep)
-SHED_LOG_SECONDS = 60.0  # calls shed or refused for a full queue: a WARNING at the first, then at most this often
+SHED_LOG_SECONDS = 60.0  # calls shed or refused for a full queue: a WARNING at the first, then their count this often
 _SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
 _GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
@@ -215,7 +214,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
         self._shed_unlogged = 0  # calls shed or refused -32000 since the last WARNING saying so (`_count_shed`)
-        self._shed_logged_at = -math.inf  # when that was (time.perf_counter() s)
+        self._shed_timer: asyncio.TimerHandle | None = None  # the end of the interval that WARNING began
         self._heavy_cap = max_worker_params_bytes or 1 << 62
         self._heavy_bytes = HEAVY_BYTES if max_worker_params_bytes else 1 << 62  # (params this large count)
         self._heavy_share = 0  # one connection's large params in flight, at most (`_set_share`)
@@ -682,19 +681,31 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                 exchange.status = http_status(code)
 
     def _count_shed(self, calls: int) -> None:
-        """`calls` were shed or refused for a full queue: say so in the log, at the first and then
-        at most every SHED_LOG_SECONDS, with how many since the last line (new user, round 99:
-        an operator tailing the log saw a healthy broker while clients got 503s; as nginx logs
-        "limiting requests", its rate-limited refusals)."""
+        """`calls` were shed or refused for a full queue: say so in the log at the first, then
+        every SHED_LOG_SECONDS while more are, with how many (new user, round 99: an operator
+        tailing the log saw a healthy broker while clients got 503s; as nginx logs "limiting
+        requests", its rate-limited refusals). The count of an interval is logged at its end
+        (`_log_shed`), or at the drain, whether more come or not (new user, round 100: a burst
+        of 11 was logged as 1, and the other 10 only if another came a minute later)."""
         self._shed_unlogged += calls
-        now = _clock()
-        if now - self._shed_logged_at >= SHED_LOG_SECONDS:
-            since = "" if self._shed_logged_at == -math.inf else f" in the last {now - self._shed_logged_at:.0f} s"
-            log.warning("queue full: %d call(s) shed or refused -32000 (Server overloaded)%s; max_queue %d calls, "
-                        "max_queue_bytes %d (the next such line in %g s at the soonest)", self._shed_unlogged, since,
-                        self._max_queue, self._max_queue_bytes, SHED_LOG_SECONDS)
+        if self._shed_timer is None:
+            log.warning("queue full: %d call(s) shed or refused -32000 (Server overloaded); max_queue %d calls, "
+                        "max_queue_bytes %d (how many more: a line every %g s while it goes on)",
+                        self._shed_unlogged, self._max_queue, self._max_queue_bytes, SHED_LOG_SECONDS)
             self._shed_unlogged = 0
-            self._shed_logged_at = now
+            self._shed_timer = self._loop.call_later(SHED_LOG_SECONDS, self._log_shed)
+
+    def _log_shed(self, last: bool = False) -> None:
+        """The end of an interval since the last "queue full" line (or the drain, `last`): log
+        how many were shed or refused in it, if any, and wait for another interval; else the
+        next one shed is logged at once."""
+        self._shed_timer = None
+        if self._shed_unlogged:
+            log.warning("queue full: %d call(s) shed or refused -32000 (Server overloaded) in the last %g s",
+                        self._shed_unlogged, SHED_LOG_SECONDS)
+            self._shed_unlogged = 0
+            if not last:
+                self._shed_timer = self._loop.call_later(SHED_LOG_SECONDS, self._log_shed)
 
     def _check_idle(self) -> None:
         if not self.accepting and not self._queued_calls and not self._pending and not self.held_back():
@@ -727,6 +738,9 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         included, then answer whatever is left with "shutting down"."""
         self.accepting = False
         self._draining = True
+        if self._shed_timer is not None:  # (what the last interval shed, said now: the broker is stopping)
+            self._shed_timer.cancel()
+            self._log_shed(last=True)
         self._check_idle()
         waits = [asyncio.ensure_future(self._idle.wait())]
         if hurry is not None:
