@@ -213,8 +213,11 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         self._isolation_handle: asyncio.TimerHandle | None = None  # (`_isolation_timer`)
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
-        self._shed_unlogged = 0  # calls shed or refused -32000 since the last WARNING saying so (`_count_shed`)
-        self._shed_timer: asyncio.TimerHandle | None = None  # the end of the interval that WARNING began
+        # Calls refused -32000 and notifications dropped for a full queue since the last WARNING
+        # saying so (`_count_shed`), the loop time of that WARNING, and the end of its interval
+        self._shed_unlogged = self._shed_notes = 0
+        self._shed_since = 0.0
+        self._shed_timer: asyncio.TimerHandle | None = None
         self._heavy_cap = max_worker_params_bytes or 1 << 62
         self._heavy_bytes = HEAVY_BYTES if max_worker_params_bytes else 1 << 62  # (params this large count)
         self._heavy_share = 0  # one connection's large params in flight, at most (`_set_share`)
@@ -652,14 +655,15 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
 
     def _finish(self, call: Call, error: bytes, code: int, remaining: bool = True) -> None:
         """Answer `call` with a broker error (once); `remaining=False` when not yet counted."""
-        if code == ErrorCode.OVERLOADED:
-            self._count_shed(call.weight)
         if call.tick:
             self._deadlines.remove(call)
+        dropped = 0
         if call.worker is None:  # never sent: its notifications are dropped unrun
             dropped = call.slots.count(-1) if call.slots is not None else int(call.kind == NOTIFY)
             if dropped:
                 self.notifications_dropped[code] = self.notifications_dropped.get(code, 0) + dropped
+        if code == ErrorCode.OVERLOADED:  # (round 106: its notifications were counted as calls refused)
+            self._count_shed(call.weight - dropped, dropped)
         exchange = call.exchange
         if exchange is None:
             return
@@ -680,30 +684,41 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
             if not exchange.batch:
                 exchange.status = http_status(code)
 
-    def _count_shed(self, calls: int) -> None:
-        """`calls` were shed or refused for a full queue: say so in the log at the first, then
-        every SHED_LOG_SECONDS while more are, with how many (new user, round 99: an operator
-        tailing the log saw a healthy broker while clients got 503s; as nginx logs "limiting
-        requests", its rate-limited refusals). The count of an interval is logged at its end
-        (`_log_shed`), or at the drain, whether more come or not (new user, round 100: a burst
-        of 11 was logged as 1, and the other 10 only if another came a minute later)."""
+    def _count_shed(self, calls: int, notifications: int) -> None:
+        """`calls` were refused -32000 (and `notifications` dropped) for a full queue: say so in
+        the log at the first, then every SHED_LOG_SECONDS while more are, with how many (new
+        user, round 99: an operator tailing the log saw a healthy broker while clients got
+        503s; as nginx logs "limiting requests", its rate-limited refusals). The count of an
+        interval is logged at its end (`_log_shed`), or at the end of the drain, whether
+        more come or not (new user, round 100: a burst of 11 was logged as 1, and the other
+        10 only if another came a minute later)."""
         self._shed_unlogged += calls
+        self._shed_notes += notifications
         if self._shed_timer is None:
-            log.warning("queue full: %d call(s) shed or refused -32000 (Server overloaded); max_queue %d calls, "
-                        "max_queue_bytes %d (how many more: a line every %g s while it goes on)",
-                        self._shed_unlogged, self._max_queue, self._max_queue_bytes, SHED_LOG_SECONDS)
-            self._shed_unlogged = 0
+            log.warning("queue full: %s; max_queue %d calls, max_queue_bytes %d (how many more: a line every %g s "
+                        "while it goes on)", self._shed_said(), self._max_queue, self._max_queue_bytes,
+                        SHED_LOG_SECONDS)
+            self._shed_since = self._loop.time()
             self._shed_timer = self._loop.call_later(SHED_LOG_SECONDS, self._log_shed)
 
+    def _shed_said(self) -> str:
+        """How many were shed since the last line ("3 call(s) refused -32000 (Server
+        overloaded)", and the notifications dropped, which get no answer), counted anew."""
+        said = f"{self._shed_unlogged} call(s) refused -32000 (Server overloaded)"
+        if self._shed_notes:
+            said += f" and {self._shed_notes} notification(s) dropped"
+        self._shed_unlogged = self._shed_notes = 0
+        return said
+
     def _log_shed(self, last: bool = False) -> None:
-        """The end of an interval since the last "queue full" line (or the drain, `last`): log
-        how many were shed or refused in it, if any, and wait for another interval; else the
-        next one shed is logged at once."""
+        """The end of an interval since the last "queue full" line (or of the drain, `last`):
+        log how many were shed in it, if any, and wait for another interval; else the next
+        one shed is logged at once."""
         self._shed_timer = None
-        if self._shed_unlogged:
-            log.warning("queue full: %d call(s) shed or refused -32000 (Server overloaded) in the last %g s",
-                        self._shed_unlogged, SHED_LOG_SECONDS)
-            self._shed_unlogged = 0
+        if self._shed_unlogged or self._shed_notes:
+            now = self._loop.time()
+            log.warning("queue full: %s in the last %.3g s", self._shed_said(), now - self._shed_since)
+            self._shed_since = now
             if not last:
                 self._shed_timer = self._loop.call_later(SHED_LOG_SECONDS, self._log_shed)
 
@@ -738,9 +753,6 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         included, then answer whatever is left with "shutting down"."""
         self.accepting = False
         self._draining = True
-        if self._shed_timer is not None:  # (what the last interval shed, said now: the broker is stopping)
-            self._shed_timer.cancel()
-            self._log_shed(last=True)
         self._check_idle()
         waits = [asyncio.ensure_future(self._idle.wait())]
         if hurry is not None:
@@ -766,4 +778,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
             worker = call.worker
             if worker is not None and worker.channel is not None:
                 worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
+        if self._shed_timer is not None:  # (what the last interval shed, said now: the broker is stopping;
+            self._shed_timer.cancel()  # hostile testing, round 106: said at the drain's start, those shed
+            self._log_shed(last=True)  # during the grace period were never logged)
         self._idle.set()

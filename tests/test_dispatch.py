@@ -1617,7 +1617,9 @@ def test_calls_shed_for_a_full_queue_are_logged_at_the_first_then_counted_every_
     the log, so an operator tailing it saw a healthy broker while clients got 503s. A WARNING
     says so at the first, then how many every SHED_LOG_SECONDS while more are. Round 100
     (LOW): a burst's count waited for a call shed a minute later, and was lost if none came;
-    each interval's count is logged at its end now, and the last at the drain."""
+    each interval's count is logged at its end now, and the last at the end of the drain
+    (round 106: said at its start, those shed in the grace period were lost), over the time
+    it took, notifications dropped apart from calls refused (they were counted as calls)."""
     from broker import dispatch
 
     monkeypatch.setattr(dispatch, "SHED_LOG_SECONDS", 0.2)
@@ -1628,8 +1630,11 @@ def test_calls_shed_for_a_full_queue_are_logged_at_the_first_then_counted_every_
         add_worker(d, 0, concurrency=1)
         codec = Codec()
 
-        def send(id_: int) -> None:
-            d.submit(body(codec, req("work", [id_], id_)), lambda e: None)
+        def send(id_: int | None) -> None:
+            request = req("work", [id_], id_)
+            if id_ is None:
+                del request["id"]
+            d.submit(body(codec, request), lambda e: None)
 
         def said() -> list[str]:
             return [r.getMessage() for r in caplog.records if "queue full" in r.getMessage()]
@@ -1639,17 +1644,30 @@ def test_calls_shed_for_a_full_queue_are_logged_at_the_first_then_counted_every_
         with caplog.at_level(logging.WARNING, logger="broker.dispatch"):
             for i in range(3, 14):  # (a burst of 11 shed: the first logged at once)
                 send(i)
-            assert len(said()) == 1 and said()[0].startswith("queue full: 1 call(s) shed or refused -32000")
+            assert len(said()) == 1 and said()[0].startswith("queue full: 1 call(s) refused -32000 (Server overloaded); ")
             assert "max_queue 2 calls" in said()[0]
             await asyncio.sleep(0.3)  # (the interval is over, none shed since: its 10 logged)
-            assert said()[1:] == ["queue full: 10 call(s) shed or refused -32000 (Server overloaded) in the last 0.2 s"]
+            assert len(said()) == 2
+            took = re.fullmatch(r"queue full: 10 call\(s\) refused -32000 \(Server overloaded\) in the last ([\d.]+) s",
+                                said()[1])
+            assert took and float(took[1]) >= 0.2, said()
             await asyncio.sleep(0.3)  # (none in that interval: no line; the next is logged at once)
             assert len(said()) == 2
+            monkeypatch.setattr(dispatch, "SHED_LOG_SECONDS", 5.0)  # (an interval the drain ends early)
             send(14)
+            assert len(said()) == 3 and said()[2].startswith("queue full: 1 call(s) refused")
+            draining = asyncio.ensure_future(d.drain(0.1))
+            await asyncio.sleep(0.01)
+            d.accepting = True  # (as `submit_held` for a request read before the stop)
             send(15)
-            assert len(said()) == 3 and said()[2].startswith("queue full: 1 call(s)")
-            await d.drain(0.01)  # (the broker stops: the interval's count now)
-            assert said()[3:] == ["queue full: 1 call(s) shed or refused -32000 (Server overloaded) in the last 0.2 s"]
+            send(None)  # (a notification: dropped, not refused)
+            d.accepting = False
+            assert len(said()) == 3
+            await draining  # (the end of the drain: the interval's count, over the time it took)
+            assert len(said()) == 4
+            took = re.fullmatch(r"queue full: 1 call\(s\) refused -32000 \(Server overloaded\) and 1 "
+                                r"notification\(s\) dropped in the last ([\d.]+) s", said()[3])
+            assert took and 0.1 <= float(took[1]) < 5, said()  # (since the line at send(14), not the interval)
 
     run(main)
 
