@@ -316,7 +316,7 @@ def method_change(new: list[str], old: list[str], most: int = 20) -> str:
         return f"{shown}" + (f" and {len(names) - most} more" if len(names) > most else "")
 
     change = f"adds {listed(after - before)} and removes {listed(before - after)}"
-    return change if before != after else f"{change} (the same methods in another order)"
+    return f"{change} (the same methods in another order)" if before == after and new != old else change
 
 
 def _methods(names: list[str]) -> str:

@@ -685,6 +685,7 @@ def test_a_method_list_change_is_said_as_what_it_adds_and_removes_cut_at_twenty_
     assert method_change(["a"], ["c", "a"]) == "adds no method and removes ['c']"
     assert method_change(["b", "a"], ["a", "b"]) == (
         "adds no method and removes no method (the same methods in another order)")
+    assert method_change(["a", "b"], ["a", "b"]) == "adds no method and removes no method"  # (sync ones changed)
     many = [f"m{i:03}" for i in range(400)]
     said = method_change(many, ["x"])
     assert said == f"adds {many[:20]} and 380 more and removes ['x']"
