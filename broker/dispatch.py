@@ -704,11 +704,11 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
     def _shed_said(self) -> str:
         """How many were shed since the last line ("3 call(s) refused -32000 (Server
         overloaded)", and the notifications dropped, which get no answer), counted anew."""
-        said = f"{self._shed_unlogged} call(s) refused -32000 (Server overloaded)"
-        if self._shed_notes:
-            said += f" and {self._shed_notes} notification(s) dropped"
+        said = [f"{self._shed_unlogged} call(s) refused -32000 (Server overloaded)"] if self._shed_unlogged else []
+        if self._shed_notes:  # (round 107: "0 call(s) refused" when a notification was the first)
+            said.append(f"{self._shed_notes} notification(s) dropped")
         self._shed_unlogged = self._shed_notes = 0
-        return said
+        return " and ".join(said)
 
     def _log_shed(self, last: bool = False) -> None:
         """The end of an interval since the last "queue full" line (or of the drain, `last`):

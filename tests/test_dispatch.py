@@ -1668,6 +1668,16 @@ def test_calls_shed_for_a_full_queue_are_logged_at_the_first_then_counted_every_
             took = re.fullmatch(r"queue full: 1 call\(s\) refused -32000 \(Server overloaded\) and 1 "
                                 r"notification\(s\) dropped in the last ([\d.]+) s", said()[3])
             assert took and 0.1 <= float(took[1]) < 5, said()  # (since the line at send(14), not the interval)
+        d = Dispatcher(asyncio.get_running_loop(), max_queue=2)  # (round 107: a notification shed first)
+        d.set_methods(["work"])
+        add_worker(d, 0, concurrency=1)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="broker.dispatch"):
+            for i in range(3):
+                send(i)
+            send(None)
+            assert said() == [f"queue full: 1 notification(s) dropped; max_queue 2 calls, max_queue_bytes "
+                              f"{d._max_queue_bytes} (how many more: a line every 5 s while it goes on)"]
 
     run(main)
 
