@@ -561,6 +561,12 @@ async def run(
                     own_socket = (where, made.st_dev, made.st_ino)
                 else:
                     await server.start_serving()  # listen(2) now
+                    # uvloop raises nothing when listen(2) fails: it closes the socket, which
+                    # then reads None (round 107: two brokers started at once on one port, the
+                    # second died on a traceback at the banner rather than "cannot listen").
+                    if None in server.sockets:
+                        server.close()
+                        raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
             except OSError as exc:  # (TCP: bound with SO_REUSEADDR beside a socket not listening yet)
                 cannot_listen(fe, where, port_, exc)
                 await give_up()

@@ -960,6 +960,41 @@ def test_a_taken_port_fails_before_any_worker_starts(tmp_path) -> None:
     assert "worker 0 ready" not in log and "worker 1 ready" not in log, log  # none was started
 
 
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_a_port_listened_on_while_the_workers_start_says_cannot_listen(tmp_path, event_loop) -> None:
+    """Hostile testing (round 107): the port is bound before the workers start and listened on
+    once they are ready; another socket listening on it in between (two brokers started at
+    once) made uvloop's listen(2) fail without raising, and the broker died on a traceback at
+    its banner instead of "cannot listen", exit 1."""
+    import subprocess
+    import sys
+
+    mark = tmp_path / "importing"
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the broker binds its own
+        other.bind(("127.0.0.1", 0))
+        port = other.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--app", "tests.apps.slow_import:registry", "--event-loop", event_loop],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT,
+            env={**os.environ, "SLOW_IMPORT_MARK": str(mark), "SLOW_IMPORT_SECONDS": "1"},
+        )
+        try:
+            wait_for(mark.exists, timeout=60)  # the worker imports the app: the broker has bound the port
+            other.listen()
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    log = err.decode()
+    assert proc.returncode == 1, log
+    assert f"cannot listen (JSON-RPC over HTTP: --port) on 127.0.0.1:{port}: [Errno 98]" in log, log
+    assert "Traceback" not in log, log
+    assert "serving JSON-RPC" not in log, log
+
+
 def test_a_port_taken_by_a_connection_s_local_end_says_so() -> None:
     """Hostile testing (round 34): a port in use only as the local port of a connection (the
     ephemeral range) was refused "another process listens there", and nothing listened."""
