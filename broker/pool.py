@@ -232,6 +232,10 @@ class Pool(Reloads):
                     os.mkdir(self._socket_dir_given, mode=0o700)
                 except FileExistsError:
                     pass
+                except FileNotFoundError:  # (new user, round 100: the message named the directory)
+                    parent = os.path.dirname(os.path.abspath(self._socket_dir_given))
+                    raise OSError(f"its parent directory {parent!r} does not exist (only the last"
+                                  " component is made, as mkdir does)") from None
                 self._dir = tempfile.mkdtemp(prefix="rpc-broker-", dir=self._socket_dir_given)
             else:
                 self._dir = tempfile.mkdtemp(prefix="rpc-broker-")  # mode 0700

@@ -695,13 +695,16 @@ def test_a_socket_dir_that_cannot_be_made_exits_2_saying_so(tmp_path: Path) -> N
 def test_a_socket_dir_whose_parent_does_not_exist_is_an_error_and_nothing_is_made(tmp_path: Path) -> None:
     """Hostile testing (round 9): --socket-dir /nonexistent/dir made both directories
     (makedirs) and served; a typo is an error now (exit 2); the last component alone is
-    made, as `mkdir` does (a RuntimeDirectory's /run/rpc-broker)."""
+    made, as `mkdir` does (a RuntimeDirectory's /run/rpc-broker), and the error names the
+    parent missing."""
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-m", "broker", "serve", "--port", "0", "--workers", "1",
                            "--socket-dir", str(tmp_path / "typo" / "dir")],
                           capture_output=True, text=True, timeout=60, cwd=root)
     assert proc.returncode == 2, proc.stderr
     assert "cannot make the workers' Unix socket in socket_dir" in proc.stderr and "Traceback" not in proc.stderr
+    # (new user, round 100: it said "No such file or directory" of the directory to be made)
+    assert f"its parent directory '{tmp_path / 'typo'}' does not exist (only the last component is made" in proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 
