@@ -12,6 +12,7 @@ and `data` is written as a result is (broker/worker/results.py). `load_app` impo
 from __future__ import annotations
 
 import importlib
+import inspect
 import operator
 import typing
 from collections.abc import Callable
@@ -154,8 +155,8 @@ class Registry:
             if method_name == OTHER:
                 raise ValueError(f"method name {OTHER!r} is the metrics' label of calls to unknown methods:"
                                  " register it under another name (name=...)")
-            if method_name in self._methods:
-                raise ValueError(f"method {method_name!r} is already registered")
+            if method_name in self._methods:  # (new user, round 100: where the first one is)
+                raise ValueError(f"method {method_name!r} is already registered{_where(self._methods[method_name].fn)}")
             self._methods[method_name] = Method(method_name, f, raw_params)
             return f
 
@@ -190,6 +191,17 @@ def load_app(spec: str) -> Registry:
     if not len(obj):
         raise ValueError(f"{spec} has no methods registered")
     return obj
+
+
+def _where(fn: Callable[..., object]) -> str:
+    """" (first by module.qualname, file:line)" of a registered handler, as far as it is known:
+    a partial's function, a callable object's class; "" when nothing is."""
+    fn = getattr(fn, "func", fn)  # (functools.partial)
+    code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    said = f"{module}.{name}" if module else name
+    return f" (first by {said}, {code.co_filename}:{code.co_firstlineno})" if code is not None else f" (first by {said})"
 
 
 def _a(noun: str) -> str:
