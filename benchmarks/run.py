@@ -71,6 +71,7 @@ class Server:
     argv: Callable[[int], list[str]]
     requires: tuple[str, ...] = ()  # modules that must be importable (peers of the bench extra)
     only: tuple[str, ...] = ()  # the scenario keys it runs (empty: all)
+    tree: Path | None = None  # another checkout whose code it runs (`--against`); None: this one
 
 
 def _broker(workers: int, *flags: str) -> Callable[[int], list[str]]:
@@ -136,8 +137,10 @@ class Running:
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log_path = logdir / f"{server.name}.log"
         with self.log_path.open("wb") as log:
+            tree = server.tree or ROOT  # (`-m broker` imports from the working directory first)
+            env = {**os.environ, "PYTHONPATH": str(tree)} if server.tree else None
             self.proc = subprocess.Popen(server.argv(self.port), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, cwd=ROOT)
+                                         stderr=subprocess.STDOUT, cwd=tree, env=env)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -595,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-loadgen", action="store_true", help="drive wrk only, as when rpc-broker bench is missing")
     parser.add_argument("--ports", metavar="LOW-HIGH", type=_port_range,
                         help="take the servers' ports from this range (default: any free ports)")
+    parser.add_argument("--against", metavar="TREE", type=Path,
+                        help="also run broker-2w-against: `rpc-broker serve --workers 2` from another checkout "
+                             "(e.g. a git worktree of an older commit), side by side with this one's")
     parser.add_argument("--loadgen", metavar="CMD",
                         help="the load generator's command before `bench` (default: this venv's rpc-broker)")
     args = parser.parse_args(argv)
@@ -610,7 +616,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             args.output = HERE / "RESULTS.md"
 
+    if args.against is not None:
+        if not (args.against / "broker" / "__main__.py").is_file():
+            parser.error(f"--against {args.against}: no broker/__main__.py there (give a checkout of rpc-broker)")
+        SERVERS.append(Server("broker-2w-against", "broker", f"rpc-broker serve --workers 2 from {args.against}",
+                              _broker(2), tree=args.against.resolve()))
     names = args.servers.split(",") if args.servers else QUICK_SERVERS if args.quick else [s.name for s in SERVERS]
+    if args.against is not None and not args.servers and "broker-2w-against" not in names:
+        names = [*names, "broker-2w-against"]
     unknown = set(names) - {s.name for s in SERVERS}
     if unknown:
         parser.error(f"unknown servers: {', '.join(sorted(unknown))}")

@@ -138,3 +138,18 @@ def test_the_servers_take_their_ports_from_the_range_given(tmp_path: Path) -> No
     assert done.returncode != 0 and f"no free port in --ports {port}-{port}" in done.stderr, done.stderr[-2000:]
     report, _ = run(tmp_path, "--probe-only", "--servers", "reference", "--ports", f"{port}-{port}")
     assert probe_rows(report) == {"reference": "yes"}
+
+
+def test_against_runs_the_other_checkout_s_code(tmp_path: Path) -> None:
+    """`--against TREE` starts broker-2w-against from TREE's code, beside this checkout's
+    broker-2w (issue 10: before-and-after figures in one run): a copy whose demo `add` is
+    off by one fails the probe there, and only there."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "broker", tree / "broker", ignore=shutil.ignore_patterns("__pycache__"))
+    demo = tree / "broker" / "demo.py"
+    source = demo.read_text()
+    assert source.count("    return a + b\n") == 1
+    demo.write_text(source.replace("    return a + b\n", "    return a + b + 1\n"))
+    report, _ = run(tmp_path, "--probe-only", "--servers", "broker-2w,broker-2w-against", "--against", str(tree))
+    assert probe_rows(report) == {"broker-2w": "yes", "broker-2w-against": "NO"}, report
+    assert f"rpc-broker serve --workers 2 from {tree}" in report
