@@ -333,7 +333,7 @@ class Codec:
                 # testing, round 8: 1000 ids nested 484 deep, 1 MiB, were parsed three
                 # times, 78 ms of the loop; 28 ms now).
                 decoded = [
-                    req if _valid_id(req.id) and _valid_params(req.params) else self._invalid(req.id)  # type: ignore[misc]
+                    req if _valid_id(req.id) and _valid_params(req.params) else _bad_member(req)  # type: ignore[misc]
                     for req in decoded
                 ]
             if size > UNPIN_ABOVE:
@@ -344,7 +344,7 @@ class Codec:
         id_, params = req.id, req.params
         if (not id_ or bytes(id_)[0] in _ID_FIRST) and (not params or bytes(params)[0] in _PARAMS_FIRST):
             return Body(False, [req]) if size <= UNPIN_ABOVE else _unpinned(Body(False, [req]))
-        return Body(False, [self._invalid(id_)], 400)
+        return Body(False, [_bad_member(req)], 400)
 
     def _decode_hinted(self, body: bytes) -> Body | None:
         """A body with a long run of `[` (see `_DEEP_HINT`), likely nested past the
@@ -441,7 +441,7 @@ class Codec:
         `defer`: None for an element msgspec finds nested too deep, whose answer the
         caller makes (`_deep_items`, with the other such elements of its batch)."""
         if memoryview(raw)[0] != 0x7B:  # not "{": not a Request object, no id to read
-            return _INVALID_NULL
+            return _NOT_AN_OBJECT
         if parent is not None:  # msgspec takes a step of the recursion limit per level
             limit = sys.getrecursionlimit() + 1
             if len(raw) > 2 * limit and nesting(parent, offset, offset + len(raw)) > limit:
@@ -453,14 +453,14 @@ class Codec:
         except RecursionError:
             return None if defer else self._deep_element(bytes(raw), parent, offset)
         if not (lax.jsonrpc and lax.method and bytes(lax.method)[0] == 0x22):
-            return self._invalid(lax.id)
+            return _invalid(lax.id, _envelope_error(lax))
         try:
             req = self._element.decode(raw)
         except msgspec.ValidationError:
-            return self._invalid(lax.id)
+            return _invalid(lax.id, _envelope_error(lax))
         if _valid_id(req.id) and _valid_params(req.params):
             return req
-        return self._invalid(req.id)
+        return _bad_member(req)
 
     def _decode_deep(self, body: bytes, scanned: Scanned | NotJson | None = None) -> Body:
         """The slow path for a body nested past the parser's limit somewhere: one
@@ -485,7 +485,7 @@ class Codec:
             if members is None:  # no per-byte structure: the elements one by one
                 for start, end, run in top.children:
                     if run:  # a run of scalars: invalid Request objects, one answer each
-                        items.extend([_INVALID_NULL] * run)
+                        items.extend([_NOT_AN_OBJECT] * run)
                     else:
                         items.append(self._element_item(body[start:end], top, start))
                 return _batch(items)
@@ -496,7 +496,7 @@ class Codec:
             places: list[int] = []  # and in items
             for k, (start, end, run) in enumerate(top.children):
                 if run:
-                    items.extend([_INVALID_NULL] * run)
+                    items.extend([_NOT_AN_OBJECT] * run)
                     continue
                 # An object nested past the limit: no decode, which would fail late.
                 if members.depth[k] <= limit:
@@ -562,11 +562,6 @@ class Codec:
             return _parse_error_too_deep()
         return _too_deep_answer(members, fill)
 
-    @staticmethod
-    def _invalid(id_: Raw) -> bytes:
-        if len(id_) and _valid_id(id_):
-            return response_error(id_, _INVALID_REQUEST_ERROR)
-        return _INVALID_NULL
 
 
 # msgspec checks every member but these two, which stay Raw. Rather than look at each
@@ -716,6 +711,48 @@ def _parse_error_too_deep() -> bytes:
 
 _INVALID_REQUEST_ERROR = error_object(ErrorCode.INVALID_REQUEST)
 _INVALID_NULL = response_error(_NULL, _INVALID_REQUEST_ERROR)
+
+
+# Why a Request object is invalid, in the -32600's `data` (new user, round 100: a bare
+# "Invalid Request" did not say which member was wrong). Fixed strings: nothing sent is echoed.
+def _why(reason: str) -> bytes:
+    return error_object(ErrorCode.INVALID_REQUEST, data=reason)
+
+
+_NOT_AN_OBJECT = response_error(_NULL, _why("a Request object is a JSON object (a batch: an array of them)"))
+_NO_JSONRPC = _why('member "jsonrpc" missing: it must be "2.0"')
+_BAD_JSONRPC = _why('member "jsonrpc" must be "2.0"')
+_NO_METHOD = _why('member "method" missing')
+_BAD_METHOD = _why('member "method" must be a string')
+_BAD_ID = _why('member "id" must be a string, a number or null')
+_BAD_PARAMS = _why('member "params" must be an array or an object')
+_JSONRPC = msgspec.json.Decoder(typing.Literal["2.0"])
+
+
+def _invalid(id_: Raw, error: bytes) -> bytes:
+    """The -32600 response `error` (an error object) with `id_` when it is valid, else null
+    (spec section 5: "If there was an error in detecting the id ... it MUST be Null")."""
+    return response_error(id_ if len(id_) and _valid_id(id_) else _NULL, error)
+
+
+def _bad_member(req: Request) -> bytes:
+    """The -32600 response of a Request whose id or params has the wrong type."""
+    return _invalid(req.id, _BAD_PARAMS if _valid_id(req.id) else _BAD_ID)
+
+
+def _envelope_error(lax: _Lax) -> bytes:
+    """The error object of a Request object whose `jsonrpc` or `method` is wrong or missing."""
+    if not len(lax.jsonrpc):
+        return _NO_JSONRPC
+    try:
+        _JSONRPC.decode(lax.jsonrpc)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return _BAD_JSONRPC
+    if not len(lax.method):
+        return _NO_METHOD
+    if memoryview(lax.method)[0] != 0x22:
+        return _BAD_METHOD
+    return _INVALID_REQUEST_ERROR  # (not reached: `Request` checks no other member)
 _PARSE_ERROR = response_error(_NULL, error_object(ErrorCode.PARSE_ERROR))
 _EMPTY_BATCH = _INVALID_NULL  # spec example: `[]` gets one plain -32600
 # The "answer" of a too-deep notification: none. Empty: no real answer is (and `in`,

@@ -101,11 +101,16 @@ def test_invalid_json_is_parse_error(codec):
     }
 
 
+NOT_AN_OBJECT = "a Request object is a JSON object (a batch: an array of them)"
+_BAD_PARAMS = object()  # (test_invalid_element_echoes_valid_id_else_null: params' reason, or id's)
+
+
 def test_invalid_request_object_is_invalid_request_not_parse_error(codec):
     b = codec.decode(b'{"jsonrpc": "2.0", "method": 1, "params": "bar"}')
     assert (b.batch, b.status) == (False, 400)
-    assert err(b.items[0]) == {
-        "jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request"},
+    assert err(b.items[0]) == {  # (new user, round 100: `data` says which member is wrong)
+        "jsonrpc": "2.0", "id": None,
+        "error": {"code": -32600, "message": "Invalid Request", "data": 'member "method" must be a string'},
     }
 
 
@@ -129,7 +134,7 @@ def test_batch_of_non_objects_answers_each(codec, text):
     n = len(json.loads(text))
     assert (b.batch, b.status) == (True, 200)
     assert [err(i) for i in b.items] == [
-        {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request"}}
+        {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request", "data": NOT_AN_OBJECT}}
     ] * n
 
 
@@ -149,7 +154,8 @@ def test_mixed_batch_spec_example(codec):
     assert [bytes(req(b.items[i]).id) for i in (0, 1, 2, 4, 5)] == [b'"1"', b"", b'"2"', b'"5"', b'"9"']
     assert bytes(req(b.items[4]).params) == b'{"name": "myself"}'
     assert err(b.items[3]) == {
-        "jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request"},
+        "jsonrpc": "2.0", "id": None,
+        "error": {"code": -32600, "message": "Invalid Request", "data": 'member "jsonrpc" missing: it must be "2.0"'},
     }
 
 
@@ -180,20 +186,27 @@ def test_all_notifications_batch_decodes_to_requests(codec):
 @pytest.mark.parametrize(
     "bad",
     [
-        b'"jsonrpc": "1.0", "method": "m"',  # wrong version
-        b'"method": "m"',  # no jsonrpc member
-        b'"jsonrpc": "2.0"',  # no method
-        b'"jsonrpc": "2.0", "method": 5',  # method not a string
-        b'"jsonrpc": "2.0", "method": "m", "params": "bar"',  # params a scalar
-        b'"jsonrpc": "2.0", "method": "m", "params": null',
-        b'"jsonrpc": 2.0, "method": "m"',
+        (b'"jsonrpc": "1.0", "method": "m"', b'member \\"jsonrpc\\" must be \\"2.0\\"'),  # wrong version
+        (b'"method": "m"', b'member \\"jsonrpc\\" missing: it must be \\"2.0\\"'),  # no jsonrpc member
+        (b'"jsonrpc": "2.0"', b'member \\"method\\" missing'),  # no method
+        (b'"jsonrpc": "2.0", "method": 5', b'member \\"method\\" must be a string'),  # method not a string
+        (b'"jsonrpc": "2.0", "method": "m", "params": "bar"', _BAD_PARAMS),  # params a scalar
+        (b'"jsonrpc": "2.0", "method": "m", "params": null', _BAD_PARAMS),
+        (b'"jsonrpc": 2.0, "method": "m"', b'member \\"jsonrpc\\" must be \\"2.0\\"'),
     ],
 )
 def test_invalid_element_echoes_valid_id_else_null(codec, bad, raw_id, echoed):
+    bad, why = bad
+    if why is _BAD_PARAMS and echoed == b"null" and raw_id != b"null":  # the id is wrong too: said first
+        why = b'member \\"id\\" must be a string, a number or null'
+    elif why is _BAD_PARAMS:
+        why = b'member \\"params\\" must be an array or an object'
     text = b"{" + bad + b', "id": ' + raw_id + b"}"
     single = codec.decode(text)
     assert (single.batch, single.status) == (False, 400)
-    assert single.items == [b'{"jsonrpc":"2.0","id":' + echoed + b',"error":{"code":-32600,"message":"Invalid Request"}}']
+    # (new user, round 100: `data` says which member is wrong)
+    assert single.items == [b'{"jsonrpc":"2.0","id":' + echoed + b',"error":{"code":-32600,"message":"Invalid Request","data":"'
+                            + why + b'"}}']
     batch = codec.decode(b"[" + text + b"]")
     assert (batch.batch, batch.status, batch.items) == (True, 200, single.items)
 
@@ -407,7 +420,7 @@ def test_deep_elements_in_a_batch_each_get_their_answer(codec):
     assert b.batch and len(b.items) == 7
     assert bytes(req(b.items[0]).id) == b"1"
     assert err(b.items[1]) == err(b.items[2]) == {
-        "jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request"},
+        "jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request", "data": NOT_AN_OBJECT},
     }
     too_deep(b.items[3], "x")
     assert bytes(req(b.items[4]).id) == b"2"

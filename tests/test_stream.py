@@ -36,7 +36,16 @@ pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops:
 
 MAX_BODY = 2000  # --max-body-bytes of the shared broker
 PARSE_ERROR = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error"}}'
-INVALID_NULL = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Invalid Request"}}'
+INVALID_NULL = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Invalid Request"}}'  # (`[]`: spec example)
+
+
+def invalid(id_: bytes, why: bytes) -> bytes:
+    """A -32600 line whose `data` says which member is wrong (new user, round 100)."""
+    return b'{"jsonrpc":"2.0","id":%b,"error":{"code":-32600,"message":"Invalid Request","data":"%b"}}' % (id_, why)
+
+
+NO_JSONRPC = invalid(b"null", b'member \\"jsonrpc\\" missing: it must be \\"2.0\\"')
+NOT_AN_OBJECT = invalid(b"null", b"a Request object is a JSON object (a batch: an array of them)")
 TOO_LONG = (
     b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Invalid Request",'
     b'"data":"line exceeds max_body_bytes 2000"}}'
@@ -271,7 +280,7 @@ def test_batch_is_one_line_answered_by_one_array_line(sb, transport):
     with sb.connect(transport) as s:
         assert s.call(batch) == (
             b'[{"jsonrpc":"2.0","id":"slow","result":0.3},{"jsonrpc":"2.0","id":"fast","result":3},'
-            + INVALID_NULL
+            + NO_JSONRPC
             + b',{"jsonrpc":"2.0","id":"5","error":{"code":-32601,"message":"Method not found"}}]'
         )
         s.assert_nothing_more()
@@ -308,11 +317,11 @@ def test_bad_lines_are_answered_and_the_connection_keeps_working(sb, transport):
         assert s.call(line("add", [1, 2], 1)) == result(1, 3)
         assert s.call(b"not json at all") == PARSE_ERROR
         assert s.call(b'{"jsonrpc":"2.0","method":1,"params":"bar","id":3}') == (
-            b'{"jsonrpc":"2.0","id":3,"error":{"code":-32600,"message":"Invalid Request"}}'
+            invalid(b"3", b'member \\"method\\" must be a string')
         )
-        assert s.call(b'{"foo":"boo"}') == INVALID_NULL
+        assert s.call(b'{"foo":"boo"}') == NO_JSONRPC
         assert s.call(b"[]") == INVALID_NULL
-        assert s.call(b"[1]") == b"[" + INVALID_NULL + b"]"
+        assert s.call(b"[1]") == b"[" + NOT_AN_OBJECT + b"]"
         assert s.call(line("Subtract", [42, 23], 4)) == (
             b'{"jsonrpc":"2.0","id":4,"error":{"code":-32601,"message":"Method not found"}}'
         )
