@@ -863,7 +863,6 @@ def test_allowed_hosts_ipv6_literals_are_accepted() -> None:
          "max_frame_bytes from config file {path}"),
         ("", {}, {"port": "9000", "stream_port": "9000"},
          "port from flag --port; stream_port from flag --stream-port"),
-        ('rpc_path = "/metrics"\n', {}, {}, "rpc_path from config file {path}"),
     ],
 )
 def test_errors_across_settings_name_where_each_value_came_from(
@@ -875,6 +874,25 @@ def test_errors_across_settings_name_where_each_value_came_from(
     with pytest.raises(ConfigError) as err:
         load(path, env, flags)
     assert str(err.value).endswith(f" ({where.format(path=path)})")
+
+
+def test_an_error_in_one_setting_s_value_is_worded_as_its_type_errors_are(tmp_path: Path) -> None:
+    """New user, round 100: a value refused by its type said "flag --allowed-origins:
+    allowed_origins = ...: ...", one refused after ("null", a default port) said "... (allowed_origins
+    from flag --allowed-origins)"; both begin with where the value came from now."""
+    with pytest.raises(ConfigError) as err:
+        load(None, {}, {"allowed_origins": ["https://a.example/"]})
+    assert str(err.value).startswith("flag --allowed-origins: allowed_origins = ['https://a.example/']: expected")
+    with pytest.raises(ConfigError) as err:
+        load(None, {}, {"allowed_origins": ["https://a.example:443"]})
+    assert str(err.value) == (
+        "flag --allowed-origins: allowed_origins 'https://a.example:443' is not an origin as a browser sends it in"
+        " its Origin header (RFC 6454 6.2: no user info, no default port, the port without leading zeros, the host"
+        " in ASCII), so it would never match: write 'https://a.example'")
+    path = write(tmp_path, 'rpc_path = "/metrics"\n')
+    with pytest.raises(ConfigError) as err:
+        load(path, {}, {})
+    assert str(err.value) == f"config file {path}: rpc_path = '/metrics' would hide the broker's own /metrics: choose another path"
 
 
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:

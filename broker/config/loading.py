@@ -266,6 +266,8 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
     clash = _clash(cfg)
     if clash is not None:
         problem, names = clash
+        if len(names) == 1:  # said as a value's own error is (new user, round 100: two wordings)
+            raise ConfigError(f"{sources.get(names[0], 'the default')}: {problem}")
         where = "; ".join(f"{name} from {sources.get(name, 'the default')}" for name in names)
         raise ConfigError(f"{problem} ({where})")
     return cfg
