@@ -44,10 +44,7 @@ class DeadlineWheel:
         tick = int((now + call.timeout) / self.resolution) + 1
         slot = self._slots.get(tick)  # (as `add_like`, inline: a call less on every call's path)
         if slot is None:
-            slot = self._slots[tick] = {}
-            heapq.heappush(self._ticks, tick)
-            if not self._armed or tick < self._armed:
-                self._arm(tick)
+            slot = self._open(tick)
         slot[call] = None
         call.tick = tick
 
@@ -56,10 +53,7 @@ class DeadlineWheel:
         by its worker and queued as a chunk of their own, `Dispatcher._returned`)."""
         slot = self._slots.get(tick)
         if slot is None:
-            slot = self._slots[tick] = {}
-            heapq.heappush(self._ticks, tick)
-            if not self._armed or tick < self._armed:
-                self._arm(tick)
+            slot = self._open(tick)
         slot[call] = None
         call.tick = tick
 
@@ -72,6 +66,16 @@ class DeadlineWheel:
 
     def __len__(self) -> int:
         return sum(len(slot) for slot in self._slots.values())
+
+    def _open(self, tick: int) -> dict[Call, None]:
+        """The new, empty slot of `tick` (none yet): on the heap, the timer moved to it if
+        it is the earliest (once a tick: not on every call's path)."""
+        slot: dict[Call, None] = {}
+        self._slots[tick] = slot
+        heapq.heappush(self._ticks, tick)
+        if not self._armed or tick < self._armed:
+            self._arm(tick)
+        return slot
 
     def _arm(self, tick: int) -> None:
         if self._timer is not None:
