@@ -227,7 +227,8 @@ class _Compiler:
             item = self.plan(node.item_type)
             if item is None and _randomized(node.item_type):
                 return None
-            return _set_check(_python_type(node.item_type), item)
+            return _hashed_check(list, _python_type(node.item_type), None if item is None else _each_item(item),
+                                 strict=True)
         if isinstance(node, (_info.DictType, _info.FrozenDictType)):
             return self._dict(node)
         if isinstance(node, (_info.ListType, _info.VarTupleType)):
@@ -261,7 +262,9 @@ class _Compiler:
         value = self.plan(node.value_type)
         if _randomized(node.key_type):
             return None if value is None else _each_value(value)
-        return _keys_check(_python_type(node.key_type), value)
+        # (keys as a dict's: strict=False reads "7" as 7, a superset of str_keys's reading)
+        return _hashed_check(dict, _python_type(node.key_type), None if value is None else _each_value(value),
+                             strict=False)
 
     def _fields(self, node: _info.StructType | _info.DataclassType | _info.TypedDictType
                 | _info.NamedTupleType) -> _Walk | None:
@@ -550,36 +553,22 @@ def reachable(node: object) -> list[_info.Type]:
     return list(seen.values())
 
 
-def _set_check(item_type: object, item: _Walk | None) -> _Walk:
-    many = list[item_type]  # type: ignore[valid-type]
-    items = None if item is None else _each_item(item)
+def _hashed_check(container: type[list[object] | dict[object, object]], element_type: object, inside: _Walk | None, strict: bool) -> _Walk:
+    """The check of the values msgspec hashes: a set's elements (`container` list, the JSON
+    array it is built from) or a dict's keys (`container` dict), of `element_type`. First
+    `inside` walks the values they hold (a set's elements; a dict's values), then, past
+    `SHARED_HASH_MAX` of them, they are converted as the binding will (`strict`: see
+    `msgspec.convert`) and refused (`Flooded`) if too many share a hash."""
+    many = list[element_type]  # type: ignore[valid-type]
 
     def check(value: object, at: _At, run: _Run) -> None:
-        if type(value) is not list:
+        if type(value) is not container:
             return
-        if items is not None:  # (the sets inside its elements, and Flag values, first)
-            items(value, at, run)
+        if inside is not None:  # (the sets inside its elements, and Flag values, first)
+            inside(value, at, run)
         if len(value) > SHARED_HASH_MAX:  # (fewer cannot pass the bound)
             try:
-                _spread(_converted(value, many, True))
-            except Flooded as exc:
-                raise _located(exc, at) from None
-    return check
-
-
-def _keys_check(key_type: object, value: _Walk | None) -> _Walk:
-    many = list[key_type]  # type: ignore[valid-type]
-    values = None if value is None else _each_value(value)
-
-    def check(given: object, at: _At, run: _Run) -> None:
-        if type(given) is not dict:
-            return
-        if values is not None:
-            values(given, at, run)
-        # (keys as a dict's: strict=False reads "7" as 7, a superset of str_keys's reading)
-        if len(given) > SHARED_HASH_MAX:
-            try:
-                _spread(_converted(list(given), many, False))
+                _spread(_converted(list(value) if isinstance(value, dict) else value, many, strict))
             except Flooded as exc:
                 raise _located(exc, at) from None
     return check
