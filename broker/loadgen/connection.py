@@ -290,6 +290,20 @@ class LoadConnection(asyncio.Protocol):
         self._timer = None
         self._fill()
 
+    # -- answers ---------------------------------------------------------------------------
+    def _recording(self, t_start: float) -> bool:
+        """Whether the answer to a body first sent at `t_start` (s, `_now`'s clock) is
+        recorded: sent in the measured window, not in the warm-up. Sets the tally's
+        `recording` to match, for the check of that answer which follows."""
+        s = self._s
+        recording = s.checker.tally.recording = t_start >= s.t_measure
+        return recording
+
+    def _record_latency(self, t_start: float) -> None:
+        """Record the latency of an answer that came at `_now` to a body sent at `t_start`,
+        in µs."""
+        self._s.lat.append(int((self._now - t_start) * 1e6))
+
     # -- failures --------------------------------------------------------------------------
     def sweep(self, now: float) -> None:
         """Give up on requests older than the timeout (called every `SWEEP_S`)."""

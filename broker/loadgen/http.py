@@ -144,12 +144,10 @@ class HttpLoadConnection(LoadConnection):
             s.checker.tally.malformed += 1
             s.checker.tally.problem(f"an HTTP response to no request: HTTP {status}, body {body[:120]!r}")
             return
-        recording = t_start >= s.t_measure
-        checker = s.checker
-        checker.tally.recording = recording
-        checker.check(status, body, expect)
+        recording = self._recording(t_start)
+        s.checker.check(status, body, expect)
         if recording:
-            s.lat.append(int((self._now - t_start) * 1e6))
+            self._record_latency(t_start)
 
     def sweep(self, now: float) -> None:
         """Abort the connection if its oldest request is older than the timeout (the

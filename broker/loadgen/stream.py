@@ -222,18 +222,15 @@ class StreamLoadConnection(LoadConnection):
 
     def _answered(self, rec: _Record, line: bytes, decoded: Answer | list[Answer] | None) -> None:
         """Check ``line`` as the answer to the body of ``rec`` (popped from `_pending`)."""
-        s = self._s
         t_start, _sent, expect = rec
         if type(expect) is not msgspec.Raw and expect.batch:
             owner = self._owner
             for id_ in expect.ids:
                 owner.pop(id_, None)
-        recording = t_start >= s.t_measure
-        checker = s.checker
-        checker.tally.recording = recording
-        checker.check_line(line, expect, decoded)
+        recording = self._recording(t_start)
+        self._s.checker.check_line(line, expect, decoded)
         if recording:
-            s.lat.append(int((self._now - t_start) * 1e6))
+            self._record_latency(t_start)
 
     def _ids_of(self, line: bytes) -> list[bytes] | None:
         """The ids in a line that is not a well-formed answer (None: not JSON at all)."""
