@@ -44,8 +44,10 @@ from prometheus_client.registry import Collector
 from broker.jsonrpc import ERRORS, OTHER, ErrorCode
 
 if typing.TYPE_CHECKING:
+    from broker.answers import Outgoing
     from broker.dispatch import Dispatcher
     from broker.frontend.http import HttpFrontend
+    from broker.frontend.incoming import Incoming
     from broker.frontend.stream import StreamFrontend
     from broker.pool import Pool
 
@@ -459,33 +461,32 @@ class BrokerCollector(Collector):
         )):  # fmt: skip
             make = _family_counter if counter else _family_gauge
             yield make(family, doc, ["transport"], (([t], row[i]) for t, row in sorted(by_transport.items())))
+        # The bytes budgets over all connections together: each its bytes held, its limit and
+        # what it refused. (family, doc) of each.
+        budgets: list[tuple[Incoming | Outgoing, tuple[str, str], tuple[str, str], tuple[str, str]]] = []
         if self.frontends:
-            incoming = self.frontends[0].incoming  # (one for all the listeners)
-            yield _family_gauge(
-                "rpc_broker_incoming_bytes", "Bytes of requests still arriving (HTTP heads and bodies, NDJSON lines "
-                "not finished yet) or waiting to be dispatched, all connections together.", [], [([], incoming.held)],
-            )  # fmt: skip
-            yield _family_gauge(
-                "rpc_broker_incoming_capacity_bytes", "Bytes of requests still arriving or waiting the broker holds before "
-                "refusing more (max_incoming_bytes).", [], [([], incoming.limit)],
-            )  # fmt: skip
-            yield _family_counter(
-                "rpc_broker_incoming_refused", "Requests refused while arriving: they would have taken the bytes "
-                "still arriving past max_incoming_bytes.", [], [([], incoming.refused_total)],
-            )  # fmt: skip
-        outgoing = self.dispatcher.outgoing
-        yield _family_gauge(
-            "rpc_broker_outgoing_bytes", "Bytes of answers owed and not yet taken by their clients, all "
-            "connections together.", [], [([], outgoing.held)],
-        )  # fmt: skip
-        yield _family_gauge(
-            "rpc_broker_outgoing_capacity_bytes", "Bytes of answers owed the broker holds before refusing more "
-            "(max_outgoing_bytes).", [], [([], outgoing.limit)],
-        )  # fmt: skip
-        yield _family_counter(
-            "rpc_broker_outgoing_refused", "Answers refused (-32603): they would have taken the answers owed "
-            "on all connections past max_outgoing_bytes.", [], [([], outgoing.refused_total)],
-        )  # fmt: skip
+            budgets.append((
+                self.frontends[0].incoming,  # (one for all the listeners)
+                ("rpc_broker_incoming_bytes", "Bytes of requests still arriving (HTTP heads and bodies, NDJSON lines "
+                 "not finished yet) or waiting to be dispatched, all connections together."),
+                ("rpc_broker_incoming_capacity_bytes", "Bytes of requests still arriving or waiting the broker holds "
+                 "before refusing more (max_incoming_bytes)."),
+                ("rpc_broker_incoming_refused", "Requests refused while arriving: they would have taken the bytes "
+                 "still arriving past max_incoming_bytes."),
+            ))  # fmt: skip
+        budgets.append((
+            self.dispatcher.outgoing,
+            ("rpc_broker_outgoing_bytes", "Bytes of answers owed and not yet taken by their clients, all "
+             "connections together."),
+            ("rpc_broker_outgoing_capacity_bytes", "Bytes of answers owed the broker holds before refusing more "
+             "(max_outgoing_bytes)."),
+            ("rpc_broker_outgoing_refused", "Answers refused (-32603): they would have taken the answers owed "
+             "on all connections past max_outgoing_bytes."),
+        ))  # fmt: skip
+        for budget, (held, held_doc), (capacity, capacity_doc), (refused, refused_doc) in budgets:
+            yield _family_gauge(held, held_doc, [], [([], budget.held)])
+            yield _family_gauge(capacity, capacity_doc, [], [([], budget.limit)])
+            yield _family_counter(refused, refused_doc, [], [([], budget.refused_total)])
 
     def _workers(self) -> Iterator[Metric]:
         pool = self.pool
