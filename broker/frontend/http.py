@@ -91,6 +91,7 @@ from broker.frontend.httprequest import (
     SMALL_CHUNKS,
     Requests,
     _Deferred,
+    _Request,
 )
 from broker.jsonrpc import ErrorCode
 
@@ -146,37 +147,27 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         "_backlog",
         "_backlog_forced",
         "_backlog_held",
-        "_body",
         "_budget",
         "_busy",
-        "_chunks",
         "_closing",
-        "_content_length",
-        "_content_type",
         "_eof",
-        "_expect",
         "_fe",
         "_framing",
         "_head_bytes",
         "_head_done",
         "_head_held",
-        "_header_bytes",
-        "_headers",
-        "_host",
         "_incoming",
         "_keep_header",
         "_linger",
         "_one_by_one",
-        "_origin",
         "_parser",
         "_parsing",
         "_probe_only",
         "_read_at",
+        "_request",
         "_responses",
         "_scraped",
-        "_skip",
         "_stuck_since",
-        "_transfer_encoding",
         "_transport",
         "_turn_bytes",
         "_turn_due",
@@ -184,7 +175,6 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         "_unread",
         "_unsent",
         "_upgrade",
-        "_url",
         "_waiting",
         "_waiting_bytes",
         "_write_paused",
@@ -205,10 +195,9 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self._fe = frontend
         self.lane_finish = 0.0  # its turns' last finish in the slow lane (`SlowLane.add`)
         self._parser = httptools.HttpRequestParser(self)
+        self._request = _Request()  # the request under way (or the last one): reset by `on_message_begin`
         self._head_bytes = 0  # raw bytes received while a request's head is incomplete
         self._head_done = False
-        self._content_length = -1  # -1: no Content-Length header
-        self._transfer_encoding = b""
         self._linger = False  # half-close after the answer: the client may still be sending
         self.lingering_since = 0.0  # loop time of the half-close (`_linger`); 0 when not lingering
         self._framing = -1  # raw bytes read since the head's end (the body and its framing); -1: not in a body
@@ -222,20 +211,10 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self.request_started = 0.0  # loop time a request's first byte came; 0 when none is under way
         self.requests = 0  # requests answered or owed on this connection
         self._transport: asyncio.Transport | None = None
-        self._url = b""
-        # The request body: the first piece as httptools gave it (no copy in the common
-        # case of a body in one read), then one bytearray bounded by max_body_bytes (a
-        # list of pieces cost ~50 bytes of objects per piece: 2-byte chunks, 27x).
-        self._body: bytes | bytearray = b""
         self._backlog = b""  # the rest of a read past REQUESTS_PER_TURN requests: reading paused until it is done
         self._backlog_held = 0  # its bytes, counted in the listener's `Incoming` (`keep_backlog`)
         self._backlog_forced = False  # kept past max_incoming_bytes: its turn comes whatever the client does
         self._turn_due = False  # a `_next_turn` is scheduled (`_schedule_turn`: one at a time)
-        self._header_bytes = 0  # request line and header lines of the current head
-        self._headers = 0  # header fields of the current head
-        self._expect = False
-        self._skip = False  # the current request was answered early (413): drop its body
-        self._chunks = 0  # chunks of the current request's body so far
         self._incoming = 0  # bytes of an unfinished head or body counted in the listener's `Incoming`
         self._head_held = 0  # bytes that may hold an unfinished head (`_parse`)
         self._turn_bytes = 0  # bytes received since the last turn's pause (TURN_BYTES)
@@ -244,9 +223,6 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         # served (`HttpFrontend.drain`, `_parsed_before_stop`); -1 once read, some still in
         # `_backlog` or a request under way; 0: the drain does not wait for its input.
         self._unread = 0
-        self._host: bytes | None = None  # the request's Host, Origin and Content-Type values
-        self._origin: bytes | None = None
-        self._content_type: bytes | None = None
         # What each request is owed, in order: an Exchange (JSON-RPC), finished bytes with
         # their keep-alive and path label, or a _Scrape (a /metrics answer, made only
         # once the client reads what came before).
@@ -315,7 +291,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         # KiB, go with it), and what is big goes now (a partial body of up to
         # max_body_bytes, a read's unparsed rest, requests never dispatched, the URL).
         self._parser = httptools.HttpRequestParser(_Gone())
-        self._body = self._url = b""
+        self._request.body = self._request.url = b""
         self._fe.lost(self)
         self._fe.under_way.discard(self)
         self._fe.recount()  # (a request under way, if any, is gone: `HttpFrontend.held`)
@@ -336,15 +312,16 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         # line, which httptools skips, RFC 9112 2.2) keep no connection alive, nor out of
         # reach of `make_room`; a request's first byte does (`on_message_begin`).
         self._read_at = fe.loop.time()
-        if (len(data) + len(self._body) > SMALL_READ_BYTES and fe.slow_lane.spent > ADMIT_SECONDS  # (the hot path: one test)
+        if (len(data) + len(self._request.body) > SMALL_READ_BYTES and fe.slow_lane.spent > ADMIT_SECONDS  # (the hot path: one test)
                 and not self.read_paused and not fe.draining):
             # What its turn may decode, which the lane charges: the body it ends (its length
             # known), else this read (round 50: every read of a body charged for all of it)
             held = len(data)
-            if (len(self._body) + len(data) >= self._content_length >= 0  # (it ends the body: its decode)
-                    or (self._transfer_encoding and b"\r\n0" in data)  # (chunked: its last chunk, perhaps)
+            req = self._request
+            if (len(req.body) + len(data) >= req.content_length >= 0  # (it ends the body: its decode)
+                    or (req.transfer_encoding and b"\r\n0" in data)  # (chunked: its last chunk, perhaps)
                     or not self._head_done):  # (a head's read: what follows it is unknown)
-                held += len(self._body)
+                held += len(req.body)
             forced = not fe.keep_backlog(self, data)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
             self._pause()
             if forced or not self._write_paused:  # else `resume_writing` schedules it
@@ -422,7 +399,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
             self._head_bytes += len(data)
         else:  # a body: with its framing, which `_framing_check` bounds
             self._framing += len(data)
-            if len(data) > FEED_BYTES and self._transfer_encoding and self._framing_room() < 0:
+            if len(data) > FEED_BYTES and self._request.transfer_encoding and self._framing_room() < 0:
                 self._framing -= len(data)  # (counted piece by piece)
                 self._parse_bounded(data)
                 return
@@ -450,7 +427,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
             # (`_head_bytes` is 0 if the request before it ended in `data`: begun there too)
             held = self._head_held = len(data) if fresh or not self._head_bytes else self._head_held + len(data)
         else:
-            held = len(self._body)  # a body left unfinished, grown, or taken
+            held = len(self._request.body)  # a body left unfinished, grown, or taken
         if held != self._incoming:
             self._hold(held)
 
@@ -469,7 +446,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         start, end = 0, len(view)
         while start < end and not self._closing and self._transport is not None:
             size = FEED_BYTES
-            if self._head_done and self._transfer_encoding:
+            if self._head_done and self._request.transfer_encoding:
                 size = max(self._framing_room(), FEED_BYTES)
             self._parse(view[start : start + size])
             start += size
@@ -478,7 +455,8 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         """Bytes of framing (what is not body data) the chunked body under way may still
         send: MAX_HEADER_BYTES plus CHUNK_FRAMING_BYTES a chunk, less what it has sent;
         negative past the bound."""
-        return MAX_HEADER_BYTES + self._chunks * CHUNK_FRAMING_BYTES - (self._framing - len(self._body))
+        req = self._request
+        return MAX_HEADER_BYTES + req.chunks * CHUNK_FRAMING_BYTES - (self._framing - len(req.body))
 
     def _framing_check(self) -> None:
         """Answer 431 and close if the bytes read since the head's end that are not body
@@ -488,7 +466,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         (The feed that ends a head is counted as head, and a request whose head ends within
         a feed is counted from the next: at most one read more.)"""
         if self._framing_room() < 0:
-            framing = self._framing - len(self._body)
+            framing = self._framing - len(self._request.body)
             self._answer_and_close(431, b"chunked body framing (size lines, extensions, trailer section) of %d bytes: "
                                    b"more than %d plus %d a chunk" % (framing, MAX_HEADER_BYTES, CHUNK_FRAMING_BYTES))
 
@@ -496,14 +474,15 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         """Count `held` bytes of the unfinished head or body in the broker's `Incoming`; past
         max_incoming_bytes (slower requests under way gone first: `Incoming.make_room`),
         drop it and answer 503 (then close, lingering)."""
+        req = self._request
         incoming = self._fe.incoming
         if incoming.hold(self._incoming, held) or incoming.make_room(self, self._incoming, held):
             self._incoming = held
             return
         incoming.refuse(self._incoming)
         self._incoming = 0
-        self._body = b""
-        self._skip = True
+        req.body = b""
+        req.skip = True
         if not self._closing:
             self._refuse_body(503, self._fe.incoming_full_body, ErrorCode.OVERLOADED)
 
@@ -518,6 +497,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         piece, so it reaches the codec as one `bytes` as when it comes in a read of its
         own; anything else goes FEED_BYTES at a time, twice the last piece's size after
         one that completed no request (a chunked body goes in a few pieces)."""
+        req = self._request
         view = memoryview(data)
         start, end = 0, len(data)
         size = FEED_BYTES
@@ -530,8 +510,8 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
                 head_end = data.find(b"\r\n\r\n", start, stop)
                 if head_end >= 0:
                     stop = head_end + 4
-            elif self._content_length > 0 and not self._transfer_encoding:
-                stop = start + max(1, self._content_length - len(self._body))
+            elif req.content_length > 0 and not req.transfer_encoding:
+                stop = start + max(1, req.content_length - len(req.body))
             self._parse(view[start:stop])
             start = stop
             if self._closing or self._transport is None:
@@ -635,7 +615,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self._eof = True
         if self.request_started:
             self.request_started = 0.0
-            self._body = b""
+            self._request.body = b""
             if self._incoming:
                 self._fe.incoming.hold(self._incoming, 0)
                 self._incoming = 0
@@ -651,6 +631,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         close, as nginx does. httptools stops at the end of its head: its body, if
         any (in `rest` and the reads to come), is read by a second parser that gets
         the same framing (Content-Length or Transfer-Encoding) and nothing else."""
+        req = self._request
         if self._upgrade is None or self._closing:
             if not self._closing:
                 self._answer_and_close(400, b"upgrade not supported")
@@ -658,10 +639,10 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self._head_done = True  # the body is not head: no 431 for its bytes
         self._framing = 0  # (counted from the next read: `rest` went to the new parser)
         framing = b""
-        if self._transfer_encoding:
-            framing = b"transfer-encoding: " + self._transfer_encoding + b"\r\n"
-        elif self._content_length >= 0:
-            framing = b"content-length: %d\r\n" % self._content_length
+        if req.transfer_encoding:
+            framing = b"transfer-encoding: " + req.transfer_encoding + b"\r\n"
+        elif req.content_length >= 0:
+            framing = b"content-length: %d\r\n" % req.content_length
         # The same HTTP version: `_refused` reads it from the parser (no Host is fine on 1.0).
         version = self._parser.get_http_version().encode()
         self._parser = httptools.HttpRequestParser(_UpgradeBody(self))
@@ -676,7 +657,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         pending, self._upgrade = self._upgrade, None
         if self._framing > MAX_HEADER_BYTES and not self._closing:
             self._framing_check()  # (as `on_message_complete` does)
-        if pending is None or self._skip or self._closing:
+        if pending is None or self._request.skip or self._closing:
             return
         self.request_started = 0.0
         method, url = pending

@@ -273,7 +273,7 @@ class Answers(HttpState):
         when the lingering close ends (hostile testing, round 9: 900 kB of a body answered
         400 or 408 stayed held for the 30 s of its linger; round 10: for as long as a slow
         call it waited behind)."""
-        self._body = b""
+        self._request.body = b""
         if self._incoming:
             self._fe.incoming.hold(self._incoming, 0)
             self._incoming = 0
@@ -325,7 +325,7 @@ class Answers(HttpState):
         """Whether the request under way is a HEAD, its request line read: its answer has
         no content, even an error's (RFC 9110 9.3.2; hostile testing, round 30: a 413, 505
         or 400 that closed the connection had one)."""
-        return bool(self._url) and self._parser.get_method() == b"HEAD"
+        return bool(self._request.url) and self._parser.get_method() == b"HEAD"
 
     def _discarding(self) -> None:
         """Its input is discarded from now on (`_closing`): read on, never paused again, so
@@ -340,14 +340,15 @@ class Answers(HttpState):
         """`status` with the error response `body` (413: past max_body_bytes; 503: past
         max_incoming_bytes) before the rest of the body is read, then close (lingering);
         counted as an answer `code`. To a path other than rpc_path, a plain error."""
+        req = self._request
         fe = self._fe
         self._linger = True
         self.request_started = 0.0
-        path = self._path_of(self._url.partition(b"?")[0])
+        path = self._path_of(req.url.partition(b"?")[0])
         if self._head_done and path == "rpc" and self._may_call():  # (round 27: one a web page sent past
             # max_body_bytes moved the JSON-RPC counters; round 28: so did a head under way, whose path
             # is not known yet, to /healthz as well)
-            cors = b"" if self._origin is None else fe.cors_headers(self._origin) or b""  # (round 34: a page
+            cors = b"" if req.origin is None else fe.cors_headers(req.origin) or b""  # (round 34: a page
             self._queue(json_response(status, body or fe.too_large_body, False, cors, fe.json_head), False, path)
             fe.dispatcher.count_refused_body(code)  # allowed to call could not read why, as for 415)
         else:  # Not JSON-RPC: a plain error, counted by its path and status only (hostile

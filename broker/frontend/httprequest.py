@@ -110,7 +110,7 @@ MIN_CHUNK_BYTES = 64
 # answers 413 to too many extensions, but 413 here means max_body_bytes).
 CHUNK_FRAMING_BYTES = 64
 _PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
-_CODED = b"\0coded"  # `_content_type` of a body with a Content-Encoding other than identity: 415
+_CODED = b"\0coded"  # `_Request.content_type` of a body with a Content-Encoding other than identity: 415
 _PATH_OF_URL = {b"/healthz": "health", b"/readyz": "ready", b"/metrics": "metrics"}
 
 
@@ -133,6 +133,61 @@ class _Deferred:
         self.response = b""
 
 
+class _Request:
+    """The request under way on a connection, as its head and body come: what its answer
+    depends on, kept by the parser's callbacks (`Requests`). One record a connection,
+    reset by `on_message_begin` at each request's first byte; between requests it holds
+    the last one's values (its body taken: b""). What the parser's position is (head or
+    body, the raw bytes counted: `_head_done`, `_head_bytes`, `_framing`) is the
+    connection's, reset where a request ends, as bytes before a request's first count.
+
+    url: the request target (bytes) as received, query string included (an absolute-form
+        one made a path: `_absolute_form`).
+    body: the body as received so far: the first piece as httptools gave it (no copy in
+        the common case of a body in one read), then one bytearray bounded by
+        max_body_bytes (a list of pieces cost ~50 bytes of objects per piece: 2-byte
+        chunks, 27x); b"" once taken, refused or dropped.
+    content_length: the Content-Length value, -1 if none.
+    transfer_encoding: every Transfer-Encoding value, as one list (b"": none).
+    header_bytes, headers: bytes of its request line and header lines, and its header
+        fields, trailers counted in (MAX_HEADER_BYTES, MAX_HEADERS).
+    chunks: chunks of a chunked body so far (SMALL_CHUNKS, MIN_CHUNK_BYTES).
+    expect: it sent `Expect: 100-continue`.
+    skip: answered early (413, 503, or a refusal before its body): its body is dropped.
+    host, origin, content_type: those header values, None if absent (two Origin or
+        Content-Type fields: b""; a body coded other than identity: `_CODED`).
+    """
+
+    __slots__ = (
+        "body", "chunks", "content_length", "content_type", "expect", "header_bytes", "headers", "host", "origin",
+        "skip", "transfer_encoding", "url",
+    )  # fmt: skip
+
+    url: bytes
+    body: bytes | bytearray
+    content_length: int
+    transfer_encoding: bytes
+    header_bytes: int
+    headers: int
+    chunks: int
+    expect: bool
+    skip: bool
+    host: bytes | None
+    origin: bytes | None
+    content_type: bytes | None
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Make it a new request's, at its first byte (`on_message_begin`)."""
+        self.url = self.body = self.transfer_encoding = b""
+        self.content_length = -1
+        self.header_bytes = self.headers = self.chunks = 0
+        self.expect = self.skip = False
+        self.host = self.origin = self.content_type = None
+
+
 class Requests(HttpState):
     """The request side of `http.HttpProtocol`: httptools' callbacks, and the routing of a
     request once it is all in (see the module docstring)."""
@@ -143,35 +198,28 @@ class Requests(HttpState):
 
     def on_message_begin(self) -> None:
         self.request_started = self.last_active = self._read_at  # (data_received is running)
-        self._content_length = -1
-        self._transfer_encoding = b""
-        self._url = b""
-        self._body = b""
-        self._header_bytes = 0
-        self._headers = 0
-        self._expect = False
-        self._skip = False
-        self._chunks = 0
-        self._host = self._origin = self._content_type = None
+        self._request.reset()
 
     def on_url(self, url: bytes) -> None:
-        if not self._url:  # the request line's method, spaces, version and CRLF count too (round 30)
-            self._header_bytes += len(self._parser.get_method()) + _REQUEST_LINE_REST
-        self._url += url
-        self._header_bytes += len(url)
-        if self._header_bytes > MAX_HEADER_BYTES:
+        req = self._request
+        if not req.url:  # the request line's method, spaces, version and CRLF count too (round 30)
+            req.header_bytes += len(self._parser.get_method()) + _REQUEST_LINE_REST
+        req.url += url
+        req.header_bytes += len(url)
+        if req.header_bytes > MAX_HEADER_BYTES:
             self._answer_and_close(431, b"request line and headers too large")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # The whole line counts: name, value, ": " and CRLF (20,000 fields of "X: a" are
         # 120 KB of head, not 40 KB); and so does the number of fields. Trailer fields
         # (after a chunked body) count on with the head's.
-        self._header_bytes += len(name) + len(value) + 4
-        self._headers += 1
-        if self._header_bytes > MAX_HEADER_BYTES:
+        req = self._request
+        req.header_bytes += len(name) + len(value) + 4
+        req.headers += 1
+        if req.header_bytes > MAX_HEADER_BYTES:
             self._answer_and_close(431, b"request line and headers too large")
             return
-        if self._headers > MAX_HEADERS:
+        if req.headers > MAX_HEADERS:
             self._answer_and_close(431, b"too many header fields (limit %d)" % MAX_HEADERS)
             return
         if self._head_done:
@@ -182,48 +230,49 @@ class Requests(HttpState):
                 size = int(value)
             except ValueError:
                 return  # httptools rejects it
-            self._content_length = size
+            req.content_length = size
             if size > self._fe.max_body_bytes:
-                self._skip = True
+                req.skip = True
         # (The usual spelling is tried first: bytes.lower() costs more than the compare.)
         elif n == 4 and (name == b"Host" or name.lower() == b"host"):
-            if self._host is not None:
+            if req.host is not None:
                 self._answer_and_close(400, b"more than one Host header (RFC 9112 3.2)")
                 return
-            self._host = value
+            req.host = value
         elif n == 12 and (name == b"Content-Type" or name.lower() == b"content-type"):
-            ct = self._content_type  # two: not JSON, 415 (a coded body's 415 says why: `_CODED`)
-            self._content_type = value if ct is None else ct if ct is _CODED else b""
+            ct = req.content_type  # two: not JSON, 415 (a coded body's 415 says why: `_CODED`)
+            req.content_type = value if ct is None else ct if ct is _CODED else b""
         elif n == 16 and name.lower() == b"content-encoding" and not is_identity(value):
-            self._content_type = _CODED  # (round 34: a gzip body got 400 -32700, a plain one labelled gzip ran)
+            req.content_type = _CODED  # (round 34: a gzip body got 400 -32700, a plain one labelled gzip ran)
         elif n == 6:
             name = name.lower()
             if name == b"origin":  # (two: none allowed, 403; the last was checked, hostile testing)
                 # (its trailing whitespace is no part of it, RFC 9110 5.5: round 86, refused, as Host is not)
-                self._origin = value.rstrip(b" \t") if self._origin is None else b""
+                req.origin = value.rstrip(b" \t") if req.origin is None else b""
             elif name == b"expect" and value.lower() == b"100-continue":
-                self._expect = True
+                req.expect = True
         elif n == 17 and name.lower() == b"transfer-encoding":
             # all of them, as one list (RFC 9110 5.3): checked in on_headers_complete
-            te = self._transfer_encoding
-            self._transfer_encoding = value if not te else te + b", " + value
+            te = req.transfer_encoding
+            req.transfer_encoding = value if not te else te + b", " + value
 
     def on_headers_complete(self) -> None:
+        req = self._request
         self._head_done = True
         self._framing = 0
         if self._closing:
             return
-        if self._url[:1] != b"/":
+        if req.url[:1] != b"/":
             self._absolute_form()
-        if self._skip:
+        if req.skip:
             self._refuse_body()
             return
-        if self._transfer_encoding and b"," in self._transfer_encoding:
+        if req.transfer_encoding and b"," in req.transfer_encoding:
             # httptools takes "identity, chunked" as chunked; chunked is the only coding
             # served, once (RFC 9112 6.1): any list is refused, as nginx does.
             self._answer_and_close(400, b"unsupported Transfer-Encoding: use chunked alone")
             return
-        if self._expect and not self._responses:
+        if req.expect and not self._responses:
             # 100 only when nothing is owed before it, and never to HTTP/1.0; a request
             # about to be refused gets its final status now instead (RFC 9110 10.1.1: one
             # or the other; hostile testing, round 27: neither came until the body had,
@@ -240,12 +289,13 @@ class Requests(HttpState):
         """Answer a request that expects 100-continue and will not be served (404, 405,
         415, 421, 403, 503) before its body: routed with no body, then closed, lingering,
         its body discarded as it comes (as a 413's)."""
+        req = self._request
         self.request_started = 0.0
         self._linger = True  # (before the answer is written: it half-closes, and the body the
         # client may send all the same is discarded; closed at once, that body reset the
         # connection and cut an answer still on its way: round 28)
-        self._route(self._parser.get_method(), self._url.partition(b"?")[0], False)
-        self._skip = True
+        self._route(self._parser.get_method(), req.url.partition(b"?")[0], False)
+        req.skip = True
         self._closing = True
         self._discarding()
 
@@ -255,7 +305,8 @@ class Requests(HttpState):
         must then ignore) and is checked exactly as a Host value is (`host_allowed`): an
         empty or odd port, userinfo, an empty authority get the same answer in either
         place. Other forms (`*`, authority-form, other schemes) are left as they are: 404."""
-        scheme, sep, rest = self._url.partition(b"://")
+        req = self._request
+        scheme, sep, rest = req.url.partition(b"://")
         if not sep or scheme.lower() not in (b"http", b"https"):
             return
         end = len(rest)
@@ -263,17 +314,18 @@ class Requests(HttpState):
             i = rest.find(delimiter, 0, end)
             if i >= 0:
                 end = i
-        self._host = rest[:end]
+        req.host = rest[:end]
         path = rest[end:]
-        self._url = path if path[:1] == b"/" else b"/" + path
+        req.url = path if path[:1] == b"/" else b"/" + path
 
     def _may_call(self) -> bool:
         """Whether the request whose head came passes the checks of who may call: JSON,
         an allowed Host, no Origin or an allowed one (`_refused`)."""
+        req = self._request
         fe = self._fe
-        host, origin = self._host, self._origin
+        host, origin = req.host, req.origin
         return (
-            is_json(self._content_type)
+            is_json(req.content_type)
             and (  # (no Host: allowed on HTTP/1.0, as `_refused` has it; round 28)
                 fe.hosts is None or self._parser.get_http_version() != "1.1" if host is None else fe.host_allowed(host)
             )
@@ -284,48 +336,52 @@ class Requests(HttpState):
         """Whether the request whose head just came will be served as a JSON-RPC call,
         not refused (404, 405, 415, 421, 403, 503, 505): the test of `_route` and `_refused`,
         on HTTP/1.1 only (no 100 to an HTTP/1.0 client, RFC 9110 10.1.1)."""
+        req = self._request
         return (
             not self._probe_only
             and self._parser.get_http_version() == "1.1"
             and self._parser.get_method() == b"POST"
-            and self._url.partition(b"?")[0] == self._fe.rpc_path
+            and req.url.partition(b"?")[0] == self._fe.rpc_path
             and self._may_call()
         )
 
     def on_chunk_header(self) -> None:
         # A chunk's size line: its data comes next (on_body), or, after the last (0)
         # chunk, the trailer section. (Its bytes are counted by `_framing_check`.)
-        chunks = self._chunks = self._chunks + 1
-        if (chunks - SMALL_CHUNKS) * MIN_CHUNK_BYTES > len(self._body) and not self._closing:
+        req = self._request
+        chunks = req.chunks = req.chunks + 1
+        if (chunks - SMALL_CHUNKS) * MIN_CHUNK_BYTES > len(req.body) and not self._closing:
             self._answer_and_close(400, b"chunked body in %d chunks for %d bytes: more than %d plus one per %d bytes" % (
-                chunks, len(self._body), SMALL_CHUNKS, MIN_CHUNK_BYTES))
+                chunks, len(req.body), SMALL_CHUNKS, MIN_CHUNK_BYTES))
             raise _StopParsing  # httptools stops this feed (HttpParserCallbackError): _parse
 
     def on_body(self, body: bytes) -> None:
-        if self._skip or self._closing:
+        req = self._request
+        if req.skip or self._closing:
             return
-        buf = self._body
+        buf = req.body
         if len(buf) + len(body) > self._fe.max_body_bytes:
-            self._skip = True
-            self._body = b""
+            req.skip = True
+            req.body = b""
             self._refuse_body()
             return
         if not buf:
-            self._body = body
+            req.body = body
         else:
             if type(buf) is bytes:
-                buf = self._body = bytearray(buf)
+                buf = req.body = bytearray(buf)
             buf += body
 
     def on_message_complete(self) -> None:
+        req = self._request
         if self._framing > MAX_HEADER_BYTES and not self._closing:  # (0 unless the body came in reads of its own)
             self._framing_check()  # with the piece it ends in (`_parse_bounded`): the feed's check would be too late
         self._head_done = False
         self._head_bytes = 0
         self._framing = -1
-        if self._skip or self._closing:
+        if req.skip or self._closing:
             self.request_started = 0.0
-            self._body = b""
+            req.body = b""
             self._fe.recount()  # (the drain waits for requests under way: `HttpFrontend.held`)
             return
         version = self._parser.get_http_version()
@@ -333,7 +389,7 @@ class Requests(HttpState):
             self._answer_and_close(505, b"HTTP/%s not supported: use HTTP/1.1" % version.encode())
             return
         method = self._parser.get_method()
-        url = self._url
+        url = req.url
         if b"?" in url:
             url = url.partition(b"?")[0]
         if self._parser.should_upgrade():  # answered once its body is in: see _serve_upgrade
@@ -346,41 +402,42 @@ class Requests(HttpState):
         # hostile testing, round 7.)
         keep_alive = self._parser.should_keep_alive()
         if keep_alive and version == "1.0":
-            if self._transfer_encoding:  # its framing is to be treated as faulty: answered, then closed (RFC 9112 6.1)
+            if req.transfer_encoding:  # its framing is to be treated as faulty: answered, then closed (RFC 9112 6.1)
                 keep_alive = False
             elif not self._keep_header:
                 self._keep_header = KEEP_ALIVE  # HTTP/1.0 closes unless the answer says so (RFC 9112 9.3)
         self._route(method, url, keep_alive)
-        if self._body:  # a body no route took (a GET's, a 404's, a refused call's): not kept
-            self._body = b""  # (nor counted in `Incoming`) while the connection idles
+        if req.body:  # a body no route took (a GET's, a 404's, a refused call's): not kept
+            req.body = b""  # (nor counted in `Incoming`) while the connection idles
         if not keep_alive:
             self._closing = True
         if self._fe.draining:  # it may have been under way at the stop (`HttpFrontend.held`); now routed
             self._fe.recount()
 
     def _route(self, method: bytes, url: bytes, keep_alive: bool) -> None:
+        req = self._request
         fe = self._fe
         self.requests += 1
         head = method == b"HEAD"
         if url == fe.rpc_path and not self._probe_only:
-            host = self._host
+            host = req.host
             if (
-                method == b"POST" and self._origin is None
-                and (self._content_type == JSON_TYPE or is_json(self._content_type))
+                method == b"POST" and req.origin is None
+                and (req.content_type == JSON_TYPE or is_json(req.content_type))
                 and (host in fe.good_hosts or (host is not None and fe.host_allowed(host)))
             ):  # fmt: skip
                 self._rpc(keep_alive)  # the common case: one test, no call
             elif not self._refused(True, keep_alive, head):
-                cors = b"" if self._origin is None else typing.cast(bytes, fe.cors_headers(self._origin))
+                cors = b"" if req.origin is None else typing.cast(bytes, fe.cors_headers(req.origin))
                 if method == b"OPTIONS" and cors:  # a CORS preflight (Fetch standard 3.2.2)
                     extra = self._keep_header if keep_alive else CLOSE
                     self._queue(STATUS_LINES[204] + fe.date + cors + PREFLIGHT + extra + b"\r\n", keep_alive, "rpc")
                 elif method != b"POST":
                     self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, "rpc", b"allow: POST\r\n", head)
-                elif self._content_type is _CODED:  # (RFC 9110 15.5.16: 415, Accept-Encoding saying what is)
+                elif req.content_type is _CODED:  # (RFC 9110 15.5.16: 415, Accept-Encoding saying what is)
                     self._queue_invalid(415, "Content-Encoding is not supported: send the body as it is (identity)",
                                         keep_alive, "rpc", cors + b"accept-encoding: identity\r\n")
-                elif not is_json(self._content_type):
+                elif not is_json(req.content_type):
                     self._queue_invalid(415, "Content-Type must be application/json (its charset, if given, utf-8)",
                                         keep_alive, "rpc", cors)
                 else:
@@ -442,8 +499,9 @@ class Requests(HttpState):
         """Answer a request for rpc_path (`rpc`) or /metrics that comes from where it may
         not: 400 with no Host on HTTP/1.1, 421 for a Host not allowed, 403 for an Origin
         not allowed (see the module docstring). Return True if it was answered."""
+        req = self._request
         fe = self._fe
-        host, origin = self._host, self._origin
+        host, origin = req.host, req.origin
         if host is None:
             if fe.hosts is None or self._parser.get_http_version() != "1.1":
                 status, reason, value = 0, "", b""
@@ -478,14 +536,15 @@ class Requests(HttpState):
         return self._write_paused or self._budget.held >= self._fe.max_response_bytes
 
     def _rpc(self, keep_alive: bool, cors: bytes = b"") -> None:
-        body = self._body
-        if not body and self._content_length < 0 and not self._transfer_encoding:
+        req = self._request
+        body = req.body
+        if not body and req.content_length < 0 and not req.transfer_encoding:
             # No framing, so no body (RFC 9112 6.3): 411 says what is missing (RFC 9110 15.5.12;
             # hostile testing, round 77: `curl -X POST` with no data got a bare -32700).
             self._queue_invalid(411, "no body: send the request with Content-Length (or Transfer-Encoding: "
                                 "chunked)", keep_alive, "rpc", cors)
             return
-        self._body = b""
+        req.body = b""
         fe = self._fe
         # (_gated, inlined. With nothing owed, the write buffer below its high mark and the
         # client not behind, it is open: `held` counts what is owed, or parked while the

@@ -21,7 +21,7 @@ if typing.TYPE_CHECKING:
 
     from broker.answers import Exchange, ResponseBudget
     from broker.frontend.httplistener import HttpFrontend, _Scrape
-    from broker.frontend.httprequest import _Deferred
+    from broker.frontend.httprequest import _Deferred, _Request
     from broker.jsonrpc import ErrorCode
 
 __all__ = ["HttpState"]
@@ -32,41 +32,30 @@ class HttpState:
 
     if typing.TYPE_CHECKING:
         _backlog: bytes
-        _body: bytes | bytearray
         _budget: ResponseBudget
         _busy: Exchange | None
-        _chunks: int
         _closing: bool
-        _content_length: int
-        _content_type: bytes | None
         _eof: bool
-        _expect: bool
         _fe: HttpFrontend
         _framing: int
         _head_bytes: int
         _head_done: bool
-        _header_bytes: int
-        _headers: int
-        _host: bytes | None
         _incoming: int
         _keep_header: bytes
         _linger: bool
         _one_by_one: bool
-        _origin: bytes | None
         _parser: httptools.HttpRequestParser
         _parsing: bool
         _probe_only: bool
         _read_at: float
+        _request: _Request
         _responses: deque[Exchange | tuple[bytes, bool, str] | _Scrape | _Deferred]
         _scraped: int
-        _skip: bool
-        _transfer_encoding: bytes
         _stuck_since: float
         _transport: asyncio.Transport | None
         _unread: int
         _unsent: int
         _upgrade: tuple[bytes, bytes] | None
-        _url: bytes
         _waiting: deque[_Deferred]
         _waiting_bytes: int
         _write_paused: bool
