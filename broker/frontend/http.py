@@ -93,6 +93,7 @@ from broker.frontend.httprequest import (
     _Deferred,
     _Request,
 )
+from broker.frontend.httpstate import Close
 from broker.jsonrpc import ErrorCode
 
 __all__ = [
@@ -149,7 +150,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         "_backlog_held",
         "_budget",
         "_busy",
-        "_closing",
+        "_close",
         "_eof",
         "_fe",
         "_framing",
@@ -158,7 +159,6 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         "_head_held",
         "_incoming",
         "_keep_header",
-        "_linger",
         "_one_by_one",
         "_parser",
         "_parsing",
@@ -198,8 +198,8 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self._request = _Request()  # the request under way (or the last one): reset by `on_message_begin`
         self._head_bytes = 0  # raw bytes received while a request's head is incomplete
         self._head_done = False
-        self._linger = False  # half-close after the answer: the client may still be sending
-        self.lingering_since = 0.0  # loop time of the half-close (`_linger`); 0 when not lingering
+        self._close = Close.KEEP  # how it ends: kept open, closed, or closed lingering (`Close`)
+        self.lingering_since = 0.0  # loop time of the half-close (`Close.LINGER`); 0 when not lingering
         self._framing = -1  # raw bytes read since the head's end (the body and its framing); -1: not in a body
         self._parsing = False  # a read is being parsed (`data_received`, `_next_turn`)
         self.scrape_waiting = False  # in the listener's `_scrape_waiters`
@@ -241,7 +241,6 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self._one_by_one = False
         self.read_paused = False
         self._write_paused = False
-        self._closing = False
         self.send_stalled = 0.0  # loop time writing paused: for `Listener.send_timed_out`
         self.sent = 0  # bytes written to its transport
         self.taken = 0  # ... that its client had taken at the last look (`Listener.send_timed_out`)
@@ -300,7 +299,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
             self._fe.probe_overflow.pop(self, None)
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:  # discarded (bounded per turn); lingering, the sweep closes it after LINGER_TIMEOUT silent
+        if self._close:  # discarded (bounded per turn); lingering, the sweep closes it after LINGER_TIMEOUT silent
             fe = self._fe
             self._turn_bytes = discard_turn(self._transport, self._turn_bytes, len(data), fe.loop)
             if self.lingering_since:
@@ -349,7 +348,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         spent = self._turn_seconds = self._turn_seconds + took
         if spent > TURN_SECONDS:  # (see TURN_SECONDS)
             self._turn_seconds = 0.0
-            if not self.read_paused and not self._closing:
+            if not self.read_paused and not self._close:
                 self._pause()
                 ours = True
         else:
@@ -382,9 +381,9 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         come later are discarded), else at its last answer, which says `connection:
         close` (`_write`). A client that never stops sending is served until the grace
         period ends."""
-        if self._fe.read_on(self, not self._closing, bool(self.request_started)):
+        if self._fe.read_on(self, not self._close, bool(self.request_started)):
             return
-        if self._transport is not None and not self._closing and not self._responses and self.requests:
+        if self._transport is not None and not self._close and not self._responses and self.requests:
             self.stop_close()
 
     def _parse(self, data: bytes | memoryview) -> None:
@@ -408,7 +407,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         except httptools.HttpParserUpgrade as exc:
             self._serve_upgrade(bytes(data[exc.args[0]:]) if exc.args else b"")
         except httptools.HttpParserError as exc:
-            if not self._closing:
+            if not self._close:
                 if str(exc) == "Invalid HTTP version":  # (llhttp knows 0.9, 1.x and 2.0 only: 1.2, 3.0)
                     self._answer_and_close(505, b"HTTP version not supported: use HTTP/1.1")
                 elif str(exc) == "Pause on PRI/Upgrade":  # HTTP/2's connection preface (RFC 9113 3.4):
@@ -419,9 +418,9 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         else:
             # httptools keeps growing an unfinished header line without calling back:
             # count raw bytes until the head is complete (nginx: large_client_header_buffers).
-            if not self._head_done and self._head_bytes > MAX_HEADER_BYTES and not self._closing:
+            if not self._head_done and self._head_bytes > MAX_HEADER_BYTES and not self._close:
                 self._answer_and_close(431, b"request line and headers too large")
-            elif self._framing > MAX_HEADER_BYTES and not self._closing:  # (-1 once a request is complete)
+            elif self._framing > MAX_HEADER_BYTES and not self._close:  # (-1 once a request is complete)
                 self._framing_check()
         if self.request_started and not self._head_done:  # a head left unfinished
             # (`_head_bytes` is 0 if the request before it ended in `data`: begun there too)
@@ -444,7 +443,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         (FEED_BYTES outside a chunked body)."""
         view = memoryview(data)
         start, end = 0, len(view)
-        while start < end and not self._closing and self._transport is not None:
+        while start < end and not self._close and self._transport is not None:
             size = FEED_BYTES
             if self._head_done and self._request.transfer_encoding:
                 size = max(self._framing_room(), FEED_BYTES)
@@ -483,7 +482,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self._incoming = 0
         req.body = b""
         req.skip = True
-        if not self._closing:
+        if not self._close:
             self._refuse_body(503, self._fe.incoming_full_body, ErrorCode.OVERLOADED)
 
     def _feed_turn(self, data: bytes) -> None:
@@ -514,7 +513,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
                 stop = start + max(1, req.content_length - len(req.body))
             self._parse(view[start:stop])
             start = stop
-            if self._closing or self._transport is None:
+            if self._close or self._transport is None:
                 return
             if start < end and self.requests > routed and (
                 self.requests - routed >= REQUESTS_PER_TURN or start >= TURN_REQUEST_BYTES or _perf() > deadline
@@ -549,7 +548,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         # Out of the count at once: its requests are counted again as they wait (hostile
         # testing, round 15: counted twice meanwhile, 10 of 100 pipelined POSTs got 503).
         self._fe.backlog_done(self)
-        if not self._closing:
+        if not self._close:
             self._parsing = True
             try:
                 self._feed_turn(backlog)
@@ -632,8 +631,8 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         any (in `rest` and the reads to come), is read by a second parser that gets
         the same framing (Content-Length or Transfer-Encoding) and nothing else."""
         req = self._request
-        if self._upgrade is None or self._closing:
-            if not self._closing:
+        if self._upgrade is None or self._close:
+            if not self._close:
                 self._answer_and_close(400, b"upgrade not supported")
             return
         self._head_done = True  # the body is not head: no 431 for its bytes
@@ -649,21 +648,20 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         try:
             self._parser.feed_data(b"POST / HTTP/" + version + b"\r\n" + framing + b"\r\n" + rest)
         except httptools.HttpParserError as exc:  # later reads: data_received has the same
-            if not self._closing:
+            if not self._close:
                 self._answer_and_close(400, f"bad HTTP request: {exc}".encode())
 
     def upgrade_body_complete(self) -> None:
         """The Upgrade request's body is all in: answer it once, then close."""
         pending, self._upgrade = self._upgrade, None
-        if self._framing > MAX_HEADER_BYTES and not self._closing:
+        if self._framing > MAX_HEADER_BYTES and not self._close:
             self._framing_check()  # (as `on_message_complete` does)
-        if pending is None or self._request.skip or self._closing:
+        if pending is None or self._request.skip or self._close:
             return
         self.request_started = 0.0
         method, url = pending
-        self._linger = True  # (as `_refuse_expected`: what the client sends after it is discarded)
+        self._close = Close.LINGER  # (as `_refuse_expected`: what the client sends after it is discarded)
         self._route(method, url, False)
-        self._closing = True
         self._discarding()
 
     def pause_writing(self) -> None:
@@ -691,7 +689,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
     # -- flow control ------------------------------------------------------------------
 
     def _pause(self) -> None:
-        if not self.read_paused and self._transport is not None and not self._closing:  # (`_discarding`)
+        if not self.read_paused and self._transport is not None and not self._close:  # (`_discarding`)
             self.read_paused = True
             self._transport.pause_reading()
 

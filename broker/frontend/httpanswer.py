@@ -38,7 +38,7 @@ from broker.frontend.base import PIPELINE_HIGH, PIPELINE_LOW
 from broker.frontend.httplistener import _Scrape
 from broker.frontend.httpmsg import CLOSE, TOO_MANY_BODY, error_body, json_response
 from broker.frontend.httprequest import _Deferred
-from broker.frontend.httpstate import HttpState
+from broker.frontend.httpstate import Close, HttpState
 from broker.jsonrpc import ErrorCode
 
 __all__ = ["Answers"]
@@ -73,7 +73,7 @@ class Answers(HttpState):
         """Turned away at max_connections: 503 "too many connections", then close;
         `path` labels it in the statuses counter (a request it answers, else "other")."""
         self._fe.refused()
-        self._closing = True
+        self._close = self._close or Close.CLOSE
         self._write(json_response(503, TOO_MANY_BODY, False, b"", self._fe.json_head), False, path)
 
     def _exchange_done(self, exchange: Exchange) -> None:
@@ -217,11 +217,11 @@ class Answers(HttpState):
         counts[status] = counts.get(status, 0) + 1
         self.last_active = fe.loop.time()  # idle time counts from the last answer
         if not keep_alive:
-            self._closing = True
+            self._close = self._close or Close.CLOSE  # (LINGER stays)
             self._responses.clear()
             self._drop_unfinished()
             fe.recount()  # (a request under way it was answered early is not waited for: `held`)
-            if (self._linger or fe.draining) and not self._eof and not self._probe_only and transport.can_write_eof():
+            if (self._close is Close.LINGER or fe.draining) and not self._eof and not self._probe_only and transport.can_write_eof():
                 # An answer before the request was read: closing now would reset the
                 # connection under a client still sending, and it would never see the
                 # answer. Half-close and keep discarding its bytes (nginx's lingering
@@ -260,7 +260,7 @@ class Answers(HttpState):
         if self._eof or not transport.can_write_eof():
             transport.close()
             return
-        self._closing = True
+        self._close = self._close or Close.CLOSE
         transport.write_eof()
         self.lingering_since = self.last_active
         if self.read_paused:
@@ -315,8 +315,7 @@ class Answers(HttpState):
 
     def _answer_and_close(self, status: int, message: bytes) -> None:
         """Answer an unreadable request and close (lingering: it may still be sending)."""
-        self._closing = True
-        self._linger = True
+        self._close = Close.LINGER
         self.request_started = 0.0
         self._queue_plain(status, message.replace(b'"', b"'"), False, "other", head=self._head_request())
         self._discarding()
@@ -328,7 +327,7 @@ class Answers(HttpState):
         return bool(self._request.url) and self._parser.get_method() == b"HEAD"
 
     def _discarding(self) -> None:
-        """Its input is discarded from now on (`_closing`): read on, never paused again, so
+        """Its input is discarded from now on (`_close` not KEEP): read on, never paused again, so
         that a client blocked mid-send (a refused body it goes on uploading) can take the
         answers owed before it; paused, it took none, and send_timeout reset it, cutting
         them (hostile testing, round 24: an answer of 8 MB cut at 128 kB)."""
@@ -342,7 +341,7 @@ class Answers(HttpState):
         counted as an answer `code`. To a path other than rpc_path, a plain error."""
         req = self._request
         fe = self._fe
-        self._linger = True
+        self._close = Close.LINGER  # (before the answer is written: `_write` half-closes)
         self.request_started = 0.0
         path = self._path_of(req.url.partition(b"?")[0])
         if self._head_done and path == "rpc" and self._may_call():  # (round 27: one a web page sent past
@@ -355,13 +354,12 @@ class Answers(HttpState):
             # testing, round 26: a body sent to /healthz got a -32600 error object, and
             # anyone could move rpc_broker_calls_total and errors_total without JSON-RPC).
             self._queue_plain(status, fe.refused_plain[status], False, path, head=self._head_request())
-        self._closing = True
         self._discarding()
 
     def request_timed_out(self) -> None:
         """Called by the sweep: the request under way took longer than request_timeout
         to arrive; answer 408 and close (RFC 9110 15.5.9)."""
-        if self._closing:  # a request pipelined after `Connection: close`: never answered
+        if self._close:  # a request pipelined after `Connection: close`: never answered
             self.request_started = 0.0
             return
         self._answer_and_close(408, b"request not received within request_timeout %g s" % self._fe.request_timeout)

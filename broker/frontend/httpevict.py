@@ -39,7 +39,7 @@ import typing
 from broker.frontend.base import reset, trickle_rank, unsent_bytes
 from broker.frontend.httplistener import PROBE_RESERVE, _reserve_rank
 from broker.frontend.httpmsg import json_response
-from broker.frontend.httpstate import HttpState
+from broker.frontend.httpstate import Close, HttpState
 
 if typing.TYPE_CHECKING:
     from broker.frontend.http import HttpProtocol
@@ -60,7 +60,7 @@ class Eviction(HttpState):
         (those are for send_timeout: a close would wait for them): closing it loses nothing."""
         return (
             not self._responses and not self.request_started and not self._backlog
-            and (not self._closing or self.lingering_since > 0) and not self.send_stalled
+            and (not self._close or self.lingering_since > 0) and not self.send_stalled
         )  # fmt: skip
 
     def evict_rank(self, fresh: float, now: float) -> tuple[float, ...] | None:
@@ -78,7 +78,7 @@ class Eviction(HttpState):
         if self.idle:
             return (0, self.last_active) if self.requests > 0 or self.last_active <= fresh else None
         if (
-            self.request_started and not self._responses and not self._backlog and not self._closing
+            self.request_started and not self._responses and not self._backlog and not self._close
             and not self.read_paused and not self.send_stalled and self._transport is not None
         ):  # fmt: skip
             # (its head's bytes too once it is whole: `_incoming` is its body's then; round 80's new user,
@@ -97,7 +97,7 @@ class Eviction(HttpState):
             return
         waited = now - self.request_started
         self.request_started = 0.0
-        self._closing = True
+        self._close = self._close or Close.CLOSE
         self._drop_unfinished()
         body = b'{"error":"request still arriving after %.3g s while the broker is at max_connections"}' % waited
         response = json_response(408, body, False, b"", self._fe.json_head)
@@ -111,7 +111,7 @@ class Eviction(HttpState):
         of the bytes received since its first, at loop time `now`; `held`: its unfinished
         bytes counted, if not `_incoming`), or None if it holds none there, or is closing."""
         incoming = self._incoming if held < 0 else held
-        if not incoming or self._closing or not self.request_started:
+        if not incoming or self._close or not self.request_started:
             return None
         received = self._head_bytes + incoming if self._head_done else incoming
         return trickle_rank(received, now - self.request_started)

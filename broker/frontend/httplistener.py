@@ -311,7 +311,7 @@ class HttpFrontend(Listener):
         """`drain` of one connection: open at the stop, or queued before it and accepted
         after (`server._accept_queued`)."""
         transport = conn.transport
-        unread = 0 if transport is None or conn._closing else unread_bytes(transport)
+        unread = 0 if transport is None or conn._close else unread_bytes(transport)
         if unread:
             conn._unread = unread
             self.unread.add(conn)
@@ -331,10 +331,10 @@ class HttpFrontend(Listener):
         connection closing."""
         under_way = self.under_way
         if under_way:
-            under_way.difference_update([conn for conn in under_way if not conn.request_started or conn._closing])
+            under_way.difference_update([conn for conn in under_way if not conn.request_started or conn._close])
         unread = self.unread  # (a connection closing discards what it reads: nothing to wait for)
         if unread:
-            unread.difference_update([conn for conn in unread if conn._closing])
+            unread.difference_update([conn for conn in unread if conn._close])
         return super().held() + len(under_way)
 
 

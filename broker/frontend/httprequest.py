@@ -83,7 +83,7 @@ from broker.frontend.httpmsg import (
     is_json,
     json_response,
 )
-from broker.frontend.httpstate import HttpState
+from broker.frontend.httpstate import Close, HttpState
 from broker.jsonrpc import ErrorCode
 
 __all__ = ["CHUNK_FRAMING_BYTES", "MAX_HEADERS", "MAX_HEADER_BYTES", "MIN_CHUNK_BYTES", "SMALL_CHUNKS", "Requests"]
@@ -260,7 +260,7 @@ class Requests(HttpState):
         req = self._request
         self._head_done = True
         self._framing = 0
-        if self._closing:
+        if self._close:
             return
         if req.url[:1] != b"/":
             self._absolute_form()
@@ -291,12 +291,11 @@ class Requests(HttpState):
         its body discarded as it comes (as a 413's)."""
         req = self._request
         self.request_started = 0.0
-        self._linger = True  # (before the answer is written: it half-closes, and the body the
+        self._close = Close.LINGER  # (before the answer is written: it half-closes, and the body the
         # client may send all the same is discarded; closed at once, that body reset the
         # connection and cut an answer still on its way: round 28)
         self._route(self._parser.get_method(), req.url.partition(b"?")[0], False)
         req.skip = True
-        self._closing = True
         self._discarding()
 
     def _absolute_form(self) -> None:
@@ -350,14 +349,14 @@ class Requests(HttpState):
         # chunk, the trailer section. (Its bytes are counted by `_framing_check`.)
         req = self._request
         chunks = req.chunks = req.chunks + 1
-        if (chunks - SMALL_CHUNKS) * MIN_CHUNK_BYTES > len(req.body) and not self._closing:
+        if (chunks - SMALL_CHUNKS) * MIN_CHUNK_BYTES > len(req.body) and not self._close:
             self._answer_and_close(400, b"chunked body in %d chunks for %d bytes: more than %d plus one per %d bytes" % (
                 chunks, len(req.body), SMALL_CHUNKS, MIN_CHUNK_BYTES))
             raise _StopParsing  # httptools stops this feed (HttpParserCallbackError): _parse
 
     def on_body(self, body: bytes) -> None:
         req = self._request
-        if req.skip or self._closing:
+        if req.skip or self._close:
             return
         buf = req.body
         if len(buf) + len(body) > self._fe.max_body_bytes:
@@ -374,12 +373,12 @@ class Requests(HttpState):
 
     def on_message_complete(self) -> None:
         req = self._request
-        if self._framing > MAX_HEADER_BYTES and not self._closing:  # (0 unless the body came in reads of its own)
+        if self._framing > MAX_HEADER_BYTES and not self._close:  # (0 unless the body came in reads of its own)
             self._framing_check()  # with the piece it ends in (`_parse_bounded`): the feed's check would be too late
         self._head_done = False
         self._head_bytes = 0
         self._framing = -1
-        if req.skip or self._closing:
+        if req.skip or self._close:
             self.request_started = 0.0
             req.body = b""
             self._fe.recount()  # (the drain waits for requests under way: `HttpFrontend.held`)
@@ -410,7 +409,7 @@ class Requests(HttpState):
         if req.body:  # a body no route took (a GET's, a 404's, a refused call's): not kept
             req.body = b""  # (nor counted in `Incoming`) while the connection idles
         if not keep_alive:
-            self._closing = True
+            self._close = self._close or Close.CLOSE
         if self._fe.draining:  # it may have been under way at the stop (`HttpFrontend.held`); now routed
             self._fe.recount()
 
@@ -446,7 +445,7 @@ class Requests(HttpState):
         path = self._path_of(url)
         if self._probe_only and url not in _PROBE_PATHS:
             fe.refused()
-            self._closing = True
+            self._close = self._close or Close.CLOSE
             self._queue(json_response(503, TOO_MANY_BODY, False, b"", fe.json_head), False, path)
         elif url == b"/healthz" or url == b"/readyz":
             if method == b"GET" or head:

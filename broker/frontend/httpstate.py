@@ -11,6 +11,7 @@ empty class, with empty `__slots__` (so that the connection keeps no `__dict__`)
 
 from __future__ import annotations
 
+import enum
 import typing
 
 if typing.TYPE_CHECKING:
@@ -24,7 +25,29 @@ if typing.TYPE_CHECKING:
     from broker.frontend.httprequest import _Deferred, _Request
     from broker.jsonrpc import ErrorCode
 
-__all__ = ["HttpState"]
+__all__ = ["Close", "HttpState"]
+
+
+class Close(enum.IntEnum):
+    """How an HTTP connection ends (`HttpProtocol._close`), once what it is owed is written.
+
+    KEEP: open for the next request (keep-alive). 0, so that `if self._close:` reads
+        "closing" (one test on the hot path, as the flag it replaces).
+    CLOSE: no request is read any more, what the client still sends is discarded; closed
+        after the answers owed (an answer without keep-alive, a refusal, the stop).
+    LINGER: as CLOSE, but the answer is followed by a half-close, reading on and
+        discarding for at most LINGER_TIMEOUT silent (nginx's lingering close): the
+        client may still be sending a request answered before it was read (400, 408,
+        413, 431, 503, a refused `Expect: 100-continue`, an Upgrade), and a close with
+        its bytes unread would reset the connection and cut the answer.
+
+    It only goes forward: KEEP to CLOSE or LINGER, CLOSE to LINGER (a close decided
+    first, `self._close or Close.CLOSE`, leaves LINGER as it is).
+    """
+
+    KEEP = 0
+    CLOSE = 1
+    LINGER = 2
 
 
 class HttpState:
@@ -34,7 +57,7 @@ class HttpState:
         _backlog: bytes
         _budget: ResponseBudget
         _busy: Exchange | None
-        _closing: bool
+        _close: Close
         _eof: bool
         _fe: HttpFrontend
         _framing: int
@@ -42,7 +65,6 @@ class HttpState:
         _head_done: bool
         _incoming: int
         _keep_header: bytes
-        _linger: bool
         _one_by_one: bool
         _parser: httptools.HttpRequestParser
         _parsing: bool
