@@ -41,7 +41,7 @@ requests answered at once never fill the pipeline to pause reading.
 Memory for answers: the answers a connection is owed and its client has not read stay
 under `max_response_bytes` (`answers.ResponseBudget`; results past it are answered
 -32603). While it is reached, or the client is not reading, requests already read wait
-undispatched (`_Deferred` in `_waiting`, holding their place in `_responses`), and go
+undispatched (`Deferred` in `_waiting`, holding their place in `_responses`), and go
 one at a time once the client reads (`_busy`, `_one_by_one`).
 One sweep per second for all connections, not a timer per request, closes idle
 connections (nothing owed, no bytes for `keepalive_timeout` seconds, and the last answer
@@ -82,15 +82,15 @@ from broker.frontend.base import (
 )
 from broker.frontend.httpanswer import Answers
 from broker.frontend.httpevict import Eviction
-from broker.frontend.httplistener import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend, _Scrape
+from broker.frontend.httplistener import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
 from broker.frontend.httpmsg import CLOSE, STATUS_LINES
+from broker.frontend.httpowed import Deferred, Owed
 from broker.frontend.httprequest import (
     CHUNK_FRAMING_BYTES,
     MAX_HEADER_BYTES,
     MIN_CHUNK_BYTES,
     SMALL_CHUNKS,
     Requests,
-    _Deferred,
     _Request,
 )
 from broker.frontend.httpstate import Close
@@ -223,13 +223,11 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         # served (`HttpFrontend.drain`, `_parsed_before_stop`); -1 once read, some still in
         # `_backlog` or a request under way; 0: the drain does not wait for its input.
         self._unread = 0
-        # What each request is owed, in order: an Exchange (JSON-RPC), finished bytes with
-        # their keep-alive and path label, or a _Scrape (a /metrics answer, made only
-        # once the client reads what came before).
-        self._responses: deque[Exchange | tuple[bytes, bool, str] | _Scrape | _Deferred] = deque()
+        # What each request is owed, in order (broker/frontend/httpowed.py).
+        self._responses: deque[Owed] = deque()
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
         self._budget = ResponseBudget(frontend.dispatcher.outgoing)
-        self._waiting: deque[_Deferred] = deque()  # requests not dispatched yet, in order
+        self._waiting: deque[Deferred] = deque()  # requests not dispatched yet, in order
         self._waiting_bytes = 0  # their bodies' bytes, counted in the listener's `Incoming`
         # The last one dispatched from `_waiting`: a connection that had to wait gets its
         # waiting requests dispatched one at a time, each once the one before is answered,
@@ -281,7 +279,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         for owed in self._responses:  # (the answers they hold go now, not when their calls end)
             if type(owed) is Exchange:
                 forget(owed)
-            elif type(owed) is _Deferred and owed.exchange is not None:
+            elif type(owed) is Deferred and owed.exchange is not None:
                 forget(owed.exchange)
         self._responses.clear()
         # The parser holds this protocol's bound methods, and it the parser: a cycle, freed

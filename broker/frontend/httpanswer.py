@@ -3,10 +3,10 @@
 `http.HttpProtocol` inherits these methods (a mixin with no state of its own: the
 attributes it reads are the connection's, declared in broker/frontend/httpstate.py for the
 type checker). Every request routed (broker/frontend/httprequest.py) takes its place in
-the connection's `_responses` queue: an `Exchange` (a JSON-RPC body dispatched, whose
-dispatcher calls back, `_exchange_done`, when its last answer is in), finished bytes
-(`_queue`), a `_Scrape` (a GET /metrics, answered from a build once the answers before it
-are written: `scrape_built`), or a `_Deferred` (a body not dispatched yet). `_flush_ready`
+the connection's `_responses` queue (its entries' types: broker/frontend/httpowed.py): an
+`Exchange` (a JSON-RPC body dispatched, whose dispatcher calls back, `_exchange_done`,
+when its last answer is in), a `Ready` (finished bytes: `_queue`), a `Scrape` (a GET /metrics, answered from a build once the answers before it
+are written: `scrape_built`), or a `Deferred` (a body not dispatched yet). `_flush_ready`
 writes from the queue's head every answer finished, so pipelined requests are answered in
 the order they came, however their calls finish; an answer with nothing owed before it is
 written at once. `_write` writes one (status line, headers and body in one `write`),
@@ -35,9 +35,8 @@ import typing
 
 from broker.answers import Exchange
 from broker.frontend.base import PIPELINE_HIGH, PIPELINE_LOW
-from broker.frontend.httplistener import _Scrape
 from broker.frontend.httpmsg import CLOSE, TOO_MANY_BODY, error_body, json_response
-from broker.frontend.httprequest import _Deferred
+from broker.frontend.httpowed import Deferred, Ready, Scrape
 from broker.frontend.httpstate import Close, HttpState
 from broker.jsonrpc import ErrorCode
 
@@ -60,7 +59,7 @@ class Answers(HttpState):
         waits only while builds are paced, and a pace starts with a build, which is kept
         till it ends.) Return False if it is owed something else: refuse it then."""
         responses = self._responses
-        if len(responses) != 1 or type(responses[0]) is not _Scrape:
+        if len(responses) != 1 or type(responses[0]) is not Scrape:
             return False
         answer = self._fe.scrape_answer(self._fe.scrape_builds, CLOSE)
         if answer is None:
@@ -130,9 +129,9 @@ class Answers(HttpState):
         taken = False  # an RPC answer written with the buffer not full after it: the client keeps up
         while responses:
             head = responses[0]
-            if type(head) is tuple:
+            if type(head) is Ready:
                 data, keep_alive, path = head
-            elif type(head) is _Scrape:
+            elif type(head) is Scrape:
                 if self._write_paused:
                     break  # resume_writing comes back here
                 keep_alive = head.keep_alive
@@ -145,7 +144,7 @@ class Answers(HttpState):
                 data = answer
                 path = "metrics"
             else:
-                if type(head) is _Deferred:
+                if type(head) is Deferred:
                     if head.response:  # dispatched: only notifications
                         responses.popleft()
                         self._write(head.response, head.keep_alive, "rpc")
@@ -169,7 +168,7 @@ class Answers(HttpState):
                 continue
             responses.popleft()
             self._write(data, keep_alive, path)
-            if type(head) is tuple:  # (not a scrape's answer: shared by the connections, not held)
+            if type(head) is Ready:  # (not a scrape's answer: shared by the connections, not held)
                 self._budget.release(len(data), self._write_paused)
             if self._transport is None:
                 return
@@ -202,7 +201,7 @@ class Answers(HttpState):
             and not self._unread  # (bytes received before the stop still to be read: not the last answer)
         ):  # fmt: skip
             if self._parsing:  # more requests may follow in this read: decided once it is parsed
-                self._responses.append((data, keep_alive, path))
+                self._responses.append(Ready(data, keep_alive, path))
                 self._budget.hold(len(data))
                 return
             # The last answer before the stop closes the connection: say so (RFC 9112 9.6),
@@ -287,7 +286,7 @@ class Answers(HttpState):
         if not self._responses:
             self._write(response, keep_alive, path)
         else:
-            self._responses.append((response, keep_alive, path))
+            self._responses.append(Ready(response, keep_alive, path))
             self._budget.hold(len(response))
             if not keep_alive:  # (an early answer: 400, 413, 431...)
                 self._drop_unfinished()

@@ -38,17 +38,6 @@ _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # config.Config.allowed_h
 PATHS = HTTP_PATHS  # the `path` label of rpc_broker_http_responses_total (bounded)
 
 
-class _Scrape:
-    """A GET /metrics owed on a connection: it takes build number `build` or a later one
-    (`HttpFrontend.scrape_answer`), once the answers before it are written."""
-
-    __slots__ = ("build", "keep_alive")
-
-    def __init__(self, keep_alive: bool, build: int) -> None:
-        self.keep_alive = keep_alive
-        self.build = build
-
-
 class HttpFrontend(Listener):
     """Shared state of all HTTP connections: codec, dispatcher, limits, connections.
 
@@ -121,7 +110,7 @@ class HttpFrontend(Listener):
         # next build (`_scrape_due`): a newcomer waits about one build, however many
         # connections scrape. (Connections taking turns, one build each, made a scrape wait
         # for as many builds as connections pipelined them: 600 made Prometheus time out.)
-        self.scrape_builds = 0  # builds made so far: a `_Scrape` takes build `_Scrape.build` or a later one
+        self.scrape_builds = 0  # builds made so far: a `httpowed.Scrape` takes build `Scrape.build` or a later one
         self.scrape_paced = False  # a build was made, and the next one's time has not come (`_scrape_due`)
         self._scrape_body = b""  # the last build's body, until a pace ends with nobody waiting; b"": none
         self._scrape_answers: dict[bytes, bytes] = {}  # its whole answers, by connection header line

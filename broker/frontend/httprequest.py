@@ -14,7 +14,7 @@ body comes (bounded by max_body_bytes, and a chunked one by its number of chunks
 second parser, is in too: `HttpProtocol._serve_upgrade`). Then `_route` answers it (the
 probes, /metrics, a preflight, 404, 405, the refusals of who may call), or `_rpc` hands its
 JSON-RPC body to the dispatcher: at once, or, while the connection is to take no more
-(`_gated`, inlined there), held in `_waiting` (a `_Deferred`). Either way the request is
+(`_gated`, inlined there), held in `_waiting` (a `Deferred`). Either way the request is
 *owed* from then until answered, in its turn among the connection's answers
 (broker/frontend/httpanswer.py). What the parser is fed, and when (turns, the bounds on an
 unfinished head and on a chunked body's framing), is broker/frontend/http.py's.
@@ -67,9 +67,7 @@ from __future__ import annotations
 
 import typing
 
-from broker.answers import Exchange
 from broker.frontend.base import PIPELINE_HIGH
-from broker.frontend.httplistener import _Scrape
 from broker.frontend.httpmsg import (
     CLOSE,
     CONTINUE,
@@ -83,6 +81,7 @@ from broker.frontend.httpmsg import (
     is_json,
     json_response,
 )
+from broker.frontend.httpowed import Deferred, Scrape
 from broker.frontend.httpstate import Close, HttpState
 from broker.jsonrpc import ErrorCode
 
@@ -116,21 +115,6 @@ _PATH_OF_URL = {b"/healthz": "health", b"/readyz": "ready", b"/metrics": "metric
 
 class _StopParsing(Exception):
     """Raised from a parser callback to end the feed: the request is answered already."""
-
-
-class _Deferred:
-    """A JSON-RPC request whose body waits to be dispatched: its connection was owed
-    max_response_bytes of answers, or its client was not reading (see `_gated`).
-    `exchange` once dispatched; `response` if it then owed nothing (204)."""
-
-    __slots__ = ("body", "cors", "exchange", "keep_alive", "response")
-
-    def __init__(self, body: bytes | bytearray, keep_alive: bool, cors: bytes) -> None:
-        self.body = body
-        self.keep_alive = keep_alive
-        self.cors = cors
-        self.exchange: Exchange | None = None
-        self.response = b""
 
 
 class _Request:
@@ -469,7 +453,7 @@ class Requests(HttpState):
                 extra = self._keep_header if keep_alive else CLOSE
                 self._queue(STATUS_LINES[200] + fe.date + METRICS_TYPE + extra + b"\r\n", keep_alive, path)
             elif method == b"GET":
-                scrape = _Scrape(keep_alive, fe.scrape_builds + 1)  # (any build made from now on)
+                scrape = Scrape(keep_alive, fe.scrape_builds + 1)  # (any build made from now on)
                 answer = None
                 if not self._responses and not self._write_paused:
                     answer = fe.scrape_answer(scrape.build, self._keep_header if keep_alive else CLOSE)
@@ -563,7 +547,7 @@ class Requests(HttpState):
                 self._queue(json_response(503, fe.incoming_full_body, keep_alive, extra, fe.json_head), keep_alive, "rpc")
                 return
             self._waiting_bytes += len(body)
-            deferred = _Deferred(body, keep_alive, cors)
+            deferred = Deferred(body, keep_alive, cors)
             self._waiting.append(deferred)
             self._responses.append(deferred)
             self._pause()

@@ -21,8 +21,9 @@ if typing.TYPE_CHECKING:
     import httptools
 
     from broker.answers import Exchange, ResponseBudget
-    from broker.frontend.httplistener import HttpFrontend, _Scrape
-    from broker.frontend.httprequest import _Deferred, _Request
+    from broker.frontend.httplistener import HttpFrontend
+    from broker.frontend.httpowed import Deferred, Owed
+    from broker.frontend.httprequest import _Request
     from broker.jsonrpc import ErrorCode
 
 __all__ = ["Close", "HttpState"]
@@ -71,14 +72,14 @@ class HttpState:
         _probe_only: bool
         _read_at: float
         _request: _Request
-        _responses: deque[Exchange | tuple[bytes, bool, str] | _Scrape | _Deferred]
+        _responses: deque[Owed]
         _scraped: int
         _stuck_since: float
         _transport: asyncio.Transport | None
         _unread: int
         _unsent: int
         _upgrade: tuple[bytes, bytes] | None
-        _waiting: deque[_Deferred]
+        _waiting: deque[Deferred]
         _waiting_bytes: int
         _write_paused: bool
         accepted_at: float
