@@ -70,7 +70,6 @@ import httptools
 from broker.answers import Exchange, ResponseBudget, forget
 from broker.frontend.base import (
     ADMIT_SECONDS,
-    CHARGED_SECONDS,
     PIPELINE_HIGH,
     PIPELINE_LOW,
     SMALL_READ_BYTES,
@@ -251,11 +250,6 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         """Requests received and not yet answered on this connection."""
         return len(self._responses)
 
-    @property
-    def transport(self) -> asyncio.Transport | None:
-        """The connection's transport; None once it is lost."""
-        return self._transport
-
     # -- asyncio.Protocol --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -325,12 +319,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
                 self._schedule_turn(math.inf, held)
             return
         turn = self._turn_bytes = self._turn_bytes + len(data)
-        ours = False  # this read ends the turn: its next is scheduled below, once its time is known
-        if turn > TURN_BYTES:  # enough for this loop turn: the others' turn now
-            self._turn_bytes = 0
-            if not self.read_paused:
-                self._pause()
-                ours = True
+        ours = turn > TURN_BYTES and self._turn_full()  # this read ends the turn: its next scheduled once its time is known
         self._parsing = True
         began = _perf()
         try:
@@ -340,19 +329,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
                 self._parse(data)
         finally:
             self._parsing = False
-        took = _perf() - began
-        if took > CHARGED_SECONDS:
-            fe.slow_lane.charge(took)
-        spent = self._turn_seconds = self._turn_seconds + took
-        if spent > TURN_SECONDS:  # (see TURN_SECONDS)
-            self._turn_seconds = 0.0
-            if not self.read_paused and not self._close:
-                self._pause()
-                ours = True
-        else:
-            spent = 0.0
-        if ours:  # (a slow turn's next is the slow lane's, TURN_BYTES's too: round 45, it was not)
-            fe.next_turn(self, self._end_turn, spent)
+        self._turn_took(_perf() - began, ours, TURN_SECONDS, self._close)  # (TURN_SECONDS: this module's)
         if fe.draining:
             if self._unread:
                 self._read_before_stop(len(data))
@@ -524,15 +501,6 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
                 return
             size = FEED_BYTES if self.requests != before else size * 2
 
-    def _schedule_turn(self, spent: float = 0.0, held: int = 0) -> None:
-        """Call `_next_turn` in the loop's next iteration (or the slow lane's: the turn
-        took `spent` s, `Listener.next_turn`), unless it is due already: the answers that
-        each let it go on (`_flush_ready`) must not each add a turn (one connection's turns
-        per iteration stay one)."""
-        if not self._turn_due:
-            self._turn_due = True
-            self._fe.next_turn(self, self._next_turn, spent, held)
-
     def _next_turn(self) -> None:
         """Go on with the requests of a read left in `_backlog`; reading resumes
         (`_maybe_resume`) once it is done."""
@@ -662,11 +630,6 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self._route(method, url, False)
         self._discarding()
 
-    def pause_writing(self) -> None:
-        self._write_paused = True
-        self.send_stalled = self._fe.loop.time()
-        self._pause()
-
     def resume_writing(self) -> None:
         self._write_paused = False
         self.send_stalled = 0.0
@@ -712,13 +675,3 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         started = self.request_started
         self._maybe_resume()
         self.request_started = started
-
-    def close(self) -> None:
-        """Close the connection after what is already written."""
-        if self._transport is not None:
-            self._transport.close()
-
-    def abort(self) -> None:
-        """Drop the connection at once."""
-        if self._transport is not None:
-            self._transport.abort()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import enum
 import typing
 
+from broker.frontend.connection import Connection
+
 if typing.TYPE_CHECKING:
     import asyncio
     from collections import deque
@@ -51,7 +53,7 @@ class Close(enum.IntEnum):
     LINGER = 2
 
 
-class HttpState:
+class HttpState(Connection):
     """What `http.HttpProtocol`'s mixins read of its state and of one another's methods."""
 
     if typing.TYPE_CHECKING:
@@ -95,12 +97,10 @@ class HttpState:
         # http.HttpProtocol's
         @property
         def owed(self) -> int: ...
-        def close(self) -> None: ...
         def _dispatch_waiting(self) -> None: ...
         def _framing_check(self) -> None: ...
         def _maybe_resume(self) -> None: ...
         def _pause(self) -> None: ...
-        def _schedule_turn(self, spent: float = 0.0, held: int = 0) -> None: ...
 
         # httprequest.Requests'
         def _gated(self) -> bool: ...

@@ -75,7 +75,6 @@ from broker.answers import Exchange, ResponseBudget, forget
 from broker.dispatch import Dispatcher
 from broker.frontend.base import (
     ADMIT_SECONDS,
-    CHARGED_SECONDS,
     LINGER_TIME,
     LINGER_TIMEOUT,
     PIPELINE_HIGH,
@@ -275,11 +274,6 @@ class StreamProtocol(Closing, asyncio.Protocol):
         # at a time, until it is owed nothing (as for HTTP).
         self._one_by_one = False
 
-    @property
-    def transport(self) -> asyncio.Transport | None:
-        """The connection's transport; None once it is lost (or closed on an HTTP request line)."""
-        return self._transport
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
         self._budget.peer = transport.get_extra_info("peername")  # (for the logs: `Dispatcher._blame`)
@@ -348,28 +342,11 @@ class StreamProtocol(Closing, asyncio.Protocol):
                 self._schedule_turn(math.inf, held)
             return
         turn = self._turn_bytes = self._turn_bytes + len(data)
-        ours = False  # this read ends the turn: its next is scheduled below, once its time is known
-        if turn > TURN_BYTES:  # enough for this loop turn: the others' turn now (as for HTTP)
-            self._turn_bytes = 0
-            if not self.read_paused:
-                self._pause()
-                ours = True
+        ours = turn > TURN_BYTES and self._turn_full()  # this read ends the turn: its next scheduled once its time is known
         lines = self.lines
         began = _perf()
         self._lines(data)
-        took = _perf() - began
-        if took > CHARGED_SECONDS:
-            fe.slow_lane.charge(took)
-        spent = self._turn_seconds = self._turn_seconds + took
-        if spent > TURN_SECONDS:  # (see TURN_SECONDS)
-            self._turn_seconds = 0.0
-            if not self.read_paused and not self._refused:
-                self._pause()
-                ours = True
-        else:
-            spent = 0.0
-        if ours:  # (a slow turn's next is the slow lane's, TURN_BYTES's too: round 45, it was not)
-            fe.next_turn(self, self._end_turn, spent)
+        self._turn_took(_perf() - began, ours, TURN_SECONDS, self._refused)  # (TURN_SECONDS: this module's)
         if self.lines != lines:  # empty lines, or a line still coming, are not activity:
             self.last_active = now  # they keep no connection out of reach of `make_room`
 
@@ -435,13 +412,6 @@ class StreamProtocol(Closing, asyncio.Protocol):
                 if forced or not self._write_paused:
                     self._schedule_turn(_perf() - deadline + TURN_SECONDS)
                 return  # else `resume_writing` schedules it
-
-    def _schedule_turn(self, spent: float = 0.0, held: int = 0) -> None:
-        """Call `_next_turn` in the loop's next iteration (or the slow lane's), unless it
-        is due already (as `http.HttpProtocol._schedule_turn`)."""
-        if not self._turn_due:
-            self._turn_due = True
-            self._fe.next_turn(self, self._next_turn, spent, held)
 
     def _next_turn(self) -> None:
         """Go on with the lines of a read left in `_backlog`; reading resumes when it is done."""
@@ -619,11 +589,6 @@ class StreamProtocol(Closing, asyncio.Protocol):
         transport.write(data)
 
     # -- flow control ------------------------------------------------------------------
-
-    def pause_writing(self) -> None:
-        self._write_paused = True
-        self.send_stalled = self._fe.loop.time()
-        self._pause()
 
     def resume_writing(self) -> None:
         self._write_paused = False

@@ -244,13 +244,3 @@ class Closing(StreamState):
             self.lingering_since = self.last_active = self._fe.loop.time()
         transport.write_eof()
         self._discarding()
-
-    def close(self) -> None:
-        """Close the connection after what is already written."""
-        if self._transport is not None:
-            self._transport.close()
-
-    def abort(self) -> None:
-        """Drop the connection at once."""
-        if self._transport is not None:
-            self._transport.abort()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import typing
 
+from broker.frontend.connection import Connection
+
 if typing.TYPE_CHECKING:
     import asyncio
     from collections import deque
@@ -21,7 +23,7 @@ if typing.TYPE_CHECKING:
 __all__ = ["StreamState"]
 
 
-class StreamState:
+class StreamState(Connection):
     """What `stream.StreamProtocol`'s mixin reads of its state and of its methods."""
 
     if typing.TYPE_CHECKING:
