@@ -143,52 +143,23 @@ class _UpgradeBody:
 class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
     """One HTTP/1.1 client connection (keep-alive, pipelining, chunked bodies)."""
 
-    __slots__ = (
-        "_backlog",
-        "_backlog_forced",
-        "_backlog_held",
-        "_budget",
-        "_busy",
-        "_close",
-        "_eof",
-        "_fe",
-        "_framing",
-        "_head_bytes",
-        "_head_done",
-        "_head_held",
-        "_incoming",
-        "_keep_header",
-        "_one_by_one",
-        "_parser",
-        "_parsing",
-        "_probe_only",
-        "_read_at",
-        "_request",
-        "_responses",
-        "_scraped",
-        "_stuck_since",
-        "_transport",
-        "_turn_bytes",
-        "_turn_due",
-        "_turn_seconds",
-        "_unread",
-        "_unsent",
-        "_upgrade",
-        "_waiting",
+    # The connection's state, by concern (its mixins have none of their own: httpstate.py).
+    __slots__ = (  # noqa: RUF023  (grouped by concern, each group sorted)
+        # its listener, transport and place: admission, the sweep's clocks, what it sent
+        "accepted_at", "_fe", "last_active", "_probe_only", "_read_at", "requests", "send_stalled", "sent",
+        "_stuck_since", "taken", "_transport", "_unsent",
+        # reading: the parser, the request under way and what it holds in `Incoming`
+        "_framing", "_head_bytes", "_head_done", "_head_held", "_incoming", "_parser", "_parsing", "_request",
+        "request_started", "_upgrade",
+        # turns and flow control (connection.py): a read's rest, reading and writing paused
+        "_backlog", "_backlog_forced", "_backlog_held", "lane_finish", "read_paused", "_turn_bytes", "_turn_due",
+        "_turn_seconds", "_write_paused",
+        # answers owed, in order, and what they may hold (`ResponseBudget`, `_waiting`)
+        "_budget", "_busy", "_keep_header", "_one_by_one", "_responses", "scrape_waiting", "_scraped", "_waiting",
         "_waiting_bytes",
-        "_write_paused",
-        "accepted_at",
-        "lane_finish",
-        "last_active",
-        "lingering_since",
-        "read_paused",
-        "request_started",
-        "requests",
-        "scrape_waiting",
-        "send_stalled",
-        "sent",
-        "taken",
-    )
+        # its end: the close mode, the client's EOF, the linger, the drain's unread bytes
+        "_close", "_eof", "lingering_since", "_unread",
+    )  # fmt: skip
 
     def __init__(self, frontend: HttpFrontend) -> None:
         self._fe = frontend

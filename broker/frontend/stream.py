@@ -198,40 +198,20 @@ class StreamFrontend(Listener):
 class StreamProtocol(Closing, asyncio.Protocol):
     """One NDJSON client connection."""
 
-    __slots__ = (
-        "_backlog",
-        "_backlog_forced",
-        "_backlog_held",
-        "_budget",
-        "_buffer",
-        "_busy",
-        "_eof",
-        "_fe",
-        "_incoming",
-        "_one_by_one",
-        "_owed",
-        "_refused",
-        "_skipping",
-        "_transport",
-        "_turn_bytes",
-        "_turn_due",
-        "_turn_seconds",
-        "_unread",
-        "_waiting",
-        "_waiting_bytes",
-        "_write_paused",
-        "accepted_at",
-        "lane_finish",
-        "last_active",
-        "line_started",
-        "lines",
-        "lingering_since",
-        "owed",
-        "read_paused",
-        "send_stalled",
-        "sent",
-        "taken",
-    )
+    # The connection's state, by concern (its mixin has none of its own: streamstate.py).
+    __slots__ = (  # noqa: RUF023  (grouped by concern, each group sorted)
+        # its listener, transport and place: the sweep's clocks, what it sent
+        "accepted_at", "_fe", "last_active", "send_stalled", "sent", "taken", "_transport",
+        # reading: the unfinished line, what it holds in `Incoming`, lines served
+        "_buffer", "_incoming", "line_started", "lines", "_skipping",
+        # turns and flow control (connection.py): a read's rest, reading and writing paused
+        "_backlog", "_backlog_forced", "_backlog_held", "lane_finish", "read_paused", "_turn_bytes", "_turn_due",
+        "_turn_seconds", "_write_paused",
+        # answers owed (in any order) and what they may hold (`ResponseBudget`, `_waiting`)
+        "_budget", "_busy", "_one_by_one", "owed", "_owed", "_waiting", "_waiting_bytes",
+        # its end: refused (input discarded), the client's EOF, the linger, the drain's unread bytes
+        "_eof", "lingering_since", "_refused", "_unread",
+    )  # fmt: skip
 
     def __init__(self, frontend: StreamFrontend) -> None:
         self._fe = frontend
