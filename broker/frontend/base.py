@@ -40,6 +40,7 @@ __all__ = [
     "SWEEP_SECONDS",
     "TURN_BYTES",
     "Incoming",
+    "Limits",
     "Listener",
     "SlowLane",
     "discard_turn",
@@ -380,6 +381,18 @@ def slow_lane(loop: asyncio.AbstractEventLoop) -> SlowLane:
     return lane
 
 
+class Limits(typing.TypedDict, total=False):
+    """The keywords every listener takes, as `Listener` does (its defaults there), which
+    `http.HttpFrontend` and `stream.StreamFrontend` pass on as they are."""
+
+    max_body_bytes: int
+    max_batch: int
+    keepalive_timeout: float
+    max_connections: int
+    send_timeout: float
+    incoming: Incoming | None
+
+
 class Listener:
     """Shared state of the connections of one listening socket.
 
@@ -398,10 +411,10 @@ class Listener:
         dispatcher: Dispatcher,
         *,
         transport: str,
-        max_body_bytes: int,
-        max_batch: int,
-        keepalive_timeout: float,
-        max_connections: int,
+        max_body_bytes: int = 1024 * 1024,
+        max_batch: int = 1000,
+        keepalive_timeout: float = 75.0,
+        max_connections: int = 10000,
         send_timeout: float = 60.0,
         incoming: Incoming | None = None,
     ) -> None:

@@ -16,7 +16,7 @@ from broker.frontend.base import (
     LINGER_TIME,
     LINGER_TIMEOUT,
     SWEEP_SECONDS,
-    Incoming,
+    Limits,
     Listener,
     reset,
     unread_bytes,
@@ -51,25 +51,16 @@ class HttpFrontend(Listener):
         dispatcher: Dispatcher,
         *,
         rpc_path: str = "/",
-        max_body_bytes: int = 1024 * 1024,
-        max_batch: int = 1000,
-        keepalive_timeout: float = 75.0,
         request_timeout: float = 30.0,
-        send_timeout: float = 60.0,
-        max_connections: int = 10000,
         ready: typing.Callable[[], bool] | None = None,
         metrics: typing.Callable[[], bytes] | None = None,
         serve_rpc: bool = True,
         transport: str = "http",
         allowed_hosts: typing.Iterable[str] = _LOOPBACK_NAMES,
         allowed_origins: typing.Iterable[str] = (),
-        incoming: Incoming | None = None,
+        **limits: typing.Unpack[Limits],
     ) -> None:
-        super().__init__(
-            dispatcher, transport=transport, max_body_bytes=max_body_bytes, max_batch=max_batch,
-            keepalive_timeout=keepalive_timeout, max_connections=max_connections, send_timeout=send_timeout,
-            incoming=incoming,
-        )  # fmt: skip
+        super().__init__(dispatcher, transport=transport, **limits)
         # A metrics-only listener (metrics_port) answers no RPC path: b"" matches no URL.
         self.rpc_path = rpc_path.encode() if serve_rpc else b""
         self.request_timeout = request_timeout
@@ -86,7 +77,7 @@ class HttpFrontend(Listener):
             self.hosts = None
         self.origins = frozenset(o.lower().encode() for o in allowed_origins)  # b"*": any
         self.good_hosts: set[bytes] = set()  # Host values seen allowed (bounded), for the fast path
-        too_large = f"body exceeds max_body_bytes {max_body_bytes}"
+        too_large = f"body exceeds max_body_bytes {self.max_body_bytes}"
         incoming_full = f"request bodies arriving or waiting exceed max_incoming_bytes {self.incoming.limit}"
         self.too_large_body = error_body(ErrorCode.INVALID_REQUEST, too_large)
         self.incoming_full_body = error_body(ErrorCode.OVERLOADED, incoming_full)

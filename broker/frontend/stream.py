@@ -82,7 +82,7 @@ from broker.frontend.base import (
     SMALL_READ_BYTES,
     TURN_BYTES,
     TURN_SECONDS,
-    Incoming,
+    Limits,
     Listener,
     discard_turn,
     fell_behind,
@@ -131,28 +131,19 @@ class StreamFrontend(Listener):
         dispatcher: Dispatcher,
         *,
         transport: str,
-        max_body_bytes: int = 1024 * 1024,
-        max_batch: int = 1000,
-        keepalive_timeout: float = 75.0,
-        max_connections: int = 10000,
-        send_timeout: float = 60.0,
-        incoming: Incoming | None = None,
+        **limits: typing.Unpack[Limits],
     ) -> None:
-        super().__init__(
-            dispatcher, transport=transport, max_body_bytes=max_body_bytes, max_batch=max_batch,
-            keepalive_timeout=keepalive_timeout, max_connections=max_connections, send_timeout=send_timeout,
-            incoming=incoming,
-        )  # fmt: skip
+        super().__init__(dispatcher, transport=transport, **limits)
         self.too_long = (
             response_error(
                 b"null",
-                error_object(ErrorCode.INVALID_REQUEST, data=f"line exceeds max_body_bytes {max_body_bytes}"),
+                error_object(ErrorCode.INVALID_REQUEST, data=f"line exceeds max_body_bytes {self.max_body_bytes}"),
             )
             + _NL
         )
         self.line_unfinished = (
             response_error(b"null", error_object(
-                ErrorCode.INVALID_REQUEST, data=f"line unfinished after keepalive_timeout {keepalive_timeout:g} s"))
+                ErrorCode.INVALID_REQUEST, data=f"line unfinished after keepalive_timeout {self.keepalive_timeout:g} s"))
             + _NL
         )  # fmt: skip
         self.incoming_full = (
