@@ -1,4 +1,4 @@
-"""What both protocols' connections do alike: their turns their close and their writing paused (`Connection`).
+"""What both protocols' connections do alike: their turns, their close, their writing paused and resumed (`Connection`).
 
 `http.HttpProtocol` and `stream.StreamProtocol` inherit these methods (a mixin with no
 state of its own: the attributes it reads are each connection's slots, declared here for
@@ -9,19 +9,24 @@ after the read that takes its bytes past TURN_BYTES (`_turn_full`, before the re
 parsed) or its reads' time past TURN_SECONDS (`_turn_took`, after): its reading pauses
 until its next turn, the loop's next iteration or, after a slow one, the slow lane's
 (`Listener.next_turn`), when its `_end_turn` resumes it. The rest of a read left for a
-later turn goes on in `_next_turn`, one scheduled at a time (`_schedule_turn`). What
-resuming means, and what the rest of a read holds, is each protocol's own.
+later turn (`_hold_back`) goes on in `_next_turn`, one scheduled at a time
+(`_schedule_turn`). What resuming means, and what the rest of a read holds, is each
+protocol's own. Writing paused (`pause_writing`) pauses reading too; once it resumes
+(`resume_writing`), the protocol's hooks say what it has under way (`_under_way`) and
+write what waited for it (`_write_ready`).
 """
 
 from __future__ import annotations
 
 import typing
 
-from broker.frontend.base import CHARGED_SECONDS
+from broker.frontend.base import CHARGED_SECONDS, fell_behind, unread_bytes
 
 if typing.TYPE_CHECKING:
     import asyncio
+    from collections.abc import Sized
 
+    from broker.answers import ResponseBudget
     from broker.frontend.base import Listener
 
 __all__ = ["Connection"]
@@ -31,7 +36,11 @@ class Connection:
     """The turns and the close of a front-end connection (see the module docstring)."""
 
     if typing.TYPE_CHECKING:
+        _backlog: bytes  # the rest of a read, for a later turn
+        _budget: ResponseBudget
         _fe: Listener
+        _one_by_one: bool
+        _waiting: Sized  # requests (lines) read and not dispatched yet
         _transport: asyncio.Transport | None
         _turn_bytes: int  # bytes received since the last turn's pause (TURN_BYTES)
         _turn_due: bool  # a `_next_turn` is scheduled
@@ -41,9 +50,13 @@ class Connection:
         send_stalled: float
 
         # each protocol's
+        def _dispatch_waiting(self) -> None: ...
         def _end_turn(self) -> None: ...
+        def _maybe_resume(self) -> None: ...
         def _next_turn(self) -> None: ...
         def _pause(self) -> None: ...
+        def _under_way(self) -> bool: ...
+        def _write_ready(self) -> None: ...
     else:
         # (At run time only, as in httpstate.py: the attributes are the protocols' slots.)
         __slots__ = ()
@@ -62,6 +75,26 @@ class Connection:
         self._write_paused = True
         self.send_stalled = self._fe.loop.time()
         self._pause()
+
+    def resume_writing(self) -> None:
+        """The write buffer drained below its low-water mark: the client takes its answers
+        again. Whether it fell behind meanwhile (`fell_behind`: its next requests go one at a
+        time, `_one_by_one`) is decided only if it still has requests under way, read or
+        not (round 28: set once it was owed nothing, it held the client's next burst one at
+        a time). Then the requests that waited for it are dispatched, the answers ready are
+        written (HTTP's, in order), the rest of a read goes on, and reading resumes."""
+        self._write_paused = False
+        self.send_stalled = 0.0
+        self._one_by_one = fell_behind(self._budget.parked, self._fe.max_response_bytes) and (
+            self._under_way() or (self._transport is not None and unread_bytes(self._transport) > 0)
+        )
+        self._budget.drained()
+        if self._waiting:
+            self._dispatch_waiting()
+        self._write_ready()
+        if self._backlog:
+            self._schedule_turn()
+        self._maybe_resume()
 
     def _turn_full(self) -> bool:
         """A read took the turn's bytes past TURN_BYTES: enough for this loop iteration,
@@ -94,6 +127,15 @@ class Connection:
             spent = 0.0
         if ours:  # (a slow turn's next is the slow lane's, TURN_BYTES's too: round 45, it was not)
             fe.next_turn(self, self._end_turn, spent)
+
+    def _hold_back(self, rest: bytes, spent: float, held: int = 0) -> None:
+        """Leave `rest`, what a read brought past its turn, for a later one (`_backlog`,
+        counted in max_incoming_bytes: `Listener.keep_backlog`), its reading paused by the
+        caller, and schedule that turn (`_schedule_turn`: `spent`, `held`), unless writing is
+        paused (`resume_writing` schedules it then) and the rest was kept within
+        max_incoming_bytes (past it, its turn comes whatever the client does: round 46)."""
+        if not self._fe.keep_backlog(self, rest) or not self._write_paused:
+            self._schedule_turn(spent, held)
 
     def _schedule_turn(self, spent: float = 0.0, held: int = 0) -> None:
         """Call `_next_turn` in the loop's next iteration (or the slow lane's: the turn

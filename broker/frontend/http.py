@@ -76,8 +76,6 @@ from broker.frontend.base import (
     TURN_BYTES,
     TURN_SECONDS,
     discard_turn,
-    fell_behind,
-    unread_bytes,
 )
 from broker.frontend.httpanswer import Answers
 from broker.frontend.httpevict import Eviction
@@ -284,10 +282,8 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
                     or (req.transfer_encoding and b"\r\n0" in data)  # (chunked: its last chunk, perhaps)
                     or not self._head_done):  # (a head's read: what follows it is unknown)
                 held += len(req.body)
-            forced = not fe.keep_backlog(self, data)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
             self._pause()
-            if forced or not self._write_paused:  # else `resume_writing` schedules it
-                self._schedule_turn(math.inf, held)
+            self._hold_back(data, math.inf, held)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
             return
         turn = self._turn_bytes = self._turn_bytes + len(data)
         ours = turn > TURN_BYTES and self._turn_full()  # this read ends the turn: its next scheduled once its time is known
@@ -465,10 +461,8 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
                 self.requests - routed >= REQUESTS_PER_TURN or start >= TURN_REQUEST_BYTES or _perf() > deadline
                 or len(self._responses) > PIPELINE_HIGH  # (round 34: else one read's 3000 filled the queue)
             ):
-                forced = not self._fe.keep_backlog(self, data[start:])
                 self._pause()
-                if forced or not self._write_paused:  # else `resume_writing` schedules it
-                    self._schedule_turn(_perf() - deadline + TURN_SECONDS)
+                self._hold_back(data[start:], _perf() - deadline + TURN_SECONDS)
                 return
             size = FEED_BYTES if self.requests != before else size * 2
 
@@ -601,22 +595,14 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self._route(method, url, False)
         self._discarding()
 
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        self.send_stalled = 0.0
-        # (only if it still has requests under way, read or not: round 28, set once it was owed
-        # nothing, it held the client's next burst one at a time)
-        self._one_by_one = fell_behind(self._budget.parked, self._fe.max_response_bytes) and bool(
-            self._responses or self._backlog or (self._transport is not None and unread_bytes(self._transport))
-        )
-        self._budget.drained()
-        if self._waiting:
-            self._dispatch_waiting()
+    def _under_way(self) -> bool:
+        """Requests read and not answered, or not parsed yet (`resume_writing`)."""
+        return bool(self._responses or self._backlog)
+
+    def _write_ready(self) -> None:
+        """Writing resumed: the answers finished meanwhile go, in order (`resume_writing`)."""
         if self._responses:
             self._flush_ready()
-        if self._backlog:
-            self._schedule_turn()
-        self._maybe_resume()
 
     # -- flow control ------------------------------------------------------------------
 

@@ -85,8 +85,6 @@ from broker.frontend.base import (
     Limits,
     Listener,
     discard_turn,
-    fell_behind,
-    unread_bytes,
 )
 from broker.frontend.streamclose import Closing
 from broker.jsonrpc import ErrorCode, error_object, response_error
@@ -307,10 +305,8 @@ class StreamProtocol(Closing, asyncio.Protocol):
             # What its turn may decode, which the lane charges: the line it ends, else this
             # read (round 50: every read of a line charged for all of it)
             held = len(data) + (len(self._buffer) if b"\n" in data else 0)
-            forced = not fe.keep_backlog(self, data)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
             transport.pause_reading()
-            if forced or not self._write_paused:  # else `resume_writing` schedules it
-                self._schedule_turn(math.inf, held)
+            self._hold_back(data, math.inf, held)  # (its turn is the slow lane's: `SMALL_READ_BYTES`)
             return
         turn = self._turn_bytes = self._turn_bytes + len(data)
         ours = turn > TURN_BYTES and self._turn_full()  # this read ends the turn: its next scheduled once its time is known
@@ -378,11 +374,9 @@ class StreamProtocol(Closing, asyncio.Protocol):
                 # (past PIPELINE_HIGH owed, the rest waits as unread bytes do: `_next_turn`
                 # goes on below PIPELINE_LOW. Hostile testing, round 34: dispatched a turn
                 # at a time whatever was owed, one connection's 3000 lines filled the queue.)
-                forced = not fe.keep_backlog(self, data[start:])
                 self._transport.pause_reading()
-                if forced or not self._write_paused:
-                    self._schedule_turn(_perf() - deadline + TURN_SECONDS)
-                return  # else `resume_writing` schedules it
+                self._hold_back(data[start:], _perf() - deadline + TURN_SECONDS)
+                return
 
     def _next_turn(self) -> None:
         """Go on with the lines of a read left in `_backlog`; reading resumes when it is done."""
@@ -561,21 +555,12 @@ class StreamProtocol(Closing, asyncio.Protocol):
 
     # -- flow control ------------------------------------------------------------------
 
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        self.send_stalled = 0.0
-        # (only if it still has lines under way, read or not: round 28, set once it was owed
-        # nothing, it held the client's next burst one at a time)
-        self._one_by_one = fell_behind(self._budget.parked, self._fe.max_response_bytes) and bool(
-            self.owed or self._waiting or self._backlog
-            or (self._transport is not None and unread_bytes(self._transport))
-        )
-        self._budget.drained()
-        if self._waiting:
-            self._dispatch_waiting()
-        if self._backlog:
-            self._schedule_turn()
-        self._maybe_resume()
+    def _under_way(self) -> bool:
+        """Lines dispatched and not answered, waiting, or not read yet (`resume_writing`)."""
+        return bool(self.owed or self._waiting or self._backlog)
+
+    def _write_ready(self) -> None:
+        """Writing resumed: nothing waits for it (each answer is written as it comes)."""
 
     def _pause(self) -> None:
         if not self.read_paused and self._transport is not None and not self._refused:  # (input discarded: `_foreign`)
