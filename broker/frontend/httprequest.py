@@ -120,7 +120,8 @@ class _StopParsing(Exception):
 class _Request:
     """The request under way on a connection, as its head and body come: what its answer
     depends on, kept by the parser's callbacks (`Requests`). One record a connection,
-    reset by `on_message_begin` at each request's first byte; between requests it holds
+    reset by `on_message_begin` at each request's first byte (in place: no record made a
+    request); between requests it holds
     the last one's values (its body taken: b""). What the parser's position is (head or
     body, the raw bytes counted: `_head_done`, `_head_bytes`, `_framing`) is the
     connection's, reset where a request ends, as bytes before a request's first count.
@@ -161,10 +162,8 @@ class _Request:
     content_type: bytes | None
 
     def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """Make it a new request's, at its first byte (`on_message_begin`)."""
+        # (the same values as `on_message_begin`'s, which sets them again, inlined, at each
+        # request's first byte)
         self.url = self.body = self.transfer_encoding = b""
         self.content_length = -1
         self.header_bytes = self.headers = self.chunks = 0
@@ -182,7 +181,14 @@ class Requests(HttpState):
 
     def on_message_begin(self) -> None:
         self.request_started = self.last_active = self._read_at  # (data_received is running)
-        self._request.reset()
+        # `_Request.__init__`'s values, inlined: a call here, once a request, cost 0.25 % of
+        # the hot path's instructions (callgrind, single calls: 119,355 to 119,056).
+        req = self._request
+        req.url = req.body = req.transfer_encoding = b""
+        req.content_length = -1
+        req.header_bytes = req.headers = req.chunks = 0
+        req.expect = req.skip = False
+        req.host = req.origin = req.content_type = None
 
     def on_url(self, url: bytes) -> None:
         req = self._request
