@@ -1,0 +1,114 @@
+"""`make mutate`'s summary: mutmut's results (mutants/**/*.py.meta) counted per module.
+
+A mutant is *killed* when a test failed on it, *timeout* when the tests ran past mutmut's
+time limit on it (an endless loop: detected too), *survived* when every test passed (or no
+test ran the code it changed), and *equivalent* when it is named in
+tests/mutation_equivalent.txt, with the reason no test could ever tell it from the code. The
+score is the share of the non-equivalent mutants detected (killed or timeout).
+
+    python tests/mutation_report.py [--fail-under PERCENT] [--survivors]
+
+An equivalent mutant that a test killed, or that mutmut no longer makes (the code changed,
+and mutants are numbered per function), is reported: the list must be checked again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EQUIVALENT = ROOT / "tests" / "mutation_equivalent.txt"
+
+# mutmut 3.8's exit codes (mutmut/stats.py `status_by_exit_code`), grouped
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "survived", 33: "survived",
+          36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", -9: "timeout"}
+COLUMNS = ("killed", "timeout", "survived", "equivalent", "other")
+
+
+def equivalents(path: Path = EQUIVALENT) -> dict[str, str]:
+    """The mutants judged equivalent: `name: reason` a line; a line starting `#` is a comment."""
+    found: dict[str, str] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, reason = line.partition(": ")
+        if not sep or not reason.strip():
+            raise SystemExit(f"{path}:{number}: expected `mutant name: reason`, got {line!r}")
+        found[name.strip()] = reason.strip()
+    return found
+
+
+def results(mutants: Path) -> dict[str, tuple[str, int | None]]:
+    """mutant name -> (module path, mutmut's exit code or None if it was not run)."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for meta in sorted(mutants.rglob("*.py.meta")):
+        module = str(meta.relative_to(mutants))[: -len(".meta")]
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            out[name] = (module, code)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fail-under", type=float, default=0.0, help="exit 1 under this score (%%)")
+    parser.add_argument("--survivors", action="store_true", help="list the survivors' names")
+    parser.add_argument("--mutants", type=Path, default=ROOT / "mutants")
+    args = parser.parse_args()
+
+    found = results(args.mutants)
+    if not found:
+        print(f"no mutmut results under {args.mutants}: run `make mutate`", file=sys.stderr)
+        return 1
+    judged = equivalents()
+    counts: dict[str, Counter[str]] = {}
+    survivors: list[str] = []
+    problems: list[str] = []
+    for name, (module, code) in sorted(found.items()):
+        status = STATUS.get(code, "other") if code is not None else "other"
+        if name in judged:
+            if status in ("killed", "timeout"):
+                problems.append(f"{name} is listed as equivalent but was {status}: not equivalent")
+            else:
+                status = "equivalent"
+        elif status == "survived":
+            survivors.append(name)
+        elif status == "other":
+            problems.append(f"{name}: mutmut exit code {code} (not run, suspicious or crashed)")
+        counts.setdefault(module, Counter())[status] += 1
+    problems += [f"{name} is listed as equivalent but mutmut made no such mutant" for name in judged
+                 if name not in found]
+
+    total: Counter[str] = Counter()
+    width = max(len(m) for m in counts)
+    print(f"{'module':<{width}}  " + "  ".join(f"{c:>10}" for c in COLUMNS) + "       score")
+    for module, c in sorted(counts.items()):
+        total += c
+        print(f"{module:<{width}}  " + "  ".join(f"{c[k]:>10}" for k in COLUMNS) + f"  {score(c):>9.1f} %")
+    print(f"{'total':<{width}}  " + "  ".join(f"{total[k]:>10}" for k in COLUMNS) + f"  {score(total):>9.1f} %")
+    print(f"\n{total['killed'] + total['timeout']} of {sum(total.values()) - total['equivalent']} non-equivalent "
+          f"mutants killed ({total['killed']} by a failing test, {total['timeout']} by a timeout): "
+          f"{score(total):.1f} %; {total['survived']} survived, {total['equivalent']} equivalent")
+    if args.survivors and survivors:
+        print("\nsurvivors (`mutmut show NAME` for the change):")
+        print("\n".join(f"  {name}" for name in survivors))
+    for problem in problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    if score(total) < args.fail_under:
+        print(f"under {args.fail_under:g} % of non-equivalent mutants killed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def score(c: Counter[str]) -> float:
+    """Killed or timed out, in % of the mutants not judged equivalent."""
+    counted = sum(c.values()) - c["equivalent"]
+    return 100.0 * (c["killed"] + c["timeout"]) / counted if counted else 100.0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
