@@ -564,8 +564,8 @@ class WholeShareMachine(DispatcherMachine):
 
 
 # `make mutate` runs the machines once a mutant, 3,700 times: there (its hypothesis profile,
-# tests/conftest.py) 30 examples a machine, not 150, derandomized.
-EXAMPLES = 30 if settings.get_current_profile_name() == "mutate" else 150
+# tests/conftest.py) 15 examples a machine, not 150, derandomized.
+EXAMPLES = 15 if settings.get_current_profile_name() == "mutate" else 150
 
 for machine in (DispatcherMachine, WholeShareMachine):
     machine.TestCase.settings = settings(
