@@ -1,0 +1,311 @@
+"""The dispatcher core in memory, test by test (issue 10 items 2 and 14): what
+`make mutate` found the other in-memory tests (test_dispatch.py, test_dispatch_states.py)
+did not hold. Each test holds an exact value: an error code, a count, an order, a gauge.
+
+As in test_dispatch.py: a real `Dispatcher` and real `pool.Worker` records whose channels
+record the frames sent to them; replies go back through `Dispatcher.on_reply`; the loop is
+never run, and its clock is injected where time matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import typing
+
+import pytest
+from test_dispatch import add_worker, body, req, run
+
+from broker import chunk, wire
+from broker.answers import Exchange, ResponseBudget
+from broker.calls import Route
+from broker.dispatch import Dispatcher
+from broker.jsonrpc import Codec, ErrorCode, Request
+from broker.metrics import OK, CallMetrics
+from broker.wire import CALL_ENTRY, ERROR, NOTIFY_FLAG, REPLY_ENTRY, RESULT
+
+
+@pytest.fixture
+def loop() -> typing.Iterator[asyncio.AbstractEventLoop]:
+    """An event loop never run: what a dispatcher needs that no test here awaits."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def codes(done: list[Exchange]) -> list[object]:
+    """The error codes (None: a result) of the single-call answers made, in order."""
+    return [json.loads(e.body()).get("error", {}).get("code") for e in done]
+
+# -- broker/chunk.py: a batch chunk and its answers, byte for byte ---------------------
+
+
+def test_a_chunk_is_its_entries_in_order_with_their_slots_ids_and_methods():
+    entries = [
+        (3, Request("2.0", "a", params=b"[1]", id=b"7"), Route(5, 1.0)),
+        (-1, Request("2.0", "b", params=b"{}", id=None), Route(260, 1.0)),  # a notification
+    ]
+    payload, slots, ids, methods = chunk.encode_requests(entries)
+    assert payload == CALL_ENTRY.pack(5, 0, 3) + b"[1]" + CALL_ENTRY.pack(260, NOTIFY_FLAG, 2) + b"{}"
+    assert (slots, ids, methods) == ([3, -1], [b"7", None], [5, 260])
+    first = chunk.read_call(payload, 0)
+    assert first == (5, False, CALL_ENTRY.size, CALL_ENTRY.size + 3)
+    assert chunk.read_call(payload, first[3]) == (260, True, first[3] + CALL_ENTRY.size, len(payload))
+    with pytest.raises(struct.error):
+        chunk.read_call(payload, len(payload))
+
+
+def test_a_reloads_method_table_rewrites_each_calls_method_index_and_keeps_the_rest():
+    payload = CALL_ENTRY.pack(1, 0, 3) + b"[1]" + CALL_ENTRY.pack(2, NOTIFY_FLAG, 0) + CALL_ENTRY.pack(3, 0, 2) + b"{}"
+    rewritten = chunk.with_methods(payload, [7, 0, 65535])
+    assert rewritten == CALL_ENTRY.pack(7, 0, 3) + b"[1]" + CALL_ENTRY.pack(0, NOTIFY_FLAG, 0) + \
+        CALL_ENTRY.pack(65535, 0, 2) + b"{}"
+    assert type(rewritten) is bytes and payload[:2] == b"\x00\x01"  # a copy: the payload is left alone
+
+
+def test_a_chunks_answers_are_read_back_as_written_and_a_truncated_one_is_not():
+    unsent = bytearray()
+    chunk.add_answer(unsent, 2, RESULT, b'"x"')
+    chunk.add_answer(unsent, 0, ERROR, b'{"code":1}')
+    chunk.add_answer(unsent, 1, RESULT, b"")
+    assert bytes(unsent) == REPLY_ENTRY.pack(2, RESULT, 3) + b'"x"' + REPLY_ENTRY.pack(0, ERROR, 10) + \
+        b'{"code":1}' + REPLY_ENTRY.pack(1, RESULT, 0)
+    size = REPLY_ENTRY.size
+    expected = [(2, RESULT, size, size + 3), (0, ERROR, 2 * size + 3, 2 * size + 13),
+                (1, RESULT, 3 * size + 13, 3 * size + 13)]
+    assert list(chunk.answers(bytes(unsent))) == expected
+    assert chunk.count_answers(bytes(unsent)) == 3
+    cut = bytes(unsent) + REPLY_ENTRY.pack(3, RESULT, 1)[:-1]  # a last entry's header not all there
+    assert list(chunk.answers(cut)) == expected and chunk.count_answers(cut) == 3
+    assert list(chunk.answers(b"")) == [] and chunk.count_answers(b"") == 0
+
+
+@pytest.mark.parametrize(("least", "total"), [(1, 3 + 5), (3, 3 + 5), (4, 5), (5, 5), (6, 0)])
+def test_a_chunks_large_params_are_those_of_at_least_the_bound_added_up(least, total):
+    payload = CALL_ENTRY.pack(0, 0, 3) + b"[1]" + CALL_ENTRY.pack(0, 0, 0) + CALL_ENTRY.pack(0, 0, 5) + b"[1,2]"
+    assert chunk.large_params(payload, least) == total
+
+
+# -- the dispatcher: what only a front-end, the pool or a timer calls -------------------
+
+
+def test_a_worker_answers_within_the_longest_deadline_and_cancel_grace(loop):
+    d = Dispatcher(loop, timeout=5.0, method_timeouts={"a": 7.5, "b": 3.0}, cancel_grace=2.0)
+    assert d.answered_within() == 9.5
+    assert Dispatcher(loop, timeout=8.0, cancel_grace=1.0).answered_within() == 9.0
+
+
+def test_a_body_refused_unread_is_counted_under_other_with_its_code(loop):
+    metrics = CallMetrics()
+    d = Dispatcher(loop, metrics=metrics)
+    d.set_methods(["m"])
+    d.count_refused_body()
+    d.count_refused_body(ErrorCode.OVERLOADED)
+    d.count_refused_body(ErrorCode.OVERLOADED)
+    assert metrics.outcomes[metrics.other] == {ErrorCode.INVALID_REQUEST: 1, ErrorCode.OVERLOADED: 2}
+    assert metrics.outcomes[0] == {}
+    Dispatcher(loop).count_refused_body()  # (metrics off: nothing to count, no error)
+
+
+def test_a_failed_start_with_no_worker_ready_answers_no_worker_until_one_is_ready():
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=30.0)
+        d.set_methods(["m"])
+        codec = Codec()
+        done: list[Exchange] = []
+        d.submit(body(codec, req("m", [], 1)), done.append)
+        assert d.queued_calls == 1 and done == []  # no worker yet: it waits
+        d.start_failed()
+        assert codes(done) == [ErrorCode.NO_WORKER] and d.queued_calls == 0
+        refused = d.submit(body(codec, req("m", [], 2)), done.append)  # a new call: at once
+        assert refused is not None and refused.remaining == 0
+        assert json.loads(refused.body())["error"]["code"] == ErrorCode.NO_WORKER
+        w = add_worker(d, 0, concurrency=1)
+        d.submit(body(codec, req("m", [], 3)), done.append)
+        d.submit(body(codec, req("m", [], 4)), done.append)
+        assert [f[0] for f in w.channel.take()] == [wire.Kind.CALL] and d.queued_calls == 1
+        d.start_failed()  # another slot's start failed, this worker ready: nothing changes
+        assert d.queued_calls == 1 and codes(done) == [ErrorCode.NO_WORKER]
+
+    run(main)
+
+
+def test_a_request_held_back_before_the_drain_is_still_queued_during_it_where_a_new_one_is_refused():
+    async def main() -> None:
+        d = Dispatcher(asyncio.get_running_loop(), timeout=30.0)
+        d.set_methods(["m"])
+        w = add_worker(d, 0, concurrency=1)
+        codec = Codec()
+        done: list[Exchange] = []
+        d.submit_held(body(codec, req("m", [], 0)), done.append)  # not draining: a plain submit
+        assert d.accepting and [f[1] for f in w.channel.take()] == [1]
+        drain = asyncio.ensure_future(d.drain(60.0))
+        await asyncio.sleep(0)
+        assert not d.accepting
+        refused = d.submit(body(codec, req("m", [], 1)), done.append)  # the worker is busy: not queued
+        assert refused is not None and refused.remaining == 0
+        assert json.loads(refused.body())["error"]["code"] == ErrorCode.SHUTTING_DOWN
+        held = d.submit_held(body(codec, req("m", [], 2)), done.append)
+        assert held is not None and held.remaining == 1 and d.queued_calls == 1 and not d.accepting
+        d.on_reply(w, wire.Kind.RESULT, 1, 0, b"10")
+        assert [(f[0], f[1]) for f in w.channel.take()] == [(wire.Kind.CALL, 3)]
+        d.on_reply(w, wire.Kind.RESULT, 3, 0, b"12")
+        await asyncio.wait_for(drain, 5.0)
+        assert [json.loads(e.body())["result"] for e in done] == [10, 12]
+
+    run(main)
+
+
+class Clock:
+    """Time injected: an asyncio loop (never run on its own) and the broker's perf_counter
+    (`_clock` of the dispatcher's modules) both read `now`; `advance` moves it and runs the
+    loop's timers then due (the deadline wheel's, `call_later`'s)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 1000.0
+        self.loop = asyncio.new_event_loop()
+        self.loop.time = lambda: self.now  # type: ignore[method-assign]
+        for module in ("dispatch", "membership", "queueing", "replies", "routing"):
+            monkeypatch.setattr(f"broker.{module}._clock", lambda: self.now)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.loop.run_until_complete(asyncio.sleep(0))
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> typing.Iterator[Clock]:
+    c = Clock(monkeypatch)
+    yield c
+    c.loop.close()
+
+
+class Process:
+    """A worker's process as the dispatcher sees it: it can be killed (counted)."""
+
+    def __init__(self) -> None:
+        self.kills = 0
+
+    def kill(self) -> None:
+        self.kills += 1
+
+
+def hung_setup(clock: Clock, concurrency: int = 4) -> tuple[Dispatcher, typing.Any, Codec, list[Exchange]]:
+    """A dispatcher (deadlines: "m" 10 s, async; "short" 5 s and "sync" 30 s, sync methods;
+    cancel_grace 2 s; a prefetch of 1) with one ready worker whose process can be killed."""
+    d = Dispatcher(clock.loop, timeout=10.0, method_timeouts={"sync": 30.0, "short": 5.0}, cancel_grace=2.0,
+                   sync_prefetch=1)
+    d.set_methods(["m", "short", "sync"], sync_methods=["short", "sync"])
+    w = add_worker(d, 0, concurrency=concurrency)
+    w.pid = 4242
+    w.process = Process()
+    return d, w, Codec(), []
+
+
+def test_a_worker_that_answers_no_cancel_within_cancel_grace_is_killed_once_as_hung(clock, caplog):
+    d, w, codec, done = hung_setup(clock)
+    d.submit(body(codec, req("m", [], 1)), done.append)
+    [(_kind, call_id, _aux, _params)] = w.channel.take()
+    clock.advance(10.05)  # its deadline: answered -32001, and told to cancel
+    assert codes(done) == [ErrorCode.TIMED_OUT]
+    assert w.channel.take() == [(wire.Kind.CANCEL, call_id, 0, b"")]
+    clock.advance(1.9)
+    assert w.process.kills == 0 and w.kill_reason == ""
+    with caplog.at_level("WARNING", logger="broker.dispatch"):
+        clock.advance(0.2)  # cancel_grace past: hung
+    assert w.process.kills == 1 and w.kill_reason == "hung: no answer 2.0 s after a cancelled call"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"worker 0 (pid 4242) has not answered call {call_id} (m) 2.0 s after its deadline: killing it as hung"
+    ]
+
+
+def test_a_hung_worker_is_killed_once_however_many_calls_it_holds_and_an_answered_one_never(clock):
+    d, w, codec, done = hung_setup(clock)
+    for i in range(3):
+        d.submit(body(codec, req("m", [], i)), done.append)
+    ids = [f[1] for f in w.channel.take()]
+    clock.advance(10.05)
+    d.on_reply(w, wire.Kind.ERROR, ids[0], wire.NOT_RUN, wire.CANCEL_ACK)  # one acknowledged: no longer held
+    clock.advance(2.1)
+    assert w.process.kills == 1 and w.kill_reason.startswith("hung")
+    clock.advance(10.0)
+    assert w.process.kills == 1
+    quiet = Dispatcher(clock.loop, timeout=10.0, cancel_grace=2.0)
+    quiet.set_methods(["m"])
+    v = add_worker(quiet, 0, concurrency=4)
+    v.process = Process()
+    quiet.submit(body(codec, req("m", [], 0)), done.append)
+    [frame] = v.channel.take()
+    clock.advance(10.05)
+    quiet.on_reply(v, wire.Kind.ERROR, frame[1], wire.NOT_RUN, wire.CANCEL_ACK)
+    clock.advance(5.0)
+    assert v.process.kills == 0 and v.kill_reason == ""
+
+
+def learn_fast(d: Dispatcher, w: typing.Any, codec: Codec) -> None:
+    """"short" answers in 100 µs: a sync method measured fast (`Route.sync` -1), sent beside others."""
+    d.submit(body(codec, req("short", [], "learn")), lambda e: None)
+    [frame] = w.channel.take()
+    d.on_reply(w, wire.Kind.RESULT, frame[1], 100, b"0")
+
+
+@pytest.mark.parametrize(("first", "then"), [("sync", "m"), ("m", "sync"), ("sync", "short")])
+def test_a_cancelled_call_behind_a_sync_call_within_its_deadline_is_killed_only_past_it(clock, caplog, first, then):
+    """Hostile testing, rounds 18 and 86: a call cancelled on a worker busy in a sync call that
+    came first waits for it (an async call: for any sync call there, whose loop it holds); the
+    worker is hung only once that call's deadline and cancel_grace pass too."""
+    d, w, codec, done = hung_setup(clock)
+    learn_fast(d, w, codec)
+    d.submit(body(codec, req(first, [], first)), done.append)
+    clock.advance(1.0)
+    d.submit(body(codec, req(then, [], then)), done.append)
+    (busy_id, late_id) = (2, 3) if first == "sync" else (3, 2)
+    assert [f[1] for f in w.channel.take()] == [2, 3]
+    late, busy = d._pending[late_id], d._pending[busy_id]
+    clock.advance(late.arrival + late.timeout - clock.now + 0.05)  # the cancelled call's deadline
+    assert codes(done) == [ErrorCode.TIMED_OUT]
+    clock.advance(2.1)  # ... and its cancel_grace: the sync call is within its deadline still
+    assert w.process.kills == 0
+    clock.advance(busy.arrival + busy.timeout + 2.0 - clock.now - 0.05)  # just before its own and cancel_grace
+    assert w.process.kills == 0
+    with caplog.at_level("WARNING", logger="broker.dispatch"):
+        clock.advance(0.1)
+    assert w.process.kills == 1
+    name = "short" if "short" in (first, then) else "m"
+    assert f"has not answered call {late_id} ({name}) 2.0 s after" in caplog.text
+
+
+def test_a_cancelled_sync_call_waits_for_no_sync_call_that_came_after_it(clock):
+    d, w, codec, done = hung_setup(clock)
+    learn_fast(d, w, codec)
+    d.submit(body(codec, req("short", [], "s")), done.append)  # deadline in 5 s
+    clock.advance(1.0)
+    d.submit(body(codec, req("sync", [], "l")), done.append)  # deadline in 30 s, came after: behind it
+    assert [f[1] for f in w.channel.take()] == [2, 3]
+    clock.advance(4.05)
+    assert codes(done) == [ErrorCode.TIMED_OUT]
+    clock.advance(2.0)
+    assert w.process.kills == 1 and w.kill_reason.startswith("hung")
+
+
+def test_answers_for_a_gone_connection_are_counted_as_the_worker_answered_and_kept_empty(clock):
+    metrics = CallMetrics()
+    d = Dispatcher(clock.loop, metrics=metrics)
+    d.set_methods(["a", "b"])
+    w = add_worker(d, 0, concurrency=4)
+    codec = Codec()
+    gone = ResponseBudget(d.outgoing)
+    done: list[Exchange] = []
+    for method, id_ in (("a", 1), ("b", 2)):
+        d.submit(body(codec, req(method, [], id_)), done.append, gone)
+    first, second = w.channel.take()
+    gone.lost()  # its connection went (its calls still run: not abandoned)
+    clock.advance(0.25)
+    d.on_reply(w, wire.Kind.RESULT, first[1], 1000, b'"big result"')
+    d.on_reply(w, wire.Kind.ERROR, second[1], 50, b'{"code":-32602,"message":"no"}')
+    assert [e.answers for e in done] == [[b""], [b""]] and gone.held == 0 and d.outgoing.held == 0
+    assert metrics.outcomes[0] == {OK: 1}
+    assert metrics.outcomes[1] == {ErrorCode.INVALID_PARAMS: 1}
+    assert metrics.latency[0].sum_us == 250_000 and metrics.latency[1].sum_us == 250_000
+    assert metrics.service[0].sum_us == 1000 and d.in_flight_calls == 0
