@@ -309,3 +309,105 @@ def test_answers_for_a_gone_connection_are_counted_as_the_worker_answered_and_ke
     assert metrics.outcomes[1] == {ErrorCode.INVALID_PARAMS: 1}
     assert metrics.latency[0].sum_us == 250_000 and metrics.latency[1].sum_us == 250_000
     assert metrics.service[0].sum_us == 1000 and d.in_flight_calls == 0
+
+
+def test_a_request_held_back_keeps_its_connections_budget_and_after_the_drain_is_refused(clock):
+    d = Dispatcher(clock.loop, timeout=30.0)
+    d.set_methods(["m"])
+    w = add_worker(d, 0, concurrency=1)
+    codec = Codec()
+    budget = ResponseBudget(d.outgoing)
+    done: list[Exchange] = []
+    first = d.submit_held(body(codec, req("m", [], 0)), done.append, budget)
+    assert first is not None and first.budget is budget
+    drain = clock.loop.create_task(d.drain(60.0))
+    clock.advance(0.0)
+    held = d.submit_held(body(codec, req("m", [], 1)), done.append, budget)
+    assert held is not None and held.budget is budget and budget.queued == 1 and d.accepting is False
+    d.on_reply(w, wire.Kind.RESULT, w.channel.take()[0][1], 0, b"0")
+    d.on_reply(w, wire.Kind.RESULT, w.channel.take()[0][1], 0, b"1")
+    clock.advance(0.0)
+    assert drain.done() and d.accepting is False
+    late = d.submit_held(body(codec, req("m", [], 2)), done.append, budget)  # the drain is over
+    assert late is not None and late.remaining == 0 and not w.channel.take()
+    assert json.loads(late.body())["error"] == {"code": ErrorCode.SHUTTING_DOWN, "message": "Shutting down",
+                                                "data": "grace period ended"}
+
+
+def test_a_body_refused_unread_is_counted_with_no_latency(loop):
+    metrics = CallMetrics()
+    d = Dispatcher(loop, metrics=metrics)
+    d.set_methods(["m"])
+    d.count_refused_body()
+    assert metrics.latency[metrics.other].sum_us == 0 and sum(metrics.latency[metrics.other].counts) == 1
+
+
+def test_expired_shells_behind_a_live_head_are_compacted_and_the_live_calls_go_in_order(clock):
+    d = Dispatcher(clock.loop, timeout=60.0, method_timeouts={"eat": 1.0})
+    d.set_methods(["sleep", "eat"])
+    w = add_worker(d, 0, concurrency=1)
+    codec = Codec()
+    budget = ResponseBudget(d.outgoing)  # one connection: the shells stay behind its head
+    done: list[Exchange] = []
+    for method, id_ in [("sleep", "busy"), ("sleep", "head"), *(("eat", i) for i in range(10)), ("sleep", "tail")]:
+        d.submit(body(codec, req(method, [], id_)), done.append, budget)
+    [busy] = w.channel.take()
+    assert len(d._queue) == 12 and d.queued_calls == 12
+    clock.advance(1.05)
+    assert codes(done) == [ErrorCode.TIMED_OUT] * 10
+    assert len(d._queue) == 2 and d._expired_queued == 0 and d.queued_calls == 2  # compacted: head and tail
+    sent = [busy]
+    for _ in range(3):
+        d.on_reply(w, wire.Kind.RESULT, sent[-1][1], 0, b"0")
+        sent += w.channel.take()
+    assert [json.loads(e.body())["id"] for e in done[10:]] == ["busy", "head", "tail"]
+    assert len(d._queue) == 0 and len(sent) == 3
+
+
+def test_a_chunk_answered_whole_with_an_error_answers_each_of_its_calls_with_it(clock):
+    d = Dispatcher(clock.loop)
+    d.set_methods(["m"])
+    w = add_worker(d, 0, concurrency=100)
+    codec = Codec()
+    done: list[Exchange] = []
+    d.submit(body(codec, [req("m", [], i) for i in range(4)]), done.append)
+    [frame] = w.channel.take()
+    assert frame[0] == wire.Kind.CHUNK and frame[2] == 4
+    d.on_reply(w, wire.Kind.ERROR, frame[1], 7, b'{"code":-32603,"message":"boom"}')
+    [exchange] = done
+    assert [json.loads(a) for a in exchange.answers] == [
+        {"jsonrpc": "2.0", "id": i, "error": {"code": -32603, "message": "boom"}} for i in range(4)
+    ]
+    assert d.in_flight_calls == 0 and w.outstanding == 0
+
+
+def _bad_returns(d: Dispatcher, w: typing.Any, other: typing.Any, single: int, chunk_id: int) -> list[tuple[int, int]]:
+    """RETURNs of calls a worker does not hold: (call id, place) each, as sent."""
+    returns = [(999, 0), (single, 1), (chunk_id, 3), (chunk_id, -1)]
+    for call_id, place in returns:
+        d.on_reply(w, wire.Kind.RETURN, call_id, place, b"")
+    d.on_reply(other, wire.Kind.RETURN, single, 0, b"")
+    return [*returns, (single, 0)]
+
+
+def test_a_worker_giving_back_calls_it_does_not_hold_is_logged_and_changes_nothing(clock, caplog):
+    d = Dispatcher(clock.loop)
+    d.set_methods(["m"])
+    w = add_worker(d, 0, concurrency=100)
+    other = add_worker(d, 1, concurrency=1)
+    codec = Codec()
+    d.submit(body(codec, req("m", [], "s")), lambda e: None)
+    d.submit(body(codec, [req("m", [], i) for i in range(3)]), lambda e: None)
+    frames = w.channel.take() + other.channel.take()
+    single = next(f[1] for f in frames if f[0] == wire.Kind.CALL)
+    chunk_id = next(f[1] for f in frames if f[0] == wire.Kind.CHUNK)
+    holder = w if chunk_id in w.channel.flows else other
+    before = (d.in_flight_calls, w.outstanding, other.outstanding, d.returned_total)
+    with caplog.at_level("WARNING", logger="broker.dispatch"):
+        bad = _bad_returns(d, holder, other if holder is w else w, single, chunk_id)
+    assert (d.in_flight_calls, w.outstanding, other.outstanding, d.returned_total) == before
+    assert d.queued_calls == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"worker {worker} gave back call {call_id} from place {place}, which it does not hold"
+        for worker, (call_id, place) in zip([holder] * 4 + [other if holder is w else w], bad)
+    ]
