@@ -411,3 +411,87 @@ def test_a_worker_giving_back_calls_it_does_not_hold_is_logged_and_changes_nothi
         f"worker {worker} gave back call {call_id} from place {place}, which it does not hold"
         for worker, (call_id, place) in zip([holder] * 4 + [other if holder is w else w], bad)
     ]
+
+
+@pytest.mark.parametrize("past", ["max_response_bytes", "max_outgoing_bytes"])
+def test_answers_too_large_are_refused_counted_and_logged_at_the_first_and_every_thousandth(clock, caplog, past):
+    if past == "max_response_bytes":
+        d = Dispatcher(clock.loop, max_response_bytes=100)
+        data = "response exceeds max_response_bytes 100"
+    else:
+        d = Dispatcher(clock.loop, max_outgoing_bytes=100)
+        data = "responses owed on all connections exceed max_outgoing_bytes 100"
+    d.set_methods(["m"])
+    w = add_worker(d, 0, concurrency=1 << 20)
+    codec = Codec()
+    done: list[Exchange] = []
+    with caplog.at_level("WARNING", logger="broker.dispatch"):
+        for i in range(2000):
+            d.submit(body(codec, req("m", [], i)), done.append, ResponseBudget(d.outgoing))
+            [(_kind, call_id, _aux, _params)] = w.channel.take()
+            d.on_reply(w, wire.Kind.RESULT, call_id, 0, b'"%s"' % (b"x" * 200))
+            d.outgoing.held = 0  # (each answer written at once)
+    assert [json.loads(e.body()) for e in done[:2]] == [
+        {"jsonrpc": "2.0", "id": i, "error": {"code": -32603, "message": "Internal error", "data": data}}
+        for i in range(2)
+    ]
+    assert len(done) == 2000 and all(json.loads(e.body())["error"]["data"] == data for e in done)
+    assert (d.oversize_total, d.outgoing.refused_total) == ((2000, 0) if past == "max_response_bytes" else (0, 2000))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"answers refused: {data} ({n} so far)" for n in (1, 1000, 2000)
+    ]
+
+
+def test_a_gone_connections_call_that_ends_with_a_broker_error_keeps_an_empty_answer(clock):
+    d = Dispatcher(clock.loop, timeout=5.0, max_response_bytes=100)
+    d.set_methods(["m"])
+    w = add_worker(d, 0, concurrency=4)
+    codec = Codec()
+    gone = ResponseBudget(d.outgoing)
+    done: list[Exchange] = []
+    d.submit(body(codec, req("m", [], 1)), done.append, gone)
+    d.submit(body(codec, req("m", [], 2)), done.append, gone)
+    first, _second = w.channel.take()
+    gone.lost()
+    d.on_reply(w, wire.Kind.ERROR, first[1], 0, b'{"code":1,"message":"%s"}' % (b"x" * 200))
+    clock.advance(5.05)  # the other's deadline
+    assert [e.answers for e in done] == [[b""], [b""]]
+    assert (d.oversize_total, d.outgoing.refused_total, d.outgoing.held) == (0, 0, 0)
+
+
+def test_a_reload_translates_the_method_index_of_every_call_routed_and_not_answered(clock):
+    """`set_methods` with a new table: calls in flight are counted under their method's new
+    index (and teach no estimate: "stale"); a queued call goes with its new index, a queued
+    chunk's entries too, and a sync method that kept its estimate keeps its calls RETURNABLE."""
+    metrics = CallMetrics()
+    d = Dispatcher(clock.loop, metrics=metrics, connection_share=1.0)
+    d.set_methods(["a", "b", "s"], sync_methods=["s"])
+    w = add_worker(d, 0, concurrency=4)
+    codec = Codec()
+    d.submit(body(codec, req("s", [], "learn")), lambda e: None)
+    [frame] = w.channel.take()
+    d.on_reply(w, wire.Kind.RESULT, frame[1], 100, b"0")  # "s" is fast: sent RETURNABLE
+    for method in ("a", "b", "s", "a"):
+        d.submit(body(codec, req(method, [], method)), lambda e: None)
+    in_flight = w.channel.take()
+    assert [f[2] for f in in_flight] == [0, 1, 2, 0]
+    queued = ResponseBudget(d.outgoing)
+    done: list[Exchange] = []
+    d.submit(body(codec, req("s", [], "q")), done.append, queued)
+    d.submit(body(codec, [req("a", [], 1), req("b", [], 2), req("s", [], 3)]), done.append, queued)
+    assert d.queued_calls == 4 and not w.channel.take()  # (the batch: one chunk, of 3)
+    d.set_methods(["s", "b", "new", "a"], sync_methods=["s"])
+    d.on_reply(w, wire.Kind.RESULT, in_flight[2][1], 5_000_000, b"0")  # 5 s: stale, it teaches nothing
+    d.on_reply(w, wire.Kind.RESULT, in_flight[0][1], 10, b"0")
+    d.on_reply(w, wire.Kind.ERROR, in_flight[1][1], 10, b'{"code":-32602,"message":"no"}')
+    d.on_reply(w, wire.Kind.RESULT, in_flight[3][1], 10, b"0")
+    assert metrics.outcomes[3] == {OK: 2} and metrics.outcomes[1] == {ErrorCode.INVALID_PARAMS: 1}
+    assert metrics.outcomes[0] == {OK: 1 + 1}  # ("learn", under its old index 2 then, and "s" now)
+    sent = w.channel.take()
+    assert [(f[0], f[2]) for f in sent] == [(wire.Kind.CALL, 0), (wire.Kind.CHUNK, 3)]
+    assert [w.channel.flows[f[1]] & wire.RETURNABLE for f in sent] == [wire.RETURNABLE, wire.RETURNABLE]
+    entries, pos, methods = sent[1][3], 0, []
+    while pos < len(entries):
+        method, _notification, _start, pos = chunk.read_call(entries, pos)
+        methods.append(method)
+    assert methods == [3, 1, 0]
