@@ -495,3 +495,96 @@ def test_a_reload_translates_the_method_index_of_every_call_routed_and_not_answe
         method, _notification, _start, pos = chunk.read_call(entries, pos)
         methods.append(method)
     assert methods == [3, 1, 0]
+
+
+def chunk_answers(*answers: tuple[int, int, bytes]) -> bytes:
+    """A CHUNK_PART or CHUNK_REPLY payload: (place, kind, body) each, in order."""
+    unsent = bytearray()
+    for place, kind, body_ in answers:
+        chunk.add_answer(unsent, place, kind, body_)
+    return bytes(unsent)
+
+
+def test_a_chunks_answers_in_parts_fill_their_slots_and_count_each_once_in_the_metrics(clock):
+    metrics = CallMetrics()
+    d = Dispatcher(clock.loop, metrics=metrics, max_response_bytes=12_000)
+    d.set_methods(["a", "b"])
+    w = add_worker(d, 0, concurrency=100)
+    codec = Codec()
+    done: list[Exchange] = []
+    d.submit(body(codec, [req("a", [], 0), req("b", [], 1), req("a", [], 2), req("a", [], 3), req("b", [], 4)]),
+             done.append)
+    [frame] = w.channel.take()
+    assert frame[0] == wire.Kind.CHUNK and frame[2] == 5
+    clock.advance(0.5)
+    large, larger = b'"%s"' % (b"x" * 5000), b'"%s"' % (b"y" * 7000)
+    d.on_reply(w, wire.Kind.CHUNK_PART, frame[1], 0, chunk_answers((0, RESULT, b'"r0"')))
+    assert not done and d.in_flight_calls == 4
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers(
+        (1, ERROR, b'{"code":-32602,"message":"no"}'), (2, RESULT, b"2"), (3, RESULT, large), (4, RESULT, larger),
+    ))
+    [exchange] = done
+    assert [json.loads(a) for a in exchange.answers] == [
+        {"jsonrpc": "2.0", "id": 0, "result": "r0"},
+        {"jsonrpc": "2.0", "id": 1, "error": {"code": -32602, "message": "no"}},
+        {"jsonrpc": "2.0", "id": 2, "result": 2},
+        {"jsonrpc": "2.0", "id": 3, "result": "x" * 5000},
+        {"jsonrpc": "2.0", "id": 4, "error": {"code": -32603, "message": "Internal error",
+                                              "data": "response exceeds max_response_bytes 12000"}},
+    ]
+    assert exchange.budget.held == sum(map(len, exchange.answers))  # type: ignore[arg-type]
+    assert metrics.outcomes[0] == {OK: 3}
+    assert metrics.outcomes[1] == {ErrorCode.INVALID_PARAMS: 1, ErrorCode.INTERNAL_ERROR: 1}
+    assert metrics.latency[0].sum_us == 3 * 500_000 and metrics.latency[1].sum_us == 2 * 500_000
+    assert d.in_flight_calls == 0 and w.outstanding == 0 and d.oversize_total == 1
+
+
+def test_a_chunk_answered_all_results_at_once_is_counted_by_method(clock):
+    metrics = CallMetrics()
+    d = Dispatcher(clock.loop, metrics=metrics)
+    d.set_methods(["a", "b"])
+    w = add_worker(d, 0, concurrency=100)
+    codec = Codec()
+    done: list[Exchange] = []
+    d.submit(body(codec, [req(m, [], i) for i, m in enumerate("abaab")]), done.append)
+    [frame] = w.channel.take()
+    clock.advance(0.25)
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers(*((i, RESULT, b"%d" % i) for i in range(5))))
+    assert [json.loads(a)["result"] for a in done[0].answers] == [0, 1, 2, 3, 4]  # type: ignore[arg-type]
+    assert (metrics.outcomes[0], metrics.outcomes[1]) == ({OK: 3}, {OK: 2})
+    assert (metrics.latency[0].sum_us, metrics.latency[1].sum_us) == (3 * 250_000, 2 * 250_000)
+
+
+def test_a_gone_connections_chunk_is_answered_with_nothing_and_counted(clock):
+    metrics = CallMetrics()
+    d = Dispatcher(clock.loop, metrics=metrics, max_outgoing_bytes=50)
+    d.set_methods(["a"])
+    w = add_worker(d, 0, concurrency=100)
+    codec = Codec()
+    gone = ResponseBudget(d.outgoing)
+    done: list[Exchange] = []
+    d.submit(body(codec, [req("a", [], i) for i in range(3)]), done.append, gone)
+    [frame] = w.channel.take()
+    gone.lost()
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers(
+        (0, RESULT, b'"%s"' % (b"z" * 100)), (1, ERROR, b'{"code":-32602,"message":"no"}'), (2, RESULT, b"2")))
+    assert done[0].answers == [b"", b"", b""] and d.outgoing.held == 0 and d.outgoing.refused_total == 0
+    assert metrics.outcomes[0] == {OK: 2, ErrorCode.INVALID_PARAMS: 1}
+
+
+def test_a_chunks_answers_past_max_outgoing_bytes_are_refused_from_the_first_that_does_not_fit(clock):
+    d = Dispatcher(clock.loop, max_outgoing_bytes=100)
+    d.set_methods(["a"])
+    w = add_worker(d, 0, concurrency=100)
+    codec = Codec()
+    done: list[Exchange] = []
+    d.submit(body(codec, [req("a", [], i) for i in range(3)]), done.append)
+    [frame] = w.channel.take()
+    d.outgoing.held = 40  # (another connection's answers owed)
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers(
+        (0, RESULT, b"0"), (1, RESULT, b'"%s"' % (b"z" * 30)), (2, RESULT, b"2")))
+    answers = [json.loads(a) for a in done[0].answers]  # type: ignore[arg-type]
+    assert answers[0] == {"jsonrpc": "2.0", "id": 0, "result": 0}
+    assert [a["error"]["data"] for a in answers[1:]] == [
+        "responses owed on all connections exceed max_outgoing_bytes 100"] * 2
+    assert d.outgoing.refused_total == 2 and d.oversize_total == 0
