@@ -181,6 +181,16 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> typing.Iterator[Clock]:
     c.loop.close()
 
 
+def one_worker(
+    loop: asyncio.AbstractEventLoop, methods: list[str], concurrency: int = 100, **settings: typing.Any
+) -> tuple[Dispatcher, typing.Any, Codec, list[Exchange]]:
+    """A dispatcher (`settings`) serving `methods` on one ready worker of `concurrency` places,
+    a codec, and the list the answers go to."""
+    d = Dispatcher(loop, **settings)
+    d.set_methods(methods)
+    return d, add_worker(d, 0, concurrency=concurrency), Codec(), []
+
+
 class Process:
     """A worker's process as the dispatcher sees it: it can be killed (counted)."""
 
@@ -291,12 +301,8 @@ def test_a_cancelled_sync_call_waits_for_no_sync_call_that_came_after_it(clock):
 
 def test_answers_for_a_gone_connection_are_counted_as_the_worker_answered_and_kept_empty(clock):
     metrics = CallMetrics()
-    d = Dispatcher(clock.loop, metrics=metrics)
-    d.set_methods(["a", "b"])
-    w = add_worker(d, 0, concurrency=4)
-    codec = Codec()
+    d, w, codec, done = one_worker(clock.loop, ["a", "b"], 4, metrics=metrics)
     gone = ResponseBudget(d.outgoing)
-    done: list[Exchange] = []
     for method, id_ in (("a", 1), ("b", 2)):
         d.submit(body(codec, req(method, [], id_)), done.append, gone)
     first, second = w.channel.take()
@@ -365,11 +371,7 @@ def test_expired_shells_behind_a_live_head_are_compacted_and_the_live_calls_go_i
 
 
 def test_a_chunk_answered_whole_with_an_error_answers_each_of_its_calls_with_it(clock):
-    d = Dispatcher(clock.loop)
-    d.set_methods(["m"])
-    w = add_worker(d, 0, concurrency=100)
-    codec = Codec()
-    done: list[Exchange] = []
+    d, w, codec, done = one_worker(clock.loop, ["m"])
     d.submit(body(codec, [req("m", [], i) for i in range(4)]), done.append)
     [frame] = w.channel.take()
     assert frame[0] == wire.Kind.CHUNK and frame[2] == 4
@@ -443,12 +445,8 @@ def test_answers_too_large_are_refused_counted_and_logged_at_the_first_and_every
 
 
 def test_a_gone_connections_call_that_ends_with_a_broker_error_keeps_an_empty_answer(clock):
-    d = Dispatcher(clock.loop, timeout=5.0, max_response_bytes=100)
-    d.set_methods(["m"])
-    w = add_worker(d, 0, concurrency=4)
-    codec = Codec()
+    d, w, codec, done = one_worker(clock.loop, ["m"], 4, timeout=5.0, max_response_bytes=100)
     gone = ResponseBudget(d.outgoing)
-    done: list[Exchange] = []
     d.submit(body(codec, req("m", [], 1)), done.append, gone)
     d.submit(body(codec, req("m", [], 2)), done.append, gone)
     first, _second = w.channel.take()
@@ -507,11 +505,7 @@ def chunk_answers(*answers: tuple[int, int, bytes]) -> bytes:
 
 def test_a_chunks_answers_in_parts_fill_their_slots_and_count_each_once_in_the_metrics(clock):
     metrics = CallMetrics()
-    d = Dispatcher(clock.loop, metrics=metrics, max_response_bytes=12_000)
-    d.set_methods(["a", "b"])
-    w = add_worker(d, 0, concurrency=100)
-    codec = Codec()
-    done: list[Exchange] = []
+    d, w, codec, done = one_worker(clock.loop, ["a", "b"], metrics=metrics, max_response_bytes=12_000)
     d.submit(body(codec, [req("a", [], 0), req("b", [], 1), req("a", [], 2), req("a", [], 3), req("b", [], 4)]),
              done.append)
     [frame] = w.channel.take()
@@ -541,11 +535,7 @@ def test_a_chunks_answers_in_parts_fill_their_slots_and_count_each_once_in_the_m
 
 def test_a_chunk_answered_all_results_at_once_is_counted_by_method(clock):
     metrics = CallMetrics()
-    d = Dispatcher(clock.loop, metrics=metrics)
-    d.set_methods(["a", "b"])
-    w = add_worker(d, 0, concurrency=100)
-    codec = Codec()
-    done: list[Exchange] = []
+    d, w, codec, done = one_worker(clock.loop, ["a", "b"], metrics=metrics)
     d.submit(body(codec, [req(m, [], i) for i, m in enumerate("abaab")]), done.append)
     [frame] = w.channel.take()
     clock.advance(0.25)
@@ -557,12 +547,8 @@ def test_a_chunk_answered_all_results_at_once_is_counted_by_method(clock):
 
 def test_a_gone_connections_chunk_is_answered_with_nothing_and_counted(clock):
     metrics = CallMetrics()
-    d = Dispatcher(clock.loop, metrics=metrics, max_outgoing_bytes=50)
-    d.set_methods(["a"])
-    w = add_worker(d, 0, concurrency=100)
-    codec = Codec()
+    d, w, codec, done = one_worker(clock.loop, ["a"], metrics=metrics, max_outgoing_bytes=50)
     gone = ResponseBudget(d.outgoing)
-    done: list[Exchange] = []
     d.submit(body(codec, [req("a", [], i) for i in range(3)]), done.append, gone)
     [frame] = w.channel.take()
     gone.lost()
@@ -573,11 +559,7 @@ def test_a_gone_connections_chunk_is_answered_with_nothing_and_counted(clock):
 
 
 def test_a_chunks_answers_past_max_outgoing_bytes_are_refused_from_the_first_that_does_not_fit(clock):
-    d = Dispatcher(clock.loop, max_outgoing_bytes=100)
-    d.set_methods(["a"])
-    w = add_worker(d, 0, concurrency=100)
-    codec = Codec()
-    done: list[Exchange] = []
+    d, w, codec, done = one_worker(clock.loop, ["a"], max_outgoing_bytes=100)
     d.submit(body(codec, [req("a", [], i) for i in range(3)]), done.append)
     [frame] = w.channel.take()
     d.outgoing.held = 40  # (another connection's answers owed)
