@@ -570,3 +570,54 @@ def test_a_chunks_answers_past_max_outgoing_bytes_are_refused_from_the_first_tha
     assert [a["error"]["data"] for a in answers[1:]] == [
         "responses owed on all connections exceed max_outgoing_bytes 100"] * 2
     assert d.outgoing.refused_total == 2 and d.oversize_total == 0
+
+
+def test_a_chunks_calls_not_answered_when_its_worker_dies_are_answered_and_counted_by_method(clock):
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["a", "b"], metrics=metrics)
+    w.pid = 77
+    d.submit(body(codec, [req("a", [], 0), req("b", [], 1), req("a", [], 2)]), done.append)
+    [frame] = w.channel.take()
+    clock.advance(0.5)
+    d.on_reply(w, wire.Kind.CHUNK_PART, frame[1], 0, chunk_answers((0, RESULT, b'"r0"')))
+    d.worker_lost(w, "killed by SIGKILL")
+    died = {"code": -32002, "message": "Worker died", "data": {"pid": 77, "status": "killed by SIGKILL"}}
+    assert [json.loads(a) for a in done[0].answers] == [  # type: ignore[arg-type]
+        {"jsonrpc": "2.0", "id": 0, "result": "r0"},
+        {"jsonrpc": "2.0", "id": 1, "error": died}, {"jsonrpc": "2.0", "id": 2, "error": died},
+    ]
+    assert metrics.outcomes[0] == {OK: 1, ErrorCode.WORKER_DIED: 1} and metrics.outcomes[1] == {ErrorCode.WORKER_DIED: 1}
+    assert (metrics.latency[0].sum_us, metrics.latency[1].sum_us) == (2 * 500_000, 500_000)
+    assert done[0].budget.held == sum(map(len, done[0].answers))  # type: ignore[arg-type]
+
+
+def test_a_gone_connections_failed_chunk_is_answered_with_nothing_and_counted(clock):
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["a", "b"], metrics=metrics)
+    gone = ResponseBudget(d.outgoing)
+    d.submit(body(codec, [req("a", [], 0), req("b", [], 1), req("a", [], 2)]), done.append, gone)
+    w.channel.take()
+    gone.lost()
+    clock.advance(0.25)
+    d.worker_lost(w, "exited with 1")
+    assert done[0].answers == [b"", b"", b""] and d.outgoing.held == 0
+    assert metrics.outcomes[0] == {ErrorCode.WORKER_DIED: 2} and metrics.outcomes[1] == {ErrorCode.WORKER_DIED: 1}
+    assert metrics.latency[0].sum_us == 2 * 250_000
+
+
+@pytest.mark.parametrize("past", ["max_response_bytes", "max_outgoing_bytes"])
+def test_a_chunks_error_past_what_its_connection_may_be_owed_is_refused_call_by_call(clock, past):
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["a", "b"], metrics=metrics, **{past: 250})
+    d.submit(body(codec, [req("a", [], 0), req("b", [], 1), req("a", [], 2)]), done.append)
+    [frame] = w.channel.take()
+    error = b'{"code":-32000,"message":"%s"}' % (b"e" * 60)
+    d.on_reply(w, wire.Kind.ERROR, frame[1], 0, error)
+    answers = [json.loads(a) for a in done[0].answers]  # type: ignore[arg-type]
+    assert answers[:2] == [{"jsonrpc": "2.0", "id": i, "error": json.loads(error)} for i in range(2)]
+    data = ("response exceeds max_response_bytes 250" if past == "max_response_bytes"
+            else "responses owed on all connections exceed max_outgoing_bytes 250")
+    assert answers[2] == {"jsonrpc": "2.0", "id": 2, "error": {"code": -32603, "message": "Internal error",
+                                                                "data": data}}
+    assert (d.oversize_total, d.outgoing.refused_total) == ((1, 0) if past == "max_response_bytes" else (0, 1))
+    assert metrics.outcomes[0] == {-32000: 1, ErrorCode.INTERNAL_ERROR: 1} and metrics.outcomes[1] == {-32000: 1}
