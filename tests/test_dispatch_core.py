@@ -621,3 +621,60 @@ def test_a_chunks_error_past_what_its_connection_may_be_owed_is_refused_call_by_
                                                                 "data": data}}
     assert (d.oversize_total, d.outgoing.refused_total) == ((1, 0) if past == "max_response_bytes" else (0, 1))
     assert metrics.outcomes[0] == {-32000: 1, ErrorCode.INTERNAL_ERROR: 1} and metrics.outcomes[1] == {-32000: 1}
+
+
+def test_the_drains_end_answers_what_is_left_cancels_it_on_its_worker_and_refuses_what_comes_after(clock):
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["m"], 1, metrics=metrics)
+    d.submit(body(codec, req("m", [], "running")), done.append)
+    d.submit(body(codec, req("m", [], "queued")), done.append)
+    [running] = w.channel.take()
+    hurry = asyncio.Event()
+    drain = clock.loop.create_task(d.drain(30.0, hurry))
+    clock.advance(0.0)
+    assert not drain.done() and not done
+    hurry.set()  # (a second SIGTERM: the grace period ends now)
+    clock.advance(0.0)
+    clock.advance(0.0)
+    assert drain.done()
+    ended = {"code": ErrorCode.SHUTTING_DOWN, "message": "Shutting down", "data": "grace period ended"}
+    assert sorted((json.loads(e.body())["id"], json.dumps(json.loads(e.body())["error"])) for e in done) == [
+        ("queued", json.dumps(ended)), ("running", json.dumps(ended))]
+    assert w.channel.take() == [(wire.Kind.CANCEL, running[1], 0, b"")]
+    assert metrics.outcomes[0] == {ErrorCode.SHUTTING_DOWN: 2}
+    assert (d.accepting, d._draining, d._serving) == (False, False, False)
+    late = d.submit(body(codec, req("m", [], "late")), done.append)
+    assert late is not None and json.loads(late.body())["error"] == ended and not w.channel.take()
+
+
+def test_a_gone_connections_calls_are_counted_one_by_one_and_its_worker_killed_if_it_never_acknowledges(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m"], 2, timeout=10.0, cancel_grace=2.0)
+    w.process = Process()
+    gone = ResponseBudget(d.outgoing)
+    for i in range(4):
+        d.submit(body(codec, req("m", [], i)), done.append, gone)
+    sent = w.channel.take()
+    assert len(sent) == 1 and d.queued_calls == 3  # (its share of the 2 places: 1)
+    clock.advance(9.5)
+    gone.lost()
+    d.abandon(gone)
+    assert d.abandoned_total == {"queued": 3, "in_flight": 1} and d.queued_calls == 0 and not done
+    assert w.channel.take() == [(wire.Kind.CANCEL, sent[0][1], 0, b"")]
+    clock.advance(2.4)  # not before its deadline (0.5 s on) and cancel_grace
+    assert w.process.kills == 0
+    clock.advance(0.2)
+    assert w.process.kills == 1 and w.kill_reason.startswith("hung")
+
+
+def test_a_gone_connections_expired_shells_leave_the_queue_with_its_calls(clock):
+    d, _w, codec, done = one_worker(clock.loop, ["m", "short"], 1, timeout=10.0, method_timeouts={"short": 1.0})
+    gone = ResponseBudget(d.outgoing)
+    d.submit(body(codec, req("m", [], "busy")), done.append, gone)
+    for method, id_ in (("m", 0), ("short", 1), ("short", 2), ("m", 3)):
+        d.submit(body(codec, req(method, [], id_)), done.append, gone)
+    clock.advance(1.05)  # the two short ones expire behind a live head: shells
+    assert codes(done) == [ErrorCode.TIMED_OUT] * 2 and d._expired_queued == 2 and len(d._queue) == 4
+    gone.lost()
+    d.abandon(gone)
+    assert d.abandoned_total == {"queued": 2, "in_flight": 1}
+    assert (len(d._queue), d._expired_queued, d.queued_calls, d.queued_bytes) == (0, 0, 0, 0)
