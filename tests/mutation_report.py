@@ -26,7 +26,7 @@ EQUIVALENT = ROOT / "tests" / "mutation_equivalent.txt"
 # mutmut 3.8's exit codes (mutmut/stats.py `status_by_exit_code`), grouped
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "survived", 33: "survived",
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", -9: "timeout"}
-COLUMNS = ("killed", "timeout", "survived", "equivalent", "other")
+COLUMNS = ("killed", "timeout", "survived", "equivalent", "other", "not run")
 
 
 def equivalents(path: Path = EQUIVALENT) -> dict[str, str]:
@@ -69,7 +69,7 @@ def main() -> int:
     survivors: list[str] = []
     problems: list[str] = []
     for name, (module, code) in sorted(found.items()):
-        status = STATUS.get(code, "other") if code is not None else "other"
+        status = STATUS.get(code, "other") if code is not None else "not run"
         if name in judged:
             if status in ("killed", "timeout"):
                 problems.append(f"{name} is listed as equivalent but was {status}: not equivalent")
@@ -78,19 +78,22 @@ def main() -> int:
         elif status == "survived":
             survivors.append(name)
         elif status == "other":
-            problems.append(f"{name}: mutmut exit code {code} (not run, suspicious or crashed)")
+            problems.append(f"{name}: mutmut exit code {code} (suspicious or crashed)")
         counts.setdefault(module, Counter())[status] += 1
     problems += [f"{name} is listed as equivalent but mutmut made no such mutant" for name in judged
                  if name not in found]
+    unrun = sum(c["not run"] for c in counts.values())
+    if unrun:
+        problems.append(f"{unrun} mutants not run yet (an interrupted run?): left out of the score")
 
     total: Counter[str] = Counter()
     width = max(len(m) for m in counts)
-    print(f"{'module':<{width}}  " + "  ".join(f"{c:>10}" for c in COLUMNS) + "       score")
+    print(f"{'module':<{width}}  " + "  ".join(f"{c:>10}" for c in COLUMNS) + "        score")
     for module, c in sorted(counts.items()):
         total += c
         print(f"{module:<{width}}  " + "  ".join(f"{c[k]:>10}" for k in COLUMNS) + f"  {score(c):>9.1f} %")
     print(f"{'total':<{width}}  " + "  ".join(f"{total[k]:>10}" for k in COLUMNS) + f"  {score(total):>9.1f} %")
-    print(f"\n{total['killed'] + total['timeout']} of {sum(total.values()) - total['equivalent']} non-equivalent "
+    print(f"\n{total['killed'] + total['timeout']} of {sum(total.values()) - total['equivalent'] - total['not run']} non-equivalent "
           f"mutants killed ({total['killed']} by a failing test, {total['timeout']} by a timeout): "
           f"{score(total):.1f} %; {total['survived']} survived, {total['equivalent']} equivalent")
     if args.survivors and survivors:
@@ -105,8 +108,8 @@ def main() -> int:
 
 
 def score(c: Counter[str]) -> float:
-    """Killed or timed out, in % of the mutants not judged equivalent."""
-    counted = sum(c.values()) - c["equivalent"]
+    """Killed or timed out, in % of the mutants run and not judged equivalent."""
+    counted = sum(c.values()) - c["equivalent"] - c["not run"]
     return 100.0 * (c["killed"] + c["timeout"]) / counted if counted else 100.0
 
 
