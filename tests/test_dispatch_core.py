@@ -15,11 +15,12 @@ import struct
 import typing
 
 import pytest
-from test_dispatch import add_worker, body, req, run
+from test_dispatch import add_worker, body, make_call, req, run
 
 from broker import chunk, wire
 from broker.answers import Exchange, ResponseBudget
 from broker.calls import Route
+from broker.deadlines import DeadlineWheel
 from broker.dispatch import Dispatcher
 from broker.jsonrpc import Codec, ErrorCode, Request
 from broker.metrics import OK, CallMetrics
@@ -678,3 +679,26 @@ def test_a_gone_connections_expired_shells_leave_the_queue_with_its_calls(clock)
     d.abandon(gone)
     assert d.abandoned_total == {"queued": 2, "in_flight": 1}
     assert (len(d._queue), d._expired_queued, d.queued_calls, d.queued_bytes) == (0, 0, 0, 0)
+
+
+# -- broker/deadlines.py: a call armed at another's tick (a chunk's calls given back) ---
+
+
+def test_calls_armed_at_a_tick_fire_there_and_an_earlier_tick_rearms_the_one_timer(clock):
+    fired: list[tuple[int, float]] = []
+    wheel = DeadlineWheel(clock.loop, lambda c: fired.append((c.call_id, clock.now)), resolution=0.5)
+    a, b, c, late = (make_call(i, 1.0) for i in range(1, 5))
+    wheel.add_like(a, 2010)  # at 1005 s, loop time
+    assert (a.tick, wheel._armed, len(wheel)) == (2010, 2010, 1)
+    wheel.add_like(b, 2010)
+    assert (b.tick, wheel._armed, len(wheel), wheel._ticks) == (2010, 2010, 2, [2010])
+    wheel.add_like(c, 2004)  # earlier: the timer is armed for it
+    assert (wheel._armed, wheel._ticks) == (2004, [2004, 2010])
+    wheel.add_like(late, 2020)  # later: the timer stays
+    assert wheel._armed == 2004 and sorted(wheel._ticks) == [2004, 2010, 2020]
+    clock.advance(1.9)
+    assert fired == []
+    clock.advance(0.1)
+    assert fired == [(3, 1002.0)] and c.tick == 0 and wheel._armed == 2010
+    clock.advance(3.0)
+    assert fired == [(3, 1002.0), (1, 1005.0), (2, 1005.0)] and len(wheel) == 1
