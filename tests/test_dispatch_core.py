@@ -702,3 +702,33 @@ def test_calls_armed_at_a_tick_fire_there_and_an_earlier_tick_rearms_the_one_tim
     assert fired == [(3, 1002.0)] and c.tick == 0 and wheel._armed == 2010
     clock.advance(3.0)
     assert fired == [(3, 1002.0), (1, 1005.0), (2, 1005.0)] and len(wheel) == 1
+
+
+# -- notifications that never ran: counted, as they get no answer -----------------------
+
+
+def test_notifications_a_worker_says_never_started_are_counted_dropped_and_no_others(clock):
+    d, w, codec, _done = one_worker(clock.loop, ["m"])
+
+    def note(n: int) -> dict[str, object]:
+        return {"jsonrpc": "2.0", "method": "m", "params": [n]}
+
+    d.submit(body(codec, note(0)), lambda e: None)
+    d.submit(body(codec, note(1)), lambda e: None)
+    d.submit(body(codec, [note(i) for i in range(2, 6)]), lambda e: None)  # a chunk of 4
+    d.submit(body(codec, [note(i) for i in range(6, 9)]), lambda e: None)  # a chunk of 3
+    d.submit(body(codec, [note(i) for i in range(9, 12)]), lambda e: None)  # a chunk of 3
+    single0, single1, four, three, other = w.channel.take()
+    assert [(f[0], f[2]) for f in (four, three, other)] == [(wire.Kind.CHUNK, 4), (wire.Kind.CHUNK, 3),
+                                                             (wire.Kind.CHUNK, 3)]
+    d.on_reply(w, wire.Kind.ERROR, single0[1], wire.NOT_RUN, wire.CANCEL_ACK)  # its deadline passed first
+    d.on_reply(w, wire.Kind.ERROR, single1[1], 5, b'{"code":-32000,"message":"ran, and failed"}')
+    assert d.notifications_dropped == {ErrorCode.TIMED_OUT: 1}
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, four[1], 0, chunk_answers(
+        (0, RESULT, b"null"), (1, ERROR, wire.CANCEL_ACK), (2, ERROR, b'{"code":1,"message":"x"}'),
+        (3, ERROR, wire.CANCEL_ACK)))
+    assert d.notifications_dropped == {ErrorCode.TIMED_OUT: 3}
+    d.on_reply(w, wire.Kind.ERROR, three[1], wire.NOT_RUN, wire.CANCEL_ACK)  # the whole chunk, unrun
+    d.on_reply(w, wire.Kind.ERROR, other[1], 5, b'{"code":-32000,"message":"no"}')  # ran: not counted
+    assert d.notifications_dropped == {ErrorCode.TIMED_OUT: 6}
+    assert d.in_flight_calls == 0 and w.outstanding == 0
