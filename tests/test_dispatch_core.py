@@ -732,3 +732,36 @@ def test_notifications_a_worker_says_never_started_are_counted_dropped_and_no_ot
     d.on_reply(w, wire.Kind.ERROR, other[1], 5, b'{"code":-32000,"message":"no"}')  # ran: not counted
     assert d.notifications_dropped == {ErrorCode.TIMED_OUT: 6}
     assert d.in_flight_calls == 0 and w.outstanding == 0
+
+
+def test_replies_to_calls_answered_already_are_counted_late_results_or_late_cancels(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m"], timeout=1.0, cancel_grace=100.0)
+    d.submit(body(codec, req("m", [], "a")), done.append)
+    d.submit(body(codec, req("m", [], "b")), done.append)
+    d.submit(body(codec, [req("m", [], i) for i in range(3)]), done.append)
+    d.submit(body(codec, {"jsonrpc": "2.0", "method": "m", "params": []}), done.append)  # a notification
+    single_a, single_b, three, note = w.channel.take()
+    assert three[0] == wire.Kind.CHUNK and note[0] == wire.Kind.NOTIFY
+    clock.advance(1.05)  # every deadline passes: answered -32001, told to cancel
+    assert len(done) == 3 and (d.late_results_total, d.late_cancelled_total) == (0, 0)
+    d.on_reply(w, wire.Kind.RESULT, single_a[1], 10, b"1")  # it ran to the end all the same
+    d.on_reply(w, wire.Kind.ERROR, single_b[1], wire.NOT_RUN, wire.CANCEL_ACK)
+    assert (d.late_results_total, d.late_cancelled_total) == (1, 1)
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, three[1], 0, chunk_answers(
+        (0, RESULT, b"0"), (1, ERROR, wire.CANCEL_ACK), (2, ERROR, wire.CANCEL_ACK_RAN)))
+    assert (d.late_results_total, d.late_cancelled_total) == (2, 3)
+    d.on_reply(w, wire.Kind.RESULT, note[1], 10, b"null")  # a notification's: owed nothing, not late
+    assert (d.late_results_total, d.late_cancelled_total) == (2, 3)
+    assert d.in_flight_calls == 0 and w.outstanding == 0 and not w.overdue
+
+
+def test_a_late_whole_error_for_a_chunk_counts_each_of_its_calls(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m"], timeout=1.0, cancel_grace=100.0)
+    d.submit(body(codec, [req("m", [], i) for i in range(3)]), done.append)
+    d.submit(body(codec, [req("m", [], i) for i in range(4)]), done.append)
+    three, four = w.channel.take()
+    clock.advance(1.05)
+    d.on_reply(w, wire.Kind.ERROR, three[1], wire.NOT_RUN, wire.CANCEL_ACK)
+    assert (d.late_results_total, d.late_cancelled_total) == (0, 3)
+    d.on_reply(w, wire.Kind.ERROR, four[1], 5, b'{"code":-32000,"message":"no"}')
+    assert (d.late_results_total, d.late_cancelled_total) == (4, 3)
