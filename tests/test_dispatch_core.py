@@ -765,3 +765,39 @@ def test_a_late_whole_error_for_a_chunk_counts_each_of_its_calls(clock):
     assert (d.late_results_total, d.late_cancelled_total) == (0, 3)
     d.on_reply(w, wire.Kind.ERROR, four[1], 5, b'{"code":-32000,"message":"no"}')
     assert (d.late_results_total, d.late_cancelled_total) == (4, 3)
+
+
+def test_calls_shed_are_logged_at_the_first_then_each_interval_that_shed_any_and_at_the_drain(clock, caplog):
+    d, _w, codec, done = one_worker(clock.loop, ["m"], 1, max_queue=0, timeout=1000.0)
+    d.submit(body(codec, req("m", [], "busy")), done.append)
+    note = {"jsonrpc": "2.0", "method": "m", "params": []}
+    refused: list[Exchange | None] = []
+
+    def shed(payload: object) -> None:
+        refused.append(d.submit(body(codec, payload), done.append, ResponseBudget(d.outgoing)))
+
+    with caplog.at_level("WARNING", logger="broker.dispatch"):
+        shed(req("m", [], 1))
+        clock.advance(10.0)
+        shed(req("m", [], 2))
+        shed(req("m", [], 3))
+        clock.advance(50.0)  # the interval ends: its 2
+        clock.advance(60.0)  # one that shed nothing: no line, and the next is said at once
+        shed(req("m", [], 4))
+        clock.advance(30.0)
+        shed(note)
+        hurry = asyncio.Event()
+        hurry.set()
+        drain = clock.loop.create_task(d.drain(30.0, hurry))
+        clock.advance(0.0)
+        clock.advance(0.0)
+        assert drain.done()
+        clock.advance(120.0)  # (no line after the drain's)
+    first = "; max_queue 0 calls, max_queue_bytes 67108864 (how many more: a line every 60 s while it goes on)"
+    assert [r.getMessage() for r in caplog.records] == [
+        "queue full: 1 call(s) refused -32000 (Server overloaded)" + first,
+        "queue full: 2 call(s) refused -32000 (Server overloaded) in the last 60 s",
+        "queue full: 1 call(s) refused -32000 (Server overloaded)" + first,
+        "queue full: 1 notification(s) dropped in the last 30 s",
+    ]
+    assert codes([e for e in refused if e is not None]) == [ErrorCode.OVERLOADED] * 4 and refused[-1] is None
