@@ -801,3 +801,20 @@ def test_calls_shed_are_logged_at_the_first_then_each_interval_that_shed_any_and
         "queue full: 1 notification(s) dropped in the last 30 s",
     ]
     assert codes([e for e in refused if e is not None]) == [ErrorCode.OVERLOADED] * 4 and refused[-1] is None
+
+
+def test_a_gone_connections_queued_chunk_of_notifications_still_runs(clock):
+    d, w, codec, _done = one_worker(clock.loop, ["m"], 8)  # a connection's share: 4 places
+    gone = ResponseBudget(d.outgoing)
+    for i in range(8):  # the worker full, with calls of other connections
+        d.submit(body(codec, req("m", [], i)), lambda e: None, ResponseBudget(d.outgoing))
+    notes = d.submit(body(codec, [{"jsonrpc": "2.0", "method": "m", "params": [i]} for i in range(3)]),
+                     lambda e: None, gone)
+    assert notes is None and d.queued_calls == 3 and len(d._queue) == 1  # one chunk, owed nothing
+    busy = w.channel.take()
+    gone.lost()
+    d.abandon(gone)
+    assert d.abandoned_total == {"queued": 0, "in_flight": 0} and d.queued_calls == 3
+    d.on_reply(w, wire.Kind.RESULT, busy[0][1], 0, b"0")
+    [frame] = w.channel.take()
+    assert (frame[0], frame[2], w.channel.flows[frame[1]] & ~wire.RETURNABLE) == (wire.Kind.CHUNK, 3, gone.flow)
