@@ -19,7 +19,7 @@ from test_dispatch import add_worker, body, make_call, req, run
 
 from broker import chunk, wire
 from broker.answers import Exchange, ResponseBudget
-from broker.calls import Route
+from broker.calls import NO_ID, Call, Route
 from broker.deadlines import DeadlineWheel
 from broker.dispatch import Dispatcher
 from broker.jsonrpc import Codec, ErrorCode, Request
@@ -818,3 +818,21 @@ def test_a_gone_connections_queued_chunk_of_notifications_still_runs(clock):
     d.on_reply(w, wire.Kind.RESULT, busy[0][1], 0, b"0")
     [frame] = w.channel.take()
     assert (frame[0], frame[2], w.channel.flows[frame[1]] & ~wire.RETURNABLE) == (wire.Kind.CHUNK, 3, gone.flow)
+
+
+def test_a_chunk_call_is_its_entries_and_is_owed_an_answer_unless_all_are_notifications(loop):
+    budget = ResponseBudget(Dispatcher(loop).outgoing)
+    exchange = Exchange(True, 200, lambda e: None, [None, None], budget=budget)
+    entries = [(0, Request("2.0", "a", params=b"[1]", id=b"1"), Route(4, 5.0)),
+               (-1, Request("2.0", "b", params=b"[]"), Route(2, 5.0)),
+               (1, Request("2.0", "a", params=b"[2]", id=b'"x"'), Route(4, 5.0))]
+    call = Call.chunk(9, exchange, entries, 5.0, 12.5)
+    assert (call.call_id, call.exchange, call.slot, call.kind, call.index) == (9, exchange, -1, wire.CHUNK, 3)
+    assert call.id is NO_ID
+    assert (call.timeout, call.arrival, call.sync, call.owner, call.weight) == (5.0, 12.5, 0, budget, 3)
+    assert (call.slots, call.methods) == ([0, -1, 1], [4, 2, 4])
+    assert [bytes(id_) for id_ in call.ids or ()] == [b"1", b"", b'"x"']
+    assert call.params == chunk.encode_requests(entries)[0]
+    assert Call.chunk(10, exchange, entries, 5.0, 12.5, sync=True).sync == 3
+    notes = [(-1, Request("2.0", "b", params=b"[]"), Route(2, 5.0))] * 2
+    assert Call.chunk(11, exchange, notes, 5.0, 12.5).exchange is None
