@@ -836,3 +836,38 @@ def test_a_chunk_call_is_its_entries_and_is_owed_an_answer_unless_all_are_notifi
     assert Call.chunk(10, exchange, entries, 5.0, 12.5, sync=True).sync == 3
     notes = [(-1, Request("2.0", "b", params=b"[]"), Route(2, 5.0))] * 2
     assert Call.chunk(11, exchange, notes, 5.0, 12.5).exchange is None
+
+
+def test_a_hung_chunk_is_named_so_and_an_async_call_waits_for_nothing_when_no_sync_call_is_there(clock, caplog):
+    clock.now = 0.0  # (the broker's clocks near their start: nothing to wait for is 0.0, not "later")
+    d, w, codec, done = one_worker(clock.loop, ["a", "b", "c", "d"], timeout=0.2, cancel_grace=0.3)
+    w.process = Process()
+    d.submit(body(codec, [req("a", [], i) for i in range(3)]), done.append)  # a chunk of 3: index 3 < 4 names
+    d.submit(body(codec, req("b", [], "b")), done.append)
+    assert [f[0] for f in w.channel.take()] == [wire.Kind.CHUNK, wire.Kind.CALL]
+    clock.advance(0.25)
+    assert w.process.kills == 0
+    with caplog.at_level("WARNING", logger="broker.dispatch"):
+        clock.advance(0.31)
+    assert w.process.kills == 1
+    assert "has not answered call 1 (a batch chunk) 0.3 s after its deadline" in caplog.records[0].getMessage()
+
+
+def test_a_reload_translates_a_chunk_in_flight_and_a_queued_call_behind_an_expired_shell(clock):
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["a", "b", "short"], 3, metrics=metrics, connection_share=1.0,
+                                   method_timeouts={"short": 1.0})
+    d.submit(body(codec, [req("a", [], 0), req("b", [], 1), req("a", [], 2)]), done.append)  # a chunk, in flight
+    budget = ResponseBudget(d.outgoing)
+    for method, id_ in (("a", "head"), ("short", "shell"), ("a", "queued")):
+        d.submit(body(codec, req(method, [], id_)), done.append, budget)
+    [in_flight] = w.channel.take()
+    clock.advance(1.05)  # "short" expires in the queue: a shell before the queued call
+    assert in_flight[0] == wire.Kind.CHUNK and len(d._queue) == 3 and d._expired_queued == 1
+    d.set_methods(["b", "a", "short"])
+    clock.advance(0.2)
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, in_flight[1], 0,
+               chunk_answers((0, RESULT, b"0"), (1, RESULT, b"1"), (2, RESULT, b"2")))
+    assert (metrics.outcomes[0], metrics.outcomes[1]) == ({OK: 1}, {OK: 2})  # b, a: their new indexes
+    assert [(f[0], f[2], json.loads(f[3])) for f in w.channel.take()] == [(wire.Kind.CALL, 1, [])] * 2
+    assert [a["result"] for a in json.loads(done[-1].body())] == [0, 1, 2]
