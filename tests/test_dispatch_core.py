@@ -606,21 +606,25 @@ def test_a_gone_connections_failed_chunk_is_answered_with_nothing_and_counted(cl
     assert metrics.latency[0].sum_us == 2 * 250_000
 
 
-@pytest.mark.parametrize("past", ["max_response_bytes", "max_outgoing_bytes"])
-def test_a_chunks_error_past_what_its_connection_may_be_owed_is_refused_call_by_call(clock, past):
+@pytest.mark.parametrize(("limits", "data"), [
+    ({"max_response_bytes": 242}, "response exceeds max_response_bytes 242"),
+    ({"max_outgoing_bytes": 242}, "responses owed on all connections exceed max_outgoing_bytes 242"),
+    ({"max_outgoing_bytes": 242, "max_response_bytes": 363},  # (the third at max_response_bytes, not past it)
+     "responses owed on all connections exceed max_outgoing_bytes 242"),
+])
+def test_a_chunks_error_past_what_its_connection_may_be_owed_is_refused_call_by_call(clock, limits, data):
     metrics = CallMetrics()
-    d, w, codec, done = one_worker(clock.loop, ["a", "b"], metrics=metrics, **{past: 250})
+    d, w, codec, done = one_worker(clock.loop, ["a", "b"], metrics=metrics, **limits)
     d.submit(body(codec, [req("a", [], 0), req("b", [], 1), req("a", [], 2)]), done.append)
     [frame] = w.channel.take()
     error = b'{"code":-32000,"message":"%s"}' % (b"e" * 60)
     d.on_reply(w, wire.Kind.ERROR, frame[1], 0, error)
+    assert [len(a) for a in done[0].answers[:2]] == [121, 121]  # type: ignore[arg-type]  # two: the limit, exactly
     answers = [json.loads(a) for a in done[0].answers]  # type: ignore[arg-type]
     assert answers[:2] == [{"jsonrpc": "2.0", "id": i, "error": json.loads(error)} for i in range(2)]
-    data = ("response exceeds max_response_bytes 250" if past == "max_response_bytes"
-            else "responses owed on all connections exceed max_outgoing_bytes 250")
     assert answers[2] == {"jsonrpc": "2.0", "id": 2, "error": {"code": -32603, "message": "Internal error",
                                                                 "data": data}}
-    assert (d.oversize_total, d.outgoing.refused_total) == ((1, 0) if past == "max_response_bytes" else (0, 1))
+    assert (d.oversize_total, d.outgoing.refused_total) == ((1, 0) if "max_response" in data else (0, 1))
     assert metrics.outcomes[0] == {-32000: 1, ErrorCode.INTERNAL_ERROR: 1} and metrics.outcomes[1] == {-32000: 1}
 
 
