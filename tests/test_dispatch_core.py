@@ -15,7 +15,7 @@ import struct
 import typing
 
 import pytest
-from test_dispatch import add_worker, body, make_call, req, run
+from test_dispatch import _entries_from, add_worker, body, make_call, req, run
 
 from broker import chunk, wire
 from broker.answers import Exchange, ResponseBudget
@@ -384,9 +384,12 @@ def test_a_chunk_answered_whole_with_an_error_answers_each_of_its_calls_with_it(
     assert d.in_flight_calls == 0 and w.outstanding == 0
 
 
-def _bad_returns(d: Dispatcher, w: typing.Any, other: typing.Any, single: int, chunk_id: int) -> list[tuple[int, int]]:
-    """RETURNs of calls a worker does not hold: (call id, place) each, as sent."""
-    returns = [(999, 0), (single, 1), (chunk_id, 3), (chunk_id, -1)]
+def _bad_returns(
+    d: Dispatcher, w: typing.Any, other: typing.Any, single: int, chunk_id: int, size: int
+) -> list[tuple[int, int]]:
+    """RETURNs of calls a worker does not hold (the chunk's `size` calls from past its last
+    on, or from before its first): (call id, place) each, as sent."""
+    returns = [(999, 0), (single, 1), (chunk_id, size), (chunk_id, -1)]
     for call_id, place in returns:
         d.on_reply(w, wire.Kind.RETURN, call_id, place, b"")
     d.on_reply(other, wire.Kind.RETURN, single, 0, b"")
@@ -407,7 +410,8 @@ def test_a_worker_giving_back_calls_it_does_not_hold_is_logged_and_changes_nothi
     holder = w if chunk_id in w.channel.flows else other
     before = (d.in_flight_calls, w.outstanding, other.outstanding, d.returned_total)
     with caplog.at_level("WARNING", logger="broker.dispatch"):
-        bad = _bad_returns(d, holder, other if holder is w else w, single, chunk_id)
+        size = next(f[2] for f in frames if f[0] == wire.Kind.CHUNK)
+        bad = _bad_returns(d, holder, other if holder is w else w, single, chunk_id, size)
     assert (d.in_flight_calls, w.outstanding, other.outstanding, d.returned_total) == before
     assert d.queued_calls == 0
     assert [r.getMessage() for r in caplog.records] == [
@@ -875,3 +879,54 @@ def test_a_reload_translates_a_chunk_in_flight_and_a_queued_call_behind_an_expir
     assert (metrics.outcomes[0], metrics.outcomes[1]) == ({OK: 1}, {OK: 2})  # b, a: their new indexes
     assert [(f[0], f[2], json.loads(f[3])) for f in w.channel.take()] == [(wire.Kind.CALL, 1, [])] * 2
     assert [a["result"] for a in json.loads(done[-1].body())] == [0, 1, 2]
+
+
+def test_a_chunk_given_back_in_part_gives_back_the_large_params_of_those_calls(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m"], max_worker_params_bytes=10_000)
+    d._heavy_bytes = 20  # large params at this test's scale
+    budget = ResponseBudget(d.outgoing)
+    params = [[i, "x" * 20] for i in range(3)]  # 27 bytes each, as sent: [0, "xx...x"]
+    d.submit(body(codec, [req("m", p, i) for i, p in enumerate(params)]), done.append, budget)
+    [frame] = w.channel.take()
+    assert frame[0] == wire.Kind.CHUNK and frame[2] == 3 and w.channel.flows[frame[1]] & wire.RETURNABLE
+    call = d._pending[frame[1]]
+    assert (call.heavy, w.heavy, budget.heavy, list(w.heavy_calls)) == (81, 81, 81, [call])
+    d.on_reply(w, wire.Kind.RETURN, frame[1], 1, _entries_from(frame[3], 1))  # it started the first only
+    [again] = w.channel.take()  # the two given back go one by one, as blocking sync calls: one now
+    single = d._pending[again[1]]
+    assert (call.heavy, single.heavy, w.heavy, budget.heavy) == (27, 27, 54, 54)
+    assert list(w.heavy_calls) == [call, single] and d.returned_total == 2 and d.queued_calls == 1
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers((0, RESULT, b"0")))
+    assert (w.heavy, budget.heavy, list(w.heavy_calls)) == (27, 27, [single])
+
+
+def test_a_blocking_sync_call_given_back_frees_its_worker_and_goes_again(clock):
+    d, w, codec, done = one_worker(clock.loop, ["s"], 4)
+    d.set_methods(["s"], sync_methods=["s"])  # unmeasured: blocking
+    budget = ResponseBudget(d.outgoing)
+    d.submit(body(codec, req("s", [], 1)), done.append, budget)
+    [frame] = w.channel.take()
+    assert (w.blocked, w.sync_calls, budget.blocking, d._blocked, w.limit) == (True, 1, 1, 1, 1)
+    assert not w.channel.flows[frame[1]] & wire.RETURNABLE
+    d.on_reply(w, wire.Kind.RETURN, frame[1], 0, frame[3])  # (a worker of another broker's would)
+    [again] = w.channel.take()
+    assert again[0] == wire.Kind.CALL and again[3] == frame[3] and d.returned_total == 1
+    assert (w.blocked, w.sync_calls, budget.blocking, d._blocked, w.limit, w.outstanding) == (True, 1, 1, 1, 1, 1)
+    d.on_reply(w, wire.Kind.RESULT, again[1], 5_000, b'"done"')
+    assert json.loads(done[0].body())["result"] == "done"
+    assert (w.blocked, w.sync_calls, budget.blocking, d._blocked, w.limit, w.outstanding) == (False, 0, 0, 0, 4, 0)
+
+
+def test_calls_given_back_after_their_deadline_are_counted_late_cancels_from_the_first(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m"], timeout=1.0, cancel_grace=100.0)
+    d.submit(body(codec, [req("m", [], i) for i in range(3)]), done.append)
+    d.submit(body(codec, {"jsonrpc": "2.0", "method": "m", "params": []}), done.append)
+    d.submit(body(codec, req("m", [], "single")), done.append)
+    three, note, single = w.channel.take()
+    clock.advance(1.05)
+    d.on_reply(w, wire.Kind.RETURN, single[1], 0, single[3])
+    assert d.late_cancelled_total == 1
+    d.on_reply(w, wire.Kind.RETURN, three[1], 0, three[3])  # all of it, from its first call
+    assert d.late_cancelled_total == 4
+    d.on_reply(w, wire.Kind.RETURN, note[1], 0, note[3])  # a notification: owed nothing
+    assert d.late_cancelled_total == 4 and d.returned_total == 5 and d.queued_calls == 0 and w.outstanding == 0
