@@ -930,3 +930,26 @@ def test_calls_given_back_after_their_deadline_are_counted_late_cancels_from_the
     assert d.late_cancelled_total == 4
     d.on_reply(w, wire.Kind.RETURN, note[1], 0, note[3])  # a notification: owed nothing
     assert d.late_cancelled_total == 4 and d.returned_total == 5 and d.queued_calls == 0 and w.outstanding == 0
+
+
+def test_a_chunk_given_back_whole_goes_again_call_by_call_each_answered_in_its_slot(clock):
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["m"], metrics=metrics, timeout=5.0)
+    budget = ResponseBudget(d.outgoing)
+    d.submit(body(codec, [req("m", [i], i) for i in range(3)]), done.append, budget)
+    [frame] = w.channel.take()
+    clock.advance(1.0)
+    d.on_reply(w, wire.Kind.RETURN, frame[1], 0, frame[3])  # none started
+    for i in range(2):
+        [single] = w.channel.take()  # one at a time: blocking sync calls, one a connection
+        assert (single[0], json.loads(single[3]), w.sync_calls, budget.blocking) == (wire.Kind.CALL, [i], 1, 1)
+        assert w.channel.deadlines[single[1]] == w.channel.deadlines.get(frame[1])  # the chunk's deadline
+        d.on_reply(w, wire.Kind.RESULT, single[1], 2_000_000, b'"r%d"' % i)
+    [last] = w.channel.take()
+    clock.advance(4.25)  # the chunk's deadline passes
+    answers = json.loads(done[0].body())
+    assert answers == [{"jsonrpc": "2.0", "id": 0, "result": "r0"}, {"jsonrpc": "2.0", "id": 1, "result": "r1"},
+                       {"jsonrpc": "2.0", "id": 2, "error": {"code": -32001, "message": "Call timed out",
+                                                            "data": {"timeout_seconds": 5.0}}}]
+    assert metrics.outcomes[0] == {OK: 2, ErrorCode.TIMED_OUT: 1}
+    assert metrics.latency[0].sum_us == 2 * 1_000_000 + 5_250_000 and last[0] == wire.Kind.CALL
