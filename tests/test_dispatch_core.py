@@ -21,7 +21,7 @@ from broker import chunk, wire
 from broker.answers import Exchange, ResponseBudget
 from broker.calls import NO_ID, Call, Route
 from broker.deadlines import DeadlineWheel
-from broker.dispatch import Dispatcher
+from broker.dispatch import CallState, Dispatcher
 from broker.jsonrpc import Codec, ErrorCode, Request
 from broker.metrics import OK, CallMetrics
 from broker.wire import CALL_ENTRY, ERROR, NOTIFY_FLAG, REPLY_ENTRY, RESULT
@@ -882,7 +882,8 @@ def test_a_reload_translates_a_chunk_in_flight_and_a_queued_call_behind_an_expir
 
 
 def test_a_chunk_given_back_in_part_gives_back_the_large_params_of_those_calls(clock):
-    d, w, codec, done = one_worker(clock.loop, ["m"], max_worker_params_bytes=10_000)
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["m"], max_worker_params_bytes=10_000, metrics=metrics)
     d._heavy_bytes = 20  # large params at this test's scale
     budget = ResponseBudget(d.outgoing)
     params = [[i, "x" * 20] for i in range(3)]  # 27 bytes each, as sent: [0, "xx...x"]
@@ -896,8 +897,9 @@ def test_a_chunk_given_back_in_part_gives_back_the_large_params_of_those_calls(c
     single = d._pending[again[1]]
     assert (call.heavy, single.heavy, w.heavy, budget.heavy) == (27, 27, 54, 54)
     assert list(w.heavy_calls) == [call, single] and d.returned_total == 2 and d.queued_calls == 1
-    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers((0, RESULT, b"0")))
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers((0, RESULT, b"0")))  # (a chunk of 1 now)
     assert (w.heavy, budget.heavy, list(w.heavy_calls)) == (27, 27, [single])
+    assert metrics.outcomes[0] == {OK: 1}
 
 
 def test_a_blocking_sync_call_given_back_frees_its_worker_and_goes_again(clock):
@@ -953,3 +955,18 @@ def test_a_chunk_given_back_whole_goes_again_call_by_call_each_answered_in_its_s
                                                             "data": {"timeout_seconds": 5.0}}}]
     assert metrics.outcomes[0] == {OK: 2, ErrorCode.TIMED_OUT: 1}
     assert metrics.latency[0].sum_us == 2 * 1_000_000 + 5_250_000 and last[0] == wire.Kind.CALL
+
+
+def test_a_calls_state_is_read_from_where_the_dispatcher_holds_it(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m", "short"], 1, timeout=10.0, method_timeouts={"short": 1.0},
+                                   cancel_grace=100.0)
+    budget = ResponseBudget(d.outgoing)
+    for method, id_ in (("short", "sent"), ("m", "head"), ("short", "shell")):
+        d.submit(body(codec, req(method, [], id_)), done.append, budget)
+    sent, head, shell = next(iter(d._pending.values())), *d._queue
+    assert [d.state_of(c) for c in (sent, head, shell)] == [CallState.IN_FLIGHT, CallState.QUEUED, CallState.QUEUED]
+    clock.advance(1.05)
+    assert [d.state_of(c) for c in (sent, head, shell)] == [
+        CallState.ANSWERED_AWAITING_WORKER, CallState.QUEUED, CallState.ANSWERED_IN_QUEUE]
+    d.on_reply(w, wire.Kind.ERROR, sent.call_id, wire.NOT_RUN, wire.CANCEL_ACK)
+    assert [d.state_of(c) for c in (sent, head)] == [CallState.ENDED, CallState.IN_FLIGHT]
