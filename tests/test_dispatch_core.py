@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import types
 import typing
 
 import pytest
@@ -23,6 +24,7 @@ from broker.calls import NO_ID, Call, Route
 from broker.deadlines import DeadlineWheel
 from broker.dispatch import CallState, Dispatcher
 from broker.jsonrpc import Codec, ErrorCode, Request
+from broker.membership import _address, _clients
 from broker.metrics import OK, CallMetrics
 from broker.wire import CALL_ENTRY, ERROR, NOTIFY_FLAG, REPLY_ENTRY, RESULT
 
@@ -970,3 +972,25 @@ def test_a_calls_state_is_read_from_where_the_dispatcher_holds_it(clock):
         CallState.ANSWERED_AWAITING_WORKER, CallState.QUEUED, CallState.ANSWERED_IN_QUEUE]
     d.on_reply(w, wire.Kind.ERROR, sent.call_id, wire.NOT_RUN, wire.CANCEL_ACK)
     assert [d.state_of(c) for c in (sent, head)] == [CallState.ENDED, CallState.IN_FLIGHT]
+
+
+# -- broker/membership.py: who sent the calls a worker died under, for the log ----------
+
+
+@pytest.mark.parametrize(("peer", "said"), [
+    (("127.0.0.1", 40312), "127.0.0.1:40312"), (("::1", 5102, 0, 0), "[::1]:5102"),
+    ("/run/rpc.sock", "unix socket"), (b"", "unix socket"), (None, "?"), (("host",), "unix socket"),
+])
+def test_a_peer_is_named_as_a_log_names_it(peer, said):
+    assert _address(peer) == said
+
+
+def test_the_clients_of_calls_are_named_most_calls_first_at_most_three_and_how_many_more():
+    def calls(*peers: object) -> list[typing.Any]:
+        return [types.SimpleNamespace(owner=types.SimpleNamespace(peer=p)) for p in peers]
+
+    a, b, c, e = ("10.0.0.1", 1), ("10.0.0.2", 2), ("::1", 3), ("10.0.0.4", 4)
+    assert _clients(calls(a)) == "10.0.0.1:1"
+    assert _clients(calls(b, a, a, c, a, b)) == "10.0.0.1:1 x3, 10.0.0.2:2 x2, [::1]:3"
+    assert _clients(calls(a, a, b, c, e)) == "10.0.0.1:1 x2, 10.0.0.2:2, [::1]:3, 1 more"
+    assert _clients(calls(a, b, c, e, ("10.0.0.5", 5))) == "10.0.0.1:1, 10.0.0.2:2, [::1]:3, 2 more"
