@@ -994,3 +994,24 @@ def test_the_clients_of_calls_are_named_most_calls_first_at_most_three_and_how_m
     assert _clients(calls(b, a, a, c, a, b)) == "10.0.0.1:1 x3, 10.0.0.2:2 x2, [::1]:3"
     assert _clients(calls(a, a, b, c, e)) == "10.0.0.1:1 x2, 10.0.0.2:2, [::1]:3, 1 more"
     assert _clients(calls(a, b, c, e, ("10.0.0.5", 5))) == "10.0.0.1:1, 10.0.0.2:2, [::1]:3, 2 more"
+
+
+def test_a_batchs_invalid_elements_and_unknown_methods_are_answered_at_once_and_counted_once_each(clock):
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["m"], metrics=metrics)
+    batch = [1, req("m", [], 0), {"jsonrpc": "2.0"}, req("nope", [], 1), 2, {"jsonrpc": "2.0", "method": "nope"},
+             {"jsonrpc": "2.0", "method": "m"}, req("nope", [], 2), {"jsonrpc": "2.0", "method": "nope"}]
+    exchange = d.submit(body(codec, batch), done.append)
+    assert exchange is not None and exchange.remaining == 1
+    frame, note = w.channel.take()
+    assert (frame[0], note[0]) == (wire.Kind.CALL, wire.Kind.NOTIFY)
+    answers = exchange.answers
+    assert [json.loads(a)["error"]["code"] if a else None for a in answers] == [
+        -32600, None, -32600, -32601, -32600, -32601]
+    assert exchange.budget.held == sum(len(a) for a in answers if a)
+    other = metrics.other
+    assert metrics.outcomes[other] == {ErrorCode.INVALID_REQUEST: 3, ErrorCode.METHOD_NOT_FOUND: 2}
+    assert (metrics.notifications[other], metrics.notifications[0]) == (2, 1)
+    assert sum(metrics.latency[other].counts) == 5 and metrics.latency[other].sum_us == 0
+    d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
+    assert json.loads(done[0].body())[1] == {"jsonrpc": "2.0", "id": 0, "result": 0}
