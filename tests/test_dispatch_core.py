@@ -1015,3 +1015,21 @@ def test_a_batchs_invalid_elements_and_unknown_methods_are_answered_at_once_and_
     assert sum(metrics.latency[other].counts) == 5 and metrics.latency[other].sum_us == 0
     d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
     assert json.loads(done[0].body())[1] == {"jsonrpc": "2.0", "id": 0, "result": 0}
+
+
+def test_a_worker_dying_under_calls_is_logged_with_what_it_held_whose_and_what_runs_alone_now(clock, caplog):
+    d, w, codec, done = one_worker(clock.loop, ["a", "b"])
+    w.pid = 4242
+    budget = ResponseBudget(d.outgoing)
+    budget.peer = ("10.0.0.1", 5)
+    d.submit(body(codec, [req("a", [], 0), req("b", [], 1), req("a", [], 2)]), done.append, budget)
+    d.submit(body(codec, {"jsonrpc": "2.0", "method": "b", "params": []}), done.append, budget)
+    d.submit(body(codec, req("a", [], 3)), done.append, budget)
+    with caplog.at_level("WARNING", logger="broker.dispatch"):
+        d.worker_lost(w, "killed by SIGKILL")
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "worker 0 (pid 4242) died holding 4 calls and 1 notification (of 10.0.0.1:5 x3): their methods' calls now "
+        "run alone, one per worker, until so many of them have answered or so long has passed: "
+        "a: after 1 answer or 4 s, b: after 1 answer or 4 s")  # (x3: three records, a chunk among them)
+    assert d.isolated == {"a": 1, "b": 1}
