@@ -333,7 +333,8 @@ class Membership(DispatcherState):
             log.warning(
                 "worker %d (pid %d) has not answered call %d (%s) %s s after its deadline: killing it as hung",
                 worker.slot, worker.pid, call.call_id,
-                self._names[call.index] if call.slots is None and call.index < len(self._names) else "a batch chunk",
+                "a batch chunk" if call.slots is not None else self._names[call.index]
+                if call.index < len(self._names) else "of a method the reload removed",
                 self._cancel_grace,
             )
             worker.process.kill()

@@ -233,6 +233,24 @@ def test_a_worker_that_answers_no_cancel_within_cancel_grace_is_killed_once_as_h
     ]
 
 
+def test_a_hung_call_of_a_method_a_reload_removed_is_not_named_a_batch_chunk(clock, caplog):
+    """Mutation testing (make mutate) found it: a single call whose method a reload removed
+    (its index past the names) was logged "(a batch chunk)"."""
+    d, w, codec, done = hung_setup(clock)
+    d.submit(body(codec, req("m", [], 1)), done.append)
+    [(_kind, call_id, _aux, _params)] = w.channel.take()
+    d.set_methods(["short", "sync"], sync_methods=["short", "sync"])  # a reload without "m"
+    clock.advance(10.05)
+    assert codes(done) == [ErrorCode.TIMED_OUT]
+    with caplog.at_level("WARNING", logger="broker.dispatch"):
+        clock.advance(2.1)
+    assert w.process.kills == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"worker 0 (pid 4242) has not answered call {call_id} (of a method the reload removed) 2.0 s after its"
+        " deadline: killing it as hung"
+    ]
+
+
 def test_a_hung_worker_is_killed_once_however_many_calls_it_holds_and_an_answered_one_never(clock):
     d, w, codec, done = hung_setup(clock)
     for i in range(3):
