@@ -211,6 +211,18 @@ def test_invalid_element_echoes_valid_id_else_null(codec, bad, raw_id, echoed):
     assert (batch.batch, batch.status, batch.items) == (True, 200, single.items)
 
 
+@pytest.mark.parametrize(("text", "why"), [
+    (b'{"jsonrpc": "1.0", "jsonrpc": "2.0", "method": "m", "id": 7}', b'member \\"jsonrpc\\" must be \\"2.0\\"'),
+    (b'{"jsonrpc": "2.0", "method": 1, "method": "m", "id": 7}', b'member \\"method\\" must be a string'),
+])
+def test_a_member_given_twice_whose_first_copy_is_wrong_says_which(codec, text, why):
+    """Hostile testing, round 108: the last copy right, an earlier one wrong: -32600 with no
+    reason (the lax read, which names the member, keeps only the last)."""
+    owed = [b'{"jsonrpc":"2.0","id":7,"error":{"code":-32600,"message":"Invalid Request","data":"' + why + b'"}}']
+    assert codec.decode(text).items == owed
+    assert codec.decode(b"[" + text + b"]").items == owed
+
+
 def test_valid_request_with_invalid_id_is_invalid(codec):
     for raw_id in (b"true", b"false", b"[1]", b"{}"):
         b = codec.decode(b'{"jsonrpc": "2.0", "method": "m", "id": ' + raw_id + b"}")
