@@ -312,41 +312,37 @@ class BrokerCollector(Collector):
         m = d.metrics
         if m is not None:
             yield from self._calls(m)
-        yield _family_gauge(
-            "rpc_broker_calls_in_flight", "Calls sent to a worker and not answered yet.", [], [([], d.in_flight_calls)]
-        )
-        yield _family_gauge("rpc_broker_calls_queued", "Calls waiting for a worker.", [], [([], d.queued_calls)])
-        yield _family_gauge(
-            "rpc_broker_calls_held", "Of the calls waiting, those held for their connection's share of the "
-            "places (connection_share), for a worker of their own (a method run alone), or for a worker "
-            "with room for their large params (max_worker_params_bytes), not for a free place.", [],
-            [([], d.held_calls)],
-        )  # fmt: skip
+        # The families of one unlabelled series: (kind, name, help, value)
+        for family, name, doc, value in (
+            (_family_gauge, "rpc_broker_calls_in_flight", "Calls sent to a worker and not answered yet.",
+             d.in_flight_calls),
+            (_family_gauge, "rpc_broker_calls_queued", "Calls waiting for a worker.", d.queued_calls),
+            (_family_gauge, "rpc_broker_calls_held", "Of the calls waiting, those held for their connection's "
+             "share of the places (connection_share), for a worker of their own (a method run alone), or for a "
+             "worker with room for their large params (max_worker_params_bytes), not for a free place.",
+             d.held_calls),
+            (_family_gauge, "rpc_broker_queue_capacity", "Calls the queue holds before answering overloaded "
+             "(max_queue).", self.max_queue),
+            (_family_gauge, "rpc_broker_queued_bytes", "Bytes the calls waiting for a worker hold (raw params "
+             "and ids).", d.queued_bytes),
+            (_family_gauge, "rpc_broker_queue_capacity_bytes", "Bytes the queue holds before answering "
+             "overloaded (max_queue_bytes).", self.max_queue_bytes),
+            (_family_counter, "rpc_broker_calls_returned", "Calls a worker gave back unstarted, their method "
+             "(sync, measured fast) found slow there, and routed again as blocking calls.", d.returned_total),
+            (_family_counter, "rpc_broker_responses_oversize", "Results (or error objects) answered -32603 "
+             "instead, because they would take the answers their connection is owed past max_response_bytes.",
+             d.oversize_total),
+        ):
+            yield family(name, doc, [], [([], value)])
         yield _family_gauge(
             "rpc_broker_method_isolated", "Methods whose calls run alone, one per worker, since a worker died "
             "holding calls of theirs: how many of their calls must still answer so (absent: none).", ["method"],
             [([name], n) for name, n in d.isolated.items()],
         )
-        yield _family_gauge(
-            "rpc_broker_queue_capacity", "Calls the queue holds before answering overloaded (max_queue).", [],
-            [([], self.max_queue)],
-        )  # fmt: skip
-        yield _family_gauge(
-            "rpc_broker_queued_bytes", "Bytes the calls waiting for a worker hold (raw params and ids).", [],
-            [([], d.queued_bytes)],
-        )
-        yield _family_gauge(
-            "rpc_broker_queue_capacity_bytes", "Bytes the queue holds before answering overloaded "
-            "(max_queue_bytes).", [], [([], self.max_queue_bytes)],
-        )  # fmt: skip
         yield _family_counter(
             "rpc_broker_late_replies", "Worker replies dropped: the call had been answered already (deadline, "
             "shutdown) or its client had gone. kind: cancelled (the worker acknowledged the cancel) or result (the call finished late).",
             ["kind"], [(["cancelled"], d.late_cancelled_total), (["result"], d.late_results_total)],
-        )  # fmt: skip
-        yield _family_counter(
-            "rpc_broker_calls_returned", "Calls a worker gave back unstarted, their method (sync, measured fast) "
-            "found slow there, and routed again as blocking calls.", [], [([], d.returned_total)],
         )  # fmt: skip
         yield _family_counter(
             "rpc_broker_calls_abandoned", "Calls owed an answer whose client's connection closed first: dropped "
@@ -357,11 +353,6 @@ class BrokerCollector(Collector):
             "rpc_broker_notifications_dropped", "Notifications that never reached a worker, or whose worker died "
             "before they ended (reason worker_died), by reason (they get no answer, so this is their only trace).", ["reason"],
             [([reason], d.notifications_dropped.get(code, 0)) for code, reason in DROP_REASONS.items()],
-        )  # fmt: skip
-        yield _family_counter(
-            "rpc_broker_responses_oversize", "Results (or error objects) answered -32603 instead, because they "
-            "would take the answers their connection is owed past max_response_bytes.", [],
-            [([], d.oversize_total)],
         )  # fmt: skip
         yield from self._http()
         yield from self._workers()
