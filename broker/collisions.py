@@ -361,58 +361,49 @@ def new_call() -> None:
     _UNNAMED.clear()
 
 
-def _each_item(item: _Walk) -> _Walk:
+def _container(kind: type, inside: typing.Callable[[typing.Any, _At, _Run], None]) -> _Walk:
+    """The walk of a value of type `kind` (list or dict): `inside(value, at, run)` walks the
+    values it holds, up to `_DEEP` containers down; a container deeper is left on `run` and
+    walked afresh later (the module's docstring)."""
     def check(value: object, at: _At, run: _Run) -> None:
-        if type(value) is list:
+        if type(value) is kind:
             if run.depth >= _DEEP:
                 run.append((check, value, at, run.overlap))  # (walked afresh, later)
                 return
             run.depth += 1
-            for i, element in enumerate(value):
-                item(element, (at, i), run)
+            inside(value, at, run)
             run.depth -= 1
     return check
+
+
+def _each_item(item: _Walk) -> _Walk:
+    def inside(value: list[object], at: _At, run: _Run) -> None:
+        for i, element in enumerate(value):
+            item(element, (at, i), run)
+    return _container(list, inside)
 
 
 def _each_value(item: _Walk) -> _Walk:
-    def check(value: object, at: _At, run: _Run) -> None:
-        if type(value) is dict:
-            if run.depth >= _DEEP:
-                run.append((check, value, at, run.overlap))
-                return
-            run.depth += 1
-            for key, element in value.items():
-                item(element, (at, key), run)
-            run.depth -= 1
-    return check
+    def inside(value: dict[str, object], at: _At, run: _Run) -> None:
+        for key, element in value.items():
+            item(element, (at, key), run)
+    return _container(dict, inside)
 
 
 def _by_place(items: list[_Walk | None]) -> _Walk:
-    def check(value: object, at: _At, run: _Run) -> None:
-        if type(value) is list:
-            if run.depth >= _DEEP:
-                run.append((check, value, at, run.overlap))
-                return
-            run.depth += 1
-            for i, (item, element) in enumerate(zip(items, value)):
-                if item is not None:
-                    item(element, (at, i), run)
-            run.depth -= 1
-    return check
+    def inside(value: list[object], at: _At, run: _Run) -> None:
+        for i, (item, element) in enumerate(zip(items, value)):
+            if item is not None:
+                item(element, (at, i), run)
+    return _container(list, inside)
 
 
 def _by_name(fields: list[tuple[str, _Walk]]) -> _Walk:
-    def check(value: object, at: _At, run: _Run) -> None:
-        if type(value) is dict:
-            if run.depth >= _DEEP:
-                run.append((check, value, at, run.overlap))
-                return
-            run.depth += 1
-            for name, item in fields:
-                if name in value:
-                    item(value[name], (at, name), run)
-            run.depth -= 1
-    return check
+    def inside(value: dict[str, object], at: _At, run: _Run) -> None:
+        for name, item in fields:
+            if name in value:
+                item(value[name], (at, name), run)
+    return _container(dict, inside)
 
 
 def _union(objects: list[tuple[tuple[str, object] | None, _Walk | None]],
