@@ -308,6 +308,13 @@ def warn_unserved_timeouts(method_timeouts: typing.Mapping[str, float], methods:
     return unserved
 
 
+def _settings(config: Config, names: str) -> dict[str, typing.Any]:
+    """The settings `names` (space-separated) of `config`, by name: the keyword arguments of a
+    part (Dispatcher, Pool, a front-end) that take a setting of the same name as it is.
+    Raises AttributeError for a name that is no setting."""
+    return {name: getattr(config, name) for name in names.split()}
+
+
 async def run(
     config: Config, started: asyncio.Future[tuple[str, int]] | None = None, early: typing.Sequence[int] = ()
 ) -> int:
@@ -320,30 +327,15 @@ async def run(
     jsonscan.load()  # (not in the first deep body's turn: hostile testing, round 60, 130 ms)
     dispatcher = Dispatcher(
         loop,
-        max_queue=config.max_queue,
-        max_queue_bytes=config.max_queue_bytes,
-        max_worker_params_bytes=config.max_worker_params_bytes,
-        timeout=config.timeout,
-        method_timeouts=config.method_timeouts,
-        cancel_grace=config.cancel_grace,
-        sync_prefetch=config.sync_prefetch,
         metrics=CallMetrics() if config.metrics else None,
-        max_response_bytes=config.max_response_bytes,
-        max_outgoing_bytes=config.max_outgoing_bytes,
-        connection_share=config.connection_share,
+        **_settings(config, "max_queue max_queue_bytes max_worker_params_bytes timeout method_timeouts cancel_grace "
+                    "sync_prefetch max_response_bytes max_outgoing_bytes connection_share"),
     )
     pool = Pool(
         dispatcher,
         size=config.worker_count,
-        app=config.app,
         concurrency=config.worker_concurrency,
-        max_depth=config.max_depth,
-        max_frame_bytes=config.max_frame_bytes,
-        restart_backoff_max=config.restart_backoff_max,
-        boot_timeout=config.boot_timeout,
-        socket_dir=config.socket_dir,
-        debug=config.debug,
-        log_level=config.log_level,
+        **_settings(config, "app max_depth max_frame_bytes restart_backoff_max boot_timeout socket_dir debug log_level"),
     )
     stop = asyncio.Event()
     hurry = asyncio.Event()  # a second stop signal in the drain: the grace period ends now
@@ -447,29 +439,18 @@ async def run(
         # Who may call (issue 9 item 11): the bind addresses are always names of this server.
         hosts = (*config.allowed_hosts, config.host, config.metrics_host)
         incoming = Incoming(config.max_incoming_bytes)  # (one for all the listeners)
+        http = _settings(config, "keepalive_timeout request_timeout send_timeout allowed_origins")
         frontend = HttpFrontend(
-            dispatcher,
-            rpc_path=config.rpc_path,
-            max_body_bytes=config.max_body_bytes,
-            max_batch=config.max_batch,
-            keepalive_timeout=config.keepalive_timeout,
-            request_timeout=config.request_timeout,
-            send_timeout=config.send_timeout,
-            max_connections=max_connections,
-            metrics=None if separate else scrape,
-            allowed_hosts=hosts,
-            allowed_origins=config.allowed_origins,
-            incoming=incoming,
+            dispatcher, max_connections=max_connections, metrics=None if separate else scrape, allowed_hosts=hosts,
+            incoming=incoming, **_settings(config, "rpc_path max_body_bytes max_batch"), **http,
         )
         # (front-end, host or socket path, port or None for a Unix socket)
         listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = [(frontend, config.host, config.port)]
         if separate:
             metrics_frontend = HttpFrontend(
-                dispatcher, max_connections=METRICS_CONNECTIONS, metrics=scrape, serve_rpc=False,
-                keepalive_timeout=config.keepalive_timeout, request_timeout=config.request_timeout,
-                send_timeout=config.send_timeout, transport="metrics", allowed_hosts=hosts, allowed_origins=config.allowed_origins,
-                incoming=incoming,
-            )  # fmt: skip
+                dispatcher, max_connections=METRICS_CONNECTIONS, metrics=scrape, serve_rpc=False, transport="metrics",
+                allowed_hosts=hosts, incoming=incoming, **http,
+            )
             listeners.append((metrics_frontend, config.metrics_host, config.metrics_port))
         for transport, where, port_ in (
             ("tcp", config.host, config.stream_port),
@@ -477,10 +458,9 @@ async def run(
         ):
             if (port_ if transport == "tcp" else where):
                 stream = StreamFrontend(
-                    dispatcher, transport=transport, max_body_bytes=config.max_body_bytes,
-                    max_batch=config.max_batch, keepalive_timeout=config.keepalive_timeout,
-                    max_connections=max_connections, send_timeout=config.send_timeout, incoming=incoming,
-                )  # fmt: skip
+                    dispatcher, transport=transport, max_connections=max_connections, incoming=incoming,
+                    **_settings(config, "max_body_bytes max_batch keepalive_timeout send_timeout"),
+                )
                 listeners.append((stream, where, port_))
         # Bind the TCP listeners before the workers start, so a taken port fails at once
         # rather than after the app is imported in every worker; but listen (accept) only
