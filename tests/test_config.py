@@ -772,9 +772,9 @@ def test_listener_settings_that_do_not_clash(tmp_path: Path) -> None:
         ({"RPC_BROKER_APP": "mytools"}, "app = 'mytools': expected module:attribute, as in mytools:registry (a module's dotted name, not a file path: its directory the current one or on PYTHONPATH; then the Registry's name in it)"),
         ({"RPC_BROKER_RPC_PATH": "rpc"}, f"rpc_path = 'rpc': expected {RPC_PATH_RULE}"),
         ({"RPC_BROKER_ALLOWED_HOSTS": "a b"},
-         "allowed_hosts = ['a b']: expected host names or IP addresses, without a port; or '*'"),
+         "allowed_hosts[0] = 'a b': expected host names or IP addresses, without a port; or '*'"),
         ({"RPC_BROKER_ALLOWED_ORIGINS": "x"},
-         "allowed_origins = ['x']: expected origins like https://app.example (no :443 or :80, as browsers send them) or '*'"),
+         "allowed_origins[0] = 'x': expected origins like https://app.example (no :443 or :80, as browsers send them) or '*'"),
     ],
 )
 def test_pattern_errors_give_the_rule_not_the_regex(env: dict[str, str], expected: str) -> None:
@@ -876,13 +876,32 @@ def test_errors_across_settings_name_where_each_value_came_from(
     assert str(err.value).endswith(f" ({where.format(path=path)})")
 
 
+def test_a_lists_wrong_entry_is_named_by_its_place_not_the_whole_list(tmp_path: Path) -> None:
+    """New user, round 101 (L3): an entry of the wrong type printed the whole list, not the
+    entry; a list of the wrong kind is still named whole."""
+    path = write(tmp_path, 'allowed_origins = ["https://a.example", 5, "https://b.example"]\n')
+    with pytest.raises(ConfigError) as err:
+        load(path, {}, {})
+    assert str(err.value) == (
+        f"config file {path}: allowed_origins[1] = 5: expected `str`, got `int` "
+        "(allowed: origins like https://app.example (no :443 or :80, as browsers send them) or '*')")
+    with pytest.raises(ConfigError) as err:
+        load(None, {"RPC_BROKER_ALLOWED_HOSTS": "a.example,b example"}, {})
+    assert str(err.value) == ("environment variable RPC_BROKER_ALLOWED_HOSTS: allowed_hosts[1] = 'b example': "
+                              "expected host names or IP addresses, without a port; or '*'")
+    path = write(tmp_path, 'allowed_hosts = "a.example"\n')
+    with pytest.raises(ConfigError) as err:
+        load(path, {}, {})
+    assert str(err.value).startswith(f"config file {path}: allowed_hosts = 'a.example': expected `array`, got `str`")
+
+
 def test_an_error_in_one_setting_s_value_is_worded_as_its_type_errors_are(tmp_path: Path) -> None:
     """New user, round 100: a value refused by its type said "flag --allowed-origins:
     allowed_origins = ...: ...", one refused after ("null", a default port) said "... (allowed_origins
     from flag --allowed-origins)"; both begin with where the value came from now."""
     with pytest.raises(ConfigError) as err:
         load(None, {}, {"allowed_origins": ["https://a.example/"]})
-    assert str(err.value).startswith("flag --allowed-origins: allowed_origins = ['https://a.example/']: expected")
+    assert str(err.value).startswith("flag --allowed-origins: allowed_origins[0] = 'https://a.example/': expected")
     with pytest.raises(ConfigError) as err:
         load(None, {}, {"allowed_origins": ["https://a.example:443"]})
     assert str(err.value) == (

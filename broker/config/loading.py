@@ -81,8 +81,14 @@ def _check(s: Setting, value: object, source: str) -> None:
             problem = _host_problem(str(entry))
             if problem:
                 raise ConfigError(f"{source}: allowed_hosts entry {entry!r}: {problem}")
-    entries = value.items() if s.kind == "map" and isinstance(value, dict) else [(None, value)]
-    for key, item in entries:
+    # (a map's values and a list's entries each checked alone first, so that the error names
+    # the one at fault, not the whole value: new user, round 101)
+    entries: list[tuple[object, object, object]] = [(None, value, value)]
+    if s.kind == "map" and isinstance(value, dict):
+        entries = [(key, item, {key: item}) for key, item in value.items()]
+    elif s.kind == "list" and isinstance(value, list):
+        entries = [(i, item, [item]) for i, item in enumerate(value)] + entries
+    for key, item, wrapped in entries:
         label = s.name if key is None else f"{s.name}[{key!r}]"
         if s.unit == "seconds" and isinstance(item, (int, float)) and 0 < item < MS:
             least = "0 or at least" if s.name == "grace_period" else "at least"
@@ -91,7 +97,7 @@ def _check(s: Setting, value: object, source: str) -> None:
                 "clock has 1 ms steps, so a shorter duration would not be kept as written"
             )
         try:
-            msgspec.convert({s.name: item if key is None else {key: item}}, Config)
+            msgspec.convert({s.name: wrapped}, Config)
         except msgspec.ValidationError as exc:
             problem = _AT_PATH.sub("", str(exc))
             problem = problem[0].lower() + problem[1:]
