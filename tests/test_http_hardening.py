@@ -340,6 +340,8 @@ def test_requests_left_unfinished_at_the_limit_make_room_slowest_first(broker_fa
         assert not older.closed_within(0.5)  # the longest open, faster, kept its place
         assert sample(scrape_metrics(b), "rpc_broker_connections_evicted_total", transport="http",
                       state="trickling") == 1
+        assert ("http: max_connections 2 reached: closed a connection to make room (its request coming slowest; "
+                "1 so far)") in b.read_log()  # (logged: new user, round 100)
     finally:
         for c in held:
             c.sock.close()
@@ -419,6 +421,7 @@ def test_connections_lingering_after_an_error_answer_make_room(broker_factory):
             newcomer.send(post(call("add", [1, 2]), path=b.path))
             assert newcomer.response()[0] == 200
         assert sample(scrape_metrics(b), "rpc_broker_connections_evicted_total", transport="http", state="idle") == 1
+        assert "closed a connection to make room (idle, the least recently active; 1 so far)" in b.read_log()
     finally:
         for c in held:
             c.sock.close()

@@ -256,6 +256,9 @@ def test_requests_still_arriving_slower_give_way_to_a_faster_one_at_max_incoming
         older.closed_within(5)
         assert evicted_for_incoming(b) == 2
         assert sample(scrape_metrics(b), "rpc_broker_incoming_refused_total") == 0
+        log = b.read_log()  # (logged once, at the first: new user, round 100)
+        assert log.count(f"max_incoming_bytes {LIMIT} reached: closed a connection whose request came slower") == 1
+        assert "to make room (1 so far)" in log
         # Those that were not slower finish, and are answered.
         honest.send(padded_call(BODY, 3)[PART:])
         assert honest.response()[:3:2] == (200, b'{"jsonrpc":"2.0","id":3,"result":4}')

@@ -459,6 +459,15 @@ class Listener:
             log.warning("%s: max_connections %d reached: refusing connections (%d so far)",
                         self.transport, self.max_connections, self.refused_total)
 
+    def _evicted(self, state: str) -> None:
+        """Count a connection closed by `make_room` in `state` ("idle" or "trickling"); logged
+        at the first and each thousandth, as `refused` is (new user, round 100: none was)."""
+        n = self.evicted_total[state] = self.evicted_total[state] + 1
+        if n == 1 or n % 1000 == 0:
+            why = "idle, the least recently active" if state == "idle" else "its request coming slowest"
+            log.warning("%s: max_connections %d reached: closed a connection to make room (%s; %d so far)",
+                        self.transport, self.max_connections, why, n)
+
     def pool_size(self) -> int:
         """Connections counted against `max_connections` (HTTP's probes' reserve is not)."""
         return len(self.connections)
@@ -492,7 +501,7 @@ class Listener:
                 conn = evictable.pop()
                 if conn in connections and (rank := conn.evict_rank(fresh, now)) is not None and self.all_taken(conn):
                     connections.discard(conn)
-                    self.evicted_total["trickling" if rank[0] else "idle"] += 1
+                    self._evicted("trickling" if rank[0] else "idle")
                     conn.evict(now)
                 continue
             if now < self._rescan_at:

@@ -42,16 +42,19 @@ class Incoming:
     (hostile testing, round 102: 300 of them, 3% of max_connections, refused 89 of 90
     others' 300 KB calls for 75 s after one burst).
 
-    held: bytes counted now. refused_total: requests refused past the limit.
+    held: bytes counted now. refused_total: requests refused past the limit. evicted_total:
+    connections closed to make room for a faster one (`make_room`).
     listeners: the listeners whose connections count here (each adds itself).
     """
 
-    __slots__ = ("_at", "_keys", "_ranked", "_ranked_at", "_suffix", "held", "limit", "listeners", "refused_total")
+    __slots__ = ("_at", "_keys", "_ranked", "_ranked_at", "_suffix", "evicted_total", "held", "limit", "listeners",
+                 "refused_total")
 
     def __init__(self, limit: int = 1 << 62) -> None:
         self.limit = limit
         self.held = 0
         self.refused_total = 0
+        self.evicted_total = 0  # connections closed to make room (`make_room`)
         self.listeners: list[Listener] = []
         # Connections holding bytes of a request under way, the slowest last, as the last
         # scan found them (one scan every RESCAN_SECONDS at most); their ranks negated (an
@@ -119,6 +122,10 @@ class Incoming:
         for other in victims:
             other.evict_incoming(now)
             other._fe.evicted_total["incoming"] += 1
+            self.evicted_total += 1
+            if self.evicted_total == 1 or self.evicted_total % 1000 == 0:  # (as `refuse`; round 100: not logged)
+                log.warning("max_incoming_bytes %d reached: closed a connection whose request came slower than "
+                            "a new one's, to make room (%d so far)", self.limit, self.evicted_total)
         return self.hold(before, after)
 
     def _rescan(self, now: float) -> None:
