@@ -724,6 +724,8 @@ _NO_JSONRPC = _why('member "jsonrpc" missing: it must be "2.0"')
 _BAD_JSONRPC = _why('member "jsonrpc" must be "2.0"')
 _NO_METHOD = _why('member "method" missing')
 _BAD_METHOD = _why('member "method" must be a string')
+_TWICE_JSONRPC = _why('member "jsonrpc" given more than once, a copy not "2.0"')
+_TWICE_METHOD = _why('member "method" given more than once, a copy not a string')
 _BAD_ID = _why('member "id" must be a string, a number or null')
 _BAD_PARAMS = _why('member "params" must be an array or an object')
 _JSONRPC = msgspec.json.Decoder(typing.Literal["2.0"])
@@ -757,9 +759,9 @@ def _envelope_error(lax: _Lax, exc: msgspec.ValidationError | None = None) -> by
     # last, `Request` checks each (hostile testing, round 108: no reason was given).
     where = str(exc).rpartition(" - at ")[2] if exc is not None else ""
     if where == "`$.jsonrpc`":
-        return _BAD_JSONRPC
+        return _TWICE_JSONRPC  # (new user, round 101: 'must be "2.0"' read oddly, the last copy "2.0")
     if where == "`$.method`":
-        return _BAD_METHOD
+        return _TWICE_METHOD
     return _INVALID_REQUEST_ERROR  # (not reached: `Request` checks no other member)
 _PARSE_ERROR = response_error(_NULL, error_object(ErrorCode.PARSE_ERROR))
 _EMPTY_BATCH = _INVALID_NULL  # spec example: `[]` gets one plain -32600

@@ -212,12 +212,17 @@ def test_invalid_element_echoes_valid_id_else_null(codec, bad, raw_id, echoed):
 
 
 @pytest.mark.parametrize(("text", "why"), [
-    (b'{"jsonrpc": "1.0", "jsonrpc": "2.0", "method": "m", "id": 7}', b'member \\"jsonrpc\\" must be \\"2.0\\"'),
-    (b'{"jsonrpc": "2.0", "method": 1, "method": "m", "id": 7}', b'member \\"method\\" must be a string'),
+    (b'{"jsonrpc": "1.0", "jsonrpc": "2.0", "method": "m", "id": 7}',
+     b'member \\"jsonrpc\\" given more than once, a copy not \\"2.0\\"'),
+    (b'{"jsonrpc": "2.0", "method": 1, "method": "m", "id": 7}',
+     b'member \\"method\\" given more than once, a copy not a string'),
+    # (the last copy wrong: as if given once)
+    (b'{"jsonrpc": "2.0", "jsonrpc": "1.0", "method": "m", "id": 7}', b'member \\"jsonrpc\\" must be \\"2.0\\"'),
 ])
 def test_a_member_given_twice_whose_first_copy_is_wrong_says_which(codec, text, why):
     """Hostile testing, round 108: the last copy right, an earlier one wrong: -32600 with no
-    reason (the lax read, which names the member, keeps only the last)."""
+    reason (the lax read, which names the member, keeps only the last); new user, round 101:
+    it says the member was given more than once, not that it must be what its last copy is."""
     owed = [b'{"jsonrpc":"2.0","id":7,"error":{"code":-32600,"message":"Invalid Request","data":"' + why + b'"}}']
     assert codec.decode(text).items == owed
     assert codec.decode(b"[" + text + b"]").items == owed
