@@ -5,17 +5,19 @@ reply, a deadline or a failure becomes the call's one answer), held by exact val
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import typing
 
 import pytest
-from test_dispatch import _entries_from, add_worker, body, req
+from test_dispatch import _entries_from, add_worker, body, make_call, req, restarted
 from test_dispatch_core import Clock, chunk_answers, one_worker
 
 from broker import chunk, wire
 from broker.answers import Exchange, ResponseBudget
 from broker.calls import Route
+from broker.deadlines import DeadlineWheel
 from broker.dispatch import Dispatcher
 from broker.jsonrpc import Codec, ErrorCode, Request
 from broker.metrics import OK, CallMetrics
@@ -521,3 +523,122 @@ def test_a_queued_call_keeps_no_reference_to_its_request_body_and_a_chunk_counts
 def test_a_chunks_call_in_slot_0_is_a_call_not_a_notification():
     entries = [(0, Request("2.0", "a", params=b"[]", id=b"1"), Route(1, 1.0))]
     assert chunk.encode_requests(entries)[0] == CALL_ENTRY.pack(1, 0, 2) + b"[]"
+
+
+# -- a call run alone (broker/isolation.py) answered: _ran_alone -------------------------------
+
+
+def test_a_call_run_alone_frees_its_method_only_when_its_handler_ran(clock, caplog):
+    d, w, codec, done = one_worker(clock.loop, ["m", "boom"], 10)
+    d.submit(body(codec, req("boom", [], "b")), done.append)
+    d.submit(body(codec, req("m", [], "m")), done.append)
+    assert len(w.channel.take()) == 2
+    restarted(d, w)  # both die together: bystanders, each owes one answer run alone
+    assert d.isolated == {"m": 1, "boom": 1}
+    replies = [
+        (ERROR, 0, wire.CANCEL_ACK),  # cancelled once started: it did not answer (its worker lived on)
+        (ERROR, wire.NOT_RUN, b'{"code":-32602,"message":"no"}'),  # (its handler never ran)
+        (ERROR, 5, b'{"code":-32602,"message":"no"}'),  # ran, and its worker lived: answered
+    ]
+    with caplog.at_level("INFO", logger="broker.dispatch"):
+        for n, (kind, aux, payload) in enumerate(replies):
+            d.submit(body(codec, req("m", [], n)), done.append)
+            [frame] = w.channel.take()
+            assert (w.blocked, w.limit) == (True, 0)  # (alone: it takes nothing else)
+            d.on_reply(w, kind, frame[1], aux, payload)
+            assert (w.blocked, w.limit, w.outstanding) == (False, 10, 0)
+            assert d.isolated == ({"m": 1, "boom": 1} if n < 2 else {"boom": 1})
+    assert [r.getMessage() for r in caplog.records if r.levelname == "INFO"] == [
+        "m: its calls run as any again (as many of them as asked answered, run alone)"]
+
+
+def test_a_call_run_alone_given_back_goes_again_at_once_alone(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m", "boom"], 10)
+    d.submit(body(codec, req("boom", [], "b")), done.append)
+    d.submit(body(codec, req("m", [], "m")), done.append)
+    w.channel.take()
+    restarted(d, w)
+    d.submit(body(codec, req("m", ["again"], 1)), done.append)
+    [frame] = w.channel.take()
+    d.on_reply(w, wire.Kind.RETURN, frame[1], 0, frame[3])  # (a worker of another broker's would)
+    [again] = w.channel.take()
+    assert json.loads(again[3]) == ["again"] and d.returned_total == 1
+    assert (w.blocked, w.limit, w.outstanding, d._blocked) == (True, 0, 1, 1)  # alone again
+    d.on_reply(w, wire.Kind.RESULT, again[1], 5, b'"ok"')
+    assert json.loads(done[-1].body())["result"] == "ok" and d.isolated == {"boom": 1}
+
+
+# -- calls given back (wire.RETURN): what they free, and what they teach when they run again ----
+
+
+def test_with_sync_routing_off_a_blocking_sync_call_given_back_leaves_no_worker_counted_blocked(clock):
+    d, w, codec, done = one_worker(clock.loop, ["s"], 2, sync_prefetch=2)  # (1 + 2 > 2 places: routing off)
+    d.set_methods(["s"], sync_methods=["s"])
+    d.submit(body(codec, req("s", [], 1)), done.append)
+    [frame] = w.channel.take()
+    d.on_reply(w, wire.Kind.RETURN, frame[1], 0, frame[3])  # (a worker of another broker's would)
+    [again] = w.channel.take()
+    assert (w.blocked, w.sync_calls, d._blocked, w.limit, w.outstanding) == (False, 1, 0, 2, 1)
+    assert again[3] == frame[3] and d.returned_total == 1
+
+
+def test_a_call_given_back_teaches_its_methods_time_when_it_runs_again(clock):
+    d, w, codec, done = fast_sync(clock)
+    d.submit(body(codec, req("q", [], 1)), done.append)
+    [frame] = w.channel.take()
+    assert w.channel.flows[frame[1]] & wire.RETURNABLE
+    d.on_reply(w, wire.Kind.RETURN, frame[1], 0, frame[3])
+    [again] = w.channel.take()  # (as a blocking sync call)
+    d.on_reply(w, wire.Kind.RESULT, again[1], 100_000, b"0")
+    assert d._sync_us[0] == 887 + ((100_000 - 887) >> 3) and d._blocking[0] == 1
+
+
+def test_calls_given_back_from_a_chunk_put_their_connection_held_for_its_share_back_in_turn(clock):
+    d, w, codec, done = fast_sync(clock)  # (one worker of 100 places: 50 a connection)
+    budget = ResponseBudget(d.outgoing)
+    d.submit(body(codec, [req("q", [i], i) for i in range(50)]), done.append, budget)
+    [frame] = w.channel.take()
+    d.submit(body(codec, req("a", ["next"], "next")), done.append, budget)
+    assert d.held_calls == 1 and not w.channel.take()
+    d.on_reply(w, wire.Kind.RETURN, frame[1], 48, _entries_from(frame[3], 48))  # its last two, unstarted
+    [single] = w.channel.take()  # the first of them, at once: a blocking sync call, one a connection
+    assert json.loads(single[3]) == [48] and (budget.in_flight, budget.blocking, d.queued_calls) == (49, 1, 2)
+
+
+# -- broker/deadlines.py: one timer for every deadline -----------------------------------------
+
+
+class TimerLoop:
+    """What a DeadlineWheel asks of its loop, recorded: its clock (`now`, s) and the timers armed,
+    (when, callback, handle) each; a test fires one by calling its callback."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.timers: list[tuple[float, typing.Callable[[], None], asyncio.TimerHandle]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def get_debug(self) -> bool:  # (asyncio.TimerHandle asks)
+        return False
+
+    def call_at(self, when: float, callback: typing.Callable[[], None]) -> asyncio.TimerHandle:
+        handle = asyncio.TimerHandle(when, callback, (), typing.cast(asyncio.AbstractEventLoop, self))
+        self.timers.append((when, callback, handle))
+        return handle
+
+
+def test_one_timer_wakeup_expires_every_tick_due_and_a_later_deadline_arms_the_timer_again():
+    loop = TimerLoop(100.0)
+    expired: list[int] = []
+    wheel = DeadlineWheel(typing.cast(asyncio.AbstractEventLoop, loop), lambda c: expired.append(c.call_id), 0.5)
+    first, second = make_call(1, 1.0), make_call(2, 2.0)
+    wheel.add(first, loop.now)
+    wheel.add(second, loop.now)
+    assert (first.tick, second.tick) == (203, 205) and [t[0] for t in loop.timers] == [101.5]
+    loop.now = 103.0  # the loop woke late: both due
+    loop.timers[0][1]()
+    assert expired == [1, 2] and (first.tick, second.tick, len(wheel)) == (0, 0, 0) and len(loop.timers) == 1
+    third = make_call(3, 1.0)
+    wheel.add(third, loop.now)
+    assert third.tick == 209 and [t[0] for t in loop.timers[1:]] == [104.5]
