@@ -382,6 +382,14 @@ def test_a_chunk_of_notifications_answered_in_a_part_past_its_deadline_counts_no
     assert (d.late_results_total, d.late_cancelled_total) == (0, 0)  # (owed no answer: not late)
 
 
+def test_a_part_answering_a_place_a_chunk_of_notifications_has_not_counts_nothing(clock):
+    d, w, codec, _done = one_worker(clock.loop, ["m"])
+    d.submit(body(codec, [{"jsonrpc": "2.0", "method": "m", "params": [i]} for i in range(3)]), lambda e: None)
+    [frame] = w.channel.take()
+    d.on_reply(w, wire.Kind.CHUNK_PART, frame[1], 0, chunk_answers((3, ERROR, wire.CANCEL_ACK)))
+    assert d.notifications_dropped == {} and (d.late_results_total, d.late_cancelled_total) == (0, 0)
+
+
 def test_a_chunk_of_notifications_counts_dropped_those_of_its_places_answered_unstarted(clock):
     d, w, frame = notifications_chunk(clock)
     d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers(
@@ -642,3 +650,24 @@ def test_one_timer_wakeup_expires_every_tick_due_and_a_later_deadline_arms_the_t
     third = make_call(3, 1.0)
     wheel.add(third, loop.now)
     assert third.tick == 209 and [t[0] for t in loop.timers[1:]] == [104.5]
+
+
+def test_an_expired_call_in_the_middle_of_its_connections_queue_costs_it_no_turn(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m", "short"], 1, timeout=60.0, method_timeouts={"short": 1.0})
+    d.submit(body(codec, req("m", [], "busy")), lambda e: None)
+    first, second = ResponseBudget(d.outgoing), ResponseBudget(d.outgoing)
+    for method, id_, budget in (("m", "a1", first), ("short", "shell", first), ("m", "a2", first),
+                                ("m", "b1", second), ("m", "b2", second), ("m", "b3", second)):
+        d.submit(body(codec, req(method, [], id_)), done.append, budget)
+    clock.advance(1.05)  # the shell expires behind its connection's head
+    assert json.loads(done[0].body())["id"] == "shell"
+    [frame] = w.channel.take()
+    order = []
+    for _ in range(6):
+        d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
+        sent = w.channel.take()
+        if not sent:
+            break
+        [frame] = sent
+        order.append(d._pending[frame[1]].id)
+    assert [bytes(i) for i in order] == [b'"a1"', b'"b1"', b'"a2"', b'"b2"', b'"b3"']
