@@ -671,3 +671,26 @@ def test_an_expired_call_in_the_middle_of_its_connections_queue_costs_it_no_turn
         [frame] = sent
         order.append(d._pending[frame[1]].id)
     assert [bytes(i) for i in order] == [b'"a1"', b'"b1"', b'"a2"', b'"b2"', b'"b3"']
+
+
+def test_a_reserved_worker_that_empties_while_its_call_cannot_go_takes_calls_again(clock):
+    d = Dispatcher(clock.loop, sync_prefetch=1)
+    d.set_methods(["m", "boom", "s"], sync_methods=["s"])
+    workers = [add_worker(d, slot, concurrency=10) for slot in range(4)]  # (2 blocking calls a connection)
+    codec = Codec()
+    d.submit(body(codec, req("boom", [], "caught")), lambda e: None)
+    [dead] = [w for w in workers if w.channel.take()]
+    restarted(d, dead)  # caught alone: its calls wait for a worker of their own
+    for i in range(4):  # every worker busy
+        d.submit(body(codec, req("m", [], i)), lambda e: None, ResponseBudget(d.outgoing))
+    busy = {w: w.channel.take()[0][1] for w in workers}
+    greedy = ResponseBudget(d.outgoing)
+    d.submit(body(codec, req("s", [], "slow")), lambda e: None, greedy)  # a blocking sync call: 1 of its 2
+    d.submit(body(codec, req("boom", [], "b")), lambda e: None, greedy)
+    [reserved] = [w for w in workers if w.limit == 0]  # none idle: the least loaded takes nothing more
+    assert d.queued_calls == 1 and greedy.blocking == 1
+    d.worker_unready(next(w for w in workers if w is not reserved and not w.blocked))  # now 1 a connection
+    d.on_reply(reserved, wire.Kind.RESULT, busy[reserved], 0, b"0")  # it empties: "b" may not go (greedy's 1)
+    assert (reserved.limit, reserved.outstanding, d.queued_calls) == (10, 0, 1) and reserved not in d._alone
+    d.submit(body(codec, req("m", [], "next")), lambda e: None, ResponseBudget(d.outgoing))
+    assert len(reserved.channel.take()) == 1 and reserved.outstanding == 1  # (the idle one: the least loaded)
