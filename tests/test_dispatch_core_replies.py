@@ -92,6 +92,16 @@ def test_a_chunk_of_one_sync_methods_calls_teaches_its_time_per_call(clock):
     assert d._sync_us[0] == 801 + ((0 - 801) >> 3) == 700 and len(done) == 2
 
 
+def test_a_chunk_left_with_one_call_by_its_worker_giving_back_the_rest_teaches_that_calls_time(clock):
+    d, w, codec, done = fast_sync(clock)
+    frame = chunk_of(d, w, codec, "qqqq", done)
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 4 * 200, all_results(4))
+    frame = chunk_of(d, w, codec, "qqq", done)
+    d.on_reply(w, wire.Kind.RETURN, frame[1], 1, _entries_from(frame[3], 1))  # it ran the first only
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], wire.AWAITED, all_results(1))  # awaited: ~0 µs
+    assert d._sync_us[0] == 801 + ((0 - 801) >> 3) == 700
+
+
 def test_a_mixed_chunk_or_an_async_methods_chunk_teaches_nothing(clock):
     d, w, codec, done = fast_sync(clock)
     mixed = chunk_of(d, w, codec, "qaq", done)
@@ -650,27 +660,6 @@ def test_one_timer_wakeup_expires_every_tick_due_and_a_later_deadline_arms_the_t
     third = make_call(3, 1.0)
     wheel.add(third, loop.now)
     assert third.tick == 209 and [t[0] for t in loop.timers[1:]] == [104.5]
-
-
-def test_an_expired_call_in_the_middle_of_its_connections_queue_costs_it_no_turn(clock):
-    d, w, codec, done = one_worker(clock.loop, ["m", "short"], 1, timeout=60.0, method_timeouts={"short": 1.0})
-    d.submit(body(codec, req("m", [], "busy")), lambda e: None)
-    first, second = ResponseBudget(d.outgoing), ResponseBudget(d.outgoing)
-    for method, id_, budget in (("m", "a1", first), ("short", "shell", first), ("m", "a2", first),
-                                ("m", "b1", second), ("m", "b2", second), ("m", "b3", second)):
-        d.submit(body(codec, req(method, [], id_)), done.append, budget)
-    clock.advance(1.05)  # the shell expires behind its connection's head
-    assert json.loads(done[0].body())["id"] == "shell"
-    [frame] = w.channel.take()
-    order = []
-    for _ in range(6):
-        d.on_reply(w, wire.Kind.RESULT, frame[1], 0, b"0")
-        sent = w.channel.take()
-        if not sent:
-            break
-        [frame] = sent
-        order.append(d._pending[frame[1]].id)
-    assert [bytes(i) for i in order] == [b'"a1"', b'"b1"', b'"a2"', b'"b2"', b'"b3"']
 
 
 def test_a_reserved_worker_that_empties_while_its_call_cannot_go_takes_calls_again(clock):
