@@ -64,7 +64,8 @@ __all__ = ["Replies", "error_code"]
 log = logging.getLogger("broker.dispatch")  # (the dispatcher's logger: these are its lines)
 
 _EXPIRED = int(ErrorCode.TIMED_OUT)  # notifications_dropped: those their worker never started, their deadline passed
-_SPLICE_BYTES = len(response_result(b"", b""))  # an answer's bytes besides its id and result (or error)
+_SPLICE_BYTES = len(response_result(b"", b""))  # a result's answer's bytes besides its id and result
+_ERROR_SPLICE_BYTES = len(response_error(b"", b""))  # an error's, besides its id and error object (1 fewer)
 _TOO_LARGE_MARK = memoryview(b"")  # (_fill_chunk: an entry answered past max_response_bytes)
 _VIEW_FROM = 4096  # (_fill_chunk: results from this many bytes are viewed, not copied, to be spliced)
 _clock = time.perf_counter
@@ -214,8 +215,10 @@ class Replies(DispatcherState):
                         exchange.on_done(exchange)
                 elif outgoing is GONE:
                     self._gone(call, exchange, kind, payload, aux)
-                else:
+                elif kind == RESULT:  # (too large)
                     self._answer_error(call, exchange, payload, size)
+                else:  # (an error's answer is a byte shorter, `"error":`: one filling the budget exactly was refused)
+                    self._answer_error(call, exchange, payload, size - _SPLICE_BYTES + _ERROR_SPLICE_BYTES)
         elif call.tick:  # a notification (or a chunk of them, or one whose calls all answered in parts)
             self._deadlines.remove(call)
             if kind != RESULT:
@@ -546,6 +549,7 @@ class Replies(DispatcherState):
         room = start = min(self.max_response_bytes - budget.held, outgoing.limit - outgoing.held)
         connection = room == self.max_response_bytes - budget.held
         refused: set[int] | None = None  # entries answered -32603 past max_response_bytes
+        again: list[int] | None = None  # results of calls answered before (a worker's second answer)
         while pos < end:
             i, entry_kind, length = unpack(payload, pos)
             pos += size
@@ -580,6 +584,10 @@ class Replies(DispatcherState):
                         _clock() - call.arrival,
                     )
                 filled += 1
+            elif slot >= 0 and entry_kind == RESULT:  # (not counted: its first answer was)
+                if again is None:
+                    again = []
+                again.append(i)
             pos += length
         budget.keep(exchange, start - room)  # (before on_done: see filled below)
         if results and metrics is not None:
@@ -595,6 +603,9 @@ class Replies(DispatcherState):
                     if entry_kind == RESULT and slots[i] >= 0 and (refused is None or i not in refused):
                         mix[methods[i]] += 1
                     pos += size + length
+                for i in again or ():
+                    if refused is None or i not in refused:
+                        mix[methods[i]] -= 1
             for index, n in mix.items():
                 metrics.ok(index, latency, n)
         exchange.filled(filled)

@@ -161,19 +161,25 @@ def test_a_chunks_answers_that_fill_max_response_bytes_exactly_are_all_given(clo
     assert three_results(clock, 3 * size - 1) == [None, None, ErrorCode.INTERNAL_ERROR]
 
 
-def test_a_second_answer_to_a_chunks_call_in_the_same_reply_is_dropped_and_counted_once(clock):
+@pytest.mark.parametrize(("first", "answers", "outcomes"), [
+    ((RESULT, b"0"), [0, 1, 2], {OK: 3}),
+    # (its first answer an error: the second walk, as results do not fill the chunk, counted it)
+    ((ERROR, b'{"code":-32602,"message":"no"}'), [None, 1, 2], {ErrorCode.INVALID_PARAMS: 1, OK: 2}),
+])
+def test_a_second_answer_to_a_chunks_call_in_the_same_reply_is_dropped_and_not_counted(clock, first, answers,
+                                                                                       outcomes):
     metrics = CallMetrics()
     d, w, codec, done = one_worker(clock.loop, ["m"], metrics=metrics)
     frame = chunk_of_m(d, w, codec, 3, done)
     d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers(
-        (0, RESULT, b"0"), (1, RESULT, b"1"), (2, RESULT, b"2"), (0, RESULT, b'"again"')))
-    assert [json.loads(a)["result"] for a in done[0].answers] == [0, 1, 2]  # type: ignore[arg-type]
-    assert metrics.outcomes[0] == {OK: 3} and done[0].remaining == 0 and d.in_flight_calls == 0
+        (0, *first), (1, RESULT, b"1"), (2, RESULT, b"2"), (0, RESULT, b'"again"')))
+    assert [json.loads(a).get("result") for a in done[0].answers] == answers  # type: ignore[arg-type]
+    assert metrics.outcomes[0] == outcomes and done[0].remaining == 0 and d.in_flight_calls == 0
 
 
-@pytest.mark.xfail(strict=True, reason="_fill_chunk's second walk (some results answered before) counts every "
-                   "RESULT entry of the payload, a call's second answer too, though its slot kept the first")
 def test_a_second_answer_to_a_chunks_call_answered_in_an_earlier_part_is_not_counted_again(clock):
+    """_fill_chunk's second walk (some results answered before) counted every RESULT entry
+    of the payload, a call's second answer too, though its slot kept the first: {OK: 4}."""
     metrics = CallMetrics()
     d, w, codec, done = one_worker(clock.loop, ["m"], metrics=metrics)
     frame = chunk_of_m(d, w, codec, 3, done)
@@ -298,7 +304,7 @@ def test_a_call_its_worker_found_past_its_deadline_is_answered_timed_out_or_refu
     assert json.loads(exchange.body()) == timed_out_answer(data) and exchange.status == 504
     assert metrics.outcomes[0] == {ErrorCode.TIMED_OUT: 1} and metrics.latency[0].sum_us == 250_000
     size = len(exchange.body())
-    for settings in ({"max_response_bytes": size + 1}, {"max_outgoing_bytes": size + 1}):  # (see the xfail below)
+    for settings in ({"max_response_bytes": size + 1}, {"max_outgoing_bytes": size + 1}):
         exchange, d, _metrics = answered(clock, ack, **settings)
         assert json.loads(exchange.body()) == timed_out_answer(data) and exchange.budget.held == size
     exchange, d, metrics = answered(clock, ack, max_response_bytes=size - 1)
@@ -312,14 +318,24 @@ def test_a_call_its_worker_found_past_its_deadline_is_answered_timed_out_or_refu
     assert (d.oversize_total, d.outgoing.refused_total) == (0, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="on_reply counts a single call's error answer with _SPLICE_BYTES, the bytes "
-                   "of a result's frame: `\"result\":` is one byte longer than `\"error\":`, so an error answer "
-                   "is tested as one byte larger than it is")
 @TIMED_OUT_ACKS
 def test_a_timed_out_answer_that_fills_max_response_bytes_exactly_is_given(clock, ack, data):
+    """An error's answer was counted as a result's, `"result":` one byte longer than `"error":`:
+    one filling max_response_bytes or max_outgoing_bytes exactly was refused -32603."""
     size = len(answered(clock, ack)[0].body())
-    exchange, _d, _metrics = answered(clock, ack, max_response_bytes=size)
-    assert json.loads(exchange.body()) == timed_out_answer(data)
+    for settings in ({"max_response_bytes": size}, {"max_outgoing_bytes": size}):
+        exchange, _d, _metrics = answered(clock, ack, **settings)
+        assert json.loads(exchange.body()) == timed_out_answer(data) and exchange.budget.held == size
+
+
+def test_a_workers_error_answer_that_fills_max_response_bytes_exactly_is_given(clock):
+    error = b'{"code":-32602,"message":"no"}'
+    size = len(answered(clock, error)[0].body())
+    exchange, _d, metrics = answered(clock, error, max_response_bytes=size)
+    assert json.loads(exchange.body())["error"] == {"code": -32602, "message": "no"}
+    assert exchange.budget.held == size and metrics.outcomes[0] == {ErrorCode.INVALID_PARAMS: 1}
+    exchange, _d, metrics = answered(clock, error, max_response_bytes=size - 1)
+    assert json.loads(exchange.body())["error"]["code"] == -32603
 
 
 def test_a_workers_error_answer_keeps_its_http_status_its_code_and_counts_its_latency(clock):
