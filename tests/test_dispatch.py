@@ -770,8 +770,9 @@ def test_one_connections_blocking_sync_calls_hold_at_most_its_share_of_the_worke
         d.submit(body(codec, req("slow", ["o"], "o")), lambda e: None, other)
         d.submit(body(codec, req("fast", ["f"], "f")), lambda e: None, other)
         busy = next(w for w in workers if w is not free)
-        assert [first_params(f) for f in free.channel.take()][:1] == [["o"]]
-        assert ["f"] in [first_params(f) for w in workers for f in w.channel.take()]  # (a prefetch: either)
+        got = {w: [first_params(f) for f in w.channel.take()] for w in workers}  # (each channel taken once)
+        assert got[free][:1] == [["o"]]
+        assert ["f"] in got[free] + got[busy]  # (a prefetch: either, as their measured times fall)
         d.on_reply(busy, wire.Kind.RESULT, sent[0][1], 200_000, b"0")
         assert [first_params(f) for f in busy.channel.take()] == [[1]] and greedy.blocking == 1
         assert d.queued_calls == 4
