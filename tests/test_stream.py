@@ -1054,6 +1054,32 @@ def test_sigterm_delivers_every_owed_answer_to_a_client_still_writing(tmp_path, 
         sb.broker.stop()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_lines_sent_after_the_stop_on_a_connection_still_owed_answers_are_answered(tmp_path, transport):
+    """Hostile testing, round 109 (MEDIUM): at SIGTERM a connection with calls in flight and
+    nothing more received stopped reading; what its client sent while it waited for their
+    answers was dropped, no answer at all (an HTTP connection serves requests pipelined
+    behind one in flight). It reads on while it owes answers, within the grace period; it
+    half-closes once it owes nothing, and what comes after is discarded unread."""
+    sb = start_stream_broker(tmp_path, "--workers", "2", "--grace-period", "20")
+    s = sb.connect(transport)
+    try:
+        s.send(b"".join(line("sleep", [1.0], i) + b"\n" for i in range(3)))
+        wait_for(lambda: metric(scrape(sb.broker), "rpc_broker_calls_in_flight") == 3, timeout=10)
+        sb.broker.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "stopping: no new connections" in sb.broker.read_log(), timeout=10)
+        time.sleep(0.2)  # (the drain has looked at the connection: nothing more received)
+        s.send(line("add", [1, 2], "late") + b"\n")
+        s.send(line("sleep", [0.2], "later") + b"\n")
+        answers = sorted(s.lines(5, timeout=10))
+        assert answers == sorted([result(i, 1.0) for i in range(3)] + [result("late", 3), result("later", 0.2)])
+        s.closed_within(5.0)  # (half-closed once it owed nothing)
+        assert sb.broker.proc.wait(30) == 0, sb.broker.read_log()
+    finally:
+        s.sock.close()
+        sb.broker.stop()
+
+
 def test_a_broker_removes_only_its_own_socket_file(tmp_path):
     first = start_stream_broker(tmp_path, "--workers", "1")
     path = first.unix_path

@@ -291,7 +291,7 @@ class StreamProtocol(Closing, asyncio.Protocol):
         fe = self._fe
         fe.received_bytes += len(data)
         if fe.draining or self._refused:
-            if self._unread and not self._refused:
+            if not self._refused and (self._unread or self._reads_on_owing()):
                 self._read_before_stop(data)
                 return
             self._turn_bytes = discard_turn(self._transport, self._turn_bytes, len(data), fe.loop)  # (discarded)

@@ -207,6 +207,21 @@ class Closing(StreamState):
                 return
             self._maybe_close()
 
+    def _reads_on_owing(self) -> bool:
+        """Draining, input came after the connection stopped waiting for its client's
+        (`_read_all_before_stop`): while it still owes answers it is not idle, and reads
+        and serves it as an HTTP connection serves requests pipelined behind one in flight
+        (hostile testing, round 109: lines sent on a busy connection after the stop were
+        dropped unanswered, the connection open and answering). Not once it half-closed
+        (`_linger`), nor past the grace period: then it is discarded unread."""
+        fe = self._fe
+        if (self.owed or self._waiting or self._backlog) and not self.lingering_since and fe.dispatcher.in_grace:
+            self._unread = -1  # (read as a line under way: `_read_all_before_stop` measures again)
+            fe.unread.add(self)
+            fe.recount()
+            return True
+        return False
+
     def _unread_done(self) -> None:
         """Draining, this connection reads nothing more of what came before the stop
         (`drain`): the drain no longer waits for it."""
