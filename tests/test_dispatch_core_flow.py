@@ -18,6 +18,7 @@ from broker.answers import Exchange, ResponseBudget
 from broker.dispatch import Dispatcher
 from broker.jsonrpc import Codec, ErrorCode
 from broker.metrics import CallMetrics
+from broker.routing import BLOCKING_US
 
 Frame = tuple[int, int, int, bytes]
 clock = test_dispatch_core.clock  # (the fixture: time injected)
@@ -142,6 +143,50 @@ def test_by_default_a_connection_may_be_owed_32_mib_and_all_of_them_2_to_the_62(
         "responses owed on all connections exceed max_outgoing_bytes 4611686018427387904")
 
 
+def test_with_max_worker_params_bytes_0_no_params_count_as_large(clock):
+    d, w, codec, _done = one_worker(clock.loop, ["m"], max_worker_params_bytes=0)
+    budget = ResponseBudget(d.outgoing)
+    d.submit(body(codec, req("m", ["x" * 20_000], 1)), lambda e: None, budget)
+    d.submit(body(codec, req("m", [], 2)), lambda e: None, budget)
+    assert len(w.channel.take()) == 2
+    assert (w.heavy, budget.heavy, dict(w.heavy_calls)) == (0, 0, {})
+
+
+def test_before_any_method_table_every_call_is_of_an_unknown_method(clock):
+    d = Dispatcher(clock.loop)
+    refused = d.submit(body(Codec(), req("m", [], 1)), lambda e: None)
+    assert error_of(refused) == {"code": -32601, "message": "Method not found"}
+
+
+def test_the_grace_period_is_said_to_run_from_the_drains_start_to_its_end(clock):
+    d, w, codec, _done = one_worker(clock.loop, ["m"])
+    assert d.in_grace is False
+    d.submit(body(codec, req("m", [], 1)), lambda e: None)
+    drain = clock.loop.create_task(d.drain(30.0))
+    clock.advance(0.0)
+    assert d.in_grace is True
+    d.on_reply(w, wire.Kind.RESULT, w.channel.take()[0][1], 0, b"1")
+    clock.advance(0.0)
+    assert drain.done() and d.in_grace is False
+
+
+@pytest.mark.parametrize("share", [0, 0.0, -0.5, 1.01, float("nan")])
+def test_a_connection_share_not_above_0_and_at_most_1_is_refused_at_construction(clock, share):
+    with pytest.raises(ValueError) as refused:
+        Dispatcher(clock.loop, connection_share=share)
+    assert str(refused.value) == f"connection_share = {share!r}: it must be > 0 and <= 1"
+    assert Dispatcher(clock.loop, connection_share=1).answered_within() == 40.0
+
+
+def test_a_blocking_sync_call_made_before_any_worker_is_ready_waits_for_one(clock):
+    d = Dispatcher(clock.loop)
+    d.set_methods(["s"], sync_methods=["s"])  # unmeasured: blocking
+    exchange = d.submit(body(Codec(), req("s", [], 1)), lambda e: None)
+    assert exchange is not None and exchange.remaining == 1 and d.queued_calls == 1
+    w = add_worker(d, 0, concurrency=2)
+    assert [f[1] for f in w.channel.take()] == [1] and w.blocked
+
+
 # -- submit: what a body's elements are counted as ---------------------------------------
 
 
@@ -244,6 +289,10 @@ def test_a_chunk_of_blocking_sync_calls_without_sync_routing_counts_each_on_its_
     [frame] = w.channel.take()
     assert (frame[0], frame[2]) == (wire.Kind.CHUNK, 3)
     assert (w.sync_calls, budget.blocking, w.blocked, w.limit) == (3, 3, False, 4)
+    assert w.sync_until == clock.now + 3 * BLOCKING_US * 1e-6  # (expected to end: each call's estimate, added)
+    assert w.channel.flows[frame[1]] == budget.flow  # (never RETURNABLE: nothing is given back)
+    d.submit(body(Codec(), req("s", [], "one more")), lambda e: None, budget)
+    assert len(w.channel.take()) == 1 and (w.sync_calls, budget.blocking) == (4, 4)
 
 
 # -- a call's end: timed out, shed -------------------------------------------------------------
@@ -366,3 +415,229 @@ def test_notifications_too_deep_to_forward_are_counted_dropped_and_in_their_batc
     assert exchange is not None and exchange.remaining == 1 and len(w.channel.take()) == 1
     assert d.notifications_dropped == {ErrorCode.INVALID_REQUEST: 2}
     assert (metrics.batch_size.sum, sum(metrics.batch_size.counts)) == (2.0, 1)
+
+
+# -- _start: where a new call goes, or why not ---------------------------------------------
+
+
+def test_a_connections_blocking_sync_calls_take_its_share_of_the_workers_and_its_async_calls_go_past_it(clock):
+    d = Dispatcher(clock.loop, sync_prefetch=1)  # a blocked worker takes one more call
+    d.set_methods(["m", "s"], sync_methods=["s"])  # "s": blocking (unmeasured)
+    workers = [add_worker(d, slot, concurrency=4) for slot in range(4)]  # its share: 2 workers
+    codec = Codec()
+    own = ResponseBudget(d.outgoing)
+    for i in range(2):
+        d.submit(body(codec, req("s", [], i)), lambda e: None, own)
+    assert sorted(len(w.channel.take()) for w in workers) == [0, 0, 1, 1] and own.blocking == 2
+    for w in workers:
+        if not w.blocked:
+            d.worker_unready(w)  # two leave: its share of the workers is 1 now, and it holds 2
+    d.submit(body(codec, req("m", [], "async")), lambda e: None, own)  # holds no worker whole: goes
+    assert [f[2] for w in workers for f in w.channel.take()] == [0] and d.queued_calls == 0
+    d.submit(body(codec, req("s", [], "third")), lambda e: None, own)
+    assert [f for w in workers for f in w.channel.take()] == [] and d.queued_calls == 1
+
+
+def test_in_the_grace_period_a_new_call_is_refused_shutting_down_with_no_data_and_counted(clock):
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["m"], 1, metrics=metrics)
+    d.submit(body(codec, req("m", [], "running")), done.append)
+    drain = clock.loop.create_task(d.drain(30.0))
+    clock.advance(0.0)
+    refused = d.submit(body(codec, req("m", [], "new")), done.append)
+    assert error_of(refused) == {"code": ErrorCode.SHUTTING_DOWN, "message": "Shutting down"}
+    assert refused is not None and (refused.remaining, refused.status) == (0, 503)
+    assert metrics.outcomes[0] == {ErrorCode.SHUTTING_DOWN: 1}
+    d.on_reply(w, wire.Kind.RESULT, w.channel.take()[0][1], 0, b"0")
+    clock.advance(0.0)
+    assert drain.done()
+
+
+@pytest.mark.parametrize(("back_in", "code"), [(1.0, None), (1.0 + 1e-9, ErrorCode.NO_WORKER)])
+def test_with_every_worker_down_a_call_waits_for_one_back_within_a_second_of_the_outage(clock, back_in, code):
+    d, w, codec, done = one_worker(clock.loop, ["m"], 1)
+    d.worker_lost(w, "exited with 1")
+    d.worker_back_in = lambda: back_in  # (the pool's: its restart backoff)
+    exchange = d.submit(body(codec, req("m", [], 1)), done.append)
+    assert exchange is not None and d.queued_calls == (0 if code else 1)
+    assert exchange.remaining == (0 if code else 1)
+    if code:
+        assert error_of(exchange)["code"] == code and exchange.status == 503  # type: ignore[index]
+
+
+def test_a_call_holding_exactly_what_max_queue_bytes_leaves_is_queued(clock):
+    d, _w, codec, done = one_worker(clock.loop, ["m"], 1, max_queue_bytes=len(b'["abc"]') + len(b'"x"'))
+    d.submit(body(codec, req("m", [], "busy")), done.append)
+    d.submit(body(codec, req("m", ["abc"], "x")), done.append, ResponseBudget(d.outgoing))
+    assert d.queued_calls == 1 and d.queued_bytes == 10 and done == []
+    refused = d.submit(body(codec, req("m", [], "y")), done.append, ResponseBudget(d.outgoing))  # 5 bytes more
+    assert d.queued_calls == 1 and error_of(refused)["code"] == ErrorCode.OVERLOADED  # type: ignore[index]
+
+
+# -- _send: what a worker is sent, and what it holds then -----------------------------------
+
+
+def test_a_worker_sent_a_call_is_marked_as_having_taken_calls(clock):
+    d, w, codec, _done = one_worker(clock.loop, ["m"])
+    assert w.took_calls is False  # (the pool tells a crash loop at boot from a death under calls by it)
+    d.submit(body(codec, req("m", [], 1)), lambda e: None)
+    assert w.took_calls is True
+
+
+def test_an_async_call_given_back_goes_again_as_blocking_expected_to_end_at_once(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m"], 4)
+    d.submit(body(codec, req("m", [], 1)), done.append)
+    [frame] = w.channel.take()
+    assert w.channel.flows[frame[1]] & wire.RETURNABLE
+    clock.advance(0.5)
+    d.on_reply(w, wire.Kind.RETURN, frame[1], 0, frame[3])  # (an async method's: no estimate, -1)
+    [again] = w.channel.take()
+    assert (again[1], w.blocked, w.sync_calls) == (frame[1], True, 1)
+    assert w.sync_until == clock.now  # (nothing known of how long it takes: expected to end now)
+
+
+# -- membership: a worker lost, and what its calls are answered -----------------------------
+
+
+def test_a_call_whose_worker_died_is_answered_502_and_counted_worker_died(clock):
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["m"], 4, metrics=metrics)
+    w.pid = 99
+    exchange = d.submit(body(codec, req("m", [], 1)), done.append)
+    d.worker_lost(w, "exited with 1")
+    assert exchange is not None and done == [exchange] and exchange.status == 502
+    assert error_of(exchange) == {"code": -32002, "message": "Worker died", "data": {"pid": 99, "status": "exited with 1"}}
+    assert metrics.outcomes[0] == {ErrorCode.WORKER_DIED: 1}
+
+
+def test_a_worker_lost_in_a_blocking_sync_call_is_reset_to_take_calls_as_any_when_back(clock):
+    d = Dispatcher(clock.loop)
+    d.set_methods(["s"], sync_methods=["s"])
+    w = add_worker(d, 0, concurrency=4)
+    budget = ResponseBudget(d.outgoing)
+    d.submit(body(Codec(), req("s", [], 1)), lambda e: None, budget)
+    assert (w.blocked, w.limit, w.outstanding, w.sync_calls, budget.blocking) == (True, 1, 1, 1, 1)
+    d.worker_lost(w, "exited with 1")
+    assert (w.blocked, w.limit, w.outstanding, w.sync_calls, budget.blocking) == (False, 4, 0, 0, 0)
+
+
+def test_a_fast_sync_call_lost_with_its_worker_leaves_its_connection_holding_no_blocking_call(clock):
+    d = Dispatcher(clock.loop)
+    d.set_methods(["s"], sync_methods=["s"])
+    w = add_worker(d, 0, concurrency=4)
+    codec = Codec()
+    d.submit(body(codec, req("s", [], "learn")), lambda e: None)
+    d.on_reply(w, wire.Kind.RESULT, w.channel.take()[0][1], 100, b"0")  # 100 µs: fast now (sync -1)
+    budget = ResponseBudget(d.outgoing)
+    d.submit(body(codec, req("s", [], 1)), lambda e: None, budget)
+    assert not w.blocked and budget.blocking == 0
+    d.worker_lost(w, "exited with 1")
+    assert budget.blocking == 0 and budget.in_flight == 0
+
+
+def test_a_chunk_of_notifications_lost_with_its_worker_is_counted_dropped(clock):
+    d, w, codec, _done = one_worker(clock.loop, ["m"])
+    d.submit(body(codec, [note("m", i) for i in range(3)]), lambda e: None)
+    assert [(f[0], f[2]) for f in w.channel.take()] == [(wire.Kind.CHUNK, 3)]
+    d.worker_lost(w, "exited with 1")
+    assert d.notifications_dropped == {ErrorCode.WORKER_DIED: 3}
+
+
+def hung_and_lost(clock: Clock, acknowledged: bool) -> Dispatcher:
+    """A worker holding a call of "a" (1 s deadline) and one of "b" (10 s), killed as hung
+    (cancel_grace 1 s) and gone; `acknowledged`: it answered the cancelled call first."""
+    d, w, codec, _done = one_worker(clock.loop, ["a", "b"], 4, timeout=10.0, method_timeouts={"a": 1.0},
+                                    cancel_grace=1.0)
+    w.process = Process()
+    d.submit(body(codec, req("a", [], 1)), lambda e: None)
+    d.submit(body(codec, req("b", [], 2)), lambda e: None)
+    a, _b = w.channel.take()
+    clock.advance(1.05)  # a's deadline: cancelled
+    clock.advance(1.05)  # ... and cancel_grace
+    assert w.process.kills == 1 and w.kill_reason.startswith("hung")
+    if acknowledged:
+        d.on_reply(w, wire.Kind.ERROR, a[1], wire.NOT_RUN, wire.CANCEL_ACK)
+    d.worker_lost(w, "killed by SIGKILL")
+    return d
+
+
+def test_a_worker_killed_as_hung_blames_only_the_methods_of_its_calls_past_their_deadline(clock):
+    assert hung_and_lost(clock, acknowledged=False).isolated == {"a": 1}
+
+
+def test_a_worker_killed_as_hung_that_answered_its_cancelled_call_first_blames_what_it_still_held(clock):
+    assert hung_and_lost(clock, acknowledged=True).isolated == {"b": 1}
+
+
+def test_a_worker_that_died_on_its_own_blames_every_method_it_held_past_its_deadline_or_not(clock):
+    d, w, codec, _done = one_worker(clock.loop, ["a", "b"], 4, timeout=10.0, method_timeouts={"a": 1.0},
+                                    cancel_grace=100.0)
+    d.submit(body(codec, req("a", [], 1)), lambda e: None)
+    d.submit(body(codec, req("b", [], 2)), lambda e: None)
+    clock.advance(1.05)
+    d.worker_lost(w, "exited with 1")
+    assert d.isolated == {"a": 1, "b": 1}
+
+
+def test_a_worker_dying_under_a_call_of_a_method_a_reload_removed_blames_no_method(clock, caplog):
+    d, w, codec, done = one_worker(clock.loop, ["m", "gone"], 1)
+    d.submit(body(codec, req("m", [], "busy")), done.append)
+    d.submit(body(codec, req("gone", [], "queued")), done.append, ResponseBudget(d.outgoing))
+    [busy] = w.channel.take()
+    d.set_methods(["m"])  # a reload without "gone": its queued call goes with index 1, `other`
+    d.on_reply(w, wire.Kind.RESULT, busy[1], 0, b"0")
+    [(_kind, _call_id, index, _params)] = w.channel.take()
+    assert index == 1
+    with caplog.at_level("WARNING", logger="broker.dispatch"):
+        d.worker_lost(w, "exited with 1")
+    assert d.isolated == {} and caplog.records == [] and codes(done[1:]) == [ErrorCode.WORKER_DIED]
+
+
+def test_a_method_that_killed_its_worker_twice_is_logged_as_owed_two_answers(clock, caplog):
+    d, w, codec, _done = one_worker(clock.loop, ["a"], 4)
+    w.pid = 7
+    with caplog.at_level("WARNING", logger="broker.dispatch"):
+        for i in range(2):
+            d.submit(body(codec, req("a", [], i)), lambda e: None)
+            d.submit(body(codec, req("a", [], i)), lambda e: None)  # (two: not caught alone)
+            w.channel.take()
+            d.worker_lost(w, "exited with 1")
+            w.channel = type(w.channel)()
+            d.worker_ready(w)
+    assert d.isolated == {"a": 2}
+    assert [r.getMessage().split("passed: ")[1].split(" or ")[0] for r in caplog.records] == [
+        "a: after 1 answer", "a: after 2 answers"]
+
+
+# -- membership: every worker down, one due back in `back_in` -------------------------------
+
+
+def down_with_a_queued_call(clock: Clock, timeout: float = 30.0) -> tuple[Dispatcher, list[Exchange]]:
+    """The only worker lost at the clock's now, and a call (deadline `timeout`) queued."""
+    d, w, codec, done = one_worker(clock.loop, ["m"], 1, timeout=timeout)
+    d.worker_lost(w, "exited with 1")
+    d.submit(body(codec, req("m", [], 1)), done.append)
+    assert d.queued_calls == 1
+    return d, done
+
+
+def test_with_a_worker_on_its_way_a_queued_call_waits_however_long_the_outage(clock):
+    d, done = down_with_a_queued_call(clock)
+    clock.advance(2.0)
+    d.no_worker_before(0.0)
+    assert d.queued_calls == 1 and done == []
+
+
+def test_a_queued_call_waits_for_a_backoff_ending_exactly_at_the_outages_second(clock):
+    d, done = down_with_a_queued_call(clock)
+    clock.advance(0.5)
+    d.no_worker_before(0.5)
+    assert d.queued_calls == 1 and done == []
+    d.no_worker_before(0.5 + 1e-6)
+    assert d.queued_calls == 0 and codes(done) == [ErrorCode.NO_WORKER] and done[0].status == 503
+
+
+def test_a_queued_call_waits_for_a_backoff_ending_exactly_at_its_deadline(clock):
+    d, done = down_with_a_queued_call(clock, timeout=0.75)
+    d.no_worker_before(0.75)
+    assert d.queued_calls == 1 and done == []
