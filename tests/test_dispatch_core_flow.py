@@ -641,3 +641,53 @@ def test_a_queued_call_waits_for_a_backoff_ending_exactly_at_its_deadline(clock)
     d, done = down_with_a_queued_call(clock, timeout=0.75)
     d.no_worker_before(0.75)
     assert d.queued_calls == 1 and done == []
+
+
+def test_a_connection_that_floods_the_queue_still_sheds_for_another_after_no_worker_before_dropped_some(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m", "short"], 1, max_queue=4, method_timeouts={"short": 0.5})
+    d.worker_lost(w, "exited with 1")
+    flood, other = ResponseBudget(d.outgoing), ResponseBudget(d.outgoing)
+    for method, id_ in (("short", "late"), ("m", 1), ("m", 2), ("m", 3)):
+        d.submit(body(codec, req(method, [], id_)), done.append, flood)
+    d.no_worker_before(0.6)  # past the short call's deadline: answered now
+    assert codes(done) == [ErrorCode.NO_WORKER] and d.queued_calls == 3
+    d.submit(body(codec, req("m", [], "o1")), done.append, other)
+    d.submit(body(codec, req("m", [], "o2")), done.append, other)  # the queue full: the flood's newest goes
+    assert [json.loads(e.body())["id"] for e in done[1:]] == [3] and codes(done[1:]) == [ErrorCode.OVERLOADED]
+    assert d.queued_calls == 4 and (flood.queued, other.queued) == (2, 2)
+
+
+# -- membership: a reload's method table and what a sync method is known to be --------------
+
+
+def test_a_sync_method_measured_at_0_us_stays_fast_across_a_reload_and_its_calls_keep_teaching_it(clock):
+    d, w, codec, _done = one_worker(clock.loop, ["s"], 1)
+    d.set_methods(["s"], sync_methods=["s"])
+    for i in range(100):  # each answered in 0 µs: the estimate falls from 1000 µs to 0
+        d.submit(body(codec, req("s", [], i)), lambda e: None)
+        d.on_reply(w, wire.Kind.RESULT, w.channel.take()[0][1], 0, b"0")
+    d.submit(body(codec, req("s", [], "running")), lambda e: None)
+    d.submit(body(codec, req("s", [], "queued")), lambda e: None)
+    [running] = w.channel.take()
+    assert not w.blocked and d.queued_calls == 1
+    d.set_methods(["s"], sync_methods=["s"])  # a reload of the same code: still known fast
+    d.on_reply(w, wire.Kind.RESULT, running[1], 0, b"0")
+    [queued] = w.channel.take()
+    assert not w.blocked and w.channel.flows[queued[1]] & wire.RETURNABLE
+    d.on_reply(w, wire.Kind.RESULT, queued[1], 10_000_000, b"0")  # 10 s: it teaches the method is slow now
+    d.submit(body(codec, req("s", [], "after")), lambda e: None)
+    assert len(w.channel.take()) == 1 and w.blocked
+
+
+def test_a_sync_method_measured_fast_keeps_learning_from_its_calls_after_a_reload(clock):
+    d, w, codec, _done = one_worker(clock.loop, ["s"], 4)
+    d.set_methods(["s"], sync_methods=["s"])
+    d.submit(body(codec, req("s", [], "learn")), lambda e: None)
+    d.on_reply(w, wire.Kind.RESULT, w.channel.take()[0][1], 100, b"0")  # fast now: 888 µs
+    d.set_methods(["s"], sync_methods=["s"])
+    d.submit(body(codec, req("s", [], 1)), lambda e: None)
+    [frame] = w.channel.take()
+    assert not w.blocked
+    d.on_reply(w, wire.Kind.RESULT, frame[1], 10_000_000, b"0")
+    d.submit(body(codec, req("s", [], 2)), lambda e: None)
+    assert len(w.channel.take()) == 1 and w.blocked
