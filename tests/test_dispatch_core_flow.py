@@ -691,3 +691,33 @@ def test_a_sync_method_measured_fast_keeps_learning_from_its_calls_after_a_reloa
     d.on_reply(w, wire.Kind.RESULT, frame[1], 10_000_000, b"0")
     d.submit(body(codec, req("s", [], 2)), lambda e: None)
     assert len(w.channel.take()) == 1 and w.blocked
+
+
+def test_a_worker_lost_while_overdue_leaves_the_others_overdue_counted_as_not_answering(clock):
+    d, _w, codec, _done = one_worker(clock.loop, ["m"], 4, timeout=1.0, cancel_grace=100.0)
+    workers = [_w, add_worker(d, 1, concurrency=4), add_worker(d, 2, concurrency=4)]
+    for i in range(3):
+        d.submit(body(codec, req("m", [], i)), lambda e: None, ResponseBudget(d.outgoing))
+    held = {w: w.channel.take() for w in workers}
+    assert all(len(frames) == 1 for frames in held.values())
+    clock.advance(1.05)  # every call past its deadline, unanswered: every worker overdue
+    assert d.answering_workers == 0
+    d.worker_lost(workers[0], "exited with 1")
+    assert (d.ready_workers, d.answering_workers) == (2, 0)
+    d.on_reply(workers[1], wire.Kind.ERROR, held[workers[1]][0][1], wire.NOT_RUN, wire.CANCEL_ACK)
+    assert (d.ready_workers, d.answering_workers) == (2, 1)
+
+
+def test_a_connections_call_held_for_its_share_of_the_room_that_expires_lets_its_next_calls_go(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m", "short"], 10, max_worker_params_bytes=64 * 1024,
+                                   method_timeouts={"short": 1.0})  # one connection's room: 32 KiB
+    own = ResponseBudget(d.outgoing)
+    large = ["x" * (20 * 1024)]
+    d.submit(body(codec, req("m", large, "sent")), done.append, own)
+    d.submit(body(codec, req("short", large, "held")), done.append, own)  # past its share of the room: waits
+    d.submit(body(codec, req("m", [], "behind")), done.append, own)
+    assert [json.loads(e.body())["id"] for e in done] == [] and d.queued_calls == 2
+    assert [params_of(f) for f in w.channel.take()] == [[large]]
+    clock.advance(1.05)  # the held call expires: its connection's next goes
+    assert codes(done) == [ErrorCode.TIMED_OUT] and d.queued_calls == 0
+    assert [params_of(f) for f in w.channel.take()] == [[[]]]
