@@ -421,7 +421,8 @@ def test_notifications_too_deep_to_forward_are_counted_dropped_and_in_their_batc
 
 
 def test_a_connections_blocking_sync_calls_take_its_share_of_the_workers_and_its_async_calls_go_past_it(clock):
-    d = Dispatcher(clock.loop, sync_prefetch=1)  # a blocked worker takes one more call
+    metrics = CallMetrics()
+    d = Dispatcher(clock.loop, sync_prefetch=1, metrics=metrics)  # a blocked worker takes one more call
     d.set_methods(["m", "s"], sync_methods=["s"])  # "s": blocking (unmeasured)
     workers = [add_worker(d, slot, concurrency=4) for slot in range(4)]  # its share: 2 workers
     codec = Codec()
@@ -429,6 +430,7 @@ def test_a_connections_blocking_sync_calls_take_its_share_of_the_workers_and_its
     for i in range(2):
         d.submit(body(codec, req("s", [], i)), lambda e: None, own)
     assert sorted(len(w.channel.take()) for w in workers) == [0, 0, 1, 1] and own.blocking == 2
+    assert metrics.sent_at_once == 2 and sum(metrics.queue_wait.counts) == 0  # (at once: not through the queue)
     for w in workers:
         if not w.blocked:
             d.worker_unready(w)  # two leave: its share of the workers is 1 now, and it holds 2
