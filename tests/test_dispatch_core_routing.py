@@ -2,3 +2,200 @@
 the fair queue and its refill), held by exact values: what `make mutate` found the other
 in-memory tests did not hold. The set-up is test_dispatch_core.py's.
 """
+
+from __future__ import annotations
+
+import json
+import logging
+import typing
+
+import pytest
+import test_dispatch_core
+from test_dispatch import add_worker, body, first_params, req, restarted
+from test_dispatch_core import Clock, codes, one_worker
+
+from broker import wire
+from broker.answers import Exchange, ResponseBudget
+from broker.deadlines import TIMER_EARLY
+from broker.dispatch import Dispatcher
+from broker.jsonrpc import Codec, ErrorCode
+
+clock = test_dispatch_core.clock  # (the fixture: time injected)
+
+
+def taken(*workers: typing.Any) -> list[list[object]]:
+    """The params of the frames sent to each of `workers` since last asked, worker by worker."""
+    return [[first_params(f) for f in w.channel.take()] for w in workers]
+
+
+# -- queueing.py: a full queue sheds the newest calls of the connection with most waiting --
+
+
+def full_queue(clock: Clock, methods: tuple[str, ...] = ("m",), **settings: typing.Any
+               ) -> tuple[Dispatcher, typing.Any, Codec, list[Exchange]]:
+    """A dispatcher (`settings`) with one worker of 10 places, full with one batch: what comes
+    next waits (a batch in one chunk, a connection's share being every place)."""
+    d, w, codec, done = one_worker(clock.loop, list(methods), 10, connection_share=1.0, **settings)
+    d.submit(body(codec, [req("m", ["busy"], i) for i in range(10)]), done.append)
+    assert len(w.channel.take()) == 1 and w.outstanding == 10
+    done.clear()
+    return d, w, codec, done
+
+
+def queue_calls(d: Dispatcher, codec: Codec, owner: ResponseBudget, tags: typing.Iterable[object],
+                done: list[Exchange], pad: str = "", method: str = "m") -> list[object]:
+    """Submit a call of `method` for each of `tags` (its id; its params, with `pad`); the ids of
+    those refused -32000 at once."""
+    refused = []
+    for tag in tags:
+        exchange = d.submit(body(codec, req(method, [f"{tag}{pad}"], tag)), done.append, owner)
+        if exchange is not None and not exchange.remaining:
+            assert codes([exchange]) == [ErrorCode.OVERLOADED]
+            refused.append(tag)
+    return refused
+
+
+def shed_ids(done: list[Exchange]) -> list[object]:
+    """The ids of the queued single calls answered -32000 (shed), in order."""
+    return [json.loads(e.body())["id"] for e in done if codes([e]) == [ErrorCode.OVERLOADED]]
+
+
+def test_a_full_queue_sheds_by_bytes_as_many_of_the_newest_calls_as_free_the_bytes_a_call_needs(clock):
+    d, _w, codec, done = full_queue(clock, max_queue=100, max_queue_bytes=400)
+    flood, other = ResponseBudget(d.outgoing), ResponseBudget(d.outgoing)
+    queue_calls(d, codec, flood, range(4), done, pad="x" * 90)  # (96 bytes each, with its id)
+    assert (d.queued_calls, flood.queued, d.queued_bytes) == (4, 4, 384)
+    queue_calls(d, codec, other, ["o"], done, pad="o" * 149)  # (157 bytes: 141 to free, 2 of the flood's)
+    assert shed_ids(done) == [3, 2] and (flood.queued, other.queued, d.queued_calls, d.queued_bytes) == (2, 1, 3, 349)
+    assert len(d._queue) == 3
+
+
+def test_a_full_queue_sheds_for_a_call_only_while_the_fattest_keeps_as_many_as_it_will_have(clock):
+    d, _w, codec, done = full_queue(clock, max_queue=5)
+    flood, other = ResponseBudget(d.outgoing), ResponseBudget(d.outgoing)
+    queue_calls(d, codec, flood, range(3), done)
+    queue_calls(d, codec, other, ["o0", "o1"], done)
+    assert d.queued_calls == 5
+    assert queue_calls(d, codec, other, ["o2"], done) == ["o2"]  # (3 against its 2 + 1: the newcomer is shed)
+    assert shed_ids(done) == [] and (flood.queued, other.queued) == (3, 2)
+    third = ResponseBudget(d.outgoing)
+    assert queue_calls(d, codec, third, ["t"], done) == []  # (3 against 0 + 1, and 2 left: the flood's newest)
+    assert shed_ids(done) == [2] and (flood.queued, other.queued, third.queued) == (2, 2, 1)
+
+
+def test_a_full_queue_sheds_nothing_for_a_batch_heavier_than_max_queue(clock):
+    d, _w, codec, done = full_queue(clock, max_queue=8)
+    flood = ResponseBudget(d.outgoing)
+    queue_calls(d, codec, flood, range(8), done)
+    refused = d.submit(body(codec, [req("m", [i], i) for i in range(9)]), done.append)  # 9 calls > 8
+    assert refused is not None and refused.remaining == 0 and flood.queued == 8 and shed_ids(done) == []
+    assert [a["error"]["code"] for a in json.loads(refused.body())] == [ErrorCode.OVERLOADED] * 9
+    d.submit(body(codec, [req("m", [i], f"b{i}") for i in range(4)]), done.append)  # 4, and the flood keeps 4
+    assert shed_ids(done) == [7, 6, 5, 4] and flood.queued == 4 and d.queued_calls == 8
+
+
+def test_expired_shells_among_the_newest_are_taken_out_with_the_calls_shed_and_free_nothing(clock):
+    d, _w, codec, done = full_queue(clock, ("m", "short"), max_queue=6, method_timeouts={"short": 1.0})
+    flood = ResponseBudget(d.outgoing)
+    queue_calls(d, codec, flood, range(4), done)
+    queue_calls(d, codec, flood, ["s"], done, method="short")
+    queue_calls(d, codec, flood, [5], done)
+    clock.advance(1.05)  # ("s" expires: a shell behind its connection's head)
+    assert codes(done) == [ErrorCode.TIMED_OUT] and (d.queued_calls, len(d._queue), d._expired_queued) == (5, 6, 1)
+    d.submit(body(codec, [req("m", [i], f"b{i}") for i in range(3)]), done.append)  # (2 to free: 5, the shell, 3)
+    assert shed_ids(done) == [5, 3] and (flood.queued, d.queued_calls, len(d._queue), d._expired_queued) == (3, 6, 4, 0)
+
+
+# -- routing.py: methods run alone, and the timer that ends their time alone ----------------
+
+
+def test_a_method_run_alone_is_freed_and_said_so_by_a_timer_at_the_end_of_its_time_bound(clock, caplog):
+    d, w, codec, done = one_worker(clock.loop, ["m", "boom"], 10)
+    d.submit(body(codec, req("boom", [], 1)), done.append)
+    w.channel.take()
+    start = clock.now
+    restarted(d, w)  # (boom: 1 strike, 4 s alone at most)
+    assert d.isolated == {"boom": 1} and d._isolation_handle.when() == pytest.approx(start + 4.0 + TIMER_EARLY)
+    clock.advance(1.0)
+    d.submit(body(codec, req("m", [], 2)), done.append)
+    w.channel.take()
+    restarted(d, w)  # (m: 1 strike, to 5 s from the start: the timer is not moved later)
+    assert d.isolated == {"boom": 1, "m": 1} and d._isolation_handle.when() == pytest.approx(start + 4.0 + TIMER_EARLY)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="broker.dispatch"):
+        clock.advance(3.0)
+        assert d.isolated == {"boom": 1, "m": 1} and not caplog.records
+        clock.advance(0.002)  # (the timer fires: boom's time is over, then m's is due)
+        assert d.isolated == {"m": 1} and d._isolation_handle.when() == pytest.approx(start + 5.0 + TIMER_EARLY)
+        clock.advance(1.0)
+    assert d.isolated == {} and d._isolation_handle is None
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, f"{name}: its calls run as any again (its time alone since its last strike is over)")
+        for name in ("boom", "m")
+    ]
+
+
+# -- routing.py: room for large params (max_worker_params_bytes) -------------------------
+
+
+class Room:
+    """A dispatcher whose workers (`workers`, of `concurrency` places) each hold at most 200
+    bytes of params of 50 bytes or more (this scale's large params), serving "a" and "b" (5 s
+    deadlines); `send` submits a call whose params are `size` bytes and records where each
+    call's frame went (by its tag, the first letter of its params)."""
+
+    def __init__(self, clock: Clock, workers: int = 2, concurrency: int = 10, **settings: typing.Any) -> None:
+        self.d = d = Dispatcher(clock.loop, max_worker_params_bytes=200, timeout=5.0, **settings)
+        d._heavy_bytes = 50
+        d.set_methods(["a", "b"])
+        self.workers = [add_worker(d, slot, concurrency) for slot in range(workers)]
+        self.codec = Codec()
+        self.where: dict[str, typing.Any] = {}
+        self.ids: dict[str, int] = {}
+        self.done: list[Exchange] = []
+
+    def send(self, tag: str, size: int, owner: ResponseBudget | None = None, method: str = "a") -> None:
+        self.d.submit(body(self.codec, req(method, [tag * (size - 4)], tag)), self.done.append, owner)
+        self.sent()
+
+    def sent(self) -> list[str]:
+        """The tags of the calls sent since last asked, in order (and where each went)."""
+        tags = []
+        for w in self.workers:
+            for frame in w.channel.take():
+                tag = str(first_params(frame)[0])[:1]  # type: ignore[index]
+                self.where[tag], self.ids[tag] = w, frame[1]
+                tags.append(tag)
+        return tags
+
+    def answer(self, tag: str) -> None:
+        self.d.on_reply(self.where[tag], wire.Kind.RESULT, self.ids[tag], 10, b"0")
+
+
+def test_a_call_waiting_for_room_past_a_share_shrunk_meanwhile_waits_for_its_own_call_to_end(clock):
+    r = Room(clock)
+    x = ResponseBudget(r.d.outgoing)
+    r.send("x", 120, x)
+    r.send("p", 150)  # (to the other, idle)
+    r.send("o", 60)  # (180 with x's: no room for 60 beside p's 150)
+    assert r.sent() == [] and r.where["o"] is r.where["x"] is not r.where["p"]
+    r.send("y", 70, x)  # (no room on either: it waits; 190 of x's share of 200)
+    assert r.sent() == [] and r.d.held_calls == 1
+    r.d.worker_unready(r.where["p"])  # (one worker left: x's share of the room is 100)
+    r.answer("o")  # (room for 70 beside x's 120 now, but x is past its share)
+    assert r.sent() == [] and r.d.held_calls == 1
+    r.answer("x")  # (its own call ends: it goes)
+    assert r.sent() == ["y"] and r.d.held_calls == 0 and r.where["y"] is r.where["x"]
+
+
+def test_calls_waiting_for_room_are_let_go_no_more_than_the_places_free(clock):
+    r = Room(clock, workers=1, concurrency=3)
+    r.send("f", 180)
+    r.send("s", 10)  # (small: a place, no room)
+    for tag in "ghi":  # (no room: they wait, g the oldest, h and i the smallest after it)
+        r.send(tag, 60, ResponseBudget(r.d.outgoing))
+    assert r.sent() == [] and r.d.held_calls == 3
+    r.answer("f")  # (room for all three, places for two)
+    assert r.sent() == ["g", "h"] and r.d.held_calls == 1
+    r.answer("s")
+    assert r.sent() == ["i"] and r.d.held_calls == 0
