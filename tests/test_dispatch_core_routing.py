@@ -115,6 +115,19 @@ def test_a_full_queue_sheds_nothing_for_a_batch_heavier_than_max_queue(clock):
     assert shed_ids(done) == [7, 6, 5, 4] and flood.queued == 4 and d.queued_calls == 8
 
 
+def test_the_connection_with_most_waiting_is_still_known_after_one_of_its_calls_leaves_the_queue(clock):
+    d, w, codec, done = full_queue(clock, max_queue=5)
+    flood, other, third = (ResponseBudget(d.outgoing) for _ in range(3))
+    queue_calls(d, codec, flood, range(5), done)
+    assert w.channel.take() == [] and flood.queued == 5
+    chunk_id = next(iter(d._pending))
+    d.on_reply(w, wire.Kind.CHUNK_PART, chunk_id, 0, wire.REPLY_ENTRY.pack(0, wire.Kind.RESULT, 1) + b"0")
+    assert [first_params(f) for f in w.channel.take()] == [["0"]] and flood.queued == 4  # (a place: the first goes)
+    queue_calls(d, codec, other, ["o"], done)
+    assert queue_calls(d, codec, third, ["t"], done) == []  # (full: the flood's newest is shed for it)
+    assert shed_ids(done) == [4] and (flood.queued, other.queued, third.queued) == (3, 1, 1)
+
+
 def test_expired_shells_among_the_newest_are_taken_out_with_the_calls_shed_and_free_nothing(clock):
     d, _w, codec, done = full_queue(clock, ("m", "short"), max_queue=6, method_timeouts={"short": 1.0})
     flood = ResponseBudget(d.outgoing)
@@ -261,8 +274,11 @@ def test_calls_waiting_for_room_are_let_go_no_more_than_the_places_free(clock):
 # -- routing.py: which worker a call goes to ------------------------------------------------
 
 
-def test_calls_go_to_the_least_loaded_worker_ties_taken_in_turn_from_one_further_each_time(clock):
-    d = Dispatcher(clock.loop)
+@pytest.mark.parametrize("pad", [0, 55], ids=["small", "large"])
+def test_calls_go_to_the_least_loaded_worker_ties_taken_in_turn_from_one_further_each_time(clock, pad):
+    """The same with large params (60 bytes here: 3 fit a worker's room), which `_pick_blocked` routes."""
+    d = Dispatcher(clock.loop, max_worker_params_bytes=200)
+    d._heavy_bytes = 50
     d.set_methods(["m"])
     workers = [add_worker(d, slot, concurrency=10) for slot in range(3)]
     codec = Codec()
@@ -271,7 +287,7 @@ def test_calls_go_to_the_least_loaded_worker_ties_taken_in_turn_from_one_further
     def call(n: int) -> list[int]:
         slots = []
         for i in range(n):
-            d.submit(body(codec, req("m", [i], i)), lambda e: None, ResponseBudget(d.outgoing))
+            d.submit(body(codec, req("m", [f"{i}{'x' * pad}"], i)), lambda e: None, ResponseBudget(d.outgoing))
             [w] = [w for w in workers if w.channel.frames]
             ids[w.slot] += [f[1] for f in w.channel.take()]
             slots.append(w.slot)
@@ -287,6 +303,7 @@ def test_calls_go_to_the_least_loaded_worker_ties_taken_in_turn_from_one_further
     answer(1)
     answer(1)  # (loads 1, 0, 2: the scan starts at 0, passes it for the idle one)
     assert call(2) == [1, 0]
+    assert [w.heavy for w in workers] == [60 * w.outstanding if pad else 0 for w in workers]
 
 
 # -- queueing.py: the queue's refill, a connection's share, a connection gone --------------
@@ -330,3 +347,141 @@ def test_a_gone_connections_queued_calls_and_shells_are_dropped_and_counted_once
     assert (d.queued_calls, len(d._queue), d._expired_queued, d.queued_bytes) == (0, 0, 0, 0)
     assert d.abandoned_total == {"queued": 3, "in_flight": 2} and len(in_flight) == 2
     assert sorted(f[1] for f in w.channel.take() if f[0] == wire.Kind.CANCEL) == sorted(f[1] for f in in_flight)
+
+
+@pytest.mark.parametrize(("ran", "moved"), [(0.0, True), (0.4, True), (0.5, False), (0.75, False)])
+def test_the_keeping_moves_to_a_worker_expected_free_more_than_a_second_and_twice_as_soon(clock, ran, moved):
+    """The worker kept for the oldest call that fits no room moves to another whose large calls
+    have run less than half as long, less a second (here: 2 s against `ran`); the one it moved off
+    stays closed to others' large calls while that call waits, so a newer call that fits only the
+    one moved to waits too; with no move, it goes there."""
+    r = Room(clock, workers=3)
+    for tag, size in (("l", 100), ("s", 70), ("f", 190)):  # (one a worker)
+        r.send(tag, size)
+    assert len({r.where[t] for t in "lsf"}) == 3
+    clock.advance(2.0 - ran)
+    r.send("t", 110)  # (beside s: 180)
+    r.send("b", 150)  # (fits nowhere: l's worker is kept for it, its large call the fewest bytes)
+    r.send("n", 60, ResponseBudget(r.d.outgoing))  # (others wait: it joins them)
+    assert r.where["t"] is r.where["s"] and r.d.held_calls == 2
+    clock.advance(ran)
+    r.answer("s")  # (t left there, run `ran`; l has run 2 s)
+    assert r.sent() == ([] if moved else ["n"])
+    assert r.d.held_calls == (2 if moved else 1)
+
+
+def test_a_call_of_a_method_whose_time_alone_ends_that_instant_goes_as_any(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m", "boom"], 10)
+    d.submit(body(codec, req("boom", [], 1)), done.append)
+    w.channel.take()
+    restarted(d, w)  # (caught: its calls wait for a worker of their own, 4 s at most)
+    d.submit(body(codec, req("m", [], "busy")), done.append)
+    assert len(w.channel.take()) == 1
+    clock.now += 4.0  # (its end, to the tick: before the timer, due TIMER_EARLY later)
+    d.submit(body(codec, req("boom", [], 2)), done.append)
+    assert [first_params(f) for f in w.channel.take()] == [[]] and d.isolated == {} and w.limit == 10
+
+
+# -- routing.py: a call of a method caught crashing its worker runs alone -------------------
+
+
+def caught(clock: Clock, share: float = 0.5) -> tuple[Dispatcher, list[typing.Any], Codec, list[Exchange]]:
+    """A dispatcher (`connection_share`) whose worker 0 died under a call of "boom" alone (its
+    calls wait for a worker of their own now), with workers 1 and 2 ready after it, all idle;
+    "slow" is a sync method (blocking until measured)."""
+    d = Dispatcher(clock.loop, connection_share=share)
+    d.set_methods(["m", "boom", "slow"], sync_methods=["slow"])
+    w0 = add_worker(d, 0, concurrency=10)
+    codec = Codec()
+    done: list[Exchange] = []
+    d.submit(body(codec, req("boom", [], "crash")), done.append)
+    w0.channel.take()
+    restarted(d, w0)
+    assert d.isolated == {"boom": 1}
+    return d, [w0, add_worker(d, 1, concurrency=10), add_worker(d, 2, concurrency=10)], codec, done
+
+
+def test_with_no_worker_idle_the_first_of_the_least_loaded_is_reserved_for_a_call_run_alone(clock):
+    d, workers, codec, done = caught(clock)
+    for i in range(3):
+        d.submit(body(codec, req("m", [i], i)), done.append, ResponseBudget(d.outgoing))
+    assert [w.outstanding for w in workers] == [1, 1, 1]
+    d.submit(body(codec, req("boom", [], "alone")), done.append)
+    assert [w.limit for w in workers] == [0, 10, 10] and d.queued_calls == 1  # (it takes nothing more)
+    for w in workers:
+        w.channel.take()
+    d.submit(body(codec, req("m", ["x"], "x")), done.append, ResponseBudget(d.outgoing))
+    assert [len(w.channel.take()) for w in workers] == [0, 1, 0]  # (not to the one reserved)
+
+
+@pytest.mark.parametrize(("share", "goes"), [(0.5, False), (0.7, True)])
+def test_a_call_run_alone_counts_in_its_connections_share_of_blocking_calls(clock, share, goes):
+    d, workers, codec, done = caught(clock, share)  # (its share of blocking calls: 1 of 3 workers, or 2)
+    owner = ResponseBudget(d.outgoing)
+    d.submit(body(codec, req("slow", [], "slow")), done.append, owner)
+    d.submit(body(codec, req("boom", [], "alone")), done.append, owner)
+    frames = [[first_params(f) for f in w.channel.take()] for w in workers]
+    assert sorted(len(f) for f in frames) == ([0, 1, 1] if goes else [0, 0, 1]) and owner.blocking == 1 + goes
+    assert d.queued_calls == (not goes)
+
+
+def test_a_call_run_alone_goes_to_an_idle_worker_past_one_running_another_alone(clock):
+    d, workers, codec, done = caught(clock, share=1.0)  # (up to 3 workers may run calls alone)
+    d.submit(body(codec, req("boom", [], "first")), done.append, ResponseBudget(d.outgoing))
+    d.submit(body(codec, req("boom", [], "second")), done.append, ResponseBudget(d.outgoing))
+    assert [len(w.channel.take()) for w in workers] == [1, 1, 0]
+    assert [(w.blocked, w.limit) for w in workers] == [(True, 0), (True, 0), (False, 10)]
+
+
+# -- routing.py: workers blocked in slow sync calls, or overdue -----------------------------
+
+
+def two_blocked(clock: Clock, **settings: typing.Any) -> tuple[Dispatcher, list[typing.Any], Codec, list[Exchange]]:
+    """Two workers (4 places; a prefetch of 1 behind a blocking sync call), each blocked in a
+    call of the sync "slow": the first returned since 2.5 s, the other since 1.5 s, and full (its
+    prefetch taken by a call of "m")."""
+    d = Dispatcher(clock.loop, sync_prefetch=1, timeout=60.0, **settings)
+    d.set_methods(["m", "slow"], sync_methods=["slow"])
+    workers = [add_worker(d, slot, concurrency=4) for slot in range(2)]
+    codec = Codec()
+    done: list[Exchange] = []
+    d.submit(body(codec, req("slow", [], "s0")), done.append, ResponseBudget(d.outgoing))
+    older = next(w for w in workers if w.channel.take())
+    younger = workers[1 - workers.index(older)]
+    clock.advance(1.0)
+    d.submit(body(codec, req("slow", [], "s1")), done.append, ResponseBudget(d.outgoing))
+    d.submit(body(codec, req("m", [], "m1")), done.append, ResponseBudget(d.outgoing))  # (behind the younger)
+    assert (len(older.channel.take()), len(younger.channel.take())) == (0, 2) and [w.limit for w in workers] == [2, 2]
+    clock.advance(1.5)
+    return d, [older, younger], codec, done
+
+
+@pytest.mark.parametrize(("bounds", "waits"), [
+    ({}, True), ({"max_queue": 1}, True), ({"max_queue": 0}, False),
+    ({"max_queue_bytes": 6}, True), ({"max_queue_bytes": 5}, False), ({"max_queue_bytes": 0}, False),
+])  # (the call holds 6 bytes queued: its params [] and its id "m2")
+def test_a_call_waits_for_the_full_blocked_worker_expected_free_sooner_if_the_queue_has_room(clock, bounds, waits):
+    d, workers, codec, done = two_blocked(clock, **bounds)
+    refused = d.submit(body(codec, req("m", [], "m2")), done.append, ResponseBudget(d.outgoing))
+    sent = [len(w.channel.take()) for w in workers]
+    assert (sent, d.queued_calls, refused is None or refused.remaining) == (([0, 0], 1, 1) if waits else ([1, 0], 0, 1))
+
+
+def test_with_every_worker_overdue_a_blocked_one_with_a_place_goes_before_one_only_overdue(clock):
+    d = Dispatcher(clock.loop, sync_prefetch=1, timeout=60.0, method_timeouts={"slow": 1.0, "short": 1.0},
+                   cancel_grace=100.0)
+    d.set_methods(["m", "short", "slow"], sync_methods=["slow"])
+    workers = [add_worker(d, slot, concurrency=4) for slot in range(2)]
+    codec = Codec()
+    done: list[Exchange] = []
+    d.submit(body(codec, req("slow", [], "s")), done.append, ResponseBudget(d.outgoing))
+    d.submit(body(codec, req("short", [], "t")), done.append, ResponseBudget(d.outgoing))
+    blocked = next(w for w in workers if w.blocked)
+    other = workers[1 - workers.index(blocked)]
+    assert (len(blocked.channel.take()), len(other.channel.take())) == (1, 1)
+    clock.advance(1.05)  # (both past their deadlines, unanswered: both workers overdue)
+    assert codes(done) == [ErrorCode.TIMED_OUT] * 2 and blocked.overdue and other.overdue
+    assert [f[0] for w in (blocked, other) for f in w.channel.take()] == [wire.Kind.CANCEL] * 2
+    d.submit(body(codec, req("m", [], "m")), done.append, ResponseBudget(d.outgoing))
+    assert [f[0] for f in blocked.channel.take()] == [wire.Kind.CALL]  # (behind the sync call, in its prefetch)
+    assert [f[0] for f in other.channel.take()] == []
