@@ -128,6 +128,22 @@ def test_the_connection_with_most_waiting_is_still_known_after_one_of_its_calls_
     assert shed_ids(done) == [4] and (flood.queued, other.queued, third.queued) == (3, 1, 1)
 
 
+def test_the_connection_with_most_waiting_is_still_known_after_the_queue_is_compacted(clock):
+    d, _w, codec, done = full_queue(clock, ("m", "short"), max_queue=7, method_timeouts={"short": 1.0})
+    flood = ResponseBudget(d.outgoing)
+    queue_calls(d, codec, flood, ["f0"], done)
+    queue_calls(d, codec, flood, ["s1", "s2", "s3", "s4"], done, method="short")
+    queue_calls(d, codec, flood, ["f5", "f6"], done)
+    clock.advance(1.05)  # (4 shells of 7: compacted)
+    assert (len(d._queue), flood.queued) == (3, 3)
+    others = [ResponseBudget(d.outgoing) for _ in range(3)]
+    queue_calls(d, codec, others[0], ["o1", "o2"], done)
+    queue_calls(d, codec, others[1], ["p1"], done)
+    queue_calls(d, codec, others[2], ["q1"], done)
+    assert queue_calls(d, codec, ResponseBudget(d.outgoing), ["t"], done) == []  # (full: the flood has most)
+    assert shed_ids(done) == ["f6"] and flood.queued == 2
+
+
 def test_expired_shells_among_the_newest_are_taken_out_with_the_calls_shed_and_free_nothing(clock):
     d, _w, codec, done = full_queue(clock, ("m", "short"), max_queue=6, method_timeouts={"short": 1.0})
     flood = ResponseBudget(d.outgoing)
@@ -214,11 +230,13 @@ class Room:
     deadlines); `send` submits a call whose params are `size` bytes and records where each
     call's frame went (by its tag, the first letter of its params)."""
 
-    def __init__(self, clock: Clock, workers: int = 2, concurrency: int = 10, **settings: typing.Any) -> None:
+    def __init__(self, clock: Clock, workers: int = 2, concurrency: int | tuple[int, ...] = 10,
+                 **settings: typing.Any) -> None:
         self.d = d = Dispatcher(clock.loop, max_worker_params_bytes=200, timeout=5.0, **settings)
         d._heavy_bytes = 50
         d.set_methods(["a", "b"])
-        self.workers = [add_worker(d, slot, concurrency) for slot in range(workers)]
+        places = (concurrency,) * workers if isinstance(concurrency, int) else concurrency
+        self.workers = [add_worker(d, slot, n) for slot, n in enumerate(places)]
         self.codec = Codec()
         self.where: dict[str, typing.Any] = {}
         self.ids: dict[str, int] = {}
@@ -485,3 +503,22 @@ def test_with_every_worker_overdue_a_blocked_one_with_a_place_goes_before_one_on
     d.submit(body(codec, req("m", [], "m")), done.append, ResponseBudget(d.outgoing))
     assert [f[0] for f in blocked.channel.take()] == [wire.Kind.CALL]  # (behind the sync call, in its prefetch)
     assert [f[0] for f in other.channel.take()] == []
+
+
+def test_a_call_larger_than_a_workers_room_waits_for_one_with_none_and_goes_there(clock):
+    r = Room(clock, workers=1)
+    r.send("a", 100)
+    r.send("x", 250, ResponseBudget(r.d.outgoing))  # (past the 200 of room: only a worker holding none takes it)
+    assert r.sent() == [] and r.d.held_calls == 1
+    r.answer("a")
+    assert r.sent() == ["x"] and r.d.held_calls == 0 and r.workers[0].heavy == 250
+
+
+def test_the_worker_kept_for_a_call_waiting_for_room_is_one_holding_no_large_params_rather_than_a_fresh_one(clock):
+    r = Room(clock, concurrency=(1, 3))
+    r.send("h", 150)  # (to worker 1)
+    r.send("s", 10)  # (small: worker 0's one place)
+    assert (r.where["h"], r.where["s"]) == (r.workers[1], r.workers[0])
+    r.send("b", 100, ResponseBudget(r.d.outgoing))  # (no place on 0, no room on 1: it waits, 0 kept for it)
+    r.send("n", 50, ResponseBudget(r.d.outgoing))  # (fits beside h: 1 is not kept, so it goes, after b)
+    assert r.where.get("n") is r.workers[1] and "b" not in r.where and r.d.held_calls == 1
