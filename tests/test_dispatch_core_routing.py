@@ -367,6 +367,27 @@ def test_a_gone_connections_queued_calls_and_shells_are_dropped_and_counted_once
     assert sorted(f[1] for f in w.channel.take() if f[0] == wire.Kind.CANCEL) == sorted(f[1] for f in in_flight)
 
 
+def test_the_turn_among_workers_is_kept_while_one_worker_alone_is_ready(clock):
+    d = Dispatcher(clock.loop)
+    d.set_methods(["m"])
+    w0, w1, w2 = workers = [add_worker(d, slot, concurrency=10) for slot in range(3)]
+    codec = Codec()
+
+    def call_and_answer() -> typing.Any:
+        d.submit(body(codec, req("m", [], 0)), lambda e: None)
+        [(w, frame)] = [(w, f) for w in workers for f in w.channel.take()]
+        d.on_reply(w, wire.Kind.RESULT, frame[1], 10, b"0")
+        return w
+
+    assert call_and_answer() is w1  # (the scan starts one further: at 1)
+    d.worker_unready(w0)
+    d.worker_unready(w2)
+    assert call_and_answer() is w1  # (the only one ready: the turn is left where it was)
+    d.worker_ready(w0)
+    d.worker_ready(w2)  # (ready: w1, w0, w2)
+    assert call_and_answer() is w2  # (the scan starts at 2)
+
+
 @pytest.mark.parametrize(("ran", "moved"), [(0.0, True), (0.4, True), (0.5, False), (0.75, False)])
 def test_the_keeping_moves_to_a_worker_expected_free_more_than_a_second_and_twice_as_soon(clock, ran, moved):
     """The worker kept for the oldest call that fits no room moves to another whose large calls
@@ -522,3 +543,20 @@ def test_the_worker_kept_for_a_call_waiting_for_room_is_one_holding_no_large_par
     r.send("b", 100, ResponseBudget(r.d.outgoing))  # (no place on 0, no room on 1: it waits, 0 kept for it)
     r.send("n", 50, ResponseBudget(r.d.outgoing))  # (fits beside h: 1 is not kept, so it goes, after b)
     assert r.where.get("n") is r.workers[1] and "b" not in r.where and r.d.held_calls == 1
+
+
+def test_a_call_waiting_for_room_beside_a_blocked_worker_has_none_kept_until_it_unblocks(clock):
+    d = Dispatcher(clock.loop, max_worker_params_bytes=200, sync_prefetch=2)
+    d._heavy_bytes = 50
+    d.set_methods(["a", "slow"], sync_methods=["slow"])
+    w = add_worker(d, 0, concurrency=10)
+    codec = Codec()
+    d.submit(body(codec, req("a", ["x" * 146], "fill")), lambda e: None)  # (150 bytes)
+    d.submit(body(codec, req("slow", [], "slow")), lambda e: None)  # (blocked: takes no call to keep)
+    fill, slow = (f[1] for f in w.channel.take())
+    d.submit(body(codec, req("a", ["y" * 96], "big")), lambda e: None, ResponseBudget(d.outgoing))  # (no room)
+    assert w.blocked and d.held_calls == 1 and w.channel.take() == []
+    d.on_reply(w, wire.Kind.RESULT, slow, 5_000, b"0")
+    assert not w.blocked and d.held_calls == 1 and w.channel.take() == []  # (still no room)
+    d.on_reply(w, wire.Kind.RESULT, fill, 10, b"0")
+    assert [first_params(f) for f in w.channel.take()] == [["y" * 96]] and d.held_calls == 0
