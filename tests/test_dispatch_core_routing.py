@@ -424,19 +424,22 @@ def test_a_call_of_a_method_whose_time_alone_ends_that_instant_goes_as_any(clock
 # -- routing.py: a call of a method caught crashing its worker runs alone -------------------
 
 
-def caught(clock: Clock, share: float = 0.5) -> tuple[Dispatcher, list[typing.Any], Codec, list[Exchange]]:
+def caught(clock: Clock, share: float = 0.5, beside: tuple[str, ...] = ()
+           ) -> tuple[Dispatcher, list[typing.Any], Codec, list[Exchange]]:
     """A dispatcher (`connection_share`) whose worker 0 died under a call of "boom" alone (its
-    calls wait for a worker of their own now), with workers 1 and 2 ready after it, all idle;
-    "slow" is a sync method (blocking until measured)."""
+    calls wait for a worker of their own now; or, `beside` calls of other methods, struck once
+    each, they run alone only where a worker is free), with workers 1 and 2 ready after it, all
+    idle; "slow" is a sync method (blocking until measured)."""
     d = Dispatcher(clock.loop, connection_share=share)
     d.set_methods(["m", "boom", "slow"], sync_methods=["slow"])
     w0 = add_worker(d, 0, concurrency=10)
     codec = Codec()
     done: list[Exchange] = []
-    d.submit(body(codec, req("boom", [], "crash")), done.append)
+    for method in ("boom", *beside):
+        d.submit(body(codec, req(method, [], "crash")), done.append)
     w0.channel.take()
     restarted(d, w0)
-    assert d.isolated == {"boom": 1}
+    assert d.isolated == {"boom": 1, **{m: 1 for m in beside}}
     return d, [w0, add_worker(d, 1, concurrency=10), add_worker(d, 2, concurrency=10)], codec, done
 
 
@@ -560,3 +563,13 @@ def test_a_call_waiting_for_room_beside_a_blocked_worker_has_none_kept_until_it_
     assert not w.blocked and d.held_calls == 1 and w.channel.take() == []  # (still no room)
     d.on_reply(w, wire.Kind.RESULT, fill, 10, b"0")
     assert [first_params(f) for f in w.channel.take()] == [["y" * 96]] and d.held_calls == 0
+
+
+@pytest.mark.parametrize(("beside", "queued"), [((), 1), (("m",), 0)], ids=["caught", "bystander"])
+def test_calls_run_alone_take_at_most_one_connections_share_of_the_workers(clock, beside, queued):
+    d, workers, codec, done = caught(clock, 0.5, beside)  # (half of 3 workers: 1)
+    d.submit(body(codec, req("boom", [], "first")), done.append, ResponseBudget(d.outgoing))
+    d.submit(body(codec, req("boom", [], "second")), done.append, ResponseBudget(d.outgoing))
+    # (a caught method's second call waits; a bystander's goes as any, beside other calls)
+    assert sum(len(w.channel.take()) for w in workers) == 2 - queued and d.queued_calls == queued
+    assert sorted((w.blocked, w.limit) for w in workers) == [(False, 10), (False, 10), (True, 0)]
