@@ -333,11 +333,11 @@ def test_the_time_a_call_waited_in_the_queue_is_observed_once_for_each_of_its_ca
     d.submit(body(codec, [req("m", [i], i) for i in range(3)]), done.append)  # (every place)
     d.submit(body(codec, [req("m", [i], i) for i in range(3)]), done.append)  # (a chunk of 3, queued)
     [busy] = w.channel.take()
-    clock.advance(0.25)
+    clock.advance(2.0)
     d.on_reply(w, wire.Kind.CHUNK_REPLY, busy[1], 10, chunk_reply(busy))
     assert [(f[0], f[2]) for f in w.channel.take()] == [(wire.Kind.CHUNK, 3)]
-    assert (metrics.queue_wait.sum_us, sum(metrics.queue_wait.counts)) == (3 * 250_000, 3)
-    assert metrics.queue_wait.counts[(250_000).bit_length()] == 3
+    assert (metrics.queue_wait.sum_us, sum(metrics.queue_wait.counts)) == (3 * 2_000_000, 3)
+    assert metrics.queue_wait.counts[(2_000_000).bit_length()] == 3
 
 
 def test_a_connection_held_for_its_share_goes_back_in_turn_as_soon_as_its_next_call_fits(clock):
@@ -573,3 +573,17 @@ def test_calls_run_alone_take_at_most_one_connections_share_of_the_workers(clock
     # (a caught method's second call waits; a bystander's goes as any, beside other calls)
     assert sum(len(w.channel.take()) for w in workers) == 2 - queued and d.queued_calls == queued
     assert sorted((w.blocked, w.limit) for w in workers) == [(False, 10), (False, 10), (True, 0)]
+
+
+def test_a_queue_refilled_at_the_instant_a_methods_time_alone_ends_runs_it_as_any_from_then(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m", "boom"], 1)
+    d.submit(body(codec, req("boom", [], 1)), done.append)
+    w.channel.take()
+    restarted(d, w)  # (boom: 4 s alone at most)
+    d.submit(body(codec, req("m", [], "busy")), done.append)
+    d.submit(body(codec, req("m", [], "queued")), done.append)
+    [busy] = w.channel.take()
+    clock.now += 4.0  # (its end, to the tick: before the timer, due TIMER_EARLY later)
+    d.on_reply(w, wire.Kind.RESULT, busy[1], 10, b"0")  # (the queue is refilled: boom's time is over)
+    assert d.isolated == {} and [json.loads(f[3]) for f in w.channel.take()] == [[]]
+
