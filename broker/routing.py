@@ -395,7 +395,9 @@ class Routing(DispatcherState):
         the method's next call: round 80's new user, a call waited to its deadline)."""
         end = self._isolation.next_end
         timer = self._isolation_handle
-        if end == math.inf or (timer is not None and timer.when() <= self._loop.time() + end - _clock()):
+        # (the timer armed for an end fires TIMER_EARLY after it: compared with that, one for
+        # this end or sooner is kept, not cancelled and armed again for the same time)
+        if end == math.inf or (timer is not None and timer.when() <= self._loop.time() + end - _clock() + TIMER_EARLY):
             return
         if timer is not None:
             timer.cancel()
