@@ -796,13 +796,13 @@ def test_allowed_hosts_entry_with_a_port_is_refused_saying_so(entry: str, bare: 
     with pytest.raises(ConfigError) as err:
         load(None, {"RPC_BROKER_ALLOWED_HOSTS": f"::1,{entry}"}, {})
     assert str(err.value) == (
-        f"environment variable RPC_BROKER_ALLOWED_HOSTS: allowed_hosts entry {entry!r}: has a port "
+        f"environment variable RPC_BROKER_ALLOWED_HOSTS: allowed_hosts[1] = {entry!r}: has a port "
         f"({entry.rpartition(':')[2]}); entries match their host on any port, so write {bare!r}")
 
 
 @pytest.mark.parametrize("entry", ["1:2:3", "12345::1", "::1::2", "[1:2]", "::g", "1.2.3.4:", ":"])
 def test_allowed_hosts_entry_with_a_colon_must_be_ipv6(entry: str) -> None:
-    with pytest.raises(ConfigError, match=re.escape(f"allowed_hosts entry {entry!r}: not an IPv6 address")):
+    with pytest.raises(ConfigError, match=re.escape(f"allowed_hosts[0] = {entry!r}: not an IPv6 address")):
         load(None, {}, {"allowed_hosts": [entry]})
 
 
@@ -837,7 +837,7 @@ def test_an_allowed_origin_no_browser_sends_is_refused_with_the_form_browsers_se
     """Hostile testing (rounds 26 and 27): `https://app.example:443` was accepted, but a
     browser sends `https://app.example` (RFC 6454 6.2: no default port), which then got
     403; so did a port with leading zeros, user info, a host not in ASCII."""
-    with pytest.raises(ConfigError, match=re.escape(f"allowed_origins {origin!r} is not an origin as a browser sends")
+    with pytest.raises(ConfigError, match=re.escape(f"allowed_origins[0] = {origin!r} is not an origin as a browser sends")
                        + ".*" + re.escape(fix)):
         load(None, {}, {"allowed_origins": [origin]})
 
@@ -895,6 +895,31 @@ def test_a_lists_wrong_entry_is_named_by_its_place_not_the_whole_list(tmp_path: 
     assert str(err.value).startswith(f"config file {path}: allowed_hosts = 'a.example': expected `array`, got `str`")
 
 
+def test_every_check_of_a_list_entry_names_it_by_its_place(tmp_path: Path) -> None:
+    """Hostile testing, round 109 (L1): the port and origin checks still named a wrong
+    entry by its value only."""
+    path = write(tmp_path, 'allowed_origins = ["https://a.example", "https://b.example:443"]\n')
+    with pytest.raises(ConfigError, match=re.escape(
+            f"config file {path}: allowed_origins[1] = 'https://b.example:443' is not an origin")):
+        load(path, {}, {})
+    path = write(tmp_path, 'allowed_hosts = ["localhost", "LOCALHOST:80"]\n')
+    with pytest.raises(ConfigError, match=re.escape(f"config file {path}: allowed_hosts[1] = 'LOCALHOST:80': has a port")):
+        load(path, {}, {})
+
+
+@pytest.mark.parametrize("value", ["localhost,,x", "localhost,", ",localhost", ","])
+def test_an_empty_list_entry_from_the_environment_is_refused_as_in_a_file(value: str) -> None:
+    """Hostile testing, round 109 (L2): `allowed_hosts = ["localhost", ""]` in a file is an
+    error; `RPC_BROKER_ALLOWED_HOSTS='localhost,,x'` was taken as ["localhost", "x"]."""
+    with pytest.raises(ConfigError) as err:
+        load(None, {"RPC_BROKER_ALLOWED_HOSTS": value}, {})
+    assert str(err.value) == (f"environment variable RPC_BROKER_ALLOWED_HOSTS: allowed_hosts = {value!r}: expected "
+                              "comma-separated entries, none empty (a comma doubled, or at an end)")
+    assert load(None, {"RPC_BROKER_ALLOWED_ORIGINS": " "}, {}).allowed_origins == ()  # (empty: no entries)
+    assert load(None, {"RPC_BROKER_ALLOWED_HOSTS": " a.example , b.example"}, {}).allowed_hosts == (
+        "a.example", "b.example")
+
+
 def test_an_error_in_one_setting_s_value_is_worded_as_its_type_errors_are(tmp_path: Path) -> None:
     """New user, round 100: a value refused by its type said "flag --allowed-origins:
     allowed_origins = ...: ...", one refused after ("null", a default port) said "... (allowed_origins
@@ -905,7 +930,7 @@ def test_an_error_in_one_setting_s_value_is_worded_as_its_type_errors_are(tmp_pa
     with pytest.raises(ConfigError) as err:
         load(None, {}, {"allowed_origins": ["https://a.example:443"]})
     assert str(err.value) == (
-        "flag --allowed-origins: allowed_origins 'https://a.example:443' is not an origin as a browser sends it in"
+        "flag --allowed-origins: allowed_origins[0] = 'https://a.example:443' is not an origin as a browser sends it in"
         " its Origin header (RFC 6454 6.2: no user info, no default port, the port without leading zeros, the host"
         " in ASCII), so it would never match: write 'https://a.example'")
     path = write(tmp_path, 'rpc_path = "/metrics"\n')

@@ -77,10 +77,10 @@ def _check(s: Setting, value: object, source: str) -> None:
         raise ConfigError(f"{source}: host = {value!r}: give the address without brackets "
                           f"({value[1:-1]!r}): brackets belong in URLs, not in the address to bind")
     if s.name == "allowed_hosts" and isinstance(value, (list, tuple)):
-        for entry in value:
+        for i, entry in enumerate(value):
             problem = _host_problem(str(entry))
             if problem:
-                raise ConfigError(f"{source}: allowed_hosts entry {entry!r}: {problem}")
+                raise ConfigError(f"{source}: allowed_hosts[{i}] = {entry!r}: {problem}")
     # (a map's values and a list's entries each checked alone first, so that the error names
     # the one at fault, not the whole value: new user, round 101)
     entries: list[tuple[object, object, object]] = [(None, value, value)]
@@ -160,7 +160,12 @@ def _parse_text(s: Setting, text: str, source: str) -> object:
             pass
         raise bad(f"{expected}{unit}")
     if s.kind == "list":
-        return [item.strip() for item in text.split(",") if item.strip()]
+        if not text.strip():
+            return []  # (an empty value: no entries, as `[]` in a file)
+        items = [item.strip() for item in text.split(",")]
+        if "" in items:  # (as an empty entry in a file is refused: hostile testing, round 109)
+            raise bad("comma-separated entries, none empty (a comma doubled, or at an end)")
+        return items
     if s.kind == "map":
         try:
             parsed: object = msgspec.json.decode(text)
@@ -325,13 +330,13 @@ def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
             "allowed_origins = 'null' would let every web page call: a sandboxed iframe or a data: page of any site"
             " sends Origin: null; list the origins of your pages, or '*' if any page may call"
         ), ("allowed_origins",)
-    for origin in cfg.allowed_origins:
+    for i, origin in enumerate(cfg.allowed_origins):
         if origin in ("*", "null"):
             continue
         serialized = _serialized_origin(origin)
         if serialized != origin.lower():
             return (
-                f"allowed_origins {origin!r} is not an origin as a browser sends it in its Origin header"
+                f"allowed_origins[{i}] = {origin!r} is not an origin as a browser sends it in its Origin header"
                 f" (RFC 6454 6.2: no user info, no default port, the port without leading zeros, the host"
                 f" in ASCII), so it would never match: "
                 + (f"write {serialized!r}" if serialized else "its port is not 1..65535")
