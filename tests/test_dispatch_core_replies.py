@@ -190,6 +190,23 @@ def test_a_second_answer_to_a_chunks_call_answered_in_an_earlier_part_is_not_cou
     assert metrics.outcomes[0] == {OK: 3}
 
 
+@pytest.mark.parametrize(("again", "last", "max_response_bytes", "outcomes"), [
+    # (a second answer that is an error takes no result off the count)
+    ((0, ERROR, b'{"code":-32602,"message":"no"}'), (2, ERROR, b'{"code":-32602,"message":"no"}'), 1 << 20,
+     {OK: 2, ErrorCode.INVALID_PARAMS: 1}),
+    # (a second result is taken off the count though another answer was refused past the budget)
+    ((0, RESULT, b'"again"'), (2, RESULT, b'"' + b"x" * 300 + b'"'), 200, {OK: 2, ErrorCode.INTERNAL_ERROR: 1}),
+])
+def test_a_second_answer_is_not_counted_beside_errors_and_refusals(clock, again, last, max_response_bytes, outcomes):
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["m"], metrics=metrics, max_response_bytes=max_response_bytes)
+    frame = chunk_of_m(d, w, codec, 3, done)
+    d.on_reply(w, wire.Kind.CHUNK_PART, frame[1], 0, chunk_answers((0, RESULT, b'"first"')))
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers(again, (1, RESULT, b"1"), last))
+    assert json.loads(done[0].answers[0])["result"] == "first"  # type: ignore[arg-type]
+    assert metrics.outcomes[0] == outcomes
+
+
 # -- calls a worker gives back unstarted (wire.RETURN: _returned, _singles, _requeue) ---
 
 
