@@ -817,9 +817,23 @@ def test_an_unquoted_dotted_method_name_says_to_quote_it(tmp_path: Path) -> None
 def test_allowed_origins_null_is_refused_with_what_it_would_allow() -> None:
     """Hostile testing (round 8): `--allowed-origins null` was taken silently, and Origin:
     null is what a sandboxed iframe or a data: page of any site sends: every page could call."""
-    with pytest.raises(ConfigError, match=re.escape("allowed_origins = 'null' would let every web page call")):
+    with pytest.raises(ConfigError, match=re.escape("allowed_origins[1] = 'null' would let every web page call")):
         load(None, {}, {"allowed_origins": ["https://app.example", "null"]})
     assert load(None, {}, {"allowed_origins": ["https://app.example"]}).allowed_origins == ("https://app.example",)
+    # (hostile testing, round 110: the 'null' check ran before the others, and named no place)
+    with pytest.raises(ConfigError, match=re.escape("allowed_origins[1] = 'https://b.example:443' is not an origin")):
+        load(None, {}, {"allowed_origins": ["https://a.example", "https://b.example:443", "null"]})
+
+
+@pytest.mark.parametrize("origin", ["https://*.app.example", "https://app.example:*"])
+def test_an_allowed_origin_with_a_wildcard_inside_is_refused(origin: str) -> None:
+    """Hostile testing, round 110: `https://*.c.example` was taken, and no browser sends it
+    (Origin: https://x.c.example got 403): '*' is a wildcard only as a whole entry."""
+    with pytest.raises(ConfigError) as err:
+        load(None, {}, {"allowed_origins": ["https://a.example", origin]})
+    assert str(err.value) == (f"flag --allowed-origins: allowed_origins[1] = {origin!r}: '*' is a wildcard only as a "
+                              "whole entry (any origin); list each origin of your pages")
+    assert load(None, {}, {"allowed_origins": ["*"]}).allowed_origins == ("*",)
 
 
 @pytest.mark.parametrize(("origin", "fix"), [

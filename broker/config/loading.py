@@ -320,14 +320,19 @@ def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
             f"max_outgoing_bytes = {cfg.max_outgoing_bytes} must be at least max_response_bytes"
             f" = {cfg.max_response_bytes}: one connection's answers could not reach their own limit"
         ), ("max_outgoing_bytes", "max_response_bytes")
-    if "null" in cfg.allowed_origins:
-        return (
-            "allowed_origins = 'null' would let every web page call: a sandboxed iframe or a data: page of any site"
-            " sends Origin: null; list the origins of your pages, or '*' if any page may call"
-        ), ("allowed_origins",)
-    for i, origin in enumerate(cfg.allowed_origins):
-        if origin in ("*", "null"):
+    for i, origin in enumerate(cfg.allowed_origins):  # (each named by its place: hostile testing, round 110)
+        if origin == "*":
             continue
+        if origin == "null":
+            return (
+                f"allowed_origins[{i}] = 'null' would let every web page call: a sandboxed iframe or a data: page of"
+                " any site sends Origin: null; list the origins of your pages, or '*' if any page may call"
+            ), ("allowed_origins",)
+        if "*" in origin:  # (`https://*.app.example`: no browser sends it, so it would never match)
+            return (
+                f"allowed_origins[{i}] = {origin!r}: '*' is a wildcard only as a whole entry (any origin); "
+                "list each origin of your pages"
+            ), ("allowed_origins",)
         serialized = _serialized_origin(origin)
         if serialized != origin.lower():
             return (
