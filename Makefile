@@ -99,7 +99,7 @@ chromium-bin:
 	chromium --version >/dev/null 2>&1 || { echo "chromium was installed but does not run: chromium --version failed" >&2; exit 1; }
 
 clean:
-	rm -rf $(VENV) $(VENV).lock .pytest_cache .ruff_cache .hypothesis mutants
+	rm -rf $(VENV) $(VENV).lock .pytest_cache .ruff_cache .hypothesis mutants .mutate
 
 # ---- bench: the broker side by side with its peers (benchmarks/run.py writes benchmarks/RESULTS.md)
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -120,14 +120,25 @@ bench-quick: $(BENCH_STAMP)
 # survived, equivalent (tests/mutation_equivalent.txt) and timeout, and fails under 90 % killed.
 # Each run starts afresh (a result kept from before a test changed would be stale). MUTATE_CHILDREN:
 # mutants tested at once (default: one per core).
+# SCOPE (default core, the above): worker or pool mutate the worker's runtime or the pool against
+# their own tests instead (tests/mutation_scopes.toml says which and why), each in .mutate/SCOPE/
+# (mutmut reads only ./pyproject.toml: tests/mutation_scope.py writes one there); their score
+# is printed, with no 90 % gate.
 MUTATE_STAMP := $(VENV)/.installed-mutate
 MUTATE_CHILDREN ?=
+SCOPE ?= core
 
 $(MUTATE_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,mutate]'
 	@touch $(MUTATE_STAMP)
 
 mutate: $(MUTATE_STAMP)
+ifeq ($(SCOPE),core)
 	rm -rf mutants
 	$(BIN)/mutmut run $(if $(MUTATE_CHILDREN),--max-children $(MUTATE_CHILDREN)) $(ARGS)
 	$(BIN)/python tests/mutation_report.py --fail-under 90
+else
+	$(BIN)/python tests/mutation_scope.py $(SCOPE)
+	cd .mutate/$(SCOPE) && $(abspath $(BIN))/mutmut run $(if $(MUTATE_CHILDREN),--max-children $(MUTATE_CHILDREN)) $(ARGS)
+	$(BIN)/python tests/mutation_report.py --mutants .mutate/$(SCOPE)/mutants
+endif

@@ -6,7 +6,11 @@ test ran the code it changed), and *equivalent* when it is named in
 tests/mutation_equivalent.txt, with the reason no test could ever tell it from the code. The
 score is the share of the non-equivalent mutants detected (killed or timeout).
 
-    python tests/mutation_report.py [--fail-under PERCENT] [--survivors]
+    python tests/mutation_report.py [--fail-under PERCENT] [--survivors] [--mutants DIR]
+
+DIR is the run's mutants/: ./mutants for the core (the default), .mutate/SCOPE/mutants for
+`make mutate SCOPE=worker|pool`. --fail-under applies to the core only: another scope's
+counts and score are printed, and the exit status says only whether there were results.
 
 An equivalent mutant that a test killed, or that mutmut no longer makes (the code changed,
 and mutants are numbered per function), is reported: the list must be checked again.
@@ -57,14 +61,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fail-under", type=float, default=0.0, help="exit 1 under this score (%%)")
     parser.add_argument("--survivors", action="store_true", help="list the survivors' names")
-    parser.add_argument("--mutants", type=Path, default=ROOT / "mutants")
+    parser.add_argument("--mutants", type=Path, default=ROOT / "mutants",
+                        help="the run's mutants/ (default: the core's); .mutate/SCOPE/mutants for a scope")
     args = parser.parse_args()
 
+    scope = scope_of(args.mutants)
     found = results(args.mutants)
     if not found:
-        print(f"no mutmut results under {args.mutants}: run `make mutate`", file=sys.stderr)
+        run = "make mutate" if scope == "core" else f"make mutate SCOPE={scope}"
+        print(f"no mutmut results under {args.mutants}: run `{run}`", file=sys.stderr)
         return 1
-    judged = equivalents()
+    # (the equivalents of the modules this run mutated: another scope's are not its)
+    modules = {module[: -len(".py")].replace("/", ".") for module, _ in found.values()}
+    judged = {name: why for name, why in equivalents().items() if any(name.startswith(f"{m}.x") for m in modules)}
     counts: dict[str, Counter[str]] = {}
     survivors: list[str] = []
     problems: list[str] = []
@@ -89,6 +98,8 @@ def main() -> int:
 
     total: Counter[str] = Counter()
     width = max(len(m) for m in counts)
+    if scope != "core":
+        print(f"scope {scope} ({args.mutants})")
     print(f"{'module':<{width}}  " + "  ".join(f"{c:>10}" for c in COLUMNS) + "        score")
     for module, c in sorted(counts.items()):
         total += c
@@ -107,10 +118,20 @@ def main() -> int:
         print("\n".join(f"  {name}" for name in survivors))
     for problem in problems:
         print(f"warning: {problem}", file=sys.stderr)
+    if scope != "core":  # (a gate is the core's only: the worker and the pool are measured, not held to one)
+        if args.fail_under:
+            print(f"--fail-under {args.fail_under:g} not applied: scope {scope}, not the core", file=sys.stderr)
+        return 0
     if score(total) < args.fail_under:
         print(f"under {args.fail_under:g} % of non-equivalent mutants killed", file=sys.stderr)
         return 1
     return 0
+
+
+def scope_of(mutants: Path) -> str:
+    """"core" for ./mutants, else the scope whose directory holds it (.mutate/SCOPE/mutants)."""
+    mutants = mutants.resolve()
+    return "core" if mutants == (ROOT / "mutants").resolve() else mutants.parent.name
 
 
 def shown(c: Counter[str]) -> str:
