@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -93,8 +94,9 @@ def main() -> int:
                  if name not in found]
     unrun = sum(c["not run"] for c in counts.values())
     if unrun:  # (new user, round 101: a run of one module's mutants showed the others at 100 %)
-        problems.append(f"{unrun} mutants not run (a run of some only, `make mutate ARGS=...`, or an interrupted"
-                        " run): left out of the score, and a module none of whose mutants ran shows none")
+        problems.append(f"{unrun} mutants not run (a sample, `make mutate SAMPLE=N`, a run of some only, `ARGS=...`,"
+                        " or an interrupted run): left out of the score, and a module none of whose mutants ran"
+                        " shows none")
 
     total: Counter[str] = Counter()
     width = max(len(m) for m in counts)
@@ -113,6 +115,9 @@ def main() -> int:
     print(f"\n{total['killed'] + total['timeout']} of {sum(total.values()) - total['equivalent'] - total['not run']} non-equivalent "
           f"mutants killed ({total['killed']} by a failing test, {total['timeout']} by a timeout): "
           f"{score(total):.1f} %; {total['survived']} survived, {total['equivalent']} equivalent")
+    if unrun:
+        print(f"if the {ran(total)} run were drawn at random (SAMPLE=N), a full run's score is within "
+              f"+-{margin(total):.1f} points of this, 95 % of the time (a binomial proportion's normal interval)")
     if args.survivors and survivors:
         print("\nsurvivors (`mutmut show NAME` for the change):")
         print("\n".join(f"  {name}" for name in survivors))
@@ -142,6 +147,13 @@ def shown(c: Counter[str]) -> str:
 def ran(c: Counter[str]) -> int:
     """How many of a module's mutants were run and not judged equivalent."""
     return sum(c.values()) - c["equivalent"] - c["not run"]
+
+
+def margin(c: Counter[str]) -> float:
+    """Half the 95 % interval of the score (points) if the mutants run were drawn at random:
+    1.96 * sqrt(p * (1 - p) / n), the normal approximation of a binomial proportion."""
+    p, n = score(c) / 100.0, ran(c)
+    return 196.0 * math.sqrt(p * (1.0 - p) / n) if n else 0.0
 
 
 def score(c: Counter[str]) -> float:
