@@ -4,12 +4,19 @@ The JSON-RPC 2.0 specification's own example methods, by their names in its
 "Examples" section (`subtract`, `sum`, `update`, `notify_hello`, `get_data`), and a
 few tools that show the broker at work: `echo`, `add`, `sleep`, a CPU-bound `fib`
 and `worker_info` (which worker process answered).
+
+`faults` (`--app broker.demo:faults`) serves the same tools and six more that fail on
+purpose, for trying the broker's answers to failures: `crash`, `hang`,
+`slow`, `huge_reply`, `leak` and `raise_error`. They are not in `registry`, the default
+app: anyone who can call a worker's tools could kill its workers or fill its memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import time
 
 import msgspec
 
@@ -86,3 +93,73 @@ def _fib(n: int) -> int:
 def worker_info() -> dict[str, int]:
     """{"pid": the process id of the worker that answered}."""
     return {"pid": os.getpid()}
+
+
+# ---- faults: the demo's tools, and tools that fail on purpose ----
+
+faults = Registry()
+for _method in registry.methods():
+    faults.method(name=_method.name, raw_params=_method.raw_params)(_method.fn)
+
+faults.method(name="slow")(sleep)  # async: `sleep` by the name the fault tools use
+
+HUGE_REPLY_MAX = 256 * 1024 * 1024
+"""`huge_reply`'s largest string, bytes: larger than the largest max_response_bytes a worker's
+answer may be held to by default, within what a demo worker should allocate."""
+
+LEAK_MAX = 2 * 1024 * 1024 * 1024
+"""The most `leak` keeps in one worker process, bytes (a loop of calls must not exhaust the
+machine's memory)."""
+
+_leaked: list[bytes] = []
+
+
+@faults.method
+def crash(how: str = "exit") -> None:
+    """The worker process dies at once, its calls in flight with it: `how` "exit"
+    (os._exit(1), no clean-up) or "kill" (SIGKILL to itself). The broker answers the
+    calls it held -32002 (worker died) and starts another worker."""
+    if how == "exit":
+        os._exit(1)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RpcError(-32602, "Invalid params", {"param": "how", "reason": 'must be "exit" or "kill"'})
+
+
+@faults.method
+def hang() -> None:
+    """A sync call that never returns: the worker is stuck until the broker kills it as
+    hung, `cancel_grace` seconds after the call's deadline (answered -32001, timed out)."""
+    while True:
+        time.sleep(3600)
+
+
+@faults.method
+def huge_reply(bytes: int) -> str:
+    """A string of `bytes` (0..268435456) "x" characters: the answer's result is bytes + 2
+    bytes of JSON. An answer past max_response_bytes is answered -32603."""
+    if not 0 <= bytes <= HUGE_REPLY_MAX:
+        raise RpcError(-32602, "Invalid params", {"param": "bytes", "reason": f"must be within 0..{HUGE_REPLY_MAX}"})
+    return "x" * bytes
+
+
+@faults.method
+def leak(bytes: int) -> dict[str, int]:
+    """Keeps `bytes` (0..268435456) more of memory, written (resident), until the worker
+    process exits; at most 2 GiB in one worker. Returns {"pid": the worker's pid,
+    "held_bytes": all it keeps now}."""
+    held = sum(len(block) for block in _leaked)
+    if not 0 <= bytes <= HUGE_REPLY_MAX or held + bytes > LEAK_MAX:
+        raise RpcError(-32602, "Invalid params",
+                       {"param": "bytes", "reason": f"must be within 0..{HUGE_REPLY_MAX}, and at most"
+                        f" {LEAK_MAX} kept in all (this worker keeps {held})"})
+    _leaked.append(b"\xa5" * bytes)  # (written, unlike bytes(n)'s zero pages, which need not be resident)
+    return {"pid": os.getpid(), "held_bytes": held + bytes}
+
+
+@faults.method
+def raise_error(code: int, message: str, data: object = None) -> None:
+    """Answers the JSON-RPC error object {code, message, data} (data left out when null).
+    Codes the broker keeps for itself (-32099..-32000, -32700, -32600) are answered -32603
+    instead, as for any tool (the README's Errors)."""
+    raise RpcError(code, message, data)
