@@ -29,13 +29,17 @@ and 769 values per method would be state with no label to show it.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import gc
 import importlib.metadata
 import platform
+import time
 import typing
 from collections.abc import Iterable, Iterator
 
 import psutil
+import uvloop.loop
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
@@ -300,6 +304,8 @@ class BrokerCollector(Collector):
         self.max_queue = max_queue
         self.max_queue_bytes = max_queue_bytes
         self._processes: dict[int, psutil.Process] = {}
+        self._handles = 0  # live_handles()
+        self._handles_at: float | None = None  # when it was counted, monotonic s
         try:
             version = importlib.metadata.version("rpc-broker")
         except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
@@ -356,6 +362,7 @@ class BrokerCollector(Collector):
         )  # fmt: skip
         yield from self._http()
         yield from self._workers()
+        yield from self._event_loop()
         yield _family_gauge(
             "rpc_broker_build_info", "The running broker's version and Python; always 1.", ["version", "python"],
             [(self._build, 1)],
@@ -521,6 +528,43 @@ class BrokerCollector(Collector):
         self._processes = alive
         yield cpu
         yield rss
+
+
+    def _event_loop(self) -> Iterator[Metric]:
+        """The broker's event loop: its tasks (asyncio.all_tasks: not done) and its handles
+        (callbacks and timers, `loop.call_soon`/`call_later`'s, not cancelled), counted for
+        leaks (a soak's "no count may rise steadily", issue 11). No loop runs in this thread
+        (a collector called outside the broker): neither family."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        yield _family_gauge("rpc_broker_event_loop_tasks", "Tasks of the front-end process's event loop not done.",
+                            [], [([], len(asyncio.all_tasks(loop)))])
+        now = time.monotonic()
+        if self._handles_at is None or now - self._handles_at >= HANDLES_EVERY_SECONDS:
+            self._handles, self._handles_at = live_handles(), now
+        yield _family_gauge("rpc_broker_event_loop_handles", "Callbacks and timers of the front-end process's event "
+                            f"loop not cancelled (counted at most once in {HANDLES_EVERY_SECONDS:g} s).",
+                            [], [([], self._handles)])
+
+
+HANDLES_EVERY_SECONDS = 10.0
+"""How often a scrape counts the event loop's handles (`live_handles` walks every object the
+garbage collector tracks: ~1 ms per 10k objects); the scrapes between give the last count, so
+that a flood of scrapes costs no more walks."""
+
+_HANDLE_TYPES: tuple[type, ...] = (
+    asyncio.Handle, uvloop.loop.Handle, uvloop.loop.TimerHandle)  # type: ignore[attr-defined]
+"""asyncio's Handle (TimerHandle is one) and uvloop's two, which are not subclasses of each other."""
+
+
+def live_handles() -> int:
+    """The event-loop handles alive in this process and not cancelled: pending callbacks and
+    timers (the loop holds them), and any a program keeps after they ran. A count that rises
+    steadily under a steady load is a leak of timers (each holds its callback's objects)."""
+    return sum(1 for obj in gc.get_objects()
+               if isinstance(obj, _HANDLE_TYPES) and not typing.cast("asyncio.Handle", obj).cancelled())
 
 
 def registry(collector: BrokerCollector) -> CollectorRegistry:

@@ -9,8 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
-from tests.conftest import Broker, children, rss_kib, start_broker, wait_for
+from conftest import Broker, children, rss_kib, start_broker, wait_for
 
 MIB = 1024 * 1024
 

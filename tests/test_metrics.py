@@ -475,3 +475,36 @@ def test_notifications_their_worker_never_started_before_their_deadline_are_coun
         fib.join(30)
     wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 0, timeout=10)
     assert value(scrape(b), "rpc_broker_notifications_dropped_total", reason="timed_out") - dropped == 4
+
+
+
+def test_event_loop_tasks_and_handles_are_exported(broker_factory: object) -> None:
+    """rpc_broker_event_loop_tasks and _handles (issue 11: the soak's "no count may rise
+    steadily") are scraped from the broker's loop: its own tasks and timers, a few."""
+    b = broker_factory("--workers", "1")  # type: ignore[operator]
+    samples = scrape(b)
+    assert 1 <= sample(samples, "rpc_broker_event_loop_tasks") < 100
+    assert 1 <= sample(samples, "rpc_broker_event_loop_handles") < 1000
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_live_handles_counts_pending_timers_and_callbacks_not_cancelled(loop_name: str) -> None:
+    import asyncio
+
+    import uvloop
+
+    from broker.metrics import live_handles
+
+    async def count() -> tuple[int, int, int]:
+        loop = asyncio.get_running_loop()
+        before = live_handles()
+        handles = [loop.call_later(3600, print) for _ in range(30)] + [loop.call_soon(print) for _ in range(10)]
+        during = live_handles()
+        for h in handles:
+            h.cancel()
+        return before, during, live_handles()
+
+    runner = asyncio.run if loop_name == "asyncio" else uvloop.run
+    before, during, after = runner(count())  # type: ignore[operator]
+    assert during - before == 40
+    assert after == before
