@@ -1,0 +1,34 @@
+"""benchmarks/soak.py's short version (issue 11, item 4: `--minutes` for a smoke run): a real
+broker under its mixed load for 30 s, sampled every 3 s. What is held here is that the soak
+runs what it says and that every answer was right; its verdict on growth needs the full run's
+minutes (benchmarks/RESULTS.md), not a noisy half-minute on a shared machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_short_soak_samples_every_process_and_every_answer_is_right(tmp_path: Path) -> None:
+    out, png = tmp_path / "soak.json", tmp_path / "soak.png"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "0.5", "--warmup",
+                           "0.2", "--interval", "3", "--json", str(out), "--plot", str(png)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.exists(), done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["broker_exit"] == 0 and report["load_exit"] == [0, 0], done.stdout + done.stderr
+    assert len(report["samples"]) >= 8  # (30 s / 3 s, and the first at 0)
+    for load in report["load_reports"]:
+        assert load["check"]["ok"] and load["calls"] > 0, load["check"]
+        assert {"-32601", "-32602", "-32001", "4001"} <= set(load["errors_by_code"])
+    assert report["disconnects"] > 0 and report["scrapes"] > 0
+    series = report["series"]
+    workers = [name for name in series if name.startswith("worker ") and name.endswith(" rss_mib")]
+    assert "broker rss_mib" in series and "broker fds" in series and len(workers) == 2
+    assert "event_loop_tasks" in series and "event_loop_handles" in series
+    assert png.stat().st_size > 10_000
+    assert ("soak: ok" if report["ok"] else "soak: FAILED") in done.stdout
