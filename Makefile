@@ -131,7 +131,8 @@ soak: $(STAMP)
 # their own tests instead (tests/mutation_scopes.toml says which and why), each in .mutate/SCOPE/
 # (mutmut reads only ./pyproject.toml: tests/mutation_scope.py writes one there); their score
 # is printed, with no 90 % gate. SAMPLE=N: only N mutants drawn at random (tests/mutation_sample.py,
-# a fixed seed), for an estimate of the score in a fraction of the time.
+# a fixed seed; their names in mutants/sample.txt), for an estimate of the score and its 95 %
+# interval in a fraction of the time; the gate applies to a full run only.
 MUTATE_STAMP := $(VENV)/.installed-mutate
 MUTATE_CHILDREN ?=
 SCOPE ?= core
@@ -141,14 +142,15 @@ $(MUTATE_STAMP): $(STAMP)
 	@touch $(MUTATE_STAMP)
 
 mutate: $(MUTATE_STAMP)
+	@case "$(SAMPLE)" in "") ;; *[!0-9]*|0*) echo "SAMPLE=$(SAMPLE): expected how many mutants to draw, 1 or more (make mutate SAMPLE=300)" >&2; exit 2;; esac
 ifeq ($(SCOPE),core)
 	rm -rf mutants
-	$(if $(SAMPLE),$(BIN)/python tests/mutation_sample.py $(SAMPLE) > mutants-sample.txt)
-	$(BIN)/mutmut run $(if $(MUTATE_CHILDREN),--max-children $(MUTATE_CHILDREN)) $(if $(SAMPLE),$$(cat mutants-sample.txt)) $(ARGS)
+	$(if $(SAMPLE),mkdir -p mutants && $(BIN)/python tests/mutation_sample.py $(SAMPLE) > mutants/sample.txt)
+	$(BIN)/mutmut run $(if $(MUTATE_CHILDREN),--max-children $(MUTATE_CHILDREN)) $(if $(SAMPLE),$$(cat mutants/sample.txt)) $(ARGS)
 	$(BIN)/python tests/mutation_report.py --fail-under 90
 else
 	$(BIN)/python tests/mutation_scope.py $(SCOPE)
-	$(if $(SAMPLE),cd .mutate/$(SCOPE) && $(abspath $(BIN))/python ../../tests/mutation_sample.py $(SAMPLE) > sample.txt)
-	cd .mutate/$(SCOPE) && $(abspath $(BIN))/mutmut run $(if $(MUTATE_CHILDREN),--max-children $(MUTATE_CHILDREN)) $(if $(SAMPLE),$$(cat sample.txt)) $(ARGS)
+	$(if $(SAMPLE),cd .mutate/$(SCOPE) && mkdir -p mutants && $(abspath $(BIN))/python ../../tests/mutation_sample.py $(SAMPLE) > mutants/sample.txt)
+	cd .mutate/$(SCOPE) && $(abspath $(BIN))/mutmut run $(if $(MUTATE_CHILDREN),--max-children $(MUTATE_CHILDREN)) $(if $(SAMPLE),$$(cat mutants/sample.txt)) $(ARGS)
 	$(BIN)/python tests/mutation_report.py --mutants .mutate/$(SCOPE)/mutants
 endif

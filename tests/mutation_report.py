@@ -115,9 +115,13 @@ def main() -> int:
     print(f"\n{total['killed'] + total['timeout']} of {sum(total.values()) - total['equivalent'] - total['not run']} non-equivalent "
           f"mutants killed ({total['killed']} by a failing test, {total['timeout']} by a timeout): "
           f"{score(total):.1f} %; {total['survived']} survived, {total['equivalent']} equivalent")
-    if unrun:
-        print(f"if the {ran(total)} run were drawn at random (SAMPLE=N), a full run's score is within "
-              f"+-{margin(total):.1f} points of this, 95 % of the time (a binomial proportion's normal interval)")
+    drawn = args.mutants / "sample.txt"  # (`make mutate SAMPLE=N`: the names drawn)
+    if unrun and drawn.exists():
+        low, high = wilson(total)
+        print(f"a sample drawn at random ({len(drawn.read_text().split())} mutants, SAMPLE=N): a full run's score is "
+              f"within {low:.1f} .. {high:.1f} %, 95 % of the time (Wilson score interval)")
+    elif unrun:
+        print("not a sample drawn at random (ARGS=..., or an interrupted run): no estimate of a full run's score")
     if args.survivors and survivors:
         print("\nsurvivors (`mutmut show NAME` for the change):")
         print("\n".join(f"  {name}" for name in survivors))
@@ -126,6 +130,10 @@ def main() -> int:
     if scope != "core":  # (a gate is the core's only: the worker and the pool are measured, not held to one)
         if args.fail_under:
             print(f"--fail-under {args.fail_under:g} not applied: scope {scope}, not the core", file=sys.stderr)
+        return 0
+    if unrun and args.fail_under:  # (new user, round 103: a 20-mutant sample at 89.5 % failed the gate)
+        print(f"--fail-under {args.fail_under:g} not applied: {unrun} mutants not run (the gate holds a full run)",
+              file=sys.stderr)
         return 0
     if score(total) < args.fail_under:
         print(f"under {args.fail_under:g} % of non-equivalent mutants killed", file=sys.stderr)
@@ -149,11 +157,18 @@ def ran(c: Counter[str]) -> int:
     return sum(c.values()) - c["equivalent"] - c["not run"]
 
 
-def margin(c: Counter[str]) -> float:
-    """Half the 95 % interval of the score (points) if the mutants run were drawn at random:
-    1.96 * sqrt(p * (1 - p) / n), the normal approximation of a binomial proportion."""
-    p, n = score(c) / 100.0, ran(c)
-    return 196.0 * math.sqrt(p * (1.0 - p) / n) if n else 0.0
+def wilson(c: Counter[str], z: float = 1.96) -> tuple[float, float]:
+    """The score's 95 % interval (%, low and high) if the mutants run were drawn at random: the
+    Wilson score interval of a binomial proportion (E. B. Wilson, 1927; Brown, Cai and DasGupta,
+    "Interval Estimation for a Binomial Proportion", Statistical Science 16(2), 2001), which
+    stays within 0..100 % and is not empty at 0 or 100 %, unlike p +- z*sqrt(p(1-p)/n)."""
+    n = ran(c)
+    if not n:
+        return 0.0, 100.0
+    p = score(c) / 100.0
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return 100.0 * max(0.0, centre - half), 100.0 * min(1.0, centre + half)
 
 
 def score(c: Counter[str]) -> float:

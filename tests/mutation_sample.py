@@ -1,19 +1,20 @@
 """`make mutate SAMPLE=N`: the names of N of a run's mutants, drawn at random, one a line.
 
 A full run of a scope whose tests start real processes (the pool's: up to 35 s a mutant) takes
-hours; the share killed among mutants drawn at random estimates the full run's score, within
-about +-1.96 * sqrt(p * (1 - p) / N) (a binomial proportion's 95 % interval: +-4.5 points for
-p = 0.75, N = 350). Run in the directory mutmut runs in (the core's checkout, or
-.mutate/SCOPE/): this has mutmut write the mutants, as `mutmut run` does first (mutmut's own
-functions, pinned mutmut 3.8), and draws from their names with a fixed seed, so that the same
-code gives the same sample; `mutmut run NAMES...` then runs only those (and keeps the files
-written: the code is unchanged).
+hours; the share killed among mutants drawn at random estimates the full run's score
+(tests/mutation_report.py prints its 95 % interval: about +-5 points for N = 300 at 70 %).
+Run in the directory mutmut runs in (the core's checkout, or .mutate/SCOPE/): this has mutmut
+write the mutants, as `mutmut run` does first (mutmut's own functions, pinned mutmut 3.8), and
+draws from their names with a fixed seed, so that the same code gives the same sample; `mutmut
+run NAMES...` then runs only those (and keeps the files written: the code is unchanged).
 
     python tests/mutation_sample.py N [SEED]
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -40,22 +41,24 @@ def main() -> int:
     # (what mutmut's `_run` does before its stats run: mutmut/__main__.py, 3.8.1)
     set_mutant_under_test("mutant_generation")
     Path("mutants").mkdir(exist_ok=True)
-    stdout = sys.stdout
-    sys.stdout = sys.stderr  # (mutmut's progress, not names)
+    said = io.StringIO()  # (mutmut's list of files copied: shown only if it fails; new user, round 103)
     try:
-        copy_src_dir()
-        copy_also_copy_files()
-        setup_source_paths()
-        store_lines_covered_by_tests()
-        create_mutants(os.cpu_count() or 2)
-    finally:
-        sys.stdout = stdout
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            copy_src_dir()
+            copy_also_copy_files()
+            setup_source_paths()
+            store_lines_covered_by_tests()
+            create_mutants(os.cpu_count() or 2)
+    except BaseException:
+        sys.stderr.write(said.getvalue())
+        raise
     names = mutant_names(Path("mutants"))
     if not names:
         print("mutmut made no mutant: nothing to draw from", file=sys.stderr)
         return 1
     drawn = random.Random(seed).sample(names, min(count, len(names)))
-    print(f"{len(drawn)} of {len(names)} mutants drawn (seed {seed!r})", file=sys.stderr)
+    print(f"{len(drawn)} of {len(names)} mutants drawn at random (seed {seed!r}); mutmut's progress counts all"
+          f" {len(names)}", file=sys.stderr)
     print("\n".join(sorted(drawn)))
     return 0
 

@@ -46,8 +46,10 @@ def toml_section(settings: dict[str, object]) -> str:
 def main() -> int:
     scopes = tomllib.loads(SCOPES.read_text())
     if len(sys.argv) != 2 or sys.argv[1] not in scopes:
-        print(f"usage: {sys.argv[0]} SCOPE, one of: {', '.join(scopes)} (the core's is pyproject.toml's)",
-              file=sys.stderr)
+        names, given = list(scopes), sys.argv[1] if len(sys.argv) > 1 else ""
+        print(f"SCOPE must be core (the default), {', '.join(names[:-1])} or {names[-1]}, not {given!r}:"
+              f" make mutate SCOPE={names[0]} ({sys.argv[0]} SCOPE writes the directory a scope other than"
+              " the core runs in)", file=sys.stderr)
         return 2
     name = sys.argv[1]
     pyproject = (ROOT / "pyproject.toml").read_text()
