@@ -784,7 +784,11 @@ def test_sigterm_grace_period_ends_long_calls_with_shutting_down(broker_factory)
         ("nonexistent.module:registry", f"ModuleNotFoundError: No module named 'nonexistent' (the module is looked"
          f" up from the current directory, {ROOT}, and PYTHONPATH: run from the directory that holds it, or set"
          " PYTHONPATH=DIR) (--debug"),
-        ("broker.demo:nothing", "AttributeError: module 'broker.demo' has no attribute 'nothing' (--debug"),
+        ("broker.demo:nothing", "AttributeError: module 'broker.demo' has no attribute 'nothing' (its Registries:"
+         " 'faults', 'registry') (--debug"),
+        # (new user, round 103: a name mistyped)
+        ("broker.demo:registr", "AttributeError: module 'broker.demo' has no attribute 'registr' (did you mean"
+         " 'registry'?) (--debug"),
         # (round 31, a new user: a file name given for the module; round 34: not the README's
         # mytools.py, which a new user has made in the clone as it says)
         ("no_such_tools.py:registry",

@@ -11,6 +11,7 @@ and `data` is written as a result is (broker/worker/results.py). `load_app` impo
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import operator
@@ -184,8 +185,12 @@ def load_app(spec: str) -> Registry:
     module = importlib.import_module(module_name)
     try:
         obj = getattr(module, attr)
-    except AttributeError:
-        raise AttributeError(f"module {module_name!r} has no attribute {attr!r}") from None
+    except AttributeError:  # (what it has: new user, round 103, `mytools:registr`)
+        registries = sorted(name for name, value in vars(module).items() if isinstance(value, Registry))
+        close = difflib.get_close_matches(attr, registries, n=1)
+        hint = (f" (did you mean {close[0]!r}?)" if close
+                else f" (its Registries: {', '.join(map(repr, registries))})" if registries else "")
+        raise AttributeError(f"module {module_name!r} has no attribute {attr!r}{hint}") from None
     if not isinstance(obj, Registry):
         raise TypeError(f"{spec} is {_a(type(obj).__name__)}, not a broker.worker.Registry")
     if not len(obj):
