@@ -907,6 +907,7 @@ def test_a_lists_wrong_entry_is_named_by_its_place_not_the_whole_list(tmp_path: 
     with pytest.raises(ConfigError) as err:
         load(path, {}, {})
     assert str(err.value).startswith(f"config file {path}: allowed_hosts = 'a.example': expected `array`, got `str`")
+    assert str(err.value).endswith('; a list in TOML: allowed_hosts = ["a.example"]')  # (new user, round 103)
 
 
 def test_every_check_of_a_list_entry_names_it_by_its_place(tmp_path: Path) -> None:

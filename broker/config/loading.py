@@ -16,6 +16,7 @@ valid but not together, naming where each came from.
 
 import difflib
 import ipaddress
+import json
 import os
 import re
 import tomllib
@@ -107,6 +108,8 @@ def _check(s: Setting, value: object, source: str) -> None:
                 problem = f"expected {s.rule}"
             elif s.rule:
                 problem += f" (allowed: {s.rule})"
+            if s.kind == "list" and key is None and isinstance(item, str):  # (new user, round 103: its form)
+                problem += f"; a list in TOML: {s.name} = [{json.dumps(item)}]"
             if s.kind == "map" and isinstance(item, dict):  # TOML's dotted key: `cart.total = 2` is a table
                 problem += f"; a method name with a dot is quoted in TOML: \"{key}.{next(iter(item), '')}\" = ..."
             raise ConfigError(f"{source}: {label} = {item!r}: {problem}") from None
