@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: soak serve test lint clean bench bench-quick mutate prometheus-bin chromium-bin venv-setup python-note
+.PHONY: serve test lint clean bench bench-quick chaos soak mutate prometheus-bin chromium-bin venv-setup python-note
 
 # One set-up at a time: `make serve` and `make test` started together on a fresh clone both
 # made .venv, and the second failed ("No module named pip"). The second waits for the lock
@@ -120,6 +120,14 @@ bench-quick: $(BENCH_STAMP)
 # 1 MiB a minute or more, or a count rises steadily. ARGS='--plot soak.png' draws them.
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py $(ARGS)
+
+# ---- chaos: load over HTTP and NDJSON while workers are SIGKILLed and SIGSTOPped, SIGHUP comes
+# twice, crash and hang are called and connections are dropped (benchmarks/chaos.py; docs/bench.md,
+# "make chaos"). Every call's fate by its id; exits 1 if one was lost, answered twice or wrongly.
+# Bounded: --seconds (60) of load, a final wait of seconds, and a hard deadline past which it
+# SIGKILLs the broker it started. ARGS: its options, e.g. ARGS="--seconds 300 --seed 7".
+chaos: $(STAMP)
+	$(BIN)/python benchmarks/chaos.py $(ARGS)
 
 # ---- mutate: mutation testing of the dispatcher core (README, "Testing"). mutmut mutates the
 # modules [tool.mutmut] in pyproject.toml names, one change at a time, in a copy (mutants/), and

@@ -57,6 +57,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # this checkout's `broker`, the one its broker runs (`-m broker`, cwd ROOT)
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -96,6 +97,7 @@ class Settings(argparse.Namespace):
     hang_timeout: float
     cancel_grace: float
     json: bool
+    write: bool
 
 
 def schedule(seed: int, seconds: float, gap: float) -> list[tuple[float, str]]:
@@ -362,7 +364,8 @@ class Run:
         chaos = asyncio.create_task(self._chaos())
         await asyncio.sleep(self.s.seconds)
         self.sending = False
-        await chaos
+        chaos.cancel()  # (an event under way ends here: its SIGCONT, if any, is still due below)
+        await asyncio.gather(chaos, return_exceptions=True)
         # The final wait: every call has a deadline (timeout, from its arrival), so an answer
         # owed comes within it, or within cancel_grace more for a worker killed as hung.
         end = loop.time() + self.s.timeout + self.s.cancel_grace + 5.0
@@ -504,6 +507,44 @@ def print_table(r: Report) -> None:
     print("verdict:", "OK: nothing lost, duplicated or wrong" if r.ok else "FAILED")
 
 
+BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
+
+
+def write_results(r: Report, path: Path) -> None:
+    """Put the figures of `r` into `path` (benchmarks/RESULTS.md) between `BEGIN` and `END`,
+    replacing those of an earlier run, or at the end (below run.py's KEEP_MARK, which it keeps)."""
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    codes = ", ".join(f"{code} {n:,}" for code, n in r.errors_by_code.items()) or "none"
+    events = ", ".join(f"{kind} {n}" for kind, n in r.events.items())
+    restarts = ", ".join(f"{k} {v:g}" for k, v in r.broker_metrics.items()) or "none"
+    rss = r.rss_kib
+    rows = [("sent (with an id)", r.sent), ("answered exactly once", r.answered_once),
+            ("of them a right result", r.results_ok), ("of them an expected error", r.errors),
+            ("dropped with their connection", r.dropped), ("lost", r.lost), ("answered twice", r.duplicated),
+            ("wrong id or result", r.wrong), ("notifications sent", r.notifications)]
+    section = "\n".join([
+        BEGIN, "## Chaos", "",
+        f"Written by `benchmarks/chaos.py --seconds {r.seconds:g} --seed {r.seed} --write` on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} (`make chaos`: docs/bench.md). {r.workers} workers, "
+        f"{r.concurrency} connections (half HTTP, half NDJSON), `timeout` {r.broker_settings['timeout']:g} s, "
+        f"`hang` {r.broker_settings['hang_timeout']:g} s, `cancel_grace` {r.broker_settings['cancel_grace']:g} s; "
+        f"{os.cpu_count()} CPUs, load average {load} at the end. Events done: {events}. Errors by code: {codes}. "
+        f"The broker's counters at the end: {restarts}. RSS (MiB) at the start and the end: the broker "
+        f"{rss['broker_start'] / 1024:.1f} and {rss['broker_end'] / 1024:.1f}, its workers "
+        f"{rss['workers_start'] / 1024:.1f} and {rss['workers_end'] / 1024:.1f}. The broker stopped with status "
+        f"{r.broker_exit} in {r.broker_stop_s:g} s; its log had {r.broker_error_lines} ERROR lines "
+        f"({len(r.broker_log_problems)} tracebacks or loop errors). Verdict: "
+        + ("nothing lost, duplicated or wrong." if r.ok else "FAILED."),
+        "", "| calls | count |", "|---|---:|", *(f"| {name} | {n:,} |" for name, n in rows), END,
+    ])
+    text = path.read_text()
+    if BEGIN in text:
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="seconds of load and chaos (default 60)")
@@ -515,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hang-timeout", type=float, default=1.0, help="hang's deadline, s (default 1)")
     parser.add_argument("--cancel-grace", type=float, default=1.0, help="the broker's cancel_grace, s (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
+    parser.add_argument("--write", action="store_true", help="also put the figures into benchmarks/RESULTS.md")
     s = parser.parse_args(argv, namespace=Settings())
     if s.seed is None:
         s.seed = random.randrange(1 << 31)
@@ -545,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             print(f"chaos: the broker's log is kept in {broker.log_path}", file=sys.stderr)
+    if s.write:
+        write_results(result, HERE / "RESULTS.md")
     if s.json:
         print(msgspec.json.format(msgspec.json.encode(result), indent=1).decode())
     else:
