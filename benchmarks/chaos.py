@@ -167,15 +167,21 @@ class BrokerProcess:
         self.known.update(pids)
         return pids
 
-    def rss(self) -> tuple[int, int]:
-        """(the broker's RSS, its workers' summed), KiB."""
-        total = 0
+    def rss(self, workers: int, wait: float = 10.0) -> tuple[int, int, int]:
+        """(the broker's RSS, its workers' summed, KiB; how many worker processes), once it has
+        `workers` of them (a slot restarting, or a reload under way, has fewer or more), or after
+        `wait` s."""
+        deadline = time.monotonic() + wait
+        while len(self.workers()) != workers and time.monotonic() < deadline:
+            time.sleep(0.1)
+        total = n = 0
         for pid in self.workers():
             try:
                 total += rss_kib(pid)
             except (OSError, AssertionError):
-                pass  # gone meanwhile
-        return rss_kib(self.pid), total
+                continue  # gone meanwhile
+            n += 1
+        return rss_kib(self.pid), total, n
 
     def metrics(self) -> dict[str, float]:
         """The restart and reload counters of its /metrics ({} if it does not answer)."""
@@ -415,6 +421,9 @@ class Report(msgspec.Struct, kw_only=True):
     broker_settings: dict[str, float]  # timeout, hang_timeout, cancel_grace
     sent: int
     notifications: int  # sent (never answered)
+    sent_http: int
+    sent_ndjson: int
+    batches: int  # batch bodies sent (the others: single calls and notifications)
     answered_once: int  # a wrong answer included
     results_ok: int
     errors: int  # right error answers, by code in errors_by_code
@@ -429,7 +438,8 @@ class Report(msgspec.Struct, kw_only=True):
     events: dict[str, int]  # per kind: the events done (not skipped)
     event_log: list[dict[str, object]]  # {"t", "kind", "detail"}
     connect_failures: int
-    rss_kib: dict[str, int]  # broker_start, broker_end, workers_start, workers_end
+    rss_kib: dict[str, int]  # broker_start, broker_end, workers_start, workers_end (summed)
+    worker_processes: list[int]  # how many the workers' RSS sums, at the start and the end
     broker_metrics: dict[str, float]  # its restart and reload counters at the end
     broker_exit: int | None  # None: it did not stop within its wait, and was killed
     broker_stop_s: float
@@ -440,7 +450,7 @@ class Report(msgspec.Struct, kw_only=True):
     ok: bool
 
 
-def report(s: Settings, run: Run, broker: BrokerProcess, rss0: tuple[int, int], rss1: tuple[int, int],
+def report(s: Settings, run: Run, broker: BrokerProcess, rss0: tuple[int, int, int], rss1: tuple[int, int, int],
            status: int | None, stop_s: float, metrics: dict[str, float]) -> Report:
     """The run's outcome."""
     fates = run.ledger.summary()
@@ -452,12 +462,13 @@ def report(s: Settings, run: Run, broker: BrokerProcess, rss0: tuple[int, int], 
     return Report(
         seed=s.seed, seconds=s.seconds, workers=s.workers, concurrency=s.concurrency, event_gap=s.event_gap,
         broker_settings={"timeout": s.timeout, "hang_timeout": s.hang_timeout, "cancel_grace": s.cancel_grace},
-        **fates,
+        **fates, batches=run.maker.batches,
         errors_by_code={str(k): v for k, v in sorted(run.ledger.errors_by_code.items())},
         error_spans={str(k): spans(times, run.t0_wall) for k, times in sorted(run.ledger.error_times.items())},
         events={k: sum(1 for e in done if e["kind"] == k) for k in KINDS}, event_log=run.events,
         connect_failures=run.connect_failures,
         rss_kib={"broker_start": rss0[0], "broker_end": rss1[0], "workers_start": rss0[1], "workers_end": rss1[1]},
+        worker_processes=[rss0[2], rss1[2]],
         broker_metrics=metrics, broker_exit=status, broker_stop_s=round(stop_s, 2),
         broker_error_lines=len(error_lines), broker_error_examples=error_lines[:5],
         broker_log_problems=problems[:20], examples=dict(run.ledger.examples), ok=ok)
@@ -484,7 +495,8 @@ def print_table(r: Report) -> None:
     table = Table(title=f"chaos: {r.seconds:g} s, seed {r.seed}, {r.workers} workers, {r.concurrency} connections")
     table.add_column("calls", justify="left")
     table.add_column("count", justify="right")
-    rows = [("sent (with an id)", r.sent), ("notifications sent", r.notifications),
+    rows = [("sent (with an id)", r.sent), ("  over HTTP", r.sent_http), ("  over NDJSON", r.sent_ndjson),
+            ("  batches of them (bodies)", r.batches), ("notifications sent", r.notifications),
             ("answered exactly once", r.answered_once), ("  of them a right result", r.results_ok),
             ("  of them an expected error", r.errors), ("dropped with their connection", r.dropped),
             ("lost (no answer)", r.lost), ("  of them cut by the broker's close", r.lost_cut),
@@ -495,6 +507,7 @@ def print_table(r: Report) -> None:
         table.add_row(name, f"{value:,}")
     for name, kib in r.rss_kib.items():
         table.add_row(f"RSS {name.replace('_', ' ')} (MiB)", f"{kib / 1024:.1f}")
+    table.add_row("worker processes at the start, the end", f"{r.worker_processes[0]}, {r.worker_processes[1]}")
     table.add_row("broker exit status", str(r.broker_exit))
     table.add_row("broker ERROR lines in its log", str(r.broker_error_lines))
     table.add_row("  of them problems (tracebacks, ...)", str(len(r.broker_log_problems)))
@@ -569,14 +582,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"chaos: seed {s.seed}, {s.seconds:g} s", file=sys.stderr)
         broker.start()
-        rss0 = broker.rss()
+        rss0 = broker.rss(s.workers)
         run = Run(s, broker)
         try:
             uvloop.run(run.run())
         finally:
             for pid in list(run.stopped):
                 _signal(pid, signal.SIGCONT)
-        rss1 = broker.rss()
+        rss1 = broker.rss(s.workers)
         metrics = broker.metrics()
         status, stop_s = broker.stop()
         result = report(s, run, broker, rss0, rss1, status, stop_s, metrics)

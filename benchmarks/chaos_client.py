@@ -77,6 +77,8 @@ class Fates(typing.TypedDict):
     results_ok: int
     errors: int
     notifications: int
+    sent_http: int
+    sent_ndjson: int
 
 
 class CallRecord:
@@ -210,9 +212,10 @@ class Ledger:
     def summary(self) -> Fates:
         """The fates of all calls: sent, answered_once (a wrong answer included), duplicated
         (answers past the first) and duplicated_calls (calls answered more than once), lost (not answered, not dropped; `lost_cut` of them on a connection the broker
-        closed), dropped, results_ok, errors, wrong, notifications."""
-        answered_once = more = lost = cut = dropped = 0
+        closed), dropped, results_ok, errors, wrong, notifications; sent_http and sent_ndjson."""
+        answered_once = more = lost = cut = dropped = http = 0
         for key, rec in self.calls.items():
+            http += rec.transport == "http"
             if rec.answers == 1:
                 answered_once += 1
             elif rec.answers > 1:
@@ -227,7 +230,8 @@ class Ledger:
                                  f"{' (connection closed by the broker)' if rec.cut else ''}")
         return Fates(sent=len(self.calls), answered_once=answered_once, lost=lost, lost_cut=cut,
                      duplicated=self.duplicated, duplicated_calls=more, wrong=self.wrong, dropped=dropped,
-                     results_ok=self.ok, errors=sum(self.errors_by_code.values()), notifications=self.notifications)
+                     results_ok=self.ok, errors=sum(self.errors_by_code.values()), notifications=self.notifications,
+                     sent_http=http, sent_ndjson=len(self.calls) - http)
 
 
 class BodyMaker:
@@ -248,6 +252,7 @@ class BodyMaker:
         self.slow_share = slow_share
         self.slow_max = slow_max
         self.notification_share = notification_share
+        self.batches = 0  # batch bodies made
 
     def element(self) -> tuple[bytes, bytes | None, str, object]:
         """One call element: (bytes, its key or None for a notification, method, expected)."""
@@ -294,6 +299,7 @@ class BodyMaker:
                 notes += 1
             else:
                 calls.append((key, method, expected))
+        self.batches += n > 1
         data = parts[0] if n == 1 else b"[" + b",".join(parts) + b"]"
         return Body(data, tuple(k for k, _, _ in calls), notes, n > 1), calls
 
@@ -448,6 +454,7 @@ class HttpConnection(RecordingConnection):
             return
         answers = decoded if isinstance(decoded, list) else [decoded]
         if isinstance(decoded, list) != body.batch:
+            ledger.wrong += 1
             ledger.example("wrong", f"HTTP {status}: an array answering a single call, or the reverse: {data[:200]!r}")
         owed = set(body.keys)
         for a in answers:
