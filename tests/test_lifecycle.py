@@ -1969,3 +1969,26 @@ def test_a_deadline_past_the_grace_period_warns_at_the_start(broker_factory):
     assert unserved.call("add", [1, 2])["result"] == 3
     log = unserved.read_log(0.5)
     assert "method_timeouts names 'slow', which the workers do not serve" in log and "grace_period" not in log
+
+
+def test_a_restarted_worker_that_sends_no_hello_is_killed_at_boot_timeout_and_started_again(broker_factory, tmp_path):
+    """The pool's own boot deadline (`Pool._boot_deadline`), for a worker restarted after the
+    start, where the start's deadline does not apply (new user, round 103: only the start's
+    test reached it, racing the start's own): its replacement hangs at import, is killed
+    `boot_timeout` later, counted `boot_timeout`, and started again; once the import ends,
+    calls are served."""
+    spec = tmp_path / "app.json"
+    spec.write_text(json.dumps({"version": 1, "methods": ["a"]}))
+    b = broker_factory("--workers", "1", "--app", "tests.apps.versioned:registry", "--boot-timeout", "1",
+                       env={"VERSIONED_APP_FILE": str(spec)})
+    assert b.call("a")["result"] == {"version": 1, "method": "a"}
+    (first,) = children(b.pid)
+    spec.write_text(json.dumps({"version": 2, "methods": ["a"], "import_seconds": 120}))
+    os.kill(first, signal.SIGKILL)
+    hung = []
+    wait_for(lambda: bool(hung.extend(p for p in children(b.pid) if p != first) or hung), timeout=20)
+    wait_for(lambda: "sent no HELLO in 1.0 s (boot_timeout): killing it" in b.read_log(), timeout=20)
+    wait_for(lambda: hung[0] not in children(b.pid), timeout=10)  # (killed, and reaped)
+    assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="boot_timeout") >= 1
+    spec.write_text(json.dumps({"version": 3, "methods": ["a"]}))
+    wait_for(lambda: b.call("a", timeout=10).get("result") == {"version": 3, "method": "a"}, timeout=40)
