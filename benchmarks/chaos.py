@@ -74,6 +74,7 @@ from chaos_client import (  # noqa: E402
     connect,
 )
 from conftest import children, free_port, rss_kib  # noqa: E402  (the tests' helpers)
+from results_md import put_section  # noqa: E402
 
 from broker.loadgen.target import Target  # noqa: E402
 
@@ -520,11 +521,10 @@ def print_table(r: Report) -> None:
     print("verdict:", "OK: nothing lost, duplicated or wrong" if r.ok else "FAILED")
 
 
-BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
 
 
 def write_results(r: Report, path: Path) -> None:
-    """Put the figures of `r` into `path` (benchmarks/RESULTS.md) between `BEGIN` and `END`,
+    """Put the figures of `r` into `path` (benchmarks/RESULTS.md) as its section "chaos" (results_md),
     replacing those of an earlier run, or at the end (below run.py's KEEP_MARK, which it keeps)."""
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     codes = ", ".join(f"{code} {n:,}" for code, n in r.errors_by_code.items()) or "none"
@@ -535,8 +535,8 @@ def write_results(r: Report, path: Path) -> None:
             ("of them a right result", r.results_ok), ("of them an expected error", r.errors),
             ("dropped with their connection", r.dropped), ("lost", r.lost), ("answered twice", r.duplicated),
             ("wrong id or result", r.wrong), ("notifications sent", r.notifications)]
-    section = "\n".join([
-        BEGIN, "## Chaos", "",
+    put_section("chaos", [
+        "## Chaos", "",
         f"Written by `benchmarks/chaos.py --seconds {r.seconds:g} --seed {r.seed} --write` on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} (`make chaos`: docs/bench.md). {r.workers} workers, "
         f"{r.concurrency} connections (half HTTP, half NDJSON), `timeout` {r.broker_settings['timeout']:g} s, "
@@ -548,14 +548,8 @@ def write_results(r: Report, path: Path) -> None:
         f"{r.broker_exit} in {r.broker_stop_s:g} s; its log had {r.broker_error_lines} ERROR lines "
         f"({len(r.broker_log_problems)} tracebacks or loop errors). Verdict: "
         + ("nothing lost, duplicated or wrong." if r.ok else "FAILED."),
-        "", "| calls | count |", "|---|---:|", *(f"| {name} | {n:,} |" for name, n in rows), END,
-    ])
-    text = path.read_text()
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+        "", "| calls | count |", "|---|---:|", *(f"| {name} | {n:,} |" for name, n in rows),
+    ], path)
 
 
 def main(argv: list[str] | None = None) -> int:

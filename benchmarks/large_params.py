@@ -34,9 +34,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from conftest import Broker, free_port, start_broker  # noqa: E402  (the same launcher the tests use)
+from results_md import put_section  # noqa: E402  (benchmarks/, this script's directory)
 
 MODES = {"bounded (max_worker_params_bytes 4 MiB, the default)": [], "unbounded (max_worker_params_bytes 0)": ["0"]}
-BEGIN, END = "<!-- large_params:begin -->", "<!-- large_params:end -->"
 
 
 async def flood(port: int, stop: float, calls: int, data: bytes, outcomes: dict[str, int]) -> None:
@@ -155,10 +155,8 @@ def main() -> int:
     print(header)
     print("\n".join(table))
     if args.write:
-        path = HERE / "RESULTS.md"
-        text = path.read_text()
-        section = "\n".join([
-            BEGIN, "## Large params beside another client's calls", "",
+        put_section("large_params", [
+            "## Large params beside another client's calls", "",
             f"Written by `benchmarks/large_params.py --write` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
             + header + ". A worker binds each call's params on its loop (1 MiB of small objects: 35 to 55 ms and about "
             "24 MB); the worker's turns bound what one connection's calls cost another client, not what many "
@@ -166,13 +164,8 @@ def main() -> int:
             "in one worker's calls in flight, and one connection's at half of all the workers'; past it such a "
             "call waits in the queue, its connection's calls held out of turn, and counts in `max_queue_bytes` "
             "there (past which it is refused -32000).",
-            "", *table, END,
+            "", *table,
         ])
-        if BEGIN in text:
-            text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-        else:
-            text = text.rstrip("\n") + "\n\n" + section + "\n"
-        path.write_text(text)
     return 0
 
 

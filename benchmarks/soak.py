@@ -3,7 +3,7 @@ that nothing grows (issue 11, item 4).
 
 Usage: .venv/bin/python benchmarks/soak.py [--minutes 10] [--warmup 1] [--interval 10]
                                            [--load 0.7] [--workers 2] [--seed 1]
-                                           [--plot FILE] [--json FILE]
+                                           [--plot FILE] [--json FILE] [--write]
 
 Starts a real broker serving `broker.demo:faults` (its `slow` held to a 0.05 s deadline) on
 loopback, HTTP and an NDJSON port, and measures its capacity first: `rpc-broker bench`'s
@@ -22,7 +22,8 @@ broker and of each worker process (/proc), and the broker's event loop tasks and
 minute is its least-squares slope over the samples. A process fails if its RSS grows by 1 MiB
 a minute or more; a count fails if it rises steadily: a positive slope that explains most of
 its variation (r² >= 0.5) and a rise, first to last, of more than max(3, 10 %). `--plot` draws
-the series (matplotlib). Exit status 1 if a series fails or a load generator's checks failed
+the series (matplotlib); `--write` puts the figures into benchmarks/RESULTS.md (section "soak")
+and the plot into benchmarks/soak.png. Exit status 1 if a series fails or a load generator's checks failed
 (a wrong, missing or duplicated answer), else 0.
 """
 
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 import urllib.request
 from pathlib import Path
 
@@ -45,6 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from conftest import Broker, children, free_port, rss_kib, start_broker  # noqa: E402  (the tests' launcher)
+from results_md import put_section  # noqa: E402  (benchmarks/, this script's directory)
 
 MIX = [
     {"method": "add", "params": [1, 2], "weight": 80},
@@ -193,6 +196,30 @@ def plot(rows: list[dict[str, float]], warmup: float, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def write_results(args: argparse.Namespace, cap: float, rate: float, results: dict[str, dict[str, float | bool]],
+                  reports: list[dict[str, typing.Any] | None], dropped: int, scraped: int, stopped: int,
+                  ok: bool) -> None:
+    """The run's figures as benchmarks/RESULTS.md's section "soak" (results_md)."""
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    calls = [f"{name} {r['calls']:,} calls ({r['calls_per_s']:,.0f}/s), errors by code {r['errors_by_code']}, checks "
+             f"{'ok' if r['check']['ok'] else 'FAILED'}" for name, r in zip(("HTTP", "NDJSON"), reports, strict=True)
+             if r is not None]
+    rows = [f"| {name} | {v['first']:.1f} | {v['last']:.1f} | {v['slope_per_minute']:+.3f} | {v['r2']:.2f} | "
+            f"{'ok' if v['ok'] else 'FAIL'} |" for name, v in results.items()]
+    put_section("soak", [
+        "## Soak", "",
+        f"Written by `benchmarks/soak.py --minutes {args.minutes:g} --seed {args.seed} --write` on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} (`make soak`: docs/bench.md). {args.workers} workers, "
+        f"capacity measured {cap:,.0f} calls/s, load {rate:,.0f} calls/s ({args.load:.0%}); {os.cpu_count()} CPUs, "
+        f"load average {load} at the end. {'; '.join(calls)}. Client disconnects {dropped:,}, scrapes {scraped:,}; "
+        f"the broker stopped with status {stopped}. Growth per minute is the least-squares slope of the samples "
+        f"(every {args.interval:g} s) after a warm-up of {args.warmup:g} min: RSS in MiB, the rest counts. "
+        f"Verdict: {'ok' if ok else 'FAILED'}.", "",
+        "| series | first | last | per minute | r² | verdict |", "|---|---:|---:|---:|---:|---|", *rows, "",
+        "![soak: resident memory and counts against minutes](soak.png)",
+    ])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="minutes of load (default 10)")
@@ -203,7 +230,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1, help="seed of the load generators' mix draw (default 1)")
     parser.add_argument("--plot", type=Path, help="write the plot (PNG) here")
     parser.add_argument("--json", type=Path, help="write the samples and verdicts here")
+    parser.add_argument("--write", action="store_true",
+                        help="put the figures into benchmarks/RESULTS.md and the plot into benchmarks/soak.png")
     args = parser.parse_args()
+    if args.write and not args.plot:
+        args.plot = HERE / "soak.png"
     if not (args.minutes > 0 and 0 <= args.warmup < args.minutes and args.interval > 0 and 0 < args.load <= 1):
         parser.error("need --minutes > 0, 0 <= --warmup < --minutes, --interval > 0, 0 < --load <= 1")
 
@@ -284,6 +315,8 @@ def main() -> int:
             "rate_calls_per_s": rate, "samples": rows, "series": results, "load_reports": reports,
             "load_exit": statuses, "disconnects": dropped[0], "scrapes": scraped[0], "broker_exit": stopped,
             "ok": ok}, indent=1))
+    if args.write:
+        write_results(args, cap, rate, results, reports, dropped[0], scraped[0], stopped, ok)
     print("soak: ok" if ok else "soak: FAILED")
     return 0 if ok else 1
 

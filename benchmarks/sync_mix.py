@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from conftest import Broker, start_broker  # noqa: E402  (the same launcher the tests use)
+from results_md import put_section  # noqa: E402  (benchmarks/, this script's directory)
 
 MODES = {
     "off (--sync-prefetch 100)": ["--sync-prefetch", "100"],
@@ -45,7 +46,6 @@ MODES = {
 }
 SLOW_SECONDS = 0.2
 FAST_WAIT = 0.005
-BEGIN, END = "<!-- sync_mix:begin -->", "<!-- sync_mix:end -->"
 
 
 class Connections:
@@ -172,10 +172,7 @@ def main() -> int:
 
 def write_results(header: str, table: list[str]) -> None:
     """Put the table into RESULTS.md between its markers (appended the first time)."""
-    path = HERE / "RESULTS.md"
-    text = path.read_text()
-    section = "\n".join([
-        BEGIN,
+    put_section("sync_mix", [
         "## Slow sync calls beside fast ones",
         "",
         f"Written by `benchmarks/sync_mix.py --write` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
@@ -201,13 +198,7 @@ def write_results(header: str, table: list[str]) -> None:
         "async call.)",
         "",
         *table,
-        END,
     ])
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
 
 
 if __name__ == "__main__":
