@@ -620,9 +620,10 @@ def test_enums_orjson_cannot_be_trusted_with_answer_32603_without_killing_the_wo
     answers -32603, and the worker lives on; other Enums are still written as their value."""
     b = broker_factory("--workers", "1", "--app", "tests.apps.untrusted_enum:registry")
     pid = b.call("pid")["result"]
-    for method in ("itself", "raising"):
+    for method, reason in (("itself", "the result nests deeper than 254 levels, or refers to itself"),
+                           ("raising", "the result has no JSON form")):
         answer = b.call(method, id_=method)
-        assert answer["error"] == {"code": -32603, "message": "Internal error", "data": {"type": "TypeError", "reason": "the result has no JSON form"}}, answer
+        assert answer["error"] == {"code": -32603, "message": "Internal error", "data": {"type": "TypeError", "reason": reason}}, answer
         assert answer["id"] == method
     assert b.call("plain")["result"] == {"member": 7, "list": [1, 2, 3]}
     assert b.call("pid")["result"] == pid  # (the same worker: none died)

@@ -45,6 +45,7 @@ from broker.worker import (
     WorkerProtocol,
     encode_result,
 )
+from broker.worker.results import NoJsonForm
 
 
 @dataclasses.dataclass
@@ -1498,6 +1499,17 @@ async def async_add(a: int, b: int) -> int:
 
 
 @registry.method
+def fail_rpc_message(kind: str) -> None:
+    """An RpcError whose message is no str: an object, an int, an exception, or a str replaced
+    by an object after the RpcError was made."""
+    if kind == "set_later":
+        exc = RpcError(7, "x")
+        exc.message = object()  # type: ignore[assignment]
+        raise exc
+    raise RpcError(7, {"object": object(), "int": 5, "exception": LookupError("no such user")}[kind])  # type: ignore[arg-type]
+
+
+@registry.method
 def unserializable() -> object:
     return object()
 
@@ -1826,8 +1838,54 @@ def test_unserializable_results_are_internal_errors(run):
         replies = dict((f[1], error(f)) for f in await b.read(2))
         # (the reason given: round 32's new user saw none, and a log saying "handler ... raised")
         assert replies[1]["data"] == {"type": "TypeError", "reason": "the result has no JSON form"}
-        # Used to raise RecursionError inside the task's done callback: no reply at all.
-        assert replies[2] == {"code": -32603, "message": "Internal error", "data": {"type": "TypeError", "reason": "the result has no JSON form"}}
+        # Used to raise RecursionError inside the task's done callback: no reply at all. The
+        # reason names the limit (hostile testing, round 111: it said "no JSON form").
+        assert replies[2] == {"code": -32603, "message": "Internal error", "data": {
+            "type": "TypeError", "reason": "the result nests deeper than 254 levels, or refers to itself"}}
+
+    run(test)
+
+
+def nest_lists(levels: int) -> list[object]:
+    """`levels` lists, each inside the next: [[...]]."""
+    value: list[object] = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def test_a_result_within_orjson_s_depth_is_written_and_past_it_or_past_int_digits_says_which_limit():
+    """Hostile testing, round 111: a list 255 levels deep and an integer of 4301 digits, both
+    valid JSON, were "no JSON form" to the client; the worker's log said "deeper than 255
+    levels" for 256, while 255 failed too (orjson's limit: 254 levels)."""
+    assert encode_result(nest_lists(254)) == b"[" * 254 + b"]" * 254
+    assert encode_result([nest_lists(253), {1}]) == b"[" + b"[" * 253 + b"]" * 253 + b",[1]]"  # (made plain)
+    for value in (nest_lists(255), nest_lists(300), [nest_lists(254), {1}]):
+        with pytest.raises(NoJsonForm) as info:
+            encode_result(value)
+        assert info.value.reason == "the result nests deeper than 254 levels, or refers to itself"
+    assert encode_result(10 ** 4299) == b"1" + b"0" * 4299
+    with pytest.raises(NoJsonForm) as info:
+        encode_result([10 ** 4300])
+    assert info.value.reason == ("the result holds an integer of more than 4300 digits (sys.get_int_max_str_digits())")
+    with pytest.raises(NoJsonForm) as info:
+        encode_result(object())
+    assert info.value.reason == "the result has no JSON form"
+
+
+def test_rpc_error_message_with_no_text_of_its_own_answers_internal_error(run):
+    """Hostile testing, round 111: RpcError(7, object()) sent "<object object at 0x7f...>",
+    a memory address, as data of no JSON form did before round 82. A message with a text
+    form of its own (an int, an exception) is sent as its str()."""
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(b.call(1, "fail_rpc_message", b'["object"]'), b.call(2, "fail_rpc_message", b'["int"]'),
+               b.call(3, "fail_rpc_message", b'["exception"]'), b.call(4, "fail_rpc_message", b'["set_later"]'))
+        replies = {f[1]: error(f) for f in await b.read(4)}
+        refused = {"code": -32603, "message": "Internal error", "data": {"type": "RpcError", "reason": (
+            "RpcError message is an object, which has no text of its own (its str() is a repr with a memory"
+            " address)")}}
+        assert replies == {1: refused, 2: {"code": 7, "message": "5"}, 3: {"code": 7, "message": "no such user"},
+                           4: refused}
 
     run(test)
 

@@ -85,7 +85,7 @@ class ErrorAnswers:
             return error_object(ErrorCode.INTERNAL_ERROR, data={"type": "TypeError", "reason": f"the result is {exc}"})
         if isinstance(exc, NoJsonForm):  # (round 32: logged as "handler ... raised", which it had not)
             log.error("worker %d: handler %s returned a result with no JSON form (%s)", self._slot, self._name(index), exc)
-            detail = {"type": "TypeError", "reason": "the result has no JSON form"}
+            detail = {"type": "TypeError", "reason": exc.reason}
             if self._debug:
                 detail["message"] = _text(str(exc))
             return error_object(ErrorCode.INTERNAL_ERROR, data=detail)

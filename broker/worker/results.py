@@ -58,7 +58,7 @@ _FIRST_OPTIONS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATET
 _LEAF_OPTIONS = _FIRST_OPTIONS | orjson.OPT_SERIALIZE_NUMPY  # (one leaf, as `_native` gives it)
 
 
-_PLAIN_DEPTH = 255  # how deep `_plain` goes: orjson's own limit (its recursion limit)
+_PLAIN_DEPTH = 254  # how deep `_plain` goes: orjson's own limit (255 levels are its "Recursion limit reached")
 _NONE = type(None)
 _ORJSON_INTS = range(-(2**63), 2**64)  # the integers orjson writes (msgspec those past them)
 
@@ -655,7 +655,20 @@ def encode_result(result: object) -> bytes:
     except InvalidJson:
         raise
     except Exception as exc:  # TypeError, _TooDeep, a tolist()'s own error, a dict changed meanwhile
-        raise NoJsonForm(f"result of type {type(result).__name__} is not JSON-serializable: {exc}") from None
+        raise NoJsonForm(f"result of type {type(result).__name__} is not JSON-serializable: {exc}",
+                         _why_no_json_form(exc)) from None
+
+
+def _why_no_json_form(exc: Exception) -> str:
+    """A client's reason for `exc` (`encode_result`'s failure): the limit a valid value passed
+    (its nesting, an integer's digits: hostile testing, round 111, both were "no JSON form"),
+    else that it has none."""
+    if isinstance(exc, _TooDeep) or (isinstance(exc, _Unwritable) and "Recursion limit" in str(exc)):
+        return f"the result nests deeper than {_PLAIN_DEPTH} levels, or refers to itself"
+    if isinstance(exc, ValueError) and "integer string conversion" in str(exc):
+        return (f"the result holds an integer of more than {sys.get_int_max_str_digits()} digits "
+                "(sys.get_int_max_str_digits())")
+    return "the result has no JSON form"
 
 
 def _encoded_plain(value: object) -> bytes:
@@ -698,7 +711,12 @@ class InvalidJson(TypeError):
 
 
 class NoJsonForm(TypeError):
-    """A handler's result has no JSON form (`encode_result`): the message says why."""
+    """A handler's result has no JSON form (`encode_result`): the message says why, for the log;
+    `reason`, for the client, names a limit it passed (its nesting, an integer's digits)."""
+
+    def __init__(self, message: str, reason: str = "the result has no JSON form") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 _format_json = msgspec.json.format

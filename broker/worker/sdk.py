@@ -45,7 +45,7 @@ class RpcError(Exception):
         if not isinstance(code, int) and hasattr(type(code), "__index__"):
             code = operator.index(code)
         self.code = code
-        self.message = str(message)
+        self.message = message  # (made a str when the error object is built: `_rpc_error_object`)
         self.data = data
 
 
@@ -99,7 +99,13 @@ def _rpc_error_object(exc: RpcError) -> bytes:
     if code in _ENVELOPE_CODES:  # (round 34: answered 400 and counted as a client's unreadable request)
         raise _Refused({"type": "RpcError", "code": code, "reason": f"RpcError code {code} is reserved for requests "
                         "the broker cannot read (-32700 parse error, -32600 invalid request)"})
-    message = exc.message if type(exc.message) is str else str(exc.message)
+    message = exc.message
+    if type(message) is not str:
+        kind = type(message)
+        if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:  # (hostile testing, round 111)
+            raise _Refused({"type": "RpcError", "reason": f"RpcError message is {_a(kind.__name__)}, which has no "
+                            "text of its own (its str() is a repr with a memory address)"})
+        message = str(message)
     value = exc.data
     if value is None:
         return error_object(code, message)
