@@ -27,12 +27,14 @@ __all__ = [
     "ROOT",
     "WORK",
     "SlowInput",
+    "cut",
     "instrumented",
     "json_suite",
     "linear_budget",
     "main",
     "plan",
     "spec_bodies",
+    "split",
     "timed",
     "with_plans",
 ]
@@ -89,19 +91,21 @@ HEADER_BYTES = 2  # flags, then how many piece sizes follow (0-7)
 MAX_SIZES = 7
 
 
-def plan(data: bytes) -> tuple[int, list[bytes]]:
-    """Split a harness input into (flags, pieces): byte 0 is the harness's flags, byte 1 % 8
-    the count n of piece sizes that follow (each a byte: a piece of 1 to 256 bytes), and the
-    rest is the stream, cut into pieces of those sizes in turn (n = 0: one piece). So the
-    fuzzer chooses the boundaries, and rare chunkings (one byte at a time, a boundary
-    inside a CRLF) are explored as inputs of their own."""
+def split(data: bytes) -> tuple[int, list[int], bytes]:
+    """A harness input's (flags, piece sizes, stream): byte 0 is the harness's flags, byte
+    1 % 8 the count n of piece sizes that follow (each a byte: a piece of 1 to 256 bytes),
+    and the rest is the stream."""
     if len(data) < HEADER_BYTES:
-        return (data[0] if data else 0), []
-    flags, n = data[0], data[1] % (MAX_SIZES + 1)
+        return (data[0] if data else 0), [], b""
+    n = data[1] % (MAX_SIZES + 1)
     sizes = [b + 1 for b in data[HEADER_BYTES:HEADER_BYTES + n]]
-    stream = data[HEADER_BYTES + len(sizes):]
+    return data[0], sizes, data[HEADER_BYTES + len(sizes):]
+
+
+def cut(stream: bytes, sizes: list[int]) -> list[bytes]:
+    """`stream` cut into pieces of `sizes` in turn (no sizes: one piece; none if empty)."""
     if not sizes:
-        return flags, [stream] if stream else []
+        return [stream] if stream else []
     pieces = []
     at = i = 0
     while at < len(stream):
@@ -109,7 +113,15 @@ def plan(data: bytes) -> tuple[int, list[bytes]]:
         pieces.append(stream[at:at + size])
         at += size
         i += 1
-    return flags, pieces
+    return pieces
+
+
+def plan(data: bytes) -> tuple[int, list[bytes]]:
+    """A harness input as (flags, pieces): its stream (`split`) cut into pieces of its sizes
+    in turn. So the fuzzer chooses the boundaries, and rare chunkings (one byte at a time,
+    a boundary inside a CRLF) are explored as inputs of their own."""
+    flags, sizes, stream = split(data)
+    return flags, cut(stream, sizes)
 
 
 # Chunk plans each seed is written with: whole, byte by byte, and an irregular one.
