@@ -48,7 +48,7 @@ _KIND_RANGE = 12  # kinds 0..11 in records mode: 0 is no kind (refused), 1..11 a
 
 def _reference(stream: bytes, limit: int) -> tuple[list[tuple[int, int, int, bytes]], int, bool]:
     """(frames, bytes left over, refused) by wire.py's header diagram, read plainly."""
-    frames = []
+    frames: list[tuple[int, int, int, bytes]] = []
     pos = 0
     while len(stream) - pos >= wire.HEADER_SIZE:
         length, kind, call_id, aux = struct.unpack(">IBQI", stream[pos:pos + wire.HEADER_SIZE])
@@ -111,7 +111,7 @@ def _read_as_worker(kind: int, aux: int, payload: bytes) -> None:
 
 def _records(stream: bytes) -> list[tuple[int, int, int, bytes]]:
     """Frames made of records: kind byte, aux byte, payload length byte, payload."""
-    frames = []
+    frames: list[tuple[int, int, int, bytes]] = []
     at = 0
     while at + 3 <= len(stream):
         kind, aux, n = stream[at] % _KIND_RANGE, stream[at + 1], stream[at + 2]
