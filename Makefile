@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: serve test lint clean bench bench-quick chaos soak mutate prometheus-bin chromium-bin venv-setup python-note
+.PHONY: serve test lint clean bench bench-quick chaos soak mutate fuzz prometheus-bin chromium-bin venv-setup python-note
 
 # One set-up at a time: `make serve` and `make test` started together on a fresh clone both
 # made .venv, and the second failed ("No module named pip"). The second waits for the lock
@@ -58,7 +58,7 @@ test: $(STAMP) python-note prometheus-bin chromium-bin
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check broker tests benchmarks grafana
+	$(BIN)/ruff check broker tests benchmarks grafana fuzz
 	$(BIN)/mypy
 
 # ---- prometheus-bin: the tests run `promtool` and a real `prometheus` (Debian package
@@ -99,7 +99,7 @@ chromium-bin:
 	chromium --version >/dev/null 2>&1 || { echo "chromium was installed but does not run: chromium --version failed" >&2; exit 1; }
 
 clean:
-	rm -rf $(VENV) $(VENV).lock .pytest_cache .ruff_cache .hypothesis mutants .mutate
+	rm -rf $(VENV) $(VENV).lock .pytest_cache .ruff_cache .hypothesis mutants .mutate .fuzz
 
 # ---- bench: the broker side by side with its peers (benchmarks/run.py writes benchmarks/RESULTS.md)
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -162,3 +162,26 @@ else
 	cd .mutate/$(SCOPE) && $(abspath $(BIN))/mutmut run $(if $(MUTATE_CHILDREN),--max-children $(MUTATE_CHILDREN)) $(if $(SAMPLE),$$(cat mutants/sample.txt)) $(ARGS)
 	$(BIN)/python tests/mutation_report.py --mutants .mutate/$(SCOPE)/mutants
 endif
+
+# ---- fuzz: coverage-guided fuzzing with atheris 3.0.0 (libFuzzer for Python, installed into
+# .venv by the target) of the harnesses in fuzz/ (README, "Testing"): the JSON-RPC codec
+# (jsonrpc_codec), the worker wire both ways (wire_frames), and bytes in through a real
+# HttpProtocol (http_frontend) and StreamProtocol (ndjson_frontend) in memory. Each runs for
+# FUZZ_SECONDS (default 60) in turn on its corpus, .fuzz/HARNESS/corpus, seeded from tests/data at
+# its first run; fuzz/run.py prints per harness the inputs run, inputs a second, coverage (cov:
+# edges, ft: features) and every crash, timeout (an input past 10 s) or slow input (past a budget
+# linear in its size) it found, which libFuzzer writes to .fuzz/HARNESS/artifacts/. Exit 1 if one
+# was found. `.venv/bin/python -m fuzz.keep HARNESS FILE` keeps one in tests/data/fuzz/HARNESS/,
+# which the suite replays (tests/test_fuzz_regressions.py). FUZZ_HARNESSES: which (default all);
+# FUZZ_PARALLEL: how many run at once (default 1). ARGS goes to libFuzzer (e.g. ARGS=-seed=1).
+FUZZ_STAMP := $(VENV)/.installed-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_PARALLEL ?= 1
+FUZZ_HARNESSES ?=
+
+$(FUZZ_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,fuzz]'
+	@touch $(FUZZ_STAMP)
+
+fuzz: $(FUZZ_STAMP)
+	$(BIN)/python -m fuzz.run --seconds $(FUZZ_SECONDS) --parallel $(FUZZ_PARALLEL) $(FUZZ_HARNESSES) $(if $(ARGS),-- $(ARGS))
