@@ -17,8 +17,10 @@ block (so the broker modules it imports are instrumented when fuzzing).
   in the connection's `ResponseBudget`, as the dispatcher counts them.
 - `drive`: one connection's life on a stdlib asyncio loop (its ready queue tells when it is
   idle): `connection_made`, the pieces fed while reading is not paused, EOF, the loop run until
-  idle, the client gone. A loop that never idles, or reading paused for good with nothing left
-  to resume it, fails; so does any exception, from a call or a callback.
+  idle, the client gone. A loop that never idles, reading paused for good with nothing left
+  to resume it, requests read and never answered once the loop idles, or a connection left
+  open once its client half-closed and it owes nothing, fails; so does any exception, from a
+  call or a callback.
 - `check_answers`: JSON-RPC responses, each id null or bytes of a body the codec decoded,
   each seq answered once at most, and every call answered.
 """
@@ -319,6 +321,10 @@ def drive(make: Callable[[], asyncio.Protocol], pieces: list[bytes], eof: bool, 
             if not transport.closing and not protocol.eof_received():
                 transport.close()
         await _settle(loop, lambda: False)
+        if not transport.closing:  # (the loop is idle: nothing may be left half done)
+            under_way = typing.cast(typing.Any, protocol)._under_way()
+            assert not under_way, "requests read and never answered, the loop idle"
+            assert not (eof and not transport.write_paused), "the client half-closed, owed nothing, and the connection stayed open"
         transport.abort()  # (the client goes: connection_lost, if the server had not closed)
         await _settle(loop, lambda: False)
         return Run(transport, closed_early, list(_ERRORS), list(_LOGGED.records))
