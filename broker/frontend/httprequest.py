@@ -521,8 +521,19 @@ class Requests(HttpState):
         taking its answers (the write buffer is above its high-water mark), or the
         answers it is owed and has not taken reach max_response_bytes. Then what it is
         owed is bounded by that, whatever it pipelines (aiohttp and uvicorn stop reading
-        requests while a client does not read; nginx's proxy_buffers bound a response)."""
-        return self._write_paused or self._budget.held >= self._fe.max_response_bytes
+        requests while a client does not read; nginx's proxy_buffers bound a response).
+        But the first request waiting goes once it heads the answers owed (all before it
+        written), whatever they hold: what `held` counts then is answers behind it, finished
+        (a 404, a 415) and written only after its own, so waiting for them would wait for
+        good (fuzzing, tests/data/fuzz/http_frontend/deferred-request-behind-finished-answers:
+        with max_response_bytes of 256, two 415s behind a waiting call held it, and the
+        connection, forever). Its results then meet the bound as any call's do (-32603)."""
+        if self._write_paused:
+            return True
+        if self._budget.held < self._fe.max_response_bytes:
+            return False
+        waiting, responses = self._waiting, self._responses
+        return not (waiting and responses and responses[0] is waiting[0])
 
     def _rpc(self, keep_alive: bool, cors: bytes = b"") -> None:
         req = self._request
