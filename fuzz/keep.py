@@ -4,9 +4,10 @@ Copies FILE (a crash-*, timeout-*, slow-unit-* or oom-* file libFuzzer wrote und
 .fuzz/HARNESS/artifacts/, or any input) to tests/data/fuzz/HARNESS/NAME (default: FILE's name),
 which tests/test_fuzz_regressions.py replays through the harness's `check`. It first replays it:
 it says whether the input fails now (a finding not fixed yet: the test fails until it is) and
-how (the exception). For a crash, a smaller input that fails the same way may be had first with
-libFuzzer's own minimizer: `python -m fuzz.HARNESS -minimize_crash=1 -runs=10000 FILE`
-(https://llvm.org/docs/LibFuzzer.html#minimizing-a-crash).
+how (the exception). libFuzzer's own minimizer (`-minimize_crash=1`,
+https://llvm.org/docs/LibFuzzer.html#minimizing-a-crash) runs argv[0] again as a program, which a
+harness run as `python -m fuzz.HARNESS` is not: cut an input down by hand (`fuzz.replay` tells
+whether a shorter one still fails), or keep it whole.
 """
 
 from __future__ import annotations
