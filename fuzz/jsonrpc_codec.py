@@ -16,7 +16,8 @@ and each `Body` is checked:
   a string, a number or null, else null (section 5). Elements with a Request member given
   twice, or nested past 400 levels (the parser's limit is about 1000: the codec then answers
   or drops them by its own documented rules), are checked only by the rules above;
-- time is linear in the size (`harness.timed`).
+- the error answers made are at most `AMPLIFICATION` times the input (memory linear in the
+  size), and time is linear in the size (`harness.timed`).
 
 Run: `python -m fuzz.jsonrpc_codec [libFuzzer flags] [CORPUS_DIR]` (`make fuzz` does).
 """
@@ -34,7 +35,12 @@ from fuzz.harness import instrumented, json_suite, main, spec_bodies, timed
 with instrumented(__name__ == "__main__"):
     from broker.jsonrpc import Body, Codec, ErrorCode, Request
 
-__all__ = ["check", "seeds"]
+__all__ = ["AMPLIFICATION", "check", "seeds"]
+
+# Bytes of error answers an input byte may make, plus a constant (memory linear in the size):
+# an invalid element of 2 bytes (`1,`) is answered with about 120 (a -32600 saying why).
+AMPLIFICATION = 100
+AMPLIFICATION_BASE = 4096
 
 _CODECS = (Codec(), Codec(max_batch=3))
 _DEEP = 400  # levels: past this the reference leaves an element's classification to the codec
@@ -175,8 +181,11 @@ def _check_element(element: object, item: Request | bytes, shallow: bool) -> Non
 def _check_body(data: bytes, body: Body, max_batch: int, reference: tuple[bool, object] | None) -> None:
     """`body`, decoded from `data`, against the rules and `reference` (None: it cannot say)."""
     assert body.status in (200, 400), body.status
+    made = 0
     for item in body.items:
         _check_item(data, item)
+        made += len(item) if type(item) is bytes else 0
+    assert made <= AMPLIFICATION * len(data) + AMPLIFICATION_BASE, (made, len(data))
     if not body.batch:
         assert len(body.items) + body.dropped == 1, body
         if body.items:
