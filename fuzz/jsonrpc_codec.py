@@ -233,8 +233,19 @@ this module's docstring; raises `AssertionError` (`harness.SlowInput` if too slo
 
 
 def seeds() -> list[bytes]:
-    """The JSONTestSuite parsing files, and the JSON-RPC specification's example bodies."""
-    return json_suite() + spec_bodies()
+    """The JSONTestSuite parsing files, the JSON-RPC specification's example bodies, and bodies
+    nested past the parser's limit (about 1000 levels: the codec's slow paths, jsonscan.py):
+    deep params, a deep id, a deep notification, each alone and in a batch beside a valid call."""
+    deep = b"[" * 1100 + b"]" * 1100
+    call = b'{"jsonrpc":"2.0","method":"a","params":[1],"id":7}'
+    shapes = [
+        b'{"jsonrpc":"2.0","method":"a","params":%s,"id":1}' % deep,
+        b'{"jsonrpc":"2.0","method":"a","id":%s}' % deep,
+        b'{"jsonrpc":"2.0","method":"a","params":%s}' % deep,
+        b'{"jsonrpc":"2.0","method":"a","params":{"x":%s},"id":"s"}' % deep,
+    ]
+    nested = [*shapes, b"[" + b",".join([call, *shapes]) + b"]", b"[" + call + b"," + deep + b"]", b"[" * 1100]
+    return json_suite() + spec_bodies() + nested
 
 
 if __name__ == "__main__":
