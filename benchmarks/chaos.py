@@ -516,6 +516,8 @@ def print_table(r: Report) -> None:
     for kind, examples in r.examples.items():
         for text in examples:
             print(f"{kind}: {text}")
+    for line in r.broker_error_examples:  # (new user, round 104: docs/bench.md promises them)
+        print(f"broker ERROR: {line}")
     for line in r.broker_log_problems:
         print(f"broker log: {line}")
     print("verdict:", "OK: nothing lost, duplicated or wrong" if r.ok else "FAILED")

@@ -14,6 +14,7 @@ time (the replay test runs the harnesses' `check` functions without it).
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sys
 import time
@@ -42,7 +43,8 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
 REGRESSIONS = DATA / "fuzz"  # tests/data/fuzz/<harness>/: inputs found, replayed by the test suite
-WORK = ROOT / ".fuzz"  # .fuzz/<harness>/corpus (gitignored): each harness's libFuzzer corpus
+WORK = Path(os.environ.get("FUZZ_WORK") or ROOT / ".fuzz")  # .fuzz/<harness>/corpus (gitignored): each
+# harness's libFuzzer corpus; FUZZ_WORK: another directory (the suite's run of `make fuzz`'s runner)
 
 # -- the slow-input detector -------------------------------------------------------------
 # libFuzzer's -timeout catches an input that hangs; this catches one that is merely

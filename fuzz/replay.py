@@ -4,7 +4,8 @@ PATH: files or directories of inputs (default: the harness's corpus, .fuzz/HARNE
 its kept findings, tests/data/fuzz/HARNESS/). Each input is cut to the harness's -max_len
 (`fuzz.run.HARNESSES`), as libFuzzer cuts it. Prints how many passed and each failure (the
 input's path and the exception's last line); exit status 1 if any failed. Under coverage.py it
-measures the lines of the broker a corpus reaches (benchmarks/RESULTS.md, "Fuzzing"):
+measures the lines of the broker a corpus reaches (benchmarks/RESULTS.md, "Fuzzing"), with
+coverage.py installed (not a dependency: `.venv/bin/python -m pip install coverage`):
 `python -m coverage run --source=broker -m fuzz.replay http_frontend && python -m coverage report`.
 """
 
@@ -39,8 +40,10 @@ def replay(harness: str, paths: list[Path]) -> tuple[int, list[tuple[Path, str]]
 def main(argv: list[str] | None = None) -> int:
     """The command line (see the module docstring); exit status 2 on a usage error."""
     args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] not in HARNESSES:
-        print(__doc__, file=sys.stderr)
+    if not args or args[0] not in HARNESSES:  # (new user, round 104: say which)
+        given = f"no harness {args[0]!r}" if args else "no harness named"
+        print(f"{given}: python -m fuzz.replay HARNESS [PATH ...], HARNESS one of {', '.join(HARNESSES)}",
+              file=sys.stderr)
         return 2
     harness = args[0]
     paths = [Path(a) for a in args[1:]] or [p for p in [WORK / harness / "corpus"] if p.is_dir()] + regressions(harness)

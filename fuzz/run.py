@@ -90,10 +90,11 @@ def run(harnesses: list[str], seconds: int, parallel: int = 1, extra: list[str] 
     while waiting or running:
         while waiting and len(running) < parallel:
             harness = waiting.pop(0)
+            argv = _argv(harness, seconds, extra or [])  # (makes .fuzz/HARNESS/: new user, round 104)
             log = WORK / harness / "last.log"
             with log.open("wb") as out:
-                process = subprocess.Popen(_argv(harness, seconds, extra or []), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-            print(f"fuzz: {harness} for {seconds} s (log: {log.relative_to(ROOT)})", flush=True)
+                process = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            print(f"fuzz: {harness} for {seconds} s (log: {_shown(log)})", flush=True)
             running.append((harness, process, log))
         time.sleep(0.5)
         for entry in list(running):
@@ -105,10 +106,16 @@ def run(harnesses: list[str], seconds: int, parallel: int = 1, extra: list[str] 
     return [done[h] for h in harnesses]
 
 
+def _shown(path: Path) -> str:
+    """`path` relative to the checkout when inside it (.venv/bin/python, .fuzz/...), else whole."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def _print(o: Outcome) -> None:
     print(f"fuzz: {o.harness}: {o.runs:,} inputs ({o.per_second:,}/s), cov {o.cov}, ft {o.ft}, exit {o.status}", flush=True)
     for path in o.found:
-        print(f"fuzz: {o.harness}: FOUND {path} (keep it: python -m fuzz.keep {o.harness} {path})", flush=True)
+        print(f"fuzz: {o.harness}: FOUND {path} (keep it: {_shown(Path(sys.executable))} -m fuzz.keep {o.harness} {path})",
+              flush=True)
     if o.status and not o.found:
         print(f"fuzz: {o.harness}: failed without an input written: see {o.log}", flush=True)
 
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no harness {', '.join(unknown)} (there are {', '.join(HARNESSES)})")
     outcomes = run(ns.harnesses or list(HARNESSES), ns.seconds, ns.parallel, extra)
     total = sum(o.runs for o in outcomes)
-    print(f"fuzz: {total:,} inputs in all; findings (if any) in .fuzz/*/artifacts/", flush=True)
+    print(f"fuzz: {total:,} inputs in all; findings (if any) in {_shown(WORK)}/*/artifacts/", flush=True)
     return 1 if any(o.found or o.status for o in outcomes) else 0
 
 

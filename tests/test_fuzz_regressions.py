@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -113,3 +114,19 @@ def test_a_short_fuzz_run_of_each_harness_finds_nothing(name: str, tmp_path: Pat
     log = done.stderr.decode(errors="replace")
     assert done.returncode == 0, log[-3000:]
     assert "Done 300 runs" in log, log[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris is not installed (the dev extra: make test installs it)")
+def test_make_fuzz_s_runner_starts_from_no_work_directory_and_reports_the_inputs(tmp_path: Path) -> None:
+    """`make fuzz` on a fresh clone (new user, round 104: it opened .fuzz/HARNESS/last.log before
+    making .fuzz/HARNESS/, FileNotFoundError on every first run): fuzz.run with its work
+    directory absent (FUZZ_WORK) runs the harness, makes the corpus and the log, and says how
+    many inputs it ran."""
+    work = tmp_path / "work"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FUZZ_WORK=str(work))
+    done = subprocess.run([sys.executable, "-m", "fuzz.run", "--seconds", "2", "wire_frames"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (work / "wire_frames" / "last.log").is_file() and (work / "wire_frames" / "corpus").is_dir()
+    runs = re.search(r"fuzz: wire_frames: ([\d,]+) inputs", done.stdout)
+    assert runs and int(runs.group(1).replace(",", "")) > 0, done.stdout
