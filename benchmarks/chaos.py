@@ -554,6 +554,13 @@ def write_results(r: Report, path: Path) -> None:
     ], path)
 
 
+def _on_stop_signal(signum: int, _frame: object) -> None:
+    """SIGTERM or SIGHUP: raise KeyboardInterrupt, so that the `finally` stopping what this
+    started runs (Python's default for SIGTERM ends the process at once: the broker and its
+    workers were left serving, hostile testing, round 112)."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="seconds of load and chaos (default 60)")
@@ -567,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     parser.add_argument("--write", action="store_true", help="also put the figures into benchmarks/RESULTS.md")
     s = parser.parse_args(argv, namespace=Settings())
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop_signal, _on_stop_signal)
     if s.seed is None:
         s.seed = random.randrange(1 << 31)
     if not (1 <= s.seconds <= 86400 and s.workers >= 1 and s.concurrency >= 1 and s.event_gap > 0):

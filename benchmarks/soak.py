@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -226,6 +227,13 @@ def write_results(args: argparse.Namespace, cap: float, rate: float, results: di
     ])
 
 
+def _on_stop_signal(signum: int, _frame: object) -> None:
+    """SIGTERM or SIGHUP: raise KeyboardInterrupt, so that the `finally` stopping what this
+    started runs (Python's default for SIGTERM ends the process at once: the broker and its
+    workers were left serving, hostile testing, round 112)."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="minutes of load (default 10)")
@@ -240,6 +248,8 @@ def main() -> int:
     parser.add_argument("--write", action="store_true",
                         help="put the figures into benchmarks/RESULTS.md and the plot into benchmarks/soak.png")
     args = parser.parse_args()
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop_signal, _on_stop_signal)
     if args.warmup is None:  # (new user, round 104: `--minutes 1` was refused, its warm-up being 1)
         args.warmup = min(1.0, args.minutes / 3)
     if args.write and not args.plot:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -87,10 +88,24 @@ def run(harnesses: list[str], seconds: int, parallel: int = 1, extra: list[str] 
     waiting = list(harnesses)
     running: list[tuple[str, subprocess.Popen[bytes], Path]] = []
     done: dict[str, Outcome] = {}
+    try:
+        _run_all(waiting, running, done, seconds, parallel, extra or [])
+    finally:  # (a SIGTERM, KeyboardInterrupt: the harnesses running are stopped, not left fuzzing)
+        for _, process, _ in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    return [done[h] for h in harnesses]
+
+
+def _run_all(waiting: list[str], running: list[tuple[str, subprocess.Popen[bytes], Path]], done: dict[str, Outcome],
+             seconds: int, parallel: int, extra: list[str]) -> None:
+    """`run`'s loop: starts the harnesses `waiting`, `parallel` at a time, into `running`, and
+    moves each that ends to `done`."""
     while waiting or running:
         while waiting and len(running) < parallel:
             harness = waiting.pop(0)
-            argv = _argv(harness, seconds, extra or [])  # (makes .fuzz/HARNESS/: new user, round 104)
+            argv = _argv(harness, seconds, extra)  # (makes .fuzz/HARNESS/: new user, round 104)
             log = WORK / harness / "last.log"
             with log.open("wb") as out:
                 process = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -103,7 +118,6 @@ def run(harnesses: list[str], seconds: int, parallel: int = 1, extra: list[str] 
                 running.remove(entry)
                 done[harness] = _outcome(harness, process.returncode, log)
                 _print(done[harness])
-    return [done[h] for h in harnesses]
 
 
 def _shown(path: Path) -> str:
@@ -120,6 +134,13 @@ def _print(o: Outcome) -> None:
         print(f"fuzz: {o.harness}: failed without an input written: see {o.log}", flush=True)
 
 
+def _on_stop_signal(signum: int, _frame: object) -> None:
+    """SIGTERM or SIGHUP: raise KeyboardInterrupt, so that the `finally` stopping what this
+    started runs (Python's default for SIGTERM ends the process at once: the broker and its
+    workers were left serving, hostile testing, round 112)."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line (see the module docstring); the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -132,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=1, help="harnesses run at once (default 1: in turn)")
     parser.add_argument("harnesses", nargs="*", metavar="HARNESS", help=f"default: all ({', '.join(HARNESSES)})")
     ns = parser.parse_args(args)
+    if ns.seconds < 1:  # (libFuzzer takes -max_total_time=0 as no limit: hostile testing, round 112)
+        parser.error(f"--seconds {ns.seconds}: at least 1")
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop_signal, _on_stop_signal)
     unknown = [h for h in ns.harnesses if h not in HARNESSES]
     if unknown:
         parser.error(f"no harness {', '.join(unknown)} (there are {', '.join(HARNESSES)})")

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from chaos import KINDS, schedule  # noqa: E402
 from chaos_client import BodyMaker, Fates, HttpConnection, Ledger, StreamConnection  # noqa: E402
+from conftest import stopped_with_its_processes  # noqa: E402
 
 from broker.loadgen.target import Target  # noqa: E402
 
@@ -111,3 +112,11 @@ def test_the_recording_client_checks_each_http_answer_against_its_own_request() 
         _response(_line(ids[1], results[1])) + _response(_line(ids[1], results[1]))
         + _response(b'{"jsonrpc":"2.0","id":%s,"error":{"code":-32602,"message":"Invalid params"}}' % ids[2])))
     assert (fates["wrong"], fates["results_ok"], fates["lost"]) == (2, 1, 1), (fates, dict(ledger.examples))
+
+
+def test_chaos_sent_sigterm_stops_its_broker() -> None:
+    """Hostile testing, round 112: SIGTERM to chaos.py left its broker and workers serving; it
+    now stops them first (the broker and its 2 workers: 3 under it)."""
+    left = stopped_with_its_processes([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seconds", "60",
+                                       "--seed", "1"], 3)
+    assert not left, left

@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # (fuzz/ is not installed: it is imported from the checkout)
     sys.path.insert(0, str(ROOT))
 
+from conftest import stopped_with_its_processes  # noqa: E402
+
 from fuzz import harness  # noqa: E402
 from fuzz.run import HARNESSES  # noqa: E402
 
@@ -130,3 +132,15 @@ def test_make_fuzz_s_runner_starts_from_no_work_directory_and_reports_the_inputs
     assert (work / "wire_frames" / "last.log").is_file() and (work / "wire_frames" / "corpus").is_dir()
     runs = re.search(r"fuzz: wire_frames: ([\d,]+) inputs", done.stdout)
     assert runs and int(runs.group(1).replace(",", "")) > 0, done.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris is not installed (the dev extra: make test installs it)")
+def test_make_fuzz_s_runner_sent_sigterm_stops_its_harness(tmp_path: Path) -> None:
+    """Hostile testing, round 112: SIGTERM to fuzz.run left its harness fuzzing until its own
+    -max_total_time (for ever with --seconds 0, now refused)."""
+    left = stopped_with_its_processes([sys.executable, "-m", "fuzz.run", "--seconds", "120", "wire_frames"], 1,
+                                      env={"PYTHONPATH": str(ROOT), "FUZZ_WORK": str(tmp_path / "work")})
+    assert not left, left
+    refused = subprocess.run([sys.executable, "-m", "fuzz.run", "--seconds", "0", "wire_frames"], cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--seconds 0: at least 1" in refused.stderr

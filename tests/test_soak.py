@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import stopped_with_its_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,3 +38,11 @@ def test_a_short_soak_samples_every_process_and_every_answer_is_right(tmp_path: 
     assert report["judged"] is False and "growth not judged" in done.stdout
     assert report["ok"], done.stdout
 
+
+
+def test_a_soak_sent_sigterm_stops_its_broker_and_load_generators() -> None:
+    """Hostile testing, round 112: SIGTERM to soak.py (as `kill PID` sends) ended it at once and
+    left its broker, workers and load generators running; it now stops them first. (The broker,
+    2 workers and 2 `rpc-broker bench` processes: 5 under it once the load has begun.)"""
+    left = stopped_with_its_processes([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "1"], 5)
+    assert not left, left
