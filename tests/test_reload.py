@@ -11,7 +11,7 @@ import signal
 import time
 from pathlib import Path
 
-from conftest import Broker, children, sample, scrape_metrics, start_broker, wait_for
+from conftest import Broker, alive, children, sample, scrape_metrics, start_broker, wait_for
 
 from broker.reloads import method_change
 from broker.wire import VERSION
@@ -177,15 +177,6 @@ def test_workers_of_another_wire_version_are_a_boot_failure_that_says_so(tmp_pat
     assert message.startswith("broker exited with 3:"), message
     assert "worker 0 (pid" in message and f"speaks wire version 1, this broker {VERSION}" in message, message
     assert "could not load app" not in message, message
-
-
-def alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie waiting for its reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_sigterm_during_a_reload_stops_the_new_workers_too(broker_factory, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import ROOT, Broker, sample, scrape_metrics, start_broker, wait_for
+from conftest import ROOT, Broker, alive, sample, scrape_metrics, start_broker, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -83,15 +83,6 @@ def test_async_results_of_a_batch_past_the_frame_limit_are_split_across_frames(h
 # -- item 21: workers die with their broker --------------------------------------------
 
 
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie waiting for its reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_worker_busy_in_a_sync_handler_dies_with_a_sigkilled_broker(broker_factory) -> None:
     b = broker_factory("--workers", "1", "--app", "tests.apps.stuck:registry", "--timeout", "60")
     worker = b.call("pid")["result"]
@@ -100,13 +91,13 @@ def test_a_worker_busy_in_a_sync_handler_dies_with_a_sigkilled_broker(broker_fac
             busy = pool.submit(b.call, "spin", [60])  # holds the worker's only thread
             wait_for(lambda: in_flight(b) == 1, timeout=10)
             os.kill(b.pid, signal.SIGKILL)
-            wait_for(lambda: not pid_alive(worker), timeout=10)
+            wait_for(lambda: not alive(worker), timeout=10)
             with pytest.raises(OSError):
                 busy.result(timeout=10)  # its connection went with the broker
             # (reaped here: its sockets close before it can be, and the fixture's poll() raced that)
             assert b.proc.wait(10) == -signal.SIGKILL
     finally:
-        if pid_alive(worker):
+        if alive(worker):
             os.kill(worker, signal.SIGKILL)
 
 
@@ -136,14 +127,14 @@ def test_without_prctl_a_thread_watches_the_parent(tmp_path) -> None:
         assert how == "thread"
         parent.kill()
         parent.wait(10)
-        wait_for(lambda: not pid_alive(child), timeout=10)
+        wait_for(lambda: not alive(child), timeout=10)
     finally:
         if parent.poll() is None:
             parent.kill()
             parent.wait(10)
         if parent.stdout is not None:
             parent.stdout.close()
-        if child and pid_alive(child):
+        if child and alive(child):
             os.kill(child, signal.SIGKILL)
 
 
@@ -166,7 +157,7 @@ def test_a_child_a_handler_forks_neither_answers_calls_nor_outlives_its_worker(b
     assert sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="result") == 0
     assert sample(scrape_metrics(b), "rpc_broker_late_replies_total", kind="cancelled") == 0
     assert b.stop() == 0
-    wait_for(lambda: not pid_alive(child), timeout=10)
+    wait_for(lambda: not alive(child), timeout=10)
 
 
 @pytest.mark.parametrize(("method", "code"), [("fork_exit", 3), ("afork_exit", 3), ("fork_exit", None), ("fork_exit", 2**40)])
@@ -185,11 +176,11 @@ def test_a_forked_child_that_comes_back_into_the_worker_exits_there_and_the_work
     assert isinstance(child, int) and child > 0, child
     for i in range(3):  # frames on the channel: the child's loop read EOF on /dev/null then
         assert b.call("pid", id_=i)["result"] == worker
-    wait_for(lambda: not pid_alive(child), timeout=10)
+    wait_for(lambda: not alive(child), timeout=10)
     status = b.call("reap", [child])["result"]
     os.kill(worker, signal.SIGTERM)
     wait_for(lambda: b.call("pid")["result"] != worker, timeout=10)
-    wait_for(lambda: not pid_alive(worker), timeout=10)
+    wait_for(lambda: not alive(worker), timeout=10)
     assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="left") == 1
     assert f"worker 0 (pid {worker}) left: exited with 0" in b.read_log(0.5)
     # (past a C int, Python's own exit gives 255: round 9, os._exit raised OverflowError
@@ -263,7 +254,7 @@ def test_a_double_forked_daemon_grandchild_runs(forks: Broker, tmp_path) -> None
     assert forks.call("double_fork", [str(out)], timeout=20)["result"] == 0
     wait_for(out.exists, timeout=10)
     grandchild = int(out.read_text())
-    wait_for(lambda: not pid_alive(grandchild), timeout=10)
+    wait_for(lambda: not alive(grandchild), timeout=10)
 
 
 def test_a_fork_process_may_start_another(forks: Broker) -> None:
