@@ -138,7 +138,8 @@ def hang() -> None:
 @faults.method
 def huge_reply(bytes: int) -> str:
     """A string of `bytes` (0..268435456) "x" characters: the answer's result is bytes + 2
-    bytes of JSON. An answer past max_response_bytes is answered -32603."""
+    bytes of JSON. One past max_frame_bytes (16 MiB by default) or max_response_bytes is
+    answered -32603."""
     if not 0 <= bytes <= HUGE_REPLY_MAX:
         raise RpcError(-32602, "Invalid params", {"param": "bytes", "reason": f"must be within 0..{HUGE_REPLY_MAX}"})
     return "x" * bytes
@@ -147,8 +148,8 @@ def huge_reply(bytes: int) -> str:
 @faults.method
 def leak(bytes: int) -> dict[str, int]:
     """Keeps `bytes` (0..268435456) more of memory, written (resident), until the worker
-    process exits; at most 2 GiB in one worker (each worker its own). Returns {"pid": the worker's pid,
-    "held_bytes": all it keeps now}."""
+    process exits; at most 2 GiB in one worker (each worker its own). Returns {"pid": the
+    worker's pid, "held_bytes": all it keeps now}."""
     global _leaked_bytes
     held = _leaked_bytes
     if not 0 <= bytes <= HUGE_REPLY_MAX or held + bytes > LEAK_MAX:

@@ -530,7 +530,6 @@ class BrokerCollector(Collector):
         yield cpu
         yield rss
 
-
     def _event_loop(self) -> Iterator[Metric]:
         """The broker's event loop: its tasks (asyncio.all_tasks: not done) and its handles
         (callbacks and timers, `loop.call_soon`/`call_later`'s, not cancelled), counted for
