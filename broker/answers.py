@@ -83,9 +83,13 @@ class ResponseBudget:
     connection that hold a worker's place now (`dispatch.Dispatcher`'s connection share),
     `blocking`, those of them that are blocking sync calls (each holds its worker whole),
     and `queued`, its calls waiting in the queue (the fattest flow sheds first).
+
+    `owed`: on HTTP, the connection's answers in the order they will be written (the
+    front-end's queue, `HttpProtocol._responses`), for `counted`; None on a stream, whose
+    answers go in any order.
     """
 
-    __slots__ = ("blocking", "flow", "heavy", "held", "in_flight", "outgoing", "parked", "peer", "queued")
+    __slots__ = ("blocking", "flow", "heavy", "held", "in_flight", "outgoing", "owed", "parked", "peer", "queued")
 
     def __init__(self, outgoing: Outgoing) -> None:
         # The connection's number in its calls' frames (wire.py: the worker takes turns
@@ -102,6 +106,26 @@ class ResponseBudget:
         # The client's address, for logs: its transport's "peername" (a (host, port) tuple,
         # IPv6 with two more; "" or None on a Unix socket), set by the front-end.
         self.peer: object = None
+        self.owed: typing.Sequence[object] | None = None
+
+    def counted(self, exchange: Exchange) -> int:
+        """The bytes an answer of `exchange` is counted with against max_response_bytes:
+        `held`, but for the first of the answers its connection is owed, all before it
+        written (first in `owed`: itself, or the waiting request, `httpowed.Deferred`, it
+        was dispatched from), only its own answers and those written and not yet taken
+        (`parked`). The rest of `held` is then answers queued behind it, written only
+        after it: refusing its answer for them would free nothing (hostile testing, round
+        112, M1: a call owed first was refused -32603 because a 60 KB result and 42 404s
+        pipelined behind it filled the budget). So a connection holds at most twice
+        max_response_bytes: its first answers with what its client has not taken, and
+        the answers behind them that fit beside them. Off the hot path: asked only for an
+        answer that does not fit in `held`."""
+        owed = self.owed
+        if owed:
+            first = owed[0]
+            if first is exchange or getattr(first, "exchange", None) is exchange:
+                return exchange.size + self.parked
+        return self.held
 
     def written(self, exchange: Exchange, write_paused: bool) -> None:
         """The answer of `exchange` was written: its bytes leave `held` now, or when the

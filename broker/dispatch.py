@@ -135,7 +135,9 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
     max_response_bytes: bytes of answers one connection may be owed at once and not
         yet written (its `ResponseBudget`; an exchange with no budget has its own):
         a result or error object that would go past it is answered with -32603
-        "response exceeds max_response_bytes N" instead (counted in `oversize_total`).
+        "responses owed on this connection exceed max_response_bytes N" instead
+        (counted in `oversize_total`); the exchange an HTTP connection owes first counts
+        only its own (`ResponseBudget.counted`).
     max_outgoing_bytes: bytes of answers all connections together may be owed and not
         yet have taken (`outgoing`, an `Outgoing`, which every connection's budget
         shares): past it, -32603 "responses owed on all connections exceed
@@ -172,7 +174,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         self._chunk_max = 1  # calls in a chunk of a batch past its connection's share
         self.max_response_bytes = max_response_bytes
         self._too_large = error_object(
-            ErrorCode.INTERNAL_ERROR, data=f"response exceeds max_response_bytes {max_response_bytes}"
+            ErrorCode.INTERNAL_ERROR,
+            data=f"responses owed on this connection exceed max_response_bytes {max_response_bytes}",
         )
         self.outgoing = Outgoing(max_outgoing_bytes)  # (one for all the connections: their budgets')
         self._too_much = error_object(

@@ -215,8 +215,8 @@ class Replies(DispatcherState):
                         exchange.on_done(exchange)
                 elif outgoing is GONE:
                     self._gone(call, exchange, kind, payload, aux)
-                elif kind == RESULT:  # (too large)
-                    self._answer_error(call, exchange, payload, size)
+                elif kind == RESULT:  # (too large, unless its exchange is owed first: `_large_result`)
+                    self._large_result(call, exchange, payload, size, aux)
                 else:  # (an error's answer is a byte shorter, `"error":`: one filling the budget exactly was refused)
                     self._answer_error(call, exchange, payload, size - _SPLICE_BYTES + _ERROR_SPLICE_BYTES)
         elif call.tick:  # a notification (or a chunk of them, or one whose calls all answered in parts)
@@ -386,6 +386,22 @@ class Replies(DispatcherState):
                 metrics.answered(call.index, error_code(payload), _clock() - call.arrival)
         exchange.fill(call.slot, b"")
 
+    def _large_result(self, call: Call, exchange: Exchange, result: bytes, size: int, aux: int) -> None:
+        """Fill a single call's slot with its `result` (`size`: the answer's bytes), which
+        would take its connection's `held` past max_response_bytes, or all connections'
+        past max_outgoing_bytes: kept if its exchange is the first its connection owes
+        and it fits beside that exchange's own answers (`ResponseBudget.counted`), else
+        -32603 (`_answer_error`). `aux`: the worker's time for the call, µs."""
+        budget = exchange.budget
+        outgoing = budget.outgoing
+        if budget.counted(exchange) + size <= self.max_response_bytes and outgoing.held + size <= outgoing.limit:
+            budget.keep(exchange, size)
+            if self.metrics is not None:
+                self.metrics.result(call.index, _clock() - call.arrival, aux)
+            exchange.fill(call.slot, b"".join((_RESP_HEAD, call.id, _RESP_RESULT, result, b"}")))
+        else:
+            self._answer_error(call, exchange, result, size)
+
     def _answer_error(self, call: Call, exchange: Exchange, error: bytes, size: int) -> None:
         """Fill a single call's slot with the worker's error object `error` (`size`: the
         answer's bytes), or with -32603 if the answer would take its connection's answers
@@ -397,12 +413,15 @@ class Replies(DispatcherState):
             size += len(error)
         budget = exchange.budget
         outgoing = budget.outgoing
-        if budget.held + size <= self.max_response_bytes and outgoing.held + size <= outgoing.limit:
+        held = budget.held
+        if held + size > self.max_response_bytes:  # (unless its exchange is owed first)
+            held = budget.counted(exchange)
+        if held + size <= self.max_response_bytes and outgoing.held + size <= outgoing.limit:
             code = error_code(error)
             answer = response_error(call.id, error)
         else:
             code = ErrorCode.INTERNAL_ERROR
-            answer = self._oversize(call.id, budget.held + size > self.max_response_bytes, outgoing)
+            answer = self._oversize(call.id, held + size > self.max_response_bytes, outgoing)
         budget.keep(exchange, len(answer))
         if self.metrics is not None:
             self.metrics.answered(call.index, code, _clock() - call.arrival)
@@ -424,7 +443,7 @@ class Replies(DispatcherState):
             return response_error(id_, self._too_much)
         self.oversize_total += 1
         if self.oversize_total == 1 or self.oversize_total % 1000 == 0:
-            log.warning("answers refused: response exceeds max_response_bytes %d (%d so far)",
+            log.warning("answers refused: responses owed on a connection exceed max_response_bytes %d (%d so far)",
                         self.max_response_bytes, self.oversize_total)
         return response_error(id_, self._too_large)
 
@@ -545,9 +564,8 @@ class Replies(DispatcherState):
         pos = filled = 0
         budget = exchange.budget
         outgoing = budget.outgoing
-        # What the connection may still be owed, and all of them (the smaller says which)
+        # What the connection may still be owed, and all of them
         room = start = min(self.max_response_bytes - budget.held, outgoing.limit - outgoing.held)
-        connection = room == self.max_response_bytes - budget.held
         refused: set[int] | None = None  # entries answered -32603 past max_response_bytes
         again: list[int] | None = None  # results of calls answered before (a worker's second answer)
         while pos < end:
@@ -566,14 +584,21 @@ class Replies(DispatcherState):
                     answer = response_error(ids[i], as_timed_out(result, call))
                 room -= len(answer)
                 if room < 0 and not gone:
-                    room += len(answer)
-                    answer = self._oversize(ids[i], connection, outgoing)
-                    room -= len(answer)  # (admitted past the limit: it is small)
-                    entry_kind = ERROR
-                    if refused is None:
-                        refused = set()
-                    refused.add(i)
-                    result = _TOO_LARGE_MARK
+                    # Owed first, it is counted with its own answers only (`ResponseBudget.counted`:
+                    # no count it reads changes in this loop), and the smaller room says which bound
+                    own = self.max_response_bytes - budget.counted(exchange)
+                    wider = min(own, outgoing.limit - outgoing.held)
+                    room += wider - start
+                    start = wider
+                    if room < 0:
+                        room += len(answer)
+                        answer = self._oversize(ids[i], wider == own, outgoing)
+                        room -= len(answer)  # (admitted past the limit: it is small)
+                        entry_kind = ERROR
+                        if refused is None:
+                            refused = set()
+                        refused.add(i)
+                        result = _TOO_LARGE_MARK
                 answers[slot] = answer
                 if entry_kind == RESULT:
                     results += 1
@@ -628,8 +653,10 @@ class Replies(DispatcherState):
                 if outgoing is GONE:
                     if metrics is not None:
                         metrics.answered(methods[i], code, latency)
-                elif budget.held + len(answer) > limit or outgoing.held + len(answer) > outgoing.limit:
-                    answer = self._oversize(id_, budget.held + len(answer) > limit, outgoing)
+                elif (over := budget.counted(exchange) + len(answer) > limit) or (
+                    outgoing.held + len(answer) > outgoing.limit
+                ):
+                    answer = self._oversize(id_, over, outgoing)
                     if metrics is not None:
                         metrics.answered(methods[i], ErrorCode.INTERNAL_ERROR, latency)
                 elif metrics is not None:

@@ -1408,7 +1408,7 @@ def test_answers_owed_on_one_connection_share_max_response_bytes_and_are_given_b
         assert ["result" in a for a in answers] == [True, False, False, False]  # 1 + 1 fit
         for a in answers[1:]:
             assert a["error"] == {"code": -32603, "message": "Internal error",
-                                  "data": "response exceeds max_response_bytes 1000"}
+                                  "data": "responses owed on this connection exceed max_response_bytes 1000"}
         assert d.oversize_total == 3 and len(done) == 2
         assert budget.held == first.size + batch.size == sum(len(a or b"") for a in [*first.answers, *batch.answers])
         budget.written(first, write_paused=True)  # parked until the buffer drains

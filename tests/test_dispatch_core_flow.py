@@ -130,7 +130,7 @@ def test_by_default_a_connection_may_be_owed_32_mib_and_all_of_them_2_to_the_62(
     d.on_reply(w, wire.Kind.RESULT, first[1], 0, b"1")  # 33 bytes: fits
     d.on_reply(w, wire.Kind.RESULT, second[1], 0, b"1")  # 40 more: past it
     assert json.loads(done[0].body())["result"] == 1
-    assert error_of(done[1])["data"] == "response exceeds max_response_bytes 33554432"  # type: ignore[index]
+    assert error_of(done[1])["data"] == "responses owed on this connection exceed max_response_bytes 33554432"  # type: ignore[index]
     full.release(full.held, False)
     d.outgoing.held = (1 << 62) - 40  # (owed on other connections)
     for i in (3, 4):

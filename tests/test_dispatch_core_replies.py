@@ -326,7 +326,7 @@ def test_a_call_its_worker_found_past_its_deadline_is_answered_timed_out_or_refu
         assert json.loads(exchange.body()) == timed_out_answer(data) and exchange.budget.held == size
     exchange, d, metrics = answered(clock, ack, max_response_bytes=size - 1)
     assert json.loads(exchange.body())["error"] == {
-        "code": -32603, "message": "Internal error", "data": f"response exceeds max_response_bytes {size - 1}"}
+        "code": -32603, "message": "Internal error", "data": f"responses owed on this connection exceed max_response_bytes {size - 1}"}
     assert exchange.status == 200 and metrics.outcomes[0] == {ErrorCode.INTERNAL_ERROR: 1}
     assert metrics.latency[0].sum_us == 250_000 and d.oversize_total == 1
     exchange, d, metrics = answered(clock, ack, max_response_bytes=size + 1, max_outgoing_bytes=size - 1)

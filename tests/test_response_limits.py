@@ -23,7 +23,7 @@ BLOB = 300_000  # bytes of each result: 100 of them make a 30 MB batch answer
 BATCH = 100
 BURST = 8  # bodies sent at once (read together): 240 MB of answers
 BODIES = 16  # pipelined in all: 480 MB of answers
-TOO_LARGE = f"response exceeds max_response_bytes {LIMIT}"
+TOO_LARGE = f"responses owed on this connection exceed max_response_bytes {LIMIT}"
 
 
 def rss_bytes(pid: int) -> int:
@@ -211,13 +211,13 @@ def test_results_past_max_response_bytes_get_internal_error_with_their_own_ids(b
             if "error" in a:
                 assert a["error"] == {
                     "code": -32603, "message": "Internal error",
-                    "data": f"response exceeds max_response_bytes {limit}",
+                    "data": f"responses owed on this connection exceed max_response_bytes {limit}",
                 }  # fmt: skip
         assert len(raw) <= limit + 1024
     status, raw = post({"jsonrpc": "2.0", "method": "async_blob", "params": [70_000], "id": "one"})
     assert status == 200
     assert json.loads(raw)["id"] == "one"
-    assert json.loads(raw)["error"]["data"] == f"response exceeds max_response_bytes {limit}"
+    assert json.loads(raw)["error"]["data"] == f"responses owed on this connection exceed max_response_bytes {limit}"
     assert sample(scrape_metrics(b), "rpc_broker_responses_oversize_total") == 2 + 2 + 1
     status, raw = post({"jsonrpc": "2.0", "method": "async_blob", "params": [60_000], "id": 2})
     assert json.loads(raw)["result"] == "x" * 60_000
@@ -561,3 +561,40 @@ def test_an_http_client_that_fell_behind_gets_its_next_requests_one_at_a_time(br
         answers = [json.loads(read_http_response(sock, buf)[1]) for _ in range(5)]
     assert [a["id"] for a in answers] == ["B", "C0", "C1", "C2", "C3"]
     assert [len(a.get("result", "")) for a in answers[1:]] == [5_000_000] * 4, [a.get("error") for a in answers]
+
+
+@pytest.mark.parametrize("first", ["call", "batch"])
+def test_the_request_owed_first_is_not_refused_for_the_finished_answers_queued_behind_it(
+    broker_factory, first: str  # type: ignore[no-untyped-def]
+) -> None:
+    """Hostile testing (round 112, M1): a call owed first on its connection (a slow one),
+    then a 60 KB result and 42 404s pipelined behind it, filling max_response_bytes (64 KiB):
+    the call was answered -32603 "response exceeds max_response_bytes", though its answer
+    is written before theirs and refusing it freed none of them. It counts only its own
+    answers now (`ResponseBudget.counted`; each of the four checks, and a request not owed
+    first, in memory: tests/test_dispatch_core_head.py)."""
+    b: Broker = broker_factory("--workers", "2", "--app", "broker.demo:faults", "--max-response-bytes", "65536")
+    if first == "call":
+        head: object = {"jsonrpc": "2.0", "id": "A", "method": "slow", "params": [0.5]}
+    else:
+        head = [{"jsonrpc": "2.0", "id": f"A{i}", "method": "slow", "params": [0.5]} for i in range(3)]
+    big = {"jsonrpc": "2.0", "id": "B", "method": "huge_reply", "params": [60_000]}
+    after = {"jsonrpc": "2.0", "id": "C", "method": "huge_reply", "params": [5_000]}
+    not_found = b"GET /nope HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection((b.host, b.port), timeout=30) as sock:
+        sock.sendall(http_request(json.dumps(head).encode()) + http_request(json.dumps(big).encode()))
+        time.sleep(0.2)  # B's answer is in, behind A
+        sock.sendall(not_found * 42 + http_request(json.dumps(after).encode()))
+        buf = bytearray()
+        status, raw = read_http_response(sock, buf)
+        answer = json.loads(raw)
+        if first == "call":
+            assert (status, answer) == (200, {"jsonrpc": "2.0", "id": "A", "result": 0.5})
+        else:
+            assert (status, answer) == (200, [{"jsonrpc": "2.0", "id": f"A{i}", "result": 0.5} for i in range(3)])
+        status, raw = read_http_response(sock, buf)
+        assert (status, json.loads(raw)) == (200, {"jsonrpc": "2.0", "id": "B", "result": "x" * 60_000})
+        assert [read_http_response(sock, buf)[0] for _ in range(42)] == [404] * 42
+        status, raw = read_http_response(sock, buf)
+        assert (status, json.loads(raw)) == (200, {"jsonrpc": "2.0", "id": "C", "result": "x" * 5_000})
+    assert sample(scrape_metrics(b), "rpc_broker_responses_oversize_total") == 0

@@ -195,6 +195,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self._responses: deque[Owed] = deque()
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
         self._budget = ResponseBudget(frontend.dispatcher.outgoing)
+        self._budget.owed = self._responses  # (ResponseBudget.counted)
         self._waiting: deque[Deferred] = deque()  # requests not dispatched yet, in order
         self._waiting_bytes = 0  # their bodies' bytes, counted in the listener's `Incoming`
         # The last one dispatched from `_waiting`: a connection that had to wait gets its
