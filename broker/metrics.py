@@ -100,7 +100,7 @@ assert set(_OUTCOMES) == set(ERRORS), "every broker error code has an outcome na
 _OUTCOME_NAMES = ("ok", *_OUTCOMES.values(), "application_error")
 # The statuses the HTTP front-end answers with (their series exist from the start).
 HTTP_STATUSES = (
-    b"200", b"204", b"400", b"403", b"404", b"405", b"408", b"411", b"413", b"415", b"421", b"431", b"500", b"502",
+    b"200", b"204", b"400", b"401", b"403", b"404", b"405", b"408", b"411", b"413", b"415", b"421", b"431", b"500", b"502",
     b"503", b"504", b"505",
 )
 # The `path` label of the HTTP responses: rpc_path, /healthz, /readyz, /metrics, anything else.

@@ -31,6 +31,7 @@ import sys
 import typing
 
 from broker import jsonscan
+from broker.auth import Authenticator, AuthError, load_tokens
 from broker.config import Config, ConfigError
 from broker.dispatch import Dispatcher
 from broker.frontend.base import OUT_LINGERING, Incoming, shed_outgoing
@@ -439,17 +440,23 @@ async def run(
         # Who may call (issue 9 item 11): the bind addresses are always names of this server.
         hosts = (*config.allowed_hosts, config.host, config.metrics_host)
         incoming = Incoming(config.max_incoming_bytes)  # (one for all the listeners)
-        http = _settings(config, "keepalive_timeout request_timeout send_timeout allowed_origins")
+        try:
+            tokens = load_tokens(config.auth_tokens_file)  # (checked by config.load: read again, now)
+        except AuthError as exc:
+            log.error("%s", exc)
+            return 2
+        auth = Authenticator(tokens) if tokens else None
+        http = _settings(config, "keepalive_timeout request_timeout send_timeout allowed_origins auth_metrics")
         frontend = HttpFrontend(
             dispatcher, max_connections=max_connections, metrics=None if separate else scrape, allowed_hosts=hosts,
-            incoming=incoming, **_settings(config, "rpc_path max_body_bytes max_batch"), **http,
+            incoming=incoming, auth=auth, **_settings(config, "rpc_path max_body_bytes max_batch"), **http,
         )
         # (front-end, host or socket path, port or None for a Unix socket)
         listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = [(frontend, config.host, config.port)]
         if separate:
             metrics_frontend = HttpFrontend(
                 dispatcher, max_connections=METRICS_CONNECTIONS, metrics=scrape, serve_rpc=False, transport="metrics",
-                allowed_hosts=hosts, incoming=incoming, **http,
+                allowed_hosts=hosts, incoming=incoming, auth=auth, **http,
             )
             listeners.append((metrics_frontend, config.metrics_host, config.metrics_port))
         for transport, where, port_ in (
@@ -568,6 +575,11 @@ async def run(
                 _banner(f"rpc-broker: serving NDJSON JSON-RPC on {shown}")
             elif fe.metrics is not None:
                 _banner(f"rpc-broker: metrics on {_url(*server.sockets[0].getsockname()[:2])}/metrics")
+        if auth is not None:
+            names = auth.names
+            log.info("bearer tokens asked for on %s%s: %d (%s%s)", config.rpc_path,
+                     " and /metrics" if config.auth_metrics else "", len(names), ", ".join(names[:10]),
+                     ", ..." if len(names) > 10 else "")
         longest = max([config.timeout, *(t for name, t in config.method_timeouts.items() if name not in unserved)])
         if config.grace_period < longest:  # (round 69's new user: nothing linked the two)
             log.warning("a call's deadline (up to %s s) is longer than grace_period %s s: at a stop or a restart,"

@@ -26,6 +26,7 @@ from typing import Final
 
 import msgspec
 
+from broker.auth import ENV_TOKENS, AuthError, load_tokens
 from broker.config.settings import (
     _BY_NAME,
     _PATH_BYTES,
@@ -214,7 +215,7 @@ def _from_file(path: str) -> list[tuple[Setting, object, str]]:
 def _from_env(env: Mapping[str, str]) -> list[tuple[Setting, object, str]]:
     out = []
     for var, text in env.items():
-        if not var.startswith(ENV_PREFIX):
+        if not var.startswith(ENV_PREFIX) or var == ENV_TOKENS:  # (the tokens: broker.auth's)
             continue
         source = f"environment variable {var}"
         s = _BY_NAME.get(var[len(ENV_PREFIX):].lower())
@@ -279,6 +280,15 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
             raise ConfigError(f"{sources.get(names[0], 'the default')}: {problem}")
         where = "; ".join(f"{name} from {sources.get(name, 'the default')}" for name in names)
         raise ConfigError(f"{problem} ({where})")
+    try:
+        tokens = load_tokens(cfg.auth_tokens_file, env, sources.get("auth_tokens_file", ""))
+    except AuthError as exc:
+        raise ConfigError(str(exc)) from None
+    if tokens and cfg.stream_port:
+        raise ConfigError(
+            f"{sources.get('stream_port')}: stream_port serves newline-delimited JSON-RPC over TCP, which does not"
+            " ask for tokens yet: with tokens given, serve streams on a Unix socket (stream_socket, file mode 0600)"
+        )
     return cfg
 
 

@@ -144,6 +144,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             rule="origins like https://app.example (no :443 or :80, as browsers send them) or '*'",
             metavar="ORIGINS"),
     ] = ()
+    auth_tokens_file: Annotated[str,
+                                Doc("file of the bearer tokens callers must send on rpc_path "
+                                    "(Authorization: Bearer TOKEN): one NAME:TOKEN a line, or a .toml "
+                                    "file of [tokens.NAME] tables with token = \"...\"; tokens also come "
+                                    "from RPC_BROKER_AUTH_TOKENS; with none, no token is asked for",
+                                    metavar="PATH")
+                                ] = ""
+    auth_metrics: Annotated[bool,
+                            Doc("ask for a token on /metrics too (when tokens are given)")
+                            ] = False
     metrics: Annotated[bool,
                        Doc("serve Prometheus metrics at GET /metrics")
                        ] = True

@@ -155,6 +155,8 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         # answers owed, in order, and what they may hold (`ResponseBudget`, `_waiting`)
         "_budget", "_busy", "_keep_header", "_one_by_one", "_responses", "scrape_waiting", "_scraped", "_waiting",
         "_waiting_bytes",
+        # who calls: the Authorization value last accepted, and its token's name (broker/auth.py)
+        "_auth_value", "caller",
         # its end: the close mode, the client's EOF, the linger, the drain's unread bytes
         "_close", "_eof", "lingering_since", "_unread",
     )  # fmt: skip
@@ -173,6 +175,8 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self.scrape_waiting = False  # in the listener's `_scrape_waiters`
         self._scraped = 0  # the number of the last build written here: a connection takes one copy of each
         self._keep_header = b""  # "connection: keep-alive" for an HTTP/1.0 client that asked
+        self._auth_value: bytes | None = None  # the Authorization value last accepted (`_authorized`)
+        self.caller = ""  # ... its token's name ("" with no tokens, or none accepted yet)
         self._probe_only = False  # taken past max_connections: probes and /metrics only
         self._upgrade: tuple[bytes, bytes] | None = None  # (method, url) of an Upgrade request
         self._eof = False  # the client half-closed: close once nothing is owed

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import typing
 
+from broker.auth import Authenticator
 from broker.frontend.base import (
     LINGER_TIME,
     LINGER_TIMEOUT,
@@ -58,6 +59,8 @@ class HttpFrontend(Listener):
         transport: str = "http",
         allowed_hosts: typing.Iterable[str] = _LOOPBACK_NAMES,
         allowed_origins: typing.Iterable[str] = (),
+        auth: Authenticator | None = None,
+        auth_metrics: bool = False,
         **limits: typing.Unpack[Limits],
     ) -> None:
         super().__init__(dispatcher, transport=transport, **limits)
@@ -77,6 +80,9 @@ class HttpFrontend(Listener):
             self.hosts = None
         self.origins = frozenset(o.lower().encode() for o in allowed_origins)  # b"*": any
         self.good_hosts: set[bytes] = set()  # Host values seen allowed (bounded), for the fast path
+        # Bearer tokens asked for on rpc_path (and /metrics with auth_metrics); None: none asked for
+        self.auth = auth
+        self.auth_metrics = auth is not None and auth_metrics
         too_large = f"body exceeds max_body_bytes {self.max_body_bytes}"
         incoming_full = f"request bodies arriving or waiting exceed max_incoming_bytes {self.incoming.limit}"
         self.too_large_body = error_body(ErrorCode.INVALID_REQUEST, too_large)

@@ -31,7 +31,7 @@ def status_line(code: int) -> bytes:
 
 STATUS_LINES = {
     code: status_line(code)
-    for code in (200, 204, 400, 403, 404, 405, 408, 411, 413, 415, 421, 431, 500, 502, 503, 504, 505)
+    for code in (200, 204, 400, 401, 403, 404, 405, 408, 411, 413, 415, 421, 431, 500, 502, 503, 504, 505)
 }
 JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 CLOSE = b"connection: close\r\n"

@@ -139,13 +139,14 @@ class _Request:
     chunks: chunks of a chunked body so far (SMALL_CHUNKS, MIN_CHUNK_BYTES).
     expect: it sent `Expect: 100-continue`.
     skip: answered early (413, 503, or a refusal before its body): its body is dropped.
-    host, origin, content_type: those header values, None if absent (two Origin or
-        Content-Type fields: b""; a body coded other than identity: `_CODED`).
+    host, origin, content_type, authorization: those header values, None if absent (two
+        Origin, Content-Type or Authorization fields: b""; a body coded other than
+        identity: `_CODED`).
     """
 
     __slots__ = (
-        "body", "chunks", "content_length", "content_type", "expect", "header_bytes", "headers", "host", "origin",
-        "skip", "transfer_encoding", "url",
+        "authorization", "body", "chunks", "content_length", "content_type", "expect", "header_bytes", "headers",
+        "host", "origin", "skip", "transfer_encoding", "url",
     )  # fmt: skip
 
     url: bytes
@@ -160,6 +161,7 @@ class _Request:
     host: bytes | None
     origin: bytes | None
     content_type: bytes | None
+    authorization: bytes | None
 
     def __init__(self) -> None:
         # (the same values as `on_message_begin`'s, which sets them again, inlined, at each
@@ -168,7 +170,7 @@ class _Request:
         self.content_length = -1
         self.header_bytes = self.headers = self.chunks = 0
         self.expect = self.skip = False
-        self.host = self.origin = self.content_type = None
+        self.host = self.origin = self.content_type = self.authorization = None
 
 
 class Requests(HttpState):
@@ -188,7 +190,7 @@ class Requests(HttpState):
         req.content_length = -1
         req.header_bytes = req.headers = req.chunks = 0
         req.expect = req.skip = False
-        req.host = req.origin = req.content_type = None
+        req.host = req.origin = req.content_type = req.authorization = None
 
     def on_url(self, url: bytes) -> None:
         req = self._request
@@ -241,6 +243,8 @@ class Requests(HttpState):
                 req.origin = value.rstrip(b" \t") if req.origin is None else b""
             elif name == b"expect" and value.lower() == b"100-continue":
                 req.expect = True
+        elif n == 13 and name.lower() == b"authorization":  # (two: neither is taken, 401)
+            req.authorization = value if req.authorization is None else b""
         elif n == 17 and name.lower() == b"transfer-encoding":
             # all of them, as one list (RFC 9110 5.3): checked in on_headers_complete
             te = req.transfer_encoding
@@ -414,6 +418,7 @@ class Requests(HttpState):
                 method == b"POST" and req.origin is None
                 and (req.content_type == JSON_TYPE or is_json(req.content_type))
                 and (host in fe.good_hosts or (host is not None and fe.host_allowed(host)))
+                and (fe.auth is None or self._authorized())
             ):  # fmt: skip
                 self._rpc(keep_alive)  # the common case: one test, no call
             elif not self._refused(True, keep_alive, head):
@@ -423,6 +428,8 @@ class Requests(HttpState):
                     self._queue(STATUS_LINES[204] + fe.date + cors + PREFLIGHT + extra + b"\r\n", keep_alive, "rpc")
                 elif method != b"POST":
                     self._queue_plain(405, b"use POST for JSON-RPC", keep_alive, "rpc", b"allow: POST\r\n", head)
+                elif fe.auth is not None and not self._authorized():
+                    self._unauthorized(keep_alive, cors, "rpc")
                 elif req.content_type is _CODED:  # (RFC 9110 15.5.16: 415, Accept-Encoding saying what is)
                     self._queue_invalid(415, "Content-Encoding is not supported: send the body as it is (identity)",
                                         keep_alive, "rpc", cors + b"accept-encoding: identity\r\n")
@@ -455,6 +462,8 @@ class Requests(HttpState):
         elif url == b"/metrics" and fe.metrics is not None:
             if self._refused(False, keep_alive, head):
                 pass
+            elif fe.auth_metrics and not self._authorized():
+                self._unauthorized(keep_alive, b"", path, head)
             elif head:  # the headers of the GET answer, with no body: none is made (RFC 9110 9.3.2)
                 extra = self._keep_header if keep_alive else CLOSE
                 self._queue(STATUS_LINES[200] + fe.date + METRICS_TYPE + extra + b"\r\n", keep_alive, path)
@@ -479,6 +488,31 @@ class Requests(HttpState):
                 self._queue_plain(405, b"use GET", keep_alive, path, b"allow: GET, HEAD\r\n", head)
         else:
             self._queue_plain(404, b"not found", keep_alive, path, b"", head)
+
+    def _authorized(self) -> bool:
+        """Whether the request carries a bearer token of `fe.auth` (broker/auth.py); its name
+        is then the connection's `caller`. The last value accepted on the connection is
+        kept: a client sends the same one on each request, checked once."""
+        value = self._request.authorization
+        if value is not None and value == self._auth_value:
+            return True
+        name = self._fe.auth.check(value)  # type: ignore[union-attr]  # (asked only with auth on)
+        if name is None:
+            return False
+        self._auth_value, self.caller = value, name
+        return True
+
+    def _unauthorized(self, keep_alive: bool, cors: bytes, path: str, head: bool = False) -> None:
+        """401 with `WWW-Authenticate: Bearer` (RFC 6750 3; `error="invalid_token"` when a
+        token was sent: RFC 6750 3.1), a JSON-RPC error object on rpc_path."""
+        sent = self._request.authorization is not None
+        challenge = b'www-authenticate: Bearer realm="rpc-broker"' + (b', error="invalid_token"' if sent else b"")
+        why = ("the bearer token is not one of auth_tokens_file's or RPC_BROKER_AUTH_TOKENS'" if sent
+               else "a bearer token is required: send Authorization: Bearer TOKEN")
+        if path == "rpc":
+            self._queue_invalid(401, why, keep_alive, path, cors + challenge + b"\r\n")
+        else:
+            self._queue_plain(401, why.encode(), keep_alive, path, challenge + b"\r\n", head)
 
     def _path_of(self, url: bytes) -> str:
         """The `path` label of an answer to `url` (query string removed): one of `PATHS`."""

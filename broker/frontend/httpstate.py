@@ -57,6 +57,7 @@ class HttpState(Connection):
     """What `http.HttpProtocol`'s mixins read of its state and of one another's methods."""
 
     if typing.TYPE_CHECKING:
+        _auth_value: bytes | None
         _backlog: bytes
         _budget: ResponseBudget
         _busy: Exchange | None
@@ -85,6 +86,7 @@ class HttpState(Connection):
         _waiting_bytes: int
         _write_paused: bool
         accepted_at: float
+        caller: str
         last_active: float
         lingering_since: float
         read_paused: bool

@@ -1,0 +1,171 @@
+"""Bearer-token authentication (sans-IO): who may call, by a token each caller is given.
+
+An operator gives each client a token, under a name: the name is what the broker shows
+(the access log, the `token` label of metrics: bounded, one value per token); the token
+is the secret, sent over HTTP as `Authorization: Bearer TOKEN` (RFC 6750 2.1). Tokens come
+from a file (`auth_tokens_file`) and from the environment (`RPC_BROKER_AUTH_TOKENS`),
+both read once at the start. When there are none, no one is asked for one (loopback
+only by default: see docs/security.md).
+
+File forms (`load_file`):
+    NAME.toml   a table per token: `[tokens.NAME]` with `token = "..."`
+    any other   one `NAME:TOKEN` a line; blank lines and lines starting with `#` skipped
+The environment: `NAME:TOKEN` entries separated by commas or white space.
+
+A token is checked in constant time against every token (`hmac.compare_digest` of
+SHA-256 digests, all of them compared whatever matches, so the time taken tells
+neither which token nor how much of one was right). Token rules (`check_token`): 16 to
+512 characters of RFC 6750's b64token (letters, digits, `-._~+/`, then `=` padding), so a
+weak or malformed one is refused at the start rather than guessed later. Names: 1 to 64
+of letters, digits, `_ . -`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import tomllib
+import typing
+from pathlib import Path
+
+from broker.errors import LocalError
+
+__all__ = ["ENV_TOKENS", "AuthError", "Authenticator", "Token", "load_tokens"]
+
+ENV_TOKENS: typing.Final = "RPC_BROKER_AUTH_TOKENS"
+MIN_TOKEN: typing.Final = 16
+MAX_TOKEN: typing.Final = 512
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}\Z")
+_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*\Z")  # RFC 6750 2.1 b64token
+_MAKE_ONE = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+_BEARER = re.compile(rb"[Bb][Ee][Aa][Rr][Ee][Rr] +([^ ]+) *\Z")
+
+
+class AuthError(LocalError):
+    """A token file or variable that cannot be used: its message says where and why
+    (the broker does not start)."""
+
+
+class Token(typing.NamedTuple):
+    """One caller's token: `name` (shown: logs, metrics labels) and the SHA-256 digest
+    of its secret (the secret itself is not kept)."""
+
+    name: str
+    digest: bytes
+
+
+def check_token(name: str, secret: str, where: str) -> Token:
+    """A `Token` for `name` and `secret`, read from `where` (for messages); raise
+    `AuthError` if either breaks its rule (see the module docstring)."""
+    if not _NAME.match(name):
+        raise AuthError(f"{where}: token name {name!r}: use 1 to 64 letters, digits, '_', '.' or '-'")
+    if not MIN_TOKEN <= len(secret) <= MAX_TOKEN or not _TOKEN.match(secret):
+        raise AuthError(
+            f"{where}: token of {name!r}: use {MIN_TOKEN} to {MAX_TOKEN} characters of letters, digits and "
+            f"'-._~+/' (RFC 6750's b64token); to make one: {_MAKE_ONE}"
+        )
+    return Token(name, hashlib.sha256(secret.encode()).digest())
+
+
+def _pairs(text: str, where: str, separators: str) -> list[tuple[str, str, str]]:
+    """(name, secret, where) of each `NAME:TOKEN` entry of `text`."""
+    pairs = []
+    entries = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        for entry in re.split(separators, line):
+            if not entry:
+                continue
+            entries += 1
+            name, colon, secret = entry.partition(":")
+            at = f"{where}, line {number}" if separators == r"\Z" else f"{where}, entry {entries}"
+            if not colon:  # (nothing of it shown: it may be a token)
+                raise AuthError(f"{at}: no colon: write NAME:TOKEN (a name for the logs, a colon, the token)")
+            pairs.append((name.strip(), secret.strip(), at))
+    return pairs
+
+
+def load_file(path: str, source: str = "auth_tokens_file") -> list[Token]:
+    """The tokens of file `path`, named by `source` (where its name came from) in messages
+    (its forms: the module docstring). Raises `AuthError` if it cannot be read or parsed,
+    or a token breaks the rules."""
+    where = f"{source}: {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AuthError(f"{where}: cannot read it: {exc}") from None
+    if path.endswith(".toml"):
+        try:
+            tables = tomllib.loads(text).get("tokens")
+        except tomllib.TOMLDecodeError as exc:
+            raise AuthError(f"{where}: not valid TOML: {exc}") from None
+        if not isinstance(tables, dict) or not tables:
+            raise AuthError(f'{where}: no [tokens.NAME] table (each with token = "...")')
+        tokens = []
+        for name, table in tables.items():
+            secret = table.get("token") if isinstance(table, dict) else None
+            if not isinstance(secret, str):
+                raise AuthError(f'{where}: [tokens.{name}] needs token = "..." (a string)')
+            unknown = sorted(set(table) - {"token"})
+            if unknown:
+                raise AuthError(f"{where}: [tokens.{name}]: unknown key {unknown[0]!r} (known: token)")
+            tokens.append(check_token(name, secret, where))
+        return tokens
+    return [check_token(name, secret, at) for name, secret, at in _pairs(text, where, r"\Z")]
+
+
+def load_tokens(path: str, environ: typing.Mapping[str, str] = os.environ, source: str = "auth_tokens_file") -> list[Token]:
+    """Every token: those of file `path` ("" for none; `source`: where its name came from,
+    for messages) and of `RPC_BROKER_AUTH_TOKENS`. Raises `AuthError` as `load_file`, and
+    for a name or a token given twice (each must tell one caller)."""
+    tokens = load_file(path, source) if path else []
+    value = environ.get(ENV_TOKENS, "")
+    tokens += [check_token(n, s, w) for n, s, w in _pairs(value, f"environment variable {ENV_TOKENS}", r"[,\s]+")]
+    names: set[str] = set()
+    digests: set[bytes] = set()
+    for token in tokens:
+        if token.name in names:
+            raise AuthError(f"token name {token.name!r} given twice: each name must tell one caller")
+        if token.digest in digests:
+            raise AuthError(f"the token of {token.name!r} is another name's too: give each caller its own")
+        names.add(token.name)
+        digests.add(token.digest)
+    return tokens
+
+
+class Authenticator:
+    """Checks `Authorization` header values against `tokens` (at least one)."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: typing.Sequence[Token]) -> None:
+        if not tokens:
+            raise ValueError("an Authenticator needs at least one token")
+        self._tokens = tuple(tokens)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tokens' names, in the order given."""
+        return tuple(t.name for t in self._tokens)
+
+    def name_of(self, secret: bytes) -> str | None:
+        """The name of the token `secret` is, or None. Constant time in `secret`'s
+        content: every token's digest is compared (`hmac.compare_digest`)."""
+        digest = hashlib.sha256(secret).digest()
+        found = None
+        for token in self._tokens:
+            if hmac.compare_digest(digest, token.digest):
+                found = token.name
+        return found
+
+    def check(self, authorization: bytes | None) -> str | None:
+        """The name of the token an `Authorization` header value (None: absent) carries
+        as `Bearer TOKEN` (the scheme's case ignored, RFC 9110 11.1), or None."""
+        if authorization is None:
+            return None
+        match = _BEARER.match(authorization.strip(b" \t"))
+        return self.name_of(match.group(1)) if match else None

@@ -1,0 +1,262 @@
+"""Bearer-token authentication (issue 12, item 1): broker/auth.py's token files and checks,
+and a real broker asking for tokens on rpc_path (and /metrics with auth_metrics) over real
+sockets on loopback: accepted and refused, 401 with `WWW-Authenticate: Bearer`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Broker, start_broker
+from test_response_limits import read_http_response
+
+from broker import cli
+from broker.auth import ENV_TOKENS, Authenticator, AuthError, load_file, load_tokens
+
+ALICE = "alice-token-0123456789abcdef"
+BOB = "bob-token-0123456789abcdef-XYZ"
+ENV = {ENV_TOKENS: f"alice:{ALICE}, bob:{BOB}"}
+CALL = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [2, 3], "id": 1})
+
+
+# -- broker/auth.py --------------------------------------------------------------------
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_token_file_of_lines_gives_each_token_its_name(tmp_path):
+    path = write(tmp_path, "tokens", f"# the CI's and Alice's\n\nci:{BOB}\n  alice : {ALICE}  \n")
+    auth = Authenticator(load_file(path))
+    assert auth.names == ("ci", "alice")
+    assert auth.check(f"Bearer {ALICE}".encode()) == "alice"
+    assert auth.check(f"bearer   {BOB}".encode()) == "ci"  # (the scheme's case ignored: RFC 9110 11.1)
+    assert auth.check(f"Bearer {ALICE}x".encode()) is None
+    assert auth.check(f"Basic {ALICE}".encode()) is None
+    assert auth.check(ALICE.encode()) is None
+    assert auth.check(b"Bearer") is None and auth.check(b"") is None and auth.check(None) is None
+
+
+def test_a_toml_token_file_has_a_table_per_token(tmp_path):
+    path = write(tmp_path, "tokens.toml", f'[tokens.ci]\ntoken = "{BOB}"\n\n[tokens.alice]\ntoken = "{ALICE}"\n')
+    auth = Authenticator(load_file(path))
+    assert auth.names == ("ci", "alice") and auth.check(f"Bearer {BOB}".encode()) == "ci"
+
+
+def test_tokens_come_from_the_file_and_the_environment(tmp_path):
+    path = write(tmp_path, "tokens", f"ci:{'c' * 20}\n")
+    tokens = load_tokens(path, ENV)
+    assert [t.name for t in tokens] == ["ci", "alice", "bob"]
+    assert load_tokens("", {}) == []
+    assert all(ALICE.encode() not in t.digest for t in tokens)  # (only digests kept)
+
+
+@pytest.mark.parametrize(("name", "text", "problem"), [
+    ("tokens", f"# one\nalice {ALICE}\n", "line 2: no colon: write NAME:TOKEN"),
+    ("tokens", "alice:short\n", "token of 'alice': use 16 to 512 characters"),
+    ("tokens", f"alice:{'x' * 15}\n", "use 16 to 512 characters"),
+    ("tokens", f"alice:{'x' * 513}\n", "use 16 to 512 characters"),
+    ("tokens", f"alice:{'x' * 20} y\n", "use 16 to 512 characters"),  # (a space: not a b64token)
+    ("tokens", f"al ice:{ALICE}\n", "token name 'al ice': use 1 to 64 letters"),
+    ("tokens", f":{ALICE}\n", "token name '': use 1 to 64"),
+    ("tokens", f"a:{ALICE}\na:{BOB}\n", "token name 'a' given twice"),
+    ("tokens", f"a:{ALICE}\nb:{ALICE}\n", "the token of 'b' is another name's too"),
+    ("tokens.toml", f'[tokens.a]\ntoken = "{ALICE}"\nallow = 1\n', "[tokens.a]: unknown key 'allow'"),
+    ("tokens.toml", "[tokens.a]\ntoken = 5\n", '[tokens.a] needs token = "..." (a string)'),
+    ("tokens.toml", "x = 1\n", "no [tokens.NAME] table"),
+    ("tokens.toml", "[tokens\n", "not valid TOML"),
+])
+def test_a_token_file_that_breaks_a_rule_is_refused_saying_where_and_why(tmp_path, name, text, problem):
+    path = write(tmp_path, name, text)
+    with pytest.raises(AuthError) as caught:
+        load_tokens(path, {})
+    assert problem in str(caught.value)
+    assert "-token-" not in str(caught.value)  # (nothing of a secret is shown)
+    if "characters" in problem:
+        assert "secrets.token_urlsafe(32)" in str(caught.value)  # (how to make a good one)
+
+
+def test_an_unreadable_token_file_or_a_bad_variable_is_refused(tmp_path):
+    with pytest.raises(AuthError, match="cannot read it"):
+        load_tokens(str(tmp_path / "absent"), {})
+    with pytest.raises(AuthError, match=f"environment variable {ENV_TOKENS}, entry 2: no colon: write NAME:TOKEN"):
+        load_tokens("", {ENV_TOKENS: f"a:{ALICE} x"})
+
+
+# -- the settings: check-config and serve ----------------------------------------------
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in list(os.environ):
+        if var.startswith("RPC_BROKER_"):
+            monkeypatch.delenv(var)
+
+
+def test_check_config_reads_the_tokens_and_refuses_bad_ones(tmp_path, clean_env, capsys, monkeypatch):
+    good = write(tmp_path, "tokens", f"alice:{ALICE}\n")
+    config = write(tmp_path, "broker.toml", f'auth_tokens_file = "{good}"\nauth_metrics = true\n')
+    assert cli.main(["check-config", config]) == 0
+    assert 'auth_tokens_file = "' in capsys.readouterr().out
+    bad = write(tmp_path, "bad-tokens", "alice:short\n")
+    assert cli.main(["check-config", write(tmp_path, "bad.toml", f'auth_tokens_file = "{bad}"\n')]) == 2
+    assert f"config error: config file {tmp_path}/bad.toml: {bad}, line 1: token of 'alice'" in capsys.readouterr().err
+    monkeypatch.setenv(ENV_TOKENS, "x")
+    assert cli.main(["check-config", write(tmp_path, "none.toml", "")]) == 2
+    assert f"environment variable {ENV_TOKENS}, entry 1: no colon" in capsys.readouterr().err
+
+
+def test_tokens_with_a_tcp_stream_listener_are_refused_until_it_asks_for_them(tmp_path, clean_env, capsys, monkeypatch):
+    monkeypatch.setenv(ENV_TOKENS, f"alice:{ALICE}")
+    assert cli.main(["check-config", write(tmp_path, "s.toml", "stream_port = 9000\n")]) == 2
+    err = capsys.readouterr().err
+    assert "stream_port serves newline-delimited JSON-RPC over TCP, which does not ask for tokens yet" in err
+    assert cli.main(["check-config", write(tmp_path, "u.toml", f'stream_socket = "{tmp_path}/s.sock"\n')]) == 0
+
+
+# -- a real broker ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded() -> typing.Iterator[Broker]:
+    """A broker asking for ALICE's or BOB's token, /metrics too, on 1 worker."""
+    b = start_broker("--workers", "1", "--auth-metrics", env=ENV)
+    yield b
+    assert b.stop() == 0, b.read_log()
+
+
+def request(b: Broker, method: str, path: str, body: bytes = b"",
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    conn = b.connection()
+    try:
+        conn.request(method, path, body=body or None, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+JSON = {"content-type": "application/json"}
+
+
+def test_a_call_with_a_token_given_is_served(guarded):
+    for token in (ALICE, BOB):
+        status, _, body = guarded.post(CALL, headers={"authorization": f"Bearer {token}"})
+        assert (status, json.loads(body)) == (200, {"jsonrpc": "2.0", "id": 1, "result": 5})
+    status, _, body = guarded.post(json.dumps([json.loads(CALL)] * 2), headers={"authorization": f"bearer {ALICE}"})
+    assert status == 200 and [a["result"] for a in json.loads(body)] == [5, 5]
+
+
+@pytest.mark.parametrize(("authorization", "error"), [
+    (None, None),
+    (f"Bearer {ALICE}x", "invalid_token"),
+    (f"Bearer {ALICE[:-1]}", "invalid_token"),
+    (f"Basic {ALICE}", "invalid_token"),
+    (ALICE, "invalid_token"),
+    ("Bearer ", "invalid_token"),
+])
+def test_a_call_without_a_good_token_gets_401_with_a_bearer_challenge(guarded, authorization, error):
+    headers = {} if authorization is None else {"authorization": authorization}
+    status, got, body = guarded.post(CALL, headers=headers)
+    challenge = 'Bearer realm="rpc-broker"' + (f', error="{error}"' if error else "")
+    assert (status, got["www-authenticate"]) == (401, challenge)
+    answer = json.loads(body)
+    assert answer["id"] is None and answer["error"]["code"] == -32600
+    assert answer["error"]["data"] == (
+        "a bearer token is required: send Authorization: Bearer TOKEN" if error is None
+        else "the bearer token is not one of auth_tokens_file's or RPC_BROKER_AUTH_TOKENS'"
+    )
+
+
+def test_two_authorization_fields_are_refused_even_if_one_is_good(guarded):
+    with socket.create_connection((guarded.host, guarded.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + ALICE.encode() + b"\r\nAuthorization: Bearer " + BOB.encode()
+            + b"\r\nContent-Length: %d\r\n\r\n" % len(CALL) + CALL.encode()
+        )
+        status, body = read_http_response(sock, bytearray())
+    assert status == 401 and b"not one of" in body
+
+
+def test_a_connection_whose_token_changes_is_checked_again(guarded):
+    conn = guarded.connection()
+    try:
+        answers = []
+        for token in (ALICE, ALICE, "x" * 20, BOB, None):
+            headers = {**JSON, **({"authorization": f"Bearer {token}"} if token else {})}
+            conn.request("POST", "/", body=CALL, headers=headers)
+            resp = conn.getresponse()
+            resp.read()
+            answers.append(resp.status)
+    finally:
+        conn.close()
+    assert answers == [200, 200, 401, 200, 401]
+
+
+def test_health_probes_and_a_preflight_need_no_token_and_metrics_do(tmp_path):
+    b = start_broker("--workers", "1", "--auth-metrics", "--allowed-origins", "https://app.example", env=ENV)
+    try:
+        assert request(b, "GET", "/healthz")[0] == 200
+        assert request(b, "GET", "/readyz")[0] == 200
+        status, headers, body = request(b, "GET", "/metrics")
+        assert (status, headers["www-authenticate"], body) == (
+            401, 'Bearer realm="rpc-broker"', b'{"error":"a bearer token is required: send Authorization: Bearer TOKEN"}')
+        status, _, body = request(b, "GET", "/metrics", headers={"authorization": f"Bearer {BOB}"})
+        assert status == 200 and b'rpc_broker_http_responses_total{path="metrics",status="401"} 1.0' in body
+        preflight = {"origin": "https://app.example", "access-control-request-method": "POST",
+                     "access-control-request-headers": "authorization, content-type"}
+        status, headers, _ = request(b, "OPTIONS", "/", headers=preflight)
+        assert status == 204 and headers["access-control-allow-origin"] == "https://app.example"
+        status, _, _ = request(b, "POST", "/", CALL.encode(), {**JSON, "origin": "https://app.example"})
+        assert status == 401
+        status, _, body = request(b, "POST", "/", CALL.encode(),
+                                  {**JSON, "origin": "https://app.example", "authorization": f"Bearer {ALICE}"})
+        assert (status, json.loads(body)["result"]) == (200, 5)
+        assert " INFO bearer tokens asked for on / and /metrics: 2 (alice, bob)\n" in b.read_log()
+    finally:
+        assert b.stop() == 0, b.read_log()
+
+
+def test_without_auth_metrics_the_metrics_stay_open_and_a_token_file_serves(tmp_path):
+    path = write(tmp_path, "tokens.toml", f'[tokens.ci]\ntoken = "{BOB}"\n')
+    b = start_broker("--workers", "1", "--auth-tokens-file", path, env={ENV_TOKENS: ""})
+    try:
+        assert request(b, "GET", "/metrics")[0] == 200
+        assert b.post(CALL)[0] == 401
+        assert b.post(CALL, headers={"authorization": f"Bearer {BOB}"})[0] == 200
+        assert b.post(CALL, headers={"authorization": f"Bearer {ALICE}"})[0] == 401
+    finally:
+        assert b.stop() == 0, b.read_log()
+
+
+def test_serve_refuses_to_start_with_a_bad_token(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RPC_BROKER_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "broker", "serve", "--port", "0", "--auth-tokens-file", write(tmp_path, "t", "a:b\n")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert f"config error: flag --auth-tokens-file: {tmp_path}/t, line 1: token of 'a': use 16" in proc.stderr
+
+
+def test_an_http_client_sees_the_challenge(guarded):
+    conn = http.client.HTTPConnection(guarded.host, guarded.port, timeout=10)
+    try:
+        conn.request("POST", "/", body=CALL, headers=JSON)
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 401 and resp.reason == "Unauthorized"
+    finally:
+        conn.close()
