@@ -87,11 +87,17 @@ class ResponseBudget:
     `owed`: on HTTP, the connection's answers in the order they will be written (the
     front-end's queue, `HttpProtocol._responses`), for `counted`; None on a stream, whose
     answers go in any order.
+
+    `denied`: the methods its caller may not call (`policy.Policy.denied`: the set of the
+    caller's token, or of callers with none, kept current by each method table); on HTTP
+    set before each request is dispatched (pipelined requests may carry other tokens).
     """
 
-    __slots__ = ("blocking", "flow", "heavy", "held", "in_flight", "outgoing", "owed", "parked", "peer", "queued")
+    __slots__ = (
+        "blocking", "denied", "flow", "heavy", "held", "in_flight", "outgoing", "owed", "parked", "peer", "queued",
+    )
 
-    def __init__(self, outgoing: Outgoing) -> None:
+    def __init__(self, outgoing: Outgoing, denied: typing.AbstractSet[str] = frozenset()) -> None:
         # The connection's number in its calls' frames (wire.py: the worker takes turns
         # among the flows waiting in it); 31 bits (the 32nd is wire.RETURNABLE), so a number
         # comes again after 2**31 connections.
@@ -107,6 +113,7 @@ class ResponseBudget:
         # IPv6 with two more; "" or None on a Unix socket), set by the front-end.
         self.peer: object = None
         self.owed: typing.Sequence[object] | None = None
+        self.denied = denied
 
     def counted(self, exchange: Exchange) -> int:
         """The bytes an answer of `exchange` is counted with against max_response_bytes:

@@ -8,7 +8,8 @@ both read once at the start. When there are none, no one is asked for one (loopb
 only by default: see docs/security.md).
 
 File forms (`load_file`):
-    NAME.toml   a table per token: `[tokens.NAME]` with `token = "..."`
+    NAME.toml   a table per token: `[tokens.NAME]` with `token = "..."`, and optionally
+                the token's own `allow_methods` and `deny_methods` (broker/policy.py)
     any other   one `NAME:TOKEN` a line; blank lines and lines starting with `#` skipped
 The environment: `NAME:TOKEN` entries separated by commas or white space.
 
@@ -31,6 +32,7 @@ import typing
 from pathlib import Path
 
 from broker.errors import LocalError
+from broker.policy import MethodRule, check_pattern
 
 __all__ = ["ENV_TOKENS", "AuthError", "Authenticator", "Token", "load_tokens"]
 
@@ -49,14 +51,16 @@ class AuthError(LocalError):
 
 
 class Token(typing.NamedTuple):
-    """One caller's token: `name` (shown: logs, metrics labels) and the SHA-256 digest
-    of its secret (the secret itself is not kept)."""
+    """One caller's token: `name` (shown: logs, metrics labels), the SHA-256 digest of
+    its secret (the secret itself is not kept), and its own method policy, if any
+    (`policy.MethodRule`: a .toml file's `allow_methods` and `deny_methods`)."""
 
     name: str
     digest: bytes
+    rule: MethodRule | None = None
 
 
-def check_token(name: str, secret: str, where: str) -> Token:
+def check_token(name: str, secret: str, where: str, rule: MethodRule | None = None) -> Token:
     """A `Token` for `name` and `secret`, read from `where` (for messages); raise
     `AuthError` if either breaks its rule (see the module docstring)."""
     if not _NAME.match(name):
@@ -66,7 +70,19 @@ def check_token(name: str, secret: str, where: str) -> Token:
             f"{where}: token of {name!r}: use {MIN_TOKEN} to {MAX_TOKEN} characters of letters, digits and "
             f"'-._~+/' (RFC 6750's b64token); to make one: {_MAKE_ONE}"
         )
-    return Token(name, hashlib.sha256(secret.encode()).digest())
+    return Token(name, hashlib.sha256(secret.encode()).digest(), rule)
+
+
+def _patterns(table: dict[str, object], key: str, where: str) -> tuple[str, ...]:
+    """The glob patterns of `table[key]` (a list of strings), checked (`policy.check_pattern`)."""
+    value = table.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise AuthError(f'{where}: {key} must be a list of glob patterns, as ["add", "notes.*"]')
+    for pattern in value:
+        if not check_pattern(pattern):
+            raise AuthError(f"{where}: {key}: {pattern!r} is not a glob of method names (letters, digits, "
+                            "'_.-/:', and '*', '?', '[...]')")
+    return tuple(value)
 
 
 def _pairs(text: str, where: str, separators: str) -> list[tuple[str, str, str]]:
@@ -110,10 +126,13 @@ def load_file(path: str, source: str = "auth_tokens_file") -> list[Token]:
             secret = table.get("token") if isinstance(table, dict) else None
             if not isinstance(secret, str):
                 raise AuthError(f'{where}: [tokens.{name}] needs token = "..." (a string)')
-            unknown = sorted(set(table) - {"token"})
+            unknown = sorted(set(table) - {"token", "allow_methods", "deny_methods"})
             if unknown:
-                raise AuthError(f"{where}: [tokens.{name}]: unknown key {unknown[0]!r} (known: token)")
-            tokens.append(check_token(name, secret, where))
+                raise AuthError(f"{where}: [tokens.{name}]: unknown key {unknown[0]!r} (known: token, allow_methods,"
+                                " deny_methods)")
+            at = f"{where}: [tokens.{name}]"
+            allow, deny = _patterns(table, "allow_methods", at), _patterns(table, "deny_methods", at)
+            tokens.append(check_token(name, secret, where, MethodRule(allow, deny) if allow or deny else None))
         return tokens
     return [check_token(name, secret, at) for name, secret, at in _pairs(text, where, r"\Z")]
 

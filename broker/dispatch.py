@@ -81,6 +81,7 @@ from broker.jsonrpc import (
 )
 from broker.membership import _NO_WORKER, RESTART_WAIT_SECONDS, Membership
 from broker.metrics import CallMetrics
+from broker.policy import Policy
 from broker.queueing import _OVERLOADED, Queueing
 from broker.replies import Replies, error_code
 from broker.routing import HEAVY_BYTES, Routing
@@ -147,6 +148,9 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         once; its others wait in the queue, in its turn (`_pump`), so that the rest are
         there for the other connections (hostile testing, round 53: one batch of 250
         long calls held every place of 2 workers, and every other client waited 3 s).
+    policy: which methods each caller may call (`policy.Policy`; None: all, for everyone).
+        A call to one denied to its connection's caller (`ResponseBudget.denied`) is
+        answered -32601, as one to a method that does not exist.
     """
 
     def __init__(
@@ -164,10 +168,12 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         max_response_bytes: int = 32 * 1024 * 1024,
         max_outgoing_bytes: int = 1 << 62,
         connection_share: float = 0.5,
+        policy: Policy | None = None,
     ) -> None:
         if not 0 < connection_share <= 1:
             raise ValueError(f"connection_share = {connection_share!r}: it must be > 0 and <= 1")
         self._loop = loop
+        self.policy = policy or Policy()
         self._connection_share = connection_share
         self._share = 1  # places one connection's calls may hold: see `_set_share`
         self._sync_share = 1  # ... and blocking sync calls
@@ -365,12 +371,12 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         is written. None: the exchange gets its own (`max_response_bytes` per body).
         """
         if budget is None:
-            budget = ResponseBudget(self.outgoing)
+            budget = ResponseBudget(self.outgoing, self.policy.denied[""])
         if not body.batch and body.items:  # the common case first: one call to a registered method
             request = body.items[0]
             if type(request) is Request and request.id:
                 route = self._routes.get(request.method)
-                if route is not None:
+                if route is not None and not (budget.denied and request.method in budget.denied):
                     exchange = Exchange(False, 200, on_done, [None], 1, None, budget)
                     call = Call(  # Call.of, inline (a call less: about 0.1 µs)
                         next(self._ids), exchange, 0, request.id, CALL, route.method_index,
@@ -404,6 +410,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         answers = exchange.answers
         answer = answers.append
         routes = self._routes
+        denied = exchange.budget.denied  # (its caller's: answered as if absent, `policy`)
         metrics = self.metrics
         entries: list[tuple[int, Request, Route]] = []
         entry = entries.append
@@ -423,7 +430,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                 invalid_answers[invalid] = invalid_answers.get(invalid, 0) + 1
                 continue
             route = routes.get(request.method)
-            if route is None:
+            if route is None or (denied and request.method in denied):
                 if request.id:
                     unknown = response_error(request.id, _METHOD_NOT_FOUND)
                     answer(unknown)

@@ -21,6 +21,7 @@ if typing.TYPE_CHECKING:
     from broker.fairqueue import FairQueue, Largest
     from broker.isolation import Isolation
     from broker.metrics import CallMetrics
+    from broker.policy import Policy
 
 __all__ = ["DispatcherState"]
 
@@ -71,6 +72,7 @@ class DispatcherState:
         _joined: bool
         _rotation: int
         _routes: dict[str, Route]
+        policy: Policy
         _share: int
         _share_waiters: dict[ResponseBudget, None]
         _start_failed: bool

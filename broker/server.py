@@ -38,6 +38,7 @@ from broker.frontend.base import OUT_LINGERING, Incoming, shed_outgoing
 from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
 from broker.frontend.stream import StreamFrontend
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
+from broker.policy import MethodRule, Policy
 from broker.pool import Pool, WorkerBootError
 from broker.worker import WORKER_BOOT_ERROR
 
@@ -326,8 +327,16 @@ async def run(
     loop.set_exception_handler(LoopErrors())
     await _start_threads_masked(loop)
     jsonscan.load()  # (not in the first deep body's turn: hostile testing, round 60, 130 ms)
+    try:
+        tokens = load_tokens(config.auth_tokens_file)  # (checked by config.load: read again, now)
+    except AuthError as exc:
+        log.error("%s", exc)
+        return 2
+    policy = Policy(MethodRule(config.allow_methods, config.deny_methods),
+                    {t.name: t.rule for t in tokens if t.rule is not None}, (t.name for t in tokens))
     dispatcher = Dispatcher(
         loop,
+        policy=policy,
         metrics=CallMetrics() if config.metrics else None,
         **_settings(config, "max_queue max_queue_bytes max_worker_params_bytes timeout method_timeouts cancel_grace "
                     "sync_prefetch max_response_bytes max_outgoing_bytes connection_share"),
@@ -440,11 +449,6 @@ async def run(
         # Who may call (issue 9 item 11): the bind addresses are always names of this server.
         hosts = (*config.allowed_hosts, config.host, config.metrics_host)
         incoming = Incoming(config.max_incoming_bytes)  # (one for all the listeners)
-        try:
-            tokens = load_tokens(config.auth_tokens_file)  # (checked by config.load: read again, now)
-        except AuthError as exc:
-            log.error("%s", exc)
-            return 2
         auth = Authenticator(tokens) if tokens else None
         http = _settings(config, "keepalive_timeout request_timeout send_timeout allowed_origins auth_metrics")
         frontend = HttpFrontend(

@@ -20,6 +20,7 @@ from broker.deadlines import TIMER_EARLY
 from broker.dispatch import Dispatcher
 from broker.jsonrpc import Codec, ErrorCode
 from broker.metrics import CallMetrics
+from broker.policy import MethodRule, Policy
 
 clock = test_dispatch_core.clock  # (the fixture: time injected)
 
@@ -587,3 +588,28 @@ def test_a_queue_refilled_at_the_instant_a_methods_time_alone_ends_runs_it_as_an
     d.on_reply(w, wire.Kind.RESULT, busy[1], 10, b"0")  # (the queue is refilled: boom's time is over)
     assert d.isolated == {} and [json.loads(f[3]) for f in w.channel.take()] == [[]]
 
+
+# -- method policy: a call denied to its caller (broker/policy.py) ----------------------
+
+NOT_FOUND = {"code": -32601, "message": "Method not found"}
+
+
+def test_a_call_denied_to_its_caller_is_answered_as_one_to_no_method_single_or_in_a_batch(clock):
+    policy = Policy(by_caller={"ci": MethodRule(deny=("b",))}, callers=["ci"])
+    d, w, codec, done = one_worker(clock.loop, ["a", "b"], policy=policy)
+    budget = ResponseBudget(d.outgoing, policy.denied["ci"])
+    single = d.submit(body(codec, req("b", [], 1)), done.append, budget)
+    absent = d.submit(body(codec, req("z", [], 1)), done.append, budget)
+    assert single is not None and absent is not None and single.answers == absent.answers
+    assert json.loads(single.body()) == {"jsonrpc": "2.0", "id": 1, "error": NOT_FOUND}
+    batch = d.submit(body(codec, [req("a", [], 1), req("b", [], 2), req("a", [], 3), {"jsonrpc": "2.0",
+                                                                                       "method": "b"}]),
+                     done.append, budget)
+    assert batch is not None
+    assert [json.loads(a) if a else None for a in batch.answers] == [
+        None, {"jsonrpc": "2.0", "id": 2, "error": NOT_FOUND}, None]  # (the notification: not run, no answer)
+    frames = w.channel.take()
+    assert sum(f[2] if f[0] == 4 else 1 for f in frames) == 2  # (the two calls of "a" only went to the worker)
+    other = ResponseBudget(d.outgoing, policy.denied[""])  # (another caller: "b" is served)
+    exchange: Exchange | None = d.submit(body(codec, req("b", [], 9)), done.append, other)
+    assert exchange is not None and exchange.answers == [None] and w.channel.take()

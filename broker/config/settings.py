@@ -30,6 +30,7 @@ from msgspec import Meta
 
 from broker import wire
 from broker.errors import LocalError
+from broker.policy import GLOB
 
 ENV_PREFIX: Final = "RPC_BROKER_"
 
@@ -154,6 +155,18 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     auth_metrics: Annotated[bool,
                             Doc("ask for a token on /metrics too (when tokens are given)")
                             ] = False
+    allow_methods: Annotated[
+        tuple[Annotated[str, Meta(pattern=rf"^{GLOB}\Z")], ...],
+        Doc("the methods callers may call, as glob patterns ('notes.*'); empty means all; "
+            "a call to another is answered -32601, as one to a method that does not exist",
+            rule="glob patterns of method-name characters (letters, digits, _ . - / :) and * ? [...]",
+            metavar="PATTERNS"),
+    ] = ()
+    deny_methods: Annotated[
+        tuple[Annotated[str, Meta(pattern=rf"^{GLOB}\Z")], ...],
+        Doc("the methods no caller may call, as glob patterns, whatever allow_methods says; "
+            "answered -32601", rule="glob patterns, as allow_methods'", metavar="PATTERNS"),
+    ] = ()
     metrics: Annotated[bool,
                        Doc("serve Prometheus metrics at GET /metrics")
                        ] = True

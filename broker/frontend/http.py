@@ -156,7 +156,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         "_budget", "_busy", "_keep_header", "_one_by_one", "_responses", "scrape_waiting", "_scraped", "_waiting",
         "_waiting_bytes",
         # who calls: the Authorization value last accepted, and its token's name (broker/auth.py)
-        "_auth_value", "caller",
+        "_auth_value", "caller", "_denied",
         # its end: the close mode, the client's EOF, the linger, the drain's unread bytes
         "_close", "_eof", "lingering_since", "_unread",
     )  # fmt: skip
@@ -198,7 +198,8 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         # What each request is owed, in order (broker/frontend/httpowed.py).
         self._responses: deque[Owed] = deque()
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
-        self._budget = ResponseBudget(frontend.dispatcher.outgoing)
+        self._denied = frontend.dispatcher.policy.denied[""]  # (its caller's: `_authorized`)
+        self._budget = ResponseBudget(frontend.dispatcher.outgoing, self._denied)
         self._budget.owed = self._responses  # (ResponseBudget.counted)
         self._waiting: deque[Deferred] = deque()  # requests not dispatched yet, in order
         self._waiting_bytes = 0  # their bodies' bytes, counted in the listener's `Incoming`
@@ -526,6 +527,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
             fe.incoming.hold(len(body), 0)
             self._waiting_bytes -= len(body)
             # (submit_held: while draining, a request held here is served as in flight)
+            self._budget.denied = deferred.denied
             exchange = fe.dispatcher.submit_held(fe.codec.decode(body), self._deferred_done, self._budget)
             if exchange is None:
                 extra = self._keep_header if deferred.keep_alive else CLOSE

@@ -55,12 +55,15 @@ class Scrape:
 class Deferred:
     """A JSON-RPC request whose body waits to be dispatched: its connection was owed
     max_response_bytes of answers, or its client was not reading (see `_gated`).
-    `exchange` once dispatched; `response` if it then owed nothing (204)."""
+    `exchange` once dispatched; `response` if it then owed nothing (204). `denied`: the
+    methods its caller may not call (`ResponseBudget.denied` when it is dispatched)."""
 
-    __slots__ = ("body", "cors", "exchange", "keep_alive", "response")
+    __slots__ = ("body", "cors", "denied", "exchange", "keep_alive", "response")
 
-    def __init__(self, body: bytes | bytearray, keep_alive: bool, cors: bytes) -> None:
+    def __init__(self, body: bytes | bytearray, keep_alive: bool, cors: bytes,
+                 denied: typing.AbstractSet[str] = frozenset()) -> None:
         self.body = body
+        self.denied = denied
         self.keep_alive = keep_alive
         self.cors = cors
         self.exchange: Exchange | None = None

@@ -491,7 +491,8 @@ class Requests(HttpState):
 
     def _authorized(self) -> bool:
         """Whether the request carries a bearer token of `fe.auth` (broker/auth.py); its name
-        is then the connection's `caller`. The last value accepted on the connection is
+        is then the connection's `caller`, and its policy (`Policy.denied`) the one its calls
+        are dispatched under (`_rpc`). The last value accepted on the connection is
         kept: a client sends the same one on each request, checked once."""
         value = self._request.authorization
         if value is not None and value == self._auth_value:
@@ -500,6 +501,7 @@ class Requests(HttpState):
         if name is None:
             return False
         self._auth_value, self.caller = value, name
+        self._denied = self._fe.dispatcher.policy.denied[name]
         return True
 
     def _unauthorized(self, keep_alive: bool, cors: bytes, path: str, head: bool = False) -> None:
@@ -598,7 +600,7 @@ class Requests(HttpState):
                 self._queue(json_response(503, fe.incoming_full_body, keep_alive, extra, fe.json_head), keep_alive, "rpc")
                 return
             self._waiting_bytes += len(body)
-            deferred = Deferred(body, keep_alive, cors)
+            deferred = Deferred(body, keep_alive, cors, self._denied)
             self._waiting.append(deferred)
             self._responses.append(deferred)
             self._pause()
@@ -608,6 +610,8 @@ class Requests(HttpState):
         decoded = fe.codec.decode(body)
         # (while draining, a request completed now was under way at the stop: `held`)
         submit = fe.dispatcher.submit_held if fe.draining else fe.dispatcher.submit
+        if fe.auth is not None:  # (its caller's policy: a request before it may have had another token)
+            self._budget.denied = self._denied
         exchange = submit(decoded, self._exchange_done, self._budget)
         if exchange is None:
             extra = self._keep_header if keep_alive else CLOSE

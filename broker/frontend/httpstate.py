@@ -62,6 +62,7 @@ class HttpState(Connection):
         _budget: ResponseBudget
         _busy: Exchange | None
         _close: Close
+        _denied: typing.AbstractSet[str]
         _eof: bool
         _fe: HttpFrontend
         _framing: int

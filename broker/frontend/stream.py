@@ -232,7 +232,7 @@ class StreamProtocol(Closing, asyncio.Protocol):
         self.sent = 0  # bytes written to its transport
         self.taken = 0  # ... that its client had taken at the last look (`Listener.send_timed_out`)
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
-        self._budget = ResponseBudget(frontend.dispatcher.outgoing)
+        self._budget = ResponseBudget(frontend.dispatcher.outgoing, frontend.dispatcher.policy.denied[""])
         self._waiting: deque[bytes] = deque()  # lines not dispatched yet (see _gated), in order
         self._waiting_bytes = 0  # their bytes, counted in the listener's `Incoming`
         self._owed: set[Exchange] = set()  # exchanges owed answers (`owed` of them)
