@@ -15,6 +15,9 @@ from collections.abc import Callable
 
 import msgspec
 
+if typing.TYPE_CHECKING:
+    from broker.ratelimit import Bucket
+
 __all__ = ["GONE", "Exchange", "Outgoing", "ResponseBudget", "forget"]
 
 _flows = itertools.count(1)  # ResponseBudget.flow
@@ -89,12 +92,13 @@ class ResponseBudget:
     answers go in any order.
 
     `denied`: the methods its caller may not call (`policy.Policy.denied`: the set of the
-    caller's token, or of callers with none, kept current by each method table); on HTTP
-    set before each request is dispatched (pipelined requests may carry other tokens).
+    caller's token, or of callers with none, kept current by each method table), and
+    `bucket`, its caller's rate limit (`ratelimit.Bucket`, or None); on HTTP set before
+    each request is dispatched (pipelined requests may carry other tokens).
     """
 
     __slots__ = (
-        "blocking", "denied", "flow", "heavy", "held", "in_flight", "outgoing", "owed", "parked", "peer", "queued",
+        "blocking", "bucket", "denied", "flow", "heavy", "held", "in_flight", "outgoing", "owed", "parked", "peer", "queued",
     )
 
     def __init__(self, outgoing: Outgoing, denied: typing.AbstractSet[str] = frozenset()) -> None:
@@ -114,6 +118,7 @@ class ResponseBudget:
         self.peer: object = None
         self.owed: typing.Sequence[object] | None = None
         self.denied = denied
+        self.bucket: Bucket | None = None
 
     def counted(self, exchange: Exchange) -> int:
         """The bytes an answer of `exchange` is counted with against max_response_bytes:

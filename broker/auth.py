@@ -9,7 +9,8 @@ only by default: see docs/security.md).
 
 File forms (`load_file`):
     NAME.toml   a table per token: `[tokens.NAME]` with `token = "..."`, and optionally
-                the token's own `allow_methods` and `deny_methods` (broker/policy.py)
+                the token's own `allow_methods` and `deny_methods` (broker/policy.py),
+                `rate_limit` and `rate_burst` (broker/ratelimit.py)
     any other   one `NAME:TOKEN` a line; blank lines and lines starting with `#` skipped
 The environment: `NAME:TOKEN` entries separated by commas or white space.
 
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from broker.errors import LocalError
 from broker.policy import MethodRule, check_pattern
+from broker.ratelimit import MAX_BURST, MAX_RATE, Rate, burst_for
 
 __all__ = ["ENV_TOKENS", "AuthError", "Authenticator", "Token", "load_tokens"]
 
@@ -42,6 +44,7 @@ MAX_TOKEN: typing.Final = 512
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}\Z")
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*\Z")  # RFC 6750 2.1 b64token
 _MAKE_ONE = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+_TABLE_KEYS = ("allow_methods", "deny_methods", "rate_limit", "rate_burst")  # a token's own settings
 _BEARER = re.compile(rb"[Bb][Ee][Aa][Rr][Ee][Rr] +([^ ]+) *\Z")
 
 
@@ -58,9 +61,11 @@ class Token(typing.NamedTuple):
     name: str
     digest: bytes
     rule: MethodRule | None = None
+    rate: Rate | None = None  # its own rate limit (`rate_limit`, `rate_burst`: broker/ratelimit.py)
 
 
-def check_token(name: str, secret: str, where: str, rule: MethodRule | None = None) -> Token:
+def check_token(name: str, secret: str, where: str, rule: MethodRule | None = None,
+                rate: Rate | None = None) -> Token:
     """A `Token` for `name` and `secret`, read from `where` (for messages); raise
     `AuthError` if either breaks its rule (see the module docstring)."""
     if not _NAME.match(name):
@@ -70,7 +75,22 @@ def check_token(name: str, secret: str, where: str, rule: MethodRule | None = No
             f"{where}: token of {name!r}: use {MIN_TOKEN} to {MAX_TOKEN} characters of letters, digits and "
             f"'-._~+/' (RFC 6750's b64token); to make one: {_MAKE_ONE}"
         )
-    return Token(name, hashlib.sha256(secret.encode()).digest(), rule)
+    return Token(name, hashlib.sha256(secret.encode()).digest(), rule, rate)
+
+
+def _rate(table: dict[str, object], where: str) -> Rate | None:
+    """A table's own `rate_limit` (calls a second, > 0) and `rate_burst` (calls, >= 1;
+    by default the rate rounded up), or None if it sets neither."""
+    rate, burst = table.get("rate_limit"), table.get("rate_burst")
+    if rate is None and burst is None:
+        return None
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= MAX_RATE:
+        raise AuthError(f"{where}: rate_limit must be a number of calls a second, > 0 and <= {MAX_RATE:g}")
+    if burst is None:
+        burst = burst_for(rate)
+    if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= MAX_BURST:
+        raise AuthError(f"{where}: rate_burst must be a whole number of calls, >= 1 and <= {MAX_BURST}")
+    return Rate(float(rate), burst)
 
 
 def _patterns(table: dict[str, object], key: str, where: str) -> tuple[str, ...]:
@@ -126,13 +146,14 @@ def load_file(path: str, source: str = "auth_tokens_file") -> list[Token]:
             secret = table.get("token") if isinstance(table, dict) else None
             if not isinstance(secret, str):
                 raise AuthError(f'{where}: [tokens.{name}] needs token = "..." (a string)')
-            unknown = sorted(set(table) - {"token", "allow_methods", "deny_methods"})
+            unknown = sorted(set(table) - {"token", *_TABLE_KEYS})
             if unknown:
-                raise AuthError(f"{where}: [tokens.{name}]: unknown key {unknown[0]!r} (known: token, allow_methods,"
-                                " deny_methods)")
+                raise AuthError(f"{where}: [tokens.{name}]: unknown key {unknown[0]!r} (known: token, "
+                                f"{', '.join(_TABLE_KEYS)})")
             at = f"{where}: [tokens.{name}]"
             allow, deny = _patterns(table, "allow_methods", at), _patterns(table, "deny_methods", at)
-            tokens.append(check_token(name, secret, where, MethodRule(allow, deny) if allow or deny else None))
+            rule = MethodRule(allow, deny) if allow or deny else None
+            tokens.append(check_token(name, secret, where, rule, _rate(table, at)))
         return tokens
     return [check_token(name, secret, at) for name, secret, at in _pairs(text, where, r"\Z")]
 

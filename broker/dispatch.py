@@ -83,6 +83,7 @@ from broker.membership import _NO_WORKER, RESTART_WAIT_SECONDS, Membership
 from broker.metrics import CallMetrics
 from broker.policy import Policy
 from broker.queueing import _OVERLOADED, Queueing
+from broker.ratelimit import Limiter
 from broker.replies import Replies, error_code
 from broker.routing import HEAVY_BYTES, Routing
 from broker.wire import (
@@ -151,6 +152,9 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
     policy: which methods each caller may call (`policy.Policy`; None: all, for everyone).
         A call to one denied to its connection's caller (`ResponseBudget.denied`) is
         answered -32601, as one to a method that does not exist.
+    limiter: the callers' rate limits (`ratelimit.Limiter`; None: none). A call its
+        caller's bucket (`ResponseBudget.bucket`) has no room for is answered -32005
+        (a notification dropped), each element of a batch on its own.
     """
 
     def __init__(
@@ -169,11 +173,14 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         max_outgoing_bytes: int = 1 << 62,
         connection_share: float = 0.5,
         policy: Policy | None = None,
+        limiter: Limiter | None = None,
     ) -> None:
         if not 0 < connection_share <= 1:
             raise ValueError(f"connection_share = {connection_share!r}: it must be > 0 and <= 1")
         self._loop = loop
         self.policy = policy or Policy()
+        self.limiter = limiter or Limiter()
+        self.rate_limited_notifications = 0  # notifications dropped past their caller's rate limit
         self._connection_share = connection_share
         self._share = 1  # places one connection's calls may hold: see `_set_share`
         self._sync_share = 1  # ... and blocking sync calls
@@ -372,8 +379,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         """
         if budget is None:
             budget = ResponseBudget(self.outgoing, self.policy.denied[""])
-        if not body.batch and body.items:  # the common case first: one call to a registered method
-            request = body.items[0]
+        if not body.batch and body.items and budget.bucket is None:  # the common case first: one call
+            request = body.items[0]  # to a registered method (a caller with a rate limit takes `_entries`)
             if type(request) is Request and request.id:
                 route = self._routes.get(request.method)
                 if route is not None and not (budget.denied and request.method in budget.denied):
@@ -420,6 +427,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         # answers by answer (most are the codec's few constants), the unknown methods.
         invalid_answers: dict[bytes, int] | None = None
         unknown_methods = unknown_notifications = 0
+        bucket = exchange.budget.bucket  # (its caller's rate limit: a call past it is not run)
         for request in body.items:
             if type(request) is not Request:  # (a test mypy narrows by: no typing.cast, 50 ns, per element)
                 invalid = typing.cast(bytes, request)  # an invalid element's answer
@@ -428,6 +436,19 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                 if invalid_answers is None:
                     invalid_answers = {}
                 invalid_answers[invalid] = invalid_answers.get(invalid, 0) + 1
+                continue
+            if bucket is not None and not bucket.take():
+                if request.id:
+                    limited = response_error(request.id, error_object(
+                        ErrorCode.RATE_LIMITED, data={"retry_after_seconds": bucket.retry_after()}))
+                    answer(limited)
+                    size += len(limited)
+                    if not exchange.batch:
+                        exchange.status = 429
+                    if metrics is not None:
+                        metrics.answered(metrics.other, ErrorCode.RATE_LIMITED, 0.0)
+                else:
+                    self.rate_limited_notifications += 1
                 continue
             route = routes.get(request.method)
             if route is None or (denied and request.method in denied):

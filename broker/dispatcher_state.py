@@ -22,6 +22,7 @@ if typing.TYPE_CHECKING:
     from broker.isolation import Isolation
     from broker.metrics import CallMetrics
     from broker.policy import Policy
+    from broker.ratelimit import Limiter
 
 __all__ = ["DispatcherState"]
 
@@ -73,6 +74,7 @@ class DispatcherState:
         _rotation: int
         _routes: dict[str, Route]
         policy: Policy
+        limiter: Limiter
         _share: int
         _share_waiters: dict[ResponseBudget, None]
         _start_failed: bool

@@ -112,6 +112,7 @@ class ErrorCode(IntEnum):
     WORKER_DIED = -32002
     NO_WORKER = -32003
     SHUTTING_DOWN = -32004
+    RATE_LIMITED = -32005
 
 
 class ErrorInfo(typing.NamedTuple):
@@ -156,6 +157,9 @@ ERRORS: dict[int, ErrorInfo] = {
     ),
     ErrorCode.SHUTTING_DOWN: ErrorInfo(
         "Shutting down", 503, "the broker is stopping and its grace period ended"
+    ),
+    ErrorCode.RATE_LIMITED: ErrorInfo(
+        "Rate limited", 429, "its caller (token, or client address) is past rate_limit; data has retry_after_seconds"
     ),
 }
 

@@ -93,6 +93,7 @@ _OUTCOMES: dict[int, str] = {
     ErrorCode.WORKER_DIED: "worker_died",
     ErrorCode.NO_WORKER: "no_worker",
     ErrorCode.SHUTTING_DOWN: "shutting_down",
+    ErrorCode.RATE_LIMITED: "rate_limited",
 }
 assert set(_OUTCOMES) == set(ERRORS), "every broker error code has an outcome name"
 
@@ -100,8 +101,8 @@ assert set(_OUTCOMES) == set(ERRORS), "every broker error code has an outcome na
 _OUTCOME_NAMES = ("ok", *_OUTCOMES.values(), "application_error")
 # The statuses the HTTP front-end answers with (their series exist from the start).
 HTTP_STATUSES = (
-    b"200", b"204", b"400", b"401", b"403", b"404", b"405", b"408", b"411", b"413", b"415", b"421", b"431", b"500", b"502",
-    b"503", b"504", b"505",
+    b"200", b"204", b"400", b"401", b"403", b"404", b"405", b"408", b"411", b"413", b"415", b"421", b"429", b"431",
+    b"500", b"502", b"503", b"504", b"505",
 )
 # The `path` label of the HTTP responses: rpc_path, /healthz, /readyz, /metrics, anything else.
 HTTP_PATHS = ("rpc", "health", "ready", "metrics", "other")
@@ -341,6 +342,11 @@ class BrokerCollector(Collector):
              d.oversize_total),
         ):
             yield family(name, doc, [], [([], value)])
+        yield _family_counter(
+            "rpc_broker_rate_limited", "Calls (and notifications) refused past their caller's rate limit "
+            "(rate_limit, -32005), by token (\"\": the callers without one, by client address).", ["token"],
+            [([name], n) for name, n in d.limiter.refused().items()],
+        )
         yield _family_gauge(
             "rpc_broker_method_isolated", "Methods whose calls run alone, one per worker, since a worker died "
             "holding calls of theirs: how many of their calls must still answer so (absent: none).", ["method"],

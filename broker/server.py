@@ -40,6 +40,7 @@ from broker.frontend.stream import StreamFrontend
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.policy import MethodRule, Policy
 from broker.pool import Pool, WorkerBootError
+from broker.ratelimit import Limiter, Rate, burst_for
 from broker.worker import WORKER_BOOT_ERROR
 
 __all__ = ["run", "serve", "warn_unserved_timeouts"]
@@ -334,9 +335,12 @@ async def run(
         return 2
     policy = Policy(MethodRule(config.allow_methods, config.deny_methods),
                     {t.name: t.rule for t in tokens if t.rule is not None}, (t.name for t in tokens))
+    default = Rate(config.rate_limit, config.rate_burst or burst_for(config.rate_limit)) if config.rate_limit else None
+    limiter = Limiter(default, {t.name: t.rate for t in tokens if t.rate is not None}, (t.name for t in tokens))
     dispatcher = Dispatcher(
         loop,
         policy=policy,
+        limiter=limiter,
         metrics=CallMetrics() if config.metrics else None,
         **_settings(config, "max_queue max_queue_bytes max_worker_params_bytes timeout method_timeouts cancel_grace "
                     "sync_prefetch max_response_bytes max_outgoing_bytes connection_share"),

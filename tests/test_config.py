@@ -29,6 +29,8 @@ EXPECTED_DEFAULTS = {
     "auth_metrics": False,
     "allow_methods": (),
     "deny_methods": (),
+    "rate_limit": 0.0,
+    "rate_burst": 0,
     "metrics": True,
     "metrics_host": "127.0.0.1",
     "metrics_port": 0,
@@ -146,6 +148,8 @@ allowed_origins = ["https://app.example:8443"]
 auth_metrics = true
 allow_methods = ["notes.*", "add"]
 deny_methods = ["notes.put"]
+rate_limit = 2.5
+rate_burst = 10
 metrics = false
 metrics_host = "::1"
 metrics_port = 0
@@ -185,7 +189,7 @@ slow = 120.5
         "host": "0.0.0.0", "port": 0, "workers": 1024, "app": "my_app.rpc:methods",
         "rpc_path": "/rpc", "stream_port": 9001, "stream_socket": "/run/rpc/broker.sock",
         "allowed_hosts": ("rpc.example", "::1"), "allowed_origins": ("https://app.example:8443",), "auth_tokens_file": "", "auth_metrics": True,
-        "allow_methods": ("notes.*", "add"), "deny_methods": ("notes.put",), "metrics": False, "metrics_host": "::1", "metrics_port": 0, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
+        "allow_methods": ("notes.*", "add"), "deny_methods": ("notes.put",), "rate_limit": 2.5, "rate_burst": 10, "metrics": False, "metrics_host": "::1", "metrics_port": 0, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
         "worker_concurrency": 1, "sync_prefetch": 0, "connection_share": 1.0, "max_queue": 0, "max_queue_bytes": 0, "max_worker_params_bytes": 0, "grace_period": 0.0,
         "keepalive_timeout": 1.0, "request_timeout": 0.5, "send_timeout": 7.5, "max_connections": 5, "max_frame_bytes": 65536,

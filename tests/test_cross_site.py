@@ -284,7 +284,7 @@ def test_an_allowed_origin_gets_cors_headers(broker_factory, tmp_path):
     assert status == 204
     assert headers["access-control-allow-origin"] == "http://app.test:3000"
     assert "POST" in headers["access-control-allow-methods"]
-    assert headers["access-control-allow-headers"] == "content-type"
+    assert headers["access-control-allow-headers"] == "content-type, authorization"  # (a bearer token: README, Authentication)
     assert headers["vary"] == "origin"
     # The origin is compared case-insensitively, and echoed as sent.
     status, headers, body = exchange(b, request(record("cors"), origin="HTTP://APP.test:3000"))

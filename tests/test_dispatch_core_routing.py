@@ -21,6 +21,7 @@ from broker.dispatch import Dispatcher
 from broker.jsonrpc import Codec, ErrorCode
 from broker.metrics import CallMetrics
 from broker.policy import MethodRule, Policy
+from broker.ratelimit import Bucket, Rate
 
 clock = test_dispatch_core.clock  # (the fixture: time injected)
 
@@ -613,3 +614,31 @@ def test_a_call_denied_to_its_caller_is_answered_as_one_to_no_method_single_or_i
     other = ResponseBudget(d.outgoing, policy.denied[""])  # (another caller: "b" is served)
     exchange: Exchange | None = d.submit(body(codec, req("b", [], 9)), done.append, other)
     assert exchange is not None and exchange.answers == [None] and w.channel.take()
+
+
+# -- rate limits: calls past their caller's bucket (broker/ratelimit.py) -----------------
+
+
+def test_calls_past_their_callers_rate_are_answered_rate_limited_each_batch_element_on_its_own(clock, monkeypatch):
+    monkeypatch.setattr("broker.ratelimit._clock", lambda: 50.0)  # (no refill)
+    metrics = CallMetrics()
+    d, w, codec, done = one_worker(clock.loop, ["a"], metrics=metrics)
+    budget = ResponseBudget(d.outgoing)
+    budget.bucket = Bucket(Rate(0.5, 3))
+    batch = d.submit(body(codec, [req("a", [], 1), req("nope", [], 2), {"jsonrpc": "2.0", "method": "a"},
+                                  req("a", [], 3), req("a", [], 4), {"jsonrpc": "2.0", "method": "a"}]),
+                     done.append, budget)
+    assert batch is not None and batch.status == 200
+    limited = {"code": -32005, "message": "Rate limited", "data": {"retry_after_seconds": 2.0}}
+    assert [json.loads(a) if a else None for a in batch.answers] == [
+        None, {"jsonrpc": "2.0", "id": 2, "error": NOT_FOUND},  # (an unknown method's call takes one too)
+        {"jsonrpc": "2.0", "id": 3, "error": limited}, {"jsonrpc": "2.0", "id": 4, "error": limited},
+    ]
+    assert d.rate_limited_notifications == 1 and budget.bucket.refused_total == 3
+    assert metrics.outcomes[metrics.other] == {ErrorCode.METHOD_NOT_FOUND: 1, ErrorCode.RATE_LIMITED: 2}
+    assert budget.held == sum(len(a) for a in batch.answers if a)
+    single = d.submit(body(codec, req("a", [], "s")), done.append, budget)
+    assert single is not None and single.status == 429 and single.remaining == 0
+    assert json.loads(single.body()) == {"jsonrpc": "2.0", "id": "s", "error": limited}
+    sent = w.channel.take()
+    assert len(sent) == 2  # (the first call, and the notification: the rest never went)

@@ -167,6 +167,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         Doc("the methods no caller may call, as glob patterns, whatever allow_methods says; "
             "answered -32601", rule="glob patterns, as allow_methods'", metavar="PATTERNS"),
     ] = ()
+    rate_limit: Annotated[float, Meta(ge=0, le=1e6),
+                          Doc("calls a second each caller may make (a token, or a client address "
+                              "without tokens), over bursts of rate_burst: a call past it is answered "
+                              "-32005 (429); batch elements count one each; 0 means no limit",
+                              metavar="CALLS")
+                          ] = 0.0
+    rate_burst: Annotated[int, Meta(ge=0, le=1_000_000),
+                          Doc("calls a caller may make at once before rate_limit holds them back; 0 "
+                              "means a second's worth (rate_limit rounded up)", metavar="CALLS")
+                          ] = 0
     metrics: Annotated[bool,
                        Doc("serve Prometheus metrics at GET /metrics")
                        ] = True

@@ -92,6 +92,7 @@ from broker.frontend.httprequest import (
 )
 from broker.frontend.httpstate import Close
 from broker.jsonrpc import ErrorCode
+from broker.ratelimit import Bucket, address_of
 
 __all__ = [
     "CHUNK_FRAMING_BYTES",
@@ -156,7 +157,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         "_budget", "_busy", "_keep_header", "_one_by_one", "_responses", "scrape_waiting", "_scraped", "_waiting",
         "_waiting_bytes",
         # who calls: the Authorization value last accepted, and its token's name (broker/auth.py)
-        "_auth_value", "caller", "_denied",
+        "_auth_value", "_bucket", "caller", "_denied",
         # its end: the close mode, the client's EOF, the linger, the drain's unread bytes
         "_close", "_eof", "lingering_since", "_unread",
     )  # fmt: skip
@@ -199,6 +200,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         self._responses: deque[Owed] = deque()
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
         self._denied = frontend.dispatcher.policy.denied[""]  # (its caller's: `_authorized`)
+        self._bucket: Bucket | None = None  # ... and its rate limit (its address's without tokens)
         self._budget = ResponseBudget(frontend.dispatcher.outgoing, self._denied)
         self._budget.owed = self._responses  # (ResponseBudget.counted)
         self._waiting: deque[Deferred] = deque()  # requests not dispatched yet, in order
@@ -229,8 +231,10 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
-        self._budget.peer = transport.get_extra_info("peername")  # (for the logs: `Dispatcher._blame`)
+        peer = self._budget.peer = transport.get_extra_info("peername")  # (for the logs: `Dispatcher._blame`)
         fe = self._fe
+        if fe.auth is None:  # (with tokens, each token's: `_authorized`)
+            self._bucket = self._budget.bucket = fe.dispatcher.limiter.for_address(address_of(peer))
         if fe.pool_size() >= fe.max_connections:  # nginx: worker_connections
             fe.make_room()  # idle connections, if any, give their places
         fe.connections.add(self)
@@ -527,7 +531,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
             fe.incoming.hold(len(body), 0)
             self._waiting_bytes -= len(body)
             # (submit_held: while draining, a request held here is served as in flight)
-            self._budget.denied = deferred.denied
+            self._budget.denied, self._budget.bucket = deferred.denied, deferred.bucket
             exchange = fe.dispatcher.submit_held(fe.codec.decode(body), self._deferred_done, self._budget)
             if exchange is None:
                 extra = self._keep_header if deferred.keep_alive else CLOSE

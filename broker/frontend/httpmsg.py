@@ -15,23 +15,24 @@ __all__ = [
     "RETRY_AFTER_SECONDS", "STATUS_LINES", "TOO_MANY_BODY", "date_header", "error_body", "is_identity", "is_json", "json_response", "status_line",
 ]
 
-RETRY_AFTER_SECONDS = 1  # on every 503: the queue moves in ms, a worker restarts in seconds
+RETRY_AFTER_SECONDS = 1  # on every 503 and 429: the queue moves in ms, a worker restarts in seconds
 JSON_TYPE = b"application/json"
 PREFLIGHT = (
-    b"access-control-allow-methods: POST\r\naccess-control-allow-headers: content-type\r\n"
+    b"access-control-allow-methods: POST\r\naccess-control-allow-headers: content-type, authorization\r\n"
     b"access-control-max-age: 600\r\n"
 )  # (a CORS preflight's answer to an allowed origin: broker/frontend/httprequest.py)
 
 
 def status_line(code: int) -> bytes:
-    """The status line; a 503's carries `retry-after` with it (RFC 9110 10.2.3)."""
+    """The status line; a 503's or a 429's carries `retry-after` with it (RFC 9110 10.2.3,
+    RFC 6585 4; a rate-limited call's error says when more exactly: `retry_after_seconds`)."""
     line = f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n".encode()
-    return (line + b"retry-after: %d\r\n" % RETRY_AFTER_SECONDS) if code == 503 else line
+    return (line + b"retry-after: %d\r\n" % RETRY_AFTER_SECONDS) if code == 503 or code == 429 else line
 
 
 STATUS_LINES = {
     code: status_line(code)
-    for code in (200, 204, 400, 401, 403, 404, 405, 408, 411, 413, 415, 421, 431, 500, 502, 503, 504, 505)
+    for code in (200, 204, 400, 401, 403, 404, 405, 408, 429, 411, 413, 415, 421, 431, 500, 502, 503, 504, 505)
 }
 JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 CLOSE = b"connection: close\r\n"

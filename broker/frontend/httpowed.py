@@ -24,6 +24,9 @@ import typing
 
 from broker.answers import Exchange
 
+if typing.TYPE_CHECKING:
+    from broker.ratelimit import Bucket
+
 __all__ = ["Deferred", "Owed", "Ready", "Scrape"]
 
 
@@ -55,15 +58,16 @@ class Scrape:
 class Deferred:
     """A JSON-RPC request whose body waits to be dispatched: its connection was owed
     max_response_bytes of answers, or its client was not reading (see `_gated`).
-    `exchange` once dispatched; `response` if it then owed nothing (204). `denied`: the
-    methods its caller may not call (`ResponseBudget.denied` when it is dispatched)."""
+    `exchange` once dispatched; `response` if it then owed nothing (204). `denied` and
+    `bucket`: its caller's policy and rate limit (`ResponseBudget`'s when it is dispatched)."""
 
-    __slots__ = ("body", "cors", "denied", "exchange", "keep_alive", "response")
+    __slots__ = ("body", "bucket", "cors", "denied", "exchange", "keep_alive", "response")
 
     def __init__(self, body: bytes | bytearray, keep_alive: bool, cors: bytes,
-                 denied: typing.AbstractSet[str] = frozenset()) -> None:
+                 denied: typing.AbstractSet[str] = frozenset(), bucket: Bucket | None = None) -> None:
         self.body = body
         self.denied = denied
+        self.bucket = bucket
         self.keep_alive = keep_alive
         self.cors = cors
         self.exchange: Exchange | None = None

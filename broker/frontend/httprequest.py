@@ -502,6 +502,7 @@ class Requests(HttpState):
             return False
         self._auth_value, self.caller = value, name
         self._denied = self._fe.dispatcher.policy.denied[name]
+        self._bucket = self._fe.dispatcher.limiter.for_token(name)
         return True
 
     def _unauthorized(self, keep_alive: bool, cors: bytes, path: str, head: bool = False) -> None:
@@ -600,7 +601,7 @@ class Requests(HttpState):
                 self._queue(json_response(503, fe.incoming_full_body, keep_alive, extra, fe.json_head), keep_alive, "rpc")
                 return
             self._waiting_bytes += len(body)
-            deferred = Deferred(body, keep_alive, cors, self._denied)
+            deferred = Deferred(body, keep_alive, cors, self._denied, self._bucket)
             self._waiting.append(deferred)
             self._responses.append(deferred)
             self._pause()
@@ -611,7 +612,7 @@ class Requests(HttpState):
         # (while draining, a request completed now was under way at the stop: `held`)
         submit = fe.dispatcher.submit_held if fe.draining else fe.dispatcher.submit
         if fe.auth is not None:  # (its caller's policy: a request before it may have had another token)
-            self._budget.denied = self._denied
+            self._budget.denied, self._budget.bucket = self._denied, self._bucket
         exchange = submit(decoded, self._exchange_done, self._budget)
         if exchange is None:
             extra = self._keep_header if keep_alive else CLOSE

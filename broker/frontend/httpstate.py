@@ -27,6 +27,7 @@ if typing.TYPE_CHECKING:
     from broker.frontend.httpowed import Deferred, Owed
     from broker.frontend.httprequest import _Request
     from broker.jsonrpc import ErrorCode
+    from broker.ratelimit import Bucket
 
 __all__ = ["Close", "HttpState"]
 
@@ -62,6 +63,7 @@ class HttpState(Connection):
         _budget: ResponseBudget
         _busy: Exchange | None
         _close: Close
+        _bucket: Bucket | None
         _denied: typing.AbstractSet[str]
         _eof: bool
         _fe: HttpFrontend

@@ -88,6 +88,7 @@ from broker.frontend.base import (
 )
 from broker.frontend.streamclose import Closing
 from broker.jsonrpc import ErrorCode, error_object, response_error
+from broker.ratelimit import address_of
 
 __all__ = ["StreamFrontend", "StreamProtocol"]
 
@@ -245,7 +246,8 @@ class StreamProtocol(Closing, asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
-        self._budget.peer = transport.get_extra_info("peername")  # (for the logs: `Dispatcher._blame`)
+        peer = self._budget.peer = transport.get_extra_info("peername")  # (for the logs: `Dispatcher._blame`)
+        self._budget.bucket = self._fe.dispatcher.limiter.for_address(address_of(peer))
         fe = self._fe
         if len(fe.connections) >= fe.max_connections and not fe.draining:
             fe.make_room()  # idle connections, if any, give their places

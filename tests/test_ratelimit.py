@@ -1,0 +1,179 @@
+"""Rate limits (issue 12, item 3): a token bucket per caller, a token's or a client
+address's (broker/ratelimit.py), counting calls, not requests: past it a single call gets
+-32005 with 429 and Retry-After, a batch's calls past it get -32005 and the rest run.
+The buckets with time injected, then a real broker over loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import typing
+from pathlib import Path
+
+import pytest
+from conftest import Broker, sample, scrape_metrics
+from test_response_limits import http_request, read_http_response
+
+from broker import ratelimit
+from broker.auth import ENV_TOKENS, AuthError, load_file
+from broker.ratelimit import Bucket, Limiter, Rate, address_of
+
+CI = "ci-token-0123456789abcdef-XYZ"
+ALICE = "alice-token-0123456789abcdef"
+
+
+class Clock:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 100.0
+        monkeypatch.setattr(ratelimit, "_clock", lambda: self.now)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    return Clock(monkeypatch)
+
+
+def test_a_bucket_gives_its_burst_then_refills_at_its_rate(clock):
+    bucket = Bucket(Rate(2.0, 3))
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+    assert bucket.refused_total == 1 and bucket.retry_after() == 0.5
+    clock.now += 0.25
+    assert not bucket.take() and bucket.retry_after() == 0.25  # (half a call back: a quarter second more)
+    clock.now += 0.25
+    assert bucket.take() and not bucket.take()
+    clock.now += 100  # (never more than its burst)
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+    assert bucket.refused_total == 4
+
+
+def test_the_buckets_of_addresses_are_bounded_least_recently_used_first(clock, monkeypatch):
+    monkeypatch.setattr(ratelimit, "MAX_ADDRESSES", 2)
+    limiter = Limiter(Rate(1.0, 1), {"ci": Rate(5.0, 5)}, ["ci", "alice"])
+    a = limiter.for_address("10.0.0.1")
+    assert limiter.for_address("10.0.0.1") is a and a is not None
+    assert a.take() and not a.take()
+    limiter.for_address("10.0.0.2")
+    assert limiter.for_address("10.0.0.1") is a  # (used last: kept)
+    limiter.for_address("10.0.0.3")  # 10.0.0.2 goes
+    assert limiter.for_address("10.0.0.1") is a
+    limiter.for_address("10.0.0.4")  # 10.0.0.3 goes, then 10.0.0.1 (with its refusal, still counted)
+    limiter.for_address("10.0.0.5")
+    assert limiter.for_address("10.0.0.1") is not a
+    ci, alice = limiter.for_token("ci"), limiter.for_token("alice")
+    assert ci is not None and alice is not None and (ci.burst, alice.burst) == (5.0, 1.0)
+    assert limiter.refused() == {"ci": 0, "alice": 0, "": 1}
+    assert Limiter().for_address("10.0.0.1") is None and Limiter().for_token("ci") is None
+
+
+@pytest.mark.parametrize(("peer", "address"), [
+    (("127.0.0.1", 5000), "127.0.0.1"), (("::1", 5000, 0, 0), "::1"), ("", "unix"), (None, "unix"),
+])
+def test_a_callers_address_is_its_ip_whatever_its_port(peer, address):
+    assert address_of(peer) == address
+
+
+@pytest.mark.parametrize(("table", "rate", "problem"), [
+    ("rate_limit = 2.5", Rate(2.5, 3), ""),
+    ("rate_limit = 10\nrate_burst = 1", Rate(10.0, 1), ""),
+    ("rate_limit = 0", None, "rate_limit must be a number of calls a second, > 0"),
+    ('rate_limit = "5"', None, "rate_limit must be a number"),
+    ("rate_limit = true", None, "rate_limit must be a number"),
+    ("rate_limit = 5\nrate_burst = 0", None, "rate_burst must be a whole number of calls, >= 1"),
+    ("rate_limit = 5\nrate_burst = 2.5", None, "rate_burst must be a whole number"),
+    ("rate_burst = 5", None, "rate_limit must be a number"),
+])
+def test_a_tokens_own_rate_is_read_from_its_table(tmp_path: Path, table, rate, problem):
+    path = tmp_path / "tokens.toml"
+    path.write_text(f'[tokens.ci]\ntoken = "{CI}"\n{table}\n')
+    if problem:
+        with pytest.raises(AuthError, match=problem):
+            load_file(str(path))
+    else:
+        assert load_file(str(path))[0].rate == rate
+
+
+# -- a real broker ---------------------------------------------------------------------
+
+
+def post(b: Broker, payload: object, token: str | None = None,
+         source: str = "127.0.0.1") -> tuple[int, typing.Any]:
+    """POST `payload` from address `source` (a loopback one) on a connection of its own."""
+    data = json.dumps(payload).encode()
+    head = http_request(data)
+    if token:
+        head = head.replace(b"\r\n\r\n", f"\r\nAuthorization: Bearer {token}\r\n\r\n".encode(), 1)
+    with socket.socket() as sock:
+        sock.settimeout(30)
+        sock.bind((source, 0))
+        sock.connect((b.host, b.port))
+        sock.sendall(head)
+        status, body = read_http_response(sock, bytearray())
+    return status, json.loads(body) if body else None
+
+
+def call(method: str, params: object, id_: object) -> dict[str, object]:
+    return {"jsonrpc": "2.0", "method": method, "params": params, "id": id_}
+
+
+def test_calls_past_a_client_addresss_rate_are_refused_429_each_batch_element_counted(broker_factory):
+    b = broker_factory("--workers", "1", "--rate-limit", "0.5", "--rate-burst", "4")
+    assert [post(b, call("add", [1, i], i))[1]["result"] for i in range(3)] == [1, 2, 3]
+    with socket.create_connection((b.host, b.port), timeout=30) as sock:
+        sock.sendall(http_request(json.dumps(call("add", [2, 2], "x")).encode()))
+        sock.sendall(http_request(json.dumps(call("add", [3, 3], "y")).encode()))
+        buf = bytearray()
+        assert read_http_response(sock, buf) == (200, b'{"jsonrpc":"2.0","id":"x","result":4}')
+        status, raw = read_http_response(sock, buf)  # (the fifth call: its bucket is empty)
+        assert (status, json.loads(raw)["error"]["code"]) == (429, -32005)
+    status, answer = post(b, call("add", [1, 1], 9))
+    assert status == 429
+    assert answer["error"]["code"] == -32005 and answer["error"]["message"] == "Rate limited"
+    assert 1.0 < answer["error"]["data"]["retry_after_seconds"] <= 2.0
+    # Another address has its own bucket; a batch there: its first 4 calls run, the rest -32005
+    status, answers = post(b, [call("add", [i, i], i) for i in range(6)] + [{"jsonrpc": "2.0", "method": "add",
+                                                                               "params": [0, 0]}],
+                              source="127.0.0.2")
+    assert status == 200
+    assert [a.get("result", a.get("error", {}).get("code")) for a in answers] == [0, 2, 4, 6, -32005, -32005]
+    metrics = scrape_metrics(b)
+    assert sample(metrics, "rpc_broker_rate_limited_total", token="") == 1 + 1 + 2 + 1  # (y, 9, two, the notification)
+    assert sample(metrics, "rpc_broker_calls_total", method="other", outcome="rate_limited") == 4
+    assert sample(metrics, "rpc_broker_http_responses_total", path="rpc", status="429") == 2
+
+
+def test_the_429_carries_retry_after(broker_factory):
+    b = broker_factory("--workers", "1", "--rate-limit", "1", "--rate-burst", "1")
+    conn = b.connection()
+    try:
+        statuses = []
+        for i in range(2):
+            conn.request("POST", "/", body=json.dumps(call("add", [i, 1], i)), headers={"content-type": "application/json"})
+            resp = conn.getresponse()
+            resp.read()
+            statuses.append((resp.status, resp.getheader("retry-after")))
+    finally:
+        conn.close()
+    assert statuses == [(200, None), (429, "1")]
+
+
+def test_each_token_has_its_own_bucket_and_its_own_rate(broker_factory, tmp_path: Path):
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[tokens.ci]\ntoken = "{CI}"\nrate_limit = 1000\n\n[tokens.alice]\ntoken = "{ALICE}"\n')
+    b = broker_factory("--workers", "1", "--auth-tokens-file", str(tokens), "--rate-limit", "0.1",
+                       "--rate-burst", "2", env={ENV_TOKENS: ""})
+    assert [post(b, call("add", [i, 0], i), ALICE)[0] for i in range(3)] == [200, 200, 429]
+    assert [post(b, call("add", [i, 0], i), CI)[0] for i in range(20)] == [200] * 20
+    assert post(b, call("add", [0, 0], 0), ALICE, source="127.0.0.3")[0] == 429  # (the token's, wherever from)
+    metrics = scrape_metrics(b)
+    assert sample(metrics, "rpc_broker_rate_limited_total", token="alice") == 2
+    assert sample(metrics, "rpc_broker_rate_limited_total", token="ci") == 0
+
+
+def test_without_a_rate_nothing_is_limited(broker_factory):
+    b = broker_factory("--workers", "1")
+    started = time.monotonic()
+    statuses = {post(b, [call("add", [i, 0], i) for i in range(50)])[0] for _ in range(10)}
+    assert statuses == {200} and time.monotonic() - started < 30
+    assert sample(scrape_metrics(b), "rpc_broker_rate_limited_total", token="") == 0
