@@ -18,8 +18,8 @@ import os
 import signal
 import sys
 import typing
-from importlib import metadata
 
+import broker
 from broker import config
 
 PROG = "rpc-broker"
@@ -27,15 +27,6 @@ _PRECEDENCE = (
     "Settings come from, lowest to highest precedence: built-in defaults, the TOML\n"
     "file (keys = setting names), RPC_BROKER_<NAME> environment variables, flags."
 )
-
-
-def _version() -> str:
-    """The installed distribution's version (PEP 566 metadata), or "unknown" when run
-    from a source tree that was never installed."""
-    try:
-        return metadata.version(PROG)
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_PRECEDENCE + f"\nRun '{PROG} serve --help' for every setting.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {broker.version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      title="commands")
     serve = commands.add_parser(

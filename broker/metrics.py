@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import gc
-import importlib.metadata
 import platform
 import time
 import typing
@@ -45,6 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+import broker
 from broker.jsonrpc import ERRORS, OTHER, ErrorCode
 
 if typing.TYPE_CHECKING:
@@ -308,11 +308,7 @@ class BrokerCollector(Collector):
         self._handles = 0  # live_handles()
         self._handles_at: float | None = None  # when its count began, monotonic s
         self._counting = False  # a count runs in a thread (`_event_loop`)
-        try:
-            version = importlib.metadata.version("rpc-broker")
-        except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
-            version = "unknown"
-        self._build = [version, platform.python_version()]
+        self._build = [broker.version(), platform.python_version()]
 
     def collect(self) -> Iterator[Metric]:
         """Yield the families (called by the registry on every scrape)."""

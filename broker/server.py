@@ -30,6 +30,9 @@ import stat
 import sys
 import typing
 
+import msgspec
+
+import broker
 from broker import jsonscan
 from broker.auth import Authenticator, AuthError, load_tokens
 from broker.config import Config, ConfigError
@@ -454,17 +457,19 @@ async def run(
         hosts = (*config.allowed_hosts, config.host, config.metrics_host)
         incoming = Incoming(config.max_incoming_bytes)  # (one for all the listeners)
         auth = Authenticator(tokens) if tokens else None
+        health = msgspec.json.encode({"status": "ok", "version": broker.version(), "app": config.app})
         http = _settings(config, "keepalive_timeout request_timeout send_timeout allowed_origins auth_metrics")
         frontend = HttpFrontend(
             dispatcher, max_connections=max_connections, metrics=None if separate else scrape, allowed_hosts=hosts,
-            incoming=incoming, auth=auth, **_settings(config, "rpc_path max_body_bytes max_batch"), **http,
+            incoming=incoming, auth=auth, health=health, **_settings(config, "rpc_path max_body_bytes max_batch"),
+            **http,
         )
         # (front-end, host or socket path, port or None for a Unix socket)
         listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = [(frontend, config.host, config.port)]
         if separate:
             metrics_frontend = HttpFrontend(
                 dispatcher, max_connections=METRICS_CONNECTIONS, metrics=scrape, serve_rpc=False, transport="metrics",
-                allowed_hosts=hosts, incoming=incoming, auth=auth, **http,
+                allowed_hosts=hosts, incoming=incoming, auth=auth, health=health, **http,
             )
             listeners.append((metrics_frontend, config.metrics_host, config.metrics_port))
         for transport, where, port_ in (

@@ -7,6 +7,7 @@ cannot pipeline, and handles `Expect: 100-continue` and chunked bodies its own w
 from __future__ import annotations
 
 import http.client
+import importlib.metadata
 import json
 import os
 import re
@@ -21,6 +22,8 @@ from collections.abc import Iterator
 import conftest
 import pytest
 from conftest import ROOT, Broker, rss_kib, start_broker, wait_for
+
+import broker
 
 pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops: conftest.BOTH_LOOPS)
 
@@ -344,8 +347,13 @@ def test_unknown_path_is_404(hb):
         assert c.response()[0] == 404
 
 
+HEALTH = b'{"status":"ok","version":"%s","app":"broker.demo:registry"}' % broker.version().encode()
+
+
 def test_healthz_and_readyz(hb):
-    assert hb.get("/healthz") == (200, b'{"status":"ok"}')
+    """/healthz says what runs: the version (as `--version`) and the app (issue 12, item 7)."""
+    assert broker.version() == importlib.metadata.version("rpc-broker") != "unknown"
+    assert hb.get("/healthz") == (200, HEALTH)
     assert hb.get("/readyz") == (200, b'{"status":"ok"}')
     with Conn(hb) as c:
         c.send(b"HEAD /readyz HTTP/1.1\r\nHost: localhost\r\n\r\n")
@@ -356,8 +364,8 @@ def test_healthz_and_readyz(hb):
         c.send(b"GET /healthz?probe=1 HTTP/1.1\r\nHost: localhost\r\n\r\n")
         status, headers, body = c.response()
         assert headers.pop("date")  # on every answer: see test_http_hardening.py
-        assert (status, headers, body) == (200, {"content-type": "application/json", "content-length": "15"},
-                                           b'{"status":"ok"}')
+        assert (status, headers, body) == (200, {"content-type": "application/json",
+                                                 "content-length": str(len(HEALTH))}, HEALTH)
         c.send(b"POST /healthz HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n")
         status, headers, _ = c.response()
         assert status == 405

@@ -61,6 +61,7 @@ class HttpFrontend(Listener):
         allowed_origins: typing.Iterable[str] = (),
         auth: Authenticator | None = None,
         auth_metrics: bool = False,
+        health: bytes = b'{"status":"ok"}',
         **limits: typing.Unpack[Limits],
     ) -> None:
         super().__init__(dispatcher, transport=transport, **limits)
@@ -83,6 +84,7 @@ class HttpFrontend(Listener):
         # Bearer tokens asked for on rpc_path (and /metrics with auth_metrics); None: none asked for
         self.auth = auth
         self.auth_metrics = auth is not None and auth_metrics
+        self.health = health  # /healthz's answer: {"status":"ok"} and what runs (`server.health_body`)
         too_large = f"body exceeds max_body_bytes {self.max_body_bytes}"
         incoming_full = f"request bodies arriving or waiting exceed max_incoming_bytes {self.incoming.limit}"
         self.too_large_body = error_body(ErrorCode.INVALID_REQUEST, too_large)

@@ -447,7 +447,7 @@ class Requests(HttpState):
         elif url == b"/healthz" or url == b"/readyz":
             if method == b"GET" or head:
                 ok = url == b"/healthz" or fe.ready()
-                body = b'{"status":"ok"}' if ok else (
+                body = (fe.health if url == b"/healthz" else b'{"status":"ok"}') if ok else (
                     b'{"status":"stopping"}' if not fe.dispatcher.accepting else b'{"status":"no worker ready"}'
                     if not fe.dispatcher.ready_workers else b'{"status":"no worker answering"}'
                 )
