@@ -134,8 +134,11 @@ def sample(b: Broker, began: float) -> dict[str, float]:
     """One sample: minutes since `began`; RSS (MiB) and fds of the broker and each worker (by
     pid: a worker restarted is a new series); the broker's loop tasks and handles."""
     row: dict[str, float] = {"minute": (time.monotonic() - began) / 60}
-    with urllib.request.urlopen(f"http://{b.host}:{b.port}/metrics", timeout=10) as answer:
-        text = answer.read().decode()
+    try:
+        with urllib.request.urlopen(f"http://{b.host}:{b.port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+    except OSError:  # (its gauges missing from this sample; a broker that exited ends the run: `main`)
+        text = ""
     for name in ("rpc_broker_event_loop_tasks", "rpc_broker_event_loop_handles"):
         value = metric(text, name)
         if value is not None:
@@ -257,6 +260,12 @@ def main() -> int:
     if not (args.minutes > 0 and 0 <= args.warmup < args.minutes and args.interval > 0 and 0 < args.load <= 1):
         parser.error("need --minutes > 0, 0 <= --warmup < --minutes, --interval > 0, 0 < --load <= 1")
 
+    inherited = sorted(var for var in os.environ if var.startswith("RPC_BROKER_"))
+    for var in inherited:  # (its broker takes the run's settings only: hostile testing, round 113)
+        del os.environ[var]
+    if inherited:
+        print(f"soak: ignoring {', '.join(inherited)} (the run's broker takes its own settings only)", flush=True)
+    died: int | None = None
     stream_port = free_port()
     b = start_broker("--app", "broker.demo:faults", "--workers", str(args.workers), "--stream-port",
                      str(stream_port), "--method-timeout", "slow=0.05")
@@ -291,6 +300,10 @@ def main() -> int:
             rows = []
             ends = began + args.minutes * 60
             while True:
+                if b.proc.poll() is not None:  # (hostile testing, round 113: a traceback, not a verdict)
+                    died = b.proc.returncode
+                    print(f"soak: the broker exited during the run, with status {died}", flush=True)
+                    break
                 rows.append(sample(b, began))
                 left = ends - time.monotonic()
                 if left <= 0:
@@ -299,6 +312,9 @@ def main() -> int:
             stop.set()
             for t in threads:
                 t.join(10)
+            if died is not None:  # (its load, past its broker, ends now)
+                for p in loads:
+                    p.kill()
             statuses = [p.wait(60) for p in loads]
             reports = [json.loads(out.read_text()) if out.exists() else None for out in outs]
     finally:
@@ -327,7 +343,8 @@ def main() -> int:
     if not judged:
         print(f"growth not judged: {args.minutes - args.warmup:g} min measured after the warm-up, under "
               f"{JUDGED_MINUTES:g} (a smoke run: the load's checks and the broker's stop only)")
-    ok = (not judged or all(v["ok"] for v in results.values())) and all(s == 0 for s in statuses) and stopped == 0
+    ok = (not judged or all(v["ok"] for v in results.values())) and all(s == 0 for s in statuses) and stopped == 0 \
+        and died is None
     if args.plot:
         plot(rows, args.warmup, args.plot)
         print(f"plot: {args.plot}")

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import time
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,9 +26,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from chaos import KINDS, schedule  # noqa: E402
+from chaos import KINDS, failures_of, schedule  # noqa: E402
 from chaos_client import BodyMaker, Fates, HttpConnection, Ledger, StreamConnection  # noqa: E402
-from conftest import stopped_with_its_processes  # noqa: E402
+from conftest import children, descendants, stopped_with_its_processes, wait_for  # noqa: E402
 
 from broker.loadgen.target import Target  # noqa: E402
 
@@ -114,9 +118,74 @@ def test_the_recording_client_checks_each_http_answer_against_its_own_request() 
     assert (fates["wrong"], fates["results_ok"], fates["lost"]) == (2, 1, 1), (fates, dict(ledger.examples))
 
 
-def test_chaos_sent_sigterm_stops_its_broker() -> None:
+def test_chaos_sent_sigterm_stops_its_broker(tmp_path: Path) -> None:
     """Hostile testing, round 112: SIGTERM to chaos.py left its broker and workers serving; it
-    now stops them first (the broker and its 2 workers: 3 under it)."""
+    now stops them first (the broker and its 2 workers: 3 under it). Round 113: with SIGTERM,
+    not SIGKILL, so that the broker removes its workers' socket directory (in TMPDIR)."""
     left = stopped_with_its_processes([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seconds", "60",
-                                       "--seed", "1"], 3)
+                                       "--seed", "1"], 3, env={"TMPDIR": str(tmp_path)})
     assert not left, left
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("rpc-broker-")] == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("rb-chaos-")]  # (its log, kept)
+
+
+def chaos(*flags: str, env: dict[str, str] | None = None,
+          during: Callable[[subprocess.Popen[bytes]], None] | None = None) -> tuple[int, dict[str, typing.Any], str]:
+    """Run chaos.py --json with `flags` (`during`: called once its broker and 2 workers run);
+    (its exit status, its report, its stderr)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--json", *flags], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+    try:
+        if during is not None:
+            wait_for(lambda: len(descendants(proc.pid)) >= 3, timeout=60, interval=0.2)
+            during(proc)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode, json.loads(out), err.decode()
+
+
+FATES = {"lost": 0, "duplicated": 0, "wrong": 0, "results_ok": 93, "answered_once": 100}
+
+
+@pytest.mark.parametrize(("fates", "status", "died", "problems", "failures"), [
+    ({}, 0, None, 0, []),
+    ({"results_ok": 50}, 0, None, 0, []),  # (half: the floor, met)
+    ({"results_ok": 49}, 0, None, 0, ["49 of 100 calls answered got a result, under 50%: the broker refused most"
+                                      " calls, not only those the chaos took"]),
+    ({"lost": 2, "wrong": 1}, 0, None, 0, ["2 calls lost", "1 calls wrong"]),
+    ({}, -9, -9, 0, ["the broker exited during the run, with status -9"]),
+    ({}, 1, None, 0, ["the broker stopped with status 1"]),
+    ({}, None, None, 0, ["the broker did not stop within its wait (SIGKILLed)"]),
+    ({}, 0, None, 3, ["3 problem lines in the broker's log (tracebacks, loop errors)"]),
+])
+def test_the_verdict_fails_a_run_for_each_reason_and_says_which(fates, status, died, problems, failures) -> None:
+    """Hostile testing, round 113: a run whose broker refused 99 % of its calls -32000 passed
+    (any broker error was an expected one, and the results were not counted)."""
+    assert failures_of({**FATES, **fates}, status, died, problems) == failures
+
+
+@pytest.mark.timeout(240)
+def test_the_environments_broker_settings_are_not_taken() -> None:
+    """Hostile testing, round 113: RPC_BROKER_MAX_QUEUE=0 in the caller's shell was taken by
+    the run's broker, silently: 29,921 of 30,580 answers -32000."""
+    status, r, err = chaos("--seconds", "3", "--seed", "4", env={"RPC_BROKER_MAX_QUEUE": "0"})
+    assert "chaos: ignoring RPC_BROKER_MAX_QUEUE (the run's broker takes its own settings only)" in err
+    assert r["errors_by_code"].get("-32000", 0) <= 0.05 * r["answered_once"], r["errors_by_code"]
+    assert status == 0 and r["ok"] and r["failures"] == [], r["failures"]
+
+
+@pytest.mark.timeout(240)
+def test_a_run_whose_broker_dies_ends_with_a_verdict() -> None:
+    """Hostile testing, round 113: a broker SIGKILLed mid-run ended chaos.py in a traceback."""
+    def kill_broker(proc: subprocess.Popen[bytes]) -> None:
+        [broker] = children(proc.pid)
+        time.sleep(1.0)
+        os.kill(broker, signal.SIGKILL)
+
+    status, r, err = chaos("--seconds", "6", "--seed", "3", during=kill_broker)
+    assert status == 1 and "Traceback" not in err, err[-2000:]
+    assert "the broker exited during the run, with status -9" in r["failures"], r["failures"]
+    assert r["broker_exit"] == -9

@@ -6,11 +6,14 @@ minutes (benchmarks/RESULTS.md), not a noisy half-minute on a shared machine."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from conftest import stopped_with_its_processes
+from conftest import children, descendants, stopped_with_its_processes, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,3 +49,25 @@ def test_a_soak_sent_sigterm_stops_its_broker_and_load_generators() -> None:
     2 workers and 2 `rpc-broker bench` processes: 5 under it once the load has begun.)"""
     left = stopped_with_its_processes([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "1"], 5)
     assert not left, left
+
+
+def test_a_soak_whose_broker_dies_ends_with_a_verdict(tmp_path: Path) -> None:
+    """Hostile testing, round 113: a broker SIGKILLed mid-run ended soak.py in a traceback
+    (URLError from its sampling); it ends the run now, and fails it saying why. RPC_BROKER_*
+    of the caller's environment are not taken by its broker (round 113, as chaos.py)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "1", "--interval",
+                             "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RPC_BROKER_WORKERS": "7"})
+    try:
+        wait_for(lambda: len(descendants(proc.pid)) >= 5, timeout=120, interval=0.2)  # (the load began)
+        [broker] = [p for p in children(proc.pid) if len(children(p)) == 2]  # (its 2 workers: not 7)
+        time.sleep(2)
+        os.kill(broker, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert "soak: ignoring RPC_BROKER_WORKERS (the run's broker takes its own settings only)" in out
+    assert "soak: the broker exited during the run, with status -9" in out and out.endswith("soak: FAILED\n"), out
