@@ -35,7 +35,7 @@ import msgspec
 import broker
 from broker import jsonscan
 from broker.auth import Authenticator, AuthError, load_tokens
-from broker.config import Config, ConfigError
+from broker.config import Config, ConfigError, socket_group
 from broker.dispatch import Dispatcher
 from broker.frontend.base import OUT_LINGERING, Incoming, shed_outgoing
 from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
@@ -185,18 +185,30 @@ def _check_socket_path(path: str) -> None:
 
 
 async def _unix_server(
-    loop: asyncio.AbstractEventLoop, factory: typing.Callable[[], asyncio.BaseProtocol], path: str
+    loop: asyncio.AbstractEventLoop, factory: typing.Callable[[], asyncio.BaseProtocol], path: str,
+    mode: int = 0o600, gid: int = -1,
 ) -> asyncio.Server:
-    """Listen on a Unix socket at `path`, mode 0600 from the start. A leftover socket
-    file (a broker that died) is replaced; one a live process listens on is not."""
+    """Listen on a Unix socket at `path`, mode 0600 from the start, then given to group
+    `gid` (-1: left the broker's) and set to `mode` (stream_socket_mode and _group: the
+    group first, so that its group bits never open it to another group). A leftover
+    socket file (a broker that died) is replaced; one a live process listens on is not."""
     _check_socket_path(path)
     if os.path.exists(path):
         os.unlink(path)  # stale
     old = os.umask(0o177)
     try:
-        return await loop.create_unix_server(factory, path, backlog=2048)
+        server = await loop.create_unix_server(factory, path, backlog=2048)
     finally:
         os.umask(old)
+    try:
+        if gid != -1:
+            os.chown(path, -1, gid)
+        if mode != 0o600:
+            os.chmod(path, mode)
+    except OSError:
+        server.close()
+        raise
+    return server
 
 
 def _accept_queued(
@@ -556,7 +568,8 @@ async def run(
         for (fe, where, port_), server in zip(listeners, bound):
             try:
                 if server is None:
-                    server = await _unix_server(loop, fe.protocol, where)
+                    server = await _unix_server(loop, fe.protocol, where, int(config.stream_socket_mode, 8),
+                                                socket_group(config.stream_socket_group))
                     made = os.stat(where)
                     own_socket = (where, made.st_dev, made.st_ino)
                 else:
@@ -588,6 +601,9 @@ async def run(
                 _banner(f"rpc-broker: serving NDJSON JSON-RPC on {shown}")
             elif fe.metrics is not None:
                 _banner(f"rpc-broker: metrics on {_url(*server.sockets[0].getsockname()[:2])}/metrics")
+        if config.stream_socket and int(config.stream_socket_mode, 8) & 0o007:
+            log.warning("stream_socket_mode %s lets every user of this machine connect to %s and call every tool",
+                        config.stream_socket_mode, config.stream_socket)
         if auth is not None:
             names = auth.names
             log.info("bearer tokens asked for on %s%s: %d (%s%s)", config.rpc_path,

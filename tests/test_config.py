@@ -23,6 +23,8 @@ EXPECTED_DEFAULTS = {
     "rpc_path": "/",
     "stream_port": 0,
     "stream_socket": "",
+    "stream_socket_mode": "0600",
+    "stream_socket_group": "",
     "allowed_hosts": ("localhost", "127.0.0.1", "[::1]"),
     "allowed_origins": (),
     "auth_tokens_file": "",
@@ -143,6 +145,8 @@ app = "my_app.rpc:methods"
 rpc_path = "/rpc"
 stream_port = 9001
 stream_socket = "/run/rpc/broker.sock"
+stream_socket_mode = "0660"
+stream_socket_group = "daemon"
 allowed_hosts = ["rpc.example", "::1"]
 allowed_origins = ["https://app.example:8443"]
 auth_metrics = true
@@ -188,6 +192,7 @@ slow = 120.5
     assert msgspec.structs.asdict(cfg) == {
         "host": "0.0.0.0", "port": 0, "workers": 1024, "app": "my_app.rpc:methods",
         "rpc_path": "/rpc", "stream_port": 9001, "stream_socket": "/run/rpc/broker.sock",
+        "stream_socket_mode": "0660", "stream_socket_group": "daemon",
         "allowed_hosts": ("rpc.example", "::1"), "allowed_origins": ("https://app.example:8443",), "auth_tokens_file": "", "auth_metrics": True,
         "allow_methods": ("notes.*", "add"), "deny_methods": ("notes.put",), "rate_limit": 2.5, "rate_burst": 10, "metrics": False, "metrics_host": "::1", "metrics_port": 0, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},

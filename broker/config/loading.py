@@ -15,6 +15,7 @@ valid but not together, naming where each came from.
 """
 
 import difflib
+import grp
 import ipaddress
 import json
 import os
@@ -316,6 +317,33 @@ def _serialized_origin(origin: str) -> str:
     return f"{scheme}://{host}{':' + port if port else ''}".lower()
 
 
+def socket_group(name: str) -> int:
+    """The group id of `name` (a group name, or a number); -1 for "" (the broker's own).
+    Raises KeyError for an unknown one."""
+    if not name:
+        return -1
+    return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+
+
+def _socket_group_problem(name: str, euid: int | None = None, groups: Sequence[int] | None = None) -> str:
+    """Why the broker cannot give its stream socket to group `name`, or "": it does not
+    exist, or the broker's user (`euid`, in `groups`; this process's by default) is not root
+    and not a member (chown(2) would fail with EPERM at the start, the app imported)."""
+    if not name:
+        return ""
+    try:
+        gid = socket_group(name)
+        grp.getgrgid(gid)
+    except KeyError:
+        return f"stream_socket_group = {name!r}: no such group on this machine"
+    euid = os.geteuid() if euid is None else euid
+    groups = [os.getegid(), *os.getgroups()] if groups is None else groups
+    if euid != 0 and gid not in groups:
+        return (f"stream_socket_group = {name!r}: the broker's user is not a member, so it cannot give the socket "
+                "to it (add the user to it; under systemd, SupplementaryGroups=)")
+    return ""
+
+
 def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
     """Settings that are each valid but clash: (the problem, the settings involved), or None."""
     if cfg.max_body_bytes > cfg.max_frame_bytes - 1 * KIB:
@@ -333,6 +361,9 @@ def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
             f"max_outgoing_bytes = {cfg.max_outgoing_bytes} must be at least max_response_bytes"
             f" = {cfg.max_response_bytes}: one connection's answers could not reach their own limit"
         ), ("max_outgoing_bytes", "max_response_bytes")
+    group = _socket_group_problem(cfg.stream_socket_group)
+    if group:
+        return group, ("stream_socket_group",)
     for i, origin in enumerate(cfg.allowed_origins):  # (each named by its place: hostile testing, round 110)
         if origin == "*":
             continue

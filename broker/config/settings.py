@@ -132,6 +132,17 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                  "this path (mode 0600); empty means off",
                                  rule=f"at most {SOCKET_PATH_BYTES} bytes (a socket path's limit)", metavar="PATH")
                              ] = ""
+    stream_socket_mode: Annotated[str, Meta(pattern=r"^0?[0-7]{3}\Z"),
+                                  Doc("file mode of stream_socket: 0600, its user only; 0660 lets its "
+                                      "group connect too (stream_socket_group)",
+                                      rule="octal permission bits, as 0600 or 0660", metavar="MODE")
+                                  ] = "0600"
+    stream_socket_group: Annotated[str, Meta(pattern=r"^(?:[A-Za-z0-9_][A-Za-z0-9_.\-]{0,31}\$?)?\Z"),
+                                   Doc("group of stream_socket (a name or number), whose members its mode's "
+                                       "group bits let connect; empty means the broker's own",
+                                       rule="a group name or number the broker's user is a member of",
+                                       metavar="GROUP")
+                                   ] = ""
     allowed_hosts: Annotated[
         tuple[Annotated[str, Meta(pattern=_HOST_NAME)], ...],
         Doc("Host header names (any port) accepted on rpc_path and /metrics, besides "
