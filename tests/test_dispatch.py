@@ -554,7 +554,7 @@ def test_error_codes_outside_the_broker_table_share_one_metrics_entry():
             assert json.loads(params) == [code]
             d.on_reply(w, wire.Kind.ERROR, call_id, 5, b'{"code":%d,"message":"no"}' % code)
         outcomes = metrics.outcomes[0]
-        broker_codes = {-32700, -32600, -32601, -32602, -32603, -32000, -32001, -32002, -32003, -32004}
+        broker_codes = {-32700, -32600, -32601, -32602, -32603, -32000, -32001, -32002, -32003, -32004, -32005}
         assert set(outcomes) <= broker_codes | {APPLICATION}
         assert sum(outcomes.values()) == len(codes)
         assert outcomes[APPLICATION] == len(codes) - len(broker_codes & set(codes))
