@@ -56,15 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_flags(serve.add_argument_group("settings"))
     check = commands.add_parser(
         "check-config",
-        help="validate a TOML config file (plus RPC_BROKER_* environment) and print "
+        help="validate a TOML config file (plus RPC_BROKER_* environment and serve's flags) and print "
         "the effective settings; exit 0 if valid, 2 if not",
-        description="Validate FILE (if given) together with the RPC_BROKER_* environment; print\n"
-        "'ok' and the effective settings as TOML, or the error.",
+        description="Validate FILE (if given) together with the RPC_BROKER_* environment and the flags,\n"
+        "as `serve` would take them (the addresses resolved too); print 'ok' and the\n"
+        "effective settings as TOML, or the error.",
         epilog=_PRECEDENCE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     check.add_argument("file", metavar="FILE", nargs="?",
-                       help="TOML config file to check (none: the environment alone, as a container sets it)")
+                       help="TOML config file to check (none: the environment and flags alone, as a container "
+                       "sets them)")
+    config.add_flags(check.add_argument_group("settings (as serve's: checked with FILE and the environment)"))
     # (a command's own parser reports what it does not know: `unknown_arguments`)
     parser.set_defaults(command_parsers={"serve": serve, "check-config": check})
     commands.add_parser(
@@ -147,9 +150,14 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
             unknown_arguments(ns.command_parsers[ns.command], unknown)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    flags = {s.name: getattr(ns, s.name) for s in config.SETTINGS if hasattr(ns, s.name)}
     if ns.command == "check-config":
-        cfg = _load(ns.file, {})
+        cfg = _load(ns.file, flags)
         if cfg is None:
+            return 2
+        unresolved = config.unresolved_addresses(cfg)
+        if unresolved:  # (issue 12, item 13: a host serve cannot bind passed)
+            print(f"{PROG}: config error: {unresolved}", file=sys.stderr)
             return 2
         try:
             print("ok")
@@ -158,7 +166,6 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and exit 1; Python's docs,
         return 0  # "Note on SIGPIPE": no second error as stdout is flushed at exit)
     # serve
-    flags = {s.name: getattr(ns, s.name) for s in config.SETTINGS if hasattr(ns, s.name)}
     try:
         with _stoppable():
             cfg = _load(ns.config, flags)

@@ -108,6 +108,18 @@ MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the con
 _clock = time.perf_counter
 
 
+def _owed(call: Call) -> int:
+    """The answers `call` still owes: 1, a chunk's calls not answered yet, or 0 (a
+    notification, or its connection's answers given up)."""
+    exchange = call.exchange
+    if exchange is None:
+        return 0
+    if call.slots is None:
+        return 1
+    answers = exchange.answers
+    return sum(1 for slot in call.slots if slot >= 0 and answers[slot] is None)
+
+
 def _queued_of(owner: ResponseBudget) -> int:
     return owner.queued
 
@@ -181,6 +193,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         self.policy = policy or Policy()
         self.limiter = limiter or Limiter()
         self.rate_limited_notifications = 0  # notifications dropped past their caller's rate limit
+        self.cut_off = 0  # calls answered -32004 "grace period ended" at the drain's end (`drain`)
         self._connection_share = connection_share
         self._share = 1  # places one connection's calls may hold: see `_set_share`
         self._sync_share = 1  # ... and blocking sync calls
@@ -801,8 +814,10 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         while self._queue:
             call = self._dequeue()
             if call.tick:  # (else it timed out while queued: answered already)
+                self.cut_off += _owed(call)
                 self._finish(call, error, ErrorCode.SHUTTING_DOWN)
         for call in list(self._pending.values()):
+            self.cut_off += _owed(call)
             self._finish(call, error, ErrorCode.SHUTTING_DOWN)
             # Cancel it on the worker too: a worker told BYE waits for its calls in
             # flight, so an uncancelled long call would hold up the stop.

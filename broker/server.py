@@ -651,7 +651,11 @@ async def run(
         phase.append("workers")
         await pool.stop(timeout=1.0 if hurry.is_set() else 10.0, hurry=kill_now)
         _remove_socket(own_socket)
-        log.info("stopped")
+        if dispatcher.cut_off:  # (issue 12, item 13: the stop's log said nothing of them)
+            log.warning("%d call%s cut off by the end of the grace period (answered -32004 \"grace period ended\");"
+                        " stopped", dispatcher.cut_off, "s" if dispatcher.cut_off != 1 else "")
+        else:
+            log.info("stopped")
         return 0
     finally:
         log_held()  # (a stop that ended without its line: the start failed meanwhile)

@@ -958,6 +958,29 @@ def test_an_error_in_one_setting_s_value_is_worded_as_its_type_errors_are(tmp_pa
     assert str(err.value) == f"config file {path}: rpc_path = '/metrics' would hide the broker's own /metrics: choose another path"
 
 
+def test_check_config_takes_serves_flags_without_a_file(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 12, item 13: check-config checked a file and the environment, not the flags serve
+    would be started with."""
+    assert cli.main(["check-config", "--workers", "3", "--port", "9000", "--rate-limit", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ok\n") and "\nport = 9000\n" in out and "\nworkers = 3" in out and "rate_limit = 5.0" in out
+    assert cli.main(["check-config", "--max-batch", "0"]) == 2
+    assert "config error: flag --max-batch: max_batch = 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "problem"), [
+    (["--host", "no.such.host.invalid"], "host = 'no.such.host.invalid': no address to bind"),
+    (["--metrics-port", "9100", "--metrics-host", "nope.invalid"], "metrics_host = 'nope.invalid': no address to bind"),
+])
+def test_check_config_refuses_an_address_serve_could_not_bind(capsys: pytest.CaptureFixture[str],
+                                                              flags: list[str], problem: str) -> None:
+    """Issue 12, item 13: a host serve then failed on passed check-config."""
+    assert cli.main(["check-config", *flags]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and "give an IP address or a name this machine resolves" in err
+    assert cli.main(["check-config", "--host", "::1", "--metrics-port", "9100", "--metrics-host", "localhost"]) == 0
+
+
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
     from importlib import metadata
 

@@ -772,18 +772,41 @@ def test_sigterm_grace_period_ends_long_calls_with_shutting_down(broker_factory)
     exited = time.monotonic() - t0
     assert exited < 5.0, f"exit took {exited:.1f} s:\n{b.read_log()}"
     wait_for(lambda: not pid_exists(pid), timeout=10)
+    assert ' WARNING 1 call cut off by the end of the grace period (answered -32004 "grace period ended");' \
+        " stopped\n" in b.read_log()
+
+
+def test_the_stop_says_how_many_calls_the_grace_periods_end_cut_off(broker_factory):
+    """Issue 12, item 13: the stop's log line said nothing of the calls answered -32004 at the
+    grace period's end. A batch of 4 long calls (its chunks), a long single call and a
+    notification: 5 calls cut off."""
+    b = broker_factory("--workers", "2", "--grace-period", "0.5")
+    batch = open_call(b, [req("sleep", [10], i) for i in range(4)] + [{"jsonrpc": "2.0", "method": "sleep",
+                                                                       "params": [10]}])
+    single = open_call(b, req("sleep", [10], "long"))
+    barrier(b)
+    b.proc.send_signal(signal.SIGTERM)
+    (raw_batch, _), (raw_single, _) = read_all([batch, single], timeout=20)
+    assert [a["error"]["code"] for a in one_answer(raw_batch)[1]] == [-32004] * 4
+    assert one_answer(raw_single)[1]["error"]["data"] == "grace period ended"
+    assert b.proc.wait(timeout=20) == 0
+    assert ' WARNING 5 calls cut off by the end of the grace period (answered -32004 "grace period ended");' \
+        " stopped\n" in b.read_log()
 
 
 # -- 6. boot failure ----------------------------------------------------------------------
+
+PYTHONPATH_SHOWN = repr(os.environ["PYTHONPATH"]) if os.environ.get("PYTHONPATH") else "unset"
 
 
 @pytest.mark.parametrize(
     ("app", "words"),
     [
         # (round 30, a new user: where the module is looked for, when the app's own is not found)
+        # (issue 12, item 13: and PYTHONPATH's value, the workers' as the broker's)
         ("nonexistent.module:registry", f"ModuleNotFoundError: No module named 'nonexistent' (the module is looked"
-         f" up from the current directory, {ROOT}, and PYTHONPATH: run from the directory that holds it, or set"
-         " PYTHONPATH=DIR) (--debug"),
+         f" up from the current directory, {ROOT}, and PYTHONPATH, {PYTHONPATH_SHOWN}: run from the directory that"
+         " holds it, or set PYTHONPATH=DIR) (--debug"),
         ("broker.demo:nothing", "AttributeError: module 'broker.demo' has no attribute 'nothing' (its Registries:"
          " 'faults', 'registry') (--debug"),
         # (new user, round 103: a name mistyped)

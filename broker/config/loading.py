@@ -20,6 +20,7 @@ import ipaddress
 import json
 import os
 import re
+import socket
 import tomllib
 import typing
 from collections.abc import Mapping, Sequence
@@ -315,6 +316,19 @@ def _serialized_origin(origin: str) -> str:
     except UnicodeError:
         return ""
     return f"{scheme}://{host}{':' + port if port else ''}".lower()
+
+
+def unresolved_addresses(cfg: Config) -> str:
+    """Why `host` or `metrics_host` (with metrics_port) cannot be bound, as `serve` would
+    find at the start ("" if both resolve): a name with no address (`socket.getaddrinfo`,
+    the resolver serve's bind uses)."""
+    names = [("host", cfg.host)] + ([("metrics_host", cfg.metrics_host)] if cfg.metrics_port else [])
+    for setting, name in names:
+        try:
+            socket.getaddrinfo(name.strip("[]"), None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except (OSError, UnicodeError) as exc:
+            return f"{setting} = {name!r}: no address to bind ({exc}): give an IP address or a name this machine resolves"
+    return ""
 
 
 def socket_group(name: str) -> int:

@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, ModuleNotFoundError) and module.endswith(".py"):  # (round 31, a new user)
             hint = f" (--app names a module, not a file: {module[:-3]}:{args.app.partition(':')[2]})"
         elif isinstance(exc, ModuleNotFoundError) and exc.name and module.startswith(exc.name.partition(".")[0]):
-            hint = (f" (the module is looked up from the current directory, {os.getcwd()}, and"
-                    " PYTHONPATH: run from the directory that holds it, or set PYTHONPATH=DIR)")
+            path = os.environ.get("PYTHONPATH", "")
+            hint = (f" (the module is looked up from the current directory, {os.getcwd()}, and PYTHONPATH, "
+                    + (f"{path!r}" if path else "unset")
+                    + ": run from the directory that holds it, or set PYTHONPATH=DIR)")
         log.error("cannot load app %r: %s%s%s%s", args.app, _described(exc), _where(exc), hint,
                   "" if args.debug else " (--debug prints the traceback)", exc_info=args.debug)
         return WORKER_BOOT_ERROR
