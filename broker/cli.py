@@ -68,8 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="TOML config file to check (none: the environment and flags alone, as a container "
                        "sets them)")
     config.add_flags(check.add_argument_group("settings (as serve's: checked with FILE and the environment)"))
+    check_app = commands.add_parser(
+        "check-app",
+        help="import the app in a worker process as serve would and list its methods; exit 0 if "
+        "it can be served, 3 if not (as nginx -t)",
+        description="Import APP (module:attribute; by default the app of the settings: FILE, the\n"
+        "environment) in a worker process, as serve's workers do (this interpreter, the current\n"
+        "directory, the environment), and list its methods with their signatures; or say why\n"
+        "it cannot be served (its import fails, a method's type hint cannot be decoded from\n"
+        "JSON) and exit 3. Run it before a reload.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check_app.add_argument("app", metavar="APP", nargs="?", help="module:attribute of the Registry")
+    check_app.add_argument("--config", metavar="FILE", help="TOML file whose app to check (without APP)")
+    check_app.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     # (a command's own parser reports what it does not know: `unknown_arguments`)
-    parser.set_defaults(command_parsers={"serve": serve, "check-config": check})
+    parser.set_defaults(command_parsers={"serve": serve, "check-config": check, "check-app": check_app})
     commands.add_parser(
         "bench", add_help=False, prefix_chars="\0",
         help="JSON-RPC load generator that checks every answer; "
@@ -96,6 +110,26 @@ def _load(path: str | None, flags: dict[str, object]) -> config.Config | None:
     except config.ConfigError as exc:
         print(f"{PROG}: config error: {exc}", file=sys.stderr)
         return None
+
+
+def _check_app(app: str | None, path: str | None, debug: bool) -> int:
+    """`check-app`: run broker/worker/check.py on `app` (or the settings' app, from `path` and
+    the environment) in a process of its own, as serve starts a worker; its exit status."""
+    if app is None:
+        cfg = _load(path, {})
+        if cfg is None:
+            return 2
+        app = cfg.app
+    else:
+        try:
+            config.load(None, {}, {"app": app})
+        except config.ConfigError as exc:  # (the pattern's own message: an example, not a regex)
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 2
+    import subprocess
+
+    argv = [sys.executable, "-m", "broker.worker.check", app, *(["--debug"] if debug else [])]
+    return subprocess.run(argv, stdin=subprocess.DEVNULL, check=False).returncode
 
 
 class _Stopped(Exception):
@@ -151,6 +185,8 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     flags = {s.name: getattr(ns, s.name) for s in config.SETTINGS if hasattr(ns, s.name)}
+    if ns.command == "check-app":
+        return _check_app(ns.app, ns.config, ns.debug)
     if ns.command == "check-config":
         cfg = _load(ns.file, flags)
         if cfg is None:

@@ -3165,25 +3165,27 @@ def test_a_strided_memoryview_is_written_as_its_bytes():
     collections.Counter[int], collections.OrderedDict[int, int], collections.defaultdict[int, int],
     collections.deque[int], "Plain", "Plain | None", "list[Plain]", fractions.Fraction,
 ])
-def test_a_hint_msgspec_cannot_decode_is_said_at_the_registration(hint, caplog):
+def test_a_hint_msgspec_cannot_decode_refuses_the_registration_naming_the_parameter(hint):
     """Hostile testing, round 49 (LOW): hints msgspec takes for custom types (it decodes
     them only with a dec_hook, which the worker has not) registered silently, and then
-    every call giving them was refused -32602 ("Expected `Counter`, got `dict`"): the
-    author learnt it in production. The registration says so, naming the method and the
-    type; it is not refused (round 50: a parameter no call gives, `p: Plain | None = None`,
-    served as before)."""
+    every call giving them was refused -32602 ("Expected `Counter`, got `dict`"), counted
+    as the client's mistake: the author learnt it in production. Round 50 had it logged
+    only (a parameter no call gives, `p: Plain | None = None`, served); issue 12, item 10:
+    the registration is refused, naming the method, the parameter and the type, so that
+    `check-app` and the start (exit 3) say so."""
 
     class Plain:
         pass
 
-    def take(value=None):  # its hint set below (a local class in a string hint would not resolve)
+    def take(first, value=None):  # its hint set below (a local class in a string hint would not resolve)
         return value
 
-    take.__annotations__ = {"value": eval(hint, {"Plain": Plain}) if isinstance(hint, str) else hint}
-    with caplog.at_level("WARNING", logger="broker.worker"):
-        method = Method("take", take)
-    assert re.search(r"method 'take': a type hint holds \S+, which msgspec cannot decode.* refused -32602", caplog.text)
-    assert method.bind(b"[]", 64) == ((None,), {})  # (a call not giving it is served)
+    take.__annotations__ = {"first": int, "value": eval(hint, {"Plain": Plain}) if isinstance(hint, str) else hint}
+    with pytest.raises(TypeError) as refused:
+        Method("take", take)
+    assert re.fullmatch(r"method 'take': parameter 'value': its type hint holds \S+, which msgspec cannot decode from "
+                        r"JSON \(no dec_hook\), so every call giving it would be refused -32602: hint it dict, list, "
+                        r"a msgspec.Struct or a dataclass", str(refused.value)), str(refused.value)
 
 
 @pytest.mark.parametrize(("hint", "given", "bound"), [
@@ -3205,10 +3207,11 @@ def test_an_abstract_hint_registers_silently_and_binds(hint, given, bound, caplo
     assert method.bind(json.dumps([given]).encode(), 64) == ((bound,), {})
 
 
-def test_a_protocol_not_checkable_at_runtime_is_said_at_the_registration(caplog):
+def test_a_protocol_not_checkable_at_runtime_refuses_the_registration():
     """Round 51 (LOW): a Protocol that is not @runtime_checkable registered silently, and
     every call giving it raised TypeError out of the binding (round 52, LOW: the log said
-    such a call was refused -32602; it is an internal error, -32603)."""
+    such a call was refused -32602; it is an internal error, -32603). Refused now (issue 12,
+    item 10), saying which."""
 
     class Shaped(typing.Protocol):
         def area(self) -> float: ...
@@ -3217,12 +3220,10 @@ def test_a_protocol_not_checkable_at_runtime_is_said_at_the_registration(caplog)
         return value
 
     take.__annotations__ = {"value": Shaped | None}
-    with caplog.at_level("WARNING", logger="broker.worker"):
-        method = Method("take", take)
-    assert "cannot decode" in caplog.text and "Shaped" in caplog.text, caplog.text
-    assert "-32603" in caplog.text and "-32602" not in caplog.text, caplog.text
-    with pytest.raises(TypeError, match="runtime_checkable"):
-        method.bind(b"[1]", 64)
+    with pytest.raises(TypeError) as refused:
+        Method("take", take)
+    assert "parameter 'value'" in str(refused.value) and "Shaped" in str(refused.value)
+    assert "-32603 (isinstance takes no Protocol not @runtime_checkable)" in str(refused.value)
 
 
 def test_an_app_attribute_that_is_no_registry_is_named_with_its_article():

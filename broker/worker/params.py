@@ -176,16 +176,23 @@ class Method:
         self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
                              and issubclass(node.cls, enum.Flag)}) or None
         # A class no JSON value is an instance of (round 49: registered, then every call giving
-        # it answered -32602) is said at the registration; not refused (round 50: one in a
-        # parameter no call gives, `p: Plain | None = None`, served as before), nor an abstract
-        # one (`numbers.Real`, `Hashable`), which a conversion takes by isinstance.
-        custom = next((node.cls for node in held if isinstance(node, msgspec.inspect.CustomType)
-                       and _json_is_of(node.cls) is not True), None)
-        if custom is not None:
-            log.warning("method %r: a type hint holds %s.%s, which msgspec cannot decode from JSON (no dec_hook):"
-                        " a call giving it is %s; hint it dict, list, a msgspec.Struct or a dataclass",
-                        name, custom.__module__, custom.__qualname__, "refused -32602" if _json_is_of(custom) is False
-                        else "an internal error, -32603 (isinstance takes no Protocol not @runtime_checkable)")
+        # it answered -32602, counted as the client's mistake) refuses the registration, naming
+        # the parameter (issue 12, item 10: `check-app` and the start say so; round 50 had kept
+        # `p: Plain | None = None` served for calls not giving it); not an abstract one
+        # (`numbers.Real`, `Hashable`), which a conversion takes by isinstance.
+        if not raw_params:
+            for p in sig.parameters.values():
+                hint = hints.get(p.name, typing.Any)
+                custom = next((node.cls for node in collisions.reachable(msgspec.inspect.type_info(hint))
+                               if isinstance(node, msgspec.inspect.CustomType) and _json_is_of(node.cls) is not True),
+                              None)
+                if custom is not None:
+                    raise TypeError(
+                        f"method {name!r}: parameter {p.name!r}: its type hint holds {custom.__module__}."
+                        f"{custom.__qualname__}, which msgspec cannot decode from JSON (no dec_hook), so every call "
+                        "giving it would be refused " + ("-32602" if _json_is_of(custom) is False else
+                                                         "-32603 (isinstance takes no Protocol not @runtime_checkable)")
+                        + ": hint it dict, list, a msgspec.Struct or a dataclass")
         if any(isinstance(node, msgspec.inspect.UnionType) and any(isinstance(t, msgspec.inspect.RawType)
                                                                    for t in node.types) for node in held):
             raise TypeError(f"method {name!r}: a msgspec.Raw in a union (msgspec decodes only the union's other "

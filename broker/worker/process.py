@@ -93,6 +93,37 @@ def _where(exc: BaseException) -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
+def load_registry(app: str, debug: bool) -> Registry | None:
+    """The Registry of `app` ("module:attribute"), imported as a worker does (from the
+    current directory and PYTHONPATH); None after logging why it cannot be served: an
+    exception or sys.exit() at its import (a method refused at registration among them),
+    or more methods than a worker can name (`wire.MAX_METHODS`). `debug`: the traceback too.
+    Used by the workers and by `rpc-broker check-app` (broker/worker/check.py)."""
+    try:
+        registry = load_app(app)
+    except SystemExit as exc:  # the app called sys.exit() at import: a boot failure too
+        log.error("cannot load app %r: it called sys.exit(%r) at import", app, exc.code)
+        return None
+    except BaseException as exc:
+        hint = ""
+        module = app.partition(":")[0]
+        if isinstance(exc, ModuleNotFoundError) and module.endswith(".py"):  # (round 31, a new user)
+            hint = f" (--app names a module, not a file: {module[:-3]}:{app.partition(':')[2]})"
+        elif isinstance(exc, ModuleNotFoundError) and exc.name and module.startswith(exc.name.partition(".")[0]):
+            path = os.environ.get("PYTHONPATH", "")
+            hint = (f" (the module is looked up from the current directory, {os.getcwd()}, and PYTHONPATH, "
+                    + (f"{path!r}" if path else "unset")
+                    + ": run from the directory that holds it, or set PYTHONPATH=DIR)")
+        log.error("cannot load app %r: %s%s%s%s", app, _described(exc), _where(exc), hint,
+                  "" if debug else " (--debug prints the traceback)", exc_info=debug)
+        return None
+    if len(registry) > wire.MAX_METHODS:  # a batch could not name the ones past it
+        log.error("app %r has %d methods, more than the %d one worker can serve (a batch names"
+                  " a method by a 16-bit index): not serving it", app, len(registry), wire.MAX_METHODS)
+        return None
+    return registry
+
+
 def _deaf(signum: int, frame: types.FrameType | None) -> None:
     """The worker's SIGINT handler: nothing (see `main`)."""
 
@@ -131,27 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     # and msgspec, which counts Python's recursion limit, failed on params a few levels
     # short of it (hostile testing, round 26: echo of params 983 deep, -32603 "not valid JSON").
     sys.setrecursionlimit(sys.getrecursionlimit() + STACK_MARGIN)
-    try:
-        registry = load_app(args.app)
-    except SystemExit as exc:  # the app called sys.exit() at import: a boot failure too
-        log.error("cannot load app %r: it called sys.exit(%r) at import", args.app, exc.code)
-        return WORKER_BOOT_ERROR
-    except BaseException as exc:
-        hint = ""
-        module = args.app.partition(":")[0]
-        if isinstance(exc, ModuleNotFoundError) and module.endswith(".py"):  # (round 31, a new user)
-            hint = f" (--app names a module, not a file: {module[:-3]}:{args.app.partition(':')[2]})"
-        elif isinstance(exc, ModuleNotFoundError) and exc.name and module.startswith(exc.name.partition(".")[0]):
-            path = os.environ.get("PYTHONPATH", "")
-            hint = (f" (the module is looked up from the current directory, {os.getcwd()}, and PYTHONPATH, "
-                    + (f"{path!r}" if path else "unset")
-                    + ": run from the directory that holds it, or set PYTHONPATH=DIR)")
-        log.error("cannot load app %r: %s%s%s%s", args.app, _described(exc), _where(exc), hint,
-                  "" if args.debug else " (--debug prints the traceback)", exc_info=args.debug)
-        return WORKER_BOOT_ERROR
-    if len(registry) > wire.MAX_METHODS:  # a batch could not name the ones past it
-        log.error("app %r has %d methods, more than the %d one worker can serve (a batch names"
-                  " a method by a 16-bit index): not serving it", args.app, len(registry), wire.MAX_METHODS)
+    registry = load_registry(args.app, args.debug)
+    if registry is None:
         return WORKER_BOOT_ERROR
     try:
         import uvloop

@@ -1,0 +1,62 @@
+"""`rpc-broker check-app` (issue 12, item 10): the app imported in a worker process as serve's
+workers import it, its methods listed with their signatures, or why it cannot be served (exit
+3, as nginx -t); a method whose type hint msgspec cannot decode is refused at registration,
+naming the parameter, by check-app and by serve at the start. Real processes: the CLI, and a
+broker for the start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, start_broker
+
+PLAIN = ("method 'norm': parameter 'p': its type hint holds tests.apps.plain_hint.Point, which msgspec cannot "
+         "decode from JSON (no dec_hook), so every call giving it would be refused -32602: hint it dict, list, a "
+         "msgspec.Struct or a dataclass")
+
+
+def check_app(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RPC_BROKER_")}
+    return subprocess.run([sys.executable, "-m", "broker", "check-app", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**clean, **(env or {})})
+
+
+def test_an_app_that_can_be_served_is_listed_method_by_method():
+    done = check_app("broker.demo:faults")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "ok: app 'broker.demo:faults', 16 methods"
+    rows = {line.split("(")[0].strip(): line for line in lines[1:]}
+    assert len(rows) == 16
+    assert rows["raise_error"].split() == ["raise_error(code:", "int,", "message:", "str,", "data:", "object", "=",
+                                           "None)", "->", "None", "sync"]
+    assert rows["sleep"].endswith("async") and rows["echo"].endswith("sync, raw params")
+    assert rows["add"].strip().split("  ")[0] == "add(a: int | float, b: int | float) -> int | float"
+
+
+def test_without_app_the_settings_app_is_checked():
+    done = check_app(env={"RPC_BROKER_APP": "broker.demo:registry"})
+    assert done.returncode == 0 and done.stdout.startswith("ok: app 'broker.demo:registry', 10 methods\n"), done
+
+
+@pytest.mark.parametrize(("app", "status", "said"), [
+    ("tests.apps.plain_hint:registry", 3, f"ERROR cannot load app 'tests.apps.plain_hint:registry': TypeError: {PLAIN}"),
+    ("no_such_module_here:registry", 3, "ModuleNotFoundError: No module named 'no_such_module_here' (the module is"
+                                        " looked up from the current directory"),
+    ("broker.demo:registr", 3, "(did you mean 'registry'?)"),
+    ("mytools", 2, "app = 'mytools': expected module:attribute, as in mytools:registry"),
+])
+def test_an_app_that_cannot_be_served_is_refused_saying_why(app, status, said):
+    done = check_app(app)
+    assert done.returncode == status and said in done.stderr, done
+    assert not done.stdout.startswith("ok")
+
+
+def test_serve_refuses_at_the_start_an_app_whose_hint_cannot_be_decoded():
+    with pytest.raises(RuntimeError) as info:
+        start_broker("--workers", "1", "--app", "tests.apps.plain_hint:registry", timeout=60)
+    message = str(info.value)
+    assert message.startswith("broker exited with 3:") and PLAIN in message, message
