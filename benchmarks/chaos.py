@@ -77,6 +77,8 @@ from chaos_client import (  # noqa: E402
 from conftest import children, free_port, rss_kib  # noqa: E402  (the tests' helpers)
 from results_md import put_section  # noqa: E402
 
+from broker.loadgen.stopping import run as run_stopping  # noqa: E402
+from broker.loadgen.stopping import stop_on_signals  # noqa: E402
 from broker.loadgen.target import Target  # noqa: E402
 
 KINDS = ("kill", "stop", "hup2", "crash", "hang", "drop")
@@ -576,22 +578,16 @@ def write_results(r: Report, path: Path) -> None:
         f"The broker's counters at the end: {restarts}. RSS (MiB) at the start and the end: the broker "
         f"{rss['broker_start'] / 1024:.1f} and {rss['broker_end'] / 1024:.1f}, its workers "
         f"{rss['workers_start'] / 1024:.1f} and {rss['workers_end'] / 1024:.1f}. The broker stopped with status "
-        f"{r.broker_exit} in {r.broker_stop_s:g} s; its log had {r.broker_error_lines} ERROR lines "
+        f"{r.broker_exit} in {r.broker_stop_s:g} s; its log had {r.broker_error_lines} ERROR "
+        f"line{'s' if r.broker_error_lines != 1 else ''} "
         f"({len(r.broker_log_problems)} tracebacks or loop errors). Verdict: "
         + ("nothing lost, duplicated or wrong." if r.ok else "FAILED: " + "; ".join(r.failures) + "."),
         "", "| calls | count |", "|---|---:|", *(f"| {name} | {n:,} |" for name, n in rows),
     ], path)
 
 
-def _on_stop_signal(signum: int, _frame: object) -> None:
-    """SIGTERM or SIGHUP: raise KeyboardInterrupt, so that the `finally` stopping what this
-    started runs (Python's default for SIGTERM ends the process at once: the broker and its
-    workers were left serving, hostile testing, round 112)."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join((__doc__ or "").split("\n\n")[0].split()))
     parser.add_argument("--seconds", type=float, default=60.0, help="seconds of load and chaos (default 60)")
     parser.add_argument("--seed", type=int, default=None, help="the schedule's seed (default: drawn, then printed)")
     parser.add_argument("--workers", type=int, default=2, help="the broker's workers (default 2)")
@@ -603,8 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     parser.add_argument("--write", action="store_true", help="also put the figures into benchmarks/RESULTS.md")
     s = parser.parse_args(argv, namespace=Settings())
-    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(stop_signal, _on_stop_signal)
+    stop_on_signals()  # (its `finally` stops what it started: broker/loadgen/stopping.py)
     if s.seed is None:
         s.seed = random.randrange(1 << 31)
     if not (1 <= s.seconds <= 86400 and s.workers >= 1 and s.concurrency >= 1 and s.event_gap > 0):
@@ -652,4 +647,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_stopping("chaos", main)

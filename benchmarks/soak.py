@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -52,6 +51,9 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from conftest import Broker, children, free_port, rss_kib, start_broker  # noqa: E402  (the tests' launcher)
 from results_md import put_section  # noqa: E402  (benchmarks/, this script's directory)
+
+from broker.loadgen.stopping import run as run_stopping  # noqa: E402
+from broker.loadgen.stopping import stop_on_signals  # noqa: E402
 
 MIX = [
     {"method": "add", "params": [1, 2], "weight": 80},
@@ -230,13 +232,6 @@ def write_results(args: argparse.Namespace, cap: float, rate: float, results: di
     ])
 
 
-def _on_stop_signal(signum: int, _frame: object) -> None:
-    """SIGTERM or SIGHUP: raise KeyboardInterrupt, so that the `finally` stopping what this
-    started runs (Python's default for SIGTERM ends the process at once: the broker and its
-    workers were left serving, hostile testing, round 112)."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="minutes of load (default 10)")
@@ -251,8 +246,7 @@ def main() -> int:
     parser.add_argument("--write", action="store_true",
                         help="put the figures into benchmarks/RESULTS.md and the plot into benchmarks/soak.png")
     args = parser.parse_args()
-    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(stop_signal, _on_stop_signal)
+    stop_on_signals()  # (its `finally` stops what it started: broker/loadgen/stopping.py)
     if args.warmup is None:  # (new user, round 104: `--minutes 1` was refused, its warm-up being 1)
         args.warmup = min(1.0, args.minutes / 3)
     if args.write and not args.plot:
@@ -362,4 +356,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_stopping("soak", main)

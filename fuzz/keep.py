@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 
 from fuzz.harness import REGRESSIONS
+from fuzz.run import HARNESSES
 
 __all__ = ["keep", "main"]
 
@@ -45,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (2, 3):
         print(__doc__, file=sys.stderr)
+        return 2
+    if args[0] not in HARNESSES:  # (new user, round 105: a traceback)
+        print(f"no harness {args[0]!r}: one of {', '.join(HARNESSES)}", file=sys.stderr)
+        return 2
+    if not Path(args[1]).is_file():
+        print(f"no file {args[1]}: give the input libFuzzer wrote (fuzz: ... FOUND PATH)", file=sys.stderr)
         return 2
     target, failure = keep(args[0], Path(args[1]), args[2] if len(args) == 3 else None)
     print(f"kept {target}")

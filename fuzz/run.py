@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import re
-import signal
 import subprocess
 import sys
 import time
 import typing
 from pathlib import Path
 
+from broker.loadgen.stopping import run as run_stopping
+from broker.loadgen.stopping import stop_on_signals
 from fuzz.harness import ROOT, WORK
 
 __all__ = ["HARNESSES", "RSS_LIMIT_MB", "TIMEOUT_SECONDS", "Outcome", "main", "run"]
@@ -134,13 +135,6 @@ def _print(o: Outcome) -> None:
         print(f"fuzz: {o.harness}: failed without an input written: see {o.log}", flush=True)
 
 
-def _on_stop_signal(signum: int, _frame: object) -> None:
-    """SIGTERM or SIGHUP: raise KeyboardInterrupt, so that the `finally` stopping what this
-    started runs (Python's default for SIGTERM ends the process at once: the broker and its
-    workers were left serving, hostile testing, round 112)."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     """The command line (see the module docstring); the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -155,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(args)
     if ns.seconds < 1:  # (libFuzzer takes -max_total_time=0 as no limit: hostile testing, round 112)
         parser.error(f"--seconds {ns.seconds}: at least 1")
-    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(stop_signal, _on_stop_signal)
+    stop_on_signals()  # (its `finally` stops what it started: broker/loadgen/stopping.py)
     unknown = [h for h in ns.harnesses if h not in HARNESSES]
     if unknown:
         parser.error(f"no harness {', '.join(unknown)} (there are {', '.join(HARNESSES)})")
@@ -167,4 +160,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_stopping("fuzz", main)

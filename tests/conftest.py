@@ -307,20 +307,31 @@ def alive(pid: int) -> bool:
         return False
 
 
+class Stopped(typing.NamedTuple):
+    """What `stopped_with_its_processes` found: the processes left alive (SIGKILLed since),
+    the script's exit status, and what it wrote to stderr."""
+
+    left: set[int]
+    status: int | None
+    stderr: str
+
+
 def stopped_with_its_processes(argv: list[str], started: int, timeout: float = 60.0,
-                               env: dict[str, str] | None = None) -> set[int]:
+                               env: dict[str, str] | None = None) -> Stopped:
     """Run `argv` (a script that starts processes of its own: a broker, load generators),
     wait until `started` processes run under it, SIGTERM it alone (as `kill PID` or a CI
     runner's timeout do), and return those of them still alive 30 s after it ended: none,
     if it stops what it started (hostile testing, round 112: a broker was left serving). Those
-are SIGKILLed before the return."""
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    are SIGKILLed before the return. Its exit status and stderr too: 143 and one line, no
+    traceback (new user, round 105)."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
+    err = ""
     try:
         wait_for(lambda: len(descendants(proc.pid)) >= started, timeout=timeout, interval=0.2)
         under = descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        _, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -332,7 +343,7 @@ are SIGKILLed before the return."""
     for pid in left:  # (the test that sees them fails; they are not left running past it)
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    return left
+    return Stopped(left, proc.returncode, err)
 
 
 def wait_for(predicate: object, timeout: float = 10.0, interval: float = 0.02) -> None:

@@ -122,9 +122,12 @@ def test_chaos_sent_sigterm_stops_its_broker(tmp_path: Path) -> None:
     """Hostile testing, round 112: SIGTERM to chaos.py left its broker and workers serving; it
     now stops them first (the broker and its 2 workers: 3 under it). Round 113: with SIGTERM,
     not SIGKILL, so that the broker removes its workers' socket directory (in TMPDIR)."""
-    left = stopped_with_its_processes([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seconds", "60",
-                                       "--seed", "1"], 3, env={"TMPDIR": str(tmp_path)})
-    assert not left, left
+    stopped = stopped_with_its_processes([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seconds", "60",
+                                          "--seed", "1"], 3, env={"TMPDIR": str(tmp_path)})
+    assert not stopped.left, stopped.left
+    # (new user, round 105: a KeyboardInterrupt traceback, exit 130)
+    assert stopped.status == 143 and "Traceback" not in stopped.stderr, stopped.stderr
+    assert "chaos: interrupted by SIGTERM; what it started is stopped" in stopped.stderr
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("rpc-broker-")] == []
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("rb-chaos-")]  # (its log, kept)
 

@@ -626,7 +626,8 @@ def test_calls_past_their_callers_rate_are_answered_rate_limited_each_batch_elem
     budget = ResponseBudget(d.outgoing)
     budget.bucket = Bucket(Rate(0.5, 3))
     batch = d.submit(body(codec, [req("a", [], 1), req("nope", [], 2), {"jsonrpc": "2.0", "method": "a"},
-                                  req("a", [], 3), req("a", [], 4), {"jsonrpc": "2.0", "method": "a"}]),
+                                  req("a", [], 3), req("a", [], 4), {"jsonrpc": "2.0", "method": "a"},
+                                  {"jsonrpc": "2.0", "method": "a"}]),
                      done.append, budget)
     assert batch is not None and batch.status == 200
     limited = {"code": -32005, "message": "Rate limited", "data": {"retry_after_seconds": 2.0}}
@@ -634,11 +635,24 @@ def test_calls_past_their_callers_rate_are_answered_rate_limited_each_batch_elem
         None, {"jsonrpc": "2.0", "id": 2, "error": NOT_FOUND},  # (an unknown method's call takes one too)
         {"jsonrpc": "2.0", "id": 3, "error": limited}, {"jsonrpc": "2.0", "id": 4, "error": limited},
     ]
-    assert d.rate_limited_notifications == 1 and budget.bucket.refused_total == 3
+    assert d.rate_limited_notifications == 2 and budget.bucket.refused_total == 4
     assert metrics.outcomes[metrics.other] == {ErrorCode.METHOD_NOT_FOUND: 1, ErrorCode.RATE_LIMITED: 2}
+    assert metrics.latency[metrics.other].sum_us == 0  # (answered at once)
     assert budget.held == sum(len(a) for a in batch.answers if a)
     single = d.submit(body(codec, req("a", [], "s")), done.append, budget)
     assert single is not None and single.status == 429 and single.remaining == 0
     assert json.loads(single.body()) == {"jsonrpc": "2.0", "id": "s", "error": limited}
     sent = w.channel.take()
     assert len(sent) == 2  # (the first call, and the notification: the rest never went)
+
+
+def test_a_global_policy_holds_for_a_body_submitted_without_a_connections_budget(clock, caplog):
+    """`submit` with no budget makes one: under the global lists (`Policy.denied[""]`). And
+    each method table's patterns that match no method are warned about (`set_methods`)."""
+    policy = Policy(MethodRule(deny=("b", "slep")))
+    with caplog.at_level("WARNING", logger="broker.dispatch"):
+        d, _w, codec, done = one_worker(clock.loop, ["a", "b", "sleep"], policy=policy)
+    assert [r.getMessage() for r in caplog.records] == [
+        "allow_methods/deny_methods: 'slep' matches no method the workers registered (did you mean 'sleep'?)"]
+    exchange = d.submit(body(codec, req("b", [], 1)), done.append)
+    assert exchange is not None and json.loads(exchange.body())["error"] == NOT_FOUND

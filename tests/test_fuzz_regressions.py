@@ -138,9 +138,23 @@ def test_make_fuzz_s_runner_starts_from_no_work_directory_and_reports_the_inputs
 def test_make_fuzz_s_runner_sent_sigterm_stops_its_harness(tmp_path: Path) -> None:
     """Hostile testing, round 112: SIGTERM to fuzz.run left its harness fuzzing until its own
     -max_total_time (for ever with --seconds 0, now refused)."""
-    left = stopped_with_its_processes([sys.executable, "-m", "fuzz.run", "--seconds", "120", "wire_frames"], 1,
-                                      env={"PYTHONPATH": str(ROOT), "FUZZ_WORK": str(tmp_path / "work")})
-    assert not left, left
+    stopped = stopped_with_its_processes([sys.executable, "-m", "fuzz.run", "--seconds", "120", "wire_frames"], 1,
+                                         env={"PYTHONPATH": str(ROOT), "FUZZ_WORK": str(tmp_path / "work")})
+    assert not stopped.left, stopped.left
+    # (new user, round 105: a KeyboardInterrupt traceback, exit 130)
+    assert stopped.status == 143 and "Traceback" not in stopped.stderr, stopped.stderr
+    assert "fuzz: interrupted by SIGTERM; what it started is stopped" in stopped.stderr
     refused = subprocess.run([sys.executable, "-m", "fuzz.run", "--seconds", "0", "wire_frames"], cwd=ROOT,
                              env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--seconds 0: at least 1" in refused.stderr
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["nosuch", "x"], "no harness 'nosuch': one of jsonrpc_codec, wire_frames, http_frontend, ndjson_frontend"),
+    (["http_frontend", "/nonexistent/crash-1"], "no file /nonexistent/crash-1: give the input libFuzzer wrote"),
+])
+def test_fuzz_keep_refuses_a_wrong_harness_or_path_in_one_line(args: list[str], said: str) -> None:
+    """New user, round 105: a wrong harness or path ended `python -m fuzz.keep` in a traceback."""
+    done = subprocess.run([sys.executable, "-m", "fuzz.keep", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
