@@ -37,6 +37,8 @@ import msgspec
 
 from broker.answers import Exchange, Outgoing, ResponseBudget
 from broker.jsonrpc import Body, Codec, ErrorCode, Request, response_result
+from broker.policy import Policy
+from broker.ratelimit import Limiter
 from fuzz.harness import plan, timed
 
 __all__ = [
@@ -167,6 +169,8 @@ class EchoDispatcher:
         self.later = later
         self.max_response_bytes = max_response_bytes
         self.outgoing = Outgoing()
+        self.policy = Policy()  # (every method served: the front-ends hand its sets to their budgets)
+        self.limiter = Limiter()  # (no rate limit)
         self.accepting = True
         self.answering_workers = self.ready_workers = 1
         self.in_grace = False
