@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import stat
 import sys
 import typing
@@ -44,6 +45,7 @@ from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.policy import MethodRule, Policy
 from broker.pool import Pool, WorkerBootError
 from broker.ratelimit import Limiter, Rate, burst_for
+from broker.tls import HANDSHAKE_SECONDS, TlsError, server_context
 from broker.worker import WORKER_BOOT_ERROR
 
 __all__ = ["run", "serve", "warn_unserved_timeouts"]
@@ -212,7 +214,8 @@ async def _unix_server(
 
 
 def _accept_queued(
-    loop: asyncio.AbstractEventLoop, listening: list[socket.socket], fe: HttpFrontend | StreamFrontend
+    loop: asyncio.AbstractEventLoop, listening: list[socket.socket], fe: HttpFrontend | StreamFrontend,
+    tls: ssl.SSLContext | None = None,
 ) -> list[asyncio.Task[object]]:
     """Accept the connections the kernel holds in the listen queues of `listening` (copies
     of a listener's sockets, taken before it closed: they keep its queue) and serve them as
@@ -223,7 +226,7 @@ def _accept_queued(
     after it are refused by the kernel. Only as many as `fe` has room for within
     max_connections are accepted (round 35: past it, each took a file descriptor, until
     none was left, only to be closed unread); the rest are reset as before. Returns the
-    tasks that make their transports (`loop.connect_accepted_socket`)."""
+    tasks that make their transports (`loop.connect_accepted_socket`; over TLS with `tls`)."""
     tasks: list[asyncio.Task[object]] = []
     room = fe.max_connections - (fe.pool_size() if isinstance(fe, HttpFrontend) else len(fe.connections))
     for sock in listening:
@@ -237,7 +240,11 @@ def _accept_queued(
                 except OSError as exc:  # (EMFILE: those left are reset, as before)
                     log.warning("stopping: cannot accept a connection queued before the stop: %s", exc)
                     break
-                tasks.append(loop.create_task(loop.connect_accepted_socket(fe.protocol, conn)))
+                if tls is None:
+                    tasks.append(loop.create_task(loop.connect_accepted_socket(fe.protocol, conn)))
+                else:
+                    tasks.append(loop.create_task(loop.connect_accepted_socket(
+                        fe.protocol, conn, ssl=tls, ssl_handshake_timeout=HANDSHAKE_SECONDS)))
     return tasks
 
 
@@ -273,8 +280,8 @@ def _banner(line: str) -> None:
         pass
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def fit_open_files(max_connections: int, listeners: int, extra: int) -> int:
@@ -469,6 +476,11 @@ async def run(
         hosts = (*config.allowed_hosts, config.host, config.metrics_host)
         incoming = Incoming(config.max_incoming_bytes)  # (one for all the listeners)
         auth = Authenticator(tokens) if tokens else None
+        try:
+            tls = server_context(config.tls_cert_file, config.tls_key_file)  # (checked by config.load: again, now)
+        except TlsError as exc:
+            log.error("%s", exc)
+            return 2
         health = msgspec.json.encode({"status": "ok", "version": broker.version(), "app": config.app})
         http = _settings(config, "keepalive_timeout request_timeout send_timeout allowed_origins auth_metrics")
         frontend = HttpFrontend(
@@ -529,8 +541,9 @@ async def run(
                     _check_socket_path(where)
                     bound.append(None)
                 else:
-                    bound.append(await loop.create_server(fe.protocol, where, port_, backlog=2048,
-                                                          start_serving=False))
+                    bound.append(await loop.create_server(
+                        fe.protocol, where, port_, backlog=2048, start_serving=False, ssl=tls,
+                        ssl_handshake_timeout=HANDSHAKE_SECONDS if tls is not None else None))
             except OSError as exc:
                 cannot_listen(fe, where, port_, exc)
                 await give_up()
@@ -589,7 +602,7 @@ async def run(
         dispatcher.outgoing.on_full = lambda: shed_outgoing(dispatcher.outgoing, frontends)
         host, port = servers[0].sockets[0].getsockname()[:2]
         _banner(
-            f"rpc-broker: serving JSON-RPC on {_url(host, port)}{config.rpc_path}"
+            f"rpc-broker: serving JSON-RPC on {_url(host, port, 'https' if tls else 'http')}{config.rpc_path}"
             f" with {pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app}, event loop"
             f" {config.event_loop}, pid {os.getpid()})"
         )
@@ -597,10 +610,12 @@ async def run(
             if isinstance(fe, StreamFrontend):
                 name = server.sockets[0].getsockname()
                 # (a relative --stream-socket shown absolute: round 31 showed `unix://relative`)
-                shown = f"unix://{os.path.abspath(name)}" if fe.transport == "unix" else _url(*name[:2]).replace("http", "tcp", 1)
+                shown = (f"unix://{os.path.abspath(name)}" if fe.transport == "unix"
+                         else _url(name[0], name[1], "tls" if tls else "tcp"))
                 _banner(f"rpc-broker: serving NDJSON JSON-RPC on {shown}")
             elif fe.metrics is not None:
-                _banner(f"rpc-broker: metrics on {_url(*server.sockets[0].getsockname()[:2])}/metrics")
+                address = server.sockets[0].getsockname()
+                _banner(f"rpc-broker: metrics on {_url(address[0], address[1], 'https' if tls else 'http')}/metrics")
         if config.stream_socket and int(config.stream_socket_mode, 8) & 0o007:
             log.warning("stream_socket_mode %s lets every user of this machine connect to %s and call every tool",
                         config.stream_socket_mode, config.stream_socket)
@@ -632,7 +647,7 @@ async def run(
                 listening = [socket.socket(fileno=os.dup(sock.fileno())) for sock in server.sockets]
                 server.close()
                 fe.drain()
-                queued += _accept_queued(loop, listening, fe)
+                queued += _accept_queued(loop, listening, fe, tls if fe.transport != "unix" else None)
         await asyncio.gather(*queued, return_exceptions=True)
         grace_ends = loop.time() + config.grace_period
         await dispatcher.drain(config.grace_period, hurry)

@@ -36,7 +36,7 @@ settings.register_profile("mutate", derandomize=True, database=None,
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTDATA = ROOT / "tests" / "data"  # everything the tests read is in the repository
-_SERVING = re.compile(r"serving JSON-RPC on http://(\[[^\]]+\]|[^:/]+):(\d+)(/\S*)")
+_SERVING = re.compile(r"serving JSON-RPC on https?://(\[[^\]]+\]|[^:/]+):(\d+)(/\S*)")
 
 
 class Broker:
@@ -344,6 +344,17 @@ def stopped_with_its_processes(argv: list[str], started: int, timeout: float = 6
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     return Stopped(left, proc.returncode, err)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything `sock` receives until its peer closes it (a reset ends it too)."""
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return received
 
 
 def wait_for(predicate: object, timeout: float = 10.0, interval: float = 0.02) -> None:

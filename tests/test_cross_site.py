@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Broker, free_port, sample, scrape_metrics, start_broker, wait_for
+from conftest import Broker, free_port, read_until_closed, sample, scrape_metrics, start_broker, wait_for
 
 from broker import config
 
@@ -722,12 +722,7 @@ def assert_closed_as_http(b: Broker, port: int, ledger: Path, raw: bytes) -> Non
     then the close; the call in its body did not run."""
     with socket.create_connection((b.host, port), timeout=15) as s:
         s.sendall(raw)
-        received = b""
-        try:
-            while chunk := s.recv(65536):
-                received += chunk
-        except ConnectionResetError:
-            pass
+        received = read_until_closed(s)
     error = json.loads(received)  # one line
     assert error["id"] is None and error["error"]["code"] == -32600, received
     assert "an HTTP request" in error["error"]["data"], received

@@ -42,6 +42,7 @@ from broker.config.settings import (
     ConfigError,
     Setting,
 )
+from broker.tls import TlsError, server_context
 
 _BOOLS: Final = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 _AT_PATH: Final = re.compile(r" - at `[^`]*`( in `[^`]*`)?$")
@@ -282,6 +283,11 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
             raise ConfigError(f"{sources.get(names[0], 'the default')}: {problem}")
         where = "; ".join(f"{name} from {sources.get(name, 'the default')}" for name in names)
         raise ConfigError(f"{problem} ({where})")
+    try:
+        server_context(cfg.tls_cert_file, cfg.tls_key_file)
+    except TlsError as exc:
+        given = [n for n in ("tls_cert_file", "tls_key_file") if n in sources]
+        raise ConfigError(f"{'; '.join(f'{n} from {sources[n]}' for n in given) or 'tls'}: {exc}") from None
     try:
         tokens = load_tokens(cfg.auth_tokens_file, env, sources.get("auth_tokens_file", ""))
     except AuthError as exc:

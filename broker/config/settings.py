@@ -156,6 +156,15 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             rule="origins like https://app.example (no :443 or :80, as browsers send them) or '*'",
             metavar="ORIGINS"),
     ] = ()
+    tls_cert_file: Annotated[str,
+                             Doc("PEM certificate (then its chain) for TLS on every TCP listener (HTTP, "
+                                 "metrics_port, stream_port); with tls_key_file; empty means plain TCP",
+                                 metavar="PATH")
+                             ] = ""
+    tls_key_file: Annotated[str,
+                            Doc("PEM private key of tls_cert_file, unencrypted, readable by the broker's "
+                                "user only", metavar="PATH")
+                            ] = ""
     auth_tokens_file: Annotated[str,
                                 Doc("file of the bearer tokens callers must send on rpc_path "
                                     "(Authorization: Bearer TOKEN): one NAME:TOKEN a line, or a .toml "

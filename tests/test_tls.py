@@ -1,0 +1,115 @@
+"""TLS on the TCP listeners (issue 12, item 4): tls_cert_file and tls_key_file, a certificate
+authority and certificates made at test time (trustme), a real broker over loopback: HTTPS
+and NDJSON over TLS served, plain TCP refused, the settings' mistakes refused at the start.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import trustme
+from conftest import ROOT, Broker, free_port, read_until_closed
+
+CALL = {"jsonrpc": "2.0", "method": "add", "params": [2, 3], "id": 1}
+
+
+class Pki(typing.NamedTuple):
+    ca: trustme.CA
+    cert: Path
+    key: Path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """A CA and a certificate for 127.0.0.1 and localhost, as PEM files (the chain, the key)."""
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1", "localhost")
+    folder = tmp_path_factory.mktemp("pki")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    cert.write_bytes(b"".join(blob.bytes() for blob in issued.cert_chain_pems))
+    key.write_bytes(issued.private_key_pem.bytes())
+    key.chmod(0o600)
+    return Pki(ca, cert, key)
+
+
+def client_context(pki: Pki) -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    pki.ca.configure_trust(context)
+    return context
+
+
+def test_https_and_ndjson_over_tls_are_served_and_plain_tcp_is_not(broker_factory, pki: Pki) -> None:
+    stream_port = free_port()
+    b: Broker = broker_factory("--workers", "1", "--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key),
+                               "--stream-port", str(stream_port))
+    log = b.read_log()
+    assert f"serving JSON-RPC on https://127.0.0.1:{b.port}/" in log
+    assert f"serving NDJSON JSON-RPC on tls://127.0.0.1:{stream_port}" in log
+    assert f"metrics on https://127.0.0.1:{b.port}/metrics" in log
+    context = client_context(pki)
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    conn = http.client.HTTPSConnection("127.0.0.1", b.port, context=context, timeout=10)
+    try:
+        conn.request("POST", "/", body=json.dumps(CALL), headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert (resp.status, json.loads(resp.read())) == (200, {"jsonrpc": "2.0", "id": 1, "result": 5})
+        assert conn.sock.selected_alpn_protocol() == "http/1.1"  # type: ignore[union-attr]  # (not h2)
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 200 and b"rpc_broker_calls_total" in resp.read()
+    finally:
+        conn.close()
+    with socket.create_connection(("127.0.0.1", stream_port), timeout=10) as raw, \
+            client_context(pki).wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        tls.sendall(json.dumps(CALL).encode() + b"\n")
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = tls.recv(4096)
+            assert chunk
+            line += chunk
+    assert json.loads(line) == {"jsonrpc": "2.0", "id": 1, "result": 5}
+    # Plain HTTP on the TLS port gets no HTTP answer: the handshake fails, the connection closes
+    with socket.create_connection(("127.0.0.1", b.port), timeout=10) as plain:
+        plain.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        assert not read_until_closed(plain).startswith(b"HTTP/")
+    # A client that does not trust the broker's CA refuses it
+    with pytest.raises(ssl.SSLCertVerificationError), socket.create_connection(("127.0.0.1", b.port), timeout=10) as raw:
+        ssl.create_default_context().wrap_socket(raw, server_hostname="127.0.0.1")
+
+
+def check_config(*flags: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RPC_BROKER_")}
+    return subprocess.run([sys.executable, "-m", "broker", "check-config", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_tls_files_that_cannot_be_used_are_refused_at_the_start(pki: Pki, tmp_path: Path) -> None:
+    done = check_config("--tls-cert-file", str(pki.cert))
+    assert done.returncode == 2
+    assert "tls_cert_file is set but tls_key_file is not: TLS needs both" in done.stderr
+    other = trustme.CA().issue_cert("127.0.0.1")
+    wrong_key = tmp_path / "other.key"
+    wrong_key.write_bytes(other.private_key_pem.bytes())
+    done = check_config("--tls-cert-file", str(pki.cert), "--tls-key-file", str(wrong_key))
+    assert done.returncode == 2 and "cannot be used: KEY_VALUES_MISMATCH" in done.stderr, done.stderr
+    done = check_config("--tls-cert-file", str(tmp_path / "absent.pem"), "--tls-key-file", str(pki.key))
+    assert done.returncode == 2 and f"tls_cert_file {tmp_path / 'absent.pem'}: cannot read it: No such file" \
+        in done.stderr, done.stderr
+    from cryptography.hazmat.primitives import serialization  # (trustme's own dependency)
+
+    key = serialization.load_pem_private_key(pki.key.read_bytes(), password=None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.BestAvailableEncryption(b"secret")))
+    done = check_config("--tls-cert-file", str(pki.cert), "--tls-key-file", str(encrypted))
+    assert done.returncode == 2 and "tls_key_file is encrypted: give it unencrypted" in done.stderr, done.stderr
+    assert check_config("--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key)).returncode == 0
