@@ -681,20 +681,21 @@ def test_the_drain_counts_the_calls_its_end_cuts_off_of_a_chunk_those_unanswered
     """Issue 12, item 13: the stop's log says how many calls the grace period's end cut off
     (`Dispatcher.cut_off`): a chunk's calls not answered yet, a single call; no notification."""
     d, w, codec, done = one_worker(clock.loop, ["m"], 4)
-    d.submit(body(codec, [req("m", [], i) for i in range(4)]), done.append)
-    for single in ({"jsonrpc": "2.0", "method": "m"}, req("m", [], "one"), req("m", [], "two")):
-        d.submit(body(codec, single), done.append)  # (queued: the chunk fills the worker's 4 places)
+    batch = d.submit(body(codec, [req("m", [], i) for i in range(4)]), done.append)
+    assert batch is not None
+    for single in ({"jsonrpc": "2.0", "method": "m"}, *(req("m", [], name) for name in ("one", "two", "three"))):
+        d.submit(body(codec, single), done.append)  # (some queued: the worker has 4 places)
     frames = w.channel.take()
     [chunk_frame] = [f for f in frames if f[0] == wire.Kind.CHUNK]
-    assert d.queued_calls == 3
+    assert chunk_frame[2] == 2 and d.queued_calls == 4  # (the batch's other chunk and two singles)
     d.on_reply(w, wire.Kind.CHUNK_PART, chunk_frame[1], 0, chunk_answers((1, wire.RESULT, b"1")))
     hurry = asyncio.Event()
     hurry.set()
     drain = clock.loop.create_task(d.drain(30.0, hurry))
     clock.advance(0.0)
     clock.advance(0.0)
-    assert drain.done() and d.cut_off == 3 + 2  # (the chunk's slots 0, 2 and 3; "one" and "two")
-    assert [json.loads(a).get("result") for a in done[0].answers] == [None, 1, None, None]  # type: ignore[arg-type]
+    assert drain.done() and d.cut_off == 3 + 3  # (the batch's slots 0, 2 and 3; "one", "two", "three")
+    assert [json.loads(a).get("result") for a in batch.answers] == [None, 1, None, None]  # type: ignore[arg-type]
 
 
 def test_a_gone_connections_calls_are_counted_one_by_one_and_its_worker_killed_if_it_never_acknowledges(clock):
