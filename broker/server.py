@@ -503,6 +503,7 @@ async def run(
             if (port_ if transport == "tcp" else where):
                 stream = StreamFrontend(
                     dispatcher, transport=transport, max_connections=max_connections, incoming=incoming,
+                    auth=auth if transport == "tcp" else None,  # (the Unix socket: its file mode)
                     **_settings(config, "max_body_bytes max_batch keepalive_timeout send_timeout"),
                 )
                 listeners.append((stream, where, port_))

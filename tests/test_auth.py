@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Broker, start_broker
+from conftest import ROOT, Broker, free_port, start_broker
 from test_response_limits import read_http_response
 
 from broker import cli
@@ -115,14 +115,6 @@ def test_check_config_reads_the_tokens_and_refuses_bad_ones(tmp_path, clean_env,
     monkeypatch.setenv(ENV_TOKENS, "x")
     assert cli.main(["check-config", write(tmp_path, "none.toml", "")]) == 2
     assert f"environment variable {ENV_TOKENS}, entry 1: no colon" in capsys.readouterr().err
-
-
-def test_tokens_with_a_tcp_stream_listener_are_refused_until_it_asks_for_them(tmp_path, clean_env, capsys, monkeypatch):
-    monkeypatch.setenv(ENV_TOKENS, f"alice:{ALICE}")
-    assert cli.main(["check-config", write(tmp_path, "s.toml", "stream_port = 9000\n")]) == 2
-    err = capsys.readouterr().err
-    assert "stream_port serves newline-delimited JSON-RPC over TCP, which does not ask for tokens yet" in err
-    assert cli.main(["check-config", write(tmp_path, "u.toml", f'stream_socket = "{tmp_path}/s.sock"\n')]) == 0
 
 
 # -- a real broker ---------------------------------------------------------------------
@@ -260,3 +252,82 @@ def test_an_http_client_sees_the_challenge(guarded):
         assert resp.status == 401 and resp.reason == "Unauthorized"
     finally:
         conn.close()
+
+
+# -- the NDJSON streams: a token on TCP's first line, the Unix socket by its file mode -------
+
+
+def lines_over(sock: socket.socket, payload: bytes, want: int) -> tuple[list[dict[str, typing.Any]], bool]:
+    """Send `payload`, read `want` answer lines (or until the broker closes): (them, closed)."""
+    sock.sendall(payload)
+    data = b""
+    closed = False
+    while data.count(b"\n") < want:
+        chunk = sock.recv(65536)
+        if not chunk:
+            closed = True
+            break
+        data += chunk
+    return [json.loads(line) for line in data.splitlines() if line], closed
+
+
+def auth_line(token: str, id_: object = "auth") -> bytes:
+    msg: dict[str, object] = {"jsonrpc": "2.0", "method": "rpc.authenticate", "params": {"_meta": {"token": token}}}
+    if id_ is not None:
+        msg["id"] = id_
+    return json.dumps(msg).encode() + b"\n"
+
+
+@pytest.fixture(scope="module")
+def streams(tmp_path_factory: pytest.TempPathFactory) -> typing.Iterator[tuple[Broker, int, str]]:
+    """A broker asking for tokens (ci may call `add` only), with an NDJSON TCP port and a Unix socket."""
+    folder = tmp_path_factory.mktemp("streams")
+    tokens = folder / "tokens.toml"
+    tokens.write_text(f'[tokens.ci]\ntoken = "{BOB}"\nallow_methods = ["add"]\n\n[tokens.alice]\ntoken = "{ALICE}"\n')
+    port, path = free_port(), str(folder / "s.sock")
+    b = start_broker("--workers", "1", "--auth-tokens-file", str(tokens), "--stream-port", str(port),
+                     "--stream-socket", path, env={ENV_TOKENS: ""})
+    yield b, port, path
+    assert b.stop() == 0, b.read_log()
+
+
+def test_a_tcp_stream_shows_its_token_in_its_first_line_then_calls_under_it(streams) -> None:
+    b, port, _ = streams
+    with socket.create_connection((b.host, port), timeout=10) as sock:
+        answers, closed = lines_over(sock, auth_line(BOB) + CALL.encode() + b"\n"
+                                     + json.dumps({"jsonrpc": "2.0", "method": "sum", "params": [1], "id": 2}).encode()
+                                     + b"\n", 3)
+    assert not closed and answers[0] == {"jsonrpc": "2.0", "id": "auth", "result": {"token": "ci"}}
+    assert sorted(answers[1:], key=lambda a: a["id"]) == [  # (NDJSON answers come as they are made)
+        {"jsonrpc": "2.0", "id": 1, "result": 5},
+        {"jsonrpc": "2.0", "id": 2, "error": {"code": -32601, "message": "Method not found"}}]  # (ci: add only)
+    with socket.create_connection((b.host, port), timeout=10) as sock:  # (as a notification: no answer)
+        answers, closed = lines_over(sock, auth_line(ALICE, id_=None) + CALL.encode() + b"\n", 1)
+    assert answers == [{"jsonrpc": "2.0", "id": 1, "result": 5}] and not closed
+
+
+@pytest.mark.parametrize("first", [
+    CALL.encode() + b"\n",  # (no token shown: the call is not run)
+    auth_line("x" * 20),
+    auth_line(BOB[:-1]),
+    json.dumps({"jsonrpc": "2.0", "method": "rpc.authenticate", "params": {"token": BOB}, "id": 1}).encode() + b"\n",
+    json.dumps([json.loads(auth_line(BOB))]).encode() + b"\n",  # (a batch)
+    b"not json\n",
+])
+def test_a_tcp_stream_whose_first_line_shows_no_good_token_is_refused_and_closed(streams, first: bytes) -> None:
+    b, port, _ = streams
+    with socket.create_connection((b.host, port), timeout=10) as sock:
+        answers, closed = lines_over(sock, first + CALL.encode() + b"\n", 2)
+    assert closed and len(answers) == 1, answers
+    assert answers[0]["id"] is None and answers[0]["error"]["code"] == -32600
+    assert answers[0]["error"]["data"].startswith("a bearer token is required: the first line must be ")
+    assert BOB not in json.dumps(answers)
+
+
+def test_the_unix_socket_is_trusted_by_its_file_mode(streams) -> None:
+    _, _, path = streams
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        answers, closed = lines_over(sock, CALL.encode() + b"\n", 1)
+    assert answers == [{"jsonrpc": "2.0", "id": 1, "result": 5}] and not closed

@@ -289,14 +289,9 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
         given = [n for n in ("tls_cert_file", "tls_key_file") if n in sources]
         raise ConfigError(f"{'; '.join(f'{n} from {sources[n]}' for n in given) or 'tls'}: {exc}") from None
     try:
-        tokens = load_tokens(cfg.auth_tokens_file, env, sources.get("auth_tokens_file", ""))
+        load_tokens(cfg.auth_tokens_file, env, sources.get("auth_tokens_file", ""))
     except AuthError as exc:
         raise ConfigError(str(exc)) from None
-    if tokens and cfg.stream_port:
-        raise ConfigError(
-            f"{sources.get('stream_port')}: stream_port serves newline-delimited JSON-RPC over TCP, which does not"
-            " ask for tokens yet: with tokens given, serve streams on a Unix socket (stream_socket, file mode 0600)"
-        )
     return cfg
 
 

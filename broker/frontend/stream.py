@@ -71,6 +71,8 @@ import time
 import typing
 from collections import deque
 
+import msgspec
+
 from broker.answers import Exchange, ResponseBudget, forget
 from broker.dispatch import Dispatcher
 from broker.frontend.base import (
@@ -87,8 +89,11 @@ from broker.frontend.base import (
     discard_turn,
 )
 from broker.frontend.streamclose import Closing
-from broker.jsonrpc import ErrorCode, error_object, response_error
+from broker.jsonrpc import ErrorCode, Request, error_object, response_error, response_result
 from broker.ratelimit import address_of
+
+if typing.TYPE_CHECKING:
+    from broker.auth import Authenticator
 
 __all__ = ["StreamFrontend", "StreamProtocol"]
 
@@ -106,6 +111,7 @@ _NOT_TEXT = response_error(b"null", error_object(
     ErrorCode.PARSE_ERROR, data="not JSON text (TLS, or another protocol?): this socket speaks newline-delimited JSON-RPC"
 )) + b"\n"  # fmt: skip
 _NL = b"\n"
+AUTHENTICATE: typing.Final = "rpc.authenticate"  # the method of a TCP stream's first line, with tokens
 _BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark: RFC 8259 section 8.1, none before JSON text sent
 _BLANKS = re.compile(rb"[ \t\r\n]*")
 # The start of an HTTP request line (RFC 9112 3: method SP request-target; the method is
@@ -123,6 +129,7 @@ class StreamFrontend(Listener):
     """Shared state of the NDJSON connections of one listener (TCP or Unix).
 
     transport: the `transport` label of the metrics ("tcp" or "unix").
+    auth: the bearer tokens its connections must show first (`authenticate`), or None.
     """
 
     def __init__(
@@ -130,9 +137,15 @@ class StreamFrontend(Listener):
         dispatcher: Dispatcher,
         *,
         transport: str,
+        auth: Authenticator | None = None,
         **limits: typing.Unpack[Limits],
     ) -> None:
         super().__init__(dispatcher, transport=transport, **limits)
+        self.auth = auth
+        self.unauthenticated = response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
+            'a bearer token is required: the first line must be {"jsonrpc":"2.0","method":"rpc.authenticate",'
+            '"params":{"_meta":{"token":"TOKEN"}},"id":1} (a notification too), with a token of '
+            "auth_tokens_file or RPC_BROKER_AUTH_TOKENS"))) + _NL
         self.too_long = (
             response_error(
                 b"null",
@@ -201,6 +214,8 @@ class StreamProtocol(Closing, asyncio.Protocol):
         "_budget", "_busy", "_one_by_one", "owed", "_owed", "_waiting", "_waiting_bytes",
         # its end: refused (input discarded), the client's EOF, the linger, the drain's unread bytes
         "_eof", "lingering_since", "_refused", "_unread",
+        # who calls: its token's name ("" with no tokens asked for; None until its first line shows one)
+        "caller",
     )  # fmt: skip
 
     def __init__(self, frontend: StreamFrontend) -> None:
@@ -219,6 +234,7 @@ class StreamProtocol(Closing, asyncio.Protocol):
         self._backlog_forced = False  # kept past max_incoming_bytes: its turn comes whatever the client does
         self._turn_due = False  # a `_next_turn` is scheduled (`_schedule_turn`: one at a time)
         self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
+        self.caller: str | None = "" if frontend.auth is None else None  # (`_authenticate`)
         self._transport: asyncio.Transport | None = None
         self.read_paused = False
         self._write_paused = False
@@ -247,7 +263,8 @@ class StreamProtocol(Closing, asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
         peer = self._budget.peer = transport.get_extra_info("peername")  # (for the logs: `Dispatcher._blame`)
-        self._budget.bucket = self._fe.dispatcher.limiter.for_address(address_of(peer))
+        if self._fe.auth is None:  # (with tokens, its token's: `_authenticate`)
+            self._budget.bucket = self._fe.dispatcher.limiter.for_address(address_of(peer))
         fe = self._fe
         if len(fe.connections) >= fe.max_connections and not fe.draining:
             fe.make_room()  # idle connections, if any, give their places
@@ -452,6 +469,9 @@ class StreamProtocol(Closing, asyncio.Protocol):
         if first != 123 and first != 91 and _HTTP_LINE.match(line):  # (not "{" nor "[": 2 compares)
             self._foreign(_HTTP_REQUEST, ErrorCode.INVALID_REQUEST)
             return
+        if self.caller is None:  # (tokens asked for: its first line shows one)
+            self._authenticate(line)
+            return
         self.lines += 1
         if (
             self._write_paused or self._waiting or self._one_by_one
@@ -473,6 +493,36 @@ class StreamProtocol(Closing, asyncio.Protocol):
                 self._fe.loop.call_soon(self._dispatch_waiting)
             return
         self._submit(line)
+
+    def _authenticate(self, line: bytes) -> None:
+        """The connection's first line, with tokens asked for (TCP: the Unix socket is guarded
+        by its file mode): `{"jsonrpc":"2.0","method":"rpc.authenticate","params":{"_meta":
+        {"token":"TOKEN"}},"id":...}` (MCP's `_meta`; `rpc.` names are the server's own,
+        JSON-RPC 2.0 section 4), its token checked in constant time (`Authenticator.name_of`).
+        Then its calls go under that token's policy and rate limit, and a request (with an id)
+        is answered `{"token": NAME}`; else an error object (-32600, id null) saying what is
+        required, and the connection closes (as HTTP's 401: nothing of the token is shown)."""
+        fe = self._fe
+        body = fe.codec.decode(line)
+        request = body.items[0] if not body.batch and len(body.items) == 1 else None
+        name = None
+        if type(request) is Request and request.method == AUTHENTICATE and len(request.params):
+            try:
+                params = msgspec.json.decode(request.params)
+            except msgspec.DecodeError:  # (nested past the limit: no token)
+                params = None
+            meta = params.get("_meta") if type(params) is dict else None
+            token = meta.get("token") if type(meta) is dict else None
+            if type(token) is str:
+                name = typing.cast("Authenticator", fe.auth).name_of(token.encode())
+        if name is None:
+            self._foreign(fe.unauthenticated, ErrorCode.INVALID_REQUEST)
+            return
+        self.caller = name
+        self._budget.denied = fe.dispatcher.policy.denied[name]
+        self._budget.bucket = fe.dispatcher.limiter.for_token(name)
+        if request.id:  # type: ignore[union-attr]
+            self._send(response_result(request.id, msgspec.json.encode({"token": name})) + _NL)  # type: ignore[union-attr]
 
     def _submit(self, line: bytes) -> Exchange | None:
         """Dispatch one line; return its exchange if answers are still owed for it.
