@@ -1,7 +1,7 @@
 """Bearer-token authentication (sans-IO): who may call, by a token each caller is given.
 
 An operator gives each client a token, under a name: the name is what the broker shows
-(the access log, the `token` label of metrics: bounded, one value per token); the token
+(its log, the `token` label of metrics: bounded, one value per token); the token
 is the secret, sent over HTTP as `Authorization: Bearer TOKEN` (RFC 6750 2.1). Tokens come
 from a file (`auth_tokens_file`) and from the environment (`RPC_BROKER_AUTH_TOKENS`),
 both read once at the start. When there are none, no one is asked for one (loopback
@@ -28,9 +28,9 @@ import hashlib
 import hmac
 import os
 import re
+import stat
 import tomllib
 import typing
-from pathlib import Path
 
 from broker.errors import LocalError
 from broker.policy import MethodRule, check_pattern
@@ -39,6 +39,7 @@ from broker.ratelimit import MAX_BURST, MAX_RATE, Rate, burst_for
 __all__ = ["ENV_TOKENS", "AuthError", "Authenticator", "Token", "load_tokens"]
 
 ENV_TOKENS: typing.Final = "RPC_BROKER_AUTH_TOKENS"
+MAX_FILE: typing.Final = 1 << 20  # bytes of a token file, at most
 MIN_TOKEN: typing.Final = 16
 MAX_TOKEN: typing.Final = 512
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}\Z")
@@ -54,7 +55,7 @@ class AuthError(LocalError):
 
 
 class Token(typing.NamedTuple):
-    """One caller's token: `name` (shown: logs, metrics labels), the SHA-256 digest of
+    """One caller's token: `name` (shown: logs, the metrics' `token` label), the SHA-256 digest of
     its secret (the secret itself is not kept), and its own method policy, if any
     (`policy.MethodRule`: a .toml file's `allow_methods` and `deny_methods`)."""
 
@@ -68,12 +69,15 @@ def check_token(name: str, secret: str, where: str, rule: MethodRule | None = No
                 rate: Rate | None = None) -> Token:
     """A `Token` for `name` and `secret`, read from `where` (for messages); raise
     `AuthError` if either breaks its rule (see the module docstring)."""
+    # (Neither is shown: written the wrong way round, TOKEN:NAME, the name is the secret;
+    # hostile testing, round 114, M1: the whole token was in the error.)
     if not _NAME.match(name):
-        raise AuthError(f"{where}: token name {name!r}: use 1 to 64 letters, digits, '_', '.' or '-'")
+        raise AuthError(f"{where}: the token's name (before the colon) breaks its rule: use 1 to 64 letters, "
+                        "digits, '_', '.' or '-' (a line is NAME:TOKEN, the name first)")
     if not MIN_TOKEN <= len(secret) <= MAX_TOKEN or not _TOKEN.match(secret):
         raise AuthError(
-            f"{where}: token of {name!r}: use {MIN_TOKEN} to {MAX_TOKEN} characters of letters, digits and "
-            f"'-._~+/' (RFC 6750's b64token); to make one: {_MAKE_ONE}"
+            f"{where}: the token (after the colon) breaks its rule: use {MIN_TOKEN} to {MAX_TOKEN} characters of "
+            f"letters, digits and '-._~+/' (RFC 6750's b64token); to make one: {_MAKE_ONE}"
         )
     return Token(name, hashlib.sha256(secret.encode()).digest(), rule, rate)
 
@@ -131,7 +135,13 @@ def load_file(path: str, source: str = "auth_tokens_file") -> list[Token]:
     or a token breaks the rules."""
     where = f"{source}: {path}"
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as file:  # (a regular file, and not past MAX_FILE: round 114, M4, /dev/zero)
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise AuthError(f"{where}: not a regular file")
+            data = file.read(MAX_FILE + 1)
+        if len(data) > MAX_FILE:
+            raise AuthError(f"{where}: larger than {MAX_FILE} bytes: not a token file")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise AuthError(f"{where}: cannot read it: {exc}") from None
     if path.endswith(".toml"):
@@ -155,7 +165,10 @@ def load_file(path: str, source: str = "auth_tokens_file") -> list[Token]:
             rule = MethodRule(allow, deny) if allow or deny else None
             tokens.append(check_token(name, secret, where, rule, _rate(table, at)))
         return tokens
-    return [check_token(name, secret, at) for name, secret, at in _pairs(text, where, r"\Z")]
+    tokens = [check_token(name, secret, at) for name, secret, at in _pairs(text, where, r"\Z")]
+    if not tokens:  # (round 114, H2: an empty file turned the tokens off, silently)
+        raise AuthError(f"{where}: no token in it (one NAME:TOKEN a line): an empty file would ask for none")
+    return tokens
 
 
 def load_tokens(path: str, environ: typing.Mapping[str, str] = os.environ, source: str = "auth_tokens_file") -> list[Token]:
@@ -164,7 +177,10 @@ def load_tokens(path: str, environ: typing.Mapping[str, str] = os.environ, sourc
     for a name or a token given twice (each must tell one caller)."""
     tokens = load_file(path, source) if path else []
     value = environ.get(ENV_TOKENS, "")
-    tokens += [check_token(n, s, w) for n, s, w in _pairs(value, f"environment variable {ENV_TOKENS}", r"[,\s]+")]
+    from_env = [check_token(n, s, w) for n, s, w in _pairs(value, f"environment variable {ENV_TOKENS}", r"[,\s]+")]
+    if value and not from_env:  # (round 114, H2: " , " turned the tokens off, silently; "" is unset)
+        raise AuthError(f"environment variable {ENV_TOKENS}: no NAME:TOKEN in it: unset it, or give one")
+    tokens += from_env
     names: set[str] = set()
     digests: set[bytes] = set()
     for token in tokens:

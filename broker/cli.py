@@ -115,21 +115,35 @@ def _load(path: str | None, flags: dict[str, object]) -> config.Config | None:
 def _check_app(app: str | None, path: str | None, debug: bool) -> int:
     """`check-app`: run broker/worker/check.py on `app` (or the settings' app, from `path` and
     the environment) in a process of its own, as serve starts a worker; its exit status."""
-    if app is None:
-        cfg = _load(path, {})
-        if cfg is None:
-            return 2
-        app = cfg.app
-    else:
-        try:
-            config.load(None, {}, {"app": app})
-        except config.ConfigError as exc:  # (the pattern's own message: an example, not a regex)
-            print(f"{PROG}: {exc}", file=sys.stderr)
-            return 2
+    try:
+        cfg = config.load(path, os.environ, {} if app is None else {"app": app})
+    except config.ConfigError as exc:  # (the pattern's own message: an example, not a regex)
+        print(f"{PROG}: config error: {exc}", file=sys.stderr)
+        return 2
     import subprocess
 
-    argv = [sys.executable, "-m", "broker.worker.check", app, *(["--debug"] if debug else [])]
-    return subprocess.run(argv, stdin=subprocess.DEVNULL, check=False).returncode
+    from broker.worker import WORKER_BOOT_ERROR
+
+    argv = [sys.executable, "-m", "broker.worker.check", cfg.app, *(["--debug"] if debug else [])]
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
+    try:  # (as serve gives a worker boot_timeout to say HELLO: round 114, M3, an import that hangs hung this)
+        out, _ = child.communicate(timeout=cfg.boot_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        print(f"{PROG}: app {cfg.app!r}: its import did not end within boot_timeout {cfg.boot_timeout:g} s "
+              "(serve's workers would be killed so)", file=sys.stderr)
+        return WORKER_BOOT_ERROR
+    sys.stdout.write(out.decode(errors="replace"))
+    status = child.returncode
+    if status == 0 and not out.startswith(b"ok: "):  # (round 114, M3: os._exit(0) at import passed)
+        print(f"{PROG}: app {cfg.app!r}: its import ended the process (exit 0) before it was loaded", file=sys.stderr)
+        return WORKER_BOOT_ERROR
+    if status < 0:  # (killed by a signal: said, not exit 247)
+        print(f"{PROG}: app {cfg.app!r}: its import killed the process ({signal.Signals(-status).name})",
+              file=sys.stderr)
+        return WORKER_BOOT_ERROR
+    return status
 
 
 class _Stopped(Exception):

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import difflib
 import errno
+import ipaddress
 import logging
 import os
 import signal
@@ -48,7 +49,7 @@ from broker.ratelimit import Limiter, Rate, burst_for
 from broker.tls import HANDSHAKE_SECONDS, TlsError, server_context
 from broker.worker import WORKER_BOOT_ERROR
 
-__all__ = ["run", "serve", "warn_unserved_timeouts"]
+__all__ = ["exposed_without_tokens", "run", "serve", "warn_unserved_timeouts"]
 
 log = logging.getLogger("broker")
 
@@ -316,6 +317,21 @@ def fit_open_files(max_connections: int, listeners: int, extra: int) -> int:
                     " (raise the hard limit, systemd's LimitNOFILE or ulimit -Hn, or set max_connections to %d"
                     " or less: this warning then goes)", soft, max(1, fits), listeners, max_connections, max(1, fits))
     return max(1, fits)
+
+
+def exposed_without_tokens(host: str, tokens: bool) -> str:
+    """The warning for a broker listening past loopback (`host` not a loopback address or
+    `localhost`) with no bearer tokens asked for (`tokens` False), or "" (hostile testing,
+    round 114: an empty token file served 0.0.0.0 with no word of it)."""
+    if tokens or host == "localhost":
+        return ""
+    try:
+        if ipaddress.ip_address(host.strip("[]")).is_loopback:
+            return ""
+    except ValueError:  # (a name: not known to be loopback)
+        pass
+    return (f"host {host} is reachable past this machine and no bearer tokens are asked for: whoever reaches it"
+            " can call every tool (auth_tokens_file or RPC_BROKER_AUTH_TOKENS; README, Authentication)")
 
 
 def warn_unserved_timeouts(method_timeouts: typing.Mapping[str, float], methods: typing.Sequence[str]) -> list[str]:
@@ -620,6 +636,9 @@ async def run(
         if config.stream_socket and int(config.stream_socket_mode, 8) & 0o007:
             log.warning("stream_socket_mode %s lets every user of this machine connect to %s and call every tool",
                         config.stream_socket_mode, config.stream_socket)
+        exposed = exposed_without_tokens(config.host, auth is not None)
+        if exposed:
+            log.warning("%s", exposed)
         if auth is not None:
             names = auth.names
             log.info("bearer tokens asked for on %s%s: %d (%s%s)", config.rpc_path,

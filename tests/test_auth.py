@@ -64,12 +64,17 @@ def test_tokens_come_from_the_file_and_the_environment(tmp_path):
 
 @pytest.mark.parametrize(("name", "text", "problem"), [
     ("tokens", f"# one\nalice {ALICE}\n", "line 2: no colon: write NAME:TOKEN"),
-    ("tokens", "alice:short\n", "token of 'alice': use 16 to 512 characters"),
+    ("tokens", "alice:short\n", "line 1: the token (after the colon) breaks its rule: use 16 to 512 characters"),
     ("tokens", f"alice:{'x' * 15}\n", "use 16 to 512 characters"),
     ("tokens", f"alice:{'x' * 513}\n", "use 16 to 512 characters"),
     ("tokens", f"alice:{'x' * 20} y\n", "use 16 to 512 characters"),  # (a space: not a b64token)
-    ("tokens", f"al ice:{ALICE}\n", "token name 'al ice': use 1 to 64 letters"),
-    ("tokens", f":{ALICE}\n", "token name '': use 1 to 64"),
+    ("tokens", f"al ice:{ALICE}\n", "line 1: the token's name (before the colon) breaks its rule: use 1 to 64"),
+    ("tokens", f":{ALICE}\n", "the token's name (before the colon) breaks its rule"),
+    # (round 114, M1: written the wrong way round, the name is the secret: shown in the error)
+    ("tokens", f"{ALICE}:alice\n", "the token (after the colon) breaks its rule"),
+    ("tokens", f"{'s' * 70}:{ALICE}\n", "the token's name (before the colon) breaks its rule"),
+    # (round 114, H2: an empty file asked for no token, silently)
+    ("tokens", "# nothing yet\n\n", "no token in it (one NAME:TOKEN a line): an empty file would ask for none"),
     ("tokens", f"a:{ALICE}\na:{BOB}\n", "token name 'a' given twice"),
     ("tokens", f"a:{ALICE}\nb:{ALICE}\n", "the token of 'b' is another name's too"),
     ("tokens.toml", f'[tokens.a]\ntoken = "{ALICE}"\nallow = 1\n', "[tokens.a]: unknown key 'allow'"),
@@ -82,9 +87,23 @@ def test_a_token_file_that_breaks_a_rule_is_refused_saying_where_and_why(tmp_pat
     with pytest.raises(AuthError) as caught:
         load_tokens(path, {})
     assert problem in str(caught.value)
-    assert "-token-" not in str(caught.value)  # (nothing of a secret is shown)
+    assert "-token-" not in str(caught.value) and "ssssss" not in str(caught.value)  # (nothing of a secret shown)
     if "characters" in problem:
         assert "secrets.token_urlsafe(32)" in str(caught.value)  # (how to make a good one)
+
+
+def test_a_token_source_that_gives_no_token_or_is_no_file_is_refused(tmp_path):
+    """Hostile testing, round 114: H2, a variable of separators only turned the tokens off,
+    silently ("" is as unset); M4, /dev/zero as the file was read whole (2.6 GB)."""
+    with pytest.raises(AuthError, match=f"environment variable {ENV_TOKENS}: no NAME:TOKEN in it"):
+        load_tokens("", {ENV_TOKENS: " , "})
+    assert load_tokens("", {ENV_TOKENS: ""}) == []
+    with pytest.raises(AuthError, match="/dev/zero: not a regular file"):
+        load_tokens("/dev/zero", {})
+    big = tmp_path / "big"
+    big.write_bytes(b"#" * (2 << 20))
+    with pytest.raises(AuthError, match="larger than 1048576 bytes"):
+        load_tokens(str(big), {})
 
 
 def test_an_unreadable_token_file_or_a_bad_variable_is_refused(tmp_path):
@@ -111,7 +130,8 @@ def test_check_config_reads_the_tokens_and_refuses_bad_ones(tmp_path, clean_env,
     assert 'auth_tokens_file = "' in capsys.readouterr().out
     bad = write(tmp_path, "bad-tokens", "alice:short\n")
     assert cli.main(["check-config", write(tmp_path, "bad.toml", f'auth_tokens_file = "{bad}"\n')]) == 2
-    assert f"config error: config file {tmp_path}/bad.toml: {bad}, line 1: token of 'alice'" in capsys.readouterr().err
+    assert f"config error: config file {tmp_path}/bad.toml: {bad}, line 1: the token (after the colon)" \
+        in capsys.readouterr().err
     monkeypatch.setenv(ENV_TOKENS, "x")
     assert cli.main(["check-config", write(tmp_path, "none.toml", "")]) == 2
     assert f"environment variable {ENV_TOKENS}, entry 1: no colon" in capsys.readouterr().err
@@ -240,7 +260,8 @@ def test_serve_refuses_to_start_with_a_bad_token(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2
-    assert f"config error: flag --auth-tokens-file: {tmp_path}/t, line 1: token of 'a': use 16" in proc.stderr
+    assert f"config error: flag --auth-tokens-file: {tmp_path}/t, line 1: the token (after the colon) breaks its" \
+        " rule: use 16" in proc.stderr
 
 
 def test_an_http_client_sees_the_challenge(guarded):
@@ -331,3 +352,18 @@ def test_the_unix_socket_is_trusted_by_its_file_mode(streams) -> None:
         sock.connect(path)
         answers, closed = lines_over(sock, CALL.encode() + b"\n", 1)
     assert answers == [{"jsonrpc": "2.0", "id": 1, "result": 5}] and not closed
+
+
+@pytest.mark.parametrize(("host", "tokens", "warned"), [
+    ("0.0.0.0", False, True), ("::", False, True), ("192.0.2.7", False, True), ("rpc.example", False, True),
+    ("0.0.0.0", True, False), ("127.0.0.1", False, False), ("127.9.9.9", False, False), ("::1", False, False),
+    ("[::1]", False, False), ("localhost", False, False),
+])
+def test_a_broker_listening_past_loopback_without_tokens_is_warned_about(host: str, tokens: bool, warned: bool):
+    """Hostile testing, round 114 (H2): nothing said that a broker on 0.0.0.0 asked for no token."""
+    from broker.server import exposed_without_tokens
+
+    said = exposed_without_tokens(host, tokens)
+    assert bool(said) == warned
+    if warned:
+        assert said.startswith(f"host {host} is reachable past this machine and no bearer tokens are asked for")

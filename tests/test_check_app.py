@@ -60,3 +60,16 @@ def test_serve_refuses_at_the_start_an_app_whose_hint_cannot_be_decoded():
         start_broker("--workers", "1", "--app", "tests.apps.plain_hint:registry", timeout=60)
     message = str(info.value)
     assert message.startswith("broker exited with 3:") and PLAIN in message, message
+
+
+@pytest.mark.parametrize(("fault", "said"), [
+    ("exit0", "app 'tests.apps.check_faults:registry': its import ended the process (exit 0) before it was loaded"),
+    ("kill", "app 'tests.apps.check_faults:registry': its import killed the process (SIGKILL)"),
+    ("hang", "app 'tests.apps.check_faults:registry': its import did not end within boot_timeout 2 s"),
+])
+def test_an_import_that_exits_kills_itself_or_hangs_fails_the_check(fault: str, said: str):
+    """Hostile testing, round 114 (M3): os._exit(0) at import passed (exit 0, no output), an
+    import that hangs hung check-app for good (serve gives a worker boot_timeout), a SIGKILL
+    exited 247 saying nothing."""
+    done = check_app("tests.apps.check_faults:registry", env={"CHECK_FAULT": fault, "RPC_BROKER_BOOT_TIMEOUT": "2"})
+    assert done.returncode == 3 and said in done.stderr, done

@@ -974,6 +974,7 @@ def test_check_config_takes_serves_flags_without_a_file(capsys: pytest.CaptureFi
 @pytest.mark.parametrize(("flags", "problem"), [
     (["--host", "no.such.host.invalid"], "host = 'no.such.host.invalid': no address to bind"),
     (["--metrics-port", "9100", "--metrics-host", "nope.invalid"], "metrics_host = 'nope.invalid': no address to bind"),
+    (["--host", "192.0.2.1"], "host = '192.0.2.1': cannot bind 192.0.2.1 (Cannot assign requested address)"),
 ])
 def test_check_config_refuses_an_address_serve_could_not_bind(capsys: pytest.CaptureFixture[str],
                                                               flags: list[str], problem: str) -> None:

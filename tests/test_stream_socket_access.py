@@ -74,6 +74,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     ('stream_socket_mode = "0800"', "stream_socket_mode"),
     ('stream_socket_mode = "6600"', "stream_socket_mode"),
     ('stream_socket_mode = "rw"', "stream_socket_mode"),
+    # (hostile testing, round 114: modes the broker's own user could not connect with)
+    ('stream_socket_mode = "0000"', "stream_socket_mode = '0000': the owner's read and write bits (0600) are needed"),
+    ('stream_socket_mode = "0460"', "stream_socket_mode = '0460': the owner's read and write bits"),
 ])
 def test_a_bad_mode_or_group_is_refused_at_the_start(tmp_path: Path, clean_env, capsys, text, problem):
     path = tmp_path / "b.toml"

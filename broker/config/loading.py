@@ -326,9 +326,16 @@ def unresolved_addresses(cfg: Config) -> str:
     names = [("host", cfg.host)] + ([("metrics_host", cfg.metrics_host)] if cfg.metrics_port else [])
     for setting, name in names:
         try:
-            socket.getaddrinfo(name.strip("[]"), None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            infos = socket.getaddrinfo(name.strip("[]"), None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         except (OSError, UnicodeError) as exc:
             return f"{setting} = {name!r}: no address to bind ({exc}): give an IP address or a name this machine resolves"
+        family, _, _, _, address = infos[0]
+        try:  # (an address of another machine resolves, and serve fails to bind it: round 114)
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((address[0], 0))
+        except OSError as exc:
+            return (f"{setting} = {name!r}: cannot bind {address[0]} ({exc.strerror}): give an IP address or a name "
+                    "this machine resolves, of one of its own interfaces")
     return ""
 
 
@@ -376,6 +383,9 @@ def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
             f"max_outgoing_bytes = {cfg.max_outgoing_bytes} must be at least max_response_bytes"
             f" = {cfg.max_response_bytes}: one connection's answers could not reach their own limit"
         ), ("max_outgoing_bytes", "max_response_bytes")
+    if int(cfg.stream_socket_mode, 8) & 0o600 != 0o600:  # (round 114: 0000 and 0400 were taken)
+        return (f"stream_socket_mode = {cfg.stream_socket_mode!r}: the owner's read and write bits (0600) are "
+                "needed: the broker's user connects to it too (its stop, a probe)"), ("stream_socket_mode",)
     group = _socket_group_problem(cfg.stream_socket_group)
     if group:
         return group, ("stream_socket_group",)
