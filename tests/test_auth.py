@@ -367,3 +367,18 @@ def test_a_broker_listening_past_loopback_without_tokens_is_warned_about(host: s
     assert bool(said) == warned
     if warned:
         assert said.startswith(f"host {host} is reachable past this machine and no bearer tokens are asked for")
+
+
+@pytest.mark.parametrize("expect", [True, False])
+def test_a_call_with_no_good_token_is_refused_before_its_body(guarded, expect: bool) -> None:
+    """Hostile testing, round 114 (M5): a call with no token got 100 Continue, then its whole
+    body was read (held in max_incoming_bytes), then the 401. Now the 401 comes at the head's
+    end, no 100, the connection closes, and the body is never read."""
+    head = (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 900000\r\n"
+            + (b"Expect: 100-continue\r\n" if expect else b"") + b"\r\n")
+    with socket.create_connection((guarded.host, guarded.port), timeout=10) as sock:
+        sock.sendall(head)  # (no body sent)
+        buf = bytearray()
+        status, body = read_http_response(sock, buf)
+        assert status == 401 and b"a bearer token is required" in body
+        assert b"100 Continue" not in bytes(buf)

@@ -266,6 +266,14 @@ class Requests(HttpState):
             # served, once (RFC 9112 6.1): any list is refused, as nginx does.
             self._answer_and_close(400, b"unsupported Transfer-Encoding: use chunked alone")
             return
+        if (self._fe.auth is not None and self._parser.get_method() == b"POST" and not self._probe_only
+                and req.url.partition(b"?")[0] == self._fe.rpc_path and not self._authorized()):
+            # A call with no good token is answered (401, or what `_route` says first) before
+            # its body comes, which is discarded as a 413's: a client with no token holds no
+            # body, nor max_incoming_bytes (hostile testing, round 114, M5: 100 Continue, then
+            # the whole body read, then the 401)
+            self._refuse_expected()
+            return
         if req.expect and not self._responses:
             # 100 only when nothing is owed before it, and never to HTTP/1.0; a request
             # about to be refused gets its final status now instead (RFC 9110 10.1.1: one
@@ -281,8 +289,8 @@ class Requests(HttpState):
 
     def _refuse_expected(self) -> None:
         """Answer a request that expects 100-continue and will not be served (404, 405,
-        415, 421, 403, 503) before its body: routed with no body, then closed, lingering,
-        its body discarded as it comes (as a 413's)."""
+        415, 421, 403, 503), or a call with no good token (401), before its body: routed
+        with no body, then closed, lingering, its body discarded as it comes (as a 413's)."""
         req = self._request
         self.request_started = 0.0
         self._close = Close.LINGER  # (before the answer is written: it half-closes, and the body the
