@@ -88,6 +88,9 @@ def _rate(table: dict[str, object], where: str) -> Rate | None:
     rate, burst = table.get("rate_limit"), table.get("rate_burst")
     if rate is None and burst is None:
         return None
+    if rate is None:  # (new user, round 106: "rate_limit must be > 0" for a table that set none)
+        raise AuthError(f"{where}: rate_burst without rate_limit: give the token's rate_limit too (its own rate"
+                        " replaces the global rate_limit and rate_burst)")
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= MAX_RATE:
         raise AuthError(f"{where}: rate_limit must be a number of calls a second, > 0 and <= {MAX_RATE:g}")
     if burst is None:

@@ -49,7 +49,7 @@ from broker.ratelimit import Limiter, Rate, burst_for
 from broker.tls import HANDSHAKE_SECONDS, TlsError, server_context
 from broker.worker import WORKER_BOOT_ERROR
 
-__all__ = ["exposed_without_tokens", "run", "serve", "warn_unserved_timeouts"]
+__all__ = ["exposure_warnings", "run", "serve", "warn_unserved_timeouts"]
 
 log = logging.getLogger("broker")
 
@@ -319,19 +319,30 @@ def fit_open_files(max_connections: int, listeners: int, extra: int) -> int:
     return max(1, fits)
 
 
-def exposed_without_tokens(host: str, tokens: bool) -> str:
-    """The warning for a broker listening past loopback (`host` not a loopback address or
-    `localhost`) with no bearer tokens asked for (`tokens` False), or "" (hostile testing,
-    round 114: an empty token file served 0.0.0.0 with no word of it)."""
-    if tokens or host == "localhost":
-        return ""
+def exposure_warnings(host: str, tokens: bool, tls: bool, auth_metrics: bool) -> list[str]:
+    """The warnings of a start whose access control does less than it seems: a broker
+    listening past loopback (`host` not a loopback address or `localhost`) with no bearer
+    `tokens` asked for (hostile testing, round 114: an empty token file served 0.0.0.0 with
+    no word of it), or with tokens but no `tls` (they travel in clear text); `auth_metrics`
+    with no tokens (it asks for none: new user, round 106)."""
+    warnings = []
+    if auth_metrics and not tokens:
+        warnings.append("auth_metrics is set but no bearer tokens are given: /metrics asks for none")
+    loopback = host == "localhost"
     try:
-        if ipaddress.ip_address(host.strip("[]")).is_loopback:
-            return ""
+        loopback = loopback or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:  # (a name: not known to be loopback)
         pass
-    return (f"host {host} is reachable past this machine and no bearer tokens are asked for: whoever reaches it"
-            " can call every tool (auth_tokens_file or RPC_BROKER_AUTH_TOKENS; README, Authentication)")
+    if loopback:
+        return warnings
+    if not tokens:
+        warnings.append(f"host {host} is reachable past this machine and no bearer tokens are asked for: whoever"
+                        " reaches it can call every tool (auth_tokens_file or RPC_BROKER_AUTH_TOKENS; README,"
+                        " Authentication)")
+    elif not tls:
+        warnings.append(f"host {host} is reachable past this machine and its bearer tokens travel in clear text:"
+                        " give tls_cert_file and tls_key_file, or terminate TLS at a proxy in front")
+    return warnings
 
 
 def warn_unserved_timeouts(method_timeouts: typing.Mapping[str, float], methods: typing.Sequence[str]) -> list[str]:
@@ -636,9 +647,8 @@ async def run(
         if config.stream_socket and int(config.stream_socket_mode, 8) & 0o007:
             log.warning("stream_socket_mode %s lets every user of this machine connect to %s and call every tool",
                         config.stream_socket_mode, config.stream_socket)
-        exposed = exposed_without_tokens(config.host, auth is not None)
-        if exposed:
-            log.warning("%s", exposed)
+        for warning in exposure_warnings(config.host, auth is not None, tls is not None, config.auth_metrics):
+            log.warning("%s", warning)
         if auth is not None:
             names = auth.names
             log.info("bearer tokens asked for on %s%s: %d (%s%s)", config.rpc_path,

@@ -354,19 +354,28 @@ def test_the_unix_socket_is_trusted_by_its_file_mode(streams) -> None:
     assert answers == [{"jsonrpc": "2.0", "id": 1, "result": 5}] and not closed
 
 
-@pytest.mark.parametrize(("host", "tokens", "warned"), [
-    ("0.0.0.0", False, True), ("::", False, True), ("192.0.2.7", False, True), ("rpc.example", False, True),
-    ("0.0.0.0", True, False), ("127.0.0.1", False, False), ("127.9.9.9", False, False), ("::1", False, False),
-    ("[::1]", False, False), ("localhost", False, False),
+@pytest.mark.parametrize(("host", "tokens", "tls", "said"), [
+    ("0.0.0.0", False, False, "no bearer tokens are asked for"), ("::", False, True, "no bearer tokens"),
+    ("192.0.2.7", False, False, "no bearer tokens"), ("rpc.example", False, False, "no bearer tokens"),
+    ("0.0.0.0", True, False, "its bearer tokens travel in clear text"), ("0.0.0.0", True, True, ""),
+    ("127.0.0.1", False, False, ""), ("127.9.9.9", False, False, ""), ("::1", False, False, ""),
+    ("[::1]", False, False, ""), ("localhost", True, False, ""),
 ])
-def test_a_broker_listening_past_loopback_without_tokens_is_warned_about(host: str, tokens: bool, warned: bool):
-    """Hostile testing, round 114 (H2): nothing said that a broker on 0.0.0.0 asked for no token."""
-    from broker.server import exposed_without_tokens
+def test_a_broker_listening_past_loopback_without_tokens_or_tls_is_warned_about(host, tokens, tls, said):
+    """Hostile testing, round 114 (H2): nothing said that a broker on 0.0.0.0 asked for no
+    token; new user, round 106: nor that tokens went in clear text, nor that auth_metrics
+    without tokens asks for none."""
+    from broker.server import exposure_warnings
 
-    said = exposed_without_tokens(host, tokens)
-    assert bool(said) == warned
-    if warned:
-        assert said.startswith(f"host {host} is reachable past this machine and no bearer tokens are asked for")
+    warnings = exposure_warnings(host, tokens, tls, False)
+    if said:
+        assert len(warnings) == 1 and warnings[0].startswith(f"host {host} is reachable past this machine and ")
+        assert said in warnings[0]
+    else:
+        assert warnings == []
+    assert exposure_warnings("127.0.0.1", False, False, True) == [
+        "auth_metrics is set but no bearer tokens are given: /metrics asks for none"]
+    assert exposure_warnings("127.0.0.1", True, False, True) == []
 
 
 @pytest.mark.parametrize("expect", [True, False])

@@ -82,7 +82,7 @@ def test_a_callers_address_is_its_ip_whatever_its_port(peer, address):
     ("rate_limit = true", None, "rate_limit must be a number"),
     ("rate_limit = 5\nrate_burst = 0", None, "rate_burst must be a whole number of calls, >= 1"),
     ("rate_limit = 5\nrate_burst = 2.5", None, "rate_burst must be a whole number"),
-    ("rate_burst = 5", None, "rate_limit must be a number"),
+    ("rate_burst = 5", None, "rate_burst without rate_limit: give the token's rate_limit too"),
 ])
 def test_a_tokens_own_rate_is_read_from_its_table(tmp_path: Path, table, rate, problem):
     path = tmp_path / "tokens.toml"
