@@ -430,13 +430,13 @@ class BrokerCollector(Collector):
                 for status, count in counts.items():
                     statuses[path, status] = statuses.get((path, status), 0) + count
             row = by_transport.setdefault(fe.transport, [0, 0, 0, 0, 0, 0])
-            row[0] += len(fe.connections)
+            row[0] += len(fe.connections) + len(fe.handshakes)
             row[1] += fe.refused_total
             row[2] += fe.received_bytes
             row[3] += fe.sent_bytes
             row[4] += fe.shed_total
             row[5] += fe.send_timed_out_total
-        evicted = {(t, state): 0 for t in sorted(by_transport) for state in ("idle", "trickling", "incoming")}
+        evicted = {(t, state): 0 for t in sorted(by_transport) for state in ("idle", "trickling", "incoming", "handshake")}
         for fe in self.frontends:
             for state, n in fe.evicted_total.items():
                 evicted[fe.transport, state] += n
@@ -444,7 +444,8 @@ class BrokerCollector(Collector):
             "rpc_broker_connections_evicted", "Connections closed to make room for a new one at max_connections, by "
             "their state: idle (keep-alive, or silent), or trickling (a request or line under way, answered 408 or "
             "-32600); or incoming: a request or line under way that came slower than another needing room at "
-            "max_incoming_bytes (answered 408 or -32600).", ["transport", "state"], (([t, state], n) for (t, state), n in sorted(evicted.items())),
+            "max_incoming_bytes (answered 408 or -32600); or handshake: a TLS handshake begun the longest ago, not "
+            "finished.", ["transport", "state"], (([t, state], n) for (t, state), n in sorted(evicted.items())),
         )  # fmt: skip
         yield _family_counter(
             "rpc_broker_http_responses", "HTTP responses, by path and status code.", ["path", "status"],

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import difflib
 import errno
+import functools
 import ipaddress
 import logging
 import os
@@ -40,13 +41,14 @@ from broker.auth import Authenticator, AuthError, load_tokens
 from broker.config import Config, ConfigError, socket_group
 from broker.dispatch import Dispatcher
 from broker.frontend.base import OUT_LINGERING, Incoming, shed_outgoing
+from broker.frontend.handshake import Handshake
 from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
 from broker.frontend.stream import StreamFrontend
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.policy import MethodRule, Policy
 from broker.pool import Pool, WorkerBootError
 from broker.ratelimit import Limiter, Rate, burst_for
-from broker.tls import HANDSHAKE_SECONDS, TlsError, server_context
+from broker.tls import TlsError, server_context
 from broker.worker import WORKER_BOOT_ERROR
 
 __all__ = ["exposure_warnings", "run", "serve", "warn_unserved_timeouts"]
@@ -227,7 +229,8 @@ def _accept_queued(
     after it are refused by the kernel. Only as many as `fe` has room for within
     max_connections are accepted (round 35: past it, each took a file descriptor, until
     none was left, only to be closed unread); the rest are reset as before. Returns the
-    tasks that make their transports (`loop.connect_accepted_socket`; over TLS with `tls`)."""
+    tasks that make their transports (`loop.connect_accepted_socket`; over TLS with `tls`,
+    its handshake counted as the listeners' are: `accepting`)."""
     tasks: list[asyncio.Task[object]] = []
     room = fe.max_connections - (fe.pool_size() if isinstance(fe, HttpFrontend) else len(fe.connections))
     for sock in listening:
@@ -241,12 +244,17 @@ def _accept_queued(
                 except OSError as exc:  # (EMFILE: those left are reset, as before)
                     log.warning("stopping: cannot accept a connection queued before the stop: %s", exc)
                     break
-                if tls is None:
-                    tasks.append(loop.create_task(loop.connect_accepted_socket(fe.protocol, conn)))
-                else:
-                    tasks.append(loop.create_task(loop.connect_accepted_socket(
-                        fe.protocol, conn, ssl=tls, ssl_handshake_timeout=HANDSHAKE_SECONDS)))
+                tasks.append(loop.create_task(loop.connect_accepted_socket(accepting(fe, tls), conn)))
     return tasks
+
+
+def accepting(fe: HttpFrontend | StreamFrontend, tls: ssl.SSLContext | None) -> typing.Callable[[], asyncio.Protocol]:
+    """The protocol factory for `fe`'s TCP listener: its own (`fe.protocol`), or with `tls`
+    a `Handshake` that hands the connection to it once TLS is set up (the handshake counted
+    against max_connections: see broker/frontend/handshake.py)."""
+    if tls is None:
+        return fe.protocol
+    return functools.partial(Handshake, fe, tls)
 
 
 def _remove_socket(made: tuple[str, int, int] | None) -> None:
@@ -570,8 +578,7 @@ async def run(
                     bound.append(None)
                 else:
                     bound.append(await loop.create_server(
-                        fe.protocol, where, port_, backlog=2048, start_serving=False, ssl=tls,
-                        ssl_handshake_timeout=HANDSHAKE_SECONDS if tls is not None else None))
+                        accepting(fe, tls), where, port_, backlog=2048, start_serving=False))
             except OSError as exc:
                 cannot_listen(fe, where, port_, exc)
                 await give_up()

@@ -6,8 +6,8 @@ Unix socket does not (it is reached through the file system's permissions). The 
 the standard library's for a server (`ssl.create_default_context(Purpose.CLIENT_AUTH)`:
 TLS 1.2 at least, the library's cipher choice), with ALPN offering `http/1.1` alone (a
 client asking for h2 gets HTTP/1.1, RFC 7301). A handshake must end within
-`HANDSHAKE_SECONDS`: until it does, a connection is not the front-end's (no request timer,
-not counted in max_connections).
+`HANDSHAKE_SECONDS`; meanwhile the connection counts in max_connections
+(broker/frontend/handshake.py).
 """
 
 from __future__ import annotations

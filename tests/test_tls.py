@@ -12,12 +12,13 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 import typing
 from pathlib import Path
 
 import pytest
 import trustme
-from conftest import ROOT, Broker, free_port, read_until_closed
+from conftest import ROOT, Broker, Samples, free_port, read_until_closed, sample
 
 CALL = {"jsonrpc": "2.0", "method": "add", "params": [2, 3], "id": 1}
 
@@ -113,3 +114,111 @@ def test_tls_files_that_cannot_be_used_are_refused_at_the_start(pki: Pki, tmp_pa
     done = check_config("--tls-cert-file", str(pki.cert), "--tls-key-file", str(encrypted))
     assert done.returncode == 2 and "tls_key_file is encrypted: give it unencrypted" in done.stderr, done.stderr
     assert check_config("--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key)).returncode == 0
+
+
+def tls_call(pki: Pki, port: int, stream: bool) -> object:
+    """One call over HTTPS (`stream` False) or NDJSON over TLS; its answer, decoded."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            client_context(pki).wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        body = json.dumps(CALL).encode()
+        if stream:
+            tls.sendall(body + b"\n")
+        else:
+            tls.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        got = read_until_closed(tls) if not stream else b""
+        while stream and not got.endswith(b"\n"):
+            chunk = tls.recv(4096)
+            assert chunk
+            got += chunk
+    return json.loads(got.partition(b"\r\n\r\n")[2] if not stream else got)
+
+
+def test_tls_handshakes_count_against_max_connections(broker_factory, pki: Pki) -> None:
+    """Hostile testing, round 114, H1: connections that never send a ClientHello held a file
+    descriptor each for the 10 s handshake timeout, counted by no limit, until none was left.
+    They now count against max_connections: past it the oldest gives way (or the newcomer is
+    refused), the broker's descriptors stay bounded, and an honest client is served."""
+    stream_port = free_port()
+    b: Broker = broker_factory("--workers", "1", "--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key),
+                               "--stream-port", str(stream_port), "--max-connections", "16")
+    fds = Path(f"/proc/{b.pid}/fd")
+    before = len(os.listdir(fds))
+    silent: list[socket.socket] = []
+    try:
+        for port in (b.port, stream_port):
+            for _ in range(150):
+                silent.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        held = 0
+        deadline = time.monotonic() + 3  # (well within the 10 s handshake timeout)
+        while time.monotonic() < deadline:  # (the broker accepts them as it gets to them)
+            time.sleep(0.1)
+            held = max(held, len(os.listdir(fds)) - before)
+        assert held <= 2 * 16 + 4, f"{held} descriptors more with 300 silent connections (max_connections 16)"
+        assert tls_call(pki, b.port, stream=False) == {"jsonrpc": "2.0", "id": 1, "result": 5}
+        assert tls_call(pki, stream_port, stream=True) == {"jsonrpc": "2.0", "id": 1, "result": 5}
+        metrics = scrape_tls_metrics(pki, b.port)
+        for transport in ("http", "tcp"):
+            gone = sample(metrics, "rpc_broker_connections_evicted_total", transport=transport, state="handshake") + \
+                sample(metrics, "rpc_broker_connections_refused_total", transport=transport)
+            assert gone >= 150 - 16, (transport, gone)
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def scrape_tls_metrics(pki: Pki, port: int) -> Samples:
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=client_context(pki), timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 200
+        body = resp.read().decode()
+    finally:
+        conn.close()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}
+
+
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_a_request_sent_with_the_handshakes_last_flight_is_answered(broker_factory, pki: Pki, event_loop: str) -> None:
+    """The client's Finished and its request in one TCP segment: the broker decrypts the
+    request as the handshake ends, before the connection is its HTTP protocol's; that
+    request is kept for it and answered (`Handshake.data_received`). Also, under uvloop, a
+    ClientHello read at once (its connection's reading starts as connection_made returns)
+    reached the listener's first protocol, not TLS's, and the handshake never ended."""
+    b: Broker = broker_factory("--workers", "1", "--event-loop", event_loop,
+                               "--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key))
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = client_context(pki).wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")
+    body = json.dumps(CALL).encode()
+    request = (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    with socket.create_connection(("127.0.0.1", b.port), timeout=10) as sock:
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                if outgoing.pending:
+                    sock.sendall(outgoing.read())
+                data = sock.recv(65536)
+                assert data, "closed during the handshake"
+                incoming.write(data)
+        tls.write(request)
+        sock.sendall(outgoing.read())  # (the client's Finished and the request, at once)
+        plain = b""
+        while data := sock.recv(65536):  # (until the broker's close_notify)
+            incoming.write(data)
+            try:
+                while chunk := tls.read(65536):
+                    plain += chunk
+            except ssl.SSLWantReadError:
+                continue
+            except ssl.SSLZeroReturnError:
+                pass
+            break  # (close_notify: SSLZeroReturnError, or b"")
+    assert plain.startswith(b"HTTP/1.1 200 "), plain
+    assert json.loads(plain.partition(b"\r\n\r\n")[2]) == {"jsonrpc": "2.0", "id": 1, "result": 5}

@@ -429,6 +429,8 @@ class Listener:
         self.max_connections = max_connections
         self.send_timeout = send_timeout
         self.connections: set[typing.Any] = set()  # the subclass's protocol objects
+        # TLS handshakes under way (`handshake.Handshake`), oldest first: counted in `pool_size`
+        self.handshakes: dict[typing.Any, None] = {}
         self.refused_total = 0
         self.received_bytes = 0
         self.sent_bytes = 0
@@ -448,7 +450,7 @@ class Listener:
         self._recount_due = False  # `recount` is scheduled
         self.shed_total = 0  # connections reset by `shed_outgoing`
         # connections closed by `make_room`, by their state, or by `Incoming.make_room` ("incoming")
-        self.evicted_total = {"idle": 0, "trickling": 0, "incoming": 0}
+        self.evicted_total = {"idle": 0, "trickling": 0, "incoming": 0, "handshake": 0}
         self.send_timed_out_total = 0  # connections reset by `send_timed_out`
         self.lingering = 0  # connections closed early still lingering (`linger_out`)
 
@@ -464,13 +466,15 @@ class Listener:
         at the first and each thousandth, as `refused` is (new user, round 100: none was)."""
         n = self.evicted_total[state] = self.evicted_total[state] + 1
         if n == 1 or n % 1000 == 0:
-            why = "idle, the least recently active" if state == "idle" else "its request coming slowest"
+            why = {"idle": "idle, the least recently active", "handshake": "its TLS handshake the oldest under way"}.get(
+                state, "its request coming slowest")
             log.warning("%s: max_connections %d reached: closed a connection to make room (%s; %d so far)",
                         self.transport, self.max_connections, why, n)
 
     def pool_size(self) -> int:
-        """Connections counted against `max_connections` (HTTP's probes' reserve is not)."""
-        return len(self.connections)
+        """Connections counted against `max_connections`, TLS handshakes under way included
+        (HTTP's probes' reserve is not)."""
+        return len(self.connections) + len(self.handshakes)
 
     def make_room(self) -> None:
         """At `max_connections`: close connections that wait on their client until a new

@@ -154,7 +154,7 @@ class HttpFrontend(Listener):
 
     def pool_size(self) -> int:
         """Connections counted against max_connections: not those of the probes' reserve."""
-        return len(self.connections) - len(self.probe_conns) - len(self.probe_overflow)
+        return len(self.connections) + len(self.handshakes) - len(self.probe_conns) - len(self.probe_overflow)
 
     def admit_probe(self, conn: HttpProtocol) -> None:
         """Take `conn`, past max_connections, into the reserve's overflow; when it is full,

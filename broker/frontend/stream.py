@@ -266,9 +266,9 @@ class StreamProtocol(Closing, asyncio.Protocol):
         if self._fe.auth is None:  # (with tokens, its token's: `_authenticate`)
             self._budget.bucket = self._fe.dispatcher.limiter.for_address(address_of(peer))
         fe = self._fe
-        if len(fe.connections) >= fe.max_connections and not fe.draining:
+        if fe.pool_size() >= fe.max_connections and not fe.draining:
             fe.make_room()  # idle connections, if any, give their places
-        if len(fe.connections) >= fe.max_connections:
+        if fe.pool_size() >= fe.max_connections:
             self._refuse()
             return
         fe.connections.add(self)
