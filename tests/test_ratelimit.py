@@ -158,6 +158,23 @@ def test_the_429_carries_retry_after(broker_factory):
     assert statuses == [(200, None), (429, "1")]
 
 
+def test_a_429s_retry_after_is_its_buckets_wait_rounded_up(broker_factory):
+    """Hostile testing, round 114, M2: Retry-After was always 1, whatever the rate: at 0.1
+    calls a second, a client that waited as told was refused again, nine times."""
+    b = broker_factory("--workers", "1", "--rate-limit", "0.1", "--rate-burst", "1")
+    assert post(b, call("add", [1, 1], 1))[0] == 200
+    conn = b.connection()
+    try:
+        conn.request("POST", "/", body=json.dumps(call("add", [1, 2], 2)), headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        answer = json.loads(resp.read())
+    finally:
+        conn.close()
+    wait = answer["error"]["data"]["retry_after_seconds"]
+    assert resp.status == 429 and 9.0 < wait <= 10.0
+    assert resp.getheader("retry-after") == "10"
+
+
 def test_each_token_has_its_own_bucket_and_its_own_rate(broker_factory, tmp_path: Path):
     tokens = tmp_path / "tokens.toml"
     tokens.write_text(f'[tokens.ci]\ntoken = "{CI}"\nrate_limit = 1000\n\n[tokens.alice]\ntoken = "{ALICE}"\n')

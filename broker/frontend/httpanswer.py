@@ -35,7 +35,7 @@ import typing
 
 from broker.answers import Exchange
 from broker.frontend.base import PIPELINE_HIGH, PIPELINE_LOW
-from broker.frontend.httpmsg import CLOSE, TOO_MANY_BODY, error_body, json_response
+from broker.frontend.httpmsg import CLOSE, TOO_MANY_BODY, error_body, json_response, retry_after
 from broker.frontend.httpowed import Deferred, Ready, Scrape
 from broker.frontend.httpstate import Close, HttpState
 from broker.jsonrpc import ErrorCode
@@ -85,6 +85,8 @@ class Answers(HttpState):
                 keep_alive = exchange.context
                 if type(keep_alive) is bool:  # no CORS headers: _answer inlined, for speed
                     extra = self._keep_header if keep_alive else b""
+                    if exchange.status == 429:
+                        extra += self._retry_after()
                     self._write(
                         json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head),
                         keep_alive, "rpc",
@@ -110,7 +112,14 @@ class Answers(HttpState):
             keep_alive, extra = bool(context), b""
         if keep_alive:
             extra += self._keep_header
+        if exchange.status == 429:
+            extra += self._retry_after()
         return json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head), keep_alive
+
+    def _retry_after(self) -> bytes:
+        """A rate-limited call's 429's `retry-after`: when its caller's bucket has a call again."""
+        bucket = self._budget.bucket
+        return retry_after(bucket.retry_after() if bucket is not None else 1.0)
 
     def _deferred_done(self, exchange: Exchange) -> None:
         if self._transport is not None:

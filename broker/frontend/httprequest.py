@@ -635,6 +635,8 @@ class Requests(HttpState):
                 self._budget.written(exchange, self._write_paused)
             else:
                 extra = self._keep_header if keep_alive else b""
+                if exchange.status == 429:  # (a rate-limited call's: `_retry_after`)
+                    extra += self._retry_after()
                 self._write(json_response(exchange.status, exchange.body(), keep_alive, extra, fe.json_head), keep_alive, "rpc")
                 self._budget.written(exchange, self._write_paused)
             return
