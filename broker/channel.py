@@ -40,11 +40,15 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 }
 
 
+NEVER = 1 << 62  # a call count no process reaches: recycling by calls off (`Worker.recycle_at`)
+
+
 class Worker:
     """One worker slot: its current process, channel, state and load."""
 
     __slots__ = (
         "blocked",
+        "calls",
         "channel",
         "concurrency",
         "exited",
@@ -54,10 +58,12 @@ class Worker:
         "kill_reason",
         "leaving",
         "limit",
+        "max_calls",
         "outstanding",
         "overdue",
         "pid",
         "process",
+        "recycle_at",
         "restart_at",
         "slot",
         "started_at",
@@ -96,6 +102,12 @@ class Worker:
         self.exited: asyncio.Future[int] | None = None
         self.kill_reason = ""  # why the broker killed this process, if it did
         self.leaving = False  # this process asked to leave (SIGTERM: `Pool.worker_leaving`)
+        # Calls (a chunk: its calls) sent to this process (the dispatcher's `_send`); its
+        # recycling limit (max_calls_per_worker plus its jitter, drawn at its launch: see
+        # broker/recycling.py), and the count at which `_send` tells the pool (the limit,
+        # then out of reach once told: one compare a call)
+        self.calls = 0
+        self.max_calls = self.recycle_at = NEVER
 
     def move(self, state: WorkerState) -> None:
         """Change state; raises `RuntimeError` on a transition not in `TRANSITIONS`."""

@@ -303,6 +303,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         self.worker_back_in: Callable[[], float] = lambda: 0.0  # `Pool._worker_back_in`
         # ... and is one restarting now, due back as soon as it has started? (`_pick_blocked`)
         self.worker_restarting: Callable[[], bool] = lambda: False  # `Pool._worker_restarting`
+        # ... and told when a worker was sent its max_calls_per_worker calls (`Pool.worker_worn`)
+        self.worker_worn: Callable[[Worker], None] = lambda worker: None
         self._down_since = 0.0  # when the last ready worker went (_clock); read while none is ready
         self._start_failed = False  # a start failed since (`start_failed`): "no worker available" at once
 
@@ -616,6 +618,9 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
             if heavy:
                 worker.heavy_calls[call] = _clock()
         worker.took_calls = True  # (its exit is no boot crash loop: `Pool._failures_after`)
+        calls = worker.calls = worker.calls + call.weight  # (recycling: max_calls_per_worker)
+        if calls >= worker.recycle_at:  # (once a process: then out of reach, `Pool.worker_worn`)
+            self.worker_worn(worker)
         call.owner.in_flight += call.weight
         # A call not known to block, to a worker not busy in one, may come back unstarted if
         # its method turns out slow there (`_returned`). Not one sent to a blocked worker: it

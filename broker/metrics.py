@@ -497,6 +497,7 @@ class BrokerCollector(Collector):
             states[w.state.value] += 1
         states["draining"] += len(pool.retiring)  # replaced by a reload, finishing their calls
         states["starting"] += len(pool.incoming)  # a reload's, until they all are ready
+        states["starting"] += len(pool.replacements)  # a recycle's, until it takes its slot
         yield _family_gauge("rpc_broker_workers", "Worker slots by state.", ["state"], (([s], n) for s, n in states.items()))
         yield _family_counter(
             "rpc_broker_reloads", "Reloads (SIGHUP) by result: success (the new code serves) or failure "
@@ -506,6 +507,15 @@ class BrokerCollector(Collector):
         yield _family_counter(
             "rpc_broker_worker_restarts", "Worker processes restarted, by reason.", ["reason"],
             (([reason], n) for reason, n in sorted({**_NO_RESTARTS, **pool.restarts_by_reason}.items())),
+        )  # fmt: skip
+        yield _family_counter(
+            "rpc_broker_worker_recycles", "Workers recycled (replaced by a new process, ready before the old one"
+            " drained), by reason: max_calls (max_calls_per_worker) or max_memory (max_worker_memory).", ["reason"],
+            (([reason], n) for reason, n in sorted(pool.recycles.items())),
+        )  # fmt: skip
+        yield _family_counter(
+            "rpc_broker_worker_recycle_failures", "Recycles whose replacement failed to start (the old worker"
+            " serves on; the slot is tried again after a backoff).", [], [([], pool.recycle_failures)],
         )  # fmt: skip
         cpu = CounterMetricFamily(
             "rpc_broker_worker_cpu_seconds", "CPU (user + system) of the worker process in a slot; resets on restart.",

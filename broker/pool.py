@@ -50,6 +50,8 @@ import that hangs, a process stopped at import): it is killed, and the start fai
 
 A reload (SIGHUP, `reload`), which deploys the app anew, and what the pool does while one
 is under way are in broker/reloads.py (`Reloads`, the mixin `Pool` inherits its methods from).
+Recycling (max_calls_per_worker, max_worker_memory: a replacement boots beside the worker,
+which serves until it is ready) is in broker/recycling.py (`Recycling`, another mixin).
 
 A worker restarted after a crash imports what is on disk now. If its HELLO lists other
 methods than the running workers', the code changed on disk without a SIGHUP: it cannot
@@ -82,6 +84,7 @@ from broker.config import ConfigError
 from broker.dispatch import Dispatcher
 from broker.errors import LocalError
 from broker.membership import RESTART_WAIT_SECONDS
+from broker.recycling import RECYCLE_DROPPED, RECYCLE_REASONS, Recycle, Recycling
 from broker.reloads import (  # (and what both modules use: the kill reasons, the process helpers)
     CODE_CHANGED,
     SUPERSEDED,
@@ -119,7 +122,7 @@ class WorkerBootError(LocalError):
     hint = "fix the app or its environment, then start the broker again: a bad deploy is not retried"
 
 
-class Pool(Reloads):
+class Pool(Reloads, Recycling):
     """Supervises `size` worker processes serving `app` for one `Dispatcher`."""
 
     def __init__(
@@ -136,6 +139,9 @@ class Pool(Reloads):
         socket_dir: str = "",
         debug: bool = False,
         log_level: str = "info",
+        max_calls_per_worker: int = 0,
+        max_calls_jitter: int = 0,
+        max_worker_memory: int = 0,
     ) -> None:
         self.dispatcher = dispatcher
         self.loop = asyncio.get_running_loop()
@@ -180,8 +186,22 @@ class Pool(Reloads):
         # restarted on the code being deployed, they wait for the reload's new worker, and
         # are restarted only if the reload fails. (Each exit was counted when reaped.)
         self._awaiting_reload: set[Worker] = set()
+        # Recycling (broker/recycling.py): the limits (0: off); the replacements booting, by
+        # slot (not in `workers` until their HELLO); recycles by reason and failures (metrics);
+        # each slot's failures in a row and when it may be tried again; the periodic check.
+        self.max_calls_per_worker = max_calls_per_worker
+        self.max_calls_jitter = max_calls_jitter
+        self.max_worker_memory = max_worker_memory
+        self.replacements: dict[int, Recycle] = {}
+        self.recycles = dict.fromkeys(RECYCLE_REASONS, 0)
+        self.recycle_failures = 0
+        self._recycle_failures_in_row: dict[int, int] = {}
+        self._recycle_hold: dict[int, float] = {}
+        self._recycle_timer: asyncio.TimerHandle | None = None
+        self._over_at_start: set[int] = set()  # pids over max_worker_memory before any call (warned once)
         dispatcher.worker_back_in = self._worker_back_in
         dispatcher.worker_restarting = self._worker_restarting
+        dispatcher.worker_worn = self.worker_worn
 
     def _worker_coming(self) -> bool:
         """Is a worker on its way to READY? One starting (a leave's replacement is from
@@ -271,6 +291,7 @@ class Pool(Reloads):
             await asyncio.wait([waiter, failed], timeout=left, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
         self._starting = False
+        self._start_recycling()
         if self._reload_wanted:  # a SIGHUP came while starting: deploy what is on disk now
             log.info("reload: one was asked for while the broker started: reloading now")
             self.request_reload()
@@ -321,16 +342,18 @@ class Pool(Reloads):
             return
         if self._stopping:  # `stop` came while this process was being created
             _kill(process)
-        elif self.workers[worker.slot] is not worker and not any(w is worker for w in self.incoming):
+        elif (self.workers[worker.slot] is not worker and not any(w is worker for w in self.incoming)
+              and self._replacement(worker) is None):
             # Started for a reload that failed while this process was being created (a leave's
             # replacement, round 39: it lived on, imported the code that was not deployed, and
-            # its HELLO was refused as a stranger's): not wanted any more.
-            worker.kill_reason = "started for a reload that failed meanwhile"
+            # its HELLO was refused as a stranger's), or for a recycle dropped meanwhile: not wanted any more.
+            worker.kill_reason = worker.kill_reason or "started for a reload that failed meanwhile"
             _kill(process)
         worker.process = process
         worker.pid = process.pid
         worker.started_at = time.monotonic()
         worker.took_calls = False
+        self._arm(worker)
         exited: asyncio.Future[int] = self.loop.create_future()
         worker.exited = exited
         boot_timer = self.loop.call_later(self.boot_timeout, self._boot_deadline, worker, process)
@@ -352,6 +375,10 @@ class Pool(Reloads):
         if worker in self.incoming:
             self._incoming_error = self._incoming_error or problem
             self._changed.set()
+            return
+        rec = self._replacement(worker)
+        if rec is not None:  # (the old worker serves on)
+            self._recycle_failed(rec, f"process cannot be created: {exc}")
             return
         worker.failures += 1
         delay = self._backoff(worker.failures)
@@ -399,6 +426,12 @@ class Pool(Reloads):
         self._changed.set()
         if self._stopping:
             return
+        rec = self._replacement(worker)
+        if rec is not None:  # a recycle's replacement, before its HELLO: the old worker serves on
+            self._recycle_failed(rec, f"(pid {worker.pid}) {reason} before it was ready")
+            return
+        if self.workers[worker.slot] is worker:
+            self._drop_recycle(worker.slot, f"its worker {reason}")
         if worker in self.incoming:
             if left and was_starting and self._reloading and not self._incoming_error:
                 # A reload's new worker sent SIGTERM while it imports: another takes its place
@@ -413,7 +446,7 @@ class Pool(Reloads):
                 self.retiring.discard(worker)
                 log.log(logging.INFO if status == 0 or not worker.leaving else logging.WARNING,
                         "worker %d (pid %d) %s: %s", worker.slot, worker.pid, "left" if worker.leaving else "retired", reason)
-            elif worker.kill_reason.startswith(SUPERSEDED):
+            elif worker.kill_reason.startswith((SUPERSEDED, RECYCLE_DROPPED)):
                 log.info("worker %d (pid %d) %s", worker.slot, worker.pid, reason)
             else:  # (a new worker of a reload that failed, stopped with the others)
                 log.info("reload: new worker %d (pid %d) stopped, the reload failed: %s", worker.slot, worker.pid, reason)
@@ -548,6 +581,9 @@ class Pool(Reloads):
             new = self.incoming[hello.slot]
             if new.state is WorkerState.STARTING and new.pid == hello.pid:
                 return self._hello_incoming(channel, new, names, hello)
+        rec = self.replacements.get(hello.slot)
+        if rec is not None and rec.new.state is WorkerState.STARTING and rec.new.pid == hello.pid:
+            return self._hello_replacement(channel, rec, names, hello)
         worker = self.workers[hello.slot]
         if worker.state is not WorkerState.STARTING or worker.pid != hello.pid:
             raise wire.FrameError(f"HELLO from pid {hello.pid} for slot {hello.slot}, expected pid {worker.pid}")
@@ -619,6 +655,8 @@ class Pool(Reloads):
         (One told BYE already, by a reload or the stop, is leaving anyway.)"""
         if worker.state is not WorkerState.READY or worker.channel is None:
             return
+        if self.workers[worker.slot] is worker:  # (a leave's new worker, or the reload's, replaces it)
+            self._drop_recycle(worker.slot, "its worker asks to leave")
         worker.leaving = True
         worker.move(WorkerState.DRAINING)
         self.dispatcher.worker_unready(worker)
@@ -669,6 +707,8 @@ class Pool(Reloads):
         if worker.state is not WorkerState.DEAD:
             worker.move(WorkerState.DEAD)
         process = worker.process
+        if self.workers[worker.slot] is worker:  # (its restart takes the slot)
+            self._drop_recycle(worker.slot, "its worker's socket closed")
         if process is not None and process.returncode is None:
             self.loop.call_later(KILL_AFTER_SECONDS, self._kill_lingering, worker, process)
             if not self._stopping and not worker.leaving and self.workers[worker.slot] is worker:
@@ -690,7 +730,9 @@ class Pool(Reloads):
         socket directory. A `start` under way returns (the broker was stopped while it started)."""
         self._stopping = True
         self._changed.set()  # (a `start` under way gives up)
-        everyone = [*self.workers, *self.incoming, *self.retiring]
+        if self._recycle_timer is not None:
+            self._recycle_timer.cancel()
+        everyone = [*self.workers, *self.incoming, *self.retiring, *(r.new for r in self.replacements.values())]
         for worker in everyone:  # still importing (the start's, a reload's, a restart's): nothing to finish
             if worker.state is WorkerState.STARTING and worker.process is not None:
                 _kill_if_alive(worker.process)

@@ -1,9 +1,9 @@
-"""The pool's state as the module of its reload's methods sees it (`PoolState`), for the type checker.
+"""The pool's state as the modules of its reload's and recycling's methods see it (`PoolState`), for the type checker.
 
 `pool.Pool` holds the state (its `__init__` makes every attribute below) and inherits the
-methods of broker/reloads.py (a mixin with no state of its own). That mixin subclasses
-`PoolState`, which declares what it reads of the pool's attributes and methods; at run
-time it is an empty class.
+methods of broker/reloads.py and broker/recycling.py (mixins with no state of their own).
+Those mixins subclass `PoolState`, which declares what they read of the pool's attributes
+and methods; at run time it is an empty class.
 """
 
 from __future__ import annotations
@@ -14,19 +14,24 @@ import typing
 if typing.TYPE_CHECKING:
     from broker.channel import Worker
     from broker.dispatch import Dispatcher
+    from broker.recycling import Recycle
 
 __all__ = ["PoolState"]
 
 
 class PoolState:
-    """What `pool.Pool`'s mixin (`reloads.Reloads`) reads of its state and methods."""
+    """What `pool.Pool`'s mixins (`reloads.Reloads`, `recycling.Recycling`) read of its state and methods."""
 
     if typing.TYPE_CHECKING:
         _awaiting_reload: set[Worker]
         _changed: asyncio.Event
+        _recycle_failures_in_row: dict[int, int]
+        _recycle_hold: dict[int, float]
+        _recycle_timer: asyncio.TimerHandle | None
         _incoming_error: str
         _incoming_methods: list[str] | None
         _incoming_sync: list[str]
+        _over_at_start: set[int]
         _reload_task: asyncio.Task[None] | None
         _reload_wanted: bool
         _reloading: bool
@@ -38,8 +43,14 @@ class PoolState:
         dispatcher: Dispatcher
         incoming: list[Worker]
         loop: asyncio.AbstractEventLoop
+        max_calls_jitter: int
+        max_calls_per_worker: int
+        max_worker_memory: int
         methods: list[str] | None
+        recycle_failures: int
+        recycles: dict[str, int]
         reloads: dict[str, int]
+        replacements: dict[int, Recycle]
         retiring: set[Worker]
         size: int
         sync_methods: list[str]
@@ -47,7 +58,9 @@ class PoolState:
 
         def _beside(self, worker: Worker) -> None: ...
         def _count_restart(self, why: str) -> None: ...
+        def _drop_recycles(self, why: str) -> None: ...
         async def _launch(self, worker: Worker) -> None: ...
         def _prepare(self, worker: Worker) -> bool: ...
         def _retire_by(self, worker: Worker) -> None: ...
         async def _spawn(self, worker: Worker) -> None: ...
+        def request_reload(self) -> None: ...

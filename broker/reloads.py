@@ -130,6 +130,7 @@ class Reloads(PoolState):
         if timeout is None:
             timeout = self.boot_timeout
         self._reloading = True
+        self._drop_recycles("a reload replaces every worker")
         self.incoming = [Worker(slot) for slot in range(self.size)]
         self._incoming_methods = None
         self._incoming_sync = []

@@ -406,7 +406,8 @@ async def run(
         dispatcher,
         size=config.worker_count,
         concurrency=config.worker_concurrency,
-        **_settings(config, "app max_depth max_frame_bytes restart_backoff_max boot_timeout socket_dir debug log_level"),
+        **_settings(config, "app max_depth max_frame_bytes restart_backoff_max boot_timeout socket_dir debug log_level "
+                    "max_calls_per_worker max_calls_jitter max_worker_memory"),
     )
     stop = asyncio.Event()
     hurry = asyncio.Event()  # a second stop signal in the drain: the grace period ends now

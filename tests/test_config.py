@@ -60,6 +60,9 @@ EXPECTED_DEFAULTS = {
     "max_response_bytes": 33554432,
     "restart_backoff_max": 10.0,
     "boot_timeout": 60.0,
+    "max_calls_per_worker": 0,
+    "max_calls_jitter": 0,
+    "max_worker_memory": 0,
     "cancel_grace": 10.0,
     "socket_dir": "",
     "debug": False,
@@ -180,6 +183,9 @@ max_outgoing_bytes = 65536
 max_response_bytes = 65536
 restart_backoff_max = 0.5
 boot_timeout = 3
+max_calls_per_worker = 10000
+max_calls_jitter = 500
+max_worker_memory = 536870912
 cancel_grace = 2.5
 socket_dir = "/run/rpc"
 debug = true
@@ -202,7 +208,8 @@ slow = 120.5
         "worker_concurrency": 1, "sync_prefetch": 0, "connection_share": 1.0, "max_queue": 0, "max_queue_bytes": 0, "max_worker_params_bytes": 0, "grace_period": 0.0,
         "keepalive_timeout": 1.0, "request_timeout": 0.5, "send_timeout": 7.5, "max_connections": 5, "max_frame_bytes": 65536,
         "max_incoming_bytes": 1, "max_outgoing_bytes": 65536, "max_response_bytes": 65536, "restart_backoff_max": 0.5,
-        "boot_timeout": 3.0, "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
+        "boot_timeout": 3.0, "max_calls_per_worker": 10000, "max_calls_jitter": 500,
+        "max_worker_memory": 536870912, "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
         "event_loop": "asyncio",
     }
     assert cfg.worker_count == 1024
@@ -238,6 +245,15 @@ def test_unknown_section_fails(tmp_path: Path) -> None:
         ("max_frame_bytes = 65535",
          "max_frame_bytes = 65535: expected `int` >= 65536 (allowed: 65536..1073741824)"),
         ("max_queue = -1", "max_queue = -1: expected `int` >= 0 (allowed: >= 0)"),
+        ("max_calls_per_worker = -1",
+         "max_calls_per_worker = -1: expected `int` >= 0 (allowed: 0..1000000000)"),
+        ("max_calls_per_worker = 1.5",
+         "max_calls_per_worker = 1.5: expected `int`, got `float` (allowed: 0..1000000000)"),
+        ("max_calls_jitter = -5", "max_calls_jitter = -5: expected `int` >= 0 (allowed: 0..1000000000)"),
+        ("max_worker_memory = -1",
+         "max_worker_memory = -1: expected `int` >= 0 (allowed: 0..1125899906842624)"),
+        ('max_worker_memory = "512M"',
+         "max_worker_memory = '512M': expected `int`, got `str` (allowed: 0..1125899906842624)"),
         ("connection_share = 0", "connection_share = 0: expected `float` > 0.0 (allowed: 0 < x <= 1)"),
         ("connection_share = nan", "connection_share = nan: expected `float` > 0.0 (allowed: 0 < x <= 1)"),
         ("connection_share = 1.5", "connection_share = 1.5: expected `float` <= 1.0 (allowed: 0 < x <= 1)"),

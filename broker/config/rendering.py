@@ -35,7 +35,7 @@ def _default_text(s: Setting) -> str:
     text = _toml(s.default)
     if s.unit and s.kind != "map":
         text += f" {s.unit}"
-    if s.unit == "bytes" and isinstance(s.default, int) and s.default % MIB == 0:
+    if s.unit == "bytes" and isinstance(s.default, int) and s.default and s.default % MIB == 0:
         text += f" ({s.default // MIB} MiB)"
     return text
 

@@ -340,6 +340,22 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                 "(its app import hangs, or the process is stopped) is killed; "
                                 "at start that is a boot failure, exit 3")
                             ] = 60 * SECONDS
+    max_calls_per_worker: Annotated[int, Meta(ge=0, le=1_000_000_000),
+                                    Doc("recycle a worker once it was sent this many calls (batch "
+                                        "elements count one each; plus its max_calls_jitter): a "
+                                        "replacement starts, and takes the slot when ready, the old "
+                                        "one finishing its calls (gunicorn's max_requests); 0 means off",
+                                        metavar="CALLS")
+                                    ] = 0
+    max_calls_jitter: Annotated[int, Meta(ge=0, le=1_000_000_000),
+                                Doc("each worker's max_calls_per_worker is raised by a random 0..this, "
+                                    "drawn at its start, so workers started together do not recycle "
+                                    "together (gunicorn's max_requests_jitter)", metavar="CALLS")
+                                ] = 0
+    max_worker_memory: Annotated[Bytes, Meta(ge=0, le=1 << 50),
+                                 Doc("recycle a worker whose resident memory (RSS, read every 2 s) "
+                                     "is over this, as max_calls_per_worker does; 0 means off")
+                                 ] = 0
     cancel_grace: Annotated[Seconds, Meta(ge=MS, le=DAY),
                             Doc("a worker that has not answered a timed-out call this "
                                 "long after the CANCEL is deemed hung and killed")
