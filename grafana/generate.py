@@ -368,11 +368,15 @@ def workers() -> list[Panel]:
             "Worker processes restarted per rate interval, by reason: exited, killed, hung, boot_timeout, "
             "reload (a SIGHUP reload restarts every worker on purpose), left (a worker sent SIGTERM left "
             "without losing a call and was replaced), code_changed; and SIGHUP reloads by result: "
-            "reload success, or reload failure (a new worker did not start: the old code serves on).",
+            "reload success, or reload failure (a new worker did not start: the old code serves on); and "
+            "workers recycled (max_calls_per_worker, max_worker_memory: replaced, the replacement ready "
+            "first; not restarts) by reason.",
             [(f"sum by (reason) (increase({sel('rpc_broker_worker_restarts_total')}[$__rate_interval]))",
               "{{reason}}"),
              (f"sum by (result) (increase({sel('rpc_broker_reloads_total')}[$__rate_interval]))",
-              "reload {{result}}")],
+              "reload {{result}}"),
+             (f"sum by (reason) (increase({sel('rpc_broker_worker_recycles_total')}[$__rate_interval]))",
+              "recycled {{reason}}")],
             bars=True,
         ),
         timeseries(
