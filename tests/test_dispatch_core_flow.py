@@ -723,3 +723,22 @@ def test_a_connections_call_held_for_its_share_of_the_room_that_expires_lets_its
     clock.advance(1.05)  # the held call expires: its connection's next goes
     assert codes(done) == [ErrorCode.TIMED_OUT] and d.queued_calls == 0
     assert [params_of(f) for f in w.channel.take()] == [[[]]]
+
+
+# -- recycling: a worker's calls counted as they are sent ----------------------------------
+
+
+def test_a_worker_is_told_worn_as_it_is_sent_its_recycle_at_th_call_a_chunk_counting_its_calls(clock):
+    """`_send` counts each worker's calls (a chunk: its calls) and tells the pool
+    (`worker_worn`, with that worker) at the call that reaches its `recycle_at`, not after."""
+    d, w, codec, _done = one_worker(clock.loop, ["m"], 10)
+    worn: list[object] = []
+    d.worker_worn = worn.append
+    w.recycle_at = 5
+    d.submit(body(codec, req("m", [], 1)), lambda e: None)
+    assert (w.calls, worn) == (1, [])
+    d.submit(body(codec, [req("m", [2], 2), note("m", 0), req("m", [3], 3)]), lambda e: None)
+    assert [(f[0], f[2]) for f in w.channel.take()] == [(wire.Kind.CALL, 0), (wire.Kind.CHUNK, 2), (wire.Kind.NOTIFY, 0)]
+    assert (w.calls, worn) == (4, [])  # (the chunk counts its two calls; the notification, run too, one)
+    d.submit(body(codec, req("m", [], 4)), lambda e: None)
+    assert w.calls == 5 and worn == [w]
