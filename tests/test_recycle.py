@@ -77,7 +77,9 @@ def test_a_worker_is_recycled_after_its_calls_with_jitter(broker_factory) -> Non
     assert len(limits) > 1, lines  # the jitter spreads them (all equal: 1 in 31**5 or so)
     assert len(seen) > 2  # the replacements served
     wait_for(lambda: not (children(b.pid) & first), timeout=10)  # the first workers exited
-    assert len(children(b.pid)) == 2
+    # Two workers again, once a recycle the last calls began (a replacement booting beside
+    # its old worker, then the old one draining) is over (CI: 3 seen at once, a test too early)
+    wait_for(lambda: len(children(b.pid)) == 2, timeout=15)
 
 
 def _load(b: Broker, worker: int, n: int) -> dict[object, list[object]]:
