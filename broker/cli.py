@@ -2,13 +2,15 @@
 
     rpc-broker serve [--config FILE] [--<setting> VALUE ...]
     rpc-broker check-config [FILE]
+    rpc-broker check-app [APP] | rpc-broker reload [--config FILE] [--pid PID]
     rpc-broker bench URL [options] | rpc-broker bench plot FILE... -o PNG
     rpc-broker --version
 
 Every ``serve`` flag is generated from the settings table in `broker.config`.
 Exit codes: 0 success, 2 bad usage or bad configuration; ``serve`` otherwise
 returns what `broker.server.serve` returns; ``bench`` returns what
-`broker.loadgen.cli.main` returns (0 all answers right, 1 failures, 2 usage).
+`broker.loadgen.cli.main` returns (0 all answers right, 1 failures, 2 usage);
+``reload`` what `broker.reloadcmd.reload` returns (1 failed, 4 timed out, 5 no broker).
 """
 
 import argparse
@@ -82,8 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
     check_app.add_argument("app", metavar="APP", nargs="?", help="module:attribute of the Registry")
     check_app.add_argument("--config", metavar="FILE", help="TOML file whose app to check (without APP)")
     check_app.add_argument("--debug", action="store_true", help="print the traceback of a failure")
+    reload = commands.add_parser(
+        "reload",
+        help="reload a running broker (SIGHUP) and wait for the outcome: exit 0 when the new workers "
+        "took over, 1 when they failed to start, 4 on timeout, 5 when no broker runs (systemd's ExecReload)",
+        description="Send the broker SIGHUP and wait until the reload it asked for ends, through the\n"
+        "broker's status file (the status_file setting, from --config and the environment as serve\n"
+        "reads them, or --status-file). Exit 0: the new workers took over; 1: they failed to start\n"
+        "(the old ones serve on; the reason on stderr); 2: no status file set; 4: no outcome within\n"
+        "--timeout; 5: no broker to reload (not running, a stale status file, another process,\n"
+        "not allowed to signal it, or stopping).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    reload.add_argument("--config", metavar="FILE", help="TOML file of the broker's settings (its status_file)")
+    reload.add_argument("--status-file", metavar="FILE", help="the broker's status file (overrides the settings')")
+    reload.add_argument("--pid", type=int, metavar="PID",
+                        help="the broker's pid (systemd: $MAINPID); the status file must be its own")
+    reload.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="how long to wait for the outcome (default: boot_timeout + 15 s)")
     # (a command's own parser reports what it does not know: `unknown_arguments`)
-    parser.set_defaults(command_parsers={"serve": serve, "check-config": check, "check-app": check_app})
+    parser.set_defaults(command_parsers={"serve": serve, "check-config": check, "check-app": check_app,
+                                         "reload": reload})
     commands.add_parser(
         "bench", add_help=False, prefix_chars="\0",
         help="JSON-RPC load generator that checks every answer; "
@@ -146,6 +167,27 @@ def _check_app(app: str | None, path: str | None, debug: bool) -> int:
     return status
 
 
+def _reload(ns: argparse.Namespace) -> int:
+    """`reload`: its status file and timeout from the flags or the settings (`--config`,
+    the environment); `broker.reloadcmd.reload`'s exit code, or 2 without a status file."""
+    from broker import reloadcmd
+
+    cfg = _load(ns.config, {})
+    if cfg is None:
+        return 2
+    path = ns.status_file or cfg.status_file
+    if not path:
+        print(f"{PROG}: reload: no status file: set status_file (RPC_BROKER_STATUS_FILE) for the broker and"
+              " this command alike, or give --status-file", file=sys.stderr)
+        return 2
+    if ns.pid is not None and ns.pid <= 0:
+        print(f"{PROG}: reload: --pid {ns.pid}: not a process id (is $MAINPID empty? the unit is not running)",
+              file=sys.stderr)
+        return reloadcmd.EXIT_NO_BROKER
+    timeout = ns.timeout if ns.timeout is not None else cfg.boot_timeout + 15.0
+    return reloadcmd.reload(path, ns.pid, timeout)
+
+
 class _Stopped(Exception):
     """A stop signal (its number) came while the config was being read."""
 
@@ -201,6 +243,8 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
     flags = {s.name: getattr(ns, s.name) for s in config.SETTINGS if hasattr(ns, s.name)}
     if ns.command == "check-app":
         return _check_app(ns.app, ns.config, ns.debug)
+    if ns.command == "reload":
+        return _reload(ns)
     if ns.command == "check-config":
         cfg = _load(ns.file, flags)
         if cfg is None:

@@ -178,6 +178,10 @@ class Pool(Reloads, Recycling):
         self._incoming_error = ""
         self.after_reload: typing.Callable[[], None] | None = None  # called after each successful reload
         self.reloads = {"success": 0, "failure": 0}  # reloads by outcome (a metric's label)
+        # Told of each reload `request_reload` runs: (None, "") as it begins, then (True, "")
+        # or (False, why it failed) as it ends (the status file: broker/statusfile.py).
+        self.on_reload: typing.Callable[[bool | None, str], None] | None = None
+        self.reload_failure = ""  # why the last reload failed ("" if it did not)
         # Reloads asked for (`request_reload`): the task running them, and whether
         # one more was asked for while it ran (or while the pool started).
         self._reload_task: asyncio.Task[None] | None = None

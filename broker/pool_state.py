@@ -32,6 +32,7 @@ class PoolState:
         _incoming_methods: list[str] | None
         _incoming_sync: list[str]
         _over_at_start: set[int]
+        _path: str
         _reload_task: asyncio.Task[None] | None
         _reload_wanted: bool
         _reloading: bool
@@ -49,6 +50,8 @@ class PoolState:
         methods: list[str] | None
         recycle_failures: int
         recycles: dict[str, int]
+        on_reload: typing.Callable[[bool | None, str], None] | None
+        reload_failure: str
         reloads: dict[str, int]
         replacements: dict[int, Recycle]
         retiring: set[Worker]

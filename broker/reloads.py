@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import typing
 
@@ -43,8 +44,9 @@ from broker import wire
 from broker.channel import Worker, WorkerChannel, WorkerState
 from broker.pool_state import PoolState
 from broker.worker import WORKER_BOOT_ERROR
+from broker.worker.process import boot_error_path
 
-__all__ = ["CODE_CHANGED", "SUPERSEDED", "WIRE_MISMATCH", "Reloads", "describe_status", "method_change"]
+__all__ = ["CODE_CHANGED", "SUPERSEDED", "WIRE_MISMATCH", "Reloads", "boot_error", "describe_status", "method_change"]
 
 log = logging.getLogger("broker.pool")  # (the pool's logger: these are its lines)
 
@@ -96,7 +98,11 @@ class Reloads(PoolState):
         try:
             while True:
                 self._reload_wanted = False
-                await self.reload()
+                if self.on_reload is not None:  # (begins: it deploys what is on disk now)
+                    self.on_reload(None, "")
+                ok = await self.reload()
+                if self.on_reload is not None:
+                    self.on_reload(ok, self.reload_failure)
                 if not self._reload_wanted or self._stopping:
                     return
                 log.info("reload: another was asked for while this one ran: reloading again")
@@ -123,10 +129,12 @@ class Reloads(PoolState):
         way already (`request_reload` queues one instead).
         """
         if self._stopping:
+            self.reload_failure = "the broker is stopping"
             return False
         if self._reloading:
             log.warning("reload: one is already under way; this one is ignored")
             return False
+        self.reload_failure = ""
         if timeout is None:
             timeout = self.boot_timeout
         self._reloading = True
@@ -139,6 +147,8 @@ class Reloads(PoolState):
             for worker in self.incoming:
                 await self._spawn(worker)
             failure = await self._wait_incoming(timeout)
+            if failure:
+                self.reload_failure = failure
             if failure and self._stopping:
                 self._awaiting_reload.clear()
                 return False
@@ -179,8 +189,11 @@ class Reloads(PoolState):
             for w in self.incoming:
                 if w.exited is not None and w.exited.done():
                     status = w.exited.result()
+                    why = boot_error(self._path, w.pid) if status == WORKER_BOOT_ERROR else ""
                     return (f"new worker {w.slot} (pid {w.pid}) {describe_status(status)} before it was ready"
-                            + (": it could not boot the app (its log above says why)" if status == WORKER_BOOT_ERROR else ""))
+                            + (f": it could not boot the app: {why}" if why else
+                               ": it could not boot the app (its log above says why)" if status == WORKER_BOOT_ERROR
+                               else ""))
                 if w.state is WorkerState.DEAD:
                     return f"new worker {w.slot} (pid {w.pid}) closed its connection before it was ready"
             if all(w.state is WorkerState.READY for w in self.incoming):
@@ -291,6 +304,21 @@ class Reloads(PoolState):
             log.warning("worker slot %d restarts now (its worker asked to leave during the reload, which failed):"
                         " it imports the code on disk now, which the old workers may not run", worker.slot)
             self._beside(worker)
+
+
+def boot_error(socket_path: str, pid: int | None) -> str:
+    """The line worker `pid` left to say why it could not load its app
+    (`broker.worker.process.boot_error_path`), removed once read; "" if none."""
+    if pid is None:
+        return ""
+    path = boot_error_path(socket_path, pid)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            said = f.read(4096).strip()
+        os.unlink(path)
+    except OSError:
+        return ""
+    return said
 
 
 def describe_status(status: int) -> str:

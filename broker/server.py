@@ -48,6 +48,7 @@ from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.policy import MethodRule, Policy
 from broker.pool import Pool, WorkerBootError
 from broker.ratelimit import Limiter, Rate, burst_for
+from broker.statusfile import StatusFile
 from broker.tls import TlsError, server_context
 from broker.worker import WORKER_BOOT_ERROR
 
@@ -409,6 +410,17 @@ async def run(
         **_settings(config, "app max_depth max_frame_bytes restart_backoff_max boot_timeout socket_dir debug log_level "
                     "max_calls_per_worker max_calls_jitter max_worker_memory"),
     )
+    status = StatusFile(config.status_file)  # (for `rpc-broker reload`: broker/statusfile.py)
+    status.update(state="starting")
+
+    def reload_reported(ok: bool | None, why: str) -> None:
+        if ok is None:  # (begins: it answers every SIGHUP taken so far)
+            status.update(reloads=status.status.reloads + 1, covers=status.status.sighups, outcome="running",
+                          message="")
+        else:
+            status.update(outcome="ok" if ok else "failed", message=why)
+
+    pool.on_reload = reload_reported
     stop = asyncio.Event()
     hurry = asyncio.Event()  # a second stop signal in the drain: the grace period ends now
     kill_now = asyncio.Event()  # a stop signal while the workers are asked to exit: SIGKILL them now
@@ -451,6 +463,7 @@ async def run(
         else:
             first_stop.append(now)
             pool.wind_down()  # (a reload queued now would start workers only to stop them)
+            status.update(state="stopping")
         stop.set()
 
     def log_stopping(level: int, message: str, *args: object) -> None:
@@ -472,6 +485,7 @@ async def run(
             log_signal(logging.INFO, "SIGHUP while stopping: ignored")
             return
         log.info("SIGHUP: reloading the workers (the app is imported anew)")
+        status.update(sighups=status.status.sighups + 1)
         pool.request_reload()  # coalesced: one during a reload or the start runs after it
 
     loop.add_signal_handler(signal.SIGHUP, handle_hup)
@@ -670,6 +684,7 @@ async def run(
         if config.debug:  # (round 60's new user: nothing said so at the start)
             log.warning("debug is on: error answers carry the handler's traceback to every client"
                         " (never on in production)")
+        status.update(state="serving")
         if started is not None:
             started.set_result((host, port))
         await stop.wait()

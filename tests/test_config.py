@@ -65,6 +65,7 @@ EXPECTED_DEFAULTS = {
     "max_worker_memory": 0,
     "cancel_grace": 10.0,
     "socket_dir": "",
+    "status_file": "",
     "debug": False,
     "log_level": "info",
     "event_loop": "uvloop",
@@ -188,6 +189,7 @@ max_calls_jitter = 500
 max_worker_memory = 536870912
 cancel_grace = 2.5
 socket_dir = "/run/rpc"
+status_file = "/run/rpc/status.json"
 debug = true
 log_level = "debug"
 event_loop = "asyncio"
@@ -209,7 +211,7 @@ slow = 120.5
         "keepalive_timeout": 1.0, "request_timeout": 0.5, "send_timeout": 7.5, "max_connections": 5, "max_frame_bytes": 65536,
         "max_incoming_bytes": 1, "max_outgoing_bytes": 65536, "max_response_bytes": 65536, "restart_backoff_max": 0.5,
         "boot_timeout": 3.0, "max_calls_per_worker": 10000, "max_calls_jitter": 500,
-        "max_worker_memory": 536870912, "cancel_grace": 2.5, "socket_dir": "/run/rpc", "debug": True, "log_level": "debug",
+        "max_worker_memory": 536870912, "cancel_grace": 2.5, "socket_dir": "/run/rpc", "status_file": "/run/rpc/status.json", "debug": True, "log_level": "debug",
         "event_loop": "asyncio",
     }
     assert cfg.worker_count == 1024

@@ -118,7 +118,12 @@ def test_systemd_unit_is_hardened(unit: dict[str, dict[str, list[str]]]) -> None
         assert one("User") not in ("", "root", "0")
     assert one("RuntimeDirectory") == "rpc-broker"
     assert one("Restart") == "on-failure"
-    assert one("ExecReload").split() == ["/bin/kill", "-HUP", "$MAINPID"]
+    # A reload that reports (issue 12, item 11): `systemctl reload` fails with the reload.
+    reload_argv = shlex.split(one("ExecReload"))
+    assert Path(reload_argv[0]).name == "rpc-broker" and reload_argv[1] == "reload", reload_argv
+    assert reload_argv[reload_argv.index("--pid") + 1] == "$MAINPID"
+    assert unit_environment(service)["RPC_BROKER_STATUS_FILE"].startswith("/run/rpc-broker/")
+    assert config.Config().boot_timeout + 15 < float(one("TimeoutStartSec"))  # (it bounds ExecReload too)
     assert one("KillSignal") == "SIGTERM"
     assert one("KillMode") == "mixed"  # SIGTERM to the broker only: it drains, then stops its workers
     assert set(one("RestartPreventExitStatus").split()) >= {"2", "3"}  # bad config, worker boot failure

@@ -369,6 +369,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                               rule=f"at most {SOCKET_DIR_BYTES} bytes (a socket path's limit, less the "
                                    f"{SOCKET_PATH_BYTES - SOCKET_DIR_BYTES} the broker adds)", metavar="DIR")
                           ] = ""
+    status_file: Annotated[str, Meta(max_length=4096),
+                           Doc("file where the broker publishes its pid, its state and the outcome of "
+                               "each reload (JSON, replaced whole at each change), for `rpc-broker "
+                               "reload`; its directory must exist; empty means none", metavar="FILE")
+                           ] = ""
     debug: Annotated[bool,
                      Doc("put tracebacks in error 'data' (never on in production)")
                      ] = False

@@ -124,6 +124,36 @@ def load_registry(app: str, debug: bool) -> Registry | None:
     return registry
 
 
+def boot_error_path(socket_path: str, pid: int) -> str:
+    """Where worker `pid`, whose broker listens at `socket_path`, leaves the line that says
+    why it cannot load its app, before it exits `WORKER_BOOT_ERROR`: in the broker's private
+    socket directory, for the broker to read and remove (`reloads.boot_error`: a failed
+    reload's reason, in the status file that `rpc-broker reload` reads)."""
+    return os.path.join(os.path.dirname(socket_path), f"boot-error-{pid}")
+
+
+class _LastError(logging.Handler):
+    """Keeps the last ERROR line logged while the app loads (`main`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.message = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.message = record.getMessage()
+        except Exception:  # (a message that cannot be formatted: nothing kept)
+            pass
+
+    def leave(self, path: str) -> None:
+        """Write the line kept to `path` (at most 4 KiB; nothing if it cannot be written)."""
+        try:
+            with open(path, "w", encoding="utf-8", errors="replace") as f:
+                f.write(self.message[:4096])
+        except OSError:
+            pass
+
+
 def _deaf(signum: int, frame: types.FrameType | None) -> None:
     """The worker's SIGINT handler: nothing (see `main`)."""
 
@@ -162,8 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     # and msgspec, which counts Python's recursion limit, failed on params a few levels
     # short of it (hostile testing, round 26: echo of params 983 deep, -32603 "not valid JSON").
     sys.setrecursionlimit(sys.getrecursionlimit() + STACK_MARGIN)
+    said = _LastError()
+    logging.getLogger().addHandler(said)
     registry = load_registry(args.app, args.debug)
+    logging.getLogger().removeHandler(said)
     if registry is None:
+        said.leave(boot_error_path(args.socket, os.getpid()))
         return WORKER_BOOT_ERROR
     try:
         import uvloop

@@ -1,0 +1,150 @@
+"""`rpc-broker reload` (issue 12, item 11): SIGHUP a running broker and wait for that
+reload's outcome through its status file; real brokers, real workers, and an app module
+written into tmp_path that the tests change and break between reloads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, Broker
+
+from broker.reloadcmd import EXIT_FAILED, EXIT_NO_BROKER, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE
+
+APP = """from broker.worker import Registry
+import time
+time.sleep({sleep})
+registry = Registry()
+
+
+@registry.method
+def ver() -> int:
+    return {version}
+"""
+
+
+def write_app(tmp_path: Path, version: int = 1, sleep: float = 0.0, broken: bool = False) -> None:
+    """Write the app module `relapp` into `tmp_path` (whole: written beside, then renamed)."""
+    text = 'raise ImportError("broken on purpose")\n' if broken else APP.format(version=version, sleep=sleep)
+    tmp = tmp_path / "relapp.tmp"
+    tmp.write_text(text)
+    tmp.replace(tmp_path / "relapp.py")
+
+
+def start(broker_factory, tmp_path: Path, *flags: str) -> tuple[Broker, Path]:
+    write_app(tmp_path)
+    status = tmp_path / "status.json"
+    b = broker_factory("--workers", "2", "--app", "relapp:registry", "--status-file", str(status), *flags,
+                       env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    return b, status
+
+
+def reload(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RPC_BROKER_")}
+    return subprocess.run([sys.executable, "-m", "broker", "reload", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_reload_exits_0_once_the_new_workers_serve_the_new_code(broker_factory, tmp_path: Path) -> None:
+    b, status = start(broker_factory, tmp_path)
+    assert b.call("ver")["result"] == 1
+    write_app(tmp_path, version=2)
+    done = reload("--status-file", str(status), "--pid", str(b.pid))
+    assert done.returncode == EXIT_OK, done.stderr
+    assert "reloaded" in done.stdout
+    # The outcome is the new code's: no call needs to wait for it any more.
+    assert {b.call("ver", id_=i)["result"] for i in range(6)} == {2}
+    document = json.loads(status.read_text())
+    assert (document["pid"], document["state"], document["outcome"], document["sighups"]) == (b.pid, "serving", "ok", 1)
+
+
+def test_a_reload_whose_code_fails_to_import_exits_1_saying_why_then_a_mended_one_0(
+        broker_factory, tmp_path: Path) -> None:
+    """The failure's reason is the worker's own line (its exception), and the old code serves
+    on. The next reload, of mended code, is not confused by that earlier failed outcome,
+    still in the file when it asks."""
+    b, status = start(broker_factory, tmp_path)
+    write_app(tmp_path, broken=True)
+    failed = reload("--status-file", str(status), "--pid", str(b.pid))
+    assert failed.returncode == EXIT_FAILED, (failed.stdout, failed.stderr)
+    assert "ImportError: broken on purpose" in failed.stderr and "the old workers serve on" in failed.stderr
+    assert b.call("ver")["result"] == 1
+    write_app(tmp_path, version=3)
+    mended = reload("--status-file", str(status), "--pid", str(b.pid))
+    assert mended.returncode == EXIT_OK, mended.stderr
+    assert b.call("ver")["result"] == 3
+    # And a second reload of the same code is its own, again: it waits for its own outcome.
+    assert reload("--status-file", str(status)).returncode == EXIT_OK
+
+
+def test_a_reload_still_running_at_the_timeout_exits_4(broker_factory, tmp_path: Path) -> None:
+    b, status = start(broker_factory, tmp_path)
+    write_app(tmp_path, version=2, sleep=3.0)
+    slow = reload("--status-file", str(status), "--timeout", "0.5")
+    assert slow.returncode == EXIT_TIMEOUT, slow.stderr
+    assert "still running" in slow.stderr
+    assert b.call("ver", timeout=30)["result"] in (1, 2)  # (serving meanwhile)
+
+
+def test_a_stale_status_file_is_refused_not_taken_for_the_broker(broker_factory, tmp_path: Path) -> None:
+    """A broker that stopped leaves its file: the command says no broker runs (exit 5),
+    and never signals whatever has the pid now. A pid that is not the file's is refused,
+    and so is a file naming a live pid whose process started at another time (reused)."""
+    b, status = start(broker_factory, tmp_path)
+    assert b.stop() == 0
+    gone = reload("--status-file", str(status))
+    assert gone.returncode == EXIT_NO_BROKER and "not running" in gone.stderr, gone.stderr
+    assert "stale" in gone.stderr
+    # Another live process's pid, with a file of its own: the file says another start time.
+    document = json.loads(status.read_text())
+    document.update(pid=os.getpid(), process_start=document["process_start"] + 1, state="serving")
+    status.write_text(json.dumps(document))
+    reused = reload("--status-file", str(status))
+    assert reused.returncode == EXIT_NO_BROKER and "earlier process" in reused.stderr, reused.stderr
+
+
+def test_a_pid_that_is_not_the_status_file_s_broker_is_refused(broker_factory, tmp_path: Path) -> None:
+    b, status = start(broker_factory, tmp_path)
+    other = reload("--status-file", str(status), "--pid", str(os.getpid()))
+    assert other.returncode == EXIT_NO_BROKER, other.stderr
+    assert f"is pid {b.pid}'s" in other.stderr
+    assert json.loads(status.read_text())["sighups"] == 0  # nothing was signalled
+
+
+def test_no_broker_or_no_status_file_is_a_clear_error(tmp_path: Path) -> None:
+    missing = reload("--status-file", str(tmp_path / "none.json"))
+    assert missing.returncode == EXIT_NO_BROKER
+    assert "no status file" in missing.stderr and "none.json" in missing.stderr
+    unset = reload()
+    assert unset.returncode == EXIT_USAGE and "status_file" in unset.stderr
+    (tmp_path / "junk.json").write_text("not json")
+    junk = reload("--status-file", str(tmp_path / "junk.json"))
+    assert junk.returncode == EXIT_NO_BROKER and "not a status file" in junk.stderr
+
+
+def test_an_earlier_reload_s_outcome_is_never_taken_for_the_one_asked_for(tmp_path: Path) -> None:
+    """The file says a reload failed (covers every SIGHUP taken so far), and names a live
+    process that takes SIGHUP without acting on it (a broker busy elsewhere): the command
+    waits for the outcome of a reload begun after its SIGHUP, and times out (4) saying the
+    broker has not taken it; it does not report the old failure (1)."""
+    from broker.statusfile import Status, process_start
+
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGHUP, signal.SIG_IGN);"
+                              " print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        status = tmp_path / "status.json"
+        status.write_text(json.dumps({
+            "pid": child.pid, "process_start": process_start(child.pid), "state": "serving", "sighups": 3,
+            "reloads": 2, "covers": 3, "outcome": "failed", "message": "an earlier failure", "time": 0.0}))
+        assert Status(pid=child.pid)  # (the document's shape)
+        waited = reload("--status-file", str(status), "--pid", str(child.pid), "--timeout", "0.5")
+        assert waited.returncode == EXIT_TIMEOUT, (waited.stdout, waited.stderr)
+        assert "has not taken the SIGHUP" in waited.stderr and "earlier failure" not in waited.stderr
+    finally:
+        child.kill()
+        child.wait(10)
+        child.stdout.close()  # type: ignore[union-attr]
