@@ -18,6 +18,7 @@ from broker.config import SETTINGS, Config, ConfigError, load
 EXPECTED_DEFAULTS = {
     "host": "127.0.0.1",
     "port": 8080,
+    "reuse_port": False,
     "workers": 0,
     "app": "broker.demo:registry",
     "rpc_path": "/",
@@ -146,6 +147,7 @@ def test_whole_file(tmp_path: Path) -> None:
     path = write(tmp_path, """
 host = "0.0.0.0"
 port = 0
+reuse_port = true
 workers = 1024
 app = "my_app.rpc:methods"
 rpc_path = "/rpc"
@@ -200,7 +202,7 @@ slow = 120.5
 """)
     cfg = load(path, {}, {})
     assert msgspec.structs.asdict(cfg) == {
-        "host": "0.0.0.0", "port": 0, "workers": 1024, "app": "my_app.rpc:methods",
+        "host": "0.0.0.0", "port": 0, "reuse_port": True, "workers": 1024, "app": "my_app.rpc:methods",
         "rpc_path": "/rpc", "stream_port": 9001, "stream_socket": "/run/rpc/broker.sock",
         "stream_socket_mode": "0660", "stream_socket_group": "daemon",
         "allowed_hosts": ("rpc.example", "::1"), "allowed_origins": ("https://app.example:8443",), "tls_cert_file": "", "tls_key_file": "",

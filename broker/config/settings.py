@@ -104,6 +104,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     port: Annotated[int, Meta(ge=0, le=65535),
                     Doc("TCP port to listen on")
                     ] = 8080
+    reuse_port: Annotated[bool,
+                          Doc("set SO_REUSEPORT on the TCP listeners (HTTP, metrics, NDJSON stream; "
+                              "with TLS too): a second broker of the same user can listen on the same "
+                              "ports, serve, and then the first one be stopped, with no refused "
+                              "connection (docs/deployment.md, zero-downtime restart); Linux")
+                          ] = False
     workers: Annotated[int, Meta(ge=0, le=1024),
                        Doc("worker processes; 0 means one per CPU")
                        ] = 0

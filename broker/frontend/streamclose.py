@@ -166,6 +166,15 @@ class Closing(StreamState):
                 self._unread = unread or -1
                 self._fe.unread.add(self)
                 return  # (`_read_all_before_stop` half-closes it once it has read them, and owes nothing)
+            if not self.lines and not self._buffer and not self.owed and not self._waiting:
+                # Silent since it was accepted (queued at the stop, `server._accept_queued`, or
+                # just connected): its first line may be on its way, and is read and served if it
+                # comes before `wait_closed` gives up, as HTTP's first request is; the drain does
+                # not wait for it (not in `unread`). Half-closed at once, a client that had
+                # connected and written found its line discarded and its connection ended
+                # unanswered (issue 12, item 14: a handover under load, reuse_port).
+                self._unread = -1
+                return
         if not self.owed and not self._waiting and not self._backlog:  # (else `_maybe_close` lingers)
             self._linger()
 
