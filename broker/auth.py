@@ -34,7 +34,7 @@ import typing
 
 from broker.errors import LocalError
 from broker.policy import MethodRule, check_pattern
-from broker.ratelimit import MAX_BURST, MAX_RATE, Rate, burst_for
+from broker.ratelimit import MAX_BURST, MAX_RATE, UNLIMITED, Rate, burst_for
 
 __all__ = ["ENV_TOKENS", "AuthError", "Authenticator", "Token", "load_tokens"]
 
@@ -83,16 +83,22 @@ def check_token(name: str, secret: str, where: str, rule: MethodRule | None = No
 
 
 def _rate(table: dict[str, object], where: str) -> Rate | None:
-    """A table's own `rate_limit` (calls a second, > 0) and `rate_burst` (calls, >= 1;
-    by default the rate rounded up), or None if it sets neither."""
+    """A table's own `rate_limit` (calls a second, > 0; 0: none, `UNLIMITED`, whatever the
+    global one) and `rate_burst` (calls, >= 1; by default the rate rounded up), or None if
+    it sets neither."""
     rate, burst = table.get("rate_limit"), table.get("rate_burst")
     if rate is None and burst is None:
         return None
     if rate is None:  # (new user, round 106: "rate_limit must be > 0" for a table that set none)
         raise AuthError(f"{where}: rate_burst without rate_limit: give the token's rate_limit too (its own rate"
                         " replaces the global rate_limit and rate_burst)")
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= MAX_RATE:
-        raise AuthError(f"{where}: rate_limit must be a number of calls a second, > 0 and <= {MAX_RATE:g}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= MAX_RATE:
+        raise AuthError(f"{where}: rate_limit must be a number of calls a second, >= 0 (0: no limit for this"
+                        f" token) and <= {MAX_RATE:g}")
+    if rate == 0:  # (new user, round 106: a token could not be exempted from the global rate)
+        if burst is not None:
+            raise AuthError(f"{where}: rate_burst with rate_limit 0 (no limit for this token): drop rate_burst")
+        return UNLIMITED
     if burst is None:
         burst = burst_for(rate)
     if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= MAX_BURST:

@@ -21,7 +21,7 @@ import time
 import typing
 from collections import OrderedDict
 
-__all__ = ["MAX_ADDRESSES", "MAX_BURST", "MAX_RATE", "Bucket", "Limiter", "Rate", "address_of", "burst_for"]
+__all__ = ["MAX_ADDRESSES", "MAX_BURST", "MAX_RATE", "UNLIMITED", "Bucket", "Limiter", "Rate", "address_of", "burst_for"]
 
 MAX_ADDRESSES: typing.Final = 65536
 MAX_RATE: typing.Final = 1e6  # calls a second: past it, no limit a broker could reach
@@ -45,6 +45,9 @@ class Rate(typing.NamedTuple):
 
     rate: float
     burst: int
+
+
+UNLIMITED: typing.Final = Rate(0.0, 0)  # a token's own rate_limit = 0: no bucket, whatever the global rate
 
 
 class Bucket:
@@ -91,7 +94,7 @@ class Limiter:
         self._tokens: dict[str, Bucket] = {}
         for name in tokens:
             rate = (by_token or {}).get(name, default)
-            if rate is not None:
+            if rate is not None and rate is not UNLIMITED:
                 self._tokens[name] = Bucket(rate, name)
         self._addresses: OrderedDict[str, Bucket] = OrderedDict()
         self.refused_addresses = 0  # refused by the buckets of addresses dropped from the table

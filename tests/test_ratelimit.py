@@ -7,13 +7,16 @@ The buckets with time injected, then a real broker over loopback.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 import typing
 from pathlib import Path
 
 import pytest
-from conftest import Broker, sample, scrape_metrics
+from conftest import ROOT, Broker, sample, scrape_metrics
 from test_response_limits import http_request, read_http_response
 
 from broker import ratelimit
@@ -77,7 +80,9 @@ def test_a_callers_address_is_its_ip_whatever_its_port(peer, address):
 @pytest.mark.parametrize(("table", "rate", "problem"), [
     ("rate_limit = 2.5", Rate(2.5, 3), ""),
     ("rate_limit = 10\nrate_burst = 1", Rate(10.0, 1), ""),
-    ("rate_limit = 0", None, "rate_limit must be a number of calls a second, > 0"),
+    ("rate_limit = 0", ratelimit.UNLIMITED, ""),
+    ("rate_limit = -1", None, r"rate_limit must be a number of calls a second, >= 0 \(0: no limit for this token\)"),
+    ("rate_limit = 0\nrate_burst = 3", None, r"rate_burst with rate_limit 0 \(no limit for this token\): drop"),
     ('rate_limit = "5"', None, "rate_limit must be a number"),
     ("rate_limit = true", None, "rate_limit must be a number"),
     ("rate_limit = 5\nrate_burst = 0", None, "rate_burst must be a whole number of calls, >= 1"),
@@ -186,6 +191,23 @@ def test_each_token_has_its_own_bucket_and_its_own_rate(broker_factory, tmp_path
     metrics = scrape_metrics(b)
     assert sample(metrics, "rpc_broker_rate_limited_total", token="alice") == 2
     assert sample(metrics, "rpc_broker_rate_limited_total", token="ci") == 0
+
+
+def test_a_tokens_rate_limit_0_exempts_it_from_the_global_rate(broker_factory, tmp_path: Path):
+    """New user, round 106: a token could not be exempted (its rate_limit 0 was refused)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[tokens.ci]\ntoken = "{CI}"\nrate_limit = 0\n\n[tokens.alice]\ntoken = "{ALICE}"\n')
+    b = broker_factory("--workers", "1", "--auth-tokens-file", str(tokens), "--rate-limit", "0.1",
+                       "--rate-burst", "2", env={ENV_TOKENS: ""})
+    assert [post(b, call("add", [i, 0], i), CI)[0] for i in range(30)] == [200] * 30
+    assert [post(b, call("add", [i, 0], i), ALICE)[0] for i in range(3)] == [200, 200, 429]
+    assert sample(scrape_metrics(b), "rpc_broker_rate_limited_total", token="alice") == 1
+    tokens.write_text(f'[tokens.ci]\ntoken = "{CI}"\nrate_limit = 0\nrate_burst = 5\n')
+    done = subprocess.run([sys.executable, "-m", "broker", "check-config", "--auth-tokens-file", str(tokens)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("RPC_BROKER_")})
+    assert done.returncode == 2 and "rate_burst with rate_limit 0 (no limit for this token)" in done.stderr, \
+        done.stderr
 
 
 def test_without_a_rate_nothing_is_limited(broker_factory):
