@@ -204,6 +204,7 @@ class Exchange(msgspec.Struct, eq=False):
     context: the front-end's own per-request state.
     budget: the connection's `ResponseBudget` (its own when the caller gave none).
     size: bytes of the answers the dispatcher filled (counted in `budget.held`).
+    retry_after: a rate-limited single call's wait, seconds (its 429's `Retry-After`).
 
     A Struct (as `Call`): one is made per request, and a Struct's C `__init__` costs
     a fraction of a Python one's.
@@ -217,6 +218,7 @@ class Exchange(msgspec.Struct, eq=False):
     context: object = None
     budget: ResponseBudget = None  # type: ignore[assignment]  # (submit always gives one)
     size: int = 0
+    retry_after: float = 0.0
 
     def fill(self, slot: int, answer: bytes, status: int = 200) -> None:
         """Put one response in its slot; call back if it was the last one."""

@@ -454,12 +454,14 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                 continue
             if bucket is not None and not bucket.take():
                 if request.id:
+                    wait = bucket.retry_after()
                     limited = response_error(request.id, error_object(
-                        ErrorCode.RATE_LIMITED, data={"retry_after_seconds": bucket.retry_after()}))
+                        ErrorCode.RATE_LIMITED, data={"retry_after_seconds": wait}))
                     answer(limited)
                     size += len(limited)
                     if not exchange.batch:
                         exchange.status = 429
+                        exchange.retry_after = wait  # (its Retry-After: the same, rounded up)
                     if metrics is not None:
                         metrics.answered(metrics.other, ErrorCode.RATE_LIMITED, 0.0)
                 else:

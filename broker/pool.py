@@ -202,7 +202,7 @@ class Pool(Reloads, Recycling):
         self._recycle_failures_in_row: dict[int, int] = {}
         self._recycle_hold: dict[int, float] = {}
         self._recycle_timer: asyncio.TimerHandle | None = None
-        self._over_at_start: set[int] = set()  # pids over max_worker_memory before any call (warned once)
+        self._first_rss: dict[int, bool] = {}  # pid -> over max_worker_memory at its RSS's first read (warned)
         dispatcher.worker_back_in = self._worker_back_in
         dispatcher.worker_restarting = self._worker_restarting
         dispatcher.worker_worn = self.worker_worn
@@ -620,6 +620,7 @@ class Pool(Reloads, Recycling):
         worker.channel = channel
         worker.concurrency = max(1, hello.concurrency)
         worker.move(WorkerState.READY)
+        self._baseline(worker)  # (max_worker_memory: broker/recycling.py)
         log.info("worker %d ready (pid %d, %s)", worker.slot, worker.pid, _methods(names))
         self.dispatcher.worker_ready(worker)
         self._changed.set()

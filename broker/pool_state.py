@@ -31,7 +31,7 @@ class PoolState:
         _incoming_error: str
         _incoming_methods: list[str] | None
         _incoming_sync: list[str]
-        _over_at_start: set[int]
+        _first_rss: dict[int, bool]
         _path: str
         _reload_task: asyncio.Task[None] | None
         _reload_wanted: bool
@@ -59,6 +59,7 @@ class PoolState:
         sync_methods: list[str]
         workers: list[Worker]
 
+        def _baseline(self, worker: Worker) -> None: ...
         def _beside(self, worker: Worker) -> None: ...
         def _count_restart(self, why: str) -> None: ...
         def _drop_recycles(self, why: str) -> None: ...

@@ -21,8 +21,9 @@ import time
 import typing
 from collections import OrderedDict
 
-__all__ = ["MAX_ADDRESSES", "MAX_BURST", "MAX_RATE", "UNLIMITED", "Bucket", "Limiter", "Rate", "address_of", "burst_for"]
+__all__ = ["MAX_ADDRESSES", "MAX_BURST", "MAX_RATE", "MAX_WAIT_SECONDS", "UNLIMITED", "Bucket", "Limiter", "Rate", "address_of", "burst_for"]
 
+MAX_WAIT_SECONDS: typing.Final = 1e9  # a refusal's retry_after_seconds at most (some 31 years)
 MAX_ADDRESSES: typing.Final = 65536
 MAX_RATE: typing.Final = 1e6  # calls a second: past it, no limit a broker could reach
 MAX_BURST: typing.Final = 1_000_000
@@ -78,8 +79,10 @@ class Bucket:
         return False
 
     def retry_after(self) -> float:
-        """Seconds until it has a call again (from its last `take`), rounded up to ms."""
-        return math.ceil(max(0.0, 1.0 - self.level) / self.rate * 1000) / 1000
+        """Seconds until it has a call again (from its last `take`), rounded up to ms, at
+        most `MAX_WAIT_SECONDS` (hostile testing, round 115, L1: a rate of 1e-310 made it
+        infinite, and its ceil raised OverflowError in the refusal)."""
+        return math.ceil(min(MAX_WAIT_SECONDS, max(0.0, 1.0 - self.level) / self.rate) * 1000) / 1000
 
 
 class Limiter:

@@ -14,8 +14,9 @@ at is then put out of reach): on the hot path that is an addition and one compar
 A timer every RECYCLE_CHECK_SECONDS (2 s), armed only when a limit is set, reads each
 ready worker's resident memory (RSS, psutil: one read of /proc a worker) against
 max_worker_memory, and retries the recycles that could not start when they came due.
-A worker over max_worker_memory before it was sent any call is not recycled (its
-replacement would be as large: a loop) but warned about, once.
+A worker already over max_worker_memory when it is READY (its RSS read at its HELLO, before
+any call) is not recycled for memory (its replacement would be as large: a loop) but
+warned about, once.
 
 A recycle never takes the slot out of service. The replacement is spawned outside
 `workers` (`replacements`, as a reload's `incoming` are) while the old worker goes on
@@ -39,6 +40,11 @@ is asked for as for a restarted worker), the old worker serves on; the failure i
 (WARNING) and counted (`recycle_failures`), and the slot is not tried again for a
 backoff (RECYCLE_BACKOFF_SECONDS doubling per failure in a row, at most
 RECYCLE_BACKOFF_MAX_SECONDS): a deploy broken on disk does not make a spawn loop.
+
+A slot recycles again only once its previous worker has finished its calls and exited:
+until then its worker serves on past its limit (the periodic check retries), so a slot has
+at most two processes, and max_worker_memory bounds the workers' memory at about twice
+workers times the limit, however long the calls.
 
 Several slots may recycle at once: each old worker serves until its own replacement is
 ready, so no capacity is lost (their imports take CPU meanwhile; the jitter spreads
@@ -119,19 +125,30 @@ class Recycling(PoolState):
                     continue
                 if worker.calls >= worker.max_calls:
                     self._recycle(worker, "max_calls", worker.calls)
-                elif self.max_worker_memory:
+                elif self.max_worker_memory and not self._first_rss.get(worker.pid, False):
                     rss = _rss(worker.pid)
-                    if rss <= self.max_worker_memory:
-                        continue
-                    if worker.calls:
+                    if rss > self.max_worker_memory:
                         self._recycle(worker, "max_memory", rss)
-                    elif worker.pid not in self._over_at_start:  # (a recycle would loop: its replacement as large)
-                        self._over_at_start.add(worker.pid)
-                        log.warning("worker %d (pid %d) takes %.1f MiB before any call, over max_worker_memory"
-                                    " (%.1f MiB): it is recycled only once it has taken calls; raise the limit",
-                                    worker.slot, worker.pid, rss / MIB, self.max_worker_memory / MIB)
+            serving = {w.pid for w in self.workers}
+            for pid in [pid for pid in self._first_rss if pid not in serving]:  # (bounded: the workers')
+                del self._first_rss[pid]
         finally:
             self._start_recycling()
+
+    def _baseline(self, worker: Worker) -> None:
+        """`worker` is READY (its HELLO: the app imported, no call taken yet): with
+        max_worker_memory, its RSS is read now; over the limit already, it is never recycled
+        for memory (`_first_rss`), and warned about: its replacement would be as large, and a
+        recycle at every check a loop (hostile testing, round 115, M3: "before any call", seen
+        at the 2 s check, did not hold it: replacements took calls before their first check)."""
+        if not self.max_worker_memory:
+            return
+        rss = _rss(worker.pid)
+        over = self._first_rss[worker.pid] = rss > self.max_worker_memory
+        if over:
+            log.warning("worker %d (pid %d) takes %.1f MiB, over max_worker_memory (%.1f MiB), from its start:"
+                        " it is not recycled for memory (its replacement would be as large); raise the limit",
+                        worker.slot, worker.pid, rss / MIB, self.max_worker_memory / MIB)
 
     def worker_worn(self, worker: Worker) -> None:
         """The dispatcher sent `worker` its max_calls-th call (`Dispatcher.worker_worn`):
@@ -139,16 +156,27 @@ class Recycling(PoolState):
         worker.recycle_at = NEVER
         if self._may_recycle(worker, time.monotonic()):
             self._recycle(worker, "max_calls", worker.calls)
+        elif (previous := self._draining_in(worker.slot)) is not None:
+            log.info("worker %d (pid %d) reached max_calls_per_worker (%d): recycled once pid %d, the slot's last"
+                     " worker, has finished its %d calls", worker.slot, worker.pid, worker.max_calls, previous.pid,
+                     previous.outstanding)
+
+    def _draining_in(self, slot: int) -> Worker | None:
+        """An earlier worker of `slot` still finishing its calls (`retiring`), if any."""
+        return next((w for w in self.retiring if w.slot == slot), None)
 
     def _may_recycle(self, worker: Worker, now: float) -> bool:
         """May `worker` be recycled now: the pool serving (not starting, stopping nor
-        reloading), it the slot's ready worker, not leaving, with no replacement booting
-        and no backoff after a failed one?"""
+        reloading), it the slot's ready worker, not leaving, with no replacement booting,
+        no backoff after a failed one, and no earlier worker of its slot still finishing its
+        calls (hostile testing, round 115, H1: with calls that run long, each slot's old
+        workers piled up, 19 processes for 2 slots, 829 MiB, growing: now a slot has two
+        processes at most, the one serving and the one before it, or its replacement)?"""
         return not (
             self._stopping or self._winding_down or self._starting or self._reloading
             or self.workers[worker.slot] is not worker or worker.state is not WorkerState.READY
             or worker.leaving or worker.channel is None or worker.slot in self.replacements
-            or now < self._recycle_hold.get(worker.slot, 0.0)
+            or now < self._recycle_hold.get(worker.slot, 0.0) or self._draining_in(worker.slot) is not None
         )
 
     def _recycle(self, old: Worker, reason: str, measure: int) -> None:
@@ -183,6 +211,7 @@ class Recycling(PoolState):
         new.channel = channel
         new.concurrency = max(1, hello.concurrency)
         new.move(WorkerState.READY)
+        self._baseline(new)
         self.workers[old.slot] = new
         self.dispatcher.worker_unready(old)  # (first: nothing more goes to it)
         old.move(WorkerState.DRAINING)

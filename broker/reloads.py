@@ -264,6 +264,7 @@ class Reloads(PoolState):
         worker.channel = channel
         worker.concurrency = max(1, hello.concurrency)
         worker.move(WorkerState.READY)
+        self._baseline(worker)  # (max_worker_memory: broker/recycling.py)
         log.info("reload: new worker %d ready (pid %d, %s)", worker.slot, worker.pid, _methods(names))
         self._changed.set()
         return worker

@@ -391,3 +391,21 @@ def test_a_call_with_no_good_token_is_refused_before_its_body(guarded, expect: b
         status, body = read_http_response(sock, buf)
         assert status == 401 and b"a bearer token is required" in body
         assert b"100 Continue" not in bytes(buf)
+
+
+def test_requests_refused_for_want_of_a_token_are_logged_now_and_then(broker_factory) -> None:
+    """New user, round 106: a refused token left no line. The first refusal is logged
+    (WARNING: the listener, how many so far, the last one's address and whether a token
+    was sent), then each thousandth, as max_connections' refusals are."""
+    port = free_port()
+    b = broker_factory("--workers", "1", "--stream-port", str(port), env=ENV)
+    assert b.post(CALL)[0] == 401
+    assert b.post(CALL, headers={"authorization": f"Bearer {ALICE[:-1]}x"})[0] == 401
+    with socket.create_connection((b.host, port), timeout=10) as sock:
+        lines_over(sock, b'{"jsonrpc":"2.0","method":"rpc.authenticate","params":{"_meta":{"token":"nope-nope-nope-nope"}}}\n', 1)
+    log = b.read_log(0.2)
+    assert "http: refused 1 request(s) without a good bearer token so far (the last from 127.0.0.1: no token)" in log
+    assert "tcp: refused 1 request(s) without a good bearer token so far (the last from 127.0.0.1: a token no one" \
+        " has)" in log
+    assert "refused 2 request(s)" not in log  # (the second: counted, not logged)
+    assert ALICE[:-1] not in log

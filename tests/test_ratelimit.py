@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, Broker, sample, scrape_metrics
-from test_response_limits import http_request, read_http_response
+from test_response_limits import http_request, read_http_response, recv_until
 
 from broker import ratelimit
 from broker.auth import ENV_TOKENS, AuthError, load_file
@@ -44,6 +44,8 @@ def test_a_bucket_gives_its_burst_then_refills_at_its_rate(clock):
     assert bucket.refused_total == 1 and bucket.retry_after() == 0.5
     clock.now += 0.25
     assert not bucket.take() and bucket.retry_after() == 0.25  # (half a call back: a quarter second more)
+    tiny = Bucket(Rate(1e-310, 1))  # (hostile testing, round 115, L1: OverflowError, the answer lost)
+    assert tiny.take() and not tiny.take() and tiny.retry_after() == ratelimit.MAX_WAIT_SECONDS
     clock.now += 0.25
     assert bucket.take() and not bucket.take()
     clock.now += 100  # (never more than its burst)
@@ -216,3 +218,24 @@ def test_without_a_rate_nothing_is_limited(broker_factory):
     statuses = {post(b, [call("add", [i, 0], i) for i in range(50)])[0] for _ in range(10)}
     assert statuses == {200} and time.monotonic() - started < 30
     assert sample(scrape_metrics(b), "rpc_broker_rate_limited_total", token="") == 0
+
+
+def test_a_pipelined_429s_retry_after_is_its_own_wait_not_the_buckets_when_written(broker_factory):
+    """Hostile testing, round 115, L2: a 429 pipelined behind a slow call took its
+    Retry-After from its bucket when it was written, after another refusal had moved it
+    (8, where its body said 10): it is now the refusal's own wait, rounded up."""
+    b = broker_factory("--workers", "1", "--rate-limit", "0.1", "--rate-burst", "1", "--app", "broker.demo:faults")
+    with socket.create_connection((b.host, b.port), timeout=30) as sock:
+        sock.sendall(http_request(json.dumps(call("slow", [2.5], "slow")).encode()))  # (takes the call there is)
+        time.sleep(0.2)
+        sock.sendall(http_request(json.dumps(call("add", [1, 1], "limited")).encode()))  # refused now: 10 s
+        time.sleep(1.2)
+        assert post(b, call("add", [2, 2], "other"))[0] == 429  # (the bucket's wait moves: about 9 s)
+        buf = bytearray()
+        assert read_http_response(sock, buf)[0] == 200
+        recv_until(sock, buf, lambda: b"\r\n\r\n" in buf)
+        head = bytes(buf).partition(b"\r\n\r\n")[0]
+        status, raw = read_http_response(sock, buf)
+    wait = json.loads(raw)["error"]["data"]["retry_after_seconds"]
+    assert status == 429 and 9.5 < wait <= 10.0
+    assert b"\r\nretry-after: 10\r\n" in head + b"\r\n", head

@@ -121,7 +121,9 @@ def test_no_call_is_lost_or_errored_across_recycles_under_load(broker_factory) -
     for replies in answers.values():
         assert len(replies) == 1, replies
         assert "result" in replies[0], replies[0]
-    assert recycles(b, "max_calls") >= 4  # (each replacement boots in ~0.5 s, its old worker serving meanwhile)
+    # (each replacement boots in ~0.5 s, its old worker serving meanwhile; a slot recycles again
+    # only once its previous worker has drained its slow calls: round 115, H1)
+    assert recycles(b, "max_calls") >= 2
     samples = scrape_metrics(b)
     for outcome in ("worker_died", "no_worker", "overloaded", "timed_out"):
         assert sample(samples, "rpc_broker_calls_total", method="add", outcome=outcome) == 0
@@ -220,3 +222,53 @@ def test_a_recycle_is_dropped_when_its_worker_dies_or_a_reload_begins(broker_fac
     reloaded = b.call("pid")["result"]
     assert reloaded != restarted
     assert b.call("a")["result"] == {"method": "a", "version": 1}
+
+
+def test_a_slot_recycles_again_only_once_its_previous_worker_has_drained(broker_factory) -> None:
+    """Hostile testing, round 115, H1: with calls that run long, each recycle left its old
+    worker draining them while the new one was worn by its next calls: 19 processes for 2
+    slots, growing. A slot now waits for its previous worker to exit before it recycles
+    again: never more than two processes a slot; every call answered with its result."""
+    b = broker_factory("--workers", "2", "--max-calls-per-worker", "3", "--app", FAULTS, "--timeout", "60")
+    peak = len(children(b.pid))
+
+    def one(i: int) -> object:
+        conn = http.client.HTTPConnection(b.host, b.port, timeout=60)
+        try:
+            conn.request("POST", "/", body=json.dumps({"jsonrpc": "2.0", "method": "slow", "params": [4], "id": i}),
+                         headers={"content-type": "application/json"})
+            return json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        futures = []
+        for i in range(40):  # a 4 s call every 0.1 s: bounded in count, and in time by the calls' 4 s
+            futures.append(pool.submit(one, i))
+            time.sleep(0.1)
+            peak = max(peak, len(children(b.pid)))
+        while not all(f.done() for f in futures):
+            peak = max(peak, len(children(b.pid)))
+            time.sleep(0.1)
+        answers = [f.result() for f in futures]
+    assert all("result" in a for a in answers), [a for a in answers if "result" not in a][:3]
+    assert peak <= 4, f"{peak} worker processes for 2 slots"
+    assert recycles(b, "max_calls") >= 2
+    assert "has finished its" in b.read_log(0.2)
+
+
+def test_a_worker_over_max_worker_memory_from_its_start_is_warned_about_not_recycled(broker_factory) -> None:
+    """Hostile testing, round 115, M3: a limit under what a worker takes once the app is
+    imported recycled a worker at every check, forever ("before any call" did not hold it:
+    replacements took calls before their first check). Its RSS is now read when it is
+    READY: over the limit then, it is warned about once and never recycled for memory."""
+    b = broker_factory("--workers", "2", "--max-worker-memory", str(5 * 1024 * 1024), "--app", FAULTS)
+    deadline = time.monotonic() + 6.5  # (three checks and more)
+    i = 0
+    while time.monotonic() < deadline and i < 2000:  # bounded in count and time
+        assert b.call("add", [i, 1], id_=i)["result"] == i + 1
+        i += 1
+        time.sleep(0.02)
+    assert recycles(b, "max_memory") == 0
+    log = b.read_log(0.2)
+    assert log.count("over max_worker_memory (5.0 MiB), from its start: it is not recycled for memory") == 2, log

@@ -26,6 +26,7 @@ from broker.answers import Outgoing
 from broker.dispatch import Dispatcher
 from broker.frontend.incoming import RESCAN_SECONDS, Incoming
 from broker.jsonrpc import Codec
+from broker.ratelimit import address_of
 
 __all__ = [
     "ADMIT_SECONDS",
@@ -406,6 +407,8 @@ class Listener:
         broker's listeners; by default one of its own, with no limit.
     """
 
+    handshake_overflow = 0  # TLS handshakes allowed past max_connections (HTTP: its probes')
+
     def __init__(
         self,
         dispatcher: Dispatcher,
@@ -432,6 +435,7 @@ class Listener:
         # TLS handshakes under way (`handshake.Handshake`), oldest first: counted in `pool_size`
         self.handshakes: dict[typing.Any, None] = {}
         self.refused_total = 0
+        self.unauthorized_total = 0  # requests refused for want of a good token (`unauthorized`)
         self.received_bytes = 0
         self.sent_bytes = 0
         # HTTP responses by path label, then status: {"rpc": {b"200": 5}}; empty for streams
@@ -461,6 +465,17 @@ class Listener:
             log.warning("%s: max_connections %d reached: refusing connections (%d so far)",
                         self.transport, self.max_connections, self.refused_total)
 
+    def unauthorized(self, peer: object, sent: bool) -> None:
+        """Count a request (or NDJSON first line) refused for want of a good bearer token,
+        from `peer` (its address), `sent`: a token was given but is no one's. Logged (a
+        WARNING) at the first and each thousandth, with the last one's address, as
+        `refused` is: an operator sees guessing without a line per attempt (new user, round
+        106: none was logged)."""
+        n = self.unauthorized_total = self.unauthorized_total + 1
+        if n == 1 or n % 1000 == 0:
+            log.warning("%s: refused %d request(s) without a good bearer token so far (the last from %s: %s)",
+                        self.transport, n, address_of(peer), "a token no one has" if sent else "no token")
+
     def _evicted(self, state: str) -> None:
         """Count a connection closed by `make_room` in `state` ("idle" or "trickling"); logged
         at the first and each thousandth, as `refused` is (new user, round 100: none was)."""
@@ -482,7 +497,7 @@ class Listener:
         ones (nginx reuses keep-alive connections the same way when worker_connections
         run out), then those with a request (a line, on a stream) under way and owed
         nothing else, the slowest coming first (`trickle_rank`), each told why (`evict`,
-        `linger_out`): one client holding every place with requests it never finishes
+        `linger_out`), then TLS handshakes, the oldest first (`_evict_handshake`): one client holding every place with requests it never finishes
         (slowloris) no longer shuts the others out until request_timeout (hostile testing,
         round 76: 237 of 246 of another client's calls refused), nor one that starts a
         request as it finishes the last (round 77: a request's age was the rank, and one
@@ -509,6 +524,8 @@ class Listener:
                     conn.evict(now)
                 continue
             if now < self._rescan_at:
+                if self._evict_handshake(now):
+                    continue
                 return
             # (all taken here too: one found idle but not, popped, would be found again and
             # again, and the loop spun for good; hostile testing, round 19)
@@ -516,9 +533,22 @@ class Listener:
                       if (rank := conn.evict_rank(fresh, now)) is not None and self.all_taken(conn)]
             if not ranked:
                 self._rescan_at = now + RESCAN_SECONDS
+                if self._evict_handshake(now):
+                    continue
                 return
             evictable[:] = [conn for _, conn in heapq.nsmallest(EVICT_BATCH, ranked, key=_rank)]
             evictable.reverse()
+
+    def _evict_handshake(self, now: float) -> bool:
+        """For `make_room`, when no connection can go: abort the oldest TLS handshake under
+        way (`handshake.Handshake`) if it began TRICKLE_GRACE_SECONDS ago or more (a client
+        that has not finished one by then is slow, or an attacker's); True if one went."""
+        oldest = next(iter(self.handshakes), None)
+        if oldest is None or now - oldest.started < TRICKLE_GRACE_SECONDS:
+            return False
+        oldest.abort()
+        self._evicted("handshake")
+        return True
 
     def linger_out(self, conn: typing.Any) -> None:
         """Close `conn`, whose last answer is written, taken out of `connections` (refused

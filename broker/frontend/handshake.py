@@ -10,11 +10,13 @@ of max_connections) while `loop.start_tls` runs, then handed to the listener's o
 protocol (HTTP's or the NDJSON stream's), which takes the connection as if it had just been
 accepted.
 
-At max_connections a new connection first makes room as any does (`Listener.make_room`:
-idle connections go); if none can go, the oldest handshake begun `TRICKLE_GRACE_SECONDS`
-ago or more is aborted (a client that has not finished a handshake in that time is slow or
-an attacker's, as one trickling its request is; counted `evicted_total["handshake"]`), and
-otherwise the newcomer is refused (`Listener.refused`), reset before any byte of TLS.
+At max_connections a new connection first makes room as any does (`Listener.make_room`):
+idle connections go, then, if none can, the oldest handshake begun `TRICKLE_GRACE_SECONDS`
+ago or more is aborted (a client that has not finished a handshake in that time is slow, or
+an attacker's, as one trickling its request is; counted `evicted_total["handshake"]`). If
+nothing could go, the newcomer is refused (`Listener.refused`), reset before any byte of
+TLS; on HTTP only past the probes' reserve too (`handshake_overflow`: a probe past the limit
+then reaches the HTTP protocol, which admits it; hostile testing, round 115, M1).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import ssl
 import types
 import typing
 
-from broker.frontend.base import TRICKLE_GRACE_SECONDS
 from broker.tls import HANDSHAKE_SECONDS
 
 if typing.TYPE_CHECKING:
@@ -57,15 +58,11 @@ class Handshake(asyncio.Protocol):
         listener = self._listener
         loop = listener.loop
         if listener.pool_size() >= listener.max_connections and not listener.draining:
-            listener.make_room()
-            if listener.pool_size() >= listener.max_connections:
-                oldest = next(iter(listener.handshakes), None)
-                if oldest is None or loop.time() - oldest.started < TRICKLE_GRACE_SECONDS:
-                    listener.refused()
-                    raw.abort()
-                    return
-                oldest.abort()
-                listener._evicted("handshake")
+            listener.make_room()  # (idle connections, then the oldest handshake, if any may go)
+            if listener.pool_size() >= listener.max_connections + listener.handshake_overflow:
+                listener.refused()  # (HTTP: past its probes' reserve too)
+                raw.abort()
+                return
         # start_tls's first step runs now, not in a task's first step: uvloop starts reading
         # once connection_made returns (pause_reading here is lost), and a ClientHello read
         # before start_tls made its SSL protocol the transport's came here, not to it, and the

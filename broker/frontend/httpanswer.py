@@ -86,7 +86,7 @@ class Answers(HttpState):
                 if type(keep_alive) is bool:  # no CORS headers: _answer inlined, for speed
                     extra = self._keep_header if keep_alive else b""
                     if exchange.status == 429:
-                        extra += self._retry_after()
+                        extra += retry_after(exchange.retry_after)
                     self._write(
                         json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head),
                         keep_alive, "rpc",
@@ -113,13 +113,8 @@ class Answers(HttpState):
         if keep_alive:
             extra += self._keep_header
         if exchange.status == 429:
-            extra += self._retry_after()
+            extra += retry_after(exchange.retry_after)
         return json_response(exchange.status, exchange.body(), keep_alive, extra, self._fe.json_head), keep_alive
-
-    def _retry_after(self) -> bytes:
-        """A rate-limited call's 429's `retry-after`: when its caller's bucket has a call again."""
-        bucket = self._budget.bucket
-        return retry_after(bucket.retry_after() if bucket is not None else 1.0)
 
     def _deferred_done(self, exchange: Exchange) -> None:
         if self._transport is not None:

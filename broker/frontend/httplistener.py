@@ -47,6 +47,11 @@ class HttpFrontend(Listener):
     send_timeout: seconds a client may leave its answers unread (see `Listener`).
     """
 
+    # TLS handshakes allowed past max_connections (`handshake.Handshake`): the connections
+    # its probes' reserve takes (hostile testing, round 115, M1: at max_connections, over
+    # TLS, /healthz and /readyz were reset before their handshake)
+    handshake_overflow = PROBE_RESERVE + PROBE_OVERFLOW
+
     def __init__(
         self,
         dispatcher: Dispatcher,

@@ -80,6 +80,7 @@ from broker.frontend.httpmsg import (
     is_identity,
     is_json,
     json_response,
+    retry_after,
 )
 from broker.frontend.httpowed import Deferred, Scrape
 from broker.frontend.httpstate import Close, HttpState
@@ -517,6 +518,7 @@ class Requests(HttpState):
         """401 with `WWW-Authenticate: Bearer` (RFC 6750 3; `error="invalid_token"` when a
         token was sent: RFC 6750 3.1), a JSON-RPC error object on rpc_path."""
         sent = self._request.authorization is not None
+        self._fe.unauthorized(self._budget.peer, sent)
         challenge = b'www-authenticate: Bearer realm="rpc-broker"' + (b', error="invalid_token"' if sent else b"")
         why = ("the bearer token is not one of auth_tokens_file's or RPC_BROKER_AUTH_TOKENS'" if sent
                else "a bearer token is required: send Authorization: Bearer TOKEN")
@@ -635,8 +637,8 @@ class Requests(HttpState):
                 self._budget.written(exchange, self._write_paused)
             else:
                 extra = self._keep_header if keep_alive else b""
-                if exchange.status == 429:  # (a rate-limited call's: `_retry_after`)
-                    extra += self._retry_after()
+                if exchange.status == 429:  # (a rate-limited call's wait, rounded up)
+                    extra += retry_after(exchange.retry_after)
                 self._write(json_response(exchange.status, exchange.body(), keep_alive, extra, fe.json_head), keep_alive, "rpc")
                 self._budget.written(exchange, self._write_paused)
             return

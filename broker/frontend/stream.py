@@ -516,6 +516,7 @@ class StreamProtocol(Closing, asyncio.Protocol):
             if type(token) is str:
                 name = typing.cast("Authenticator", fe.auth).name_of(token.encode())
         if name is None:
+            fe.unauthorized(self._budget.peer, type(request) is Request and request.method == AUTHENTICATE)
             self._foreign(fe.unauthenticated, ErrorCode.INVALID_REQUEST)
             return
         self.caller = name
