@@ -629,7 +629,7 @@ def test_calls_past_their_callers_rate_are_answered_rate_limited_each_batch_elem
                                   req("a", [], 3), req("a", [], 4), {"jsonrpc": "2.0", "method": "a"},
                                   {"jsonrpc": "2.0", "method": "a"}]),
                      done.append, budget)
-    assert batch is not None and batch.status == 200
+    assert batch is not None and batch.status == 200 and batch.retry_after == 0.0  # (a batch: 200, no Retry-After)
     limited = {"code": -32005, "message": "Rate limited", "data": {"retry_after_seconds": 2.0}}
     assert [json.loads(a) if a else None for a in batch.answers] == [
         None, {"jsonrpc": "2.0", "id": 2, "error": NOT_FOUND},  # (an unknown method's call takes one too)
@@ -641,6 +641,7 @@ def test_calls_past_their_callers_rate_are_answered_rate_limited_each_batch_elem
     assert budget.held == sum(len(a) for a in batch.answers if a)
     single = d.submit(body(codec, req("a", [], "s")), done.append, budget)
     assert single is not None and single.status == 429 and single.remaining == 0
+    assert single.retry_after == 2.0  # (its 429's Retry-After: the wait its error object gives)
     assert json.loads(single.body()) == {"jsonrpc": "2.0", "id": "s", "error": limited}
     sent = w.channel.take()
     assert len(sent) == 2  # (the first call, and the notification: the rest never went)
