@@ -169,13 +169,16 @@ def _check_app(app: str | None, path: str | None, debug: bool) -> int:
 
 def _reload(ns: argparse.Namespace) -> int:
     """`reload`: its status file and timeout from the flags or the settings (`--config`,
-    the environment); `broker.reloadcmd.reload`'s exit code, or 2 without a status file."""
+    the environment: those two settings alone, `config.load_only`); `broker.reloadcmd.reload`'s
+    exit code, or 2 without a status file or with a bad value of those two."""
     from broker import reloadcmd
 
-    cfg = _load(ns.config, {})
-    if cfg is None:
+    try:
+        given = config.load_only(ns.config, os.environ, ("status_file", "boot_timeout"))
+    except config.ConfigError as exc:
+        print(f"{PROG}: config error: {exc}", file=sys.stderr)
         return 2
-    path = ns.status_file or cfg.status_file
+    path = ns.status_file or typing.cast(str, given.get("status_file", ""))
     if not path:
         print(f"{PROG}: reload: no status file: set status_file (RPC_BROKER_STATUS_FILE) for the broker and"
               " this command alike, or give --status-file", file=sys.stderr)
@@ -184,7 +187,8 @@ def _reload(ns: argparse.Namespace) -> int:
         print(f"{PROG}: reload: --pid {ns.pid}: not a process id (is $MAINPID empty? the unit is not running)",
               file=sys.stderr)
         return reloadcmd.EXIT_NO_BROKER
-    timeout = ns.timeout if ns.timeout is not None else cfg.boot_timeout + 15.0
+    boot_timeout = typing.cast(float, given.get("boot_timeout", config.Config().boot_timeout))
+    timeout = ns.timeout if ns.timeout is not None else boot_timeout + 15.0
     return reloadcmd.reload(path, ns.pid, timeout)
 
 

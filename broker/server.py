@@ -52,7 +52,7 @@ from broker.statusfile import StatusFile
 from broker.tls import TlsError, server_context
 from broker.worker import WORKER_BOOT_ERROR
 
-__all__ = ["exposure_warnings", "run", "serve", "warn_unserved_timeouts"]
+__all__ = ["exposure_warnings", "run", "secret_file_warnings", "serve", "warn_unserved_timeouts"]
 
 log = logging.getLogger("broker")
 
@@ -378,6 +378,24 @@ def exposure_warnings(host: str, tokens: bool, tls: bool, auth_metrics: bool) ->
     return warnings
 
 
+def secret_file_warnings(files: typing.Mapping[str, str]) -> list[str]:
+    """The warnings for secret files (`files`: setting name -> path; "" none) that users
+    other than their owner may read (group or others: mode & 0o077), as ssh's for a private
+    key, but not refused (a Kubernetes Secret's files are 0644 by default, and a group of the
+    broker's may be meant). New user, round 106: a 0644 key and token file were taken
+    silently, though the README asks for 0600."""
+    warnings = []
+    for name, path in files.items():
+        try:
+            mode = os.stat(path).st_mode if path else 0
+        except OSError:
+            continue  # (read at the start already: the error was said then)
+        if mode & 0o077:
+            warnings.append(f"{name} {path} is readable by users other than its owner (mode {stat.S_IMODE(mode):04o}):"
+                            f" make it 0600 (chmod 600 {path}), owned by the broker's user")
+    return warnings
+
+
 def warn_unserved_timeouts(method_timeouts: typing.Mapping[str, float], methods: typing.Sequence[str]) -> list[str]:
     """Log a WARNING for each `method_timeouts` name the workers do not serve (a typo or
     a wrong case: names are case-sensitive, JSON-RPC 2.0 section 4), with the closest
@@ -694,7 +712,9 @@ async def run(
         if config.stream_socket and int(config.stream_socket_mode, 8) & 0o007:
             log.warning("stream_socket_mode %s lets every user of this machine connect to %s and call every tool",
                         config.stream_socket_mode, config.stream_socket)
-        for warning in exposure_warnings(config.host, auth is not None, tls is not None, config.auth_metrics):
+        for warning in [*exposure_warnings(config.host, auth is not None, tls is not None, config.auth_metrics),
+                        *secret_file_warnings({"auth_tokens_file": config.auth_tokens_file,
+                                               "tls_key_file": config.tls_key_file})]:
             log.warning("%s", warning)
         if auth is not None:
             names = auth.names

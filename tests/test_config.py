@@ -440,6 +440,7 @@ def test_unreadable_file(tmp_path: Path) -> None:
          "method_timeouts['a'] = -1: expected `float` >= 0.001 (allowed: each value 0.001..86400.0)"),
         ("RPC_BROKER_PROT", "1", "unknown setting 'RPC_BROKER_PROT' (did you mean 'RPC_BROKER_PORT'?)"),
         ("RPC_BROKER_port", "1", "unknown setting 'RPC_BROKER_port' (did you mean 'RPC_BROKER_PORT'?)"),
+        ("RPC_BROKER_AUTH_TOKEN", "ci:x", "unknown setting 'RPC_BROKER_AUTH_TOKEN' (did you mean 'RPC_BROKER_AUTH_TOKENS'?)"),
     ],
 )
 def test_bad_env_values(var: str, text: str, expected: str) -> None:

@@ -61,6 +61,22 @@ def test_reload_exits_0_once_the_new_workers_serve_the_new_code(broker_factory, 
     assert (document["pid"], document["state"], document["outcome"], document["sighups"]) == (b.pid, "serving", "ok", 1)
 
 
+def test_a_config_file_s_mistakes_elsewhere_do_not_block_a_reload(broker_factory, tmp_path: Path) -> None:
+    """New user, round 107: `reload --config FILE` read the whole file, and a mistake made
+    for the next restart (`workers = -1`, an unknown key) exited 2, no SIGHUP sent, though a
+    reload reads no setting. It reads its status file and boot timeout alone now."""
+    b, status = start(broker_factory, tmp_path)
+    write_app(tmp_path, version=2)
+    config = tmp_path / "broker.toml"
+    config.write_text(f'workers = -1\nno_such_setting = 1\nstatus_file = "{status}"\nboot_timeout = 30\n')
+    done = reload("--config", str(config), "--pid", str(b.pid))
+    assert done.returncode == EXIT_OK, done.stderr
+    assert b.call("ver")["result"] == 2
+    config.write_text('status_file = 5\n')  # (its own settings are still checked)
+    done = reload("--config", str(config), "--pid", str(b.pid))
+    assert done.returncode == 2 and "status_file = 5" in done.stderr, done.stderr
+
+
 def test_a_reload_whose_code_fails_to_import_exits_1_saying_why_then_a_mended_one_0(
         broker_factory, tmp_path: Path) -> None:
     """The failure's reason is the worker's own line (its exception), and the old code serves

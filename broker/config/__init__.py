@@ -17,7 +17,7 @@ The package, one concern a module (each opens with how it works):
 Import from `broker.config` what is re-exported here.
 """
 
-from broker.config.loading import load, socket_group, unresolved_addresses
+from broker.config.loading import load, load_only, socket_group, unresolved_addresses
 from broker.config.rendering import add_flags, dump_toml, render_reference
 from broker.config.settings import (
     BYTES,
@@ -66,6 +66,7 @@ __all__ = [
     "add_flags",
     "dump_toml",
     "load",
+    "load_only",
     "render_reference",
     "socket_group",
     "unresolved_addresses",

@@ -23,7 +23,7 @@ import re
 import socket
 import tomllib
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Final
 
 import msgspec
@@ -52,6 +52,8 @@ _REGEX: Final = re.compile(r"^expected `str` matching regex (['\"]).*\1$")  # ms
 
 def _unknown(source: str, what: str) -> ConfigError:
     names = [s.name for s in SETTINGS]
+    if what.startswith(ENV_PREFIX):  # (the tokens' variable too: new user, round 107, RPC_BROKER_AUTH_TOKEN
+        names.append(ENV_TOKENS[len(ENV_PREFIX):].lower())  # was told "did you mean ..._AUTH_TOKENS_FILE?")
     close = difflib.get_close_matches(what.lower().removeprefix(ENV_PREFIX.lower()), names, n=1)
     # (in the form it was written in: an environment variable's name for one, as the
     # new user's check found RPC_BROKER_WORKER answered "did you mean 'workers'?")
@@ -195,7 +197,9 @@ def _parse_pairs(s: Setting, pairs: Sequence[str], source: str) -> dict[str, obj
     return out
 
 
-def _from_file(path: str) -> list[tuple[Setting, object, str]]:
+def _from_file(path: str, only: Collection[str] | None = None) -> list[tuple[Setting, object, str]]:
+    """The file's settings, each with its source; `only`: these names alone, the other
+    keys not looked at (unknown ones included)."""
     source = f"config file {path}"
     try:
         with open(path, "rb") as f:
@@ -208,6 +212,8 @@ def _from_file(path: str) -> list[tuple[Setting, object, str]]:
         raise ConfigError(f"{source}: invalid TOML: not UTF-8 ({exc.reason})") from None
     out = []
     for key, value in data.items():
+        if only is not None and key not in only:
+            continue
         s = _BY_NAME.get(key)
         if s is None:
             raise _unknown(source, key)
@@ -215,10 +221,13 @@ def _from_file(path: str) -> list[tuple[Setting, object, str]]:
     return out
 
 
-def _from_env(env: Mapping[str, str]) -> list[tuple[Setting, object, str]]:
+def _from_env(env: Mapping[str, str], only: Collection[str] | None = None) -> list[tuple[Setting, object, str]]:
+    """The `RPC_BROKER_*` variables' settings, each with its source; `only`: these names alone."""
     out = []
     for var, text in env.items():
         if not var.startswith(ENV_PREFIX) or var == ENV_TOKENS:  # (the tokens: broker.auth's)
+            continue
+        if only is not None and var[len(ENV_PREFIX):].lower() not in only:
             continue
         source = f"environment variable {var}"
         s = _BY_NAME.get(var[len(ENV_PREFIX):].lower())
@@ -293,6 +302,21 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
     except AuthError as exc:
         raise ConfigError(str(exc)) from None
     return cfg
+
+
+def load_only(path: str | None, env: Mapping[str, str], names: Collection[str]) -> dict[str, object]:
+    """Settings `names` alone, from the TOML file at `path` and `env` (as `load` layers
+    them), each checked; a name given nowhere is absent from the result (its default
+    holds). The rest of the file and environment is not read: `rpc-broker reload` needs
+    only the status file and boot timeout, and a mistake elsewhere in a file edited for the
+    next restart must not block a reload of new code, which reads no setting (new user,
+    round 107: exit 2 on `workers = -1`). Raises `ConfigError` for an unreadable file or a
+    bad value of one of `names`."""
+    merged: dict[str, object] = {}
+    for s, value, source in [*(_from_file(path, names) if path is not None else []), *_from_env(env, names)]:
+        _check(s, value, source)
+        merged[s.name] = value
+    return merged
 
 
 def _serialized_origin(origin: str) -> str:

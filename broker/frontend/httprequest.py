@@ -517,7 +517,11 @@ class Requests(HttpState):
     def _unauthorized(self, keep_alive: bool, cors: bytes, path: str, head: bool = False) -> None:
         """401 with `WWW-Authenticate: Bearer` (RFC 6750 3; `error="invalid_token"` when a
         token was sent: RFC 6750 3.1), a JSON-RPC error object on rpc_path."""
-        sent = self._request.authorization is not None
+        # (a bearer token sent, not another scheme's credentials: no error code for those,
+        # RFC 6750 3.1; new user, round 107: `curl -u` was told its bearer token is no one's)
+        value = self._request.authorization  # (b"": two of them, or an empty one: no one's either)
+        words = (value or b"").split(None, 1)
+        sent = value is not None and (not words or words[0].lower() == b"bearer")
         self._fe.unauthorized(self._budget.peer, sent)
         challenge = b'www-authenticate: Bearer realm="rpc-broker"' + (b', error="invalid_token"' if sent else b"")
         why = ("the bearer token is not one of auth_tokens_file's or RPC_BROKER_AUTH_TOKENS'" if sent

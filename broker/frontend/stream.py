@@ -146,6 +146,8 @@ class StreamFrontend(Listener):
             'a bearer token is required: the first line must be {"jsonrpc":"2.0","method":"rpc.authenticate",'
             '"params":{"_meta":{"token":"TOKEN"}},"id":1} (a notification too), with a token of '
             "auth_tokens_file or RPC_BROKER_AUTH_TOKENS"))) + _NL
+        self.bad_token = response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
+            "the bearer token is not one of auth_tokens_file's or RPC_BROKER_AUTH_TOKENS'"))) + _NL
         self.too_long = (
             response_error(
                 b"null",
@@ -505,7 +507,7 @@ class StreamProtocol(Closing, asyncio.Protocol):
         fe = self._fe
         body = fe.codec.decode(line)
         request = body.items[0] if not body.batch and len(body.items) == 1 else None
-        name = None
+        name = token = None
         if type(request) is Request and request.method == AUTHENTICATE and len(request.params):
             try:
                 params = msgspec.json.decode(request.params)
@@ -515,9 +517,10 @@ class StreamProtocol(Closing, asyncio.Protocol):
             token = meta.get("token") if type(meta) is dict else None
             if type(token) is str:
                 name = typing.cast("Authenticator", fe.auth).name_of(token.encode())
-        if name is None:
-            fe.unauthorized(self._budget.peer, type(request) is Request and request.method == AUTHENTICATE)
-            self._foreign(fe.unauthenticated, ErrorCode.INVALID_REQUEST)
+        if name is None:  # (a token given but no one's said so, as on HTTP: new user, round 107)
+            sent = type(token) is str
+            fe.unauthorized(self._budget.peer, sent)
+            self._foreign(fe.bad_token if sent else fe.unauthenticated, ErrorCode.INVALID_REQUEST)
             return
         self.caller = name
         self._budget.denied = fe.dispatcher.policy.denied[name]
