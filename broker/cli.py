@@ -257,6 +257,11 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
         if unresolved:  # (issue 12, item 13: a host serve cannot bind passed)
             print(f"{PROG}: config error: {unresolved}", file=sys.stderr)
             return 2
+        folder = os.path.dirname(os.path.abspath(cfg.status_file)) if cfg.status_file else ""
+        if folder and not os.path.isdir(folder):  # (new user, round 107: ok here, then serve warned)
+            print(f"{PROG}: config error: status_file = {cfg.status_file!r}: its directory {folder} does not exist"
+                  " (make it; under systemd, RuntimeDirectory= makes it before ExecStartPre)", file=sys.stderr)
+            return 2
         try:
             print("ok")
             print(config.dump_toml(cfg), end="", flush=True)

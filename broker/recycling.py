@@ -200,8 +200,9 @@ class Recycling(PoolState):
         new, old = rec.new, rec.old
         if names != self.methods:
             new.kill_reason = f"its code {method_change(names, self.methods or [])}"
-            log.warning("worker %d: the replacement of pid %d (pid %d) %s: the app changed on disk without a"
-                        " SIGHUP; reloading every worker to it", old.slot, old.pid, new.pid, new.kill_reason)
+            log.warning("worker %d: pid %d, started to replace pid %d, serves other methods (%s): the app changed"
+                        " on disk without a SIGHUP; reloading every worker to it", old.slot, new.pid, old.pid,
+                        new.kill_reason)
             self.request_reload()
             raise CodeChanged(f"worker {new.slot} (pid {new.pid}): the app changed on disk")
         if self.workers[old.slot] is not old or old.state is not WorkerState.READY or old.channel is None:

@@ -625,6 +625,8 @@ async def run(
                 if port_ is not None:  # (round 34: only a connection's local port, in the ephemeral range)
                     who += f", or a connection has it as its local port (ss -tanp 'sport = :{port_}' shows which)"
                 hint = f" ({who}: stop it, or choose another with {flag}; under make serve: make serve ARGS=\"{flag} ...\")"
+                if config.reuse_port and port_ is not None:  # (new user, round 107: no word of it)
+                    hint += " (reuse_port: the broker listening there must set it too, and run as the same user)"
             log.error("cannot listen (%s) on %s: %s%s", _LISTENER_NAMES[fe.transport],
                       where if port_ is None else f"{where}:{port_}", exc, hint)
 

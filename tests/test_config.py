@@ -1006,6 +1006,16 @@ def test_check_config_refuses_an_address_serve_could_not_bind(capsys: pytest.Cap
     assert cli.main(["check-config", "--host", "::1", "--metrics-port", "9100", "--metrics-host", "localhost"]) == 0
 
 
+def test_check_config_refuses_a_status_file_in_no_directory(capsys: pytest.CaptureFixture[str],
+                                                           tmp_path: Path) -> None:
+    """New user, round 107: check-config said ok, then serve only warned that the status
+    file could not be written, and `rpc-broker reload` later failed."""
+    assert cli.main(["check-config", "--status-file", str(tmp_path / "nodir" / "s.json")]) == 2
+    assert f"status_file = '{tmp_path / 'nodir' / 's.json'}': its directory {tmp_path / 'nodir'} does not exist" \
+        in capsys.readouterr().err
+    assert cli.main(["check-config", "--status-file", str(tmp_path / "s.json")]) == 0
+
+
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
     from importlib import metadata
 

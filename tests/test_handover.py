@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import ROOT, free_port
 
 APP = "tests.apps.versioned:registry"
 LOAD_SECONDS = 60.0  # the load's bound in time, whatever happens ...
@@ -161,3 +164,14 @@ def test_a_second_broker_takes_over_the_ports_with_no_failed_call(broker_factory
 def test_without_reuse_port_a_second_broker_cannot_listen_there(broker_factory) -> None:
     a = broker_factory("--workers", "1")
     assert not _listens_with_reuseport(a.port)
+
+
+def test_a_port_taken_by_a_broker_without_reuse_port_says_both_must_set_it(broker_factory) -> None:
+    """New user, round 107: "address already in use" gave no word of reuse_port, set on
+    one broker and not on the other."""
+    a = broker_factory("--workers", "1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RPC_BROKER_")}
+    done = subprocess.run([sys.executable, "-m", "broker", "serve", "--workers", "1", "--port", str(a.port),
+                           "--reuse-port"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "reuse_port: the broker listening there must set it too, and run as the same user" in done.stderr

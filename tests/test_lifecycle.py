@@ -806,19 +806,19 @@ PYTHONPATH_SHOWN = repr(os.environ["PYTHONPATH"]) if os.environ.get("PYTHONPATH"
         # (issue 12, item 13: and PYTHONPATH's value, the workers' as the broker's)
         ("nonexistent.module:registry", f"ModuleNotFoundError: No module named 'nonexistent' (the module is looked"
          f" up from the current directory, {ROOT}, and PYTHONPATH, {PYTHONPATH_SHOWN}: run from the directory that"
-         " holds it, or set PYTHONPATH=DIR) (--debug"),
+         " holds it, or set PYTHONPATH=DIR) (serve --debug"),
         ("broker.demo:nothing", "AttributeError: module 'broker.demo' has no attribute 'nothing' (its Registries:"
-         " 'faults', 'registry') (--debug"),
+         " 'faults', 'registry') (serve --debug"),
         # (new user, round 103: a name mistyped)
         ("broker.demo:registr", "AttributeError: module 'broker.demo' has no attribute 'registr' (did you mean"
-         " 'registry'?) (--debug"),
+         " 'registry'?) (serve --debug"),
         # (round 31, a new user: a file name given for the module; round 34: not the README's
         # mytools.py, which a new user has made in the clone as it says)
         ("no_such_tools.py:registry",
          "No module named 'no_such_tools' (--app names a module, not a file: no_such_tools:registry)"),
         # (a new user's check, round 26: it said only "'MY_TOOL_TOKEN'", no type nor line)
         ("tests.apps.needs_env:registry", "KeyError: 'MY_TOOL_TOKEN' at "
-         f"{ROOT / 'tests' / 'apps' / 'needs_env.py'}:6 (--debug prints the traceback)"),
+         f"{ROOT / 'tests' / 'apps' / 'needs_env.py'}:6 (serve --debug or check-app --debug prints the traceback)"),
         # (round 27: a __str__ that raised made the line a "--- Logging error ---" dump)
         ("tests.apps.unprintable:registry", "Weird: (its message cannot be printed) at "),
     ],

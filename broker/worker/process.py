@@ -115,7 +115,7 @@ def load_registry(app: str, debug: bool) -> Registry | None:
                     + (f"{path!r}" if path else "unset")
                     + ": run from the directory that holds it, or set PYTHONPATH=DIR)")
         log.error("cannot load app %r: %s%s%s%s", app, _described(exc), _where(exc), hint,
-                  "" if debug else " (--debug prints the traceback)", exc_info=debug)
+                  "" if debug else " (serve --debug or check-app --debug prints the traceback)", exc_info=debug)
         return None
     if len(registry) > wire.MAX_METHODS:  # a batch could not name the ones past it
         log.error("app %r has %d methods, more than the %d one worker can serve (a batch names"
