@@ -254,3 +254,28 @@ def test_probes_are_answered_over_tls_at_max_connections(broker_factory, pki: Pk
     finally:
         for sock in busy:
             sock.close()
+
+
+def test_a_close_notify_after_a_request_logs_no_warning_a_connection(broker_factory, pki: Pki) -> None:
+    """Hostile testing, round 115, M2: a client sending close_notify after its request
+    (HTTP or NDJSON) made asyncio log "returning true from eof_received() has no effect when
+    using ssl", a WARNING a connection: any client's way to fill the log. (Its answer is lost:
+    asyncio's TLS ends the connection there; README, TLS.)"""
+    stream_port = free_port()
+    b: Broker = broker_factory("--workers", "1", "--app", "broker.demo:faults", "--stream-port", str(stream_port),
+                               "--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key))
+    slow = json.dumps({"jsonrpc": "2.0", "method": "slow", "params": [0.5], "id": 1}).encode()
+    for port, request in ((b.port, b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                                   b"Content-Length: %d\r\n\r\n%s" % (len(slow), slow)),
+                          (stream_port, slow + b"\n")):
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+                    client_context(pki).wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                tls.sendall(request)
+                try:
+                    tls.unwrap()  # (close_notify)
+                except (OSError, ssl.SSLError):
+                    pass
+    assert tls_call(pki, b.port, stream=False) == {"jsonrpc": "2.0", "id": 1, "result": 5}  # (it serves on)
+    time.sleep(0.6)
+    assert "has no effect when using ssl" not in b.read_log()

@@ -45,6 +45,7 @@ __all__ = [
     "Listener",
     "SlowLane",
     "discard_turn",
+    "is_tls",
     "reset",
     "shed_outgoing",
     "unread_bytes",
@@ -145,6 +146,11 @@ def fell_behind(parked: int, max_response_bytes: int) -> bool:
 
 def _held_by(conn: typing.Any) -> int:
     return int(conn._budget.held)
+
+
+def is_tls(transport: asyncio.BaseTransport | None) -> bool:
+    """Is `transport` a TLS connection's (broker/frontend/handshake.py)? Read at EOF only."""
+    return transport is not None and transport.get_extra_info("ssl_object") is not None
 
 
 def shed_outgoing(outgoing: Outgoing, listeners: typing.Iterable[Listener]) -> None:
