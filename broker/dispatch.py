@@ -101,6 +101,7 @@ log = logging.getLogger("broker.dispatch")
 
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's (too deep)
+_LIMITED = int(ErrorCode.RATE_LIMITED)  # notifications_dropped: past their caller's rate limit
 SHED_LOG_SECONDS = 60.0  # calls shed or refused for a full queue: a WARNING at the first, then their count this often
 _SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
 _GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
@@ -192,7 +193,6 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         self._loop = loop
         self.policy = policy or Policy()
         self.limiter = limiter or Limiter()
-        self.rate_limited_notifications = 0  # notifications dropped past their caller's rate limit
         self.cut_off = 0  # calls answered -32004 "grace period ended" at the drain's end (`drain`)
         self._connection_share = connection_share
         self._share = 1  # places one connection's calls may hold: see `_set_share`
@@ -464,8 +464,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                         exchange.retry_after = wait  # (its Retry-After: the same, rounded up)
                     if metrics is not None:
                         metrics.answered(metrics.other, ErrorCode.RATE_LIMITED, 0.0)
-                else:
-                    self.rate_limited_notifications += 1
+                else:  # (counted as dropped: their only trace; new user, round 107)
+                    self.notifications_dropped[_LIMITED] = self.notifications_dropped.get(_LIMITED, 0) + 1
                 continue
             route = routes.get(request.method)
             if route is None or (denied and request.method in denied):

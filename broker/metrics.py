@@ -109,10 +109,11 @@ HTTP_PATHS = ("rpc", "health", "ready", "metrics", "other")
 RESTART_REASONS = ("exited", "killed", "hung", "boot_timeout", "reload", "left", "code_changed")  # see pool.restart_reason
 # Why a notification never reached a worker (Dispatcher.notifications_dropped's keys).
 # invalid_request: nested past the JSON parser's limit, so it cannot be forwarded
-# (jsonrpc.Body.dropped); worker_died: it reached one, which died before it ended.
+# (jsonrpc.Body.dropped); worker_died: it reached one, which died before it ended;
+# rate_limited: past its caller's rate limit (issue 12, item 3).
 DROP_REASONS = {code: _OUTCOMES[code] for code in (
     ErrorCode.OVERLOADED, ErrorCode.TIMED_OUT, ErrorCode.NO_WORKER, ErrorCode.SHUTTING_DOWN,
-    ErrorCode.INVALID_REQUEST, ErrorCode.WORKER_DIED)}
+    ErrorCode.INVALID_REQUEST, ErrorCode.WORKER_DIED, ErrorCode.RATE_LIMITED)}
 _NO_RESTARTS = dict.fromkeys(RESTART_REASONS, 0)
 
 

@@ -635,7 +635,7 @@ def test_calls_past_their_callers_rate_are_answered_rate_limited_each_batch_elem
         None, {"jsonrpc": "2.0", "id": 2, "error": NOT_FOUND},  # (an unknown method's call takes one too)
         {"jsonrpc": "2.0", "id": 3, "error": limited}, {"jsonrpc": "2.0", "id": 4, "error": limited},
     ]
-    assert d.rate_limited_notifications == 2 and budget.bucket.refused_total == 4
+    assert d.notifications_dropped == {ErrorCode.RATE_LIMITED: 2} and budget.bucket.refused_total == 4
     assert metrics.outcomes[metrics.other] == {ErrorCode.METHOD_NOT_FOUND: 1, ErrorCode.RATE_LIMITED: 2}
     assert metrics.latency[metrics.other].sum_us == 0  # (answered at once)
     assert budget.held == sum(len(a) for a in batch.answers if a)
