@@ -462,8 +462,10 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                     if not exchange.batch:
                         exchange.status = 429
                         exchange.retry_after = wait  # (its Retry-After: the same, rounded up)
-                    if metrics is not None:
-                        metrics.answered(metrics.other, ErrorCode.RATE_LIMITED, 0.0)
+                    if metrics is not None:  # (under its method, if its caller may call it: round 107)
+                        route = routes.get(request.method)
+                        metrics.answered(metrics.other if route is None or (denied and request.method in denied)
+                                         else route.method_index, ErrorCode.RATE_LIMITED, 0.0)
                 else:  # (counted as dropped: their only trace; new user, round 107)
                     self.notifications_dropped[_LIMITED] = self.notifications_dropped.get(_LIMITED, 0) + 1
                 continue

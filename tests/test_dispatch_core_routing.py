@@ -636,8 +636,9 @@ def test_calls_past_their_callers_rate_are_answered_rate_limited_each_batch_elem
         {"jsonrpc": "2.0", "id": 3, "error": limited}, {"jsonrpc": "2.0", "id": 4, "error": limited},
     ]
     assert d.notifications_dropped == {ErrorCode.RATE_LIMITED: 2} and budget.bucket.refused_total == 4
-    assert metrics.outcomes[metrics.other] == {ErrorCode.METHOD_NOT_FOUND: 1, ErrorCode.RATE_LIMITED: 2}
-    assert metrics.latency[metrics.other].sum_us == 0  # (answered at once)
+    assert metrics.outcomes[metrics.other] == {ErrorCode.METHOD_NOT_FOUND: 1}
+    assert metrics.outcomes[0] == {ErrorCode.RATE_LIMITED: 2}  # (under their method: "a", index 0)
+    assert metrics.latency[metrics.other].sum_us == 0 and metrics.latency[0].sum_us == 0  # (answered at once)
     assert budget.held == sum(len(a) for a in batch.answers if a)
     single = d.submit(body(codec, req("a", [], "s")), done.append, budget)
     assert single is not None and single.status == 429 and single.remaining == 0
@@ -645,6 +646,23 @@ def test_calls_past_their_callers_rate_are_answered_rate_limited_each_batch_elem
     assert json.loads(single.body()) == {"jsonrpc": "2.0", "id": "s", "error": limited}
     sent = w.channel.take()
     assert len(sent) == 2  # (the first call, and the notification: the rest never went)
+
+
+def test_a_rate_limited_call_counts_under_its_method_unless_unknown_or_denied_to_its_caller(clock, monkeypatch):
+    """New user, round 107: every rate-limited call counted under method="other"; now under
+    its method, but "other" still for one that does not exist or its caller may not call
+    (the policy shows nothing of what exists)."""
+    monkeypatch.setattr("broker.ratelimit._clock", lambda: 50.0)  # (no refill)
+    metrics = CallMetrics()
+    d, _w, codec, done = one_worker(clock.loop, ["a", "b"], metrics=metrics, policy=Policy(MethodRule(deny=("b",))))
+    budget = ResponseBudget(d.outgoing)
+    budget.denied = d.policy.denied[""]
+    budget.bucket = Bucket(Rate(0.5, 1))
+    batch = d.submit(body(codec, [req("a", [], 1), req("b", [], 2), req("nope", [], 3), req("a", [], 4)]),
+                     done.append, budget)
+    assert batch is not None and budget.bucket.refused_total == 3
+    assert metrics.outcomes[metrics.other] == {ErrorCode.RATE_LIMITED: 2}
+    assert metrics.outcomes[0] == {ErrorCode.RATE_LIMITED: 1} and metrics.outcomes[1] == {}
 
 
 def test_a_global_policy_holds_for_a_body_submitted_without_a_connections_budget(clock, caplog):

@@ -148,7 +148,9 @@ def test_calls_past_a_client_addresss_rate_are_refused_429_each_batch_element_co
     assert sample(metrics, "rpc_broker_rate_limited_total", token="") == 1 + 1 + 2 + 1  # (y, 9, two, the notification)
     # (the notification refused: its only trace, with the others dropped; new user, round 107)
     assert sample(metrics, "rpc_broker_notifications_dropped_total", reason="rate_limited") == 1
-    assert sample(metrics, "rpc_broker_calls_total", method="other", outcome="rate_limited") == 4
+    # (under their method, the caller's to call: round 107, they were all "other")
+    assert sample(metrics, "rpc_broker_calls_total", method="add", outcome="rate_limited") == 4
+    assert sample(metrics, "rpc_broker_calls_total", method="other", outcome="rate_limited") == 0
     assert sample(metrics, "rpc_broker_http_responses_total", path="rpc", status="429") == 2
 
 
