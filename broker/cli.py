@@ -189,6 +189,9 @@ def _reload(ns: argparse.Namespace) -> int:
         return reloadcmd.EXIT_NO_BROKER
     boot_timeout = typing.cast(float, given.get("boot_timeout", config.Config().boot_timeout))
     timeout = ns.timeout if ns.timeout is not None else boot_timeout + 15.0
+    if not 0 < timeout < float("inf"):  # (round 116, L3: nan or inf waited for good)
+        print(f"{PROG}: reload: --timeout {ns.timeout}: give seconds, a number > 0", file=sys.stderr)
+        return 2
     return reloadcmd.reload(path, ns.pid, timeout)
 
 

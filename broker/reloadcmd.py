@@ -32,6 +32,9 @@ class _NoBroker(Exception):
     """What makes the reload impossible (its message says why)."""
 
 
+PID_MAX = 4194304  # the largest process id Linux gives (pid_max's bound, 2**22)
+
+
 def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
@@ -60,6 +63,8 @@ def _read(path: str, pid: int | None) -> Status:
         raise _NoBroker(f"cannot read the status file: {exc} (run as the broker's user, or root)") from None
     except (OSError, ValueError) as exc:
         raise _NoBroker(f"cannot read the status file: {exc}") from None
+    if not 0 < status.pid <= PID_MAX:  # (round 116, L2: a huge one was an OverflowError's traceback)
+        raise _NoBroker(f"the status file {path} names no process id ({status.pid}): not a broker's")
     if pid is not None and status.pid != pid:
         why = "which is not running (a stale file)" if not _alive(status.pid) else "another broker"
         raise _NoBroker(f"the status file {path} is pid {status.pid}'s, {why}, not pid {pid}'s: pid {pid}"
@@ -74,7 +79,33 @@ def _read(path: str, pid: int | None) -> Status:
     if start and status.process_start and start != status.process_start:
         raise _NoBroker(f"the broker is not running: the status file {path} is from an earlier process"
                         f" {status.pid} (that pid is another process now: a stale file)")
+    problem = _not_its_broker(path, status.pid)
+    if problem:
+        raise _NoBroker(f"pid {status.pid}, which the status file {path} names, {problem}: not signalled")
     return status
+
+
+def _not_its_broker(path: str, pid: int) -> str:
+    """Why process `pid` is not the broker that writes the status file at `path`, or "":
+    it must run `rpc-broker serve` (its command line, /proc/PID/cmdline) as the user who
+    owns the file. Hostile testing, round 116, H1: the file's pid and start time (anyone
+    may read /proc/PID/stat) were all that was checked, and whoever could write the file's
+    directory, the app's own code among them, had `reload` (run as root) send SIGHUP, whose
+    default is to end a process, to any process of the machine."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read(65536).split(b"\0")
+        with open(f"/proc/{pid}/status", "rb") as f:
+            uid = next(int(line.split()[1]) for line in f if line.startswith(b"Uid:"))
+        owner = os.stat(path).st_uid
+    except (OSError, StopIteration, ValueError, IndexError):
+        return "cannot be checked (no /proc?)"
+    serving = b"serve" in argv and any(a.endswith(b"rpc-broker") or a == b"broker" for a in argv)
+    if not serving:
+        return "is no rpc-broker serve process"
+    if uid != owner:
+        return f"runs as uid {uid}, not as the file's owner (uid {owner})"
+    return ""
 
 
 def reload(path: str, pid: int | None = None, timeout: float = 75.0) -> int:

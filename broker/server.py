@@ -278,7 +278,9 @@ async def _first_requests(frontends: typing.Sequence[HttpFrontend | StreamFronte
             return any(c.transport is not None and not c.requests and not c.request_started for c in fe.connections)
         return any(c.transport is not None and not c.lines and not c.line_started for c in fe.connections)
 
-    while loop.time() < ends and any(silent(fe) for fe in frontends):
+    # (TLS handshakes under way too: a connection accepted before the stop whose handshake
+    # ended after the drain was answered "grace period ended"; hostile testing, round 116, H3)
+    while loop.time() < ends and any(fe.handshakes or silent(fe) for fe in frontends):
         await asyncio.sleep(0.005)
 
 
@@ -453,7 +455,6 @@ async def run(
                     "max_calls_per_worker max_calls_jitter max_worker_memory"),
     )
     status = StatusFile(config.status_file)  # (for `rpc-broker reload`: broker/statusfile.py)
-    status.update(state="starting")
 
     def reload_reported(ok: bool | None, why: str) -> None:
         if ok is None:  # (begins: it answers every SIGHUP taken so far)
@@ -645,6 +646,9 @@ async def run(
                 return 1
         # A stop signal during the start (an import that takes long) stops at once, as it
         # would later: the workers still importing have nothing to finish.
+        # (written once the listeners are bound, not before: a second broker started by
+        # mistake, failing on its port, took the file from the running one for good; round 116, M3)
+        status.update(state="starting")
         starting = asyncio.ensure_future(pool.start())
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)

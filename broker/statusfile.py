@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 import typing
 
@@ -87,10 +88,18 @@ _decoder = msgspec.json.Decoder(Status)
 
 
 def read_status(path: str) -> Status:
-    """Read the status file at `path`. Raises OSError (FileNotFoundError, PermissionError...)
-    when it cannot be read, and ValueError when it is no status document."""
-    with open(path, "rb") as f:
-        data = f.read(65536)
+    """Read the status file at `path`: a regular file, opened without blocking and without
+    following a symbolic link (hostile testing, round 116, H2: a FIFO put there blocked the
+    broker's event loop at its next update, and `rpc-broker reload` for good). Raises
+    OSError (FileNotFoundError, PermissionError, ELOOP...) when it cannot be read, and
+    ValueError when it is no status document, or no regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file: not a status file of rpc-broker")
+        data = os.read(fd, 65536)
+    finally:
+        os.close(fd)
     try:
         return _decoder.decode(data)
     except msgspec.DecodeError as exc:
@@ -140,7 +149,13 @@ class StatusFile:
     def _write(self, data: bytes) -> None:
         tmp = f"{self.path}.{self.status.pid}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # (a new file of its own: O_EXCL, so a symbolic link put there is never followed to
+            # overwrite its target; round 116, M4. One left by a crash is removed first.)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
                 os.write(fd, data)
             finally:

@@ -8,8 +8,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, Broker
 
 from broker.reloadcmd import EXIT_FAILED, EXIT_NO_BROKER, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE
@@ -149,7 +151,8 @@ def test_an_earlier_reload_s_outcome_is_never_taken_for_the_one_asked_for(tmp_pa
     from broker.statusfile import Status, process_start
 
     child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGHUP, signal.SIG_IGN);"
-                              " print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+                              " print('ready', flush=True); time.sleep(60)", "broker", "serve"],  # (as a broker's argv)
+                             stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline() == "ready\n"
         status = tmp_path / "status.json"
@@ -164,3 +167,86 @@ def test_an_earlier_reload_s_outcome_is_never_taken_for_the_one_asked_for(tmp_pa
         child.kill()
         child.wait(10)
         child.stdout.close()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("start", ["real", "zero"])
+def test_a_status_file_naming_another_process_does_not_get_it_signalled(tmp_path: Path, start: str) -> None:
+    """Hostile testing, round 116, H1: a status file written to name an unrelated process
+    (its start time read from /proc, or 0) had `reload` without --pid send it SIGHUP, which
+    ended it. The process must be an `rpc-broker serve` of the file owner's user."""
+    from broker.statusfile import process_start
+
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        status = tmp_path / "status.json"
+        status.write_text(json.dumps({
+            "pid": victim.pid, "process_start": process_start(victim.pid) if start == "real" else 0,
+            "state": "serving", "sighups": 0, "reloads": 0, "covers": 0, "outcome": "none", "message": "",
+            "time": 0.0}))
+        done = reload("--status-file", str(status), "--timeout", "1")
+        assert done.returncode == EXIT_NO_BROKER, done.stderr
+        assert "is no rpc-broker serve process: not signalled" in done.stderr
+        time.sleep(0.2)
+        assert victim.poll() is None  # (alive: no SIGHUP)
+    finally:
+        victim.kill()
+        victim.wait(10)
+
+
+def test_a_second_broker_failing_on_the_port_leaves_the_status_file_to_the_first(broker_factory, tmp_path) -> None:
+    """Hostile testing, round 116, M3: a second broker started by mistake wrote "starting"
+    before it failed on its port, and the running one stopped writing its file for good:
+    every later reload exited 5. It writes once its listeners are bound."""
+    b, status = start(broker_factory, tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RPC_BROKER_")}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{tmp_path}"
+    second = subprocess.run([sys.executable, "-m", "broker", "serve", "--workers", "1", "--app", "relapp:registry",
+                             "--port", str(b.port), "--status-file", str(status)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1 and "cannot listen" in second.stderr, second.stderr
+    assert json.loads(status.read_text())["pid"] == b.pid
+    write_app(tmp_path, version=2)
+    done = reload("--status-file", str(status), "--pid", str(b.pid))
+    assert done.returncode == EXIT_OK, done.stderr
+
+
+def test_a_timeout_that_is_no_number_of_seconds_or_a_pid_past_any_is_refused(tmp_path: Path) -> None:
+    """Hostile testing, round 116, L2 and L3: `--timeout nan` (or inf) waited for good; a
+    pid of 20 digits in the file ended in an OverflowError's traceback, exit 1."""
+    for value in ("nan", "inf", "0"):
+        done = reload("--status-file", str(tmp_path / "s.json"), "--timeout", value)
+        assert done.returncode == EXIT_USAGE and "give seconds, a number > 0" in done.stderr, done.stderr
+    status = tmp_path / "status.json"
+    status.write_text('{"pid": 99999999999999999999, "process_start": 0, "state": "serving"}')
+    done = reload("--status-file", str(status), "--timeout", "1")
+    assert done.returncode == EXIT_NO_BROKER and "names no process id" in done.stderr, done.stderr
+
+
+def test_a_fifo_at_the_status_files_path_blocks_nothing_and_a_symlink_is_not_followed(tmp_path: Path) -> None:
+    """Hostile testing, round 116: a FIFO put at the status file's path blocked the broker's
+    event loop at its next update (its read back) and `reload` for good (H2); a symbolic link
+    at its temporary file's path had the broker overwrite the link's target (M4)."""
+    from broker.statusfile import StatusFile, read_status
+
+    path = tmp_path / "status.json"
+    os.mkfifo(path)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="is not a regular file"):
+        read_status(str(path))
+    status = StatusFile(str(path))
+    status.update(state="starting")  # (the first write replaces the FIFO, as rename does)
+    os.unlink(path)
+    os.mkfifo(path)
+    status.update(state="serving")  # (reads it back first: a FIFO now, not waited on; then replaces it)
+    assert time.monotonic() - started < 5 and read_status(str(path)).state == "serving"
+    os.unlink(path)
+    os.mkfifo(path)
+    done = reload("--status-file", str(path), "--timeout", "1")
+    assert done.returncode == EXIT_NO_BROKER and "is not a regular file" in done.stderr, done.stderr
+    target = tmp_path / "precious"
+    target.write_text("precious data")
+    os.unlink(path)
+    os.symlink(target, f"{path}.{os.getpid()}.tmp")
+    status.update(state="stopping")
+    assert target.read_text() == "precious data"
+    assert read_status(str(path)).state == "stopping"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -279,3 +280,28 @@ def test_a_close_notify_after_a_request_logs_no_warning_a_connection(broker_fact
     assert tls_call(pki, b.port, stream=False) == {"jsonrpc": "2.0", "id": 1, "result": 5}  # (it serves on)
     time.sleep(0.6)
     assert "has no effect when using ssl" not in b.read_log()
+
+
+def test_a_connection_whose_handshake_ends_after_the_stop_is_served(broker_factory, pki: Pki) -> None:
+    """Hostile testing, round 116, H3: connections accepted before a SIGTERM whose TLS
+    handshake ended after it were answered -32004 "grace period ended" (the drain, 0.1 s,
+    waited for connections, not handshakes), or reset. As over plain TCP, they are served."""
+    b: Broker = broker_factory("--workers", "1", "--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key))
+    raws = [socket.create_connection(("127.0.0.1", b.port), timeout=10) for _ in range(3)]
+    try:
+        time.sleep(0.3)  # (accepted: their handshakes under way)
+        b.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        answers = []
+        for i, raw in enumerate(raws):
+            tls = raws[i] = client_context(pki).wrap_socket(raw, server_hostname="127.0.0.1")
+            body = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [i, 1], "id": i}).encode()
+            tls.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            answers.append(read_until_closed(tls))
+    finally:
+        for raw in raws:
+            raw.close()
+    assert [json.loads(a.partition(b"\r\n\r\n")[2]) for a in answers] == [
+        {"jsonrpc": "2.0", "id": i, "result": i + 1} for i in range(3)]
+    assert b.proc.wait(30) == 0
