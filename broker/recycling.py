@@ -43,8 +43,9 @@ RECYCLE_BACKOFF_MAX_SECONDS): a deploy broken on disk does not make a spawn loop
 
 A slot recycles again only once its previous worker has finished its calls and exited:
 until then its worker serves on past its limit (the periodic check retries), so a slot has
-at most two processes, and max_worker_memory bounds the workers' memory at about twice
-workers times the limit, however long the calls.
+at most two processes. Memory is not bounded so meanwhile: a leaking worker grows past
+max_worker_memory until its predecessor's longest call ends, within that call's deadline
+(hostile testing, round 116, M2; docs/operations.md says so).
 
 Several slots may recycle at once: each old worker serves until its own replacement is
 ready, so no capacity is lost (their imports take CPU meanwhile; the jitter spreads
