@@ -91,6 +91,9 @@ class ResponseBudget:
     front-end's queue, `HttpProtocol._responses`), for `counted`; None on a stream, whose
     answers go in any order.
 
+    `peer`, `transport` and `caller`: who the connection's client is, for the logs
+    (broker/accesslog.py).
+
     `denied`: the methods its caller may not call (`policy.Policy.denied`: the set of the
     caller's token, or of callers with none, kept current by each method table), and
     `bucket`, its caller's rate limit (`ratelimit.Bucket`, or None); on HTTP set before
@@ -98,7 +101,8 @@ class ResponseBudget:
     """
 
     __slots__ = (
-        "blocking", "bucket", "denied", "flow", "heavy", "held", "in_flight", "outgoing", "owed", "parked", "peer", "queued",
+        "blocking", "bucket", "caller", "denied", "flow", "heavy", "held", "in_flight", "outgoing", "owed", "parked", "peer",
+        "queued", "transport",
     )
 
     def __init__(self, outgoing: Outgoing, denied: typing.AbstractSet[str] = frozenset()) -> None:
@@ -116,6 +120,10 @@ class ResponseBudget:
         # The client's address, for logs: its transport's "peername" (a (host, port) tuple,
         # IPv6 with two more; "" or None on a Unix socket), set by the front-end.
         self.peer: object = None
+        # ... its transport ("http", "tcp", "unix": the front-end's), and its caller's token name ("" with
+        # no tokens; on HTTP set before each request is dispatched, as `denied`), for the access log
+        self.transport = "http"
+        self.caller = ""
         self.owed: typing.Sequence[object] | None = None
         self.denied = denied
         self.bucket: Bucket | None = None

@@ -89,6 +89,7 @@ class Call(msgspec.Struct, eq=False):
     held: int = 0  # bytes it holds while queued (counted in max_queue_bytes)
     heavy: int = 0  # its params' bytes counted in its worker's `heavy` (large params only, `_send`)
     stale: bool = False  # in flight when a reload replaced the method table: its reply teaches nothing
+    kept: bytes | int | None = None  # its params kept for the access log once sent (log_params: `accesslog.keep_params`)
 
     @classmethod
     def of(

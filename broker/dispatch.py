@@ -56,6 +56,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from broker import wire
+from broker.accesslog import AccessLog, keep_params
 from broker.answers import GONE, Exchange, Outgoing, ResponseBudget
 from broker.calls import (
     NO_ID,
@@ -168,6 +169,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
     limiter: the callers' rate limits (`ratelimit.Limiter`; None: none). A call its
         caller's bucket (`ResponseBudget.bucket`) has no room for is answered -32005
         (a notification dropped), each element of a batch on its own.
+    access_log: where each call answered is told (`accesslog.AccessLog`: its errors, or
+        every call in mode "all"), or None (access_log "off").
     """
 
     def __init__(
@@ -187,6 +190,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         connection_share: float = 0.5,
         policy: Policy | None = None,
         limiter: Limiter | None = None,
+        access_log: AccessLog | None = None,
     ) -> None:
         if not 0 < connection_share <= 1:
             raise ValueError(f"connection_share = {connection_share!r}: it must be > 0 and <= 1")
@@ -209,6 +213,11 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         )
         self.oversize_total = 0  # answers refused past max_response_bytes
         self.metrics = metrics  # None: count nothing per call (metrics off)
+        # The access log: told of every error answered (`access`), and of every result in mode "all"
+        # (`access_ok`; else None: one test per result on the hot path); None when off
+        self.access = access_log
+        self.access_ok = access_log if access_log is not None and access_log.mode == "all" else None
+        self._keep_params = access_log is not None and access_log.log_params  # (`_send`: kept for its line)
         self._cancel_grace = cancel_grace
         self._sync_limit = 1 + sync_prefetch  # a worker's limit while busy in a sync call
         self._sync_routing = True  # that limit is at most worker_concurrency (see worker_ready)
@@ -451,6 +460,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                 if invalid_answers is None:
                     invalid_answers = {}
                 invalid_answers[invalid] = invalid_answers.get(invalid, 0) + 1
+                if self.access is not None:
+                    self.access.invalid(exchange.budget, invalid, error_code(invalid, ErrorCode.INVALID_REQUEST))
                 continue
             if bucket is not None and not bucket.take():
                 if request.id:
@@ -466,6 +477,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                         route = routes.get(request.method)
                         metrics.answered(metrics.other if route is None or (denied and request.method in denied)
                                          else route.method_index, ErrorCode.RATE_LIMITED, 0.0)
+                    if self.access is not None:
+                        self.access.early(exchange.budget, request, ErrorCode.RATE_LIMITED)
                 else:  # (counted as dropped: their only trace; new user, round 107)
                     self.notifications_dropped[_LIMITED] = self.notifications_dropped.get(_LIMITED, 0) + 1
                 continue
@@ -476,6 +489,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                     answer(unknown)
                     size += len(unknown)
                     unknown_methods += 1
+                    if self.access is not None:
+                        self.access.early(exchange.budget, request, ErrorCode.METHOD_NOT_FOUND)
                 else:
                     unknown_notifications += 1
             elif request.id:
@@ -653,6 +668,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         worker.channel.send_call(  # type: ignore[union-attr]
             call.kind, call.call_id, call.index, call.tick * self._tick_seconds - TIMER_EARLY, flow, call.params,
         )
+        if self._keep_params:  # (log_params: what its access line shows, `accesslog.keep_params`)
+            call.kept = keep_params(call.params, call.weight)
         # Sent: its params are the worker's now. Not kept while it runs (nor the body they
         # are a view of): hostile testing, round 13, 40 batches of a long call and an echo
         # of 900 kB held their 36 MB of requests until the long calls ended.
@@ -724,8 +741,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         if call.slots is not None:  # a chunk: every call in it not yet answered
             self._fail_chunk(call, exchange, error, remaining)
             return
-        if self.metrics is not None:
-            self.metrics.answered(call.index, code, _clock() - call.arrival)
+        self._count_error(call, call.index, code, _clock() - call.arrival)
         # (a broker error: small, counted all the same; nothing for a connection gone)
         answer = response_error(call.id, error) if exchange.budget.outgoing is not GONE else b""
         exchange.budget.keep(exchange, len(answer))

@@ -14,6 +14,7 @@ import typing
 from collections import OrderedDict
 
 if typing.TYPE_CHECKING:
+    from broker.accesslog import AccessLog
     from broker.answers import ResponseBudget
     from broker.calls import Call, Route
     from broker.channel import Worker
@@ -91,12 +92,15 @@ class DispatcherState:
         late_results_total: int
         max_response_bytes: int
         metrics: CallMetrics | None
+        access: AccessLog | None
+        access_ok: AccessLog | None
         notifications_dropped: dict[int, int]
         oversize_total: int
         returned_total: int
 
         def _check_hung(self, call: Call) -> None: ...
         def _check_idle(self) -> None: ...
+        def _count_error(self, call: Call, index: int, code: int, latency: float, place: int = -1) -> None: ...
         def _finish(self, call: Call, error: bytes, code: int, remaining: bool = True) -> None: ...
         def _give_back(self, owner: ResponseBudget) -> None: ...
         def _isolation_ends(self) -> None: ...

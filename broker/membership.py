@@ -110,6 +110,8 @@ class Membership(DispatcherState):
             self._translate([new.get(name, len(names)) for name in old] + [len(names)])
         if self.metrics is not None:
             self.metrics.set_methods(names)
+        if self.access is not None:
+            self.access.names = names
         for warning in self.policy.install(names):
             log.warning("%s", warning)
 

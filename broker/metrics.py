@@ -289,7 +289,9 @@ class BrokerCollector(Collector):
     """Builds every `rpc_broker_*` metric family from the live objects at scrape time.
 
     dispatcher: its `metrics` (a `CallMetrics`) and counters; pool: workers and
-    restarts; frontends: HTTP listeners (the RPC one, and the metrics one if separate).
+    restarts; frontends: HTTP listeners (the RPC one, and the metrics one if separate);
+    log_dropped: the log lines dropped for a full queue, {"access": n, "broker": n}
+    (`logpipe.LogPipe.dropped`), or None when the process logs another way.
     """
 
     def __init__(
@@ -299,8 +301,10 @@ class BrokerCollector(Collector):
         frontends: list[HttpFrontend | StreamFrontend],
         max_queue: int,
         max_queue_bytes: int = 0,
+        log_dropped: typing.Mapping[str, int] | None = None,
     ) -> None:
         self.dispatcher = dispatcher
+        self.log_dropped = log_dropped  # lines dropped for a full log queue (`logpipe.LogPipe.dropped`)
         self.pool = pool
         self.frontends = frontends
         self.max_queue = max_queue
@@ -344,6 +348,13 @@ class BrokerCollector(Collector):
             "(rate_limit, -32005), by token (\"\": the callers without one, by client address).", ["token"],
             [([name], n) for name, n in d.limiter.refused().items()],
         )
+        if self.log_dropped is not None:
+            yield _family_counter(
+                "rpc_broker_log_lines_dropped", "Log lines dropped, not written: stderr took them slower than they "
+                "came and the log's queue was full (the event loop never waits for stderr), by log: access (the "
+                "access log's) or broker (the broker's own).", ["log"],
+                [([name], n) for name, n in sorted(self.log_dropped.items())],
+            )
         yield _family_gauge(
             "rpc_broker_method_isolated", "Methods whose calls run alone, one per worker, since a worker died "
             "holding calls of theirs: how many of their calls must still answer so (absent: none).", ["method"],

@@ -27,6 +27,7 @@ from collections import Counter
 
 from msgspec import Raw
 
+from broker.accesslog import results_of
 from broker.answers import GONE, Exchange, Outgoing
 from broker.calls import ACKS, Call, as_timed_out, hold, timed_out
 from broker.chunk import answers as chunk_answers
@@ -208,6 +209,8 @@ class Replies(DispatcherState):
                     exchange.size += size
                     if metrics is not None:
                         metrics.result(call.index, _clock() - call.arrival, aux)
+                    if self.access_ok is not None:  # (access_log "all"; else, the one test a result pays)
+                        self.access_ok.call(call, 0, _clock() - call.arrival)
                     # exchange.fill(call.slot, response_result(...)), inline: two calls less (0.1 µs)
                     exchange.answers[call.slot] = b"".join((_RESP_HEAD, call.id, _RESP_RESULT, payload, b"}"))
                     exchange.remaining -= 1
@@ -378,12 +381,13 @@ class Replies(DispatcherState):
     def _gone(self, call: Call, exchange: Exchange, kind: int, payload: bytes, aux: int) -> None:
         """Fill a single call's slot with nothing: its connection is gone (`forget`). Counted
         in the metrics as what the worker answered."""
-        metrics = self.metrics
-        if metrics is not None:
-            if kind == RESULT:
-                metrics.result(call.index, _clock() - call.arrival, aux)
-            else:
-                metrics.answered(call.index, error_code(payload), _clock() - call.arrival)
+        if kind != RESULT:
+            self._count_error(call, call.index, error_code(payload), _clock() - call.arrival)
+        else:
+            if self.metrics is not None:
+                self.metrics.result(call.index, _clock() - call.arrival, aux)
+            if self.access_ok is not None:
+                self.access_ok.call(call, 0, _clock() - call.arrival)
         exchange.fill(call.slot, b"")
 
     def _large_result(self, call: Call, exchange: Exchange, result: bytes, size: int, aux: int) -> None:
@@ -398,6 +402,8 @@ class Replies(DispatcherState):
             budget.keep(exchange, size)
             if self.metrics is not None:
                 self.metrics.result(call.index, _clock() - call.arrival, aux)
+            if self.access_ok is not None:
+                self.access_ok.call(call, 0, _clock() - call.arrival)
             exchange.fill(call.slot, b"".join((_RESP_HEAD, call.id, _RESP_RESULT, result, b"}")))
         else:
             self._answer_error(call, exchange, result, size)
@@ -423,9 +429,20 @@ class Replies(DispatcherState):
             code = ErrorCode.INTERNAL_ERROR
             answer = self._oversize(call.id, held + size > self.max_response_bytes, outgoing)
         budget.keep(exchange, len(answer))
-        if self.metrics is not None:
-            self.metrics.answered(call.index, code, _clock() - call.arrival)
+        self._count_error(call, call.index, code, _clock() - call.arrival)
         exchange.fill(call.slot, answer, http_status(code))
+
+    def _count_error(self, call: Call, index: int, code: int, latency: float, place: int = -1) -> None:
+        """Count an answer with an error object of `code` to `call` (of method `index`;
+        `latency` seconds after it arrived) in the metrics, and tell the access log of it:
+        the call itself, or (`place` >= 0) a chunk's call at that place."""
+        if self.metrics is not None:
+            self.metrics.answered(index, code, latency)
+        if self.access is not None:
+            if place < 0:
+                self.access.call(call, code, latency)
+            else:
+                self.access.element(call, place, code, latency)
 
     def _oversize(self, id_: Raw, connection: bool, outgoing: Outgoing) -> bytes:
         """The -32603 answer (small: the caller counts it in the budget all the same) for
@@ -602,12 +619,12 @@ class Replies(DispatcherState):
                 answers[slot] = answer
                 if entry_kind == RESULT:
                     results += 1
-                elif metrics is not None:
-                    metrics.answered(
-                        typing.cast(list[int], call.methods)[i],
+                else:
+                    self._count_error(
+                        call, typing.cast(list[int], call.methods)[i],
                         ErrorCode.INTERNAL_ERROR if result is _TOO_LARGE_MARK else error_code(bytes(result)),
-                        _clock() - call.arrival,
-                    )
+                        _clock() - call.arrival, i,
+                    )  # fmt: skip
                 filled += 1
             elif slot >= 0 and entry_kind == RESULT:  # (not counted: its first answer was)
                 if again is None:
@@ -633,13 +650,15 @@ class Replies(DispatcherState):
                         mix[methods[i]] -= 1
             for index, n in mix.items():
                 metrics.ok(index, latency, n)
+        if results and self.access_ok is not None:  # (access_log "all": a line per result)
+            self.access_ok.chunk_results(call, results_of(payload, slots, {*(refused or ()), *(again or ())}),
+                                         _clock() - call.arrival)
         exchange.filled(filled)
 
     def _fail_chunk(self, call: Call, exchange: Exchange, error: bytes, remaining: bool) -> None:
         """Answer every still-unanswered call of a chunk with `error` (an error object)."""
         answers = exchange.answers
         count = 0
-        metrics = self.metrics
         code = error_code(error)
         latency = _clock() - call.arrival
         methods = typing.cast(list[int], call.methods)
@@ -650,17 +669,13 @@ class Replies(DispatcherState):
             if slot >= 0 and answers[slot] is None:
                 answer = response_error(id_, error) if outgoing is not GONE else b""
                 # (a worker's error object can be large)
-                if outgoing is GONE:
-                    if metrics is not None:
-                        metrics.answered(methods[i], code, latency)
-                elif (over := budget.counted(exchange) + len(answer) > limit) or (
-                    outgoing.held + len(answer) > outgoing.limit
+                if outgoing is not GONE and (
+                    (over := budget.counted(exchange) + len(answer) > limit) or outgoing.held + len(answer) > outgoing.limit
                 ):
                     answer = self._oversize(id_, over, outgoing)
-                    if metrics is not None:
-                        metrics.answered(methods[i], ErrorCode.INTERNAL_ERROR, latency)
-                elif metrics is not None:
-                    metrics.answered(methods[i], code, latency)
+                    self._count_error(call, methods[i], ErrorCode.INTERNAL_ERROR, latency, i)
+                else:
+                    self._count_error(call, methods[i], code, latency, i)
                 budget.keep(exchange, len(answer))
                 answers[slot] = answer
                 count += 1

@@ -37,6 +37,7 @@ import msgspec
 
 import broker
 from broker import jsonscan
+from broker.accesslog import AccessLog
 from broker.auth import Authenticator, AuthError, load_tokens
 from broker.config import Config, ConfigError, socket_group
 from broker.dispatch import Dispatcher
@@ -44,6 +45,7 @@ from broker.frontend.base import OUT_LINGERING, Incoming, shed_outgoing
 from broker.frontend.handshake import Handshake
 from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
 from broker.frontend.stream import StreamFrontend
+from broker.logpipe import LogPipe
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.policy import MethodRule, Policy
 from broker.pool import Pool, WorkerBootError
@@ -66,16 +68,16 @@ def serve(config: Config, early: typing.Sequence[int] = ()) -> int:
     the workers' socket cannot be made (socket_dir), 1 when the listening socket
     cannot be opened.
     """
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s broker pid %(process)d %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    if config.event_loop == "asyncio":
-        return asyncio.run(run(config, early=early))
-    import uvloop
+    pipe = LogPipe(config.log_level.upper(), config.log_format)
+    pipe.start()
+    try:
+        if config.event_loop == "asyncio":
+            return asyncio.run(run(config, early=early, logs=pipe))
+        import uvloop
 
-    return uvloop.run(run(config, early=early))
+        return uvloop.run(run(config, early=early, logs=pipe))
+    finally:
+        pipe.stop()  # (what is queued written: the last lines, "stopped" among them)
 
 
 class LoopErrors:
@@ -305,6 +307,12 @@ _LISTENER_NAMES = {
 }  # fmt: skip (the setting that chooses where, by its flag: round 30, a new user)
 
 
+def _access_logger() -> logging.Logger:
+    """The logger access lines go to when the process has no `LogPipe` (`run` called by an
+    embedder): `broker.access`, whose handlers take `accesslog.AccessLine`s as records."""
+    return logging.getLogger("broker.access")
+
+
 def _banner(line: str) -> None:
     """Print a start-up banner `line` to stderr. Its reader may be gone (`2>&1 | head -1`
     took an earlier line): the broker serves on, as it does when its log lines find no
@@ -421,11 +429,14 @@ def _settings(config: Config, names: str) -> dict[str, typing.Any]:
 
 
 async def run(
-    config: Config, started: asyncio.Future[tuple[str, int]] | None = None, early: typing.Sequence[int] = ()
+    config: Config, started: asyncio.Future[tuple[str, int]] | None = None, early: typing.Sequence[int] = (),
+    logs: LogPipe | None = None,
 ) -> int:
     """The broker's main coroutine; sets `started` to the bound (host, port) once ready.
     `early`: stop and reload signals received before its handlers (`broker.entry`), acted
-    on as if they came now (a stop gives the start up; a reload runs once started)."""
+    on as if they came now (a stop gives the start up; a reload runs once started).
+    `logs`: the process's log queue (`serve`'s), where access lines go too; None: they go
+    to the `broker.access` logger (access_log on), with no drops counted."""
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(LoopErrors())
     await _start_threads_masked(loop)
@@ -439,10 +450,15 @@ async def run(
                     {t.name: t.rule for t in tokens if t.rule is not None}, (t.name for t in tokens))
     default = Rate(config.rate_limit, config.rate_burst or burst_for(config.rate_limit)) if config.rate_limit else None
     limiter = Limiter(default, {t.name: t.rate for t in tokens if t.rate is not None}, (t.name for t in tokens))
+    access = None
+    if config.access_log != "off":
+        emit = logs.handler.access if logs is not None else _access_logger().handle
+        access = AccessLog(config.access_log, emit, log_params=config.log_params)  # type: ignore[arg-type]
     dispatcher = Dispatcher(
         loop,
         policy=policy,
         limiter=limiter,
+        access_log=access,
         metrics=CallMetrics() if config.metrics else None,
         **_settings(config, "max_queue max_queue_bytes max_worker_params_bytes timeout method_timeouts cancel_grace "
                     "sync_prefetch max_response_bytes max_outgoing_bytes connection_share"),
@@ -542,7 +558,8 @@ async def run(
         frontends: list[HttpFrontend | StreamFrontend] = []
         scrape = None
         if config.metrics:
-            collector = BrokerCollector(dispatcher, pool, frontends, config.max_queue, config.max_queue_bytes)
+            collector = BrokerCollector(dispatcher, pool, frontends, config.max_queue, config.max_queue_bytes,
+                                        logs.dropped if logs is not None else None)
             reg = registry(collector)
 
             def scrape() -> bytes:

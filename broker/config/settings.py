@@ -386,6 +386,19 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     log_level: Annotated[LogLevel,
                          Doc("logging threshold")
                          ] = "info"
+    log_format: Annotated[Literal["text", "json"],
+                          Doc("the broker's log lines and access lines on stderr: text, or one JSON "
+                              "object a line (workers' lines stay text)")
+                          ] = "text"
+    access_log: Annotated[Literal["errors", "all", "off"],
+                          Doc("a line on stderr per call answered: errors (every call not answered "
+                              "with a result), all (results too), or off")
+                          ] = "errors"
+    log_params: Annotated[bool,
+                          Doc("put each call's params in its access line, the values of keys such as "
+                              "password, token, secret, authorization and api_key redacted; never "
+                              "on with secrets in values")
+                          ] = False
     event_loop: Annotated[Literal["uvloop", "asyncio"],
                           Doc("the broker process's event loop (its front-ends and dispatcher; the workers"
                               " run uvloop): uvloop, or the standard library's asyncio (as uvicorn's --loop;"

@@ -532,7 +532,7 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
             fe.incoming.hold(len(body), 0)
             self._waiting_bytes -= len(body)
             # (submit_held: while draining, a request held here is served as in flight)
-            self._budget.denied, self._budget.bucket = deferred.denied, deferred.bucket
+            self._budget.denied, self._budget.bucket, self._budget.caller = deferred.denied, deferred.bucket, deferred.caller
             exchange = fe.dispatcher.submit_held(fe.codec.decode(body), self._deferred_done, self._budget)
             if exchange is None:
                 extra = self._keep_header if deferred.keep_alive else CLOSE

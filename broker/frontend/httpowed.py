@@ -59,13 +59,16 @@ class Deferred:
     """A JSON-RPC request whose body waits to be dispatched: its connection was owed
     max_response_bytes of answers, or its client was not reading (see `_gated`).
     `exchange` once dispatched; `response` if it then owed nothing (204). `denied` and
-    `bucket`: its caller's policy and rate limit (`ResponseBudget`'s when it is dispatched)."""
+    `bucket`: its caller's policy and rate limit, `caller` its token's name (`ResponseBudget`'s
+    when it is dispatched)."""
 
-    __slots__ = ("body", "bucket", "cors", "denied", "exchange", "keep_alive", "response")
+    __slots__ = ("body", "bucket", "caller", "cors", "denied", "exchange", "keep_alive", "response")
 
     def __init__(self, body: bytes | bytearray, keep_alive: bool, cors: bytes,
-                 denied: typing.AbstractSet[str] = frozenset(), bucket: Bucket | None = None) -> None:
+                 denied: typing.AbstractSet[str] = frozenset(), bucket: Bucket | None = None,
+                 caller: str = "") -> None:
         self.body = body
+        self.caller = caller
         self.denied = denied
         self.bucket = bucket
         self.keep_alive = keep_alive

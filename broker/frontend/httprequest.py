@@ -615,7 +615,7 @@ class Requests(HttpState):
                 self._queue(json_response(503, fe.incoming_full_body, keep_alive, extra, fe.json_head), keep_alive, "rpc")
                 return
             self._waiting_bytes += len(body)
-            deferred = Deferred(body, keep_alive, cors, self._denied, self._bucket)
+            deferred = Deferred(body, keep_alive, cors, self._denied, self._bucket, self.caller)
             self._waiting.append(deferred)
             self._responses.append(deferred)
             self._pause()
@@ -626,7 +626,7 @@ class Requests(HttpState):
         # (while draining, a request completed now was under way at the stop: `held`)
         submit = fe.dispatcher.submit_held if fe.draining else fe.dispatcher.submit
         if fe.auth is not None:  # (its caller's policy: a request before it may have had another token)
-            self._budget.denied, self._budget.bucket = self._denied, self._bucket
+            self._budget.denied, self._budget.bucket, self._budget.caller = self._denied, self._bucket, self.caller
         exchange = submit(decoded, self._exchange_done, self._budget)
         if exchange is None:
             extra = self._keep_header if keep_alive else CLOSE

@@ -253,6 +253,7 @@ class StreamProtocol(Closing, asyncio.Protocol):
         self.taken = 0  # ... that its client had taken at the last look (`Listener.send_timed_out`)
         # Bytes of answers owed and not yet taken by the client (see ResponseBudget).
         self._budget = ResponseBudget(frontend.dispatcher.outgoing, frontend.dispatcher.policy.denied[""])
+        self._budget.transport = frontend.transport  # ("tcp" or "unix": the access log's)
         self._waiting: deque[bytes] = deque()  # lines not dispatched yet (see _gated), in order
         self._waiting_bytes = 0  # their bytes, counted in the listener's `Incoming`
         self._owed: set[Exchange] = set()  # exchanges owed answers (`owed` of them)
@@ -526,7 +527,7 @@ class StreamProtocol(Closing, asyncio.Protocol):
             fe.unauthorized(self._budget.peer, sent)
             self._foreign(fe.bad_token if sent else fe.unauthenticated, ErrorCode.INVALID_REQUEST)
             return
-        self.caller = name
+        self.caller = self._budget.caller = name
         self._budget.denied = fe.dispatcher.policy.denied[name]
         self._budget.bucket = fe.dispatcher.limiter.for_token(name)
         if request.id:  # type: ignore[union-attr]
