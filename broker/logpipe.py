@@ -113,32 +113,55 @@ class DroppingQueueHandler(logging.handlers.QueueHandler):
             self.dropped["access"] += 1
 
 
-class LineWriter(logging.StreamHandler):  # type: ignore[type-arg]
-    """A `StreamHandler` that does not flush per line: the listener flushes it once its
-    queue is empty (`_Listener.handle`). A failed write (stderr closed) drops the line."""
+class LineWriter(logging.Handler):
+    """Writes lines to a file descriptor (`fd`, stderr's by default) from one thread, the
+    listener's: into a buffer, written (`os.write`) when it holds `_BUFFER_BYTES` and when
+    the listener's queue is empty (`flush`). No lock is held while it writes (`handle`), and
+    once `abandoned` (its thread left blocked by `LogPipe.stop`) `flush` does nothing: the
+    process's exit (`logging.shutdown` flushes every handler) never waits for a stderr
+    nobody reads. A failed write (no reader: EPIPE) drops what was buffered."""
 
-    def flush(self) -> None:
-        """Flush the stream, quietly if it is gone (EPIPE)."""
-        try:
-            super().flush()
-        except (OSError, ValueError):
-            pass
+    def __init__(self, fd: int = 2) -> None:
+        super().__init__()
+        self.fd = fd
+        self.abandoned = False
+        self._buf = bytearray()
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        """Format and buffer `record` (no handler lock: only the listener's thread writes)."""
+        self.emit(record)
+        return True
 
     def emit(self, record: logging.LogRecord) -> None:
-        """Write `record`'s line to the buffer."""
+        """Buffer `record`'s line; write the buffer once it is full."""
         try:
-            self.stream.write(self.format(record) + "\n")
-        except (OSError, ValueError):
-            pass  # (no reader: the line is lost, as logging's own handler loses it)
+            line = self.format(record)
         except RecursionError:  # pragma: no cover - as logging.StreamHandler
             raise
         except Exception:
             self.handleError(record)
+            return
+        self._buf += line.encode("utf-8", "backslashreplace") + b"\n"
+        if len(self._buf) >= _BUFFER_BYTES:
+            self._write()
+
+    def flush(self) -> None:
+        """Write what is buffered (unless abandoned)."""
+        if not self.abandoned:
+            self._write()
+
+    def _write(self) -> None:
+        buf = self._buf
+        try:
+            while buf:
+                del buf[: os.write(self.fd, buf)]
+        except OSError:
+            buf.clear()
 
 
 class _Listener(logging.handlers.QueueListener):
     """A `QueueListener` that flushes its handlers when its queue is empty (a burst of
-    lines in one write)."""
+    lines in one write), and calls each handler's `handle` (its level checked here)."""
 
     def handle(self, record: logging.LogRecord) -> None:
         for handler in self.handlers:
@@ -154,18 +177,15 @@ class LogPipe:
     access lines through one bounded queue to one writer thread (see the module docstring).
 
     level: the root logger's threshold (a logging level name or number). style: "text"
-    or "json" (`FORMATS`). stream: where lines go (default: a buffered writer of its own on
-    stderr's file descriptor, so that the buffer is the pipe's, not sys.stderr's line
-    buffer). max_lines: the queue's bound.
+    or "json" (`FORMATS`). fd: the file descriptor lines are written to (default: a dup
+    of stderr's). max_lines: the queue's bound.
     """
 
     def __init__(self, level: int | str = logging.INFO, style: str = "text",
-                 stream: typing.TextIO | None = None, max_lines: int = QUEUE_LINES) -> None:
+                 fd: int | None = None, max_lines: int = QUEUE_LINES) -> None:
         self.queue: queue.Queue[typing.Any] = queue.Queue(max_lines)
         self.handler = DroppingQueueHandler(self.queue)
-        if stream is None:
-            stream = _stderr_writer()
-        self.writer = LineWriter(stream)
+        self.writer = LineWriter(_stderr_fd() if fd is None else fd)
         self.writer.setFormatter(LineFormatter(style))
         self._listener = _Listener(self.queue, self.writer)
         self._level = level
@@ -187,31 +207,34 @@ class LogPipe:
         self._started = True
 
     def stop(self, timeout: float = STOP_SECONDS) -> None:
-        """Stop the writer once it has written what is queued, `timeout` s at most (a writer
-        blocked on a stderr nobody reads is left behind: a daemon thread, it ends with the
-        process); the root logger writes to stderr directly again, as logging's last resort."""
+        """Stop the writer once it has written what is queued, `timeout` s at most. Then the
+        root logger writes through the writer directly (the lines of the process's last
+        moments); but a writer still blocked on a stderr nobody reads is abandoned (a daemon
+        thread, it ends with the process) and the queue stays, dropping what comes."""
         if not self._started:
             return
         self._started = False
-        logging.getLogger().removeHandler(self.handler)
         thread = self._listener._thread
         try:
             self.queue.put(None, timeout=timeout)  # (QueueListener's sentinel)
         except queue.Full:
+            self.writer.abandoned = True
             return
         if thread is not None:
             thread.join(timeout)
-            if not thread.is_alive():
-                self._listener._thread = None
-                self.writer.flush()
+            if thread.is_alive():
+                self.writer.abandoned = True
+                return
+            self._listener._thread = None
+        self.writer.flush()
+        root = logging.getLogger()
+        root.removeHandler(self.handler)
+        root.addHandler(self.writer)
 
 
-def _stderr_writer() -> typing.TextIO:
-    """A buffered text writer on stderr's file descriptor (not closed with it), or
-    sys.stderr itself when it has none (under a test's capture)."""
+def _stderr_fd() -> int:
+    """A descriptor of stderr's of the writer's own (a dup: not closed with sys.stderr)."""
     try:
-        fd = sys.stderr.fileno()
+        return os.dup(sys.stderr.fileno())
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        return sys.stderr
-    return open(os.dup(fd), "w", buffering=_BUFFER_BYTES, encoding="utf-8", errors="backslashreplace")
-
+        return os.dup(2)

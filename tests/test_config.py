@@ -69,6 +69,9 @@ EXPECTED_DEFAULTS = {
     "status_file": "",
     "debug": False,
     "log_level": "info",
+    "log_format": "text",
+    "access_log": "errors",
+    "log_params": False,
     "event_loop": "uvloop",
 }
 
@@ -194,6 +197,9 @@ socket_dir = "/run/rpc"
 status_file = "/run/rpc/status.json"
 debug = true
 log_level = "debug"
+log_format = "json"
+access_log = "all"
+log_params = true
 event_loop = "asyncio"
 
 [method_timeouts]
@@ -214,7 +220,7 @@ slow = 120.5
         "max_incoming_bytes": 1, "max_outgoing_bytes": 65536, "max_response_bytes": 65536, "restart_backoff_max": 0.5,
         "boot_timeout": 3.0, "max_calls_per_worker": 10000, "max_calls_jitter": 500,
         "max_worker_memory": 536870912, "cancel_grace": 2.5, "socket_dir": "/run/rpc", "status_file": "/run/rpc/status.json", "debug": True, "log_level": "debug",
-        "event_loop": "asyncio",
+        "log_format": "json", "access_log": "all", "log_params": True, "event_loop": "asyncio",
     }
     assert cfg.worker_count == 1024
 

@@ -1,0 +1,245 @@
+"""The access log (issue 12, item 6) of a real broker, its workers real, over loopback: a line
+per call answered (access_log errors, all, off), each field checked; params redacted; text
+(logfmt) and JSON lines; hostile ids that cannot forge a line; and a stderr nobody reads,
+which must not stop the broker answering (lines dropped and counted instead)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Broker, free_port, sample, scrape_metrics, start_broker
+
+ALICE = "alice-token-0123456789abcdef"
+SLOW = "slow-token-0123456789abcdef-XY"
+ALICE_H = {"authorization": f"Bearer {ALICE}"}
+SLOW_H = {"authorization": f"Bearer {SLOW}"}
+_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S*)')
+
+
+def fields(line: str) -> dict[str, str]:
+    """A logfmt line's fields, quoted values read as JSON strings."""
+    out = {}
+    for key, value in _FIELD.findall(line):
+        out[key] = json.loads(value) if value.startswith('"') else value
+    return out
+
+
+def access_lines(log: str) -> list[dict[str, str]]:
+    """The access lines of a text log, parsed (each must be exactly logfmt, nothing else)."""
+    lines = []
+    for line in log.splitlines():
+        if line.startswith("time="):
+            parsed = fields(line)
+            assert " ".join(f"{k}={v}" for k, v in _FIELD.findall(line)) == line, line  # (nothing outside fields)
+            lines.append(parsed)
+    return lines
+
+
+def rpc(method: str, params: object = None, id_: object = 1) -> dict[str, object]:
+    call: dict[str, object] = {"jsonrpc": "2.0", "method": method, "id": id_}
+    if params is not None:
+        call["params"] = params
+    return call
+
+
+def wait_lines(b: Broker, n: int, timeout: float = 10.0) -> list[dict[str, str]]:
+    """The access lines once there are `n` (or more) of them, or raise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = access_lines(b.read_log(0.05))
+        if len(lines) >= n or time.monotonic() > deadline:
+            assert len(lines) >= n, f"{len(lines)} access lines, not {n}:\n{b.read_log()}"
+            return lines
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokens") / "tokens.toml"
+    path.write_text(f'[tokens.alice]\ntoken = "{ALICE}"\n\n[tokens.slow]\ntoken = "{SLOW}"\nrate_limit = 0.01\n'
+                    'rate_burst = 1\n')
+    return path
+
+
+@pytest.fixture(scope="module")
+def all_broker(tokens: Path) -> object:
+    stream_port = free_port()
+    b = start_broker("--workers", "1", "--access-log", "all", "--log-params", "--timeout", "0.5",
+                     "--auth-tokens-file", str(tokens), "--stream-port", str(stream_port))
+    b.stream_port = stream_port  # type: ignore[attr-defined]
+    yield b
+    assert b.stop() == 0, b.read_log()
+
+
+def worker_pid(b: Broker) -> str:
+    return re.findall(r"worker 0 ready \(pid (\d+)", b.read_log())[-1]
+
+
+def test_all_logs_a_result_an_unknown_method_a_timeout_and_a_rate_limited_call(all_broker: Broker) -> None:
+    b = all_broker
+    before = len(access_lines(b.read_log(0.2)))
+    status, _, body = b.post(json.dumps(rpc("add", [2, 3], 7)), headers=ALICE_H)
+    assert status == 200 and json.loads(body)["result"] == 5
+    assert json.loads(b.post(json.dumps(rpc("no.such", None, "u")), headers=ALICE_H)[2])["error"]["code"] == -32601
+    assert json.loads(b.post(json.dumps(rpc("sleep", [5], 9)), headers=ALICE_H)[2])["error"]["code"] == -32001
+    assert json.loads(b.post(json.dumps(rpc("add", [1, 1], 10)), headers=SLOW_H)[2])["result"] == 2
+    status, _, body = b.post(json.dumps(rpc("add", [1, 1], 11)), headers=SLOW_H)
+    assert status == 429 and json.loads(body)["error"]["code"] == -32005
+    ok, unknown, timeout, slow_ok, limited = wait_lines(b, before + 5)[before:]
+    pid = worker_pid(b)
+    assert ok["client"].startswith("127.0.0.1:") and ok["token"] == "alice" and ok["transport"] == "http"
+    assert (ok["method"], ok["id"], ok["outcome"], ok["code"], ok["pid"]) == ("add", "7", "ok", "-", pid)
+    assert 0 < float(ok["duration"]) < 5 and ok["params"] == "[2,3]"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", ok["time"])
+    assert (unknown["method"], unknown["id"], unknown["outcome"], unknown["code"], unknown["pid"]) == (
+        "other", '"u"', "method_not_found", "-32601", "-")
+    assert (timeout["method"], timeout["id"], timeout["outcome"], timeout["code"], timeout["pid"]) == (
+        "sleep", "9", "timed_out", "-32001", pid)
+    assert 0.5 <= float(timeout["duration"]) < 3
+    assert slow_ok["token"] == "slow" and slow_ok["outcome"] == "ok"
+    assert (limited["token"], limited["method"], limited["id"], limited["outcome"], limited["code"]) == (
+        "slow", "add", "11", "rate_limited", "-32005")
+
+
+def test_a_batch_is_a_line_per_call_and_no_notification_is_logged(all_broker: Broker) -> None:
+    b = all_broker
+    before = len(access_lines(b.read_log(0.2)))
+    batch = [rpc("add", [i, 1], i) for i in range(1, 5)]
+    batch[1:1] = [{"jsonrpc": "2.0", "method": "add", "params": [0, 0]}, rpc("nope", None, "n"), {"x": 1}]
+    status, _, body = b.post(json.dumps(batch), headers=ALICE_H)
+    answers = json.loads(body)
+    assert status == 200 and len(answers) == 6  # (4 results, 2 errors; the notification has none)
+    lines = wait_lines(b, before + 6)[before:]
+    time.sleep(0.3)
+    assert len(access_lines(b.read_log(0.1))) == before + 6, "one line per call, none for the notification"
+    by_id = {line["id"]: line for line in lines}
+    assert set(by_id) == {"1", "2", "3", "4", '"n"', "null"}
+    assert all(by_id[str(i)]["outcome"] == "ok" and by_id[str(i)]["method"] == "add" for i in range(1, 5))
+    assert by_id['"n"']["outcome"] == "method_not_found" and by_id["null"]["outcome"] == "invalid_request"
+    assert by_id["null"]["code"] == "-32600" and all(line["token"] == "alice" for line in lines)
+
+
+def test_log_params_redacts_secrets_at_any_depth(all_broker: Broker) -> None:
+    b = all_broker
+    before = len(access_lines(b.read_log(0.2)))
+    params = {"a": 1, "Password": "hunter2", "nested": {"API-Key": "k-123", "list": [{"token": "t-456"}, 3]},
+              "authorization": "Bearer x-789", "ok": "visible"}
+    b.post(json.dumps(rpc("add", params, 1)), headers=ALICE_H)  # (-32602: add takes a and b)
+    (line,) = wait_lines(b, before + 1)[before:]
+    assert line["outcome"] == "invalid_params"
+    logged = json.loads(line["params"])
+    assert logged == {"a": 1, "Password": "[redacted]", "nested": {"API-Key": "[redacted]", "list": [
+        {"token": "[redacted]"}, 3]}, "authorization": "[redacted]", "ok": "visible"}
+    log = b.read_log()
+    assert not any(secret in log for secret in ("hunter2", "k-123", "t-456", "x-789"))
+
+
+def test_hostile_ids_and_methods_cannot_forge_a_line(all_broker: Broker) -> None:
+    b = all_broker
+    before = len(access_lines(b.read_log(0.2)))
+    forged = 'x"\n2026-01-01T00:00:00.000Z time=1 client=1.2.3.4 outcome=ok\r\x1b[2J\u2028'
+    method = "evil\nmethod time=2 \x00"
+    b.post(json.dumps([rpc("add", [1, 2], forged), rpc(method, None, "m" * 500)]), headers=ALICE_H)
+    lines = wait_lines(b, before + 2)[before:]
+    time.sleep(0.2)
+    log = b.read_log(0.1)
+    assert len(access_lines(log)) == before + 2
+    assert not any(line.startswith(("2026-01-01", "method", " time=")) for line in log.splitlines())
+    assert "\x1b" not in log and "\u2028" not in log and "\r" not in log
+    first, second = sorted(lines, key=lambda line: line["method"])  # ("other" is answered first, at once)
+    assert first["id"] == json.dumps(forged)[:64] + "..."  # (its raw JSON, as sent, truncated)
+    assert first["client"].startswith("127.0.0.1:")
+    assert second["method"] == "other" and second["id"] == '"' + "m" * 63 + "..."
+
+
+def test_a_stream_call_says_its_transport_and_token(all_broker: Broker) -> None:
+    b = all_broker
+    before = len(access_lines(b.read_log(0.2)))
+    with socket.create_connection(("127.0.0.1", b.stream_port), timeout=10) as s:  # type: ignore[attr-defined]
+        f = s.makefile("rwb")
+        f.write(json.dumps({"jsonrpc": "2.0", "method": "rpc.authenticate", "params": {"_meta": {"token": ALICE}},
+                            "id": 0}).encode() + b"\n")
+        f.write(json.dumps(rpc("add", [1, 2], 3)).encode() + b"\n")
+        f.flush()
+        assert json.loads(f.readline())["result"] == {"token": "alice"}
+        assert json.loads(f.readline())["result"] == 3
+    (line,) = wait_lines(b, before + 1)[before:]
+    assert (line["transport"], line["token"], line["method"], line["id"], line["outcome"]) == (
+        "tcp", "alice", "add", "3", "ok")
+
+
+def test_errors_logs_only_calls_not_answered_with_a_result_and_json_lines_parse(broker_factory: object) -> None:
+    b = broker_factory("--workers", "1", "--log-format", "json", "--timeout", "0.5")  # type: ignore[operator]
+    assert json.loads(b.post(json.dumps(rpc("add", [2, 3], 1)))[2])["result"] == 5
+    b.post(json.dumps([rpc("add", [1, 1], 2), rpc("nope", None, 3), rpc("add", [1, 2], 4), rpc("add", [1, 3], 5)]))
+    assert json.loads(b.post(json.dumps(rpc("sleep", [5], 6)))[2])["error"]["code"] == -32001
+    deadline = time.monotonic() + 10
+    while b.read_log(0.05).count('"log":"access"') < 2 and time.monotonic() < deadline:
+        pass
+    time.sleep(0.3)
+    records = [json.loads(line) for line in b.read_log(0.1).splitlines() if not line.startswith("rpc-broker: ")]
+    access = [r for r in records if r.get("log") == "access"]
+    own = [r for r in records if r.get("log") != "access"]
+    assert [(r["id"], r["method"], r["outcome"], r["code"]) for r in access] == [
+        ("3", "other", "method_not_found", -32601), ("6", "sleep", "timed_out", -32001)]
+    assert access[1]["pid"] > 0 and access[0]["pid"] is None and access[0]["token"] is None
+    assert access[1]["transport"] == "http" and access[1]["duration"] >= 0.5 and "params" not in access[1]
+    assert any(r["message"].startswith("worker 0 ready") for r in own)
+    assert all({"time", "level", "logger", "pid", "message"} <= set(r) for r in own)
+
+
+def test_off_logs_no_call(broker_factory: object) -> None:
+    b = broker_factory("--workers", "1", "--access-log", "off")  # type: ignore[operator]
+    b.post(json.dumps([rpc("nope", None, 1), rpc("add", [1, 2], 2)]))
+    b.post(b"{not json")
+    time.sleep(0.3)
+    assert not access_lines(b.read_log(0.1))
+    b.stop()
+    assert "stopped" in b.read_log() and not access_lines(b.read_log())
+
+
+def test_a_stderr_nobody_reads_does_not_stop_the_broker(tmp_path: Path) -> None:
+    """The broker's stderr is a pipe read only until it serves: then its 64 KiB fill, and the
+    log's queue; calls are answered all the same, the lines past the queue counted dropped."""
+    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", "--workers", "1",
+            "--access-log", "all"]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stderr is not None
+    try:
+        log = b""
+        deadline = time.monotonic() + 60
+        while not (m := re.search(rb"serving JSON-RPC on http://127\.0\.0\.1:(\d+)(/\S*)", log)):
+            assert time.monotonic() < deadline and proc.poll() is None, log.decode()
+            if select.select([proc.stderr], [], [], 0.1)[0]:
+                log += os.read(proc.stderr.fileno(), 65536)
+        b = Broker(proc, "127.0.0.1", int(m.group(1)), m.group(2).decode(), [])
+        batch = json.dumps([rpc("nope", None, i) for i in range(1000)])  # (a line each: ~180 bytes)
+        began = time.monotonic()
+        for _ in range(20):  # (20,000 lines: past the 64 KiB pipe and the 10,000 lines of the queue)
+            t = time.monotonic()
+            status, _, body = b.post(batch, timeout=10)
+            assert status == 200 and len(json.loads(body)) == 1000
+            assert time.monotonic() - t < 5
+        t = time.monotonic()
+        assert json.loads(b.post(json.dumps(rpc("add", [2, 3], 1)), timeout=5)[2])["result"] == 5
+        assert time.monotonic() - t < 1 and time.monotonic() - began < 60
+        samples = scrape_metrics(b)
+        assert sample(samples, "rpc_broker_log_lines_dropped_total", log="access") > 0
+        assert sample(samples, "rpc_broker_log_lines_dropped_total", log="broker") == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0  # (its stop waits for the writer a bounded time)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stderr.close()
