@@ -86,6 +86,9 @@ SERVERS = [
     Server("broker-1w", "broker", "rpc-broker serve --workers 1", _broker(1)),
     Server("broker-2w-nometrics", "broker", "rpc-broker serve --workers 2 --no-metrics: what the metrics cost "
            "(S1 at 64 connections and S2 only)", _broker(2, "--no-metrics"), only=("S1-64", "S2")),
+    Server("broker-2w-access-all", "broker", "rpc-broker serve --workers 2 --access-log all: what a line per call "
+           "costs (S1 at 64 connections only; its lines to the runner's log file)", _broker(2, "--access-log", "all"),
+           only=("S1-64",)),
     Server("aiohttp-1p", "peer", "aiohttp + jsonrpcserver, 1 process (uvloop)",
            lambda port: [PY, str(PEERS / "aiohttp_jsonrpcserver.py"), "--port", str(port)],
            ("aiohttp", "jsonrpcserver")),

@@ -1,0 +1,181 @@
+"""The dispatcher core in memory, told to an access log (broker/accesslog.py): which answers
+make a line, with what method, id, code, duration, worker pid and params; with
+access_log "errors" a result makes none. The set-up is test_dispatch_core.py's (time injected)."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import pytest
+from test_dispatch import body, req
+from test_dispatch_core import Clock, chunk_answers, one_worker
+
+from broker import wire
+from broker.accesslog import REDACTED, AccessLine, AccessLog, address, redact
+from broker.answers import ResponseBudget
+from broker.jsonrpc import ErrorCode
+from broker.metrics import CallMetrics
+from broker.ratelimit import Bucket, Rate
+from broker.wire import ERROR, RESULT
+
+NO = b'{"code":-32602,"message":"no"}'
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> typing.Iterator[Clock]:
+    c = Clock(monkeypatch)
+    yield c
+    c.loop.close()
+
+
+def setup(clock: Clock, mode: str, log_params: bool = False, **settings: typing.Any):
+    """A dispatcher serving "m" and "n" on one worker (pid 4242), its access log in `mode`: the
+    lines it made, as (method, id, code, pid, duration, params) each."""
+    lines: list[AccessLine] = []
+    access = AccessLog(mode, lines.append, log_params=log_params, clock=lambda: 1.5)
+    d, w, codec, done = one_worker(clock.loop, ["m", "n"], access_log=access, **settings)
+    w.pid = 4242
+    return d, w, codec, done, lines
+
+
+def told(lines: list[AccessLine]) -> list[tuple[object, ...]]:
+    return [(x.method, x.id.decode(), x.code, x.pid, round(x.duration, 6), x.params) for x in lines]
+
+
+def test_errors_mode_makes_no_line_for_a_result_and_one_for_an_error(clock):
+    d, w, codec, done, lines = setup(clock, "errors", metrics=CallMetrics())
+    assert d.access is not None and d.access_ok is None
+    d.submit(body(codec, req("m", [1], 1)), done.append)
+    d.submit(body(codec, req("n", [2], "two")), done.append)
+    first, second = w.channel.take()
+    clock.advance(0.25)
+    d.on_reply(w, wire.Kind.RESULT, first[1], 10, b"1")
+    d.on_reply(w, wire.Kind.ERROR, second[1], 10, NO)
+    assert told(lines) == [("n", '"two"', -32602, 4242, 0.25, None)]
+    assert lines[0].when == 1.5 and lines[0].transport == "http" and lines[0].token == ""
+
+
+def test_all_mode_makes_a_line_for_a_result_with_code_0_and_with_no_metrics(clock):
+    d, w, codec, done, lines = setup(clock, "all")
+    assert d.metrics is None and d.access_ok is d.access
+    d.submit(body(codec, req("m", [1], 1)), done.append)
+    [frame] = w.channel.take()
+    clock.advance(0.5)
+    d.on_reply(w, wire.Kind.RESULT, frame[1], 10, b"1")
+    assert told(lines) == [("m", "1", 0, 4242, 0.5, None)]
+
+
+def test_a_chunks_results_are_a_line_each_in_all_mode_and_its_errors_in_both(clock):
+    for mode, expected in (("all", [("m", "1", -32602, 4242, 0.0, None), ("m", "0", 0, 4242, 0.0, None),
+                                    ("n", "2", 0, 4242, 0.0, None)]),
+                           ("errors", [("m", "1", -32602, 4242, 0.0, None)])):
+        d, w, codec, done, lines = setup(clock, mode)
+        d.submit(body(codec, [req("m", [0], 0), req("m", [1], 1), req("n", [2], 2)]), done.append)
+        [frame] = w.channel.take()
+        assert frame[0] == wire.Kind.CHUNK
+        d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers((0, RESULT, b"0"), (1, ERROR, NO),
+                                                                         (2, RESULT, b"2")))
+        assert told(lines) == expected, mode
+
+
+def test_a_chunk_failed_whole_or_past_its_budget_is_a_line_per_call(clock):
+    d, w, codec, done, lines = setup(clock, "errors")
+    d.submit(body(codec, [req("m", [], i) for i in range(3)]), done.append)
+    [frame] = w.channel.take()
+    d.on_reply(w, wire.Kind.ERROR, frame[1], 0, b'{"code":-32603,"message":"boom"}')
+    assert [(x.id, x.code) for x in lines] == [(b"0", -32603), (b"1", -32603), (b"2", -32603)]
+    size = len(b'{"jsonrpc":"2.0","id":0,"result":0}')
+    d, w, codec, done, lines = setup(clock, "errors", max_response_bytes=3 * size - 1)
+    d.submit(body(codec, [req("m", [], i) for i in range(3)]), done.append)
+    [frame] = w.channel.take()
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers(*((i, RESULT, b"0") for i in range(3))))
+    assert [(x.id, x.code) for x in lines] == [(b"2", ErrorCode.INTERNAL_ERROR)]
+
+
+def test_a_timeout_says_the_worker_it_ran_on_and_one_in_the_queue_none(clock):
+    d, w, codec, done, lines = setup(clock, "errors", timeout=1.0)
+    w.concurrency = w.limit = 1
+    d.submit(body(codec, req("m", [], "run")), done.append)
+    d.submit(body(codec, req("n", [], "wait")), done.append)
+    clock.advance(1.05)
+    assert sorted(told(lines)) == [("m", '"run"', -32001, 4242, 1.05, None), ("n", '"wait"', -32001, 0, 1.05, None)]
+
+
+def test_a_shed_call_and_one_answered_by_the_drain_are_lines(clock):
+    d, w, codec, done, lines = setup(clock, "errors", max_queue=0)
+    w.concurrency = w.limit = 1
+    d.submit(body(codec, req("m", [], 1)), done.append)
+    d.submit(body(codec, req("m", [], 2)), done.append)  # (not to a busy worker: refused)
+    assert told(lines) == [("m", "2", ErrorCode.OVERLOADED, 0, 0.0, None)]
+
+
+def test_requests_answered_before_they_are_calls_are_lines_with_a_bounded_method(clock):
+    d, _w, codec, done, lines = setup(clock, "errors")
+    budget = ResponseBudget(d.outgoing)
+    budget.peer, budget.caller, budget.transport = ("10.0.0.1", 5), "alice", "tcp"
+    d.submit(body(codec, [req("x\nforged", [], "u"), {"bad": 1}, req("m", [], 1), req("m", [], 2),
+                          req("m", [], 3)]), done.append, budget)
+    assert told(lines)[:2] == [("other", '"u"', -32601, 0, 0.0, None), ("other", "null", -32600, 0, 0.0, None)]
+    assert {(x.client, x.token, x.transport) for x in lines} == {("10.0.0.1:5", "alice", "tcp")}
+    lines.clear()
+    budget.bucket = Bucket(Rate(0.001, 1))
+    d.submit(body(codec, [req("m", [], 7), req("n", [], 8), {"jsonrpc": "2.0", "method": "m"}]), done.append, budget)
+    assert told(lines) == [("n", "8", ErrorCode.RATE_LIMITED, 0, 0.0, None)]  # (no line for the notification)
+
+
+def test_answers_to_a_connection_gone_are_lines_as_the_worker_answered(clock):
+    d, w, codec, done, lines = setup(clock, "all")
+    gone = ResponseBudget(d.outgoing)
+    d.submit(body(codec, req("m", [], 1)), done.append, gone)
+    d.submit(body(codec, req("n", [], 2)), done.append, gone)
+    first, second = w.channel.take()
+    gone.lost()
+    d.on_reply(w, wire.Kind.RESULT, first[1], 0, b"1")
+    d.on_reply(w, wire.Kind.ERROR, second[1], 0, NO)
+    assert [(x.method, x.code) for x in lines] == [("m", 0), ("n", -32602)]
+
+
+def test_a_large_result_kept_as_owed_first_is_a_line_and_one_refused_too(clock):
+    d, w, codec, done, lines = setup(clock, "all", max_response_bytes=60)
+    budget = ResponseBudget(d.outgoing)
+    first_exchange = d.submit(body(codec, req("m", [], 1)), done.append, budget)
+    d.submit(body(codec, req("m", [], 2)), done.append, budget)
+    d.submit(body(codec, req("m", [], 3)), done.append, budget)
+    budget.owed = [first_exchange]  # (HTTP: the first answer the connection owes)
+    first, second, third = w.channel.take()
+    d.on_reply(w, wire.Kind.RESULT, second[1], 0, b'"' + b"y" * 10 + b'"')  # (fits: on the hot path)
+    d.on_reply(w, wire.Kind.RESULT, third[1], 0, b'"' + b"z" * 20 + b'"')  # (past the budget: refused)
+    d.on_reply(w, wire.Kind.RESULT, first[1], 0, b'"' + b"x" * 20 + b'"')  # (owed first: kept, `_large_result`)
+    assert [(x.id, x.code) for x in lines] == [(b"2", 0), (b"3", ErrorCode.INTERNAL_ERROR), (b"1", 0)]
+
+
+def test_log_params_keeps_a_sent_calls_params_and_a_chunks_each(clock):
+    d, w, codec, done, lines = setup(clock, "all", log_params=True)
+    d.submit(body(codec, req("m", {"password": "p", "a": 1}, 1)), done.append)
+    d.submit(body(codec, [req("n", [i], i) for i in range(3)]), done.append)
+    single, chunk = w.channel.take()
+    d.on_reply(w, wire.Kind.RESULT, single[1], 0, b"1")
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, chunk[1], 0, chunk_answers(*((i, RESULT, b"0") for i in range(3))))
+    assert [x.params for x in lines] == [b'{"password": "p", "a": 1}', b"[0]", b"[1]", b"[2]"]
+    assert json.loads(lines[0].render("json"))["params"] == '{"password":"[redacted]","a":1}'
+
+
+def test_a_line_renders_every_field_escaped_in_text_and_in_json():
+    line = AccessLine(0.0, "[::1]:80", "", "http", "m", b'"a\nb"', True, 0.25, -32001, 7, None)
+    text = line.render("text")
+    assert text == ('time=1970-01-01T00:00:00.000Z client=[::1]:80 token=- transport=http method=m '
+                    'id="\\"a\\nb\\"..." duration=0.250000 outcome=timed_out code=-32001 pid=7')
+    assert "\n" not in text
+    assert json.loads(AccessLine(0.0, "unix", "ci", "unix", "m", b"1", False, 0.0, 0, 0, b"{}").render("json")) == {
+        "time": "1970-01-01T00:00:00.000Z", "log": "access", "client": "unix", "token": "ci", "transport": "unix",
+        "method": "m", "id": "1", "duration": 0.0, "outcome": "ok", "code": None, "pid": None, "params": "{}"}
+
+
+def test_redaction_reaches_nested_objects_and_lists_and_the_address_its_forms():
+    assert redact({"A": [{"Api-Key": 1, "x": {"TOKEN": [2]}}], "b": "secret"}) == {
+        "A": [{"Api-Key": REDACTED, "x": {"TOKEN": REDACTED}}], "b": "secret"}
+    assert (address(("1.2.3.4", 5)), address(("::1", 5, 0, 0)), address(""), address(None), address(3)) == (
+        "1.2.3.4:5", "[::1]:5", "unix", "unix", "-")
+    with pytest.raises(ValueError, match="access_log"):
+        AccessLog("off", print)
