@@ -2,6 +2,7 @@
 
 Usage: .venv/bin/python benchmarks/hotpath.py [--rounds 7] [--requests 64000]
                                               [--metrics on|off|both] [--profile]
+                                              [--access-log errors|all|off|both]
                                               [--case both|single|batch] [--batch-requests N]
 
 Drives the broker's real code from raw HTTP request bytes to raw HTTP response bytes:
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -39,11 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import uvloop
 
 from broker import wire
+from broker.accesslog import AccessLog
 from broker.dispatch import Dispatcher
 from broker.frontend import http
 from broker.frontend.http import HttpFrontend, HttpProtocol
+from broker.logpipe import LogPipe
 from broker.metrics import CallMetrics
 from broker.pool import Worker, WorkerChannel, WorkerState
+
+ACCESS = ["errors"]  # the access_log of the rounds (`--access-log`): "errors" (the default setting), "all", "off"
+PIPES: list[LogPipe] = []  # (stopped after each round: the writer's time is counted in it)
 
 CONNECTIONS = 64
 WORKERS = 2
@@ -88,7 +95,13 @@ def replies(frames: list[tuple[int, int, int, bytes]]) -> bytes:
 async def per_call_us(body: bytes, calls_per_body: int, requests: int, metrics: bool) -> float:
     """Front-end CPU microseconds per call for `requests` HTTP requests carrying `body`."""
     loop = asyncio.get_running_loop()
-    dispatcher = Dispatcher(loop, metrics=CallMetrics() if metrics else None)
+    access = None
+    if ACCESS[0] != "off":  # (its lines through the broker's own queue and writer thread, to /dev/null)
+        pipe = LogPipe(fd=os.open(os.devnull, os.O_WRONLY))
+        pipe.start()
+        PIPES.append(pipe)
+        access = AccessLog(ACCESS[0], pipe.handler.access)
+    dispatcher = Dispatcher(loop, metrics=CallMetrics() if metrics else None, access_log=access)
     dispatcher.set_methods(["add"])
     pool = types.SimpleNamespace(dispatcher=dispatcher, max_frame_bytes=1 << 24, loop=loop)
     channels = []
@@ -153,6 +166,11 @@ def main() -> int:
         "--metrics", choices=("on", "off", "both"), default="on",
         help="count metrics (the default setting), not, or both in alternating rounds",
     )  # fmt: skip
+    parser.add_argument(
+        "--access-log", choices=("errors", "all", "off", "both"), default="errors",
+        help="access_log of the rounds (lines to /dev/null through the broker's queue and writer thread); both: "
+             "errors and all in alternating rounds, metrics on (what a line per call costs)",
+    )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="cProfile one round of each instead")
     parser.add_argument("--case", choices=("both", "single", "batch"), default="both", help="which bodies to send")
     parser.add_argument("--batch-requests", type=int, default=0,
@@ -166,6 +184,9 @@ def main() -> int:
         if args.case == "both" or case[0].startswith(args.case)
     )
     modes = [True, False] if args.metrics == "both" else [args.metrics == "on"]
+    if args.access_log == "both":
+        return access_cost(cases, args.rounds)
+    ACCESS[0] = args.access_log
     if args.profile:
         for name, body, n, requests in cases:
             print(f"--- {name}")
@@ -190,6 +211,27 @@ def main() -> int:
             on, off = statistics.median(figures[True]), statistics.median(figures[False])
             line += f"   metrics cost +{on - off:.2f} us (+{(on / off - 1) * 100:.1f} %)"
         print(f"{name:18s} {line}")
+    return 0
+
+
+def access_cost(cases: tuple[tuple[str, bytes, int, int], ...], rounds: int) -> int:
+    """Rounds alternating access_log "errors" and "all" (every call a success: "errors" writes
+    nothing): the median CPU per call of each, the writer thread's included, and the difference."""
+    print(f"front-end CPU per call, in-process, median of {rounds} rounds (access_log errors, all; metrics on)")
+    for name, body, n, requests in cases:
+        figures: dict[str, list[float]] = {"errors": [], "all": []}
+        for _ in range(rounds):
+            for mode in figures:
+                ACCESS[0] = mode
+                us = uvloop.run(per_call_us(body, n, requests, True))
+                began = time.process_time()
+                while PIPES:  # (what is still queued written: the writer's CPU time counted too)
+                    PIPES.pop().stop(timeout=30)
+                figures[mode].append(us + (time.process_time() - began) * 1e6 / (requests * n))
+        errors, all_ = statistics.median(figures["errors"]), statistics.median(figures["all"])
+        print(f"{name:18s} errors {errors:6.2f} us (min {min(figures['errors']):.2f})   all {all_:6.2f} us "
+              f"(min {min(figures['all']):.2f})   a line per call costs +{all_ - errors:.2f} us "
+              f"(+{(all_ / errors - 1) * 100:.1f} %)")
     return 0
 
 
