@@ -100,7 +100,7 @@ async def per_call_us(body: bytes, calls_per_body: int, requests: int, metrics: 
         pipe = LogPipe(fd=os.open(os.devnull, os.O_WRONLY))
         pipe.start()
         PIPES.append(pipe)
-        access = AccessLog(ACCESS[0], pipe.handler.access)
+        access = AccessLog(ACCESS[0], pipe.access)
     dispatcher = Dispatcher(loop, metrics=CallMetrics() if metrics else None, access_log=access)
     dispatcher.set_methods(["add"])
     pool = types.SimpleNamespace(dispatcher=dispatcher, max_frame_bytes=1 << 24, loop=loop)

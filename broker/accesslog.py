@@ -1,4 +1,4 @@
-"""The access log: one line per JSON-RPC call answered (`AccessLog`), its fields, and the redaction of its params.
+"""The access log: one line per JSON-RPC call answered (`AccessLog`), its fields, their rendering (`Renderer`), and the redaction of its params.
 
 Theory of operation
 -------------------
@@ -9,12 +9,22 @@ every call a success the hot path pays one `is not None` test per result, and no
 else. A line is one call with an id (a request; a batch's element; never a notification,
 which has no answer to report, nor an HTTP request as a whole).
 
-On the event loop's thread a line is only captured: an `AccessLine` of values that do not
-change afterwards (the client's id copied out of the request body, truncated to `ID_BYTES`;
-the params, when logged, copied too), put on the log's bounded queue by
-`logpipe.DroppingQueueHandler` (dropped and counted, never waited for, when full). It is
-rendered (`AccessLine.render`: escaped, redacted, as text or JSON) by the writer's thread
-(broker/logpipe.py), off the loop.
+On the event loop's thread a line is only captured, as a plain tuple (an *entry*, laid
+out as `ENTRY_FIELDS`) of values that do not change afterwards: the time, the connection's
+peer as the transport gave it (a tuple, made into text later), the token's name, the
+transport, the method's name, the client's raw id copied out of the request body (at most
+`ID_BYTES` + 1 bytes: one more says it was longer), the duration, the code, the worker's
+pid and the params kept (or None). No `logging.LogRecord`, no lock, no formatting: the
+logging module's machinery (`Logger.isEnabledFor`, a `LogRecord`, a handler's lock, a
+`queue.Queue`'s condition) and the ISO time and quoting of each field cost 2 to 7 us a
+line, as much as the rest of a call's dispatch (measured: benchmarks/RESULTS.md, "Access
+log cost"). The results of one batch chunk are one entry: its fields `method` and `id`
+are lists, a line each. The entry goes to `emit` (`logpipe.LogPipe.access`: a bounded
+deque that a writer thread drains), which never blocks.
+
+The writer's thread turns entries into text (`Renderer.entry`: escaped, redacted, as text or
+JSON), with what repeats cached: the second's time stamp, the peer's address, the quoted
+token, transport and method names, the outcome names.
 
 What an attacker controls is bounded and escaped: the method is the registered name or
 "other" (never the string sent), the id at most `ID_BYTES` of its raw JSON, the params at
@@ -25,10 +35,10 @@ quote of a client's reaches the line as itself (a line cannot be forged).
 
 from __future__ import annotations
 
-import datetime
 import json
-import logging
+import re
 import struct
+import time
 import typing
 from collections.abc import Callable
 
@@ -44,8 +54,8 @@ if typing.TYPE_CHECKING:
     from broker.jsonrpc import Request
 
 __all__ = [
-    "ID_BYTES", "MODES", "PARAMS_CHARS", "PARAMS_KEPT_BYTES", "REDACTED", "SECRET_KEYS", "AccessLine", "AccessLog",
-    "address", "keep_params", "redact",
+    "ENTRY_FIELDS", "ID_BYTES", "MODES", "PARAMS_CHARS", "PARAMS_KEPT_BYTES", "REDACTED", "SECRET_KEYS",
+    "AccessLine", "AccessLog", "Entry", "Renderer", "address", "entry_lines", "keep_params", "redact",
 ]  # fmt: skip
 
 MODES = ("off", "errors", "all")  # the access_log setting's values
@@ -59,8 +69,17 @@ SECRET_KEYS = frozenset({
     "authorization", "api_key", "apikey", "key", "private_key", "cookie", "session", "credentials",
 })  # fmt: skip
 OTHER = "other"  # the method of a call to a method not registered (as the metrics' label)
+# An entry's fields, in order (a chunk's results: method and id are lists of the same length)
+ENTRY_FIELDS = ("when", "peer", "token", "transport", "method", "id", "duration", "code", "pid", "params")
+Entry = tuple[float, object, str, str, str | list[str], bytes | list[bytes], float, int, int, bytes | int | None]
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
+# An id written as it is: printable ASCII but space, '"', '=' and '\' (`_plain`); or a string of such
+# characters and spaces, written JSON-quoted with its two quotes escaped
+_PLAIN_ID = re.compile(rb"[\x21\x23-\x3c\x3e-\x5b\x5d-\x7e]+").fullmatch
+_PLAIN_STRING_ID = re.compile(rb'"([\x20\x21\x23-\x5b\x5d-\x7e]*)"').fullmatch
+_MILLIS = tuple(f".{ms:03d}Z" for ms in range(1000))  # a time stamp's end, by its millisecond
+_CACHED = 4096  # peers (and quoted names) remembered by a `Renderer`, at most (then forgotten, all at once)
 
 
 def address(peer: object) -> str:
@@ -119,8 +138,19 @@ def _quoted(text: str) -> str:
     return text if _plain(text) else json.dumps(text)  # (ensure_ascii: U+2028 and the like escaped too)
 
 
-class AccessLine:
-    """One call's line, captured on the loop: values that do not change afterwards.
+def _kept_id(id_: bytes | memoryview | msgspec.Raw) -> bytes:
+    """A copy of a raw id for its line: at most ID_BYTES + 1 bytes (more than ID_BYTES: truncated)."""
+    return bytes(id_) if len(id_) <= ID_BYTES else bytes(memoryview(id_)[: ID_BYTES + 1])
+
+
+def _id_text(id_: bytes, truncated: bool) -> str:
+    """An id's text as a line shows it (not yet quoted): "-" for none, "..." after a truncated one."""
+    text = id_.decode("utf-8", "backslashreplace") if id_ else "-"
+    return text + "..." if truncated else text
+
+
+class AccessLine(typing.NamedTuple):
+    """One call's line, as the tests and `entry_lines` read it.
 
     when: time.time() of the answer (s); client: `address` of its connection's peer; token:
     its caller's token name ("" for none); transport: "http", "tcp" or "unix"; method: the
@@ -128,157 +158,264 @@ class AccessLine:
     be read); truncated: the id was longer; duration: seconds from arrival to answer; code: 0
     for a result, else the error's code; pid: of the worker that ran it, 0 if none did;
     params: what `keep_params` kept (None when params are not logged).
-
-    Also what `logging.Handler.handle` reads of a record (`levelno`, `name`...): the log's
-    handlers take it as one.
     """
 
-    __slots__ = ("client", "code", "duration", "id", "method", "params", "pid", "token", "transport", "truncated",
-                 "when")  # fmt: skip
-    levelno = logging.INFO
-    levelname = "INFO"
-    name = "broker.access"
-    exc_info = None
-    exc_text = None
-    stack_info = None
-
-    def __init__(self, when: float, client: str, token: str, transport: str, method: str, id_: bytes,
-                 truncated: bool, duration: float, code: int, pid: int, params: bytes | int | None) -> None:
-        self.when = when
-        self.client = client
-        self.token = token
-        self.transport = transport
-        self.method = method
-        self.id = id_
-        self.truncated = truncated
-        self.duration = duration
-        self.code = code
-        self.pid = pid
-        self.params = params
-
-    def getMessage(self) -> str:
-        """The line as text (what `logging.Handler.handleError` would print)."""
-        return self.render("text")
-
-    def _id_text(self) -> str:
-        text = self.id.decode("utf-8", "backslashreplace") if self.id else "-"
-        return text + "..." if self.truncated else text
+    when: float
+    client: str
+    token: str
+    transport: str
+    method: str
+    id: bytes
+    truncated: bool
+    duration: float
+    code: int
+    pid: int
+    params: bytes | int | None
 
     def render(self, fmt: str) -> str:
-        """The line, no newline: logfmt (`fmt` "text": key=value, quoted where needed) or one
-        JSON object ("json"). Called on the writer's thread."""
-        stamp = datetime.datetime.fromtimestamp(self.when, datetime.UTC).isoformat(timespec="milliseconds")
-        outcome = outcome_name(self.code)
-        if fmt == "json":
+        """The line, no newline: logfmt (`fmt` "text") or one JSON object ("json")."""
+        return Renderer(fmt).line(self.when, self.client, self.token, self.transport, self.method, self.id,
+                                  self.truncated, self.duration, self.code, self.pid, self.params)
+
+
+def entry_lines(entry: Entry) -> list[AccessLine]:
+    """The lines of an entry (one, or a chunk's results one each), as `AccessLine`s."""
+    when, peer, token, transport, method, id_, duration, code, pid, params = entry
+    client = address(peer)
+    pairs: typing.Iterable[tuple[str, bytes]] = (
+        zip(method, typing.cast(list[bytes], id_)) if isinstance(method, list) else [(method, typing.cast(bytes, id_))]
+    )
+    return [AccessLine(when, client, token, transport, m, i[:ID_BYTES], len(i) > ID_BYTES, duration, code, pid,
+                       params) for m, i in pairs]
+
+
+class Renderer:
+    """Turns entries into lines (`entry`), on the writer's thread: logfmt (`fmt` "text":
+    key=value, quoted where needed) or one JSON object a line ("json"). Keeps what repeats:
+    the current second's time stamp, the peers' addresses and the quoted names (a few
+    thousand at most: `_CACHED`), so a common line costs one f-string."""
+
+    __slots__ = ("_heads", "_json", "_outcomes", "_peers", "_second", "_stamp", "_tails")
+
+    def __init__(self, fmt: str = "text") -> None:
+        if fmt not in ("text", "json"):
+            raise ValueError(f"log_format = {fmt!r}: it must be text or json")
+        self._json = fmt == "json"
+        self._second = -1
+        self._stamp = ""
+        self._peers: dict[object, str] = {}
+        self._heads: dict[tuple[str, str, str, str], str] = {}  # client= ... method=, by those four
+        self._tails: dict[tuple[int, int], str] = {}  # outcome= code= pid=, by code and pid
+        self._outcomes: dict[int, str] = {}
+
+    def entry(self, entry: Entry) -> list[str]:
+        """The lines of `entry` (one; a chunk's results: one each), no newlines."""
+        when, peer, token, transport, method, id_, duration, code, pid, params = entry
+        try:
+            client = self._peers[peer]
+        except (KeyError, TypeError):  # (TypeError: a peer that cannot be hashed)
+            client = address(peer)
+            if len(self._peers) >= _CACHED:
+                self._peers.clear()
+            try:
+                self._peers[peer] = client
+            except TypeError:
+                pass
+        if isinstance(method, list):
+            line = self.line
+            return [
+                line(when, client, token, transport, m, i, False, duration, code, pid, params) if len(i) <= ID_BYTES
+                else line(when, client, token, transport, m, i[:ID_BYTES], True, duration, code, pid, params)
+                for m, i in zip(method, typing.cast(list[bytes], id_))
+            ]  # fmt: skip
+        raw = typing.cast(bytes, id_)
+        truncated = len(raw) > ID_BYTES
+        return [self.line(when, client, token, transport, method, raw[:ID_BYTES] if truncated else raw, truncated,
+                          duration, code, pid, params)]
+
+    def _time(self, when: float) -> str:
+        """`when` as ISO 8601 UTC with milliseconds and a Z; the second's part made once a second."""
+        second = int(when)
+        us = round((when - second) * 1e6)  # (as datetime.fromtimestamp rounds: to the microsecond, half even)
+        if us >= 1_000_000:
+            second += 1
+            us -= 1_000_000
+        if second != self._second:
+            self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._second = second
+        return self._stamp + _MILLIS[us // 1000]
+
+    def _head(self, client: str, token: str, transport: str, method: str) -> str:
+        """The text line's fields client= to method=, made once for each four of them."""
+        heads = self._heads
+        key = (client, token, transport, method)
+        try:
+            return heads[key]
+        except KeyError:
+            if len(heads) >= _CACHED:
+                heads.clear()
+            head = heads[key] = (f"client={_quoted(client)} token={_quoted(token) if token else '-'} "
+                                 f"transport={_quoted(transport)} method={_quoted(method)}")
+            return head
+
+    def _tail(self, code: int, pid: int) -> str:
+        """The text line's fields outcome= to pid=, made once for each code and pid."""
+        tails = self._tails
+        try:
+            return tails[code, pid]
+        except KeyError:
+            if len(tails) >= _CACHED:
+                tails.clear()
+            tail = tails[code, pid] = f"outcome={outcome_name(code)} code={code or '-'} pid={pid or '-'}"
+            return tail
+
+    def _outcome(self, code: int) -> str:
+        try:
+            return self._outcomes[code]
+        except KeyError:
+            if len(self._outcomes) >= _CACHED:
+                self._outcomes.clear()
+            name = self._outcomes[code] = outcome_name(code)
+            return name
+
+    def line(self, when: float, client: str, token: str, transport: str, method: str, id_: bytes,
+             truncated: bool, duration: float, code: int, pid: int, params: bytes | int | None) -> str:
+        """One call's line (the fields as `AccessLine`'s). `client`: its peer's `address`;
+        `id_`: its raw id, at most ID_BYTES (`truncated`: it was longer; written with "...")."""
+        if self._json:
             record: dict[str, object] = {
-                "time": stamp.replace("+00:00", "Z"), "log": "access", "client": self.client,
-                "token": self.token or None, "transport": self.transport, "method": self.method,
-                "id": self._id_text(), "duration": round(self.duration, 6), "outcome": outcome,
-                "code": self.code or None, "pid": self.pid or None,
+                "time": self._time(when), "log": "access", "client": client, "token": token or None,
+                "transport": transport, "method": method, "id": _id_text(id_, truncated), "duration": round(duration, 6),
+                "outcome": self._outcome(code), "code": code or None, "pid": pid or None,
             }  # fmt: skip
-            if self.params is not None:
-                record["params"] = _params_text(self.params)
+            if params is not None:
+                record["params"] = _params_text(params)
             return _encode(record).decode()
-        fields = [
-            "time=" + stamp.replace("+00:00", "Z"), "client=" + _quoted(self.client),
-            "token=" + (_quoted(self.token) if self.token else "-"), "transport=" + _quoted(self.transport),
-            "method=" + _quoted(self.method), "id=" + _quoted(self._id_text()), f"duration={self.duration:.6f}",
-            "outcome=" + outcome, "code=" + (str(self.code) if self.code else "-"),
-            "pid=" + (str(self.pid) if self.pid else "-"),
-        ]  # fmt: skip
-        if self.params is not None:
-            fields.append("params=" + _quoted(_params_text(self.params)))
-        return " ".join(fields)
+        if truncated:
+            id_text = _quoted(_id_text(id_, True))
+        elif id_.isdigit() or _PLAIN_ID(id_):  # (the common ids: numbers, plain words)
+            id_text = id_.decode("ascii")
+        elif match := _PLAIN_STRING_ID(id_):  # (a string of plain characters and spaces: its quotes escaped)
+            id_text = '"\\"' + match.group(1).decode("ascii") + '\\""'
+        else:
+            id_text = _quoted(_id_text(id_, False))
+        text = (f"time={self._time(when)} {self._head(client, token, transport, method)} id={id_text} "
+                f"duration={duration:.6f} {self._tail(code, pid)}")
+        if params is not None:
+            text += " params=" + _quoted(_params_text(params))
+        return text
 
 
 class AccessLog:
-    """What the dispatcher tells of each call answered, as `AccessLine`s given to `emit`.
+    """What the dispatcher tells of each call answered, as entries (tuples laid out as
+    `ENTRY_FIELDS`) given to `emit`, on the event loop's thread.
 
     mode: "errors" (calls not ended in a result) or "all" (`MODES`; "off" makes none: the
     dispatcher holds no `AccessLog` then). log_params: keep each call's params for its
-    line (redacted, bounded: `keep_params`, `redact`). emit: takes each line, never blocks
-    (`logpipe.DroppingQueueHandler.enqueue`). clock: time.time, for the lines' time.
+    line (redacted, bounded: `keep_params`, `redact`). emit: takes each entry, never blocks
+    (`logpipe.LogPipe.access`). clock: time.time, for the lines' time.
     `names`: the registered methods, in the workers' order (set by the dispatcher's
     method table); index len(names) is "other".
     """
 
     __slots__ = ("_clock", "_known", "_names", "emit", "log_params", "mode")
 
-    def __init__(self, mode: str, emit: Callable[[AccessLine], None], *, log_params: bool = False,
+    def __init__(self, mode: str, emit: Callable[[Entry], None], *, log_params: bool = False,
                  clock: Callable[[], float] | None = None) -> None:
         if mode not in MODES or mode == "off":
             raise ValueError(f"access_log = {mode!r}: it must be 'errors' or 'all' (no AccessLog for 'off')")
-        import time
-
         self.mode = mode
         self.emit = emit
         self.log_params = log_params
         self._clock = clock or time.time
-        self._names: list[str] = []
+        self._names: list[str] = [OTHER]  # (the registered names, then "other")
         self._known: frozenset[str] = frozenset()
 
     @property
     def names(self) -> list[str]:
         """The registered methods, by method index."""
-        return self._names
+        return self._names[:-1]
 
     @names.setter
     def names(self, names: list[str]) -> None:
-        self._names = list(names)
+        self._names = [*names, OTHER]  # (a new list: entries made hold the old one's names)
         self._known = frozenset(names)
 
     def _method(self, index: int) -> str:
         names = self._names
         return names[index] if 0 <= index < len(names) else OTHER
 
-    def _line(self, owner: ResponseBudget, method: str, id_: bytes | memoryview | msgspec.Raw, duration: float,
-              code: int, pid: int, params: bytes | int | None) -> None:
-        truncated = len(id_) > ID_BYTES
-        self.emit(AccessLine(
-            self._clock(), address(owner.peer), owner.caller, owner.transport, method,
-            bytes(memoryview(id_)[:ID_BYTES]) if truncated else bytes(id_), truncated, duration, code, pid, params,
-        ))  # fmt: skip
-
     def call(self, call: Call, code: int, duration: float) -> None:
         """A single call (not a chunk) was answered: `code` 0 for a result, else its error's
         code; `duration` seconds after it arrived."""
+        owner = call.owner
         worker = call.worker
+        id_ = call.id
         params = None
         if self.log_params:
             params = call.kept if call.kept is not None else keep_params(call.params)
-        self._line(call.owner, self._method(call.index), call.id, duration, code,
-                   worker.pid if worker is not None else 0, params)
+        try:
+            method = self._names[call.index]  # (`_method` inline: a call less)
+        except IndexError:
+            method = OTHER
+        self.emit((
+            self._clock(), owner.peer, owner.caller, owner.transport, method,
+            bytes(id_) if len(id_) <= ID_BYTES else _kept_id(id_), duration, code,
+            worker.pid if worker is not None else 0, params,
+        ))  # fmt: skip
 
     def element(self, chunk: Call, i: int, code: int, duration: float) -> None:
         """The call at place `i` of the batch chunk `chunk` was answered (`code` as `call`)."""
+        owner = chunk.owner
         worker = chunk.worker
-        params = None
-        if self.log_params:
-            params = _chunk_params(chunk, i)
-        self._line(chunk.owner, self._method(typing.cast(list[int], chunk.methods)[i]),
-                   typing.cast(list[msgspec.Raw], chunk.ids)[i], duration, code,
-                   worker.pid if worker is not None else 0, params)
+        self.emit((
+            self._clock(), owner.peer, owner.caller, owner.transport,
+            self._method(typing.cast(list[int], chunk.methods)[i]),
+            _kept_id(typing.cast(list[msgspec.Raw], chunk.ids)[i]), duration, code,
+            worker.pid if worker is not None else 0, _chunk_params(chunk, i) if self.log_params else None,
+        ))  # fmt: skip
 
-    def chunk_results(self, chunk: Call, entries: typing.Iterable[int], duration: float) -> None:
-        """The calls at places `entries` of `chunk` were answered with results."""
-        for i in entries:
-            self.element(chunk, i, 0, duration)
+    def chunk_results(self, chunk: Call, entries: typing.Iterable[int] | None, duration: float) -> None:
+        """The calls at places `entries` of `chunk` (None: all of them) were answered with
+        results: one entry for them all (with log_params, one each)."""
+        methods = typing.cast(list[int], chunk.methods)
+        ids = typing.cast(list[msgspec.Raw], chunk.ids)
+        if self.log_params:
+            for i in range(len(methods)) if entries is None else entries:
+                self.element(chunk, i, 0, duration)
+            return
+        names = self._names
+        places = range(len(methods)) if entries is None else list(entries)
+        try:
+            named = [names[m] for m in methods] if entries is None else [names[methods[i]] for i in places]
+        except IndexError:  # (a method index past the table: "other", as `_method` says)
+            named = [self._method(methods[i]) for i in places]
+        if entries is None:
+            kept = [bytes(x) if len(x) <= ID_BYTES else _kept_id(x) for x in ids]
+        else:
+            kept = [_kept_id(ids[i]) for i in places]
+        owner = chunk.owner
+        worker = chunk.worker
+        self.emit((self._clock(), owner.peer, owner.caller, owner.transport, named, kept, duration, 0,
+                   worker.pid if worker is not None else 0, None))
 
     def early(self, owner: ResponseBudget, request: Request, code: int) -> None:
         """A request answered before it became a call (rate limited, its method unknown or
         denied to its caller): its method is named only if registered."""
         method = request.method if request.method in self._known else OTHER
         params = keep_params(request.params) if self.log_params else None
-        self._line(owner, method, request.id, 0.0, code, 0, params)
+        self.emit((self._clock(), owner.peer, owner.caller, owner.transport, method, _kept_id(request.id), 0.0,
+                   code, 0, params))
 
     def invalid(self, owner: ResponseBudget, answer: bytes, code: int) -> None:
         """An invalid element (or body) was answered `answer` (a whole Response object, the
         codec's: its id read back from it, null when none could be read)."""
         try:
-            id_ = bytes(_decode_id(answer).id)
+            id_ = _kept_id(_decode_id(answer).id)
         except (msgspec.DecodeError, msgspec.ValidationError):
             id_ = b""
-        self._line(owner, OTHER, id_, 0.0, code, 0, None if not self.log_params else b"")
+        self.emit((self._clock(), owner.peer, owner.caller, owner.transport, OTHER, id_, 0.0, code, 0,
+                   None if not self.log_params else b""))
 
 
 class _IdOnly(msgspec.Struct):

@@ -2,54 +2,63 @@
 
 Theory of operation
 -------------------
-`LogPipe.start` puts one `DroppingQueueHandler` (the stdlib's `QueueHandler`) on the root
-logger, and a `QueueListener` thread takes the records off its queue and writes them with
-one `LineWriter`. On the loop's thread a record costs only being put on the queue: it is
-formatted (`LineFormatter`: text or one JSON object a line) and written by the listener's
-thread, which writes into a buffer and flushes it when the queue is empty (one write for a
-burst of lines, not one each).
+One deque holds what waits to be written: the access log's entries (`accesslog.Entry`,
+plain tuples, put by `LogPipe.access` with no `logging` machinery in between) and the
+broker's own `logging.LogRecord`s (put by `RecordHandler`, the root logger's only
+handler). One writer thread, started by `LogPipe.start`, takes everything off it, formats
+it (`accesslog.Renderer` for access lines, `LineFormatter` for records: text or one JSON
+object a line) and writes it with `os.write` through a `LineWriter`, a few hundred lines a
+write.
 
-The queue is bounded (`QUEUE_LINES`): when stderr is slow (a pipe nobody reads, a
-terminal scrolled back) the writer thread blocks in its write, the queue fills, and the
-lines past it are dropped and counted (`dropped`: the access lines' and the broker's own
-apart, exported as `rpc_broker_log_dropped_total{log}`), never waited for, so the loop
-goes on answering calls. `LogPipe.stop` (at the process's exit) flushes what is queued,
-waiting `STOP_SECONDS` at most for a writer blocked on stderr.
+On the loop's thread an access line costs a tuple and a `deque.append` (atomic: no lock),
+a bound's test and a flag's: the writer is woken (`threading.Event.set`, a lock) only when
+it sleeps with nothing queued; then it waits `WRITE_SECONDS` more for the lines to gather,
+so under load it wakes at most every `WRITE_SECONDS` and writes them all at once. (The
+stdlib's `QueueHandler` and `queue.Queue` cost a lock and a condition per line, the
+`Logger` and `LogRecord` several microseconds: measured in benchmarks/RESULTS.md.)
 
-Access lines (`accesslog.AccessLine`) take the same queue, put there by
-`accesslog.AccessLog` with no `logging.Logger` in between (a `LogRecord` costs several
-microseconds to make, as much as the rest of a call's dispatch).
+The queue is bounded (`QUEUE_LINES`, a chunk's results counted a line each): when stderr
+is slow (a pipe nobody reads, a terminal scrolled back) the writer thread blocks in its
+write, the queue fills, and the lines past it are dropped and counted (`dropped`: the
+access lines' and the broker's own apart, exported as `rpc_broker_log_lines_dropped_total
+{log}`), never waited for, so the loop goes on answering calls. The count in the queue is
+the difference of counters each written by one thread only (`queued` by the loop's,
+`records` under the handler's lock, `taken` by the writer's), so no lock is needed.
+`LogPipe.stop` (at the process's exit) writes what is queued, waiting `STOP_SECONDS` at
+most for a writer blocked on stderr.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import io
 import logging
-import logging.handlers
 import os
-import queue
 import sys
+import threading
 import typing
 
 import msgspec
 
-from broker.accesslog import AccessLine
+from broker.accesslog import Entry, Renderer
 
-__all__ = ["FORMATS", "QUEUE_LINES", "STOP_SECONDS", "DroppingQueueHandler", "LineFormatter", "LineWriter", "LogPipe"]
+__all__ = ["FORMATS", "QUEUE_LINES", "STOP_SECONDS", "WRITE_SECONDS", "LineFormatter", "LineWriter", "LogPipe",
+           "RecordHandler", "access_to_logger"]  # fmt: skip
 
 FORMATS = ("text", "json")  # the log_format setting's values
 QUEUE_LINES = 10000  # lines waiting for the writer, at most (past it they are dropped): a few MB
 STOP_SECONDS = 2.0  # how long the stop waits for the writer to write what is queued
+WRITE_SECONDS = 0.02  # the writer, woken, waits this long for more lines: a write per 20 ms at most under load
 TEXT_FORMAT = "%(asctime)s broker pid %(process)d %(levelname)s %(message)s"  # the broker's lines, as text
-_BUFFER_BYTES = 64 * 1024  # the writer's buffer: flushed when full, and whenever the queue is empty
+_WRITE_LINES = 512  # lines formatted before they are written (the writer's memory bounded too)
+_BUFFER_BYTES = 64 * 1024  # `LineWriter.emit`'s buffer (after the stop): written when full, and by `flush`
 _encode = msgspec.json.Encoder().encode
 
 
 class LineFormatter(logging.Formatter):
-    """Formats the broker's `logging.LogRecord`s (text: `fmt`; json: one object with time,
-    level, logger, pid, message and the traceback, if any, in `exc`) and access lines
-    (`AccessLine.render`) alike; `style` is "text" or "json"."""
+    """Formats the broker's `logging.LogRecord`s: text (`fmt`), or json (one object with time,
+    level, logger, pid, message and the traceback, if any, in `exc`); `style` is "text" or "json"."""
 
     def __init__(self, style: str = "text", fmt: str = TEXT_FORMAT) -> None:
         if style not in FORMATS:
@@ -59,8 +68,6 @@ class LineFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         """The record as one line (a traceback in text keeps its own lines, as the stdlib's)."""
-        if isinstance(record, AccessLine):
-            return typing.cast(AccessLine, record).render(self.style)
         if self.style == "text":
             return super().format(record)
         line: dict[str, object] = {
@@ -77,49 +84,34 @@ class LineFormatter(logging.Formatter):
         return _encode(line).decode()
 
 
-class DroppingQueueHandler(logging.handlers.QueueHandler):
-    """A `QueueHandler` that never blocks nor grows: a record that finds the queue full is
-    dropped and counted in `dropped` ("access" for access lines, "broker" for the rest).
-    Records are queued as they are (`prepare`): the writer's thread formats them."""
+class RecordHandler(logging.Handler):
+    """The root logger's handler while a `LogPipe` runs: puts each record on the pipe's
+    queue as it is (formatted by the writer's thread), or drops and counts it."""
 
-    def __init__(self, q: queue.Queue[typing.Any]) -> None:
-        super().__init__(q)
-        self.dropped = {"access": 0, "broker": 0}
-        self._put = q.put_nowait
+    def __init__(self, pipe: LogPipe) -> None:
+        super().__init__()
+        self._pipe = pipe
 
-    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        """The record itself (one process: nothing is pickled, so nothing is formatted here).
-        Its message's arguments are merged now, while they are what the caller meant."""
-        if not isinstance(record, AccessLine) and record.args:
+    def emit(self, record: logging.LogRecord) -> None:
+        """Queue `record`, its message's arguments merged now (while they are what the caller
+        meant) and its traceback made text (its frames not kept alive in the queue)."""
+        if record.args:
             record.msg = record.getMessage()
             record.args = None
-        if record.exc_info and not isinstance(record, AccessLine):
+        if record.exc_info:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
-            record.exc_info = None  # (its traceback's frames are not kept alive in the queue)
-        return record
-
-    def enqueue(self, record: logging.LogRecord) -> None:
-        """Put `record` on the queue, or drop and count it if the queue is full."""
-        try:
-            self._put(record)
-        except queue.Full:
-            self.dropped["access" if isinstance(record, AccessLine) else "broker"] += 1
-
-    def access(self, line: AccessLine) -> None:
-        """An access line (`accesslog.AccessLog.emit`): queued, or dropped and counted."""
-        try:
-            self._put(line)
-        except queue.Full:
-            self.dropped["access"] += 1
+            record.exc_info = None
+        self._pipe.record(record)  # (under this handler's lock: `LogPipe.records`' one writer)
 
 
 class LineWriter(logging.Handler):
-    """Writes lines to a file descriptor (`fd`, stderr's by default) from one thread, the
-    listener's: into a buffer, written (`os.write`) when it holds `_BUFFER_BYTES` and when
-    the listener's queue is empty (`flush`). No lock is held while it writes (`handle`), and
-    once `abandoned` (its thread left blocked by `LogPipe.stop`) `flush` does nothing: the
-    process's exit (`logging.shutdown` flushes every handler) never waits for a stderr
-    nobody reads. A failed write (no reader: EPIPE) drops what was buffered."""
+    """Writes lines to a file descriptor (`fd`, stderr's by default) from one thread at a
+    time: `write_lines` (the pipe's writer thread), or as a handler (`emit`: the root
+    logger's after the pipe's stop) into a buffer written when full and by `flush`. No lock
+    is held while it writes, and once `abandoned` (its thread left blocked by
+    `LogPipe.stop`) `flush` does nothing: the process's exit (`logging.shutdown` flushes
+    every handler) never waits for a stderr nobody reads. A failed write (no reader:
+    EPIPE) drops what was buffered."""
 
     def __init__(self, fd: int = 2) -> None:
         super().__init__()
@@ -128,7 +120,7 @@ class LineWriter(logging.Handler):
         self._buf = bytearray()
 
     def handle(self, record: logging.LogRecord) -> bool:
-        """Format and buffer `record` (no handler lock: only the listener's thread writes)."""
+        """Format and buffer `record` (no handler lock: one thread writes at a time)."""
         self.emit(record)
         return True
 
@@ -145,6 +137,11 @@ class LineWriter(logging.Handler):
         if len(self._buf) >= _BUFFER_BYTES:
             self._write()
 
+    def write_lines(self, lines: list[str]) -> None:
+        """Write `lines` (no newlines of their own), in one write when the fd takes it."""
+        self._buf += ("\n".join(lines) + "\n").encode("utf-8", "backslashreplace")
+        self._write()
+
     def flush(self) -> None:
         """Write what is buffered (unless abandoned)."""
         if not self.abandoned:
@@ -159,42 +156,58 @@ class LineWriter(logging.Handler):
             buf.clear()
 
 
-class _Listener(logging.handlers.QueueListener):
-    """A `QueueListener` that flushes its handlers when its queue is empty (a burst of
-    lines in one write), and calls each handler's `handle` (its level checked here)."""
-
-    def handle(self, record: logging.LogRecord) -> None:
-        for handler in self.handlers:
-            if record.levelno >= handler.level:
-                handler.handle(record)
-        if typing.cast("queue.Queue[typing.Any]", self.queue).empty():
-            for handler in self.handlers:
-                handler.flush()
-
-
 class LogPipe:
     """The process's logging, from `start` to `stop`: the root logger's records and the
     access lines through one bounded queue to one writer thread (see the module docstring).
 
     level: the root logger's threshold (a logging level name or number). style: "text"
     or "json" (`FORMATS`). fd: the file descriptor lines are written to (default: a dup
-    of stderr's). max_lines: the queue's bound.
+    of stderr's). max_lines: the queue's bound. `dropped`: lines dropped for a full queue
+    so far, {"access": n, "broker": n} (one dict, updated in place).
     """
 
     def __init__(self, level: int | str = logging.INFO, style: str = "text",
                  fd: int | None = None, max_lines: int = QUEUE_LINES) -> None:
-        self.queue: queue.Queue[typing.Any] = queue.Queue(max_lines)
-        self.handler = DroppingQueueHandler(self.queue)
+        self._pending: collections.deque[Entry | logging.LogRecord] = collections.deque()
+        self._append = self._pending.append
+        self._max = max_lines
+        self.queued = 0  # access lines put on the queue (the loop's thread only)
+        self.records = 0  # records put on it (under the handler's lock only)
+        self.taken = 0  # lines taken off it (the writer's thread only)
+        self.dropped = {"access": 0, "broker": 0}
+        self.handler = RecordHandler(self)
         self.writer = LineWriter(_stderr_fd() if fd is None else fd)
         self.writer.setFormatter(LineFormatter(style))
-        self._listener = _Listener(self.queue, self.writer)
+        self._renderer = Renderer(style)
+        self._idle = False  # the writer sleeps with nothing queued: the next line wakes it
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
         self._level = level
-        self._started = False
 
-    @property
-    def dropped(self) -> dict[str, int]:
-        """Lines dropped for a full queue so far: {"access": n, "broker": n}."""
-        return self.handler.dropped
+    def access(self, entry: Entry) -> None:
+        """An access entry (`accesslog.AccessLog.emit`): queued, or dropped and counted. The
+        event loop's thread only; never blocks."""
+        lines = 1 if type(entry[5]) is bytes else len(entry[5])
+        if self.queued + self.records - self.taken + lines > self._max:
+            self.dropped["access"] += lines
+            return
+        self.queued += lines
+        self._append(entry)
+        if self._idle:
+            self._idle = False
+            self._wake.set()
+
+    def record(self, record: logging.LogRecord) -> None:
+        """A broker's record (`RecordHandler.emit`, under its lock): queued, or dropped and counted."""
+        if self.queued + self.records - self.taken >= self._max:
+            self.dropped["broker"] += 1
+            return
+        self.records += 1
+        self._append(record)
+        if self._idle:
+            self._idle = False
+            self._wake.set()
 
     def start(self) -> None:
         """Replace the root logger's handlers with the queue's; start the writer thread."""
@@ -203,33 +216,79 @@ class LogPipe:
             root.removeHandler(handler)
         root.addHandler(self.handler)
         root.setLevel(self._level)
-        self._listener.start()
-        self._started = True
+        self._thread = threading.Thread(target=self._run, name="rpc-broker log writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pending = self._pending
+        stopping = self._stopping
+        while True:
+            self._wake.clear()
+            self._idle = True
+            if not pending and not stopping.is_set():
+                self._wake.wait()  # (until `access` or `record` queues a line, or the stop)
+            self._idle = False
+            stopping.wait(WRITE_SECONDS)  # (the lines of the next 20 ms in the same write)
+            self._drain()
+            if stopping.is_set() and not pending:
+                return
+
+    def _drain(self) -> None:
+        """Format and write everything queued, `_WRITE_LINES` lines a write."""
+        pending = self._pending
+        popleft = pending.popleft
+        entry = self._renderer.entry
+        fmt = self.writer.format
+        out: list[str] = []
+        while pending:
+            item = popleft()
+            try:
+                if type(item) is tuple:
+                    self.taken += 1 if type(item[5]) is bytes else len(item[5])  # (as `access` counted it)
+                    out += entry(item)
+                else:
+                    self.taken += 1
+                    out.append(fmt(typing.cast(logging.LogRecord, item)))
+            except Exception as exc:  # (a line that cannot be made: said, the writer goes on)
+                out.append(f"log line not written: {exc!r}")
+            if len(out) >= _WRITE_LINES:
+                self.writer.write_lines(out)
+                out = []
+        if out:
+            self.writer.write_lines(out)
 
     def stop(self, timeout: float = STOP_SECONDS) -> None:
         """Stop the writer once it has written what is queued, `timeout` s at most. Then the
         root logger writes through the writer directly (the lines of the process's last
         moments); but a writer still blocked on a stderr nobody reads is abandoned (a daemon
         thread, it ends with the process) and the queue stays, dropping what comes."""
-        if not self._started:
+        thread = self._thread
+        if thread is None:
             return
-        self._started = False
-        thread = self._listener._thread
-        try:
-            self.queue.put(None, timeout=timeout)  # (QueueListener's sentinel)
-        except queue.Full:
+        self._thread = None
+        self._stopping.set()
+        self._wake.set()
+        thread.join(timeout)
+        if thread.is_alive():
             self.writer.abandoned = True
             return
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                self.writer.abandoned = True
-                return
-            self._listener._thread = None
-        self.writer.flush()
+        self._drain()  # (what came after the thread's last look)
         root = logging.getLogger()
         root.removeHandler(self.handler)
         root.addHandler(self.writer)
+
+
+def access_to_logger(logger: logging.Logger) -> typing.Callable[[Entry], None]:
+    """An `accesslog.AccessLog` emit for a process with no `LogPipe` (`server.run` called by
+    an embedder): each line an INFO record of `logger`, as text (slower: a record a line)."""
+    renderer = Renderer("text")
+
+    def emit(entry: Entry) -> None:
+        if logger.isEnabledFor(logging.INFO):
+            for line in renderer.entry(entry):
+                logger.info("%s", line)
+
+    return emit
 
 
 def _stderr_fd() -> int:

@@ -650,9 +650,10 @@ class Replies(DispatcherState):
                         mix[methods[i]] -= 1
             for index, n in mix.items():
                 metrics.ok(index, latency, n)
-        if results and self.access_ok is not None:  # (access_log "all": a line per result)
-            self.access_ok.chunk_results(call, results_of(payload, slots, {*(refused or ()), *(again or ())}),
-                                         _clock() - call.arrival)
+        if results and self.access_ok is not None:  # (access_log "all": a line per result, one entry)
+            # Every call of the chunk a result (the common case): its places not read again
+            places = None if results == len(slots) else results_of(payload, slots, {*(refused or ()), *(again or ())})
+            self.access_ok.chunk_results(call, places, _clock() - call.arrival)
         exchange.filled(filled)
 
     def _fail_chunk(self, call: Call, exchange: Exchange, error: bytes, remaining: bool) -> None:

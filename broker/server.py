@@ -45,7 +45,7 @@ from broker.frontend.base import OUT_LINGERING, Incoming, shed_outgoing
 from broker.frontend.handshake import Handshake
 from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
 from broker.frontend.stream import StreamFrontend
-from broker.logpipe import LogPipe
+from broker.logpipe import LogPipe, access_to_logger
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
 from broker.policy import MethodRule, Policy
 from broker.pool import Pool, WorkerBootError
@@ -307,12 +307,6 @@ _LISTENER_NAMES = {
 }  # fmt: skip (the setting that chooses where, by its flag: round 30, a new user)
 
 
-def _access_logger() -> logging.Logger:
-    """The logger access lines go to when the process has no `LogPipe` (`run` called by an
-    embedder): `broker.access`, whose handlers take `accesslog.AccessLine`s as records."""
-    return logging.getLogger("broker.access")
-
-
 def _banner(line: str) -> None:
     """Print a start-up banner `line` to stderr. Its reader may be gone (`2>&1 | head -1`
     took an earlier line): the broker serves on, as it does when its log lines find no
@@ -452,8 +446,8 @@ async def run(
     limiter = Limiter(default, {t.name: t.rate for t in tokens if t.rate is not None}, (t.name for t in tokens))
     access = None
     if config.access_log != "off":
-        emit = logs.handler.access if logs is not None else _access_logger().handle
-        access = AccessLog(config.access_log, emit, log_params=config.log_params)  # type: ignore[arg-type]
+        emit = logs.access if logs is not None else access_to_logger(logging.getLogger("broker.access"))
+        access = AccessLog(config.access_log, emit, log_params=config.log_params)
     dispatcher = Dispatcher(
         loop,
         policy=policy,

@@ -12,7 +12,7 @@ from test_dispatch import body, req
 from test_dispatch_core import Clock, chunk_answers, one_worker
 
 from broker import wire
-from broker.accesslog import REDACTED, AccessLine, AccessLog, address, redact
+from broker.accesslog import REDACTED, AccessLine, AccessLog, address, entry_lines, redact
 from broker.answers import ResponseBudget
 from broker.jsonrpc import ErrorCode
 from broker.metrics import CallMetrics
@@ -33,7 +33,7 @@ def setup(clock: Clock, mode: str, log_params: bool = False, **settings: typing.
     """A dispatcher serving "m" and "n" on one worker (pid 4242), its access log in `mode`: the
     lines it made, as (method, id, code, pid, duration, params) each."""
     lines: list[AccessLine] = []
-    access = AccessLog(mode, lines.append, log_params=log_params, clock=lambda: 1.5)
+    access = AccessLog(mode, lambda entry: lines.extend(entry_lines(entry)), log_params=log_params, clock=lambda: 1.5)
     d, w, codec, done = one_worker(clock.loop, ["m", "n"], access_log=access, **settings)
     w.pid = 4242
     return d, w, codec, done, lines
@@ -77,6 +77,34 @@ def test_a_chunks_results_are_a_line_each_in_all_mode_and_its_errors_in_both(clo
         d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers((0, RESULT, b"0"), (1, ERROR, NO),
                                                                          (2, RESULT, b"2")))
         assert told(lines) == expected, mode
+
+
+def test_a_chunk_all_results_is_one_entry_and_a_part_then_the_rest_a_line_each_once(clock, monkeypatch):
+    import broker.replies
+
+    read_again = broker.replies.results_of
+    monkeypatch.setattr(broker.replies, "results_of", None)  # (every call a result: the payload not read again)
+    entries: list[tuple[object, ...]] = []
+    access = AccessLog("all", entries.append, clock=lambda: 1.5)
+    d, w, codec, done = one_worker(clock.loop, ["m", "n"], access_log=access)
+    long_id = "i" * 80
+    d.submit(body(codec, [req("m", [0], 0), req("n", [1], long_id), req("m", [2], 2)]), done.append)
+    [frame] = w.channel.take()
+    assert frame[0] == wire.Kind.CHUNK
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers(*((i, RESULT, b"0") for i in range(3))))
+    [entry] = entries
+    assert entry[4] == ["m", "n", "m"] and entry[5] == [b"0", b'"' + b"i" * 64, b"2"] and entry[7] == 0
+    assert [(x.method, x.id, x.truncated) for x in entry_lines(entry)] == [  # type: ignore[arg-type]
+        ("m", b"0", False), ("n", b'"' + b"i" * 63, True), ("m", b"2", False)]
+    entries.clear()
+    monkeypatch.setattr(broker.replies, "results_of", read_again)
+    d.submit(body(codec, [req("m", [0], 0), req("n", [1], 1), req("m", [2], 2)]), done.append)
+    [frame] = w.channel.take()
+    d.on_reply(w, wire.Kind.CHUNK_PART, frame[1], 0, chunk_answers((1, RESULT, b"1")))
+    d.on_reply(w, wire.Kind.CHUNK_REPLY, frame[1], 0, chunk_answers((0, RESULT, b"0"), (1, RESULT, b"1"),
+                                                                     (2, RESULT, b"2")))
+    assert [[(x.method, x.id) for x in entry_lines(e)] for e in entries] == [  # type: ignore[arg-type]
+        [("n", b"1")], [("m", b"0"), ("m", b"2")]]
 
 
 def test_a_chunk_failed_whole_or_past_its_budget_is_a_line_per_call(clock):

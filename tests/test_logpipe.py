@@ -1,0 +1,83 @@
+"""The log pipe in process (broker/logpipe.py): access entries and the broker's records through
+one bounded deque to a writer thread, written in order to a pipe; a chunk's entry a line per
+result; past the bound lines dropped and counted, a chunk's by its lines; the stop writes what
+is queued."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import typing
+
+import pytest
+
+from broker.accesslog import Entry, Renderer
+from broker.logpipe import LogPipe
+
+SINGLE: Entry = (1.5, ("10.0.0.1", 80), "ci", "http", "m", b"7", 0.25, 0, 42, None)
+CHUNK: Entry = (1.5, "", "", "unix", ["m", "n"], [b'"a"', b"9" * 70], 0.0, 0, 42, None)
+
+
+@pytest.fixture
+def pipe_fds() -> typing.Iterator[tuple[int, int]]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    yield r, w
+    os.close(r)
+    os.close(w)
+
+
+def read_until(fd: int, lines: int, timeout: float = 5.0) -> list[str]:
+    """The lines read from `fd` once there are `lines` of them (or the deadline passed)."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    while data.count(b"\n") < lines and time.monotonic() < deadline:
+        try:
+            data += os.read(fd, 65536)
+        except BlockingIOError:
+            time.sleep(0.005)
+    return data.decode().splitlines()
+
+
+def test_entries_and_records_are_written_in_order_a_chunk_a_line_per_result(pipe_fds):
+    r, w = pipe_fds
+    pipe = LogPipe(fd=w)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        pipe.start()
+        pipe.access(SINGLE)
+        logging.getLogger("broker.test").warning("between %d and %d", 1, 2)
+        pipe.access(CHUNK)
+        lines = read_until(r, 4)
+    finally:
+        pipe.stop()
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    renderer = Renderer("text")
+    assert lines[0] == renderer.entry(SINGLE)[0]
+    assert lines[1].endswith("WARNING between 1 and 2")
+    assert lines[2:] == renderer.entry(CHUNK)
+    assert lines[3].split(" id=")[1].startswith("9" * 64 + "... ")  # (truncated at ID_BYTES)
+    assert pipe.queued == 3 and pipe.records == 1 and pipe.taken == 4 and pipe.dropped == {"access": 0, "broker": 0}
+
+
+def test_past_its_bound_lines_are_dropped_and_counted_and_the_stop_writes_what_is_queued(pipe_fds):
+    r, w = pipe_fds
+    pipe = LogPipe(fd=w, max_lines=3)  # (not started: nothing takes the lines off)
+    pipe.access(SINGLE)
+    pipe.access(CHUNK)  # 3 lines queued: full
+    pipe.access(SINGLE)
+    pipe.access(CHUNK)
+    pipe.record(logging.LogRecord("broker", logging.INFO, __file__, 1, "dropped", None, None))
+    assert pipe.dropped == {"access": 3, "broker": 1} and pipe.queued == 3
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        pipe.start()
+        pipe.stop()
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    assert len(read_until(r, 3)) == 3 and pipe.taken == 3
