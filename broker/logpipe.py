@@ -35,6 +35,7 @@ import datetime
 import io
 import logging
 import os
+import signal
 import sys
 import threading
 import typing
@@ -54,6 +55,7 @@ TEXT_FORMAT = "%(asctime)s broker pid %(process)d %(levelname)s %(message)s"  # 
 _WRITE_LINES = 512  # lines formatted before they are written (the writer's memory bounded too)
 _BUFFER_BYTES = 64 * 1024  # `LineWriter.emit`'s buffer (after the stop): written when full, and by `flush`
 _encode = msgspec.json.Encoder().encode
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the writer thread never takes these
 
 
 class LineFormatter(logging.Formatter):
@@ -217,7 +219,13 @@ class LogPipe:
         root.addHandler(self.handler)
         root.setLevel(self._level)
         self._thread = threading.Thread(target=self._run, name="rpc-broker log writer", daemon=True)
-        self._thread.start()
+        # Started with the stop and reload signals blocked (it inherits the mask): only the main
+        # thread takes them, so the exit can hold them off (as `server._start_threads_masked`)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+        try:
+            self._thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _run(self) -> None:
         pending = self._pending
