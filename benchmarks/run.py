@@ -2,6 +2,7 @@
 
 Usage: .venv/bin/python benchmarks/run.py [--quick] [--output FILE]
        [--repetitions 3] [--duration 4] [--warmup 0.5] [--servers NAME,...] [--probe-only] [--no-loadgen]
+       [--against TREE] (adds broker-2w-against and broker-2w-access-all-against, by name in --servers)
 
 Every server runs on 127.0.0.1 as a child process of this runner, alone, one after another;
 the order alternates between repetitions (forward, backward, forward, ...), so no server always
@@ -624,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--against {args.against}: no broker/__main__.py there (give a checkout of rpc-broker)")
         SERVERS.append(Server("broker-2w-against", "broker", f"rpc-broker serve --workers 2 from {args.against}",
                               _broker(2), tree=args.against.resolve()))
+        SERVERS.append(Server("broker-2w-access-all-against", "broker", f"rpc-broker serve --workers 2 --access-log "
+                              f"all from {args.against} (S1 at 64 connections only)", _broker(2, "--access-log", "all"),
+                              only=("S1-64",), tree=args.against.resolve()))  # fmt: skip
     names = args.servers.split(",") if args.servers else QUICK_SERVERS if args.quick else [s.name for s in SERVERS]
     if args.against is not None and not args.servers and "broker-2w-against" not in names:
         names = [*names, "broker-2w-against"]
