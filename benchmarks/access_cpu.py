@@ -9,7 +9,9 @@ it: the event loop and the log writer; not its workers, nor the load generator) 
 measured run by the calls answered. CPU time per call moves far less than calls/s on a shared
 machine, where the other processes take the cores: this is the figure to compare. With
 `--against TREE` (another checkout, e.g. an older commit's `git archive`) its broker runs too, the
-order of the four alternating between repetitions. Prints the medians; nothing here is a test.
+order of the four alternating between repetitions. Prints the medians, and the median of each
+repetition's own ratio of "all" to "errors" (the two measured back to back: steadier when the
+machine's load drifts); nothing here is a test.
 Ports: any free ones.
 """
 
@@ -107,8 +109,10 @@ def main() -> int:
     for name, _tree in trees:
         errors, all_ = (statistics.median(cpu / calls * 1e6 for cpu, calls in figures[name, mode])
                         for mode in ("errors", "all"))  # fmt: skip
+        ratios = sorted((a[0] / a[1]) / (e[0] / e[1]) for e, a in zip(figures[name, "errors"], figures[name, "all"]))
         print(f"{name:8s} errors {errors:6.1f} us   all {all_:6.1f} us   a line per call costs "
-              f"+{all_ - errors:.1f} us (+{(all_ / errors - 1) * 100:.1f} %)")
+              f"+{all_ - errors:.1f} us (+{(all_ / errors - 1) * 100:.1f} %); all/errors of each repetition: "
+              f"median {statistics.median(ratios):.3f} (from {ratios[0]:.3f} to {ratios[-1]:.3f})")
     return 0
 
 

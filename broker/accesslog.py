@@ -19,11 +19,11 @@ logging module's machinery (`Logger.isEnabledFor`, a `LogRecord`, a handler's lo
 `queue.Queue`'s condition) and the ISO time and quoting of each field cost 2 to 7 us a
 line, as much as the rest of a call's dispatch (measured: benchmarks/RESULTS.md, "Access
 log cost"). The results of one batch chunk are one entry: its fields `method` and `id`
-are lists, a line each. The entry goes to `emit` (`logpipe.LogPipe.access`: a bounded
-deque that a writer thread drains), which never blocks.
+are lists, a line each. The entry goes to `emit` (`logpipe.LogPipe.access`: a list's
+append, rendered every 50 ms in a batch and handed to a writer thread), which never blocks.
 
-The writer's thread turns entries into text (`Renderer.entry`: escaped, redacted, as text or
-JSON), with what repeats cached: the second's time stamp, the peer's address, the quoted
+A batch of entries is turned into text (`Renderer.lines`: escaped, redacted, as text or
+JSON) with what repeats cached: the second's time stamp, the peer's address, the quoted
 token, transport and method names, the outcome names.
 
 What an attacker controls is bounded and escaped: the method is the registered name or
@@ -190,21 +190,22 @@ def entry_lines(entry: Entry) -> list[AccessLine]:
 
 
 class Renderer:
-    """Turns entries into lines (`entry`), on the writer's thread: logfmt (`fmt` "text":
+    """Turns entries into lines (`entry`; `lines`, a batch of them): logfmt (`fmt` "text":
     key=value, quoted where needed) or one JSON object a line ("json"). Keeps what repeats:
     the current second's time stamp, the peers' addresses and the quoted names (a few
     thousand at most: `_CACHED`), so a common line costs one f-string."""
 
-    __slots__ = ("_heads", "_json", "_outcomes", "_peers", "_second", "_stamp", "_tails")
+    __slots__ = ("_fast", "_heads", "_json", "_outcomes", "_peers", "_second", "_stamp", "_tails")
 
     def __init__(self, fmt: str = "text") -> None:
         if fmt not in ("text", "json"):
             raise ValueError(f"log_format = {fmt!r}: it must be text or json")
         self._json = fmt == "json"
-        self._second = -1
+        self._second: int | None = None
         self._stamp = ""
         self._peers: dict[object, str] = {}
         self._heads: dict[tuple[str, str, str, str], str] = {}  # client= ... method=, by those four
+        self._fast: dict[tuple[object, str, str, object], str] = {}  # the same, by the peer as given
         self._tails: dict[tuple[int, int], str] = {}  # outcome= code= pid=, by code and pid
         self._outcomes: dict[int, str] = {}
 
@@ -234,16 +235,60 @@ class Renderer:
                           duration, code, pid, params)]
 
     def _time(self, when: float) -> str:
-        """`when` as ISO 8601 UTC with milliseconds and a Z; the second's part made once a second."""
-        second = int(when)
-        us = round((when - second) * 1e6)  # (as datetime.fromtimestamp rounds: to the microsecond, half even)
-        if us >= 1_000_000:
-            second += 1
-            us -= 1_000_000
+        """`when` as ISO 8601 UTC with milliseconds (truncated) and a Z; the second's part made
+        once a second."""
+        ms = int(when * 1000)
+        second = ms // 1000
         if second != self._second:
             self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
             self._second = second
-        return self._stamp + _MILLIS[us // 1000]
+        return self._stamp + _MILLIS[ms - second * 1000]
+
+    def lines(self, entries: typing.Iterable[Entry]) -> list[str]:
+        """The lines of `entries`, in order (each entry's as `entry` makes them). The common
+        text line (a single call's, a number for its id, no params) is made here in one
+        f-string, its cached parts looked up by the entry's own values."""
+        out: list[str] = []
+        if self._json:
+            for entry in entries:
+                out += self.entry(entry)
+            return out
+        append = out.append
+        fast = self._fast
+        tails = self._tails
+        millis = _MILLIS
+        base = -1000  # the current second's first millisecond
+        stamp = ""
+        for entry in entries:
+            when, peer, token, transport, method, id_, duration, code, pid, params = entry
+            if params is not None or type(id_) is not bytes or not id_.isdigit() or len(id_) > ID_BYTES:
+                out += self.entry(entry)
+                continue
+            try:
+                head = fast[peer, token, transport, method]
+            except (KeyError, TypeError):  # (TypeError: a peer that cannot be hashed)
+                head = self._fast_head(peer, token, transport, typing.cast(str, method))
+            try:
+                tail = tails[code, pid]
+            except KeyError:
+                tail = self._tail(code, pid)
+            ms = int(when * 1000)  # (`_time`, inline)
+            if not base <= ms < base + 1000:
+                stamp = self._time(when)[:-5]
+                base = ms - ms % 1000
+            append(f"time={stamp}{millis[ms - base]} {head} id={id_.decode()} duration={duration:.6f} {tail}")
+        return out
+
+    def _fast_head(self, peer: object, token: str, transport: str, method: str) -> str:
+        """`_head` of a peer as the transport gave it, remembered by the peer (`lines`)."""
+        head = self._head(address(peer), token, transport, method)
+        if len(self._fast) >= _CACHED:
+            self._fast.clear()
+        try:
+            self._fast[peer, token, transport, method] = head
+        except TypeError:
+            pass
+        return head
 
     def _head(self, client: str, token: str, transport: str, method: str) -> str:
         """The text line's fields client= to method=, made once for each four of them."""

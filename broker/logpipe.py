@@ -1,35 +1,37 @@
-"""The broker's log lines and access lines on their way to stderr, through a bounded queue that never blocks the event loop (`LogPipe`).
+"""The broker's log lines and access lines on their way to stderr, never blocking the event loop (`LogPipe`).
 
 Theory of operation
 -------------------
-One deque holds what waits to be written: the access log's entries (`accesslog.Entry`,
-plain tuples, put by `LogPipe.access` with no `logging` machinery in between) and the
-broker's own `logging.LogRecord`s (put by `RecordHandler`, the root logger's only
-handler). One writer thread, started by `LogPipe.start`, takes everything off it, formats
-it (`accesslog.Renderer` for access lines, `LineFormatter` for records: text or one JSON
-object a line) and writes it with `os.write` through a `LineWriter`, a few hundred lines a
-write.
+An access line is captured on the event loop's thread as a plain tuple (`accesslog.Entry`)
+appended to a list: `LogPipe.access` is that list's own `append`, so a line costs the
+tuple and a C call, no Python frame, no lock. While the loop runs (`LogPipe.attach`), a
+timer takes the list every `FLUSH_SECONDS` and renders it there, on the loop, in one pass
+(`accesslog.Renderer.lines`: text or one JSON object a line), into one buffer of bytes put
+on a deque. Rendering in batches on the loop costs less than on another thread: a thread
+rendering Python holds the GIL that every one of uvloop's callbacks must take back, and
+measured at S1-64 that handoff cost the loop more than the rendering itself
+(benchmarks/RESULTS.md, "Access log cost").
 
-On the loop's thread an access line costs a tuple and a `deque.append` (atomic: no lock),
-a bound's test and a flag's: the writer is woken (`threading.Event.set`, a lock) only when
-it sleeps with nothing queued; then it waits `WRITE_SECONDS` more for the lines to gather,
-so under load it wakes at most every `WRITE_SECONDS` and writes them all at once. (The
-stdlib's `QueueHandler` and `queue.Queue` cost a lock and a condition per line, the
-`Logger` and `LogRecord` several microseconds: measured in benchmarks/RESULTS.md.)
+One writer thread, started by `LogPipe.start`, takes the buffers off the deque and writes
+them with `os.write` (which lets go of the GIL while it waits) through a `LineWriter`. The
+broker's own `logging.LogRecord`s (the root logger's one handler, `RecordHandler`) go on the
+same deque, after the access lines captured before them, and are formatted by the writer
+(`LineFormatter`: text, or one JSON object a line).
 
-The queue is bounded (`QUEUE_LINES`, a chunk's results counted a line each): when stderr
+The deque is bounded in lines (`QUEUE_LINES`, a buffer counted by its lines): when stderr
 is slow (a pipe nobody reads, a terminal scrolled back) the writer thread blocks in its
-write, the queue fills, and the lines past it are dropped and counted (`dropped`: the
-access lines' and the broker's own apart, exported as `rpc_broker_log_lines_dropped_total
-{log}`), never waited for, so the loop goes on answering calls. The count in the queue is
-the difference of counters each written by one thread only (`queued` by the loop's,
-`records` under the handler's lock, `taken` by the writer's), so no lock is needed.
-`LogPipe.stop` (at the process's exit) writes what is queued, waiting `STOP_SECONDS` at
-most for a writer blocked on stderr.
+write, the deque fills, and the lines past the bound are dropped and counted (`dropped`:
+the access lines' and the broker's own apart, exported as
+`rpc_broker_log_lines_dropped_total{log}`), never waited for, so the loop goes on answering
+calls. The count on the deque is the difference of counters each written by one thread
+only (`queued` by the loop's, `records` under the handler's lock, `taken` by the writer's),
+so no lock is needed. `LogPipe.stop` (at the process's exit) renders what is captured and
+writes what is queued, waiting `STOP_SECONDS` at most for a writer blocked on stderr.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import datetime
 import io
@@ -44,16 +46,15 @@ import msgspec
 
 from broker.accesslog import Entry, Renderer
 
-__all__ = ["FORMATS", "QUEUE_LINES", "STOP_SECONDS", "WRITE_SECONDS", "LineFormatter", "LineWriter", "LogPipe",
+__all__ = ["FLUSH_SECONDS", "FORMATS", "QUEUE_LINES", "STOP_SECONDS", "LineFormatter", "LineWriter", "LogPipe",
            "RecordHandler", "access_to_logger"]  # fmt: skip
 
 FORMATS = ("text", "json")  # the log_format setting's values
 QUEUE_LINES = 10000  # lines waiting for the writer, at most (past it they are dropped): a few MB
 STOP_SECONDS = 2.0  # how long the stop waits for the writer to write what is queued
-WRITE_SECONDS = 0.02  # the writer, woken, waits this long for more lines: a write per 20 ms at most under load
+FLUSH_SECONDS = 0.05  # the access lines captured are rendered and queued this often while the loop runs
 TEXT_FORMAT = "%(asctime)s broker pid %(process)d %(levelname)s %(message)s"  # the broker's lines, as text
-_WRITE_LINES = 64  # lines formatted before they are written: the GIL given up (os.write) every ~100 us, not ms
-_BUFFER_BYTES = 64 * 1024  # `LineWriter.emit`'s buffer (after the stop): written when full, and by `flush`
+_BUFFER_BYTES = 64 * 1024  # what the writer gathers before a write; `LineWriter.emit`'s buffer (after the stop)
 _encode = msgspec.json.Encoder().encode
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the writer thread never takes these
 
@@ -108,7 +109,7 @@ class RecordHandler(logging.Handler):
 
 class LineWriter(logging.Handler):
     """Writes lines to a file descriptor (`fd`, stderr's by default) from one thread at a
-    time: `write_lines` (the pipe's writer thread), or as a handler (`emit`: the root
+    time: `write` (the pipe's writer thread), or as a handler (`emit`: the root
     logger's after the pipe's stop) into a buffer written when full and by `flush`. No lock
     is held while it writes, and once `abandoned` (its thread left blocked by
     `LogPipe.stop`) `flush` does nothing: the process's exit (`logging.shutdown` flushes
@@ -139,9 +140,9 @@ class LineWriter(logging.Handler):
         if len(self._buf) >= _BUFFER_BYTES:
             self._write()
 
-    def write_lines(self, lines: list[str]) -> None:
-        """Write `lines` (no newlines of their own), in one write when the fd takes it."""
-        self._buf += ("\n".join(lines) + "\n").encode("utf-8", "backslashreplace")
+    def write(self, data: bytes) -> None:
+        """Write `data` (whole lines), in one write when the fd takes it."""
+        self._buf += data
         self._write()
 
     def flush(self) -> None:
@@ -159,21 +160,26 @@ class LineWriter(logging.Handler):
 
 
 class LogPipe:
-    """The process's logging, from `start` to `stop`: the root logger's records and the
-    access lines through one bounded queue to one writer thread (see the module docstring).
+    """The process's logging, from `start` to `stop`: the access lines captured on the loop
+    and the root logger's records through one bounded deque to one writer thread (see the
+    module docstring).
 
     level: the root logger's threshold (a logging level name or number). style: "text"
     or "json" (`FORMATS`). fd: the file descriptor lines are written to (default: a dup
-    of stderr's). max_lines: the queue's bound. `dropped`: lines dropped for a full queue
-    so far, {"access": n, "broker": n} (one dict, updated in place).
+    of stderr's). max_lines: the deque's bound. `dropped`: lines dropped for a full deque
+    so far, {"access": n, "broker": n} (one dict, updated in place). `access`: takes an
+    access entry (`accesslog.AccessLog`'s emit), on the loop's thread only; rendered at the
+    next `flush` (every `FLUSH_SECONDS` once `attach`ed to the loop, and at the `stop`).
     """
 
     def __init__(self, level: int | str = logging.INFO, style: str = "text",
                  fd: int | None = None, max_lines: int = QUEUE_LINES) -> None:
-        self._pending: collections.deque[Entry | logging.LogRecord] = collections.deque()
+        self._entries: list[Entry] = []  # captured since the last flush
+        self.access: typing.Callable[[Entry], None] = self._entries.append
+        self._pending: collections.deque[tuple[bytes, int] | logging.LogRecord] = collections.deque()
         self._append = self._pending.append
         self._max = max_lines
-        self.queued = 0  # access lines put on the queue (the loop's thread only)
+        self.queued = 0  # access lines put on the deque (the loop's thread only)
         self.records = 0  # records put on it (under the handler's lock only)
         self.taken = 0  # lines taken off it (the writer's thread only)
         self.dropped = {"access": 0, "broker": 0}
@@ -181,27 +187,58 @@ class LogPipe:
         self.writer = LineWriter(_stderr_fd() if fd is None else fd)
         self.writer.setFormatter(LineFormatter(style))
         self._renderer = Renderer(style)
-        self._idle = False  # the writer sleeps with nothing queued: the next line wakes it
+        self._loop_thread: int | None = None  # the thread `access` is called on, once attached
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle = False  # the writer sleeps with nothing queued: the next buffer wakes it
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._level = level
 
-    def access(self, entry: Entry) -> None:
-        """An access entry (`accesslog.AccessLog.emit`): queued, or dropped and counted. The
-        event loop's thread only; never blocks."""
-        lines = 1 if type(entry[5]) is bytes else len(entry[5])
-        if self.queued + self.records - self.taken + lines > self._max:
-            self.dropped["access"] += lines
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Flush every `FLUSH_SECONDS` on `loop` (called on its thread) until `detach`."""
+        self._loop_thread = threading.get_ident()
+        self._tick(loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.flush()
+        self._timer = loop.call_later(FLUSH_SECONDS, self._tick, loop)
+
+    def detach(self) -> None:
+        """Stop the timer `attach` started, and flush what is captured."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.flush()
+        self._loop_thread = None
+
+    def flush(self) -> None:
+        """Render the access entries captured so far and queue them as one buffer; the lines
+        past the deque's bound are dropped and counted. On the thread of `access`."""
+        entries = self._entries
+        if not entries:
             return
-        self.queued += lines
-        self._append(entry)
+        batch = entries[:]
+        entries.clear()
+        room = self._max - (self.queued + self.records - self.taken)
+        if room <= 0:
+            self.dropped["access"] += sum(1 if type(e[5]) is bytes else len(e[5]) for e in batch)
+            return
+        lines = self._renderer.lines(batch)
+        if len(lines) > room:
+            self.dropped["access"] += len(lines) - room
+            del lines[room:]
+        self.queued += len(lines)
+        self._append((("\n".join(lines) + "\n").encode("utf-8", "backslashreplace"), len(lines)))
         if self._idle:
             self._idle = False
             self._wake.set()
 
     def record(self, record: logging.LogRecord) -> None:
-        """A broker's record (`RecordHandler.emit`, under its lock): queued, or dropped and counted."""
+        """A broker's record (`RecordHandler.emit`, under its lock): queued after the access
+        lines captured before it on the same thread, or dropped and counted."""
+        if self._entries and self._loop_thread in (None, threading.get_ident()):
+            self.flush()
         if self.queued + self.records - self.taken >= self._max:
             self.dropped["broker"] += 1
             return
@@ -212,7 +249,7 @@ class LogPipe:
             self._wake.set()
 
     def start(self) -> None:
-        """Replace the root logger's handlers with the queue's; start the writer thread."""
+        """Replace the root logger's handlers with the deque's; start the writer thread."""
         root = logging.getLogger()
         for handler in root.handlers[:]:
             root.removeHandler(handler)
@@ -234,42 +271,48 @@ class LogPipe:
             self._wake.clear()
             self._idle = True
             if not pending and not stopping.is_set():
-                self._wake.wait()  # (until `access` or `record` queues a line, or the stop)
+                self._wake.wait()  # (until `flush` or `record` queues something, or the stop)
             self._idle = False
-            stopping.wait(WRITE_SECONDS)  # (the lines of the next 20 ms in the same write)
             self._drain()
             if stopping.is_set() and not pending:
                 return
 
     def _drain(self) -> None:
-        """Format and write everything queued, `_WRITE_LINES` lines a write."""
+        """Write everything queued (records formatted here), `_BUFFER_BYTES` or so a write."""
         pending = self._pending
         popleft = pending.popleft
-        entry = self._renderer.entry
         fmt = self.writer.format
-        out: list[str] = []
+        out: list[bytes] = []
+        size = 0
         while pending:
             item = popleft()
-            try:
-                if type(item) is tuple:
-                    self.taken += 1 if type(item[5]) is bytes else len(item[5])  # (as `access` counted it)
-                    out += entry(item)
-                else:
-                    self.taken += 1
-                    out.append(fmt(typing.cast(logging.LogRecord, item)))
-            except Exception as exc:  # (a line that cannot be made: said, the writer goes on)
-                out.append(f"log line not written: {exc!r}")
-            if len(out) >= _WRITE_LINES:
-                self.writer.write_lines(out)
+            if type(item) is tuple:
+                data, lines = item
+                self.taken += lines
+            else:
+                self.taken += 1
+                try:
+                    line = fmt(typing.cast(logging.LogRecord, item))
+                except Exception as exc:  # (a line that cannot be made: said, the writer goes on)
+                    line = f"log line not written: {exc!r}"
+                data = (line + "\n").encode("utf-8", "backslashreplace")
+            out.append(data)
+            size += len(data)
+            if size >= _BUFFER_BYTES:
+                self.writer.write(b"".join(out))
                 out = []
+                size = 0
         if out:
-            self.writer.write_lines(out)
+            self.writer.write(b"".join(out))
 
     def stop(self, timeout: float = STOP_SECONDS) -> None:
-        """Stop the writer once it has written what is queued, `timeout` s at most. Then the
-        root logger writes through the writer directly (the lines of the process's last
-        moments); but a writer still blocked on a stderr nobody reads is abandoned (a daemon
-        thread, it ends with the process) and the queue stays, dropping what comes."""
+        """Stop the writer once it has written what is captured and queued, `timeout` s at
+        most. Then the root logger writes through the writer directly (the lines of the
+        process's last moments); but a writer still blocked on a stderr nobody reads is
+        abandoned (a daemon thread, it ends with the process) and the deque stays,
+        dropping what comes."""
+        self._timer = None  # (its loop is closed by now)
+        self.flush()
         thread = self._thread
         if thread is None:
             return

@@ -311,9 +311,12 @@ def _banner(line: str) -> None:
     """Print a start-up banner `line` to stderr. Its reader may be gone (`2>&1 | head -1`
     took an earlier line): the broker serves on, as it does when its log lines find no
     reader (logging drops them); the BrokenPipeError ended the start with exit 1 and left
-    the socket directory behind (hostile testing, round 20)."""
+    the socket directory behind (hostile testing, round 20). One write, newline and all:
+    the log writer's thread writes to the same stderr (print's two writes let a log line
+    in between them)."""
     try:
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
     except OSError:
         pass
 
@@ -548,6 +551,8 @@ async def run(
         else:
             handle_stop(signum)
 
+    if logs is not None and access is not None:
+        logs.attach(loop)  # (the access lines rendered on this loop, in batches: broker/logpipe.py)
     try:
         frontends: list[HttpFrontend | StreamFrontend] = []
         scrape = None
@@ -790,6 +795,8 @@ async def run(
             log.info("stopped")
         return 0
     finally:
+        if logs is not None:
+            logs.detach()
         log_held()  # (a stop that ended without its line: the start failed meanwhile)
         # The process is ending: another stop or reload signal now has nothing to act on,
         # and must not kill it by signal instead of its exit code (hostile testing, round

@@ -1,19 +1,23 @@
-"""The log pipe in process (broker/logpipe.py): access entries and the broker's records through
-one bounded deque to a writer thread, written in order to a pipe; a chunk's entry a line per
-result; past the bound lines dropped and counted, a chunk's by its lines; the stop writes what
-is queued."""
+"""The log pipe in process (broker/logpipe.py): access entries rendered in batches (by the
+loop's timer once attached) and the broker's records through one bounded deque to a writer
+thread, written in order to a pipe; a chunk's entry a line per result; past the bound lines
+dropped and counted; the stop writes what is captured and queued; a banner is one write."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import logging
 import os
+import sys
 import time
 import typing
 
 import pytest
 
+from broker import server
 from broker.accesslog import Entry, Renderer
-from broker.logpipe import LogPipe
+from broker.logpipe import FLUSH_SECONDS, LogPipe
 
 SINGLE: Entry = (1.5, ("10.0.0.1", 80), "ci", "http", "m", b"7", 0.25, 0, 42, None)
 CHUNK: Entry = (1.5, "", "", "unix", ["m", "n"], [b'"a"', b"9" * 70], 0.0, 0, 42, None)
@@ -50,6 +54,7 @@ def test_entries_and_records_are_written_in_order_a_chunk_a_line_per_result(pipe
         pipe.access(SINGLE)
         logging.getLogger("broker.test").warning("between %d and %d", 1, 2)
         pipe.access(CHUNK)
+        pipe.flush()  # (what the loop's timer does: `attach`)
         lines = read_until(r, 4)
     finally:
         pipe.stop()
@@ -81,3 +86,60 @@ def test_past_its_bound_lines_are_dropped_and_counted_and_the_stop_writes_what_i
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
     assert len(read_until(r, 3)) == 3 and pipe.taken == 3
+
+
+class _Writes(io.FileIO):
+    """A file that keeps each write it is given (the system calls a stream makes)."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd, "wb", closefd=False)
+        self.calls: list[bytes] = []
+
+    def write(self, data: typing.Any) -> int:
+        self.calls.append(bytes(data))
+        return typing.cast(int, super().write(data))
+
+
+def test_a_banner_is_one_write_so_no_log_line_lands_inside_it(pipe_fds, monkeypatch):
+    """The writer thread writes to the same stderr: print's two writes (the text, then the
+    newline) let an access line in between (seen: a line empty, JSON lines unreadable)."""
+    _r, w = pipe_fds
+    raw = _Writes(w)
+    # (as Python makes sys.stderr: its text layer straight on the file, no buffer between)
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(typing.cast(typing.BinaryIO, raw), "utf-8",
+                                                        line_buffering=True, write_through=True))
+    server._banner("rpc-broker: serving JSON-RPC on http://127.0.0.1:1/")
+    assert raw.calls == [b"rpc-broker: serving JSON-RPC on http://127.0.0.1:1/\n"]
+
+
+def test_attached_to_a_loop_lines_are_rendered_there_in_batches_records_after_earlier_lines(pipe_fds):
+    r, w = pipe_fds
+    pipe = LogPipe(fd=w)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+
+    async def main() -> list[str]:
+        pipe.attach(asyncio.get_running_loop())
+        pipe.access(SINGLE)
+        pipe.access(CHUNK)
+        assert pipe.queued == 0  # (captured: rendered at the timer's next turn)
+        await asyncio.sleep(FLUSH_SECONDS * 3)
+        assert pipe.queued == 3
+        pipe.access(SINGLE)
+        logging.getLogger("broker.test").warning("after the line before it")  # (on the loop's thread)
+        pipe.access(CHUNK)
+        pipe.detach()  # (renders what is captured)
+        return read_until(r, 7)
+
+    try:
+        pipe.start()
+        lines = asyncio.run(main())
+    finally:
+        pipe.stop()
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    renderer = Renderer("text")
+    single, chunk = renderer.entry(SINGLE), renderer.entry(CHUNK)
+    assert lines[:4] == single + chunk + single
+    assert lines[4].endswith("WARNING after the line before it") and lines[5:] == chunk
+    assert pipe.queued == 6 and pipe.records == 1 and pipe.taken == 7
