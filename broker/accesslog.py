@@ -246,8 +246,8 @@ class Renderer:
 
     def lines(self, entries: typing.Iterable[Entry]) -> list[str]:
         """The lines of `entries`, in order (each entry's as `entry` makes them). The common
-        text line (a single call's, a number for its id, no params) is made here in one
-        f-string, its cached parts looked up by the entry's own values."""
+        text line (a number for its id, no params; a chunk's results too) is made here in
+        one f-string, its cached parts looked up by the entry's own values."""
         out: list[str] = []
         if self._json:
             for entry in entries:
@@ -261,13 +261,9 @@ class Renderer:
         stamp = ""
         for entry in entries:
             when, peer, token, transport, method, id_, duration, code, pid, params = entry
-            if params is not None or type(id_) is not bytes or not id_.isdigit() or len(id_) > ID_BYTES:
+            if params is not None:
                 out += self.entry(entry)
                 continue
-            try:
-                head = fast[peer, token, transport, method]
-            except (KeyError, TypeError):  # (TypeError: a peer that cannot be hashed)
-                head = self._fast_head(peer, token, transport, typing.cast(str, method))
             try:
                 tail = tails[code, pid]
             except KeyError:
@@ -276,7 +272,28 @@ class Renderer:
             if not base <= ms < base + 1000:
                 stamp = self._time(when)[:-5]
                 base = ms - ms % 1000
-            append(f"time={stamp}{millis[ms - base]} {head} id={id_.decode()} duration={duration:.6f} {tail}")
+            if type(id_) is bytes:
+                if not id_.isdigit() or len(id_) > ID_BYTES:
+                    out += self.entry(entry)
+                    continue
+                try:
+                    head = fast[peer, token, transport, method]
+                except (KeyError, TypeError):  # (TypeError: a peer that cannot be hashed)
+                    head = self._fast_head(peer, token, transport, typing.cast(str, method))
+                append(f"time={stamp}{millis[ms - base]} {head} id={id_.decode()} duration={duration:.6f} {tail}")
+                continue
+            # A chunk's results: the same time, duration and tail on each line
+            first = f"time={stamp}{millis[ms - base]} "
+            last = f" duration={duration:.6f} {tail}"
+            for m, i in zip(typing.cast(list[str], method), id_):
+                if not i.isdigit() or len(i) > ID_BYTES:
+                    out += self.entry((when, peer, token, transport, m, i, duration, code, pid, None))
+                    continue
+                try:
+                    head = fast[peer, token, transport, m]
+                except (KeyError, TypeError):
+                    head = self._fast_head(peer, token, transport, m)
+                append(f"{first}{head} id={i.decode()}{last}")
         return out
 
     def _fast_head(self, peer: object, token: str, transport: str, method: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import logging
 import os
 import sys
@@ -14,6 +15,8 @@ import time
 import typing
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker import server
 from broker.accesslog import Entry, Renderer
@@ -143,3 +146,38 @@ def test_attached_to_a_loop_lines_are_rendered_there_in_batches_records_after_ea
     assert lines[:4] == single + chunk + single
     assert lines[4].endswith("WARNING after the line before it") and lines[5:] == chunk
     assert pipe.queued == 6 and pipe.records == 1 and pipe.taken == 7
+
+
+_IDS = st.one_of(
+    st.integers(-(10**80), 10**80).map(lambda n: str(n).encode()),
+    st.text(max_size=80).map(lambda t: json.dumps(t, ensure_ascii=False).encode()),
+    st.sampled_from([b"null", b"1.5e3", b"0012", b"9" * 64, b"9" * 65]),
+)
+_NAMES = st.text(min_size=1, max_size=12)
+_PEERS = st.sampled_from([("127.0.0.1", 5), ("::1", 80, 0, 0), "", None, ("10.0.0.1", 1)])
+_SINGLES = st.tuples(
+    st.floats(-1e10, 4e9), _PEERS, st.sampled_from(["", "ci", "a b"]), st.sampled_from(["http", "tcp", "unix"]),
+    _NAMES, _IDS, st.floats(0, 1e4), st.sampled_from([0, -32000, -32601, 7]), st.sampled_from([0, 42]),
+    st.one_of(st.none(), st.just(b'{"token": "s", "a": [1]}'), st.just(9000)),
+)  # fmt: skip
+
+
+@st.composite
+def _entries(draw: st.DrawFn) -> Entry:
+    entry = draw(_SINGLES)
+    if draw(st.booleans()):  # (a chunk's results: method and id lists of one length)
+        n = draw(st.integers(1, 4))
+        entry = (*entry[:4], draw(st.lists(_NAMES, min_size=n, max_size=n)),
+                 draw(st.lists(_IDS, min_size=n, max_size=n)), *entry[6:])  # fmt: skip
+    return typing.cast(Entry, entry)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_entries(), max_size=12), st.sampled_from(["text", "json"]))
+def test_lines_renders_a_batch_as_each_entry_alone(entries, fmt):
+    """`Renderer.lines` (the loop's batch, its fast paths) makes the lines `Renderer.entry`
+    makes of each entry, whatever the ids, names, peers, times and params."""
+    want = [line for entry in entries for line in Renderer(fmt).entry(entry)]
+    renderer = Renderer(fmt)
+    assert renderer.lines(entries) == want
+    assert renderer.lines(entries) == want  # (its caches filled)
