@@ -285,7 +285,7 @@ class Renderer:
             # A chunk's results: the same time, duration and tail on each line
             first = f"time={stamp}{millis[ms - base]} "
             last = f" duration={duration:.6f} {tail}"
-            for m, i in zip(typing.cast(list[str], method), id_):
+            for m, i in zip(typing.cast(list[str], method), typing.cast(list[bytes], id_)):
                 if not i.isdigit() or len(i) > ID_BYTES:
                     out += self.entry((when, peer, token, transport, m, i, duration, code, pid, None))
                     continue
