@@ -18,9 +18,10 @@ broker's own `logging.LogRecord`s (the root logger's one handler, `RecordHandler
 same deque, after the access lines captured before them, and are formatted by the writer
 (`LineFormatter`: text, or one JSON object a line).
 
-The deque is bounded in lines (`QUEUE_LINES`, a buffer counted by its lines): when stderr
-is slow (a pipe nobody reads, a terminal scrolled back) the writer thread blocks in its
-write, the deque fills, and the lines past the bound are dropped and counted (`dropped`:
+The deque is bounded in lines (`QUEUE_LINES`, a buffer counted by its lines; a buffer put
+when the deque is empty is taken whole, whatever its lines): when stderr is slow (a pipe
+nobody reads, a terminal scrolled back) the writer thread blocks in its write, the deque
+fills, and the lines past the bound are dropped and counted (`dropped`:
 the access lines' and the broker's own apart, exported as
 `rpc_broker_log_lines_dropped_total{log}`), never waited for, so the loop goes on answering
 calls. The count on the deque is the difference of counters each written by one thread
@@ -213,19 +214,27 @@ class LogPipe:
         self._loop_thread = None
 
     def flush(self) -> None:
-        """Render the access entries captured so far and queue them as one buffer; the lines
-        past the deque's bound are dropped and counted. On the thread of `access`."""
+        """Render the access entries captured so far and queue them as one buffer. When the
+        writer has taken everything before, the buffer is queued whole, however many lines
+        (at most the loop's calls of one `FLUSH_SECONDS`: a stderr that keeps up loses none,
+        a batch flood's included); otherwise the lines past the deque's bound are dropped and
+        counted, and only those that fit rendered. On the thread of `access`."""
         entries = self._entries
         if not entries:
             return
         batch = entries[:]
         entries.clear()
-        room = self._max - (self.queued + self.records - self.taken)
-        if room <= 0:
-            self.dropped["access"] += sum(1 if type(e[5]) is bytes else len(e[5]) for e in batch)
-            return
+        backlog = self.queued + self.records - self.taken
+        if backlog:
+            room = self._max - backlog
+            if room < len(batch):  # (a line an entry at least: those past the room not rendered)
+                self.dropped["access"] += _lines_of(batch[max(room, 0):])
+                del batch[max(room, 0):]
+                if not batch:
+                    return
         lines = self._renderer.lines(batch)
-        if len(lines) > room:
+        if backlog and len(lines) > self._max - backlog:  # (a chunk's entry: its lines past the room)
+            room = self._max - backlog
             self.dropped["access"] += len(lines) - room
             del lines[room:]
         self.queued += len(lines)
@@ -327,6 +336,11 @@ class LogPipe:
         root = logging.getLogger()
         root.removeHandler(self.handler)
         root.addHandler(self.writer)
+
+
+def _lines_of(entries: list[Entry]) -> int:
+    """How many lines `entries` make: one each, a chunk's results one a result."""
+    return sum(1 if type(e[5]) is bytes else len(e[5]) for e in entries)
 
 
 def access_to_logger(logger: logging.Logger) -> typing.Callable[[Entry], None]:

@@ -75,11 +75,26 @@ def test_past_its_bound_lines_are_dropped_and_counted_and_the_stop_writes_what_i
     r, w = pipe_fds
     pipe = LogPipe(fd=w, max_lines=3)  # (not started: nothing takes the lines off)
     pipe.access(SINGLE)
-    pipe.access(CHUNK)  # 3 lines queued: full
+    pipe.access(CHUNK)
+    pipe.access(CHUNK)
+    pipe.flush()  # 5 lines queued: past the bound, but the deque was empty (a stderr keeping up loses none)
+    assert pipe.queued == 5 and pipe.dropped == {"access": 0, "broker": 0}
     pipe.access(SINGLE)
     pipe.access(CHUNK)
-    pipe.record(logging.LogRecord("broker", logging.INFO, __file__, 1, "dropped", None, None))
-    assert pipe.dropped == {"access": 3, "broker": 1} and pipe.queued == 3
+    pipe.record(logging.LogRecord("broker", logging.INFO, __file__, 1, "dropped", None, None))  # (flushes first)
+    assert pipe.dropped == {"access": 3, "broker": 1} and pipe.queued == 5
+    pipe.taken = 4  # (as if the writer had taken 4 of them: 1 line left, room for 2)
+    pipe.access(CHUNK)  # 2 lines: fit
+    pipe.access(SINGLE)
+    pipe.access(CHUNK)  # past the room: not rendered, dropped
+    pipe.flush()
+    assert pipe.queued == 7 and pipe.dropped == {"access": 6, "broker": 1}
+    pipe.taken = 6  # (room for 2)
+    pipe.access(CHUNK)
+    pipe.access(CHUNK)  # 2 entries fit the room, their 4 lines do not: the last 2 dropped
+    pipe.flush()
+    assert pipe.queued == 9 and pipe.dropped == {"access": 8, "broker": 1}
+    pipe.taken = 0
     root = logging.getLogger()
     saved = root.handlers[:], root.level
     try:
@@ -88,7 +103,10 @@ def test_past_its_bound_lines_are_dropped_and_counted_and_the_stop_writes_what_i
     finally:
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
-    assert len(read_until(r, 3)) == 3 and pipe.taken == 3
+    lines = read_until(r, 9)
+    renderer = Renderer("text")
+    single, chunk = renderer.entry(SINGLE), renderer.entry(CHUNK)
+    assert lines == single + chunk * 4 and pipe.taken == 9
 
 
 class _Writes(io.FileIO):
