@@ -159,9 +159,10 @@ def test_answers_to_a_connection_gone_are_lines_as_the_worker_answered(clock):
     d.submit(body(codec, req("n", [], 2)), done.append, gone)
     first, second = w.channel.take()
     gone.lost()
+    clock.advance(0.5)
     d.on_reply(w, wire.Kind.RESULT, first[1], 0, b"1")
     d.on_reply(w, wire.Kind.ERROR, second[1], 0, NO)
-    assert [(x.method, x.code) for x in lines] == [("m", 0), ("n", -32602)]
+    assert [(x.method, x.code, x.duration) for x in lines] == [("m", 0, 0.5), ("n", -32602, 0.5)]
 
 
 def test_a_large_result_kept_as_owed_first_is_a_line_and_one_refused_too(clock):
@@ -172,10 +173,12 @@ def test_a_large_result_kept_as_owed_first_is_a_line_and_one_refused_too(clock):
     d.submit(body(codec, req("m", [], 3)), done.append, budget)
     budget.owed = [first_exchange]  # (HTTP: the first answer the connection owes)
     first, second, third = w.channel.take()
+    clock.advance(0.25)
     d.on_reply(w, wire.Kind.RESULT, second[1], 0, b'"' + b"y" * 10 + b'"')  # (fits: on the hot path)
     d.on_reply(w, wire.Kind.RESULT, third[1], 0, b'"' + b"z" * 20 + b'"')  # (past the budget: refused)
     d.on_reply(w, wire.Kind.RESULT, first[1], 0, b'"' + b"x" * 20 + b'"')  # (owed first: kept, `_large_result`)
-    assert [(x.id, x.code) for x in lines] == [(b"2", 0), (b"3", ErrorCode.INTERNAL_ERROR), (b"1", 0)]
+    assert [(x.id, x.code, x.duration) for x in lines] == [
+        (b"2", 0, 0.25), (b"3", ErrorCode.INTERNAL_ERROR, 0.25), (b"1", 0, 0.25)]
 
 
 def test_log_params_keeps_a_sent_calls_params_and_a_chunks_each(clock):
