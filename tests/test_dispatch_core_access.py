@@ -121,6 +121,18 @@ def test_a_chunk_failed_whole_or_past_its_budget_is_a_line_per_call(clock):
     assert [(x.id, x.code) for x in lines] == [(b"2", ErrorCode.INTERNAL_ERROR)]
 
 
+def test_a_chunk_failed_whole_past_its_budget_is_a_line_per_call_with_its_method_and_duration(clock):
+    big = b'{"code":7,"message":"' + b"b" * 40 + b'"}'
+    one = len(b'{"jsonrpc":"2.0","id":0,"error":' + big + b"}")
+    d, w, codec, done, lines = setup(clock, "errors", max_response_bytes=one + 10)
+    d.submit(body(codec, [req("m", [], 0), req("n", [], 1), req("m", [], 2)]), done.append)
+    [frame] = w.channel.take()
+    clock.advance(0.5)
+    d.on_reply(w, wire.Kind.ERROR, frame[1], 0, big)  # (the first fits; the others' -32603 in its place)
+    assert told(lines) == [("m", "0", 7, 4242, 0.5, None), ("n", "1", ErrorCode.INTERNAL_ERROR, 4242, 0.5, None),
+                           ("m", "2", ErrorCode.INTERNAL_ERROR, 4242, 0.5, None)]  # fmt: skip
+
+
 def test_a_timeout_says_the_worker_it_ran_on_and_one_in_the_queue_none(clock):
     d, w, codec, done, lines = setup(clock, "errors", timeout=1.0)
     w.concurrency = w.limit = 1
