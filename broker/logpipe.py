@@ -34,20 +34,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import collections.abc
 import datetime
+import fcntl
 import io
 import logging
 import os
+import select
 import signal
+import stat
+import struct
 import sys
+import termios
 import threading
+import time
 import typing
 
 import msgspec
 
-from broker.accesslog import Entry, Renderer
+from broker.accesslog import Entry, Renderer, json_line
 
-__all__ = ["FLUSH_SECONDS", "FORMATS", "QUEUE_LINES", "STOP_SECONDS", "LineFormatter", "LineWriter", "LogPipe",
+__all__ = ["FLUSH_SECONDS", "FORMATS", "HEADROOM", "HEADROOM_SECONDS", "PIPE_BUF", "QUEUE_LINES", "STOP_SECONDS",
+           "LineFormatter", "LineWriter", "LogPipe",
            "RecordHandler", "access_to_logger"]  # fmt: skip
 
 FORMATS = ("text", "json")  # the log_format setting's values
@@ -55,6 +63,9 @@ QUEUE_LINES = 10000  # lines waiting for the writer, at most (past it they are d
 STOP_SECONDS = 2.0  # how long the stop waits for the writer to write what is queued
 FLUSH_SECONDS = 0.05  # the access lines captured are rendered and queued this often while the loop runs
 TEXT_FORMAT = "%(asctime)s broker pid %(process)d %(levelname)s %(message)s"  # the broker's lines, as text
+PIPE_BUF = select.PIPE_BUF  # the largest write a pipe keeps whole (4096 on Linux)
+HEADROOM = 0.5  # of a pipe's size the writer leaves free for the workers' own lines (its pages, not only bytes)
+HEADROOM_SECONDS = 1.0  # how long a write waits for that room before it is written all the same
 _BUFFER_BYTES = 64 * 1024  # what the writer gathers before a write; `LineWriter.emit`'s buffer (after the stop)
 _encode = msgspec.json.Encoder().encode
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the writer thread never takes these
@@ -85,7 +96,7 @@ class LineFormatter(logging.Formatter):
             line["exc"] = record.exc_text
         if record.stack_info:
             line["stack"] = self.formatStack(record.stack_info)
-        return _encode(line).decode()
+        return json_line(_encode(line))
 
 
 class RecordHandler(logging.Handler):
@@ -122,6 +133,12 @@ class LineWriter(logging.Handler):
         self.fd = fd
         self.abandoned = False
         self._buf = bytearray()
+        self._capacity = 0  # a pipe's size in bytes (F_GETPIPE_SZ); 0 for anything else
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                self._capacity = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+        except (OSError, AttributeError):  # (AttributeError: no F_GETPIPE_SZ, not Linux)
+            self._capacity = 0
 
     def handle(self, record: logging.LogRecord) -> bool:
         """Format and buffer `record` (no handler lock: one thread writes at a time)."""
@@ -141,23 +158,56 @@ class LineWriter(logging.Handler):
         if len(self._buf) >= _BUFFER_BYTES:
             self._write()
 
-    def write(self, data: bytes) -> None:
-        """Write `data` (whole lines), in one write when the fd takes it."""
+    def write(self, data: bytes) -> int:
+        """Write `data` (whole lines), as the pipe's writer thread: on a pipe, never into
+        its `HEADROOM` (waiting for a reader as long as it takes, or until abandoned).
+        Returns how many lines a failed write dropped (0: all written)."""
         self._buf += data
-        self._write()
+        return self._write(patient=True)
 
     def flush(self) -> None:
         """Write what is buffered (unless abandoned)."""
         if not self.abandoned:
             self._write()
 
-    def _write(self) -> None:
+    def _write(self, patient: bool = False) -> int:
+        """Write the buffer: whole lines, at most `PIPE_BUF` bytes a write (a longer line
+        alone), so that on a pipe each write is atomic and a worker's own line, written to
+        the same stderr, never lands inside one of these (hostile testing, round 117: 64 KiB
+        writes, cut by the kernel, had workers' lines spliced into access lines). On a pipe,
+        a write waits until it leaves `HEADROOM` bytes free (`patient`: the writer thread's,
+        as long as it takes; else `HEADROOM_SECONDS` at most, then it writes as any would):
+        the workers' lines find room even when these fill it, and their workers do not
+        block on it (round 117: a full pipe held a worker, and every call routed to it, 10 s)."""
         buf = self._buf
         try:
             while buf:
-                del buf[: os.write(self.fd, buf)]
+                end = len(buf)
+                if end > PIPE_BUF:
+                    cut = buf.rfind(b"\n", 0, PIPE_BUF)
+                    end = cut + 1 if cut >= 0 else buf.find(b"\n", PIPE_BUF) + 1 or len(buf)
+                if self._capacity:
+                    self._wait_room(end, patient)
+                chunk = bytes(buf[:end])
+                written = os.write(self.fd, chunk)
+                del buf[:written]
         except OSError:
+            lost = buf.count(b"\n")
             buf.clear()
+            return lost
+        return 0
+
+    def _wait_room(self, size: int, patient: bool) -> None:
+        """Wait until the pipe holds few enough bytes unread that `size` more leave the
+        `HEADROOM` share of it free (a pipe is pages: a write of whole lines leaves the rest
+        of its last page unused, so bytes alone would overstate the room), or the writer is
+        abandoned, or (not `patient`) `HEADROOM_SECONDS` passed."""
+        deadline = time.monotonic() + HEADROOM_SECONDS if not patient else float("inf")
+        while not self.abandoned:
+            unread = struct.unpack("i", fcntl.ioctl(self.fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+            if unread + size <= self._capacity * (1 - HEADROOM) or time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
 
 
 class LogPipe:
@@ -168,7 +218,9 @@ class LogPipe:
     level: the root logger's threshold (a logging level name or number). style: "text"
     or "json" (`FORMATS`). fd: the file descriptor lines are written to (default: a dup
     of stderr's). max_lines: the deque's bound. `dropped`: lines dropped for a full deque
-    so far, {"access": n, "broker": n} (one dict, updated in place). `access`: takes an
+    so far, {"access": n, "broker": n} (one dict, updated in place); `lost`: those a write
+    failed to write (no reader, a full disk); `dropped_total`: the two summed, read-only
+    (`rpc_broker_log_lines_dropped_total`). `access`: takes an
     access entry (`accesslog.AccessLog`'s emit), on the loop's thread only; rendered at the
     next `flush` (every `FLUSH_SECONDS` once `attach`ed to the loop, and at the `stop`).
     """
@@ -184,6 +236,8 @@ class LogPipe:
         self.records = 0  # records put on it (under the handler's lock only)
         self.taken = 0  # lines taken off it (the writer's thread only)
         self.dropped = {"access": 0, "broker": 0}
+        self.lost = {"access": 0, "broker": 0}  # lines a write failed to write (the writer's thread only)
+        self.dropped_total = _Sum(self.dropped, self.lost)
         self.handler = RecordHandler(self)
         self.writer = LineWriter(_stderr_fd() if fd is None else fd)
         self.writer.setFormatter(LineFormatter(style))
@@ -243,6 +297,16 @@ class LogPipe:
             self._idle = False
             self._wake.set()
 
+    def line(self, text: str) -> None:
+        """Queue `text` as a line of its own, after what is captured before it (never
+        dropped: the start's banners). On the thread of `access`."""
+        self.flush()
+        self.queued += 1
+        self._append(((text + "\n").encode("utf-8", "backslashreplace"), 1))
+        if self._idle:
+            self._idle = False
+            self._wake.set()
+
     def record(self, record: logging.LogRecord) -> None:
         """A broker's record (`RecordHandler.emit`, under its lock): queued after the access
         lines captured before it on the same thread, or dropped and counted."""
@@ -287,14 +351,24 @@ class LogPipe:
                 return
 
     def _drain(self) -> None:
-        """Write everything queued (records formatted here), `_BUFFER_BYTES` or so a write."""
+        """Write everything queued (records formatted here), `_BUFFER_BYTES` or so a write,
+        the access lines and the broker's apart; lines a write failed to write (no reader:
+        EPIPE; a full disk: ENOSPC) counted in `lost`."""
         pending = self._pending
         popleft = pending.popleft
         fmt = self.writer.format
         out: list[bytes] = []
         size = 0
+        kind = "access"
         while pending:
-            item = popleft()
+            item = pending[0]
+            item_kind = "access" if type(item) is tuple else "broker"
+            if item_kind != kind or size >= _BUFFER_BYTES:
+                self._write(out, kind)
+                out = []
+                size = 0
+                kind = item_kind
+            popleft()
             if type(item) is tuple:
                 data, lines = item
                 self.taken += lines
@@ -307,12 +381,13 @@ class LogPipe:
                 data = (line + "\n").encode("utf-8", "backslashreplace")
             out.append(data)
             size += len(data)
-            if size >= _BUFFER_BYTES:
-                self.writer.write(b"".join(out))
-                out = []
-                size = 0
+        self._write(out, kind)
+
+    def _write(self, out: list[bytes], kind: str) -> None:
         if out:
-            self.writer.write(b"".join(out))
+            lost = self.writer.write(b"".join(out))
+            if lost:
+                self.lost[kind] += lost
 
     def stop(self, timeout: float = STOP_SECONDS) -> None:
         """Stop the writer once it has written what is captured and queued, `timeout` s at
@@ -338,6 +413,22 @@ class LogPipe:
         root.addHandler(self.writer)
 
 
+class _Sum(collections.abc.Mapping[str, int]):
+    """Two counts by the same keys, read as their sums (`LogPipe.dropped_total`)."""
+
+    def __init__(self, a: dict[str, int], b: dict[str, int]) -> None:
+        self._a, self._b = a, b
+
+    def __getitem__(self, key: str) -> int:
+        return self._a[key] + self._b[key]
+
+    def __iter__(self) -> typing.Iterator[str]:
+        return iter(self._a)
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+
 def _lines_of(entries: list[Entry]) -> int:
     """How many lines `entries` make: one each, a chunk's results one a result."""
     return sum(1 if type(e[5]) is bytes else len(e[5]) for e in entries)
@@ -357,8 +448,13 @@ def access_to_logger(logger: logging.Logger) -> typing.Callable[[Entry], None]:
 
 
 def _stderr_fd() -> int:
-    """A descriptor of stderr's of the writer's own (a dup: not closed with sys.stderr)."""
+    """A descriptor of stderr's of the writer's own (a dup: not closed with sys.stderr), or
+    of /dev/null when there is no stderr (`2>&-`: the broker serves all the same, as it
+    did before its lines had a writer; hostile testing, round 117)."""
     try:
         return os.dup(sys.stderr.fileno())
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        return os.dup(2)
+        try:
+            return os.dup(2)
+        except OSError:
+            return os.open(os.devnull, os.O_WRONLY)

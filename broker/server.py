@@ -307,13 +307,17 @@ _LISTENER_NAMES = {
 }  # fmt: skip (the setting that chooses where, by its flag: round 30, a new user)
 
 
-def _banner(line: str) -> None:
-    """Print a start-up banner `line` to stderr. Its reader may be gone (`2>&1 | head -1`
-    took an earlier line): the broker serves on, as it does when its log lines find no
-    reader (logging drops them); the BrokenPipeError ended the start with exit 1 and left
-    the socket directory behind (hostile testing, round 20). One write, newline and all:
-    the log writer's thread writes to the same stderr (print's two writes let a log line
-    in between them)."""
+def _banner(line: str, logs: LogPipe | None = None) -> None:
+    """Print a start-up banner `line` to stderr: through `logs`, the process's log pipe, when
+    there is one (its writer thread writes it, after the lines before it: the loop never
+    waits on a full stderr; hostile testing, round 117, a stderr pipe already full at the
+    start hung it, SIGTERM unheard), else in one write, newline and all. Its reader may be
+    gone (`2>&1 | head -1` took an earlier line): the broker serves on, as it does when its
+    log lines find no reader (logging drops them); the BrokenPipeError ended the start with
+    exit 1 and left the socket directory behind (hostile testing, round 20)."""
+    if logs is not None:
+        logs.line(line)
+        return
     try:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
@@ -558,7 +562,7 @@ async def run(
         scrape = None
         if config.metrics:
             collector = BrokerCollector(dispatcher, pool, frontends, config.max_queue, config.max_queue_bytes,
-                                        logs.dropped if logs is not None else None)
+                                        logs.dropped_total if logs is not None else None)
             reg = registry(collector)
 
             def scrape() -> bytes:
@@ -719,7 +723,8 @@ async def run(
         _banner(
             f"rpc-broker: serving JSON-RPC on {_url(host, port, 'https' if tls else 'http')}{config.rpc_path}"
             f" with {pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app}, event loop"
-            f" {config.event_loop}, pid {os.getpid()})"
+            f" {config.event_loop}, pid {os.getpid()})",
+            logs,
         )
         for fe, server in zip(frontends, servers):
             if isinstance(fe, StreamFrontend):
@@ -727,10 +732,11 @@ async def run(
                 # (a relative --stream-socket shown absolute: round 31 showed `unix://relative`)
                 shown = (f"unix://{os.path.abspath(name)}" if fe.transport == "unix"
                          else _url(name[0], name[1], "tls" if tls else "tcp"))
-                _banner(f"rpc-broker: serving NDJSON JSON-RPC on {shown}")
+                _banner(f"rpc-broker: serving NDJSON JSON-RPC on {shown}", logs)
             elif fe.metrics is not None:
                 address = server.sockets[0].getsockname()
-                _banner(f"rpc-broker: metrics on {_url(address[0], address[1], 'https' if tls else 'http')}/metrics")
+                _banner(f"rpc-broker: metrics on {_url(address[0], address[1], 'https' if tls else 'http')}/metrics",
+                        logs)
         if config.stream_socket and int(config.stream_socket_mode, 8) & 0o007:
             log.warning("stream_socket_mode %s lets every user of this machine connect to %s and call every tool",
                         config.stream_socket_mode, config.stream_socket)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,138 @@ def test_a_batch_flood_to_a_stderr_that_keeps_up_loses_no_line(tmp_path: Path) -
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def _spawn(stderr: object, *args: str, workers: str = "1") -> tuple[subprocess.Popen[bytes], Broker]:
+    """A broker on a free port whose stderr is `stderr` (a descriptor, or a command line's
+    redirection via sh when a str), ready (GET /readyz), not read from its banner."""
+    port = free_port()
+    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", workers,
+            *args]  # fmt: skip
+    if isinstance(stderr, str):  # (e.g. "2>&-")
+        proc = subprocess.Popen(["sh", "-c", 'exec "$@" ' + stderr, "sh", *argv], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    else:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    b = Broker(proc, "127.0.0.1", port, "/", [])
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, f"exit {proc.poll()}"
+        try:
+            conn = b.connection(1.0)
+            conn.request("GET", "/readyz")
+            if conn.getresponse().status == 200:
+                conn.close()
+                return proc, b
+            conn.close()
+        except OSError:
+            pass
+        time.sleep(0.1)
+
+
+def _end(proc: subprocess.Popen[bytes]) -> int:
+    """SIGTERM our broker; its exit status (killed after 30 s: the test fails on it)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise
+    return typing.cast(int, proc.returncode)
+
+
+def test_a_stderr_pipe_full_at_the_start_neither_hangs_the_broker_nor_its_stop() -> None:
+    """Hostile testing, round 117, and new users, round 108: the banner, written on the loop
+    to a pipe already full, hung the broker, SIGTERM unheard until the pipe was read."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        while True:
+            os.write(w, b"x" * 4096)
+    except BlockingIOError:
+        pass
+    os.set_blocking(w, True)
+    try:
+        proc, b = _spawn(w)
+        try:
+            assert b.call("add", [2, 3], timeout=10)["result"] == 5
+            began = time.monotonic()
+            assert _end(proc) == 0 and time.monotonic() - began < 15  # (the writer abandoned after 2 s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_closed_stderr_still_serves() -> None:
+    """`2>&-`: the broker exited 1 saying nothing (new users, round 108; hostile, round 117)."""
+    proc, b = _spawn("2>&-", "--access-log", "all")
+    try:
+        assert b.call("add", [2, 3], timeout=10)["result"] == 5
+        assert _end(proc) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_worker_logging_to_a_stderr_nobody_reads_is_not_held_up_by_the_access_lines() -> None:
+    """stderr a pipe nobody reads, filled by access lines: a worker's own error line still
+    goes in at once (the writer leaves it room), so its calls and the others' are answered
+    (hostile testing, round 117: a worker blocked on the full pipe, a probe waited 10 s)."""
+    r, w = os.pipe()
+    try:
+        proc, b = _spawn(w, "--app", "broker.demo:faults", "--access-log", "all", "--timeout", "10", workers="2")
+        try:
+            batch = json.dumps([rpc("add", [i, 1], i) for i in range(500)])
+            for _ in range(25):  # (12,500 lines, about 2 MB: past the pipe and the queue's 10,000)
+                assert b.post(batch, timeout=10)[0] == 200
+            time.sleep(0.5)
+            samples = scrape_metrics(b)
+            assert sample(samples, "rpc_broker_log_lines_dropped_total", log="access") > 0  # (the pipe was full)
+            for _ in range(3):
+                t = time.monotonic()
+                answer = b.call("raise_error", [-32000, "a code the broker keeps"], timeout=15)  # (the worker logs)
+                assert answer["error"]["code"] == -32603 and time.monotonic() - t < 3, answer
+                t = time.monotonic()
+                assert b.call("add", [1, 2], timeout=15)["result"] == 3 and time.monotonic() - t < 3
+            assert sample(scrape_metrics(b), "rpc_broker_worker_restarts_total", reason="hung") == 0
+        finally:
+            _end(proc)
+        data = b""
+        os.set_blocking(r, False)
+        try:
+            while chunk := os.read(r, 65536):
+                data += chunk
+        except BlockingIOError:
+            pass
+        assert b"raised an RpcError the worker refuses" in data  # (the worker's line got in)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_lines_a_stderr_with_no_reader_loses_are_counted() -> None:
+    """EPIPE (the reader gone): the lines lost counted as dropped (new users, round 108: 0)."""
+    r, w = os.pipe()
+    proc, b = _spawn(w, "--access-log", "all")
+    os.close(r)  # (from now on every write fails: EPIPE)
+    try:
+        for _ in range(5):
+            assert b.post(json.dumps([rpc("add", [i, 1], i) for i in range(100)]), timeout=10)[0] == 200
+        deadline = time.monotonic() + 10
+        while sample(scrape_metrics(b), "rpc_broker_log_lines_dropped_total", log="access") < 500:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert _end(proc) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(w)

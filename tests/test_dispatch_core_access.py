@@ -12,7 +12,17 @@ from test_dispatch import body, req
 from test_dispatch_core import Clock, chunk_answers, one_worker
 
 from broker import wire
-from broker.accesslog import REDACTED, AccessLine, AccessLog, address, entry_lines, redact
+from broker.accesslog import (
+    PARAMS_CHARS,
+    REDACT_VALUES,
+    REDACTED,
+    AccessLine,
+    AccessLog,
+    _params_text,
+    address,
+    entry_lines,
+    redact,
+)
 from broker.answers import ResponseBudget
 from broker.jsonrpc import ErrorCode
 from broker.metrics import CallMetrics
@@ -222,3 +232,26 @@ def test_redaction_reaches_nested_objects_and_lists_and_the_address_its_forms():
         "1.2.3.4:5", "[::1]:5", "unix", "unix", "-")
     with pytest.raises(ValueError, match="access_log"):
         AccessLog("off", print)
+
+
+SECRETS = ["password", "PASS-WORD", "pass_word", "db_password", "accessToken", "x-auth-token", "clientSecret",
+           "secret_key", "X-Api-Key", "x_api_key", "X-Private-Key", "privateKey", "passphrase", "auth", "bearer",
+           "Authorization ", "proxy-authorization", "Set-Cookie", "session_id", "jwt", "token\x00",
+           "\uff30\uff21\uff33\uff33\uff37\uff2f\uff32\uff24", "\u212aey", "pwd", "pin", "credentials"]  # fmt: skip
+
+
+@pytest.mark.parametrize("key", SECRETS)
+def test_a_key_named_like_a_secret_in_any_spelling_is_redacted(key):
+    """Hostile testing, round 117, and new users, round 108: camelCase, prefixes, suffixes,
+    other punctuation and fullwidth letters were logged in clear."""
+    assert redact({"a": [{key: "S"}], key: {"x": 1}}) == {"a": [{key: REDACTED}], key: REDACTED}
+
+
+def test_plain_keys_are_kept_and_a_params_walk_is_bounded():
+    assert redact({"id": 1, "name": "n", "method": "m", "query": "q", "path": "/p"}) == {
+        "id": 1, "name": "n", "method": "m", "query": "q", "path": "/p"}
+    wide = b"[" + b",".join([b"[]"] * 1364) + b"]"  # (no object: nothing to redact, nothing walked)
+    assert _params_text(wide) == wide.decode()[:PARAMS_CHARS] + "..."
+    objects = b'{"a":[' + b",".join([b"{}"] * (REDACT_VALUES + 1)) + b"]}"
+    assert _params_text(objects) == f"({len(objects)} bytes, more than {REDACT_VALUES} values: not written)"
+    assert _params_text(b'{"password":1,"x":[1,2]}') == '{"password":"[redacted]","x":[1,2]}'

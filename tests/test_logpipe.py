@@ -6,11 +6,17 @@ dropped and counted; the stop writes what is captured and queued; a banner is on
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import io
 import json
 import logging
 import os
+import re
+import struct
+import subprocess
 import sys
+import termios
+import threading
 import time
 import typing
 
@@ -20,7 +26,7 @@ from hypothesis import strategies as st
 
 from broker import server
 from broker.accesslog import Entry, Renderer
-from broker.logpipe import FLUSH_SECONDS, LogPipe
+from broker.logpipe import FLUSH_SECONDS, HEADROOM, PIPE_BUF, LineWriter, LogPipe
 
 SINGLE: Entry = (1.5, ("10.0.0.1", 80), "ci", "http", "m", b"7", 0.25, 0, 42, None)
 CHUNK: Entry = (1.5, "", "", "unix", ["m", "n"], [b'"a"', b"9" * 70], 0.0, 0, 42, None)
@@ -199,3 +205,66 @@ def test_lines_renders_a_batch_as_each_entry_alone(entries, fmt):
     renderer = Renderer(fmt)
     assert renderer.lines(entries) == want
     assert renderer.lines(entries) == want  # (its caches filled)
+
+
+_WORKER = "import os\nfor i in range(3000):\n    os.write(2, b'worker %d ' % i + b'y' * 100 + b'\\n')\n"
+
+
+def test_lines_stay_whole_beside_another_process_writing_to_a_slow_pipe(pipe_fds):
+    """The writer's lines and another process's (a worker's, to the same stderr) cross a pipe
+    read slowly: every line arrives whole (writes of whole lines at most PIPE_BUF; round
+    117 saw workers' lines spliced into 64 KiB writes)."""
+    r, w = pipe_fds
+    writer = LineWriter(w)
+    data = "".join(f"line {i} " + "x" * 140 + "\n" for i in range(6000)).encode()
+    child = subprocess.Popen([sys.executable, "-c", _WORKER], stderr=w)
+    thread = threading.Thread(target=writer.write, args=(data,))
+    thread.start()
+    got = b""
+    deadline = time.monotonic() + 60
+    while (thread.is_alive() or child.poll() is None or got.count(b"\n") < 9000) and time.monotonic() < deadline:
+        try:
+            got += os.read(r, 2048)
+        except BlockingIOError:
+            pass
+        time.sleep(0.0005)  # (a slow reader: the pipe stays nearly full, both writers waiting on it)
+    thread.join(10)
+    child.wait(10)
+    lines = got.decode().splitlines()
+    assert len(lines) == 9000
+    assert all(re.fullmatch(r"line \d+ x{140}|worker \d+ y{100}", line) for line in lines), \
+        [line for line in lines if not re.fullmatch(r"line \d+ x{140}|worker \d+ y{100}", line)][:3]
+
+
+def test_the_writer_leaves_a_pipe_room_for_the_workers_lines_when_nobody_reads(pipe_fds):
+    """A pipe nobody reads: the writer thread fills it but for its HEADROOM share, and waits (its
+    lines then queue, then are dropped and counted); 16 KiB of a worker's lines still go in at once."""
+    _r, w = pipe_fds
+    pipe = LogPipe(fd=w, max_lines=100)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        pipe.start()
+        for i in range(2000):
+            pipe.access((1.5, "", "", "unix", "m", str(i).encode(), 0.0, 0, 42, None))
+            if i % 50 == 49:
+                pipe.flush()
+                time.sleep(0.01)
+        deadline = time.monotonic() + 10
+        while pipe.dropped["access"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pipe.dropped["access"] > 0  # (the writer waits: its queue filled)
+        unread = struct.unpack("i", fcntl.ioctl(w, termios.FIONREAD, b"\0\0\0\0"))[0]
+        capacity = fcntl.fcntl(w, fcntl.F_GETPIPE_SZ)
+        assert capacity * (1 - HEADROOM) - PIPE_BUF <= unread <= capacity * (1 - HEADROOM)
+        other = os.dup(w)
+        os.set_blocking(other, False)
+        try:
+            for _ in range(16 * 1024 // 200):  # (a worker's lines: none blocks, none refused)
+                assert os.write(other, b"w" * 199 + b"\n") == 200
+        finally:
+            os.close(other)
+    finally:
+        pipe.stop(timeout=0.5)  # (the writer, waiting for room, abandoned)
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])

@@ -395,9 +395,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                               "with a result), all (results too), or off")
                           ] = "errors"
     log_params: Annotated[bool,
-                          Doc("put each call's params in its access line, the values of keys such as "
-                              "password, token, secret, authorization and api_key redacted; never "
-                              "on with secrets in values")
+                          Doc("put each call's params in its access line, the values of keys named like "
+                              "a secret (any spelling of password, token, secret, auth, cookie, session, "
+                              "...key) redacted; never on with secrets in values")
                           ] = False
     event_loop: Annotated[Literal["uvloop", "asyncio"],
                           Doc("the broker process's event loop (its front-ends and dispatcher; the workers"
