@@ -5,14 +5,17 @@ which must not stop the broker answering (lines dropped and counted instead)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import typing
@@ -54,6 +57,17 @@ def rpc(method: str, params: object = None, id_: object = 1) -> dict[str, object
     return call
 
 
+def settled(b: Broker) -> int:
+    """How many access lines the log has once none has come for 0.3 s (the last test's, on a
+    shared broker, written up to 50 ms after their calls, later on a loaded machine)."""
+    count, quiet = -1, 0
+    while quiet < 3:
+        now = len(access_lines(b.read_log(0.1)))
+        quiet = quiet + 1 if now == count else 0
+        count = now
+    return count
+
+
 def wait_lines(b: Broker, n: int, timeout: float = 10.0) -> list[dict[str, str]]:
     """The access lines once there are `n` (or more) of them, or raise."""
     deadline = time.monotonic() + timeout
@@ -88,7 +102,7 @@ def worker_pid(b: Broker) -> str:
 
 def test_all_logs_a_result_an_unknown_method_a_timeout_and_a_rate_limited_call(all_broker: Broker) -> None:
     b = all_broker
-    before = len(access_lines(b.read_log(0.2)))
+    before = settled(b)
     status, _, body = b.post(json.dumps(rpc("add", [2, 3], 7)), headers=ALICE_H)
     assert status == 200 and json.loads(body)["result"] == 5
     assert json.loads(b.post(json.dumps(rpc("no.such", None, "u")), headers=ALICE_H)[2])["error"]["code"] == -32601
@@ -114,7 +128,7 @@ def test_all_logs_a_result_an_unknown_method_a_timeout_and_a_rate_limited_call(a
 
 def test_a_batch_is_a_line_per_call_and_no_notification_is_logged(all_broker: Broker) -> None:
     b = all_broker
-    before = len(access_lines(b.read_log(0.2)))
+    before = settled(b)
     batch = [rpc("add", [i, 1], i) for i in range(1, 5)]
     batch[1:1] = [{"jsonrpc": "2.0", "method": "add", "params": [0, 0]}, rpc("nope", None, "n"), {"x": 1}]
     status, _, body = b.post(json.dumps(batch), headers=ALICE_H)
@@ -132,7 +146,7 @@ def test_a_batch_is_a_line_per_call_and_no_notification_is_logged(all_broker: Br
 
 def test_log_params_redacts_secrets_at_any_depth(all_broker: Broker) -> None:
     b = all_broker
-    before = len(access_lines(b.read_log(0.2)))
+    before = settled(b)
     params = {"a": 1, "Password": "hunter2", "nested": {"API-Key": "k-123", "list": [{"token": "t-456"}, 3]},
               "authorization": "Bearer x-789", "ok": "visible"}
     b.post(json.dumps(rpc("add", params, 1)), headers=ALICE_H)  # (-32602: add takes a and b)
@@ -147,7 +161,7 @@ def test_log_params_redacts_secrets_at_any_depth(all_broker: Broker) -> None:
 
 def test_hostile_ids_and_methods_cannot_forge_a_line(all_broker: Broker) -> None:
     b = all_broker
-    before = len(access_lines(b.read_log(0.2)))
+    before = settled(b)
     forged = 'x"\n2026-01-01T00:00:00.000Z time=1 client=1.2.3.4 outcome=ok\r\x1b[2J\u2028'
     method = "evil\nmethod time=2 \x00"
     b.post(json.dumps([rpc("add", [1, 2], forged), rpc(method, None, "m" * 500)]), headers=ALICE_H)
@@ -165,7 +179,7 @@ def test_hostile_ids_and_methods_cannot_forge_a_line(all_broker: Broker) -> None
 
 def test_a_stream_call_says_its_transport_and_token(all_broker: Broker) -> None:
     b = all_broker
-    before = len(access_lines(b.read_log(0.2)))
+    before = settled(b)
     with socket.create_connection(("127.0.0.1", b.stream_port), timeout=10) as s:  # type: ignore[attr-defined]
         f = s.makefile("rwb")
         f.write(json.dumps({"jsonrpc": "2.0", "method": "rpc.authenticate", "params": {"_meta": {"token": ALICE}},
@@ -385,11 +399,13 @@ def test_a_worker_logging_to_a_stderr_nobody_reads_is_not_held_up_by_the_access_
         proc, b = _spawn(w, "--app", "broker.demo:faults", "--access-log", "all", "--timeout", "10", workers="2")
         try:
             batch = json.dumps([rpc("add", [i, 1], i) for i in range(500)])
-            for _ in range(25):  # (12,500 lines, about 2 MB: past the pipe and the queue's 10,000)
+            for _ in range(25):  # (12,500 lines, about 2 MB: far past the pipe)
                 assert b.post(batch, timeout=10)[0] == 200
-            time.sleep(0.5)
-            samples = scrape_metrics(b)
-            assert sample(samples, "rpc_broker_log_lines_dropped_total", log="access") > 0  # (the pipe was full)
+            capacity = fcntl.fcntl(w, fcntl.F_GETPIPE_SZ)
+            deadline = time.monotonic() + 10
+            while struct.unpack("i", fcntl.ioctl(w, termios.FIONREAD, b"\0\0\0\0"))[0] < capacity // 2 - 4096:
+                assert time.monotonic() < deadline  # (the writer fills its half of the pipe)
+                time.sleep(0.05)
             for _ in range(3):
                 t = time.monotonic()
                 answer = b.call("raise_error", [-32000, "a code the broker keeps"], timeout=15)  # (the worker logs)
