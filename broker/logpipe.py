@@ -54,12 +54,14 @@ import msgspec
 
 from broker.accesslog import Entry, Renderer, json_line
 
-__all__ = ["FLUSH_SECONDS", "FORMATS", "HEADROOM", "HEADROOM_SECONDS", "PIPE_BUF", "QUEUE_LINES", "STOP_SECONDS",
+__all__ = ["FLUSH_SECONDS", "FORMATS", "HEADROOM", "HEADROOM_SECONDS", "PIPE_BUF", "QUEUE_BYTES", "QUEUE_LINES",
+           "STOP_SECONDS",
            "LineFormatter", "LineWriter", "LogPipe",
            "RecordHandler", "access_to_logger"]  # fmt: skip
 
 FORMATS = ("text", "json")  # the log_format setting's values
 QUEUE_LINES = 10000  # lines waiting for the writer, at most (past it they are dropped): a few MB
+QUEUE_BYTES = 16 * 1024 * 1024  # and their bytes, at most (lines with params, escaped, can be 12 kB)
 STOP_SECONDS = 2.0  # how long the stop waits for the writer to write what is queued
 FLUSH_SECONDS = 0.05  # the access lines captured are rendered and queued this often while the loop runs
 TEXT_FORMAT = "%(asctime)s broker pid %(process)d %(levelname)s %(message)s"  # the broker's lines, as text
@@ -217,7 +219,8 @@ class LogPipe:
 
     level: the root logger's threshold (a logging level name or number). style: "text"
     or "json" (`FORMATS`). fd: the file descriptor lines are written to (default: a dup
-    of stderr's). max_lines: the deque's bound. `dropped`: lines dropped for a full deque
+    of stderr's). max_lines: the deque's bound, and max_bytes its access lines' (a buffer put
+    when the deque is empty is taken whole, whatever its size). `dropped`: lines dropped for a full deque
     so far, {"access": n, "broker": n} (one dict, updated in place); `lost`: those a write
     failed to write (no reader, a full disk); `dropped_total`: the two summed, read-only
     (`rpc_broker_log_lines_dropped_total`). `access`: takes an
@@ -226,12 +229,15 @@ class LogPipe:
     """
 
     def __init__(self, level: int | str = logging.INFO, style: str = "text",
-                 fd: int | None = None, max_lines: int = QUEUE_LINES) -> None:
+                 fd: int | None = None, max_lines: int = QUEUE_LINES, max_bytes: int = QUEUE_BYTES) -> None:
         self._entries: list[Entry] = []  # captured since the last flush
         self.access: typing.Callable[[Entry], None] = self._entries.append
         self._pending: collections.deque[tuple[bytes, int] | logging.LogRecord] = collections.deque()
         self._append = self._pending.append
         self._max = max_lines
+        self._max_bytes = max_bytes
+        self.queued_bytes = 0  # of the access lines put on the deque (the loop's thread only)
+        self.taken_bytes = 0  # of those taken off it (the writer's thread only)
         self.queued = 0  # access lines put on the deque (the loop's thread only)
         self.records = 0  # records put on it (under the handler's lock only)
         self.taken = 0  # lines taken off it (the writer's thread only)
@@ -291,8 +297,13 @@ class LogPipe:
             room = self._max - backlog
             self.dropped["access"] += len(lines) - room
             del lines[room:]
+        data = ("\n".join(lines) + "\n").encode("utf-8", "backslashreplace")
+        if backlog and self.queued_bytes - self.taken_bytes + len(data) > self._max_bytes:
+            self.dropped["access"] += len(lines)  # (past the bytes' bound: the buffer dropped whole)
+            return
         self.queued += len(lines)
-        self._append((("\n".join(lines) + "\n").encode("utf-8", "backslashreplace"), len(lines)))
+        self.queued_bytes += len(data)
+        self._append((data, len(lines)))
         if self._idle:
             self._idle = False
             self._wake.set()
@@ -301,8 +312,10 @@ class LogPipe:
         """Queue `text` as a line of its own, after what is captured before it (never
         dropped: the start's banners). On the thread of `access`."""
         self.flush()
+        data = (text + "\n").encode("utf-8", "backslashreplace")
         self.queued += 1
-        self._append(((text + "\n").encode("utf-8", "backslashreplace"), 1))
+        self.queued_bytes += len(data)
+        self._append((data, 1))
         if self._idle:
             self._idle = False
             self._wake.set()
@@ -372,6 +385,7 @@ class LogPipe:
             if type(item) is tuple:
                 data, lines = item
                 self.taken += lines
+                self.taken_bytes += len(data)
             else:
                 self.taken += 1
                 try:

@@ -268,3 +268,23 @@ def test_the_writer_leaves_a_pipe_room_for_the_workers_lines_when_nobody_reads(p
         pipe.stop(timeout=0.5)  # (the writer, waiting for room, abandoned)
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
+
+
+def test_past_its_bytes_bound_a_buffer_is_dropped_whole(pipe_fds):
+    """Lines of 12 kB (params, escaped) held 155 MB in 10,000 lines (hostile testing, round
+    117): the access lines queued are bounded in bytes too."""
+    _r, w = pipe_fds
+    big: Entry = (1.5, "", "", "unix", "m", b"7", 0.25, 0, 42, 5000)  # ("(5000 bytes, not kept)")
+    pipe = LogPipe(fd=w, max_lines=1000, max_bytes=500)  # (not started: nothing takes them off)
+    for _ in range(3):
+        pipe.access(big)
+    pipe.flush()  # (the deque empty: taken whole, past the bound)
+    assert pipe.queued == 3 and pipe.queued_bytes > 300
+    pipe.access(big)
+    pipe.access(big)
+    pipe.flush()  # (past 500 bytes: dropped whole)
+    assert pipe.queued == 3 and pipe.dropped == {"access": 2, "broker": 0}
+    pipe.taken, pipe.taken_bytes = 3, pipe.queued_bytes  # (as if the writer had taken them)
+    pipe.access(big)
+    pipe.flush()
+    assert pipe.queued == 4 and pipe.dropped["access"] == 2
