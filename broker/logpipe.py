@@ -54,13 +54,14 @@ import msgspec
 
 from broker.accesslog import Entry, Renderer, json_line
 
-__all__ = ["FLUSH_SECONDS", "FORMATS", "HEADROOM", "HEADROOM_SECONDS", "PIPE_BUF", "QUEUE_BYTES", "QUEUE_LINES",
+__all__ = ["BROKER_RESERVE", "FLUSH_SECONDS", "FORMATS", "HEADROOM", "HEADROOM_SECONDS", "PIPE_BUF", "QUEUE_BYTES", "QUEUE_LINES",
            "STOP_SECONDS",
            "LineFormatter", "LineWriter", "LogPipe",
            "RecordHandler", "access_to_logger"]  # fmt: skip
 
 FORMATS = ("text", "json")  # the log_format setting's values
 QUEUE_LINES = 10000  # lines waiting for the writer, at most (past it they are dropped): a few MB
+BROKER_RESERVE = 1000  # lines past QUEUE_LINES kept for the broker's own (its WARNINGs not lost behind access lines)
 QUEUE_BYTES = 16 * 1024 * 1024  # and their bytes, at most (lines with params, escaped, can be 12 kB)
 STOP_SECONDS = 2.0  # how long the stop waits for the writer to write what is queued
 FLUSH_SECONDS = 0.05  # the access lines captured are rendered and queued this often while the loop runs
@@ -229,13 +230,15 @@ class LogPipe:
     """
 
     def __init__(self, level: int | str = logging.INFO, style: str = "text",
-                 fd: int | None = None, max_lines: int = QUEUE_LINES, max_bytes: int = QUEUE_BYTES) -> None:
+                 fd: int | None = None, max_lines: int = QUEUE_LINES, max_bytes: int = QUEUE_BYTES,
+                 broker_reserve: int = BROKER_RESERVE) -> None:
         self._entries: list[Entry] = []  # captured since the last flush
         self.access: typing.Callable[[Entry], None] = self._entries.append
         self._pending: collections.deque[tuple[bytes, int] | logging.LogRecord] = collections.deque()
         self._append = self._pending.append
         self._max = max_lines
         self._max_bytes = max_bytes
+        self._reserve = broker_reserve
         self.queued_bytes = 0  # of the access lines put on the deque (the loop's thread only)
         self.taken_bytes = 0  # of those taken off it (the writer's thread only)
         self.queued = 0  # access lines put on the deque (the loop's thread only)
@@ -322,10 +325,12 @@ class LogPipe:
 
     def record(self, record: logging.LogRecord) -> None:
         """A broker's record (`RecordHandler.emit`, under its lock): queued after the access
-        lines captured before it on the same thread, or dropped and counted."""
+        lines captured before it on the same thread, or dropped and counted (only past the
+        bound and `BROKER_RESERVE` more: access lines filling the queue leave room for these;
+        new users, round 108, lost the WARNINGs of workers killed as hung)."""
         if self._entries and self._loop_thread in (None, threading.get_ident()):
             self.flush()
-        if self.queued + self.records - self.taken >= self._max:
+        if self.queued + self.records - self.taken >= self._max + self._reserve:
             self.dropped["broker"] += 1
             return
         self.records += 1
