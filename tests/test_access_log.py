@@ -241,7 +241,9 @@ def test_a_stderr_nobody_reads_does_not_stop_the_broker(tmp_path: Path) -> None:
         b = Broker(proc, "127.0.0.1", int(m.group(1)), m.group(2).decode(), [])
         batch = json.dumps([rpc("nope", None, i) for i in range(1000)])  # (a line each: ~180 bytes)
         began = time.monotonic()
-        for _ in range(20):  # (20,000 lines: past the 64 KiB pipe and the 10,000 lines of the queue)
+        # 60,000 lines: past the half of the 64 KiB pipe the writer fills, the batch it holds, one
+        # more taken whole on an empty queue (each at most 50 ms of lines) and the queue's 10,000
+        for _ in range(60):
             t = time.monotonic()
             status, _, body = b.post(batch, timeout=10)
             assert status == 200 and len(json.loads(body)) == 1000
@@ -249,8 +251,10 @@ def test_a_stderr_nobody_reads_does_not_stop_the_broker(tmp_path: Path) -> None:
         t = time.monotonic()
         assert json.loads(b.post(json.dumps(rpc("add", [2, 3], 1)), timeout=5)[2])["result"] == 5
         assert time.monotonic() - t < 1 and time.monotonic() - began < 60
-        samples = scrape_metrics(b)
-        assert sample(samples, "rpc_broker_log_lines_dropped_total", log="access") > 0
+        deadline = time.monotonic() + 5  # (drops are counted at the loop's next flush, 50 ms on)
+        while sample(samples := scrape_metrics(b), "rpc_broker_log_lines_dropped_total", log="access") == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         assert sample(samples, "rpc_broker_log_lines_dropped_total", log="broker") == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0  # (its stop waits for the writer a bounded time)
