@@ -243,7 +243,7 @@ def test_lines_stay_whole_beside_another_process_writing_to_a_slow_pipe(pipe_fds
 def test_the_writer_leaves_a_pipe_room_for_the_workers_lines_when_nobody_reads(pipe_fds):
     """A pipe nobody reads: the writer thread fills it but for its HEADROOM share, and waits (its
     lines then queue, then are dropped and counted); 16 KiB of a worker's lines still go in at once."""
-    _r, w = pipe_fds
+    r, w = pipe_fds
     pipe = LogPipe(fd=w, max_lines=100)
     root = logging.getLogger()
     saved = root.handlers[:], root.level
@@ -269,9 +269,17 @@ def test_the_writer_leaves_a_pipe_room_for_the_workers_lines_when_nobody_reads(p
         finally:
             os.close(other)
     finally:
+        thread = pipe._thread
         pipe.stop(timeout=0.5)  # (the writer, waiting for room, abandoned)
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
+        deadline = time.monotonic() + 10
+        while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+            try:  # (read until the abandoned writer has written what it held and ended: its
+                os.read(r, 65536)  # descriptor's number is another test's pipe once this one's is closed)
+            except BlockingIOError:
+                time.sleep(0.01)
+        assert thread is None or not thread.is_alive()
 
 
 def test_past_its_bytes_bound_a_buffer_is_dropped_whole(pipe_fds):
@@ -306,3 +314,25 @@ def test_the_broker_s_own_lines_have_a_reserve_past_the_access_lines_bound(pipe_
     for _ in range(3):
         pipe.record(logging.LogRecord("broker", logging.WARNING, __file__, 1, "kept", None, None))
     assert pipe.records == 2 and pipe.dropped == {"access": 1, "broker": 1}
+
+
+def test_a_small_pipe_and_a_line_past_half_of_it_are_written(pipe_fds):
+    """A pipe of one page (Linux's past fs.pipe-user-pages-soft), read: writes of 4 KiB and a
+    line of 6 kB, each more than half of it, are written once it is empty (hostile testing,
+    round 118: the writer waited for room that could never be, and wrote nothing again)."""
+    r, w = pipe_fds
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    assert fcntl.fcntl(w, fcntl.F_GETPIPE_SZ) == 4096
+    writer = LineWriter(w)
+    data = "".join(f"line {i} " + "x" * 140 + "\n" for i in range(100)).encode() + b"y" * 6000 + b"\n"
+    thread = threading.Thread(target=writer.write, args=(data,))
+    thread.start()
+    got = b""
+    deadline = time.monotonic() + 20
+    while len(got) < len(data) and time.monotonic() < deadline:
+        try:
+            got += os.read(r, 65536)
+        except BlockingIOError:
+            time.sleep(0.001)
+    thread.join(10)
+    assert got == data and not thread.is_alive()
