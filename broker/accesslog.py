@@ -296,7 +296,7 @@ class Renderer:
         fast = self._fast
         tails = self._tails
         millis = _MILLIS
-        base = -1000  # the current second's first millisecond
+        base = -(1 << 62)  # the current second's first millisecond (none yet: -1.0 s is a time too)
         stamp = ""
         for entry in entries:
             when, peer, token, transport, method, id_, duration, code, pid, params = entry

@@ -21,7 +21,7 @@ import time
 import typing
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from broker import server
@@ -202,6 +202,7 @@ def _entries(draw: st.DrawFn) -> Entry:
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_entries(), max_size=12), st.sampled_from(["text", "json"]))
+@example([(-1.0, ("127.0.0.1", 5), "", "http", "0", b"0", 0.0, 0, 0, None)], "text")  # (found: its second unset)
 def test_lines_renders_a_batch_as_each_entry_alone(entries, fmt):
     """`Renderer.lines` (the loop's batch, its fast paths) makes the lines `Renderer.entry`
     makes of each entry, whatever the ids, names, peers, times and params."""
