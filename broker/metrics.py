@@ -290,7 +290,7 @@ class BrokerCollector(Collector):
 
     dispatcher: its `metrics` (a `CallMetrics`) and counters; pool: workers and
     restarts; frontends: HTTP listeners (the RPC one, and the metrics one if separate);
-    log_dropped: the log lines dropped for a full queue, {"access": n, "broker": n}
+    log_dropped: the log lines dropped for a full queue, {"access": n, "broker": n, "worker": n}
     (`logpipe.LogPipe.dropped`), or None when the process logs another way.
     """
 

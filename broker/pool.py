@@ -142,8 +142,12 @@ class Pool(Reloads, Recycling):
         max_calls_per_worker: int = 0,
         max_calls_jitter: int = 0,
         max_worker_memory: int = 0,
+        worker_stderr: typing.Callable[[int], None] | None = None,
     ) -> None:
         self.dispatcher = dispatcher
+        # Takes the read end of each worker's stderr pipe (`logpipe.LogPipe.follow`); None:
+        # workers write to the broker's stderr themselves
+        self.worker_stderr = worker_stderr
         self.loop = asyncio.get_running_loop()
         self.size = size
         self.app = app
@@ -338,12 +342,28 @@ class Pool(Reloads, Recycling):
                 # (uvloop's process creation, failing with EMFILE part-way, leaks 4 descriptors
                 # each time: hostile testing saw them ratchet up; not tried then)
                 raise OSError(errno.EMFILE, f"fewer than {SPAWN_DESCRIPTORS} file descriptors left")
-            process = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True
-            )
+            # A worker's stderr is a pipe the broker reads (`worker_stderr`) and writes on
+            # with its own lines, never blocking: a stderr nobody reads (a stuck journald
+            # socket, a full pipe) stalls no worker, and no call routed to one (hostile testing,
+            # round 118: workers logging to a socket the access lines filled stalled 10 s).
+            stderr = os.pipe2(os.O_CLOEXEC) if self.worker_stderr is not None else None
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *argv, stdin=asyncio.subprocess.DEVNULL, stderr=stderr[1] if stderr else None,
+                    start_new_session=True,
+                )
+            except BaseException:
+                if stderr:
+                    os.close(stderr[0])
+                raise
+            finally:
+                if stderr:
+                    os.close(stderr[1])
         except OSError as exc:  # (EMFILE, EAGAIN, ENOMEM: the system is short of something now)
             self._launch_failed(worker, exc)
             return
+        if stderr and self.worker_stderr is not None:
+            self.worker_stderr(stderr[0])
         if self._stopping:  # `stop` came while this process was being created
             _kill(process)
         elif (self.workers[worker.slot] is not worker and not any(w is worker for w in self.incoming)

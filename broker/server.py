@@ -470,6 +470,7 @@ async def run(
         concurrency=config.worker_concurrency,
         **_settings(config, "app max_depth max_frame_bytes restart_backoff_max boot_timeout socket_dir debug log_level "
                     "max_calls_per_worker max_calls_jitter max_worker_memory"),
+        worker_stderr=logs.follow if logs is not None else None,  # (read and written on by the broker)
     )
     status = StatusFile(config.status_file)  # (for `rpc-broker reload`: broker/statusfile.py)
 
@@ -555,8 +556,8 @@ async def run(
         else:
             handle_stop(signum)
 
-    if logs is not None and access is not None:
-        logs.attach(loop)  # (the access lines rendered on this loop, in batches: broker/logpipe.py)
+    if logs is not None:  # (the access lines rendered on this loop, in batches; the workers' read: broker/logpipe.py)
+        logs.attach(loop, ticks=access is not None)
     try:
         frontends: list[HttpFrontend | StreamFrontend] = []
         scrape = None
