@@ -342,15 +342,16 @@ class Pool(Reloads, Recycling):
                 # (uvloop's process creation, failing with EMFILE part-way, leaks 4 descriptors
                 # each time: hostile testing saw them ratchet up; not tried then)
                 raise OSError(errno.EMFILE, f"fewer than {SPAWN_DESCRIPTORS} file descriptors left")
-            # A worker's stderr is a pipe the broker reads (`worker_stderr`) and writes on
-            # with its own lines, never blocking: a stderr nobody reads (a stuck journald
-            # socket, a full pipe) stalls no worker, and no call routed to one (hostile testing,
-            # round 118: workers logging to a socket the access lines filled stalled 10 s).
+            # A worker's stderr, and its stdout (a handler's print), is a pipe the broker reads
+            # (`worker_stderr`) and writes on with its own lines, never blocking: a stderr nobody
+            # reads (a stuck journald socket, a full pipe) stalls no worker, and no call routed
+            # to one (hostile testing, round 118: workers logging to a socket the access lines
+            # filled stalled 10 s); nor does a stdout nobody reads.
             stderr = os.pipe2(os.O_CLOEXEC) if self.worker_stderr is not None else None
+            out = stderr[1] if stderr else None
             try:
                 process = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.DEVNULL, stderr=stderr[1] if stderr else None,
-                    start_new_session=True,
+                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                 )
             except BaseException:
                 if stderr:

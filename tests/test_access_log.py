@@ -458,6 +458,39 @@ def test_the_workers_lines_reach_stderr_through_the_broker() -> None:
     assert all(line.count(" pid ") <= 1 for line in text.splitlines()), text[-2000:]  # (no line in another)
 
 
+def test_a_handlers_print_reaches_the_brokers_stderr_at_once_as_a_line_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler's print goes to the worker's stdout: the pipe the broker reads too, line
+    buffered (block-buffered, it came out at the worker's exit), and never to the broker's
+    own stdout (MCP's stdio transport is that); a write with no newline ends as a line."""
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # (as a service's environment has it)
+    r, w = os.pipe()
+    got = bytearray()
+
+    def read_all() -> None:
+        while chunk := os.read(r, 65536):
+            got.extend(chunk)
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    try:
+        proc, b = _spawn(w, "--app", "tests.apps.chatty:registry")
+        try:
+            assert b.call("say", ["printed-by-a-handler"], timeout=15)["result"] is True
+            deadline = time.monotonic() + 10
+            while b"printed-by-a-handler\n" not in got:
+                assert time.monotonic() < deadline, bytes(got[-2000:])
+                time.sleep(0.05)
+            assert b.call("mutter", ["no newline"], timeout=15)["result"] is True
+        finally:
+            assert _end(proc) == 0
+    finally:
+        os.close(w)
+        reader.join(10)
+        os.close(r)
+    assert re.search(rb"\nno newline\n", got), bytes(got[-2000:])
+
+
 def test_lines_a_stderr_with_no_reader_loses_are_counted() -> None:
     """EPIPE (the reader gone): the lines lost counted as dropped (new users, round 108: 0)."""
     r, w = os.pipe()

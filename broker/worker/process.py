@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import io
 import logging
 import os
 import signal
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="the broker's pid: this process dies with it (default: the parent now)")
     args = parser.parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # (a pipe's stdout is block-buffered: a handler's print
+        sys.stdout.reconfigure(line_buffering=True)  # would come out at the worker's exit, not now)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s worker[{args.slot}] pid %(process)d %(levelname)s %(message)s",
