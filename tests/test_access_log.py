@@ -429,18 +429,24 @@ def test_a_worker_logging_to_a_stderr_nobody_reads_is_not_held_up_by_the_access_
         os.close(w)
 
 
-def test_the_workers_lines_reach_stderr_through_the_broker() -> None:
-    """The workers' lines (their start, a refused error's WARNING) are read by the broker
-    and written whole to its stderr, each its own line."""
-    r, w = os.pipe()
+def _read_all(fd: int) -> tuple[bytearray, threading.Thread]:
+    """Read `fd` until its end of file on a thread of its own: what it read so far, the thread."""
     got = bytearray()
 
     def read_all() -> None:
-        while chunk := os.read(r, 65536):
+        while chunk := os.read(fd, 65536):
             got.extend(chunk)
 
     reader = threading.Thread(target=read_all, daemon=True)
     reader.start()
+    return got, reader
+
+
+def test_the_workers_lines_reach_stderr_through_the_broker() -> None:
+    """The workers' lines (their start, a refused error's WARNING) are read by the broker
+    and written whole to its stderr, each its own line."""
+    r, w = os.pipe()
+    got, reader = _read_all(r)
     try:
         proc, b = _spawn(w, "--app", "broker.demo:faults", workers="2")
         try:
@@ -465,14 +471,7 @@ def test_a_handlers_print_reaches_the_brokers_stderr_at_once_as_a_line_of_its_ow
     own stdout (MCP's stdio transport is that); a write with no newline ends as a line."""
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # (as a service's environment has it)
     r, w = os.pipe()
-    got = bytearray()
-
-    def read_all() -> None:
-        while chunk := os.read(r, 65536):
-            got.extend(chunk)
-
-    reader = threading.Thread(target=read_all, daemon=True)
-    reader.start()
+    got, reader = _read_all(r)
     try:
         proc, b = _spawn(w, "--app", "tests.apps.chatty:registry")
         try:
