@@ -42,6 +42,7 @@ import datetime
 import io
 import logging
 import os
+import re
 import select
 import signal
 import sys
@@ -67,6 +68,13 @@ TEXT_FORMAT = "%(asctime)s broker pid %(process)d %(levelname)s %(message)s"  # 
 PIPE_BUF = select.PIPE_BUF  # the largest write a pipe keeps whole (4096 on Linux)
 _BUFFER_BYTES = 64 * 1024  # what the writer gathers before a write; `LineWriter.emit`'s buffer (after the stop)
 _encode = msgspec.json.Encoder().encode
+_CONTROL_BYTES = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]")  # (a quick look, before decoding)
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # what a worker's line shows escaped
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return f"\\x{ord(match.group()):02x}"
+
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the writer thread never takes these
 
 
@@ -222,9 +230,10 @@ class LogPipe:
         self.writer = LineWriter(_stderr_fd() if fd is None else fd)
         self.writer.setFormatter(LineFormatter(style))
         self._renderer = Renderer(style)
+        self._json = style == "json"
         self._loop_thread: int | None = None  # the thread `access` is called on, once attached
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._followed: dict[int, bytearray] = {}  # workers' stderr pipes read (`follow`): a line begun
+        self._followed: dict[int, tuple[bytearray, int]] = {}  # workers' stderr pipes read (`follow`): a line begun, the pid
         self._timer: asyncio.TimerHandle | None = None
         self._idle = False  # the writer sleeps with nothing queued: the next buffer wakes it
         self._wake = threading.Event()
@@ -259,26 +268,27 @@ class LogPipe:
         self._loop_thread = None
         self._loop = None
 
-    def follow(self, fd: int) -> None:
-        """Forward the lines a worker writes to its stderr, a pipe whose read end is `fd`
-        (this owns it from now on, and closes it at its end of file or `detach`): read on
-        the loop `attach`ed, as they come, whole lines queued for the writer as the access
-        lines are, or dropped and counted (`dropped["worker"]`) when the deque is full. So a
-        worker never waits for the broker's stderr: only for this loop, which reads it."""
+    def follow(self, fd: int, pid: int) -> None:
+        """Forward the lines a worker (process `pid`) writes to its stderr, a pipe whose read
+        end is `fd` (this owns it from now on, and closes it at its end of file or `detach`):
+        read on the loop `attach`ed, as they come, whole lines queued for the writer as the
+        access lines are, or dropped and counted (`dropped["worker"]`) when the deque is full.
+        So a worker never waits for the broker's stderr: only for this loop, which reads it.
+        A line is made safe to show (`_worker_lines`): in json, an object of its own."""
         loop = self._loop
         if loop is None:
             raise RuntimeError("LogPipe.follow: not attached to a loop")
         os.set_blocking(fd, False)
-        self._followed[fd] = bytearray()
+        self._followed[fd] = (bytearray(), pid)
         loop.add_reader(fd, self._read, fd)
 
     def _unfollow(self, fd: int) -> None:
-        part = self._followed.pop(fd)
+        part, pid = self._followed.pop(fd)
         if self._loop is not None:
             self._loop.remove_reader(fd)
         os.close(fd)
         if part:
-            self._forward(bytes(part) + b"\n")
+            self._forward(bytes(part) + b"\n", pid)
 
     def _read(self, fd: int) -> bool:
         """Read what `fd` holds, `_BUFFER_BYTES` at most, and queue its whole lines (a line
@@ -292,36 +302,54 @@ class LogPipe:
         if not data:
             self._unfollow(fd)
             return False
-        part = self._followed[fd]
+        part, pid = self._followed[fd]
         end = data.rfind(b"\n") + 1
         if not end:
             part += data
             if len(part) >= _BUFFER_BYTES:  # (a worker writing no newline: cut, bounded)
-                self._forward(bytes(part) + b"\n")
+                self._forward(bytes(part) + b"\n", pid)
                 part.clear()
             return True
         if part:
-            self._forward(bytes(part) + data[:end])
+            self._forward(bytes(part) + data[:end], pid)
             part.clear()
         else:
-            self._forward(data[:end])
+            self._forward(data[:end], pid)
         part += data[end:]
         return True
 
-    def _forward(self, data: bytes) -> None:
+    def _forward(self, data: bytes, pid: int) -> None:
         """Queue a worker's whole lines `data`, or drop and count them (the deque full)."""
         lines = data.count(b"\n")
         backlog = self.queued + self.records - self.taken
         if backlog and (backlog + lines > self._max
                         or self.queued_bytes - self.taken_bytes + len(data) > self._max_bytes):
-            self.dropped["worker"] += lines
+            self.dropped["worker"] += lines  # (before any work on them: a flood costs its reads only)
             return
+        data = self._worker_lines(data, pid)
         self.queued += lines
         self.queued_bytes += len(data)
         self._append((data, lines, "worker"))
         if self._idle:
             self._idle = False
             self._wake.set()
+
+    def _worker_lines(self, data: bytes, pid: int) -> bytes:
+        """A worker's lines `data` (whole, each ending in a newline) as written: in text, as
+        they are but for control characters (C0 but tab, DEL, C1: a terminal's escape
+        sequences, a carriage return rewriting the line shown) and bytes not UTF-8, written
+        `\\xNN`; in json, each an object `{"time", "log": "worker", "pid", "message"}` (the
+        line as its message: every line of the log JSON, and none a worker's forgery of an
+        access line or the broker's)."""
+        if self._json:
+            now = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+            text = data.decode("utf-8", "backslashreplace")
+            return "".join(json_line(_encode({"time": now, "log": "worker", "pid": pid, "message": line})) + "\n"
+                           for line in text.split("\n")[:-1]).encode()
+        if data.isascii() and not _CONTROL_BYTES.search(data):
+            return data
+        text = _CONTROL.sub(_escaped, data.decode("utf-8", "backslashreplace"))
+        return text.encode("utf-8", "backslashreplace")
 
     def flush(self) -> None:
         """Render the access entries captured so far and queue them as one buffer. When the

@@ -142,7 +142,7 @@ class Pool(Reloads, Recycling):
         max_calls_per_worker: int = 0,
         max_calls_jitter: int = 0,
         max_worker_memory: int = 0,
-        worker_stderr: typing.Callable[[int], None] | None = None,
+        worker_stderr: typing.Callable[[int, int], None] | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         # Takes the read end of each worker's stderr pipe (`logpipe.LogPipe.follow`); None:
@@ -364,7 +364,7 @@ class Pool(Reloads, Recycling):
             self._launch_failed(worker, exc)
             return
         if stderr and self.worker_stderr is not None:
-            self.worker_stderr(stderr[0])
+            self.worker_stderr(stderr[0], process.pid)
         if self._stopping:  # `stop` came while this process was being created
             _kill(process)
         elif (self.workers[worker.slot] is not worker and not any(w is worker for w in self.incoming)

@@ -442,13 +442,15 @@ def _read_all(fd: int) -> tuple[bytearray, threading.Thread]:
     return got, reader
 
 
-def test_the_workers_lines_reach_stderr_through_the_broker() -> None:
-    """The workers' lines (their start, a refused error's WARNING) are read by the broker
-    and written whole to its stderr, each its own line."""
+@pytest.mark.parametrize("style", ["text", "json"])
+def test_the_workers_lines_reach_stderr_through_the_broker(style: str) -> None:
+    """The workers' lines (a refused error's WARNING) are read by the broker
+    and written whole to its stderr, each its own line; in json each an object (every line
+    but the start's banners parses)."""
     r, w = os.pipe()
     got, reader = _read_all(r)
     try:
-        proc, b = _spawn(w, "--app", "broker.demo:faults", workers="2")
+        proc, b = _spawn(w, "--app", "broker.demo:faults", "--log-format", style, workers="2")
         try:
             answer = b.call("raise_error", [-32000, "a code the broker keeps"], timeout=15)
             assert answer["error"]["code"] == -32603
@@ -459,6 +461,11 @@ def test_the_workers_lines_reach_stderr_through_the_broker() -> None:
         reader.join(10)
         os.close(r)
     text = got.decode()
+    if style == "json":
+        records = [json.loads(line) for line in text.splitlines() if not line.startswith("rpc-broker: ")]
+        workers = [r for r in records if r.get("log") == "worker"]
+        assert workers and all(f" pid {r['pid']} " in r["message"] for r in workers), workers  # (its own pid)
+        text = "\n".join(r["message"] for r in workers)
     assert "raised an RpcError the worker refuses" in text, text[-2000:]
     assert re.search(r"worker\[[01]\] pid \d+ ", text), text[-2000:]
     assert all(line.count(" pid ") <= 1 for line in text.splitlines()), text[-2000:]  # (no line in another)

@@ -249,7 +249,7 @@ def test_a_workers_stderr_is_forwarded_in_whole_lines_and_closed_at_its_end(pipe
     async def main() -> None:
         loop = asyncio.get_running_loop()
         pipe.attach(loop, ticks=False)
-        pipe.follow(worker_r)
+        pipe.follow(worker_r, 4242)
         os.write(worker_w, b"one\ntw")
         await asyncio.sleep(0.05)
         os.write(worker_w, b"o\n" + b"x" * 40000)  # (a pipe holds 64 KiB: written in two)
@@ -269,6 +269,39 @@ def test_a_workers_stderr_is_forwarded_in_whole_lines_and_closed_at_its_end(pipe
         os.fstat(worker_r)  # (closed at its end of file)
 
 
+@pytest.mark.parametrize("style", ["text", "json"])
+def test_a_workers_lines_are_written_safe_to_show(pipe_fds, style: str) -> None:
+    """Control characters (an ANSI escape, a carriage return, a C1 CSI) and bytes not UTF-8
+    in a worker's line are escaped in text; in json each line is an object of the broker's,
+    the worker's text its message, so every line parses and none is a forged access line."""
+    _r, w = pipe_fds
+    pipe = LogPipe(fd=w, style=style)  # (not started: what is queued stays on the deque)
+    worker_r, worker_w = os.pipe()
+    forged = b'{"time":"2026-01-01T00:00:00.000Z","log":"access","method":"add","outcome":"ok"}'
+    written = b"plain \xc3\xa9\n\x1b[31mred\rover\x07 \xc2\x9b2J \xff\xfe\n" + forged + b"\n"
+    try:
+        async def main() -> None:
+            pipe.attach(asyncio.get_running_loop(), ticks=False)
+            pipe.follow(worker_r, 4242)
+            os.write(worker_w, written)
+            await asyncio.sleep(0.05)
+            pipe.detach()
+
+        asyncio.run(main())
+    finally:
+        os.close(worker_w)
+    queued = b"".join(item[0] for item in pipe._pending if type(item) is tuple)
+    assert pipe.queued == 3
+    if style == "text":
+        assert queued == b"plain \xc3\xa9\n\\x1b[31mred\\x0dover\\x07 \\x9b2J \\xff\\xfe\n" + forged + b"\n"
+        return
+    lines = [json.loads(line) for line in queued.decode().splitlines()]
+    assert [(line["log"], line["pid"], line["message"]) for line in lines] == [
+        ("worker", 4242, "plain \u00e9"), ("worker", 4242, "\x1b[31mred\rover\x07 \x9b2J \\xff\\xfe"),
+        ("worker", 4242, forged.decode())]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["time"]) for line in lines)
+
+
 def test_a_workers_lines_past_the_bound_are_dropped_and_counted_and_detach_reads_what_is_left(pipe_fds):
     _r, w = pipe_fds
     pipe = LogPipe(fd=w, max_lines=3)  # (not started: nothing takes the lines off)
@@ -276,7 +309,7 @@ def test_a_workers_lines_past_the_bound_are_dropped_and_counted_and_detach_reads
     try:
         async def main() -> None:
             pipe.attach(asyncio.get_running_loop(), ticks=False)
-            pipe.follow(worker_r)
+            pipe.follow(worker_r, 4242)
             os.write(worker_w, b"a\nb\n")
             await asyncio.sleep(0.05)  # (the deque empty: taken)
             os.write(worker_w, b"c\nd\n")

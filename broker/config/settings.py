@@ -387,8 +387,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                          Doc("logging threshold")
                          ] = "info"
     log_format: Annotated[Literal["text", "json"],
-                          Doc("the broker's log lines and access lines on stderr: text, or one JSON "
-                              "object a line (workers' lines stay text)")
+                          Doc("the broker's log lines, access lines and workers' lines on stderr: text, "
+                              "or one JSON object a line (a worker's line its message)")
                           ] = "text"
     access_log: Annotated[Literal["errors", "all", "off"],
                           Doc("a line on stderr per call answered: errors (every call not answered "
