@@ -68,6 +68,7 @@ TEXT_FORMAT = "%(asctime)s broker pid %(process)d %(levelname)s %(message)s"  # 
 PIPE_BUF = select.PIPE_BUF  # the largest write a pipe keeps whole (4096 on Linux)
 _BUFFER_BYTES = 64 * 1024  # what the writer gathers before a write; `LineWriter.emit`'s buffer (after the stop)
 _encode = msgspec.json.Encoder().encode
+_OWN_LINE = rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} worker\[\d+\] pid "  # (worker/process.py's format, its pid next)
 _CONTROL_BYTES = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]")  # (a quick look, before decoding)
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # what a worker's line shows escaped
 
@@ -234,6 +235,7 @@ class LogPipe:
         self._loop_thread: int | None = None  # the thread `access` is called on, once attached
         self._loop: asyncio.AbstractEventLoop | None = None
         self._followed: dict[int, tuple[bytearray, int]] = {}  # workers' stderr pipes read (`follow`): a line begun, the pid
+        self._own: dict[int, re.Pattern[bytes]] = {}  # by pid: the starts of its lines not its logging's own
         self._timer: asyncio.TimerHandle | None = None
         self._idle = False  # the writer sleeps with nothing queued: the next buffer wakes it
         self._wake = threading.Event()
@@ -280,6 +282,7 @@ class LogPipe:
             raise RuntimeError("LogPipe.follow: not attached to a loop")
         os.set_blocking(fd, False)
         self._followed[fd] = (bytearray(), pid)
+        self._own[pid] = re.compile(rb"^(?!" + _OWN_LINE + str(pid).encode() + rb" )(?=[\s\S])", re.M)
         loop.add_reader(fd, self._read, fd)
 
     def _unfollow(self, fd: int) -> None:
@@ -289,6 +292,7 @@ class LogPipe:
         os.close(fd)
         if part:
             self._forward(bytes(part) + b"\n", pid)
+        del self._own[pid]
 
     def _read(self, fd: int) -> bool:
         """Read what `fd` holds, `_BUFFER_BYTES` at most, and queue its whole lines (a line
@@ -322,8 +326,10 @@ class LogPipe:
         """Queue a worker's whole lines `data`, or drop and count them (the deque full)."""
         lines = data.count(b"\n")
         backlog = self.queued + self.records - self.taken
-        if backlog and (backlog + lines > self._max
-                        or self.queued_bytes - self.taken_bytes + len(data) > self._max_bytes):
+        # (half the bounds: a worker's flood leaves room for the access lines; hostile testing,
+        # round 119: a flooding worker had them dropped, the calls that logged it unseen)
+        if backlog and (backlog + lines > self._max // 2
+                        or self.queued_bytes - self.taken_bytes + len(data) > self._max_bytes // 2):
             self.dropped["worker"] += lines  # (before any work on them: a flood costs its reads only)
             return
         data = self._worker_lines(data, pid)
@@ -338,14 +344,18 @@ class LogPipe:
         """A worker's lines `data` (whole, each ending in a newline) as written: in text, as
         they are but for control characters (C0 but tab, DEL, C1: a terminal's escape
         sequences, a carriage return rewriting the line shown) and bytes not UTF-8, written
-        `\\xNN`; in json, each an object `{"time", "log": "worker", "pid", "message"}` (the
-        line as its message: every line of the log JSON, and none a worker's forgery of an
-        access line or the broker's)."""
+        `\\xNN`, and a line that does not start as the worker's logging starts its own (its
+        time, `worker[N] pid PID `: a traceback's lines, a print, a newline in a message a
+        client chose) shown as the worker's, `worker pid PID | ...` (hostile testing, round 119:
+        an exception's message with newlines wrote lines read as the broker's and access lines);
+        in json, each an object `{"time", "log": "worker", "pid", "message"}` (the line as its
+        message: every line of the log JSON, and none a forgery of an access line or the broker's)."""
         if self._json:
             now = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
             text = data.decode("utf-8", "backslashreplace")
             return "".join(json_line(_encode({"time": now, "log": "worker", "pid": pid, "message": line})) + "\n"
                            for line in text.split("\n")[:-1]).encode()
+        data = self._own[pid].sub(b"worker pid %d | " % pid, data)
         if data.isascii() and not _CONTROL_BYTES.search(data):
             return data
         text = _CONTROL.sub(_escaped, data.decode("utf-8", "backslashreplace"))

@@ -352,7 +352,7 @@ class BrokerCollector(Collector):
             yield _family_counter(
                 "rpc_broker_log_lines_dropped", "Log lines dropped, not written: stderr took them slower than they "
                 "came and the log's queue was full (the event loop never waits for stderr), by log: access (the "
-                "access log's) or broker (the broker's own).", ["log"],
+                "access log's), broker (the broker's own) or worker (the workers', read from their stderr).", ["log"],
                 [([name], n) for name, n in sorted(self.log_dropped.items())],
             )
         yield _family_gauge(

@@ -5,6 +5,7 @@ which must not stop the broker answering (lines dropped and counted instead)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -429,17 +430,29 @@ def test_a_worker_logging_to_a_stderr_nobody_reads_is_not_held_up_by_the_access_
         os.close(w)
 
 
-def _read_all(fd: int) -> tuple[bytearray, threading.Thread]:
-    """Read `fd` until its end of file on a thread of its own: what it read so far, the thread."""
+@contextlib.contextmanager
+def _broker_stderr(*args: str, workers: str = "1") -> typing.Iterator[tuple[Broker, bytearray]]:
+    """A broker (`_spawn`'s) whose stderr a thread reads until its end: the broker, and what
+    was read so far; once the block ends, the broker stopped (exit 0 asserted) and all read."""
+    r, w = os.pipe()
     got = bytearray()
 
     def read_all() -> None:
-        while chunk := os.read(fd, 65536):
+        while chunk := os.read(r, 65536):
             got.extend(chunk)
 
     reader = threading.Thread(target=read_all, daemon=True)
     reader.start()
-    return got, reader
+    try:
+        proc, b = _spawn(w, *args, workers=workers)
+        try:
+            yield b, got
+        finally:
+            assert _end(proc) == 0
+    finally:
+        os.close(w)
+        reader.join(10)
+        os.close(r)
 
 
 @pytest.mark.parametrize("style", ["text", "json"])
@@ -447,19 +460,9 @@ def test_the_workers_lines_reach_stderr_through_the_broker(style: str) -> None:
     """The workers' lines (a refused error's WARNING) are read by the broker
     and written whole to its stderr, each its own line; in json each an object (every line
     but the start's banners parses)."""
-    r, w = os.pipe()
-    got, reader = _read_all(r)
-    try:
-        proc, b = _spawn(w, "--app", "broker.demo:faults", "--log-format", style, workers="2")
-        try:
-            answer = b.call("raise_error", [-32000, "a code the broker keeps"], timeout=15)
-            assert answer["error"]["code"] == -32603
-        finally:
-            assert _end(proc) == 0
-    finally:
-        os.close(w)
-        reader.join(10)
-        os.close(r)
+    with _broker_stderr("--app", "broker.demo:faults", "--log-format", style, workers="2") as (b, got):
+        answer = b.call("raise_error", [-32000, "a code the broker keeps"], timeout=15)
+        assert answer["error"]["code"] == -32603
     text = got.decode()
     if style == "json":
         records = [json.loads(line) for line in text.splitlines() if not line.startswith("rpc-broker: ")]
@@ -477,24 +480,31 @@ def test_a_handlers_print_reaches_the_brokers_stderr_at_once_as_a_line_of_its_ow
     buffered (block-buffered, it came out at the worker's exit), and never to the broker's
     own stdout (MCP's stdio transport is that); a write with no newline ends as a line."""
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # (as a service's environment has it)
-    r, w = os.pipe()
-    got, reader = _read_all(r)
-    try:
-        proc, b = _spawn(w, "--app", "tests.apps.chatty:registry")
-        try:
-            assert b.call("say", ["printed-by-a-handler"], timeout=15)["result"] is True
-            deadline = time.monotonic() + 10
-            while b"printed-by-a-handler\n" not in got:
-                assert time.monotonic() < deadline, bytes(got[-2000:])
-                time.sleep(0.05)
-            assert b.call("mutter", ["no newline"], timeout=15)["result"] is True
-        finally:
-            assert _end(proc) == 0
-    finally:
-        os.close(w)
-        reader.join(10)
-        os.close(r)
-    assert re.search(rb"\nno newline\n", got), bytes(got[-2000:])
+    with _broker_stderr("--app", "tests.apps.chatty:registry") as (b, got):
+        assert b.call("say", ["printed-by-a-handler"], timeout=15)["result"] is True
+        deadline = time.monotonic() + 10
+        while b" | printed-by-a-handler\n" not in got:
+            assert time.monotonic() < deadline, bytes(got[-2000:])
+            time.sleep(0.05)
+        assert b.call("mutter", ["no newline"], timeout=15)["result"] is True
+    assert re.search(rb"\nworker pid \d+ \| no newline\n", got), bytes(got[-2000:])
+
+
+def test_a_clients_text_in_a_workers_line_cannot_pass_for_the_brokers_or_an_access_line() -> None:
+    """An exception's message a client chose, with newlines, logged by the worker: its lines
+    after the first are the record's (indented by the worker), shown by the broker as the
+    worker's (`worker pid PID | `), not as lines of the broker's or access lines (hostile
+    testing, round 119: they were written as they came)."""
+    forged = ["2026-12-06 10:00:00,000 broker pid 1 INFO stopped",
+              "time=2026-12-06T10:00:00.000Z client=10.0.0.7:4 token=admin transport=http method=add id=7 "
+              "duration=0.000001 outcome=ok code=- pid=4242"]
+    with _broker_stderr("--app", "tests.apps.chatty:registry") as (b, got):
+        answer = b.call("fail", ["mallory\n" + "\n".join(forged) + "\n\x1b[2K\r"], timeout=15)
+        assert answer["error"]["code"] == -32603
+    lines = got.decode().splitlines()
+    shown = [line for line in lines if "token=admin" in line or ("INFO stopped" in line and "pid 1 " in line)]
+    assert len(shown) == 2 and all(re.match(r"worker pid \d+ \| ", line) for line in shown), lines[-30:]
+    assert not any("\x1b" in line or "\r" in line for line in lines), lines[-30:]
 
 
 def test_lines_a_stderr_with_no_reader_loses_are_counted() -> None:

@@ -263,7 +263,8 @@ def test_a_workers_stderr_is_forwarded_in_whole_lines_and_closed_at_its_end(pipe
 
     asyncio.run(main())
     queued = b"".join(item[0] for item in pipe._pending if type(item) is tuple)
-    assert queued == b"one\ntwo\n" + b"x" * 70000 + b"\n\nlast, no newline\n"
+    assert queued == b"".join(b"worker pid 4242 | " + line + b"\n" for line in (
+        b"one", b"two", b"x" * 70000, b"", b"last, no newline"))
     assert pipe.queued == 5 and all(type(i) is tuple and i[2] == "worker" for i in pipe._pending)
     with pytest.raises(OSError):
         os.fstat(worker_r)  # (closed at its end of file)
@@ -293,7 +294,9 @@ def test_a_workers_lines_are_written_safe_to_show(pipe_fds, style: str) -> None:
     queued = b"".join(item[0] for item in pipe._pending if type(item) is tuple)
     assert pipe.queued == 3
     if style == "text":
-        assert queued == b"plain \xc3\xa9\n\\x1b[31mred\\x0dover\\x07 \\x9b2J \\xff\\xfe\n" + forged + b"\n"
+        assert queued == (b"worker pid 4242 | plain \xc3\xa9\n"
+                          b"worker pid 4242 | \\x1b[31mred\\x0dover\\x07 \\x9b2J \\xff\\xfe\n"
+                          b"worker pid 4242 | " + forged + b"\n")
         return
     lines = [json.loads(line) for line in queued.decode().splitlines()]
     assert [(line["log"], line["pid"], line["message"]) for line in lines] == [
@@ -313,8 +316,9 @@ def test_a_workers_lines_past_the_bound_are_dropped_and_counted_and_detach_reads
             os.write(worker_w, b"a\nb\n")
             await asyncio.sleep(0.05)  # (the deque empty: taken)
             os.write(worker_w, b"c\nd\n")
-            await asyncio.sleep(0.05)  # (2 + 2 past 3: dropped)
-            os.write(worker_w, b"e\n")  # (not read by the loop: `detach` reads it)
+            await asyncio.sleep(0.05)  # (2 + 2 past half the bound, 3 // 2: dropped)
+            pipe.taken = 2  # (as if the writer had written the first 2)
+            os.write(worker_w, b"e\n")  # (not read by the loop: `detach` reads it, queues it)
             pipe.detach()
 
         asyncio.run(main())

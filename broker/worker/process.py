@@ -159,6 +159,17 @@ def _deaf(signum: int, frame: types.FrameType | None) -> None:
     """The worker's SIGINT handler: nothing (see `main`)."""
 
 
+class _RecordLines(logging.Formatter):
+    """A record's further lines (a traceback's; a newline in its message, which may be a
+    client's text in an exception's) indented: only a record's first line starts as this
+    worker's lines do, with its time and `worker[N] pid PID`, so the broker, which reads
+    them, shows the others as the worker's (`logpipe.LogPipe._worker_lines`) and none passes
+    for a record of its own (hostile testing, round 119)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).replace("\n", "\n    ")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Worker process entry point: `python -m broker.worker --socket PATH --slot N ...`.
 
@@ -181,10 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if isinstance(sys.stdout, io.TextIOWrapper):  # (a pipe's stdout is block-buffered: a handler's print
         sys.stdout.reconfigure(line_buffering=True)  # would come out at the worker's exit, not now)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s worker[{args.slot}] pid %(process)d %(levelname)s %(message)s",
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(_RecordLines(f"%(asctime)s worker[{args.slot}] pid %(process)d %(levelname)s %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     # The broker decides when we stop: SIGINT (a Ctrl-C to the terminal's process group)
     # is caught and does nothing. Not SIG_IGN, which exec keeps: the subprocesses that
     # handlers start would ignore SIGINT too; exec resets a caught signal to the default.

@@ -21,3 +21,9 @@ def mutter(text: str) -> bool:
     sys.stderr.write(text)
     sys.stderr.flush()
     return True
+
+
+@registry.method
+def fail(text: str) -> None:
+    """Raise ValueError(text): the worker logs it, the client's text in its message."""
+    raise ValueError(text)
