@@ -28,7 +28,8 @@ token, transport and method names, the outcome names.
 
 What an attacker controls is bounded and escaped: the method is the registered name or
 "other" (never the string sent), the id at most `ID_BYTES` of its raw JSON, the params at
-most `PARAMS_KEPT_BYTES` kept and `PARAMS_CHARS` written; in text every value that is not
+most `PARAMS_KEPT_BYTES` kept and `PARAMS_CHARS` written, their redaction's walk at most
+`REDACT_VALUES` values and `KEY_CHARS` of a key (it runs on the loop); in text every value that is not
 plain printable ASCII is quoted with JSON's escapes, so no control character, newline or
 quote of a client's reaches the line as itself (a line cannot be forged).
 """
@@ -56,7 +57,7 @@ if typing.TYPE_CHECKING:
     from broker.jsonrpc import Request
 
 __all__ = [
-    "ENTRY_FIELDS", "ID_BYTES", "MODES", "PARAMS_CHARS", "PARAMS_KEPT_BYTES", "REDACTED", "REDACT_VALUES", "SECRET_KEYS", "SECRET_WORDS",
+    "ENTRY_FIELDS", "ID_BYTES", "KEY_CHARS", "MODES", "PARAMS_CHARS", "PARAMS_KEPT_BYTES", "REDACTED", "REDACT_VALUES", "SECRET_KEYS", "SECRET_WORDS",
     "AccessLine", "AccessLog", "Entry", "Renderer", "address", "entry_lines", "json_line", "keep_params", "redact",
     "secret_key",
 ]  # fmt: skip
@@ -66,10 +67,11 @@ ID_BYTES = 64  # of a client's raw id, kept for its line (longer ones end in "..
 PARAMS_KEPT_BYTES = 4096  # params longer than this are not kept for the log (their size is written)
 PARAMS_CHARS = 1024  # of the redacted params' JSON written (longer ends in "...")
 REDACTED = "[redacted]"
-# Keys whose values are never logged (`secret_key`): a key, NFKC-normalized, case-folded and with
-# everything but letters and digits dropped ("X-Api-Key", "accessToken" and a fullwidth "PASSWORD" as
-# "xapikey", "accesstoken", "password"), that contains one of SECRET_KEYS, ends in "key", or is one
-# of SECRET_WORDS. Wider than any list of names on purpose: a key logged redacted by mistake
+# Keys whose values are never logged (`secret_key`): a key folded (`_fold`: compatibility forms
+# decomposed, NFKD; every character but ASCII letters and digits dropped; lower case: "X-Api-Key",
+# "accessToken", a fullwidth "PASSWORD" and "tökén" as "xapikey", "accesstoken", "password", "token")
+# that contains one of SECRET_KEYS, ends in "key", or is one of SECRET_WORDS; and a key longer than
+# KEY_CHARS, unread. Wider than any list of names on purpose: a key logged redacted by mistake
 # costs a line's detail, a secret logged costs the secret (hostile testing, round 117: clientSecret,
 # accessToken, x-api-key, db_password, privateKey and the like were logged).
 SECRET_KEYS = frozenset({
@@ -77,6 +79,12 @@ SECRET_KEYS = frozenset({
     "bearer", "signature", "apikey", "privatekey", "jwt",
 })  # fmt: skip
 SECRET_WORDS = frozenset({"pass", "pwd", "pin", "key", "sig"})
+# Characters of a key read, at most: a longer key is taken for a secret without reading it. The
+# work is on the event loop, and NFKD makes up to 18 characters of one (U+FDFA): hostile testing,
+# a key of 1,358 of them normalized (NFKC then) cost 2.6 ms, a 1 MiB batch of such calls stalled
+# the loop 1.3 s. Past 64 characters a key is rarely a name someone chose. A shorter key with
+# such characters counts its length against REDACT_VALUES (`_key_cost`).
+KEY_CHARS = 64
 REDACT_VALUES = 256  # of params' decoded values walked for redaction, at most (past it none is written)
 OTHER = "other"  # the method of a call to a method not registered (as the metrics' label)
 # An entry's fields, in order (a chunk's results: method and id are lists of the same length)
@@ -101,11 +109,43 @@ def address(peer: object) -> str:
     return "unix" if peer == "" or peer is None else "-"
 
 
-@functools.lru_cache(maxsize=4096)
 def secret_key(key: str) -> bool:
-    """Whether values under `key` are redacted (see SECRET_KEYS)."""
-    folded = "".join(c for c in unicodedata.normalize("NFKC", key).casefold() if c.isalnum())
-    return folded in SECRET_WORDS or folded.endswith("key") or any(part in folded for part in SECRET_KEYS)
+    """Whether values under `key` are redacted (see SECRET_KEYS): a key longer than
+    KEY_CHARS always, unread; another as `_fold` makes it."""
+    return len(key) > KEY_CHARS or _secret_name(key)
+
+
+_ALNUM = bytes(range(ord("0"), ord("9") + 1)) + bytes(range(ord("a"), ord("z") + 1))
+_NOT_ALNUM = bytes(b for b in range(256) if b not in _ALNUM)  # (deleted by bytes.translate)
+_SHARP_S = str.maketrans({"\xdf": "ss", "\u1e9e": "ss"})  # (the only letters casefold, not NFKD, makes ASCII of)
+
+
+def _fold(key: str) -> str:
+    """`key` as SECRET_KEYS are matched: NFKD (a fullwidth K, U+FF2B, or the Kelvin sign as "K", "é"
+    as "e" and a combining accent), lower case, ASCII letters and digits only. Each step is one
+    pass in C; the cost is NFKD's, at most 18 characters made of one (U+FDFA: 10 us for 62
+    of them, where NFKC, composing again, took 70 us, and a Python loop over its result 80)."""
+    if not key.isascii():  # (an ASCII key is its own NFKD: not normalized)
+        key = unicodedata.normalize("NFKD", key.translate(_SHARP_S))
+    return key.encode("ascii", "ignore").lower().translate(None, _NOT_ALNUM).decode("ascii")
+
+
+@functools.lru_cache(maxsize=4096)  # (keys of at most KEY_CHARS: a few hundred bytes each held)
+def _secret_name(key: str) -> bool:
+    """Whether `key` (at most KEY_CHARS) names a secret, by its `_fold`."""
+    folded = _fold(key)
+    return folded in SECRET_WORDS or folded.endswith("key") or _SECRET_PART(folded) is not None
+
+
+_SECRET_PART = re.compile("|".join(sorted(SECRET_KEYS))).search
+
+
+def _key_cost(key: str) -> int:
+    """What reading a non-ASCII `key` counts against REDACT_VALUES beside its value: its
+    length when it is not in NFKC form (compatibility characters, as fullwidth letters and
+    ligatures: those NFKD makes many characters of), else nothing (a name in any script as
+    typed; a key past KEY_CHARS, not read)."""
+    return 0 if len(key) > KEY_CHARS or unicodedata.is_normalized("NFKC", key) else len(key)
 
 
 class _TooMany(Exception):
@@ -132,7 +172,14 @@ def redact(value: object, budget: list[int] | None = None) -> object:
         if budget[0] < 0:
             raise _TooMany
     if type(value) is dict:
-        return {key: REDACTED if secret_key(key) else redact(item, budget) for key, item in value.items()}
+        if budget is not None:  # (keys charged before any is read: a params' NFKD work bounded)
+            for key in value:
+                if not key.isascii():
+                    budget[0] -= _key_cost(key)
+            if budget[0] < 0:
+                raise _TooMany
+        return {key: REDACTED if len(key) > KEY_CHARS or _secret_name(key) else redact(item, budget)
+                for key, item in value.items()}  # (`secret_key` inline: a call less a key)
     if type(value) is list:
         return [redact(item, budget) for item in value]
     return value
