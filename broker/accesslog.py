@@ -152,15 +152,17 @@ class _TooMany(Exception):
     """More than REDACT_VALUES values to walk."""
 
 
-# Line separators JSON leaves as they are, escaped in a JSON line: a reader splitting lines on
-# them (str.splitlines, some log viewers) would cut the line there (hostile testing, round 117)
-_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
-
-
 def json_line(encoded: bytes) -> str:
-    """A JSON object's text as one line: U+2028, U+2029 and U+0085 escaped."""
+    """A JSON object's text as one line: U+2028, U+2029 and U+0085, which JSON leaves as
+    they are, escaped (a reader splitting lines on them, str.splitlines or a log viewer,
+    would cut the line there: hostile testing, round 117). Three `str.replace`, each a pass
+    in C, about 1 ns a character (the text itself back when it has none): `str.translate`
+    looked each non-ASCII character up in a dict, 0.1 to 0.15 ms for the 1,024 a line's
+    params may write, on the event loop."""
     text = encoded.decode()
-    return text if text.isascii() else text.translate(_SEPARATORS)
+    if text.isascii():
+        return text
+    return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
 
 
 def redact(value: object, budget: list[int] | None = None) -> object:
