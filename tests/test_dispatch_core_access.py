@@ -247,6 +247,31 @@ def test_a_key_named_like_a_secret_in_any_spelling_is_redacted(key):
     assert redact({"a": [{key: "S"}], key: {"x": 1}}) == {"a": [{key: REDACTED}], key: REDACTED}
 
 
+# Common names of secrets the rule missed (hostile testing, after round 117's fix), in the
+# spellings clients use: each must be redacted
+NAMED = ["pw", "userPw", "passcode", "pincode", "PIN_CODE", "creds", "awsCreds", "credentials", "otp", "OTP",
+         "mfa_code", "mfaCode", "totp", "totpSecret", "keys", "ssh_keys", "accessKeyId", "aws_access_key_id",
+         "aws_secret_access_key", "privKeyPem", "private_key", "mnemonic", "seedPhrase", "seed", "wallet_seed",
+         "recovery_codes", "csrf", "_csrf", "xsrf", "X-XSRF-TOKEN", "dsn", "SENTRY_DSN", "connectionString",
+         "database_url", "DATABASE_URL", "db_url", "cvv", "cvv2", "cvc", "ssn", "SSNLast4", "card_number",
+         "cardNumber", "iban", "IBAN"]  # fmt: skip
+# Ordinary names, some holding a short secret name inside a word ("shipping", "footprint",
+# "keyboard"), which stay visible
+PLAIN = ["query", "path", "name", "limit", "url", "id", "city", "page", "keyboard_layout", "keyId", "method",
+         "email", "username", "offset", "database", "code", "number", "passenger", "shipping", "footprint",
+         "pinned", "seeds", "dns", "mfa_enabled", "redirect_url", "keyword"]  # fmt: skip
+
+
+@pytest.mark.parametrize("key", NAMED)
+def test_a_key_of_a_common_secret_name_is_redacted(key):
+    assert redact({"a": [{key: "S"}], key: {"x": 1}}) == {"a": [{key: REDACTED}], key: REDACTED}
+
+
+@pytest.mark.parametrize("key", PLAIN)
+def test_a_key_of_an_ordinary_name_is_kept(key):
+    assert redact({key: "v"}) == {key: "v"}
+
+
 def test_plain_keys_are_kept_and_a_params_walk_is_bounded():
     assert redact({"id": 1, "name": "n", "method": "m", "query": "q", "path": "/p"}) == {
         "id": 1, "name": "n", "method": "m", "query": "q", "path": "/p"}

@@ -397,7 +397,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     log_params: Annotated[bool,
                           Doc("put each call's params in its access line, the values of keys named like "
                               "a secret (any spelling of password, token, secret, auth, cookie, session, "
-                              "...key) redacted; never on with secrets in values")
+                              "credentials, ...key, pw, pin, otp, seed, dsn, cvv, ssn, iban and more: README, "
+                              "Access log) redacted; never on with secrets in values")
                           ] = False
     event_loop: Annotated[Literal["uvloop", "asyncio"],
                           Doc("the broker process's event loop (its front-ends and dispatcher; the workers"
