@@ -1,6 +1,7 @@
 """Params in access lines (broker/accesslog.py): what redacting them (`redact`) and writing
 them in a JSON line (`json_line`) costs the event loop, where both run, for params a client
-chose to be costly. The names redacted are tested in test_dispatch_core_access.py."""
+chose to be costly; and that the shortcuts taken for that cost read a key as the rule says.
+The names redacted are tested in test_dispatch_core_access.py."""
 
 from __future__ import annotations
 
@@ -8,14 +9,22 @@ import json
 import time
 import typing
 
+from hypothesis import example, given
+from hypothesis import strategies as st
+
 from broker.accesslog import (
     KEY_CHARS,
     PARAMS_KEPT_BYTES,
     REDACT_VALUES,
     REDACTED,
+    SECRET_ENDINGS,
+    SECRET_KEYS,
+    SECRET_WORDS,
+    _ascii,
     _params_text,
     json_line,
     redact,
+    secret_key,
 )
 
 FDFA = "\ufdfa"  # ARABIC LIGATURE SALLALLAHOU ALAYHE WASALLAM: 18 characters under NFKC and NFKD, the most of any
@@ -95,3 +104,39 @@ def test_a_json_line_escapes_its_line_separators_at_the_cost_of_decoding_it() ->
         line, decoding = min(line, middle - start), min(decoding, time.perf_counter() - middle)
     assert escaped.endswith('\\u2028"}')
     assert line <= 8 * decoding, f"json_line {line * 1e3:.2f} ms, decoding {decoding * 1e3:.2f} ms"
+
+
+def _words(text: str) -> list[str]:
+    """The words of an ASCII `text`, as README states the rule, one character at a time: runs of
+    letters and digits, cut between a letter and a digit, before a capital after a small letter,
+    and before a capital followed by a small letter after a capital ("APIKey": API, Key)."""
+    words: list[str] = []
+    word = ""
+    for i, c in enumerate(text):
+        if not (c.isascii() and c.isalnum()):
+            words += [word] if word else []
+            word = ""
+            continue
+        if word:
+            last, after = word[-1], text[i + 1 : i + 2]
+            if (last.isdigit() != c.isdigit() or (last.islower() and c.isupper())
+                    or (last.isupper() and c.isupper() and after.islower())):  # fmt: skip
+                words.append(word)
+                word = ""
+        word += c
+    return [w.lower() for w in [*words, word] if w]
+
+
+@given(st.text("pinPINwsdWSDcvCVnNxX1_-aAeEtTokKyYsS\u212a\uff30\u00e9\u00df", max_size=24))
+@example("APIKey2")
+@example("pasSSN")
+@example("PINCode")
+def test_a_key_is_read_as_its_words_whatever_shortcut_reads_it(key: str) -> None:
+    """`secret_key` skips the split into words unless a short name is in the key, matches the
+    words' cases without lowering them, and caches: the same verdict as the rule read plainly."""
+    words = _words(_ascii(key))
+    folded = "".join(words)
+    assert secret_key(key) == (
+        folded.endswith(SECRET_ENDINGS) or any(name in folded for name in SECRET_KEYS)
+        or any(word in SECRET_WORDS for word in words)
+    ), words  # fmt: skip
