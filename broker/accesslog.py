@@ -126,7 +126,7 @@ def secret_key(key: str) -> bool:
 
 
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+").findall  # ("APIKey2": API, Key, 2)
-_NOT_ALNUM = bytes(b for b in range(128) if not chr(b).isalnum()) + bytes(range(128, 256))  # (bytes.translate's)
+_NOT_ALNUM = bytes(b for b in range(128) if not chr(b).isalnum()) + bytes(range(128, 256))  # (deleted by bytes.translate)
 # Combining marks (the common blocks of them): an accent NFKD took off its letter, dropped so
 # that "é" reads as "e"; any other character not ASCII parts words, as punctuation does
 _MARKS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+").sub
@@ -190,7 +190,8 @@ def json_line(encoded: bytes) -> str:
 def redact(value: object, budget: list[int] | None = None) -> object:
     """`value` (decoded JSON) with the value under every key that `secret_key` names
     replaced by `REDACTED`, in nested objects and in lists too. A new value; `value` is not
-    changed. `budget`: [values left to walk], raises _TooMany past it (`_params_text`)."""
+    changed. `budget`: [values left to walk], raises _TooMany past it (`_params_text`); a
+    non-ASCII key counts its `_key_cost` there too, before any key of its object is read."""
     if budget is not None:
         budget[0] -= 1
         if budget[0] < 0:
