@@ -57,7 +57,7 @@ if typing.TYPE_CHECKING:
     from broker.jsonrpc import Request
 
 __all__ = [
-    "ENTRY_FIELDS", "ID_BYTES", "KEY_CHARS", "MODES", "PARAMS_CHARS", "PARAMS_KEPT_BYTES", "REDACTED", "REDACT_VALUES", "SECRET_ENDINGS", "SECRET_KEYS", "SECRET_WORDS",
+    "ENTRY_FIELDS", "FLUSH_VALUES", "ID_BYTES", "KEY_CHARS", "MODES", "PARAMS_CHARS", "PARAMS_KEPT_BYTES", "REDACTED", "REDACT_VALUES", "SECRET_ENDINGS", "SECRET_KEYS", "SECRET_WORDS",
     "AccessLine", "AccessLog", "Entry", "Renderer", "address", "entry_lines", "json_line", "keep_params", "redact",
     "secret_key",
 ]  # fmt: skip
@@ -96,6 +96,11 @@ SECRET_ENDINGS = ("key", "keys")  # ("apiKey", "ssh_keys", "keys"; "keyboard" an
 # such characters counts its length against REDACT_VALUES (`_key_cost`).
 KEY_CHARS = 64
 REDACT_VALUES = 256  # of params' decoded values walked for redaction, at most (past it none is written)
+# Of values walked for the lines rendered at once (`Renderer.lines`: the loop's batch of 50 ms), at
+# most: past them a line's params are not written. Each call's walk is bounded, but not a batch of
+# calls (hostile testing, round 119: 1 MB batches of calls each with 250 distinct keys stalled
+# the loop 0.8 s each); 4,096 values cost the loop about 10 ms a batch.
+FLUSH_VALUES = 4096
 OTHER = "other"  # the method of a call to a method not registered (as the metrics' label)
 # An entry's fields, in order (a chunk's results: method and id are lists of the same length)
 ENTRY_FIELDS = ("when", "peer", "token", "transport", "method", "id", "duration", "code", "pid", "params")
@@ -218,8 +223,10 @@ def keep_params(params: bytes | memoryview | msgspec.Raw, calls: int = 1) -> byt
     return bytes(params) if size <= PARAMS_KEPT_BYTES * calls else size
 
 
-def _params_text(kept: bytes | int | None) -> str:
-    """The params as the line writes them: redacted JSON, at most PARAMS_CHARS characters."""
+def _params_text(kept: bytes | int | None, left: list[int] | None = None) -> str:
+    """The params as the line writes them: redacted JSON, at most PARAMS_CHARS characters.
+    `left`: [values the lines rendered at once may still walk] (`FLUSH_VALUES`), charged
+    what this walk took; at 0, params with an object are not written."""
     if kept is None:
         return "-"
     if isinstance(kept, int):
@@ -228,7 +235,14 @@ def _params_text(kept: bytes | int | None) -> str:
         return "-"  # (none sent)
     try:
         if b"{" in kept:  # (no object, no key: nothing to redact, nothing walked)
-            text = _encode(redact(_decode(kept), [REDACT_VALUES])).decode()
+            if left is not None and left[0] <= 0:
+                return f"({len(kept)} bytes, not written: {FLUSH_VALUES} values redacted for the lines of this moment)"
+            budget = [REDACT_VALUES]
+            try:
+                text = _encode(redact(_decode(kept), budget)).decode()
+            finally:
+                if left is not None:
+                    left[0] -= REDACT_VALUES - budget[0]
         else:
             text = _encode(_decode(kept)).decode()
     except (msgspec.DecodeError, RecursionError):  # (nested past msgspec's limit)
@@ -306,7 +320,7 @@ class Renderer:
     the current second's time stamp, the peers' addresses and the quoted names (a few
     thousand at most: `_CACHED`), so a common line costs one f-string."""
 
-    __slots__ = ("_fast", "_heads", "_json", "_outcomes", "_peers", "_second", "_stamp", "_tails")
+    __slots__ = ("_fast", "_heads", "_json", "_left", "_outcomes", "_peers", "_second", "_stamp", "_tails")
 
     def __init__(self, fmt: str = "text") -> None:
         if fmt not in ("text", "json"):
@@ -319,6 +333,7 @@ class Renderer:
         self._fast: dict[tuple[object, str, str, object], str] = {}  # the same, by the peer as given
         self._tails: dict[tuple[int, int], str] = {}  # outcome= code= pid=, by code and pid
         self._outcomes: dict[int, str] = {}
+        self._left = [FLUSH_VALUES]  # values the params of the lines of one `lines` may walk (`_params_text`)
 
     def entry(self, entry: Entry) -> list[str]:
         """The lines of `entry` (one; a chunk's results: one each), no newlines."""
@@ -358,7 +373,9 @@ class Renderer:
     def lines(self, entries: typing.Iterable[Entry]) -> list[str]:
         """The lines of `entries`, in order (each entry's as `entry` makes them). The common
         text line (a number for its id, no params; a chunk's results too) is made here in
-        one f-string, its cached parts looked up by the entry's own values."""
+        one f-string, its cached parts looked up by the entry's own values. Their params
+        walk `FLUSH_VALUES` values at most, all lines together."""
+        self._left[0] = FLUSH_VALUES
         out: list[str] = []
         if self._json:
             for entry in entries:
@@ -462,7 +479,7 @@ class Renderer:
                 "outcome": self._outcome(code), "code": code or None, "pid": pid or None,
             }  # fmt: skip
             if params is not None:
-                record["params"] = _params_text(params)
+                record["params"] = _params_text(params, self._left)
             return json_line(_encode(record))
         if truncated:
             id_text = _quoted(_id_text(id_, True))
@@ -475,7 +492,7 @@ class Renderer:
         text = (f"time={self._time(when)} {self._head(client, token, transport, method)} id={id_text} "
                 f"duration={duration:.6f} {self._tail(code, pid)}")
         if params is not None:
-            text += " params=" + _quoted(_params_text(params))
+            text += " params=" + _quoted(_params_text(params, self._left))
         return text
 
 

@@ -560,7 +560,7 @@ def access_to_logger(logger: logging.Logger) -> typing.Callable[[Entry], None]:
 
     def emit(entry: Entry) -> None:
         if logger.isEnabledFor(logging.INFO):
-            for line in renderer.entry(entry):
+            for line in renderer.lines([entry]):
                 logger.info("%s", line)
 
     return emit

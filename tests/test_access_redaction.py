@@ -12,12 +12,15 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from broker.accesslog import (
+    FLUSH_VALUES,
     KEY_CHARS,
     REDACT_VALUES,
     REDACTED,
     SECRET_ENDINGS,
     SECRET_KEYS,
     SECRET_WORDS,
+    Entry,
+    Renderer,
     _ascii,
     _params_text,
     json_line,
@@ -80,3 +83,20 @@ def test_a_key_is_read_as_its_words_whatever_shortcut_reads_it(key: str) -> None
         folded.endswith(SECRET_ENDINGS) or any(name in folded for name in SECRET_KEYS)
         or any(word in SECRET_WORDS for word in words)
     ), words  # fmt: skip
+
+
+def test_the_lines_rendered_at_once_walk_flush_values_at_most_and_the_next_lines_again() -> None:
+    """Each call's walk is bounded (REDACT_VALUES), and the lines rendered at once are too
+    (FLUSH_VALUES: hostile testing, round 119, 1 MB batches of calls with 250 distinct keys
+    each stalled the loop 0.8 s each): past it a line's params are not written; the next
+    batch of lines starts anew."""
+    params = ("{" + ",".join(f'"k{n}":{n}' for n in range(99)) + "}").encode()  # (100 values walked)
+    entries: list[Entry] = [(1.5, "", "", "unix", "m", str(i).encode(), 0.0, 0, 42, params)
+                            for i in range(FLUSH_VALUES // 100 + 5)]
+    for style in ("text", "json"):
+        renderer = Renderer(style)
+        for _ in range(2):
+            lines = renderer.lines(entries)
+            written = [line for line in lines if "k98" in line]
+            assert len(written) == FLUSH_VALUES // 100 + 1, style  # (the last one walked takes it past)
+            assert all("values redacted for the lines of this moment" in line for line in lines[len(written):])
