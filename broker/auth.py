@@ -36,14 +36,14 @@ from broker.errors import LocalError
 from broker.policy import MethodRule, check_pattern
 from broker.ratelimit import MAX_BURST, MAX_RATE, UNLIMITED, Rate, burst_for
 
-__all__ = ["ENV_TOKENS", "AuthError", "Authenticator", "Token", "load_tokens"]
+__all__ = ["B64TOKEN", "ENV_TOKENS", "AuthError", "Authenticator", "Token", "load_tokens"]
 
 ENV_TOKENS: typing.Final = "RPC_BROKER_AUTH_TOKENS"
 MAX_FILE: typing.Final = 1 << 20  # bytes of a token file, at most
 MIN_TOKEN: typing.Final = 16
 MAX_TOKEN: typing.Final = 512
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}\Z")
-_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*\Z")  # RFC 6750 2.1 b64token
+B64TOKEN: typing.Final = re.compile(r"[A-Za-z0-9\-._~+/]+=*\Z")  # RFC 6750 2.1 b64token (bench's --token-file too)
 _MAKE_ONE = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
 _TABLE_KEYS = ("allow_methods", "deny_methods", "rate_limit", "rate_burst")  # a token's own settings
 _BEARER = re.compile(rb"[Bb][Ee][Aa][Rr][Ee][Rr] +([^ ]+) *\Z")
@@ -74,7 +74,7 @@ def check_token(name: str, secret: str, where: str, rule: MethodRule | None = No
     if not _NAME.match(name):
         raise AuthError(f"{where}: the token's name (before the colon) breaks its rule: use 1 to 64 letters, "
                         "digits, '_', '.' or '-' (a line is NAME:TOKEN, the name first)")
-    if not MIN_TOKEN <= len(secret) <= MAX_TOKEN or not _TOKEN.match(secret):
+    if not MIN_TOKEN <= len(secret) <= MAX_TOKEN or not B64TOKEN.match(secret):
         raise AuthError(
             f"{where}: the token (after the colon) breaks its rule: use {MIN_TOKEN} to {MAX_TOKEN} characters of "
             f"letters, digits and '-._~+/' (RFC 6750's b64token); to make one: {_MAKE_ONE}"

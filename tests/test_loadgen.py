@@ -823,6 +823,73 @@ def stream_broker(broker_factory, short_dir) -> tuple[str, str]:
     return f"tcp://127.0.0.1:{port}", f"unix://{sock}"
 
 
+BENCH_TOKEN = "bench-token-0123456789abcdef"
+
+
+@pytest.fixture
+def auth_broker(broker_factory) -> tuple[str, str]:
+    """A real broker asking for a token (RPC_BROKER_AUTH_TOKENS), with an NDJSON TCP
+    listener: (http URL, tcp URL)."""
+    port = free_port()
+    b = broker_factory("--workers", "1", "--stream-port", str(port),
+                       env={"RPC_BROKER_AUTH_TOKENS": f"bench:{BENCH_TOKEN}"})
+    return f"http://{b.host}:{b.port}{b.path}", f"tcp://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("transport", ["http", "tcp"])
+def test_bench_sends_the_token_of_token_file_and_fails_plainly_when_refused(auth_broker, tmp_path, capsys,
+                                                                            transport):
+    """New user, round 108: bench could send no token, so against a broker asking for one
+    every call was refused, the table said to check --method and --params, and it exited 0.
+    --token-file sends it (a header over HTTP, the stream's first line over TCP); a run whose
+    every call is refused as unauthorized says so and exits 1."""
+    url = auth_broker[0] if transport == "http" else auth_broker[1]
+    good, bad = tmp_path / "good.token", tmp_path / "bad.token"
+    good.write_text(BENCH_TOKEN + "\n")
+    bad.write_text("not-the-token-0123456789abcdef\n")
+    code, rep = bench(tmp_path, url, "--token-file", str(good))
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert rep.check.ok and rep.errors_by_code == {} and rep.transport_errors == 0 and rep.requests > 0, rep
+    for flags, words in (([], "the server asks for a bearer token: give it with --token-file PATH"),
+                         (["--token-file", str(bad)], f"the server does not take the token of --token-file {bad}")):
+        code, rep = bench(tmp_path, url, *flags)
+        captured = capsys.readouterr()
+        assert code == 1, captured.out + captured.err
+        assert "first problem: every call was refused as unauthorized" in captured.err, captured.err
+        assert words in captured.err, captured.err
+        assert "every call was refused as unauthorized" in captured.out  # the table's errors row
+        assert "check --method" not in captured.out and "exit status stays 0" not in captured.out
+        assert rep.errors_by_code.get("-32600", 0) > 0 or rep.requests == 0, rep
+        assert rep.check.ok, rep  # (a stream's refusal of its token line, come before any call: no wrong id)
+    for run in tmp_path.glob("run*.json"):
+        assert BENCH_TOKEN not in run.read_text()  # the report keeps no secret
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("", "empty: put the token in it"),
+    (f"bench:{BENCH_TOKEN}\n", "a NAME:TOKEN line: put the token alone in it"),
+    (f"{BENCH_TOKEN} {BENCH_TOKEN}\n", "more than one word in it"),
+    (f"{BENCH_TOKEN}\u00e9\n", "not a bearer token"),
+])
+def test_a_bad_token_file_is_refused_before_the_run_without_showing_it(tmp_path, capsys, text, words):
+    path = tmp_path / "t.token"
+    path.write_text(text)
+    assert cli.main(["bench", "http://127.0.0.1:1/", "-q", "--token-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--token-file {path}: {words}" in err, err
+    assert BENCH_TOKEN not in err
+
+
+def test_token_file_errors_for_a_missing_file_and_a_unix_target(tmp_path, capsys):
+    assert cli.main(["bench", "http://127.0.0.1:1/", "-q", "--token-file", str(tmp_path / "none")]) == 2
+    assert "cannot read it: No such file or directory" in capsys.readouterr().err
+    path = tmp_path / "t.token"
+    path.write_text(BENCH_TOKEN)
+    assert cli.main(["bench", "unix:///tmp/x.sock", "-q", "--token-file", str(path)]) == 2
+    assert "a unix:// socket asks for no token" in capsys.readouterr().err
+
+
 def test_stream_targets_parse():
     t = runner.Target.parse("tcp://127.0.0.1:9000")
     assert (t.scheme, t.host, t.port, t.stream, t.where) == ("tcp", "127.0.0.1", 9000, True, "127.0.0.1:9000")

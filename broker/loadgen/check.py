@@ -50,7 +50,7 @@ from msgspec import Raw
 
 from broker.loadgen.workload import Expect
 
-__all__ = ["Answer", "Checker", "Tally"]
+__all__ = ["Answer", "Checker", "Tally", "refuses_token"]
 
 
 class Answer(msgspec.Struct, gc=False):
@@ -82,12 +82,16 @@ class Tally:
         a wrong answer during warm-up is still wrong).
     transport_errors: requests lost to the transport (reset, closed, timed out,
         refused, unparsable HTTP), always counted.
+    unauthorized: answers refusing the caller's credentials (while recording): HTTP 401
+        (RFC 6750 3.1), or on a stream an error with "id": null about its bearer token
+        (the broker's answer to a connection's first line without a good one). Each is
+        also counted as the error answer it is.
     first_problem: words for the first failure or transport error ("" if none), so a
         run against the wrong target says why ("connection refused", "HTTP 501 ...").
     """
 
     __slots__ = ("calls", "duplicate", "errors_by_code", "first_problem", "malformed", "missing",
-                 "recording", "refused_batches", "requests", "transport_errors", "wrong_id")
+                 "recording", "refused_batches", "requests", "transport_errors", "unauthorized", "wrong_id")
 
     def __init__(self) -> None:
         self.recording = True
@@ -100,6 +104,7 @@ class Tally:
         self.duplicate = 0
         self.malformed = 0
         self.transport_errors = 0
+        self.unauthorized = 0
         self.first_problem = ""
 
     def problem(self, words: str) -> None:
@@ -129,10 +134,19 @@ class Tally:
         self.duplicate += other.duplicate
         self.malformed += other.malformed
         self.transport_errors += other.transport_errors
+        self.unauthorized += other.unauthorized
         self.problem(other.first_problem)
 
 
 _NULL = b"null"
+_BEARER_TOKEN = b"bearer token"  # in the broker's refusal of a stream's first line (frontend/stream.py)
+
+
+def refuses_token(a: Answer) -> bool:
+    """Whether the NDJSON answer ``a`` is a refusal of the connection's credentials: an
+    error with ``"id": null`` about a bearer token, as the broker answers a TCP stream's
+    first line without a token it knows (before it closes the connection)."""
+    return bytes(a.id) == _NULL and _BEARER_TOKEN in bytes(a.error).lower()
 
 
 class Checker:
@@ -151,6 +165,8 @@ class Checker:
         """Check one HTTP answer (status code, whole body) to a body sent with `expect`
         (a `Raw`: the id of a single call, the `Workload.body` fast path)."""
         tally = self.tally
+        if status == 401 and tally.recording:  # (one int compare a call: the hot path stays as it was)
+            tally.unauthorized += 1
         if tally.first_problem:
             self._check(status, body, expect)
             return
@@ -226,6 +242,8 @@ class Checker:
         else:
             if isinstance(expect, Raw):
                 expect = Expect(False, (bytes(expect),), 1)
+            if tally.recording and type(decoded) is Answer and refuses_token(decoded):
+                tally.unauthorized += 1
             if tally.recording:
                 tally.requests += 1
                 tally.calls += expect.calls

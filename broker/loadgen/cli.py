@@ -9,9 +9,10 @@ request body per line; answer lines may come in any order and are matched to the
 request by id).
 
 Exit codes: 0 every answer was right; 1 check failures or transport errors (or nothing
-of the measured window was answered, a load process died, or --json could not be written
-after the run); 2 bad usage (bad flags, mix file, target); 130 / 143 interrupted by SIGINT /
-SIGTERM (the table of what was measured is still printed, and --json written).
+of the measured window was answered, every call was refused as unauthorized, a load
+process died, or --json could not be written after the run); 2 bad usage (bad flags, mix
+file, --token-file, target); 130 / 143 interrupted by SIGINT / SIGTERM (the table of what
+was measured is still printed, and --json written).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import typing
 import urllib.parse
 from pathlib import Path
 
+from broker.auth import B64TOKEN
 from broker.loadgen.workload import ID_MODES, Call, MixError, load_mix
 
 __all__ = ["build_parser", "build_plot_parser", "main"]
@@ -134,9 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit codes:\n"
         "  0        every answer was checked and right (JSON-RPC errors are answers too)\n"
         "  1        a check failed (wrong id, missing, duplicate, malformed answer), a\n"
-        "           transport error, nothing of the window was answered, a load process\n"
-        "           died, or --json could not be written\n"
-        "  2        bad usage: bad flags, mix file, target or --json path\n"
+        "           transport error, nothing of the window was answered, every call was\n"
+        "           refused as unauthorized (no --token-file, or a token the server does\n"
+        "           not take), a load process died, or --json could not be written\n"
+        "  2        bad usage: bad flags, mix file, --token-file, target or --json path\n"
         "  130/143  interrupted by SIGINT/SIGTERM (the table of what was measured is printed)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -181,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
                       "(one id per batch; answers matched as a multiset). Every id names one request "
                       "body of its connection, so all styles work on tcp:// and unix:// too")
     work.add_argument("--seed", type=_seed, default=0, help="seed of the mix draw (default 0)")
+    auth = p.add_argument_group("authentication")
+    auth.add_argument("--token-file", metavar="PATH",
+                      help="send the bearer token held in PATH (the token alone, on one line): as "
+                      "'Authorization: Bearer TOKEN' over http://, in each connection's first line "
+                      "(rpc.authenticate) over tcp://; not for unix:// (the socket's file mode is its "
+                      "check). A file, not a flag's value, so that ps does not show the token; from a "
+                      "shell variable: --token-file <(printf '%%s\\n' \"$TOKEN\")")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the run as JSON (schema rpc-broker-bench/1)")
     out.add_argument("-q", "--quiet", action="store_true",
@@ -249,6 +259,35 @@ def _plot(ns: argparse.Namespace) -> int:
     return 0
 
 
+MAX_TOKEN_FILE = 64 * 1024  # bytes read of --token-file: a token is at most a few hundred
+
+
+def _read_token(path: str) -> str:
+    """The bearer token held in file ``path`` (--token-file): its text without the white
+    space around it, which must be one RFC 6750 b64token (letters, digits, ``-._~+/``, then
+    ``=`` padding: what a header can carry as it is). Raises ValueError (bad usage, exit 2)
+    saying what is wrong, and never quoting the file's text (it may be a secret)."""
+    try:
+        with open(path, "rb") as f:  # (a pipe too: --token-file <(printf ...))
+            data = f.read(MAX_TOKEN_FILE + 1)
+    except OSError as exc:
+        raise ValueError(f"--token-file {path}: cannot read it: {exc.strerror or exc}") from None
+    if len(data) > MAX_TOKEN_FILE:
+        raise ValueError(f"--token-file {path}: larger than {MAX_TOKEN_FILE:,} bytes: not a token")
+    text = data.decode("utf-8", "replace").strip()
+    if not text:
+        raise ValueError(f"--token-file {path}: empty: put the token in it, alone on one line")
+    if len(text.split()) > 1:
+        raise ValueError(f"--token-file {path}: more than one word in it: put the token alone on one line")
+    if ":" in text:  # (the broker's token file holds NAME:TOKEN lines: a client sends the token alone)
+        raise ValueError(f"--token-file {path}: a NAME:TOKEN line: put the token alone in it (what follows the "
+                         "colon), not a line of the broker's auth_tokens_file")
+    if not B64TOKEN.match(text):
+        raise ValueError(f"--token-file {path}: not a bearer token: a token is letters, digits and '-._~+/',"
+                         " then '=' padding (RFC 6750's b64token)")
+    return text
+
+
 def _writable(path: str) -> bool:
     """Open ``path`` for writing (appending: an existing file is left as it is until the
     run is over), so that a bad --json path is refused before the load, not after it;
@@ -306,7 +345,11 @@ def _bench(ns: argparse.Namespace) -> int:
         calls = load_mix(ns.mix) if ns.mix else [Call(ns.method, ns.params)]
         Workload(calls, ns.batch, ns.ids)  # validate params before starting anything
         target = Target.parse(ns.target)
-    except (MixError, RunError) as exc:
+        if ns.token_file is not None and target.scheme == "unix":
+            raise ValueError("--token-file: a unix:// socket asks for no token (its file mode says who may "
+                             "connect): leave --token-file out, or use the broker's tcp:// stream_port")
+        token = _read_token(ns.token_file) if ns.token_file is not None else ""
+    except (MixError, RunError, ValueError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     if target.scheme != "unix" and urllib.parse.urlsplit(ns.target).port == 0:
@@ -335,7 +378,7 @@ def _bench(ns: argparse.Namespace) -> int:
     spec = Spec(target=ns.target, calls=calls, connections=ns.connections, depth=ns.depth,
                 pipeline=ns.pipeline or 1, rate=ns.rate, batch=ns.batch, ids=ns.ids,
                 processes=ns.processes, duration=ns.duration, warmup=ns.warmup, timeout=ns.timeout,
-                seed=ns.seed)
+                seed=ns.seed, token=token)
     console = Console()
     live_on = console.is_terminal and not ns.quiet
     started = time.monotonic()
@@ -375,10 +418,19 @@ def _bench(ns: argparse.Namespace) -> int:
     if not cut and tally.requests == 0:  # load was offered and nothing came back in the window
         tally.problem(f"no request of the measured {spec.duration:g} s window was answered"
                       + (f" ({unsent:,} never sent: the server could not keep up)" if unsent else ""))
+    # (new user, round 108: against a broker asking for tokens every call was refused, the
+    # table said to check --method and --params, and the run exited 0)
+    # (>=: on a stream the refusal of the token line may come before any call was sent)
+    refused = tally.unauthorized > 0 and tally.unauthorized >= tally.requests
+    if refused:
+        how = "HTTP 401" if target.scheme == "http" else "-32600 about the token, connection closed"
+        tally.first_problem = f"every call was refused as unauthorized ({how}): " + (
+            f"the server does not take the token of --token-file {ns.token_file}" if token else
+            "the server asks for a bearer token: give it with --token-file PATH")
     report = rep.build_report(spec, tally, hist, drain, unsent, mix=ns.mix)
     report.interrupted = cut
     report.processes_lost = spec.processes - len(results) if died else 0
-    rep.print_table(report, console, tally.first_problem)  # -q hides only the progress line
+    rep.print_table(report, console, tally.first_problem, tally.unauthorized)  # -q hides only the progress line
     if cut:
         why = died or f"interrupted by {signal.Signals(signum).name}"
         abandoned = sum(r.abandoned for r in results)
@@ -398,7 +450,7 @@ def _bench(ns: argparse.Namespace) -> int:
         return 1
     if signum:
         return 128 + signum  # as a shell reports a process killed by it: 130 SIGINT, 143 SIGTERM
-    if not (report.check.ok and report.transport_errors == 0 and report.requests > 0):
+    if refused or not (report.check.ok and report.transport_errors == 0 and report.requests > 0):
         print(f"{PROG}: failed; first problem: {tally.first_problem or 'see the table'}", file=sys.stderr)
         return 1
     return 0

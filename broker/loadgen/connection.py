@@ -68,7 +68,7 @@ class _Shared:
 
     __slots__ = ("backoffs", "checker", "connecting", "conns", "depth", "hurry", "interrupted", "lat", "loop",
                  "open", "pipeline", "reconnects", "resent", "sending", "started", "stopped", "t0", "t_end", "t_measure",
-                 "target", "timeout", "wake", "workload")
+                 "target", "timeout", "token", "wake", "workload")
 
     def __init__(self, spec: Spec, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -80,6 +80,7 @@ class _Shared:
         self.pipeline = max(1, spec.pipeline)
         self.depth = max(spec.depth, self.pipeline)
         self.timeout = spec.timeout
+        self.token = spec.token  # the bearer token to send ("" for none): see the connections' framing
         self.started = False  # t0 has come
         self.sending = False  # closed loop: between t0 and t_end
         self.stopped = False  # the run is over: no more reconnects

@@ -31,7 +31,10 @@ class HttpLoadConnection(LoadConnection):
         self._push = self._queue.append
         t = shared.target
         host = t.host if ":" not in t.host else f"[{t.host}]"
-        self._head = (f"POST {t.path} HTTP/1.1\r\nHost: {host}:{t.port}\r\n"
+        # (--token-file: the token in every request, RFC 6750 2.1; checked as a b64token by
+        # the command, so it cannot end the header early)
+        auth = f"Authorization: Bearer {shared.token}\r\n" if shared.token else ""
+        self._head = (f"POST {t.path} HTTP/1.1\r\nHost: {host}:{t.port}\r\n{auth}"
                       "Content-Type: application/json\r\nContent-Length: ").encode()
         self._body: list[bytes] = []
         self._parser = httptools.HttpResponseParser(self)

@@ -179,4 +179,5 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
                          interrupted=s.interrupted,
                          window_s=max(0.0, s.t_end - s.t_measure),
                          abandoned=lost if interrupted else 0,
-                         reconnects=s.reconnects, backoffs=s.backoffs, resent=s.resent)
+                         reconnects=s.reconnects, backoffs=s.backoffs, resent=s.resent,
+                         unauthorized=tally.unauthorized)

@@ -142,8 +142,9 @@ def workload_line(workload: RunWorkload) -> str:
     return f"{call.method}({params})" + (" as notifications" if call.notification else "")
 
 
-def print_table(report: Report, console: Console, first_problem: str = "") -> None:
-    """Print the final summary of a run (with the first problem's words, if any).
+def print_table(report: Report, console: Console, first_problem: str = "", unauthorized: int = 0) -> None:
+    """Print the final summary of a run (with the first problem's words, if any;
+    `unauthorized`: answers that refused the run's token, `Tally.unauthorized`).
 
     Readable at 80 columns, in a terminal or a pipe: labels never wrap, and each
     value is laid out in lines of at most ~60 characters (the load and the
@@ -182,7 +183,12 @@ def print_table(report: Report, console: Console, first_problem: str = "") -> No
         t.add_row("requests/s", f"{report.requests_per_s:,.1f}  ({_n(report.requests, 'request')} answered)")
         t.add_row("calls/s", f"{report.calls_per_s:,.1f}  ({_n(report.calls, 'call')} answered)")
     errors = ", ".join(f"{code}: {n:,}" for code, n in report.errors_by_code.items()) or "none"
-    if report.calls and sum(report.errors_by_code.values()) >= report.calls:
+    if unauthorized and unauthorized >= report.requests:  # (not the hint below: --method was not the fault)
+        t.add_row("JSON-RPC errors", Text(f"{errors}\nevery call was refused as unauthorized: no token, or\n"
+                                          "one the server does not take (--token-file)", style="bold red"))
+    elif unauthorized:
+        t.add_row("JSON-RPC errors", Text(f"{errors}\n{unauthorized:,} refused as unauthorized", style="yellow"))
+    elif report.calls and sum(report.errors_by_code.values()) >= report.calls:
         # (a new user's check, round 26: a mistyped --params measured 8,185 errors/s, all green)
         t.add_row("JSON-RPC errors", Text(f"{errors}\nevery call was answered with an error: check --method and "
                                           "--params\n(errors are answers: the exit status stays 0)", style="yellow"))

@@ -25,6 +25,9 @@ multiset, and so on). Lines that match no record:
 * an error answer with ``"id": null`` (the server could not read the request):
   taken as the answer to the oldest body in flight.
 
+With a token (``--token-file``), each connection's first line is ``rpc.authenticate``
+carrying it (a notification: no line answers it).
+
 A body of only notifications gets no line: it is done once written (counted in
 ``requests``, no latency) and holds no slot, so the connection goes on at the next
 loop iteration, paced by the transport's write buffer. Per-call timeouts do not
@@ -37,13 +40,14 @@ second decode (`Checker.check_line` gets the decoded line on the slow path).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 import typing
 
 import msgspec
 
-from broker.loadgen.check import Answer
+from broker.loadgen.check import Answer, refuses_token
 from broker.loadgen.connection import LoadConnection, _Record, _Shared
 
 __all__ = ["MAX_LINE_BYTES", "StreamLoadConnection"]
@@ -94,6 +98,16 @@ class StreamLoadConnection(LoadConnection):
 
     def _frame(self, body: bytes) -> bytes:
         return body + _NL
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self._s.token and self.connected:
+            # A broker asks a TCP stream for its token once, in the connection's first line
+            # (README, Rate limits): a notification, so no answer line to match; a token it
+            # refuses is answered -32600 with "id": null and the connection closed, which
+            # `Checker.check_line` counts as unauthorized.
+            line = {"jsonrpc": "2.0", "method": "rpc.authenticate", "params": {"_meta": {"token": self._s.token}}}
+            typing.cast(asyncio.Transport, transport).write(msgspec.json.encode(line) + _NL)
 
     def _reset_reader(self) -> None:
         self._parts.clear()
@@ -276,12 +290,18 @@ class StreamLoadConnection(LoadConnection):
             tally.problem(f"malformed answer line: {line[:120]!r}")
             self._stray(1)
             return
-        if (type(decoded) is Answer and ids[0] == _NULL and len(decoded.error)
-                and len(decoded.result) == 0 and self._pending):
-            # The server could not read a request's id (spec 5): take it as the answer
-            # to the oldest body in flight.
-            self._answered(self._pending.pop(next(iter(self._pending))), line, decoded)
-            return
+        if type(decoded) is Answer and ids[0] == _NULL and len(decoded.error) and len(decoded.result) == 0:
+            if self._pending:
+                # The server could not read a request's id (spec 5): take it as the answer
+                # to the oldest body in flight.
+                self._answered(self._pending.pop(next(iter(self._pending))), line, decoded)
+                return
+            if self._s.token and refuses_token(decoded):
+                # The refusal of the token line itself, come before any call was sent on
+                # the connection: no call's answer, no wrong id either.
+                if self._now >= self._s.t_measure:
+                    tally.unauthorized += 1
+                return
         wrong = duplicate = 0
         body_of_id = self._s.workload.body_of_id
         for key in ids:

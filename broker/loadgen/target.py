@@ -90,6 +90,8 @@ class Spec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a load process needs (sent to spawned processes as msgpack).
 
     Units: seconds for durations, requests/s for ``rate`` (None = closed loop).
+    token: the bearer token to send ("" for none): HTTP's ``Authorization: Bearer``
+    on every request, a ``tcp://`` stream's first line (``rpc.authenticate``).
     """
 
     target: str
@@ -105,6 +107,7 @@ class Spec(msgspec.Struct, frozen=True, kw_only=True):
     warmup: float = 1.0
     timeout: float = 30.0
     seed: int = 0
+    token: str = ""
 
 
 class Progress(msgspec.Struct, frozen=True, tag="progress"):
@@ -146,6 +149,7 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
     reconnects: int = 0  # connections reopened after a close, a reset or a failed connect
     backoffs: int = 0  # of those, the ones that waited first (after a failure)
     resent: int = 0  # HTTP: requests sent again after an unannounced close between answers
+    unauthorized: int = 0  # answers refusing the token (`Tally.unauthorized`)
 
     def tally(self) -> Tally:
         """The counters as a `Tally`."""
@@ -156,6 +160,7 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
         t.wrong_id, t.missing, t.duplicate, t.malformed = (
             self.wrong_id, self.missing, self.duplicate, self.malformed)
         t.transport_errors = self.transport_errors
+        t.unauthorized = self.unauthorized
         t.first_problem = self.first_problem
         return t
 
