@@ -63,23 +63,27 @@ class Token(typing.NamedTuple):
     digest: bytes
     rule: MethodRule | None = None
     rate: Rate | None = None  # its own rate limit (`rate_limit`, `rate_burst`: broker/ratelimit.py)
+    where: str = ""  # where it was given, for messages: "auth_tokens_file: PATH, line N", or the variable's entry
 
 
 def check_token(name: str, secret: str, where: str, rule: MethodRule | None = None,
-                rate: Rate | None = None) -> Token:
-    """A `Token` for `name` and `secret`, read from `where` (for messages); raise
-    `AuthError` if either breaks its rule (see the module docstring)."""
+                rate: Rate | None = None, toml: bool = False) -> Token:
+    """A `Token` for `name` and `secret`, read from `where` (for messages; `toml`: a
+    `[tokens.NAME]` table's, not a NAME:TOKEN line's); raise `AuthError` if either breaks
+    its rule (see the module docstring)."""
     # (Neither is shown: written the wrong way round, TOKEN:NAME, the name is the secret;
     # hostile testing, round 114, M1: the whole token was in the error.)
     if not _NAME.match(name):
-        raise AuthError(f"{where}: the token's name (before the colon) breaks its rule: use 1 to 64 letters, "
+        raise AuthError(f"{where}: the token's name ([tokens.NAME]) breaks its rule: use 1 to 64 letters, "
+                        "digits, '_', '.' or '-'" if toml else
+                        f"{where}: the token's name (before the colon) breaks its rule: use 1 to 64 letters, "
                         "digits, '_', '.' or '-' (a line is NAME:TOKEN, the name first)")
     if not MIN_TOKEN <= len(secret) <= MAX_TOKEN or not B64TOKEN.match(secret):
         raise AuthError(
-            f"{where}: the token (after the colon) breaks its rule: use {MIN_TOKEN} to {MAX_TOKEN} characters of "
-            f"letters, digits and '-._~+/' (RFC 6750's b64token); to make one: {_MAKE_ONE}"
+            f"{where}: the token {'(token = ...)' if toml else '(after the colon)'} breaks its rule: use {MIN_TOKEN}"
+            f" to {MAX_TOKEN} characters of letters, digits and '-._~+/' (RFC 6750's b64token); to make one: {_MAKE_ONE}"
         )
-    return Token(name, hashlib.sha256(secret.encode()).digest(), rule, rate)
+    return Token(name, hashlib.sha256(secret.encode()).digest(), rule, rate, where)
 
 
 def _rate(table: dict[str, object], where: str) -> Rate | None:
@@ -138,6 +142,39 @@ def _pairs(text: str, where: str, separators: str) -> list[tuple[str, str, str]]
     return pairs
 
 
+_KEY = r"""(?:"([^"\\]*)"|'([^']*)'|([A-Za-z0-9_-]+))"""  # a TOML key: basic or literal string, or bare
+_TABLE_HEAD = re.compile(r"\s*\[\s*" + _KEY + r"(?:\s*\.\s*" + _KEY + r")?\s*\]")
+_TOKENS_KEY = re.compile(r"\s*tokens\s*\.\s*" + _KEY + r"\s*[.=]")  # tokens.NAME.token = / tokens.NAME = {...}
+_NAME_KEY = re.compile(r"\s*" + _KEY + r"\s*[.=]")  # under [tokens]: NAME = {...} / NAME.token = ...
+
+
+def _key(match: re.Match[str], first: int) -> str:
+    """The key of groups first..first+2 of `match` (`_KEY`'s three forms)."""
+    return next((g for g in match.group(first, first + 1, first + 2) if g is not None), "")
+
+
+def _toml_lines(text: str) -> dict[str, int]:
+    """The line number (from 1) where each token's table of a TOML token file begins: its
+    `[tokens.NAME]` header, or a `tokens.NAME...` key, or a `NAME...` key under `[tokens]`
+    (not found, so named without a line: a name written with escapes, a table made only by
+    a deeper header, [tokens.NAME.sub], or inline in `tokens = {...}`). Read line by line,
+    without parsing TOML: tomllib gives no positions (new user, round 108: a bad entry was
+    named without its line)."""
+    lines: dict[str, int] = {}
+    table: tuple[str, str] | None = None  # the last [a] or [a.b] header's keys; None: the top level
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("["):
+            head = _TABLE_HEAD.match(line)  # (None: [[an array]] or [a.b.c], where no token's table begins)
+            table = (_key(head, 1), _key(head, 4)) if head else ("", "")
+            if table[0] == "tokens" and table[1]:
+                lines.setdefault(table[1], number)
+            continue
+        key = _TOKENS_KEY.match(line) if table is None else _NAME_KEY.match(line) if table == ("tokens", "") else None
+        if key:
+            lines.setdefault(_key(key, 1), number)
+    return lines
+
+
 def load_file(path: str, source: str = "auth_tokens_file") -> list[Token]:
     """The tokens of file `path`, named by `source` (where its name came from) in messages
     (its forms: the module docstring). Raises `AuthError` if it cannot be read or parsed,
@@ -161,18 +198,19 @@ def load_file(path: str, source: str = "auth_tokens_file") -> list[Token]:
         if not isinstance(tables, dict) or not tables:
             raise AuthError(f'{where}: no [tokens.NAME] table (each with token = "...")')
         tokens = []
+        lines = _toml_lines(text)
         for name, table in tables.items():
+            line = lines.get(name)
+            at = f"{where}, line {line}: [tokens.{name}]" if line else f"{where}: [tokens.{name}]"
             secret = table.get("token") if isinstance(table, dict) else None
             if not isinstance(secret, str):
-                raise AuthError(f'{where}: [tokens.{name}] needs token = "..." (a string)')
+                raise AuthError(f'{at} needs token = "..." (a string)')
             unknown = sorted(set(table) - {"token", *_TABLE_KEYS})
             if unknown:
-                raise AuthError(f"{where}: [tokens.{name}]: unknown key {unknown[0]!r} (known: token, "
-                                f"{', '.join(_TABLE_KEYS)})")
-            at = f"{where}: [tokens.{name}]"
+                raise AuthError(f"{at}: unknown key {unknown[0]!r} (known: token, {', '.join(_TABLE_KEYS)})")
             allow, deny = _patterns(table, "allow_methods", at), _patterns(table, "deny_methods", at)
             rule = MethodRule(allow, deny) if allow or deny else None
-            tokens.append(check_token(name, secret, where, rule, _rate(table, at)))
+            tokens.append(check_token(name, secret, at, rule, _rate(table, at), toml=True))
         return tokens
     tokens = [check_token(name, secret, at) for name, secret, at in _pairs(text, where, r"\Z")]
     if not tokens:  # (round 114, H2: an empty file turned the tokens off, silently)
@@ -190,15 +228,18 @@ def load_tokens(path: str, environ: typing.Mapping[str, str] = os.environ, sourc
     if value and not from_env:  # (round 114, H2: " , " turned the tokens off, silently; "" is unset)
         raise AuthError(f"environment variable {ENV_TOKENS}: no NAME:TOKEN in it: unset it, or give one")
     tokens += from_env
-    names: set[str] = set()
-    digests: set[bytes] = set()
-    for token in tokens:
-        if token.name in names:
-            raise AuthError(f"token name {token.name!r} given twice: each name must tell one caller")
-        if token.digest in digests:
-            raise AuthError(f"the token of {token.name!r} is another name's too: give each caller its own")
-        names.add(token.name)
-        digests.add(token.digest)
+    names: dict[str, Token] = {}
+    digests: dict[bytes, Token] = {}
+    for token in tokens:  # (each said where, both places: new user, round 108, the file and line were not)
+        first = names.get(token.name)
+        if first is not None:
+            raise AuthError(f"{token.where}: token name {token.name!r} given twice (first at {first.where}): each"
+                            " name must tell one caller")
+        first = digests.get(token.digest)
+        if first is not None:
+            raise AuthError(f"{token.where}: the token of {token.name!r} is also the token of {first.name!r} (at"
+                            f" {first.where}): give each caller its own")
+        names[token.name] = digests[token.digest] = token
     return tokens
 
 
