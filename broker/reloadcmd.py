@@ -69,6 +69,10 @@ def _read(path: str, pid: int | None) -> Status:
         why = "which is not running (a stale file)" if not _alive(status.pid) else "another broker"
         raise _NoBroker(f"the status file {path} is pid {status.pid}'s, {why}, not pid {pid}'s: pid {pid}"
                         " is not a broker writing it (a broker that has not started yet, or another status_file)")
+    if status.state == "stopped":  # (before its pid is looked at: another process may have it now)
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(status.time))
+        raise _NoBroker(f"the broker is not running: pid {status.pid} stopped at {when} (its status file {path}"
+                        " says so): nothing to reload (a start imports the code on disk)")
     if not _alive(status.pid):
         raise _NoBroker(f"the broker is not running: the status file {path} is from pid {status.pid},"
                         " which has exited (a stale file)")

@@ -805,6 +805,7 @@ async def run(
         if logs is not None:
             logs.detach()
         log_held()  # (a stop that ended without its line: the start failed meanwhile)
+        status.stopped()  # (its workers stopped, its socket removed: `rpc-broker reload` now says so)
         # The process is ending: another stop or reload signal now has nothing to act on,
         # and must not kill it by signal instead of its exit code (hostile testing, round
         # 25: a SIGTERM just after "stopped" ended it with -15, a failed stop to systemd's

@@ -38,7 +38,7 @@ __all__ = ["Status", "StatusFile", "process_start", "read_status"]
 
 log = logging.getLogger("broker")
 
-State = typing.Literal["starting", "serving", "stopping"]
+State = typing.Literal["starting", "serving", "stopping", "stopped"]
 Outcome = typing.Literal["none", "running", "ok", "failed"]
 
 
@@ -47,7 +47,9 @@ class Status(msgspec.Struct, kw_only=True):
 
     pid, process_start: the broker's process id and its start time in clock ticks since
     boot (`process_start`; 0 where /proc is not readable). state: "starting" (the workers
-    import the app), "serving", "stopping" (a stop signal came: SIGHUP is ignored).
+    import the app), "serving", "stopping" (a stop signal came: SIGHUP is ignored),
+    "stopped" (the broker has exited, cleanly or after a failed start: written as it
+    ends; one killed, by SIGKILL or a crash, leaves its last state, and its pid gone tells).
     sighups: SIGHUPs the broker took (not those ignored while stopping). reloads: reloads
     begun (the generation). covers: `sighups` when the last reload began. outcome: "none"
     before any reload, "running" while one runs, then "ok" or "failed"; message: why it
@@ -145,6 +147,14 @@ class StatusFile:
                 return
         self._written = True
         self._write(msgspec.json.encode(self.status) + b"\n")
+
+    def stopped(self) -> None:
+        """The broker ends: write state "stopped" (new user, round 108: the file said
+        "stopping" after the broker had exited), if the file is this broker's: one that
+        ends before it first wrote it (a start refused early) leaves it to whoever wrote
+        it, perhaps the broker it was to take over from."""
+        if self._written:
+            self.update(state="stopped")
 
     def _write(self, data: bytes) -> None:
         tmp = f"{self.path}.{self.status.pid}.tmp"

@@ -108,20 +108,44 @@ def test_a_reload_still_running_at_the_timeout_exits_4(broker_factory, tmp_path:
 
 
 def test_a_stale_status_file_is_refused_not_taken_for_the_broker(broker_factory, tmp_path: Path) -> None:
-    """A broker that stopped leaves its file: the command says no broker runs (exit 5),
-    and never signals whatever has the pid now. A pid that is not the file's is refused,
-    and so is a file naming a live pid whose process started at another time (reused)."""
+    """A broker that stopped says so in its file (new user, round 108: it said "stopping"
+    still): the command says it stopped (exit 5), and never signals whatever has the pid
+    now. A killed broker's file (its last state left) names a pid gone: refused as stale;
+    a pid that is not the file's is refused, and so is a file naming a live pid whose
+    process started at another time (reused)."""
     b, status = start(broker_factory, tmp_path)
     assert b.stop() == 0
-    gone = reload("--status-file", str(status))
-    assert gone.returncode == EXIT_NO_BROKER and "not running" in gone.stderr, gone.stderr
-    assert "stale" in gone.stderr
-    # Another live process's pid, with a file of its own: the file says another start time.
     document = json.loads(status.read_text())
+    assert (document["pid"], document["state"]) == (b.pid, "stopped")
+    gone = reload("--status-file", str(status))
+    assert gone.returncode == EXIT_NO_BROKER, gone.stderr
+    assert f"the broker is not running: pid {b.pid} stopped at " in gone.stderr, gone.stderr
+    document.update(state="serving")  # (as a broker killed by SIGKILL leaves it)
+    status.write_text(json.dumps(document))
+    killed = reload("--status-file", str(status))
+    assert killed.returncode == EXIT_NO_BROKER and "not running" in killed.stderr, killed.stderr
+    assert "stale" in killed.stderr
+    # Another live process's pid, with a file of its own: the file says another start time.
     document.update(pid=os.getpid(), process_start=document["process_start"] + 1, state="serving")
     status.write_text(json.dumps(document))
     reused = reload("--status-file", str(status))
     assert reused.returncode == EXIT_NO_BROKER and "earlier process" in reused.stderr, reused.stderr
+
+
+def test_a_broker_whose_workers_fail_to_start_leaves_its_status_file_saying_stopped(tmp_path: Path) -> None:
+    """A start that ends (exit 3: the app cannot be imported) after the file said "starting"
+    says "stopped" too, and `reload` says so, not that a broker is starting."""
+    write_app(tmp_path, broken=True)
+    status = tmp_path / "status.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RPC_BROKER_")}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{tmp_path}"
+    failed = subprocess.run([sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0",
+                             "--workers", "1", "--app", "relapp:registry", "--status-file", str(status)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 3, failed.stderr
+    assert json.loads(status.read_text())["state"] == "stopped"
+    done = reload("--status-file", str(status))
+    assert done.returncode == EXIT_NO_BROKER and " stopped at " in done.stderr, done.stderr
 
 
 def test_a_pid_that_is_not_the_status_file_s_broker_is_refused(broker_factory, tmp_path: Path) -> None:
@@ -204,7 +228,8 @@ def test_a_second_broker_failing_on_the_port_leaves_the_status_file_to_the_first
                              "--port", str(b.port), "--status-file", str(status)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert second.returncode == 1 and "cannot listen" in second.stderr, second.stderr
-    assert json.loads(status.read_text())["pid"] == b.pid
+    document = json.loads(status.read_text())
+    assert (document["pid"], document["state"]) == (b.pid, "serving")  # (nor "stopped" as it ended)
     write_app(tmp_path, version=2)
     done = reload("--status-file", str(status), "--pid", str(b.pid))
     assert done.returncode == EXIT_OK, done.stderr
