@@ -87,13 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
     reload = commands.add_parser(
         "reload",
         help="reload a running broker (SIGHUP) and wait for the outcome: exit 0 when the new workers "
-        "took over, 1 when they failed to start, 4 on timeout, 5 when no broker runs (systemd's ExecReload)",
+        "took over, 1 when they failed to start, 2 on bad usage, 4 on timeout, 5 when no broker runs "
+        "(systemd's ExecReload)",
         description="Send the broker SIGHUP and wait until the reload it asked for ends, through the\n"
         "broker's status file (the status_file setting, from --config and the environment as serve\n"
-        "reads them, or --status-file). Exit 0: the new workers took over; 1: they failed to start\n"
-        "(the old ones serve on; the reason on stderr); 2: no status file set; 4: no outcome within\n"
-        "--timeout; 5: no broker to reload (not running, a stale status file, another process,\n"
-        "not allowed to signal it, or stopping).",
+        "reads them, or --status-file).",
+        # (every code `_reload` and `reloadcmd.reload` return: new user, round 108, found 2 missing)
+        epilog="Exit codes:\n"
+        "  0  the new workers took over\n"
+        "  1  the reload failed: the new workers did not start (the reason on stderr); the old\n"
+        "     ones serve on\n"
+        "  2  bad usage: no status file set, a bad status_file or boot_timeout (in --config or\n"
+        "     the environment), a bad --timeout, or a bad flag\n"
+        "  4  no outcome within --timeout: the reload may still be running (or not have begun)\n"
+        "  5  no broker to reload: stopped (its status file says so), not running (a stale\n"
+        "     status file), another process, not allowed to signal it, or stopping",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     reload.add_argument("--config", metavar="FILE", help="TOML file of the broker's settings (its status_file)")

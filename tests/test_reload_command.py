@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -275,3 +276,16 @@ def test_a_fifo_at_the_status_files_path_blocks_nothing_and_a_symlink_is_not_fol
     status.update(state="stopping")
     assert target.read_text() == "precious data"
     assert read_status(str(path)).state == "stopping"
+
+
+def test_reload_help_lists_every_exit_code() -> None:
+    """New user, round 108: `reload --help` listed no exit code 2 (a missing status file, a
+    bad --timeout); each code the command returns has its line under "Exit codes:"."""
+    from broker import reloadcmd
+
+    done = reload("--help")
+    assert done.returncode == 0, done.stderr
+    listed = [int(m) for m in re.findall(r"^  (\d+)  ", done.stdout.split("Exit codes:\n", 1)[1], re.M)]
+    codes = sorted(getattr(reloadcmd, name) for name in reloadcmd.__all__ if name.startswith("EXIT_"))
+    assert listed == codes == [EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_NO_BROKER], done.stdout
+
