@@ -158,9 +158,9 @@ class Recycling(PoolState):
         if self._may_recycle(worker, time.monotonic()):
             self._recycle(worker, "max_calls", worker.calls)
         elif (previous := self._draining_in(worker.slot)) is not None:
-            log.info("worker %d (pid %d) reached max_calls_per_worker (%d): recycled once pid %d, the slot's last"
-                     " worker, has finished its %d calls", worker.slot, worker.pid, worker.max_calls, previous.pid,
-                     previous.outstanding)
+            log.info("worker %d (pid %d) was sent %d calls, its limit: recycled once pid %d, the slot's previous"
+                     " worker, has finished its calls (%d still in flight) and exited", worker.slot, worker.pid,
+                     worker.calls, previous.pid, previous.outstanding)
 
     def _draining_in(self, slot: int) -> Worker | None:
         """An earlier worker of `slot` still finishing its calls (`retiring`), if any."""
@@ -224,10 +224,16 @@ class Recycling(PoolState):
         self.recycles[rec.reason] = self.recycles.get(rec.reason, 0) + 1
         self._recycle_failures_in_row.pop(old.slot, None)
         self._recycle_hold.pop(old.slot, None)
-        what = (f"{rec.measure} calls sent, its limit {old.max_calls}" if rec.reason == "max_calls"
-                else f"RSS {rec.measure / MIB:.1f} MiB, over {self.max_worker_memory / MIB:.1f} MiB")
-        log.info("worker %d recycled (%s: %s): pid %d drains its %d calls in flight, pid %d serves",
-                 old.slot, rec.reason, what, old.pid, old.outstanding, new.pid)
+        # (Its count now, every call sent to it: new user, round 108, read the count at the recycle's
+        # start, the limit, as what it had served, though it took calls while its replacement started.)
+        if rec.reason == "max_calls":
+            late = old.calls - rec.measure
+            what = f"pid {old.pid} was sent {old.calls} calls, its limit {old.max_calls}" + (
+                f", {late} of them while its replacement started" if late > 0 else "")
+        else:
+            what = f"pid {old.pid} takes RSS {rec.measure / MIB:.1f} MiB, over {self.max_worker_memory / MIB:.1f} MiB"
+        log.info("worker %d recycled (%s: %s): it finishes its %d calls still in flight, then exits; pid %d serves",
+                 old.slot, rec.reason, what, old.outstanding, new.pid)
         self._changed.set()
         return new
 
