@@ -6,6 +6,7 @@ which must not stop the broker answering (lines dropped and counted instead)."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -104,6 +105,7 @@ def test_all_logs_a_result_an_unknown_method_a_timeout_and_a_rate_limited_call(a
     status, _, body = b.post(json.dumps(rpc("add", [2, 3], 7)), headers=ALICE_H)
     assert status == 200 and json.loads(body)["result"] == 5
     assert json.loads(b.post(json.dumps(rpc("no.such", None, "u")), headers=ALICE_H)[2])["error"]["code"] == -32601
+    sent = time.time()
     assert json.loads(b.post(json.dumps(rpc("sleep", [5], 9)), headers=ALICE_H)[2])["error"]["code"] == -32001
     assert json.loads(b.post(json.dumps(rpc("add", [1, 1], 10)), headers=SLOW_H)[2])["result"] == 2
     status, _, body = b.post(json.dumps(rpc("add", [1, 1], 11)), headers=SLOW_H)
@@ -119,9 +121,15 @@ def test_all_logs_a_result_an_unknown_method_a_timeout_and_a_rate_limited_call(a
     assert (timeout["method"], timeout["id"], timeout["outcome"], timeout["code"], timeout["pid"]) == (
         "sleep", "9", "timed_out", "-32001", pid)
     assert 0.5 <= float(timeout["duration"]) < 3
+    # (README: a line's time is when its answer was made, its arrival `duration` before: the ms
+    # stamp is truncated, and the clocks are one machine's)
+    answered = datetime.datetime.strptime(timeout["time"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.UTC)
+    assert answered.timestamp() + 0.001 >= sent + float(timeout["duration"]) >= sent + 0.5, (timeout, sent)
     assert slow_ok["token"] == "slow" and slow_ok["outcome"] == "ok"
     assert (limited["token"], limited["method"], limited["id"], limited["outcome"], limited["code"]) == (
         "slow", "add", "11", "rate_limited", "-32005")
+    # (README: answered as the body was read, before any queue: no duration)
+    assert unknown["duration"] == limited["duration"] == "0.000000", (unknown, limited)
 
 
 def test_a_batch_is_a_line_per_call_and_no_notification_is_logged(all_broker: Broker) -> None:
@@ -140,6 +148,7 @@ def test_a_batch_is_a_line_per_call_and_no_notification_is_logged(all_broker: Br
     assert all(by_id[str(i)]["outcome"] == "ok" and by_id[str(i)]["method"] == "add" for i in range(1, 5))
     assert by_id['"n"']["outcome"] == "method_not_found" and by_id["null"]["outcome"] == "invalid_request"
     assert by_id["null"]["code"] == "-32600" and all(line["token"] == "alice" for line in lines)
+    assert by_id['"n"']["duration"] == by_id["null"]["duration"] == "0.000000"  # (README: answered as read)
 
 
 def test_log_params_redacts_secrets_at_any_depth(all_broker: Broker) -> None:
