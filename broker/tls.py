@@ -35,12 +35,8 @@ def server_context(cert_file: str, key_file: str) -> ssl.SSLContext | None:
     if not cert_file or not key_file:
         given, missing = ("tls_cert_file", "tls_key_file") if cert_file else ("tls_key_file", "tls_cert_file")
         raise TlsError(f"{given} is set but {missing} is not: TLS needs both (the certificate and its key)")
-    for name, path in (("tls_cert_file", cert_file), ("tls_key_file", key_file)):
-        try:
-            with open(path, "rb"):
-                pass
-        except OSError as exc:  # (load_cert_chain's own errors name no file)
-            raise TlsError(f"{name} {path}: cannot read it: {exc.strerror}") from None
+    _readable("tls_cert_file", cert_file)
+    _readable("tls_key_file", key_file)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.set_alpn_protocols(["http/1.1"])
     try:
@@ -49,6 +45,18 @@ def server_context(cert_file: str, key_file: str) -> ssl.SSLContext | None:
         raise TlsError(f"tls_cert_file {cert_file} and tls_key_file {key_file} cannot be used: {exc.reason or exc}"
                        " (PEM files: the certificate and its chain, and its key, unencrypted, that matches it)") from None
     return context
+
+
+def _readable(name: str, path: str) -> None:
+    """Raise `TlsError` naming setting `name` and its `path` if the file cannot be opened
+    for reading (the ssl module's own errors name no file)."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise TlsError(f"{name} {path}: cannot read it: {exc.strerror}") from None
+    except ValueError:  # (a NUL byte, from a TOML "\u0000": a traceback at the start)
+        raise TlsError(f"{name} {path!r}: cannot read it: a path cannot hold a NUL byte") from None
 
 
 def _no_password() -> bytes:

@@ -108,6 +108,11 @@ def test_tls_files_that_cannot_be_used_are_refused_at_the_start(pki: Pki, tmp_pa
     done = check_config("--tls-cert-file", str(tmp_path / "absent.pem"), "--tls-key-file", str(pki.key))
     assert done.returncode == 2 and f"tls_cert_file {tmp_path / 'absent.pem'}: cannot read it: No such file" \
         in done.stderr, done.stderr
+    nul = tmp_path / "nul.toml"  # (a NUL byte in a path, from TOML's "\u0000": a traceback at the start)
+    nul.write_text(f'tls_cert_file = "cert\\u0000.pem"\ntls_key_file = "{pki.key}"\n')
+    done = check_config(str(nul))
+    assert done.returncode == 2 and "tls_cert_file 'cert\\x00.pem': cannot read it: a path cannot hold a NUL byte" \
+        in done.stderr and "Traceback" not in done.stderr, done.stderr
     from cryptography.hazmat.primitives import serialization  # (trustme's own dependency)
 
     key = serialization.load_pem_private_key(pki.key.read_bytes(), password=None)
