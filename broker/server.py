@@ -363,12 +363,13 @@ def fit_open_files(max_connections: int, listeners: int, extra: int) -> int:
     return max(1, fits)
 
 
-def exposure_warnings(host: str, tokens: bool, tls: bool, auth_metrics: bool) -> list[str]:
+def exposure_warnings(host: str, tokens: bool, tls: bool, auth_metrics: bool, client_certs: bool = False) -> list[str]:
     """The warnings of a start whose access control does less than it seems: a broker
     listening past loopback (`host` not a loopback address or `localhost`) with no bearer
     `tokens` asked for (hostile testing, round 114: an empty token file served 0.0.0.0 with
-    no word of it), or with tokens but no `tls` (they travel in clear text); `auth_metrics`
-    with no tokens (it asks for none: new user, round 106)."""
+    no word of it) nor `client_certs` (tls_client_ca_file: without tokens, every TLS client
+    must show a certificate), or with tokens but no `tls` (they travel in clear text);
+    `auth_metrics` with no tokens (it asks for none: new user, round 106)."""
     warnings = []
     if auth_metrics and not tokens:
         warnings.append("auth_metrics is set but no bearer tokens are given: /metrics asks for none")
@@ -379,7 +380,7 @@ def exposure_warnings(host: str, tokens: bool, tls: bool, auth_metrics: bool) ->
         pass
     if loopback:
         return warnings
-    if not tokens:
+    if not tokens and not (tls and client_certs):
         warnings.append(f"host {host} is reachable past this machine and no bearer tokens are asked for: whoever"
                         " reaches it can call every tool (auth_tokens_file or RPC_BROKER_AUTH_TOKENS; README,"
                         " Authentication)")
@@ -591,7 +592,8 @@ async def run(
         incoming = Incoming(config.max_incoming_bytes)  # (one for all the listeners)
         auth = Authenticator(tokens) if tokens else None
         try:
-            tls = server_context(config.tls_cert_file, config.tls_key_file)  # (checked by config.load: again, now)
+            tls = server_context(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file,
+                                 require_client_cert=auth is None)  # (checked by config.load: again, now)
         except TlsError as exc:
             log.error("%s", exc)
             return 2
@@ -741,7 +743,8 @@ async def run(
         if config.stream_socket and int(config.stream_socket_mode, 8) & 0o007:
             log.warning("stream_socket_mode %s lets every user of this machine connect to %s and call every tool",
                         config.stream_socket_mode, config.stream_socket)
-        for warning in [*exposure_warnings(config.host, auth is not None, tls is not None, config.auth_metrics),
+        for warning in [*exposure_warnings(config.host, auth is not None, tls is not None, config.auth_metrics,
+                                           bool(config.tls_client_ca_file)),
                         *secret_file_warnings({"auth_tokens_file": config.auth_tokens_file,
                                                "tls_key_file": config.tls_key_file})]:
             log.warning("%s", warning)
@@ -750,6 +753,11 @@ async def run(
             log.info("bearer tokens asked for on %s%s: %d (%s%s)", config.rpc_path,
                      " and /metrics" if config.auth_metrics else "", len(names), ", ".join(names[:10]),
                      ", ..." if len(names) > 10 else "")
+        if config.tls_client_ca_file:  # (what a certificate does here: it differs with and without tokens)
+            log.info("client certificates verified against tls_client_ca_file %s on every TLS listener: %s",
+                     config.tls_client_ca_file,
+                     "required (no bearer tokens: probes and Prometheus need one too)" if auth is None else
+                     "optional (HTTP keeps bearer tokens)")
         longest = max([config.timeout, *(t for name, t in config.method_timeouts.items() if name not in unserved)])
         if config.grace_period < longest:  # (round 69's new user: nothing linked the two)
             log.warning("a call's deadline (up to %s s) is longer than grace_period %s s: at a stop or a restart,"

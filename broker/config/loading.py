@@ -293,9 +293,9 @@ def load(path: str | None, env: Mapping[str, str], flags: Mapping[str, object]) 
         where = "; ".join(f"{name} from {sources.get(name, 'the default')}" for name in names)
         raise ConfigError(f"{problem} ({where})")
     try:
-        server_context(cfg.tls_cert_file, cfg.tls_key_file)
+        server_context(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
     except TlsError as exc:
-        given = [n for n in ("tls_cert_file", "tls_key_file") if n in sources]
+        given = [n for n in ("tls_cert_file", "tls_key_file", "tls_client_ca_file") if n in sources]
         raise ConfigError(f"{'; '.join(f'{n} from {sources[n]}' for n in given) or 'tls'}: {exc}") from None
     try:
         load_tokens(cfg.auth_tokens_file, env, sources.get("auth_tokens_file", ""))

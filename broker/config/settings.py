@@ -171,6 +171,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                             Doc("PEM private key of tls_cert_file, unencrypted, readable by the broker's "
                                 "user only", metavar="PATH")
                             ] = ""
+    tls_client_ca_file: Annotated[str,
+                                  Doc("PEM CA certificates that verify client certificates on every TLS "
+                                      "listener (with tls_cert_file and tls_key_file): with bearer tokens a "
+                                      "client may show one; without tokens every TLS client must show one, "
+                                      "probes included; empty means none asked for",
+                                      metavar="PATH")
+                                  ] = ""
     auth_tokens_file: Annotated[str,
                                 Doc("file of the bearer tokens callers must send on rpc_path "
                                     "(Authorization: Bearer TOKEN): one NAME:TOKEN a line, or a .toml "
