@@ -5,7 +5,10 @@ An operator gives each client a token, under a name: the name is what the broker
 is the secret, sent over HTTP as `Authorization: Bearer TOKEN` (RFC 6750 2.1). Tokens come
 from a file (`auth_tokens_file`) and from the environment (`RPC_BROKER_AUTH_TOKENS`),
 both read once at the start. When there are none, no one is asked for one (loopback
-only by default: see docs/security.md).
+only by default: see docs/security.md). Over TLS with client certificates
+(`tls_client_ca_file`), a verified certificate whose subject commonName is a token's name
+stands for that token on the NDJSON stream (`Authenticator.has_name`; broker/frontend/stream.py);
+HTTP asks for the token itself.
 
 File forms (`load_file`):
     NAME.toml   a table per token: `[tokens.NAME]` with `token = "..."`, and optionally
@@ -246,17 +249,23 @@ def load_tokens(path: str, environ: typing.Mapping[str, str] = os.environ, sourc
 class Authenticator:
     """Checks `Authorization` header values against `tokens` (at least one)."""
 
-    __slots__ = ("_tokens",)
+    __slots__ = ("_names", "_tokens")
 
     def __init__(self, tokens: typing.Sequence[Token]) -> None:
         if not tokens:
             raise ValueError("an Authenticator needs at least one token")
         self._tokens = tuple(tokens)
+        self._names = frozenset(t.name for t in self._tokens)
 
     @property
     def names(self) -> tuple[str, ...]:
         """The tokens' names, in the order given."""
         return tuple(t.name for t in self._tokens)
+
+    def has_name(self, name: str) -> bool:
+        """Whether `name` is a token's name (a client certificate's commonName: the names are
+        not secret, they are shown in the log and the metrics)."""
+        return name in self._names
 
     def name_of(self, secret: bytes) -> str | None:
         """The name of the token `secret` is, or None. Constant time in `secret`'s

@@ -620,6 +620,7 @@ async def run(
                 stream = StreamFrontend(
                     dispatcher, transport=transport, max_connections=max_connections, incoming=incoming,
                     auth=auth if transport == "tcp" else None,  # (the Unix socket: its file mode)
+                    client_certs=bool(config.tls_client_ca_file) and transport == "tcp",
                     **_settings(config, "max_body_bytes max_batch keepalive_timeout send_timeout"),
                 )
                 listeners.append((stream, where, port_))
@@ -757,7 +758,8 @@ async def run(
             log.info("client certificates verified against tls_client_ca_file %s on every TLS listener: %s",
                      config.tls_client_ca_file,
                      "required (no bearer tokens: probes and Prometheus need one too)" if auth is None else
-                     "optional (HTTP keeps bearer tokens)")
+                     "optional (HTTP keeps bearer tokens; on stream_port, one whose subject commonName is a token's"
+                     " name authenticates as that token)")
         longest = max([config.timeout, *(t for name, t in config.method_timeouts.items() if name not in unserved)])
         if config.grace_period < longest:  # (round 69's new user: nothing linked the two)
             log.warning("a call's deadline (up to %s s) is longer than grace_period %s s: at a stop or a restart,"

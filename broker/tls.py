@@ -13,7 +13,9 @@ client asking for h2 gets HTTP/1.1, RFC 7301). A handshake must end within
 Client certificates (`tls_client_ca_file`, a PEM bundle of CA certificates): when given, the
 listeners ask each client for a certificate, verified against those CAs alone (not the
 system's). With bearer tokens configured a client may show none (`ssl.CERT_OPTIONAL`: HTTP
-clients with their tokens, health probes), but one that does not verify fails the handshake.
+clients with their tokens, health probes), but one that does not verify fails the handshake;
+on the NDJSON stream_port a verified certificate whose subject commonName is a token's name
+authenticates the connection as that token (`certificate_name`; broker/frontend/stream.py).
 With no tokens, every TLS client must show one that verifies (`ssl.CERT_REQUIRED`): the
 certificate is then the access control on every TLS listener, probes included.
 """
@@ -25,7 +27,7 @@ import typing
 
 from broker.errors import LocalError
 
-__all__ = ["HANDSHAKE_SECONDS", "TlsError", "server_context"]
+__all__ = ["HANDSHAKE_SECONDS", "TlsError", "certificate_name", "server_context"]
 
 HANDSHAKE_SECONDS: typing.Final = 10.0
 
@@ -76,6 +78,16 @@ def _verify_clients(context: ssl.SSLContext, ca_file: str, required: bool) -> No
         raise TlsError(f"tls_client_ca_file {ca_file} cannot be used: {exc.reason or exc} (a PEM file of the "
                        "CA certificates that issue the clients' certificates)") from None
     context.verify_mode = ssl.CERT_REQUIRED if required else ssl.CERT_OPTIONAL
+
+
+def certificate_name(peercert: object) -> str:
+    """The subject commonName of a client's verified certificate, as `SSLSocket.getpeercert()`
+    gives it (its "subject": relative distinguished names, each a tuple of (type, value)
+    pairs), or "": no certificate (None), none verified ({}: CERT_NONE), no commonName, or
+    more than one (which would name the client ambiguously)."""
+    subject = peercert.get("subject", ()) if type(peercert) is dict else ()
+    names: list[str] = [value for rdn in subject for kind, value in rdn if kind == "commonName"]
+    return names[0] if len(names) == 1 else ""
 
 
 def _readable(name: str, path: str) -> None:

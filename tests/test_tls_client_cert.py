@@ -1,7 +1,9 @@
 """Client certificates (tls_client_ca_file): a CA for the clients and their certificates made
 at test time (trustme), real brokers over TLS on loopback. With bearer tokens a certificate is
-optional; without tokens every TLS client must show one. A certificate that does not verify
-fails the handshake either way; the setting's mistakes stop the broker at the start.
+optional, and on the NDJSON stream_port one whose subject commonName is a token's name
+authenticates the connection as that token (its method policy, its name in the access log);
+without tokens every TLS client must show one. A certificate that does not verify fails the
+handshake either way; the setting's mistakes stop the broker at the start.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from pathlib import Path
 import pytest
 import trustme
 from conftest import ROOT, Broker, free_port, start_broker
-from test_auth import lines_over
+from test_auth import auth_line, lines_over
 
 from broker.auth import ENV_TOKENS
 from broker.server import exposure_warnings
+from broker.tls import certificate_name
 
 CI = "ci-token-0123456789abcdef-XYZ"
 ALICE = "alice-token-0123456789abcdef"
@@ -128,6 +131,47 @@ def guarded(request: pytest.FixtureRequest, pki: Pki) -> typing.Iterator[tuple[B
     assert b.stop() == 0, b.read_log()
 
 
+def test_a_certificate_naming_a_token_authenticates_the_stream_as_that_token(guarded, pki: Pki) -> None:
+    b, port = guarded
+    answers, closed = exchange(port, context(pki, "ci"), line(CALL, SUM), 2)  # (no rpc.authenticate line)
+    assert not closed and sorted(answers, key=lambda a: a["id"]) == [ADDED, NOT_FOUND]  # (ci's policy: add only)
+    answers, closed = exchange(port, context(pki, "alice"), line(SUM), 1)
+    assert not closed and answers == [{"jsonrpc": "2.0", "id": 2, "result": 3}]  # (alice's: anything)
+    log = b.read_log(0.5)
+    assert "token=ci transport=tcp method=add id=1 " in log, log
+    assert "token=ci transport=tcp method=sum id=2 duration=0.000000 outcome=method_not_found code=-32601 pid=-" in log
+    assert "token=alice transport=tcp method=sum id=2 " in log
+    assert "client certificates verified against tls_client_ca_file " in log and ": optional (HTTP keeps" in log
+
+
+def test_without_a_certificate_or_with_one_naming_no_token_the_stream_shows_a_token(guarded, pki: Pki) -> None:
+    _, port = guarded
+    for client in ("", "nobody"):  # (no certificate; a verified one whose commonName is no token's name)
+        answers, closed = exchange(port, context(pki, client), line(CALL), 2)
+        assert closed and len(answers) == 1 and answers[0]["error"]["code"] == -32600, (client, answers)
+        assert answers[0]["error"]["data"].startswith("a bearer token is required: the first line must be ")
+        assert answers[0]["error"]["data"].endswith(
+            "; or, over TLS, a client certificate whose subject commonName is a token's name")
+        answers, closed = exchange(port, context(pki, client), auth_line(CI) + line(CALL, SUM), 3)
+        assert not closed and answers[0] == {"jsonrpc": "2.0", "id": "auth", "result": {"token": "ci"}}
+        assert sorted(answers[1:], key=lambda a: a["id"]) == [ADDED, NOT_FOUND], client
+
+
+def test_rpc_authenticate_on_a_certificate_connection_is_checked_and_switches_no_token(guarded, pki: Pki) -> None:
+    _, port = guarded
+    ci = context(pki, "ci")
+    answers, closed = exchange(port, ci, auth_line(CI) + line(CALL), 2)  # (the certificate's own token: as before)
+    assert not closed and answers == [{"jsonrpc": "2.0", "id": "auth", "result": {"token": "ci"}}, ADDED]
+    answers, closed = exchange(port, ci, auth_line(ALICE) + line(SUM), 2)  # (another token's: refused, not run)
+    assert closed and len(answers) == 1 and answers[0]["error"]["code"] == -32600, answers
+    assert answers[0]["error"]["data"].startswith("the bearer token is another token than the one the TLS client")
+    answers, closed = exchange(port, ci, auth_line("x" * 20) + line(CALL), 2)  # (no one's: refused as before)
+    assert closed and answers[0]["error"]["data"].startswith("the bearer token is not one of"), answers
+    answers, closed = exchange(port, ci, line(CALL) + auth_line(ALICE, id_=3) + line(SUM), 3)  # (later: -32601)
+    assert not closed and sorted(answers, key=lambda a: str(a["id"])) == [
+        ADDED, NOT_FOUND, {"jsonrpc": "2.0", "id": 3, "error": {"code": -32601, "message": "Method not found"}}]
+
+
 @pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3])
 def test_a_certificate_that_does_not_verify_fails_the_handshake(guarded, pki: Pki, version: ssl.TLSVersion) -> None:
     """A certificate of another CA, its commonName a token's name: no listener serves it (HTTP
@@ -172,6 +216,15 @@ def test_the_exposure_warning_counts_required_certificates_as_access_control() -
                                                                         "RPC_BROKER_AUTH_TOKENS; README, Authentication)")
 
 
+def test_certificate_name_is_the_subject_common_name_if_there_is_exactly_one() -> None:
+    org = (("organizationName", "Example"),)
+    assert certificate_name({"subject": (org, (("commonName", "ci"),))}) == "ci"
+    assert certificate_name({"subject": (org,)}) == ""
+    assert certificate_name({"subject": ((("commonName", "ci"),), (("commonName", "alice"),))}) == ""
+    assert certificate_name({"subject": ((("commonName", "ci"), ("commonName", "alice")),)}) == ""  # (multi-valued)
+    assert certificate_name({}) == "" and certificate_name(None) == ""  # (CERT_NONE; no certificate)
+
+
 def check_config(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RPC_BROKER_")}
     return subprocess.run([sys.executable, "-m", "broker", *flags], cwd=ROOT, env={**clean, **(env or {})},
@@ -195,3 +248,17 @@ def test_the_client_ca_file_is_checked_at_the_start(pki: Pki, tmp_path: Path) ->
     done = check_config("check-config", *server, "--tls-client-ca-file", str(pki.key))  # (a key: no certificate)
     assert done.returncode == 2 and f"tls_client_ca_file {pki.key} cannot be used: NO_CERTIFICATE_OR_CRL_FOUND" \
         in done.stderr, done.stderr
+
+
+def test_a_token_other_than_the_certificates_is_logged_as_such(broker_factory, pki: Pki) -> None:
+    """The refusal is counted and logged with the others for want of a good token, saying
+    why: the token is someone's, but not the one the certificate names."""
+    port = free_port()
+    b: Broker = broker_factory("--workers", "1", "--stream-port", str(port), "--tls-cert-file", str(pki.cert),
+                               "--tls-key-file", str(pki.key), "--tls-client-ca-file", str(pki.client_ca),
+                               "--auth-tokens-file", str(pki.tokens), env={ENV_TOKENS: ""})
+    answers, closed = exchange(port, context(pki, "ci"), auth_line(ALICE) + line(CALL), 2)
+    assert closed and answers[0]["error"]["code"] == -32600
+    assert "tcp: refused 1 request(s) without a good bearer token so far (the last from 127.0.0.1: a token other" \
+           " than its client certificate's)" in b.read_log(0.2)
+    assert ALICE not in b.read_log()

@@ -174,8 +174,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     tls_client_ca_file: Annotated[str,
                                   Doc("PEM CA certificates that verify client certificates on every TLS "
                                       "listener (with tls_cert_file and tls_key_file): with bearer tokens a "
-                                      "client may show one; without tokens every TLS client must show one, "
-                                      "probes included; empty means none asked for",
+                                      "client may show one, and on stream_port one whose subject commonName "
+                                      "is a token's name authenticates as that token; without tokens every "
+                                      "TLS client must show one, probes included; empty means none asked for",
                                       metavar="PATH")
                                   ] = ""
     auth_tokens_file: Annotated[str,

@@ -471,16 +471,16 @@ class Listener:
             log.warning("%s: max_connections %d reached: refusing connections (%d so far)",
                         self.transport, self.max_connections, self.refused_total)
 
-    def unauthorized(self, peer: object, sent: bool) -> None:
+    def unauthorized(self, peer: object, sent: bool, why: str = "") -> None:
         """Count a request (or NDJSON first line) refused for want of a good bearer token,
-        from `peer` (its address), `sent`: a token was given but is no one's. Logged (a
-        WARNING) at the first and each thousandth, with the last one's address, as
-        `refused` is: an operator sees guessing without a line per attempt (new user, round
-        106: none was logged)."""
+        from `peer` (its address), `sent`: a token was given but is no one's (or `why` it
+        was refused, said instead). Logged (a WARNING) at the first and each thousandth, with
+        the last one's address, as `refused` is: an operator sees guessing without a line per
+        attempt (new user, round 106: none was logged)."""
         n = self.unauthorized_total = self.unauthorized_total + 1
         if n == 1 or n % 1000 == 0:
             log.warning("%s: refused %d request(s) without a good bearer token so far (the last from %s: %s)",
-                        self.transport, n, address_of(peer), "a token no one has" if sent else "no token")
+                        self.transport, n, address_of(peer), why or ("a token no one has" if sent else "no token"))
 
     def _evicted(self, state: str) -> None:
         """Count a connection closed by `make_room` in `state` ("idle" or "trickling"); logged

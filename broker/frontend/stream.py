@@ -92,6 +92,7 @@ from broker.frontend.base import (
 from broker.frontend.streamclose import Closing
 from broker.jsonrpc import ErrorCode, Request, error_object, response_error, response_result
 from broker.ratelimit import address_of
+from broker.tls import certificate_name
 
 if typing.TYPE_CHECKING:
     from broker.auth import Authenticator
@@ -131,6 +132,8 @@ class StreamFrontend(Listener):
 
     transport: the `transport` label of the metrics ("tcp" or "unix").
     auth: the bearer tokens its connections must show first (`authenticate`), or None.
+    client_certs: its TLS clients may show a certificate (tls_client_ca_file) whose subject
+    commonName, a token's name, authenticates them as that token (with `auth` only).
     """
 
     def __init__(
@@ -139,16 +142,24 @@ class StreamFrontend(Listener):
         *,
         transport: str,
         auth: Authenticator | None = None,
+        client_certs: bool = False,
         **limits: typing.Unpack[Limits],
     ) -> None:
         super().__init__(dispatcher, transport=transport, **limits)
         self.auth = auth
+        self.client_certs = client_certs and auth is not None
         self.unauthenticated = response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
             'a bearer token is required: the first line must be {"jsonrpc":"2.0","method":"rpc.authenticate",'
             '"params":{"_meta":{"token":"TOKEN"}},"id":1} (a notification too), with a token of '
-            "auth_tokens_file or RPC_BROKER_AUTH_TOKENS"))) + _NL
+            "auth_tokens_file or RPC_BROKER_AUTH_TOKENS"
+            + ("; or, over TLS, a client certificate whose subject commonName is a token's name"
+               if self.client_certs else "")
+        ))) + _NL  # fmt: skip
         self.bad_token = response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
             "the bearer token is not one of auth_tokens_file's or RPC_BROKER_AUTH_TOKENS'"))) + _NL
+        self.other_token = response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
+            "the bearer token is another token than the one the TLS client certificate names (its subject "
+            "commonName): a connection has one caller; send that token, or no rpc.authenticate line"))) + _NL
         self.too_long = (
             response_error(
                 b"null",
@@ -217,8 +228,9 @@ class StreamProtocol(Closing, asyncio.Protocol):
         "_budget", "_busy", "_one_by_one", "owed", "_owed", "_waiting", "_waiting_bytes",
         # its end: refused (input discarded), the client's EOF, the linger, the drain's unread bytes
         "_eof", "lingering_since", "_refused", "_unread",
-        # who calls: its token's name ("" with no tokens asked for; None until its first line shows one)
-        "caller",
+        # who calls: its token's name ("" with no tokens asked for; None until its first line shows one),
+        # and the token its TLS client certificate names ("" none), its caller from its first line on
+        "caller", "_certified",
     )  # fmt: skip
 
     def __init__(self, frontend: StreamFrontend) -> None:
@@ -238,6 +250,7 @@ class StreamProtocol(Closing, asyncio.Protocol):
         self._turn_due = False  # a `_next_turn` is scheduled (`_schedule_turn`: one at a time)
         self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
         self.caller: str | None = "" if frontend.auth is None else None  # (`_authenticate`)
+        self._certified = ""  # (`connection_made`)
         self._transport: asyncio.Transport | None = None
         self.read_paused = False
         self._write_paused = False
@@ -267,9 +280,13 @@ class StreamProtocol(Closing, asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
         peer = self._budget.peer = transport.get_extra_info("peername")  # (for the logs: `Dispatcher._blame`)
-        if self._fe.auth is None:  # (with tokens, its token's: `_authenticate`)
-            self._budget.bucket = self._fe.dispatcher.limiter.for_address(address_of(peer))
         fe = self._fe
+        if fe.auth is None:  # (with tokens, its token's: `_authenticate`)
+            self._budget.bucket = fe.dispatcher.limiter.for_address(address_of(peer))
+        elif fe.client_certs:  # (verified in the handshake: one that did not verify ended it)
+            name = certificate_name(transport.get_extra_info("peercert"))
+            if fe.auth.has_name(name):  # (one naming no token: the connection shows a token, as without)
+                self._certified = name
         if fe.pool_size() >= fe.max_connections and not fe.draining:
             fe.make_room()  # idle connections, if any, give their places
         if fe.pool_size() >= fe.max_connections:
@@ -508,10 +525,21 @@ class StreamProtocol(Closing, asyncio.Protocol):
         JSON-RPC 2.0 section 4), its token checked in constant time (`Authenticator.name_of`).
         Then its calls go under that token's policy and rate limit, and a request (with an id)
         is answered `{"token": NAME}`; else an error object (-32600, id null) saying what is
-        required, and the connection closes (as HTTP's 401: nothing of the token is shown)."""
+        required, and the connection closes (as HTTP's 401: nothing of the token is shown).
+
+        A connection whose TLS client certificate names a token (`_certified`) is that token's
+        caller already: a first line of anything else is served as any line is. One of
+        `rpc.authenticate` is checked all the same (a client that sends it whatever its
+        transport works unchanged), and must show that same token: another token's is refused
+        as a bad one is (`other_token`), so that no line switches a connection's caller."""
         fe = self._fe
+        certified = self._certified
         body = fe.codec.decode(line)
         request = body.items[0] if not body.batch and len(body.items) == 1 else None
+        if certified and not (type(request) is Request and request.method == AUTHENTICATE):
+            self._authenticated(certified)
+            self._line(line)  # (decoded again there: once a connection; a batch's rpc.authenticate is -32601)
+            return
         name = token = None
         if type(request) is Request and request.method == AUTHENTICATE and len(request.params):
             try:
@@ -527,11 +555,21 @@ class StreamProtocol(Closing, asyncio.Protocol):
             fe.unauthorized(self._budget.peer, sent)
             self._foreign(fe.bad_token if sent else fe.unauthenticated, ErrorCode.INVALID_REQUEST)
             return
+        if certified and name != certified:
+            fe.unauthorized(self._budget.peer, True, "a token other than its client certificate's")
+            self._foreign(fe.other_token, ErrorCode.INVALID_REQUEST)
+            return
+        self._authenticated(name)
+        if request.id:  # type: ignore[union-attr]
+            self._send(response_result(request.id, msgspec.json.encode({"token": name})) + _NL)  # type: ignore[union-attr]
+
+    def _authenticated(self, name: str) -> None:
+        """The connection's caller is token `name`: its method policy, its rate limit, its
+        name in the access log and the metrics' `token` label."""
+        fe = self._fe
         self.caller = self._budget.caller = name
         self._budget.denied = fe.dispatcher.policy.denied[name]
         self._budget.bucket = fe.dispatcher.limiter.for_token(name)
-        if request.id:  # type: ignore[union-attr]
-            self._send(response_result(request.id, msgspec.json.encode({"token": name})) + _NL)  # type: ignore[union-attr]
 
     def _submit(self, line: bytes) -> Exchange | None:
         """Dispatch one line; return its exchange if answers are still owed for it.
