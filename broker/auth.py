@@ -5,7 +5,7 @@ An operator gives each client a token, under a name: the name is what the broker
 is the secret, sent over HTTP as `Authorization: Bearer TOKEN` (RFC 6750 2.1). Tokens come
 from a file (`auth_tokens_file`) and from the environment (`RPC_BROKER_AUTH_TOKENS`),
 both read once at the start. When there are none, no one is asked for one (loopback
-only by default: see docs/security.md). Over TLS with client certificates
+only by default: README, "Limits and safety defaults"). Over TLS with client certificates
 (`tls_client_ca_file`), a verified certificate whose subject commonName is a token's name
 stands for that token on the NDJSON stream (`Authenticator.has_name`; broker/frontend/stream.py);
 HTTP asks for the token itself.
