@@ -55,6 +55,14 @@ def test_an_app_that_cannot_be_served_is_refused_saying_why(app, status, said):
     assert not done.stdout.startswith("ok")
 
 
+def test_an_app_that_prints_at_its_import_passes_the_check():
+    """New user, round 109: the report's line was looked for at the output's start only, so
+    an app printing at its import (which serve runs) was refused: "its import ended the process"."""
+    done = check_app("tests.apps.check_faults:registry", env={"CHECK_FAULT": "print"})
+    assert done.returncode == 0 and "import-time print\nok: app 'tests.apps.check_faults:registry', 1 method\n" \
+        in done.stdout, done
+
+
 def test_serve_refuses_at_the_start_an_app_whose_hint_cannot_be_decoded():
     with pytest.raises(RuntimeError) as info:
         start_broker("--workers", "1", "--app", "tests.apps.plain_hint:registry", timeout=60)
