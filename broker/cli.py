@@ -142,6 +142,18 @@ def _load(path: str | None, flags: dict[str, object]) -> config.Config | None:
         return None
 
 
+def _status_dir_missing(cfg: config.Config) -> bool:
+    """Whether `status_file`'s directory does not exist: said on stderr as a config error
+    (check-config and serve alike: new user, round 107, check-config passed and serve warned;
+    round 109, check-config refused and serve served on, `rpc-broker reload` failing later)."""
+    folder = os.path.dirname(os.path.abspath(cfg.status_file)) if cfg.status_file else ""
+    if folder and not os.path.isdir(folder):
+        print(f"{PROG}: config error: status_file = {cfg.status_file!r}: its directory {folder} does not exist"
+              " (make it; under systemd, RuntimeDirectory= makes it before ExecStartPre)", file=sys.stderr)
+        return True
+    return False
+
+
 def _check_app(app: str | None, path: str | None, debug: bool) -> int:
     """`check-app`: run broker/worker/check.py on `app` (or the settings' app, from `path` and
     the environment) in a process of its own, as serve starts a worker; its exit status."""
@@ -271,10 +283,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
         if unresolved:  # (issue 12, item 13: a host serve cannot bind passed)
             print(f"{PROG}: config error: {unresolved}", file=sys.stderr)
             return 2
-        folder = os.path.dirname(os.path.abspath(cfg.status_file)) if cfg.status_file else ""
-        if folder and not os.path.isdir(folder):  # (new user, round 107: ok here, then serve warned)
-            print(f"{PROG}: config error: status_file = {cfg.status_file!r}: its directory {folder} does not exist"
-                  " (make it; under systemd, RuntimeDirectory= makes it before ExecStartPre)", file=sys.stderr)
+        if _status_dir_missing(cfg):
             return 2
         try:
             print("ok")
@@ -289,7 +298,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
     except _Stopped as stopped:
         print(f"{PROG}: {signal.Signals(stopped.args[0]).name} while reading the config: stopped", file=sys.stderr)
         return 0
-    if cfg is None:
+    if cfg is None or _status_dir_missing(cfg):
         return 2
     from broker.server import serve  # written separately; imported only when serving
 

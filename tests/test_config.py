@@ -1022,6 +1022,9 @@ def test_check_config_refuses_a_status_file_in_no_directory(capsys: pytest.Captu
     assert f"status_file = '{tmp_path / 'nodir' / 's.json'}': its directory {tmp_path / 'nodir'} does not exist" \
         in capsys.readouterr().err
     assert cli.main(["check-config", "--status-file", str(tmp_path / "s.json")]) == 0
+    # serve refuses it as well, before anything starts (round 109: it warned and served on)
+    assert cli.main(["serve", "--port", "0", "--status-file", str(tmp_path / "nodir" / "s.json")]) == 2
+    assert f"its directory {tmp_path / 'nodir'} does not exist" in capsys.readouterr().err
 
 
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
