@@ -145,8 +145,31 @@ class StatusFile:
                 self._taken_over = True
                 log.info("status file %s: pid %d writes it now; this broker no longer does", self.path, other)
                 return
+        else:
+            self._say_whose()
         self._written = True
         self._write(msgspec.json.encode(self.status) + b"\n")
+
+    def _say_whose(self) -> None:
+        """Before the first write: a WARNING if the file is a running broker's, which this one
+        takes over (new user, round 109: a second broker given the same file by mistake took it
+        without a word, and `rpc-broker reload` could not follow the first any more). Expected
+        in a reuse_port handover, which the line says."""
+        try:
+            other = read_status(self.path)
+        except (OSError, ValueError):
+            return
+        if other.pid == self.status.pid or other.state == "stopped":
+            return
+        try:
+            start = process_start(other.pid)
+        except ProcessLookupError:
+            return  # (a stale file: its broker gone)
+        if start and other.process_start and start != other.process_start:
+            return  # (its pid reused by another process)
+        log.warning("status file %s was pid %d's, a broker still running: this broker takes it over, and "
+                    "`rpc-broker reload` follows this one from now on (as a reuse_port handover does; if not "
+                    "meant, give each broker a status_file of its own)", self.path, other.pid)
 
     def stopped(self) -> None:
         """The broker ends: write state "stopped" (new user, round 108: the file said

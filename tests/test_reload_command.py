@@ -289,3 +289,17 @@ def test_reload_help_lists_every_exit_code() -> None:
     codes = sorted(getattr(reloadcmd, name) for name in reloadcmd.__all__ if name.startswith("EXIT_"))
     assert listed == codes == [EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_NO_BROKER], done.stdout
 
+
+
+def test_a_second_broker_taking_over_a_running_ones_status_file_says_so(broker_factory, tmp_path) -> None:
+    """New user, round 109: a second broker given the same status file (another port) took it
+    over without a word; `rpc-broker reload` then followed it, not the first. It warns now;
+    a file left by a broker that is gone is taken without one."""
+    b, status = start(broker_factory, tmp_path)
+    second = broker_factory("--workers", "1", "--app", "relapp:registry", "--status-file", str(status),
+                            env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    deadline = time.monotonic() + 10
+    while f"status file {status} was pid {b.pid}'s, a broker still running" not in second.read_log(0.1):
+        assert time.monotonic() < deadline, second.read_log(0.1)
+    assert json.loads(status.read_text())["pid"] == second.pid
+    assert "was pid" not in b.read_log(0.1)  # (the first started on a file of no running broker's)
