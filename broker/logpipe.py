@@ -69,6 +69,7 @@ PIPE_BUF = select.PIPE_BUF  # the largest write a pipe keeps whole (4096 on Linu
 _BUFFER_BYTES = 64 * 1024  # what the writer gathers before a write; `LineWriter.emit`'s buffer (after the stop)
 _encode = msgspec.json.Encoder().encode
 _OWN_LINE = rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} worker\[\d+\] pid "  # (worker/process.py's format, its pid next)
+_LEVEL = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} worker\[\d+\]( pid \d+ )([A-Z]+) ")  # (json: its level)
 _CONTROL_BYTES = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]")  # (a quick look, before decoding)
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # what a worker's line shows escaped
 
@@ -96,7 +97,8 @@ class LineFormatter(logging.Formatter):
         line: dict[str, object] = {
             "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC)
             .isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-            "level": record.levelname, "logger": record.name, "pid": record.process, "message": record.getMessage(),
+            "level": record.levelname, "log": "broker", "logger": record.name, "pid": record.process,
+            "message": record.getMessage(),
         }  # fmt: skip
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
@@ -348,13 +350,18 @@ class LogPipe:
         time, `worker[N] pid PID `: a traceback's lines, a print, a newline in a message a
         client chose) shown as the worker's, `worker pid PID | ...` (hostile testing, round 119:
         an exception's message with newlines wrote lines read as the broker's and access lines);
-        in json, each an object `{"time", "log": "worker", "pid", "message"}` (the line as its
+        in json, each an object `{"time", "level", "log": "worker", "pid", "message"}` (the line as its
         message: every line of the log JSON, and none a forgery of an access line or the broker's)."""
         if self._json:
             now = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
             text = data.decode("utf-8", "backslashreplace")
-            return "".join(json_line(_encode({"time": now, "log": "worker", "pid": pid, "message": line})) + "\n"
-                           for line in text.split("\n")[:-1]).encode()
+            own = f" pid {pid} "
+            out = []
+            for line in text.split("\n")[:-1]:  # (`level`: a log line's of the worker's own, else null)
+                level = match.group(2) if (match := _LEVEL.match(line)) and match.group(1) == own else None
+                out.append(json_line(_encode({"time": now, "level": level, "log": "worker", "pid": pid,
+                                              "message": line})))
+            return ("\n".join(out) + "\n").encode()
         data = self._own[pid].sub(b"worker pid %d | " % pid, data)
         if data.isascii() and not _CONTROL_BYTES.search(data):
             return data

@@ -217,7 +217,7 @@ def test_errors_logs_only_calls_not_answered_with_a_result_and_json_lines_parse(
     assert access[1]["pid"] > 0 and access[0]["pid"] is None and access[0]["token"] is None
     assert access[1]["transport"] == "http" and access[1]["duration"] >= 0.5 and "params" not in access[1]
     assert any(r["message"].startswith("worker 0 ready") for r in own)
-    assert all({"time", "level", "logger", "pid", "message"} <= set(r) for r in own)
+    assert all({"time", "level", "logger", "pid", "message"} <= set(r) and r["log"] == "broker" for r in own)
 
 
 def test_off_logs_no_call(broker_factory: object) -> None:

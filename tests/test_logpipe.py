@@ -279,7 +279,10 @@ def test_a_workers_lines_are_written_safe_to_show(pipe_fds, style: str) -> None:
     pipe = LogPipe(fd=w, style=style)  # (not started: what is queued stays on the deque)
     worker_r, worker_w = os.pipe()
     forged = b'{"time":"2026-01-01T00:00:00.000Z","log":"access","method":"add","outcome":"ok"}'
-    written = b"plain \xc3\xa9\n\x1b[31mred\rover\x07 \xc2\x9b2J \xff\xfe\n" + forged + b"\n"
+    own = b"2026-12-06 10:00:00,000 worker[0] pid 4242 ERROR handler boom raised"
+    other = b"2026-12-06 10:00:00,000 worker[0] pid 4243 ERROR not this worker's"
+    written = (b"plain \xc3\xa9\n\x1b[31mred\rover\x07 \xc2\x9b2J \xff\xfe\n" + forged + b"\n" + own + b"\n"
+               + other + b"\n")
     try:
         async def main() -> None:
             pipe.attach(asyncio.get_running_loop(), ticks=False)
@@ -292,16 +295,17 @@ def test_a_workers_lines_are_written_safe_to_show(pipe_fds, style: str) -> None:
     finally:
         os.close(worker_w)
     queued = b"".join(item[0] for item in pipe._pending if type(item) is tuple)
-    assert pipe.queued == 3
+    assert pipe.queued == 5
     if style == "text":
         assert queued == (b"worker pid 4242 | plain \xc3\xa9\n"
                           b"worker pid 4242 | \\x1b[31mred\\x0dover\\x07 \\x9b2J \\xff\\xfe\n"
-                          b"worker pid 4242 | " + forged + b"\n")
+                          b"worker pid 4242 | " + forged + b"\n" + own + b"\nworker pid 4242 | " + other + b"\n")
         return
     lines = [json.loads(line) for line in queued.decode().splitlines()]
-    assert [(line["log"], line["pid"], line["message"]) for line in lines] == [
-        ("worker", 4242, "plain \u00e9"), ("worker", 4242, "\x1b[31mred\rover\x07 \x9b2J \\xff\\xfe"),
-        ("worker", 4242, forged.decode())]
+    assert [(line["log"], line["pid"], line["level"], line["message"]) for line in lines] == [
+        ("worker", 4242, None, "plain \u00e9"), ("worker", 4242, None, "\x1b[31mred\rover\x07 \x9b2J \\xff\\xfe"),
+        ("worker", 4242, None, forged.decode()), ("worker", 4242, "ERROR", own.decode()),
+        ("worker", 4242, None, other.decode())]
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["time"]) for line in lines)
 
 
