@@ -38,7 +38,7 @@ def test_a_key_past_key_chars_is_redacted_unread_and_a_compatibility_key_counts_
     # script (in NFKC form) costs nothing more than an ASCII one
     budget = [REDACT_VALUES]
     redact({FDFA * 10: 0, "\uff4e\uff41\uff4d\uff45": 0, "имя": 0, "name": 0}, budget)
-    assert budget == [REDACT_VALUES - 1 - 10 - 4 - 4]
+    assert budget == [REDACT_VALUES - 1 - 4 - 10 - 4 - 4]  # (the object, its 4 keys, then what they cost)
     fullwidth = "{" + ",".join(f'"\uff4b{n:02d}":0' for n in range(REDACT_VALUES // 4)) + "}"
     assert _params_text(fullwidth.encode()).endswith(f"more than {REDACT_VALUES} values: not written)")
     cyrillic = "{" + ",".join(f'"к{n:02d}":0' for n in range(REDACT_VALUES // 4)) + "}"
@@ -90,13 +90,25 @@ def test_the_lines_rendered_at_once_walk_flush_values_at_most_and_the_next_lines
     (FLUSH_VALUES: hostile testing, round 119, 1 MB batches of calls with 250 distinct keys
     each stalled the loop 0.8 s each): past it a line's params are not written; the next
     batch of lines starts anew."""
-    params = ("{" + ",".join(f'"k{n}":{n}' for n in range(99)) + "}").encode()  # (100 values walked)
+    params = ("{" + ",".join(f'"k{n}":{n}' for n in range(99)) + "}").encode()
+    walked = 1 + 99 + 99  # (the object, its keys, their values)
     entries: list[Entry] = [(1.5, "", "", "unix", "m", str(i).encode(), 0.0, 0, 42, params)
-                            for i in range(FLUSH_VALUES // 100 + 5)]
+                            for i in range(FLUSH_VALUES // walked + 5)]
     for style in ("text", "json"):
         renderer = Renderer(style)
         for _ in range(2):
             lines = renderer.lines(entries)
             written = [line for line in lines if "k98" in line]
-            assert len(written) == FLUSH_VALUES // 100 + 1, style  # (the last one walked takes it past)
+            assert len(written) == -(-FLUSH_VALUES // walked), style  # (the last one walked takes it past)
             assert all("values redacted for the lines of this moment" in line for line in lines[len(written):])
+
+
+def test_keys_named_like_secrets_count_against_the_budget_though_not_walked() -> None:
+    """Hostile testing, round 120: a key named like a secret is redacted, its value not
+    walked, and charged nothing: params of 350 distinct such keys cost 1 ms a line and one
+    value, and batches of them stalled the loop 2.2 s. Each key counts now."""
+    params = ("{" + ",".join(f'"x{n}pin":0' for n in range(REDACT_VALUES)) + "}").encode()
+    assert _params_text(params) == f"({len(params)} bytes, more than {REDACT_VALUES} values: not written)"
+    left = [FLUSH_VALUES]
+    _params_text(("{" + ",".join(f'"x{n}pin":0' for n in range(100)) + "}").encode(), left)
+    assert left == [FLUSH_VALUES - 101]
