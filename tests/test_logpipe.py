@@ -264,7 +264,7 @@ def test_a_workers_stderr_is_forwarded_in_whole_lines_and_closed_at_its_end(pipe
     asyncio.run(main())
     queued = b"".join(item[0] for item in pipe._pending if type(item) is tuple)
     assert queued == b"".join(b"worker pid 4242 | " + line + b"\n" for line in (
-        b"one", b"two", b"x" * 70000, b"", b"last, no newline"))
+        b"one", b"two", b"x" * 70000, b"...", b"last, no newline"))  # (a cut line's rest marked "...")
     assert pipe.queued == 5 and all(type(i) is tuple and i[2] == "worker" for i in pipe._pending)
     with pytest.raises(OSError):
         os.fstat(worker_r)  # (closed at its end of file)
@@ -311,7 +311,7 @@ def test_a_workers_lines_are_written_safe_to_show(pipe_fds, style: str) -> None:
 
 def test_a_workers_lines_past_the_bound_are_dropped_and_counted_and_detach_reads_what_is_left(pipe_fds):
     _r, w = pipe_fds
-    pipe = LogPipe(fd=w, max_lines=3)  # (not started: nothing takes the lines off)
+    pipe = LogPipe(fd=w, max_lines=6)  # (not started: nothing takes the lines off; a worker's: 3 at most)
     worker_r, worker_w = os.pipe()
     try:
         async def main() -> None:
@@ -320,7 +320,7 @@ def test_a_workers_lines_past_the_bound_are_dropped_and_counted_and_detach_reads
             os.write(worker_w, b"a\nb\n")
             await asyncio.sleep(0.05)  # (the deque empty: taken)
             os.write(worker_w, b"c\nd\n")
-            await asyncio.sleep(0.05)  # (2 + 2 past half the bound, 3 // 2: dropped)
+            await asyncio.sleep(0.05)  # (2 + 2 past half the bound, 6 // 2: dropped)
             pipe.taken = 2  # (as if the writer had written the first 2)
             os.write(worker_w, b"e\n")  # (not read by the loop: `detach` reads it, queues it)
             pipe.detach()
@@ -432,3 +432,69 @@ def test_a_small_pipe_and_a_line_past_half_of_it_are_written(pipe_fds):
             time.sleep(0.001)
     thread.join(10)
     assert got == data and not thread.is_alive()
+
+
+def _follow_writes(pipe: LogPipe, *writes: bytes) -> bytes:
+    """What `pipe` (not started) queued of a worker's (pid 4242) pipe given `writes`, each
+    read on its own by the loop, then the pipe closed."""
+    worker_r, worker_w = os.pipe()
+
+    async def main() -> None:
+        pipe.attach(asyncio.get_running_loop(), ticks=False)
+        pipe.follow(worker_r, 4242)
+        for data in writes:
+            os.write(worker_w, data)
+            await asyncio.sleep(0.05)
+        os.close(worker_w)
+        await asyncio.sleep(0.05)
+        pipe.detach()
+
+    asyncio.run(main())
+    return b"".join(item[0] for item in pipe._pending if type(item) is tuple)
+
+
+def test_the_rest_of_a_cut_line_never_passes_for_a_line_of_the_workers_own(pipe_fds) -> None:
+    """Hostile testing, round 120: a client's text logged by a worker, past 64 KiB, was cut
+    there, and its rest, read as a line of its own, wrote a line of the worker's own format."""
+    _r, w = pipe_fds
+    forged = b"2026-12-06 16:58:59,720 worker[0] pid 4242 CRITICAL FORGED-BY-CLIENT\n"
+    queued = _follow_writes(LogPipe(fd=w, max_lines=100), b"y" * 65536, forged)
+    assert queued.split(b"\n")[1] == b"worker pid 4242 | ..." + forged.rstrip(b"\n"), queued[-200:]
+
+
+def test_line_separators_are_escaped_and_empty_lines_left_out_in_text(pipe_fds) -> None:
+    """Hostile testing, round 120: U+2028 and U+2029 went through, and str.splitlines (a log
+    viewer's) read the rest as a line of the broker's; empty lines made 18 bytes each."""
+    _r, w = pipe_fds
+    queued = _follow_writes(LogPipe(fd=w), "a\u2028b\u2029c\n\n\n\nd\n".encode())
+    assert queued == b"worker pid 4242 | a\\u2028b\\u2029c\nworker pid 4242 | d\n"
+
+
+def test_one_read_of_more_lines_than_half_the_bound_is_dropped_even_on_an_empty_deque(pipe_fds) -> None:
+    """Hostile testing, round 120: one read of 32,768 short lines, put on an empty deque,
+    was taken whole, past the bound, and the access lines after it dropped."""
+    _r, w = pipe_fds
+    pipe = LogPipe(fd=w, max_lines=100)
+    assert _follow_writes(pipe, b"y\n" * 60, b"z\n" * 40) == b"worker pid 4242 | z\n" * 40
+    assert pipe.dropped["worker"] == 60 and pipe.queued == 40
+
+
+def test_escaping_a_read_full_of_control_characters_is_not_a_call_a_character(pipe_fds) -> None:
+    """Hostile testing, round 120: each control character escaped by a Python function (50 ms
+    of the loop a read of 64 KiB of DEL). Counted here in Python calls, not timed."""
+    _r, w = pipe_fds
+    pipe = LogPipe(fd=w)
+    pipe._own[4242] = re.compile(rb"^(?!x)(?=[\s\S])", re.M)
+    calls = [0]
+
+    def count(frame: object, event: str, arg: object) -> None:
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    sys.setprofile(count)
+    try:
+        out = pipe._worker_lines(b"\x7f\x01" * 30000 + b"\n", 4242)
+    finally:
+        sys.setprofile(None)
+    assert out == b"worker pid 4242 | " + b"\\x7f\\x01" * 30000 + b"\n"
+    assert calls[0] < 100, calls
