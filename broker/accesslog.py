@@ -77,16 +77,18 @@ REDACTED = "[redacted]"
 # KEY_CHARS, unread. Wider than any list of names on purpose: a key logged redacted by mistake
 # costs a line's detail ("monkey", "author", "random_seed"), a secret logged costs the secret
 # (hostile testing, round 117: clientSecret, accessToken, x-api-key, db_password, privateKey
-# and the like were logged; later, pw, otp, creds, mnemonic, seedPhrase, dsn, cvv, iban...).
+# and the like were logged; later, pw, otp, creds, mnemonic, seedPhrase, dsn, cvv, iban...; new
+# users, round 109: credit_card, cc_number, account_number, verification_code, hmac, salt...).
 SECRET_KEYS = frozenset({
     "password", "passwd", "passphrase", "passcode", "pincode", "secret", "token", "auth", "cookie", "session",
     "credential", "creds", "bearer", "signature", "jwt", "apikey", "privatekey", "privkey", "accesskey",
     "mnemonic", "seedphrase", "recoverycode", "backupcode", "mfacode", "otpcode",
-    "connectionstring", "databaseurl", "dburl", "cardnumber",
+    "connectionstring", "databaseurl", "dburl", "cardnumber", "creditcard", "ccnumber", "accountnumber",
+    "verificationcode", "accesscode", "securityanswer", "connstr",
 })  # fmt: skip
 SECRET_WORDS = frozenset({
     "pass", "pwd", "pw", "pin", "sig", "otp", "totp", "hotp", "seed", "csrf", "xsrf", "dsn", "cvv", "cvc", "ssn",
-    "iban",
+    "iban", "hmac", "jwk", "salt",
 })  # fmt: skip
 SECRET_ENDINGS = ("key", "keys")  # ("apiKey", "ssh_keys", "keys"; "keyboard" and "keyId" are not)
 # Characters of a key read, at most: a longer key is taken for a secret without reading it. The

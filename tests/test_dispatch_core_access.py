@@ -254,12 +254,14 @@ NAMED = ["pw", "userPw", "passcode", "pincode", "PIN_CODE", "creds", "awsCreds",
          "aws_secret_access_key", "privKeyPem", "private_key", "mnemonic", "seedPhrase", "seed", "wallet_seed",
          "recovery_codes", "csrf", "_csrf", "xsrf", "X-XSRF-TOKEN", "dsn", "SENTRY_DSN", "connectionString",
          "database_url", "DATABASE_URL", "db_url", "cvv", "cvv2", "cvc", "ssn", "SSNLast4", "card_number",
-         "cardNumber", "iban", "IBAN"]  # fmt: skip
+         "cardNumber", "iban", "IBAN", "credit_card", "creditCardNumber", "cc_number", "account_number",
+         "verification_code", "access_code", "security_answer", "hmac", "webhook_hmac", "jwk", "salt",
+         "password_salt", "conn_str"]  # fmt: skip
 # Ordinary names, some holding a short secret name inside a word ("shipping", "footprint",
 # "keyboard"), which stay visible
 PLAIN = ["query", "path", "name", "limit", "url", "id", "city", "page", "keyboard_layout", "keyId", "method",
          "email", "username", "offset", "database", "code", "number", "passenger", "shipping", "footprint",
-         "pinned", "seeds", "dns", "mfa_enabled", "redirect_url", "keyword"]  # fmt: skip
+         "pinned", "seeds", "dns", "mfa_enabled", "redirect_url", "keyword", "salty", "account", "cc"]  # fmt: skip
 
 
 @pytest.mark.parametrize("key", NAMED)
