@@ -232,8 +232,9 @@ class Recycling(PoolState):
                 f", {late} of them while its replacement started" if late > 0 else "")
         else:
             what = f"pid {old.pid} takes RSS {rec.measure / MIB:.1f} MiB, over {self.max_worker_memory / MIB:.1f} MiB"
-        log.info("worker %d recycled (%s: %s): it finishes its %d calls still in flight, then exits; pid %d serves",
-                 old.slot, rec.reason, what, old.outstanding, new.pid)
+        n = old.outstanding  # ("its 1 calls": new user, round 109)
+        log.info("worker %d recycled (%s: %s): it finishes its %d call%s still in flight, then exits; pid %d serves",
+                 old.slot, rec.reason, what, n, "" if n == 1 else "s", new.pid)
         self._changed.set()
         return new
 

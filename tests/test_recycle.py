@@ -19,7 +19,7 @@ from conftest import Broker, children, rss_kib, sample, scrape_metrics, wait_for
 FAULTS = "broker.demo:faults"
 VERSIONED = "tests.apps.versioned:registry"
 RECYCLED = re.compile(  # (slot, reason, old pid, what, new pid)
-    r"INFO worker (\d+) recycled \((max_calls|max_memory): pid (\d+) ([^)]*)\): it finishes its \d+ calls still in"
+    r"INFO worker (\d+) recycled \((max_calls|max_memory): pid (\d+) ([^)]*)\): it finishes its \d+ calls? still in"
     r" flight, then exits; pid (\d+) serves"
 )
 
@@ -89,6 +89,20 @@ def test_a_worker_is_recycled_after_its_calls_with_jitter(broker_factory) -> Non
     # Two workers again, once a recycle the last calls began (a replacement booting beside
     # its old worker, then the old one draining) is over (CI: 3 seen at once, a test too early)
     wait_for(lambda: len(children(b.pid)) == 2, timeout=15)
+
+
+def test_the_recycle_line_says_1_call_not_1_calls(broker_factory) -> None:
+    """New user, round 109: "it finishes its 1 calls still in flight". One worker worn by its
+    first call, a 3 s one: its replacement is ready while that call runs, so the line counts
+    exactly one call in flight, in the singular; the call is answered all the same."""
+    b = broker_factory("--workers", "1", "--max-calls-per-worker", "1", "--app", FAULTS)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(b.call, "slow", [3], 1)
+        wait_for(lambda: "recycled (max_calls" in b.read_log(), timeout=10)
+        assert slow.result(timeout=30) == {"jsonrpc": "2.0", "id": 1, "result": 3}
+    log = b.read_log(0.2)
+    assert "it finishes its 1 call still in flight, then exits" in log, log
+    assert RECYCLED.search(log), log
 
 
 def _load(b: Broker, worker: int, n: int) -> dict[object, list[object]]:
