@@ -90,7 +90,7 @@ class Policy:
             denied.update(name for name in names if not rule.allows(name))
         warnings = []
         for where, rule in (("allow_methods/deny_methods", self.rule),
-                            *((f"token {c!r}'s allow_methods/deny_methods", r) for c, r in self.by_caller.items())):
+                            *((f"the allow_methods/deny_methods of token {c!r}", r) for c, r in self.by_caller.items())):
             for pattern, close in rule.unmatched(names):
                 hint = f" (did you mean {close!r}?)" if close else ""
                 warnings.append(f"{where}: {pattern!r} matches no method the workers registered{hint}")

@@ -100,7 +100,7 @@ def test_a_tokens_own_lists_hold_for_it_alone_even_pipelined_with_another_tokens
     assert call(b, "sum", [2, 3], CI)["error"] == NOT_FOUND
     assert call(b, "sum", [2, 3], ALICE)["result"] == 5
     assert call(b, "fib", [5], ALICE)["error"] == NOT_FOUND  # (the global list holds for every token)
-    assert "WARNING token 'ci''s allow_methods/deny_methods: 'slow*' matches no method" in b.read_log()
+    assert "WARNING the allow_methods/deny_methods of token 'ci': 'slow*' matches no method" in b.read_log()
     # One connection, pipelined: a slow call of alice's, a 60 KB echo and 404s owed behind it
     # (max_response_bytes reached), then ci's and alice's calls, which wait to be dispatched
     # (`Deferred`), each then under its own token's lists
