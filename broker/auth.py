@@ -125,6 +125,9 @@ def _patterns(table: dict[str, object], key: str, where: str) -> tuple[str, ...]
     return tuple(value)
 
 
+_TRAILING_COMMENT = re.compile(r"\s#")  # NAME:TOKEN # comment (a b64token has neither)
+
+
 def _pairs(text: str, where: str, separators: str) -> list[tuple[str, str, str]]:
     """(name, secret, where) of each `NAME:TOKEN` entry of `text`."""
     pairs = []
@@ -141,6 +144,9 @@ def _pairs(text: str, where: str, separators: str) -> list[tuple[str, str, str]]
             at = f"{where}, line {number}" if separators == r"\Z" else f"{where}, entry {entries}"
             if not colon:  # (nothing of it shown: it may be a token)
                 raise AuthError(f"{at}: no colon: write NAME:TOKEN (a name for the logs, a colon, the token)")
+            if _TRAILING_COMMENT.search(secret):  # (new user, round 109: "the token breaks its rule")
+                raise AuthError(f"{at}: a comment after the token: a comment goes on a line of its own, "
+                                "'#' first; the rest of the line is the token")
             pairs.append((name.strip(), secret.strip(), at))
     return pairs
 
@@ -215,6 +221,10 @@ def load_file(path: str, source: str = "auth_tokens_file") -> list[Token]:
             rule = MethodRule(allow, deny) if allow or deny else None
             tokens.append(check_token(name, secret, at, rule, _rate(table, at), toml=True))
         return tokens
+    first = next((line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")), "")
+    if first.startswith("["):  # (new user, round 109: a TOML file named tokens.conf said "no colon")
+        raise AuthError(f"{where}: it starts with '[', as TOML does: a TOML token file must be "
+                        "named *.toml; any other file is read as one NAME:TOKEN a line")
     tokens = [check_token(name, secret, at) for name, secret, at in _pairs(text, where, r"\Z")]
     if not tokens:  # (round 114, H2: an empty file turned the tokens off, silently)
         raise AuthError(f"{where}: no token in it (one NAME:TOKEN a line): an empty file would ask for none")

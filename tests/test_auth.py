@@ -74,6 +74,12 @@ def test_tokens_come_from_the_file_and_the_environment(tmp_path):
     # (round 114, M1: written the wrong way round, the name is the secret: shown in the error)
     ("tokens", f"{ALICE}:alice\n", "the token (after the colon) breaks its rule"),
     ("tokens", f"{'s' * 70}:{ALICE}\n", "the token's name (before the colon) breaks its rule"),
+    # (new user, round 109: both said "the token (after the colon) breaks its rule" / "no colon")
+    ("tokens", f"ci:{ALICE}   # the CI runner\n", "line 1: a comment after the token: a comment goes on a line of its"
+                                                " own, '#' first"),
+    ("tokens", f"ci:{ALICE}\t#x\n", "line 1: a comment after the token"),
+    ("tokens.conf", f'# ours\n\n  [tokens.ci]\ntoken = "{ALICE}"\n', "tokens.conf: it starts with '[', as TOML "
+                                                                    "does: a TOML token file must be named *.toml"),
     # (round 114, H2: an empty file asked for no token, silently)
     ("tokens", "# nothing yet\n\n", "no token in it (one NAME:TOKEN a line): an empty file would ask for none"),
     # (new user, round 108: the file and the line of each entry, a TOML one's and a duplicate's too)
