@@ -37,7 +37,7 @@ from broker.jsonrpc import Codec, Request, response_result
 from broker.loadgen import runner, schedule
 from broker.loadgen.check import Answer, Checker, Tally
 from broker.loadgen.plot import PlotError, load_reports
-from broker.loadgen.report import build_report, merge
+from broker.loadgen.report import build_report, merge, mostly_refused
 from broker.loadgen.stats import SCHEMA, Latency, Report
 from broker.loadgen.workload import Call, Expect, MixError, Workload, load_mix
 
@@ -386,6 +386,21 @@ def _saved_report(requests: int = 10) -> Report:
     h = Latency()
     h.record_many([1000, 2000] * requests)
     return build_report(spec, t, h)
+
+
+@pytest.mark.parametrize(("codes", "calls", "refused", "words"), [
+    ({"-32005": 6}, 10, 0, "most calls were rate limited (-32005)"),
+    ({"-32000": 6, "-32005": 3}, 10, 0, "most calls were answered -32000 (on rpc-broker: server\noverloaded"),
+    ({"-32000": 6}, 9, 2, "most calls were answered -32000"),  # (a batch refused whole: one error, no call)
+    ({"-32005": 5}, 10, 0, ""),  # (half: not most)
+    ({"-32005": 4, "-32000": 4}, 10, 0, ""),  # (no one code is most)
+    ({"-32601": 10}, 10, 0, ""),  # (a wrong --method: not the server turning the load away)
+    ({}, 0, 0, ""),
+])
+def test_a_run_is_mostly_refused_past_half_its_calls_with_one_code(codes, calls, refused, words):
+    rep = msgspec.structs.replace(_saved_report(), errors_by_code=codes, calls=calls, refused_batches=refused)
+    got = mostly_refused(rep)
+    assert got.startswith(words) if words else got == "", got
 
 
 def _edit(**changes: object) -> str:
@@ -864,6 +879,30 @@ def test_bench_sends_the_token_of_token_file_and_fails_plainly_when_refused(auth
         assert rep.check.ok, rep  # (a stream's refusal of its token line, come before any call: no wrong id)
     for run in tmp_path.glob("run*.json"):
         assert BENCH_TOKEN not in run.read_text()  # the report keeps no secret
+
+
+def test_a_run_mostly_rate_limited_says_so_and_exits_0_as_errors_do(broker_factory, tmp_path, capsys):
+    """New user, round 109: against a token limited to 5 calls/s, 35,646 of 35,651 calls were
+    answered -32005, and the table read as a fast clean run. It now says most calls were rate
+    limited and what to change; the exit status stays 0, as for any run of error answers
+    (they are answers); a run within the limit says nothing of it."""
+    b = broker_factory("--workers", "1", "--rate-limit", "5", env={"RPC_BROKER_AUTH_TOKENS": f"bench:{BENCH_TOKEN}"})
+    token = tmp_path / "bench.token"
+    token.write_text(BENCH_TOKEN + "\n")
+    url = f"http://{b.host}:{b.port}{b.path}"
+    code, rep = bench(tmp_path, url, "--token-file", str(token))
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert 2 * rep.errors_by_code.get("-32005", 0) > rep.calls > 0, rep
+    words = " ".join(captured.out.split())
+    assert "most calls were rate limited (-32005): the server's rate_limit for this caller (its token, or its" \
+           " address) is below the load: lower --rate (or --connections, --depth), or raise the limit" in words, \
+        captured.out
+    assert "check --method" not in captured.out  # (not the hint of a run of wrong calls)
+    code, rep = bench(tmp_path, url, "--token-file", str(token), "-c", "1", "--rate", "2")  # within the limit
+    captured = capsys.readouterr()
+    assert code == 0 and rep.calls > 0 and "-32005" not in rep.errors_by_code, rep
+    assert "rate limited" not in captured.out, captured.out
 
 
 @pytest.mark.parametrize(("text", "words"), [

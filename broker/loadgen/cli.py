@@ -8,11 +8,12 @@ newline-delimited JSON stream, ``tcp://host:port`` or ``unix:///path/to.sock`` (
 request body per line; answer lines may come in any order and are matched to their
 request by id).
 
-Exit codes: 0 every answer was right; 1 check failures or transport errors (or nothing
-of the measured window was answered, every call was refused as unauthorized, a load
-process died, or --json could not be written after the run); 2 bad usage (bad flags, mix
-file, --token-file, target); 130 / 143 interrupted by SIGINT / SIGTERM (the table of what
-was measured is still printed, and --json written).
+Exit codes: 0 every answer was right (error answers too, a run mostly rate limited:
+`report.mostly_refused`); 1 check failures or transport errors (or nothing of the measured
+window was answered, every call was refused as unauthorized, a load process died, or --json
+could not be written after the run); 2 bad usage (bad flags, mix file, --token-file,
+target); 130 / 143 interrupted by SIGINT / SIGTERM (the table of what was measured is still
+printed, and --json written).
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="A run lasts up to --warmup + --duration + --timeout (plus connecting): after the\n"
         "measured window it waits up to --timeout for the answers still owed.\n\n"
         "Exit codes:\n"
-        "  0        every answer was checked and right (JSON-RPC errors are answers too)\n"
+        "  0        every answer was checked and right (JSON-RPC errors are answers too:\n"
+        "           a run mostly rate limited or overloaded says so in its table)\n"
         "  1        a check failed (wrong id, missing, duplicate, malformed answer), a\n"
         "           transport error, nothing of the window was answered, every call was\n"
         "           refused as unauthorized (no --token-file, or a token the server does\n"

@@ -109,6 +109,32 @@ def progress_text(p: Progress, elapsed: float) -> Text:
     return Text(progress_line(p, elapsed), style=style)
 
 
+# Error codes that say the server turned the load itself away, not the calls: the run measured
+# how fast it refuses. (Only these two: -32005 is "limit exceeded" in EIP-1474 too, while other
+# JSON-RPC servers give -32001..-32004 meanings of their own; -32000 is rpc-broker's overloaded,
+# and many a server's generic error, hence "on rpc-broker".)
+_REFUSING = {  # (lines of at most ~60 characters: `print_table`)
+    "-32005": "most calls were rate limited (-32005): the server's\n"
+              "rate_limit for this caller (its token, or its address) is\n"
+              "below the load: lower --rate (or --connections, --depth),\n"
+              "or raise the limit",
+    "-32000": "most calls were answered -32000 (on rpc-broker: server\n"
+              "overloaded, its queue full): lower --rate (or\n"
+              "--connections, --depth), or give it more workers",
+}
+
+
+def mostly_refused(report: Report) -> str:
+    """Words for a run more than half of whose calls were refused by the load itself, with one
+    code of `_REFUSING` (new user, round 109: 35,646 of 35,651 rate limited read as a fast
+    run); "" otherwise. Calls: `Report.calls` plus its batches refused whole (one error each)."""
+    answered = report.calls + report.refused_batches
+    for code, words in _REFUSING.items():
+        if 2 * report.errors_by_code.get(code, 0) > answered > 0:
+            return words
+    return ""
+
+
 def _n(count: int, word: str) -> str:
     """``1 request``, ``2 requests``, ``12,000 requests``."""
     return f"{count:,} {word}" if count == 1 else f"{count:,} {word}s"
@@ -188,6 +214,9 @@ def print_table(report: Report, console: Console, first_problem: str = "", unaut
                                           "one the server does not take (--token-file)", style="bold red"))
     elif unauthorized:
         t.add_row("JSON-RPC errors", Text(f"{errors}\n{unauthorized:,} refused as unauthorized", style="yellow"))
+    elif refusing := mostly_refused(report):  # (before the next: --method was not the fault)
+        t.add_row("JSON-RPC errors", Text(f"{errors}\n{refusing}\n(errors are answers: the exit status stays 0)",
+                                          style="yellow"))
     elif report.calls and sum(report.errors_by_code.values()) >= report.calls:
         # (a new user's check, round 26: a mistyped --params measured 8,185 errors/s, all green)
         t.add_row("JSON-RPC errors", Text(f"{errors}\nevery call was answered with an error: check --method and "
