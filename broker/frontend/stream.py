@@ -158,8 +158,9 @@ class StreamFrontend(Listener):
         self.bad_token = response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
             "the bearer token is not one of auth_tokens_file's or RPC_BROKER_AUTH_TOKENS'"))) + _NL
         self.other_token = response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
-            "the bearer token is another token than the one the TLS client certificate names (its subject "
-            "commonName): a connection has one caller; send that token, or no rpc.authenticate line"))) + _NL
+            "the bearer token is not the one the TLS client certificate names (its subject commonName), which "
+            "authenticates this connection: a connection has one caller; send that token, or no "
+            "rpc.authenticate line"))) + _NL
         self.too_long = (
             response_error(
                 b"null",
@@ -553,7 +554,9 @@ class StreamProtocol(Closing, asyncio.Protocol):
         if name is None:  # (a token given but no one's said so, as on HTTP: new user, round 107)
             sent = type(token) is str
             fe.unauthorized(self._budget.peer, sent)
-            self._foreign(fe.bad_token if sent else fe.unauthenticated, ErrorCode.INVALID_REQUEST)
+            # (with a certificate naming a token, not "a bearer token is required": hostile testing, round 120)
+            refusal = fe.other_token if certified else fe.bad_token if sent else fe.unauthenticated
+            self._foreign(refusal, ErrorCode.INVALID_REQUEST)
             return
         if certified and name != certified:
             fe.unauthorized(self._budget.peer, True, "a token other than its client certificate's")
