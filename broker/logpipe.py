@@ -47,6 +47,7 @@ import select
 import signal
 import sys
 import threading
+import time
 import typing
 
 import msgspec
@@ -81,7 +82,11 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the writer thread n
 
 class LineFormatter(logging.Formatter):
     """Formats the broker's `logging.LogRecord`s: text (`fmt`), or json (one object with time,
-    level, logger, pid, message and the traceback, if any, in `exc`); `style` is "text" or "json"."""
+    level, logger, pid, message and the traceback, if any, in `exc`); `style` is "text" or "json".
+    Times in UTC, as the access lines' (new user, round 110: the broker's were local time, the
+    access lines' UTC, neither saying which)."""
+
+    converter = time.gmtime  # type: ignore[assignment]  # (typeshed: gmtime's overloads; the stdlib's docs set it so)
 
     def __init__(self, style: str = "text", fmt: str = TEXT_FORMAT) -> None:
         if style not in FORMATS:

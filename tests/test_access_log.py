@@ -516,6 +516,23 @@ def test_a_clients_text_in_a_workers_line_cannot_pass_for_the_brokers_or_an_acce
     assert not any("\x1b" in line or "\r" in line for line in lines), lines[-30:]
 
 
+def test_every_lines_time_is_utc_whatever_the_time_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """New user, round 110: under TZ=America/New_York the broker's own lines and the workers'
+    were in local time, the access lines in UTC, none saying which. All are UTC now."""
+    monkeypatch.setenv("TZ", "XYZ+05")  # (a POSIX zone five hours behind UTC: no tz database needed)
+    before = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+    with _broker_stderr("--app", "tests.apps.chatty:registry", "--access-log", "all") as (b, got):
+        assert b.call("fail", ["boom"], timeout=15)["error"]["code"] == -32603
+    after = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+    text = got.decode()
+    stamps = re.findall(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d{3} (broker|worker\[0\]) pid", text, re.M)
+    stamps += [(m, "access") for m in re.findall(r"^time=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", text, re.M)]
+    assert {kind for _, kind in stamps} == {"broker", "worker[0]", "access"}, text[-2000:]
+    for stamp, kind in stamps:
+        when = datetime.datetime.fromisoformat(stamp.replace(" ", "T"))
+        assert before - datetime.timedelta(seconds=2) <= when <= after, (kind, stamp, before, after)
+
+
 def test_lines_a_stderr_with_no_reader_loses_are_counted() -> None:
     """EPIPE (the reader gone): the lines lost counted as dropped (new users, round 108: 0)."""
     r, w = os.pipe()

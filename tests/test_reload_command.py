@@ -78,6 +78,15 @@ def test_a_config_file_s_mistakes_elsewhere_do_not_block_a_reload(broker_factory
     config.write_text('status_file = 5\n')  # (its own settings are still checked)
     done = reload("--config", str(config), "--pid", str(b.pid))
     assert done.returncode == 2 and "status_file = 5" in done.stderr, done.stderr
+    # A file that is not TOML at all: exit 2 saying to give --status-file; with it, the reload
+    # goes on (new user, round 110: a syntax error blocked it, systemctl reload failing untried)
+    config.write_text('workers = \n')
+    done = reload("--config", str(config), "--pid", str(b.pid))
+    assert done.returncode == 2 and "invalid TOML" in done.stderr and "give --status-file" in done.stderr
+    write_app(tmp_path, version=3)
+    done = reload("--config", str(config), "--status-file", str(status), "--pid", str(b.pid))
+    assert done.returncode == EXIT_OK and "invalid TOML" in done.stderr, done.stderr
+    assert b.call("ver")["result"] == 3
 
 
 def test_a_reload_whose_code_fails_to_import_exits_1_saying_why_then_a_mended_one_0(

@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 import types
 
@@ -165,6 +166,8 @@ class _RecordLines(logging.Formatter):
     worker's lines do, with its time and `worker[N] pid PID`, so the broker, which reads
     them, shows the others as the worker's (`logpipe.LogPipe._worker_lines`) and none passes
     for a record of its own (hostile testing, round 119)."""
+
+    converter = time.gmtime  # type: ignore[assignment]  # (UTC, as the broker's lines and the access lines)
 
     def format(self, record: logging.LogRecord) -> str:
         return super().format(record).replace("\n", "\n    ")
