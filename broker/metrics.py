@@ -441,13 +441,14 @@ class BrokerCollector(Collector):
             for path, counts in fe.statuses.items():
                 for status, count in counts.items():
                     statuses[path, status] = statuses.get((path, status), 0) + count
-            row = by_transport.setdefault(fe.transport, [0, 0, 0, 0, 0, 0])
+            row = by_transport.setdefault(fe.transport, [0, 0, 0, 0, 0, 0, 0])
             row[0] += len(fe.connections) + len(fe.handshakes)
             row[1] += fe.refused_total
             row[2] += fe.received_bytes
             row[3] += fe.sent_bytes
             row[4] += fe.shed_total
             row[5] += fe.send_timed_out_total
+            row[6] += fe.handshake_failed_total
         evicted = {(t, state): 0 for t in sorted(by_transport) for state in ("idle", "trickling", "incoming", "handshake")}
         for fe in self.frontends:
             for state, n in fe.evicted_total.items():
@@ -472,6 +473,8 @@ class BrokerCollector(Collector):
              "owed on all connections passed max_outgoing_bytes.", True),
             ("rpc_broker_connections_send_timed_out", "Connections reset because their client took none of the "
              "answers sent to it for send_timeout.", True),
+            ("rpc_broker_tls_handshakes_failed", "TLS handshakes that failed: a client certificate refused "
+             "(tls_client_ca_file), a protocol or cipher the broker does not take, or no TLS at all.", True),
         )):  # fmt: skip
             make = _family_counter if counter else _family_gauge
             yield make(family, doc, ["transport"], (([t], row[i]) for t, row in sorted(by_transport.items())))

@@ -380,12 +380,14 @@ def load_generator() -> ModuleType:
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def scrape_metrics(b: Broker, port: int | None = None) -> Samples:
-    """Every sample of the broker's GET /metrics (on `port`, else its RPC port), keyed
-    by (name, sorted labels), parsed by prometheus-client's own text parser."""
+def scrape_metrics(b: Broker, port: int | None = None,
+                   connection: http.client.HTTPConnection | None = None) -> Samples:
+    """Every sample of the broker's GET /metrics (on `port`, else its RPC port; or over
+    `connection`, e.g. an HTTPS one), keyed by (name, sorted labels), parsed by
+    prometheus-client's own text parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    conn = http.client.HTTPConnection(b.host, port or b.port, timeout=30)
+    conn = connection or http.client.HTTPConnection(b.host, port or b.port, timeout=30)
     try:
         conn.request("GET", "/metrics")
         response = conn.getresponse()

@@ -11,16 +11,18 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import socket
 import ssl
 import subprocess
 import sys
+import time
 import typing
 from pathlib import Path
 
 import pytest
 import trustme
-from conftest import ROOT, Broker, free_port, start_broker
+from conftest import ROOT, Broker, free_port, sample, scrape_metrics, start_broker
 from test_auth import auth_line, lines_over
 
 from broker.auth import ENV_TOKENS
@@ -211,6 +213,15 @@ def test_without_tokens_every_tls_client_must_show_a_certificate(broker_factory,
     log = b.read_log()
     assert ": required (no bearer tokens: probes and Prometheus need one too)" in log
     assert "no bearer tokens are asked for" not in log  # (past loopback, but the certificates guard it)
+    # Each refused handshake counted, and said (new user, round 110: none left a trace)
+    deadline = time.monotonic() + 10
+    while not re.search(r"http: 1 TLS handshake\(s\) failed so far \(the last from 127\.0\.0\.1: \w+", log):
+        assert time.monotonic() < deadline, log
+        log = b.read_log(0.1)
+    samples = scrape_metrics(b, connection=http.client.HTTPSConnection(
+        "127.0.0.1", b.port, context=context(pki, "nobody"), timeout=10))
+    assert sample(samples, "rpc_broker_tls_handshakes_failed_total", transport="http") == 2
+    assert sample(samples, "rpc_broker_tls_handshakes_failed_total", transport="tcp") == 2
 
 
 def test_the_exposure_warning_counts_required_certificates_as_access_control() -> None:

@@ -442,6 +442,7 @@ class Listener:
         self.handshakes: dict[typing.Any, None] = {}
         self.refused_total = 0
         self.unauthorized_total = 0  # requests refused for want of a good token (`unauthorized`)
+        self.handshake_failed_total = 0  # TLS handshakes that failed (`handshake_failed`)
         self.received_bytes = 0
         self.sent_bytes = 0
         # HTTP responses by path label, then status: {"rpc": {b"200": 5}}; empty for streams
@@ -481,6 +482,16 @@ class Listener:
         if n == 1 or n % 1000 == 0:
             log.warning("%s: refused %d request(s) without a good bearer token so far (the last from %s: %s)",
                         self.transport, n, address_of(peer), why or ("a token no one has" if sent else "no token"))
+
+    def handshake_failed(self, peer: object, reason: str) -> None:
+        """Count a TLS handshake that failed (`reason`: OpenSSL's, e.g. PEER_DID_NOT_RETURN_A_CERTIFICATE
+        or CERTIFICATE_VERIFY_FAILED: a client certificate refused, or plain TCP sent to TLS), from
+        `peer`; logged (a WARNING) at the first and each thousandth, as `unauthorized` is (new
+        user, round 110: a refused client certificate left no trace)."""
+        n = self.handshake_failed_total = self.handshake_failed_total + 1
+        if n == 1 or n % 1000 == 0:
+            log.warning("%s: %d TLS handshake(s) failed so far (the last from %s: %s)", self.transport, n,
+                        address_of(peer), reason)
 
     def _evicted(self, state: str) -> None:
         """Count a connection closed by `make_room` in `state` ("idle" or "trickling"); logged

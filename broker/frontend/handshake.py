@@ -85,7 +85,11 @@ class Handshake(asyncio.Protocol):
         listener = self._listener
         try:
             secure = await _resumed(starting, waiting)
-        except (OSError, ssl.SSLError, TimeoutError, ConnectionError, asyncio.CancelledError):
+        except ssl.SSLError as exc:  # (a certificate refused, not TLS at all: counted and said)
+            listener.handshake_failed(raw.get_extra_info("peername"), exc.reason or str(exc))
+            raw.abort()
+            return
+        except (OSError, TimeoutError, ConnectionError, asyncio.CancelledError):
             raw.abort()
             return
         finally:
