@@ -57,7 +57,7 @@ if typing.TYPE_CHECKING:
     from broker.jsonrpc import Request
 
 __all__ = [
-    "ENTRY_FIELDS", "FLUSH_VALUES", "ID_BYTES", "KEY_CHARS", "MODES", "PARAMS_CHARS", "PARAMS_KEPT_BYTES", "REDACTED", "REDACT_VALUES", "SECRET_ENDINGS", "SECRET_KEYS", "SECRET_WORDS",
+    "ENTRY_FIELDS", "FLUSH_PARAMS_BYTES", "FLUSH_VALUES", "ID_BYTES", "KEY_CHARS", "MODES", "PARAMS_CHARS", "PARAMS_KEPT_BYTES", "REDACTED", "REDACT_VALUES", "SECRET_ENDINGS", "SECRET_KEYS", "SECRET_WORDS",
     "AccessLine", "AccessLog", "Entry", "Renderer", "address", "entry_lines", "json_line", "keep_params", "redact",
     "secret_key",
 ]  # fmt: skip
@@ -103,6 +103,10 @@ REDACT_VALUES = 256  # of params' decoded values walked for redaction, at most (
 # calls (hostile testing, round 119: 1 MB batches of calls each with 250 distinct keys stalled
 # the loop 0.8 s each); 4,096 values cost the loop about 10 ms a batch.
 FLUSH_VALUES = 4096
+# And of params' bytes decoded and encoded for them, at most, objects or not: a value's cost is
+# not its count (hostile testing, round 121: an integer of 4,090 digits, 340 us a line, in 1 MiB
+# batches stalled the loop 1.2 s). At the worst shapes' 80 ns a byte, 256 KiB cost about 20 ms.
+FLUSH_PARAMS_BYTES = 256 * 1024
 OTHER = "other"  # the method of a call to a method not registered (as the metrics' label)
 # An entry's fields, in order (a chunk's results: method and id are lists of the same length)
 ENTRY_FIELDS = ("when", "peer", "token", "transport", "method", "id", "duration", "code", "pid", "params")
@@ -231,18 +235,22 @@ def keep_params(params: bytes | memoryview | msgspec.Raw, calls: int = 1) -> byt
 
 def _params_text(kept: bytes | int | None, left: list[int] | None = None) -> str:
     """The params as the line writes them: redacted JSON, at most PARAMS_CHARS characters.
-    `left`: [values the lines rendered at once may still walk] (`FLUSH_VALUES`), charged
-    what this walk took; at 0, params with an object are not written."""
+    `left`: [values the lines rendered at once may still walk (`FLUSH_VALUES`), and bytes of
+    params they may still decode (`FLUSH_PARAMS_BYTES`)], charged what this took; past
+    either, params are not written."""
     if kept is None:
         return "-"
     if isinstance(kept, int):
         return f"({kept} bytes, not kept)"
     if not kept:
         return "-"  # (none sent)
+    if left is not None:
+        if left[0] <= 0 or left[1] < len(kept):
+            return (f"({len(kept)} bytes, not written: {FLUSH_VALUES} values or {FLUSH_PARAMS_BYTES} bytes of params"
+                    " for the lines of this moment)")
+        left[1] -= len(kept)
     try:
         if b"{" in kept:  # (no object, no key: nothing to redact, nothing walked)
-            if left is not None and left[0] <= 0:
-                return f"({len(kept)} bytes, not written: {FLUSH_VALUES} values redacted for the lines of this moment)"
             budget = [REDACT_VALUES]
             try:
                 text = _encode(redact(_decode(kept), budget)).decode()
@@ -339,7 +347,8 @@ class Renderer:
         self._fast: dict[tuple[object, str, str, object], str] = {}  # the same, by the peer as given
         self._tails: dict[tuple[int, int], str] = {}  # outcome= code= pid=, by code and pid
         self._outcomes: dict[int, str] = {}
-        self._left = [FLUSH_VALUES]  # values the params of the lines of one `lines` may walk (`_params_text`)
+        # values and bytes the params of the lines of one `lines` may walk and decode (`_params_text`)
+        self._left = [FLUSH_VALUES, FLUSH_PARAMS_BYTES]
 
     def entry(self, entry: Entry) -> list[str]:
         """The lines of `entry` (one; a chunk's results: one each), no newlines."""
@@ -380,8 +389,9 @@ class Renderer:
         """The lines of `entries`, in order (each entry's as `entry` makes them). The common
         text line (a number for its id, no params; a chunk's results too) is made here in
         one f-string, its cached parts looked up by the entry's own values. Their params
-        walk `FLUSH_VALUES` values at most, all lines together."""
+        walk `FLUSH_VALUES` values and decode `FLUSH_PARAMS_BYTES` at most, all lines together."""
         self._left[0] = FLUSH_VALUES
+        self._left[1] = FLUSH_PARAMS_BYTES
         out: list[str] = []
         if self._json:
             for entry in entries:
