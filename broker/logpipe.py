@@ -72,9 +72,11 @@ _encode = msgspec.json.Encoder().encode
 _OWN_LINE = rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} worker\[\d+\] pid "  # (worker/process.py's format, its pid next)
 _LEVEL = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} worker\[\d+\]( pid \d+ )([A-Z]+) ")  # (json: its level)
 _CONTROL_BYTES = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]")  # (a quick look, before decoding: the rest is not ASCII)
-# What a worker's line shows escaped: C0 but tab and newline, DEL, C1, and the line and paragraph
-# separators that str.splitlines and log viewers take for line ends (hostile testing, round 120)
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+# What a worker's line shows escaped: C0 but tab and newline, DEL, C1, the line and paragraph
+# separators that str.splitlines and log viewers take for line ends (hostile testing, round 120),
+# and the invisible and bidirectional formatting characters that reorder or hide what a terminal
+# shows (zero-width ones, RLO and its kin, isolates, BOM; round 121)
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 _EMPTY_LINES = re.compile(rb"(?m)^\n")
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the writer thread never takes these
