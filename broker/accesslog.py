@@ -58,8 +58,8 @@ if typing.TYPE_CHECKING:
 
 __all__ = [
     "ENTRY_FIELDS", "FLUSH_PARAMS_BYTES", "FLUSH_VALUES", "ID_BYTES", "KEY_CHARS", "MODES", "PARAMS_CHARS", "PARAMS_KEPT_BYTES", "REDACTED", "REDACT_VALUES", "SECRET_ENDINGS", "SECRET_KEYS", "SECRET_WORDS",
-    "AccessLine", "AccessLog", "Entry", "Renderer", "address", "entry_lines", "json_line", "keep_params", "redact",
-    "secret_key",
+    "UNSHOWN", "AccessLine", "AccessLog", "Entry", "Renderer", "address", "entry_lines", "escape_unshown", "json_line",
+    "keep_params", "redact", "secret_key",
 ]  # fmt: skip
 
 MODES = ("off", "errors", "all")  # the access_log setting's values
@@ -185,17 +185,45 @@ class _TooMany(Exception):
     """More than REDACT_VALUES values to walk."""
 
 
+# Characters no line shows as they are (text or JSON): C0 (JSON escapes those), DEL and C1 (a
+# terminal's escape sequences: U+009B is CSI), the line and paragraph separators and U+0085 that
+# str.splitlines and log viewers take for line ends (hostile testing, round 117), and the invisible
+# and bidirectional formatting characters that hide text or reorder what a terminal shows: soft
+# hyphen, combining grapheme joiner, Arabic letter mark, Hangul fillers, zero-width ones, RLO and
+# its kin, isolates, variation selectors, BOM, interlinear annotation, tags (rounds 121 and 122).
+UNSHOWN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u034f\u061c\u115f\u1160\u180e\u200b-\u200f"
+                     "\u2028-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff9-\ufffb"
+                     "\U000e0000-\U000e007f]")
+
+
+def escape_unshown(text: str, escape: typing.Callable[[str], str]) -> str:
+    """`text` with each of its `UNSHOWN` characters written `escape(char)`: each distinct one
+    replaced everywhere at once, a pass in C (a substitution calling Python for each cost 50 ms
+    of the event loop for 64 KiB of DEL: hostile testing, round 120)."""
+    for char in set(UNSHOWN.findall(text)):
+        text = text.replace(char, escape(char))
+    return text
+
+
+def _json_escape(char: str) -> str:
+    """`char` as a JSON string's escape (RFC 8259 7: past U+FFFF, its UTF-16 surrogate pair)."""
+    code = ord(char)
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
 def json_line(encoded: bytes) -> str:
-    """A JSON object's text as one line: U+2028, U+2029 and U+0085, which JSON leaves as
-    they are, escaped (a reader splitting lines on them, str.splitlines or a log viewer,
-    would cut the line there: hostile testing, round 117). Three `str.replace`, each a pass
-    in C, about 1 ns a character (the text itself back when it has none): `str.translate`
-    looked each non-ASCII character up in a dict, 0.1 to 0.15 ms for the 1,024 a line's
-    params may write, on the event loop."""
+    """A JSON object's text as one line that shows as it is: its `UNSHOWN` characters, which
+    JSON leaves as they are but for C0, escaped (`\\uNNNN`; a client's id or params, a
+    worker's text, with U+2028 cut the line for a reader splitting lines there, with U+009B
+    or U+202E moved the cursor or reordered the line in a terminal: hostile testing, rounds
+    117 and 122). A pass in C (the text itself back when it is ASCII with no DEL)."""
     text = encoded.decode()
-    if text.isascii():
+    if text.isascii() and "\x7f" not in text:
         return text
-    return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
+    return escape_unshown(text, _json_escape)
 
 
 def redact(value: object, budget: list[int] | None = None) -> object:

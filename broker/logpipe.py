@@ -52,7 +52,7 @@ import typing
 
 import msgspec
 
-from broker.accesslog import Entry, Renderer, json_line
+from broker.accesslog import Entry, Renderer, escape_unshown, json_line
 
 __all__ = ["BROKER_RESERVE", "FLUSH_SECONDS", "FORMATS", "PIPE_BUF", "QUEUE_BYTES", "QUEUE_LINES",
            "STOP_SECONDS",
@@ -72,12 +72,13 @@ _encode = msgspec.json.Encoder().encode
 _OWN_LINE = rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} worker\[\d+\] pid "  # (worker/process.py's format, its pid next)
 _LEVEL = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} worker\[\d+\]( pid \d+ )([A-Z]+) ")  # (json: its level)
 _CONTROL_BYTES = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]")  # (a quick look, before decoding: the rest is not ASCII)
-# What a worker's line shows escaped: C0 but tab and newline, DEL, C1, the line and paragraph
-# separators that str.splitlines and log viewers take for line ends (hostile testing, round 120),
-# and the invisible and bidirectional formatting characters that reorder or hide what a terminal
-# shows (zero-width ones, RLO and its kin, isolates, BOM; round 121)
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 _EMPTY_LINES = re.compile(rb"(?m)^\n")
+
+
+def _text_escape(char: str) -> str:
+    """An `accesslog.UNSHOWN` character as a worker's text line writes it: \\xNN, \\uNNNN or \\UNNNNNNNN."""
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the writer thread never takes these
 
@@ -384,11 +385,7 @@ class LogPipe:
         data = self._own[pid].sub(b"worker pid %d | " % pid, data)
         if data.isascii() and not _CONTROL_BYTES.search(data):
             return data
-        text = data.decode("utf-8", "backslashreplace")
-        # (each character found replaced everywhere at once, in C: a substitution calling Python
-        # for each of them cost 50 ms a read of 64 KiB of DEL; hostile testing, round 120)
-        for char in set(_CONTROL.findall(text)):
-            text = text.replace(char, f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+        text = escape_unshown(data.decode("utf-8", "backslashreplace"), _text_escape)
         return text.encode("utf-8", "backslashreplace")
 
     def flush(self) -> None:

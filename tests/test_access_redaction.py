@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -46,8 +47,16 @@ def test_a_key_past_key_chars_is_redacted_unread_and_a_compatibility_key_counts_
     assert json.loads(_params_text(cyrillic.encode())) == json.loads(cyrillic)
 
 
-def test_a_json_line_escapes_its_line_separators() -> None:
-    assert json_line('{"a":"\u2028\u2029\x85\u00e9\u0100"}'.encode()) == '{"a":"\\u2028\\u2029\\u0085\u00e9\u0100"}'
+def test_a_json_line_escapes_what_a_terminal_or_a_viewer_would_not_show_as_it_is() -> None:
+    """Line separators (round 117); DEL, C1 (U+009B, CSI), RLO, zero-width and tag characters
+    in a client's id or params, raw in a JSON line, moved a terminal's cursor or reordered the
+    line (hostile testing, round 122): escaped, the JSON the same once parsed."""
+    text = "\u2028\u2029\x85\x7f\x9b2J\u202e\u200b\u061c\ufe0f\U000e0041 \u00e9\u0100 ok"
+    line = json_line(msgspec.json.encode({"id": text}))
+    assert line == ('{"id":"\\u2028\\u2029\\u0085\\u007f\\u009b2J\\u202e\\u200b\\u061c\\ufe0f'
+                    '\\udb40\\udc41 \u00e9\u0100 ok"}')
+    assert json.loads(line) == {"id": text}
+    assert json_line(b'{"a":"plain"}') == '{"a":"plain"}'
 
 
 def _words(text: str) -> list[str]:

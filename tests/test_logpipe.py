@@ -467,8 +467,9 @@ def test_line_separators_are_escaped_and_empty_lines_left_out_in_text(pipe_fds) 
     viewer's) read the rest as a line of the broker's; empty lines made 18 bytes each. Round
     121: bidirectional and invisible formatting characters (RLO, zero-width space, BOM) too."""
     _r, w = pipe_fds
-    queued = _follow_writes(LogPipe(fd=w), "a\u2028b\u2029c\n\n\n\nd\u202ee\u200bf\ufeff\n".encode())
-    assert queued == b"worker pid 4242 | a\\u2028b\\u2029c\nworker pid 4242 | d\\u202ee\\u200bf\\ufeff\n"
+    queued = _follow_writes(LogPipe(fd=w), "a\u2028b\u2029c\n\n\n\nd\u202ee\u200bf\ufeff\u061c\U000e0041\n".encode())
+    assert queued == (b"worker pid 4242 | a\\u2028b\\u2029c\n"
+                      b"worker pid 4242 | d\\u202ee\\u200bf\\ufeff\\u061c\\U000e0041\n")
 
 
 def test_one_read_of_more_lines_than_half_the_bound_is_dropped_even_on_an_empty_deque(pipe_fds) -> None:
