@@ -136,6 +136,11 @@ class StreamFrontend(Listener):
     commonName, a token's name, authenticates them as that token (with `auth` only).
     """
 
+    # At the stop, a connection that has sent nothing yet may have its first line on its way
+    # (accepted from the listen queue, or just connected): it stays open for it (`Closing.drain`).
+    # False where the connection was there from the start (stdio: broker/frontend/stdio.py).
+    waits_for_first_line = True
+
     def __init__(
         self,
         dispatcher: Dispatcher,
