@@ -320,7 +320,7 @@ class AccessLine(typing.NamedTuple):
     """One call's line, as the tests and `entry_lines` read it.
 
     when: time.time() of the answer (s); client: `address` of its connection's peer; token:
-    its caller's token name ("" for none); transport: "http", "tcp" or "unix"; method: the
+    its caller's token name ("" for none); transport: "http", "tcp", "unix" or "stdio"; method: the
     registered name or "other"; id: up to ID_BYTES of the raw id (bytes; b"" when none could
     be read); truncated: the id was longer; duration: seconds from arrival to answer; code: 0
     for a result, else the error's code; pid: of the worker that ran it, 0 if none did;

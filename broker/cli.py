@@ -1,20 +1,24 @@
 """Command line of rpc-broker.
 
     rpc-broker serve [--config FILE] [--<setting> VALUE ...]
+    rpc-broker stdio [--config FILE] [--<setting> VALUE ...]
     rpc-broker check-config [FILE]
     rpc-broker check-app [APP] | rpc-broker reload [--config FILE] [--pid PID]
     rpc-broker bench URL [options] | rpc-broker bench plot FILE... -o PNG
     rpc-broker --version
 
-Every ``serve`` flag is generated from the settings table in `broker.config`.
-Exit codes: 0 success, 2 bad usage or bad configuration; ``serve`` otherwise
-returns what `broker.server.serve` returns; ``bench`` returns what
+Every ``serve`` (and ``stdio``) flag is generated from the settings table in `broker.config`.
+Exit codes: 0 success, 2 bad usage or bad configuration; ``serve`` and ``stdio`` otherwise
+return what `broker.server.serve` returns; ``bench`` returns what
 `broker.loadgen.cli.main` returns (0 all answers right, 1 failures, 2 usage);
 ``reload`` what `broker.reloadcmd.reload` returns (1 failed, 4 timed out, 5 no broker).
 """
 
+from __future__ import annotations
+
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import os
 import re
@@ -25,7 +29,11 @@ import typing
 import broker
 from broker import config
 
+if typing.TYPE_CHECKING:
+    from broker.frontend.stdio import Stdio
+
 PROG = "rpc-broker"
+SERVING = ("serve", "stdio")  # the commands that run a broker: `broker.entry`'s early signals are theirs
 _PRECEDENCE = (
     "Settings come from, lowest to highest precedence: built-in defaults, the TOML\n"
     "file (keys = setting names), RPC_BROKER_<NAME> environment variables, flags."
@@ -37,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="JSON-RPC 2.0 broker: an HTTP/1.1 front end (and, when set, newline-\n"
-        "delimited JSON streams over TCP and a Unix socket) that hands calls to a\n"
-        "pool of worker processes.",
+        "delimited JSON streams over TCP and a Unix socket; or stdin and stdout) that\n"
+        "hands calls to a pool of worker processes.",
         epilog=_PRECEDENCE + f"\nRun '{PROG} serve --help' for every setting.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -57,6 +65,31 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE",
                        help="TOML file of settings; environment and flags override it")
     config.add_flags(serve.add_argument_group("settings"))
+    stdio = commands.add_parser(
+        "stdio",
+        allow_abbrev=False,
+        help="serve JSON-RPC on stdin and stdout, one message a line, for a launcher (logs on stderr); "
+        "serve's settings; exits 0 once stdin ends and every answer is written",
+        description="Serve JSON-RPC 2.0 to the process that started the broker: requests on stdin, one\n"
+        "per line (a call, a notification or a batch; \\r\\n accepted), answers on stdout, one\n"
+        "per line, as soon as each is ready: in any order, matched by id. Nothing else is\n"
+        "written to stdout: the broker's lines, the access lines and what the workers print go\n"
+        "to stderr. The lines' limits are the NDJSON streams' (max_body_bytes: past it a\n"
+        "line is answered -32600 and skipped).\n\n"
+        "Takes serve's settings (file, environment, flags), but opens none of its JSON-RPC\n"
+        "listeners (host and port, stream_port, stream_socket: unused, whatever they say),\n"
+        "so that two launchers can start it at once. The one port it may open is\n"
+        "metrics_port's (/metrics, /healthz, /readyz), when set; metrics are off without it.\n"
+        "The one client may use every worker (connection_share is 1).\n\n"
+        "When stdin ends, every call owed is answered, then the broker exits 0; SIGTERM or\n"
+        "SIGINT drain as serve's do; SIGHUP reloads the workers; a stdout whose reader is\n"
+        "gone (EPIPE) stops the broker, its calls in flight cancelled, exit 0.",
+        epilog=_PRECEDENCE + f"\nExample: {PROG} stdio --workers 2 --app mytools:registry",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    stdio.add_argument("--config", metavar="FILE",
+                       help="TOML file of settings (serve's); environment and flags override it")
+    config.add_flags(stdio.add_argument_group("settings (serve's: those of its listeners unused)"))
     check = commands.add_parser(
         "check-config",
         help="validate a TOML config file (plus RPC_BROKER_* environment and serve's flags) and print "
@@ -112,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--timeout", type=float, metavar="SECONDS",
                         help="how long to wait for the outcome (default: boot_timeout + 15 s)")
     # (a command's own parser reports what it does not know: `unknown_arguments`)
-    parser.set_defaults(command_parsers={"serve": serve, "check-config": check, "check-app": check_app,
-                                         "reload": reload})
+    parser.set_defaults(command_parsers={"serve": serve, "stdio": stdio, "check-config": check,
+                                         "check-app": check_app, "reload": reload})
     commands.add_parser(
         "bench", add_help=False, prefix_chars="\0",
         help="JSON-RPC load generator that checks every answer; "
@@ -244,18 +277,30 @@ def _stoppable() -> typing.Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _stdio_face(command: str) -> Stdio | None:
+    """The face `command` serves on stdin and stdout (None: serve's listeners), with the
+    process's stdin and stdout taken for it now (`take_stdio`), before any descriptor the
+    broker keeps is opened, and before a config error or a worker could print."""
+    if command != "stdio":
+        return None
+    from broker.frontend.stdio import JSONRPC, take_stdio
+
+    return dataclasses.replace(JSONRPC, ends=take_stdio())
+
+
 def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
     """Run the CLI on ``argv`` (default ``sys.argv[1:]``) and return the exit code.
 
     ``--help`` returns 0 and usage errors 2 (argparse's codes) instead of raising
     ``SystemExit``; a `config.ConfigError` is printed to stderr and returns 2.
     `early`: the signals `broker.entry` caught before this ran (the `rpc-broker`
-    command); `serve` acts on them, the other commands get their default handling back.
+    command); `serve` and `stdio` act on them, the other commands get their default
+    handling back.
     """
     if early is not None:
         from broker import entry
 
-        serving = (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]
+        serving = (sys.argv[1:] if argv is None else argv)[:1] in ([c] for c in SERVING)
         if not serving:
             entry.restore()
             early = None
@@ -295,7 +340,8 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
         except BrokenPipeError:  # (`| head -1`: the reader has what it wanted; round 34, a traceback
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and exit 1; Python's docs,
         return 0  # "Note on SIGPIPE": no second error as stdout is flushed at exit)
-    # serve
+    # serve, stdio
+    stdio = _stdio_face(ns.command)
     try:
         with _stoppable():
             cfg = _load(ns.config, flags)
@@ -306,8 +352,8 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
         return 2
     from broker.server import serve  # written separately; imported only when serving
 
-    return serve(cfg, () if early is None else early)  # (the live list: `broker.entry` appends to it until
-    # the loop's handlers take over; `early or ()` dropped a signal that came meanwhile, round 31)
+    return serve(cfg, () if early is None else early, stdio)  # (the live list: `broker.entry` appends to it
+    # until the loop's handlers take over; `early or ()` dropped a signal that came meanwhile, round 31)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from broker.dispatch import Dispatcher
 from broker.frontend.base import OUT_LINGERING, Incoming, shed_outgoing
 from broker.frontend.handshake import Handshake
 from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
+from broker.frontend.stdio import Stdio, StdioFrontend, log_listeners, stdio_config
 from broker.frontend.stream import StreamFrontend
 from broker.logpipe import LogPipe, access_to_logger
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
@@ -59,10 +60,12 @@ __all__ = ["exposure_warnings", "run", "secret_file_warnings", "serve", "warn_un
 log = logging.getLogger("broker")
 
 
-def serve(config: Config, early: typing.Sequence[int] = ()) -> int:
+def serve(config: Config, early: typing.Sequence[int] = (), stdio: Stdio | None = None) -> int:
     """Run the broker until SIGTERM/SIGINT; return the process exit status.
 
     `early`: signals received before the loop's handlers (`broker.entry`).
+    `stdio`: serve that face on stdin and stdout instead of the listeners (`run`), until
+    stdin ends too (`rpc-broker stdio`: `broker.frontend.stdio.JSONRPC`).
     0 after a clean shutdown, `WORKER_BOOT_ERROR` (3) when the workers cannot load
     the app (an exception or exit at import, or no HELLO within boot_timeout), 2 when
     the workers' socket cannot be made (socket_dir), 1 when the listening socket
@@ -72,10 +75,10 @@ def serve(config: Config, early: typing.Sequence[int] = ()) -> int:
     pipe.start()
     try:
         if config.event_loop == "asyncio":
-            return asyncio.run(run(config, early=early, logs=pipe))
+            return asyncio.run(run(config, early=early, logs=pipe, stdio=stdio))
         import uvloop
 
-        return uvloop.run(run(config, early=early, logs=pipe))
+        return uvloop.run(run(config, early=early, logs=pipe, stdio=stdio))
     finally:
         pipe.stop()  # (what is queued written: the last lines, "stopped" among them)
 
@@ -432,13 +435,20 @@ def _settings(config: Config, names: str) -> dict[str, typing.Any]:
 
 async def run(
     config: Config, started: asyncio.Future[tuple[str, int]] | None = None, early: typing.Sequence[int] = (),
-    logs: LogPipe | None = None,
+    logs: LogPipe | None = None, stdio: Stdio | None = None,
 ) -> int:
-    """The broker's main coroutine; sets `started` to the bound (host, port) once ready.
+    """The broker's main coroutine; sets `started` to the bound (host, port) once ready
+    (the first listener's; ("", 0) with none).
     `early`: stop and reload signals received before its handlers (`broker.entry`), acted
     on as if they came now (a stop gives the start up; a reload runs once started).
     `logs`: the process's log queue (`serve`'s), where access lines go too; None: they go
-    to the `broker.access` logger (access_log on), with no drops counted."""
+    to the `broker.access` logger (access_log on), with no drops counted.
+    `stdio`: serve its front-end on stdin and stdout (broker/frontend/stdio.py), with the
+    settings as `stdio_config` makes them: no listener but metrics_port's; the end of the
+    connection (stdin's end once every answer is written, stdout's reader gone) stops
+    the broker as SIGTERM does."""
+    if stdio is not None:
+        config = stdio_config(config)
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(LoopErrors())
     await _start_threads_masked(loop)
@@ -528,6 +538,12 @@ async def run(
             status.update(state="stopping")
         stop.set()
 
+    def stdio_ended(why: str) -> None:
+        """stdio's connection is lost (`StdioFrontend.on_lost`): the broker stops, as at SIGTERM."""
+        if not stop.is_set():
+            log.info("stdio: %s: stopping", why)
+            handle_stop()
+
     def log_stopping(level: int, message: str, *args: object) -> None:
         """Log that the stop begins, then the lines of the signals that came before."""
         log.log(level, message, *args)
@@ -559,6 +575,8 @@ async def run(
 
     if logs is not None:  # (the access lines rendered on this loop, in batches; the workers' read: broker/logpipe.py)
         logs.attach(loop, ticks=access is not None)
+    # (stdin and stdout moved off descriptors 0 and 1 before a worker starts: `take_stdio`)
+    relay = None if stdio is None else stdio.relay()
     try:
         frontends: list[HttpFrontend | StreamFrontend] = []
         scrape = None
@@ -571,7 +589,7 @@ async def run(
                 return exposition(reg)
 
         separate = config.metrics and config.metrics_port != 0
-        streams = bool(config.stream_port) + bool(config.stream_socket)
+        streams = 0 if stdio else bool(config.stream_port) + bool(config.stream_socket)
         try:
             max_connections = fit_open_files(
                 config.max_connections, 1 + streams,
@@ -599,13 +617,15 @@ async def run(
             return 2
         health = msgspec.json.encode({"status": "ok", "version": broker.version(), "app": config.app})
         http = _settings(config, "keepalive_timeout request_timeout send_timeout allowed_origins auth_metrics")
-        frontend = HttpFrontend(
-            dispatcher, max_connections=max_connections, metrics=None if separate else scrape, allowed_hosts=hosts,
-            incoming=incoming, auth=auth, health=health, **_settings(config, "rpc_path max_body_bytes max_batch"),
-            **http,
-        )
         # (front-end, host or socket path, port or None for a Unix socket)
-        listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = [(frontend, config.host, config.port)]
+        listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = []
+        if stdio is None:
+            frontend = HttpFrontend(
+                dispatcher, max_connections=max_connections, metrics=None if separate else scrape,
+                allowed_hosts=hosts, incoming=incoming, auth=auth, health=health,
+                **_settings(config, "rpc_path max_body_bytes max_batch"), **http,
+            )
+            listeners.append((frontend, config.host, config.port))
         if separate:
             metrics_frontend = HttpFrontend(
                 dispatcher, max_connections=METRICS_CONNECTIONS, metrics=scrape, serve_rpc=False, transport="metrics",
@@ -616,7 +636,7 @@ async def run(
             ("tcp", config.host, config.stream_port),
             ("unix", config.stream_socket, None),
         ):
-            if (port_ if transport == "tcp" else where):
+            if (port_ if transport == "tcp" else where) and stdio is None:
                 stream = StreamFrontend(
                     dispatcher, transport=transport, max_connections=max_connections, incoming=incoming,
                     auth=auth if transport == "tcp" else None,  # (the Unix socket: its file mode)
@@ -723,13 +743,20 @@ async def run(
             servers.append(server)
             frontends.append(fe)
         dispatcher.outgoing.on_full = lambda: shed_outgoing(dispatcher.outgoing, frontends)
-        host, port = servers[0].sockets[0].getsockname()[:2]
-        _banner(
-            f"rpc-broker: serving JSON-RPC on {_url(host, port, 'https' if tls else 'http')}{config.rpc_path}"
-            f" with {pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app}, event loop"
-            f" {config.event_loop}, pid {os.getpid()})",
-            logs,
-        )
+        host, port = servers[0].sockets[0].getsockname()[:2] if servers else ("", 0)
+        workers = (f"{pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app}, event loop"
+                   f" {config.event_loop}, pid {os.getpid()})")
+        face: StdioFrontend | None = None  # stdio's
+        if stdio is None or relay is None:
+            _banner(f"rpc-broker: serving JSON-RPC on {_url(host, port, 'https' if tls else 'http')}{config.rpc_path}"
+                    f" with {workers}", logs)
+        else:  # (its connection served once the workers are ready: what came before waits in stdin)
+            face = stdio.frontend(dispatcher, pool, config, incoming)
+            face.on_lost = lambda: stdio_ended(relay.why)  # (stdio's end stops the broker as SIGTERM does)
+            await relay.connect(face.protocol)
+            frontends.append(face)
+            _banner(f"rpc-broker: serving {stdio.what} on stdin and stdout with {workers}", logs)
+            log_listeners(config)
         for fe, server in zip(frontends, servers):
             if isinstance(fe, StreamFrontend):
                 name = server.sockets[0].getsockname()
@@ -744,15 +771,16 @@ async def run(
         if config.stream_socket and int(config.stream_socket_mode, 8) & 0o007:
             log.warning("stream_socket_mode %s lets every user of this machine connect to %s and call every tool",
                         config.stream_socket_mode, config.stream_socket)
-        for warning in [*exposure_warnings(config.host, auth is not None, tls is not None, config.auth_metrics,
-                                           bool(config.tls_client_ca_file)),
+        exposed = config.host if stdio is None else config.metrics_host  # (stdio: the metrics listener, if any)
+        for warning in [*(exposure_warnings(exposed, auth is not None, tls is not None, config.auth_metrics,
+                                            bool(config.tls_client_ca_file)) if servers else ()),
                         *secret_file_warnings({"auth_tokens_file": config.auth_tokens_file,
                                                "tls_key_file": config.tls_key_file})]:
             log.warning("%s", warning)
-        if auth is not None:
+        if auth is not None and (stdio is None or config.auth_metrics):
             names = auth.names
-            log.info("bearer tokens asked for on %s%s: %d (%s%s)", config.rpc_path,
-                     " and /metrics" if config.auth_metrics else "", len(names), ", ".join(names[:10]),
+            log.info("bearer tokens asked for on %s: %d (%s%s)", "/metrics" if stdio else config.rpc_path
+                     + (" and /metrics" if config.auth_metrics else ""), len(names), ", ".join(names[:10]),
                      ", ..." if len(names) > 10 else "")
         if config.tls_client_ca_file:  # (what a certificate does here: it differs with and without tokens)
             log.info("client certificates verified against tls_client_ca_file %s on every TLS listener: %s",
@@ -785,8 +813,10 @@ async def run(
                 server.close()
                 fe.drain()
                 queued += _accept_queued(loop, listening, fe, tls if fe.transport != "unix" else None)
+        if face is not None:
+            face.drain()  # (what stdin brought before the stop is served, then the connection half-closes)
         await asyncio.gather(*queued, return_exceptions=True)
-        await _first_requests([fe for i, fe in enumerate(frontends) if i not in last],
+        await _first_requests([fe for i, fe in enumerate(frontends[:len(servers)]) if i not in last],
                               min(FIRST_REQUEST_SECONDS, config.grace_period))
         grace_ends = loop.time() + config.grace_period
         await dispatcher.drain(config.grace_period, hurry)
@@ -802,6 +832,8 @@ async def run(
         else:
             taking = grace_ends - loop.time()
             await asyncio.gather(*(fe.wait_closed(timeout=2.0, taking=taking, hurry=hurry) for fe in frontends))
+        if relay is not None:  # (the last answers on their way to stdout)
+            await relay.finish(0.2 if hurry.is_set() else 2.0)
         phase.append("workers")
         await pool.stop(timeout=1.0 if hurry.is_set() else 10.0, hurry=kill_now)
         _remove_socket(own_socket)
@@ -812,6 +844,8 @@ async def run(
             log.info("stopped")
         return 0
     finally:
+        if relay is not None:
+            relay.close()
         if logs is not None:
             logs.detach()
         log_held()  # (a stop that ended without its line: the start failed meanwhile)
