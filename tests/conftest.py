@@ -357,6 +357,14 @@ def read_until_closed(sock: socket.socket) -> bytes:
     return received
 
 
+def rpc(method: str, params: object = None, id_: object = 1) -> dict[str, object]:
+    """A JSON-RPC 2.0 Request object (params left out when None)."""
+    call: dict[str, object] = {"jsonrpc": "2.0", "method": method, "id": id_}
+    if params is not None:
+        call["params"] = params
+    return call
+
+
 def wait_for(predicate: object, timeout: float = 10.0, interval: float = 0.02) -> None:
     """Poll `predicate()` until true or raise AssertionError after `timeout` s."""
     deadline = time.monotonic() + timeout

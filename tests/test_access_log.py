@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Broker, free_port, sample, scrape_metrics, start_broker
+from conftest import ROOT, Broker, free_port, rpc, sample, scrape_metrics, start_broker
 
 ALICE = "alice-token-0123456789abcdef"
 SLOW = "slow-token-0123456789abcdef-XY"
@@ -47,13 +47,6 @@ def access_lines(log: str) -> list[dict[str, str]]:
             assert " ".join(f"{k}={v}" for k, v in _FIELD.findall(line)) == line, line  # (nothing outside fields)
             lines.append(parsed)
     return lines
-
-
-def rpc(method: str, params: object = None, id_: object = 1) -> dict[str, object]:
-    call: dict[str, object] = {"jsonrpc": "2.0", "method": method, "id": id_}
-    if params is not None:
-        call["params"] = params
-    return call
 
 
 def settled(b: Broker) -> int:
