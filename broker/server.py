@@ -44,6 +44,7 @@ from broker.dispatch import Dispatcher
 from broker.frontend.base import OUT_LINGERING, Incoming, shed_outgoing
 from broker.frontend.handshake import Handshake
 from broker.frontend.http import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
+from broker.frontend.socketfile import check_socket_path, remove_socket, unix_server
 from broker.frontend.stdio import Stdio, StdioFrontend, log_listeners, stdio_config
 from broker.frontend.stream import StreamFrontend
 from broker.logpipe import LogPipe, access_to_logger
@@ -161,67 +162,6 @@ def _ignore_signals(loop: asyncio.AbstractEventLoop) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked - set(_STOP_SIGNALS))
 
 
-def _check_socket_path(path: str) -> None:
-    """Raise OSError if `path` is a symbolic link, exists and is not a socket, or a live
-    process listens on it; a leftover socket file (a broker that died) passes
-    (`_unix_server` replaces it).
-
-    The probe's connect does not block (hostile testing, round 32): a listener whose
-    queue is full (`listen(0)`, never accepting) held a blocking one, and with it the
-    loop's thread: the broker hung at start, logging nothing and deaf to SIGTERM. Now
-    connected, or EAGAIN (a full queue), is in use (EADDRINUSE); ECONNREFUSED (nobody
-    listens) is stale; any other error (EACCES: another user's socket) is raised as it
-    is, the file left alone. A symbolic link (round 32: a dangling one passed, then the
-    bind failed with EADDRINUSE, "another process listens there") is refused at once."""
-    if os.path.islink(path):
-        raise OSError(f"{path} is a symbolic link: not replaced; give the socket's own path")
-    directory = os.path.dirname(path) or "."
-    if path.endswith("/") or not os.path.isdir(directory):  # (round 33: found only at the bind, the app imported)
-        raise OSError(f"{path}: " + ("names a directory, not a socket file" if path.endswith("/") else
-                                     f"its directory {directory} does not exist or is not a directory"))
-    if os.path.exists(path):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise OSError(f"{path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.setblocking(False)
-            code = probe.connect_ex(path)
-        finally:
-            probe.close()
-        if code in (errno.ECONNREFUSED, errno.ENOENT):
-            return  # nobody listens: stale (or gone since)
-        if code in (0, errno.EAGAIN, errno.EWOULDBLOCK, errno.EINPROGRESS):
-            raise OSError(errno.EADDRINUSE, f"{path} is in use by another process")  # (the hint: `cannot_listen`)
-        raise OSError(code, f"{path}: cannot tell whether another process listens on it: {os.strerror(code)}")
-
-
-async def _unix_server(
-    loop: asyncio.AbstractEventLoop, factory: typing.Callable[[], asyncio.BaseProtocol], path: str,
-    mode: int = 0o600, gid: int = -1,
-) -> asyncio.Server:
-    """Listen on a Unix socket at `path`, mode 0600 from the start, then given to group
-    `gid` (-1: left the broker's) and set to `mode` (stream_socket_mode and _group: the
-    group first, so that its group bits never open it to another group). A leftover
-    socket file (a broker that died) is replaced; one a live process listens on is not."""
-    _check_socket_path(path)
-    if os.path.exists(path):
-        os.unlink(path)  # stale
-    old = os.umask(0o177)
-    try:
-        server = await loop.create_unix_server(factory, path, backlog=2048)
-    finally:
-        os.umask(old)
-    try:
-        if gid != -1:
-            os.chown(path, -1, gid)
-        if mode != 0o600:
-            os.chmod(path, mode)
-    except OSError:
-        server.close()
-        raise
-    return server
-
-
 def _accept_queued(
     loop: asyncio.AbstractEventLoop, listening: list[socket.socket], fe: HttpFrontend | StreamFrontend,
     tls: ssl.SSLContext | None = None,
@@ -287,19 +227,6 @@ async def _first_requests(frontends: typing.Sequence[HttpFrontend | StreamFronte
     # ended after the drain was answered "grace period ended"; hostile testing, round 116, H3)
     while loop.time() < ends and any(fe.handshakes or silent(fe) for fe in frontends):
         await asyncio.sleep(0.005)
-
-
-def _remove_socket(made: tuple[str, int, int] | None) -> None:
-    """Remove the socket file this broker made, if it is still that file (another
-    broker may have been started on the path since it was moved away)."""
-    if made is not None:
-        path, dev, ino = made
-        try:
-            now = os.stat(path)
-            if stat.S_ISSOCK(now.st_mode) and (now.st_dev, now.st_ino) == (dev, ino):
-                os.unlink(path)
-        except OSError:
-            pass
 
 
 METRICS_CONNECTIONS = 64  # connections at once on a separate metrics listener (metrics_port)
@@ -658,7 +585,7 @@ async def run(
             for server in bound:
                 if server is not None:
                     server.close()
-            _remove_socket(own_socket)
+            remove_socket(own_socket)
             phase.append("workers")
             await pool.stop(timeout=2.0, hurry=kill_now)
 
@@ -678,7 +605,7 @@ async def run(
         for fe, where, port_ in listeners:
             try:
                 if port_ is None:
-                    _check_socket_path(where)
+                    check_socket_path(where)
                     bound.append(None)
                 else:
                     bound.append(await loop.create_server(
@@ -724,7 +651,7 @@ async def run(
         for (fe, where, port_), server in zip(listeners, bound):
             try:
                 if server is None:
-                    server = await _unix_server(loop, fe.protocol, where, int(config.stream_socket_mode, 8),
+                    server = await unix_server(loop, fe.protocol, where, int(config.stream_socket_mode, 8),
                                                 socket_group(config.stream_socket_group))
                     made = os.stat(where)
                     own_socket = (where, made.st_dev, made.st_ino)
@@ -836,7 +763,7 @@ async def run(
             await relay.finish(0.2 if hurry.is_set() else 2.0)
         phase.append("workers")
         await pool.stop(timeout=1.0 if hurry.is_set() else 10.0, hurry=kill_now)
-        _remove_socket(own_socket)
+        remove_socket(own_socket)
         if dispatcher.cut_off:  # (issue 12, item 13: the stop's log said nothing of them)
             log.warning("%d call%s cut off by the end of the grace period (answered -32004 \"grace period ended\");"
                         " stopped", dispatcher.cut_off, "s" if dispatcher.cut_off != 1 else "")
