@@ -33,7 +33,10 @@ if typing.TYPE_CHECKING:
     from broker.frontend.stdio import Stdio
 
 PROG = "rpc-broker"
-SERVING = ("serve", "stdio")  # the commands that run a broker: `broker.entry`'s early signals are theirs
+# The commands that serve a face on stdin and stdout instead of serve's listeners: the module
+# and name of their `broker.frontend.stdio.Stdio` (made with `_stdio_command`)
+STDIO_FACES = {"stdio": ("broker.frontend.stdio", "JSONRPC")}
+SERVING = ("serve", *STDIO_FACES)  # the commands that run a broker: `broker.entry`'s early signals are theirs
 _PRECEDENCE = (
     "Settings come from, lowest to highest precedence: built-in defaults, the TOML\n"
     "file (keys = setting names), RPC_BROKER_<NAME> environment variables, flags."
@@ -65,31 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE",
                        help="TOML file of settings; environment and flags override it")
     config.add_flags(serve.add_argument_group("settings"))
-    stdio = commands.add_parser(
-        "stdio",
-        allow_abbrev=False,
-        help="serve JSON-RPC on stdin and stdout, one message a line, for a launcher (logs on stderr); "
+    stdio = _stdio_command(
+        commands, "stdio",
+        "serve JSON-RPC on stdin and stdout, one message a line, for a launcher (logs on stderr); "
         "serve's settings; exits 0 once stdin ends and every answer is written",
-        description="Serve JSON-RPC 2.0 to the process that started the broker: requests on stdin, one\n"
+        "Serve JSON-RPC 2.0 to the process that started the broker: requests on stdin, one\n"
         "per line (a call, a notification or a batch; \\r\\n accepted), answers on stdout, one\n"
         "per line, as soon as each is ready: in any order, matched by id. Nothing else is\n"
         "written to stdout: the broker's lines, the access lines and what the workers print go\n"
         "to stderr. The lines' limits are the NDJSON streams' (max_body_bytes: past it a\n"
-        "line is answered -32600 and skipped).\n\n"
-        "Takes serve's settings (file, environment, flags), but opens none of its JSON-RPC\n"
-        "listeners (host and port, stream_port, stream_socket: unused, whatever they say),\n"
-        "so that two launchers can start it at once. The one port it may open is\n"
-        "metrics_port's (/metrics, /healthz, /readyz), when set; metrics are off without it.\n"
-        "The one client may use every worker (connection_share is 1).\n\n"
-        "When stdin ends, every call owed is answered, then the broker exits 0; SIGTERM or\n"
-        "SIGINT drain as serve's do; SIGHUP reloads the workers; a stdout whose reader is\n"
-        "gone (EPIPE) stops the broker, its calls in flight cancelled, exit 0.",
-        epilog=_PRECEDENCE + f"\nExample: {PROG} stdio --workers 2 --app mytools:registry",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "line is answered -32600 and skipped).",
     )
-    stdio.add_argument("--config", metavar="FILE",
-                       help="TOML file of settings (serve's); environment and flags override it")
-    config.add_flags(stdio.add_argument_group("settings (serve's: those of its listeners unused)"))
     check = commands.add_parser(
         "check-config",
         help="validate a TOML config file (plus RPC_BROKER_* environment and serve's flags) and print "
@@ -152,6 +141,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON-RPC load generator that checks every answer; "
         f"'{PROG} bench --help' for its flags",
     )
+    return parser
+
+
+_STDIO_SETTINGS = (
+    "Takes serve's settings (file, environment, flags), but opens none of its JSON-RPC\n"
+    "listeners (host and port, stream_port, stream_socket: unused, whatever they say),\n"
+    "so that two launchers can start it at once. The one port it may open is\n"
+    "metrics_port's (/metrics, /healthz, /readyz), when set; metrics are off without it.\n"
+    "The one client may use every worker (connection_share is 1).\n\n"
+    "When stdin ends, every call owed is answered, then the broker exits 0; SIGTERM or\n"
+    "SIGINT drain as serve's do; SIGHUP reloads the workers; a stdout whose reader is\n"
+    "gone (EPIPE) stops the broker, its calls in flight cancelled, exit 0."
+)
+
+
+def _stdio_command(commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str,
+                   protocol: str) -> argparse.ArgumentParser:
+    """Add the parser of a command of `STDIO_FACES`, `name`: `summary` for the list of
+    commands, `protocol` (what it serves, how) first in its --help, then what every stdio
+    command does with serve's settings and how it ends; serve's flags and --config."""
+    parser = commands.add_parser(
+        name, allow_abbrev=False, help=summary, description=protocol + "\n\n" + _STDIO_SETTINGS,
+        epilog=_PRECEDENCE + f"\nExample: {PROG} {name} --workers 2 --app mytools:registry",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", metavar="FILE",
+                        help="TOML file of settings (serve's); environment and flags override it")
+    config.add_flags(parser.add_argument_group("settings (serve's: those of its listeners unused)"))
     return parser
 
 
@@ -278,14 +295,21 @@ def _stoppable() -> typing.Iterator[None]:
 
 
 def _stdio_face(command: str) -> Stdio | None:
-    """The face `command` serves on stdin and stdout (None: serve's listeners), with the
-    process's stdin and stdout taken for it now (`take_stdio`), before any descriptor the
-    broker keeps is opened, and before a config error or a worker could print."""
-    if command != "stdio":
+    """The face `command` serves on stdin and stdout (`STDIO_FACES`; None: serve's
+    listeners), with the process's stdin and stdout taken for it now (`take_stdio`), before
+    any descriptor the broker keeps is opened, and before a config error or a worker could
+    print."""
+    if command not in STDIO_FACES:
         return None
-    from broker.frontend.stdio import JSONRPC, take_stdio
+    import importlib
 
-    return dataclasses.replace(JSONRPC, ends=take_stdio())
+    from broker.frontend.stdio import Stdio, take_stdio
+
+    module, name = STDIO_FACES[command]
+    face = getattr(importlib.import_module(module), name)
+    if not isinstance(face, Stdio):
+        raise TypeError(f"{module}.{name} is not a Stdio")
+    return dataclasses.replace(face, ends=take_stdio())
 
 
 def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:

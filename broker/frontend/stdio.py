@@ -64,6 +64,7 @@ import typing
 
 import msgspec
 
+from broker.frontend.base import Limits
 from broker.frontend.stream import StreamFrontend
 
 if typing.TYPE_CHECKING:
@@ -101,14 +102,15 @@ class StdioFrontend(StreamFrontend):
     process that started the broker, as a Unix socket's is its file mode's), and at the
     stop no wait for a first line on its way (`waits_for_first_line`: it was there from the
     start). `limits`: as `StreamFrontend`'s (max_body_bytes, max_batch, keepalive_timeout,
-    send_timeout, incoming). `on_lost`: called once its connection is lost, however (closed
+    send_timeout, incoming; max_connections is 1). `on_lost`: called once its connection is lost, however (closed
     after stdin's end, aborted when stdout failed, reset at send_timeout): `server.run` then
     stops the broker. A stdio face of another protocol subclasses it (its `protocol`)."""
 
     waits_for_first_line = False
 
-    def __init__(self, dispatcher: Dispatcher, *, transport: str = "stdio", **limits: typing.Any) -> None:
-        super().__init__(dispatcher, transport=transport, max_connections=1, **limits)
+    def __init__(self, dispatcher: Dispatcher, *, transport: str = "stdio", **limits: typing.Unpack[Limits]) -> None:
+        limits["max_connections"] = 1
+        super().__init__(dispatcher, transport=transport, **limits)
         self.on_lost: typing.Callable[[], None] = _nothing
 
     def lost(self, conn: typing.Any) -> None:
