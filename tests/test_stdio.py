@@ -26,6 +26,7 @@ from conftest import ROOT
 from conftest import rpc as call
 
 METRICS_PORT = 38640  # (this suite's ports: 38640-38659)
+LOOPS = pytest.mark.parametrize("loop", ["uvloop", "asyncio"])  # the broker's event_loop: the relay's ends on both
 STOP_SECONDS = 30.0  # a bound on what should take well under a second, not a measure
 
 
@@ -156,7 +157,7 @@ def ends_cleanly(b: StdioBroker) -> None:
     assert "Traceback" not in b.stderr and " ERROR event loop: " not in b.stderr, b.stderr[-3000:]
 
 
-@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+@LOOPS
 def test_calls_notifications_and_a_batch_each_get_their_line(
         stdio_broker: typing.Callable[..., StdioBroker], loop: str) -> None:
     b = stdio_broker("--workers", "2", "--event-loop", loop)
@@ -240,9 +241,10 @@ def test_a_line_of_2_mib_is_served_within_max_body_bytes_and_refused_past_it(
     ends_cleanly(b)
 
 
+@LOOPS
 def test_at_the_end_of_stdin_every_call_in_flight_is_answered_then_exit_0(
-        stdio_broker: typing.Callable[..., StdioBroker]) -> None:
-    b = stdio_broker("--workers", "2")
+        stdio_broker: typing.Callable[..., StdioBroker], loop: str) -> None:
+    b = stdio_broker("--workers", "2", "--event-loop", loop)
     seconds = [0.2, 0.4, 0.6, 0.8, 1.0]
     b.send(*(call("sleep", [s], i) for i, s in enumerate(seconds)), call("fib", [25], "fib"),
            [call("add", [1, 2], "b1"), call("sleep", [0.5], "b2")])
@@ -297,9 +299,10 @@ def test_a_worker_that_dies_mid_call_is_answered_32002_and_the_other_calls_go_on
     ends_cleanly(b)
 
 
+@LOOPS
 def test_stdout_closed_by_its_reader_stops_the_broker_without_a_traceback(
-        stdio_broker: typing.Callable[..., StdioBroker]) -> None:
-    b = stdio_broker("--workers", "1")
+        stdio_broker: typing.Callable[..., StdioBroker], loop: str) -> None:
+    b = stdio_broker("--workers", "1", "--event-loop", loop)
     b.send(call("add", [1, 1], 1))
     assert b.line() == b'{"jsonrpc":"2.0","id":1,"result":2}'
     b.send(call("sleep", [0.3], 2), call("sleep", [30], 3))
@@ -310,9 +313,10 @@ def test_stdout_closed_by_its_reader_stops_the_broker_without_a_traceback(
     assert "Traceback" not in b.stderr and " ERROR " not in b.stderr, b.stderr[-3000:]
 
 
+@LOOPS
 def test_sigterm_answers_what_is_in_flight_then_exits_0_with_stdin_still_open(
-        stdio_broker: typing.Callable[..., StdioBroker]) -> None:
-    b = stdio_broker("--workers", "1")
+        stdio_broker: typing.Callable[..., StdioBroker], loop: str) -> None:
+    b = stdio_broker("--workers", "1", "--event-loop", loop)
     b.send(call("sleep", [1.0], "flight"), call("add", [1, 1], "read"))
     assert b.line() == b'{"jsonrpc":"2.0","id":"read","result":2}'  # (so the sleep's line was read before it)
     b.proc.send_signal(signal.SIGTERM)
