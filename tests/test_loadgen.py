@@ -624,15 +624,16 @@ def test_report_schema_is_exact():
                           "processes", "duration_s", "warmup_s", "timeout_s", "ids", "seed", "workload",
                           "requests", "calls", "calls_counted", "requests_per_s", "calls_per_s",
                           "errors_by_code", "transport_errors", "refused_batches", "unsent_requests", "check",
-                          "latency_ms", "percentiles", "interrupted", "processes_lost"]
+                          "latency_ms", "percentiles", "interrupted", "processes_lost", "mcp"]
     assert data["schema"] == SCHEMA and data["rate"] is None and data["requests_per_s"] == 5.0
+    assert data["mcp"] is None  # (a JSON-RPC run; `rpc-broker bench --mcp`'s: tests/test_bench_mcp.py)
     assert data["errors_by_code"] == {"-32601": 2}
     assert (data["refused_batches"], data["unsent_requests"]) == (3, 7)
     # a file written before these two keys existed still loads (bench plot reads old runs)
     assert data["interrupted"] is False
-    older = {k: v for k, v in data.items() if k not in ("refused_batches", "unsent_requests", "interrupted")}
+    older = {k: v for k, v in data.items() if k not in ("refused_batches", "unsent_requests", "interrupted", "mcp")}
     rep = Report.from_json(json.dumps(older).encode())
-    assert (rep.refused_batches, rep.unsent_requests, rep.requests, rep.interrupted) == (0, 0, 10, False)
+    assert (rep.refused_batches, rep.unsent_requests, rep.requests, rep.interrupted, rep.mcp) == (0, 0, 10, False, None)
     assert list(data["check"]) == ["wrong_id", "missing", "duplicate", "malformed", "ok"]
     assert list(data["latency_ms"]) == ["p50", "p90", "p99", "p99.9", "max", "mean"]
     assert all(len(pt) == 2 for pt in data["percentiles"])

@@ -50,7 +50,10 @@ from msgspec import Raw
 
 from broker.loadgen.workload import Expect
 
-__all__ = ["Answer", "Checker", "Tally", "refuses_token"]
+__all__ = ["MAX_TOOL_ERROR_REASONS", "OTHER_REASONS", "Answer", "Checker", "Tally", "refuses_token"]
+
+MAX_TOOL_ERROR_REASONS = 16  # distinct reasons kept in `Tally.tool_errors` (a bounded label set)
+OTHER_REASONS = "(other reasons)"
 
 
 class Answer(msgspec.Struct, gc=False):
@@ -88,10 +91,21 @@ class Tally:
         also counted as the error answer it is.
     first_problem: words for the first failure or transport error ("" if none), so a
         run against the wrong target says why ("connection refused", "HTTP 501 ...").
+
+    MCP (``--mcp``, `broker.loadgen.mcp`):
+    tool_errors: CallToolResults with ``isError: true`` by reason (while recording; at
+        most `MAX_TOOL_ERROR_REASONS` reasons, the rest under `OTHER_REASONS`). Answered
+        calls, counted in ``calls`` too, as JSON-RPC error answers are.
+    initialized: 2025-11-25 handshakes completed (``initialize``, then
+        ``notifications/initialized`` accepted), one per connection made; sessions:
+        those whose ``initialize`` answer gave an ``Mcp-Session-Id``. Always counted.
+    protocol_version: the version the calls were sent with ("" before any): 2026-07-28,
+        or what the first ``initialize`` negotiated.
     """
 
-    __slots__ = ("calls", "duplicate", "errors_by_code", "first_problem", "malformed", "missing",
-                 "recording", "refused_batches", "requests", "transport_errors", "unauthorized", "wrong_id")
+    __slots__ = ("calls", "duplicate", "errors_by_code", "first_problem", "initialized", "malformed", "missing",
+                 "protocol_version", "recording", "refused_batches", "requests", "sessions", "tool_errors",
+                 "transport_errors", "unauthorized", "wrong_id")
 
     def __init__(self) -> None:
         self.recording = True
@@ -106,6 +120,10 @@ class Tally:
         self.transport_errors = 0
         self.unauthorized = 0
         self.first_problem = ""
+        self.tool_errors: dict[str, int] = {}
+        self.initialized = 0
+        self.sessions = 0
+        self.protocol_version = ""
 
     def problem(self, words: str) -> None:
         """Remember `words` if they describe the run's first problem."""
@@ -122,6 +140,15 @@ class Tally:
         """Total JSON-RPC error answers."""
         return sum(self.errors_by_code.values())
 
+    def tool_error(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` CallToolResults with ``isError: true`` for ``reason``, keeping the
+        labels bounded: past `MAX_TOOL_ERROR_REASONS` reasons a new one counts under
+        `OTHER_REASONS`."""
+        errors = self.tool_errors
+        if reason not in errors and len(errors) >= MAX_TOOL_ERROR_REASONS:
+            reason = OTHER_REASONS
+        errors[reason] = errors.get(reason, 0) + n
+
     def add(self, other: Tally) -> None:
         """Add `other`'s counters into this one."""
         self.requests += other.requests
@@ -135,6 +162,11 @@ class Tally:
         self.malformed += other.malformed
         self.transport_errors += other.transport_errors
         self.unauthorized += other.unauthorized
+        for reason, n in other.tool_errors.items():
+            self.tool_error(reason, n)
+        self.initialized += other.initialized
+        self.sessions += other.sessions
+        self.protocol_version = self.protocol_version or other.protocol_version
         self.problem(other.first_problem)
 
 

@@ -6,7 +6,8 @@
 URL is ``http://host:port/path`` (HTTP/1.1 keep-alive, answers in request order) or a
 newline-delimited JSON stream, ``tcp://host:port`` or ``unix:///path/to.sock`` (one
 request body per line; answer lines may come in any order and are matched to their
-request by id).
+request by id). With ``--mcp``, URL is an MCP server's Streamable HTTP endpoint, driven
+with ``tools/call`` of ``--tool`` and ``--arguments`` (`broker.loadgen.mcp`).
 
 Exit codes: 0 every answer was right (error answers too, a run mostly rate limited:
 `report.mostly_refused`); 1 check failures or transport errors (or nothing of the measured
@@ -28,6 +29,7 @@ import urllib.parse
 from pathlib import Path
 
 from broker.auth import B64TOKEN
+from broker.loadgen.target import MCP_ERAS, McpEra
 from broker.loadgen.workload import ID_MODES, Call, MixError, load_mix
 
 __all__ = ["build_parser", "build_plot_parser", "main"]
@@ -130,13 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
         "  http://host:port/path   HTTP/1.1 keep-alive POSTs\n"
         "  tcp://host:port         newline-delimited JSON (NDJSON): one request body per line,\n"
         "  unix:///path/to.sock    one answer line per body, in any order: each line is matched\n"
-        "                          to its request by id (a batch by its set of ids)\n\n"
+        "                          to its request by id (a batch by its set of ids)\n"
+        "  --mcp http://host:port/mcp  an MCP server's Streamable HTTP endpoint: tools/call\n"
+        "                          of --tool with --arguments, 2026-07-28 or (--mcp-era\n"
+        "                          legacy) 2025-11-25 after initialize; JSON or SSE answers\n\n"
         "Run '%(prog)s plot --help' to plot saved runs.",
         epilog="A run lasts up to --warmup + --duration + --timeout (plus connecting): after the\n"
         "measured window it waits up to --timeout for the answers still owed.\n\n"
         "Exit codes:\n"
-        "  0        every answer was checked and right (JSON-RPC errors are answers too:\n"
-        "           a run mostly rate limited or overloaded says so in its table)\n"
+        "  0        every answer was checked and right (JSON-RPC errors are answers too,\n"
+        "           and so are MCP tool results with isError true: a run mostly rate\n"
+        "           limited or overloaded says so in its table)\n"
         "  1        a check failed (wrong id, missing, duplicate, malformed answer), a\n"
         "           transport error, nothing of the window was answered, every call was\n"
         "           refused as unauthorized (no --token-file, or a token the server does\n"
@@ -173,12 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
                       "alone). After --duration the run waits up to --timeout for the answers "
                       "still owed, so a run lasts up to --warmup + --duration + --timeout")
     work = p.add_argument_group("workload")
-    work.add_argument("-m", "--method", default="add", help="method to call (default add)")
-    work.add_argument("--params", default="[1,2]", metavar="JSON",
+    work.add_argument("-m", "--method", default=None, help="method to call (default add)")
+    work.add_argument("--params", default=None, metavar="JSON",
                       help="params as JSON text, array or object (default [1,2])")
     work.add_argument("--mix", metavar="FILE",
                       help="TOML ([[call]] tables) or JSON list of {method, params, weight, "
-                      "notification}; replaces --method/--params")
+                      "notification}; replaces --method/--params (with --mcp: method names a tool, "
+                      "params are its arguments, an object, and --tool/--arguments are replaced)")
     work.add_argument("-b", "--batch", type=_batch, default=1, metavar="N",
                       help="calls per request body (N >= 2 sends a JSON array; default 1; at most 100,000)")
     work.add_argument("--ids", choices=ID_MODES, default="int",
@@ -186,6 +193,20 @@ def build_parser() -> argparse.ArgumentParser:
                       "(one id per batch; answers matched as a multiset). Every id names one request "
                       "body of its connection, so all styles work on tcp:// and unix:// too")
     work.add_argument("--seed", type=_seed, default=0, help="seed of the mix draw (default 0)")
+    mcp = p.add_argument_group("MCP (Model Context Protocol)")
+    mcp.add_argument("--mcp", action="store_true",
+                     help="URL is an MCP server's Streamable HTTP endpoint (http://, e.g. "
+                     "http://127.0.0.1:8080/mcp): each request is one tools/call of --tool with "
+                     "--arguments; a result must be a CallToolResult, one with isError true counts as a "
+                     "tool error by its reason; JSON and SSE answers are read. No --batch (MCP has none)")
+    mcp.add_argument("--mcp-era", choices=MCP_ERAS, default=None,
+                     help="modern (default): 2026-07-28, stateless, the version and client in each "
+                     "request's _meta and MCP-Protocol-Version, Mcp-Method, Mcp-Name headers; legacy: "
+                     "2025-11-25, each connection first sends initialize and notifications/initialized, "
+                     "then its calls with the negotiated version and the Mcp-Session-Id given, if any")
+    mcp.add_argument("--tool", default=None, metavar="NAME", help="tool to call (default add)")
+    mcp.add_argument("--arguments", default=None, metavar="JSON",
+                     help='its arguments, a JSON object (default {"a":1,"b":2})')
     auth = p.add_argument_group("authentication")
     auth.add_argument("--token-file", metavar="PATH",
                       help="send the bearer token held in PATH (the token alone, on one line): as "
@@ -332,6 +353,27 @@ def _open_files_fit(connections: int, processes: int) -> str:
             "connections, more --processes, or a higher hard limit (ulimit -Hn)")
 
 
+def _mcp_era(ns: argparse.Namespace) -> McpEra | None:
+    """The MCP era of the run (None: JSON-RPC), its flags checked against the others;
+    raises ValueError (bad usage) naming the flag that does not fit."""
+    if not ns.mcp:
+        for flag, value in (("--tool", ns.tool), ("--arguments", ns.arguments), ("--mcp-era", ns.mcp_era)):
+            if value is not None:
+                raise ValueError(f"{flag} is for --mcp (an MCP server's tools); a JSON-RPC call is "
+                                 "--method and --params")
+        return None
+    for flag, value in (("--method", ns.method), ("--params", ns.params)):
+        if value is not None:
+            raise ValueError(f"{flag} is for JSON-RPC: with --mcp, name the tool with --tool and give its "
+                             "arguments with --arguments (a JSON object)")
+    if ns.batch > 1:
+        raise ValueError("--batch: MCP has no batches (neither 2025-11-25 nor 2026-07-28 allows them): "
+                         "one tools/call per request")
+    if ns.ids not in ("int", "string"):
+        raise ValueError(f"--ids {ns.ids}: MCP request ids are strings or integers: use --ids int or string")
+    return typing.cast(McpEra, ns.mcp_era or "modern")
+
+
 def _bench(ns: argparse.Namespace) -> int:
     import signal
 
@@ -340,13 +382,24 @@ def _bench(ns: argparse.Namespace) -> int:
     from rich.live import Live
 
     from broker.loadgen import report as rep
+    from broker.loadgen.mcp import tool_calls
     from broker.loadgen.runner import ProcessDied, Progress, RunError, RunInterrupted, Spec, Target, run
     from broker.loadgen.workload import Workload
 
     try:
-        calls = load_mix(ns.mix) if ns.mix else [Call(ns.method, ns.params)]
-        Workload(calls, ns.batch, ns.ids)  # validate params before starting anything
+        era = _mcp_era(ns)
+        if era is None:
+            calls = load_mix(ns.mix) if ns.mix else [Call("add" if ns.method is None else ns.method,
+                                                          "[1,2]" if ns.params is None else ns.params)]
+            Workload(calls, ns.batch, ns.ids)  # validate params before starting anything
+        else:
+            calls = load_mix(ns.mix) if ns.mix else [Call("add" if ns.tool is None else ns.tool,
+                                                          '{"a":1,"b":2}' if ns.arguments is None else ns.arguments)]
+            Workload(tool_calls(calls, era), ns.batch, ns.ids)
         target = Target.parse(ns.target)
+        if era is not None and target.scheme != "http":
+            raise ValueError(f"--mcp drives an MCP server's Streamable HTTP endpoint: give its http:// URL "
+                             f"(e.g. http://127.0.0.1:8080/mcp), not {ns.target!r}")
         if ns.token_file is not None and target.scheme == "unix":
             raise ValueError("--token-file: a unix:// socket asks for no token (its file mode says who may "
                              "connect): leave --token-file out, or use the broker's tcp:// stream_port")
@@ -380,7 +433,7 @@ def _bench(ns: argparse.Namespace) -> int:
     spec = Spec(target=ns.target, calls=calls, connections=ns.connections, depth=ns.depth,
                 pipeline=ns.pipeline or 1, rate=ns.rate, batch=ns.batch, ids=ns.ids,
                 processes=ns.processes, duration=ns.duration, warmup=ns.warmup, timeout=ns.timeout,
-                seed=ns.seed, token=token)
+                seed=ns.seed, token=token, mcp=era)
     console = Console()
     live_on = console.is_terminal and not ns.quiet
     started = time.monotonic()

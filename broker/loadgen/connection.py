@@ -51,7 +51,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from broker.loadgen import schedule
+from broker.loadgen import mcp, schedule
 from broker.loadgen.check import Checker, Tally
 from broker.loadgen.target import Spec, Target
 from broker.loadgen.workload import Expect, Workload
@@ -67,14 +67,22 @@ class _Shared:
     """State of one load process that its connections share."""
 
     __slots__ = ("backoffs", "checker", "connecting", "conns", "depth", "hurry", "interrupted", "lat", "loop",
-                 "open", "pipeline", "reconnects", "resent", "sending", "started", "stopped", "t0", "t_end", "t_measure",
-                 "target", "timeout", "token", "wake", "workload")
+                 "mcp", "open", "pipeline", "reconnects", "resent", "sending", "started", "stopped", "t0", "t_end",
+                 "t_measure", "target", "timeout", "token", "tools", "wake", "workload")
 
     def __init__(self, spec: Spec, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.target = Target.parse(spec.target)
-        self.workload = Workload(spec.calls, spec.batch, spec.ids, spec.seed)
-        self.checker = Checker(Tally())
+        self.mcp = spec.mcp  # the MCP era driven, or None (JSON-RPC)
+        self.tools = tuple(dict.fromkeys(c.method for c in spec.calls)) if spec.mcp else ()  # MCP: tool names
+        if spec.mcp:
+            self.workload = Workload(mcp.tool_calls(spec.calls, spec.mcp), spec.batch, spec.ids, spec.seed)
+            self.checker: Checker = mcp.ToolChecker(Tally(), modern=spec.mcp == "modern")
+            if spec.mcp == "modern":
+                self.checker.tally.protocol_version = mcp.MODERN_VERSION
+        else:
+            self.workload = Workload(spec.calls, spec.batch, spec.ids, spec.seed)
+            self.checker = Checker(Tally())
         self.lat: list[int] = []
         self.open = spec.rate is not None
         self.pipeline = max(1, spec.pipeline)

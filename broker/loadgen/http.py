@@ -22,7 +22,7 @@ class HttpLoadConnection(LoadConnection):
     """HTTP/1.1 keep-alive framing: POST requests, httptools response parser; answers
     come in request order, so the in-flight table is a FIFO."""
 
-    __slots__ = ("_body", "_head", "_keep_alive", "_mid", "_parser", "_queue", "_t_answer")
+    __slots__ = ("_body", "_check", "_head", "_keep_alive", "_mid", "_parser", "_queue", "_t_answer")
 
     def __init__(self, shared: _Shared, phase: float = 0.0, interval: float = 0.0) -> None:
         super().__init__(shared, phase, interval)
@@ -41,6 +41,7 @@ class HttpLoadConnection(LoadConnection):
         self._keep_alive = True
         self._mid = False  # part of a response has come (on_message_begin), not all of it
         self._t_answer = 0.0  # arrival of the last complete answer
+        self._check = shared.checker.check  # checks (status, body, expect); MCP's checks tool results
 
     def _frame(self, body: bytes) -> bytes:
         return b"%s%d\r\n\r\n%s" % (self._head, len(body), body)
@@ -148,7 +149,7 @@ class HttpLoadConnection(LoadConnection):
             s.checker.tally.problem(f"an HTTP response to no request: HTTP {status}, body {body[:120]!r}")
             return
         recording = self._recording(t_start)
-        s.checker.check(status, body, expect)
+        self._check(status, body, expect)
         if recording:
             self._record_latency(t_start)
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from broker.loadgen import schedule
 from broker.loadgen.connection import LoadConnection, _Shared, connect
 from broker.loadgen.http import HttpLoadConnection
+from broker.loadgen.mcp_http import McpLoadConnection
 from broker.loadgen.stats import Latency
 from broker.loadgen.stream import StreamLoadConnection
 from broker.loadgen.target import ProcessResult, Progress, Spec
@@ -90,7 +91,8 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
                        on_progress: Callable[[Progress], None] | None,
                        want_p99: bool) -> ProcessResult:
     conns: list[LoadConnection] = []
-    kind: type[LoadConnection] = StreamLoadConnection if s.target.stream else HttpLoadConnection
+    kind: type[LoadConnection] = (StreamLoadConnection if s.target.stream else
+                                  McpLoadConnection if spec.mcp else HttpLoadConnection)
     for g in range(first, first + count):
         phase = interval = 0.0
         if spec.rate is not None:
@@ -118,7 +120,8 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
     def tick() -> None:
         hist.record_many(s.lat)
         if on_progress is not None:
-            on_progress(Progress(tally.calls, tally.errors, tally.failures, tally.transport_errors,
+            on_progress(Progress(tally.calls, tally.errors + sum(tally.tool_errors.values()), tally.failures,
+                                 tally.transport_errors,
                                  hist.percentile_ms(99) if want_p99 else 0.0))
 
     next_tick = _now() + TICK_S
@@ -180,4 +183,6 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
                          window_s=max(0.0, s.t_end - s.t_measure),
                          abandoned=lost if interrupted else 0,
                          reconnects=s.reconnects, backoffs=s.backoffs, resent=s.resent,
-                         unauthorized=tally.unauthorized)
+                         unauthorized=tally.unauthorized, tool_errors=dict(tally.tool_errors),
+                         initialized=tally.initialized, sessions=tally.sessions,
+                         protocol_version=tally.protocol_version)

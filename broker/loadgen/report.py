@@ -10,10 +10,10 @@ from rich.table import Table
 from rich.text import Text
 
 from broker.loadgen.check import Tally
-from broker.loadgen.stats import SCHEMA, Check, Latency, LatencyMs, Report, RunWorkload, WorkloadCall
+from broker.loadgen.stats import SCHEMA, Check, Latency, LatencyMs, McpRun, Report, RunWorkload, WorkloadCall
 from broker.loadgen.target import ProcessResult, Progress, Spec, Target
 
-__all__ = ["build_report", "merge", "print_table", "progress_text"]
+__all__ = ["build_report", "mcp_text", "merge", "print_table", "progress_text", "tool_errors_text"]
 
 
 def merge(results: typing.Sequence[ProcessResult]) -> tuple[Tally, Latency, int, float]:
@@ -77,6 +77,9 @@ def build_report(spec: Spec, tally: Tally, hist: Latency, drain: float = 0.0, un
         check=Check(tally.wrong_id, tally.missing, tally.duplicate, tally.malformed, failures == 0),
         latency_ms=LatencyMs.of(hist),
         percentiles=hist.curve(),
+        mcp=None if spec.mcp is None else McpRun(
+            era=spec.mcp, protocol_version=tally.protocol_version, initialized=tally.initialized,
+            sessions=tally.sessions, tool_errors=dict(sorted(tally.tool_errors.items(), key=lambda kv: -kv[1]))),
     )
 
 
@@ -168,6 +171,29 @@ def workload_line(workload: RunWorkload) -> str:
     return f"{call.method}({params})" + (" as notifications" if call.notification else "")
 
 
+def mcp_text(run: McpRun) -> Text:
+    """The table's MCP row: the era, the version the calls carried, the handshakes."""
+    if run.era == "modern":
+        return Text(f"{run.protocol_version}, stateless: each tools/call carries _meta\n"
+                    "and MCP-Protocol-Version, Mcp-Method, Mcp-Name headers")
+    if not run.initialized:
+        return Text("2025-11-25: no initialize handshake completed\n(see the first problem)", style="bold red")
+    return Text(f"{run.protocol_version} after initialize: {_n(run.initialized, 'handshake')}\n"
+                f"(one per connection made), {run.sessions:,} with an Mcp-Session-Id")
+
+
+def tool_errors_text(run: McpRun, calls: int) -> Text:
+    """The table's "tool errors" row: CallToolResults with isError true, by reason."""
+    total = sum(run.tool_errors.values())
+    if not total:
+        return Text("none")
+    lines = "\n".join(f"{n:,}: {reason}" for reason, n in run.tool_errors.items())
+    if total >= calls:
+        lines += ("\nevery call was answered isError: check --tool and --arguments\n"
+                  "(tool errors are answers: the exit status stays 0)")
+    return Text(lines, style="yellow")
+
+
 def print_table(report: Report, console: Console, first_problem: str = "", unauthorized: int = 0) -> None:
     """Print the final summary of a run (with the first problem's words, if any;
     `unauthorized`: answers that refused the run's token, `Tally.unauthorized`).
@@ -189,6 +215,8 @@ def print_table(report: Report, console: Console, first_problem: str = "", unaut
               f"{report.duration_s:g} s measured after {report.warmup_s:g} s warm-up")
     if report.workload is not None:  # (a new user, round 76: the table did not say what ran)
         t.add_row("workload", Text(workload_line(report.workload)))  # (Text: no markup in it)
+    if report.mcp is not None:
+        t.add_row("MCP", mcp_text(report.mcp))
     if report.processes_lost:
         t.add_row("processes lost", Text(
             f"{report.processes_lost:,} of {report.processes:,} load processes died: the figures\n"
@@ -219,10 +247,14 @@ def print_table(report: Report, console: Console, first_problem: str = "", unaut
                                           style="yellow"))
     elif report.calls and sum(report.errors_by_code.values()) >= report.calls:
         # (a new user's check, round 26: a mistyped --params measured 8,185 errors/s, all green)
-        t.add_row("JSON-RPC errors", Text(f"{errors}\nevery call was answered with an error: check --method and "
-                                          "--params\n(errors are answers: the exit status stays 0)", style="yellow"))
+        words = ("every tools/call was answered with an error: check\n--tool and --arguments"
+                 if report.mcp is not None else "every call was answered with an error: check --method and --params")
+        t.add_row("JSON-RPC errors", Text(f"{errors}\n{words}\n(errors are answers: the exit status stays 0)",
+                                          style="yellow"))
     else:
         t.add_row("JSON-RPC errors", errors)
+    if report.mcp is not None:
+        t.add_row("tool errors", tool_errors_text(report.mcp, report.calls))
     if report.refused_batches:
         t.add_row("refused batches", Text(
             f"{report.refused_batches:,} (each answered by one error for the whole\n"

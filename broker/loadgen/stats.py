@@ -49,7 +49,16 @@ fields are fixed by the schema below (names, types, units):
 
     interrupted   true when a signal (or a dead load process) stopped the run early:
                   duration_s is then the window really measured
+    processes_lost: load processes that died (their counts are missing)
+    mcp           null for a JSON-RPC run; for ``--mcp`` (workload's method: the tool,
+                  params: its arguments): {"era": "modern" | "legacy",
+                  "protocol_version": the version the calls carried ("" if none was
+                  settled), "initialized": 2025-11-25 handshakes completed, "sessions":
+                  those given an Mcp-Session-Id, "tool_errors": {"<reason>": count},
+                  CallToolResults with isError true, measured window only (also counted
+                  in calls: they are answers)}
 
+mcp was added the same way (read as null).
 refused_batches, unsent_requests and interrupted were added to version 1 without a new schema
 name: they default to 0 (false) when read, so files written before them still load.
 So were calls_counted (read as "sent"), pipeline, timeout_s, ids, seed and workload
@@ -65,7 +74,8 @@ import typing
 import msgspec
 from hdrh.histogram import HdrHistogram  # type: ignore[import-untyped]
 
-__all__ = ["HIGHEST_US", "SCHEMA", "Check", "Latency", "LatencyMs", "Report", "RunWorkload", "WorkloadCall"]
+__all__ = ["HIGHEST_US", "SCHEMA", "Check", "Latency", "LatencyMs", "McpRun", "Report", "RunWorkload",
+           "WorkloadCall"]
 
 SCHEMA: typing.Final = "rpc-broker-bench/1"
 LOWEST_US = 1
@@ -205,6 +215,16 @@ class RunWorkload(msgspec.Struct, forbid_unknown_fields=True):
     calls: list[WorkloadCall]
 
 
+class McpRun(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The MCP side of a ``--mcp`` run (`Report.mcp`; see the module doc)."""
+
+    era: typing.Literal["modern", "legacy"]
+    protocol_version: str
+    initialized: int
+    sessions: int
+    tool_errors: dict[str, int]
+
+
 class Report(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One run, as written by ``--json`` (schema ``rpc-broker-bench/1``; see module doc)."""
 
@@ -237,6 +257,7 @@ class Report(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     percentiles: list[tuple[Percentile, Ms]]
     interrupted: bool = False  # stopped early by a signal; absent from files written before it
     processes_lost: int = 0  # load processes that died: their counts are missing; absent before it
+    mcp: McpRun | None = None  # --mcp runs only; absent from files written before it
 
     def to_json(self) -> bytes:
         """The report as indented JSON text (UTF-8, trailing newline)."""

@@ -14,7 +14,7 @@ import msgspec
 from broker.loadgen.check import Tally
 from broker.loadgen.workload import Call, IdMode
 
-__all__ = ["TARGET_FORMS", "UNIX_PATH_MAX", "ProcessDied", "ProcessResult", "Progress", "RunError",
+__all__ = ["MCP_ERAS", "TARGET_FORMS", "UNIX_PATH_MAX", "McpEra", "ProcessDied", "ProcessResult", "Progress", "RunError",
            "RunInterrupted", "Spec", "Target"]
 
 
@@ -86,12 +86,19 @@ class Target(typing.NamedTuple):
         return cls("http", parts.hostname, 80 if port is None else port, path, url)
 
 
+McpEra = typing.Literal["modern", "legacy"]
+MCP_ERAS: tuple[McpEra, ...] = typing.get_args(McpEra)
+
+
 class Spec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a load process needs (sent to spawned processes as msgpack).
 
     Units: seconds for durations, requests/s for ``rate`` (None = closed loop).
     token: the bearer token to send ("" for none): HTTP's ``Authorization: Bearer``
     on every request, a ``tcp://`` stream's first line (``rpc.authenticate``).
+    mcp: None for JSON-RPC; else the target is an MCP Streamable HTTP endpoint driven with
+    ``tools/call`` in this era (`broker.loadgen.mcp`), and each of ``calls`` names a tool
+    (``method``) and its arguments (``params``, an object).
     """
 
     target: str
@@ -108,6 +115,7 @@ class Spec(msgspec.Struct, frozen=True, kw_only=True):
     timeout: float = 30.0
     seed: int = 0
     token: str = ""
+    mcp: McpEra | None = None
 
 
 class Progress(msgspec.Struct, frozen=True, tag="progress"):
@@ -150,6 +158,11 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
     backoffs: int = 0  # of those, the ones that waited first (after a failure)
     resent: int = 0  # HTTP: requests sent again after an unannounced close between answers
     unauthorized: int = 0  # answers refusing the token (`Tally.unauthorized`)
+    # MCP (`Tally`'s fields of the same names)
+    tool_errors: dict[str, int] = msgspec.field(default_factory=dict)
+    initialized: int = 0
+    sessions: int = 0
+    protocol_version: str = ""
 
     def tally(self) -> Tally:
         """The counters as a `Tally`."""
@@ -161,6 +174,8 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
             self.wrong_id, self.missing, self.duplicate, self.malformed)
         t.transport_errors = self.transport_errors
         t.unauthorized = self.unauthorized
+        t.tool_errors = dict(self.tool_errors)
+        t.initialized, t.sessions, t.protocol_version = self.initialized, self.sessions, self.protocol_version
         t.first_problem = self.first_problem
         return t
 
