@@ -1,4 +1,4 @@
-"""``rpc-broker bench``: a JSON-RPC 2.0 load generator that checks every answer.
+"""``rpc-broker bench``: a JSON-RPC 2.0 load generator that checks every answer (MCP too).
 
 Modules, from the bytes up:
 
@@ -10,6 +10,9 @@ Modules, from the bytes up:
     connection  the transport-neutral connection (asyncio protocol): sending, depth, reconnects
     http        the HTTP/1.1 connection (httptools, answers in order)
     stream      the NDJSON connection over tcp:// and unix:// (answers matched by id)
+    mcp         MCP over Streamable HTTP (--mcp): tools/call bodies and heads of both eras,
+                the 2025-11-25 handshake, SSE answers, the CallToolResult checker (sans-IO)
+    mcp_http    the MCP connection: the HTTP one with MCP's heads, SSE and handshake
     process     one load process: its connections, the window, the drain
     runner      several processes, and the entry point `run`
     report      merging results, the final table, the progress line
