@@ -12,13 +12,17 @@ echoed, an unknown method); a server that fails it is reported and not measured.
 
 Servers: rpc-broker with 2 and 1 workers, `reference_server.py` (one uvloop + httptools +
 msgspec process answering inline), aiohttp + jsonrpcserver (1 process, and 2 under gunicorn),
-fastapi-jsonrpc under uvicorn (1 and 2 workers). Peers that are not installed (the `bench`
-extra) are skipped and said so.
+fastapi-jsonrpc under uvicorn (1 and 2 workers), and for the MCP scenarios the official MCP SDK's
+own server (`peers/mcp_sdk_server.py`, 1 and 2 processes). Peers that are not installed (the
+`bench` extra) are skipped and said so.
 
 Scenarios: S1 single `add` calls at 16 and 64 connections; S2 batches of 100 `add`; S3 `fib(n)`
 with n sized to about 2 ms per call here; S4 `sleep(0.01)` with 1,000 calls in flight; S5 an
 open loop at half the reference server's S1 capacity, measured earlier in the same run; S5b
-(not a target) the reference and the brokers at half broker-2w's own S1 capacity.
+(not a target) the reference and the brokers at half broker-2w's own S1 capacity. M1 and M3
+(MCP, not targets): `tools/call` of `add` at 16 and 64 connections and of `fib(n)` (about 10 ms a
+call here) at 4 and 16, over Streamable HTTP at 2026-07-28, broker-2w's /mcp against the SDK's
+server (`mcp_bench.py` probes both eras first; a server whose probe fails is reported, not measured).
 The load comes from the bundled checking generator `rpc-broker bench` (every answer checked)
 and, for closed-loop scenarios, also from wrk (status codes only: unchecked). When `rpc-broker
 bench` is missing, wrk alone drives S1-S4, S5 is skipped, and RESULTS.md says so.
@@ -27,7 +31,8 @@ Writes the markdown report (machine, method, probes, one table per scenario with
 min-max spreads and ratios to the reference server and the best peer, the targets) to
 `--output` (default benchmarks/RESULTS.md; a new temporary file for --quick and --probe-only) and
 prints the same tables. Exit status: 0 when the broker and the reference server
-answered correctly and were measured, 1 otherwise.
+answered correctly and were measured, 1 otherwise (a broker whose MCP probe fails, e.g. one
+without /mcp, is not measured in the MCP scenarios, which say so; the status stays as it is).
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEERS = HERE / "peers"
 PY = sys.executable
+sys.path.insert(0, str(HERE))  # mcp_bench, beside this file (also when loaded by path, as the tests do)
+
+import mcp_bench  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Servers
@@ -103,7 +111,22 @@ SERVERS = [
     Server("fastapi-2w", "peer", "fastapi-jsonrpc under uvicorn, 2 workers (uvloop, httptools)",
            lambda port: _uvicorn(port, 2), ("fastapi_jsonrpc", "uvicorn")),
 ]
+MCP_KEYS = ("M1-16", "M1-64", "M3-4", "M3-16")  # the MCP scenarios
+MCP_SDK = ["mcp-sdk-1p", "mcp-sdk-2p"]  # the ratios of the MCP tables are to these
+MCP_SERVERS = ("broker-2w", *MCP_SDK)  # the servers the MCP scenarios run
+SERVERS += [
+    Server("mcp-sdk-1p", "mcp-peer", "the official MCP SDK's own server (mcp's MCPServer, named FastMCP before 2.0), "
+           "1 process, stateless JSON mode (stateless_http and json_response: its fastest), uvicorn with uvloop + "
+           "httptools (MCP scenarios only)", lambda port: _mcp_sdk(port, 1), ("mcp", "uvicorn"), only=MCP_KEYS),
+    Server("mcp-sdk-2p", "mcp-peer", "the same, 2 processes (uvicorn --workers 2: stateless, so any process "
+           "answers any request)", lambda port: _mcp_sdk(port, 2), ("mcp", "uvicorn"), only=MCP_KEYS),
+]
 QUICK_SERVERS = ["reference", "broker-2w"]
+
+
+def _mcp_sdk(port: int, workers: int) -> list[str]:
+    return [PY, str(PEERS / "mcp_sdk_server.py"), "--port", str(port), "--workers", str(workers),
+            "--mode", "stateless-json"]
 
 
 def _uvicorn(port: int, workers: int) -> list[str]:
@@ -285,6 +308,7 @@ class Scenario:
     open_loop: bool = False
     rate_of: str = "reference"  # open loop: offered at half this server's S1 capacity
     servers: tuple[str, ...] = ()  # the servers it runs (empty: all)
+    mcp: bool = False  # tools/call of `method` with `params` at the server's /mcp (`rpc-broker bench --mcp`)
 
     def body(self) -> bytes:
         if self.batch == 1:
@@ -292,7 +316,9 @@ class Scenario:
         return json.dumps([_req(self.method, self.params, i) for i in range(self.batch)]).encode()
 
 
-def scenarios(fib_n: int) -> list[Scenario]:
+def scenarios(fib_n: int, mcp_fib_n: int) -> list[Scenario]:
+    """Every scenario; `fib_n` sized to about 2 ms a call (S3), `mcp_fib_n` to about 10 (M3)."""
+    mcp = {"servers": MCP_SERVERS, "mcp": True}
     return [
         Scenario("S1-16", "S1: single `add` calls, 16 connections", "add", {"a": 1, "b": 2}, 16),
         Scenario("S1-64", "S1: single `add` calls, 64 connections", "add", {"a": 1, "b": 2}, 64),
@@ -308,6 +334,12 @@ def scenarios(fib_n: int) -> list[Scenario]:
         Scenario("S5b", "S5b: open loop, single `add` calls at half broker-2w's own S1 capacity, 64 connections",
                  "add", {"a": 1, "b": 2}, 64, open_loop=True, rate_of="broker-2w",
                  servers=("reference", "broker-2w", "broker-1w")),
+        Scenario("M1-16", "M1: MCP `tools/call` of `add`, 16 connections", "add", {"a": 1, "b": 2}, 16, **mcp),
+        Scenario("M1-64", "M1: MCP `tools/call` of `add`, 64 connections", "add", {"a": 1, "b": 2}, 64, **mcp),
+        Scenario("M3-4", f"M3: MCP `tools/call` of CPU-bound `fib({mcp_fib_n})` (about 10 ms per call here), "
+                 "4 connections", "fib", {"n": mcp_fib_n}, 4, **mcp),
+        Scenario("M3-16", f"M3: MCP `tools/call` of CPU-bound `fib({mcp_fib_n})` (about 10 ms per call here), "
+                 "16 connections", "fib", {"n": mcp_fib_n}, 16, **mcp),
     ]
 
 
@@ -339,8 +371,8 @@ def run_loadgen(cmd: list[str], url: str, sc: Scenario, duration: float, warmup:
     out = tmp / "loadgen.json"
     out.unlink(missing_ok=True)
     argv = [*cmd, "bench", url, "--connections", str(sc.connections), "--depth", "1",
-            "--method", sc.method, "--params", json.dumps(sc.params), "--duration", str(duration),
-            "--warmup", str(warmup), "--json", str(out), "--quiet"]
+            *(("--mcp", "--tool", sc.method, "--arguments") if sc.mcp else ("--method", sc.method, "--params")),
+            json.dumps(sc.params), "--duration", str(duration), "--warmup", str(warmup), "--json", str(out), "--quiet"]
     if sc.batch > 1:
         argv += ["--batch", str(sc.batch)]
     if rate is not None:
@@ -357,8 +389,9 @@ def run_loadgen(cmd: list[str], url: str, sc: Scenario, duration: float, warmup:
     lat = r.get("latency_ms", {})
     errors = {k: v for k, v in (r.get("errors_by_code") or {}).items() if v}
     check = r.get("check") or {}
-    ok = bool(check.get("ok")) and not errors and not r.get("transport_errors")
-    problem = "" if ok else json.dumps({"check": check, "errors_by_code": errors,
+    tool_errors = (r.get("mcp") or {}).get("tool_errors") or {}  # MCP: isError results are no success either
+    ok = bool(check.get("ok")) and not errors and not tool_errors and not r.get("transport_errors")
+    problem = "" if ok else json.dumps({"check": check, "errors_by_code": errors, "tool_errors": tool_errors,
                                          "transport_errors": r.get("transport_errors")})[:300]
     if lat.get("p50") is None or lat.get("p99") is None:  # nothing was answered: no latency to report
         return Measure(float(r["requests_per_s"]), float(r["calls_per_s"]), 0, 0, None, False,
@@ -485,7 +518,7 @@ def table(sc: Scenario, tool: str, rows: dict[str, list[Measure]], servers: list
 def versions() -> list[str]:
     out = []
     for dist in ("rpc-broker", "uvloop", "httptools", "msgspec", "aiohttp", "jsonrpcserver", "gunicorn",
-                 "fastapi", "fastapi-jsonrpc", "uvicorn", "pydantic", "starlette"):
+                 "fastapi", "fastapi-jsonrpc", "uvicorn", "pydantic", "starlette", "mcp"):
         try:
             out.append(f"{dist} {importlib.metadata.version(dist)}")
         except importlib.metadata.PackageNotFoundError:
@@ -597,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=4.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=0.5, help="seconds of load before measuring (loadgen)")
     parser.add_argument("--servers", help="comma-separated server names (default: all, or the quick subset)")
-    parser.add_argument("--scenarios", help="comma-separated scenario keys (S1-16,S1-64,S2,S3,S4,S5,S5b; S5 and S5b need S1)")
+    parser.add_argument("--scenarios", help="comma-separated scenario keys (S1-16,S1-64,S2,S3,S4,S5,S5b; S5 and S5b "
+                        "need S1; MCP: M1-16,M1-64,M3-4,M3-16)")
     parser.add_argument("--probe-only", action="store_true", help="start and probe the servers; measure nothing")
     parser.add_argument("--no-loadgen", action="store_true", help="drive wrk only, as when rpc-broker bench is missing")
     parser.add_argument("--ports", metavar="LOW-HIGH", type=_port_range,
@@ -640,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     fib_n = calibrate_fib()
-    all_scenarios = scenarios(fib_n)
+    mcp_fib_n = calibrate_fib(10.0)
+    all_scenarios = scenarios(fib_n, mcp_fib_n)
     if args.quick or args.scenarios:
         keys = args.scenarios.split(",") if args.scenarios else ["S1-16", "S1-64", "S2"]
         all_scenarios = [sc for sc in all_scenarios if sc.key in keys]
@@ -650,12 +685,14 @@ def main(argv: list[str] | None = None) -> int:
         print("neither `rpc-broker bench` nor wrk is available (apt-get install wrk)", file=sys.stderr)
         return 1
     if loadgen is None:
-        all_scenarios = [sc for sc in all_scenarios if not sc.open_loop]
+        all_scenarios = [sc for sc in all_scenarios if not sc.open_loop and not sc.mcp]
+    mcp_wanted = any(sc.mcp for sc in all_scenarios)
 
     def uses_wrk(sc: Scenario) -> bool:
         # With the checking generator present, wrk cross-checks the throughput scenarios only
         # (the whole run must stay under ~15 minutes); without it, wrk drives every closed loop.
-        return has_wrk and not sc.open_loop and (loadgen is None or sc.key in ("S1-64", "S2") or args.quick)
+        return has_wrk and not sc.open_loop and not sc.mcp and (
+            loadgen is None or sc.key in ("S1-64", "S2") or args.quick)
 
     load_avg = os.getloadavg()
     print(f"rpc-broker benchmark: {len(servers)} servers, {args.repetitions} repetition(s) of "
@@ -666,6 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  skipping {name}: not installed ({', '.join(mods)}; pip install -e '.[bench]')", flush=True)
 
     probes: dict[str, tuple[list[str], list[str]]] = {}
+    mcp_probes: dict[str, tuple[list[str], list[str]]] = {}  # servers of the MCP scenarios, probed at /mcp
     # results[scenario][tool][server] -> one Measure per repetition
     results: dict[str, dict[str, dict[str, list[Measure]]]] = {
         sc.key: {"loadgen": {}, "wrk": {}} for sc in all_scenarios}
@@ -681,10 +719,16 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # answered wrongly before: not measured
                 running = Running(server, tmp)
                 try:
+                    mcp_probed = mcp_wanted and server.name in MCP_SERVERS
                     try:
                         running.wait_ready()
-                        if server.name not in probes:
+                        if server.name not in probes and server.kind == "mcp-peer":  # (its probe: the MCP one)
+                            probes[server.name] = mcp_probes[server.name] = mcp_bench.probe(
+                                running.port, mcp_fib_n, fib_value(mcp_fib_n))
+                        elif server.name not in probes:
                             probes[server.name] = probe(running.port, fib_n)
+                        if mcp_probed and server.name not in mcp_probes:
+                            mcp_probes[server.name] = mcp_bench.probe(running.port, mcp_fib_n, fib_value(mcp_fib_n))
                     except (RuntimeError, OSError) as e:
                         probes[server.name] = ([f"did not start: {e}"], [])
                     problems, notes = probes[server.name]
@@ -693,9 +737,13 @@ def main(argv: list[str] | None = None) -> int:
                           + (f" (notes: {'; '.join(notes)})" if notes else ""), flush=True)
                     if problems or args.probe_only:
                         continue
+                    mcp_problems = mcp_probes.get(server.name, ([], []))[0]
+                    if mcp_probed and mcp_problems and server.kind != "mcp-peer":
+                        print(f"[rep {rep + 1}] {server.name}: MCP probe at {mcp_bench.PATH} FAILED, its MCP "
+                              f"scenarios are not run: {'; '.join(mcp_problems)}", flush=True)
                     for sc in all_scenarios:
                         if (server.only and sc.key not in server.only) or (
-                                sc.servers and server.name not in sc.servers):
+                                sc.servers and server.name not in sc.servers) or (sc.mcp and mcp_problems):
                             continue
                         rate = None
                         if sc.open_loop:
@@ -715,7 +763,8 @@ def main(argv: list[str] | None = None) -> int:
                                       f"{own:,.0f} req/s < offered {rate:,.0f}", flush=True)
                                 continue
                         if loadgen is not None:
-                            m = run_loadgen(loadgen, running.url, sc, args.duration, args.warmup, rate, tmp)
+                            url = running.url.rstrip("/") + mcp_bench.PATH if sc.mcp else running.url
+                            m = run_loadgen(loadgen, url, sc, args.duration, args.warmup, rate, tmp)
                             results[sc.key]["loadgen"].setdefault(server.name, []).append(m)
                             _progress(rep, server.name, sc.key, "rpc-broker bench", m)
                         if uses_wrk(sc):
@@ -729,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
                 ok = False
 
     report = render(args, servers, skipped, probes, results, all_scenarios, fib_n, loadgen is not None, has_wrk,
-                    rates, s5_over, load_avg, time.monotonic() - started)
+                    rates, s5_over, load_avg, time.monotonic() - started, mcp_probes)
     args.output.write_text(report + kept_sections(args.output))
     print()
     print(report)
@@ -808,7 +857,9 @@ def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, l
            probes: dict[str, tuple[list[str], list[str]]],
            results: dict[str, dict[str, dict[str, list[Measure]]]], all_scenarios: list[Scenario], fib_n: int,
            has_loadgen: bool, has_wrk: bool, rates: dict[str, float], s5_over: dict[str, float],
-           load_avg: tuple[float, float, float], elapsed: float) -> str:
+           load_avg: tuple[float, float, float], elapsed: float,
+           mcp_probes: dict[str, tuple[list[str], list[str]]] | None = None) -> str:
+    mcp_probes = mcp_probes or {}
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     mode = ("probes only" if args.probe_only else "quick (`make bench-quick`)" if args.quick
             else "full (`make bench`)")
@@ -845,6 +896,16 @@ def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, l
         lines.append("Load: **`rpc-broker bench` was not available**, so wrk alone (1 thread, "
                      "`benchmarks/wrk_post.lua`, which checks nothing but the HTTP status: **unchecked**) drives "
                      "the closed-loop scenarios; S5 (open loop) was not run: wrk has no fixed-rate mode.")
+    mcp_fib = {sc.params["n"] for sc in all_scenarios if sc.mcp and sc.method == "fib"}
+    if any(sc.mcp for sc in all_scenarios):
+        lines += ["", "MCP (M1, M3): `rpc-broker bench --mcp` drives each server's `/mcp` with `tools/call` over "
+                  "Streamable HTTP at protocol version 2026-07-28 (stateless: the version and the client in each "
+                  "request's `_meta` and the MCP-Protocol-Version, Mcp-Method and Mcp-Name headers), one call per "
+                  "connection in flight; every answer is checked as a CallToolResult (a result with isError true "
+                  "fails the run). The SDK's server runs in its stateless JSON mode (`stateless_http=True, "
+                  "json_response=True`), the fastest configuration it offers; stateless, it runs in several "
+                  "processes too. Ratios compare calls/s medians with each SDK server's."
+                  + "".join(f" `fib` is n={n} there, about 10 ms a call in this interpreter." for n in mcp_fib)]
     lines += ["", "Servers:", ""]
     lines += [f"- **{s.name}**: {s.description}" for s in servers]
     lines += [f"- **{name}**: skipped, not installed ({', '.join(mods)}; `pip install -e '.[bench]'`)"
@@ -855,14 +916,36 @@ def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, l
               "deviations that do not affect the scenarios.", "",
               "| server | answered correctly | problems | notes |", "|---|---|---|---|"]
     for s in servers:
+        if s.kind == "mcp-peer":
+            continue  # (probed over MCP alone: below)
         problems, notes = probes.get(s.name, (["not probed"], []))
         lines.append(f"| {s.name} | {'yes' if not problems else 'NO'} | {'; '.join(problems) or '-'} "
                      f"| {'; '.join(notes) or '-'} |")
     lines.append("")
+    if mcp_probes:
+        lines += ["## MCP correctness probes", "",
+                  f"Before the MCP scenarios each of their servers must answer at `{mcp_bench.PATH}`, at 2026-07-28, "
+                  "`tools/call` of `add`, `fib` and `sleep` with the right values and an unknown tool refused "
+                  "(-32602, or isError), and at 2025-11-25 `initialize`, `notifications/initialized` and a call "
+                  "(`benchmarks/mcp_bench.py`); a server that does not is not measured in them.", "",
+                  "| server | answered correctly | problems | notes |", "|---|---|---|---|"]
+        for name, (problems, notes) in mcp_probes.items():
+            lines.append(f"| {name} | {'yes' if not problems else 'NO'} | {'; '.join(problems)[:300] or '-'} "
+                         f"| {'; '.join(notes) or '-'} |")
+        lines.append("")
     capacity = {s.name: c for s in servers if (c := s1_capacity(results, s.name))}
     if not args.probe_only:
         for sc in all_scenarios:
             lines += [f"## {sc.title}", ""]
+            if sc.mcp:
+                rows = results[sc.key]["loadgen"]
+                sdk = [n for n in MCP_SDK if n in rows]
+                lines += [*mcp_bench.table(rows, [s.name for s in servers], sdk), ""]
+                lines += [f"{name}: not measured, its MCP probe at `{mcp_bench.PATH}` failed: "
+                          f"{'; '.join(mcp_probes[name][0])[:300]}." for name in MCP_SERVERS
+                          if name in mcp_probes and mcp_probes[name][0]]
+                lines += [""] if lines[-1] else []
+                continue
             for tool in ("loadgen", "wrk"):
                 rows = results[sc.key][tool]
                 if not rows:
@@ -892,6 +975,9 @@ def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, l
         lines += metrics_cost(results, frontend_cost() if measured else [])
         lines += ["## Targets", ""]
         lines += targets(results, "loadgen" if has_loadgen else "wrk", args.quick, rates.get("S5"))
+        mcp_results = {sc.key: results[sc.key]["loadgen"] for sc in all_scenarios if sc.mcp}
+        lines += mcp_bench.ratio_lines(mcp_results, {sc.key: sc.title for sc in all_scenarios}, "broker-2w",
+                                       MCP_SDK)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -3,7 +3,7 @@ the official MCP SDK's own server (benchmarks/peers/mcp_sdk_server.py, `mcp` 2.x
 dependency) spawned on loopback; and `make bench`'s MCP scenario against it. Timings are never
 asserted: the runs are bounded by an open loop's count (--rate x --duration) or a short duration.
 
-The servers' ports: from $RPC_BROKER_TEST_PORTS ("LOW-HIGH") when set (a share of a machine
+The servers' ports: from $TEST_PORTS ("LOW-HIGH") when set (a share of a machine
 shared with other suites), else a free one below the ephemeral range (conftest.free_port).
 """
 
@@ -53,9 +53,9 @@ RUN = _load_runner()
 
 
 def _ports() -> str:
-    """LOW-HIGH: $RPC_BROKER_TEST_PORTS, else one free port below the ephemeral range."""
+    """LOW-HIGH: $TEST_PORTS, else one free port below the ephemeral range."""
     port = free_port()
-    return os.environ.get("RPC_BROKER_TEST_PORTS") or f"{port}-{port}"
+    return os.environ.get("TEST_PORTS") or f"{port}-{port}"
 
 
 class SdkServer:
@@ -253,6 +253,33 @@ def test_a_notification_in_a_mix_is_refused(tmp_path, capsys):
     mix.write_text('[[call]]\nmethod = "add"\nparams = {a = 1, b = 2}\nnotification = true\n')
     assert cli.main(["bench", "--mcp", "http://127.0.0.1:1/mcp", "-q", "--mix", str(mix)]) == 2
     assert "a tool call is a request, never a notification" in capsys.readouterr().err
+
+
+# -- make bench's MCP scenario and probe -----------------------------------------------------------
+
+def test_the_mcp_probe_passes_the_sdk_in_both_eras_and_fails_a_path_without_mcp(sdk, sdk_sessions):
+    probe = RUN.mcp_bench.probe
+    assert probe(sdk.port, 10, 55) == ([], ["an unknown tool is a CallToolResult with isError true (not a JSON-RPC "
+                                            "-32602)", "2025-11-25: no Mcp-Session-Id (stateless)"])
+    assert probe(sdk_sessions.port, 10, 55)[0] == []
+    assert probe(sdk.port, 10, 56)[0] == ["2026-07-28 tools/call fib: expected a result of 56, got "
+                                         + json.dumps(json.loads(sdk.post(_modern_body("fib", {"n": 10}, 2),
+                                                                          _modern_headers("fib"))[2]))[:200]]
+    problems, _ = probe(sdk.port, 10, 55, "/nope")
+    assert problems == ["2026-07-28 tools/call add: HTTP 404, b'Not Found'"]
+
+
+def test_make_bench_runs_the_mcp_scenario_against_the_sdk(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--servers", "mcp-sdk-1p",
+                           "--scenarios", "M1-16", "--output", str(out), "--ports", _ports()], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = out.read_text()
+    assert "| mcp-sdk-1p | yes | - |" in report.split("## MCP correctness probes", 1)[1]
+    section = report.split("## M1: MCP `tools/call` of `add`, 16 connections", 1)[1].split("\n## ", 1)[0]
+    assert "| server | calls/s median (min-max) | p50 ms | p99 ms | vs mcp-sdk-1p | checked |" in section
+    assert "| 1.00x | all answers checked: ok |" in section, section
 
 
 # -- the protocol's bytes (sans-IO) ------------------------------------------------------------------

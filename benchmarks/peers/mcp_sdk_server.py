@@ -41,8 +41,8 @@ MODES = {  # --mode -> (stateless_http, json_response)
     "sessions": (False, False),
 }
 # How --workers' processes (uvicorn imports create_app in each) learn the options.
-_MODE_ENV = "RPC_BROKER_MCP_PEER_MODE"
-_FAULTS_ENV = "RPC_BROKER_MCP_PEER_FAULTS"
+_MODE_ENV = "MCP_PEER_MODE"
+_FAULTS_ENV = "MCP_PEER_FAULTS"
 
 server = MCPServer("rpc-broker-demo-peer", log_level="WARNING")
 
@@ -92,8 +92,8 @@ def raise_error(code: int, message: str) -> None:
 
 
 def create_app() -> Starlette:
-    """The Streamable HTTP app at /mcp in the mode of $RPC_BROKER_MCP_PEER_MODE (default
-    stateless-json), with raise_error if $RPC_BROKER_MCP_PEER_FAULTS is 1."""
+    """The Streamable HTTP app at /mcp in the mode of $MCP_PEER_MODE (default
+    stateless-json), with raise_error if $MCP_PEER_FAULTS is 1."""
     stateless, json_response = MODES[os.environ.get(_MODE_ENV, "stateless-json")]
     if os.environ.get(_FAULTS_ENV) == "1":
         server.add_tool(raise_error)
