@@ -228,6 +228,18 @@ def test_a_refused_initialize_and_a_path_that_is_not_mcp_are_named(sdk, tmp_path
     assert code == 1 and rep.check.malformed > 0 and rep.calls == 0
 
 
+def test_an_unanswered_initialize_times_out_as_a_transport_error(tmp_path, capsys):
+    with socket.socket() as silent:  # (accepts connections in its backlog, never answers)
+        RUN.PORTS = RUN._port_range(_ports())
+        port = RUN.free_port()
+        silent.bind(("127.0.0.1", port))
+        silent.listen()
+        code, rep = bench(tmp_path, f"http://127.0.0.1:{port}/mcp", "--mcp-era", "legacy", "--timeout", "0.3",
+                          "--duration", "0.5", "-c", "1")
+    assert code == 1 and rep.transport_errors >= 1 and rep.requests == 0
+    assert "first problem: MCP initialize failed: no answer within --timeout 0.3 s" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("flags", "words"), [
     (["--tool", "add"], "--tool is for --mcp"),
     (["--mcp-era", "legacy"], "--mcp-era is for --mcp"),
