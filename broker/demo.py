@@ -5,10 +5,16 @@ The JSON-RPC 2.0 specification's own example methods, by their names in its
 few tools that show the broker at work: `echo`, `add`, `sleep`, a CPU-bound `fib`
 and `worker_info` (which worker process answered).
 
+Every one an MCP host can call is a tool too (`Registry.method(tool=True)`): all but `sum`,
+`update` and `notify_hello`, whose params come by position only (*values), which MCP's
+arguments, by name, cannot give. Titles and annotations say what each does to its
+environment (`readOnlyHint` for the pure functions; `openWorldHint` false: none reaches
+outside the worker).
+
 `faults` (`--app broker.demo:faults`) serves the same tools and six more that fail on
 purpose, for trying the broker's answers to failures: `crash`, `hang`,
-`slow`, `huge_reply`, `leak` and `raise_error`. They are not in `registry`, the default
-app: anyone who can call a worker's tools could kill its workers or fill its memory.
+`slow`, `huge_reply`, `leak` and `raise_error`, tools too. They are not in `registry`, the
+default app: anyone who can call a worker's tools could kill its workers or fill its memory.
 """
 
 from __future__ import annotations
@@ -20,55 +26,58 @@ import time
 
 import msgspec
 
-from broker.worker import Registry, RpcError
+from broker.worker import Registry, RpcError, ToolAnnotations
 
-registry = Registry()
+registry = Registry(tools=True)
+
+PURE = ToolAnnotations(read_only_hint=True, open_world_hint=False)
+"""A tool that only computes: no effect on its environment, nothing outside the worker."""
 
 Number = int | float  # ints stay ints: 42 - 23 answers 19, not 19.0
 
 
-@registry.method
+@registry.method(title="Subtract", annotations=PURE)
 def subtract(minuend: Number, subtrahend: Number) -> Number:
     """minuend - subtrahend; params by position or by name (spec examples)."""
     return minuend - subtrahend
 
 
-@registry.method(name="sum")
+@registry.method(name="sum", tool=False)
 def sum_(*values: Number) -> Number:
     """The sum of all positional params (spec example: [1,2,4] → 7)."""
     return sum(values)
 
 
-@registry.method
+@registry.method(tool=False)
 def update(*values: object) -> None:
     """Accepts anything and does nothing (the spec's notification example)."""
 
 
-@registry.method
+@registry.method(tool=False)
 def notify_hello(*values: object) -> None:
     """Does nothing (the spec's batch notification example)."""
 
 
-@registry.method
+@registry.method(title="Get data", annotations=PURE)
 def get_data() -> list[object]:
     """Returns ["hello", 5] (spec example)."""
     return ["hello", 5]
 
 
-@registry.method(raw_params=True)
+@registry.method(raw_params=True, title="Echo", annotations=PURE)
 def echo(params: msgspec.Raw | None) -> msgspec.Raw | None:
     """Returns its params, numbers and strings byte for byte, without whitespace
     outside strings (null when there are none)."""
     return params
 
 
-@registry.method
+@registry.method(title="Add", annotations=PURE)
 def add(a: Number, b: Number) -> Number:
     """a + b."""
     return a + b
 
 
-@registry.method
+@registry.method(title="Sleep", annotations=PURE)
 async def sleep(seconds: float) -> float:
     """Waits `seconds` (0..3600) without blocking the worker; returns them."""
     if not 0 <= seconds <= 3600:
@@ -77,7 +86,7 @@ async def sleep(seconds: float) -> float:
     return seconds
 
 
-@registry.method
+@registry.method(title="Fibonacci", annotations=PURE)
 def fib(n: int) -> int:
     """The n-th Fibonacci number computed the slow way (CPU-bound); 0 <= n <= 35."""
     if not 0 <= n <= 35:
@@ -89,7 +98,7 @@ def _fib(n: int) -> int:
     return n if n < 2 else _fib(n - 1) + _fib(n - 2)
 
 
-@registry.method
+@registry.method(title="Worker info", annotations=PURE)
 def worker_info() -> dict[str, int]:
     """{"pid": the process id of the worker that answered}."""
     return {"pid": os.getpid()}
@@ -97,11 +106,12 @@ def worker_info() -> dict[str, int]:
 
 # ---- faults: the demo's tools, and tools that fail on purpose ----
 
-faults = Registry()
+faults = Registry(tools=True)
 for _method in registry.methods():
-    faults.method(name=_method.name, raw_params=_method.raw_params)(_method.fn)
+    faults.method(name=_method.name, raw_params=_method.raw_params, tool=_method.tool, title=_method.title,
+                  annotations=_method.annotations)(_method.fn)
 
-faults.method(name="slow")(sleep)  # async: `sleep` by the name the fault tools use
+faults.method(name="slow", title="Slow", annotations=PURE)(sleep)  # async: `sleep` by the name the fault tools use
 
 HUGE_REPLY_MAX = 256 * 1024 * 1024
 """`huge_reply`'s largest string, bytes: larger than the largest max_response_bytes a worker's
@@ -115,7 +125,7 @@ _leaked: list[bytes] = []
 _leaked_bytes = 0  # (a running total: summing the blocks made each call slower, hostile testing, round 112)
 
 
-@faults.method
+@faults.method(title="Crash the worker", annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
 def crash(how: str = "exit") -> None:
     """The worker process dies at once, its calls in flight with it: `how` "exit"
     (os._exit(1), no clean-up) or "kill" (SIGKILL to itself). The broker answers the
@@ -127,7 +137,7 @@ def crash(how: str = "exit") -> None:
     raise RpcError(-32602, "Invalid params", {"param": "how", "reason": 'must be "exit" or "kill"'})
 
 
-@faults.method
+@faults.method(title="Hang the worker", annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
 def hang() -> None:
     """A sync call that never returns: the worker is stuck until the broker kills it as
     hung, `cancel_grace` seconds after the call's deadline (answered -32001, timed out)."""
@@ -135,7 +145,7 @@ def hang() -> None:
         time.sleep(3600)
 
 
-@faults.method
+@faults.method(title="Huge reply", annotations=PURE)
 def huge_reply(bytes: int) -> str:
     """A string of `bytes` (0..268435456) "x" characters: the answer's result is bytes + 2
     bytes of JSON. One past max_frame_bytes (16 MiB by default) or max_response_bytes is
@@ -145,7 +155,7 @@ def huge_reply(bytes: int) -> str:
     return "x" * bytes
 
 
-@faults.method
+@faults.method(title="Leak memory", annotations=ToolAnnotations(destructive_hint=False, open_world_hint=False))
 def leak(bytes: int) -> dict[str, int]:
     """Keeps `bytes` (0..268435456) more of memory, written (resident), until the worker
     process exits; at most 2 GiB in one worker (each worker its own). Returns {"pid": the
@@ -162,7 +172,7 @@ def leak(bytes: int) -> dict[str, int]:
     return {"pid": os.getpid(), "held_bytes": held + bytes}
 
 
-@faults.method
+@faults.method(title="Raise an error", annotations=PURE)
 def raise_error(code: int, message: str, data: object = None) -> None:
     """Answers the JSON-RPC error object {code, message, data} (data left out when null).
     Codes the broker keeps for itself (-32099..-32000, -32700, -32600) are answered -32603

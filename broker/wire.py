@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import math
 import struct
+import typing
 from enum import IntEnum
 
 import msgspec
@@ -213,12 +214,39 @@ VERSION = 4
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 
-class MethodInfo(msgspec.Struct, frozen=True):
-    """One method a worker serves: its name and the JSON Schema of its params."""
+class MethodInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One method a worker serves, as its HELLO describes it (every field but `name`
+    optional: left out when it has its default). The broker's catalogue of them
+    (broker/catalog.py) answers `rpc.discover` and lists MCP tools.
+
+    name: its JSON-RPC method name.
+    params_schema: msgspec's JSON Schema of its params by name, as generated (a `$ref` to
+        `$defs`); {} when unknown.
+    doc: its docstring (`inspect.getdoc`): OpenRPC's `description`, a tool's `description`.
+    tool: it is offered to MCP hosts as a tool (`Registry.method(tool=True)`).
+    title: a human-readable name: a tool's `title`, OpenRPC's `summary`; None: none.
+    annotations: a tool's MCP ToolAnnotations as JSON (`readOnlyHint`...), None: none.
+    input_schema: the params by name as one object schema, `$ref`s inlined (a tool's
+        `inputSchema`; broker/worker/tools.py); None when unknown (never for a tool).
+    output_schema: a tool's `outputSchema`: an object schema of its result, or of
+        `{"result": <its result>}` when `wrap_result`; None: none (no structured content).
+    wrap_result: a tool's structured content is `{"result": <the JSON result>}`, not the
+        result itself.
+    result_schema: the JSON Schema of its result as it is (OpenRPC's), {} when unknown.
+    param_structure: OpenRPC's `paramStructure`: "either", "by-name" or "by-position".
+    """
 
     name: str
     params_schema: dict[str, object] = {}
     doc: str = ""
+    tool: bool = False
+    title: str | None = None
+    annotations: dict[str, object] | None = None
+    input_schema: dict[str, object] | None = None
+    output_schema: dict[str, object] | None = None
+    wrap_result: bool = False
+    result_schema: dict[str, object] = {}
+    param_structure: typing.Literal["either", "by-name", "by-position"] = "either"
 
 
 class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

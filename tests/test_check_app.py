@@ -29,11 +29,14 @@ def test_an_app_that_can_be_served_is_listed_method_by_method():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "ok: app 'broker.demo:faults', 16 methods"
-    rows = {line.split("(")[0].strip(): line for line in lines[1:]}
+    rows = {line.split("(")[0].strip(): line for line in lines[1:-1]}
     assert len(rows) == 16
     assert rows["raise_error"].split() == ["raise_error(code:", "int,", "message:", "str,", "data:", "object", "=",
-                                           "None)", "->", "None", "sync"]
-    assert rows["sleep"].endswith("async") and rows["echo"].endswith("sync, raw params")
+                                           "None)", "->", "None", "sync,", "tool"]
+    assert rows["sleep"].endswith("async, tool") and rows["echo"].endswith("sync, raw params, tool")
+    assert rows["sum"].endswith("sync")  # (*values: not a tool, broker/demo.py)
+    assert lines[-1] == ("tools: add, crash, echo, fib, get_data, hang, huge_reply, leak, raise_error, sleep, slow,"
+                         " subtract, worker_info")
     assert rows["add"].strip().split("  ")[0] == "add(a: int | float, b: int | float) -> int | float"
 
 

@@ -18,6 +18,11 @@ Write tools as plain functions and register them::
 
 then serve them with ``rpc-broker serve --app mymodule:registry``.
 
+MCP tools: ``Registry(tools=True)`` offers every method to MCP hosts (or
+``@registry.method(tool=True, title=..., annotations=ToolAnnotations(read_only_hint=True))``
+one at a time); the docstring is the tool's description, the type hints its inputSchema and
+outputSchema (broker/worker/tools.py).
+
 Params binding (JSON-RPC 2.0 section 4.2): positional params (an array) bind to the
 handler's parameters in order, named params (an object) by name; omitted params take
 their defaults; `*args` and `**kwargs` take the rest. msgspec converts and validates
@@ -38,6 +43,7 @@ without losing a call, and the broker starts another in its place.
 The package, one concern a module (each opens with how it works):
 
     sdk.py      the tool author's API: Registry, RpcError (and its error object), load_app
+    tools.py    tool metadata: names, ToolAnnotations, the JSON Schemas of params and result
     params.py   params binding: Method, InvalidParams, NestingTooDeep, Flag member drops
     param_errors.py  params binding's slow paths: InvalidParams reasons, numbers no float holds
     results.py  encode_result: a result's JSON, orjson first, the Enum watch
@@ -60,6 +66,7 @@ from broker.worker.process import WORKER_BOOT_ERROR, main
 from broker.worker.results import InvalidJson, NoJsonForm, encode_result
 from broker.worker.runtime import WorkerProtocol
 from broker.worker.sdk import BROKER_CODES, Registry, RpcError, load_app
+from broker.worker.tools import ToolAnnotations
 
 __all__ = [
     "BROKER_CODES",
@@ -72,6 +79,7 @@ __all__ = [
     "NoJsonForm",
     "Registry",
     "RpcError",
+    "ToolAnnotations",
     "WorkerProtocol",
     "die_with_parent",
     "encode_result",

@@ -6,9 +6,10 @@ what it finds is what the workers would: the import (`process.load_registry`, th
 own), each method's registration (a type hint msgspec cannot decode refused, naming the
 parameter), the number of methods. Prints each method, one a line, as
 
-    NAME(SIGNATURE) -> RETURN   sync|async[, raw params]
+    NAME(SIGNATURE) -> RETURN   sync|async[, raw params][, tool]
 
-and exits 0; or logs why the app cannot be served and exits `WORKER_BOOT_ERROR` (3), as a
+then a line naming the MCP tools (`Registry.method(tool=True)`, "tools: none" if none), and
+exits 0; or logs why the app cannot be served and exits `WORKER_BOOT_ERROR` (3), as a
 worker would at the start (nginx -t, for an app).
 """
 
@@ -44,12 +45,15 @@ def main(argv: list[str] | None = None) -> int:
                 shown = f"{method.name}{inspect.signature(method.fn)}"
             except (TypeError, ValueError):
                 shown = f"{method.name}(...)"
-        kind = ("async" if method.is_async else "sync") + (", raw params" if method.raw_params else "")
+        kind = ("async" if method.is_async else "sync") + (", raw params" if method.raw_params else "") + (
+            ", tool" if method.tool else "")
         rows.append((shown, kind))
     width = max((len(shown) for shown, _ in rows), default=0)
     print(f"ok: app {args.app!r}, {len(rows)} method{'s' if len(rows) != 1 else ''}")
     for shown, kind in rows:
         print(f"  {shown:<{width}}  {kind}")
+    tools = sorted(method.name for method in registry.methods() if method.tool)
+    print(f"tools: {', '.join(tools)}" if tools else "tools: none (Registry.method(tool=True) offers one to MCP hosts)")
     return 0
 
 

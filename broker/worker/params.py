@@ -50,6 +50,9 @@ from broker.worker.param_errors import (
 )
 from broker.worker.param_errors import _decimal_or_zero as _decimal_or_zero  # (tests read it from params)
 
+if typing.TYPE_CHECKING:
+    from broker.worker.tools import Described
+
 
 class InvalidParams(RemoteError):
     """params did not fit the signature: which parameter (or None) and why."""
@@ -95,11 +98,16 @@ class Method:
         "_typed",
         "_var_kw",
         "_var_pos",
+        "annotations",
+        "described",
         "doc",
         "fn",
         "is_async",
         "name",
         "raw_params",
+        "returns",
+        "title",
+        "tool",
     )
 
     def __init__(self, name: str, fn: Callable[..., object], raw_params: bool = False) -> None:
@@ -108,6 +116,12 @@ class Method:
         self.is_async = _is_async(fn)
         self.raw_params = raw_params
         self.doc = inspect.getdoc(fn) or ""
+        # What `Registry.method` sets of a tool (broker/worker/tools.py): its flag, title, MCP
+        # annotations (a JSON object) and its schemas, described at registration
+        self.tool = False
+        self.title: str | None = None
+        self.annotations: dict[str, object] | None = None
+        self.described: Described | None = None
         sig = inspect.signature(fn)
         # (a functools.partial, or an object with __call__: the hints of what it calls; typing's
         # own "is not a module, class, method, or function" named neither, hostile testing, round 92)
@@ -121,6 +135,7 @@ class Method:
         except NameError as exc:  # (round 36: "NameError ... at <string>:1" named no method)
             raise NameError(f"method {name!r}: a type hint names what is not defined when the app is loaded"
                             f" ({exc}): define it before the method is registered") from None
+        self.returns: object = hints.get("return", _EMPTY)  # (the result's schema: broker/worker/tools.py)
         for p in sig.parameters.values():
             if p.name.startswith("__"):  # (round 36: "Failed to get offset", or every call -32602)
                 raise TypeError(f"method {name!r}: parameter {p.name!r} starts with '__', which params cannot "
@@ -280,6 +295,16 @@ class Method:
         except (TypeError, ValueError):  # (UnicodeEncodeError included: a lone surrogate)
             return {}
         return schema
+
+    def named_params_types(self) -> tuple[type[msgspec.Struct], object | None]:
+        """(the Struct of the params by name, `dict[str, hint]` of **kwargs or None): what the
+        JSON Schema of a tool's arguments is made of (broker/worker/tools.py)."""
+        return self._named_type, self._var_kw
+
+    def positional_only_unnamed(self) -> list[str]:
+        """The positional-only parameters that params by name cannot give (beside **kwargs:
+        a name goes to **kwargs), in order."""
+        return [n for n in self._pos_names if n in self._pos_only]
 
     def bind(self, params: bytes, max_depth: int, _quiet: bool = False) -> tuple[tuple[object, ...], dict[str, object]]:
         """Raw JSON params (b"" when absent) → `(args, kwargs)` for the handler.

@@ -62,11 +62,12 @@ from broker.worker.chunks import (  # (what the run loop shares with the chunks'
     _Chunk,
     _deadline_of,
 )
-from broker.worker.errors import ErrorAnswers, _text
+from broker.worker.errors import ErrorAnswers
 from broker.worker.held import HeldAnswers
 from broker.worker.params import _drop_flag_members
 from broker.worker.results import encode_result
 from broker.worker.sdk import Registry
+from broker.worker.tools import method_info
 from broker.worker.turns import _CHARGED_S, FlowTurns, _flow_of
 
 log = logging.getLogger("broker.worker")  # (one logger for the package: its records say `broker.worker`)
@@ -341,9 +342,7 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         hello = wire.Hello(
             pid=os.getpid(),
             slot=self._slot,
-            methods=[
-                wire.MethodInfo(m.name, m.params_schema(), _text(m.doc)) for m in self._methods
-            ],
+            methods=[method_info(m) for m in self._methods],
             concurrency=self._concurrency,
             sync_methods=[m.name for m in self._methods if not m.is_async],
             wire=wire.VERSION,

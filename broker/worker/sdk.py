@@ -15,6 +15,7 @@ import difflib
 import importlib
 import inspect
 import operator
+import re
 import typing
 from collections.abc import Callable
 
@@ -23,6 +24,7 @@ import msgspec
 from broker.jsonrpc import OTHER, error_object
 from broker.worker.params import Method
 from broker.worker.results import InvalidJson, _encoded_data
+from broker.worker.tools import TOOL_NAME, ToolAnnotations, describe, tool_annotations
 
 
 class RpcError(Exception):
@@ -125,9 +127,16 @@ class Registry:
     (section 4) and refused with `ValueError`, as are duplicates and "other", the
     metrics' `method` label of calls to unknown methods (`metrics.OTHER`: a tool so
     named was counted with them, hidden from the shipped alerts; round 34).
+
+    tools: whether a method is an MCP tool when `method` is not told (`tool=None`):
+        `Registry(tools=True)` offers every method to MCP hosts, and each that cannot be
+        one says so at registration (register it with tool=False).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tools: bool = False) -> None:
+        if type(tools) is not bool:
+            raise TypeError(f"Registry(tools=...) is {_a(type(tools).__name__)}, not True or False")
+        self.tools = tools
         self._methods: dict[str, Method] = {}
 
     @typing.overload
@@ -135,7 +144,8 @@ class Registry:
 
     @typing.overload
     def method(
-        self, fn: None = None, /, *, name: str | None = None, raw_params: bool = False
+        self, fn: None = None, /, *, name: str | None = None, raw_params: bool = False, tool: bool | None = None,
+        title: str | None = None, annotations: ToolAnnotations | dict[str, object] | None = None,
     ) -> Callable[[Callable[..., object]], Callable[..., object]]: ...
 
     def method(
@@ -145,6 +155,9 @@ class Registry:
         *,
         name: str | None = None,
         raw_params: bool = False,
+        tool: bool | None = None,
+        title: str | None = None,
+        annotations: ToolAnnotations | dict[str, object] | None = None,
     ) -> Callable[..., object]:
         """Register `fn` under `name` (default: the function's name).
 
@@ -153,7 +166,25 @@ class Registry:
         handler gets the params' exact JSON as one `msgspec.Raw` argument (None if
         absent), unvalidated; returning a `msgspec.Raw` sends that JSON on, checked and
         made compact (`encode_result`). Returns `fn` unchanged.
+
+        tool: offer it to MCP hosts as a tool (None: the registry's `tools`). A tool's name
+            must match `TOOL_NAME` (`^[a-zA-Z0-9_-]{1,64}$`), its arguments come by name only
+            (no *args; no positional-only parameter beside **kwargs), and its params and
+            result must have a JSON Schema (broker/worker/tools.py): else ValueError or
+            TypeError, saying what to do. Its description is the docstring
+            (`inspect.getdoc`). A `raw_params` tool is allowed: its inputSchema is
+            `{"type": "object"}` (any arguments object, passed on as it is).
+        title: a human-readable name (MCP's Tool `title`; OpenRPC's method `summary`, for
+            any method).
+        annotations: MCP's ToolAnnotations, a `ToolAnnotations` or a dict with MCP's keys
+            (`{"readOnlyHint": True}`); unknown keys and wrong types are a ValueError. A
+            tool's only: given for a method that is not one, ValueError.
         """
+        is_tool = self.tools if tool is None else tool
+        if type(is_tool) is not bool:
+            raise TypeError(f"tool= is {_a(type(is_tool).__name__)}, not True, False or None")
+        if title is not None and type(title) is not str:
+            raise TypeError(f"title= is {_a(type(title).__name__)}, not a str")
 
         def register(f: Callable[..., object]) -> Callable[..., object]:
             method_name = name or f.__name__
@@ -164,7 +195,20 @@ class Registry:
                                  " register it under another name (name=...)")
             if method_name in self._methods:  # (new user, round 100: where the first one is)
                 raise ValueError(f"method {method_name!r} is already registered{_where(self._methods[method_name].fn)}")
-            self._methods[method_name] = Method(method_name, f, raw_params)
+            if is_tool and not TOOL_NAME.fullmatch(method_name):
+                raise ValueError(f"method {method_name!r} cannot be a tool: a tool's name is 1 to 64 letters, digits,"
+                                 " '_' or '-' (MCP hosts pass it to model APIs that take no other): register it"
+                                 f" under such a name (name={_tool_name(method_name)!r}), or with tool=False")
+            if annotations is not None and not is_tool:
+                raise ValueError(f"method {method_name!r}: annotations describe a tool, and it is not one:"
+                                 " register it with tool=True (or in a Registry(tools=True))")
+            method = Method(method_name, f, raw_params)
+            method.tool = is_tool
+            method.title = title
+            method.annotations = tool_annotations(method_name, annotations)
+            if is_tool:  # (what a host could not use is refused now, not at the first tools/list)
+                method.described = describe(method, tool=True)
+            self._methods[method_name] = method
             return f
 
         return register(fn) if fn is not None else register
@@ -213,6 +257,11 @@ def _where(fn: Callable[..., object]) -> str:
     module = getattr(fn, "__module__", None)
     said = f"{module}.{name}" if module else name
     return f" (first by {said}, {code.co_filename}:{code.co_firstlineno})" if code is not None else f" (first by {said})"
+
+
+def _tool_name(name: str) -> str:
+    """`name` made a tool's name (`TOOL_NAME`): every other character "_", cut at 64."""
+    return re.sub(r"[^a-zA-Z0-9_-]", "_", name)[:64] or "tool"
 
 
 def _a(noun: str) -> str:
