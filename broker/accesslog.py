@@ -47,6 +47,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from broker.catalog import DISCOVER
 from broker.chunk import read_call
 from broker.metrics import outcome_name
 from broker.wire import RESULT
@@ -563,7 +564,7 @@ class AccessLog:
         self.log_params = log_params
         self._clock = clock or time.time
         self._names: list[str] = [OTHER]  # (the registered names, then "other")
-        self._known: frozenset[str] = frozenset()
+        self._known: frozenset[str] = frozenset((DISCOVER,))  # (the methods `early` names: the broker's own too)
 
     @property
     def names(self) -> list[str]:
@@ -573,7 +574,7 @@ class AccessLog:
     @names.setter
     def names(self, names: list[str]) -> None:
         self._names = [*names, OTHER]  # (a new list: entries made hold the old one's names)
-        self._known = frozenset(names)
+        self._known = frozenset((*names, DISCOVER))
 
     def _method(self, index: int) -> str:
         names = self._names
@@ -639,7 +640,8 @@ class AccessLog:
 
     def early(self, owner: ResponseBudget, request: Request, code: int) -> None:
         """A request answered before it became a call (rate limited, its method unknown or
-        denied to its caller): its method is named only if registered."""
+        denied to its caller, or `rpc.discover`, the broker's own): its method is named only
+        if registered, or if it is `rpc.discover`."""
         method = request.method if request.method in self._known else OTHER
         params = keep_params(request.params) if self.log_params else None
         self.emit((self._clock(), owner.peer, owner.caller, owner.transport, method, _kept_id(request.id), 0.0,

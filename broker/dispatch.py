@@ -69,6 +69,7 @@ from broker.calls import (
     queue_cost,
     timed_out,
 )
+from broker.catalog import DISCOVER, Catalog
 from broker.deadlines import TIMER_EARLY, DeadlineWheel
 from broker.fairqueue import FairQueue, Largest
 from broker.isolation import Isolation
@@ -275,6 +276,9 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                 raise ValueError(f"deadline of {name} = {seconds!r} s: it must be > 0 and <= {MAX_TIMEOUT}")
         self._routes: dict[str, Route] = {}
         self._names: list[str] = []
+        # The workers' methods as MCP tools and OpenRPC (broker/catalog.py): the method table's,
+        # replaced with it (`set_methods`); empty until the first HELLO
+        self.catalog = Catalog()
         # Per method index: the service-time estimate (µs) of a sync method, -1 for an
         # async one; and whether it counts as blocking now (its Route.sync).
         self._sync_us: list[int] = []
@@ -436,7 +440,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
 
     def _entries(self, body: Body, exchange: Exchange) -> list[tuple[int, Request, Route]]:
         """Walk a body in order: answers known at once (invalid elements, unknown
-        methods) go into their slots; each routable request gets an empty slot, or -1
+        methods, `rpc.discover`) go into their slots; each routable request gets an empty slot, or -1
         for a notification. Returns (slot, request, route) per routable request."""
         answers = exchange.answers
         answer = answers.append
@@ -475,7 +479,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                         exchange.retry_after = wait  # (its Retry-After: the same, rounded up)
                     if metrics is not None:  # (under its method, if its caller may call it: round 107)
                         route = routes.get(request.method)
-                        metrics.answered(metrics.other if route is None or (denied and request.method in denied)
+                        metrics.answered(metrics.discover if request.method == DISCOVER else metrics.other
+                                         if route is None or (denied and request.method in denied)
                                          else route.method_index, ErrorCode.RATE_LIMITED, 0.0)
                     if self.access is not None:
                         self.access.early(exchange.budget, request, ErrorCode.RATE_LIMITED)
@@ -484,6 +489,14 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                 continue
             route = routes.get(request.method)
             if route is None or (denied and request.method in denied):
+                if request.method == DISCOVER and not (denied and DISCOVER in denied):  # (`Replies._discover`)
+                    if request.id:
+                        discovered = self._discover(request, exchange, size)
+                        answer(discovered)
+                        size += len(discovered)
+                    elif metrics is not None:
+                        metrics.notifications[metrics.discover] += 1
+                    continue
                 if request.id:
                     unknown = response_error(request.id, _METHOD_NOT_FOUND)
                     answer(unknown)

@@ -17,6 +17,7 @@ if typing.TYPE_CHECKING:
     from broker.accesslog import AccessLog
     from broker.answers import ResponseBudget
     from broker.calls import Call, Route
+    from broker.catalog import Catalog
     from broker.channel import Worker
     from broker.deadlines import DeadlineWheel
     from broker.fairqueue import FairQueue, Largest
@@ -33,6 +34,7 @@ class DispatcherState:
 
     if typing.TYPE_CHECKING:
         _alone: dict[Worker, bool]
+        catalog: Catalog
         _alone_held: bool
         _blocked: int
         _blocking: list[int]

@@ -19,11 +19,12 @@ import typing
 from collections import Counter
 
 from broker.calls import Call, Route
+from broker.catalog import DISCOVER, Catalog
 from broker.chunk import with_methods
 from broker.dispatcher_state import DispatcherState
 from broker.jsonrpc import ErrorCode, error_object
 from broker.routing import BLOCKING_US
-from broker.wire import NOTIFY, RETURNABLE
+from broker.wire import NOTIFY, RETURNABLE, MethodInfo
 
 if typing.TYPE_CHECKING:
     from broker.channel import Worker
@@ -65,9 +66,12 @@ class Membership(DispatcherState):
     `dispatcher_state.DispatcherState`.)
     """
 
-    def set_methods(self, names: list[str], sync_methods: typing.Collection[str] = ()) -> None:
+    def set_methods(self, names: list[str], sync_methods: typing.Collection[str] = (),
+                    methods: typing.Sequence[MethodInfo] | None = None) -> None:
         """Install the method table announced by the workers' HELLO (in their order);
-        `sync_methods` names those whose handlers are sync (`wire.Hello`).
+        `sync_methods` names those whose handlers are sync (`wire.Hello`); `methods`, the
+        HELLO's `MethodInfo`s of `names`, make the `catalog` (broker/catalog.py; None: names
+        alone, with no docstring, schema nor tool).
 
         Called again by a reload whose new workers serve another table, after the old
         workers left the rotation and before the new ones join (`Pool._swap`). Calls
@@ -89,6 +93,7 @@ class Membership(DispatcherState):
         new one, which may even be async).
         """
         old = self._names
+        self.catalog = Catalog(methods if methods is not None else [MethodInfo(name) for name in names])
         self._isolation.clear()  # (new code; and the calls in flight on old workers are `stale`: no blame)
         self._alone = {w: dead for w, dead in self._alone.items() if not dead}  # (their slots have new workers)
         known = {name: self._sync_us[i] for i, name in enumerate(old) if self._sync_us[i] >= 0}
@@ -112,7 +117,7 @@ class Membership(DispatcherState):
             self.metrics.set_methods(names)
         if self.access is not None:
             self.access.names = names
-        for warning in self.policy.install(names):
+        for warning in self.policy.install([*names, DISCOVER]):  # (the broker's own: a method as any other)
             log.warning("%s", warning)
 
     def _translate(self, index: list[int]) -> None:

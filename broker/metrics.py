@@ -16,7 +16,7 @@ multiprocess files.
 
 Names follow https://prometheus.io/docs/practices/naming/: the `rpc_broker_` prefix,
 base units (seconds, bytes), `_total` on counters. Label values are bounded: `method`
-is a registered method or `other`; `code` one of the broker's own codes or
+is a registered method, `rpc.discover` (the broker's own) or `other`; `code` one of the broker's own codes or
 `application`; `slot` a worker slot index; `status` an HTTP status code; `kind` of a
 late reply `cancelled` or `result`; `result` of a reload `success` or `failure`.
 
@@ -45,6 +45,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 import broker
+from broker.catalog import DISCOVER
 from broker.jsonrpc import ERRORS, OTHER, ErrorCode
 
 if typing.TYPE_CHECKING:
@@ -197,7 +198,8 @@ class Histogram:
 
 class CallMetrics:
     """What the dispatcher counts per call, indexed by method index (the place of the
-    method in the workers' HELLO list; index len(methods) is `OTHER`).
+    method in the workers' HELLO list; index len(methods) is `OTHER`, and the next one
+    `DISCOVER`, the broker's own `rpc.discover`).
 
     outcomes[m]: {code: answers}: `OK` for results, the broker's error codes, and
                  `APPLICATION` for every other code (so at most 12 entries).
@@ -215,30 +217,36 @@ class CallMetrics:
     )  # fmt: skip
 
     def __init__(self) -> None:
-        self.names: list[str] = [OTHER]
-        self.outcomes: list[dict[int, int]] = [{}]
-        self.latency = [LatencyHistogram()]
-        self.service = [LatencyHistogram()]
-        self.notifications = [0]
+        self.names: list[str] = [OTHER, DISCOVER]
+        self.outcomes: list[dict[int, int]] = [{}, {}]
+        self.latency = [LatencyHistogram(), LatencyHistogram()]
+        self.service = [LatencyHistogram(), LatencyHistogram()]
+        self.notifications = [0, 0]
         self.queue_wait = LatencyHistogram()
         self.sent_at_once = 0
         self.batch_size = Histogram(BATCH_BUCKETS)
 
     def set_methods(self, names: list[str]) -> None:
-        """Size the tables for `names` (plus `OTHER` last). Counts so far stay with
-        their method's name (a reload may reorder the table); `OTHER`'s stay
-        `OTHER`'s; those of a method no longer served are dropped."""
-        old = {name: i for i, name in enumerate(self.names[:-1])}
+        """Size the tables for `names` (plus `OTHER`, then `DISCOVER`, last). Counts so far
+        stay with their method's name (a reload may reorder the table); `OTHER`'s and
+        `DISCOVER`'s stay theirs; those of a method no longer served are dropped."""
+        old = {name: i for i, name in enumerate(self.names[:-2])}
         keep = [old.get(name, -1) for name in names]
-        self.names = [*names, OTHER]  # (no app registers "other": `Registry`)
-        self.outcomes = [self.outcomes[i] if i >= 0 else {} for i in keep] + [self.outcomes[-1]]
-        self.latency = [self.latency[i] if i >= 0 else LatencyHistogram() for i in keep] + [self.latency[-1]]
-        self.service = [self.service[i] if i >= 0 else LatencyHistogram() for i in keep] + [self.service[-1]]
-        self.notifications = [self.notifications[i] if i >= 0 else 0 for i in keep] + [self.notifications[-1]]
+        self.names = [*names, OTHER, DISCOVER]  # (no app registers "other" nor "rpc.": `Registry`)
+        self.outcomes = [self.outcomes[i] if i >= 0 else {} for i in keep] + self.outcomes[-2:]
+        self.latency = [self.latency[i] if i >= 0 else LatencyHistogram() for i in keep] + self.latency[-2:]
+        self.service = [self.service[i] if i >= 0 else LatencyHistogram() for i in keep] + self.service[-2:]
+        self.notifications = [self.notifications[i] if i >= 0 else 0 for i in keep] + self.notifications[-2:]
 
     @property
     def other(self) -> int:
-        """The method index counted as `OTHER`."""
+        """The method index counted as `OTHER`: the method table's length (a reload gives a
+        method it lost that index: `Dispatcher.set_methods`)."""
+        return len(self.names) - 2
+
+    @property
+    def discover(self) -> int:
+        """The method index `rpc.discover` is counted under (broker/catalog.py: the broker's own)."""
         return len(self.names) - 1
 
     def result(self, method: int, latency: float, service_us: int) -> None:

@@ -9,6 +9,9 @@ not served to its caller is answered exactly as one to a method that does not ex
 -32601 "Method not found", so the policy does not tell what exists; it is checked per
 call, a batch's too (`Dispatcher.submit`).
 
+`rpc.discover`, the broker's own (broker/catalog.py), is a method as any other here: served to
+the callers the lists allow, and its document lists only the methods its caller may call.
+
 The dispatcher keeps, per caller, the set of the registered methods it may not call
 (`Policy.denied`), made again for each method table (`Policy.install`): the same set
 object, changed in place, so that a connection holding it sees a reload's table.

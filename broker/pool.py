@@ -179,6 +179,7 @@ class Pool(Reloads, Recycling):
         self.incoming: list[Worker] = []
         self._incoming_methods: list[str] | None = None
         self._incoming_sync: list[str] = []
+        self._incoming_infos: list[wire.MethodInfo] = []  # (the first new worker's HELLO's: the catalogue)
         self._incoming_error = ""
         self.after_reload: typing.Callable[[], None] | None = None  # called after each successful reload
         self.reloads = {"success": 0, "failure": 0}  # reloads by outcome (a metric's label)
@@ -615,7 +616,7 @@ class Pool(Reloads, Recycling):
         if self.methods is None:
             self.methods = names
             self.sync_methods = list(hello.sync_methods)
-            self.dispatcher.set_methods(names, self.sync_methods)
+            self.dispatcher.set_methods(names, self.sync_methods, hello.methods)
         elif names != self.methods and self._reloading:
             # Started before the reload (a crash's or a leave's restart) and importing the
             # code being deployed: the reload's new worker takes the slot at the swap.

@@ -15,6 +15,7 @@ if typing.TYPE_CHECKING:
     from broker.channel import Worker
     from broker.dispatch import Dispatcher
     from broker.recycling import Recycle
+    from broker.wire import MethodInfo
 
 __all__ = ["PoolState"]
 
@@ -31,6 +32,7 @@ class PoolState:
         _incoming_error: str
         _incoming_methods: list[str] | None
         _incoming_sync: list[str]
+        _incoming_infos: list[MethodInfo]
         _first_rss: dict[int, bool]
         _path: str
         _reload_task: asyncio.Task[None] | None

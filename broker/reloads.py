@@ -142,6 +142,7 @@ class Reloads(PoolState):
         self.incoming = [Worker(slot) for slot in range(self.size)]
         self._incoming_methods = None
         self._incoming_sync = []
+        self._incoming_infos = []
         self._incoming_error = ""
         try:
             for worker in self.incoming:
@@ -168,7 +169,8 @@ class Reloads(PoolState):
                               " serves other methods than the running workers", ", ".join(map(str, down)))
                 return False
             self._awaiting_reload.clear()  # (their slots are the new workers')
-            self._swap(self.incoming, typing.cast(list[str], self._incoming_methods), self._incoming_sync)
+            self._swap(self.incoming, typing.cast(list[str], self._incoming_methods), self._incoming_sync,
+                       self._incoming_infos)
             self.reloads["success"] += 1
             if self.after_reload is not None:
                 self.after_reload()
@@ -208,9 +210,11 @@ class Reloads(PoolState):
             await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             waits[0].cancel()
 
-    def _swap(self, incoming: list[Worker], names: list[str], sync_methods: list[str]) -> None:
+    def _swap(self, incoming: list[Worker], names: list[str], sync_methods: list[str],
+              methods: list[wire.MethodInfo]) -> None:
         """Put the ready new workers of a reload in place of the old ones, in one step
-        (no await: no call is routed half-way)."""
+        (no await: no call is routed half-way). `methods`: their HELLO's `MethodInfo`s, the
+        catalogue's (broker/catalog.py), installed whatever changed (a title, a docstring)."""
         old_workers = self.workers
         for old in old_workers:  # first out of the rotation: nothing more goes to them
             self.dispatcher.worker_unready(old)
@@ -218,10 +222,10 @@ class Reloads(PoolState):
             log.info("reload: the new code %s", method_change(names, self.methods or []))
             self.methods = names
             self.sync_methods = sync_methods
-        # Always, even for the same table: calls routed before are translated, and the
-        # routing state is the new code's (a method still sync keeps what was learnt of
-        # its service time; any other starts afresh: `Dispatcher.set_methods`).
-        self.dispatcher.set_methods(names, sync_methods)
+        # Always, even for the same table: calls routed before are translated, the routing
+        # state is the new code's (a method still sync keeps what was learnt of its service
+        # time; any other starts afresh: `Dispatcher.set_methods`), and so is the catalogue.
+        self.dispatcher.set_methods(names, sync_methods, methods)
         self.workers = list(incoming)
         for new in incoming:
             self.dispatcher.worker_ready(new)
@@ -254,6 +258,7 @@ class Reloads(PoolState):
         if self._incoming_methods is None:
             self._incoming_methods = names
             self._incoming_sync = list(hello.sync_methods)
+            self._incoming_infos = list(hello.methods)
         elif names != self._incoming_methods:
             self._incoming_error = (
                 f"new worker {worker.slot} serves {names}, not {self._incoming_methods} as new worker"

@@ -1,4 +1,4 @@
-"""Replies: a worker's answers back to their calls (`Replies`).
+"""Replies: a worker's answers back to their calls (`Replies`), and the broker's own to `rpc.discover`.
 
 `dispatch.Dispatcher` inherits these methods (a mixin with no state of its own: the
 attributes it reads are the dispatcher's, declared below for the type checker). A worker's
@@ -16,6 +16,15 @@ dropped and counted as late: as `cancelled` when it is the worker's acknowledgem
 of the CANCEL (`wire.CANCEL_ACK`), else as `result` (the handler finished after the
 deadline, e.g. a sync handler that could not be interrupted). Notifications travel
 the same way with no exchange (their late replies are not counted: none was owed).
+
+`rpc.discover` (OpenRPC's service discovery, broker/catalog.py) is answered by the broker
+itself as a body is walked (`_discover`, from `Dispatcher._entries`: only a method no worker
+registered is looked up there, so the calls to registered ones pay nothing for it), with the
+catalogue's document less the methods its caller may not call (`policy`): it tells no more of
+what exists than a call would. It is a call as any other otherwise: after the caller's
+authentication and rate limit, served to the callers allow_methods/deny_methods allow it to
+(else -32601), counted in the metrics and the access log as method `rpc.discover`, and held
+to max_response_bytes.
 """
 
 from __future__ import annotations
@@ -30,12 +39,15 @@ from msgspec import Raw
 from broker.accesslog import results_of
 from broker.answers import GONE, Exchange, Outgoing
 from broker.calls import ACKS, Call, as_timed_out, hold, timed_out
+from broker.catalog import DISCOVER
 from broker.chunk import answers as chunk_answers
 from broker.chunk import count_answers, large_params, read_call
 from broker.dispatcher_state import DispatcherState
 from broker.jsonrpc import (
     _RESP_HEAD,  # with _RESP_RESULT: response_result's pieces, for splicing inline
     ErrorCode,
+    Request,
+    error_object,
     http_status,
     response_error,
     response_result,
@@ -70,6 +82,9 @@ _ERROR_SPLICE_BYTES = len(response_error(b"", b""))  # an error's, besides its i
 _TOO_LARGE_MARK = memoryview(b"")  # (_fill_chunk: an entry answered past max_response_bytes)
 _VIEW_FROM = 4096  # (_fill_chunk: results from this many bytes are viewed, not copied, to be spliced)
 _clock = time.perf_counter
+_DISCOVER_PARAMS = error_object(ErrorCode.INVALID_PARAMS, data={"param": None, "reason": f"{DISCOVER} takes no params"})
+_NO_PARAMS = (b"", b"[]", b"{}")
+_BLANKS = b" \t\r\n"  # (JSON's whitespace: RFC 8259 section 2)
 
 
 def error_code(error: bytes, default: int = ErrorCode.INTERNAL_ERROR) -> int:
@@ -443,6 +458,40 @@ class Replies(DispatcherState):
                 self.access.call(call, code, latency)
             else:
                 self.access.element(call, place, code, latency)
+
+    def _discover(self, request: Request, exchange: Exchange, size: int) -> bytes:
+        """The answer to `request`, a call of `rpc.discover` in a body being walked
+        (`Dispatcher._entries`; `size`: the bytes of the answers made before it there, not
+        counted in its budget yet, as this one is not): the caller's OpenRPC document
+        (`catalog.Catalog.openrpc`, without the methods `exchange.budget.denied`), -32602 for
+        params other than none, [] or {}, or -32603 if the document would take the
+        connection's answers owed past max_response_bytes (or all connections' past
+        max_outgoing_bytes), as a worker's result would. Counted (method `rpc.discover`)
+        and told to the access log here."""
+        budget = exchange.budget
+        code = 0
+        if bytes(request.params).translate(None, _BLANKS) not in _NO_PARAMS:
+            code = ErrorCode.INVALID_PARAMS
+            answer = response_error(request.id, _DISCOVER_PARAMS)
+        else:
+            answer = response_result(request.id, self.catalog.openrpc(budget.denied))
+            outgoing = budget.outgoing
+            held = budget.held + size
+            if held + len(answer) > self.max_response_bytes:  # (unless its exchange is owed first)
+                held = budget.counted(exchange) + size
+            if held + len(answer) > self.max_response_bytes or outgoing.held + size + len(answer) > outgoing.limit:
+                code = ErrorCode.INTERNAL_ERROR
+                answer = self._oversize(request.id, held + len(answer) > self.max_response_bytes, outgoing)
+        metrics = self.metrics
+        if metrics is not None:
+            if code:
+                metrics.answered(metrics.discover, code, 0.0)
+            else:
+                metrics.ok(metrics.discover, 0.0)
+        access = self.access if code else self.access_ok
+        if access is not None:
+            access.early(budget, request, code)
+        return answer
 
     def _oversize(self, id_: Raw, connection: bool, outgoing: Outgoing) -> bytes:
         """The -32603 answer (small: the caller counts it in the budget all the same) for

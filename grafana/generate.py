@@ -43,9 +43,10 @@ INSTANCE = 'instance=~"$instance"'
 SERVER_ERROR_CODES = "-32603|-32000|-32001|-32002|-32003|-32004"
 SERVER_ERRORS = f'code=~"{SERVER_ERROR_CODES}"'
 READY = 'state="ready"'
-# Calls to unknown methods, parse errors and invalid requests: answered at once, without a
-# worker. A flood of them drags an all-methods latency quantile down and hides a slow tool.
-NOT_OTHER = 'method!="other"'
+# Calls to unknown methods, parse errors and invalid requests, and `rpc.discover` (the
+# broker's own): answered at once, without a worker. A flood of them drags an all-methods
+# latency quantile down and hides a slow tool.
+NOT_OTHER = 'method!~"other|rpc\\\\.discover"'
 
 # Concrete values for Grafana's variables, used by `expressions()`.
 SUBSTITUTIONS = {
@@ -228,9 +229,9 @@ def overview() -> list[Panel]:
                    f"sum({rate('rpc_broker_calls_total')})"),
              unit="percentunit", thresholds=[(None, "green"), (0.01, "orange"), (0.05, "red")]),
         stat("p99 latency",
-             "99th percentile of the call duration (arrival to answer ready), all methods except `other`: "
-             "unknown methods, parse errors and invalid requests are answered at once, and a flood of them "
-             "would hide a slow tool.",
+             "99th percentile of the call duration (arrival to answer ready), all methods except `other` and "
+             "`rpc.discover`: unknown methods, parse errors, invalid requests and the broker's own rpc.discover "
+             "are answered at once, and a flood of them would hide a slow tool.",
              quantile(0.99, "rpc_broker_call_duration_seconds", "", NOT_OTHER), unit="s",
              thresholds=[(None, "green"), (0.5, "orange"), (1, "red")]),
         stat("Ready workers", "Worker slots in the ready state.",
