@@ -142,6 +142,7 @@ __all__ = [
     "Hello",
     "Kind",
     "MethodInfo",
+    "ParamStructure",
     "WireMismatch",
     "decode_hello",
     "encode_call",
@@ -214,6 +215,10 @@ VERSION = 4
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 
+ParamStructure = typing.Literal["either", "by-name", "by-position"]
+"""OpenRPC's `paramStructure` of a method (Method Object): how its params may be given."""
+
+
 class MethodInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     """One method a worker serves, as its HELLO describes it (every field but `name`
     optional: left out when it has its default). The broker's catalogue of them
@@ -246,7 +251,7 @@ class MethodInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     output_schema: dict[str, object] | None = None
     wrap_result: bool = False
     result_schema: dict[str, object] = {}
-    param_structure: typing.Literal["either", "by-name", "by-position"] = "either"
+    param_structure: ParamStructure = "either"
 
 
 class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

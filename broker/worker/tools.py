@@ -122,7 +122,7 @@ class Described:
     output_schema: Schema | None
     wrap_result: bool
     result_schema: Schema
-    param_structure: str
+    param_structure: wire.ParamStructure
 
 
 def describe(method: Method, tool: bool) -> Described:
@@ -158,13 +158,9 @@ def describe(method: Method, tool: bool) -> Described:
                             f" needs ({_first_line(exc)}): hint it with a type msgspec describes, or Any") from None
         result = {}
     output, wrap = _output_schema(result)
-    structure = "either"
-    if method.raw_params:
-        pass
-    elif inspect.Parameter.KEYWORD_ONLY in kinds:
-        structure = "by-name"
-    elif pos_only:
-        structure = "by-position"
+    structure: wire.ParamStructure = (
+        "either" if method.raw_params else "by-name" if inspect.Parameter.KEYWORD_ONLY in kinds
+        else "by-position" if pos_only else "either")
     return Described(inputs, output, wrap, result, structure)
 
 
@@ -184,7 +180,7 @@ def method_info(method: Method) -> wire.MethodInfo:
         title=None if method.title is None else _text(method.title), annotations=annotations,
         input_schema=described.input_schema, output_schema=described.output_schema,
         wrap_result=described.wrap_result, result_schema=described.result_schema,
-        param_structure=typing.cast(typing.Literal["either", "by-name", "by-position"], described.param_structure),
+        param_structure=described.param_structure,
     )
 
 
