@@ -4,7 +4,9 @@ A `Catalog` is made from the `wire.MethodInfo` list of the HELLO that installs a
 table (`Dispatcher.set_methods`: the first worker's at the start, a reload's new workers' at
 its swap, even when only their metadata changed), and replaced whole by the next one: the
 dispatcher's `catalog` is always the table its calls are routed by. Before any worker said
-HELLO it is empty. Everything it answers is built once: `tools()` when it is made,
+HELLO it is empty. A worker restarted alone (a crash's restart) on code changed on disk with the
+same method names joins as it does today, and its new titles or docstrings are not seen here:
+a reload (SIGHUP) deploys them, to every worker and to the catalogue at once. Everything it answers is built once: `tools()` when it is made,
 `openrpc()` at the first `rpc.discover` of each set of hidden methods (a caller's
 `policy.Policy.denied`).
 
