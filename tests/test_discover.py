@@ -1,7 +1,7 @@
 """`rpc.discover` (issue 13, item 4): the OpenRPC 1.3.2 document of the workers' methods,
 answered by the broker itself (broker/catalog.py, broker/replies.py `_discover`).
 
-On real brokers with real workers, over HTTP and over an NDJSON stream, alone and in batches,
+On real brokers with real workers, over HTTP, an NDJSON stream and stdio, alone and in batches,
 the document validated against the OpenRPC meta-schema (tests/data/openrpc/, draft 07, as the
 specification says); under the method policy per token; after a reload that changed only a
 title. In memory (the dispatcher core, as tests/test_dispatch_core.py drives it): before any
@@ -25,6 +25,7 @@ import test_dispatch_core
 from conftest import TESTDATA, Broker, sample, scrape_metrics, wait_for
 from test_dispatch import body, req
 from test_dispatch_core import one_worker
+from test_stdio import ends_cleanly, stdio_broker  # noqa: F401  (a fixture)
 
 from broker.accesslog import AccessLog
 from broker.answers import ResponseBudget
@@ -123,6 +124,15 @@ def test_rpc_discover_over_an_ndjson_stream_and_in_batches(broker_factory):
     assert sample(samples, "rpc_broker_calls_total", method=DISCOVER, outcome="ok") == 4
     assert sample(samples, "rpc_broker_calls_total", method=DISCOVER, outcome="invalid_params") == 1
     assert sample(samples, "rpc_broker_notifications_total", method=DISCOVER) == 1
+
+
+def test_rpc_discover_over_stdio(stdio_broker):  # noqa: F811
+    b = stdio_broker("--workers", "1", "--app", APP)
+    b.send({"jsonrpc": "2.0", "method": DISCOVER, "id": "stdio"})
+    answer = b.answer(60)
+    assert answer["id"] == "stdio" and method_names(answer["result"]) == TOOLBOX
+    meta_schema().validate(answer["result"])
+    ends_cleanly(b)
 
 
 def test_a_caller_s_document_lists_only_what_it_may_call_and_the_lists_may_deny_rpc_discover(broker_factory,
