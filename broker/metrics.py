@@ -102,11 +102,11 @@ assert set(_OUTCOMES) == set(ERRORS), "every broker error code has an outcome na
 _OUTCOME_NAMES = ("ok", *_OUTCOMES.values(), "application_error")
 # The statuses the HTTP front-end answers with (their series exist from the start).
 HTTP_STATUSES = (
-    b"200", b"204", b"400", b"401", b"403", b"404", b"405", b"408", b"411", b"413", b"415", b"421", b"429", b"431",
+    b"200", b"202", b"204", b"400", b"401", b"403", b"404", b"405", b"408", b"411", b"413", b"415", b"421", b"429", b"431",
     b"500", b"502", b"503", b"504", b"505",
 )
 # The `path` label of the HTTP responses: rpc_path, /healthz, /readyz, /metrics, anything else.
-HTTP_PATHS = ("rpc", "health", "ready", "metrics", "other")
+HTTP_PATHS = ("rpc", "mcp", "health", "ready", "metrics", "other")
 RESTART_REASONS = ("exited", "killed", "hung", "boot_timeout", "reload", "left", "code_changed")  # see pool.restart_reason
 # Why a notification never reached a worker (Dispatcher.notifications_dropped's keys).
 # invalid_request: nested past the JSON parser's limit, so it cannot be forwarded
@@ -384,6 +384,7 @@ class BrokerCollector(Collector):
             [([reason], d.notifications_dropped.get(code, 0)) for code, reason in DROP_REASONS.items()],
         )  # fmt: skip
         yield from self._http()
+        yield from self._mcp()
         yield from self._workers()
         yield from self._event_loop()
         yield _family_gauge(
@@ -440,6 +441,33 @@ class BrokerCollector(Collector):
         h = HistogramMetricFamily("rpc_broker_batch_size", "Requests and notifications per batch.")
         h.add_metric([], m.batch_size.buckets(), m.batch_size.sum)
         yield h
+
+    def _mcp(self) -> Iterator[Metric]:
+        """MCP's families (broker/frontend/mcp.py), summed over the listeners that serve it."""
+        from broker.frontend.mcp import ERAS, METHODS, TOOL_RESULTS
+
+        servers = [fe.mcp for fe in self.frontends if fe.mcp is not None]
+        requests = {(method, era): 0 for method in METHODS for era in ERAS}
+        tools = {(t["name"], result): 0 for t in self.dispatcher.catalog.tools() for result in TOOL_RESULTS}
+        for server in servers:
+            for key, n in server.requests.items():
+                requests[key] += n
+            for key, n in server.tool_calls.items():
+                tools[key] = tools.get(key, 0) + n
+        yield _family_counter(
+            "rpc_broker_mcp_requests", "MCP requests and notifications (on mcp_path, or mcp-stdio), by MCP method "
+            "(\"other\": any other) and era: 2026-07-28's stateless requests, or a session's (legacy: initialize, "
+            "2025-11-25 and older).", ["method", "era"],
+            (([method, era], n) for (method, era), n in requests.items()),
+        )  # fmt: skip
+        yield _family_counter(
+            "rpc_broker_mcp_tool_calls", "MCP tools/call answered, by tool and result: ok, tool_error (isError: "
+            "its arguments, its handler's error, a timeout, a worker's death, the broker's overload), or "
+            "unknown_tool (-32602; tool \"other\" for a name no worker serves).", ["tool", "result"],
+            (([tool, result], n) for (tool, result), n in sorted(tools.items())),
+        )  # fmt: skip
+        yield _family_gauge("rpc_broker_mcp_sessions", "MCP sessions (2025-11-25, HTTP: Mcp-Session-Id) held.", [],
+                            [([], sum(server.sessions for server in servers))])
 
     def _http(self) -> Iterator[Metric]:
         statuses = {(path, status): 0 for path in HTTP_PATHS for status in HTTP_STATUSES}

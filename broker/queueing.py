@@ -72,7 +72,7 @@ from broker.dispatcher_state import DispatcherState
 from broker.jsonrpc import ErrorCode, error_object
 
 if typing.TYPE_CHECKING:
-    from broker.answers import ResponseBudget
+    from broker.answers import Exchange, ResponseBudget
     from broker.calls import Call
 
 __all__ = ["Queueing"]
@@ -148,8 +148,20 @@ class Queueing(DispatcherState):
         time took every place (hostile testing, round 57: 2 sequential connections, another
         client's call waited 11.7 s). Notifications run on: nobody waits for them. Counted
         in `abandoned_total`. O(its calls queued + the calls in flight)."""
+        self._drop(owner, owed)
+
+    def cancel(self, exchange: Exchange) -> None:
+        """The client cancelled the request `exchange` answers (MCP's `notifications/cancelled`,
+        broker/frontend/mcp.py): its calls still queued are dropped, never run, and those in
+        flight cancelled on their worker, as `abandon` does for a whole connection's; counted in
+        `abandoned_total` too. Its answer, if any, is the front-end's: the exchange is not called
+        back for these calls. O(its connection's calls queued + the calls in flight)."""
+        self._drop(exchange.budget, lambda call: call.exchange is exchange)
+
+    def _drop(self, owner: ResponseBudget, which: typing.Callable[[Call], bool]) -> None:
+        """`owner`'s calls `which` takes, owed an answer: out of the queue, or cancelled in flight."""
         if owner.queued:
-            for call in self._queue.remove(owner, owed):
+            for call in self._queue.remove(owner, which):
                 if not call.tick:  # (an expired one's shell: answered and counted out already)
                     self._expired_queued -= 1
                     continue
@@ -166,7 +178,7 @@ class Queueing(DispatcherState):
             self._pump()  # (the head may be another now, which a blocked worker takes; and `_check_idle`)
         if owner.in_flight:
             now = _clock()
-            for call in [c for c in self._pending.values() if c.owner is owner and c.exchange is not None]:
+            for call in [c for c in self._pending.values() if c.owner is owner and c.exchange is not None and which(c)]:
                 if call.tick:
                     self._deadlines.remove(call)
                 call.exchange = None

@@ -74,8 +74,8 @@ def _check(s: Setting, value: object, source: str) -> None:
             + (f", and the broker adds {SOCKET_PATH_BYTES - SOCKET_DIR_BYTES} to socket_dir"
                if s.name == "socket_dir" else "")
         )
-    if s.name == "rpc_path" and isinstance(value, str) and {".", ".."} & set(value.split("/")):
-        raise ConfigError(f"{source}: rpc_path = {value!r}: a '.' or '..' segment, which clients remove "
+    if s.name in ("rpc_path", "mcp_path") and isinstance(value, str) and {".", ".."} & set(value.split("/")[1:]):
+        raise ConfigError(f"{source}: {s.name} = {value!r}: a '.' or '..' segment, which clients remove "
                           "before they send the path (RFC 3986 section 5.2.4): it could not be reached")
     if s.name in ("host", "metrics_host") and isinstance(value, str) and value != "".join(value.split()):
         raise ConfigError(f"{source}: {s.name} = {value!r}: white space in an address, which nothing can be "
@@ -436,6 +436,11 @@ def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
             ), ("allowed_origins",)
     if cfg.rpc_path in ("/healthz", "/readyz", "/metrics"):
         return f"rpc_path = {cfg.rpc_path!r} would hide the broker's own {cfg.rpc_path}: choose another path", ("rpc_path",)
+    if cfg.mcp_path in ("/healthz", "/readyz", "/metrics"):
+        return f"mcp_path = {cfg.mcp_path!r} would hide the broker's own {cfg.mcp_path}: choose another path", ("mcp_path",)
+    if cfg.mcp_path == cfg.rpc_path:
+        return (f"mcp_path and rpc_path are both {cfg.rpc_path!r}: MCP and plain JSON-RPC need paths of their own "
+                "(mcp_path = \"\" turns MCP over HTTP off)"), ("mcp_path", "rpc_path")
     if cfg.metrics_port and not cfg.metrics:
         return "metrics_port is set but metrics = false: set metrics = true, or metrics_port = 0", ("metrics_port", "metrics")
     ports = {"port": cfg.port, "stream_port": cfg.stream_port}

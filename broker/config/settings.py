@@ -129,6 +129,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                  "not part of the path it is matched against)",
                             metavar="PATH")
                         ] = "/"
+    mcp_path: Annotated[str, Meta(pattern=r"^(?:/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*)?\Z"),
+                        Doc("HTTP path that serves the workers' tools over MCP (Streamable HTTP, revisions "
+                            "2026-07-28 and 2025-11-25); empty: MCP over HTTP off",
+                            rule="empty, or a path written as rpc_path is, and another one",
+                            metavar="PATH")
+                        ] = "/mcp"
     stream_port: Annotated[int, Meta(ge=0, le=65535),
                            Doc("also serve newline-delimited JSON-RPC over TCP on host:this "
                                "port; 0 means off")

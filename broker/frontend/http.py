@@ -92,7 +92,7 @@ from broker.frontend.httprequest import (
     _Request,
 )
 from broker.frontend.httpstate import Close
-from broker.jsonrpc import ErrorCode
+from broker.jsonrpc import Body, ErrorCode
 from broker.ratelimit import Bucket, address_of
 
 __all__ = [
@@ -533,12 +533,17 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
             self._waiting_bytes -= len(body)
             # (submit_held: while draining, a request held here is served as in flight)
             self._budget.denied, self._budget.bucket, self._budget.caller = deferred.denied, deferred.bucket, deferred.caller
-            exchange = fe.dispatcher.submit_held(fe.codec.decode(body), self._deferred_done, self._budget)
+            mcp = deferred.mcp
+            decoded = fe.codec.decode(body) if mcp is None else Body(False, [mcp.request])
+            exchange = fe.dispatcher.submit_held(decoded, self._deferred_done, self._budget)
             if exchange is None:
                 extra = self._keep_header if deferred.keep_alive else CLOSE
                 deferred.response = STATUS_LINES[204] + fe.date + deferred.cors + extra + b"\r\n"
             else:
-                exchange.context = (deferred.keep_alive, deferred.cors) if deferred.cors else deferred.keep_alive
+                exchange.context = ((deferred.keep_alive, deferred.cors, mcp) if mcp is not None else
+                                    (deferred.keep_alive, deferred.cors) if deferred.cors else deferred.keep_alive)
+                if mcp is not None and exchange.remaining:
+                    mcp.started(exchange)
                 deferred.exchange = busy = self._busy = exchange
         if self._transport is not None:
             self._flush_ready()  # (an exchange complete at once is not called back)

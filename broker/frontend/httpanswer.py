@@ -98,7 +98,7 @@ class Answers(HttpState):
                         self._budget.outgoing.held -= exchange.size
                 else:
                     data, keep_alive = self._answer(exchange)
-                    self._write(data, keep_alive, "rpc")
+                    self._write(data, keep_alive, path_of(exchange))
             else:
                 self._flush_ready()
 
@@ -107,6 +107,12 @@ class Answers(HttpState):
         open. The caller writes it, then calls `ResponseBudget.written`."""
         context = exchange.context
         if type(context) is tuple:  # an allowed cross-origin call: (keep_alive, CORS headers)
+            if len(context) == 3:  # an MCP tools/call: (keep_alive, extra headers, its `mcp.ToolCall`)
+                keep_alive, extra, call = context
+                if keep_alive:
+                    extra += self._keep_header
+                body = call.finish(exchange.answers[0] or b"")
+                return json_response(200, body, keep_alive, extra, self._fe.json_head), keep_alive
             keep_alive, extra = context
         else:
             keep_alive, extra = bool(context), b""
@@ -164,7 +170,7 @@ class Answers(HttpState):
                     break
                 data, keep_alive = self._answer(exchange)
                 responses.popleft()
-                self._write(data, keep_alive, "rpc")
+                self._write(data, keep_alive, path_of(exchange))
                 self._budget.written(exchange, self._write_paused)
                 taken = not self._write_paused
                 if self._transport is None:
@@ -366,3 +372,9 @@ class Answers(HttpState):
             self.request_started = 0.0
             return
         self._answer_and_close(408, b"request not received within request_timeout %g s" % self._fe.request_timeout)
+
+
+def path_of(exchange: Exchange) -> str:
+    """The `path` label of an exchange's answer: "mcp" for an MCP tools/call's (its context a 3-tuple), else "rpc"."""
+    context = exchange.context
+    return "mcp" if type(context) is tuple and len(context) == 3 else "rpc"

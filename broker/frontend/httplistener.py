@@ -23,6 +23,7 @@ from broker.frontend.base import (
     unread_bytes,
 )
 from broker.frontend.httpmsg import JSON_HEADERS, METRICS_HEADERS, STATUS_LINES, date_header, error_body
+from broker.frontend.mcp import McpServer
 from broker.jsonrpc import ErrorCode
 from broker.metrics import HTTP_PATHS
 
@@ -57,6 +58,7 @@ class HttpFrontend(Listener):
         dispatcher: Dispatcher,
         *,
         rpc_path: str = "/",
+        mcp_path: str = "",
         request_timeout: float = 30.0,
         ready: typing.Callable[[], bool] | None = None,
         metrics: typing.Callable[[], bytes] | None = None,
@@ -72,6 +74,9 @@ class HttpFrontend(Listener):
         super().__init__(dispatcher, transport=transport, **limits)
         # A metrics-only listener (metrics_port) answers no RPC path: b"" matches no URL.
         self.rpc_path = rpc_path.encode() if serve_rpc else b""
+        # MCP's endpoint (broker/frontend/mcp.py): b"" matches no URL
+        self.mcp_path = mcp_path.encode() if serve_rpc else b""
+        self.mcp = McpServer(lambda: dispatcher.catalog, self.codec, private=auth is not None)
         self.request_timeout = request_timeout
         self.statuses = {path: {} for path in PATHS}
         self.metrics = metrics  # makes the /metrics body; None: 404 on /metrics

@@ -42,7 +42,7 @@ def retry_after(seconds: float) -> bytes:
 
 STATUS_LINES = {
     code: status_line(code)
-    for code in (200, 204, 400, 401, 403, 404, 405, 408, 429, 411, 413, 415, 421, 431, 500, 502, 503, 504, 505)
+    for code in (200, 202, 204, 400, 401, 403, 404, 405, 408, 429, 411, 413, 415, 421, 431, 500, 502, 503, 504, 505)
 }
 JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 CLOSE = b"connection: close\r\n"

@@ -25,6 +25,7 @@ import typing
 from broker.answers import Exchange
 
 if typing.TYPE_CHECKING:
+    from broker.frontend.mcp import ToolCall
     from broker.ratelimit import Bucket
 
 __all__ = ["Deferred", "Owed", "Ready", "Scrape"]
@@ -60,9 +61,10 @@ class Deferred:
     max_response_bytes of answers, or its client was not reading (see `_gated`).
     `exchange` once dispatched; `response` if it then owed nothing (204). `denied` and
     `bucket`: its caller's policy and rate limit, `caller` its token's name (`ResponseBudget`'s
-    when it is dispatched)."""
+    when it is dispatched). `mcp`: for an MCP tools/call, its `mcp.ToolCall` (what is
+    dispatched, instead of `body` decoded; `body` is kept for its count in max_incoming_bytes)."""
 
-    __slots__ = ("body", "bucket", "caller", "cors", "denied", "exchange", "keep_alive", "response")
+    __slots__ = ("body", "bucket", "caller", "cors", "denied", "exchange", "keep_alive", "mcp", "response")
 
     def __init__(self, body: bytes | bytearray, keep_alive: bool, cors: bytes,
                  denied: typing.AbstractSet[str] = frozenset(), bucket: Bucket | None = None,
@@ -75,6 +77,7 @@ class Deferred:
         self.cors = cors
         self.exchange: Exchange | None = None
         self.response = b""
+        self.mcp: ToolCall | None = None
 
 
 Owed = Exchange | Ready | Scrape | Deferred  # an entry of `HttpProtocol._responses`

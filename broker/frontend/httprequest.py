@@ -81,10 +81,15 @@ from broker.frontend.httpmsg import (
     is_json,
     json_response,
     retry_after,
+    status_line,
 )
 from broker.frontend.httpowed import Deferred, Scrape
 from broker.frontend.httpstate import Close, HttpState
-from broker.jsonrpc import ErrorCode
+from broker.frontend.mcp import Cancel, Meta, Reply, ToolCall, cancelled
+from broker.jsonrpc import Body, ErrorCode
+
+if typing.TYPE_CHECKING:
+    from broker.answers import Exchange
 
 __all__ = ["CHUNK_FRAMING_BYTES", "MAX_HEADERS", "MAX_HEADER_BYTES", "MIN_CHUNK_BYTES", "SMALL_CHUNKS", "Requests"]
 
@@ -112,6 +117,15 @@ CHUNK_FRAMING_BYTES = 64
 _PROBE_PATHS = frozenset((b"/healthz", b"/readyz", b"/metrics"))
 _CODED = b"\0coded"  # `_Request.content_type` of a body with a Content-Encoding other than identity: 415
 _PATH_OF_URL = {b"/healthz": "health", b"/readyz": "ready", b"/metrics": "metrics"}
+# MCP's request headers (2026-07-28 streamable-http, "Request Metadata"; 2025-11-25's session), by their
+# place in `_Request.mcp`
+_MCP_HEADERS = {b"mcp-protocol-version": 0, b"mcp-method": 1, b"mcp-name": 2, b"mcp-session-id": 3}
+_MCP_LENGTHS = frozenset(len(name) for name in _MCP_HEADERS) - {14}  # (14: tried beside content-length)
+_MCP_PREFLIGHT = (
+    b"access-control-allow-methods: POST, DELETE\r\naccess-control-allow-headers: content-type, authorization, "
+    b"mcp-protocol-version, mcp-method, mcp-name, mcp-session-id\r\naccess-control-expose-headers: mcp-session-id\r\n"
+    b"access-control-max-age: 600\r\n"
+)
 
 
 class _StopParsing(Exception):
@@ -143,11 +157,14 @@ class _Request:
     host, origin, content_type, authorization: those header values, None if absent (two
         Origin, Content-Type or Authorization fields: b""; a body coded other than
         identity: `_CODED`).
+    mcp: MCP's headers (MCP-Protocol-Version, Mcp-Method, Mcp-Name, Mcp-Session-Id), as a
+        list of their values in that order, None until one comes (one field twice: b"", which
+        matches no body); read only on mcp_path.
     """
 
     __slots__ = (
         "authorization", "body", "chunks", "content_length", "content_type", "expect", "header_bytes", "headers",
-        "host", "origin", "skip", "transfer_encoding", "url",
+        "host", "mcp", "origin", "skip", "transfer_encoding", "url",
     )  # fmt: skip
 
     url: bytes
@@ -163,6 +180,7 @@ class _Request:
     origin: bytes | None
     content_type: bytes | None
     authorization: bytes | None
+    mcp: list[bytes | None] | None
 
     def __init__(self) -> None:
         # (the same values as `on_message_begin`'s, which sets them again, inlined, at each
@@ -171,7 +189,7 @@ class _Request:
         self.content_length = -1
         self.header_bytes = self.headers = self.chunks = 0
         self.expect = self.skip = False
-        self.host = self.origin = self.content_type = self.authorization = None
+        self.host = self.origin = self.content_type = self.authorization = self.mcp = None
 
 
 class Requests(HttpState):
@@ -191,7 +209,7 @@ class Requests(HttpState):
         req.content_length = -1
         req.header_bytes = req.headers = req.chunks = 0
         req.expect = req.skip = False
-        req.host = req.origin = req.content_type = req.authorization = None
+        req.host = req.origin = req.content_type = req.authorization = req.mcp = None
 
     def on_url(self, url: bytes) -> None:
         req = self._request
@@ -226,6 +244,11 @@ class Requests(HttpState):
             req.content_length = size
             if size > self._fe.max_body_bytes:
                 req.skip = True
+        elif n == 14 and name.lower() == b"mcp-session-id":
+            mcp = req.mcp
+            if mcp is None:
+                mcp = req.mcp = [None, None, None, None]
+            mcp[3] = value if mcp[3] is None else b""
         # (The usual spelling is tried first: bytes.lower() costs more than the compare.)
         elif n == 4 and (name == b"Host" or name.lower() == b"host"):
             if req.host is not None:
@@ -250,6 +273,13 @@ class Requests(HttpState):
             # all of them, as one list (RFC 9110 5.3): checked in on_headers_complete
             te = req.transfer_encoding
             req.transfer_encoding = value if not te else te + b", " + value
+        elif n in _MCP_LENGTHS:
+            at = _MCP_HEADERS.get(name.lower())
+            if at is not None:
+                mcp = req.mcp
+                if mcp is None:
+                    mcp = req.mcp = [None, None, None, None]
+                mcp[at] = value if mcp[at] is None else b""
 
     def on_headers_complete(self) -> None:
         req = self._request
@@ -268,7 +298,7 @@ class Requests(HttpState):
             self._answer_and_close(400, b"unsupported Transfer-Encoding: use chunked alone")
             return
         if (self._fe.auth is not None and self._parser.get_method() == b"POST" and not self._probe_only
-                and req.url.partition(b"?")[0] == self._fe.rpc_path and not self._authorized()):
+                and req.url.partition(b"?")[0] in (self._fe.rpc_path, self._fe.mcp_path) and not self._authorized()):
             # A call with no good token is answered (401, or what `_route` says first) before
             # its body comes, which is discarded as a 413's: a client with no token holds no
             # body, nor max_incoming_bytes (hostile testing, round 114, M5: 100 Continue, then
@@ -343,7 +373,7 @@ class Requests(HttpState):
             not self._probe_only
             and self._parser.get_http_version() == "1.1"
             and self._parser.get_method() == b"POST"
-            and req.url.partition(b"?")[0] == self._fe.rpc_path
+            and req.url.partition(b"?")[0] in (self._fe.rpc_path, self._fe.mcp_path)
             and self._may_call()
         )
 
@@ -448,6 +478,9 @@ class Requests(HttpState):
                 else:
                     self._rpc(keep_alive, cors)
             return
+        if url == fe.mcp_path and not self._probe_only:
+            self._mcp(method, keep_alive, head)
+            return
         path = self._path_of(url)
         if self._probe_only and url not in _PROBE_PATHS:
             fe.refused()
@@ -533,9 +566,66 @@ class Requests(HttpState):
 
     def _path_of(self, url: bytes) -> str:
         """The `path` label of an answer to `url` (query string removed): one of `PATHS`."""
-        return "rpc" if url == self._fe.rpc_path else _PATH_OF_URL.get(url, "other")
+        fe = self._fe
+        return "rpc" if url == fe.rpc_path else "mcp" if url == fe.mcp_path else _PATH_OF_URL.get(url, "other")
 
-    def _refused(self, rpc: bool, keep_alive: bool, head: bool) -> bool:
+    def _mcp(self, method: bytes, keep_alive: bool, head: bool) -> None:
+        """A request to mcp_path: MCP's Streamable HTTP (broker/frontend/mcp.py says what is
+        answered). Who may call is checked as on rpc_path (Host, Origin: 2026-07-28
+        streamable-http, "Security", 403 for an Origin not allowed; Content-Type, the bearer
+        token); then a POST's body goes to `McpServer.handle`, and a tools/call it makes is
+        dispatched as a call on rpc_path is (`_rpc`)."""
+        req = self._request
+        fe = self._fe
+        if self._refused(True, keep_alive, head, "mcp"):
+            return
+        cors = b"" if req.origin is None else typing.cast(bytes, fe.cors_headers(req.origin))
+        headers = req.mcp or (None, None, None, None)
+        if method == b"OPTIONS" and cors:  # a CORS preflight (Fetch standard 3.2.2)
+            extra = self._keep_header if keep_alive else CLOSE
+            self._queue(STATUS_LINES[204] + fe.date + cors + _MCP_PREFLIGHT + extra + b"\r\n", keep_alive, "mcp")
+        elif fe.auth is not None and not self._authorized():
+            self._unauthorized(keep_alive, cors, "mcp", head)
+        elif method == b"DELETE" and headers[3]:  # (2025-11-25 transports, "Session Management", item 5)
+            if fe.mcp.end_session(headers[3]):
+                extra = self._keep_header if keep_alive else CLOSE
+                self._queue(STATUS_LINES[204] + fe.date + cors + extra + b"\r\n", keep_alive, "mcp")
+            else:
+                self._queue_plain(404, b"no session by that Mcp-Session-Id", keep_alive, "mcp", cors)
+        elif method != b"POST":  # (2026-07-28 streamable-http, "Backward Compatibility": GET and DELETE 405)
+            self._queue_plain(405, b"use POST for MCP", keep_alive, "mcp", b"allow: POST\r\n" + cors, head)
+        elif req.content_type is _CODED:
+            self._queue_invalid(415, "Content-Encoding is not supported: send the body as it is (identity)",
+                                keep_alive, "mcp", cors + b"accept-encoding: identity\r\n")
+        elif not is_json(req.content_type):
+            self._queue_invalid(415, "Content-Type must be application/json (its charset, if given, utf-8)",
+                                keep_alive, "mcp", cors)
+        elif not req.body and req.content_length < 0 and not req.transfer_encoding:
+            self._queue_invalid(411, "no body: send the request with Content-Length (or Transfer-Encoding: "
+                                "chunked)", keep_alive, "mcp", cors)
+        else:
+            if fe.auth is not None:
+                self._budget.denied = self._denied
+            outcome = fe.mcp.handle(bytes(req.body), Meta(*headers), None, self._denied)
+            if isinstance(outcome, ToolCall):
+                self._rpc(keep_alive, cors, outcome)
+                return
+            req.body = b""
+            if isinstance(outcome, Cancel):  # (2025-11-25 basic/utilities/cancellation, in a session)
+                exchange = typing.cast("Exchange | None", outcome.session.calls.pop(outcome.request_id, None))
+                if exchange is not None and exchange.remaining:
+                    fe.dispatcher.cancel(exchange)
+                    exchange.fill(0, cancelled(outcome.request_id))  # (its POST still waits for an answer)
+                outcome = Reply(202, b"")
+            status, body, extra = outcome
+            extra += cors + (self._keep_header if keep_alive else b"")
+            if body:
+                self._queue(json_response(status, body, keep_alive, extra, fe.json_head), keep_alive, "mcp")
+            else:  # (a notification accepted: 202 with no body, 2026-07-28 streamable-http, "Sending Messages")
+                extra += b"content-length: 0\r\n" + (b"" if keep_alive else CLOSE)
+                self._queue(status_line(status) + fe.date + extra + b"\r\n", keep_alive, "mcp")
+
+    def _refused(self, rpc: bool, keep_alive: bool, head: bool, path: str = "rpc") -> bool:
         """Answer a request for rpc_path (`rpc`) or /metrics that comes from where it may
         not: 400 with no Host on HTTP/1.1, 421 for a Host not allowed, 403 for an Origin
         not allowed (see the module docstring). Return True if it was answered."""
@@ -560,9 +650,9 @@ class Requests(HttpState):
             # 30 KB Host would make an answer twice its request)
             shown = value[:200].decode("latin-1") + ("..." if len(value) > 200 else "")
             data = f"{reason}: {shown}" if value else reason
-            self._queue_invalid(status, data, keep_alive, "rpc")
+            self._queue_invalid(status, data, keep_alive, path)
         else:
-            self._queue_plain(status, reason.encode(), keep_alive, "rpc" if rpc else "metrics", b"", head)
+            self._queue_plain(status, reason.encode(), keep_alive, path if rpc else "metrics", b"", head)
         return True
 
     # -- dispatching -------------------------------------------------------------------
@@ -586,10 +676,13 @@ class Requests(HttpState):
         waiting, responses = self._waiting, self._responses
         return not (waiting and responses and responses[0] is waiting[0])
 
-    def _rpc(self, keep_alive: bool, cors: bytes = b"") -> None:
+    def _rpc(self, keep_alive: bool, cors: bytes = b"", mcp: ToolCall | None = None) -> None:
+        """Dispatch the request's JSON-RPC body (`mcp`: the MCP tools/call made of it instead, its
+        answer made a CallToolResult when written: `Answers._answer`), now or once the
+        connection may take more (`Deferred`)."""
         req = self._request
         body = req.body
-        if not body and req.content_length < 0 and not req.transfer_encoding:
+        if not body and req.content_length < 0 and not req.transfer_encoding and mcp is None:
             # No framing, so no body (RFC 9112 6.3): 411 says what is missing (RFC 9110 15.5.12;
             # hostile testing, round 77: `curl -X POST` with no data got a bare -32700).
             self._queue_invalid(411, "no body: send the request with Content-Length (or Transfer-Encoding: "
@@ -616,13 +709,14 @@ class Requests(HttpState):
                 return
             self._waiting_bytes += len(body)
             deferred = Deferred(body, keep_alive, cors, self._denied, self._bucket, self.caller)
+            deferred.mcp = mcp
             self._waiting.append(deferred)
             self._responses.append(deferred)
             self._pause()
             if not self._gated():
                 fe.loop.call_soon(self._dispatch_waiting)
             return
-        decoded = fe.codec.decode(body)
+        decoded = fe.codec.decode(body) if mcp is None else Body(False, [mcp.request])
         # (while draining, a request completed now was under way at the stop: `held`)
         submit = fe.dispatcher.submit_held if fe.draining else fe.dispatcher.submit
         if fe.auth is not None:  # (its caller's policy: a request before it may have had another token)
@@ -632,12 +726,15 @@ class Requests(HttpState):
             extra = self._keep_header if keep_alive else CLOSE
             self._queue(STATUS_LINES[204] + fe.date + cors + extra + b"\r\n", keep_alive, "rpc")
             return
-        # Read back by _answer: keep_alive, or (keep_alive, CORS headers) for a cross-origin call
-        exchange.context = (keep_alive, cors) if cors else keep_alive
+        # Read back by _answer: keep_alive, or (keep_alive, CORS headers) for a cross-origin call, or
+        # (keep_alive, CORS headers, ToolCall) for MCP's
+        exchange.context = (keep_alive, cors, mcp) if mcp is not None else (keep_alive, cors) if cors else keep_alive
+        if mcp is not None and exchange.remaining:
+            mcp.started(exchange)
         if exchange.remaining == 0 and not self._responses:
-            if cors:
+            if cors or mcp is not None:
                 data, keep_alive = self._answer(exchange)
-                self._write(data, keep_alive, "rpc")
+                self._write(data, keep_alive, "rpc" if mcp is None else "mcp")
                 self._budget.written(exchange, self._write_paused)
             else:
                 extra = self._keep_header if keep_alive else b""

@@ -89,10 +89,13 @@ from broker.frontend.base import (
     discard_turn,
     is_tls,
 )
+from broker.frontend.mcp import Cancel, McpServer, Session, ToolCall
 from broker.frontend.streamclose import Closing
-from broker.jsonrpc import ErrorCode, Request, error_object, response_error, response_result
+from broker.jsonrpc import Body, ErrorCode, Request, error_object, response_error, response_result
 from broker.ratelimit import address_of
 from broker.tls import certificate_name
+
+Submit = typing.Callable[[Body, typing.Callable[[Exchange], None], ResponseBudget], "Exchange | None"]
 
 if typing.TYPE_CHECKING:
     from broker.auth import Authenticator
@@ -134,6 +137,9 @@ class StreamFrontend(Listener):
     auth: the bearer tokens its connections must show first (`authenticate`), or None.
     client_certs: its TLS clients may show a certificate (tls_client_ca_file) whose subject
     commonName, a token's name, authenticates them as that token (with `auth` only).
+    mcp: its lines are MCP messages (stdio's framing, which MCP's stdio transport says works
+    over any such stream: `rpc-broker mcp-stdio`), served by `mcp.McpServer`, each
+    connection a session of its own, instead of plain JSON-RPC bodies.
     """
 
     # At the stop, a connection that has sent nothing yet may have its first line on its way
@@ -148,10 +154,12 @@ class StreamFrontend(Listener):
         transport: str,
         auth: Authenticator | None = None,
         client_certs: bool = False,
+        mcp: bool = False,
         **limits: typing.Unpack[Limits],
     ) -> None:
         super().__init__(dispatcher, transport=transport, **limits)
         self.auth = auth
+        self.mcp = McpServer(lambda: dispatcher.catalog, self.codec) if mcp else None
         self.client_certs = client_certs and auth is not None
         self.unauthenticated = response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
             'a bearer token is required: the first line must be {"jsonrpc":"2.0","method":"rpc.authenticate",'
@@ -237,6 +245,8 @@ class StreamProtocol(Closing, asyncio.Protocol):
         # who calls: its token's name ("" with no tokens asked for; None until its first line shows one),
         # and the token its TLS client certificate names ("" none), its caller from its first line on
         "caller", "_certified",
+        # MCP's: the connection's session (`StreamFrontend.mcp`), None on plain JSON-RPC
+        "_session",
     )  # fmt: skip
 
     def __init__(self, frontend: StreamFrontend) -> None:
@@ -257,6 +267,7 @@ class StreamProtocol(Closing, asyncio.Protocol):
         self._skipping = False  # inside a line past max_body_bytes: drop up to its newline
         self.caller: str | None = "" if frontend.auth is None else None  # (`_authenticate`)
         self._certified = ""  # (`connection_made`)
+        self._session = Session() if frontend.mcp is not None else None
         self._transport: asyncio.Transport | None = None
         self.read_paused = False
         self._write_paused = False
@@ -587,6 +598,8 @@ class StreamProtocol(Closing, asyncio.Protocol):
         fe = self._fe
         dispatcher = fe.dispatcher
         submit = dispatcher.submit_held if fe.draining else dispatcher.submit
+        if fe.mcp is not None:
+            return self._mcp(line, submit)
         exchange = submit(fe.codec.decode(line), self._exchange_done, self._budget)
         if exchange is None:
             return None
@@ -599,6 +612,51 @@ class StreamProtocol(Closing, asyncio.Protocol):
         if self.owed > PIPELINE_HIGH:
             self._pause()
         return exchange
+
+    def _mcp(self, line: bytes, submit: Submit) -> Exchange | None:
+        """One MCP message (`StreamFrontend.mcp`): answered at once, or its tools/call dispatched
+        (its answer made a CallToolResult in `_exchange_done`), or a `notifications/cancelled`
+        that cancels the call it names, whose answer is then never written (MCP's stdio
+        transport, "Cancellation")."""
+        session = typing.cast(Session, self._session)
+        outcome = typing.cast(McpServer, self._fe.mcp).handle(line, None, session, self._budget.denied)
+        if isinstance(outcome, ToolCall):
+            exchange = submit(Body(False, [outcome.request]), self._exchange_done, self._budget)
+            assert exchange is not None  # (a request with an id: an answer is owed)
+            exchange.context = outcome
+            if exchange.remaining == 0:
+                self._send(outcome.finish(exchange.answers[0] or b"") + _NL)
+                self._budget.written(exchange, self._write_paused)
+                return None
+            outcome.started(exchange)
+            self.owed += 1
+            self._owed.add(exchange)
+            if self.owed > PIPELINE_HIGH:
+                self._pause()
+            return exchange
+        if isinstance(outcome, Cancel):
+            exchange = typing.cast("Exchange | None", session.calls.pop(outcome.request_id, None))
+            if exchange is not None and exchange in self._owed:
+                self._fe.dispatcher.cancel(exchange)
+                self._forget(exchange)
+            return None
+        if outcome.body:
+            self._send(outcome.body + _NL)
+        return None
+
+    def _forget(self, exchange: Exchange) -> None:
+        """`exchange` will not be answered (its MCP request cancelled): owed no more."""
+        self.owed -= 1
+        self._owed.discard(exchange)
+        if exchange is self._busy:
+            self._busy = None
+        self._budget.written(exchange, self._write_paused)
+        if self._waiting and not self._gated():
+            self._fe.loop.call_soon(self._dispatch_waiting)
+        elif self.owed < PIPELINE_LOW and self._backlog and not self._write_paused:
+            self._schedule_turn()
+        self._maybe_resume()
+        self._maybe_close()
 
     def _gated(self) -> bool:
         """Whether a line must wait before it is dispatched: the client is not taking
@@ -637,7 +695,9 @@ class StreamProtocol(Closing, asyncio.Protocol):
         if exchange is self._busy:  # (not kept with its answer: as HTTP's `_flush_ready`)
             self._busy = None
         self.last_active = self._fe.loop.time()  # idle time counts from the last answer
-        self._send(exchange.body() + _NL)
+        call = exchange.context
+        self._send((exchange.body() if call is None else typing.cast(ToolCall, call).finish(
+            exchange.answers[0] or b"")) + _NL)
         self._budget.written(exchange, self._write_paused)
         if self._waiting:
             if not self._gated():  # (not from inside the dispatcher's callback)

@@ -1,0 +1,587 @@
+"""MCP, the Model Context Protocol, over the broker's workers: the protocol's logic, sans-IO (`McpServer`).
+
+Sources: the MCP specification, revisions 2026-07-28 (stateless: basic/index "_meta",
+basic/versioning, basic/transports/streamable-http and stdio, server/discover,
+server/tools, server/utilities/caching and pagination) and 2025-11-25 (sessions:
+basic/lifecycle, basic/transports, basic/utilities/cancellation and ping,
+server/tools); https://modelcontextprotocol.io/specification.
+
+Theory of operation
+-------------------
+A front-end (HTTP's `/mcp`, broker/frontend/httprequest.py; `rpc-broker mcp-stdio`,
+broker/frontend/mcpstdio.py) hands `McpServer.handle` one message (an HTTP POST body, or
+one stdio line) with what its transport knows of it (`Meta`: the HTTP request's MCP
+headers; a `Session` on stdio or once an HTTP client has one). It returns one of:
+
+    Reply     the answer, finished: an HTTP status, the JSON-RPC response (b"" for a
+              notification accepted: 202 on HTTP, nothing on stdio) and extra HTTP headers
+    ToolCall  a `tools/call` of a served tool: a JSON-RPC `Request` for the dispatcher,
+              the tool's name as its method and the call's arguments as its params (raw,
+              never decoded here) and the client's id; once the dispatcher answers it,
+              `ToolCall.finish` makes that answer the `CallToolResult`
+    Cancel    a `notifications/cancelled` naming a request of the session: the front-end
+              cancels it in its worker (`Dispatcher.cancel`) and answers nothing
+
+The era of each message is chosen as the 2026-07-28 versioning page says a dual-era
+server does: a request whose `params._meta` carries
+"io.modelcontextprotocol/protocolVersion" is served statelessly by 2026-07-28's rules;
+`initialize` selects 2025-11-25's (or the older version the client asks for), whose
+session is the stdio process, or on HTTP the `Mcp-Session-Id` minted by `initialize`
+(optional: a request without one is served as a session's would be). Anything else
+without `_meta` is served as a 2025-11-25 session's message.
+
+The envelope is read by the plain face's codec (`jsonrpc.Codec`: its limits, its errors,
+ids kept raw and echoed byte for byte); MCP then refuses what JSON-RPC allows and MCP
+does not: batches (removed in 2025-06-18), a null id, params that are not an object.
+
+What a call's answer becomes (`ToolCall.finish`): a result is the tool's output: its
+JSON as one text content block, and as `structuredContent` when the tool declares an
+`outputSchema` (wrapped `{"result": value}` when its return type is not an object). An
+error is a tool execution error, `isError: true` with a readable text, so that the model
+can correct itself (2025-11-25 and later: arguments that fail the input schema too),
+whatever its cause: the arguments, the handler's exception or `RpcError`, a timeout, a
+worker's death, the broker's overload, a rate limit. Only an unknown tool (or one the
+caller's token may not call) is a protocol error, -32602. The broker's own codes
+(-32000..-32005) never appear on this face: MCP reserves -32000..-32019 for legacy uses
+(-32002 meant "resource not found") and -32020..-32099 for its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import secrets
+import time
+import typing
+
+import msgspec
+from msgspec import Raw
+
+from broker import version
+from broker.jsonrpc import Codec, ErrorCode, Request, error_object, response_error, response_result
+
+MODERN_VERSIONS = ("2026-07-28",)
+"""Revisions served statelessly, their version in each request's `_meta` (2026-07-28 basic/versioning)."""
+LEGACY_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+"""Revisions reached by `initialize`, newest first: the first is the counter-offer to a version not here
+(2025-11-25 basic/lifecycle, "Version Negotiation")."""
+SUPPORTED_VERSIONS = MODERN_VERSIONS + LEGACY_VERSIONS
+
+HEADER_MISMATCH = -32020
+"""2026-07-28 streamable-http "Server Validation": the MCP headers do not match the body, or are missing."""
+UNSUPPORTED_PROTOCOL_VERSION = -32022
+"""2026-07-28 basic/versioning: the request's protocol version is not served; data {supported, requested}."""
+REQUEST_CANCELLED = -32800
+"""The answer to an HTTP request its client cancelled by `notifications/cancelled` (2025-11-25): the
+code LSP gives a cancelled request, outside JSON-RPC's reserved range. The client has stopped
+waiting for it; the POST still needs an answer."""
+
+KEY_VERSION = "io.modelcontextprotocol/protocolVersion"
+KEY_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+KEY_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+
+PAGE_SIZE = 100
+"""Tools per `tools/list` page (server/utilities/pagination: the page size is the server's)."""
+LIST_TTL_MS = 60_000
+"""`ttlMs` of a `tools/list` and `server/discover` result (server/utilities/caching): the tools change
+only at a reload, and a client whose cached list went stale is told -32602 for a tool gone."""
+MAX_SESSIONS = 10_000
+"""HTTP sessions (2025-11-25) kept at once; past it the least recently used goes, and its client, told
+404, starts a new one (2025-11-25 transports, "Session Management", item 4)."""
+CALLS_PER_SESSION = 4096
+"""`tools/call`s of a session a `notifications/cancelled` can name at once (`Session.calls`): past it the
+oldest is forgotten (its call runs to its end)."""
+SESSION_IDLE_SECONDS = 3600.0
+"""An HTTP session unused this long is forgotten (its client gets 404 and starts another)."""
+
+METHODS = ("initialize", "ping", "server/discover", "tools/list", "tools/call", "notifications/initialized",
+           "notifications/cancelled", "other")
+"""The `method` label of `rpc_broker_mcp_requests_total` (bounded: any other method is "other")."""
+ERAS = ("2026-07-28", "legacy")
+"""Its `era` label: the stateless revision, or a session's (initialize, 2025-11-25 and older)."""
+TOOL_RESULTS = ("ok", "tool_error", "unknown_tool")
+"""The `result` label of `rpc_broker_mcp_tool_calls_total`: a result, an `isError` result, or -32602 for a
+tool not served (its `tool` label then "other", as the plain face's metrics count unknown methods)."""
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.decode
+
+
+class Tool(typing.Protocol):
+    """What the front-end needs of a served tool (broker/catalog.py's entries)."""
+
+    name: str
+    output_schema: dict[str, object] | None
+    wrap_result: bool
+
+
+class Catalog(typing.Protocol):
+    """The tools the workers serve (broker/catalog.py `Catalog`, `Dispatcher.catalog`)."""
+
+    version: int
+
+    def tools(self) -> list[dict[str, object]]: ...
+
+    def tool(self, name: str) -> Tool | None: ...
+
+
+class Meta(typing.NamedTuple):
+    """An HTTP request's MCP headers, as sent (None: absent). stdio has none."""
+
+    protocol_version: bytes | None = None
+    method: bytes | None = None
+    name: bytes | None = None
+    session_id: bytes | None = None
+
+
+class Reply(typing.NamedTuple):
+    """A finished answer: `status` for HTTP; `body` the JSON-RPC response, b"" for none (an
+    accepted notification: 202 on HTTP); `headers` extra HTTP header lines, CRLF-ended."""
+
+    status: int
+    body: bytes
+    headers: bytes = b""
+
+
+class Cancel(typing.NamedTuple):
+    """`notifications/cancelled` for the request of `session` whose raw id is `request_id`."""
+
+    session: Session
+    request_id: bytes
+
+
+class Session:
+    """One client's legacy session (2025-11-25 basic/lifecycle): the stdio process's, or an HTTP
+    client's `Mcp-Session-Id`. `version`: negotiated by `initialize` ("" before); `calls`: the
+    front-end's handle of each `tools/call` in flight, by raw id (for `notifications/cancelled`)."""
+
+    __slots__ = ("calls", "id", "used", "version")
+
+    def __init__(self, session_id: str = "", version: str = "") -> None:
+        self.id = session_id
+        self.version = version
+        self.used = 0.0
+        self.calls: dict[bytes, object] = {}
+
+
+class ToolCall:
+    """A `tools/call` to dispatch: `request` (the tool's name as method, the arguments as params,
+    the client's id), and how its answer becomes the `CallToolResult` (`finish`)."""
+
+    __slots__ = ("counts", "modern", "request", "session", "tool")
+
+    def __init__(self, request: Request, tool: Tool, modern: bool, session: Session | None,
+                 counts: dict[tuple[str, str], int]) -> None:
+        self.request = request
+        self.tool = tool
+        self.modern = modern
+        self.session = session
+        self.counts = counts  # (McpServer.tool_calls)
+
+    def started(self, handle: object) -> None:
+        """The front-end dispatched it; `handle` (its `Exchange`) is what a `notifications/cancelled`
+        of its session names it by (`Session.calls`, bounded: the oldest forgotten past
+        `CALLS_PER_SESSION`)."""
+        session = self.session
+        if session is not None and self.request.id:
+            calls = session.calls
+            if len(calls) >= CALLS_PER_SESSION:
+                del calls[next(iter(calls))]
+            calls[bytes(self.request.id)] = handle
+
+    def finish(self, answer: bytes) -> bytes:
+        """The JSON-RPC response to the `tools/call`, from the dispatcher's `answer` to `request`
+        (a Response object with the same id): a `CallToolResult`, `isError` for an error."""
+        id_ = self.request.id
+        if self.session is not None:
+            self.session.calls.pop(bytes(id_), None)
+        head = b'{"jsonrpc":"2.0","id":' + id_ + b',"result":'
+        if answer.startswith(head) and answer.endswith(b"}"):  # (as `response_result` splices it)
+            self._count("ok")
+            return response_result(id_, self._result(answer[len(head):-1]))
+        try:
+            error = _decode(answer, type=_ErrorResponse).error
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            error = _ErrorObject(ErrorCode.INTERNAL_ERROR, "Internal error", Raw(b'"unreadable answer"'))
+        if error.code == REQUEST_CANCELLED:  # (`cancelled`: as it is)
+            return answer
+        if error.code == ErrorCode.METHOD_NOT_FOUND:  # (gone with a reload since it was listed)
+            self._count("unknown_tool")
+            return response_error(id_, error_object(ErrorCode.INVALID_PARAMS, f"Unknown tool: {self.request.method}"))
+        self._count("tool_error")
+        return response_result(id_, self._failed(_error_text(error)))
+
+    def _count(self, result: str) -> None:
+        key = (self.request.method, result)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def _result(self, value: bytes) -> bytes:
+        text = _encode(value.decode())  # (the result's JSON, as a JSON string)
+        parts = [b'{"content":[{"type":"text","text":', text, b"}]"]
+        tool = self.tool
+        if tool.output_schema is not None:
+            parts += (b',"structuredContent":{"result":', value, b"}") if tool.wrap_result else (
+                b',"structuredContent":', value)
+        parts.append(b',"isError":false,"resultType":"complete"}' if self.modern else b',"isError":false}')
+        return b"".join(parts)
+
+    def _failed(self, text: str) -> bytes:
+        tail = b'}],"isError":true,"resultType":"complete"}' if self.modern else b'}],"isError":true}'
+        return b'{"content":[{"type":"text","text":' + _encode(text) + tail
+
+
+class _ErrorObject(msgspec.Struct):
+    code: int
+    message: str = ""
+    data: Raw = Raw()
+
+
+class _ErrorResponse(msgspec.Struct):
+    error: _ErrorObject
+
+
+_KNOWN: dict[int, str] = {
+    ErrorCode.TIMED_OUT: "The tool call timed out",
+    ErrorCode.WORKER_DIED: "The worker process running the tool died",
+    ErrorCode.OVERLOADED: "The server is overloaded: retry later",
+    ErrorCode.NO_WORKER: "No worker is ready to run the tool: retry later",
+    ErrorCode.SHUTTING_DOWN: "The server is shutting down",
+    ErrorCode.RATE_LIMITED: "Rate limited: retry later",
+}
+"""The text of a tool execution error the broker made (its own codes, which never reach an MCP client)."""
+
+
+def _error_text(error: _ErrorObject) -> str:
+    """A tool execution error's text for the model: what failed and why, from the error object."""
+    data: object = None
+    if error.data:
+        try:
+            data = _decode(error.data)
+        except msgspec.DecodeError:
+            data = None
+    code = error.code
+    if code == ErrorCode.INVALID_PARAMS and isinstance(data, dict) and "reason" in data:
+        param = data.get("param")
+        where = f"argument {param!r}: " if param else ""
+        return f"Invalid arguments: {where}{data['reason']}"
+    known = _KNOWN.get(code)
+    text = known or (error.message if code == ErrorCode.INTERNAL_ERROR else f"Error {code}: {error.message}")
+    if isinstance(data, dict) and code == ErrorCode.INTERNAL_ERROR and "type" in data:
+        return f"{text}: {data['type']}: {data.get('message', '')}".rstrip(": ")
+    if data is not None:
+        text += " (" + (data if isinstance(data, str) else _encode(data).decode()) + ")"
+    return text
+
+
+class _Params(msgspec.Struct):
+    """The members of an MCP request's params that the broker reads (others are ignored)."""
+
+    meta: dict[str, Raw] | None = msgspec.field(default=None, name="_meta")
+    name: str | None = None
+    arguments: Raw = Raw()
+    cursor: str | None = None
+    requestId: Raw = Raw()
+    protocolVersion: str | None = None
+
+
+_NO_PARAMS = _Params()
+_METHODS = frozenset(METHODS)
+
+
+class McpServer:
+    """MCP over the broker's tools: `handle` one message, get what to answer or dispatch.
+
+    catalog: a callable returning the current `Catalog` (it changes at reloads).
+    private: the tools listed depend on the caller (auth tokens with allow_methods): list
+        results say `cacheScope: "private"`, else "public".
+    max_sessions, session_idle: the HTTP sessions kept (`MAX_SESSIONS`, `SESSION_IDLE_SECONDS`).
+    clock: seconds, monotonic (injected by tests).
+    """
+
+    def __init__(self, catalog: typing.Callable[[], Catalog], codec: Codec, private: bool = False,
+                 max_sessions: int = MAX_SESSIONS, session_idle: float = SESSION_IDLE_SECONDS,
+                 clock: typing.Callable[[], float] = time.monotonic) -> None:
+        self._catalog = catalog
+        self._codec = codec
+        self._scope = b'"private"' if private else b'"public"'
+        self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
+        self._max_sessions = max_sessions
+        self._session_idle = session_idle
+        self._clock = clock
+        self._info = {"name": "rpc-broker", "version": version()}
+        self._capabilities = {"tools": {"listChanged": False}}
+        self.requests: dict[tuple[str, str], int] = {}
+        """Requests handled, by (`METHODS` label, `ERAS` label)."""
+        self.tool_calls: dict[tuple[str, str], int] = {}
+        """tools/call answered, by (tool name, `TOOL_RESULTS` label); a name no worker serves as "other"."""
+
+    @property
+    def sessions(self) -> int:
+        """HTTP sessions held now."""
+        return len(self._sessions)
+
+    def handle(self, body: bytes, meta: Meta | None = None, session: Session | None = None,
+               denied: typing.AbstractSet[str] = frozenset()) -> Reply | ToolCall | Cancel:
+        """One message: an HTTP POST body with its headers (`meta`), or a stdio line (`meta`
+        None, `session` the process's). `denied`: tools the caller's token may not call
+        (unlisted, and unknown to it). Never raises for any input."""
+        decoded = self._codec.decode(body)
+        http = meta is not None
+        if decoded.batch:
+            return Reply(400, response_error(b"null", error_object(
+                ErrorCode.INVALID_REQUEST, data="a JSON-RPC batch: MCP takes one message per request (2025-06-18 "
+                "removed batches)")))
+        if not decoded.items:  # (a notification nested too deep to read: accepted, never answered)
+            return Reply(202, b"")
+        item = decoded.items[0]
+        if type(item) is bytes:  # (not a Request object: the codec's answer, -32700 or -32600)
+            return Reply(decoded.status, item)
+        request = typing.cast(Request, item)
+        id_ = bytes(request.id)
+        if id_ == b"null":
+            return Reply(400, _error(b"null", ErrorCode.INVALID_REQUEST, "an MCP request's id is a string or an "
+                                     "integer, never null (2025-11-25 basic, \"Requests\")"))
+        params = _NO_PARAMS
+        if request.params:
+            if bytes(request.params[:1]) != b"{":
+                return self._invalid(id_, "params must be an object", http)
+            try:
+                params = _decode(request.params, type=_Params)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                return self._invalid(id_, f"params: {exc}", http)
+        if http and meta is not None and meta.session_id is not None and request.method != "initialize":
+            session = self._session(meta.session_id)
+            if session is None:  # (2025-11-25 transports: 404, and the client starts a new session)
+                return Reply(404, _error(id_ or b"null", ErrorCode.INVALID_REQUEST, "Session not found",
+                                         "no session by that Mcp-Session-Id (ended, or forgotten): initialize again"))
+        if not id_:  # a notification: never answered (202 on HTTP)
+            self._counted(request.method, bool(params.meta and KEY_VERSION in params.meta))
+            if request.method == "notifications/cancelled" and params.requestId and session is not None:
+                return Cancel(session, bytes(params.requestId))  # (stdio, both eras; an HTTP session's)
+            return Reply(202, b"")  # (notifications/initialized, and any other: accepted)
+        version_raw = params.meta.get(KEY_VERSION) if params.meta else None
+        modern = version_raw is not None and request.method != "initialize"
+        self._counted(request.method, modern)
+        if modern:
+            return self._modern(request, id_, params, typing.cast(Raw, version_raw), meta, denied)
+        return self._legacy(request, id_, params, meta, session, denied)
+
+    def _counted(self, method: str, modern: bool) -> None:
+        key = (method if method in _METHODS else "other", ERAS[0] if modern else ERAS[1])
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    # -- 2026-07-28 ---------------------------------------------------------------------
+
+    def _modern(self, request: Request, id_: bytes, params: _Params, version_raw: Raw, meta: Meta | None,
+                denied: typing.AbstractSet[str]) -> Reply | ToolCall:
+        http = meta is not None
+        try:
+            requested = _decode(version_raw, type=str)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return self._invalid(id_, f"_meta[{KEY_VERSION!r}] must be a string", http)
+        if requested not in MODERN_VERSIONS:
+            return Reply(400, _error(id_, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version",
+                                     {"supported": list(SUPPORTED_VERSIONS), "requested": requested}))
+        method = request.method
+        if meta is not None:
+            mismatch = _header_mismatch(meta, requested, method, params.name)
+            if mismatch:
+                return Reply(400, _error(id_, HEADER_MISMATCH, f"Header mismatch: {mismatch}"))
+        assert params.meta is not None
+        if KEY_CAPABILITIES not in params.meta:
+            return self._invalid(id_, f"_meta[{KEY_CAPABILITIES!r}] is required on every request (2026-07-28 basic, "
+                                 "\"Per-request protocol fields\")", http)
+        if method == "tools/call":
+            return self._call(request, id_, params, True, None, denied, http)
+        if method == "tools/list":
+            return self._list(id_, params, True, denied, http)
+        if method == "server/discover":
+            result = {"supportedVersions": list(SUPPORTED_VERSIONS), "capabilities": self._capabilities,
+                      "_meta": {KEY_SERVER_INFO: self._info}, "resultType": "complete", "ttlMs": LIST_TTL_MS,
+                      "cacheScope": "public"}
+            return Reply(200, response_result(id_, _encode(result)))
+        return Reply(404 if http else 200, _error(id_, ErrorCode.METHOD_NOT_FOUND, "Method not found",
+                                                  f"{method!r} is not an MCP method this server serves"))
+
+    # -- 2025-11-25 and older -------------------------------------------------------------
+
+    def _legacy(self, request: Request, id_: bytes, params: _Params, meta: Meta | None, session: Session | None,
+                denied: typing.AbstractSet[str]) -> Reply | ToolCall | Cancel:
+        http = meta is not None
+        method = request.method
+        header = meta.protocol_version if meta is not None else None
+        if header is not None and method != "initialize":
+            value = header.decode("latin-1")
+            if value in MODERN_VERSIONS:
+                return self._invalid(id_, f"MCP-Protocol-Version is {value} but params._meta has no "
+                                     f"{KEY_VERSION!r} (2026-07-28 requires it on every request)", True)
+            if value not in LEGACY_VERSIONS:  # (2025-11-25 transports, "Protocol Version Header": 400)
+                return Reply(400, _error(id_, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version",
+                                         {"supported": list(SUPPORTED_VERSIONS), "requested": value}))
+        if method == "initialize":
+            return self._initialize(id_, params, session, http)
+        if method == "ping":
+            return Reply(200, response_result(id_, b"{}"))
+        if method == "tools/call":
+            return self._call(request, id_, params, False, session, denied, http)
+        if method == "tools/list":
+            return self._list(id_, params, False, denied, http)
+        if method == "server/discover":  # (its answer is the same without `_meta`: a probe's)
+            return self._modern(request, id_, params, Raw(b'"2026-07-28"'), None, denied)
+        return Reply(404 if http else 200, _error(id_, ErrorCode.METHOD_NOT_FOUND, "Method not found",
+                                                  f"{method!r} is not an MCP method this server serves"))
+
+    def _initialize(self, id_: bytes, params: _Params, session: Session | None, http: bool) -> Reply:
+        asked = params.protocolVersion
+        if asked is None:
+            return self._invalid(id_, "initialize: params.protocolVersion (a string) is required", http)
+        agreed = asked if asked in LEGACY_VERSIONS else LEGACY_VERSIONS[0]
+        result = {"protocolVersion": agreed, "capabilities": self._capabilities, "serverInfo": self._info}
+        headers = b""
+        if http:
+            session = self._new_session(agreed)
+            headers = b"mcp-session-id: " + session.id.encode() + b"\r\n"
+        elif session is not None:
+            session.version = agreed
+        return Reply(200, response_result(id_, _encode(result)), headers)
+
+    def end_session(self, session_id: bytes) -> bool:
+        """HTTP DELETE with `Mcp-Session-Id` (2025-11-25 transports, "Session Management", item 5): the
+        session ends. Returns whether it was one."""
+        return self._sessions.pop(session_id.decode("latin-1"), None) is not None
+
+    def _new_session(self, agreed: str) -> Session:
+        sessions = self._sessions
+        now = self._clock()
+        while len(sessions) >= self._max_sessions:
+            sessions.popitem(last=False)
+        session = Session(secrets.token_urlsafe(24), agreed)
+        session.used = now
+        sessions[session.id] = session
+        return session
+
+    def _session(self, session_id: bytes) -> Session | None:
+        sessions = self._sessions
+        key = session_id.decode("latin-1")
+        session = sessions.get(key)
+        now = self._clock()
+        while sessions:  # (the oldest first: forget those idle past session_idle)
+            oldest = next(iter(sessions.values()))
+            if now - oldest.used < self._session_idle:
+                break
+            sessions.popitem(last=False)
+        if session is None or key not in sessions:
+            return None
+        session.used = now
+        sessions.move_to_end(key)
+        return session
+
+    # -- tools ---------------------------------------------------------------------------
+
+    def _list(self, id_: bytes, params: _Params, modern: bool, denied: typing.AbstractSet[str], http: bool) -> Reply:
+        catalog = self._catalog()
+        tools = [t for t in catalog.tools() if t["name"] not in denied] if denied else catalog.tools()
+        start = 0
+        if params.cursor is not None:
+            start = _read_cursor(params.cursor, catalog.version)
+            if start < 0 or start > len(tools):
+                return self._invalid(id_, "invalid cursor (the tools changed since it was given: list them again "
+                                     "from the start)", http)
+        page = tools[start:start + PAGE_SIZE]
+        result: dict[str, object] = {"tools": page}
+        if start + PAGE_SIZE < len(tools):
+            result["nextCursor"] = _cursor(start + PAGE_SIZE, catalog.version)
+        body = _encode(result)
+        if modern:
+            body = body[:-1] + b',"resultType":"complete","ttlMs":%d,"cacheScope":%s}' % (LIST_TTL_MS, self._scope)
+        return Reply(200, response_result(id_, body))
+
+    def _call(self, request: Request, id_: bytes, params: _Params, modern: bool, session: Session | None,
+              denied: typing.AbstractSet[str], http: bool) -> Reply | ToolCall:
+        name = params.name
+        if name is None:
+            return self._invalid(id_, "tools/call: params.name (a string) is required", http)
+        tool = self._catalog().tool(name)
+        if tool is None or name in denied:
+            key = (name if tool is not None else "other", "unknown_tool")  # (bounded: any name could come)
+            self.tool_calls[key] = self.tool_calls.get(key, 0) + 1
+            return Reply(200, _error(id_, ErrorCode.INVALID_PARAMS, f"Unknown tool: {name}"))
+        arguments = params.arguments
+        if arguments and bytes(arguments[:1]) != b"{":
+            if bytes(arguments) != b"null":
+                return self._invalid(id_, "tools/call: params.arguments must be an object", http)
+            arguments = Raw()
+        return ToolCall(Request("2.0", name, arguments, request.id), tool, modern, session, self.tool_calls)
+
+    def _invalid(self, id_: bytes, why: str, http: bool) -> Reply:
+        """-32602 for a request MCP's schema refuses: HTTP 400 (2026-07-28 basic, "Per-request protocol
+        fields", for a missing `_meta` field; the same for the rest of a malformed request)."""
+        return Reply(400 if http else 200, _error(id_, ErrorCode.INVALID_PARAMS, "Invalid params", why))
+
+
+def cancelled(id_: bytes) -> bytes:
+    """The answer an HTTP request cancelled by `notifications/cancelled` gets (`REQUEST_CANCELLED`)."""
+    return _error(id_, REQUEST_CANCELLED, "Request cancelled")
+
+
+def _error(id_: bytes, code: int, message: str, data: object = None) -> bytes:
+    return response_error(id_, error_object(code, message, data))
+
+
+def _cursor(offset: int, catalog_version: int) -> str:
+    """An opaque `nextCursor` (server/utilities/pagination): where the next page starts, in the catalogue it
+    was made from."""
+    return base64.urlsafe_b64encode(b"%d:%d" % (catalog_version, offset)).decode()
+
+
+def _read_cursor(cursor: str, catalog_version: int) -> int:
+    """The offset a cursor of `_cursor` gives, -1 for one that is not (or is of another catalogue)."""
+    try:
+        made, _, offset = base64.urlsafe_b64decode(cursor.encode("ascii")).partition(b":")
+        if int(made) != catalog_version:
+            return -1
+        return int(offset)
+    except (ValueError, binascii.Error, UnicodeEncodeError):
+        return -1
+
+
+def header_value(raw: bytes) -> str | None:
+    """An `Mcp-Name` (or `Mcp-Param-*`) value as the client meant it: Base64's sentinel form
+    `=?base64?...?=` decoded (2026-07-28 streamable-http, "Value Encoding"); None for a value with
+    a character a header may not carry (visible ASCII, space and tab only) or a bad encoding."""
+    if any((b < 0x20 and b != 0x09) or b > 0x7E for b in raw):
+        return None
+    if raw.startswith(b"=?base64?") and raw.endswith(b"?=") and len(raw) >= 11:
+        try:
+            return base64.b64decode(raw[9:-2], validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+    return raw.decode("ascii")
+
+
+def _header_mismatch(meta: Meta, version: str, method: str, name: str | None) -> str:
+    """Why a 2026-07-28 request's MCP headers do not match its body ("" when they do): 2026-07-28
+    streamable-http, "Server Validation"."""
+    if meta.protocol_version is None:
+        return "MCP-Protocol-Version header missing"
+    if meta.protocol_version.decode("latin-1") != version:
+        return (f"MCP-Protocol-Version header value {_shown(meta.protocol_version)} does not match body value "
+                f"{version!r}")
+    if meta.method is None:
+        return "Mcp-Method header missing"
+    if meta.method.decode("latin-1") != method:
+        return f"Mcp-Method header value {_shown(meta.method)} does not match body value {method!r}"
+    if method == "tools/call":
+        if meta.name is None:
+            return "Mcp-Name header missing"
+        value = header_value(meta.name)
+        if value is None:
+            return f"Mcp-Name header value {_shown(meta.name)} has invalid characters or encoding"
+        if value != name:
+            return f"Mcp-Name header value {value[:100]!r} does not match body value {(name or '')[:100]!r}"
+    return ""
+
+
+def _shown(raw: bytes) -> str:
+    return repr(raw[:100].decode("latin-1"))
