@@ -22,6 +22,7 @@ EXPECTED_DEFAULTS = {
     "workers": 0,
     "app": "broker.demo:registry",
     "rpc_path": "/",
+    "mcp_path": "/mcp",
     "stream_port": 0,
     "stream_socket": "",
     "stream_socket_mode": "0600",
@@ -155,6 +156,7 @@ reuse_port = true
 workers = 1024
 app = "my_app.rpc:methods"
 rpc_path = "/rpc"
+mcp_path = ""
 stream_port = 9001
 stream_socket = "/run/rpc/broker.sock"
 stream_socket_mode = "0660"
@@ -210,7 +212,7 @@ slow = 120.5
     cfg = load(path, {}, {})
     assert msgspec.structs.asdict(cfg) == {
         "host": "0.0.0.0", "port": 0, "reuse_port": True, "workers": 1024, "app": "my_app.rpc:methods",
-        "rpc_path": "/rpc", "stream_port": 9001, "stream_socket": "/run/rpc/broker.sock",
+        "rpc_path": "/rpc", "mcp_path": "", "stream_port": 9001, "stream_socket": "/run/rpc/broker.sock",
         "stream_socket_mode": "0660", "stream_socket_group": "daemon",
         "allowed_hosts": ("rpc.example", "::1"), "allowed_origins": ("https://app.example:8443",), "tls_cert_file": "", "tls_key_file": "",
         "tls_client_ca_file": "",
