@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import collections
 import secrets
 import time
@@ -119,9 +120,7 @@ class Tool(typing.Protocol):
 class Catalog(typing.Protocol):
     """The tools the workers serve (broker/catalog.py `Catalog`, `Dispatcher.catalog`)."""
 
-    version: int
-
-    def tools(self) -> list[dict[str, object]]: ...
+    def tools(self, hidden: typing.AbstractSet[str] = frozenset()) -> list[dict[str, object]]: ...
 
     def tool(self, name: str) -> Tool | None: ...
 
@@ -480,18 +479,17 @@ class McpServer:
     # -- tools ---------------------------------------------------------------------------
 
     def _list(self, id_: bytes, params: _Params, modern: bool, denied: typing.AbstractSet[str], http: bool) -> Reply:
-        catalog = self._catalog()
-        tools = [t for t in catalog.tools() if t["name"] not in denied] if denied else catalog.tools()
+        tools = self._catalog().tools(denied)
         start = 0
         if params.cursor is not None:
-            start = _read_cursor(params.cursor, catalog.version)
-            if start < 0 or start > len(tools):
-                return self._invalid(id_, "invalid cursor (the tools changed since it was given: list them again "
-                                     "from the start)", http)
+            after = _read_cursor(params.cursor)
+            if after is None:
+                return self._invalid(id_, "invalid cursor: give one a tools/list result's nextCursor", http)
+            start = bisect.bisect_left(tools, after, key=_name)
         page = tools[start:start + PAGE_SIZE]
         result: dict[str, object] = {"tools": page}
         if start + PAGE_SIZE < len(tools):
-            result["nextCursor"] = _cursor(start + PAGE_SIZE, catalog.version)
+            result["nextCursor"] = _cursor(_name(tools[start + PAGE_SIZE]))
         body = _encode(result)
         if modern:
             body = body[:-1] + b',"resultType":"complete","ttlMs":%d,"cacheScope":%s}' % (LIST_TTL_MS, self._scope)
@@ -529,21 +527,23 @@ def _error(id_: bytes, code: int, message: str, data: object = None) -> bytes:
     return response_error(id_, error_object(code, message, data))
 
 
-def _cursor(offset: int, catalog_version: int) -> str:
-    """An opaque `nextCursor` (server/utilities/pagination): where the next page starts, in the catalogue it
-    was made from."""
-    return base64.urlsafe_b64encode(b"%d:%d" % (catalog_version, offset)).decode()
+def _name(tool: dict[str, object]) -> str:
+    return typing.cast(str, tool["name"])
 
 
-def _read_cursor(cursor: str, catalog_version: int) -> int:
-    """The offset a cursor of `_cursor` gives, -1 for one that is not (or is of another catalogue)."""
+def _cursor(name: str) -> str:
+    """An opaque `nextCursor` (server/utilities/pagination): the name of the tool the next page starts at
+    (the tools are listed by name: a reload between two pages loses no tool that stays, nor lists one
+    twice)."""
+    return base64.urlsafe_b64encode(name.encode()).decode()
+
+
+def _read_cursor(cursor: str) -> str | None:
+    """The name a cursor of `_cursor` holds, None for a cursor that is not one."""
     try:
-        made, _, offset = base64.urlsafe_b64decode(cursor.encode("ascii")).partition(b":")
-        if int(made) != catalog_version:
-            return -1
-        return int(offset)
-    except (ValueError, binascii.Error, UnicodeEncodeError):
-        return -1
+        return base64.urlsafe_b64decode(cursor.encode("ascii")).decode()
+    except (ValueError, binascii.Error, UnicodeError):
+        return None
 
 
 def header_value(raw: bytes) -> str | None:

@@ -1,0 +1,237 @@
+"""broker/frontend/mcp.py, sans-IO: `McpServer.handle` on messages as bytes, with a real `Catalog` of
+`wire.MethodInfo`s (what a worker's HELLO carries), and `ToolCall.finish` on answers as the
+dispatcher makes them. The protocol's cases the SDK never sends are here; the SDK's are in
+tests/test_mcp_http.py and tests/test_mcp_stdio.py."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from broker.catalog import Catalog
+from broker.frontend.mcp import (
+    MAX_SESSIONS,
+    PAGE_SIZE,
+    Cancel,
+    McpServer,
+    Meta,
+    Reply,
+    Session,
+    ToolCall,
+    header_value,
+)
+from broker.jsonrpc import Codec, error_object, response_error, response_result
+from broker.wire import MethodInfo
+
+MODERN = "2026-07-28"
+META = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {}}
+INT = {"type": "integer"}
+
+
+def tool(name: str, wrap: bool = True) -> MethodInfo:
+    schema = {"type": "object", "properties": {"a": INT}, "required": ["a"], "additionalProperties": False}
+    output = {"type": "object", "properties": {"result": INT}, "required": ["result"]} if wrap else {
+        "type": "object", "properties": {"total": INT}}
+    return MethodInfo(name, tool=True, doc=f"{name}'s doc", input_schema=schema, output_schema=output,
+                      wrap_result=wrap)
+
+
+CATALOG = Catalog([tool("add"), tool("total", wrap=False), MethodInfo("plain", doc="not a tool")])
+
+
+def server(catalog: Catalog = CATALOG, **kwargs: typing.Any) -> McpServer:
+    return McpServer(lambda: catalog, Codec(), **kwargs)
+
+
+def message(method: str, params: dict[str, object] | None = None, id_: object = 1, modern: bool = True) -> bytes:
+    body: dict[str, object] = {"jsonrpc": "2.0", "method": method}
+    if id_ is not None:
+        body["id"] = id_
+    if params is not None or modern:
+        body["params"] = {**(params or {}), **({"_meta": META} if modern else {})}
+    return json.dumps(body).encode()
+
+
+def headers(method: str, name: str | None = None) -> Meta:
+    return Meta(MODERN.encode(), method.encode(), name.encode() if name is not None else None)
+
+
+def answer(outcome: object) -> tuple[int, dict[str, typing.Any]]:
+    assert isinstance(outcome, Reply), outcome
+    return outcome.status, json.loads(outcome.body)
+
+
+def test_server_discover_says_what_is_supported() -> None:
+    status, body = answer(server().handle(message("server/discover"), headers("server/discover")))
+    result = body["result"]
+    assert status == 200 and result["supportedVersions"][0] == MODERN and "2025-11-25" in result["supportedVersions"]
+    assert result["capabilities"] == {"tools": {"listChanged": False}}
+    assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "rpc-broker"
+    assert (result["resultType"], result["cacheScope"]) == ("complete", "public") and result["ttlMs"] > 0
+
+
+def test_tools_list_is_the_catalogue_s_tools_by_name_with_caching_hints() -> None:
+    status, body = answer(server().handle(message("tools/list"), headers("tools/list")))
+    result = body["result"]
+    assert [t["name"] for t in result["tools"]] == ["add", "total"]
+    assert (result["resultType"], result["cacheScope"]) == ("complete", "public") and "nextCursor" not in result
+    _, legacy = answer(server().handle(message("tools/list", modern=False)))
+    assert legacy["result"] == {"tools": result["tools"]}  # (no resultType, ttlMs, cacheScope before 2026-07-28)
+    _, private = answer(server(private=True).handle(message("tools/list"), headers("tools/list")))
+    assert private["result"]["cacheScope"] == "private"
+
+
+def test_a_token_s_denied_tools_are_neither_listed_nor_called() -> None:
+    s = server()
+    _, body = answer(s.handle(message("tools/list"), headers("tools/list"), denied={"add"}))
+    assert [t["name"] for t in body["result"]["tools"]] == ["total"]
+    _, body = answer(s.handle(message("tools/call", {"name": "add", "arguments": {"a": 1}}), headers("tools/call", "add"),
+                              denied={"add"}))
+    assert body["error"] == {"code": -32602, "message": "Unknown tool: add"}
+
+
+def test_tools_list_pages_by_cursor_and_a_bad_cursor_is_refused() -> None:
+    catalog = Catalog([tool(f"t{i:03}") for i in range(PAGE_SIZE * 2 + 5)])
+    s = server(catalog)
+    names: list[str] = []
+    cursor = None
+    for _ in range(5):
+        params = {} if cursor is None else {"cursor": cursor}
+        _, body = answer(s.handle(message("tools/list", params), headers("tools/list")))
+        names += [t["name"] for t in body["result"]["tools"]]
+        cursor = body["result"].get("nextCursor")
+        if cursor is None:
+            break
+    assert names == sorted(t.name for t in catalog._tools.values())  # (every one, once, in order)
+    status, body = answer(s.handle(message("tools/list", {"cursor": "%%%"}), headers("tools/list")))
+    assert (status, body["error"]["code"]) == (400, -32602)
+
+
+def test_a_tools_call_becomes_a_call_of_the_tool_with_the_client_s_id_and_arguments() -> None:
+    raw = message("tools/call", {"name": "add", "arguments": {"a": 1}}, id_="x-1")
+    call = server().handle(raw, headers("tools/call", "add"))
+    assert isinstance(call, ToolCall)
+    assert (call.request.method, bytes(call.request.params), bytes(call.request.id)) == ("add", b'{"a": 1}', b'"x-1"')
+    ok = json.loads(call.finish(response_result(b'"x-1"', b"2")))
+    assert ok == {"jsonrpc": "2.0", "id": "x-1", "result": {
+        "content": [{"type": "text", "text": "2"}], "structuredContent": {"result": 2}, "isError": False,
+        "resultType": "complete"}}
+    total = server().handle(message("tools/call", {"name": "total"}), headers("tools/call", "total"))
+    assert isinstance(total, ToolCall) and not total.request.params  # (no arguments: none given to the tool)
+    result = json.loads(total.finish(response_result(b"1", b'{"total":3}')))["result"]
+    assert (result["structuredContent"], result["content"][0]["text"]) == ({"total": 3}, '{"total":3}')
+
+
+@pytest.mark.parametrize(("error", "text"), [
+    (error_object(-32602, "Invalid params", {"param": "a", "reason": "Expected `int`, got `str`"}),
+     "Invalid arguments: argument 'a': Expected `int`, got `str`"),
+    (error_object(-32603, "Internal error", {"type": "ZeroDivisionError"}), "Internal error: ZeroDivisionError"),
+    (error_object(-32001, data={"timeout": 30.0}), 'The tool call timed out ({"timeout":30.0})'),
+    (error_object(-32002, data={"pid": 7}), 'The worker process running the tool died ({"pid":7})'),
+    (error_object(-32000, data="queue full"), "The server is overloaded: retry later (queue full)"),
+    (error_object(1001, "discount out of range", {"discount": 2}), 'Error 1001: discount out of range ({"discount":2})'),
+])
+def test_an_error_answer_is_a_tool_execution_error_with_a_readable_text(error: bytes, text: str) -> None:
+    call = server().handle(message("tools/call", {"name": "add", "arguments": {}}, modern=False))
+    assert isinstance(call, ToolCall)
+    result = json.loads(call.finish(response_error(b"1", error)))["result"]
+    assert result == {"content": [{"type": "text", "text": text}], "isError": True}  # (legacy: no resultType)
+
+
+def test_a_tool_gone_since_it_was_listed_is_unknown() -> None:
+    call = server().handle(message("tools/call", {"name": "add"}, modern=False))
+    assert isinstance(call, ToolCall)
+    answered = json.loads(call.finish(response_error(b"1", error_object(-32601))))
+    assert answered["error"] == {"code": -32602, "message": "Unknown tool: add"}
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (b'[{"jsonrpc":"2.0","id":1,"method":"ping"}]', "batch"),
+    (b'{"jsonrpc":"2.0","id":null,"method":"ping"}', "never null"),
+    (b'{"jsonrpc":"2.0","id":1,"method":"ping","params":[1]}', "params must be an object"),
+    (b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":5}}', "Expected `str | null`, got `int`"),
+    (b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"add","arguments":[1]}}', "must be an object"),
+    (b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}', "protocolVersion"),
+])
+def test_what_mcp_refuses_that_json_rpc_allows(body: bytes, why: str) -> None:
+    status, answered = answer(server().handle(body, Meta()))
+    assert status == 400 and why in json.dumps(answered["error"])
+
+
+def test_a_modern_request_without_client_capabilities_is_400_with_32602() -> None:
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {
+        "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN}}}).encode()
+    status, answered = answer(server().handle(body, headers("tools/list")))
+    assert (status, answered["error"]["code"]) == (400, -32602) and "clientCapabilities" in answered["error"]["data"]
+
+
+def test_a_legacy_request_claiming_the_modern_version_in_its_header_is_refused() -> None:
+    status, answered = answer(server().handle(message("tools/list", modern=False), headers("tools/list")))
+    assert (status, answered["error"]["code"]) == (400, -32602)
+
+
+def test_ping_is_legacy_only() -> None:
+    assert answer(server().handle(message("ping", modern=False)))[1]["result"] == {}
+    status, answered = answer(server().handle(message("ping"), headers("ping")))
+    assert (status, answered["error"]["code"]) == (404, -32601)
+    status, answered = answer(server().handle(message("ping")))  # (stdio: no HTTP status to speak of)
+    assert (status, answered["error"]["code"]) == (200, -32601)
+
+
+def test_initialize_answers_the_client_s_version_or_the_newest() -> None:
+    for asked, agreed in (("2025-06-18", "2025-06-18"), ("2025-11-25", "2025-11-25"), ("1999-01-01", "2025-11-25"),
+                          ("2026-07-28", "2025-11-25")):
+        session = Session()
+        _, body = answer(server().handle(message("initialize", {"protocolVersion": asked}, modern=False), None, session))
+        assert body["result"]["protocolVersion"] == agreed == session.version
+
+
+def test_http_sessions_are_minted_bounded_and_forgotten_when_idle() -> None:
+    now = [0.0]
+    s = server(max_sessions=3, session_idle=10.0, clock=lambda: now[0])
+    ids = []
+    for _ in range(4):
+        reply = s.handle(message("initialize", {"protocolVersion": "2025-11-25"}, modern=False), Meta())
+        assert isinstance(reply, Reply) and reply.headers.startswith(b"mcp-session-id: ")
+        ids.append(reply.headers.split(b": ")[1].strip())
+    assert s.sessions == 3  # (the oldest went)
+    ping = message("ping", modern=False)
+    assert answer(s.handle(ping, Meta(session_id=ids[0])))[0] == 404
+    assert answer(s.handle(ping, Meta(session_id=ids[3])))[0] == 200
+    now[0] = 20.0
+    assert answer(s.handle(ping, Meta(session_id=ids[3])))[0] == 404  # (idle past session_idle)
+    assert s.sessions == 0 and MAX_SESSIONS >= 1000
+
+
+def test_notifications_cancelled_names_a_call_of_the_session() -> None:
+    session = Session()
+    call = server().handle(message("tools/call", {"name": "add", "arguments": {"a": 1}}, id_=9, modern=False),
+                           None, session)
+    assert isinstance(call, ToolCall)
+    handle = object()
+    call.started(handle)
+    cancel = server().handle(message("notifications/cancelled", {"requestId": 9}, id_=None, modern=False), None, session)
+    assert cancel == Cancel(session, b"9") and session.calls[b"9"] is handle
+    call.finish(response_result(b"9", b"1"))
+    assert session.calls == {}  # (answered: no longer cancellable)
+
+
+@pytest.mark.parametrize(("raw", "value"), [
+    (b"add", "add"), (b"=?base64?YWRk?=", "add"), (b"=?base64?SGVsbG8sIOS4lueVjA==?=", "Hello, 世界"),
+    (b"=?base64?%%?=", None), (b"a\x01b", None), (b"caf\xc3\xa9", None),
+])
+def test_header_values_and_their_base64_form(raw: bytes, value: str | None) -> None:
+    assert header_value(raw) == value
+
+
+@given(st.binary(max_size=300))
+def test_any_bytes_get_an_answer_or_a_call_never_an_exception(body: bytes) -> None:
+    outcome = server().handle(body, Meta(b"2026-07-28", b"tools/call", b"add"), None)
+    assert isinstance(outcome, (Reply, ToolCall, Cancel))
+    if isinstance(outcome, Reply) and outcome.body:
+        msgspec.json.decode(outcome.body)
