@@ -431,6 +431,34 @@ def network() -> list[Panel]:
     ]
 
 
+def mcp() -> list[Panel]:
+    return [
+        timeseries(
+            "MCP tool calls by tool and result",
+            "MCP tools/call answered per second (on mcp_path, or mcp-stdio), by tool and result: ok; "
+            "tool_error, an isError result (arguments that do not fit, the handler's error, a timeout, a "
+            "worker's death, the broker's overload); unknown_tool, -32602 (tool `other`: a name no worker "
+            "serves). Their latency is the tool's method's, in Latency.",
+            [(f"sum by (tool, result) ({rate('rpc_broker_mcp_tool_calls_total')})", "{{tool}} {{result}}")],
+            unit="reqps",
+        ),
+        timeseries(
+            "MCP requests by method and era",
+            "MCP requests and notifications per second, by MCP method and protocol era: 2026-07-28 "
+            "(stateless), or legacy (a session begun by initialize: 2025-11-25 and older).",
+            [(f"sum by (method, era) ({rate('rpc_broker_mcp_requests_total')})", "{{method}} {{era}}")],
+            unit="reqps",
+        ),
+        timeseries(
+            "MCP sessions",
+            "2025-11-25 sessions held over HTTP (Mcp-Session-Id): at most 10,000, each forgotten after an "
+            "hour idle.",
+            [(f"sum({sel('rpc_broker_mcp_sessions')})", "sessions")],
+            unit="short",
+        ),
+    ]
+
+
 SECTIONS = [
     ("Overview", overview),
     ("Traffic and errors", traffic),
@@ -438,6 +466,7 @@ SECTIONS = [
     ("Capacity and batches", capacity),
     ("Workers", workers),
     ("Connections and bytes", network),
+    ("MCP", mcp),
 ]
 
 
