@@ -78,7 +78,7 @@ def test_server_discover_says_what_is_supported() -> None:
 def test_tools_list_is_the_catalogue_s_tools_by_name_with_caching_hints() -> None:
     status, body = answer(server().handle(message("tools/list"), headers("tools/list")))
     result = body["result"]
-    assert [t["name"] for t in result["tools"]] == ["add", "total"]
+    assert status == 200 and [t["name"] for t in result["tools"]] == ["add", "total"]
     assert (result["resultType"], result["cacheScope"]) == ("complete", "public") and "nextCursor" not in result
     _, legacy = answer(server().handle(message("tools/list", modern=False)))
     assert legacy["result"] == {"tools": result["tools"]}  # (no resultType, ttlMs, cacheScope before 2026-07-28)
