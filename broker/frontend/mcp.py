@@ -343,7 +343,7 @@ class McpServer:
                                      "integer, never null (2025-11-25 basic, \"Requests\")"))
         params = _NO_PARAMS
         if request.params:
-            if bytes(request.params[:1]) != b"{":
+            if memoryview(request.params)[0] != 0x7B:  # "{"
                 return self._invalid(id_, "params must be an object", http)
             try:
                 params = _decode(request.params, type=_Params)
@@ -506,7 +506,7 @@ class McpServer:
             self.tool_calls[key] = self.tool_calls.get(key, 0) + 1
             return Reply(200, _error(id_, ErrorCode.INVALID_PARAMS, f"Unknown tool: {name}"))
         arguments = params.arguments
-        if arguments and bytes(arguments[:1]) != b"{":
+        if arguments and memoryview(arguments)[0] != 0x7B:
             if bytes(arguments) != b"null":
                 return self._invalid(id_, "tools/call: params.arguments must be an object", http)
             arguments = Raw()
