@@ -541,7 +541,7 @@ def _cursor(name: str) -> str:
 def _read_cursor(cursor: str) -> str | None:
     """The name a cursor of `_cursor` holds, None for a cursor that is not one."""
     try:
-        return base64.urlsafe_b64decode(cursor.encode("ascii")).decode()
+        return base64.b64decode(cursor.encode("ascii"), altchars=b"-_", validate=True).decode()
     except (ValueError, binascii.Error, UnicodeError):
         return None
 
