@@ -77,8 +77,9 @@ from broker.frontend.base import (
     TURN_SECONDS,
     discard_turn,
     is_tls,
+    reset,
 )
-from broker.frontend.httpanswer import Answers
+from broker.frontend.httpanswer import Answers, path_of
 from broker.frontend.httpevict import Eviction
 from broker.frontend.httplistener import PROBE_OVERFLOW, PROBE_RESERVE, HttpFrontend
 from broker.frontend.httpmsg import CLOSE, STATUS_LINES
@@ -560,6 +561,13 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         and other clients' bodies were refused 503 meanwhile). (Reading is never paused
         at EOF: a read's unparsed rest, `_backlog`, is parsed before reading resumes.)"""
         self._eof = True
+        if any((type(owed) is Exchange and path_of(owed) == "mcp") or (type(owed) is Deferred and owed.mcp is not None)
+               for owed in self._responses):
+            # An MCP client that closes while a tools/call's answer is owed cancels it (2026-07-28
+            # streamable-http, "Cancellation": its response stream is closed); MCP's clients do not
+            # half-close to read an answer. Reset: its calls are cancelled in their workers (`lost`).
+            reset(self)
+            return False
         if self.request_started:
             self.request_started = 0.0
             self._request.body = b""
