@@ -80,6 +80,7 @@ def test_tools_list_is_the_catalogue_s_tools_by_name_with_caching_hints() -> Non
     result = body["result"]
     assert status == 200 and [t["name"] for t in result["tools"]] == ["add", "total"]
     assert (result["resultType"], result["cacheScope"]) == ("complete", "public") and "nextCursor" not in result
+    assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "rpc-broker"
     _, legacy = answer(server().handle(message("tools/list", modern=False)))
     assert legacy["result"] == {"tools": result["tools"]}  # (no resultType, ttlMs, cacheScope before 2026-07-28)
     _, private = answer(server(private=True).handle(message("tools/list"), headers("tools/list")))
@@ -118,6 +119,7 @@ def test_a_tools_call_becomes_a_call_of_the_tool_with_the_client_s_id_and_argume
     assert isinstance(call, ToolCall)
     assert (call.request.method, bytes(call.request.params), bytes(call.request.id)) == ("add", b'{"a": 1}', b'"x-1"')
     ok = json.loads(call.finish(response_result(b'"x-1"', b"2")))
+    assert ok["result"].pop("_meta")["io.modelcontextprotocol/serverInfo"]["name"] == "rpc-broker"
     assert ok == {"jsonrpc": "2.0", "id": "x-1", "result": {
         "content": [{"type": "text", "text": "2"}], "structuredContent": {"result": 2}, "isError": False,
         "resultType": "complete"}}

@@ -222,12 +222,18 @@ class ToolCall:
         if tool.output_schema is not None:
             parts += (b',"structuredContent":{"result":', value, b"}") if tool.wrap_result else (
                 b',"structuredContent":', value)
-        parts.append(b',"isError":false,"resultType":"complete"}' if self.modern else b',"isError":false}')
+        parts.append(_MODERN_OK if self.modern else b',"isError":false}')
         return b"".join(parts)
 
     def _failed(self, text: str) -> bytes:
-        tail = b'}],"isError":true,"resultType":"complete"}' if self.modern else b'}],"isError":true}'
+        tail = _MODERN_FAILED if self.modern else b'}],"isError":true}'
         return b'{"content":[{"type":"text","text":' + _encode(text) + tail
+
+
+_SERVER_META = b'"_meta":{"' + KEY_SERVER_INFO.encode() + b'":' + _encode({"name": "rpc-broker", "version": version()}) + b"}"
+"""Every 2026-07-28 result's `_meta` says which server answered (2026-07-28 basic, "Per-response protocol fields")."""
+_MODERN_OK = b',"isError":false,"resultType":"complete",' + _SERVER_META + b"}"
+_MODERN_FAILED = b'}],"isError":true,"resultType":"complete",' + _SERVER_META + b"}"
 
 
 class _ErrorObject(msgspec.Struct):
@@ -492,7 +498,8 @@ class McpServer:
             result["nextCursor"] = _cursor(_name(tools[start + PAGE_SIZE]))
         body = _encode(result)
         if modern:
-            body = body[:-1] + b',"resultType":"complete","ttlMs":%d,"cacheScope":%s}' % (LIST_TTL_MS, self._scope)
+            body = body[:-1] + b',"resultType":"complete","ttlMs":%d,"cacheScope":%s,%s}' % (
+                LIST_TTL_MS, self._scope, _SERVER_META)
         return Reply(200, response_result(id_, body))
 
     def _call(self, request: Request, id_: bytes, params: _Params, modern: bool, session: Session | None,
