@@ -544,21 +544,13 @@ async def run(
             return 2
         health = msgspec.json.encode({"status": "ok", "version": broker.version(), "app": config.app})
         http = _settings(config, "keepalive_timeout request_timeout send_timeout allowed_origins auth_metrics")
-<<<<<<< HEAD
-=======
-        frontend = HttpFrontend(
-            dispatcher, max_connections=max_connections, metrics=None if separate else scrape, allowed_hosts=hosts,
-            incoming=incoming, auth=auth, health=health,
-            **_settings(config, "rpc_path mcp_path max_body_bytes max_batch"), **http,
-        )
->>>>>>> 9f97e37 (MCP front-end (WIP): sans-IO McpServer (both eras), /mcp on the HTTP listener, MCP lines on the stream front-end, Dispatcher.cancel, MCP metrics)
         # (front-end, host or socket path, port or None for a Unix socket)
         listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = []
         if stdio is None:
             frontend = HttpFrontend(
                 dispatcher, max_connections=max_connections, metrics=None if separate else scrape,
                 allowed_hosts=hosts, incoming=incoming, auth=auth, health=health,
-                **_settings(config, "rpc_path max_body_bytes max_batch"), **http,
+                **_settings(config, "rpc_path mcp_path max_body_bytes max_batch"), **http,
             )
             listeners.append((frontend, config.host, config.port))
         if separate:
@@ -678,7 +670,6 @@ async def run(
             servers.append(server)
             frontends.append(fe)
         dispatcher.outgoing.on_full = lambda: shed_outgoing(dispatcher.outgoing, frontends)
-<<<<<<< HEAD
         host, port = servers[0].sockets[0].getsockname()[:2] if servers else ("", 0)
         workers = (f"{pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app}, event loop"
                    f" {config.event_loop}, pid {os.getpid()})")
@@ -686,6 +677,9 @@ async def run(
         if stdio is None or relay is None:
             _banner(f"rpc-broker: serving JSON-RPC on {_url(host, port, 'https' if tls else 'http')}{config.rpc_path}"
                     f" with {workers}", logs)
+            if config.mcp_path:
+                _banner(f"rpc-broker: serving MCP (Streamable HTTP) on {_url(host, port, 'https' if tls else 'http')}"
+                        f"{config.mcp_path}", logs)
         else:  # (its connection served once the workers are ready: what came before waits in stdin)
             face = stdio.frontend(dispatcher, pool, config, incoming)
             face.on_lost = lambda: stdio_ended(relay.why)  # (stdio's end stops the broker as SIGTERM does)
@@ -693,18 +687,6 @@ async def run(
             frontends.append(face)
             _banner(f"rpc-broker: serving {stdio.what} on stdin and stdout with {workers}", logs)
             log_listeners(config)
-=======
-        host, port = servers[0].sockets[0].getsockname()[:2]
-        _banner(
-            f"rpc-broker: serving JSON-RPC on {_url(host, port, 'https' if tls else 'http')}{config.rpc_path}"
-            f" with {pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app}, event loop"
-            f" {config.event_loop}, pid {os.getpid()})",
-            logs,
-        )
-        if config.mcp_path:
-            _banner(f"rpc-broker: serving MCP (Streamable HTTP) on {_url(host, port, 'https' if tls else 'http')}"
-                    f"{config.mcp_path}", logs)
->>>>>>> 9f97e37 (MCP front-end (WIP): sans-IO McpServer (both eras), /mcp on the HTTP listener, MCP lines on the stream front-end, Dispatcher.cancel, MCP metrics)
         for fe, server in zip(frontends, servers):
             if isinstance(fe, StreamFrontend):
                 name = server.sockets[0].getsockname()
@@ -727,14 +709,9 @@ async def run(
             log.warning("%s", warning)
         if auth is not None and (stdio is None or config.auth_metrics):
             names = auth.names
-<<<<<<< HEAD
             log.info("bearer tokens asked for on %s: %d (%s%s)", "/metrics" if stdio else config.rpc_path
+                     + (f" and {config.mcp_path}" if config.mcp_path else "")
                      + (" and /metrics" if config.auth_metrics else ""), len(names), ", ".join(names[:10]),
-=======
-            log.info("bearer tokens asked for on %s%s%s: %d (%s%s)", config.rpc_path,
-                     f" and {config.mcp_path}" if config.mcp_path else "",
-                     " and /metrics" if config.auth_metrics else "", len(names), ", ".join(names[:10]),
->>>>>>> 9f97e37 (MCP front-end (WIP): sans-IO McpServer (both eras), /mcp on the HTTP listener, MCP lines on the stream front-end, Dispatcher.cancel, MCP metrics)
                      ", ..." if len(names) > 10 else "")
         if config.tls_client_ca_file:  # (what a certificate does here: it differs with and without tokens)
             log.info("client certificates verified against tls_client_ca_file %s on every TLS listener: %s",
