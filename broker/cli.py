@@ -2,13 +2,14 @@
 
     rpc-broker serve [--config FILE] [--<setting> VALUE ...]
     rpc-broker stdio [--config FILE] [--<setting> VALUE ...]
+    rpc-broker mcp-stdio [--config FILE] [--<setting> VALUE ...]
     rpc-broker check-config [FILE]
     rpc-broker check-app [APP] | rpc-broker reload [--config FILE] [--pid PID]
     rpc-broker bench URL [options] | rpc-broker bench plot FILE... -o PNG
     rpc-broker --version
 
-Every ``serve`` (and ``stdio``) flag is generated from the settings table in `broker.config`.
-Exit codes: 0 success, 2 bad usage or bad configuration; ``serve`` and ``stdio`` otherwise
+Every ``serve`` (and ``stdio``, ``mcp-stdio``) flag is generated from the settings table in `broker.config`.
+Exit codes: 0 success, 2 bad usage or bad configuration; ``serve``, ``stdio`` and ``mcp-stdio`` otherwise
 return what `broker.server.serve` returns; ``bench`` returns what
 `broker.loadgen.cli.main` returns (0 all answers right, 1 failures, 2 usage);
 ``reload`` what `broker.reloadcmd.reload` returns (1 failed, 4 timed out, 5 no broker).
@@ -35,7 +36,7 @@ if typing.TYPE_CHECKING:
 PROG = "rpc-broker"
 # The commands that serve a face on stdin and stdout instead of serve's listeners: the module
 # and name of their `broker.frontend.stdio.Stdio` (made with `_stdio_command`)
-STDIO_FACES = {"stdio": ("broker.frontend.stdio", "JSONRPC")}
+STDIO_FACES = {"stdio": ("broker.frontend.stdio", "JSONRPC"), "mcp-stdio": ("broker.frontend.stdio", "MCP")}
 SERVING = ("serve", *STDIO_FACES)  # the commands that run a broker: `broker.entry`'s early signals are theirs
 _PRECEDENCE = (
     "Settings come from, lowest to highest precedence: built-in defaults, the TOML\n"
@@ -78,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
         "written to stdout: the broker's lines, the access lines and what the workers print go\n"
         "to stderr. The lines' limits are the NDJSON streams' (max_body_bytes: past it a\n"
         "line is answered -32600 and skipped).",
+    )
+    mcp_stdio = _stdio_command(
+        commands, "mcp-stdio",
+        "serve the workers' tools over MCP on stdin and stdout, for an MCP host that starts it (logs on "
+        "stderr); serve's settings; exits 0 once stdin ends and every answer is written",
+        "Serve the app's tools over MCP (the Model Context Protocol, its stdio transport) to\n"
+        "the host that started the broker: one message a line on stdin and stdout, nothing\n"
+        "else on stdout. Both protocol eras: 2026-07-28 (stateless: each request's _meta\n"
+        "says its version; server/discover) and 2025-11-25 (initialize, then the session is\n"
+        "the process). tools/list lists the methods marked tools (Registry(tools=True), or\n"
+        "@registry.method(tool=True)); tools/call runs one in a worker, with serve's deadlines;\n"
+        "notifications/cancelled cancels it there. The lines' limits are the NDJSON streams'.",
     )
     check = commands.add_parser(
         "check-config",
@@ -134,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--timeout", type=float, metavar="SECONDS",
                         help="how long to wait for the outcome (default: boot_timeout + 15 s)")
     # (a command's own parser reports what it does not know: `unknown_arguments`)
-    parser.set_defaults(command_parsers={"serve": serve, "stdio": stdio, "check-config": check,
+    parser.set_defaults(command_parsers={"serve": serve, "stdio": stdio, "mcp-stdio": mcp_stdio, "check-config": check,
                                          "check-app": check_app, "reload": reload})
     commands.add_parser(
         "bench", add_help=False, prefix_chars="\0",

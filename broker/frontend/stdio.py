@@ -65,6 +65,7 @@ import typing
 import msgspec
 
 from broker.frontend.base import Limits
+from broker.frontend.mcp import McpServer
 from broker.frontend.stream import StreamFrontend
 
 if typing.TYPE_CHECKING:
@@ -78,12 +79,14 @@ __all__ = [
     "ENDED_BY_EOF",
     "ENDED_BY_READER",
     "JSONRPC",
+    "MCP",
     "FrontendFactory",
     "Relay",
     "Stdio",
     "StdioFrontend",
     "jsonrpc_frontend",
     "log_listeners",
+    "mcp_frontend",
     "stdio_config",
     "take_stdio",
 ]
@@ -151,6 +154,18 @@ class Stdio:
 
 JSONRPC = Stdio("JSON-RPC", jsonrpc_frontend)
 """`rpc-broker stdio`."""
+
+
+def mcp_frontend(dispatcher: Dispatcher, pool: Pool, config: Config, incoming: Incoming) -> StdioFrontend:
+    """`rpc-broker mcp-stdio`'s front-end: MCP, one message a line (broker/frontend/mcp.py, on the
+    stream front-end's lines: `StreamFrontend.mcp`), the process its session (a `FrontendFactory`)."""
+    face = jsonrpc_frontend(dispatcher, pool, config, incoming)
+    face.mcp = McpServer(lambda: dispatcher.catalog, face.codec)
+    return face
+
+
+MCP = Stdio("MCP", mcp_frontend)
+"""`rpc-broker mcp-stdio`."""
 
 
 def stdio_config(config: Config) -> Config:
