@@ -369,7 +369,7 @@ class McpServer:
         modern = version_raw is not None and request.method != "initialize"
         self._counted(request.method, modern)
         if modern:
-            return self._modern(request, id_, params, typing.cast(Raw, version_raw), meta, denied)
+            return self._modern(request, id_, params, typing.cast(Raw, version_raw), meta, session, denied)
         return self._legacy(request, id_, params, meta, session, denied)
 
     def _counted(self, method: str, modern: bool) -> None:
@@ -379,7 +379,7 @@ class McpServer:
     # -- 2026-07-28 ---------------------------------------------------------------------
 
     def _modern(self, request: Request, id_: bytes, params: _Params, version_raw: Raw, meta: Meta | None,
-                denied: typing.AbstractSet[str]) -> Reply | ToolCall:
+                session: Session | None, denied: typing.AbstractSet[str]) -> Reply | ToolCall:
         http = meta is not None
         try:
             requested = _decode(version_raw, type=str)
@@ -398,7 +398,8 @@ class McpServer:
             return self._invalid(id_, f"_meta[{KEY_CAPABILITIES!r}] is required on every request (2026-07-28 basic, "
                                  "\"Per-request protocol fields\")", http)
         if method == "tools/call":
-            return self._call(request, id_, params, True, None, denied, http)
+            # (on stdio its session names it for notifications/cancelled; over HTTP, closing cancels it)
+            return self._call(request, id_, params, True, None if http else session, denied, http)
         if method == "tools/list":
             return self._list(id_, params, True, denied, http)
         if method == "server/discover":
@@ -433,7 +434,7 @@ class McpServer:
         if method == "tools/list":
             return self._list(id_, params, False, denied, http)
         if method == "server/discover":  # (its answer is the same without `_meta`: a probe's)
-            return self._modern(request, id_, params, Raw(b'"2026-07-28"'), None, denied)
+            return self._modern(request, id_, params, Raw(b'"2026-07-28"'), None, None, denied)
         return Reply(404 if http else 200, _error(id_, ErrorCode.METHOD_NOT_FOUND, "Method not found",
                                                   f"{method!r} is not an MCP method this server serves"))
 
