@@ -210,14 +210,16 @@ def test_http_sessions_are_minted_bounded_and_forgotten_when_idle() -> None:
     assert s.sessions == 0 and MAX_SESSIONS >= 1000
 
 
-def test_notifications_cancelled_names_a_call_of_the_session() -> None:
-    session = Session()
-    call = server().handle(message("tools/call", {"name": "add", "arguments": {"a": 1}}, id_=9, modern=False),
+@pytest.mark.parametrize("modern", [False, True])
+def test_notifications_cancelled_names_a_call_of_the_session(modern: bool) -> None:
+    session = Session()  # (stdio's: the process's, in either era)
+    call = server().handle(message("tools/call", {"name": "add", "arguments": {"a": 1}}, id_=9, modern=modern),
                            None, session)
     assert isinstance(call, ToolCall)
     handle = object()
     call.started(handle)
-    cancel = server().handle(message("notifications/cancelled", {"requestId": 9}, id_=None, modern=False), None, session)
+    cancel = server().handle(message("notifications/cancelled", {"requestId": 9}, id_=None, modern=modern), None,
+                             session)
     assert cancel == Cancel(session, b"9") and session.calls[b"9"] is handle
     call.finish(response_result(b"9", b"1"))
     assert session.calls == {}  # (answered: no longer cancellable)
