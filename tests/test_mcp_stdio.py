@@ -53,9 +53,10 @@ class Spawned:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_sdk_spawns_lists_calls_and_cancels(tmp_path: Path, mode: str) -> None:
+def test_the_sdk_spawns_lists_calls_and_cancels(tmp_path: Path, mode: str, request: pytest.FixtureRequest) -> None:
     token = f"stdio-{mode}"
     errlog = (tmp_path / "stderr.log").open("w+")
+    request.addfinalizer(errlog.close)
 
     async def main() -> dict[str, typing.Any]:
         # (its stderr, the broker's log, into a file: `errlog`)
