@@ -448,7 +448,7 @@ class BrokerCollector(Collector):
 
         servers = [fe.mcp for fe in self.frontends if fe.mcp is not None]
         requests = {(method, era): 0 for method in METHODS for era in ERAS}
-        tools = {(t["name"], result): 0 for t in self.dispatcher.catalog.tools() for result in TOOL_RESULTS}
+        tools = {(typing.cast(str, t["name"]), result): 0 for t in self.dispatcher.catalog.tools() for result in TOOL_RESULTS}
         for server in servers:
             for key, n in server.requests.items():
                 requests[key] += n

@@ -60,7 +60,9 @@ import msgspec
 from msgspec import Raw
 
 from broker import version
+from broker.catalog import Catalog
 from broker.jsonrpc import Codec, ErrorCode, Request, error_object, response_error, response_result
+from broker.wire import MethodInfo
 
 MODERN_VERSIONS = ("2026-07-28",)
 """Revisions served statelessly, their version in each request's `_meta` (2026-07-28 basic/versioning)."""
@@ -109,22 +111,6 @@ _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.decode
 
 
-class Tool(typing.Protocol):
-    """What the front-end needs of a served tool (broker/catalog.py's entries)."""
-
-    name: str
-    output_schema: dict[str, object] | None
-    wrap_result: bool
-
-
-class Catalog(typing.Protocol):
-    """The tools the workers serve (broker/catalog.py `Catalog`, `Dispatcher.catalog`)."""
-
-    def tools(self, hidden: typing.AbstractSet[str] = frozenset()) -> list[dict[str, object]]: ...
-
-    def tool(self, name: str) -> Tool | None: ...
-
-
 class Meta(typing.NamedTuple):
     """An HTTP request's MCP headers, as sent (None: absent). stdio has none."""
 
@@ -170,7 +156,7 @@ class ToolCall:
 
     __slots__ = ("counts", "modern", "request", "session", "tool")
 
-    def __init__(self, request: Request, tool: Tool, modern: bool, session: Session | None,
+    def __init__(self, request: Request, tool: MethodInfo, modern: bool, session: Session | None,
                  counts: dict[tuple[str, str], int]) -> None:
         self.request = request
         self.tool = tool
