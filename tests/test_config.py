@@ -796,6 +796,11 @@ def test_max_incoming_bytes_must_hold_one_whole_body(tmp_path: Path) -> None:
     [
         ('rpc_path = "/metrics"\n', "rpc_path = '/metrics' would hide the broker's own /metrics"),
         ('rpc_path = "/healthz"\n', "rpc_path = '/healthz' would hide the broker's own /healthz"),
+        ('mcp_path = "/metrics"\n', "mcp_path = '/metrics' would hide the broker's own /metrics"),
+        ('rpc_path = "/mcp"\n', "mcp_path and rpc_path are both '/mcp'"),
+        ('mcp_path = "/"\n', "mcp_path and rpc_path are both '/'"),
+        ('mcp_path = "/a/../mcp"\n', "mcp_path = '/a/../mcp': a '.' or '..' segment"),
+        ('mcp_path = "mcp"\n', "mcp_path = 'mcp': expected empty, or a path written as rpc_path is"),
         ("metrics = false\nmetrics_port = 9100\n", "metrics_port is set but metrics = false"),
         ("port = 9000\nmetrics_port = 9000\n", "metrics_port = 9000 is also port"),
         ("port = 9000\nstream_port = 9000\n", "stream_port = 9000 is also port"),
@@ -813,6 +818,8 @@ def test_listener_settings_that_do_not_clash(tmp_path: Path) -> None:
     assert (cfg.port, cfg.stream_port, cfg.metrics_port) == (0, 0, 0)
     cfg = load(write(tmp_path, 'metrics = false\nport = 9000\nrpc_path = "/rpc"\n'), {}, {})
     assert cfg.rpc_path == "/rpc"
+    cfg = load(write(tmp_path, 'mcp_path = ""\n'), {}, {})  # (MCP over HTTP off)
+    assert cfg.mcp_path == ""
     cfg = load(write(tmp_path, "port = 9000\nmetrics_port = 9100\nstream_port = 9200\n"), {}, {})
     assert (cfg.port, cfg.metrics_port, cfg.stream_port) == (9000, 9100, 9200)
 

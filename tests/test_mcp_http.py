@@ -227,3 +227,18 @@ def test_initialize_counter_offers_the_newest_version_for_one_it_does_not_know(b
 def test_a_batch_is_refused(broker: Broker) -> None:
     status, _, body = post(broker, [{"jsonrpc": "2.0", "id": 1, "method": "ping"}])
     assert status == 400 and body["error"]["code"] == -32600 and "batch" in body["error"]["data"]
+
+
+def test_mcp_path_moves_the_endpoint_and_empty_turns_it_off() -> None:
+    moved = start_broker("--workers", "1", "--mcp-path", "/agents/mcp", "--app", "tests.apps.mcp_tools:registry")
+    off = start_broker("--workers", "1", "--mcp-path", "")
+    try:
+        assert f"serving MCP (Streamable HTTP) on http://127.0.0.1:{moved.port}/agents/mcp" in moved.read_log()
+        message, headers = modern("tools/list")
+        status, _, body = moved.post(json.dumps(message), path="/agents/mcp", headers=headers)
+        assert status == 200 and json.loads(body)["result"]["tools"]
+        assert moved.post(json.dumps(message), path="/mcp", headers=headers)[0] == 404
+        assert off.post(json.dumps(message), path="/mcp", headers=headers)[0] == 404
+        assert "serving MCP" not in off.read_log()
+    finally:
+        assert moved.stop() == 0 and off.stop() == 0

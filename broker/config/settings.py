@@ -91,6 +91,10 @@ SOCKET_DIR_BYTES = SOCKET_PATH_BYTES - len("/rpc-broker-XXXXXXXX/workers.sock")
 _PATH_BYTES = {"stream_socket": SOCKET_PATH_BYTES, "socket_dir": SOCKET_DIR_BYTES}
 
 
+_URL_PATH = r"/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*"
+"""A URL's path as rpc_path and mcp_path take it: RFC 3986's path characters, a %XX escape."""
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Validated broker settings; build one with `load` (or ``Config()`` for defaults).
 
@@ -121,7 +125,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # (RFC 3986's path characters, matched as typed: hostile testing, round 32, found `/é`
     # and `/a"b` taken, which no client reaches; `\Z`, as `$` let a last newline through;
     # round 34: a `%` not starting a %XX escape, `/%zz`)
-    rpc_path: Annotated[str, Meta(pattern=r"^/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*\Z"),
+    rpc_path: Annotated[str, Meta(pattern=rf"^{_URL_PATH}\Z"),
                         Doc("HTTP path that accepts JSON-RPC POSTs",
                             rule="starts with '/', then only RFC 3986's path characters: ASCII letters "
                                  "and digits, - . _ ~ ! $ & ' ( ) * + , ; = : @ / and % (a %XX escape, "
@@ -129,7 +133,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                  "not part of the path it is matched against)",
                             metavar="PATH")
                         ] = "/"
-    mcp_path: Annotated[str, Meta(pattern=r"^(?:/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*)?\Z"),
+    mcp_path: Annotated[str, Meta(pattern=rf"^(?:{_URL_PATH})?\Z"),
                         Doc("HTTP path that serves the workers' tools over MCP (Streamable HTTP, revisions "
                             "2026-07-28 and 2025-11-25); empty: MCP over HTTP off",
                             rule="empty, or a path written as rpc_path is, and another one",
