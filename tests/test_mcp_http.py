@@ -242,3 +242,12 @@ def test_mcp_path_moves_the_endpoint_and_empty_turns_it_off() -> None:
         assert "serving MCP" not in off.read_log()
     finally:
         assert moved.stop() == 0 and off.stop() == 0
+
+
+@pytest.mark.parametrize("accept", [None, "text/event-stream", "*/*", "application/json"])
+def test_any_accept_header_gets_a_json_answer(broker: Broker, accept: str | None) -> None:
+    message, headers = modern("tools/call", {"name": "add", "arguments": {"a": 2, "b": 2}}, **{"mcp-name": "add"})
+    if accept is not None:
+        headers["accept"] = accept
+    status, got, body = post(broker, message, headers)
+    assert (status, got["content-type"], body["result"]["structuredContent"]) == (200, "application/json", {"result": 4})
