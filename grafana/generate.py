@@ -269,7 +269,7 @@ def traffic() -> list[Panel]:
         ),
         timeseries(
             "HTTP responses by path and status",
-            "HTTP responses per second by path (rpc: the JSON-RPC path; health, ready, metrics: the "
+            "HTTP responses per second by path (rpc: the JSON-RPC path; mcp: MCP's; health, ready, metrics: the "
             "probes and scrapes; other: any other path, and requests unreadable as HTTP) and status code "
             "(a batch is always 200; see the README's error table).",
             [(f"sum by (path, status) ({rate('rpc_broker_http_responses_total')})", "{{path}} {{status}}")],
