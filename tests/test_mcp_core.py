@@ -239,3 +239,16 @@ def test_any_bytes_get_an_answer_or_a_call_never_an_exception(body: bytes) -> No
     assert isinstance(outcome, (Reply, ToolCall, Cancel))
     if isinstance(outcome, Reply) and outcome.body:
         msgspec.json.decode(outcome.body)
+
+
+def test_a_call_its_client_left_is_forgotten_by_its_session_and_not_a_later_one_of_its_id() -> None:
+    session = Session()
+    body = message("tools/call", {"name": "add", "arguments": {"a": 1}}, id_=3, modern=False)
+    first, second = (server().handle(body, None, session) for _ in range(2))
+    assert isinstance(first, ToolCall) and isinstance(second, ToolCall)
+    first.started("first")
+    second.started("second")  # (the client reused the id while the first ran)
+    first.forgotten()  # (the first's connection was lost: broker/frontend/http.py, connection_lost)
+    assert session.calls == {b"3": "second"}
+    second.finish(response_result(b"3", b"1"))
+    assert session.calls == {}

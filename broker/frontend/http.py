@@ -93,6 +93,7 @@ from broker.frontend.httprequest import (
     _Request,
 )
 from broker.frontend.httpstate import Close
+from broker.frontend.mcp import ToolCall
 from broker.jsonrpc import Body, ErrorCode
 from broker.ratelimit import Bucket, address_of
 
@@ -252,10 +253,11 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         for owed in self._responses:  # (the answers they hold go now, not when their calls end)
-            if type(owed) is Exchange:
-                forget(owed)
-            elif type(owed) is Deferred and owed.exchange is not None:
-                forget(owed.exchange)
+            exchange = owed if type(owed) is Exchange else owed.exchange if type(owed) is Deferred else None
+            if exchange is not None:
+                forget(exchange)
+                if path_of(exchange) == "mcp":  # (its session names it no more: never answered, it would stay)
+                    typing.cast(tuple[bool, bytes, ToolCall], exchange.context)[2].forgotten()
         self._responses.clear()
         # The parser holds this protocol's bound methods, and it the parser: a cycle, freed
         # only by the garbage collector's rare full runs. The cycle is broken (a parser of

@@ -154,7 +154,7 @@ class ToolCall:
     """A `tools/call` to dispatch: `request` (the tool's name as method, the arguments as params,
     the client's id), and how its answer becomes the `CallToolResult` (`finish`)."""
 
-    __slots__ = ("counts", "modern", "request", "session", "tool")
+    __slots__ = ("counts", "handle", "modern", "request", "session", "tool")
 
     def __init__(self, request: Request, tool: MethodInfo, modern: bool, session: Session | None,
                  counts: dict[tuple[str, str], int]) -> None:
@@ -163,6 +163,7 @@ class ToolCall:
         self.modern = modern
         self.session = session
         self.counts = counts  # (McpServer.tool_calls)
+        self.handle: object = None  # (`started`)
 
     def started(self, handle: object) -> None:
         """The front-end dispatched it; `handle` (its `Exchange`) is what a `notifications/cancelled`
@@ -173,14 +174,22 @@ class ToolCall:
             calls = session.calls
             if len(calls) >= CALLS_PER_SESSION:
                 del calls[next(iter(calls))]
-            calls[bytes(self.request.id)] = handle
+            calls[bytes(self.request.id)] = self.handle = handle
+
+    def forgotten(self) -> None:
+        """Its connection is gone before its answer: its session names it no more (else a session's
+        calls whose clients left would stay until `CALLS_PER_SESSION` pushed them out)."""
+        session = self.session
+        if session is not None and self.handle is not None:
+            key = bytes(self.request.id)
+            if session.calls.get(key) is self.handle:  # (not a later call's of the same id)
+                del session.calls[key]
 
     def finish(self, answer: bytes) -> bytes:
         """The JSON-RPC response to the `tools/call`, from the dispatcher's `answer` to `request`
         (a Response object with the same id): a `CallToolResult`, `isError` for an error."""
         id_ = self.request.id
-        if self.session is not None:
-            self.session.calls.pop(bytes(id_), None)
+        self.forgotten()
         head = b'{"jsonrpc":"2.0","id":' + id_ + b',"result":'
         if answer.startswith(head) and answer.endswith(b"}"):  # (as `response_result` splices it)
             self._count("ok")
