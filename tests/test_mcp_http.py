@@ -12,7 +12,7 @@ import pytest
 from mcp.client.client import Client
 from mcp.shared.exceptions import MCPError
 
-from tests.conftest import Broker, start_broker, wait_for
+from tests.conftest import Broker, sample, scrape_metrics, start_broker, wait_for
 
 MODES = {"auto": "2026-07-28", "legacy": "2025-11-25"}
 MODERN = "2026-07-28"
@@ -251,3 +251,26 @@ def test_any_accept_header_gets_a_json_answer(broker: Broker, accept: str | None
         headers["accept"] = accept
     status, got, body = post(broker, message, headers)
     assert (status, got["content-type"], body["result"]["structuredContent"]) == (200, "application/json", {"result": 4})
+
+
+def test_metrics_count_mcp_requests_by_method_and_era_and_tool_calls_by_tool_and_result(broker: Broker) -> None:
+    before = scrape_metrics(broker)
+    call, headers = modern("tools/call", {"name": "add", "arguments": {"a": 1, "b": 2}}, **{"mcp-name": "add"})
+    assert post(broker, call, headers)[0] == 200
+    bad, headers = modern("tools/call", {"name": "add", "arguments": {"a": "x", "b": 2}}, **{"mcp-name": "add"})
+    assert post(broker, bad, headers)[2]["result"]["isError"] is True
+    unknown, headers = modern("tools/call", {"name": "nope"}, **{"mcp-name": "nope"})
+    assert post(broker, unknown, headers)[2]["error"]["code"] == -32602
+    assert post(broker, {"jsonrpc": "2.0", "id": 1, "method": "ping"})[0] == 200
+    after = scrape_metrics(broker)
+
+    def moved(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert moved("rpc_broker_mcp_requests_total", method="tools/call", era="2026-07-28") == 3
+    assert moved("rpc_broker_mcp_requests_total", method="ping", era="legacy") == 1
+    assert moved("rpc_broker_mcp_tool_calls_total", tool="add", result="ok") == 1
+    assert moved("rpc_broker_mcp_tool_calls_total", tool="add", result="tool_error") == 1
+    assert moved("rpc_broker_mcp_tool_calls_total", tool="other", result="unknown_tool") == 1
+    assert moved("rpc_broker_calls_total", method="add", outcome="ok") == 1  # (the call's own, as any call's)
+    assert ("rpc_broker_mcp_tool_calls_total", (("result", "ok"), ("tool", "wait"))) in after  # (every tool's series)
