@@ -43,7 +43,7 @@ def test_the_sdk_connects_in_each_era(broker: Broker, mode: str) -> None:
 
     version, names = run(main)
     assert version == MODES[mode]
-    assert names == ["add", "norm", "shout", "slow_sum", "wait"]  # (sorted; `hidden` is not a tool)
+    assert names == ["add", "boom", "die", "norm", "shout", "slow_sum", "wait"]  # (sorted; `hidden` is not a tool)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -274,3 +274,22 @@ def test_metrics_count_mcp_requests_by_method_and_era_and_tool_calls_by_tool_and
     assert moved("rpc_broker_mcp_tool_calls_total", tool="other", result="unknown_tool") == 1
     assert moved("rpc_broker_calls_total", method="add", outcome="ok") == 1  # (the call's own, as any call's)
     assert ("rpc_broker_mcp_tool_calls_total", (("result", "ok"), ("tool", "wait"))) in after  # (every tool's series)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_handler_s_error_a_timeout_and_a_worker_s_death_are_tool_errors(mode: str) -> None:
+    b = start_broker("--workers", "2", "--app", "tests.apps.mcp_tools:registry", "--method-timeout", "wait=0.3")
+
+    async def main() -> list[typing.Any]:
+        async with Client(url(b), mode=mode) as client:  # type: ignore[arg-type]
+            return [await client.call_tool("boom", {"text": "no good"}), await client.call_tool("wait", {"token": "t"}),
+                    await client.call_tool("die", {}), await client.call_tool("add", {"a": 1, "b": 2})]
+
+    try:
+        raised, timed_out, died, after = run(main)
+    finally:
+        assert b.stop() == 0, b.read_log()
+    assert raised.is_error and raised.content[0].text == "Internal error: ValueError"  # (its message: --debug's)
+    assert timed_out.is_error and timed_out.content[0].text.startswith("The tool call timed out")
+    assert died.is_error and died.content[0].text.startswith("The worker process running the tool died")
+    assert after.structured_content == {"result": 3}  # (the pool goes on: the other worker, or the new one)

@@ -83,7 +83,7 @@ def test_the_sdk_spawns_lists_calls_and_cancels(tmp_path: Path, mode: str, reque
 
     got = anyio.run(main)
     assert got["version"] == MODES[mode]
-    assert sorted(got["tools"]) == ["add", "norm", "shout", "slow_sum", "wait"]
+    assert sorted(got["tools"]) == ["add", "boom", "die", "norm", "shout", "slow_sum", "wait"]
     assert got["tools"]["add"].input_schema["required"] == ["a", "b"]
     assert [r.structured_content["total"] for r in got["results"]] == [i + 1 for i in range(50)]
     assert len({r.structured_content["pid"] for r in got["results"]}) == 2

@@ -62,6 +62,18 @@ def shout(text: str) -> str:
     return text.upper()
 
 
+@registry.method
+def boom(text: str) -> str:
+    """Raises ValueError(text)."""
+    raise ValueError(text)
+
+
+@registry.method
+def die() -> None:
+    """The worker process exits at once, its calls in flight with it."""
+    os._exit(1)
+
+
 @registry.method(tool=False)
 def hidden() -> str:
     """A plain JSON-RPC method: not an MCP tool."""
