@@ -224,6 +224,12 @@ def test_initialize_counter_offers_the_newest_version_for_one_it_does_not_know(b
     assert status == 404
 
 
+def test_server_discover_without_meta_is_answered(broker: Broker) -> None:
+    """New user, round 111: it raised, and the connection was answered 400 "callback error"."""
+    status, _, body = post(broker, {"jsonrpc": "2.0", "id": 1, "method": "server/discover"})
+    assert status == 200 and body["result"]["supportedVersions"][0] == MODERN
+
+
 def test_a_batch_is_refused(broker: Broker) -> None:
     status, _, body = post(broker, [{"jsonrpc": "2.0", "id": 1, "method": "ping"}])
     assert status == 400 and body["error"]["code"] == -32600 and "batch" in body["error"]["data"]

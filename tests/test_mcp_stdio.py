@@ -131,10 +131,14 @@ def test_crlf_a_raw_u2028_in_a_string_and_a_line_of_2_mib() -> None:
 def test_notifications_are_never_answered_and_a_batch_is_refused() -> None:
     b = Spawned()
     b.ask(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n',
+          b'{"jsonrpc":"2.0","method":"notifications/initialized","params":[1]}\n',  # (bad params: still no answer)
           b'[{"jsonrpc":"2.0","id":1,"method":"ping"}]\n',
-          b'{"jsonrpc":"2.0","id":2,"method":"ping"}\n')
+          b'{"jsonrpc":"2.0","id":2,"method":"ping"}\n',
+          # (a probe without `_meta`: new user, round 111, its exception ended the session, calls and all)
+          b'{"jsonrpc":"2.0","id":3,"method":"server/discover"}\n')
     refused = b.read()
     assert (refused["id"], refused["error"]["code"]) == (None, -32600) and "batch" in refused["error"]["data"]
     assert b.read() == {"jsonrpc": "2.0", "id": 2, "result": {}}
+    assert b.read()["result"]["supportedVersions"][0] == "2026-07-28"
     status, out, _ = b.finish()
     assert (status, out) == (0, b"")

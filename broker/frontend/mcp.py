@@ -388,8 +388,7 @@ class McpServer:
             mismatch = _header_mismatch(meta, requested, method, params.name)
             if mismatch:
                 return Reply(400, _error(id_, HEADER_MISMATCH, f"Header mismatch: {mismatch}"))
-        assert params.meta is not None
-        if KEY_CAPABILITIES not in params.meta:
+        if params.meta is None or KEY_CAPABILITIES not in params.meta:
             return self._invalid(id_, f"_meta[{KEY_CAPABILITIES!r}] is required on every request (2026-07-28 basic, "
                                  "\"Per-request protocol fields\")", http)
         if method == "tools/call":
@@ -398,12 +397,17 @@ class McpServer:
         if method == "tools/list":
             return self._list(id_, params, True, denied, http)
         if method == "server/discover":
-            result = {"supportedVersions": list(SUPPORTED_VERSIONS), "capabilities": self._capabilities,
-                      "_meta": {KEY_SERVER_INFO: self._info}, "resultType": "complete", "ttlMs": LIST_TTL_MS,
-                      "cacheScope": "public"}
-            return Reply(200, response_result(id_, _encode(result)))
+            return self._discover(id_)
         return Reply(404 if http else 200, _error(id_, ErrorCode.METHOD_NOT_FOUND, "Method not found",
                                                   f"{method!r} is not an MCP method this server serves"))
+
+    def _discover(self, id_: bytes) -> Reply:
+        """`server/discover`'s answer (2026-07-28 server/discover): the versions served, the capabilities,
+        who answers; the same to a probe without `_meta` (a legacy client's)."""
+        result = {"supportedVersions": list(SUPPORTED_VERSIONS), "capabilities": self._capabilities,
+                  "_meta": {KEY_SERVER_INFO: self._info}, "resultType": "complete", "ttlMs": LIST_TTL_MS,
+                  "cacheScope": "public"}
+        return Reply(200, response_result(id_, _encode(result)))
 
     # -- 2025-11-25 and older -------------------------------------------------------------
 
@@ -429,7 +433,7 @@ class McpServer:
         if method == "tools/list":
             return self._list(id_, params, False, denied, http)
         if method == "server/discover":  # (its answer is the same without `_meta`: a probe's)
-            return self._modern(request, id_, params, Raw(b'"2026-07-28"'), None, None, denied)
+            return self._discover(id_)
         return Reply(404 if http else 200, _error(id_, ErrorCode.METHOD_NOT_FOUND, "Method not found",
                                                   f"{method!r} is not an MCP method this server serves"))
 
@@ -518,6 +522,9 @@ class McpServer:
     def _invalid(self, id_: bytes, why: str, http: bool) -> Reply:
         """-32602 for a request MCP's schema refuses: HTTP 400 (2026-07-28 basic, "Per-request protocol
         fields", for a missing `_meta` field; the same for the rest of a malformed request)."""
+        if not id_:  # (a notification's: never answered on stdio; on HTTP 400, its error object's id null)
+            return Reply(400, _error(b"null", ErrorCode.INVALID_PARAMS, "Invalid params", why)) if http else Reply(
+                202, b"")
         return Reply(400 if http else 200, _error(id_, ErrorCode.INVALID_PARAMS, "Invalid params", why))
 
 
