@@ -208,6 +208,17 @@ def test_a_call_without_a_good_token_gets_401_with_a_bearer_challenge(guarded, a
     )
 
 
+def test_mcp_needs_a_token_too_and_is_refused_with_a_json_rpc_error(guarded):
+    """New user, round 111: /mcp's 401 was a plain {"error": ...}, unlike its 403, 415 and the JSON-RPC path's."""
+    ping = b'{"jsonrpc":"2.0","id":1,"method":"ping"}'
+    status, got, body = request(guarded, "POST", "/mcp", ping, JSON)
+    assert (status, got["www-authenticate"]) == (401, 'Bearer realm="rpc-broker"')
+    assert json.loads(body)["error"] == {"code": -32600, "message": "Invalid Request",
+                                         "data": "a bearer token is required: send Authorization: Bearer TOKEN"}
+    status, _, body = request(guarded, "POST", "/mcp", ping, {**JSON, "authorization": f"Bearer {ALICE}"})
+    assert (status, json.loads(body)["result"]) == (200, {})
+
+
 def test_two_authorization_fields_are_refused_even_if_one_is_good(guarded):
     with socket.create_connection((guarded.host, guarded.port), timeout=10) as sock:
         sock.sendall(

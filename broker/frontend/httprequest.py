@@ -559,7 +559,7 @@ class Requests(HttpState):
         challenge = b'www-authenticate: Bearer realm="rpc-broker"' + (b', error="invalid_token"' if sent else b"")
         why = ("the bearer token is not one of auth_tokens_file's or RPC_BROKER_AUTH_TOKENS'" if sent
                else "a bearer token is required: send Authorization: Bearer TOKEN")
-        if path == "rpc":
+        if path == "rpc" or path == "mcp":  # (a JSON-RPC error on MCP's too: new user, round 111)
             self._queue_invalid(401, why, keep_alive, path, cors + challenge + b"\r\n")
         else:
             self._queue_plain(401, why.encode(), keep_alive, path, challenge + b"\r\n", head)
