@@ -687,6 +687,10 @@ async def run(
             frontends.append(face)
             _banner(f"rpc-broker: serving {stdio.what} on stdin and stdout with {workers}", logs)
             log_listeners(config)
+        if (face.mcp if face is not None else config.mcp_path) and not dispatcher.catalog.tools():
+            # (new user, round 111: the README's own app served an MCP host no tool, and nothing said so)
+            log.warning("MCP serves no tools: app %s marks none (Registry(tools=True), or @registry.method(tool=True);"
+                        " rpc-broker check-app lists them)", config.app)
         for fe, server in zip(frontends, servers):
             if isinstance(fe, StreamFrontend):
                 name = server.sockets[0].getsockname()

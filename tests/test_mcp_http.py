@@ -299,3 +299,14 @@ def test_a_handler_s_error_a_timeout_and_a_worker_s_death_are_tool_errors(mode: 
     assert timed_out.is_error and timed_out.content[0].text.startswith("The tool call timed out")
     assert died.is_error and died.content[0].text.startswith("The worker process running the tool died")
     assert after.structured_content == {"result": 3}  # (the pool goes on: the other worker, or the new one)
+
+
+def test_an_app_with_no_tool_is_said_to_serve_mcp_none() -> None:
+    """New user, round 111: the README's own app (a `Registry()`) served an MCP host no tool, and nothing said so."""
+    warning = "MCP serves no tools: app tests.apps.chatty:registry marks none"
+    none = start_broker("--workers", "1", "--app", "tests.apps.chatty:registry")
+    off = start_broker("--workers", "1", "--app", "tests.apps.chatty:registry", "--mcp-path", "")
+    some = start_broker("--workers", "1", "--app", "tests.apps.mcp_tools:registry")
+    assert none.stop() == 0 and off.stop() == 0 and some.stop() == 0  # (their whole logs read)
+    assert warning in none.read_log() and warning not in off.read_log()
+    assert "MCP serves no tools" not in some.read_log()
