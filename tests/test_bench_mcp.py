@@ -468,3 +468,18 @@ def test_tool_error_reasons_are_bounded_and_merge():
     t.add(other)
     assert t.tool_errors["reason 0"] == 3 and t.tool_errors[OTHER_REASONS] == 8
     assert (t.initialized, t.sessions, t.protocol_version) == (4, 4, "2025-11-25")
+
+
+def test_a_run_at_the_json_rpc_path_is_told_it_is_not_mcp(tmp_path, capsys):
+    """New user, round 111: `--mcp http://HOST:PORT/` (the broker's JSON-RPC path) answered -32601 to every
+    call, and the hint said to check --tool and --arguments."""
+    from conftest import start_broker
+
+    b = start_broker("--workers", "1")
+    try:
+        code = cli.main(["bench", "--mcp", f"http://127.0.0.1:{b.port}/", "--tool", "add", "--arguments",
+                         '{"a":1,"b":2}', "--duration", "0.5", "--warmup", "0", "-c", "2"])
+    finally:
+        assert b.stop() == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and "every tools/call was answered -32601: is the URL an MCP endpoint (the broker's: /mcp)?" in out

@@ -247,8 +247,10 @@ def print_table(report: Report, console: Console, first_problem: str = "", unaut
                                           style="yellow"))
     elif report.calls and sum(report.errors_by_code.values()) >= report.calls:
         # (a new user's check, round 26: a mistyped --params measured 8,185 errors/s, all green)
-        words = ("every tools/call was answered with an error: check\n--tool and --arguments"
-                 if report.mcp is not None else "every call was answered with an error: check --method and --params")
+        words = ("every call was answered with an error: check --method and --params" if report.mcp is None
+                 else "every tools/call was answered -32601: is the URL an MCP\nendpoint (the broker's: /mcp)?"
+                 if set(report.errors_by_code) == {"-32601"}  # (new user, round 111: --mcp at the JSON-RPC path)
+                 else "every tools/call was answered with an error: check\n--tool and --arguments")
         t.add_row("JSON-RPC errors", Text(f"{errors}\n{words}\n(errors are answers: the exit status stays 0)",
                                           style="yellow"))
     else:
