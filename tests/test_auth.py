@@ -264,7 +264,7 @@ def test_health_probes_and_a_preflight_need_no_token_and_metrics_do(tmp_path):
         status, _, body = request(b, "POST", "/", CALL.encode(),
                                   {**JSON, "origin": "https://app.example", "authorization": f"Bearer {ALICE}"})
         assert (status, json.loads(body)["result"]) == (200, 5)
-        assert " INFO bearer tokens asked for on / and /metrics: 2 (alice, bob)\n" in b.read_log()
+        assert " INFO bearer tokens asked for on / and /mcp and /metrics: 2 (alice, bob)\n" in b.read_log()
     finally:
         assert b.stop() == 0, b.read_log()
 

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from broker.catalog import Catalog
 from broker.frontend.mcp import (
-    MAX_SESSIONS,
     PAGE_SIZE,
     Cancel,
     McpServer,
@@ -25,6 +24,7 @@ from broker.frontend.mcp import (
     ToolCall,
     header_value,
 )
+from broker.frontend.mcpsessions import MAX_SESSIONS, Sessions
 from broker.jsonrpc import Codec, error_object, response_error, response_result
 from broker.wire import MethodInfo
 
@@ -145,11 +145,45 @@ def test_an_error_answer_is_a_tool_execution_error_with_a_readable_text(error: b
     assert result == {"content": [{"type": "text", "text": text}], "isError": True}  # (legacy: no resultType)
 
 
-def test_a_tool_gone_since_it_was_listed_is_unknown() -> None:
+@pytest.mark.parametrize("code", [-32601, -32800])
+def test_a_tool_s_own_error_codes_are_tool_errors_never_protocol_errors(code: int) -> None:
+    """Hostile testing, round 123: a tool raising RpcError(-32601) was answered "Unknown tool", and one
+    raising -32800 passed as the broker's "Request cancelled", its message and data the tool's."""
     call = server().handle(message("tools/call", {"name": "add"}, modern=False))
     assert isinstance(call, ToolCall)
-    answered = json.loads(call.finish(response_error(b"1", error_object(-32601))))
-    assert answered["error"] == {"code": -32602, "message": "Unknown tool: add"}
+    result = json.loads(call.finish(response_error(b"1", error_object(code, "Request cancelled", "mine"))))["result"]
+    assert result["isError"] is True and result["content"][0]["text"] == f'Error {code}: Request cancelled (mine)'
+
+
+@pytest.mark.parametrize(("wrap", "value", "why"), [
+    (False, b"[1,2]", "array where it declares object"),
+    (False, b"null", "null where it declares object"),
+    (False, b"5", "number where it declares object"),
+    (True, b"null", "null where it declares integer"),  # (a float's NaN is written null)
+    (True, b"1.5", "number where it declares integer"),
+    (True, b'"x"', "string where it declares integer"),
+])
+def test_a_result_that_does_not_fit_the_output_schema_is_a_tool_error(wrap: bool, value: bytes, why: str) -> None:
+    """Hostile testing, round 123: structuredContent was whatever the handler returned, its declared type aside."""
+    call = server().handle(message("tools/call", {"name": "add" if wrap else "total"}, modern=False))
+    assert isinstance(call, ToolCall)
+    result = json.loads(call.finish(response_result(b"1", value)))["result"]
+    assert result == {"content": [{"type": "text", "text": f"The tool's result does not fit its outputSchema: {why}"}],
+                      "isError": True}
+
+
+def test_a_result_whose_call_tool_result_passes_max_response_bytes_is_a_tool_error() -> None:
+    """Hostile testing, round 123: max_response_bytes held the result, and its CallToolResult (text escaped,
+    and structuredContent) took up to 3 times that."""
+    s = McpServer(lambda: CATALOG, Codec(), limit=1000)
+    value = b'{"total":"' + b'\\"' * 200 + b'"}'  # (412 bytes, each \\" 4 as text)
+    call = s.handle(message("tools/call", {"name": "total"}, modern=False))
+    assert isinstance(call, ToolCall)
+    text = json.loads(call.finish(response_result(b"1", value)))["result"]["content"][0]["text"]
+    assert text.startswith("The tool's result, 412 bytes, takes ") and text.endswith("past max_response_bytes 1000")
+    small = s.handle(message("tools/call", {"name": "total"}, modern=False))
+    assert isinstance(small, ToolCall)
+    assert json.loads(small.finish(response_result(b"1", b'{"total":1}')))["result"]["isError"] is False
 
 
 @pytest.mark.parametrize(("body", "why"), [
@@ -195,7 +229,7 @@ def test_initialize_answers_the_client_s_version_or_the_newest() -> None:
 
 def test_http_sessions_are_minted_bounded_and_forgotten_when_idle() -> None:
     now = [0.0]
-    s = server(max_sessions=3, session_idle=10.0, clock=lambda: now[0])
+    s = server(sessions=Sessions(max_sessions=3, idle=10.0, clock=lambda: now[0]))
     ids = []
     for _ in range(4):
         reply = s.handle(message("initialize", {"protocolVersion": "2025-11-25"}, modern=False), Meta())
@@ -291,3 +325,35 @@ def test_any_message_gets_an_answer_a_call_or_a_cancel_never_an_exception(
         assert set(answered) == {"jsonrpc", "id", "result"} or set(answered) == {"jsonrpc", "id", "error"}
     if isinstance(outcome, ToolCall):
         outcome.finish(response_result(bytes(outcome.request.id), b"1"))
+
+
+def test_a_session_is_its_client_s_alone() -> None:
+    """Hostile testing, round 123: with another token, a client used, cancelled in and ended a session given its id."""
+    s = server()
+    reply = s.handle(message("initialize", {"protocolVersion": "2025-11-25"}, modern=False), Meta(), client="token a")
+    assert isinstance(reply, Reply)
+    sid = reply.headers.split(b": ")[1].strip()
+    ping = message("ping", modern=False)
+    assert answer(s.handle(ping, Meta(session_id=sid), client="token b"))[0] == 404
+    assert not s.end_session(sid, "token b")
+    assert answer(s.handle(ping, Meta(session_id=sid), client="token a"))[0] == 200
+    assert s.end_session(sid, "token a") and s.sessions == 0
+
+
+def test_a_client_past_its_share_of_sessions_evicts_its_own_not_another_s() -> None:
+    """Hostile testing, round 123: 10,000 initialize in half a second evicted every other client's session."""
+    sessions = Sessions(max_sessions=10, per_client=3)
+    keep = sessions.begin("address 10.0.0.2", "2025-11-25")
+    flood = [sessions.begin("address 10.0.0.1", "2025-11-25") for _ in range(100)]
+    assert len(sessions) == 4 and sessions.find(keep.id.encode(), "address 10.0.0.2") is keep
+    assert [sessions.find(f.id.encode(), "address 10.0.0.1") is f for f in flood[-4:]] == [False, True, True, True]
+    for i in range(20):  # (past max_sessions, the least recently used of all goes)
+        sessions.begin(f"address 10.1.0.{i}", "2025-11-25")
+    assert len(sessions) == 10 and sessions.find(keep.id.encode(), "address 10.0.0.2") is None
+
+
+def test_a_modern_request_s_session_header_is_ignored() -> None:
+    """Hostile testing, round 123: an unknown Mcp-Session-Id on a 2026-07-28 request was 404 (its streamable-http
+    page, "Backward Compatibility": ignore it)."""
+    status, body = answer(server().handle(message("tools/list"), Meta(*headers("tools/list")[:3], b"nope")))
+    assert status == 200 and body["result"]["tools"]

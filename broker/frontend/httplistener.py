@@ -76,7 +76,8 @@ class HttpFrontend(Listener):
         self.rpc_path = rpc_path.encode() if serve_rpc else b""
         # MCP's endpoint (broker/frontend/mcp.py): b"" matches no URL
         self.mcp_path = mcp_path.encode() if serve_rpc else b""
-        self.mcp = McpServer(lambda: dispatcher.catalog, self.codec, private=auth is not None)
+        self.mcp = McpServer(lambda: dispatcher.catalog, self.codec, private=auth is not None,
+                             limit=self.max_response_bytes)
         self.request_timeout = request_timeout
         self.statuses = {path: {} for path in PATHS}
         self.metrics = metrics  # makes the /metrics body; None: 404 on /metrics

@@ -587,7 +587,7 @@ class Requests(HttpState):
         elif fe.auth is not None and not self._authorized():
             self._unauthorized(keep_alive, cors, "mcp", head)
         elif method == b"DELETE" and headers[3]:  # (2025-11-25 transports, "Session Management", item 5)
-            if fe.mcp.end_session(headers[3]):
+            if fe.mcp.end_session(headers[3], self._mcp_client()):
                 extra = self._keep_header if keep_alive else CLOSE
                 self._queue(STATUS_LINES[204] + fe.date + cors + extra + b"\r\n", keep_alive, "mcp")
             else:
@@ -606,7 +606,7 @@ class Requests(HttpState):
         else:
             if fe.auth is not None:
                 self._budget.denied = self._denied
-            outcome = fe.mcp.handle(bytes(req.body), Meta(*headers), None, self._denied)
+            outcome = fe.mcp.handle(bytes(req.body), Meta(*headers), None, self._denied, self._mcp_client())
             if isinstance(outcome, ToolCall):
                 self._rpc(keep_alive, cors, outcome)
                 return
@@ -624,6 +624,14 @@ class Requests(HttpState):
             else:  # (a notification accepted: 202 with no body, 2026-07-28 streamable-http, "Sending Messages")
                 extra += b"content-length: 0\r\n" + (b"" if keep_alive else CLOSE)
                 self._queue(status_line(status) + fe.date + extra + b"\r\n", keep_alive, "mcp")
+
+    def _mcp_client(self) -> str:
+        """Who sends an MCP request, whose sessions alone it may name (broker/frontend/mcpsessions.py): its
+        token's name with tokens, else its address (its host, without the port)."""
+        if self._fe.auth is not None:
+            return "token " + self.caller
+        peer = self._budget.peer
+        return "address " + str(peer[0]) if isinstance(peer, tuple) and peer else "address unix"
 
     def _refused(self, rpc: bool, keep_alive: bool, head: bool, path: str = "rpc") -> bool:
         """Answer a request for rpc_path (`rpc`) or /metrics that comes from where it may

@@ -51,9 +51,6 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
-import collections
-import secrets
-import time
 import typing
 
 import msgspec
@@ -61,6 +58,7 @@ from msgspec import Raw
 
 from broker import version
 from broker.catalog import Catalog
+from broker.frontend.mcpsessions import CALLS_PER_SESSION, Session, Sessions
 from broker.jsonrpc import Codec, ErrorCode, Request, error_object, response_error, response_result
 from broker.wire import MethodInfo
 
@@ -89,15 +87,6 @@ PAGE_SIZE = 100
 LIST_TTL_MS = 60_000
 """`ttlMs` of a `tools/list` and `server/discover` result (server/utilities/caching): the tools change
 only at a reload, and a client whose cached list went stale is told -32602 for a tool gone."""
-MAX_SESSIONS = 10_000
-"""HTTP sessions (2025-11-25) kept at once; past it the least recently used goes, and its client, told
-404, starts a new one (2025-11-25 transports, "Session Management", item 4)."""
-CALLS_PER_SESSION = 4096
-"""`tools/call`s of a session a `notifications/cancelled` can name at once (`Session.calls`): past it the
-oldest is forgotten (its call runs to its end)."""
-SESSION_IDLE_SECONDS = 3600.0
-"""An HTTP session unused this long is forgotten (its client gets 404 and starts another)."""
-
 METHODS = ("initialize", "ping", "server/discover", "tools/list", "tools/call", "notifications/initialized",
            "notifications/cancelled", "other")
 """The `method` label of `rpc_broker_mcp_requests_total` (bounded: any other method is "other")."""
@@ -136,93 +125,121 @@ class Cancel(typing.NamedTuple):
     request_id: bytes
 
 
-class Session:
-    """One client's legacy session (2025-11-25 basic/lifecycle): the stdio process's, or an HTTP
-    client's `Mcp-Session-Id`. `version`: negotiated by `initialize` ("" before); `calls`: the
-    front-end's handle of each `tools/call` in flight, by raw id (for `notifications/cancelled`)."""
-
-    __slots__ = ("calls", "id", "used", "version")
-
-    def __init__(self, session_id: str = "", version: str = "") -> None:
-        self.id = session_id
-        self.version = version
-        self.used = 0.0
-        self.calls: dict[bytes, object] = {}
-
-
 class ToolCall:
     """A `tools/call` to dispatch: `request` (the tool's name as method, the arguments as params,
-    the client's id), and how its answer becomes the `CallToolResult` (`finish`)."""
+    the client's id), and how its answer becomes the `CallToolResult` (`finish`).
 
-    __slots__ = ("counts", "handle", "modern", "request", "session", "tool")
+    Once dispatched (`started`) it keeps a copy of the id, not the request: the arguments are views
+    of the whole body, which the dispatcher copies out of it, and would keep it alive for the call's
+    length (hostile testing, round 123). `limit`: the most bytes its answer may take
+    (max_response_bytes: the result is checked against it as it is, and a CallToolResult holds it
+    twice, its text escaped)."""
+
+    __slots__ = ("counts", "handle", "id", "limit", "modern", "name", "request", "session", "tool")
 
     def __init__(self, request: Request, tool: MethodInfo, modern: bool, session: Session | None,
-                 counts: dict[tuple[str, str], int]) -> None:
+                 counts: dict[tuple[str, str], int], limit: int) -> None:
         self.request = request
+        self.id = bytes(request.id)
+        self.name = request.method
         self.tool = tool
         self.modern = modern
         self.session = session
         self.counts = counts  # (McpServer.tool_calls)
+        self.limit = limit
         self.handle: object = None  # (`started`)
 
     def started(self, handle: object) -> None:
         """The front-end dispatched it; `handle` (its `Exchange`) is what a `notifications/cancelled`
         of its session names it by (`Session.calls`, bounded: the oldest forgotten past
         `CALLS_PER_SESSION`)."""
+        self.request = Request("2.0", self.name)  # (its params no more: see the class docstring)
         session = self.session
-        if session is not None and self.request.id:
+        if session is not None:
             calls = session.calls
             if len(calls) >= CALLS_PER_SESSION:
                 del calls[next(iter(calls))]
-            calls[bytes(self.request.id)] = self.handle = handle
+            calls[self.id] = self.handle = handle
 
     def forgotten(self) -> None:
         """Its connection is gone before its answer: its session names it no more (else a session's
-        calls whose clients left would stay until `CALLS_PER_SESSION` pushed them out)."""
+        calls whose clients left would stay, and what they hold: hostile testing, round 123, 49 MiB
+        to 320 MiB)."""
         session = self.session
-        if session is not None and self.handle is not None:
-            key = bytes(self.request.id)
-            if session.calls.get(key) is self.handle:  # (not a later call's of the same id)
-                del session.calls[key]
+        if session is not None and self.handle is not None and session.calls.get(self.id) is self.handle:
+            del session.calls[self.id]  # (not a later call's of the same id)
 
     def finish(self, answer: bytes) -> bytes:
         """The JSON-RPC response to the `tools/call`, from the dispatcher's `answer` to `request`
         (a Response object with the same id): a `CallToolResult`, `isError` for an error."""
-        id_ = self.request.id
+        id_ = self.id
         self.forgotten()
         head = b'{"jsonrpc":"2.0","id":' + id_ + b',"result":'
         if answer.startswith(head) and answer.endswith(b"}"):  # (as `response_result` splices it)
-            self._count("ok")
             return response_result(id_, self._result(answer[len(head):-1]))
+        if answer == cancelled(id_):  # (the front-end's own, for a cancelled HTTP request: as it is)
+            return answer
         try:
             error = _decode(answer, type=_ErrorResponse).error
         except (msgspec.DecodeError, msgspec.ValidationError):
             error = _ErrorObject(ErrorCode.INTERNAL_ERROR, "Internal error", Raw(b'"unreadable answer"'))
-        if error.code == REQUEST_CANCELLED:  # (`cancelled`: as it is)
-            return answer
-        if error.code == ErrorCode.METHOD_NOT_FOUND:  # (gone with a reload since it was listed)
-            self._count("unknown_tool")
-            return response_error(id_, error_object(ErrorCode.INVALID_PARAMS, f"Unknown tool: {self.request.method}"))
-        self._count("tool_error")
-        return response_result(id_, self._failed(_error_text(error)))
+        return response_result(id_, self._failed(_error_text(error)))  # (a tool's own codes too: round 123)
 
     def _count(self, result: str) -> None:
-        key = (self.request.method, result)
+        key = (self.name, result)
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def _result(self, value: bytes) -> bytes:
+        tool = self.tool
+        schema = tool.output_schema
+        if schema is not None:
+            wrong = _misfit(value, schema["properties"]["result"] if tool.wrap_result else schema)  # type: ignore[index]
+            if wrong:  # (hostile testing, round 123: a `-> Pt` returning a list was structuredContent [1,2])
+                return self._failed(f"The tool's result does not fit its outputSchema: {wrong}")
         text = _encode(value.decode())  # (the result's JSON, as a JSON string)
         parts = [b'{"content":[{"type":"text","text":', text, b"}]"]
-        tool = self.tool
-        if tool.output_schema is not None:
+        if schema is not None:
             parts += (b',"structuredContent":{"result":', value, b"}") if tool.wrap_result else (
                 b',"structuredContent":', value)
         parts.append(_MODERN_OK if self.modern else b',"isError":false}')
+        size = sum(map(len, parts))
+        if size > self.limit:  # (round 123: 90 KB of quotes under a limit of 100 KB made 240 KB)
+            return self._failed(f"The tool's result, {len(value)} bytes, takes {size} bytes as a CallToolResult "
+                                f"(its text and its structuredContent), past max_response_bytes {self.limit}")
+        self._count("ok")
         return b"".join(parts)
 
     def _failed(self, text: str) -> bytes:
+        self._count("tool_error")
         tail = _MODERN_FAILED if self.modern else b'}],"isError":true}'
         return b'{"content":[{"type":"text","text":' + _encode(text) + tail
+
+
+_JSON_TYPES = {0x7B: "object", 0x5B: "array", 0x22: "string", 0x74: "boolean", 0x66: "boolean", 0x6E: "null"}
+"""A JSON value's type by its first byte (numbers aside: `_misfit`)."""
+
+
+def _misfit(value: bytes, schema: dict[str, object]) -> str:
+    """Why `value` (compact JSON) is not of the type(s) `schema` says at its top (its "type", or its
+    "anyOf" alternatives' types; "" when it fits, or when the schema says nothing there): MCP's
+    "servers MUST provide structured results that conform to this schema" (server/tools, "Output
+    Schema"), checked as far as a first byte tells. Deeper, the handler's return annotation is the
+    tool's promise (the worker does not check it)."""
+    options = schema.get("anyOf")
+    alternatives = typing.cast(list[dict[str, object]], options) if isinstance(options, list) else [schema]
+    allowed: set[str] = set()
+    for alternative in alternatives:
+        kind = alternative.get("type")
+        if kind is None:
+            return ""  # (any value: `{}`, a $ref, a const...)
+        allowed.update([kind] if isinstance(kind, str) else typing.cast(list[str], kind))
+    first = value[:1]
+    got = _JSON_TYPES.get(first[0], "number") if first else "nothing"
+    if got in allowed or (got == "number" and "integer" in allowed and not value.strip(b"-0123456789")):
+        return ""
+    if got == "number" and "number" in allowed:
+        return ""
+    return f"{got} where it declares {' or '.join(sorted(allowed))}"
 
 
 _SERVER_META = b'"_meta":{"' + KEY_SERVER_INFO.encode() + b'":' + _encode({"name": "rpc-broker", "version": version()}) + b"}"
@@ -295,20 +312,17 @@ class McpServer:
     catalog: a callable returning the current `Catalog` (it changes at reloads).
     private: the tools listed depend on the caller (auth tokens with allow_methods): list
         results say `cacheScope: "private"`, else "public".
-    max_sessions, session_idle: the HTTP sessions kept (`MAX_SESSIONS`, `SESSION_IDLE_SECONDS`).
-    clock: seconds, monotonic (injected by tests).
+    limit: the most bytes a tools/call's answer may take (max_response_bytes: `ToolCall`).
+    sessions: the HTTP sessions (broker/frontend/mcpsessions.py; tests give their own).
     """
 
     def __init__(self, catalog: typing.Callable[[], Catalog], codec: Codec, private: bool = False,
-                 max_sessions: int = MAX_SESSIONS, session_idle: float = SESSION_IDLE_SECONDS,
-                 clock: typing.Callable[[], float] = time.monotonic) -> None:
+                 limit: int = 2**63, sessions: Sessions | None = None) -> None:
         self._catalog = catalog
         self._codec = codec
         self._scope = b'"private"' if private else b'"public"'
-        self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
-        self._max_sessions = max_sessions
-        self._session_idle = session_idle
-        self._clock = clock
+        self._sessions = Sessions() if sessions is None else sessions
+        self._limit = limit
         self._info = {"name": "rpc-broker", "version": version()}
         self._capabilities = {"tools": {"listChanged": False}}
         self.requests: dict[tuple[str, str], int] = {}
@@ -322,10 +336,11 @@ class McpServer:
         return len(self._sessions)
 
     def handle(self, body: bytes, meta: Meta | None = None, session: Session | None = None,
-               denied: typing.AbstractSet[str] = frozenset()) -> Reply | ToolCall | Cancel:
+               denied: typing.AbstractSet[str] = frozenset(), client: str = "") -> Reply | ToolCall | Cancel:
         """One message: an HTTP POST body with its headers (`meta`), or a stdio line (`meta`
         None, `session` the process's). `denied`: tools the caller's token may not call
-        (unlisted, and unknown to it). Never raises for any input."""
+        (unlisted, and unknown to it). `client`: who sends it over HTTP (its token's name, or
+        its address without tokens), whose sessions alone it may name. Never raises for any input."""
         decoded = self._codec.decode(body)
         http = meta is not None
         if decoded.batch:
@@ -350,22 +365,22 @@ class McpServer:
                 params = _decode(request.params, type=_Params)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 return self._invalid(id_, f"params: {exc}", http)
-        if http and meta is not None and meta.session_id is not None and request.method != "initialize":
-            session = self._session(meta.session_id)
+        version_raw = params.meta.get(KEY_VERSION) if params.meta else None
+        modern = version_raw is not None and request.method != "initialize"
+        if meta is not None and meta.session_id is not None and not modern and request.method != "initialize":
+            # (2026-07-28 streamable-http, "Backward Compatibility": a modern request's is ignored; round 123)
+            session = self._sessions.find(meta.session_id, client)
             if session is None:  # (2025-11-25 transports: 404, and the client starts a new session)
                 return Reply(404, _error(id_ or b"null", ErrorCode.INVALID_REQUEST, "Session not found",
                                          "no session by that Mcp-Session-Id (ended, or forgotten): initialize again"))
+        self._counted(request.method, modern)
         if not id_:  # a notification: never answered (202 on HTTP)
-            self._counted(request.method, bool(params.meta and KEY_VERSION in params.meta))
             if request.method == "notifications/cancelled" and params.requestId and session is not None:
                 return Cancel(session, bytes(params.requestId))  # (stdio, both eras; an HTTP session's)
             return Reply(202, b"")  # (notifications/initialized, and any other: accepted)
-        version_raw = params.meta.get(KEY_VERSION) if params.meta else None
-        modern = version_raw is not None and request.method != "initialize"
-        self._counted(request.method, modern)
         if modern:
             return self._modern(request, id_, params, typing.cast(Raw, version_raw), meta, session, denied)
-        return self._legacy(request, id_, params, meta, session, denied)
+        return self._legacy(request, id_, params, meta, session, denied, client)
 
     def _counted(self, method: str, modern: bool) -> None:
         key = (method if method in _METHODS else "other", ERAS[0] if modern else ERAS[1])
@@ -412,7 +427,7 @@ class McpServer:
     # -- 2025-11-25 and older -------------------------------------------------------------
 
     def _legacy(self, request: Request, id_: bytes, params: _Params, meta: Meta | None, session: Session | None,
-                denied: typing.AbstractSet[str]) -> Reply | ToolCall | Cancel:
+                denied: typing.AbstractSet[str], client: str) -> Reply | ToolCall | Cancel:
         http = meta is not None
         method = request.method
         header = meta.protocol_version if meta is not None else None
@@ -425,7 +440,7 @@ class McpServer:
                 return Reply(400, _error(id_, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version",
                                          {"supported": list(SUPPORTED_VERSIONS), "requested": value}))
         if method == "initialize":
-            return self._initialize(id_, params, session, http)
+            return self._initialize(id_, params, session, http, client)
         if method == "ping":
             return Reply(200, response_result(id_, b"{}"))
         if method == "tools/call":
@@ -437,7 +452,7 @@ class McpServer:
         return Reply(404 if http else 200, _error(id_, ErrorCode.METHOD_NOT_FOUND, "Method not found",
                                                   f"{method!r} is not an MCP method this server serves"))
 
-    def _initialize(self, id_: bytes, params: _Params, session: Session | None, http: bool) -> Reply:
+    def _initialize(self, id_: bytes, params: _Params, session: Session | None, http: bool, client: str) -> Reply:
         asked = params.protocolVersion
         if asked is None:
             return self._invalid(id_, "initialize: params.protocolVersion (a string) is required", http)
@@ -445,42 +460,16 @@ class McpServer:
         result = {"protocolVersion": agreed, "capabilities": self._capabilities, "serverInfo": self._info}
         headers = b""
         if http:
-            session = self._new_session(agreed)
+            session = self._sessions.begin(client, agreed)
             headers = b"mcp-session-id: " + session.id.encode() + b"\r\n"
         elif session is not None:
             session.version = agreed
         return Reply(200, response_result(id_, _encode(result)), headers)
 
-    def end_session(self, session_id: bytes) -> bool:
+    def end_session(self, session_id: bytes, client: str = "") -> bool:
         """HTTP DELETE with `Mcp-Session-Id` (2025-11-25 transports, "Session Management", item 5): the
-        session ends. Returns whether it was one."""
-        return self._sessions.pop(session_id.decode("latin-1"), None) is not None
-
-    def _new_session(self, agreed: str) -> Session:
-        sessions = self._sessions
-        now = self._clock()
-        while len(sessions) >= self._max_sessions:
-            sessions.popitem(last=False)
-        session = Session(secrets.token_urlsafe(24), agreed)
-        session.used = now
-        sessions[session.id] = session
-        return session
-
-    def _session(self, session_id: bytes) -> Session | None:
-        sessions = self._sessions
-        key = session_id.decode("latin-1")
-        session = sessions.get(key)
-        now = self._clock()
-        while sessions:  # (the oldest first: forget those idle past session_idle)
-            oldest = next(iter(sessions.values()))
-            if now - oldest.used < self._session_idle:
-                break
-            sessions.popitem(last=False)
-        if session is None or key not in sessions:
-            return None
-        session.used = now
-        sessions.move_to_end(key)
-        return session
+        session ends. Returns whether it was one of `client`'s."""
+        return self._sessions.end(session_id, client)
 
     # -- tools ---------------------------------------------------------------------------
 
@@ -517,7 +506,8 @@ class McpServer:
             if bytes(arguments) != b"null":
                 return self._invalid(id_, "tools/call: params.arguments must be an object", http)
             arguments = Raw()
-        return ToolCall(Request("2.0", name, arguments, request.id), tool, modern, session, self.tool_calls)
+        return ToolCall(Request("2.0", name, arguments, request.id), tool, modern, session, self.tool_calls,
+                        self._limit)
 
     def _invalid(self, id_: bytes, why: str, http: bool) -> Reply:
         """-32602 for a request MCP's schema refuses: HTTP 400 (2026-07-28 basic, "Per-request protocol

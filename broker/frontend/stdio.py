@@ -160,7 +160,7 @@ def mcp_frontend(dispatcher: Dispatcher, pool: Pool, config: Config, incoming: I
     """`rpc-broker mcp-stdio`'s front-end: MCP, one message a line (broker/frontend/mcp.py, on the
     stream front-end's lines: `StreamFrontend.mcp`), the process its session (a `FrontendFactory`)."""
     face = jsonrpc_frontend(dispatcher, pool, config, incoming)
-    face.mcp = McpServer(lambda: dispatcher.catalog, face.codec)
+    face.mcp = McpServer(lambda: dispatcher.catalog, face.codec, limit=face.max_response_bytes)
     return face
 
 

@@ -89,7 +89,8 @@ from broker.frontend.base import (
     discard_turn,
     is_tls,
 )
-from broker.frontend.mcp import Cancel, McpServer, Session, ToolCall
+from broker.frontend.mcp import Cancel, McpServer, ToolCall
+from broker.frontend.mcpsessions import Session
 from broker.frontend.streamclose import Closing
 from broker.jsonrpc import Body, ErrorCode, Request, error_object, response_error, response_result
 from broker.ratelimit import address_of
@@ -159,7 +160,7 @@ class StreamFrontend(Listener):
     ) -> None:
         super().__init__(dispatcher, transport=transport, **limits)
         self.auth = auth
-        self.mcp = McpServer(lambda: dispatcher.catalog, self.codec) if mcp else None
+        self.mcp = McpServer(lambda: dispatcher.catalog, self.codec, limit=self.max_response_bytes) if mcp else None
         self.client_certs = client_certs and auth is not None
         self.unauthenticated = response_error(b"null", error_object(ErrorCode.INVALID_REQUEST, data=(
             'a bearer token is required: the first line must be {"jsonrpc":"2.0","method":"rpc.authenticate",'
