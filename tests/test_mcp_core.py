@@ -357,3 +357,22 @@ def test_a_modern_request_s_session_header_is_ignored() -> None:
     page, "Backward Compatibility": ignore it)."""
     status, body = answer(server().handle(message("tools/list"), Meta(*headers("tools/list")[:3], b"nope")))
     assert status == 200 and body["result"]["tools"]
+
+
+@pytest.mark.parametrize("body", [b'{"jsonrpc":"2.0","id":1,"result":{}}',
+                                  b'{"jsonrpc":"2.0","id":1,"error":{"code":1,"message":"x"}}'])
+def test_a_response_sent_by_the_client_is_ignored_on_stdio_and_refused_over_http(body: bytes) -> None:
+    """Hostile testing, round 123: on stdio its -32600, with its id, could be taken for an answer to the host's
+    own request 1."""
+    assert server().handle(body, None, Session()) == Reply(202, b"")
+    status, answered = answer(server().handle(body, Meta()))
+    assert (status, answered["error"]["code"]) == (400, -32600)
+
+
+def test_a_legacy_version_in_a_request_s_meta_is_told_how_it_is_served() -> None:
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": {
+        **META, "io.modelcontextprotocol/protocolVersion": "2025-11-25"}}}).encode()
+    status, answered = answer(server().handle(body))
+    assert (status, answered["error"]["code"]) == (400, -32022)
+    assert answered["error"]["message"] == ("Unsupported protocol version: 2025-11-25 is served after initialize, "
+                                            "not by a request's _meta")

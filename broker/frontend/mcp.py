@@ -351,6 +351,8 @@ class McpServer:
             return Reply(202, b"")
         item = decoded.items[0]
         if type(item) is bytes:  # (not a Request object: the codec's answer, -32700 or -32600)
+            if not http and _is_response(body):  # (its answer could be taken for one to the host's own request 1)
+                return Reply(202, b"")
             return Reply(decoded.status, item)
         request = typing.cast(Request, item)
         id_ = bytes(request.id)
@@ -395,8 +397,10 @@ class McpServer:
             requested = _decode(version_raw, type=str)
         except (msgspec.ValidationError, msgspec.DecodeError):
             return self._invalid(id_, f"_meta[{KEY_VERSION!r}] must be a string", http)
-        if requested not in MODERN_VERSIONS:
-            return Reply(400, _error(id_, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version",
+        if requested not in MODERN_VERSIONS:  # (a legacy one: served after initialize, not per request; round 123)
+            how = (f": {requested} is served after initialize, not by a request's _meta" if requested in LEGACY_VERSIONS
+                   else "")
+            return Reply(400, _error(id_, UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version" + how,
                                      {"supported": list(SUPPORTED_VERSIONS), "requested": requested}))
         method = request.method
         if meta is not None:
@@ -516,6 +520,24 @@ class McpServer:
             return Reply(400, _error(b"null", ErrorCode.INVALID_PARAMS, "Invalid params", why)) if http else Reply(
                 202, b"")
         return Reply(400 if http else 200, _error(id_, ErrorCode.INVALID_PARAMS, "Invalid params", why))
+
+
+class _Response(msgspec.Struct):
+    method: Raw = Raw()
+    result: Raw = Raw()
+    error: Raw = Raw()
+
+
+def _is_response(body: bytes) -> bool:
+    """Whether `body` is a JSON-RPC Response object (a result or an error, no method): what a client never
+    sends an MCP server, which makes no requests of it. On stdio it is ignored, not answered -32600 with its
+    id: its host could take that for the answer to a request of its own by that id (hostile testing, round
+    123)."""
+    try:
+        message = _decode(body, type=_Response)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    return not message.method and bool(message.result or message.error)
 
 
 def cancelled(id_: bytes) -> bytes:
