@@ -233,14 +233,13 @@ def test_http_sessions_are_minted_bounded_and_forgotten_when_idle() -> None:
     ids = []
     for _ in range(4):
         reply = s.handle(message("initialize", {"protocolVersion": "2025-11-25"}, modern=False), Meta())
-        assert isinstance(reply, Reply) and reply.headers.startswith(b"mcp-session-id: ")
-        ids.append(reply.headers.split(b": ")[1].strip())
-    assert s.sessions == 3  # (the oldest went)
+        assert isinstance(reply, Reply)
+        ids.append(reply.headers.split(b": ")[1].strip() if reply.headers else b"")
+    assert s.sessions == 3 and ids[3] == b""  # (the table full: the fourth got none, and no one's went)
     ping = message("ping", modern=False)
-    assert answer(s.handle(ping, Meta(session_id=ids[0])))[0] == 404
-    assert answer(s.handle(ping, Meta(session_id=ids[3])))[0] == 200
+    assert answer(s.handle(ping, Meta(session_id=ids[0])))[0] == 200
     now[0] = 20.0
-    assert answer(s.handle(ping, Meta(session_id=ids[3])))[0] == 404  # (idle past session_idle)
+    assert answer(s.handle(ping, Meta(session_id=ids[0])))[0] == 404  # (idle past session_idle)
     assert s.sessions == 0 and MAX_SESSIONS >= 1000
 
 
@@ -347,9 +346,44 @@ def test_a_client_past_its_share_of_sessions_evicts_its_own_not_another_s() -> N
     flood = [sessions.begin("address 10.0.0.1", "2025-11-25") for _ in range(100)]
     assert len(sessions) == 4 and sessions.find(keep.id.encode(), "address 10.0.0.2") is keep
     assert [sessions.find(f.id.encode(), "address 10.0.0.1") is f for f in flood[-4:]] == [False, True, True, True]
-    for i in range(20):  # (past max_sessions, the least recently used of all goes)
-        sessions.begin(f"address 10.1.0.{i}", "2025-11-25")
-    assert len(sessions) == 10 and sessions.find(keep.id.encode(), "address 10.0.0.2") is None
+    for i in range(20):  # (round 124: past max_sessions, no one's goes: the newcomers get none)
+        begun = sessions.begin(f"address 10.1.0.{i}", "2025-11-25")
+        assert (begun is None) == (i >= 6)
+    assert len(sessions) == 10 and sessions.find(keep.id.encode(), "address 10.0.0.2") is keep
+
+
+def test_initialize_with_the_table_full_is_served_without_a_session() -> None:
+    s = server(sessions=Sessions(max_sessions=1))
+    first = s.handle(message("initialize", {"protocolVersion": "2025-11-25"}, modern=False), Meta(), client="a")
+    second = s.handle(message("initialize", {"protocolVersion": "2025-11-25"}, modern=False), Meta(), client="b")
+    assert isinstance(first, Reply) and isinstance(second, Reply)
+    assert first.headers.startswith(b"mcp-session-id: ") and second.headers == b"" and second.status == 200
+    assert json.loads(second.body)["result"]["protocolVersion"] == "2025-11-25"
+
+
+def test_an_error_s_text_is_cut_to_fit_max_response_bytes() -> None:
+    """Hostile testing, round 124: an error's text (the param's repr, or a tool's data, escaped twice) took
+    max_response_bytes twice."""
+    s = McpServer(lambda: CATALOG, Codec(), limit=10_000)
+    call = s.handle(message("tools/call", {"name": "add"}, modern=False))
+    assert isinstance(call, ToolCall)
+    error = error_object(-32602, "Invalid params", {"param": "\\" * 4000, "reason": "unknown"})
+    answered = call.finish(response_error(b"1", error))
+    text = json.loads(answered)["result"]["content"][0]["text"]
+    assert len(answered) <= 10_000 and text.endswith(" ... (cut at max_response_bytes)")
+
+
+def test_a_tool_s_own_request_cancelled_error_is_a_tool_error() -> None:
+    """Hostile testing, round 124: RpcError(-32800, "Request cancelled") was byte for byte the front-end's own
+    answer to a cancelled request, and passed as it."""
+    from broker.frontend.mcp import cancelled
+
+    call = server().handle(message("tools/call", {"name": "add"}, modern=False))
+    assert isinstance(call, ToolCall)
+    result = json.loads(call.finish(cancelled(b"1")))["result"]
+    assert result["isError"] is True and result["content"][0]["text"] == "Error -32800: Request cancelled"
+    call.cancelled = True  # (what `cancel_mcp` marks)
+    assert json.loads(call.finish(cancelled(b"1")))["error"]["code"] == -32800
 
 
 def test_a_modern_request_s_session_header_is_ignored() -> None:
@@ -366,7 +400,21 @@ def test_a_response_sent_by_the_client_is_ignored_on_stdio_and_refused_over_http
     own request 1."""
     assert server().handle(body, None, Session()) == Reply(202, b"")
     status, answered = answer(server().handle(body, Meta()))
-    assert (status, answered["error"]["code"]) == (400, -32600)
+    assert (status, answered["id"], answered["error"]["code"]) == (400, None, -32600)  # (round 124: no id)
+    for method in (b"null", b'""'):  # (round 124: answered with its id on stdio)
+        assert server().handle(body[:-1] + b',"method":' + method + b"}", None, Session()) == Reply(202, b"")
+
+
+def test_a_line_nested_past_the_parser_s_limit_is_answered_never_raised() -> None:
+    """Hostile testing, round 124: a line nested 1,000 deep raised RecursionError on stdio (looking for a
+    response in it), and the broker stopped."""
+    for depth in (600, 1000, 5000):
+        deep = b'{"x":' + b"[" * depth + b"]" * depth + b"}"
+        outcome = server().handle(deep, None, Session())
+        assert isinstance(outcome, Reply) and json.loads(outcome.body)["error"]["code"] in (-32600, -32700)
+        call = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"add","arguments":{"a":' + \
+            b"[" * depth + b"]" * depth + b"}}}"
+        assert isinstance(server().handle(call, None, Session()), (Reply, ToolCall))
 
 
 def test_a_legacy_version_in_a_request_s_meta_is_told_how_it_is_served() -> None:

@@ -5,6 +5,7 @@ against a real broker and its worker processes; then raw HTTP requests for what 
 from __future__ import annotations
 
 import json
+import time
 import typing
 
 import anyio
@@ -310,3 +311,26 @@ def test_an_app_with_no_tool_is_said_to_serve_mcp_none() -> None:
     assert none.stop() == 0 and off.stop() == 0 and some.stop() == 0  # (their whole logs read)
     assert warning in none.read_log() and warning not in off.read_log()
     assert "MCP serves no tools" not in some.read_log()
+
+
+def test_a_half_close_cancels_the_mcp_call_owed_and_answers_the_rest(broker: Broker) -> None:
+    """Hostile testing, round 124: a client that half-closed (`nc -N`) was reset, the plain call pipelined
+    before its tools/call unanswered too. Now the tools/call is cancelled in its worker and answered -32800,
+    the plain call answered, in order."""
+    import socket
+
+    plain = b'{"jsonrpc":"2.0","id":7,"method":"add","params":[1,2]}'
+    call = json.dumps({"jsonrpc": "2.0", "id": 8, "method": "tools/call",
+                       "params": {"name": "wait", "arguments": {"token": "half-close"}}}).encode()
+    head = "POST {} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", broker.port), timeout=30) as sock:
+        sock.sendall(head.format("/", len(plain)).encode() + plain + head.format("/mcp", len(call)).encode() + call)
+        time.sleep(0.5)  # (both dispatched)
+        sock.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    first, second = (json.loads(part.split(b"\r\n\r\n", 1)[1].split(b"HTTP/1.1")[0]) for part in got.split(b"HTTP/1.1 ")[1:])
+    assert first == {"jsonrpc": "2.0", "id": 7, "result": 3}
+    assert second == {"jsonrpc": "2.0", "id": 8, "error": {"code": -32800, "message": "Request cancelled"}}
+    wait_for(lambda: "cancelled half-close" in broker.read_log(), timeout=10.0)

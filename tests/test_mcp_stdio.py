@@ -142,3 +142,15 @@ def test_notifications_are_never_answered_and_a_batch_is_refused() -> None:
     assert b.read()["result"]["supportedVersions"][0] == "2026-07-28"
     status, out, _ = b.finish()
     assert (status, out) == (0, b"")
+
+
+def test_a_line_nested_past_the_parser_s_limit_is_answered_and_the_session_goes_on() -> None:
+    """Hostile testing, round 124: a line nested 1,000 deep raised in the MCP front-end, and the broker
+    stopped, its calls in flight lost."""
+    b = Spawned()
+    b.ask(b'{"x":' + b"[" * 1000 + b"]" * 1000 + b"}\n", b'{"jsonrpc":"2.0","id":2,"method":"ping"}\n')
+    refused = b.read()
+    assert refused["id"] is None and refused["error"]["code"] in (-32600, -32700)
+    assert b.read() == {"jsonrpc": "2.0", "id": 2, "result": {}}
+    status, out, _ = b.finish()
+    assert (status, out) == (0, b"")

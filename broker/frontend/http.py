@@ -77,7 +77,6 @@ from broker.frontend.base import (
     TURN_SECONDS,
     discard_turn,
     is_tls,
-    reset,
 )
 from broker.frontend.httpanswer import Answers, path_of
 from broker.frontend.httpevict import Eviction
@@ -93,7 +92,7 @@ from broker.frontend.httprequest import (
     _Request,
 )
 from broker.frontend.httpstate import Close
-from broker.frontend.mcp import ToolCall
+from broker.frontend.mcp import ToolCall, cancel_mcp
 from broker.jsonrpc import Body, ErrorCode
 from broker.ratelimit import Bucket, address_of
 
@@ -563,13 +562,16 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
         and other clients' bodies were refused 503 meanwhile). (Reading is never paused
         at EOF: a read's unparsed rest, `_backlog`, is parsed before reading resumes.)"""
         self._eof = True
-        if any((type(owed) is Exchange and path_of(owed) == "mcp") or (type(owed) is Deferred and owed.mcp is not None)
-               for owed in self._responses):
-            # An MCP client that closes while a tools/call's answer is owed cancels it (2026-07-28
-            # streamable-http, "Cancellation": its response stream is closed); MCP's clients do not
-            # half-close to read an answer. Reset: its calls are cancelled in their workers (`lost`).
-            reset(self)
-            return False
+        for owed in list(self._responses):
+            exchange = owed if type(owed) is Exchange else owed.exchange if type(owed) is Deferred else None
+            if exchange is not None and exchange.remaining and path_of(exchange) == "mcp":
+                # An MCP client that closes while a tools/call's answer is owed cancels it (2026-07-28
+                # streamable-http, "Cancellation": its response stream is closed): cancelled in its
+                # worker, answered -32800, in its turn with the rest owed, for a client that only
+                # half-closed (hostile testing, round 124: a reset lost the plain calls' answers too).
+                cancel_mcp(self._fe.dispatcher, exchange)
+                if self._transport is None:
+                    return False
         if self.request_started:
             self.request_started = 0.0
             self._request.body = b""

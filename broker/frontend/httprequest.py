@@ -85,7 +85,7 @@ from broker.frontend.httpmsg import (
 )
 from broker.frontend.httpowed import Deferred, Scrape
 from broker.frontend.httpstate import Close, HttpState
-from broker.frontend.mcp import Cancel, Meta, Reply, ToolCall, cancelled
+from broker.frontend.mcp import Cancel, Meta, Reply, ToolCall, cancel_mcp
 from broker.jsonrpc import Body, ErrorCode
 
 if typing.TYPE_CHECKING:
@@ -614,8 +614,7 @@ class Requests(HttpState):
             if isinstance(outcome, Cancel):  # (2025-11-25 basic/utilities/cancellation, in a session)
                 exchange = typing.cast("Exchange | None", outcome.session.calls.pop(outcome.request_id, None))
                 if exchange is not None and exchange.remaining:
-                    fe.dispatcher.cancel(exchange)
-                    exchange.fill(0, cancelled(outcome.request_id))  # (its POST still waits for an answer)
+                    cancel_mcp(fe.dispatcher, exchange)  # (its POST still waits for an answer: -32800)
                 outcome = Reply(202, b"")
             status, body, extra = outcome
             extra += cors + (self._keep_header if keep_alive else b"")

@@ -62,6 +62,10 @@ from broker.frontend.mcpsessions import CALLS_PER_SESSION, Session, Sessions
 from broker.jsonrpc import Codec, ErrorCode, Request, error_object, response_error, response_result
 from broker.wire import MethodInfo
 
+if typing.TYPE_CHECKING:
+    from broker.answers import Exchange
+    from broker.dispatch import Dispatcher
+
 MODERN_VERSIONS = ("2026-07-28",)
 """Revisions served statelessly, their version in each request's `_meta` (2026-07-28 basic/versioning)."""
 LEGACY_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
@@ -135,7 +139,7 @@ class ToolCall:
     (max_response_bytes: the result is checked against it as it is, and a CallToolResult holds it
     twice, its text escaped)."""
 
-    __slots__ = ("counts", "handle", "id", "limit", "modern", "name", "request", "session", "tool")
+    __slots__ = ("cancelled", "counts", "handle", "id", "limit", "modern", "name", "request", "session", "tool")
 
     def __init__(self, request: Request, tool: MethodInfo, modern: bool, session: Session | None,
                  counts: dict[tuple[str, str], int], limit: int) -> None:
@@ -148,6 +152,7 @@ class ToolCall:
         self.counts = counts  # (McpServer.tool_calls)
         self.limit = limit
         self.handle: object = None  # (`started`)
+        self.cancelled = False  # (its front-end cancelled it: answered `cancelled`, as it is)
 
     def started(self, handle: object) -> None:
         """The front-end dispatched it; `handle` (its `Exchange`) is what a `notifications/cancelled`
@@ -177,11 +182,11 @@ class ToolCall:
         head = b'{"jsonrpc":"2.0","id":' + id_ + b',"result":'
         if answer.startswith(head) and answer.endswith(b"}"):  # (as `response_result` splices it)
             return response_result(id_, self._result(answer[len(head):-1]))
-        if answer == cancelled(id_):  # (the front-end's own, for a cancelled HTTP request: as it is)
-            return answer
+        if self.cancelled:  # (the front-end's own answer to a cancelled HTTP request; a tool's -32800 is its own)
+            return cancelled(id_)
         try:
             error = _decode(answer, type=_ErrorResponse).error
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             error = _ErrorObject(ErrorCode.INTERNAL_ERROR, "Internal error", Raw(b'"unreadable answer"'))
         return response_result(id_, self._failed(_error_text(error)))  # (a tool's own codes too: round 123)
 
@@ -212,7 +217,12 @@ class ToolCall:
     def _failed(self, text: str) -> bytes:
         self._count("tool_error")
         tail = _MODERN_FAILED if self.modern else b'}],"isError":true}'
-        return b'{"content":[{"type":"text","text":' + _encode(text) + tail
+        encoded = _encode(text)
+        room = self.limit - len(tail) - 200  # (the text's room in max_response_bytes: round 124, an error's text,
+        while len(encoded) > room and len(text) > 1:  # escaped twice, took 2 times it)
+            text = text[:len(text) // 2]
+            encoded = _encode(text + " ... (cut at max_response_bytes)")
+        return b'{"content":[{"type":"text","text":' + encoded + tail
 
 
 _JSON_TYPES = {0x7B: "object", 0x5B: "array", 0x22: "string", 0x74: "boolean", 0x66: "boolean", 0x6E: "null"}
@@ -275,7 +285,7 @@ def _error_text(error: _ErrorObject) -> str:
     if error.data:
         try:
             data = _decode(error.data)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             data = None
     code = error.code
     if code == ErrorCode.INVALID_PARAMS and isinstance(data, dict) and "reason" in data:
@@ -351,10 +361,12 @@ class McpServer:
             return Reply(202, b"")
         item = decoded.items[0]
         if type(item) is bytes:  # (not a Request object: the codec's answer, -32700 or -32600)
-            if not http and _is_response(body):  # (its answer could be taken for one to the host's own request 1)
-                return Reply(202, b"")
+            if _is_response(body):  # (on stdio its answer could be taken for one to the host's own request 1)
+                return _RESPONSE_REFUSED if http else Reply(202, b"")
             return Reply(decoded.status, item)
         request = typing.cast(Request, item)
+        if not request.method and _is_response(body):  # (`"method":""` beside a result: round 124)
+            return _RESPONSE_REFUSED if http else Reply(202, b"")
         id_ = bytes(request.id)
         if id_ == b"null":
             return Reply(400, _error(b"null", ErrorCode.INVALID_REQUEST, "an MCP request's id is a string or an "
@@ -365,7 +377,7 @@ class McpServer:
                 return self._invalid(id_, "params must be an object", http)
             try:
                 params = _decode(request.params, type=_Params)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
                 return self._invalid(id_, f"params: {exc}", http)
         version_raw = params.meta.get(KEY_VERSION) if params.meta else None
         modern = version_raw is not None and request.method != "initialize"
@@ -395,7 +407,7 @@ class McpServer:
         http = meta is not None
         try:
             requested = _decode(version_raw, type=str)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
             return self._invalid(id_, f"_meta[{KEY_VERSION!r}] must be a string", http)
         if requested not in MODERN_VERSIONS:  # (a legacy one: served after initialize, not per request; round 123)
             how = (f": {requested} is served after initialize, not by a request's _meta" if requested in LEGACY_VERSIONS
@@ -465,7 +477,8 @@ class McpServer:
         headers = b""
         if http:
             session = self._sessions.begin(client, agreed)
-            headers = b"mcp-session-id: " + session.id.encode() + b"\r\n"
+            if session is not None:  # (else the table is full: served without one, mcpsessions.py says why)
+                headers = b"mcp-session-id: " + session.id.encode() + b"\r\n"
         elif session is not None:
             session.version = agreed
         return Reply(200, response_result(id_, _encode(result)), headers)
@@ -528,6 +541,9 @@ class _Response(msgspec.Struct):
     error: Raw = Raw()
 
 
+_NO_METHOD = frozenset((b"", b"null", b'""'))  # (round 124: `"method":null` beside a result is no request)
+
+
 def _is_response(body: bytes) -> bool:
     """Whether `body` is a JSON-RPC Response object (a result or an error, no method): what a client never
     sends an MCP server, which makes no requests of it. On stdio it is ignored, not answered -32600 with its
@@ -535,9 +551,19 @@ def _is_response(body: bytes) -> bool:
     123)."""
     try:
         message = _decode(body, type=_Response)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return False
-    return not message.method and bool(message.result or message.error)
+    return bytes(message.method) in _NO_METHOD and bool(message.result or message.error)
+
+
+def cancel_mcp(dispatcher: Dispatcher, exchange: Exchange) -> None:
+    """Cancel an HTTP `tools/call` (its `exchange`, context `(keep_alive, headers, ToolCall)`, owed): its
+    call cancelled in its worker (`Dispatcher.cancel`), its answer -32800 (`cancelled`), which the
+    front-end writes in its turn."""
+    call = typing.cast(ToolCall, typing.cast(tuple[object, ...], exchange.context)[2])
+    dispatcher.cancel(exchange)
+    call.cancelled = True
+    exchange.fill(0, cancelled(call.id))
 
 
 def cancelled(id_: bytes) -> bytes:
@@ -547,6 +573,10 @@ def cancelled(id_: bytes) -> bytes:
 
 def _error(id_: bytes, code: int, message: str, data: object = None) -> bytes:
     return response_error(id_, error_object(code, message, data))
+
+
+_RESPONSE_REFUSED = Reply(400, _error(b"null", ErrorCode.INVALID_REQUEST, "Invalid Request",
+                                      "a JSON-RPC response: the server makes no request of its client"))
 
 
 def _name(tool: dict[str, object]) -> str:

@@ -11,10 +11,13 @@ sessions is bounded (`MAX_SESSIONS`), each session idle past `SESSION_IDLE_SECON
 forgotten, and each belongs to the client that began it (its token's name, or without
 tokens its address: `owner`), which alone may use it: another client's request naming it is
 told it does not exist (hostile testing, round 123: one token's client cancelled, used and
-ended another's session, given its id). A client holds at most `SESSIONS_PER_CLIENT` of
-them: past that its own least recently used goes, not another client's (round 123: 10,000
-`initialize` in half a second evicted every other client's session; the official SDK's
-client does not begin a new one when told 404).
+ended another's session, given its id). No client's session is ever taken for another's: a
+client holds at most `SESSIONS_PER_CLIENT`, past which its own least recently used goes, and
+with the table full a new `initialize` gets no session (`begin` None: a session is the
+server's option, and its client goes on without one, its calls cancelled by closing their
+connection). Round 123: 10,000 `initialize` in half a second evicted every other client's
+session, and the official SDK's client does not begin a new one when told 404; round 124:
+with the table's least recently used evicted, 11 addresses (or tokens) did it still.
 """
 
 from __future__ import annotations
@@ -74,14 +77,16 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._all)
 
-    def begin(self, owner: str, version: str) -> Session:
-        """A new session of client `owner` (`Session.id`: 192 random bits, URL-safe), making room."""
+    def begin(self, owner: str, version: str) -> Session | None:
+        """A new session of client `owner` (`Session.id`: 192 random bits, URL-safe), in the room of its
+        own least recently used past `SESSIONS_PER_CLIENT`; None when the table is full (no one
+        else's is taken)."""
         self._forget_idle()
-        owned = self._owned.setdefault(owner, collections.OrderedDict())
-        if len(owned) >= self._per_client:
+        owned = self._owned.get(owner)
+        if owned is not None and len(owned) >= self._per_client:
             self._drop(next(iter(owned)))
         elif len(self._all) >= self._max:
-            self._drop(next(iter(self._all)))
+            return None
         session = Session(secrets.token_urlsafe(24), version, owner)
         session.used = self._clock()
         self._all[session.id] = session
