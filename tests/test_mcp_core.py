@@ -424,3 +424,32 @@ def test_a_legacy_version_in_a_request_s_meta_is_told_how_it_is_served() -> None
     assert (status, answered["error"]["code"]) == (400, -32022)
     assert answered["error"]["message"] == ("Unsupported protocol version: 2025-11-25 is served after initialize, "
                                             "not by a request's _meta")
+
+
+def test_a_large_error_data_is_shown_cut_never_decoded() -> None:
+    """Hostile testing, round 125: 15 MB of an RpcError's data were decoded and encoded again on the event
+    loop, which held every client 824 ms; now its first 4 KiB are shown as they are."""
+    from broker.frontend.mcp import DATA_READ_BYTES, DATA_SHOWN_BYTES
+
+    call = server().handle(message("tools/call", {"name": "add"}, modern=False))
+    assert isinstance(call, ToolCall)
+    data = [{}] * (DATA_READ_BYTES // 2)
+    text = json.loads(call.finish(response_error(b"1", error_object(1, "m", data))))["result"]["content"][0]["text"]
+    shown = "[" + ",".join(["{}"] * DATA_READ_BYTES)
+    assert text == f"Error 1: m ({shown[:DATA_SHOWN_BYTES]} ... {len(json.dumps(data, separators=(',', ':')))} bytes of data in all)"
+
+
+def test_a_result_too_large_to_fit_is_refused_before_its_text_is_made_and_the_id_counts() -> None:
+    """Hostile testing, round 125: the result was escaped (184 ms for 15 MB) before being found too large;
+    and a long id was not counted."""
+    s = McpServer(lambda: CATALOG, Codec(), limit=1000)
+    call = s.handle(message("tools/call", {"name": "total"}, modern=False))
+    assert isinstance(call, ToolCall)
+    text = json.loads(call.finish(response_result(b"1", b'{"total":"' + b"x" * 600 + b'"}')))["result"]["content"][0]["text"]
+    assert text == ("The tool's result, 612 bytes, takes 1225 bytes or more as a CallToolResult (its text and its "
+                    "structuredContent), past max_response_bytes 1000")
+    long_id = "i" * 500
+    call = s.handle(message("tools/call", {"name": "total"}, id_=long_id, modern=False))
+    assert isinstance(call, ToolCall)
+    answered = call.finish(response_result(f'"{long_id}"'.encode(), b'{"total":"' + b"x" * 200 + b'"}'))
+    assert json.loads(answered)["result"]["isError"] is True and len(answered) <= 1000

@@ -197,6 +197,11 @@ class ToolCall:
     def _result(self, value: bytes) -> bytes:
         tool = self.tool
         schema = tool.output_schema
+        least = len(value) * (1 if schema is None else 2) + len(self.id)  # (its text, and its structuredContent)
+        if least > self.limit:  # (known too large before its text is made: round 125, 184 ms for 15 MB)
+            return self._failed(f"The tool's result, {len(value)} bytes, takes {least} bytes or more as a "
+                                f"CallToolResult (its text and its structuredContent), past max_response_bytes "
+                                f"{self.limit}")
         if schema is not None:
             wrong = _misfit(value, schema["properties"]["result"] if tool.wrap_result else schema)  # type: ignore[index]
             if wrong:  # (hostile testing, round 123: a `-> Pt` returning a list was structuredContent [1,2])
@@ -207,7 +212,7 @@ class ToolCall:
             parts += (b',"structuredContent":{"result":', value, b"}") if tool.wrap_result else (
                 b',"structuredContent":', value)
         parts.append(_MODERN_OK if self.modern else b',"isError":false}')
-        size = sum(map(len, parts))
+        size = sum(map(len, parts)) + len(self.id) + 30  # (the response's envelope, the id: round 125)
         if size > self.limit:  # (round 123: 90 KB of quotes under a limit of 100 KB made 240 KB)
             return self._failed(f"The tool's result, {len(value)} bytes, takes {size} bytes as a CallToolResult "
                                 f"(its text and its structuredContent), past max_response_bytes {self.limit}")
@@ -218,7 +223,7 @@ class ToolCall:
         self._count("tool_error")
         tail = _MODERN_FAILED if self.modern else b'}],"isError":true}'
         encoded = _encode(text)
-        room = self.limit - len(tail) - 200  # (the text's room in max_response_bytes: round 124, an error's text,
+        room = self.limit - len(tail) - 200 - len(self.id)  # (the text's room in max_response_bytes: round 124, an error's text,
         while len(encoded) > room and len(text) > 1:  # escaped twice, took 2 times it)
             text = text[:len(text) // 2]
             encoded = _encode(text + " ... (cut at max_response_bytes)")
@@ -279,12 +284,23 @@ _KNOWN: dict[int, str] = {
 """The text of a tool execution error the broker made (its own codes, which never reach an MCP client)."""
 
 
+DATA_READ_BYTES = 64 * 1024
+"""An error object's `data` longer than this is not decoded into a tool error's text: its first
+`DATA_SHOWN_BYTES` are shown as they are (hostile testing, round 125: 15 MB of data, decoded and encoded
+again on the event loop, held it 824 ms, every client waiting)."""
+DATA_SHOWN_BYTES = 4096
+
+
 def _error_text(error: _ErrorObject) -> str:
     """A tool execution error's text for the model: what failed and why, from the error object."""
     data: object = None
-    if error.data:
+    raw = error.data
+    if len(raw) > DATA_READ_BYTES:
+        shown = bytes(memoryview(raw)[:DATA_SHOWN_BYTES]).decode("utf-8", "replace")
+        return f"Error {error.code}: {error.message} ({shown} ... {len(raw)} bytes of data in all)"
+    if raw:
         try:
-            data = _decode(error.data)
+            data = _decode(raw)
         except (msgspec.DecodeError, RecursionError):
             data = None
     code = error.code
