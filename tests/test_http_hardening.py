@@ -787,8 +787,13 @@ def test_http_responses_are_counted_by_path(broker_factory):
     assert moved("metrics", "200") == 1  # `before`
     assert moved("other", "404") == 1
     assert moved("other", "400") == 1  # not readable as HTTP: no path to speak of
+    mcp = b'{"jsonrpc":"2.0","id":1,"method":"ping"}'
+    assert b.post(mcp, path="/mcp")[0] == 200
+    assert b.post(b'{"jsonrpc":"2.0","method":"notifications/initialized"}', path="/mcp")[0] == 202
+    after = scrape_metrics(b)
+    assert moved("mcp", "200") == 1 and moved("mcp", "202") == 1
     labels = {dict(key[1]).get("path") for key in after if key[0] == "rpc_broker_http_responses_total"}
-    assert labels == {"rpc", "health", "ready", "metrics", "other"}
+    assert labels == {"rpc", "mcp", "health", "ready", "metrics", "other"}
 
 
 def test_a_body_in_tiny_chunks_is_refused_once_its_chunks_cost_more_than_its_bytes(broker_factory):
