@@ -252,12 +252,12 @@ def _misfit(value: bytes, schema: dict[str, object]) -> str:
     got = _JSON_TYPES.get(first[0], "number") if first else "nothing"
     if got in allowed or (got == "number" and "integer" in allowed and not value.strip(b"-0123456789")):
         return ""
-    if got == "number" and "number" in allowed:
-        return ""
     return f"{got} where it declares {' or '.join(sorted(allowed))}"
 
 
-_SERVER_META = b'"_meta":{"' + KEY_SERVER_INFO.encode() + b'":' + _encode({"name": "rpc-broker", "version": version()}) + b"}"
+_SERVER_INFO = {"name": "rpc-broker", "version": version()}
+"""Who answers (MCP's `Implementation`): `serverInfo` of `initialize`, `_meta`'s of 2026-07-28 results."""
+_SERVER_META = b'"_meta":{"' + KEY_SERVER_INFO.encode() + b'":' + _encode(_SERVER_INFO) + b"}"
 """Every 2026-07-28 result's `_meta` says which server answered (2026-07-28 basic, "Per-response protocol fields")."""
 _MODERN_OK = b',"isError":false,"resultType":"complete",' + _SERVER_META + b"}"
 _MODERN_FAILED = b'}],"isError":true,"resultType":"complete",' + _SERVER_META + b"}"
@@ -349,7 +349,6 @@ class McpServer:
         self._scope = b'"private"' if private else b'"public"'
         self._sessions = Sessions() if sessions is None else sessions
         self._limit = limit
-        self._info = {"name": "rpc-broker", "version": version()}
         self._capabilities = {"tools": {"listChanged": False}}
         self.requests: dict[tuple[str, str], int] = {}
         """Requests handled, by (`METHODS` label, `ERAS` label)."""
@@ -452,7 +451,7 @@ class McpServer:
         """`server/discover`'s answer (2026-07-28 server/discover): the versions served, the capabilities,
         who answers; the same to a probe without `_meta` (a legacy client's)."""
         result = {"supportedVersions": list(SUPPORTED_VERSIONS), "capabilities": self._capabilities,
-                  "_meta": {KEY_SERVER_INFO: self._info}, "resultType": "complete", "ttlMs": LIST_TTL_MS,
+                  "_meta": {KEY_SERVER_INFO: _SERVER_INFO}, "resultType": "complete", "ttlMs": LIST_TTL_MS,
                   "cacheScope": "public"}
         return Reply(200, response_result(id_, _encode(result)))
 
@@ -489,7 +488,7 @@ class McpServer:
         if asked is None:
             return self._invalid(id_, "initialize: params.protocolVersion (a string) is required", http)
         agreed = asked if asked in LEGACY_VERSIONS else LEGACY_VERSIONS[0]
-        result = {"protocolVersion": agreed, "capabilities": self._capabilities, "serverInfo": self._info}
+        result = {"protocolVersion": agreed, "capabilities": self._capabilities, "serverInfo": _SERVER_INFO}
         headers = b""
         if http:
             session = self._sessions.begin(client, agreed)
