@@ -13,7 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench_servers import HERE, MCP_SERVERS, PY, ROOT, _req
+from bench_servers import HERE, LIMIT, MCP_SERVERS, PY, ROOT, _req
+from proc_cpu import Cpu, CpuWatch
 
 # ---------------------------------------------------------------------------------------------
 # Scenarios and load
@@ -55,7 +56,7 @@ def scenarios(fib_n: int, mcp_fib_n: int) -> list[Scenario]:
         # S5 measures its queue; this shows its latency at a rate it does sustain.
         Scenario("S5b", "S5b: open loop, single `add` calls at half broker-2w's own S1 capacity, 64 connections",
                  "add", {"a": 1, "b": 2}, 64, open_loop=True, rate_of="broker-2w",
-                 servers=("reference", "broker-2w", "broker-1w")),
+                 servers=("reference", LIMIT, "broker-2w", "broker-1w")),
         Scenario("M1-16", "M1: MCP `tools/call` of `add`, 16 connections", "add", {"a": 1, "b": 2}, 16, **mcp),
         Scenario("M1-64", "M1: MCP `tools/call` of `add`, 64 connections", "add", {"a": 1, "b": 2}, 64, **mcp),
         Scenario("M3-4", f"M3: MCP `tools/call` of CPU-bound `fib({mcp_fib_n})` (about 10 ms per call here), "
@@ -74,6 +75,15 @@ class Measure:
     p999: float | None
     ok: bool
     problem: str = ""
+    cpu: Cpu | None = None  # the CPU the server's processes and the load tool spent in the run
+
+
+def _costed(m: Measure, watch: CpuWatch, busy: float) -> Measure:
+    """`m` with `watch`'s CPU, over the calls answered in `busy` seconds of load at its rate."""
+    if watch.cpu is not None:
+        watch.cpu.calls = m.cps * busy
+    m.cpu = watch.cpu
+    return m
 
 
 def loadgen_command(given: str | None = None) -> list[str] | None:
@@ -89,7 +99,9 @@ def loadgen_command(given: str | None = None) -> list[str] | None:
 
 
 def run_loadgen(cmd: list[str], url: str, sc: Scenario, duration: float, warmup: float,
-                rate: float | None, tmp: Path) -> Measure:
+                rate: float | None, tmp: Path, pid: int | None = None) -> Measure:
+    """One run of `rpc-broker bench`; `pid`: the server's process, whose CPU (and its
+    children's) is read from /proc around the run."""
     out = tmp / "loadgen.json"
     out.unlink(missing_ok=True)
     argv = [*cmd, "bench", url, "--connections", str(sc.connections), "--depth", "1",
@@ -100,7 +112,8 @@ def run_loadgen(cmd: list[str], url: str, sc: Scenario, duration: float, warmup:
     if rate is not None:
         argv += ["--rate", str(round(rate))]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=duration + warmup + 120)
+        with CpuWatch(pid) as watch:
+            done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=duration + warmup + 120)
     except subprocess.TimeoutExpired:
         return Measure(0, 0, 0, 0, None, False, "rpc-broker bench did not finish in time")
     try:
@@ -118,8 +131,9 @@ def run_loadgen(cmd: list[str], url: str, sc: Scenario, duration: float, warmup:
     if lat.get("p50") is None or lat.get("p99") is None:  # nothing was answered: no latency to report
         return Measure(float(r["requests_per_s"]), float(r["calls_per_s"]), 0, 0, None, False,
                        problem or "no answer was timed")
-    return Measure(float(r["requests_per_s"]), float(r["calls_per_s"]), float(lat["p50"]), float(lat["p99"]),
-                   float(lat["p99.9"]) if lat.get("p99.9") is not None else None, ok, problem)
+    m = Measure(float(r["requests_per_s"]), float(r["calls_per_s"]), float(lat["p50"]), float(lat["p99"]),
+                float(lat["p99.9"]) if lat.get("p99.9") is not None else None, ok, problem)
+    return _costed(m, watch, warmup + duration)  # (the warm-up runs at the same rate)
 
 
 def _ms(text: str) -> float:
@@ -130,14 +144,16 @@ def _ms(text: str) -> float:
     return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
 
 
-def run_wrk(url: str, sc: Scenario, duration: float, tmp: Path) -> Measure:
+def run_wrk(url: str, sc: Scenario, duration: float, tmp: Path, pid: int | None = None) -> Measure:
+    """One run of wrk (1 thread); `pid` as for `run_loadgen`."""
     body = tmp / f"{sc.key}.json"
     body.write_bytes(sc.body())
+    seconds = max(1, round(duration))
     try:
-        done = subprocess.run(
-            ["wrk", "-t1", f"-c{sc.connections}", f"-d{max(1, round(duration))}s", "--latency",
-             "-s", str(HERE / "wrk_post.lua"), url],
-            env={**os.environ, "BODY": str(body)}, capture_output=True, text=True, timeout=duration + 120)
+        with CpuWatch(pid) as watch:
+            done = subprocess.run(
+                ["wrk", "-t1", f"-c{sc.connections}", f"-d{seconds}s", "--latency", "-s", str(HERE / "wrk_post.lua"),
+                 url], env={**os.environ, "BODY": str(body)}, capture_output=True, text=True, timeout=duration + 120)
     except subprocess.TimeoutExpired:
         return Measure(0, 0, 0, 0, None, False, "wrk did not finish in time")
     out = done.stdout
@@ -150,7 +166,7 @@ def run_wrk(url: str, sc: Scenario, duration: float, tmp: Path) -> Measure:
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     errors = re.search(r"Socket errors:.*", out)
     problem = " ".join(m.group(0) for m in (bad, errors) if m)
-    return Measure(rps, rps * sc.batch, p50, p99, None, not bad and not errors, problem)
+    return _costed(Measure(rps, rps * sc.batch, p50, p99, None, not bad and not errors, problem), watch, seconds)
 
 
 def calibrate_fib(target_ms: float = 2.0) -> int:

@@ -16,7 +16,17 @@ from pathlib import Path
 
 import mcp_bench
 from bench_load import Measure, Scenario
-from bench_servers import HERE, MCP_SDK, MCP_SERVERS, PY, SERVERS, Server
+from bench_servers import (
+    HERE,
+    LIMIT,
+    MCP_SDK,
+    MCP_SERVERS,
+    PY,
+    REFERENCE_DIR,
+    REFERENCE_LOOKED,
+    SERVERS,
+    Server,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Report
@@ -50,18 +60,22 @@ def table(sc: Scenario, tool: str, rows: dict[str, list[Measure]], servers: list
     kinds = {s.name: s.kind for s in servers}
     cps = {name: med([m.cps for m in ms]) for name, ms in rows.items() if ms}
     ref = cps.get("reference")
+    limit = cps.get(LIMIT)  # issue 14's targets are ratios to it: a column when it ran here
     peers = [v for n, v in cps.items() if kinds.get(n) == "peer" and v is not None]
     best_peer = max(peers) if peers else None
     lines = []
     if sc.open_loop:
         ref_p99 = med([m.p99 for m in rows.get("reference", [])])
+        limit_p99 = med([m.p99 for m in rows.get(LIMIT, [])])
         lines += [f"Offered rate: {fmt_n(rate or 0)} requests/s (half {sc.rate_of}'s S1 capacity in the first "
                   "repetition; the capacities below are medians over all of them).", "",
                   "| server | its S1 capacity, req/s (offered share) | p50 ms | p99 ms | p99.9 ms "
-                  "| p99 minus reference's | checked |", "|---|---:|---:|---:|---:|---:|---|"]
+                  "| p99 minus reference's |" + (" p99 minus limit_uvloop.py's |" if limit_p99 else "")
+                  + " checked |", "|---|---:|---:|---:|---:|---:|" + ("---:|" if limit_p99 else "") + "---|"]
     else:
-        lines += ["| server | req/s median (min-max) | calls/s | p50 ms | p99 ms | vs reference | vs best peer "
-                  "| checked |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines += ["| server | req/s median (min-max) | calls/s | p50 ms | p99 ms | vs reference | vs best peer |"
+                  + (" vs limit_uvloop.py |" if limit else "") + " checked |",
+                  "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if limit else "") + "---|"]
     for s in servers:
         ms = rows.get(s.name)
         if not ms:
@@ -73,13 +87,16 @@ def table(sc: Scenario, tool: str, rows: dict[str, list[Measure]], servers: list
         if sc.open_loop:
             p999 = med([m.p999 for m in ms])
             delta = "-" if p99 is None or ref_p99 is None else f"{p99 - ref_p99:+.2f}"
+            to_limit = ("-" if p99 is None else f"{p99 - limit_p99:+.2f}") + " | " if limit_p99 else ""
             cap = capacity.get(s.name)
             share = f"{fmt_n(cap)} ({(rate or 0) / cap:.0%})" if cap else "-"
             lines.append(f"| {s.name} | {share} | {fmt_ms(p50)} | {fmt_ms(p99)} "
-                         f"| {fmt_ms(p999)} | {delta} | {check} |")
+                         f"| {fmt_ms(p999)} | {delta} | {to_limit}{check} |")
         else:
+            to_limit = f"{ratio(cps[s.name], limit)} | " if limit else ""
             lines.append(f"| {s.name} | {spread([m.rps for m in ms])} | {fmt_n(cps[s.name] or 0)} | {fmt_ms(p50)} "
-                         f"| {fmt_ms(p99)} | {ratio(cps[s.name], ref)} | {ratio(cps[s.name], best_peer)} | {check} |")
+                         f"| {fmt_ms(p99)} | {ratio(cps[s.name], ref)} | {ratio(cps[s.name], best_peer)} | "
+                         f"{to_limit}{check} |")
     return lines
 
 
@@ -274,14 +291,15 @@ def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, l
                   "json_response=True`), the fastest configuration it offers; stateless, it runs in several "
                   "processes too. Ratios compare calls/s medians with each SDK server's."
                   + "".join(f" `fib` is n={n} there, about 10 ms a call in this interpreter." for n in mcp_fib)]
-    lines += ["", "Servers:", ""]
+    lines += ["", *sticks_method(servers), "Servers:", ""]
     lines += [f"- **{s.name}**: {s.description}" for s in servers]
     lines += [f"- **{name}**: skipped, not installed ({', '.join(mods)}; `pip install -e '.[bench]'`)"
               for name, mods in skipped.items()]
     lines += ["", "## Correctness probes", "",
               "Before any load each server must answer `add`, `fib` and `sleep` (params by name), a batch of the "
-              "three plus a notification (answers matched by id), and an unknown method (-32601). Notes list "
-              "deviations that do not affect the scenarios.", "",
+              "three plus a notification (answers matched by id), and an unknown method (-32601); the measuring "
+              "sticks, which have only `add` and `echo`, the same with `add` alone. Notes list deviations that do "
+              "not affect the scenarios.", "",
               "| server | answered correctly | problems | notes |", "|---|---|---|---|"]
     for s in servers:
         if s.kind == "mcp-peer":
@@ -313,6 +331,7 @@ def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, l
                           f"{'; '.join(mcp_probes[name][0])[:300]}." for name in MCP_SERVERS
                           if name in mcp_probes and mcp_probes[name][0]]
                 lines += [""] if lines[-1] else []
+                lines += not_served(sc, servers)
                 continue
             for tool in ("loadgen", "wrk"):
                 rows = results[sc.key][tool]
@@ -320,6 +339,7 @@ def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, l
                     continue
                 lines += [f"{'Checked, `rpc-broker bench`' if tool == 'loadgen' else 'Unchecked, wrk'}:", ""]
                 lines += [*table(sc, tool, rows, servers, rates.get(sc.key), capacity), ""]
+            lines += not_served(sc, servers)
             over = {n: c for n, c in s5_over.items() if n not in results[sc.key]["loadgen"]}
             if sc.key == "S5" and over:
                 lines += ["Peers not run at this rate, as their own S1 capacity in this run is lower (an open loop "
@@ -341,11 +361,156 @@ def render(args: argparse.Namespace, servers: list[Server], skipped: dict[str, l
                           "the checked figures understate the fastest servers and compress the ratios.", ""]
         measured = any(s.name == "broker-2w-nometrics" for s in servers)
         lines += metrics_cost(results, frontend_cost() if measured else [])
+        lines += limit_ratios(results, servers)
+        lines += cpu_section(results, servers)
         lines += ["## Targets", ""]
         lines += targets(results, "loadgen" if has_loadgen else "wrk", args.quick, rates.get("S5"))
+        lines += issue14_targets(results, args.quick)
         mcp_results = {sc.key: results[sc.key]["loadgen"] for sc in all_scenarios if sc.mcp}
         lines += mcp_bench.ratio_lines(mcp_results, {sc.key: sc.title for sc in all_scenarios}, "broker-2w",
                                        MCP_SDK)
     return "\n".join(lines).rstrip() + "\n"
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 14: the measuring sticks, CPU per call, the load tool's share
+
+CPU_KEYS = ("S1-16", "S1-64", "S2")  # the closed loops whose CPU per call is tabled
+TOOL_LABEL = {"loadgen": "checked", "wrk": "wrk"}
+Results = dict[str, dict[str, dict[str, list[Measure]]]]
+
+
+def sticks_method(servers: list[Server]) -> list[str]:
+    """The Method section's paragraph on issue 14's measuring sticks: run, or why not."""
+    if REFERENCE_DIR is None:
+        return [f"**Issue 14's measuring sticks were not found** (`shared/reference/` beside the repository; looked in "
+                f"{', '.join(f'`{p}`' for p in REFERENCE_LOOKED)}): this run has no limit_uvloop.py or broker_proto.py "
+                "figures and no ratios to limit_uvloop.py.", ""]
+    ran = [s.name for s in servers if s.kind == "stick"]
+    if not ran:
+        return [f"Issue 14's measuring sticks (`{os.path.relpath(REFERENCE_DIR, HERE.parent)}`) were not among `--servers`: no ratios to "
+                "limit_uvloop.py in this run.", ""]
+    return [f"Issue 14's measuring sticks ({', '.join(ran)}) run from `{os.path.relpath(REFERENCE_DIR, HERE.parent)}` "
+            "as they are, with this "
+            "interpreter, beside the others and in the same alternation. They serve `add` and `echo` at `/rpc` and "
+            "skip most of JSON-RPC, so their probe asks `add` alone (a batch of `add` calls too) and they run only "
+            "the `add` scenarios: S1, S2 and, for limit_uvloop.py, S5b (not S3, S4, S5 or the MCP ones). Issue 14's "
+            "targets are ratios to limit_uvloop.py: the tables give them in a column of their own.", "",
+            "CPU: around every run the runner reads the server's process and its children from `/proc/PID/stat` "
+            "(utime + stime), and the load tool's CPU from `getrusage(RUSAGE_CHILDREN)` once it has exited; per "
+            "call is that over the calls answered in the whole run (its calls/s times its seconds of load, "
+            "warm-up included), so the load tool's start-up counts against it.", ""]
+
+
+def not_served(sc: Scenario, servers: list[Server]) -> list[str]:
+    """The line under a scenario naming the servers that cannot serve it (the sticks: `add` only)."""
+    names = [s.name for s in servers if s.serves and (sc.mcp or sc.method not in s.serves)]
+    if not names:
+        return []
+    return [f"Not run for {', '.join(names)}: {'they serve' if len(names) > 1 else 'it serves'} only "
+            f"`{'` and `'.join(next(s.serves for s in servers if s.name == names[0]))}`"
+            + (", and no `/mcp`." if sc.mcp else "."), ""]
+
+
+def _cpu_med(ms: list[Measure], part: str) -> float | None:
+    """The median µs per call of `part` ("main", "children", "load") over the runs, or the load
+    tool's cores ("cores")."""
+    values = []
+    for m in ms:
+        if m.cpu is None or not m.ok:
+            continue
+        if part == "cores":
+            values.append(m.cpu.load / m.cpu.wall if m.cpu.wall > 0 else None)
+        else:
+            values.append(m.cpu.per_call(getattr(m.cpu, part)))
+    return med(values)
+
+
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def cpu_section(results: Results, servers: list[Server]) -> list[str]:
+    """"CPU per call and the load tool's share": each server's main process and children, and the
+    load tool, in µs per call (medians over the runs), with the cores the load tool took."""
+    rows = []
+    for key in CPU_KEYS:
+        for tool in ("loadgen", "wrk"):
+            for s in servers:
+                ms = results.get(key, {}).get(tool, {}).get(s.name, [])
+                if not any(m.cpu for m in ms):
+                    continue
+                rows.append(f"| {key} | {TOOL_LABEL[tool]} | {s.name} | {fmt_n(med([m.cps for m in ms]) or 0)} "
+                            f"| {_us(_cpu_med(ms, 'main'))} | {_us(_cpu_med(ms, 'children'))} "
+                            f"| {_us(_cpu_med(ms, 'load'))} | {_cpu_med(ms, 'cores') or 0:.2f} |")
+    if not rows:
+        return []
+    return ["## CPU per call and the load tool's share", "",
+            "CPU time per call answered, medians over the repetitions, from `/proc` (the server's own process: "
+            "the broker's front-end, a prototype's too; its children: the workers) and from `getrusage` (the load "
+            "tool: `rpc-broker bench`, checked, or wrk). The last column is the load tool's CPU over its wall time: "
+            f"the share of the {os.cpu_count()} cores it took from the server. Issue 14's target for the broker's "
+            "front-end: 25 µs or less per single call.", "",
+            "| scenario | load | server | calls/s | main process µs/call | children µs/call | load tool µs/call "
+            "| load tool, cores |", "|---|---|---|---:|---:|---:|---:|---:|", *rows, ""]
+
+
+def limit_ratios(results: Results, servers: list[Server]) -> list[str]:
+    """"Ratios to limit_uvloop.py": every server's calls/s over limit_uvloop.py's, per scenario and
+    load tool, from this run; empty when it was not measured."""
+    cols = [(k, t) for k in CPU_KEYS for t in ("loadgen", "wrk") if results.get(k, {}).get(t, {}).get(LIMIT)]
+    if not cols:
+        return []
+    limit = {c: med([m.cps for m in results[c[0]][c[1]][LIMIT]]) for c in cols}
+    lines = ["## Ratios to limit_uvloop.py (issue 14)", "",
+             "Calls/s medians over limit_uvloop.py's (issue 14's one-process reference), in the same run.", "",
+             "| server | " + " | ".join(f"{k} {TOOL_LABEL[t]}" for k, t in cols) + " |",
+             "|---|" + "---:|" * len(cols)]
+    for s in servers:
+        cells = [ratio(med([m.cps for m in results[k][t].get(s.name, [])]), limit[(k, t)]) for k, t in cols]
+        if any(c != "-" for c in cells):
+            lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def issue14_targets(results: Results, quick: bool) -> list[str]:
+    """Issue 14's "done when" figures that `make bench` measures, against limit_uvloop.py."""
+    if not any(results.get(k, {}).get(t, {}).get(LIMIT) for k in (*CPU_KEYS, "S5b") for t in ("loadgen", "wrk")):
+        return ["", "Issue 14's targets (ratios to limit_uvloop.py): not measured, the measuring sticks did not run."]
+
+    def runs(key: str, tool: str, name: str) -> list[Measure]:
+        return results.get(key, {}).get(tool, {}).get(name, [])
+
+    def cps(key: str, tool: str, name: str) -> float | None:
+        return med([m.cps for m in runs(key, tool, name)])
+
+    def verdict(ok: bool | None) -> str:
+        return "not measured" if ok is None else "**met**" if ok else "**missed**"
+
+    def against(key: str, floor: float) -> str:
+        # judged on wrk as the issue measured it (the checked generator competes for the cores); checked beside
+        tool = "wrk" if runs(key, "wrk", "broker-2w") and runs(key, "wrk", LIMIT) else "loadgen"
+        b, r = cps(key, tool, "broker-2w"), cps(key, tool, LIMIT)
+        ok = None if b is None or not r else b / r >= floor
+        other = "loadgen" if tool == "wrk" else "wrk"
+        b2, r2 = cps(key, other, "broker-2w"), cps(key, other, LIMIT)
+        detail = f" ({_floored(b / r)}x with {TOOL_LABEL[tool]}" if b and r else ""
+        detail += f"; {_floored(b2 / r2)}x {TOOL_LABEL[other]})" if detail and b2 and r2 else ")" if detail else ""
+        return f"{verdict(ok)}{detail}."
+
+    fe = [(t, _cpu_med(runs("S1-64", t, "broker-2w"), "main")) for t in ("wrk", "loadgen")]
+    fe = [(t, v) for t, v in fe if v is not None]
+    b, r = med([m.p99 for m in runs("S5b", "loadgen", "broker-2w")]), med([m.p99 for m in runs("S5b", "loadgen", LIMIT)])
+    return ["", "Issue 14's targets, against limit_uvloop.py in this run"
+            + (" (quick mode: indicative only)" if quick else "") + ":", "",
+            "- front-end CPU per single call (S1 at 64 connections, broker-2w, from `/proc`) <= 25 µs: "
+            + (verdict(fe[0][1] <= 25) + " (" + "; ".join(f"{v:.1f} µs under {TOOL_LABEL[t]}" for t, v in fe) + ")."
+               if fe else "not measured."),
+            f"- S1 at 64 connections, broker-2w >= 0.75x limit_uvloop.py: {against('S1-64', 0.75)}",
+            f"- S2 (batches of 100), broker-2w >= 1.0x limit_uvloop.py: {against('S2', 1.0)}",
+            "- S5b, broker-2w's p99 within 2 ms of limit_uvloop.py's at the same offered rate: "
+            + (f"{verdict(b <= r + 2.0)} ({b:.2f} ms against {r:.2f} ms, {b - r:+.2f} ms)." if b is not None
+               and r is not None else "not measured."),
+            "- the `--frontends` scaling curve: not measured by `make bench`."]

@@ -30,12 +30,14 @@ PY = sys.executable
 @dataclasses.dataclass(frozen=True)
 class Server:
     name: str
-    kind: str  # "broker", "reference" or "peer"
+    kind: str  # "broker", "reference", "stick" (issue 14's measuring sticks), "peer" or "mcp-peer"
     description: str
     argv: Callable[[int], list[str]]
     requires: tuple[str, ...] = ()  # modules that must be importable (peers of the bench extra)
     only: tuple[str, ...] = ()  # the scenario keys it runs (empty: all)
     tree: Path | None = None  # another checkout whose code it runs (`--against`); None: this one
+    path: str = "/"  # where it answers JSON-RPC over HTTP POST
+    serves: tuple[str, ...] = ()  # the only methods it has (empty: the demo's add, fib and sleep too)
 
 
 def _broker(workers: int, *flags: str) -> Callable[[int], list[str]]:
@@ -66,6 +68,47 @@ SERVERS = [
     Server("fastapi-2w", "peer", "fastapi-jsonrpc under uvicorn, 2 workers (uvloop, httptools)",
            lambda port: _uvicorn(port, 2), ("fastapi_jsonrpc", "uvicorn")),
 ]
+
+
+def reference_dir(root: Path = ROOT) -> tuple[Path | None, list[Path]]:
+    """Issue 14's measuring sticks: `shared/reference/` beside the checkout `root` (as CI clones
+    it), or beside the main checkout when `root` is a git worktree elsewhere. Returns (the
+    directory or None, every place looked in)."""
+    looked = [root.parent / "shared" / "reference"]
+    try:  # a worktree's common git directory is the main checkout's .git
+        common = subprocess.run(["git", "-C", str(root), "rev-parse", "--path-format=absolute", "--git-common-dir"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        common = ""
+    if common:
+        looked.append(Path(common).parent.parent / "shared" / "reference")
+    for where in dict.fromkeys(looked):
+        if (where / "limit_uvloop.py").is_file() and (where / "broker_proto.py").is_file():
+            return where, looked
+    return None, list(dict.fromkeys(looked))
+
+
+REFERENCE_DIR, REFERENCE_LOOKED = reference_dir()
+STICK_METHODS = ("add", "echo")  # all the sticks have: no fib, no sleep, no /mcp
+LIMIT = "limit-uvloop"  # issue 14's targets are ratios to this one
+
+
+def _stick(script: str, *flags: str) -> Callable[[int], list[str]]:
+    # Run from where they are, never copied, with this interpreter (the venv has uvloop,
+    # httptools, msgspec and orjson).
+    return lambda port: [PY, str(REFERENCE_DIR / script if REFERENCE_DIR else script), "--port", str(port), *flags]
+
+
+STICKS = [
+    Server(LIMIT, "stick", "../shared/reference/limit_uvloop.py: issue 14's one-process reference (uvloop + "
+           "httptools + msgspec answering inline; `add` and `echo` only, at /rpc)", _stick("limit_uvloop.py"),
+           only=("S1-16", "S1-64", "S2", "S5b"), path="/rpc", serves=STICK_METHODS),
+    *(Server(f"proto-{n}w", "stick", f"../shared/reference/broker_proto.py --fast --workers {n}: the throwaway "
+             f"prototype of this design, {n} worker{'s' * (n > 1)} (`add` and `echo` only, at /rpc)",
+             _stick("broker_proto.py", "--fast", "--workers", str(n)), only=("S1-16", "S1-64", "S2"),
+             path="/rpc", serves=STICK_METHODS) for n in (1, 2)),
+]
+SERVERS[1:1] = STICKS if REFERENCE_DIR else []  # (beside the reference in every table)
 MCP_KEYS = ("M1-16", "M1-64", "M3-4", "M3-16")  # the MCP scenarios
 MCP_SDK = ["mcp-sdk-1p", "mcp-sdk-2p"]  # the ratios of the MCP tables are to these
 MCP_SERVERS = ("broker-2w", *MCP_SDK)  # the servers the MCP scenarios run
@@ -76,7 +119,7 @@ SERVERS += [
     Server("mcp-sdk-2p", "mcp-peer", "the same, 2 processes (uvicorn --workers 2: stateless, so any process "
            "answers any request)", lambda port: _mcp_sdk(port, 2), ("mcp", "uvicorn"), only=MCP_KEYS),
 ]
-QUICK_SERVERS = ["reference", "broker-2w"]
+QUICK_SERVERS = ["reference", *([LIMIT] if REFERENCE_DIR else []), "broker-2w"]
 
 
 def _mcp_sdk(port: int, workers: int) -> list[str]:
@@ -116,7 +159,7 @@ class Running:
     def __init__(self, server: Server, logdir: Path) -> None:
         self.server = server
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/"
+        self.url = f"http://127.0.0.1:{self.port}{server.path}"
         self.log_path = logdir / f"{server.name}.log"
         with self.log_path.open("wb") as log:
             tree = server.tree or ROOT  # (`-m broker` imports from the working directory first)
@@ -130,7 +173,8 @@ class Running:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"exited with {self.proc.returncode}: {self.log_tail()}")
             try:
-                post(self.port, b'{"jsonrpc":"2.0","method":"add","params":{"a":1,"b":2},"id":0}', timeout=2)
+                post(self.port, b'{"jsonrpc":"2.0","method":"add","params":{"a":1,"b":2},"id":0}', timeout=2,
+                     path=self.server.path)
                 return
             except (OSError, http.client.HTTPException):
                 time.sleep(0.1)
@@ -153,10 +197,10 @@ class Running:
 # Correctness probe
 
 
-def post(port: int, body: bytes, timeout: float = 10.0) -> tuple[int, bytes]:
+def post(port: int, body: bytes, timeout: float = 10.0, path: str = "/") -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request("POST", "/", body=body, headers={"content-type": "application/json"})
+        conn.request("POST", path, body=body, headers={"content-type": "application/json"})
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -186,18 +230,24 @@ def _check(answer: object, id_: object, expect: object) -> str | None:
     return None
 
 
-def probe(port: int, fib_n: int) -> tuple[list[str], list[str]]:
-    """Check one server's answers; returns (problems, notes). No problems: it answered correctly.
+def probe(port: int, fib_n: int, path: str = "/", serves: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """Check one server's answers at `path`; returns (problems, notes). No problems: it
+    answered correctly.
 
     Required: add, fib, sleep by name, a batch of the three (ids matched, any order), an unknown
     method answered -32601. Noted only: positional params, an id echoed byte for byte, a
-    notification answered 204.
+    notification answered 204. A server that `serves` only some methods (the measuring sticks:
+    `add`) is probed with those alone, its batch made of `add` calls.
     """
     problems: list[str] = []
     notes: list[str] = []
+    every = not serves or {"fib", "sleep"} <= set(serves)
+
+    def ask(body: bytes) -> tuple[int, bytes]:
+        return post(port, body, path=path)
 
     def one(req: dict[str, object], expect: object) -> None:
-        status, body = post(port, json.dumps(req).encode())
+        status, body = ask(json.dumps(req).encode())
         try:
             answer = json.loads(body)
         except ValueError:
@@ -209,11 +259,13 @@ def probe(port: int, fib_n: int) -> tuple[list[str], list[str]]:
 
     one(_req("add", {"a": 1, "b": 2}, 1), 3)
     one(_req("add", {"a": 1.5, "b": 2}, "x"), 3.5)
-    one(_req("fib", {"n": fib_n}, 2), fib_value(fib_n))
-    one(_req("sleep", {"seconds": 0.01}, 3), 0.01)
-    batch = [_req("sleep", {"seconds": 0.02}, "s"), _req("add", {"a": 2, "b": 3}, "a"),
-             _req("fib", {"n": 10}, 7), _req("add", {"a": 0, "b": 0})]
-    status, body = post(port, json.dumps(batch).encode())
+    if every:
+        one(_req("fib", {"n": fib_n}, 2), fib_value(fib_n))
+        one(_req("sleep", {"seconds": 0.01}, 3), 0.01)
+    batch = [_req("sleep", {"seconds": 0.02}, "s") if every else _req("add", {"a": 0.01, "b": 0.01}, "s"),
+             _req("add", {"a": 2, "b": 3}, "a"),
+             _req("fib", {"n": 10}, 7) if every else _req("add", {"a": 5, "b": 50}, 7), _req("add", {"a": 0, "b": 0})]
+    status, body = ask(json.dumps(batch).encode())
     try:
         answers = json.loads(body)
     except ValueError:
@@ -222,11 +274,11 @@ def probe(port: int, fib_n: int) -> tuple[list[str], list[str]]:
         problems.append(f"batch: expected 3 answers, got HTTP {status} {body[:200]!r}")
     else:
         by_id = {a.get("id"): a for a in answers if isinstance(a, dict)}
-        for id_, expect in (("s", 0.02), ("a", 5), (7, 55)):
+        for id_, expect in (("s", 0.02), ("a", 5), (7, 55)):  # (0.01 + 0.01 is 0.02 exactly)
             wrong = _check(by_id.get(id_), id_, expect)
             if wrong:
                 problems.append(f"batch: {wrong}")
-    status, body = post(port, json.dumps(_req("no_such_method", {}, 9)).encode())
+    status, body = ask(json.dumps(_req("no_such_method", {}, 9)).encode())
     try:
         code = json.loads(body)["error"]["code"]
     except (ValueError, KeyError, TypeError):
@@ -234,14 +286,14 @@ def probe(port: int, fib_n: int) -> tuple[list[str], list[str]]:
     if code != -32601:
         problems.append(f"unknown method: expected error -32601, got HTTP {status} {body[:200]!r}")
 
-    status, body = post(port, b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}')
+    status, body = ask(b'{"jsonrpc":"2.0","method":"add","params":[1,2],"id":1}')
     if b'"result":3' not in body.replace(b" ", b""):
         notes.append("rejects positional params (`[1,2]`)")
-    status, body = post(port, b'{"jsonrpc":"2.0","method":"add","params":{"a":1,"b":2},"id":1.5e3}')
+    status, body = ask(b'{"jsonrpc":"2.0","method":"add","params":{"a":1,"b":2},"id":1.5e3}')
     if b"1.5e3" not in body:
         notes.append("re-encodes ids (`1.5e3` came back as `" + re.sub(r'.*"id":\s*([^,}]+).*', r"\1",
                                                                         body.decode(errors="replace")) + "`)")
-    status, body = post(port, b'{"jsonrpc":"2.0","method":"add","params":{"a":1,"b":2}}')
+    status, body = ask(b'{"jsonrpc":"2.0","method":"add","params":{"a":1,"b":2}}')
     if status != 204:
         notes.append(f"answers a notification with HTTP {status}"
                      + (" and an empty body" if not body else f" and {len(body)} bytes") + " (not 204)")

@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.duration:g} s, fib n={fib_n}, load generator: "
           f"{('rpc-broker bench + wrk' if has_wrk else 'rpc-broker bench (wrk not installed)') if loadgen else 'wrk only (rpc-broker bench missing)'}",
           flush=True)
+    if bench_servers.REFERENCE_DIR is None:
+        print("  issue 14's measuring sticks (shared/reference/: limit_uvloop.py, broker_proto.py) are not beside "
+              f"the repository (looked in {', '.join(map(str, bench_servers.REFERENCE_LOOKED))}): run without "
+              "them, no ratios to limit_uvloop.py", flush=True)
     for name, mods in skipped.items():
         print(f"  skipping {name}: not installed ({', '.join(mods)}; pip install -e '.[bench]')", flush=True)
 
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                             probes[server.name] = mcp_probes[server.name] = mcp_bench.probe(
                                 running.port, mcp_fib_n, fib_value(mcp_fib_n))
                         elif server.name not in probes:
-                            probes[server.name] = probe(running.port, fib_n)
+                            probes[server.name] = probe(running.port, fib_n, server.path, server.serves)
                         if mcp_probed and server.name not in mcp_probes:
                             mcp_probes[server.name] = mcp_bench.probe(running.port, mcp_fib_n, fib_value(mcp_fib_n))
                     except (RuntimeError, OSError) as e:
@@ -203,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"scenarios are not run: {'; '.join(mcp_problems)}", flush=True)
                     for sc in all_scenarios:
                         if (server.only and sc.key not in server.only) or (
-                                sc.servers and server.name not in sc.servers) or (sc.mcp and mcp_problems):
+                                sc.servers and server.name not in sc.servers) or (sc.mcp and mcp_problems) or (
+                                server.serves and sc.method not in server.serves):  # (the sticks: add only)
                             continue
                         rate = None
                         if sc.open_loop:
@@ -219,16 +224,17 @@ def main(argv: list[str] | None = None) -> int:
                                 # the generator would drain it for minutes): say so instead. The
                                 # broker is always measured: its target is set at this rate.
                                 s5_over[server.name] = own
-                                print(f"[rep {rep + 1}] {server.name:11s} S5     not run: S1 capacity "
+                                print(f"[rep {rep + 1}] {server.name:12s} S5     not run: S1 capacity "
                                       f"{own:,.0f} req/s < offered {rate:,.0f}", flush=True)
                                 continue
                         if loadgen is not None:
                             url = running.url.rstrip("/") + mcp_bench.PATH if sc.mcp else running.url
-                            m = run_loadgen(loadgen, url, sc, args.duration, args.warmup, rate, tmp)
+                            m = run_loadgen(loadgen, url, sc, args.duration, args.warmup, rate, tmp,
+                                            running.proc.pid)
                             results[sc.key]["loadgen"].setdefault(server.name, []).append(m)
                             _progress(rep, server.name, sc.key, "rpc-broker bench", m)
                         if uses_wrk(sc):
-                            m = run_wrk(running.url, sc, args.duration, tmp)
+                            m = run_wrk(running.url, sc, args.duration, tmp, running.proc.pid)
                             results[sc.key]["wrk"].setdefault(server.name, []).append(m)
                             _progress(rep, server.name, sc.key, "wrk", m)
                 finally:
@@ -264,7 +270,7 @@ def kept_sections(path: Path) -> str:
 
 def _progress(rep: int, server: str, key: str, tool: str, m: Measure) -> None:
     state = "ok" if m.ok else f"FAILED {m.problem}"
-    print(f"[rep {rep + 1}] {server:11s} {key:6s} {tool:16s} {m.rps:10,.0f} req/s {m.cps:11,.0f} calls/s "
+    print(f"[rep {rep + 1}] {server:12s} {key:6s} {tool:16s} {m.rps:10,.0f} req/s {m.cps:11,.0f} calls/s "
           f"p50 {m.p50:7.2f} ms p99 {m.p99:7.2f} ms  {state}", flush=True)
 
 

@@ -27,8 +27,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
 
 from conftest import start_broker  # noqa: E402  (the same launcher the tests use)
+from proc_cpu import children, cpu_seconds  # noqa: E402
+
+__all__ = ["children", "cpu_seconds", "run_wrk"]  # (scripts beside it import these from here)
 
 SCENARIOS = {
     "single add, 64 conns": (64, {"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 1}, 1),
@@ -45,20 +49,6 @@ def _ms(text: str) -> float:
     assert m, text
     value, unit = float(m.group(1)), m.group(2)
     return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds used so far by `pids` (from /proc/PID/stat)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / tick
-
-
-def children(pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def run_wrk(url: str, body_file: str, connections: int, duration: int) -> dict[str, float]:

@@ -26,6 +26,16 @@ PEERS = {  # server name -> modules it needs
 }
 
 
+def sticks_found() -> bool:
+    """Whether issue 14's measuring sticks (shared/reference/ beside the repository) are here."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_servers import REFERENCE_DIR
+    finally:
+        sys.path.pop(0)
+    return REFERENCE_DIR is not None
+
+
 def run(tmp_path: Path, *flags: str) -> tuple[str, str]:
     out = tmp_path / "RESULTS.md"
     done = subprocess.run([sys.executable, str(RUNNER), "--output", str(out), *flags], cwd=ROOT,
@@ -55,12 +65,17 @@ def tables(report: str) -> dict[str, list[str]]:
                     reason="neither wrk nor rpc-broker bench is available")
 def test_quick_run_writes_the_tables(tmp_path: Path) -> None:
     report, stdout = run(tmp_path, "--quick")
-    assert probe_rows(report) == {"reference": "yes", "broker-2w": "yes"}
+    quick = {"reference", "broker-2w", *(["limit-uvloop"] if sticks_found() else [])}
+    assert probe_rows(report) == dict.fromkeys(quick, "yes")
     found = tables(report)
     for scenario in ("S1: single `add` calls, 16 connections", "S1: single `add` calls, 64 connections",
                      "S2: batches of 100 `add`, 16 connections"):
         assert scenario in found, report
-        assert set(found[scenario]) == {"reference", "broker-2w"}, report
+        assert set(found[scenario]) == quick, report
+    if sticks_found():  # issue 14: the ratios to limit_uvloop.py and the CPU per call, from this run
+        assert "| vs limit_uvloop.py |" in report and "## Ratios to limit_uvloop.py (issue 14)" in report
+        assert "## CPU per call and the load tool's share" in report
+        assert "Issue 14's targets, against limit_uvloop.py in this run" in report
     assert "| server | req/s median (min-max) | calls/s | p50 ms | p99 ms | vs reference |" in report
     assert "FAILED" not in report, report
     assert "## Machine" in report and "## Method" in report and "## Targets" in report
@@ -153,3 +168,43 @@ def test_against_runs_the_other_checkout_s_code(tmp_path: Path) -> None:
     report, _ = run(tmp_path, "--probe-only", "--servers", "broker-2w,broker-2w-against", "--against", str(tree))
     assert probe_rows(report) == {"broker-2w": "yes", "broker-2w-against": "NO"}, report
     assert f"rpc-broker serve --workers 2 from {tree}" in report
+
+
+@pytest.mark.skipif(not sticks_found(), reason="no shared/reference/ beside the repository")
+def test_the_measuring_sticks_answer_their_probe(tmp_path: Path) -> None:
+    """Issue 14: limit_uvloop.py and broker_proto.py --fast, run from where they are, answer
+    the probe suited to them (`add` alone, at /rpc)."""
+    report, _ = run(tmp_path, "--probe-only", "--servers", "limit-uvloop,proto-1w,proto-2w")
+    assert probe_rows(report) == {"limit-uvloop": "yes", "proto-1w": "yes", "proto-2w": "yes"}, report
+    assert "Issue 14's measuring sticks (limit-uvloop, proto-1w, proto-2w) run from" in report
+
+
+def test_the_sticks_are_looked_for_beside_the_checkout(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_servers import reference_dir
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "repo").mkdir()
+    assert reference_dir(tmp_path / "repo") == (None, [tmp_path / "shared" / "reference"])
+    (tmp_path / "shared" / "reference").mkdir(parents=True)
+    (tmp_path / "shared" / "reference" / "limit_uvloop.py").write_text("")
+    assert reference_dir(tmp_path / "repo")[0] is None  # (both scripts, or neither)
+    (tmp_path / "shared" / "reference" / "broker_proto.py").write_text("")
+    assert reference_dir(tmp_path / "repo")[0] == tmp_path / "shared" / "reference"
+
+
+def test_without_the_sticks_the_run_says_so_and_goes_on(tmp_path: Path) -> None:
+    """A checkout with no shared/reference/ beside it (a copy of benchmarks/ alone) runs
+    without them, saying so on its output and in the report."""
+    shutil.copytree(ROOT / "benchmarks", tmp_path / "repo" / "benchmarks",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.png"))
+    out = tmp_path / "R.md"
+    done = subprocess.run([sys.executable, str(tmp_path / "repo" / "benchmarks" / "run.py"), "--probe-only",
+                           "--servers", "reference", "--output", str(out)], cwd=tmp_path / "repo",
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "measuring sticks (shared/reference/: limit_uvloop.py, broker_proto.py) are not beside" in done.stdout
+    report = out.read_text()
+    assert "**Issue 14's measuring sticks were not found**" in report, report
+    assert probe_rows(report) == {"reference": "yes"}
