@@ -137,6 +137,15 @@ def missing_modules(server: Server) -> list[str]:
     return [m for m in server.requires if importlib.util.find_spec(m) is None]
 
 
+def port_range(text: str) -> range:
+    """"38100-38199" as range(38100, 38200); argparse reports a ValueError as a usage error."""
+    low, _, high = text.partition("-")
+    ports = range(int(low), int(high or low) + 1)
+    if not ports or ports.start < 1 or ports.stop > 65536:
+        raise ValueError(text)
+    return ports
+
+
 PORTS: range | None = None  # --ports: the servers' ports come from there (default: any free one)
 
 

@@ -61,6 +61,7 @@ from bench_servers import (  # noqa: E402
     fib_value,
     free_port,
     missing_modules,
+    port_range,
     probe,
 )
 
@@ -69,15 +70,6 @@ __all__ = ["KEEP_MARK", "Measure", "Running", "Server", "bench_servers", "free_p
 
 # ---------------------------------------------------------------------------------------------
 # Main
-
-
-def _port_range(text: str) -> range:
-    """"38100-38199" as range(38100, 38200); argparse reports a ValueError as a usage error."""
-    low, _, high = text.partition("-")
-    ports = range(int(low), int(high or low) + 1)
-    if not ports or ports.start < 1 or ports.stop > 65536:
-        raise ValueError(text)
-    return ports
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                         "need S1; MCP: M1-16,M1-64,M3-4,M3-16)")
     parser.add_argument("--probe-only", action="store_true", help="start and probe the servers; measure nothing")
     parser.add_argument("--no-loadgen", action="store_true", help="drive wrk only, as when rpc-broker bench is missing")
-    parser.add_argument("--ports", metavar="LOW-HIGH", type=_port_range,
+    parser.add_argument("--ports", metavar="LOW-HIGH", type=port_range,
                         help="take the servers' ports from this range (default: any free ports)")
     parser.add_argument("--against", metavar="TREE", type=Path,
                         help="also run broker-2w-against: `rpc-broker serve --workers 2` from another checkout "

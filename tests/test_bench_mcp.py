@@ -63,7 +63,7 @@ class SdkServer:
     `Running`, ready once it answers a tools/call."""
 
     def __init__(self, logdir: Path, *flags: str) -> None:
-        RUN.bench_servers.PORTS = RUN._port_range(_ports())
+        RUN.bench_servers.PORTS = RUN.bench_servers.port_range(_ports())
         server = RUN.Server("mcp-sdk", "mcp-peer", "", lambda port: [sys.executable, str(PEER), "--port", str(port),
                                                                         *flags])
         self.running = RUN.Running(server, logdir)
@@ -230,7 +230,7 @@ def test_a_refused_initialize_and_a_path_that_is_not_mcp_are_named(sdk, tmp_path
 
 def test_an_unanswered_initialize_times_out_as_a_transport_error(tmp_path, capsys):
     with socket.socket() as silent:  # (accepts connections in its backlog, never answers)
-        RUN.bench_servers.PORTS = RUN._port_range(_ports())
+        RUN.bench_servers.PORTS = RUN.bench_servers.port_range(_ports())
         port = RUN.free_port()
         silent.bind(("127.0.0.1", port))
         silent.listen()
