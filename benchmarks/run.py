@@ -170,10 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmpdir)
         for rep in range(1 if args.probe_only else args.repetitions):
             order = servers if rep % 2 == 0 else servers[::-1]
-            for server in order:
+            # (appended to as it goes: a server again, for the open loops whose rate, half another
+            # server's S1 capacity, was not known yet when its turn came in the first repetition)
+            queue: list[tuple[Server, list[Scenario] | None]] = [(server, None) for server in order]
+            for server, later in queue:
                 if server.name in probes and probes[server.name][0]:
                     continue  # answered wrongly before: not measured
                 running = Running(server, tmp)
+                postponed: list[Scenario] = []
                 try:
                     mcp_probed = mcp_wanted and server.name in MCP_SERVERS
                     try:
@@ -190,14 +194,15 @@ def main(argv: list[str] | None = None) -> int:
                     problems, notes = probes[server.name]
                     print(f"[rep {rep + 1}] {server.name}: probe "
                           + ("ok" if not problems else "FAILED: " + "; ".join(problems))
-                          + (f" (notes: {'; '.join(notes)})" if notes else ""), flush=True)
+                          + (f" (notes: {'; '.join(notes)})" if notes else "")
+                          + (f", again for {', '.join(sc.key for sc in later)}" if later else ""), flush=True)
                     if problems or args.probe_only:
                         continue
                     mcp_problems = mcp_probes.get(server.name, ([], []))[0]
                     if mcp_probed and mcp_problems and server.kind != "mcp-peer":
                         print(f"[rep {rep + 1}] {server.name}: MCP probe at {mcp_bench.PATH} FAILED, its MCP "
                               f"scenarios are not run: {'; '.join(mcp_problems)}", flush=True)
-                    for sc in all_scenarios:
+                    for sc in later or all_scenarios:
                         if (server.only and sc.key not in server.only) or (
                                 sc.servers and server.name not in sc.servers) or (sc.mcp and mcp_problems) or (
                                 server.serves and sc.method not in server.serves):  # (the sticks: add only)
@@ -207,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                             if sc.key not in rates:
                                 base = s1_capacity(results, sc.rate_of)
                                 if base is None:
+                                    postponed += [sc] if later is None else []
                                     continue
                                 rates[sc.key] = base / 2
                             rate = rates[sc.key]
@@ -231,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                             _progress(rep, server.name, sc.key, "wrk", m)
                 finally:
                     running.stop()
+                if postponed:
+                    queue.append((server, postponed))
         for name in ("reference", "broker-2w"):
             if name in names and (name not in probes or probes[name][0]):
                 ok = False
