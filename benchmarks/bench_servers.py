@@ -82,10 +82,11 @@ def reference_dir(root: Path = ROOT) -> tuple[Path | None, list[Path]]:
         common = ""
     if common:
         looked.append(Path(common).parent.parent / "shared" / "reference")
-    for where in dict.fromkeys(looked):
+    looked = list(dict.fromkeys(looked))
+    for where in looked:
         if (where / "limit_uvloop.py").is_file() and (where / "broker_proto.py").is_file():
             return where, looked
-    return None, list(dict.fromkeys(looked))
+    return None, looked
 
 
 REFERENCE_DIR, REFERENCE_LOOKED = reference_dir()

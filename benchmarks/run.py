@@ -14,7 +14,11 @@ Servers: rpc-broker with 2 and 1 workers, `reference_server.py` (one uvloop + ht
 msgspec process answering inline), aiohttp + jsonrpcserver (1 process, and 2 under gunicorn),
 fastapi-jsonrpc under uvicorn (1 and 2 workers), and for the MCP scenarios the official MCP SDK's
 own server (`peers/mcp_sdk_server.py`, 1 and 2 processes). Peers that are not installed (the
-`bench` extra) are skipped and said so.
+`bench` extra) are skipped and said so. Issue 14's measuring sticks, when `shared/reference/` is
+beside the repository (bench_servers.reference_dir): limit_uvloop.py (the one-process reference
+the issue's targets are ratios to) and broker_proto.py --fast with 1 and 2 workers, run from
+there; they have only `add` and `echo` at /rpc, so they are probed with `add` alone and run S1,
+S2 (limit_uvloop.py S5b too). Without the directory the run says so and goes on.
 
 Scenarios: S1 single `add` calls at 16 and 64 connections; S2 batches of 100 `add`; S3 `fib(n)`
 with n sized to about 2 ms per call here; S4 `sleep(0.01)` with 1,000 calls in flight; S5 an
@@ -27,8 +31,12 @@ The load comes from the bundled checking generator `rpc-broker bench` (every ans
 and, for closed-loop scenarios, also from wrk (status codes only: unchecked). When `rpc-broker
 bench` is missing, wrk alone drives S1-S4, S5 is skipped, and RESULTS.md says so.
 
+Around every run the CPU of the server's process and its children is read from /proc, and the
+load tool's from getrusage (benchmarks/proc_cpu.py).
+
 Writes the markdown report (machine, method, probes, one table per scenario with medians and
-min-max spreads and ratios to the reference server and the best peer, the targets) to
+min-max spreads and ratios to the reference server, the best peer and limit_uvloop.py, the CPU
+per call of each server and of the load tool, the targets) to
 `--output` (default benchmarks/RESULTS.md; a new temporary file for --quick and --probe-only) and
 prints the same tables. Exit status: 0 when the broker and the reference server
 answered correctly and were measured, 1 otherwise (a broker whose MCP probe fails, e.g. one
