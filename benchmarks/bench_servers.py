@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,10 +71,18 @@ SERVERS = [
 ]
 
 
-def reference_dir(root: Path = ROOT) -> tuple[Path | None, list[Path]]:
+STICKS_ENV = "BENCH_STICKS_DIR"  # a directory to take the sticks from instead; empty: none (the tests')
+
+
+def reference_dir(root: Path = ROOT, env: typing.Mapping[str, str] = os.environ) -> tuple[Path | None, list[Path]]:
     """Issue 14's measuring sticks: `shared/reference/` beside the checkout `root` (as CI clones
-    it), or beside the main checkout when `root` is a git worktree elsewhere. Returns (the
-    directory or None, every place looked in)."""
+    it), or beside the main checkout when `root` is a git worktree elsewhere; or the directory
+    `env[STICKS_ENV]` names, none if it is empty. Returns (the directory or None, every place
+    looked in)."""
+    if STICKS_ENV in env:
+        given = Path(env[STICKS_ENV]) if env[STICKS_ENV] else None
+        found = given is not None and (given / "limit_uvloop.py").is_file() and (given / "broker_proto.py").is_file()
+        return (given if found else None), ([given] if given is not None else [])
     looked = [root.parent / "shared" / "reference"]
     try:  # a worktree's common git directory is the main checkout's .git
         common = subprocess.run(["git", "-C", str(root), "rev-parse", "--path-format=absolute", "--git-common-dir"],

@@ -8,6 +8,7 @@ when installed (`make test` installs the dev extra alone).
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -26,19 +27,36 @@ PEERS = {  # server name -> modules it needs
 }
 
 
-def sticks_found() -> bool:
-    """Whether issue 14's measuring sticks (shared/reference/ beside the repository) are here."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from bench_servers import REFERENCE_DIR
-    finally:
-        sys.path.pop(0)
-    return REFERENCE_DIR is not None
+STICKS_ENV = "BENCH_STICKS_DIR"  # (bench_servers.STICKS_ENV: where run.py takes the sticks from)
+STAND_IN = """# A stand-in for issue 14's measuring stick {name}: benchmarks/reference_server.py (any path)
+import runpy, sys
+args, rest = [], sys.argv[1:]
+while rest:
+    flag = rest.pop(0)
+    if flag == "--port":
+        args += [flag, rest.pop(0)]
+    elif flag == "--workers":
+        rest.pop(0)
+sys.argv = [sys.argv[0], *args]
+runpy.run_path({server!r}, run_name="__main__")
+"""
 
 
-def run(tmp_path: Path, *flags: str) -> tuple[str, str]:
+def stand_in_sticks(tmp_path: Path) -> Path:
+    """A directory with limit_uvloop.py and broker_proto.py standing in for shared/reference's
+    (tests need nothing outside the repository): each runs benchmarks/reference_server.py."""
+    sticks = tmp_path / "sticks"
+    sticks.mkdir()
+    for name in ("limit_uvloop.py", "broker_proto.py"):
+        (sticks / name).write_text(STAND_IN.format(name=name, server=str(ROOT / "benchmarks" / "reference_server.py")))
+    return sticks
+
+
+def run(tmp_path: Path, *flags: str, sticks: Path | None = None) -> tuple[str, str]:
+    """`run.py` with `flags`, the measuring sticks taken from `sticks` (None: none)."""
     out = tmp_path / "RESULTS.md"
-    done = subprocess.run([sys.executable, str(RUNNER), "--output", str(out), *flags], cwd=ROOT,
+    env = {**os.environ, STICKS_ENV: str(sticks) if sticks is not None else ""}
+    done = subprocess.run([sys.executable, str(RUNNER), "--output", str(out), *flags], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out.read_text(), done.stdout
@@ -64,18 +82,18 @@ def tables(report: str) -> dict[str, list[str]]:
 @pytest.mark.skipif(shutil.which("wrk") is None and importlib.util.find_spec("broker.loadgen") is None,
                     reason="neither wrk nor rpc-broker bench is available")
 def test_quick_run_writes_the_tables(tmp_path: Path) -> None:
-    report, stdout = run(tmp_path, "--quick")
-    quick = {"reference", "broker-2w", *(["limit-uvloop"] if sticks_found() else [])}
+    report, stdout = run(tmp_path, "--quick", sticks=stand_in_sticks(tmp_path))
+    quick = {"reference", "broker-2w", "limit-uvloop"}
     assert probe_rows(report) == dict.fromkeys(quick, "yes")
     found = tables(report)
     for scenario in ("S1: single `add` calls, 16 connections", "S1: single `add` calls, 64 connections",
                      "S2: batches of 100 `add`, 16 connections"):
         assert scenario in found, report
         assert set(found[scenario]) == quick, report
-    if sticks_found():  # issue 14: the ratios to limit_uvloop.py and the CPU per call, from this run
-        assert "| vs limit_uvloop.py |" in report and "## Ratios to limit_uvloop.py (issue 14)" in report
-        assert "## CPU per call and the load tool's share" in report
-        assert "Issue 14's targets, against limit_uvloop.py in this run" in report
+    # issue 14: the ratios to limit_uvloop.py and the CPU per call, from this run
+    assert "| vs limit_uvloop.py |" in report and "## Ratios to limit_uvloop.py (issue 14)" in report
+    assert "## CPU per call and the load tool's share" in report
+    assert "Issue 14's targets, against limit_uvloop.py in this run" in report
     assert "| server | req/s median (min-max) | calls/s | p50 ms | p99 ms | vs reference |" in report
     assert "FAILED" not in report, report
     assert "## Machine" in report and "## Method" in report and "## Targets" in report
@@ -170,28 +188,34 @@ def test_against_runs_the_other_checkout_s_code(tmp_path: Path) -> None:
     assert f"rpc-broker serve --workers 2 from {tree}" in report
 
 
-@pytest.mark.skipif(not sticks_found(), reason="no shared/reference/ beside the repository")
 def test_the_measuring_sticks_answer_their_probe(tmp_path: Path) -> None:
-    """Issue 14: limit_uvloop.py and broker_proto.py --fast, run from where they are, answer
-    the probe suited to them (`add` alone, at /rpc)."""
-    report, _ = run(tmp_path, "--probe-only", "--servers", "limit-uvloop,proto-1w,proto-2w")
+    """Issue 14: limit_uvloop.py and broker_proto.py --fast (stand-ins here), run from where
+    they are, answer the probe suited to them (`add` alone, at /rpc)."""
+    sticks = stand_in_sticks(tmp_path)
+    report, _ = run(tmp_path, "--probe-only", "--servers", "limit-uvloop,proto-1w,proto-2w", sticks=sticks)
     assert probe_rows(report) == {"limit-uvloop": "yes", "proto-1w": "yes", "proto-2w": "yes"}, report
-    assert "Issue 14's measuring sticks (limit-uvloop, proto-1w, proto-2w) run from" in report
+    assert f"Issue 14's measuring sticks (limit-uvloop, proto-1w, proto-2w) run from `{os.path.relpath(sticks, ROOT)}`" \
+        in report
 
 
 def test_the_sticks_are_looked_for_beside_the_checkout(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
+        from bench_servers import STICKS_ENV as RUNNERS
         from bench_servers import reference_dir
     finally:
         sys.path.pop(0)
+    assert RUNNERS == STICKS_ENV
     (tmp_path / "repo").mkdir()
-    assert reference_dir(tmp_path / "repo") == (None, [tmp_path / "shared" / "reference"])
+    assert reference_dir(tmp_path / "repo", {}) == (None, [tmp_path / "shared" / "reference"])
     (tmp_path / "shared" / "reference").mkdir(parents=True)
     (tmp_path / "shared" / "reference" / "limit_uvloop.py").write_text("")
-    assert reference_dir(tmp_path / "repo")[0] is None  # (both scripts, or neither)
+    assert reference_dir(tmp_path / "repo", {})[0] is None  # (both scripts, or neither)
     (tmp_path / "shared" / "reference" / "broker_proto.py").write_text("")
-    assert reference_dir(tmp_path / "repo")[0] == tmp_path / "shared" / "reference"
+    assert reference_dir(tmp_path / "repo", {})[0] == tmp_path / "shared" / "reference"
+    assert reference_dir(tmp_path / "repo", {STICKS_ENV: ""}) == (None, [])  # (the tests' own: none)
+    assert reference_dir(tmp_path / "repo", {STICKS_ENV: str(tmp_path / "shared" / "reference")})[0] == \
+        tmp_path / "shared" / "reference"
 
 
 def test_without_the_sticks_the_run_says_so_and_goes_on(tmp_path: Path) -> None:
@@ -202,6 +226,7 @@ def test_without_the_sticks_the_run_says_so_and_goes_on(tmp_path: Path) -> None:
     out = tmp_path / "R.md"
     done = subprocess.run([sys.executable, str(tmp_path / "repo" / "benchmarks" / "run.py"), "--probe-only",
                            "--servers", "reference", "--output", str(out)], cwd=tmp_path / "repo",
+                          env={k: v for k, v in os.environ.items() if k != STICKS_ENV},
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "measuring sticks (shared/reference/: limit_uvloop.py, broker_proto.py) are not beside" in done.stdout
