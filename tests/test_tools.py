@@ -22,6 +22,7 @@ import jsonschema
 import msgspec
 import pytest
 from conftest import ROOT
+from test_worker_links import accept_hello
 
 from broker import wire
 from broker.catalog import DISCOVER, Catalog
@@ -380,18 +381,8 @@ def test_a_real_worker_process_says_hello_with_its_tools_and_the_catalogue_lists
                                  "--app", "tests.apps.toolbox:registry", "--parent-pid", str(os.getpid())],
                                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            conn, _ = server.accept()
+            conn, hello, _ = accept_hello(server)
             with conn:
-                conn.settimeout(60)
-                decoder = wire.FrameDecoder()
-                frames: list[tuple[int, int, int, bytes]] = []
-                while not frames:
-                    data = conn.recv(65536)
-                    assert data, "the worker closed before its HELLO"
-                    frames = [(f[0], f[1], f[2], bytes(f[3])) for f in decoder.feed(data)]
-                kind, _, _, payload = frames[0]
-                assert kind == wire.Kind.HELLO
-                hello = wire.decode_hello(payload)
                 conn.sendall(wire.encode_frame(wire.Kind.BYE, 0))
             assert proc.wait(60) == 0
         finally:

@@ -51,6 +51,7 @@ The package, one concern a module (each opens with how it works):
     chunks.py   a batch's chunks: their calls run in the loop's slices, their answers sent
     turns.py    the turns among connections' flows: the order the waiting calls run in
     held.py     the thread that sends answers held behind a blocking handler
+    links.py    the connections to the other front-ends (serve --frontends N)
     errors.py   the error object a failed call is answered with
     forks.py    die_with_parent, and the children a handler forks (isolate_forks)
     process.py  the process: arguments, start-up, main (run by __main__.py)

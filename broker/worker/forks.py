@@ -241,7 +241,7 @@ def _in_subprocess_launch() -> bool:
 _LOOP_CODES = frozenset({asyncio.runners.Runner.run.__code__, asyncio.events.Handle._run.__code__})
 
 
-def isolate_forks(channel_fd: int) -> None:
+def isolate_forks(*channel_fds: int) -> None:
     """Keep the children a handler forks (os.fork(), multiprocessing's fork context) off
     the broker's channel, and make them die with this worker.
 
@@ -249,7 +249,7 @@ def isolate_forks(channel_fd: int) -> None:
     descriptor. Should it go back into the loop (a handler that returns in both
     processes), it would read the broker's frames and answer calls a second time (the
     broker counted them as late replies), and it would outlive the broker. In the child
-    (`os.register_at_fork`), `channel_fd` is replaced by /dev/null, so what it reads is
+    (`os.register_at_fork`), each of `channel_fds` (a socket per front-end) is replaced by /dev/null, so what it reads is
     end-of-file and what it writes goes nowhere, and the child is marked (`_forked_from`):
     where the worker's code gets control back in it (its handler returns or raises, the
     loop calls the protocol back) it exits at once (`_child_exits`), before the loop it
@@ -309,7 +309,8 @@ def isolate_forks(channel_fd: int) -> None:
         runtime._forked_from = worker  # (runtime's own global: its hot path reads it as one)
         try:
             null = os.open(os.devnull, os.O_RDWR)
-            os.dup2(null, channel_fd)
+            for channel_fd in channel_fds:
+                os.dup2(null, channel_fd)
             os.close(null)
         except OSError:
             pass

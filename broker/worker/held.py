@@ -17,9 +17,11 @@ import time
 import typing
 
 from broker.wire import CHUNK_PART
+from broker.worker.links import split
 
 if typing.TYPE_CHECKING:
     from broker.worker.chunks import _Chunk
+    from broker.worker.links import Link
 
 _perf = time.perf_counter
 
@@ -42,6 +44,7 @@ class HeldAnswers:
         _fd: int
         _grab: bool
         _grab_lock: threading.Lock
+        _links: list[Link]
         _out: bytearray
         _running: float
         _transport: asyncio.Transport | None
@@ -70,7 +73,7 @@ class HeldAnswers:
             started = self._running
             if not started or _perf() - started < HELD_SECONDS:
                 continue
-            if not (self._out or self._dirty or self._advancing is not None):
+            if not (self._out or self._dirty or self._advancing is not None or any(link.pending for link in self._links)):
                 continue
             with lock:
                 self._grab = True  # type: ignore[misc]  # (a slot of WorkerProtocol's: mypy sees this class's empty ones)
@@ -96,6 +99,13 @@ class HeldAnswers:
                 self._reply(CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
                 chunk.unsent.clear()
         out = self._out
+        if out and self._links:  # (several front-ends: each link's replies to its own socket)
+            first, by_link = split(out, self._links)
+            out[:] = first
+            for link, data in zip(self._links, by_link):
+                if data is not None:
+                    link.pending += data
+                _write_some(link.pending, link.fd, link.transport)
         if out:
             try:
                 sent = os.write(self._fd, out)
@@ -107,3 +117,15 @@ class HeldAnswers:
         """(the loop's thread, out of `_execute`) Wait until `_send_held`'s thread is done."""
         with self._grab_lock:
             pass
+
+
+def _write_some(pending: bytearray, fd: int, transport: asyncio.Transport | None) -> None:
+    """(`_send_held`'s thread) Write what of `pending` the socket `fd` takes now, if its
+    transport has nothing buffered (the frames keep their order); the rest stays."""
+    if not pending or fd < 0 or transport is None or transport.is_closing() or transport.get_write_buffer_size():
+        return
+    try:
+        sent = os.write(fd, pending)
+    except OSError:
+        return
+    del pending[:sent]

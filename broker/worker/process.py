@@ -29,6 +29,7 @@ import orjson
 from broker import wire
 from broker.worker import runtime
 from broker.worker.forks import die_with_parent, isolate_forks
+from broker.worker.links import Link
 from broker.worker.results import _LEAF_OPTIONS
 from broker.worker.runtime import WorkerProtocol, _child_exits
 from broker.worker.sdk import Registry, load_app
@@ -64,8 +65,15 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> int:
                   " shorten the methods' docstrings)", args.app, len(registry), len(hello), args.max_frame_bytes)
         return WORKER_BOOT_ERROR
     loop.add_signal_handler(signal.SIGTERM, proto.stop)
-    transport, _ = await loop.create_unix_connection(lambda: proto, args.socket)
-    isolate_forks(transport.get_extra_info("socket").fileno())
+    first, *others = args.socket
+    transport, _ = await loop.create_unix_connection(lambda: proto, first)
+    fds = [transport.get_extra_info("socket").fileno()]
+    for number, path in enumerate(others, 1):  # the other front-ends' (`--frontends N`: broker/worker/links.py)
+        link = Link(proto, number, args.max_frame_bytes)
+        proto.add_link(link)
+        link_transport, _ = await loop.create_unix_connection(lambda link=link: link, path)  # type: ignore[misc]
+        fds.append(link_transport.get_extra_info("socket").fileno())
+    isolate_forks(*fds)
     try:
         await proto.done
     finally:  # done, or the loop is going down (a handler stopped it: the runner cancels
@@ -182,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     methods, or a HELLO larger than max_frame_bytes), and dies (SIGKILL) with the broker.
     """
     parser = argparse.ArgumentParser(prog="python -m broker.worker")
-    parser.add_argument("--socket", required=True)
+    parser.add_argument("--socket", required=True, action="append",
+                        help="the front-end's workers socket; again for each other front-end's")
     parser.add_argument("--slot", type=int, required=True)
     parser.add_argument("--app", required=True)
     parser.add_argument("--concurrency", type=int, default=100)
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     registry = load_registry(args.app, args.debug)
     logging.getLogger().removeHandler(said)
     if registry is None:
-        said.leave(boot_error_path(args.socket, os.getpid()))
+        said.leave(boot_error_path(args.socket[0], os.getpid()))
         return WORKER_BOOT_ERROR
     try:
         import uvloop

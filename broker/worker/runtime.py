@@ -64,6 +64,7 @@ from broker.worker.chunks import (  # (what the run loop shares with the chunks'
 )
 from broker.worker.errors import ErrorAnswers
 from broker.worker.held import HeldAnswers
+from broker.worker.links import ID_MASK, LINK_SHIFT, Link, split
 from broker.worker.params import _drop_flag_members
 from broker.worker.results import encode_result
 from broker.worker.sdk import Registry
@@ -144,6 +145,11 @@ def _close_if_cancelled(coroutine: types.CoroutineType[object, object, object], 
     first step it never awaited it; closing one that ran is a no-op)."""
     if task.cancelled():
         coroutine.close()
+
+
+def _id_of(item: object) -> int:
+    """The call id of a backlog entry: a frame's tuple or a `_Chunk`."""
+    return item.chunk_id if type(item) is _Chunk else typing.cast("tuple[int, int, int, bytes]", item)[1]
 
 
 def _identity(value: object) -> object:
@@ -229,6 +235,7 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         "_answered",
         "_awaited",
         "_backlog",
+        "_bye",
         "_cancelled",
         "_chunks",
         "_closing",
@@ -244,6 +251,7 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         "_grab_lock",
         "_hello",
         "_leaving",
+        "_links",
         "_loop",
         "_max_depth",
         "_max_result",
@@ -316,6 +324,10 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         self._virtual = 0.0  # the start of the last call (or chunk) charged (s): `_arrival`
         self._active: set[int] = set()  # the flows waiting at the last turn, or charged since
         self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
+        # (With several front-ends: each other one's connection, a `Link`; `_closing` once
+        # the first connection's BYE (`_bye`) and every link's came.)
+        self._links: list[Link] = []
+        self._bye = False
         # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
         # the worker closes after them, as after its calls (hostile testing, round 17: a
         # reload's BYE closed it at once, and its teardown cut their clean-up short).
@@ -349,6 +361,70 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         )
         self._hello = msgspec.json.encode(hello)
         return self._hello
+
+    @property
+    def slot(self) -> int:
+        """The worker's slot (the broker's number for it)."""
+        return self._slot
+
+    @property
+    def leaving(self) -> bool:
+        """This worker said BYE (SIGTERM) and waits for the front-ends' (`stop`)."""
+        return self._leaving
+
+    def add_link(self, link: Link) -> None:
+        """Serve one more front-end's connection (`Link`, numbered in order from 1)."""
+        if link.number != len(self._links) + 1:
+            raise ValueError(f"link {link.number} added after {len(self._links)} links")
+        self._links.append(link)
+
+    def check_forked(self) -> None:
+        """End a forked child the loop called back into (`_child_exits`)."""
+        if _forked_from:
+            _child_exits(None)
+
+    def schedule_run(self) -> None:
+        """Run the waiting calls now, unless a run is due already (`_run`)."""
+        if not self._run_scheduled:
+            self._run()
+
+    def queue_call(self, kind: int, call_id: int, aux: int, payload: bytes) -> bool:
+        """A CALL, NOTIFY or CHUNK frame joins the backlog; False (logged) if it has no deadline."""
+        if len(payload) < _DEADLINE_SIZE:
+            log.error("worker %d: bad frame from broker: a call with no deadline", self._slot)
+            return False
+        self._backlog.append((kind, call_id, aux, payload))
+        return True
+
+    def cancel_call(self, call_id: int) -> None:
+        """CANCEL of `call_id` (see `_cancel`)."""
+        self._cancel(call_id)
+
+    def link_said_bye(self) -> None:
+        """A link said BYE: the worker closes once every connection has (`_flush`)."""
+        self._closing = self._all_bye()
+        if self._closing:
+            self._schedule_flush()
+
+    def _all_bye(self) -> bool:
+        return self._bye and all(link.bye or link.gone for link in self._links)
+
+    def link_lost(self, link: Link) -> None:
+        """`link`'s front-end is gone: its calls running are cancelled, those waiting
+        dropped; their answers would go nowhere (`links.split` drops them)."""
+        number = link.number
+        for call_id, task in list(self._tasks.items()):
+            if call_id >> LINK_SHIFT == number:
+                task.cancel()
+        for chunk_id, chunk in list(self._chunks.items()):
+            if chunk_id >> LINK_SHIFT == number:
+                for task in chunk.tasks:
+                    task.cancel()
+        kept = [item for item in self._backlog if _id_of(item) >> LINK_SHIFT != number]
+        if len(kept) < len(self._backlog):
+            self._backlog.clear()
+            self._backlog.extend(kept)
+        self.link_said_bye()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
@@ -398,8 +474,9 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         backlog = self._backlog
         for kind, call_id, aux, payload in frames:
             if kind == CALL or kind == NOTIFY or kind == CHUNK:
-                if len(payload) < _DEADLINE_SIZE:
-                    log.error("worker %d: bad frame from broker: a call with no deadline", self._slot)
+                if len(payload) < _DEADLINE_SIZE or (call_id > ID_MASK and self._links):
+                    log.error("worker %d: bad frame from broker: %s", self._slot,
+                              "a call with no deadline" if len(payload) < _DEADLINE_SIZE else f"call id {call_id} past {ID_MASK}")
                     assert self._transport is not None
                     self._transport.close()
                     return False
@@ -407,7 +484,8 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
             elif kind == CANCEL:
                 self._cancel(call_id)
             elif kind == BYE:
-                self._closing = True
+                self._bye = True
+                self._closing = not self._links or self._all_bye()
         return True
 
     def _read_now(self) -> bool:
@@ -422,6 +500,9 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         sock = None if transport is None else transport.get_extra_info("socket")
         if sock is None:
             return True
+        for link in self._links:
+            if not link.read_now():
+                return False
         while True:
             try:
                 data = os.read(sock.fileno(), 1 << 18)
@@ -562,6 +643,8 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         if self._transport is not None and not self._transport.is_closing():
             self._write_out()  # (the answers ready so far go first)
             self._transport.write(_BYE_FRAME)
+            for link in self._links:
+                link.write(_BYE_FRAME)
 
     def _execute(
         self, index: int, params: bytes, deadline: float
@@ -771,6 +854,8 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         transport = self._transport
         if self._closing and not (self._tasks or self._backlog or self._chunks or self._winding) and transport is not None:
             transport.close()
+            for link in self._links:
+                link.close()
 
     def _write_out(self) -> None:
         """Write every reply ready now (chunks' answers included) in one write."""
@@ -780,5 +865,17 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
             self._dirty.clear()
         transport = self._transport
         if self._out and transport is not None and not transport.is_closing():
-            transport.write(bytes(self._out))
+            if self._links:  # (several front-ends: each link's replies to it, `links.split`)
+                first, by_link = split(self._out, self._links)
+                if first:
+                    transport.write(bytes(first))
+                for link, data in zip(self._links, by_link):
+                    if data is not None:
+                        link.write(data)
+            else:
+                transport.write(bytes(self._out))
             self._out.clear()
+        elif self._links:  # (what the held answers' thread left)
+            for link in self._links:
+                if link.pending:
+                    link.write(b"")

@@ -1,0 +1,174 @@
+"""The worker's connections to the front-ends past the first (`serve --frontends N`).
+
+With N front-end processes each worker serves all of them, over one Unix socket each
+(README, "Architecture"). The first connection, to the front-end that started the worker,
+is `WorkerProtocol`'s own, as with one front-end; each other is a `Link`. A link decodes
+its frames with its own decoder and hands its calls to the protocol's run loop with their
+call ids tagged by the link's number in the top byte (`LINK_SHIFT`): the front-ends number
+their calls apart, so two may send the same id. Everything past the edges (the backlog,
+turns, chunks, slow methods, the held answers' thread, cancels) is the protocol's, shared
+by all links, as if one broker had sent every call; the replies are written to one buffer
+with their tagged ids and split by link when written (`split`), each to its link with
+the front-end's own id back. With one front-end no id is tagged and nothing here runs.
+
+A link's BYE means its front-end sends no more calls on it; the worker exits once every
+connection has said BYE (or is closed) and every call is answered (`WorkerProtocol._flush`).
+A link that closes (its front-end exited) takes its calls with it: those running are
+cancelled, those waiting dropped, and their answers go nowhere. The first connection's
+close ends the worker, as with one front-end: the front-end that started it is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import typing
+
+from broker import wire
+from broker.wire import BYE, CALL, CANCEL, CHUNK, HEADER, HEADER_SIZE, NOTIFY
+
+if typing.TYPE_CHECKING:
+    from broker.worker.runtime import WorkerProtocol
+
+__all__ = ["ID_MASK", "LINK_SHIFT", "Link", "split"]
+
+log = logging.getLogger("broker.worker")
+
+LINK_SHIFT = 56  # a call id's top byte is its link's number (0: the first connection's, untagged)
+ID_MASK = (1 << LINK_SHIFT) - 1  # the front-end's own call id
+MAX_LINKS = 255  # links past the first a worker may have (the top byte's values)
+
+_unpack = HEADER.unpack_from
+_pack = HEADER.pack
+
+
+class Link(asyncio.Protocol):
+    """One more front-end's connection (number `number`, 1 and up) to `protocol`'s worker.
+
+    Its state is its own: transport, socket descriptor (for the held answers' thread,
+    `WorkerProtocol._write_held`), frame decoder, whether it said BYE or is gone, and
+    `pending`: replies the held answers' thread could not write, written first next time.
+    """
+
+    __slots__ = ("bye", "decoder", "fd", "gone", "number", "pending", "protocol", "tag", "transport")
+
+    def __init__(self, protocol: WorkerProtocol, number: int, max_frame_bytes: int) -> None:
+        if not 0 < number <= MAX_LINKS:
+            raise ValueError(f"link number {number} outside 1..{MAX_LINKS}")
+        self.protocol = protocol
+        self.number = number
+        self.tag = number << LINK_SHIFT
+        self.decoder = wire.FrameDecoder(max_frame_bytes)
+        self.transport: asyncio.Transport | None = None
+        self.fd = -1
+        self.bye = False
+        self.gone = False
+        self.pending = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = typing.cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.fd = sock.fileno()
+        self.transport.write(wire.encode_frame(wire.Kind.HELLO, 0, 0, self.protocol.hello()))
+        if self.protocol.leaving:  # SIGTERM came while connecting
+            self.transport.write(wire.encode_frame(BYE, 0))
+
+    def data_received(self, data: bytes) -> None:
+        protocol = self.protocol
+        protocol.check_forked()
+        if self.take(data):
+            protocol.schedule_run()
+
+    def take(self, data: bytes) -> bool:
+        """Decode `data` and hand its frames to the protocol (calls and CANCELs tagged);
+        False on a bad frame (this link is closed)."""
+        try:
+            frames = self.decoder.feed(data)
+        except wire.FrameError as exc:
+            log.error("worker %d: bad frame from front-end %d: %s", self.protocol.slot, self.number, exc)
+            self.close()
+            return False
+        protocol = self.protocol
+        tag = self.tag
+        for kind, call_id, aux, payload in frames:
+            if call_id > ID_MASK:
+                log.error("worker %d: bad frame from front-end %d: call id %d past %d", self.protocol.slot,
+                          self.number, call_id, ID_MASK)
+                self.close()
+                return False
+            if kind == CALL or kind == NOTIFY or kind == CHUNK:
+                if not protocol.queue_call(kind, call_id | tag, aux, payload):
+                    self.close()
+                    return False
+            elif kind == CANCEL:
+                protocol.cancel_call(call_id | tag)
+            elif kind == BYE:
+                self.bye = True
+                protocol.link_said_bye()
+        return True
+
+    def read_now(self) -> bool:
+        """Read what the front-end sent while the loop was held (`WorkerProtocol._read_now`);
+        False if the link is bad."""
+        if self.fd < 0 or self.gone:
+            return True
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 18)
+            except OSError:  # (BlockingIOError: nothing more; else the loop's own read finds it)
+                return True
+            if not data:
+                return True
+            if not self.take(data):
+                return False
+
+    def write(self, data: bytes | bytearray) -> None:
+        """Write replies (ids untagged already), after any the held answers' thread left."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or self.gone:
+            self.pending.clear()
+            return
+        if self.pending:
+            data = bytes(self.pending) + data
+            self.pending.clear()
+        transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.protocol.check_forked()
+        self.gone = True
+        self.pending.clear()
+        self.protocol.link_lost(self)
+
+
+def split(out: bytes | bytearray, links: list[Link]) -> tuple[bytearray, list[bytearray | None]]:
+    """The reply frames in `out` (whole frames, ids tagged by link) by link: the first
+    connection's, and each link's (index `number - 1`, None if it has none), each frame
+    with its front-end's own id. Frames of a link not in `links` are dropped. O(frames)."""
+    first = bytearray()
+    by_link: list[bytearray | None] = [None] * len(links)
+    pos, end = 0, len(out)
+    run = 0  # start of the current run of untagged frames, copied whole
+    while pos < end:
+        length, kind, call_id, aux = _unpack(out, pos)
+        stop = pos + HEADER_SIZE + length
+        if call_id > ID_MASK:
+            if run < pos:
+                first += out[run:pos]
+            number = call_id >> LINK_SHIFT
+            if number <= len(links):
+                buf = by_link[number - 1]
+                if buf is None:
+                    buf = by_link[number - 1] = bytearray()
+                buf += _pack(length, kind, call_id & ID_MASK, aux)
+                buf += out[pos + HEADER_SIZE : stop]
+            run = stop
+        pos = stop
+    if run < end:
+        first += out[run:end] if run else out
+    return first, by_link
