@@ -282,3 +282,46 @@ def test_answers_held_behind_a_blocking_call_reach_every_front_end(tmp_path: Pat
             release.unlink()
     finally:
         w.close()
+
+
+def test_a_real_worker_process_serves_a_front_end_on_an_inherited_socket(tmp_path: Path):
+    """`--link-fd`: the other front-end's connection made by the broker (a socketpair's end,
+    inherited), not by a path: served as a link, under its own ids."""
+    path = str(tmp_path / "a.sock")
+    ours, theirs = socket.socketpair()
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        server.listen(1)
+        server.settimeout(60)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "broker.worker", "--socket", path, "--link-fd", str(theirs.fileno()), "--slot", "0",
+             "--app", "broker.demo:registry", "--parent-pid", str(os.getpid())],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        try:
+            first, hello, dec_first = accept_hello(server)
+            ours.settimeout(60)
+            dec_link = wire.FrameDecoder()
+            frames: list[tuple[int, int, int, bytes]] = []
+            while not frames:
+                frames = dec_link.feed(ours.recv(65536))
+            assert frames[0][0] == Kind.HELLO and wire.decode_hello(bytes(frames[0][3])) == hello
+            index = {m.name: i for i, m in enumerate(hello.methods)}
+            ours.sendall(encode_call(Kind.CALL, 9, index["add"], b"[4, 5]", math.inf, 1))
+            first.sendall(encode_call(Kind.CALL, 9, index["add"], b"[1, 1]", math.inf, 1))
+            [f] = _read(ours, dec_link, 1)
+            [g] = _read(first, dec_first, 1)
+            assert (f[:2], f[3], g[:2], g[3]) == ((Kind.RESULT, 9), b"9", (Kind.RESULT, 9), b"2")
+            first.sendall(encode_frame(Kind.BYE, 0))
+            ours.sendall(encode_frame(Kind.BYE, 0))
+            assert proc.wait(60) == 0
+            first.close()
+        finally:
+            ours.close()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            assert proc.stderr is not None
+            proc.stderr.close()

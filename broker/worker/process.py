@@ -19,6 +19,7 @@ import io
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -68,10 +69,16 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> int:
     first, *others = args.socket
     transport, _ = await loop.create_unix_connection(lambda: proto, first)
     fds = [transport.get_extra_info("socket").fileno()]
-    for number, path in enumerate(others, 1):  # the other front-ends' (`--frontends N`: broker/worker/links.py)
+    # The other front-ends' connections (`--frontends N`: broker/worker/links.py), by path or
+    # made by the broker (one end of a socketpair, inherited), numbered in that order
+    ends: list[str | socket.socket] = [*others, *(socket.socket(fileno=fd) for fd in args.link_fd)]
+    for number, end in enumerate(ends, 1):
         link = Link(proto, number, args.max_frame_bytes)
         proto.add_link(link)
-        link_transport, _ = await loop.create_unix_connection(lambda link=link: link, path)  # type: ignore[misc]
+        if isinstance(end, str):
+            link_transport, _ = await loop.create_unix_connection(lambda link=link: link, end)  # type: ignore[misc]
+        else:
+            link_transport, _ = await loop.create_unix_connection(lambda link=link: link, sock=end)  # type: ignore[misc]
         fds.append(link_transport.get_extra_info("socket").fileno())
     isolate_forks(*fds)
     try:
@@ -192,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m broker.worker")
     parser.add_argument("--socket", required=True, action="append",
                         help="the front-end's workers socket; again for each other front-end's")
+    parser.add_argument("--link-fd", type=int, action="append", default=[],
+                        help="an inherited connected Unix socket to another front-end (again for each)")
     parser.add_argument("--slot", type=int, required=True)
     parser.add_argument("--app", required=True)
     parser.add_argument("--concurrency", type=int, default=100)
