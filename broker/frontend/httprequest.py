@@ -225,18 +225,23 @@ class Requests(HttpState):
         # 120 KB of head, not 40 KB); and so does the number of fields. Trailer fields
         # (after a chunked body) count on with the head's.
         req = self._request
-        req.header_bytes += len(name) + len(value) + 4
-        req.headers += 1
-        if req.header_bytes > MAX_HEADER_BYTES:
-            self._answer_and_close(431, b"request line and headers too large")
-            return
-        if req.headers > MAX_HEADERS:
-            self._answer_and_close(431, b"too many header fields (limit %d)" % MAX_HEADERS)
-            return
-        if self._head_done:
-            return  # a trailer field: never merged into the header section (RFC 9110 6.5.1)
         n = len(name)
-        if n == 14 and name.lower() == b"content-length":
+        size = req.header_bytes = req.header_bytes + n + len(value) + 4
+        count = req.headers = req.headers + 1
+        if size > MAX_HEADER_BYTES or count > MAX_HEADERS or self._head_done:  # (one test on the hot path)
+            if size > MAX_HEADER_BYTES:
+                self._answer_and_close(431, b"request line and headers too large")
+            elif count > MAX_HEADERS:
+                self._answer_and_close(431, b"too many header fields (limit %d)" % MAX_HEADERS)
+            return  # (else a trailer field: never merged into the header section, RFC 9110 6.5.1)
+        # (The usual spelling is tried first: bytes.lower() costs more than the compare;
+        # the most frequent lengths first: Host, Content-Type, Content-Length.)
+        if n == 4 and (name == b"Host" or name.lower() == b"host"):
+            if req.host is not None:
+                self._answer_and_close(400, b"more than one Host header (RFC 9112 3.2)")
+                return
+            req.host = value
+        elif n == 14 and (name == b"Content-Length" or name.lower() == b"content-length"):
             try:
                 size = int(value)
             except ValueError:
@@ -249,12 +254,6 @@ class Requests(HttpState):
             if mcp is None:
                 mcp = req.mcp = [None, None, None, None]
             mcp[3] = value if mcp[3] is None else b""
-        # (The usual spelling is tried first: bytes.lower() costs more than the compare.)
-        elif n == 4 and (name == b"Host" or name.lower() == b"host"):
-            if req.host is not None:
-                self._answer_and_close(400, b"more than one Host header (RFC 9112 3.2)")
-                return
-            req.host = value
         elif n == 12 and (name == b"Content-Type" or name.lower() == b"content-type"):
             ct = req.content_type  # two: not JSON, 415 (a coded body's 415 says why: `_CODED`)
             req.content_type = value if ct is None else ct if ct is _CODED else b""
