@@ -1,0 +1,204 @@
+"""The control channel between the first front-end and the others (`serve --frontends N`), sans-IO.
+
+The first front-end process (the one `rpc-broker serve` runs: it supervises the workers)
+and each other front-end it starts (a "peer") share one Unix socketpair. Messages are
+JSON objects, one per line, tagged by `type` (`Message`); a `WorkerJoined` carries one
+file descriptor beside its line (SCM_RIGHTS, `send` and `Receiver`): the peer's end of a
+socketpair whose other end the worker got at its start (`--link-fd`, broker/worker/links.py).
+The first front-end is the one source of truth on the workers: a peer routes to a worker
+only once told `Serve`, and stops at `Retire` or `Lost`; a reload's method table comes as
+`Methods` before the first `Serve` of its generation.
+
+Peer to first front-end: `Ready` (its listeners serve), `Counters` (an answer to `Scrape`:
+its metrics, for one coherent /metrics).
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+import typing
+
+import msgspec
+
+from broker.wire import MethodInfo
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "Counters",
+    "Lost",
+    "Message",
+    "Methods",
+    "PeerWireError",
+    "Ready",
+    "Receiver",
+    "Retire",
+    "Scrape",
+    "Serve",
+    "WorkerJoined",
+    "decode",
+    "encode",
+    "recv",
+    "send",
+]
+
+MAX_LINE_BYTES = 16 << 20  # a message's line at most (a method table's HELLO infos, a scrape's counters)
+
+
+class WorkerJoined(msgspec.Struct, tag="worker", frozen=True):
+    """A worker process started: `slot`, `pid`, the reload `generation` it belongs to; the
+    peer's end of its connection is the descriptor sent with this line."""
+
+    slot: int
+    pid: int
+    generation: int
+
+
+class Methods(msgspec.Struct, tag="methods", frozen=True):
+    """The method table of `generation` (its workers' HELLO): names in index order, those
+    that are sync, and each one's description (the catalogue: MCP tools, rpc.discover)."""
+
+    generation: int
+    names: list[str]
+    sync: list[str]
+    infos: list[MethodInfo]
+
+
+class Serve(msgspec.Struct, tag="serve", frozen=True):
+    """Route calls to worker `pid` (its HELLO came on the first front-end's connection)."""
+
+    pid: int
+
+
+class Retire(msgspec.Struct, tag="retire", frozen=True):
+    """Send worker `pid` no more calls: BYE on the peer's connection; it exits once every
+    front-end's calls are answered (a reload's swap, a recycle, a leave, the stop)."""
+
+    pid: int
+
+
+class Lost(msgspec.Struct, tag="lost", frozen=True):
+    """Worker `pid` is gone: `reason` as the first front-end says it ("exited with 1",
+    "killed by SIGKILL (hung: ...)"): the peer's calls on it are answered -32002 with it."""
+
+    pid: int
+    reason: str
+
+
+class Scrape(msgspec.Struct, tag="scrape", frozen=True):
+    """Send your metrics (`Counters`), answering `build`."""
+
+    build: int
+
+
+class Counters(msgspec.Struct, tag="counters", frozen=True):
+    """A peer's metrics for scrape `build`: `values` as broker/metrics.py exports them to be summed."""
+
+    build: int
+    values: dict[str, typing.Any]
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    """The peer's listeners serve (its workers are ready: the `Serve`s it was sent)."""
+
+    number: int
+
+
+Message = WorkerJoined | Methods | Serve | Retire | Lost | Scrape | Counters | Ready
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Message)
+
+
+class PeerWireError(Exception):
+    """A line that is no `Message`, too long, or a descriptor where none belongs (or none
+    where one does): the channel is broken; the first front-end stops the peer."""
+
+
+def encode(message: Message) -> bytes:
+    """One line: the message's JSON and a newline."""
+    return _encoder.encode(message) + b"\n"
+
+
+def decode(line: bytes) -> Message:
+    """The message of one line (its newline stripped or not); raises `PeerWireError`."""
+    try:
+        return _decoder.decode(line)
+    except msgspec.MsgspecError as exc:
+        raise PeerWireError(f"bad control line: {exc}") from None
+
+
+def send(sock: socket.socket, message: Message, fd: int = -1) -> None:
+    """Write `message` on the blocking socket `sock`, with descriptor `fd` attached if given
+    (a `WorkerJoined`'s: required there, refused elsewhere)."""
+    if (fd >= 0) != isinstance(message, WorkerJoined):
+        raise ValueError("a descriptor goes with a WorkerJoined message, and only with one")
+    line = encode(message)
+    if fd >= 0:
+        # (its first bytes carry it: SCM_RIGHTS rides with one sendmsg, and the receiver
+        # reads the line it starts with the descriptor, `Receiver.feed`)
+        socket.send_fds(sock, [line], [fd])
+    else:
+        sock.sendall(line)
+
+
+class Receiver:
+    """The reading end's state: bytes and descriptors as `recvmsg` gives them, messages out.
+
+    Feed each read's data and descriptors (`feed`); it returns the complete messages, each
+    `WorkerJoined` paired with its descriptor, in order. A descriptor is taken by the first
+    `WorkerJoined` line not yet paired (sendmsg's ancillary data arrives with the first byte
+    of its message, and lines are sent whole in order). Raises `PeerWireError` on a bad line,
+    a line past MAX_LINE_BYTES, or descriptors and WorkerJoined lines that do not pair up;
+    the descriptors it still holds then are closed by `close`.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._fds: list[int] = []
+
+    def feed(self, data: bytes, fds: typing.Sequence[int] = ()) -> list[tuple[Message, int]]:
+        """The messages completed by `data` (with `fds` received beside it): (message, its
+        descriptor or -1)."""
+        self._fds.extend(fds)
+        self._buf += data
+        out: list[tuple[Message, int]] = []
+        while True:
+            end = self._buf.find(b"\n")
+            if end < 0:
+                if len(self._buf) > MAX_LINE_BYTES:
+                    raise PeerWireError(f"a control line past {MAX_LINE_BYTES} bytes")
+                return out
+            line = bytes(self._buf[:end])
+            del self._buf[: end + 1]
+            message = decode(line)
+            fd = -1
+            if isinstance(message, WorkerJoined):
+                if not self._fds:
+                    raise PeerWireError("a WorkerJoined line came without its descriptor")
+                fd = self._fds.pop(0)
+            out.append((message, fd))
+            if self._fds and not self._buf:
+                raise PeerWireError(f"{len(self._fds)} descriptor(s) came with no WorkerJoined line")
+
+    def close(self) -> None:
+        """Close the descriptors received and not handed out."""
+        for fd in self._fds:
+            try:
+                socket.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+
+
+def recv(sock: socket.socket, receiver: Receiver, size: int = 1 << 16) -> list[tuple[Message, int]] | None:
+    """Read once from `sock` (blocking or ready) into `receiver`; None at end of file."""
+    data, ancdata, _flags, _addr = sock.recvmsg(size, socket.CMSG_SPACE(64 * array.array("i").itemsize))
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            fds.extend(got)
+    if not data and not fds:
+        return None
+    return receiver.feed(data, fds)

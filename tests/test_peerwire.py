@@ -1,0 +1,116 @@
+"""The control channel between front-ends (broker/peerwire.py): its lines, and descriptors
+passed beside them over a real Unix socketpair."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import peerwire
+from broker.peerwire import (
+    Counters,
+    Lost,
+    Methods,
+    PeerWireError,
+    Ready,
+    Receiver,
+    Retire,
+    Scrape,
+    Serve,
+    WorkerJoined,
+)
+from broker.wire import MethodInfo
+
+MESSAGES = [
+    WorkerJoined(slot=3, pid=4242, generation=2),
+    Methods(generation=2, names=["add", "fib"], sync=["fib"], infos=[MethodInfo("add"), MethodInfo("fib", doc="f")]),
+    Serve(pid=4242),
+    Retire(pid=4242),
+    Lost(pid=4242, reason="exited with 1 (\"quoted\"\nnewline)"),
+    Scrape(build=7),
+    Counters(build=7, values={"calls": [1, 2, 3], "bytes": 10}),
+    Ready(number=1),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_each_message_is_one_line_and_decodes_to_itself(message):
+    line = peerwire.encode(message)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1  # (a newline in a reason is escaped)
+    assert peerwire.decode(line) == message
+
+
+@pytest.mark.parametrize("line", [b"", b"{}", b'{"type": "nope"}', b'{"type": "serve"}', b"[1]", b"\xff"])
+def test_a_bad_line_is_refused(line):
+    with pytest.raises(PeerWireError):
+        peerwire.decode(line)
+
+
+def test_descriptors_travel_beside_their_worker_lines_over_a_real_socketpair():
+    a, b = socket.socketpair()
+    pipes = [os.pipe() for _ in range(2)]
+    try:
+        peerwire.send(a, Serve(pid=1))
+        peerwire.send(a, WorkerJoined(slot=0, pid=11, generation=1), pipes[0][1])
+        peerwire.send(a, WorkerJoined(slot=1, pid=12, generation=1), pipes[1][1])
+        peerwire.send(a, Retire(pid=11))
+        receiver = Receiver()
+        got: list[tuple[object, int]] = []
+        while len(got) < 4:
+            more = peerwire.recv(b, receiver, size=7)  # (small reads: lines and descriptors arrive in pieces)
+            assert more is not None
+            got += more
+        assert [m for m, _ in got] == [Serve(1), WorkerJoined(0, 11, 1), WorkerJoined(1, 12, 1), Retire(11)]
+        assert got[0][1] == -1 and got[3][1] == -1
+        for (_, fd), (r, _) in zip(got[1:3], pipes):  # each descriptor is its own worker's: the same pipe
+            os.write(fd, b"x%d" % fd)
+            assert os.read(r, 100) == b"x%d" % fd
+            os.close(fd)
+        a.close()
+        assert peerwire.recv(b, receiver) is None  # end of file
+    finally:
+        b.close()
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+
+
+def test_a_descriptor_goes_with_a_worker_line_only():
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(ValueError):
+            peerwire.send(a, Serve(pid=1), a.fileno())
+        with pytest.raises(ValueError):
+            peerwire.send(a, WorkerJoined(slot=0, pid=1, generation=0))
+
+
+def test_lines_and_descriptors_that_do_not_pair_up_break_the_channel():
+    r, w = os.pipe()
+    try:
+        with pytest.raises(PeerWireError, match="without its descriptor"):
+            Receiver().feed(peerwire.encode(WorkerJoined(0, 1, 0)))
+        receiver = Receiver()
+        with pytest.raises(PeerWireError, match="no WorkerJoined line"):
+            receiver.feed(peerwire.encode(Serve(1)), [os.dup(r)])
+        receiver.close()  # (the stray descriptor closed)
+        with pytest.raises(PeerWireError, match="past"):
+            Receiver().feed(b"x" * (peerwire.MAX_LINE_BYTES + 1))
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=20))
+def test_any_split_of_the_stream_gives_the_same_messages(cuts):
+    stream = b"".join(peerwire.encode(m) for m in MESSAGES if not isinstance(m, WorkerJoined))
+    points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    receiver = Receiver()
+    got = []
+    for start, end in zip(points, points[1:]):
+        got += receiver.feed(stream[start:end])
+    assert [m for m, _ in got] == [m for m in MESSAGES if not isinstance(m, WorkerJoined)]
