@@ -3,6 +3,7 @@ passed beside them over a real Unix socketpair."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 
@@ -111,6 +112,6 @@ def test_any_split_of_the_stream_gives_the_same_messages(cuts):
     points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
     receiver = Receiver()
     got = []
-    for start, end in zip(points, points[1:]):
+    for start, end in itertools.pairwise(points):
         got += receiver.feed(stream[start:end])
     assert [m for m, _ in got] == [m for m in MESSAGES if not isinstance(m, WorkerJoined)]
