@@ -81,7 +81,7 @@ from broker.jsonrpc import (
     http_status,
     response_error,
 )
-from broker.membership import _NO_WORKER, RESTART_WAIT_SECONDS, Membership
+from broker.membership import _NO_WORKER, RESTART_WAIT_SECONDS, Membership, MembershipTap
 from broker.metrics import CallMetrics
 from broker.policy import Policy
 from broker.queueing import _OVERLOADED, Queueing
@@ -318,6 +318,9 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         self.worker_restarting: Callable[[], bool] = lambda: False  # `Pool._worker_restarting`
         # ... and told when a worker was sent its max_calls_per_worker calls (`Pool.worker_worn`)
         self.worker_worn: Callable[[Worker], None] = lambda worker: None
+        # Told of every change of the workers and their method table, after it is made here:
+        # the first front-end's word to the others (`--frontends N`: broker/peers.py)
+        self.membership_tap: MembershipTap | None = None
         self._down_since = 0.0  # when the last ready worker went (_clock); read while none is ready
         self._start_failed = False  # a start failed since (`start_failed`): "no worker available" at once
 

@@ -22,6 +22,7 @@ if typing.TYPE_CHECKING:
     from broker.deadlines import DeadlineWheel
     from broker.fairqueue import FairQueue, Largest
     from broker.isolation import Isolation
+    from broker.membership import MembershipTap
     from broker.metrics import CallMetrics
     from broker.policy import Policy
     from broker.ratelimit import Limiter
@@ -35,6 +36,7 @@ class DispatcherState:
     if typing.TYPE_CHECKING:
         _alone: dict[Worker, bool]
         catalog: Catalog
+        membership_tap: MembershipTap | None
         _alone_held: bool
         _blocked: int
         _blocking: list[int]

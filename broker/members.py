@@ -60,11 +60,15 @@ class Members:
     start then)."""
 
     def __init__(self, dispatcher: Dispatcher, loop: asyncio.AbstractEventLoop, size: int,
-                 max_frame_bytes: int = wire.MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = wire.MAX_FRAME_BYTES, boot_timeout: float = 60.0) -> None:
         self.dispatcher = dispatcher
         self.loop = loop
         self.size = size
         self.max_frame_bytes = max_frame_bytes
+        self.boot_timeout = boot_timeout
+        # (as `Pool`'s, for the server: reloads are the first front-end's)
+        self.on_reload: typing.Callable[[bool | None, str], None] | None = None
+        self.after_reload: typing.Callable[[], None] | None = None
         self.workers: dict[int, Worker] = {}  # by pid: joined and not gone
         self._handed: dict[WorkerChannel, Worker] = {}  # connections handed over, their HELLO not read yet
         self._said_serve: set[int] = set()  # pids the first front-end said serve, HELLO or not yet
@@ -167,6 +171,28 @@ class Members:
     def wire_mismatch(self, exc: wire.WireMismatch) -> None:
         """A worker of another wire version: refused here as by the first front-end."""
         log.error("a worker handed over speaks another wire version: %s", exc)
+
+    async def start(self) -> None:
+        """Wait until `size` workers serve here; raises `TimeoutError` past boot_timeout
+        (the first front-end's workers did not all come: it fails its start too)."""
+        await asyncio.wait_for(self.ready.wait(), self.boot_timeout)
+
+    def wind_down(self) -> None:
+        """The stop began (nothing to do: the first front-end stops the workers)."""
+
+    def request_reload(self) -> None:
+        """Reloads are the first front-end's (a peer's SIGHUP is ignored: `server.run`)."""
+
+    async def stop(self, timeout: float, hurry: asyncio.Event | None = None) -> None:
+        """The drain is over: BYE to every worker (no call comes after it; the worker exits
+        once every front-end said it), then close the connections once written (`timeout`
+        seconds at most)."""
+        for worker in list(self.workers.values()):
+            if worker.channel is not None:
+                worker.channel.send(wire.Kind.BYE, 0, 0, b"")
+                worker.channel.flush()
+        await asyncio.sleep(0)
+        self.close()
 
     def close(self) -> None:
         """Close every worker's connection here (the peer is stopping: BYE was said)."""

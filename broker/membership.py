@@ -29,7 +29,7 @@ from broker.wire import NOTIFY, RETURNABLE, MethodInfo
 if typing.TYPE_CHECKING:
     from broker.channel import Worker
 
-__all__ = ["RESTART_WAIT_SECONDS", "Membership"]
+__all__ = ["RESTART_WAIT_SECONDS", "Membership", "MembershipTap"]
 
 log = logging.getLogger("broker.dispatch")  # (the dispatcher's logger: these are its lines)
 
@@ -56,6 +56,16 @@ def _address(peer: object) -> str:
         host = str(peer[0])
         return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
     return "unix socket" if peer is not None else "?"
+
+
+class MembershipTap(typing.Protocol):
+    """Told of each change `Membership` makes, after it is made (`Dispatcher.membership_tap`)."""
+
+    def methods(self, names: list[str], sync_methods: typing.Collection[str],
+                infos: typing.Sequence[MethodInfo] | None) -> None: ...
+    def ready(self, worker: Worker) -> None: ...
+    def unready(self, worker: Worker) -> None: ...
+    def lost(self, worker: Worker, reason: str) -> None: ...
 
 
 class Membership(DispatcherState):
@@ -119,6 +129,8 @@ class Membership(DispatcherState):
             self.access.names = names
         for warning in self.policy.install([*names, DISCOVER]):  # (the broker's own: a method as any other)
             log.warning("%s", warning)
+        if self.membership_tap is not None:
+            self.membership_tap.methods(list(names), sync_methods, methods)
 
     def _translate(self, index: list[int]) -> None:
         """Old method index → new (`index`, one entry per old method plus `other`) for
@@ -157,6 +169,8 @@ class Membership(DispatcherState):
             self._ready.append(worker)
             self._set_share()
             self._release_all()  # (a larger share: those still past it are held again)
+            if self.membership_tap is not None:
+                self.membership_tap.ready(worker)
         self._pump()
 
     def worker_unready(self, worker: Worker) -> None:
@@ -169,6 +183,8 @@ class Membership(DispatcherState):
             self._set_share()
             if not self._ready:
                 self._down_since = _clock()
+            if self.membership_tap is not None:
+                self.membership_tap.unready(worker)
 
     def _set_share(self) -> None:
         """One connection's share of the ready workers' places (`connection_share`; at
@@ -197,6 +213,8 @@ class Membership(DispatcherState):
         call run alone never held its place, and a caught crasher's next call took the other
         worker while it restarted: both died in turn, hostile testing, round 90.)"""
         self.worker_unready(worker)
+        if self.membership_tap is not None:
+            self.membership_tap.lost(worker, reason)
         lost = [c for c in self._pending.values() if c.worker is worker]
         if worker.overdue:
             worker.overdue.clear()

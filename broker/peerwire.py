@@ -35,6 +35,7 @@ __all__ = [
     "Retire",
     "Scrape",
     "Serve",
+    "Setup",
     "WorkerJoined",
     "decode",
     "encode",
@@ -43,6 +44,17 @@ __all__ = [
 ]
 
 MAX_LINE_BYTES = 16 << 20  # a message's line at most (a method table's HELLO infos, a scrape's counters)
+
+
+class Setup(msgspec.Struct, tag="setup", frozen=True):
+    """The first message to a peer: its `number` (1 and up), the `config` (the `Config`'s
+    fields as JSON values: broker/config), and its listening sockets: (the front-end's
+    transport, "http" or "tcp", and the descriptor it inherited), bound by the first front-end
+    to its own ports with SO_REUSEPORT."""
+
+    number: int
+    config: dict[str, typing.Any]
+    listeners: list[tuple[str, int]]
 
 
 class WorkerJoined(msgspec.Struct, tag="worker", frozen=True):
@@ -104,7 +116,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     number: int
 
 
-Message = WorkerJoined | Methods | Serve | Retire | Lost | Scrape | Counters | Ready
+Message = Setup | WorkerJoined | Methods | Serve | Retire | Lost | Scrape | Counters | Ready
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Message)
 

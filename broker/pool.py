@@ -99,6 +99,9 @@ from broker.reloads import (  # (and what both modules use: the kill reasons, th
 )
 from broker.worker import WORKER_BOOT_ERROR
 
+if typing.TYPE_CHECKING:
+    from broker.peers import Peers
+
 __all__ = ["TRANSITIONS", "CodeChanged", "Pool", "Worker", "WorkerBootError", "WorkerChannel", "WorkerState"]
 
 log = logging.getLogger("broker.pool")
@@ -182,6 +185,7 @@ class Pool(Reloads, Recycling):
         self._incoming_infos: list[wire.MethodInfo] = []  # (the first new worker's HELLO's: the catalogue)
         self._incoming_error = ""
         self.after_reload: typing.Callable[[], None] | None = None  # called after each successful reload
+        self.peers: Peers | None = None  # the other front-ends (--frontends N): each worker's connections to them
         self.reloads = {"success": 0, "failure": 0}  # reloads by outcome (a metric's label)
         # Told of each reload `request_reload` runs: (None, "") as it begins, then (True, "")
         # or (False, why it failed) as it ends (the status file: broker/statusfile.py).
@@ -338,11 +342,18 @@ class Pool(Reloads, Recycling):
         ]  # fmt: skip
         if self.debug:
             argv.append("--debug")
+        links: list[int] = []
+        ends: list[int] = []
         try:
-            if _descriptors_left() < SPAWN_DESCRIPTORS:
+            if _descriptors_left() < SPAWN_DESCRIPTORS + 2 * (self.peers.count if self.peers is not None else 0):
                 # (uvloop's process creation, failing with EMFILE part-way, leaks 4 descriptors
                 # each time: hostile testing saw them ratchet up; not tried then)
                 raise OSError(errno.EMFILE, f"fewer than {SPAWN_DESCRIPTORS} file descriptors left")
+            # (--frontends N: its connection to each other front-end, a socketpair's end: broker/peers.py)
+            if self.peers is not None:
+                links, ends = self.peers.link_ends()
+                for fd in links:
+                    argv += ["--link-fd", str(fd)]
             # A worker's stderr, and its stdout (a handler's print), is a pipe the broker reads
             # (`worker_stderr`) and writes on with its own lines, never blocking: a stderr nobody
             # reads (a stuck journald socket, a full pipe) stalls no worker, and no call routed
@@ -353,14 +364,19 @@ class Pool(Reloads, Recycling):
             try:
                 process = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                    pass_fds=links,
                 )
             except BaseException:
                 if stderr:
                     os.close(stderr[0])
+                for fd in ends:
+                    os.close(fd)
                 raise
             finally:
                 if stderr:
                     os.close(stderr[1])
+                for fd in links:
+                    os.close(fd)
         except OSError as exc:  # (EMFILE, EAGAIN, ENOMEM: the system is short of something now)
             self._launch_failed(worker, exc)
             return
@@ -377,6 +393,8 @@ class Pool(Reloads, Recycling):
             _kill(process)
         worker.process = process
         worker.pid = process.pid
+        if self.peers is not None:
+            self.peers.joined(worker, ends)
         worker.started_at = time.monotonic()
         worker.took_calls = False
         self._arm(worker)

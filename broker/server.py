@@ -48,7 +48,9 @@ from broker.frontend.socketfile import check_socket_path, remove_socket, unix_se
 from broker.frontend.stdio import Stdio, StdioFrontend, log_listeners, stdio_config
 from broker.frontend.stream import StreamFrontend
 from broker.logpipe import LogPipe, access_to_logger
+from broker.members import Members
 from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
+from broker.peers import Peers, tap
 from broker.policy import MethodRule, Policy
 from broker.pool import Pool, WorkerBootError
 from broker.ratelimit import Limiter, Rate, burst_for
@@ -56,17 +58,21 @@ from broker.statusfile import StatusFile
 from broker.tls import TlsError, server_context
 from broker.worker import WORKER_BOOT_ERROR
 
+if typing.TYPE_CHECKING:
+    from broker.peer import Peer
+
 __all__ = ["exposure_warnings", "run", "secret_file_warnings", "serve", "warn_unserved_timeouts"]
 
 log = logging.getLogger("broker")
 
 
-def serve(config: Config, early: typing.Sequence[int] = (), stdio: Stdio | None = None) -> int:
+def serve(config: Config, early: typing.Sequence[int] = (), stdio: Stdio | None = None, peer: Peer | None = None) -> int:
     """Run the broker until SIGTERM/SIGINT; return the process exit status.
 
     `early`: signals received before the loop's handlers (`broker.entry`).
     `stdio`: serve that face on stdin and stdout instead of the listeners (`run`), until
     stdin ends too (`rpc-broker stdio`: `broker.frontend.stdio.JSONRPC`).
+    `peer`: run as a front-end past the first (broker/peer.py).
     0 after a clean shutdown, `WORKER_BOOT_ERROR` (3) when the workers cannot load
     the app (an exception or exit at import, or no HELLO within boot_timeout), 2 when
     the workers' socket cannot be made (socket_dir), 1 when the listening socket
@@ -76,10 +82,10 @@ def serve(config: Config, early: typing.Sequence[int] = (), stdio: Stdio | None 
     pipe.start()
     try:
         if config.event_loop == "asyncio":
-            return asyncio.run(run(config, early=early, logs=pipe, stdio=stdio))
+            return asyncio.run(run(config, early=early, logs=pipe, stdio=stdio, peer=peer))
         import uvloop
 
-        return uvloop.run(run(config, early=early, logs=pipe, stdio=stdio))
+        return uvloop.run(run(config, early=early, logs=pipe, stdio=stdio, peer=peer))
     finally:
         pipe.stop()  # (what is queued written: the last lines, "stopped" among them)
 
@@ -362,7 +368,7 @@ def _settings(config: Config, names: str) -> dict[str, typing.Any]:
 
 async def run(
     config: Config, started: asyncio.Future[tuple[str, int]] | None = None, early: typing.Sequence[int] = (),
-    logs: LogPipe | None = None, stdio: Stdio | None = None,
+    logs: LogPipe | None = None, stdio: Stdio | None = None, peer: Peer | None = None,
 ) -> int:
     """The broker's main coroutine; sets `started` to the bound (host, port) once ready
     (the first listener's; ("", 0) with none).
@@ -373,7 +379,10 @@ async def run(
     `stdio`: serve its front-end on stdin and stdout (broker/frontend/stdio.py), with the
     settings as `stdio_config` makes them: no listener but metrics_port's; the end of the
     connection (stdin's end once every answer is written, stdout's reader gone) stops
-    the broker as SIGTERM does."""
+    the broker as SIGTERM does.
+    `peer`: run as a front-end past the first (`--frontends N`, broker/peer.py): its workers
+    handed over (broker/members.py), its TCP listeners the sockets it inherited, no Unix
+    socket, metrics port nor status file of its own."""
     if stdio is not None:
         config = stdio_config(config)
     loop = asyncio.get_running_loop()
@@ -402,15 +411,24 @@ async def run(
         **_settings(config, "max_queue max_queue_bytes max_worker_params_bytes timeout method_timeouts cancel_grace "
                     "sync_prefetch max_response_bytes max_outgoing_bytes connection_share"),
     )
-    pool = Pool(
-        dispatcher,
-        size=config.worker_count,
-        concurrency=config.worker_concurrency,
-        **_settings(config, "app max_depth max_frame_bytes restart_backoff_max boot_timeout socket_dir debug log_level "
-                    "max_calls_per_worker max_calls_jitter max_worker_memory"),
-        worker_stderr=logs.follow if logs is not None else None,  # (read and written on by the broker)
-    )
-    status = StatusFile(config.status_file)  # (for `rpc-broker reload`: broker/statusfile.py)
+    pool: Pool | Members
+    peers: Peers | None = None
+    if peer is not None:
+        pool = Members(dispatcher, loop, config.worker_count, config.max_frame_bytes, config.boot_timeout)
+    else:
+        pool = Pool(
+            dispatcher,
+            size=config.worker_count,
+            concurrency=config.worker_concurrency,
+            **_settings(config, "app max_depth max_frame_bytes restart_backoff_max boot_timeout socket_dir debug "
+                        "log_level max_calls_per_worker max_calls_jitter max_worker_memory"),
+            worker_stderr=logs.follow if logs is not None else None,  # (read and written on by the broker)
+        )
+        if config.frontend_count > 1 and stdio is None:  # (the others: broker/peers.py)
+            peers = Peers(loop, config.frontend_count - 1, msgspec.to_builtins(config))
+            pool.peers = peers
+            dispatcher.membership_tap = tap(peers)
+    status = StatusFile(config.status_file if peer is None else "")  # (for `rpc-broker reload`: broker/statusfile.py)
 
     def reload_reported(ok: bool | None, why: str) -> None:
         if ok is None:  # (begins: it answers every SIGHUP taken so far)
@@ -486,6 +504,10 @@ async def run(
     pool.after_reload = after_reload
 
     def handle_hup() -> None:
+        if peer is not None:  # (the first front-end's to do: it reloads the workers every front-end shares)
+            log_signal(logging.INFO, "SIGHUP to front-end %d: ignored (send it to the first front-end, pid %d)",
+                       peer.number, os.getppid())
+            return
         if stop.is_set():  # (a `systemctl reload` racing a stop: new workers would only be stopped)
             log_signal(logging.INFO, "SIGHUP while stopping: ignored")
             return
@@ -507,7 +529,7 @@ async def run(
     try:
         frontends: list[HttpFrontend | StreamFrontend] = []
         scrape = None
-        if config.metrics:
+        if config.metrics and isinstance(pool, Pool):  # (a peer's /metrics: not yet; TODO issue 14 item 3)
             collector = BrokerCollector(dispatcher, pool, frontends, config.max_queue, config.max_queue_bytes,
                                         logs.dropped_total if logs is not None else None)
             reg = registry(collector)
@@ -515,7 +537,7 @@ async def run(
             def scrape() -> bytes:
                 return exposition(reg)
 
-        separate = config.metrics and config.metrics_port != 0
+        separate = config.metrics and config.metrics_port != 0 and peer is None
         streams = 0 if stdio else bool(config.stream_port) + bool(config.stream_socket)
         try:
             max_connections = fit_open_files(
@@ -563,7 +585,8 @@ async def run(
             ("tcp", config.host, config.stream_port),
             ("unix", config.stream_socket, None),
         ):
-            if (port_ if transport == "tcp" else where) and stdio is None:
+            if (port_ if transport == "tcp" else where) and stdio is None and (
+                peer is None or transport in peer.listeners):
                 stream = StreamFrontend(
                     dispatcher, transport=transport, max_connections=max_connections, incoming=incoming,
                     auth=auth if transport == "tcp" else None,  # (the Unix socket: its file mode)
@@ -587,6 +610,8 @@ async def run(
                     server.close()
             remove_socket(own_socket)
             phase.append("workers")
+            if peers is not None:
+                await peers.stop(2.0)
             await pool.stop(timeout=2.0, hurry=kill_now)
 
         def cannot_listen(fe: HttpFrontend | StreamFrontend, where: str, port_: int | None, exc: OSError) -> None:
@@ -607,14 +632,28 @@ async def run(
                 if port_ is None:
                     check_socket_path(where)
                     bound.append(None)
+                elif peer is not None:  # (bound by the first front-end for this one: broker/peers.py)
+                    bound.append(await loop.create_server(
+                        accepting(fe, tls), sock=peer.listeners[fe.transport], backlog=2048, start_serving=False))
                 else:
                     bound.append(await loop.create_server(
                         accepting(fe, tls), where, port_, backlog=2048, start_serving=False,
-                        reuse_port=config.reuse_port or None))
+                        reuse_port=config.reuse_port or peers is not None or None))
             except OSError as exc:
                 cannot_listen(fe, where, port_, exc)
                 await give_up()
                 return 1
+        if peers is not None:  # the other front-ends, on sockets of their own bound beside these
+            try:
+                peers.bind([(fe.transport, server.sockets[0].getsockname()) for (fe, _, _), server in zip(listeners, bound)
+                            if server is not None and fe.transport in ("http", "tcp")])
+                await peers.start()
+            except OSError as exc:
+                log.error("cannot start the other front-ends (frontends %d): %s", config.frontend_count, exc)
+                await give_up()
+                return 1
+        if peer is not None:  # (its workers come as the first front-end hands them over)
+            peer.attach(loop, typing.cast(Members, pool), lambda: stdio_ended("the first front-end is gone"))
         # A stop signal during the start (an import that takes long) stops at once, as it
         # would later: the workers still importing have nothing to finish.
         # (written once the listeners are bound, not before: a second broker started by
@@ -672,16 +711,20 @@ async def run(
         dispatcher.outgoing.on_full = lambda: shed_outgoing(dispatcher.outgoing, frontends)
         host, port = servers[0].sockets[0].getsockname()[:2] if servers else ("", 0)
         workers = (f"{pool.size} worker{'s' if pool.size != 1 else ''} (app {config.app}, event loop"
-                   f" {config.event_loop}, pid {os.getpid()})")
+                   f" {config.event_loop}, pid {os.getpid()}"
+                   + (f"; {peers.count + 1} front-end processes" if peers is not None else "") + ")")
         face: StdioFrontend | None = None  # stdio's
-        if stdio is None or relay is None:
+        if peer is not None:
+            peer.serving()
+            log.info("front-end %d (pid %d) serving", peer.number, os.getpid())
+        elif stdio is None or relay is None:
             _banner(f"rpc-broker: serving JSON-RPC on {_url(host, port, 'https' if tls else 'http')}{config.rpc_path}"
                     f" with {workers}", logs)
             if config.mcp_path:
                 _banner(f"rpc-broker: serving MCP (Streamable HTTP) on {_url(host, port, 'https' if tls else 'http')}"
                         f"{config.mcp_path}", logs)
         else:  # (its connection served once the workers are ready: what came before waits in stdin)
-            face = stdio.frontend(dispatcher, pool, config, incoming)
+            face = stdio.frontend(dispatcher, typing.cast(Pool, pool), config, incoming)  # (stdio: never a peer)
             face.on_lost = lambda: stdio_ended(relay.why)  # (stdio's end stops the broker as SIGTERM does)
             await relay.connect(face.protocol)
             frontends.append(face)
@@ -735,6 +778,8 @@ async def run(
         if started is not None:
             started.set_result((host, port))
         await stop.wait()
+        # (the other front-ends drain beside this one: the workers are stopped once they are done)
+        peers_stopping = asyncio.ensure_future(peers.stop(config.grace_period + 15.0)) if peers is not None else None
         dispatcher.held_back = lambda: sum(fe.held() for fe in frontends)
         log_stopping(logging.INFO, "stopping: no new connections; answering what is in flight (grace %s s)",
                      config.grace_period)
@@ -770,6 +815,8 @@ async def run(
         if relay is not None:  # (the last answers on their way to stdout)
             await relay.finish(0.2 if hurry.is_set() else 2.0)
         phase.append("workers")
+        if peers_stopping is not None:
+            await peers_stopping
         await pool.stop(timeout=1.0 if hurry.is_set() else 10.0, hurry=kill_now)
         remove_socket(own_socket)
         if dispatcher.cut_off:  # (issue 12, item 13: the stop's log said nothing of them)

@@ -117,6 +117,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     workers: Annotated[int, Meta(ge=0, le=1024),
                        Doc("worker processes; 0 means one per CPU")
                        ] = 0
+    frontends: Annotated[int, Meta(ge=0, le=64),
+                         Doc("front-end processes accepting on the same TCP ports (SO_REUSEPORT) and "
+                             "sharing every worker; 0 means one per 8 CPUs")
+                         ] = 1
     app: Annotated[str, Meta(pattern=rf"^{_IDENT}:[A-Za-z_]\w*\Z"),
                    Doc("'module:attribute' of the broker.worker.Registry to serve",
                        rule="module:attribute, as in mytools:registry (a module's dotted name, not a file path: its directory the current one or on PYTHONPATH; then the Registry's name in it)",
@@ -428,6 +432,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     def worker_count(self) -> int:
         """Worker processes to start: ``workers``, or when 0 the CPUs this process may use."""
         return self.workers or _cpu_count()
+
+    @property
+    def frontend_count(self) -> int:
+        """Front-end processes to run: ``frontends``, or when 0 one per 8 CPUs (at least one)."""
+        return self.frontends or max(1, _cpu_count() // 8)
 
 
 def _cpu_count() -> int:

@@ -1,0 +1,124 @@
+"""A front-end process past the first (`serve --frontends N`): `python -m broker.peer --control FD`.
+
+Started by the first front-end (broker/peers.py), never by hand. It reads its `Setup` from
+the control socket it inherited (its number, the settings, the listening sockets bound for
+it), then serves as the broker does (`server.serve`, with a `Peer`): the same front-ends and
+dispatcher over the workers the first front-end hands over (broker/members.py), on the
+listening sockets it got, and none of its own (no Unix socket, metrics port or status file:
+the first front-end's). It dies with the first front-end; SIGTERM stops it as it stops the
+broker (the first front-end sends it at its stop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import typing
+
+import msgspec
+
+from broker import peerwire
+from broker.config import Config
+from broker.peerwire import Ready, Setup
+
+if typing.TYPE_CHECKING:
+    from broker.members import Members
+
+__all__ = ["Peer", "main"]
+
+log = logging.getLogger("broker")
+
+SETUP_SECONDS = 30.0  # the first front-end sends the Setup at once: past this, it is gone
+
+
+@dataclasses.dataclass
+class Peer:
+    """What `server.run` needs to run as a peer: its `number`, its listening sockets by
+    front-end transport ("http", "tcp"), and its control socket (`attach` reads it once the
+    workers' `Members` exist)."""
+
+    number: int
+    listeners: dict[str, socket.socket]
+    control: socket.socket
+    receiver: peerwire.Receiver = dataclasses.field(default_factory=peerwire.Receiver)
+    pending: list[tuple[peerwire.Message, int]] = dataclasses.field(default_factory=list)
+
+    def attach(self, loop: asyncio.AbstractEventLoop, members: Members, lost: typing.Callable[[], None]) -> None:
+        """Read the control socket on `loop` from now on, each message to `members`
+        (those read with the Setup first); `lost` is called at its end (the first
+        front-end is gone)."""
+        self.control.setblocking(False)
+
+        def readable() -> None:
+            try:
+                got = peerwire.recv(self.control, self.receiver)
+            except (BlockingIOError, InterruptedError):
+                return
+            except (OSError, peerwire.PeerWireError) as exc:
+                log.error("front-end %d: the control channel broke: %s", self.number, exc)
+                got = None
+            if got is None:
+                loop.remove_reader(self.control.fileno())
+                lost()
+                return
+            for message, fd in got:
+                loop.create_task(members.handle(message, fd))
+
+        for message, fd in self.pending:
+            loop.create_task(members.handle(message, fd))
+        self.pending.clear()
+        loop.add_reader(self.control.fileno(), readable)
+
+    def serving(self) -> None:
+        """Tell the first front-end this one's listeners serve."""
+        try:
+            self.control.send(peerwire.encode(Ready(number=self.number)))
+        except OSError:
+            pass
+
+
+def _setup(control: socket.socket) -> tuple[Setup, list[tuple[peerwire.Message, int]], peerwire.Receiver]:
+    """Read the Setup (blocking, SETUP_SECONDS at most), and whatever came after it."""
+    control.settimeout(SETUP_SECONDS)
+    receiver = peerwire.Receiver()
+    got: list[tuple[peerwire.Message, int]] = []
+    while not got:
+        more = peerwire.recv(control, receiver)
+        if more is None:
+            raise SystemExit("rpc-broker peer: the first front-end closed the control socket before the setup")
+        got += more
+    first, _ = got[0]
+    if not isinstance(first, Setup):
+        raise SystemExit(f"rpc-broker peer: the first control message is {type(first).__name__}, not Setup")
+    return first, got[1:], receiver
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m broker.peer --control FD --parent-pid PID`: serve until SIGTERM; the exit
+    status as `rpc-broker serve`'s."""
+    parser = argparse.ArgumentParser(prog="python -m broker.peer")
+    parser.add_argument("--control", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, default=0)
+    args = parser.parse_args(argv)
+    from broker.worker.forks import die_with_parent
+
+    die_with_parent(args.parent_pid or os.getppid())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's ^C reaches the group: the first front-end stops us)
+    control = socket.socket(fileno=args.control)
+    setup, pending, receiver = _setup(control)
+    config = msgspec.convert(setup.config, Config)
+    listeners = {transport: socket.socket(fileno=fd) for transport, fd in setup.listeners}
+    peer = Peer(setup.number, listeners, control, receiver, pending)
+    from broker.server import serve
+
+    return serve(config, peer=peer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""The other front-end processes (`serve --frontends N`): started, told and stopped by the first (`Peers`).
+
+The first front-end (the process `rpc-broker serve` runs) binds every TCP listener; with N
+front-ends it also binds N - 1 more sockets to each listener's address with SO_REUSEPORT
+(`bind`), so the kernel spreads new connections over all of them, and starts N - 1 peers
+(`python -m broker.peer`, fresh interpreters, never forked from this loop) that inherit them
+(`start`). Each peer runs its own front-ends and dispatcher (broker/server.py) over the same
+workers: at each worker's start the pool makes one socketpair per peer, the worker gets one
+end (`--link-fd`, broker/worker/links.py) and the peer the other, beside a `WorkerJoined`
+line on its control socket (`link_ends`, `joined`; broker/peerwire.py). The first
+front-end's dispatcher tells this module of every change of its workers
+(`Dispatcher.membership_tap`: `ready`, `unready`, `lost`, `methods`), which each peer is
+told in turn, so all route to the same workers under the same method table
+(broker/members.py). At the stop each peer is sent SIGTERM: it drains as the first
+front-end does, and exits; the workers exit once every front-end has said BYE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+import os
+import signal
+import socket
+import sys
+import typing
+
+from broker import peerwire
+from broker.peerwire import Lost, Message, Methods, Ready, Retire, Serve, Setup, WorkerJoined
+
+if typing.TYPE_CHECKING:
+    from broker.channel import Worker
+    from broker.wire import MethodInfo
+
+__all__ = ["Peers"]
+
+log = logging.getLogger("broker")
+
+
+class _Control:
+    """One peer's end of the control socketpair, non-blocking: messages out in order (each
+    `WorkerJoined` with its descriptor, closed here once sent), messages in to `on_message`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                 on_message: typing.Callable[[Message, int], None]) -> None:
+        self._loop = loop
+        self._sock = sock
+        sock.setblocking(False)
+        self._queue: collections.deque[tuple[bytes, int]] = collections.deque()
+        self._writing = False
+        self._receiver = peerwire.Receiver()
+        self._on_message = on_message
+        self.closed = False
+        loop.add_reader(sock.fileno(), self._readable)
+
+    def send(self, message: Message, fd: int = -1) -> None:
+        if self.closed:
+            if fd >= 0:
+                os.close(fd)
+            return
+        self._queue.append((peerwire.encode(message), fd))
+        if not self._writing:
+            self._flush()
+
+    def _flush(self) -> None:
+        queue = self._queue
+        while queue:
+            data, fd = queue[0]
+            try:
+                sent = socket.send_fds(self._sock, [data], [fd]) if fd >= 0 else self._sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                if not self._writing:
+                    self._writing = True
+                    self._loop.add_writer(self._sock.fileno(), self._flush)
+                return
+            except OSError:
+                self.close()
+                return
+            if fd >= 0:  # (sent with the line's first byte: SCM_RIGHTS)
+                os.close(fd)
+            if sent < len(data):
+                queue[0] = (data[sent:], -1)
+            else:
+                queue.popleft()
+        if self._writing:
+            self._writing = False
+            self._loop.remove_writer(self._sock.fileno())
+
+    def _readable(self) -> None:
+        try:
+            got = peerwire.recv(self._sock, self._receiver)
+        except (BlockingIOError, InterruptedError):
+            return
+        except (OSError, peerwire.PeerWireError) as exc:
+            log.error("a front-end's control channel broke: %s", exc)
+            self.close()
+            return
+        if got is None:
+            self.close()
+            return
+        for message, fd in got:
+            self._on_message(message, fd)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self._sock.fileno())
+        if self._writing:
+            self._loop.remove_writer(self._sock.fileno())
+        for _, fd in self._queue:
+            if fd >= 0:
+                os.close(fd)
+        self._queue.clear()
+        self._receiver.close()
+        self._sock.close()
+
+
+class Peers:
+    """The `count` peer front-ends of this process (see the module docstring), started with
+    `config` (a `Config`'s fields as JSON values)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, count: int, config: dict[str, typing.Any]) -> None:
+        self.loop = loop
+        self.count = count
+        self._config = config
+        self._listeners: list[list[tuple[str, socket.socket]]] = [[] for _ in range(count)]
+        self._controls: list[_Control] = []
+        self.processes: list[asyncio.subprocess.Process] = []
+        self.ready: set[int] = set()  # peers whose listeners serve (`Ready`)
+        self._changed = asyncio.Event()
+
+    def bind(self, listeners: typing.Sequence[tuple[str, tuple[str, int] | tuple[str, int, int, int]]]) -> None:
+        """For each of this process's TCP listeners, (its transport, "http" or "tcp", and its
+        bound address), bind one socket per peer to the same address with SO_REUSEPORT
+        (the first front-end's own must have it too). Raises `OSError`."""
+        for transport, address in listeners:
+            family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+            for mine in self._listeners:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                    if family == socket.AF_INET6:
+                        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                    sock.bind(address)
+                except OSError:
+                    sock.close()
+                    raise
+                mine.append((transport, sock))
+
+    async def start(self) -> None:
+        """Start every peer (`python -m broker.peer`), each with its listening sockets and
+        its end of a control socketpair, and send it its `Setup`."""
+        for number in range(1, self.count + 1):
+            ours, theirs = socket.socketpair()
+            listeners = self._listeners[number - 1]
+            inherited = [(transport, sock.fileno()) for transport, sock in listeners]  # (the same numbers there)
+            fds = [theirs.fileno(), *(fd for _, fd in inherited)]
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "broker.peer", "--control", str(theirs.fileno()),
+                    "--parent-pid", str(os.getpid()),
+                    stdin=asyncio.subprocess.DEVNULL, pass_fds=fds,
+                )
+            finally:
+                theirs.close()
+                for _, sock in listeners:
+                    sock.close()  # (the peer's now)
+            self.processes.append(process)
+            control = _Control(self.loop, ours, functools.partial(self._heard, number))
+            self._controls.append(control)
+            control.send(Setup(number=number, config=self._config, listeners=inherited))
+
+    def _heard(self, number: int, message: Message, fd: int) -> None:
+        if fd >= 0:
+            os.close(fd)
+        if isinstance(message, Ready):
+            self.ready.add(number)
+            self._changed.set()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until every peer serves (or `timeout` seconds); whether they all do."""
+        deadline = self.loop.time() + timeout
+        while len(self.ready) < self.count:
+            if any(p.returncode is not None for p in self.processes):
+                return False
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), max(0.0, min(0.2, deadline - self.loop.time())))
+            except TimeoutError:
+                if self.loop.time() >= deadline:
+                    return False
+        return True
+
+    # -- the pool's hooks: each worker's connections to the peers ------------------------
+
+    def link_ends(self) -> tuple[list[int], list[int]]:
+        """One socketpair per peer for a worker about to start: (the worker's ends, to pass
+        with --link-fd; the peers' ends, for `joined`). The caller closes the worker's ends
+        once the process has them, and every end if it cannot start."""
+        workers, peers = [], []
+        for _ in range(self.count):
+            a, b = socket.socketpair()
+            workers.append(a.detach())
+            peers.append(b.detach())
+        return workers, peers
+
+    def joined(self, worker: Worker, ends: list[int]) -> None:
+        """`worker`'s process started: hand each peer its end of the worker's connection."""
+        for control, fd in zip(self._controls, ends):
+            control.send(WorkerJoined(slot=worker.slot, pid=worker.pid, generation=0), fd)
+        for fd in ends[len(self._controls):]:  # (peers not started yet: none)
+            os.close(fd)
+
+    # -- MembershipTap: the first front-end's dispatcher's changes, told to every peer ---
+
+    def _tell(self, message: Message) -> None:
+        for control in self._controls:
+            control.send(message)
+
+    def methods(self, names: list[str], sync_methods: typing.Collection[str],
+                infos: typing.Sequence[MethodInfo] | None) -> None:
+        self._tell(Methods(generation=0, names=names, sync=list(sync_methods), infos=list(infos or [])))
+
+    def ready_worker(self, worker: Worker) -> None:
+        self._tell(Serve(pid=worker.pid))
+
+    def unready(self, worker: Worker) -> None:
+        self._tell(Retire(pid=worker.pid))
+
+    def lost(self, worker: Worker, reason: str) -> None:
+        self._tell(Lost(pid=worker.pid, reason=reason))
+
+    # -- the stop -------------------------------------------------------------------------
+
+    async def stop(self, timeout: float) -> None:
+        """SIGTERM every peer (each drains as this process does) and wait for their exits;
+        SIGKILL those still running after `timeout` seconds."""
+        for process in self.processes:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+        waits = [asyncio.ensure_future(p.wait()) for p in self.processes]
+        if waits:
+            _, late = await asyncio.wait(waits, timeout=timeout)
+            for process in self.processes:
+                if process.returncode is None:
+                    log.warning("front-end process %d did not stop in %g s: killing it", process.pid, timeout)
+                    process.kill()
+            if late:
+                await asyncio.wait(late, timeout=5)
+        for control in self._controls:
+            control.close()
+
+
+class _Tap:
+    """`Peers` as the dispatcher's `MembershipTap` (its `ready` is `Peers.ready_worker`)."""
+
+    def __init__(self, peers: Peers) -> None:
+        self.methods = peers.methods
+        self.ready = peers.ready_worker
+        self.unready = peers.unready
+        self.lost = peers.lost
+
+
+def tap(peers: Peers) -> _Tap:
+    """The `MembershipTap` that tells `peers` (`Dispatcher.membership_tap`)."""
+    return _Tap(peers)
