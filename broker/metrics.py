@@ -300,18 +300,26 @@ class BrokerCollector(Collector):
     restarts; frontends: HTTP listeners (the RPC one, and the metrics one if separate);
     log_dropped: the log lines dropped for a full queue, {"access": n, "broker": n, "worker": n}
     (`logpipe.LogPipe.dropped`), or None when the process logs another way.
+
+    With `serve --frontends N` (broker/peers.py): a peer front-end's collector has no pool
+    (None): it leaves out the workers', the event loop's and the build's families, which are
+    the first front-end's; the first front-end's has `peer_samples`, the last `samples` of
+    each peer, which it adds to its own series (counters, gauges and histograms alike: the
+    broker's totals), so that every front-end's /metrics is one view.
     """
 
     def __init__(
         self,
         dispatcher: Dispatcher,
-        pool: Pool,
+        pool: Pool | None,
         frontends: list[HttpFrontend | StreamFrontend],
         max_queue: int,
         max_queue_bytes: int = 0,
         log_dropped: typing.Mapping[str, int] | None = None,
+        peer_samples: typing.Callable[[], Iterable[list[Flat]]] | None = None,
     ) -> None:
         self.dispatcher = dispatcher
+        self.peer_samples = peer_samples
         self.log_dropped = log_dropped  # lines dropped for a full log queue (`logpipe.LogPipe.dropped`)
         self.pool = pool
         self.frontends = frontends
@@ -324,7 +332,16 @@ class BrokerCollector(Collector):
         self._build = [broker.version(), platform.python_version()]
 
     def collect(self) -> Iterator[Metric]:
-        """Yield the families (called by the registry on every scrape)."""
+        """Yield the families (called by the registry on every scrape), the peers' series
+        added to this process's (`peer_samples`)."""
+        if self.peer_samples is None:
+            yield from self._own()
+            return
+        families = list(self._own())
+        add_samples(families, self.peer_samples())
+        yield from families
+
+    def _own(self) -> Iterator[Metric]:
         d = self.dispatcher
         m = d.metrics
         if m is not None:
@@ -385,6 +402,8 @@ class BrokerCollector(Collector):
         )  # fmt: skip
         yield from self._http()
         yield from self._mcp()
+        if self.pool is None:  # (a peer front-end's: the rest is the first front-end's)
+            return
         yield from self._workers()
         yield from self._event_loop()
         yield _family_gauge(
@@ -542,7 +561,7 @@ class BrokerCollector(Collector):
             yield _family_counter(refused, refused_doc, [], [([], budget.refused_total)])
 
     def _workers(self) -> Iterator[Metric]:
-        pool = self.pool
+        pool = typing.cast("Pool", self.pool)
         states: dict[str, int] = {state: 0 for state in ("starting", "ready", "draining", "dead")}
         for w in pool.workers:
             states[w.state.value] += 1
@@ -639,6 +658,42 @@ def live_handles() -> int:
     steadily under a steady load is a leak of timers (each holds its callback's objects)."""
     return sum(1 for obj in gc.get_objects()
                if isinstance(obj, _HANDLE_TYPES) and not typing.cast("asyncio.Handle", obj).cancelled())
+
+
+Flat = tuple[str, str, dict[str, str], float]
+"""One series' sample as a peer sends it (`samples`): its family's name, the sample's name
+(a histogram's `_bucket`, `_sum`, `_count`; a counter's `_total`), its labels, its value."""
+
+
+def samples(collector: BrokerCollector) -> list[Flat]:
+    """Every sample of `collector`'s families, flat (what a peer front-end sends: `add_samples`)."""
+    return [(family.name, sample.name, dict(sample.labels), float(sample.value))
+            for family in collector.collect() for sample in family.samples]
+
+
+def add_samples(families: list[Metric], others: Iterable[list[Flat]]) -> None:
+    """Add each of `others`' samples (the peers' `samples`) to the series of `families` with
+    the same family, sample name and labels, or as a new series of that family; a family
+    `families` does not have is left out (the first front-end's view decides which exist).
+    O(samples)."""
+    by_name = {family.name: family for family in families}
+    at: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}  # a sample's place in its family's list
+    for family in families:
+        for i, sample in enumerate(family.samples):
+            at[(sample.name, tuple(sorted(sample.labels.items())))] = i
+    for flat in others:
+        for family_name, name, labels, value in flat:
+            found = by_name.get(family_name)
+            if found is None:
+                continue
+            key = (name, tuple(sorted(labels.items())))
+            place = at.get(key)
+            if place is None:
+                at[key] = len(found.samples)
+                found.add_sample(name, labels, value)
+            else:
+                sample = found.samples[place]
+                found.samples[place] = sample._replace(value=sample.value + value)
 
 
 def registry(collector: BrokerCollector) -> CollectorRegistry:

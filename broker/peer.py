@@ -25,10 +25,12 @@ import msgspec
 
 from broker import peerwire
 from broker.config import Config
-from broker.peerwire import Ready, Setup
+from broker.peers import Control
+from broker.peerwire import SHARE_SECONDS, Counters, Exposition, Ready, Setup
 
 if typing.TYPE_CHECKING:
     from broker.members import Members
+    from broker.metrics import Flat
 
 __all__ = ["Peer", "main"]
 
@@ -48,39 +50,37 @@ class Peer:
     control: socket.socket
     receiver: peerwire.Receiver = dataclasses.field(default_factory=peerwire.Receiver)
     pending: list[tuple[peerwire.Message, int]] = dataclasses.field(default_factory=list)
+    # The broker's /metrics body, as the first front-end last sent it (`Exposition`)
+    exposition: bytes = b"# the first front-end has not sent the broker's metrics yet\n"
+    channel: Control | None = None  # the control socket's, once `attach`ed
 
     def attach(self, loop: asyncio.AbstractEventLoop, members: Members, lost: typing.Callable[[], None]) -> None:
         """Read the control socket on `loop` from now on, each message to `members`
         (those read with the Setup first); `lost` is called at its end (the first
         front-end is gone)."""
-        self.control.setblocking(False)
 
-        def readable() -> None:
-            try:
-                got = peerwire.recv(self.control, self.receiver)
-            except (BlockingIOError, InterruptedError):
-                return
-            except (OSError, peerwire.PeerWireError) as exc:
-                log.error("front-end %d: the control channel broke: %s", self.number, exc)
-                got = None
-            if got is None:
-                loop.remove_reader(self.control.fileno())
-                lost()
-                return
-            for message, fd in got:
+        def heard(message: peerwire.Message, fd: int) -> None:
+            if isinstance(message, Exposition):
+                self.exposition = message.body.encode()
+            else:
                 loop.create_task(members.handle(message, fd))
 
         for message, fd in self.pending:
-            loop.create_task(members.handle(message, fd))
+            heard(message, fd)
         self.pending.clear()
-        loop.add_reader(self.control.fileno(), readable)
+        self.channel = Control(loop, self.control, heard, lost)
+
+    def share(self, loop: asyncio.AbstractEventLoop, samples: typing.Callable[[], list[Flat]]) -> None:
+        """Every SHARE_SECONDS, send the first front-end this one's series (`Counters`)."""
+        if self.channel is None or self.channel.closed:
+            return
+        self.channel.send(Counters(samples=samples()))
+        loop.call_later(SHARE_SECONDS, self.share, loop, samples)
 
     def serving(self) -> None:
         """Tell the first front-end this one's listeners serve."""
-        try:
-            self.control.send(peerwire.encode(Ready(number=self.number)))
-        except OSError:
-            pass
+        if self.channel is not None:
+            self.channel.send(Ready(number=self.number))
 
 
 def _setup(control: socket.socket) -> tuple[Setup, list[tuple[peerwire.Message, int]], peerwire.Receiver]:

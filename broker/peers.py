@@ -28,23 +28,38 @@ import sys
 import typing
 
 from broker import peerwire
-from broker.peerwire import Lost, Message, Methods, Ready, Retire, Serve, Setup, WorkerJoined
+from broker.peerwire import (
+    SHARE_SECONDS,
+    Counters,
+    Exposition,
+    Lost,
+    Message,
+    Methods,
+    Ready,
+    Retire,
+    Serve,
+    Setup,
+    WorkerJoined,
+)
 
 if typing.TYPE_CHECKING:
     from broker.channel import Worker
     from broker.wire import MethodInfo
 
-__all__ = ["Peers"]
+__all__ = ["Control", "Peers", "tap"]
 
 log = logging.getLogger("broker")
 
 
-class _Control:
-    """One peer's end of the control socketpair, non-blocking: messages out in order (each
-    `WorkerJoined` with its descriptor, closed here once sent), messages in to `on_message`."""
+class Control:
+    """One end of a control socketpair (either side's), non-blocking: messages out in order
+    (each `WorkerJoined` with its descriptor, closed here once sent), messages in to
+    `on_message` (with a descriptor, or -1); `on_close` once it ends or breaks."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                 on_message: typing.Callable[[Message, int], None]) -> None:
+                 on_message: typing.Callable[[Message, int], None],
+                 on_close: typing.Callable[[], None] | None = None) -> None:
+        self._on_close = on_close
         self._loop = loop
         self._sock = sock
         sock.setblocking(False)
@@ -116,6 +131,8 @@ class _Control:
         self._queue.clear()
         self._receiver.close()
         self._sock.close()
+        if self._on_close is not None:
+            self._on_close()
 
 
 class Peers:
@@ -127,10 +144,12 @@ class Peers:
         self.count = count
         self._config = config
         self._listeners: list[list[tuple[str, socket.socket]]] = [[] for _ in range(count)]
-        self._controls: list[_Control] = []
+        self._controls: list[Control] = []
         self.processes: list[asyncio.subprocess.Process] = []
         self.ready: set[int] = set()  # peers whose listeners serve (`Ready`)
         self._changed = asyncio.Event()
+        self._samples: dict[int, list[tuple[str, str, dict[str, str], float]]] = {}  # each peer's last `Counters`
+        self._share: asyncio.TimerHandle | None = None
 
     def bind(self, listeners: typing.Sequence[tuple[str, tuple[str, int] | tuple[str, int, int, int]]]) -> None:
         """For each of this process's TCP listeners, (its transport, "http" or "tcp", and its
@@ -170,7 +189,7 @@ class Peers:
                 for _, sock in listeners:
                     sock.close()  # (the peer's now)
             self.processes.append(process)
-            control = _Control(self.loop, ours, functools.partial(self._heard, number))
+            control = Control(self.loop, ours, functools.partial(self._heard, number))
             self._controls.append(control)
             control.send(Setup(number=number, config=self._config, listeners=inherited))
 
@@ -180,6 +199,19 @@ class Peers:
         if isinstance(message, Ready):
             self.ready.add(number)
             self._changed.set()
+        elif isinstance(message, Counters):
+            self._samples[number] = message.samples
+
+    def samples(self) -> list[list[tuple[str, str, dict[str, str], float]]]:
+        """Each peer's last series (`metrics.BrokerCollector.peer_samples`)."""
+        return list(self._samples.values())
+
+    def share(self, scrape: typing.Callable[[], bytes]) -> None:
+        """Every SHARE_SECONDS, send each peer the /metrics body `scrape` makes (every
+        front-end's series summed): what a peer answers GET /metrics with."""
+        body = scrape().decode()
+        self._tell(Exposition(body=body))
+        self._share = self.loop.call_later(SHARE_SECONDS, self.share, scrape)
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait until every peer serves (or `timeout` seconds); whether they all do."""
@@ -239,6 +271,8 @@ class Peers:
     async def stop(self, timeout: float) -> None:
         """SIGTERM every peer (each drains as this process does) and wait for their exits;
         SIGKILL those still running after `timeout` seconds."""
+        if self._share is not None:
+            self._share.cancel()
         for process in self.processes:
             if process.returncode is None:
                 process.send_signal(signal.SIGTERM)

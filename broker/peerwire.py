@@ -9,8 +9,10 @@ The first front-end is the one source of truth on the workers: a peer routes to 
 only once told `Serve`, and stops at `Retire` or `Lost`; a reload's method table comes as
 `Methods` before the first `Serve` of its generation.
 
-Peer to first front-end: `Ready` (its listeners serve), `Counters` (an answer to `Scrape`:
-its metrics, for one coherent /metrics).
+Peer to first front-end: `Ready` (its listeners serve), `Counters` (its metrics' series,
+every SHARE_SECONDS), which the first front-end adds to its own, and sends the summed
+/metrics body back (`Exposition`): every front-end answers /metrics with one view, the
+peers' series at most about 2 SHARE_SECONDS old.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from broker.wire import MethodInfo
 
 __all__ = [
     "MAX_LINE_BYTES",
+    "SHARE_SECONDS",
     "Counters",
+    "Exposition",
     "Lost",
     "Message",
     "Methods",
@@ -33,7 +37,6 @@ __all__ = [
     "Ready",
     "Receiver",
     "Retire",
-    "Scrape",
     "Serve",
     "Setup",
     "WorkerJoined",
@@ -43,6 +46,7 @@ __all__ = [
     "send",
 ]
 
+SHARE_SECONDS = 1.0  # how often the peers send their series, and the first front-end the summed /metrics
 MAX_LINE_BYTES = 16 << 20  # a message's line at most (a method table's HELLO infos, a scrape's counters)
 
 
@@ -97,17 +101,18 @@ class Lost(msgspec.Struct, tag="lost", frozen=True):
     reason: str
 
 
-class Scrape(msgspec.Struct, tag="scrape", frozen=True):
-    """Send your metrics (`Counters`), answering `build`."""
+class Exposition(msgspec.Struct, tag="exposition", frozen=True):
+    """The broker's /metrics body (every front-end's series summed: broker/metrics.py), which
+    a peer answers GET /metrics with until the next one."""
 
-    build: int
+    body: str
 
 
 class Counters(msgspec.Struct, tag="counters", frozen=True):
-    """A peer's metrics for scrape `build`: `values` as broker/metrics.py exports them to be summed."""
+    """A peer's series (`metrics.samples`: family, sample name, labels, value), sent every
+    `SHARE_SECONDS`, which the first front-end adds to its own."""
 
-    build: int
-    values: dict[str, typing.Any]
+    samples: list[tuple[str, str, dict[str, str], float]]
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -116,7 +121,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     number: int
 
 
-Message = Setup | WorkerJoined | Methods | Serve | Retire | Lost | Scrape | Counters | Ready
+Message = Setup | WorkerJoined | Methods | Serve | Retire | Lost | Exposition | Counters | Ready
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Message)
 

@@ -39,7 +39,7 @@ import broker
 from broker import jsonscan
 from broker.accesslog import AccessLog
 from broker.auth import Authenticator, AuthError, load_tokens
-from broker.config import Config, ConfigError, socket_group
+from broker.config import Config, ConfigError, per_frontend, socket_group
 from broker.dispatch import Dispatcher
 from broker.frontend.base import OUT_LINGERING, Incoming, shed_outgoing
 from broker.frontend.handshake import Handshake
@@ -49,7 +49,7 @@ from broker.frontend.stdio import Stdio, StdioFrontend, log_listeners, stdio_con
 from broker.frontend.stream import StreamFrontend
 from broker.logpipe import LogPipe, access_to_logger
 from broker.members import Members
-from broker.metrics import BrokerCollector, CallMetrics, exposition, registry
+from broker.metrics import BrokerCollector, CallMetrics, exposition, registry, samples
 from broker.peers import Peers, tap
 from broker.policy import MethodRule, Policy
 from broker.pool import Pool, WorkerBootError
@@ -385,6 +385,9 @@ async def run(
     socket, metrics port nor status file of its own."""
     if stdio is not None:
         config = stdio_config(config)
+    whole = config  # (what the other front-ends are started with: each takes its share, as this one does)
+    if stdio is None:
+        config = per_frontend(config)
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(LoopErrors())
     await _start_threads_masked(loop)
@@ -425,7 +428,7 @@ async def run(
             worker_stderr=logs.follow if logs is not None else None,  # (read and written on by the broker)
         )
         if config.frontend_count > 1 and stdio is None:  # (the others: broker/peers.py)
-            peers = Peers(loop, config.frontend_count - 1, msgspec.to_builtins(config))
+            peers = Peers(loop, config.frontend_count - 1, msgspec.to_builtins(whole))
             pool.peers = peers
             dispatcher.membership_tap = tap(peers)
     status = StatusFile(config.status_file if peer is None else "")  # (for `rpc-broker reload`: broker/statusfile.py)
@@ -529,9 +532,17 @@ async def run(
     try:
         frontends: list[HttpFrontend | StreamFrontend] = []
         scrape = None
-        if config.metrics and isinstance(pool, Pool):  # (a peer's /metrics: not yet; TODO issue 14 item 3)
-            collector = BrokerCollector(dispatcher, pool, frontends, config.max_queue, config.max_queue_bytes,
+        if config.metrics and peer is not None:  # (its series to the first front-end, which sums them all,
+            # and answers with the summed body it sends back: one view on every front-end, broker/peers.py)
+            collector = BrokerCollector(dispatcher, None, frontends, config.max_queue, config.max_queue_bytes,
                                         logs.dropped_total if logs is not None else None)
+
+            def scrape() -> bytes:
+                return peer.exposition
+        elif config.metrics:
+            collector = BrokerCollector(dispatcher, typing.cast(Pool, pool), frontends, config.max_queue,
+                                        config.max_queue_bytes, logs.dropped_total if logs is not None else None,
+                                        peer_samples=peers.samples if peers is not None else None)
             reg = registry(collector)
 
             def scrape() -> bytes:
@@ -716,7 +727,11 @@ async def run(
         face: StdioFrontend | None = None  # stdio's
         if peer is not None:
             peer.serving()
+            if config.metrics:
+                peer.share(loop, functools.partial(samples, collector))
             log.info("front-end %d (pid %d) serving", peer.number, os.getpid())
+        elif peers is not None and scrape is not None:
+            peers.share(scrape)
         elif stdio is None or relay is None:
             _banner(f"rpc-broker: serving JSON-RPC on {_url(host, port, 'https' if tls else 'http')}{config.rpc_path}"
                     f" with {workers}", logs)

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from broker import peerwire
 from broker.peerwire import (
     Counters,
+    Exposition,
     Lost,
     Methods,
     PeerWireError,
     Ready,
     Receiver,
     Retire,
-    Scrape,
     Serve,
     WorkerJoined,
 )
@@ -32,8 +32,8 @@ MESSAGES = [
     Serve(pid=4242),
     Retire(pid=4242),
     Lost(pid=4242, reason="exited with 1 (\"quoted\"\nnewline)"),
-    Scrape(build=7),
-    Counters(build=7, values={"calls": [1, 2, 3], "bytes": 10}),
+    Exposition(body="# HELP x\nx_total 1.0\n"),
+    Counters(samples=[("rpc_broker_calls", "rpc_broker_calls_total", {"method": "add", "outcome": "ok"}, 3.0)]),
     Ready(number=1),
 ]
 

@@ -29,6 +29,7 @@ from broker.config.settings import (
     MS,
     SECONDS,
     SETTINGS,
+    SHARED_LIMITS,
     SOCKET_DIR_BYTES,
     SOCKET_PATH_BYTES,
     Bytes,
@@ -40,6 +41,7 @@ from broker.config.settings import (
     Seconds,
     Setting,
     Unit,
+    per_frontend,
 )
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "MS",
     "SECONDS",
     "SETTINGS",
+    "SHARED_LIMITS",
     "SOCKET_DIR_BYTES",
     "SOCKET_PATH_BYTES",
     "Bytes",
@@ -67,6 +70,7 @@ __all__ = [
     "dump_toml",
     "load",
     "load_only",
+    "per_frontend",
     "render_reference",
     "socket_group",
     "unresolved_addresses",

@@ -439,6 +439,27 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         return self.frontends or max(1, _cpu_count() // 8)
 
 
+SHARED_LIMITS: Final = ("max_connections", "max_incoming_bytes", "max_outgoing_bytes", "max_queue",
+                         "max_queue_bytes", "max_worker_params_bytes")
+"""The bounds each front-end process holds its share of (`per_frontend`): the broker's, whole,
+hold however many front-ends it runs."""
+
+
+def per_frontend(config: Config) -> Config:
+    """`config` as one of `config.frontend_count` front-end processes runs it: each of
+    `SHARED_LIMITS` divided among them (rounded up; max_outgoing_bytes at least its
+    64 KiB floor), so that together they hold what the settings say, not N times it (as
+    nginx's worker_connections, but counted for the whole broker). The same `config`
+    with one front-end."""
+    n = config.frontend_count
+    if n <= 1:
+        return config
+    shares = {name: -(-getattr(config, name) // n) for name in SHARED_LIMITS}
+    shares["max_outgoing_bytes"] = max(64 * KIB, shares["max_outgoing_bytes"])
+    shares["max_connections"] = max(1, shares["max_connections"])
+    return msgspec.structs.replace(config, **shares)
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))  # respects taskset / cpusets
