@@ -108,6 +108,8 @@ class Control:
             got = peerwire.recv(self._sock, self._receiver)
         except (BlockingIOError, InterruptedError):
             return
+        except ConnectionResetError:  # (the other process exited: its end, as end of file)
+            got = None
         except (OSError, peerwire.PeerWireError) as exc:
             log.error("a front-end's control channel broke: %s", exc)
             self.close()
@@ -150,6 +152,8 @@ class Peers:
         self._changed = asyncio.Event()
         self._samples: dict[int, list[tuple[str, str, dict[str, str], float]]] = {}  # each peer's last `Counters`
         self._share: asyncio.TimerHandle | None = None
+        self._stopping = False
+        self.snapshot = b""  # the last /metrics body `share` made
 
     def bind(self, listeners: typing.Sequence[tuple[str, tuple[str, int] | tuple[str, int, int, int]]]) -> None:
         """For each of this process's TCP listeners, (its transport, "http" or "tcp", and its
@@ -189,9 +193,19 @@ class Peers:
                 for _, sock in listeners:
                     sock.close()  # (the peer's now)
             self.processes.append(process)
+            self.loop.create_task(self._watch(number, process))
             control = Control(self.loop, ours, functools.partial(self._heard, number))
             self._controls.append(control)
             control.send(Setup(number=number, config=self._config, listeners=inherited))
+
+    async def _watch(self, number: int, process: asyncio.subprocess.Process) -> None:
+        status = await process.wait()
+        if not self._stopping:  # (its listening socket closed with it: the kernel sends new connections to
+            # the others; its connections, and the calls they were owed, are gone. Not restarted: its workers'
+            # connections to it cannot be made again, short of a reload)
+            log.error("front-end %d (pid %d) exited with %d: its connections were lost; the other front-ends serve"
+                      " on (a restart of the broker starts it again)", number, process.pid, status)
+            self.ready.discard(number)
 
     def _heard(self, number: int, message: Message, fd: int) -> None:
         if fd >= 0:
@@ -207,10 +221,13 @@ class Peers:
         return list(self._samples.values())
 
     def share(self, scrape: typing.Callable[[], bytes]) -> None:
-        """Every SHARE_SECONDS, send each peer the /metrics body `scrape` makes (every
-        front-end's series summed): what a peer answers GET /metrics with."""
-        body = scrape().decode()
-        self._tell(Exposition(body=body))
+        """Every SHARE_SECONDS, make the /metrics body with `scrape` (every front-end's series
+        summed) and send it to each peer: what every front-end answers GET /metrics with
+        until the next (`snapshot`), so that they all give one view, and its counters never
+        go back from one scrape to the next (as they would between a fresh body here and
+        an older one a peer holds)."""
+        self.snapshot = scrape()
+        self._tell(Exposition(body=self.snapshot.decode()))
         self._share = self.loop.call_later(SHARE_SECONDS, self.share, scrape)
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -271,6 +288,7 @@ class Peers:
     async def stop(self, timeout: float) -> None:
         """SIGTERM every peer (each drains as this process does) and wait for their exits;
         SIGKILL those still running after `timeout` seconds."""
+        self._stopping = True
         if self._share is not None:
             self._share.cancel()
         for process in self.processes:

@@ -548,6 +548,12 @@ async def run(
             def scrape() -> bytes:
                 return exposition(reg)
 
+            if peers is not None:  # (every front-end answers the last body shared: `Peers.share`)
+                build = scrape
+
+                def scrape() -> bytes:
+                    return peers.snapshot or build()
+
         separate = config.metrics and config.metrics_port != 0 and peer is None
         streams = 0 if stdio else bool(config.stream_port) + bool(config.stream_socket)
         try:
@@ -730,8 +736,6 @@ async def run(
             if config.metrics:
                 peer.share(loop, functools.partial(samples, collector))
             log.info("front-end %d (pid %d) serving", peer.number, os.getpid())
-        elif peers is not None and scrape is not None:
-            peers.share(scrape)
         elif stdio is None or relay is None:
             _banner(f"rpc-broker: serving JSON-RPC on {_url(host, port, 'https' if tls else 'http')}{config.rpc_path}"
                     f" with {workers}", logs)
@@ -749,7 +753,11 @@ async def run(
             # (new user, round 111: the README's own app served an MCP host no tool, and nothing said so)
             log.warning("MCP serves no tools: app %s marks none (Registry(tools=True), or @registry.method(tool=True);"
                         " rpc-broker check-app lists them)", config.app)
+        if peers is not None and scrape is not None:  # (the summed /metrics, to the other front-ends)
+            peers.share(build)
         for fe, server in zip(frontends, servers):
+            if peer is not None:  # (the first front-end's banners say where the broker serves)
+                break
             if isinstance(fe, StreamFrontend):
                 name = server.sockets[0].getsockname()
                 # (a relative --stream-socket shown absolute: round 31 showed `unix://relative`)

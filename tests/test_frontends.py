@@ -1,0 +1,200 @@
+"""`serve --frontends N` (issue 14, item 3): front-end processes on one port (SO_REUSEPORT)
+sharing every worker (broker/peers.py, broker/peer.py, broker/members.py). Real brokers on
+loopback, real workers, real connections."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+from conftest import sample, scrape_metrics, wait_for
+
+from broker.config import SHARED_LIMITS, Config, per_frontend
+
+
+def children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def peers_of(pid: int) -> list[int]:
+    return [c for c in children(pid) if "broker.peer" in cmdline(c)]
+
+
+def workers_of(pid: int) -> list[int]:
+    return [c for c in children(pid) if "broker.worker" in cmdline(c)]
+
+
+def tcp_sockets(pid: int) -> set[int]:
+    """The inodes of the TCP sockets process `pid` holds (its fds' "socket:[N]")."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    tcp = {int(line.split()[9]) for name in ("tcp", "tcp6") for line in
+           Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]}
+    return inodes & tcp
+
+
+def request(method: str, params: object, id_: object) -> bytes:
+    body = json.dumps({"jsonrpc": "2.0", "method": method, "params": params, "id": id_}).encode()
+    return (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body))
+
+
+def answer(sock: socket.socket) -> dict[str, object]:
+    """Read one HTTP answer (Content-Length framed) off `sock`; its decoded body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, "closed"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "closed"
+        body += chunk
+    return json.loads(body[:length])
+
+
+def test_each_front_end_holds_its_share_of_the_bounds():
+    config = Config(frontends=3, max_connections=1000, max_queue=10, max_outgoing_bytes=100_000)
+    shared = per_frontend(config)
+    assert shared.max_connections == 334 and shared.max_queue == 4
+    assert shared.max_outgoing_bytes == 65536  # (its floor)
+    assert shared.max_incoming_bytes == -(-config.max_incoming_bytes // 3)
+    assert per_frontend(Config(frontends=1)) == Config(frontends=1)
+    assert {name for name in SHARED_LIMITS} <= set(msgspec.structs.asdict(config))
+    assert Config(frontends=0).frontend_count == max(1, (os.cpu_count() or 1) // 8) or Config().frontend_count == 1
+
+
+def test_two_front_ends_accept_on_one_port_share_the_workers_and_stop_cleanly(broker_factory):
+    b = broker_factory("--workers", "2", "--frontends", "2")
+    log = b.read_log(0.2)
+    assert "2 front-end processes" in log
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    workers = workers_of(b.pid)
+    assert len(workers) == 2
+    conns = []
+    try:
+        for i in range(48):  # (the kernel spreads new connections over both listening sockets)
+            s = socket.create_connection((b.host, b.port), timeout=30)
+            conns.append(s)
+            s.sendall(request("worker_info", [], i))
+            assert answer(s)["result"]["pid"] in workers  # type: ignore[index]
+        mine, theirs = tcp_sockets(b.pid), tcp_sockets(peer)
+        assert len(theirs) >= 5 and len(mine) >= 5, (len(mine), len(theirs))  # both took connections
+        for i, s in enumerate(conns):  # and every one serves on, on whichever front-end took it
+            s.sendall(request("add", [i, 1], f"x{i}"))
+            assert answer(s) == {"jsonrpc": "2.0", "id": f"x{i}", "result": i + 1}
+    finally:
+        for s in conns:
+            s.close()
+    assert b.stop() == 0
+    wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and "broker" in cmdline(p) for p in [peer, *workers]),
+             timeout=30)
+    assert "front-end 1" not in b.read_log() or "ERROR" not in b.read_log()
+
+
+def test_metrics_are_one_view_whichever_front_end_answers(broker_factory):
+    b = broker_factory("--workers", "2", "--frontends", "2")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    calls = 0
+    for i in range(60):  # one connection each: spread over both front-ends
+        s = socket.create_connection((b.host, b.port), timeout=30)
+        with s:
+            s.sendall(request("add", [i, 1], i))
+            assert answer(s)["result"] == i + 1
+            calls += 1
+
+    def total() -> float:
+        return sample(scrape_metrics(b), "rpc_broker_calls_total", method="add", outcome="ok")
+
+    # Every front-end answers the body the first one shares each second (`Peers.share`): once
+    # one has all the calls, the next do, and a count never goes back between scrapes.
+    seen = [total()]
+    deadline = time.monotonic() + 10
+    while seen[-1] < calls and time.monotonic() < deadline:
+        seen.append(total())
+    seen += [total() for _ in range(20)]  # on both front-ends
+    assert seen[-21:] == [calls] * 21 and seen == sorted(seen), seen
+    samples = scrape_metrics(b)
+    assert sample(samples, "rpc_broker_workers", state="ready") == 2  # (the first front-end's: not doubled)
+
+
+def test_a_reload_under_load_loses_no_call_on_any_front_end(broker_factory):
+    b = broker_factory("--workers", "2", "--frontends", "2")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    failures: list[object] = []
+    done = threading.Event()
+
+    def client(n: int) -> None:
+        s = socket.create_connection((b.host, b.port), timeout=30)
+        with s:
+            i = 0
+            deadline = time.monotonic() + 30
+            while not done.is_set() and time.monotonic() < deadline:
+                s.sendall(request("add", [n, i], i))
+                got = answer(s)
+                if got.get("result") != n + i:
+                    failures.append(got)
+                i += 1
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: "reload: all 2 workers replaced" in b.read_log(0.05), timeout=60)
+    time.sleep(0.5)
+    done.set()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures[:3]
+    new = set(workers_of(b.pid))
+    s = socket.create_connection((b.host, b.port), timeout=30)
+    with s:
+        for i in range(10):
+            s.sendall(request("worker_info", [], i))
+            assert answer(s)["result"]["pid"] in new  # type: ignore[index]
+
+
+@pytest.mark.parametrize("target", ["worker", "peer"])
+def test_a_dead_worker_or_front_end_loses_no_other_call(broker_factory, target):
+    b = broker_factory("--workers", "2", "--frontends", "2")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    if target == "worker":
+        victim = workers_of(b.pid)[0]
+    else:
+        victim = peer
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(0.5)
+    for i in range(20):  # whichever front-end takes them: answered (a worker restarted, or the other front-end)
+        s = socket.create_connection((b.host, b.port), timeout=30)
+        with s:
+            s.sendall(request("add", [i, 1], i))
+            got = answer(s)
+            assert got.get("result") == i + 1, got
+    if target == "peer":  # (said, and not restarted: the others serve on)
+        wait_for(lambda: f"front-end 1 (pid {peer}) exited with -9" in b.read_log(0.05), timeout=10)
+    assert b.stop() == 0
