@@ -20,6 +20,7 @@ EXPECTED_DEFAULTS = {
     "port": 8080,
     "reuse_port": False,
     "workers": 0,
+    "frontends": 1,
     "app": "broker.demo:registry",
     "rpc_path": "/",
     "mcp_path": "/mcp",
@@ -154,6 +155,7 @@ host = "0.0.0.0"
 port = 0
 reuse_port = true
 workers = 1024
+frontends = 3
 app = "my_app.rpc:methods"
 rpc_path = "/rpc"
 mcp_path = ""
@@ -211,7 +213,8 @@ slow = 120.5
 """)
     cfg = load(path, {}, {})
     assert msgspec.structs.asdict(cfg) == {
-        "host": "0.0.0.0", "port": 0, "reuse_port": True, "workers": 1024, "app": "my_app.rpc:methods",
+        "host": "0.0.0.0", "port": 0, "reuse_port": True, "workers": 1024, "frontends": 3,
+        "app": "my_app.rpc:methods",
         "rpc_path": "/rpc", "mcp_path": "", "stream_port": 9001, "stream_socket": "/run/rpc/broker.sock",
         "stream_socket_mode": "0660", "stream_socket_group": "daemon",
         "allowed_hosts": ("rpc.example", "::1"), "allowed_origins": ("https://app.example:8443",), "tls_cert_file": "", "tls_key_file": "",
