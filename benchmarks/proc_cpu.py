@@ -45,11 +45,19 @@ def _each(pids: list[int]) -> dict[int, float]:
     return found
 
 
+def _is_peer(pid: int) -> bool:
+    """Is `pid` a broker's front-end past the first (`python -m broker.peer`)?"""
+    try:
+        return b"broker.peer" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 @dataclasses.dataclass
 class Cpu:
     """CPU seconds spent while one load tool ran against one server."""
 
-    main: float  # the server's own process (the broker's front-end)
+    main: float  # the server's own process (the broker's front-end, and its other front-ends: --frontends N)
     children: float | None  # its child processes (the broker's workers) alive at both ends; None: it had none
     load: float  # the load tool and the children it waited for (getrusage RUSAGE_CHILDREN)
     wall: float  # the load tool's wall-clock seconds, start-up included
@@ -70,8 +78,11 @@ class CpuWatch:
         self.cpu: Cpu | None = None
 
     def __enter__(self) -> CpuWatch:
-        self._kids = children(self.pid) if self.pid else []
-        self._before = _each([self.pid] if self.pid else []), _each(self._kids)
+        kids = children(self.pid) if self.pid else []
+        peers = [k for k in kids if _is_peer(k)]  # (the broker's other front-ends count as its front-end)
+        self._mains = ([self.pid] if self.pid else []) + peers
+        self._kids = [k for k in kids if k not in peers]
+        self._before = _each(self._mains), _each(self._kids)
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         self._load = usage.ru_utime + usage.ru_stime
         self._t0 = time.monotonic()
@@ -81,7 +92,7 @@ class CpuWatch:
                  tb: TracebackType | None) -> None:
         wall = time.monotonic() - self._t0
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        main, kids = _each([self.pid] if self.pid else []), _each(self._kids)
+        main, kids = _each(self._mains), _each(self._kids)
         self.cpu = Cpu(sum(v - self._before[0][p] for p, v in main.items() if p in self._before[0]),
                        sum(v - self._before[1][p] for p, v in kids.items() if p in self._before[1])
                        if self._kids else None,

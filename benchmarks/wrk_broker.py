@@ -2,6 +2,7 @@
 
 Usage: .venv/bin/python benchmarks/wrk_broker.py [--workers 2] [--duration 10] [--runs 3]
                                                  [--metrics on|off|both] [--no-beside] [--ports LOW-HIGH]
+                                                 [--frontends 1,2]
 
 Starts `rpc-broker serve` on 127.0.0.1 (an OS-chosen port), drives it with wrk
 (Debian package `wrk`) and prints, per scenario, the median and spread of requests/s,
@@ -16,6 +17,10 @@ skips it) runs issue 14's measuring sticks in the same alternation: limit_uvloop
 one-process reference) and broker_proto.py --fast with 1 and 2 workers, from where they are,
 each printed on the same line, with every server's requests/s as a ratio to limit_uvloop.py's.
 The line also gives wrk's own CPU over its wall time (cores): what the load tool took.
+
+`--frontends 1,2` runs one broker per count of front-end processes (`serve --frontends N`),
+in the same alternation: the scaling curve on this machine's cores, and what N = 1 costs
+beside the others. The front-end's CPU per call is that of all its front-end processes.
 """
 
 from __future__ import annotations
@@ -102,6 +107,9 @@ def main() -> int:
              "with 1 and 2 workers) in the same alternation, with ratios to limit_uvloop.py (default: on when "
              "they are there)",
     )  # fmt: skip
+    parser.add_argument("--frontends", default="1", metavar="N,...",
+                        help="front-end processes (serve --frontends N), one broker per count, in the same "
+                             "alternation: 1,2 gives the scaling curve on this machine's cores (default 1)")
     parser.add_argument("--ports", metavar="LOW-HIGH", type=port_range,
                         help="the sticks' ports come from this range (default: any free ones; the broker picks its own)")
     args = parser.parse_args()
@@ -119,12 +127,15 @@ def main() -> int:
     brokers, sticks = [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for mode in modes:
-                broker = start_broker("--workers", str(args.workers), "--log-level", "warning",
-                                      *(["--no-metrics"] if mode == "off" else []))
-                brokers.append(broker)
-                label = f"rpc-broker, {args.workers} workers" + ("" if len(modes) == 1 else f", metrics {mode}")
-                servers[label] = broker.pid, f"http://{broker.host}:{broker.port}{broker.path}"
+            counts = [int(n) for n in args.frontends.split(",")]
+            for frontends in counts:
+                for mode in modes:
+                    broker = start_broker("--workers", str(args.workers), "--log-level", "warning",
+                                          "--frontends", str(frontends), *(["--no-metrics"] if mode == "off" else []))
+                    brokers.append(broker)
+                    label = (f"rpc-broker, {args.workers} workers" + ("" if len(modes) == 1 else f", metrics {mode}")
+                             + ("" if counts == [1] else f", {frontends} front-end{'s' * (frontends > 1)}"))
+                    servers[label] = broker.pid, f"http://{broker.host}:{broker.port}{broker.path}"
             for stick in STICKS if args.beside else []:
                 running = Running(stick, Path(tmp))
                 sticks.append(running)
