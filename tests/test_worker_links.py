@@ -223,6 +223,7 @@ class _TwoFrontEnds:
         (a, hello_a, dec_a), (b, hello_b, dec_b) = (accept_hello(s) for s in self.servers)
         assert hello_a == hello_b and hello_a.pid == self.proc.pid
         self.conns, self.decoders = [a, b], [dec_a, dec_b]
+        self.hello = hello_a
         self.index = {m.name: i for i, m in enumerate(hello_a.methods)}
 
     def call(self, fe: int, *calls: tuple[int, str, bytes]) -> None:
@@ -246,6 +247,7 @@ class _TwoFrontEnds:
 def test_a_real_worker_process_serves_two_front_ends_and_exits_after_both_byes(tmp_path: Path):
     w = _TwoFrontEnds(tmp_path, "broker.demo:registry")
     try:
+        assert w.hello.concurrency == 50  # (--concurrency 100: each front-end's share)
         w.call(0, (1, "add", b"[1, 2]"))
         w.call(1, (1, "add", b"[10, 20]"))
         [fa], [fb] = w.read(0), w.read(1)

@@ -56,9 +56,9 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> int:
         orjson.dumps(object(), option=_LEAF_OPTIONS)  # in a call, whose time it would be
     except TypeError:  # (a first awaited call took 72 ms, and was learnt blocking: round 25)
         pass
-    proto = WorkerProtocol(
-        registry, args.slot, args.concurrency, args.max_depth, args.max_frame_bytes, args.debug
-    )
+    # (with several front-ends, each routes over its share of the concurrency: HELLO says it)
+    share = max(1, args.concurrency // (len(args.socket) + len(args.link_fd)))
+    proto = WorkerProtocol(registry, args.slot, share, args.max_depth, args.max_frame_bytes, args.debug)
     hello = proto.hello()
     if len(hello) > args.max_frame_bytes:  # the broker would refuse the frame
         log.error("app %r: its HELLO (its table of %d methods) is %d bytes, more than max_frame_bytes %d,"
