@@ -21,7 +21,7 @@ import time
 import typing
 from collections import OrderedDict
 
-__all__ = ["MAX_ADDRESSES", "MAX_BURST", "MAX_RATE", "MAX_WAIT_SECONDS", "UNLIMITED", "Bucket", "Limiter", "Rate", "address_of", "burst_for"]
+__all__ = ["MAX_ADDRESSES", "MAX_BURST", "MAX_RATE", "MAX_WAIT_SECONDS", "UNLIMITED", "Bucket", "Limiter", "Rate", "address_of", "burst_for", "share"]
 
 MAX_WAIT_SECONDS: typing.Final = 1e9  # a refusal's retry_after_seconds at most (some 31 years)
 MAX_ADDRESSES: typing.Final = 65536
@@ -49,6 +49,15 @@ class Rate(typing.NamedTuple):
 
 
 UNLIMITED: typing.Final = Rate(0.0, 0)  # a token's own rate_limit = 0: no bucket, whatever the global rate
+
+
+def share(rate: Rate, n: int) -> Rate:
+    """One of `n` front-end processes' share of `rate` (`serve --frontends N`): a caller's
+    connections may land on any of them, each with its own buckets, so each holds rate/n and
+    burst/n (at least 1), and together never more than `rate`. `UNLIMITED` stays so."""
+    if n <= 1 or rate == UNLIMITED:
+        return rate
+    return Rate(rate.rate / n, max(1, -(-rate.burst // n)))
 
 
 class Bucket:

@@ -53,7 +53,7 @@ from broker.metrics import BrokerCollector, CallMetrics, exposition, registry, s
 from broker.peers import Peers, tap
 from broker.policy import MethodRule, Policy
 from broker.pool import Pool, WorkerBootError
-from broker.ratelimit import Limiter, Rate, burst_for
+from broker.ratelimit import Limiter, Rate, burst_for, share
 from broker.statusfile import StatusFile
 from broker.tls import TlsError, server_context
 from broker.worker import WORKER_BOOT_ERROR
@@ -400,7 +400,10 @@ async def run(
     policy = Policy(MethodRule(config.allow_methods, config.deny_methods),
                     {t.name: t.rule for t in tokens if t.rule is not None}, (t.name for t in tokens))
     default = Rate(config.rate_limit, config.rate_burst or burst_for(config.rate_limit)) if config.rate_limit else None
-    limiter = Limiter(default, {t.name: t.rate for t in tokens if t.rate is not None}, (t.name for t in tokens))
+    # (with several front-ends, each holds its share of every rate: `ratelimit.share`)
+    n = config.frontend_count if stdio is None else 1
+    limiter = Limiter(share(default, n) if default is not None else None,
+                      {t.name: share(t.rate, n) for t in tokens if t.rate is not None}, (t.name for t in tokens))
     access = None
     if config.access_log != "off":
         emit = logs.access if logs is not None else access_to_logger(logging.getLogger("broker.access"))

@@ -198,3 +198,34 @@ def test_a_dead_worker_or_front_end_loses_no_other_call(broker_factory, target):
     if target == "peer":  # (said, and not restarted: the others serve on)
         wait_for(lambda: f"front-end 1 (pid {peer}) exited with -9" in b.read_log(0.05), timeout=10)
     assert b.stop() == 0
+
+
+def test_rate_limits_are_shared_among_the_front_ends():
+    from broker.ratelimit import UNLIMITED, Rate, share
+
+    assert share(Rate(10.0, 10), 1) == Rate(10.0, 10)
+    assert share(Rate(10.0, 10), 3) == Rate(10.0 / 3, 4)
+    assert share(Rate(0.5, 1), 2) == Rate(0.25, 1)  # (a burst of one at least)
+    assert share(UNLIMITED, 4) == UNLIMITED
+
+
+def test_a_caller_gets_no_more_than_its_rate_limit_across_front_ends(broker_factory):
+    b = broker_factory("--workers", "1", "--frontends", "2", "--rate-limit", "5", "--rate-burst", "10")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    ok = limited = 0
+    started = time.monotonic()
+    for i in range(60):  # a new connection each: spread over both front-ends' buckets
+        s = socket.create_connection((b.host, b.port), timeout=30)
+        with s:
+            s.sendall(request("add", [i, 1], i))
+            got = answer(s)
+            if "result" in got:
+                ok += 1
+            else:
+                assert got["error"]["code"] == -32005, got  # type: ignore[index]
+                limited += 1
+    elapsed = time.monotonic() - started
+    # Each front-end holds burst 5 and 2.5 calls a second: together the caller's burst of 10 and
+    # 5 a second, never twice that (each front-end with the whole rate let 20 through at once).
+    assert ok <= 10 + 5 * elapsed + 1, (ok, elapsed)
+    assert limited and ok >= 2
