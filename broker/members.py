@@ -37,17 +37,21 @@ log = logging.getLogger("broker.pool")
 
 class _ByPid:
     """A worker process the peer did not start, killed by pid (`Membership._check_hung`:
-    `worker.process.kill()`); the first front-end reaps and restarts it."""
+    `worker.process.kill()`, its `kill_reason` set); the first front-end is told why first
+    (`Members.on_kill`), then reaps and restarts it."""
 
-    __slots__ = ("pid", "returncode")
+    __slots__ = ("members", "returncode", "worker")
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, worker: Worker, members: Members) -> None:
+        self.worker = worker
+        self.members = members
         self.returncode: int | None = None
 
     def kill(self) -> None:
+        if self.members.on_kill is not None:
+            self.members.on_kill(self.worker.pid, self.worker.kill_reason)
         try:
-            os.kill(self.pid, signal.SIGKILL)
+            os.kill(self.worker.pid, signal.SIGKILL)
         except ProcessLookupError:
             self.returncode = -signal.SIGKILL
 
@@ -69,6 +73,7 @@ class Members:
         # (as `Pool`'s, for the server: reloads are the first front-end's)
         self.on_reload: typing.Callable[[bool | None, str], None] | None = None
         self.after_reload: typing.Callable[[], None] | None = None
+        self.on_kill: typing.Callable[[int, str], None] | None = None  # (pid, why): told before a kill
         self.workers: dict[int, Worker] = {}  # by pid: joined and not gone
         self._handed: dict[WorkerChannel, Worker] = {}  # connections handed over, their HELLO not read yet
         self._said_serve: set[int] = set()  # pids the first front-end said serve, HELLO or not yet
@@ -107,7 +112,7 @@ class Members:
     async def _joined(self, message: WorkerJoined, fd: int) -> None:
         worker = Worker(message.slot)
         worker.pid = message.pid
-        worker.process = _ByPid(message.pid)  # type: ignore[assignment]
+        worker.process = _ByPid(worker, self)  # type: ignore[assignment]
         worker.move(WorkerState.STARTING)
         self.workers[message.pid] = worker
         channel = WorkerChannel(self)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ import msgspec
 from broker import peerwire
 from broker.config import Config
 from broker.peers import Control
-from broker.peerwire import SHARE_SECONDS, Counters, Exposition, Ready, Setup
+from broker.peerwire import SHARE_SECONDS, Counters, Exposition, Killed, Ready, Setup
 
 if typing.TYPE_CHECKING:
     from broker.members import Members
@@ -69,6 +69,8 @@ class Peer:
             heard(message, fd)
         self.pending.clear()
         self.channel = Control(loop, self.control, heard, lost)
+        channel = self.channel
+        members.on_kill = lambda pid, reason: channel.send(Killed(pid=pid, reason=reason))
 
     def share(self, loop: asyncio.AbstractEventLoop, samples: typing.Callable[[], list[Flat]]) -> None:
         """Every SHARE_SECONDS, send the first front-end this one's series (`Counters`)."""

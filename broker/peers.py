@@ -32,6 +32,7 @@ from broker.peerwire import (
     SHARE_SECONDS,
     Counters,
     Exposition,
+    Killed,
     Lost,
     Message,
     Methods,
@@ -154,6 +155,8 @@ class Peers:
         self._share: asyncio.TimerHandle | None = None
         self._stopping = False
         self.snapshot = b""  # the last /metrics body `share` made
+        # Told when a peer killed a worker (pid, why): the pool says why at its exit (`Pool.killed_by_peer`)
+        self.on_killed: typing.Callable[[int, str], None] | None = None
 
     def bind(self, listeners: typing.Sequence[tuple[str, tuple[str, int] | tuple[str, int, int, int]]]) -> None:
         """For each of this process's TCP listeners, (its transport, "http" or "tcp", and its
@@ -215,6 +218,8 @@ class Peers:
             self._changed.set()
         elif isinstance(message, Counters):
             self._samples[number] = message.samples
+        elif isinstance(message, Killed) and self.on_killed is not None:
+            self.on_killed(message.pid, f"{message.reason} (front-end {number})")
 
     def samples(self) -> list[list[tuple[str, str, dict[str, str], float]]]:
         """Each peer's last series (`metrics.BrokerCollector.peer_samples`)."""

@@ -30,6 +30,7 @@ __all__ = [
     "SHARE_SECONDS",
     "Counters",
     "Exposition",
+    "Killed",
     "Lost",
     "Message",
     "Methods",
@@ -115,13 +116,21 @@ class Counters(msgspec.Struct, tag="counters", frozen=True):
     samples: list[tuple[str, str, dict[str, str], float]]
 
 
+class Killed(msgspec.Struct, tag="killed", frozen=True):
+    """The peer killed worker `pid` (SIGKILL), for `reason` ("hung: ..."): the first front-end
+    says so when it reaps it, and restarts it as it does a worker it killed itself."""
+
+    pid: int
+    reason: str
+
+
 class Ready(msgspec.Struct, tag="ready", frozen=True):
     """The peer's listeners serve (its workers are ready: the `Serve`s it was sent)."""
 
     number: int
 
 
-Message = Setup | WorkerJoined | Methods | Serve | Retire | Lost | Exposition | Counters | Ready
+Message = Setup | WorkerJoined | Methods | Serve | Retire | Lost | Exposition | Counters | Killed | Ready
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Message)
 

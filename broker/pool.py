@@ -666,6 +666,14 @@ class Pool(Reloads, Recycling):
         self._changed.set()
         return worker
 
+    def killed_by_peer(self, pid: int, reason: str) -> None:
+        """Another front-end killed worker `pid` for `reason` (a call of its hung: broker/members.py):
+        its exit is said and counted as one this front-end made (`_watch`), not an outside kill."""
+        for worker in [*self.workers, *self.retiring, *self.incoming, *(r.new for r in self.replacements.values())]:
+            if worker.pid == pid and not worker.kill_reason:
+                worker.kill_reason = reason
+                return
+
     def wire_mismatch(self, exc: wire.WireMismatch) -> None:
         """A HELLO of another wire version (`wire.WireMismatch`) was refused: the start
         fails saying so, or the reload; a restarted worker's slot stays down, not

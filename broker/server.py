@@ -433,6 +433,7 @@ async def run(
         if config.frontend_count > 1 and stdio is None:  # (the others: broker/peers.py)
             peers = Peers(loop, config.frontend_count - 1, msgspec.to_builtins(whole))
             pool.peers = peers
+            peers.on_killed = pool.killed_by_peer
             dispatcher.membership_tap = tap(peers)
     status = StatusFile(config.status_file if peer is None else "")  # (for `rpc-broker reload`: broker/statusfile.py)
 

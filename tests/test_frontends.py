@@ -229,3 +229,32 @@ def test_a_caller_gets_no_more_than_its_rate_limit_across_front_ends(broker_fact
     # 5 a second, never twice that (each front-end with the whole rate let 20 through at once).
     assert ok <= 10 + 5 * elapsed + 1, (ok, elapsed)
     assert limited and ok >= 2
+
+
+def connection_to(peer: int, b) -> socket.socket:  # type: ignore[no-untyped-def]
+    """A connection the front-end process `peer` took (tried until one lands there; 100 at most)."""
+    for i in range(100):
+        before = tcp_sockets(peer)
+        s = socket.create_connection((b.host, b.port), timeout=30)
+        s.sendall(request("pid", [], i))
+        assert "result" in answer(s)
+        if tcp_sockets(peer) - before:
+            return s
+        s.close()
+    raise AssertionError("no connection landed on the other front-end in 100")
+
+
+def test_a_worker_another_front_end_kills_as_hung_is_said_so_and_restarted(broker_factory):
+    b = broker_factory("--workers", "1", "--frontends", "2", "--app", "tests.apps.stuck:registry",
+                       "--timeout", "0.3", "--cancel-grace", "0.5", "--method-timeout", "pid=30")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    [first] = workers_of(b.pid)
+    s = connection_to(peer, b)
+    with s:
+        s.sendall(request("spin", [60], "stuck"))
+        assert answer(s)["error"]["code"] == -32001  # type: ignore[index]
+    # Killed by the other front-end: the first says why when it reaps it, and restarts it at once
+    wait_for(lambda: f"(pid {first}) killed by SIGKILL (hung: no answer 0.5 s after a cancelled call (front-end 1))"
+             in b.read_log(0.05), timeout=20)
+    wait_for(lambda: bool(workers_of(b.pid)) and workers_of(b.pid) != [first], timeout=20)
