@@ -12,7 +12,8 @@ front-end's dispatcher tells this module of every change of its workers
 (`Dispatcher.membership_tap`: `ready`, `unready`, `lost`, `methods`), which each peer is
 told in turn, so all route to the same workers under the same method table
 (broker/members.py). At the stop each peer is sent SIGTERM: it drains as the first
-front-end does, and exits; the workers exit once every front-end has said BYE.
+front-end does, and exits; the workers exit once every front-end has said BYE. A peer that
+dies is started again, and the workers reloaded to connect to it (`on_restart`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import collections
 import functools
 import logging
+import math
 import os
 import signal
 import socket
@@ -47,9 +49,11 @@ if typing.TYPE_CHECKING:
     from broker.channel import Worker
     from broker.wire import MethodInfo
 
-__all__ = ["Control", "Peers", "tap"]
+__all__ = ["RESTART_AFTER_SECONDS", "Control", "Peers", "tap"]
 
 log = logging.getLogger("broker")
+
+RESTART_AFTER_SECONDS = 10.0  # a peer is started again at most once in this long (a crash loop)
 
 
 class Control:
@@ -154,6 +158,9 @@ class Peers:
         self._samples: dict[int, list[tuple[str, str, dict[str, str], float]]] = {}  # each peer's last `Counters`
         self._share: asyncio.TimerHandle | None = None
         self._stopping = False
+        self._addresses: list[tuple[str, tuple[str, int] | tuple[str, int, int, int]]] = []
+        self._restarted: dict[int, float] = {}  # each peer's last restart (loop time)
+        self.on_restart: typing.Callable[[], None] | None = None  # a peer was started again: reload the workers
         self.snapshot = b""  # the last /metrics body `share` made
         # Told when a peer killed a worker (pid, why): the pool says why at its exit (`Pool.killed_by_peer`)
         self.on_killed: typing.Callable[[int, str], None] | None = None
@@ -162,53 +169,93 @@ class Peers:
         """For each of this process's TCP listeners, (its transport, "http" or "tcp", and its
         bound address), bind one socket per peer to the same address with SO_REUSEPORT
         (the first front-end's own must have it too). Raises `OSError`."""
-        for transport, address in listeners:
+        self._addresses = list(listeners)
+        for number in range(1, self.count + 1):
+            self._bind(number)
+
+    def _bind(self, number: int) -> None:
+        """Peer `number`'s listening sockets, one per listener of `bind`'s, bound (not listening)."""
+        mine = self._listeners[number - 1]
+        for transport, address in self._addresses:
             family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-            for mine in self._listeners:
-                sock = socket.socket(family, socket.SOCK_STREAM)
-                try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-                    if family == socket.AF_INET6:
-                        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                    sock.bind(address)
-                except OSError:
-                    sock.close()
-                    raise
-                mine.append((transport, sock))
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+            except OSError:
+                sock.close()
+                raise
+            mine.append((transport, sock))
 
     async def start(self) -> None:
         """Start every peer (`python -m broker.peer`), each with its listening sockets and
         its end of a control socketpair, and send it its `Setup`."""
         for number in range(1, self.count + 1):
-            ours, theirs = socket.socketpair()
-            listeners = self._listeners[number - 1]
-            inherited = [(transport, sock.fileno()) for transport, sock in listeners]  # (the same numbers there)
-            fds = [theirs.fileno(), *(fd for _, fd in inherited)]
-            try:
-                process = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "broker.peer", "--control", str(theirs.fileno()),
-                    "--parent-pid", str(os.getpid()),
-                    stdin=asyncio.subprocess.DEVNULL, pass_fds=fds,
-                )
-            finally:
-                theirs.close()
-                for _, sock in listeners:
-                    sock.close()  # (the peer's now)
-            self.processes.append(process)
-            self.loop.create_task(self._watch(number, process))
-            control = Control(self.loop, ours, functools.partial(self._heard, number))
+            await self._spawn(number)
+
+    async def _spawn(self, number: int) -> None:
+        ours, theirs = socket.socketpair()
+        listeners, self._listeners[number - 1] = self._listeners[number - 1], []
+        inherited = [(transport, sock.fileno()) for transport, sock in listeners]  # (the same numbers there)
+        fds = [theirs.fileno(), *(fd for _, fd in inherited)]
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "broker.peer", "--control", str(theirs.fileno()),
+                "--parent-pid", str(os.getpid()),
+                stdin=asyncio.subprocess.DEVNULL, pass_fds=fds,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+            for _, sock in listeners:
+                sock.close()  # (the peer's now)
+        control = Control(self.loop, ours, functools.partial(self._heard, number))
+        if number <= len(self._controls):  # (a restart: in its place)
+            self._controls[number - 1].close()
+            self._controls[number - 1], self.processes[number - 1] = control, process
+        else:
             self._controls.append(control)
-            control.send(Setup(number=number, config=self._config, listeners=inherited))
+            self.processes.append(process)
+        self.loop.create_task(self._watch(number, process))
+        control.send(Setup(number=number, config=self._config, listeners=inherited))
 
     async def _watch(self, number: int, process: asyncio.subprocess.Process) -> None:
         status = await process.wait()
-        if not self._stopping:  # (its listening socket closed with it: the kernel sends new connections to
-            # the others; its connections, and the calls they were owed, are gone. Not restarted: its workers'
-            # connections to it cannot be made again, short of a reload)
-            log.error("front-end %d (pid %d) exited with %d: its connections were lost; the other front-ends serve"
-                      " on (a restart of the broker starts it again)", number, process.pid, status)
-            self.ready.discard(number)
+        if self._stopping:
+            return
+        # Its listening socket closed with it: the kernel sends new connections to the others; its
+        # connections, and the calls they were owed, are gone. A new one takes its place, and the
+        # workers are reloaded, so that each has a connection to it (no call is lost by a reload):
+        # not one that never served (it cannot start), and not sooner than RESTART_AFTER_SECONDS
+        # after the last restart (a crash loop).
+        served = number in self.ready
+        self.ready.discard(number)
+        self._samples.pop(number, None)
+        if not served:
+            log.error("front-end %d (pid %d) exited with %d before it served: not restarted; the other front-ends"
+                      " serve on", number, process.pid, status)
+            return
+        wait = max(0.0, self._restarted.get(number, -math.inf) + RESTART_AFTER_SECONDS - self.loop.time())
+        log.error("front-end %d (pid %d) exited with %d: its connections were lost; starting another%s, and"
+                  " reloading the workers to connect them to it", number, process.pid, status,
+                  f" in {wait:.1f} s" if wait else "")
+        await asyncio.sleep(wait)
+        if self._stopping:
+            return
+        self._restarted[number] = self.loop.time()
+        try:
+            self._bind(number)
+            await self._spawn(number)
+        except OSError as exc:
+            log.error("front-end %d cannot be started again: %s; the other front-ends serve on", number, exc)
+            return
+        if self.on_restart is not None:
+            self.on_restart()
 
     def _heard(self, number: int, message: Message, fd: int) -> None:
         if fd >= 0:

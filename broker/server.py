@@ -434,6 +434,7 @@ async def run(
             peers = Peers(loop, config.frontend_count - 1, msgspec.to_builtins(whole))
             pool.peers = peers
             peers.on_killed = pool.killed_by_peer
+            peers.on_restart = pool.request_reload
             dispatcher.membership_tap = tap(peers)
     status = StatusFile(config.status_file if peer is None else "")  # (for `rpc-broker reload`: broker/statusfile.py)
 

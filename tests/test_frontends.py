@@ -195,8 +195,16 @@ def test_a_dead_worker_or_front_end_loses_no_other_call(broker_factory, target):
             s.sendall(request("add", [i, 1], i))
             got = answer(s)
             assert got.get("result") == i + 1, got
-    if target == "peer":  # (said, and not restarted: the others serve on)
+    if target == "peer":  # (said; another takes its place, and the workers are reloaded to connect to it)
         wait_for(lambda: f"front-end 1 (pid {peer}) exited with -9" in b.read_log(0.05), timeout=10)
+        wait_for(lambda: "reload: all 2 workers replaced" in b.read_log(0.05), timeout=60)
+        [again] = peers_of(b.pid)
+        assert again != peer
+        wait_for(lambda: f"front-end 1 (pid {again}) serving" in b.read_log(0.05), timeout=30)
+        s = connection_to(again, b)  # (it takes connections again, and serves them)
+        with s:
+            s.sendall(request("add", [2, 2], "again"))
+            assert answer(s) == {"jsonrpc": "2.0", "id": "again", "result": 4}
     assert b.stop() == 0
 
 
@@ -236,7 +244,7 @@ def connection_to(peer: int, b) -> socket.socket:  # type: ignore[no-untyped-def
     for i in range(100):
         before = tcp_sockets(peer)
         s = socket.create_connection((b.host, b.port), timeout=30)
-        s.sendall(request("pid", [], i))
+        s.sendall(request("rpc.discover", [], i))  # (the broker's own: any app)
         assert "result" in answer(s)
         if tcp_sockets(peer) - before:
             return s
