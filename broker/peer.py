@@ -73,7 +73,8 @@ class Peer:
         members.on_kill = lambda pid, reason: channel.send(Killed(pid=pid, reason=reason))
 
     def share(self, loop: asyncio.AbstractEventLoop, samples: typing.Callable[[], list[Flat]]) -> None:
-        """Every SHARE_SECONDS, send the first front-end this one's series (`Counters`)."""
+        """Every SHARE_SECONDS, send the first front-end this one's series (`Counters`; none
+        with metrics off): its word that this front-end's loop runs (`Peers.check`)."""
         if self.channel is None or self.channel.closed:
             return
         self.channel.send(Counters(samples=samples()))

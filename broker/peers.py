@@ -49,10 +49,11 @@ if typing.TYPE_CHECKING:
     from broker.channel import Worker
     from broker.wire import MethodInfo
 
-__all__ = ["RESTART_AFTER_SECONDS", "Control", "Peers", "tap"]
+__all__ = ["RESTART_AFTER_SECONDS", "SILENT_SECONDS", "Control", "Peers", "tap"]
 
 log = logging.getLogger("broker")
 
+SILENT_SECONDS = 10.0  # a peer that sends nothing this long (its `Counters` come every second) is killed as hung
 RESTART_AFTER_SECONDS = 10.0  # a peer is started again at most once in this long (a crash loop)
 
 
@@ -160,7 +161,9 @@ class Peers:
         self._stopping = False
         self._addresses: list[tuple[str, tuple[str, int] | tuple[str, int, int, int]]] = []
         self._restarted: dict[int, float] = {}  # each peer's last restart (loop time)
-        self.on_restart: typing.Callable[[], None] | None = None  # a peer was started again: reload the workers
+        self._heard_at: dict[int, float] = {}  # when each serving peer last said something (loop time)
+        self.on_restart: typing.Callable[[], None] | None = None
+        self._check: asyncio.TimerHandle | None = None  # a peer was started again: reload the workers
         self.snapshot = b""  # the last /metrics body `share` made
         # Told when a peer killed a worker (pid, why): the pool says why at its exit (`Pool.killed_by_peer`)
         self.on_killed: typing.Callable[[int, str], None] | None = None
@@ -195,6 +198,7 @@ class Peers:
         its end of a control socketpair, and send it its `Setup`."""
         for number in range(1, self.count + 1):
             await self._spawn(number)
+        self._check = self.loop.call_later(SHARE_SECONDS, self.check)
 
     async def _spawn(self, number: int) -> None:
         ours, theirs = socket.socketpair()
@@ -262,11 +266,29 @@ class Peers:
             os.close(fd)
         if isinstance(message, Ready):
             self.ready.add(number)
+            self._heard_at[number] = self.loop.time()
             self._changed.set()
         elif isinstance(message, Counters):
-            self._samples[number] = message.samples
+            self._heard_at[number] = self.loop.time()
+            if message.samples:
+                self._samples[number] = message.samples
         elif isinstance(message, Killed) and self.on_killed is not None:
             self.on_killed(message.pid, f"{message.reason} (front-end {number})")
+
+    def check(self) -> None:
+        """Every SHARE_SECONDS: kill (SIGKILL) a serving peer silent for SILENT_SECONDS, its loop
+        stopped or stuck (SIGSTOP, a hang): its listening socket still takes connections that it
+        would never serve (SO_REUSEPORT knows nothing of it). `_watch` starts another."""
+        now = self.loop.time()
+        for number in sorted(self.ready):
+            process = self.processes[number - 1]
+            silent = now - self._heard_at.get(number, now)
+            if silent > SILENT_SECONDS and process.returncode is None:
+                log.error("front-end %d (pid %d) said nothing for %.0f s: killing it as hung", number, process.pid,
+                          silent)
+                process.kill()
+        if not self._stopping:
+            self._check = self.loop.call_later(SHARE_SECONDS, self.check)
 
     def samples(self) -> list[list[tuple[str, str, dict[str, str], float]]]:
         """Each peer's last series (`metrics.BrokerCollector.peer_samples`)."""
@@ -343,6 +365,8 @@ class Peers:
         self._stopping = True
         if self._share is not None:
             self._share.cancel()
+        if self._check is not None:
+            self._check.cancel()
         for process in self.processes:
             if process.returncode is None:
                 process.send_signal(signal.SIGTERM)

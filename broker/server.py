@@ -737,9 +737,8 @@ async def run(
                    + (f"; {peers.count + 1} front-end processes" if peers is not None else "") + ")")
         face: StdioFrontend | None = None  # stdio's
         if peer is not None:
-            peer.serving()
-            if config.metrics:
-                peer.share(loop, functools.partial(samples, collector))
+            peer.serving()  # (its series every second, or none: also what says it is alive, `Peers.check`)
+            peer.share(loop, functools.partial(samples, collector) if config.metrics else list)
             log.info("front-end %d (pid %d) serving", peer.number, os.getpid())
         elif stdio is None or relay is None:
             _banner(f"rpc-broker: serving JSON-RPC on {_url(host, port, 'https' if tls else 'http')}{config.rpc_path}"

@@ -266,3 +266,30 @@ def test_a_worker_another_front_end_kills_as_hung_is_said_so_and_restarted(broke
     wait_for(lambda: f"(pid {first}) killed by SIGKILL (hung: no answer 0.5 s after a cancelled call (front-end 1))"
              in b.read_log(0.05), timeout=20)
     wait_for(lambda: bool(workers_of(b.pid)) and workers_of(b.pid) != [first], timeout=20)
+
+
+def test_a_stopped_front_end_is_killed_as_hung_and_replaced(broker_factory):
+    """SIGSTOP on a front-end other than the first: its listening socket still takes connections
+    (SO_REUSEPORT knows nothing of it) that nobody serves. Silent past SILENT_SECONDS, it is
+    killed, another takes its place, and the workers are reloaded to connect to it."""
+    from broker.peers import SILENT_SECONDS
+
+    b = broker_factory("--workers", "1", "--frontends", "2", "--no-metrics")  # (its heartbeat without metrics too)
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    os.kill(peer, signal.SIGSTOP)
+    try:
+        wait_for(lambda: f"front-end 1 (pid {peer}) said nothing for" in b.read_log(0.05),
+                 timeout=SILENT_SECONDS + 20)
+    finally:
+        if os.path.exists(f"/proc/{peer}"):
+            os.kill(peer, signal.SIGCONT)
+    wait_for(lambda: "reload: the worker replaced" in b.read_log(0.05), timeout=60)
+    wait_for(lambda: len(peers_of(b.pid)) == 1 and peers_of(b.pid) != [peer], timeout=30)
+    [again] = peers_of(b.pid)
+    wait_for(lambda: f"front-end 1 (pid {again}) serving" in b.read_log(0.05), timeout=30)
+    s = connection_to(again, b)
+    with s:
+        s.sendall(request("add", [1, 2], 1))
+        assert answer(s)["result"] == 3
+    assert b.stop() == 0
