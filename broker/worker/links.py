@@ -21,17 +21,19 @@ close ends the worker, as with one front-end: the front-end that started it is g
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import typing
 
 from broker import wire
-from broker.wire import BYE, CALL, CANCEL, CHUNK, HEADER, HEADER_SIZE, NOTIFY
+from broker.wire import BYE, CALL, CANCEL, CHUNK, DEADLINE, HEADER, HEADER_SIZE, NOTIFY
 
 if typing.TYPE_CHECKING:
+    from broker.worker.chunks import _Chunk
     from broker.worker.runtime import WorkerProtocol
 
-__all__ = ["ID_MASK", "LINK_SHIFT", "Link", "split"]
+__all__ = ["ID_MASK", "LINK_SHIFT", "Link", "LinkRuns", "split"]
 
 log = logging.getLogger("broker.worker")
 
@@ -144,6 +146,94 @@ class Link(asyncio.Protocol):
         self.gone = True
         self.pending.clear()
         self.protocol.link_lost(self)
+
+
+class LinkRuns:
+    """`WorkerProtocol`'s methods for its links (the other front-ends' connections).
+
+    (A mixin with no state of its own: the attributes below are the protocol's slots.)
+    """
+
+    __slots__ = ()
+
+    if typing.TYPE_CHECKING:
+        _backlog: collections.deque[tuple[int, int, int, bytes] | _Chunk]
+        _bye: bool
+        _chunks: dict[int, _Chunk]
+        _closing: bool
+        _links: list[Link]
+        _out: bytearray
+        _slot: int
+        _tasks: dict[int, asyncio.Task[tuple[bool, object]]]
+
+        def _cancel(self, call_id: int) -> None: ...
+        def _schedule_flush(self) -> None: ...
+
+    def add_link(self, link: Link) -> None:
+        """Serve one more front-end's connection (`Link`, numbered in order from 1)."""
+        if link.number != len(self._links) + 1:
+            raise ValueError(f"link {link.number} added after {len(self._links)} links")
+        self._links.append(link)
+
+    def queue_call(self, kind: int, call_id: int, aux: int, payload: bytes) -> bool:
+        """A CALL, NOTIFY or CHUNK frame joins the backlog; False (logged) if it has no deadline."""
+        if len(payload) < DEADLINE.size:
+            log.error("worker %d: bad frame from broker: a call with no deadline", self._slot)
+            return False
+        self._backlog.append((kind, call_id, aux, payload))
+        return True
+
+    def cancel_call(self, call_id: int) -> None:
+        """CANCEL of `call_id` (see `_cancel`)."""
+        self._cancel(call_id)
+
+    def link_said_bye(self) -> None:
+        """A link said BYE: the worker closes once every connection has (`_flush`)."""
+        self._closing = self._all_bye()  # type: ignore[misc]  # (a slot of WorkerProtocol's: mypy sees this class's empty ones)
+        if self._closing:
+            self._schedule_flush()
+
+    def _all_bye(self) -> bool:
+        return self._bye and all(link.bye or link.gone for link in self._links)
+
+    def link_lost(self, link: Link) -> None:
+        """`link`'s front-end is gone: its calls running are cancelled, those waiting
+        dropped; their answers would go nowhere (`links.split` drops them)."""
+        number = link.number
+        for call_id, task in list(self._tasks.items()):
+            if call_id >> LINK_SHIFT == number:
+                task.cancel()
+        for chunk_id, chunk in list(self._chunks.items()):
+            if chunk_id >> LINK_SHIFT == number:
+                for task in chunk.tasks:
+                    task.cancel()
+        kept = [item for item in self._backlog if _id_of(item) >> LINK_SHIFT != number]
+        if len(kept) < len(self._backlog):
+            self._backlog.clear()
+            self._backlog.extend(kept)
+        self.link_said_bye()
+
+    def _write_links(self, transport: asyncio.Transport | None) -> None:
+        """Write the replies queued (`_out`): the first connection's to `transport`, each
+        link's to it (`split`), after what the held answers' thread left it."""
+        if self._out and transport is not None and not transport.is_closing():
+            first, by_link = split(self._out, self._links)
+            if first:
+                transport.write(bytes(first))
+            for link, data in zip(self._links, by_link):
+                if data is not None:
+                    link.write(data)
+            self._out.clear()
+        else:
+            for link in self._links:
+                if link.pending:
+                    link.write(b"")
+
+
+def _id_of(item: object) -> int:
+    """The call id of a backlog entry: a frame's tuple or a `_Chunk`."""
+    return typing.cast("_Chunk", item).chunk_id if not isinstance(item, tuple) else typing.cast(
+        "tuple[int, int, int, bytes]", item)[1]
 
 
 def split(out: bytes | bytearray, links: list[Link]) -> tuple[bytearray, list[bytearray | None]]:

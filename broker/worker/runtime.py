@@ -64,7 +64,7 @@ from broker.worker.chunks import (  # (what the run loop shares with the chunks'
 )
 from broker.worker.errors import ErrorAnswers
 from broker.worker.held import HeldAnswers
-from broker.worker.links import ID_MASK, LINK_SHIFT, Link, split
+from broker.worker.links import ID_MASK, Link, LinkRuns
 from broker.worker.params import _drop_flag_members
 from broker.worker.results import encode_result
 from broker.worker.sdk import Registry
@@ -147,11 +147,6 @@ def _close_if_cancelled(coroutine: types.CoroutineType[object, object, object], 
         coroutine.close()
 
 
-def _id_of(item: object) -> int:
-    """The call id of a backlog entry: a frame's tuple or a `_Chunk`."""
-    return item.chunk_id if type(item) is _Chunk else typing.cast("tuple[int, int, int, bytes]", item)[1]
-
-
 def _identity(value: object) -> object:
     return value
 
@@ -219,7 +214,7 @@ class _PastDeadline(Exception):
 _PAST_DEADLINE_RAN = _PastDeadline()
 
 
-class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Protocol):
+class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, asyncio.Protocol):
     """The worker's end of its Unix socket to the broker.
 
     Runs each CALL/NOTIFY frame's handler and answers with exactly one RESULT or
@@ -326,7 +321,7 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         self._closing = False  # the broker said BYE: no call comes after it; close once all are answered
         # (With several front-ends: each other one's connection, a `Link`; `_closing` once
         # the first connection's BYE (`_bye`) and every link's came.)
-        self._links: list[Link] = []
+        self._links: list[Link] = []  # (broker/worker/links.py)
         self._bye = False
         # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
         # the worker closes after them, as after its calls (hostile testing, round 17: a
@@ -372,12 +367,6 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         """This worker said BYE (SIGTERM) and waits for the front-ends' (`stop`)."""
         return self._leaving
 
-    def add_link(self, link: Link) -> None:
-        """Serve one more front-end's connection (`Link`, numbered in order from 1)."""
-        if link.number != len(self._links) + 1:
-            raise ValueError(f"link {link.number} added after {len(self._links)} links")
-        self._links.append(link)
-
     def check_forked(self) -> None:
         """End a forked child the loop called back into (`_child_exits`)."""
         if _forked_from:
@@ -387,44 +376,6 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
         """Run the waiting calls now, unless a run is due already (`_run`)."""
         if not self._run_scheduled:
             self._run()
-
-    def queue_call(self, kind: int, call_id: int, aux: int, payload: bytes) -> bool:
-        """A CALL, NOTIFY or CHUNK frame joins the backlog; False (logged) if it has no deadline."""
-        if len(payload) < _DEADLINE_SIZE:
-            log.error("worker %d: bad frame from broker: a call with no deadline", self._slot)
-            return False
-        self._backlog.append((kind, call_id, aux, payload))
-        return True
-
-    def cancel_call(self, call_id: int) -> None:
-        """CANCEL of `call_id` (see `_cancel`)."""
-        self._cancel(call_id)
-
-    def link_said_bye(self) -> None:
-        """A link said BYE: the worker closes once every connection has (`_flush`)."""
-        self._closing = self._all_bye()
-        if self._closing:
-            self._schedule_flush()
-
-    def _all_bye(self) -> bool:
-        return self._bye and all(link.bye or link.gone for link in self._links)
-
-    def link_lost(self, link: Link) -> None:
-        """`link`'s front-end is gone: its calls running are cancelled, those waiting
-        dropped; their answers would go nowhere (`links.split` drops them)."""
-        number = link.number
-        for call_id, task in list(self._tasks.items()):
-            if call_id >> LINK_SHIFT == number:
-                task.cancel()
-        for chunk_id, chunk in list(self._chunks.items()):
-            if chunk_id >> LINK_SHIFT == number:
-                for task in chunk.tasks:
-                    task.cancel()
-        kept = [item for item in self._backlog if _id_of(item) >> LINK_SHIFT != number]
-        if len(kept) < len(self._backlog):
-            self._backlog.clear()
-            self._backlog.extend(kept)
-        self.link_said_bye()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
@@ -864,18 +815,8 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, asyncio.Pr
                 self._emit(chunk)
             self._dirty.clear()
         transport = self._transport
-        if self._out and transport is not None and not transport.is_closing():
-            if self._links:  # (several front-ends: each link's replies to it, `links.split`)
-                first, by_link = split(self._out, self._links)
-                if first:
-                    transport.write(bytes(first))
-                for link, data in zip(self._links, by_link):
-                    if data is not None:
-                        link.write(data)
-            else:
-                transport.write(bytes(self._out))
+        if self._links:  # (several front-ends: each link's replies to it, `links.LinkRuns`)
+            self._write_links(transport)
+        elif self._out and transport is not None and not transport.is_closing():
+            transport.write(bytes(self._out))
             self._out.clear()
-        elif self._links:  # (what the held answers' thread left)
-            for link in self._links:
-                if link.pending:
-                    link.write(b"")
