@@ -20,7 +20,7 @@ from test_response_limits import read_http_response
 
 from broker import cli
 from broker.auth import ENV_TOKENS, Authenticator, AuthError, load_file, load_tokens
-from broker.server import secret_file_warnings
+from broker.startup import secret_file_warnings
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdef-XYZ"
@@ -394,7 +394,7 @@ def test_a_broker_listening_past_loopback_without_tokens_or_tls_is_warned_about(
     """Hostile testing, round 114 (H2): nothing said that a broker on 0.0.0.0 asked for no
     token; new user, round 106: nor that tokens went in clear text, nor that auth_metrics
     without tokens asks for none."""
-    from broker.server import exposure_warnings
+    from broker.startup import exposure_warnings
 
     warnings = exposure_warnings(host, tokens, tls, False)
     if said:

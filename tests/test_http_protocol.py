@@ -708,7 +708,7 @@ def test_a_client_pipelining_scrapes_without_reading_does_not_grow_memory(broker
 def test_the_open_files_limit_is_raised_to_fit_max_connections():
     import resource
 
-    from broker.server import fit_open_files
+    from broker.startup import fit_open_files
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
@@ -723,7 +723,7 @@ def test_the_open_files_limit_is_raised_to_fit_max_connections():
     # limit lowered cannot be raised again: in a child process.)
     fitted = subprocess.run([sys.executable, "-c",
                              "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (1000, 1000));"
-                             "from broker.server import fit_open_files; print(fit_open_files(10_000, 3, 100))"],
+                             "from broker.startup import fit_open_files; print(fit_open_files(10_000, 3, 100))"],
                             cwd=ROOT, capture_output=True, text=True, check=True)
     assert fitted.stdout.split() == ["300"], fitted  # (1000 - 100) // 3
     # ... and the warning says how to make it go (a new user's check, round 26)

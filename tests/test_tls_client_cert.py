@@ -26,7 +26,7 @@ from conftest import ROOT, Broker, free_port, sample, scrape_metrics, start_brok
 from test_auth import auth_line, lines_over
 
 from broker.auth import ENV_TOKENS
-from broker.server import exposure_warnings
+from broker.startup import exposure_warnings
 from broker.tls import certificate_name
 
 CI = "ci-token-0123456789abcdef-XYZ"

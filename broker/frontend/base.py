@@ -63,7 +63,7 @@ OUT_LINGER = SWEEP_SECONDS  # seconds a connection closed early (refused, evicte
 # Such connections lingering at once, per listener; past it one is closed at once (its client
 # may see a reset for its answer): a flood of connections at max_connections would otherwise
 # hold a descriptor each for OUT_LINGER, past what the open-files limit was sized for
-# (`server.fit_open_files`).
+# (`startup.fit_open_files`).
 OUT_LINGERING = 64
 # libuv reads a connection with data up to 32 times in a row (256 KiB a read in uvloop): one
 # client sending 1 MiB bodies had 8 MiB parsed and decoded in one turn while everyone else
