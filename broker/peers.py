@@ -209,7 +209,7 @@ class Peers:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "broker.peer", "--control", str(theirs.fileno()),
                 "--parent-pid", str(os.getpid()),
-                stdin=asyncio.subprocess.DEVNULL, pass_fds=fds,
+                stdin=asyncio.subprocess.DEVNULL, pass_fds=fds, start_new_session=True,  # (^C: the first one's)
             )
         except BaseException:
             ours.close()
