@@ -54,6 +54,7 @@ __all__ = ["RESTART_AFTER_SECONDS", "SILENT_SECONDS", "Control", "Peers", "tap"]
 log = logging.getLogger("broker")
 
 SILENT_SECONDS = 10.0  # a peer that sends nothing this long (its `Counters` come every second) is killed as hung
+_ACCUMULATED = ("_total", "_bucket", "_count", "_sum")  # the samples of counters and histograms (not gauges')
 RESTART_AFTER_SECONDS = 10.0  # a peer is started again at most once in this long (a crash loop)
 
 
@@ -155,15 +156,17 @@ class Peers:
         self._controls: list[Control] = []
         self.processes: list[asyncio.subprocess.Process] = []
         self.ready: set[int] = set()  # peers whose listeners serve (`Ready`)
-        self._changed = asyncio.Event()
         self._samples: dict[int, list[tuple[str, str, dict[str, str], float]]] = {}  # each peer's last `Counters`
         self._share: asyncio.TimerHandle | None = None
         self._stopping = False
         self._addresses: list[tuple[str, tuple[str, int] | tuple[str, int, int, int]]] = []
         self._restarted: dict[int, float] = {}  # each peer's last restart (loop time)
         self._heard_at: dict[int, float] = {}  # when each serving peer last said something (loop time)
-        self.on_restart: typing.Callable[[], None] | None = None
-        self._check: asyncio.TimerHandle | None = None  # a peer was started again: reload the workers
+        self.on_restart: typing.Callable[[], None] | None = None  # a peer was started again: reload the workers
+        self._check: asyncio.TimerHandle | None = None
+        # The counters and histograms of peers that exited, kept in the sum: a counter of the
+        # broker's never goes back because one of its front-ends was replaced
+        self._retired: list[tuple[str, str, dict[str, str], float]] = []
         self.snapshot = b""  # the last /metrics body `share` made
         # Told when a peer killed a worker (pid, why): the pool says why at its exit (`Pool.killed_by_peer`)
         self.on_killed: typing.Callable[[int, str], None] | None = None
@@ -239,7 +242,7 @@ class Peers:
         # after the last restart (a crash loop).
         served = number in self.ready
         self.ready.discard(number)
-        self._samples.pop(number, None)
+        self._retire_samples(number)
         if not served:
             log.error("front-end %d (pid %d) exited with %d before it served: not restarted; the other front-ends"
                       " serve on", number, process.pid, status)
@@ -267,7 +270,6 @@ class Peers:
         if isinstance(message, Ready):
             self.ready.add(number)
             self._heard_at[number] = self.loop.time()
-            self._changed.set()
         elif isinstance(message, Counters):
             self._heard_at[number] = self.loop.time()
             if message.samples:
@@ -291,8 +293,24 @@ class Peers:
             self._check = self.loop.call_later(SHARE_SECONDS, self.check)
 
     def samples(self) -> list[list[tuple[str, str, dict[str, str], float]]]:
-        """Each peer's last series (`metrics.BrokerCollector.peer_samples`)."""
-        return list(self._samples.values())
+        """Each peer's last series, and those kept of peers that exited
+        (`metrics.BrokerCollector.peer_samples`)."""
+        return [*self._samples.values(), self._retired]
+
+    def _retire_samples(self, number: int) -> None:
+        """Peer `number` exited: its counters' and histograms' last values stay in the sum
+        (`_retired`, added up by series); its gauges (connections open, calls in flight) go."""
+        last = self._samples.pop(number, None)
+        if not last:
+            return
+        kept: dict[tuple[str, str, tuple[tuple[str, str], ...]], tuple[str, str, dict[str, str], float]] = {
+            (f, n, tuple(sorted(labels.items()))): (f, n, labels, v) for f, n, labels, v in self._retired}
+        for family, name, labels, value in last:
+            if name.endswith(_ACCUMULATED):
+                key = (family, name, tuple(sorted(labels.items())))
+                before = kept.get(key)
+                kept[key] = (family, name, labels, value + (before[3] if before else 0.0))
+        self._retired = list(kept.values())
 
     def share(self, scrape: typing.Callable[[], bytes]) -> None:
         """Every SHARE_SECONDS, make the /metrics body with `scrape` (every front-end's series
@@ -303,20 +321,6 @@ class Peers:
         self.snapshot = scrape()
         self._tell(Exposition(body=self.snapshot.decode()))
         self._share = self.loop.call_later(SHARE_SECONDS, self.share, scrape)
-
-    async def wait_ready(self, timeout: float) -> bool:
-        """Wait until every peer serves (or `timeout` seconds); whether they all do."""
-        deadline = self.loop.time() + timeout
-        while len(self.ready) < self.count:
-            if any(p.returncode is not None for p in self.processes):
-                return False
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), max(0.0, min(0.2, deadline - self.loop.time())))
-            except TimeoutError:
-                if self.loop.time() >= deadline:
-                    return False
-        return True
 
     # -- the pool's hooks: each worker's connections to the peers ------------------------
 

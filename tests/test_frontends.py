@@ -187,6 +187,13 @@ def test_a_dead_worker_or_front_end_loses_no_other_call(broker_factory, target):
         victim = workers_of(b.pid)[0]
     else:
         victim = peer
+        s = connection_to(peer, b)  # (calls it answers and counts, before it goes)
+        with s:
+            for i in range(5):
+                s.sendall(request("add", [i, 1], i))
+                assert answer(s)["result"] == i + 1
+        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_total", method="add", outcome="ok") >= 5,
+                 timeout=10)
     os.kill(victim, signal.SIGKILL)
     time.sleep(0.5)
     for i in range(20):  # whichever front-end takes them: answered (a worker restarted, or the other front-end)
@@ -205,6 +212,9 @@ def test_a_dead_worker_or_front_end_loses_no_other_call(broker_factory, target):
         with s:
             s.sendall(request("add", [2, 2], "again"))
             assert answer(s) == {"jsonrpc": "2.0", "id": "again", "result": 4}
+        # The dead front-end's counts stay in the broker's: a counter never goes back
+        time.sleep(2.5)  # (two snapshots: `Peers.share`)
+        assert sample(scrape_metrics(b), "rpc_broker_calls_total", method="add", outcome="ok") == 5 + 20 + 1
     assert b.stop() == 0
 
 
