@@ -321,6 +321,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         # Told of every change of the workers and their method table, after it is made here:
         # the first front-end's word to the others (`--frontends N`: broker/peers.py)
         self.membership_tap: MembershipTap | None = None
+        # ... and the workers serve other front-ends too: their calls, unseen here, may hold one (`_check_hung`)
+        self.shared_workers = False
         self._down_since = 0.0  # when the last ready worker went (_clock); read while none is ready
         self._start_failed = False  # a start failed since (`start_failed`): "no worker available" at once
 

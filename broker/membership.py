@@ -356,6 +356,17 @@ class Membership(DispatcherState):
                 if later > now:
                     self._loop.call_later(later - now + self._cancel_grace, self._check_hung, call)
                     return
+            if self.shared_workers:
+                # (--frontends N: a sync call of another front-end's, unseen here, may hold the worker
+                # within its own deadline: hostile testing, round 126, a peer killed a worker 6 s into a
+                # legitimate 20 s call of the first front-end's. Any call that held it before this one
+                # was sent had its deadline by this one's arrival and the longest deadline a call may
+                # have: hung only once that and cancel_grace are past.)
+                now = _clock()
+                later = call.arrival + max([self._timeout, *self._method_timeouts.values()])
+                if later > now:
+                    self._loop.call_later(later - now + self._cancel_grace, self._check_hung, call)
+                    return
             worker.kill_reason = f"hung: no answer {self._cancel_grace} s after a cancelled call"
             log.warning(
                 "worker %d (pid %d) has not answered call %d (%s) %s s after its deadline: killing it as hung",

@@ -321,6 +321,7 @@ async def run(
         **_settings(config, "max_queue max_queue_bytes max_worker_params_bytes timeout method_timeouts cancel_grace "
                     "sync_prefetch max_response_bytes max_outgoing_bytes connection_share"),
     )
+    dispatcher.shared_workers = config.frontend_count > 1 and stdio is None
     pool: Pool | Members
     peers: Peers | None = None
     if peer is not None:
@@ -498,6 +499,7 @@ async def run(
             frontend = HttpFrontend(
                 dispatcher, max_connections=max_connections, metrics=None if separate else scrape,
                 allowed_hosts=hosts, incoming=incoming, auth=auth, health=health,
+                mcp_sessions=config.frontend_count == 1,
                 **_settings(config, "rpc_path mcp_path max_body_bytes max_batch"), **http,
             )
             listeners.append((frontend, config.host, config.port))

@@ -250,7 +250,8 @@ def test_a_caller_gets_no_more_than_its_rate_limit_across_front_ends(broker_fact
 
 
 def connection_to(peer: int, b) -> socket.socket:  # type: ignore[no-untyped-def]
-    """A connection the front-end process `peer` took (tried until one lands there; 100 at most)."""
+    """A connection the front-end process `peer` took (tried until one lands there; 100 at most;
+    `b.pid`: the first front-end)."""
     for i in range(100):
         before = tcp_sockets(peer)
         s = socket.create_connection((b.host, b.port), timeout=30)
@@ -264,7 +265,7 @@ def connection_to(peer: int, b) -> socket.socket:  # type: ignore[no-untyped-def
 
 def test_a_worker_another_front_end_kills_as_hung_is_said_so_and_restarted(broker_factory):
     b = broker_factory("--workers", "1", "--frontends", "2", "--app", "tests.apps.stuck:registry",
-                       "--timeout", "0.3", "--cancel-grace", "0.5", "--method-timeout", "pid=30")
+                       "--timeout", "0.3", "--cancel-grace", "0.5")
     wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
     [peer] = peers_of(b.pid)
     [first] = workers_of(b.pid)
@@ -303,3 +304,42 @@ def test_a_stopped_front_end_is_killed_as_hung_and_replaced(broker_factory):
         s.sendall(request("add", [1, 2], 1))
         assert answer(s)["result"] == 3
     assert b.stop() == 0
+
+
+def test_mcp_hands_out_no_session_a_front_end_alone_would_know(broker_factory):
+    """Hostile testing, round 126 (HIGH): a 2025-11-25 session begun on one front-end was
+    unknown to the others (404, "Session not found": the client starts over). With several
+    front-ends, initialize answers with no Mcp-Session-Id (a server may), and every request
+    after it is served on whichever front-end takes it."""
+    b = broker_factory("--workers", "1", "--frontends", "2")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    legacy = {"mcp-protocol-version": "2025-11-25"}
+    for i in range(8):  # (each on a new connection: both front-ends)
+        status, headers, body = b.post(json.dumps({"jsonrpc": "2.0", "id": i, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}),
+            path="/mcp")
+        assert status == 200 and json.loads(body)["result"]["protocolVersion"] == "2025-11-25"
+        assert "mcp-session-id" not in headers
+        status, _, body = b.post(json.dumps({"jsonrpc": "2.0", "id": i, "method": "tools/list"}), path="/mcp",
+                                 headers=legacy)
+        assert status == 200 and json.loads(body)["result"]["tools"], body
+
+
+def test_no_front_end_kills_a_worker_busy_in_another_ones_long_call(broker_factory):
+    """Hostile testing, round 126 (HIGH): a front-end killed a worker as hung 0.5 s after its own
+    1 s call's deadline, while the worker ran another front-end's sync call well within its 20 s
+    deadline: that call was lost (-32002). It waits out the longest deadline a call may have."""
+    b = broker_factory("--workers", "1", "--frontends", "2", "--app", "tests.apps.stuck:registry",
+                       "--timeout", "1", "--method-timeout", "spin=20", "--cancel-grace", "0.5")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    mine = connection_to(b.pid, b)  # (the first front-end's)
+    theirs = connection_to(peer, b)
+    with mine, theirs:
+        mine.sendall(request("spin", [4], "long"))
+        time.sleep(0.3)
+        theirs.sendall(request("pid", [], "short"))
+        assert answer(theirs)["error"]["code"] == -32001  # type: ignore[index]
+        got = answer(mine)
+        assert got.get("id") == "long" and "result" in got, got
+    assert "killing it as hung" not in b.read_log()

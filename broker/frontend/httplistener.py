@@ -24,6 +24,7 @@ from broker.frontend.base import (
 )
 from broker.frontend.httpmsg import JSON_HEADERS, METRICS_HEADERS, STATUS_LINES, date_header, error_body
 from broker.frontend.mcp import McpServer
+from broker.frontend.mcpsessions import Sessions
 from broker.jsonrpc import ErrorCode
 from broker.metrics import HTTP_PATHS
 
@@ -69,6 +70,7 @@ class HttpFrontend(Listener):
         auth: Authenticator | None = None,
         auth_metrics: bool = False,
         health: bytes = b'{"status":"ok"}',
+        mcp_sessions: bool = True,
         **limits: typing.Unpack[Limits],
     ) -> None:
         super().__init__(dispatcher, transport=transport, **limits)
@@ -76,8 +78,10 @@ class HttpFrontend(Listener):
         self.rpc_path = rpc_path.encode() if serve_rpc else b""
         # MCP's endpoint (broker/frontend/mcp.py): b"" matches no URL
         self.mcp_path = mcp_path.encode() if serve_rpc else b""
+        # (mcp_sessions False: MCP's 2025-11-25 initialize is answered with no Mcp-Session-Id, which a
+        # server may do: with several front-ends a session held by one would be unknown to the others)
         self.mcp = McpServer(lambda: dispatcher.catalog, self.codec, private=auth is not None,
-                             limit=self.max_response_bytes)
+                             limit=self.max_response_bytes, sessions=None if mcp_sessions else Sessions(0))
         self.request_timeout = request_timeout
         self.statuses = {path: {} for path in PATHS}
         self.metrics = metrics  # makes the /metrics body; None: 404 on /metrics
