@@ -263,6 +263,19 @@ def _url(host: str, port: int, scheme: str = "http") -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+def _nobody_listens(host: str, port: int) -> None:
+    """Raise `OSError` (EADDRINUSE) if a socket is bound to `host`:`port` already: a bind
+    there without SO_REUSEPORT (SO_REUSEADDR, as asyncio's: a connection lingering in
+    TIME_WAIT does not count) would fail too."""
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(address)
+
+
 def _settings(config: Config, names: str) -> dict[str, typing.Any]:
     """The settings `names` (space-separated) of `config`, by name: the keyword arguments of a
     part (Dispatcher, Pool, a front-end) that take a setting of the same name as it is.
@@ -395,6 +408,12 @@ async def run(
             pool.wind_down()  # (a reload queued now would start workers only to stop them)
             status.update(state="stopping")
         stop.set()
+
+    def first_gone() -> None:
+        """A peer's control socket ended: the first front-end is gone, and this one stops, as at SIGTERM."""
+        if not stop.is_set():
+            log.info("the first front-end is gone: stopping")
+            handle_stop()
 
     def stdio_ended(why: str) -> None:
         """stdio's connection is lost (`StdioFrontend.on_lost`): the broker stops, as at SIGTERM."""
@@ -564,6 +583,11 @@ async def run(
                     bound.append(await loop.create_server(
                         accepting(fe, tls), sock=peer.listeners[fe.transport], backlog=2048, start_serving=False))
                 else:
+                    if peers is not None and not config.reuse_port and port_:
+                        # (SO_REUSEPORT, which the front-ends share the port by, would let this one bind
+                        # beside another broker of the same user listening there, and take part of its
+                        # connections: hostile testing, round 126. Not unless reuse_port says so.)
+                        _nobody_listens(where, port_)
                     bound.append(await loop.create_server(
                         accepting(fe, tls), where, port_, backlog=2048, start_serving=False,
                         reuse_port=config.reuse_port or peers is not None or None))
@@ -581,7 +605,7 @@ async def run(
                 await give_up()
                 return 1
         if peer is not None:  # (its workers come as the first front-end hands them over)
-            peer.attach(loop, typing.cast(Members, pool), lambda: stdio_ended("the first front-end is gone"))
+            peer.attach(loop, typing.cast(Members, pool), lambda: first_gone())
         # A stop signal during the start (an import that takes long) stops at once, as it
         # would later: the workers still importing have nothing to finish.
         # (written once the listeners are bound, not before: a second broker started by

@@ -343,3 +343,21 @@ def test_no_front_end_kills_a_worker_busy_in_another_ones_long_call(broker_facto
         got = answer(mine)
         assert got.get("id") == "long" and "result" in got, got
     assert "killing it as hung" not in b.read_log()
+
+
+def test_a_second_broker_on_the_port_is_refused_as_without_frontends(broker_factory):
+    """Hostile testing, round 126 (HIGH): SO_REUSEPORT, which the front-ends share the port by, let
+    a second broker of the same user start on it and take part of the first's connections. It
+    fails as with one front-end, unless reuse_port asks for that (a handover)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    b = broker_factory("--workers", "1", "--frontends", "2")
+    done = subprocess.run([sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(b.port),
+                           "--workers", "1", "--frontends", "2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "cannot listen (JSON-RPC over HTTP: --port)" in done.stderr and "address already in use" in done.stderr.lower()
+    assert b.call("add", [1, 2])["result"] == 3

@@ -197,20 +197,16 @@ class LinkRuns:
         return self._bye and all(link.bye or link.gone for link in self._links)
 
     def link_lost(self, link: Link) -> None:
-        """`link`'s front-end is gone: its calls running are cancelled, those waiting
-        dropped; their answers would go nowhere (`links.split` drops them)."""
+        """`link`'s front-end is gone: its calls are cancelled as by a CANCEL (`_cancel`: running
+        ones cancelled, waiting ones dropped, a chunk's too), their answers going nowhere
+        (`split` drops them). (Cancelled tasks of their own, they were logged as handlers that
+        raised CancelledError, with tracebacks: hostile testing, round 126.)"""
         number = link.number
-        for call_id, task in list(self._tasks.items()):
-            if call_id >> LINK_SHIFT == number:
-                task.cancel()
-        for chunk_id, chunk in list(self._chunks.items()):
-            if chunk_id >> LINK_SHIFT == number:
-                for task in chunk.tasks:
-                    task.cancel()
-        kept = [item for item in self._backlog if _id_of(item) >> LINK_SHIFT != number]
-        if len(kept) < len(self._backlog):
-            self._backlog.clear()
-            self._backlog.extend(kept)
+        ids = [call_id for call_id in self._tasks if call_id >> LINK_SHIFT == number]
+        ids += [chunk_id for chunk_id in self._chunks if chunk_id >> LINK_SHIFT == number and chunk_id not in ids]
+        ids += [_id_of(item) for item in self._backlog if _id_of(item) >> LINK_SHIFT == number]
+        for call_id in dict.fromkeys(ids):
+            self._cancel(call_id)
         self.link_said_bye()
 
     def _write_links(self, transport: asyncio.Transport | None) -> None:
