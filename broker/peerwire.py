@@ -3,7 +3,7 @@
 The first front-end process (the one `rpc-broker serve` runs: it supervises the workers)
 and each other front-end it starts (a "peer") share one Unix socketpair. Messages are
 JSON objects, one per line, tagged by `type` (`Message`); a `WorkerJoined` carries one
-file descriptor beside its line (SCM_RIGHTS, `send` and `Receiver`): the peer's end of a
+file descriptor beside its line (SCM_RIGHTS: sent with its first byte, `peers.Control`; read by `Receiver`): the peer's end of a
 socketpair whose other end the worker got at its start (`--link-fd`, broker/worker/links.py).
 The first front-end is the one source of truth on the workers: a peer routes to a worker
 only once told `Serve`, and stops at `Retire` or `Lost`; a reload's method table comes as
@@ -44,7 +44,6 @@ __all__ = [
     "decode",
     "encode",
     "recv",
-    "send",
 ]
 
 SHARE_SECONDS = 1.0  # how often the peers send their series, and the first front-end the summed /metrics
@@ -152,20 +151,6 @@ def decode(line: bytes) -> Message:
         return _decoder.decode(line)
     except msgspec.MsgspecError as exc:
         raise PeerWireError(f"bad control line: {exc}") from None
-
-
-def send(sock: socket.socket, message: Message, fd: int = -1) -> None:
-    """Write `message` on the blocking socket `sock`, with descriptor `fd` attached if given
-    (a `WorkerJoined`'s: required there, refused elsewhere)."""
-    if (fd >= 0) != isinstance(message, WorkerJoined):
-        raise ValueError("a descriptor goes with a WorkerJoined message, and only with one")
-    line = encode(message)
-    if fd >= 0:
-        # (its first bytes carry it: SCM_RIGHTS rides with one sendmsg, and the receiver
-        # reads the line it starts with the descriptor, `Receiver.feed`)
-        socket.send_fds(sock, [line], [fd])
-    else:
-        sock.sendall(line)
 
 
 class Receiver:
