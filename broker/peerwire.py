@@ -3,8 +3,9 @@
 The first front-end process (the one `rpc-broker serve` runs: it supervises the workers)
 and each other front-end it starts (a "peer") share one Unix socketpair. Messages are
 JSON objects, one per line, tagged by `type` (`Message`); a `WorkerJoined` carries one
-file descriptor beside its line (SCM_RIGHTS: sent with its first byte, `peers.Control`; read by `Receiver`): the peer's end of a
-socketpair whose other end the worker got at its start (`--link-fd`, broker/worker/links.py).
+file descriptor beside its line (SCM_RIGHTS, with the line's first byte: sent by
+`peers.Control`, read by `Receiver`): the peer's end of a socketpair whose other end the
+worker got at its start (`--link-fd`, broker/worker/links.py).
 The first front-end is the one source of truth on the workers: a peer routes to a worker
 only once told `Serve`, and stops at `Retire` or `Lost`; a reload's method table comes as
 `Methods` before the first `Serve` of its generation.
