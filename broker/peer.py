@@ -26,7 +26,7 @@ import msgspec
 from broker import peerwire
 from broker.config import Config
 from broker.peers import Control
-from broker.peerwire import SHARE_SECONDS, Counters, Exposition, Killed, Ready, Setup
+from broker.peerwire import SHARE_SECONDS, Collect, Counters, Exposition, Killed, Ready, Setup, Want
 
 if typing.TYPE_CHECKING:
     from broker.members import Members
@@ -53,6 +53,9 @@ class Peer:
     # The broker's /metrics body, as the first front-end last sent it (`Exposition`)
     exposition: bytes = b"# the first front-end has not sent the broker's metrics yet\n"
     channel: Control | None = None  # the control socket's, once `attach`ed
+    samples: typing.Callable[[], list[Flat]] = list  # this front-end's series (`Collect`), once it serves
+    _asked: list[typing.Callable[[], None]] = dataclasses.field(default_factory=list, init=False)  # `gather`'s, Want sent
+    _waiting: list[typing.Callable[[], None]] = dataclasses.field(default_factory=list, init=False)  # for the next Want
 
     def attach(self, loop: asyncio.AbstractEventLoop, members: Members, lost: typing.Callable[[], None]) -> None:
         """Read the control socket on `loop` from now on, each message to `members`
@@ -62,6 +65,12 @@ class Peer:
         def heard(message: peerwire.Message, fd: int) -> None:
             if isinstance(message, Exposition):
                 self.exposition = message.body.encode()
+                done, self._asked = self._asked, []
+                for call in done:
+                    call()
+                self._want()
+            elif isinstance(message, Collect):
+                typing.cast(Control, self.channel).send(Counters(samples=self.samples(), round=message.round))
             else:
                 loop.create_task(members.handle(message, fd))
 
@@ -73,12 +82,28 @@ class Peer:
         members.on_kill = lambda pid, reason: channel.send(Killed(pid=pid, reason=reason))
 
     def share(self, loop: asyncio.AbstractEventLoop, samples: typing.Callable[[], list[Flat]]) -> None:
-        """Every SHARE_SECONDS, send the first front-end this one's series (`Counters`; none
-        with metrics off): its word that this front-end's loop runs (`Peers.check`)."""
+        """From now on answer the first front-end's `Collect` with `samples()`, and every
+        SHARE_SECONDS send it an empty `Counters`: its word that this front-end's loop runs
+        (`Peers.check`)."""
+        self.samples = samples
+        self._beat(loop)
+
+    def _beat(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.channel is None or self.channel.closed:
             return
-        self.channel.send(Counters(samples=samples()))
-        loop.call_later(SHARE_SECONDS, self.share, loop, samples)
+        self.channel.send(Counters())
+        loop.call_later(SHARE_SECONDS, self._beat, loop)
+
+    def gather(self, done: typing.Callable[[], None]) -> None:
+        """A scrape came (`HttpFrontend.gather`): call `done` once the first front-end sent a
+        body made after now (`Exposition`; broker/scrapes.py)."""
+        self._waiting.append(done)
+        self._want()
+
+    def _want(self) -> None:
+        if self._waiting and not self._asked and self.channel is not None:
+            self._asked, self._waiting = self._waiting, []
+            self.channel.send(Want())
 
     def serving(self) -> None:
         """Tell the first front-end this one's listeners serve."""
@@ -113,10 +138,14 @@ def main(argv: list[str] | None = None) -> int:
 
     die_with_parent(args.parent_pid or os.getppid())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's ^C reaches the group: the first front-end stops us)
-    control = socket.socket(fileno=args.control)
-    setup, pending, receiver = _setup(control)
-    config = msgspec.convert(setup.config, Config)
-    listeners = {transport: socket.socket(fileno=fd) for transport, fd in setup.listeners}
+    try:  # (run by hand, with anything: a line, not a traceback; hostile testing, round 126)
+        control = socket.socket(fileno=args.control)
+        setup, pending, receiver = _setup(control)
+        config = msgspec.convert(setup.config, Config)
+        listeners = {transport: socket.socket(fileno=fd) for transport, fd in setup.listeners}
+    except (OSError, peerwire.PeerWireError, msgspec.ValidationError) as exc:
+        raise SystemExit(f"rpc-broker peer: no setup from the first front-end on descriptor {args.control}: {exc}"
+                         " (a peer is started by `rpc-broker serve --frontends N`, not by hand)") from None
     peer = Peer(setup.number, listeners, control, receiver, pending)
     from broker.server import serve
 

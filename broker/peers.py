@@ -13,7 +13,8 @@ front-end's dispatcher tells this module of every change of its workers
 told in turn, so all route to the same workers under the same method table
 (broker/members.py). At the stop each peer is sent SIGTERM: it drains as the first
 front-end does, and exits; the workers exit once every front-end has said BYE. A peer that
-dies is started again, and the workers reloaded to connect to it (`on_restart`).
+dies is started again, and the workers reloaded to connect to it (`on_restart`). /metrics
+is made on demand from every front-end's series (`serve_metrics`, broker/scrapes.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import typing
 from broker import peerwire
 from broker.peerwire import (
     SHARE_SECONDS,
+    Collect,
     Counters,
     Exposition,
     Killed,
@@ -42,8 +44,10 @@ from broker.peerwire import (
     Retire,
     Serve,
     Setup,
+    Want,
     WorkerJoined,
 )
+from broker.scrapes import Rounds
 
 if typing.TYPE_CHECKING:
     from broker.channel import Worker
@@ -157,7 +161,7 @@ class Peers:
         self.processes: list[asyncio.subprocess.Process] = []
         self.ready: set[int] = set()  # peers whose listeners serve (`Ready`)
         self._samples: dict[int, list[tuple[str, str, dict[str, str], float]]] = {}  # each peer's last `Counters`
-        self._share: asyncio.TimerHandle | None = None
+        self.rounds: Rounds | None = None  # /metrics' (`serve_metrics`)
         self._stopping = False
         self._addresses: list[tuple[str, tuple[str, int] | tuple[str, int, int, int]]] = []
         self._restarted: dict[int, float] = {}  # each peer's last restart (loop time)
@@ -167,7 +171,6 @@ class Peers:
         # The counters and histograms of peers that exited, kept in the sum: a counter of the
         # broker's never goes back because one of its front-ends was replaced
         self._retired: list[tuple[str, str, dict[str, str], float]] = []
-        self.snapshot = b""  # the last /metrics body `share` made
         # Told when a peer killed a worker (pid, why): the pool says why at its exit (`Pool.killed_by_peer`)
         self.on_killed: typing.Callable[[int, str], None] | None = None
 
@@ -243,6 +246,8 @@ class Peers:
         served = number in self.ready
         self.ready.discard(number)
         self._retire_samples(number)
+        if self.rounds is not None:
+            self.rounds.gone(number)
         if not served:
             log.error("front-end %d (pid %d) exited with %d before it served: not restarted; the other front-ends"
                       " serve on", number, process.pid, status)
@@ -272,8 +277,12 @@ class Peers:
             self._heard_at[number] = self.loop.time()
         elif isinstance(message, Counters):
             self._heard_at[number] = self.loop.time()
-            if message.samples:
+            if message.round and self.rounds is not None:
                 self._samples[number] = message.samples
+                self.rounds.heard(number, message.round)
+        elif isinstance(message, Want) and self.rounds is not None:
+            control = self._controls[number - 1]
+            self.rounds.gather(lambda: control.send(Exposition(body=typing.cast(Rounds, self.rounds).body.decode())))
         elif isinstance(message, Killed) and self.on_killed is not None:
             self.on_killed(message.pid, f"{message.reason} (front-end {number})")
 
@@ -312,15 +321,17 @@ class Peers:
                 kept[key] = (family, name, labels, value + (before[3] if before else 0.0))
         self._retired = list(kept.values())
 
-    def share(self, scrape: typing.Callable[[], bytes]) -> None:
-        """Every SHARE_SECONDS, make the /metrics body with `scrape` (every front-end's series
-        summed) and send it to each peer: what every front-end answers GET /metrics with
-        until the next (`snapshot`), so that they all give one view, and its counters never
-        go back from one scrape to the next (as they would between a fresh body here and
-        an older one a peer holds)."""
-        self.snapshot = scrape()
-        self._tell(Exposition(body=self.snapshot.decode()))
-        self._share = self.loop.call_later(SHARE_SECONDS, self.share, scrape)
+    def serve_metrics(self, build: typing.Callable[[], bytes]) -> Rounds:
+        """Make /metrics bodies on demand with `build` (this front-end's series and the
+        peers' last, summed), for every front-end's scrapes (broker/scrapes.py)."""
+        self.rounds = Rounds(self.loop, self._collect, build)
+        return self.rounds
+
+    def _collect(self, round_: int) -> set[int]:
+        """Ask each serving peer for its series (`Rounds`' collect); their numbers."""
+        for number in self.ready:
+            self._controls[number - 1].send(Collect(round=round_))
+        return set(self.ready)
 
     # -- the pool's hooks: each worker's connections to the peers ------------------------
 
@@ -367,8 +378,8 @@ class Peers:
         """SIGTERM every peer (each drains as this process does) and wait for their exits;
         SIGKILL those still running after `timeout` seconds."""
         self._stopping = True
-        if self._share is not None:
-            self._share.cancel()
+        if self.rounds is not None:
+            self.rounds.stop()
         if self._check is not None:
             self._check.cancel()
         for process in self.processes:

@@ -10,10 +10,12 @@ The first front-end is the one source of truth on the workers: a peer routes to 
 only once told `Serve`, and stops at `Retire` or `Lost`; a reload's method table comes as
 `Methods` before the first `Serve` of its generation.
 
-Peer to first front-end: `Ready` (its listeners serve), `Counters` (its metrics' series,
-every SHARE_SECONDS), which the first front-end adds to its own, and sends the summed
-/metrics body back (`Exposition`): every front-end answers /metrics with one view, the
-peers' series at most about 2 SHARE_SECONDS old.
+Peer to first front-end: `Ready` (its listeners serve), `Counters` (every SHARE_SECONDS,
+empty: its word that its loop runs), `Want` (a GET /metrics came to it). /metrics is made on
+demand, one view on every front-end: for a scrape on any of them, the first front-end asks
+every peer for its series (`Collect`), each answers with them (`Counters`, the round's
+number), it adds them to its own and sends the summed body (`Exposition`) to each peer that
+wanted one (broker/peers.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from broker.wire import MethodInfo
 __all__ = [
     "MAX_LINE_BYTES",
     "SHARE_SECONDS",
+    "Collect",
     "Counters",
     "Exposition",
     "Killed",
@@ -41,13 +44,14 @@ __all__ = [
     "Retire",
     "Serve",
     "Setup",
+    "Want",
     "WorkerJoined",
     "decode",
     "encode",
     "recv",
 ]
 
-SHARE_SECONDS = 1.0  # how often the peers send their series, and the first front-end the summed /metrics
+SHARE_SECONDS = 1.0  # how often the peers say their loop runs (`Counters`, empty)
 MAX_LINE_BYTES = 1 << 30  # a message's line at most: a method table's infos (up to max_frame_bytes, 1 GiB), a
 # large app's metrics (hostile testing, round 126: 2,200 methods made a 17 MB /metrics, past 16 MiB, and the peer went)
 
@@ -104,17 +108,29 @@ class Lost(msgspec.Struct, tag="lost", frozen=True):
 
 
 class Exposition(msgspec.Struct, tag="exposition", frozen=True):
-    """The broker's /metrics body (every front-end's series summed: broker/metrics.py), which
-    a peer answers GET /metrics with until the next one."""
+    """The broker's /metrics body (every front-end's series summed: broker/metrics.py), made
+    for the peer's `Want`: its scrapes waiting are answered with it."""
 
     body: str
 
 
-class Counters(msgspec.Struct, tag="counters", frozen=True):
-    """A peer's series (`metrics.samples`: family, sample name, labels, value), sent every
-    `SHARE_SECONDS`, which the first front-end adds to its own."""
+class Collect(msgspec.Struct, tag="collect", frozen=True):
+    """Send your series now (`Counters` with this `round`): a /metrics body is being made."""
 
-    samples: list[tuple[str, str, dict[str, str], float]]
+    round: int
+
+
+class Want(msgspec.Struct, tag="want", frozen=True):
+    """A GET /metrics came to the peer: send it the next `Exposition`."""
+
+
+class Counters(msgspec.Struct, tag="counters", frozen=True):
+    """A peer's series (`metrics.samples`: family, sample name, labels, value) for
+    `Collect`'s `round`, which the first front-end adds to its own; empty with round 0
+    every `SHARE_SECONDS`: the peer's loop runs (`peers.Peers.check`)."""
+
+    samples: list[tuple[str, str, dict[str, str], float]] = []
+    round: int = 0
 
 
 class Killed(msgspec.Struct, tag="killed", frozen=True):
@@ -131,7 +147,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     number: int
 
 
-Message = Setup | WorkerJoined | Methods | Serve | Retire | Lost | Exposition | Counters | Killed | Ready
+Message = Setup | WorkerJoined | Methods | Serve | Retire | Lost | Exposition | Collect | Want | Counters | Killed | Ready
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Message)
 

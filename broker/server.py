@@ -461,10 +461,12 @@ async def run(
     try:
         frontends: list[HttpFrontend | StreamFrontend] = []
         scrape = None
+        gather = None  # (with several front-ends: each body made from all their series, broker/scrapes.py)
         if config.metrics and peer is not None:  # (its series to the first front-end, which sums them all,
             # and answers with the summed body it sends back: one view on every front-end, broker/peers.py)
             collector = BrokerCollector(dispatcher, None, frontends, config.max_queue, config.max_queue_bytes,
                                         logs.dropped_total if logs is not None else None)
+            gather = peer.gather
 
             def scrape() -> bytes:
                 return peer.exposition
@@ -477,11 +479,12 @@ async def run(
             def scrape() -> bytes:
                 return exposition(reg)
 
-            if peers is not None:  # (every front-end answers the last body shared: `Peers.share`)
-                build = scrape
+            if peers is not None:  # (every front-end's scrapes answered from its rounds: `Peers.serve_metrics`)
+                rounds = peers.serve_metrics(scrape)
+                gather = rounds.gather
 
                 def scrape() -> bytes:
-                    return peers.snapshot or build()
+                    return rounds.body
 
         separate = config.metrics and config.metrics_port != 0 and peer is None
         streams = 0 if stdio else bool(config.stream_port) + bool(config.stream_socket)
@@ -516,7 +519,7 @@ async def run(
         listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = []
         if stdio is None:
             frontend = HttpFrontend(
-                dispatcher, max_connections=max_connections, metrics=None if separate else scrape,
+                dispatcher, max_connections=max_connections, metrics=None if separate else scrape, gather=gather,
                 allowed_hosts=hosts, incoming=incoming, auth=auth, health=health,
                 mcp_sessions=config.frontend_count == 1,
                 **_settings(config, "rpc_path mcp_path max_body_bytes max_batch"), **http,
@@ -524,7 +527,8 @@ async def run(
             listeners.append((frontend, config.host, config.port))
         if separate:
             metrics_frontend = HttpFrontend(
-                dispatcher, max_connections=METRICS_CONNECTIONS, metrics=scrape, serve_rpc=False, transport="metrics",
+                dispatcher, max_connections=METRICS_CONNECTIONS, metrics=scrape, gather=gather, serve_rpc=False,
+                transport="metrics",
                 allowed_hosts=hosts, incoming=incoming, auth=auth, health=health, **http,
             )
             listeners.append((metrics_frontend, config.metrics_host, config.metrics_port))
@@ -687,8 +691,6 @@ async def run(
             # (new user, round 111: the README's own app served an MCP host no tool, and nothing said so)
             log.warning("MCP serves no tools: app %s marks none (Registry(tools=True), or @registry.method(tool=True);"
                         " rpc-broker check-app lists them)", config.app)
-        if peers is not None and scrape is not None:  # (the summed /metrics, to the other front-ends)
-            peers.share(build)
         for fe, server in zip(frontends, servers):
             if peer is not None:  # (the first front-end's banners say where the broker serves)
                 break

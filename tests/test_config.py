@@ -177,7 +177,7 @@ max_body_bytes = 1
 max_batch = 1
 max_depth = 10000
 timeout = 0.25
-worker_concurrency = 1
+worker_concurrency = 3
 sync_prefetch = 0
 connection_share = 1
 max_queue = 0
@@ -222,7 +222,7 @@ slow = 120.5
         "auth_tokens_file": "", "auth_metrics": True,
         "allow_methods": ("notes.*", "add"), "deny_methods": ("notes.put",), "rate_limit": 2.5, "rate_burst": 10, "metrics": False, "metrics_host": "::1", "metrics_port": 0, "max_body_bytes": 1, "max_batch": 1, "max_depth": 10000,
         "timeout": 0.25, "method_timeouts": {"eth.call": 2.0, "slow": 120.5},
-        "worker_concurrency": 1, "sync_prefetch": 0, "connection_share": 1.0, "max_queue": 0, "max_queue_bytes": 0, "max_worker_params_bytes": 0, "grace_period": 0.0,
+        "worker_concurrency": 3, "sync_prefetch": 0, "connection_share": 1.0, "max_queue": 0, "max_queue_bytes": 0, "max_worker_params_bytes": 0, "grace_period": 0.0,
         "keepalive_timeout": 1.0, "request_timeout": 0.5, "send_timeout": 7.5, "max_connections": 5, "max_frame_bytes": 65536,
         "max_incoming_bytes": 1, "max_outgoing_bytes": 65536, "max_response_bytes": 65536, "restart_backoff_max": 0.5,
         "boot_timeout": 3.0, "max_calls_per_worker": 10000, "max_calls_jitter": 500,

@@ -4,6 +4,7 @@ loopback, real workers, real connections."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -76,14 +77,57 @@ def answer(sock: socket.socket) -> dict[str, object]:
 
 
 def test_each_front_end_holds_its_share_of_the_bounds():
-    config = Config(frontends=3, max_connections=1000, max_queue=10, max_outgoing_bytes=100_000)
+    config = Config(frontends=3, max_connections=1000, max_queue=4000, max_outgoing_bytes=300 * 2**20)
     shared = per_frontend(config)
-    assert shared.max_connections == 334 and shared.max_queue == 4
-    assert shared.max_outgoing_bytes == 65536  # (its floor)
-    assert shared.max_incoming_bytes == -(-config.max_incoming_bytes // 3)
+    assert shared.max_connections == 333 and shared.max_queue == 1333
+    assert shared.max_outgoing_bytes == 100 * 2**20
+    assert shared.max_incoming_bytes == config.max_incoming_bytes // 3
     assert per_frontend(Config(frontends=1)) == Config(frontends=1)
     assert {name for name in SHARED_LIMITS} <= set(msgspec.structs.asdict(config))
     assert Config(frontends=0).frontend_count == max(1, (os.cpu_count() or 1) // 8) or Config().frontend_count == 1
+
+
+def test_each_share_holds_one_request_at_least():
+    # (hostile testing, round 126: an 800 KB body refused with max_incoming_bytes 1 MB and 2
+    # front-ends; a 500-call batch with max_queue 600)
+    config = Config(frontends=2, max_incoming_bytes=10**6, max_body_bytes=800_000, max_queue=600, max_batch=500,
+                    max_queue_bytes=10**6, max_outgoing_bytes=10**6, max_response_bytes=900_000)
+    shared = per_frontend(config)
+    assert (shared.max_incoming_bytes, shared.max_queue_bytes) == (800_000, 800_000)
+    assert shared.max_queue == 500 and shared.max_outgoing_bytes == 900_000
+    small = per_frontend(Config(frontends=4, max_queue=2, max_batch=1000, max_queue_bytes=0))
+    assert small.max_queue == 2 and small.max_queue_bytes == 0  # (never past the setting itself)
+
+
+@pytest.mark.parametrize(("setting", "value"), [("max_connections", 3), ("worker_concurrency", 3)])
+def test_a_bound_smaller_than_the_front_ends_number_is_refused_at_start(tmp_path, setting, value):
+    # (hostile testing, round 126: max_connections 1 with 4 front-ends held 4; worker_concurrency 1
+    # gave each front-end a place of its own, about 3 calls at once)
+    from broker.config import ConfigError, load
+
+    with pytest.raises(ConfigError, match=f"{setting} = {value} must be at least the front-ends' number, 4"):
+        load(None, {}, {"frontends": 4, setting: value})
+    assert load(None, {}, {"frontends": 4, setting: 4}).frontend_count == 4
+
+
+def test_a_request_one_front_end_takes_every_front_end_takes(broker_factory):
+    # (hostile testing, round 126: each front-end's share of max_incoming_bytes refused an
+    # 800 KB body on an idle broker, its share of max_queue a 500-call batch)
+    b = broker_factory("--workers", "1", "--worker-concurrency", "2", "--frontends", "2", "--max-body-bytes", "800000",
+                       "--max-incoming-bytes", "1000000", "--max-queue", "600", "--max-batch", "500")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    for pid in (b.pid, peer):
+        with connection_to(pid, b) as s:
+            text = "x" * 799_000
+            s.sendall(request("echo", [text], "big"))
+            assert answer(s) == {"jsonrpc": "2.0", "id": "big", "result": [text]}
+            batch = json.dumps([{"jsonrpc": "2.0", "method": "add", "params": [i, 1], "id": i}
+                                for i in range(500)]).encode()
+            s.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(batch), batch))
+            got = answer(s)
+            assert sorted((r["id"], r.get("result")) for r in got) == [(i, i + 1) for i in range(500)]  # type: ignore[union-attr,index]
 
 
 def test_two_front_ends_accept_on_one_port_share_the_workers_and_stop_cleanly(broker_factory):
@@ -115,28 +159,35 @@ def test_two_front_ends_accept_on_one_port_share_the_workers_and_stop_cleanly(br
     assert "front-end 1" not in b.read_log() or "ERROR" not in b.read_log()
 
 
+def scrape_on(pid: int, b) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """GET /metrics answered by the front-end process `pid` (`connection_to`), parsed."""
+    conn = http.client.HTTPConnection(b.host, b.port, timeout=30)
+    conn.sock = connection_to(pid, b)
+    return scrape_metrics(b, connection=conn)
+
+
 def test_metrics_are_one_view_whichever_front_end_answers(broker_factory):
     b = broker_factory("--workers", "2", "--frontends", "2")
     wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
-    calls = 0
+    [peer] = peers_of(b.pid)
+    # Each body is made for its scrape from every front-end's series, asked for after it came
+    # (broker/scrapes.py): a call answered on one front-end is counted by the next scrape on
+    # any, at once (a body shared every second was up to 2 s behind).
+    for i in range(8):
+        with connection_to((b.pid, peer)[i % 2], b) as s:
+            s.sendall(request("add", [i, 1], i))
+            assert answer(s)["result"] == i + 1
+        got = scrape_on((peer, b.pid)[i // 2 % 2], b)
+        assert sample(got, "rpc_broker_calls_total", method="add", outcome="ok") == i + 1, i
+    calls = 8
     for i in range(60):  # one connection each: spread over both front-ends
         s = socket.create_connection((b.host, b.port), timeout=30)
         with s:
             s.sendall(request("add", [i, 1], i))
             assert answer(s)["result"] == i + 1
             calls += 1
-
-    def total() -> float:
-        return sample(scrape_metrics(b), "rpc_broker_calls_total", method="add", outcome="ok")
-
-    # Every front-end answers the body the first one shares each second (`Peers.share`): once
-    # one has all the calls, the next do, and a count never goes back between scrapes.
-    seen = [total()]
-    deadline = time.monotonic() + 10
-    while seen[-1] < calls and time.monotonic() < deadline:
-        seen.append(total())
-    seen += [total() for _ in range(20)]  # on both front-ends
-    assert seen[-21:] == [calls] * 21 and seen == sorted(seen), seen
+    seen = [sample(scrape_metrics(b), "rpc_broker_calls_total", method="add", outcome="ok") for _ in range(20)]
+    assert seen == [calls] * 20
     samples = scrape_metrics(b)
     assert sample(samples, "rpc_broker_workers", state="ready") == 2  # (the first front-end's: not doubled)
 

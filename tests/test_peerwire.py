@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 
 from broker import peerwire
 from broker.peerwire import (
+    Collect,
     Counters,
     Exposition,
     Lost,
@@ -22,6 +25,7 @@ from broker.peerwire import (
     Receiver,
     Retire,
     Serve,
+    Want,
     WorkerJoined,
 )
 from broker.wire import MethodInfo
@@ -33,7 +37,11 @@ MESSAGES = [
     Retire(pid=4242),
     Lost(pid=4242, reason="exited with 1 (\"quoted\"\nnewline)"),
     Exposition(body="# HELP x\nx_total 1.0\n"),
-    Counters(samples=[("rpc_broker_calls", "rpc_broker_calls_total", {"method": "add", "outcome": "ok"}, 3.0)]),
+    Counters(samples=[("rpc_broker_calls", "rpc_broker_calls_total", {"method": "add", "outcome": "ok"}, 3.0)],
+             round=7),
+    Counters(),
+    Collect(round=7),
+    Want(),
     Ready(number=1),
 ]
 
@@ -116,3 +124,20 @@ def test_any_split_of_the_stream_gives_the_same_messages(cuts):
     for start, end in itertools.pairwise(points):
         got += receiver.feed(stream[start:end])
     assert [m for m, _ in got] == [m for m in MESSAGES if not isinstance(m, WorkerJoined)]
+
+
+@pytest.mark.parametrize("sent", [b"garbage\n", peerwire.encode(Ready(number=1)), b""])
+def test_a_peer_started_by_hand_with_no_setup_says_so_in_a_line(sent):
+    # (hostile testing, round 126: `python -m broker.peer` given garbage printed a traceback)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.sendall(sent)
+        ours.shutdown(socket.SHUT_WR)
+        done = subprocess.run([sys.executable, "-m", "broker.peer", "--control", str(theirs.fileno())],
+                              pass_fds=[theirs.fileno()], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("rpc-broker peer: "), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    done = subprocess.run([sys.executable, "-m", "broker.peer", "--control", "0"], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "no setup from the first front-end on descriptor 0" in done.stderr, done.stderr

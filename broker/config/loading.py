@@ -407,6 +407,13 @@ def _clash(cfg: Config) -> tuple[str, tuple[str, ...]] | None:
             f"max_outgoing_bytes = {cfg.max_outgoing_bytes} must be at least max_response_bytes"
             f" = {cfg.max_response_bytes}: one connection's answers could not reach their own limit"
         ), ("max_outgoing_bytes", "max_response_bytes")
+    n = cfg.frontend_count  # (each front-end holds its share: `per_frontend`; hostile testing, round 126)
+    if n > 1 and cfg.max_connections < n:
+        return (f"max_connections = {cfg.max_connections} must be at least the front-ends' number, {n}: each"
+                " front-end holds its share of it"), ("max_connections", "frontends")
+    if n > 1 and cfg.worker_concurrency < n:
+        return (f"worker_concurrency = {cfg.worker_concurrency} must be at least the front-ends' number, {n}:"
+                " each front-end routes over its share of a worker's places"), ("worker_concurrency", "frontends")
     if int(cfg.stream_socket_mode, 8) & 0o600 != 0o600:  # (round 114: 0000 and 0400 were taken)
         return (f"stream_socket_mode = {cfg.stream_socket_mode!r}: the owner's read and write bits (0600) are "
                 "needed: the broker's user connects to it too (its stop, a probe)"), ("stream_socket_mode",)

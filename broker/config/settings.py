@@ -119,7 +119,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                        ] = 0
     frontends: Annotated[int, Meta(ge=0, le=64),
                          Doc("front-end processes accepting on the same TCP ports (SO_REUSEPORT) and "
-                             "sharing every worker; 0 means one per 8 CPUs")
+                             "sharing every worker; 0 means one per 8 CPUs. Each holds its share of "
+                             "max_connections, max_queue, the byte bounds and the rate limits (at least "
+                             "one request's: max_body_bytes, max_batch), and of each worker's "
+                             "worker_concurrency: so max_connections and worker_concurrency must be at "
+                             "least N. The kernel hands a new connection to a front-end by a hash of its "
+                             "addresses, so one may refuse it at its share while another has room",
+                             rule="0..64; max_connections and worker_concurrency at least the number")
                          ] = 1
     app: Annotated[str, Meta(pattern=rf"^{_IDENT}:[A-Za-z_]\w*\Z"),
                    Doc("'module:attribute' of the broker.worker.Registry to serve",
@@ -447,16 +453,24 @@ hold however many front-ends it runs."""
 
 def per_frontend(config: Config) -> Config:
     """`config` as one of `config.frontend_count` front-end processes runs it: each of
-    `SHARED_LIMITS` divided among them (rounded up; max_outgoing_bytes at least its
-    64 KiB floor), so that together they hold what the settings say, not N times it (as
-    nginx's worker_connections, but counted for the whole broker). The same `config`
-    with one front-end."""
+    `SHARED_LIMITS` divided among them (rounded down), so that together they hold what the
+    settings say, not N times it (as nginx's worker_connections, but counted for the whole
+    broker). Each share is at least what one request may need, so that a request one
+    front-end would take, every front-end takes, on an idle broker: max_incoming_bytes and
+    max_queue_bytes at least max_body_bytes, max_outgoing_bytes at least
+    max_response_bytes, max_queue at least max_batch (each no more than its setting).
+    The whole may then pass a setting by those floors (hostile testing, round 126: an
+    800 KB body refused with max_incoming_bytes 1 MB and 2 front-ends). max_connections
+    and worker_concurrency of at least N are checked when the settings load
+    (`config.load`). The same `config` with one front-end."""
     n = config.frontend_count
     if n <= 1:
         return config
-    shares = {name: -(-getattr(config, name) // n) for name in SHARED_LIMITS}
-    shares["max_outgoing_bytes"] = max(64 * KIB, shares["max_outgoing_bytes"])
-    shares["max_connections"] = max(1, shares["max_connections"])
+    shares = {name: getattr(config, name) // n for name in SHARED_LIMITS}
+    floors = {"max_incoming_bytes": config.max_body_bytes, "max_queue_bytes": config.max_body_bytes,
+              "max_outgoing_bytes": config.max_response_bytes, "max_queue": config.max_batch}
+    for name, floor in floors.items():
+        shares[name] = max(shares[name], min(getattr(config, name), floor))
     return msgspec.structs.replace(config, **shares)
 
 

@@ -63,6 +63,7 @@ class HttpFrontend(Listener):
         request_timeout: float = 30.0,
         ready: typing.Callable[[], bool] | None = None,
         metrics: typing.Callable[[], bytes] | None = None,
+        gather: typing.Callable[[typing.Callable[[], None]], None] | None = None,
         serve_rpc: bool = True,
         transport: str = "http",
         allowed_hosts: typing.Iterable[str] = _LOOPBACK_NAMES,
@@ -85,6 +86,10 @@ class HttpFrontend(Listener):
         self.request_timeout = request_timeout
         self.statuses = {path: {} for path in PATHS}
         self.metrics = metrics  # makes the /metrics body; None: 404 on /metrics
+        # With several front-ends (broker/peers.py): called before each build with a function to
+        # call, later, once every front-end's series are in (`metrics` then sums them)
+        self.gather = gather
+        self._gathering = False  # asked `gather` for the next build
         # Ready: a worker is, and the broker is not stopping (a SIGTERM drain: the metrics
         # listener, which stays open through it, must not send health checkers traffic).
         self.ready = ready or (lambda: dispatcher.accepting and dispatcher.answering_workers > 0)
@@ -208,7 +213,11 @@ class HttpFrontend(Listener):
         is that recent, else from one made now if the pace allows; None if not
         (`wait_scrape`). The answer's bytes are shared by all the connections it goes to."""
         if build > self.scrape_builds or not self._scrape_body:
-            if self.scrape_paced:
+            if self.scrape_paced or self._gathering:
+                return None
+            if self.gather is not None:  # (the connection waits for `_built`)
+                self._gathering = True
+                self.gather(self._built)
                 return None
             self._pace(self._build_scrape())
         answer = self._scrape_answers.get(connection)
@@ -245,16 +254,25 @@ class HttpFrontend(Listener):
             self._scrape_waiters.append(conn)
 
     def _scrape_due(self) -> None:
-        """The next build's time: made now if a connection waits for it, and handed out to
-        every one waiting (the time that takes counts in the pace); else the last build's
-        body is dropped (memory) and the next request makes one at once."""
+        """The next build's time: made now if a connection waits for it (its series gathered
+        first with several front-ends), and handed out to every one waiting (the time that
+        takes counts in the pace); else the last build's body is dropped (memory) and the
+        next request makes one at once."""
         self.scrape_paced = False
-        waiters = self._scrape_waiters
-        if not waiters:
+        if not self._scrape_waiters:
             self._scrape_body = b""
             self._scrape_answers = {}
-            return
+        elif self.gather is None:
+            self._built()
+        elif not self._gathering:
+            self._gathering = True
+            self.gather(self._built)
+
+    def _built(self) -> None:
+        """Make the build the connections in `_scrape_waiters` wait for, and hand it out."""
+        self._gathering = False
         started = self._build_scrape()
+        waiters = self._scrape_waiters
         self._scrape_waiters = []
         for conn in waiters:
             conn.scrape_waiting = False
