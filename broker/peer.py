@@ -54,6 +54,7 @@ class Peer:
     exposition: bytes = b"# the first front-end has not sent the broker's metrics yet\n"
     channel: Control | None = None  # the control socket's, once `attach`ed
     samples: typing.Callable[[], list[Flat]] = list  # this front-end's series (`Collect`), once it serves
+    members: Members | None = None  # its workers, once `attach`ed
     _asked: list[typing.Callable[[], None]] = dataclasses.field(default_factory=list, init=False)  # `gather`'s, Want sent
     _waiting: list[typing.Callable[[], None]] = dataclasses.field(default_factory=list, init=False)  # for the next Want
 
@@ -74,6 +75,7 @@ class Peer:
             else:
                 loop.create_task(members.handle(message, fd))
 
+        self.members = members
         for message, fd in self.pending:
             heard(message, fd)
         self.pending.clear()
@@ -83,15 +85,16 @@ class Peer:
 
     def share(self, loop: asyncio.AbstractEventLoop, samples: typing.Callable[[], list[Flat]]) -> None:
         """From now on answer the first front-end's `Collect` with `samples()`, and every
-        SHARE_SECONDS send it an empty `Counters`: its word that this front-end's loop runs
-        (`Peers.check`)."""
+        SHARE_SECONDS send it a `Counters` with no series: its word that this front-end's loop
+        runs (`Peers.check`), with the calls it sent each worker (recycling)."""
         self.samples = samples
         self._beat(loop)
 
     def _beat(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.channel is None or self.channel.closed:
             return
-        self.channel.send(Counters())
+        workers = self.members.workers if self.members is not None else {}
+        self.channel.send(Counters(sent={pid: worker.calls for pid, worker in workers.items()}))
         loop.call_later(SHARE_SECONDS, self._beat, loop)
 
     def gather(self, done: typing.Callable[[], None]) -> None:

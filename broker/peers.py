@@ -161,6 +161,7 @@ class Peers:
         self.processes: list[asyncio.subprocess.Process] = []
         self.ready: set[int] = set()  # peers whose listeners serve (`Ready`)
         self._samples: dict[int, list[tuple[str, str, dict[str, str], float]]] = {}  # each peer's last `Counters`
+        self._sent: dict[int, dict[int, int]] = {}  # each peer's calls sent to each worker (pid), last said
         self.rounds: Rounds | None = None  # /metrics' (`serve_metrics`)
         self._stopping = False
         self._addresses: list[tuple[str, tuple[str, int] | tuple[str, int, int, int]]] = []
@@ -246,6 +247,7 @@ class Peers:
         served = number in self.ready
         self.ready.discard(number)
         self._retire_samples(number)
+        self._sent.pop(number, None)  # (a front-end gone: its calls no longer count toward a worker's recycle)
         if self.rounds is not None:
             self.rounds.gone(number)
         if not served:
@@ -277,6 +279,8 @@ class Peers:
             self._heard_at[number] = self.loop.time()
         elif isinstance(message, Counters):
             self._heard_at[number] = self.loop.time()
+            if not message.round:
+                self._sent[number] = message.sent
             if message.round and self.rounds is not None:
                 self._samples[number] = message.samples
                 self.rounds.heard(number, message.round)
@@ -300,6 +304,11 @@ class Peers:
                 process.kill()
         if not self._stopping:
             self._check = self.loop.call_later(SHARE_SECONDS, self.check)
+
+    def calls_sent(self, pid: int) -> int:
+        """The calls the serving peers sent worker `pid` (at most SHARE_SECONDS old):
+        `Pool.calls_elsewhere`, so that max_calls_per_worker counts every front-end's."""
+        return sum(sent.get(pid, 0) for sent in self._sent.values())
 
     def samples(self) -> list[list[tuple[str, str, dict[str, str], float]]]:
         """Each peer's last series, and those kept of peers that exited

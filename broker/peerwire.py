@@ -126,11 +126,13 @@ class Want(msgspec.Struct, tag="want", frozen=True):
 
 class Counters(msgspec.Struct, tag="counters", frozen=True):
     """A peer's series (`metrics.samples`: family, sample name, labels, value) for
-    `Collect`'s `round`, which the first front-end adds to its own; empty with round 0
-    every `SHARE_SECONDS`: the peer's loop runs (`peers.Peers.check`)."""
+    `Collect`'s `round`, which the first front-end adds to its own; with round 0, every
+    `SHARE_SECONDS`, no series: the peer's loop runs (`peers.Peers.check`), and `sent`, the
+    calls it sent each worker (by pid; recycling by max_calls_per_worker counts them)."""
 
     samples: list[tuple[str, str, dict[str, str], float]] = []
     round: int = 0
+    sent: dict[int, int] = {}
 
 
 class Killed(msgspec.Struct, tag="killed", frozen=True):

@@ -211,6 +211,8 @@ class Pool(Reloads, Recycling):
         self._recycle_failures_in_row: dict[int, int] = {}
         self._recycle_hold: dict[int, float] = {}
         self._recycle_timer: asyncio.TimerHandle | None = None
+        # With several front-ends: the calls the others sent a worker (by pid; `Peers.calls_sent`)
+        self.calls_elsewhere: typing.Callable[[int], int] = lambda pid: 0
         self._first_rss: dict[int, bool] = {}  # pid -> over max_worker_memory at its RSS's first read (warned)
         dispatcher.worker_back_in = self._worker_back_in
         dispatcher.worker_restarting = self._worker_restarting

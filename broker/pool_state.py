@@ -43,6 +43,7 @@ class PoolState:
         _winding_down: bool
         after_reload: typing.Callable[[], None] | None
         boot_timeout: float
+        calls_elsewhere: typing.Callable[[int], int]
         dispatcher: Dispatcher
         incoming: list[Worker]
         loop: asyncio.AbstractEventLoop

@@ -124,8 +124,9 @@ class Recycling(PoolState):
             for worker in list(self.workers):
                 if not self._may_recycle(worker, now):
                     continue
-                if worker.calls >= worker.max_calls:
-                    self._recycle(worker, "max_calls", worker.calls)
+                calls = worker.calls + self.calls_elsewhere(worker.pid)  # (the other front-ends' too)
+                if calls >= worker.max_calls:
+                    self._recycle(worker, "max_calls", calls)
                 elif self.max_worker_memory and not self._first_rss.get(worker.pid, False):
                     rss = _rss(worker.pid)
                     if rss > self.max_worker_memory:

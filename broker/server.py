@@ -353,6 +353,7 @@ async def run(
             pool.peers = peers
             peers.on_killed = pool.killed_by_peer
             peers.on_restart = pool.request_reload
+            pool.calls_elsewhere = peers.calls_sent
             dispatcher.membership_tap = tap(peers)
     status = StatusFile(config.status_file if peer is None else "")  # (for `rpc-broker reload`: broker/statusfile.py)
 

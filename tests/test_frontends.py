@@ -412,3 +412,19 @@ def test_a_second_broker_on_the_port_is_refused_as_without_frontends(broker_fact
     assert done.returncode == 1, done.stderr[-2000:]
     assert "cannot listen (JSON-RPC over HTTP: --port)" in done.stderr and "address already in use" in done.stderr.lower()
     assert b.call("add", [1, 2])["result"] == 3
+
+
+def test_recycling_by_calls_counts_every_front_ends_calls(broker_factory):
+    # (a worker's calls sent by the other front-ends count toward max_calls_per_worker: the
+    # first front-end's alone did, and a worker serving them all was never recycled)
+    b = broker_factory("--workers", "1", "--frontends", "2", "--max-calls-per-worker", "40",
+                       "--max-calls-jitter", "0")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    [first] = workers_of(b.pid)
+    with connection_to(peer, b) as s:
+        for i in range(60):
+            s.sendall(request("add", [i, 1], i))
+            assert answer(s)["result"] == i + 1
+    wait_for(lambda: first not in workers_of(b.pid) and len(workers_of(b.pid)) == 1, timeout=30)
+    assert "max_calls" in b.read_log(0.2) or "calls, its limit" in b.read_log(0.2)
