@@ -124,11 +124,11 @@ _CACHED = 4096  # peers (and quoted names) remembered by a `Renderer`, at most (
 
 def address(peer: object) -> str:
     """A transport's "peername" as the line names it: host:port, [v6 host]:port, "unix" for
-    a Unix socket's ("" or None), "-" when unknown."""
+    a Unix socket's ("" or None), "stdio" for stdio's, "-" when unknown."""
     if isinstance(peer, tuple) and len(peer) >= 2:
         host = str(peer[0])
         return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
-    return "unix" if peer == "" or peer is None else "-"
+    return "unix" if peer == "" or peer is None else "stdio" if peer == "stdio" else "-"
 
 
 def secret_key(key: str) -> bool:

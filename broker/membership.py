@@ -367,12 +367,16 @@ class Membership(DispatcherState):
                 if later > now:
                     self._loop.call_later(later - now + self._cancel_grace, self._check_hung, call)
                     return
-            worker.kill_reason = f"hung: no answer {self._cancel_grace} s after a cancelled call"
+            past = self._cancel_grace  # (--frontends: the wait it had, not cancel_grace; new user, round 112)
+            if self.shared_workers:
+                past = round(max(past, _clock() - call.arrival - call.timeout), 1)
+            worker.kill_reason = f"hung: no answer {past} s after a cancelled call"
             log.warning(
-                "worker %d (pid %d) has not answered call %d (%s) %s s after its deadline: killing it as hung",
+                "worker %d (pid %d) has not answered call %d (%s) %s s after its deadline: killing it as hung%s",
                 worker.slot, worker.pid, call.call_id,
                 "a batch chunk" if call.slots is not None else self._names[call.index]
                 if call.index < len(self._names) else "of a method the reload removed",
-                self._cancel_grace,
+                past, " (with several front-ends, once the longest deadline a call may have is past: another"
+                " front-end's call may hold the worker)" if self.shared_workers else "",
             )
             worker.process.kill()

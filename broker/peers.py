@@ -255,9 +255,13 @@ class Peers:
                       " serve on", number, process.pid, status)
             return
         wait = max(0.0, self._restarted.get(number, -math.inf) + RESTART_AFTER_SECONDS - self.loop.time())
-        log.error("front-end %d (pid %d) exited with %d: its connections were lost; starting another%s, and"
-                  " reloading the workers to connect them to it", number, process.pid, status,
-                  f" in {wait:.1f} s" if wait else "")
+        again = (f"starting another{f' in {wait:.1f} s' if wait else ''}, and reloading the workers to connect them"
+                 " to it")
+        if status == 0:  # (stopped by a SIGTERM sent to it alone: drained first; new user, round 112)
+            log.warning("front-end %d (pid %d) stopped, its calls answered: %s", number, process.pid, again)
+        else:
+            log.error("front-end %d (pid %d) exited with %d: its connections were lost; %s", number, process.pid,
+                      status, again)
         await asyncio.sleep(wait)
         if self._stopping:
             return

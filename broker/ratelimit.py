@@ -32,8 +32,8 @@ _clock = time.monotonic
 
 def address_of(peer: object) -> str:
     """The caller's address from a transport's "peername": its IP ("unix" on a Unix
-    socket, whose peer has none: "" or None)."""
-    return str(peer[0]) if isinstance(peer, tuple) and peer else "unix"
+    socket, whose peer has none: "" or None; "stdio" on stdio)."""
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "stdio" if peer == "stdio" else "unix"
 
 
 def burst_for(rate: float) -> int:

@@ -520,7 +520,9 @@ async def run(
         listeners: list[tuple[HttpFrontend | StreamFrontend, str, int | None]] = []
         if stdio is None:
             frontend = HttpFrontend(
-                dispatcher, max_connections=max_connections, metrics=None if separate else scrape, gather=gather,
+                dispatcher, max_connections=max_connections, gather=gather,
+                # (never on the RPC port with a metrics port: a peer's neither; new user, round 112)
+                metrics=None if config.metrics_port != 0 else scrape,
                 allowed_hosts=hosts, incoming=incoming, auth=auth, health=health,
                 mcp_sessions=config.frontend_count == 1,
                 **_settings(config, "rpc_path mcp_path max_body_bytes max_batch"), **http,

@@ -1085,9 +1085,12 @@ def test_check_config_without_a_file_checks_the_environment_alone(capsys: pytest
     """A new user (round 46): an operator configured by the environment alone (a container)
     had to write an empty file to check it: check-config required FILE."""
     monkeypatch.setenv("RPC_BROKER_WORKERS", "3")
+    monkeypatch.setenv("RPC_BROKER_FRONTENDS", "0")
     assert cli.main(["check-config"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("ok\n") and "\nworkers = 3  # 3 processes\n" in out
+    fronts = max(1, len(os.sched_getaffinity(0)) // 8)
+    assert f"\nfrontends = 0  # {fronts} process{'es' if fronts != 1 else ''}\n" in out  # (new user, round 112)
     monkeypatch.setenv("RPC_BROKER_WORKERS", "none")
     assert cli.main(["check-config"]) == 2
     assert "RPC_BROKER_WORKERS" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import sample, scrape_metrics, wait_for
+from conftest import free_port, sample, scrape_metrics, wait_for
 
 from broker.config import SHARED_LIMITS, Config, per_frontend
 
@@ -325,8 +326,11 @@ def test_a_worker_another_front_end_kills_as_hung_is_said_so_and_restarted(broke
         s.sendall(request("spin", [60], "stuck"))
         assert answer(s)["error"]["code"] == -32001  # type: ignore[index]
     # Killed by the other front-end: the first says why when it reaps it, and restarts it at once
-    wait_for(lambda: f"(pid {first}) killed by SIGKILL (hung: no answer 0.5 s after a cancelled call (front-end 1))"
-             in b.read_log(0.05), timeout=20)
+    said = re.compile(rf"\(pid {first}\) killed by SIGKILL \(hung: no answer (\d+\.\d) s after a cancelled call"
+                      r" \(front-end 1\)\)")
+    wait_for(lambda: said.search(b.read_log(0.05)) is not None, timeout=20)
+    assert float(said.search(b.read_log(0.05)).group(1)) >= 0.5  # type: ignore[union-attr]
+    assert "killing it as hung (with several front-ends, once the longest deadline" in b.read_log(0.05)
     wait_for(lambda: bool(workers_of(b.pid)) and workers_of(b.pid) != [first], timeout=20)
 
 
@@ -428,3 +432,39 @@ def test_recycling_by_calls_counts_every_front_ends_calls(broker_factory):
             assert answer(s)["result"] == i + 1
     wait_for(lambda: first not in workers_of(b.pid) and len(workers_of(b.pid)) == 1, timeout=30)
     assert "max_calls" in b.read_log(0.2) or "calls, its limit" in b.read_log(0.2)
+
+
+def test_with_a_metrics_port_no_front_end_serves_metrics_on_the_rpc_port(broker_factory):
+    # (new user, round 112: 3 of 8 GET /metrics on the RPC port were answered 200, by the
+    # other front-end, with metrics moved to a loopback metrics port)
+    port = free_port()
+    b = broker_factory("--workers", "1", "--frontends", "2", "--metrics-port", str(port))
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    for pid in (b.pid, peer):
+        with connection_to(pid, b) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = s.recv(65536)
+                assert chunk, "closed"
+                head += chunk
+            assert head.startswith(b"HTTP/1.1 404 "), head[:100]
+    assert sample(scrape_metrics(b, port), "rpc_broker_workers", state="ready") == 1
+
+
+def test_a_front_end_stopped_alone_drains_and_is_replaced_without_an_error(broker_factory):
+    # (new user, round 112: SIGTERM to front-end 1 drained it, 10 of 10 calls answered, and
+    # the first front-end logged ERROR "exited with 0: its connections were lost")
+    b = broker_factory("--workers", "1", "--frontends", "2")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    with connection_to(peer, b) as s:
+        s.sendall(request("sleep", [1.0], "slow"))
+        time.sleep(0.3)
+        os.kill(peer, signal.SIGTERM)
+        assert answer(s) == {"jsonrpc": "2.0", "id": "slow", "result": 1.0}
+    wait_for(lambda: f"front-end 1 (pid {peer}) stopped, its calls answered: starting another" in b.read_log(0.05),
+             timeout=30)
+    wait_for(lambda: len(peers_of(b.pid)) == 1 and peers_of(b.pid) != [peer], timeout=30)
+    assert f"(pid {peer}) exited with" not in b.read_log(0.05)

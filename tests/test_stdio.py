@@ -280,7 +280,7 @@ def test_stdout_holds_nothing_but_answers_when_tools_print(stdio_broker: typing.
     assert b.rest() == b"" and b.wait() == 0
     for text in ("printed-by-say", "written-to-fd-1", "echoed-by-a-child", "muttered", "failed-loudly"):
         assert text in b.stderr, (text, b.stderr[-3000:])
-    assert "transport=stdio method=say" in b.stderr  # (the access lines: stderr too)
+    assert "client=stdio token=- transport=stdio method=say" in b.stderr  # (the access lines: stderr too; "client=unix" once: new user, round 112)
 
 
 def test_a_worker_that_dies_mid_call_is_answered_32002_and_the_other_calls_go_on(
@@ -394,12 +394,13 @@ def test_no_port_is_opened_so_two_start_at_once_and_metrics_port_opens_its_own(
     connection counted under transport "stdio"."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    first = stdio_broker("--workers", "1", "--stream-port", "38641")
+    first = stdio_broker("--workers", "1", "--stream-port", "38641", "--frontends", "2")
     second = stdio_broker("--workers", "1", "--metrics-port", str(METRICS_PORT))
     for b in (first, second):
         b.send(call("add", [1, 2], 1))
         assert b.line() == b'{"jsonrpc":"2.0","id":1,"result":3}'
     assert "stdio: stream_port 38641 set, but stdio mode opens no JSON-RPC listener" in first.stderr
+    assert "stdio: frontends 2 set, but stdio mode runs one front-end" in first.stderr  # (new user, round 112)
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", 38641), timeout=10).close()
     assert f"rpc-broker: metrics on http://127.0.0.1:{METRICS_PORT}/metrics" in second.stderr

@@ -97,5 +97,7 @@ def dump_toml(cfg: Config) -> str:
         line = f"{s.name} = {_toml(getattr(cfg, s.name))}"
         if s.name == "workers":
             line += f"  # {cfg.worker_count} processes"
+        elif s.name == "frontends":  # (new user, round 112)
+            line += f"  # {cfg.frontend_count} process{'es' if cfg.frontend_count != 1 else ''}"
         lines.append(line)
     return "\n".join(lines) + "\n"

@@ -184,6 +184,9 @@ def log_listeners(config: Config) -> None:
                                                     ("stream_socket", config.stream_socket)) if value]
     if asked:
         log.warning("stdio: %s set, but stdio mode opens no JSON-RPC listener", ", ".join(asked))
+    if config.frontends != 1:  # (new user, round 112: ignored, and nothing said so)
+        log.warning("stdio: frontends %d set, but stdio mode runs one front-end (its one connection)",
+                    config.frontends)
     log.info("stdio: serve's JSON-RPC listeners are not opened (host:port, stream_port, stream_socket)%s",
              "" if config.metrics else "; no metrics: metrics_port opens a listener for them")
 

@@ -297,8 +297,9 @@ class StreamProtocol(Closing, asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
-        peer = self._budget.peer = transport.get_extra_info("peername")  # (for the logs: `Dispatcher._blame`)
         fe = self._fe
+        # (for the logs: `Dispatcher._blame`; stdio's pipes have none: "stdio", not "unix", new user, round 112)
+        peer = self._budget.peer = transport.get_extra_info("peername") if fe.transport != "stdio" else "stdio"
         if fe.auth is None:  # (with tokens, its token's: `_authenticate`)
             self._budget.bucket = fe.dispatcher.limiter.for_address(address_of(peer))
         elif fe.client_certs:  # (verified in the handshake: one that did not verify ended it)
