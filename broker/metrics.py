@@ -569,6 +569,11 @@ class BrokerCollector(Collector):
         states["starting"] += len(pool.incoming)  # a reload's, until they all are ready
         states["starting"] += len(pool.replacements)  # a recycle's, until it takes its slot
         yield _family_gauge("rpc_broker_workers", "Worker slots by state.", ["state"], (([s], n) for s, n in states.items()))
+        peers = pool.peers  # (--frontends N; new user, round 112: nothing showed how many served)
+        yield _family_gauge("rpc_broker_frontends", "Front-end processes serving (serve --frontends N): the first and "
+                            "the others that said they serve.", [], [([], 1 + (len(peers.ready) if peers else 0))])
+        yield _family_counter("rpc_broker_frontend_restarts", "Front-end processes other than the first started "
+                              "again after they exited.", [], [([], peers.restarts if peers else 0)])
         yield _family_counter(
             "rpc_broker_reloads", "Reloads (SIGHUP) by result: success (the new code serves) or failure "
             "(a new worker did not start; the old code serves on).", ["result"],

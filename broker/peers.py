@@ -166,6 +166,7 @@ class Peers:
         self._stopping = False
         self._addresses: list[tuple[str, tuple[str, int] | tuple[str, int, int, int]]] = []
         self._restarted: dict[int, float] = {}  # each peer's last restart (loop time)
+        self.restarts = 0  # peers started again (rpc_broker_frontend_restarts_total)
         self._heard_at: dict[int, float] = {}  # when each serving peer last said something (loop time)
         self.on_restart: typing.Callable[[], None] | None = None  # a peer was started again: reload the workers
         self._check: asyncio.TimerHandle | None = None
@@ -266,6 +267,7 @@ class Peers:
         if self._stopping:
             return
         self._restarted[number] = self.loop.time()
+        self.restarts += 1
         try:
             self._bind(number)
             await self._spawn(number)

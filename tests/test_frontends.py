@@ -244,8 +244,9 @@ def test_a_dead_worker_or_front_end_loses_no_other_call(broker_factory, target):
             for i in range(5):
                 s.sendall(request("add", [i, 1], i))
                 assert answer(s)["result"] == i + 1
-        wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_calls_total", method="add", outcome="ok") >= 5,
-                 timeout=10)
+        samples = scrape_metrics(b)
+        assert sample(samples, "rpc_broker_calls_total", method="add", outcome="ok") == 5
+        assert sample(samples, "rpc_broker_frontends") == 2 and sample(samples, "rpc_broker_frontend_restarts_total") == 0
     os.kill(victim, signal.SIGKILL)
     time.sleep(0.5)
     for i in range(20):  # whichever front-end takes them: answered (a worker restarted, or the other front-end)
@@ -265,8 +266,9 @@ def test_a_dead_worker_or_front_end_loses_no_other_call(broker_factory, target):
             s.sendall(request("add", [2, 2], "again"))
             assert answer(s) == {"jsonrpc": "2.0", "id": "again", "result": 4}
         # The dead front-end's counts stay in the broker's: a counter never goes back
-        time.sleep(2.5)  # (two snapshots: `Peers.share`)
-        assert sample(scrape_metrics(b), "rpc_broker_calls_total", method="add", outcome="ok") == 5 + 20 + 1
+        samples = scrape_metrics(b)
+        assert sample(samples, "rpc_broker_calls_total", method="add", outcome="ok") == 5 + 20 + 1
+        assert sample(samples, "rpc_broker_frontends") == 2 and sample(samples, "rpc_broker_frontend_restarts_total") == 1
     assert b.stop() == 0
 
 
