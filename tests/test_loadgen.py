@@ -623,7 +623,7 @@ def test_report_schema_is_exact():
     assert list(data) == ["schema", "target", "mode", "connections", "depth", "pipeline", "rate", "batch",
                           "processes", "duration_s", "warmup_s", "timeout_s", "ids", "seed", "workload",
                           "requests", "calls", "calls_counted", "requests_per_s", "calls_per_s",
-                          "errors_by_code", "transport_errors", "refused_batches", "unsent_requests", "check",
+                          "errors_by_code", "transport_errors", "resent", "refused_batches", "unsent_requests", "check",
                           "latency_ms", "percentiles", "interrupted", "processes_lost", "mcp"]
     assert data["schema"] == SCHEMA and data["rate"] is None and data["requests_per_s"] == 5.0
     assert data["mcp"] is None  # (a JSON-RPC run; `rpc-broker bench --mcp`'s: tests/test_bench_mcp.py)
@@ -631,9 +631,11 @@ def test_report_schema_is_exact():
     assert (data["refused_batches"], data["unsent_requests"]) == (3, 7)
     # a file written before these two keys existed still loads (bench plot reads old runs)
     assert data["interrupted"] is False
-    older = {k: v for k, v in data.items() if k not in ("refused_batches", "unsent_requests", "interrupted", "mcp")}
+    older = {k: v for k, v in data.items()
+             if k not in ("refused_batches", "unsent_requests", "interrupted", "mcp", "resent")}
     rep = Report.from_json(json.dumps(older).encode())
     assert (rep.refused_batches, rep.unsent_requests, rep.requests, rep.interrupted, rep.mcp) == (0, 0, 10, False, None)
+    assert rep.resent == 0
     assert list(data["check"]) == ["wrong_id", "missing", "duplicate", "malformed", "ok"]
     assert list(data["latency_ms"]) == ["p50", "p90", "p99", "p99.9", "max", "mean"]
     assert all(len(pt) == 2 for pt in data["percentiles"])
@@ -1744,6 +1746,21 @@ def test_an_unannounced_close_after_an_answer_is_orderly(thread_server):
     assert sum(r.backoffs for r in results) == 0
     reconnects = sum(r.reconnects for r in results)
     assert tally.requests > 10 and reconnects >= tally.requests - 2
+    # Each sent again is said (new user, round 112: a server killed with calls in flight showed
+    # "transport errors 0, missing 0", and a call it had read may have run twice)
+    assert tally.resent == sum(r.resent for r in results) > 0
+    assert build_report(spec, tally, merge(results)[1]).resent == tally.resent
+
+
+def test_requests_sent_again_are_in_the_json_and_the_table(thread_server, tmp_path, capsys):
+    s = thread_server(_SilentClose)
+    out = tmp_path / "again.json"
+    assert cli.main(["bench", f"http://127.0.0.1:{s.port}/", "--json", str(out), "--duration", "0.5",
+                     "--warmup", "0", "-c", "2"]) == 0
+    rep = Report.from_json(out.read_bytes())
+    assert rep.resent > 0 and rep.transport_errors == 0
+    text = capsys.readouterr().out
+    assert "sent again" in text and f"{rep.resent:,} requests, on a new connection" in text, text
 
 
 def test_interrupted_in_the_warmup_measures_nothing_and_never_sent_is_0(serve, tmp_path):

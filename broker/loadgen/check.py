@@ -85,6 +85,10 @@ class Tally:
         a wrong answer during warm-up is still wrong).
     transport_errors: requests lost to the transport (reset, closed, timed out,
         refused, unparsable HTTP), always counted.
+    resent: HTTP requests sent again on a new connection after the server closed with them
+        unanswered between answers (`loadgen.http`), always counted: not lost, but a
+        request the server had read may have run twice (POST is not idempotent, RFC 9110
+        9.2.2: a server that died with calls in flight shows here, not in transport_errors).
     unauthorized: answers refusing the caller's credentials (while recording): HTTP 401
         (RFC 6750 3.1), or on a stream an error with "id": null about its bearer token
         (the broker's answer to a connection's first line without a good one). Each is
@@ -104,7 +108,7 @@ class Tally:
     """
 
     __slots__ = ("calls", "duplicate", "errors_by_code", "first_problem", "initialized", "malformed", "missing",
-                 "protocol_version", "recording", "refused_batches", "requests", "sessions", "tool_errors",
+                 "protocol_version", "recording", "refused_batches", "requests", "resent", "sessions", "tool_errors",
                  "transport_errors", "unauthorized", "wrong_id")
 
     def __init__(self) -> None:
@@ -118,6 +122,7 @@ class Tally:
         self.duplicate = 0
         self.malformed = 0
         self.transport_errors = 0
+        self.resent = 0
         self.unauthorized = 0
         self.first_problem = ""
         self.tool_errors: dict[str, int] = {}
@@ -161,6 +166,7 @@ class Tally:
         self.duplicate += other.duplicate
         self.malformed += other.malformed
         self.transport_errors += other.transport_errors
+        self.resent += other.resent
         self.unauthorized += other.unauthorized
         for reason, n in other.tool_errors.items():
             self.tool_error(reason, n)

@@ -72,6 +72,7 @@ def build_report(spec: Spec, tally: Tally, hist: Latency, drain: float = 0.0, un
         calls_per_s=tally.calls / duration if duration > 0 else 0.0,
         errors_by_code={str(k): v for k, v in sorted(tally.errors_by_code.items())},
         transport_errors=tally.transport_errors,
+        resent=tally.resent,
         refused_batches=tally.refused_batches,
         unsent_requests=unsent,
         check=Check(tally.wrong_id, tally.missing, tally.duplicate, tally.malformed, failures == 0),
@@ -267,6 +268,9 @@ def print_table(report: Report, console: Console, first_problem: str = "", unaut
                                      f"{c.duplicate:,}, malformed {c.malformed:,}", style=bad))
     t.add_row("transport errors", Text(f"{report.transport_errors:,}",
                                        style="bold red" if report.transport_errors else "green"))
+    if report.resent:  # (new user, round 112: a front-end killed with calls in flight showed nothing)
+        t.add_row("sent again", Text(f"{report.resent:,} requests, on a new connection: the server closed with "
+                                     "them unanswered\n(not lost, but each may have run twice)", style="yellow"))
     if first_problem:
         t.add_row("first problem", Text(first_problem, style="bold red"))
     if report.unsent_requests:

@@ -35,6 +35,9 @@ fields are fixed by the schema below (names, types, units):
     requests_per_s, calls_per_s: the above divided by duration_s plus the drain
     errors_by_code: {"<JSON-RPC code>": count}, one per error answer
     transport_errors: requests lost to resets, closes, timeouts, refused connects
+    resent        HTTP requests sent again on a new connection after the server closed
+                  with them unanswered between two answers: not lost, but each may have
+                  run twice (absent from files written before it: 0)
     refused_batches: batches answered by one error object for the whole body (e.g.
                   past the server's batch limit), measured window only; each is
                   also one count in errors_by_code. Not a check failure.
@@ -250,6 +253,7 @@ class Report(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     calls_per_s: float
     errors_by_code: dict[str, int]
     transport_errors: int
+    resent: int = 0  # HTTP requests sent again after a close with them unanswered; absent from files before it
     refused_batches: int = 0  # absent from files written before it
     unsent_requests: int = 0  # absent from files written before it
     check: Check

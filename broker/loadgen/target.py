@@ -173,6 +173,7 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
         t.wrong_id, t.missing, t.duplicate, t.malformed = (
             self.wrong_id, self.missing, self.duplicate, self.malformed)
         t.transport_errors = self.transport_errors
+        t.resent = self.resent
         t.unauthorized = self.unauthorized
         t.tool_errors = dict(self.tool_errors)
         t.initialized, t.sessions, t.protocol_version = self.initialized, self.sessions, self.protocol_version
