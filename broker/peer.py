@@ -29,6 +29,7 @@ from broker.peers import Control
 from broker.peerwire import SHARE_SECONDS, Collect, Counters, Exposition, Killed, Ready, Setup, Want
 
 if typing.TYPE_CHECKING:
+    from broker.auth import Token
     from broker.members import Members
     from broker.metrics import Flat
 
@@ -53,6 +54,7 @@ class Peer:
     # The broker's /metrics body, as the first front-end last sent it (`Exposition`)
     exposition: bytes = b"# the first front-end has not sent the broker's metrics yet\n"
     channel: Control | None = None  # the control socket's, once `attach`ed
+    tokens: list[Token] = dataclasses.field(default_factory=list)  # the first front-end's (`Setup`)
     samples: typing.Callable[[], list[Flat]] = list  # this front-end's series (`Collect`), once it serves
     members: Members | None = None  # its workers, once `attach`ed
     _asked: list[typing.Callable[[], None]] = dataclasses.field(default_factory=list, init=False)  # `gather`'s, Want sent
@@ -79,18 +81,21 @@ class Peer:
         for message, fd in self.pending:
             heard(message, fd)
         self.pending.clear()
-        self.channel = Control(loop, self.control, heard, lost)
+        # (the setup's receiver: a line read in part with the Setup goes on; hostile testing, round
+        # 127: a new one dropped that part, and the rest was a bad line that ended the peer)
+        self.channel = Control(loop, self.control, heard, lost, self.receiver)
         channel = self.channel
         members.on_kill = lambda pid, reason: channel.send(Killed(pid=pid, reason=reason))
+        self._beat(loop)  # (from now on, serving or not yet: `Peers.check`)
 
-    def share(self, loop: asyncio.AbstractEventLoop, samples: typing.Callable[[], list[Flat]]) -> None:
-        """From now on answer the first front-end's `Collect` with `samples()`, and every
-        SHARE_SECONDS send it a `Counters` with no series: its word that this front-end's loop
-        runs (`Peers.check`), with the calls it sent each worker (recycling)."""
+    def share(self, samples: typing.Callable[[], list[Flat]]) -> None:
+        """From now on answer the first front-end's `Collect` with `samples()`."""
         self.samples = samples
-        self._beat(loop)
 
     def _beat(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every SHARE_SECONDS from `attach`, send the first front-end a `Counters` with no
+        series: its word that this front-end's loop runs (`Peers.check`), with the calls it
+        sent each worker (recycling)."""
         if self.channel is None or self.channel.closed:
             return
         workers = self.members.workers if self.members is not None else {}
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, peerwire.PeerWireError, msgspec.ValidationError) as exc:
         raise SystemExit(f"rpc-broker peer: no setup from the first front-end on descriptor {args.control}: {exc}"
                          " (a peer is started by `rpc-broker serve --frontends N`, not by hand)") from None
-    peer = Peer(setup.number, listeners, control, receiver, pending)
+    peer = Peer(setup.number, listeners, control, receiver, pending, tokens=setup.tokens)
     from broker.server import serve
 
     return serve(config, peer=peer)

@@ -50,6 +50,7 @@ from broker.peerwire import (
 from broker.scrapes import Rounds
 
 if typing.TYPE_CHECKING:
+    from broker.auth import Token
     from broker.channel import Worker
     from broker.wire import MethodInfo
 
@@ -58,6 +59,8 @@ __all__ = ["RESTART_AFTER_SECONDS", "SILENT_SECONDS", "Control", "Peers", "tap"]
 log = logging.getLogger("broker")
 
 SILENT_SECONDS = 10.0  # a peer that sends nothing this long (its `Counters` come every second) is killed as hung
+START_SECONDS = 30.0  # ... and one that said nothing yet, this long after its start (an interpreter's imports)
+BACKOFF_LIMIT = 5  # a peer failing in a row waits RESTART_AFTER_SECONDS * 2**n, n at most this (320 s)
 _ACCUMULATED = ("_total", "_bucket", "_count", "_sum")  # the samples of counters and histograms (not gauges')
 RESTART_AFTER_SECONDS = 10.0  # a peer is started again at most once in this long (a crash loop)
 
@@ -65,18 +68,20 @@ RESTART_AFTER_SECONDS = 10.0  # a peer is started again at most once in this lon
 class Control:
     """One end of a control socketpair (either side's), non-blocking: messages out in order
     (each `WorkerJoined` with its descriptor, closed here once sent), messages in to
-    `on_message` (with a descriptor, or -1); `on_close` once it ends or breaks."""
+    `on_message` (with a descriptor, or -1); `on_close` once it ends or breaks. `receiver`:
+    the reading state to go on from (what was read before, a line's start with it), else a
+    new one."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
                  on_message: typing.Callable[[Message, int], None],
-                 on_close: typing.Callable[[], None] | None = None) -> None:
+                 on_close: typing.Callable[[], None] | None = None, receiver: peerwire.Receiver | None = None) -> None:
         self._on_close = on_close
         self._loop = loop
         self._sock = sock
         sock.setblocking(False)
         self._queue: collections.deque[tuple[bytes, int]] = collections.deque()
         self._writing = False
-        self._receiver = peerwire.Receiver()
+        self._receiver = receiver or peerwire.Receiver()
         self._on_message = on_message
         self.closed = False
         loop.add_reader(sock.fileno(), self._readable)
@@ -152,10 +157,12 @@ class Peers:
     """The `count` peer front-ends of this process (see the module docstring), started with
     `config` (a `Config`'s fields as JSON values)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, count: int, config: dict[str, typing.Any]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, count: int, config: dict[str, typing.Any],
+                 tokens: typing.Sequence[Token] = ()) -> None:
         self.loop = loop
         self.count = count
         self._config = config
+        self._tokens = list(tokens)
         self._listeners: list[list[tuple[str, socket.socket]]] = [[] for _ in range(count)]
         self._controls: list[Control] = []
         self.processes: list[asyncio.subprocess.Process] = []
@@ -167,7 +174,10 @@ class Peers:
         self._addresses: list[tuple[str, tuple[str, int] | tuple[str, int, int, int]]] = []
         self._restarted: dict[int, float] = {}  # each peer's last restart (loop time)
         self.restarts = 0  # peers started again (rpc_broker_frontend_restarts_total)
-        self._heard_at: dict[int, float] = {}  # when each serving peer last said something (loop time)
+        self._heard_at: dict[int, float] = {}  # when each peer last said something, or started (loop time)
+        self._spoke: set[int] = set()  # peers that said something since they started
+        self._failures: dict[int, int] = {}  # each peer's exits in a row before it served
+        self._checked = 0.0  # the last `check` (loop time)
         self.on_restart: typing.Callable[[], None] | None = None  # a peer was started again: reload the workers
         self._check: asyncio.TimerHandle | None = None
         # The counters and histograms of peers that exited, kept in the sum: a counter of the
@@ -206,6 +216,7 @@ class Peers:
         its end of a control socketpair, and send it its `Setup`."""
         for number in range(1, self.count + 1):
             await self._spawn(number)
+        self._checked = self.loop.time()
         self._check = self.loop.call_later(SHARE_SECONDS, self.check)
 
     async def _spawn(self, number: int) -> None:
@@ -233,8 +244,10 @@ class Peers:
         else:
             self._controls.append(control)
             self.processes.append(process)
+        self._heard_at[number] = self.loop.time()
+        self._spoke.discard(number)
         self.loop.create_task(self._watch(number, process))
-        control.send(Setup(number=number, config=self._config, listeners=inherited))
+        control.send(Setup(number=number, config=self._config, listeners=inherited, tokens=self._tokens))
 
     async def _watch(self, number: int, process: asyncio.subprocess.Process) -> None:
         status = await process.wait()
@@ -243,22 +256,25 @@ class Peers:
         # Its listening socket closed with it: the kernel sends new connections to the others; its
         # connections, and the calls they were owed, are gone. A new one takes its place, and the
         # workers are reloaded, so that each has a connection to it (no call is lost by a reload):
-        # not one that never served (it cannot start), and not sooner than RESTART_AFTER_SECONDS
-        # after the last restart (a crash loop).
+        # not sooner than RESTART_AFTER_SECONDS after the last restart, and one that exits before it
+        # serves (it cannot start: a crash loop) after twice as long each time in a row, up to
+        # 2**BACKOFF_LIMIT times (hostile testing, round 127: one that failed once, its code broken
+        # on disk, was never started again, even once fixed).
         served = number in self.ready
         self.ready.discard(number)
         self._retire_samples(number)
         self._sent.pop(number, None)  # (a front-end gone: its calls no longer count toward a worker's recycle)
         if self.rounds is not None:
             self.rounds.gone(number)
-        if not served:
-            log.error("front-end %d (pid %d) exited with %d before it served: not restarted; the other front-ends"
-                      " serve on", number, process.pid, status)
-            return
-        wait = max(0.0, self._restarted.get(number, -math.inf) + RESTART_AFTER_SECONDS - self.loop.time())
+        failures = self._failures[number] = 0 if served else self._failures.get(number, 0) + 1
+        wait = max(0.0, self._restarted.get(number, -math.inf) + RESTART_AFTER_SECONDS - self.loop.time(),
+                   RESTART_AFTER_SECONDS * 2 ** min(failures - 1, BACKOFF_LIMIT) if failures else 0.0)
         again = (f"starting another{f' in {wait:.1f} s' if wait else ''}, and reloading the workers to connect them"
                  " to it")
-        if status == 0:  # (stopped by a SIGTERM sent to it alone: drained first; new user, round 112)
+        if not served:
+            log.error("front-end %d (pid %d) exited with %d before it served (%d time%s in a row): %s; the other"
+                      " front-ends serve on", number, process.pid, status, failures, "s" if failures > 1 else "", again)
+        elif status == 0:  # (stopped by a SIGTERM sent to it alone: drained first; new user, round 112)
             log.warning("front-end %d (pid %d) stopped, its calls answered: %s", number, process.pid, again)
         else:
             log.error("front-end %d (pid %d) exited with %d: its connections were lost; %s", number, process.pid,
@@ -280,11 +296,11 @@ class Peers:
     def _heard(self, number: int, message: Message, fd: int) -> None:
         if fd >= 0:
             os.close(fd)
+        self._heard_at[number] = self.loop.time()
+        self._spoke.add(number)
         if isinstance(message, Ready):
             self.ready.add(number)
-            self._heard_at[number] = self.loop.time()
         elif isinstance(message, Counters):
-            self._heard_at[number] = self.loop.time()
             if not message.round:
                 self._sent[number] = message.sent
             if message.round and self.rounds is not None:
@@ -297,16 +313,23 @@ class Peers:
             self.on_killed(message.pid, f"{message.reason} (front-end {number})")
 
     def check(self) -> None:
-        """Every SHARE_SECONDS: kill (SIGKILL) a serving peer silent for SILENT_SECONDS, its loop
-        stopped or stuck (SIGSTOP, a hang): its listening socket still takes connections that it
-        would never serve (SO_REUSEPORT knows nothing of it). `_watch` starts another."""
+        """Every SHARE_SECONDS: kill (SIGKILL) a peer silent for SILENT_SECONDS (one not heard
+        from since its start: START_SECONDS), its loop stopped or stuck (SIGSTOP, a hang): its
+        listening socket still takes connections that it would never serve (SO_REUSEPORT knows
+        nothing of it), and what it is sent waits here (hostile testing, round 127: one stopped
+        before it served was never killed, and the sockets of every reload's workers piled up
+        for it). `_watch` starts another. Not after this loop itself stalled (a check late by
+        more than 2 SHARE_SECONDS): what the peers said meanwhile is still unread (round 127:
+        the first front-end stopped 12 s killed a peer that had spoken all along)."""
         now = self.loop.time()
-        for number in sorted(self.ready):
-            process = self.processes[number - 1]
+        if now - self._checked > 3 * SHARE_SECONDS:
+            self._heard_at = dict.fromkeys(self._heard_at, now)
+        self._checked = now
+        for number, process in enumerate(self.processes, 1):
             silent = now - self._heard_at.get(number, now)
-            if silent > SILENT_SECONDS and process.returncode is None:
-                log.error("front-end %d (pid %d) said nothing for %.0f s: killing it as hung", number, process.pid,
-                          silent)
+            if process.returncode is None and silent > (SILENT_SECONDS if number in self._spoke else START_SECONDS):
+                log.error("front-end %d (pid %d) said nothing for %.0f s%s: killing it as hung", number, process.pid,
+                          silent, "" if number in self._spoke else " since it started")
                 process.kill()
         if not self._stopping:
             self._check = self.loop.call_later(SHARE_SECONDS, self.check)
@@ -400,6 +423,7 @@ class Peers:
         for process in self.processes:
             if process.returncode is None:
                 process.send_signal(signal.SIGTERM)
+                process.send_signal(signal.SIGCONT)  # (one stopped acts on it now, not at the kill: round 127)
         waits = [asyncio.ensure_future(p.wait()) for p in self.processes]
         if waits:
             _, late = await asyncio.wait(waits, timeout=timeout)

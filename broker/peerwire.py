@@ -26,6 +26,7 @@ import typing
 
 import msgspec
 
+from broker.auth import Token
 from broker.wire import MethodInfo
 
 __all__ = [
@@ -60,11 +61,14 @@ class Setup(msgspec.Struct, tag="setup", frozen=True):
     """The first message to a peer: its `number` (1 and up), the `config` (the `Config`'s
     fields as JSON values: broker/config), and its listening sockets: (the front-end's
     transport, "http" or "tcp", and the descriptor it inherited), bound by the first front-end
-    to its own ports with SO_REUSEPORT."""
+    to its own ports with SO_REUSEPORT; the `tokens` the first front-end read at its start
+    (auth_tokens_file and RPC_BROKER_AUTH_TOKENS: a peer started later reads neither, which
+    only a restart of the broker reads again)."""
 
     number: int
     config: dict[str, typing.Any]
     listeners: list[tuple[str, int]]
+    tokens: list[Token] = []
 
 
 class WorkerJoined(msgspec.Struct, tag="worker", frozen=True):

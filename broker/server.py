@@ -310,7 +310,9 @@ async def run(
     await _start_threads_masked(loop)
     jsonscan.load()  # (not in the first deep body's turn: hostile testing, round 60, 130 ms)
     try:
-        tokens = load_tokens(config.auth_tokens_file)  # (checked by config.load: read again, now)
+        # (checked by config.load: read again, now; a peer's, as the first front-end read them: hostile
+        # testing, round 127, a peer started again read the file edited since, and took other tokens)
+        tokens = peer.tokens if peer is not None else load_tokens(config.auth_tokens_file)
     except AuthError as exc:
         log.error("%s", exc)
         return 2
@@ -349,7 +351,7 @@ async def run(
             worker_stderr=logs.follow if logs is not None else None,  # (read and written on by the broker)
         )
         if config.frontend_count > 1 and stdio is None:  # (the others: broker/peers.py)
-            peers = Peers(loop, config.frontend_count - 1, msgspec.to_builtins(whole))
+            peers = Peers(loop, config.frontend_count - 1, msgspec.to_builtins(whole), tokens)
             pool.peers = peers
             peers.on_killed = pool.killed_by_peer
             peers.on_restart = pool.request_reload
@@ -674,8 +676,8 @@ async def run(
                    + (f"; {peers.count + 1} front-end processes" if peers is not None else "") + ")")
         face: StdioFrontend | None = None  # stdio's
         if peer is not None:
-            peer.serving()  # (its series every second, or none: also what says it is alive, `Peers.check`)
-            peer.share(loop, functools.partial(samples, collector) if config.metrics else list)
+            peer.serving()
+            peer.share(functools.partial(samples, collector) if config.metrics else list)  # (for each `Collect`)
             log.info("front-end %d (pid %d) serving", peer.number, os.getpid())
         elif stdio is None or relay is None:
             _banner(f"rpc-broker: serving JSON-RPC on {_url(host, port, 'https' if tls else 'http')}{config.rpc_path}"

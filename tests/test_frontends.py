@@ -470,3 +470,87 @@ def test_a_front_end_stopped_alone_drains_and_is_replaced_without_an_error(broke
              timeout=30)
     wait_for(lambda: len(peers_of(b.pid)) == 1 and peers_of(b.pid) != [peer], timeout=30)
     assert f"(pid {peer}) exited with" not in b.read_log(0.05)
+
+
+def test_a_front_end_stopped_before_it_serves_is_killed_and_started_again(broker_factory):
+    # (hostile testing, round 127: a peer stopped as it started was never killed, what it was
+    # sent piled up for it; and one that exited before it served was never started again)
+    b = broker_factory("--workers", "1", "--frontends", "2")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [dead] = peers_of(b.pid)
+    os.kill(dead, signal.SIGKILL)  # (its replacement, started at once, is stopped as it starts)
+    deadline = time.monotonic() + 30
+    while not (fresh := [p for p in peers_of(b.pid) if p != dead]) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    [first] = fresh
+    os.kill(first, signal.SIGSTOP)
+    wait_for(lambda: f"front-end 1 (pid {first}) said nothing for" in b.read_log(0.1), timeout=60)
+    assert "s since it started: killing it as hung" in b.read_log(0.05)
+    wait_for(lambda: f"front-end 1 (pid {first}) exited with -9 before it served (1 time in a row): starting"
+             " another in 10.0 s" in b.read_log(0.05), timeout=10)
+    wait_for(lambda: [p for p in peers_of(b.pid) if p not in (dead, first)], timeout=30)
+    [again] = peers_of(b.pid)
+    wait_for(lambda: f"front-end 1 (pid {again}) serving" in b.read_log(0.05), timeout=30)
+    with connection_to(again, b) as s:
+        s.sendall(request("add", [2, 2], "again"))
+        assert answer(s) == {"jsonrpc": "2.0", "id": "again", "result": 4}
+
+
+def test_a_stall_of_the_first_front_end_kills_no_peer_that_spoke(broker_factory):
+    # (hostile testing, round 127: the first front-end stopped 12 s killed, once resumed, a peer
+    # whose words waited unread in its socket all along)
+    b = broker_factory("--workers", "1", "--frontends", "2")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    os.kill(b.pid, signal.SIGSTOP)
+    try:
+        time.sleep(12)
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    time.sleep(3)
+    assert peers_of(b.pid) == [peer] and "killing it as hung" not in b.read_log(0.05)
+
+
+def test_the_stop_ends_a_stopped_front_end_at_once(broker_factory):
+    # (hostile testing, round 127: SIGTERM with a peer stopped (SIGSTOP) waited grace_period
+    # + 15 s, 45 s, to kill it, its socket taking connections meanwhile)
+    b = broker_factory("--workers", "1", "--frontends", "2")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    os.kill(peer, signal.SIGSTOP)
+    began = time.monotonic()
+    assert b.stop(timeout=60) == 0
+    assert "did not stop in" not in b.read_log(0.05), time.monotonic() - began
+
+
+def test_a_front_end_started_again_serves_the_tokens_the_broker_read_at_its_start(broker_factory, tmp_path):
+    # (hostile testing, round 127: a peer started again read the token file edited since: a
+    # token was taken or refused by which front-end took the connection; only a restart of the
+    # broker reads the file again)
+    old, new = "o" * 32, "n" * 32
+    path = tmp_path / "tokens"
+    path.write_text(f"ci:{old}\n")
+    b = broker_factory("--workers", "1", "--frontends", "2", "--auth-tokens-file", str(path),
+                       env={"RPC_BROKER_AUTH_TOKENS": ""})
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    path.write_text(f"ci:{new}\n")
+    os.kill(peer, signal.SIGKILL)
+    wait_for(lambda: [p for p in peers_of(b.pid) if p != peer], timeout=30)
+    [again] = peers_of(b.pid)
+    wait_for(lambda: f"front-end 1 (pid {again}) serving" in b.read_log(0.05), timeout=30)
+    body = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 1}).encode()
+    for pid in (again, b.pid):
+        for secret, status in ((old, b"200"), (new, b"401")):
+            for _ in range(200):  # (a connection that lands on `pid`)
+                before = tcp_sockets(pid)
+                s = socket.create_connection((b.host, b.port), timeout=30)
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                s.recv(65536)
+                if tcp_sockets(pid) - before:
+                    break
+                s.close()
+            with s:
+                s.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAuthorization:"
+                          b" Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (secret.encode(), len(body), body))
+                assert s.recv(65536).startswith(b"HTTP/1.1 " + status), (pid, secret)

@@ -141,3 +141,35 @@ def test_a_peer_started_by_hand_with_no_setup_says_so_in_a_line(sent):
     done = subprocess.run([sys.executable, "-m", "broker.peer", "--control", "0"], stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "no setup from the first front-end on descriptor 0" in done.stderr, done.stderr
+
+
+def test_a_line_read_in_part_with_the_setup_is_not_lost():
+    # (hostile testing, round 127: the peer read its Setup with one 64 KiB read, then read on
+    # with a new Receiver: the part of the next line read with it was dropped, the rest was a
+    # bad line, and the restarted peer went for good)
+    import asyncio
+
+    from broker.peer import _setup
+    from broker.peers import Control
+    from broker.peerwire import Setup
+
+    methods = Methods(generation=1, names=[f"m{i}" for i in range(9000)], sync=[], infos=[])
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.sendall(peerwire.encode(Setup(number=1, config={}, listeners=[])) + peerwire.encode(methods)[:30000])
+        setup, pending, receiver = _setup(theirs)
+        assert setup.number == 1 and pending == []
+        got: list[object] = []
+
+        async def read_on() -> None:
+            loop = asyncio.get_running_loop()
+            control = Control(loop, theirs, lambda message, fd: got.append(message), receiver=receiver)
+            ours.sendall(peerwire.encode(methods)[30000:])
+            for _ in range(500):
+                if got or control.closed:
+                    break
+                await asyncio.sleep(0.01)
+            control.close()
+
+        asyncio.run(read_on())
+        assert got == [methods]
