@@ -1,27 +1,25 @@
 """Params binding: the raw JSON params of a call bound to a handler's parameters.
 
-`Method` holds one handler and what its signature needs: a msgspec type per parameter
-(a Struct for named params, a tuple type for positional ones), built once at
-registration. `Method.bind(params, max_depth)` decodes and validates in one msgspec pass
-on the fast path (typed params, no nesting past max_depth), and only when that pass
-fails takes the slow paths that say which parameter is wrong and where in it
-(`InvalidParams`, from msgspec's messages), check numbers that no float holds exactly
-(both in broker/worker/param_errors.py), and refuse values built to flood a set or a dict
-with colliding hashes (broker/collisions.py). Params nested past max_depth raise
-`NestingTooDeep`; a `raw_params` handler gets the checked JSON itself (`_check_raw`). The
-enum.Flag members that binding makes and caches for good are dropped once nothing holds
-them (`_drop_flag_members`, `FLAG_PSEUDO_MEMBERS_MAX`).
+`Method` holds one handler and what its signature needs: a msgspec type per parameter (a
+Struct for named params, a tuple type for positional ones), built once at registration
+(broker/worker/signature.py, `Signature`, which it inherits). `Method.bind(params,
+max_depth)` decodes and validates in one msgspec pass on the fast path (typed params, no
+nesting past max_depth), and only when that pass fails takes the slow paths that say
+which parameter is wrong and where in it (`InvalidParams`, from msgspec's messages),
+check numbers that no float holds exactly (both in broker/worker/param_errors.py), and
+refuse values built to flood a set or a dict with colliding hashes
+(broker/collisions.py). Params nested past max_depth raise `NestingTooDeep`; a
+`raw_params` handler gets the checked JSON itself (`_check_raw`). The enum.Flag members
+that binding makes and caches for good are dropped once nothing holds them
+(`_drop_flag_members`, `FLAG_PSEUDO_MEMBERS_MAX`).
 
 Nothing here does I/O: the worker's run loop (broker/worker/runtime.py) calls `bind`.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
 import gc
 import inspect
-import logging
 import re
 import sys
 import typing
@@ -49,6 +47,7 @@ from broker.worker.param_errors import (
     _values_decoded,
 )
 from broker.worker.param_errors import _decimal_or_zero as _decimal_or_zero  # (tests read it from params)
+from broker.worker.signature import Signature
 
 if typing.TYPE_CHECKING:
     from broker.worker.tools import Described
@@ -65,56 +64,27 @@ class InvalidParams(RemoteError):
         self.reason = reason
 
 
-log = logging.getLogger("broker.worker")  # (one logger for the package)
 QUIET_BYTES = 64 * 1024
 """Params longer than this are bound with the cyclic garbage collector off (`Method.bind`)."""
-_EMPTY = inspect.Parameter.empty
-_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _FIELD_IN_MSG = re.compile(r"field `([^`]+)`")
 _decode_json = msgspec.json.decode
 _astuple = msgspec.structs.astuple
 
 
-class Method:
+class Method(Signature):
     """One registered handler and how to bind JSON params to it.
 
     Built by `Registry.method`; `bind(params)` turns the raw JSON params of a call
-    into `(args, kwargs)` or raises `InvalidParams`.
+    into `(args, kwargs)` or raises `InvalidParams`. The types it binds to are read from
+    the handler's signature at registration (`signature.Signature`, which it inherits).
     """
 
-    __slots__ = (
-        "_fast",
-        "_flags",
-        "_guard_decode",
-        "_guards",
-        "_into",
-        "_kwonly",
-        "_named_type",
-        "_pos_names",
-        "_pos_only",
-        "_pos_only_required",
-        "_pos_type",
-        "_required_kwonly",
-        "_typed",
-        "_var_kw",
-        "_var_pos",
-        "annotations",
-        "described",
-        "doc",
-        "fn",
-        "is_async",
-        "name",
-        "raw_params",
-        "returns",
-        "title",
-        "tool",
-    )
+    __slots__ = ("annotations", "described", "doc", "fn", "is_async", "name", "title", "tool")
 
     def __init__(self, name: str, fn: Callable[..., object], raw_params: bool = False) -> None:
         self.name = name
         self.fn = fn
         self.is_async = _is_async(fn)
-        self.raw_params = raw_params
         self.doc = inspect.getdoc(fn) or ""
         # What `Registry.method` sets of a tool (broker/worker/tools.py): its flag, title, MCP
         # annotations (a JSON object) and its schemas, described at registration
@@ -122,189 +92,7 @@ class Method:
         self.title: str | None = None
         self.annotations: dict[str, object] | None = None
         self.described: Described | None = None
-        sig = inspect.signature(fn)
-        # (a functools.partial, or an object with __call__: the hints of what it calls; typing's
-        # own "is not a module, class, method, or function" named neither, hostile testing, round 92)
-        hinted: object = fn
-        if isinstance(fn, functools.partial):
-            hinted = fn.func
-        elif not (inspect.isroutine(fn) or isinstance(fn, type)):
-            hinted = type(fn).__call__
-        try:  # (round 35: without include_extras, Annotated[int, Meta(ge=0)] was stripped, unchecked)
-            hints = typing.get_type_hints(hinted, include_extras=True)
-        except NameError as exc:  # (round 36: "NameError ... at <string>:1" named no method)
-            raise NameError(f"method {name!r}: a type hint names what is not defined when the app is loaded"
-                            f" ({exc}): define it before the method is registered") from None
-        self.returns: object = hints.get("return", _EMPTY)  # (the result's schema: broker/worker/tools.py)
-        for p in sig.parameters.values():
-            if p.name.startswith("__"):  # (round 36: "Failed to get offset", or every call -32602)
-                raise TypeError(f"method {name!r}: parameter {p.name!r} starts with '__', which params cannot "
-                                "bind (Python mangles such names; msgspec reserves some): rename it")
-        pos: list[tuple[str, object, object]] = []
-        kwonly: list[tuple[str, object, object]] = []
-        self._var_pos: object | None = None
-        self._var_kw: object | None = None
-        for p in sig.parameters.values():
-            hint = hints.get(p.name, typing.Any)
-            if p.kind in _POSITIONAL:
-                pos.append((p.name, hint, p.default))
-            elif p.kind is inspect.Parameter.KEYWORD_ONLY:
-                kwonly.append((p.name, hint, p.default))
-            elif p.kind is inspect.Parameter.VAR_POSITIONAL:
-                self._var_pos = list[hint]  # type: ignore[valid-type]
-            else:
-                self._var_kw = dict[str, hint]  # type: ignore[valid-type]
-        self._pos_names = [n for n, _, _ in pos]
-        # Positional-only parameters (before `/`) bind by name too (an MCP host names every
-        # argument), but beside **kwargs a name of one is **kwargs's, as in Python (round 32:
-        # `{"a": 5}` filled `a` of `def f(a=0, /, **kw)`): the parameter then takes its default.
-        only = [p for p in sig.parameters.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
-        self._pos_only = frozenset(p.name for p in only) if self._var_kw is not None else frozenset()
-        self._pos_only_required = [p.name for p in only if p.default is _EMPTY and p.name in self._pos_only]
-        self._kwonly = [n for n, _, _ in kwonly]
-        self._required_kwonly = [n for n, _, d in kwonly if d is _EMPTY]
-
-        def fields(params: list[tuple[str, object, object]]) -> list[tuple[str, object] | tuple[str, object, object]]:
-            return [(n, h) if d is _EMPTY else (n, h, _struct_default(d)) for n, h, d in params]
-
-        # Defaults may not precede required fields in a Struct; Python enforces the
-        # same order on positional parameters. The named struct is kw_only: a required
-        # keyword-only param may follow a positional one with a default (f(a, b=1, *, c)).
-        self._pos_type = msgspec.defstruct(
-            f"{name}_positional", fields(pos), array_like=True, forbid_unknown_fields=True
-        )
-        named = pos + kwonly
-        self._named_type = msgspec.defstruct(
-            f"{name}_named", fields(named), kw_only=True, forbid_unknown_fields=self._var_kw is None
-        )
-        # The common case, fixed parameters only: msgspec decodes the params straight
-        # into the struct (0.19 us for `add`, against 1.6 us for decode + convert).
-        # Any failure falls back to the general path, which says what is wrong.
-        self._fast: tuple[msgspec.json.Decoder[msgspec.Struct], msgspec.json.Decoder[msgspec.Struct] | None] | None = None
-        # Every type a call may convert to is built now: an unsupported hint (a union of two
-        # untagged Structs) fails the registration, as on the fast path (round 36: beside
-        # *args it registered, then every call answered -32603).
-        kinds = [kind for kind in (self._pos_type, self._named_type, self._var_pos, self._var_kw) if kind is not None]
-        for kind in kinds if not raw_params else ():
-            msgspec.json.Decoder(kind)
-        held = [] if raw_params else collisions.reachable(msgspec.inspect.multi_type_info(kinds))
-        self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
-                             and issubclass(node.cls, enum.Flag)}) or None
-        # A class no JSON value is an instance of (round 49: registered, then every call giving
-        # it answered -32602, counted as the client's mistake) refuses the registration, naming
-        # the parameter (issue 12, item 10: `check-app` and the start say so; round 50 had kept
-        # `p: Plain | None = None` served for calls not giving it); not an abstract one
-        # (`numbers.Real`, `Hashable`), which a conversion takes by isinstance.
-        if not raw_params:
-            for p in sig.parameters.values():
-                hint = hints.get(p.name, typing.Any)
-                custom = next((node.cls for node in collisions.reachable(msgspec.inspect.type_info(hint))
-                               if isinstance(node, msgspec.inspect.CustomType) and _json_is_of(node.cls) is not True),
-                              None)
-                if custom is not None:
-                    raise TypeError(
-                        f"method {name!r}: parameter {p.name!r}: its type hint holds {custom.__module__}."
-                        f"{custom.__qualname__}, which msgspec cannot decode from JSON (no dec_hook), so every call "
-                        "giving it would be refused " + ("-32602" if _json_is_of(custom) is False else
-                                                         "-32603 (isinstance takes no Protocol not @runtime_checkable)")
-                        + ": hint it dict, list, a msgspec.Struct or a dataclass")
-        if any(isinstance(node, msgspec.inspect.UnionType) and any(isinstance(t, msgspec.inspect.RawType)
-                                                                   for t in node.types) for node in held):
-            raise TypeError(f"method {name!r}: a msgspec.Raw in a union (msgspec decodes only the union's other "
-                            "types: round 37, `Raw | None` took null alone): hint it msgspec.Raw, and read null "
-                            "from its text")
-        if any(isinstance(node, (msgspec.inspect.DataclassType, msgspec.inspect.TypedDictType))
-               and any(isinstance(inner, msgspec.inspect.RawType) for inner in collisions.reachable(node))
-               for node in held):
-            raise TypeError(f"method {name!r}: a msgspec.Raw in a dataclass or TypedDict, which msgspec cannot "
-                            "always decode (round 38: every value was refused): hold it in a msgspec.Struct")
-        for kind in kinds if not raw_params else ():
-            why = collisions.unsupported(kind)
-            if why is not None:
-                raise TypeError(f"method {name!r}: {why}, which hash flooding could not be checked for in time"
-                                " linear in the params (broker/collisions.py): hint them otherwise")
-        # The general path decodes params to Python values, then converts them: a JSON
-        # number became a float on the way, and a Decimal lost its digits (round 36), and
-        # msgspec.convert cannot make a msgspec.Raw (round 36). Where a hint holds either,
-        # each value params give is decoded from its own JSON text with its parameter's
-        # type, as the fast path decodes it (round 38: numbers decoded as Decimals made a
-        # float parameter inf for 1e400, and a Decimal of 4301 digits bound by position
-        # only). The check for hash flooding reads its values first, with Decimals exact.
-        decimals = any(isinstance(node, msgspec.inspect.DecimalType) for node in held)
-        if decimals and any(collisions.untyped_hashed(kind) for kind in kinds):
-            raise TypeError(f"method {name!r}: beside a Decimal, a set's elements or a dict's keys hold an untyped"
-                            " value (Any, a bare set or tuple), whose numbers the check for hash flooding could not"
-                            " read as they are built: hint their type")
-        self._guard_decode = _DECIMAL_JSON if decimals else _decode_json
-        self._typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]] | None = None
-        if decimals or any(isinstance(node, msgspec.inspect.RawType) for node in held):
-            # (*args' values are decoded as one list, **kwargs' as one object: round 49, value
-            # by value, each checked, rewritten and decoded alone, 1 MiB held a worker 0.7-1.9 s)
-            hinted = [(n, h) for n, h, _ in pos + kwonly]
-            if self._var_pos is not None:
-                hinted.append(("*", self._var_pos))
-            if self._var_kw is not None:
-                hinted.append(("**", self._var_kw))
-            self._typed = {n: (msgspec.json.Decoder(h), collisions.guard(h)) for n, h in hinted}
-            for n, h in hinted:
-                if self._typed[n][1] is not None and any(isinstance(node, msgspec.inspect.RawType)
-                                                         for node in collisions.reachable(msgspec.inspect.type_info(h))):
-                    # (round 44: its value is decoded from what the check read, written again:
-                    # the Raw's text lost a float's digits, or was refused, 1e400)
-                    raise TypeError(f"method {name!r}: parameter {n!r} holds a msgspec.Raw beside a set or a dict with"
-                                    " keys other than strings, whose check for hash flooding would rewrite the Raw's"
-                                    " text: give the Raw a parameter of its own")
-        # What params are bound into once decoded: on the typed path each value is built and
-        # checked by its own decoder already, so the binding only places them (round 48:
-        # converted again, a plain Enum's or Flag's member was refused, "Expected `int`, got
-        # `Shade`", on every call, and a Flag's _missing_ ran twice a value).
-        self._into = (self._pos_type, self._named_type, self._var_pos, self._var_kw)
-        if self._typed is not None:
-            untyped: list[tuple[str, object, object]] = [(n, typing.Any, d) for n, _, d in pos]
-            untyped_kw: list[tuple[str, object, object]] = [(n, typing.Any, d) for n, _, d in kwonly]
-            self._into = (
-                msgspec.defstruct(f"{name}_positional_built", fields(untyped), array_like=True,
-                                  forbid_unknown_fields=True),
-                msgspec.defstruct(f"{name}_named_built", fields(untyped + untyped_kw),
-                                  kw_only=True, forbid_unknown_fields=self._var_kw is None),
-                None if self._var_pos is None else list[typing.Any],
-                None if self._var_kw is None else dict[str, typing.Any],
-            )
-        # Sets and non-str dict keys are checked for hash flooding before they are built
-        # (broker/collisions.py): their params take the general path.
-        guards = (None,) * 4 if raw_params else (
-            collisions.guard(self._pos_type), collisions.guard(self._named_type),
-            None if self._var_pos is None else collisions.guard(self._var_pos),
-            None if self._var_kw is None else collisions.guard(self._var_kw))
-        self._guards = guards if any(guards) else None
-        if not (raw_params or self._var_pos or self._var_kw or self._required_kwonly or self._guards):
-            self._fast = (
-                msgspec.json.Decoder(self._pos_type),
-                None if kwonly else msgspec.json.Decoder(self._named_type),
-            )
-
-    def params_schema(self) -> dict[str, object]:
-        """JSON Schema of the named params (used by HELLO, and later by MCP): `{}` for a
-        hint msgspec cannot describe, or whose description has no JSON form (round 36:
-        `Meta(examples=[numpy.int64(10)])` stopped the worker's boot with a bare traceback)."""
-        if self.raw_params:
-            return {}
-        try:
-            schema = msgspec.json.schema(self._named_type)
-            msgspec.json.encode(schema)
-        except (TypeError, ValueError):  # (UnicodeEncodeError included: a lone surrogate)
-            return {}
-        return schema
-
-    def named_params_types(self) -> tuple[type[msgspec.Struct], object | None]:
-        """(the Struct of the params by name, `dict[str, hint]` of **kwargs or None): what the
-        JSON Schema of a tool's arguments is made of (broker/worker/tools.py)."""
-        return self._named_type, self._var_kw
-
-    def positional_only_unnamed(self) -> list[str]:
-        """The positional-only parameters that params by name cannot give (beside **kwargs:
-        a name goes to **kwargs), in order."""
-        return [n for n in self._pos_names if n in self._pos_only]
+        super().__init__(name, fn, raw_params)  # (its types: broker/worker/signature.py)
 
     def bind(self, params: bytes, max_depth: int, _quiet: bool = False) -> tuple[tuple[object, ...], dict[str, object]]:
         """Raw JSON params (b"" when absent) → `(args, kwargs)` for the handler.
@@ -736,21 +524,6 @@ def _reference_counts(items: list[tuple[object, object]]) -> list[tuple[object, 
     return [(key, id(value), sys.getrefcount(value)) for key, value in items]
 
 
-def _json_is_of(cls: type) -> bool | None:
-    """Whether a value decoded from JSON can be an instance of `cls`, which a conversion to a
-    class msgspec has no decoder for checks by isinstance: True for `numbers.Real`,
-    `Hashable`, a runtime-checkable Protocol; False for `Fraction`, `Counter`, a plain
-    class; None if isinstance refuses `cls` (round 51: a Protocol not checkable at runtime
-    raised TypeError out of every call's binding)."""
-    try:
-        return any(isinstance(value, cls) for value in _JSON_VALUES)
-    except TypeError:
-        return None
-
-
-_JSON_VALUES: tuple[object, ...] = (0, 0.5, "", True, None, [], {})  # (one of each type msgspec decodes JSON to, untyped)
-
-
 def _keyed(items: list[tuple[str, typing.Any]], refusal: str | None, message: str) -> InvalidParams:
     """The refusal of **kwargs' values: `refusal`, msgspec's of them as one array ("<reason>
     - at `$[i]<inner>`"), said of the key of the i-th of `items` as a refusal of that value
@@ -779,16 +552,6 @@ def _is_async(fn: Callable[..., object]) -> bool:
     except ValueError:  # a __wrapped__ cycle
         return False
     return inner is not fn and inspect.iscoroutinefunction(inner)
-
-
-def _struct_default(value: object) -> object:
-    """A parameter's default as a Struct field default. msgspec refuses a non-empty
-    list/dict/set/bytearray, and copies an empty one per instance, so give it through a
-    factory that returns that same object: the handler sees its default exactly as a
-    Python call would (one object, shared by the calls)."""
-    if type(value) in (list, dict, set, bytearray):  # (empty too: msgspec copies those per call,
-        return msgspec.field(default_factory=lambda: value)  # round 36: a `_cache: dict = {}` memo never filled)
-    return value
 
 
 class NestingTooDeep(RemoteError):
