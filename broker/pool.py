@@ -2,12 +2,12 @@
 
 Theory of operation
 -------------------
-The pool listens on one Unix socket, `workers.sock`, inside a private 0700 directory.
-It spawns N fresh interpreters (`python -m broker.worker`, never forked from the
-running event loop), each told its slot and the socket path. A worker connects and
-sends HELLO (its pid, slot, methods and concurrency limit); the pool checks the pid
-against the process it spawned and the method list against the first worker's, and
-the worker becomes READY: the dispatcher starts routing calls to it.
+The pool listens on one Unix socket, `workers.sock`, inside a private 0700 directory. It
+spawns N fresh interpreters (`python -m broker.worker`, never forked from the running
+event loop: broker/spawning.py), each told its slot and the socket path. A worker
+connects and sends HELLO (its pid, slot, methods and concurrency limit); the pool checks
+the pid against the process it spawned and the method list against the first worker's,
+and the worker becomes READY: the dispatcher starts routing calls to it.
 
 Each slot's life follows `TRANSITIONS`:
 
@@ -67,13 +67,11 @@ it never polls.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import math
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import typing
@@ -85,18 +83,16 @@ from broker.dispatch import Dispatcher
 from broker.errors import LocalError
 from broker.membership import RESTART_WAIT_SECONDS
 from broker.recycling import RECYCLE_DROPPED, RECYCLE_REASONS, Recycle, Recycling
-from broker.reloads import (  # (and what both modules use: the kill reasons, the process helpers)
+from broker.reloads import (  # (and what both modules use: the kill reasons, a few helpers)
     CODE_CHANGED,
     SUPERSEDED,
     WIRE_MISMATCH,
     Reloads,
-    _kill,
-    _kill_if_alive,
     _log_task_error,
     _methods,
-    describe_status,
     method_change,
 )
+from broker.spawning import describe_status, kill, kill_if_alive, spawn, worker_command
 from broker.worker import WORKER_BOOT_ERROR
 
 if typing.TYPE_CHECKING:
@@ -295,7 +291,7 @@ class Pool(Reloads, Recycling):
                 late = [w for w in self.workers if w.state is not WorkerState.READY]
                 for w in late:
                     if w.process is not None:
-                        _kill_if_alive(w.process)
+                        kill_if_alive(w.process)
                 raise WorkerBootError(
                     f"worker {', '.join(str(w.slot) for w in late)} sent no HELLO within boot_timeout"
                     f" {timeout} s: app {self.app!r} hangs at import (or its process was stopped);"
@@ -331,68 +327,26 @@ class Pool(Reloads, Recycling):
         """Start the process of a worker `_prepare` made STARTING."""
         if self._stopping:  # (`stop` came in between: a leave's replacement, `worker_leaving`)
             return
-        argv = [
-            sys.executable, "-m", "broker.worker",
-            "--socket", self._path,
-            "--slot", str(worker.slot),
-            "--app", self.app,
-            "--concurrency", str(self.concurrency),
-            "--max-depth", str(self.max_depth),
-            "--max-frame-bytes", str(self.max_frame_bytes),
-            "--log-level", self.log_level,
-            "--parent-pid", str(os.getpid()),
-        ]  # fmt: skip
-        if self.debug:
-            argv.append("--debug")
-        links: list[int] = []
-        ends: list[int] = []
+        argv = worker_command(
+            self._path, worker.slot, app=self.app, concurrency=self.concurrency, max_depth=self.max_depth,
+            max_frame_bytes=self.max_frame_bytes, log_level=self.log_level, debug=self.debug,
+        )
         try:
-            if _descriptors_left() < SPAWN_DESCRIPTORS + 2 * (self.peers.count if self.peers is not None else 0):
-                # (uvloop's process creation, failing with EMFILE part-way, leaks 4 descriptors
-                # each time: hostile testing saw them ratchet up; not tried then)
-                raise OSError(errno.EMFILE, f"fewer than {SPAWN_DESCRIPTORS} file descriptors left")
-            # (--frontends N: its connection to each other front-end, a socketpair's end: broker/peers.py)
-            if self.peers is not None:
-                links, ends = self.peers.link_ends()
-                for fd in links:
-                    argv += ["--link-fd", str(fd)]
-            # A worker's stderr, and its stdout (a handler's print), is a pipe the broker reads
-            # (`worker_stderr`) and writes on with its own lines, never blocking: a stderr nobody
-            # reads (a stuck journald socket, a full pipe) stalls no worker, and no call routed
-            # to one (hostile testing, round 118: workers logging to a socket the access lines
-            # filled stalled 10 s); nor does a stdout nobody reads.
-            stderr = os.pipe2(os.O_CLOEXEC) if self.worker_stderr is not None else None
-            out = stderr[1] if stderr else None
-            try:
-                process = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                    pass_fds=links,
-                )
-            except BaseException:
-                if stderr:
-                    os.close(stderr[0])
-                for fd in ends:
-                    os.close(fd)
-                raise
-            finally:
-                if stderr:
-                    os.close(stderr[1])
-                for fd in links:
-                    os.close(fd)
+            process, output, ends = await spawn(argv, self.peers, self.worker_stderr is not None)
         except OSError as exc:  # (EMFILE, EAGAIN, ENOMEM: the system is short of something now)
             self._launch_failed(worker, exc)
             return
-        if stderr and self.worker_stderr is not None:
-            self.worker_stderr(stderr[0], process.pid)
+        if output is not None and self.worker_stderr is not None:
+            self.worker_stderr(output, process.pid)
         if self._stopping:  # `stop` came while this process was being created
-            _kill(process)
+            kill(process)
         elif (self.workers[worker.slot] is not worker and not any(w is worker for w in self.incoming)
               and self._replacement(worker) is None):
             # Started for a reload that failed while this process was being created (a leave's
             # replacement, round 39: it lived on, imported the code that was not deployed, and
             # its HELLO was refused as a stranger's), or for a recycle dropped meanwhile: not wanted any more.
             worker.kill_reason = worker.kill_reason or "started for a reload that failed meanwhile"
-            _kill(process)
+            kill(process)
         worker.process = process
         worker.pid = process.pid
         if self.peers is not None:
@@ -615,7 +569,7 @@ class Pool(Reloads, Recycling):
             log.error("worker %d (pid %d) sent no HELLO in %s s (boot_timeout): killing it",
                       worker.slot, worker.pid, self.boot_timeout)
             worker.kill_reason = f"boot timeout: no HELLO in {self.boot_timeout} s"
-            _kill(process)
+            kill(process)
 
     def hello(self, channel: WorkerChannel, hello: wire.Hello) -> Worker:
         """Bind a new connection to its worker slot; raises `wire.FrameError` if it
@@ -751,7 +705,7 @@ class Pool(Reloads, Recycling):
             worker.kill_reason = f"retired: not gone {limit:g} s after BYE"
         log.warning("worker %d (pid %d) was told to leave %g s ago and has not: killing it",
                     worker.slot, worker.pid, limit)
-        _kill(process)
+        kill(process)
 
     def channel_lost(self, worker: Worker) -> None:
         """A worker's socket closed: stop routing to it; kill it if it lingers. Until its
@@ -777,7 +731,7 @@ class Pool(Reloads, Recycling):
         if process.returncode is None:
             if worker.process is process and not worker.kill_reason:
                 worker.kill_reason = f"its socket closed {KILL_AFTER_SECONDS:g} s before"
-            _kill(process)
+            kill(process)
 
     async def stop(self, timeout: float = 10.0, hurry: asyncio.Event | None = None) -> None:
         """Ask every worker to finish and exit (BYE); SIGKILL those still alive after
@@ -790,7 +744,7 @@ class Pool(Reloads, Recycling):
         everyone = [*self.workers, *self.incoming, *self.retiring, *(r.new for r in self.replacements.values())]
         for worker in everyone:  # still importing (the start's, a reload's, a restart's): nothing to finish
             if worker.state is WorkerState.STARTING and worker.process is not None:
-                _kill_if_alive(worker.process)
+                kill_if_alive(worker.process)
         for worker in everyone:
             if worker.channel is not None and worker.state is WorkerState.READY:
                 worker.move(WorkerState.DRAINING)
@@ -813,7 +767,7 @@ class Pool(Reloads, Recycling):
                     if worker.process is not None and worker.process.returncode is None:
                         log.warning("worker %d (pid %d) did not exit in %.1f s: SIGKILL", worker.slot, worker.pid,
                                     self.loop.time() - began)
-                        _kill(worker.process)
+                        kill(worker.process)
                 await asyncio.wait(alive, timeout=5.0)
         if self._reload_task is not None:  # it sees _stopping and gives up
             await asyncio.wait([self._reload_task], timeout=5.0)
@@ -836,19 +790,3 @@ def restart_reason(status: int, kill_reason: str, left: bool = False) -> str:
         return "left"
     return "killed" if status < 0 else "exited"
 
-
-SPAWN_DESCRIPTORS = 16  # descriptors a process creation needs free (its pipes, /dev/null, the exec's error pipe)
-
-
-def _descriptors_left() -> int:
-    """File descriptors this process may still open: RLIMIT_NOFILE's soft limit less those
-    open (/proc/self/fd; a large number where it cannot be read). O(open descriptors):
-    once per process creation."""
-    import resource
-
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    try:
-        used = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return 1 << 30
-    return (1 << 30) if soft == resource.RLIM_INFINITY else soft - used

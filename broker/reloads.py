@@ -2,8 +2,8 @@
 
 `pool.Pool` inherits these methods (a mixin with no state of its own: the attributes it
 reads are the pool's, declared in broker/pool_state.py for the type checker). Besides
-them, the kill reasons and the process helpers both modules use are here (broker/pool.py
-imports them).
+them, the kill reasons and the few helpers both modules use are here (broker/pool.py
+imports them; the processes' own, spawning and killing, are broker/spawning.py's).
 
 A reload (SIGHUP, `reload`) deploys the app anew, whatever methods it now has: a new
 Worker for every slot is spawned outside `workers` (`incoming`); each says HELLO and
@@ -36,17 +36,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import typing
 
 from broker import wire
 from broker.channel import Worker, WorkerChannel, WorkerState
 from broker.pool_state import PoolState
+from broker.spawning import boot_error, describe_status, kill, kill_if_alive
 from broker.worker import WORKER_BOOT_ERROR
-from broker.worker.process import boot_error_path
 
-__all__ = ["CODE_CHANGED", "SUPERSEDED", "WIRE_MISMATCH", "Reloads", "boot_error", "describe_status", "method_change"]
+__all__ = ["CODE_CHANGED", "SUPERSEDED", "WIRE_MISMATCH", "Reloads", "method_change"]
 
 log = logging.getLogger("broker.pool")  # (the pool's logger: these are its lines)
 
@@ -158,7 +156,7 @@ class Reloads(PoolState):
                     if worker.channel is not None:
                         worker.channel.close()
                     if worker.process is not None:
-                        _kill_if_alive(worker.process)
+                        kill_if_alive(worker.process)
                 self.reloads["failure"] += 1
                 log.error("reload failed: %s; keeping the old workers (the old code serves on)", failure)
                 self._restart_awaiting("its worker left or exited during the reload, which failed")
@@ -250,7 +248,7 @@ class Reloads(PoolState):
                 old.channel.send(wire.Kind.BYE, 0, 0, b"")
                 self._retire_by(old)
             elif alive and old.state is not WorkerState.DRAINING:  # (one that asked to leave drains on)
-                _kill(typing.cast(asyncio.subprocess.Process, old.process))  # never got ready: nothing to drain
+                kill(typing.cast(asyncio.subprocess.Process, old.process))  # never got ready: nothing to drain
 
     def _hello_incoming(self, channel: WorkerChannel, worker: Worker, names: list[str], hello: wire.Hello) -> Worker:
         """HELLO from a new worker of a reload: READY, but it takes calls only at the
@@ -312,31 +310,6 @@ class Reloads(PoolState):
             self._beside(worker)
 
 
-def boot_error(socket_path: str, pid: int | None) -> str:
-    """The line worker `pid` left to say why it could not load its app
-    (`broker.worker.process.boot_error_path`), removed once read; "" if none."""
-    if pid is None:
-        return ""
-    path = boot_error_path(socket_path, pid)
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            said = f.read(4096).strip()
-        os.unlink(path)
-    except OSError:
-        return ""
-    return said
-
-
-def describe_status(status: int) -> str:
-    """Human words for a process exit status ("exited with 1", "killed by SIGKILL")."""
-    if status < 0:
-        try:
-            return f"killed by {signal.Signals(-status).name}"
-        except ValueError:
-            return f"killed by signal {-status}"
-    return f"exited with {status}"
-
-
 def method_change(new: list[str], old: list[str], most: int = 20) -> str:
     """What `new` method list changes from `old`: "adds ['b'] and removes no method", each
     list sorted and cut at `most` names ("... and 380 more"): a line of the log per
@@ -358,18 +331,6 @@ def _methods(names: list[str]) -> str:
     """"1 method", "3 methods": a worker's method count in its ready line (hostile
     testing, round 32: "1 methods")."""
     return f"{len(names)} method{'' if len(names) == 1 else 's'}"
-
-
-def _kill(process: asyncio.subprocess.Process) -> None:
-    try:
-        process.kill()
-    except ProcessLookupError:
-        pass
-
-
-def _kill_if_alive(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        _kill(process)
 
 
 def _log_task_error(task: asyncio.Task[None]) -> None:
