@@ -107,7 +107,7 @@ HTTP_STATUSES = (
 )
 # The `path` label of the HTTP responses: rpc_path, /healthz, /readyz, /metrics, anything else.
 HTTP_PATHS = ("rpc", "mcp", "health", "ready", "metrics", "other")
-RESTART_REASONS = ("exited", "killed", "hung", "boot_timeout", "reload", "left", "code_changed")  # see pool.restart_reason
+RESTART_REASONS = ("exited", "killed", "hung", "boot_timeout", "reload", "left", "code_changed")  # see restarts.restart_reason
 # Why a notification never reached a worker (Dispatcher.notifications_dropped's keys).
 # invalid_request: nested past the JSON parser's limit, so it cannot be forwarded
 # (jsonrpc.Body.dropped); worker_died: it reached one, which died before it ended;

@@ -1,9 +1,9 @@
-"""The pool's state as the modules of its reload's and recycling's methods see it (`PoolState`), for the type checker.
+"""The pool's state as the modules of its reload's, recycling's and restarts' methods see it (`PoolState`), for the type checker.
 
 `pool.Pool` holds the state (its `__init__` makes every attribute below) and inherits the
-methods of broker/reloads.py and broker/recycling.py (mixins with no state of their own).
-Those mixins subclass `PoolState`, which declares what they read of the pool's attributes
-and methods; at run time it is an empty class.
+methods of broker/reloads.py, broker/recycling.py and broker/restarts.py (mixins with no
+state of their own). Those mixins subclass `PoolState`, which declares what they read of
+the pool's attributes and methods; at run time it is an empty class.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = ["PoolState"]
 
 
 class PoolState:
-    """What `pool.Pool`'s mixins (`reloads.Reloads`, `recycling.Recycling`) read of its state and methods."""
+    """What `pool.Pool`'s mixins (`reloads.Reloads`, `recycling.Recycling`, `restarts.Restarts`) read of its state and methods."""
 
     if typing.TYPE_CHECKING:
         _awaiting_reload: set[Worker]
@@ -56,6 +56,8 @@ class PoolState:
         on_reload: typing.Callable[[bool | None, str], None] | None
         reload_failure: str
         reloads: dict[str, int]
+        restart_backoff_max: float
+        restarts_by_reason: dict[str, int]
         replacements: dict[int, Recycle]
         retiring: set[Worker]
         size: int

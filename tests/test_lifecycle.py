@@ -1510,7 +1510,7 @@ def test_a_client_whose_calls_crash_the_worker_gets_at_most_a_restart_a_second_p
     client sending calls that crash it, one at a time, had the slot restarting back to
     back, a process and an import each (63 restarts in 10 s on 2 slots, over a core of
     CPU). A slot restarts no sooner than RESTART_EVERY_SECONDS after its last start."""
-    from broker.pool import RESTART_EVERY_SECONDS
+    from broker.restarts import RESTART_EVERY_SECONDS
 
     b = broker_factory("--workers", "1", "--app", "tests.apps.crashy:registry")
     deadline = time.monotonic() + 3.0
