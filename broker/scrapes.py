@@ -17,11 +17,14 @@ front-ends: hostile testing, round 126).
 from __future__ import annotations
 
 import asyncio
+import logging
 import typing
 
 __all__ = ["COLLECT_SECONDS", "Rounds"]
 
 COLLECT_SECONDS = 1.0  # a round waits this long at most for the peers' series
+
+log = logging.getLogger("broker")
 
 
 class Rounds:
@@ -78,7 +81,10 @@ class Rounds:
             self._deadline = None
         self._pending = set()
         started = self._loop.time()
-        self.body = self._build()
+        try:
+            self.body = self._build()
+        except Exception:  # (the scrapes waiting are answered all the same, with the last body)
+            log.exception("the /metrics body could not be made; the last one is served")
         now = self._loop.time()
         self._next = now + (now - started)
         done, self._current = self._current, []

@@ -173,3 +173,24 @@ async def _until(condition) -> None:  # type: ignore[no-untyped-def]
     while not condition():
         await asyncio.sleep(0.005)
 
+
+
+@on_loop
+async def test_a_body_that_cannot_be_made_leaves_no_scrape_waiting():
+    peers = Peers(set())
+    failing = [True]
+
+    def build() -> bytes:
+        if failing[0]:
+            raise ValueError("a collector broke")
+        return peers.build()
+
+    rounds = Rounds(asyncio.get_running_loop(), peers.collect, build)
+    got: list[bytes] = []
+    rounds.gather(lambda: got.append(rounds.body))
+    await settle()
+    assert got == [b""]  # (answered, with the last body: none yet)
+    failing[0] = False
+    rounds.gather(lambda: got.append(rounds.body))
+    await asyncio.sleep(0.01)
+    assert got == [b"", b"body 1"]
