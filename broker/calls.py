@@ -86,6 +86,7 @@ class Call(msgspec.Struct, eq=False):
     slots: list[int] | None = None  # a chunk's answer slots (-1: notification)
     ids: list[Raw] | None = None  # a chunk's raw client ids
     methods: list[int] | None = None  # a chunk's method indexes
+    stride: int = 0  # a chunk's slots are slots[0] + stride * k, k = 0, 1...: its answers fill them at once (0: not so)
     held: int = 0  # bytes it holds while queued (counted in max_queue_bytes)
     heavy: int = 0  # its params' bytes counted in its worker's `heavy` (large params only, `_send`)
     stale: bool = False  # in flight when a reload replaced the method table: its reply teaches nothing
@@ -112,10 +113,12 @@ class Call(msgspec.Struct, eq=False):
         timeout: float,
         arrival: float,
         sync: bool = False,
+        stride: int = 0,
     ) -> Call:
         """Several calls of one batch as one unit (see wire.Kind.CHUNK): one frame,
         one deadline (they share `timeout`), one reply. `sync`: they are all blocking
-        sync calls (`Route.sync`; a chunk never mixes them with others). Its connection's
+        sync calls (`Route.sync`; a chunk never mixes them with others). `stride`: its
+        entries' slots are evenly spaced by it (0: not so, or unknown). Its connection's
         budget is `exchange.budget`."""
         payload, slots, ids, methods = encode_requests(entries)
         return cls(
@@ -134,6 +137,7 @@ class Call(msgspec.Struct, eq=False):
             slots=slots,
             ids=ids,
             methods=methods,
+            stride=stride,
         )
 
 

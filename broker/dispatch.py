@@ -560,6 +560,9 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         room = self._share - exchange.budget.in_flight  # (its connection's share left)
         for (timeout, sync, _notes), group in groups.items():
             n = len(group)
+            # Its slots one after another (calls, and no other element between them): each
+            # chunk's are evenly spaced, and its answers fill them at once (`_fill_results`)
+            even = group[0][0] >= 0 and group[-1][0] - group[0][0] == n - 1
             chunks = min(workers, n)
             size = 0  # > 0: chunks of `size` calls in order, not dealt out
             if sync == 2 or (sync and self._sync_routing):  # slow sync calls, isolated methods: one by one
@@ -583,7 +586,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
                     # A chunk goes to a worker below its limit like a call does, so it
                     # may overshoot the limit by its size; it queues and is shed as one
                     # unit.
-                    call = Call.chunk(next(self._ids), exchange, part, timeout, arrival, bool(sync))
+                    call = Call.chunk(next(self._ids), exchange, part, timeout, arrival, bool(sync),
+                                      (1 if size else chunks) if even else 0)
                     exchange.remaining += call.weight - call.slots.count(-1)  # type: ignore[union-attr]  # (no cast: 130 ns)
                 self._start(call, now)
 

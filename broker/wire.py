@@ -36,16 +36,27 @@ Kinds, who sends them, and what `aux` and the payload hold:
                              worker exits as above: no call written to it is lost.
     CHUNK   broker → worker  several calls of one batch in one frame; aux: their count;
                              payload: their deadline and flow (`DEADLINE`), then per call a
-                             `CALL_ENTRY` (method index u16,
-                             flags u8 (1 = notification), params length u32), then
-                             the raw params
+                             `CALL_ENTRY` (method index u16, flags u8 (1 = notification),
+                             id length u32, params length u32), then the client's raw id
+                             (none for a notification), then the raw params
+    CHUNK_RESULTS worker → broker  every answer of a CHUNK of calls (no notification)
+                             when all are results and no CHUNK_PART went before: the
+                             finished Response objects, `{"jsonrpc":"2.0","id":<the raw
+                             id as sent>,"result":<raw JSON>}`, in the chunk's order,
+                             separated by one `\n` (none inside: ids and results are
+                             compact JSON, which the worker checks); it ends the chunk as
+                             CHUNK_REPLY does, aux as CHUNK_REPLY's. The broker puts each
+                             in its slot as it is (`Replies._fill_results`), checked against
+                             its connection's bounds as one piece; otherwise it reads them
+                             one by one as a CHUNK_REPLY's.
     CHUNK_PART worker → broker  answers to some calls of a CHUNK, sent when running
                              it takes longer than one slice (so no answer waits for
                              the whole chunk); payload: per answer a `REPLY_ENTRY`
                              (the call's place in the chunk u32, kind u8: RESULT or
                              ERROR, length u32), then the raw JSON result or error
     CHUNK_REPLY worker → broker  the rest of a CHUNK's answers (as CHUNK_PART), sent
-                             once all of its calls are done; it ends the chunk.
+                             once all of its calls are done (unless CHUNK_RESULTS is); it
+                             ends the chunk.
                              aux: service time in µs (NOT_RUN: no handler of the
                              chunk ran). A worker may instead answer a
                              whole CHUNK with one ERROR frame (e.g. cancelled before
@@ -121,6 +132,7 @@ __all__ = [
     "CHUNK",
     "CHUNK_PART",
     "CHUNK_REPLY",
+    "CHUNK_RESULTS",
     "DEADLINE",
     "ERROR",
     "FLOW_MASK",
@@ -162,14 +174,16 @@ class Kind(IntEnum):
     BYE = 7
     CHUNK = 8
     CHUNK_REPLY = 9
-    CHUNK_PART = 10
-    RETURN = 11
+    CHUNK_RESULTS = 10
+    CHUNK_PART = 11
+    RETURN = 12
 
 
 # The kinds as plain ints, declared here once for every module that reads or writes
 # frames: the hot paths compare a frame's kind per frame, and an IntEnum member compares
-# slower than an int (IntEnum.__eq__ is looked up on the subclass).
-HELLO, CALL, NOTIFY, RESULT, ERROR, CANCEL, BYE, CHUNK, CHUNK_REPLY, CHUNK_PART, RETURN = map(int, Kind)
+# slower than an int (IntEnum.__eq__ is looked up on the subclass). (CHUNK_PART and RETURN
+# last: `Replies.on_reply` tells them from the rest with one comparison.)
+HELLO, CALL, NOTIFY, RESULT, ERROR, CANCEL, BYE, CHUNK, CHUNK_REPLY, CHUNK_RESULTS, CHUNK_PART, RETURN = map(int, Kind)
 
 
 HEADER = struct.Struct(">IBQI")
@@ -180,7 +194,7 @@ DEADLINE = struct.Struct(">dI")  # the call's deadline and its flow (a connectio
 RETURNABLE = 0x80000000  # in a call's flow: it may be given back unstarted (RETURN)
 FLOW_MASK = RETURNABLE - 1  # ... and the connection's number
 CALL_HEADER = struct.Struct(">IBQIdI")
-CALL_ENTRY = struct.Struct(">HBI")  # in a CHUNK: method index, flags, params length
+CALL_ENTRY = struct.Struct(">HBII")  # in a CHUNK: method index, flags, id length, params length
 REPLY_ENTRY = struct.Struct(">IBI")  # in a CHUNK_PART/REPLY: call's place, kind, length
 NOTIFY_FLAG = 1
 # The most methods one worker may serve: CALL_ENTRY holds a method's index in 16 bits,
@@ -208,9 +222,11 @@ CANCEL_ACK = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker")
 CANCEL_ACK_RAN = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker after its handler ran")
 _KINDS = frozenset(int(k) for k in Kind)
 # This format's version, in HELLO: 2 since calls carry their deadline, 3 since they carry
-# their flow too, 4 since a worker may give calls back (RETURN); a HELLO without one is version 1's. A worker started from code upgraded in place under a running broker (a
-# SIGHUP after `pip install -U`) speaks another, and is refused with a message saying so.
-VERSION = 4
+# their flow too, 4 since a worker may give calls back (RETURN), 5 since a CHUNK carries its
+# calls' ids and may be answered with finished Response objects (CHUNK_RESULTS); a HELLO
+# without one is version 1's. A worker started from code upgraded in place under a running
+# broker (a SIGHUP after `pip install -U`) speaks another, and is refused with a message saying so.
+VERSION = 5
 # The default of max_frame_bytes (config/settings.py's too): the largest frame either side takes.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 

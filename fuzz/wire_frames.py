@@ -4,8 +4,8 @@ The broker and each worker read each other's frames with the same incremental de
 (`wire.FrameDecoder`: the broker's `channel.WorkerChannel` with max_frame_bytes plus a reply
 entry, the worker's `worker.runtime.WorkerProtocol` with max_frame_bytes), then each side reads
 what its peer's kinds carry: the broker a HELLO (`decode_hello`), a RESULT or ERROR
-(`replies.error_code`) and a CHUNK_PART or CHUNK_REPLY's answers (`chunk.answers`,
-`count_answers`); the worker a CALL, NOTIFY or CHUNK's deadline and flow (`wire.DEADLINE`) and a
+(`replies.error_code`), a CHUNK_PART or CHUNK_REPLY's answers (`chunk.answers`,
+`count_answers`) and a CHUNK_RESULTS's Response objects (`chunk.results`, `entries_of`); the worker a CALL, NOTIFY or CHUNK's deadline and flow (`wire.DEADLINE`) and a
 CHUNK's calls (`chunk.read_call`).
 
 Input: `harness.split`'s (flags, piece sizes, stream). Flags bit 0: the stream is records
@@ -21,10 +21,12 @@ default. The bytes go to the decoder in pieces of the input's sizes. Checked:
 - the frames read, encoded again (`encode_frame`), are the bytes they came from;
 - each side's reading of each frame raises nothing but its documented errors (`FrameError`
   or `WireMismatch` for a HELLO; `struct.error` past a CHUNK's end, where the worker answers
-  the call "method not found"), and the chunk readers agree (`count_answers` and `answers`);
-- records mode: a CHUNK's calls and a CHUNK_REPLY's answers built from the payload
-  (`encode_requests`' layout, `add_answer`) read back as built, and `with_methods` and
-  `large_params` agree with them;
+  the call "method not found"), and the chunk readers agree (`count_answers` and `answers`;
+  `results` finds the objects a CHUNK_RESULTS holds and no other count, and `entries_of`
+  refuses them or makes entries of them all);
+- records mode: a CHUNK's calls (with their ids), a CHUNK_REPLY's answers and a CHUNK_RESULTS's
+  objects built from the payload (`encode_requests`' layout, `add_answer`, `add_result`) read
+  back as built, and `with_methods` and `large_params` agree with them;
 - time is linear in the size (`harness.timed`).
 
 Run: `python -m fuzz.wire_frames [libFuzzer flags] [CORPUS_DIR]` (`make fuzz` does).
@@ -43,7 +45,7 @@ with instrumented(__name__ == "__main__"):
 __all__ = ["check", "seeds"]
 
 _SMALL_LIMIT = 64
-_KIND_RANGE = 12  # kinds 0..11 in records mode: 0 is no kind (refused), 1..11 are wire.Kind
+_KIND_RANGE = 13  # kinds 0..12 in records mode: 0 is no kind (refused), 1..12 are wire.Kind
 
 
 def _reference(stream: bytes, limit: int) -> tuple[list[tuple[int, int, int, bytes]], int, bool]:
@@ -90,6 +92,12 @@ def _read_as_broker(kind: int, aux: int, payload: bytes) -> None:
         for _place, _kind, start, end in entries:
             assert start == pos + wire.REPLY_ENTRY.size and end >= start, (pos, start, end)
             pos = end
+    elif kind == wire.CHUNK_RESULTS:
+        count = payload.count(b"\n") + 1
+        parts = chunk.results(payload, count)
+        assert parts is not None and chunk.results(payload, count + 1) is None
+        made = chunk.entries_of(parts, [b"1"] * count)
+        assert made is None or chunk.count_answers(made) == count
 
 
 def _read_as_worker(kind: int, aux: int, payload: bytes) -> None:
@@ -128,11 +136,14 @@ def _check_chunks(payload: bytes) -> None:
         n = payload[at] % 5
         calls.append((payload[at] * 257 % 65536, payload[at] & 1, payload[at + 1:at + 1 + n]))
         at += 1 + n
-    built = b"".join(wire.CALL_ENTRY.pack(m, f, len(p)) + p for m, f, p in calls)
+    ids = [p[:1] for _m, _f, p in calls]  # (any bytes: the worker reads past an id by its length)
+    built = b"".join(wire.CALL_ENTRY.pack(m, f, len(i), len(p)) + i + p for (m, f, p), i in zip(calls, ids))
     pos, read = 0, []
     while pos < len(built):
+        at = pos
         method, notify, start, pos = chunk.read_call(built, pos)
         read.append((method, int(notify), built[start:pos]))
+        assert built[at + wire.CALL_ENTRY.size:start] == ids[len(read) - 1]
     assert read == calls, (read, calls)
     least = (payload[0] % 5) if payload else 1
     assert chunk.large_params(built, least) == sum(len(p) for _, _, p in calls if len(p) >= least)
@@ -148,6 +159,16 @@ def _check_chunks(payload: bytes) -> None:
     got = [(place, kind, bytes(answers[s:e])) for place, kind, s, e in chunk.answers(bytes(answers))]
     assert got == [(i, wire.RESULT if f else wire.ERROR, p) for i, (_m, f, p) in enumerate(calls)]
     assert chunk.count_answers(bytes(answers)) == len(calls)
+    if calls:  # (results hold no `\n`: compact JSON, checked by the worker)
+        objects = bytearray()
+        for i, (_m, _f, p) in enumerate(calls):
+            chunk.add_result(objects, b"%d" % i, p.replace(b"\n", b" "))
+        parts = chunk.results(bytes(objects[:-1]), len(calls))
+        assert parts is not None
+        entries = chunk.entries_of(parts, [b"%d" % i for i in range(len(calls))])
+        assert entries is not None
+        got = [(place, kind, entries[s:e]) for place, kind, s, e in chunk.answers(entries)]
+        assert got == [(i, wire.RESULT, p.replace(b"\n", b" ")) for i, (_m, _f, p) in enumerate(calls)]
 
 
 def _check(data: bytes) -> int:
@@ -196,7 +217,7 @@ def seeds() -> list[bytes]:
     hello = (b'{"pid":1,"slot":0,"methods":[{"name":"echo","params_schema":{}}],"concurrency":4,'
              b'"sync_methods":["echo"],"wire":%d}' % wire.VERSION)
     call = wire.encode_call(wire.CALL, 7, 0, b"[1,2]", 12.5, 3)
-    entries = wire.CALL_ENTRY.pack(0, 0, 5) + b"[1,2]" + wire.CALL_ENTRY.pack(1, 1, 2) + b"{}"
+    entries = wire.CALL_ENTRY.pack(0, 0, 1, 5) + b"7[1,2]" + wire.CALL_ENTRY.pack(1, 1, 0, 2) + b"{}"
     chunk_frame = wire.encode_call(wire.CHUNK, 8, 2, entries, 99.0, 4 | wire.RETURNABLE)
     reply = bytearray()
     chunk.add_answer(reply, 0, wire.RESULT, b"3")
@@ -208,6 +229,8 @@ def seeds() -> list[bytes]:
         wire.encode_frame(wire.RESULT, 7, 120, b'{"sum":3}'),
         wire.encode_frame(wire.ERROR, 9, wire.NOT_RUN, wire.CANCEL_ACK),
         wire.encode_frame(wire.CHUNK_REPLY, 8, 80, bytes(reply)),
+        wire.encode_frame(wire.CHUNK_RESULTS, 8, 80, b'{"jsonrpc":"2.0","id":7,"result":3}\n'
+                                                     b'{"jsonrpc":"2.0","id":"x","result":[]}'),
         wire.encode_frame(wire.CANCEL, 7),
         wire.encode_frame(wire.BYE, 0),
     ]

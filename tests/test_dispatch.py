@@ -149,8 +149,9 @@ def chunk_reply(frame: tuple[int, int, int, bytes], kind: int = wire.Kind.RESULT
 def first_params(frame: tuple[int, int, int, bytes]) -> object:
     """The params of a CALL frame, or of a CHUNK's first call, decoded."""
     if frame[0] == wire.Kind.CHUNK:
-        _index, _flags, length = wire.CALL_ENTRY.unpack_from(frame[3], 0)
-        return json.loads(frame[3][wire.CALL_ENTRY.size : wire.CALL_ENTRY.size + length])
+        _index, _flags, id_length, length = wire.CALL_ENTRY.unpack_from(frame[3], 0)
+        start = wire.CALL_ENTRY.size + id_length
+        return json.loads(frame[3][start : start + length])
     return json.loads(frame[3])
 
 
@@ -788,8 +789,8 @@ def _entries_from(payload: bytes, place: int) -> bytes:
     """A CHUNK payload's CALL_ENTRYs (and params) from its call at `place` on."""
     pos = 0
     for _ in range(place):
-        _index, _flags, length = wire.CALL_ENTRY.unpack_from(payload, pos)
-        pos += wire.CALL_ENTRY.size + length
+        _index, _flags, id_length, length = wire.CALL_ENTRY.unpack_from(payload, pos)
+        pos += wire.CALL_ENTRY.size + id_length + length
     return payload[pos:]
 
 

@@ -50,20 +50,22 @@ def test_a_chunk_is_its_entries_in_order_with_their_slots_ids_and_methods():
         (-1, Request("2.0", "b", params=b"{}", id=None), Route(260, 1.0)),  # a notification
     ]
     payload, slots, ids, methods = chunk.encode_requests(entries)
-    assert payload == CALL_ENTRY.pack(5, 0, 3) + b"[1]" + CALL_ENTRY.pack(260, NOTIFY_FLAG, 2) + b"{}"
+    # (a call's id travels with it, for its CHUNK_RESULTS; a notification has none)
+    assert payload == CALL_ENTRY.pack(5, 0, 1, 3) + b"7[1]" + CALL_ENTRY.pack(260, NOTIFY_FLAG, 0, 2) + b"{}"
     assert (slots, ids, methods) == ([3, -1], [b"7", None], [5, 260])
     first = chunk.read_call(payload, 0)
-    assert first == (5, False, CALL_ENTRY.size, CALL_ENTRY.size + 3)
+    assert first == (5, False, CALL_ENTRY.size + 1, CALL_ENTRY.size + 4)
     assert chunk.read_call(payload, first[3]) == (260, True, first[3] + CALL_ENTRY.size, len(payload))
     with pytest.raises(struct.error):
         chunk.read_call(payload, len(payload))
 
 
 def test_a_reloads_method_table_rewrites_each_calls_method_index_and_keeps_the_rest():
-    payload = CALL_ENTRY.pack(1, 0, 3) + b"[1]" + CALL_ENTRY.pack(2, NOTIFY_FLAG, 0) + CALL_ENTRY.pack(3, 0, 2) + b"{}"
+    payload = CALL_ENTRY.pack(1, 0, 1, 3) + b"1[1]" + CALL_ENTRY.pack(2, NOTIFY_FLAG, 0, 0) + \
+        CALL_ENTRY.pack(3, 0, 3, 2) + b'"x"{}'
     rewritten = chunk.with_methods(payload, [7, 0, 65535])
-    assert rewritten == CALL_ENTRY.pack(7, 0, 3) + b"[1]" + CALL_ENTRY.pack(0, NOTIFY_FLAG, 0) + \
-        CALL_ENTRY.pack(65535, 0, 2) + b"{}"
+    assert rewritten == CALL_ENTRY.pack(7, 0, 1, 3) + b"1[1]" + CALL_ENTRY.pack(0, NOTIFY_FLAG, 0, 0) + \
+        CALL_ENTRY.pack(65535, 0, 3, 2) + b'"x"{}'
     assert type(rewritten) is bytes and payload[:2] == b"\x00\x01"  # a copy: the payload is left alone
 
 
@@ -86,7 +88,8 @@ def test_a_chunks_answers_are_read_back_as_written_and_a_truncated_one_is_not():
 
 @pytest.mark.parametrize(("least", "total"), [(1, 3 + 5), (3, 3 + 5), (4, 5), (5, 5), (6, 0)])
 def test_a_chunks_large_params_are_those_of_at_least_the_bound_added_up(least, total):
-    payload = CALL_ENTRY.pack(0, 0, 3) + b"[1]" + CALL_ENTRY.pack(0, 0, 0) + CALL_ENTRY.pack(0, 0, 5) + b"[1,2]"
+    payload = CALL_ENTRY.pack(0, 0, 4, 3) + b"1234[1]" + CALL_ENTRY.pack(0, 0, 1, 0) + b"2" + \
+        CALL_ENTRY.pack(0, 0, 9, 5) + b'"a\\"b[1]"[1,2]'  # (ids of their own lengths: not params)
     assert chunk.large_params(payload, least) == total
 
 

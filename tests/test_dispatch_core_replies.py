@@ -573,7 +573,7 @@ def test_a_queued_call_keeps_no_reference_to_its_request_body_and_a_chunk_counts
 
 def test_a_chunks_call_in_slot_0_is_a_call_not_a_notification():
     entries = [(0, Request("2.0", "a", params=b"[]", id=b"1"), Route(1, 1.0))]
-    assert chunk.encode_requests(entries)[0] == CALL_ENTRY.pack(1, 0, 2) + b"[]"
+    assert chunk.encode_requests(entries)[0] == CALL_ENTRY.pack(1, 0, 1, 2) + b"1[]"
 
 
 # -- a call run alone (broker/isolation.py) answered: _ran_alone -------------------------------

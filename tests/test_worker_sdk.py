@@ -2168,18 +2168,32 @@ def test_system_exit_in_a_handler_is_an_error_not_a_dead_worker(run):
 
 def chunk_frame(chunk_id: int, calls: list[tuple[str, bytes, bool]], deadline: float = math.inf, flow: int = 0) -> bytes:
     """A CHUNK frame: (method, params, notification) per call, their `deadline`, and the
-    `flow` (client connection) they came on."""
+    `flow` (client connection) they came on. The id of a call is its place in the chunk (a
+    JSON number: `chunk_answers`)."""
     payload = b"".join(
-        wire.CALL_ENTRY.pack(INDEX[m], wire.NOTIFY_FLAG if note else 0, len(p)) + p for m, p, note in calls
+        wire.CALL_ENTRY.pack(INDEX[m], wire.NOTIFY_FLAG if note else 0, 0 if note else len(b"%d" % i), len(p))
+        + (b"" if note else b"%d" % i) + p
+        for i, (m, p, note) in enumerate(calls)
     )
     return encode_call(Kind.CHUNK, chunk_id, len(calls), payload, deadline, flow)
 
 
+ENDS = (Kind.CHUNK_REPLY, Kind.CHUNK_RESULTS)  # the frames that end a chunk's answers
+
+
 def chunk_answers(frames: list[Frame]) -> dict[int, tuple[int, bytes]]:
-    """{place in chunk: (kind, body)} from CHUNK_PART/CHUNK_REPLY frames; fails on a repeat."""
+    """{place in chunk: (kind, body)} from CHUNK_PART/CHUNK_REPLY/CHUNK_RESULTS frames (of a
+    `chunk_frame`'s chunk); fails on a repeat, or a Response object not as wire.py says."""
     answers: dict[int, tuple[int, bytes]] = {}
     for kind, _, _, payload in frames:
-        assert kind in (Kind.CHUNK_PART, Kind.CHUNK_REPLY), kind
+        assert kind in (Kind.CHUNK_PART, Kind.CHUNK_REPLY, Kind.CHUNK_RESULTS), kind
+        if kind == Kind.CHUNK_RESULTS:  # (every call's, in order: its finished Response objects)
+            assert not answers
+            for i, part in enumerate(payload.split(b"\n")):
+                head = b'{"jsonrpc":"2.0","id":%d,"result":' % i
+                assert part.startswith(head) and part.endswith(b"}"), part
+                answers[i] = (Kind.RESULT, part[len(head) : -1])
+            continue
         pos = 0
         while pos < len(payload):
             i, entry_kind, length = wire.REPLY_ENTRY.unpack_from(payload, pos)
@@ -2192,7 +2206,7 @@ def chunk_answers(frames: list[Frame]) -> dict[int, tuple[int, bytes]]:
 
 async def read_chunk(b: Broker, chunk_id: int) -> tuple[list[Frame], dict[int, tuple[int, bytes]]]:
     frames: list[Frame] = []
-    while not frames or frames[-1][0] != Kind.CHUNK_REPLY:
+    while not frames or frames[-1][0] not in ENDS:
         [f] = await b.read(timeout=10)
         assert f[1] == chunk_id
         frames.append(f)
@@ -2203,7 +2217,7 @@ def _answered_order(frames: list[Frame]) -> list[tuple[int, int]]:
     """(call id, place in its chunk; -1 for a single call) of each answer, in the order sent."""
     order: list[tuple[int, int]] = []
     for kind, call_id, _, payload in frames:
-        if kind in (Kind.CHUNK_PART, Kind.CHUNK_REPLY):
+        if kind in (Kind.CHUNK_PART, *ENDS):
             order += [(call_id, i) for i in chunk_answers([(kind, call_id, 0, payload)])]
         else:
             order.append((call_id, -1))
@@ -2246,10 +2260,10 @@ def test_a_returnable_call_found_slow_gives_back_the_waiting_calls_of_its_method
         assert returned[3][2:] == (0, b"[0.02]")
         assert returned[6][2:] == (0, chunk_frame(0, waiting)[wire.HEADER_SIZE + wire.DEADLINE.size:])
         kinds = [(f[0], f[1]) for f in frames]
-        assert kinds.index((Kind.RETURN, 2)) < kinds.index((Kind.CHUNK_REPLY, 2))
+        assert kinds.index((Kind.RETURN, 2)) < kinds.index((Kind.CHUNK_RESULTS, 2))  # (its one call ran: a result)
         assert list(chunk_answers([f for f in frames if f[1] == 2 and f[0] != Kind.RETURN])) == [0]  # (the one that ran)
         ran = {f[1]: f[0] for f in frames if f[0] != Kind.RETURN}
-        assert ran[4] == ran[5] == Kind.RESULT and ran[7] == Kind.CHUNK_REPLY
+        assert ran[4] == ran[5] == Kind.RESULT and ran[7] == Kind.CHUNK_RESULTS
         # A slow call sent without the flag gives nothing back; a RETURNABLE one after it does.
         b.send(
             encode_call(Kind.CALL, 10, INDEX["spin"], b"[0.002]", flow=9),
@@ -2273,7 +2287,7 @@ def test_a_flows_slow_calls_hold_another_flows_call_back_for_one_slice(run):
         spins = [("spin", b"[0.05]", False)] * 6
         b.send(chunk_frame(1, spins, flow=7), encode_call(Kind.CALL, 2, INDEX["add_ints"], b"[1, 2]", flow=8))
         frames: list[Frame] = []
-        while not any(f[0] == Kind.CHUNK_REPLY for f in frames) or not any(f[1] == 2 for f in frames):
+        while not any(f[0] in ENDS for f in frames) or not any(f[1] == 2 for f in frames):
             frames += await b.read(timeout=10)
         order = _answered_order(frames)
         assert order.index((2, -1)) == 1, order  # after one spin of flow 7, not six
@@ -2281,7 +2295,7 @@ def test_a_flows_slow_calls_hold_another_flows_call_back_for_one_slice(run):
         b.send(chunk_frame(3, spins, flow=7), chunk_frame(4, spins, flow=9),
                encode_call(Kind.CALL, 5, INDEX["add_ints"], b"[2, 2]", flow=8))
         frames = []
-        while sum(1 for f in frames if f[0] == Kind.CHUNK_REPLY) < 2:
+        while sum(1 for f in frames if f[0] in ENDS) < 2:
             frames += await b.read(timeout=10)
         order = _answered_order(frames)
         assert order.index((5, -1)) <= 2, order  # (flow 9's first slow call: it had taken no time yet)
@@ -2291,7 +2305,7 @@ def test_a_flows_slow_calls_hold_another_flows_call_back_for_one_slice(run):
         b.send(chunk_frame(8, spins, flow=7),
                *(encode_call(Kind.CALL, 100 + k, INDEX["add_ints"], b"[1, 1]", flow=8) for k in range(5)))
         frames = []
-        while not any(f[0] == Kind.CHUNK_REPLY for f in frames) or sum(1 for f in frames if f[1] >= 100) < 5:
+        while not any(f[0] in ENDS for f in frames) or sum(1 for f in frames if f[1] >= 100) < 5:
             frames += await b.read(timeout=10)
         order = _answered_order(frames)
         assert max(order.index((100 + k, -1)) for k in range(5)) == 5, order  # after one spin
@@ -2302,7 +2316,7 @@ def test_a_flows_slow_calls_hold_another_flows_call_back_for_one_slice(run):
                *(encode_call(Kind.CALL, 200 + k, INDEX["spin"], b"[0.003]", flow=10) for k in range(5)),
                chunk_frame(300, [("add_ints", b"[1, 2]", False)] * 2000, flow=11))
         frames = []
-        while not any(f[0] == Kind.CHUNK_REPLY and f[1] == 9 for f in frames):
+        while not any(f[0] in ENDS and f[1] == 9 for f in frames):
             frames += await b.read(timeout=10)
         order = _answered_order(frames)
         spun = [i for i, (c, _) in enumerate(order) if c == 9]
@@ -2314,7 +2328,7 @@ def test_a_flows_slow_calls_hold_another_flows_call_back_for_one_slice(run):
         b.send(chunk_frame(10, spins, flow=12),
                encode_call(Kind.CALL, 400, INDEX["add_ints"], b"[4, 4]", flow=7))  # (flow 7: 0.9 s so far)
         frames = []
-        while not any(f[0] == Kind.CHUNK_REPLY and f[1] == 10 for f in frames) or not any(f[1] == 400 for f in frames):
+        while not any(f[0] in ENDS and f[1] == 10 for f in frames) or not any(f[1] == 400 for f in frames):
             frames += await b.read(timeout=10)
         order = _answered_order(frames)
         assert order.index((400, -1)) <= 2, order
@@ -2346,7 +2360,7 @@ def test_a_flow_with_a_little_history_is_not_put_behind_a_heavy_flows_chunk_by_p
         for k in range(40):  # a cheap call of a new connection every 10 ms
             await asyncio.sleep(0.01)
             b.send(encode_call(Kind.CALL, 100 + k, INDEX["add_ints"], b"[1, 1]", flow=100 + k))
-        while not any(f[0] == Kind.CHUNK_REPLY for f in frames) or sum(1 for f in frames if f[1] >= 32) < 41:
+        while not any(f[0] in ENDS for f in frames) or sum(1 for f in frames if f[1] >= 32) < 41:
             frames += await b.read(timeout=10)
         order = [(c, i) for c, i in _answered_order(frames) if c in (31, 32)]
         assert order.index((32, -1)) <= 2, order  # after one or two of the six spins, not all
@@ -2366,6 +2380,49 @@ def test_a_chunk_gets_every_answer_once_sync_async_errors_and_notifications(run)
         assert answers[2][0] == Kind.ERROR and json.loads(answers[2][1])["code"] == 1001
         assert answers[4][0] == Kind.ERROR and json.loads(answers[4][1])["code"] == -32602
         await b.nothing_more()
+
+    run(test)
+
+
+# Ids of every JSON type a call may have (tests/test_chunk_results.py's): each comes back as sent.
+CHUNK_IDS = [b"1", b"123456789012345678901234567890", b"-1.5e+300", b'"a\\"\\\\\\u00e9\\n"', '"é ☃"'.encode(), b"null",
+             b"0", b'""']
+
+
+def test_a_worker_answers_a_chunk_of_results_with_its_objects_and_ids_as_sent(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        calls = [(i, id_) for i, id_ in enumerate(CHUNK_IDS)]
+        payload = b"".join(wire.CALL_ENTRY.pack(INDEX["add_ints"], 0, len(id_), 6) + id_ + b"[%d, 1]" % i for i, id_ in calls)
+        b.send(encode_call(Kind.CHUNK, 5, len(CHUNK_IDS), payload))
+        [frame] = await b.read(timeout=10)
+        assert frame[:2] == (Kind.CHUNK_RESULTS, 5)
+        assert frame[3] == b"\n".join(b'{"jsonrpc":"2.0","id":%s,"result":%d}' % (id_, i + 1) for i, id_ in calls)
+        # An error after two results, or an async call (its answer comes in its own time):
+        # entries, the results before it read back as they were
+        for chunk_id, last in ((6, ("add_ints", b'["x", 1]')), (7, ("nap", b"[0.01]"))):
+            b.send(encode_call(Kind.CHUNK, chunk_id, 3, b"".join(
+                wire.CALL_ENTRY.pack(INDEX[m], 0, 1, len(p)) + b"%d" % i + p
+                for i, (m, p) in enumerate((("add_ints", b"[1, 1]"), ("add_ints", b"[2, 2]"), last)))))
+            frames: list[Frame] = []
+            while not frames or frames[-1][0] not in ENDS:
+                frames += await b.read(timeout=10)
+            assert frames[-1][0] == Kind.CHUNK_REPLY
+            answers = chunk_answers(frames)
+            assert answers[0] == (Kind.RESULT, b"2") and answers[1] == (Kind.RESULT, b"4")
+            assert answers[2][0] == (Kind.ERROR if chunk_id == 6 else Kind.RESULT)
+
+    run(test)
+
+
+def test_a_worker_answers_a_chunk_of_notifications_in_entries(run):
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        b.send(encode_call(Kind.CHUNK, 7, 2, b"".join(
+            wire.CALL_ENTRY.pack(INDEX["add_ints"], wire.NOTIFY_FLAG, 0, 6) + b"[1, 1]" for _ in range(2))))
+        frames: list[Frame] = []
+        while not frames or frames[-1][0] not in ENDS:
+            frames += await b.read(timeout=10)
+        assert frames[-1][0] == Kind.CHUNK_REPLY
+        assert chunk_answers(frames) == {0: (Kind.RESULT, b"2"), 1: (Kind.RESULT, b"2")}
 
     run(test)
 

@@ -1,9 +1,13 @@
 """A batch's chunks: their calls run in the loop's slices (`ChunkRuns._advance`), their answers sent.
 
-A CHUNK (several calls of one batch, `_Chunk`) is answered with CHUNK_PART frames and one
-CHUNK_REPLY: `_advance` starts its calls while `WorkerProtocol._run`'s slice lasts, each
-answer joins the chunk's unsent ones (`_chunk_answer`, a CHUNK_PART going out first when
-they would pass max_frame_bytes), and `_emit` sends them. Past its deadline a call is not
+A CHUNK (several calls of one batch, `_Chunk`) is answered with one CHUNK_RESULTS, or with
+CHUNK_PART frames and one CHUNK_REPLY: `_advance` starts its calls while
+`WorkerProtocol._run`'s slice lasts. While every answer is a result, in the chunk's order,
+each is written as its finished Response object (`chunk.add_result`: the broker puts it in
+its slot as it is); the first that is not (an error, a notification's, an async call's, one
+past max_frame_bytes, a part to send first) turns those into entries (`_unclean`), and from
+then on each answer joins the chunk's unsent ones (`_chunk_answer`, a CHUNK_PART going out
+first when they would pass max_frame_bytes). `_emit` sends them. Past its deadline a call is not
 started (`_drop_unstarted`). `WorkerProtocol` (broker/worker/runtime.py) inherits these
 methods; the state they use is the protocol's, in its slots. The names the run loop shares
 with them are here too: a call's deadline and flow (`_deadline_of`), the answers of a call
@@ -22,15 +26,17 @@ import time
 import typing
 
 from broker import wire
-from broker.chunk import add_answer, read_call
+from broker.chunk import RESULT_HEAD, RESULT_MID, add_answer, read_call
 from broker.wire import (
     AWAITED,
     CALL_ENTRY,
     CHUNK_PART,
     CHUNK_REPLY,
+    CHUNK_RESULTS,
     ERROR,
     NOT_RUN,
     REPLY_ENTRY,
+    RESULT,
     RETURNABLE,
 )
 from broker.worker import runtime  # (`runtime._forked_from`, read at run time: runtime imports this first)
@@ -50,14 +56,15 @@ _UNRUN = -1
 SLOW_SYNC_US = 1000  # a sync call this long (µs) blocks the replies behind it (dispatch.BLOCKING_US)
 _SLOW_SYNC_S = SLOW_SYNC_US / 1e6
 _AWAITED_WITHIN_S = 0.01  # a sync handler that returns its awaitable within this blocks nothing (wire.AWAITED)
+_RESULT_FRAME = len(RESULT_HEAD) + len(RESULT_MID) + 2  # a Response object's bytes besides its id and result, `}\n`
 
 
 class _Chunk:
     """A CHUNK being run: where its next call starts, and answers not yet sent."""
 
     __slots__ = (
-        "awaited", "chunk_id", "count", "deadline", "flow", "next", "payload", "pos", "ran", "t0", "tasks",
-        "unsent", "waiting"
+        "answered", "awaited", "chunk_id", "clean", "count", "deadline", "flow", "next", "payload", "pos", "ran",
+        "results", "t0", "tasks", "unsent", "waiting"
     )  # fmt: skip
 
     def __init__(self, chunk_id: int, count: int, payload: bytes) -> None:
@@ -70,6 +77,11 @@ class _Chunk:
         self.pos = _DEADLINE_SIZE  # byte offset of the next call's entry
         self.next = 0  # index of the next call to start
         self.unsent = bytearray()  # REPLY_ENTRY-framed answers for the next part
+        # While `clean`: every answer so far a result, of calls 0 to `answered` - 1, in order,
+        # written as Response objects for a CHUNK_RESULTS (`results`; `unsent` empty).
+        self.clean = True
+        self.results = bytearray()
+        self.answered = 0
         self.tasks: list[asyncio.Task[tuple[bool, object]]] = []
         self.waiting = 0  # async calls still running
         self.ran = False  # a handler of it ran (else its CHUNK_REPLY's aux is NOT_RUN)
@@ -85,10 +97,10 @@ def _calls_of(payload: bytes, pos: int, method: int) -> bool:
     size = CALL_ENTRY.size
     end = len(payload)
     while pos + size <= end:
-        index, _flags, length = unpack(payload, pos)
+        index, _flags, id_length, length = unpack(payload, pos)
         if index == method:
             return True
-        pos += size + length
+        pos += size + id_length + length
     return False
 
 
@@ -143,6 +155,7 @@ class ChunkRuns:
         pack = REPLY_ENTRY.pack
         payload = chunk.payload
         unsent = chunk.unsent
+        results = chunk.results
         limit = self._max_result
         slow = self._slow
         unknown = len(self._methods)  # (answered "method not found")
@@ -152,19 +165,20 @@ class ChunkRuns:
         while chunk.next < chunk.count:
             i = chunk.next
             try:
-                index, _flags, length = unpack(payload, chunk.pos)
+                index, flags, id_length, length = unpack(payload, chunk.pos)
             except struct.error:
-                index, length = unknown, 0
+                index, flags, id_length, length = unknown, 0, 0, 0
             if index > unknown:
                 index = unknown
-            if slow[index] and (unsent or self._out or self._dirty):
+            if slow[index] and (unsent or results or self._out or self._dirty):
                 # As in `_call`: the answers ready so far go out (a CHUNK_PART: call i is
                 # not started yet) before a call that may block the loop, so they are not
                 # held past their deadline behind it.
                 self._dirty.add(chunk)
                 self._write_out()
                 t0 = _perf()
-            start = chunk.pos + size
+            at = chunk.pos + size  # (its id)
+            start = at + id_length
             chunk.pos = start + length
             chunk.next += 1
             self._advancing = chunk  # type: ignore[misc]  # (a slot of WorkerProtocol's: mypy sees this class's empty ones)
@@ -189,15 +203,29 @@ class ChunkRuns:
                         if chunk.flow & RETURNABLE:  # (and it was sent as not blocking: `_give_back`)
                             self._surprise = index  # type: ignore[misc]
                     chunk.ran = True
-                if len(unsent) + len(body) <= limit:  # fits this part (the common case)
-                    unsent += pack(i, kind, len(body))
-                    unsent += body
+                if chunk.clean and kind == RESULT and i == chunk.answered and not flags and id_length and (
+                    len(results) + _RESULT_FRAME + id_length + len(body) <= limit
+                ) and b"\n" not in body:  # a Response object for the CHUNK_RESULTS (the common case)
+                    results += RESULT_HEAD
+                    results += payload[at:start]
+                    results += RESULT_MID
+                    results += body
+                    results += b"}\n"
+                    chunk.answered += 1
                 else:
-                    self._chunk_answer(chunk, i, kind, body)
+                    if chunk.clean:
+                        self._unclean(chunk)
+                    if len(unsent) + len(body) <= limit:  # fits this part
+                        unsent += pack(i, kind, len(body))
+                        unsent += body
+                    else:
+                        self._chunk_answer(chunk, i, kind, body)
             else:
                 task = typing.cast("asyncio.Task[tuple[bool, object]]", done)
                 slow[index] = False
                 chunk.ran = True
+                if chunk.clean:  # (its answer comes in its own time, out of the chunk's order)
+                    self._unclean(chunk)
                 if not self._methods[index].is_async:  # a sync handler's awaitable (wire.AWAITED):
                     if now - t0 >= _AWAITED_WITHIN_S:  # returned after blocking: the chunk's time is the worker's
                         chunk.awaited = -1
@@ -244,6 +272,8 @@ class ChunkRuns:
         may together pass max_frame_bytes: those before this one go out first as a
         CHUNK_PART, so each frame holds at most max_frame_bytes of answers (plus one
         entry header). Only an answer that alone is larger fails (-32603)."""
+        if chunk.clean:
+            self._unclean(chunk)
         if len(body) > self._max_result:
             kind, body = ERROR, self._too_large(kind, len(body))
         unsent = chunk.unsent
@@ -253,19 +283,54 @@ class ChunkRuns:
         add_answer(unsent, i, kind, body)
 
     def _emit(self, chunk: _Chunk) -> None:
-        """Send a chunk's unsent answers: the CHUNK_REPLY once nothing in it is left
-        to run, else a CHUNK_PART."""
+        """Send a chunk's unsent answers: once nothing in it is left to run, the
+        CHUNK_RESULTS if every call's answer is a result in `results`, else the
+        CHUNK_REPLY; before, a CHUNK_PART."""
         if chunk.next == chunk.count and not chunk.waiting:
             self._chunks.pop(chunk.chunk_id, None)
             aux = -1 if chunk.ran else NOT_RUN
             if chunk.awaited > 0:  # (wire.AWAITED)
                 aux = min(int((_perf() - chunk.t0) * 1e6), AWAITED - 1) | AWAITED
+            results = chunk.results
+            if chunk.clean and chunk.answered == chunk.count and results:
+                del results[-1:]  # (the last one's separator)
+                self._reply(CHUNK_RESULTS, chunk.chunk_id, chunk.t0, bytes(results), aux)
+                results.clear()
+                return
+            if chunk.clean:
+                self._unclean(chunk)
             self._reply(CHUNK_REPLY, chunk.chunk_id, chunk.t0, bytes(chunk.unsent), aux)
-        elif chunk.unsent:
+        elif chunk.unsent or chunk.results:
+            if chunk.clean:  # (a part: of entries)
+                self._unclean(chunk)
             self._reply(CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
         else:
             return
         chunk.unsent.clear()
+
+    def _unclean(self, chunk: _Chunk) -> None:
+        """`chunk` will not be answered with a CHUNK_RESULTS: turn the Response objects in
+        its `results` (of its calls 0 to `answered` - 1, in order) into entries of its
+        `unsent` answers. Each result is found by its id's length, as sent in the chunk, and
+        ends before the `}\n` that follows it (no result holds a `\n`: `_advance`). Rare:
+        only when a chunk's answers are not all results, in order, in one frame."""
+        chunk.clean = False
+        results = chunk.results
+        if not results:
+            return
+        unsent = chunk.unsent
+        payload = chunk.payload
+        unpack = CALL_ENTRY.unpack_from
+        pos = _DEADLINE_SIZE
+        at = 0
+        for place in range(chunk.answered):
+            _index, _flags, id_length, length = unpack(payload, pos)
+            pos += CALL_ENTRY.size + id_length + length
+            start = at + len(RESULT_HEAD) + id_length + len(RESULT_MID)
+            end = results.index(b"\n", start)
+            add_answer(unsent, place, RESULT, bytes(results[start : end - 1]))
+            at = end + 1
+        results.clear()
 
     def _drop_unstarted(self, chunk: _Chunk) -> None:
         """Answer the calls of `chunk` not started yet as cancelled (`CANCEL_ACK`; a

@@ -50,6 +50,7 @@ class HeldAnswers:
         _transport: asyncio.Transport | None
 
         def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int: ...
+        def _unclean(self, chunk: _Chunk) -> None: ...
 
     def _send_held(self) -> None:
         """A thread's loop, every HELD_SECONDS: if a handler has run that long (a method
@@ -95,6 +96,8 @@ class HeldAnswers:
         if self._advancing is not None:
             chunks.add(self._advancing)
         for chunk in chunks:
+            if chunk.clean and chunk.results:  # (a part: of entries)
+                self._unclean(chunk)
             if chunk.unsent:
                 self._reply(CHUNK_PART, chunk.chunk_id, chunk.t0, bytes(chunk.unsent))
                 chunk.unsent.clear()

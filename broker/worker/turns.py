@@ -139,7 +139,7 @@ class FlowTurns:
             if type(item) is _Chunk:
                 if not item.flow & RETURNABLE or item.next >= item.count or not _calls_of(item.payload, item.pos, method):
                     kept.append(item)
-                elif item.next == 0 and not item.waiting and not item.unsent:  # (nothing of it ran: all of it)
+                elif item.next == 0 and not item.waiting and not item.unsent and not item.results:  # (nothing of it ran: all of it)
                     self._chunks.pop(item.chunk_id, None)
                     self._dirty.discard(item)
                     self._reply(RETURN, item.chunk_id, 0.0, item.payload[_DEADLINE_SIZE:], 0)
