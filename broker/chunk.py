@@ -10,9 +10,9 @@ chunk's finished Response objects, one per call in order, separated by `\n` (`re
 and reads their answers (`answers`, `count_answers`, `results`); a worker reads chunks
 (`read_call`) and writes answers (`add_answer`, `add_result`).
 
-The hot loops of both sides (`dispatch.Dispatcher._fill_chunk`, `worker.chunks`'s
-`_advance`) read the entries inline, with these structs, rather than call here once an
-entry: a call costs about 60 ns, per call of every batch.
+The hot loops of both sides (`replies.Replies._fill_chunk`, `worker.chunks`'s `_advance`)
+read and write the entries and objects inline, with these structs and pieces, rather than
+call here once an entry: a call costs about 60 ns, per call of every batch.
 """
 
 from __future__ import annotations

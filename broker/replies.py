@@ -3,7 +3,8 @@
 `dispatch.Dispatcher` inherits these methods (a mixin with no state of its own: the
 attributes it reads are the dispatcher's, declared below for the type checker). A worker's
 frames reach `on_reply`: a RESULT or ERROR for one call, a CHUNK_PART or CHUNK_REPLY for a
-batch chunk's calls (`_fill_chunk`), a RETURN of calls it gave back unstarted (`_returned`).
+batch chunk's calls (`_fill_chunk`), a CHUNK_RESULTS of a chunk's finished Response objects
+(`_fill_results`), a RETURN of calls it gave back unstarted (`_returned`).
 
 A worker's reply (`on_reply`) finds its call by id in the pending table, splices the
 raw result or error object after the client's raw id, and fills the call's slot; the

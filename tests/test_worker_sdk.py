@@ -2414,6 +2414,25 @@ def test_a_worker_answers_a_chunk_of_results_with_its_objects_and_ids_as_sent(ru
     run(test)
 
 
+def test_a_chunk_whose_last_entry_runs_past_its_end_is_answered_and_the_worker_serves_on(run):
+    """The worker trusts no length of the broker's: an entry whose params (or id) run past
+    the payload is run with what there is, answered in entries, and the next frame served."""
+
+    async def test(proto: WorkerProtocol, b: Broker) -> None:
+        for id_length, length in ((1, 100), (50, 6)):
+            b.send(encode_call(Kind.CHUNK, 9, 2, wire.CALL_ENTRY.pack(INDEX["add_ints"], 0, 1, 6) + b"0[1, 1]"
+                               + wire.CALL_ENTRY.pack(INDEX["add_ints"], 0, id_length, length) + b"1[2, 2]"))
+            frames: list[Frame] = []
+            while not frames or frames[-1][0] not in ENDS:
+                frames += await b.read(timeout=10)
+            answers = chunk_answers(frames)
+            assert frames[-1][0] == Kind.CHUNK_REPLY and answers[0] == (Kind.RESULT, b"2") and len(answers) == 2
+        b.send(encode_call(Kind.CALL, 10, INDEX["add_ints"], b"[3, 4]"))
+        assert (await b.read(timeout=10))[0][::3] == (Kind.RESULT, b"7")
+
+    run(test)
+
+
 def test_a_worker_answers_a_chunk_of_notifications_in_entries(run):
     async def test(proto: WorkerProtocol, b: Broker) -> None:
         b.send(encode_call(Kind.CHUNK, 7, 2, b"".join(

@@ -156,6 +156,7 @@ class ChunkRuns:
         payload = chunk.payload
         unsent = chunk.unsent
         results = chunk.results
+        end = len(payload)
         limit = self._max_result
         slow = self._slow
         unknown = len(self._methods)  # (answered "method not found")
@@ -205,7 +206,8 @@ class ChunkRuns:
                     chunk.ran = True
                 if chunk.clean and kind == RESULT and i == chunk.answered and not flags and id_length and (
                     len(results) + _RESULT_FRAME + id_length + len(body) <= limit
-                ) and b"\n" not in body:  # a Response object for the CHUNK_RESULTS (the common case)
+                ) and chunk.pos <= end and b"\n" not in body:  # a Response object for the CHUNK_RESULTS (the
+                    # common case; its entry whole in the payload, so `_unclean` finds its result by its id's length)
                     results += RESULT_HEAD
                     results += payload[at:start]
                     results += RESULT_MID
