@@ -7,7 +7,8 @@ Usage: .venv/bin/python benchmarks/worker_instructions.py [--against TREE] [--sm
 `WorkerProtocol` on one end of a socketpair, in this process, running pipelined CALL frames
 of a trivial sync handler (`add`) sent 200 at a time, and a reader taking its RESULT frames
 (`--case chunk`: CHUNK frames of 50 such calls with their ids, as a batch of 100 reaches each
-of 2 workers, 4 a write, and their CHUNK_REPLY or CHUNK_RESULTS frames).
+of 2 workers, 4 a write, and their CHUNK_REPLY or CHUNK_RESULTS frames; in slices long enough
+that no chunk is cut into parts, as at full speed).
 Run under valgrind's callgrind at two sizes; the difference of the two counts over the
 difference in calls is the instructions per call, start-up cancelled. Everything the worker
 does for a call is in it: decoding the frame, the deadline check, binding the params, the
@@ -36,7 +37,7 @@ _DRIVER = r"""
 import asyncio, socket, sys, types
 import uvloop
 from broker import chunk, wire
-from broker.worker import Registry, WorkerProtocol
+from broker.worker import Registry, WorkerProtocol, chunks, held, runtime
 
 registry = Registry()
 
@@ -57,6 +58,14 @@ async def main(calls: int, batch: int) -> None:
         pass
     answered, call_id = 0, 1
     if CHUNK:  # (the tree's own CHUNK layout: `encode_requests` reads only these attributes)
+        # The times that decide when a chunk's answers go out in parts, as at full speed
+        # (50 `add` take about 0.2 ms): under callgrind every call takes some 50 times as
+        # long, and now and then one 1 ms, and the 2 ms slices, the 1 ms of a slow sync call
+        # and the 5 ms of a held handler (`_send_held`'s thread) would cut chunks into parts,
+        # which a worker at full speed does not send.
+        runtime.SLICE_SECONDS = 1.0
+        chunks._SLOW_SYNC_S = 1.0
+        held.HELD_SECONDS = 1.0
         calls_of = [(i, types.SimpleNamespace(params=b"[1, 2]", id=b"%d" % i), types.SimpleNamespace(method_index=0))
                     for i in range(CHUNK)]
         entries = chunk.encode_requests(calls_of)[0]

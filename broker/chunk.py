@@ -6,9 +6,9 @@ params length u32) then the client's raw id and the raw params; a CHUNK_PART or 
 payload is, per answer, a `REPLY_ENTRY` (the call's place in the chunk u32, kind u8: RESULT
 or ERROR, length u32) then the raw result or error object; a CHUNK_RESULTS payload is the
 chunk's finished Response objects, one per call in order, separated by `\n` (`results`,
-`add_result`, `entries_of`). The broker writes chunks (`encode_requests`, `with_methods`)
+`results_payload`, `entries_of`). The broker writes chunks (`encode_requests`, `with_methods`)
 and reads their answers (`answers`, `count_answers`, `results`); a worker reads chunks
-(`read_call`) and writes answers (`add_answer`, `add_result`).
+(`read_call`) and writes answers (`add_answer`, `results_payload`).
 
 The hot loops of both sides (`replies.Replies._fill_chunk`, `worker.chunks`'s `_advance`)
 read and write the entries and objects inline, with these structs and pieces, rather than
@@ -24,8 +24,8 @@ from broker.jsonrpc import _RESP_HEAD, _RESULT
 from broker.wire import CALL_ENTRY, NOTIFY_FLAG, REPLY_ENTRY, RESULT
 
 __all__ = [
-    "RESULT_HEAD", "RESULT_MID", "add_answer", "add_result", "answers", "count_answers", "encode_requests", "entries_of",
-    "large_params", "read_call", "results", "with_methods",
+    "RESULT_HEAD", "RESULT_MID", "add_answer", "answers", "count_answers", "encode_requests", "entries_of", "large_params",
+    "read_call", "results", "results_payload", "with_methods",
 ]
 
 # A result's Response object is RESULT_HEAD, its raw id, RESULT_MID, the raw result and `}`
@@ -33,6 +33,7 @@ __all__ = [
 RESULT_HEAD = _RESP_HEAD
 RESULT_MID = _RESULT
 _RESULTS_SEP = b"\n"
+_RESULTS_NEXT = b"}\n" + RESULT_HEAD  # (between two calls' id and result)
 
 
 def encode_requests(entries: list[tuple[int, typing.Any, typing.Any]]) -> tuple[bytes, list[int], list[typing.Any], list[int]]:
@@ -130,15 +131,12 @@ def count_answers(payload: bytes) -> int:
     return count
 
 
-def add_result(out: bytearray, id_: bytes, result: bytes) -> None:
-    """Append the Response object of a result (raw `id_` and `result`, compact JSON: no
-    `\n` in either) to a CHUNK_RESULTS payload under way (each ends with the separator;
-    the last one's is cut off when it is sent)."""
-    out += RESULT_HEAD
-    out += id_
-    out += RESULT_MID
-    out += result
-    out += b"}\n"
+def results_payload(answers: list[bytes]) -> bytes:
+    """A CHUNK_RESULTS payload of `answers`: a call's raw id, then its raw result, for each
+    call of the chunk in order (compact JSON, with no `\n` in either). The objects are made
+    by C code: a join per call, and one for all."""
+    pairs = iter(answers)
+    return b"".join((RESULT_HEAD, _RESULTS_NEXT.join(map(RESULT_MID.join, zip(pairs, pairs))), b"}"))
 
 
 def results(payload: bytes, count: int) -> list[bytes] | None:

@@ -25,7 +25,7 @@ default. The bytes go to the decoder in pieces of the input's sizes. Checked:
   `results` finds the objects a CHUNK_RESULTS holds and no other count, and `entries_of`
   refuses them or makes entries of them all);
 - records mode: a CHUNK's calls (with their ids), a CHUNK_REPLY's answers and a CHUNK_RESULTS's
-  objects built from the payload (`encode_requests`' layout, `add_answer`, `add_result`) read
+  objects built from the payload (`encode_requests`' layout, `add_answer`, `results_payload`) read
   back as built, and `with_methods` and `large_params` agree with them;
 - time is linear in the size (`harness.timed`).
 
@@ -160,10 +160,10 @@ def _check_chunks(payload: bytes) -> None:
     assert got == [(i, wire.RESULT if f else wire.ERROR, p) for i, (_m, f, p) in enumerate(calls)]
     assert chunk.count_answers(bytes(answers)) == len(calls)
     if calls:  # (results hold no `\n`: compact JSON, checked by the worker)
-        objects = bytearray()
+        answers_kept: list[bytes] = []
         for i, (_m, _f, p) in enumerate(calls):
-            chunk.add_result(objects, b"%d" % i, p.replace(b"\n", b" "))
-        parts = chunk.results(bytes(objects[:-1]), len(calls))
+            answers_kept += [b"%d" % i, p.replace(b"\n", b" ")]
+        parts = chunk.results(chunk.results_payload(answers_kept), len(calls))
         assert parts is not None
         entries = chunk.entries_of(parts, [b"%d" % i for i in range(len(calls))])
         assert entries is not None

@@ -59,11 +59,11 @@ def sent_ids(frame: tuple[int, int, int, bytes]) -> list[bytes]:
 
 def results_of(frame: tuple[int, int, int, bytes], results: list[bytes] | None = None) -> bytes:
     """A CHUNK_RESULTS payload answering the calls of a CHUNK frame (each its place, unless
-    `results` says), with the ids it carries, as the worker writes it (`chunk.add_result`)."""
-    out = bytearray()
+    `results` says), with the ids it carries, as the worker writes it (`chunk.results_payload`)."""
+    answers: list[bytes] = []
     for i, id_ in enumerate(sent_ids(frame)):
-        chunk.add_result(out, id_, results[i] if results is not None else b"%d" % i)
-    return bytes(out[:-1])
+        answers += [id_, results[i] if results is not None else b"%d" % i]
+    return chunk.results_payload(answers)
 
 
 def entries_of(frame: tuple[int, int, int, bytes], results: list[bytes] | None = None) -> bytes:
@@ -76,10 +76,7 @@ def entries_of(frame: tuple[int, int, int, bytes], results: list[bytes] | None =
 
 
 def test_a_chunks_results_are_its_response_objects_in_order_split_and_read_back_as_entries():
-    out = bytearray()
-    for id_, result in zip(IDS[:3], (b"3", b'"x"', b"[1,{}]")):
-        chunk.add_result(out, id_, result)
-    payload = bytes(out[:-1])  # (the last separator: the worker cuts it off)
+    payload = chunk.results_payload([IDS[0], b"3", IDS[1], b'"x"', IDS[2], b"[1,{}]"])
     assert payload == (b'{"jsonrpc":"2.0","id":1,"result":3}\n'
                        b'{"jsonrpc":"2.0","id":123456789012345678901234567890,"result":"x"}\n'
                        b'{"jsonrpc":"2.0","id":-1.5e+300,"result":[1,{}]}')
@@ -236,10 +233,7 @@ def test_a_chunk_given_back_in_part_takes_the_objects_of_the_calls_it_kept(clock
     d.submit(batch_body(codec, IDS[:4]), done.append)
     [frame] = w.channel.take()
     d.on_reply(w, Kind.RETURN, frame[1], 2, _entries_from(frame[3], 2))  # calls 2 and 3 back
-    kept = bytearray()
-    for i, id_ in enumerate(IDS[:2]):
-        chunk.add_result(kept, id_, b"%d" % i)
-    d.on_reply(w, Kind.CHUNK_RESULTS, frame[1], 0, bytes(kept[:-1]))
+    d.on_reply(w, Kind.CHUNK_RESULTS, frame[1], 0, chunk.results_payload([IDS[0], b"0", IDS[1], b"1"]))
     assert not done and d.in_flight_calls + d.queued_calls == 2  # (those given back: as blocking calls, one by one)
     for _ in range(4):  # (bounded: two calls)
         for f in w.channel.take():
