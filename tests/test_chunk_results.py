@@ -3,18 +3,25 @@ item 2): the ids the front-end sent, echoed byte for byte in request order; the 
 counts and bounds as the same results in entries (CHUNK_REPLY) wherever the one-piece path
 cannot be taken (past max_response_bytes or max_outgoing_bytes, after a part, the access log
 writing every call); a worker's death, a deadline, a part and a broken worker's bytes around
-it. In memory (test_dispatch_core.py's set-up), and through a real broker (the worker's side:
-test_worker_sdk.py, `test_a_worker_answers_a_chunk_of_results_with_its_objects_...`).
+it. In memory (test_dispatch_core.py's set-up), and through a real broker, with one front-end
+and with two (each front-end's chunks answered on its own link, their ids as it sent them; the
+worker's side: test_worker_sdk.py, `test_a_worker_answers_a_chunk_of_results_with_its_objects_...`).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
+import threading
 import typing
+from pathlib import Path
 
 import pytest
+from conftest import wait_for
 from test_dispatch import _entries_from, add_worker
 from test_dispatch_core import Clock, chunk_answers, one_worker
+from test_frontends import peers_of, tcp_sockets
 
 from broker import chunk
 from broker.answers import Exchange
@@ -284,3 +291,104 @@ def test_a_batch_over_two_workers_echoes_every_id_as_written_in_request_order(br
     assert status == 200
     assert answer == b"[" + b",".join(b'{"jsonrpc":"2.0","id":%s,"result":%d}' % (id_, i + 1)
                                       for i, id_ in enumerate(ids)) + b"]"
+
+
+# -- a real broker with two front-ends: each chunk's objects to the connection that sent it -
+
+
+# Valid ids of every JSON kind (JSON-RPC 2.0 section 4: a string, a number or null), as a
+# client may write them: -0, fractions and exponents, past 64 bits, escapes, raw UTF-8.
+EVERY_ID = [*IDS, b"-0", b"1.0", b"1e2", b"-1E+2", b"0.5e-3", b"-123456789012345678901234567890",
+            b'"\\ud83d\\ude00 \\/ \\t"', b'"1"', b"2"]
+# Not ids (an object, an array, a boolean): each such element is answered -32600 with id null.
+NOT_IDS = [b"{}", b"[1]", b"true"]
+
+
+def server_side(sock: socket.socket, port: int, pids: list[int]) -> int | None:
+    """Which of the processes `pids` holds the server's end of `sock`, a connection to `port`
+    (the kernel hands each to one front-end's listening socket): None if none does yet."""
+    client = f":{sock.getsockname()[1]:04X}"
+    server = f":{port:04X}"
+    for line in (Path("/proc/net/tcp").read_text() + Path("/proc/net/tcp6").read_text()).splitlines():
+        fields = line.split()
+        if fields[1].endswith(server) and fields[2].endswith(client) and fields[9].isdigit() and int(fields[9]):
+            for pid in pids:
+                if int(fields[9]) in tcp_sockets(pid):
+                    return pid
+    return None
+
+
+def test_a_batch_over_two_front_ends_answers_every_call_with_its_exact_id_on_each(broker_factory):
+    """`--frontends 2`: every worker serves both front-ends, whose chunks carry the same call
+    ids and the same client ids at once (the worker tags them by link, broker/worker/links.py).
+    Each connection's batches come back with its own results, every id as its client wrote
+    it, in request order, whichever front-end took the connection."""
+    b = broker_factory("--workers", "2", "--frontends", "2")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    pids = [b.pid, *peers_of(b.pid)]
+    by_pid: dict[int, list[http.client.HTTPConnection]] = {pid: [] for pid in pids}
+    conns: list[http.client.HTTPConnection] = []
+
+    def post(conn: http.client.HTTPConnection, body: bytes) -> bytes:
+        conn.request("POST", b.path, body=body, headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        return resp.read()
+
+    try:
+        # Connections until each front-end holds two (the kernel spreads them by their ports)
+        for _ in range(64):
+            if all(len(held) >= 2 for held in by_pid.values()):
+                break
+            conn = b.connection(30)
+            conns.append(conn)
+            assert post(conn, b'{"jsonrpc":"2.0","method":"add","params":[1,1],"id":0}') == (
+                b'{"jsonrpc":"2.0","id":0,"result":2}')
+            sock = typing.cast(socket.socket, conn.sock)
+            wait_for(lambda s=sock: server_side(s, b.port, pids) is not None, timeout=10)  # type: ignore[misc]
+            by_pid[typing.cast(int, server_side(sock, b.port, pids))].append(conn)
+        assert all(len(held) >= 2 for held in by_pid.values()), {p: len(h) for p, h in by_pid.items()}
+        # The answer each front-end gives an element that is not a valid request, alone
+        invalid = {id_: post(conns[0], b'[{"jsonrpc":"2.0","method":"add","params":[0,0],"id":%s}]' % id_)[1:-1]
+                   for id_ in NOT_IDS}
+        assert all(json.loads(a)["id"] is None and json.loads(a)["error"]["code"] == -32600 for a in invalid.values())
+        served = [conn for held in by_pid.values() for conn in held]
+
+        def batch(k: int, mixed: bool) -> tuple[bytes, bytes]:
+            """Connection `k`'s batch of 100 calls and the answer owed it, byte for byte;
+            `mixed`: invalid elements and notifications among the calls (their slots not
+            evenly spaced)."""
+            elements, answers = [], []
+            for i in range(100):
+                id_ = EVERY_ID[i % len(EVERY_ID)]
+                elements.append(b'{"jsonrpc":"2.0","method":"add","params":[%d,%d],"id":%s}' % (i, 1000 * k, id_))
+                answers.append(b'{"jsonrpc":"2.0","id":%s,"result":%d}' % (id_, i + 1000 * k))
+                if mixed and i % 7 == 3:
+                    bad = NOT_IDS[i % len(NOT_IDS)]
+                    elements.append(b'{"jsonrpc":"2.0","method":"add","params":[0,0],"id":%s}' % bad)
+                    answers.append(invalid[bad])
+                    elements.append(b'{"jsonrpc":"2.0","method":"add","params":[0,0]}')
+            return b"[" + b",".join(elements) + b"]", b"[" + b",".join(answers) + b"]"
+
+        for mixed in (False, True, False):  # each connection's batch at once on both front-ends
+            owed = [batch(k, mixed) for k in range(len(served))]
+            got: list[bytes | BaseException] = [b""] * len(served)
+
+            def send(k: int, body: bytes, got: list[bytes | BaseException]) -> None:
+                try:
+                    got[k] = post(served[k], body)
+                except BaseException as exc:  # (raised below, in the test's thread)
+                    got[k] = exc
+
+            threads = [threading.Thread(target=send, args=(k, owed[k][0], got)) for k in range(len(served))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            for k, answer in enumerate(got):
+                if isinstance(answer, BaseException):
+                    raise answer
+                assert answer == owed[k][1], (k, mixed, answer[:300])
+    finally:
+        for conn in conns:
+            conn.close()

@@ -18,7 +18,19 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from test_worker_sdk import CANCELLED, INDEX, LOOPS, Broker, chunk_frame, read_chunk, registry, result
+from test_worker_sdk import (
+    CANCELLED,
+    CHUNK_IDS,
+    ENDS,
+    INDEX,
+    LOOPS,
+    Broker,
+    chunk_answers,
+    chunk_frame,
+    read_chunk,
+    registry,
+    result,
+)
 
 from broker import wire
 from broker.wire import CANCEL_ACK, Kind, encode_call, encode_frame
@@ -130,6 +142,35 @@ def test_a_chunk_and_a_cancel_on_a_link(run_links):
     run_links(test)
 
 
+def test_each_front_end_gets_its_chunks_objects_with_the_ids_it_sent(run_links):
+    """The same chunk id and the same client ids from three front-ends at once, other params:
+    each gets one CHUNK_RESULTS, its own results under the ids as it wrote them; and a chunk
+    answered in entries (an async call in it) on one link leaves the others' objects whole."""
+
+    async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
+        for rounds in range(2):
+            for n, b in enumerate(bs):
+                calls = [(id_, b"[%d, %d]" % (i, 100 * n)) for i, id_ in enumerate(CHUNK_IDS)]
+                method = "async_add" if rounds and n == 1 else "add_ints"
+                b.send(encode_call(Kind.CHUNK, 5, len(calls), b"".join(
+                    wire.CALL_ENTRY.pack(INDEX[method], 0, len(id_), len(p)) + id_ + p for id_, p in calls)))
+            for n, b in enumerate(bs):
+                frames = await b.read(timeout=10)
+                while frames[-1][0] not in ENDS:
+                    frames += await b.read(timeout=10)
+                assert {f[1] for f in frames} == {5}
+                if rounds and n == 1:
+                    assert frames[-1][0] == Kind.CHUNK_REPLY
+                    assert chunk_answers(frames) == {i: (Kind.RESULT, b"%d" % (i + 100)) for i in range(len(CHUNK_IDS))}
+                else:
+                    assert [f[0] for f in frames] == [Kind.CHUNK_RESULTS]
+                    assert frames[0][3] == b"\n".join(b'{"jsonrpc":"2.0","id":%s,"result":%d}' % (id_, i + 100 * n)
+                                                      for i, id_ in enumerate(CHUNK_IDS))
+                await b.nothing_more()
+
+    run_links(test, 3)
+
+
 def test_the_worker_closes_only_once_every_front_end_said_bye(run_links):
     async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
         first, second = bs
@@ -231,6 +272,12 @@ class _TwoFrontEnds:
         self.conns[fe].sendall(b"".join(encode_call(Kind.CALL, call_id, self.index[method], params, math.inf, 1)
                                         for call_id, method, params in calls))
 
+    def chunk(self, fe: int, chunk_id: int, *calls: tuple[bytes, str, bytes]) -> None:
+        """Send a CHUNK of (raw id, method, params) calls to the worker, as front-end `fe`."""
+        payload = b"".join(wire.CALL_ENTRY.pack(self.index[method], 0, len(id_), len(params)) + id_ + params
+                           for id_, method, params in calls)
+        self.conns[fe].sendall(encode_call(Kind.CHUNK, chunk_id, len(calls), payload, math.inf, 1))
+
     def read(self, fe: int, n: int = 1) -> list[tuple[int, int, int, bytes]]:
         return _read(self.conns[fe], self.decoders[fe], n)
 
@@ -281,6 +328,18 @@ def test_answers_held_behind_a_blocking_call_reach_every_front_end(tmp_path: Pat
             release.touch()  # (only now may `hold` return)
             [h] = w.read(fe)
             assert h[:2] == (Kind.RESULT, 2) and h[3] == b'"released"'
+            release.unlink()
+        for fe in (1, 0):  # a chunk's: the result it kept for its objects goes as a part, to its own front-end
+            release.touch()
+            w.call(fe, (3, "hold", b"[%s]" % path))  # (learnt fast again)
+            assert w.read(fe)[0][:2] == (Kind.RESULT, 3)
+            release.unlink()
+            w.chunk(fe, 4, (b'"a"', "add", b"[2, %d]" % fe), (b"1e2", "hold", b"[%s]" % path))
+            [part] = w.read(fe)  # while `hold` holds the loop
+            assert part[:2] == (Kind.CHUNK_PART, 4) and chunk_answers([part]) == {0: (Kind.RESULT, b"%d" % (2 + fe))}
+            release.touch()
+            [end] = w.read(fe)
+            assert end[:2] == (Kind.CHUNK_REPLY, 4) and chunk_answers([end]) == {1: (Kind.RESULT, b'"released"')}
             release.unlink()
     finally:
         w.close()
