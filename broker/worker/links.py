@@ -9,7 +9,9 @@ their calls apart, so two may send the same id. Everything past the edges (the b
 turns, chunks, slow methods, the held answers' thread, cancels) is the protocol's, shared
 by all links, as if one broker had sent every call; the replies are written to one buffer
 with their tagged ids and split by link when written (`split`), each to its link with
-the front-end's own id back. With one front-end no id is tagged and nothing here runs.
+the front-end's own id back. A chunk's answers are its frames' too: the client ids inside a
+CHUNK and its CHUNK_RESULTS are the front-end's, echoed as sent, never tagged. With one
+front-end no id is tagged and nothing here runs.
 
 A link's BYE means its front-end sends no more calls on it; the worker exits once every
 connection has said BYE (or is closed) and every call is answered (`WorkerProtocol._flush`).

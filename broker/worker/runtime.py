@@ -4,8 +4,9 @@ Frames from the broker (broker/wire.py) are decoded in `data_received` and join 
 backlog; `_run` runs the waiting calls for up to `SLICE_SECONDS` per loop turn, then
 writes their replies in one write. A call is bound (`Method.bind`), run (`_execute`: a
 sync handler inline, an async one as a task, `_guarded`) and answered with one RESULT or
-ERROR frame; a CHUNK (several calls of one batch, `_Chunk`) is answered with CHUNK_PART
-frames and one CHUNK_REPLY (broker/worker/chunks.py). A CANCEL cancels a call and is
+ERROR frame; a CHUNK (several calls of one batch, `_Chunk`) is answered with one
+CHUNK_RESULTS when all its answers are results, else CHUNK_PART frames and one CHUNK_REPLY
+(broker/worker/chunks.py). A CANCEL cancels a call and is
 acknowledged at once; past its deadline a call is not started. A sync method that blocked
 the loop once is "slow": the answers ready before its next call go out first. Answers ready
 behind a handler that runs long are sent from another thread (broker/worker/held.py); the

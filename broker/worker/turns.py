@@ -143,7 +143,7 @@ class FlowTurns:
                     self._chunks.pop(item.chunk_id, None)
                     self._dirty.discard(item)
                     self._reply(RETURN, item.chunk_id, 0.0, item.payload[_DEADLINE_SIZE:], 0)
-                else:  # its calls from the next on; its CHUNK_REPLY, for those before, comes after
+                else:  # its calls from the next on; its CHUNK_REPLY (or CHUNK_RESULTS), for those before, comes after
                     self._reply(RETURN, item.chunk_id, 0.0, item.payload[item.pos :], item.next)
                     item.count = item.next
                     self._dirty.add(item)
