@@ -10,7 +10,7 @@ observation, measured at about 0.5 us per answered call in all), and one
 `BrokerCollector` turns those numbers, the pool's and the front-ends', into metric
 families when Prometheus scrapes (prometheus-client's "custom collector", see
 https://prometheus.github.io/client_python/collector/custom/). Workers send their
-service time with every reply (wire.py: `aux` of RESULT, ERROR and CHUNK_REPLY), and
+service time with every reply (wire.py: `aux` of RESULT, ERROR, CHUNK_REPLY and CHUNK_RESULTS), and
 their CPU and memory are read from /proc by psutil at scrape time, so there are no
 multiprocess files.
 
