@@ -381,6 +381,13 @@ def workers() -> list[Panel]:
             bars=True,
         ),
         timeseries(
+            "Front-ends",
+            "Front-end processes serving (serve --frontends N: N when all do; 1 with one), and those "
+            "other than the first started again after they exited or were killed as hung, per rate interval.",
+            [(f"sum({sel('rpc_broker_frontends')})", "serving"),
+             (f"sum(increase({sel('rpc_broker_frontend_restarts_total')}[$__rate_interval]))", "restarted")],
+        ),
+        timeseries(
             "Methods run alone",
             "Methods whose calls run alone, one per worker, since a worker died holding calls of theirs "
             "(docs/operations.md, worker crashes): how many of their calls must still answer so. A method "
