@@ -136,6 +136,12 @@ class Control:
         for message, fd in got:
             self._on_message(message, fd)
 
+    async def flushed(self, timeout: float) -> None:
+        """Wait until every message sent is written (`timeout` s at most)."""
+        deadline = self._loop.time() + timeout
+        while self._queue and not self.closed and self._loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -304,7 +310,7 @@ class Peers:
             if not message.round:
                 self._sent[number] = message.sent
             if message.round and self.rounds is not None:
-                self._samples[number] = message.samples
+                self._samples[number] = message.samples  # (round -1: its last, kept once it exits)
                 self.rounds.heard(number, message.round)
         elif isinstance(message, Want) and self.rounds is not None:
             control = self._controls[number - 1]

@@ -130,9 +130,10 @@ class Want(msgspec.Struct, tag="want", frozen=True):
 
 class Counters(msgspec.Struct, tag="counters", frozen=True):
     """A peer's series (`metrics.samples`: family, sample name, labels, value) for
-    `Collect`'s `round`, which the first front-end adds to its own; with round 0, every
-    `SHARE_SECONDS`, no series: the peer's loop runs (`peers.Peers.check`), and `sent`, the
-    calls it sent each worker (by pid; recycling by max_calls_per_worker counts them)."""
+    `Collect`'s `round`, which the first front-end adds to its own (round -1: its last, at its
+    stop, kept in the broker's sum); with round 0, every `SHARE_SECONDS`, no series: the peer's
+    loop runs (`peers.Peers.check`), and `sent`, the calls it sent each worker (by pid;
+    recycling by max_calls_per_worker counts them)."""
 
     samples: list[tuple[str, str, dict[str, str], float]] = []
     round: int = 0

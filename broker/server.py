@@ -779,6 +779,8 @@ async def run(
         if relay is not None:  # (the last answers on their way to stdout)
             await relay.finish(0.2 if hurry.is_set() else 2.0)
         phase.append("workers")
+        if peer is not None:  # (its counts since the last scrape, kept by the first front-end)
+            await peer.last_words()
         if peers_stopping is not None:
             await peers_stopping
         await pool.stop(timeout=1.0 if hurry.is_set() else 10.0, hurry=kill_now)

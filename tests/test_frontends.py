@@ -554,3 +554,18 @@ def test_a_front_end_started_again_serves_the_tokens_the_broker_read_at_its_star
                 s.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAuthorization:"
                           b" Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (secret.encode(), len(body), body))
                 assert s.recv(65536).startswith(b"HTTP/1.1 " + status), (pid, secret)
+
+
+def test_a_front_end_that_stops_leaves_its_counts_in_the_broker(broker_factory):
+    # (hostile testing, round 128: the calls a front-end answered since the last scrape were
+    # lost from /metrics when it stopped)
+    b = broker_factory("--workers", "1", "--frontends", "2")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    with connection_to(peer, b) as s:
+        for i in range(20):
+            s.sendall(request("add", [i, 1], i))
+            assert answer(s)["result"] == i + 1
+    os.kill(peer, signal.SIGTERM)
+    wait_for(lambda: f"front-end 1 (pid {peer}) stopped, its calls answered" in b.read_log(0.05), timeout=30)
+    assert sample(scrape_metrics(b), "rpc_broker_calls_total", method="add", outcome="ok") == 20
