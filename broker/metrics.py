@@ -570,8 +570,11 @@ class BrokerCollector(Collector):
         states["starting"] += len(pool.replacements)  # a recycle's, until it takes its slot
         yield _family_gauge("rpc_broker_workers", "Worker slots by state.", ["state"], (([s], n) for s, n in states.items()))
         peers = pool.peers  # (--frontends N; new user, round 112: nothing showed how many served)
-        yield _family_gauge("rpc_broker_frontends", "Front-end processes serving (serve --frontends N): the first and "
-                            "the others that said they serve.", [], [([], 1 + (len(peers.ready) if peers else 0))])
+        yield _family_gauge("rpc_broker_frontends", "Front-end processes by state (serve --frontends N): serving, "
+                            "starting (running, not serving yet: its workers not connected), down (waiting to "
+                            "be started again); they add up to N.", ["state"],
+                            (([s], n) for s, n in (peers.states() if peers else {"serving": 1, "starting": 0,
+                                                                                  "down": 0}).items()))
         yield _family_counter("rpc_broker_frontend_restarts", "Front-end processes other than the first started "
                               "again after they exited.", [], [([], peers.restarts if peers else 0)])
         yield _family_counter(

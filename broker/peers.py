@@ -298,6 +298,20 @@ class Peers:
             return
         if self.on_restart is not None:
             self.on_restart()
+            self.loop.call_later(RESTART_AFTER_SECONDS, self._connected, number, self.processes[number - 1], 0)
+
+    def _connected(self, number: int, process: asyncio.subprocess.Process, tries: int) -> None:
+        """Peer `number`, started again RESTART_AFTER_SECONDS (doubling with `tries`) ago and
+        its workers reloaded to connect to it: still not serving, that reload failed (the app on
+        disk does not import): reload again, until one connects them (new user, round 113: it
+        served nothing, for good, until an operator's SIGHUP)."""
+        if self._stopping or process.returncode is not None or number in self.ready or self.on_restart is None:
+            return
+        log.warning("front-end %d (pid %d) is not serving yet: its workers are not connected (the reload to"
+                    " connect them failed?): reloading again", number, process.pid)
+        self.on_restart()
+        wait = RESTART_AFTER_SECONDS * 2 ** min(tries + 1, BACKOFF_LIMIT)
+        self.loop.call_later(wait, self._connected, number, process, tries + 1)
 
     def _heard(self, number: int, message: Message, fd: int) -> None:
         if fd >= 0:
@@ -339,6 +353,13 @@ class Peers:
                 process.kill()
         if not self._stopping:
             self._check = self.loop.call_later(SHARE_SECONDS, self.check)
+
+    def states(self) -> dict[str, int]:
+        """The front-ends by state, this one (serving) counted: serving, starting (running and
+        not serving yet), down (exited, waiting to be started again): rpc_broker_frontends."""
+        running = sum(1 for p in self.processes if p.returncode is None)
+        serving = len(self.ready)
+        return {"serving": 1 + serving, "starting": running - serving, "down": self.count - running}
 
     def calls_sent(self, pid: int) -> int:
         """The calls the serving peers sent worker `pid` (at most SHARE_SECONDS old):

@@ -382,9 +382,10 @@ def workers() -> list[Panel]:
         ),
         timeseries(
             "Front-ends",
-            "Front-end processes serving (serve --frontends N: N when all do; 1 with one), and those "
-            "other than the first started again after they exited or were killed as hung, per rate interval.",
-            [(f"sum({sel('rpc_broker_frontends')})", "serving"),
+            "Front-end processes by state (serve --frontends N): serving, starting (not serving yet: its "
+            "workers not connected), down (waiting to be started again); and those other than the first "
+            "started again after they exited or were killed as hung, per rate interval.",
+            [(f"sum by (state) ({sel('rpc_broker_frontends')})", "{{state}}"),
              (f"sum(increase({sel('rpc_broker_frontend_restarts_total')}[$__rate_interval]))", "restarted")],
         ),
         timeseries(

@@ -246,7 +246,8 @@ def test_a_dead_worker_or_front_end_loses_no_other_call(broker_factory, target):
                 assert answer(s)["result"] == i + 1
         samples = scrape_metrics(b)
         assert sample(samples, "rpc_broker_calls_total", method="add", outcome="ok") == 5
-        assert sample(samples, "rpc_broker_frontends") == 2 and sample(samples, "rpc_broker_frontend_restarts_total") == 0
+        assert sample(samples, "rpc_broker_frontends", state="serving") == 2
+        assert sample(samples, "rpc_broker_frontend_restarts_total") == 0
     os.kill(victim, signal.SIGKILL)
     time.sleep(0.5)
     for i in range(20):  # whichever front-end takes them: answered (a worker restarted, or the other front-end)
@@ -268,7 +269,8 @@ def test_a_dead_worker_or_front_end_loses_no_other_call(broker_factory, target):
         # The dead front-end's counts stay in the broker's: a counter never goes back
         samples = scrape_metrics(b)
         assert sample(samples, "rpc_broker_calls_total", method="add", outcome="ok") == 5 + 20 + 1
-        assert sample(samples, "rpc_broker_frontends") == 2 and sample(samples, "rpc_broker_frontend_restarts_total") == 1
+        assert sample(samples, "rpc_broker_frontends", state="serving") == 2
+        assert sample(samples, "rpc_broker_frontend_restarts_total") == 1
     assert b.stop() == 0
 
 
@@ -569,3 +571,28 @@ def test_a_front_end_that_stops_leaves_its_counts_in_the_broker(broker_factory):
     os.kill(peer, signal.SIGTERM)
     wait_for(lambda: f"front-end 1 (pid {peer}) stopped, its calls answered" in b.read_log(0.05), timeout=30)
     assert sample(scrape_metrics(b), "rpc_broker_calls_total", method="add", outcome="ok") == 20
+
+
+def test_a_front_end_whose_workers_cannot_connect_yet_is_reloaded_again_until_they_do(broker_factory, tmp_path):
+    # (new user, round 113: a front-end started again while the app on disk was broken never
+    # served, even once the app was fixed, until an operator's SIGHUP)
+    app = tmp_path / "fragile.py"
+    good = "from broker.worker import Registry\nregistry = Registry()\n\n@registry.method()\ndef one() -> int:\n" \
+           "    return 1\n"
+    app.write_text(good)
+    b = broker_factory("--workers", "1", "--frontends", "2", "--app", "fragile:registry",
+                       env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    app.write_text(good + "this is not python\n")
+    os.kill(peer, signal.SIGKILL)
+    wait_for(lambda: "reload failed" in b.read_log(0.05), timeout=30)
+    [again] = peers_of(b.pid)
+    samples = scrape_metrics(b)
+    assert (sample(samples, "rpc_broker_frontends", state="serving"),
+            sample(samples, "rpc_broker_frontends", state="starting")) == (1, 1)
+    app.write_text(good)
+    wait_for(lambda: f"front-end 1 (pid {again}) is not serving yet: its workers are not connected" in b.read_log(0.05),
+             timeout=30)
+    wait_for(lambda: f"front-end 1 (pid {again}) serving" in b.read_log(0.05), timeout=30)
+    assert sample(scrape_metrics(b), "rpc_broker_frontends", state="serving") == 2

@@ -256,7 +256,7 @@ def test_prometheus_config_is_valid() -> None:
 def test_alert_rules_are_valid() -> None:
     result = promtool("check", "rules", ALERTS)
     assert_ok(result)
-    assert "SUCCESS: 6 rules found" in result.stdout
+    assert "SUCCESS: 7 rules found" in result.stdout
 
 
 def test_alert_rules_unit_tests_pass() -> None:
@@ -267,7 +267,8 @@ def test_every_alert_is_documented_and_tested_both_ways() -> None:
     groups = yaml.safe_load(ALERTS.read_text(encoding="utf-8"))["groups"]
     alerts = {rule["alert"]: rule for group in groups for rule in group["rules"]}
     assert set(alerts) == {"RpcBrokerDown", "RpcBrokerNoReadyWorkers", "RpcBrokerHighErrorRatio",
-                           "RpcBrokerLatencyHigh", "RpcBrokerQueueSaturated", "RpcBrokerWorkersRestarting"}
+                           "RpcBrokerLatencyHigh", "RpcBrokerQueueSaturated", "RpcBrokerWorkersRestarting",
+                           "RpcBrokerFrontEndDown"}
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in {"critical", "warning"}, name
         assert {"summary", "description", "runbook"} <= set(rule["annotations"]), name
