@@ -596,3 +596,41 @@ def test_a_front_end_whose_workers_cannot_connect_yet_is_reloaded_again_until_th
              timeout=30)
     wait_for(lambda: f"front-end 1 (pid {again}) serving" in b.read_log(0.05), timeout=30)
     assert sample(scrape_metrics(b), "rpc_broker_frontends", state="serving") == 2
+
+
+def test_answers_the_held_thread_writes_in_part_reach_the_first_front_end_whole(broker_factory, tmp_path):
+    # (hostile testing, round 129: with several front-ends, the worker's held answers' thread
+    # wrote the first connection's replies in part (its socket full) and left the rest of a
+    # frame where the next split read it as a frame: "unknown frame kind 120", the worker
+    # killed, or answers lost and the worker killed as hung)
+    (tmp_path / "bulky.py").write_text(
+        "import time\nfrom broker.worker import Registry\nregistry = Registry()\n\n"
+        "@registry.method()\ndef blob(n: int) -> str:\n    return 'x' * n\n\n"
+        "@registry.method()\ndef spike(ms: float = 0) -> float:\n    if ms:\n        time.sleep(ms / 1000)\n"
+        "    return ms\n")
+    port = free_port()
+    b = broker_factory("--workers", "1", "--frontends", "2", "--stream-port", str(port), "--timeout", "10",
+                       "--app", "bulky:registry", env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    for _ in range(100):  # (a connection the first front-end took)
+        before = tcp_sockets(b.pid)
+        s = socket.create_connection((b.host, port), timeout=30)
+        s.sendall(b'{"jsonrpc":"2.0","method":"spike","params":[0],"id":"probe"}\n')
+        assert s.makefile("rb").readline()
+        if tcp_sockets(b.pid) - before:
+            break
+        s.close()
+    lines, want = [], {}
+    for i in range(60):  # 2 MB results between calls of a fast method whose every 10th call blocks 30 ms
+        for method, param in (("blob", 2_000_000), ("spike", 30 if i % 10 == 9 else 0)):
+            want[len(want)] = "x" * param if method == "blob" else param
+            lines.append(json.dumps({"jsonrpc": "2.0", "method": method, "params": [param], "id": len(want) - 1}))
+    with s:
+        s.sendall(("\n".join(lines) + "\n").encode())
+        reader = s.makefile("rb")
+        got = {}
+        for _ in range(len(want)):
+            answer_ = json.loads(reader.readline())
+            got[answer_["id"]] = answer_.get("result", answer_.get("error"))
+    assert got == want
+    assert "bad frame" not in b.read_log(0.05) and "killing it as hung" not in b.read_log(0.05)

@@ -127,6 +127,7 @@ class ChunkRuns:
         _max_result: int
         _methods: list[Method]
         _out: bytearray
+        _out_first: bytearray
         _running: float
         _slow: list[bool]
         _surprise: int
@@ -179,7 +180,7 @@ class ChunkRuns:
                 index, flags, id_length, length = unknown, 0, 0, 0
             if index > unknown:
                 index = unknown
-            if slow[index] and (unsent or results or self._out or self._dirty):
+            if slow[index] and (unsent or results or self._out or self._out_first or self._dirty):
                 # As in `_call`: the answers ready so far go out (a CHUNK_PART: call i is
                 # not started yet) before a call that may block the loop, so they are not
                 # held past their deadline behind it.

@@ -165,6 +165,7 @@ class LinkRuns:
         _closing: bool
         _links: list[Link]
         _out: bytearray
+        _out_first: bytearray
         _slot: int
         _tasks: dict[int, asyncio.Task[tuple[bool, object]]]
 
@@ -213,14 +214,20 @@ class LinkRuns:
 
     def _write_links(self, transport: asyncio.Transport | None) -> None:
         """Write the replies queued (`_out`): the first connection's to `transport`, each
-        link's to it (`split`), after what the held answers' thread left it."""
-        if self._out and transport is not None and not transport.is_closing():
+        link's to it (`split`), after what the held answers' thread left it (`_out_first`,
+        `Link.pending`)."""
+        if (self._out or self._out_first) and transport is not None and not transport.is_closing():
             first, by_link = split(self._out, self._links)
+            if self._out_first:
+                first[:0] = self._out_first
+                self._out_first.clear()
             if first:
                 transport.write(bytes(first))
             for link, data in zip(self._links, by_link):
                 if data is not None:
                     link.write(data)
+                elif link.pending:
+                    link.write(b"")
             self._out.clear()
         else:
             for link in self._links:

@@ -253,6 +253,7 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         "_max_result",
         "_methods",
         "_out",
+        "_out_first",
         "_read_first",
         "_run_scheduled",
         "_running",
@@ -295,6 +296,9 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         self._decoder = wire.FrameDecoder(max_frame_bytes)
         self._max_result = max_frame_bytes  # largest result or error object sent
         self._out = bytearray()
+        # (several front-ends: the first connection's replies split off `_out` that the held
+        # answers' thread could not write, in part a frame: written first next time, `links`)
+        self._out_first = bytearray()
         self._flush_scheduled = False
         self._tasks: dict[int, asyncio.Task[tuple[bool, object]]] = {}
         # Where each running async call's answer goes: (call id, method, start) or (chunk,
@@ -692,7 +696,7 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         """Run (or start) call `call_id` of method `index`; True if it was a sync handler's
         that blocked the loop SLOW_SYNC_US or more (`_give_back`)."""
         index = min(index, len(self._methods))  # (past the table: answered -32601)
-        if self._slow[index] and (self._out or self._dirty):
+        if self._slow[index] and (self._out or self._out_first or self._dirty):
             # This method's last call blocked the loop: what is ready goes out now, not
             # after it (fast calls read with it would wait for the slow one otherwise).
             self._write_out()
