@@ -59,6 +59,7 @@ class Peer:
     members: Members | None = None  # its workers, once `attach`ed
     _asked: list[typing.Callable[[], None]] = dataclasses.field(default_factory=list, init=False)  # `gather`'s, Want sent
     _waiting: list[typing.Callable[[], None]] = dataclasses.field(default_factory=list, init=False)  # for the next Want
+    _stopped: bool = dataclasses.field(default=False, init=False)  # `stopping`
 
     def attach(self, loop: asyncio.AbstractEventLoop, members: Members, lost: typing.Callable[[], None]) -> None:
         """Read the control socket on `loop` from now on, each message to `members`
@@ -111,9 +112,20 @@ class Peer:
         self.channel.send(Counters(samples=self.samples(), round=-1))
         await self.channel.flushed(5.0)
 
+    def stopping(self) -> None:
+        """The stop: answer the scrapes waiting with the last body (the first front-end may
+        send none now: hostile testing, round 130), and those to come at once."""
+        self._stopped = True
+        done, self._asked, self._waiting = self._asked + self._waiting, [], []
+        for call in done:
+            call()
+
     def gather(self, done: typing.Callable[[], None]) -> None:
         """A scrape came (`HttpFrontend.gather`): call `done` once the first front-end sent a
         body made after now (`Exposition`; broker/scrapes.py)."""
+        if self._stopped:
+            asyncio.get_running_loop().call_soon(done)
+            return
         self._waiting.append(done)
         self._want()
 

@@ -31,6 +31,7 @@ import sys
 import typing
 
 from broker import peerwire
+from broker.metrics import ACCUMULATED
 from broker.peerwire import (
     SHARE_SECONDS,
     Collect,
@@ -61,7 +62,6 @@ log = logging.getLogger("broker")
 SILENT_SECONDS = 10.0  # a peer that sends nothing this long (its `Counters` come every second) is killed as hung
 START_SECONDS = 30.0  # ... and one that said nothing yet, this long after its start (an interpreter's imports)
 BACKOFF_LIMIT = 5  # a peer failing in a row waits RESTART_AFTER_SECONDS * 2**n, n at most this (320 s)
-_ACCUMULATED = ("_total", "_bucket", "_count", "_sum")  # the samples of counters and histograms (not gauges')
 RESTART_AFTER_SECONDS = 10.0  # a peer is started again at most once in this long (a crash loop)
 
 
@@ -380,7 +380,7 @@ class Peers:
         kept: dict[tuple[str, str, tuple[tuple[str, str], ...]], tuple[str, str, dict[str, str], float]] = {
             (f, n, tuple(sorted(labels.items()))): (f, n, labels, v) for f, n, labels, v in self._retired}
         for family, name, labels, value in last:
-            if name.endswith(_ACCUMULATED):
+            if name.endswith(ACCUMULATED):
                 key = (family, name, tuple(sorted(labels.items())))
                 before = kept.get(key)
                 kept[key] = (family, name, labels, value + (before[3] if before else 0.0))

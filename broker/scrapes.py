@@ -47,10 +47,14 @@ class Rounds:
         self._start_handle: asyncio.TimerHandle | None = None  # the next round's start
         self._deadline: asyncio.TimerHandle | None = None  # the round under way's end at the latest
         self._next = 0.0  # loop time: no round starts before it (the pace)
+        self._stopped = False
 
     def gather(self, done: typing.Callable[[], None]) -> None:
         """Call `done` (never before this returns) once a body made from every front-end's
         series, each asked for after this call, is in `body`."""
+        if self._stopped:
+            self._loop.call_soon(done)
+            return
         self._queued.append(done)
         if self._start_handle is None and self._deadline is None:
             self._start_handle = self._loop.call_at(max(self._loop.time(), self._next), self._start)
@@ -94,9 +98,15 @@ class Rounds:
             self._start_handle = self._loop.call_at(self._next, self._start)
 
     def stop(self) -> None:
-        """Make no more rounds (the broker stops); the scrapes waiting get no body."""
+        """Make no more rounds (the broker stops): the scrapes waiting are answered now, with
+        a body of the series in hand (hostile testing, round 130: they were closed unanswered);
+        those that ask later, with the last body."""
         for handle in (self._start_handle, self._deadline):
             if handle is not None:
                 handle.cancel()
         self._start_handle = self._deadline = None
-        self._current, self._queued = [], []
+        self._stopped = True
+        self._current += self._queued
+        self._queued = []
+        if self._current:
+            self._finish()

@@ -742,6 +742,8 @@ async def run(
         if started is not None:
             started.set_result((host, port))
         await stop.wait()
+        if peer is not None:  # (its scrapes waiting for a body answered now)
+            peer.stopping()
         # (the other front-ends drain beside this one: the workers are stopped once they are done)
         peers_stopping = asyncio.ensure_future(peers.stop(config.grace_period + 15.0)) if peers is not None else None
         dispatcher.held_back = lambda: sum(fe.held() for fe in frontends)

@@ -634,3 +634,21 @@ def test_answers_the_held_thread_writes_in_part_reach_the_first_front_end_whole(
             got[answer_["id"]] = answer_.get("result", answer_.get("error"))
     assert got == want
     assert "bad frame" not in b.read_log(0.05) and "killing it as hung" not in b.read_log(0.05)
+
+
+def test_a_scrape_waiting_for_its_round_at_the_stop_is_answered(broker_factory):
+    # (hostile testing, round 130: it was closed unanswered)
+    b = broker_factory("--workers", "1", "--frontends", "2")
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    os.kill(peer, signal.SIGSTOP)  # (the round waits for it: COLLECT_SECONDS)
+    got: list[bytes] = []
+    with connection_to(b.pid, b) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        reader = threading.Thread(target=lambda: got.append(s.recv(100)))
+        reader.start()
+        time.sleep(0.2)
+        os.kill(b.pid, signal.SIGTERM)
+        reader.join(30)
+    assert got and got[0].startswith(b"HTTP/1.1 200 "), got
+    assert b.stop() == 0

@@ -157,16 +157,20 @@ async def test_rounds_are_paced_by_their_builds():
 
 
 @on_loop
-async def test_a_stopped_rounds_makes_nothing_more():
+async def test_the_stop_answers_the_scrapes_waiting_and_makes_no_more_rounds():
+    # (hostile testing, round 130: a scrape waiting for its round at SIGTERM was closed unanswered)
     peers = Peers({1})
     rounds = Rounds(asyncio.get_running_loop(), peers.collect, peers.build)
     got: list[bytes] = []
     rounds.gather(lambda: got.append(rounds.body))
     await settle()
+    rounds.gather(lambda: got.append(rounds.body))  # (for the next round)
     rounds.stop()
-    rounds.heard(1, 1)
+    assert got == [b"body 1", b"body 1"] and len(peers.asked) == 1
+    rounds.gather(lambda: got.append(rounds.body))
+    assert len(got) == 2  # (never before `gather` returns)
     await asyncio.sleep(COLLECT_SECONDS + 0.1)
-    assert got == [] and peers.built == []
+    assert got == [b"body 1"] * 3 and len(peers.built) == 1 and len(peers.asked) == 1
 
 
 async def _until(condition) -> None:  # type: ignore[no-untyped-def]
@@ -194,3 +198,34 @@ async def test_a_body_that_cannot_be_made_leaves_no_scrape_waiting():
     rounds.gather(lambda: got.append(rounds.body))
     await asyncio.sleep(0.01)
     assert got == [b"", b"body 1"]
+
+
+def test_a_sum_of_the_same_counts_in_another_order_never_goes_back():
+    # (hostile testing, round 130: a dead peer's last counts moved to the end of the sum, and a
+    # `_sum` read 342.13013300000006 then 342.130133: a counter reset to Prometheus)
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from broker.metrics import add_samples
+
+    def families() -> list:  # type: ignore[type-arg]
+        counter = CounterMetricFamily("rpc_broker_x_seconds", "x", labels=["m"])
+        counter.add_metric(["a"], 0.1)
+        gauge = GaugeMetricFamily("rpc_broker_open", "y")
+        gauge.add_metric([], 5.0)
+        return [counter, gauge]
+
+    high: dict = {}  # type: ignore[type-arg]
+    seen = []
+    for others in (
+        [[("rpc_broker_x_seconds", "rpc_broker_x_seconds_total", {"m": "a"}, 0.2)],
+         [("rpc_broker_x_seconds", "rpc_broker_x_seconds_total", {"m": "a"}, 0.3),
+          ("rpc_broker_open", "rpc_broker_open", {}, 2.0)]],
+        [[("rpc_broker_x_seconds", "rpc_broker_x_seconds_total", {"m": "a"}, 0.5)]],  # (the same counts: 0.2 + 0.3)
+        [[("rpc_broker_x_seconds", "rpc_broker_x_seconds_total", {"m": "a"}, 0.6)]],
+    ):
+        got = families()
+        add_samples(got, others, high)
+        seen.append((got[0].samples[0].value, got[1].samples[0].value))
+    assert (0.1 + 0.2) + 0.3 > 0.1 + 0.5  # (the floats' order matters)
+    assert [counter for counter, _ in seen] == [(0.1 + 0.2) + 0.3] * 2 + [0.1 + 0.6]
+    assert [gauge for _, gauge in seen] == [7.0, 5.0, 5.0]  # (a gauge goes down: a peer gone)
