@@ -641,9 +641,9 @@ def test_a_scrape_waiting_for_its_round_at_the_stop_is_answered(broker_factory):
     b = broker_factory("--workers", "1", "--frontends", "2")
     wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
     [peer] = peers_of(b.pid)
-    os.kill(peer, signal.SIGSTOP)  # (the round waits for it: COLLECT_SECONDS)
     got: list[bytes] = []
     with connection_to(b.pid, b) as s:
+        os.kill(peer, signal.SIGSTOP)  # (the round waits for it: COLLECT_SECONDS)
         s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         reader = threading.Thread(target=lambda: got.append(s.recv(100)))
         reader.start()
