@@ -42,7 +42,8 @@ ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARD = ROOT / "grafana" / "dashboards" / "rpc-broker.json"
 JOB = "rpc-broker"
 ALERT_NAMES = {"RpcBrokerDown", "RpcBrokerNoReadyWorkers", "RpcBrokerHighErrorRatio",
-               "RpcBrokerLatencyHigh", "RpcBrokerQueueSaturated", "RpcBrokerWorkersRestarting"}
+               "RpcBrokerLatencyHigh", "RpcBrokerQueueSaturated", "RpcBrokerWorkersRestarting",
+               "RpcBrokerFrontEndDown"}
 SLEEP_TIMEOUT = 0.3  # --method-timeout sleep=0.3: a timeout costs 0.3 s
 
 Vector = list[dict[str, Any]]
@@ -549,6 +550,7 @@ def test_broker_down_is_quiet_while_the_broker_is_up(traffic: Traffic, prometheu
     assert by_label(prometheus.query(f'up{{job="{JOB}"}}'), "job") == {JOB: 1}
     assert prometheus.query(ALERT_RULES["RpcBrokerDown"]) == []
     assert prometheus.query(ALERT_RULES["RpcBrokerNoReadyWorkers"]) == []
+    assert prometheus.query(ALERT_RULES["RpcBrokerFrontEndDown"]) == []  # (one front-end, serving)
     alerts = prometheus.api("alerts")["data"]["alerts"]
     assert not [a for a in alerts if a["labels"]["alertname"] in {"RpcBrokerDown", "RpcBrokerNoReadyWorkers"}]
 
