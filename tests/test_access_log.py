@@ -241,9 +241,9 @@ def test_a_stderr_nobody_reads_does_not_stop_the_broker(tmp_path: Path) -> None:
         b = Broker(proc, "127.0.0.1", int(m.group(1)), m.group(2).decode(), [])
         batch = json.dumps([rpc("nope", None, i) for i in range(1000)])  # (a line each: ~180 bytes)
         began = time.monotonic()
-        # 60,000 lines: past the half of the 64 KiB pipe the writer fills, the batch it holds, one
-        # more taken whole on an empty queue (each at most 50 ms of lines) and the queue's 10,000
-        for _ in range(60):
+        # 120,000 lines: past the half of the 64 KiB pipe the writer fills, the batch it holds, one
+        # more taken whole on an empty queue (each at most 50 ms of lines) and the queue's 50,000
+        for _ in range(120):
             t = time.monotonic()
             status, _, body = b.post(batch, timeout=10)
             assert status == 200 and len(json.loads(body)) == 1000
@@ -267,7 +267,7 @@ def test_a_stderr_nobody_reads_does_not_stop_the_broker(tmp_path: Path) -> None:
 
 def test_a_batch_flood_to_a_stderr_that_keeps_up_loses_no_line(tmp_path: Path) -> None:
     """Batches of 1,000 from 4 clients at once, access_log all, stderr a file: every call gets
-    exactly one line, none dropped. (A flush past the queue's 10,000 lines, kept whole when the
+    exactly one line, none dropped. (A flush past the queue's 50,000 lines, kept whole when the
     writer has taken everything before it, needs more calls in 50 ms than these cores make:
     tests/test_logpipe.py holds that.)"""
     log_path = tmp_path / "broker.log"
@@ -409,8 +409,8 @@ def test_a_worker_logging_to_a_stderr_nobody_reads_is_not_held_up_by_the_access_
     try:
         proc, b = _spawn(w, "--app", "broker.demo:faults", "--access-log", "all", "--timeout", "10", workers="2")
         try:
-            batch = json.dumps([rpc("add", [i, 1], i) for i in range(500)])
-            deadline = time.monotonic() + 30
+            batch = json.dumps([rpc("add", [i, 1], i) for i in range(1000)])
+            deadline = time.monotonic() + 60
             while sample(scrape_metrics(b), "rpc_broker_log_lines_dropped_total", log="access") == 0:
                 assert time.monotonic() < deadline  # (stderr full: the writer waits, its queue fills)
                 assert b.post(batch, timeout=10)[0] == 200

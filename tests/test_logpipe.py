@@ -500,3 +500,16 @@ def test_escaping_a_read_full_of_control_characters_is_not_a_call_a_character(pi
         sys.setprofile(None)
     assert out == b"worker pid 4242 | " + b"\\x7f\\x01" * 30000 + b"\n"
     assert calls[0] < 100, calls
+
+
+def test_a_writer_held_back_for_a_few_flushes_of_a_batch_flood_loses_no_line(pipe_fds):
+    """Four clients' batches of 1,000 `add`s, flushed four times while the
+    writer takes nothing (CI's full run held it back so: 2,500 of them dropped when the queue
+    held 10,000 lines): the default bounds keep every line."""
+    _r, w = pipe_fds
+    pipe = LogPipe(fd=w)  # (not started: nothing takes the lines off)
+    for _ in range(4):
+        for i in range(4000):
+            pipe.access((1.5, "127.0.0.1:5", "tok", "http", "add", str(i).encode(), 0.0001, 0, 42, None))
+        pipe.flush()
+    assert pipe.dropped["access"] == 0 and pipe.queued == 16000 and pipe.queued_bytes < 16 * 1024 * 1024
