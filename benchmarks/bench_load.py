@@ -1,5 +1,6 @@
 """`make bench`'s scenarios and the load that drives them: `rpc-broker bench` (every answer
-checked) and wrk (status only), each run's figures as a `Measure` (benchmarks/run.py).
+checked), wrk (status only) and, for the open loop S5b, h2load (status only), each run's
+figures as a `Measure` (benchmarks/run.py).
 """
 
 from __future__ import annotations
@@ -167,6 +168,49 @@ def run_wrk(url: str, sc: Scenario, duration: float, tmp: Path, pid: int | None 
     errors = re.search(r"Socket errors:.*", out)
     problem = " ".join(m.group(0) for m in (bad, errors) if m)
     return _costed(Measure(rps, rps * sc.batch, p50, p99, None, not bad and not errors, problem), watch, seconds)
+
+
+def run_h2load(url: str, sc: Scenario, duration: float, warmup: float, rate: float, tmp: Path,
+               pid: int | None = None) -> Measure:
+    """One open-loop run of h2load (nghttp2's, HTTP/1.1: `--h1`) at `rate` req/s over
+    `sc.connections` connections (`--rps`, per connection, rounded: the rate offered is that
+    times the connections), its latencies (ms) read from its per-request log (the main
+    duration's); `pid` as for `run_loadgen`. A native open-loop generator: on two shared cores
+    `rpc-broker bench`'s own CPU sets the tails of an open loop (issue 14, item 4)."""
+    body = tmp / f"{sc.key}.json"
+    body.write_bytes(sc.body())
+    log = tmp / "h2load.log"
+    log.unlink(missing_ok=True)
+    per = max(1, round(rate / sc.connections))
+    seconds = max(1, round(duration))
+    try:
+        with CpuWatch(pid) as watch:
+            done = subprocess.run(
+                ["h2load", "--h1", f"-c{sc.connections}", f"--rps={per}", f"-D{seconds}",
+                 f"--warm-up-time={max(1, round(warmup))}", "-d", str(body), "-H", "content-type: application/json",
+                 f"--log-file={log}", url], capture_output=True, text=True, timeout=seconds + warmup + 120)
+    except subprocess.TimeoutExpired:
+        return Measure(0, 0, 0, 0, None, False, "h2load did not finish in time")
+    try:
+        rows = [line.split("\t") for line in log.read_text().splitlines() if line.strip()]
+        rows = [(int(r[0]), int(r[1]), int(r[2])) for r in rows]
+    except (OSError, ValueError, IndexError):
+        return Measure(0, 0, 0, 0, None, False, f"h2load exited {done.returncode}: {(done.stderr or done.stdout)[-300:]}")
+    if not rows:  # (the log holds the main duration's requests only, not the warm-up's)
+        return Measure(0, 0, 0, 0, None, False, f"h2load timed no request: {(done.stderr or done.stdout)[-300:]}")
+    ms = sorted(r[2] / 1000 for r in rows)
+    bad = sum(1 for r in rows if r[1] != 200)
+    failed = re.search(r"requests: .*?(\d+) failed, (\d+) errored, (\d+) timeout", done.stdout)
+    problem = f"{bad} non-200" if bad else ""
+    if failed and any(int(g) for g in failed.groups()):
+        problem = (problem + " " + failed.group(0)).strip()
+
+    def q(p: float) -> float:
+        return ms[min(len(ms) - 1, int(p * len(ms)))]
+
+    rps = len(rows) / seconds
+    return _costed(Measure(rps, rps * sc.batch, q(0.5), q(0.99), q(0.999), not problem, problem), watch,
+                   seconds + max(1, round(warmup)))
 
 
 def calibrate_fib(target_ms: float = 2.0) -> int:

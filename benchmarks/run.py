@@ -28,7 +28,9 @@ open loop at half the reference server's S1 capacity, measured earlier in the sa
 call here) at 4 and 16, over Streamable HTTP at 2026-07-28, broker-2w's /mcp against the SDK's
 server (`mcp_bench.py` probes both eras first; a server whose probe fails is reported, not measured).
 The load comes from the bundled checking generator `rpc-broker bench` (every answer checked)
-and, for closed-loop scenarios, also from wrk (status codes only: unchecked). When `rpc-broker
+and, for closed-loop scenarios, also from wrk (status codes only: unchecked); S5b also from h2load
+when it is installed (`apt-get install nghttp2-client`: a native open-loop generator, status codes
+only; on two shared cores the checking generator's own CPU sets an open loop's tails). When `rpc-broker
 bench` is missing, wrk alone drives S1-S4, S5 is skipped, and RESULTS.md says so.
 
 Around every run the CPU of the server's process and its children is read from /proc, and the
@@ -57,7 +59,16 @@ sys.path.insert(0, str(HERE))  # its modules, beside this file (also when loaded
 
 import bench_servers  # noqa: E402
 import mcp_bench  # noqa: E402
-from bench_load import Measure, Scenario, calibrate_fib, loadgen_command, run_loadgen, run_wrk, scenarios  # noqa: E402
+from bench_load import (  # noqa: E402
+    Measure,
+    Scenario,
+    calibrate_fib,
+    loadgen_command,
+    run_h2load,
+    run_loadgen,
+    run_wrk,
+    scenarios,
+)
 from bench_report import render, s1_capacity, targets  # noqa: E402
 from bench_servers import (  # noqa: E402
     MCP_SERVERS,
@@ -141,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         all_scenarios = [sc for sc in all_scenarios if sc.key in keys]
     loadgen = None if args.no_loadgen else loadgen_command(args.loadgen)
     has_wrk = shutil.which("wrk") is not None
+    has_h2load = shutil.which("h2load") is not None  # (S5b again, open loop from a native generator)
     if loadgen is None and not has_wrk and not args.probe_only:
         print("neither `rpc-broker bench` nor wrk is available (apt-get install wrk)", file=sys.stderr)
         return 1
@@ -170,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     mcp_probes: dict[str, tuple[list[str], list[str]]] = {}  # servers of the MCP scenarios, probed at /mcp
     # results[scenario][tool][server] -> one Measure per repetition
     results: dict[str, dict[str, dict[str, list[Measure]]]] = {
-        sc.key: {"loadgen": {}, "wrk": {}} for sc in all_scenarios}
+        sc.key: {"loadgen": {}, "wrk": {}, "h2load": {}} for sc in all_scenarios}
     rates: dict[str, float] = {}  # open-loop scenario key -> its offered rate (req/s)
     s5_over: dict[str, float] = {}  # servers whose own S1 capacity is below S5's rate -> that capacity
     ok = True
@@ -239,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
                                             running.proc.pid)
                             results[sc.key]["loadgen"].setdefault(server.name, []).append(m)
                             _progress(rep, server.name, sc.key, "rpc-broker bench", m)
+                        if has_h2load and sc.key == "S5b" and rate is not None:
+                            m = run_h2load(running.url, sc, args.duration, args.warmup, rate, tmp, running.proc.pid)
+                            results[sc.key]["h2load"].setdefault(server.name, []).append(m)
+                            _progress(rep, server.name, sc.key, "h2load", m)
                         if uses_wrk(sc):
                             m = run_wrk(running.url, sc, args.duration, tmp, running.proc.pid)
                             results[sc.key]["wrk"].setdefault(server.name, []).append(m)

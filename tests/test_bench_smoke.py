@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -139,11 +140,7 @@ def test_the_s3_verdict_shows_its_ratio_rounded_down() -> None:
     """Round 53, a new user (LOW): S3's verdict said "missed" beside "1.80x broker-1w", a
     ratio of 1.796 rounded up against its target of 1.8. The ratios are rounded down, as
     the verdict compares them."""
-    spec = importlib.util.spec_from_file_location("bench_run", RUNNER)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_run"] = bench  # (its dataclasses look their module up)
-    spec.loader.exec_module(bench)
+    bench = _load_runner()
 
     def measured(cps: float) -> list[object]:
         return [bench.Measure(rps=cps, cps=cps, p50=1.0, p99=2.0, p999=None, ok=True)]
@@ -233,3 +230,47 @@ def test_without_the_sticks_the_run_says_so_and_goes_on(tmp_path: Path) -> None:
     report = out.read_text()
     assert "**Issue 14's measuring sticks were not found**" in report, report
     assert probe_rows(report) == {"reference": "yes"}
+
+
+def _load_runner() -> typing.Any:
+    spec = importlib.util.spec_from_file_location("bench_run", RUNNER)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_run"] = bench  # (its dataclasses look their module up)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_s5b_is_judged_on_h2load_when_it_ran_the_checked_figures_beside() -> None:
+    """Issue 14, item 4: on two shared cores the checking generator's own CPU sets an open loop's
+    tails, so S5b's target is judged on h2load's figures when it ran, the checked ones beside;
+    without h2load, on the checked ones."""
+    bench = _load_runner()
+    from bench_report import issue14_targets
+
+    def p99(ms: float) -> list[object]:
+        return [bench.Measure(rps=1000.0, cps=1000.0, p50=1.0, p99=ms, p999=None, ok=True)]
+
+    results = {"S5b": {"loadgen": {"broker-2w": p99(12.0), "limit-uvloop": p99(4.0)},
+                       "h2load": {"broker-2w": p99(4.5), "limit-uvloop": p99(3.0)}}}
+    [line] = [x for x in issue14_targets(results, False) if x.startswith("- S5b")]
+    assert "**met** (4.50 ms against 3.00 ms, +1.50 ms, under h2load; 12.00 ms against 4.00 ms, +8.00 ms, " \
+           "under checked)." in line, line
+    del results["S5b"]["h2load"]
+    [line] = [x for x in issue14_targets(results, False) if x.startswith("- S5b")]
+    assert "**missed** (12.00 ms against 4.00 ms, +8.00 ms, under checked)." in line, line
+
+
+@pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load (nghttp2-client) is not installed")
+def test_s5b_runs_under_h2load_too(tmp_path: Path) -> None:
+    """With h2load installed, S5b is driven by it as well, at the same offered rate, and tabled."""
+    report, stdout = run(tmp_path, "--servers", "limit-uvloop,broker-2w", "--scenarios", "S1-64,S5b",
+                         "--repetitions", "1", "--duration", "1", sticks=stand_in_sticks(tmp_path))
+    section = report.split("## S5b", 1)[1].split("\n## ", 1)[0]
+    checked, h2 = section.split("Unchecked, h2load (`--h1`, open loop, native):")
+    rate = re.findall(r"Offered rate: ([\d,]+) requests/s", section)
+    assert len(rate) == 2 and rate[0] == rate[1], section
+    assert set(re.findall(r"^\| ([\w-]+) \| [\d,]+", h2, re.M)) == {"limit-uvloop", "broker-2w"}, section
+    assert "all answers checked: ok" in checked and "status only: ok" in h2 and "FAILED" not in section, section
+    assert re.search(r"broker-2w +S5b +h2load ", stdout), stdout
+    assert "- h2load: h2load nghttp2/" in report
