@@ -60,6 +60,7 @@ __all__ = [
     "APPLICATION",
     "BATCH_BUCKETS",
     "CONTENT_TYPE",
+    "FRONTEND_RESTART_REASONS",
     "OTHER",
     "SECONDS_BUCKETS",
     "BrokerCollector",
@@ -116,6 +117,8 @@ DROP_REASONS = {code: _OUTCOMES[code] for code in (
     ErrorCode.OVERLOADED, ErrorCode.TIMED_OUT, ErrorCode.NO_WORKER, ErrorCode.SHUTTING_DOWN,
     ErrorCode.INVALID_REQUEST, ErrorCode.WORKER_DIED, ErrorCode.RATE_LIMITED)}
 _NO_RESTARTS = dict.fromkeys(RESTART_REASONS, 0)
+FRONTEND_RESTART_REASONS = ("hung", "never_served", "stopped", "killed", "exited")  # see peers.frontend_restart_reason
+_NO_FRONTEND_RESTARTS = dict.fromkeys(FRONTEND_RESTART_REASONS, 0)
 
 
 def outcome_name(code: int) -> str:
@@ -577,7 +580,10 @@ class BrokerCollector(Collector):
                             (([s], n) for s, n in (peers.states() if peers else {"serving": 1, "starting": 0,
                                                                                   "down": 0}).items()))
         yield _family_counter("rpc_broker_frontend_restarts", "Front-end processes other than the first started "
-                              "again after they exited.", [], [([], peers.restarts if peers else 0)])
+                              "again, by why the one before ended: hung (killed as silent), never_served (exited "
+                              "before it served), stopped (exit 0: a SIGTERM to it alone), killed (by another "
+                              "signal), exited (with an error).", ["reason"],
+                              (([r], n) for r, n in (peers.restarts if peers else _NO_FRONTEND_RESTARTS).items()))
         yield _family_counter(
             "rpc_broker_reloads", "Reloads (SIGHUP) by result: success (the new code serves) or failure "
             "(a new worker did not start; the old code serves on).", ["result"],

@@ -31,7 +31,7 @@ import sys
 import typing
 
 from broker import peerwire
-from broker.metrics import ACCUMULATED
+from broker.metrics import ACCUMULATED, FRONTEND_RESTART_REASONS
 from broker.peerwire import (
     SHARE_SECONDS,
     Collect,
@@ -55,7 +55,7 @@ if typing.TYPE_CHECKING:
     from broker.channel import Worker
     from broker.wire import MethodInfo
 
-__all__ = ["RESTART_AFTER_SECONDS", "SILENT_SECONDS", "Control", "Peers", "tap"]
+__all__ = ["RESTART_AFTER_SECONDS", "SILENT_SECONDS", "Control", "Peers", "frontend_restart_reason", "tap"]
 
 log = logging.getLogger("broker")
 
@@ -159,6 +159,22 @@ class Control:
             self._on_close()
 
 
+
+def frontend_restart_reason(status: int, hung: bool, served: bool) -> str:
+    """The bounded `reason` label of a front-end's restart (rpc_broker_frontend_restarts_total),
+    from how it ended: "hung" when the first front-end killed it as silent (`Peers.check`),
+    "never_served" when it exited before it served (a crash loop backs off), "stopped" when it
+    exited 0 (a SIGTERM sent to it alone: drained first), "killed" by another signal (`status`
+    < 0: asyncio's returncode), else "exited" (with an error). The workers' own reasons are
+    restarts.restart_reason's."""
+    if hung:
+        return "hung"
+    if not served:
+        return "never_served"
+    if status == 0:
+        return "stopped"
+    return "killed" if status < 0 else "exited"
+
 class Peers:
     """The `count` peer front-ends of this process (see the module docstring), started with
     `config` (a `Config`'s fields as JSON values)."""
@@ -179,7 +195,9 @@ class Peers:
         self._stopping = False
         self._addresses: list[tuple[str, tuple[str, int] | tuple[str, int, int, int]]] = []
         self._restarted: dict[int, float] = {}  # each peer's last restart (loop time)
-        self.restarts = 0  # peers started again (rpc_broker_frontend_restarts_total)
+        # peers started again, by why the last one ended (rpc_broker_frontend_restarts_total{reason})
+        self.restarts = dict.fromkeys(FRONTEND_RESTART_REASONS, 0)
+        self._hung: set[int] = set()  # peers `check` killed as hung, until `_watch` sees them end
         self._heard_at: dict[int, float] = {}  # when each peer last said something, or started (loop time)
         self._spoke: set[int] = set()  # peers that said something since they started
         self._failures: dict[int, int] = {}  # each peer's exits in a row before it served
@@ -267,6 +285,8 @@ class Peers:
         # 2**BACKOFF_LIMIT times (hostile testing, round 127: one that failed once, its code broken
         # on disk, was never started again, even once fixed).
         served = number in self.ready
+        reason = frontend_restart_reason(status, number in self._hung, served)
+        self._hung.discard(number)
         self.ready.discard(number)
         self._retire_samples(number)
         self._sent.pop(number, None)  # (a front-end gone: its calls no longer count toward a worker's recycle)
@@ -289,7 +309,7 @@ class Peers:
         if self._stopping:
             return
         self._restarted[number] = self.loop.time()
-        self.restarts += 1
+        self.restarts[reason] += 1
         try:
             self._bind(number)
             await self._spawn(number)
@@ -351,6 +371,7 @@ class Peers:
                 log.error("front-end %d (pid %d) said nothing for %.0f s%s: killing it as hung", number, process.pid,
                           silent, "" if number in self._spoke else " since it started")
                 process.kill()
+                self._hung.add(number)
         if not self._stopping:
             self._check = self.loop.call_later(SHARE_SECONDS, self.check)
 

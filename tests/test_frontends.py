@@ -19,6 +19,7 @@ import pytest
 from conftest import free_port, sample, scrape_metrics, wait_for
 
 from broker.config import SHARED_LIMITS, Config, per_frontend
+from broker.metrics import FRONTEND_RESTART_REASONS
 
 
 def children(pid: int) -> list[int]:
@@ -34,6 +35,13 @@ def cmdline(pid: int) -> str:
 
 def peers_of(pid: int) -> list[int]:
     return [c for c in children(pid) if "broker.peer" in cmdline(c)]
+
+
+def restarts(samples: dict) -> dict[str, float]:
+    """rpc_broker_frontend_restarts_total by reason, those above 0 (every reason exported)."""
+    got = {r: sample(samples, "rpc_broker_frontend_restarts_total", reason=r) for r in FRONTEND_RESTART_REASONS}
+    assert all(("rpc_broker_frontend_restarts_total", (("reason", r),)) in samples for r in got), samples
+    return {r: n for r, n in got.items() if n}
 
 
 def workers_of(pid: int) -> list[int]:
@@ -247,7 +255,7 @@ def test_a_dead_worker_or_front_end_loses_no_other_call(broker_factory, target):
         samples = scrape_metrics(b)
         assert sample(samples, "rpc_broker_calls_total", method="add", outcome="ok") == 5
         assert sample(samples, "rpc_broker_frontends", state="serving") == 2
-        assert sample(samples, "rpc_broker_frontend_restarts_total") == 0
+        assert restarts(samples) == {}
     os.kill(victim, signal.SIGKILL)
     time.sleep(0.5)
     for i in range(20):  # whichever front-end takes them: answered (a worker restarted, or the other front-end)
@@ -270,8 +278,22 @@ def test_a_dead_worker_or_front_end_loses_no_other_call(broker_factory, target):
         samples = scrape_metrics(b)
         assert sample(samples, "rpc_broker_calls_total", method="add", outcome="ok") == 5 + 20 + 1
         assert sample(samples, "rpc_broker_frontends", state="serving") == 2
-        assert sample(samples, "rpc_broker_frontend_restarts_total") == 1
+        assert restarts(samples) == {"killed": 1}  # (it had served: SIGKILL, not ours)
     assert b.stop() == 0
+
+
+def test_a_front_end_restart_s_reason_is_how_the_one_before_ended():
+    from broker.peers import frontend_restart_reason
+
+    assert frontend_restart_reason(-9, hung=True, served=True) == "hung"  # (killed by us as silent)
+    assert frontend_restart_reason(-9, hung=True, served=False) == "hung"
+    assert frontend_restart_reason(1, hung=False, served=False) == "never_served"
+    assert frontend_restart_reason(0, hung=False, served=True) == "stopped"
+    assert frontend_restart_reason(-9, hung=False, served=True) == "killed"
+    assert frontend_restart_reason(-11, hung=False, served=True) == "killed"
+    assert frontend_restart_reason(1, hung=False, served=True) == "exited"
+    assert {frontend_restart_reason(st, h, sv) for st in (0, 1, -9) for h in (True, False)
+            for sv in (True, False)} == set(FRONTEND_RESTART_REASONS)
 
 
 def test_rate_limits_are_shared_among_the_front_ends():
@@ -472,6 +494,7 @@ def test_a_front_end_stopped_alone_drains_and_is_replaced_without_an_error(broke
              timeout=30)
     wait_for(lambda: len(peers_of(b.pid)) == 1 and peers_of(b.pid) != [peer], timeout=30)
     assert f"(pid {peer}) exited with" not in b.read_log(0.05)
+    assert restarts(scrape_metrics(b)) == {"stopped": 1}
 
 
 def test_a_front_end_stopped_before_it_serves_is_killed_and_started_again(broker_factory):
@@ -496,6 +519,7 @@ def test_a_front_end_stopped_before_it_serves_is_killed_and_started_again(broker
     with connection_to(again, b) as s:
         s.sendall(request("add", [2, 2], "again"))
         assert answer(s) == {"jsonrpc": "2.0", "id": "again", "result": 4}
+    assert restarts(scrape_metrics(b)).get("hung") == 1  # (and `dead`: killed, or never_served)
 
 
 def test_a_stall_of_the_first_front_end_kills_no_peer_that_spoke(broker_factory):
