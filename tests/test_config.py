@@ -586,6 +586,21 @@ def test_dump_toml_round_trips(tmp_path: Path) -> None:
     assert load(write(tmp_path, config.dump_toml(cfg)), {}, {}) == cfg
 
 
+def test_check_config_says_each_front_end_s_share(tmp_path: Path) -> None:
+    """`--frontends 3`: each bound a front-end holds a share of says that share beside the whole
+    (hostile testing, round 130: check-config showed the whole alone); the TOML still loads."""
+    cfg = Config(frontends=3, max_connections=1000, worker_concurrency=90, rate_limit=9.0, max_queue=30000,
+                 max_batch=1000, max_incoming_bytes=3 * 1024 * 1024, max_body_bytes=2 * 1024 * 1024)
+    text = config.dump_toml(cfg)
+    said = dict(re.findall(r"^(\w+) = \S+  # (\S+) a front-end$", text, re.M))
+    assert said == {"max_connections": "333", "worker_concurrency": "30", "rate_limit": "3.0", "rate_burst": "3",
+                    "max_queue": "10000", "max_queue_bytes": str(67108864 // 3),
+                    "max_incoming_bytes": str(2 * 1024 * 1024),  # (a share holds a body at least)
+                    "max_outgoing_bytes": str(268435456 // 3), "max_worker_params_bytes": str(4194304 // 3)}, text
+    assert load(write(tmp_path, text), {}, {}) == cfg
+    assert "a front-end" not in config.dump_toml(Config())
+
+
 # -- CLI ----------------------------------------------------------------------
 
 

@@ -10,7 +10,8 @@ All three read `SETTINGS` (settings.py) and nothing else.
 import argparse
 import json
 
-from broker.config.settings import MIB, SETTINGS, Config, Setting
+from broker.config.settings import MIB, SETTINGS, SHARED_LIMITS, Config, Setting, per_frontend
+from broker.ratelimit import Rate, burst_for, share
 
 
 def _toml(value: object) -> str:
@@ -91,13 +92,26 @@ def render_reference() -> str:
 
 
 def dump_toml(cfg: Config) -> str:
-    """Effective settings of ``cfg`` as TOML text, one ``name = value`` line per setting."""
+    """Effective settings of ``cfg`` as TOML text, one ``name = value`` line per setting; with
+    several front-ends, the bounds each holds a share of say that share in a comment
+    (`per_frontend`, a worker's places, `ratelimit.share`)."""
+    n = cfg.frontend_count
+    shares: dict[str, object] = {}
+    if n > 1:
+        one = per_frontend(cfg)
+        shares = {name: getattr(one, name) for name in SHARED_LIMITS}
+        shares["worker_concurrency"] = cfg.worker_concurrency // n  # (a worker's places, one link each)
+        if cfg.rate_limit:
+            rate = share(Rate(cfg.rate_limit, cfg.rate_burst or burst_for(cfg.rate_limit)), n)
+            shares["rate_limit"], shares["rate_burst"] = round(rate.rate, 6), rate.burst
     lines = []
     for s in SETTINGS:
         line = f"{s.name} = {_toml(getattr(cfg, s.name))}"
         if s.name == "workers":
             line += f"  # {cfg.worker_count} processes"
         elif s.name == "frontends":  # (new user, round 112)
-            line += f"  # {cfg.frontend_count} process{'es' if cfg.frontend_count != 1 else ''}"
+            line += f"  # {n} process{'es' if n != 1 else ''}"
+        elif s.name in shares:  # (hostile testing, round 130: check-config showed the whole alone)
+            line += f"  # {_toml(shares[s.name])} a front-end"
         lines.append(line)
     return "\n".join(lines) + "\n"
