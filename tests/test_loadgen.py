@@ -34,6 +34,7 @@ from conftest import ROOT, free_port, wait_for
 
 from broker import cli
 from broker.jsonrpc import Codec, Request, response_result
+from broker.loadgen import http as loadgen_http
 from broker.loadgen import runner, schedule
 from broker.loadgen.check import Answer, Checker, Tally
 from broker.loadgen.plot import PlotError, load_reports
@@ -110,6 +111,12 @@ class FaultyHttp(_HttpServer):
             answers.append(answers[0])
         if fault and mode == "wrong_id" and answers:
             answers[0] = response_result(b'"not-an-id-we-sent"', b"3")
+        if mode == "endless":  # (every answer: a chunked body that does not end, 64 KiB a ms, 8 MiB at most)
+            assert self.transport is not None
+            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Transfer-Encoding: chunked\r\n\r\n")
+            self.loop.call_soon(self.chunk, 128)
+            return
         if not answers:
             out = b"HTTP/1.1 204 No Content\r\n\r\n"
         else:
@@ -127,7 +134,14 @@ class FaultyHttp(_HttpServer):
                 self.flush_at = self.loop.call_at(max(st.stall_until, now), self.flush)
             return
         assert self.transport is not None
+        if mode == "interim":  # (RFC 9110 15.2: 1xx, interim answers a client ignores, before each)
+            out = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\n" + out
         self.transport.write(out)
+
+    def chunk(self, left: int) -> None:
+        if left and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"10000\r\n" + b" " * 65536 + b"\r\n")
+            self.loop.call_later(0.001, self.chunk, left - 1)
 
     def flush(self) -> None:
         self.flush_at = None
@@ -666,6 +680,26 @@ def test_wrong_answers_are_caught(serve, tmp_path, mode, counter):
     others = {"missing", "wrong_id", "duplicate", "malformed"} - {counter}
     if mode != "malformed":  # a cut body also leaves its calls unanswered
         assert all(getattr(rep.check, o) == 0 for o in others), rep.check
+
+
+def test_interim_1xx_answers_are_skipped_not_taken_for_the_answer(serve, tmp_path):
+    """Hostile testing, round 131: each `100 Continue` was counted as an answer (malformed),
+    and the next request sent for it. RFC 9110 15.2: a client parses and ignores 1xx."""
+    s = serve("interim")
+    code, rep = bench(tmp_path, s.url, "--batch", "3")
+    assert code == 0 and rep.check.ok and rep.check.malformed == 0 and rep.transport_errors == 0, rep.check
+    assert 0 < rep.requests <= s.state.requests and rep.calls == 3 * rep.requests
+
+
+def test_an_answer_body_past_the_bound_drops_the_connection(serve, tmp_path, monkeypatch, capsys):
+    """Hostile testing, round 131: an endless chunked body (or a huge Content-Length, or an
+    endless SSE event) grew the generator by ~170 MB/s to GBs. Past MAX_ANSWER_BYTES (here 1 MiB)
+    the answer is malformed, its connection dropped, its memory freed."""
+    monkeypatch.setattr(loadgen_http, "MAX_ANSWER_BYTES", 1024 * 1024)
+    s = serve("endless")
+    code, rep = bench(tmp_path, s.url, "--timeout", "20")
+    assert code == 1 and rep.check.malformed > 0 and rep.transport_errors > 0, rep
+    assert "an answer's body longer than 1048576 bytes" in " ".join(capsys.readouterr().out.split())
 
 
 def test_connection_closed_mid_run_is_a_transport_error(serve, tmp_path):

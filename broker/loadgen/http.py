@@ -12,8 +12,18 @@ import time
 import httptools
 
 from broker.loadgen.connection import LoadConnection, _Record, _Shared
+from broker.loadgen.stream import MAX_LINE_BYTES
 
-__all__ = ["HttpLoadConnection"]
+__all__ = ["MAX_ANSWER_BYTES", "HttpLoadConnection"]
+
+# An answer's body longer than this (a broker's is at most its max_response_bytes, 32 MiB by
+# default): malformed, the connection dropped (hostile testing, round 131: an endless chunked
+# body, a huge Content-Length or an endless SSE event grew the generator by ~170 MB/s to GBs)
+MAX_ANSWER_BYTES = MAX_LINE_BYTES
+
+
+class _TooLong(Exception):
+    """An answer's body passed `MAX_ANSWER_BYTES` (raised from `on_body`, out of the parser)."""
 
 _now = time.monotonic
 
@@ -22,7 +32,7 @@ class HttpLoadConnection(LoadConnection):
     """HTTP/1.1 keep-alive framing: POST requests, httptools response parser; answers
     come in request order, so the in-flight table is a FIFO."""
 
-    __slots__ = ("_body", "_check", "_head", "_keep_alive", "_mid", "_parser", "_queue", "_t_answer")
+    __slots__ = ("_body", "_body_len", "_check", "_head", "_keep_alive", "_mid", "_parser", "_queue", "_t_answer")
 
     def __init__(self, shared: _Shared, phase: float = 0.0, interval: float = 0.0) -> None:
         super().__init__(shared, phase, interval)
@@ -37,6 +47,7 @@ class HttpLoadConnection(LoadConnection):
         self._head = (f"POST {t.path} HTTP/1.1\r\nHost: {host}:{t.port}\r\n{auth}"
                       "Content-Type: application/json\r\nContent-Length: ").encode()
         self._body: list[bytes] = []
+        self._body_len = 0  # bytes of `_body`
         self._parser = httptools.HttpResponseParser(self)
         self._keep_alive = True
         self._mid = False  # part of a response has come (on_message_begin), not all of it
@@ -49,6 +60,7 @@ class HttpLoadConnection(LoadConnection):
     def _reset_reader(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
         self._body.clear()
+        self._body_len = 0
         self._keep_alive = True
         self._mid = False
 
@@ -100,7 +112,10 @@ class HttpLoadConnection(LoadConnection):
             tally = self._s.checker.tally
             tally.malformed += 1
             tally.transport_errors += len(self._inflight)
-            tally.problem(f"not an HTTP response ({exc or type(exc).__name__}): it began {data[:80]!r}")
+            if isinstance(exc.__context__, _TooLong):
+                tally.problem(f"an answer's body longer than {MAX_ANSWER_BYTES} bytes")
+            else:
+                tally.problem(f"not an HTTP response ({exc or type(exc).__name__}): it began {data[:80]!r}")
             self._inflight.clear()
             self._failed = True  # not a server we can talk to: back off before trying again
             self.abort()
@@ -111,13 +126,19 @@ class HttpLoadConnection(LoadConnection):
             self._transport.close()  # the server closes after its answer: so do we, and reopen
 
     def on_body(self, chunk: bytes) -> None:
+        self._body_len += len(chunk)
+        if self._body_len > MAX_ANSWER_BYTES:
+            raise _TooLong
         self._body.append(chunk)
 
     def on_message_complete(self) -> None:
         chunks = self._body
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
+        self._body_len = 0
         status = self._parser.get_status_code()
+        if status < 200:  # (1xx: interim, not the answer; RFC 9110 15.2: a client parses and ignores
+            return  # it; hostile testing, round 131: each 100 Continue was counted as an answer)
         self._mid = False
         self._t_answer = self._now
         self._answered_here = True
