@@ -27,6 +27,7 @@ of letters, digits, `_ . -`.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import hmac
 import os
@@ -201,9 +202,19 @@ def load_file(path: str, source: str = "auth_tokens_file") -> list[Token]:
         raise AuthError(f"{where}: cannot read it: {exc}") from None
     if path.endswith(".toml"):
         try:
-            tables = tomllib.loads(text).get("tokens")
+            document = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise AuthError(f"{where}: not valid TOML: {exc}") from None
+        others = sorted(set(document) - {"tokens"})
+        if others:  # (hostile testing, round 131: a top-level deny_methods, or [token.bob], was skipped
+            # without a word: the rules an operator meant for every token did not hold; fail closed)
+            close = difflib.get_close_matches(others[0], ["tokens"], n=1)
+            hint = (" (did you mean [tokens.NAME]?)" if close else
+                    " (every setting of a token goes in its own [tokens.NAME] table: "
+                    f"token, {', '.join(_TABLE_KEYS)})")
+            raise AuthError(f"{where}: unknown {'table' if isinstance(document[others[0]], dict) else 'key'} "
+                            f"{others[0]!r} at the top{hint}")
+        tables = document.get("tokens")
         if not isinstance(tables, dict) or not tables:
             raise AuthError(f'{where}: no [tokens.NAME] table (each with token = "...")')
         tokens = []

@@ -96,7 +96,15 @@ def test_tokens_come_from_the_file_and_the_environment(tmp_path):
     ("tokens.toml", f'tokens.ci.token = "{BOB}"\n\ntokens.x = {{ token = 1 }}\n',
      'tokens.toml, line 3: [tokens.x] needs token = "..."'),
     ("tokens.toml", f'[tokens.ci]\ntoken = "{BOB}"\nrate_burst = 2\n', "tokens.toml, line 1: [tokens.ci]: rate_burst without"),
-    ("tokens.toml", "x = 1\n", "no [tokens.NAME] table"),
+    ("tokens.toml", "# none yet\n", "no [tokens.NAME] table"),
+    # (hostile testing, round 131: keys and tables beside [tokens.*] were skipped without a word: a
+    # top-level deny_methods meant for every token held for none, and [token.bob] was no token)
+    ("tokens.toml", f'allow_methods = ["text"]\ndeny_methods = ["*"]\n[tokens.a]\ntoken = "{ALICE}"\n',
+     "tokens.toml: unknown key 'allow_methods' at the top (every setting of a token goes in its own "
+     "[tokens.NAME] table: token, allow_methods"),
+    ("tokens.toml", f'[tokens.a]\ntoken = "{ALICE}"\n[token.bob]\ntoken = "{BOB}"\n',
+     "tokens.toml: unknown table 'token' at the top (did you mean [tokens.NAME]?)"),
+    ("tokens.toml", "x = 1\n", "unknown key 'x' at the top"),
     ("tokens.toml", "[tokens\n", "not valid TOML"),
 ])
 def test_a_token_file_that_breaks_a_rule_is_refused_saying_where_and_why(tmp_path, name, text, problem):
