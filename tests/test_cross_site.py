@@ -589,6 +589,46 @@ def test_a_page_from_an_allowed_origin_can_call_but_not_without_json(broker_fact
     assert marks(ledger) == ["cors"]
 
 
+# An MCP client in a page of an allowed origin: initialize (2025-11-25: a session), then what the
+# page can read of the answer's headers, and a tools/list in the session it was given.
+MCP_PAGE = """<!doctype html><html><body><pre id="outcome"></pre><script>
+const target = "%(target)s";
+const headers = {"content-type": "application/json", "accept": "application/json, text/event-stream"};
+(async () => {
+  const out = {};
+  try {
+    const r = await fetch(target, {method: "POST", headers, body: JSON.stringify({jsonrpc: "2.0", id: 1,
+      method: "initialize", params: {protocolVersion: "2025-11-25", capabilities: {},
+      clientInfo: {name: "page", version: "1"}}})});
+    out.status = r.status;
+    out.session = r.headers.get("mcp-session-id");
+    await r.text();
+    const l = await fetch(target, {method: "POST", headers: {...headers, "mcp-session-id": out.session || "",
+      "mcp-protocol-version": "2025-11-25"}, body: JSON.stringify({jsonrpc: "2.0", id: 2, method: "tools/list"})});
+    out.list = {status: l.status, body: await l.text()};
+  } catch (e) { out.error = String(e); }
+  document.getElementById("outcome").textContent = JSON.stringify(out);
+})();
+</script></body></html>"""
+
+
+@needs_chromium
+def test_a_page_from_an_allowed_origin_reads_its_mcp_session(broker_factory, tmp_path):
+    """Hostile testing, round 131: `Access-Control-Expose-Headers: mcp-session-id` came on the
+    preflight only, where a browser does not read it: a page's MCP client never saw its session
+    (null), so it could neither cancel its calls nor end the session."""
+    server = PageServer("")
+    try:
+        b = broker_factory("--allowed-origins", f"http://127.0.0.1:{server.port}")
+        server.page = (MCP_PAGE % {"target": f"http://localhost:{b.port}/mcp"}).encode()
+        outcome = cross_site(tmp_path, server)
+    finally:
+        server.stop()
+    assert outcome.get("status") == 200 and isinstance(outcome.get("session"), str) and outcome["session"], outcome
+    listed = typing_dict(outcome["list"])
+    assert listed["status"] == 200 and "tools" in json.loads(str(listed["body"]))["result"], outcome
+
+
 def assert_only_ndjson_ran(b: Broker, port: int, ledger: Path) -> None:
     """The stream port still serves a real NDJSON call, and the ledger holds only that one:
     nothing sent after an HTTP request line ran."""

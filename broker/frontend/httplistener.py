@@ -167,9 +167,13 @@ class HttpFrontend(Listener):
 
     def cors_headers(self, origin: bytes) -> bytes | None:
         """The CORS answer headers for an `Origin` in `allowed_origins`; None when it is not
-        allowed (compared case-insensitively, RFC 6454 6.2 serialization)."""
+        allowed (compared case-insensitively, RFC 6454 6.2 serialization). They expose
+        `Mcp-Session-Id` to the page: a browser reads it from the answer itself, not from a
+        preflight's (Fetch, "CORS protocol": `Access-Control-Expose-Headers`; hostile testing,
+        round 131: a page's MCP client never saw its session)."""
         if b"*" in self.origins or origin.lower() in self.origins:
-            return b"access-control-allow-origin: " + origin + b"\r\nvary: origin\r\n"
+            return (b"access-control-allow-origin: " + origin
+                    + b"\r\naccess-control-expose-headers: mcp-session-id\r\nvary: origin\r\n")
         return None
 
     def pool_size(self) -> int:

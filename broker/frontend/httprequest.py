@@ -123,7 +123,7 @@ _MCP_HEADERS = {b"mcp-protocol-version": 0, b"mcp-method": 1, b"mcp-name": 2, b"
 _MCP_LENGTHS = frozenset(len(name) for name in _MCP_HEADERS) - {14}  # (14: tried beside content-length)
 _MCP_PREFLIGHT = (
     b"access-control-allow-methods: POST, DELETE\r\naccess-control-allow-headers: content-type, authorization, "
-    b"mcp-protocol-version, mcp-method, mcp-name, mcp-session-id\r\naccess-control-expose-headers: mcp-session-id\r\n"
+    b"mcp-protocol-version, mcp-method, mcp-name, mcp-session-id\r\n"
     b"access-control-max-age: 600\r\n"
 )
 
