@@ -32,11 +32,11 @@ import hashlib
 import hmac
 import os
 import re
-import stat
 import tomllib
 import typing
 
 from broker.errors import LocalError
+from broker.files import FileRefused, read_bounded
 from broker.policy import MethodRule, check_pattern
 from broker.ratelimit import MAX_BURST, MAX_RATE, UNLIMITED, Rate, burst_for
 
@@ -190,14 +190,10 @@ def load_file(path: str, source: str = "auth_tokens_file") -> list[Token]:
     (its forms: the module docstring). Raises `AuthError` if it cannot be read or parsed,
     or a token breaks the rules."""
     where = f"{source}: {path}"
-    try:
-        with open(path, "rb") as file:  # (a regular file, and not past MAX_FILE: round 114, M4, /dev/zero)
-            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-                raise AuthError(f"{where}: not a regular file")
-            data = file.read(MAX_FILE + 1)
-        if len(data) > MAX_FILE:
-            raise AuthError(f"{where}: larger than {MAX_FILE} bytes: not a token file")
-        text = data.decode("utf-8")
+    try:  # (a regular file, and not past MAX_FILE: round 114, M4, /dev/zero)
+        text = read_bounded(path, MAX_FILE).decode("utf-8")
+    except FileRefused as exc:
+        raise AuthError(f"{where}: {exc}: not a token file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise AuthError(f"{where}: cannot read it: {exc}") from None
     if path.endswith(".toml"):

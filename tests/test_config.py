@@ -428,6 +428,23 @@ def test_unreadable_file(tmp_path: Path) -> None:
         load(str(tmp_path), {}, {})
 
 
+def test_a_config_path_that_is_no_settings_file_is_refused_at_once(tmp_path: Path) -> None:
+    """Hostile testing, round 131: /dev/zero as the config file read 9.9 GB in 8 s, a FIFO
+    nobody writes hung check-config, a 4 GB file was read whole: a regular file of 1 MiB at most."""
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"# " + b"x" * (1 << 20) + b"\n")
+    for path, why in (("/dev/zero", "not a regular file (a device)"), (str(fifo), "not a regular file (a FIFO)"),
+                      (str(big), "larger than 1048576 bytes")):
+        with pytest.raises(ConfigError) as err:
+            load(path, {}, {})
+        assert str(err.value) == f"config file {path}: {why}: not a settings file"
+    head = b"workers = 3\n# "
+    big.write_bytes(head + b"x" * ((1 << 20) - len(head) - 1) + b"\n")  # (1 MiB exactly: read)
+    assert big.stat().st_size == 1 << 20 and load(str(big), {}, {}) == Config(workers=3)
+
+
 @pytest.mark.parametrize(
     ("var", "text", "expected"),
     [

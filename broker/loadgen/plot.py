@@ -22,12 +22,14 @@ from pathlib import Path
 
 import msgspec
 
+from broker.files import FileRefused, read_bounded
 from broker.loadgen.stats import SCHEMA, Report
 
 __all__ = ["TICKS", "PlotError", "load_reports", "plot"]
 
 TICKS: tuple[tuple[float, str], ...] = (
     (50.0, "50%"), (90.0, "90%"), (99.0, "99%"), (99.9, "99.9%"), (99.99, "99.99%"))
+MAX_REPORT_BYTES = 64 * 1024 * 1024  # bytes of a --json report read, at most (a few kB in practice)
 _MAX_X = 1e6  # where 100% is drawn (1 / (1 - 0.999999))
 
 
@@ -51,7 +53,9 @@ def load_reports(files: typing.Sequence[str | Path]) -> list[tuple[Path, Report]
     for f in files:
         path = Path(f)
         try:
-            data = path.read_bytes()
+            data = read_bounded(path, MAX_REPORT_BYTES)
+        except FileRefused as exc:
+            raise PlotError(f"input file {path}: {exc}") from None
         except OSError as exc:
             raise PlotError(f"input file {path}: cannot read it: {exc.strerror or exc}") from None
         try:

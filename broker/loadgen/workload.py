@@ -41,6 +41,8 @@ from pathlib import Path
 import msgspec
 from msgspec import Raw
 
+from broker.files import FileRefused, read_bounded
+
 __all__ = [
     "ID_MODES",
     "PLAN_LENGTH",
@@ -54,6 +56,7 @@ __all__ = [
 
 IdMode = typing.Literal["int", "string", "large", "repeated"]
 ID_MODES: tuple[IdMode, ...] = typing.get_args(IdMode)
+MAX_MIX_BYTES = 64 * 1024 * 1024  # bytes of a --mix file, at most
 PLAN_LENGTH = 1024  # cycle of drawn calls for a weighted mix (one entry when there is one call)
 
 
@@ -138,7 +141,9 @@ def load_mix(path: str | Path) -> list[Call]:
     path = Path(path)
     toml = path.suffix.lower() == ".toml"
     try:
-        text = path.read_bytes()
+        text = read_bounded(path, MAX_MIX_BYTES)
+    except FileRefused as exc:  # (hostile testing, round 131: /dev/zero read 8 GB in 9 s)
+        raise MixError(f"mix file {path}: {exc}") from None
     except OSError as exc:
         raise MixError(f"mix file {path}: cannot read it: {exc.strerror or exc}") from None
     data: object
