@@ -74,6 +74,7 @@ _OWN_LINE = rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} worker\[\d+\] pid "  # (work
 _LEVEL = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} worker\[\d+\]( pid \d+ )([A-Z]+) ")  # (json: its level)
 _CONTROL_BYTES = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]")  # (a quick look, before decoding: the rest is not ASCII)
 _EMPTY_LINES = re.compile(rb"(?m)^\n")
+_EVERY_LINE = re.compile(rb"^(?=[\s\S])", re.M)  # (a worker's output pipe: none of its lines is its logging's)
 
 
 def _text_escape(char: str) -> str:
@@ -246,7 +247,9 @@ class LogPipe:
         self._loop: asyncio.AbstractEventLoop | None = None
         # workers' stderr pipes read (`follow`): a line begun, the pid, [the last line was cut]
         self._followed: dict[int, tuple[bytearray, int, list[bool]]] = {}
-        self._own: dict[int, re.Pattern[bytes]] = {}  # by pid: the starts of its lines not its logging's own
+        # by descriptor: the starts of its lines not the worker's logging's own (its output pipe's:
+        # every line's), and whether it is the logging's pipe
+        self._own: dict[int, tuple[re.Pattern[bytes], bool]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._idle = False  # the writer sleeps with nothing queued: the next buffer wakes it
         self._wake = threading.Event()
@@ -281,19 +284,24 @@ class LogPipe:
         self._loop_thread = None
         self._loop = None
 
-    def follow(self, fd: int, pid: int) -> None:
-        """Forward the lines a worker (process `pid`) writes to its stderr, a pipe whose read
-        end is `fd` (this owns it from now on, and closes it at its end of file or `detach`):
-        read on the loop `attach`ed, as they come, whole lines queued for the writer as the
-        access lines are, or dropped and counted (`dropped["worker"]`) when the deque is full.
-        So a worker never waits for the broker's stderr: only for this loop, which reads it.
-        A line is made safe to show (`_worker_lines`): in json, an object of its own."""
+    def follow(self, fd: int, pid: int, logging_pipe: bool = False) -> None:
+        """Forward the lines a worker (process `pid`) writes to a pipe whose read end is `fd`
+        (this owns it from now on, and closes it at its end of file or `detach`): its stdout
+        and stderr, or (`logging_pipe`) its logging's own pipe. Read on the loop `attach`ed, as
+        they come, whole lines queued for the writer as the access lines are, or dropped and
+        counted (`dropped["worker"]`) when the deque is full. So a worker never waits for the
+        broker's stderr: only for this loop, which reads it. A line is made safe to show
+        (`_worker_lines`): in json, an object of its own. Only the logging pipe's lines may
+        show as the worker's log lines: every line of the other is marked a print (hostile
+        testing, round 131: a tool that printed a client's text in the worker's own form, its
+        pid guessed, wrote a CRITICAL line of the worker's)."""
         loop = self._loop
         if loop is None:
             raise RuntimeError("LogPipe.follow: not attached to a loop")
         os.set_blocking(fd, False)
         self._followed[fd] = (bytearray(), pid, [False])
-        self._own[pid] = re.compile(rb"^(?!" + _OWN_LINE + str(pid).encode() + rb" )(?=[\s\S])", re.M)
+        self._own[fd] = ((re.compile(rb"^(?!" + _OWN_LINE + str(pid).encode() + rb" )(?=[\s\S])", re.M), True)
+                         if logging_pipe else (_EVERY_LINE, False))
         loop.add_reader(fd, self._read, fd)
 
     def _unfollow(self, fd: int) -> None:
@@ -302,8 +310,8 @@ class LogPipe:
             self._loop.remove_reader(fd)
         os.close(fd)
         if part:
-            self._forward(bytes(part) + b"\n", pid)
-        del self._own[pid]
+            self._forward(bytes(part) + b"\n", pid, fd)
+        del self._own[fd]
 
     def _read(self, fd: int) -> bool:
         """Read what `fd` holds, `_BUFFER_BYTES` at most, and queue its whole lines (a line
@@ -325,19 +333,19 @@ class LogPipe:
         if not end:
             part += data
             if len(part) >= _BUFFER_BYTES:  # (a worker writing no newline: cut, bounded)
-                self._forward(bytes(part) + b"\n", pid)
+                self._forward(bytes(part) + b"\n", pid, fd)
                 part.clear()
                 cut[0] = True
             return True
         if part:
-            self._forward(bytes(part) + data[:end], pid)
+            self._forward(bytes(part) + data[:end], pid, fd)
             part.clear()
         else:
-            self._forward(data[:end], pid)
+            self._forward(data[:end], pid, fd)
         part += data[end:]
         return True
 
-    def _forward(self, data: bytes, pid: int) -> None:
+    def _forward(self, data: bytes, pid: int, fd: int) -> None:
         """Queue a worker's whole lines `data`, its empty lines left out, or drop and count
         them when they do not fit half the deque's bounds (a worker's flood leaves room for
         the access lines; hostile testing, rounds 119 and 120: a worker's flood, even one read
@@ -352,7 +360,7 @@ class LogPipe:
         if backlog + lines > self._max // 2:
             self.dropped["worker"] += lines  # (before any work on them: a flood costs its reads only)
             return
-        data = self._worker_lines(data, pid)
+        data = self._worker_lines(data, pid, *self._own[fd])
         if self.queued_bytes - self.taken_bytes + len(data) > self._max_bytes // 2:
             self.dropped["worker"] += lines
             return
@@ -363,14 +371,15 @@ class LogPipe:
             self._idle = False
             self._wake.set()
 
-    def _worker_lines(self, data: bytes, pid: int) -> bytes:
+    def _worker_lines(self, data: bytes, pid: int, not_own: re.Pattern[bytes], logging_pipe: bool) -> bytes:
         """A worker's lines `data` (whole, each ending in a newline) as written: in text, as
         they are but for control characters (C0 but tab, DEL, C1: a terminal's escape
         sequences, a carriage return rewriting the line shown) and bytes not UTF-8, written
         `\\xNN`, and a line that does not start as the worker's logging starts its own (its
-        time, `worker[N] pid PID `: a traceback's lines, a print, a newline in a message a
-        client chose) shown as the worker's, `worker pid PID | ...` (hostile testing, round 119:
-        an exception's message with newlines wrote lines read as the broker's and access lines);
+        time, `worker[N] pid PID `: a traceback's lines, a newline in a message a client chose),
+        and every line of its output pipe (`not_own` matches them all: a print), shown as the
+        worker's, `worker pid PID | ...` (hostile testing, round 119: an exception's message with
+        newlines wrote lines read as the broker's and access lines);
         in json, each an object `{"time", "level", "log": "worker", "pid", "message"}` (the line as its
         message: every line of the log JSON, and none a forgery of an access line or the broker's)."""
         if self._json:
@@ -379,11 +388,12 @@ class LogPipe:
             own = f" pid {pid} "
             out = []
             for line in text.split("\n")[:-1]:  # (`level`: a log line's of the worker's own, else null)
-                level = match.group(2) if (match := _LEVEL.match(line)) and match.group(1) == own else None
+                level = (match.group(2) if logging_pipe and (match := _LEVEL.match(line)) and match.group(1) == own
+                         else None)
                 out.append(json_line(_encode({"time": now, "level": level, "log": "worker", "pid": pid,
                                               "message": line})))
             return ("\n".join(out) + "\n").encode()
-        data = self._own[pid].sub(b"worker pid %d | " % pid, data)
+        data = not_own.sub(b"worker pid %d | " % pid, data)
         if data.isascii() and not _CONTROL_BYTES.search(data):
             return data
         text = escape_unshown(data.decode("utf-8", "backslashreplace"), _text_escape)

@@ -136,7 +136,7 @@ class Pool(Reloads, Recycling, Restarts):
         max_calls_per_worker: int = 0,
         max_calls_jitter: int = 0,
         max_worker_memory: int = 0,
-        worker_stderr: typing.Callable[[int, int], None] | None = None,
+        worker_stderr: typing.Callable[[int, int, bool], None] | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         # Takes the read end of each worker's stderr pipe (`logpipe.LogPipe.follow`); None:
@@ -305,7 +305,8 @@ class Pool(Reloads, Recycling, Restarts):
             self._launch_failed(worker, exc)
             return
         if output is not None and self.worker_stderr is not None:
-            self.worker_stderr(output, process.pid)
+            self.worker_stderr(output[0], process.pid, False)  # (its stdout and stderr)
+            self.worker_stderr(output[1], process.pid, True)  # (its logging's)
         if self._stopping:  # `stop` came while this process was being created
             kill(process)
         elif (self.workers[worker.slot] is not worker and not any(w is worker for w in self.incoming)

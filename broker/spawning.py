@@ -52,14 +52,15 @@ def worker_command(
 
 async def spawn(
     argv: list[str], peers: Peers | None, output: bool,
-) -> tuple[asyncio.subprocess.Process, int | None, list[int]]:
+) -> tuple[asyncio.subprocess.Process, tuple[int, int] | None, list[int]]:
     """Start a worker process running `argv` (`worker_command`): stdin /dev/null, a
     session of its own. With `peers` (--frontends N), it is given its connection to each
     other front-end, a socketpair's end (`--link-fd`: broker/peers.py). With `output`, its
-    stdout and stderr are one pipe whose read end is returned for the broker to read
-    (`logpipe.LogPipe.follow`); without, they are the broker's.
+    stdout and stderr are one pipe, and its logging another (`--log-fd`), whose read ends
+    are returned for the broker to read (`logpipe.LogPipe.follow`); without, they are the
+    broker's.
 
-    Returns (the process, the read end of its output pipe or None, the broker's ends of
+    Returns (the process, the read ends of its output pipe and of its logging's pipe or None, the broker's ends of
     its links, for `Peers.joined`). Raises `OSError` when the system is short of
     something now (EMFILE, EAGAIN, ENOMEM), fewer than SPAWN_DESCRIPTORS descriptors left
     included."""
@@ -78,25 +79,33 @@ async def spawn(
     # reads (a stuck journald socket, a full pipe) stalls no worker, and no call routed
     # to one (hostile testing, round 118: workers logging to a socket the access lines
     # filled stalled 10 s); nor does a stdout nobody reads.
+    # Its logging writes to a pipe of its own (`--log-fd`), so that only its log lines read as
+    # its log lines: a handler's print of a client's text in their form is marked a print
+    # (hostile testing, round 131).
     stderr = os.pipe2(os.O_CLOEXEC) if output else None
+    logs = os.pipe2(os.O_CLOEXEC) if output else None
     out = stderr[1] if stderr else None
+    if logs:
+        argv += ["--log-fd", str(logs[1])]
     try:
         process = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-            pass_fds=links,
+            pass_fds=[*links, *logs[1:]] if logs else links,
         )
     except BaseException:
-        if stderr:
-            os.close(stderr[0])
+        for pipe in (stderr, logs):
+            if pipe:
+                os.close(pipe[0])
         for fd in ends:
             os.close(fd)
         raise
     finally:
-        if stderr:
-            os.close(stderr[1])
+        for pipe in (stderr, logs):
+            if pipe:
+                os.close(pipe[1])
         for fd in links:
             os.close(fd)
-    return process, stderr[0] if stderr else None, ends
+    return process, (stderr[0], logs[0]) if stderr and logs else None, ends
 
 
 def _descriptors_left() -> int:

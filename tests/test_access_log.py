@@ -509,6 +509,29 @@ def test_a_clients_text_in_a_workers_line_cannot_pass_for_the_brokers_or_an_acce
     assert not any("\x1b" in line or "\r" in line for line in lines), lines[-30:]
 
 
+@pytest.mark.parametrize("style", ["text", "json"])
+def test_a_print_of_a_clients_text_cannot_pass_for_the_workers_own_log_line(style: str) -> None:
+    """Hostile testing, round 131: a tool that printed its input, given a line in the worker's own
+    form with its pid (a -32002's data tells it), wrote a CRITICAL line of the worker's, unmarked
+    (and in json with its level, which `jq 'select(.level=="ERROR")'` alerting reads). The
+    worker's logging has a pipe of its own: what it prints is marked a print, whatever it says."""
+    with _broker_stderr("--app", "tests.apps.chatty:registry", "--log-format", style) as (b, got):
+        pid = b.call("pid", [], timeout=15)["result"]
+        forged = f"2026-12-07 10:00:00,000 worker[0] pid {pid} CRITICAL FORGED by a client"
+        assert b.call("say", [forged], timeout=15)["result"] is True
+        assert b.call("fail", ["a real error"], timeout=15)["error"]["code"] == -32603  # (its own line)
+    lines = got.decode().splitlines()
+    if style == "text":
+        [shown] = [line for line in lines if "FORGED" in line]
+        assert shown == f"worker pid {pid} | {forged}", lines[-20:]
+        assert any(re.match(rf"\S+ \S+ worker\[0\] pid {pid} ERROR ", line) for line in lines), lines[-20:]
+        return
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    [shown] = [r for r in records if "FORGED" in r.get("message", "")]
+    assert (shown["log"], shown["pid"], shown["level"]) == ("worker", pid, None), shown
+    assert any(r.get("log") == "worker" and r["level"] == "ERROR" for r in records), records[-10:]
+
+
 def test_every_lines_time_is_utc_whatever_the_time_zone(monkeypatch: pytest.MonkeyPatch) -> None:
     """New user, round 110: under TZ=America/New_York the broker's own lines and the workers'
     were in local time, the access lines in UTC, none saying which. All are UTC now."""

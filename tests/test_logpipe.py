@@ -270,11 +270,14 @@ def test_a_workers_stderr_is_forwarded_in_whole_lines_and_closed_at_its_end(pipe
         os.fstat(worker_r)  # (closed at its end of file)
 
 
+@pytest.mark.parametrize("logging_pipe", [True, False], ids=["logging pipe", "output pipe"])
 @pytest.mark.parametrize("style", ["text", "json"])
-def test_a_workers_lines_are_written_safe_to_show(pipe_fds, style: str) -> None:
+def test_a_workers_lines_are_written_safe_to_show(pipe_fds, style: str, logging_pipe: bool) -> None:
     """Control characters (an ANSI escape, a carriage return, a C1 CSI) and bytes not UTF-8
     in a worker's line are escaped in text; in json each line is an object of the broker's,
-    the worker's text its message, so every line parses and none is a forged access line."""
+    the worker's text its message, so every line parses and none is a forged access line. A
+    line in the worker's own form shows as its log line from its logging's pipe only: from its
+    stdout and stderr (a print) it is marked as the others are (hostile testing, round 131)."""
     _r, w = pipe_fds
     pipe = LogPipe(fd=w, style=style)  # (not started: what is queued stays on the deque)
     worker_r, worker_w = os.pipe()
@@ -286,7 +289,7 @@ def test_a_workers_lines_are_written_safe_to_show(pipe_fds, style: str) -> None:
     try:
         async def main() -> None:
             pipe.attach(asyncio.get_running_loop(), ticks=False)
-            pipe.follow(worker_r, 4242)
+            pipe.follow(worker_r, 4242, logging_pipe)
             os.write(worker_w, written)
             await asyncio.sleep(0.05)
             pipe.detach()
@@ -299,12 +302,13 @@ def test_a_workers_lines_are_written_safe_to_show(pipe_fds, style: str) -> None:
     if style == "text":
         assert queued == (b"worker pid 4242 | plain \xc3\xa9\n"
                           b"worker pid 4242 | \\x1b[31mred\\x0dover\\x07 \\x9b2J \\xff\\xfe\n"
-                          b"worker pid 4242 | " + forged + b"\n" + own + b"\nworker pid 4242 | " + other + b"\n")
+                          b"worker pid 4242 | " + forged + b"\n" + (b"" if logging_pipe else b"worker pid 4242 | ")
+                          + own + b"\nworker pid 4242 | " + other + b"\n")
         return
     lines = [json.loads(line) for line in queued.decode().splitlines()]
     assert [(line["log"], line["pid"], line["level"], line["message"]) for line in lines] == [
         ("worker", 4242, None, "plain \u00e9"), ("worker", 4242, None, "\x1b[31mred\rover\x07 \x9b2J \\xff\\xfe"),
-        ("worker", 4242, None, forged.decode()), ("worker", 4242, "ERROR", own.decode()),
+        ("worker", 4242, None, forged.decode()), ("worker", 4242, "ERROR" if logging_pipe else None, own.decode()),
         ("worker", 4242, None, other.decode())]
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["time"]) for line in lines)
 
@@ -486,8 +490,8 @@ def test_escaping_a_read_full_of_control_characters_is_not_a_call_a_character(pi
     of the loop a read of 64 KiB of DEL). Counted here in Python calls, not timed."""
     _r, w = pipe_fds
     pipe = LogPipe(fd=w)
-    pipe._own[4242] = re.compile(rb"^(?!x)(?=[\s\S])", re.M)
     calls = [0]
+    not_own = re.compile(rb"^(?!x)(?=[\s\S])", re.M)
 
     def count(frame: object, event: str, arg: object) -> None:
         if event in ("call", "c_call"):
@@ -495,7 +499,7 @@ def test_escaping_a_read_full_of_control_characters_is_not_a_call_a_character(pi
 
     sys.setprofile(count)
     try:
-        out = pipe._worker_lines(b"\x7f\x01" * 30000 + b"\n", 4242)
+        out = pipe._worker_lines(b"\x7f\x01" * 30000 + b"\n", 4242, not_own, True)
     finally:
         sys.setprofile(None)
     assert out == b"worker pid 4242 | " + b"\\x7f\\x01" * 30000 + b"\n"

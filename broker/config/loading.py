@@ -205,8 +205,9 @@ def _from_file(path: str, only: Collection[str] | None = None) -> list[tuple[Set
     keys not looked at (unknown ones included)."""
     source = f"config file {path}"
     try:
-        data = tomllib.loads(read_bounded(path, MAX_CONFIG_BYTES).decode("utf-8"))
-    except FileRefused as exc:  # (hostile testing, round 131: /dev/zero read 9.9 GB in 8 s, a FIFO hung)
+        data = tomllib.loads(read_bounded(path, MAX_CONFIG_BYTES, pipes=True).decode("utf-8"))
+    except FileRefused as exc:  # (hostile testing, round 131: /dev/zero read 9.9 GB in 8 s; a FIFO's
+        # writer, `<(...)`, may write 1 MiB at most, and a stop signal ends the wait for it: round 33)
         raise ConfigError(f"{source}: {exc}: not a settings file") from None
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from None

@@ -53,7 +53,7 @@ def load_reports(files: typing.Sequence[str | Path]) -> list[tuple[Path, Report]
     for f in files:
         path = Path(f)
         try:
-            data = read_bounded(path, MAX_REPORT_BYTES)
+            data = read_bounded(path, MAX_REPORT_BYTES, pipes=True)
         except FileRefused as exc:
             raise PlotError(f"input file {path}: {exc}") from None
         except OSError as exc:

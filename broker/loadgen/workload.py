@@ -141,7 +141,7 @@ def load_mix(path: str | Path) -> list[Call]:
     path = Path(path)
     toml = path.suffix.lower() == ".toml"
     try:
-        text = read_bounded(path, MAX_MIX_BYTES)
+        text = read_bounded(path, MAX_MIX_BYTES, pipes=True)
     except FileRefused as exc:  # (hostile testing, round 131: /dev/zero read 8 GB in 9 s)
         raise MixError(f"mix file {path}: {exc}") from None
     except OSError as exc:

@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 import types
+import typing
 
 import orjson
 
@@ -188,6 +189,13 @@ class _RecordLines(logging.Formatter):
         return super().format(record).replace("\n", "\n    ")
 
 
+def _log_stream(fd: int) -> typing.TextIO:
+    """The log lines' stream on inherited descriptor `fd`: line-buffered UTF-8 text (a line
+    at once, as stderr writes them), not closed at exec (its handlers' children do not hold it)."""
+    os.set_inheritable(fd, False)
+    return open(fd, "w", encoding="utf-8", errors="backslashreplace", buffering=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Worker process entry point: `python -m broker.worker --socket PATH --slot N ...`.
 
@@ -207,13 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-depth", type=int, default=64)
     parser.add_argument("--max-frame-bytes", type=int, default=wire.MAX_FRAME_BYTES)
     parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--log-fd", type=int, default=-1, help="an inherited pipe for the log lines (default: stderr)")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="the broker's pid: this process dies with it (default: the parent now)")
     args = parser.parse_args(argv)
     if isinstance(sys.stdout, io.TextIOWrapper):  # (a pipe's stdout is block-buffered: a handler's print
         sys.stdout.reconfigure(line_buffering=True)  # would come out at the worker's exit, not now)
-    handler = logging.StreamHandler()
+    # (--log-fd: a pipe of its own, the broker's; a handler's print goes to stdout and stderr,
+    # another pipe, so that no print of a client's text passes for a log line: round 131)
+    handler = logging.StreamHandler(_log_stream(args.log_fd) if args.log_fd >= 0 else None)
     handler.setFormatter(_RecordLines(f"%(asctime)s worker[{args.slot}] pid %(process)d %(levelname)s %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     # The broker decides when we stop: SIGINT (a Ctrl-C to the terminal's process group)

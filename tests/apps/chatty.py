@@ -50,3 +50,9 @@ def descriptors() -> list[str]:
 def fail(text: str) -> None:
     """Raise ValueError(text): the worker logs it, the client's text in its message."""
     raise ValueError(text)
+
+
+@registry.method
+def pid() -> int:
+    """The worker's process id (a -32002's error data tells a client as much)."""
+    return os.getpid()
