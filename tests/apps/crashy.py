@@ -89,3 +89,12 @@ async def bad_frame() -> None:
 
     _each_socket(lambda sock: sock.send(b"hello garbage\n\x00\x00\x00"))
     await asyncio.sleep(30)
+
+
+@registry.method
+async def nap(seconds: float) -> float:
+    """Sleeps `seconds` (async: many share a worker) and answers them: an innocent call."""
+    import asyncio
+
+    await asyncio.sleep(seconds)
+    return seconds
