@@ -107,9 +107,9 @@ class ResponseBudget:
 
     def __init__(self, outgoing: Outgoing, denied: typing.AbstractSet[str] = frozenset()) -> None:
         # The connection's number in its calls' frames (wire.py: the worker takes turns
-        # among the flows waiting in it); 31 bits (the 32nd is wire.RETURNABLE), so a number
-        # comes again after 2**31 connections.
-        self.flow = next(_flows) & 0x7FFFFFFF
+        # among the flows waiting in it); 30 bits (the 31st and 32nd are wire.ALONE and
+        # wire.RETURNABLE), so a number comes again after 2**30 connections.
+        self.flow = next(_flows) & 0x3FFFFFFF  # (wire.FLOW_MASK)
         self.held = 0
         self.in_flight = 0  # the connection's calls sent to workers and not answered by them
         self.blocking = 0  # ... of which blocking sync calls (each holds a whole worker)

@@ -71,7 +71,18 @@ Kinds, who sends them, and what `aux` and the payload hold:
                              on are (payload: their `CALL_ENTRY`s and params, as sent); at
                              aux 0 the whole chunk is, and it is owed no other reply, else
                              the calls before aux are answered as usual, their CHUNK_REPLY
-                             after this frame.
+                             after this frame. With `RETURN_ASIDE` set in aux (the place
+                             below it), the calls were given back not for their method's
+                             speed but for another front-end's call run alone (`ALONE`,
+                             below), whatever their flow: the broker routes them again as
+                             they were, to another worker, and blames them for nothing.
+    HOLD    both ways        no payload. Worker → broker: aux 1 (hold): it runs another
+                             front-end's call alone: route nothing new to it until aux 0
+                             (release); every call of this connection waiting in it comes
+                             back (RETURN, `RETURN_ASIDE`). Broker → worker: aux 1, the
+                             answer to a hold: no call comes after it until the release,
+                             so once the worker has read it, it holds no call of this
+                             connection it has not seen (several front-ends only).
 
 A call's deadline (CALL, NOTIFY, CHUNK) is a big-endian f64: CLOCK_MONOTONIC seconds,
 the clock the broker's event loop and `time.monotonic` read on Linux, one for every
@@ -83,7 +94,7 @@ can wait behind other frames (hostile testing, round 19: a worker whose loop a s
 call held ran calls answered -32001 long before, their CANCELs still in the broker's
 buffer behind a few hundred kB of frames); the deadline in the frame needs no CANCEL.
 After the deadline comes the call's flow, a big-endian u32: the client connection it came
-on (any number below 2**31 the broker picks, one per connection), with `RETURNABLE` (bit 31)
+on (any number below 2**30 the broker picks, one per connection), with `RETURNABLE` (bit 31)
 set when the broker sent it as a call of a method not known to block (a sync method measured
 fast, or async) to a worker not busy in a blocking one: a worker whose sync call of such a
 method took a millisecond or more gives back, unstarted, those of its calls waiting to run
@@ -98,6 +109,17 @@ loop, they go in the order of the time their flows' calls have taken there, leas
 back for about one of them, not for all of its own that reached the worker first (hostile testing, round 60: a sync method learnt
 fast from a cheap call, then a batch of its slow calls, 50 a worker, held every other
 client's call 10 s).
+
+With several front-ends (`serve --frontends N`) a single call may carry `ALONE` (bit 30) in its
+flow: the front-end runs its method's calls alone after a worker died under them (broker/isolation.py),
+and only the worker sees every front-end's calls. A worker with other connections that comes to
+such a call holds them (HOLD, aux 1), gives back unstarted every call of theirs waiting in it
+(RETURN with `RETURN_ASIDE`; of a chunk started, its calls not started), and starts the call
+once each of them has answered the hold and none of their calls runs in it; a call of theirs
+that arrives meanwhile, an `ALONE` one too, is given back at once. Its answer (or its deadline,
+or its cancel) releases them (HOLD, aux 0). (Hostile testing, round 130: a call one front-end
+ran alone shared its worker with another front-end's calls, which died with it, -32002.) With
+one front-end the flag is never sent, and the worker has nothing to hold.
 
 A chunk travels and is accounted for as one unit (one call id, one deadline): it
 saves the per-call frame work on both sides for batches. The worker replies to every
@@ -121,6 +143,7 @@ from broker.errors import RemoteError
 from broker.jsonrpc import ErrorCode, error_object
 
 __all__ = [
+    "ALONE",
     "AWAITED",
     "BYE",
     "CALL",
@@ -139,6 +162,7 @@ __all__ = [
     "HEADER",
     "HEADER_SIZE",
     "HELLO",
+    "HOLD",
     "MAX_FRAME_BYTES",
     "MAX_METHODS",
     "NOTIFY",
@@ -148,6 +172,7 @@ __all__ = [
     "RESULT",
     "RETURN",
     "RETURNABLE",
+    "RETURN_ASIDE",
     "VERSION",
     "FrameDecoder",
     "FrameError",
@@ -177,22 +202,26 @@ class Kind(IntEnum):
     CHUNK_RESULTS = 10
     CHUNK_PART = 11
     RETURN = 12
+    HOLD = 13
 
 
 # The kinds as plain ints, declared here once for every module that reads or writes
 # frames: the hot paths compare a frame's kind per frame, and an IntEnum member compares
-# slower than an int (IntEnum.__eq__ is looked up on the subclass). (CHUNK_PART and RETURN
-# last: `Replies.on_reply` tells them from the rest with one comparison.)
-HELLO, CALL, NOTIFY, RESULT, ERROR, CANCEL, BYE, CHUNK, CHUNK_REPLY, CHUNK_RESULTS, CHUNK_PART, RETURN = map(int, Kind)
+# slower than an int (IntEnum.__eq__ is looked up on the subclass). (CHUNK_PART, RETURN and
+# HOLD last: `Replies.on_reply` tells them from the rest with one comparison.)
+HELLO, CALL, NOTIFY, RESULT, ERROR, CANCEL, BYE, CHUNK, CHUNK_REPLY, CHUNK_RESULTS, CHUNK_PART, RETURN, HOLD = map(
+    int, Kind)
 
 
 HEADER = struct.Struct(">IBQI")
 HEADER_SIZE = HEADER.size  # 17
 # A call's deadline, the first bytes of a CALL, NOTIFY or CHUNK payload, and the header
 # with it, packed at once (the broker's hot path).
-DEADLINE = struct.Struct(">dI")  # the call's deadline and its flow (a connection's number, and RETURNABLE)
+DEADLINE = struct.Struct(">dI")  # the call's deadline and its flow (a connection's number, RETURNABLE, ALONE)
 RETURNABLE = 0x80000000  # in a call's flow: it may be given back unstarted (RETURN)
-FLOW_MASK = RETURNABLE - 1  # ... and the connection's number
+ALONE = 0x40000000  # ... it runs alone in its worker, whatever the other front-ends send (HOLD)
+FLOW_MASK = ALONE - 1  # ... and the connection's number
+RETURN_ASIDE = 0x80000000  # in a RETURN's aux: given back for another front-end's call run alone
 CALL_HEADER = struct.Struct(">IBQIdI")
 CALL_ENTRY = struct.Struct(">HBII")  # in a CHUNK: method index, flags, id length, params length
 REPLY_ENTRY = struct.Struct(">IBI")  # in a CHUNK_PART/REPLY: call's place, kind, length
@@ -223,10 +252,11 @@ CANCEL_ACK_RAN = error_object(ErrorCode.TIMED_OUT, data="cancelled by the broker
 _KINDS = frozenset(int(k) for k in Kind)
 # This format's version, in HELLO: 2 since calls carry their deadline, 3 since they carry
 # their flow too, 4 since a worker may give calls back (RETURN), 5 since a CHUNK carries its
-# calls' ids and may be answered with finished Response objects (CHUNK_RESULTS); a HELLO
+# calls' ids and may be answered with finished Response objects (CHUNK_RESULTS), 6 since a call
+# may run alone in its worker whatever the other front-ends send (ALONE, HOLD, RETURN_ASIDE); a HELLO
 # without one is version 1's. A worker started from code upgraded in place under a running
 # broker (a SIGHUP after `pip install -U`) speaks another, and is refused with a message saying so.
-VERSION = 5
+VERSION = 6
 # The default of max_frame_bytes (config/settings.py's too): the largest frame either side takes.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
@@ -336,7 +366,7 @@ def encode_call(
 ) -> bytes:
     """One whole CALL, NOTIFY or CHUNK frame: `params` (a CHUNK's entries) after the
     call's `deadline` (CLOCK_MONOTONIC s, `time.monotonic()`; inf for none) and `flow`
-    (0 <= flow < 2**32: its connection's number, below 2**31, and maybe `RETURNABLE`).
+    (0 <= flow < 2**32: its connection's number, below 2**30, and maybe `RETURNABLE` or `ALONE`).
 
     The broker's hot path packs `CALL_HEADER` into its buffer instead; this is for the rest.
     """

@@ -29,7 +29,7 @@ import os
 import typing
 
 from broker import wire
-from broker.wire import BYE, CALL, CANCEL, CHUNK, DEADLINE, HEADER, HEADER_SIZE, NOTIFY
+from broker.wire import BYE, CALL, CANCEL, CHUNK, DEADLINE, HEADER, HEADER_SIZE, HOLD, NOTIFY
 
 if typing.TYPE_CHECKING:
     from broker.worker.chunks import _Chunk
@@ -111,6 +111,8 @@ class Link(asyncio.Protocol):
             elif kind == BYE:
                 self.bye = True
                 protocol.link_said_bye()
+            elif kind == HOLD:
+                protocol.held_answered(self.number)
         return True
 
     def read_now(self) -> bool:
@@ -159,6 +161,7 @@ class LinkRuns:
     __slots__ = ()
 
     if typing.TYPE_CHECKING:
+        _alone: int
         _backlog: collections.deque[tuple[int, int, int, bytes] | _Chunk]
         _bye: bool
         _chunks: dict[int, _Chunk]
@@ -171,6 +174,7 @@ class LinkRuns:
 
         def _cancel(self, call_id: int) -> None: ...
         def _schedule_flush(self) -> None: ...
+        def schedule_run(self) -> None: ...
 
     def add_link(self, link: Link) -> None:
         """Serve one more front-end's connection (`Link`, numbered in order from 1)."""
@@ -211,6 +215,8 @@ class LinkRuns:
         for call_id in dict.fromkeys(ids):
             self._cancel(call_id)
         self.link_said_bye()
+        if self._alone != -1:  # (a call runs alone here: it may go on, or release, without it: worker/alone.py)
+            self.schedule_run()
 
     def _write_links(self, transport: asyncio.Transport | None) -> None:
         """Write the replies queued (`_out`): the first connection's to `transport`, each

@@ -40,6 +40,7 @@ import msgspec
 
 from broker import wire
 from broker.wire import (
+    ALONE,
     AWAITED,
     BYE,
     CALL,
@@ -47,11 +48,13 @@ from broker.wire import (
     CHUNK,
     CHUNK_REPLY,
     ERROR,
+    HOLD,
     NOT_RUN,
     NOTIFY,
     RESULT,
     RETURNABLE,
 )
+from broker.worker.alone import NO_CALL, AloneRuns
 from broker.worker.chunks import (  # (what the run loop shares with the chunks' runs)
     _AWAITED_WITHIN_S,
     _CANCELLED,
@@ -215,7 +218,7 @@ class _PastDeadline(Exception):
 _PAST_DEADLINE_RAN = _PastDeadline()
 
 
-class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, asyncio.Protocol):
+class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, AloneRuns, asyncio.Protocol):
     """The worker's end of its Unix socket to the broker.
 
     Runs each CALL/NOTIFY frame's handler and answers with exactly one RESULT or
@@ -228,6 +231,9 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
     __slots__ = (
         "_active",
         "_advancing",
+        "_alone",
+        "_alone_ran",
+        "_alone_timer",
         "_answered",
         "_awaited",
         "_backlog",
@@ -245,6 +251,7 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         "_flush_scheduled",
         "_grab",
         "_grab_lock",
+        "_held",
         "_hello",
         "_leaving",
         "_links",
@@ -264,9 +271,11 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         "_task_of",
         "_tasks",
         "_transport",
+        "_unheld",
         "_used",
         "_virtual",
         "_winding",
+        "_woken",
         "_yielded",
         "done",
     )
@@ -327,6 +336,8 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         # (With several front-ends: each other one's connection, a `Link`; `_closing` once
         # the first connection's BYE (`_bye`) and every link's came.)
         self._links: list[Link] = []  # (broker/worker/links.py)
+        self._alone, self._alone_ran, self._alone_timer = NO_CALL, False, None  # (broker/worker/alone.py)
+        self._held, self._unheld, self._woken = [], set(), set()
         self._bye = False
         # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
         # the worker closes after them, as after its calls (hostile testing, round 17: a
@@ -442,6 +453,8 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
             elif kind == BYE:
                 self._bye = True
                 self._closing = not self._links or self._all_bye()
+            elif kind == HOLD:
+                self.held_answered(0)
         return True
 
     def _read_now(self) -> bool:
@@ -555,6 +568,10 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
                     backlog.popleft()
                     self._reply(ERROR, call_id, 0.0, _CANCELLED, NOT_RUN)  # (a whole chunk, too)
                     continue
+                if flow & ALONE and self._links:  # (alone whatever the other front-ends send: worker/alone.py)
+                    if self._alone_turn(typing.cast("tuple[int, int, int, bytes]", item)):
+                        continue
+                    break
                 if (
                     kind != CHUNK and self._slow[min(aux, len(self._methods))]
                     and (self._tasks or any(chunk.waiting for chunk in self._chunks.values()))

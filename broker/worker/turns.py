@@ -17,6 +17,7 @@ import collections
 import typing
 
 from broker.wire import CHUNK, FLOW_MASK, RETURN, RETURNABLE
+from broker.worker.alone import NO_CALL
 from broker.worker.chunks import _DEADLINE_SIZE, _calls_of, _Chunk, _deadline_of
 
 _CHARGED_S = 0.0005  # a call (or a chunk's calls in one go) this long is charged to its flow: `_next_turn`
@@ -41,6 +42,7 @@ class FlowTurns:
 
     if typing.TYPE_CHECKING:
         _active: set[int]
+        _alone: int
         _backlog: collections.deque[tuple[int, int, int, bytes] | _Chunk]
         _chunks: dict[int, _Chunk]
         _dirty: set[_Chunk]
@@ -54,6 +56,7 @@ class FlowTurns:
 
         def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int: ...
         def _run(self) -> None: ...
+        def _alone_check(self) -> None: ...
 
     def _arrival(self, start: float | None) -> float:
         """The start (`_used`) of a flow whose calls arrive here with none of its calls waiting
@@ -104,6 +107,8 @@ class FlowTurns:
         after a call (or a chunk) that took a whole slice: scanning after every slice of fast
         single calls cost 41 % more instructions per call (callgrind)."""
         self._spent = False  # type: ignore[misc]
+        if self._alone != NO_CALL:  # (a call runs alone here: `_spent` stays set meanwhile, worker/alone.py)
+            self._alone_check()
         backlog = self._backlog
         used = self._used
         flows = [_flow_of(item) for item in backlog]
@@ -139,24 +144,36 @@ class FlowTurns:
             if type(item) is _Chunk:
                 if not item.flow & RETURNABLE or item.next >= item.count or not _calls_of(item.payload, item.pos, method):
                     kept.append(item)
-                elif item.next == 0 and not item.waiting and not item.unsent and not item.results:  # (nothing of it ran: all of it)
-                    self._chunks.pop(item.chunk_id, None)
-                    self._dirty.discard(item)
-                    self._reply(RETURN, item.chunk_id, 0.0, item.payload[_DEADLINE_SIZE:], 0)
-                else:  # its calls from the next on; its CHUNK_REPLY (or CHUNK_RESULTS), for those before, comes after
-                    self._reply(RETURN, item.chunk_id, 0.0, item.payload[item.pos :], item.next)
-                    item.count = item.next
-                    self._dirty.add(item)
+                else:
+                    self._return(item)
                 continue
-            kind, call_id, aux, payload = typing.cast("tuple[int, int, int, bytes]", item)
+            kind, _call_id, aux, payload = typing.cast("tuple[int, int, int, bytes]", item)
             if _deadline_of(payload)[1] & RETURNABLE and (
                 _calls_of(payload, _DEADLINE_SIZE, method) if kind == CHUNK else aux == method
             ):
-                self._reply(RETURN, call_id, 0.0, payload[_DEADLINE_SIZE:], 0)
+                self._return(item)
             else:
                 kept.append(item)
         self._backlog.clear()  # (in place: `_run` holds it)
         self._backlog.extend(kept)
+
+    def _return(self, item: tuple[int, int, int, bytes] | _Chunk, aside: int = 0) -> None:
+        """Give back (RETURN) `item`, a call or chunk waiting here, not started; of a chunk
+        started, its calls from the next on (its CHUNK_REPLY, or CHUNK_RESULTS, for those
+        before comes after). `aside`: 0 (its method turned out slow, `_give_back`) or
+        RETURN_ASIDE (another front-end's call runs alone here: broker/worker/alone.py).
+        The caller takes it out of the backlog."""
+        if type(item) is not _Chunk:
+            call = typing.cast("tuple[int, int, int, bytes]", item)
+            self._reply(RETURN, call[1], 0.0, call[3][_DEADLINE_SIZE:], aside)
+        elif item.next == 0 and not item.waiting and not item.unsent and not item.results:  # (nothing of it ran: all of it)
+            self._chunks.pop(item.chunk_id, None)
+            self._dirty.discard(item)
+            self._reply(RETURN, item.chunk_id, 0.0, item.payload[_DEADLINE_SIZE:], aside)
+        else:
+            self._reply(RETURN, item.chunk_id, 0.0, item.payload[item.pos :], item.next | aside)
+            item.count = item.next
+            self._dirty.add(item)
 
     def _yield(self, call_id: int) -> bool:
         """Before call `call_id`, of a method that blocks the loop, with async calls in

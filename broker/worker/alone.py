@@ -1,0 +1,219 @@
+"""A call run alone in its worker, whatever the other front-ends send (wire.ALONE, HOLD).
+
+After a worker died under calls, the front-end that saw it runs their methods' calls *alone*
+(broker/isolation.py): each on a worker holding nothing else, which takes nothing else until it
+answers. With several front-ends (`serve --frontends N`) that is the front-end's view only: the
+others' calls may be on that worker, or sent to it while the call runs, and die with it when it
+crashes the worker again (hostile testing, round 130: -32002 for most of another front-end's
+innocent calls). Only the worker sees every front-end's calls, so it keeps the promise:
+
+1. The front-end sends such a call with `ALONE` in its flow. The run loop, coming to it
+   (`_alone_turn`), *holds* every other connection (HOLD, aux 1: their front-ends route nothing
+   new to it) and gives back unstarted (RETURN, `RETURN_ASIDE`) every call of theirs waiting here
+   (of a chunk started, its calls not started: `_return`). It does not start the call yet.
+2. Each front-end held answers HOLD once it routes nothing more here: frames keep their order on
+   a connection, so once the worker has read that answer it holds every call that front-end sent
+   before, and gives those back too. A call of another connection that arrives while the worker
+   holds, an `ALONE` one among them (its front-end picks again), is given back at once
+   (`_alone_check`, each run while holding: `_spent` stays set).
+3. The call starts once every connection held has answered (or is gone, or said BYE) and no call
+   of theirs runs here (those running finish first; their end runs the loop again, `_alone_wake`).
+4. Its answer, its cancel or its deadline releases the others (HOLD, aux 0). A front-end that
+   never answers (stopped) costs the call its deadline, never another call.
+
+With one front-end the flag changes nothing: the worker has no other connection to hold.
+Connections are numbered as in broker/worker/links.py: 0 the first, 1 and up the links.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+import typing
+
+from broker.wire import ERROR, HEADER, HOLD, NOT_RUN, RETURN_ASIDE
+from broker.worker.chunks import _CANCELLED, _DEADLINE_SIZE, _Chunk, _deadline_of
+from broker.worker.links import LINK_SHIFT, Link
+
+__all__ = ["NO_CALL", "AloneRuns"]
+
+NO_CALL = -1  # `_alone` when no call runs alone here
+_AFTER_DEADLINE_S = 0.002  # the deadline's run comes this much late (timers fire up to 1 ms early)
+_pack = HEADER.pack
+_Item = tuple[int, int, int, bytes] | _Chunk
+
+
+def _id_of(item: _Item) -> int:
+    return item.chunk_id if type(item) is _Chunk else typing.cast("tuple[int, int, int, bytes]", item)[1]
+
+
+class AloneRuns:
+    """`WorkerProtocol`'s methods for a call run alone (see the module docstring).
+
+    (A mixin with no state of its own: the attributes below are the protocol's slots.)
+    `_alone`: the id of the call run alone (tagged by its link), or NO_CALL; `_alone_ran`: it
+    started; `_held`: the connections told HOLD; `_unheld`: those whose answer has not come;
+    `_woken`: the tasks whose end runs the loop again; `_alone_timer`: its deadline's run.
+    """
+
+    __slots__ = ()
+
+    if typing.TYPE_CHECKING:
+        _alone: int
+        _alone_ran: bool
+        _alone_timer: asyncio.TimerHandle | None
+        _backlog: collections.deque[_Item]
+        _bye: bool
+        _chunks: dict[int, _Chunk]
+        _held: list[int]
+        _links: list[Link]
+        _loop: asyncio.AbstractEventLoop
+        _out: bytearray
+        _spent: bool
+        _tasks: dict[int, asyncio.Task[tuple[bool, object]]]
+        _transport: asyncio.Transport | None
+        _unheld: set[int]
+        _woken: set[asyncio.Task[tuple[bool, object]]]
+
+        def _call(self, call_id: int, index: int, params: bytes, deadline: float) -> bool: ...
+        def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int: ...
+        def _return(self, item: _Item, aside: int = 0) -> None: ...
+        def _schedule_flush(self) -> None: ...
+        def schedule_run(self) -> None: ...
+
+    def _alone_turn(self, item: tuple[int, int, int, bytes]) -> bool:
+        """`_run` came to `item`, a call sent ALONE, at the backlog's head, with other
+        connections: True if it is dealt with (started, or given back: the loop goes on), False
+        if it waits (the loop stops; an answer to HOLD, a call of another connection ending, or
+        its deadline runs it again)."""
+        call_id = item[1]
+        if self._alone != call_id:
+            if self._alone != NO_CALL:  # (another call runs alone here: this one goes elsewhere)
+                self._backlog.popleft()
+                self._return(item, RETURN_ASIDE)
+                return True
+            self._hold(call_id, _deadline_of(item[3])[0])
+        self._aside()
+        if not self._alone_clear():
+            return False
+        self._backlog.popleft()
+        self._alone_ran = True  # type: ignore[misc]  # (a slot of WorkerProtocol's: mypy sees this class's empty ones)
+        _kind, _id, index, payload = item
+        self._call(call_id, index, payload[_DEADLINE_SIZE:], _deadline_of(payload)[0])
+        task = self._tasks.get(call_id)
+        if task is None:  # (a sync handler's, answered)
+            self._release()
+        else:
+            self._wake_at_end(task)
+        return True
+
+    def _hold(self, call_id: int, deadline: float) -> None:
+        """Call `call_id` runs alone from now: HOLD to every other connection that may send calls."""
+        self._alone = call_id  # type: ignore[misc]
+        self._alone_ran = False  # type: ignore[misc]
+        mine = call_id >> LINK_SHIFT
+        held = [n for n in self._open() if n != mine]
+        for number in held:
+            self._out += _pack(0, HOLD, number << LINK_SHIFT, 1)
+        self._held = held  # type: ignore[misc]
+        self._unheld = set(held)  # type: ignore[misc]
+        self._spent = True  # type: ignore[misc]  # (each run gives back what came meanwhile: `_alone_check`)
+        if deadline < math.inf:
+            self._alone_timer = self._loop.call_later(  # type: ignore[misc]
+                max(0.0, deadline - time.monotonic()) + _AFTER_DEADLINE_S, self.schedule_run)
+
+    def _open(self) -> list[int]:
+        """The connections that may still send calls (not gone, no BYE said): their numbers."""
+        first = [] if self._bye or self._transport is None or self._transport.is_closing() else [0]
+        return first + [link.number for link in self._links if not (link.bye or link.gone)]
+
+    def _aside(self) -> None:
+        """Give back (RETURN_ASIDE) every call waiting here of a connection other than the one
+        whose call runs alone; of a chunk started, its calls not started."""
+        mine = self._alone >> LINK_SHIFT
+        backlog = self._backlog
+        if all(_id_of(item) >> LINK_SHIFT == mine for item in backlog):
+            return
+        kept: collections.deque[_Item] = collections.deque()
+        for item in backlog:
+            if _id_of(item) >> LINK_SHIFT == mine or (type(item) is _Chunk and item.next >= item.count):
+                kept.append(item)
+            else:
+                self._return(item, RETURN_ASIDE)
+        backlog.clear()  # (in place: `_run` holds it)
+        backlog.extend(kept)
+
+    def _alone_clear(self) -> bool:
+        """May the call run alone start? Every connection held answered (or is gone, or said
+        BYE), and no call of another connection runs here (their ends run the loop again)."""
+        if self._unheld:
+            self._unheld &= set(self._open())
+            if self._unheld:
+                return False
+        mine = self._alone >> LINK_SHIFT
+        running = [task for call_id, task in self._tasks.items() if call_id >> LINK_SHIFT != mine]
+        running += [task for chunk in self._chunks.values() if chunk.chunk_id >> LINK_SHIFT != mine
+                    for task in chunk.tasks if not task.done()]
+        for task in running:
+            self._wake_at_end(task)
+        return not running
+
+    def _wake_at_end(self, task: asyncio.Task[tuple[bool, object]]) -> None:
+        if task not in self._woken:
+            self._woken.add(task)
+            task.add_done_callback(self._alone_wake)
+
+    def _alone_wake(self, task: asyncio.Task[tuple[bool, object]]) -> None:
+        """A task the call run alone waits for (or its own) ended: the loop runs again, after
+        the task's answer (`_task_done`, its first done callback)."""
+        self._woken.discard(task)
+        if self._alone != NO_CALL:
+            self._loop.call_soon(self.schedule_run)
+
+    def _alone_check(self) -> None:
+        """Each run while a call runs alone (`_next_turn`): give back what came from the other
+        connections; release them once the call answered, was cancelled, or its deadline passed
+        before it started (answered then as a call cancelled unstarted, `CANCEL_ACK`)."""
+        call_id = self._alone
+        if self._alone_ran:
+            if call_id in self._tasks:
+                self._aside()
+                self._spent = True  # type: ignore[misc]
+            else:
+                self._release()
+            return
+        waiting = next((item for item in self._backlog if _id_of(item) == call_id), None)
+        if waiting is None:  # (cancelled, its link gone, or answered at its deadline by `_run`)
+            self._release()
+            return
+        if _deadline_of(typing.cast("tuple[int, int, int, bytes]", waiting)[3])[0] <= time.monotonic():  # (the deadlines' clock: wire.py)
+            self._backlog.remove(waiting)
+            self._reply(ERROR, call_id, 0.0, _CANCELLED, NOT_RUN)  # (wire.CANCEL_ACK)
+            self._release()
+            return
+        self._aside()
+        self._spent = True  # type: ignore[misc]
+
+    def held_answered(self, number: int) -> None:
+        """Connection `number` answered HOLD: it sends nothing more until the release."""
+        if number in self._unheld:
+            self._unheld.discard(number)
+            self.schedule_run()
+
+    def _release(self) -> None:
+        """The call run alone is done: HOLD aux 0 to the connections held (their front-ends
+        route to this worker again)."""
+        open_now = set(self._open())
+        for number in self._held:
+            if number in open_now:
+                self._out += _pack(0, HOLD, number << LINK_SHIFT, 0)
+        self._alone = NO_CALL  # type: ignore[misc]
+        self._alone_ran = False  # type: ignore[misc]
+        self._held = []  # type: ignore[misc]
+        self._unheld = set()  # type: ignore[misc]
+        if self._alone_timer is not None:
+            self._alone_timer.cancel()
+            self._alone_timer = None  # type: ignore[misc]
+        self._schedule_flush()

@@ -1,0 +1,177 @@
+"""A call sent ALONE to a worker serving several front-ends (broker/worker/alone.py, wire.HOLD).
+
+In-process: a real `WorkerProtocol` and its `Link`s on socketpairs (`run_links`), each driven by
+the raw wire as a front-end drives it; then a real worker process over real Unix sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+
+from test_worker_links import _TwoFrontEnds, run_links  # noqa: F401  # (a fixture, by name)
+from test_worker_sdk import INDEX, Broker, chunk_answers, chunk_frame, result
+
+from broker import wire
+from broker.wire import CANCEL_ACK, RETURN_ASIDE, Kind, encode_call, encode_frame
+from broker.worker import WorkerProtocol
+
+HOLD_ON = (Kind.HOLD, 0, 1, b"")
+HOLD_OFF = (Kind.HOLD, 0, 0, b"")
+_ENTRIES = wire.HEADER_SIZE + wire.DEADLINE.size  # where a CALL's params (a CHUNK's entries) start
+
+
+def alone(call_id: int, method: str, params: bytes, deadline: float = math.inf, flow: int = 2) -> bytes:
+    """A CALL sent ALONE (its method's calls run alone after a worker died under them)."""
+    return encode_call(Kind.CALL, call_id, INDEX[method], params, deadline, flow | wire.ALONE)
+
+
+def call(call_id: int, method: str, params: bytes, flow: int = 2) -> bytes:
+    return encode_call(Kind.CALL, call_id, INDEX[method], params, math.inf, flow)
+
+
+def entries(payload: bytes) -> int:
+    """How many CALL_ENTRYs a CHUNK's entries (or a RETURN of a chunk's) hold."""
+    n = pos = 0
+    while pos < len(payload):
+        _method, _flags, id_len, params_len = wire.CALL_ENTRY.unpack_from(payload, pos)
+        pos += wire.CALL_ENTRY.size + id_len + params_len
+        n += 1
+    return n
+
+
+def test_the_other_front_ends_waiting_calls_are_given_back_and_the_call_waits_for_their_answer(run_links):  # noqa: F811  # (the fixture imported)
+    async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
+        first, second = bs
+        batch = chunk_frame(2, [("add_ints", b"[5, 6]", False), ("async_add", b"[1, 1]", False)], flow=2)
+        first.send(call(1, "spin", b"[0.2]"), alone(2, "add_ints", b"[1, 2]"))
+        await asyncio.sleep(0.05)  # (`spin` holds the loop: what the second sends now waits behind the call)
+        second.send(call(1, "add_ints", b"[3, 4]"), batch, call(3, "nap", b"[0]"))
+        assert result((await first.read())[0]) == 0.2
+        # The second is held, and its calls come back unstarted, aside (as sent: a chunk's entries whole)
+        assert await second.read(4) == [
+            HOLD_ON, (Kind.RETURN, 1, RETURN_ASIDE, b"[3, 4]"), (Kind.RETURN, 2, RETURN_ASIDE, batch[_ENTRIES:]),
+            (Kind.RETURN, 3, RETURN_ASIDE, b"[0]")]
+        await first.nothing_more(0.1)  # (not before the second answers the hold)
+        second.send(call(4, "add_ints", b"[0, 0]"))  # sent before it saw the hold: back at once
+        assert await second.read() == [(Kind.RETURN, 4, RETURN_ASIDE, b"[0, 0]")]
+        second.send(encode_frame(Kind.HOLD, 0, 1))
+        assert result((await first.read())[0]) == 3
+        assert await second.read() == [HOLD_OFF]
+        second.send(call(5, "add_ints", b"[2, 2]"))  # served again
+        assert result((await second.read())[0]) == 4
+        await first.nothing_more()
+
+    run_links(test)
+
+
+def test_the_call_starts_once_the_other_front_ends_calls_running_ended(run_links):  # noqa: F811  # (the fixture imported)
+    async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
+        first, second, third = bs
+        second.send(call(1, "nap", b"[0.3]"))
+        await asyncio.sleep(0.05)
+        first.send(alone(1, "nap", b"[0.01]"))  # (async: the release waits for its answer)
+        assert await second.read() == [HOLD_ON] and await third.read() == [HOLD_ON]
+        second.send(encode_frame(Kind.HOLD, 0, 1))
+        third.send(encode_frame(Kind.HOLD, 0, 1))
+        await first.nothing_more(0.1)  # (the second's call runs)
+        [f] = await second.read()
+        assert f[:2] == (Kind.RESULT, 1) and result(f) == 0.3
+        assert result((await first.read())[0]) == 0.01
+        assert await second.read() == [HOLD_OFF] and await third.read() == [HOLD_OFF]
+
+    run_links(test, 3)
+
+
+def test_a_chunk_started_gives_back_the_calls_it_has_not_started(run_links):  # noqa: F811  # (the fixture imported)
+    async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
+        first, second = bs
+        spins = [("spin", b"[0.03]", False)] * 20  # (each a whole slice: the chunk runs in turns)
+        second.send(chunk_frame(7, spins, flow=1))
+        await asyncio.sleep(0.1)
+        first.send(alone(1, "add_ints", b"[1, 1]", flow=2))  # (a flow not charged: it goes ahead of the chunk)
+        frames = []
+        while not any(f[0] in (Kind.CHUNK_REPLY, Kind.CHUNK_RESULTS) for f in frames):
+            frames += await second.read(timeout=10)
+        assert HOLD_ON in frames
+        [back] = [f for f in frames if f[0] == Kind.RETURN]
+        ran = back[2] & ~RETURN_ASIDE
+        assert back[:2] == (Kind.RETURN, 7) and back[2] & RETURN_ASIDE and 0 < ran < 20
+        assert entries(back[3]) == 20 - ran  # (its calls from `ran` on, as sent)
+        answered = chunk_answers([f for f in frames if f[0] in (Kind.CHUNK_PART, Kind.CHUNK_REPLY)])
+        assert sorted(answered) == list(range(ran))  # (the ones that ran, answered as usual)
+        await first.nothing_more(0.05)
+        second.send(encode_frame(Kind.HOLD, 0, 1))
+        assert result((await first.read())[0]) == 2
+        assert await second.read() == [HOLD_OFF]
+
+    run_links(test)
+
+
+def test_a_call_alone_past_its_deadline_or_cancelled_unheld_releases_the_others(run_links):  # noqa: F811  # (the fixture imported)
+    async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
+        first, second = bs
+        first.send(alone(1, "add_ints", b"[1, 1]", deadline=time.monotonic() + 0.2))
+        assert await second.read() == [HOLD_ON]  # (never answered: a stopped front-end)
+        [f] = await first.read(timeout=5)
+        assert f == (Kind.ERROR, 1, wire.NOT_RUN, CANCEL_ACK)  # at its deadline, never run
+        assert await second.read() == [HOLD_OFF]
+        first.send(alone(2, "add_ints", b"[1, 1]"))
+        assert await second.read() == [HOLD_ON]
+        first.send(encode_frame(Kind.CANCEL, 2))
+        assert (await first.read())[0][:2] == (Kind.ERROR, 2)
+        assert await second.read() == [HOLD_OFF]
+        second.send(call(1, "add_ints", b"[2, 3]"))
+        assert result((await second.read())[0]) == 5
+
+    run_links(test)
+
+
+def test_another_call_alone_while_one_holds_the_worker_is_given_back(run_links):  # noqa: F811  # (the fixture imported)
+    async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
+        first, second = bs
+        first.send(alone(1, "nap", b"[0.2]"))
+        assert await second.read() == [HOLD_ON]
+        second.send(alone(1, "add_ints", b"[1, 1]"), encode_frame(Kind.HOLD, 0, 1))  # (its front-end picks again)
+        assert await second.read() == [(Kind.RETURN, 1, RETURN_ASIDE, b"[1, 1]")]
+        assert result((await first.read())[0]) == 0.2
+        assert await second.read() == [HOLD_OFF]
+
+    run_links(test)
+
+
+def test_a_front_end_gone_is_not_waited_for_and_the_call_s_own_gone_releases(run_links):  # noqa: F811  # (the fixture imported)
+    async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
+        first, second, third = bs
+        first.send(alone(1, "add_ints", b"[1, 1]"))
+        assert await second.read() == [HOLD_ON] and await third.read() == [HOLD_ON]
+        third.send(encode_frame(Kind.HOLD, 0, 1))
+        second.writer.close()  # (that front-end exits: nothing more comes from it)
+        assert result((await first.read())[0]) == 2
+        assert await third.read() == [HOLD_OFF]
+        third.send(alone(2, "nap", b"[30]"))  # (from a link now: the first connection is held)
+        assert await first.read() == [HOLD_ON]
+        first.send(encode_frame(Kind.HOLD, 0, 1))
+        await asyncio.sleep(0.05)
+        third.writer.close()  # its front-end exits: its call is cancelled, the others released
+        assert await first.read() == [HOLD_OFF]
+        first.send(call(3, "add_ints", b"[2, 2]"))
+        assert result((await first.read())[0]) == 4
+
+    run_links(test, 3)
+
+
+def test_a_real_worker_process_lets_the_other_front_end_s_call_end_before_the_crash(tmp_path: Path):
+    w = _TwoFrontEnds(tmp_path, "tests.apps.crashy:registry")
+    try:
+        w.conns[1].sendall(encode_call(Kind.CALL, 1, w.index["nap"], b"[0.3]", math.inf, 1))
+        time.sleep(0.05)
+        w.conns[0].sendall(encode_call(Kind.CALL, 1, w.index["crash_async"], b"", math.inf, 2 | wire.ALONE))
+        assert w.read(1) == [HOLD_ON]
+        w.conns[1].sendall(encode_frame(Kind.HOLD, 0, 1))
+        [f] = w.read(1)  # the other front-end's call ended first, answered; then the crash
+        assert f[:2] == (Kind.RESULT, 1) and f[3] == b"0.3"
+        assert w.proc.wait(60) == 1
+    finally:
+        w.close()
