@@ -207,7 +207,7 @@ class WorkerChannel(asyncio.Protocol):
 
     def send(self, kind: int, call_id: int, aux: int, payload: bytes | bytearray | memoryview) -> None:
         """Queue one frame for the worker (written at the end of this loop iteration):
-        CANCEL, BYE; a call's goes with its deadline (`send_call`)."""
+        CANCEL, BYE, HOLD (a hold's answer); a call's goes with its deadline (`send_call`)."""
         self._out += _pack_header(len(payload), kind, call_id, aux)
         self._out += payload
         if not self._flush_scheduled:

@@ -89,6 +89,7 @@ from broker.ratelimit import Limiter
 from broker.replies import Replies, error_code
 from broker.routing import HEAVY_BYTES, Routing
 from broker.wire import (
+    ALONE,
     CALL,
     NOTIFY,
     RETURNABLE,
@@ -231,6 +232,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         self._isolation = Isolation()
         self._alone: dict[Worker, bool] = {}  # (True: dead under one, until its slot is back: `worker_ready`)
         self._alone_held = False  # a connection's calls wait out of turn for a worker to run alone
+        self._held_workers: set[Worker] = set()  # out of the rotation: another front-end's call runs alone there (HOLD)
         # ... or for room for their large params (max_worker_params_bytes), oldest first (`_release_for_room`)
         self._room_waiters: OrderedDict[ResponseBudget, None] = OrderedDict()
         # ... and by their first calls' sizes, smallest first: (bytes, order, connection), some stale
@@ -342,8 +344,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
 
     @property
     def ready_workers(self) -> int:
-        """How many workers are taking calls."""
-        return len(self._ready)
+        """How many workers are taking calls (one another front-end's call runs alone in, held: too)."""
+        return len(self._ready) + len(self._held_workers)
 
     @property
     def answering_workers(self) -> int:
@@ -351,7 +353,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         deadline unanswered (`Worker.overdue`: stopped or stuck, maybe). /readyz says 503 at 0
         (hostile testing, round 89: with every worker SIGSTOPped it said ready, and each call
         timed out until the workers were killed as hung, `cancel_grace` later)."""
-        return len(self._ready) if not self._overdue else sum(1 for w in self._ready if not w.overdue)
+        answering = len(self._ready) if not self._overdue else sum(1 for w in self._ready if not w.overdue)
+        return answering + len(self._held_workers)  # (held: another front-end's call runs alone there)
 
     @property
     def in_grace(self) -> bool:
@@ -666,7 +669,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         # A call not known to block, to a worker not busy in one, may come back unstarted if
         # its method turns out slow there (`_returned`). Not one sent to a blocked worker: it
         # waits behind a known slow call, and given back after each it would never run.
-        flow = call.owner.flow | self._returnable if call.sync <= 0 and not worker.blocked else call.owner.flow
+        flow = call.owner.flow | self._returnable if call.sync <= 0 and not worker.blocked else call.owner.flow | (
+            ALONE if worker in self._alone else 0)  # (alone in its worker, whatever the other front-ends send: wire.ALONE)
         if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
             # (and when is it expected to end? the calls run one after another: `_pick_blocked`)
             est = self._sync_us[call.index] if call.methods is None else sum(

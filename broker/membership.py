@@ -20,11 +20,12 @@ from collections import Counter
 
 from broker.calls import Call, Route
 from broker.catalog import DISCOVER, Catalog
+from broker.channel import WorkerState
 from broker.chunk import with_methods
 from broker.dispatcher_state import DispatcherState
 from broker.jsonrpc import ErrorCode, error_object
 from broker.routing import BLOCKING_US
-from broker.wire import NOTIFY, RETURNABLE, MethodInfo
+from broker.wire import HOLD, NOTIFY, RETURNABLE, MethodInfo
 
 if typing.TYPE_CHECKING:
     from broker.channel import Worker
@@ -156,7 +157,7 @@ class Membership(DispatcherState):
 
     def worker_ready(self, worker: Worker) -> None:
         """A worker can take calls: add it to the rotation and give it queued work."""
-        if worker not in self._ready:
+        if worker not in self._ready and worker not in self._held_workers:
             self._start_failed = False
             worker.limit = worker.concurrency  # (a worker is ready with nothing in flight)
             self._alone.pop(worker, None)  # (back from a death under a call run alone)
@@ -172,6 +173,29 @@ class Membership(DispatcherState):
             if self.membership_tap is not None:
                 self.membership_tap.ready(worker)
         self._pump()
+
+    def worker_held(self, worker: Worker, hold: int) -> None:
+        """`worker` runs another front-end's call alone (wire.HOLD, aux `hold` 1), or is done
+        with it (0): out of the rotation until then, as if full, its calls waiting there given
+        back (`_returned`, RETURN_ASIDE). A hold is answered (HOLD back, after every call sent
+        to it so far): nothing more comes from here until the release (broker/worker/alone.py).
+        Its death ends the hold (`worker_lost`)."""
+        held = self._held_workers
+        if hold:
+            if worker.channel is not None:
+                worker.channel.send(HOLD, 0, 1, b"")
+            if worker in self._ready:
+                held.add(worker)
+                self._ready.remove(worker)
+                self._set_share()
+                if not self._ready:
+                    self._down_since = _clock()
+        elif worker in held:
+            held.discard(worker)
+            if worker.channel is not None and worker.state is WorkerState.READY and worker not in self._ready:
+                self._ready.append(worker)
+                self._set_share()
+                self._pump()
 
     def worker_unready(self, worker: Worker) -> None:
         """Take a worker out of the rotation (draining, dying); its calls stay pending."""
@@ -213,6 +237,7 @@ class Membership(DispatcherState):
         call run alone never held its place, and a caught crasher's next call took the other
         worker while it restarted: both died in turn, hostile testing, round 90.)"""
         self.worker_unready(worker)
+        self._held_workers.discard(worker)
         if self.membership_tap is not None:
             self.membership_tap.lost(worker, reason)
         lost = [c for c in self._pending.values() if c.worker is worker]

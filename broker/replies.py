@@ -64,11 +64,13 @@ from broker.wire import (
     CHUNK_REPLY,
     CHUNK_RESULTS,
     ERROR,
+    HOLD,
     NOT_RUN,
     NOTIFY,
     REPLY_ENTRY,
     RESULT,
     RETURN,
+    RETURN_ASIDE,
 )
 
 if typing.TYPE_CHECKING:
@@ -129,6 +131,9 @@ class Replies(DispatcherState):
         if kind >= CHUNK_PART:
             if kind == RETURN:
                 self._returned(worker, call_id, aux, payload)
+                return
+            if kind == HOLD:
+                self.worker_held(worker, aux)
                 return
             # CHUNK_PART: some of a chunk's answers; the chunk stays pending
             part = self._pending.get(call_id)
@@ -293,7 +298,11 @@ class Replies(DispatcherState):
         client's call waited 3.6 s, hostile testing, round 65); a chunk given back in part
         owes only the answers of the calls before `place`. Calls answered already (their
         deadline passed, their connection gone, the drain over) are dropped, counted as late
-        cancels."""
+        cancels. With `RETURN_ASIDE` in `place` they were given back, whatever they were sent
+        as, for another front-end's call run alone there (broker/worker/alone.py): they wait
+        as they were sent (a chunk's, each as its method is known), for another worker."""
+        aside = place & RETURN_ASIDE
+        place &= ~RETURN_ASIDE
         call = self._pending.get(call_id)
         slots = call.slots if call is not None else None
         if call is None or call.worker is not worker or (
@@ -303,14 +312,15 @@ class Replies(DispatcherState):
             return
         owner = call.owner
         back = 1 if slots is None else len(slots) - place
-        self.returned_total += back
+        if not aside:  # (its method slow there: else not a give-back the metric counts)
+            self.returned_total += back
         worker.outstanding -= back
         owner.in_flight -= back
         call.weight -= back
         again: list[Call] = []
         if slots is not None:
             if call.tick:
-                again = self._singles(call, place, payload)
+                again = self._singles(call, place, payload, aside)
             else:
                 self.late_cancelled_total += sum(1 for slot in slots[place:] if slot >= 0)
             if place:  # (the chunk owes the answers of its calls before `place` still)
@@ -354,17 +364,18 @@ class Replies(DispatcherState):
             else:
                 self.late_cancelled_total += int(call.kind != NOTIFY)
         if again:
-            self._requeue(again)
+            self._requeue(again, aside)
         self._give_back(owner)
         if (self._alone or self._alone_held) and not worker.outstanding:
             self._reserved_idle(worker)
         else:
             self._pump()
 
-    def _singles(self, chunk: Call, place: int, payload: bytes) -> list[Call]:
+    def _singles(self, chunk: Call, place: int, payload: bytes, aside: int = 0) -> list[Call]:
         """One call (or notification) per call of `chunk` from `place` on, from the CALL_ENTRYs
         of `payload` (their params), with the chunk's ids, answer slots, method indexes (the
-        method table's now, after a reload too) and deadline."""
+        method table's now, after a reload too) and deadline; `aside`: each routed as its
+        method is known (blocking, sync, async), not as blocking (`_returned`)."""
         exchange = chunk.exchange
         slots = typing.cast(list[int], chunk.slots)
         ids = typing.cast(list[Raw], chunk.ids)
@@ -379,18 +390,23 @@ class Replies(DispatcherState):
                 methods[i], payload[start:pos], chunk.timeout, chunk.arrival, 1, chunk.owner,
             )  # fmt: skip
             self._deadlines.add_like(single, chunk.tick)
+            if aside:
+                index = single.index
+                single.sync = 1 if self._blocking[index] else -1 if self._sync_us[index] >= 0 else 0
             singles.append(single)
         return singles
 
-    def _requeue(self, calls: list[Call]) -> None:
+    def _requeue(self, calls: list[Call], aside: int = 0) -> None:
         """Queue `calls` (of one connection, in order), given back by their worker
         (`_returned`), at the head of their connection's calls, as blocking sync calls (their
         method turned out slow), whatever the queue's bounds: they were admitted once. The
-        replies that teach the dispatcher how slow the method is come with them, or soon after."""
+        replies that teach the dispatcher how slow the method is come with them, or soon after.
+        `aside`: given back for another front-end's call run alone, they keep how they were sent."""
         owner = calls[0].owner
         queue = self._queue
         for call in reversed(calls):
-            call.sync = 1
+            if not aside:  # (else given back for another front-end's call run alone: as they were sent)
+                call.sync = 1
             hold(call)
             queue.appendleft(call, owner)
             self._queued_bytes += call.held

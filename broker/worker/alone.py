@@ -33,11 +33,11 @@ import math
 import time
 import typing
 
-from broker.wire import ERROR, HEADER, HOLD, NOT_RUN, RETURN_ASIDE
+from broker.wire import ALONE, ERROR, HEADER, HOLD, NOT_RUN, RETURN_ASIDE
 from broker.worker.chunks import _CANCELLED, _DEADLINE_SIZE, _Chunk, _deadline_of
 from broker.worker.links import LINK_SHIFT, Link
 
-__all__ = ["NO_CALL", "AloneRuns"]
+__all__ = ["ALONE", "HOLD", "NO_CALL", "AloneRuns"]
 
 NO_CALL = -1  # `_alone` when no call runs alone here
 _AFTER_DEADLINE_S = 0.002  # the deadline's run comes this much late (timers fire up to 1 ms early)
@@ -50,32 +50,32 @@ def _id_of(item: _Item) -> int:
 
 
 class AloneRuns:
-    """`WorkerProtocol`'s methods for a call run alone (see the module docstring).
-
-    (A mixin with no state of its own: the attributes below are the protocol's slots.)
+    """`WorkerProtocol`'s methods for a call run alone (see the module docstring), and their
+    state (the protocol's other attributes are declared below for the type checker):
     `_alone`: the id of the call run alone (tagged by its link), or NO_CALL; `_alone_ran`: it
     started; `_held`: the connections told HOLD; `_unheld`: those whose answer has not come;
     `_woken`: the tasks whose end runs the loop again; `_alone_timer`: its deadline's run.
     """
 
-    __slots__ = ()
+    # (Its own slots: the other mixins have none, so the protocol's layout takes these.)
+    __slots__ = ("_alone", "_alone_ran", "_alone_timer", "_held", "_unheld", "_woken")
+    _alone: int
+    _alone_ran: bool
+    _alone_timer: asyncio.TimerHandle | None
+    _held: list[int]
+    _unheld: set[int]
+    _woken: set[asyncio.Task[tuple[bool, object]]]
 
     if typing.TYPE_CHECKING:
-        _alone: int
-        _alone_ran: bool
-        _alone_timer: asyncio.TimerHandle | None
         _backlog: collections.deque[_Item]
         _bye: bool
         _chunks: dict[int, _Chunk]
-        _held: list[int]
         _links: list[Link]
         _loop: asyncio.AbstractEventLoop
         _out: bytearray
         _spent: bool
         _tasks: dict[int, asyncio.Task[tuple[bool, object]]]
         _transport: asyncio.Transport | None
-        _unheld: set[int]
-        _woken: set[asyncio.Task[tuple[bool, object]]]
 
         def _call(self, call_id: int, index: int, params: bytes, deadline: float) -> bool: ...
         def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int: ...
@@ -99,7 +99,7 @@ class AloneRuns:
         if not self._alone_clear():
             return False
         self._backlog.popleft()
-        self._alone_ran = True  # type: ignore[misc]  # (a slot of WorkerProtocol's: mypy sees this class's empty ones)
+        self._alone_ran = True
         _kind, _id, index, payload = item
         self._call(call_id, index, payload[_DEADLINE_SIZE:], _deadline_of(payload)[0])
         task = self._tasks.get(call_id)
@@ -111,17 +111,17 @@ class AloneRuns:
 
     def _hold(self, call_id: int, deadline: float) -> None:
         """Call `call_id` runs alone from now: HOLD to every other connection that may send calls."""
-        self._alone = call_id  # type: ignore[misc]
-        self._alone_ran = False  # type: ignore[misc]
+        self._alone = call_id
+        self._alone_ran = False
         mine = call_id >> LINK_SHIFT
         held = [n for n in self._open() if n != mine]
         for number in held:
             self._out += _pack(0, HOLD, number << LINK_SHIFT, 1)
-        self._held = held  # type: ignore[misc]
-        self._unheld = set(held)  # type: ignore[misc]
+        self._held = held
+        self._unheld = set(held)
         self._spent = True  # type: ignore[misc]  # (each run gives back what came meanwhile: `_alone_check`)
         if deadline < math.inf:
-            self._alone_timer = self._loop.call_later(  # type: ignore[misc]
+            self._alone_timer = self._loop.call_later(
                 max(0.0, deadline - time.monotonic()) + _AFTER_DEADLINE_S, self.schedule_run)
 
     def _open(self) -> list[int]:
@@ -209,11 +209,11 @@ class AloneRuns:
         for number in self._held:
             if number in open_now:
                 self._out += _pack(0, HOLD, number << LINK_SHIFT, 0)
-        self._alone = NO_CALL  # type: ignore[misc]
-        self._alone_ran = False  # type: ignore[misc]
-        self._held = []  # type: ignore[misc]
-        self._unheld = set()  # type: ignore[misc]
+        self._alone = NO_CALL
+        self._alone_ran = False
+        self._held = []
+        self._unheld = set()
         if self._alone_timer is not None:
             self._alone_timer.cancel()
-            self._alone_timer = None  # type: ignore[misc]
+            self._alone_timer = None
         self._schedule_flush()

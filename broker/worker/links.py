@@ -7,7 +7,8 @@ its frames with its own decoder and hands its calls to the protocol's run loop w
 call ids tagged by the link's number in the top byte (`LINK_SHIFT`): the front-ends number
 their calls apart, so two may send the same id. Everything past the edges (the backlog,
 turns, chunks, slow methods, the held answers' thread, cancels) is the protocol's, shared
-by all links, as if one broker had sent every call; the replies are written to one buffer
+by all links, as if one broker had sent every call (a call run alone holds the other
+connections: broker/worker/alone.py); the replies are written to one buffer
 with their tagged ids and split by link when written (`split`), each to its link with
 the front-end's own id back. A chunk's answers are its frames' too: the client ids inside a
 CHUNK and its CHUNK_RESULTS are the front-end's, echoed as sent, never tagged. With one
@@ -171,8 +172,10 @@ class LinkRuns:
         _out_first: bytearray
         _slot: int
         _tasks: dict[int, asyncio.Task[tuple[bool, object]]]
+        _transport: asyncio.Transport | None
 
         def _cancel(self, call_id: int) -> None: ...
+        def _take(self, data: bytes) -> bool: ...
         def _schedule_flush(self) -> None: ...
         def schedule_run(self) -> None: ...
 
@@ -217,6 +220,33 @@ class LinkRuns:
         self.link_said_bye()
         if self._alone != -1:  # (a call runs alone here: it may go on, or release, without it: worker/alone.py)
             self.schedule_run()
+
+    def _read_now(self) -> bool:
+        """Read and act on what the broker sent while the loop was held (a slow sync call),
+        before the next waiting call runs. A callback scheduled with call_soon runs before
+        the loop's next read of the channel, on uvloop as on asyncio (hostile testing,
+        round 16: calls of a batch waiting behind a 1 s sync call were answered -32001 at
+        their deadline and CANCELs sent for them, and ran all the same). The channel is
+        non-blocking, and the loop hands each read to `data_received` as it comes, so
+        reading it here keeps the frames in order. False if the connection is bad."""
+        transport = self._transport
+        sock = None if transport is None else transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        for link in self._links:
+            if not link.read_now():
+                return False
+        while True:
+            try:
+                data = os.read(sock.fileno(), 1 << 18)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:  # (the loop's own read finds it too)
+                return True
+            if not data:  # (end of file: the loop's own read finds it too)
+                return True
+            if not self._take(data):
+                return False
 
     def _write_links(self, transport: asyncio.Transport | None) -> None:
         """Write the replies queued (`_out`): the first connection's to `transport`, each

@@ -12,7 +12,7 @@ the loop once is "slow": the answers ready before its next call go out first. An
 behind a handler that runs long are sent from another thread (broker/worker/held.py); the
 error object a failed call is answered with is built in broker/worker/errors.py; which
 connection's calls run first, when one's calls take the loop's slices, is decided in
-broker/worker/turns.py.
+broker/worker/turns.py; a call run alone whatever the other front-ends send, in alone.py.
 
 A child that a handler forks has a copy of all this. `_forked_from` (set in the child by
 the fork hooks of broker/worker/forks.py) is read wherever the worker's code gets
@@ -40,7 +40,6 @@ import msgspec
 
 from broker import wire
 from broker.wire import (
-    ALONE,
     AWAITED,
     BYE,
     CALL,
@@ -48,13 +47,12 @@ from broker.wire import (
     CHUNK,
     CHUNK_REPLY,
     ERROR,
-    HOLD,
     NOT_RUN,
     NOTIFY,
     RESULT,
     RETURNABLE,
 )
-from broker.worker.alone import NO_CALL, AloneRuns
+from broker.worker.alone import ALONE, HOLD, NO_CALL, AloneRuns  # (wire's ALONE and HOLD, as it reads them)
 from broker.worker.chunks import (  # (what the run loop shares with the chunks' runs)
     _AWAITED_WITHIN_S,
     _CANCELLED,
@@ -231,9 +229,6 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
     __slots__ = (
         "_active",
         "_advancing",
-        "_alone",
-        "_alone_ran",
-        "_alone_timer",
         "_answered",
         "_awaited",
         "_backlog",
@@ -251,7 +246,6 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         "_flush_scheduled",
         "_grab",
         "_grab_lock",
-        "_held",
         "_hello",
         "_leaving",
         "_links",
@@ -271,11 +265,9 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         "_task_of",
         "_tasks",
         "_transport",
-        "_unheld",
         "_used",
         "_virtual",
         "_winding",
-        "_woken",
         "_yielded",
         "done",
     )
@@ -456,33 +448,6 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
             elif kind == HOLD:
                 self.held_answered(0)
         return True
-
-    def _read_now(self) -> bool:
-        """Read and act on what the broker sent while the loop was held (a slow sync call),
-        before the next waiting call runs. A callback scheduled with call_soon runs before
-        the loop's next read of the channel, on uvloop as on asyncio (hostile testing,
-        round 16: calls of a batch waiting behind a 1 s sync call were answered -32001 at
-        their deadline and CANCELs sent for them, and ran all the same). The channel is
-        non-blocking, and the loop hands each read to `data_received` as it comes, so
-        reading it here keeps the frames in order. False if the connection is bad."""
-        transport = self._transport
-        sock = None if transport is None else transport.get_extra_info("socket")
-        if sock is None:
-            return True
-        for link in self._links:
-            if not link.read_now():
-                return False
-        while True:
-            try:
-                data = os.read(sock.fileno(), 1 << 18)
-            except (BlockingIOError, InterruptedError):
-                return True
-            except OSError:  # (the loop's own read finds it too)
-                return True
-            if not data:  # (end of file: the loop's own read finds it too)
-                return True
-            if not self._take(data):
-                return False
 
     def _cancel(self, call_id: int) -> None:
         """CANCEL: an async call is cancelled and acknowledged (`CANCEL_ACK`) at once, a
