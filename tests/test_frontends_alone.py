@@ -9,8 +9,7 @@ loopback with two front-ends, real workers, real connections.
 
 from __future__ import annotations
 
-import os
-import signal
+import json
 import threading
 import time
 
@@ -57,3 +56,78 @@ def test_another_front_end_s_calls_never_die_beside_a_call_one_front_end_runs_al
         t.join(60)
     assert len(crashes) >= 3 and set(crashes) <= {-32002, -32001}, crashes
     assert innocent and set(innocent) == {"ok"}, (innocent.count("ok"), [o for o in innocent if o != "ok"])
+    log = b.read_log(0.05)
+    assert "which it does not hold" not in log and "Traceback" not in log, log[-3000:]
+
+
+def _batches(sock, size: int, count: int, seconds: float, outcomes: list[object]) -> None:  # type: ignore[no-untyped-def]
+    """Batches of `size` `nap` calls on `sock`, `count` or `seconds` at most; each call's outcome."""
+    deadline = time.monotonic() + seconds
+    with sock:
+        for n in range(count):
+            if time.monotonic() >= deadline:
+                return
+            body = json.dumps([{"jsonrpc": "2.0", "method": "nap", "params": [0.01], "id": i} for i in range(size)])
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+            got = answer(sock)
+            assert isinstance(got, list) and sorted(a["id"] for a in got) == list(range(size)), (n, got)
+            outcomes += ["ok" if "result" in a else a["error"]["code"] for a in got]
+
+
+def test_another_front_end_s_batches_are_given_back_whole_or_in_part_never_lost(broker_factory):
+    b, peer = _two_front_ends(broker_factory)
+    crasher = connection_to(peer, b)
+    crasher.sendall(request("crash_async", [], "first"))
+    assert answer(crasher)["error"]["code"] == -32002  # type: ignore[index]
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 2, timeout=20)
+    innocents = [connection_to(b.pid, b) for _ in range(2)]
+    crashes: list[object] = []
+    innocent: list[object] = []
+    threads = [threading.Thread(target=_loop, args=(crasher, "crash_async", [], 30, 4.0, crashes))]
+    threads += [threading.Thread(target=_batches, args=(s, 40, 200, 4.0, innocent)) for s in innocents]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(crashes) >= 3 and set(crashes) <= {-32002, -32001}, crashes
+    assert innocent and set(innocent) == {"ok"}, (innocent.count("ok"), [o for o in innocent if o != "ok"][:5])
+
+
+def _pids(sock, count: int) -> set[int]:  # type: ignore[no-untyped-def]
+    """The workers' pids `count` calls of `pid` on `sock` reached."""
+    seen = set()
+    for i in range(count):
+        sock.sendall(request("pid", [], i))
+        got = answer(sock)
+        assert "result" in got, got
+        seen.add(got["result"])
+    return seen  # type: ignore[return-value]
+
+
+def test_a_worker_stopped_or_hung_while_it_holds_is_routed_to_again_once_replaced(broker_factory):
+    """The call run alone stops its worker (SIGSTOP) while it holds the other front-end: that
+    front-end's calls go to the other worker meanwhile, none lost; the worker is killed as hung
+    (past the call's deadline and cancel_grace), and its replacement takes both front-ends' calls."""
+    b, peer = _two_front_ends(broker_factory, "--timeout", "1", "--cancel-grace", "0.5")
+    stopper = connection_to(peer, b)
+    innocent_sock = connection_to(b.pid, b)
+    assert len(_pids(innocent_sock, 20)) == 2
+    stopper.sendall(request("stop_self", [], "first"))  # (beside nothing: caught, its calls run alone)
+    assert answer(stopper)["error"]["code"] == -32001  # type: ignore[index]
+    wait_for(lambda: "their methods' calls now run alone" in b.read_log(0.05), timeout=20)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 2, timeout=20)
+    innocent: list[object] = []
+    thread = threading.Thread(target=_loop, args=(innocent_sock, "nap", [0.01], 400, 4.0, innocent))
+    before = set(int(p) for p in workers_of(b.pid))
+    thread.start()
+    with stopper:
+        stopper.sendall(request("stop_self", [], "alone"))  # run alone, holding the first front-end
+        assert answer(stopper)["error"]["code"] == -32001  # type: ignore[index]
+    thread.join(60)
+    assert innocent and set(innocent) == {"ok"}, (innocent.count("ok"), [o for o in innocent if o != "ok"][:5])
+    wait_for(lambda: len(set(workers_of(b.pid)) - before) == 1 and len(workers_of(b.pid)) == 2, timeout=30)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 2, timeout=20)
+    again = connection_to(b.pid, b)  # (the first front-end, held by the stopped one: routes to its replacement)
+    with again:
+        assert _pids(again, 40) == set(workers_of(b.pid))

@@ -98,3 +98,12 @@ async def nap(seconds: float) -> float:
 
     await asyncio.sleep(seconds)
     return seconds
+
+
+@registry.method
+def stop_self() -> None:
+    """Stops its own worker (SIGSTOP): a worker stopped in a call, killed as hung once past its
+    deadline and cancel_grace."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSTOP)
