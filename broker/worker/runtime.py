@@ -533,7 +533,7 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
                     backlog.popleft()
                     self._reply(ERROR, call_id, 0.0, _CANCELLED, NOT_RUN)  # (a whole chunk, too)
                     continue
-                if flow & ALONE and self._links:  # (alone whatever the other front-ends send: worker/alone.py)
+                if self._links and flow & ALONE:  # (alone whatever the other front-ends send: worker/alone.py)
                     if self._alone_turn(typing.cast("tuple[int, int, int, bytes]", item)):
                         continue
                     break

@@ -1,0 +1,111 @@
+"""The dispatcher's side of a call run alone in its worker whatever the other front-ends send
+(wire.ALONE, HOLD, RETURN_ASIDE; broker/worker/alone.py): calls sent ALONE, a worker held out of
+the rotation until its release or death, and calls given back aside going again as they were
+sent. In-process, time injected, the worker's frames recorded (test_dispatch.RecordingChannel)."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import pytest
+from test_dispatch import _entries_from, add_worker, body, req, restarted
+from test_dispatch_core import Clock, one_worker
+
+from broker import wire
+from broker.wire import HOLD, RETURN, RETURN_ASIDE
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> typing.Iterator[Clock]:
+    """Time injected (test_dispatch_core.Clock)."""
+    c = Clock(monkeypatch)
+    yield c
+    c.loop.close()
+
+
+def test_a_call_run_alone_is_sent_alone_and_no_other_call_is(clock):
+    d, w, codec, done = one_worker(clock.loop, ["m", "boom"], 10)
+    d.submit(body(codec, req("m", [], 1)), done.append)
+    [plain] = w.channel.take()
+    assert not w.channel.flows[plain[1]] & wire.ALONE
+    d.on_reply(w, wire.Kind.RESULT, plain[1], 5, b"0")
+    d.submit(body(codec, req("boom", [], "b")), done.append)
+    w.channel.take()
+    restarted(d, w)  # (it died under `boom` alone: caught, its calls run alone)
+    d.submit(body(codec, req("boom", [], "again")), done.append)
+    [alone] = w.channel.take()
+    assert w.channel.flows[alone[1]] & wire.ALONE and not w.channel.flows[alone[1]] & wire.RETURNABLE
+
+
+def test_a_held_worker_takes_nothing_new_until_released_and_its_hold_is_answered(clock):
+    d, a, codec, done = one_worker(clock.loop, ["m"], 10)
+    b = add_worker(d, 1, 10)
+    d.on_reply(a, HOLD, 0, 1, b"")
+    assert a.channel.take() == [(HOLD, 0, 1, b"")]  # answered: nothing more comes from here
+    assert d.ready_workers == 2 and d.answering_workers == 2  # (held, not down)
+    for i in range(6):
+        d.submit(body(codec, req("m", [i], i)), done.append)
+    assert not a.channel.take() and len(b.channel.take()) == 6
+    d.on_reply(a, HOLD, 0, 0, b"")  # released
+    assert not a.channel.take()  # (a release is not answered)
+    for i in range(6):
+        d.submit(body(codec, req("m", [i], i)), done.append)
+    assert len(a.channel.take()) == 6  # (b is full of the first six: a takes the next, idle)
+
+
+def test_a_held_worker_that_dies_is_forgotten_and_its_slot_served_again(clock):
+    d, a, codec, done = one_worker(clock.loop, ["m"], 10)
+    b = add_worker(d, 1, 10)
+    d.on_reply(a, HOLD, 0, 1, b"")
+    restarted(d, a)  # (killed as hung under the call run alone, say: back, not held)
+    assert not d._held_workers and d.ready_workers == 2
+    d.on_reply(a, HOLD, 0, 0, b"")  # (a release from before its death: nothing)
+    for i in range(12):
+        d.submit(body(codec, req("m", [i], i)), done.append)
+    assert len(a.channel.take()) and len(b.channel.take())
+
+
+def test_calls_given_back_aside_go_again_as_they_were_sent_to_another_worker(clock):
+    d, a, codec, done = one_worker(clock.loop, ["q", "a"], 100, sync_prefetch=1)
+    d.set_methods(["q", "a"], sync_methods=["q"])
+    d.submit(body(codec, req("q", [], "learn")), lambda e: None)  # `q` learnt fast: sent RETURNABLE
+    [frame] = a.channel.take()
+    d.on_reply(a, wire.Kind.RESULT, frame[1], 100, b"0")
+    b = add_worker(d, 1, 100)
+    d.submit(body(codec, req("q", ["x"], 1)), done.append)
+    [sent] = a.channel.take() or b.channel.take()
+    first, other = (a, b) if sent[1] in a.channel.flows else (b, a)
+    assert first.channel.flows[sent[1]] & wire.RETURNABLE
+    d.on_reply(first, HOLD, 0, 1, b"")
+    first.channel.take()
+    d.on_reply(first, RETURN, sent[1], RETURN_ASIDE, sent[3])
+    [again] = other.channel.take()
+    assert json.loads(again[3]) == ["x"] and other.channel.flows[again[1]] & wire.RETURNABLE  # (not as blocking)
+    assert (first.outstanding, first.blocked, d.returned_total) == (0, False, 0)
+    d.on_reply(other, wire.Kind.RESULT, again[1], 100, b'"y"')
+    assert json.loads(done[-1].body())["result"] == "y"
+
+
+def test_a_chunk_given_back_aside_in_part_goes_again_call_by_call_as_each_method_is_known(clock):
+    d, a, codec, done = one_worker(clock.loop, ["m"], 100)
+    b = add_worker(d, 1, 100)
+    d.on_reply(b, HOLD, 0, 1, b"")  # (b held for now: the chunk goes to a)
+    d.submit(body(codec, [req("m", [i], i) for i in range(5)]), done.append)
+    [chunk] = a.channel.take()
+    assert chunk[0] == wire.Kind.CHUNK
+    d.on_reply(b, HOLD, 0, 0, b"")
+    b.channel.take()
+    d.on_reply(a, HOLD, 0, 1, b"")
+    a.channel.take()
+    d.on_reply(a, RETURN, chunk[1], 2 | RETURN_ASIDE, _entries_from(chunk[3], 2))  # it ran the first two
+    singles = b.channel.take()
+    assert [json.loads(f[3]) for f in singles] == [[2], [3], [4]]
+    assert all(b.channel.flows[f[1]] & wire.RETURNABLE for f in singles)  # (not as blocking)
+    assert d.returned_total == 0
+    d.on_reply(a, wire.Kind.CHUNK_REPLY, chunk[1], 5, b"".join(
+        wire.REPLY_ENTRY.pack(i, wire.RESULT, 1) + b"%d" % i for i in range(2)))
+    for f, value in zip(singles, (b"2", b"3", b"4")):
+        d.on_reply(b, wire.Kind.RESULT, f[1], 5, value)
+    answers = json.loads(done[-1].body())
+    assert sorted((r["id"], r["result"]) for r in answers) == [(i, i) for i in range(5)]
