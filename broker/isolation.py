@@ -33,6 +33,14 @@ can a crash from a thread after its call answered be told apart: kept up every f
 it keeps whatever method it catches running alone (round 81). Strikes are forgotten
 STRIKE_DECAY_SECONDS after a method's last one; a reload (new code) forgets everything.
 
+With several front-ends (`serve --frontends N`) each keeps its own strikes, from the deaths
+its own calls saw, but "alone" is the worker's: a call the dispatcher runs alone is sent
+`wire.ALONE`, and the worker holds every other front-end while it runs (wire.HOLD: they route
+nothing new to it, and their calls waiting there come back unstarted for another worker,
+broker/worker/alone.py). A front-end whose calls were given back so has none in the worker
+when it dies, and blames nothing (hostile testing, round 130: a call run alone shared its
+worker with another front-end's calls, which died with it, -32002).
+
 This is a circuit breaker in the sense of Nygard's *Release It!* (2007), ch. 5, with the
 broker's only trustworthy signal of a failure, a worker's death, "half open" meaning "one
 call at a time, alone", and the exponential backoff of the strikes in place of a timer.

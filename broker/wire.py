@@ -118,8 +118,8 @@ such a call holds them (HOLD, aux 1), gives back unstarted every call of theirs 
 once each of them has answered the hold and none of their calls runs in it; a call of theirs
 that arrives meanwhile, an `ALONE` one too, is given back at once. Its answer (or its deadline,
 or its cancel) releases them (HOLD, aux 0). (Hostile testing, round 130: a call one front-end
-ran alone shared its worker with another front-end's calls, which died with it, -32002.) With
-one front-end the flag is never sent, and the worker has nothing to hold.
+ran alone shared its worker with another front-end's calls, which died with it, -32002.) A
+worker with one connection has nothing to hold: it runs such a call as any.
 
 A chunk travels and is accounted for as one unit (one call id, one deadline): it
 saves the per-call frame work on both sides for batches. The worker replies to every
