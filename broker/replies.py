@@ -301,8 +301,8 @@ class Replies(DispatcherState):
         cancels. With `RETURN_ASIDE` in `place` they were given back, whatever they were sent
         as, for another front-end's call run alone there (broker/worker/alone.py): they wait
         as they were sent (a chunk's, each as its method is known), for another worker."""
-        aside = place & RETURN_ASIDE
-        place &= ~RETURN_ASIDE
+        aside = RETURN_ASIDE if place >= RETURN_ASIDE else 0  # (aux is a u32)
+        place -= aside
         call = self._pending.get(call_id)
         slots = call.slots if call is not None else None
         if call is None or call.worker is not worker or (

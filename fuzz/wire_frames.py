@@ -45,7 +45,7 @@ with instrumented(__name__ == "__main__"):
 __all__ = ["check", "seeds"]
 
 _SMALL_LIMIT = 64
-_KIND_RANGE = 13  # kinds 0..12 in records mode: 0 is no kind (refused), 1..12 are wire.Kind
+_KIND_RANGE = 14  # kinds 0..13 in records mode: 0 is no kind (refused), 1..13 are wire.Kind
 
 
 def _reference(stream: bytes, limit: int) -> tuple[list[tuple[int, int, int, bytes]], int, bool]:
