@@ -199,6 +199,7 @@ class Membership(DispatcherState):
 
     def worker_unready(self, worker: Worker) -> None:
         """Take a worker out of the rotation (draining, dying); its calls stay pending."""
+        self._held_workers.discard(worker)  # (held for another front-end: not back at its release)
         try:
             self._ready.remove(worker)
         except ValueError:
@@ -237,7 +238,6 @@ class Membership(DispatcherState):
         call run alone never held its place, and a caught crasher's next call took the other
         worker while it restarted: both died in turn, hostile testing, round 90.)"""
         self.worker_unready(worker)
-        self._held_workers.discard(worker)
         if self.membership_tap is not None:
             self.membership_tap.lost(worker, reason)
         lost = [c for c in self._pending.values() if c.worker is worker]

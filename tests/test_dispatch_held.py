@@ -109,3 +109,15 @@ def test_a_chunk_given_back_aside_in_part_goes_again_call_by_call_as_each_method
         d.on_reply(b, wire.Kind.RESULT, f[1], 5, value)
     answers = json.loads(done[-1].body())
     assert sorted((r["id"], r["result"]) for r in answers) == [(i, i) for i in range(5)]
+
+
+def test_a_held_worker_that_leaves_is_not_back_at_its_release(clock):
+    d, a, codec, done = one_worker(clock.loop, ["m"], 10)
+    b = add_worker(d, 1, 10)
+    d.on_reply(a, HOLD, 0, 1, b"")
+    d.worker_unready(a)  # (it asks to leave, SIGTERM: draining)
+    d.on_reply(a, HOLD, 0, 0, b"")
+    assert d.ready_workers == 1
+    for i in range(5):
+        d.submit(body(codec, req("m", [i], i)), done.append)
+    assert len(b.channel.take()) == 5 and not [f for f in a.channel.take() if f[0] != HOLD]
