@@ -310,8 +310,9 @@ def _error_text(error: _ErrorObject) -> str:
         return f"Invalid arguments: {where}{data['reason']}"
     known = _KNOWN.get(code)
     text = known or (error.message if code == ErrorCode.INTERNAL_ERROR else f"Error {code}: {error.message}")
-    if isinstance(data, dict) and code == ErrorCode.INTERNAL_ERROR and "type" in data:
-        return f"{text}: {data['type']}: {data.get('message', '')}".rstrip(": ")
+    if isinstance(data, dict) and code == ErrorCode.INTERNAL_ERROR and "type" in data:  # (a message: --debug's;
+        # a reason: the worker's own words, e.g. where a result breaks the outputSchema, round 131)
+        return f"{text}: {data['type']}: {data.get('message', data.get('reason', ''))}".rstrip(": ")
     if data is not None:
         text += " (" + (data if isinstance(data, str) else _encode(data).decode()) + ")"
     return text

@@ -18,7 +18,7 @@ import typing
 from broker.jsonrpc import ErrorCode, error_object
 from broker.wire import ERROR
 from broker.worker.params import InvalidParams, Method, NestingTooDeep
-from broker.worker.results import InvalidJson, NoJsonForm
+from broker.worker.results import InvalidJson, NoJsonForm, ResultMismatch
 from broker.worker.sdk import RpcError, _Refused, _rpc_error_object
 
 log = logging.getLogger("broker.worker")  # (one logger for the package: its records say `broker.worker`)
@@ -83,6 +83,10 @@ class ErrorAnswers:
         if isinstance(exc, InvalidJson):
             log.error("worker %d: handler %s returned a result that is %s", self._slot, self._name(index), exc)
             return error_object(ErrorCode.INTERNAL_ERROR, data={"type": "TypeError", "reason": f"the result is {exc}"})
+        if isinstance(exc, ResultMismatch):  # (its reason said: where the tool's own result breaks its schema)
+            log.error("worker %d: tool %s returned a result that breaks its outputSchema (%s)", self._slot,
+                      self._name(index), exc)
+            return error_object(ErrorCode.INTERNAL_ERROR, data={"type": "TypeError", "reason": exc.reason})
         if isinstance(exc, NoJsonForm):  # (round 32: logged as "handler ... raised", which it had not)
             log.error("worker %d: handler %s returned a result with no JSON form (%s)", self._slot, self._name(index), exc)
             detail = {"type": "TypeError", "reason": exc.reason}

@@ -79,7 +79,7 @@ class Method(Signature):
     the handler's signature at registration (`signature.Signature`, which it inherits).
     """
 
-    __slots__ = ("annotations", "described", "doc", "fn", "is_async", "name", "title", "tool")
+    __slots__ = ("annotations", "check_result", "described", "doc", "fn", "is_async", "name", "title", "tool")
 
     def __init__(self, name: str, fn: Callable[..., object], raw_params: bool = False) -> None:
         self.name = name
@@ -92,6 +92,9 @@ class Method(Signature):
         self.title: str | None = None
         self.annotations: dict[str, object] | None = None
         self.described: Described | None = None
+        # A tool's with an outputSchema: its result's JSON decoded as its return type, which
+        # raises msgspec.ValidationError where the result breaks the schema (`sdk.Registry.method`)
+        self.check_result: Callable[[bytes], object] | None = None
         super().__init__(name, fn, raw_params)  # (its types: broker/worker/signature.py)
 
     def bind(self, params: bytes, max_depth: int, _quiet: bool = False) -> tuple[tuple[object, ...], dict[str, object]]:

@@ -710,6 +710,19 @@ class InvalidJson(TypeError):
     """What msgspec encoded (a `msgspec.Raw` copied verbatim) is not one valid JSON value."""
 
 
+def checked_result(result: object, check: Callable[[bytes], object], returns: object) -> bytes:
+    """`encode_result(result)`, checked by a tool's `check` (`tools.result_check`: its JSON
+    decoded as its return type `returns`). Raises as `encode_result` does, and `ResultMismatch`
+    saying where the result breaks its outputSchema."""
+    encoded = encode_result(result)
+    try:
+        check(encoded)
+    except msgspec.ValidationError as exc:
+        raise ResultMismatch(f"result does not fit its return type {returns!r}: {exc}",
+                             f"the result does not fit the tool's outputSchema: {exc}") from None
+    return encoded
+
+
 class NoJsonForm(TypeError):
     """A handler's result has no JSON form (`encode_result`): the message says why, for the log;
     `reason`, for the client, names a limit it passed (its nesting, an integer's digits)."""
@@ -720,3 +733,9 @@ class NoJsonForm(TypeError):
 
 
 _format_json = msgspec.json.format
+
+
+class ResultMismatch(NoJsonForm):
+    """A tool's result has a JSON form that breaks its outputSchema (`checked_result`): MCP,
+    server/tools "Output Schema": "Servers MUST provide structured results that conform to
+    this schema". `reason` says where, for the client."""

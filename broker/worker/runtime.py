@@ -68,7 +68,7 @@ from broker.worker.errors import ErrorAnswers
 from broker.worker.held import HeldAnswers
 from broker.worker.links import ID_MASK, Link, LinkRuns
 from broker.worker.params import _drop_flag_members
-from broker.worker.results import encode_result
+from broker.worker.results import checked_result, encode_result
 from broker.worker.sdk import Registry
 from broker.worker.tools import method_info
 from broker.worker.turns import _CHARGED_S, FlowTurns, _flow_of
@@ -625,7 +625,8 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
             if _forked_from:  # a child the handler forked returned: `_child_exits`
                 _child_exits(None)
             try:
-                return RESULT, encode_result(result)
+                check = method.check_result  # (a tool's with an outputSchema: broker/worker/tools.py)
+                return RESULT, encode_result(result) if check is None else checked_result(result, check, method.returns)
             except TypeError:  # (no JSON form: checked only now, off the fast path)
                 if not inspect.isawaitable(result):
                     raise
@@ -665,7 +666,9 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
             except BaseException as exc:  # cancelled before it ever ran, or a GeneratorExit
                 ok, value = False, exc  # raised by the handler (_guarded lets that through)
             if ok:
-                return RESULT, encode_result(value)
+                method = self._methods[index]
+                check = method.check_result
+                return RESULT, encode_result(value) if check is None else checked_result(value, check, method.returns)
             if by_broker and isinstance(value, asyncio.CancelledError):
                 return ERROR, _CANCELLED
             if value is _PAST_DEADLINE_RAN:

@@ -24,7 +24,7 @@ import msgspec
 from broker.jsonrpc import OTHER, error_object
 from broker.worker.params import Method
 from broker.worker.results import InvalidJson, _encoded_data
-from broker.worker.tools import TOOL_NAME, ToolAnnotations, describe, tool_annotations
+from broker.worker.tools import TOOL_NAME, ToolAnnotations, describe, result_check, tool_annotations
 
 
 class RpcError(Exception):
@@ -208,6 +208,7 @@ class Registry:
             method.annotations = tool_annotations(method_name, annotations)
             if is_tool:  # (what a host could not use is refused now, not at the first tools/list)
                 method.described = describe(method, tool=True)
+                method.check_result = result_check(method)
             self._methods[method_name] = method
             return f
 

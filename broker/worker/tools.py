@@ -44,6 +44,7 @@ import difflib
 import inspect
 import re
 import typing
+from collections.abc import Callable
 
 import msgspec
 
@@ -53,7 +54,7 @@ from broker.schemas import Schema, inlined, rooted, unconstrained
 if typing.TYPE_CHECKING:
     from broker.worker.params import Method
 
-__all__ = ["TOOL_NAME", "Described", "ToolAnnotations", "describe", "method_info", "tool_annotations"]
+__all__ = ["TOOL_NAME", "Described", "ToolAnnotations", "describe", "method_info", "result_check", "tool_annotations"]
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 """The names a tool may have (`fullmatch`): the MCP spec's characters (2025-11-25 and
@@ -162,6 +163,24 @@ def describe(method: Method, tool: bool) -> Described:
         "either" if method.raw_params else "by-name" if inspect.Parameter.KEYWORD_ONLY in kinds
         else "by-position" if pos_only else "either")
     return Described(inputs, output, wrap, result, structure)
+
+
+def result_check(method: Method) -> Callable[[bytes], object] | None:
+    """For a tool with an outputSchema (`describe`), a check of its result's JSON against its
+    return type, the schema's source: msgspec decoding it as that type, which raises
+    msgspec.ValidationError saying where it breaks (a field missing or of another type, a NaN
+    written null, a Literal's other value). MCP: "Servers MUST provide structured results that
+    conform to this schema" (server/tools, "Output Schema"); the front-end checks a result's
+    top only (hostile testing, round 131: a Struct missing a field went out as structuredContent,
+    and the official SDK's client refused the whole result). None when there is no schema, or
+    msgspec cannot decode that type (a class the schema names only: `_any`)."""
+    described = method.described
+    if described is None or described.output_schema is None:
+        return None
+    try:
+        return msgspec.json.Decoder(method.returns).decode
+    except TypeError:
+        return None
 
 
 def method_info(method: Method) -> wire.MethodInfo:

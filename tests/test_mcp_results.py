@@ -1,0 +1,71 @@
+"""A tool's result checked against its return type, the source of its outputSchema, all the
+way down (MCP server/tools, "Output Schema": "Servers MUST provide structured results that
+conform to this schema"). Hostile testing, round 131: a Struct missing a field, a field of
+another type, a NaN written null, a TypedDict's or a Literal's other value went out as
+structuredContent with isError false, and the official SDK's client raised RuntimeError
+("Invalid structured content returned by tool"): the host got no result and the model no
+readable error. Now a tool error saying where; the JSON-RPC face answers -32603 with the
+same reason. A real broker, its workers, and the official `mcp` client."""
+
+from __future__ import annotations
+
+import typing
+
+import anyio
+import pytest
+from mcp.client.client import Client
+
+from tests.conftest import Broker, start_broker
+
+MODES = ("auto", "legacy")
+
+
+@pytest.fixture(scope="module")
+def broker() -> typing.Iterator[Broker]:
+    b = start_broker("--workers", "1", "--app", "tests.apps.shaped:registry")
+    yield b
+    assert b.stop() == 0, b.read_log()
+
+
+def call(b: Broker, mode: str, tool: str, arguments: dict[str, object]) -> typing.Any:
+    async def main() -> typing.Any:
+        async with Client(f"http://127.0.0.1:{b.port}/mcp", mode=mode) as client:  # type: ignore[arg-type]
+            return await client.call_tool(tool, arguments)
+
+    return anyio.run(main)
+
+
+BROKEN = [
+    ("point", {"kind": "missing"}, "Object missing required field `y`"),
+    ("point", {"kind": "typed"}, "Expected `int`, got `str` - at `$.x`"),
+    ("point", {"kind": "nan"}, "Expected `int`, got `null` - at `$.y`"),
+    ("named", {"a": "x"}, "Expected `int`, got `str` - at `$.a`"),
+    ("letter", {"value": "zzz"}, "Invalid enum value 'zzz'"),
+    ("numbers", {"values": [1, "x"]}, "Expected `int`, got `str` - at `$[1]`"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("tool", "arguments", "why"), BROKEN)
+def test_a_result_that_breaks_its_schema_below_its_top_is_a_tool_error_saying_where(
+        broker: Broker, mode: str, tool: str, arguments: dict[str, object], why: str) -> None:
+    result = call(broker, mode, tool, arguments)
+    assert result.is_error is True and result.structured_content is None, result
+    assert result.content[0].text == f"Internal error: TypeError: the result does not fit the tool's outputSchema: {why}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_results_that_fit_go_out_as_structured_content(broker: Broker, mode: str) -> None:
+    assert call(broker, mode, "point", {"kind": "ok"}).structured_content == {"x": 1, "y": 2}
+    assert call(broker, mode, "point", {"kind": "struct"}).structured_content == {"x": 3, "y": 4}
+    assert call(broker, mode, "named", {"a": 7}).structured_content == {"a": 7}
+    assert call(broker, mode, "letter", {"value": "b"}).structured_content == {"result": "b"}
+    assert call(broker, mode, "numbers", {"values": [1, 2]}).structured_content == {"result": [1, 2]}
+
+
+def test_the_json_rpc_face_answers_the_same_reason(broker: Broker) -> None:
+    answer = broker.call("point", {"kind": "missing"})
+    assert answer["error"] == {"code": -32603, "message": "Internal error", "data": {
+        "type": "TypeError", "reason": "the result does not fit the tool's outputSchema: Object missing required field `y`"}}
+    assert broker.call("point", {"kind": "ok"})["result"] == {"x": 1, "y": 2}
+    assert "tool point returned a result that breaks its outputSchema" in broker.read_log(0.5)
