@@ -300,7 +300,8 @@ def test_rate_limits_are_shared_among_the_front_ends():
     from broker.ratelimit import UNLIMITED, Rate, share
 
     assert share(Rate(10.0, 10), 1) == Rate(10.0, 10)
-    assert share(Rate(10.0, 10), 3) == Rate(10.0 / 3, 4)
+    assert share(Rate(10.0, 10), 3) == Rate(10.0 / 3, 3)  # (rounded down: never more than the burst)
+    assert share(Rate(10.0, 3), 2) == Rate(5.0, 1)  # (new user, round 114: 2 each let 4 through)
     assert share(Rate(0.5, 1), 2) == Rate(0.25, 1)  # (a burst of one at least)
     assert share(UNLIMITED, 4) == UNLIMITED
 
