@@ -52,7 +52,10 @@ class Rounds:
     def gather(self, done: typing.Callable[[], None]) -> None:
         """Call `done` (never before this returns) once a body made from every front-end's
         series, each asked for after this call, is in `body`."""
-        if self._stopped:
+        if self._stopped:  # (the last body; none made yet: one of the series in hand, new user,
+            # round 114: a scrape on the metrics port in the drain waited on an empty body until the exit)
+            if not self.body:
+                self._finish()
             self._loop.call_soon(done)
             return
         self._queued.append(done)

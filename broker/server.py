@@ -766,6 +766,13 @@ async def run(
                               min(FIRST_REQUEST_SECONDS, config.grace_period))
         grace_ends = loop.time() + config.grace_period
         await dispatcher.drain(config.grace_period, hurry)
+        if last and peers_stopping is not None and not hurry.is_set():
+            # (the metrics listener watches the other front-ends' drain too: new user, round 114,
+            # it closed as this one's calls were done, /readyz and /metrics refused meanwhile)
+            hurried = asyncio.ensure_future(hurry.wait())
+            await asyncio.wait([peers_stopping, hurried], timeout=max(0.0, grace_ends - loop.time()) + 15.0,
+                               return_when=asyncio.FIRST_COMPLETED)
+            hurried.cancel()
         for i in last:
             servers[i].close()
             frontends[i].drain()

@@ -681,3 +681,28 @@ def test_a_scrape_waiting_for_its_round_at_the_stop_is_answered(broker_factory):
         reader.join(30)
     assert got and got[0].startswith(b"HTTP/1.1 200 "), got
     assert b.stop() == 0
+
+
+def test_the_metrics_port_answers_through_the_other_front_ends_drain(broker_factory):
+    """New user, round 114: with a metrics port, a scrape there in the drain waited on an empty
+    body until the exit (no round made yet) and got no answer; and the listener closed as soon as
+    the first front-end's own calls were done, while another's still ran: /readyz refused."""
+    port = free_port()
+    b = broker_factory("--workers", "2", "--frontends", "2", "--metrics-port", str(port))
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    with connection_to(peer, b) as s:
+        s.sendall(request("sleep", [3.0], "slow"))  # (in flight on the other front-end alone)
+        time.sleep(0.3)
+        os.kill(b.pid, signal.SIGTERM)
+        time.sleep(1.0)  # (the first front-end has no call left: its own drain is over)
+        conn = http.client.HTTPConnection(b.host, port, timeout=10)
+        conn.request("GET", "/metrics")
+        scraped = conn.getresponse()
+        assert scraped.status == 200 and b"rpc_broker_calls_total" in scraped.read()
+        conn.request("GET", "/readyz")
+        ready = conn.getresponse()
+        assert ready.status == 503 and b"stopping" in ready.read()
+        conn.close()
+        assert answer(s) == {"jsonrpc": "2.0", "id": "slow", "result": 3.0}
+    assert b.proc.wait(60) == 0
