@@ -227,9 +227,10 @@ class Recycling(PoolState):
         self._recycle_hold.pop(old.slot, None)
         # (Its count now, every call sent to it: new user, round 108, read the count at the recycle's
         # start, the limit, as what it had served, though it took calls while its replacement started.)
-        if rec.reason == "max_calls":
-            late = old.calls - rec.measure
-            what = f"pid {old.pid} was sent {old.calls} calls, its limit {old.max_calls}" + (
+        if rec.reason == "max_calls":  # (every front-end's: new user, round 114 read one's 39 of 50 as the count)
+            sent = old.calls + self.calls_elsewhere(old.pid)
+            late = sent - rec.measure
+            what = f"pid {old.pid} was sent {sent} calls, its limit {old.max_calls}" + (
                 f", {late} of them while its replacement started" if late > 0 else "")
         else:
             what = f"pid {old.pid} takes RSS {rec.measure / MIB:.1f} MiB, over {self.max_worker_memory / MIB:.1f} MiB"

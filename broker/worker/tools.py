@@ -178,9 +178,19 @@ def result_check(method: Method) -> Callable[[bytes], object] | None:
     if described is None or described.output_schema is None:
         return None
     try:
-        return msgspec.json.Decoder(method.returns).decode
+        decode = msgspec.json.Decoder(method.returns).decode
     except TypeError:
         return None
+    if not described.wrap_result:
+        return decode
+
+    def check(encoded: bytes) -> object:  # (the place said from the structuredContent's top: new user, round 114)
+        try:
+            return decode(encoded)
+        except msgspec.ValidationError as exc:
+            raise msgspec.ValidationError(str(exc).replace(" - at `$", " - at `$.result")) from None
+
+    return check
 
 
 def method_info(method: Method) -> wire.MethodInfo:
