@@ -323,6 +323,9 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         # Told of every change of the workers and their method table, after it is made here:
         # the first front-end's word to the others (`--frontends N`: broker/peers.py)
         self.membership_tap: MembershipTap | None = None
+        # (--frontends N: told the methods a worker died under, by name, and whether caught, so
+        # every other front-end strikes them too: `Membership.struck`, peerwire.Struck)
+        self.on_struck: typing.Callable[[list[str], bool], None] | None = None
         # ... and the workers serve other front-ends too: their calls, unseen here, may hold one (`_check_hung`)
         self.shared_workers = False
         self._down_since = 0.0  # when the last ready worker went (_clock); read while none is ready

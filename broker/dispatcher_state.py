@@ -37,6 +37,7 @@ class DispatcherState:
         _alone: dict[Worker, bool]
         catalog: Catalog
         membership_tap: MembershipTap | None
+        on_struck: typing.Callable[[list[str], bool], None] | None
         shared_workers: bool
         _alone_held: bool
         _blocked: int

@@ -45,6 +45,11 @@ This is a circuit breaker in the sense of Nygard's *Release It!* (2007), ch. 5, 
 broker's only trustworthy signal of a failure, a worker's death, "half open" meaning "one
 call at a time, alone", and the exponential backoff of the strikes in place of a timer.
 
+With several front-ends (`serve --frontends N`) each keeps its own `Isolation`, but a
+front-end that sees a worker die tells the others the methods it struck (peerwire.Struck), and
+they strike them too (`Membership.struck`): a method suspect on one is suspect on all, and each
+sends its calls alone (wire.ALONE; the worker holds the others while one runs: broker/worker/alone.py).
+
 Sans-IO: times are passed in (`time.perf_counter` seconds, the dispatcher's clock).
 """
 

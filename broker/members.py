@@ -25,7 +25,7 @@ import typing
 
 from broker import wire
 from broker.channel import Worker, WorkerChannel, WorkerState
-from broker.peerwire import Lost, Message, Methods, Retire, Serve, WorkerJoined
+from broker.peerwire import Lost, Message, Methods, Retire, Serve, Struck, WorkerJoined
 
 if typing.TYPE_CHECKING:
     from broker.dispatch import Dispatcher
@@ -103,6 +103,8 @@ class Members:
             worker = self.workers.get(message.pid)
             if worker is not None:
                 self._retire(worker)
+        elif isinstance(message, Struck):  # (another front-end saw a worker die under these methods)
+            self.dispatcher.struck(message.methods, message.caught)
         elif isinstance(message, Lost):
             worker = self.workers.pop(message.pid, None)
             self._said_serve.discard(message.pid)

@@ -302,13 +302,34 @@ class Membership(DispatcherState):
         # (Caught: the one call there. Several calls of one method, a kill -9 of a worker serving
         # only `add` say, are no better evidence against it than against other methods': round 87,
         # `add` caught so waited 4 s for a worker of its own while the cap was spent elsewhere.)
-        owed = isolation.blame(sorted(methods), now, caught=len(lost) == 1 and lost[0].weight == 1)
+        caught = len(lost) == 1 and lost[0].weight == 1
+        owed = isolation.blame(sorted(methods), now, caught=caught)
+        if self.on_struck is not None:  # (every other front-end strikes them too: `struck`)
+            self.on_struck([self._names[index] for index in sorted(methods)], caught)
         log.warning(
             "worker %d (pid %d) died holding %s (of %s): their methods' calls now run alone, one per worker, "
             "until so many of them have answered or so long has passed: %s", worker.slot, worker.pid, held, clients,
             ", ".join(f"{self._names[index]}: after {n} answer{'' if n == 1 else 's'} or {isolation.ends_in(index, now):g} s"
                       for index, n in owed.items()),
         )
+        self._isolation_timer()
+
+    def struck(self, names: typing.Sequence[str], caught: bool) -> None:
+        """Another front-end saw a worker die holding calls of the methods `names`
+        (peerwire.Struck): struck here too, as if this one had seen it, so that its calls of
+        them run alone, sent ALONE (hostile testing, round 132: each front-end's own first crash
+        of a method another already ran alone took the calls beside it). Names this one does
+        not serve (a reload between) are left out."""
+        index = {name: i for i, name in enumerate(self._names)}
+        methods = sorted({index[name] for name in names if name in index})
+        if not methods:
+            return
+        now = _clock()
+        owed = self._isolation.blame(methods, now, caught)
+        log.warning("another front-end's worker died holding calls of %s: their calls run alone here too: %s",
+                    ", ".join(self._names[i] for i in methods),
+                    ", ".join(f"{self._names[i]}: after {n} answer{'' if n == 1 else 's'} or "
+                              f"{self._isolation.ends_in(i, now):g} s" for i, n in owed.items()))
         self._isolation_timer()
 
     def start_failed(self) -> None:

@@ -26,7 +26,7 @@ import msgspec
 from broker import peerwire
 from broker.config import Config
 from broker.peers import Control
-from broker.peerwire import SHARE_SECONDS, Collect, Counters, Exposition, Killed, Ready, Setup, Want
+from broker.peerwire import SHARE_SECONDS, Collect, Counters, Exposition, Killed, Ready, Setup, Struck, Want
 
 if typing.TYPE_CHECKING:
     from broker.auth import Token
@@ -87,6 +87,8 @@ class Peer:
         self.channel = Control(loop, self.control, heard, lost, self.receiver)
         channel = self.channel
         members.on_kill = lambda pid, reason: channel.send(Killed(pid=pid, reason=reason))
+        # (a worker died under calls this one saw: the first front-end and the others strike them too)
+        members.dispatcher.on_struck = lambda methods, caught: channel.send(Struck(methods=methods, caught=caught))
         self._beat(loop)  # (from now on, serving or not yet: `Peers.check`)
 
     def share(self, samples: typing.Callable[[], list[Flat]]) -> None:

@@ -45,6 +45,7 @@ from broker.peerwire import (
     Retire,
     Serve,
     Setup,
+    Struck,
     Want,
     WorkerJoined,
 )
@@ -209,6 +210,8 @@ class Peers:
         self._retired: list[tuple[str, str, dict[str, str], float]] = []
         # Told when a peer killed a worker (pid, why): the pool says why at its exit (`Pool.killed_by_peer`)
         self.on_killed: typing.Callable[[int, str], None] | None = None
+        # a peer's Struck: struck here too (`Membership.struck`), after the other peers are told
+        self.on_struck: typing.Callable[[list[str], bool], None] | None = None
 
     def bind(self, listeners: typing.Sequence[tuple[str, tuple[str, int] | tuple[str, int, int, int]]]) -> None:
         """For each of this process's TCP listeners, (its transport, "http" or "tcp", and its
@@ -351,6 +354,10 @@ class Peers:
             self.rounds.gather(lambda: control.send(Exposition(body=typing.cast(Rounds, self.rounds).body.decode())))
         elif isinstance(message, Killed) and self.on_killed is not None:
             self.on_killed(message.pid, f"{message.reason} (front-end {number})")
+        elif isinstance(message, Struck):
+            self.struck(message.methods, message.caught, number)
+            if self.on_struck is not None:
+                self.on_struck(message.methods, message.caught)
 
     def check(self) -> None:
         """Every SHARE_SECONDS: kill (SIGKILL) a peer silent for SILENT_SECONDS (one not heard
@@ -454,6 +461,14 @@ class Peers:
 
     def unready(self, worker: Worker) -> None:
         self._tell(Retire(pid=worker.pid))
+
+    def struck(self, methods: list[str], caught: bool, origin: int = 0) -> None:
+        """Tell every serving peer but `origin` (the one that said it) that a worker died holding
+        calls of `methods` (peerwire.Struck): each strikes them too."""
+        message = Struck(methods=methods, caught=caught)
+        for number in self.ready:
+            if number != origin:
+                self._controls[number - 1].send(message)
 
     def lost(self, worker: Worker, reason: str) -> None:
         self._tell(Lost(pid=worker.pid, reason=reason))

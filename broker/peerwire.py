@@ -15,7 +15,8 @@ empty: its word that its loop runs), `Want` (a GET /metrics came to it). /metric
 demand, one view on every front-end: for a scrape on any of them, the first front-end asks
 every peer for its series (`Collect`), each answers with them (`Counters`, the round's
 number), it adds them to its own and sends the summed body (`Exposition`) to each peer that
-wanted one (broker/peers.py).
+wanted one (broker/peers.py). Either way, `Struck`: a worker died holding calls of these
+methods, as one front-end saw it; a peer's goes to the first front-end, which tells the others.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "Retire",
     "Serve",
     "Setup",
+    "Struck",
     "Want",
     "WorkerJoined",
     "decode",
@@ -148,13 +150,26 @@ class Killed(msgspec.Struct, tag="killed", frozen=True):
     reason: str
 
 
+class Struck(msgspec.Struct, tag="struck", frozen=True):
+    """A worker died holding calls of the methods `methods` (by name), as a front-end saw it
+    (`caught`: its one call there): every front-end strikes them too (broker/isolation.py), so
+    that each runs their calls alone, not only the one that saw the death (hostile testing,
+    round 132: each front-end's own first crash of a method another already isolated took the
+    calls beside it). A peer sends it to the first front-end, which strikes them and tells the
+    other peers."""
+
+    methods: list[str]
+    caught: bool = False
+
+
 class Ready(msgspec.Struct, tag="ready", frozen=True):
     """The peer's listeners serve (its workers are ready: the `Serve`s it was sent)."""
 
     number: int
 
 
-Message = Setup | WorkerJoined | Methods | Serve | Retire | Lost | Exposition | Collect | Want | Counters | Killed | Ready
+Message = (Setup | WorkerJoined | Methods | Serve | Retire | Lost | Exposition | Collect | Want | Counters | Killed | Ready
+           | Struck)
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Message)
 

@@ -354,6 +354,8 @@ async def run(
             peers = Peers(loop, config.frontend_count - 1, msgspec.to_builtins(whole), tokens)
             pool.peers = peers
             peers.on_killed = pool.killed_by_peer
+            peers.on_struck = dispatcher.struck  # (and the other way: every peer strikes what this one saw)
+            dispatcher.on_struck = peers.struck
             peers.on_restart = pool.request_reload
             pool.calls_elsewhere = peers.calls_sent
             dispatcher.membership_tap = tap(peers)

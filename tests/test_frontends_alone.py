@@ -30,6 +30,21 @@ def _loop(sock, method: str, params: object, count: int, seconds: float, outcome
             outcomes.append("ok" if "result" in got else got["error"]["code"])  # type: ignore[index]
 
 
+def _crashes_beside(crasher, method: str, params: object, count: int, innocents: list, nap: float) -> None:  # type: ignore[no-untyped-def]
+    """`method` called on `crasher` (`count` calls, 4 to 6 s) while each of `innocents` calls
+    `nap(nap)`: every crash answered -32002 (or -32001), every innocent call answered."""
+    crashes: list[object] = []
+    innocent: list[object] = []
+    threads = [threading.Thread(target=_loop, args=(crasher, method, params, count, 6.0, crashes))]
+    threads += [threading.Thread(target=_loop, args=(s, "nap", [nap], 400, 4.0, innocent)) for s in innocents]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(crashes) >= min(count, 3) and set(crashes) <= {-32002, -32001}, crashes
+    assert innocent and set(innocent) == {"ok"}, (innocent.count("ok"), [o for o in innocent if o != "ok"])
+
+
 def _two_front_ends(broker_factory, *flags: str):  # type: ignore[no-untyped-def]
     b = broker_factory("--workers", "2", "--frontends", "2", "--app", "tests.apps.crashy:registry", *flags)
     wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
@@ -46,16 +61,7 @@ def test_another_front_end_s_calls_never_die_beside_a_call_one_front_end_runs_al
     assert answer(crasher)["error"]["code"] == -32002  # type: ignore[index]
     wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 2, timeout=20)
     innocents = [connection_to(b.pid, b) for _ in range(3)]  # (the first front-end's: it saw no crash)
-    crashes: list[object] = []
-    innocent: list[object] = []
-    threads = [threading.Thread(target=_loop, args=(crasher, "crash_async", [], 40, 4.0, crashes))]
-    threads += [threading.Thread(target=_loop, args=(s, "nap", [0.01], 400, 4.0, innocent)) for s in innocents]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert len(crashes) >= 3 and set(crashes) <= {-32002, -32001}, crashes
-    assert innocent and set(innocent) == {"ok"}, (innocent.count("ok"), [o for o in innocent if o != "ok"])
+    _crashes_beside(crasher, "crash_async", [], 40, innocents, 0.01)
     log = b.read_log(0.05)
     assert "which it does not hold" not in log and "Traceback" not in log, log[-3000:]
 
@@ -131,3 +137,20 @@ def test_a_worker_stopped_or_hung_while_it_holds_is_routed_to_again_once_replace
     again = connection_to(b.pid, b)  # (the first front-end, held by the stopped one: routes to its replacement)
     with again:
         assert _pids(again, 40) == set(workers_of(b.pid))
+
+
+def test_a_crash_one_front_end_saw_makes_every_front_end_run_that_method_alone(broker_factory):
+    """Hostile testing, round 132: each front-end kept its own strikes, so a front-end that had
+    not seen a method crash sent its first crash of it as any call, and the other front-end's
+    innocent calls beside it died (-32002), though that one already ran the method alone. A
+    front-end that sees a worker die tells the others (peerwire.Struck): they strike the same
+    methods, and send their calls of them ALONE."""
+    b, peer = _two_front_ends(broker_factory)
+    with connection_to(b.pid, b) as first:  # the first front-end sees `crash_if` crash once
+        first.sendall(request("crash_if", [True], "first"))
+        assert answer(first)["error"]["code"] == -32002  # type: ignore[index]
+    wait_for(lambda: "another front-end's worker died holding calls of crash_if" in b.read_log(0.05), timeout=10)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 2, timeout=20)
+    innocents = [connection_to(b.pid, b) for _ in range(3)]
+    crasher = connection_to(peer, b)  # (the peer saw no crash of it itself)
+    _crashes_beside(crasher, "crash_if", [True], 3, innocents, 0.05)
