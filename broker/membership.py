@@ -309,10 +309,14 @@ class Membership(DispatcherState):
         log.warning(
             "worker %d (pid %d) died holding %s (of %s): their methods' calls now run alone, one per worker, "
             "until so many of them have answered or so long has passed: %s", worker.slot, worker.pid, held, clients,
-            ", ".join(f"{self._names[index]}: after {n} answer{'' if n == 1 else 's'} or {isolation.ends_in(index, now):g} s"
-                      for index, n in owed.items()),
+            self._owed_text(owed, now),
         )
         self._isolation_timer()
+
+    def _owed_text(self, owed: dict[int, int], now: float) -> str:
+        """For the log: each method struck, the answers owed before it is free, or the time left."""
+        return ", ".join(f"{self._names[index]}: after {n} answer{'' if n == 1 else 's'} or "
+                         f"{self._isolation.ends_in(index, now):g} s" for index, n in owed.items())
 
     def struck(self, names: typing.Sequence[str], caught: bool) -> None:
         """Another front-end saw a worker die holding calls of the methods `names`
@@ -327,9 +331,7 @@ class Membership(DispatcherState):
         now = _clock()
         owed = self._isolation.blame(methods, now, caught)
         log.warning("another front-end's worker died holding calls of %s: their calls run alone here too: %s",
-                    ", ".join(self._names[i] for i in methods),
-                    ", ".join(f"{self._names[i]}: after {n} answer{'' if n == 1 else 's'} or "
-                              f"{self._isolation.ends_in(i, now):g} s" for i, n in owed.items()))
+                    ", ".join(self._names[i] for i in methods), self._owed_text(owed, now))
         self._isolation_timer()
 
     def start_failed(self) -> None:

@@ -160,7 +160,6 @@ class Control:
             self._on_close()
 
 
-
 def frontend_restart_reason(status: int, hung: bool, served: bool) -> str:
     """The bounded `reason` label of a front-end's restart (rpc_broker_frontend_restarts_total),
     from how it ended: "hung" when the first front-end killed it as silent (`Peers.check`),
@@ -175,6 +174,7 @@ def frontend_restart_reason(status: int, hung: bool, served: bool) -> str:
     if status == 0:
         return "stopped"
     return "killed" if status < 0 else "exited"
+
 
 class Peers:
     """The `count` peer front-ends of this process (see the module docstring), started with
