@@ -82,8 +82,14 @@ async def spawn(
     # Its logging writes to a pipe of its own (`--log-fd`), so that only its log lines read as
     # its log lines: a handler's print of a client's text in their form is marked a print
     # (hostile testing, round 131).
-    stderr = os.pipe2(os.O_CLOEXEC) if output else None
-    logs = os.pipe2(os.O_CLOEXEC) if output else None
+    stderr = logs = None
+    try:
+        stderr = os.pipe2(os.O_CLOEXEC) if output else None
+        logs = os.pipe2(os.O_CLOEXEC) if output else None
+    except OSError:  # (EMFILE: what was made so far closed, not leaked)
+        for fd in (*(stderr or ()), *links, *ends):
+            os.close(fd)
+        raise
     out = stderr[1] if stderr else None
     if logs:
         argv += ["--log-fd", str(logs[1])]
