@@ -47,7 +47,10 @@ class Worker:
     """One worker slot: its current process, channel, state and load."""
 
     __slots__ = (
+        "benched",
         "blocked",
+        "blocked_in",
+        "blocked_until",
         "calls",
         "channel",
         "concurrency",
@@ -88,6 +91,12 @@ class Worker:
         # When its blocking sync calls in flight began, and are expected to end (time.perf_counter()
         # s, from their methods' estimates; the dispatcher's: `_pick_blocked` picks by it)
         self.sync_since = self.sync_until = 0.0
+        # Several front-ends: what the worker said blocks it (wire.BLOCKED): the call's id if it
+        # is this front-end's (0: another's), and its deadline (time.perf_counter() s; 0.0: not
+        # blocked); and why it is out of the rotation (the dispatcher's `_bench`: HOLD, BLOCKED)
+        self.blocked_in = 0
+        self.blocked_until = 0.0
+        self.benched = 0
         self.heavy = 0  # bytes of large params (routing.HEAVY_BYTES or more each) of its calls in flight (the dispatcher's)
         # Those calls, the oldest first, with when each was sent (time.perf_counter() s; the dispatcher's:
         # how soon it may be free of large params, `Routing._drains_in`)

@@ -620,7 +620,7 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
             # request completed after it had none, as if it had arrived in the drain)
             self._finish(call, _SHUTTING_DOWN if self._serving else _GRACE_ENDED, ErrorCode.SHUTTING_DOWN,
                          remaining=False)
-        elif not self._ready and (self._start_failed or ((back := self.worker_back_in()) and back > min(
+        elif not self._ready and not self._held_workers and (self._start_failed or ((back := self.worker_back_in()) and back > min(
             RESTART_WAIT_SECONDS - (_clock() - self._down_since), call.timeout - (_clock() - call.arrival)
         ))):  # (every worker down, none back soon and before its deadline, or a start failed: `no_worker_before`)
             self._finish(call, _NO_WORKER, ErrorCode.NO_WORKER, remaining=False)

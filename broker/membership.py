@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 import time
 import typing
 from collections import Counter
@@ -38,6 +39,8 @@ _DIED = int(ErrorCode.WORKER_DIED)  # notifications_dropped: those lost with the
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
 RESTART_WAIT_SECONDS = 1.0  # calls wait for a worker back within this of the outage's start (a crash's restart backoff)
 _clock = time.perf_counter
+_DEADLINE = struct.Struct(">d")  # a BLOCKED frame's payload: the blocking call's deadline
+_HELD, _BLOCKED = 1, 2  # why a worker is out of the rotation (`Worker.benched`): HOLD, BLOCKED
 
 
 def _clients(calls: list[Call]) -> str:
@@ -180,18 +183,47 @@ class Membership(DispatcherState):
         back (`_returned`, RETURN_ASIDE). A hold is answered (HOLD back, after every call sent
         to it so far): nothing more comes from here until the release (broker/worker/alone.py).
         Its death ends the hold (`worker_lost`)."""
-        held = self._held_workers
         if hold:
             if worker.channel is not None:
                 worker.channel.send(HOLD, 0, 1, b"")
-            if worker in self._ready:
-                held.add(worker)
-                self._ready.remove(worker)
-                self._set_share()
-                if not self._ready:
-                    self._down_since = _clock()
-        elif worker in held:
-            held.discard(worker)
+            self._bench(worker, _HELD)
+        else:
+            self._unbench(worker, _HELD)
+
+    def worker_blocked(self, worker: Worker, call_id: int, blocked: int, payload: bytes) -> None:
+        """`worker` says a handler blocks it (wire.BLOCKED, `blocked` 1; `payload` the call's
+        deadline, CLOCK_MONOTONIC s as f64; `call_id` the call's if it is this front-end's, 0
+        if another's), or that it returned (0). Another's: out of the rotation until then, as
+        held (`worker_held`): with several front-ends, this one's calls waited behind it while
+        another worker was idle (new user, round 114). And `_check_hung` knows whose call holds
+        it, and until when (`Worker.blocked_until`)."""
+        if blocked:
+            deadline = _DEADLINE.unpack(payload)[0] if len(payload) == _DEADLINE.size else math.inf
+            worker.blocked_in = call_id
+            worker.blocked_until = deadline - time.monotonic() + _clock()  # (a NaN: never, as inf)
+            if not call_id:
+                self._bench(worker, _BLOCKED)
+        else:
+            worker.blocked_in = 0
+            worker.blocked_until = 0.0
+            self._unbench(worker, _BLOCKED)
+
+    def _bench(self, worker: Worker, why: int) -> None:
+        """Take `worker` out of the rotation for `why` (_HELD, _BLOCKED), into `_held_workers`
+        (it counts as ready, and answering: `ready_workers`)."""
+        worker.benched |= why
+        if worker in self._ready:
+            self._held_workers.add(worker)
+            self._ready.remove(worker)
+            self._set_share()
+            if not self._ready:
+                self._down_since = _clock()
+
+    def _unbench(self, worker: Worker, why: int) -> None:
+        """`why` no longer holds `worker`: back in the rotation if nothing else does."""
+        worker.benched &= ~why
+        if not worker.benched and worker in self._held_workers:
+            self._held_workers.discard(worker)
             if worker.channel is not None and worker.state is WorkerState.READY and worker not in self._ready:
                 self._ready.append(worker)
                 self._set_share()
@@ -200,6 +232,7 @@ class Membership(DispatcherState):
     def worker_unready(self, worker: Worker) -> None:
         """Take a worker out of the rotation (draining, dying); its calls stay pending."""
         self._held_workers.discard(worker)  # (held for another front-end: not back at its release)
+        worker.benched = 0
         try:
             self._ready.remove(worker)
         except ValueError:
@@ -341,7 +374,7 @@ class Membership(DispatcherState):
         at most, however the slots' starts overlap (hostile testing, round 77: with two slots
         failing in turn, one always starting, calls waited 3.67 s, and until their deadline
         when the starts interleave)."""
-        if self._ready:
+        if self._ready or self._held_workers:
             return
         self._start_failed = True
         self.no_worker_before(math.inf)
@@ -404,12 +437,24 @@ class Membership(DispatcherState):
                 if later > now:
                     self._loop.call_later(later - now + self._cancel_grace, self._check_hung, call)
                     return
-            if self.shared_workers:
-                # (--frontends N: a sync call of another front-end's, unseen here, may hold the worker
-                # within its own deadline: hostile testing, round 126, a peer killed a worker 6 s into a
-                # legitimate 20 s call of the first front-end's. Any call that held it before this one
-                # was sent had its deadline by this one's arrival and the longest deadline a call may
-                # have: hung only once that and cancel_grace are past.)
+            known = self.shared_workers and worker.blocked_until > 0.0
+            if known:
+                # (--frontends N: the worker says a handler blocks it, wire.BLOCKED: this front-end's
+                # call, whose deadline passed (this one, or one before it here: hung once its deadline
+                # and cancel_grace are past), or another's, hung once *its* deadline and cancel_grace
+                # are: new user, round 114, a hung call was killed only past the longest deadline.)
+                now = _clock()
+                later = worker.blocked_until + self._cancel_grace
+                if worker.blocked_in != call.call_id and later > now:
+                    self._loop.call_later(min(later - now, 86400.0), self._check_hung, call)
+                    return
+            elif self.shared_workers:
+                # (--frontends N, the worker silent (a handler holding the GIL in C, or it is stopped):
+                # a sync call of another front-end's, unseen here, may hold the worker within its own
+                # deadline: hostile testing, round 126, a peer killed a worker 6 s into a legitimate
+                # 20 s call of the first front-end's. Any call that held it before this one was sent had
+                # its deadline by this one's arrival and the longest deadline a call may have: hung only
+                # once that and cancel_grace are past.)
                 now = _clock()
                 later = call.arrival + max([self._timeout, *self._method_timeouts.values()])
                 if later > now:
@@ -424,7 +469,9 @@ class Membership(DispatcherState):
                 worker.slot, worker.pid, call.call_id,
                 "a batch chunk" if call.slots is not None else self._names[call.index]
                 if call.index < len(self._names) else "of a method the reload removed",
-                past, " (with several front-ends, once the longest deadline a call may have is past: another"
-                " front-end's call may hold the worker)" if self.shared_workers else "",
+                past, "" if not self.shared_workers else (
+                    " (blocked in " + ("this front-end's call" if worker.blocked_in else "another front-end's call")
+                    + ", its deadline and cancel_grace past)" if known else " (with several front-ends, once the"
+                    " longest deadline a call may have is past: another front-end's call may hold the worker)"),
             )
             worker.process.kill()

@@ -57,6 +57,7 @@ from broker.jsonrpc import _RESULT as _RESP_RESULT
 from broker.routing import BLOCKING_US
 from broker.wire import (
     AWAITED,
+    BLOCKED,
     CALL,
     CANCEL_ACK,
     CANCEL_ACK_RAN,
@@ -134,6 +135,9 @@ class Replies(DispatcherState):
                 return
             if kind == HOLD:
                 self.worker_held(worker, aux)
+                return
+            if kind == BLOCKED:
+                self.worker_blocked(worker, call_id, aux, payload)
                 return
             # CHUNK_PART: some of a chunk's answers; the chunk stays pending
             part = self._pending.get(call_id)

@@ -83,6 +83,15 @@ Kinds, who sends them, and what `aux` and the payload hold:
                              answer to a hold: no call comes after it until the release,
                              so once the worker has read it, it holds no call of this
                              connection it has not seen (several front-ends only).
+    BLOCKED worker → broker  (several front-ends only) aux 1: a handler has held the
+                             worker's loop HELD_SECONDS (a sync call, or a chunk's), and
+                             every connection is told: payload the call's deadline (f64,
+                             as below); call id the call's for the connection that sent
+                             it, 0 for every other, which routes nothing new to the
+                             worker until aux 0 (no payload, id 0): the handler returned.
+                             A front-end tells by it whether a worker that does not answer
+                             a cancelled call is hung in its own call or busy in another's,
+                             and until when (new user, round 114).
 
 A call's deadline (CALL, NOTIFY, CHUNK) is a big-endian f64: CLOCK_MONOTONIC seconds,
 the clock the broker's event loop and `time.monotonic` read on Linux, one for every
@@ -145,6 +154,7 @@ from broker.jsonrpc import ErrorCode, error_object
 __all__ = [
     "ALONE",
     "AWAITED",
+    "BLOCKED",
     "BYE",
     "CALL",
     "CALL_ENTRY",
@@ -203,14 +213,15 @@ class Kind(IntEnum):
     CHUNK_PART = 11
     RETURN = 12
     HOLD = 13
+    BLOCKED = 14
 
 
 # The kinds as plain ints, declared here once for every module that reads or writes
 # frames: the hot paths compare a frame's kind per frame, and an IntEnum member compares
-# slower than an int (IntEnum.__eq__ is looked up on the subclass). (CHUNK_PART, RETURN and
-# HOLD last: `Replies.on_reply` tells them from the rest with one comparison.)
-HELLO, CALL, NOTIFY, RESULT, ERROR, CANCEL, BYE, CHUNK, CHUNK_REPLY, CHUNK_RESULTS, CHUNK_PART, RETURN, HOLD = map(
-    int, Kind)
+# slower than an int (IntEnum.__eq__ is looked up on the subclass). (CHUNK_PART, RETURN,
+# HOLD and BLOCKED last: `Replies.on_reply` tells them from the rest with one comparison.)
+(HELLO, CALL, NOTIFY, RESULT, ERROR, CANCEL, BYE, CHUNK, CHUNK_REPLY, CHUNK_RESULTS, CHUNK_PART, RETURN, HOLD,
+ BLOCKED) = map(int, Kind)
 
 
 HEADER = struct.Struct(">IBQI")
@@ -253,10 +264,11 @@ _KINDS = frozenset(int(k) for k in Kind)
 # This format's version, in HELLO: 2 since calls carry their deadline, 3 since they carry
 # their flow too, 4 since a worker may give calls back (RETURN), 5 since a CHUNK carries its
 # calls' ids and may be answered with finished Response objects (CHUNK_RESULTS), 6 since a call
-# may run alone in its worker whatever the other front-ends send (ALONE, HOLD, RETURN_ASIDE); a HELLO
+# may run alone in its worker whatever the other front-ends send (ALONE, HOLD, RETURN_ASIDE), 7 since
+# a worker tells every front-end when a handler blocks it (BLOCKED); a HELLO
 # without one is version 1's. A worker started from code upgraded in place under a running
 # broker (a SIGHUP after `pip install -U`) speaks another, and is refused with a message saying so.
-VERSION = 6
+VERSION = 7
 # The default of max_frame_bytes (config/settings.py's too): the largest frame either side takes.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 

@@ -62,7 +62,7 @@ def test_header_layout_matches_the_diagram():
         b"\x0a\x0b\x0c\x0d"  # aux u32
         b"xyz"
     )
-    assert [int(k) for k in Kind] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    assert [int(k) for k in Kind] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
 
 
 def test_whole():
@@ -148,7 +148,7 @@ def test_many_frames_in_one_feed():
     assert decoder.feed(b"ial") == [(Kind.CALL, 5000, 0, b"partial")]
 
 
-@pytest.mark.parametrize("kind", [0, 14, 0x7F, 0xFF])
+@pytest.mark.parametrize("kind", [0, 15, 0x7F, 0xFF])
 def test_unknown_kind_raises_on_the_header_before_the_payload(kind):
     header = wire.HEADER.pack(1000, kind, 5, 0)
     decoder = FrameDecoder()
@@ -161,8 +161,8 @@ def test_unknown_kind_raises_on_the_header_before_the_payload(kind):
 
 
 def test_unknown_kind_after_good_frames():
-    header = wire.HEADER.pack(0, 14, 1, 0)
-    with pytest.raises(FrameError, match="unknown frame kind 14"):
+    header = wire.HEADER.pack(0, 15, 1, 0)
+    with pytest.raises(FrameError, match="unknown frame kind 15"):
         FrameDecoder().feed(encode_frame(Kind.CALL, 1, 0, b"[]") + header)
 
 
@@ -208,13 +208,13 @@ def test_decode_hello_round_trip():
         b"",
         b"not json",
         b"[]",
-        b'{"wire":6,"pid":1,"slot":0,"methods":[]}',  # concurrency missing
-        b'{"wire":6,"pid":"1","slot":0,"methods":[],"concurrency":1}',  # pid a string
-        b'{"wire":6,"pid":1,"slot":0,"methods":{},"concurrency":1}',  # methods not a list
-        b'{"wire":6,"pid":1,"slot":0,"methods":[{"doc":"x"}],"concurrency":1}',  # method without name
-        b'{"wire":6,"pid":1,"slot":0,"methods":[],"concurrency":1,"extra":true}',  # unknown field
-        b'{"wire":6,"pid":1,"slot":0,"methods":[],"concurrency":1.5}',
-        b'{"wire":6,"pid":1,"slot":0,"methods":[],"concurrency":1}x',
+        b'{"wire":7,"pid":1,"slot":0,"methods":[]}',  # concurrency missing
+        b'{"wire":7,"pid":"1","slot":0,"methods":[],"concurrency":1}',  # pid a string
+        b'{"wire":7,"pid":1,"slot":0,"methods":{},"concurrency":1}',  # methods not a list
+        b'{"wire":7,"pid":1,"slot":0,"methods":[{"doc":"x"}],"concurrency":1}',  # method without name
+        b'{"wire":7,"pid":1,"slot":0,"methods":[],"concurrency":1,"extra":true}',  # unknown field
+        b'{"wire":7,"pid":1,"slot":0,"methods":[],"concurrency":1.5}',
+        b'{"wire":7,"pid":1,"slot":0,"methods":[],"concurrency":1}x',
     ],
 )
 def test_decode_hello_rejects_bad_payloads(payload):
@@ -239,31 +239,34 @@ def test_a_hello_of_another_wire_version_is_told_apart_whatever_fields_it_has():
     """Hostile testing (round 21): a newer worker's HELLO with a field this broker does not
     know was refused as a malformed HELLO ("unknown field"), and the broker said the app
     could not load. Its version is read first, whatever else it holds."""
-    newer = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 7, "resumable": true}'
-    with pytest.raises(wire.WireMismatch, match=r"worker 1 \(pid 7\) speaks wire version 7, this broker 6") as info:
+    newer = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 8, "resumable": true}'
+    with pytest.raises(wire.WireMismatch, match=r"worker 1 \(pid 7\) speaks wire version 8, this broker 7") as info:
         decode_hello(newer)
-    assert (info.value.pid, info.value.slot, info.value.version) == (7, 1, 7)
+    assert (info.value.pid, info.value.slot, info.value.version) == (7, 1, 8)
     before_flows = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 2}'  # (calls without a flow)
-    with pytest.raises(wire.WireMismatch, match="speaks wire version 2, this broker 6"):
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 2, this broker 7"):
         decode_hello(before_flows)
     before_return = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 3}'  # (no RETURN)
-    with pytest.raises(wire.WireMismatch, match="speaks wire version 3, this broker 6"):
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 3, this broker 7"):
         decode_hello(before_return)
     before_ids = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 4}'  # (chunks without ids)
-    with pytest.raises(wire.WireMismatch, match="speaks wire version 4, this broker 6"):
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 4, this broker 7"):
         decode_hello(before_ids)
     before_alone = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 5}'  # (no ALONE, HOLD)
-    with pytest.raises(wire.WireMismatch, match="speaks wire version 5, this broker 6"):
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 5, this broker 7"):
         decode_hello(before_alone)
+    before_blocked = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 6}'  # (no BLOCKED)
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 6, this broker 7"):
+        decode_hello(before_blocked)
     older = b'{"pid": 7, "slot": 1, "methods": [{"name": "a"}], "concurrency": 1}'  # (no version: 1's)
     with pytest.raises(wire.WireMismatch, match="speaks wire version 1"):
         decode_hello(older)
-    same = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 6, "resumable": true}'
+    same = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 7, "resumable": true}'
     with pytest.raises(FrameError, match="bad HELLO") as bad:
         decode_hello(same)
     assert type(bad.value) is FrameError
-    ok = decode_hello(b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 6}')
-    assert (ok.pid, ok.slot, ok.wire) == (7, 1, 6)
+    ok = decode_hello(b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 7}')
+    assert (ok.pid, ok.slot, ok.wire) == (7, 1, 7)
 
 
 @given(st.lists(st.tuples(st.integers(0, wire.MAX_METHODS), st.booleans(), st.binary(max_size=40)), max_size=20),

@@ -233,13 +233,18 @@ def accept_hello(server: socket.socket) -> tuple[socket.socket, wire.Hello, wire
     return conn, wire.decode_hello(bytes(frames[0][3])), decoder
 
 
-def _read(conn: socket.socket, decoder: wire.FrameDecoder, n: int) -> list[tuple[int, int, int, bytes]]:
+def _read(conn: socket.socket, decoder: wire.FrameDecoder, n: int,
+          blocked: list[tuple[int, int, int, bytes]] | None = None) -> list[tuple[int, int, int, bytes]]:
+    """`n` frames from `conn` (60 s at most), but BLOCKED ones (wire.BLOCKED: a handler blocks
+    the worker), which go to `blocked`."""
     frames: list[tuple[int, int, int, bytes]] = []
     deadline = time.monotonic() + 60
     while len(frames) < n and time.monotonic() < deadline:
         data = conn.recv(65536)
         assert data, f"closed after {len(frames)} of {n} frames"
-        frames += [(f[0], f[1], f[2], bytes(f[3])) for f in decoder.feed(data)]
+        for f in decoder.feed(data):
+            (frames if f[0] != Kind.BLOCKED else blocked if blocked is not None else []).append(
+                (f[0], f[1], f[2], bytes(f[3])))
     return frames
 
 
@@ -265,6 +270,7 @@ class _TwoFrontEnds:
         assert hello_a == hello_b and hello_a.pid == self.proc.pid
         self.conns, self.decoders = [a, b], [dec_a, dec_b]
         self.hello = hello_a
+        self.blocked: list[list[tuple[int, int, int, bytes]]] = [[], []]
         self.index = {m.name: i for i, m in enumerate(hello_a.methods)}
 
     def call(self, fe: int, *calls: tuple[int, str, bytes]) -> None:
@@ -279,7 +285,8 @@ class _TwoFrontEnds:
         self.conns[fe].sendall(encode_call(Kind.CHUNK, chunk_id, len(calls), payload, math.inf, 1))
 
     def read(self, fe: int, n: int = 1) -> list[tuple[int, int, int, bytes]]:
-        return _read(self.conns[fe], self.decoders[fe], n)
+        """`n` frames from front-end `fe`'s socket; its BLOCKED ones go to `blocked[fe]`."""
+        return _read(self.conns[fe], self.decoders[fe], n, self.blocked[fe])
 
     def close(self) -> None:
         if self.proc.poll() is None:

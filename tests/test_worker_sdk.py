@@ -1611,14 +1611,26 @@ Frame = tuple[int, int, int, bytes]
 
 
 class Broker:
-    """The broker's end of the socketpair: write frames, read frames with a deadline."""
+    """The broker's end of the socketpair: write frames, read frames with a deadline.
+
+    A worker with several connections tells each when a handler blocks it (wire.BLOCKED):
+    those frames go to `blocked`, out of the way of the rest, unless `keep_blocked`."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.decoder = FrameDecoder()
         self.frames: list[Frame] = []
+        self.blocked: list[Frame] = []
+        self.keep_blocked = False
         self.hello = b""
+
+    def _take(self, data: bytes) -> list[Frame]:
+        frames = self.decoder.feed(data)
+        if not self.keep_blocked:
+            self.blocked += [f for f in frames if f[0] == Kind.BLOCKED]
+            frames = [f for f in frames if f[0] != Kind.BLOCKED]
+        return frames
 
     def call(self, call_id: int, method: str, params: bytes = b"", kind: int = Kind.CALL) -> bytes:
         return encode_call(kind, call_id, INDEX[method], params)
@@ -1631,19 +1643,23 @@ class Broker:
             while len(self.frames) < n:
                 data = await self.reader.read(65536)
                 assert data, f"worker closed with {len(self.frames)} of {n} frames read"
-                self.frames += self.decoder.feed(data)
+                self.frames += self._take(data)
         out, self.frames = self.frames[:n], self.frames[n:]
         return out
 
     async def read_eof(self, timeout: float = 5.0) -> None:
         async with asyncio.timeout(timeout):
             rest = await self.reader.read()
-        assert not self.frames and not self.decoder.feed(rest) and not self.decoder.buffered
+        assert not self.frames and not self._take(rest) and not self.decoder.buffered
 
     async def nothing_more(self, wait: float = 0.05) -> None:
+        """No frame comes within `wait` s (but BLOCKED ones, see the class docstring)."""
         try:
             async with asyncio.timeout(wait):
-                data = await self.reader.read(65536)
+                while True:
+                    data = await self.reader.read(65536)
+                    if not data or self._take(data) or self.decoder.buffered:
+                        break
         except TimeoutError:
             return
         raise AssertionError(f"unexpected bytes from the worker: {data!r}")

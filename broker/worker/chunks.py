@@ -129,6 +129,8 @@ class ChunkRuns:
         _out: bytearray
         _out_first: bytearray
         _running: float
+        _running_deadline: float
+        _running_id: int
         _slow: list[bool]
         _surprise: int
         _task_of: dict[asyncio.Task[tuple[bool, object]], tuple[object, int, float | int]]
@@ -192,6 +194,8 @@ class ChunkRuns:
             chunk.pos = pos = start + length
             chunk.next += 1
             self._advancing = chunk  # type: ignore[misc]  # (a slot of WorkerProtocol's: mypy sees this class's empty ones)
+            self._running_id = chunk.chunk_id  # type: ignore[misc]  # (`_send_held`'s thread: wire.BLOCKED)
+            self._running_deadline = chunk.deadline  # type: ignore[misc]
             self._running = t0  # type: ignore[misc]
             try:
                 done = self._execute(index, payload[start : start + length], chunk.deadline)

@@ -1,4 +1,5 @@
-"""Answers held behind a blocking handler, sent from a thread (`HeldAnswers._send_held`).
+"""Answers held behind a blocking handler, sent from a thread (`HeldAnswers._send_held`),
+and the front-ends told the worker is blocked (wire.BLOCKED).
 
 The loop's thread writes replies once per slice of calls. A handler that runs long (a
 method that is usually fast and blocks once) holds the answers made before it in that
@@ -6,24 +7,37 @@ slice: a thread started with the connection wakes every `HELD_SECONDS` and, whil
 same handler still runs, writes them straight to the socket. `WorkerProtocol`
 (broker/worker/runtime.py) inherits these methods; the state they share with the
 loop's thread (`_running`, `_grab`, `_grab_lock`) is the protocol's, in its slots.
+
+With several front-ends (`serve --frontends N`) each routes by its own calls alone: a worker
+blocked in one front-end's sync call took the others' calls, which waited behind it while
+another worker was idle, and a front-end could not tell a worker hung in its own call from
+one busy in another's, so it killed it only once the longest deadline a call may have was
+past (new user, round 114). So the same thread, once a handler has run HELD_SECONDS, tells
+every connection the worker is blocked (BLOCKED, aux 1: the call's deadline, and to the
+connection whose call it is, that call's id), and the loop's thread, once it returns, that
+it is free (aux 0): the others route nothing new to it meanwhile, and each knows whose call
+holds it and until when (broker/membership.py, `worker_blocked`, `_check_hung`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import struct
 import threading
 import time
 import typing
 
-from broker.wire import CHUNK_PART
-from broker.worker.links import split
+from broker.wire import BLOCKED, CHUNK_PART, HEADER
+from broker.worker.links import ID_MASK, LINK_SHIFT, split
 
 if typing.TYPE_CHECKING:
     from broker.worker.chunks import _Chunk
     from broker.worker.links import Link
 
 _perf = time.perf_counter
+_pack_header = HEADER.pack
+_pack_deadline = struct.Struct(">d").pack
 
 
 HELD_SECONDS = 0.005  # answers ready behind a handler running this long go out from a thread (`_send_held`)
@@ -48,9 +62,13 @@ class HeldAnswers:
         _out: bytearray
         _out_first: bytearray
         _running: float
+        _running_deadline: float
+        _running_id: int
+        _told: float
         _transport: asyncio.Transport | None
 
         def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int: ...
+        def _schedule_flush(self) -> None: ...
         def _unclean(self, chunk: _Chunk) -> None: ...
 
     def _send_held(self) -> None:
@@ -68,22 +86,54 @@ class HeldAnswers:
         then checks `_grab` and if set waits for the lock (`_sent_held`): under the GIL
         one of them sees the other (Dekker's two flags). A handler that holds the GIL
         in C code lets this thread run only once it returns; a forked child has no such
-        thread."""
+        thread.
+
+        With other connections (several front-ends) it tells each the worker is blocked
+        (`_tell_blocked`), once a handler: `_grab` stays set while `_told` is, so the loop's
+        thread, the handler done, comes to `_sent_held`, which tells them it is free."""
         lock = self._grab_lock
         while not self._down:
             time.sleep(HELD_SECONDS)
             started = self._running
             if not started or _perf() - started < HELD_SECONDS:
                 continue
-            if not (self._out or self._out_first or self._dirty or self._advancing is not None or any(link.pending for link in self._links)):
+            tell = bool(self._links) and self._told != started
+            if not (tell or self._out or self._out_first or self._dirty or self._advancing is not None
+                    or any(link.pending for link in self._links)):
                 continue
             with lock:
                 self._grab = True  # type: ignore[misc]  # (a slot of WorkerProtocol's: mypy sees this class's empty ones)
                 try:
                     if self._running == started:
+                        if tell:
+                            self._tell_blocked(started)
                         self._write_held()
                 finally:
-                    self._grab = False  # type: ignore[misc]
+                    self._grab = self._told != 0.0  # type: ignore[misc]
+
+    def _tell_blocked(self, started: float) -> None:
+        """(`_send_held`'s thread, the handler begun at `started` still running) Queue BLOCKED,
+        aux 1, for every connection: payload the running call's deadline (f64, CLOCK_MONOTONIC
+        s; a chunk's), id that call's for the connection that sent it, 0 for the others."""
+        owner, own_id = self._running_id >> LINK_SHIFT, self._running_id & ID_MASK
+        deadline = _pack_deadline(self._running_deadline)
+        out = self._out
+        for number in range(len(self._links) + 1):
+            if number and self._links[number - 1].gone:
+                continue
+            out += _pack_header(len(deadline), BLOCKED, number << LINK_SHIFT | (own_id if number == owner else 0), 1)
+            out += deadline
+        self._told = started  # type: ignore[misc]
+
+    def _tell_free(self) -> None:
+        """(the loop's thread, in `_sent_held`: the handler `_tell_blocked` told of returned)
+        Queue BLOCKED, aux 0, id 0, for every connection."""
+        out = self._out
+        for number in range(len(self._links) + 1):
+            if not number or not self._links[number - 1].gone:
+                out += _pack_header(0, BLOCKED, number << LINK_SHIFT, 0)
+        self._told = 0.0  # type: ignore[misc]
+        self._schedule_flush()
 
     def _write_held(self) -> None:
         """(`_send_held`'s thread, the loop's thread in a handler) Send what `_out` holds,
@@ -124,9 +174,12 @@ class HeldAnswers:
             del out[:sent]
 
     def _sent_held(self) -> None:
-        """(the loop's thread, out of `_execute`) Wait until `_send_held`'s thread is done."""
+        """(the loop's thread, out of `_execute`) Wait until `_send_held`'s thread is done;
+        if it told the front-ends the worker is blocked, tell them it is free."""
         with self._grab_lock:
-            pass
+            if self._told:
+                self._grab = False  # type: ignore[misc]
+                self._tell_free()
 
 
 def _write_some(pending: bytearray, fd: int, transport: asyncio.Transport | None) -> None:

@@ -258,12 +258,15 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         "_read_first",
         "_run_scheduled",
         "_running",
+        "_running_deadline",
+        "_running_id",
         "_slot",
         "_slow",
         "_spent",
         "_surprise",
         "_task_of",
         "_tasks",
+        "_told",
         "_transport",
         "_used",
         "_virtual",
@@ -343,6 +346,12 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         # answers made before it in the same slice are sent by `_send_held`'s thread once
         # it has run HELD_SECONDS; `_grab` is set while that thread sends (`_sent_held`).
         self._running = 0.0
+        # ... and the call's (or chunk's) id (tagged by its link) and deadline, set before
+        # `_running`; `_told`: the `_running` that thread told the front-ends is blocking
+        # (wire.BLOCKED; several front-ends only), 0.0 once they were told it returned.
+        self._running_id = 0
+        self._running_deadline = math.inf
+        self._told = 0.0
         self._grab = False
         self._grab_lock = threading.Lock()
         self._advancing: _Chunk | None = None  # the chunk `_advance` runs calls of
@@ -685,6 +694,8 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
             # This method's last call blocked the loop: what is ready goes out now, not
             # after it (fast calls read with it would wait for the slow one otherwise).
             self._write_out()
+        self._running_id = call_id  # (for `_send_held`'s thread: wire.BLOCKED)
+        self._running_deadline = deadline
         t0 = self._running = _perf()
         try:
             done = self._execute(index, params, deadline)
@@ -692,7 +703,7 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
             self._running = 0.0
         if _forked_from:  # (forked while the result or error was encoded: a hook, a repr)
             _child_exits(None)
-        if self._grab:  # (`_send_held`'s thread is writing what was ready: it goes first)
+        if self._grab:  # (`_send_held`'s thread is writing what was ready, it goes first; or it said BLOCKED)
             self._sent_held()
         if type(done) is tuple:
             kind = done[0]
