@@ -163,6 +163,8 @@ class Membership(DispatcherState):
         if worker not in self._ready and worker not in self._held_workers:
             self._start_failed = False
             worker.limit = worker.concurrency  # (a worker is ready with nothing in flight)
+            worker.benched = worker.blocked_in = 0
+            worker.blocked_until = 0.0
             self._alone.pop(worker, None)  # (back from a death under a call run alone)
             for other in [w for w, dead in self._alone.items() if dead and w.slot == worker.slot]:
                 del self._alone[other]  # (its slot's, dead under one, replaced by this one: a reload's)
@@ -232,7 +234,8 @@ class Membership(DispatcherState):
     def worker_unready(self, worker: Worker) -> None:
         """Take a worker out of the rotation (draining, dying); its calls stay pending."""
         self._held_workers.discard(worker)  # (held for another front-end: not back at its release)
-        worker.benched = 0
+        worker.benched = worker.blocked_in = 0  # (what its process said: a slot's next one says anew)
+        worker.blocked_until = 0.0
         try:
             self._ready.remove(worker)
         except ValueError:
