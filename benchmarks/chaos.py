@@ -74,7 +74,7 @@ from chaos_client import (  # noqa: E402
     StreamConnection,
     connect,
 )
-from conftest import children, free_port, rss_kib  # noqa: E402  (the tests' helpers)
+from conftest import children, free_port, listen_port, rss_kib  # noqa: E402  (the tests' helpers)
 from results_md import put_section  # noqa: E402
 
 from broker.loadgen.stopping import run as run_stopping  # noqa: E402
@@ -141,7 +141,7 @@ class BrokerProcess:
         """Start it and wait for its serving line; a stream port taken meanwhile is tried anew."""
         for _attempt in range(3):
             self.stream_port = free_port()
-            argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0",
+            argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(listen_port()),
                     "--stream-port", str(self.stream_port), *self.flags]
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=ROOT)

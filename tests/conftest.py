@@ -7,6 +7,7 @@ stops it (SIGTERM, then SIGKILL) by its own PID at the end of the test.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import http.client
 import importlib.util
@@ -142,32 +143,92 @@ def pytest_configure(config: pytest.Config) -> None:
     config.add_cleanup(lambda: shutil.rmtree(suite, ignore_errors=True))
 
 
+TEST_PORTS_ENV = "BROKER_TEST_PORTS"
+"""`BROKER_TEST_PORTS=LOW-HIGH` (e.g. 38700-38999): every port the suite listens on comes from
+there (brokers, their other listeners, the tests' own servers), for a machine where other services
+hold fixed ports (new user, round 114: the suite bound ports anywhere). Unset: the kernel picks
+(`listen_port` 0), and `free_port` any port below the ephemeral range. (Not RPC_BROKER_*: the
+broker refuses a variable of that prefix it does not know, and it inherits the suite's.)"""
+
+
+def test_ports() -> range | None:
+    """The range BROKER_TEST_PORTS confines the suite's listeners to, or None; raises
+    `pytest.UsageError` for a malformed one."""
+    text = os.environ.get(TEST_PORTS_ENV, "").strip()
+    if not text:
+        return None
+    low, _, high = text.partition("-")
+    try:
+        ports = range(int(low), int(high or low) + 1)
+    except ValueError:
+        ports = range(0)
+    if not ports or ports.start < 1 or ports.stop > 65536:
+        raise pytest.UsageError(f"{TEST_PORTS_ENV}={text!r}: expected LOW-HIGH, ports 1 to 65535")
+    return ports
+
+
+test_ports.__test__ = False  # type: ignore[attr-defined]  # (not a test, whatever its name)
+
+
 def free_port() -> int:
     """A loopback TCP port nobody listens on now, for a listener the broker cannot be told
-    to choose itself (`stream_port` 0 is off). Taken below the kernel's ephemeral range
-    (net.ipv4.ip_local_port_range): a port there, as `bind(0)` gives, can become another
-    connection's source port before the broker binds it, and did on a busy machine
-    ("Address already in use", new user, round 73)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(100):
-        port = random.randrange(10000, max(10001, low))
+    to choose itself (`stream_port` 0 is off): one of BROKER_TEST_PORTS if set, else one
+    below the kernel's ephemeral range (net.ipv4.ip_local_port_range): a port there, as
+    `bind(0)` gives, can become another connection's source port before the broker binds it,
+    and did on a busy machine ("Address already in use", new user, round 73)."""
+    ports = test_ports()
+    if ports is None:
+        try:
+            low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            low = 32768
+        ports = range(10000, max(10001, low))
+    for _ in range(200):
+        port = random.choice(ports)
+        if port in _GIVEN and len(ports) > 2 * len(_GIVEN):
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _GIVEN.append(port)
             return port
-    raise AssertionError("no free port below the ephemeral range")
+    raise AssertionError(f"no free port in {ports.start}-{ports.stop - 1}")
+
+
+# The ports `free_port` gave last: not given again soon, though free still (not bound yet: a
+# broker's port and its stream port were the same one of a range of 100, 1 time in 90)
+_GIVEN: collections.deque[int] = collections.deque(maxlen=16)
+
+
+def listen_port() -> int:
+    """The port to give a listener: 0 (the kernel picks) unless BROKER_TEST_PORTS is set,
+    then a free one of its range (`free_port`)."""
+    return free_port() if test_ports() is not None else 0
 
 
 def start_broker(*flags: str, env: dict[str, str] | None = None, timeout: float = 60.0,
                  cwd: Path = ROOT) -> Broker:
-    """Start a broker on 127.0.0.1, an OS-chosen port; raise if it is not serving in time.
+    """Start a broker on 127.0.0.1, on a port the kernel picks (BROKER_TEST_PORTS: one of its
+    range, another tried if it was taken meanwhile); raise if it is not serving in time.
     `cwd`: the checkout whose `broker` package runs (a benchmark's other tree)."""
-    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
+    for attempt in range(5):
+        try:
+            return _start_broker(flags, env, timeout, cwd)
+        except _PortTaken:
+            if attempt == 4:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(RuntimeError):
+    """The port `listen_port` gave was taken before the broker bound it."""
+
+
+def _start_broker(flags: tuple[str, ...], env: dict[str, str] | None, timeout: float, cwd: Path) -> Broker:
+    port = listen_port()
+    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, cwd=cwd, env={**os.environ, **(env or {})})
     log: list[str] = []
@@ -180,7 +241,10 @@ def start_broker(*flags: str, env: dict[str, str] | None = None, timeout: float 
         if proc.poll() is not None:
             _drain(proc, log, 0.5)
             proc.stderr.close()  # type: ignore[union-attr]
-            raise RuntimeError(f"broker exited with {proc.returncode}:\n{''.join(log)}")
+            text = "".join(log)
+            if port and "address already in use" in text.lower() and f":{port}:" in text:
+                raise _PortTaken(text)
+            raise RuntimeError(f"broker exited with {proc.returncode}:\n{text}")
     proc.kill()
     proc.wait(10)
     proc.stderr.close()  # type: ignore[union-attr]

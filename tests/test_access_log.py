@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Broker, free_port, rpc, sample, scrape_metrics, start_broker
+from conftest import ROOT, Broker, free_port, listen_port, rpc, sample, scrape_metrics, start_broker
 
 ALICE = "alice-token-0123456789abcdef"
 SLOW = "slow-token-0123456789abcdef-XY"
@@ -226,7 +226,7 @@ def test_off_logs_no_call(broker_factory: object) -> None:
 def test_a_stderr_nobody_reads_does_not_stop_the_broker(tmp_path: Path) -> None:
     """The broker's stderr is a pipe read only until it serves: then its 64 KiB fill, and the
     log's queue; calls are answered all the same, the lines past the queue counted dropped."""
-    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", "--workers", "1",
+    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(listen_port()), "--workers", "1",
             "--access-log", "all"]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -271,7 +271,7 @@ def test_a_batch_flood_to_a_stderr_that_keeps_up_loses_no_line(tmp_path: Path) -
     writer has taken everything before it, needs more calls in 50 ms than these cores make:
     tests/test_logpipe.py holds that.)"""
     log_path = tmp_path / "broker.log"
-    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", "--workers", "2",
+    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(listen_port()), "--workers", "2",
             "--access-log", "all"]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file,

@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Broker, free_port, start_broker
+from conftest import ROOT, Broker, free_port, listen_port, start_broker
 from test_response_limits import read_http_response
 
 from broker import cli
@@ -292,7 +292,7 @@ def test_without_auth_metrics_the_metrics_stay_open_and_a_token_file_serves(tmp_
 def test_serve_refuses_to_start_with_a_bad_token(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RPC_BROKER_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "broker", "serve", "--port", "0", "--auth-tokens-file", write(tmp_path, "t", "a:b\n")],
+        [sys.executable, "-m", "broker", "serve", "--port", str(listen_port()), "--auth-tokens-file", write(tmp_path, "t", "a:b\n")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2

@@ -17,6 +17,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from conftest import listen_port, test_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "benchmarks" / "run.py"
@@ -57,6 +58,8 @@ def run(tmp_path: Path, *flags: str, sticks: Path | None = None) -> tuple[str, s
     """`run.py` with `flags`, the measuring sticks taken from `sticks` (None: none)."""
     out = tmp_path / "RESULTS.md"
     env = {**os.environ, STICKS_ENV: str(sticks) if sticks is not None else ""}
+    if (ports := test_ports()) is not None and "--ports" not in flags:  # (BROKER_TEST_PORTS)
+        flags = (*flags, "--ports", f"{ports.start}-{ports.stop - 1}")
     done = subprocess.run([sys.executable, str(RUNNER), "--output", str(out), *flags], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -159,7 +162,7 @@ def test_the_servers_take_their_ports_from_the_range_given(tmp_path: Path) -> No
     import socket
 
     with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
+        held.bind(("127.0.0.1", listen_port()))
         held.listen()
         port = held.getsockname()[1]
         done = subprocess.run([sys.executable, str(RUNNER), "--probe-only", "--servers", "reference",

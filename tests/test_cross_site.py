@@ -32,7 +32,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Broker, free_port, read_until_closed, sample, scrape_metrics, start_broker, wait_for
+from conftest import (
+    Broker,
+    free_port,
+    listen_port,
+    read_until_closed,
+    sample,
+    scrape_metrics,
+    start_broker,
+    wait_for,
+)
 
 from broker import config
 
@@ -454,7 +463,7 @@ class PageServer(http.server.ThreadingHTTPServer):
         self.hold = hold
         self.sockets: list[socket.socket] = []  # every connection accepted
         self.held: socket.socket | None = None  # the one /wait is held on
-        super().__init__(("127.0.0.1", 0), _PageHandler)
+        super().__init__(("127.0.0.1", listen_port()), _PageHandler)
         self.port = self.server_address[1]
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import conftest
 import pytest
-from conftest import ROOT, Broker, rss_kib, start_broker, wait_for
+from conftest import ROOT, Broker, listen_port, rss_kib, start_broker, wait_for
 
 import broker
 
@@ -735,7 +735,7 @@ def test_the_open_files_limit_is_raised_to_fit_max_connections():
     small = subprocess.run([sys.executable, "-c",
                             "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100));"
                             "from broker.cli import main; sys.exit(main())",
-                            "serve", "--port", "0", "--workers", "2", "--stream-port", "1"],
+                            "serve", "--port", str(listen_port()), "--workers", "2", "--stream-port", "1"],
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert small.returncode == 2, small.stderr
     assert "the open-files limit (100, hard 100) is too small" in small.stderr and "Traceback" not in small.stderr
@@ -752,7 +752,7 @@ def test_idle_streams_at_max_connections_leave_http_its_descriptors(tmp_path):
     argv = [sys.executable, "-c",
             "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (400, 400));"
             "from broker.cli import main; sys.exit(main())",
-            "serve", "--host", "127.0.0.1", "--port", "0", "--workers", "1", "--stream-port", str(port)]
+            "serve", "--host", "127.0.0.1", "--port", str(listen_port()), "--workers", "1", "--stream-port", str(port)]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             cwd=ROOT)
     log: list[str] = []

@@ -30,7 +30,7 @@ from pathlib import Path
 import httptools
 import msgspec
 import pytest
-from conftest import ROOT, free_port, wait_for
+from conftest import ROOT, free_port, listen_port, wait_for
 
 from broker import cli
 from broker.jsonrpc import Codec, Request, response_result
@@ -235,7 +235,7 @@ class _ThreadServer:
         self.loop_errors: list[dict[str, object]] = []
         self.loop.set_exception_handler(lambda _loop, ctx: self.loop_errors.append(ctx))
         self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind(("127.0.0.1", listen_port()))
         self.port = self.sock.getsockname()[1]
         self.connections = 0
         started = threading.Event()
@@ -721,7 +721,7 @@ def test_connection_closed_mid_run_is_a_transport_error(serve, tmp_path):
 
 def test_nothing_listening_and_bad_targets(tmp_path, capsys):
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", listen_port()))
     port = sock.getsockname()[1]
     sock.close()
     code = cli.main(["bench", f"http://127.0.0.1:{port}/", "-q", "--duration", "0.3", "--warmup", "0",
@@ -846,7 +846,7 @@ def test_a_plain_http_server_is_named_as_the_first_problem(tmp_path, capsys):
     import http.server
     import threading
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", listen_port()), http.server.SimpleHTTPRequestHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         code = cli.main(["bench", f"http://127.0.0.1:{server.server_address[1]}/", "-q", "--duration", "0.3",
@@ -1470,7 +1470,7 @@ def test_no_answers_is_null_latency_not_zero(tmp_path, capsys):
     script would read as a perfect p99) and the table says n/a."""
     out = tmp_path / "refused.json"
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", listen_port()))
     port = sock.getsockname()[1]
     sock.close()
     code = cli.main(["bench", f"http://127.0.0.1:{port}/", "-q", "--duration", "0.3", "--warmup", "0",

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Broker
+from conftest import ROOT, Broker, listen_port
 
 from broker.reloadcmd import EXIT_FAILED, EXIT_NO_BROKER, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE
 
@@ -149,7 +149,7 @@ def test_a_broker_whose_workers_fail_to_start_leaves_its_status_file_saying_stop
     status = tmp_path / "status.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RPC_BROKER_")}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{tmp_path}"
-    failed = subprocess.run([sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0",
+    failed = subprocess.run([sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(listen_port()),
                              "--workers", "1", "--app", "relapp:registry", "--status-file", str(status)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert failed.returncode == 3, failed.stderr

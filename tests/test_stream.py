@@ -30,7 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Broker, Samples, free_port, sample, scrape_metrics, start_broker, wait_for
+from conftest import (
+    ROOT,
+    Broker,
+    Samples,
+    free_port,
+    listen_port,
+    sample,
+    scrape_metrics,
+    start_broker,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("event_loop_name")  # (on both event loops: conftest.BOTH_LOOPS)
 
@@ -787,7 +797,7 @@ def test_metrics_count_connections_and_bytes_by_transport(sb, transport):
 
 def run_to_exit(*flags: str, timeout: float = 60.0) -> tuple[int, str]:
     """Run `rpc-broker serve` expecting it to exit on its own; (status, stderr)."""
-    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
+    argv = [sys.executable, "-m", "broker", "serve", "--host", "127.0.0.1", "--port", str(listen_port()), *flags]
     proc = subprocess.run(
         argv,
         stdin=subprocess.DEVNULL,
