@@ -370,7 +370,7 @@ def add(a: int, b: int) -> int:
     ("fn", "params", "param", "reason"),
     [
         (add, b'["1", 2]', "a", "Expected `int`, got `str`"),  # wrong type, positional
-        (add, b"[1, 2.5]", "b", "Expected `int`, got `float`"),
+        (add, b"[1, 2.5]", "b", "Expected `int`, got a number with a fractional part"),
         (add, b"[1, [2]]", "b", "Expected `int`, got `array`"),
         (add, b"[true, 2]", "a", "Expected `int`, got `bool`"),
         (add, b'{"a": 1, "b": "2"}', "b", "Expected `int`, got `str`"),  # wrong type, named
@@ -3059,7 +3059,7 @@ def test_a_raw_parameter_binds_whichever_path_binds_it():
     assert invalid(rawp, b'{"x": 1, "y": 2}') == ("y", "unexpected parameter")
     assert invalid(rest, b'{"a": 1, "q": 5}') == ("q", "Expected `array`, got `int`")
     assert invalid(pair, b'{"x": 1, "tags": ["a"]}') == ("tags", "Expected `int`, got `str` - at `tags[0]`")
-    assert invalid(pair, b'{"x": 1, "tags": [1], "y": 1e400}') == ("y", "Number out of range")
+    assert invalid(pair, b'{"x": 1, "tags": [1], "y": 1e5000}') == ("y", "Number out of range")
     flood = b",".join(b"%d" % (5 + k * (2**61 - 1)) for k in range(20))
     name, reason = invalid(pair, b'{"x": 1, "tags": [%s]}' % flood)
     assert name == "tags" and "hash flooding" in reason
@@ -3101,7 +3101,7 @@ def test_a_method_with_a_decimal_binds_each_value_as_the_fast_path_does():
     assert invalid(total, b'[1, "x"]') == ("amounts", "Invalid decimal string (params[1])")
     assert invalid(tagged, b"[[1, 1e-99999999999999999999]]") == ("prices", "Number out of range - at `prices[1]`")
     assert invalid(tagged, b'[[1, "x"]]') == ("prices", "Invalid decimal string - at `prices[1]`")
-    assert invalid(scale, b'{"amount": 1, "count": 1.5}') == ("count", "Expected `int`, got `float`")
+    assert invalid(scale, b'{"amount": 1, "count": 1.5}') == ("count", "Expected `int`, got a number with a fractional part")
     digits = b"7" * 4301
     by_position = bind(scale, b"[" + digits + b"]")
     assert by_position[0][0] == decimal.Decimal(digits.decode())
@@ -3178,9 +3178,9 @@ def test_a_duplicate_key_replaces_an_out_of_range_number_as_it_replaces_any_valu
         return a
 
     assert bind(f, b'{"a": "x", "a": 2}') == ((2, 0), {})
-    assert bind(f, b'{"a": 1e400, "a": 2}') == ((2, 0), {})
+    assert bind(f, b'{"a": 1e5000, "a": 2}') == ((2, 0), {})
     assert bind(g, b'{"a": 1e400, "b": 1, "a": 2.5}') == ((2.5,), {"b": 1})
-    assert invalid(f, b'{"a": 2, "a": 1e400}') == ("a", "Number out of range")
+    assert invalid(f, b'{"a": 2, "a": 1e5000}') == ("a", "Number out of range")  # (1e400: an int of 401 digits)
 
 
 def test_a_parameter_named_with_two_underscores_or_an_undefined_hint_is_refused_saying_so():

@@ -30,6 +30,7 @@ import msgspec
 from broker import collisions
 from broker.errors import RemoteError
 from broker.jsonscan import nests_deeper
+from broker.worker.integral import integral_params
 from broker.worker.param_errors import (
     _DECIMAL_JSON,
     _NOT_DECIMAL,
@@ -97,7 +98,8 @@ class Method(Signature):
         self.check_result: Callable[[bytes], object] | None = None
         super().__init__(name, fn, raw_params)  # (its types: broker/worker/signature.py)
 
-    def bind(self, params: bytes, max_depth: int, _quiet: bool = False) -> tuple[tuple[object, ...], dict[str, object]]:
+    def bind(self, params: bytes, max_depth: int, _quiet: bool = False,
+             _rewritten: bool = False) -> tuple[tuple[object, ...], dict[str, object]]:
         """Raw JSON params (b"" when absent) → `(args, kwargs)` for the handler.
 
         Raises `InvalidParams` when they do not fit the signature, and
@@ -108,6 +110,11 @@ class Method(Signature):
         objects set off took most of the time (hostile testing, round 46: 1 MiB of small
         Structs holding a set held a worker 2.1 to 3.7 s, msgspec's conversion 1 to 2.5 s
         of it, 0.1 to 0.2 s without them).
+
+        A number written as a float that is an integer (`5.0`, `1e2`: JSON Schema's
+        "integer", draft 2020-12, Validation 6.1.1) binds to an `int` where the types want
+        one; the params are written again so, once, after they were refused
+        (`_bind_integral`, broker/worker/integral.py): params that fit cost nothing more.
         """
         if len(params) > QUIET_BYTES and not _quiet and gc.isenabled():
             gc.disable()
@@ -115,63 +122,87 @@ class Method(Signature):
                 return self.bind(params, max_depth, True)
             finally:
                 gc.enable()
-        if not params:
+        try:  # (no cost until raised: the error path alone makes integral floats integers)
+            if not params:
+                if self.raw_params:
+                    return (None,), {}
+                params = b"[]"
+            fast = self._fast
+            # Whether they nest past max_depth (exact for JSON; params that are not go on to
+            # the checks below, which say so first). Params shorter than max_depth cannot
+            # hold more brackets, nor can those with fewer (counted inline: the usual case,
+            # no call); `nests_deeper` looks further (brackets in strings do not count:
+            # they took every such call off the fast path and through a whole `scan_json`,
+            # hostile testing).
+            deep = (
+                len(params) > max_depth
+                and params.count(b"[") + params.count(b"{") > max_depth
+                and nests_deeper(params, max_depth)
+            )
+            placed = None  # the fast path's refusal of a number out of range, if it said where
+            if fast is not None and not deep:
+                try:
+                    first = params[0]
+                    if first == 0x5B:  # "["
+                        return _astuple(fast[0].decode(params)), {}
+                    if first == 0x7B and fast[1] is not None:  # "{"
+                        return _astuple(fast[1].decode(params)), {}
+                except msgspec.ValidationError as exc:
+                    placed = str(exc)
+                except (msgspec.DecodeError, RecursionError):
+                    pass
             if self.raw_params:
-                return (None,), {}
-            params = b"[]"
-        fast = self._fast
-        # Whether they nest past max_depth (exact for JSON; params that are not go on to
-        # the checks below, which say so first). Params shorter than max_depth cannot
-        # hold more brackets, nor can those with fewer (counted inline: the usual case,
-        # no call); `nests_deeper` looks further (brackets in strings do not count:
-        # they took every such call off the fast path and through a whole `scan_json`,
-        # hostile testing).
-        deep = (
-            len(params) > max_depth
-            and params.count(b"[") + params.count(b"{") > max_depth
-            and nests_deeper(params, max_depth)
-        )
-        placed = None  # the fast path's refusal of a number out of range, if it said where
-        if fast is not None and not deep:
+                _check_raw(params, max_depth, deep)
+                return (msgspec.Raw(params),), {}
+            if self._flags is not None:  # (its checks count the Flag members the params make: never on the fast path)
+                collisions.new_call()
+            if deep and self._typed is not None:  # (round 45: decoded, checked and built value by value first,
+                raise NestingTooDeep(max_depth)  # each __post_init__ run: 1 MiB took 1.3-1.6 s to be refused)
             try:
-                first = params[0]
-                if first == 0x5B:  # "["
-                    return _astuple(fast[0].decode(params)), {}
-                if first == 0x7B and fast[1] is not None:  # "{"
-                    return _astuple(fast[1].decode(params)), {}
-            except msgspec.ValidationError as exc:
-                placed = str(exc)
-            except (msgspec.DecodeError, RecursionError):
-                pass
-        if self.raw_params:
-            _check_raw(params, max_depth, deep)
-            return (msgspec.Raw(params),), {}
-        if self._flags is not None:  # (its checks count the Flag members the params make: never on the fast path)
-            collisions.new_call()
-        if deep and self._typed is not None:  # (round 45: decoded, checked and built value by value first,
-            raise NestingTooDeep(max_depth)  # each __post_init__ run: 1 MiB took 1.3-1.6 s to be refused)
-        try:
-            obj = _decode_json(params) if self._typed is None else self._decode_typed(params, self._typed)
-        except RecursionError:  # deeper than the parser takes, whatever max_depth says
-            raise NestingTooDeep(max_depth) from None
-        except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
-            obj = _values_decoded(params, _decode_json)  # (unless a later duplicate key replaced it)
-            if obj is None:
-                raise self._out_of_range(params, str(exc), placed) from None
-        except msgspec.DecodeError as exc:
-            raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
-        if deep:
-            raise NestingTooDeep(max_depth)
-        if self._guards is not None and self._typed is None:  # (typed: each value was checked)
-            try:
-                self._check_floods(obj, self._guards)
-            except RecursionError:  # (msgspec converting a set's elements deeper than the parser takes)
+                obj = _decode_json(params) if self._typed is None else self._decode_typed(params, self._typed)
+            except RecursionError:  # deeper than the parser takes, whatever max_depth says
                 raise NestingTooDeep(max_depth) from None
-        if type(obj) is list:
-            return self._bind_positional(obj), {}
-        if type(obj) is not dict:  # section 4.2: params is an array or an object
-            raise InvalidParams(None, "params must be an array or an object")
-        return self._bind_named(obj)
+            except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
+                obj = _values_decoded(params, _decode_json)  # (unless a later duplicate key replaced it)
+                if obj is None:
+                    raise self._out_of_range(params, str(exc), placed) from None
+            except msgspec.DecodeError as exc:
+                raise InvalidParams(None, f"params are not valid JSON: {exc}") from None
+            if deep:
+                raise NestingTooDeep(max_depth)
+            if self._guards is not None and self._typed is None:  # (typed: each value was checked)
+                try:
+                    self._check_floods(obj, self._guards)
+                except RecursionError:  # (msgspec converting a set's elements deeper than the parser takes)
+                    raise NestingTooDeep(max_depth) from None
+            if type(obj) is list:
+                return self._bind_positional(obj), {}
+            if type(obj) is not dict:  # section 4.2: params is an array or an object
+                raise InvalidParams(None, "params must be an array or an object")
+            return self._bind_named(obj)
+        except InvalidParams as exc:
+            if self._integers is None or _rewritten or not _about_a_number(exc.reason):
+                raise
+            return self._bind_integral(params, max_depth, exc)
+
+    def _bind_integral(self, params: bytes, max_depth: int,
+                       refusal: InvalidParams) -> tuple[tuple[object, ...], dict[str, object]]:
+        """Bind `params`, which `bind` refused (`refusal`, about a float or a number out of
+        range), once more with their integral floats made integers where the types want an
+        int (`integral.integral_params`). Raises that binding's refusal, or `refusal` if no
+        number changed; either said of a number with a fractional part (5.5) where one was
+        met, not of a `float` (which 5.0 now is not refused as). Cold path."""
+        integers = typing.cast(tuple[typing.Any, typing.Any], self._integers)
+        rewrite = integral_params(params or b"[]", *integers)
+        try:
+            if rewrite.text is None:
+                raise refusal
+            return self.bind(rewrite.text, max_depth, True, True)
+        except InvalidParams as exc:
+            reason = exc.reason
+            if not (rewrite.fractional and reason.startswith("Expected `int") and _GOT_FLOAT in reason):
+                raise
+            raise InvalidParams(exc.param, reason.replace(_GOT_FLOAT, ", got a number with a fractional part", 1)) from None
 
     def _decode_typed(self, params: bytes,
                       typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]]) -> object:
@@ -477,6 +508,15 @@ def _flooded(exc: collisions.Flooded, name: str, path: list[str | int], root: st
     round 46: on the typed path a flood in one was refused without its place)."""
     inner = "".join(f"[{step}]" if type(step) is int else f".{step}" for step in path)
     return InvalidParams(name, exc.reason.format(at=f" - at `{root or name}{inner}`" if inner or root else ""))
+
+
+_GOT_FLOAT = ", got `float`"
+
+
+def _about_a_number(reason: str) -> bool:
+    """Whether a refusal's reason may be of an integral float where an int is wanted: msgspec's
+    "Expected `...`, got `float`", or "Number out of range" (1e400, an integer all the same)."""
+    return _GOT_FLOAT in reason or reason.startswith(_OUT_OF_RANGE)
 
 
 _RAW_TOP = msgspec.json.Decoder(list[msgspec.Raw] | dict[str, msgspec.Raw]).decode

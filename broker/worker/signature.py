@@ -24,6 +24,7 @@ from collections.abc import Callable
 import msgspec
 
 from broker import collisions
+from broker.worker.integral import wants_int
 from broker.worker.param_errors import _DECIMAL_JSON
 
 __all__ = ["Signature"]
@@ -46,6 +47,7 @@ class Signature:
         "_flags",
         "_guard_decode",
         "_guards",
+        "_integers",
         "_into",
         "_kwonly",
         "_named_type",
@@ -177,6 +179,19 @@ class Signature:
                             " value (Any, a bare set or tuple), whose numbers the check for hash flooding could not"
                             " read as they are built: hint their type")
         self._guard_decode = _DECIMAL_JSON if decimals else _decode_json
+        # Where the hints want an int, the types by which a refused call's integral floats
+        # (5.0) are made integers (broker/worker/integral.py): the positional parameters'
+        # and *args' element's, the named ones' (a positional-only one beside **kwargs is
+        # **kwargs's) and **kwargs' value's. None: no int to make.
+        self._integers: tuple[tuple[list[msgspec.inspect.Type], msgspec.inspect.Type | None],
+                              tuple[dict[str, msgspec.inspect.Type], msgspec.inspect.Type | None]] | None = None
+        if any(wants_int(node) for node in held):
+            info = msgspec.inspect.type_info
+            self._integers = (
+                ([info(h) for _, h, _ in pos], None if self._var_pos is None else info(typing.get_args(self._var_pos)[0])),
+                ({n: info(h) for n, h, _ in pos + kwonly if n not in self._pos_only},
+                 None if self._var_kw is None else info(typing.get_args(self._var_kw)[1])),
+            )
         self._typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]] | None = None
         if decimals or any(isinstance(node, msgspec.inspect.RawType) for node in held):
             # (*args' values are decoded as one list, **kwargs' as one object: round 49, value
