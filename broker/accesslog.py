@@ -7,7 +7,9 @@ the same answer to an `AccessLog` (`Dispatcher.access` for errors, `Dispatcher.a
 for results too), which is None when no line is wanted: with `access_log = "errors"` and
 every call a success the hot path pays one `is not None` test per result, and nothing
 else. A line is one call with an id (a request; a batch's element; never a notification,
-which has no answer to report, nor an HTTP request as a whole).
+which has no answer to report, nor an HTTP request as a whole). A call whose client left before
+its answer, dropped from the queue or cancelled in its worker (`queueing.Queueing._drop`), has its
+line then, `abandoned` (`ABANDONED`): every call with an id gets exactly one.
 
 On the event loop's thread a line is only captured, as a plain tuple (an *entry*, laid
 out as `ENTRY_FIELDS`) of values that do not change afterwards: the time, the connection's
@@ -58,12 +60,18 @@ if typing.TYPE_CHECKING:
     from broker.jsonrpc import Request
 
 __all__ = [
-    "ENTRY_FIELDS", "FLUSH_PARAMS_BYTES", "FLUSH_VALUES", "ID_BYTES", "KEY_CHARS", "MODES", "PARAMS_CHARS", "PARAMS_KEPT_BYTES", "REDACTED", "REDACT_VALUES", "SECRET_ENDINGS", "SECRET_KEYS", "SECRET_WORDS",
+    "ABANDONED", "ENTRY_FIELDS", "FLUSH_PARAMS_BYTES", "FLUSH_VALUES", "ID_BYTES", "KEY_CHARS", "MODES", "OUTCOME_ABANDONED", "PARAMS_CHARS", "PARAMS_KEPT_BYTES", "REDACTED", "REDACT_VALUES", "SECRET_ENDINGS", "SECRET_KEYS", "SECRET_WORDS",
     "UNSHOWN", "AccessLine", "AccessLog", "Entry", "Renderer", "address", "entry_lines", "escape_unshown", "json_line",
     "keep_params", "redact", "secret_key",
 ]  # fmt: skip
 
 MODES = ("off", "errors", "all")  # the access_log setting's values
+ABANDONED = 1 << 53
+"""The `code` of an entry for a call its client left before its answer (`Dispatcher.abandon`, or an
+MCP tools/call cancelled: `Dispatcher.cancel`), dropped from the queue or cancelled in flight:
+written `outcome=abandoned code=-`, as `rpc_broker_calls_abandoned` counts it. No answer's code:
+an application's are within +-(2**53 - 1) (broker/worker/sdk.py), the broker's -32700..-32000."""
+OUTCOME_ABANDONED = "abandoned"
 ID_BYTES = 64  # of a client's raw id, kept for its line (longer ones end in "...")
 PARAMS_KEPT_BYTES = 4096  # params longer than this are not kept for the log (their size is written)
 PARAMS_CHARS = 1024  # of the redacted params' JSON written (longer ends in "...")
@@ -501,7 +509,7 @@ class Renderer:
         except KeyError:
             if len(tails) >= _CACHED:
                 tails.clear()
-            tail = tails[code, pid] = f"outcome={outcome_name(code)} code={code or '-'} pid={pid or '-'}"
+            tail = tails[code, pid] = f"outcome={self._outcome(code)} code={_code(code) or '-'} pid={pid or '-'}"
             return tail
 
     def _outcome(self, code: int) -> str:
@@ -510,7 +518,7 @@ class Renderer:
         except KeyError:
             if len(self._outcomes) >= _CACHED:
                 self._outcomes.clear()
-            name = self._outcomes[code] = outcome_name(code)
+            name = self._outcomes[code] = OUTCOME_ABANDONED if code == ABANDONED else outcome_name(code)
             return name
 
     def line(self, when: float, client: str, token: str, transport: str, method: str, id_: bytes,
@@ -521,7 +529,7 @@ class Renderer:
             record: dict[str, object] = {
                 "time": self._time(when), "log": "access", "client": client, "token": token or None,
                 "transport": transport, "method": method, "id": _id_text(id_, truncated), "duration": round(duration, 6),
-                "outcome": self._outcome(code), "code": code or None, "pid": pid or None,
+                "outcome": self._outcome(code), "code": _code(code) or None, "pid": pid or None,
             }  # fmt: skip
             if params is not None:
                 record["params"] = _params_text(params, self._left)
@@ -539,6 +547,11 @@ class Renderer:
         if params is not None:
             text += " params=" + _quoted(_params_text(params, self._left))
         return text
+
+
+def _code(code: int) -> int:
+    """An entry's code as its line writes it: 0 (none) for a result and for `ABANDONED`."""
+    return 0 if code == ABANDONED else code
 
 
 class AccessLog:

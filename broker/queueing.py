@@ -67,11 +67,13 @@ import time
 import typing
 
 from broker import wire
+from broker.accesslog import ABANDONED
 from broker.calls import held_bytes, live, owed
 from broker.dispatcher_state import DispatcherState
 from broker.jsonrpc import ErrorCode, error_object
 
 if typing.TYPE_CHECKING:
+    from broker.accesslog import AccessLog
     from broker.answers import Exchange, ResponseBudget
     from broker.calls import Call
 
@@ -159,7 +161,8 @@ class Queueing(DispatcherState):
         self._drop(exchange.budget, lambda call: call.exchange is exchange)
 
     def _drop(self, owner: ResponseBudget, which: typing.Callable[[Call], bool]) -> None:
-        """`owner`'s calls `which` takes, owed an answer: out of the queue, or cancelled in flight."""
+        """`owner`'s calls `which` takes, owed an answer: out of the queue, or cancelled in flight;
+        each told to the access log, `abandoned` (`_abandoned`: its only line, as no answer comes)."""
         if owner.queued:
             for call in self._queue.remove(owner, which):
                 if not call.tick:  # (an expired one's shell: answered and counted out already)
@@ -169,6 +172,8 @@ class Queueing(DispatcherState):
                 self._queued_calls -= call.weight
                 owner.queued -= call.weight
                 self._deadlines.remove(call)
+                if self.access is not None:
+                    self._abandoned(call, self.access)
                 call.exchange = None
                 self.abandoned_total["queued"] += call.weight
             if self._queue.is_held(owner):  # (its notifications left: held for a call that went, maybe)
@@ -181,6 +186,8 @@ class Queueing(DispatcherState):
             for call in [c for c in self._pending.values() if c.owner is owner and c.exchange is not None and which(c)]:
                 if call.tick:
                     self._deadlines.remove(call)
+                if self.access is not None:
+                    self._abandoned(call, self.access)
                 call.exchange = None
                 self.abandoned_total["in_flight"] += call.weight
                 worker = call.worker
@@ -188,6 +195,19 @@ class Queueing(DispatcherState):
                     worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
                     wait = max(0.0, call.arrival + call.timeout - now) + self._cancel_grace
                     self._loop.call_later(wait, self._check_hung, call)
+
+    def _abandoned(self, call: Call, access: AccessLog) -> None:
+        """Tell `access` of `call` (owed an answer, its exchange still set) dropped for its client:
+        a line `abandoned` (`accesslog.ABANDONED`) for it, or for each call of a chunk not answered
+        yet, as an answer would have had (cold: a connection gone)."""
+        duration = _clock() - call.arrival
+        if call.slots is None:
+            access.call(call, ABANDONED, duration)
+            return
+        answers = typing.cast("Exchange", call.exchange).answers
+        for i, slot in enumerate(call.slots):
+            if slot >= 0 and answers[slot] is None:
+                access.element(call, i, ABANDONED, duration)
 
     def _dequeue(self) -> Call:
         """The first call of the queue, counted out of it."""

@@ -13,6 +13,7 @@ import re
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -567,3 +568,52 @@ def test_lines_a_stderr_with_no_reader_loses_are_counted() -> None:
             proc.kill()
             proc.wait(10)
         os.close(w)
+
+
+def _post_and_leave(b: Broker, path: str, body: object, reset: bool, headers: str = "") -> None:
+    """POST `body` on a connection of its own, and leave once the broker had it (0.3 s: by then a
+    call of `sleep` is under way, or queued: either is owed an answer): closed (FIN, a half-close to
+    the broker) or reset (RST, SO_LINGER 0)."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", b.port), timeout=10)
+    if reset:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{b.port}\r\nContent-Type: application/json\r\n"
+              f"Accept: application/json, text/event-stream\r\n{headers}Content-Length: {len(data)}\r\n\r\n".encode()
+              + data)
+    time.sleep(0.3)
+    s.close()
+
+
+def test_a_call_whose_client_left_before_its_answer_has_one_line_mcp_tools_call_too(broker_factory: object) -> None:
+    """Each call gets exactly one line whoever closed first (an MCP tools/call whose client closed,
+    which cancels it, and a JSON-RPC call whose client reset, which drops it, had none). A call dropped or cancelled for its client is `abandoned` (as
+    rpc_broker_calls_abandoned counts it; code `-`, the worker's pid if it was running); a JSON-RPC
+    call whose client only half-closed is answered, and logged with the worker's outcome."""
+    b = broker_factory("--workers", "1", "--access-log", "all")  # type: ignore[operator]
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
+    mcp = "MCP-Protocol-Version: 2026-07-28\r\nMcp-Method: tools/call\r\nMcp-Name: sleep\r\n"
+
+    def tool_call(id_: int) -> dict[str, object]:
+        return {"jsonrpc": "2.0", "method": "tools/call", "id": id_,
+                "params": {"name": "sleep", "arguments": {"seconds": 1.0}, "_meta": meta}}
+
+    _post_and_leave(b, "/", rpc("sleep", [1.0], 1), reset=True)
+    _post_and_leave(b, "/", [rpc("sleep", [1.0], 2), rpc("sleep", [1.0], 3)], reset=True)
+    _post_and_leave(b, "/mcp", tool_call(4), reset=False, headers=mcp)
+    _post_and_leave(b, "/mcp", tool_call(5), reset=True, headers=mcp)
+    _post_and_leave(b, "/", rpc("sleep", [1.0], 6), reset=False)
+    lines = wait_lines(b, 6)
+    time.sleep(1.5)  # (past the sleeps: a late second line of any of them would be here by now)
+    lines = access_lines(b.read_log(0.1))
+    assert sorted(line["id"] for line in lines) == ["1", "2", "3", "4", "5", "6"], lines
+    by_id = {line["id"]: line for line in lines}
+    pid = worker_pid(b)
+    for id_ in "12345":
+        line = by_id[id_]
+        assert (line["method"], line["outcome"], line["code"]) == ("sleep", "abandoned", "-"), line
+        assert line["pid"] in (pid, "-"), line
+    assert (by_id["6"]["outcome"], by_id["6"]["code"], by_id["6"]["pid"]) == ("ok", "-", pid)
+    samples = scrape_metrics(b)
+    assert sum(sample(samples, "rpc_broker_calls_abandoned_total", where=where) or 0
+               for where in ("queued", "in_flight")) == 5
