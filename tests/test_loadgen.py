@@ -646,7 +646,8 @@ def test_report_schema_is_exact():
     assert list(data) == ["schema", "target", "mode", "connections", "depth", "pipeline", "rate", "batch",
                           "processes", "duration_s", "warmup_s", "timeout_s", "ids", "seed", "workload",
                           "requests", "calls", "calls_counted", "requests_per_s", "calls_per_s",
-                          "errors_by_code", "transport_errors", "resent", "refused_batches", "unsent_requests", "check",
+                          "errors_by_code", "transport_errors", "resent", "refused_batches", "unsent_requests",
+                          "sent_per_s", "generator_behind", "generator_late_requests", "check",
                           "latency_ms", "percentiles", "interrupted", "processes_lost", "mcp"]
     assert data["schema"] == SCHEMA and data["rate"] is None and data["requests_per_s"] == 5.0
     assert data["mcp"] is None  # (a JSON-RPC run; `rpc-broker bench --mcp`'s: tests/test_bench_mcp.py)
@@ -1687,6 +1688,55 @@ def test_table_wording_counts_and_thousands(capsys):
     flat = " ".join(buf.getvalue().split())
     assert "12,000 connections" in flat and "1 process," in flat
     assert "(1 request answered)" in flat and "(1 call answered)" in flat and "requests)" not in flat
+
+
+def test_an_open_loop_the_generator_cannot_make_says_so_in_the_table_and_the_json(serve, tmp_path, capsys):
+    """An open loop at a rate far past what this process can send (2,000,000 requests/s), with
+    room on every connection (8 x depth 4,096: never full in half a second), to a server that
+    answers: the load generator itself fell behind, and the run says so, achieved against
+    offered, and that the figures measure the generator (wrk2's and h2load's caveat), in the
+    table and in the JSON; the requests it never sent are not put on the server."""
+    s = serve("ok")
+    out = tmp_path / "behind.json"
+    code = cli.main(["bench", s.url, "--json", str(out), "--rate", "2000000", "-c", "8", "--depth", "4096",
+                     "--duration", "0.5", "--warmup", "0", "--timeout", "20", "--quiet"])
+    table = " ".join(capsys.readouterr().out.split())
+    rep = Report.from_json(out.read_bytes())
+    assert code == 0 and rep.check.ok and rep.transport_errors == 0
+    assert rep.generator_behind is True and rep.sent_per_s is not None and rep.rate == 2_000_000
+    assert 0 < rep.sent_per_s < rep.rate and rep.generator_late_requests > 0
+    assert f"open loop at 2,000,000 req/s offered ({rep.sent_per_s:,.0f} sent)" in table
+    assert (f"load generator fell behind: sent {rep.sent_per_s:,.0f} req/s of the 2,000,000 offered;" in table
+            and "the rates and latencies measure the load generator, not the server" in table), table
+    assert "(the load generator fell behind)" in table and "the server could not keep up" not in table
+
+
+def test_the_generator_is_said_behind_only_past_its_share_of_the_schedule():
+    """`BEHIND_SHARE` of the window's schedule (sent and never sent) late or never sent by the
+    generator itself makes the verdict; less, or what the server held back (a full connection:
+    not counted in `behind`), does not; a closed loop has no offered rate."""
+    import io
+
+    from rich.console import Console
+
+    from broker.loadgen.report import BEHIND_SHARE, print_table
+
+    spec = runner.Spec(target="http://127.0.0.1:1/", calls=[Call("add", "[1,2]")], rate=1000.0, duration=2.0)
+    t = Tally()
+    t.requests = t.calls = 1900
+    h = Latency()
+    h.record_many([1000])
+    under = build_report(spec, t, h, unsent=100, sent=1900, behind=int(BEHIND_SHARE * 2000) - 1)
+    at = build_report(spec, t, h, unsent=100, sent=1900, behind=int(BEHIND_SHARE * 2000))
+    assert (under.generator_behind, at.generator_behind) == (False, True) and at.sent_per_s == 950.0
+    buf = io.StringIO()
+    print_table(under, Console(file=buf, width=80))
+    flat = " ".join(buf.getvalue().split())
+    assert "fell behind" not in flat and "100 scheduled requests (the server could not keep up)" in flat
+    assert "open loop at 1,000 req/s offered (950 sent)" in flat
+    closed = build_report(runner.Spec(target="http://127.0.0.1:1/", calls=[Call("add", "[1,2]")], duration=2.0),
+                          t, h, behind=50)
+    assert (closed.sent_per_s, closed.generator_behind) == (None, False)
 
 
 # bounds, warm-up backlog, silent close -----------------------------------------------------------

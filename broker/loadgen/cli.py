@@ -482,7 +482,8 @@ def _bench(ns: argparse.Namespace) -> int:
         tally.first_problem = f"every call was refused as unauthorized ({how}): " + (
             f"the server does not take the token of --token-file {ns.token_file}" if token else
             "the server asks for a bearer token: give it with --token-file PATH")
-    report = rep.build_report(spec, tally, hist, drain, unsent, mix=ns.mix)
+    report = rep.build_report(spec, tally, hist, drain, unsent, mix=ns.mix, sent=sum(r.sent for r in results),
+                              behind=sum(r.behind for r in results))
     report.interrupted = cut
     report.processes_lost = spec.processes - len(results) if died else 0
     rep.print_table(report, console, tally.first_problem, tally.unauthorized)  # -q hides only the progress line

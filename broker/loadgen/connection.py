@@ -56,8 +56,9 @@ from broker.loadgen.check import Checker, Tally
 from broker.loadgen.target import Spec, Target
 from broker.loadgen.workload import Expect, Workload
 
-__all__ = ["RECONNECT_MAX_S", "RECONNECT_S", "LoadConnection", "connect"]
+__all__ = ["LATE_S", "RECONNECT_MAX_S", "RECONNECT_S", "LoadConnection", "connect"]
 
+LATE_S = 0.010  # open loop: a request sent this long after its intended time, with room, is late by the load process
 RECONNECT_S = 0.05  # first back-off after a failed connection; doubles per failure in a row
 RECONNECT_MAX_S = 1.0  # the back-off's cap
 _now = time.monotonic
@@ -66,9 +67,9 @@ _now = time.monotonic
 class _Shared:
     """State of one load process that its connections share."""
 
-    __slots__ = ("backoffs", "checker", "connecting", "conns", "depth", "hurry", "interrupted", "lat", "loop",
-                 "mcp", "open", "pipeline", "reconnects", "resent", "sending", "started", "stopped", "t0", "t_end",
-                 "t_measure", "target", "timeout", "token", "tools", "wake", "workload")
+    __slots__ = ("backoffs", "behind", "checker", "connecting", "conns", "depth", "hurry", "interrupted", "lat",
+                 "loop", "mcp", "open", "pipeline", "reconnects", "resent", "sending", "sent", "started", "stopped",
+                 "t0", "t_end", "t_measure", "target", "timeout", "token", "tools", "wake", "workload")
 
     def __init__(self, spec: Spec, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -102,6 +103,10 @@ class _Shared:
         self.reconnects = 0
         self.backoffs = 0
         self.resent = 0
+        # Open loop, of the measured window's schedule: requests sent, and those this process sent
+        # `LATE_S` or more after their intended time with room on their connection (`_fill`)
+        self.sent = 0
+        self.behind = 0
 
     def interrupt(self, signum: int) -> None:
         """Stop early (a signal handler's whole job: the main loop acts on it). A second
@@ -135,7 +140,8 @@ class LoadConnection(asyncio.Protocol):
     """
 
     __slots__ = ("_aborted", "_answered_here", "_connecting", "_failed", "_fails", "_inflight", "_interval", "_k",
-                 "_next_i", "_now", "_phase", "_push", "_retry", "_s", "_timer", "_transport", "connected")
+                 "_measured", "_next_i", "_now", "_phase", "_push", "_retry", "_s", "_timer", "_transport", "connected",
+                 "full")
 
     _inflight: _InFlight
     _push: Callable[[_Record], None]
@@ -148,6 +154,7 @@ class LoadConnection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._k = 0  # bodies built (ids stay unique across reconnects)
         self._next_i = 0  # open loop: next request index of the schedule
+        self._measured = 0  # open loop: the index of its first request of the measured window (`start`)
         self._now = 0.0
         self._aborted = False
         self._failed = False  # refused, timed out or not HTTP: back off before reconnecting
@@ -156,6 +163,9 @@ class LoadConnection(asyncio.Protocol):
         self._answered_here = False  # a complete answer came on the current connection
         self._retry: list[float] = []  # HTTP: t_start of requests to send again (see _keep_for_retry)
         self.connected = False
+        # Open loop: the last `_fill` left requests due for want of room (depth full, or no transport):
+        # those sent late next waited on the server, not on this process
+        self.full = False
 
     # -- framing, by subclasses -----------------------------------------------------------
     def _frame(self, body: bytes) -> bytes:
@@ -237,16 +247,21 @@ class LoadConnection(asyncio.Protocol):
 
     def start(self) -> None:
         """Begin sending (called at t0)."""
+        s = self._s
+        if s.open:  # (the index of its first request of the measured window: `sent` counts from it)
+            self._measured = schedule.first_at(s.t0, self._phase, self._interval, s.t_measure)
         self._fill()
 
     def _fill(self) -> None:
         s = self._s
         transport = self._transport
         if transport is None or transport.is_closing():
+            self.full = True
             return  # closed (or closing) by the server or a failure: connection_lost will count it
         inflight = self._inflight
         free = s.depth - len(inflight)
         if free <= 0:
+            self.full = True
             return
         body_of = s.workload.body
         frame = self._frame
@@ -269,14 +284,24 @@ class LoadConnection(asyncio.Protocol):
             if t < s.t_measure <= now:  # the window began with a warm-up backlog: drop it
                 i = self._skip_warmup()
                 t = t0 + phase + i * interval
+            first = i
+            late = now - LATE_S  # (sent after it, with room: late by this process, not the server)
+            behind = 0
             while free and t <= now and t < t_end:
                 body, expect = body_of(k)
                 k += 1
                 out.append(frame(body))
                 push((t, now, expect))
                 free -= 1
+                if t < late and t >= s.t_measure:
+                    behind += 1
                 i += 1
                 t = t0 + phase + i * interval
+            if i > first:
+                s.sent += max(0, i - max(first, self._measured))
+                if not self.full:
+                    s.behind += behind
+            self.full = free == 0 and t <= now and t < t_end
             self._next_i = i
             if free and t < t_end and self._timer is None:
                 self._timer = s.loop.call_later(t - now, self._on_timer)

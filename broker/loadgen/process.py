@@ -164,6 +164,8 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
         n = c.give_up(count=not interrupted)
         lost += n
         unsent += out - n
+        if not c.full:  # (due with room on its connection: this process could not make them in time)
+            s.behind += out - n
         c.close()
     if lost and not interrupted:
         # Sent by the end of the window and still unanswered --timeout later: timed out,
@@ -185,4 +187,4 @@ async def _run_process(s: _Shared, spec: Spec, first: int, count: int,
                          reconnects=s.reconnects, backoffs=s.backoffs, resent=s.resent,
                          unauthorized=tally.unauthorized, tool_errors=dict(tally.tool_errors),
                          initialized=tally.initialized, sessions=tally.sessions,
-                         protocol_version=tally.protocol_version)
+                         protocol_version=tally.protocol_version, sent=s.sent, behind=s.behind)

@@ -39,16 +39,27 @@ def _workload(spec: Spec, mix: str | None) -> RunWorkload:
     return RunWorkload(mix, calls)
 
 
+BEHIND_SHARE = 0.01
+"""An open loop's load generator fell behind when it was late itself (`connection.LATE_S`, with room on the
+connection) for, or never sent, this share or more of the window's scheduled requests."""
+
+
 def build_report(spec: Spec, tally: Tally, hist: Latency, drain: float = 0.0, unsent: int = 0,
-                 mix: str | None = None) -> Report:
+                 mix: str | None = None, sent: int = 0, behind: int = 0) -> Report:
     """The ``rpc-broker-bench/1`` record of a run. Rates are over the measured window
     plus the drain after it (`drain` s, the longest of the processes'), since answers
     to requests of the window still arrive then: in an open loop past the server's
     capacity that drain is long, and the rate is what the server really managed.
     `unsent`: open-loop requests that were due but never sent. `mix`: the --mix file
-    the calls came from (recorded with them), None for --method/--params."""
+    the calls came from (recorded with them), None for --method/--params. `sent`,
+    `behind`: open loop, the window's requests sent, and those the load processes were
+    late for themselves (`ProcessResult.behind`): past `BEHIND_SHARE` of the schedule,
+    the generator fell behind the offered rate (wrk2's and h2load's caveat: the figures
+    then measure the generator)."""
     duration = spec.duration + drain if spec.duration > 0 else 0.0  # 0: interrupted in the warm-up
     failures = tally.failures
+    open_loop = spec.rate is not None and spec.duration > 0
+    scheduled = sent + unsent
     return Report(
         schema=SCHEMA,
         target=Target.parse(spec.target).url,
@@ -75,6 +86,9 @@ def build_report(spec: Spec, tally: Tally, hist: Latency, drain: float = 0.0, un
         resent=tally.resent,
         refused_batches=tally.refused_batches,
         unsent_requests=unsent,
+        sent_per_s=sent / spec.duration if open_loop else None,
+        generator_behind=open_loop and behind > 0 and behind >= BEHIND_SHARE * scheduled,
+        generator_late_requests=behind,
         check=Check(tally.wrong_id, tally.missing, tally.duplicate, tally.malformed, failures == 0),
         latency_ms=LatencyMs.of(hist),
         percentiles=hist.curve(),
@@ -210,7 +224,9 @@ def print_table(report: Report, console: Console, first_problem: str = "", unaut
     t.add_column(overflow="fold")
     load = (f"closed loop, {_n(report.connections, 'connection')} x depth {report.depth}"
             if report.mode == "closed"
-            else f"open loop at {report.rate:,.0f} req/s, {_n(report.connections, 'connection')}")
+            else f"open loop at {report.rate:,.0f} req/s offered"
+            + (f" ({report.sent_per_s:,.0f} sent)" if report.sent_per_s is not None else "")
+            + f", {_n(report.connections, 'connection')}")
     processes = f"{report.processes:,} {'process' if report.processes == 1 else 'processes'}"
     t.add_row("load", f"{load}, batch {report.batch}\n{processes}, "
               f"{report.duration_s:g} s measured after {report.warmup_s:g} s warm-up")
@@ -273,9 +289,16 @@ def print_table(report: Report, console: Console, first_problem: str = "", unaut
                                      "them unanswered\n(not lost, but each may have run twice)", style="yellow"))
     if first_problem:
         t.add_row("first problem", Text(first_problem, style="bold red"))
+    if report.generator_behind and report.rate is not None and report.sent_per_s is not None:
+        t.add_row("load generator", Text(
+            f"fell behind: sent {report.sent_per_s:,.0f} req/s of the {report.rate:,.0f}\n"
+            f"offered; {report.generator_late_requests:,} requests were late (10 ms or more)\n"
+            "or never sent with room on their connection: the rates\n"
+            "and latencies measure the load generator, not the server\n"
+            "(lower --rate, or add --processes)", style="bold red"))
     if report.unsent_requests:
-        t.add_row("never sent", Text(f"{report.unsent_requests:,} scheduled requests "
-                                     "(the server could not keep up)", style="yellow"))
+        who = "the load generator fell behind" if report.generator_behind else "the server could not keep up"
+        t.add_row("never sent", Text(f"{report.unsent_requests:,} scheduled requests ({who})", style="yellow"))
     lat = report.latency_ms
     if lat.p50 is not None and lat.p90 is not None and lat.p99 is not None and lat.p99_9 is not None \
             and lat.max is not None and lat.mean is not None:

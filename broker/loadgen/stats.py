@@ -256,6 +256,13 @@ class Report(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     resent: int = 0  # HTTP requests sent again after a close with them unanswered; absent from files before it
     refused_batches: int = 0  # absent from files written before it
     unsent_requests: int = 0  # absent from files written before it
+    # Open loop: requests of the window sent per second of it, against `rate` offered (None: closed
+    # loop, or a file written before it), and whether the load generator itself fell behind the
+    # offered rate (`generator_late_requests`, its own late or never-sent ones, 1 % or more of
+    # those scheduled): then the rates and latencies measure the generator, not the server
+    sent_per_s: float | None = None
+    generator_behind: bool = False
+    generator_late_requests: int = 0
     check: Check
     latency_ms: LatencyMs
     percentiles: list[tuple[Percentile, Ms]]

@@ -158,6 +158,11 @@ class ProcessResult(msgspec.Struct, frozen=True, tag="result"):
     backoffs: int = 0  # of those, the ones that waited first (after a failure)
     resent: int = 0  # HTTP: requests sent again after an unannounced close between answers
     unauthorized: int = 0  # answers refusing the token (`Tally.unauthorized`)
+    # Open loop, of the measured window's schedule: requests sent, and those the process itself was
+    # late for (sent `connection.LATE_S` or more after their intended time, or never sent, with room
+    # on their connection: the load generator fell behind, not the server)
+    sent: int = 0
+    behind: int = 0
     # MCP (`Tally`'s fields of the same names)
     tool_errors: dict[str, int] = msgspec.field(default_factory=dict)
     initialized: int = 0
