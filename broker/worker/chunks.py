@@ -42,6 +42,7 @@ from broker.wire import (
 from broker.worker import runtime  # (`runtime._forked_from`, read at run time: runtime imports this first)
 
 if typing.TYPE_CHECKING:
+    from broker.worker.links import Link
     from broker.worker.params import Method
 
 _deadline_of = wire.DEADLINE.unpack_from  # a call's (deadline, flow), at the start of its frame's payload
@@ -124,6 +125,7 @@ class ChunkRuns:
         _dirty: set[_Chunk]
         _down: bool
         _grab: bool
+        _links: list[Link]
         _max_result: int
         _methods: list[Method]
         _out: bytearray
@@ -131,6 +133,7 @@ class ChunkRuns:
         _running: float
         _running_deadline: float
         _running_id: int
+        _told: bool
         _slow: list[bool]
         _surprise: int
         _task_of: dict[asyncio.Task[tuple[bool, object]], tuple[object, int, float | int]]
@@ -144,6 +147,7 @@ class ChunkRuns:
         def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int: ...
         def _schedule_flush(self) -> None: ...
         def _sent_held(self) -> None: ...
+        def _tell_ahead(self, call_id: int, deadline: float) -> None: ...
         def _too_large(self, kind: int, size: int) -> bytes: ...
         def _wound(self, task: asyncio.Task[tuple[bool, object]]) -> None: ...
         def _write_out(self) -> None: ...
@@ -182,10 +186,12 @@ class ChunkRuns:
                 index, flags, id_length, length = unknown, 0, 0, 0
             if index > unknown:
                 index = unknown
+            if slow[index] and self._links and not self._told:  # (as in `_call`)
+                self._tell_ahead(chunk.chunk_id, chunk.deadline)
             if slow[index] and (unsent or results or self._out or self._out_first or self._dirty):
                 # As in `_call`: the answers ready so far go out (a CHUNK_PART: call i is
-                # not started yet) before a call that may block the loop, so they are not
-                # held past their deadline behind it.
+                # not started yet), and the front-ends told it blocks (wire.BLOCKED), before a
+                # call that may block the loop, so they are not held past their deadline behind it.
                 self._dirty.add(chunk)
                 self._write_out()
                 t0 = _perf()

@@ -64,7 +64,7 @@ class HeldAnswers:
         _running: float
         _running_deadline: float
         _running_id: int
-        _told: float
+        _told: bool
         _transport: asyncio.Transport | None
 
         def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int: ...
@@ -89,15 +89,16 @@ class HeldAnswers:
         thread.
 
         With other connections (several front-ends) it tells each the worker is blocked
-        (`_tell_blocked`), once a handler: `_grab` stays set while `_told` is, so the loop's
-        thread, the handler done, comes to `_sent_held`, which tells them it is free."""
+        (`_tell_blocked`), once a handler (if the loop's thread did not, `_tell_ahead`): `_grab`
+        stays set while `_told` is, so the loop's thread, the handler done, comes to
+        `_sent_held`, which tells them it is free."""
         lock = self._grab_lock
         while not self._down:
             time.sleep(HELD_SECONDS)
             started = self._running
             if not started or _perf() - started < HELD_SECONDS:
                 continue
-            tell = bool(self._links) and self._told != started
+            tell = bool(self._links) and not self._told
             if not (tell or self._out or self._out_first or self._dirty or self._advancing is not None
                     or any(link.pending for link in self._links)):
                 continue
@@ -106,15 +107,16 @@ class HeldAnswers:
                 try:
                     if self._running == started:
                         if tell:
-                            self._tell_blocked(started)
+                            self._tell_blocked()
                         self._write_held()
                 finally:
-                    self._grab = self._told != 0.0  # type: ignore[misc]
+                    self._grab = self._told  # type: ignore[misc]
 
-    def _tell_blocked(self, started: float) -> None:
-        """(`_send_held`'s thread, the handler begun at `started` still running) Queue BLOCKED,
-        aux 1, for every connection: payload the running call's deadline (f64, CLOCK_MONOTONIC
-        s; a chunk's), id that call's for the connection that sent it, 0 for the others."""
+    def _tell_blocked(self) -> None:
+        """Queue BLOCKED, aux 1, for every connection: payload the running call's deadline (f64,
+        CLOCK_MONOTONIC s; a chunk's), id that call's for the connection that sent it, 0 for the
+        others. (`_send_held`'s thread, its handler still running; or the loop's thread, from
+        `_tell_ahead`.)"""
         owner, own_id = self._running_id >> LINK_SHIFT, self._running_id & ID_MASK
         deadline = _pack_deadline(self._running_deadline)
         out = self._out
@@ -123,7 +125,18 @@ class HeldAnswers:
                 continue
             out += _pack_header(len(deadline), BLOCKED, number << LINK_SHIFT | (own_id if number == owner else 0), 1)
             out += deadline
-        self._told = started  # type: ignore[misc]
+        self._told = True  # type: ignore[misc]
+
+    def _tell_ahead(self, call_id: int, deadline: float) -> None:
+        """(the loop's thread, several front-ends, not told yet) A call of a method whose last
+        call blocked the loop (`_slow`) is about to start: tell every connection now, not
+        HELD_SECONDS into it (in those milliseconds another front-end sent its own slow call to
+        the same worker while another was idle: new user, round 113). The caller writes `_out`
+        out before the call starts; `_grab` set brings the loop to `_sent_held` after it."""
+        self._running_id = call_id  # type: ignore[misc]
+        self._running_deadline = deadline  # type: ignore[misc]
+        self._tell_blocked()
+        self._grab = True  # type: ignore[misc]
 
     def _tell_free(self) -> None:
         """(the loop's thread, in `_sent_held`: the handler `_tell_blocked` told of returned)
@@ -132,7 +145,7 @@ class HeldAnswers:
         for number in range(len(self._links) + 1):
             if not number or not self._links[number - 1].gone:
                 out += _pack_header(0, BLOCKED, number << LINK_SHIFT, 0)
-        self._told = 0.0  # type: ignore[misc]
+        self._told = False  # type: ignore[misc]
         self._schedule_flush()
 
     def _write_held(self) -> None:

@@ -347,11 +347,11 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         # it has run HELD_SECONDS; `_grab` is set while that thread sends (`_sent_held`).
         self._running = 0.0
         # ... and the call's (or chunk's) id (tagged by its link) and deadline, set before
-        # `_running`; `_told`: the `_running` that thread told the front-ends is blocking
-        # (wire.BLOCKED; several front-ends only), 0.0 once they were told it returned.
+        # `_running`; `_told`: the front-ends were told a handler blocks the worker (wire.BLOCKED;
+        # several front-ends only), not yet that it returned (`_sent_held`).
         self._running_id = 0
         self._running_deadline = math.inf
-        self._told = 0.0
+        self._told = False
         self._grab = False
         self._grab_lock = threading.Lock()
         self._advancing: _Chunk | None = None  # the chunk `_advance` runs calls of
@@ -690,10 +690,13 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         """Run (or start) call `call_id` of method `index`; True if it was a sync handler's
         that blocked the loop SLOW_SYNC_US or more (`_give_back`)."""
         index = min(index, len(self._methods))  # (past the table: answered -32601)
-        if self._slow[index] and (self._out or self._out_first or self._dirty):
-            # This method's last call blocked the loop: what is ready goes out now, not
-            # after it (fast calls read with it would wait for the slow one otherwise).
-            self._write_out()
+        if self._slow[index]:
+            if self._links and not self._told:  # (several front-ends: they are told first, wire.BLOCKED)
+                self._tell_ahead(call_id, deadline)
+            if self._out or self._out_first or self._dirty:
+                # This method's last call blocked the loop: what is ready goes out now, not
+                # after it (fast calls read with it would wait for the slow one otherwise).
+                self._write_out()
         self._running_id = call_id  # (for `_send_held`'s thread: wire.BLOCKED)
         self._running_deadline = deadline
         t0 = self._running = _perf()
