@@ -229,6 +229,10 @@ class Membership(DispatcherState):
             if worker.channel is not None and worker.state is WorkerState.READY and worker not in self._ready:
                 self._ready.append(worker)
                 self._set_share()
+                # (a larger share: the connections held past the smaller one go again, as at
+                # `worker_ready`; hostile testing, round 133: one with a long call in flight held its
+                # next calls until that one ended, 7 s, after another front-end's 80 ms sync call)
+                self._release_all()
                 self._pump()
 
     def worker_unready(self, worker: Worker) -> None:

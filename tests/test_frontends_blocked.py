@@ -8,11 +8,13 @@ may have was past, not its own. Real brokers on loopback with two front-ends, re
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 import time
 
-from conftest import wait_for
-from test_frontends import answer, connection_to, peers_of, request, workers_of
+from conftest import free_port, wait_for
+from test_frontends import answer, connection_to, peers_of, request, tcp_sockets, workers_of
 from test_frontends_alone import _pids
 
 
@@ -68,3 +70,36 @@ def test_a_front_end_s_calls_wait_for_its_only_worker_blocked_in_another_s_call(
         time.sleep(0.5)
         assert len(_pids(other, 3)) == 1
         assert "result" in answer(blocker)
+
+
+def _stream_to(peer: int, port: int) -> socket.socket:
+    """An NDJSON connection (`--stream-port`) the front-end process `peer` took."""
+    for i in range(100):
+        before = tcp_sockets(peer)
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(b'{"jsonrpc": "2.0", "method": "rpc.discover", "id": %d}\n' % i)
+        assert b'"result"' in s.makefile("rb").readline()
+        if tcp_sockets(peer) - before:
+            return s
+        s.close()
+    raise AssertionError("no stream connection landed on that front-end in 100")
+
+
+def test_a_connection_s_share_comes_back_when_the_worker_is_free_again(broker_factory):
+    """Hostile testing, round 133: a worker blocked in another front-end's call is out of the
+    rotation, and a connection's share of the places shrank with it; back in, the share grew but
+    the connection held past the smaller one stayed held until its own long call ended (7 s)."""
+    port = free_port()
+    b, peer = _two_front_ends(broker_factory, 1, "--stream-port", str(port))
+    blocker, stream = connection_to(peer, b), _stream_to(b.pid, port)
+    with blocker, stream:
+        lines = stream.makefile("rb")
+        stream.sendall(b'{"jsonrpc": "2.0", "method": "nap", "params": [6], "id": "long"}\n')
+        time.sleep(0.5)
+        blocker.sendall(request("spin", [0.4], "blocks"))  # (its worker benched here, then back)
+        time.sleep(0.1)
+        stream.sendall(b'{"jsonrpc": "2.0", "method": "pid", "id": "fast"}\n')  # (while it is out)
+        assert "result" in answer(blocker)
+        first = json.loads(lines.readline())
+        assert first["id"] == "fast" and "result" in first, first  # (not after the nap's answer)
+        assert json.loads(lines.readline())["id"] == "long"
