@@ -459,11 +459,14 @@ class Membership(DispatcherState):
                 # (--frontends N, the worker silent (a handler holding the GIL in C, or it is stopped):
                 # a sync call of another front-end's, unseen here, may hold the worker within its own
                 # deadline: hostile testing, round 126, a peer killed a worker 6 s into a legitimate
-                # 20 s call of the first front-end's. Any call that held it before this one was sent had
-                # its deadline by this one's arrival and the longest deadline a call may have: hung only
-                # once that and cancel_grace are past.)
+                # 20 s call of the first front-end's. One that holds it now began before the worker
+                # read this call's CANCEL, sent at its deadline (a free loop acknowledges it at once),
+                # so it has its own deadline by this call's and the longest a call may have: hung only
+                # once that and cancel_grace are past. Not by this call's arrival: an async call started
+                # before it came (hostile testing, round 133: a 7.5 s call holding the GIL, well within
+                # its deadline, was killed beside another front-end's async call).)
                 now = _clock()
-                later = call.arrival + max([self._timeout, *self._method_timeouts.values()])
+                later = call.arrival + call.timeout + max([self._timeout, *self._method_timeouts.values()])
                 if later > now:
                     self._loop.call_later(later - now + self._cancel_grace, self._check_hung, call)
                     return

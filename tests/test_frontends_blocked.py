@@ -103,3 +103,26 @@ def test_a_connection_s_share_comes_back_when_the_worker_is_free_again(broker_fa
         first = json.loads(lines.readline())
         assert first["id"] == "fast" and "result" in first, first  # (not after the nap's answer)
         assert json.loads(lines.readline())["id"] == "long"
+
+
+def test_a_silent_worker_s_legitimate_call_is_not_killed_beside_another_front_end_s_async_call(broker_factory):
+    """Hostile testing, round 133: a call holding the GIL in C says nothing (its worker's thread
+    cannot run); another front-end's async call, started before it and past its deadline, had the
+    worker killed as hung once that async call's *arrival* and the longest deadline were past,
+    though the GIL call was well within its own. Its deadline bounds the silent call's start now."""
+    b, peer = _two_front_ends(broker_factory, 1, "--timeout", "1", "--cancel-grace", "0.3",
+                              "--method-timeout", "nap=3", "--method-timeout", "gil=6")
+    waiter, holder = connection_to(b.pid, b), connection_to(peer, b)
+    with waiter, holder:
+        holder.sendall(request("gil", [1000], "learnt"))  # (a method known fast: not told ahead)
+        assert "result" in answer(holder)
+        began = time.monotonic()
+        sum(range(2 * 10**7))  # (here: a call of it 1 ms or more long would have it told ahead there)
+        n = int(2 * 10**7 * 5.0 / max(time.monotonic() - began, 1e-3))  # (about 5 s of it)
+        waiter.sendall(request("nap", [30], "async"))  # (its deadline at 3 s; the loop free until then)
+        time.sleep(2.5)
+        holder.sendall(request("gil", [n], "holds"))  # (silent, from 2.5 s; its deadline at 8.5 s)
+        assert answer(waiter)["error"]["code"] == -32001  # type: ignore[index]
+        got = answer(holder)
+    assert "result" in got, (got, b.read_log(0.05)[-2000:])  # (on main: killed at 6.3 s, -32002)
+    assert "killing it as hung" not in b.read_log(0.05)

@@ -17,6 +17,12 @@ def spin(seconds: float) -> None:
 
 
 @registry.method
+def gil(n: int) -> int:
+    """sum(range(n)): C code holding the GIL the whole time (the worker's other threads stay still)."""
+    return sum(range(n))
+
+
+@registry.method
 def pid() -> int:
     return os.getpid()
 
