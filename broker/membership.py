@@ -238,8 +238,7 @@ class Membership(DispatcherState):
     def worker_unready(self, worker: Worker) -> None:
         """Take a worker out of the rotation (draining, dying); its calls stay pending."""
         self._held_workers.discard(worker)  # (held for another front-end: not back at its release)
-        worker.benched = worker.blocked_in = 0  # (what its process said: a slot's next one says anew)
-        worker.blocked_until = 0.0
+        worker.benched = 0  # (what it said blocks it stays for `worker_lost`: its socket ends first)
         try:
             self._ready.remove(worker)
         except ValueError:
@@ -277,6 +276,12 @@ class Membership(DispatcherState):
         socket ends before its exit is reaped, `Pool.channel_lost`, so one that died under a
         call run alone never held its place, and a caught crasher's next call took the other
         worker while it restarted: both died in turn, hostile testing, round 90.)"""
+        # (--frontends N: blocked in another front-end's call when it died, as it said (wire.BLOCKED):
+        # none of this one's calls ran then, and that front-end blames its own, for every front-end
+        # (`struck`); hostile testing, round 133: calls waiting behind another's hung call took the
+        # blame for its kill, and their method ran alone on every front-end.)
+        elsewhere = worker.blocked_until > 0.0 and not worker.blocked_in
+        worker.blocked_in, worker.blocked_until = 0, 0.0  # (a slot's next process says anew)
         self.worker_unready(worker)
         if self.membership_tap is not None:
             self.membership_tap.lost(worker, reason)
@@ -296,7 +301,11 @@ class Membership(DispatcherState):
         notifications = sum(c.slots.count(-1) if c.slots is not None else c.kind == NOTIFY for c in lost)
         if notifications:
             self.notifications_dropped[_DIED] = self.notifications_dropped.get(_DIED, 0) + notifications
-        self._blame(worker, lost, notifications)
+        if elsewhere:
+            log.warning("worker %d (pid %d) died blocked in another front-end's call, holding %d of this one's "
+                        "(of %s): not blamed", worker.slot, worker.pid, len(lost), _clients(lost))
+        else:
+            self._blame(worker, lost, notifications)
         if serving and len(lost) == 1 and lost[0].weight == 1 and lost[0].index in self._isolation.waits:
             self._alone[worker] = True  # (caught: it ran alone all the same; its place held until back)
         error = error_object(ErrorCode.WORKER_DIED, data={"pid": worker.pid, "status": reason})

@@ -126,3 +126,26 @@ def test_a_silent_worker_s_legitimate_call_is_not_killed_beside_another_front_en
         got = answer(holder)
     assert "result" in got, (got, b.read_log(0.05)[-2000:])  # (on main: killed at 6.3 s, -32002)
     assert "killing it as hung" not in b.read_log(0.05)
+
+
+def test_calls_behind_another_front_end_s_hung_call_are_not_blamed_for_its_kill(broker_factory):
+    """Hostile testing, round 133: calls one front-end sent before the worker said it was blocked in
+    another front-end's call died with it when that call was killed as hung (-32002: they cannot be
+    known unstarted), and their method took the strike, run alone on every front-end since."""
+    b, peer = _two_front_ends(broker_factory, 1, "--timeout", "1", "--cancel-grace", "0.3", "--method-timeout", "pid=10")
+    waiter, holder = connection_to(b.pid, b), connection_to(peer, b)
+    with waiter, holder:
+        holder.sendall(request("spin", [0], "learnt"))  # (known fast: not told ahead)
+        assert "result" in answer(holder)
+        holder.sendall(request("spin", [60], "hangs"))
+        time.sleep(0.002)  # (its worker says it is blocked 5 ms in: these reach it before)
+        batch = json.dumps([{"jsonrpc": "2.0", "method": "pid", "id": i} for i in range(5)]).encode()
+        waiter.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(batch), batch))
+        outcomes = {r.get("error", {}).get("code", "ok") for r in answer(waiter)}  # type: ignore[attr-defined]
+        assert answer(holder)["error"]["code"] == -32001  # type: ignore[index]
+    assert outcomes <= {"ok", -32002}, outcomes
+    wait_for(lambda: "killing it as hung" in b.read_log(0.05), timeout=20)
+    wait_for(lambda: bool(workers_of(b.pid)), timeout=20)
+    log = b.read_log(0.5)
+    assert not re.search(rf"broker pid {b.pid} WARNING worker 0 \(pid \d+\) died holding.*pid: after", log), log[-3000:]
