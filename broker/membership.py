@@ -236,19 +236,24 @@ class Membership(DispatcherState):
                 self._pump()
 
     def worker_unready(self, worker: Worker) -> None:
-        """Take a worker out of the rotation (draining, dying); its calls stay pending."""
+        """Take a worker out of the rotation (draining, dying); its calls stay pending. The
+        other front-ends are told (`membership_tap`), held or not: new user, round 115, a worker
+        a reload retired while benched here (blocked in a peer's sync call) was never retired
+        by that peer, which routed to it until it was killed 42 s later, its calls with it."""
+        held = worker in self._held_workers
         self._held_workers.discard(worker)  # (held for another front-end: not back at its release)
         worker.benched = 0  # (what it said blocks it stays for `worker_lost`: its socket ends first)
         try:
             self._ready.remove(worker)
         except ValueError:
-            pass
+            if not held:
+                return
         else:
             self._set_share()
             if not self._ready:
                 self._down_since = _clock()
-            if self.membership_tap is not None:
-                self.membership_tap.unready(worker)
+        if self.membership_tap is not None:
+            self.membership_tap.unready(worker)
 
     def _set_share(self) -> None:
         """One connection's share of the ready workers' places (`connection_share`; at

@@ -149,3 +149,22 @@ def test_calls_behind_another_front_end_s_hung_call_are_not_blamed_for_its_kill(
     wait_for(lambda: bool(workers_of(b.pid)), timeout=20)
     log = b.read_log(0.5)
     assert not re.search(rf"broker pid {b.pid} WARNING worker 0 \(pid \d+\) died holding.*pid: after", log), log[-3000:]
+
+
+def test_a_reload_retires_on_every_front_end_a_worker_blocked_in_a_peer_s_call(broker_factory):
+    """New user, round 115: the first front-end had the worker out of its rotation (blocked in the
+    peer's sync call) when a reload retired it, and told the peer nothing: the peer routed to the
+    old worker until it was killed, 42 s later, its calls with it."""
+    import signal
+
+    b, peer = _two_front_ends(broker_factory, 2)
+    blocker, other = connection_to(peer, b), connection_to(peer, b)
+    with blocker, other:
+        old = set(workers_of(b.pid))
+        blocker.sendall(request("spin", [2], "blocks"))
+        time.sleep(0.5)
+        b.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: len(set(workers_of(b.pid)) - old) == 2, timeout=30)
+        assert "result" in answer(blocker)  # (its old worker answers, then leaves)
+        wait_for(lambda: not set(workers_of(b.pid)) & old, timeout=30)
+        assert not set(_pids(other, 20)) & old
