@@ -57,7 +57,7 @@ def share(rate: Rate, n: int) -> Rate:
     burst/n rounded down (at least 1), and together never more than `rate` (nor its burst, but
     for a burst under n). `UNLIMITED` stays so. (New user, round 114: rounded up, a burst of 3
     on 2 front-ends let 4 calls through.)"""
-    if n <= 1 or rate == UNLIMITED:
+    if n <= 1 or rate.rate <= 0.0:  # (UNLIMITED, or one equal to it: a peer's tokens are decoded anew)
         return rate
     return Rate(rate.rate / n, max(1, rate.burst // n))
 
@@ -108,7 +108,9 @@ class Limiter:
         self._tokens: dict[str, Bucket] = {}
         for name in tokens:
             rate = (by_token or {}).get(name, default)
-            if rate is not None and rate is not UNLIMITED:
+            if rate is not None and rate.rate > 0.0:  # (not UNLIMITED, nor one equal to it: new user,
+                # round 115, a peer's tokens are decoded anew, and `is` told its rate_limit 0 apart: a
+                # bucket of rate 0, whose refusal's Retry-After divided by zero)
                 self._tokens[name] = Bucket(rate, name)
         self._addresses: OrderedDict[str, Bucket] = OrderedDict()
         self.refused_addresses = 0  # refused by the buckets of addresses dropped from the table

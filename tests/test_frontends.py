@@ -342,6 +342,20 @@ def connection_to(peer: int, b) -> socket.socket:  # type: ignore[no-untyped-def
     raise AssertionError("no connection landed on the other front-end in 100")
 
 
+def landed_on(pid: int, b) -> socket.socket:  # type: ignore[no-untyped-def]
+    """A connection the front-end process `pid` took, found with GET /healthz (no token needed;
+    200 tries at most)."""
+    for _ in range(200):
+        before = tcp_sockets(pid)
+        s = socket.create_connection((b.host, b.port), timeout=30)
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        s.recv(65536)
+        if tcp_sockets(pid) - before:
+            return s
+        s.close()
+    raise AssertionError("no connection landed on that front-end in 200")
+
+
 def test_a_worker_another_front_end_kills_as_hung_is_said_so_and_restarted(broker_factory):
     b = broker_factory("--workers", "1", "--frontends", "2", "--app", "tests.apps.stuck:registry",
                        "--timeout", "0.3", "--cancel-grace", "0.5")
@@ -572,15 +586,7 @@ def test_a_front_end_started_again_serves_the_tokens_the_broker_read_at_its_star
     body = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [1, 2], "id": 1}).encode()
     for pid in (again, b.pid):
         for secret, status in ((old, b"200"), (new, b"401")):
-            for _ in range(200):  # (a connection that lands on `pid`)
-                before = tcp_sockets(pid)
-                s = socket.create_connection((b.host, b.port), timeout=30)
-                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-                s.recv(65536)
-                if tcp_sockets(pid) - before:
-                    break
-                s.close()
-            with s:
+            with landed_on(pid, b) as s:
                 s.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAuthorization:"
                           b" Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (secret.encode(), len(body), body))
                 assert s.recv(65536).startswith(b"HTTP/1.1 " + status), (pid, secret)
@@ -709,3 +715,24 @@ def test_the_metrics_port_answers_through_the_other_front_ends_drain(broker_fact
         conn.close()
         assert answer(s) == {"jsonrpc": "2.0", "id": "slow", "result": 3.0}
     assert b.proc.wait(60) == 0
+
+
+def test_a_token_exempt_from_rate_limits_is_exempt_on_every_front_end(broker_factory, tmp_path):
+    """New user, round 115: a token's `rate_limit = 0` (no limit) reached a peer as a Rate equal to,
+    not the same object as, ratelimit.UNLIMITED: the peer gave it a bucket of rate 0, whose refusal
+    divided by zero (HTTP 400 "callback error", an NDJSON connection closed unanswered)."""
+    secret = "e" * 32
+    path = tmp_path / "tokens.toml"
+    path.write_text(f'[tokens.ci]\ntoken = "{secret}"\nrate_limit = 0\n')
+    b = broker_factory("--workers", "1", "--frontends", "2", "--auth-tokens-file", str(path), "--rate-limit", "2",
+                       env={"RPC_BROKER_AUTH_TOKENS": ""})
+    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
+    [peer] = peers_of(b.pid)
+    wait_for(lambda: f"front-end 1 (pid {peer}) serving" in b.read_log(0.05), timeout=30)
+    with landed_on(peer, b) as s:
+        for i in range(30):
+            body = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [i, 1], "id": i}).encode()
+            s.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAuthorization:"
+                      b" Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (secret.encode(), len(body), body))
+            assert answer(s)["result"] == i + 1
+    assert "Traceback" not in b.read_log(0.05)
