@@ -92,6 +92,9 @@ def test_each_front_end_holds_its_share_of_the_bounds():
     assert shared.max_outgoing_bytes == 100 * 2**20
     assert shared.max_incoming_bytes == config.max_incoming_bytes // 3
     assert per_frontend(Config(frontends=1)) == Config(frontends=1)
+    # (new user, round 115: a bound of 1 on 2 front-ends was 0 each, and 0 is no bound)
+    assert per_frontend(Config(frontends=2, max_worker_params_bytes=1)).max_worker_params_bytes == 1
+    assert per_frontend(Config(frontends=2, max_worker_params_bytes=0)).max_worker_params_bytes == 0
     assert {name for name in SHARED_LIMITS} <= set(msgspec.structs.asdict(config))
     assert Config(frontends=0).frontend_count == max(1, (os.cpu_count() or 1) // 8) or Config().frontend_count == 1
 

@@ -458,7 +458,8 @@ def per_frontend(config: Config) -> Config:
     broker). Each share is at least what one request may need, so that a request one
     front-end would take, every front-end takes, on an idle broker: max_incoming_bytes and
     max_queue_bytes at least max_body_bytes, max_outgoing_bytes at least
-    max_response_bytes, max_queue at least max_batch (each no more than its setting).
+    max_response_bytes, max_queue at least max_batch (each no more than its setting); any
+    bound above 0 is 1 at least.
     The whole may then pass a setting by those floors (hostile testing, round 126: an
     800 KB body refused with max_incoming_bytes 1 MB and 2 front-ends). max_connections
     and worker_concurrency of at least N are checked when the settings load
@@ -466,7 +467,9 @@ def per_frontend(config: Config) -> Config:
     n = config.frontend_count
     if n <= 1:
         return config
-    shares = {name: getattr(config, name) // n for name in SHARED_LIMITS}
+    # (a bound of 1 or more is 1 at least: 0 is "no bound" for max_worker_params_bytes, and a share
+    # rounded down to it was none; new user, round 115)
+    shares = {name: max(1, value // n) if (value := getattr(config, name)) > 0 else value for name in SHARED_LIMITS}
     floors = {"max_incoming_bytes": config.max_body_bytes, "max_queue_bytes": config.max_body_bytes,
               "max_outgoing_bytes": config.max_response_bytes, "max_queue": config.max_batch}
     for name, floor in floors.items():
