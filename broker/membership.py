@@ -163,8 +163,6 @@ class Membership(DispatcherState):
         if worker not in self._ready and worker not in self._held_workers:
             self._start_failed = False
             worker.limit = worker.concurrency  # (a worker is ready with nothing in flight)
-            worker.benched = worker.blocked_in = 0
-            worker.blocked_until = 0.0
             self._alone.pop(worker, None)  # (back from a death under a call run alone)
             for other in [w for w, dead in self._alone.items() if dead and w.slot == worker.slot]:
                 del self._alone[other]  # (its slot's, dead under one, replaced by this one: a reload's)
@@ -172,7 +170,10 @@ class Membership(DispatcherState):
             # sync_prefetch, is at most its concurrency (every worker has the same).
             self._sync_routing = self._sync_limit <= worker.concurrency
             self._returnable = RETURNABLE if self._sync_routing else 0
-            self._ready.append(worker)
+            if worker.benched:  # (a peer: the worker said it is blocked before the first front-end's Serve)
+                self._held_workers.add(worker)
+            else:
+                self._ready.append(worker)
             self._set_share()
             self._release_all()  # (a larger share: those still past it are held again)
             if self.membership_tap is not None:

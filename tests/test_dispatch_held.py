@@ -121,3 +121,28 @@ def test_a_held_worker_that_leaves_is_not_back_at_its_release(clock):
     for i in range(5):
         d.submit(body(codec, req("m", [i], i)), done.append)
     assert len(b.channel.take()) == 5 and not [f for f in a.channel.take() if f[0] != HOLD]
+
+
+def test_a_worker_said_blocked_before_it_serves_here_is_held_from_its_start(clock):
+    """Hostile testing, round 134 (from reading): a peer front-end may read a worker's BLOCKED (in
+    another front-end's call) before the first front-end's Serve; the worker then went into the
+    rotation as if free, and what it said was forgotten. It is held from its start until its FREE."""
+    from test_dispatch import RecordingChannel
+
+    from broker.channel import Worker, WorkerState
+
+    d, a, codec, done = one_worker(clock.loop, ["m"], 10)
+    late = Worker(1)
+    late.channel = RecordingChannel()  # type: ignore[assignment]
+    late.concurrency = 10
+    d.on_reply(late, wire.Kind.BLOCKED, 0, 1, b"\x7f\xf0" + bytes(6))  # (blocked till inf, not here)
+    late.state = WorkerState.READY
+    d.worker_ready(late)
+    assert d.ready_workers == 2
+    for i in range(4):
+        d.submit(body(codec, req("m", [i], i)), done.append)
+    assert not late.channel.take() and len(a.channel.take()) == 4
+    d.on_reply(late, wire.Kind.BLOCKED, 0, 0, b"")  # free
+    for i in range(4):
+        d.submit(body(codec, req("m", [i], i)), done.append)
+    assert len(late.channel.take()) == 4  # (a has the first four: the idle one takes these)

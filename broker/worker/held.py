@@ -135,8 +135,9 @@ class HeldAnswers:
         out before the call starts; `_grab` set brings the loop to `_sent_held` after it."""
         self._running_id = call_id  # type: ignore[misc]
         self._running_deadline = deadline  # type: ignore[misc]
-        self._tell_blocked()
-        self._grab = True  # type: ignore[misc]
+        with self._grab_lock:  # (that thread's `_grab = _told`, read before this and written after, lost it)
+            self._tell_blocked()
+            self._grab = True  # type: ignore[misc]
 
     def _tell_free(self) -> None:
         """(the loop's thread, in `_sent_held`: the handler `_tell_blocked` told of returned)
