@@ -80,12 +80,21 @@ class Members:
         self.methods: list[str] | None = None
         self.ready = asyncio.Event()
         dispatcher.worker_back_in = self._back_in
-        dispatcher.worker_restarting = lambda: True
+        dispatcher.worker_restarting = self._restarting
 
     def _back_in(self) -> float:
         """Seconds until a worker is back: 0 while the first front-end restarts one (a peer
         does not know its backoff: its calls wait, up to their deadlines)."""
         return 0.0
+
+    def _restarting(self) -> bool:
+        """Is a worker on its way back: fewer than `size` serve here (the first front-end
+        restarts it, or starts its replacement)? O(workers). (Always True, a peer's only worker
+        was never "the last open to other calls" for a call run alone, `Routing._open_besides`:
+        with one worker its calls of a method struck waited to their deadline, or until the
+        method's time alone was over, and then went as any call beside another front-end's
+        call run alone, and both died: hostile testing, round 132.)"""
+        return sum(w.state is WorkerState.READY for w in self.workers.values()) < self.size
 
     async def handle(self, message: Message, fd: int = -1) -> None:
         """Act on one control message from the first front-end."""

@@ -45,8 +45,8 @@ def _crashes_beside(crasher, method: str, params: object, count: int, innocents:
     assert innocent and set(innocent) == {"ok"}, (innocent.count("ok"), [o for o in innocent if o != "ok"])
 
 
-def _two_front_ends(broker_factory, *flags: str):  # type: ignore[no-untyped-def]
-    b = broker_factory("--workers", "2", "--frontends", "2", "--app", "tests.apps.crashy:registry", *flags)
+def _two_front_ends(broker_factory, *flags: str, workers: int = 2):  # type: ignore[no-untyped-def]
+    b = broker_factory("--workers", str(workers), "--frontends", "2", "--app", "tests.apps.crashy:registry", *flags)
     wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
     [peer] = peers_of(b.pid)
     wait_for(lambda: f"front-end 1 (pid {peer}) serving" in b.read_log(0.05), timeout=30)
@@ -154,3 +154,23 @@ def test_a_crash_one_front_end_saw_makes_every_front_end_run_that_method_alone(b
     innocents = [connection_to(b.pid, b) for _ in range(3)]
     crasher = connection_to(peer, b)  # (the peer saw no crash of it itself)
     _crashes_beside(crasher, "crash_if", [True], 3, innocents, 0.05)
+
+
+def test_a_peer_s_call_of_a_method_struck_runs_alone_on_its_only_worker(broker_factory):
+    """Hostile testing, round 132: a front-end past the first took every slot for one on its
+    way back (`Members._restarting` always True), so its one worker was always "the last open
+    to other calls" and never ran its calls of a method struck alone: they waited to their
+    deadline (-32001, "started": false, the worker idle), or until the method's time alone was
+    over, and went then as any call. With the deadline (3 s) under the time alone (8 s, two
+    strikes), each of the peer's calls of the method struck is answered."""
+    b, peer = _two_front_ends(broker_factory, "--timeout", "3", workers=1)
+    with connection_to(b.pid, b) as first:  # caught twice on the first front-end: it waits for a worker of its own
+        for i in range(2):
+            first.sendall(request("crash_if", [True], i))
+            assert answer(first)["error"]["code"] == -32002  # type: ignore[index]
+            wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 1, timeout=20)
+    wait_for(lambda: "another front-end's worker died holding calls of crash_if: their calls run alone here too: "
+                     "crash_if: after 2 answers" in b.read_log(0.05), timeout=10)
+    outcomes: list[object] = []
+    _loop(connection_to(peer, b), "crash_if", [False], 3, 20.0, outcomes)
+    assert outcomes == ["ok"] * 3, outcomes
