@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import typing
 from collections import OrderedDict
 
@@ -244,6 +245,24 @@ class WorkerChannel(asyncio.Protocol):
         if self._out and self._transport is not None:
             self._transport.write(bytes(self._out))
         self._out.clear()
+
+    def drain(self) -> None:
+        """Read and act on what the worker wrote that this end has not read yet: called once
+        its process is gone, whose exit can be reaped (or another front-end say it is gone)
+        before its socket's end is read, so all it wrote is there (`Membership.worker_lost`:
+        a call it said starts, wire.STARTS, is not sent again)."""
+        transport = self._transport
+        sock = None if transport is None else transport.get_extra_info("socket")
+        if sock is None:
+            return
+        while self._transport is not None:
+            try:
+                data = os.read(sock.fileno(), 1 << 18)
+            except OSError:  # (BlockingIOError: nothing more)
+                return
+            if not data:
+                return
+            self.data_received(data)
 
     def close(self) -> None:
         """Close the socket (the worker exits when it sees that)."""

@@ -96,6 +96,8 @@ from broker.wire import (
 )
 
 if typing.TYPE_CHECKING:
+    from msgspec import Raw
+
     from broker.channel import Worker
 
 __all__ = ["TRANSITIONS", "Call", "CallState", "Dispatcher", "Exchange", "Outgoing", "ResponseBudget", "Route"]
@@ -231,6 +233,9 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         # one and not back yet (`_pick_alone`)
         self._isolation = Isolation()
         self._alone: dict[Worker, bool] = {}  # (True: dead under one, until its slot is back: `worker_ready`)
+        # Calls sent ALONE to a worker with other front-ends, by id, with their params, until it says they
+        # start (wire.STARTS): if it dies before, they never ran there, and go again (`worker_lost`)
+        self._unstarted: dict[int, Raw | bytes] = {}
         self._alone_held = False  # a connection's calls wait out of turn for a worker to run alone
         self._held_workers: set[Worker] = set()  # out of the rotation: another front-end's call runs alone there (HOLD)
         # ... or for room for their large params (max_worker_params_bytes), oldest first (`_release_for_room`)
@@ -672,8 +677,14 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         # A call not known to block, to a worker not busy in one, may come back unstarted if
         # its method turns out slow there (`_returned`). Not one sent to a blocked worker: it
         # waits behind a known slow call, and given back after each it would never run.
-        flow = call.owner.flow | self._returnable if call.sync <= 0 and not worker.blocked else call.owner.flow | (
-            ALONE if worker in self._alone else 0)  # (alone in its worker, whatever the other front-ends send: wire.ALONE)
+        if call.sync <= 0 and not worker.blocked:
+            flow = call.owner.flow | self._returnable
+        else:
+            flow = call.owner.flow
+            if worker in self._alone:  # (alone in its worker, whatever the other front-ends send: wire.ALONE)
+                flow |= ALONE
+                if self.on_struck is not None:  # (several front-ends: it may wait its turn there, wire.STARTS)
+                    self._unstarted[call.call_id] = call.params
         if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
             # (and when is it expected to end? the calls run one after another: `_pick_blocked`)
             est = self._sync_us[call.index] if call.methods is None else sum(

@@ -14,6 +14,8 @@ import typing
 from collections import OrderedDict
 
 if typing.TYPE_CHECKING:
+    from msgspec import Raw
+
     from broker.accesslog import AccessLog
     from broker.answers import ResponseBudget
     from broker.calls import Call, Route
@@ -40,6 +42,7 @@ class DispatcherState:
         on_struck: typing.Callable[[list[str], bool], None] | None
         shared_workers: bool
         _alone_held: bool
+        _unstarted: dict[int, Raw | bytes]
         _blocked: int
         _blocking: list[int]
         _cancel_grace: float
@@ -121,6 +124,7 @@ class DispatcherState:
         def _release_all(self) -> None: ...
         def _release_for_room(self) -> None: ...
         def _reserve(self, owner: ResponseBudget, promised: typing.Collection[Worker] = ()) -> Worker | None: ...
+        def _requeue(self, calls: list[Call], aside: int = 0) -> None: ...
         def _send(self, worker: Worker, call: Call) -> None: ...
         def _unheavy(self, worker: Worker, call: Call) -> None: ...
         def _unreserve(self) -> bool: ...

@@ -26,7 +26,7 @@ from broker.chunk import with_methods
 from broker.dispatcher_state import DispatcherState
 from broker.jsonrpc import ErrorCode, error_object
 from broker.routing import BLOCKING_US
-from broker.wire import HOLD, NOTIFY, RETURNABLE, MethodInfo
+from broker.wire import HOLD, NOTIFY, RETURN_ASIDE, RETURNABLE, MethodInfo
 
 if typing.TYPE_CHECKING:
     from broker.channel import Worker
@@ -170,7 +170,7 @@ class Membership(DispatcherState):
             # sync_prefetch, is at most its concurrency (every worker has the same).
             self._sync_routing = self._sync_limit <= worker.concurrency
             self._returnable = RETURNABLE if self._sync_routing else 0
-            if worker.benched:  # (a peer: the worker said it is blocked before the first front-end's Serve)
+            if worker.benched:  # (a peer: the worker said it is blocked, or holds, before the first front-end's Serve)
                 self._held_workers.add(worker)
             else:
                 self._ready.append(worker)
@@ -292,6 +292,14 @@ class Membership(DispatcherState):
         if self.membership_tap is not None:
             self.membership_tap.lost(worker, reason)
         lost = [c for c in self._pending.values() if c.worker is worker]
+        unstarted = self._unstarted
+        again = [c for c in lost if c.call_id in unstarted] if unstarted and lost else []
+        if again:  # (sent ALONE and never started there, wire.STARTS: not its death's, sent again)
+            if worker.channel is not None:  # (what it said before it died, read first: a STARTS too)
+                worker.channel.drain()
+                lost = [c for c in self._pending.values() if c.worker is worker]
+                again = [c for c in lost if c.call_id in unstarted]
+            lost = [c for c in lost if c.call_id not in unstarted]
         if worker.overdue:
             worker.overdue.clear()
             self._overdue -= 1
@@ -300,22 +308,24 @@ class Membership(DispatcherState):
                 self._alone[worker] = True  # place counted against the cap until the next reload: none ran alone)
             else:
                 del self._alone[worker]
-        if not lost:
+        if again:
+            self._again(again)
+        elif not lost:
             return
         # Its notifications not yet run or ended are lost: counted, as they get no answer
         # (round 80's new user: nothing said so). A chunk's answered in parts are marked -2.
         notifications = sum(c.slots.count(-1) if c.slots is not None else c.kind == NOTIFY for c in lost)
         if notifications:
             self.notifications_dropped[_DIED] = self.notifications_dropped.get(_DIED, 0) + notifications
-        if elsewhere:
+        if lost and elsewhere:
             log.warning("worker %d (pid %d) died blocked in another front-end's call, holding %d of this one's "
                         "(of %s): not blamed", worker.slot, worker.pid, len(lost), _clients(lost))
-        else:
+        elif lost:
             self._blame(worker, lost, notifications)
         if serving and len(lost) == 1 and lost[0].weight == 1 and lost[0].index in self._isolation.waits:
             self._alone[worker] = True  # (caught: it ran alone all the same; its place held until back)
         error = error_object(ErrorCode.WORKER_DIED, data={"pid": worker.pid, "status": reason})
-        for call in lost:
+        for call in lost:  # (none, if it held only calls sent ALONE and not started: `_again`)
             del self._pending[call.call_id]
             call.owner.in_flight -= call.weight
             call.owner.heavy -= call.heavy
@@ -332,6 +342,30 @@ class Membership(DispatcherState):
         self._release_all()  # (their connections' places are free; those still past their share are held again)
         self._check_idle()
         self._pump()
+
+    def _again(self, calls: list[Call]) -> None:
+        """`calls` were sent ALONE to a worker now dead, which had not started them (wire.STARTS:
+        they waited their turn, or for another front-end's calls to end): never run, they wait
+        again at the head of their connection's calls, as calls given back (`_requeue`), and
+        their methods take no strike (hostile testing, round 132: one waiting beside another
+        front-end's crash was answered -32002, and its method struck once more). One answered
+        already (its deadline passed) is dropped."""
+        for call in calls:
+            params = self._unstarted.pop(call.call_id)
+            del self._pending[call.call_id]
+            call.worker = None
+            owner = call.owner
+            owner.in_flight -= call.weight
+            owner.heavy -= call.heavy
+            call.heavy = 0
+            if call.sync > 0:
+                owner.blocking -= call.sync
+            if call.tick:
+                call.params = params
+                call.sync = 1 if self._blocking[call.index] else -1 if self._sync_us[call.index] >= 0 else 0
+                self._requeue([call], RETURN_ASIDE)
+            else:
+                self.late_cancelled_total += int(call.kind != NOTIFY)
 
     def _blame(self, worker: Worker, lost: list[Call], notifications: int) -> None:
         """`worker` died holding `lost`: their methods' calls run alone from now on

@@ -72,6 +72,7 @@ from broker.wire import (
     RESULT,
     RETURN,
     RETURN_ASIDE,
+    STARTS,
 )
 
 if typing.TYPE_CHECKING:
@@ -134,7 +135,10 @@ class Replies(DispatcherState):
                 self._returned(worker, call_id, aux, payload)
                 return
             if kind == HOLD:
-                self.worker_held(worker, aux)
+                if aux == STARTS:  # (a call sent ALONE starts: a death from now on may be its)
+                    self._unstarted.pop(call_id, None)
+                else:
+                    self.worker_held(worker, aux)
                 return
             if kind == BLOCKED:
                 self.worker_blocked(worker, call_id, aux, payload)
@@ -274,6 +278,8 @@ class Replies(DispatcherState):
         them, and if the handler ran, its method owes one answer fewer (`Isolation.answered`):
         the last one frees it."""
         del self._alone[worker]
+        if self._unstarted:
+            self._unstarted.pop(call.call_id, None)
         if aux != NOT_RUN and (kind != ERROR or payload != CANCEL_ACK) and self._isolation.answered(call.index):
             log.info("%s: its calls run as any again (as many of them as asked answered, run alone)",
                      self._names[call.index])

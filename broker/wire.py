@@ -79,7 +79,10 @@ Kinds, who sends them, and what `aux` and the payload hold:
     HOLD    both ways        no payload. Worker → broker: aux 1 (hold): it runs another
                              front-end's call alone: route nothing new to it until aux 0
                              (release); every call of this connection waiting in it comes
-                             back (RETURN, `RETURN_ASIDE`). Broker → worker: aux 1, the
+                             back (RETURN, `RETURN_ASIDE`). Worker → broker, aux
+                             `STARTS` (2), id a call sent ALONE: it starts now (the frame
+                             is in the socket before it does); a worker that dies before
+                             never ran it, and the broker sends it again. Broker → worker: aux 1, the
                              answer to a hold: no call comes after it until the release,
                              so once the worker has read it, it holds no call of this
                              connection it has not seen (several front-ends only).
@@ -125,10 +128,13 @@ and only the worker sees every front-end's calls. A worker with other connection
 such a call holds them (HOLD, aux 1), gives back unstarted every call of theirs waiting in it
 (RETURN with `RETURN_ASIDE`; of a chunk started, its calls not started), and starts the call
 once each of them has answered the hold and none of their calls runs in it; a call of theirs
-that arrives meanwhile, an `ALONE` one too, is given back at once. Its answer (or its deadline,
-or its cancel) releases them (HOLD, aux 0). (Hostile testing, round 130: a call one front-end
-ran alone shared its worker with another front-end's calls, which died with it, -32002.) A
-worker with one connection has nothing to hold: it runs such a call as any.
+that arrives meanwhile is given back at once, but an `ALONE` one waits its turn, in order. Its
+answer (or its deadline, or its cancel) releases them (HOLD, aux 0). (Hostile testing, round
+130: a call one front-end ran alone shared its worker with another front-end's calls, which
+died with it, -32002.) Each such call's front-end is told when it starts (HOLD, aux `STARTS`):
+one the worker dies before that is sent again, not answered -32002 (round 132: one waiting
+beside another front-end's crash died with it). A worker with one connection has nothing to
+hold: it runs such a call as any.
 
 A chunk travels and is accounted for as one unit (one call id, one deadline): it
 saves the per-call frame work on both sides for batches. The worker replies to every
@@ -183,6 +189,7 @@ __all__ = [
     "RETURN",
     "RETURNABLE",
     "RETURN_ASIDE",
+    "STARTS",
     "VERSION",
     "FrameDecoder",
     "FrameError",
@@ -233,6 +240,7 @@ RETURNABLE = 0x80000000  # in a call's flow: it may be given back unstarted (RET
 ALONE = 0x40000000  # ... it runs alone in its worker, whatever the other front-ends send (HOLD)
 FLOW_MASK = ALONE - 1  # ... and the connection's number
 RETURN_ASIDE = 0x80000000  # in a RETURN's aux: given back for another front-end's call run alone
+STARTS = 2  # in a worker's HOLD's aux: the call sent ALONE (its id) starts now
 CALL_HEADER = struct.Struct(">IBQIdI")
 CALL_ENTRY = struct.Struct(">HBII")  # in a CHUNK: method index, flags, id length, params length
 REPLY_ENTRY = struct.Struct(">IBI")  # in a CHUNK_PART/REPLY: call's place, kind, length
@@ -265,10 +273,11 @@ _KINDS = frozenset(int(k) for k in Kind)
 # their flow too, 4 since a worker may give calls back (RETURN), 5 since a CHUNK carries its
 # calls' ids and may be answered with finished Response objects (CHUNK_RESULTS), 6 since a call
 # may run alone in its worker whatever the other front-ends send (ALONE, HOLD, RETURN_ASIDE), 7 since
-# a worker tells every front-end when a handler blocks it (BLOCKED); a HELLO
+# a worker tells every front-end when a handler blocks it (BLOCKED), 8 since a call sent ALONE
+# waits its turn and its front-end is told when it starts (HOLD, STARTS); a HELLO
 # without one is version 1's. A worker started from code upgraded in place under a running
 # broker (a SIGHUP after `pip install -U`) speaks another, and is refused with a message saying so.
-VERSION = 7
+VERSION = 8
 # The default of max_frame_bytes (config/settings.py's too): the largest frame either side takes.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 

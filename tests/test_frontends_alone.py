@@ -10,6 +10,9 @@ loopback with two front-ends, real workers, real connections.
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import threading
 import time
 
@@ -174,3 +177,63 @@ def test_a_peer_s_call_of_a_method_struck_runs_alone_on_its_only_worker(broker_f
     outcomes: list[object] = []
     _loop(connection_to(peer, b), "crash_if", [False], 3, 20.0, outcomes)
     assert outcomes == ["ok"] * 3, outcomes
+
+
+def _alternate(sock, count: int, seconds: float, goods: list[object], crashes: list[object]) -> None:  # type: ignore[no-untyped-def]
+    """crash_if(true) and crash_if(false) in turn on `sock`, `count` calls or `seconds` at most."""
+    deadline = time.monotonic() + seconds
+    with sock:
+        for i in range(count):
+            if time.monotonic() >= deadline:
+                return
+            sock.sendall(request("crash_if", [i % 2 == 0], i))
+            got = answer(sock)
+            (crashes if i % 2 == 0 else goods).append("ok" if "result" in got else got["error"]["code"])  # type: ignore[index]
+
+
+def test_two_front_ends_crashing_one_method_in_turn_lose_none_of_its_good_calls(broker_factory):
+    """Hostile testing, round 132 (t5): a client on each front-end calls crash_if(true) and
+    crash_if(false) in turn, one worker: every crash runs alone, so every good call is answered
+    (none -32002 beside another front-end's crash, none -32001 unstarted, waiting for a worker
+    that is idle between the crashes), and each client's calls get turns."""
+    b, peer = _two_front_ends(broker_factory, "--timeout", "3", workers=1)
+    results: dict[int, tuple[list[object], list[object]]] = {pid: ([], []) for pid in (b.pid, peer)}
+    threads = [threading.Thread(target=_alternate, args=(connection_to(pid, b), 40, 8.0, *results[pid]))
+               for pid in (b.pid, peer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for goods, crashes in results.values():
+        assert len(goods) >= 2 and set(goods) == {"ok"}, results
+        assert set(crashes) <= {-32002, -32001}, results
+    # Every worker that died died of a crash answered -32002: none ran twice (a call that never
+    # started goes again; one that started, never)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 1, timeout=20)
+    died = sum(crashes.count(-32002) for _goods, crashes in results.values())
+    assert 0 < b.read_log(0.05).count(") exited with 1") <= died, results
+
+
+def test_a_call_sent_alone_that_waited_behind_another_front_end_s_crash_is_sent_again(broker_factory):
+    """Hostile testing, round 132: a call sent ALONE waits in its worker for the other front-ends'
+    calls running there to end; one of them crashed the worker, and the call, which never
+    started, was answered -32002 (and its method struck once more). The worker tells a call's
+    front-end when it starts (wire.STARTS): one that never did goes again, to the next worker."""
+    b, peer = _two_front_ends(broker_factory, workers=1)
+    with connection_to(b.pid, b) as first:  # `nap` caught: its calls run alone on every front-end
+        first.sendall(request("nap", [30], "caught"))
+        time.sleep(0.5)  # (the nap runs)
+        os.kill(workers_of(b.pid)[0], signal.SIGKILL)
+        assert answer(first)["error"]["code"] == -32002  # type: ignore[index]
+    wait_for(lambda: "another front-end's worker died holding calls of nap" in b.read_log(0.05), timeout=10)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") == 1, timeout=20)
+    crasher, innocent = connection_to(b.pid, b), connection_to(peer, b)
+    with crasher, innocent:
+        crasher.sendall(request("nap_then_crash", [2.0], "crash"))  # (not struck: it goes as any call)
+        time.sleep(0.5)  # (it sleeps in the worker)
+        innocent.sendall(request("nap", [0], "innocent"))  # sent ALONE: it waits for the crasher's call there
+        assert answer(crasher)["error"]["code"] == -32002  # type: ignore[index]
+        got = answer(innocent)
+    assert got.get("result") == 0, got
+    deaths = re.findall(r"\(pid \d+\) died holding .*", b.read_log(0.05))  # (the kill's, the crash's: no strike for `nap`)
+    assert len(deaths) == 2 and "nap_then_crash: after 1 answer" in deaths[1], deaths

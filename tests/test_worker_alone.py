@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import time
 from pathlib import Path
 
+import pytest
 from test_worker_links import _TwoFrontEnds, run_links  # noqa: F401  # (a fixture, by name)
-from test_worker_sdk import INDEX, Broker, chunk_answers, chunk_frame, result
+from test_worker_sdk import INDEX, LOOPS, Broker, chunk_answers, chunk_frame, registry, result
 
 from broker import wire
 from broker.wire import CANCEL_ACK, RETURN_ASIDE, Kind, encode_call, encode_frame
 from broker.worker import WorkerProtocol
+from broker.worker.links import Link
 
 HOLD_ON = (Kind.HOLD, 0, 1, b"")
 HOLD_OFF = (Kind.HOLD, 0, 0, b"")
@@ -25,6 +28,11 @@ _ENTRIES = wire.HEADER_SIZE + wire.DEADLINE.size  # where a CALL's params (a CHU
 def alone(call_id: int, method: str, params: bytes, deadline: float = math.inf, flow: int = 2) -> bytes:
     """A CALL sent ALONE (its method's calls run alone after a worker died under them)."""
     return encode_call(Kind.CALL, call_id, INDEX[method], params, deadline, flow | wire.ALONE)
+
+
+def starts(call_id: int) -> tuple[int, int, int, bytes]:
+    """What the front-end of a call sent ALONE reads before it starts (wire.STARTS)."""
+    return (Kind.HOLD, call_id, wire.STARTS, b"")
 
 
 def call(call_id: int, method: str, params: bytes, flow: int = 2) -> bytes:
@@ -57,6 +65,7 @@ def test_the_other_front_ends_waiting_calls_are_given_back_and_the_call_waits_fo
         second.send(call(4, "add_ints", b"[0, 0]"))  # sent before it saw the hold: back at once
         assert await second.read() == [(Kind.RETURN, 4, RETURN_ASIDE, b"[0, 0]")]
         second.send(encode_frame(Kind.HOLD, 0, 1))
+        assert await first.read() == [starts(2)]
         assert result((await first.read())[0]) == 3
         assert await second.read() == [HOLD_OFF]
         second.send(call(5, "add_ints", b"[2, 2]"))  # served again
@@ -78,6 +87,7 @@ def test_the_call_starts_once_the_other_front_ends_calls_running_ended(run_links
         await first.nothing_more(0.1)  # (the second's call runs)
         [f] = await second.read()
         assert f[:2] == (Kind.RESULT, 1) and result(f) == 0.3
+        assert await first.read() == [starts(1)]
         assert result((await first.read())[0]) == 0.01
         assert await second.read() == [HOLD_OFF] and await third.read() == [HOLD_OFF]
 
@@ -103,6 +113,7 @@ def test_a_chunk_started_gives_back_the_calls_it_has_not_started(run_links):  # 
         assert sorted(answered) == list(range(ran))  # (the ones that ran, answered as usual)
         await first.nothing_more(0.05)
         second.send(encode_frame(Kind.HOLD, 0, 1))
+        assert await first.read() == [starts(1)]
         assert result((await first.read())[0]) == 2
         assert await second.read() == [HOLD_OFF]
 
@@ -128,15 +139,49 @@ def test_a_call_alone_past_its_deadline_or_cancelled_unheld_releases_the_others(
     run_links(test)
 
 
-def test_another_call_alone_while_one_holds_the_worker_is_given_back(run_links):  # noqa: F811  # (the fixture imported)
+async def _second_waits_its_turn(first: Broker, second: Broker) -> None:
+    """The first sends a call ALONE (`nap(0.2)`), the second one too while it runs (`add_ints(1, 1)`)."""
+    first.send(alone(1, "nap", b"[0.2]"))
+    assert await second.read() == [HOLD_ON]
+    second.send(alone(1, "add_ints", b"[1, 1]"), encode_frame(Kind.HOLD, 0, 1))
+    assert await first.read() == [starts(1)]
+
+
+def test_another_call_alone_while_one_holds_the_worker_waits_its_turn_and_runs_next(run_links):  # noqa: F811  # (the fixture imported)
+    """Hostile testing, round 132: given back (RETURN_ASIDE), another front-end's call sent ALONE
+    went again at the release and lost the race with the holder's next call there each time
+    (its calls waited their deadline). It waits here instead, and runs alone next, before a
+    call the holder sends after it; each call's front-end is told when it starts."""
     async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
         first, second = bs
-        first.send(alone(1, "nap", b"[0.2]"))
-        assert await second.read() == [HOLD_ON]
-        second.send(alone(1, "add_ints", b"[1, 1]"), encode_frame(Kind.HOLD, 0, 1))  # (its front-end picks again)
-        assert await second.read() == [(Kind.RETURN, 1, RETURN_ASIDE, b"[1, 1]")]
+        await _second_waits_its_turn(first, second)
+        await second.nothing_more(0.05)  # (not given back: it waits its turn)
+        assert result((await first.read())[0]) == 0.2
+        first.send(alone(2, "add_ints", b"[2, 2]"))  # (the holder's next: after the second's)
+        assert await second.read() == [HOLD_OFF]
+        assert await first.read() == [HOLD_ON]  # the second's turn: the first is held
+        first.send(encode_frame(Kind.HOLD, 0, 1))
+        assert await second.read() == [starts(1)]
+        assert result((await second.read())[0]) == 2
+        assert await first.read() == [HOLD_OFF]
+        assert await second.read() == [HOLD_ON]  # then the first's
+        second.send(encode_frame(Kind.HOLD, 0, 1))
+        assert await first.read() == [starts(2)]
+        assert result((await first.read())[0]) == 4
+        assert await second.read() == [HOLD_OFF]
+
+    run_links(test)
+
+
+def test_a_call_alone_waiting_its_turn_is_cancelled_unstarted(run_links):  # noqa: F811  # (the fixture imported)
+    async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
+        first, second = bs
+        await _second_waits_its_turn(first, second)
+        second.send(encode_frame(Kind.CANCEL, 1))
+        assert await second.read() == [(Kind.ERROR, 1, wire.NOT_RUN, CANCEL_ACK)]  # never run
         assert result((await first.read())[0]) == 0.2
         assert await second.read() == [HOLD_OFF]
+        await first.nothing_more(0.05)  # (no turn for it: nothing held again)
 
     run_links(test)
 
@@ -148,12 +193,13 @@ def test_a_front_end_gone_is_not_waited_for_and_the_call_s_own_gone_releases(run
         assert await second.read() == [HOLD_ON] and await third.read() == [HOLD_ON]
         third.send(encode_frame(Kind.HOLD, 0, 1))
         second.writer.close()  # (that front-end exits: nothing more comes from it)
+        assert await first.read() == [starts(1)]
         assert result((await first.read())[0]) == 2
         assert await third.read() == [HOLD_OFF]
         third.send(alone(2, "nap", b"[30]"))  # (from a link now: the first connection is held)
         assert await first.read() == [HOLD_ON]
         first.send(encode_frame(Kind.HOLD, 0, 1))
-        await asyncio.sleep(0.05)
+        assert await third.read() == [starts(2)]
         third.writer.close()  # its front-end exits: its call is cancelled, the others released
         assert await first.read() == [HOLD_OFF]
         first.send(call(3, "add_ints", b"[2, 2]"))
@@ -175,3 +221,75 @@ def test_a_real_worker_process_lets_the_other_front_end_s_call_end_before_the_cr
         assert w.proc.wait(60) == 1
     finally:
         w.close()
+
+
+def _until_closed(w: _TwoFrontEnds, fe: int) -> list[tuple[int, int, int, bytes]]:
+    """Every frame front-end `fe` reads until the worker's end closes (60 s at most), but
+    BLOCKED ones (a sync handler blocks it)."""
+    conn, frames = w.conns[fe], []
+    conn.settimeout(60)
+    while data := conn.recv(65536):
+        frames += [(f[0], f[1], f[2], bytes(f[3])) for f in w.decoders[fe].feed(data) if f[0] != Kind.BLOCKED]
+    return frames
+
+
+def test_a_real_worker_says_a_call_alone_starts_before_it_can_crash_and_never_for_one_that_did_not(tmp_path: Path):
+    """Hostile testing, round 132: a call sent ALONE that waited in its worker for another front-end's
+    call, which crashed it, was answered -32002 though it never ran. Its front-end reads STARTS
+    before the call starts, the frame in the socket before the handler runs (its crash at once
+    loses it not), and none for a call that never started: that one is sent again."""
+    w = _TwoFrontEnds(tmp_path, "tests.apps.crashy:registry")
+    try:  # the other front-end's call crashes the worker while the call sent ALONE waits for it
+        w.conns[1].sendall(encode_call(Kind.CALL, 1, w.index["nap_then_crash"], b"[0.3]", math.inf, 1))
+        time.sleep(0.05)
+        w.conns[0].sendall(encode_call(Kind.CALL, 1, w.index["nap"], b"[0]", math.inf, 2 | wire.ALONE))
+        assert w.read(1) == [HOLD_ON]
+        w.conns[1].sendall(encode_frame(Kind.HOLD, 0, 1))
+        assert _until_closed(w, 0) == [] and w.proc.wait(60) == 1
+    finally:
+        w.close()
+    for attempt, method in enumerate(["crash_async", "crash"]):  # the call sent ALONE crashes it at once
+        (tmp_path / str(attempt)).mkdir()
+        w = _TwoFrontEnds(tmp_path / str(attempt), "tests.apps.crashy:registry")
+        try:
+            w.conns[0].sendall(encode_call(Kind.CALL, 1, w.index[method], b"", math.inf, 2 | wire.ALONE))
+            assert w.read(1) == [HOLD_ON]
+            w.conns[1].sendall(encode_frame(Kind.HOLD, 0, 1))
+            assert _until_closed(w, 0) == [starts(1)] and w.proc.wait(60) == 1
+        finally:
+            w.close()
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_a_link_made_after_a_call_alone_came_is_held_too(loop: str):
+    """Hostile testing, round 132: a fresh worker read the first front-end's call sent ALONE
+    before its connection to the other front-end was made: the HOLD written to that link went
+    nowhere, and the call waited for its answer to its deadline (10 s, the other front-end's
+    calls given back meanwhile). The link is told once made, after its HELLO."""
+    async def main() -> None:
+        loop_ = asyncio.get_running_loop()
+        proto = WorkerProtocol(registry, slot=3, concurrency=10)
+        link = Link(proto, 1, wire.MAX_FRAME_BYTES)
+        proto.add_link(link)  # (as the worker's start does: known, not connected yet)
+        ends = [socket.socketpair() for _ in range(2)]
+        transports = [(await loop_.create_unix_connection(lambda: proto, sock=ends[0][0]))[0]]
+        first = Broker(*await asyncio.open_unix_connection(sock=ends[0][1]))
+        assert (await first.read())[0][0] == Kind.HELLO
+        first.send(alone(1, "add_ints", b"[1, 2]"))
+        await first.nothing_more(0.05)  # (it waits for the link: its front-end may send calls)
+        transports.append((await loop_.create_unix_connection(lambda: link, sock=ends[1][0]))[0])
+        second = Broker(*await asyncio.open_unix_connection(sock=ends[1][1]))
+        hello, hold = await second.read(2)
+        assert hello[0] == Kind.HELLO and hold == HOLD_ON
+        second.send(encode_frame(Kind.HOLD, 0, 1))
+        assert await first.read() == [starts(1)]
+        assert result((await first.read())[0]) == 3
+        assert await second.read() == [HOLD_OFF]
+        for transport in transports:
+            transport.close()
+        for b in (first, second):
+            b.writer.close()
+        await asyncio.wait_for(proto.done, 5)
+
+    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+        runner.run(main())

@@ -14,10 +14,19 @@ innocent calls). Only the worker sees every front-end's calls, so it keeps the p
 2. Each front-end held answers HOLD once it routes nothing more here: frames keep their order on
    a connection, so once the worker has read that answer it holds every call that front-end sent
    before, and gives those back too. A call of another connection that arrives while the worker
-   holds, an `ALONE` one among them (its front-end picks again), is given back at once
-   (`_alone_check`, each run while holding: `_spent` stays set).
+   holds is given back at once (`_alone_check`, each run while holding: `_spent` stays set); but
+   an `ALONE` one waits its turn here (`_alone_next`), in the order they came, and runs alone
+   next (step 1 again once this one is done): given back, it went again at the release, and lost
+   the race with the holder's next call there each time (hostile testing, round 132: one
+   front-end's calls of a method run alone waited their whole deadline, 10 s, while the other's
+   ran, the worker idle between them).
 3. The call starts once every connection held has answered (or is gone, or said BYE) and no call
    of theirs runs here (those running finish first; their end runs the loop again, `_alone_wake`).
+   Before it starts, its own front-end is told so (HOLD, aux `STARTS`, the call's id), and the
+   frame is in the socket's buffer, not this process's (`_delivered`): a worker that dies before
+   that never ran it, and the front-end sends it again rather than answer it -32002 or blame
+   its method (an `ALONE` call waiting here, or its turn, when another front-end's call, run
+   alone or not, crashed the worker: round 132, both died).
 4. Its answer, its cancel or its deadline releases the others (HOLD, aux 0). A front-end that
    never answers (stopped) costs the call its deadline, never another call.
 
@@ -33,7 +42,7 @@ import math
 import time
 import typing
 
-from broker.wire import ALONE, ERROR, HEADER, HOLD, NOT_RUN, RETURN_ASIDE
+from broker.wire import ALONE, ERROR, HEADER, HOLD, NOT_RUN, RETURN_ASIDE, STARTS
 from broker.worker.chunks import _CANCELLED, _DEADLINE_SIZE, _Chunk, _deadline_of
 from broker.worker.links import LINK_SHIFT, Link
 
@@ -41,6 +50,7 @@ __all__ = ["ALONE", "HOLD", "NO_CALL", "AloneRuns"]
 
 NO_CALL = -1  # `_alone` when no call runs alone here
 _AFTER_DEADLINE_S = 0.002  # the deadline's run comes this much late (timers fire up to 1 ms early)
+_TOLD_AGAIN_S = 0.001  # a STARTS still in this process's buffer: the call starts this much later at the soonest
 _pack = HEADER.pack
 _Item = tuple[int, int, int, bytes] | _Chunk
 
@@ -53,14 +63,18 @@ class AloneRuns:
     """`WorkerProtocol`'s methods for a call run alone (see the module docstring), and their
     state (the protocol's other attributes are declared below for the type checker):
     `_alone`: the id of the call run alone (tagged by its link), or NO_CALL; `_alone_ran`: it
-    started; `_held`: the connections told HOLD; `_unheld`: those whose answer has not come;
-    `_woken`: the tasks whose end runs the loop again; `_alone_timer`: its deadline's run.
+    started; `_alone_told`: its front-end was told it starts (STARTS); `_alone_next`: other
+    connections' calls sent ALONE, waiting their turn; `_held`: the connections told HOLD;
+    `_unheld`: those whose answer has not come; `_woken`: the tasks whose end runs the loop
+    again; `_alone_timer`: its deadline's run.
     """
 
     # (Its own slots: the other mixins have none, so the protocol's layout takes these.)
-    __slots__ = ("_alone", "_alone_ran", "_alone_timer", "_held", "_unheld", "_woken")
+    __slots__ = ("_alone", "_alone_next", "_alone_ran", "_alone_timer", "_alone_told", "_held", "_unheld", "_woken")
     _alone: int
+    _alone_next: collections.deque[tuple[int, int, int, bytes]]
     _alone_ran: bool
+    _alone_told: bool
     _alone_timer: asyncio.TimerHandle | None
     _held: list[int]
     _unheld: set[int]
@@ -81,6 +95,7 @@ class AloneRuns:
         def _reply(self, kind: int, call_id: int, t0: float, body: bytes, aux: int = -1) -> int: ...
         def _return(self, item: _Item, aside: int = 0) -> None: ...
         def _schedule_flush(self) -> None: ...
+        def _write_out(self) -> None: ...
         def schedule_run(self) -> None: ...
 
     def _alone_turn(self, item: tuple[int, int, int, bytes]) -> bool:
@@ -90,13 +105,20 @@ class AloneRuns:
         its deadline runs it again)."""
         call_id = item[1]
         if self._alone != call_id:
-            if self._alone != NO_CALL:  # (another call runs alone here: this one goes elsewhere)
+            if self._alone != NO_CALL:  # (another call runs alone here: this one's turn is next)
                 self._backlog.popleft()
-                self._return(item, RETURN_ASIDE)
+                self._alone_next.append(item)
                 return True
             self._hold(call_id, _deadline_of(item[3])[0])
         self._aside()
         if not self._alone_clear():
+            return False
+        if not self._alone_told:  # (its front-end knows from now on that it may have run: step 3)
+            self._alone_told = True
+            self._out += _pack(0, HOLD, call_id, STARTS)
+            self._write_out()
+        if not self._delivered(call_id >> LINK_SHIFT):
+            self._loop.call_later(_TOLD_AGAIN_S, self.schedule_run)
             return False
         self._backlog.popleft()
         self._alone_ran = True
@@ -112,7 +134,7 @@ class AloneRuns:
     def _hold(self, call_id: int, deadline: float) -> None:
         """Call `call_id` runs alone from now: HOLD to every other connection that may send calls."""
         self._alone = call_id
-        self._alone_ran = False
+        self._alone_ran = self._alone_told = False
         mine = call_id >> LINK_SHIFT
         held = [n for n in self._open() if n != mine]
         for number in held:
@@ -124,6 +146,18 @@ class AloneRuns:
             self._alone_timer = self._loop.call_later(
                 max(0.0, deadline - time.monotonic()) + _AFTER_DEADLINE_S, self.schedule_run)
 
+    def _delivered(self, number: int) -> bool:
+        """Has connection `number` been sent all that was written to it (in the socket's buffer,
+        not this process's: a crash from now on loses none of it)? True if it is gone."""
+        if number:
+            link = self._links[number - 1]
+            if link.pending:
+                return False
+            transport = link.transport
+        else:
+            transport = self._transport
+        return transport is None or transport.is_closing() or not transport.get_write_buffer_size()
+
     def _open(self) -> list[int]:
         """The connections that may still send calls (not gone, no BYE said): their numbers."""
         first = [] if self._bye or self._transport is None or self._transport.is_closing() else [0]
@@ -131,7 +165,8 @@ class AloneRuns:
 
     def _aside(self) -> None:
         """Give back (RETURN_ASIDE) every call waiting here of a connection other than the one
-        whose call runs alone; of a chunk started, its calls not started."""
+        whose call runs alone; of a chunk started, its calls not started. One sent ALONE waits
+        its turn instead (`_alone_next`)."""
         mine = self._alone >> LINK_SHIFT
         backlog = self._backlog
         if all(_id_of(item) >> LINK_SHIFT == mine for item in backlog):
@@ -140,6 +175,8 @@ class AloneRuns:
         for item in backlog:
             if _id_of(item) >> LINK_SHIFT == mine or (type(item) is _Chunk and item.next >= item.count):
                 kept.append(item)
+            elif type(item) is not _Chunk and _deadline_of(typing.cast("tuple[int, int, int, bytes]", item)[3])[1] & ALONE:
+                self._alone_next.append(typing.cast("tuple[int, int, int, bytes]", item))
             else:
                 self._return(item, RETURN_ASIDE)
         backlog.clear()  # (in place: `_run` holds it)
@@ -196,6 +233,21 @@ class AloneRuns:
         self._aside()
         self._spent = True  # type: ignore[misc]
 
+    def link_joined(self, number: int) -> None:
+        """Link `number` connected (its HELLO written) while a call runs alone here: the HOLD
+        written to it before had nowhere to go (`Link.write` drops what comes before), so it
+        is told now, and waited for if the call has not started (hostile testing, round 132:
+        a fresh worker took the first front-end's call before its other connection was made,
+        and the call waited for an answer to a HOLD never sent, to its deadline, 10 s)."""
+        if self._alone == NO_CALL or number == self._alone >> LINK_SHIFT:
+            return
+        if number not in self._held:
+            self._held.append(number)
+        if not self._alone_ran:
+            self._unheld.add(number)
+        self._out += _pack(0, HOLD, number << LINK_SHIFT, 1)
+        self._schedule_flush()
+
     def held_answered(self, number: int) -> None:
         """Connection `number` answered HOLD: it sends nothing more until the release."""
         if number in self._unheld:
@@ -210,10 +262,24 @@ class AloneRuns:
             if number in open_now:
                 self._out += _pack(0, HOLD, number << LINK_SHIFT, 0)
         self._alone = NO_CALL
-        self._alone_ran = False
+        self._alone_ran = self._alone_told = False
         self._held = []
         self._unheld = set()
         if self._alone_timer is not None:
             self._alone_timer.cancel()
             self._alone_timer = None
+        if self._alone_next:  # (the next call sent ALONE has its turn: at the backlog's head, in order)
+            self._backlog.extendleft(reversed(self._alone_next))
+            self._alone_next.clear()
+            self._loop.call_soon(self.schedule_run)
         self._schedule_flush()
+
+    def _cancel_next(self, call_id: int) -> bool:
+        """CANCEL of a call waiting its turn to run alone (`_alone_next`): dropped, answered as
+        one cancelled unstarted. False if it is not one."""
+        for item in self._alone_next:
+            if item[1] == call_id:
+                self._alone_next.remove(item)
+                self._reply(ERROR, call_id, 0.0, _CANCELLED, NOT_RUN)
+                return True
+        return False

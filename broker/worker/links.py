@@ -79,6 +79,7 @@ class Link(asyncio.Protocol):
         self.transport.write(wire.encode_frame(wire.Kind.HELLO, 0, 0, self.protocol.hello()))
         if self.protocol.leaving:  # SIGTERM came while connecting
             self.transport.write(wire.encode_frame(BYE, 0))
+        self.protocol.link_joined(self.number)  # (a call may run alone here already: worker/alone.py)
 
     def data_received(self, data: bytes) -> None:
         protocol = self.protocol
@@ -163,6 +164,7 @@ class LinkRuns:
 
     if typing.TYPE_CHECKING:
         _alone: int
+        _alone_next: collections.deque[tuple[int, int, int, bytes]]
         _backlog: collections.deque[tuple[int, int, int, bytes] | _Chunk]
         _bye: bool
         _chunks: dict[int, _Chunk]
@@ -175,6 +177,7 @@ class LinkRuns:
         _transport: asyncio.Transport | None
 
         def _cancel(self, call_id: int) -> None: ...
+        def link_joined(self, number: int) -> None: ...
         def _take(self, data: bytes) -> bool: ...
         def _schedule_flush(self) -> None: ...
         def schedule_run(self) -> None: ...
@@ -215,6 +218,7 @@ class LinkRuns:
         ids = [call_id for call_id in self._tasks if call_id >> LINK_SHIFT == number]
         ids += [chunk_id for chunk_id in self._chunks if chunk_id >> LINK_SHIFT == number and chunk_id not in ids]
         ids += [_id_of(item) for item in self._backlog if _id_of(item) >> LINK_SHIFT == number]
+        ids += [item[1] for item in self._alone_next if item[1] >> LINK_SHIFT == number]  # (worker/alone.py)
         for call_id in dict.fromkeys(ids):
             self._cancel(call_id)
         self.link_said_bye()

@@ -68,14 +68,18 @@ async def _serve(args: argparse.Namespace, registry: Registry) -> int:
         return WORKER_BOOT_ERROR
     loop.add_signal_handler(signal.SIGTERM, proto.stop)
     first, *others = args.socket
+    # The other front-ends' connections (`--frontends N`: broker/worker/links.py), by path or
+    # made by the broker (one end of a socketpair, inherited), numbered in that order. Known
+    # before the first front-end's calls come: one sent ALONE runs alone whatever the others
+    # send, and says when it starts (worker/alone.py; hostile testing, round 132: run as any
+    # before the links were added, its crash read as a call that never started, and sent again)
+    ends: list[str | socket.socket] = [*others, *(socket.socket(fileno=fd) for fd in args.link_fd)]
+    links = [Link(proto, number, args.max_frame_bytes) for number in range(1, len(ends) + 1)]
+    for link in links:
+        proto.add_link(link)
     transport, _ = await loop.create_unix_connection(lambda: proto, first)
     fds = [transport.get_extra_info("socket").fileno()]
-    # The other front-ends' connections (`--frontends N`: broker/worker/links.py), by path or
-    # made by the broker (one end of a socketpair, inherited), numbered in that order
-    ends: list[str | socket.socket] = [*others, *(socket.socket(fileno=fd) for fd in args.link_fd)]
-    for number, end in enumerate(ends, 1):
-        link = Link(proto, number, args.max_frame_bytes)
-        proto.add_link(link)
+    for link, end in zip(links, ends):
         if isinstance(end, str):
             link_transport, _ = await loop.create_unix_connection(lambda link=link: link, end)  # type: ignore[misc]
         else:

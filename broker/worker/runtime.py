@@ -332,6 +332,7 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         # the first connection's BYE (`_bye`) and every link's came.)
         self._links: list[Link] = []  # (broker/worker/links.py)
         self._alone, self._alone_ran, self._alone_timer = NO_CALL, False, None  # (broker/worker/alone.py)
+        self._alone_told, self._alone_next = False, collections.deque()
         self._held, self._unheld, self._woken = [], set(), set()
         self._bye = False
         # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
@@ -506,6 +507,8 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
                 del self._backlog[i]
                 self._reply(ERROR, call_id, _perf(), _CANCELLED)  # a whole chunk, too
                 return
+        if self._alone_next:  # (or waiting its turn to run alone: worker/alone.py)
+            self._cancel_next(call_id)
 
     def _run(self) -> None:
         """Run waiting calls for up to `SLICE_SECONDS`, then write their replies. If
@@ -807,7 +810,9 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         self._flush_scheduled = False
         self._write_out()
         transport = self._transport
-        if self._closing and not (self._tasks or self._backlog or self._chunks or self._winding) and transport is not None:
+        if self._closing and not (
+            self._tasks or self._backlog or self._chunks or self._winding or self._alone_next
+        ) and transport is not None:
             transport.close()
             for link in self._links:
                 link.close()

@@ -101,6 +101,15 @@ async def nap(seconds: float) -> float:
 
 
 @registry.method
+async def nap_then_crash(seconds: float) -> None:
+    """`nap`, then exits the worker (async: its worker takes other calls while it sleeps)."""
+    import asyncio
+
+    await asyncio.sleep(seconds)
+    os._exit(1)
+
+
+@registry.method
 def stop_self() -> None:
     """Stops its own worker (SIGSTOP): a worker stopped in a call, killed as hung once past its
     deadline and cancel_grace."""
