@@ -39,7 +39,9 @@ its own calls saw, but "alone" is the worker's: a call the dispatcher runs alone
 nothing new to it, and their calls waiting there come back unstarted for another worker,
 broker/worker/alone.py). A front-end whose calls were given back so has none in the worker
 when it dies, and blames nothing (hostile testing, round 130: a call run alone shared its
-worker with another front-end's calls, which died with it, -32002).
+worker with another front-end's calls, which died with it, -32002). Calls two front-ends send
+alone to one worker take turns there, and the worker says when each starts (wire.STARTS): one
+it dies before never ran, and goes again rather than take a strike (round 132).
 
 This is a circuit breaker in the sense of Nygard's *Release It!* (2007), ch. 5, with the
 broker's only trustworthy signal of a failure, a worker's death, "half open" meaning "one
