@@ -208,13 +208,13 @@ def test_decode_hello_round_trip():
         b"",
         b"not json",
         b"[]",
-        b'{"wire":7,"pid":1,"slot":0,"methods":[]}',  # concurrency missing
-        b'{"wire":7,"pid":"1","slot":0,"methods":[],"concurrency":1}',  # pid a string
-        b'{"wire":7,"pid":1,"slot":0,"methods":{},"concurrency":1}',  # methods not a list
-        b'{"wire":7,"pid":1,"slot":0,"methods":[{"doc":"x"}],"concurrency":1}',  # method without name
-        b'{"wire":7,"pid":1,"slot":0,"methods":[],"concurrency":1,"extra":true}',  # unknown field
-        b'{"wire":7,"pid":1,"slot":0,"methods":[],"concurrency":1.5}',
-        b'{"wire":7,"pid":1,"slot":0,"methods":[],"concurrency":1}x',
+        b'{"wire":8,"pid":1,"slot":0,"methods":[]}',  # concurrency missing
+        b'{"wire":8,"pid":"1","slot":0,"methods":[],"concurrency":1}',  # pid a string
+        b'{"wire":8,"pid":1,"slot":0,"methods":{},"concurrency":1}',  # methods not a list
+        b'{"wire":8,"pid":1,"slot":0,"methods":[{"doc":"x"}],"concurrency":1}',  # method without name
+        b'{"wire":8,"pid":1,"slot":0,"methods":[],"concurrency":1,"extra":true}',  # unknown field
+        b'{"wire":8,"pid":1,"slot":0,"methods":[],"concurrency":1.5}',
+        b'{"wire":8,"pid":1,"slot":0,"methods":[],"concurrency":1}x',
     ],
 )
 def test_decode_hello_rejects_bad_payloads(payload):
@@ -239,34 +239,37 @@ def test_a_hello_of_another_wire_version_is_told_apart_whatever_fields_it_has():
     """Hostile testing (round 21): a newer worker's HELLO with a field this broker does not
     know was refused as a malformed HELLO ("unknown field"), and the broker said the app
     could not load. Its version is read first, whatever else it holds."""
-    newer = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 8, "resumable": true}'
-    with pytest.raises(wire.WireMismatch, match=r"worker 1 \(pid 7\) speaks wire version 8, this broker 7") as info:
+    newer = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 9, "resumable": true}'
+    with pytest.raises(wire.WireMismatch, match=r"worker 1 \(pid 7\) speaks wire version 9, this broker 8") as info:
         decode_hello(newer)
-    assert (info.value.pid, info.value.slot, info.value.version) == (7, 1, 8)
+    assert (info.value.pid, info.value.slot, info.value.version) == (7, 1, 9)
     before_flows = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 2}'  # (calls without a flow)
-    with pytest.raises(wire.WireMismatch, match="speaks wire version 2, this broker 7"):
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 2, this broker 8"):
         decode_hello(before_flows)
     before_return = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 3}'  # (no RETURN)
-    with pytest.raises(wire.WireMismatch, match="speaks wire version 3, this broker 7"):
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 3, this broker 8"):
         decode_hello(before_return)
     before_ids = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 4}'  # (chunks without ids)
-    with pytest.raises(wire.WireMismatch, match="speaks wire version 4, this broker 7"):
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 4, this broker 8"):
         decode_hello(before_ids)
     before_alone = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 5}'  # (no ALONE, HOLD)
-    with pytest.raises(wire.WireMismatch, match="speaks wire version 5, this broker 7"):
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 5, this broker 8"):
         decode_hello(before_alone)
     before_blocked = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 6}'  # (no BLOCKED)
-    with pytest.raises(wire.WireMismatch, match="speaks wire version 6, this broker 7"):
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 6, this broker 8"):
         decode_hello(before_blocked)
+    before_starts = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 7}'  # (no STARTS, no turns)
+    with pytest.raises(wire.WireMismatch, match="speaks wire version 7, this broker 8"):
+        decode_hello(before_starts)
     older = b'{"pid": 7, "slot": 1, "methods": [{"name": "a"}], "concurrency": 1}'  # (no version: 1's)
     with pytest.raises(wire.WireMismatch, match="speaks wire version 1"):
         decode_hello(older)
-    same = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 7, "resumable": true}'
+    same = b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 8, "resumable": true}'
     with pytest.raises(FrameError, match="bad HELLO") as bad:
         decode_hello(same)
     assert type(bad.value) is FrameError
-    ok = decode_hello(b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 7}')
-    assert (ok.pid, ok.slot, ok.wire) == (7, 1, 7)
+    ok = decode_hello(b'{"pid": 7, "slot": 1, "methods": [], "concurrency": 1, "wire": 8}')
+    assert (ok.pid, ok.slot, ok.wire) == (7, 1, 8)
 
 
 @given(st.lists(st.tuples(st.integers(0, wire.MAX_METHODS), st.booleans(), st.binary(max_size=40)), max_size=20),
