@@ -188,6 +188,8 @@ class Replies(DispatcherState):
             if sync > 0:
                 worker.sync_calls -= sync
                 call.owner.blocking -= sync
+                if self._unstarted:  # (sent ALONE, answered: `worker_lost` has nothing to send again)
+                    self._unstarted.pop(call_id, None)
                 if not worker.sync_calls and worker.blocked:
                     worker.blocked = False
                     worker.limit = worker.concurrency
@@ -278,8 +280,6 @@ class Replies(DispatcherState):
         them, and if the handler ran, its method owes one answer fewer (`Isolation.answered`):
         the last one frees it."""
         del self._alone[worker]
-        if self._unstarted:
-            self._unstarted.pop(call.call_id, None)
         if aux != NOT_RUN and (kind != ERROR or payload != CANCEL_ACK) and self._isolation.answered(call.index):
             log.info("%s: its calls run as any again (as many of them as asked answered, run alone)",
                      self._names[call.index])
