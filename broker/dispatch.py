@@ -48,6 +48,7 @@ grace period ends.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -330,7 +331,10 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
         self.membership_tap: MembershipTap | None = None
         # (--frontends N: told the methods a worker died under, by name, and whether caught, so
         # every other front-end strikes them too: `Membership.struck`, peerwire.Struck)
-        self.on_struck: typing.Callable[[list[str], bool], None] | None = None
+        self.on_struck: typing.Callable[[list[str], bool, int], None] | None = None
+        # The methods struck for each dead worker's pid, the last membership.STRUCK_KEPT: a death several
+        # front-ends saw strikes each method once on each (`_blame`, `struck`; new user, round 115)
+        self._struck_for: collections.OrderedDict[int, set[int]] = collections.OrderedDict()
         # ... and the workers serve other front-ends too: their calls, unseen here, may hold one (`_check_hung`)
         self.shared_workers = False
         self._down_since = 0.0  # when the last ready worker went (_clock); read while none is ready

@@ -9,6 +9,7 @@ which declares what they read of one another's, once; at run time it is an empty
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import typing
 from collections import OrderedDict
@@ -39,7 +40,8 @@ class DispatcherState:
         _alone: dict[Worker, bool]
         catalog: Catalog
         membership_tap: MembershipTap | None
-        on_struck: typing.Callable[[list[str], bool], None] | None
+        on_struck: typing.Callable[[list[str], bool, int], None] | None
+        _struck_for: collections.OrderedDict[int, set[int]]
         shared_workers: bool
         _alone_held: bool
         _unstarted: dict[int, Raw | bytes]

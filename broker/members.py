@@ -113,7 +113,7 @@ class Members:
             if worker is not None:
                 self._retire(worker)
         elif isinstance(message, Struck):  # (another front-end saw a worker die under these methods)
-            self.dispatcher.struck(message.methods, message.caught)
+            self.dispatcher.struck(message.methods, message.caught, message.pid)
         elif isinstance(message, Lost):
             worker = self.workers.pop(message.pid, None)
             self._said_serve.discard(message.pid)

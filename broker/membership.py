@@ -37,6 +37,7 @@ log = logging.getLogger("broker.dispatch")  # (the dispatcher's logger: these ar
 
 _DIED = int(ErrorCode.WORKER_DIED)  # notifications_dropped: those lost with their worker
 _NO_WORKER = error_object(ErrorCode.NO_WORKER, data="every worker is down and waiting to restart")
+STRUCK_KEPT = 64  # the deaths whose strikes are kept, each struck once (`_strike_once`)
 RESTART_WAIT_SECONDS = 1.0  # calls wait for a worker back within this of the outage's start (a crash's restart backoff)
 _clock = time.perf_counter
 _DEADLINE = struct.Struct(">d")  # a BLOCKED frame's payload: the blocking call's deadline
@@ -384,6 +385,10 @@ class Membership(DispatcherState):
             if not call.stale:
                 methods.update(call.methods if call.methods is not None else (call.index,))
         methods.discard(len(self._names))  # (`other`)
+        if methods and not methods - self._strike_once(worker.pid, methods):
+            log.warning("worker %d (pid %d) died holding %s (of %s): their methods are struck already (another "
+                        "front-end saw it die too)", worker.slot, worker.pid, held, clients)
+            return
         if not methods:
             return
         isolation = self._isolation
@@ -394,7 +399,7 @@ class Membership(DispatcherState):
         caught = len(lost) == 1 and lost[0].weight == 1
         owed = isolation.blame(sorted(methods), now, caught=caught)
         if self.on_struck is not None:  # (every other front-end strikes them too: `struck`)
-            self.on_struck([self._names[index] for index in sorted(methods)], caught)
+            self.on_struck([self._names[index] for index in sorted(methods)], caught, worker.pid)
         log.warning(
             "worker %d (pid %d) died holding %s (of %s): their methods' calls now run alone, one per worker, "
             "until so many of them have answered or so long has passed: %s", worker.slot, worker.pid, held, clients,
@@ -407,14 +412,15 @@ class Membership(DispatcherState):
         return ", ".join(f"{self._names[index]}: after {n} answer{'' if n == 1 else 's'} or "
                          f"{self._isolation.ends_in(index, now):g} s" for index, n in owed.items())
 
-    def struck(self, names: typing.Sequence[str], caught: bool) -> None:
-        """Another front-end saw a worker die holding calls of the methods `names`
+    def struck(self, names: typing.Sequence[str], caught: bool, pid: int = 0) -> None:
+        """Another front-end saw worker `pid` die holding calls of the methods `names`
         (peerwire.Struck): struck here too, as if this one had seen it, so that its calls of
         them run alone, sent ALONE (hostile testing, round 132: each front-end's own first crash
         of a method another already ran alone took the calls beside it). Names this one does
-        not serve (a reload between) are left out."""
+        not serve (a reload between) are left out, and those struck here already for that death."""
         index = {name: i for i, name in enumerate(self._names)}
-        methods = sorted({index[name] for name in names if name in index})
+        found = {index[name] for name in names if name in index}
+        methods = sorted(found - self._strike_once(pid, found))
         if not methods:
             return
         now = _clock()
@@ -422,6 +428,22 @@ class Membership(DispatcherState):
         log.warning("another front-end's worker died holding calls of %s: their calls run alone here too: %s",
                     ", ".join(self._names[i] for i in methods), self._owed_text(owed, now))
         self._isolation_timer()
+
+    def _strike_once(self, pid: int, methods: set[int]) -> set[int]:
+        """Of `methods`, those struck already for worker `pid`'s death (seen here, or told by
+        another front-end: a death several front-ends saw, each holding calls of a method, struck
+        it twice on each; new user, round 115); the others are recorded as struck now. The last
+        STRUCK_KEPT deaths are kept. (pid 0: not known, nothing kept.)"""
+        if not pid:
+            return set()
+        done = self._struck_for.get(pid)
+        if done is None:
+            done = self._struck_for[pid] = set()
+            while len(self._struck_for) > STRUCK_KEPT:
+                self._struck_for.popitem(last=False)
+        already = methods & done
+        done |= methods
+        return already
 
     def start_failed(self) -> None:
         """A worker's start failed (it exited before its HELLO) while no worker is ready:

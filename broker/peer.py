@@ -88,7 +88,8 @@ class Peer:
         channel = self.channel
         members.on_kill = lambda pid, reason: channel.send(Killed(pid=pid, reason=reason))
         # (a worker died under calls this one saw: the first front-end and the others strike them too)
-        members.dispatcher.on_struck = lambda methods, caught: channel.send(Struck(methods=methods, caught=caught))
+        members.dispatcher.on_struck = lambda methods, caught, pid: channel.send(
+            Struck(methods=methods, caught=caught, pid=pid))
         self._beat(loop)  # (from now on, serving or not yet: `Peers.check`)
 
     def share(self, samples: typing.Callable[[], list[Flat]]) -> None:

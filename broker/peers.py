@@ -211,7 +211,7 @@ class Peers:
         # Told when a peer killed a worker (pid, why): the pool says why at its exit (`Pool.killed_by_peer`)
         self.on_killed: typing.Callable[[int, str], None] | None = None
         # a peer's Struck: struck here too (`Membership.struck`), after the other peers are told
-        self.on_struck: typing.Callable[[list[str], bool], None] | None = None
+        self.on_struck: typing.Callable[[list[str], bool, int], None] | None = None
 
     def bind(self, listeners: typing.Sequence[tuple[str, tuple[str, int] | tuple[str, int, int, int]]]) -> None:
         """For each of this process's TCP listeners, (its transport, "http" or "tcp", and its
@@ -355,9 +355,9 @@ class Peers:
         elif isinstance(message, Killed) and self.on_killed is not None:
             self.on_killed(message.pid, f"{message.reason} (front-end {number})")
         elif isinstance(message, Struck):
-            self.struck(message.methods, message.caught, number)
+            self.struck(message.methods, message.caught, message.pid, number)
             if self.on_struck is not None:
-                self.on_struck(message.methods, message.caught)
+                self.on_struck(message.methods, message.caught, message.pid)
 
     def check(self) -> None:
         """Every SHARE_SECONDS: kill (SIGKILL) a peer silent for SILENT_SECONDS (one not heard
@@ -462,10 +462,10 @@ class Peers:
     def unready(self, worker: Worker) -> None:
         self._tell(Retire(pid=worker.pid))
 
-    def struck(self, methods: list[str], caught: bool, origin: int = 0) -> None:
-        """Tell every serving peer but `origin` (the one that said it) that a worker died holding
-        calls of `methods` (peerwire.Struck): each strikes them too."""
-        message = Struck(methods=methods, caught=caught)
+    def struck(self, methods: list[str], caught: bool, pid: int = 0, origin: int = 0) -> None:
+        """Tell every serving peer but `origin` (the one that said it) that worker `pid` died
+        holding calls of `methods` (peerwire.Struck): each strikes them too."""
+        message = Struck(methods=methods, caught=caught, pid=pid)
         for number in self.ready:
             if number != origin:
                 self._controls[number - 1].send(message)

@@ -160,6 +160,7 @@ class Struck(msgspec.Struct, tag="struck", frozen=True):
 
     methods: list[str]
     caught: bool = False
+    pid: int = 0  # the worker's whose death it was: a front-end that saw it too strikes once (`Membership.struck`)
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):

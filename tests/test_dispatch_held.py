@@ -146,3 +146,22 @@ def test_a_worker_said_blocked_before_it_serves_here_is_held_from_its_start(cloc
     for i in range(4):
         d.submit(body(codec, req("m", [i], i)), done.append)
     assert len(late.channel.take()) == 4  # (a has the first four: the idle one takes these)
+
+
+@pytest.mark.parametrize("told_first", [True, False])
+def test_a_death_several_front_ends_saw_strikes_each_method_once(clock, told_first):
+    """New user, round 115: a worker that died holding calls of one method from two front-ends
+    struck it twice on each (its own strike, and the other's peerwire.Struck): its calls ran alone
+    for 4 answers or 16 s, as after a second crash. Struck once per death (the worker's pid)."""
+    d, w, codec, done = one_worker(clock.loop, ["m", "boom"], 10)
+    w.pid = 4242
+    d.submit(body(codec, req("boom", [], 1)), done.append)
+    d.submit(body(codec, req("boom", [], 2)), done.append)
+    if told_first:
+        d.struck(["boom"], False, 4242)
+    d.worker_lost(w, "exited with 1")
+    if not told_first:
+        d.struck(["boom"], False, 4242)
+    assert d.isolated == {"boom": 1}  # (one strike: 1 answer owed)
+    d.struck(["boom"], False, 4343)  # (another death: a second strike)
+    assert d.isolated == {"boom": 2}
