@@ -38,11 +38,11 @@ Every call ends in exactly one of these ways, and only the first one answers:
     shed        the queue was full: "overloaded" (never queued)
     shutdown    the grace period ended with the call still queued or in flight
 
-The drain (`drain`) waits until nothing is queued or in flight and the front-ends
-hold back no request (`held_back`: requests received but not dispatched yet, on a
-connection that fell behind, or not even read yet: in the kernel at the stop); those are
-dispatched in their turn with `submit_held`, served as calls in flight are until the
-grace period ends.
+The stop is broker/draining.py's (`Draining`, whose methods the dispatcher inherits): the
+drain (`drain`) waits until nothing is queued or in flight and the front-ends hold back no
+request (`held_back`: requests received but not dispatched yet, on a connection that fell
+behind, or not even read yet: in the kernel at the stop); those are dispatched in their
+turn with `submit_held`, served as calls in flight are until the grace period ends.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ from broker.calls import (
 )
 from broker.catalog import DISCOVER, Catalog
 from broker.deadlines import TIMER_EARLY, DeadlineWheel
+from broker.draining import _GRACE_ENDED, Draining
 from broker.fairqueue import FairQueue, Largest
 from broker.isolation import Isolation
 from broker.jsonrpc import (
@@ -108,30 +109,16 @@ log = logging.getLogger("broker.dispatch")
 _METHOD_NOT_FOUND = error_object(ErrorCode.METHOD_NOT_FOUND)
 _INVALID = int(ErrorCode.INVALID_REQUEST)  # notifications_dropped: the codec's (too deep)
 _LIMITED = int(ErrorCode.RATE_LIMITED)  # notifications_dropped: past their caller's rate limit
-SHED_LOG_SECONDS = 60.0  # calls shed or refused for a full queue: a WARNING at the first, then their count this often
 _SHUTTING_DOWN = error_object(ErrorCode.SHUTTING_DOWN)
-_GRACE_ENDED = error_object(ErrorCode.SHUTTING_DOWN, data="grace period ended")
 MAX_TIMEOUT = 86400.0  # the longest deadline (s): config.DAY, the bound the config loader applies
 _clock = time.perf_counter
-
-
-def _owed(call: Call) -> int:
-    """The answers `call` still owes: 1, a chunk's calls not answered yet, or 0 (a
-    notification, or its connection's answers given up)."""
-    exchange = call.exchange
-    if exchange is None:
-        return 0
-    if call.slots is None:
-        return 1
-    answers = exchange.answers
-    return sum(1 for slot in call.slots if slot >= 0 and answers[slot] is None)
 
 
 def _queued_of(owner: ResponseBudget) -> int:
     return owner.queued
 
 
-class Dispatcher(Membership, Queueing, Routing, Replies):
+class Dispatcher(Membership, Queueing, Routing, Replies, Draining):
     """Routes calls to workers and answers them; one per broker process.
 
     max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
@@ -796,104 +783,3 @@ class Dispatcher(Membership, Queueing, Routing, Replies):
             exchange.answers[call.slot] = answer
             if not exchange.batch:
                 exchange.status = http_status(code)
-
-    def _count_shed(self, calls: int, notifications: int) -> None:
-        """`calls` were refused -32000 (and `notifications` dropped) for a full queue: say so in
-        the log at the first, then every SHED_LOG_SECONDS while more are, with how many (new
-        user, round 99: an operator tailing the log saw a healthy broker while clients got
-        503s; as nginx logs "limiting requests", its rate-limited refusals). The count of an
-        interval is logged at its end (`_log_shed`), or at the end of the drain, whether
-        more come or not (new user, round 100: a burst of 11 was logged as 1, and the other
-        10 only if another came a minute later)."""
-        self._shed_unlogged += calls
-        self._shed_notes += notifications
-        if self._shed_timer is None:
-            log.warning("queue full: %s; max_queue %d calls, max_queue_bytes %d (how many more: a line every %g s "
-                        "while it goes on)", self._shed_said(), self._max_queue, self._max_queue_bytes,
-                        SHED_LOG_SECONDS)
-            self._shed_since = self._loop.time()
-            self._shed_timer = self._loop.call_later(SHED_LOG_SECONDS, self._log_shed)
-
-    def _shed_said(self) -> str:
-        """How many were shed since the last line ("3 call(s) refused -32000 (Server
-        overloaded)", and the notifications dropped, which get no answer), counted anew."""
-        said = [f"{self._shed_unlogged} call(s) refused -32000 (Server overloaded)"] if self._shed_unlogged else []
-        if self._shed_notes:  # (round 107: "0 call(s) refused" when a notification was the first)
-            said.append(f"{self._shed_notes} notification(s) dropped")
-        self._shed_unlogged = self._shed_notes = 0
-        return " and ".join(said)
-
-    def _log_shed(self, last: bool = False) -> None:
-        """The end of an interval since the last "queue full" line (or of the drain, `last`):
-        log how many were shed in it, if any, and wait for another interval; else the next
-        one shed is logged at once."""
-        self._shed_timer = None
-        if self._shed_unlogged or self._shed_notes:
-            now = self._loop.time()
-            log.warning("queue full: %s in the last %.3g s", self._shed_said(), now - self._shed_since)
-            self._shed_since = now
-            if not last:
-                self._shed_timer = self._loop.call_later(SHED_LOG_SECONDS, self._log_shed)
-
-    def _check_idle(self) -> None:
-        if not self.accepting and not self._queued_calls and not self._pending and not self.held_back():
-            self._idle.set()
-
-    def check_idle(self) -> None:
-        """A front-end's held-back requests changed while draining: is nothing owed now?"""
-        self._check_idle()
-
-    # -- shutdown --------------------------------------------------------------------------
-
-    def submit_held(
-        self, body: Body, on_done: Callable[[Exchange], None], budget: ResponseBudget | None = None
-    ) -> Exchange | None:
-        """`submit` for a request a front-end held back undispatched (`_waiting`: its
-        client fell behind, or was owed max_response_bytes). It was received before it
-        could be dispatched, so the drain serves it as it serves calls in flight: until
-        the grace period ends, it is routed as before the drain (see `held_back`)."""
-        if self.accepting or not self._draining:
-            return self.submit(body, on_done, budget)
-        self.accepting = True
-        try:
-            return self.submit(body, on_done, budget)
-        finally:
-            self.accepting = False
-
-    async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> None:
-        """Stop taking calls; wait up to `grace` s (or until `hurry` is set) for the
-        owed answers, requests the front-ends hold back (`held_back`, `submit_held`)
-        included, then answer whatever is left with "shutting down"."""
-        self.accepting = False
-        self._draining = True
-        self._check_idle()
-        waits = [asyncio.ensure_future(self._idle.wait())]
-        if hurry is not None:
-            waits.append(asyncio.ensure_future(hurry.wait()))
-        await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
-        self._draining = False
-        # A request completed after this (a front-end's connection still open until
-        # `Listener.wait_closed` ends it) is answered "shutting down", never run: its
-        # answer could be cut off with its connection (hostile testing).
-        self._serving = False
-        error = _GRACE_ENDED
-        self._release_all()
-        while self._queue:
-            call = self._dequeue()
-            if call.tick:  # (else it timed out while queued: answered already)
-                self.cut_off += _owed(call)
-                self._finish(call, error, ErrorCode.SHUTTING_DOWN)
-        for call in list(self._pending.values()):
-            self.cut_off += _owed(call)
-            self._finish(call, error, ErrorCode.SHUTTING_DOWN)
-            # Cancel it on the worker too: a worker told BYE waits for its calls in
-            # flight, so an uncancelled long call would hold up the stop.
-            worker = call.worker
-            if worker is not None and worker.channel is not None:
-                worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")
-        if self._shed_timer is not None:  # (what the last interval shed, said now: the broker is stopping;
-            self._shed_timer.cancel()  # hostile testing, round 106: said at the drain's start, those shed
-            self._log_shed(last=True)  # during the grace period were never logged)
-        self._idle.set()

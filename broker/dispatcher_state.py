@@ -18,13 +18,14 @@ if typing.TYPE_CHECKING:
     from msgspec import Raw
 
     from broker.accesslog import AccessLog
-    from broker.answers import ResponseBudget
+    from broker.answers import Exchange, ResponseBudget
     from broker.calls import Call, Route
     from broker.catalog import Catalog
     from broker.channel import Worker
     from broker.deadlines import DeadlineWheel
     from broker.fairqueue import FairQueue, Largest
     from broker.isolation import Isolation
+    from broker.jsonrpc import Body
     from broker.membership import MembershipTap
     from broker.metrics import CallMetrics
     from broker.policy import Policy
@@ -100,6 +101,15 @@ class DispatcherState:
         _too_much: bytes
         abandoned_total: dict[str, int]
         accepting: bool
+        cut_off: int
+        held_back: typing.Callable[[], int]
+        _draining: bool
+        _idle: asyncio.Event
+        _serving: bool
+        _shed_notes: int
+        _shed_since: float
+        _shed_timer: asyncio.TimerHandle | None
+        _shed_unlogged: int
         late_cancelled_total: int
         late_results_total: int
         max_response_bytes: int
@@ -111,6 +121,10 @@ class DispatcherState:
         returned_total: int
 
         def _check_hung(self, call: Call) -> None: ...
+        def _dequeue(self) -> Call: ...
+        def _log_shed(self, last: bool = False) -> None: ...
+        def submit(self, body: Body, on_done: typing.Callable[[Exchange], None],
+                   budget: ResponseBudget | None = None) -> Exchange | None: ...
         def _check_idle(self) -> None: ...
         def _count_error(self, call: Call, index: int, code: int, latency: float, place: int = -1) -> None: ...
         def _finish(self, call: Call, error: bytes, code: int, remaining: bool = True) -> None: ...

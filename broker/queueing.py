@@ -63,6 +63,7 @@ once kept every expired call behind it, and its params, alive.
 
 from __future__ import annotations
 
+import logging
 import time
 import typing
 
@@ -77,9 +78,11 @@ if typing.TYPE_CHECKING:
     from broker.answers import Exchange, ResponseBudget
     from broker.calls import Call
 
-__all__ = ["Queueing"]
+__all__ = ["SHED_LOG_SECONDS", "Queueing"]
 
 _OVERLOADED = error_object(ErrorCode.OVERLOADED, data="queue full")
+SHED_LOG_SECONDS = 60.0  # calls shed or refused for a full queue: a WARNING at the first, then their count this often
+log = logging.getLogger("broker.dispatch")  # (the dispatcher's logger: these are its lines)
 _clock = time.perf_counter
 
 
@@ -336,3 +339,41 @@ class Queueing(DispatcherState):
         self._expired_queued = 0
         if not self._queue:
             self._largest.clear()
+
+    def _count_shed(self, calls: int, notifications: int) -> None:
+        """`calls` were refused -32000 (and `notifications` dropped) for a full queue: say so in
+        the log at the first, then every SHED_LOG_SECONDS while more are, with how many (new
+        user, round 99: an operator tailing the log saw a healthy broker while clients got
+        503s; as nginx logs "limiting requests", its rate-limited refusals). The count of an
+        interval is logged at its end (`_log_shed`), or at the end of the drain, whether
+        more come or not (new user, round 100: a burst of 11 was logged as 1, and the other
+        10 only if another came a minute later)."""
+        self._shed_unlogged += calls
+        self._shed_notes += notifications
+        if self._shed_timer is None:
+            log.warning("queue full: %s; max_queue %d calls, max_queue_bytes %d (how many more: a line every %g s "
+                        "while it goes on)", self._shed_said(), self._max_queue, self._max_queue_bytes,
+                        SHED_LOG_SECONDS)
+            self._shed_since = self._loop.time()
+            self._shed_timer = self._loop.call_later(SHED_LOG_SECONDS, self._log_shed)
+
+    def _shed_said(self) -> str:
+        """How many were shed since the last line ("3 call(s) refused -32000 (Server
+        overloaded)", and the notifications dropped, which get no answer), counted anew."""
+        said = [f"{self._shed_unlogged} call(s) refused -32000 (Server overloaded)"] if self._shed_unlogged else []
+        if self._shed_notes:  # (round 107: "0 call(s) refused" when a notification was the first)
+            said.append(f"{self._shed_notes} notification(s) dropped")
+        self._shed_unlogged = self._shed_notes = 0
+        return " and ".join(said)
+
+    def _log_shed(self, last: bool = False) -> None:
+        """The end of an interval since the last "queue full" line (or of the drain, `last`):
+        log how many were shed in it, if any, and wait for another interval; else the next
+        one shed is logged at once."""
+        self._shed_timer = None
+        if self._shed_unlogged or self._shed_notes:
+            now = self._loop.time()
+            log.warning("queue full: %s in the last %.3g s", self._shed_said(), now - self._shed_since)
+            self._shed_since = now
+            if not last:
+                self._shed_timer = self._loop.call_later(SHED_LOG_SECONDS, self._log_shed)

@@ -1627,9 +1627,9 @@ def test_calls_shed_for_a_full_queue_are_logged_at_the_first_then_counted_every_
     each interval's count is logged at its end now, and the last at the end of the drain
     (round 106: said at its start, those shed in the grace period were lost), over the time
     it took, notifications dropped apart from calls refused (they were counted as calls)."""
-    from broker import dispatch
+    from broker import queueing
 
-    monkeypatch.setattr(dispatch, "SHED_LOG_SECONDS", 0.2)
+    monkeypatch.setattr(queueing, "SHED_LOG_SECONDS", 0.2)
 
     async def main() -> None:
         d = Dispatcher(asyncio.get_running_loop(), max_queue=2)
@@ -1660,7 +1660,7 @@ def test_calls_shed_for_a_full_queue_are_logged_at_the_first_then_counted_every_
             assert took and float(took[1]) >= 0.2, said()
             await asyncio.sleep(0.3)  # (none in that interval: no line; the next is logged at once)
             assert len(said()) == 2
-            monkeypatch.setattr(dispatch, "SHED_LOG_SECONDS", 5.0)  # (an interval the drain ends early)
+            monkeypatch.setattr(queueing, "SHED_LOG_SECONDS", 5.0)  # (an interval the drain ends early)
             send(14)
             assert len(said()) == 3 and said()[2].startswith("queue full: 1 call(s) refused")
             draining = asyncio.ensure_future(d.drain(0.1))

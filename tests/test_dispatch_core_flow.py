@@ -597,9 +597,9 @@ def test_a_worker_dying_under_a_call_of_a_method_a_reload_removed_blames_no_meth
 
 def test_a_method_that_killed_its_worker_twice_is_logged_as_owed_two_answers(clock, caplog):
     d, w, codec, _done = one_worker(clock.loop, ["a"], 4)
-    w.pid = 7
     with caplog.at_level("WARNING", logger="broker.dispatch"):
         for i in range(2):
+            w.pid = 7 + i  # (each process its own: one death is struck once, `_strike_once`)
             d.submit(body(codec, req("a", [], i)), lambda e: None)
             d.submit(body(codec, req("a", [], i)), lambda e: None)  # (two: not caught alone)
             w.channel.take()
