@@ -48,8 +48,10 @@ def _crashes_beside(crasher, method: str, params: object, count: int, innocents:
     assert innocent and set(innocent) == {"ok"}, (innocent.count("ok"), [o for o in innocent if o != "ok"])
 
 
-def _two_front_ends(broker_factory, *flags: str, workers: int = 2):  # type: ignore[no-untyped-def]
-    b = broker_factory("--workers", str(workers), "--frontends", "2", "--app", "tests.apps.crashy:registry", *flags)
+def _two_front_ends(broker_factory, *flags: str, workers: int = 2,  # type: ignore[no-untyped-def]
+                    app: str = "tests.apps.crashy:registry"):
+    """A broker of `app` with 2 front-ends and `workers` workers, once both serve; it and the peer's pid."""
+    b = broker_factory("--workers", str(workers), "--frontends", "2", "--app", app, *flags)
     wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
     [peer] = peers_of(b.pid)
     wait_for(lambda: f"front-end 1 (pid {peer}) serving" in b.read_log(0.05), timeout=30)

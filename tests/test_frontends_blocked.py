@@ -14,16 +14,13 @@ import socket
 import time
 
 from conftest import free_port, wait_for
-from test_frontends import answer, connection_to, peers_of, request, tcp_sockets, workers_of
+from test_frontends import answer, connection_to, request, tcp_sockets, workers_of
 from test_frontends_alone import _pids
+from test_frontends_alone import _two_front_ends as two_front_ends
 
 
 def _two_front_ends(broker_factory, workers: int, *flags: str):  # type: ignore[no-untyped-def]
-    b = broker_factory("--workers", str(workers), "--frontends", "2", "--app", "tests.apps.stuck:registry", *flags)
-    wait_for(lambda: "front-end 1 (pid" in b.read_log(0.05), timeout=30)
-    [peer] = peers_of(b.pid)
-    wait_for(lambda: f"front-end 1 (pid {peer}) serving" in b.read_log(0.05), timeout=30)
-    return b, peer
+    return two_front_ends(broker_factory, *flags, workers=workers, app="tests.apps.stuck:registry")
 
 
 def test_another_front_end_routes_nothing_to_a_worker_blocked_in_a_sync_call(broker_factory):
