@@ -674,8 +674,8 @@ class Dispatcher(Membership, Queueing, Routing, Replies, Draining):
             flow = call.owner.flow
             if worker in self._alone:  # (alone in its worker, whatever the other front-ends send: wire.ALONE)
                 flow |= ALONE
-                if self.on_struck is not None:  # (several front-ends: it may wait its turn there, wire.STARTS)
-                    self._unstarted[call.call_id] = call.params
+                if self.on_struck is not None and call.slots is None:  # (several front-ends: it may wait its
+                    self._unstarted[call.call_id] = call.params  # turn there, wire.STARTS; a chunk's never does)
         if call.sync > 0:  # the worker is (or will be) blocked in it: take its limit down
             # (and when is it expected to end? the calls run one after another: `_pick_blocked`)
             est = self._sync_us[call.index] if call.methods is None else sum(
@@ -708,36 +708,63 @@ class Dispatcher(Membership, Queueing, Routing, Replies, Draining):
 
     def _on_timeout(self, call: Call) -> None:
         queued = call.worker is None
+        if not queued and self._unstarted and call.call_id in self._unstarted:
+            self._loop.call_soon(self._alone_timed_out, call)  # (out of the wheel's run: it reads replies)
+            return
         if queued:  # still queued: it gives up its place and bytes now
             self._expired_queued += 1
             self._queued_bytes -= call.held
             self._queued_calls -= call.weight
             call.owner.queued -= call.weight
         self._finish(call, timed_out(call, not queued), ErrorCode.TIMED_OUT)
-        if queued:
-            # ... and its payload: the shell left in the queue holds no params or ids (a
-            # live head with a long deadline would keep every expired call behind it).
-            call.params = b""
-            call.id = NO_ID
-            call.ids = call.slots = call.methods = None
-            if self._queue.expire_head(call, call.owner):  # its connection's head: out at once (FairQueue)
-                self._expired_queued -= 1
-                if not self._queue:
-                    self._largest.clear()
-            elif self._expired_queued * 2 > len(self._queue):
-                self._compact()
-            if self._alone_held:  # (it may have held its connection's calls out of turn: `_pick_alone`)
-                self._release_all()
-                self._pump()
-            elif self._blocked or self._room_waiters or self._share_waiters:  # what waited behind it may fit
-                # a blocked worker it did not (found by the state machine test, stop 30: it waited for the
-                # sync call); or it waited for room for its params, and its connection's calls behind it go
-                # back in turn (round 93: they waited to their deadlines)
-                owner = call.owner
-                if owner in self._room_waiters or owner in self._share_waiters:  # (it keeps its place)
-                    self._queue.release(owner)
-                self._pump()
+        if not queued:
+            self._cancel_overdue(call)
             return
+        # ... and its payload: the shell left in the queue holds no params or ids (a
+        # live head with a long deadline would keep every expired call behind it).
+        call.params = b""
+        call.id = NO_ID
+        call.ids = call.slots = call.methods = None
+        if self._queue.expire_head(call, call.owner):  # its connection's head: out at once (FairQueue)
+            self._expired_queued -= 1
+            if not self._queue:
+                self._largest.clear()
+        elif self._expired_queued * 2 > len(self._queue):
+            self._compact()
+        if self._alone_held:  # (it may have held its connection's calls out of turn: `_pick_alone`)
+            self._release_all()
+            self._pump()
+        elif self._blocked or self._room_waiters or self._share_waiters:  # what waited behind it may fit
+            # a blocked worker it did not (found by the state machine test, stop 30: it waited for the
+            # sync call); or it waited for room for its params, and its connection's calls behind it go
+            # back in turn (round 93: they waited to their deadlines)
+            owner = call.owner
+            if owner in self._room_waiters or owner in self._share_waiters:  # (it keeps its place)
+                self._queue.release(owner)
+            self._pump()
+
+    def _alone_timed_out(self, call: Call) -> None:
+        """`_on_timeout` of a call sent ALONE to a worker with other front-ends, which tells
+        when such a call starts (wire.STARTS), a loop turn later: what the worker wrote is read
+        first. No STARTS in it: the call never started, nor will (the worker tells STARTS before
+        it starts one, and starts none past its deadline), and the client is told `"started":
+        false` (hostile testing, round 135: one that timed out waiting its turn was answered
+        without it). Answered meanwhile (or its worker died: `_again`), nothing is left to do."""
+        worker = call.worker
+        if self._pending.get(call.call_id) is not call or worker is None:
+            return
+        started = True  # (unless known otherwise)
+        if worker.channel is not None:
+            worker.channel.drain()
+            if self._pending.get(call.call_id) is not call:
+                return
+            started = call.call_id not in self._unstarted
+        self._finish(call, timed_out(call, started), ErrorCode.TIMED_OUT)
+        self._cancel_overdue(call)
+
+    def _cancel_overdue(self, call: Call) -> None:
+        """`call`, sent, is past its deadline and answered: its worker is told to cancel it, and
+        is overdue until it answers (killed as hung `cancel_grace` later, `_check_hung`)."""
         worker = call.worker
         if worker is not None and worker.channel is not None:
             worker.channel.send(wire.Kind.CANCEL, call.call_id, 0, b"")

@@ -19,7 +19,7 @@ import time
 import typing
 from collections import Counter
 
-from broker.calls import Call, Route
+from broker.calls import Call, Route, timed_out
 from broker.catalog import DISCOVER, Catalog
 from broker.channel import WorkerState
 from broker.chunk import with_methods
@@ -349,8 +349,8 @@ class Membership(DispatcherState):
         they waited their turn, or for another front-end's calls to end): never run, they wait
         again at the head of their connection's calls, as calls given back (`_requeue`), and
         their methods take no strike (hostile testing, round 132: one waiting beside another
-        front-end's crash was answered -32002, and its method struck once more). One answered
-        already (its deadline passed) is dropped."""
+        front-end's crash was answered -32002, and its method struck once more). One past its
+        deadline is answered -32001, `"started": false`, unless it was already."""
         for call in calls:
             params = self._unstarted.pop(call.call_id)
             del self._pending[call.call_id]
@@ -365,6 +365,8 @@ class Membership(DispatcherState):
                 call.params = params
                 call.sync = 1 if self._blocking[call.index] else -1 if self._sync_us[call.index] >= 0 else 0
                 self._requeue([call], RETURN_ASIDE)
+            elif call.exchange is not None:  # (its timeout waited to read what the worker wrote:
+                self._finish(call, timed_out(call, False), ErrorCode.TIMED_OUT)  # `_alone_timed_out`)
             else:
                 self.late_cancelled_total += int(call.kind != NOTIFY)
 

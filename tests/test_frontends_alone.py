@@ -239,3 +239,51 @@ def test_a_call_sent_alone_that_waited_behind_another_front_end_s_crash_is_sent_
     assert got.get("result") == 0, got
     deaths = re.findall(r"\(pid \d+\) died holding .*", b.read_log(0.05))  # (the kill's, the crash's: no strike for `nap`)
     assert len(deaths) == 2 and "nap_then_crash: after 1 answer" in deaths[1], deaths
+
+
+def _struck_on_both(b) -> None:  # type: ignore[no-untyped-def]
+    """`crash_if` crashes once on the first front-end: its calls run alone on both from now."""
+    with connection_to(b.pid, b) as first:
+        first.sendall(request("crash_if", [True], "first"))
+        assert answer(first)["error"]["code"] == -32002  # type: ignore[index]
+    wait_for(lambda: "another front-end's worker died holding calls of crash_if" in b.read_log(0.05), timeout=10)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") >= 1, timeout=20)
+
+
+def test_a_stopped_front_end_holds_a_call_run_alone_on_another_a_second_at_most(broker_factory):
+    """Hostile testing, round 135: a SIGSTOPped front-end never answers the worker's HOLD, and
+    every call another front-end ran alone there waited for it to its deadline, until the
+    stopped one was killed as silent (10 s). It is waited for `alone.HOLD_WAIT_S` (1 s), then
+    not, until it answers: each call here (deadline 5 s) is answered. Resumed, it is served
+    and holds as before."""
+    b, peer = _two_front_ends(broker_factory, "--method-timeout", "crash_if=5", workers=1)
+    _struck_on_both(b)
+    held = connection_to(peer, b)
+    with held, connection_to(b.pid, b) as first:
+        os.kill(peer, signal.SIGSTOP)
+        try:
+            outcomes: list[object] = []
+            _loop(first, "crash_if", [False], 3, 30.0, outcomes)
+        finally:
+            os.kill(peer, signal.SIGCONT)
+        assert outcomes == ["ok"] * 3, outcomes
+        assert _pids(held, 3) == set(workers_of(b.pid))  # (the peer, resumed, answered the holds it owed)
+        outcomes = []
+        _loop(connection_to(b.pid, b), "crash_if", [False], 2, 30.0, outcomes)
+        assert outcomes == ["ok"] * 2, outcomes
+
+
+def test_a_call_alone_timed_out_waiting_its_turn_says_it_never_started(broker_factory):
+    """Hostile testing, round 135: a call sent ALONE that timed out waiting in its worker for
+    another front-end's call to end (no STARTS) was answered -32001 without `"started": false`:
+    the front-end reads what its worker wrote first, and, no STARTS there, says it never ran."""
+    b, peer = _two_front_ends(broker_factory, "--method-timeout", "crash_if=0.5", workers=1)
+    _struck_on_both(b)
+    with connection_to(b.pid, b) as first, connection_to(peer, b) as second:
+        first.sendall(request("nap", [2.0], "long"))  # (not struck: it runs as any call, 2 s)
+        time.sleep(0.3)
+        second.sendall(request("crash_if", [False], "alone"))  # ALONE: waits there for the nap to end
+        got = answer(second)
+        assert got["error"] == {"code": -32001, "message": "Call timed out",  # type: ignore[index]
+                                "data": {"timeout_seconds": 0.5, "started": False}}, got
+        assert answer(first).get("result") == 2.0

@@ -18,6 +18,7 @@ from test_worker_sdk import INDEX, LOOPS, Broker, chunk_answers, chunk_frame, re
 from broker import wire
 from broker.wire import CANCEL_ACK, RETURN_ASIDE, Kind, encode_call, encode_frame
 from broker.worker import WorkerProtocol
+from broker.worker import alone as alone_runs
 from broker.worker.links import Link
 
 HOLD_ON = (Kind.HOLD, 0, 1, b"")
@@ -128,6 +129,8 @@ def test_a_call_alone_past_its_deadline_or_cancelled_unheld_releases_the_others(
         [f] = await first.read(timeout=5)
         assert f == (Kind.ERROR, 1, wire.NOT_RUN, CANCEL_ACK)  # at its deadline, never run
         assert await second.read() == [HOLD_OFF]
+        second.send(encode_frame(Kind.HOLD, 0, 1))  # (resumed: the answer it owed; else it is not waited for)
+        await asyncio.sleep(0.1)
         first.send(alone(2, "add_ints", b"[1, 1]"))
         assert await second.read() == [HOLD_ON]
         first.send(encode_frame(Kind.CANCEL, 2))
@@ -293,3 +296,38 @@ def test_a_link_made_after_a_call_alone_came_is_held_too(loop: str):
 
     with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
         runner.run(main())
+
+
+def test_a_front_end_that_does_not_answer_a_hold_is_waited_for_a_while_then_not_until_it_answers(
+        run_links, monkeypatch):  # noqa: F811  # (the fixture imported)
+    """Hostile testing, round 135: a stopped front-end never answers HOLD, and every call run
+    alone waited for it to its deadline. It is waited for `HOLD_WAIT_S`; then, until it has
+    answered every HOLD it was sent, not at all (here however long the wait): what it sends
+    meanwhile is given back. Once it answered them all, it is waited for again."""
+    async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
+        first, second = bs
+        monkeypatch.setattr(alone_runs, "HOLD_WAIT_S", 0.3, raising=False)
+        first.send(alone(1, "add_ints", b"[1, 1]"))  # (no deadline)
+        assert await second.read() == [HOLD_ON]  # never answered: a stopped front-end
+        assert await first.read(timeout=10) == [starts(1)]
+        assert result((await first.read())[0]) == 2
+        assert await second.read() == [HOLD_OFF]
+        monkeypatch.setattr(alone_runs, "HOLD_WAIT_S", 600.0, raising=False)
+        first.send(alone(2, "nap", b"[0.3]"))
+        assert await second.read() == [HOLD_ON]
+        assert await first.read(timeout=10) == [starts(2)]  # (it owes the first answer: not waited for)
+        second.send(call(7, "add_ints", b"[2, 2]"))  # sent before it read the hold: given back
+        assert await second.read() == [(Kind.RETURN, 7, RETURN_ASIDE, b"[2, 2]")]
+        assert result((await first.read())[0]) == 0.3
+        assert await second.read() == [HOLD_OFF]
+        second.send(encode_frame(Kind.HOLD, 0, 1), encode_frame(Kind.HOLD, 0, 1))  # resumed: both answered
+        await asyncio.sleep(0.1)
+        first.send(alone(3, "add_ints", b"[3, 3]"))
+        assert await second.read() == [HOLD_ON]
+        await first.nothing_more(0.3)  # waited for again
+        second.send(encode_frame(Kind.HOLD, 0, 1))
+        assert await first.read() == [starts(3)]
+        assert result((await first.read())[0]) == 6
+        assert await second.read() == [HOLD_OFF]
+
+    run_links(test)

@@ -27,8 +27,15 @@ innocent calls). Only the worker sees every front-end's calls, so it keeps the p
    that never ran it, and the front-end sends it again rather than answer it -32002 or blame
    its method (an `ALONE` call waiting here, or its turn, when another front-end's call, run
    alone or not, crashed the worker: round 132, both died).
-4. Its answer, its cancel or its deadline releases the others (HOLD, aux 0). A front-end that
-   never answers (stopped) costs the call its deadline, never another call.
+4. Its answer, its cancel or its deadline releases the others (HOLD, aux 0).
+
+A front-end that does not answer a hold within `HOLD_WAIT_S` (stopped, or its loop stalled) is
+not waited for any longer, nor at the next holds until it has answered every one it was sent
+(`_owed`): what it sends meanwhile is given back on arrival, as any call that comes while a call
+runs alone here. Before, every call run alone on the other front-ends waited for a SIGSTOPped
+one until it was killed as silent, 10 s (hostile testing, round 135). What that leaves: a call
+such a front-end wrote just before it answers, read after the call run alone started, dies
+with the worker if that call crashes it (-32002), where an answer in time would have kept it.
 
 With one front-end the flag changes nothing: the worker has no other connection to hold.
 Connections are numbered as in broker/worker/links.py: 0 the first, 1 and up the links.
@@ -51,6 +58,7 @@ __all__ = ["ALONE", "HOLD", "NO_CALL", "AloneRuns"]
 NO_CALL = -1  # `_alone` when no call runs alone here
 _AFTER_DEADLINE_S = 0.002  # the deadline's run comes this much late (timers fire up to 1 ms early)
 _TOLD_AGAIN_S = 0.001  # a STARTS still in this process's buffer: the call starts this much later at the soonest
+HOLD_WAIT_S = 1.0  # a connection held is waited for this long at most (then, and until it answers, not: `_owed`)
 _pack = HEADER.pack
 _Item = tuple[int, int, int, bytes] | _Chunk
 
@@ -65,18 +73,24 @@ class AloneRuns:
     `_alone`: the id of the call run alone (tagged by its link), or NO_CALL; `_alone_ran`: it
     started; `_alone_told`: its front-end was told it starts (STARTS); `_alone_next`: other
     connections' calls sent ALONE, waiting their turn; `_held`: the connections told HOLD;
-    `_unheld`: those whose answer has not come; `_woken`: the tasks whose end runs the loop
-    again; `_alone_timer`: its deadline's run.
+    `_unheld`: those whose answer is waited for; `_owed`: by connection, the HOLDs it has not
+    answered yet (any of them); `_hold_since`: when the hold began (CLOCK_MONOTONIC s);
+    `_woken`: the tasks whose end runs the loop again; `_alone_timer`: its deadline's run;
+    `_hold_timer`: the end of the wait for the answers (`HOLD_WAIT_S`).
     """
 
     # (Its own slots: the other mixins have none, so the protocol's layout takes these.)
-    __slots__ = ("_alone", "_alone_next", "_alone_ran", "_alone_timer", "_alone_told", "_held", "_unheld", "_woken")
+    __slots__ = ("_alone", "_alone_next", "_alone_ran", "_alone_timer", "_alone_told", "_held", "_hold_since",
+                 "_hold_timer", "_owed", "_unheld", "_woken")
     _alone: int
     _alone_next: collections.deque[tuple[int, int, int, bytes]]
     _alone_ran: bool
     _alone_told: bool
     _alone_timer: asyncio.TimerHandle | None
     _held: list[int]
+    _hold_since: float
+    _hold_timer: asyncio.TimerHandle | None
+    _owed: dict[int, int]
     _unheld: set[int]
     _woken: set[asyncio.Task[tuple[bool, object]]]
 
@@ -97,6 +111,12 @@ class AloneRuns:
         def _schedule_flush(self) -> None: ...
         def _write_out(self) -> None: ...
         def schedule_run(self) -> None: ...
+
+    def _alone_init(self) -> None:
+        """No call runs alone here (the protocol's start)."""
+        self._alone, self._alone_ran, self._alone_told, self._alone_next = NO_CALL, False, False, collections.deque()
+        self._alone_timer = self._hold_timer = None
+        self._held, self._unheld, self._owed, self._woken, self._hold_since = [], set(), {}, set(), 0.0
 
     def _alone_turn(self, item: tuple[int, int, int, bytes]) -> bool:
         """`_run` came to `item`, a call sent ALONE, at the backlog's head, with other
@@ -121,9 +141,14 @@ class AloneRuns:
             self._loop.call_later(_TOLD_AGAIN_S, self.schedule_run)
             return False
         self._backlog.popleft()
-        self._alone_ran = True
         _kind, _id, index, payload = item
-        self._call(call_id, index, payload[_DEADLINE_SIZE:], _deadline_of(payload)[0])
+        deadline = _deadline_of(payload)[0]
+        if deadline <= time.monotonic():  # (passed while it was told: its front-end may have timed it out as
+            self._reply(ERROR, call_id, 0.0, _CANCELLED, NOT_RUN)  # unstarted, having read no STARTS: dispatch.py)
+            self._release()
+            return True
+        self._alone_ran = True
+        self._call(call_id, index, payload[_DEADLINE_SIZE:], deadline)
         task = self._tasks.get(call_id)
         if task is None:  # (a sync handler's, answered)
             self._release()
@@ -137,10 +162,15 @@ class AloneRuns:
         self._alone_ran = self._alone_told = False
         mine = call_id >> LINK_SHIFT
         held = [n for n in self._open() if n != mine]
+        owed = self._owed
         for number in held:
             self._out += _pack(0, HOLD, number << LINK_SHIFT, 1)
+            owed[number] = owed.get(number, 0) + 1
         self._held = held
-        self._unheld = set(held)
+        self._unheld = {n for n in held if owed[n] == 1}  # (one owing an earlier one is not waited for)
+        self._hold_since = time.monotonic()
+        if self._unheld:
+            self._hold_timer = self._loop.call_later(HOLD_WAIT_S, self.schedule_run)
         self._spent = True  # type: ignore[misc]  # (each run gives back what came meanwhile: `_alone_check`)
         if deadline < math.inf:
             self._alone_timer = self._loop.call_later(
@@ -187,8 +217,9 @@ class AloneRuns:
         BYE), and no call of another connection runs here (their ends run the loop again)."""
         if self._unheld:
             self._unheld &= set(self._open())
-            if self._unheld:
+            if self._unheld and time.monotonic() - self._hold_since < HOLD_WAIT_S:
                 return False
+            self._unheld = set()  # (those left are not waited for: what they send is given back)
         mine = self._alone >> LINK_SHIFT
         running = [task for call_id, task in self._tasks.items() if call_id >> LINK_SHIFT != mine]
         running += [task for chunk in self._chunks.values() if chunk.chunk_id >> LINK_SHIFT != mine
@@ -243,14 +274,18 @@ class AloneRuns:
             return
         if number not in self._held:
             self._held.append(number)
+        self._owed[number] = 1  # (a new connection: none sent before reached it)
         if not self._alone_ran:
             self._unheld.add(number)
         self._out += _pack(0, HOLD, number << LINK_SHIFT, 1)
         self._schedule_flush()
 
     def held_answered(self, number: int) -> None:
-        """Connection `number` answered HOLD: it sends nothing more until the release."""
-        if number in self._unheld:
+        """Connection `number` answered a HOLD: once it has answered every one, it sends nothing
+        more until the release."""
+        owed = self._owed.get(number, 0) - 1
+        self._owed[number] = max(owed, 0)
+        if owed <= 0 and number in self._unheld:
             self._unheld.discard(number)
             self.schedule_run()
 
@@ -268,6 +303,9 @@ class AloneRuns:
         if self._alone_timer is not None:
             self._alone_timer.cancel()
             self._alone_timer = None
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
         if self._alone_next:  # (the next call sent ALONE has its turn: at the backlog's head, in order)
             self._backlog.extendleft(reversed(self._alone_next))
             self._alone_next.clear()

@@ -52,7 +52,7 @@ from broker.wire import (
     RESULT,
     RETURNABLE,
 )
-from broker.worker.alone import ALONE, HOLD, NO_CALL, AloneRuns  # (wire's ALONE and HOLD, as it reads them)
+from broker.worker.alone import ALONE, HOLD, AloneRuns  # (wire's ALONE and HOLD, as it reads them)
 from broker.worker.chunks import (  # (what the run loop shares with the chunks' runs)
     _AWAITED_WITHIN_S,
     _CANCELLED,
@@ -331,9 +331,7 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         # (With several front-ends: each other one's connection, a `Link`; `_closing` once
         # the first connection's BYE (`_bye`) and every link's came.)
         self._links: list[Link] = []  # (broker/worker/links.py)
-        self._alone, self._alone_ran, self._alone_timer = NO_CALL, False, None  # (broker/worker/alone.py)
-        self._alone_told, self._alone_next = False, collections.deque()
-        self._held, self._unheld, self._woken = [], set(), set()
+        self._alone_init()  # (broker/worker/alone.py)
         self._bye = False
         # Tasks whose cancel was acknowledged at once (`_cancel`), still running (cleaning up):
         # the worker closes after them, as after its calls (hostile testing, round 17: a
