@@ -531,4 +531,29 @@ def issue14_targets(results: Results, quick: bool) -> list[str]:
             + (f"{verdict(s5b[0][1] <= s5b[0][2] + 2.0)} (" + "; ".join(
                 f"{b:.2f} ms against {r:.2f} ms, {b - r:+.2f} ms, under {TOOL_LABEL[t]}" for t, b, r in s5b) + ")."
                if s5b and s5b[0][1] is not None and s5b[0][2] is not None else "not measured."),
-            "- the `--frontends` scaling curve: not measured by `make bench`."]
+            "- the `--frontends` scaling curve: " + frontends_curve(results)]
+
+
+def frontends_curve(results: Results) -> str:
+    """Issue 14's `--frontends` curve from this run: broker-2w (one front-end) and each
+    broker-2w-Nfe, S1 at 64 connections under wrk (else the checked generator): calls/s, the
+    ratio to one front-end, and the CPU per call of every process of the broker (front-ends and
+    workers, µs)."""
+    points = []
+    for tool in ("wrk", "loadgen"):
+        ms = results.get("S1-64", {}).get(tool, {})
+        names = ["broker-2w", *sorted((n for n in ms if n.startswith("broker-2w-") and n.endswith("fe")),
+                                      key=lambda n: int(n[len("broker-2w-"):-2]))]
+        points = [(n, med([m.cps for m in ms[n] if m.ok]), ms[n]) for n in names if n in ms]
+        if len(points) > 1 and points[0][0] == "broker-2w":
+            break
+    if len(points) < 2 or points[0][0] != "broker-2w" or not points[0][1]:
+        return "not measured (broker-2w and a broker-2w-Nfe did not both run S1 at 64 connections)."
+    base = points[0][1]
+    cells = []
+    for name, cps, ms in points:
+        main, children = _cpu_med(ms, "main"), _cpu_med(ms, "children")
+        n = 1 if name == "broker-2w" else int(name[len("broker-2w-"):-2])
+        cpu = f", {main + children:.1f} µs of CPU a call" if main is not None and children is not None else ""
+        cells.append(f"{n} front-end{'s' if n > 1 else ''} {fmt_n(cps or 0)} calls/s ({(cps or 0) / base:.2f}x{cpu})")
+    return f"{'; '.join(cells)} under {TOOL_LABEL[tool]}, on {os.cpu_count()} cores shared with the load tool."

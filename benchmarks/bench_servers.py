@@ -56,6 +56,10 @@ SERVERS = [
     Server("broker-2w-access-all", "broker", "rpc-broker serve --workers 2 --access-log all: what a line per call "
            "costs (S1 at 64 connections only; its lines to the runner's log file)", _broker(2, "--access-log", "all"),
            only=("S1-64",)),
+    # Issue 14's `--frontends` curve, as far as this machine's cores go: N front-ends beside broker-2w's one
+    *(Server(f"broker-2w-{n}fe", "broker", f"rpc-broker serve --workers 2 --frontends {n}: {n} front-end processes "
+             "on the port (S1 at 64 connections and S2 only)", _broker(2, "--frontends", str(n)), only=("S1-64", "S2"))
+      for n in (2, 4, 8) if n <= max(os.cpu_count() or 1, 2)),
     Server("aiohttp-1p", "peer", "aiohttp + jsonrpcserver, 1 process (uvloop)",
            lambda port: [PY, str(PEERS / "aiohttp_jsonrpcserver.py"), "--port", str(port)],
            ("aiohttp", "jsonrpcserver")),

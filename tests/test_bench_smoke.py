@@ -264,6 +264,29 @@ def test_s5b_is_judged_on_h2load_when_it_ran_the_checked_figures_beside() -> Non
     assert "**missed** (12.00 ms against 4.00 ms, +8.00 ms, under checked)." in line, line
 
 
+
+def test_the_frontends_curve_is_read_from_broker_2w_and_its_n_front_end_runs() -> None:
+    """Issue 14's "done when" lists a `--frontends` curve: `make bench` runs broker-2w-Nfe beside
+    broker-2w (as many front-ends as the machine's cores, 2 at least) and the targets say calls/s,
+    the ratio to one front-end and every broker process's CPU per call, from wrk's runs."""
+    bench = _load_runner()
+    from bench_report import issue14_targets
+    from bench_servers import SERVERS
+
+    assert "broker-2w-2fe" in [s.name for s in SERVERS]
+
+    def cps(n: float) -> list[object]:
+        return [bench.Measure(rps=n, cps=n, p50=1.0, p99=2.0, p999=None, ok=True)]
+
+    results = {"S1-64": {"wrk": {"limit-uvloop": cps(80000.0), "broker-2w": cps(40000.0), "broker-2w-4fe": cps(70000.0),
+                                 "broker-2w-2fe": cps(50000.0)}}}
+    [line] = [x for x in issue14_targets(results, False) if x.startswith("- the `--frontends`")]
+    assert "1 front-end 40,000 calls/s (1.00x); 2 front-ends 50,000 calls/s (1.25x); 4 front-ends 70,000 " \
+           "calls/s (1.75x) under wrk" in line, line
+    del results["S1-64"]["wrk"]["broker-2w"]
+    [line] = [x for x in issue14_targets(results, False) if x.startswith("- the `--frontends`")]
+    assert "not measured" in line, line
+
 @pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load (nghttp2-client) is not installed")
 def test_s5b_runs_under_h2load_too(tmp_path: Path) -> None:
     """With h2load installed, S5b is driven by it as well, at the same offered rate, and tabled."""
