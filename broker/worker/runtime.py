@@ -3,13 +3,13 @@
 Frames from the broker (broker/wire.py) are decoded in `data_received` and join a
 backlog; `_run` runs the waiting calls for up to `SLICE_SECONDS` per loop turn, then
 writes their replies in one write. A call is bound (`Method.bind`), run (`_execute`: a
-sync handler inline, an async one as a task, `_guarded`) and answered with one RESULT or
-ERROR frame; a CHUNK (several calls of one batch, `_Chunk`) is answered with one
-CHUNK_RESULTS when all its answers are results, else CHUNK_PART frames and one CHUNK_REPLY
-(broker/worker/chunks.py). A CANCEL cancels a call and is
-acknowledged at once; past its deadline a call is not started. A sync method that blocked
-the loop once is "slow": the answers ready before its next call go out first. Answers ready
-behind a handler that runs long are sent from another thread (broker/worker/held.py); the
+sync handler inline, an async one as a task, `_guarded`, whose answer
+broker/worker/tasks.py makes) and answered with one RESULT or ERROR frame; a CHUNK
+(several calls of one batch, `_Chunk`) is answered with one CHUNK_RESULTS when all its
+answers are results, else CHUNK_PART frames and one CHUNK_REPLY (broker/worker/chunks.py).
+A CANCEL cancels a call and is acknowledged at once (tasks.py); past its deadline a call is
+not started. A sync method that blocked the loop once is "slow": the answers ready before
+its next call go out first. Answers ready behind a handler that runs long are sent from another thread (broker/worker/held.py); the
 error object a failed call is answered with is built in broker/worker/errors.py; which
 connection's calls run first, when one's calls take the loop's slices, is decided in
 broker/worker/turns.py; a call run alone whatever the other front-ends send, in alone.py.
@@ -70,6 +70,7 @@ from broker.worker.links import ID_MASK, Link, LinkRuns
 from broker.worker.params import _drop_flag_members
 from broker.worker.results import checked_result, encode_result
 from broker.worker.sdk import Registry
+from broker.worker.tasks import _PAST_DEADLINE_RAN, TaskAnswers
 from broker.worker.tools import method_info
 from broker.worker.turns import _CHARGED_S, FlowTurns, _flow_of
 
@@ -205,18 +206,7 @@ async def _guarded(
     return True, value
 
 
-class _PastDeadline(Exception):
-    """An async call (or the awaitable a sync handler returned) whose first step came past
-    its deadline: it is answered `CANCEL_ACK_RAN`. Its params were bound, or the sync handler
-    ran (its side effects made) before it returned the awaitable (hostile testing, round 61:
-    answered CANCEL_ACK, the client was told "started": false, and a retry would have done it
-    twice; round 64, the same after an async method's param __post_init__)."""
-
-
-_PAST_DEADLINE_RAN = _PastDeadline()
-
-
-class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, AloneRuns, asyncio.Protocol):
+class WorkerProtocol(ChunkRuns, TaskAnswers, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, AloneRuns, asyncio.Protocol):
     """The worker's end of its Unix socket to the broker.
 
     Runs each CALL/NOTIFY frame's handler and answers with exactly one RESULT or
@@ -457,57 +447,6 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
                 self.held_answered(0)
         return True
 
-    def _cancel(self, call_id: int) -> None:
-        """CANCEL: an async call is cancelled and acknowledged (`CANCEL_ACK`) at once, a
-        call not started yet dropped and acknowledged. At once, not when its task ends:
-        a handler that catches the cancel and cleans up (awaiting, the loop free) got its
-        worker killed as hung after cancel_grace, and the calls beside it answered -32002
-        (hostile testing, round 16); the broker kills only a worker that does not answer
-        (a sync handler stuck, a loop held). Its task runs on to its end; what it returns
-        then is dropped."""
-        task = self._tasks.get(call_id)
-        if task is not None:
-            if not task.done():
-                task.cancel()
-                where = self._task_of.pop(task, None)
-                if where is None:  # (not started yet: its done callback answers it)
-                    self._cancelled.add(task)
-                    return
-                self._tasks.pop(call_id, None)
-                self._awaited.pop(task, None)
-                self._answered.add(task)  # (its done callback: nothing to do)
-                self._winding.add(task)
-                self._reply(ERROR, call_id, typing.cast("tuple[int, int, float]", where)[2], _CANCELLED)
-                self._schedule_flush()
-            return
-        chunk = self._chunks.get(call_id)
-        if chunk is not None:
-            for task in chunk.tasks:
-                if not task.done():
-                    task.cancel()
-                    where = self._task_of.pop(task, None)
-                    if where is None:
-                        self._cancelled.add(task)
-                        continue
-                    self._answered.add(task)
-                    self._winding.add(task)
-                    self._chunk_answer(chunk, typing.cast("tuple[_Chunk, int, int]", where)[1], ERROR, _CANCELLED)
-                    chunk.waiting -= 1
-            self._drop_unstarted(chunk)
-            try:
-                self._backlog.remove(chunk)
-            except ValueError:
-                pass
-            self._dirty.add(chunk)
-            return
-        for i, queued in enumerate(self._backlog):  # rare: a call still waiting here
-            if type(queued) is tuple and queued[1] == call_id:
-                del self._backlog[i]
-                self._reply(ERROR, call_id, _perf(), _CANCELLED)  # a whole chunk, too
-                return
-        if self._alone_next:  # (or waiting its turn to run alone: worker/alone.py)
-            self._cancel_next(call_id)
-
     def _run(self) -> None:
         """Run waiting calls for up to `SLICE_SECONDS`, then write their replies. If
         calls remain, go on in the next loop iteration, after reading what arrived
@@ -654,39 +593,6 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
                 _child_exits(exc)
             return ERROR, self._error(exc, index)
 
-    def _flag_call_done(self, task: asyncio.Task[tuple[bool, object]]) -> None:
-        """An async call binding enum.Flag members ended: drop them, once nothing holds them
-        (past the bound counted from none kept: the drop made as the call began counted its
-        members as kept, and the members of a call ended stayed for good, round 41)."""
-        self._loop.call_soon(_drop_flag_members, self._flag_classes, True)
-
-    def _outcome(
-        self, task: asyncio.Task[tuple[bool, object]], index: int, outcome: tuple[bool, object] | None = None
-    ) -> tuple[int, bytes]:
-        """The answer of a finished async call, as `_execute` gives a sync one: `outcome`,
-        or its task's result. Never raises: an exception here would be lost in a done
-        callback, and the call would never be answered."""
-        by_broker = task in self._cancelled
-        if by_broker:
-            self._cancelled.discard(task)
-        try:
-            value: object
-            try:
-                ok, value = task.result() if outcome is None else outcome
-            except BaseException as exc:  # cancelled before it ever ran, or a GeneratorExit
-                ok, value = False, exc  # raised by the handler (_guarded lets that through)
-            if ok:
-                method = self._methods[index]
-                check = method.check_result
-                return RESULT, encode_result(value) if check is None else checked_result(value, check, method.returns)
-            if by_broker and isinstance(value, asyncio.CancelledError):
-                return ERROR, _CANCELLED
-            if value is _PAST_DEADLINE_RAN:
-                return ERROR, wire.CANCEL_ACK_RAN
-            return ERROR, self._error(typing.cast(BaseException, value), index)
-        except BaseException as exc:  # the result has no JSON form (or a hook raised)
-            return ERROR, self._error(exc, index)
-
     def _call(self, call_id: int, index: int, params: bytes, deadline: float) -> bool:
         """Run (or start) call `call_id` of method `index`; True if it was a sync handler's
         that blocked the loop SLOW_SYNC_US or more (`_give_back`)."""
@@ -730,54 +636,6 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         task.add_done_callback(lambda t: self._task_done(call_id, index, t0, t))
         return self._slow[index]
 
-    def _finished(self, ok: bool, value: object) -> None:
-        """The last step of an async call's task (`_guarded`): make its answer now. Not a
-        cancellation's, which the done callback answers as before, once it knows whether
-        the worker is going down (the loop's teardown cancels every task: their calls are
-        the broker's to answer, -32002, not -32603 CancelledError)."""
-        if not ok and isinstance(value, asyncio.CancelledError):
-            return
-        task = asyncio.current_task(self._loop)
-        where = self._task_of.pop(task, None) if task is not None else None
-        if where is None:  # (its done callback answers it: started eagerly, and not yet known)
-            return
-        self._answered.add(task)  # type: ignore[arg-type]  # (its done callback: nothing to do)
-        if type(where[0]) is _Chunk:
-            chunk, i, index = typing.cast("tuple[_Chunk, int, int]", where)
-            self._chunk_task_answer(chunk, i, index, task, (ok, value))  # type: ignore[arg-type]
-        else:
-            call_id, index, t0 = typing.cast("tuple[int, int, float]", where)
-            self._task_answer(call_id, index, t0, task, (ok, value))  # type: ignore[arg-type]
-
-    def _task_done(self, call_id: int, index: int, t0: float, task: asyncio.Task[tuple[bool, object]]) -> None:
-        if task in self._answered:  # (answered in its last step: `_finished`, or at its cancel)
-            self._answered.discard(task)
-            self._wound(task)
-            return
-        self._task_of.pop(task, None)  # (cancelled before it ran, a GeneratorExit: never finished)
-        self._task_answer(call_id, index, t0, task, None)
-
-    def _task_answer(
-        self, call_id: int, index: int, t0: float, task: asyncio.Task[tuple[bool, object]],
-        outcome: tuple[bool, object] | None,
-    ) -> None:
-        if _forked_from:
-            _child_exits(None)
-        self._tasks.pop(call_id, None)
-        awaited = self._awaited.pop(task, 0)
-        if self._down:
-            return
-        kind, body = self._outcome(task, index, outcome)
-        if _forked_from:  # (forked while the result or error was encoded: a `tolist`, a repr)
-            _child_exits(None)
-        if awaited < 0:  # a sync handler's awaitable: its time is not the worker's (wire.AWAITED)
-            self._reply(kind, call_id, t0, body, min(int((_perf() - t0) * 1e6), AWAITED - 1) | AWAITED)
-        elif awaited:  # ... returned after blocking this long: the worker's time, as a sync call's
-            self._reply(kind, call_id, t0, body, awaited)
-        else:
-            self._reply(kind, call_id, t0, body)
-        self._schedule_flush()
-
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -793,14 +651,6 @@ class WorkerProtocol(ChunkRuns, FlowTurns, HeldAnswers, ErrorAnswers, LinkRuns, 
         out += _pack_header(len(body), kind, call_id, service_us)
         out += body
         return service_us
-
-    def _wound(self, task: asyncio.Task[tuple[bool, object]]) -> None:
-        """A task whose cancel was acknowledged at once has ended: a worker told BYE may
-        close now (`_flush`)."""
-        if task in self._winding:
-            self._winding.discard(task)
-            if self._closing:
-                self._schedule_flush()
 
     def _flush(self) -> None:
         if _forked_from:
