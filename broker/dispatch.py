@@ -89,6 +89,7 @@ from broker.policy import Policy
 from broker.queueing import _OVERLOADED, Queueing
 from broker.ratelimit import Limiter
 from broker.replies import Replies, error_code
+from broker.returns import Returns
 from broker.routing import HEAVY_BYTES, Routing
 from broker.wire import (
     ALONE,
@@ -118,7 +119,7 @@ def _queued_of(owner: ResponseBudget) -> int:
     return owner.queued
 
 
-class Dispatcher(Membership, Queueing, Routing, Replies, Draining):
+class Dispatcher(Membership, Queueing, Routing, Replies, Returns, Draining):
     """Routes calls to workers and answers them; one per broker process.
 
     max_queue: calls that may wait for a free worker before "overloaded" (>= 0).
