@@ -334,7 +334,7 @@ class HttpFrontend(Listener):
 
     def drain_connection(self, conn: HttpProtocol) -> None:
         """`drain` of one connection: open at the stop, or queued before it and accepted
-        after (`server._accept_queued`)."""
+        after (`listening._accept_queued`)."""
         transport = conn.transport
         unread = 0 if transport is None or conn._close else unread_bytes(transport)
         if unread:

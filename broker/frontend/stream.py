@@ -312,7 +312,7 @@ class StreamProtocol(Closing, asyncio.Protocol):
             self._refuse()
             return
         fe.connections.add(self)
-        if fe.draining:  # (queued before the stop: `server._accept_queued`; hostile testing, round
+        if fe.draining:  # (queued before the stop: `listening._accept_queued`; hostile testing, round
             self.drain()  # 34: refused "too many connections", counted and logged as such)
 
     def eof_received(self) -> bool:

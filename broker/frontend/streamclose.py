@@ -168,7 +168,7 @@ class Closing(StreamState):
                 return  # (`_read_all_before_stop` half-closes it once it has read them, and owes nothing)
             if (self._fe.waits_for_first_line and not self.lines and not self._buffer and not self.owed
                     and not self._waiting):
-                # Silent since it was accepted (queued at the stop, `server._accept_queued`, or
+                # Silent since it was accepted (queued at the stop, `listening._accept_queued`, or
                 # just connected): its first line may be on its way, and is read and served if it
                 # comes before `wait_closed` gives up, as HTTP's first request is; the drain does
                 # not wait for it (not in `unread`). Half-closed at once, a client that had
