@@ -9,7 +9,7 @@ A connection's turn ends after TURN_SECONDS (2 ms) of its reads' work, but one r
 decode cannot be cut: a 1 MiB body nested 200,000 deep (`[{},[{},...]]` params, valid
 JSON, answered -32600 with its id) takes about 18 ms. With 16 connections pipelining
 them, each took such a turn in every loop iteration. A connection whose turn took longer
-than SLOW_TURN_SECONDS now waits in the slow lane (`frontend.base.SlowLane`), which lets
+than SLOW_TURN_SECONDS now waits in the slow lane (`frontend.slowlane.SlowLane`), which lets
 one go on per iteration.
 
 Shapes (`--shape`): `deep` the 1 MiB body above, `deep300k` one of 300 KB (about 5 ms), `batch`

@@ -677,11 +677,11 @@ def test_once_an_iteration_is_busy_large_reads_wait_in_the_lane_and_small_ones_g
     import uvloop
 
     from broker.dispatch import Dispatcher
-    from broker.frontend import base
+    from broker.frontend import slowlane
 
     large, answer = _requests(protocol_name, b'{"jsonrpc":"2.0","method":"nosuch","params":["' + b"a" * 40_000 + b'"],"id":1}')
     small, _ = _requests(protocol_name, b'{"jsonrpc":"2.0","method":"nosuch","id":2}')
-    assert len(large) > base.SMALL_READ_BYTES >= len(small)
+    assert len(large) > slowlane.SMALL_READ_BYTES >= len(small)
 
     async def main() -> list[tuple[int, int, int]]:
         loop = asyncio.get_running_loop()
@@ -722,7 +722,7 @@ def test_a_read_that_waits_in_the_lane_does_not_restart_the_request_clock():
     import uvloop
 
     from broker.dispatch import Dispatcher
-    from broker.frontend import base
+    from broker.frontend import slowlane
     from broker.frontend.http import HttpFrontend, HttpProtocol
 
     async def main() -> tuple[float, float, int]:
@@ -732,7 +732,7 @@ def test_a_read_that_waits_in_the_lane_does_not_restart_the_request_clock():
         protocol = HttpProtocol(fe)
         transport, _ = await loop.connect_accepted_socket(lambda: protocol, here)
         protocol.data_received(b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                               b"Content-Length: 1000000\r\n\r\n" + b"[" + b" " * (base.SMALL_READ_BYTES + 100))
+                               b"Content-Length: 1000000\r\n\r\n" + b"[" + b" " * (slowlane.SMALL_READ_BYTES + 100))
         started = protocol.request_started = loop.time() - 10  # (as if it began 10 s ago)
         fe.slow_lane.charge(1.0)  # (this iteration's reads took a second)
         protocol.data_received(b" ")  # (one more byte: past SMALL_READ_BYTES with the body, laned)
@@ -809,7 +809,7 @@ def _lane_run(loop_name: str, busy: int, churn_per_iteration: int, iterations: i
 
     import uvloop
 
-    from broker.frontend.base import BYTE_SECONDS, SlowLane
+    from broker.frontend.slowlane import BYTE_SECONDS, SlowLane
 
     waits: dict[str, list[tuple[int, int]]] = {"busy": [], "churn": [], "victim": []}
     loop = uvloop.new_event_loop() if loop_name == "uvloop" else asyncio.new_event_loop()
@@ -867,7 +867,7 @@ def test_the_slow_lane_starves_no_one_whatever_comes(loop_name):
     connections an iteration (more than the lane lets go), no entry waits more than
     OVERTAKEN + 1 times what it would have in the order they came (round 51: checked on the
     oldest entry alone, with 4, entries behind it waited 5 times and more)."""
-    from broker.frontend.base import OVERTAKEN
+    from broker.frontend.slowlane import OVERTAKEN
 
     for churn in (1, 2):
         waits = _lane_run(loop_name, busy=16, churn_per_iteration=churn, iterations=3000, victim_at=100)
@@ -883,7 +883,7 @@ def test_the_slow_lane_shares_by_cost_not_by_turns():
     gives; in the order they came for equal finishes."""
     import asyncio
 
-    from broker.frontend.base import SlowLane
+    from broker.frontend.slowlane import SlowLane
 
     loop = asyncio.new_event_loop()
     order: list[str] = []

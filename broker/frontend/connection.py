@@ -4,7 +4,7 @@
 state of its own: the attributes it reads are each connection's slots, declared here for
 the type checker, as broker/frontend/httpstate.py and streamstate.py do for theirs).
 
-A connection's turn (see TURN_BYTES and TURN_SECONDS in broker/frontend/base.py) ends
+A connection's turn (TURN_BYTES in broker/frontend/base.py, TURN_SECONDS in slowlane.py) ends
 after the read that takes its bytes past TURN_BYTES (`_turn_full`, before the read is
 parsed) or its reads' time past TURN_SECONDS (`_turn_took`, after): its reading pauses
 until its next turn, the loop's next iteration or, after a slow one, the slow lane's
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import typing
 
-from broker.frontend.base import CHARGED_SECONDS, fell_behind, unread_bytes
+from broker.frontend.base import fell_behind, unread_bytes
+from broker.frontend.slowlane import CHARGED_SECONDS
 
 if typing.TYPE_CHECKING:
     import asyncio

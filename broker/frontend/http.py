@@ -69,13 +69,9 @@ import httptools
 
 from broker.answers import Exchange, ResponseBudget, forget
 from broker.frontend.base import (
-    ADMIT_SECONDS,
-    CHARGED_SECONDS,
     PIPELINE_HIGH,
     PIPELINE_LOW,
-    SMALL_READ_BYTES,
     TURN_BYTES,
-    TURN_SECONDS,
     discard_turn,
     is_tls,
 )
@@ -94,6 +90,7 @@ from broker.frontend.httprequest import (
 )
 from broker.frontend.httpstate import Close
 from broker.frontend.mcp import ToolCall, cancel_mcp
+from broker.frontend.slowlane import ADMIT_SECONDS, CHARGED_SECONDS, SMALL_READ_BYTES, TURN_SECONDS
 from broker.jsonrpc import Body, ErrorCode
 from broker.ratelimit import Bucket, address_of
 

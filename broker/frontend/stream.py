@@ -76,14 +76,11 @@ import msgspec
 from broker.answers import Exchange, ResponseBudget, forget
 from broker.dispatch import Dispatcher
 from broker.frontend.base import (
-    ADMIT_SECONDS,
     LINGER_TIME,
     LINGER_TIMEOUT,
     PIPELINE_HIGH,
     PIPELINE_LOW,
-    SMALL_READ_BYTES,
     TURN_BYTES,
-    TURN_SECONDS,
     Limits,
     Listener,
     discard_turn,
@@ -91,6 +88,7 @@ from broker.frontend.base import (
 )
 from broker.frontend.mcp import Cancel, McpServer, ToolCall
 from broker.frontend.mcpsessions import Session
+from broker.frontend.slowlane import ADMIT_SECONDS, SMALL_READ_BYTES, TURN_SECONDS
 from broker.frontend.streamclose import Closing
 from broker.jsonrpc import Body, ErrorCode, Request, error_object, response_error, response_result
 from broker.ratelimit import address_of
