@@ -29,7 +29,7 @@ import typing
 import msgspec
 from msgspec import inspect as mi
 
-__all__ = ["Rewrite", "integral_params", "wants_int"]
+__all__ = ["Rewrite", "holds_int", "integral_params", "wants_int"]
 
 _WRAPPED_NUMBER = msgspec.json.Decoder(float_hook=lambda text: msgspec.Raw(text.encode())).decode
 _encode = msgspec.json.encode
@@ -59,6 +59,31 @@ def wants_int(node: mi.Type) -> bool:
     if isinstance(node, mi.LiteralType):
         return any(type(value) is int for value in node.values)
     return isinstance(node, mi.EnumType) and any(type(member.value) is int for member in node.cls)
+
+
+def holds_int(node: mi.Type) -> bool:
+    """Whether a type, or any type inside it (items, values, fields, union members), takes an
+    integer that a float written integral may stand for (`wants_int`). Recursive types (a
+    Struct holding itself) are walked once each."""
+    pending, seen = [node], set()
+    while pending:
+        node = _bare(pending.pop())
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if wants_int(node):
+            return True
+        if isinstance(node, mi.UnionType):
+            pending.extend(node.types)
+        elif isinstance(node, (mi.ListType, mi.SetType, mi.FrozenSetType, mi.VarTupleType)):
+            pending.append(node.item_type)
+        elif isinstance(node, mi.TupleType):
+            pending.extend(node.item_types)
+        elif isinstance(node, (mi.DictType, mi.FrozenDictType)):
+            pending.append(node.value_type)
+        elif isinstance(node, (mi.StructType, mi.DataclassType, mi.TypedDictType, mi.NamedTupleType)):
+            pending.extend(field.type for field in node.fields)
+    return False
 
 
 def integral_params(params: bytes, positional: tuple[list[mi.Type], mi.Type | None],

@@ -30,7 +30,7 @@ import msgspec
 from broker import collisions
 from broker.errors import RemoteError
 from broker.jsonscan import nests_deeper
-from broker.worker.integral import integral_params
+from broker.worker.integral import holds_int, integral_params
 from broker.worker.param_errors import (
     _DECIMAL_JSON,
     _NOT_DECIMAL,
@@ -114,7 +114,10 @@ class Method(Signature):
         A number written as a float that is an integer (`5.0`, `1e2`: JSON Schema's
         "integer", draft 2020-12, Validation 6.1.1) binds to an `int` where the types want
         one; the params are written again so, once, after they were refused
-        (`_bind_integral`, broker/worker/integral.py): params that fit cost nothing more.
+        (`_bind_integral`, broker/worker/integral.py): params that fit cost nothing more,
+        and neither do those refused for a parameter whose type holds no int (hostile
+        testing, round 136, F2: `tag: str` given a float was refused, then its params
+        decoded twice more, all to be refused the same).
         """
         if len(params) > QUIET_BYTES and not _quiet and gc.isenabled():
             gc.disable()
@@ -181,7 +184,7 @@ class Method(Signature):
                 raise InvalidParams(None, "params must be an array or an object")
             return self._bind_named(obj)
         except InvalidParams as exc:
-            if self._integers is None or _rewritten or not _about_a_number(exc.reason):
+            if self._integers is None or _rewritten or not _about_a_number(exc.reason) or not self._may_want_int(exc.param):
                 raise
             return self._bind_integral(params, max_depth, exc)
 
@@ -203,6 +206,22 @@ class Method(Signature):
             if not (rewrite.fractional and reason.startswith("Expected `int") and _GOT_FLOAT in reason):
                 raise
             raise InvalidParams(exc.param, reason.replace(_GOT_FLOAT, ", got a number with a fractional part", 1)) from None
+
+    def _may_want_int(self, param: str | None) -> bool:
+        """Whether the parameter a refusal names (None: none) may take an int somewhere in its
+        type. If not, `_bind_integral` would refuse the same: no number in it nor before it is
+        written again (those before it were taken, so held no integral float where an int is
+        wanted), and msgspec refuses the first value that does not fit. Cold path."""
+        (types, var_pos), (by_name, var_kw) = typing.cast(tuple[typing.Any, typing.Any], self._integers)
+        if param is None or param in self._pos_only:  # (beside **kwargs, also a key of its: unsure)
+            return True
+        if param in self._pos_names:
+            return holds_int(types[self._pos_names.index(param)])
+        if param in by_name:
+            return holds_int(by_name[param])
+        if var_pos is not None and param == self._var_pos_name():
+            return holds_int(var_pos)
+        return var_kw is None or holds_int(var_kw)  # (a key of **kwargs', or unknown: its refusal says so)
 
     def _decode_typed(self, params: bytes,
                       typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]]) -> object:
