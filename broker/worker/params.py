@@ -49,6 +49,12 @@ from broker.worker.param_errors import (
 )
 from broker.worker.param_errors import _decimal_or_zero as _decimal_or_zero  # (tests read it from params)
 from broker.worker.signature import Signature
+from broker.worker.slow_numbers import (
+    SLOW_NUMBERS_BYTES,
+    SLOW_NUMBERS_MAX,
+    TOO_MANY_SLOW_NUMBERS,
+    slow_numbers,
+)
 
 if typing.TYPE_CHECKING:
     from broker.worker.tools import Described
@@ -118,6 +124,10 @@ class Method(Signature):
         and neither do those refused for a parameter whose type holds no int (hostile
         testing, round 136, F2: `tag: str` given a float was refused, then its params
         decoded twice more, all to be refused the same).
+
+        Params over `SLOW_NUMBERS_BYTES` holding more than `SLOW_NUMBERS_MAX` numbers that
+        msgspec reads slowly (`1e300`: ~15 µs each, broker/worker/slow_numbers.py) are
+        refused before they are decoded (round 136, F2: 1 MiB of them held a worker 5 s).
         """
         if len(params) > QUIET_BYTES and not _quiet and gc.isenabled():
             gc.disable()
@@ -130,6 +140,9 @@ class Method(Signature):
                 if self.raw_params:
                     return (None,), {}
                 params = b"[]"
+            if (len(params) > SLOW_NUMBERS_BYTES and not self.raw_params and not _rewritten
+                    and slow_numbers(params) > SLOW_NUMBERS_MAX):  # (a raw handler's own parser reads them)
+                raise InvalidParams(None, TOO_MANY_SLOW_NUMBERS)
             fast = self._fast
             # Whether they nest past max_depth (exact for JSON; params that are not go on to
             # the checks below, which say so first). Params shorter than max_depth cannot
