@@ -20,10 +20,12 @@ What is left out costs at most ~15 ms a MiB (`0.<700 zeros>1e1000`: 1,478 of the
 ~27 ms). `Method.bind` (broker/worker/params.py) refuses params holding more than
 `SLOW_NUMBERS_MAX` (-32602), so no params keep a worker more than ~10 ms a decoding for them.
 
-The count costs params over `SLOW_NUMBERS_BYTES` ~2-3 ms a MiB, in C (a translation, a count
-of a pair of bytes, a literal search: see `benchmarks/slow_numbers.py`), and only params with
-more than `SLOW_NUMBERS_MAX` exponents, or with a run of 41 digits, are searched further
-(~3-6 ms a MiB). Small params pay one comparison of their length. Nothing here does I/O.
+The count costs params over `SLOW_NUMBERS_BYTES` ~3-5 ms a MiB, in C (two translations, three
+counts of a literal, two literal searches: see `benchmarks/slow_numbers.py`), and only params
+with more than `SLOW_NUMBERS_MAX` exponents of 3 digits or more (or led by zeros), or with 41
+digits before a point or an 'e', are searched further (~3-7 ms a MiB). Measured on 1 MiB:
+`1.5` 3 ms (decoded in 7-15), `1.5e10` 4 (4), prose 3.5 (0.3), hex strings 5.5 (0.5), `1e200` 8
+(8). Small params pay one comparison of their length. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -39,15 +41,17 @@ SLOW_NUMBERS_BYTES = 8 * 1024
 SLOW_NUMBERS_MAX = 512
 """The most slow-to-parse numbers that params over `SLOW_NUMBERS_BYTES` may hold (~10 ms)."""
 
-# Digits read as 0 and 'E' as 'e': a number's exponent follows "0e", a long one's digits are a run of
-# 0s (searched as a literal, not a class of characters: ~1 ms a MiB where `\d{41}` took 20-30)
-_DIGITS_FORM = bytes.maketrans(b"0123456789E", b"0000000000e")
-_LONG_RUN = re.compile(b"0" * 41)
-_LONG_NUMBER = re.compile(rb"\d{41}[.eE]")
-# ('+' dropped: "1E+0300" is searched as "1e0300"; the exponent's last digit is followed by what
-# ends a JSON number in an array or an object, so a hex string's "3e312f" is not counted)
+# Digits read as 0, 'E' as 'e', '+' dropped, what ends a number in an array or an object as ',':
+# an exponent of 3 or 4 digits is then "0e000," or "0e0000," and a long number 41 0s and a point
+# or an 'e' (literals, searched in C: `\d{41}` took 20-30 ms a MiB). An exponent led by two
+# zeros or more is "e00" where only 'E' is read as 'e' (a hex string holds one in 4096 bytes).
+_DIGITS_FORM = bytes.maketrans(b"0123456789E \t\n\r]}", b"0000000000e,,,,,,")
 _EXPONENT_FORM = bytes.maketrans(b"E", b"e")
-_SLOW_EXPONENT = re.compile(rb"e0*(?:2[5-9]|[3-9]\d)\d(?=[\s,\]}])")
+_LONG_POINT, _LONG_EXPONENT = b"0" * 41 + b".", b"0" * 41 + b"e"
+_LONG_NUMBER = re.compile(rb"\d{41}[.eE]")
+# (after a digit, its last digit followed by what ends a number: neither a hex string's "3e312f"
+# nor prose's "e300 " is counted; the lookbehind after the 'e' keeps the search from the literal)
+_SLOW_EXPONENT = re.compile(rb"e(?<=\de)0*(?:2[5-9]|[3-9]\d)\d(?=[\s,\]}])")
 
 TOO_MANY_SLOW_NUMBERS = (
     f"params hold more than {SLOW_NUMBERS_MAX} numbers written with an exponent of 250 to 999 or with 41"
@@ -63,11 +67,11 @@ def slow_numbers(params: bytes) -> int:
     if len(params) <= SLOW_NUMBERS_BYTES:
         return 0
     most = SLOW_NUMBERS_MAX + 1
-    digits = params.translate(_DIGITS_FORM)
+    digits, exponents = params.translate(_DIGITS_FORM, b"+"), params.translate(_EXPONENT_FORM, b"+")
     count = 0
-    if digits.count(b"0e") > SLOW_NUMBERS_MAX:  # (else too few exponents: prose has few "0e")
-        count = _up_to(_SLOW_EXPONENT.finditer(params.translate(_EXPONENT_FORM, b"+")), most)
-    if count < most and _LONG_RUN.search(digits) is not None:
+    if digits.count(b"0e000,") + digits.count(b"0e0000,") + exponents.count(b"e00") > SLOW_NUMBERS_MAX:
+        count = _up_to(_SLOW_EXPONENT.finditer(exponents), most)  # (else too few such exponents)
+    if count < most and (_LONG_POINT in digits or _LONG_EXPONENT in digits):
         count += _up_to(_LONG_NUMBER.finditer(params), most - count)
     return count
 
