@@ -181,6 +181,21 @@ class Membership(DispatcherState):
                 self.membership_tap.ready(worker)
         self._pump()
 
+    def woke(self) -> None:
+        """The front-end read nothing from its clients for `wire.WOKE_SECONDS` (it was stopped,
+        its loop stalled, or no client sent anything): with several front-ends, what the
+        workers wrote meanwhile is read before the clients' bytes. A worker waits a second at
+        most for a front-end to answer its HOLD (broker/worker/alone.py), then runs its call
+        alone; a front-end resumed after that routed the requests its clients sent meanwhile
+        before its loop read the HOLD, into a worker busy in a sync call, and each died with it
+        when it crashed (-32002), never run (hostile testing, round 136). Called by the
+        front-ends' protocols as a read begins, before its bytes are parsed."""
+        if self.on_struck is None:  # (one front-end: no HOLD)
+            return
+        for worker in [*self._ready, *self._held_workers]:
+            if worker.channel is not None:
+                worker.channel.drain()
+
     def worker_held(self, worker: Worker, hold: int) -> None:
         """`worker` runs another front-end's call alone (wire.HOLD, aux `hold` 1), or is done
         with it (0): out of the rotation until then, as if full, its calls waiting there given

@@ -183,6 +183,9 @@ class EchoDispatcher:
         self._owed: list[tuple[Exchange, int, bytes, int]] = []
         self._due = False  # `_answer` is scheduled
 
+    def woke(self) -> None:
+        """As `Membership.woke`: it has no workers to read first."""
+
     def submit(
         self, body: Body, on_done: Callable[[Exchange], None], budget: ResponseBudget | None = None
     ) -> Exchange | None:

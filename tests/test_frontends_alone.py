@@ -241,13 +241,13 @@ def test_a_call_sent_alone_that_waited_behind_another_front_end_s_crash_is_sent_
     assert len(deaths) == 2 and "nap_then_crash: after 1 answer" in deaths[1], deaths
 
 
-def _struck_on_both(b) -> None:  # type: ignore[no-untyped-def]
-    """`crash_if` crashes once on the first front-end: its calls run alone on both from now."""
+def _struck_on_both(b, method: str = "crash_if", params: object = (True,), workers: int = 1) -> None:  # type: ignore[no-untyped-def]
+    """`method` crashes once on the first front-end: its calls run alone on both from now."""
     with connection_to(b.pid, b) as first:
-        first.sendall(request("crash_if", [True], "first"))
+        first.sendall(request(method, list(params), "first"))  # type: ignore[call-overload]
         assert answer(first)["error"]["code"] == -32002  # type: ignore[index]
-    wait_for(lambda: "another front-end's worker died holding calls of crash_if" in b.read_log(0.05), timeout=10)
-    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") >= 1, timeout=20)
+    wait_for(lambda: f"another front-end's worker died holding calls of {method}" in b.read_log(0.05), timeout=10)
+    wait_for(lambda: sample(scrape_metrics(b), "rpc_broker_workers", state="ready") >= workers, timeout=20)
 
 
 def test_a_stopped_front_end_holds_a_call_run_alone_on_another_a_second_at_most(broker_factory):
@@ -287,3 +287,32 @@ def test_a_call_alone_timed_out_waiting_its_turn_says_it_never_started(broker_fa
         assert got["error"] == {"code": -32001, "message": "Call timed out",  # type: ignore[index]
                                 "data": {"timeout_seconds": 0.5, "started": False}}, got
         assert answer(first).get("result") == 2.0
+
+
+def test_a_front_end_resumed_reads_its_workers_before_what_its_clients_sent_meanwhile(broker_factory):
+    """Hostile testing, round 136: a stopped front-end is waited for a second (`HOLD_WAIT_S`), then
+    a call runs alone without its answer. Resumed while that call (a sync one) ran, the front-end
+    routed what its clients had sent meanwhile before its loop read the worker's HOLD: into the
+    worker busy in the call, whose loop read nothing more, and every one died with it when it
+    crashed (-32002), none run. It reads its workers first after such a gap (`Membership.woke`):
+    its calls go to the other worker, each answered."""
+    b, peer = _two_front_ends(broker_factory, workers=2)
+    _struck_on_both(b, "slow_crash", (0,), workers=2)
+    waiting = [connection_to(peer, b) for _ in range(8)]
+    first = connection_to(b.pid, b)
+    os.kill(peer, signal.SIGSTOP)
+    try:
+        for i, sock in enumerate(waiting):
+            sock.sendall(request("nap", [0], i))  # (read by the stopped front-end once resumed)
+        first.sendall(request("slow_crash", [2.0], "crash"))  # alone: a second's wait for the stopped one, then 2 s in it
+        time.sleep(1.6)
+    finally:
+        os.kill(peer, signal.SIGCONT)
+    outcomes = []
+    for sock in waiting:
+        with sock:
+            got = answer(sock)
+            outcomes.append("ok" if got.get("result") == 0 else got["error"]["code"])  # type: ignore[index]
+    assert outcomes == ["ok"] * 8, outcomes
+    with first:
+        assert answer(first)["error"]["code"] == -32002  # type: ignore[index]

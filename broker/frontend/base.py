@@ -293,6 +293,7 @@ class Listener:
         self.evicted_total = {"idle": 0, "trickling": 0, "incoming": 0, "handshake": 0}
         self.send_timed_out_total = 0  # connections reset by `send_timed_out`
         self.lingering = 0  # connections closed early still lingering (`linger_out`)
+        self.read_at = 0.0  # the loop's time of the last read from a client (`Membership.woke`)
 
     def refused(self) -> None:
         """Count a connection turned away at max_connections (logged now and then)."""

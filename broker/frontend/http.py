@@ -93,6 +93,7 @@ from broker.frontend.mcp import ToolCall, cancel_mcp
 from broker.frontend.slowlane import ADMIT_SECONDS, CHARGED_SECONDS, SMALL_READ_BYTES, TURN_SECONDS
 from broker.jsonrpc import Body, ErrorCode
 from broker.ratelimit import Bucket, address_of
+from broker.wire import WOKE_SECONDS
 
 __all__ = [
     "CHUNK_FRAMING_BYTES",
@@ -271,18 +272,21 @@ class HttpProtocol(Requests, Answers, Eviction, asyncio.Protocol):
             self._fe.probe_overflow.pop(self, None)
 
     def data_received(self, data: bytes) -> None:
+        fe = self._fe
+        now = fe.loop.time()
+        if now - fe.read_at > WOKE_SECONDS:  # (several front-ends: what the workers wrote, first)
+            fe.dispatcher.woke()
+        fe.read_at = now
         if self._close:  # discarded (bounded per turn); lingering, the sweep closes it after LINGER_TIMEOUT silent
-            fe = self._fe
             self._turn_bytes = discard_turn(self._transport, self._turn_bytes, len(data), fe.loop)
             if self.lingering_since:
-                self.last_active = fe.loop.time()
+                self.last_active = now
             return
-        fe = self._fe
         fe.received_bytes += len(data)
         # Not `last_active`: bytes that start no request (empty lines before a request
         # line, which httptools skips, RFC 9112 2.2) keep no connection alive, nor out of
         # reach of `make_room`; a request's first byte does (`on_message_begin`).
-        self._read_at = fe.loop.time()
+        self._read_at = now
         if (len(data) + len(self._request.body) > SMALL_READ_BYTES and fe.slow_lane.spent > ADMIT_SECONDS  # (the hot path: one test)
                 and not self.read_paused and not fe.draining):
             # What its turn may decode, which the lane charges: the body it ends (its length

@@ -93,6 +93,7 @@ from broker.frontend.streamclose import Closing
 from broker.jsonrpc import Body, ErrorCode, Request, error_object, response_error, response_result
 from broker.ratelimit import address_of
 from broker.tls import certificate_name
+from broker.wire import WOKE_SECONDS
 
 Submit = typing.Callable[[Body, typing.Callable[[Exchange], None], ResponseBudget], "Exchange | None"]
 
@@ -349,6 +350,10 @@ class StreamProtocol(Closing, asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         fe = self._fe
+        now = fe.loop.time()
+        if now - fe.read_at > WOKE_SECONDS:  # (several front-ends: what the workers wrote, first)
+            fe.dispatcher.woke()
+        fe.read_at = now
         fe.received_bytes += len(data)
         if fe.draining or self._refused:
             if not self._refused and (self._unread or self._reads_on_owing()):
@@ -356,9 +361,8 @@ class StreamProtocol(Closing, asyncio.Protocol):
                 return
             self._turn_bytes = discard_turn(self._transport, self._turn_bytes, len(data), fe.loop)  # (discarded)
             if self.lingering_since:  # (silent for LINGER_TIMEOUT, the sweep closes it)
-                self.last_active = fe.loop.time()
+                self.last_active = now
             return
-        now = fe.loop.time()
         transport = self._transport
         if (len(data) + len(self._buffer) > SMALL_READ_BYTES and fe.slow_lane.spent > ADMIT_SECONDS  # (the hot path: one test)
                 and not self.read_paused and transport is not None):

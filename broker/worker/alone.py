@@ -49,7 +49,7 @@ import math
 import time
 import typing
 
-from broker.wire import ALONE, ERROR, HEADER, HOLD, NOT_RUN, RETURN_ASIDE, STARTS
+from broker.wire import ALONE, ERROR, HEADER, HOLD, HOLD_WAIT_S, NOT_RUN, RETURN_ASIDE, STARTS
 from broker.worker.chunks import _CANCELLED, _DEADLINE_SIZE, _Chunk, _deadline_of
 from broker.worker.links import LINK_SHIFT, Link
 
@@ -58,7 +58,6 @@ __all__ = ["ALONE", "HOLD", "NO_CALL", "AloneRuns"]
 NO_CALL = -1  # `_alone` when no call runs alone here
 _AFTER_DEADLINE_S = 0.002  # the deadline's run comes this much late (timers fire up to 1 ms early)
 _TOLD_AGAIN_S = 0.001  # a STARTS still in this process's buffer: the call starts this much later at the soonest
-HOLD_WAIT_S = 1.0  # a connection held is waited for this long at most (then, and until it answers, not: `_owed`)
 _pack = HEADER.pack
 _Item = tuple[int, int, int, bytes] | _Chunk
 
