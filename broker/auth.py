@@ -194,7 +194,7 @@ def load_file(path: str, source: str = "auth_tokens_file") -> list[Token]:
         text = read_bounded(path, MAX_FILE).decode("utf-8")
     except FileRefused as exc:
         raise AuthError(f"{where}: {exc}: not a token file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # (ValueError: a NUL in its name, from a TOML string)
         raise AuthError(f"{where}: cannot read it: {exc}") from None
     if path.endswith(".toml"):
         try:

@@ -527,6 +527,19 @@ def test_any_env_text_loads_or_raises_config_error(setting: config.Setting, text
         assert isinstance(cfg, Config)
 
 
+
+def test_a_path_setting_holding_a_nul_is_a_config_error(tmp_path: Path) -> None:
+    """Found by the property test above (stop 55): `auth_tokens_file` holding a NUL (a TOML string
+    may, as `"\u0000"`) raised ValueError from os.open, not ConfigError: a traceback at start."""
+    for setting in SETTINGS:
+        try:
+            load(None, {setting.env: "a\x00b"}, {})
+        except ConfigError:
+            pass
+    with pytest.raises(ConfigError, match="a\\x00b: cannot read it: embedded null byte"):
+        load(write(tmp_path, 'auth_tokens_file = "a\\u0000b"\n'), {}, {})
+
+
 # -- method_timeouts ----------------------------------------------------------
 
 
