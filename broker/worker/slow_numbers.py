@@ -18,12 +18,16 @@ that can take that path (a superset of it: the others cost nothing):
 What is left out costs at most ~15 ms a MiB (`0.<700 zeros>1e1000`: 1,478 of them a MiB,
 14 ms), and params of at most `SLOW_NUMBERS_BYTES` are not counted (1,365 numbers at most,
 ~27 ms). `Method.bind` (broker/worker/params.py) refuses params holding more than
-`SLOW_NUMBERS_MAX` (-32602), so no params keep a worker more than ~10 ms a decoding for them.
+`SLOW_NUMBERS_MAX` (-32602), so no params of the forms counted keep a worker more than ~10 ms a
+decoding for them. Not counted (hostile testing, round 137): numbers halfway between two floats
+(`1.2345000000000000576e249`, 6-8 µs each, ~0.25 s a MiB), and a batch's calls are counted one by
+one (docs/reference.md, "Slow-to-read numbers").
 
 The count costs params over `SLOW_NUMBERS_BYTES` ~3-5 ms a MiB, in C (two translations, three
 counts of a literal, two literal searches: see `benchmarks/slow_numbers.py`), and only params
 with more than `SLOW_NUMBERS_MAX` exponents of 3 digits or more (or led by zeros), or with 41
-digits before a point or an 'e', are searched further (~3-7 ms a MiB). Measured on 1 MiB:
+digits before a point or an 'e', are searched further (~3-7 ms a MiB; up to 85 ms a MiB on a long
+run of digits beside one number of 42 digits, round 137). Measured on 1 MiB:
 `1.5` 3 ms (decoded in 7-15), `1.5e10` 4 (4), prose 3.5 (0.3), hex strings 5.5 (0.5), `1e200` 8
 (8). Small params pay one comparison of their length. Nothing here does I/O.
 """
