@@ -59,6 +59,7 @@ class Worker:
         "failures",
         "heavy",
         "heavy_calls",
+        "holds",
         "kill_reason",
         "leaving",
         "limit",
@@ -98,6 +99,7 @@ class Worker:
         self.blocked_in = 0
         self.blocked_until = 0.0
         self.benched = 0
+        self.holds = 0  # HOLDs it sent this front-end (a release waits for the end of its read: `worker_held`)
         self.heavy = 0  # bytes of large params (routing.HEAVY_BYTES or more each) of its calls in flight (the dispatcher's)
         # Those calls, the oldest first, with when each was sent (time.perf_counter() s; the dispatcher's:
         # how soon it may be free of large params, `Routing._drains_in`)

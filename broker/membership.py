@@ -203,10 +203,18 @@ class Membership(DispatcherState):
         to it so far): nothing more comes from here until the release (broker/worker/alone.py).
         Its death ends the hold (`worker_lost`)."""
         if hold:
+            worker.holds += 1
             if worker.channel is not None:
                 worker.channel.send(HOLD, 0, 1, b"")
             self._bench(worker, _HELD)
-        else:
+        else:  # (after the rest of this read: hostile testing, round 137, a front-end resumed after a stop
+            # read a release and the next hold at once, and the release routed its queued calls into the
+            # worker, held again in a sync call run alone, where each died with it, -32002, unrun)
+            self._loop.call_soon(self._released, worker, worker.holds)
+
+    def _released(self, worker: Worker, holds: int) -> None:
+        """`worker_held`'s release, a loop turn later: unless it held this front-end again since."""
+        if worker.holds == holds:
             self._unbench(worker, _HELD)
 
     def worker_blocked(self, worker: Worker, call_id: int, blocked: int, payload: bytes) -> None:

@@ -47,11 +47,31 @@ def test_a_held_worker_takes_nothing_new_until_released_and_its_hold_is_answered
     for i in range(6):
         d.submit(body(codec, req("m", [i], i)), done.append)
     assert not a.channel.take() and len(b.channel.take()) == 6
-    d.on_reply(a, HOLD, 0, 0, b"")  # released
+    d.on_reply(a, HOLD, 0, 0, b"")  # released (after the rest of the read: a loop turn)
+    clock.advance(0)
     assert not a.channel.take()  # (a release is not answered)
     for i in range(6):
         d.submit(body(codec, req("m", [i], i)), done.append)
     assert len(a.channel.take()) == 6  # (b is full of the first six: a takes the next, idle)
+
+
+def test_a_release_read_with_the_next_hold_routes_nothing_to_the_worker(clock):
+    """Hostile testing, round 137 (F6): a front-end resumed after a stop read a release and the
+    worker's next hold in one read, and the release routed its queued calls into the worker,
+    held again in a sync call run alone, where they died with it. The release waits for the rest
+    of the read (a loop turn): held again meanwhile, the worker stays out of the rotation."""
+    d, a, codec, done = one_worker(clock.loop, ["m"], 10)
+    d.on_reply(a, HOLD, 0, 1, b"")
+    for i in range(4):
+        d.submit(body(codec, req("m", [i], i)), done.append)  # (queued: its one worker is held)
+    assert a.channel.take() == [(HOLD, 0, 1, b"")]
+    d.on_reply(a, HOLD, 0, 0, b"")  # the release, and the next hold, in one read
+    d.on_reply(a, HOLD, 0, 1, b"")
+    clock.advance(0)
+    assert a.channel.take() == [(HOLD, 0, 1, b"")]  # (the hold answered; no call sent)
+    d.on_reply(a, HOLD, 0, 0, b"")  # released, and not held again: the queue goes
+    clock.advance(0)
+    assert len([f for f in a.channel.take() if f[0] == wire.Kind.CALL]) == 4
 
 
 def test_a_held_worker_that_dies_is_forgotten_and_its_slot_served_again(clock):
@@ -95,6 +115,7 @@ def test_a_chunk_given_back_aside_in_part_goes_again_call_by_call_as_each_method
     [chunk] = a.channel.take()
     assert chunk[0] == wire.Kind.CHUNK
     d.on_reply(b, HOLD, 0, 0, b"")
+    clock.advance(0)
     b.channel.take()
     d.on_reply(a, HOLD, 0, 1, b"")
     a.channel.take()

@@ -316,3 +316,38 @@ def test_a_front_end_resumed_reads_its_workers_before_what_its_clients_sent_mean
     assert outcomes == ["ok"] * 8, outcomes
     with first:
         assert answer(first)["error"]["code"] == -32002  # type: ignore[index]
+
+
+def test_a_front_end_resumed_reads_a_release_and_the_next_hold_before_it_routes_its_queue(broker_factory):
+    """Hostile testing, round 137 (F6): the peer's calls wait in its queue while its one worker is
+    held by the first front-end's call run alone; the peer is stopped; that call ends (a release)
+    and the next run alone holds it again (a sync call that crashes its worker), started a second
+    later without its answer. Resumed, the peer read both at once, and the release routed its
+    queue into the worker before the hold was read: each call died with it (-32002), never run.
+    The release now waits for the rest of the read (`worker_held`): the calls wait for the next
+    worker, and are answered."""
+    b, peer = _two_front_ends(broker_factory, "--method-timeout", "nap=20", workers=1)
+    _struck_on_both(b, "sleep_then", (0, True))
+    waiting = [connection_to(peer, b) for _ in range(6)]
+    first, second = connection_to(b.pid, b), connection_to(b.pid, b)
+    first.sendall(request("sleep_then", [1.0], "held"))  # run alone: holds the peer
+    time.sleep(0.05)
+    second.sendall(request("sleep_then", [1.5, True], "crash"))  # next, alone: waits its turn in the worker
+    time.sleep(0.05)
+    for i, sock in enumerate(waiting):
+        sock.sendall(request("nap", [0], i))  # (queued in the peer: its one worker is held)
+    time.sleep(0.2)
+    os.kill(peer, signal.SIGSTOP)
+    try:
+        time.sleep(2.3)  # (the first call ended, the second runs: a second's wait for the peer, then 1.5 s)
+    finally:
+        os.kill(peer, signal.SIGCONT)
+    outcomes = []
+    for sock in waiting:
+        with sock:
+            got = answer(sock)
+            outcomes.append("ok" if got.get("result") == 0 else got["error"]["code"])  # type: ignore[index]
+    assert outcomes == ["ok"] * 6, outcomes
+    with first, second:
+        assert answer(first).get("result") == 1.0
+        assert answer(second)["error"]["code"] == -32002  # type: ignore[index]

@@ -116,3 +116,15 @@ def stop_self() -> None:
     import signal
 
     os.kill(os.getpid(), signal.SIGSTOP)
+
+
+@registry.method
+def sleep_then(seconds: float, crash: bool = False) -> float:
+    """Sleeps `seconds` (a sync call: its worker is busy in it, reading nothing), then exits the
+    worker if `crash`, else answers them."""
+    import time
+
+    time.sleep(seconds)
+    if crash:
+        os._exit(1)
+    return seconds
