@@ -289,6 +289,16 @@ def test_a_call_alone_timed_out_waiting_its_turn_says_it_never_started(broker_fa
         assert answer(first).get("result") == 2.0
 
 
+def _naps_answered(socks: list) -> list[object]:  # type: ignore[type-arg]
+    """The answer to the `nap(0)` sent on each of `socks` (closed after): "ok", or its error code."""
+    outcomes: list[object] = []
+    for sock in socks:
+        with sock:
+            got = answer(sock)
+            outcomes.append("ok" if got.get("result") == 0 else got["error"]["code"])  # type: ignore[index]
+    return outcomes
+
+
 def test_a_front_end_resumed_reads_its_workers_before_what_its_clients_sent_meanwhile(broker_factory):
     """Hostile testing, round 136: a stopped front-end is waited for a second (`HOLD_WAIT_S`), then
     a call runs alone without its answer. Resumed while that call (a sync one) ran, the front-end
@@ -308,11 +318,7 @@ def test_a_front_end_resumed_reads_its_workers_before_what_its_clients_sent_mean
         time.sleep(1.6)
     finally:
         os.kill(peer, signal.SIGCONT)
-    outcomes = []
-    for sock in waiting:
-        with sock:
-            got = answer(sock)
-            outcomes.append("ok" if got.get("result") == 0 else got["error"]["code"])  # type: ignore[index]
+    outcomes = _naps_answered(waiting)
     assert outcomes == ["ok"] * 8, outcomes
     with first:
         assert answer(first)["error"]["code"] == -32002  # type: ignore[index]
@@ -342,11 +348,7 @@ def test_a_front_end_resumed_reads_a_release_and_the_next_hold_before_it_routes_
         time.sleep(2.3)  # (the first call ended, the second runs: a second's wait for the peer, then 1.5 s)
     finally:
         os.kill(peer, signal.SIGCONT)
-    outcomes = []
-    for sock in waiting:
-        with sock:
-            got = answer(sock)
-            outcomes.append("ok" if got.get("result") == 0 else got["error"]["code"])  # type: ignore[index]
+    outcomes = _naps_answered(waiting)
     assert outcomes == ["ok"] * 6, outcomes
     with first, second:
         assert answer(first).get("result") == 1.0
