@@ -169,7 +169,7 @@ class AloneRuns:
         self._unheld = {n for n in held if owed[n] == 1}  # (one owing an earlier one is not waited for)
         self._hold_since = time.monotonic()
         if self._unheld:
-            self._hold_timer = self._loop.call_later(HOLD_WAIT_S, self.schedule_run)
+            self._hold_timer = self._loop.call_later(HOLD_WAIT_S + _AFTER_DEADLINE_S, self.schedule_run)  # (uvloop: up to 1 ms early)
         self._spent = True  # type: ignore[misc]  # (each run gives back what came meanwhile: `_alone_check`)
         if deadline < math.inf:
             self._alone_timer = self._loop.call_later(
@@ -216,7 +216,11 @@ class AloneRuns:
         BYE), and no call of another connection runs here (their ends run the loop again)."""
         if self._unheld:
             self._unheld &= set(self._open())
-            if self._unheld and time.monotonic() - self._hold_since < HOLD_WAIT_S:
+            left = self._hold_since + HOLD_WAIT_S - time.monotonic()
+            if self._unheld and left > 0:
+                timer = self._hold_timer  # (one that fired early, as uvloop's may, runs the loop again later)
+                if timer is None or timer.when() <= self._loop.time():
+                    self._hold_timer = self._loop.call_later(left + _AFTER_DEADLINE_S, self.schedule_run)
                 return False
             self._unheld = set()  # (those left are not waited for: what they send is given back)
         mine = self._alone >> LINK_SHIFT
