@@ -134,6 +134,7 @@ class Worker:
 _pack_header = wire.HEADER.pack
 _pack_call = wire.CALL_HEADER.pack
 _DEADLINE_SIZE = wire.DEADLINE.size
+_CALLS = frozenset({wire.CALL, wire.NOTIFY, wire.CHUNK})  # the frames `unsent` gives back
 FLUSH_AT_BYTES = 256 * 1024  # write at once past this much queued, else once per loop turn
 
 
@@ -160,6 +161,7 @@ class WorkerChannel(asyncio.Protocol):
         self._out = bytearray()
         self._flush_scheduled = False
         self._transport: asyncio.Transport | None = None
+        self._ended = False  # its end is read, and the pool told (`_end`)
         self.worker: Worker | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -167,6 +169,20 @@ class WorkerChannel(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        self._end()
+
+    def eof_received(self) -> bool | None:
+        # At once, not a loop turn later at `connection_lost`: the rest of this turn routes
+        # around the worker (hostile testing, round 137: an answer read just before the end
+        # freed a place, and a queued call was written into the dead worker, -32002, unrun).
+        self._end()
+        return None  # (the transport closes)
+
+    def _end(self) -> None:
+        """The worker's end is read (EOF, a read error, `drain`'s EOF): the pool is told, once."""
+        if self._ended:
+            return
+        self._ended = True
         # Only while it is its worker's channel: a restart with no backoff (a hung kill, a
         # worker up 30 s) can reap the old process and start the slot's next before this
         # socket's end is read, which then made the new one DEAD, refused its HELLO ("from
@@ -242,11 +258,27 @@ class WorkerChannel(asyncio.Protocol):
             self._pool.loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Write everything queued now."""
+        """Write everything queued now; unless the worker's end is read, or the socket
+        closes (a read error), or the write fails (EPIPE: the worker's end came first, not
+        read yet): then it is kept, never sent, for `unsent`."""
         self._flush_scheduled = False
-        if self._out and self._transport is not None:
-            self._transport.write(bytes(self._out))
+        transport = self._transport
+        if self._out and transport is not None and not self._ended and not transport.is_closing():
+            transport.write(bytes(self._out))
+            # (uvloop writes at once, and closes the transport if that fails: hostile testing, round
+            # 137, a queued call written into a worker dead for half a second was answered -32002)
+            if not transport.is_closing():
+                self._out.clear()
+
+    def unsent(self) -> dict[int, bytes]:
+        """The calls queued for the worker and never written (`flush`): {call id: params}
+        of each CALL, NOTIFY and CHUNK frame (a chunk's: its entries), forgotten here. Its
+        death did not touch them: `Membership.worker_lost` sends them again."""
+        if not self._out:
+            return {}
+        frames = wire.FrameDecoder(len(self._out)).feed(self._out)
         self._out.clear()
+        return {call_id: payload[_DEADLINE_SIZE:] for kind, call_id, _aux, payload in frames if kind in _CALLS}
 
     def drain(self) -> None:
         """Read and act on what the worker wrote that this end has not read yet: called once
@@ -262,7 +294,9 @@ class WorkerChannel(asyncio.Protocol):
                 data = os.read(sock.fileno(), 1 << 18)
             except OSError:  # (BlockingIOError: nothing more)
                 return
-            if not data:
+            if not data:  # (its end: as if read by the loop, `eof_received`; not while it is
+                if self.worker is None or self.worker.state is not WorkerState.DEAD:  # lost already)
+                    self._end()
                 return
             self.data_received(data)
 

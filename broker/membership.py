@@ -318,12 +318,16 @@ class Membership(DispatcherState):
         lost = [c for c in self._pending.values() if c.worker is worker]
         unstarted = self._unstarted
         again = [c for c in lost if c.call_id in unstarted] if unstarted and lost else []
-        if again:  # (sent ALONE and never started there, wire.STARTS: not its death's, sent again)
-            if worker.channel is not None:  # (what it said before it died, read first: a STARTS too)
-                worker.channel.drain()
-                lost = [c for c in self._pending.values() if c.worker is worker]
-                again = [c for c in lost if c.call_id in unstarted]
-            lost = [c for c in lost if c.call_id not in unstarted]
+        if again and worker.channel is not None:  # (sent ALONE and never started there, wire.STARTS: not its
+            worker.channel.drain()  # death's, sent again; what it said before it died read first: a STARTS too)
+            lost = [c for c in self._pending.values() if c.worker is worker]
+        # Never written to it: queued for it as its end was read (hostile testing, round 137: an answer
+        # read just before the end freed a place, or a release, and a call went into the dead socket)
+        unsent = worker.channel.unsent() if lost and worker.channel is not None else {}
+        if unstarted or unsent:
+            again = [c for c in lost if c.call_id in unstarted or c.call_id in unsent]
+            if again:
+                lost = [c for c in lost if c.call_id not in unstarted and c.call_id not in unsent]
         if worker.overdue:
             worker.overdue.clear()
             self._overdue -= 1
@@ -333,7 +337,7 @@ class Membership(DispatcherState):
             else:
                 del self._alone[worker]
         if again:
-            self._again(again)
+            self._again(again, unsent)
         elif not lost:
             return
         # Its notifications not yet run or ended are lost: counted, as they get no answer
@@ -367,15 +371,19 @@ class Membership(DispatcherState):
         self._check_idle()
         self._pump()
 
-    def _again(self, calls: list[Call]) -> None:
-        """`calls` were sent ALONE to a worker now dead, which had not started them (wire.STARTS:
-        they waited their turn, or for another front-end's calls to end): never run, they wait
-        again at the head of their connection's calls, as calls given back (`_requeue`), and
-        their methods take no strike (hostile testing, round 132: one waiting beside another
+    def _again(self, calls: list[Call], unsent: dict[int, bytes]) -> None:
+        """`calls` were sent to a worker now dead, which did not start them: never written to it
+        (`unsent`, {call id: params}: `WorkerChannel.unsent`), or sent ALONE and not started there
+        (wire.STARTS: they waited their turn, or for another front-end's calls to end). Never run,
+        they wait again at the head of their connection's calls, as calls given back (`_requeue`),
+        and their methods take no strike (hostile testing, round 132: one waiting beside another
         front-end's crash was answered -32002, and its method struck once more). One past its
         deadline is answered -32001, `"started": false`, unless it was already."""
+        blocking = self._blocking
+        by_owner: dict[object, list[Call]] = {}
         for call in calls:
-            params = self._unstarted.pop(call.call_id)
+            kept = self._unstarted.pop(call.call_id, b"")
+            params = unsent.get(call.call_id, kept)
             del self._pending[call.call_id]
             call.worker = None
             owner = call.owner
@@ -385,13 +393,20 @@ class Membership(DispatcherState):
             if call.sync > 0:
                 owner.blocking -= call.sync
             if call.tick:
-                call.params = params
-                call.sync = 1 if self._blocking[call.index] else -1 if self._sync_us[call.index] >= 0 else 0
-                self._requeue([call], RETURN_ASIDE)
+                if call.methods is None:
+                    call.params = params
+                    call.sync = 1 if blocking[call.index] else -1 if self._sync_us[call.index] >= 0 else 0
+                else:  # (a chunk: its method indexes as the table's now, `_translate`)
+                    call.params = with_methods(params, call.methods)
+                    call.sync = sum(blocking[m] for m in call.methods)
+                call.stale = False
+                by_owner.setdefault(owner, []).append(call)
             elif call.exchange is not None:  # (its timeout waited to read what the worker wrote:
                 self._finish(call, timed_out(call, False), ErrorCode.TIMED_OUT)  # `_alone_timed_out`)
             else:
                 self.late_cancelled_total += int(call.kind != NOTIFY)
+        for owned in by_owner.values():  # (each connection's in the order they were sent)
+            self._requeue(owned, RETURN_ASIDE)
 
     def _blame(self, worker: Worker, lost: list[Call], notifications: int) -> None:
         """`worker` died holding `lost`: their methods' calls run alone from now on

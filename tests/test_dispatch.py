@@ -87,6 +87,7 @@ class RecordingChannel:
         self.frames: list[tuple[int, int, int, bytes]] = []
         self.deadlines: dict[int, float] = {}
         self.flows: dict[int, int] = {}
+        self.refused: dict[int, bytes] = {}  # calls the socket is to have refused ({call id: params}: `unsent`)
 
     def send(self, kind: int, call_id: int, aux: int, payload: object) -> None:
         self.frames.append((kind, call_id, aux, bytes(payload)))  # type: ignore[call-overload]
@@ -101,6 +102,15 @@ class RecordingChannel:
     def take(self) -> list[tuple[int, int, int, bytes]]:
         frames, self.frames = self.frames, []
         return frames
+
+    def refuse(self, frame: tuple[int, int, int, bytes]) -> None:
+        """The write of a call's `frame` (as `take` gave it) failed, the worker's end first: `unsent` gives it."""
+        self.refused[frame[1]] = frame[3]
+
+    def unsent(self) -> dict[int, bytes]:
+        """As `WorkerChannel.unsent`: the calls never written, {call id: params} (those `refuse` named)."""
+        refused, self.refused = self.refused, {}
+        return refused
 
 
 def add_worker(d: Dispatcher, slot: int, concurrency: int) -> Worker:

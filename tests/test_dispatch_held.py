@@ -9,7 +9,7 @@ import json
 import typing
 
 import pytest
-from test_dispatch import _entries_from, add_worker, body, req, restarted
+from test_dispatch import _entries_from, add_worker, body, chunk_reply, req, restarted
 from test_dispatch_core import Clock, one_worker
 
 from broker import wire
@@ -186,3 +186,28 @@ def test_a_death_several_front_ends_saw_strikes_each_method_once(clock, told_fir
     assert d.isolated == {"boom": 1}  # (one strike: 1 answer owed)
     d.struck(["boom"], False, 4343)  # (another death: a second strike)
     assert d.isolated == {"boom": 2}
+
+
+def test_calls_never_written_to_a_worker_that_died_go_to_the_next_unblamed(clock):
+    """Hostile testing, round 137 (F7, F8): calls queued for a worker whose end came before their
+    write (`WorkerChannel.unsent`: the write failed, EPIPE) never reached it: a single and a chunk
+    wait again, in their order, and go whole to the next worker; the call it held takes the blame."""
+    d, a, codec, done = one_worker(clock.loop, ["m", "n"], 10)
+    d.submit(body(codec, req("n", [0], "held")), done.append)
+    d.submit(body(codec, req("m", [1], 1)), done.append)
+    d.submit(body(codec, [req("m", [i], i) for i in (2, 3)] + [req("n", [4], 4)]), done.append)
+    _held, single, chunk = a.channel.take()
+    assert (single[0], chunk[0]) == (wire.Kind.CALL, wire.Kind.CHUNK)
+    a.channel.refuse(single)
+    a.channel.refuse(chunk)
+    b = add_worker(d, 1, 3)
+    d.worker_lost(a, "exited with 1")
+    again_single, again_chunk = b.channel.take()
+    assert again_single[:1] == single[:1] and json.loads(again_single[3]) == [1]
+    assert again_chunk[0] == wire.Kind.CHUNK and again_chunk[3] == chunk[3]  # (the same calls, methods)
+    assert json.loads(done[0].body())["error"]["code"] == -32002  # (the call it held)
+    assert ([d._isolation.strikes(i) for i in (0, 1)]) == [0, 1]  # (`n` struck, `m` not)
+    d.on_reply(b, wire.Kind.RESULT, again_single[1], 0, b'"one"')
+    d.on_reply(b, wire.Kind.CHUNK_REPLY, again_chunk[1], 3, chunk_reply(again_chunk))
+    assert json.loads(done[1].body())["result"] == "one"
+    assert sorted(r["id"] for r in json.loads(done[2].body())) == [2, 3, 4]

@@ -353,3 +353,33 @@ def test_a_front_end_resumed_reads_a_release_and_the_next_hold_before_it_routes_
     with first, second:
         assert answer(first).get("result") == 1.0
         assert answer(second)["error"]["code"] == -32002  # type: ignore[index]
+
+
+def test_a_front_end_resumed_sends_its_queue_to_the_next_worker_not_the_one_that_died_meanwhile(broker_factory):
+    """Hostile testing, round 137 (F7): as above, but the next call is of a method not struck, and
+    crashes the worker while the peer is stopped. Resumed, the peer read the release and routed its
+    queue into the dead worker's socket before its loop read the end: each call died with it
+    (-32002, "may have run"), never run, and its method was struck. The write fails (EPIPE): the
+    calls are kept, never sent (`WorkerChannel.unsent`), and go to the next worker, answered."""
+    b, peer = _two_front_ends(broker_factory, "--method-timeout", "nap=20", workers=1)
+    _struck_on_both(b, "sleep_then", (0, True))
+    waiting = [connection_to(peer, b) for _ in range(6)]
+    first, second = connection_to(b.pid, b), connection_to(b.pid, b)
+    first.sendall(request("sleep_then", [1.0], "held"))  # run alone: holds the peer
+    time.sleep(0.05)
+    second.sendall(request("nap_then_crash", [0.5], "crash"))  # after it, not alone: the worker dies at 1.5 s
+    time.sleep(0.05)
+    for i, sock in enumerate(waiting):
+        sock.sendall(request("nap", [0], i))  # (queued in the peer: its one worker is held)
+    time.sleep(0.2)
+    os.kill(peer, signal.SIGSTOP)
+    try:
+        time.sleep(2.0)  # (the release at 1 s, the crash at 1.5 s: both unread)
+    finally:
+        os.kill(peer, signal.SIGCONT)
+    outcomes = _naps_answered(waiting)
+    assert outcomes == ["ok"] * 6, outcomes
+    with first, second:
+        assert answer(first).get("result") == 1.0
+        assert answer(second)["error"]["code"] == -32002  # type: ignore[index]
+    assert "nap:" not in b.read_log(0.5)  # (not struck)

@@ -11,10 +11,13 @@ the other workers, and do not die with them.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import threading
 import time
+import typing
 
 from conftest import sample, scrape_metrics, wait_for
 
@@ -171,3 +174,68 @@ def test_a_worker_s_death_is_logged_with_its_calls_clients_and_its_notifications
         log[-2000:]
     assert sample(scrape_metrics(b), "rpc_broker_notifications_dropped_total", reason="worker_died") == 1
 
+
+
+def _http(method: str, params: object, id_: object) -> bytes:
+    body = json.dumps({"jsonrpc": "2.0", "method": method, "params": params, "id": id_}).encode()
+    return (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body))
+
+
+def test_calls_queued_as_their_worker_died_go_to_its_replacement_not_blamed(broker_factory):
+    """Hostile testing, round 137 (F8): one worker of 2 places holds `nap_then_crash(0.5)` and
+    `nap(0.2)`; `pid` calls (and a batch) wait in the front-end's queue. The front-end is stopped from
+    before the nap answers until after the crash: resumed, it read the answer, which freed a place,
+    and wrote the next queued call into the dead worker's socket before its loop read the end; the
+    call died with it (-32002, "may have run") though it never reached a live process, and its
+    method was struck (run alone). Such a write fails (EPIPE): the calls it held are kept, never
+    sent (`WorkerChannel.unsent`), and go to the next worker, answered; only the crasher is blamed."""
+    b = broker_factory("--workers", "1", "--worker-concurrency", "2", "--app", "tests.apps.crashy:registry",
+                       "--method-timeout", "nap=20")
+    assert b.call("nap", [0])["result"] == 0
+    socks = [socket.create_connection((b.host, b.port), timeout=30) for _ in range(8)]
+    crasher, napper, queued, batched = socks[0], socks[1], socks[2:7], socks[7]
+    try:
+        crasher.sendall(_http("nap_then_crash", [0.5], "crash"))
+        napper.sendall(_http("nap", [0.2], "nap"))
+        time.sleep(0.05)
+        body = json.dumps([{"jsonrpc": "2.0", "method": "pid", "id": k} for k in range(3)]).encode()
+        batched.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # (queued: the worker's 2
+        time.sleep(0.02)  # places are taken; first in line)
+        for i, s in enumerate(queued):
+            s.sendall(_http("pid", [], i))
+        time.sleep(0.1)
+        os.kill(b.pid, signal.SIGSTOP)  # (the front-end: the worker answers the nap, then dies)
+        try:
+            time.sleep(0.9)
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        bodies = [_body(s) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    assert bodies[0]["error"]["code"] == -32002, bodies[0]  # type: ignore[index]
+    assert bodies[1].get("result") == 0.2, bodies[1]
+    pids = {body.get("result") for body in bodies[2:7]} | {a.get("result") for a in bodies[7]}
+    assert len(pids) == 1 and None not in pids, bodies[2:]  # (each answered, by the next worker)
+    assert sorted(a["id"] for a in bodies[7]) == [0, 1, 2], bodies[7]
+    log = b.read_log(timeout=1.0)
+    assert "died holding 1 call" in log and ": nap_then_crash: after 1 answer" in log, log[-2000:]
+    assert "pid:" not in log, log[-2000:]
+
+
+def _body(sock: socket.socket) -> typing.Any:
+    """One HTTP answer's decoded JSON body off `sock` (Content-Length framed)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, "closed"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "closed"
+        body += chunk
+    return json.loads(body)
