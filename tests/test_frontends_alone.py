@@ -383,3 +383,29 @@ def test_a_front_end_resumed_sends_its_queue_to_the_next_worker_not_the_one_that
         assert answer(first).get("result") == 1.0
         assert answer(second)["error"]["code"] == -32002  # type: ignore[index]
     assert "nap:" not in b.read_log(0.5)  # (not struck)
+
+
+def test_an_answer_that_closes_a_connection_with_bytes_unread_ends_it_with_a_fin_not_a_reset(broker_factory):
+    """Hostile testing, round 137 (F4): a request with `Connection: close`, answered while the
+    front-end was stopped, and another request sent after it meanwhile (a client that did not wait
+    for the answer). Resumed, the front-end read the answer before those bytes (`woke`), closed
+    the connection with them unread, and the kernel reset it (RST): over a network the client
+    could lose the answer of a call that ran. It half-closes and discards them instead, as at any
+    close with bytes unread (`unread_bytes`): the answer, then the end."""
+    b, peer = _two_front_ends(broker_factory, workers=1)
+    sock = connection_to(peer, b)
+    closing = request("sleep_then", [0.3], "first").replace(b"Host:", b"Connection: close\r\nHost:")
+    with sock:
+        sock.sendall(closing)
+        time.sleep(0.1)
+        os.kill(peer, signal.SIGSTOP)
+        try:
+            time.sleep(0.3)
+            sock.sendall(request("sleep_then", [0], "second"))  # (unread: the front-end is stopped)
+            time.sleep(0.6)
+        finally:
+            os.kill(peer, signal.SIGCONT)
+        data = b""
+        while chunk := sock.recv(65536):  # (a reset raises ConnectionResetError)
+            data += chunk
+    assert data.count(b"HTTP/1.1 200") == 1 and b'"result":0.3' in data and b"second" not in data, data

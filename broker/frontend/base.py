@@ -169,7 +169,7 @@ def unread_bytes(transport: asyncio.BaseTransport) -> int:
     """Bytes its peer sent on `transport` that the kernel holds and the broker has not
     read yet (SIOCINQ, tcp(7) and unix(7): a stream socket's receive queue; 0 where the
     ioctl is not available or fails, as on a socket already closed). One system call:
-    for the stop, not per read."""
+    for the stop and a close, not per read."""
     sock = transport.get_extra_info("socket")
     if _INQ is None or sock is None:
         return 0

@@ -34,7 +34,7 @@ from __future__ import annotations
 import typing
 
 from broker.answers import Exchange
-from broker.frontend.base import PIPELINE_HIGH, PIPELINE_LOW
+from broker.frontend.base import PIPELINE_HIGH, PIPELINE_LOW, unread_bytes
 from broker.frontend.httpmsg import CLOSE, TOO_MANY_BODY, error_body, json_response, retry_after
 from broker.frontend.httpowed import Deferred, Ready, Scrape
 from broker.frontend.httpstate import Close, HttpState
@@ -230,9 +230,13 @@ class Answers(HttpState):
             self._responses.clear()
             self._drop_unfinished()
             fe.recount()  # (a request under way it was answered early is not waited for: `held`)
-            if (self._close is Close.LINGER or fe.draining) and not self._eof and not self._probe_only and transport.can_write_eof():
-                # An answer before the request was read: closing now would reset the
-                # connection under a client still sending, and it would never see the
+            if (self._close is Close.LINGER or fe.draining or unread_bytes(transport)) and (
+                not self._eof and not self._probe_only and transport.can_write_eof()
+            ):
+                # An answer before the request was read, or with bytes the client sent after
+                # it still unread (hostile testing, round 137: a front-end resumed after a
+                # stop read its worker's answer before them): closing now would reset the
+                # connection under a client still sending, and it might never see the
                 # answer. Half-close and keep discarding its bytes (nginx's lingering
                 # close); the client closes, or the sweep does after LINGER_TIMEOUT
                 # silent or LINGER_TIME in all; make_room may close it sooner. (The
