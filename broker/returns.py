@@ -147,9 +147,10 @@ class Returns(DispatcherState):
         return singles
 
     def _requeue(self, calls: list[Call], aside: int = 0) -> None:
-        """Queue `calls` (of one connection, in order), given back by their worker
-        (`_returned`), at the head of their connection's calls, as blocking sync calls (their
-        method turned out slow), whatever the queue's bounds: they were admitted once. The
+        """Queue `calls` (of one connection, in order; a chunk counts its calls), given back by
+        their worker (`_returned`, `Membership._again`), at the head of their connection's calls,
+        as blocking sync calls (their method turned out slow), whatever the queue's bounds: they
+        were admitted once. The
         replies that teach the dispatcher how slow the method is come with them, or soon after.
         `aside`: given back for another front-end's call run alone, they keep how they were sent."""
         owner = calls[0].owner
@@ -160,8 +161,9 @@ class Returns(DispatcherState):
             hold(call)
             queue.appendleft(call, owner)
             self._queued_bytes += call.held
-        self._queued_calls += len(calls)
-        owner.queued += len(calls)
+        weight = sum(call.weight for call in calls)  # (a chunk's calls: `Membership._again`; hostile
+        self._queued_calls += weight  # testing, round 138: counted as one, the count drifted below 0
+        owner.queued += weight  # for good, and calls queued later were left there to their deadline)
         self._largest.grew(owner)
         if owner in self._room_waiters or owner in self._share_waiters:  # (its first call is another now:
             queue.release(owner)  # the `_pump` that comes next decides again; it keeps its place)

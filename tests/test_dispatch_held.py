@@ -203,6 +203,7 @@ def test_calls_never_written_to_a_worker_that_died_go_to_the_next_unblamed(clock
     b = add_worker(d, 1, 3)
     d.worker_lost(a, "exited with 1")
     again_single, again_chunk = b.channel.take()
+    assert (d.queued_calls, d.in_flight_calls) == (0, 4)  # (hostile testing, round 138: the chunk counted as one call, -2)
     assert again_single[:1] == single[:1] and json.loads(again_single[3]) == [1]
     assert again_chunk[0] == wire.Kind.CHUNK and again_chunk[3] == chunk[3]  # (the same calls, methods)
     assert json.loads(done[0].body())["error"]["code"] == -32002  # (the call it held)
@@ -211,3 +212,4 @@ def test_calls_never_written_to_a_worker_that_died_go_to_the_next_unblamed(clock
     d.on_reply(b, wire.Kind.CHUNK_REPLY, again_chunk[1], 3, chunk_reply(again_chunk))
     assert json.loads(done[1].body())["result"] == "one"
     assert sorted(r["id"] for r in json.loads(done[2].body())) == [2, 3, 4]
+    assert (d.queued_calls, d.in_flight_calls) == (0, 0)
