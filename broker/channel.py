@@ -19,7 +19,7 @@ from broker.wire import BYE, CHUNK_REPLY, ERROR, HELLO, RESULT
 if typing.TYPE_CHECKING:
     from broker.pool import Pool
 
-__all__ = ["TRANSITIONS", "CodeChanged", "Worker", "WorkerChannel", "WorkerState"]
+__all__ = ["TRANSITIONS", "CodeChanged", "LateHello", "Worker", "WorkerChannel", "WorkerState"]
 
 log = logging.getLogger("broker.pool")  # (the pool's logger: these are its lines)
 
@@ -145,6 +145,12 @@ class CodeChanged(wire.FrameError):
     hint = "a reload to the code on disk follows by itself; send SIGHUP after changing the app"
 
 
+class LateHello(wire.FrameError):
+    """A worker's HELLO read after its exit was reaped (`Pool.hello`): the process is gone, its
+    exit logged; its connection is closed (hostile testing, round 138: an ERROR that said "HELLO
+    from pid N for slot 0, expected pid N")."""
+
+
 class WorkerChannel(asyncio.Protocol):
     """The broker's end of one worker's Unix socket.
 
@@ -220,6 +226,10 @@ class WorkerChannel(asyncio.Protocol):
                     return
                 except CodeChanged as exc:  # (expected, and healed by the reload: logged as WARNING)
                     log.info("closing the connection of a worker whose code changed on disk: %s", exc)
+                    self.close()
+                    return
+                except LateHello as exc:  # (its exit was logged already: nothing is wrong here)
+                    log.info("closing the connection of a worker gone: %s", exc)
                     self.close()
                     return
                 except wire.FrameError as exc:

@@ -78,7 +78,7 @@ import time
 import typing
 
 from broker import wire
-from broker.channel import TRANSITIONS, CodeChanged, Worker, WorkerChannel, WorkerState
+from broker.channel import TRANSITIONS, CodeChanged, LateHello, Worker, WorkerChannel, WorkerState
 from broker.config import ConfigError
 from broker.dispatch import Dispatcher
 from broker.errors import LocalError
@@ -509,7 +509,8 @@ class Pool(Reloads, Recycling, Restarts):
 
     def hello(self, channel: WorkerChannel, hello: wire.Hello) -> Worker:
         """Bind a new connection to its worker slot; raises `wire.FrameError` if it
-        does not match a worker we started (wrong slot or pid, other methods)."""
+        does not match a worker we started (wrong slot or pid, other methods; `LateHello`:
+        read after its exit was reaped)."""
         if not 0 <= hello.slot < self.size:
             raise wire.FrameError(f"HELLO from unknown slot {hello.slot}")
         names = [m.name for m in hello.methods]
@@ -521,6 +522,8 @@ class Pool(Reloads, Recycling, Restarts):
         if rec is not None and rec.new.state is WorkerState.STARTING and rec.new.pid == hello.pid:
             return self._hello_replacement(channel, rec, names, hello)
         worker = self.workers[hello.slot]
+        if worker.pid == hello.pid and worker.state is WorkerState.DEAD:  # (read after its exit was reaped)
+            raise LateHello(f"worker {hello.slot} (pid {hello.pid}) said HELLO before it exited")
         if worker.state is not WorkerState.STARTING or worker.pid != hello.pid:
             raise wire.FrameError(f"HELLO from pid {hello.pid} for slot {hello.slot}, expected pid {worker.pid}")
         if self.methods is None:

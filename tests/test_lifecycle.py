@@ -2027,3 +2027,30 @@ def test_a_restarted_worker_that_sends_no_hello_is_killed_at_boot_timeout_and_st
              timeout=10)
     spec.write_text(json.dumps({"version": 3, "methods": ["a"]}))
     wait_for(lambda: b.call("a", timeout=10).get("result") == {"version": 3, "method": "a"}, timeout=40)
+
+
+def test_a_hello_read_after_its_worker_exited_is_refused_quietly(broker_factory):
+    """Hostile testing, round 138 (F3): a restarted worker is killed once it has said HELLO, while
+    the front-end is stopped; resumed, the front-end reaped its exit before it read the HELLO, and
+    logged an ERROR that contradicted itself, "HELLO from pid N for slot 0, expected pid N". The
+    connection is closed with an INFO line saying the worker said HELLO before it exited, and the
+    slot's next worker serves."""
+    from test_frontends import workers_of
+
+    b = broker_factory("--workers", "1", "--app", "tests.apps.crashy:registry")
+    [old] = workers_of(b.pid)
+    os.kill(old, signal.SIGKILL)
+    new: list[int] = []
+    wait_for(lambda: bool(new.extend(p for p in workers_of(b.pid) if p != old) or new), timeout=10, interval=0.005)
+    time.sleep(0.03)  # (the pool has its pid: the spawn's end is read; its app still imports)
+    os.kill(b.pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.5)  # (the new worker imports its app, connects, says HELLO: unread)
+        os.kill(new[0], signal.SIGKILL)
+        time.sleep(0.2)
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    wait_for(lambda: b.call("pid").get("result") not in (None, old, new[0]), timeout=20)
+    log = b.read_log(timeout=0.5)
+    assert f"closing the connection of a worker gone: worker 0 (pid {new[0]}) said HELLO before it exited" in log, log[-3000:]
+    assert "ERROR" not in log, log[-3000:]
