@@ -30,6 +30,14 @@ import msgspec
 from broker import collisions
 from broker.errors import RemoteError
 from broker.jsonscan import nests_deeper
+from broker.worker.floats import (
+    _BEYOND_READ,
+    BEYOND,
+    first_beyond,
+    plain_numbers,
+    read_json,
+    read_json_beyond,
+)
 from broker.worker.integral import holds_int, integral_params
 from broker.worker.param_errors import (
     _DECIMAL_JSON,
@@ -44,17 +52,12 @@ from broker.worker.param_errors import (
     _number_out_of_range,
     _object_of,
     _refuses,
+    _split_path,
     _tail_message,
     _values_decoded,
 )
 from broker.worker.param_errors import _decimal_or_zero as _decimal_or_zero  # (tests read it from params)
 from broker.worker.signature import Signature
-from broker.worker.slow_numbers import (
-    SLOW_NUMBERS_BYTES,
-    SLOW_NUMBERS_MAX,
-    TOO_MANY_SLOW_NUMBERS,
-    slow_numbers,
-)
 
 if typing.TYPE_CHECKING:
     from broker.worker.tools import Described
@@ -74,8 +77,11 @@ class InvalidParams(RemoteError):
 QUIET_BYTES = 64 * 1024
 """Params longer than this are bound with the cyclic garbage collector off (`Method.bind`)."""
 _FIELD_IN_MSG = re.compile(r"field `([^`]+)`")
-_decode_json = msgspec.json.decode
+_decode_plain = msgspec.json.decode  # (params whose numbers it reads fast: `plain_numbers`)
+_decode_json = read_json  # (the others: floats read by float(), broker/worker/floats.py)
 _astuple = msgspec.structs.astuple
+_convert = msgspec.convert
+_UNREAD = object()  # (`bind`: params not decoded yet)
 
 
 class Method(Signature):
@@ -125,11 +131,15 @@ class Method(Signature):
         testing, round 136, F2: `tag: str` given a float was refused, then its params
         decoded twice more, all to be refused the same).
 
-        Params over `SLOW_NUMBERS_BYTES` holding more than `SLOW_NUMBERS_MAX` numbers that
-        msgspec reads slowly (`1e300`: ~15 µs each, broker/worker/slow_numbers.py) are
-        refused before they are decoded (round 136, F2: 1 MiB of them held a worker 5 s).
+        Params holding a number msgspec may read slowly (`1e308`, `1.2345000000000000576e249`:
+        2-20 µs each, broker/worker/floats.py) skip the fast path: they are decoded with their
+        floats read by float() (at most ~70 ms a MiB), then converted (hostile testing, rounds
+        136 and 137: 1 MiB of them held a worker 0.25-5 s, or was refused for their count). A
+        float past a double's range is read as `BEYOND` there, so that its refusal is placed
+        from that one decoding (`_beyond`; round 137, F5: refused after ~6 decodings).
         """
-        if len(params) > QUIET_BYTES and not _quiet and gc.isenabled():
+        size = len(params)
+        if size > QUIET_BYTES and not _quiet and gc.isenabled():
             gc.disable()
             try:
                 return self.bind(params, max_depth, True)
@@ -140,9 +150,7 @@ class Method(Signature):
                 if self.raw_params:
                     return (None,), {}
                 params = b"[]"
-            if (len(params) > SLOW_NUMBERS_BYTES and not self.raw_params and not _rewritten
-                    and slow_numbers(params) > SLOW_NUMBERS_MAX):  # (a raw handler's own parser reads them)
-                raise InvalidParams(None, TOO_MANY_SLOW_NUMBERS)
+                size = 2
             fast = self._fast
             # Whether they nest past max_depth (exact for JSON; params that are not go on to
             # the checks below, which say so first). Params shorter than max_depth cannot
@@ -151,22 +159,36 @@ class Method(Signature):
             # they took every such call off the fast path and through a whole `scan_json`,
             # hostile testing).
             deep = (
-                len(params) > max_depth
+                size > max_depth
                 and params.count(b"[") + params.count(b"{") > max_depth
                 and nests_deeper(params, max_depth)
             )
             placed = None  # the fast path's refusal of a number out of range, if it said where
+            plain = None  # (whether msgspec reads their numbers fast: `plain_numbers`, once asked)
+            obj: object = _UNREAD  # (read by float() for the fast path's types: not read again)
             if fast is not None and not deep:
-                try:
-                    first = params[0]
-                    if first == 0x5B:  # "["
-                        return _astuple(fast[0].decode(params)), {}
-                    if first == 0x7B and fast[1] is not None:  # "{"
-                        return _astuple(fast[1].decode(params)), {}
-                except msgspec.ValidationError as exc:
-                    placed = str(exc)
-                except (msgspec.DecodeError, RecursionError):
-                    pass
+                if plain := (0x65 not in params and 0x45 not in params) or plain_numbers(params):  # (inline: no 'e', 'E')
+                    try:
+                        first = params[0]
+                        if first == 0x5B:  # "["
+                            return _astuple(fast[0].decode(params)), {}
+                        if first == 0x7B and fast[1] is not None:  # "{"
+                            return _astuple(fast[1].decode(params)), {}
+                    except msgspec.ValidationError as exc:
+                        placed = str(exc)
+                    except (msgspec.DecodeError, RecursionError):
+                        pass
+                elif self._typed is None:  # (the same types, converted to: ~5,000 CPU instructions more)
+                    try:
+                        obj = self._read_floats(params)
+                        if type(obj) is list:
+                            return _astuple(_convert(obj, self._pos_type, str_keys=True)), {}
+                        if type(obj) is dict and fast[1] is not None:
+                            return _astuple(_convert(obj, self._named_type, str_keys=True)), {}
+                    except msgspec.ValidationError:  # (said below, by the general path's conversion)
+                        pass
+                    except (msgspec.DecodeError, RecursionError):  # (said below, read again)
+                        obj = _UNREAD
             if self.raw_params:
                 _check_raw(params, max_depth, deep)
                 return (msgspec.Raw(params),), {}
@@ -175,7 +197,14 @@ class Method(Signature):
             if deep and self._typed is not None:  # (round 45: decoded, checked and built value by value first,
                 raise NestingTooDeep(max_depth)  # each __post_init__ run: 1 MiB took 1.3-1.6 s to be refused)
             try:
-                obj = _decode_json(params) if self._typed is None else self._decode_typed(params, self._typed)
+                if obj is not _UNREAD:
+                    pass
+                elif self._typed is not None:
+                    obj = self._decode_typed(params, self._typed)
+                elif plain if plain is not None else plain_numbers(params):
+                    obj = _decode_plain(params)
+                else:
+                    obj = self._read_floats(params)
             except RecursionError:  # deeper than the parser takes, whatever max_depth says
                 raise NestingTooDeep(max_depth) from None
             except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
@@ -440,7 +469,7 @@ class Method(Signature):
         return _keyed(items, _refuses(lambda value: msgspec.convert(value, hint, str_keys=True),
                                       [value for _, value in items]), message)
 
-    def _out_of_range(self, params: bytes, message: str, placed: str | None = None) -> InvalidParams:
+    def _out_of_range(self, params: bytes, message: str, placed: str | None = None, typed: bool = True) -> InvalidParams:
         """Name the parameter holding a value msgspec cannot hold (a number past a
         double's range, e.g. 1e400). msgspec's `message` locates it as `$[i]...` in an
         array (the i-th positional parameter, or `*args`), but only as `$[...]...` in an
@@ -450,12 +479,16 @@ class Method(Signature):
         round 99, L1): `placed`, the fast path's refusal, if it has one; else they are decoded
         once with them here, when there is no fast path (with one, that refusal said
         something else first, and decoding again ran an app's `__post_init__` a second time:
-        hostile testing, round 103, L1). Cold path."""
+        hostile testing, round 103, L1); not if `typed` is False (tried already). Cold path."""
         if placed is not None and placed.startswith(_OUT_OF_RANGE + " - at `$"):
             return self._invalid(placed, None)
-        typed = None if self._fast is not None else self._placed_out_of_range(params)
-        if typed is not None:
-            return self._invalid(typed, None)
+        # (not with a number msgspec may read slowly in them: those before the one refused cost
+        # 2-20 µs each, decoded with their types; a float past a double's range is placed by
+        # `_beyond`, an integer of more than 4300 digits is said of its parameter, unplaced)
+        placing = typed and self._fast is None and plain_numbers(params)
+        placed = self._placed_out_of_range(params) if placing else None
+        if placed is not None:
+            return self._invalid(placed, None)
         at = _located(message)
         if at is not None and at[1] is not None:  # $[i]
             index = at[1]
@@ -477,6 +510,51 @@ class Method(Signature):
                 reason, _, inner = str(exc).partition(" - at `$")  # (inner ends with its `)
                 return InvalidParams(key, f"{reason} - at `{key}{inner}" if inner else reason)
         return InvalidParams(None, message)
+
+    def _read_floats(self, params: bytes) -> object:
+        """`params` decoded with their floats read by float() (broker/worker/floats.py), or
+        `InvalidParams` if one past a double's range is left in them (not replaced by a later
+        duplicate key's value): `_beyond`. Raises msgspec's errors as msgspec.json.decode does."""
+        read = _BEYOND_READ[0]
+        obj = read_json_beyond(params)
+        if _BEYOND_READ[0] != read:
+            where = first_beyond(obj)
+            if where is not None:
+                raise self._beyond(obj, where)
+        return obj
+
+    def _beyond(self, value: object, where: list[int | str]) -> InvalidParams:
+        """The refusal of params decoded as `value` (`read_json_beyond`) that hold a float past
+        a double's range, the first (in the text's order) at `where` (`first_beyond`): as
+        `_out_of_range` says it, from this one decoding (hostile testing, round 137, F5: the
+        params were decoded ~6 times to refuse them, 1.6 s a MiB). Where the parameters' types
+        place it better (`$.a.y`), their place: the value converted to them, which refuses the
+        `BEYOND` there ("got `NumberOutOfRange`"), as their decoding refused the number. Cold path."""
+        typed = self._placed_beyond(value)
+        if typed is not None:
+            return self._invalid(typed, None)
+        inner = "".join(f"[{step}]" if type(step) is int else "[...]" for step in where[1:])  # (msgspec's form)
+        if type(value) is dict:  # (its key: the first step)
+            key = typing.cast(str, where[0])
+            return InvalidParams(key, f"{_OUT_OF_RANGE} - at `{key}{inner}`" if inner else _OUT_OF_RANGE)
+        top = f"[{where[0]}]" if where else ""
+        return self._out_of_range(b"", f"{_OUT_OF_RANGE} - at `${top}{inner}`" if where else _OUT_OF_RANGE, typed=False)
+
+    def _placed_beyond(self, value: object) -> str | None:
+        """msgspec's "Number out of range" message placing the first `BEYOND` in `value` with
+        the parameters' types (`$.name...` or `$[i]...`), as `_placed_out_of_range` does from the
+        text; None if their conversion says something else first, passes it (an `Any` takes
+        it), or may not be tried (sets and dicts with keys other than strings: see there)."""
+        if self._guards is not None or (type(value) is not list and type(value) is not dict):
+            return None
+        kind = self._pos_type if type(value) is list else self._named_type
+        try:
+            msgspec.convert(value, kind, str_keys=True)
+        except (msgspec.ValidationError, RecursionError) as exc:
+            split = _split_path(str(exc))
+            if split is not None and split[0].endswith(_GOT_BEYOND):
+                return f"{_OUT_OF_RANGE} - at `${split[1]}`"
+        return None
 
     def _placed_out_of_range(self, params: bytes) -> str | None:
         """msgspec's "Number out of range" message for `params` decoded with the parameters'
@@ -543,6 +621,7 @@ def _flooded(exc: collisions.Flooded, name: str, path: list[str | int], root: st
 
 
 _GOT_FLOAT = ", got `float`"
+_GOT_BEYOND = f", got `{type(BEYOND).__name__}`"
 
 
 def _about_a_number(reason: str) -> bool:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import msgspec
 
 from broker import collisions
+from broker.worker.floats import read_json
 from broker.worker.integral import wants_int
 from broker.worker.param_errors import _DECIMAL_JSON
 
@@ -31,7 +32,7 @@ __all__ = ["Signature"]
 
 _EMPTY = inspect.Parameter.empty
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-_decode_json = msgspec.json.decode
+_decode_json = read_json  # (floats read by float(): broker/worker/floats.py)
 
 
 class Signature:

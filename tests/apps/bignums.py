@@ -1,5 +1,8 @@
-"""Methods given numbers that msgspec's JSON parser reads slowly (`1e308`: broker/worker/slow_numbers.py;
-hostile testing, round 136, F2) and a Struct that counts how often binding builds it."""
+"""Methods given numbers that msgspec's JSON parser reads slowly (`1e308`, `1.2345000000000000576e249`:
+broker/worker/floats.py; hostile testing, rounds 136 and 137), one per shape of parameter, and a
+Struct that counts how often binding builds it."""
+
+import typing
 
 import msgspec
 
@@ -28,6 +31,12 @@ def total(values: list[float]) -> float:
 
 
 @registry.method
+def spread(values: list[float]) -> list[float]:
+    """How many, the least and the most (a sum of `1e308`s is inf)."""
+    return [len(values), min(values), max(values)]
+
+
+@registry.method
 def counted(first: Counted, tag: str, n: int = 0) -> str:
     return tag
 
@@ -36,3 +45,38 @@ def counted(first: Counted, tag: str, n: int = 0) -> str:
 def made() -> int:
     """How many `Counted` binding has built in this worker so far."""
     return len(MADE)
+
+
+@registry.method
+def ints(values: list[int]) -> int:
+    return sum(values)
+
+
+@registry.method
+def untyped(values):  # type: ignore[no-untyped-def]  # (no hints: decoded as they come)
+    return values
+
+
+@registry.method
+def star(*values: float) -> float:
+    return sum(values)
+
+
+@registry.method
+def fdict(m: dict[str, float]) -> float:
+    return sum(m.values())
+
+
+class Point(msgspec.Struct):
+    x: float
+    n: int = 0
+
+
+@registry.method
+def points(ps: list[Point]) -> float:
+    return sum(p.x for p in ps)
+
+
+@registry.method
+def anything(v: typing.Any) -> str:
+    return type(v).__name__
