@@ -7,7 +7,7 @@ two doubles at any exponent (`1.2345000000000000576e249`, `1e23`) and long manti
 Python's float() (David Gay's correctly rounded strtod) reads each of those in 0.1-0.3 µs, the
 same double bit for bit. So `Method.bind` (broker/worker/params.py) decodes params with
 msgspec's own reader only where `plain_numbers` says none of their numbers can take the slow
-path, and otherwise with `read_json` (msgspec's parser, its floats handed to float(): 20-70 ms
+path, and otherwise with `read_json` (msgspec's parser, its floats handed to float(): 20-100 ms
 a MiB whatever the numbers, against 2-15 ms for `plain` ones, benchmarks/slow_numbers.py).
 
 `plain_numbers(params)`: no number is written with an exponent (no 'e' or 'E' right after a

@@ -131,12 +131,13 @@ class Method(Signature):
         testing, round 136, F2: `tag: str` given a float was refused, then its params
         decoded twice more, all to be refused the same).
 
-        Params holding a number msgspec may read slowly (`1e308`, `1.2345000000000000576e249`:
-        2-20 µs each, broker/worker/floats.py) skip the fast path: they are decoded with their
-        floats read by float() (at most ~70 ms a MiB), then converted (hostile testing, rounds
-        136 and 137: 1 MiB of them held a worker 0.25-5 s, or was refused for their count). A
-        float past a double's range is read as `BEYOND` there, so that its refusal is placed
-        from that one decoding (`_beyond`; round 137, F5: refused after ~6 decodings).
+        Params holding a number written with an exponent, which msgspec may read slowly
+        (`1e308`, `1.2345000000000000576e249`: 2-20 µs each, broker/worker/floats.py), are
+        decoded with their floats read by float() (at most ~0.1 s a MiB), then converted to the
+        fast path's types, or bound by the general path (hostile testing, rounds 136 and 137:
+        1 MiB of them held a worker 0.25-5 s, or was refused for their count). A float past a
+        double's range is read as `BEYOND` there, so that its refusal is placed from that one
+        decoding (`_beyond`; round 137, F5: refused after ~6 decodings).
         """
         size = len(params)
         if size > QUIET_BYTES and not _quiet and gc.isenabled():
