@@ -168,10 +168,24 @@ class WorkerChannel(asyncio.Protocol):
         self._flush_scheduled = False
         self._transport: asyncio.Transport | None = None
         self._ended = False  # its end is read, and the pool told (`_end`)
+        self._paused = False  # the kernel took less than the last write: the rest waits in `_out` (`pause_writing`)
         self.worker: Worker | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)
+        # Paused as soon as a write is not all taken: what is sent meanwhile waits in `_out`, never
+        # written if the worker dies first (`unsent`), rather than in the transport's buffer, whose
+        # calls died -32002 with it (hostile testing, round 138: calls behind a large call sent to a
+        # worker whose loop a handler held, not a byte of them written, and their methods struck)
+        self._transport.set_write_buffer_limits(high=0)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._out:
+            self.flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -270,10 +284,11 @@ class WorkerChannel(asyncio.Protocol):
     def flush(self) -> None:
         """Write everything queued now; unless the worker's end is read, or the socket
         closes (a read error), or the write fails (EPIPE: the worker's end came first, not
-        read yet): then it is kept, never sent, for `unsent`."""
+        read yet): then it is kept, never sent, for `unsent`. While the kernel has not taken
+        the last write whole (`pause_writing`), it waits (`resume_writing` writes it)."""
         self._flush_scheduled = False
         transport = self._transport
-        if self._out and transport is not None and not self._ended and not transport.is_closing():
+        if self._out and transport is not None and not self._ended and not self._paused and not transport.is_closing():
             transport.write(bytes(self._out))
             # (uvloop writes at once, and closes the transport if that fails: hostile testing, round
             # 137, a queued call written into a worker dead for half a second was answered -32002)

@@ -241,3 +241,32 @@ def _body(sock: socket.socket) -> typing.Any:
         assert chunk, "closed"
         body += chunk
     return json.loads(body)
+
+
+def test_calls_waiting_behind_a_large_call_the_kernel_did_not_take_go_to_the_next_worker(broker_factory):
+    """Hostile testing, round 138 (F2): an async handler holds its worker's loop (time.sleep),
+    then exits it; meanwhile a call with 900 KiB of params goes to it, of which the kernel takes
+    about 200 KiB, and calls behind it went into the front-end's transport buffer, not a byte of
+    them written: they died with the worker (-32002) and their methods were struck. The channel
+    pauses as soon as a write is not taken whole: those behind it wait in its own buffer, never
+    written (`WorkerChannel.unsent`), and go to the next worker, answered, their method not struck."""
+    b = broker_factory("--workers", "1", "--app", "tests.apps.crashy:registry")
+    assert b.call("size", ["x"])["result"] == 1
+    socks = [socket.create_connection((b.host, b.port), timeout=30) for _ in range(4)]
+    try:
+        socks[0].sendall(_http("block_then_crash", [1.5], "crash"))
+        time.sleep(0.3)
+        socks[1].sendall(_http("size", ["x" * (900 << 10)], "large"))  # (part of it in the kernel)
+        time.sleep(0.1)
+        socks[2].sendall(_http("size", ["y" * (300 << 10)], "behind"))
+        time.sleep(0.1)
+        socks[3].sendall(_http("pid", [], "small"))
+        bodies = [_body(s) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    assert bodies[0]["error"]["code"] == -32002, bodies[0]
+    assert bodies[1].get("result") == 900 << 10 or bodies[1]["error"]["code"] == -32002, bodies[1]  # (cut: unknown)
+    assert (bodies[2].get("result"), type(bodies[3].get("result"))) == (300 << 10, int), bodies[2:]
+    log = b.read_log(timeout=1.0)
+    assert "pid:" not in log, log[-2000:]

@@ -128,3 +128,19 @@ def sleep_then(seconds: float, crash: bool = False) -> float:
     if crash:
         os._exit(1)
     return seconds
+
+
+@registry.method
+async def block_then_crash(seconds: float) -> None:
+    """An async handler that holds its worker's loop `seconds` (time.sleep: a common mistake; the
+    worker reads nothing meanwhile), then exits the worker."""
+    import time
+
+    time.sleep(seconds)
+    os._exit(1)
+
+
+@registry.method
+async def size(pad: str) -> int:
+    """The length of `pad` (async: an innocent call with large params)."""
+    return len(pad)
