@@ -78,6 +78,9 @@ class KeptTransport(asyncio.Transport):
     def can_write_eof(self) -> bool:
         return True
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        """Nothing to bound: every write is taken whole."""
+
 
 _CHUNK_REPLIES: dict[bytes, tuple[int, bytes]] = {}
 
