@@ -144,27 +144,69 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 TEST_PORTS_ENV = "BROKER_TEST_PORTS"
-"""`BROKER_TEST_PORTS=LOW-HIGH` (e.g. 38700-38999): every port the suite listens on comes from
-there (brokers, their other listeners, the tests' own servers), for a machine where other services
-hold fixed ports (new user, round 114: the suite bound ports anywhere). Unset: the kernel picks
-(`listen_port` 0), and `free_port` any port below the ephemeral range. (Not RPC_BROKER_*: the
-broker refuses a variable of that prefix it does not know, and it inherits the suite's.)"""
+"""`BROKER_TEST_PORTS=LOW-HIGH` (e.g. 38700-38999), or several, comma-separated
+(38450-38499,38650-38699): every port the suite listens on comes from there (brokers, their other
+listeners, the tests' own servers), for a machine where other services hold fixed ports (new user,
+round 114: the suite bound ports anywhere). Unset: the kernel picks (`listen_port` 0), and
+`free_port` any port below the ephemeral range. (Not RPC_BROKER_*: the broker refuses a variable
+of that prefix it does not know, and it inherits the suite's.) Under pytest-xdist (`make test`
+runs `pytest -n`), each worker gets its own slice of them (`worker_slice`)."""
+
+MIN_WORKER_PORTS = 8
+"""The fewest ports a worker's slice may have: a test holds several at once (a broker's, its
+stream port's, a prometheus'), and `free_port` gives the last 16 it gave only when no other is free."""
 
 
 def test_ports() -> range | None:
-    """The range BROKER_TEST_PORTS confines the suite's listeners to, or None; raises
-    `pytest.UsageError` for a malformed one."""
+    """The ports BROKER_TEST_PORTS confines this process's listeners to, or None: the whole
+    range, or under pytest-xdist this worker's slice of it (`worker_slice`). Raises
+    `pytest.UsageError` for a malformed one or one too small for the workers."""
     text = os.environ.get(TEST_PORTS_ENV, "").strip()
     if not text:
         return None
-    low, _, high = text.partition("-")
-    try:
-        ports = range(int(low), int(high or low) + 1)
-    except ValueError:
-        ports = range(0)
-    if not ports or ports.start < 1 or ports.stop > 65536:
-        raise pytest.UsageError(f"{TEST_PORTS_ENV}={text!r}: expected LOW-HIGH, ports 1 to 65535")
+    ranges = []
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        try:
+            ports = range(int(low), int(high or low) + 1)
+        except ValueError:
+            ports = range(0)
+        if not ports or ports.start < 1 or ports.stop > 65536:
+            raise pytest.UsageError(f"{TEST_PORTS_ENV}={text!r}: expected LOW-HIGH[,LOW-HIGH...], ports 1 to 65535")
+        ranges.append(ports)
+    if len({port for r in ranges for port in r}) < sum(map(len, ranges)):
+        raise pytest.UsageError(f"{TEST_PORTS_ENV}={text!r}: its ranges overlap")
+    index, count = xdist_worker()
+    ports = worker_slice(ranges, index, count)
+    if len(ports) < MIN_WORKER_PORTS:
+        raise pytest.UsageError(f"{TEST_PORTS_ENV}={text!r}: {len(ports)} ports for xdist worker {index} of {count},"
+                                f" {MIN_WORKER_PORTS} needed: a wider range, or fewer workers (make test JOBS=N, pytest -n N)")
     return ports
+
+
+def xdist_worker() -> tuple[int, int]:
+    """(this process's index, the number of processes) among pytest-xdist's workers
+    (PYTEST_XDIST_WORKER "gw3", PYTEST_XDIST_WORKER_COUNT, which xdist sets): (0, 1) outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return 0, 1
+    return int(worker[2:]), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
+def worker_slice(ranges: list[range], index: int, count: int) -> range:
+    """Worker `index`'s (0 to `count` - 1) slice of the ports of `ranges` (in their order):
+    the `count` workers get disjoint contiguous runs of about equal length, so that
+    parallel workers never listen on one port. A slice that would straddle two ranges
+    keeps only its longer part (a `range`: `make bench`'s --ports takes one)."""
+    ports = [port for r in ranges for port in r]
+    mine = ports[index * len(ports) // count:(index + 1) * len(ports) // count]
+    runs: list[range] = []
+    for port in mine:
+        if runs and runs[-1].stop == port:
+            runs[-1] = range(runs[-1].start, port + 1)
+        else:
+            runs.append(range(port, port + 1))
+    return max(runs, key=len, default=range(0))
 
 
 test_ports.__test__ = False  # type: ignore[attr-defined]  # (not a test, whatever its name)
@@ -175,21 +217,26 @@ def free_port() -> int:
     to choose itself (`stream_port` 0 is off): one of BROKER_TEST_PORTS if set, else one
     below the kernel's ephemeral range (net.ipv4.ip_local_port_range): a port there, as
     `bind(0)` gives, can become another connection's source port before the broker binds it,
-    and did on a busy machine ("Address already in use", new user, round 73)."""
+    and did on a busy machine ("Address already in use", new user, round 73). Under
+    pytest-xdist, from this worker's slice of either (`worker_slice`): two workers' tests
+    never get one port. Probed as the broker binds (SO_REUSEADDR, then listen): a port whose
+    last connection lingers in TIME_WAIT is free to it (a worker's slice of 25 had no 8 in a row
+    free without)."""
     ports = test_ports()
     if ports is None:
         try:
             low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
         except (OSError, ValueError, IndexError):
             low = 32768
-        ports = range(10000, max(10001, low))
-    for _ in range(200):
-        port = random.choice(ports)
-        if port in _GIVEN and len(ports) > 2 * len(_GIVEN):
-            continue
+        ports = worker_slice([range(10000, max(10001, low))], *xdist_worker())
+    candidates = random.sample(ports, min(len(ports), 200))
+    candidates.sort(key=_GIVEN.__contains__)  # (those given lately last: in a small range they may be all)
+    for port in candidates:
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
+                s.listen()
             except OSError:
                 continue
             _GIVEN.append(port)
@@ -197,8 +244,9 @@ def free_port() -> int:
     raise AssertionError(f"no free port in {ports.start}-{ports.stop - 1}")
 
 
-# The ports `free_port` gave last: not given again soon, though free still (not bound yet: a
-# broker's port and its stream port were the same one of a range of 100, 1 time in 90)
+# The ports `free_port` gave last: not given again while another is free, though free still (not
+# bound yet: a broker's port and its stream port were the same one of a range of 100, 1 time in
+# 90; of an xdist worker's 25, where the last 16 were given again once 8 were, 5 times in a run)
 _GIVEN: collections.deque[int] = collections.deque(maxlen=16)
 
 

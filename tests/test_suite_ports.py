@@ -8,20 +8,34 @@ from __future__ import annotations
 import socket
 
 import pytest
-from conftest import TEST_PORTS_ENV, free_port, listen_port, start_broker, test_ports
+from conftest import (
+    MIN_WORKER_PORTS,
+    TEST_PORTS_ENV,
+    free_port,
+    listen_port,
+    start_broker,
+    test_ports,
+    worker_slice,
+)
 
 
 def _free_range(width: int) -> range:
-    """`width` consecutive loopback ports free now, below the ephemeral range (found by `free_port`)."""
+    """`width` consecutive loopback ports free now: below the ephemeral range (found by `free_port`),
+    or within this process's BROKER_TEST_PORTS (under pytest-xdist, its worker's slice)."""
+    given = test_ports()
     for _ in range(50):
         low = free_port()
+        if given is not None and low + width > given.stop:
+            low = given.stop - width
         ports = range(low, low + width)
         taken = []
         try:
             for port in ports:
                 s = socket.socket()
                 taken.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as free_port probes, and brokers bind)
                 s.bind(("127.0.0.1", port))
+                s.listen()
         except OSError:
             continue
         finally:
@@ -33,6 +47,7 @@ def _free_range(width: int) -> range:
 
 def test_a_broker_and_the_tests_listeners_take_their_ports_from_the_range(monkeypatch):
     ports = _free_range(8)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # (the whole range: not a worker's slice)
     monkeypatch.setenv(TEST_PORTS_ENV, f"{ports.start}-{ports.stop - 1}")
     assert test_ports() == ports
     assert {free_port() for _ in range(20)} <= set(ports)
@@ -46,6 +61,7 @@ def test_a_broker_and_the_tests_listeners_take_their_ports_from_the_range(monkey
     with socket.socket() as held:  # (a port of the range taken: never given)
         held.bind(("127.0.0.1", ports.start))
         held.listen()
+        monkeypatch.setattr("conftest.MIN_WORKER_PORTS", 2)
         monkeypatch.setenv(TEST_PORTS_ENV, f"{ports.start}-{ports.start + 1}")
         assert {free_port() for _ in range(20)} == {ports.start + 1}
 
@@ -53,7 +69,27 @@ def test_a_broker_and_the_tests_listeners_take_their_ports_from_the_range(monkey
 def test_unset_the_kernel_picks_and_a_malformed_range_is_a_usage_error(monkeypatch):
     monkeypatch.delenv(TEST_PORTS_ENV, raising=False)
     assert test_ports() is None and listen_port() == 0
-    for bad in ("x", "5-1", "0-10", "65000-70000"):
+    for bad in ("x", "5-1", "0-10", "65000-70000", "1000-1099,1050-1200", "1000-1099,x", "1000-1004"):
         monkeypatch.setenv(TEST_PORTS_ENV, bad)
         with pytest.raises(pytest.UsageError, match=TEST_PORTS_ENV):
             test_ports()
+
+
+def test_each_xdist_worker_gets_its_own_slice_of_the_ranges(monkeypatch):
+    monkeypatch.setenv(TEST_PORTS_ENV, "38450-38499, 38650-38699")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    slices = []
+    for index in range(4):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{index}")
+        slices.append(test_ports())
+    assert slices == [range(38450, 38475), range(38475, 38500), range(38650, 38675), range(38675, 38700)]
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")  # (not a worker: both ranges, the first taken whole)
+    assert test_ports() == range(38450, 38500)
+    # 3 workers: a slice straddling the two ranges keeps its longer part; none shares a port
+    three = [worker_slice([range(38450, 38500), range(38650, 38700)], index, 3) for index in range(3)]
+    assert three == [range(38450, 38483), range(38483, 38500), range(38666, 38700)]
+    assert all(len(ports) >= MIN_WORKER_PORTS for ports in three)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "16")  # (100 ports: 6 a worker, too few)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw15")
+    with pytest.raises(pytest.UsageError, match="fewer workers"):
+        test_ports()
