@@ -780,9 +780,20 @@ def test_a_socket_path_with_a_nul_byte_is_refused_at_load(tmp_path: Path, capsys
     assert "a path cannot hold a NUL byte" in capsys.readouterr().err
 
 
-def test_a_socket_dir_that_cannot_be_made_exits_2_saying_so(tmp_path: Path) -> None:
+@pytest.fixture
+def short_tmp_path() -> Path:
+    """A fresh directory of a short path, in the suite's TMPDIR (tests/conftest.py, removed at its
+    end): a socket_dir under tmp_path, longer under pytest-xdist (.../popen-gw0/...), was refused
+    for its length (sun_path) before what a test checks."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="sd-", dir=os.environ["TMPDIR"]))
+
+
+def test_a_socket_dir_that_cannot_be_made_exits_2_saying_so(short_tmp_path: Path) -> None:
     """A socket_dir that cannot be created is a configuration error: exit 2 (which the
     systemd unit does not restart), one line saying why, no traceback, nothing left."""
+    tmp_path = short_tmp_path
     blocker = tmp_path / "file"
     blocker.write_text("")
     proc = subprocess.run([sys.executable, "-m", "broker", "serve", "--port", "0", "--workers", "1",
@@ -794,11 +805,12 @@ def test_a_socket_dir_that_cannot_be_made_exits_2_saying_so(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
-def test_a_socket_dir_whose_parent_does_not_exist_is_an_error_and_nothing_is_made(tmp_path: Path) -> None:
+def test_a_socket_dir_whose_parent_does_not_exist_is_an_error_and_nothing_is_made(short_tmp_path: Path) -> None:
     """Hostile testing (round 9): --socket-dir /nonexistent/dir made both directories
     (makedirs) and served; a typo is an error now (exit 2); the last component alone is
     made, as `mkdir` does (a RuntimeDirectory's /run/rpc-broker), and the error names the
     parent missing."""
+    tmp_path = short_tmp_path
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-m", "broker", "serve", "--port", "0", "--workers", "1",
                            "--socket-dir", str(tmp_path / "typo" / "dir")],
