@@ -54,8 +54,29 @@ python-note: $(STAMP)
 serve: $(STAMP) python-note
 	$(BIN)/rpc-broker serve $(ARGS)
 
+# ---- test: the suite in JOBS parallel pytest-xdist processes (most tests wait on sockets,
+# timers and child processes, not on the CPU: 4 on 2 cores), then the tests marked `serial`
+# (sensitive to CPU contention) in one process with none beside them. Exit status: the first
+# part's failure, else the second's ("no tests ran", 5, only if neither ran one); the second
+# does not start after the first was interrupted (2) or misused (3, 4). JOBS=0: the
+# whole suite in one process, in order. prometheus-bin and chromium-bin, make's prerequisites,
+# run once before either part: no pytest worker installs anything.
+JOBS ?= 4
+
 test: $(STAMP) python-note prometheus-bin chromium-bin
+ifeq ($(JOBS),0)
 	$(BIN)/python -m pytest -q $(ARGS)
+else
+	@set +e; \
+	echo "$(BIN)/python -m pytest -q -n $(JOBS) -m 'not serial' $(ARGS)"; \
+	$(BIN)/python -m pytest -q -n $(JOBS) -m 'not serial' $(ARGS); parallel=$$?; \
+	case $$parallel in 2|3|4) exit $$parallel;; esac; \
+	echo "$(BIN)/python -m pytest -q -m serial $(ARGS)   # the tests sensitive to CPU contention, alone"; \
+	$(BIN)/python -m pytest -q -m serial $(ARGS); serial=$$?; \
+	echo "make test: the parallel part exited $$parallel, the serial part $$serial (5: no test selected)"; \
+	if [ $$parallel = 5 ] && [ $$serial = 5 ]; then exit 5; fi; \
+	for status in $$parallel $$serial; do case $$status in 0|5) ;; *) exit $$status;; esac; done
+endif
 
 lint: $(STAMP)
 	$(BIN)/ruff check broker tests benchmarks grafana fuzz

@@ -13,6 +13,7 @@ import re
 import socket
 import time
 
+import pytest
 from conftest import free_port, wait_for
 from test_frontends import answer, connection_to, request, tcp_sockets, workers_of
 from test_frontends_alone import _pids
@@ -102,6 +103,7 @@ def test_a_connection_s_share_comes_back_when_the_worker_is_free_again(broker_fa
         assert json.loads(lines.readline())["id"] == "long"
 
 
+@pytest.mark.serial  # (its ~5 s GIL call, sized by this process's speed, ran past 6 s in a worker beside 3 other tests)
 def test_a_silent_worker_s_legitimate_call_is_not_killed_beside_another_front_end_s_async_call(broker_factory):
     """Hostile testing, round 133: a call holding the GIL in C says nothing (its worker's thread
     cannot run); another front-end's async call, started before it and past its deadline, had the

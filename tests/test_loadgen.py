@@ -1809,6 +1809,7 @@ def test_open_loop_past_capacity_drops_the_warmup_backlog(broker_factory, tmp_pa
     assert abs(rep.requests + rep.unsent_requests - rate * duration) <= connections, rep
 
 
+@pytest.mark.serial  # (beside 3 other tests on 2 cores its warm-up sent fewer than the 20 calls before the stall)
 def test_a_window_with_nothing_answered_fails(serve, tmp_path, capsys):
     """The warm-up's request holds the only slot through the whole window (answered in the
     drain): nothing of the window is answered, all of it never sent. Not a silent exit 0."""

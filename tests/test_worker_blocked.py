@@ -13,6 +13,7 @@ import math
 import struct
 import time
 
+import pytest
 from test_worker_alone import call
 from test_worker_links import run_links  # noqa: F401  # (a fixture, by name)
 from test_worker_sdk import INDEX, Broker, chunk_frame, result, run  # noqa: F401  # (`run`: a fixture)
@@ -42,6 +43,7 @@ async def _warm(bs: list[Broker]) -> None:
         assert await _blocked_frames(b, 2) == [blocked(0, math.inf), FREE]
 
 
+@pytest.mark.serial  # (a 3 ms spin, preempted past the held answers' tick beside 3 other tests on 2 cores, was told)
 def test_every_front_end_is_told_a_handler_blocks_the_worker_and_when_it_returned(run_links):  # noqa: F811  # (the fixture imported)
     async def test(proto: WorkerProtocol, bs: list[Broker]) -> None:
         first, second, third = bs
