@@ -219,9 +219,7 @@ def free_port() -> int:
     `bind(0)` gives, can become another connection's source port before the broker binds it,
     and did on a busy machine ("Address already in use", new user, round 73). Under
     pytest-xdist, from this worker's slice of either (`worker_slice`): two workers' tests
-    never get one port. Probed as the broker binds (SO_REUSEADDR, then listen): a port whose
-    last connection lingers in TIME_WAIT is free to it (a worker's slice of 25 had no 8 in a row
-    free without)."""
+    never get one port. Probed by a plain bind (no SO_REUSEADDR): tests bind it so too."""
     ports = test_ports()
     if ports is None:
         try:
@@ -233,10 +231,8 @@ def free_port() -> int:
     candidates.sort(key=_GIVEN.__contains__)  # (those given lately last: in a small range they may be all)
     for port in candidates:
         with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
-                s.listen()
             except OSError:
                 continue
             _GIVEN.append(port)
@@ -380,6 +376,17 @@ def broker(event_loop_name: str) -> Iterator[Broker]:
     yield b
     status = b.stop()
     assert status == 0, b.read_log()
+
+
+@pytest.fixture
+def short_tmp_path() -> Path:
+    """A fresh directory of a short path, in the suite's TMPDIR (`pytest_configure`, removed at its
+    end), for a --socket-dir: tmp_path's, 10 bytes longer under pytest-xdist (.../popen-gw0/...),
+    was refused for its length (at most 74 bytes: the workers' socket in it, sun_path) before what
+    a test checks."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="sd-", dir=os.environ["TMPDIR"]))
 
 
 STOP_SECONDS = 10.0  # a broker owing nothing stops in well under a second; the grace period is 30 s

@@ -5,6 +5,7 @@ New user, round 114: on a shared host where other services hold fixed ports, the
 
 from __future__ import annotations
 
+import random
 import socket
 
 import pytest
@@ -21,21 +22,19 @@ from conftest import (
 
 def _free_range(width: int) -> range:
     """`width` consecutive loopback ports free now: below the ephemeral range (found by `free_port`),
-    or within this process's BROKER_TEST_PORTS (under pytest-xdist, its worker's slice)."""
+    or within this process's BROKER_TEST_PORTS (under pytest-xdist, its worker's slice: each place
+    of it tried, as ports lingering in TIME_WAIT may leave few)."""
     given = test_ports()
-    for _ in range(50):
-        low = free_port()
-        if given is not None and low + width > given.stop:
-            low = given.stop - width
+    lows = [free_port() for _ in range(50)] if given is None else \
+        random.sample(range(given.start, given.stop - width + 1), len(given) - width + 1)
+    for low in lows:
         ports = range(low, low + width)
         taken = []
         try:
             for port in ports:
                 s = socket.socket()
                 taken.append(s)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as free_port probes, and brokers bind)
                 s.bind(("127.0.0.1", port))
-                s.listen()
         except OSError:
             continue
         finally:
