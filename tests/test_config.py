@@ -780,16 +780,6 @@ def test_a_socket_path_with_a_nul_byte_is_refused_at_load(tmp_path: Path, capsys
     assert "a path cannot hold a NUL byte" in capsys.readouterr().err
 
 
-@pytest.fixture
-def short_tmp_path() -> Path:
-    """A fresh directory of a short path, in the suite's TMPDIR (tests/conftest.py, removed at its
-    end): a socket_dir under tmp_path, longer under pytest-xdist (.../popen-gw0/...), was refused
-    for its length (sun_path) before what a test checks."""
-    import tempfile
-
-    return Path(tempfile.mkdtemp(prefix="sd-", dir=os.environ["TMPDIR"]))
-
-
 def test_a_socket_dir_that_cannot_be_made_exits_2_saying_so(short_tmp_path: Path) -> None:
     """A socket_dir that cannot be created is a configuration error: exit 2 (which the
     systemd unit does not restart), one line saying why, no traceback, nothing left."""

@@ -1895,7 +1895,7 @@ def test_a_worker_stuck_in_a_sync_call_is_killed_in_time_whatever_async_calls_it
     wait_for(lambda: "result" in b.call("pid", timeout=5), timeout=30)  # (replaced, after its backoff)
 
 
-def test_a_broker_whose_stderr_reader_is_gone_serves_and_stops_cleanly(tmp_path):
+def test_a_broker_whose_stderr_reader_is_gone_serves_and_stops_cleanly(short_tmp_path):
     """Hostile testing (round 20): with its stderr a pipe whose reader was gone before the
     start-up banner (`2>&1 | head -1` took an earlier line), printing the banner raised
     BrokenPipeError: the start ended with exit 1, saying nothing, and left its socket
@@ -1904,6 +1904,7 @@ def test_a_broker_whose_stderr_reader_is_gone_serves_and_stops_cleanly(tmp_path)
     import subprocess
     import sys
 
+    tmp_path = short_tmp_path  # (its socket_dir: under xdist, tmp_path/run was too long, exit 1 unseen)
     path = tmp_path / "s.sock"
     sockets = tmp_path / "run"
     sockets.mkdir()
