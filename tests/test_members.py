@@ -152,6 +152,7 @@ def test_retire_lets_the_calls_on_the_worker_finish_and_lost_answers_them_worker
     run(test, tmp_path)
 
 
+@pytest.mark.serial  # (beside 3 other tests on 2 cores the refusal was not done within its 1 s sleep)
 def test_a_hello_from_another_pid_on_a_handed_over_connection_is_refused(tmp_path: Path):
     async def test(first: FirstFrontEnd, dispatcher: Dispatcher, members: Members) -> None:
         pid, fd = await first.spawn(0)
