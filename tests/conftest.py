@@ -228,7 +228,10 @@ def free_port() -> int:
             low = 32768
         ports = worker_slice([range(10000, max(10001, low))], *xdist_worker())
     candidates = random.sample(ports, min(len(ports), 200))
-    candidates.sort(key=_GIVEN.__contains__)  # (those given lately last: in a small range they may be all)
+    given = {port: i for i, port in enumerate(_GIVEN)}  # (0: the oldest; a port given twice, its last)
+    candidates.sort(key=lambda port: given.get(port, -1))  # (those given lately last, the latest last of all:
+    # in an xdist worker's 25 ports in TIME_WAIT may leave none other, and a stream port just given, its
+    # broker not started, was given again as its --port, 7 times in a run)
     for port in candidates:
         with socket.socket() as s:
             try:

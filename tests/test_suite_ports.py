@@ -5,6 +5,7 @@ New user, round 114: on a shared host where other services hold fixed ports, the
 
 from __future__ import annotations
 
+import collections
 import random
 import socket
 
@@ -92,3 +93,16 @@ def test_each_xdist_worker_gets_its_own_slice_of_the_ranges(monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw15")
     with pytest.raises(pytest.UsageError, match="fewer workers"):
         test_ports()
+
+
+def test_a_port_given_lately_is_given_again_only_when_no_other_is_free_the_latest_last(monkeypatch):
+    ports = _free_range(4)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setattr("conftest.MIN_WORKER_PORTS", 2)
+    monkeypatch.setattr("conftest._GIVEN", collections.deque([ports[2], ports[3]], maxlen=16))
+    monkeypatch.setenv(TEST_PORTS_ENV, f"{ports.start}-{ports.stop - 1}")
+    assert {free_port() for _ in range(2)} == {ports[0], ports[1]}  # (not given lately: first)
+    with socket.socket() as a, socket.socket() as b:  # (those two bound now: only given ones are free)
+        a.bind(("127.0.0.1", ports[0]))
+        b.bind(("127.0.0.1", ports[1]))
+        assert [free_port() for _ in range(3)] == [ports[2], ports[3], ports[2]]  # (the oldest given first)
