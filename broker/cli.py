@@ -290,17 +290,22 @@ class _Stopped(Exception):
 
 
 @contextlib.contextmanager
-def _stoppable() -> typing.Iterator[None]:
+def _stoppable(early: typing.Sequence[int] = ()) -> typing.Iterator[None]:
     """While the config is read, SIGTERM and SIGINT stop at once (`_Stopped`): the read can
     block (a named pipe as --config, /dev/stdin), and a stop held for a loop that never
-    came was ignored until SIGKILL (hostile testing, round 33). Their handlers are put
-    back after; SIGHUP stays as it was (held by `broker.entry`, a reload once serving)."""
+    came was ignored until SIGKILL (hostile testing, round 33). So does one of them among
+    `early` (`broker.entry` caught it while the command line was imported: it was held, and
+    the read blocked on; found by the suite run in parallel). Their handlers are put back
+    after; SIGHUP stays as it was (held by `broker.entry`, a reload once serving)."""
 
     def stop(signum: int, frame: object) -> None:
         raise _Stopped(signum)
 
     before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        for signum in early:  # (after the handlers: one that comes now is not missed either)
+            if signum in before:
+                raise _Stopped(signum)
         yield
     finally:
         for sig, handler in before.items():
@@ -380,7 +385,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None) -> int:
     # serve, stdio
     stdio = _stdio_face(ns.command)
     try:
-        with _stoppable():
+        with _stoppable(() if early is None else early):
             cfg = _load(ns.config, flags)
     except _Stopped as stopped:
         print(f"{PROG}: {signal.Signals(stopped.args[0]).name} while reading the config: stopped", file=sys.stderr)

@@ -708,6 +708,37 @@ def test_a_stop_while_the_config_is_read_stops_at_once(tmp_path, sig):
     assert f"rpc-broker: {sig.name} while reading the config: stopped" in err, err
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_the_command_line_is_imported_stops_the_read_of_the_config(tmp_path, sig):
+    """Found by the suite run in parallel (a loaded machine): a stop caught by `broker.entry`
+    while the command line was still imported was held, and the read of a --config that blocks
+    went on until SIGKILL. It stops the read at once, as one that comes during it: exit 0."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "broker", "serve", "--config", str(fifo), "--port", str(listen_port())],
+                            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: _catches(proc.pid, signal.SIGHUP), timeout=20, interval=0.001)  # (entry's: the import begins)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err
+    assert f"rpc-broker: {sig.name} while reading the config: stopped" in err, err
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler of its own for `sig` (/proc/PID/status, SigCgt)."""
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(line for line in status if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) >> (sig - 1) & 1)
+
+
 def test_stop_signals_after_stopped_do_not_change_the_exit_code(broker_factory):
     """Hostile testing (round 25): a SIGTERM that came just after "stopped" killed the
     daemon by signal (-15) instead of its exit 0: the loop's handlers were gone and the
