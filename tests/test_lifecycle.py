@@ -18,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+import typing
 
 import pytest
 from conftest import (
@@ -688,24 +689,7 @@ def test_a_stop_while_the_config_is_read_stops_at_once(tmp_path, sig):
     """Hostile testing (round 33): a --config that blocks its reader (a named pipe nobody
     writes) held a SIGTERM or SIGINT for a loop that never came: only SIGKILL ended it.
     A stop while the config is read ends the command at once, exit 0, saying so."""
-    import subprocess
-    import sys
-
-    fifo = tmp_path / "config.toml"
-    os.mkfifo(fifo)
-    proc = subprocess.Popen([sys.executable, "-m", "broker", "serve", "--config", str(fifo), "--port", str(listen_port())],
-                            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        time.sleep(1.0)  # (importing, then blocked opening the pipe)
-        assert proc.poll() is None
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=15)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0, err
-    assert f"rpc-broker: {sig.name} while reading the config: stopped" in err, err
+    _stop_reading_config(tmp_path, sig, lambda pid: time.sleep(1.0))  # (importing, then blocked opening the pipe)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -713,6 +697,13 @@ def test_a_stop_while_the_command_line_is_imported_stops_the_read_of_the_config(
     """Found by the suite run in parallel (a loaded machine): a stop caught by `broker.entry`
     while the command line was still imported was held, and the read of a --config that blocks
     went on until SIGKILL. It stops the read at once, as one that comes during it: exit 0."""
+    _stop_reading_config(tmp_path, sig, lambda pid: wait_for(
+        lambda: _catches(pid, signal.SIGHUP), timeout=20, interval=0.001))  # (entry's: the import begins)
+
+
+def _stop_reading_config(tmp_path, sig: signal.Signals, wait: typing.Callable[[int], object]) -> None:  # type: ignore[no-untyped-def]
+    """`serve --config` of a named pipe nobody writes, sent `sig` once `wait(pid)` returns:
+    it exits 0 at once, saying it stopped while reading the config."""
     import subprocess
     import sys
 
@@ -721,7 +712,8 @@ def test_a_stop_while_the_command_line_is_imported_stops_the_read_of_the_config(
     proc = subprocess.Popen([sys.executable, "-m", "broker", "serve", "--config", str(fifo), "--port", str(listen_port())],
                             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: _catches(proc.pid, signal.SIGHUP), timeout=20, interval=0.001)  # (entry's: the import begins)
+        wait(proc.pid)
+        assert proc.poll() is None
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=15)
     finally:
