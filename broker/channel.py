@@ -10,6 +10,7 @@ import asyncio
 import enum
 import logging
 import os
+import struct
 import typing
 from collections import OrderedDict
 
@@ -135,6 +136,15 @@ _pack_header = wire.HEADER.pack
 _pack_call = wire.CALL_HEADER.pack
 _DEADLINE_SIZE = wire.DEADLINE.size
 _CALLS = frozenset({wire.CALL, wire.NOTIFY, wire.CHUNK})  # the frames `unsent` gives back
+_LENGTH = struct.Struct(">I").unpack_from  # a frame header's first field: its payload's length
+
+
+def _frame_end(out: bytearray, at: int) -> int:
+    """Where the frame holding byte `at` of `out` (frames back to back from 0) ends."""
+    end = 0
+    while end <= at:
+        end += wire.HEADER_SIZE + _LENGTH(out, end)[0]
+    return end
 FLUSH_AT_BYTES = 256 * 1024  # write at once past this much queued, else once per loop turn
 
 
@@ -169,6 +179,7 @@ class WorkerChannel(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._ended = False  # its end is read, and the pool told (`_end`)
         self._paused = False  # the kernel took less than the last write: the rest waits in `_out` (`pause_writing`)
+        self._fd = -1  # its socket's descriptor, written to directly (`flush`)
         self.worker: Worker | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -178,6 +189,8 @@ class WorkerChannel(asyncio.Protocol):
         # calls died -32002 with it (hostile testing, round 138: calls behind a large call sent to a
         # worker whose loop a handler held, not a byte of them written, and their methods struck)
         self._transport.set_write_buffer_limits(high=0)
+        sock = transport.get_extra_info("socket")
+        self._fd = -1 if sock is None else sock.fileno()
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -284,16 +297,32 @@ class WorkerChannel(asyncio.Protocol):
     def flush(self) -> None:
         """Write everything queued now; unless the worker's end is read, or the socket
         closes (a read error), or the write fails (EPIPE: the worker's end came first, not
-        read yet): then it is kept, never sent, for `unsent`. While the kernel has not taken
-        the last write whole (`pause_writing`), it waits (`resume_writing` writes it)."""
+        read yet): then it is kept, never sent, for `unsent`. The kernel is given the bytes
+        itself (os.write: how many it took is known): when it takes part only, the rest of
+        the frame it cut goes to the transport, which pauses (`pause_writing`), and the
+        frames after it wait here until the transport has written it (`resume_writing`)."""
         self._flush_scheduled = False
         transport = self._transport
-        if self._out and transport is not None and not self._ended and not self._paused and not transport.is_closing():
-            transport.write(bytes(self._out))
-            # (uvloop writes at once, and closes the transport if that fails: hostile testing, round
-            # 137, a queued call written into a worker dead for half a second was answered -32002)
-            if not transport.is_closing():
-                self._out.clear()
+        out = self._out
+        while out and transport is not None and not self._ended and not self._paused and not transport.is_closing():
+            if self._fd < 0:  # (no socket of its own: a transport that takes everything)
+                transport.write(bytes(out))
+                out.clear()
+                return
+            try:
+                taken = os.write(self._fd, out)
+            except BlockingIOError:
+                taken = 0
+            except OSError:  # (EPIPE: its end came first, read soon by the loop; hostile testing, round 137:
+                return  # a queued call written into a worker dead for half a second was answered -32002)
+            if taken == len(out):
+                out.clear()
+                return
+            # (hostile testing, round 139: one write of many calls, the kernel taking part of it, left the
+            # calls past that in the transport's buffer, never written when the worker died, -32002)
+            cut = _frame_end(out, taken)
+            transport.write(bytes(out[taken:cut]))
+            del out[:cut]
 
     def unsent(self) -> dict[int, bytes]:
         """The calls queued for the worker and never written (`flush`): {call id: params}

@@ -10,6 +10,7 @@ the other workers, and do not die with them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import threading
 import time
 import typing
 
-from conftest import sample, scrape_metrics, wait_for
+from conftest import free_port, sample, scrape_metrics, wait_for
 
 
 def _loop(b, method: str, params: object, seconds: float, outcomes: list[object]) -> None:
@@ -270,3 +271,34 @@ def test_calls_waiting_behind_a_large_call_the_kernel_did_not_take_go_to_the_nex
     assert (bodies[2].get("result"), type(bodies[3].get("result"))) == (300 << 10, int), bodies[2:]
     log = b.read_log(timeout=1.0)
     assert "pid:" not in log, log[-2000:]
+
+
+def test_calls_of_one_write_past_what_the_kernel_took_go_to_the_next_worker(broker_factory):
+    """Hostile testing, round 139 (C1): a handler holds its worker's loop, then exits it; 40 calls of
+    9 KB, read at once off one NDJSON connection, go to it in one write, of which the kernel takes
+    what its socket holds (about 200 KB). Those past that were left in the transport's buffer, never
+    written, and died with the worker (-32002). The kernel is given the bytes by the channel itself:
+    only the frame it cut goes on; the rest wait in the channel, and go to the next worker."""
+    left, right = socket.socketpair()  # (what a Unix socket holds here, as the worker's does)
+    with left, right:
+        left.setblocking(False)
+        held = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                held += left.send(b"x" * 65536)
+    port = free_port()
+    b = broker_factory("--workers", "1", "--app", "tests.apps.crashy:registry", "--stream-port", str(port))
+    wait_for(lambda: "tcp://" in b.read_log(0.05), timeout=10)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        reader = s.makefile("rb")
+        s.sendall(b'{"jsonrpc":"2.0","method":"block_then_crash","params":[1.5],"id":"crash"}\n')
+        time.sleep(0.3)
+        pad = "x" * 9000
+        s.sendall(b"".join(json.dumps({"jsonrpc": "2.0", "method": "size", "params": [pad], "id": i}).encode() + b"\n"
+                           for i in range(40)))
+        answers = [json.loads(reader.readline()) for _ in range(41)]
+    outcomes = {a["id"]: a.get("result", a.get("error", {}).get("code")) for a in answers}
+    assert outcomes.pop("crash") == -32002
+    assert set(outcomes.values()) <= {9000, -32002}, outcomes
+    died = sorted(i for i, o in outcomes.items() if o == -32002)
+    assert len(died) <= held // 9000 + 2, (held, died)  # (in the kernel, or cut: may have been read; no more)
