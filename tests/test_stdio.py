@@ -22,10 +22,9 @@ import typing
 from collections.abc import Iterator
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, free_port
 from conftest import rpc as call
 
-METRICS_PORT = 38640  # (this suite's ports: 38640-38659)
 LOOPS = pytest.mark.parametrize("loop", ["uvloop", "asyncio"])  # the broker's event_loop: the relay's ends on both
 STOP_SECONDS = 30.0  # a bound on what should take well under a second, not a measure
 
@@ -394,17 +393,18 @@ def test_no_port_is_opened_so_two_start_at_once_and_metrics_port_opens_its_own(
     connection counted under transport "stdio"."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    first = stdio_broker("--workers", "1", "--stream-port", "38641", "--frontends", "2")
-    second = stdio_broker("--workers", "1", "--metrics-port", str(METRICS_PORT))
+    unused, metrics_port = free_port(), free_port()  # (not fixed ports: run in parallel, a connection took one)
+    first = stdio_broker("--workers", "1", "--stream-port", str(unused), "--frontends", "2")
+    second = stdio_broker("--workers", "1", "--metrics-port", str(metrics_port))
     for b in (first, second):
         b.send(call("add", [1, 2], 1))
         assert b.line() == b'{"jsonrpc":"2.0","id":1,"result":3}'
-    assert "stdio: stream_port 38641 set, but stdio mode opens no JSON-RPC listener" in first.stderr
+    assert f"stdio: stream_port {unused} set, but stdio mode opens no JSON-RPC listener" in first.stderr
     assert "stdio: frontends 2 set, but stdio mode runs one front-end" in first.stderr  # (new user, round 112)
     with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", 38641), timeout=10).close()
-    assert f"rpc-broker: metrics on http://127.0.0.1:{METRICS_PORT}/metrics" in second.stderr
-    conn = http.client.HTTPConnection("127.0.0.1", METRICS_PORT, timeout=30)
+        socket.create_connection(("127.0.0.1", unused), timeout=10).close()
+    assert f"rpc-broker: metrics on http://127.0.0.1:{metrics_port}/metrics" in second.stderr
+    conn = http.client.HTTPConnection("127.0.0.1", metrics_port, timeout=30)
     try:
         conn.request("GET", "/metrics")
         response = conn.getresponse()
