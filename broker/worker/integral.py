@@ -40,6 +40,7 @@ _ARRAYS = (mi.ListType, mi.SetType, mi.FrozenSetType, mi.VarTupleType, mi.TupleT
 # round 139, F1: a batch of 1000 calls of `1e4299`, each written out as 4300 digits, held a
 # worker 0.86 s). Below Python's int max str digits (4300; at least 640), so each is read back.
 _MOST_DIGITS = len(str(int(sys.float_info.max)))
+_MOST_KNOWN = 256  # distinct exponents' texts remembered a walk (`_Walk.known`)
 _A_NUMBER = msgspec.Raw(b"0")  # (what a union's member for a number is chosen by)
 _TAKE_FLOATS = (mi.FloatType, mi.DecimalType, mi.AnyType, mi.CustomType, mi.RawType)
 
@@ -121,7 +122,7 @@ def integral_params(params: bytes, positional: tuple[list[mi.Type], mi.Type | No
 class _Walk:
     """The walk of a decoded value beside its type: `pending` holds (container, key, type)
     of the values still to see; `room` the digits integers may still add to the text; `known`
-    the integers (and their digits) of the numbers written with an exponent seen so far."""
+    the integers (and their digits) of the numbers written with an exponent seen first."""
 
     __slots__ = ("changed", "fractional", "kept", "known", "pending", "room")
 
@@ -225,7 +226,8 @@ class _Walk:
             if integer != number:  # (exact: a fractional part, or less than 1)
                 self.fractional = True
                 return
-            self.known[text] = integer, width
+            if len(self.known) < _MOST_KNOWN:  # (a MiB of distinct texts gains nothing, and would hold ~40 MB)
+                self.known[text] = integer, width
         if width - len(text) > self.room:
             self.kept = True  # (refused as before: "got `float`")
             return
