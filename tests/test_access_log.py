@@ -160,6 +160,23 @@ def test_log_params_redacts_secrets_at_any_depth(all_broker: Broker) -> None:
     assert not any(secret in log for secret in ("hunter2", "k-123", "t-456", "x-789"))
 
 
+def test_log_params_writes_floats_msgspec_reads_slowly_as_their_values(all_broker: Broker) -> None:
+    # (hostile testing, round 139: they were read by msgspec's slow reader on the front-end's loop;
+    # now by float(), as the worker's broker/worker/floats.py does: the same values, the same text)
+    b = all_broker
+    before = settled(b)
+    floats = "[1e308,1E-300,1e23,1.2345000000000000576e249,2.5e3,-0.0,7]"
+    b.post('{"jsonrpc":"2.0","method":"add","params":{"a":' + floats + ',"Secret":"s-1"},"id":1}', headers=ALICE_H)
+    b.post('{"jsonrpc":"2.0","method":"add","params":[1e308,1e400],"id":2}', headers=ALICE_H)  # (-32602 both)
+    b.post('{"jsonrpc":"2.0","method":"add","params":{"x":1e400},"id":3}', headers=ALICE_H)
+    lines = sorted(wait_lines(b, before + 3)[before:], key=lambda line: line["id"])
+    assert [line["outcome"] for line in lines] == ["invalid_params"] * 3
+    assert json.loads(lines[0]["params"]) == {"a": json.loads(floats), "Secret": "[redacted]"}
+    assert lines[0]["params"] == '{"a":[1e308,1e-300,1e23,1.2345000000000002e249,2500.0,-0.0,7],"Secret":"[redacted]"}'
+    # (a float past a double's range: refused by either reader, the params then not written)
+    assert (lines[1]["params"], lines[2]["params"]) == ("(13 bytes, not decoded)", "(11 bytes, not decoded)")
+
+
 def test_hostile_ids_and_methods_cannot_forge_a_line(all_broker: Broker) -> None:
     b = all_broker
     before = settled(b)
