@@ -18,7 +18,9 @@ for `1.5`. Text in JSON strings that looks so counts too (a UUID's "0e8"): those
 the slower path. `read_json` answers as msgspec's decoder does, its messages included: a float
 past a double's range is refused "Number out of range - at `$...`". `read_json_beyond` reads
 such a float as `BEYOND` instead, counted in `beyond_read()`, so that a refusal can be placed
-from the one decoded value (`first_beyond`). Nothing here does I/O.
+from the one decoded value (`first_beyond`). The front-end's loop reads with `plain_numbers` and
+`read_json` too: the access log's params (broker/accesslog.py) and an MCP tool error's data
+(broker/frontend/mcp.py; hostile testing, round 139). Nothing here does I/O.
 """
 
 from __future__ import annotations
