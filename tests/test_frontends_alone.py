@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 
+import pytest
 from conftest import sample, scrape_metrics, wait_for
 from test_frontends import answer, connection_to, peers_of, request, workers_of
 
@@ -324,57 +325,37 @@ def test_a_front_end_resumed_reads_its_workers_before_what_its_clients_sent_mean
         assert answer(first)["error"]["code"] == -32002  # type: ignore[index]
 
 
-def test_a_front_end_resumed_reads_a_release_and_the_next_hold_before_it_routes_its_queue(broker_factory):
-    """Hostile testing, round 137 (F6): the peer's calls wait in its queue while its one worker is
-    held by the first front-end's call run alone; the peer is stopped; that call ends (a release)
-    and the next run alone holds it again (a sync call that crashes its worker), started a second
-    later without its answer. Resumed, the peer read both at once, and the release routed its
-    queue into the worker before the hold was read: each call died with it (-32002), never run.
-    The release now waits for the rest of the read (`worker_held`): the calls wait for the next
-    worker, and are answered."""
+@pytest.mark.parametrize("after", [("sleep_then", [1.5, True], 2.3), ("nap_then_crash", [0.5], 2.0)],
+                         ids=["held-again", "died-meanwhile"])
+def test_a_front_end_resumed_after_a_release_routes_its_queue_to_a_live_worker(broker_factory, after):
+    """The peer's calls wait in its queue while its one worker is held by the first front-end's
+    call run alone; the peer is stopped; that call ends (a release), and then:
+    - held-again (hostile testing, round 137, F6): the next call run alone holds it again (a sync
+      call that crashes its worker), started a second later without the peer's answer. Resumed,
+      the peer read both at once, and the release routed its queue into the worker before the hold
+      was read: each call died with it (-32002), never run. The release now waits for the rest of
+      the read (`worker_held`);
+    - died-meanwhile (round 137, F7): the next call, of a method not struck, crashes the worker
+      while the peer is stopped. Resumed, the peer read the release and routed its queue into the
+      dead worker's socket before its loop read the end: each call died (-32002, "may have run"),
+      never run, and its method was struck. The write fails (EPIPE): the calls are kept, never sent
+      (`WorkerChannel.unsent`).
+    Either way the calls wait for the next worker, and are answered; `nap` is not struck."""
+    method, params, stopped = after
     b, peer = _two_front_ends(broker_factory, "--method-timeout", "nap=20", workers=1)
     _struck_on_both(b, "sleep_then", (0, True))
     waiting = [connection_to(peer, b) for _ in range(6)]
     first, second = connection_to(b.pid, b), connection_to(b.pid, b)
     first.sendall(request("sleep_then", [1.0], "held"))  # run alone: holds the peer
     time.sleep(0.05)
-    second.sendall(request("sleep_then", [1.5, True], "crash"))  # next, alone: waits its turn in the worker
+    second.sendall(request(method, params, "crash"))  # next: waits its turn in the worker, then crashes it
     time.sleep(0.05)
     for i, sock in enumerate(waiting):
         sock.sendall(request("nap", [0], i))  # (queued in the peer: its one worker is held)
     time.sleep(0.2)
     os.kill(peer, signal.SIGSTOP)
     try:
-        time.sleep(2.3)  # (the first call ended, the second runs: a second's wait for the peer, then 1.5 s)
-    finally:
-        os.kill(peer, signal.SIGCONT)
-    outcomes = _naps_answered(waiting)
-    assert outcomes == ["ok"] * 6, outcomes
-    with first, second:
-        assert answer(first).get("result") == 1.0
-        assert answer(second)["error"]["code"] == -32002  # type: ignore[index]
-
-
-def test_a_front_end_resumed_sends_its_queue_to_the_next_worker_not_the_one_that_died_meanwhile(broker_factory):
-    """Hostile testing, round 137 (F7): as above, but the next call is of a method not struck, and
-    crashes the worker while the peer is stopped. Resumed, the peer read the release and routed its
-    queue into the dead worker's socket before its loop read the end: each call died with it
-    (-32002, "may have run"), never run, and its method was struck. The write fails (EPIPE): the
-    calls are kept, never sent (`WorkerChannel.unsent`), and go to the next worker, answered."""
-    b, peer = _two_front_ends(broker_factory, "--method-timeout", "nap=20", workers=1)
-    _struck_on_both(b, "sleep_then", (0, True))
-    waiting = [connection_to(peer, b) for _ in range(6)]
-    first, second = connection_to(b.pid, b), connection_to(b.pid, b)
-    first.sendall(request("sleep_then", [1.0], "held"))  # run alone: holds the peer
-    time.sleep(0.05)
-    second.sendall(request("nap_then_crash", [0.5], "crash"))  # after it, not alone: the worker dies at 1.5 s
-    time.sleep(0.05)
-    for i, sock in enumerate(waiting):
-        sock.sendall(request("nap", [0], i))  # (queued in the peer: its one worker is held)
-    time.sleep(0.2)
-    os.kill(peer, signal.SIGSTOP)
-    try:
-        time.sleep(2.0)  # (the release at 1 s, the crash at 1.5 s: both unread)
+        time.sleep(stopped)  # (the first call ended; the second runs, or ran and crashed the worker)
     finally:
         os.kill(peer, signal.SIGCONT)
     outcomes = _naps_answered(waiting)

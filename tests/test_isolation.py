@@ -21,6 +21,7 @@ import time
 import typing
 
 from conftest import free_port, sample, scrape_metrics, wait_for
+from test_frontends import answer, request
 
 
 def _loop(b, method: str, params: object, seconds: float, outcomes: list[object]) -> None:
@@ -177,12 +178,6 @@ def test_a_worker_s_death_is_logged_with_its_calls_clients_and_its_notifications
 
 
 
-def _http(method: str, params: object, id_: object) -> bytes:
-    body = json.dumps({"jsonrpc": "2.0", "method": method, "params": params, "id": id_}).encode()
-    return (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body), body))
-
-
 def test_calls_queued_as_their_worker_died_go_to_its_replacement_not_blamed(broker_factory):
     """Hostile testing, round 137 (F8): one worker of 2 places holds `nap_then_crash(0.5)` and
     `nap(0.2)`; `pid` calls (and a batch) wait in the front-end's queue. The front-end is stopped from
@@ -197,22 +192,22 @@ def test_calls_queued_as_their_worker_died_go_to_its_replacement_not_blamed(brok
     socks = [socket.create_connection((b.host, b.port), timeout=30) for _ in range(8)]
     crasher, napper, queued, batched = socks[0], socks[1], socks[2:7], socks[7]
     try:
-        crasher.sendall(_http("nap_then_crash", [0.5], "crash"))
-        napper.sendall(_http("nap", [0.2], "nap"))
+        crasher.sendall(request("nap_then_crash", [0.5], "crash"))
+        napper.sendall(request("nap", [0.2], "nap"))
         time.sleep(0.05)
         body = json.dumps([{"jsonrpc": "2.0", "method": "pid", "id": k} for k in range(3)]).encode()
         batched.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # (queued: the worker's 2
         time.sleep(0.02)  # places are taken; first in line)
         for i, s in enumerate(queued):
-            s.sendall(_http("pid", [], i))
+            s.sendall(request("pid", [], i))
         time.sleep(0.1)
         os.kill(b.pid, signal.SIGSTOP)  # (the front-end: the worker answers the nap, then dies)
         try:
             time.sleep(0.9)
         finally:
             os.kill(b.pid, signal.SIGCONT)
-        bodies = [_body(s) for s in socks]
+        bodies: list[typing.Any] = [answer(s) for s in socks]
     finally:
         for s in socks:
             s.close()
@@ -228,21 +223,6 @@ def test_calls_queued_as_their_worker_died_go_to_its_replacement_not_blamed(brok
     assert (sample(metrics, "rpc_broker_calls_queued"), sample(metrics, "rpc_broker_calls_in_flight")) == (0, 0)
 
 
-def _body(sock: socket.socket) -> typing.Any:
-    """One HTTP answer's decoded JSON body off `sock` (Content-Length framed)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, "closed"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        assert chunk, "closed"
-        body += chunk
-    return json.loads(body)
-
 
 def test_calls_waiting_behind_a_large_call_the_kernel_did_not_take_go_to_the_next_worker(broker_factory):
     """Hostile testing, round 138 (F2): an async handler holds its worker's loop (time.sleep),
@@ -255,14 +235,14 @@ def test_calls_waiting_behind_a_large_call_the_kernel_did_not_take_go_to_the_nex
     assert b.call("size", ["x"])["result"] == 1
     socks = [socket.create_connection((b.host, b.port), timeout=30) for _ in range(4)]
     try:
-        socks[0].sendall(_http("block_then_crash", [1.5], "crash"))
+        socks[0].sendall(request("block_then_crash", [1.5], "crash"))
         time.sleep(0.3)
-        socks[1].sendall(_http("size", ["x" * (900 << 10)], "large"))  # (part of it in the kernel)
+        socks[1].sendall(request("size", ["x" * (900 << 10)], "large"))  # (part of it in the kernel)
         time.sleep(0.1)
-        socks[2].sendall(_http("size", ["y" * (300 << 10)], "behind"))
+        socks[2].sendall(request("size", ["y" * (300 << 10)], "behind"))
         time.sleep(0.1)
-        socks[3].sendall(_http("pid", [], "small"))
-        bodies = [_body(s) for s in socks]
+        socks[3].sendall(request("pid", [], "small"))
+        bodies: list[typing.Any] = [answer(s) for s in socks]
     finally:
         for s in socks:
             s.close()
