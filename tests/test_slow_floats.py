@@ -11,6 +11,7 @@ import random
 import struct
 import sys
 import typing
+from decimal import Decimal
 
 import msgspec
 import pytest
@@ -158,6 +159,33 @@ def test_a_refusal_of_a_parameter_that_takes_no_int_is_not_bound_again() -> None
     with pytest.raises(InvalidParams) as refused:
         method.bind(b'[{"x": 1}, "a", 2.5]', 64)
     assert (refused.value.param, refused.value.reason) == ("n", "Expected `int`, got a number with a fractional part")
+
+
+@pytest.mark.parametrize("token", [b"1e308", HALFWAY], ids=bytes.decode)
+def test_floats_beside_a_decimal_or_a_raw_are_read_by_float(token: bytes) -> None:
+    """Round 139, F4: a method with a Decimal or a msgspec.Raw among its hints decoded each
+    value with its own type by msgspec, floats included (1 MiB of `1e308` 1.6 s). A value
+    whose type holds neither is read as other params are: the same doubles, the same
+    refusals, and a float past a double's range is read by the float reader (counted), not
+    by msgspec's decoder."""
+    one = float(token)
+    values = array_of(token, MIB - 40)
+    n = values.count(b",") + 1
+    assert bind("priced", b'{"price": 1.5, "values": ' + values + b"}") == ((Decimal("1.5"), [one] * n, None), {})
+    assert bind("priced", b"[1e400, " + values + b", " + token + b"]") == ((Decimal("1e400"), [one] * n, one), {})
+    body, floats_ = bind("wrapped", b'[{"a": ' + token + b"}, " + values + b"]")[0]
+    assert (bytes(typing.cast(msgspec.Raw, body)), floats_) == (b'{"a": ' + token + b"}", [one] * n)
+    past = values[:-1] + b", 1e400]"
+    before = beyond_read()
+    assert refusal("priced", b"[1.5, " + past + b"]") == ("values", f"Number out of range - at `values[{n}]`")
+    assert refusal("wrapped", b"[[], " + past + b"]") == ("values", f"Number out of range - at `values[{n}]`")
+    assert refusal("priced", b'[1.5, [1], {"a": [' + token + b", 1e400]}]") == (
+        "extra", "Number out of range - at `extra[...][1]`")
+    assert refusal("priced", b"[1.5, 1e400]") == ("values", "Number out of range")
+    assert beyond_read() - before == 4
+    # refused as before for what comes first
+    assert refusal("priced", b'[1.5, ["x", 1e400]]') == ("values", "Expected `float`, got `str` - at `values[0]`")
+    assert refusal("priced", b'[1.5, {"a": ' + token + b"}]") == ("values", "Expected `array`, got `object`")
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,16 @@ from collections.abc import Callable
 import msgspec
 
 from broker import collisions
-from broker.worker.floats import read_json
+from broker.worker.floats import read_float, read_json
 from broker.worker.integral import wants_int
 from broker.worker.param_errors import _DECIMAL_JSON
 
-__all__ = ["Signature"]
+__all__ = ["Signature", "Typed"]
+
+Typed = tuple[msgspec.json.Decoder[typing.Any], "collisions.Check | None", object]
+"""A parameter's on the typed path: its decoder, its check for hash flooding (None: none), and
+its type if it holds neither a Decimal nor a msgspec.Raw (then it may be read as the general path
+reads params, and converted to it), else None."""
 
 _EMPTY = inspect.Parameter.empty
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -193,7 +198,7 @@ class Signature:
                 ({n: info(h) for n, h, _ in pos + kwonly if n not in self._pos_only},
                  None if self._var_kw is None else info(typing.get_args(self._var_kw)[1])),
             )
-        self._typed: dict[str, tuple[msgspec.json.Decoder[typing.Any], collisions.Check | None]] | None = None
+        self._typed: dict[str, Typed] | None = None
         if decimals or any(isinstance(node, msgspec.inspect.RawType) for node in held):
             # (*args' values are decoded as one list, **kwargs' as one object: round 49, value
             # by value, each checked, rewritten and decoded alone, 1 MiB held a worker 0.7-1.9 s)
@@ -202,7 +207,12 @@ class Signature:
                 hinted.append(("*", self._var_pos))
             if self._var_kw is not None:
                 hinted.append(("**", self._var_kw))
-            self._typed = {n: (msgspec.json.Decoder(h), collisions.guard(h)) for n, h in hinted}
+            # (a hint that holds neither is read as the general path reads params, floats by
+            # float(), then converted: msgspec's typed decoders read floats by its own reader,
+            # 1 MiB of `1e308` 1.6 s, hostile testing, round 139, F4; its floats in `Any` by
+            # float() too, `float_hook`)
+            self._typed = {n: (msgspec.json.Decoder(h, float_hook=read_float), collisions.guard(h),
+                               None if _holds_decimal_or_raw(h) else h) for n, h in hinted}
             for n, h in hinted:
                 if self._typed[n][1] is not None and any(isinstance(node, msgspec.inspect.RawType)
                                                          for node in collisions.reachable(msgspec.inspect.type_info(h))):
@@ -287,3 +297,10 @@ def _struct_default(value: object) -> object:
     if type(value) in (list, dict, set, bytearray):  # (empty too: msgspec copies those per call,
         return msgspec.field(default_factory=lambda: value)  # round 36: a `_cache: dict = {}` memo never filled)
     return value
+
+
+def _holds_decimal_or_raw(hint: object) -> bool:
+    """Whether the type `hint` holds a Decimal or a msgspec.Raw, at any depth: its values must
+    be decoded from their own text (a Decimal's digits, a Raw's bytes)."""
+    return any(isinstance(node, (msgspec.inspect.DecimalType, msgspec.inspect.RawType))
+               for node in collisions.reachable(msgspec.inspect.type_info(hint)))
