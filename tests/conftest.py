@@ -155,6 +155,10 @@ runs `pytest -n`), each worker gets its own slice of them (`worker_slice`)."""
 MIN_WORKER_PORTS = 8
 """The fewest ports a worker's slice may have: a test holds several at once (a broker's, its
 stream port's, a prometheus'), and `free_port` gives the last 16 it gave only when no other is free."""
+MANY_TESTS = 400
+MANY_TESTS_PORTS = 100
+"""The fewest a worker's slice may have for a run of more than `MANY_TESTS` tests
+(`pytest_collection_modifyitems`)."""
 
 
 def test_ports() -> range | None:
@@ -342,7 +346,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Under `make mutate`'s profile, the fastest tests first: most mutants fail one of those,
     and mutmut stops there (-x). The durations are those mutmut measured in the process it
     forks each mutant's from (mutmut 3.8's `state()`); without them, the state machines
-    (seconds each) go last."""
+    (seconds each) go last.
+
+    A run of more than `MANY_TESTS` tests (most of the suite) with BROKER_TEST_PORTS giving
+    this process fewer than `MANY_TESTS_PORTS` is refused, `pytest.UsageError`, before any
+    test runs: the ports brokers close linger in TIME_WAIT, and 25 a process ran out two
+    thirds of the way through, 200 tests failing "no free port in ..." (new user, round 116)."""
+    if xdist_worker()[1] == 1:  # (under pytest-xdist, its controller: `pytest_xdist_node_collection_finished`)
+        _enough_ports(len(items), 1)
     if settings.get_current_profile_name() != "mutate":
         return
     durations: typing.Mapping[str, float] = {}
@@ -353,6 +364,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     else:
         durations = state().duration_by_test
     items.sort(key=lambda item: durations.get(item.nodeid, 60.0 if item.path.name == "test_dispatch_states.py" else 1.0))
+
+
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    """pytest-xdist's controller, once a worker has collected: `_enough_ports` for the run."""
+    count = getattr(getattr(node, "config", None), "option", None)
+    _enough_ports(len(ids), int(getattr(count, "numprocesses", 1) or 1))
+
+
+def _enough_ports(tests: int, count: int) -> None:
+    """Stop the run (`pytest.exit`, status 4, said at once) if it has more than `MANY_TESTS`
+    tests and BROKER_TEST_PORTS gives each of its `count` processes fewer than
+    `MANY_TESTS_PORTS` ports: the ports brokers close linger in TIME_WAIT, and 25 a process
+    ran out two thirds of the way through the suite, 200 tests failing "no free port in ..."
+    (new user, round 116)."""
+    text = os.environ.get(TEST_PORTS_ENV, "").strip()
+    if not text or tests <= MANY_TESTS:
+        return
+    ranges = [range(int(low), int(high or low) + 1) for low, _, high in (part.strip().partition("-") for part in text.split(","))]
+    fewest = min(len(worker_slice(ranges, index, count)) for index in range(count))
+    if fewest < MANY_TESTS_PORTS:
+        pytest.exit(f"{TEST_PORTS_ENV}={text!r} gives {fewest} ports to a process of {count}, and {tests} tests want"
+                    f" {MANY_TESTS_PORTS} a process at least (brokers' ports linger in TIME_WAIT once closed): a wider"
+                    " range, fewer processes (make test JOBS=N) or fewer tests", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

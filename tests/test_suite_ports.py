@@ -6,12 +6,17 @@ New user, round 114: on a shared host where other services hold fixed ports, the
 from __future__ import annotations
 
 import collections
+import os
 import random
 import socket
+import subprocess
+import sys
 
 import pytest
 from conftest import (
+    MANY_TESTS_PORTS,
     MIN_WORKER_PORTS,
+    ROOT,
     TEST_PORTS_ENV,
     free_port,
     listen_port,
@@ -106,3 +111,24 @@ def test_a_port_given_lately_is_given_again_only_when_no_other_is_free_the_lates
         a.bind(("127.0.0.1", ports[0]))
         b.bind(("127.0.0.1", ports[1]))
         assert [free_port() for _ in range(3)] == [ports[2], ports[3], ports[2]]  # (the oldest given first)
+
+
+@pytest.mark.parametrize("jobs", [0, 2])
+def test_a_run_of_many_tests_with_too_few_ports_a_process_stops_before_any_test(jobs):
+    """New user, round 116: 25 ports a process ran out two thirds of the way through the
+    suite (200 tests failed "no free port in ..."). A run of that many tests is stopped at
+    once, status 4, saying why, in one process or under pytest-xdist (its controller); with
+    enough ports a process it goes on (one process, collecting only: xdist does not collect
+    so). Nothing listens: no test of theirs runs."""
+    files = ["tests/test_codec.py", "tests/test_worker_sdk.py", "tests/test_worker_answers.py"]  # (over 400 tests)
+    short = 2 * MANY_TESTS_PORTS - 2 if jobs else MANY_TESTS_PORTS - 1  # (one port short a process)
+    for ports, status in ((short, 4),) if jobs else ((short, 4), (short + 1, 0)):
+        env = {**os.environ, TEST_PORTS_ENV: f"20000-{20000 + ports - 1}"}
+        env.pop("PYTEST_XDIST_WORKER", None)
+        env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(jobs),
+                              *(["--collect-only"] if not jobs else []), *files],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        said = run.stdout + run.stderr
+        assert run.returncode == status, said[-2000:]
+        assert (f"{TEST_PORTS_ENV}='20000-{20000 + ports - 1}' gives" in said) == bool(status), said[-2000:]
