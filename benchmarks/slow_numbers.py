@@ -7,7 +7,7 @@ calls reach a worker) to a method of tests/apps/bignums.py, the best of `--round
 child process per tree (this one, and `--against TREE`: another checkout, e.g. a `git
 worktree` of main, whose `broker` package is imported instead), and prints the CPU seconds
 (process time) side by side with what the binding said. Hostile testing, rounds 136 (F2) and
-137 (F1, F2, F3, F5, F9); broker/worker/floats.py. Prints figures only: nothing here is a test.
+137 (F1, F2, F3, F5, F9); broker/floats.py. Prints figures only: nothing here is a test.
 """
 
 from __future__ import annotations

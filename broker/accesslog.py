@@ -51,9 +51,9 @@ import msgspec
 
 from broker.catalog import DISCOVER
 from broker.chunk import read_call
+from broker.floats import decode_json
 from broker.metrics import outcome_name
 from broker.wire import RESULT
-from broker.worker.floats import plain_numbers, read_json
 
 if typing.TYPE_CHECKING:
     from broker.answers import ResponseBudget
@@ -121,7 +121,6 @@ OTHER = "other"  # the method of a call to a method not registered (as the metri
 # An entry's fields, in order (a chunk's results: method and id are lists of the same length)
 ENTRY_FIELDS = ("when", "peer", "token", "transport", "method", "id", "duration", "code", "pid", "params")
 Entry = tuple[float, object, str, str, str | list[str], bytes | list[bytes], float, int, int, bytes | int | None]
-_decode = msgspec.json.Decoder().decode  # (for params with no exponent: `plain_numbers`; else `read_json`)
 _encode = msgspec.json.Encoder().encode
 # An id written as it is: printable ASCII but space, '"', '=' and '\' (`_plain`); or a string of such
 # characters and spaces, written JSON-quoted with its two quotes escaped
@@ -287,19 +286,16 @@ def _params_text(kept: bytes | int | None, left: list[int] | None = None) -> str
             return (f"({len(kept)} bytes, not written: {FLUSH_VALUES} values or {FLUSH_PARAMS_BYTES} bytes of params"
                     " for the lines of this moment)")
         left[1] -= len(kept)
-    # (floats as the worker reads them: msgspec's reader took 2-20 us a `1e308`, 0.4 s of the loop
-    # for a moment's 256 KiB of them; hostile testing, round 139)
-    decode = _decode if plain_numbers(kept) else read_json
     try:
         if b"{" in kept:  # (no object, no key: nothing to redact, nothing walked)
             budget = [REDACT_VALUES]
             try:
-                text = _encode(redact(decode(kept), budget)).decode()
+                text = _encode(redact(decode_json(kept), budget)).decode()  # (floats by float(): round 139)
             finally:
                 if left is not None:
                     left[0] -= REDACT_VALUES - budget[0]
         else:
-            text = _encode(decode(kept)).decode()
+            text = _encode(decode_json(kept)).decode()
     except (msgspec.DecodeError, RecursionError):  # (nested past msgspec's limit)
         return f"({len(kept)} bytes, not decoded)"
     except _TooMany:  # (a line's redaction on the loop bounded: round 117, 0.8 ms a line of 1,364 values)

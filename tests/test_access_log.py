@@ -162,7 +162,7 @@ def test_log_params_redacts_secrets_at_any_depth(all_broker: Broker) -> None:
 
 def test_log_params_writes_floats_msgspec_reads_slowly_as_their_values(all_broker: Broker) -> None:
     # (hostile testing, round 139: they were read by msgspec's slow reader on the front-end's loop;
-    # now by float(), as the worker's broker/worker/floats.py does: the same values, the same text)
+    # now by float(), as the worker's broker/floats.py does: the same values, the same text)
     b = all_broker
     before = settled(b)
     floats = "[1e308,1E-300,1e23,1.2345000000000000576e249,2.5e3,-0.0,7]"

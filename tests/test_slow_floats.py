@@ -1,5 +1,5 @@
 """Numbers msgspec's JSON parser reads slowly (`1e308`, `1.2345000000000000576e249`: 2-20 µs each
-where `1.5` takes 0.03: broker/worker/floats.py), read by float() instead: bound as the same
+where `1.5` takes 0.03: broker/floats.py), read by float() instead: bound as the same
 doubles, refused with the same messages, never refused for how many there are (hostile testing,
 rounds 136 and 137). First the reading itself and `Method.bind`, then a real broker and its one
 worker over HTTP. (How long each takes: benchmarks/slow_numbers.py, not a test.)"""
@@ -16,8 +16,8 @@ from decimal import Decimal
 import msgspec
 import pytest
 
-from broker.worker import floats
-from broker.worker.floats import beyond_read, plain_numbers, read_json
+from broker import floats
+from broker.floats import beyond_read, plain_numbers, read_json
 from broker.worker.params import InvalidParams, Method
 from tests.apps import bignums
 from tests.conftest import Broker, start_broker

@@ -58,10 +58,10 @@ from msgspec import Raw
 
 from broker import version
 from broker.catalog import Catalog
+from broker.floats import decode_json
 from broker.frontend.mcpsessions import CALLS_PER_SESSION, Session, Sessions
 from broker.jsonrpc import Codec, ErrorCode, Request, error_object, response_error, response_result
 from broker.wire import MethodInfo
-from broker.worker.floats import plain_numbers, read_json
 
 if typing.TYPE_CHECKING:
     from broker.answers import Exchange
@@ -301,7 +301,7 @@ def _error_text(error: _ErrorObject) -> str:
         return f"Error {error.code}: {error.message} ({shown} ... {len(raw)} bytes of data in all)"
     if raw:
         try:  # (floats as the worker reads them: 64 KiB of `1e308` took msgspec's reader 0.1 s of the loop)
-            data = (_decode if plain_numbers(bytes(raw)) else read_json)(raw)
+            data = decode_json(raw)
         except (msgspec.DecodeError, RecursionError):
             data = None
     code = error.code

@@ -29,8 +29,7 @@ import msgspec
 
 from broker import collisions
 from broker.errors import RemoteError
-from broker.jsonscan import nests_deeper
-from broker.worker.floats import (
+from broker.floats import (
     _BEYOND_READ,
     BEYOND,
     first_beyond,
@@ -38,6 +37,7 @@ from broker.worker.floats import (
     read_json,
     read_json_beyond,
 )
+from broker.jsonscan import nests_deeper
 from broker.worker.integral import holds_int, integral_params
 from broker.worker.param_errors import (
     _DECIMAL_JSON,
@@ -78,7 +78,7 @@ QUIET_BYTES = 64 * 1024
 """Params longer than this are bound with the cyclic garbage collector off (`Method.bind`)."""
 _FIELD_IN_MSG = re.compile(r"field `([^`]+)`")
 _decode_plain = msgspec.json.decode  # (params whose numbers it reads fast: `plain_numbers`)
-_decode_json = read_json  # (the others: floats read by float(), broker/worker/floats.py)
+_decode_json = read_json  # (the others: floats read by float(), broker/floats.py)
 _astuple = msgspec.structs.astuple
 _convert = msgspec.convert
 _UNREAD = object()  # (`bind`: params not decoded yet)
@@ -132,7 +132,7 @@ class Method(Signature):
         decoded twice more, all to be refused the same).
 
         Params holding a number written with an exponent, which msgspec may read slowly
-        (`1e308`, `1.2345000000000000576e249`: 2-20 µs each, broker/worker/floats.py), are
+        (`1e308`, `1.2345000000000000576e249`: 2-20 µs each, broker/floats.py), are
         decoded with their floats read by float() (at most ~0.1 s a MiB), then converted to the
         fast path's types, or bound by the general path (hostile testing, rounds 136 and 137:
         1 MiB of them held a worker 0.25-5 s, or was refused for their count). A float past a
@@ -533,7 +533,7 @@ class Method(Signature):
         return InvalidParams(None, message)
 
     def _read_floats(self, params: bytes) -> object:
-        """`params` decoded with their floats read by float() (broker/worker/floats.py), or
+        """`params` decoded with their floats read by float() (broker/floats.py), or
         `InvalidParams` if one past a double's range is left in them (not replaced by a later
         duplicate key's value): `_beyond`. Raises msgspec's errors as msgspec.json.decode does."""
         read = _BEYOND_READ[0]

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import msgspec
 
 from broker import collisions
-from broker.worker.floats import read_float, read_json
+from broker.floats import read_float, read_json
 from broker.worker.integral import wants_int
 from broker.worker.param_errors import _DECIMAL_JSON
 
@@ -37,7 +37,7 @@ reads params, and converted to it), else None."""
 
 _EMPTY = inspect.Parameter.empty
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-_decode_json = read_json  # (floats read by float(): broker/worker/floats.py)
+_decode_json = read_json  # (floats read by float(): broker/floats.py)
 
 
 class Signature:

@@ -1,5 +1,5 @@
 """Methods given numbers that msgspec's JSON parser reads slowly (`1e308`, `1.2345000000000000576e249`:
-broker/worker/floats.py; hostile testing, rounds 136 and 137), one per shape of parameter, and a
+broker/floats.py; hostile testing, rounds 136 and 137), one per shape of parameter, and a
 Struct that counts how often binding builds it."""
 
 import decimal

@@ -19,8 +19,8 @@ the slower path. `read_json` answers as msgspec's decoder does, its messages inc
 past a double's range is refused "Number out of range - at `$...`". `read_json_beyond` reads
 such a float as `BEYOND` instead, counted in `beyond_read()`, so that a refusal can be placed
 from the one decoded value (`first_beyond`). The front-end's loop reads with `plain_numbers` and
-`read_json` too: the access log's params (broker/accesslog.py) and an MCP tool error's data
-(broker/frontend/mcp.py; hostile testing, round 139). Nothing here does I/O.
+`decode_json` (either, as `plain_numbers` says): the access log's params (broker/accesslog.py) and
+an MCP tool error's data (broker/frontend/mcp.py; hostile testing, round 139). Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import typing
 
 import msgspec
 
-__all__ = ["BEYOND", "NumberOutOfRange", "beyond_read", "first_beyond", "plain_numbers", "read_float", "read_json",
-           "read_json_beyond"]
+__all__ = ["BEYOND", "NumberOutOfRange", "beyond_read", "decode_json", "first_beyond", "plain_numbers", "read_float",
+           "read_json", "read_json_beyond"]
 
 _OUT_OF_RANGE = "Number out of range"  # (msgspec's own words)
 # Digits read as '1', 'e' and 'E' as '0' (neither is a digit): an exponent is then "10".
@@ -80,6 +80,15 @@ read_json: typing.Callable[[bytes], typing.Any] = msgspec.json.Decoder(float_hoo
 """msgspec.json.decode with each float read by float(): the same values and errors."""
 read_json_beyond: typing.Callable[[bytes], typing.Any] = msgspec.json.Decoder(float_hook=_float_or_beyond).decode
 """`read_json`, but a float past a double's range is `BEYOND` (and counted) rather than refused."""
+
+
+_decode = msgspec.json.Decoder().decode
+
+
+def decode_json(text: bytes | msgspec.Raw) -> typing.Any:
+    """JSON `text` decoded as msgspec.json.decode decodes it (the same values and errors), by
+    msgspec's own reader where `plain_numbers` says it reads them fast, else by `read_json`."""
+    return _decode(text) if plain_numbers(text if type(text) is bytes else bytes(text)) else read_json(text)
 
 
 def beyond_read() -> int:
