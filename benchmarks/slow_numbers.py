@@ -64,6 +64,7 @@ CASES: dict[str, tuple[str, list[bytes]]] = {
     "F3 1 MiB of digits in a string + a 42-digit number": ("untyped", [b'[["' + b"31415926535" * 95000 + b'", '
                                                                         + b"1" * 41 + b'.5]]']),
     "F9 honest: 600 float64 max of 2,000 to star": ("star", [_honest()]),
+    "139 F6 one 1e400 after a MiB of [1] to untyped (refused)": ("untyped", [_named(b"[1]", b",[[1e400]]")]),
     "139 F4 1e308 to priced(Decimal, list[float])": ("priced", [b"[1.5, " + _array(b"1e308", MIB - 10) + b"]"]),
     "139 F4 1e308 to wrapped(Raw, list[float])": ("wrapped", [b"[{}, " + _array(b"1e308", MIB - 10) + b"]"]),
     "halfway below max written out (310 digits) to total": ("total", [b"[" + _array(_WRITTEN_OUT, MIB - 2) + b"]"]),

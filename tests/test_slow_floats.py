@@ -135,7 +135,10 @@ def test_a_refusal_of_a_number_past_range_reads_the_params_once() -> None:
     assert refusal("anything", b'{"v": {"a": [1, 1e400]}}') == ("v", "Number out of range - at `v[...][1]`")
     assert refusal("star", b"[1.5, 1e400]") == ("values", "Number out of range (params[1])")
     assert beyond_read() - before == 3
-    assert floats.first_beyond([1.5, {"a": [2.5, floats.BEYOND]}]) == [1, "a", 1]
+    assert floats.first_beyond([1.5, {"a": [2.5, floats.BEYOND]}]) == [1, "...", 1]
+    assert floats.first_beyond({"k": 1, "b": [{"a": floats.BEYOND, "c": 9e999}], "z": floats.BEYOND}) == ["b", 0, "..."]
+    assert floats.first_beyond({"a": [1, {"b": "9e999"}, floats.BEYOND]}) == ["a", 2]  # (text that looks so: a string's)
+    assert floats.first_beyond(floats.BEYOND) == [] and floats.first_beyond([1e308, "x", {}]) is None
 
 
 def test_a_later_duplicate_key_replaces_a_number_past_range() -> None:
