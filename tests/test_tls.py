@@ -297,13 +297,14 @@ def test_a_connection_whose_handshake_ends_after_the_stop_is_served(broker_facto
         time.sleep(0.3)  # (accepted: their handshakes under way)
         b.proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
-        answers = []
+        # (every request sent before any answer is read: all within the drain's wait for first
+        # requests, FIRST_REQUEST_SECONDS; one at a time, under load the third came after it)
         for i, raw in enumerate(raws):
             tls = raws[i] = client_context(pki).wrap_socket(raw, server_hostname="127.0.0.1")
             body = json.dumps({"jsonrpc": "2.0", "method": "add", "params": [i, 1], "id": i}).encode()
             tls.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            answers.append(read_until_closed(tls))
+        answers = [read_until_closed(tls) for tls in raws]
     finally:
         for raw in raws:
             raw.close()
