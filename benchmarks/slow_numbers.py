@@ -65,6 +65,8 @@ CASES: dict[str, tuple[str, list[bytes]]] = {
                                                                         + b"1" * 41 + b'.5]]']),
     "F9 honest: 600 float64 max of 2,000 to star": ("star", [_honest()]),
     "139 F6 one 1e400 after a MiB of [1] to untyped (refused)": ("untyped", [_named(b"[1]", b",[[1e400]]")]),
+    "140 F1 1e308 to kwpriced(Decimal, **list[float])": ("kwpriced", [b'{"price": 1.5, "a": ' + _array(b"1e308", MIB - 30) + b"}"]),
+    "140 F2 65,000 keys 1.Ne300 to weights(dict[float, int])": ("weights", [b"[{" + b", ".join(b'"1.%de300": 1' % i for i in range(65000)) + b"}]"]),
     "139 F4 1e308 to priced(Decimal, list[float])": ("priced", [b"[1.5, " + _array(b"1e308", MIB - 10) + b"]"]),
     "139 F4 1e308 to wrapped(Raw, list[float])": ("wrapped", [b"[{}, " + _array(b"1e308", MIB - 10) + b"]"]),
     "halfway below max written out (310 digits) to total": ("total", [b"[" + _array(_WRITTEN_OUT, MIB - 2) + b"]"]),

@@ -304,6 +304,16 @@ class Method(Signature):
         stars = typed.get("**")
         if stars is None:
             named.update((key, _decode_json(raw)) for key, raw in extra)
+        elif extra and stars[2] is not None and not plain_numbers(bytes(text := _object_of(extra))):
+            # (read by float() and converted, as `_decode_value` does: round 140, F1, 1 MiB 1.6 s; a
+            # refusal placed as below, its values converted as one array, `$[i]`)
+            try:
+                named.update(typing.cast(dict[str, object], self._converted(text, stars[2], stars[1], "", "", None)))
+            except msgspec.ValidationError as exc:
+                hint = typing.get_args(self._var_kw)[1]
+                array = _array_of([raw for _, raw in extra])
+                raise _keyed(extra, _refuses(lambda raws: self._converted(raws, list[hint], None, "", "", None), array),  # type: ignore[valid-type]
+                             str(exc)) from None
         elif extra:
             decoder, check, _ = stars
             try:  # (a flood is refused naming its key)
@@ -382,22 +392,24 @@ class Method(Signature):
         reader (hostile testing, round 139, F4: 1 MiB of `1e308` beside a Decimal parameter
         held a worker 1.6 s). `name`, `where`, `tail`: as `_decode_value` takes them. Raises
         msgspec.ValidationError as the decoder says it, "Number out of range - at `$...`" for a
-        float past a double's range (placed by `kind` where its conversion meets it first), and
-        `InvalidParams` (flooded)."""
+        float past a double's range (placed by `kind` where its conversion meets it first, or
+        where an `Any` took it; one in a field `kind` ignores is dropped, as the decoder skips
+        it: round 140, F3), and `InvalidParams` (flooded)."""
         read = _BEYOND_READ[0]
         value = read_json_beyond(raw)
-        if _BEYOND_READ[0] != read and (place := first_beyond(value)) is not None:
-            try:
-                _convert(value, kind, str_keys=True)
-            except msgspec.ValidationError as exc:
-                reason, path = _split_path(str(exc)) or (str(exc), "")
-                if not reason.endswith(_GOT_BEYOND):  # (a value before it refused first, as the decoder does)
-                    raise
-                raise msgspec.ValidationError(f"{_OUT_OF_RANGE} - at `${path}`" if path else _OUT_OF_RANGE) from None
-            inner = "".join(f"[{step}]" if type(step) is int else "[...]" for step in place)  # (an Any took it)
+        beyond = _BEYOND_READ[0] != read and first_beyond(value) is not None
+        try:
+            _check_value(value, check, name, where, tail)
+            converted = _convert(value, kind, str_keys=True)
+        except msgspec.ValidationError as exc:
+            reason, path = _split_path(str(exc)) or (str(exc), "")
+            if not (beyond and reason.endswith(_GOT_BEYOND)):  # (a value before it refused first, as the decoder does)
+                raise
+            raise msgspec.ValidationError(f"{_OUT_OF_RANGE} - at `${path}`" if path else _OUT_OF_RANGE) from None
+        if beyond and (place := first_beyond(converted)) is not None:  # (an Any took it)
+            inner = "".join(f"[{step}]" if type(step) is int else "[...]" for step in place)
             raise msgspec.ValidationError(f"{_OUT_OF_RANGE} - at `${inner}`" if inner else _OUT_OF_RANGE)
-        _check_value(value, check, name, where, tail)
-        return _convert(value, kind, str_keys=True)
+        return converted
 
     def _check_floods(self, obj: object, guards: tuple[collisions.Check | None, ...]) -> None:
         """Refuse params putting more than `collisions.SHARED_HASH_MAX` distinct values of
