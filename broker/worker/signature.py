@@ -28,7 +28,7 @@ from broker.floats import read_float, read_json
 from broker.worker.integral import wants_int
 from broker.worker.param_errors import _DECIMAL_JSON
 
-__all__ = ["Signature", "Typed"]
+__all__ = ["Signature", "Typed", "holds_decimal_or_raw"]
 
 Typed = tuple[msgspec.json.Decoder[typing.Any], "collisions.Check | None", object]
 """A parameter's on the typed path: its decoder, its check for hash flooding (None: none), and
@@ -212,7 +212,7 @@ class Signature:
             # 1 MiB of `1e308` 1.6 s, hostile testing, round 139, F4; its floats in `Any` by
             # float() too, `float_hook`)
             self._typed = {n: (msgspec.json.Decoder(h, float_hook=read_float), collisions.guard(h),
-                               None if _holds_decimal_or_raw(h) else h) for n, h in hinted}
+                               None if holds_decimal_or_raw(h) else h) for n, h in hinted}
             for n, h in hinted:
                 if self._typed[n][1] is not None and any(isinstance(node, msgspec.inspect.RawType)
                                                          for node in collisions.reachable(msgspec.inspect.type_info(h))):
@@ -299,7 +299,7 @@ def _struct_default(value: object) -> object:
     return value
 
 
-def _holds_decimal_or_raw(hint: object) -> bool:
+def holds_decimal_or_raw(hint: object) -> bool:
     """Whether the type `hint` holds a Decimal or a msgspec.Raw, at any depth: its values must
     be decoded from their own text (a Decimal's digits, a Raw's bytes)."""
     return any(isinstance(node, (msgspec.inspect.DecimalType, msgspec.inspect.RawType))

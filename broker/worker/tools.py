@@ -49,7 +49,9 @@ from collections.abc import Callable
 import msgspec
 
 from broker import wire
+from broker.floats import plain_numbers, read_float, read_json
 from broker.schemas import Schema, inlined, rooted, unconstrained
+from broker.worker.signature import holds_decimal_or_raw
 
 if typing.TYPE_CHECKING:
     from broker.worker.params import Method
@@ -83,6 +85,8 @@ class ToolAnnotations(msgspec.Struct, frozen=True, omit_defaults=True, forbid_un
     idempotent_hint: bool | None = None
     open_world_hint: bool | None = None
 
+
+_convert = msgspec.convert
 
 _ANNOTATION_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(ToolAnnotations))
 _SNAKE = {f.name: f.encode_name for f in msgspec.structs.fields(ToolAnnotations)}
@@ -177,10 +181,18 @@ def result_check(method: Method) -> Callable[[bytes], object] | None:
     described = method.described
     if described is None or described.output_schema is None:
         return None
+    returns = method.returns
     try:
-        decode = msgspec.json.Decoder(method.returns).decode
+        typed = msgspec.json.Decoder(returns, float_hook=read_float).decode
     except TypeError:
         return None
+    def read(encoded: bytes) -> object:
+        # (a result holding a number written with an exponent read by float(), then converted:
+        # msgspec's reader took 1.7 s to check a MiB of `1e308`, hostile testing, round 140, F5;
+        # broker/floats.py)
+        return typed(encoded) if plain_numbers(encoded) else _convert(read_json(encoded), returns, str_keys=True)
+
+    decode: Callable[[bytes], object] = typed if holds_decimal_or_raw(returns) else read
     if not described.wrap_result:
         return decode
 
