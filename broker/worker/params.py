@@ -397,7 +397,7 @@ class Method(Signature):
         it: round 140, F3), and `InvalidParams` (flooded)."""
         read = _BEYOND_READ[0]
         value = read_json_beyond(raw)
-        beyond = _BEYOND_READ[0] != read and first_beyond(value) is not None
+        beyond = _BEYOND_READ[0] != read  # (placed below, once converted: a later duplicate key's value may replace it)
         try:
             _check_value(value, check, name, where, tail)
             converted = _convert(value, kind, str_keys=True)
