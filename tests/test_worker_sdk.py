@@ -2292,6 +2292,7 @@ def test_a_returnable_call_found_slow_gives_back_the_waiting_calls_of_its_method
     run(test)
 
 
+@pytest.mark.serial  # (turns by the time calls took: beside 3 other tests on 2 cores a fast call, preempted, took a slice)
 def test_a_flows_slow_calls_hold_another_flows_call_back_for_one_slice(run):
     """Hostile testing (round 60): a sync method learnt fast from a cheap call, then one
     client's batch of its slow calls reached each worker as a chunk of 50, and every other
