@@ -97,6 +97,36 @@ def mb() -> Iterator[Broker]:
     assert b.stop() == 0, b.read_log()
 
 
+def test_every_family_exported_is_in_the_reference_with_its_labels(mb: Broker):
+    """docs/reference.md's Metrics table, which the README says holds every metric: each
+    family the broker exports is a row, its labels those of the samples (new user, round
+    117: the three MCP families were missing)."""
+    import re
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    mb.call("add", [1, 2])
+    conn = http.client.HTTPConnection(mb.host, mb.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    reference = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
+    rows = {name: {label.strip() for label in labels.split(",") if label.strip()}
+            for names, labels in re.findall(r"^\| (`rpc_broker_[^|]*) \| \w+ \|([^|]*)\|", reference, re.M)
+            for name in re.findall(r"`(rpc_broker_\w+)`", names)}
+    for family in text_string_to_metric_families(text):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        if not name.startswith("rpc_broker_"):  # (prometheus-client's own process_ and python_ families)
+            continue
+        assert name in rows, f"{name} is exported, not in docs/reference.md's Metrics table"
+        labels = {label for s in family.samples for label in s.labels if label not in ("le", "quantile")}
+        if family.samples:
+            assert labels == rows[name], (name, labels, rows[name])
+
+
 def test_calls_by_method_and_outcome_and_errors_by_code(mb: Broker):
     before = scrape(mb)
     for i in range(7):

@@ -733,7 +733,7 @@ def test_lines_before_an_http_request_line_are_answered_before_the_close(sb, tra
                + b"POST / HTTP/1.1\r\n" + line("add", [5, 5], 3) + b"\n")
         got = sorted(s.lines(3))
         error = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Invalid Request",' \
-                b'"data":"an HTTP request: this socket speaks newline-delimited JSON-RPC"}}'
+                b'"data":"an HTTP request: this stream speaks newline-delimited JSON-RPC"}}'
         assert got == sorted([result(1, 0.3), result(2, 3), error])
         assert s.closed_within(5.0) < 5.0  # and id 3, after the HTTP line, was never run
 

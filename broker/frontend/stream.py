@@ -110,10 +110,10 @@ LINES_PER_TURN = 16  # lines handled per callback; the rest of a read waits a lo
 # in one turn, kept /healthz waiting 100-560 ms (hostile testing); bytes go as calls do.
 TURN_LINE_BYTES = 64 * 1024
 _HTTP_REQUEST = response_error(
-    b"null", error_object(ErrorCode.INVALID_REQUEST, data="an HTTP request: this socket speaks newline-delimited JSON-RPC")
+    b"null", error_object(ErrorCode.INVALID_REQUEST, data="an HTTP request: this stream speaks newline-delimited JSON-RPC")
 ) + b"\n"
 _NOT_TEXT = response_error(b"null", error_object(
-    ErrorCode.PARSE_ERROR, data="not JSON text (TLS, or another protocol?): this socket speaks newline-delimited JSON-RPC"
+    ErrorCode.PARSE_ERROR, data="not JSON text (TLS, or another protocol?): this stream speaks newline-delimited JSON-RPC"
 )) + b"\n"  # fmt: skip
 _NL = b"\n"
 AUTHENTICATE: typing.Final = "rpc.authenticate"  # the method of a TCP stream's first line, with tokens
