@@ -783,11 +783,12 @@ def test_large_params_are_bound_with_the_garbage_collector_off() -> None:
     is on again after, whatever the binding raised."""
     method = Method("noted", noted)
     assert gc.isenabled()
-    big = b"[[" + b",".join([b"{}"] * (QUIET_BYTES // 2)) + b"]]"
+    # (filled: 1 MiB of `{}` builds more than 64 bytes a byte of params, refused since round 140)
+    big = b"[[" + b",".join([b'{"tags":[1]}'] * (QUIET_BYTES // 8)) + b"]]"
     GC_SEEN.clear()
     bound = method.bind(big, 64)[0][0]
     assert set(GC_SEEN) == {False} and gc.isenabled()
-    assert len(bound) == QUIET_BYTES // 2 and bound[0].tags == set()
+    assert len(bound) == QUIET_BYTES // 8 and bound[0].tags == {1}
     GC_SEEN.clear()
     method.bind(b"[[{}]]", 64)
     assert GC_SEEN == [True]
@@ -1227,3 +1228,50 @@ def test_the_integral_rewrite_walks_only_what_holds_a_float() -> None:
     v = typing.cast(tuple[tuple[list[Tree], int], object], bound)[0][0]
     assert v[-2:] == [Tree([Tree([], 7)], 1), Tree([], 2)] and type(v[-2].n) is int
     assert counts[integral._Walk._array] <= 10, counts  # (was 100 chains x 60 arrays)
+
+
+class Filter(msgspec.Struct):
+    include: set[str] = set()
+    exclude: set[str] = set()
+    tags: list[str] = []
+    meta: dict[str, str] = {}
+
+
+class Pair(msgspec.Struct, array_like=True):
+    left: list[int] = []
+    right: list[int] = []
+    more: set[int] = set()
+
+
+def search(filters: list[Filter], pairs: list[Pair] = []) -> int:  # noqa: B006
+    return len(filters) + len(pairs)
+
+
+def test_params_whose_objects_would_build_past_64_bytes_a_byte_are_refused_before_any_is_built() -> None:
+    """Hostile testing, round 140, F9: msgspec makes each empty container default anew for each
+    instance, so 1 MiB of `{}` to `list[Filter]` (two sets, a list and a dict) built ~220 MB
+    (4 such calls in flight, as max_worker_params_bytes lets in: 918 MiB), 20 set fields 1.6
+    GB. Counted by their brackets before any is built, and refused past BUILT_PER_BYTE."""
+    from broker.worker.params import BUILT_PER_BYTE
+
+    method = Method("search", search)
+    empties = b"[[" + b",".join([b"{}"] * 350_000) + b"]]"
+    before = tracemalloc.is_tracing()
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidParams) as refused:
+            method.bind(empties, 64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        if not before:
+            tracemalloc.stop()
+    assert refused.value.param is None and refused.value.reason.startswith("350002 objects in 1050003 bytes of params, each building up to 640 bytes")
+    assert refused.value.reason.endswith(f"more than {BUILT_PER_BYTE} bytes built a byte of params, refused (memory)")
+    assert peak < 8 << 20, peak  # (nothing built: the params' own copies at most)
+    pairs = b"[[], [" + b",".join([b"[]"] * 350_000) + b"]]"  # (array-like: counted by `[`)
+    with pytest.raises(InvalidParams, match="refused \\(memory\\)"):
+        method.bind(pairs, 64)
+    # filled objects bind, as do small params of empty ones
+    filled = [{"include": ["a", "b"], "tags": ["t"], "meta": {"k": "v"}}] * 10_000
+    assert method.bind(json.dumps([filled]).encode(), 64)[0][0] == [Filter({"a", "b"}, set(), ["t"], {"k": "v"})] * 10_000
+    assert len(typing.cast(list[Filter], method.bind(b"[[" + b",".join([b"{}"] * 20_000) + b"]]", 64)[0][0])) == 20_000

@@ -28,7 +28,7 @@ from broker.floats import read_float, read_json
 from broker.worker.integral import wants_int
 from broker.worker.param_errors import _DECIMAL_JSON
 
-__all__ = ["Signature", "Typed", "holds_decimal_or_raw"]
+__all__ = ["OBJECT_BYTES", "Signature", "Typed", "built_per_object", "holds_decimal_or_raw"]
 
 Typed = tuple[msgspec.json.Decoder[typing.Any], "collisions.Check | None", object]
 """A parameter's on the typed path: its decoder, its check for hash flooding (None: none), and
@@ -57,6 +57,7 @@ class Signature:
         "_into",
         "_kwonly",
         "_named_type",
+        "_objects",
         "_pos_names",
         "_pos_only",
         "_pos_only_required",
@@ -137,6 +138,10 @@ class Signature:
         for kind in kinds if not raw_params else ():
             msgspec.json.Decoder(kind)
         held = [] if raw_params else collisions.reachable(msgspec.inspect.multi_type_info(kinds))
+        # What the params' objects may build each, where more than a small object's: checked
+        # against their count before any is built (`Method.bind`; hostile testing, round 140, F9)
+        self._objects = built_per_object([node for node in held if getattr(node, "cls", None)
+                                          not in (self._pos_type, self._named_type)])
         self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
                              and issubclass(node.cls, enum.Flag)}) or None
         # A class no JSON value is an instance of (round 49: registered, then every call giving
@@ -304,3 +309,36 @@ def holds_decimal_or_raw(hint: object) -> bool:
     be decoded from their own text (a Decimal's digits, a Raw's bytes)."""
     return any(isinstance(node, (msgspec.inspect.DecimalType, msgspec.inspect.RawType))
                for node in collisions.reachable(msgspec.inspect.type_info(hint)))
+
+
+OBJECT_BYTES = 128
+"""What building one object of the params may take without `built_per_object` counting it: a
+Struct of a few fields (72 bytes for five, its GC header included), a dict of one or two keys."""
+_CONTAINERS = {list: 56, set: 216, frozenset: 216, dict: 64, bytearray: 57}  # (sys.getsizeof of each empty)
+
+
+def built_per_object(nodes: list[msgspec.inspect.Type]) -> tuple[int, bool, bool] | None:
+    """The most bytes one instance of the Structs, dataclasses and NamedTuples among `nodes`
+    may build from the least JSON (`{}`, or `[]` for an array-like one): the instance and a new
+    container for each field whose default is one (msgspec makes an empty list, set or dict
+    default anew for each instance; hostile testing, round 140, F9: 1 MiB of `{}` of a Struct of
+    20 `set` fields built 1.6 GB). With whether such types decode from JSON objects and from
+    arrays; None if none builds more than `OBJECT_BYTES`."""
+    most, objects, arrays = 0, False, False
+    for node in nodes:
+        if not isinstance(node, (msgspec.inspect.StructType, msgspec.inspect.DataclassType,
+                                 msgspec.inspect.NamedTupleType)):
+            continue
+        built = 56 + 8 * len(node.fields) + (104 if isinstance(node, msgspec.inspect.DataclassType) else 0)
+        for field in node.fields:
+            factory = field.default_factory
+            if factory is not msgspec.NODEFAULT:
+                built += _CONTAINERS.get(factory, 64)
+        if built <= OBJECT_BYTES:
+            continue
+        most = max(most, built)
+        if isinstance(node, msgspec.inspect.NamedTupleType) or getattr(node, "array_like", False):
+            arrays = True
+        else:
+            objects = True
+    return (most, objects, arrays) if most else None
