@@ -1252,7 +1252,7 @@ def test_params_whose_objects_would_build_past_64_bytes_a_byte_are_refused_befor
     instance, so 1 MiB of `{}` to `list[Filter]` (two sets, a list and a dict) built ~220 MB
     (4 such calls in flight, as max_worker_params_bytes lets in: 918 MiB), 20 set fields 1.6
     GB. Counted by their brackets before any is built, and refused past BUILT_PER_BYTE."""
-    from broker.worker.params import BUILT_PER_BYTE
+    from broker.worker.signature import BUILT_PER_BYTE
 
     method = Method("search", search)
     empties = b"[[" + b",".join([b"{}"] * 350_000) + b"]]"

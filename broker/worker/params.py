@@ -57,7 +57,7 @@ from broker.worker.param_errors import (
     _values_decoded,
 )
 from broker.worker.param_errors import _decimal_or_zero as _decimal_or_zero  # (tests read it from params)
-from broker.worker.signature import Signature, Typed
+from broker.worker.signature import Signature, Typed, too_many_objects
 
 if typing.TYPE_CHECKING:
     from broker.worker.tools import Described
@@ -140,8 +140,8 @@ class Method(Signature):
         decoding (`_beyond`; round 137, F5: refused after ~6 decodings).
         """
         size = len(params)
-        if self._objects is not None and size > QUIET_BYTES and not _quiet:
-            _check_objects(params, self._objects)
+        if self._objects is not None and size > QUIET_BYTES and not _quiet and (why := too_many_objects(params, self._objects)):
+            raise InvalidParams(None, why)
         if size > QUIET_BYTES and not _quiet and gc.isenabled():
             gc.disable()
             try:
@@ -652,26 +652,6 @@ class Method(Signature):
         if f and "unknown" in message:
             return InvalidParams(f.group(1), "unexpected parameter")
         return InvalidParams(None, message)
-
-
-BUILT_PER_BYTE = 64
-"""The most bytes the objects of a call's params may build a byte of params, counted before any is
-built where one object may build more than `signature.OBJECT_BYTES` (`_check_objects`)."""
-
-
-def _check_objects(params: bytes, objects: tuple[int, bool, bool]) -> None:
-    """Refuse `params` (`InvalidParams`) whose objects, counted by their brackets (`{`, and `[`
-    for array-like Structs and NamedTuples; in strings too: an over-count), could each build
-    `objects[0]` bytes (`signature.built_per_object`) past `BUILT_PER_BYTE` a byte of params:
-    1 MiB of `{}` of a Struct whose 20 fields default to an empty set built 1.6 GB in 1.3-2.4 s,
-    and the worker's bound on params in flight (max_worker_params_bytes) counts bytes
-    (hostile testing, round 140, F9). ~1 ms a MiB."""
-    most, braces, brackets = objects
-    count = (params.count(b"{") if braces else 0) + (params.count(b"[") if brackets else 0)
-    if count * most > BUILT_PER_BYTE * len(params):
-        raise InvalidParams(None, f"{count} objects in {len(params)} bytes of params, each building up to {most} bytes"
-                                  f" (a Struct's or a dataclass's fields and their empty containers): more than"
-                                  f" {BUILT_PER_BYTE} bytes built a byte of params, refused (memory)")
 
 
 def _check_value(value: object, check: collisions.Check | None, name: str, where: str, tail: int | None) -> None:
