@@ -23,6 +23,8 @@ if typing.TYPE_CHECKING:
 __all__ = ["TRANSITIONS", "CodeChanged", "LateHello", "Worker", "WorkerChannel", "WorkerState"]
 
 log = logging.getLogger("broker.pool")  # (the pool's logger: these are its lines)
+STOP_KILLED = "the stop: not gone after BYE"
+"""`Worker.kill_reason` of a worker the stop killed (`Pool.stop`): its calls' methods are not struck."""
 
 
 class WorkerState(enum.Enum):
@@ -113,7 +115,7 @@ class Worker:
         self.failures = 0
         self.took_calls = False  # this process was sent a call (the dispatcher's `_send`)
         self.exited: asyncio.Future[int] | None = None
-        self.kill_reason = ""  # why the broker killed this process, if it did
+        self.kill_reason = ""  # why the broker killed this process, if it did (STOP_KILLED: the stop)
         self.leaving = False  # this process asked to leave (SIGTERM: `Pool.worker_leaving`)
         # Calls (a chunk: its calls) sent to this process (the dispatcher's `_send`); its
         # recycling limit (max_calls_per_worker plus its jitter, drawn at its launch: see

@@ -21,7 +21,7 @@ from collections import Counter
 
 from broker.calls import Call, Route, timed_out
 from broker.catalog import DISCOVER, Catalog
-from broker.channel import WorkerState
+from broker.channel import STOP_KILLED, WorkerState
 from broker.chunk import with_methods
 from broker.dispatcher_state import DispatcherState
 from broker.jsonrpc import ErrorCode, error_object
@@ -418,6 +418,10 @@ class Membership(DispatcherState):
         held = " and ".join(f"{n} {word}{'' if n == 1 else 's'}" for n, word in ((calls, "call"), (notifications, "notification"))
                             if n)
         clients = _clients(lost)
+        if worker.kill_reason == STOP_KILLED:  # (nothing runs after the stop: no method to strike; new user, round 117)
+            log.warning("worker %d (pid %d) was killed by the stop holding %s (of %s)", worker.slot, worker.pid, held,
+                        clients)
+            return
         if worker.kill_reason.startswith("hung") and any(not call.tick for call in lost):
             lost = [call for call in lost if not call.tick]
         methods: set[int] = set()

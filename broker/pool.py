@@ -78,7 +78,15 @@ import time
 import typing
 
 from broker import wire
-from broker.channel import TRANSITIONS, CodeChanged, LateHello, Worker, WorkerChannel, WorkerState
+from broker.channel import (
+    STOP_KILLED,
+    TRANSITIONS,
+    CodeChanged,
+    LateHello,
+    Worker,
+    WorkerChannel,
+    WorkerState,
+)
 from broker.config import ConfigError
 from broker.dispatch import Dispatcher
 from broker.errors import LocalError
@@ -706,6 +714,7 @@ class Pool(Reloads, Recycling, Restarts):
                     if worker.process is not None and worker.process.returncode is None:
                         log.warning("worker %d (pid %d) did not exit in %.1f s: SIGKILL", worker.slot, worker.pid,
                                     self.loop.time() - began)
+                        worker.kill_reason = worker.kill_reason or STOP_KILLED
                         kill(worker.process)
                 await asyncio.wait(alive, timeout=5.0)
         if self._reload_task is not None:  # it sees _stopping and gives up

@@ -130,6 +130,7 @@ def bench(tmp_path: Path, url: str, *flags: str) -> tuple[int, Report]:
 
 # -- whole runs against the SDK's server ---------------------------------------------------------
 
+@pytest.mark.serial  # (an open loop's exact count: beside 3 other tests on 2 cores it sent 190 of 200, behind; new user, round 117)
 def test_a_bounded_run_of_tool_calls_is_all_ok(sdk, tmp_path):
     # An open loop of 200 calls/s for 1 s and no warm-up: exactly 200 tools/call.
     code, rep = bench(tmp_path, sdk.url(), "--tool", "add", "--arguments", '{"a":1,"b":2}', "--rate", "200",

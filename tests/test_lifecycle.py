@@ -682,6 +682,9 @@ def test_a_second_stop_signal_in_the_drain_gives_the_workers_a_second(broker_fac
     killed = re.findall(r"worker (\d) \(pid \d+\) did not exit in ([\d.]+) s: SIGKILL", log)
     assert len(killed) == 1, log[-3000:]  # the busy one; the idle one exited when asked
     assert 0.9 <= float(killed[0][1]) <= 5.0, log[-3000:]
+    # (new user, round 117: its death was logged as a crash whose methods "now run alone")
+    assert f"worker {killed[0][0]} (pid " in log and ") was killed by the stop holding 1 call (of " in log, log[-3000:]
+    assert "now run alone" not in log, log[-3000:]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

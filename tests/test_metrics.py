@@ -431,7 +431,7 @@ def test_the_metrics_listener_is_its_own_transport_and_outlives_the_drain(broker
     assert value(samples, "rpc_broker_received_bytes_total", transport="http") == 0
     sock = socket.create_connection((b.host, b.port), timeout=30)
     try:
-        body = json.dumps(req("sleep", [1.5], 1)).encode()
+        body = json.dumps(req("sleep", [4], 1)).encode()  # (1.5 s was passed on a loaded machine: new user, round 117)
         sock.sendall(b"POST / HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: " + str(len(body)).encode()
                      + b"\r\n\r\n" + body)
         wait_for(lambda: value(scrape(b, port=port), "rpc_broker_calls_in_flight") == 1, timeout=5)
@@ -469,7 +469,7 @@ def test_notifications_that_never_reach_a_worker_are_counted_by_reason(broker_fa
         assert value(scrape(b), "rpc_broker_notifications_dropped_total", reason=reason) == 0
     sock = socket.create_connection((b.host, b.port), timeout=30)
     try:
-        body = json.dumps(req("sleep", [1.5], 1)).encode()
+        body = json.dumps(req("sleep", [4], 1)).encode()  # (1.5 s was passed on a loaded machine: new user, round 117)
         sock.sendall(b"POST / HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: " + str(len(body)).encode()
                      + b"\r\n\r\n" + body)
         wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 1, timeout=5)
@@ -478,7 +478,7 @@ def test_notifications_that_never_reach_a_worker_are_counted_by_reason(broker_fa
             assert status == 204
         samples = scrape(b)
         assert value(samples, "rpc_broker_notifications_dropped_total", reason="overloaded") == 2
-        # The queued one waits past its 0.3 s deadline behind the 1.5 s call: dropped unrun.
+        # The queued one waits past its 0.3 s deadline behind the 4 s call: dropped unrun.
         wait_for(lambda: value(scrape(b), "rpc_broker_notifications_dropped_total", reason="timed_out") == 1,
                  timeout=5)
     finally:
@@ -487,12 +487,12 @@ def test_notifications_that_never_reach_a_worker_are_counted_by_reason(broker_fa
     assert b.post(json.dumps(req("notify_hello", [2])))[0] == 204
     assert value(scrape(b), "rpc_broker_notifications_dropped_total", reason="overloaded") == 2
     # Once the worker is free, one that runs is not counted.
-    wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 0, timeout=5)
+    wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 0, timeout=15)
     assert b.post(json.dumps(req("notify_hello", [3])))[0] == 204
-    wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 0, timeout=5)
+    wait_for(lambda: value(scrape(b), "rpc_broker_calls_in_flight") == 0, timeout=15)
     samples = scrape(b)
     assert value(samples, "rpc_broker_notifications_dropped_total", reason="overloaded") == 2
-    # The second queued one ([2]) also waited past 0.3 s behind the 1.5 s call.
+    # The second queued one ([2]) also waited past 0.3 s behind the 4 s call.
     assert value(samples, "rpc_broker_notifications_dropped_total", reason="timed_out") == 2
 
 

@@ -243,7 +243,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                 "of the RPC listener; 0 means on the RPC listener")
                             ] = 0
     max_body_bytes: Annotated[Bytes, Meta(ge=1),
-                              Doc("largest HTTP request body")
+                              Doc("largest HTTP request body (and NDJSON line); at most "
+                                  "max_frame_bytes - 1024")
                               ] = 1 * MIB
     max_batch: Annotated[int, Meta(ge=1),
                          Doc("largest batch (number of elements)")
