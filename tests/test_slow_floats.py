@@ -224,6 +224,54 @@ def test_float_keys_bind_to_the_doubles_msgspec_reads_them_as() -> None:
     assert [(bits(k), v) for k, v in bound.items() if k == k] == [(bits(k), v) for k, v in expected.items() if k == k]
     assert sum(k != k for k in bound) == 1 and len(bound) == len(expected)
     assert refusal("weights", json.dumps([{**given, "1e400": 1}]).encode()) == ("v", "Number out of range (a key)")
+    # (round 141: dicts of 8 keys or fewer, F6, and a union taking a float, F7, read so too)
+    for hint in (list[dict[float, int]], list[dict[float | int, int]], list[dict[float | None, int]]):
+        def small(v):  # type: ignore[no-untyped-def]
+            return v
+
+        small.__annotations__ = {"v": hint}
+        dicts = [{"1.5e300": i, "7": 2, "-0": 3, "2.0": 4} for i in range(100)]
+        expected_small = msgspec.convert(dicts, hint, str_keys=True)
+        bound_small = Method("small", small).bind(json.dumps([dicts]).encode(), 64)[0][0]
+        assert [[(type(k), bits(k) if type(k) is float else k, v) for k, v in d.items()]
+                for d in typing.cast(list[dict[typing.Any, int]], bound_small)] == [
+            [(type(k), bits(k) if type(k) is float else k, v) for k, v in d.items()] for d in expected_small], hint
+
+
+SEEN: list[object] = []  # what `Watched.__post_init__` saw
+
+
+class Watched(msgspec.Struct):
+    a: typing.Any = None
+
+    def __post_init__(self) -> None:
+        SEEN.append(self.a)
+        if isinstance(self.a, int) and self.a < 0:
+            raise ValueError("negative")
+
+
+def watched(d: Decimal, p: Watched) -> None: ...
+
+
+def watched_alone(p: Watched) -> None: ...
+
+
+@pytest.mark.parametrize("fn", [watched, watched_alone])
+def test_a_number_past_range_never_reaches_an_apps_post_init(fn: typing.Callable[..., None]) -> None:
+    """Hostile testing, round 141, F8: beside a Decimal, `1e400` in an `Any` field was read as the
+    internal `BEYOND` and the Struct built with it to place the refusal: its `__post_init__` ran on
+    it (its TypeError's text, naming `NumberOutOfRange`, was the refusal; a LookupError escaped as
+    -32603). Where a type of the params has a `__post_init__`, the refusal is placed from the text's
+    read, nothing built; the general path's placement alike."""
+    method = Method(fn.__name__, fn)
+    params = b'{"d": 1, "p": {"a": 1e400}}' if fn is watched else b'{"p": {"a": [1, 1e400]}}'
+    SEEN.clear()
+    with pytest.raises(InvalidParams) as refused:
+        method.bind(params, 64)
+    assert SEEN == []
+    assert (refused.value.param, refused.value.reason) == (
+        ("p", "Number out of range - at `p[...]`") if fn is watched else ("p", "Number out of range - at `p[...][1]`"))
+    assert method.bind(params.replace(b"1e400", b"1e300"), 64)[0][-1] == Watched([1, 1e300] if fn is watched_alone else 1e300)
 
 
 @pytest.fixture(scope="module")

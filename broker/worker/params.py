@@ -407,6 +407,8 @@ class Method(Signature):
         read = _BEYOND_READ[0]
         value = read_json_beyond(raw)
         beyond = _BEYOND_READ[0] != read  # (placed below, once converted: a later duplicate key's value may replace it)
+        if beyond and self._post_init and (place := first_beyond(value)) is not None:  # (not converted: round 141, F8)
+            raise msgspec.ValidationError(f"{_OUT_OF_RANGE} - at `${_inner(place)}`" if place else _OUT_OF_RANGE)
         try:
             _check_value(value, check, name, where, tail)
             converted = _convert(value, kind, str_keys=True)
@@ -416,8 +418,7 @@ class Method(Signature):
                 raise
             raise msgspec.ValidationError(f"{_OUT_OF_RANGE} - at `${path}`" if path else _OUT_OF_RANGE) from None
         if beyond and (place := first_beyond(converted)) is not None:  # (an Any took it)
-            inner = "".join(f"[{step}]" if type(step) is int else "[...]" for step in place)
-            raise msgspec.ValidationError(f"{_OUT_OF_RANGE} - at `${inner}`" if inner else _OUT_OF_RANGE)
+            raise msgspec.ValidationError(f"{_OUT_OF_RANGE} - at `${_inner(place)}`" if place else _OUT_OF_RANGE)
         return converted
 
     def _check_floods(self, obj: object, guards: tuple[collisions.Check | None, ...]) -> None:
@@ -575,7 +576,7 @@ class Method(Signature):
         typed = self._placed_beyond(value)
         if typed is not None:
             return self._invalid(typed, None)
-        inner = "".join(f"[{step}]" if type(step) is int else "[...]" for step in where[1:])  # (msgspec's form)
+        inner = _inner(where[1:])
         if type(value) is dict:  # (its key: the first step)
             key = typing.cast(str, where[0])
             return InvalidParams(key, f"{_OUT_OF_RANGE} - at `{key}{inner}`" if inner else _OUT_OF_RANGE)
@@ -587,8 +588,8 @@ class Method(Signature):
         the parameters' types (`$.name...` or `$[i]...`), as `_placed_out_of_range` does from the
         text; None if their conversion says something else first, passes it (an `Any` takes
         it), or may not be tried (sets and dicts with keys other than strings: see there)."""
-        if self._guards is not None or (type(value) is not list and type(value) is not dict):
-            return None
+        if self._guards is not None or self._post_init or (type(value) is not list and type(value) is not dict):
+            return None  # (post_init: the app's code would run on `BEYOND`, hostile testing, round 141, F8)
         kind = self._pos_type if type(value) is list else self._named_type
         try:
             msgspec.convert(value, kind, str_keys=True)
@@ -652,6 +653,11 @@ class Method(Signature):
         if f and "unknown" in message:
             return InvalidParams(f.group(1), "unexpected parameter")
         return InvalidParams(None, message)
+
+
+def _inner(place: list[int | str]) -> str:
+    """A place `first_beyond` gives, as msgspec writes one: `[3][...]` (an object's key as `[...]`)."""
+    return "".join(f"[{step}]" if type(step) is int else "[...]" for step in place)
 
 
 def _check_value(value: object, check: collisions.Check | None, name: str, where: str, tail: int | None) -> None:

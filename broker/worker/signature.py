@@ -63,6 +63,7 @@ class Signature:
         "_pos_only",
         "_pos_only_required",
         "_pos_type",
+        "_post_init",
         "_required_kwonly",
         "_typed",
         "_var_kw",
@@ -143,6 +144,12 @@ class Signature:
         # against their count before any is built (`Method.bind`; hostile testing, round 140, F9)
         self._objects = built_per_object([node for node in held if getattr(node, "cls", None)
                                           not in (self._pos_type, self._named_type)])
+        # Whether a Struct or dataclass of theirs runs code of the app's when built and an `Any`
+        # could take a float past a double's range, read as the internal `BEYOND`: it is then never
+        # converted to place it (hostile testing, round 141, F8: `__post_init__` ran on `BEYOND`)
+        self._post_init = any(isinstance(node, msgspec.inspect.AnyType) for node in held) and any(
+            isinstance(node, (msgspec.inspect.StructType, msgspec.inspect.DataclassType))
+            and hasattr(node.cls, "__post_init__") for node in held)
         self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
                              and issubclass(node.cls, enum.Flag)}) or None
         # A class no JSON value is an instance of (round 49: registered, then every call giving
