@@ -201,3 +201,21 @@ def test_through_the_mcp_sdk_a_tool_takes_an_integral_float_for_its_integer(brok
     assert (good.is_error, good.structured_content) == (False, {"result": 7})
     assert bad.is_error is True
     assert bad.content[0].text == f"Invalid arguments: argument 'a': {FRACTIONAL}"
+
+
+class Pair(msgspec.Struct):
+    a: int
+    b: int
+
+
+def pair(a: int, b: int, p: Pair | None = None) -> None: ...
+
+
+def test_an_objects_values_are_rewritten_in_the_texts_order() -> None:
+    """Hostile testing, round 141, F10: an object's values were walked last key first, so the
+    rewrite met `b`'s 1.5 before `a`'s 1.0 and stopped there, and `a` (an integral 1.0) was
+    named "a number with a fractional part"; `b` is."""
+    assert refused(b'{"a": 1.0, "b": 1.5}', pair) == ("b", "Expected `int`, got a number with a fractional part")
+    assert refused(b'{"a": 1, "b": 2, "p": {"a": 1e0, "b": 1.5}}', pair) == (
+        "p", "Expected `int`, got a number with a fractional part - at `p.b`")
+    assert bound(b'{"a": 1.0, "b": 2e0, "p": {"a": 3.0, "b": 4}}', pair) == {"a": 1, "b": 2, "p": Pair(3, 4)}

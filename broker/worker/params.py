@@ -417,7 +417,7 @@ class Method(Signature):
             if not (beyond and reason.endswith(_GOT_BEYOND)):  # (a value before it refused first, as the decoder does)
                 raise
             raise msgspec.ValidationError(f"{_OUT_OF_RANGE} - at `${path}`" if path else _OUT_OF_RANGE) from None
-        if beyond and (place := first_beyond(converted)) is not None:  # (an Any took it)
+        if beyond and self._holds_any and (place := first_beyond(converted)) is not None:  # (an Any took it)
             raise msgspec.ValidationError(f"{_OUT_OF_RANGE} - at `${_inner(place)}`" if place else _OUT_OF_RANGE)
         return converted
 

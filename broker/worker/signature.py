@@ -54,6 +54,7 @@ class Signature:
         "_flags",
         "_guard_decode",
         "_guards",
+        "_holds_any",
         "_integers",
         "_into",
         "_kwonly",
@@ -147,7 +148,8 @@ class Signature:
         # Whether a Struct or dataclass of theirs runs code of the app's when built and an `Any`
         # could take a float past a double's range, read as the internal `BEYOND`: it is then never
         # converted to place it (hostile testing, round 141, F8: `__post_init__` ran on `BEYOND`)
-        self._post_init = any(isinstance(node, msgspec.inspect.AnyType) for node in held) and any(
+        self._holds_any = any(isinstance(node, msgspec.inspect.AnyType) for node in held)
+        self._post_init = self._holds_any and any(
             isinstance(node, (msgspec.inspect.StructType, msgspec.inspect.DataclassType))
             and hasattr(node.cls, "__post_init__") for node in held)
         self._flags = tuple({node.cls: None for node in held if isinstance(node, msgspec.inspect.EnumType)
