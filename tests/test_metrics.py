@@ -431,7 +431,7 @@ def test_the_metrics_listener_is_its_own_transport_and_outlives_the_drain(broker
     assert value(samples, "rpc_broker_received_bytes_total", transport="http") == 0
     sock = socket.create_connection((b.host, b.port), timeout=30)
     try:
-        body = json.dumps(req("sleep", [4], 1)).encode()  # (1.5 s was passed on a loaded machine: new user, round 117)
+        body = json.dumps(req("sleep", [1.5], 1)).encode()
         sock.sendall(b"POST / HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: " + str(len(body)).encode()
                      + b"\r\n\r\n" + body)
         wait_for(lambda: value(scrape(b, port=port), "rpc_broker_calls_in_flight") == 1, timeout=5)
