@@ -484,3 +484,48 @@ def test_two_types_of_one_name_become_two_components_and_one_type_in_two_methods
                     "c": "#/components/schemas/Node"}
     assert schemas["Node_2"]["properties"]["value"] == {"type": "string"}
     assert schemas["Node_2"]["properties"]["next"]["anyOf"][0] == {"$ref": "#/components/schemas/Node_2"}
+
+
+class Perm(enum.IntFlag):
+    R = 4
+    W = 2
+    X = 1
+
+
+class Wide(enum.Flag):
+    B0 = 1
+    B1 = 2
+    B2 = 4
+    B3 = 8
+    B4 = 16
+    B5 = 32
+    B6 = 64
+    B7 = 128
+    B8 = 256
+
+
+def test_a_flag_s_schema_takes_the_combinations_its_binding_and_results_do():
+    """New user, round 118: msgspec's schema of an `enum.Flag` lists its members (`enum: [1, 2,
+    4]`), while the binding takes, and a result writes, their combinations: the official SDK
+    refused a tool's result `6` (R|W) as "6 is not one of [1, 2, 4]". Every combination is
+    listed (0 included); a Flag of more than 8 members is an integer of 0 or more."""
+    registry = Registry(tools=True)
+
+    @registry.method
+    def grant(perm: Perm, wide: Wide | None = None) -> Perm:
+        return perm
+
+    @registry.method
+    def widest() -> Wide:
+        return Wide.B0 | Wide.B8
+
+    methods = {m.name: m for m in registry.methods()}
+    described = typing.cast(typing.Any, methods["grant"].described)
+    jsonschema.validate({"result": int(Perm.R | Perm.W)}, described.output_schema)
+    jsonschema.validate({"perm": 7, "wide": 257}, described.input_schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"result": 8}, described.output_schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"perm": -1}, described.input_schema)
+    assert methods["grant"].bind(b'{"perm": 6, "wide": 257}', 64) == ((Perm.R | Perm.W, Wide.B0 | Wide.B8), {})
+    jsonschema.validate({"result": 257}, typing.cast(typing.Any, methods["widest"].described).output_schema)

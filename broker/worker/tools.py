@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import inspect
 import re
 import typing
@@ -48,7 +49,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from broker import wire
+from broker import collisions, wire
 from broker.floats import plain_numbers, read_float, read_json
 from broker.schemas import Schema, inlined, rooted, unconstrained
 from broker.worker.signature import holds_decimal_or_raw
@@ -148,15 +149,17 @@ def describe(method: Method, tool: bool) -> Described:
         raise TypeError(f"method {name!r}: a tool's arguments come by name only (MCP), and beside **kwargs its "
                         f"positional-only parameter {pos_only[0]!r} cannot be named: make it a plain parameter "
                         "(no '/'), or register it with tool=False")
+    flags = _flag_schemas(method)
     try:
-        inputs = _input_schema(method)
+        inputs = _widened(_input_schema(method), flags)
     except (TypeError, ValueError) as exc:
         if tool:
             raise TypeError(f"method {name!r}: its params have no JSON Schema, which a tool's inputSchema needs"
                             f" ({_first_line(exc)}): hint them with types msgspec describes") from None
         inputs = None
     try:
-        result = _json_form(rooted(_schema_of(method.returns))) if method.returns is not inspect.Parameter.empty else {}
+        result = (_widened(_json_form(rooted(_schema_of(method.returns))), flags)
+                  if method.returns is not inspect.Parameter.empty else {})
     except (TypeError, ValueError) as exc:
         if tool:
             raise TypeError(f"method {name!r}: its return type has no JSON Schema, which a tool's outputSchema"
@@ -225,6 +228,61 @@ def method_info(method: Method) -> wire.MethodInfo:
         wrap_result=described.wrap_result, result_schema=described.result_schema,
         param_structure=described.param_structure,
     )
+
+
+_FLAG_BITS_LISTED = 8  # (a Flag of more bits is said as a range of integers)
+
+
+def _flag_schemas(method: Method) -> dict[str, tuple[Schema, Schema]]:
+    """{name: (msgspec's schema of an `enum.Flag` the method's params or result hold, the one
+    said instead)}. msgspec lists a Flag's members (`enum: [1, 2, 4]`), while the binding takes
+    (and a result writes) their combinations (6 for R|W): a host checking a tool's result against
+    its outputSchema refused them (new user, round 118: the SDK raised "6 is not one of [1, 2,
+    4]"). Said as every combination, or, past `_FLAG_BITS_LISTED` members, an integer of 0 or more."""
+    hints = [method.returns] if method.returns is not inspect.Parameter.empty else []
+    if not method.raw_params:
+        named, var_kw = method.named_params_types()
+        hints += [named] if var_kw is None else [named, var_kw]
+    schemas: dict[str, tuple[Schema, Schema]] = {}
+    for hint in hints:
+        try:
+            nodes = collisions.reachable(msgspec.inspect.type_info(hint))
+        except (TypeError, ValueError):
+            continue
+        for node in nodes:
+            if not (isinstance(node, msgspec.inspect.EnumType) and issubclass(node.cls, enum.Flag)):
+                continue
+            values = [member.value for member in node.cls]
+            if not all(type(value) is int and value >= 0 for value in values):
+                continue
+            said: Schema = {"title": node.cls.__name__, "type": "integer", "minimum": 0}
+            if len(values) <= _FLAG_BITS_LISTED:
+                combined = {0}
+                for value in values:
+                    combined |= {made | value for made in combined}
+                said = {"title": node.cls.__name__, "enum": sorted(combined)}
+            schemas[node.cls.__name__] = ({"title": node.cls.__name__, "enum": sorted(values)}, said)
+    return schemas
+
+
+def _widened(schema: Schema, flags: dict[str, tuple[Schema, Schema]]) -> Schema:
+    """`schema` with each Flag's own schema, wherever it sits (`$defs`, or the root), replaced
+    by the one `_flag_schemas` says."""
+    if not flags:
+        return schema
+
+    def walk(node: object) -> object:
+        if isinstance(node, dict):
+            title = node.get("title")
+            if (isinstance(title, str) and title in flags and node.keys() == {"title", "enum"}
+                    and isinstance(node["enum"], list) and sorted(node["enum"]) == flags[title][0]["enum"]):
+                return dict(flags[title][1])
+            return {key: walk(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        return node
+
+    return typing.cast(Schema, walk(schema))
 
 
 def _first_line(exc: BaseException) -> str:
