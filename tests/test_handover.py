@@ -38,6 +38,7 @@ class Load:
             ("stream", i) for i in range(stream)]
         self.answers: dict[str, list[object]] = {}
         self.failures: list[str] = []
+        self.reset_fresh = 0  # new connections reset by the kernel as the old broker closed (`MIGRATES`)
         self.pids: set[int] = set()
         self.resent = 0
         self.stopping = threading.Event()
@@ -87,6 +88,18 @@ class Load:
                 try:
                     answer, close = await _post(conn, body)
                 except (ConnectionResetError, asyncio.IncompleteReadError) as exc:
+                    if not reused and isinstance(exc, ConnectionResetError) and not MIGRATES:
+                        # docs/deployment.md's Linux caveat: a connection in its handshake as the old
+                        # broker closes its listening socket is reset (the kernel's, before any accept:
+                        # never read), unless net.ipv4.tcp_migrate_req; sent again, anew, and counted
+                        conn[1].close()
+                        self.reset_fresh += 1
+                        conn = await asyncio.open_connection("127.0.0.1", self.port)
+                        answer, close = await _post(conn, body)
+                        self._answered(call_id, answer)
+                        conn[1].close()
+                        conn = None
+                        continue
                     if not reused or getattr(exc, "partial", b""):
                         raise
                     # An idle kept connection the old broker ended at its stop (FIN, what came
@@ -119,6 +132,13 @@ async def _post(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], body: b
     headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
     answer = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 10)
     return answer, headers.get("connection") == "close"
+
+
+MIGRATES = Path("/proc/sys/net/ipv4/tcp_migrate_req").exists() and \
+    Path("/proc/sys/net/ipv4/tcp_migrate_req").read_text().strip() == "1"
+"""Whether this machine's kernel hands a closing listener's pending connections to another of its
+SO_REUSEPORT group (Linux 5.14 and newer, set by an administrator): without it, one in its handshake
+at that moment is reset (docs/deployment.md), and the load's fresh connections allow for it."""
 
 
 def _listens_with_reuseport(port: int) -> bool:
@@ -155,6 +175,7 @@ def test_a_second_broker_takes_over_the_ports_with_no_failed_call(broker_factory
         while load.calls() < took + 200 and time.monotonic() < deadline:
             time.sleep(0.05)
     assert not load.failures, f"{len(load.failures)} failed calls of {load.calls()}: {load.failures[:10]}"
+    assert load.reset_fresh <= 5, load.reset_fresh  # (2 in 5,580 calls seen: the window is microseconds)
     assert load.calls() > 300
     assert all(len(replies) == 1 for replies in load.answers.values())
     assert len(load.pids) >= 2, load.pids  # both brokers' workers answered
