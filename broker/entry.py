@@ -20,7 +20,7 @@ import types
 
 __all__ = ["CAUGHT", "main", "pending", "restore"]
 
-CAUGHT = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
+CAUGHT = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)  # (SIGTERM's last: once it is caught, all are)
 pending: list[int] = []  # signals received before the broker's own handlers, in order
 
 

@@ -700,8 +700,8 @@ def test_a_stop_while_the_command_line_is_imported_stops_the_read_of_the_config(
     """Found by the suite run in parallel (a loaded machine): a stop caught by `broker.entry`
     while the command line was still imported was held, and the read of a --config that blocks
     went on until SIGKILL. It stops the read at once, as one that comes during it: exit 0."""
-    _stop_reading_config(tmp_path, sig, lambda pid: wait_for(
-        lambda: _catches(pid, signal.SIGHUP), timeout=20, interval=0.001))  # (entry's: the import begins)
+    _stop_reading_config(tmp_path, sig, lambda pid: wait_for(  # (entry's last handler: the import begins; SIGHUP's,
+        lambda: _catches(pid, signal.SIGTERM), timeout=20, interval=0.001))  # its first, was caught before SIGTERM's: -15)
 
 
 def _stop_reading_config(tmp_path, sig: signal.Signals, wait: typing.Callable[[int], object]) -> None:  # type: ignore[no-untyped-def]
