@@ -9,6 +9,7 @@ same reason. A real broker, its workers, and the official `mcp` client."""
 
 from __future__ import annotations
 
+import json
 import typing
 
 import anyio
@@ -40,10 +41,12 @@ BROKEN = [
     ("point", {"kind": "typed"}, "Expected `int`, got `str` - at `$.x`"),
     ("point", {"kind": "nan"}, "Expected `int`, got `null` - at `$.y`"),
     ("named", {"a": "x"}, "Expected `int`, got `str` - at `$.a`"),
-    ("letter", {"value": "zzz"}, "Invalid enum value 'zzz'"),
+    ("letter", {"value": "zzz"}, "Invalid enum value 'zzz' - at `$.result`"),
     ("numbers", {"values": [1, "x"]}, "Expected `int`, got `str` - at `$.result[1]`"),  # (its structuredContent's)
     # (a result with a number written with an exponent: read by float(), then converted; round 140, F5)
-    ("numbers", {"values": [1e300, 2]}, "Expected `int`, got `float` - at `$.result[0]`"),
+    ("numbers", {"values": [1e-300, 2]}, "Expected `int`, got `float` - at `$.result[0]`"),
+    ("whole", {"value": 2.5}, "Expected `int`, got `float` - at `$.result`"),
+    ("numbers", {"values": [3.0, 2.5]}, "Expected `int`, got `float` - at `$.result[1]`"),
     ("scaled", {"values": [1e300, 2.5e-300, "x"]}, "Expected `float`, got `str` - at `$.result[2]`"),
 ]
 
@@ -66,6 +69,33 @@ def test_results_that_fit_go_out_as_structured_content(broker: Broker, mode: str
     assert call(broker, mode, "numbers", {"values": [1, 2]}).structured_content == {"result": [1, 2]}
     values = [1e308, 1.2345000000000000576e249, 2.5e-300, 7, 0.5]
     assert call(broker, mode, "scaled", {"values": values}).structured_content == {"result": values}
+
+
+# What msgspec's decoding takes but the schema it writes does not say (new user, round 118, F9:
+# the official SDK's client raised "3.3 is not of type 'string'", "'type' is a required
+# property", "[1, 1, 2] has non-unique elements"), and an integral float where an int is
+# declared (F2: refused, though JSON Schema's integer holds it): each result goes out as its
+# return type writes it, as the SDK's own FastMCP dumps a result from its validated model.
+WRITTEN_AS_DECLARED = [
+    ("price", {}, {"amount": "3.3"}),
+    ("prices", {}, {"result": ["1.5", "2.5"]}),
+    ("tagged", {}, {"result": {"type": "Tagged", "v": 1}}),
+    ("tagged", {"many": True}, {"result": [{"type": "Tagged", "v": 1}, {"type": "Tagged", "v": 2}]}),
+    ("unique", {}, {"result": [1, 2]}),
+    ("whole", {"value": 3.0}, {"result": 3}),
+    ("numbers", {"values": [1e20, 2.0, 3]}, {"result": [10**20, 2, 3]}),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("tool", "arguments", "structured"), WRITTEN_AS_DECLARED)
+def test_a_result_goes_out_as_its_return_type_writes_it(
+        broker: Broker, mode: str, tool: str, arguments: dict[str, object], structured: object) -> None:
+    result = call(broker, mode, tool, arguments)
+    assert result.is_error is False and result.structured_content == structured, result
+    value = structured["result"] if "result" in structured and tool != "price" else structured  # type: ignore[index, operator]
+    assert json.loads(result.content[0].text) == value  # (the text block says the same)
+    assert broker.call(tool, arguments)["result"] == value  # (and so does the JSON-RPC face)
 
 
 def test_the_json_rpc_face_answers_the_same_reason(broker: Broker) -> None:

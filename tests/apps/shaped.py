@@ -2,6 +2,7 @@
 host is given says what they must be (tests/test_mcp_results.py; hostile testing, round 131)."""
 
 import typing
+from decimal import Decimal
 
 import msgspec
 
@@ -50,3 +51,46 @@ def scaled(values: list[object]) -> list[float]:
     """`values` as they are: floats, or not (hostile testing, round 140, F5: a result of floats
     written with an exponent was checked by msgspec's slow reader, 1.7 s a MiB of `1e308`)."""
     return typing.cast(list[float], values)
+
+
+class Price(msgspec.Struct):
+    amount: Decimal
+
+
+class Tagged(msgspec.Struct, tag=True):
+    v: int
+
+
+# What msgspec's decoding of a return type takes but the schema it writes of that type does not
+# say (new user, round 118, F9: the official SDK's client refused each): each goes out as the
+# return type writes it.
+
+
+@registry.method
+def price() -> Price:
+    """A float where a Decimal is declared, in a Struct."""
+    return typing.cast(Price, {"amount": 3.3})
+
+
+@registry.method
+def prices() -> list[Decimal]:
+    """A float where a Decimal is declared, in a list."""
+    return [Decimal("1.5"), typing.cast(Decimal, 2.5)]
+
+
+@registry.method
+def tagged(many: bool = False) -> Tagged | list[Tagged]:
+    """A tagged Struct as a dict without its tag (and, `many`, in a list beside one with it)."""
+    return typing.cast(Tagged, [{"v": 1}, {"type": "Tagged", "v": 2}] if many else {"v": 1})
+
+
+@registry.method
+def unique() -> set[int]:
+    """A list with repeats where a set is declared."""
+    return typing.cast(set[int], [1, 1, 2])
+
+
+@registry.method
+def whole(value: float) -> int:
+    """`value` as it is: a float where an int is declared (new user, round 118, F2)."""
+    return typing.cast(int, value)
