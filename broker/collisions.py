@@ -49,7 +49,9 @@ non-negative bits, or a member's own value, are taken (`UnknownBits` otherwise):
 `2**bits`, such values hash to themselves, distinct (rounds 39 to 41: values of one hash,
 negative ones cached under a twin, and Flags in unions flooded that dict). One call's params
 may make at most `MADE_MEMBERS_MAX` members of one class (`new_call` starts the count; round
-44: 110,000 valid values, each making one, held a worker 0.8 to 1.9 s a call).
+44: 110,000 valid values, each making one, held a worker 0.8 to 1.9 s a call), and its values
+that are none of its named members may cost `UNNAMED_COST_MAX`, but those it has a member for
+already, looked up first (`_memoise_missing`), cost nothing of it.
 
 Where the binding decodes each value from its own text (`Method` in broker/worker/params.py: a
 Decimal or a Raw among the hints), the check reads numbers with a fraction or an exponent
@@ -314,6 +316,7 @@ def _randomized(node: _info.Type) -> bool:
 
 
 _ENUM_MISSING = vars(enum.Enum)["_missing_"].__func__
+_FLAG_MISSING: typing.Callable[[type, object], object] = vars(enum.Flag)["_missing_"].__func__
 
 
 def _through(cell: list[_Walk | None]) -> _Walk:
@@ -343,24 +346,62 @@ def _flag_walk(cls: type) -> _Walk:
                 mask |= member._value_
 
     made = vars(cls).get("_value2member_map_", {})  # (the enum module's, for good: members made are added to it)
+    memo = _memoise_missing(cls, made)
 
     def check(value: object, at: _At, run: _Run) -> None:
         if type(value) is int and value not in own:  # (any other the binding refuses)
             if value < 0 or value & ~mask:
                 raise _located(UnknownBits(cls, value), at)
+            new = _MADE.get(cls)
+            if new is None:  # (the call's first: is the memo still the class's `_missing_`?)
+                new = _MADE[cls] = set()
+                _MEMOISED[cls] = memo is not None and vars(cls).get("_missing_") is memo
+            if (value in made or value in new) and _MEMOISED[cls]:
+                return  # (a member made already: the memo's lookup, about 0.2 us)
             unnamed = _UNNAMED[cls] = _UNNAMED.get(cls, 0) + 1 + value.bit_count() // 8
             if unnamed > UNNAMED_COST_MAX:
                 raise _located(TooManyUnnamed(cls), at)
             if value not in made:  # a member the binding makes
-                new = _MADE.setdefault(cls, set())
                 new.add(value)
                 if len(new) > MADE_MEMBERS_MAX:
                     raise _located(TooManyMembers(cls), at)
     return check
 
 
+def _memoise_missing(cls: type, made: dict[object, object]) -> object | None:
+    """Give an `enum.Flag` class whose `_missing_` is the enum module's a `_missing_` that
+    looks the value up in `made` (its `_value2member_map_`) first, as calling the class
+    does, and returns that classmethod (None if the class has a `_missing_` of its own,
+    which need not cache what it makes). msgspec calls `_missing_` for every value that
+    is none of the named members, made before or not, and Flag's goes through the value's
+    bits each time: a record list whose Flag field held `R|W` throughout cost 3.1 us a
+    value and was refused past 16,384 of them; looked up, 0.18 us (new user, round 118,
+    F10). Values the class made already then cost nothing of `UNNAMED_COST_MAX`."""
+    found = getattr(cls, "_missing_", None)
+    function = getattr(found, "__func__", None)
+    if getattr(function, "_memo_of", None) is made:  # (memoised already: another method's params)
+        return vars(cls).get("_missing_")
+    if function is not _FLAG_MISSING:
+        return None
+    get = made.get
+
+    def _missing_(owner: type, value: object) -> object:
+        if type(value) is int:
+            member = get(value)
+            if member is not None:
+                return member
+        return _FLAG_MISSING(owner, value)
+
+    _missing_._memo_of = made  # type: ignore[attr-defined]
+    _missing_.__wrapped__ = _FLAG_MISSING  # type: ignore[attr-defined]
+    memo: classmethod[typing.Any, typing.Any, object] = classmethod(_missing_)
+    type.__setattr__(cls, "_missing_", memo)
+    return memo
+
+
 _MADE: dict[type, set[int]] = {}  # a Flag class: the values the call's params make members for (`new_call`)
 _UNNAMED: dict[type, int] = {}  # a Flag class: the cost of the call's values that are none of its named members
+_MEMOISED: dict[type, bool] = {}  # a Flag class: whether its `_missing_` looks made members up (`_memoise_missing`)
 
 
 def new_call() -> None:
@@ -369,6 +410,7 @@ def new_call() -> None:
     before it checks the params of a method whose hints hold a Flag."""
     _MADE.clear()
     _UNNAMED.clear()
+    _MEMOISED.clear()
 
 
 def _container(kind: type, inside: typing.Callable[[typing.Any, _At, _Run], None]) -> _Walk:

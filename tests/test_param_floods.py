@@ -128,6 +128,9 @@ def test_intflag_members_a_client_makes_are_bounded(flooding: Broker) -> None:
     assert error["code"] == -32602 and error["data"]["param"] == "flags", error
     assert error["data"]["reason"].startswith(f"more than {MADE_MEMBERS_MAX} distinct values of Perm that it has no member")
     assert flooding.call("perms", [1, 2, 4] * 10_000)["result"] == 30_000  # (its own members: none made)
+    # New user, round 118, F10: one combination throughout a bulk call (R|W in every record) was
+    # refused past UNNAMED_COST_MAX; a member made already is now looked up, and costs nothing of it.
+    assert flooding.call("perms", [3] * (UNNAMED_COST_MAX + 4000))["result"] == UNNAMED_COST_MAX + 4000
     # Round 40: values not made of the members' bits are refused (negative ones too).
     error = typing.cast(dict[str, typing.Any], flooding.call("perms", [1, 1 << 24])["error"])
     assert error["code"] == -32602 and error["data"] == {
@@ -739,27 +742,65 @@ def test_params_past_max_depth_beside_a_decimal_are_refused_before_they_are_buil
     assert POST_INIT_RUNS[0] == 0
 
 
+Wider = enum.IntFlag("Wider", {f"B{i}": 1 << i for i in range(60)})
+
+
+def wider_handler(*flags: Wider) -> int:  # type: ignore[valid-type]
+    return len(flags)
+
+
+class Minded(enum.IntFlag):
+    """A Flag with a `_missing_` of its own, which need not cache what it makes."""
+
+    A = 1
+    B = 2
+
+    @classmethod
+    def _missing_(cls, value: object) -> typing.Any:
+        return super()._missing_(value)
+
+
+def minded_handler(*flags: Minded) -> int:
+    return len(flags)
+
+
 def test_flag_values_that_are_no_named_member_are_bounded_per_call_by_their_bits() -> None:
     """Round 46: msgspec calls a Flag's `_missing_` for every value that is none of its
     named members, made before or not, so one value repeated 116,000 times (1 MiB) held a
     worker 1.8 to 2.5 s: MADE_MEMBERS_MAX counted only members made. Round 52: the call
     goes through the value's bits, and 16,384 values of 60 bits, counted one apiece, took
     0.3 to 0.4 s. A value costs 1 + its set bits // 8, up to UNNAMED_COST_MAX a call; named
-    members cost nothing."""
+    members cost nothing. New user, round 118, F10: a record list whose Flag field held
+    `R|W` throughout was refused past 16,384 records. The enum module's `_missing_` is now
+    given a lookup of the members made first (`collisions._memoise_missing`), as calling
+    the class does: a value made already, in this call or before, is one lookup and costs
+    nothing of the bound; a Flag with a `_missing_` of its own is counted as before."""
+    from broker.collisions import _FLAG_MISSING
+
     method = Method("wide", wide_handler)
-    refused = f"values of Wide that are none of its named members cost more than {UNNAMED_COST_MAX} calls"
     three = 3  # (W0|W1: 2 bits, a cost of 1)
-    with pytest.raises(InvalidParams, match=refused):
-        method.bind(b"[" + b",".join([b"%d" % three] * (UNNAMED_COST_MAX + 1)) + b"]", 64)
-    args, _ = method.bind(b"[" + b",".join([b"%d" % three] * UNNAMED_COST_MAX) + b"]", 64)
-    assert len(args) == UNNAMED_COST_MAX and args[0] == three
-    everything = 2**24 - 1  # (24 bits: a cost of 4)
-    with pytest.raises(InvalidParams, match=refused):
-        method.bind(b"[" + b",".join([b"%d" % everything] * (UNNAMED_COST_MAX // 4 + 1)) + b"]", 64)
-    args, _ = method.bind(b"[" + b",".join([b"%d" % everything] * (UNNAMED_COST_MAX // 4)) + b"]", 64)
-    assert len(args) == UNNAMED_COST_MAX // 4 and args[0] == everything
+    repeated = b"[" + b",".join([b"%d" % three] * 100_000) + b"]"
+    (args, _), counts = _calls(lambda: method.bind(repeated, 64), {_FLAG_MISSING})  # type: ignore[misc]
+    assert len(args) == 100_000 and args[0] == three and args[0] is args[-1]
+    assert counts[_FLAG_MISSING] <= 1, counts  # (made once, if no call made it before)
     args, _ = method.bind(b"[" + b",".join([b"8"] * 30_000) + b"]", 64)  # (W3, a named member)
     assert len(args) == 30_000
+    # Members made anew cost their bits: 57 bits of 60, a cost of 8 each.
+    wider = Method("wider", wider_handler)
+    full = 2**60 - 1
+    distinct = [full ^ (1 << i | 1 << j | 1 << k) for i in range(60) for j in range(i) for k in range(j)]
+    refused = f"values of Wider that are none of its named members cost more than {UNNAMED_COST_MAX} calls"
+    with pytest.raises(InvalidParams, match=refused):
+        wider.bind(msgspec.json.encode(distinct[:UNNAMED_COST_MAX // 8 + 1]), 64)
+    args, _ = wider.bind(msgspec.json.encode(distinct[-(UNNAMED_COST_MAX // 8):]), 64)
+    assert len(args) == UNNAMED_COST_MAX // 8 and args[0] == distinct[-(UNNAMED_COST_MAX // 8)]
+    # A `_missing_` of the app's own: each value costs, repeated or not.
+    minded = Method("minded", minded_handler)
+    refused = f"values of Minded that are none of its named members cost more than {UNNAMED_COST_MAX} calls"
+    with pytest.raises(InvalidParams, match=refused):
+        minded.bind(b"[" + b",".join([b"3"] * (UNNAMED_COST_MAX + 1)) + b"]", 64)
+    args, _ = minded.bind(b"[" + b",".join([b"3"] * UNNAMED_COST_MAX) + b"]", 64)
+    assert len(args) == UNNAMED_COST_MAX and args[0] == 3
 
 
 GC_SEEN: list[bool] = []
@@ -852,8 +893,11 @@ def test_a_union_inside_an_annotated_union_is_checked() -> None:
         assert "hash flooding" in reason, handler
     assert "16777216 is not made of the bits of Wide's members - at `flags[0]`" in refused_in_process(
         annotated_wide, b"[[16777216]]", "flags")
-    assert "values of Wide that are none of its named members" in refused_in_process(
-        annotated_wide, b"[[" + b",".join([b"3"] * 20_000) + b"]]", "flags")
+    made = Wide._value2member_map_  # (values made by no test before: one made already costs nothing since round 118)
+    four_bits = [v for v in (1 << i | 1 << j | 1 << k | 1 << m for i in range(24) for j in range(i) for k in range(j)
+                             for m in range(k)) if v not in made]
+    assert f"more than {MADE_MEMBERS_MAX} distinct values of Wide that it has no member for" in refused_in_process(
+        annotated_wide, msgspec.json.encode([four_bits[:MADE_MEMBERS_MAX + 1]]), "flags")
     assert Method("annotated_ids", annotated_ids).bind(b"[[1, 2, 3]]", 64) == (({1, 2, 3},), {})
 
 
