@@ -176,14 +176,16 @@ class Signature:
                         + ": hint it dict, list, a msgspec.Struct or a dataclass")
         if any(isinstance(node, msgspec.inspect.UnionType) and any(isinstance(t, msgspec.inspect.RawType)
                                                                    for t in node.types) for node in held):
+            # (hostile testing, round 37: `Raw | None` took null alone)
             raise TypeError(f"method {name!r}: a msgspec.Raw in a union (msgspec decodes only the union's other "
-                            "types: round 37, `Raw | None` took null alone): hint it msgspec.Raw, and read null "
+                            "types: `Raw | None` would take null alone): hint it msgspec.Raw, and read null "
                             "from its text")
         if any(isinstance(node, (msgspec.inspect.DataclassType, msgspec.inspect.TypedDictType))
                and any(isinstance(inner, msgspec.inspect.RawType) for inner in collisions.reachable(node))
                for node in held):
+            # (hostile testing, round 38: every value was refused)
             raise TypeError(f"method {name!r}: a msgspec.Raw in a dataclass or TypedDict, which msgspec cannot "
-                            "always decode (round 38: every value was refused): hold it in a msgspec.Struct")
+                            "always decode: hold it in a msgspec.Struct")
         for kind in kinds if not raw_params else ():
             why = collisions.unsupported(kind)
             if why is not None:
