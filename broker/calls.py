@@ -91,6 +91,7 @@ class Call(msgspec.Struct, eq=False):
     heavy: int = 0  # its params' bytes counted in its worker's `heavy` (large params only, `_send`)
     stale: bool = False  # in flight when a reload replaced the method table: its reply teaches nothing
     kept: bytes | int | None = None  # its params kept for the access log once sent (log_params: `accesslog.keep_params`)
+    again: bool = False  # given back unstarted and queued again: its wait was observed once (`_requeue`)
 
     @classmethod
     def of(

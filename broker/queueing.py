@@ -310,7 +310,7 @@ class Queueing(DispatcherState):
                     del self._room_waiters[owner]  # back in turn by its own answer: it waits no more; round 97)
                     if owner is self._reserved_for:
                         self._reserved = self._reserved_for = None
-                if metrics is not None:
+                if metrics is not None and not call.again:  # (a call given back was observed at its first send)
                     metrics.queue_wait.observe_us(int((_clock() - call.arrival) * 1e6), call.weight)
             else:
                 self._dequeue()

@@ -158,6 +158,7 @@ class Returns(DispatcherState):
         for call in reversed(calls):
             if not aside:  # (else given back for another front-end's call run alone: as they were sent)
                 call.sync = 1
+            call.again = True  # (its wait, or its going at once, was observed at its first send)
             hold(call)
             queue.appendleft(call, owner)
             self._queued_bytes += call.held

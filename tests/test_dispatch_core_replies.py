@@ -225,6 +225,25 @@ def test_a_chunk_of_notifications_given_back_goes_again_as_notifications_one_by_
     assert d.returned_total == 3 and done == [] and d.late_cancelled_total == 0
 
 
+def test_calls_given_back_are_observed_in_the_queue_wait_once(clock):
+    """A call given back unstarted and sent again was observed in rpc_broker_queue_wait_seconds
+    at each send: the histogram counted more calls than came."""
+    metrics = CallMetrics()
+    d, w, codec, done = fast_sync(clock, metrics=metrics)
+    sent_before, waited_before = metrics.sent_at_once, sum(metrics.queue_wait.counts)
+    d.submit(body(codec, [req("q", [i], i) for i in range(3)]), done.append)
+    [frame] = w.channel.take()
+    clock.advance(0.5)
+    d.on_reply(w, wire.Kind.RETURN, frame[1], 0, frame[3])  # (all three given back, sent again one by one)
+    sent = w.channel.take()
+    while len(sent) < 3:
+        d.on_reply(w, wire.Kind.RESULT, sent[-1][1], 5_000, b"1")
+        sent += w.channel.take()
+    d.on_reply(w, wire.Kind.RESULT, sent[-1][1], 5_000, b"1")
+    assert len(done) == 1 and d.returned_total == 3
+    assert metrics.sent_at_once - sent_before + sum(metrics.queue_wait.counts) - waited_before == 3
+
+
 def test_a_chunk_whose_large_params_were_all_given_back_holds_none_on_its_worker(clock):
     d, w, codec, done = one_worker(clock.loop, ["m"], max_worker_params_bytes=10_000)
     d._heavy_bytes = 20  # large params at this test's scale
