@@ -180,6 +180,16 @@ def test_raw_params_depth_is_measured_without_decoding_numbers():
         RAW_ECHO.bind(nest(5000, b"1e400"), 10000)
 
 
+@pytest.mark.parametrize("depth", [100, 900])
+def test_params_past_max_depth_holding_a_number_out_of_range_are_nesting_too_deep(depth):
+    """Hostile testing, round 141, F11: an untyped parameter nested past max_depth with a
+    `1e400` inside was refused -32602 "Number out of range", its nesting never said (3000
+    deep, past the parser's own limit, was NestingTooDeep)."""
+    with pytest.raises(NestingTooDeep):
+        Method("any_param", any_param).bind(b"[" + nest(depth, b"1e400") + b"]", 64)
+    assert invalid(any_param, b"[[[1e400]]]") == ("x", "Number out of range - at `x[0][0]`")
+
+
 def test_typed_params_with_numbers_too_large_are_invalid_params_not_invalid_json():
     """...and name the parameter (issue 9: `param` was null), by place or by key."""
     assert invalid(any_param, b"[1e400]") == ("x", "Number out of range")

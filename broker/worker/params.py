@@ -210,7 +210,11 @@ class Method(Signature):
                     obj = self._read_floats(params)
             except RecursionError:  # deeper than the parser takes, whatever max_depth says
                 raise NestingTooDeep(max_depth) from None
-            except msgspec.ValidationError as exc:  # valid JSON, with a number msgspec cannot hold
+            except (msgspec.ValidationError, InvalidParams) as exc:  # valid JSON, with a number msgspec cannot hold
+                if deep:  # (its nesting said first, as for params that hold none: hostile testing, round 141, F11)
+                    raise NestingTooDeep(max_depth) from None
+                if isinstance(exc, InvalidParams):  # (`_read_floats`' refusal, placed)
+                    raise
                 obj = _values_decoded(params, _decode_json)  # (unless a later duplicate key replaced it)
                 if obj is None:
                     raise self._out_of_range(params, str(exc), placed) from None
