@@ -69,6 +69,12 @@ CASES: dict[str, tuple[str, list[bytes]]] = {
     "140 F2 65,000 keys 1.Ne300 to weights(dict[float, int])": ("weights", [b"[{" + b", ".join(b'"1.%de300": 1' % i for i in range(65000)) + b"}]"]),
     "139 F4 1e308 to priced(Decimal, list[float])": ("priced", [b"[1.5, " + _array(b"1e308", MIB - 10) + b"]"]),
     "139 F4 1e308 to wrapped(Raw, list[float])": ("wrapped", [b"[{}, " + _array(b"1e308", MIB - 10) + b"]"]),
+    "140 F8 1e308 to dfs(list[DF]), DF a Struct of a Decimal and a float": ("dfs", [
+        b"[" + _array(b'{"d":1,"f":1e308}', MIB - 2) + b"]"]),
+    "140 F8 halfway e249 to dfs(list[DF])": ("dfs", [b"[" + _array(b'{"d":1,"f":' + HALFWAY + b"}", MIB - 2) + b"]"]),
+    "140 F8 batch: 55 x 1000 DF of 1e308 to dfs": ("dfs", [b"[[" + b",".join([b'{"d":1,"f":1e308}'] * 1000) + b"]]"] * 55),
+    "1e308 to decimals(list[Decimal]) (msgspec reads those fast)": ("decimals", [b"[" + _array(b"1e308", MIB - 2) + b"]"]),
+    "1.5e-3 to dfs(list[DF])": ("dfs", [b"[" + _array(b'{"d":1,"f":1.5e-3}', MIB - 2) + b"]"]),
     "halfway below max written out (310 digits) to total": ("total", [b"[" + _array(_WRITTEN_OUT, MIB - 2) + b"]"]),
 }
 
