@@ -61,8 +61,11 @@ def test_a_body_in_small_chunks_costs_about_its_size_in_memory(broker_factory, e
     from broker.frontend.http import MIN_CHUNK_BYTES, SMALL_CHUNKS
 
     size = 16_000_000
+    # (glibc's mmap threshold fixed: by default it rises to the largest block freed, up to 32 MiB,
+    # and the growing buffer is then reallocated in the heap, copied, its old block kept: 2.0 times
+    # the body was measured once in CI; mmapped, it grows in place by mremap)
     b = broker_factory("--workers", "1", "--max-body-bytes", str(16 << 20), "--max-frame-bytes", str(20 << 20),
-                       "--max-response-bytes", str(20 << 20))
+                       "--max-response-bytes", str(20 << 20), env={"MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
     filler = size - len(call("echo", [""], 1))
     body = call("echo", ["x" * filler], 1).encode()
     assert len(body) == size
@@ -85,10 +88,10 @@ def test_a_body_in_small_chunks_costs_about_its_size_in_memory(broker_factory, e
         status, _, answer = c.response()
         assert status == 200 and json.loads(answer)["result"] == ["x" * filler]
     # The body is 15,625 KiB; one bytes object per chunk (250,000 here, 112 bytes each and a
-    # list slot) would add ~1.9 times it. Measured: uvloop 16,036-16,040 KiB (1.03 times);
-    # asyncio 9,732-11,432; holding each chunk as an object, 3.4-3.7 times. At 4 MB the
+    # list slot) would add ~1.9 times it. Measured, the mmap threshold fixed: 0.97-0.98 times
+    # on both loops; holding each chunk under 4 KiB as an object, 2.9 times. At 4 MB the
     # loop's and allocator's noise (up to 2.2 MB, once in CI) was too near the bound.
-    limit = 1.75 * size / 1024
+    limit = 1.6 * size / 1024
     assert grown < limit, f"broker RSS grew by {grown} KiB while holding a {size:,}-byte chunked body"
 
 
