@@ -45,8 +45,11 @@ BROKEN = [
     ("numbers", {"values": [1, "x"]}, "Expected `int`, got `str` - at `$.result[1]`"),  # (its structuredContent's)
     # (a result with a number written with an exponent: read by float(), then converted; round 140, F5)
     ("numbers", {"values": [1e-300, 2]}, "Expected `int`, got `float` - at `$.result[0]`"),
-    ("whole", {"value": 2.5}, "Expected `int`, got `float` - at `$.result`"),
-    ("numbers", {"values": [3.0, 2.5]}, "Expected `int`, got `float` - at `$.result[1]`"),
+    # (an integral float where an int is declared too: the result goes out as the tool returned it)
+    ("whole", {"value": 3.0}, "Expected `int`, got `float` - at `$.result`"),
+    ("numbers", {"values": [3, 2.0]}, "Expected `int`, got `float` - at `$.result[1]`"),
+    # (hostile testing, round 142, F8: "at `key` in `$[0]` - at `$.result`")
+    ("keyed", {"key": "x"}, "Expected `int`, got `str` - at `key` in `$.result[0]`"),
     ("scaled", {"values": [1e300, 2.5e-300, "x"]}, "Expected `float`, got `str` - at `$.result[2]`"),
 ]
 
@@ -73,27 +76,28 @@ def test_results_that_fit_go_out_as_structured_content(broker: Broker, mode: str
 
 # What msgspec's decoding takes but the schema it writes does not say (new user, round 118, F9:
 # the official SDK's client raised "3.3 is not of type 'string'", "'type' is a required
-# property", "[1, 1, 2] has non-unique elements"), and an integral float where an int is
-# declared (F2: refused, though JSON Schema's integer holds it): each result goes out as its
-# return type writes it, as the SDK's own FastMCP dumps a result from its validated model.
-WRITTEN_AS_DECLARED = [
-    ("price", {}, {"amount": "3.3"}),
-    ("prices", {}, {"result": ["1.5", "2.5"]}),
-    ("tagged", {}, {"result": {"type": "Tagged", "v": 1}}),
-    ("tagged", {"many": True}, {"result": [{"type": "Tagged", "v": 1}, {"type": "Tagged", "v": 2}]}),
-    ("unique", {}, {"result": [1, 2]}),
-    ("whole", {"value": 3.0}, {"result": 3}),
-    ("numbers", {"values": [1e20, 2.0, 3]}, {"result": [10**20, 2, 3]}),
+# property", "[1, 1, 2] has non-unique elements"; hostile testing, round 142, F3: "4 is not one
+# of [0, 1, 2, 3]"): the outputSchema says it, and the result goes out as the tool returned it.
+# (Written again from the decoded value, round 142 found a Struct's defaults written out, 45
+# times the params, and its `__post_init__` run twice: "Hello, Hello, Ann".)
+AS_RETURNED = [
+    ("price", {}, {"amount": 3.3}),
+    ("prices", {}, {"result": ["1.5", 2.5]}),
+    ("tagged", {}, {"result": {"v": 1}}),
+    ("tagged", {"many": True}, {"result": [{"v": 1}, {"type": "Tagged", "v": 2}]}),
+    ("unique", {}, {"result": [1, 1, 2]}),
+    ("kept", {"value": 7}, {"result": [7]}),
+    ("keyed", {"key": "12"}, {"result": [{"12": "a"}]}),
 ]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("tool", "arguments", "structured"), WRITTEN_AS_DECLARED)
-def test_a_result_goes_out_as_its_return_type_writes_it(
+@pytest.mark.parametrize(("tool", "arguments", "structured"), AS_RETURNED)
+def test_a_result_the_check_takes_fits_the_output_schema_the_host_checks(
         broker: Broker, mode: str, tool: str, arguments: dict[str, object], structured: object) -> None:
-    result = call(broker, mode, tool, arguments)
+    result = call(broker, mode, tool, arguments)  # (the SDK's client checks it against the outputSchema)
     assert result.is_error is False and result.structured_content == structured, result
-    value = structured["result"] if "result" in structured and tool != "price" else structured  # type: ignore[index, operator]
+    value = structured if tool == "price" else structured["result"]  # type: ignore[index]
     assert json.loads(result.content[0].text) == value  # (the text block says the same)
     assert broker.call(tool, arguments)["result"] == value  # (and so does the JSON-RPC face)
 

@@ -711,26 +711,16 @@ class InvalidJson(TypeError):
 
 
 def checked_result(result: object, check: Callable[[bytes], object], returns: object) -> bytes:
-    """The JSON of a tool's result as its return type `returns` writes it: `encode_result(result)`
-    decoded as that type by the tool's `check` (`tools.result_check`), and the value it made
-    written again by msgspec, the writer whose JSON Schema is the tool's outputSchema. So what
-    the decoding takes but the schema does not say goes out as the schema says: a number where
-    a `Decimal` is declared as its string, a tagged Struct with its tag, a set's repeats once
-    (new user, round 118: the official SDK's client refused each). The official SDK's FastMCP
-    does the same: the result validated by its pydantic model, then dumped from it
-    (mcp/server/mcpserver/utilities/func_metadata.py, `convert_result`). Raises as
-    `encode_result` does, and `ResultMismatch` saying where the result breaks its outputSchema."""
+    """`encode_result(result)`, checked by a tool's `check` (`tools.result_check`: its JSON
+    decoded as its return type `returns`). Raises as `encode_result` does, and `ResultMismatch`
+    saying where the result breaks its outputSchema."""
     encoded = encode_result(result)
     try:
-        value = check(encoded)
+        check(encoded)
     except msgspec.ValidationError as exc:
         raise ResultMismatch(f"result does not fit its return type {returns!r}: {exc}",
                              f"the result does not fit the tool's outputSchema: {exc}") from None
-    # (an Enum orjson cannot be trusted with, `_check_enum`, may be one msgspec cannot either)
-    return _encode_typed(value) if _ORJSON_FIRST else encode_result(value)
-
-
-_encode_typed = msgspec.json.Encoder().encode
+    return encoded
 
 
 class NoJsonForm(TypeError):

@@ -48,12 +48,10 @@ import typing
 from collections.abc import Callable
 
 import msgspec
-from msgspec import inspect as mi
 
 from broker import collisions, wire
 from broker.floats import plain_numbers, read_float, read_json
 from broker.schemas import Schema, inlined, rooted, unconstrained
-from broker.worker.integral import holds_int, integral_params
 from broker.worker.signature import holds_decimal_or_raw
 
 if typing.TYPE_CHECKING:
@@ -160,7 +158,7 @@ def describe(method: Method, tool: bool) -> Described:
                             f" ({_first_line(exc)}): hint them with types msgspec describes") from None
         inputs = None
     try:
-        result = (_widened(_json_form(rooted(_schema_of(method.returns))), flags)
+        result = (_loosened(_widened(_json_form(rooted(_schema_of(method.returns))), flags), method.returns)
                   if method.returns is not inspect.Parameter.empty else {})
     except (TypeError, ValueError) as exc:
         if tool:
@@ -181,11 +179,9 @@ def result_check(method: Method) -> Callable[[bytes], object] | None:
     written null, a Literal's other value). MCP: "Servers MUST provide structured results that
     conform to this schema" (server/tools, "Output Schema"); the front-end checks a result's
     top only (hostile testing, round 131: a Struct missing a field went out as structuredContent,
-    and the official SDK's client refused the whole result). The check returns the value it
-    decoded, which `results.checked_result` writes again; an integral float where an int is
-    declared (`3.0`) is decoded as that int, as params are (`integral.integral_params`). None
-    when there is no schema, or msgspec cannot decode that type (a class the schema names
-    only: `_any`)."""
+    and the official SDK's client refused the whole result). What the decoding takes that the
+    schema msgspec writes does not say, the outputSchema says too (`_loosened`). None when there
+    is no schema, or msgspec cannot decode that type (a class the schema names only: `_any`)."""
     described = method.described
     if described is None or described.output_schema is None:
         return None
@@ -202,26 +198,7 @@ def result_check(method: Method) -> Callable[[bytes], object] | None:
             return typed(encoded)
         return _convert(read_json(encoded), returns, str_keys=True)
 
-    first: Callable[[bytes], object] = typed if holds_decimal_or_raw(returns) else read
-    node = mi.type_info(returns)
-    if not holds_int(node):
-        decode = first
-    else:
-        def decode(encoded: bytes) -> object:
-            # (an integral float where an int is declared, `3.0` for `-> int`, made that int:
-            # JSON Schema's integer, as params are, broker/worker/integral.py; new user, round
-            # 118, F2. The error path only.)
-            try:
-                return first(encoded)
-            except msgspec.ValidationError as exc:
-                reason = str(exc)
-                if not (reason.startswith("Expected `int") and "got `float`" in reason):
-                    raise
-                rewrite = integral_params(b"[%s]" % encoded, ([node], None), ({}, None))
-                if rewrite.text is None:
-                    raise
-            return first(rewrite.text[1:-1])
-
+    decode: Callable[[bytes], object] = typed if holds_decimal_or_raw(returns) else read
     if not described.wrap_result:
         return decode
 
@@ -230,8 +207,10 @@ def result_check(method: Method) -> Callable[[bytes], object] | None:
             return decode(encoded)
         except msgspec.ValidationError as exc:
             reason = str(exc)  # (one of the top said so too: "... - at `$.result`")
-            raise msgspec.ValidationError(reason.replace(" - at `$", " - at `$.result") if " - at `$" in reason
-                                          else f"{reason} - at `$.result`") from None
+            for marker in (" - at `$", "` in `$"):  # (a key's: "... - at `key` in `$[0]`")
+                if marker in reason:
+                    raise msgspec.ValidationError(reason.replace(marker, marker + ".result")) from None
+            raise msgspec.ValidationError(f"{reason} - at `$.result`") from None
 
     return check
 
@@ -307,6 +286,54 @@ def _widened(schema: Schema, flags: dict[str, tuple[Schema, Schema]]) -> Schema:
         if isinstance(node, list):
             return [walk(item) for item in node]
         return node
+
+    return typing.cast(Schema, walk(schema))
+
+
+def _loosened(schema: Schema, returns: object) -> Schema:
+    """The schema of a result, `schema`, saying what the check of a result (`result_check`:
+    msgspec decoding it as its return type `returns`) takes that msgspec's schema of that type
+    does not: a number for a `Decimal` (msgspec writes `{"type": "string", "format":
+    "decimal"}`), an array with repeats for a set (`uniqueItems`), a tagged Struct without its
+    tag (required in msgspec's schema), and any integer for an `enum.Flag` whose boundary is not
+    STRICT (`IntFlag`'s KEEP takes other bits; CONFORM and EJECT too). A result the check passes
+    then fits the outputSchema the host checks it against (new user, round 118, F9, hostile
+    testing, round 142, F3: the official SDK's client raised "3.3 is not of type 'string'",
+    "[1, 1, 2] has non-unique elements", "'type' is a required property", "4 is not one of [0,
+    1, 2, 3]"). The result goes out as the tool returned it: written again from the decoded
+    value, a Struct's defaults would be written out and its `__post_init__` run once more
+    (round 142, F1 and F2)."""
+    tags: dict[str, str] = {}  # a tagged Struct's title: its tag field
+    loose: set[str] = set()  # the titles of Flags whose boundary is not STRICT
+    try:
+        nodes = collisions.reachable(msgspec.inspect.type_info(returns))
+    except (TypeError, ValueError):
+        nodes = []
+    for node in nodes:
+        if isinstance(node, msgspec.inspect.StructType) and node.tag_field is not None:
+            tags[node.cls.__name__] = node.tag_field
+        elif (isinstance(node, msgspec.inspect.EnumType) and issubclass(node.cls, enum.Flag)
+              and getattr(node.cls, "_boundary_", enum.STRICT) is not enum.STRICT):
+            loose.add(node.cls.__name__)
+
+    def walk(node: object) -> object:
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        title = node.get("title")
+        if title in loose and "properties" not in node:
+            return {"title": title, "type": "integer"}
+        out = {key: walk(value) for key, value in node.items() if not (key == "uniqueItems" and value is True)}
+        if out.get("type") == "string" and out.get("format") == "decimal":
+            return {"anyOf": [out, {"type": "number"}]}
+        tag = tags.get(title) if isinstance(title, str) else None
+        required = out.get("required")
+        if tag is not None and isinstance(required, list) and tag in required:
+            out["required"] = [name for name in required if name != tag]
+            if not out["required"]:
+                del out["required"]
+        return out
 
     return typing.cast(Schema, walk(schema))
 

@@ -1,6 +1,7 @@
 """Tools whose results break (or keep) their return types below the top: the outputSchema the
 host is given says what they must be (tests/test_mcp_results.py; hostile testing, round 131)."""
 
+import enum
 import typing
 from decimal import Decimal
 
@@ -62,8 +63,7 @@ class Tagged(msgspec.Struct, tag=True):
 
 
 # What msgspec's decoding of a return type takes but the schema it writes of that type does not
-# say (new user, round 118, F9: the official SDK's client refused each): each goes out as the
-# return type writes it.
+# say (new user, round 118, F9: the official SDK's client refused each): the outputSchema says it.
 
 
 @registry.method
@@ -94,3 +94,23 @@ def unique() -> set[int]:
 def whole(value: float) -> int:
     """`value` as it is: a float where an int is declared (new user, round 118, F2)."""
     return typing.cast(int, value)
+
+
+class Kept(enum.IntFlag):
+    """An IntFlag: its boundary, KEEP, takes bits it has no member for."""
+
+    A = 1
+    B = 2
+
+
+@registry.method
+def kept(value: int) -> list[Kept]:
+    """`value` as a Kept (hostile testing, round 142, F3: 4 passed the check, and the SDK refused
+    it, "4 is not one of [0, 1, 2, 3]")."""
+    return [Kept(value)]
+
+
+@registry.method
+def keyed(key: str) -> list[dict[int, str]]:
+    """A dict whose key is `key`: an integer's text, or not."""
+    return [{typing.cast(int, key): "a"}]
