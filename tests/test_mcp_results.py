@@ -50,6 +50,8 @@ BROKEN = [
     ("numbers", {"values": [3, 2.0]}, "Expected `int`, got `float` - at `$.result[1]`"),
     # (hostile testing, round 142, F8: "at `key` in `$[0]` - at `$.result`")
     ("keyed", {"key": "x"}, "Expected `int`, got `str` - at `key` in `$.result[0]`"),
+    # (an IntFlag's bits of no member: refused, as in params; hostile testing, round 142, F3)
+    ("kept", {"value": 7}, "7 is not made of the bits of Kept's members - at `$.result[0]`"),
     ("scaled", {"values": [1e300, 2.5e-300, "x"]}, "Expected `float`, got `str` - at `$.result[2]`"),
 ]
 
@@ -76,8 +78,8 @@ def test_results_that_fit_go_out_as_structured_content(broker: Broker, mode: str
 
 # What msgspec's decoding takes but the schema it writes does not say (new user, round 118, F9:
 # the official SDK's client raised "3.3 is not of type 'string'", "'type' is a required
-# property", "[1, 1, 2] has non-unique elements"; hostile testing, round 142, F3: "4 is not one
-# of [0, 1, 2, 3]"): the outputSchema says it, and the result goes out as the tool returned it.
+# property", "[1, 1, 2] has non-unique elements"): the outputSchema says it, and the result goes
+# out as the tool returned it.
 # (Written again from the decoded value, round 142 found a Struct's defaults written out, 45
 # times the params, and its `__post_init__` run twice: "Hello, Hello, Ann".)
 AS_RETURNED = [
@@ -86,7 +88,7 @@ AS_RETURNED = [
     ("tagged", {}, {"result": {"v": 1}}),
     ("tagged", {"many": True}, {"result": [{"v": 1}, {"type": "Tagged", "v": 2}]}),
     ("unique", {}, {"result": [1, 1, 2]}),
-    ("kept", {"value": 7}, {"result": [7]}),
+    ("kept", {"value": 3}, {"result": [3]}),
     ("keyed", {"key": "12"}, {"result": [{"12": "a"}]}),
 ]
 
@@ -108,3 +110,29 @@ def test_the_json_rpc_face_answers_the_same_reason(broker: Broker) -> None:
         "type": "TypeError", "reason": "the result does not fit the tool's outputSchema: Object missing required field `y`"}}
     assert broker.call("point", {"kind": "ok"})["result"] == {"x": 1, "y": 2}
     assert "tool point returned a result that breaks its outputSchema" in broker.read_log(0.5)
+
+
+def test_a_result_s_set_of_one_hash_is_refused_before_it_is_built(broker: Broker) -> None:
+    """Hostile testing, round 142, F9: a `-> set[int]` tool's result of integers that share a hash
+    (`5 + k * (2**61 - 1)`), 0.68 MiB, held its worker 15 s as the check built the set, and
+    another client's call waited as long. The result is checked for hash flooding first, as
+    params are."""
+    flood = [5 + k * (2**61 - 1) for k in range(40)]
+    answer = broker.call("as_set", {"values": flood})
+    assert answer["error"]["data"]["reason"] == (
+        "the result does not fit the tool's outputSchema: more than 8 distinct values of one hash in one set or in "
+        "one object's keys - at `$.result`: refused (hash flooding)"), answer
+    assert broker.call("as_set", {"values": [1, 2, 2]})["result"] == [1, 2, 2]
+
+
+def test_the_flag_members_a_result_s_check_makes_are_dropped(broker: Broker) -> None:
+    """Hostile testing, round 142, F4: each distinct value of an IntFlag a result held made a
+    member as the check decoded it, kept for good (a worker grew 49 to 300 MiB over 6 calls).
+    They are dropped as those params make are, past FLAG_PSEUDO_MEMBERS_MAX."""
+    from broker.worker.params import FLAG_PSEUDO_MEMBERS_MAX
+
+    before = broker.call("wide_made")["result"]
+    for round_ in range(3):
+        values = [(round_ * 4000 + i) * 7 % (1 << 24) for i in range(1, 4001)]
+        assert len(broker.call("wide_values", {"values": values})["result"]) == 4000
+    assert broker.call("wide_made")["result"] <= before + FLAG_PSEUDO_MEMBERS_MAX

@@ -209,6 +209,7 @@ class Registry:
             if is_tool:  # (what a host could not use is refused now, not at the first tools/list)
                 method.described = describe(method, tool=True)
                 method.check_result = result_check(method)
+                method.flags_returned()
             self._methods[method_name] = method
             return f
 

@@ -199,6 +199,21 @@ def result_check(method: Method) -> Callable[[bytes], object] | None:
         return _convert(read_json(encoded), returns, str_keys=True)
 
     decode: Callable[[bytes], object] = typed if holds_decimal_or_raw(returns) else read
+    guard = collisions.guard(returns)
+    if guard is not None:  # (a set, a dict of keys other than strings, a Flag: the params' check)
+        unguarded = decode
+
+        def decode(encoded: bytes) -> object:
+            # (hostile testing, round 142, F9: a `-> set[int]` tool's result of integers of one hash,
+            # 0.68 MiB, held its worker 15 s in the check's decoding)
+            collisions.new_call()
+            try:
+                guard(read_json(encoded))
+            except collisions.Flooded as exc:
+                inner = "".join(f"[{step}]" if type(step) is int else f".{step}" for step in exc.where)
+                raise msgspec.ValidationError(exc.reason.format(at=f" - at `${inner}`")) from None
+            return unguarded(encoded)
+
     if not described.wrap_result:
         return decode
 
@@ -270,6 +285,9 @@ def _flag_schemas(method: Method) -> dict[str, tuple[Schema, Schema]]:
     return schemas
 
 
+_FLAG_KEYS = {"title", "enum", "description"}  # (what msgspec writes of an `enum.Flag`)
+
+
 def _widened(schema: Schema, flags: dict[str, tuple[Schema, Schema]]) -> Schema:
     """`schema` with each Flag's own schema, wherever it sits (`$defs`, or the root), replaced
     by the one `_flag_schemas` says."""
@@ -279,9 +297,10 @@ def _widened(schema: Schema, flags: dict[str, tuple[Schema, Schema]]) -> Schema:
     def walk(node: object) -> object:
         if isinstance(node, dict):
             title = node.get("title")
-            if (isinstance(title, str) and title in flags and node.keys() == {"title", "enum"}
+            if (isinstance(title, str) and title in flags and {"title", "enum"} <= node.keys() <= _FLAG_KEYS
                     and isinstance(node["enum"], list) and sorted(node["enum"]) == flags[title][0]["enum"]):
-                return dict(flags[title][1])
+                # (a docstring's "description" kept: a Flag with one was left listing its members alone)
+                return {**{k: v for k, v in node.items() if k != "enum"}, **flags[title][1]}
             return {key: walk(value) for key, value in node.items()}
         if isinstance(node, list):
             return [walk(item) for item in node]
@@ -294,17 +313,15 @@ def _loosened(schema: Schema, returns: object) -> Schema:
     """The schema of a result, `schema`, saying what the check of a result (`result_check`:
     msgspec decoding it as its return type `returns`) takes that msgspec's schema of that type
     does not: a number for a `Decimal` (msgspec writes `{"type": "string", "format":
-    "decimal"}`), an array with repeats for a set (`uniqueItems`), a tagged Struct without its
-    tag (required in msgspec's schema), and any integer for an `enum.Flag` whose boundary is not
-    STRICT (`IntFlag`'s KEEP takes other bits; CONFORM and EJECT too). A result the check passes
-    then fits the outputSchema the host checks it against (new user, round 118, F9, hostile
-    testing, round 142, F3: the official SDK's client raised "3.3 is not of type 'string'",
-    "[1, 1, 2] has non-unique elements", "'type' is a required property", "4 is not one of [0,
-    1, 2, 3]"). The result goes out as the tool returned it: written again from the decoded
+    "decimal"}`), an array with repeats for a set (`uniqueItems`), and a tagged Struct without
+    its tag (required in msgspec's schema). A result the check passes then fits the outputSchema
+    the host checks it against (new user, round 118, F9: the official SDK's client raised "3.3
+    is not of type 'string'", "[1, 1, 2] has non-unique elements", "'type' is a required
+    property"). The result goes out as the tool returned it: written again from the decoded
     value, a Struct's defaults would be written out and its `__post_init__` run once more
-    (round 142, F1 and F2)."""
+    (hostile testing, round 142, F1 and F2). (An `enum.Flag`'s other bits, which an IntFlag
+    takes, the check refuses, as for params: `collisions.UnknownBits`.)"""
     tags: dict[str, str] = {}  # a tagged Struct's title: its tag field
-    loose: set[str] = set()  # the titles of Flags whose boundary is not STRICT
     try:
         nodes = collisions.reachable(msgspec.inspect.type_info(returns))
     except (TypeError, ValueError):
@@ -312,9 +329,6 @@ def _loosened(schema: Schema, returns: object) -> Schema:
     for node in nodes:
         if isinstance(node, msgspec.inspect.StructType) and node.tag_field is not None:
             tags[node.cls.__name__] = node.tag_field
-        elif (isinstance(node, msgspec.inspect.EnumType) and issubclass(node.cls, enum.Flag)
-              and getattr(node.cls, "_boundary_", enum.STRICT) is not enum.STRICT):
-            loose.add(node.cls.__name__)
 
     def walk(node: object) -> object:
         if isinstance(node, list):
@@ -322,8 +336,6 @@ def _loosened(schema: Schema, returns: object) -> Schema:
         if not isinstance(node, dict):
             return node
         title = node.get("title")
-        if title in loose and "properties" not in node:
-            return {"title": title, "type": "integer"}
         out = {key: walk(value) for key, value in node.items() if not (key == "uniqueItems" and value is True)}
         if out.get("type") == "string" and out.get("format") == "decimal":
             return {"anyOf": [out, {"type": "number"}]}
