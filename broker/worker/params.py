@@ -290,10 +290,7 @@ class Method(Signature):
             top = _RAW_TOP(params)
         except msgspec.ValidationError:
             raise InvalidParams(None, "params must be an array or an object") from None
-        now = _monotonic()  # (the worker's credit of numbers slow to read: `_read_slowly`)
-        _SLOW_CREDIT[0] = min(SLOW_NUMBERS_HELD, _SLOW_CREDIT[0] + (now - _SLOW_CREDIT[1]) * SLOW_NUMBERS_HELD
-                              + len(params) / SLOW_NUMBER_BYTES)
-        _SLOW_CREDIT[1] = now
+        _grow_slow_credit(len(params))  # (the worker's credit of numbers slow to read: `_read_slowly`)
         n = len(self._pos_names)
         if type(top) is list:
             values = [self._decode_value(raw, typed.get(name), name, "") for name, raw in zip(self._pos_names, top)]
@@ -731,16 +728,33 @@ def _read_slowly(text: msgspec.Raw, name: str | None) -> None:
     of `1e308` as the floats of a Struct beside its `Decimal` held a worker 1.6-2.6 s (4 s on a
     loaded machine), and a batch of small such calls as long. A credit that grows with the
     params' bytes, not a count per call: each call of a batch would have had its own."""
-    raw = bytes(text)
-    if plain_numbers(raw):
-        return
-    credit = _SLOW_CREDIT[0] - slow_numbers(raw)
-    _SLOW_CREDIT[0] = max(credit, 0.0)
-    if credit < 0:
+    if not slow_numbers_taken(bytes(text)):
         raise InvalidParams(name or None, f"more numbers past 1e288 (or of 20 digits or more, past 1e240 or below "
                             f"1e-240) than this worker takes now in values decoded beside a Decimal or a "
                             f"msgspec.Raw ({SLOW_NUMBERS_HELD} at once, as many more a second, and one for every "
                             f"{SLOW_NUMBER_BYTES} bytes of params): refused (slow to read)")
+
+
+def _grow_slow_credit(size: int) -> None:
+    """Grow the worker's credit of numbers slow to read by the time since it last grew and by a
+    call's `size` bytes (`SLOW_NUMBERS_HELD`)."""
+    now = _monotonic()
+    _SLOW_CREDIT[0] = min(SLOW_NUMBERS_HELD, _SLOW_CREDIT[0] + (now - _SLOW_CREDIT[1]) * SLOW_NUMBERS_HELD
+                          + size / SLOW_NUMBER_BYTES)
+    _SLOW_CREDIT[1] = now
+
+
+def slow_numbers_taken(text: bytes, grow: bool = False) -> bool:
+    """Whether the worker's credit of numbers slow to read (`SLOW_NUMBERS_HELD`) takes those of the
+    JSON `text` (`floats.slow_numbers`), taken from it if so, spent if not. `grow`: grown first,
+    as a call's params grow it (`Method._decode_typed`): by the time since and `text`'s bytes."""
+    if grow:
+        _grow_slow_credit(len(text))
+    if plain_numbers(text):
+        return True
+    credit = _SLOW_CREDIT[0] - slow_numbers(text)
+    _SLOW_CREDIT[0] = max(credit, 0.0)
+    return credit >= 0
 
 
 _RAW_TOP = msgspec.json.Decoder(list[msgspec.Raw] | dict[str, msgspec.Raw]).decode
