@@ -8,6 +8,7 @@ tests/test_discover.py.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -502,6 +503,65 @@ class Wide(enum.Flag):
     B6 = 64
     B7 = 128
     B8 = 256
+
+
+@dataclasses.dataclass
+class Hidden:
+    x: int
+    _secret: str
+
+
+@dataclasses.dataclass
+class Kept:
+    x: int
+    _secret: str = "s"
+
+
+class Defaulted(msgspec.Struct):
+    p: Perm = Perm.R
+
+
+def test_a_flag_s_schema_with_a_default_or_a_description_takes_the_combinations_too():
+    """New user, round 119, F4: a Flag parameter or field with a default (or an Annotated
+    description) kept msgspec's members-only enum, `{"enum": [1, 2, 4], "default": 4}`: a host
+    validating arguments could not send R|W, and the official SDK refused a Struct's result
+    holding it ("6 is not one of [1, 2, 4]")."""
+    registry = Registry(tools=True)
+
+    @registry.method
+    def grant(p: Perm = Perm.R, q: typing.Annotated[Perm, msgspec.Meta(description="d")] = Perm.W) -> Defaulted:
+        return Defaulted(p | q)
+
+    described = typing.cast(typing.Any, registry.methods()[0].described)
+    assert described.input_schema["properties"]["p"] == {"title": "Perm", "default": 4, "enum": list(range(8))}
+    assert described.input_schema["properties"]["q"]["enum"] == list(range(8))
+    jsonschema.validate({"p": 6, "q": 3}, described.input_schema)
+    jsonschema.validate({"p": 6}, described.output_schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"p": 8}, described.output_schema)
+
+
+def test_a_tool_whose_result_could_never_fit_its_type_is_refused_at_registration():
+    """New user, round 119, F2: a dataclass with a required field named with a leading underscore,
+    which a result's JSON leaves out: every call was a tool error ("Object missing required field
+    `_secret`"). Refused at registration, saying why; with a default it is served."""
+    def hidden() -> Hidden:
+        return Hidden(1, "s")
+
+    def hidden_list() -> list[Hidden]:
+        return []
+
+    registry = Registry(tools=True)
+    for fn in (hidden, hidden_list):
+        with pytest.raises(TypeError, match="its result's Hidden has a required field '_secret', which a result's "
+                                            "JSON leaves out"):
+            registry.method(fn)
+
+    def kept() -> Kept:
+        return Kept(1)
+
+    registry.method(kept)
+    assert json.loads(encode_result(Kept(1))) == {"x": 1}
 
 
 def test_a_flag_s_schema_takes_the_combinations_its_binding_and_results_do():

@@ -166,6 +166,8 @@ def describe(method: Method, tool: bool) -> Described:
             raise TypeError(f"method {name!r}: its return type has no JSON Schema, which a tool's outputSchema"
                             f" needs ({_first_line(exc)}): hint it with a type msgspec describes, or Any") from None
         result = {}
+    if tool and method.returns is not inspect.Parameter.empty:
+        _check_unwritten(name, method.returns)
     output, wrap = _output_schema(result)
     structure: wire.ParamStructure = (
         "either" if method.raw_params else "by-name" if inspect.Parameter.KEYWORD_ONLY in kinds
@@ -298,9 +300,6 @@ def _flag_schemas(method: Method) -> dict[str, tuple[Schema, Schema]]:
     return schemas
 
 
-_FLAG_KEYS = {"title", "enum", "description"}  # (what msgspec writes of an `enum.Flag`)
-
-
 def _widened(schema: Schema, flags: dict[str, tuple[Schema, Schema]]) -> Schema:
     """`schema` with each Flag's own schema, wherever it sits (`$defs`, or the root), replaced
     by the one `_flag_schemas` says."""
@@ -310,9 +309,10 @@ def _widened(schema: Schema, flags: dict[str, tuple[Schema, Schema]]) -> Schema:
     def walk(node: object) -> object:
         if isinstance(node, dict):
             title = node.get("title")
-            if (isinstance(title, str) and title in flags and {"title", "enum"} <= node.keys() <= _FLAG_KEYS
-                    and isinstance(node["enum"], list) and sorted(node["enum"]) == flags[title][0]["enum"]):
-                # (a docstring's "description" kept: a Flag with one was left listing its members alone)
+            if (isinstance(title, str) and title in flags and isinstance(node.get("enum"), list)
+                    and "properties" not in node and sorted(node["enum"]) == flags[title][0]["enum"]):
+                # (its other keys kept, a "default", a "description": with one, a Flag was left listing
+                # its members alone; new user, round 119, F4)
                 return {**{k: v for k, v in node.items() if k != "enum"}, **flags[title][1]}
             return {key: walk(value) for key, value in node.items()}
         if isinstance(node, list):
@@ -320,6 +320,25 @@ def _widened(schema: Schema, flags: dict[str, tuple[Schema, Schema]]) -> Schema:
         return node
 
     return typing.cast(Schema, walk(schema))
+
+
+def _check_unwritten(name: str, returns: object) -> None:
+    """Refuse (TypeError) a tool whose return type holds a dataclass (or attrs class) with a
+    required field named with a leading underscore: a result's JSON leaves such fields out (as
+    orjson writes a dataclass: docs/tools.md, "Results"), so no result could fit the type its
+    check decodes it as, and every call would be a tool error (new user, round 119, F2)."""
+    try:
+        nodes = collisions.reachable(msgspec.inspect.type_info(returns))
+    except (TypeError, ValueError):
+        return
+    for node in nodes:
+        if isinstance(node, msgspec.inspect.DataclassType):
+            for field in node.fields:
+                if field.required and field.name.startswith("_"):
+                    raise TypeError(f"method {name!r}: its result's {node.cls.__name__} has a required field "
+                                    f"{field.name!r}, which a result's JSON leaves out (a dataclass's fields named "
+                                    "with a leading underscore are not written), so no result could fit its "
+                                    "outputSchema: give it a default, or rename it")
 
 
 def _loosened(schema: Schema, returns: object) -> Schema:
