@@ -1,4 +1,4 @@
-"""JSON floats read by Python's float() where msgspec's own reader may be slow, and those it is slow for counted.
+"""JSON floats read by Python's float() where msgspec's own reader may be slow: params are never refused for their numbers.
 
 msgspec 0.23 reads a float with the Eisel-Lemire algorithm and, where it gives up, with a slow
 decimal fallback: 2-20 µs a number for exponents near 290-308 (`1e308`), halfway points between
@@ -20,9 +20,7 @@ past a double's range is refused "Number out of range - at `$...`". `read_json_b
 such a float as `BEYOND` instead, counted in `beyond_read()`, so that a refusal can be placed
 from the one decoded value (`first_beyond`). The front-end's loop reads with `plain_numbers` and
 `decode_json` (either, as `plain_numbers` says): the access log's params (broker/accesslog.py) and
-an MCP tool error's data (broker/frontend/mcp.py; hostile testing, round 139). `slow_numbers(text)`
-counts the numbers msgspec's reader is slow for, where it must read them itself (floats inside a
-type that holds a Decimal: `Method` in broker/worker/params.py). Nothing here does I/O.
+an MCP tool error's data (broker/frontend/mcp.py; hostile testing, round 139). Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import typing
 import msgspec
 
 __all__ = ["BEYOND", "NumberOutOfRange", "beyond_read", "decode_json", "first_beyond", "plain_numbers", "read_float",
-           "read_json", "read_json_beyond", "slow_numbers"]
+           "read_json", "read_json_beyond"]
 
 _OUT_OF_RANGE = "Number out of range"  # (msgspec's own words)
 # Digits read as '1', 'e' and 'E' as '0' (neither is a digit): an exponent is then "10".
@@ -46,31 +44,6 @@ def plain_numbers(params: bytes) -> bool:
     params whose strings only look so. ~2,000 CPU instructions for small params, 2 ms a MiB
     (`Method.bind` tests first, inline, whether params hold an 'e' or an 'E' at all: ~450)."""
     return not params.translate(_FORM).partition(b"10")[1]  # (partition: `in` and find take 1.3-2.5x its instructions)
-
-
-# The forms msgspec's reader takes its slow path for at a cost (module docstring): an exponent of
-# 289 or more (10-35 us a number, `1e308`: 2-4 s a MiB), and a mantissa of 20 digits or more with
-# an exponent of 240 or more either way (a halfway point, `1.2345000000000000576e249`: 13-19 us,
-# 0.5-0.8 s a MiB; at `e200`, 0.2 us). A string, whole, is matched first, so that no text in it
-# counts; linear (possessive quantifiers, Python 3.11+, and a number matched from its first
-# character only).
-_SLOW = re.compile(
-    rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
-    rb'|((?<![0-9.\-])-?(?=(?:[0-9]\.?){20})[0-9]++(?:\.[0-9]*+)?[eE][+\-]?0*+(?:2[4-9][0-9]|[3-9][0-9]{2}|[1-9][0-9]{3,})'
-    rb'(?![0-9])|[eE]\+?0*+(?:289|29[0-9]|[3-9][0-9]{2}|[1-9][0-9]{3,})(?![0-9]))')
-
-
-def slow_numbers(text: bytes) -> int:
-    """How many numbers of the JSON text `text` msgspec's reader takes its slow path for: an
-    exponent of 289 or more (`1e308`), or 20 digits or more and an exponent of 240 or more
-    either way (`1.2345000000000000576e249`). Text in strings does not count. 2-5 ms a MiB
-    where none may be (no exponent of 3 digits, no 20 digits before one: counted in C), else
-    by a regular expression, 50-180 ms a MiB."""
-    form = text.translate(_FORM)
-    if not (form.count(b"0111") or form.count(b"0+111") or form.count(b"0-111")):
-        return 0
-    found = _SLOW.findall(text)
-    return len(found) - found.count(b"")
 
 
 def read_float(text: str) -> float:

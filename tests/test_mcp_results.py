@@ -136,18 +136,3 @@ def test_the_flag_members_a_result_s_check_makes_are_dropped(broker: Broker) -> 
         values = [(round_ * 4000 + i) * 7 % (1 << 24) for i in range(1, 4001)]
         assert len(broker.call("wide_values", {"values": values})["result"]) == 4000
     assert broker.call("wide_made")["result"] <= before + FLAG_PSEUDO_MEMBERS_MAX
-
-
-def test_a_result_s_floats_slow_to_read_beside_a_decimal_are_taken_up_to_the_workers_credit(broker: Broker) -> None:
-    """Hostile testing, round 142, F11: a result whose type holds a Decimal is checked by msgspec's
-    reader, slow for `1e308` (1.4 s a MiB). Those numbers are taken from the worker's credit, as
-    params' are (tests/test_slow_floats.py): past it, the result is refused."""
-    values = b"[" + b",".join([b"1e308"] * 170_000) + b"]"
-    status, _, answer = broker.post(b'{"jsonrpc": "2.0", "id": 1, "method": "priced", "params": {"values": '
-                                    + values + b"}}", timeout=60)
-    assert status == 200
-    assert json.loads(answer)["error"]["data"]["reason"] == (
-        "the result does not fit the tool's outputSchema: it holds more numbers past 1e288 (or of 20 digits or more, "
-        "past 1e240 or below 1e-240) than this worker reads now beside a Decimal or a msgspec.Raw: refused (slow to "
-        "read)")
-    assert broker.call("priced", {"values": [1.5, 2.5]})["result"] == {"d": "1.5", "fs": [1.5, 2.5]}

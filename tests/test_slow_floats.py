@@ -1,7 +1,7 @@
 """Numbers msgspec's JSON parser reads slowly (`1e308`, `1.2345000000000000576e249`: 2-20 µs each
 where `1.5` takes 0.03: broker/floats.py), read by float() instead: bound as the same
 doubles, refused with the same messages, never refused for how many there are (hostile testing,
-rounds 136 and 137), but where msgspec's reader reads them beside a Decimal (round 140, F8). First the reading itself and `Method.bind`, then a real broker and its one
+rounds 136 and 137). First the reading itself and `Method.bind`, then a real broker and its one
 worker over HTTP. (How long each takes: benchmarks/slow_numbers.py, not a test.)"""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import json
 import random
 import struct
 import sys
-import time
 import typing
 from decimal import Decimal
 
@@ -213,35 +212,6 @@ def test_kwargs_and_fields_beside_a_decimal_bind_as_the_typed_decoder_binds_them
         "point", "Number out of range - at `point.x`")
 
 
-def test_floats_slow_to_read_beside_a_decimal_are_taken_up_to_the_workers_credit() -> None:
-    """Hostile testing, round 140, F8: floats inside a type that holds a Decimal too are read by
-    msgspec's reader with it (a MiB of `1e308` as Structs of a Decimal and a float, 0.8-2.6 s
-    of a worker). Those it reads slowly are taken from the worker's credit, SLOW_NUMBERS_HELD
-    at most, grown by as many a second: past it, refused. Decimals alone, strings, and floats
-    msgspec reads fast do not count."""
-    from broker.worker import params
-
-    params._SLOW_CREDIT[:] = [0.0, params._monotonic()]  # (spent: the previous tests' calls)
-    struct = b'{"d": 1, "f": 1e308}'
-    assert refusal("dfs", b"[" + array_of(struct, MIB - 20) + b"]") == ("xs", SLOW_REFUSAL)
-    assert refusal("dfs", b"[" + array_of(b'{"d": 1, "f": ' + HALFWAY + b"}", MIB - 20) + b"]") == ("xs", SLOW_REFUSAL)
-    # What msgspec reads fast binds meanwhile.
-    values = array_of(b"1e308", MIB - 20)
-    assert bind("decimals", b"[" + values + b"]") == (([Decimal("1e308")] * (values.count(b",") + 1),), {})
-    assert bind("dss", b'[{"d": 1e400, "s": ' + array_of(b'"1e308"', MIB - 40) + b"}]")[0][0].d == Decimal("1e400")  # type: ignore[attr-defined]
-    light = array_of(b'{"d": 1, "f": 1.5e-3}', MIB - 20)
-    assert len(typing.cast(list[object], bind("dfs", b"[" + light + b"]")[0][0])) == light.count(b"{")
-    assert bind("dfs", b'[[{"d": 1, "f": 1.2345000000000000576e200}]]')[0][0] == [bignums.DF(Decimal(1), 1.2345e200)]
-    time.sleep(1.05)  # (the credit grown back in full)
-    many = b"[" + b",".join([struct] * params.SLOW_NUMBERS_HELD) + b"]"
-    assert bind("dfs", b"[" + many + b"]")[0][0] == [bignums.DF(Decimal(1), 1e308)] * params.SLOW_NUMBERS_HELD
-
-
-SLOW_REFUSAL = ("more numbers past 1e288 (or of 20 digits or more, past 1e240 or below 1e-240) than this worker "
-                "takes now in values decoded beside a Decimal or a msgspec.Raw (1024 at once, as many more a second, "
-                "and one for every 256 bytes of params): refused (slow to read)")
-
-
 def test_float_keys_bind_to_the_doubles_msgspec_reads_them_as() -> None:
     """Round 140, F2: a `dict[float, ...]`'s keys were read by msgspec's own reader, twice (1
     MiB of `1.5e300` 1.15 s); those with a fraction or an exponent are read by float() now,
@@ -350,16 +320,3 @@ def test_a_refusal_builds_the_params_twice_at_most_over_http(broker: Broker) -> 
     answer = post(broker, call("counted", b'[{"x": 1}, 1.5, 2.0]'))
     assert answer["error"]["data"] == {"param": "tag", "reason": "Expected `str`, got `float`"}, answer
     assert post(broker, call("made", b"[]"))["result"] - before == 2
-
-
-def test_a_batch_of_calls_of_floats_slow_to_read_beside_a_decimal_over_http(broker: Broker) -> None:
-    """Round 140, F8, as a batch: each call's 1000 `1e308` within any count a call could be
-    given, 50 of them held the worker as long as one MiB. Each is answered: a result while the
-    worker's credit lasts, then -32602, its reason saying why."""
-    structs = b"[" + b",".join([b'{"d":1,"f":1e308}'] * 1000) + b"]"
-    answers = post(broker, b"[" + b",".join(call("dfs", b"[" + structs + b"]", i) for i in range(50)) + b"]")
-    assert sorted(a["id"] for a in answers) == list(range(50))
-    refused = [a for a in answers if "error" in a]
-    assert all(a["result"] == 1000 for a in answers if "error" not in a)
-    assert len(refused) >= 45 and all(a["error"] == {"code": -32602, "message": "Invalid params", "data": {
-        "param": "xs", "reason": SLOW_REFUSAL}} for a in refused), refused[:1]

@@ -22,7 +22,6 @@ import gc
 import inspect
 import re
 import sys
-import time
 import typing
 from collections.abc import Callable
 
@@ -37,7 +36,6 @@ from broker.floats import (
     plain_numbers,
     read_json,
     read_json_beyond,
-    slow_numbers,
 )
 from broker.jsonscan import nests_deeper
 from broker.worker.integral import holds_int, integral_params
@@ -290,7 +288,6 @@ class Method(Signature):
             top = _RAW_TOP(params)
         except msgspec.ValidationError:
             raise InvalidParams(None, "params must be an array or an object") from None
-        _grow_slow_credit(len(params))  # (the worker's credit of numbers slow to read: `_read_slowly`)
         n = len(self._pos_names)
         if type(top) is list:
             values = [self._decode_value(raw, typed.get(name), name, "") for name, raw in zip(self._pos_names, top)]
@@ -331,7 +328,7 @@ class Method(Signature):
                 raise _keyed(extra, _refuses(lambda raws: self._converted(raws, list[hint], None, "", "", None), array),  # type: ignore[valid-type]
                              str(exc)) from None
         elif extra:
-            decoder, check, _, floats = stars
+            decoder, check, _ = stars
             try:  # (a flood is refused naming its key)
                 text = self._checked(_object_of(extra), check, "", "")
             except msgspec.ValidationError as exc:  # a number the check cannot read: which key's
@@ -340,8 +337,6 @@ class Method(Signature):
                 # (its values as one array, read as the check reads them, plain values: no set
                 # or Flag is built; msgspec places the refused one, `$[i]`: round 51)
                 raise _keyed(extra, _refuses(self._guard_decode, _array_of([raw for _, raw in extra])), str(exc)) from None
-            if floats:
-                _read_slowly(text, None)
             try:
                 named.update(decoder.decode(text))
             except msgspec.ValidationError as exc:
@@ -367,13 +362,10 @@ class Method(Signature):
         try:
             if typed is None:
                 return _decode_json(raw)
-            decoder, check, kind, floats = typed
+            decoder, check, kind = typed
             if kind is not None and not plain_numbers(bytes(raw)):  # (a copy: ~1 ms a MiB)
                 return self._converted(raw, kind, check, name, where, tail)
-            text = self._checked(raw, check, name, where, tail)
-            if floats and kind is None:
-                _read_slowly(text, name)
-            return decoder.decode(text)
+            return decoder.decode(self._checked(raw, check, name, where, tail))
         except msgspec.ValidationError as exc:
             message = str(exc)
             if message.startswith(_NOT_DECIMAL):
@@ -707,54 +699,6 @@ def _about_a_number(reason: str) -> bool:
     """Whether a refusal's reason may be of an integral float where an int is wanted: msgspec's
     "Expected `...`, got `float`", or "Number out of range" (1e400, an integer all the same)."""
     return _GOT_FLOAT in reason or reason.startswith(_OUT_OF_RANGE)
-
-
-SLOW_NUMBERS_HELD = 1024
-"""How many numbers that msgspec's reader is slow to read (`floats.slow_numbers`: past 1e288, or
-of 20 digits or more with an exponent past 1e240 or below 1e-240; 10-35 us each) a worker takes
-at once in values it decodes with their own types (a type holding a `Decimal` or a
-`msgspec.Raw`): its credit, which grows by this much a second and by one for every
-`SLOW_NUMBER_BYTES` of such a call's params, up to this, and each such number takes from
-(`_read_slowly`): at most 3.5% of a worker's time, and 0.12 s a MiB, against 1.6-2.6 s."""
-SLOW_NUMBER_BYTES = 256
-_SLOW_CREDIT = [float(SLOW_NUMBERS_HELD), 0.0]
-_monotonic = time.monotonic  # (the credit; when it was last grown, time.monotonic())
-
-
-def _read_slowly(text: msgspec.Raw, name: str | None) -> None:
-    """Take the numbers of `text`, a value msgspec is about to decode with its own type, that its
-    reader is slow to read from the worker's credit (`SLOW_NUMBERS_HELD`); raises
-    `InvalidParams` (of `name`) past it, the credit spent. Hostile testing, round 140, F8: 1 MiB
-    of `1e308` as the floats of a Struct beside its `Decimal` held a worker 1.6-2.6 s (4 s on a
-    loaded machine), and a batch of small such calls as long. A credit that grows with the
-    params' bytes, not a count per call: each call of a batch would have had its own."""
-    if not slow_numbers_taken(bytes(text)):
-        raise InvalidParams(name or None, f"more numbers past 1e288 (or of 20 digits or more, past 1e240 or below "
-                            f"1e-240) than this worker takes now in values decoded beside a Decimal or a "
-                            f"msgspec.Raw ({SLOW_NUMBERS_HELD} at once, as many more a second, and one for every "
-                            f"{SLOW_NUMBER_BYTES} bytes of params): refused (slow to read)")
-
-
-def _grow_slow_credit(size: int) -> None:
-    """Grow the worker's credit of numbers slow to read by the time since it last grew and by a
-    call's `size` bytes (`SLOW_NUMBERS_HELD`)."""
-    now = _monotonic()
-    _SLOW_CREDIT[0] = min(SLOW_NUMBERS_HELD, _SLOW_CREDIT[0] + (now - _SLOW_CREDIT[1]) * SLOW_NUMBERS_HELD
-                          + size / SLOW_NUMBER_BYTES)
-    _SLOW_CREDIT[1] = now
-
-
-def slow_numbers_taken(text: bytes, grow: bool = False) -> bool:
-    """Whether the worker's credit of numbers slow to read (`SLOW_NUMBERS_HELD`) takes those of the
-    JSON `text` (`floats.slow_numbers`), taken from it if so, spent if not. `grow`: grown first,
-    as a call's params grow it (`Method._decode_typed`): by the time since and `text`'s bytes."""
-    if grow:
-        _grow_slow_credit(len(text))
-    if plain_numbers(text):
-        return True
-    credit = _SLOW_CREDIT[0] - slow_numbers(text)
-    _SLOW_CREDIT[0] = max(credit, 0.0)
-    return credit >= 0
 
 
 _RAW_TOP = msgspec.json.Decoder(list[msgspec.Raw] | dict[str, msgspec.Raw]).decode

@@ -33,7 +33,7 @@ from broker.worker.param_errors import _DECIMAL_JSON
 __all__ = ["BUILT_PER_BYTE", "OBJECT_BYTES", "Signature", "Typed", "built_per_object", "holds_decimal_or_raw",
            "too_many_objects"]
 
-Typed = tuple[msgspec.json.Decoder[typing.Any], "collisions.Check | None", object, bool]
+Typed = tuple[msgspec.json.Decoder[typing.Any], "collisions.Check | None", object]
 """A parameter's on the typed path: its decoder, its check for hash flooding (None: none), and
 its type if it holds neither a Decimal nor a msgspec.Raw (then it may be read as the general path
 reads params, and converted to it), else None."""
@@ -230,9 +230,8 @@ class Signature:
             # float(), then converted: msgspec's typed decoders read floats by its own reader,
             # 1 MiB of `1e308` 1.6 s, hostile testing, round 139, F4; its floats in `Any` by
             # float() too, `float_hook`)
-            # (the last: whether msgspec's reader reads a float of it, one typed `float`: `_read_slowly`)
             self._typed = {n: (msgspec.json.Decoder(h, float_hook=read_float), collisions.guard(h),
-                               None if holds_decimal_or_raw(h) else h, _holds_float(h)) for n, h in hinted}
+                               None if holds_decimal_or_raw(h) else h) for n, h in hinted}
             for n, h in hinted:
                 if self._typed[n][1] is not None and any(isinstance(node, msgspec.inspect.RawType)
                                                          for node in collisions.reachable(msgspec.inspect.type_info(h))):
@@ -337,12 +336,6 @@ def _flag_classes(hint: object) -> tuple[type, ...]:
     """The `enum.Flag` classes the type `hint` holds, at any depth."""
     return tuple({node.cls: None for node in collisions.reachable(msgspec.inspect.type_info(hint))
                   if isinstance(node, msgspec.inspect.EnumType) and issubclass(node.cls, enum.Flag)})
-
-
-def _holds_float(hint: object) -> bool:
-    """Whether the type `hint` holds a `float` (a dict's float keys too), at any depth: a value
-    msgspec's typed decoder reads by its own reader."""
-    return any(isinstance(node, msgspec.inspect.FloatType) for node in collisions.reachable(msgspec.inspect.type_info(hint)))
 
 
 def holds_decimal_or_raw(hint: object) -> bool:

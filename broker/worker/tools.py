@@ -52,7 +52,6 @@ import msgspec
 from broker import collisions, wire
 from broker.floats import plain_numbers, read_float, read_json
 from broker.schemas import Schema, inlined, rooted, unconstrained
-from broker.worker.params import slow_numbers_taken
 from broker.worker.signature import holds_decimal_or_raw
 
 if typing.TYPE_CHECKING:
@@ -201,19 +200,7 @@ def result_check(method: Method) -> Callable[[bytes], object] | None:
             return typed(encoded)
         return _convert(read_json(encoded), returns, str_keys=True)
 
-    decode: Callable[[bytes], object] = read
-    if holds_decimal_or_raw(returns):
-        decode = typed
-        if any(isinstance(node, msgspec.inspect.FloatType) for node in collisions.reachable(msgspec.inspect.type_info(returns))):
-            def decode(encoded: bytes) -> object:
-                # (its floats are read by msgspec's reader, beside the Decimal's text: those it is
-                # slow for are taken from the worker's credit, as for params; hostile testing,
-                # round 142, F11: 1.4 s a MiB of `1e308`)
-                if not slow_numbers_taken(encoded, grow=True):
-                    raise msgspec.ValidationError(
-                        "it holds more numbers past 1e288 (or of 20 digits or more, past 1e240 or below 1e-240) "
-                        "than this worker reads now beside a Decimal or a msgspec.Raw: refused (slow to read)")
-                return typed(encoded)
+    decode: Callable[[bytes], object] = typed if holds_decimal_or_raw(returns) else read
     guard = collisions.guard(returns)
     if guard is not None:  # (a set, a dict of keys other than strings, a Flag: the params' check)
         unguarded = decode

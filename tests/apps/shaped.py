@@ -137,15 +137,3 @@ def as_set(values: list[int]) -> set[int]:
     """`values` as they are, declared a set (hostile testing, round 142, F9: integers of one hash
     held the check's decoding 15 s)."""
     return typing.cast(set[int], values)
-
-
-class Priced(msgspec.Struct):
-    d: Decimal
-    fs: list[float]
-
-
-@registry.method
-def priced(values: list[float]) -> Priced:
-    """`values` beside a Decimal: the check reads them by msgspec's reader (hostile testing,
-    round 142, F11: 1.4 s a MiB of `1e308`)."""
-    return Priced(Decimal("1.5"), values)
