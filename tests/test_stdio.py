@@ -22,7 +22,7 @@ import typing
 from collections.abc import Iterator
 
 import pytest
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, wait_for
 from conftest import rpc as call
 
 LOOPS = pytest.mark.parametrize("loop", ["uvloop", "asyncio"])  # the broker's event_loop: the relay's ends on both
@@ -403,7 +403,9 @@ def test_no_port_is_opened_so_two_start_at_once_and_metrics_port_opens_its_own(
     assert "stdio: frontends 2 set, but stdio mode runs one front-end" in first.stderr  # (new user, round 112)
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", unused), timeout=10).close()
-    assert f"rpc-broker: metrics on http://127.0.0.1:{metrics_port}/metrics" in second.stderr
+    # (the banner is written once the listeners are up, and read by a thread: it may come after an
+    # answer; CI once read stderr before it)
+    wait_for(lambda: f"rpc-broker: metrics on http://127.0.0.1:{metrics_port}/metrics" in second.stderr, timeout=10)
     conn = http.client.HTTPConnection("127.0.0.1", metrics_port, timeout=30)
     try:
         conn.request("GET", "/metrics")
