@@ -324,8 +324,8 @@ def _check_unwritten(name: str, returns: object) -> None:
                 if field.required and field.name.startswith("_"):
                     raise TypeError(f"method {name!r}: its result's {node.cls.__name__} has a required field "
                                     f"{field.name!r}, which a result's JSON leaves out (a dataclass's fields named "
-                                    "with a leading underscore are not written), so no result could fit its "
-                                    "outputSchema: give it a default, or rename it")
+                                    "with a leading underscore are not written), so no result holding one could "
+                                    "fit its outputSchema: give it a default, or rename it")
 
 
 def _loosened(schema: Schema, returns: object) -> Schema:
