@@ -29,6 +29,7 @@ from broker import wire
 from broker.catalog import DISCOVER, Catalog
 from broker.schemas import INLINE_MOST, inlined
 from broker.worker import Registry, ToolAnnotations, encode_result
+from broker.worker.results import checked_result
 from broker.worker.tools import method_info
 from tests.apps import toolbox
 
@@ -503,6 +504,81 @@ class Wide(enum.Flag):
     B6 = 64
     B7 = 128
     B8 = 256
+
+
+class Node(msgspec.Struct, frozen=True):
+    v: int
+    kids: frozenset[Node] = frozenset()
+
+
+class Zeroed(enum.Flag):
+    NONE = 0
+    R = 1
+    W = 2
+    RW = 3
+    X = 4
+
+
+class Boxed(msgspec.Struct, typing.Generic[typing.TypeVar("T")], tag=True):  # type: ignore[misc]
+    v: typing.Any
+
+
+def test_a_result_whose_sets_hold_sets_is_decoded_unchecked_as_params_could_not_be():
+    """Hostile testing, round 144, F5: the hash-flooding check of results (round 142) read a tree of
+    frozensets of Structs holding frozensets, which params may not have (`collisions.unsupported`:
+    no linear check), converting each set's whole subtree: a 2 MB result held its worker 13 s,
+    9 MB past its kill. Such a result is decoded unchecked, as before: no conversion at all."""
+    registry = Registry(tools=True)
+
+    @registry.method
+    def tree() -> frozenset[Node]:
+        return frozenset()
+
+    method = registry.methods()[0]
+    kids = frozenset(Node(i, frozenset(Node(j * 100 + i) for j in range(30))) for i in range(30))
+    converts: list[object] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        if event == "c_call" and arg is msgspec.convert:
+            converts.append(arg)
+
+    sys.setprofile(profile)
+    try:
+        encoded = checked_result(frozenset(Node(k, kids) for k in range(20)), method.check_result, method.returns)
+    finally:
+        sys.setprofile(None)
+    assert converts == [] and len(json.loads(encoded)) == 20
+
+
+def test_a_flag_with_a_zero_member_or_an_alias_takes_its_combinations():
+    """Hostile testing, round 144, F1: iterating a Flag skips a `NONE = 0` member and an alias
+    (`RW = 3`), which msgspec's schema lists: the two lists never matched, and the schema kept
+    the members alone ("5 is not one of [0, 1, 2, 3, 4]" for R|X)."""
+    registry = Registry(tools=True)
+
+    @registry.method
+    def zeroed(v: Zeroed) -> Zeroed:
+        return v
+
+    described = typing.cast(typing.Any, registry.methods()[0].described)
+    jsonschema.validate({"v": 5}, described.input_schema)
+    jsonschema.validate({"result": 7}, described.output_schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"result": 8}, described.output_schema)
+
+
+def test_a_generic_tagged_struct_s_tag_is_not_required_in_the_output_schema():
+    """Hostile testing, round 144, F2: msgspec titles a generic Struct's schema "Boxed[int]", and the
+    tag was looked up as "Boxed": still required, the SDK refused a result the check took."""
+    registry = Registry(tools=True)
+
+    @registry.method
+    def box() -> Boxed[int]:
+        return typing.cast(Boxed[int], {"v": 1})
+
+    method = registry.methods()[0]
+    checked_result({"v": 1}, method.check_result, method.returns)  # (the check takes it)
+    jsonschema.validate({"v": 1}, typing.cast(typing.Any, method.described).output_schema)
 
 
 @dataclasses.dataclass
