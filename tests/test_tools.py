@@ -567,6 +567,24 @@ def test_a_flag_with_a_zero_member_or_an_alias_takes_its_combinations():
         jsonschema.validate({"result": 8}, described.output_schema)
 
 
+def test_two_flags_of_one_name_each_take_their_combinations():
+    """Hostile testing, round 144, F3: the Flags' schemas were found by their name alone: of two
+    classes named `Mode` in one tool, one kept its members' list."""
+    first = enum.Flag("Mode", {"A": 1, "B": 2})
+    second = enum.Flag("Mode", {"C": 4, "D": 8})
+    registry = Registry(tools=True)
+
+    def modes(a: first, b: second) -> int:  # type: ignore[valid-type]
+        return 0
+
+    modes.__annotations__ = {"a": first, "b": second, "return": int}
+    registry.method(modes)
+    schema = typing.cast(typing.Any, registry.methods()[0].described).input_schema
+    jsonschema.validate({"a": 3, "b": 12}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"a": 3, "b": 3}, schema)
+
+
 def test_a_generic_tagged_struct_s_tag_is_not_required_in_the_output_schema():
     """Hostile testing, round 144, F2: msgspec titles a generic Struct's schema "Boxed[int]", and the
     tag was looked up as "Boxed": still required, the SDK refused a result the check took."""

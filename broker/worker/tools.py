@@ -258,9 +258,9 @@ def method_info(method: Method) -> wire.MethodInfo:
 _FLAG_BITS_LISTED = 8  # (a Flag of more bits is said as a range of integers)
 
 
-def _flag_schemas(method: Method) -> dict[str, tuple[Schema, Schema]]:
-    """{name: (msgspec's schema of an `enum.Flag` the method's params or result hold, the one
-    said instead)}. msgspec lists a Flag's members (`enum: [1, 2, 4]`), while the binding takes
+def _flag_schemas(method: Method) -> dict[tuple[str, tuple[int, ...]], Schema]:
+    """{(name, its members' values, sorted): the schema said instead of msgspec's} of each
+    `enum.Flag` the method's params or result hold. msgspec lists a Flag's members (`enum: [1, 2, 4]`), while the binding takes
     (and a result writes) their combinations (6 for R|W): a host checking a tool's result against
     its outputSchema refused them (new user, round 118: the SDK raised "6 is not one of [1, 2,
     4]"). Said as every combination, or, past `_FLAG_BITS_LISTED` members, an integer of 0 or more."""
@@ -268,7 +268,7 @@ def _flag_schemas(method: Method) -> dict[str, tuple[Schema, Schema]]:
     if not method.raw_params:
         named, var_kw = method.named_params_types()
         hints += [named] if var_kw is None else [named, var_kw]
-    schemas: dict[str, tuple[Schema, Schema]] = {}
+    schemas: dict[tuple[str, tuple[int, ...]], Schema] = {}
     for hint in hints:
         try:
             nodes = collisions.reachable(msgspec.inspect.type_info(hint))
@@ -288,24 +288,27 @@ def _flag_schemas(method: Method) -> dict[str, tuple[Schema, Schema]]:
                 for value in values:
                     combined |= {made | value for made in combined}
                 said = {"title": node.cls.__name__, "enum": sorted(combined)}
-            schemas[node.cls.__name__] = ({"title": node.cls.__name__, "enum": sorted(values)}, said)
+            schemas[(node.cls.__name__, tuple(values))] = said  # (two classes of one name: hostile 144, F3)
     return schemas
 
 
-def _widened(schema: Schema, flags: dict[str, tuple[Schema, Schema]]) -> Schema:
+def _widened(schema: Schema, flags: dict[tuple[str, tuple[int, ...]], Schema]) -> Schema:
     """`schema` with each Flag's own schema, wherever it sits (`$defs`, or the root), replaced
-    by the one `_flag_schemas` says."""
+    by the one `_flag_schemas` says, found by its title and its members' values."""
     if not flags:
         return schema
+    titles = {title for title, _ in flags}
 
     def walk(node: object) -> object:
         if isinstance(node, dict):
-            title = node.get("title")
-            if (isinstance(title, str) and title in flags and isinstance(node.get("enum"), list)
-                    and "properties" not in node and sorted(set(node["enum"])) == flags[title][0]["enum"]):
+            title, members = node.get("title"), node.get("enum")
+            said = (flags.get((title, tuple(sorted(set(members)))))
+                    if title in titles and isinstance(members, list) and "properties" not in node
+                    and all(type(value) is int for value in members) else None)
+            if said is not None:
                 # (its other keys kept, a "default", a "description": with one, a Flag was left listing
                 # its members alone; new user, round 119, F4)
-                return {**{k: v for k, v in node.items() if k != "enum"}, **flags[title][1]}
+                return {**{k: v for k, v in node.items() if k != "enum"}, **said}
             return {key: walk(value) for key, value in node.items()}
         if isinstance(node, list):
             return [walk(item) for item in node]
