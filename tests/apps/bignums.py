@@ -114,11 +114,6 @@ class DF(msgspec.Struct):
     f: float
 
 
-class DS(msgspec.Struct):
-    d: decimal.Decimal
-    s: list[str]
-
-
 @registry.method
 def dfs(xs: list[DF]) -> int:
     """Floats inside a type that holds a Decimal too, decoded with it by msgspec's reader (hostile
@@ -130,9 +125,3 @@ def dfs(xs: list[DF]) -> int:
 def decimals(xs: list[decimal.Decimal]) -> int:
     """Decimals alone: msgspec reads `1e308` as one fast."""
     return len(xs)
-
-
-@registry.method
-def dss(x: DS) -> int:
-    """Strings beside a Decimal: text that looks like a number is none."""
-    return len(x.s)
